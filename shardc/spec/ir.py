@@ -1,0 +1,243 @@
+"""The spec IR: small frozen dataclasses that print as spec text.
+
+``str()`` of every node is valid spec syntax, and ``parse(str(spec)) == spec``.
+Source spans are kept for error messages but never compared.
+
+>>> d = Dim("B", ("X", "Y"))
+>>> str(d)
+'B_XY'
+>>> str(TensorRef("W_in", (Dim("D", ("X",)), Dim("F")), unreduced=("Y",)))
+'W_in[D_X, F]{U_Y}'
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shardc.errors import Span
+
+__all__ = [
+    "DType",
+    "Network",
+    "MeshAxis",
+    "Mesh",
+    "Dim",
+    "TensorRef",
+    "Contract",
+    "Call",
+    "Expr",
+    "Statement",
+    "Spec",
+    "format_axes",
+]
+
+
+class DType(enum.Enum):
+    """Element types a spec can name, with their size in bytes."""
+
+    BF16 = "bf16"
+    F32 = "f32"
+    F16 = "f16"
+    F8 = "f8"
+
+    @property
+    def nbytes(self) -> int:
+        return {"bf16": 2, "f32": 4, "f16": 2, "f8": 1}[self.value]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Network(enum.Enum):
+    """Which network a mesh axis's collectives cross."""
+
+    ICI = "ici"  # the fast chip-to-chip links (ICI on TPU, NVLink on GPU)
+    DCN = "dcn"  # the slower data-centre network (DCN on TPU, InfiniBand on GPU)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def format_axes(axes: tuple[str, ...]) -> str:
+    """Axes as the spec writes them: a run of one-letter names, else a braced list."""
+    if axes and all(len(a) == 1 for a in axes):
+        return "".join(axes)
+    return "{" + ",".join(axes) + "}"
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    name: str
+    size: int
+    network: Network = Network.ICI
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        text = f"{self.name}={self.size}"
+        if self.network is Network.DCN:
+            text += " over dcn"
+        return text
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Mesh axes in device-mesh order (major to minor)."""
+
+    axes: tuple[MeshAxis, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
+
+    def size(self, name: str) -> int:
+        for axis in self.axes:
+            if axis.name == name:
+                return axis.size
+        raise KeyError(name)
+
+    def axis(self, name: str) -> MeshAxis:
+        for axis in self.axes:
+            if axis.name == name:
+                return axis
+        raise KeyError(name)
+
+    @property
+    def devices(self) -> int:
+        total = 1
+        for axis in self.axes:
+            total *= axis.size
+        return total
+
+    def __str__(self) -> str:
+        return "mesh " + ", ".join(str(a) for a in self.axes)
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension of a tensor reference: an index name and the mesh axes sharding it."""
+
+    name: str
+    axes: tuple[str, ...] = ()
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        if not self.axes:
+            return self.name
+        return f"{self.name}_{format_axes(self.axes)}"
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """``Name[dim, ...]`` with an optional ``{U_axes}`` unreduced suffix."""
+
+    name: str
+    dims: tuple[Dim, ...]
+    unreduced: tuple[str, ...] = ()
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+    unreduced_span: Span | None = field(default=None, compare=False, hash=False, repr=False)  # the {U_..}
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims)
+
+    @property
+    def layout(self) -> tuple[tuple[str, ...], ...]:
+        """The axes of each dim, in dim order."""
+        return tuple(d.axes for d in self.dims)
+
+    def sharding_text(self) -> str:
+        """The bracketed part and suffix, without the name: ``[B_X, D]{U_Y}``."""
+        text = "[" + ", ".join(str(d) for d in self.dims) + "]"
+        if self.unreduced:
+            text += "{U_" + format_axes(self.unreduced) + "}"
+        return text
+
+    def __str__(self) -> str:
+        return self.name + self.sharding_text()
+
+
+@dataclass(frozen=True)
+class Contract:
+    """Operands joined by a contraction operator (all of ``·`` ``@`` ``*`` ``×`` mean the same)."""
+
+    operands: tuple[Expr, ...]
+    op: str = field(default="·", compare=False, hash=False)
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        # A nested Contract is a parenthesised group: print the parentheses back.
+        return f" {self.op} ".join(f"({o})" if isinstance(o, Contract) else str(o) for o in self.operands)
+
+
+@dataclass(frozen=True)
+class Call:
+    """An elementwise function applied to an expression: sharding is unchanged."""
+
+    func: str
+    arg: Expr
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.func}({self.arg})"
+
+
+Expr = TensorRef | Contract | Call
+
+
+@dataclass(frozen=True)
+class Statement:
+    """``result = expr`` (statement form) or ``expr -> result`` (chain form)."""
+
+    result: TensorRef
+    expr: Expr
+    arrow: bool = False  # printed in chain form; the meaning is the same
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        if self.arrow:
+            return f"{self.expr} -> {self.result}"
+        return f"{self.result} = {self.expr}"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A whole ``.shard`` file."""
+
+    mesh: Mesh
+    statements: tuple[Statement, ...]
+    dims: tuple[tuple[str, int], ...] = ()
+    dtype: DType = DType.BF16
+    params: tuple[str, ...] | None = None  # None: names starting with W
+    hardware: str | None = None
+    layers: int | str | None = None  # a count, or the name of a dim that holds it
+    filename: str | None = field(default=None, compare=False, hash=False)
+    # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
+    # "param", "hardware", "layers" (the keyword), "dim:B" and "param:W_in" (one entry).
+    header_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, hash=False, repr=False)
+
+    def span_of(self, key: str) -> Span | None:
+        """The span recorded for a header item (see ``header_spans``), if any."""
+        for name, span in self.header_spans:
+            if name == key:
+                return span
+        return None
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.dims)
+
+    def __str__(self) -> str:
+        lines = [str(self.mesh)]
+        if self.dims:
+            lines.append("dims " + ", ".join(f"{k}={v}" for k, v in self.dims))
+        if self.dtype is not DType.BF16:
+            lines.append(f"dtype {self.dtype}")
+        if self.params is not None:
+            lines.append("param " + ", ".join(self.params))
+        if self.hardware is not None:
+            lines.append(f"hardware {self.hardware}")
+        if self.layers is not None:
+            lines.append(f"layers {self.layers}")
+        lines.extend(str(s) for s in self.statements)
+        return "\n".join(lines) + "\n"

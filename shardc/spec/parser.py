@@ -1,0 +1,397 @@
+"""Parse ``.shard`` text into the spec IR (then check it with :func:`validate`).
+
+This module only parses: it turns text into :mod:`shardc.spec.ir` nodes and
+turns lark's syntax errors into :class:`ShardcError` with a caret.  Every
+semantic check lives in :mod:`shardc.spec.validate`.
+
+>>> spec = parse("mesh X=4, Y=2\\nOut[B_X, F_Y] = In[B_X, D] · W[D, F_Y]\\n")
+>>> spec.mesh.names
+('X', 'Y')
+>>> str(spec.statements[0])
+'Out[B_X, F_Y] = In[B_X, D] · W[D, F_Y]'
+>>> parse_size("3_000_000", "B"), parse_size("2.5e3", "D")
+(3000000, 2500)
+
+Representation decisions (other passes rely on them):
+
+- ``A · B · C`` is one flat :class:`Contract` of three operands; parentheses
+  make nested Contracts (``(A · B) · C``), and a group around a whole operand
+  list or a single operand is dropped (``(A)`` is ``A``).
+- The chain form ``A · B -> R`` is ``Statement(arrow=True)``; meaning is the same.
+- Several ``dims`` lines (and several ``param`` lines) merge, in order;
+  ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
+  Header lines may come anywhere; statements keep their order.
+- A line's first word ``mesh``/``dims``/``dtype``/``param``/``hardware``/``layers``
+  is the keyword, so those six words cannot name a tensor or function there.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from lark import Lark, Token, Transformer
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from shardc.errors import ShardcError, Span
+from shardc.spec.ir import (
+    Call,
+    Contract,
+    Dim,
+    DType,
+    Expr,
+    Mesh,
+    MeshAxis,
+    Network,
+    Spec,
+    Statement,
+    TensorRef,
+)
+
+__all__ = ["parse", "parse_size", "grammar_text"]
+
+MAX_NESTING = 48  # parentheses deeper than this are an error: keeps every pass far from the recursion limit
+MAX_SIZE = 10**18  # sizes beyond this are typos; they would also overflow int64 shapes
+
+# Human words for lark's terminal names, used to say what was expected.
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "SIZE": "a number",
+    "HWNAME": "a hardware name such as tpu-v5p",
+    "BRACED_DIM": "a dim with braced axes such as B_{data,model}",
+    "OP": "a contraction operator (· @ * ×)",
+    "ARROW": "`->`",
+    "EQUAL": "`=`",
+    "COMMA": "`,`",
+    "LPAR": "`(`",
+    "RPAR": "`)`",
+    "LSQB": "`[`",
+    "RSQB": "`]`",
+    "LBRACE": "an unreduced mark such as {U_X}",
+    "RBRACE": "`}`",
+    "_NL": "the end of the line",
+    "$END": "the end of the text",
+    "MESH": "`mesh`",
+    "DIMS": "`dims`",
+    "DTYPE": "`dtype`",
+    "PARAM": "`param`",
+    "HARDWARE": "`hardware`",
+    "LAYERS": "`layers`",
+    "OVER": "`over dcn`",
+}
+
+_SIZE_RE = re.compile(r"[0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9]{1,4})?")
+_AXIS_RUN_RE = re.compile(r"[A-Za-z]+")
+_DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+
+_local = threading.local()  # the text being parsed: the inline transformer is shared by threads
+_parser_lock = threading.Lock()
+_parser: Lark | None = None
+
+
+def grammar_text() -> str:
+    """The lark grammar: the copy inside the wheel, else the source checkout's ``grammar/``."""
+    try:
+        return (resources.files("shardc") / "grammar" / "shard.lark").read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        return (Path(__file__).parents[2] / "grammar" / "shard.lark").read_text(encoding="utf-8")
+
+
+def _get_parser() -> Lark:
+    # Built once (grammar analysis costs ~0.1 s), with the transformer inline so no tree is built.
+    global _parser
+    with _parser_lock:
+        if _parser is None:
+            _parser = Lark(grammar_text(), parser="lalr", lexer="contextual",
+                           propagate_positions=True, transformer=_Builder())
+        return _parser
+
+
+def parse(text: str, filename: str | None = None) -> Spec:
+    """Parse spec text and validate it; every mistake is a :class:`ShardcError`."""
+    from shardc.spec.validate import validate
+
+    spec = parse_unchecked(text, filename)
+    validate(spec)
+    return spec
+
+
+def parse_unchecked(text: str, filename: str | None = None) -> Spec:
+    """Parse spec text into IR without the semantic checks of :func:`validate`."""
+    if not isinstance(text, str):
+        raise ShardcError(f"spec text must be a str, not {type(text).__name__}")
+    lines = text.splitlines() or [""]
+    _check_nesting(lines, filename)
+    _local.lines, _local.filename = lines, filename
+    try:
+        spec = _get_parser().parse(text if text.endswith("\n") else text + "\n")
+    except VisitError as err:  # a transformer callback raised: lark wraps it (tree mode only)
+        if isinstance(err.orig_exc, ShardcError):
+            raise err.orig_exc from None
+        raise
+    except UnexpectedInput as err:
+        raise _syntax_error(err, lines, filename) from None
+    finally:
+        _local.lines, _local.filename = None, None
+    assert isinstance(spec, Spec)
+    return spec
+
+
+def parse_size(text: str, what: str) -> int:
+    """A positive integer written ``5120``, ``3_000_000``, ``1e6`` or ``2.5e3``.
+
+    >>> parse_size("1e6", "B")
+    1000000
+    """
+    t = text.strip()
+    if not _SIZE_RE.fullmatch(t):
+        raise ShardcError(f"{what}: `{text}` is not a size",
+                          fix="write a positive integer such as 5120, 3_000_000, 1e6 or 2.5e3")
+    mantissa, _, exponent = t.replace("_", "").lower().partition("e")
+    try:
+        value = Decimal(mantissa).scaleb(int(exponent or "0"))
+    except (InvalidOperation, ValueError):
+        raise ShardcError(f"{what}: `{text}` is not a size",
+                          fix="write a positive integer such as 5120") from None
+    if value > MAX_SIZE:
+        raise ShardcError(f"{what}: {text} is too large (more than 1e18)", fix="check the number for a typo")
+    if value != value.to_integral_value():
+        raise ShardcError(f"{what}: {text} is not a whole number", fix="sizes count elements or devices: "
+                          f"use a whole number such as {max(1, int(value))}")
+    if value <= 0:
+        raise ShardcError(f"{what}: size must be positive, not {text}", fix="use a size of at least 1")
+    return int(value)
+
+
+def _check_nesting(lines: list[str], filename: str | None) -> None:
+    # Reject pathological nesting before parsing, so no later pass can hit RecursionError.
+    for number, line in enumerate(lines, start=1):
+        depth = 0
+        for column, char in enumerate(line.split("#", 1)[0], start=1):
+            depth += (char == "(") - (char == ")")
+            if depth > MAX_NESTING:
+                span = Span(number, column, 1, filename, line)
+                raise ShardcError(f"parentheses nested more than {MAX_NESTING} deep", span,
+                                  fix="split the expression into several statements")
+
+
+def _span(token: Token, end: Token | None = None) -> Span:
+    """The span of a token, or from ``token`` to the end of ``end`` when they share a line."""
+    lines: list[str] = _local.lines
+    line = token.line or 1
+    column = token.column or 1
+    length = len(str(token)) or 1
+    if end is not None and end.line == line and end.end_column is not None:
+        length = max(1, end.end_column - column)
+    source = lines[line - 1] if 0 < line <= len(lines) else None
+    return Span(line, column, length, _local.filename, source)
+
+
+def _join(first: Span | None, last: Span | None) -> Span | None:
+    """A span from the start of ``first`` to the end of ``last`` (same line)."""
+    if first is None or last is None or first.line != last.line:
+        return first
+    return Span(first.line, first.column, last.column + last.length - first.column,
+                first.filename, first.source_line)
+
+
+def _size(token: Token, what: str) -> int:
+    try:
+        return parse_size(str(token), what)
+    except ShardcError as err:
+        raise err.with_span(_span(token)) from None
+
+
+def _syntax_error(err: UnexpectedInput, lines: list[str], filename: str | None) -> ShardcError:
+    """Turn a lark error into a ShardcError: where, what was found, what was expected."""
+    line, column, length = getattr(err, "line", -1), getattr(err, "column", -1), 1
+    if isinstance(err, UnexpectedToken) and err.token.type not in ("_NL", "$END"):
+        found = f"`{err.token}`"
+        length = len(str(err.token))
+    elif isinstance(err, UnexpectedCharacters):
+        found = f"character `{lines[line - 1][column - 1] if 0 < line <= len(lines) else '?'}`"
+    else:
+        found = "end of line"
+    if not (isinstance(line, int) and 0 < line <= len(lines)) or isinstance(err, UnexpectedEOF):
+        line = max((i for i, text in enumerate(lines, 1) if text.strip()), default=1)
+        column = len(lines[line - 1]) + 1
+    source = lines[line - 1]
+    column = max(1, min(column, len(source) + 1))
+    span = Span(line, column, length, filename, source)
+    return ShardcError(f"syntax error: unexpected {found}", span, fix=_expected_fix(err, found))
+
+
+def _expected_fix(err: UnexpectedInput, found: str) -> str:
+    expected: set[str] = set()
+    if isinstance(err, UnexpectedToken):
+        expected = set(err.accepts or err.expected)
+    elif isinstance(err, UnexpectedCharacters):
+        expected = set(err.allowed or ())
+    elif isinstance(err, UnexpectedEOF):
+        expected = set(err.expected)
+    words = sorted({_TERMINAL_WORDS.get(name, name.lower()) for name in expected})
+    fix = "expected " + " or ".join(words) if words else "check the syntax against the examples in the docs"
+    if "RSQB" in expected and "COMMA" in expected:
+        fix += "; a tensor is written Name[dim, dim, ...], a dim as B, B_XY or B_{data,model}"
+    elif found == "character `_`" or "`_`" in found:
+        fix += "; dim names cannot contain `_` (the first `_` starts the axes)"
+    elif "EQUAL" in expected and "ARROW" not in expected and "OP" not in expected:
+        fix += "; header lines are written `mesh X=16, Y=4`, `dims B=1024, D=512`"
+    return fix
+
+
+class _Builder(Transformer[Token, Any]):
+    """Lark callbacks, one per grammar rule, building IR bottom-up during the LALR parse."""
+
+    # --- tensors and dims -------------------------------------------------------------
+    def dim(self, children: list[Token]) -> Dim:
+        head = children[0]
+        if head.type == "BRACED_DIM":
+            axes = tuple(str(t) for t in children[1:] if t.type == "NAME")
+            return Dim(str(head)[:-2], axes, span=_span(head, children[-1]))
+        name, underscore, run = str(head).partition("_")
+        span = _span(head)
+        if not _DIM_NAME_RE.fullmatch(name):
+            raise ShardcError(f"`{head}` is not a dim: a dim name starts with a letter", span,
+                              fix="write a dim as B, B_XY or B_{data,model}")
+        if underscore and not _AXIS_RUN_RE.fullmatch(run):
+            raise ShardcError(
+                f"`{head}`: after the first `_` come one-letter axis names, not `{run}`", span,
+                fix=f"dim names cannot contain `_`; for axes with longer names write {name}_{{{run}}}"
+                " (a braced, comma separated list), or rename the dim without `_`")
+        return Dim(name, tuple(run), span=span)
+
+    def tensor(self, children: list[Any]) -> TensorRef:
+        name: Token = children[0]
+        close = next(i for i, c in enumerate(children) if isinstance(c, Token) and c.type == "RSQB")
+        dims = tuple(c for c in children[1:close] if isinstance(c, Dim))
+        unreduced: tuple[str, ...] = ()
+        suffix_span: Span | None = None
+        end: Token = children[close]
+        if len(children) > close + 1:  # the `{U_..}` suffix, lexed as a dim named U
+            suffix: Dim = children[close + 2]
+            end, suffix_span = children[-1], _span(children[close + 1], children[-1])
+            if suffix.name != "U" or not suffix.axes:
+                raise ShardcError(f"`{{{suffix}}}` after {name}[...] is not an unreduced mark", suffix_span,
+                                  fix="write {U_X}, {U_XY} or {U_{data,model}} for partial sums over axes")
+            unreduced = suffix.axes
+        return TensorRef(str(name), dims, unreduced, span=_span(name, end), unreduced_span=suffix_span)
+
+    # --- expressions ------------------------------------------------------------------
+    def expr(self, children: list[Any]) -> Expr:
+        operands = tuple(c for c in children if not isinstance(c, Token))
+        if len(operands) == 1:
+            result: Expr = operands[0]
+            return result
+        op = next(str(c) for c in children if isinstance(c, Token))
+        return Contract(operands, op=op, span=_join(operands[0].span, operands[-1].span))
+
+    def group(self, children: list[Any]) -> Expr:
+        result: Expr = children[1]
+        return result
+
+    def call(self, children: list[Any]) -> Call:
+        return Call(str(children[0]), children[2], span=_span(children[0], children[3]))
+
+    def assign(self, children: list[Any]) -> Statement:
+        result, expr = children[0], children[2]
+        return Statement(result, expr, arrow=False, span=_join(result.span, expr.span))
+
+    def chain(self, children: list[Any]) -> Statement:
+        expr, result = children[0], children[2]
+        return Statement(result, expr, arrow=True, span=_join(expr.span, result.span))
+
+    # --- header lines -----------------------------------------------------------------
+    def mesh_axis(self, children: list[Token]) -> MeshAxis:
+        name, size = children[0], children[2]
+        network = Network.ICI
+        if len(children) > 3:
+            word = children[4]
+            if str(word) not in ("dcn", "ici"):
+                raise ShardcError(f"unknown network `{word}` for mesh axis {name}", _span(word),
+                                  fix="write `over dcn` for an axis whose collectives cross the data-centre "
+                                  "network, or nothing for the fast links")
+            network = Network(str(word))
+        return MeshAxis(str(name), _size(size, f"mesh axis {name}"), network, span=_span(name, children[-1]))
+
+    def mesh_line(self, children: list[Any]) -> tuple[str, Any, Span]:
+        axes = tuple(c for c in children if isinstance(c, MeshAxis))
+        return ("mesh", Mesh(axes), _span(children[0]))
+
+    def dim_size(self, children: list[Token]) -> tuple[str, int, Span]:
+        name = children[0]
+        return (str(name), _size(children[2], f"dim {name}"), _span(name, children[2]))
+
+    def dims_line(self, children: list[Any]) -> tuple[str, Any, Span]:
+        return ("dims", [c for c in children if isinstance(c, tuple)], _span(children[0]))
+
+    def dtype_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        word = children[1]
+        try:
+            dtype = DType(str(word))
+        except ValueError:
+            known = ", ".join(d.value for d in DType)
+            raise ShardcError(f"unknown dtype `{word}`", _span(word), fix=f"use one of {known}") from None
+        return ("dtype", dtype, _span(children[0]))
+
+    def param_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
+        return ("param", names, _span(children[0]))
+
+    def hardware_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("hardware", str(children[1]), _span(children[0]))
+
+    def layers_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        word = children[1]
+        value: int | str = _size(word, "layers") if word.type == "SIZE" else str(word)
+        return ("layers", value, _span(children[0], word))
+
+    def start(self, children: list[Any]) -> Spec:
+        return _build_spec([c for c in children if not isinstance(c, Token)])
+
+
+
+def _build_spec(items: list[Any]) -> Spec:
+    """Gather the lines into a Spec: header lines merge or must be unique, statements keep order."""
+    statements: list[Statement] = []
+    seen: dict[str, Span] = {}
+    header: dict[str, Any] = {"dims": [], "param": None}
+    spans: list[tuple[str, Span]] = []
+    for item in items:
+        if isinstance(item, Statement):
+            statements.append(item)
+            continue
+        kind, value, span = item
+        if kind in seen and kind not in ("dims", "param"):
+            raise ShardcError(f"`{kind}` is given twice (first on line {seen[kind].line})", span,
+                              fix=f"keep one `{kind}` line")
+        seen.setdefault(kind, span)
+        spans.append((kind, span))
+        if kind == "dims":
+            header["dims"].extend((name, size) for name, size, _ in value)
+            spans.extend((f"dim:{name}", s) for name, _, s in value)
+        elif kind == "param":
+            header["param"] = (header["param"] or []) + [name for name, _ in value]
+            spans.extend((f"param:{name}", s) for name, s in value)
+        else:
+            header[kind] = value
+    if "mesh" not in header:
+        lines: list[str] = _local.lines
+        raise ShardcError("the spec has no `mesh` line", Span(1, 1, 1, _local.filename, lines[0]),
+                          fix="start the spec with the device mesh, e.g. `mesh X=16, Y=4`")
+    params = header["param"]
+    return Spec(
+        mesh=header["mesh"],
+        statements=tuple(statements),
+        dims=tuple(header["dims"]),
+        dtype=header.get("dtype", DType.BF16),
+        params=None if params is None else tuple(params),
+        hardware=header.get("hardware"),
+        layers=header.get("layers"),
+        filename=_local.filename,
+        header_spans=tuple(spans),
+    )

@@ -1,0 +1,305 @@
+"""Semantic checks of a parsed spec: every mistake becomes a ShardcError with a caret.
+
+The parser builds IR without judging it; :func:`validate` then checks, in text
+order (so the first problem of the file is the one reported):
+
+- the header: mesh axes named once, dims named once and without `_`,
+  `layers L` naming a dim, `param` naming input tensors;
+- each tensor reference: an index at most once, each axis in the mesh and used
+  at most once (dims and the `{U_..}` suffix together), sizes known and
+  divisible by the axes when `dims` is given;
+- each statement: known functions, result indices that come from an operand,
+  no index summed away without a partner operand, reshards keeping indices;
+- the data flow: a tensor defined once, never read before its definition, and
+  read with one sharding everywhere (an intermediate as it was defined).
+
+>>> from shardc.spec.parser import parse_unchecked
+>>> validate(parse_unchecked("mesh X=4\\nOut[B_X, F] = In[B_X, D] · W[D, F]\\n"))
+>>> try:
+...     validate(parse_unchecked("mesh X=4\\nOut[B_X, F] = In[B_X, D] · W[D_X, F_X]\\n"))
+... except ShardcError as err:
+...     print(err)
+<spec>:2:35: error: axis X is used twice in W[D_X, F_X]
+    Out[B_X, F] = In[B_X, D] · W[D_X, F_X]
+                                      ^^^
+fix: a mesh axis shards at most one dim of a tensor (or marks it unreduced): remove X from one of them
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from shardc.errors import ShardcError, Span
+from shardc.spec.functions import is_known, known_list
+from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, Statement, TensorRef
+
+__all__ = ["validate", "leaves", "calls"]
+
+_DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+
+
+def validate(spec: Spec) -> None:
+    """Raise the first :class:`ShardcError` found in ``spec``; return None when it is sound."""
+    _check_mesh(spec)
+    _check_dims(spec)
+    if not spec.statements:
+        raise ShardcError("the spec has no statements", _first_span(spec),
+                          fix="add one, e.g. `Out[B_X, F] = In[B_X, D] · W[D, F]`")
+    defined = _definitions(spec)
+    first: dict[str, tuple[TensorRef, int, bool]] = {}  # name -> (first reference, line, is definition)
+    for number, statement in enumerate(spec.statements):
+        for ref in _refs_in_text_order(statement):
+            _check_ref(ref, spec)
+        _check_calls(statement.expr)
+        _check_indices(statement)
+        _check_reads(statement, number, defined, first)
+        line = statement.result.span.line if statement.result.span else number + 1
+        first[statement.result.name] = (statement.result, line, True)
+    _check_layers(spec)
+    _check_params(spec, defined)
+
+
+def leaves(expr: Expr) -> Iterator[TensorRef]:
+    """The tensor references of an expression, left to right."""
+    if isinstance(expr, TensorRef):
+        yield expr
+    elif isinstance(expr, Call):
+        yield from leaves(expr.arg)
+    else:
+        for operand in expr.operands:
+            yield from leaves(operand)
+
+
+def calls(expr: Expr) -> Iterator[Call]:
+    """The function calls of an expression, outermost first."""
+    if isinstance(expr, Call):
+        yield expr
+        yield from calls(expr.arg)
+    elif isinstance(expr, Contract):
+        for operand in expr.operands:
+            yield from calls(operand)
+
+
+# --- header ---------------------------------------------------------------------------
+
+def _spans(spec: Spec, key: str) -> list[Span | None]:
+    return [span for name, span in spec.header_spans if name == key]
+
+
+def _nth_span(spec: Spec, key: str, n: int) -> Span | None:
+    found = _spans(spec, key)
+    return found[n] if n < len(found) else spec.span_of(key)
+
+
+def _first_span(spec: Spec) -> Span | None:
+    return spec.span_of("mesh")
+
+
+def _check_mesh(spec: Spec) -> None:
+    seen: set[str] = set()
+    for axis in spec.mesh.axes:
+        if axis.name in seen:
+            raise ShardcError(f"mesh axis {axis.name} is given twice", axis.span,
+                              fix="give each mesh axis a different name")
+        if axis.size < 1:
+            raise ShardcError(f"mesh axis {axis.name} has size {axis.size}", axis.span,
+                              fix="a mesh axis has at least 1 device")
+        seen.add(axis.name)
+
+
+def _check_dims(spec: Spec) -> None:
+    seen: dict[str, int] = {}
+    for name, size in spec.dims:
+        span = _nth_span(spec, f"dim:{name}", seen.get(name, 0))
+        if not _DIM_NAME_RE.fullmatch(name):
+            raise ShardcError(f"`{name}` cannot be a dim name", span,
+                              fix="dim names are letters and digits, starting with a letter, without `_` "
+                              "(in a tensor the first `_` of a dim starts its axes)")
+        if name in seen:
+            raise ShardcError(f"dim {name} is given twice in `dims`", span,
+                              fix=f"dims are global: give {name} one size")
+        if not isinstance(size, int) or size < 1:
+            raise ShardcError(f"dim {name} has size {size}", span, fix="use a positive whole number")
+        seen[name] = 1
+
+
+def _check_layers(spec: Spec) -> None:
+    layers = spec.layers
+    span = spec.span_of("layers")
+    if isinstance(layers, int) and layers < 1:
+        raise ShardcError(f"`layers {layers}`: a model has at least one layer", span,
+                          fix="use layers 1 or more")
+    if isinstance(layers, str) and layers not in spec.sizes:
+        raise ShardcError(f"`layers {layers}`: {layers} is not a dim with a size", span,
+                          fix=f"add {layers} to dims (e.g. `dims {layers}=40`) "
+                          "or write the count, `layers 40`")
+
+
+def _check_params(spec: Spec, defined: dict[str, int]) -> None:
+    if spec.params is None:
+        return
+    names = {ref.name for s in spec.statements for ref in leaves(s.expr)}
+    seen: dict[str, int] = {}
+    for name in spec.params:
+        span = _nth_span(spec, f"param:{name}", seen.get(name, 0))
+        if name in seen:
+            raise ShardcError(f"param {name} is listed twice", span, fix=f"list {name} once")
+        seen[name] = 1
+        if name in defined:
+            raise ShardcError(f"param {name} is computed by a statement, not an input", span,
+                              fix=f"params are trainable inputs: remove {name} from `param`")
+        if name not in names:
+            inputs = sorted(names - set(defined))
+            raise ShardcError(f"param {name} is not a tensor of the spec", span,
+                              fix="list input tensors the statements read: " + (", ".join(inputs) or "none"))
+
+
+# --- tensor references ----------------------------------------------------------------
+
+def _refs_in_text_order(statement: Statement) -> list[TensorRef]:
+    reads = list(leaves(statement.expr))
+    return reads + [statement.result] if statement.arrow else [statement.result, *reads]
+
+
+def _check_ref(ref: TensorRef, spec: Spec) -> None:
+    indices: set[str] = set()
+    used: set[str] = set()
+    for dim in ref.dims:
+        span = dim.span or ref.span
+        if dim.name in indices:
+            raise ShardcError(f"index {dim.name} appears twice in {ref}", span,
+                              fix="each dim of a tensor needs its own index name; shardc has no "
+                              "diagonals or traces: rename one of them")
+        indices.add(dim.name)
+        _check_axes(dim.axes, used, ref, spec, span, dim)
+        _check_size(dim, spec, span)
+    _check_axes(ref.unreduced, used, ref, spec, ref.unreduced_span or ref.span, None)
+
+
+def _check_axes(axes: tuple[str, ...], used: set[str], ref: TensorRef, spec: Spec,
+                span: Span | None, dim: Dim | None) -> None:
+    mesh = spec.mesh.names
+    for axis in axes:
+        if axis not in mesh:
+            fix = f"use one of the mesh axes {', '.join(mesh)}, or add {axis} to the `mesh` line"
+            if dim is not None and len(dim.axes) > 1 and all(len(a) == 1 for a in dim.axes):
+                fix = (f"dim names cannot contain `_`: `{dim}` is dim {dim.name} sharded over axes "
+                       f"{', '.join(dim.axes)}; name the dim without `_` (e.g. {dim.name}{''.join(dim.axes)})"
+                       f" or {fix}")
+            raise ShardcError(f"axis {axis} is not in the mesh ({spec.mesh})", span, fix=fix)
+        if axis in used:
+            raise ShardcError(f"axis {axis} is used twice in {ref}", span,
+                              fix=f"a mesh axis shards at most one dim of a tensor (or marks it unreduced): "
+                              f"remove {axis} from one of them")
+        used.add(axis)
+
+
+def _check_size(dim: Dim, spec: Spec, span: Span | None) -> None:
+    if not spec.dims:
+        return  # no sizes: a symbolic spec, nothing to divide
+    sizes = spec.sizes
+    if dim.name not in sizes:
+        raise ShardcError(f"dim {dim.name} has no size, but the spec gives `dims`", span,
+                          fix=f"add it to dims: `dims ..., {dim.name}=<size>` (or --set {dim.name}=<size>)")
+    devices = 1
+    for axis in dim.axes:
+        devices *= spec.mesh.size(axis)
+    if sizes[dim.name] % devices:
+        over = " × ".join(f"{a}={spec.mesh.size(a)}" for a in dim.axes)
+        raise ShardcError(f"dim {dim.name}={sizes[dim.name]} is not divisible by {devices} ({over}) "
+                          f"in `{dim}`", span,
+                          fix=f"make {dim.name} a multiple of {devices}, or shard it over fewer axes")
+
+
+# --- statements -----------------------------------------------------------------------
+
+def _check_calls(expr: Expr) -> None:
+    for call in calls(expr):
+        if not is_known(call.func):
+            span = call.span
+            if span is not None:
+                span = Span(span.line, span.column, len(call.func), span.filename, span.source_line)
+            raise ShardcError(f"unknown elementwise function `{call.func}`", span,
+                              fix=f"use one of {known_list()}")
+
+
+def _indices(expr: Expr) -> set[str]:
+    return {i for ref in leaves(expr) for i in ref.indices}
+
+
+def _check_indices(statement: Statement) -> None:
+    result, expr = statement.result, statement.expr
+    have = _indices(expr)
+    for dim in result.dims:
+        if dim.name not in have:
+            where = "the tensor it copies" if isinstance(expr, TensorRef) else "any operand"
+            raise ShardcError(f"result index {dim.name} of {result.name} is not in {where}",
+                              dim.span or result.span,
+                              fix=f"every result index must come from an operand: add {dim.name} to an "
+                              f"operand or remove it from {result.name}")
+    _check_summed(expr, set(result.indices), statement)
+
+
+def _check_summed(expr: Expr, needed: set[str], statement: Statement) -> None:
+    """An index leaving ``expr`` without being needed must be contracted with another operand."""
+    if isinstance(expr, Call):
+        _check_summed(expr.arg, needed, statement)
+    elif isinstance(expr, Contract):
+        parts = [_indices(o) for o in expr.operands]
+        for n, operand in enumerate(expr.operands):
+            others = set().union(*(p for m, p in enumerate(parts) if m != n))
+            _check_summed(operand, parts[n] & (needed | others), statement)
+    else:
+        for dim in expr.dims:
+            if dim.name not in needed:
+                raise _summed_error(expr, dim, statement)
+
+
+def _summed_error(ref: TensorRef, dim: Dim, statement: Statement) -> ShardcError:
+    result = statement.result
+    if statement.expr is ref:
+        return ShardcError(f"{result.name} drops index {dim.name} of {ref.name}", dim.span or ref.span,
+                           fix=f"a reshard copies a tensor with a new sharding: give {result.name} the "
+                           f"indices of {ref.name} ({', '.join(ref.indices)})")
+    return ShardcError(f"index {dim.name} of {ref.name} is in no other operand and not in the result "
+                       f"{result.name}", dim.span or ref.span,
+                       fix=f"shardc does not sum over free indices: add {dim.name} to the result "
+                       f"{result.name}, or to another operand to contract it")
+
+
+# --- data flow ------------------------------------------------------------------------
+
+def _definitions(spec: Spec) -> dict[str, int]:
+    """Each defined tensor's statement number; a second definition is an error."""
+    defined: dict[str, int] = {}
+    for number, statement in enumerate(spec.statements):
+        result = statement.result
+        if result.name in defined:
+            earlier = spec.statements[defined[result.name]].result.span
+            on = f" (first on line {earlier.line})" if earlier else ""
+            raise ShardcError(f"tensor {result.name} is defined twice{on}", result.span,
+                              fix=f"give this result another name, e.g. {result.name}2")
+        defined[result.name] = number
+    return defined
+
+
+def _check_reads(statement: Statement, number: int, defined: dict[str, int],
+                 first: dict[str, tuple[TensorRef, int, bool]]) -> None:
+    for ref in leaves(statement.expr):
+        if defined.get(ref.name, -1) >= number:
+            later = "this" if defined[ref.name] == number else "a later"
+            raise ShardcError(f"{ref.name} is read before it is defined (by {later} statement)", ref.span,
+                              fix=f"move the statement defining {ref.name} above this one, or rename the "
+                              "input so it is not also a result")
+        if ref.name not in first:
+            first[ref.name] = (ref, ref.span.line if ref.span else number + 1, False)
+            continue
+        earlier, line, is_definition = first[ref.name]
+        if ref != earlier:
+            how = "defined" if is_definition else "read"
+            raise ShardcError(f"{ref.name} is read as {ref} here but {how} as {earlier} on line {line}",
+                              ref.span,
+                              fix=f"a tensor has one sharding: write {earlier} here, or add a reshard "
+                              f"statement `{ref.name}2{ref.sharding_text()} = {earlier}` "
+                              f"and read {ref.name}2")
