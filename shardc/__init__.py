@@ -1,0 +1,61 @@
+"""shardc: a compiler pass for sharding annotations.
+
+Read a spec, plan its collectives, cost them, lower them to JAX::
+
+    >>> import shardc
+    >>> spec = shardc.parse("mesh X=4\\nOut[B_X, F] = In[B_X, D] · W[D, F]\\n")
+    >>> print(shardc.plan(spec).forward[0].op)
+    einsum
+
+``parse`` and ``plan`` never import jax or sympy; ``cost`` imports sympy and
+``lower`` imports jax, each on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+# The pass packages share their names with the functions below; importing them
+# first (they are light: no jax, no sympy at import) makes the functions win.
+import shardc.cost as _cost_pkg  # noqa: F401
+import shardc.lower as _lower_pkg  # noqa: F401
+import shardc.plan as _plan_pkg  # noqa: F401
+from shardc.errors import ShardcError
+
+if TYPE_CHECKING:
+    from shardc.cost.report import CostReport
+    from shardc.lower.api import Lowered
+    from shardc.plan.ir import Plan
+    from shardc.spec.ir import Spec
+
+__all__ = ["ShardcError", "parse", "plan", "cost", "lower"]
+__version__ = "0.1.0"
+
+
+def parse(text: str, filename: str | None = None) -> Spec:
+    """Parse and check spec text; raises :class:`ShardcError` pointing at the mistake."""
+    from shardc.spec.parser import parse as _parse
+
+    return _parse(text, filename=filename)
+
+
+def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
+    """Infer every collective of the forward and backward pass of ``spec``."""
+    from shardc.plan.planner import plan as _plan
+
+    return _plan(spec, save=save, **options)
+
+
+def cost(plan: Plan, hardware: str | None = "tpu-v5p", sizes: dict[str, int] | None = None,
+         **options: Any) -> CostReport:
+    """Cost a plan on a hardware preset (see ``shardc hardware``); imports sympy."""
+    from shardc.cost.report import cost as _cost
+
+    return _cost(plan, hardware=hardware, sizes=sizes, **options)
+
+
+def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, **options: Any) -> Lowered:
+    """Lower a plan (or a spec, planned with defaults) to JAX shard_map code; imports jax."""
+    from shardc.lower.api import lower as _lower
+
+    return _lower(plan_or_spec, sizes=sizes, **options)

@@ -1,0 +1,56 @@
+"""``shardc plan FILE``: the forward and backward listings of a spec."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shardc.cli.main import add_common, read_spec
+
+__all__ = ["register"]
+
+
+def register(sub: Any, name: str) -> None:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help="infer the collectives of forward and backward",
+        description="Infer every collective the forward and backward pass need, one numbered line a step.")
+    add_common(parser)
+    parser.add_argument("--save", choices=("default", "none", "all"), default="default",
+                        help="residual policy: default keeps gathered activations and gathers weights "
+                             "again; none keeps nothing gathered; all keeps everything")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--explain", action="store_true",
+                        help="also list, per einsum, the alternatives considered and why one won")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardc.plan.planner import plan
+    from shardc.plan.render import render_explain, render_text, to_json
+
+    result = plan(read_spec(args), save=args.save)
+    if args.json:
+        data = to_json(result)
+        if args.explain:
+            data["choices"] = [_choice_json(c) for c in result.choices]
+        print(json.dumps(data, indent=2))
+        return 0
+    text = render_text(result)
+    if args.explain:
+        text += render_explain(result)
+    print(text, end="")
+    return 0
+
+
+def _choice_json(choice: Any) -> dict[str, Any]:
+    return {
+        "phase": choice.phase,
+        "statement": choice.statement,
+        "reason": choice.reason,
+        "alternatives": [
+            {"collectives": a.description, "time_s": a.time, "bytes_expr": a.volume, "count": a.collectives,
+             "chosen": a.chosen}
+            for a in choice.alternatives
+        ],
+    }

@@ -1,0 +1,250 @@
+"""One einsum: classify its indices, enumerate valid local layouts, pick the cheapest.
+
+Following PyTorch DTensor's einsum strategy, every index is first put in a
+class, and the rules are stated per class (the four cases of sharded matmul):
+
+    contracted   in both operands, not the result  same axes in both; result unreduced over them
+    batch        in both operands and the result   same axes in both and in the result
+    left/right   in one operand and the result     that operand's axes, which the other must not use
+
+A *local configuration* gives every mesh axis one role: unused, or sharding one
+index (plus "passes an operand's partial sums through").  Each configuration
+fixes the operands' local values and the local result; its cost is the cheapest
+reshard of each operand to its local value plus the cheapest reshard of the
+local result to the requested one.  With sizes the search is exhaustive over
+configurations (and each reshard is exact), so it is never worse than the rules.
+Without sizes the seeds' rules pick the one configuration (:func:`rule_config`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from shardc.plan.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+
+__all__ = ["Operand", "EinsumProblem", "Solution", "solve", "classify"]
+
+UNUSED = "-"
+PASS = "+"  # the axis stays unreduced in an operand and in the result
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An operand: its tensor name, indices, and the values of it the phase holds."""
+
+    name: str
+    indices: tuple[str, ...]
+    sources: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class EinsumProblem:
+    operands: tuple[Operand, ...]  # one (a transpose) or two
+    result: str
+    indices: tuple[str, ...]
+    target: Value | None  # None: any reduced result layout (the planner then picks)
+
+
+@dataclass(frozen=True)
+class Solution:
+    cost: Cost
+    operand_moves: tuple[tuple[Move, ...], ...]
+    locals: tuple[Value, ...]  # the local operand values the einsum reads
+    local_result: Value
+    result_moves: tuple[Move, ...]
+    roles: tuple[tuple[str, str], ...]  # (axis, index or UNUSED/PASS)
+
+    @property
+    def final(self) -> Value:
+        return self.result_moves[-1].dst if self.result_moves else self.local_result
+
+
+def classify(problem: EinsumProblem) -> dict[str, str]:
+    """index -> "contracted" | "batch" | "left" | "right" (for one operand: "free")."""
+    ops = problem.operands
+    result = set(problem.indices)
+    classes: dict[str, str] = {}
+    for i in dict.fromkeys(x for op in ops for x in op.indices):
+        inside = [i in op.indices for op in ops]
+        if all(inside) and len(ops) == 2:
+            classes[i] = "batch" if i in result else "contracted"
+        elif len(ops) == 1:
+            classes[i] = "free"
+        else:
+            classes[i] = "left" if inside[0] else "right"
+    return classes
+
+
+def _local_values(problem: EinsumProblem, roles: dict[str, str],
+                  orders: dict[str, tuple[str, ...]]) -> tuple[tuple[Value, ...], Value]:
+    """The operands' and result's local values for one assignment of axes."""
+    passing = tuple(sorted(a for a, r in roles.items() if r == PASS))
+    classes = classify(problem)
+    locals_: list[Value] = []
+    for op in problem.operands:
+        layout = tuple(orders.get(i, ()) for i in op.indices)
+        pass_here = tuple(a for a in passing if any(a in s.unreduced for s in op.sources))
+        locals_.append(Value(layout, pass_here))
+    contracted = tuple(a for a, r in roles.items() if r in classes and classes[r] == "contracted")
+    result = Value(tuple(orders.get(i, ()) for i in problem.indices),
+                   tuple(sorted(contracted + passing)))
+    return tuple(locals_), result
+
+
+def _assignments(ctx: CostContext, problem: EinsumProblem) -> Iterator[dict[str, str]]:
+    """Every role per mesh axis: unused, an index, or pass-through of partial sums."""
+    indices = list(classify(problem))
+    unreduced = {a for op in problem.operands for s in op.sources for a in s.unreduced}
+    options: list[list[str]] = []
+    for axis in ctx.mesh.names:
+        choices = [UNUSED] + [i for i in indices if ctx.divides(i, (axis,))]
+        if axis in unreduced:
+            choices.append(PASS)
+        options.append(choices)
+    for combo in itertools.product(*options):
+        yield dict(zip(ctx.mesh.names, combo, strict=True))
+
+
+def _orders(ctx: CostContext, roles: dict[str, str]) -> Iterator[dict[str, tuple[str, ...]]]:
+    """Every major-to-minor order of the axes that share an index."""
+    by_index: dict[str, list[str]] = {}
+    for axis, role in roles.items():
+        if role not in (UNUSED, PASS):
+            by_index.setdefault(role, []).append(axis)
+    groups = [(i, list(itertools.permutations(axes))) for i, axes in by_index.items()]
+    for combo in itertools.product(*(perms for _, perms in groups)):
+        order = {i: tuple(p) for (i, _), p in zip(groups, combo, strict=True)}
+        if all(ctx.divides(i, axes) for i, axes in order.items()):
+            yield order
+
+
+def _evaluate(ctx: CostContext, problem: EinsumProblem, roles: dict[str, str],
+              order: dict[str, tuple[str, ...]], best: Cost | None) -> Solution | None:
+    locals_, local_result = _local_values(problem, roles, order)
+    for axis, role in roles.items():
+        # partial sums may pass through one operand only: a product of two is not a partial sum
+        if role == PASS and sum(axis in v.unreduced for v in locals_) != 1:
+            return None
+    total: Cost = ZERO
+    operand_moves = []
+    for op, local in zip(problem.operands, locals_, strict=True):
+        if not any(set(local.unreduced) <= set(s.unreduced) for s in op.sources):
+            return None
+        cost, moves = reshard(ctx, op.name, op.indices, op.sources, local)
+        total = add_cost(total, cost)
+        if best is not None and total > best:
+            return None
+        operand_moves.append(moves)
+    result_moves: tuple[Move, ...] = ()
+    if problem.target is not None:
+        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), problem.target)
+        total = add_cost(total, cost)
+    elif local_result.unreduced:
+        # An intermediate whose layout the caller chooses: resolve partial sums in place.
+        target = Value(local_result.layout, ())
+        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), target)
+        total = add_cost(total, cost)
+    return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,
+                    tuple(sorted(roles.items())))
+
+
+def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solution]]:
+    """The cheapest solution and every distinct alternative (for ``--explain``)."""
+    best: Solution | None = None
+    seen: list[Solution] = []
+    for roles in _assignments(ctx, problem):
+        for order in _orders(ctx, roles):
+            sol = _evaluate(ctx, problem, roles, order, None)
+            if sol is None:
+                continue
+            seen.append(sol)
+            if best is None or sol.cost < best.cost:
+                best = sol
+    if best is None:
+        raise ValueError(f"no local layout for {problem.result}")  # planner bug
+    return best, seen
+
+
+def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ...]) -> Solution:
+    """The seeds' rule-based plan: one configuration, chosen without sizes."""
+    roles = rule_config(ctx, problem, given)
+    order = _rule_order(problem, roles, given)
+    sol = _evaluate(ctx, problem, roles, order, None)
+    if sol is None:
+        raise ValueError(f"rules found no local layout for {problem.result}")  # planner bug
+    return sol
+
+
+def _where(problem: EinsumProblem, k: int, value: Value, axis: str) -> str | None:
+    for i, axes in zip(problem.operands[k].indices, value.layout, strict=True):
+        if axis in axes:
+            return i
+    return None
+
+
+def rule_config(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ...]) -> dict[str, str]:
+    """Per axis, the seeds' rules (design section 2), from the operands' given values.
+
+    - a contracted index sharded identically in both stays: reduce after the einsum;
+    - a contracted index sharded in one operand only: gather that operand;
+    - a batch index: keep the sharding (the other operand slices for free);
+    - a free index: keep it; if both operands shard free indices over the same axis
+      (case 4), keep the one the result keeps and gather the other.
+    """
+    classes = classify(problem)
+    target = problem.target
+    roles: dict[str, str] = {}
+    for axis in ctx.mesh.names:
+        places = [_where(problem, k, v, axis) for k, v in enumerate(given)]
+        if any(axis in v.unreduced for v in given):
+            roles[axis] = PASS
+            continue
+        roles[axis] = _rule_role(classes, places, problem, target, axis)
+    return roles
+
+
+def _rule_role(classes: dict[str, str], places: list[str | None], problem: EinsumProblem,
+               target: Value | None, axis: str) -> str:
+    kept = None
+    if target is not None:
+        for i, axes in zip(problem.indices, target.layout, strict=True):
+            if axis in axes:
+                kept = i
+    found = [p for p in places if p is not None]
+    if not found:
+        return UNUSED
+    if len(places) == 2 and places[0] == places[1]:
+        return found[0]  # identical in both: contracted or batch, kept
+    candidates = []
+    for p in found:
+        cls = classes[p]
+        if cls == "contracted":
+            continue  # sharded in one operand only: gather it
+        if cls == "batch" and len(set(found)) > 1 and kept != p:
+            continue  # batch vs the other operand's free index: the result decides
+        candidates.append(p)
+    if not candidates:
+        return UNUSED
+    if len(candidates) > 1:
+        for p in candidates:
+            if p == kept:
+                return p
+        return candidates[0]  # neither kept: keep the left operand's
+    return candidates[0]
+
+
+def _rule_order(problem: EinsumProblem, roles: dict[str, str],
+                given: tuple[Value, ...]) -> dict[str, tuple[str, ...]]:
+    """Axes on one index keep the order the operands (left first) give them."""
+    order: dict[str, tuple[str, ...]] = {}
+    for op, value in zip(problem.operands, given, strict=True):
+        for i, axes in zip(op.indices, value.layout, strict=True):
+            picked = tuple(a for a in axes if roles.get(a) == i)
+            if picked and i not in order:
+                order[i] = picked
+    for axis, role in roles.items():
+        if role not in (UNUSED, PASS) and axis not in order.get(role, ()):
+            order[role] = order.get(role, ()) + (axis,)
+    return order

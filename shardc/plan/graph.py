@@ -1,0 +1,163 @@
+"""From statements to a flat list of nodes: binary einsums, elementwise maps, copies.
+
+A statement's expression is a tree; planning wants one node per operation, each
+producing a named tensor.  Contractions are folded left to right.  Chains of
+three or more operands read as matrix chains: at each step, an index shared by
+the two sides is a batch index only if the final result has it and no later
+operand uses it again; otherwise it is contracted (so ``In[B, D] · W_in[D, F] ·
+W_out[F, D] -> Out[B, D]`` contracts D, then F).  Intermediates get names
+(``Tmp``, or ``<Result>_t1, ...``), and their shardings are left to the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardc.spec.ir import Call, Contract, Expr, Spec, Statement, TensorRef
+
+__all__ = ["Node", "Graph", "build_graph"]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operation: ``kind`` is "einsum" (1 or 2 operands) or "elementwise"."""
+
+    kind: str
+    result: str
+    indices: tuple[str, ...]
+    operands: tuple[str, ...]
+    target: TensorRef | None  # the requested sharding; None: the planner chooses
+    statement: Statement
+    fn: str | None = None
+    chain: int = 0  # position in a chain of intermediates (0: not in one)
+
+
+@dataclass(frozen=True)
+class Graph:
+    nodes: tuple[Node, ...]
+    declared: dict[str, TensorRef]  # name -> sharding as written (inputs, params, results)
+    indices: dict[str, tuple[str, ...]]  # every tensor, intermediates included
+    params: frozenset[str]
+    inputs: tuple[str, ...]  # tensors read but never defined, in order of first read
+    outputs: tuple[str, ...]  # statement results no statement reads
+
+
+def build_graph(spec: Spec) -> Graph:
+    builder = _Builder(spec)
+    for statement in spec.statements:
+        builder.statement(statement)
+    return builder.finish()
+
+
+class _Builder:
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.nodes: list[Node] = []
+        self.declared: dict[str, TensorRef] = {}
+        self.indices: dict[str, tuple[str, ...]] = {}
+        self.inputs: list[str] = []
+        self.read: set[str] = set()
+        self.defined = {s.result.name for s in spec.statements}
+        self.names = set(self.defined) | {r.name for s in spec.statements for r in _refs(s.expr)}
+
+    def statement(self, st: Statement) -> None:
+        self.current = st
+        self.declared[st.result.name] = st.result
+        self.indices[st.result.name] = st.result.indices
+        self.expr(st.expr, st.result.name, st.result.indices, st.result, top=True)
+
+    def fresh(self, base: str) -> str:
+        k = 1
+        name = f"{base}_t{k}"
+        while name in self.names:
+            k += 1
+            name = f"{base}_t{k}"
+        self.names.add(name)
+        return name
+
+    def leaf(self, ref: TensorRef) -> str:
+        if ref.name not in self.defined and ref.name not in self.declared:
+            self.inputs.append(ref.name)
+            self.declared[ref.name] = ref
+            self.indices[ref.name] = ref.indices
+        self.read.add(ref.name)
+        return ref.name
+
+    def expr(self, e: Expr, name: str, indices: tuple[str, ...], target: TensorRef | None,
+             top: bool = False) -> str:
+        """Emit nodes computing ``e`` into tensor ``name`` with ``indices``; return the name."""
+        if isinstance(e, TensorRef):
+            src = self.leaf(e)
+            if not top:
+                return src
+            self.nodes.append(Node("einsum", name, indices, (src,), target, self.current))
+            return name
+        if isinstance(e, Call):
+            if isinstance(e.arg, TensorRef):
+                arg = self.leaf(e.arg)
+            else:
+                # f(A · B): the contraction makes a reduced pre-activation in the result's layout
+                arg = self.fresh(name)
+                self.indices[arg] = indices
+                pre = None if target is None else TensorRef(arg, target.dims)
+                self.expr(e.arg, arg, indices, pre)
+            self.nodes.append(Node("elementwise", name, indices, (arg,), target, self.current, fn=e.func))
+            return name
+        return self.contract(e, name, indices, target)
+
+    def contract(self, e: Contract, name: str, indices: tuple[str, ...],
+                 target: TensorRef | None) -> str:
+        operand_indices = [_indices_of(self, o, indices) for o in e.operands]
+        names = [self.expr(o, self.fresh(name), operand_indices[k], None)
+                 if not isinstance(o, TensorRef) else self.leaf(o) for k, o in enumerate(e.operands)]
+        left, left_idx = names[0], operand_indices[0]
+        steps = len(names) - 1
+        for k in range(1, len(names)):
+            last = k == steps
+            later = {i for idx in operand_indices[k + 1:] for i in idx}
+            out_idx = indices if last else _fold(left_idx, operand_indices[k], set(indices), later)
+            out = name if last else ("Tmp" if steps == 2 and "Tmp" not in self.names else self.fresh(name))
+            self.names.add(out)
+            self.indices[out] = out_idx
+            self.nodes.append(Node("einsum", out, out_idx, (left, names[k]),
+                                   target if last else None, self.current, chain=0 if last else k))
+            left, left_idx = out, out_idx
+        return name
+
+    def finish(self) -> Graph:
+        params = self.spec.params
+        if params is None:
+            params = tuple(n for n in self.inputs if n.startswith("W"))
+        outputs = tuple(s.result.name for s in self.spec.statements if s.result.name not in self.read)
+        return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params),
+                     tuple(self.inputs), outputs)
+
+
+def _fold(left: tuple[str, ...], right: tuple[str, ...], final: set[str], later: set[str]) -> tuple[str, ...]:
+    """Indices of a chain intermediate: drop shared indices unless they are batch."""
+    shared = set(left) & set(right)
+    batch = {i for i in shared if i in final and i not in later}
+    out = [i for i in left if i not in shared or i in batch]
+    out += [i for i in right if i not in shared]
+    return tuple(out)
+
+
+def _indices_of(builder: _Builder, e: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(e, TensorRef):
+        return e.indices
+    if isinstance(e, Call):
+        return _indices_of(builder, e.arg, outer)
+    parts = [_indices_of(builder, o, outer) for o in e.operands]
+    acc = parts[0]
+    for k in range(1, len(parts)):
+        later = {i for p in parts[k + 1:] for i in p}
+        acc = _fold(acc, parts[k], set(outer), later)
+    return acc
+
+
+def _refs(e: Expr) -> list[TensorRef]:
+    if isinstance(e, TensorRef):
+        return [e]
+    if isinstance(e, Call):
+        return _refs(e.arg)
+    return [r for o in e.operands for r in _refs(o)]

@@ -1,0 +1,213 @@
+"""The plan IR: the steps of each phase, and the volumes they move.
+
+A plan is data: a tuple of :class:`Step` per phase.  Each step turns sharded
+values (``TensorRef`` with a layout and unreduced axes) into other sharded
+values, so every pass after planning (cost, lowering, verification) reads the
+same steps.  Volumes are :class:`Monomial` formulas in the dims and the mesh
+sizes; they evaluate to bytes once sizes are known.  (A monomial is all a
+single collective's volume ever is; sums and thresholds are sympy's job in the
+cost pass, which keeps ``shardc plan`` free of sympy's import time.)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from shardc.spec.ir import Spec, TensorRef
+
+__all__ = [
+    "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
+]
+
+
+class Op(enum.Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+    SLICE = "slice"
+    EINSUM = "einsum"
+    ELEMENTWISE = "elementwise"
+
+    @property
+    def title(self) -> str:
+        """The seeds' name of the operation (``AllGather``)."""
+        return _TITLES[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_TITLES = {
+    Op.ALL_GATHER: "AllGather",
+    Op.REDUCE_SCATTER: "ReduceScatter",
+    Op.ALL_REDUCE: "AllReduce",
+    Op.ALL_TO_ALL: "AllToAll",
+    Op.SLICE: "Slice",
+    Op.EINSUM: "Einsum",
+    Op.ELEMENTWISE: "Elementwise",
+}
+
+COLLECTIVES = frozenset({Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE, Op.ALL_TO_ALL})
+
+
+@dataclass(frozen=True, order=True)
+class Monomial:
+    """``coeff * prod(symbol ** power)``, e.g. ``2*D*F/Y``.
+
+    >>> m = Monomial.of(2, num=("D", "F"), den=("Y",))
+    >>> str(m), m.evaluate({"D": 8, "F": 4, "Y": 2})
+    ('2*D*F/Y', Fraction(32, 1))
+    """
+
+    coeff: Fraction
+    powers: tuple[tuple[str, int], ...] = ()
+
+    @staticmethod
+    def of(coeff: int | Fraction, num: tuple[str, ...] = (), den: tuple[str, ...] = ()) -> Monomial:
+        powers: dict[str, int] = {}
+        for s in num:
+            powers[s] = powers.get(s, 0) + 1
+        for s in den:
+            powers[s] = powers.get(s, 0) - 1
+        return Monomial(Fraction(coeff), tuple(sorted((k, v) for k, v in powers.items() if v)))
+
+    def __mul__(self, other: Monomial) -> Monomial:
+        powers = dict(self.powers)
+        for k, v in other.powers:
+            powers[k] = powers.get(k, 0) + v
+        items = tuple(sorted((k, v) for k, v in powers.items() if v))
+        return Monomial(self.coeff * other.coeff, items)
+
+    def scale(self, factor: int | Fraction) -> Monomial:
+        return Monomial(self.coeff * Fraction(factor), self.powers)
+
+    def evaluate(self, sizes: dict[str, int]) -> Fraction:
+        value = Fraction(self.coeff)
+        for name, power in self.powers:
+            value *= Fraction(sizes[name]) ** power
+        return value
+
+    def symbols(self) -> frozenset[str]:
+        return frozenset(k for k, _ in self.powers)
+
+    def __str__(self) -> str:
+        num = [_power(k, v) for k, v in self.powers if v > 0]
+        den = [_power(k, -v) for k, v in self.powers if v < 0]
+        coeff_num, coeff_den = self.coeff.numerator, self.coeff.denominator
+        if coeff_num != 1 or not num:
+            num.insert(0, str(coeff_num))
+        if coeff_den != 1:
+            den.insert(0, str(coeff_den))
+        text = "*".join(num)
+        if len(den) == 1:
+            text += "/" + den[0]
+        elif den:
+            text += "/(" + "*".join(den) + ")"
+        return text
+
+
+def _power(name: str, power: int) -> str:
+    return name if power == 1 else f"{name}**{power}"
+
+
+def sum_formula(terms: Iterable[Monomial]) -> str:
+    """Like terms combined: ``2*D*F + 2*D*F`` -> ``4*D*F``; ``0`` for no terms."""
+    combined: dict[tuple[tuple[str, int], ...], Fraction] = {}
+    for term in terms:
+        combined[term.powers] = combined.get(term.powers, Fraction(0)) + term.coeff
+    parts = [str(Monomial(c, p)) for p, c in sorted(combined.items()) if c]
+    return " + ".join(parts) if parts else "0"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a phase.
+
+    For a collective: ``src`` is the value before, ``dst`` after, ``axes`` the
+    mesh axes it runs over and ``dim`` the tensor dim it gathers from (AllGather),
+    scatters onto (ReduceScatter), or splits (AllToAll, whose concatenated dim is
+    ``dim2``).  For an einsum: ``operands`` are the local operand values and
+    ``dst`` the local result (unreduced over the sharded contracted axes).  For an
+    elementwise step: ``fn`` is applied to ``operands[0]``.
+    """
+
+    op: Op
+    tensor: str
+    dst: TensorRef
+    src: TensorRef | None = None
+    axes: tuple[str, ...] = ()
+    operands: tuple[TensorRef, ...] = ()
+    dim: int | None = None
+    dim2: int | None = None
+    fn: str | None = None
+    volume: Monomial | None = None  # V of design section 3, in bytes; None for local steps
+    ahead: bool = False  # can be issued ahead of / off the critical path
+    note: str = ""
+
+    @property
+    def is_collective(self) -> bool:
+        return self.op in COLLECTIVES
+
+    def weighted_volume(self) -> Monomial | None:
+        """V with AllReduce counted twice and AllToAll a quarter (the seeds' "bytes")."""
+        if self.volume is None:
+            return None
+        factor = {Op.ALL_REDUCE: Fraction(2), Op.ALL_TO_ALL: Fraction(1, 4)}.get(self.op, Fraction(1))
+        return self.volume.scale(factor)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One way an einsum could have been done, as ``--explain`` lists it."""
+
+    description: str
+    time: float | None  # seconds of communication on the planning hardware, None without sizes
+    volume: str  # weighted volume formula
+    collectives: int
+    chosen: bool
+
+
+@dataclass(frozen=True)
+class Choice:
+    phase: str
+    statement: str
+    alternatives: tuple[Alternative, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor of the spec: its declared (or chosen) sharding and its role."""
+
+    name: str
+    ref: TensorRef
+    role: str  # "param", "input", "activation"
+    is_output: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: Spec
+    forward: tuple[Step, ...]
+    backward: tuple[Step, ...]
+    save: str = "default"
+    sizes: tuple[tuple[str, int], ...] | None = None  # dims and mesh sizes; None without dims
+    tensors: tuple[TensorInfo, ...] = ()
+    residuals: tuple[TensorRef, ...] = ()  # forward values the backward reads
+    cotangents: tuple[TensorRef, ...] = ()  # d<Out> for each output, sharded like it
+    grads: tuple[TensorRef, ...] = ()  # d<Name> for each param and the first input
+    choices: tuple[Choice, ...] = field(default=(), compare=False)
+
+    def tensor(self, name: str) -> TensorInfo:
+        for info in self.tensors:
+            if info.name == name:
+                return info
+        raise KeyError(name)
+
+    @property
+    def size_map(self) -> dict[str, int] | None:
+        return None if self.sizes is None else dict(self.sizes)

@@ -1,0 +1,232 @@
+"""Sharded values of one tensor, the moves between them, and the cheapest path.
+
+A value's *layout* gives, for each tensor dim, the mesh axes that shard it
+(major to minor), and its *unreduced* axes (partial sums).  The moves of design
+section 2 act on one value at a time; each is valid only at the minor end of
+a dim, because that is where a tiled collective adds or removes a factor:
+
+    all_gather      remove a suffix of a dim's axes             (one collective)
+    slice           append a replicated axis to a dim            (free)
+    all_to_all      move a suffix of one dim to another's end    (one collective)
+    reduce_scatter  resolve unreduced axes onto a dim's end      (one collective)
+    all_reduce      resolve unreduced axes, replicated           (one collective)
+
+:func:`reshard` runs Dijkstra over values from any of several free sources
+(values the phase already holds) to one target.  Costs are tuples compared
+lexicographically: (communication time, collectives, activation collectives),
+so ties go to fewer collectives, then to moving weights rather than activations.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from shardc.plan.ir import Monomial, Op
+from shardc.spec.ir import Dim, DType, Mesh, Network, TensorRef
+
+__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "ZERO", "add_cost"]
+
+Layout = tuple[tuple[str, ...], ...]
+
+# Planning bandwidths (bytes/s, bidirectional) of the default hardware, TPU v5p:
+# only their ratio matters for choices, and only when a mesh axis crosses DCN.
+W_ICI = 1.8e11
+W_DCN = 6.25e9
+# Without dims, every dim is taken to be this large (and the seeds' rules decide).
+PROXY_DIM = 1 << 20
+
+Cost = tuple[float, int, int]
+ZERO: Cost = (0.0, 0, 0)
+
+
+def add_cost(a: Cost, b: Cost) -> Cost:
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
+
+
+@dataclass(frozen=True, order=True)
+class Value:
+    """A layout and unreduced axes (sorted): a planner state for one tensor."""
+
+    layout: Layout
+    unreduced: tuple[str, ...] = ()
+
+    def used(self) -> frozenset[str]:
+        return frozenset(a for axes in self.layout for a in axes) | frozenset(self.unreduced)
+
+    def ref(self, name: str, indices: tuple[str, ...]) -> TensorRef:
+        dims = tuple(Dim(i, axes) for i, axes in zip(indices, self.layout, strict=True))
+        return TensorRef(name, dims, self.unreduced)
+
+    @staticmethod
+    def of(ref: TensorRef) -> Value:
+        return Value(ref.layout, tuple(sorted(ref.unreduced)))
+
+
+@dataclass(frozen=True)
+class Move:
+    """One edge of the search: ``op`` over ``axes`` taking ``src`` to ``dst``."""
+
+    op: Op
+    src: Value
+    dst: Value
+    axes: tuple[str, ...]
+    dim: int | None = None
+    dim2: int | None = None
+    volume: Monomial | None = None
+
+
+@dataclass
+class CostContext:
+    """What costs depend on: mesh, dtype, sizes (or proxies) and which tensors are weights."""
+
+    mesh: Mesh
+    dtype: DType
+    sizes: dict[str, int] | None  # dims; None: use PROXY_DIM for every dim
+    weights: frozenset[str] = frozenset()
+    _cache: dict[tuple[object, ...], tuple[Cost, tuple[Move, ...]]] = field(default_factory=dict)
+
+    def dim_size(self, index: str) -> int:
+        return PROXY_DIM if self.sizes is None else self.sizes[index]
+
+    def local_bytes(self, indices: tuple[str, ...], value: Value) -> Monomial:
+        """Per-device bytes of ``value`` as a formula: dtype * dims / axes."""
+        den = tuple(a for axes in value.layout for a in axes)
+        return Monomial.of(self.dtype.nbytes, num=indices, den=den)
+
+    def evaluate(self, volume: Monomial) -> float:
+        sizes = {a.name: a.size for a in self.mesh.axes}
+        for symbol in volume.symbols():
+            if symbol not in sizes:
+                sizes[symbol] = self.dim_size(symbol)
+        return float(volume.evaluate(sizes))
+
+    def bandwidth(self, axes: tuple[str, ...]) -> float:
+        """n_axes times the slowest axis's bandwidth (design section 3)."""
+        slow = any(self.mesh.axis(a).network is Network.DCN for a in axes)
+        return (W_DCN if slow else W_ICI) * len(axes)
+
+    def move_cost(self, move: Move, tensor: str) -> Cost:
+        if move.volume is None:
+            return ZERO
+        factor = {Op.ALL_REDUCE: 2.0, Op.ALL_TO_ALL: 0.25}.get(move.op, 1.0)
+        seconds = factor * self.evaluate(move.volume) / self.bandwidth(move.axes)
+        return (seconds, 1, 0 if tensor in self.weights else 1)
+
+    def divides(self, index: str, axes: tuple[str, ...]) -> bool:
+        if self.sizes is None:
+            return True
+        product = 1
+        for a in axes:
+            product *= self.mesh.size(a)
+        return self.sizes[index] % product == 0
+
+
+def _suffixes(axes: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    for k in range(1, len(axes) + 1):
+        yield axes[len(axes) - k:]
+
+
+def _replace(layout: Layout, dim: int, axes: tuple[str, ...]) -> Layout:
+    return layout[:dim] + (axes,) + layout[dim + 1:]
+
+
+def _gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+    for d, axes in enumerate(v.layout):
+        for suffix in _suffixes(axes):
+            dst = Value(_replace(v.layout, d, axes[: len(axes) - len(suffix)]), v.unreduced)
+            yield Move(Op.ALL_GATHER, v, dst, suffix, dim=d, volume=ctx.local_bytes(idx, dst))
+
+
+def _slices(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+    free = [a for a in ctx.mesh.names if a not in v.used()]
+    for a in free:
+        for d, axes in enumerate(v.layout):
+            if ctx.divides(idx[d], axes + (a,)):
+                dst = Value(_replace(v.layout, d, axes + (a,)), v.unreduced)
+                yield Move(Op.SLICE, v, dst, (a,), dim=d)
+
+
+def _all_to_alls(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+    for src_dim, axes in enumerate(v.layout):
+        for suffix in _suffixes(axes):
+            kept = axes[: len(axes) - len(suffix)]
+            for d, other in enumerate(v.layout):
+                if d == src_dim or not ctx.divides(idx[d], other + suffix):
+                    continue
+                layout = _replace(_replace(v.layout, src_dim, kept), d, other + suffix)
+                group = Monomial.of(1, num=suffix)  # per-device bytes times the group size
+                volume = ctx.local_bytes(idx, v) * group
+                yield Move(Op.ALL_TO_ALL, v, Value(layout, v.unreduced), suffix, d, src_dim, volume)
+
+
+def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+    unreduced = v.unreduced
+    for k in range(1, len(unreduced) + 1):
+        for group in itertools.combinations(unreduced, k):
+            rest = tuple(a for a in unreduced if a not in group)
+            volume = ctx.local_bytes(idx, v)  # the array before the reduction
+            yield Move(Op.ALL_REDUCE, v, Value(v.layout, rest), group, volume=volume)
+            for order in itertools.permutations(group):
+                for d, axes in enumerate(v.layout):
+                    if ctx.divides(idx[d], axes + order):
+                        dst = Value(_replace(v.layout, d, axes + order), rest)
+                        yield Move(Op.REDUCE_SCATTER, v, dst, order, dim=d, volume=volume)
+
+
+def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+    yield from _reductions(ctx, idx, v)
+    yield from _gathers(ctx, idx, v)
+    yield from _slices(ctx, idx, v)
+    yield from _all_to_alls(ctx, idx, v)
+
+
+def reshard(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Iterable[Value],
+            target: Value) -> tuple[Cost, tuple[Move, ...]]:
+    """Cheapest moves from any source (free) to ``target``; cached per context."""
+    starts = tuple(sorted(set(sources)))
+    key = (tensor in ctx.weights, idx, starts, target)
+    hit = ctx._cache.get(key)
+    if hit is None:
+        hit = _dijkstra(ctx, tensor, idx, starts, target)
+        ctx._cache[key] = hit
+    return hit
+
+
+def _dijkstra(ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple[Value, ...],
+              target: Value) -> tuple[Cost, tuple[Move, ...]]:
+    best: dict[Value, Cost] = {s: ZERO for s in starts}
+    back: dict[Value, Move] = {}
+    tie = itertools.count()  # keeps heap entries comparable without comparing Values
+    heap: list[tuple[Cost, int, Value]] = [(ZERO, next(tie), s) for s in starts]
+    heapq.heapify(heap)
+    while heap:
+        cost, _, v = heapq.heappop(heap)
+        if cost > best.get(v, cost):
+            continue
+        if v == target:
+            return cost, _path(back, v, starts)
+        for move in neighbours(ctx, idx, v):
+            new = add_cost(cost, ctx.move_cost(move, tensor))
+            if new < best.get(move.dst, (float("inf"), 0, 0)):
+                best[move.dst] = new
+                back[move.dst] = move
+                heapq.heappush(heap, (new, next(tie), move.dst))
+    raise ValueError(f"no moves reach {target} for {tensor}")  # a planner bug, not a user error
+
+
+def _path(back: dict[Value, Move], end: Value, starts: tuple[Value, ...]) -> tuple[Move, ...]:
+    moves: list[Move] = []
+    v = end
+    while v not in starts:
+        move = back[v]
+        moves.append(move)
+        v = move.src
+    return tuple(reversed(moves))
+
+
+def fraction_str(x: Fraction) -> str:
+    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"

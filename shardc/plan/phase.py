@@ -1,0 +1,134 @@
+"""One phase being planned: the values it holds, the steps it emits.
+
+Forward and backward are planned by the same code: a phase holds, per tensor,
+every value it has made or been given (so a value is collected once and reused,
+as the seeds gather dOut once for both dW_out and dTmp), and turns each einsum
+into steps through :func:`shardc.plan.einsum.solve` (with sizes) or the seeds'
+rules (without).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from shardc.plan.einsum import EinsumProblem, Operand, Solution, solve, solve_rules
+from shardc.plan.ir import Alternative, Choice, Op, Step, sum_formula
+from shardc.plan.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.spec.ir import TensorRef
+
+__all__ = ["Phase"]
+
+
+@dataclass
+class Phase:
+    name: str  # "forward" or "backward"
+    ctx: CostContext
+    indices: dict[str, tuple[str, ...]]
+    sized: bool
+    ahead: frozenset[str]  # tensors whose collectives can be issued ahead
+    steps: list[Step] = field(default_factory=list)
+    held: dict[str, list[Value]] = field(default_factory=dict)
+    made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
+    choices: list[Choice] = field(default_factory=list)
+
+    def hold(self, name: str, value: Value) -> None:
+        values = self.held.setdefault(name, [])
+        if value not in values:
+            values.append(value)
+
+    def ref(self, name: str, value: Value) -> TensorRef:
+        return value.ref(name, self.indices[name])
+
+    def emit(self, step: Step) -> None:
+        self.steps.append(step)
+        value = Value.of(step.dst)
+        self.hold(step.tensor, value)
+        self.made.add((step.tensor, value))
+
+    def moves(self, tensor: str, moves: tuple[Move, ...], note: str = "") -> None:
+        for m in moves:
+            self.emit(Step(m.op, tensor, self.ref(tensor, m.dst), self.ref(tensor, m.src), m.axes,
+                           dim=m.dim, dim2=m.dim2, volume=m.volume, ahead=tensor in self.ahead,
+                           note=note))
+
+    def einsum(self, result: str, operands: tuple[str, ...], target: Value | None,
+               label: str, rule_given: tuple[Value, ...] | None = None) -> Value:
+        """Plan one einsum into steps; returns the result value it ends in."""
+        problem = EinsumProblem(
+            tuple(Operand(n, self.indices[n], tuple(self.held[n])) for n in operands),
+            result, self.indices[result], target)
+        sol, alternatives = self.solve(problem, rule_given)
+        for op, moves in zip(operands, sol.operand_moves, strict=True):
+            self.moves(op, moves)
+        local = tuple(self.ref(n, v) for n, v in zip(operands, sol.locals, strict=True))
+        self.emit(Step(Op.EINSUM, result, self.ref(result, sol.local_result), operands=local))
+        self.moves(result, sol.result_moves)
+        self.explain(label, sol, alternatives)
+        return sol.final
+
+    def solve(self, problem: EinsumProblem,
+              rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
+        if len(problem.operands) == 1:
+            return self.solve_copy(problem), []
+        if self.sized:
+            return solve(self.ctx, problem)
+        given = rule_given or tuple(op.sources[0] for op in problem.operands)
+        return solve_rules(self.ctx, problem, given), []
+
+    def solve_copy(self, problem: EinsumProblem) -> Solution:
+        """A copy or transpose: read a held value as it is, then reshard the result."""
+        (op,) = problem.operands
+        best: Solution | None = None
+        for source in op.sources:
+            layout = {i: axes for i, axes in zip(op.indices, source.layout, strict=True)}
+            local = Value(tuple(layout[i] for i in problem.indices), source.unreduced)
+            cost: Cost = ZERO
+            moves: tuple[Move, ...] = ()
+            if problem.target is not None:
+                cost, moves = reshard(self.ctx, problem.result, problem.indices, (local,), problem.target)
+            sol = Solution(add_cost(ZERO, cost), ((),), (source,), local, moves, ())
+            if best is None or sol.cost < best.cost:
+                best = sol
+        assert best is not None
+        return best
+
+    def explain(self, label: str, sol: Solution, alternatives: list[Solution]) -> None:
+        chosen = self._describe(sol)
+        rows: dict[str, Alternative] = {}
+        for alt in sorted(alternatives, key=lambda s: s.cost):
+            text = self._describe(alt)
+            if text not in rows and len(rows) < 6:
+                rows[text] = self._alternative(alt, text, text == chosen)
+        rows.setdefault(chosen, self._alternative(sol, chosen, True))
+        if not self.sized:
+            reason = "no sizes: the seeds' rules decide"
+        elif len(alternatives) <= 1:
+            reason = "the only valid local layout"
+        else:
+            reason = self._reason(sol, alternatives)
+        self.choices.append(Choice(self.name, label, tuple(rows.values()), reason))
+
+    def _describe(self, sol: Solution) -> str:
+        names = [m for moves in sol.operand_moves for m in moves] + list(sol.result_moves)
+        parts = [f"{m.op.title}_{''.join(m.axes)}" for m in names if m.op is not Op.SLICE]
+        return ", ".join(parts) if parts else "no communication"
+
+    def _alternative(self, sol: Solution, text: str, chosen: bool) -> Alternative:
+        moves = [m for ms in sol.operand_moves for m in ms] + list(sol.result_moves)
+        factors = {Op.ALL_REDUCE: Fraction(2), Op.ALL_TO_ALL: Fraction(1, 4)}
+        terms = [m.volume.scale(factors.get(m.op, Fraction(1))) for m in moves if m.volume is not None]
+        volume = sum_formula(terms)
+        time = sol.cost[0] if self.sized else None
+        return Alternative(text, time, volume, sol.cost[1], chosen)
+
+    def _reason(self, sol: Solution, alternatives: list[Solution]) -> str:
+        others = [a for a in alternatives if self._describe(a) != self._describe(sol)]
+        if not others:
+            return "every valid local layout communicates the same way"
+        runner = min(others, key=lambda s: s.cost)
+        if runner.cost[0] > sol.cost[0] * (1 + 1e-9):
+            return f"least communication time ({sol.cost[0]:.3g} s vs {runner.cost[0]:.3g} s next)"
+        if runner.cost[1] != sol.cost[1]:
+            return "tie in time: fewer collectives"
+        return "tie in time and count: moves weights rather than activations"

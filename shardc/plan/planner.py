@@ -1,0 +1,176 @@
+"""The planning pass: spec -> plan of every collective, forward and backward.
+
+>>> import shardc
+>>> spec = shardc.parse("mesh X=4\\nOut[B_X, F] = In[B_X, D] · W[D, F]\\n")
+>>> p = shardc.plan(spec)
+>>> [s.op.value for s in p.backward if s.is_collective]
+['all_reduce']
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from shardc.errors import ShardcError
+from shardc.plan.backward import plan_backward
+from shardc.plan.graph import Graph, Node, build_graph
+from shardc.plan.ir import Op, Plan, Step, TensorInfo
+from shardc.plan.layout import CostContext, Layout, Value
+from shardc.plan.phase import Phase
+from shardc.spec.ir import Spec, TensorRef
+
+__all__ = ["plan", "SAVE_POLICIES"]
+
+SAVE_POLICIES = ("default", "none", "all")
+
+
+def plan(spec: Spec, save: str = "default") -> Plan:
+    """Plan ``spec``: cost-based with ``dims``, by the seeds' rules without."""
+    if save not in SAVE_POLICIES:
+        raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
+    graph = build_graph(spec)
+    sized = bool(spec.dims)
+    grads = frozenset(f"d{p}" for p in graph.params)
+    ctx = CostContext(spec.mesh, spec.dtype, spec.sizes if sized else None, graph.params | grads)
+    declared = dict(graph.declared)
+    forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
+    for name in graph.inputs:
+        forward.hold(name, Value.of(declared[name]))
+    _plan_forward(forward, graph, declared)
+    backward = plan_backward(graph, forward, declared, save)
+    sizes = None
+    if sized:
+        sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
+    return Plan(
+        spec=spec,
+        forward=tuple(forward.steps),
+        backward=tuple(backward.phase.steps),
+        save=save,
+        sizes=sizes,
+        tensors=_tensor_infos(graph, declared),
+        residuals=backward.residuals,
+        cotangents=backward.cotangents,
+        grads=backward.grads,
+        choices=tuple(forward.choices + backward.phase.choices),
+    )
+
+
+def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) -> None:
+    nodes = list(graph.nodes)
+    k = 0
+    while k < len(nodes):
+        node = nodes[k]
+        if node.chain and phase.sized and node.result not in declared:
+            end = k
+            while nodes[end].chain:
+                end += 1
+            _choose_chain(phase, nodes[k:end + 1], declared)
+        _plan_node(phase, node, declared)
+        k += 1
+
+
+def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
+    target = Value.of(declared[node.result]) if node.result in declared else None
+    label = _label(node, phase, declared)
+    if node.kind == "elementwise":
+        _plan_elementwise(phase, node, declared, target)
+        return
+    final = phase.einsum(node.result, node.operands, target, label)
+    if node.result not in declared:  # a chain intermediate: the planner chose its sharding
+        declared[node.result] = phase.ref(node.result, final)
+
+
+def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
+                      target: Value | None) -> None:
+    """``f`` keeps the sharding; its input must be reduced, in the result's layout."""
+    (arg,) = node.operands
+    if target is None:
+        target = Value(phase.held[arg][0].layout, ())
+    if target.unreduced:
+        raise ShardcError(f"{node.result} is an elementwise function of partial sums", node.statement.span,
+                          fix="drop the {U_...} suffix: the function needs reduced values")
+    want = Value(_permute(phase.indices[arg], node.indices, target), ())
+    from shardc.plan.layout import reshard
+
+    _, moves = reshard(phase.ctx, arg, phase.indices[arg], phase.held[arg], want)
+    phase.moves(arg, moves)
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
+                    operands=(phase.ref(arg, want),), fn=node.fn))
+    declared.setdefault(node.result, phase.ref(node.result, target))
+    declared.setdefault(arg, phase.ref(arg, want))
+
+
+def _permute(arg_idx: tuple[str, ...], res_idx: tuple[str, ...], target: Value) -> Layout:
+    """The target's per-index axes, in the argument's index order."""
+    by_index = dict(zip(res_idx, target.layout, strict=True))
+    return tuple(by_index[i] for i in arg_idx)
+
+
+def _label(node: Node, phase: Phase, declared: dict[str, TensorRef]) -> str:
+    parts = []
+    for name in node.operands:
+        ref = declared.get(name)
+        parts.append(str(ref) if ref is not None else f"{name}[{', '.join(phase.indices[name])}]")
+    target = declared.get(node.result)
+    head = str(target) if target is not None else f"{node.result}[{', '.join(node.indices)}]"
+    return f"{head} = {' · '.join(parts)}"
+
+
+def _choose_chain(phase: Phase, chain: list[Node], declared: dict[str, TensorRef]) -> None:
+    """Dynamic programming over a chain: each intermediate's sharding, least forward time.
+
+    State: the layout of the accumulated intermediate.  Each step is costed by
+    the exact einsum search from that layout to each candidate next layout (the
+    last step to the declared result).
+    """
+    from shardc.plan.einsum import EinsumProblem, Operand, solve
+
+    ctx = phase.ctx
+    first = chain[0]
+    states: dict[Value | None, tuple[float, tuple[Value, ...]]] = {None: (0.0, ())}
+    for node in chain:
+        last = node is chain[-1]
+        targets = [Value.of(declared[node.result])] if last else list(_layouts(ctx, node.indices))
+        new_states: dict[Value | None, tuple[float, tuple[Value, ...]]] = {}
+        for state, (cost, path) in states.items():
+            operands = []
+            for name in node.operands:
+                if state is not None and name == node.operands[0] and node is not first:
+                    operands.append(Operand(name, phase.indices[name], (state,)))
+                else:
+                    operands.append(Operand(name, phase.indices[name], tuple(phase.held[name])))
+            for target in targets:
+                sol, _ = solve(ctx, EinsumProblem(tuple(operands), node.result, node.indices, target))
+                total = cost + sol.cost[0] + 1e-30 * sol.cost[1]
+                if target not in new_states or total < new_states[target][0]:
+                    new_states[target] = (total, path + (target,))
+        states = dict(new_states)
+    _, path = min(states.values(), key=lambda t: t[0])
+    for node, value in zip(chain[:-1], path, strict=False):
+        declared[node.result] = value.ref(node.result, node.indices)
+
+
+def _layouts(ctx: CostContext, indices: tuple[str, ...]) -> Iterator[Value]:
+    """Every reduced layout of a tensor with these indices on the mesh."""
+    options = [[None, *range(len(indices))] for _ in ctx.mesh.names]
+    for combo in itertools.product(*options):
+        groups: dict[int, list[str]] = {}
+        for axis, d in zip(ctx.mesh.names, combo, strict=True):
+            if d is not None:
+                groups.setdefault(d, []).append(axis)
+        keys = sorted(groups)
+        for perms in itertools.product(*(itertools.permutations(groups[d]) for d in keys)):
+            layout: list[tuple[str, ...]] = [()] * len(indices)
+            for d, perm in zip(keys, perms, strict=True):
+                layout[d] = tuple(perm)
+            if all(ctx.divides(i, axes) for i, axes in zip(indices, layout, strict=True)):
+                yield Value(tuple(layout), ())
+
+
+def _tensor_infos(graph: Graph, declared: dict[str, TensorRef]) -> tuple[TensorInfo, ...]:
+    infos = []
+    for name, ref in declared.items():
+        role = "param" if name in graph.params else "input" if name in graph.inputs else "activation"
+        infos.append(TensorInfo(name, ref, role, name in graph.outputs))
+    return tuple(infos)

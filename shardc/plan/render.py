@@ -1,0 +1,130 @@
+"""Plans as text (the seeds' notation, one numbered line a step) and as JSON data."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shardc.plan.ir import Monomial, Op, Plan, Step, sum_formula
+
+__all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_total", "step_label"]
+
+
+def phase_total(steps: Sequence[Step]) -> tuple[str, float | None, list[Monomial]]:
+    """Weighted volume of a phase: the formula and, with sizes, nothing numeric here."""
+    terms = [w for s in steps if (w := s.weighted_volume()) is not None]
+    return sum_formula(terms), None, terms
+
+
+def step_label(step: Step) -> str:
+    if step.op is Op.EINSUM:
+        return "Einsum"
+    if step.op is Op.ELEMENTWISE:
+        return f"Map {step.fn}"
+    suffix = "".join(step.axes) if all(len(a) == 1 for a in step.axes) else "{" + ",".join(step.axes) + "}"
+    return f"{step.op.title}_{suffix}"
+
+
+def _bytes_number(step: Step, sizes: dict[str, int] | None) -> str:
+    if step.volume is None or sizes is None:
+        return ""
+    return " = " + human_bytes(float(step.volume.evaluate(sizes)))
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
+    label = step_label(step)
+    if step.op is Op.EINSUM or step.op is Op.ELEMENTWISE:
+        joiner = " · " if step.op is Op.EINSUM else ", "
+        body = f"{step.dst} = " + joiner.join(str(o) for o in step.operands)
+        return f"{k:3d}  {label:<17} {body}"
+    body = f"{step.src} -> {step.dst}"
+    if step.volume is None:
+        return f"{k:3d}  {label:<17} {body}   (free)"
+    when = "(ahead of time)" if step.ahead else "(critical path)"
+    volume = f"{step.volume} bytes{_bytes_number(step, sizes)}"
+    return f"{k:3d}  {label:<17} {body:<44} {volume:<28} {when}"
+
+
+def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None) -> list[str]:
+    lines = [title]
+    for k, step in enumerate(steps, 1):
+        lines.append(_step_line(k, step, sizes))
+    formula, _, terms = phase_total(steps)
+    total = f"       total {formula} bytes"
+    if sizes is not None:
+        total += " = " + human_bytes(float(sum(t.evaluate(sizes) for t in terms)))
+    lines.append(total + "   (AllReduce counted twice, AllToAll a quarter)")
+    return lines
+
+
+def render_text(plan: Plan) -> str:
+    sizes = plan.size_map
+    how = "by least communication time" if sizes is not None else "by the seeds' rules (no dims)"
+    lines = [f"# {plan.spec.filename or 'spec'}: {plan.spec.mesh}; collectives chosen {how}"]
+    lines += _phase_lines("forward", plan.forward, sizes)
+    lines.append("")
+    lines += _phase_lines(f"backward (save={plan.save})", plan.backward, sizes)
+    if plan.residuals:
+        lines.append("       residuals kept from the forward: " + ", ".join(str(r) for r in plan.residuals))
+    return "\n".join(lines) + "\n"
+
+
+def render_explain(plan: Plan) -> str:
+    lines = ["", "choices"]
+    for choice in plan.choices:
+        lines.append(f"  [{choice.phase}] {choice.statement}")
+        for alt in choice.alternatives:
+            mark = "*" if alt.chosen else " "
+            time = f"{alt.time * 1e6:10.2f} us" if alt.time is not None else "            "
+            lines.append(f"    {mark} {time}  {alt.collectives} coll.  {alt.description}   [{alt.volume}]")
+        lines.append(f"      why: {choice.reason}")
+    return "\n".join(lines) + "\n"
+
+
+def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "op": step.op.value,
+        "tensor": step.tensor,
+        "axes": list(step.axes),
+        "src": str(step.src) if step.src is not None else None,
+        "dst": str(step.dst),
+        "bytes": None,
+        "bytes_expr": str(step.volume) if step.volume is not None else None,
+        "ahead": step.ahead,
+    }
+    if step.volume is not None and sizes is not None:
+        data["bytes"] = int(step.volume.evaluate(sizes))
+    if step.operands:
+        data["operands"] = [str(o) for o in step.operands]
+    if step.dim is not None:
+        data["dim"] = step.dim
+    if step.dim2 is not None:
+        data["dim2"] = step.dim2
+    if step.fn is not None:
+        data["fn"] = step.fn
+    return data
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    sizes = plan.size_map
+    totals = {}
+    for name, steps in (("forward", plan.forward), ("backward", plan.backward)):
+        formula, _, terms = phase_total(steps)
+        value = int(sum(t.evaluate(sizes) for t in terms)) if sizes is not None else None
+        totals[name] = {"bytes_expr": formula, "bytes": value}
+    return {
+        "forward": [step_json(s, sizes) for s in plan.forward],
+        "backward": [step_json(s, sizes) for s in plan.backward],
+        "save": plan.save,
+        "totals": totals,
+        "residuals": [str(r) for r in plan.residuals],
+        "grads": [str(g) for g in plan.grads],
+        "cotangents": [str(c) for c in plan.cotangents],
+    }
