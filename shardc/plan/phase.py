@@ -31,6 +31,7 @@ class Phase:
     held: dict[str, list[Value]] = field(default_factory=dict)
     made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
     choices: list[Choice] = field(default_factory=list)
+    solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])
@@ -58,13 +59,21 @@ class Phase:
         problem = EinsumProblem(
             tuple(Operand(n, self.indices[n], tuple(self.held[n])) for n in operands),
             result, self.indices[result], target)
-        sol, alternatives = self.solve(problem, rule_given)
+        # Layers repeat: the same problem (up to names) is solved and explained once.
+        key = (tuple((o.indices, o.sources, o.name in self.ctx.weights) for o in problem.operands),
+               problem.indices, target, result in self.ctx.weights, self.name, rule_given)
+        hit = self.solved.get(key)
+        if hit is None:
+            sol, alternatives = self.solve(problem, rule_given)
+            hit = (sol, self.explain(sol, alternatives))
+            self.solved[key] = hit
+        sol, (rows, reason) = hit
         for op, moves in zip(operands, sol.operand_moves, strict=True):
             self.moves(op, moves)
         local = tuple(self.ref(n, v) for n, v in zip(operands, sol.locals, strict=True))
         self.emit(Step(Op.EINSUM, result, self.ref(result, sol.local_result), operands=local))
         self.moves(result, sol.result_moves)
-        self.explain(label, sol, alternatives)
+        self.choices.append(Choice(self.name, label, rows, reason))
         return sol.final
 
     def solve(self, problem: EinsumProblem,
@@ -73,7 +82,9 @@ class Phase:
             return self.solve_copy(problem), []
         if self.sized:
             return solve(self.ctx, problem)
-        given = rule_given or tuple(op.sources[0] for op in problem.operands)
+        # the rules read each operand's given (reduced) value, not a partial sum held on the way
+        given = rule_given or tuple(next((v for v in op.sources if not v.unreduced), op.sources[0])
+                                    for op in problem.operands)
         return solve_rules(self.ctx, problem, given), []
 
     def solve_copy(self, problem: EinsumProblem) -> Solution:
@@ -93,7 +104,8 @@ class Phase:
         assert best is not None
         return best
 
-    def explain(self, label: str, sol: Solution, alternatives: list[Solution]) -> None:
+    def explain(self, sol: Solution, alternatives: list[Solution]) -> tuple[tuple[Alternative, ...], str]:
+        """The alternatives worth showing (at most six, cheapest first) and why ``sol`` won."""
         chosen = self._describe(sol)
         rows: dict[str, Alternative] = {}
         for alt in sorted(alternatives, key=lambda s: s.cost):
@@ -107,7 +119,7 @@ class Phase:
             reason = "the only valid local layout"
         else:
             reason = self._reason(sol, alternatives)
-        self.choices.append(Choice(self.name, label, tuple(rows.values()), reason))
+        return tuple(rows.values()), reason
 
     def _describe(self, sol: Solution) -> str:
         names = [m for moves in sol.operand_moves for m in moves] + list(sol.result_moves)
