@@ -1,0 +1,171 @@
+"""``shardc.lower``: a plan as a generated module, and the same module in-process.
+
+The in-process functions are the generated source itself, executed as a
+module, so what runs here is exactly what ``shardc lower`` writes.
+"""
+
+from __future__ import annotations
+
+import linecache
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardc.errors import ShardcError
+from shardc.lower.codegen import Boundary, Module, generate
+from shardc.plan.ir import Plan
+from shardc.spec.ir import Spec, TensorRef
+
+__all__ = ["Lowered", "lower", "lowered_mesh", "lowered_sizes", "check_devices"]
+
+
+@dataclass
+class Lowered:
+    """A lowered plan: ``.source`` is the module text, ``.forward``/``.grad`` run it."""
+
+    plan: Plan
+    module: Module
+    namespace: types.ModuleType
+    sizes: dict[str, int] | None
+    _compiled: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def source(self) -> str:
+        return self.module.source
+
+    @property
+    def mesh(self) -> Any:
+        return self.namespace.programs()[0]
+
+    def forward(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Every statement's result (global arrays keyed by tensor name)."""
+        return dict(self.namespace.forward(inputs))
+
+    def grad(self, inputs: dict[str, Any], cotangent: dict[str, Any]) -> dict[str, Any]:
+        """``d<Name>`` for each param and the first input, from ``d<Out>`` cotangents."""
+        return dict(self.namespace.grad(inputs, cotangent))
+
+    def global_shape(self, ref: TensorRef) -> tuple[int, ...]:
+        """The global array of a value: stacked partial sums lead when it is unreduced."""
+        if self.sizes is None or any(d.name not in self.sizes for d in ref.dims):
+            raise ShardcError(f"no size for every dim of {ref}", fix="pass sizes= or add a dims line")
+        lead = [int(np.prod([self.sizes[a] for a in ref.unreduced]))] if ref.unreduced else []
+        return tuple(lead + [self.sizes[d.name] for d in ref.dims])
+
+    def random_inputs(self, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return {b.key: rng.standard_normal(self.global_shape(b.ref)).astype(dtype)
+                for b in self.module.forward.inputs}
+
+    def random_cotangents(self, seed: int = 1, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return {c.name: rng.standard_normal(self.global_shape(c)).astype(dtype)
+                for c in self.plan.cotangents}
+
+    def compiled_text(self, phase: str, dtype: Any = np.float32) -> str:
+        """The compiled HLO of one phase's ``jit(shard_map)``, arguments laid out as planned."""
+        key = (phase, np.dtype(dtype).name)
+        if key not in self._compiled:
+            import jax
+            from jax.sharding import NamedSharding
+
+            mesh, fwd, bwd = self.namespace.programs()
+            program, boundaries = (fwd, self.module.forward.inputs) if phase == "forward" else (
+                bwd, self.module.backward.inputs)
+            args = [jax.ShapeDtypeStruct(self.global_shape(b.ref), dtype,
+                                         sharding=NamedSharding(mesh, _spec(self, b)))
+                    for b in boundaries]
+            self._compiled[key] = program.lower(*args).compile().as_text()
+        return str(self._compiled[key])
+
+
+def _spec(lowered: Lowered, boundary: Boundary) -> Any:
+    table = lowered.namespace.FORWARD_IN if boundary in lowered.module.forward.inputs else (
+        lowered.namespace.BACKWARD_IN)
+    return table[boundary.key]
+
+
+def lowered_mesh(plan: Plan, sizes: dict[str, int] | None) -> tuple[tuple[str, int], ...]:
+    """The plan's mesh with axis sizes taken from ``sizes`` where given."""
+    sizes = sizes or {}
+    return tuple((a.name, int(sizes.get(a.name, a.size))) for a in plan.spec.mesh.axes)
+
+
+def lowered_sizes(plan: Plan, sizes: dict[str, int] | None,
+                  mesh: tuple[tuple[str, int], ...]) -> dict[str, int] | None:
+    """Dims and mesh sizes: the plan's, overridden by ``sizes``; None when no dim has a size."""
+    axis_names = {name for name, _ in mesh}
+    dims = dict(plan.spec.dims)
+    dims.update({k: v for k, v in (plan.sizes or ()) if k not in axis_names})
+    dims.update({k: int(v) for k, v in (sizes or {}).items() if k not in axis_names})
+    if not dims:
+        return None
+    merged = {**dims, **dict(mesh)}
+    _check_divisible(plan, merged)
+    return merged
+
+
+def _check_divisible(plan: Plan, sizes: dict[str, int]) -> None:
+    for step in plan.forward + plan.backward:
+        for ref in (step.dst, *step.operands, *([step.src] if step.src else [])):
+            for d in ref.dims:
+                if d.name not in sizes:
+                    continue
+                shards = int(np.prod([sizes[a] for a in d.axes])) if d.axes else 1
+                if sizes[d.name] % shards:
+                    raise ShardcError(f"{d.name}={sizes[d.name]} is not divisible by the {shards} "
+                                      f"shards of {ref}", fix=f"make {d.name} a multiple of {shards}")
+
+
+def check_devices(mesh: tuple[tuple[str, int], ...]) -> None:
+    """A mesh larger than the devices present is an error that says how to emulate them."""
+    import jax
+
+    needed = int(np.prod([size for _, size in mesh]))
+    present = jax.device_count()
+    if present < needed:
+        text = ", ".join(f"{n}={s}" for n, s in mesh)
+        raise ShardcError(
+            f"the mesh {text} needs {needed} devices but jax sees {present} "
+            f"({jax.default_backend()})",
+            fix=f"on a CPU, emulate devices: set XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{needed} in the environment before jax is imported (e.g. `XLA_FLAGS=... python ...`), "
+                "or shrink the mesh with --set AXIS=SIZE")
+
+
+def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: str = "default",
+          **options: Any) -> Lowered:
+    """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process."""
+    plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, sizes, save, options)
+    mesh = lowered_mesh(plan, sizes)
+    full = lowered_sizes(plan, sizes, mesh)
+    module = generate(plan, mesh, full)
+    check_devices(mesh)
+    namespace = load_module(module.source, plan.spec.filename or "spec")
+    return Lowered(plan, module, namespace, full)
+
+
+def _plan(spec: Spec, sizes: dict[str, int] | None, save: str, options: dict[str, Any]) -> Plan:
+    from shardc.plan.planner import plan as make_plan
+    from shardc.spec.overrides import apply_overrides
+
+    if sizes:
+        spec = apply_overrides(spec, dict(sizes))
+    return make_plan(spec, save=save, **options)
+
+
+_loaded = 0
+
+
+def load_module(source: str, name: str) -> types.ModuleType:
+    """Execute generated source as a module; its lines show in tracebacks."""
+    global _loaded
+    _loaded += 1
+    filename = f"<shardc-lowered-{_loaded}:{name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(f"shardc_lowered_{_loaded}")
+    module.__file__ = filename
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return module

@@ -1,0 +1,288 @@
+"""Plan -> the text of a readable JAX module (no jax import here).
+
+Each phase of the plan becomes one per-device function run under
+``jax.shard_map``: every step is one line (a collective, a ``jnp.einsum``, an
+elementwise call), commented with the sharded tensor it makes and its local
+shape.  Values cross the phase boundary as global arrays whose
+``PartitionSpec`` is the value's layout; a value unreduced over axes ``U``
+travels stacked (a leading dim sharded over ``U`` holding each device's partial
+sum), so the boundary never hides a reduction the plan did not make.
+
+Gathers use ``to="invarying"``: a gathered value is the same on every device of
+the gathered axes, and saying so lets ``shard_map``'s replication check (on)
+accept it in replicated ``out_specs``.
+"""
+
+from __future__ import annotations
+
+import keyword
+from dataclasses import dataclass
+
+from shardc.errors import ShardcError
+from shardc.lower.functions import function
+from shardc.plan.ir import Op, Plan, Step
+from shardc.spec.ir import TensorRef
+from shardc.lower import template
+
+__all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]
+
+_RESERVED = set(keyword.kwlist) | {"jax", "jnp", "P", "np", "math", "functools", "AxisType",
+                                   "NamedSharding", "shard_slice", "forward", "grad", "programs",
+                                   "make_mesh", "inputs", "cotangent", "main"}
+_COMMENT_COLUMN = 80  # code wider than this pushes only its own comment right
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A value entering or leaving a phase: its dict key, variable and sharded ref."""
+
+    key: str
+    var: str
+    ref: TensorRef
+
+    @property
+    def stacked(self) -> bool:
+        return bool(self.ref.unreduced)
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    inputs: tuple[Boundary, ...]
+    outputs: tuple[Boundary, ...]
+    body: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Module:
+    source: str
+    mesh: tuple[tuple[str, int], ...]
+    sizes: dict[str, int] | None  # dims and mesh sizes, when known
+    forward: Phase
+    backward: Phase
+    results: tuple[str, ...]  # forward() keys: every statement's result
+    cotangents: dict[str, str]  # d<Out> -> Out
+    grads: dict[str, str]  # input or param name -> its gradient's name
+
+
+def pspec(ref: TensorRef) -> str:
+    """The PartitionSpec source of a value (stacked partial sums lead when unreduced)."""
+    entries = [_axes_entry(ref.unreduced)] if ref.unreduced else []
+    entries += [_axes_entry(d.axes) if d.axes else "None" for d in ref.dims]
+    return "P(" + ", ".join(entries) + ")"
+
+
+def _axes_entry(axes: tuple[str, ...]) -> str:
+    return repr(axes[0]) if len(axes) == 1 else "(" + ", ".join(repr(a) for a in axes) + ")"
+
+
+def local_shape_text(ref: TensorRef, sizes: dict[str, int] | None) -> str:
+    """``[B/X, D]``, and ``= [2, 8]`` once sizes are known."""
+    parts = [d.name + ("/" + "".join(d.axes) if d.axes and all(len(a) == 1 for a in d.axes)
+                       else "/(" + "*".join(d.axes) + ")" if d.axes else "") for d in ref.dims]
+    text = "[" + ", ".join(parts) + "]"
+    if sizes is not None and all(d.name in sizes for d in ref.dims):
+        nums = []
+        for d in ref.dims:
+            n = sizes[d.name]
+            for a in d.axes:
+                n //= sizes.get(a, 1)
+            nums.append(str(n))
+        text += " = [" + ", ".join(nums) + "]"
+    return text
+
+
+class _Namer:
+    """One Python name per value, shared by both phases so residuals keep theirs."""
+
+    def __init__(self, declared: dict[str, TensorRef]) -> None:
+        self.declared = declared
+        self.names: dict[TensorRef, str] = {}
+        self.used: set[str] = set(_RESERVED)
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, ref: TensorRef) -> str:
+        key = TensorRef(ref.name, ref.dims, ref.unreduced)
+        if key in self.names:
+            return self.names[key]
+        # a tensor's own name goes to its declared value, or to its first value if none is declared
+        own = self.declared.get(ref.name, key) == key
+        name = ref.name if own and ref.name not in self.used else ""
+        while not name or name in self.used:
+            self.counts[ref.name] = self.counts.get(ref.name, 0) + 1
+            name = f"{ref.name}_{self.counts[ref.name]}"
+        self.used.add(name)
+        self.names[key] = name
+        return name
+
+
+def _letters(plan: Plan) -> dict[str, str]:
+    """One einsum letter per index name, its own lower-case initial when free."""
+    indices: list[str] = []
+    for step in plan.forward + plan.backward:
+        for ref in (step.dst, *step.operands):
+            indices += [i for i in ref.indices if i not in indices]
+    letters: dict[str, str] = {}
+    pool = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"]
+    for index in indices:
+        first = index[0].lower()
+        letter = first if first in pool else (index[0].upper() if index[0].upper() in pool else pool[0])
+        if not pool:
+            raise ShardcError("more than 52 index names in one plan", fix="use fewer index names")
+        pool.remove(letter)
+        letters[index] = letter
+    return letters
+
+
+def _check_einsum(step: Step, number: int, phase: str) -> None:
+    """The planner's promise for a local einsum: every index sharded alike wherever it appears."""
+    layouts: dict[str, tuple[str, ...]] = {}
+    for ref in step.operands:
+        for d in ref.dims:
+            if layouts.setdefault(d.name, d.axes) != d.axes:
+                raise ShardcError(f"{phase} step {number} ({step.dst}): index {d.name} is sharded "
+                                  f"differently in the operands of a local einsum",
+                                  fix="this is a planner bug: report the spec")
+    for d in step.dst.dims:
+        if d.name in layouts and layouts[d.name] != d.axes:
+            raise ShardcError(f"{phase} step {number} ({step.dst}): result index {d.name} is not "
+                              f"sharded like its operands", fix="this is a planner bug: report the spec")
+
+
+def _step_code(step: Step, var: _Namer, letters: dict[str, str]) -> str:
+    """One step as one line of Python (without the comment)."""
+    src = var(step.src) if step.src is not None else ""
+    axes = _axes_entry(step.axes) if step.axes else ""
+    if step.op is Op.ALL_GATHER:
+        return f"jax.lax.all_gather({src}, {axes}, axis={step.dim}, tiled=True, to='invarying')"
+    if step.op is Op.REDUCE_SCATTER:
+        return f"jax.lax.psum_scatter({src}, {axes}, scatter_dimension={step.dim}, tiled=True)"
+    if step.op is Op.ALL_REDUCE:
+        return f"jax.lax.psum({src}, {axes})"
+    if step.op is Op.ALL_TO_ALL:
+        return (f"jax.lax.all_to_all({src}, {axes}, split_axis={step.dim}, "
+                f"concat_axis={step.dim2}, tiled=True)")
+    if step.op is Op.SLICE:
+        return f"shard_slice({src}, {axes}, dim={step.dim})"
+    if step.op is Op.EINSUM:
+        ins = ",".join("".join(letters[i] for i in ref.indices) for ref in step.operands)
+        out = "".join(letters[i] for i in step.dst.indices)
+        args = ", ".join(var(ref) for ref in step.operands)
+        return f"jnp.einsum('{ins}->{out}', {args})"
+    return _elementwise_code(step, var)
+
+
+def _elementwise_code(step: Step, var: _Namer) -> str:
+    fn = step.fn or ""
+    args = [var(ref) for ref in step.operands]
+    if fn == "add":
+        return " + ".join(args)
+    if fn.endswith("_vjp"):
+        jax_fn = function(fn[: -len("_vjp")]).jax
+        return f"jax.vjp({jax_fn}, {args[0]})[1]({args[1]})[0]"
+    return f"{function(fn).jax}({args[0]})"
+
+
+def _reads(step: Step) -> tuple[TensorRef, ...]:
+    return step.operands if step.op in (Op.EINSUM, Op.ELEMENTWISE) else (step.src,) if step.src else ()
+
+
+def _key(ref: TensorRef) -> TensorRef:
+    return TensorRef(ref.name, ref.dims, ref.unreduced)
+
+
+def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Namer,
+          letters: dict[str, str], sizes: dict[str, int] | None) -> tuple[list[str], set[TensorRef]]:
+    """The lines of one phase; ``ready`` holds the values available at its start."""
+    lines: list[tuple[str, str]] = []
+    made = set(ready)
+    for number, step in enumerate(steps, 1):
+        for ref in _reads(step):
+            if _key(ref) not in made:
+                raise ShardcError(f"{phase} step {number} ({step.op.title} -> {step.dst}) reads "
+                                  f"{ref}, which no earlier step makes",
+                                  fix="this is a planner bug: report the spec")
+        if step.op is Op.EINSUM:
+            _check_einsum(step, number, phase)
+        code = f"{var(step.dst)} = {_step_code(step, var, letters)}"
+        lines.append((code, f"# {step.dst}  {local_shape_text(step.dst, sizes)}"))
+        made.add(_key(step.dst))
+    width = min(max((len(code) for code, _ in lines), default=0), _COMMENT_COLUMN)
+    return [f"{code.ljust(width)}  {comment}" for code, comment in lines], made
+
+
+def _external_reads(steps: tuple[Step, ...]) -> list[TensorRef]:
+    """Values a phase reads before (or without) making them, in first-read order."""
+    made: set[TensorRef] = set()
+    external: list[TensorRef] = []
+    for step in steps:
+        for ref in map(_key, _reads(step)):
+            if ref not in made and ref not in external:
+                external.append(ref)
+        made.add(_key(step.dst))
+    return external
+
+
+def _declared(plan: Plan) -> dict[str, TensorRef]:
+    refs = {info.name: _key(info.ref) for info in plan.tensors}
+    refs.update({r.name: _key(r) for r in plan.cotangents + plan.grads})
+    return refs
+
+
+def _forward_phase(plan: Plan, var: _Namer, letters: dict[str, str], sizes: dict[str, int] | None,
+                   needed: list[TensorRef]) -> tuple[Phase, tuple[str, ...]]:
+    entry = [info for info in plan.tensors if info.role in ("input", "param")]
+    ready = {_key(info.ref) for info in entry}
+    lines, made = _body("forward", plan.forward, ready, var, letters, sizes)
+    results = [info for info in plan.tensors if info.role not in ("input", "param")]
+    outputs = [Boundary(info.name, var(info.ref), _key(info.ref)) for info in results]
+    for info in results:
+        if _key(info.ref) not in made:
+            raise ShardcError(f"the forward never makes {info.ref}, the result the spec declares",
+                              fix="this is a planner bug: report the spec")
+    kept = {b.ref for b in outputs} | ready
+    outputs += [Boundary(var(r), var(r), r) for r in needed if r not in kept and r in made]
+    inputs = tuple(Boundary(info.name, var(info.ref), _key(info.ref)) for info in entry)
+    return Phase("forward", inputs, tuple(outputs), tuple(lines)), tuple(info.name for info in results)
+
+
+def _backward_phase(plan: Plan, var: _Namer, letters: dict[str, str], sizes: dict[str, int] | None,
+                    forward: Phase, external: list[TensorRef]) -> Phase:
+    inputs = {b.ref: b for b in forward.inputs}
+    inputs.update({b.ref: b for b in forward.outputs})
+    inputs.update({_key(c): Boundary(c.name, var(c), _key(c)) for c in plan.cotangents})
+    missing = [r for r in external if r not in inputs]
+    if missing:
+        raise ShardcError(f"the backward reads {missing[0]}, which neither the forward nor the "
+                          "inputs, residuals or cotangents provide",
+                          fix="this is a planner bug: report the spec")
+    used = [inputs[r] for r in external]
+    used += [inputs[_key(c)] for c in plan.cotangents if inputs[_key(c)] not in used]
+    lines, made = _body("backward", plan.backward, {b.ref for b in used}, var, letters, sizes)
+    for g in plan.grads:
+        if _key(g) not in made:
+            raise ShardcError(f"the backward never makes {g}", fix="this is a planner bug: report the spec")
+    outputs = tuple(Boundary(g.name, var(g), _key(g)) for g in plan.grads)
+    return Phase("backward", tuple(used), outputs, tuple(lines))
+
+
+def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int] | None,
+             title: str = "") -> Module:
+    """The module for ``plan`` on ``mesh`` (axis sizes may differ from the spec's)."""
+    for info in plan.tensors:
+        if info.role in ("input", "param") and info.ref.unreduced:
+            raise ShardcError(f"{info.ref}: an input declared unreduced cannot be lowered",
+                              fix="declare inputs and params without {U_...}")
+    var = _Namer(_declared(plan))
+    letters = _letters(plan)
+    external = _external_reads(plan.backward)
+    forward, results = _forward_phase(plan, var, letters, sizes, external)
+    backward = _backward_phase(plan, var, letters, sizes, forward, external)
+    cotangents = {c.name: _primal(c.name) for c in plan.cotangents}
+    grads = {_primal(g.name): g.name for g in plan.grads}
+    source = template.render(plan, title, mesh, sizes, forward, backward, results, cotangents, grads)
+    return Module(source, mesh, sizes, forward, backward, results, cotangents, grads)
+
+
+def _primal(name: str) -> str:
+    return name[1:] if name.startswith("d") else name

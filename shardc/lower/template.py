@@ -1,0 +1,208 @@
+"""The fixed parts of a generated module, around the two phase bodies.
+
+Kept apart from :mod:`shardc.lower.codegen` so the shape of the emitted file
+is readable in one place.  Everything here is text; nothing imports jax.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardc.lower.codegen import Phase
+    from shardc.plan.ir import Plan
+
+__all__ = ["render"]
+
+_HEADER = '''\
+"""{title}
+
+Lowered by shardc from {filename} (save={save}).  Mesh {mesh_text}: {devices} devices.
+
+    forward(inputs)          -> {results}
+    grad(inputs, cotangent)  -> {grads}
+
+Both take and return dicts of global arrays keyed by tensor name (inputs: {inputs};
+cotangent: {cotangents}).  ``forward`` is a ``jax.custom_vjp``: ``jax.grad`` of a
+function of its outputs runs the planned backward below (cotangents of results
+that are read by a later statement are not propagated: the plan differentiates
+the outputs).  Each phase is one ``shard_map``; every line is one step of the plan,
+commented with the sharded tensor it makes and its local (per-device) shape.
+
+On a CPU, emulate the devices with
+XLA_FLAGS=--xla_force_host_platform_device_count={devices} set before jax is imported.
+On several hosts, call ``jax.distributed.initialize()`` first; the code is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = {mesh_dict}  # name -> size, major to minor
+'''
+
+_HELPERS = '''
+
+def make_mesh() -> jax.sharding.Mesh:
+    """The device mesh (Auto axes: jit reshards arguments that arrive laid out otherwise)."""
+    shape, names = tuple(MESH_AXES.values()), tuple(MESH_AXES)
+    needed = math.prod(shape)
+    if jax.device_count() < needed:
+        raise RuntimeError(
+            f"the mesh needs {{needed}} devices but jax sees {{jax.device_count()}}; on a CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={{needed}} before jax is imported")
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def shard_slice(x, axes, dim):
+    """This device's block of ``x`` along ``dim`` over mesh ``axes``: free, no communication."""
+    size = x.shape[dim] // jax.lax.axis_size(axes)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, axis=dim)
+'''
+
+_DRIVER = '''
+
+@functools.cache
+def programs():
+    """The mesh and each phase as ``jit(shard_map(...))``, compiled on first call."""
+    mesh = make_mesh()
+    fwd = jax.jit(jax.shard_map(forward_local, mesh=mesh, in_specs=tuple(FORWARD_IN.values()),
+                                out_specs=tuple(FORWARD_OUT.values())))
+    bwd = jax.jit(jax.shard_map(backward_local, mesh=mesh, in_specs=tuple(BACKWARD_IN.values()),
+                                out_specs=tuple(BACKWARD_OUT.values())))
+    return mesh, fwd, bwd
+
+
+def _put(x, spec, mesh):
+    """A global array laid out as ``spec`` (host arrays are placed piece by piece,
+    which also works when the mesh spans several processes)."""
+    sharding = NamedSharding(mesh, spec)
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def run_forward(inputs):
+    """Every forward value leaving the shard_map: results and residuals (stacked when unreduced)."""
+    mesh, fwd, _ = programs()
+    args = [_put(inputs[key], spec, mesh) for key, spec in FORWARD_IN.items()]
+    return dict(zip(FORWARD_OUT, fwd(*args)))
+
+
+def run_backward(inputs, saved, cotangent):
+    """The planned backward from the inputs, the forward's values and the cotangents."""
+    mesh, _, bwd = programs()
+    pool = {{**inputs, **saved, **cotangent}}
+    args = [_put(pool[key], spec, mesh) for key, spec in BACKWARD_IN.items()]
+    return dict(zip(BACKWARD_OUT, bwd(*args)))
+
+
+def _results(saved):
+    # partial sums travel stacked; a result declared unreduced is returned summed
+    return {{key: saved[key].sum(axis=0) if key in STACKED else saved[key] for key in RESULTS}}
+
+
+@jax.custom_vjp
+def forward(inputs):
+    """Every statement's result, as global arrays keyed by tensor name."""
+    return _results(run_forward(inputs))
+
+
+def _forward_fwd(inputs):
+    saved = run_forward(inputs)
+    return _results(saved), (inputs, saved)
+
+
+def _forward_bwd(residuals, cotangent):
+    inputs, saved = residuals
+    grads = run_backward(inputs, saved, {{name: cotangent[out] for name, out in COTANGENTS.items()}})
+    # inputs without a planned gradient (not params, not the first input) get zeros (None)
+    return ({{name: grads.get(GRADS.get(name, "")) for name in inputs}},)
+
+
+forward.defvjp(_forward_fwd, _forward_bwd)
+
+
+def grad(inputs, cotangent):
+    """d<Name> for each param and the first input; ``cotangent`` keyed by d<Out> (or Out)."""
+    cot = {{name: cotangent[name] if name in cotangent else cotangent[out]
+           for name, out in COTANGENTS.items()}}
+    return run_backward(inputs, run_forward(inputs), cot)
+'''
+
+_MAIN = '''
+
+if __name__ == "__main__":
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    inputs = {{name: rng.standard_normal([DIMS[d] for d in dims], dtype=np.float32)
+              for name, dims in INPUT_DIMS.items()}}
+    outputs = forward(inputs)
+    cotangent = {{name: np.ones(outputs[out].shape, np.float32) for name, out in COTANGENTS.items()}}
+    for name, value in {{**outputs, **grad(inputs, cotangent)}}.items():
+        print(f"{{name:>12}} {{value.shape}} {{value.sharding.spec}}")
+'''
+
+
+def _specs(name: str, boundaries: tuple[object, ...]) -> str:
+    from shardc.lower.codegen import pspec
+
+    rows = [f"    {b.key!r}: {pspec(b.ref)},  # {b.ref}" for b in boundaries]  # type: ignore[attr-defined]
+    return f"{name} = {{\n" + "\n".join(rows) + "\n}\n"
+
+
+def _function(phase: Phase) -> str:
+    params = ", ".join(b.var for b in phase.inputs)
+    lines = [f"def {phase.name}_local({params}):",
+             f'    """The {phase.name} on one device: local blocks in, local blocks out."""']
+    for b in phase.inputs:
+        if b.stacked:
+            lines.append(f"    {b.var} = {b.var}[0]  # this device's partial sum of {b.ref}")
+    lines += ["    " + line for line in phase.body]
+    outs = [f"{b.var}[None]" if b.stacked else b.var for b in phase.outputs]
+    lines.append("    return (" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")")
+    return "\n".join(lines) + "\n"
+
+
+def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int] | None,
+           forward: Phase, backward: Phase, results: tuple[str, ...], cotangents: dict[str, str],
+           grads: dict[str, str]) -> str:
+    """The whole module text."""
+    devices = 1
+    for _, size in mesh:
+        devices *= size
+    spec = plan.spec
+    text = _HEADER.format(
+        title=title or "A sharded einsum chain, lowered to JAX shard_map.",
+        filename=spec.filename or "<spec>", save=plan.save,
+        mesh_text=", ".join(f"{n}={s}" for n, s in mesh), devices=devices,
+        results=", ".join(results), grads=", ".join(grads.values()),
+        inputs=", ".join(b.key for b in forward.inputs), cotangents=", ".join(cotangents),
+        mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in mesh) + "}")
+    text += _HELPERS.format()
+    text += "\n\n# ---- forward " + "-" * 60 + "\n\n" + _specs("FORWARD_IN", forward.inputs)
+    text += _specs("FORWARD_OUT", forward.outputs)
+    text += f"RESULTS = {tuple(results)!r}  # forward() returns these; the rest are residuals\n"
+    stacked = sorted(b.key for b in forward.outputs if b.stacked)
+    text += f"STACKED = frozenset({stacked!r})  # unreduced values: leading dim = partial sums\n\n\n"
+    text += _function(forward)
+    text += "\n\n# ---- backward " + "-" * 59 + "\n\n" + _specs("BACKWARD_IN", backward.inputs)
+    text += _specs("BACKWARD_OUT", backward.outputs)
+    text += f"COTANGENTS = {cotangents!r}  # d<Out> -> Out\n"
+    text += f"GRADS = {grads!r}  # tensor -> its gradient\n\n\n"
+    text += _function(backward)
+    text += "\n\n# ---- driver " + "-" * 61 + "\n" + _DRIVER.format()
+    if sizes is not None and all(d.name in sizes for b in forward.inputs for d in b.ref.dims):
+        dims = sorted({d.name for b in forward.inputs for d in b.ref.dims})
+        text += "\n\nDIMS = {" + ", ".join(f"{d!r}: {sizes[d]}" for d in dims) + "}  # example sizes\n"
+        text += "INPUT_DIMS = {" + ", ".join(
+            f"{b.key!r}: {tuple(d.name for d in b.ref.dims)!r}" for b in forward.inputs) + "}\n"
+        text += _MAIN.format()
+    return text
