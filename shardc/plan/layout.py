@@ -23,7 +23,6 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 from shardc.plan.ir import Monomial, Op
 from shardc.spec.ir import Dim, DType, Mesh, Network, TensorRef
@@ -109,11 +108,15 @@ class CostContext:
         slow = any(self.mesh.axis(a).network is Network.DCN for a in axes)
         return (W_DCN if slow else W_ICI) * len(axes)
 
+    def seconds(self, op: Op, volume: Monomial, axes: tuple[str, ...]) -> float:
+        """Bandwidth time of one collective (design section 3), on the planning hardware."""
+        factor = {Op.ALL_REDUCE: 2.0, Op.ALL_TO_ALL: 0.25}.get(op, 1.0)
+        return factor * self.evaluate(volume) / self.bandwidth(axes)
+
     def move_cost(self, move: Move, tensor: str) -> Cost:
         if move.volume is None:
             return ZERO
-        factor = {Op.ALL_REDUCE: 2.0, Op.ALL_TO_ALL: 0.25}.get(move.op, 1.0)
-        seconds = factor * self.evaluate(move.volume) / self.bandwidth(move.axes)
+        seconds = self.seconds(move.op, move.volume, move.axes)
         return (seconds, 1, 0 if tensor in self.weights else 1)
 
     def divides(self, index: str, axes: tuple[str, ...]) -> bool:
@@ -198,35 +201,42 @@ def reshard(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Iterab
 
 def _dijkstra(ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple[Value, ...],
               target: Value) -> tuple[Cost, tuple[Move, ...]]:
-    best: dict[Value, Cost] = {s: ZERO for s in starts}
-    back: dict[Value, Move] = {}
+    """States are (value, axes sliced on the way): a sliced axis is never gathered or moved again.
+
+    Under the bandwidth model a collective over more axes is faster, so without
+    this the cheapest path would slice a replicated axis only to gather over it
+    as well; that moves the same bytes over more links, not fewer bytes.
+    """
+    State = tuple[Value, frozenset[str]]
+    best: dict[State, Cost] = {(s, frozenset()): ZERO for s in starts}
+    back: dict[State, tuple[Move, State]] = {}
     tie = itertools.count()  # keeps heap entries comparable without comparing Values
-    heap: list[tuple[Cost, int, Value]] = [(ZERO, next(tie), s) for s in starts]
+    heap: list[tuple[Cost, int, State]] = [(ZERO, next(tie), (s, frozenset())) for s in starts]
     heapq.heapify(heap)
     while heap:
-        cost, _, v = heapq.heappop(heap)
-        if cost > best.get(v, cost):
+        cost, _, state = heapq.heappop(heap)
+        if cost > best.get(state, cost):
             continue
+        v, sliced = state
         if v == target:
-            return cost, _path(back, v, starts)
+            return cost, _path(back, state)
         for move in neighbours(ctx, idx, v):
+            if move.op in (Op.ALL_GATHER, Op.ALL_TO_ALL) and sliced & set(move.axes):
+                continue
+            nxt = (move.dst, sliced | frozenset(move.axes) if move.op is Op.SLICE else sliced)
             new = add_cost(cost, ctx.move_cost(move, tensor))
-            if new < best.get(move.dst, (float("inf"), 0, 0)):
-                best[move.dst] = new
-                back[move.dst] = move
-                heapq.heappush(heap, (new, next(tie), move.dst))
+            if new < best.get(nxt, (float("inf"), 0, 0)):
+                best[nxt] = new
+                back[nxt] = (move, state)
+                heapq.heappush(heap, (new, next(tie), nxt))
     raise ValueError(f"no moves reach {target} for {tensor}")  # a planner bug, not a user error
 
 
-def _path(back: dict[Value, Move], end: Value, starts: tuple[Value, ...]) -> tuple[Move, ...]:
+def _path(back: dict[tuple[Value, frozenset[str]], tuple[Move, tuple[Value, frozenset[str]]]],
+          end: tuple[Value, frozenset[str]]) -> tuple[Move, ...]:
     moves: list[Move] = []
-    v = end
-    while v not in starts:
-        move = back[v]
+    state = end
+    while state in back:
+        move, state = back[state]
         moves.append(move)
-        v = move.src
     return tuple(reversed(moves))
-
-
-def fraction_str(x: Fraction) -> str:
-    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"

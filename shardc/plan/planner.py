@@ -23,16 +23,23 @@ from shardc.spec.ir import Spec, TensorRef
 __all__ = ["plan", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
+STRATEGIES = ("auto", "search", "rules")
 
 
-def plan(spec: Spec, save: str = "default") -> Plan:
-    """Plan ``spec``: cost-based with ``dims``, by the seeds' rules without."""
+def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
+    """Plan ``spec``: by least communication time with ``dims``, by the seeds' rules without.
+
+    ``strategy="rules"`` applies the seeds' rules even when sizes are known (the
+    baseline the search is measured against); ``"search"`` is the default with dims.
+    """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
+    if strategy not in STRATEGIES:
+        raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     graph = build_graph(spec)
-    sized = bool(spec.dims)
+    sized = bool(spec.dims) and strategy != "rules"
     grads = frozenset(f"d{p}" for p in graph.params)
-    ctx = CostContext(spec.mesh, spec.dtype, spec.sizes if sized else None, graph.params | grads)
+    ctx = CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
     for name in graph.inputs:
@@ -40,7 +47,7 @@ def plan(spec: Spec, save: str = "default") -> Plan:
     _plan_forward(forward, graph, declared)
     backward = plan_backward(graph, forward, declared, save)
     sizes = None
-    if sized:
+    if spec.dims:
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
     return Plan(
         spec=spec,

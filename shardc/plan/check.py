@@ -1,0 +1,157 @@
+"""Replay a plan and check it: the invariants a planned step must keep.
+
+This is the planner's own referee, and the property tests' oracle: every step
+reads only values its phase holds, every collective does exactly what its op
+says to its source (design section 2's moves, at the minor end of a dim), every
+local einsum is valid (the four cases of sharded matmul), volumes are the bytes
+of design section 3, and each phase ends holding what it promised: the declared
+results in the forward, every gradient in its primal's sharding in the backward.
+
+>>> import shardc
+>>> from shardc.plan.check import check_plan
+>>> check_plan(shardc.plan(shardc.parse("mesh X=2\\nC[I, K] = A[I, J_X] · B[J_X, K]\\n")))
+[]
+"""
+
+from __future__ import annotations
+
+from shardc.plan.ir import Monomial, Op, Plan, Step
+from shardc.plan.layout import Value
+from shardc.spec.ir import TensorRef
+
+__all__ = ["check_plan", "replay_step", "comm_time"]
+
+
+def comm_time(plan: Plan) -> float:
+    """Seconds of communication of both phases on the planning hardware (what the search minimises)."""
+    from shardc.plan.layout import CostContext
+
+    ctx = CostContext(plan.spec.mesh, plan.spec.dtype, plan.spec.sizes or None)
+    steps = plan.forward + plan.backward
+    return sum(ctx.seconds(s.op, s.volume, s.axes) for s in steps if s.volume is not None)
+
+
+def _local_bytes(plan: Plan, ref: TensorRef) -> Monomial:
+    den = tuple(a for d in ref.dims for a in d.axes)
+    return Monomial.of(plan.spec.dtype.nbytes, num=ref.indices, den=den)
+
+
+def _drop_suffix(ref: TensorRef, dim: int, axes: tuple[str, ...]) -> TensorRef | None:
+    have = ref.dims[dim].axes
+    if len(axes) == 0 or have[len(have) - len(axes):] != axes:
+        return None
+    return _with_dim(ref, dim, have[: len(have) - len(axes)])
+
+
+def _with_dim(ref: TensorRef, dim: int, axes: tuple[str, ...]) -> TensorRef:
+    dims = list(ref.dims)
+    dims[dim] = type(dims[dim])(dims[dim].name, axes)
+    return TensorRef(ref.name, tuple(dims), ref.unreduced)
+
+
+def _with_unreduced(ref: TensorRef, unreduced: tuple[str, ...]) -> TensorRef:
+    return TensorRef(ref.name, ref.dims, tuple(sorted(unreduced)))
+
+
+def replay_step(plan: Plan, step: Step) -> tuple[TensorRef | None, Monomial | None]:
+    """What a collective or slice makes of its source, and its volume; None if invalid."""
+    src, dim, axes = step.src, step.dim, step.axes
+    if src is None or dim is None and step.op is not Op.ALL_REDUCE:
+        return None, None
+    renamed = TensorRef(step.tensor, src.dims, src.unreduced)
+    if step.op is Op.ALL_GATHER and dim is not None:
+        out = _drop_suffix(renamed, dim, axes)
+        return out, None if out is None else _local_bytes(plan, out)
+    if step.op is Op.SLICE and dim is not None:
+        used = {a for d in src.dims for a in d.axes} | set(src.unreduced)
+        if set(axes) & used:
+            return None, None
+        return _with_dim(renamed, dim, src.dims[dim].axes + axes), None
+    if step.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
+        if not set(axes) <= set(src.unreduced) or not axes:
+            return None, None
+        out = _with_unreduced(renamed, tuple(a for a in src.unreduced if a not in axes))
+        if step.op is Op.REDUCE_SCATTER and dim is not None:
+            out = _with_dim(out, dim, out.dims[dim].axes + axes)
+        return out, _local_bytes(plan, src)
+    if step.op is Op.ALL_TO_ALL and dim is not None and step.dim2 is not None:
+        dropped = _drop_suffix(renamed, step.dim2, axes)
+        if dropped is None or dim == step.dim2:
+            return None, None
+        out = _with_dim(dropped, dim, dropped.dims[dim].axes + axes)
+        return out, _local_bytes(plan, src) * Monomial.of(1, num=axes)
+    return None, None
+
+
+def check_einsum(step: Step) -> str | None:
+    """Why a local einsum is invalid, or None (design section 2's validity)."""
+    ops, out = step.operands, step.dst
+    where = [{a: i for d in op.dims for a in d.axes for i in [d.name]} for op in ops]
+    result_axes = {d.name: d.axes for d in out.dims}
+    contracted: set[str] = set()
+    for op in ops:
+        for d in op.dims:
+            if d.name not in result_axes:
+                others = [o for o in ops if o is not op]
+                for other in others:
+                    match = [x.axes for x in other.dims if x.name == d.name]
+                    if match and match[0] != d.axes:
+                        return f"contracted index {d.name} sharded differently in the operands"
+                contracted |= set(d.axes)
+            elif result_axes[d.name] != d.axes:
+                return f"index {d.name} is {d.axes} in {op.name} but {result_axes[d.name]} in the result"
+    if len(ops) == 2:
+        for axis, index in where[0].items():
+            other = where[1].get(axis)
+            if other is not None and other != index:
+                return f"axis {axis} shards {index} in one operand and {other} in the other"
+        for op in ops:
+            for a in op.unreduced:
+                if any(a in o.unreduced for o in ops if o is not op):
+                    return f"both operands are partial sums over {a}"
+    passed = {a for op in ops for a in op.unreduced}
+    if set(out.unreduced) != contracted | passed:
+        return f"result unreduced over {out.unreduced}, expected {sorted(contracted | passed)}"
+    return None
+
+
+def _held_at_start(plan: Plan) -> tuple[set[TensorRef], set[TensorRef]]:
+    forward = {i.ref for i in plan.tensors if i.role in ("param", "input")}
+    backward = {i.ref for i in plan.tensors} | set(plan.residuals) | set(plan.cotangents)
+    return forward, backward
+
+
+def check_plan(plan: Plan) -> list[str]:
+    """Every problem found replaying ``plan`` (empty when the plan is sound)."""
+    problems: list[str] = []
+    fwd_held, bwd_held = _held_at_start(plan)
+    for phase, steps, held in (("forward", plan.forward, fwd_held), ("backward", plan.backward, bwd_held)):
+        for k, step in enumerate(steps, 1):
+            problems += [f"{phase} {k}: {p}" for p in _check_step(plan, step, held)]
+            held.add(step.dst)
+        if phase == "forward":
+            declared = [i.ref for i in plan.tensors if i.role == "activation"]
+            problems += [f"forward never makes {r}" for r in declared if r not in held]
+    for grad in plan.grads:
+        if grad not in {s.dst for s in plan.backward}:
+            problems.append(f"backward never makes {grad}")
+    return problems
+
+
+def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
+    reads = list(step.operands) + ([step.src] if step.src is not None else [])
+    problems = [f"reads {r}, which is not held" for r in reads if r not in held]
+    if step.op is Op.EINSUM:
+        why = check_einsum(step)
+        return problems + ([f"invalid local einsum {step.dst}: {why}"] if why else [])
+    if step.op is Op.ELEMENTWISE:
+        if any(Value.of(o).layout != Value.of(step.dst).layout and o.indices == step.dst.indices
+               for o in step.operands):
+            problems.append(f"elementwise {step.fn} changes the layout of {step.dst}")
+        return problems
+    out, volume = replay_step(plan, step)
+    if out is None or out != step.dst:
+        problems.append(f"{step.op.title} of {step.src} over {step.axes} does not make {step.dst}")
+    elif volume != step.volume:
+        problems.append(f"{step.op.title} {step.dst}: volume {step.volume}, expected {volume}")
+    return problems
