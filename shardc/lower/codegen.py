@@ -15,14 +15,16 @@ accept it in replicated ``out_specs``.
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 from dataclasses import dataclass
 
 from shardc.errors import ShardcError
-from shardc.lower.functions import function
-from shardc.plan.ir import Op, Plan, Step
-from shardc.spec.ir import TensorRef
 from shardc.lower import template
+from shardc.lower.functions import function
+from shardc.lower.sizes import small_sizes
+from shardc.plan.ir import Op, Plan, Step
+from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]
 
@@ -280,9 +282,16 @@ def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int
     backward = _backward_phase(plan, var, letters, sizes, forward, external)
     cotangents = {c.name: _primal(c.name) for c in plan.cotangents}
     grads = {_primal(g.name): g.name for g in plan.grads}
-    source = template.render(plan, title, mesh, sizes, forward, backward, results, cotangents, grads)
+    demo = small_sizes(_with_mesh(plan, mesh), devices=None)
+    source = template.render(plan, title, mesh, sizes, demo, forward, backward, results, cotangents, grads)
     return Module(source, mesh, sizes, forward, backward, results, cotangents, grads)
 
 
 def _primal(name: str) -> str:
     return name[1:] if name.startswith("d") else name
+
+
+def _with_mesh(plan: Plan, mesh: tuple[tuple[str, int], ...]) -> Plan:
+    axes = tuple(dataclasses.replace(a, size=dict(mesh)[a.name]) for a in plan.spec.mesh.axes)
+    spec = dataclasses.replace(plan.spec, mesh=Mesh(axes))
+    return dataclasses.replace(plan, spec=spec)

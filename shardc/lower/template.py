@@ -172,8 +172,8 @@ def _function(phase: Phase) -> str:
 
 
 def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int] | None,
-           forward: Phase, backward: Phase, results: tuple[str, ...], cotangents: dict[str, str],
-           grads: dict[str, str]) -> str:
+           demo: dict[str, int], forward: Phase, backward: Phase, results: tuple[str, ...],
+           cotangents: dict[str, str], grads: dict[str, str]) -> str:
     """The whole module text."""
     devices = 1
     for _, size in mesh:
@@ -199,9 +199,9 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
     text += f"GRADS = {grads!r}  # tensor -> its gradient\n\n\n"
     text += _function(backward)
     text += "\n\n# ---- driver " + "-" * 61 + "\n" + _DRIVER.format()
-    if sizes is not None and all(d.name in sizes for b in forward.inputs for d in b.ref.dims):
-        dims = sorted({d.name for b in forward.inputs for d in b.ref.dims})
-        text += "\n\nDIMS = {" + ", ".join(f"{d!r}: {sizes[d]}" for d in dims) + "}  # example sizes\n"
+    dims = sorted({d.name for b in forward.inputs for d in b.ref.dims})
+    if all(d in demo for d in dims):
+        text += "\n\nDIMS = {" + ", ".join(f"{d!r}: {demo[d]}" for d in dims) + "}  # small, for a demo run\n"
         text += "INPUT_DIMS = {" + ", ".join(
             f"{b.key!r}: {tuple(d.name for d in b.ref.dims)!r}" for b in forward.inputs) + "}\n"
         text += _MAIN.format()

@@ -1,0 +1,106 @@
+"""The collectives in compiled HLO text: kind, mesh axes, elements moved.
+
+Axes come from the replica groups: each group lists the devices (flattened
+mesh positions, since the mesh's device order is the executable's device
+assignment) that talk to each other; the mesh coordinates that vary across a
+group are the collective's axes, ordered major to minor by how slowly they
+change along the group (the order all-gather concatenates in).  Volume is V of
+design section 3, counted in elements so a caller can price them in the spec's
+dtype (XLA on CPU widens bf16 collectives to f32).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardc.plan.ir import Op
+
+__all__ = ["Collective", "collectives", "parse_replica_groups"]
+
+_KINDS = {"all-gather": Op.ALL_GATHER, "reduce-scatter": Op.REDUCE_SCATTER,
+          "all-reduce": Op.ALL_REDUCE, "all-to-all": Op.ALL_TO_ALL}
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[\w\[\],{}:]+?)\s+"
+                   r"(?P<op>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
+                   r"(?P<start>-start)?\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: Op | None  # None: a collective the plan never makes (collective-permute)
+    hlo_op: str
+    axes: tuple[str, ...]
+    elements: int  # V in elements
+    dtype: str
+    text: str
+
+    def bytes(self, nbytes: int) -> int:
+        return self.elements * nbytes
+
+
+def parse_replica_groups(line: str, devices: int) -> list[list[int]]:
+    """Both spellings: ``{{0,1},{2,3}}`` and the iota form ``[2,2]<=[4]`` (with ``T(...)``)."""
+    iota = _IOTA.search(line)
+    if iota:
+        shape = [int(x) for x in iota.group(1).split(",")]
+        dims = [int(x) for x in iota.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
+        return ids.reshape(shape).tolist()  # type: ignore[no-any-return]
+    listed = _LIST.search(line)
+    if listed and listed.group(1).strip():
+        return [[int(x) for x in g.split(",") if x.strip()]
+                for g in re.findall(r"\{([\d,\s]*)\}", listed.group(1))]
+    return [list(range(devices))]  # no groups: every device
+
+
+def group_axes(group: list[int], mesh: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    """The mesh axes a replica group spans, major to minor along the group."""
+    shape = [size for _, size in mesh]
+    coords = np.array(np.unravel_index(np.array(group), shape)).T  # (members, axes)
+    varying = [k for k in range(len(shape)) if len(set(coords[:, k])) > 1]
+
+    def stride(k: int) -> int:
+        # members between changes of this axis's coordinate: larger = more major
+        changes = np.nonzero(np.diff(coords[:, k]))[0]
+        return int(changes[0]) + 1 if len(changes) else len(group)
+
+    return tuple(mesh[k][0] for k in sorted(varying, key=lambda k: (-stride(k), k)))
+
+
+def _arrays(shape_text: str) -> list[tuple[str, int]]:
+    return [(dt, int(np.prod([int(x) for x in dims.split(",") if x] or [1])))
+            for dt, dims in _ARRAY.findall(shape_text)]
+
+
+def collectives(hlo_text: str, mesh: tuple[tuple[str, int], ...]) -> list[Collective]:
+    """Every collective instruction of a compiled module, in text order."""
+    devices = int(np.prod([size for _, size in mesh]))
+    found: list[Collective] = []
+    for line in hlo_text.splitlines():
+        match = _LINE.match(line)
+        if not match:
+            continue
+        op, arrays = match.group("op"), _arrays(match.group("shape"))
+        if not arrays:
+            continue
+        groups = parse_replica_groups(line, devices)
+        axes = group_axes(groups[0], mesh) if groups and groups[0] else ()
+        group = len(groups[0]) if groups else 1
+        kind = _KINDS.get(op)
+        if match.group("start") and op == "all-gather":
+            arrays = arrays[-1:]  # async start: (operand, result); the result is what counts
+        if kind is Op.ALL_TO_ALL:
+            # the tuple form lists one chunk per peer: together they are the per-device array
+            arrays = [(arrays[0][0], sum(n for _, n in arrays))]
+        for dtype, elements in arrays:  # a combined (tuple) collective counts each array
+            if kind is Op.REDUCE_SCATTER or kind is Op.ALL_TO_ALL:
+                elements *= group  # V: before scattering / per-device bytes times the group
+            found.append(Collective(kind, op, axes, elements, dtype, line.strip()))
+    return found
