@@ -124,7 +124,7 @@ def parse_unchecked(text: str, filename: str | None = None) -> Spec:
     """Parse spec text into IR without the semantic checks of :func:`validate`."""
     if not isinstance(text, str):
         raise ShardcError(f"spec text must be a str, not {type(text).__name__}")
-    lines = text.splitlines() or [""]
+    lines = [line.rstrip("\r") for line in text.split("\n")]  # lark counts lines by newlines only
     _check_nesting(lines, filename)
     _local.lines, _local.filename = lines, filename
     try:

@@ -1,0 +1,222 @@
+"""Hypothesis strategies for shardc specs, for your own property tests.
+
+Every strategy builds valid IR (``validate`` accepts it, ``parse(str(x)) == x``).
+Importing this module pulls in hypothesis but not jax or sympy.
+
+>>> from hypothesis import given
+>>> from shardc.spec.parser import parse
+>>> @given(specs())
+... def test_round_trip(spec):
+...     assert parse(str(spec)) == spec
+>>> test_round_trip()
+
+>>> @given(meshes(max_devices=8))
+... def test_small_mesh(mesh):
+...     assert mesh.devices <= 8
+>>> test_small_mesh()
+
+Narrow what you get with keywords, e.g. ``specs(calls=False, unreduced=False)``
+for plain contractions, ``specs(mesh=Mesh((MeshAxis("X", 8),)), dims=True)`` for
+a fixed mesh with sizes. ``shardings(("B", "D"), mesh)`` draws the dims of one
+tensor reference (each mesh axis at most once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
+
+from shardc.spec.functions import FUNCTIONS
+from shardc.spec.ir import (
+    Call,
+    Contract,
+    Dim,
+    DType,
+    Expr,
+    Mesh,
+    MeshAxis,
+    Network,
+    Spec,
+    Statement,
+    TensorRef,
+)
+
+__all__ = ["meshes", "shardings", "tensor_refs", "specs", "spec_texts"]
+
+ONE_LETTER_AXES = ("X", "Y", "Z", "P", "Q")
+LONG_AXES = ("data", "model", "pipe", "expert")
+INDEX_NAMES = ("B", "D", "F", "I", "J", "K", "M", "N", "S", "H", "E", "Seq", "V2")
+INPUT_NAMES = ("In", "W", "W_in", "W_out", "x", "emb", "A", "Bias")
+OPS = ("·", "@", "*", "×")
+HARDWARE = ("tpu-v5p", "tpu-v5e", "h100")
+
+
+@st.composite
+def meshes(draw: st.DrawFn, max_axes: int = 3, max_devices: int = 64, long_names: bool | None = None,
+           dcn: bool = True) -> Mesh:
+    """A mesh of 1..max_axes axes (one-letter and/or long names) with at most ``max_devices`` devices."""
+    pool = {None: ONE_LETTER_AXES + LONG_AXES, True: LONG_AXES, False: ONE_LETTER_AXES}[long_names]
+    names = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=min(max_axes, len(pool)), unique=True))
+    axes: list[MeshAxis] = []
+    devices = 1
+    for name in names:
+        size = draw(st.sampled_from([s for s in (1, 2, 4, 8) if devices * s <= max_devices]))
+        devices *= size
+        slow = dcn and draw(st.integers(0, 5)) == 0
+        axes.append(MeshAxis(name, size, Network.DCN if slow else Network.ICI))
+    return Mesh(tuple(axes))
+
+
+@st.composite
+def shardings(draw: st.DrawFn, indices: tuple[str, ...] | list[str], mesh: Mesh,
+              exclude: tuple[str, ...] = ()) -> tuple[Dim, ...]:
+    """Dims for ``indices``: each mesh axis (not in ``exclude``) shards at most one dim, in a random order."""
+    owned: list[list[str]] = [[] for _ in indices]
+    for axis in draw(st.permutations(mesh.names)):
+        if axis in exclude or not indices:
+            continue
+        owner = draw(st.integers(-1, len(indices) - 1))  # -1: the axis shards nothing
+        if owner >= 0:
+            owned[owner].append(axis)
+    return tuple(Dim(name, tuple(axes)) for name, axes in zip(indices, owned, strict=True))
+
+
+@st.composite
+def tensor_refs(draw: st.DrawFn, name: str, indices: tuple[str, ...] | list[str], mesh: Mesh,
+                unreduced: bool = False) -> TensorRef:
+    """A reference ``name[...]``, with an optional ``{U_..}`` over axes its dims do not use."""
+    dims = draw(shardings(indices, mesh))
+    partial: tuple[str, ...] = ()
+    if unreduced and draw(st.integers(0, 3)) == 0:
+        free = [a for a in mesh.names if all(a not in d.axes for d in dims)]
+        partial = tuple(draw(st.lists(st.sampled_from(free), unique=True, max_size=2))) if free else ()
+    return TensorRef(name, dims, partial)
+
+
+@dataclass
+class _State:
+    """What a spec under construction has so far: readable tensors and name counters."""
+
+    mesh: Mesh
+    unreduced: bool
+    tensors: dict[str, TensorRef] = field(default_factory=dict)
+    defined: set[str] = field(default_factory=set)
+    counter: int = 0
+
+    def fresh(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}{self.counter}"
+
+
+def _input(draw: st.DrawFn, state: _State, indices: list[str]) -> TensorRef:
+    ref = draw(tensor_refs(state.fresh(draw(st.sampled_from(INPUT_NAMES))), indices, state.mesh))
+    state.tensors[ref.name] = ref
+    return ref
+
+
+def _index_lists(exclude: list[str] | tuple[str, ...] = ()) -> st.SearchStrategy[list[str]]:
+    return st.lists(st.sampled_from([i for i in INDEX_NAMES if i not in exclude]), max_size=3, unique=True)
+
+
+def _existing_or_none(draw: st.DrawFn, state: _State) -> TensorRef | None:
+    if not state.tensors or not draw(st.booleans()):
+        return None
+    return state.tensors[draw(st.sampled_from(sorted(state.tensors)))]
+
+
+def _contraction(draw: st.DrawFn, state: _State, count: int) -> tuple[Contract, list[str]]:
+    """``count`` operands whose indices are contracted, batch or free; returns the result's indices."""
+    first = _existing_or_none(draw, state)
+    fixed = list(first.indices) if first else draw(_index_lists())
+    owners: list[list[str]] = [[] for _ in range(count - 1)]  # indices of operands 1..count-1
+    result: list[str] = []
+    extra = draw(_index_lists(exclude=fixed))
+    for index in fixed + extra:
+        others = draw(st.sets(st.integers(0, count - 2), min_size=0 if index in fixed else 1))
+        for j in others:
+            owners[j].append(index)
+        alone = len(others) + (index in fixed) == 1
+        if alone or draw(st.booleans()):  # an index in one operand only must be kept: it is free
+            result.append(index)
+    head = first if first else _input(draw, state, fixed)
+    operands = [head] + [_input(draw, state, draw(st.permutations(o))) for o in owners]
+    operands = draw(st.permutations(operands))
+    op = draw(st.sampled_from(OPS))
+    return Contract(tuple(operands), op=op), draw(st.permutations(result))
+
+
+def _single(draw: st.DrawFn, state: _State) -> tuple[TensorRef, list[str]]:
+    ref = _existing_or_none(draw, state)
+    if ref is None:
+        ref = _input(draw, state, draw(_index_lists()))
+    return ref, draw(st.permutations(ref.indices))
+
+
+def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -> Statement:
+    kind = draw(st.sampled_from(kinds))
+    expr: Expr
+    if kind == "reshard":
+        expr, indices = _single(draw, state)
+    elif kind == "contract":
+        expr, indices = _contraction(draw, state, draw(st.integers(2, 3 if chains else 2)))
+    else:  # an elementwise call (maybe nested) on a contraction or on one tensor
+        inner, indices = _contraction(draw, state, 2) if draw(st.booleans()) else _single(draw, state)
+        expr = inner
+        for func in draw(st.lists(st.sampled_from(sorted(FUNCTIONS)), min_size=1, max_size=2)):
+            expr = Call(func, expr)
+    result = draw(tensor_refs(state.fresh(draw(st.sampled_from(("T", "H", "Out")))), indices, state.mesh,
+                              unreduced=state.unreduced))
+    state.tensors[result.name] = result
+    state.defined.add(result.name)
+    arrow = chains and not isinstance(expr, TensorRef) and draw(st.booleans())
+    return Statement(result, expr, arrow=arrow)
+
+
+@st.composite
+def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, dims: bool | None = None,
+          chains: bool = True, calls: bool = True, unreduced: bool = True, reshards: bool = True,
+          headers: bool = True, max_devices: int = 64) -> Spec:
+    """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never)."""
+    state = _State(mesh if mesh is not None else draw(meshes(max_devices=max_devices)), unreduced)
+    kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls
+    count = draw(st.integers(1, max_statements))
+    statements = tuple(_statement(draw, state, kinds, chains) for _ in range(count))
+    used = dict.fromkeys(i for s in statements for r in [s.result, *_leaves(s.expr)] for i in r.indices)
+    with_dims = draw(st.booleans()) if dims is None else dims
+    sizes = tuple((i, state.mesh.devices * draw(st.integers(1, 4))) for i in used) if with_dims else ()
+    spec = Spec(state.mesh, statements, dims=sizes)
+    if not headers:
+        return spec
+    inputs = sorted(state.tensors.keys() - state.defined)
+    params = draw(st.none() | st.lists(st.sampled_from(inputs), min_size=1, unique=True)) if inputs else None
+    layers: int | str | None = draw(st.none() | st.integers(1, 96))
+    if with_dims and draw(st.booleans()):
+        sizes, layers = sizes + (("L", draw(st.integers(1, 96))),), "L"
+    return Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
+                params=None if params is None else tuple(params),
+                hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers)
+
+
+def _leaves(expr: Expr) -> list[TensorRef]:
+    if isinstance(expr, TensorRef):
+        return [expr]
+    if isinstance(expr, Call):
+        return _leaves(expr.arg)
+    return [ref for operand in expr.operands for ref in _leaves(operand)]
+
+
+@st.composite
+def spec_texts(draw: st.DrawFn, **spec_options: object) -> str:
+    """``str()`` of a spec from :func:`specs`, decorated with comments, blank lines and spacing."""
+    spec = draw(specs(**spec_options))  # type: ignore[arg-type]
+    lines: list[str] = []
+    for line in str(spec).splitlines():
+        if draw(st.integers(0, 4)) == 0:
+            lines.append(draw(st.sampled_from(["", "# a comment", "   ", "\t# indented comment"])))
+        if draw(st.booleans()):
+            line = line.replace(", ", ",").replace(" = ", "=")
+        if draw(st.integers(0, 3)) == 0:
+            line += "   # trailing comment · [B_X]"
+        lines.append(draw(st.sampled_from(["", "  "])) + line)
+    return "\n".join(lines) + draw(st.sampled_from(["\n", "", "\n\n", "\r\n"]))
