@@ -61,10 +61,15 @@ def _contract(xp: Any, arrays: list[Array], labels: list[list[str]], out: list[s
     return xp.broadcast_to(value, [shape[i] for i in out])
 
 
-def _run(graph: Graph, inputs: dict[str, Array], xp: Any) -> tuple[dict[str, Array], dict[str, int]]:
+def _run(graph: Graph, inputs: dict[str, Array], xp: Any,
+         given: dict[str, Array] | None = None) -> tuple[dict[str, Array], dict[str, int]]:
     values = dict(inputs)
     shape = _values_shape(graph, values)
     for node in graph.nodes:
+        if given and node.result in given:  # a forward value the caller already has
+            values[node.result] = given[node.result]
+            shape.update(zip(node.indices, values[node.result].shape, strict=True))
+            continue
         labels = [list(graph.indices[o]) for o in node.operands]
         args = [values[o] for o in node.operands]
         if node.kind == "elementwise":
@@ -84,10 +89,13 @@ def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np) -> dict[str, Arr
 
 
 def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
-             xp: Any = np) -> dict[str, Array]:
-    """``d<Name>`` of every input and param, given ``d<Out>`` (or ``Out``) for each output."""
+             xp: Any = np, given: dict[str, Array] | None = None) -> dict[str, Array]:
+    """``d<Name>`` of every input and param, given ``d<Out>`` (or ``Out``) for each output.
+
+    ``given`` holds forward values already computed (by name); the rest are recomputed.
+    """
     graph = build_graph(spec)
-    values, shape = _run(graph, inputs, xp)
+    values, shape = _run(graph, inputs, xp, given)
     grads: dict[str, Array] = {}
 
     def add(name: str, g: Array) -> None:

@@ -1,0 +1,211 @@
+"""``shardc compare``: the plan beside XLA's own partitioner for the same annotations.
+
+XLA gets the same computation (the spec's einsums, forward, and the backward
+as reverse mode over them, in jax.numpy) under ``jax.jit`` with
+``NamedSharding`` in and out shardings on an ``AxisType.Auto`` mesh, and the
+same phase boundaries as the lowered program: the forward maps inputs and
+params to every statement result; the backward maps inputs, params, those
+results and the cotangents to the gradients.  What XLA inserts in between is
+its choice (GSPMD).  Volumes are V of design section 3, weighted (AllReduce
+twice, AllToAll a quarter), in the spec's dtype.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shardc.lower import reference
+from shardc.lower.hlo import Collective, collectives
+from shardc.lower.sizes import small_sizes
+from shardc.plan.ir import Op, Plan
+from shardc.plan.render import step_label
+from shardc.spec.ir import Spec, TensorRef
+
+__all__ = ["Side", "Comparison", "compare", "render_comparison"]
+
+_WEIGHT = {Op.ALL_REDUCE: 2.0, Op.ALL_TO_ALL: 0.25}
+
+
+@dataclass
+class Side:
+    """One program pair's collectives: (phase, kind, axes, bytes) rows and weighted totals."""
+
+    rows: list[tuple[str, str, str, int]] = field(default_factory=list)
+    weighted: dict[str, float] = field(default_factory=dict)  # phase -> weighted bytes
+    seconds: float | None = None  # median wall time of forward + backward
+
+    @property
+    def total(self) -> float:
+        return sum(self.weighted.values())
+
+
+@dataclass
+class Comparison:
+    file: str
+    mesh: dict[str, int]
+    sizes: dict[str, int]
+    dtype: str
+    plan: Side
+    xla: Side
+
+    @property
+    def volume_ratio(self) -> float | None:
+        return None if self.xla.total == 0 else self.plan.total / self.xla.total
+
+    @property
+    def time_ratio(self) -> float | None:
+        if self.plan.seconds is None or not self.xla.seconds:
+            return None
+        return self.plan.seconds / self.xla.seconds
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(volume_ratio=self.volume_ratio, time_ratio=self.time_ratio,
+                    plan_total=self.plan.total, xla_total=self.xla.total)
+        return data
+
+
+def _plan_side(plan: Plan, sizes: dict[str, int]) -> Side:
+    side = Side()
+    for phase, steps in (("forward", plan.forward), ("backward", plan.backward)):
+        side.weighted[phase] = 0.0
+        for step in steps:
+            if step.volume is None or all(sizes[a] == 1 for a in step.axes):
+                continue  # local steps, and nothing moves over size-1 axes (XLA drops them too)
+            v = int(step.volume.evaluate(sizes))
+            side.rows.append((phase, step_label(step), ",".join(step.axes), v))
+            side.weighted[phase] += v * _WEIGHT.get(step.op, 1.0)
+    return side
+
+
+def _xla_side(found: dict[str, list[Collective]], nbytes: int) -> Side:
+    side = Side()
+    for phase, items in found.items():
+        side.weighted[phase] = 0.0
+        for c in items:
+            v = c.bytes(nbytes)
+            side.rows.append((phase, c.kind.title if c.kind else c.hlo_op, ",".join(c.axes), v))
+            side.weighted[phase] += v * _WEIGHT.get(c.kind, 1.0) if c.kind else v
+    return side
+
+
+class _XlaPrograms:
+    """``jax.jit`` of the global computation, shardings only at the boundaries."""
+
+    def __init__(self, plan: Plan, mesh_axes: tuple[tuple[str, int], ...]) -> None:
+        import jax
+        from jax.sharding import AxisType, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        names = tuple(n for n, _ in mesh_axes)
+        self.mesh = jax.make_mesh(tuple(s for _, s in mesh_axes), names,
+                                  axis_types=(AxisType.Auto,) * len(names))
+
+        def sharding(ref: TensorRef) -> Any:
+            return NamedSharding(self.mesh, P(*[d.axes or None for d in ref.dims]))
+
+        self.sharding = sharding
+        self.inputs = [i for i in plan.tensors if i.role in ("input", "param")]
+        self.results = [i for i in plan.tensors if i.role not in ("input", "param")]
+        self.cotangents = list(plan.cotangents)
+        self.grads = list(plan.grads)
+        spec = plan.spec
+        import jax.numpy as jnp
+
+        def fwd(*args: Any) -> tuple[Any, ...]:
+            values = reference.forward(spec, dict(zip([i.name for i in self.inputs], args, strict=True)), jnp)
+            return tuple(values[i.name] for i in self.results)
+
+        def bwd(*args: Any) -> tuple[Any, ...]:
+            k, r = len(self.inputs), len(self.results)
+            inputs = dict(zip([i.name for i in self.inputs], args[:k], strict=True))
+            given = dict(zip([i.name for i in self.results], args[k:k + r], strict=True))
+            cot = dict(zip([c.name for c in self.cotangents], args[k + r:], strict=True))
+            grads = reference.backward(spec, inputs, cot, jnp, given=given)
+            return tuple(grads[g.name] for g in self.grads)
+
+        self.fwd_in = [sharding(i.ref) for i in self.inputs]
+        self.bwd_in = self.fwd_in + [sharding(i.ref) for i in self.results] + [
+            sharding(c) for c in self.cotangents]
+        self.forward = jax.jit(fwd, in_shardings=self.fwd_in,
+                               out_shardings=tuple(sharding(i.ref) for i in self.results))
+        self.backward = jax.jit(bwd, in_shardings=self.bwd_in,
+                                out_shardings=tuple(sharding(g) for g in self.grads))
+
+
+def _median_seconds(run: Any, repeats: int) -> float:
+    run()  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare(plan_or_spec: Plan | Spec, devices: int = 8, save: str = "default",
+            repeats: int = 0) -> Comparison:
+    """Collectives and weighted volume of the plan and of XLA's partitioner; timed if repeats > 0."""
+    import jax
+
+    from shardc.lower.api import lower
+    from shardc.plan.planner import plan as make_plan
+
+    plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
+    sizes = small_sizes(plan, devices)
+    lowered = lower(plan, sizes=sizes)
+    xla = _XlaPrograms(plan, lowered.module.mesh)
+    inputs = lowered.random_inputs()
+    cot = lowered.random_cotangents()
+    fwd_args = [jax.device_put(inputs[i.name], s) for i, s in zip(xla.inputs, xla.fwd_in, strict=True)]
+    results = xla.forward(*fwd_args)
+    bwd_args = fwd_args + list(results) + [jax.device_put(cot[c.name], s) for c, s in
+                                           zip(xla.cotangents, xla.bwd_in[len(fwd_args) + len(results):],
+                                               strict=True)]
+    found = {"forward": collectives(str(xla.forward.lower(*fwd_args).compile().as_text()),
+                                    lowered.module.mesh),
+             "backward": collectives(str(xla.backward.lower(*bwd_args).compile().as_text()),
+                                     lowered.module.mesh)}
+    ours = _plan_side(plan, lowered.sizes or sizes)
+    theirs = _xla_side(found, plan.spec.dtype.nbytes)
+    if repeats:
+        ours.seconds = _median_seconds(lambda: jax.block_until_ready(
+            lowered.grad(inputs, cot)), repeats)
+        theirs.seconds = _median_seconds(lambda: jax.block_until_ready(
+            xla.backward(*fwd_args, *xla.forward(*fwd_args), *bwd_args[len(fwd_args) + len(results):])),
+            repeats)
+    return Comparison(plan.spec.filename or "<spec>", dict(lowered.module.mesh),
+                      dict(lowered.sizes or sizes), str(plan.spec.dtype), ours, theirs)
+
+
+def _cell(rows: list[tuple[str, str, str, int]], k: int) -> str:
+    if k < len(rows):
+        return f"{rows[k][1]} ({rows[k][2]}) {rows[k][3]}"
+    return "(none)" if k == 0 else ""
+
+
+def render_comparison(c: Comparison) -> str:
+    """Both sides' collectives per phase, then the totals and their ratio."""
+    mesh = ", ".join(f"{k}={v}" for k, v in c.mesh.items())
+    dims = ", ".join(f"{k}={v}" for k, v in c.sizes.items() if k not in c.mesh)
+    lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V, design section 3)", ""]
+    for phase in ("forward", "backward"):
+        lines.append(f"{phase}")
+        ours = [r for r in c.plan.rows if r[0] == phase]
+        theirs = [r for r in c.xla.rows if r[0] == phase]
+        width = max([len(f"{k}_{a} {v}") for _, k, a, v in ours] + [24])
+        for k in range(max(len(ours), len(theirs), 1)):
+            left, right = _cell(ours, k), _cell(theirs, k)
+            lines.append(f"  plan: {left:<{width + 6}}  xla: {right}")
+        lines.append(f"  weighted bytes: plan {c.plan.weighted.get(phase, 0):g}, "
+                     f"xla {c.xla.weighted.get(phase, 0):g}")
+    ratio = c.volume_ratio
+    lines += ["", f"total weighted bytes: plan {c.plan.total:g}, xla {c.xla.total:g}, ratio "
+              + ("n/a (XLA moves nothing)" if ratio is None else f"{ratio:.3f}")]
+    if c.time_ratio is not None:
+        lines.append(f"median forward+backward time: plan {c.plan.seconds * 1e3:.3f} ms, "  # type: ignore[operator]
+                     f"xla {c.xla.seconds * 1e3:.3f} ms, ratio {c.time_ratio:.3f}")  # type: ignore[operator]
+    return "\n".join(lines) + "\n"
