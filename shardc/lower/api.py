@@ -49,10 +49,11 @@ class Lowered:
 
     def global_shape(self, ref: TensorRef) -> tuple[int, ...]:
         """The global array of a value: stacked partial sums lead when it is unreduced."""
-        if self.sizes is None or any(d.name not in self.sizes for d in ref.dims):
+        if ref.dims and (self.sizes is None or any(d.name not in self.sizes for d in ref.dims)):
             raise ShardcError(f"no size for every dim of {ref}", fix="pass sizes= or add a dims line")
-        lead = [int(np.prod([self.sizes[a] for a in ref.unreduced]))] if ref.unreduced else []
-        return tuple(lead + [self.sizes[d.name] for d in ref.dims])
+        sizes = self.sizes or {}
+        lead = [int(np.prod([sizes[a] for a in ref.unreduced]))] if ref.unreduced else []
+        return tuple(lead + [sizes[d.name] for d in ref.dims])
 
     def random_inputs(self, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -95,13 +96,11 @@ def lowered_mesh(plan: Plan, sizes: dict[str, int] | None) -> tuple[tuple[str, i
 
 def lowered_sizes(plan: Plan, sizes: dict[str, int] | None,
                   mesh: tuple[tuple[str, int], ...]) -> dict[str, int] | None:
-    """Dims and mesh sizes: the plan's, overridden by ``sizes``; None when no dim has a size."""
+    """Dims and mesh sizes: the plan's, overridden by ``sizes`` (dims may be missing)."""
     axis_names = {name for name, _ in mesh}
     dims = dict(plan.spec.dims)
     dims.update({k: v for k, v in (plan.sizes or ()) if k not in axis_names})
     dims.update({k: int(v) for k, v in (sizes or {}).items() if k not in axis_names})
-    if not dims:
-        return None
     merged = {**dims, **dict(mesh)}
     _check_divisible(plan, merged)
     return merged
