@@ -174,9 +174,17 @@ def _step_code(step: Step, var: _Namer, letters: dict[str, str]) -> str:
     return _elementwise_code(step, var)
 
 
+def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:
+    """An operand in the result's index order (elementwise steps may permute dims)."""
+    if ref.indices == dst.indices or sorted(ref.indices) != sorted(dst.indices):
+        return var(ref)
+    perm = tuple(ref.indices.index(i) for i in dst.indices)
+    return f"jnp.transpose({var(ref)}, {perm})"
+
+
 def _elementwise_code(step: Step, var: _Namer) -> str:
     fn = step.fn or ""
-    args = [var(ref) for ref in step.operands]
+    args = [_aligned(ref, step.dst, var) for ref in step.operands]
     if fn == "add":
         return " + ".join(args)
     if fn.endswith("_vjp"):

@@ -101,8 +101,9 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
     def add(name: str, g: Array) -> None:
         grads[name] = grads[name] + g if name in grads else g
 
-    for out in graph.outputs:
-        add(out, cotangents["d" + out] if "d" + out in cotangents else cotangents[out])
+    for out in graph.outputs:  # an output without a cotangent leads to no wanted gradient
+        if "d" + out in cotangents or out in cotangents:
+            add(out, cotangents["d" + out] if "d" + out in cotangents else cotangents[out])
     for node in reversed(graph.nodes):
         if node.result not in grads:
             continue
