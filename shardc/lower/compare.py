@@ -150,6 +150,7 @@ def compare(plan_or_spec: Plan | Spec, devices: int = 8, save: str = "default",
             repeats: int = 0) -> Comparison:
     """Collectives and weighted volume of the plan and of XLA's partitioner; timed if repeats > 0."""
     import jax
+    from jax.sharding import NamedSharding
 
     from shardc.lower.api import lower
     from shardc.plan.planner import plan as make_plan
@@ -172,8 +173,13 @@ def compare(plan_or_spec: Plan | Spec, devices: int = 8, save: str = "default",
     ours = _plan_side(plan, lowered.sizes or sizes)
     theirs = _xla_side(found, plan.spec.dtype.nbytes)
     if repeats:
+        ns = lowered.namespace  # time the programs on arrays already laid out, as for XLA
+        placed = {k: jax.device_put(v, NamedSharding(ns.programs()[0], ns.FORWARD_IN[k]))
+                  for k, v in inputs.items()}
+        placed_cot = {k: jax.device_put(v, NamedSharding(ns.programs()[0], ns.BACKWARD_IN[k]))
+                      for k, v in cot.items()}
         ours.seconds = _median_seconds(lambda: jax.block_until_ready(
-            lowered.grad(inputs, cot)), repeats)
+            ns.run_backward(placed, ns.run_forward(placed), placed_cot)), repeats)
         theirs.seconds = _median_seconds(lambda: jax.block_until_ready(
             xla.backward(*fwd_args, *xla.forward(*fwd_args), *bwd_args[len(fwd_args) + len(results):])),
             repeats)
