@@ -165,12 +165,22 @@ def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -
         expr = inner
         for func in draw(st.lists(st.sampled_from(sorted(FUNCTIONS)), min_size=1, max_size=2)):
             expr = Call(func, expr)
+    # Only a contraction leaves partial sums (a function of partial sums is an error); the planner
+    # makes them by contracting locally, so give {U_..} to binary contractions with a contracted index.
+    partial = state.unreduced and _contracts_an_index(expr, indices)
     result = draw(tensor_refs(state.fresh(draw(st.sampled_from(("T", "H", "Out")))), indices, state.mesh,
-                              unreduced=state.unreduced))
+                              unreduced=partial))
     state.tensors[result.name] = result
     state.defined.add(result.name)
     arrow = chains and not isinstance(expr, TensorRef) and draw(st.booleans())
     return Statement(result, expr, arrow=arrow)
+
+
+def _contracts_an_index(expr: Expr, result: list[str]) -> bool:
+    if not isinstance(expr, Contract) or len(expr.operands) != 2:
+        return False
+    left, right = (set(_leaves(o)[0].indices) for o in expr.operands)
+    return bool((left & right) - set(result))
 
 
 @st.composite
@@ -185,6 +195,8 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     used = dict.fromkeys(i for s in statements for r in [s.result, *_leaves(s.expr)] for i in r.indices)
     with_dims = draw(st.booleans()) if dims is None else dims
     sizes = tuple((i, state.mesh.devices * draw(st.integers(1, 4))) for i in used) if with_dims else ()
+    if with_dims and not sizes:  # only zero-dim tensors: a dims line still says "sizes are known"
+        sizes = (("L", draw(st.integers(1, 96))),)
     spec = Spec(state.mesh, statements, dims=sizes)
     if not headers:
         return spec
@@ -192,7 +204,8 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     params = draw(st.none() | st.lists(st.sampled_from(inputs), min_size=1, unique=True)) if inputs else None
     layers: int | str | None = draw(st.none() | st.integers(1, 96))
     if with_dims and draw(st.booleans()):
-        sizes, layers = sizes + (("L", draw(st.integers(1, 96))),), "L"
+        sizes = sizes if "L" in dict(sizes) else sizes + (("L", draw(st.integers(1, 96))),)
+        layers = "L"
     return Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
                 params=None if params is None else tuple(params),
                 hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers)

@@ -217,6 +217,17 @@ def test_unknown_function() -> None:
           "gelu")
 
 
+def test_function_of_partial_sums() -> None:
+    check("mesh X=4\nA[I]{U_X} = gelu(B[I, J_X] · C[J_X])\n", "2:5",
+          "elementwise function (gelu) of partial sums", "{U_X}", "drop the {U_...} suffix")
+
+
+def test_partial_sums_need_a_sum() -> None:
+    check("mesh X=4\nA[I]{U_X} = B[I] · C[I]\n", "2:5", "nothing is summed", "{U_X}", "drop X")
+    check("mesh X=4\nA[I]{U_X} = B[I]\n", "2:5", "nothing is summed", "{U_X}", "drop X")
+    parse("mesh X=4\nA[I]{U_X} = B[I]{U_X}\nC[I]{U_X} = A[I]{U_X} · D[I]\n")  # partial sums pass through
+
+
 def test_param_not_in_spec() -> None:
     check("mesh X=4\nparam W, Q\nA[I] = W[I]\n", "2:10", "param Q is not a tensor of the spec", "Q", "W")
 

@@ -222,3 +222,18 @@ def test_shardings_use_each_axis_once(mesh_and_dims: tuple[Mesh, tuple[Dim, ...]
     mesh, dims = mesh_and_dims
     axes = [a for d in dims for a in d.axes]
     assert len(axes) == len(set(axes)) and set(axes) <= set(mesh.names) and mesh.devices <= 8
+
+
+@pytest.mark.parametrize("module", ["shardc.spec.parser", "shardc.spec.validate", "shardc.spec.overrides",
+                                    "shardc.spec.functions", "shardc.spec.ir", "shardc.testing"])
+def test_docstring_examples(module: str) -> None:
+    import doctest
+    import importlib
+
+    failures, _ = doctest.testmod(importlib.import_module(module))
+    assert failures == 0
+
+
+@given(specs(dims=True))
+def test_specs_with_dims_always_have_sizes(spec: Spec) -> None:
+    assert spec.dims and all(i in spec.sizes for s in spec.statements for i in s.result.indices)

@@ -9,6 +9,7 @@ order (so the first problem of the file is the one reported):
   at most once (dims and the `{U_..}` suffix together), sizes known and
   divisible by the axes when `dims` is given;
 - each statement: known functions, result indices that come from an operand,
+  `{U_..}` only on a sum (not on a function's result, not without a contraction),
   no index summed away without a partner operand, reshards keeping indices;
 - the data flow: a tensor defined once, never read before its definition, and
   read with one sharding everywhere (an intermediate as it was defined).
@@ -230,6 +231,11 @@ def _indices(expr: Expr) -> set[str]:
 
 def _check_indices(statement: Statement) -> None:
     result, expr = statement.result, statement.expr
+    if isinstance(expr, Call) and result.unreduced:
+        raise ShardcError(f"{result.name} is an elementwise function ({expr.func}) of partial sums",
+                          result.unreduced_span or result.span,
+                          fix="drop the {U_...} suffix: a function needs reduced values")
+    _check_partial_sums(statement)
     have = _indices(expr)
     for dim in result.dims:
         if dim.name not in have:
@@ -239,6 +245,26 @@ def _check_indices(statement: Statement) -> None:
                               fix=f"every result index must come from an operand: add {dim.name} to an "
                               f"operand or remove it from {result.name}")
     _check_summed(expr, set(result.indices), statement)
+
+
+def _check_partial_sums(statement: Statement) -> None:
+    """A result can hold partial sums only over a sum: a contracted index, or partial operands."""
+    result, expr = statement.result, statement.expr
+    reads = list(leaves(expr))
+    inherited = {a for ref in reads for a in ref.unreduced}
+    counts: dict[str, int] = {}
+    for ref in reads:
+        for index in ref.indices:
+            counts[index] = counts.get(index, 0) + 1
+    contracted = isinstance(expr, Contract) and any(
+        n > 1 and i not in result.indices for i, n in counts.items())
+    for axis in result.unreduced:
+        if axis not in inherited and not contracted:
+            raise ShardcError(f"{result.name} is unreduced over {axis}, but nothing is summed to make "
+                              "partial sums", result.unreduced_span or result.span,
+                              fix=f"drop {axis} from the {{U_...}} suffix: only a contraction (an index in "
+                              "two operands and not in the result) or a partial-sum operand leaves partial "
+                              "sums")
 
 
 def _check_summed(expr: Expr, needed: set[str], statement: Statement) -> None:
