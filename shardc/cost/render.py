@@ -1,0 +1,108 @@
+"""The text ``shardc cost`` prints: a table per phase, totals, memory, verdict, thresholds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardc.cost.collective import StepCost
+
+if TYPE_CHECKING:
+    from shardc.cost.report import CostReport, PhaseCost
+
+__all__ = ["render", "fmt_bytes", "fmt_seconds", "fmt_flops"]
+
+
+def _scaled(x: float, units: tuple[tuple[float, str], ...], base: str) -> str:
+    for scale, unit in units:
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} {base}"
+
+
+def fmt_bytes(x: float) -> str:
+    return _scaled(x, ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB")), "B")
+
+
+def fmt_flops(x: float) -> str:
+    return _scaled(x, ((1e18, "EFLOP"), (1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"),
+                       (1e6, "MFLOP")), "FLOP")
+
+
+def fmt_seconds(x: float) -> str:
+    if x == 0:
+        return "0"
+    if abs(x) >= 1:
+        return f"{x:.3g} s"
+    if abs(x) >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} us"
+
+
+def _row(r: StepCost) -> str:
+    if r.is_collective:
+        axes = ",".join(r.axes)
+        path = "ahead" if r.ahead else "critical"
+        lat = " (latency-bound)" if r.latency_s > r.bandwidth_s else ""
+        return (f"  {r.index:>3}  {r.op.title:<13} {axes:<6} {fmt_bytes(r.volume):>10}  "
+                f"{fmt_seconds(r.comm_s):>9}  {path:<8}  {r.text}{lat}")
+    if r.flops:
+        return (f"  {r.index:>3}  {r.op.title:<13} {'':<6} {fmt_flops(r.flops):>10}  "
+                f"{fmt_seconds(r.compute_s):>9}  {'compute':<8}  {r.text}")
+    return f"  {r.index:>3}  {r.op.title:<13} {','.join(r.axes):<6} {'':>10}  {'':>9}  {'local':<8}  {r.text}"
+
+
+def _totals(p: PhaseCost, layers: int) -> list[str]:
+    per = f" ({layers} layers)" if layers != 1 else ""
+    f = p.formula
+    lines = [
+        f"  compute {fmt_seconds(p.compute_s)}{per}: {fmt_flops(p.compute_flops)} a device = {f.flops}",
+        f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {f.comm_bytes}"
+        f"  [critical {fmt_seconds(p.critical_s)}, ahead {fmt_seconds(p.ahead_s)}]",
+        f"  time    = {f.compute_s} vs {f.comm_s}",
+        f"  bound: {p.bound}; step {fmt_seconds(p.step_s)} with all collectives overlapped, "
+        f"{fmt_seconds(p.step_ahead_only_s)} with only ahead-of-time ones; MFU {p.mfu:.1%}",
+    ]
+    if p.step_at_mfu_s is not None and p.mfu_assumed is not None:
+        lines.append(f"  at {p.mfu_assumed:.0%} MFU: {fmt_seconds(p.step_at_mfu_s)} "
+                     f"(model FLOPs {fmt_flops(p.model_flops)} / (devices * C * MFU))")
+    return lines
+
+
+def _phase(p: PhaseCost, layers: int) -> list[str]:
+    lines = [f"{p.name} (one layer)" if layers != 1 else p.name,
+             f"  {'#':>3}  {'op':<13} {'axes':<6} {'V / FLOPs':>10}  {'time':>9}  {'path':<8}  what"]
+    lines.extend(_row(r) for r in p.rows)
+    if not p.rows:
+        lines.append("  (no steps)")
+    return lines + _totals(p, layers)
+
+
+def _memory(report: CostReport) -> list[str]:
+    m = report.memory
+    verdict = "fits" if m.fits else "does NOT fit"
+    lines = [f"memory per device ({m.accounting}: {m.accounting_text})",
+             f"  params     {m.params:.4g} of {m.params_total:.4g} on this device",
+             f"  weights    {fmt_bytes(m.param_bytes)}",
+             f"  grads      {fmt_bytes(m.grad_bytes)}",
+             f"  optimizer  {fmt_bytes(m.optimizer_bytes)}",
+             f"  residuals  {fmt_bytes(m.residual_bytes)}"
+             + (f" ({', '.join(v for v, _ in m.residuals)} a layer)" if m.residuals else ""),
+             f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)",
+             f"  total      {fmt_bytes(m.total_bytes)}: {verdict} {fmt_bytes(m.hbm_bytes)} of HBM"]
+    return lines
+
+
+def render(report: CostReport) -> str:
+    hw = report.hardware
+    sizes = ", ".join(f"{k}={v:_}" for k, v in report.sizes.items())
+    head = [f"{report.plan.spec.filename or '<spec>'} on {hw.name}: C={hw.flops:.3g} FLOP/s, "
+            f"W_ici={hw.w_ici:.3g} B/s, W_dcn={hw.w_dcn:.3g} B/s, HBM {fmt_bytes(hw.hbm_bytes)}",
+            f"sizes: {sizes}; {report.step.devices} devices; layers {report.layers}", ""]
+    body: list[str] = []
+    for phase in (report.forward, report.backward):
+        body += _phase(phase, report.layers) + [""]
+    body += ["step (forward + backward)"] + _totals(report.step, report.layers) + [""]
+    body += _memory(report) + ["", "thresholds"]
+    body += [f"  {t.sentence}" for t in report.thresholds] or ["  (no communication)"]
+    body += ["", "notes"] + [f"  {n}" for n in report.notes]
+    return "\n".join(head + body) + "\n"

@@ -1,0 +1,232 @@
+"""``shardc.cost(plan)``: the figures of a plan on a chip, as a report with text and JSON forms.
+
+Per phase (forward, backward) and for the whole training step (``step``, both):
+
+* ``compute_s``: per-device einsum FLOPs over C.
+* ``comm_s``: the collectives' times (bandwidth term, bounded below by latency),
+  split into ``critical_s`` and ``ahead_s`` (``Step.ahead``: weight gathers and
+  weight-gradient reductions can be issued off the critical path).
+* ``bound``: ``"communication"`` iff comm_s > compute_s, all collectives assumed
+  to overlap compute, as the seeds draw it; ``step_s = max(compute_s, comm_s)``
+  is the time under that overlap, ``step_ahead_only_s = max(compute_s, ahead_s)
+  + critical_s`` the time when only ahead-of-time collectives overlap.
+* ``mfu``: model FLOPs / (devices * C * step_s); with ``mfu=0.4``,
+  ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the seeds' estimate.
+
+Everything is multiplied by the layer count (``layers`` in the spec).  Every
+figure also comes as a sympy formula (bandwidth terms; ``*_expr`` in JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shardc.cost.collective import StepCost, cost_step
+from shardc.cost.formulas import PhaseFormula, phase_formula
+from shardc.cost.hardware import Hardware, resolve_hardware
+from shardc.cost.memory import ACCOUNTINGS, Memory, memory
+from shardc.cost.thresholds import Threshold, derive
+from shardc.errors import ShardcError
+from shardc.plan.ir import Plan
+
+if TYPE_CHECKING:
+    import sympy
+
+__all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers"]
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """The totals of one phase (or of the step), for all layers."""
+
+    name: str
+    rows: tuple[StepCost, ...]
+    layers: int
+    devices: int
+    hardware: Hardware
+    formula: PhaseFormula
+    mfu_assumed: float | None = None
+
+    def _sum(self, attr: str, only: bool | None = None) -> float:
+        rows = [r for r in self.rows if only is None or (r.is_collective and r.ahead is only)]
+        return self.layers * math.fsum(getattr(r, attr) for r in rows)
+
+    compute_flops = property(lambda self: self._sum("flops"))
+    model_flops = property(lambda self: self._sum("model_flops"))
+    compute_s = property(lambda self: self._sum("compute_s"))
+    comm_bytes = property(lambda self: self._sum("weighted"))
+    comm_s = property(lambda self: self._sum("comm_s"))
+    comm_bandwidth_s = property(lambda self: self._sum("bandwidth_s"))
+    critical_s = property(lambda self: self._sum("comm_s", only=False))
+    ahead_s = property(lambda self: self._sum("comm_s", only=True))
+
+    @property
+    def bound(self) -> str:
+        return "communication" if self.comm_s > self.compute_s else "compute"
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def step_ahead_only_s(self) -> float:
+        return max(self.compute_s, self.ahead_s) + self.critical_s
+
+    @property
+    def mfu(self) -> float:
+        peak = self.devices * self.hardware.flops * self.step_s
+        return self.model_flops / peak if peak else 0.0
+
+    @property
+    def step_at_mfu_s(self) -> float | None:
+        if self.mfu_assumed is None:
+            return None
+        return self.model_flops / (self.devices * self.hardware.flops * self.mfu_assumed)
+
+    def exprs(self) -> dict[str, sympy.Expr]:
+        f = self.formula
+        return {"comm_bytes_expr": f.comm_bytes, "comm_s_expr": f.comm_s, "compute_flops_expr": f.flops,
+                "compute_s_expr": f.compute_s, "model_flops_expr": f.model_flops}
+
+    def to_json(self, rows: bool = True) -> dict[str, object]:
+        data: dict[str, object] = {
+            "comm_bytes": self.comm_bytes, "comm_s": self.comm_s,
+            "comm_bandwidth_s": self.comm_bandwidth_s, "critical_s": self.critical_s,
+            "ahead_s": self.ahead_s, "compute_flops": self.compute_flops,
+            "model_flops": self.model_flops, "compute_s": self.compute_s, "step_s": self.step_s,
+            "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu,
+            "step_at_mfu_s": self.step_at_mfu_s,
+        }
+        data.update({k: str(v) for k, v in self.exprs().items()})
+        if rows:
+            data["rows"] = [r.to_json() for r in self.rows]
+        return data
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """What :func:`cost` returns; ``str()`` is the table ``shardc cost`` prints."""
+
+    plan: Plan
+    hardware: Hardware
+    sizes: dict[str, int]
+    layers: int
+    forward: PhaseCost
+    backward: PhaseCost
+    step: PhaseCost
+    memory: Memory
+    thresholds: tuple[Threshold, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, object]:
+        hw = self.hardware
+        return {
+            "file": self.plan.spec.filename,
+            "hardware": {"name": hw.name, "C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn,
+                         "hbm_bytes": hw.hbm_bytes, "hop_latency": hw.hop_latency},
+            "sizes": self.sizes, "layers": self.layers, "devices": self.step.devices,
+            "save": self.plan.save,
+            "forward": self.forward.to_json(), "backward": self.backward.to_json(),
+            "step": self.step.to_json(rows=False), "memory": self.memory.to_json(),
+            "thresholds": [t.sentence for t in self.thresholds],
+            "threshold_details": [t.to_json() for t in self.thresholds],
+            "notes": list(self.notes),
+        }
+
+    def json_text(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    def render(self) -> str:
+        from shardc.cost.render import render
+
+        return render(self)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
+         mfu: float | None = None, optimizer: str = "adam10", hardware_file: str | None = None,
+         **options: object) -> CostReport:
+    """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`, or the spec's ``hardware`` line)."""
+    if options:
+        raise ShardcError(f"unknown cost option(s) {', '.join(sorted(options))}",
+                          fix="use hardware=, sizes=, mfu=, optimizer=, hardware_file=")
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
+    if optimizer not in ACCOUNTINGS:
+        raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use adam10 or adam16")
+    hw = resolve_hardware(hardware, hardware_file, plan.spec.hardware)
+    values = resolve_sizes(plan, sizes)
+    layers, layer_symbol = resolve_layers(plan, values)
+    mesh = plan.spec.mesh
+    devices = math.prod(values[a] for a in mesh.names)
+    rows_f = tuple(cost_step(i, s, mesh, values, hw) for i, s in enumerate(plan.forward, 1))
+    rows_b = tuple(cost_step(i, s, mesh, values, hw) for i, s in enumerate(plan.backward, 1))
+    count = layer_symbol if layer_symbol is not None else layers
+    f_fwd = phase_formula(plan.forward, mesh, count)
+    f_bwd = phase_formula(plan.backward, mesh, count)
+    phases = (PhaseCost("forward", rows_f, layers, devices, hw, f_fwd, mfu),
+              PhaseCost("backward", rows_b, layers, devices, hw, f_bwd, mfu),
+              PhaseCost("step", rows_f + rows_b, layers, devices, hw, f_fwd + f_bwd, mfu))
+    mem = memory(plan, values, layers, hw.hbm_bytes, optimizer)
+    tokens = token_dims(plan)
+    found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
+    return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), _notes(plan, hw, values))
+
+
+def resolve_sizes(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int]:
+    """Dims and mesh sizes: the plan's, then the spec's, then ``sizes`` over them."""
+    values = {a.name: a.size for a in plan.spec.mesh.axes}
+    values.update(plan.spec.sizes)
+    values.update(plan.size_map or {})
+    values.update(sizes or {})
+    used = {d.name for info in plan.tensors for d in info.ref.dims}
+    for phase in (plan.forward, plan.backward):
+        used.update(d.name for s in phase for ref in (s.dst, *s.operands) for d in ref.dims)
+    missing = sorted(used - set(values))
+    if missing:
+        raise ShardcError("costs need the size of every dim; missing " + ", ".join(missing),
+                          fix="add them to the `dims` line, or pass --set " +
+                          " ".join(f"{m}=..." for m in missing))
+    return values
+
+
+def resolve_layers(plan: Plan, sizes: dict[str, int]) -> tuple[int, str | None]:
+    """The layer count, and its symbol when the spec names a dim (``layers L``)."""
+    layers = plan.spec.layers
+    if layers is None:
+        indices = {d.name for info in plan.tensors for d in info.ref.dims}
+        if "L" in sizes and "L" not in indices:  # --set L=40 without a `layers` line
+            return sizes["L"], "L"
+        return 1, None
+    if isinstance(layers, int):
+        return layers, None
+    if layers not in sizes:
+        raise ShardcError(f"`layers {layers}` names no known size",
+                          fix=f"add {layers}=... to the `dims` line, or pass --set {layers}=...")
+    return sizes[layers], layers
+
+
+def token_dims(plan: Plan) -> frozenset[str]:
+    """Indices no param has: the batch/token dims (B), as opposed to model dims (D, F)."""
+    model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
+    every = {d.name for info in plan.tensors for d in info.ref.dims}
+    return frozenset(every - model)
+
+
+def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> tuple[str, ...]:
+    from shardc.spec.ir import Network
+
+    notes = [f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
+             "formulas and thresholds use bandwidth terms; times also bound each collective "
+             f"below by latency ({hw.hop_latency:g} s a hop)"]
+    ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
+    group = math.prod(sizes[a] for a in ici)
+    if hw.ici_domain is not None and group > hw.ici_domain:
+        notes.append(f"{hw.name}: the ICI/NVLink axes {', '.join(ici)} span {group} chips but a node "
+                     f"has {hw.ici_domain}; mark the axes that cross nodes `over dcn`")
+    return tuple(notes)
