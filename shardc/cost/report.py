@@ -54,14 +54,45 @@ class PhaseCost:
         rows = [r for r in self.rows if only is None or (r.is_collective and r.ahead is only)]
         return self.layers * math.fsum(getattr(r, attr) for r in rows)
 
-    compute_flops = property(lambda self: self._sum("flops"))
-    model_flops = property(lambda self: self._sum("model_flops"))
-    compute_s = property(lambda self: self._sum("compute_s"))
-    comm_bytes = property(lambda self: self._sum("weighted"))
-    comm_s = property(lambda self: self._sum("comm_s"))
-    comm_bandwidth_s = property(lambda self: self._sum("bandwidth_s"))
-    critical_s = property(lambda self: self._sum("comm_s", only=False))
-    ahead_s = property(lambda self: self._sum("comm_s", only=True))
+    @property
+    def compute_flops(self) -> float:
+        """Per-device einsum FLOPs."""
+        return self._sum("flops")
+
+    @property
+    def model_flops(self) -> float:
+        """FLOPs of the whole einsums, all devices."""
+        return self._sum("model_flops")
+
+    @property
+    def compute_s(self) -> float:
+        """Compute time."""
+        return self._sum("compute_s")
+
+    @property
+    def comm_bytes(self) -> float:
+        """Weighted volume (AllReduce x2, AllToAll x1/4)."""
+        return self._sum("weighted")
+
+    @property
+    def comm_s(self) -> float:
+        """Collective time, each bounded below by its latency."""
+        return self._sum("comm_s")
+
+    @property
+    def comm_bandwidth_s(self) -> float:
+        """Collective time, bandwidth terms only (what the formulas give)."""
+        return self._sum("bandwidth_s")
+
+    @property
+    def critical_s(self) -> float:
+        """Collectives on the critical path."""
+        return self._sum("comm_s", only=False)
+
+    @property
+    def ahead_s(self) -> float:
+        """Collectives that can be issued ahead."""
+        return self._sum("comm_s", only=True)
 
     @property
     def bound(self) -> str:
@@ -211,11 +242,15 @@ def resolve_layers(plan: Plan, sizes: dict[str, int]) -> tuple[int, str | None]:
     return sizes[layers], layers
 
 
-def token_dims(plan: Plan) -> frozenset[str]:
-    """Indices no param has: the batch/token dims (B), as opposed to model dims (D, F)."""
+def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """Indices no param has (the batch/token dims, B), each with the axes sharding it where declared."""
     model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
-    every = {d.name for info in plan.tensors for d in info.ref.dims}
-    return frozenset(every - model)
+    out: dict[str, tuple[str, ...]] = {}
+    for info in sorted(plan.tensors, key=lambda i: i.role != "input"):  # inputs first
+        for dim in info.ref.dims:
+            if dim.name not in model:
+                out.setdefault(dim.name, dim.axes)
+    return out
 
 
 def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> tuple[str, ...]:

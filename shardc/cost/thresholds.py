@@ -51,52 +51,110 @@ def format_number(x: float) -> str:
 
 
 def derive(phase: str, formula: PhaseFormula, hw: Hardware, mesh_axes: frozenset[str],
-           token_dims: frozenset[str], sizes: dict[str, int] | None) -> list[Threshold]:
-    """The threshold sentences of one phase, one per network its collectives cross."""
+           token_dims: dict[str, tuple[str, ...]], sizes: dict[str, int] | None) -> list[Threshold]:
+    """The threshold sentences of one phase, one per network its collectives cross.
+
+    ``token_dims`` maps each batch/token dim to the mesh axes sharding it in the
+    spec's input, so a solved bound can be printed per device (``B/X > ...``).
+    """
     parts = [(net, q) for net, q in (("ici", formula.q_ici), ("dcn", formula.q_dcn)) if q != 0]
     out: list[Threshold] = []
     for network, q in parts:
         label = phase if len(parts) == 1 else f"{phase} ({network.upper()} part)"
-        out.append(_one(label, network, formula.flops, q, hw, mesh_axes, token_dims, sizes))
+        ctx = _Context(label, network, hw, mesh_axes, token_dims, sizes)
+        out.append(_one(ctx, formula.flops, q))
     return out
 
 
-def _one(label: str, network: str, flops: sympy.Expr, q: sympy.Expr, hw: Hardware,
-         mesh_axes: frozenset[str], token_dims: frozenset[str], sizes: dict[str, int] | None) -> Threshold:
+@dataclass(frozen=True)
+class _Context:
+    label: str
+    network: str
+    hw: Hardware
+    mesh_axes: frozenset[str]
+    token_dims: dict[str, tuple[str, ...]]
+    sizes: dict[str, int] | None
+
+    @property
+    def w_name(self) -> str:
+        return "W_ici" if self.network == "ici" else "W_dcn"
+
+    @property
+    def chip(self) -> float:
+        return self.hw.intensity_ici if self.network == "ici" else self.hw.intensity_dcn
+
+
+def _one(ctx: _Context, flops: sympy.Expr, q: sympy.Expr) -> Threshold:
+    """Split the intensity into a number times the rest, then pick the sentence's form."""
     import sympy
 
     intensity = sympy.factor(sympy.simplify(flops / q))
-    w_name = "W_ici" if network == "ici" else "W_dcn"
-    chip = hw.intensity_ici if network == "ici" else hw.intensity_dcn
     coeff, rest = intensity.as_coeff_Mul()
     if not _is_monomial(rest) or rest == 1:
         coeff, rest = sympy.Integer(1), intensity
-    value = chip / float(coeff)
-    rhs_sym = str(symbol("C") / (coeff * symbol(w_name)))
-    axis = _single_axis(rest, mesh_axes, token_dims)
-    here = _evaluate(rest, sizes)
-    where = f"({hw.name})"
+    value = ctx.chip / float(coeff)
+    rhs_sym = str(symbol("C") / (coeff * symbol(ctx.w_name)))
+    axis = _single_axis(rest, ctx.mesh_axes, frozenset(ctx.token_dims))
     if axis is not None:
-        numerator = rest * symbol(axis)
-        lhs, relation, rhs = axis, "<", f"{numerator}/{format_number(value)}"
-        sentence = (f"{label}: compute-bound iff {axis} < {rhs} "
-                    f"(from {rest} > {rhs_sym} = {format_number(value)}, {hw.name})")
-        here_axis = None if here is None or sizes is None else float(sizes[axis])
-        if here is not None and here_axis is not None:
-            limit = here_axis * here / value  # = numerator / value at these sizes
-            sentence += f"; here {axis} = {format_number(here_axis)} vs {rhs} = {format_number(limit)}"
-        holds = None if here is None else here > value
-        return Threshold(label, network, str(intensity), lhs, relation, rhs, value,
-                         here_axis, holds, sentence)
-    lhs = str(rest)
-    sentence = f"{label}: compute-bound iff {lhs} > {rhs_sym} = {format_number(value)} {where}"
-    if not rest.free_symbols:  # type: ignore[attr-defined]
-        sentence = (f"{label}: {format_number(float(rest))} FLOPs a byte at any size, "
-                    f"compute-bound iff that exceeds {rhs_sym} = {format_number(value)} {where}")
+        return _axis_form(ctx, intensity, rest, axis, value, rhs_sym)
+    here = _evaluate(rest, ctx.sizes)
     holds = None if here is None else here > value
-    if here is not None and rest.free_symbols:  # type: ignore[attr-defined]
+    where = f"({ctx.hw.name})"
+    lhs = str(rest)
+    if not rest.free_symbols:  # type: ignore[attr-defined]
+        sentence = (f"{ctx.label}: {format_number(float(rest))} FLOPs a byte at any size, "
+                    f"compute-bound iff that exceeds {rhs_sym} = {format_number(value)} {where}")
+        return Threshold(ctx.label, ctx.network, str(intensity), lhs, ">", rhs_sym, value, here, holds,
+                         sentence)
+    sentence = f"{ctx.label}: compute-bound iff {lhs} > {rhs_sym} = {format_number(value)} {where}"
+    solved = _solved(ctx, rest, value) if not _is_monomial(rest) else ""
+    sentence += solved
+    if here is not None and not solved:
         sentence += f"; here {lhs} = {format_number(here)}"
-    return Threshold(label, network, str(intensity), lhs, ">", rhs_sym, value, here, holds, sentence)
+    return Threshold(ctx.label, ctx.network, str(intensity), lhs, ">", rhs_sym, value, here, holds, sentence)
+
+
+def _axis_form(ctx: _Context, intensity: sympy.Expr, rest: sympy.Expr, axis: str, value: float,
+               rhs_sym: str) -> Threshold:
+    """``Y < F/2550``: the intensity is model dims over one mesh axis, solved for the axis."""
+    numerator = rest * symbol(axis)
+    rhs = f"{numerator}/{format_number(value)}"
+    sentence = (f"{ctx.label}: compute-bound iff {axis} < {rhs} "
+                f"(from {rest} > {rhs_sym} = {format_number(value)}, {ctx.hw.name})")
+    here = _evaluate(rest, ctx.sizes)
+    here_axis = None if here is None or ctx.sizes is None else float(ctx.sizes[axis])
+    if here is not None and here_axis is not None:
+        limit = here_axis * here / value  # = numerator / value at these sizes
+        sentence += f"; here {axis} = {format_number(here_axis)} vs {rhs} = {format_number(limit)}"
+    holds = None if here is None else here > value
+    return Threshold(ctx.label, ctx.network, str(intensity), axis, "<", rhs, value, here_axis, holds,
+                     sentence)
+
+
+def _solved(ctx: _Context, intensity: sympy.Expr, value: float) -> str:
+    """``, i.e. B/X > 2550*F/(F - 2550*Y)``: a sum's intensity solved for its one token dim, per device."""
+    import sympy
+
+    tokens = [s for s in intensity.free_symbols if s.name in ctx.token_dims]  # type: ignore[attr-defined]
+    if len(tokens) != 1:
+        return ""
+    token = tokens[0]
+    whole = abs(value - round(value)) < 1e-9 * value
+    number = sympy.Integer(round(value)) if whole else sympy.Float(value, 4)
+    solutions = sympy.solve(sympy.Eq(intensity, number), token)
+    if len(solutions) != 1:
+        return ""
+    shards = sympy.Mul(*(symbol(a) for a in ctx.token_dims[token.name]))
+    per_device = token / shards
+    bound = sympy.factor(sympy.simplify(solutions[0] / shards))
+    text = f", i.e. {per_device} > {bound}"
+    here = _evaluate(bound, ctx.sizes)
+    if here is not None:
+        text += f" = {format_number(here)}" if here > 0 else " (never: the bound is negative)"
+    now = _evaluate(per_device, ctx.sizes)
+    if now is not None:
+        text += f"; here {per_device} = {format_number(now)}"
+    return text
 
 
 def _is_monomial(expr: sympy.Expr) -> bool:

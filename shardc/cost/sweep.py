@@ -1,0 +1,123 @@
+"""``--sweep B=1e3:1e7``: compute vs communication time as one dim varies, and ``--plot``.
+
+The plan is kept fixed (its collectives were chosen at the spec's sizes); only
+the sizes change, and each point is costed with the same model as the report.
+Points are log-spaced.  Several plans (strategies) can be swept together, which
+is how the seeds' figures compare them; ``--plot`` draws them with matplotlib,
+imported only then (``pip install shardc[plot]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardc.cost.collective import cost_step
+from shardc.cost.hardware import Hardware
+from shardc.cost.report import resolve_layers, resolve_sizes
+from shardc.errors import ShardcError
+from shardc.plan.ir import Plan
+
+__all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot"]
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    value: float
+    compute_s: float
+    comm_s: float
+    critical_s: float
+
+    @property
+    def bound(self) -> str:
+        return "communication" if self.comm_s > self.compute_s else "compute"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    label: str
+    dim: str
+    points: tuple[SweepPoint, ...]
+
+    def render(self) -> str:
+        lines = [f"{self.label}: sweep of {self.dim} (the plan fixed; whole step, all layers)",
+                 f"  {self.dim:>12}  {'compute':>11}  {'comm':>11}  {'critical':>11}  bound"]
+        for p in self.points:
+            lines.append(f"  {p.value:>12.4g}  {p.compute_s:>11.4g}  {p.comm_s:>11.4g}  "
+                         f"{p.critical_s:>11.4g}  {p.bound}")
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> dict[str, object]:
+        return {"label": self.label, "dim": self.dim,
+                "points": [{"value": p.value, "compute_s": p.compute_s, "comm_s": p.comm_s,
+                            "critical_s": p.critical_s, "bound": p.bound} for p in self.points]}
+
+
+def parse_sweep(text: str) -> tuple[str, float, float]:
+    """``B=1e3:1e7`` as (dim, low, high); errors say how to write it."""
+    name, sep, span = text.partition("=")
+    low_text, colon, high_text = span.partition(":")
+    try:
+        low, high = float(low_text), float(high_text)
+    except ValueError:
+        low = high = math.nan
+    if not sep or not colon or not name.isidentifier() or not 0 < low < high:
+        raise ShardcError(f"--sweep expects NAME=LOW:HIGH with 0 < LOW < HIGH, got {text!r}",
+                          fix="write e.g. --sweep B=1e3:1e7")
+    return name, low, high
+
+
+def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: int = 13,
+          sizes: dict[str, int] | None = None, label: str | None = None) -> Sweep:
+    """Whole-step compute and communication time at ``points`` log-spaced values of ``dim``."""
+    base = resolve_sizes(plan, sizes)
+    if dim not in base:
+        raise ShardcError(f"--sweep {dim}: no dim or mesh axis of that name",
+                          fix="sweep one of " + ", ".join(sorted(base)))
+    if points < 2:
+        raise ShardcError("--points must be at least 2", fix="write e.g. --points 13")
+    out: list[SweepPoint] = []
+    mesh = plan.spec.mesh
+    for k in range(points):
+        value = low * (high / low) ** (k / (points - 1))
+        values = dict(base)
+        values[dim] = value  # type: ignore[assignment]  # fractional sizes are fine for costing
+        layers, _ = resolve_layers(plan, values)
+        rows = [cost_step(i, s, mesh, values, hw) for i, s in enumerate(plan.forward + plan.backward)]
+        compute = layers * math.fsum(r.compute_s for r in rows)
+        comm = layers * math.fsum(r.comm_s for r in rows)
+        critical = layers * math.fsum(r.comm_s for r in rows if r.is_collective and not r.ahead)
+        out.append(SweepPoint(value, compute, comm, critical))
+    return Sweep(label or plan.spec.filename or "<spec>", dim, tuple(out))
+
+
+def plot(sweeps: Sequence[Sweep], path: str, hw: Hardware) -> None:
+    """Communication time of each plan against the dim, with compute time dashed, log-log."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ShardcError("--plot needs matplotlib, which is not installed",
+                          fix="pip install 'shardc[plot]' (or matplotlib), or drop --plot") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in sweeps:
+        xs = [p.value for p in s.points]
+        line = ax.plot(xs, [p.comm_s for p in s.points], label=f"{s.label}: communication")[0]
+        ax.plot(xs, [p.compute_s for p in s.points], linestyle="--", color=line.get_color(),
+                label=f"{s.label}: compute")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(sweeps[0].dim)
+    ax.set_ylabel("seconds per step")
+    ax.set_title(f"{hw.name}: communication (solid) vs compute (dashed) per step")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as err:
+        raise ShardcError(f"cannot write {path}: {err.strerror}", fix="check the --plot path") from None
+    finally:
+        plt.close(fig)
