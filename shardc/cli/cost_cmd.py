@@ -32,6 +32,8 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--optimizer", choices=("adam10", "adam16"), default="adam10",
                         help="memory accounting: 10 or 16 bytes a param")
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
+    parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
+                        help="mesh axis AXIS is laid over K physical ICI axes (the seeds' M_X; repeatable)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--sweep", metavar="DIM=LOW:HIGH", help="log-spaced sweep of one dim")
     parser.add_argument("--points", type=int, default=13, help="points of the sweep (13)")
@@ -71,7 +73,7 @@ def run_cost(args: argparse.Namespace) -> int:
     if args.sweep:
         return _run_sweep(args, the_plan)
     report = cost(the_plan, hardware=args.hardware, mfu=args.mfu, optimizer=args.optimizer,
-                  hardware_file=args.hardware_file)
+                  hardware_file=args.hardware_file, spans=parse_sets(args.spans) or None)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
     return 0
 
@@ -95,7 +97,8 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
             raise ShardcError(f"cannot read {path}: {err.strerror}", fix="check the --with path") from None
         sets = parse_sets(args.set)
         plans.append(plan(apply_overrides(spec, sets) if sets else spec, save=args.save))
-    sweeps = [sweep(p, hw, dim, low, high, args.points) for p in plans]
+    spans = parse_sets(args.spans) or None
+    sweeps = [sweep(p, hw, dim, low, high, args.points, spans=spans) for p in plans]
     if args.json:
         print(json.dumps([s.to_json() for s in sweeps], indent=2))
     else:

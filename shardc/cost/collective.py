@@ -14,9 +14,14 @@ The model (design section 3), with the decisions the design leaves open:
   chip is left with (``factor * V / (|I| * W_dcn)``).  That is what makes data
   parallelism across pods compute-bound iff tokens per pod > C / W_dcn, the
   seeds' 73,440 on v5p.
+* A mesh axis may be laid over several physical ICI axes of the torus (the
+  seeds' M_X: X = 1024 chips of a 16x16x16 pod spans about 3).  ``spans`` gives
+  that count per mesh axis (default 1); an ICI collective's ``n_axes`` is the sum
+  of its axes' spans, since each physical axis brings its own links.
 * Latency: about ``hop_latency`` (1 us) a hop, ``ceil(n/2)`` hops around a ring of
   n chips, summed over the collective's axes (the axes' rings run one after the
-  other when latency-bound).  A collective takes ``max(bandwidth term, latency)``:
+  other when latency-bound); an axis spanning k physical axes is k rings of n**(1/k).
+  A collective takes ``max(bandwidth term, latency)``:
   latency only bounds small arrays.  Formulas carry the bandwidth terms only.
 * An einsum costs ``2 * prod(local index sizes)`` FLOPs per device (global
   product / devices sharing the work); its model FLOPs, for MFU, are
@@ -26,6 +31,7 @@ The model (design section 3), with the decisions the design leaves open:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -34,7 +40,7 @@ from shardc.errors import ShardcError
 from shardc.plan.ir import Op, Step
 from shardc.spec.ir import Mesh, Network, TensorRef
 
-__all__ = ["FACTOR", "StepCost", "cost_step", "einsum_flops", "split_axes", "local_elements"]
+__all__ = ["FACTOR", "links", "hops", "StepCost", "cost_step", "einsum_flops", "split_axes", "local_elements"]
 
 # How many times V crosses a link, relative to an AllGather (the seeds' weighting).
 FACTOR: dict[Op, Fraction] = {
@@ -120,8 +126,23 @@ def einsum_flops(step: Step, sizes: dict[str, int]) -> tuple[Fraction, Fraction]
     return flops, model
 
 
-def collective_seconds(step: Step, mesh: Mesh, sizes: dict[str, int],
-                       hw: Hardware) -> tuple[float, float, str]:
+def links(axes: tuple[str, ...], spans: Mapping[str, int] | None) -> int:
+    """The physical ICI axes (each with its links) that a collective over ``axes`` runs on."""
+    return sum((spans or {}).get(a, 1) for a in axes)
+
+
+def hops(axes: tuple[str, ...], sizes: dict[str, int], spans: Mapping[str, int] | None) -> int:
+    """Ring hops of a latency-bound collective: ceil(n/2) a ring, an axis of k spans k rings."""
+    total = 0
+    for axis in axes:
+        k = (spans or {}).get(axis, 1)
+        side = _size(sizes, axis) ** (1.0 / k)
+        total += k * math.ceil(round(side, 9) / 2)
+    return total
+
+
+def collective_seconds(step: Step, mesh: Mesh, sizes: dict[str, int], hw: Hardware,
+                       spans: Mapping[str, int] | None = None) -> tuple[float, float, str]:
     """(bandwidth term, latency bound, network) of one collective step."""
     if step.volume is None:
         raise ShardcError(f"collective step on {step.tensor} has no volume",
@@ -132,19 +153,19 @@ def collective_seconds(step: Step, mesh: Mesh, sizes: dict[str, int],
     seconds = 0.0
     group_ici = math.prod(_size(sizes, a) for a in ici)
     if ici:
-        seconds += factor * volume / (hw.w_ici * len(ici))
+        seconds += factor * volume / (hw.w_ici * links(ici, spans))
     if dcn:
         seconds += factor * volume / (group_ici * hw.w_dcn)
-    hops = sum(math.ceil(_size(sizes, a) / 2) for a in step.axes)
     network = "+".join(n for n, part in (("ici", ici), ("dcn", dcn)) if part)
-    return seconds, hops * hw.hop_latency, network
+    return seconds, hops(step.axes, sizes, spans) * hw.hop_latency, network
 
 
-def cost_step(index: int, step: Step, mesh: Mesh, sizes: dict[str, int], hw: Hardware) -> StepCost:
+def cost_step(index: int, step: Step, mesh: Mesh, sizes: dict[str, int], hw: Hardware,
+              spans: Mapping[str, int] | None = None) -> StepCost:
     """The :class:`StepCost` of one step of a plan."""
     text = describe(step)
     if step.is_collective:
-        bandwidth, latency, network = collective_seconds(step, mesh, sizes, hw)
+        bandwidth, latency, network = collective_seconds(step, mesh, sizes, hw, spans)
         volume = float(step.volume.evaluate(sizes)) if step.volume is not None else 0.0
         return StepCost(index, step.op, step.tensor, text, step.axes, network, volume,
                         volume * float(FACTOR[step.op]), bandwidth, latency, ahead=step.ahead)

@@ -9,11 +9,12 @@ sympy takes about a second to import, so it is imported here only, on first use.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
-from shardc.cost.collective import FACTOR, split_axes
+from shardc.cost.collective import FACTOR, links, split_axes
 from shardc.plan.ir import Monomial, Op, Step
 from shardc.spec.ir import Mesh
 
@@ -83,7 +84,7 @@ class PhaseFormula:
                             self.q_dcn + other.q_dcn)
 
 
-def step_formula(step: Step, mesh: Mesh) -> StepFormula:
+def step_formula(step: Step, mesh: Mesh, spans: Mapping[str, int] | None = None) -> StepFormula:
     """The formulas of one step (zeros where a step has no such figure)."""
     import sympy
 
@@ -96,7 +97,7 @@ def step_formula(step: Step, mesh: Mesh) -> StepFormula:
     factor = sympy.Rational(FACTOR[step.op].numerator, FACTOR[step.op].denominator)
     volume = monomial(step.volume)
     ici, dcn = split_axes(mesh, step.axes)
-    q_ici = factor * volume / len(ici) if ici else zero
+    q_ici = factor * volume / links(ici, spans) if ici else zero
     group_ici = sympy.Mul(*(symbol(a) for a in ici))
     q_dcn = factor * volume / group_ici if dcn else zero
     return StepFormula(zero, zero, factor * volume, q_ici, q_dcn)
@@ -119,11 +120,12 @@ def _einsum(step: Step) -> tuple[sympy.Expr, sympy.Expr]:
     return flops, model
 
 
-def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None) -> PhaseFormula:
+def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None,
+                  spans: Mapping[str, int] | None = None) -> PhaseFormula:
     """The sums of a phase's step formulas, multiplied by the layer count (a number or a symbol)."""
     import sympy
 
-    parts = [step_formula(s, mesh) for s in steps]
+    parts = [step_formula(s, mesh, spans) for s in steps]
     count: sympy.Expr = sympy.Integer(1)
     if isinstance(layers, int):
         count = sympy.Integer(layers)

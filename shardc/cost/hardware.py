@@ -38,6 +38,19 @@ class Hardware:
     hop_latency: float = 1e-6  # seconds a hop; bounds the time of small collectives
     ici_domain: int | None = None  # chips reachable over ICI/NVLink (8 per H100 node); None: a pod
     description: str = ""
+    torus_side: int | None = None  # chips along one torus axis (16 on TPU pods); None: no torus
+    torus_dims: int = 1  # axes of the torus (3 for v4p/v5p, 2 for v5e/v6e)
+
+    def spans(self, chips: int) -> int:
+        """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
+
+        This is the seeds' M_X: X = 1024 on a 16x16x16 v5p pod spans 3 axes, so its
+        collectives have 3 axes' links.  An axis of at most ``torus_side`` chips spans 1.
+        """
+        if self.torus_side is None or chips <= self.torus_side:
+            return 1
+        k = math.ceil(math.log(chips) / math.log(self.torus_side) - 1e-9)
+        return max(1, min(k, self.torus_dims))
 
     @property
     def w_ici(self) -> float:
@@ -60,17 +73,21 @@ class Hardware:
     def scaled(self, bandwidth: float = 1.0, flops: float = 1.0) -> Hardware:
         """The same chip with every bandwidth (ICI, DCN) and/or FLOPs/s scaled (for what-ifs)."""
         return Hardware(self.name, self.flops * flops, self.ici_bandwidth * bandwidth, self.hbm_bytes,
-                        self.hbm_bandwidth, self.dcn_bandwidth * bandwidth, self.hop_latency,
-                        self.ici_domain, self.description)
+                             self.hbm_bandwidth, self.dcn_bandwidth * bandwidth, self.hop_latency,
+                        self.ici_domain, self.description, self.torus_side, self.torus_dims)
 
 
 PRESETS: dict[str, Hardware] = {
     h.name: h
     for h in (
-        Hardware("tpu-v4p", 2.75e14, 4.5e10, 32e9, 1.2e12, 6.25e9, description="TPU v4p"),
-        Hardware("tpu-v5e", 1.97e14, 4.5e10, 16e9, 8.1e11, 6.25e9, description="TPU v5e"),
-        Hardware("tpu-v5p", 4.59e14, 9e10, 96e9, 2.8e12, 6.25e9, description="TPU v5p"),
-        Hardware("tpu-v6e", 9.2e14, 9e10, 32e9, 1.64e12, 6.25e9, description="TPU v6e (Trillium)"),
+        Hardware("tpu-v4p", 2.75e14, 4.5e10, 32e9, 1.2e12, 6.25e9, description="TPU v4p, 3D torus",
+                 torus_side=16, torus_dims=3),
+        Hardware("tpu-v5e", 1.97e14, 4.5e10, 16e9, 8.1e11, 6.25e9, description="TPU v5e, 2D torus",
+                 torus_side=16, torus_dims=2),
+        Hardware("tpu-v5p", 4.59e14, 9e10, 96e9, 2.8e12, 6.25e9, description="TPU v5p, 3D torus",
+                 torus_side=16, torus_dims=3),
+        Hardware("tpu-v6e", 9.2e14, 9e10, 32e9, 1.64e12, 6.25e9, description="TPU v6e, 2D torus",
+                 torus_side=16, torus_dims=2),
         Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across"),
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8,
@@ -121,8 +138,9 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)
-    if data.get("ici_domain") is not None:
-        values["ici_domain"] = int(_positive(data["ici_domain"], "ici_domain", source))
+    for key in ("ici_domain", "torus_side", "torus_dims"):
+        if data.get(key) is not None:
+            values[key] = int(_positive(data[key], key, source))
     return Hardware(**values)  # type: ignore[arg-type]
 
 

@@ -181,32 +181,59 @@ class CostReport:
 
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
          mfu: float | None = None, optimizer: str = "adam10", hardware_file: str | None = None,
-         **options: object) -> CostReport:
-    """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`, or the spec's ``hardware`` line)."""
+         spans: dict[str, int] | None = None, **options: object) -> CostReport:
+    """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`, or the spec's ``hardware`` line).
+
+    ``spans`` maps a mesh axis to the physical ICI axes it is laid over (the seeds'
+    M_X; default 1): its collectives get that many times the bandwidth.
+    """
     if options:
         raise ShardcError(f"unknown cost option(s) {', '.join(sorted(options))}",
-                          fix="use hardware=, sizes=, mfu=, optimizer=, hardware_file=")
+                          fix="use hardware=, sizes=, mfu=, optimizer=, hardware_file=, spans=")
     if mfu is not None and not 0 < mfu <= 1:
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
     if optimizer not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use adam10 or adam16")
     hw = resolve_hardware(hardware, hardware_file, plan.spec.hardware)
+    check_spans(plan, spans)
     values = resolve_sizes(plan, sizes)
+    spans = default_spans(plan, hw, values) | (spans or {})
     layers, layer_symbol = resolve_layers(plan, values)
     mesh = plan.spec.mesh
     devices = math.prod(values[a] for a in mesh.names)
-    rows_f = tuple(cost_step(i, s, mesh, values, hw) for i, s in enumerate(plan.forward, 1))
-    rows_b = tuple(cost_step(i, s, mesh, values, hw) for i, s in enumerate(plan.backward, 1))
+    rows_f = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.forward, 1))
+    rows_b = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.backward, 1))
     count = layer_symbol if layer_symbol is not None else layers
-    f_fwd = phase_formula(plan.forward, mesh, count)
-    f_bwd = phase_formula(plan.backward, mesh, count)
+    f_fwd = phase_formula(plan.forward, mesh, count, spans)
+    f_bwd = phase_formula(plan.backward, mesh, count, spans)
     phases = (PhaseCost("forward", rows_f, layers, devices, hw, f_fwd, mfu),
               PhaseCost("backward", rows_b, layers, devices, hw, f_bwd, mfu),
               PhaseCost("step", rows_f + rows_b, layers, devices, hw, f_fwd + f_bwd, mfu))
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer)
     tokens = token_dims(plan)
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
-    return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), _notes(plan, hw, values))
+    notes = _notes(plan, hw, values) + tuple(
+        f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
+        f"the seeds' M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
+    return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), notes)
+
+
+def default_spans(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> dict[str, int]:
+    """Each ICI mesh axis's torus axes on this chip (:meth:`Hardware.spans`)."""
+    from shardc.spec.ir import Network
+
+    return {a.name: hw.spans(sizes[a.name]) for a in plan.spec.mesh.axes if a.network is not Network.DCN}
+
+
+def check_spans(plan: Plan, spans: dict[str, int] | None) -> None:
+    """Spans name mesh axes and are positive integers."""
+    for axis, k in (spans or {}).items():
+        if axis not in plan.spec.mesh.names:
+            raise ShardcError(f"--spans {axis}: not a mesh axis",
+                              fix="use one of " + ", ".join(plan.spec.mesh.names))
+        if not isinstance(k, int) or k < 1:
+            raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1",
+                              fix="write e.g. --spans X=3")
 
 
 def resolve_sizes(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int]:

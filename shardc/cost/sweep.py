@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shardc.cost.collective import cost_step
 from shardc.cost.hardware import Hardware
-from shardc.cost.report import resolve_layers, resolve_sizes
+from shardc.cost.report import default_spans, resolve_layers, resolve_sizes
 from shardc.errors import ShardcError
 from shardc.plan.ir import Plan
 
@@ -69,7 +69,8 @@ def parse_sweep(text: str) -> tuple[str, float, float]:
 
 
 def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: int = 13,
-          sizes: dict[str, int] | None = None, label: str | None = None) -> Sweep:
+          sizes: dict[str, int] | None = None, label: str | None = None,
+          spans: dict[str, int] | None = None) -> Sweep:
     """Whole-step compute and communication time at ``points`` log-spaced values of ``dim``."""
     base = resolve_sizes(plan, sizes)
     if dim not in base:
@@ -79,12 +80,13 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
         raise ShardcError("--points must be at least 2", fix="write e.g. --points 13")
     out: list[SweepPoint] = []
     mesh = plan.spec.mesh
+    spans = default_spans(plan, hw, base) | (spans or {})
     for k in range(points):
         value = low * (high / low) ** (k / (points - 1))
         values = dict(base)
         values[dim] = value  # type: ignore[assignment]  # fractional sizes are fine for costing
         layers, _ = resolve_layers(plan, values)
-        rows = [cost_step(i, s, mesh, values, hw) for i, s in enumerate(plan.forward + plan.backward)]
+        rows = [cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.forward + plan.backward)]
         compute = layers * math.fsum(r.compute_s for r in rows)
         comm = layers * math.fsum(r.comm_s for r in rows)
         critical = layers * math.fsum(r.comm_s for r in rows if r.is_collective and not r.ahead)
