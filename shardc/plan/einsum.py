@@ -24,7 +24,11 @@ from dataclasses import dataclass
 
 from shardc.plan.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
 
-__all__ = ["Operand", "EinsumProblem", "Solution", "solve", "classify"]
+__all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify"]
+
+
+class NoPlan(Exception):
+    """No local layout reaches the requested result (raised as a ShardcError by the phase)."""
 
 UNUSED = "-"
 PASS = "+"  # the axis stays unreduced in an operand and in the result
@@ -139,6 +143,8 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, roles: dict[str, str],
         operand_moves.append(moves)
     result_moves: tuple[Move, ...] = ()
     if problem.target is not None:
+        if not set(problem.target.unreduced) <= set(local_result.unreduced):
+            return None  # partial sums cannot be made from reduced values
         cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), problem.target)
         total = add_cost(total, cost)
     elif local_result.unreduced:
@@ -163,7 +169,7 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
             if best is None or sol.cost < best.cost:
                 best = sol
     if best is None:
-        raise ValueError(f"no local layout for {problem.result}")  # planner bug
+        raise NoPlan(problem.result)
     return best, seen
 
 
@@ -173,7 +179,9 @@ def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ..
     order = _rule_order(problem, roles, given)
     sol = _evaluate(ctx, problem, roles, order, None)
     if sol is None:
-        raise ValueError(f"rules found no local layout for {problem.result}")  # planner bug
+        # The rules cannot reach every requested result (e.g. partial sums over an axis
+        # the rules gather away); the exact search decides those.
+        return solve(ctx, problem)[0]
     return sol
 
 

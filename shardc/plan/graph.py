@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardc.errors import ShardcError
 from shardc.spec.ir import Call, Contract, Expr, Spec, Statement, TensorRef
 
 __all__ = ["Node", "Graph", "build_graph"]
@@ -101,6 +102,7 @@ class _Builder:
                 self.indices[arg] = indices
                 pre = None if target is None else TensorRef(arg, target.dims)
                 self.expr(e.arg, arg, indices, pre)
+            self.indices[name] = indices
             self.nodes.append(Node("elementwise", name, indices, (arg,), target, self.current, fn=e.func))
             return name
         return self.contract(e, name, indices, target)
@@ -116,6 +118,7 @@ class _Builder:
             last = k == steps
             later = {i for idx in operand_indices[k + 1:] for i in idx}
             out_idx = indices if last else _fold(left_idx, operand_indices[k], set(indices), later)
+            self.check_summed(left_idx, operand_indices[k], out_idx, e)
             out = name if last else ("Tmp" if steps == 2 and "Tmp" not in self.names else self.fresh(name))
             self.names.add(out)
             self.indices[out] = out_idx
@@ -123,6 +126,16 @@ class _Builder:
                                    target if last else None, self.current, chain=0 if last else k))
             left, left_idx = out, out_idx
         return name
+
+    def check_summed(self, left: tuple[str, ...], right: tuple[str, ...], out: tuple[str, ...],
+                     e: Contract) -> None:
+        """An index in one side only must be kept: its gradient would need a broadcast."""
+        for i in left + right:
+            if (i in left) != (i in right) and i not in out:
+                raise ShardcError(
+                    f"index {i} is summed over inside one operand of this chain", e.span or self.current.span,
+                    fix="a chain contracts indices shared by neighbours; write this step as its own "
+                        "statement with the index in its result")
 
     def finish(self) -> Graph:
         params = self.spec.params

@@ -91,6 +91,13 @@ class Monomial:
             value *= Fraction(sizes[name]) ** power
         return value
 
+    def value(self, sizes: dict[str, float]) -> float:
+        """``evaluate`` in floating point: the planner's hot path."""
+        result = self.coeff.numerator / self.coeff.denominator
+        for name, power in self.powers:
+            result *= sizes[name] ** power
+        return result
+
     def symbols(self) -> frozenset[str]:
         return frozenset(k for k, _ in self.powers)
 
@@ -200,6 +207,7 @@ class Plan:
     residuals: tuple[TensorRef, ...] = ()  # forward values the backward reads
     cotangents: tuple[TensorRef, ...] = ()  # d<Out> for each output, sharded like it
     grads: tuple[TensorRef, ...] = ()  # d<Name> for each param and the first input
+    strategy: str = "rules"  # "search" (least communication time) or "rules" (the seeds')
     choices: tuple[Choice, ...] = field(default=(), compare=False)
 
     def tensor(self, name: str) -> TensorInfo:

@@ -87,21 +87,28 @@ class CostContext:
     sizes: dict[str, int] | None  # dims; None: use PROXY_DIM for every dim
     weights: frozenset[str] = frozenset()
     _cache: dict[tuple[object, ...], tuple[Cost, tuple[Move, ...]]] = field(default_factory=dict)
+    _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
+    _sizes: dict[str, float] | None = None
 
     def dim_size(self, index: str) -> int:
         return PROXY_DIM if self.sizes is None else self.sizes[index]
 
     def local_bytes(self, indices: tuple[str, ...], value: Value) -> Monomial:
         """Per-device bytes of ``value`` as a formula: dtype * dims / axes."""
-        den = tuple(a for axes in value.layout for a in axes)
-        return Monomial.of(self.dtype.nbytes, num=indices, den=den)
+        key = (indices, value.layout)
+        hit = self._bytes.get(key)
+        if hit is None:
+            den = tuple(a for axes in value.layout for a in axes)
+            hit = self._bytes[key] = Monomial.of(self.dtype.nbytes, num=indices, den=den)
+        return hit
 
     def evaluate(self, volume: Monomial) -> float:
-        sizes = {a.name: a.size for a in self.mesh.axes}
-        for symbol in volume.symbols():
-            if symbol not in sizes:
-                sizes[symbol] = self.dim_size(symbol)
-        return float(volume.evaluate(sizes))
+        if self._sizes is None:
+            self._sizes = {a.name: float(a.size) for a in self.mesh.axes}
+        for symbol, _ in volume.powers:
+            if symbol not in self._sizes:
+                self._sizes[symbol] = float(self.dim_size(symbol))
+        return volume.value(self._sizes)
 
     def bandwidth(self, axes: tuple[str, ...]) -> float:
         """n_axes times the slowest axis's bandwidth (design section 3)."""

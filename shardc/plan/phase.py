@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from shardc.plan.einsum import EinsumProblem, Operand, Solution, solve, solve_rules
+from shardc.errors import ShardcError, Span
+from shardc.plan.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
 from shardc.plan.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.plan.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
 from shardc.spec.ir import TensorRef
@@ -54,7 +55,7 @@ class Phase:
                            note=note))
 
     def einsum(self, result: str, operands: tuple[str, ...], target: Value | None,
-               label: str, rule_given: tuple[Value, ...] | None = None) -> Value:
+               label: str, rule_given: tuple[Value, ...] | None = None, span: Span | None = None) -> Value:
         """Plan one einsum into steps; returns the result value it ends in."""
         problem = EinsumProblem(
             tuple(Operand(n, self.indices[n], tuple(self.held[n])) for n in operands),
@@ -64,7 +65,13 @@ class Phase:
                problem.indices, target, result in self.ctx.weights, self.name, rule_given)
         hit = self.solved.get(key)
         if hit is None:
-            sol, alternatives = self.solve(problem, rule_given)
+            try:
+                sol, alternatives = self.solve(problem, rule_given)
+            except NoPlan:
+                raise ShardcError(
+                    f"no sharding of the operands makes {label.split(' = ')[0]}", span,
+                    fix="partial sums {U_..} can only come from axes that shard a contracted index "
+                        "or an unreduced operand: drop the suffix or shard a contracted index") from None
             hit = (sol, self.explain(sol, alternatives))
             self.solved[key] = hit
         sol, (rows, reason) = hit
@@ -92,6 +99,8 @@ class Phase:
         (op,) = problem.operands
         best: Solution | None = None
         for source in op.sources:
+            if problem.target is not None and not set(problem.target.unreduced) <= set(source.unreduced):
+                continue  # partial sums cannot be made from reduced values
             layout = {i: axes for i, axes in zip(op.indices, source.layout, strict=True)}
             local = Value(tuple(layout[i] for i in problem.indices), source.unreduced)
             cost: Cost = ZERO
@@ -101,7 +110,8 @@ class Phase:
             sol = Solution(add_cost(ZERO, cost), ((),), (source,), local, moves, ())
             if best is None or sol.cost < best.cost:
                 best = sol
-        assert best is not None
+        if best is None:
+            raise NoPlan(problem.result)
         return best
 
     def explain(self, sol: Solution, alternatives: list[Solution]) -> tuple[tuple[Alternative, ...], str]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from shardc.errors import ShardcError
 from shardc.plan.backward import plan_backward
+from shardc.plan.check import comm_time
 from shardc.plan.graph import Graph, Node, build_graph
 from shardc.plan.ir import Op, Plan, Step, TensorInfo
 from shardc.plan.layout import CostContext, Layout, Value
@@ -37,7 +38,17 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     graph = build_graph(spec)
-    sized = bool(spec.dims) and strategy != "rules"
+    if strategy == "auto" and spec.dims:
+        # The search is exact per einsum but greedy across them: a gather the rules make
+        # early can be reused later for free.  Plan both ways and keep the cheaper whole.
+        searched = _plan(spec, graph, save, "search")
+        rules = _plan(spec, graph, save, "rules")
+        return rules if comm_time(rules) < comm_time(searched) * (1 - 1e-9) else searched
+    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy)
+
+
+def _plan(spec: Spec, graph: Graph, save: str, strategy: str) -> Plan:
+    sized = bool(spec.dims) and strategy == "search"
     grads = frozenset(f"d{p}" for p in graph.params)
     ctx = CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
     declared = dict(graph.declared)
@@ -59,6 +70,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
         residuals=backward.residuals,
         cotangents=backward.cotangents,
         grads=backward.grads,
+        strategy="search" if sized else "rules",
         choices=tuple(forward.choices + backward.phase.choices),
     )
 
@@ -83,7 +95,7 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
         return
-    final = phase.einsum(node.result, node.operands, target, label)
+    final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span)
     if node.result not in declared:  # a chain intermediate: the planner chose its sharding
         declared[node.result] = phase.ref(node.result, final)
 

@@ -66,7 +66,12 @@ def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None
 
 def render_text(plan: Plan) -> str:
     sizes = plan.size_map
-    how = "by least communication time" if sizes is not None else "by the seeds' rules (no dims)"
+    if plan.strategy == "search":
+        how = "by least communication time"
+    elif sizes is not None:
+        how = "by the seeds' rules (no cheaper in total than the search)"
+    else:
+        how = "by the seeds' rules (no dims)"
     lines = [f"# {plan.spec.filename or 'spec'}: {plan.spec.mesh}; collectives chosen {how}"]
     lines += _phase_lines("forward", plan.forward, sizes)
     lines.append("")
@@ -123,6 +128,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "forward": [step_json(s, sizes) for s in plan.forward],
         "backward": [step_json(s, sizes) for s in plan.backward],
         "save": plan.save,
+        "strategy": plan.strategy,
         "totals": totals,
         "residuals": [str(r) for r in plan.residuals],
         "grads": [str(g) for g in plan.grads],
