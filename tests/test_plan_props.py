@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import assume, given, note
+from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
 import shardc
@@ -23,7 +23,8 @@ def plan_or_skip(spec, save: str = "default"):  # type: ignore[no-untyped-def]
         raise
 
 
-@given(specs(max_devices=16), st.sampled_from(["default", "none", "all"]))
+@settings(max_examples=15)
+@given(specs(max_devices=8, max_statements=3), st.sampled_from(["default", "none", "all"]))
 def test_every_plan_replays(spec, save) -> None:  # type: ignore[no-untyped-def]
     """Local einsums are valid, moves do what they say, each phase ends where it promised."""
     note(str(spec))
@@ -31,7 +32,8 @@ def test_every_plan_replays(spec, save) -> None:  # type: ignore[no-untyped-def]
     assert check_plan(p) == []
 
 
-@given(specs(max_devices=16, dims=True))
+@settings(max_examples=15)
+@given(specs(max_devices=8, max_statements=3, dims=True))
 def test_search_never_costs_more_than_the_rules(spec) -> None:  # type: ignore[no-untyped-def]
     note(str(spec))
     searched = plan_or_skip(spec)
@@ -52,7 +54,8 @@ def _split(step: Step) -> tuple[Step, Step]:
     return rs, ag
 
 
-@given(specs(max_devices=16, dims=True))
+@settings(max_examples=15)
+@given(specs(max_devices=8, max_statements=3, dims=True))
 def test_all_reduce_is_reduce_scatter_plus_all_gather(spec) -> None:  # type: ignore[no-untyped-def]
     p = plan_or_skip(spec)
     sizes = p.size_map
@@ -70,7 +73,8 @@ def test_all_reduce_is_reduce_scatter_plus_all_gather(spec) -> None:  # type: ig
         assert weighted.evaluate(sizes) == rs_volume.evaluate(sizes) + ag_volume.evaluate(sizes)
 
 
-@given(specs(max_devices=16))
+@settings(max_examples=15)
+@given(specs(max_devices=8, max_statements=3))
 def test_gradients_for_params_and_first_input(spec) -> None:  # type: ignore[no-untyped-def]
     p = plan_or_skip(spec)
     params = {i.name for i in p.tensors if i.role == "param"}

@@ -102,9 +102,9 @@ def check_einsum(step: Step) -> str | None:
                 return f"index {d.name} is {d.axes} in {op.name} but {result_axes[d.name]} in the result"
     if len(ops) == 2:
         for axis, index in where[0].items():
-            other = where[1].get(axis)
-            if other is not None and other != index:
-                return f"axis {axis} shards {index} in one operand and {other} in the other"
+            found = where[1].get(axis)
+            if found is not None and found != index:
+                return f"axis {axis} shards {index} in one operand and {found} in the other"
         for op in ops:
             for a in op.unreduced:
                 if any(a in o.unreduced for o in ops if o is not op):
