@@ -41,6 +41,7 @@ from shardc.spec.ir import (
     Statement,
     TensorRef,
 )
+from shardc.spec.validate import leaves
 
 __all__ = ["meshes", "shardings", "tensor_refs", "specs", "spec_texts"]
 
@@ -179,7 +180,7 @@ def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -
 def _contracts_an_index(expr: Expr, result: list[str]) -> bool:
     if not isinstance(expr, Contract) or len(expr.operands) != 2:
         return False
-    left, right = (set(_leaves(o)[0].indices) for o in expr.operands)
+    left, right = (set(next(leaves(o)).indices) for o in expr.operands)
     return bool((left & right) - set(result))
 
 
@@ -192,7 +193,7 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls
     count = draw(st.integers(1, max_statements))
     statements = tuple(_statement(draw, state, kinds, chains) for _ in range(count))
-    used = dict.fromkeys(i for s in statements for r in [s.result, *_leaves(s.expr)] for i in r.indices)
+    used = dict.fromkeys(i for s in statements for r in [s.result, *leaves(s.expr)] for i in r.indices)
     with_dims = draw(st.booleans()) if dims is None else dims
     sizes = tuple((i, state.mesh.devices * draw(st.integers(1, 4))) for i in used) if with_dims else ()
     if with_dims and not sizes:  # only zero-dim tensors: a dims line still says "sizes are known"
@@ -209,14 +210,6 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     return Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
                 params=None if params is None else tuple(params),
                 hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers)
-
-
-def _leaves(expr: Expr) -> list[TensorRef]:
-    if isinstance(expr, TensorRef):
-        return [expr]
-    if isinstance(expr, Call):
-        return _leaves(expr.arg)
-    return [ref for operand in expr.operands for ref in _leaves(operand)]
 
 
 @st.composite

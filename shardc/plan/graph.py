@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shardc.errors import ShardcError
 from shardc.spec.ir import Call, Contract, Expr, Spec, Statement, TensorRef
+from shardc.spec.validate import leaves
 
 __all__ = ["Node", "Graph", "build_graph"]
 
@@ -59,7 +60,7 @@ class _Builder:
         self.inputs: list[str] = []
         self.read: set[str] = set()
         self.defined = {s.result.name for s in spec.statements}
-        self.names = set(self.defined) | {r.name for s in spec.statements for r in _refs(s.expr)}
+        self.names = set(self.defined) | {r.name for s in spec.statements for r in leaves(s.expr)}
 
     def statement(self, st: Statement) -> None:
         self.current = st
@@ -166,11 +167,3 @@ def _indices_of(builder: _Builder, e: Expr, outer: tuple[str, ...]) -> tuple[str
         later = {i for p in parts[k + 1:] for i in p}
         acc = _fold(acc, parts[k], set(outer), later)
     return acc
-
-
-def _refs(e: Expr) -> list[TensorRef]:
-    if isinstance(e, TensorRef):
-        return [e]
-    if isinstance(e, Call):
-        return _refs(e.arg)
-    return [r for o in e.operands for r in _refs(o)]
