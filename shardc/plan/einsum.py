@@ -136,7 +136,7 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, roles: dict[str, str],
     for op, local in zip(problem.operands, locals_, strict=True):
         if not any(set(local.unreduced) <= set(s.unreduced) for s in op.sources):
             return None
-        cost, moves = reshard(ctx, op.name, op.indices, op.sources, local)
+        cost, moves = reshard(ctx, op.name, op.indices, op.sources, local, _left(best, total))
         total = add_cost(total, cost)
         if best is not None and total > best:
             return None
@@ -145,29 +145,54 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, roles: dict[str, str],
     if problem.target is not None:
         if not set(problem.target.unreduced) <= set(local_result.unreduced):
             return None  # partial sums cannot be made from reduced values
-        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), problem.target)
+        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), problem.target,
+                                     _left(best, total))
         total = add_cost(total, cost)
     elif local_result.unreduced:
         # An intermediate whose layout the caller chooses: resolve partial sums in place.
         target = Value(local_result.layout, ())
-        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), target)
+        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), target,
+                                     _left(best, total))
         total = add_cost(total, cost)
+    if best is not None and total > best:
+        return None
     return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,
                     tuple(sorted(roles.items())))
 
 
+# How many of the cheapest configurations the search keeps for ``--explain`` (it
+# shows six distinct ones); dearer configurations are pruned unexplored.
+KEEP = 24
+
+
+def _left(bound: Cost | None, spent: Cost) -> Cost | None:
+    """The seconds a reshard may still cost without the configuration losing to ``bound``."""
+    if bound is None:
+        return None
+    room = bound[0] - spent[0]
+    return (room + abs(room) * 1e-9 + 1e-18, 1 << 30, 1 << 30)  # ties in seconds are kept
+
+
 def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solution]]:
-    """The cheapest solution and every distinct alternative (for ``--explain``)."""
+    """The cheapest solution and the ``KEEP`` cheapest alternatives (for ``--explain``).
+
+    Exact: a configuration is pruned only once ``KEEP`` others are known to cost
+    less, so the cheapest one is always found.
+    """
     best: Solution | None = None
     seen: list[Solution] = []
+    bound: Cost | None = None
     for roles in _assignments(ctx, problem):
         for order in _orders(ctx, roles):
-            sol = _evaluate(ctx, problem, roles, order, None)
+            sol = _evaluate(ctx, problem, roles, order, bound)
             if sol is None:
                 continue
             seen.append(sol)
             if best is None or sol.cost < best.cost:
                 best = sol
+            if len(seen) >= KEEP:
+                seen = sorted(seen, key=lambda s: s.cost)[:KEEP]
+                bound = seen[-1].cost
     if best is None:
         raise NoPlan(problem.result)
     return best, seen

@@ -86,7 +86,9 @@ class CostContext:
     dtype: DType
     sizes: dict[str, int] | None  # dims; None: use PROXY_DIM for every dim
     weights: frozenset[str] = frozenset()
-    _cache: dict[tuple[object, ...], tuple[Cost, tuple[Move, ...]]] = field(default_factory=dict)
+    # (True, found) for a finished search; (None, (bound, ())) when nothing was found up to bound
+    _cache: dict[tuple[object, ...], tuple[bool | None, tuple[Cost, tuple[Move, ...]]]] = field(
+        default_factory=dict)
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
     _sizes: dict[str, float] | None = None
 
@@ -194,25 +196,41 @@ def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Mov
     yield from _all_to_alls(ctx, idx, v)
 
 
+INFINITE: Cost = (float("inf"), 0, 0)
+
+
 def reshard(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Iterable[Value],
-            target: Value) -> tuple[Cost, tuple[Move, ...]]:
-    """Cheapest moves from any source (free) to ``target``; cached per context."""
+            target: Value, bound: Cost | None = None) -> tuple[Cost, tuple[Move, ...]]:
+    """Cheapest moves from any source (free) to ``target``; cached per context.
+
+    With ``bound``, a search that finds nothing at or below it gives up and returns
+    :data:`INFINITE`; the cache then remembers that bound as a lower bound, so the
+    einsum search can prune configurations without exploring every layout.
+    """
     starts = tuple(sorted(set(sources)))
     key = (tensor in ctx.weights, idx, starts, target)
     hit = ctx._cache.get(key)
-    if hit is None:
-        hit = _dijkstra(ctx, tensor, idx, starts, target)
-        ctx._cache[key] = hit
-    return hit
+    if hit is not None and hit[0] is not None:
+        return hit[1]
+    if hit is not None and bound is not None and bound <= hit[1][0]:
+        return INFINITE, ()  # an earlier search found nothing up to a larger bound
+    found = _dijkstra(ctx, tensor, idx, starts, target, bound)
+    if found is None:
+        assert bound is not None
+        ctx._cache[key] = (None, (bound, ()))
+        return INFINITE, ()
+    ctx._cache[key] = (True, found)
+    return found
 
 
 def _dijkstra(ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple[Value, ...],
-              target: Value) -> tuple[Cost, tuple[Move, ...]]:
+              target: Value, bound: Cost | None = None) -> tuple[Cost, tuple[Move, ...]] | None:
     """States are (value, axes sliced on the way): a sliced axis is never gathered or moved again.
 
     Under the bandwidth model a collective over more axes is faster, so without
     this the cheapest path would slice a replicated axis only to gather over it
     as well; that moves the same bytes over more links, not fewer bytes.
+    Returns None when every path costs more than ``bound``.
     """
     State = tuple[Value, frozenset[str]]
     best: dict[State, Cost] = {(s, frozenset()): ZERO for s in starts}
@@ -222,6 +240,8 @@ def _dijkstra(ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple
     heapq.heapify(heap)
     while heap:
         cost, _, state = heapq.heappop(heap)
+        if bound is not None and cost > bound:
+            return None  # every remaining path is dearer still
         if cost > best.get(state, cost):
             continue
         v, sliced = state
@@ -232,10 +252,12 @@ def _dijkstra(ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple
                 continue
             nxt = (move.dst, sliced | frozenset(move.axes) if move.op is Op.SLICE else sliced)
             new = add_cost(cost, ctx.move_cost(move, tensor))
-            if new < best.get(nxt, (float("inf"), 0, 0)):
+            if new < best.get(nxt, INFINITE):
                 best[nxt] = new
                 back[nxt] = (move, state)
                 heapq.heappush(heap, (new, next(tie), nxt))
+    if bound is not None:
+        return None
     raise ValueError(f"no moves reach {target} for {tensor}")  # a planner bug, not a user error
 
 

@@ -39,6 +39,7 @@ def apply_overrides(spec: Spec, sets: dict[str, int]) -> Spec:
     axes = {axis.name: axis for axis in spec.mesh.axes}
     dims = dim_names(spec)
     sizes = dict(spec.dims)
+    layers = spec.layers
     for name, value in sets.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ShardcError(f"--set {name}={value}: a size must be a positive whole number",
@@ -50,11 +51,13 @@ def apply_overrides(spec: Spec, sets: dict[str, int]) -> Spec:
             axes[name] = dataclasses.replace(axes[name], size=value)
         elif name in dims:
             sizes[name] = value
+        elif name == "L" and layers is None:
+            layers = value  # `--set L=40` on a spec without a `layers` line repeats its block
         else:
             valid = ", ".join([*axes, *dims])
             raise ShardcError(f"--set {name}: {name} is neither a mesh axis nor a dim of the spec",
                               fix=f"set one of {valid}")
     mesh = Mesh(tuple(axes[a.name] for a in spec.mesh.axes))
-    updated = dataclasses.replace(spec, mesh=mesh, dims=tuple(sizes.items()))
+    updated = dataclasses.replace(spec, mesh=mesh, dims=tuple(sizes.items()), layers=layers)
     validate(updated)
     return updated

@@ -1,0 +1,112 @@
+"""Property tests of the cost model over the seeds' examples at random sizes, and the CLI's JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardc
+from shardc.cost.formulas import evaluate
+from shardc.cost.hardware import get_hardware
+from shardc.plan.ir import Plan
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NAMES = ["dp", "fsdp", "tp", "fsdp_tp", "dp_dcn"]
+
+
+@cache
+def plan_of(name: str) -> Plan:
+    path = EXAMPLES / f"{name}.shard"
+    return shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), str(path)))
+
+
+sizes = st.fixed_dictionaries({
+    "B": st.integers(10, 22).map(lambda k: 2 ** k),
+    "D": st.integers(9, 14).map(lambda k: 2 ** k),
+    "F": st.integers(10, 16).map(lambda k: 2 ** k),
+})
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(NAMES), sizes, st.sampled_from([2.0, 4.0]))
+def test_more_bandwidth_divides_each_bandwidth_term(name: str, dims: dict[str, int], k: float) -> None:
+    hw = get_hardware("tpu-v5p")
+    base = shardc.cost(plan_of(name), hardware=hw, sizes=dims)
+    fast = shardc.cost(plan_of(name), hardware=hw.scaled(bandwidth=k), sizes=dims)
+    for a, b in zip(base.step.rows, fast.step.rows, strict=True):
+        assert b.bandwidth_s == pytest.approx(a.bandwidth_s / k)
+        assert b.compute_s == pytest.approx(a.compute_s)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(NAMES), sizes, st.sampled_from(["B", "D", "F"]))
+def test_times_are_monotone_in_bytes_and_flops(name: str, dims: dict[str, int], grow: str) -> None:
+    small = shardc.cost(plan_of(name), sizes=dims)
+    large = shardc.cost(plan_of(name), sizes=dims | {grow: dims[grow] * 2})
+    for a, b in zip(small.step.rows, large.step.rows, strict=True):
+        assert b.volume >= a.volume and b.flops >= a.flops
+        assert b.bandwidth_s >= a.bandwidth_s and b.compute_s >= a.compute_s
+    for phase in ("forward", "backward", "step"):
+        p, q = getattr(small, phase), getattr(large, phase)
+        assert q.comm_bytes >= p.comm_bytes and q.compute_s >= p.compute_s and q.comm_s >= p.comm_s
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(NAMES), sizes, st.sampled_from(["tpu-v5p", "tpu-v5e", "h100"]))
+def test_formulas_evaluate_to_the_numbers(name: str, dims: dict[str, int], chip: str) -> None:
+    report = shardc.cost(plan_of(name), hardware=chip, sizes=dims)
+    hw = report.hardware
+    values = {k: float(v) for k, v in report.sizes.items()} | {"C": hw.flops, "W_ici": hw.w_ici,
+                                                               "W_dcn": hw.w_dcn}
+    for phase in (report.forward, report.backward, report.step):
+        f = phase.formula
+        assert evaluate(f.comm_bytes, values) == pytest.approx(phase.comm_bytes)
+        assert evaluate(f.flops, values) == pytest.approx(phase.compute_flops)
+        assert evaluate(f.compute_s, values) == pytest.approx(phase.compute_s)
+        assert evaluate(f.comm_s, values) == pytest.approx(phase.comm_bandwidth_s)
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shardc", *args], capture_output=True, text=True, check=False)
+
+
+def test_cost_json_has_the_issue_fields() -> None:
+    out = run("cost", str(EXAMPLES / "fsdp_tp.shard"), "--json", "--mfu", "0.4")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for phase in ("forward", "backward", "step"):
+        for key in ("comm_bytes", "comm_bytes_expr", "comm_s", "compute_flops", "compute_s", "step_s",
+                    "bound", "critical_s", "ahead_s", "step_ahead_only_s", "mfu", "step_at_mfu_s"):
+            assert key in data[phase], (phase, key)
+        assert data[phase]["bound"] in ("compute", "communication")
+    assert {"total_bytes", "fits"} <= set(data["memory"])
+    assert data["thresholds"] and all(isinstance(t, str) for t in data["thresholds"])
+
+
+def test_cost_hardware_file_set_and_layers(tmp_path: Path) -> None:
+    chip = tmp_path / "chip.toml"
+    chip.write_text('name = "half-v5p"\nflops = 4.59e14\nici_bandwidth = 4.5e10\nhbm_bytes = 96e9\n'
+                    'dcn_bandwidth = 6.25e9\n', encoding="utf-8")
+    base = json.loads(run("cost", str(EXAMPLES / "dp.shard"), "--json").stdout)
+    half = json.loads(run("cost", str(EXAMPLES / "dp.shard"), "--json", "--hardware-file", str(chip)).stdout)
+    assert half["backward"]["comm_bandwidth_s"] == pytest.approx(2 * base["backward"]["comm_bandwidth_s"])
+    forty = json.loads(run("cost", str(EXAMPLES / "dp.shard"), "--json", "--set", "L=40").stdout)
+    assert forty["layers"] == 40
+    assert forty["step"]["compute_s"] == pytest.approx(40 * base["step"]["compute_s"])
+
+
+def test_cost_sweep_and_user_errors() -> None:
+    out = run("cost", str(EXAMPLES / "dp.shard"), "--sweep", "B=1e3:1e7")
+    assert out.returncode == 0, out.stderr
+    assert "B" in out.stdout and "compute" in out.stdout.lower()
+    bad = run("cost", str(EXAMPLES / "dp.shard"), "--hardware", "tpu-v99")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    listing = run("hardware")
+    assert all(n in listing.stdout for n in ("tpu-v4p", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "h200"))
