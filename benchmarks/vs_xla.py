@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -34,14 +35,20 @@ def main() -> int:
     print(f"{'example':<14} {'plan B':>8} {'xla B':>8} {'volume':>7} {'plan ms':>8} {'xla ms':>8}"
           f" {'time':>6}")
     worst = 0.0
+    times: list[float] = []
     for path in files:
         result = compare(shardc.parse(path.read_text(), filename=str(path)), repeats=args.repeats)
         ratio = result.volume_ratio
         worst = max(worst, ratio if ratio is not None else 1.0)
         volume = "n/a" if ratio is None else f"{ratio:.3f}"
+        if result.time_ratio is not None:
+            times.append(result.time_ratio)
         print(f"{path.stem:<14} {result.plan.total:>8.0f} {result.xla.total:>8.0f} {volume:>7} "
               f"{(result.plan.seconds or 0) * 1e3:>8.3f} {(result.xla.seconds or 0) * 1e3:>8.3f} "
               f"{result.time_ratio or 0:>6.2f}")
+    if times:
+        print(f"median runtime ratio plan/xla over {len(times)} examples: {statistics.median(times):.2f} "
+              f"(range {min(times):.2f}-{max(times):.2f}; tiny CPU sizes: dispatch dominates)")
     print(f"worst volume ratio {worst:.3f} (target <= 1.0; n/a: neither side moves anything)")
     return 0 if worst <= 1.0 else 1
 

@@ -84,6 +84,8 @@ def _put(x, spec, mesh):
     which also works when the mesh spans several processes)."""
     sharding = NamedSharding(mesh, spec)
     if isinstance(x, jax.Array):
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x  # already laid out: no dispatch (the forward's outputs feed the backward so)
         return jax.device_put(x, sharding)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
