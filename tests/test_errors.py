@@ -246,3 +246,9 @@ def test_mesh_axis_twice() -> None:
 
 def test_deep_nesting() -> None:
     check("mesh X=4\nA[I] = " + "(" * 60 + "B[I]" + ")" * 60 + "\n", "2:56", "nested more than", "(", "split")
+
+
+def test_chain_that_sums_inside_one_operand() -> None:
+    # A·C contracts B; E's B would then have to be summed on its own: the parser says so, not the planner
+    check("mesh X=2\nT[] = A[B] · C[B] · E[B]\n", "2:7", "index B is summed over inside one operand",
+          "A[B] · C[B] · E[B]", "write this step as its own statement")

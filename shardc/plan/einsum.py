@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from shardc.plan.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
 
-__all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify"]
+__all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
+           "room"]
 
 
 class NoPlan(Exception):
@@ -124,19 +125,36 @@ def _orders(ctx: CostContext, roles: dict[str, str]) -> Iterator[dict[str, tuple
             yield order
 
 
-def _evaluate(ctx: CostContext, problem: EinsumProblem, roles: dict[str, str],
-              order: dict[str, tuple[str, ...]], best: Cost | None) -> Solution | None:
+Config = tuple[tuple[Value, ...], Value, dict[str, str]]  # local operands, local result, roles
+
+
+def configurations(ctx: CostContext, problem: EinsumProblem) -> Iterator[Config]:
+    """Every valid local configuration, in a fixed order (ties go to the first)."""
+    for roles in _assignments(ctx, problem):
+        for order in _orders(ctx, roles):
+            config = _configuration(problem, roles, order)
+            if config is not None:
+                yield config
+
+
+def _configuration(problem: EinsumProblem, roles: dict[str, str],
+                   order: dict[str, tuple[str, ...]]) -> Config | None:
     locals_, local_result = _local_values(problem, roles, order)
     for axis, role in roles.items():
         # partial sums may pass through one operand only: a product of two is not a partial sum
         if role == PASS and sum(axis in v.unreduced for v in locals_) != 1:
             return None
+    return locals_, local_result, roles
+
+
+def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None) -> Solution | None:
+    locals_, local_result, roles = config
     total: Cost = ZERO
     operand_moves = []
     for op, local in zip(problem.operands, locals_, strict=True):
         if not any(set(local.unreduced) <= set(s.unreduced) for s in op.sources):
             return None
-        cost, moves = reshard(ctx, op.name, op.indices, op.sources, local, _left(best, total))
+        cost, moves = reshard(ctx, op.name, op.indices, op.sources, local, room(best, total))
         total = add_cost(total, cost)
         if best is not None and total > best:
             return None
@@ -146,13 +164,13 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, roles: dict[str, str],
         if not set(problem.target.unreduced) <= set(local_result.unreduced):
             return None  # partial sums cannot be made from reduced values
         cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), problem.target,
-                                     _left(best, total))
+                                     room(best, total))
         total = add_cost(total, cost)
     elif local_result.unreduced:
         # An intermediate whose layout the caller chooses: resolve partial sums in place.
         target = Value(local_result.layout, ())
         cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), target,
-                                     _left(best, total))
+                                     room(best, total))
         total = add_cost(total, cost)
     if best is not None and total > best:
         return None
@@ -165,7 +183,7 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, roles: dict[str, str],
 KEEP = 24
 
 
-def _left(bound: Cost | None, spent: Cost) -> Cost | None:
+def room(bound: Cost | None, spent: Cost) -> Cost | None:
     """The seconds a reshard may still cost without the configuration losing to ``bound``."""
     if bound is None:
         return None
@@ -182,17 +200,16 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
     best: Solution | None = None
     seen: list[Solution] = []
     bound: Cost | None = None
-    for roles in _assignments(ctx, problem):
-        for order in _orders(ctx, roles):
-            sol = _evaluate(ctx, problem, roles, order, bound)
-            if sol is None:
-                continue
-            seen.append(sol)
-            if best is None or sol.cost < best.cost:
-                best = sol
-            if len(seen) >= KEEP:
-                seen = sorted(seen, key=lambda s: s.cost)[:KEEP]
-                bound = seen[-1].cost
+    for config in configurations(ctx, problem):
+        sol = _evaluate(ctx, problem, config, bound)
+        if sol is None:
+            continue
+        seen.append(sol)
+        if best is None or sol.cost < best.cost:
+            best = sol
+        if len(seen) >= KEEP:
+            seen = sorted(seen, key=lambda s: s.cost)[:KEEP]
+            bound = seen[-1].cost
     if best is None:
         raise NoPlan(problem.result)
     return best, seen
@@ -202,7 +219,8 @@ def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ..
     """The seeds' rule-based plan: one configuration, chosen without sizes."""
     roles = rule_config(ctx, problem, given)
     order = _rule_order(problem, roles, given)
-    sol = _evaluate(ctx, problem, roles, order, None)
+    config = _configuration(problem, roles, order)
+    sol = None if config is None else _evaluate(ctx, problem, config, None)
     if sol is None:
         # The rules cannot reach every requested result (e.g. partial sums over an axis
         # the rules gather away); the exact search decides those.

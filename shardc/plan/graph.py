@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.errors import ShardcError
 from shardc.spec.ir import Call, Contract, Expr, Spec, Statement, TensorRef
-from shardc.spec.validate import leaves
+from shardc.spec.validate import chain_indices, fold, leaves
 
 __all__ = ["Node", "Graph", "build_graph"]
 
@@ -110,7 +109,7 @@ class _Builder:
 
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],
                  target: TensorRef | None) -> str:
-        operand_indices = [_indices_of(self, o, indices) for o in e.operands]
+        operand_indices = [chain_indices(o, indices) for o in e.operands]
         names = [self.expr(o, self.fresh(name), operand_indices[k], None)
                  if not isinstance(o, TensorRef) else self.leaf(o) for k, o in enumerate(e.operands)]
         left, left_idx = names[0], operand_indices[0]
@@ -118,8 +117,7 @@ class _Builder:
         for k in range(1, len(names)):
             last = k == steps
             later = {i for idx in operand_indices[k + 1:] for i in idx}
-            out_idx = indices if last else _fold(left_idx, operand_indices[k], set(indices), later)
-            self.check_summed(left_idx, operand_indices[k], out_idx, e)
+            out_idx = indices if last else fold(left_idx, operand_indices[k], set(indices), later)
             out = name if last else ("Tmp" if steps == 2 and "Tmp" not in self.names else self.fresh(name))
             self.names.add(out)
             self.indices[out] = out_idx
@@ -127,16 +125,6 @@ class _Builder:
                                    target if last else None, self.current, chain=0 if last else k))
             left, left_idx = out, out_idx
         return name
-
-    def check_summed(self, left: tuple[str, ...], right: tuple[str, ...], out: tuple[str, ...],
-                     e: Contract) -> None:
-        """An index in one side only must be kept: its gradient would need a broadcast."""
-        for i in left + right:
-            if (i in left) != (i in right) and i not in out:
-                raise ShardcError(
-                    f"index {i} is summed over inside one operand of this chain", e.span or self.current.span,
-                    fix="a chain contracts indices shared by neighbours; write this step as its own "
-                        "statement with the index in its result")
 
     def finish(self) -> Graph:
         params = self.spec.params
@@ -147,23 +135,3 @@ class _Builder:
                      tuple(self.inputs), outputs)
 
 
-def _fold(left: tuple[str, ...], right: tuple[str, ...], final: set[str], later: set[str]) -> tuple[str, ...]:
-    """Indices of a chain intermediate: drop shared indices unless they are batch."""
-    shared = set(left) & set(right)
-    batch = {i for i in shared if i in final and i not in later}
-    out = [i for i in left if i not in shared or i in batch]
-    out += [i for i in right if i not in shared]
-    return tuple(out)
-
-
-def _indices_of(builder: _Builder, e: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
-    if isinstance(e, TensorRef):
-        return e.indices
-    if isinstance(e, Call):
-        return _indices_of(builder, e.arg, outer)
-    parts = [_indices_of(builder, o, outer) for o in e.operands]
-    acc = parts[0]
-    for k in range(1, len(parts)):
-        later = {i for p in parts[k + 1:] for i in p}
-        acc = _fold(acc, parts[k], set(outer), later)
-    return acc

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from shardc.plan.ir import Monomial, Op
 from shardc.spec.ir import Dim, DType, Mesh, Network, TensorRef
 
-__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "ZERO", "add_cost"]
+__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost"]
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -78,6 +78,17 @@ class Move:
     volume: Monomial | None = None
 
 
+@dataclass(frozen=True)
+class Edge:
+    """A move out of a search state: its cost, the value number it reaches, and its axes as bits."""
+
+    move: Move
+    cost: Cost
+    dst: int
+    sliced: int  # axes this move slices (a SLICE)
+    blocked: int  # axes this move needs unsliced on the way (a gather or all-to-all)
+
+
 @dataclass
 class CostContext:
     """What costs depend on: mesh, dtype, sizes (or proxies) and which tensors are weights."""
@@ -86,10 +97,12 @@ class CostContext:
     dtype: DType
     sizes: dict[str, int] | None  # dims; None: use PROXY_DIM for every dim
     weights: frozenset[str] = frozenset()
-    # (True, found) for a finished search; (None, (bound, ())) when nothing was found up to bound
-    _cache: dict[tuple[object, ...], tuple[bool | None, tuple[Cost, tuple[Move, ...]]]] = field(
-        default_factory=dict)
+    _searches: dict[tuple[object, ...], _Search] = field(default_factory=dict)  # see reshard
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
+    # (is weight, indices, value) -> its moves and their costs; states recur across searches
+    _edges: dict[tuple[object, ...], tuple[Edge, ...]] = field(default_factory=dict)
+    _numbers: dict[Value, int] = field(default_factory=dict)
+    values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
 
     def dim_size(self, index: str) -> int:
@@ -127,6 +140,32 @@ class CostContext:
             return ZERO
         seconds = self.seconds(move.op, move.volume, move.axes)
         return (seconds, 1, 0 if tensor in self.weights else 1)
+
+    def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:
+        """The moves out of value number ``state`` with their costs, built once per context."""
+        key = (tensor in self.weights, idx, state)
+        hit = self._edges.get(key)
+        if hit is None:
+            hit = self._edges[key] = tuple(self._edge(m, tensor) for m in neighbours(self, idx, self.values[state]))
+        return hit
+
+    def _edge(self, move: Move, tensor: str) -> Edge:
+        mask = self.mask(move.axes)
+        sliced = mask if move.op is Op.SLICE else 0
+        blocked = mask if move.op in (Op.ALL_GATHER, Op.ALL_TO_ALL) else 0  # never re-gather a sliced axis
+        return Edge(move, self.move_cost(move, tensor), self.number(move.dst), sliced, blocked)
+
+    def number(self, value: Value) -> int:
+        """A small integer per value: search states hash and compare as ints."""
+        n = self._numbers.get(value)
+        if n is None:
+            n = self._numbers[value] = len(self.values)
+            self.values.append(value)
+        return n
+
+    def mask(self, axes: tuple[str, ...]) -> int:
+        names = self.mesh.names
+        return sum(1 << names.index(a) for a in set(axes))
 
     def divides(self, index: str, axes: tuple[str, ...]) -> bool:
         if self.sizes is None:
@@ -201,68 +240,96 @@ INFINITE: Cost = (float("inf"), 0, 0)
 
 def reshard(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Iterable[Value],
             target: Value, bound: Cost | None = None) -> tuple[Cost, tuple[Move, ...]]:
-    """Cheapest moves from any source (free) to ``target``; cached per context.
+    """Cheapest moves from any source (free) to ``target``.
 
-    With ``bound``, a search that finds nothing at or below it gives up and returns
-    :data:`INFINITE`; the cache then remembers that bound as a lower bound, so the
-    einsum search can prune configurations without exploring every layout.
+    One search per (weight or not, indices, sources) lives in the context and is
+    resumed by each query, so asking for many targets from the same sources costs
+    one Dijkstra in all.  With ``bound``, a query that finds nothing at or below it
+    returns :data:`INFINITE` (the search stops there, to resume if asked for more),
+    so the einsum search prunes configurations without exploring every layout.
     """
     starts = tuple(sorted(set(sources)))
-    key = (tensor in ctx.weights, idx, starts, target)
-    hit = ctx._cache.get(key)
-    if hit is not None and hit[0] is not None:
-        return hit[1]
-    if hit is not None and bound is not None and bound <= hit[1][0]:
-        return INFINITE, ()  # an earlier search found nothing up to a larger bound
-    found = _dijkstra(ctx, tensor, idx, starts, target, bound)
+    key = (tensor in ctx.weights, idx, starts)
+    search = ctx._searches.get(key)
+    if search is None:
+        search = ctx._searches[key] = _Search(ctx, tensor, idx, starts)
+    found = search.find(ctx.number(target), bound)
     if found is None:
-        assert bound is not None
-        ctx._cache[key] = (None, (bound, ()))
+        if bound is None:
+            raise ValueError(f"no moves reach {target} for {tensor}")  # a planner bug, not a user error
         return INFINITE, ()
-    ctx._cache[key] = (True, found)
     return found
 
 
-def _dijkstra(ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple[Value, ...],
-              target: Value, bound: Cost | None = None) -> tuple[Cost, tuple[Move, ...]] | None:
-    """States are (value, axes sliced on the way): a sliced axis is never gathered or moved again.
+def least_costs(ctx: CostContext, tensor: str, idx: tuple[str, ...], spent: dict[Value, Cost],
+                targets: Iterable[Value]) -> dict[Value, Cost]:
+    """For each target, the least of ``spent[source]`` plus the reshard from that source.
 
-    Under the bandwidth model a collective over more axes is faster, so without
-    this the cheapest path would slice a replicated axis only to gather over it
-    as well; that moves the same bytes over more links, not fewer bytes.
-    Returns None when every path costs more than ``bound``.
+    One Dijkstra from all sources at once, each starting at what it has cost so far,
+    instead of one search per source.
     """
-    State = tuple[Value, frozenset[str]]
-    best: dict[State, Cost] = {(s, frozenset()): ZERO for s in starts}
-    back: dict[State, tuple[Move, State]] = {}
-    tie = itertools.count()  # keeps heap entries comparable without comparing Values
-    heap: list[tuple[Cost, int, State]] = [(ZERO, next(tie), (s, frozenset())) for s in starts]
-    heapq.heapify(heap)
-    while heap:
-        cost, _, state = heapq.heappop(heap)
+    search = _Search(ctx, tensor, idx, tuple(spent), tuple(spent.values()))
+    out = {}
+    for target in targets:
+        found = search.find(ctx.number(target), None)
+        if found is not None:
+            out[target] = found[0]
+    return out
+
+
+class _Search:
+    """Dijkstra from a set of sources, resumable: settled values are kept for later queries.
+
+    States are (value, axes sliced on the way): a sliced axis is never gathered or
+    moved again.  Under the bandwidth model a collective over more axes is faster,
+    so without this the cheapest path would slice a replicated axis only to gather
+    over it as well; that moves the same bytes over more links, not fewer bytes.
+    A state is one int: value number times 2**axes, plus the sliced axes' bits.
+    """
+
+    def __init__(self, ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple[Value, ...],
+                 spent: tuple[Cost, ...] | None = None) -> None:
+        self.ctx, self.tensor, self.idx = ctx, tensor, idx
+        self.shift = len(ctx.mesh.names)
+        self.best: dict[int, Cost] = {}
+        for value, cost in zip(starts, spent or (ZERO,) * len(starts), strict=True):
+            state = ctx.number(value) << self.shift
+            self.best[state] = min(cost, self.best.get(state, INFINITE))
+        self.back: dict[int, tuple[Move, int]] = {}
+        self.tie = itertools.count()  # first pushed first among equal costs: deterministic plans
+        self.heap: list[tuple[Cost, int, int]] = [(c, next(self.tie), s) for s, c in self.best.items()]
+        heapq.heapify(self.heap)
+        self.settled: dict[int, tuple[Cost, int]] = {}  # value -> its cost and the first state that reached it
+
+    def find(self, goal: int, bound: Cost | None) -> tuple[Cost, tuple[Move, ...]] | None:
+        """The cheapest path to value ``goal``, or None if it costs more than ``bound`` (or is unreachable)."""
+        while goal not in self.settled:
+            if not self.heap or (bound is not None and self.heap[0][0] > bound):
+                return None  # every remaining path is dearer still
+            self._step()
+        cost, state = self.settled[goal]
         if bound is not None and cost > bound:
-            return None  # every remaining path is dearer still
-        if cost > best.get(state, cost):
-            continue
-        v, sliced = state
-        if v == target:
-            return cost, _path(back, state)
-        for move in neighbours(ctx, idx, v):
-            if move.op in (Op.ALL_GATHER, Op.ALL_TO_ALL) and sliced & set(move.axes):
+            return None
+        return cost, _path(self.back, state)
+
+    def _step(self) -> None:
+        cost, _, state = heapq.heappop(self.heap)
+        if cost > self.best[state]:
+            return  # a stale entry: the state was reached cheaper since
+        value, sliced = state >> self.shift, state & ((1 << self.shift) - 1)
+        self.settled.setdefault(value, (cost, state))
+        for edge in self.ctx.edges(self.tensor, self.idx, value):
+            if edge.blocked & sliced:
                 continue
-            nxt = (move.dst, sliced | frozenset(move.axes) if move.op is Op.SLICE else sliced)
-            new = add_cost(cost, ctx.move_cost(move, tensor))
-            if new < best.get(nxt, INFINITE):
-                best[nxt] = new
-                back[nxt] = (move, state)
-                heapq.heappush(heap, (new, next(tie), nxt))
-    if bound is not None:
-        return None
-    raise ValueError(f"no moves reach {target} for {tensor}")  # a planner bug, not a user error
+            nxt = (edge.dst << self.shift) | sliced | edge.sliced
+            new = add_cost(cost, edge.cost)
+            if new < self.best.get(nxt, INFINITE):
+                self.best[nxt] = new
+                self.back[nxt] = (edge.move, state)
+                heapq.heappush(self.heap, (new, next(self.tie), nxt))
 
 
-def _path(back: dict[tuple[Value, frozenset[str]], tuple[Move, tuple[Value, frozenset[str]]]],
-          end: tuple[Value, frozenset[str]]) -> tuple[Move, ...]:
+def _path(back: dict[int, tuple[Move, int]], end: int) -> tuple[Move, ...]:
     moves: list[Move] = []
     state = end
     while state in back:

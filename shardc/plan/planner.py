@@ -9,17 +9,16 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
-
 from shardc.errors import ShardcError
 from shardc.plan.backward import plan_backward
+from shardc.plan.chain import choose_chain
 from shardc.plan.check import comm_time
 from shardc.plan.graph import Graph, Node, build_graph
 from shardc.plan.ir import Op, Plan, Step, TensorInfo
 from shardc.plan.layout import CostContext, Layout, Value
 from shardc.plan.phase import Phase
 from shardc.spec.ir import Spec, TensorRef
+from shardc.spec.validate import validate
 
 __all__ = ["plan", "SAVE_POLICIES"]
 
@@ -37,20 +36,26 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
+    validate(spec)  # a Spec built in Python has not met the parser's checks
     graph = build_graph(spec)
     if strategy == "auto" and spec.dims:
         # The search is exact per einsum but greedy across them: a gather the rules make
         # early can be reused later for free.  Plan both ways and keep the cheaper whole.
-        searched = _plan(spec, graph, save, "search")
-        rules = _plan(spec, graph, save, "rules")
+        ctx = _context(spec, graph)  # one search cache for both
+        searched = _plan(spec, graph, save, "search", ctx)
+        rules = _plan(spec, graph, save, "rules", ctx)
         return rules if comm_time(rules) < comm_time(searched) * (1 - 1e-9) else searched
-    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy)
+    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy,
+                 _context(spec, graph))
 
 
-def _plan(spec: Spec, graph: Graph, save: str, strategy: str) -> Plan:
-    sized = bool(spec.dims) and strategy == "search"
+def _context(spec: Spec, graph: Graph) -> CostContext:
     grads = frozenset(f"d{p}" for p in graph.params)
-    ctx = CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
+    return CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
+
+
+def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) -> Plan:
+    sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
     for name in graph.inputs:
@@ -84,7 +89,7 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) ->
             end = k
             while nodes[end].chain:
                 end += 1
-            _choose_chain(phase, nodes[k:end + 1], declared)
+            choose_chain(phase, nodes[k:end + 1], declared)
         _plan_node(phase, node, declared)
         k += 1
 
@@ -134,57 +139,6 @@ def _label(node: Node, phase: Phase, declared: dict[str, TensorRef]) -> str:
     target = declared.get(node.result)
     head = str(target) if target is not None else f"{node.result}[{', '.join(node.indices)}]"
     return f"{head} = {' · '.join(parts)}"
-
-
-def _choose_chain(phase: Phase, chain: list[Node], declared: dict[str, TensorRef]) -> None:
-    """Dynamic programming over a chain: each intermediate's sharding, least forward time.
-
-    State: the layout of the accumulated intermediate.  Each step is costed by
-    the exact einsum search from that layout to each candidate next layout (the
-    last step to the declared result).
-    """
-    from shardc.plan.einsum import EinsumProblem, Operand, solve
-
-    ctx = phase.ctx
-    first = chain[0]
-    states: dict[Value | None, tuple[float, tuple[Value, ...]]] = {None: (0.0, ())}
-    for node in chain:
-        last = node is chain[-1]
-        targets = [Value.of(declared[node.result])] if last else list(_layouts(ctx, node.indices))
-        new_states: dict[Value | None, tuple[float, tuple[Value, ...]]] = {}
-        for state, (cost, path) in states.items():
-            operands = []
-            for name in node.operands:
-                if state is not None and name == node.operands[0] and node is not first:
-                    operands.append(Operand(name, phase.indices[name], (state,)))
-                else:
-                    operands.append(Operand(name, phase.indices[name], tuple(phase.held[name])))
-            for target in targets:
-                sol, _ = solve(ctx, EinsumProblem(tuple(operands), node.result, node.indices, target))
-                total = cost + sol.cost[0] + 1e-30 * sol.cost[1]
-                if target not in new_states or total < new_states[target][0]:
-                    new_states[target] = (total, path + (target,))
-        states = dict(new_states)
-    _, path = min(states.values(), key=lambda t: t[0])
-    for node, value in zip(chain[:-1], path, strict=False):
-        declared[node.result] = value.ref(node.result, node.indices)
-
-
-def _layouts(ctx: CostContext, indices: tuple[str, ...]) -> Iterator[Value]:
-    """Every reduced layout of a tensor with these indices on the mesh."""
-    options = [[None, *range(len(indices))] for _ in ctx.mesh.names]
-    for combo in itertools.product(*options):
-        groups: dict[int, list[str]] = {}
-        for axis, d in zip(ctx.mesh.names, combo, strict=True):
-            if d is not None:
-                groups.setdefault(d, []).append(axis)
-        keys = sorted(groups)
-        for perms in itertools.product(*(itertools.permutations(groups[d]) for d in keys)):
-            layout: list[tuple[str, ...]] = [()] * len(indices)
-            for d, perm in zip(keys, perms, strict=True):
-                layout[d] = tuple(perm)
-            if all(ctx.divides(i, axes) for i, axes in zip(indices, layout, strict=True)):
-                yield Value(tuple(layout), ())
 
 
 def _tensor_infos(graph: Graph, declared: dict[str, TensorRef]) -> tuple[TensorInfo, ...]:

@@ -245,6 +245,57 @@ def _check_indices(statement: Statement) -> None:
                               fix=f"every result index must come from an operand: add {dim.name} to an "
                               f"operand or remove it from {result.name}")
     _check_summed(expr, set(result.indices), statement)
+    _check_chain(expr, result.indices, statement)
+
+
+def fold(left: tuple[str, ...], right: tuple[str, ...], final: set[str], later: set[str]) -> tuple[str, ...]:
+    """Indices of a chain intermediate (the seeds' left-to-right products).
+
+    A shared index is batch, and kept, iff it is in the final result and no later
+    operand reads it; otherwise neighbours contract it (``In[B,D]·W_in[D,F]·W_out[F,D]``
+    contracts D first and reads a new D in W_out).
+    """
+    shared = set(left) & set(right)
+    batch = {i for i in shared if i in final and i not in later}
+    out = [i for i in left if i not in shared or i in batch]
+    out += [i for i in right if i not in shared]
+    return tuple(out)
+
+
+def chain_indices(expr: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
+    """The indices ``expr`` leaves, under chain folding towards a result with ``outer``."""
+    if isinstance(expr, TensorRef):
+        return expr.indices
+    if isinstance(expr, Call):
+        return chain_indices(expr.arg, outer)
+    parts = [chain_indices(o, outer) for o in expr.operands]
+    acc = parts[0]
+    for k in range(1, len(parts)):
+        acc = fold(acc, parts[k], set(outer), {i for p in parts[k + 1:] for i in p})
+    return acc
+
+
+def _check_chain(expr: Expr, outer: tuple[str, ...], statement: Statement) -> None:
+    """Each product of a chain keeps the indices one side has alone: a chain cannot sum inside one."""
+    if isinstance(expr, Call):
+        _check_chain(expr.arg, outer, statement)
+        return
+    if not isinstance(expr, Contract):
+        return
+    parts = [chain_indices(o, outer) for o in expr.operands]
+    for operand, part in zip(expr.operands, parts, strict=True):
+        _check_chain(operand, part, statement)
+    acc = parts[0]
+    for k in range(1, len(parts)):
+        later = {i for p in parts[k + 1:] for i in p}
+        out = outer if k == len(parts) - 1 else fold(acc, parts[k], set(outer), later)
+        for i in acc + parts[k]:
+            if (i in acc) != (i in parts[k]) and i not in out:
+                raise ShardcError(
+                    f"index {i} is summed over inside one operand of this chain", expr.span or statement.span,
+                    fix="a chain contracts indices shared by neighbours; write this step as its own "
+                        "statement with the index in its result")
+        acc = out
 
 
 def _check_partial_sums(statement: Statement) -> None:
