@@ -84,16 +84,82 @@ def test_forward_returns_every_result_and_grad_every_param(fsdp_tp) -> None:  # 
     assert grads["dW_in"].shape == inputs["W_in"].shape
 
 
-def test_jax_grad_of_forward_runs_the_planned_backward(fsdp_tp) -> None:  # type: ignore[no-untyped-def]
+def test_jax_grad_of_forward_runs_the_planned_backward(fsdp_tp, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import jax
     import jax.numpy as jnp
 
     inputs = fsdp_tp.random_inputs()
     cot = fsdp_tp.random_cotangents()
     planned = fsdp_tp.grad(inputs, cot)
+    module = fsdp_tp.namespace
+    run_backward, calls = module.run_backward, []
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return run_backward(*args)
+
+    def no_transpose(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a loss on the outputs needs no JAX transpose")
+
+    monkeypatch.setattr(module, "run_backward", counted)
+    monkeypatch.setattr(module.jax, "vjp", no_transpose)
     auto = jax.grad(lambda i: jnp.sum(fsdp_tp.forward(i)["Out"] * cot["dOut"]))(inputs)
+    monkeypatch.undo()
+    assert calls == [1]
     for name in ("W_in", "W_out", "In"):
         np.testing.assert_allclose(np.asarray(auto[name]), np.asarray(planned["d" + name]), rtol=1e-5)
+
+
+def _fsdp_tp_loss(i, cot):  # type: ignore[no-untyped-def]
+    """The same statements in plain jnp: a loss on the intermediate Tmp as well as on Out."""
+    import jax.numpy as jnp
+
+    tmp = jnp.einsum("bd,df->bf", i["In"], i["W_in"])
+    out = jnp.einsum("bf,fd->bd", tmp, i["W_out"])
+    return jnp.sum(out * cot["dOut"]) + jnp.sum(jnp.sin(tmp))
+
+
+def test_jax_grad_through_an_intermediate_and_every_input(fsdp_tp) -> None:  # type: ignore[no-untyped-def]
+    """Cotangents of a result a later statement reads still reach the inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    inputs = {k: jnp.asarray(v) for k, v in fsdp_tp.random_inputs().items()}
+    cot = fsdp_tp.random_cotangents()
+
+    def loss(i):  # type: ignore[no-untyped-def]
+        results = fsdp_tp.forward(i)
+        return jnp.sum(results["Out"] * cot["dOut"]) + jnp.sum(jnp.sin(results["Tmp"]))
+
+    auto = jax.grad(loss)(inputs)
+    want = jax.grad(_fsdp_tp_loss)(inputs, cot)
+    for name in ("W_in", "W_out", "In"):
+        np.testing.assert_allclose(np.asarray(auto[name]), np.asarray(want[name]), rtol=2e-4, atol=1e-5)
+    only_tmp = jax.grad(lambda w: jnp.sum(fsdp_tp.forward({**inputs, "W_in": w})["Tmp"]))(inputs["W_in"])
+    expect = jax.grad(lambda w: jnp.sum(jnp.einsum("bd,df->bf", inputs["In"], w)))(inputs["W_in"])
+    np.testing.assert_allclose(np.asarray(only_tmp), np.asarray(expect), rtol=2e-4, atol=1e-5)
+
+
+def test_jit_grad_reaches_inputs_the_plan_does_not_differentiate() -> None:
+    """Attention: Kt and V are neither params nor the first input; Scores is read later."""
+    import jax
+    import jax.numpy as jnp
+
+    lowered = shardc.lower(spec_of(ROOT / "examples" / "attention.shard"))
+    inputs = {k: jnp.asarray(v) for k, v in lowered.random_inputs().items()}
+
+    def loss(results):  # type: ignore[no-untyped-def]
+        return jnp.sum(results["Ctx"] ** 2) + jnp.sum(jnp.cos(results["Scores"]))
+
+    def reference(i):  # type: ignore[no-untyped-def]
+        scores = jnp.einsum("bhse,bhte->bhst", i["Q"], i["Kt"])
+        ctx = jnp.einsum("bhst,bhte->bhse", jnp.exp(scores), i["V"])
+        return loss({"Ctx": ctx, "Scores": scores})
+
+    got = jax.jit(jax.grad(lambda i: loss(lowered.forward(i))))(inputs)
+    want = jax.grad(reference)(inputs)
+    for name in ("Q", "Kt", "V"):
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-4, atol=1e-4)
 
 
 def test_a_mesh_larger_than_the_devices_says_how_to_emulate() -> None:

@@ -24,9 +24,10 @@ Lowered by shardc from {filename} (save={save}).  Mesh {mesh_text}: {devices} de
 
 Both take and return dicts of global arrays keyed by tensor name (inputs: {inputs};
 cotangent: {cotangents}).  ``forward`` is a ``jax.custom_vjp``: ``jax.grad`` of a
-function of its outputs runs the planned backward below (cotangents of results
-that are read by a later statement are not propagated: the plan differentiates
-the outputs).  Each phase is one ``shard_map``; every line is one step of the plan,
+function of its results runs the planned backward below for the outputs'
+cotangents; cotangents of results that a later statement reads, and gradients of
+inputs the plan does not differentiate, come from JAX's transpose of the forward
+program, only when asked for.  Each phase is one ``shard_map``; every line is one step of the plan,
 commented with the sharded tensor it makes and its local (per-device) shape.
 
 On a CPU, emulate the devices with
@@ -41,6 +42,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -84,7 +86,7 @@ def _put(x, spec, mesh):
     which also works when the mesh spans several processes)."""
     sharding = NamedSharding(mesh, spec)
     if isinstance(x, jax.Array):
-        if x.sharding.is_equivalent_to(sharding, x.ndim):
+        if not isinstance(x, jax.core.Tracer) and x.sharding.is_equivalent_to(sharding, x.ndim):
             return x  # already laid out: no dispatch (the forward's outputs feed the backward so)
         return jax.device_put(x, sharding)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
@@ -117,18 +119,46 @@ def forward(inputs):
 
 
 def _forward_fwd(inputs):
-    saved = run_forward(inputs)
-    return _results(saved), (inputs, saved)
+    values = {{name: x.value for name, x in inputs.items()}}
+    # residuals must be arrays: which inputs want a gradient travels as pytree structure
+    wanted = {{name: () for name, x in inputs.items() if x.perturbed}}
+    saved = run_forward(values)
+    return _results(saved), (values, saved, wanted)
 
 
 def _forward_bwd(residuals, cotangent):
-    inputs, saved = residuals
-    grads = run_backward(inputs, saved, {{name: cotangent[out] for name, out in COTANGENTS.items()}})
-    # inputs without a planned gradient (not params, not the first input) get zeros (None)
-    return ({{name: grads.get(GRADS.get(name, "")) for name in inputs}},)
+    """The planned backward for the outputs' cotangents, into the params and the first input.
+
+    By linearity the rest is added from JAX's own transpose of the forward program
+    (not planned, not costed): cotangents of results a later statement reads, and
+    gradients of inputs the plan does not differentiate.  Neither runs unless needed.
+    """
+    inputs, saved, wanted = residuals
+    results = _results(saved)
+    given = {{out: c for out, c in cotangent.items() if not isinstance(c, SymbolicZero)}}
+    outs = {{name: given.get(out, jnp.zeros_like(results[out])) for name, out in COTANGENTS.items()}}
+    planned = run_backward(inputs, saved, outs) if set(given) & set(COTANGENTS.values()) else {{}}
+    grads = {{name: planned.get(GRADS[name]) if name in GRADS else None for name in inputs}}
+    inner = {{out: c for out, c in given.items() if out not in COTANGENTS.values()}}
+    unplanned = [name for name in wanted if name not in GRADS]
+    if inner or unplanned:
+        _, transpose = jax.vjp(lambda i: _results(run_forward(i)), inputs)
+        if inner:
+            (extra,) = transpose({{out: inner.get(out, jnp.zeros_like(r)) for out, r in results.items()}})
+            grads = {{name: extra[name] if g is None else _plus(g, extra[name]) for name, g in grads.items()}}
+        if unplanned:
+            (full,) = transpose({{out: given.get(out, jnp.zeros_like(r)) for out, r in results.items()}})
+            grads.update({{name: full[name] for name in unplanned}})
+    return ({{name: grads[name] if name in wanted else None for name in inputs}},)
 
 
-forward.defvjp(_forward_fwd, _forward_bwd)
+def _plus(a, b):
+    if not isinstance(a, jax.core.Tracer) and not isinstance(b, jax.core.Tracer):
+        b = jax.device_put(b, a.sharding)  # eagerly, the two may sit on different devices
+    return a + b
+
+
+forward.defvjp(_forward_fwd, _forward_bwd, symbolic_zeros=True)
 
 
 def grad(inputs, cotangent):
