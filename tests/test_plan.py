@@ -13,8 +13,9 @@ import sympy
 
 import shardc
 from shardc.plan.check import check_plan, comm_time
-from shardc.plan.ir import Op, Plan
+from shardc.plan.ir import Op, Plan, Step
 from shardc.plan.render import phase_total, render_text, to_json
+from shardc.spec.ir import Dim, TensorRef
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -275,3 +276,30 @@ def test_cli_user_error_has_no_traceback(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert f"{bad}:2:" in out.stderr and "^" in out.stderr
+
+
+def _ref(name: str, *dims: tuple[str, tuple[str, ...]]) -> TensorRef:
+    return TensorRef(name, tuple(Dim(i, axes) for i, axes in dims))
+
+
+def test_a_collective_inside_a_later_ones_result_becomes_a_slice() -> None:
+    """AllToAll dT[B, D_X] -> dT[B_X, D], then AllGather dT[B, D_X] -> dT[B, D]: gather first, slice."""
+    from shardc.plan.fold import fold_redundant
+
+    src, split, full = _ref("dT", ("B", ()), ("D", ("X",))), _ref("dT", ("B", ("X",)), ("D", ())), \
+        _ref("dT", ("B", ()), ("D", ()))
+    w, out1, out2 = _ref("W", ("D", ())), _ref("A", ("B", ("X",))), _ref("C", ("B", ()))
+    steps = (Step(Op.ALL_TO_ALL, "dT", split, src, ("X",), dim=1, dim2=0),
+             Step(Op.EINSUM, "A", out1, operands=(split, w)),
+             Step(Op.ALL_GATHER, "dT", full, src, ("X",), dim=1),
+             Step(Op.EINSUM, "C", out2, operands=(full, w)))
+    folded = fold_redundant(steps, frozenset({out1, out2}))
+    assert [s.op for s in folded] == [Op.ALL_GATHER, Op.SLICE, Op.EINSUM, Op.EINSUM]
+    assert folded[1].src == full and folded[1].dst == split
+
+
+def test_a_move_nothing_reads_is_dropped() -> None:
+    """The backward made dTmp in Tmp's declared layout for no reader; XLA drops such moves too."""
+    p = shardc.plan(shardc.parse("mesh X=2 over dcn\nT4[B, D_X] = In1[] · In2[B_X, D] · In3[]\n"))
+    assert collectives(p.backward) == ["AllGather_X dTmp[B, D_X] -> dTmp[B, D]",
+                                       "AllGather_X In2[B_X, D] -> In2[B, D]"]

@@ -21,6 +21,12 @@ def test_every_plan_replays(spec, save) -> None:  # type: ignore[no-untyped-def]
     note(str(spec))
     p = shardc.plan(spec, save=save)
     assert check_plan(p) == []
+    handed_on = {i.ref for i in p.tensors} | set(p.residuals) | set(p.grads)
+    for steps in (p.forward, p.backward):
+        for k, step in enumerate(steps):  # XLA drops a move nothing reads: the plan must not promise one
+            if step.is_collective or step.op is Op.SLICE:
+                read = any(s.src == step.dst or step.dst in s.operands for s in steps[k + 1:])
+                assert read or step.dst in handed_on, step
 
 
 @settings(max_examples=15)

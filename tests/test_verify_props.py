@@ -6,7 +6,6 @@ from hypothesis import HealthCheck, given, settings
 
 import shardc
 from shardc.lower.verify import render_report, verify
-from shardc.plan.ir import Op
 from shardc.testing import specs
 
 
@@ -18,9 +17,5 @@ def test_random_specs_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  
     report = verify(shardc.plan(spec))
     text = render_report(report)
     assert all(r.ok for r in report.values), text
-    for row in report.collectives:
-        if row.ok:
-            continue
-        # XLA may prove a planned AllToAll unneeded (its data is a slice of a replicated value);
-        # every other collective must be in the HLO with the planned axes and bytes
-        assert row.kind == Op.ALL_TO_ALL.title and row.hlo_op == "-", text
+    # every planned collective is in the HLO with the planned kind, axes and bytes, and no other
+    assert all(r.ok for r in report.collectives), text

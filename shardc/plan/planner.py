@@ -13,6 +13,7 @@ from shardc.errors import ShardcError
 from shardc.plan.backward import plan_backward
 from shardc.plan.chain import choose_chain
 from shardc.plan.check import comm_time
+from shardc.plan.fold import fold_redundant
 from shardc.plan.graph import Graph, Node, build_graph
 from shardc.plan.ir import Op, Plan, Step, TensorInfo
 from shardc.plan.layout import CostContext, Layout, Value
@@ -67,8 +68,8 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) 
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
     return Plan(
         spec=spec,
-        forward=tuple(forward.steps),
-        backward=tuple(backward.phase.steps),
+        forward=fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals)),
+        backward=fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads)),
         save=save,
         sizes=sizes,
         tensors=_tensor_infos(graph, declared),

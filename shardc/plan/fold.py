@@ -1,0 +1,119 @@
+"""Drop collectives the program would not run: contained in another's result, or unread.
+
+The phases plan one einsum at a time, so a tensor needed in two layouts can be
+moved twice: ``AllToAll dT[B, D_X] -> dT[B_X, D]`` for one einsum and then
+``AllGather dT[B, D_X] -> dT[B, D]`` for the next.  The gathered value holds
+every block the AllToAll fetched; XLA sees that and drops the AllToAll, so the
+plan would promise a collective the program never runs.  This pass does the
+same on the plan: when a later collective's source is already available where
+an earlier collective runs, and the earlier result is the later one sliced (each
+dim's axes extend the later result's, partial sums alike), the later collective
+moves up and the earlier one becomes free slices.
+
+    earlier   AllToAll_X dT[B, D_X] -> dT[B_X, D]       AllGather_X dT[B, D_X] -> dT[B, D]
+    later     AllGather_X dT[B, D_X] -> dT[B, D]   =>   slice_X dT[B, D] -> dT[B_X, D]
+"""
+
+from __future__ import annotations
+
+from shardc.plan.ir import Op, Step
+from shardc.spec.ir import Dim, TensorRef
+
+__all__ = ["fold_redundant"]
+
+
+def fold_redundant(steps: tuple[Step, ...], keep: frozenset[TensorRef]) -> tuple[Step, ...]:
+    """``steps`` with every collective that another collective's result makes free turned into slices.
+
+    Then moves whose result nothing reads are dropped, unless they make a value in
+    ``keep`` (what the phase hands on: declared results, residuals, gradients).
+    XLA deletes such dead collectives too, so a plan that kept them would promise
+    collectives the program never runs.
+    """
+    out = list(steps)
+    while _fold_once(out):
+        pass
+    return tuple(_drop_dead_moves(out, keep))
+
+
+def _drop_dead_moves(steps: list[Step], keep: frozenset[TensorRef]) -> list[Step]:
+    out: list[Step] = []
+    for step in reversed(steps):  # last first, so a chain of dead moves goes at once
+        moves = step.is_collective or step.op is Op.SLICE
+        read = any(s.src == step.dst or step.dst in s.operands for s in out)
+        if moves and not read and step.dst not in keep:
+            continue
+        out.append(step)
+    return out[::-1]
+
+
+def _fold_once(out: list[Step]) -> bool:
+    for i, step in enumerate(out):
+        if not step.is_collective:
+            continue
+        held = _held(out, i)
+        if held is not None:  # already made earlier: slice it
+            out[i:i + 1] = _slices(step.tensor, held, step.dst, ahead=step.ahead)
+            return True
+        j = _container(out, i)
+        if j is not None:  # made later from a value ready now: make it now, slice it
+            late = out.pop(j)
+            out[i:i + 1] = [late, *_slices(step.tensor, late.dst, step.dst, ahead=step.ahead)]
+            return True
+    return False
+
+
+def _held(steps: list[Step], i: int) -> TensorRef | None:
+    """A value an earlier step made of which step ``i``'s result is a slice."""
+    for k in range(i):
+        if steps[k].tensor == steps[i].tensor and _slices_to(steps[k].dst, steps[i].dst):
+            return steps[k].dst
+    return None
+
+
+def _container(steps: list[Step], i: int) -> int | None:
+    """A later collective whose result contains step ``i``'s and whose source is ready at ``i``."""
+    early = steps[i]
+    if not early.is_collective:
+        return None
+    for j in range(i + 1, len(steps)):
+        late = steps[j]
+        if (late.is_collective and late.tensor == early.tensor and late.src is not None
+                and _slices_to(late.dst, early.dst) and _ready(steps, late.src, i, j)):
+            return j
+    return None
+
+
+def _slices_to(big: TensorRef, small: TensorRef) -> bool:
+    """``small`` is ``big`` sliced: the same partial sums, each dim's axes extending ``big``'s."""
+    if big.unreduced != small.unreduced or big.indices != small.indices:
+        return False
+    extra: set[str] = set()
+    for b, s in zip(big.dims, small.dims, strict=True):
+        if s.axes[:len(b.axes)] != b.axes:
+            return False
+        extra.update(s.axes[len(b.axes):])
+    return not extra & {a for d in big.dims for a in d.axes}
+
+
+def _ready(steps: list[Step], value: TensorRef, i: int, j: int) -> bool:
+    """``value`` exists before step ``i``: made earlier, or a phase input (made by no step before ``j``)."""
+    made = [k for k in range(j) if steps[k].dst == value]
+    return not made or made[0] < i
+
+
+def _slices(tensor: str, big: TensorRef, small: TensorRef, ahead: bool) -> list[Step]:
+    """Free slices from ``big`` to ``small``, one axis at a time at the minor end of a dim."""
+    steps = []
+    current = big
+    for d, (b, s) in enumerate(zip(big.dims, small.dims, strict=True)):
+        for axis in s.axes[len(b.axes):]:
+            dims = list(current.dims)
+            dims[d] = Dim(dims[d].name, dims[d].axes + (axis,))
+            nxt = TensorRef(current.name, tuple(dims), current.unreduced)
+            steps.append(Step(Op.SLICE, tensor, nxt, current, (axis,), dim=d, ahead=ahead,
+                              note="free: a later collective's result holds it"))
+            current = nxt
+    assert current == small
+    return steps
+
