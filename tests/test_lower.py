@@ -162,6 +162,24 @@ def test_jit_grad_reaches_inputs_the_plan_does_not_differentiate() -> None:
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-4, atol=1e-4)
 
 
+def test_an_input_of_partial_sums_is_taken_stacked_and_differentiated() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    lowered = shardc.lower(spec_of(ROOT / "examples" / "partial_input.shard"))
+    inputs = {k: jnp.asarray(v) for k, v in lowered.random_inputs().items()}
+    assert inputs["In"].shape[0] == 4  # one partial sum per device along Y
+    got = jax.grad(lambda i: jnp.sum(lowered.forward(i)["Out"] ** 2))(inputs)
+
+    def reference(i):  # type: ignore[no-untyped-def]
+        return jnp.sum(jnp.einsum("bd,df->bf", i["In"].sum(axis=0), i["W"]) ** 2)
+
+    want = jax.grad(reference)(inputs)
+    for name in ("In", "W"):
+        assert got[name].shape == inputs[name].shape
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-4, atol=1e-4)
+
+
 def test_a_mesh_larger_than_the_devices_says_how_to_emulate() -> None:
     spec = shardc.parse("mesh X=64\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
     with pytest.raises(ShardcError) as err:

@@ -279,10 +279,6 @@ def _backward_phase(plan: Plan, var: _Namer, letters: dict[str, str], sizes: dic
 def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int] | None,
              title: str = "") -> Module:
     """The module for ``plan`` on ``mesh`` (axis sizes may differ from the spec's)."""
-    for info in plan.tensors:
-        if info.role in ("input", "param") and info.ref.unreduced:
-            raise ShardcError(f"{info.ref}: an input declared unreduced cannot be lowered",
-                              fix="declare inputs and params without {U_...}")
     var = _Namer(_declared(plan))
     letters = _letters(plan)
     external = _external_reads(plan.backward)

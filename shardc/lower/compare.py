@@ -104,11 +104,18 @@ class _XlaPrograms:
         self.mesh = jax.make_mesh(tuple(s for _, s in mesh_axes), names,
                                   axis_types=(AxisType.Auto,) * len(names))
 
-        def sharding(ref: TensorRef) -> Any:
-            return NamedSharding(self.mesh, P(*[d.axes or None for d in ref.dims]))
+        def sharding(ref: TensorRef, stacked: bool = False) -> Any:
+            lead = [ref.unreduced] if stacked and ref.unreduced else []  # partial sums, stacked
+            return NamedSharding(self.mesh, P(*lead, *[d.axes or None for d in ref.dims]))
 
         self.sharding = sharding
         self.inputs = [i for i in plan.tensors if i.role in ("input", "param")]
+        stacked = {i.name for i in self.inputs if i.ref.unreduced}
+
+        def summed(args: tuple[Any, ...]) -> dict[str, Any]:
+            names = [i.name for i in self.inputs]
+            return {n: a.sum(axis=0) if n in stacked else a for n, a in zip(names, args, strict=True)}
+
         self.results = [i for i in plan.tensors if i.role not in ("input", "param")]
         self.cotangents = list(plan.cotangents)
         self.grads = list(plan.grads)
@@ -116,18 +123,18 @@ class _XlaPrograms:
         import jax.numpy as jnp
 
         def fwd(*args: Any) -> tuple[Any, ...]:
-            values = reference.forward(spec, dict(zip([i.name for i in self.inputs], args, strict=True)), jnp)
+            values = reference.forward(spec, summed(args), jnp)
             return tuple(values[i.name] for i in self.results)
 
         def bwd(*args: Any) -> tuple[Any, ...]:
             k, r = len(self.inputs), len(self.results)
-            inputs = dict(zip([i.name for i in self.inputs], args[:k], strict=True))
+            inputs = summed(args[:k])
             given = dict(zip([i.name for i in self.results], args[k:k + r], strict=True))
             cot = dict(zip([c.name for c in self.cotangents], args[k + r:], strict=True))
             grads = reference.backward(spec, inputs, cot, jnp, given=given)
             return tuple(grads[g.name] for g in self.grads)
 
-        self.fwd_in = [sharding(i.ref) for i in self.inputs]
+        self.fwd_in = [sharding(i.ref, stacked=True) for i in self.inputs]
         self.bwd_in = self.fwd_in + [sharding(i.ref) for i in self.results] + [
             sharding(c) for c in self.cotangents]
         self.forward = jax.jit(fwd, in_shardings=self.fwd_in,

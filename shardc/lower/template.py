@@ -23,11 +23,15 @@ Lowered by shardc from {filename} (save={save}).  Mesh {mesh_text}: {devices} de
     grad(inputs, cotangent)  -> {grads}
 
 Both take and return dicts of global arrays keyed by tensor name (inputs: {inputs};
-cotangent: {cotangents}).  ``forward`` is a ``jax.custom_vjp``: ``jax.grad`` of a
-function of its results runs the planned backward below for the outputs'
-cotangents; cotangents of results that a later statement reads, and gradients of
-inputs the plan does not differentiate, come from JAX's transpose of the forward
-program, only when asked for.  Each phase is one ``shard_map``; every line is one step of the plan,
+cotangent: {cotangents}).  An input declared unreduced ``{{U_..}}`` is passed stacked:
+its leading dim holds the partial sums over those axes; a result declared so is
+returned summed.
+
+``forward`` is a ``jax.custom_vjp``: ``jax.grad`` of a function of its results
+runs the planned backward below for the outputs' cotangents; cotangents of
+results that a later statement reads, and gradients of inputs the plan does not
+differentiate, come from JAX's transpose of the forward program, only when asked
+for.  Each phase is one ``shard_map``; every line is one step of the plan,
 commented with the sharded tensor it makes and its local (per-device) shape.
 
 On a CPU, emulate the devices with
@@ -149,6 +153,9 @@ def _forward_bwd(residuals, cotangent):
         if unplanned:
             (full,) = transpose({{out: given.get(out, jnp.zeros_like(r)) for out, r in results.items()}})
             grads.update({{name: full[name] for name in unplanned}})
+    for name in STACKED_INPUTS:  # a sum's gradient is the same for each of its partial sums
+        if grads.get(name) is not None and grads[name].shape != inputs[name].shape:
+            grads[name] = jnp.broadcast_to(grads[name], inputs[name].shape)
     return ({{name: grads[name] if name in wanted else None for name in inputs}},)
 
 
@@ -174,7 +181,8 @@ if __name__ == "__main__":
     import numpy as np
 
     rng = np.random.default_rng(0)
-    inputs = {{name: rng.standard_normal([DIMS[d] for d in dims], dtype=np.float32)
+    lead = {{name: [math.prod(MESH_AXES[a] for a in axes)] for name, axes in STACKED_INPUTS.items()}}
+    inputs = {{name: rng.standard_normal(lead.get(name, []) + [DIMS[d] for d in dims], dtype=np.float32)
               for name, dims in INPUT_DIMS.items()}}
     outputs = forward(inputs)
     cotangent = {{name: np.ones(outputs[out].shape, np.float32) for name, out in COTANGENTS.items()}}
@@ -223,7 +231,9 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
     text += _specs("FORWARD_OUT", forward.outputs)
     text += f"RESULTS = {tuple(results)!r}  # forward() returns these; the rest are residuals\n"
     stacked = sorted(b.key for b in forward.outputs if b.stacked)
-    text += f"STACKED = frozenset({stacked!r})  # unreduced values: leading dim = partial sums\n\n\n"
+    text += f"STACKED = frozenset({stacked!r})  # unreduced values: leading dim = partial sums\n"
+    stacked_in = {b.key: b.ref.unreduced for b in forward.inputs if b.stacked}
+    text += f"STACKED_INPUTS = {stacked_in!r}  # inputs given as partial sums over these axes\n\n\n"
     text += _function(forward)
     text += "\n\n# ---- backward " + "-" * 59 + "\n\n" + _specs("BACKWARD_IN", backward.inputs)
     text += _specs("BACKWARD_OUT", backward.outputs)

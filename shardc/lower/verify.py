@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from shardc.lower.hlo import Collective, collectives
 from shardc.lower.sizes import small_sizes
 from shardc.plan.ir import Op, Plan, Step
 from shardc.plan.render import step_label
+
+if TYPE_CHECKING:
+    from shardc.lower.api import Lowered
 from shardc.spec.ir import Spec
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives",
@@ -139,6 +142,12 @@ def _compare(phase: str, got: dict[str, Any], want: dict[str, np.ndarray], names
     return rows
 
 
+def reference_inputs(lowered: Lowered, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inputs as the unsharded reference reads them: in float64, partial sums summed."""
+    stacked = {b.key for b in lowered.module.forward.inputs if b.ref.unreduced}
+    return {k: (v.sum(axis=0) if k in stacked else v).astype(np.float64) for k, v in inputs.items()}
+
+
 def verify(plan_or_spec: Plan | Spec, devices: int = 8, sizes: dict[str, int] | None = None,
            seed: int = 0, save: str = "default") -> Report:
     """Lower at small sizes, run forward and backward, check values and HLO collectives."""
@@ -154,7 +163,7 @@ def verify(plan_or_spec: Plan | Spec, devices: int = 8, sizes: dict[str, int] | 
                     str(plan.spec.dtype), "float32", tol)
     inputs = lowered.random_inputs(seed)
     cotangents = lowered.random_cotangents(seed + 1)
-    wide = {k: v.astype(np.float64) for k, v in inputs.items()}
+    wide = reference_inputs(lowered, inputs)
     ref_out = reference.forward(plan.spec, wide)
     report.values += _compare("forward", lowered.forward(inputs), ref_out, list(ref_out), tol)
     ref_grads = reference.backward(plan.spec, wide, {k: v.astype(np.float64) for k, v in cotangents.items()})
