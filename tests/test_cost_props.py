@@ -110,3 +110,13 @@ def test_cost_sweep_and_user_errors() -> None:
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     listing = run("hardware")
     assert all(n in listing.stdout for n in ("tpu-v4p", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "h200"))
+
+
+def test_sweep_plot_compares_strategies(tmp_path: Path) -> None:
+    """--plot draws compute and communication per step for each file, as the seeds' figures do."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    out = run("cost", str(EXAMPLES / "fsdp.shard"), "--with", str(EXAMPLES / "dp.shard"),
+              "--sweep", "B=1e3:1e7", "--points", "5", "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
