@@ -120,3 +120,43 @@ def test_sweep_plot_compares_strategies(tmp_path: Path) -> None:
               "--sweep", "B=1e3:1e7", "--points", "5", "--plot", str(png))
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _gather_rows(dims: str) -> list:  # type: ignore[type-arg]
+    spec = shardc.parse(f"mesh X=4, Y=4\ndims {dims}\nOut[B, D] = In[B_XY, D]\n")
+    report = shardc.cost(shardc.plan(spec), hardware="tpu-v5p")
+    return [r for r in report.forward.rows if r.is_collective]
+
+
+def test_a_two_axis_collective_gets_twice_the_bandwidth_and_small_ones_pay_latency() -> None:
+    from shardc.cost.hardware import get_hardware
+
+    hw = get_hardware("tpu-v5p")
+    (big,) = _gather_rows("B=1048576, D=8192")
+    assert big.axes == ("X", "Y") or big.axes == ("Y", "X")
+    assert big.bandwidth_s == pytest.approx(big.volume / (2 * hw.w_ici))  # n_axes = 2
+    assert big.comm_s == big.bandwidth_s  # large: bandwidth-bound
+    (small,) = _gather_rows("B=16, D=8")
+    assert small.latency_s == pytest.approx(4 * hw.hop_latency)  # ceil(4/2) hops on each ring
+    assert small.comm_s == small.latency_s > small.bandwidth_s
+
+
+# design section 3: (bf16 FLOPs/s, ICI one-way per link, HBM bytes, DCN/InfiniBand per chip or None)
+DESIGN_PRESETS = {
+    "tpu-v4p": (2.75e14, 4.5e10, 32e9, None), "tpu-v5e": (1.97e14, 4.5e10, 16e9, None),
+    "tpu-v5p": (4.59e14, 9e10, 96e9, 6.25e9), "tpu-v6e": (9.2e14, 9e10, 32e9, None),
+    "h100": (9.89e14, 4.5e11, 80e9, 5e10), "h200": (9.89e14, 4.5e11, 141e9, 5e10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DESIGN_PRESETS))
+def test_presets_have_the_design_figures(name: str) -> None:
+    from shardc.cost.hardware import get_hardware
+
+    hw = get_hardware(name)
+    flops, link, hbm, dcn = DESIGN_PRESETS[name]
+    assert (hw.flops, hw.ici_bandwidth, hw.hbm_bytes) == (flops, link, hbm)
+    assert dcn is None or hw.dcn_bandwidth == dcn
+    assert (hw.ici_domain == 8) == name.startswith("h")  # 8 GPUs a node over NVLink
+    if name == "tpu-v5p":
+        assert round(hw.intensity_ici) == 2550
