@@ -46,9 +46,12 @@ def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
     return _plan(spec, save=save, **options)
 
 
-def cost(plan: Plan, hardware: str | None = "tpu-v5p", sizes: dict[str, int] | None = None,
+def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None = None,
          **options: Any) -> CostReport:
-    """Cost a plan on a hardware preset (see ``shardc hardware``); imports sympy."""
+    """Cost a plan on a hardware preset (see ``shardc hardware``); imports sympy.
+
+    ``hardware=None`` takes the spec's ``hardware`` line, else tpu-v5p.
+    """
     from shardc.cost.report import cost as _cost
 
     return _cost(plan, hardware=hardware, sizes=sizes, **options)

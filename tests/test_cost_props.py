@@ -160,3 +160,11 @@ def test_presets_have_the_design_figures(name: str) -> None:
     assert (hw.ici_domain == 8) == name.startswith("h")  # 8 GPUs a node over NVLink
     if name == "tpu-v5p":
         assert round(hw.intensity_ici) == 2550
+
+
+def test_the_spec_hardware_line_picks_the_chip() -> None:
+    text = "mesh X=8\ndims B=4096, D=1024, F=512\nhardware h100\nOut[B_X, F] = In[B_X, D] · W[D, F]\n"
+    p = shardc.plan(shardc.parse(text))
+    assert shardc.cost(p).hardware.name == "h100"
+    assert shardc.cost(p, hardware="tpu-v5e").hardware.name == "tpu-v5e"  # an explicit chip wins
+    assert shardc.cost(shardc.plan(shardc.parse(text.replace("hardware h100\n", "")))).hardware.name == "tpu-v5p"
