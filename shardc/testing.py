@@ -113,7 +113,9 @@ class _State:
 
 
 def _input(draw: st.DrawFn, state: _State, indices: list[str]) -> TensorRef:
-    ref = draw(tensor_refs(state.fresh(draw(st.sampled_from(INPUT_NAMES))), indices, state.mesh))
+    # inputs may arrive as partial sums too (the output of a row-parallel layer, unreduced)
+    ref = draw(tensor_refs(state.fresh(draw(st.sampled_from(INPUT_NAMES))), indices, state.mesh,
+                           unreduced=state.unreduced))
     state.tensors[ref.name] = ref
     return ref
 

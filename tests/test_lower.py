@@ -180,6 +180,13 @@ def test_an_input_of_partial_sums_is_taken_stacked_and_differentiated() -> None:
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-4, atol=1e-4)
 
 
+def test_partial_sums_over_axes_written_in_any_order_verify() -> None:
+    """{U_YX} and {U_XY} are one value: the lowering keys values with their axes sorted."""
+    spec = shardc.parse("mesh X=2, Y=4\ndims N=8\nOut[N_Y] = B[]{U_YX} · E[]{U_XY} · A[N_{Y,X}]\n")
+    report = verify(spec)
+    assert report.ok, render_report(report)
+
+
 def test_a_mesh_larger_than_the_devices_says_how_to_emulate() -> None:
     spec = shardc.parse("mesh X=64\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
     with pytest.raises(ShardcError) as err:

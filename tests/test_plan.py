@@ -303,3 +303,10 @@ def test_a_move_nothing_reads_is_dropped() -> None:
     p = shardc.plan(shardc.parse("mesh X=2 over dcn\nT4[B, D_X] = In1[] · In2[B_X, D] · In3[]\n"))
     assert collectives(p.backward) == ["AllGather_X dTmp[B, D_X] -> dTmp[B, D]",
                                        "AllGather_X In2[B_X, D] -> In2[B, D]"]
+
+
+def test_the_identity_gradient_reads_no_argument() -> None:
+    """identity's gradient is the cotangent: no residual, no move of the argument in the backward."""
+    p = shardc.plan(shardc.parse("mesh X=2, Y=4\nOut[B_X, D] = identity(In[B, D_Y])\n"))
+    assert not p.residuals
+    assert all(s.tensor != "In" for s in p.backward)

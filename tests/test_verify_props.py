@@ -10,7 +10,7 @@ from shardc.testing import specs
 
 
 # compiling dominates (about a second an example), so few examples; deadline off
-@settings(max_examples=6, deadline=None, derandomize=True,
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs(max_devices=8, max_statements=3))
 def test_random_specs_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]

@@ -104,11 +104,11 @@ class _Namer:
         self.counts: dict[str, int] = {}
 
     def __call__(self, ref: TensorRef) -> str:
-        key = TensorRef(ref.name, ref.dims, ref.unreduced)
+        key = _key(ref)
         if key in self.names:
             return self.names[key]
         # a tensor's own name goes to its declared value, or to its first value if none is declared
-        own = self.declared.get(ref.name, key) == key
+        own = _key(self.declared.get(ref.name, key)) == key
         name = ref.name if own and ref.name not in self.used else ""
         while not name or name in self.used:
             self.counts[ref.name] = self.counts.get(ref.name, 0) + 1
@@ -198,7 +198,8 @@ def _reads(step: Step) -> tuple[TensorRef, ...]:
 
 
 def _key(ref: TensorRef) -> TensorRef:
-    return TensorRef(ref.name, ref.dims, ref.unreduced)
+    """A value's identity: spans dropped, partial-sum axes sorted (``{U_YX}`` is ``{U_XY}``)."""
+    return TensorRef(ref.name, ref.dims, tuple(sorted(ref.unreduced)))
 
 
 def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Namer,

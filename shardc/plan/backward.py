@@ -24,6 +24,7 @@ from shardc.plan.graph import Graph, Node
 from shardc.plan.ir import Op, Step
 from shardc.plan.layout import Value, reshard
 from shardc.plan.phase import Phase
+from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 
 __all__ = ["Backward", "plan_backward"]
@@ -138,12 +139,16 @@ class _Backward:
         layout = self.target(node.result).layout
         by_index = dict(zip(node.indices, layout, strict=True))
         want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
-        _, moves = reshard(self.phase.ctx, z, self.phase.indices[z], self.phase.held[z], want)
-        self.phase.moves(z, moves, note="residual for the elementwise gradient")
         dst = self.grad_name(z)
-        operands = (self.phase.ref(z, want), self.phase.ref(grad, self.target(node.result)))
-        self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=operands,
-                             fn=f"{node.fn}_vjp"))
+        cotangent = self.phase.ref(grad, self.target(node.result))
+        if node.fn in PASS_THROUGH:  # the gradient is the cotangent, in the argument's index order
+            self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=(cotangent,),
+                                 fn=node.fn))
+        else:
+            _, moves = reshard(self.phase.ctx, z, self.phase.indices[z], self.phase.held[z], want)
+            self.phase.moves(z, moves, note="residual for the elementwise gradient")
+            self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want),
+                                 operands=(self.phase.ref(z, want), cotangent), fn=f"{node.fn}_vjp"))
         if want != self.target(z):
             _, moves = reshard(self.phase.ctx, dst, self.phase.indices[dst], (want,), self.target(z))
             self.phase.moves(dst, moves)

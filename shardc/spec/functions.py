@@ -15,7 +15,7 @@ True
 
 from __future__ import annotations
 
-__all__ = ["FUNCTIONS", "is_known", "known_list"]
+__all__ = ["FUNCTIONS", "PASS_THROUGH", "is_known", "known_list"]
 
 # name -> one-line meaning (documentation, and the `fix:` of an unknown-function error)
 FUNCTIONS: dict[str, str] = {
@@ -28,6 +28,11 @@ FUNCTIONS: dict[str, str] = {
     "square": "x**2",
     "tanh": "hyperbolic tangent",
 }
+
+
+# Functions whose gradient is the cotangent itself: the backward reads no argument (XLA would
+# drop any move that made one, so the plan must not make it either).
+PASS_THROUGH = frozenset({"identity"})
 
 
 def is_known(name: str) -> bool:
