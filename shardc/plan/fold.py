@@ -38,24 +38,27 @@ def fold_redundant(steps: tuple[Step, ...], keep: frozenset[TensorRef]) -> tuple
 
 def _drop_dead_moves(steps: list[Step], keep: frozenset[TensorRef]) -> list[Step]:
     out: list[Step] = []
+    read: set[TensorRef] = set(keep)
     for step in reversed(steps):  # last first, so a chain of dead moves goes at once
-        moves = step.is_collective or step.op is Op.SLICE
-        read = any(s.src == step.dst or step.dst in s.operands for s in out)
-        if moves and not read and step.dst not in keep:
+        if (step.is_collective or step.op is Op.SLICE) and step.dst not in read:
             continue
         out.append(step)
+        read.update(step.operands)
+        if step.src is not None:
+            read.add(step.src)
     return out[::-1]
 
 
 def _fold_once(out: list[Step]) -> bool:
+    index = _Index(out)
     for i, step in enumerate(out):
         if not step.is_collective:
             continue
-        held = _held(out, i)
+        held = index.held(i)
         if held is not None:  # already made earlier: slice it
             out[i:i + 1] = _slices(step.tensor, held, step.dst, ahead=step.ahead)
             return True
-        j = _container(out, i)
+        j = index.container(i)
         if j is not None:  # made later from a value ready now: make it now, slice it
             late = out.pop(j)
             out[i:i + 1] = [late, *_slices(step.tensor, late.dst, step.dst, ahead=step.ahead)]
@@ -63,25 +66,40 @@ def _fold_once(out: list[Step]) -> bool:
     return False
 
 
-def _held(steps: list[Step], i: int) -> TensorRef | None:
-    """A value an earlier step made of which step ``i``'s result is a slice."""
-    for k in range(i):
-        if steps[k].tensor == steps[i].tensor and _slices_to(steps[k].dst, steps[i].dst):
-            return steps[k].dst
-    return None
+class _Index:
+    """Each tensor's steps, and where each value is first made: one pass, linear to build."""
 
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+        self.of: dict[str, list[int]] = {}
+        self.first: dict[TensorRef, int] = {}
+        for k, step in enumerate(steps):
+            self.of.setdefault(step.tensor, []).append(k)
+            self.first.setdefault(step.dst, k)
 
-def _container(steps: list[Step], i: int) -> int | None:
-    """A later collective whose result contains step ``i``'s and whose source is ready at ``i``."""
-    early = steps[i]
-    if not early.is_collective:
+    def held(self, i: int) -> TensorRef | None:
+        """A value an earlier step made of which step ``i``'s result is a slice."""
+        for k in self.of[self.steps[i].tensor]:
+            if k >= i:
+                return None
+            if _slices_to(self.steps[k].dst, self.steps[i].dst):
+                return self.steps[k].dst
         return None
-    for j in range(i + 1, len(steps)):
-        late = steps[j]
-        if (late.is_collective and late.tensor == early.tensor and late.src is not None
-                and _slices_to(late.dst, early.dst) and _ready(steps, late.src, i, j)):
-            return j
-    return None
+
+    def container(self, i: int) -> int | None:
+        """A later collective whose result contains step ``i``'s and whose source is ready at ``i``."""
+        early = self.steps[i]
+        for j in self.of[early.tensor]:
+            late = self.steps[j]
+            if (j > i and late.is_collective and late.src is not None
+                    and _slices_to(late.dst, early.dst) and self.ready(late.src, i, j)):
+                return j
+        return None
+
+    def ready(self, value: TensorRef, i: int, j: int) -> bool:
+        """``value`` exists before step ``i``: made earlier, or a phase input (made by no step before ``j``)."""
+        first = self.first.get(value)
+        return first is None or first < i or first >= j
 
 
 def _slices_to(big: TensorRef, small: TensorRef) -> bool:
@@ -94,12 +112,6 @@ def _slices_to(big: TensorRef, small: TensorRef) -> bool:
             return False
         extra.update(s.axes[len(b.axes):])
     return not extra & {a for d in big.dims for a in d.axes}
-
-
-def _ready(steps: list[Step], value: TensorRef, i: int, j: int) -> bool:
-    """``value`` exists before step ``i``: made earlier, or a phase input (made by no step before ``j``)."""
-    made = [k for k in range(j) if steps[k].dst == value]
-    return not made or made[0] < i
 
 
 def _slices(tensor: str, big: TensorRef, small: TensorRef, ahead: bool) -> list[Step]:
