@@ -24,10 +24,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from shardc.plan.einsum import EinsumProblem, Operand, configurations, room
+from shardc.plan.einsum import EinsumProblem, Operand, configurations
 from shardc.plan.graph import Node
 from shardc.plan.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost, least_costs, reshard
 from shardc.plan.phase import Phase
+from shardc.plan.reverse import costs_to
 from shardc.spec.ir import TensorRef
 
 __all__ = ["choose_chain"]
@@ -103,37 +104,25 @@ def _rest_costs(ctx: CostContext, problem: EinsumProblem,
 
 def _to_one(ctx: CostContext, problem: EinsumProblem, rest: dict[tuple[Value | None, Value], Cost],
             starts: list[State], target: Value) -> dict[tuple[State, Value], Cost]:
-    """One target (a chain's last step): all after the first operand is costed once.
+    """One target (a chain's last step): two searches over reversed moves answer every state.
 
-    Then each state needs only its reshards to the local first operands, cheapest
-    remainder first, each bounded by the best total so far.
+    The first costs each local result to the target; the second, from the local
+    first operands with what follows them as their costs, reaches every state.
     """
+    results = {r for _, r in rest if set(target.unreduced) <= set(r.unreduced)}  # partial sums stay
+    to_target = costs_to(ctx, problem.result, problem.indices, results, {target: ZERO})
     after: dict[Value | None, Cost] = {}
     for (local_head, local_result), cost in rest.items():
-        if not set(target.unreduced) <= set(local_result.unreduced):
-            continue  # partial sums cannot be made from reduced values
-        moved, _ = reshard(ctx, problem.result, problem.indices, (local_result,), target)
-        total = add_cost(cost, moved)
-        if total < after.get(local_head, INFINITE):
-            after[local_head] = total
-    ranked = sorted(after.items(), key=lambda item: item[1])
+        if local_result in to_target:
+            total = add_cost(cost, to_target[local_result])
+            if total < after.get(local_head, INFINITE):
+                after[local_head] = total
+    if starts == [None]:
+        return {(None, target): after[None]} if None in after else {}
     head = problem.operands[0]
-    table: dict[tuple[State, Value], Cost] = {}
-    for state in starts:
-        best: Cost | None = None
-        for local_head, cost in ranked:
-            if best is not None and cost >= best:
-                break  # every later remainder costs more already
-            if local_head is None or state is None:
-                total = cost
-            else:
-                moved, _ = reshard(ctx, head.name, head.indices, (state,), local_head, room(best, cost))
-                total = add_cost(moved, cost)
-            if best is None or total < best:
-                best = total
-        if best is not None:
-            table[(state, target)] = best
-    return table
+    heads = {v: c for v, c in after.items() if v is not None}
+    reached = costs_to(ctx, head.name, head.indices, [s for s in starts if s is not None], heads)
+    return {(state, target): cost for state, cost in reached.items()}
 
 
 def _least_to(ctx: CostContext, problem: EinsumProblem, by_result: dict[Value, Cost],
