@@ -47,6 +47,29 @@ def hard() -> None:
         print(f"{name}: parse + plan {total:.3f} s = {total / 1.0:.2f} x the 1 s target")
 
 
+def random_specs(count: int = 300) -> None:
+    """Plan time over random valid specs (shardc.testing) on meshes of up to 8 devices."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from shardc.testing import specs
+
+    times: list[float] = []
+
+    @settings(max_examples=count, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(specs(max_devices=8, max_statements=3), st.sampled_from(["default", "none", "all"]))
+    def run(spec: shardc.spec.ir.Spec, save: str) -> None:  # type: ignore[name-defined]
+        t0 = time.perf_counter()
+        shardc.plan(spec, save=save)
+        times.append(time.perf_counter() - t0)
+
+    run()
+    times.sort()
+    print(f"{len(times)} random specs: plan median {times[len(times) // 2]:.3f} s, "
+          f"p95 {times[int(len(times) * 0.95)]:.3f} s, max {times[-1]:.3f} s = {times[-1]:.2f} x the 1 s target")
+
+
 def main() -> None:
     layers = int(sys.argv[1]) if len(sys.argv) > 1 else 96
     for sized in (True, False):
@@ -61,6 +84,7 @@ def main() -> None:
         print(f"{layers} layers, {'with' if sized else 'without'} dims: parse {t1 - t0:.3f} s, "
               f"plan {t2 - t1:.3f} s ({steps} steps), total {total:.3f} s = {total / 1.0:.2f} x the 1 s target")
     hard()
+    random_specs()
 
 
 if __name__ == "__main__":
