@@ -22,10 +22,10 @@ from shardc.lower.hlo import Collective, collectives
 from shardc.lower.sizes import small_sizes
 from shardc.plan.ir import Op, Plan, Step
 from shardc.plan.render import step_label
+from shardc.spec.ir import Spec
 
 if TYPE_CHECKING:
     from shardc.lower.api import Lowered
-from shardc.spec.ir import Spec
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives",
            "TOLERANCE"]
@@ -144,7 +144,7 @@ def _compare(phase: str, got: dict[str, Any], want: dict[str, np.ndarray], names
 
 def reference_inputs(lowered: Lowered, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inputs as the unsharded reference reads them: in float64, partial sums summed."""
-    stacked = {b.key for b in lowered.module.forward.inputs if b.ref.unreduced}
+    stacked = lowered.namespace.STACKED_INPUTS  # the module's own list: one source of truth
     return {k: (v.sum(axis=0) if k in stacked else v).astype(np.float64) for k, v in inputs.items()}
 
 

@@ -109,7 +109,7 @@ def _to_one(ctx: CostContext, problem: EinsumProblem, rest: dict[tuple[Value | N
     The first costs each local result to the target; the second, from the local
     first operands with what follows them as their costs, reaches every state.
     """
-    results = {r for _, r in rest if set(target.unreduced) <= set(r.unreduced)}  # partial sums stay
+    results = {r for _, r in rest if r.reaches(target)}
     to_target = costs_to(ctx, problem.result, problem.indices, results, {target: ZERO})
     after: dict[Value | None, Cost] = {}
     for (local_head, local_result), cost in rest.items():
@@ -127,21 +127,12 @@ def _to_one(ctx: CostContext, problem: EinsumProblem, rest: dict[tuple[Value | N
 
 def _least_to(ctx: CostContext, problem: EinsumProblem, by_result: dict[Value, Cost],
               targets: list[Value]) -> dict[Value, Cost]:
-    """Each target's least cost over the local results that can reach it."""
+    """Each target's least cost over the local results that can reach it: one search a group."""
     out: dict[Value, Cost] = {}
     for unreduced in {t.unreduced for t in targets}:
-        # partial sums cannot be made from reduced values: only results with these axes unreduced
-        spent = {r: c for r, c in by_result.items() if set(unreduced) <= set(r.unreduced)}
         wanted = [t for t in targets if t.unreduced == unreduced]
-        if len(wanted) > 1:  # one search from all results at once
-            out.update(least_costs(ctx, problem.result, problem.indices, spent, wanted))
-            continue
-        for target in wanted:  # the last step: searches per result, which later states reuse
-            for result, cost in spent.items():
-                moved, _ = reshard(ctx, problem.result, problem.indices, (result,), target)
-                total = add_cost(cost, moved)
-                if total < out.get(target, INFINITE):
-                    out[target] = total
+        spent = {r: c for r, c in by_result.items() if r.reaches(wanted[0])}
+        out.update(least_costs(ctx, problem.result, problem.indices, spent, wanted))
     return out
 
 
@@ -150,7 +141,7 @@ def _operands_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Valu
     """The operands' reshards to their local values (all but the first with ``skip_head``)."""
     total = ZERO
     for j, (op, local) in enumerate(zip(problem.operands, locals_, strict=True)):
-        if not any(set(local.unreduced) <= set(s.unreduced) for s in op.sources):
+        if not any(s.reaches(local) for s in op.sources):
             return None
         if j == 0 and skip_head:
             continue

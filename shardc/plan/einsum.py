@@ -152,7 +152,7 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
     total: Cost = ZERO
     operand_moves = []
     for op, local in zip(problem.operands, locals_, strict=True):
-        if not any(set(local.unreduced) <= set(s.unreduced) for s in op.sources):
+        if not any(s.reaches(local) for s in op.sources):
             return None
         cost, moves = reshard(ctx, op.name, op.indices, op.sources, local, room(best, total))
         total = add_cost(total, cost)
@@ -161,7 +161,7 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
         operand_moves.append(moves)
     result_moves: tuple[Move, ...] = ()
     if problem.target is not None:
-        if not set(problem.target.unreduced) <= set(local_result.unreduced):
+        if not local_result.reaches(problem.target):
             return None  # partial sums cannot be made from reduced values
         cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), problem.target,
                                      room(best, total))

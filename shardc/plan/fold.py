@@ -124,7 +124,7 @@ def _slices(tensor: str, big: TensorRef, small: TensorRef, ahead: bool) -> list[
             dims[d] = Dim(dims[d].name, dims[d].axes + (axis,))
             nxt = TensorRef(current.name, tuple(dims), current.unreduced)
             steps.append(Step(Op.SLICE, tensor, nxt, current, (axis,), dim=d, ahead=ahead,
-                              note="free: a later collective's result holds it"))
+                              note="free: another collective's result holds it"))
             current = nxt
     assert current == small
     return steps

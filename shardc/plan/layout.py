@@ -53,6 +53,11 @@ class Value:
     layout: Layout
     unreduced: tuple[str, ...] = ()
 
+    def reaches(self, other: Value) -> bool:
+        """Whether moves can take this value to ``other``'s partial sums: they resolve
+        partial sums (its unreduced axes may only shrink), they never make them."""
+        return set(other.unreduced) <= set(self.unreduced)
+
     def used(self) -> frozenset[str]:
         return frozenset(a for axes in self.layout for a in axes) | frozenset(self.unreduced)
 

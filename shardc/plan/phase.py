@@ -99,7 +99,7 @@ class Phase:
         (op,) = problem.operands
         best: Solution | None = None
         for source in op.sources:
-            if problem.target is not None and not set(problem.target.unreduced) <= set(source.unreduced):
+            if problem.target is not None and not source.reaches(problem.target):
                 continue  # partial sums cannot be made from reduced values
             layout = {i: axes for i, axes in zip(op.indices, source.layout, strict=True)}
             local = Value(tuple(layout[i] for i in problem.indices), source.unreduced)
