@@ -15,17 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-# The pass packages share their names with the functions below; importing them
-# first (they are light: no jax, no sympy at import) makes the functions win.
-import shardc.cost as _cost_pkg  # noqa: F401
-import shardc.lower as _lower_pkg  # noqa: F401
-import shardc.plan as _plan_pkg  # noqa: F401
 from shardc.errors import ShardcError
 
 if TYPE_CHECKING:
-    from shardc.cost.report import CostReport
-    from shardc.lower.api import Lowered
-    from shardc.plan.ir import Plan
+    from shardc.costmodel.report import CostReport
+    from shardc.lowering.api import Lowered
+    from shardc.planner.ir import Plan
     from shardc.spec.ir import Spec
 
 __all__ = ["ShardcError", "parse", "plan", "cost", "lower"]
@@ -41,7 +36,7 @@ def parse(text: str, filename: str | None = None) -> Spec:
 
 def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
     """Infer every collective of the forward and backward pass of ``spec``."""
-    from shardc.plan.planner import plan as _plan
+    from shardc.planner.planner import plan as _plan
 
     return _plan(spec, save=save, **options)
 
@@ -52,13 +47,13 @@ def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None =
 
     ``hardware=None`` takes the spec's ``hardware`` line, else tpu-v5p.
     """
-    from shardc.cost.report import cost as _cost
+    from shardc.costmodel.report import cost as _cost
 
     return _cost(plan, hardware=hardware, sizes=sizes, **options)
 
 
 def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, **options: Any) -> Lowered:
     """Lower a plan (or a spec, planned with defaults) to JAX shard_map code; imports jax."""
-    from shardc.lower.api import lower as _lower
+    from shardc.lowering.api import lower as _lower
 
     return _lower(plan_or_spec, sizes=sizes, **options)

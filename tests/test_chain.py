@@ -7,10 +7,10 @@ import math
 import pytest
 
 import shardc
-from shardc.plan.chain import _step_costs, layouts
-from shardc.plan.einsum import EinsumProblem, Operand, solve
-from shardc.plan.graph import build_graph
-from shardc.plan.layout import CostContext, Value
+from shardc.planner.chain import _step_costs, layouts
+from shardc.planner.einsum import EinsumProblem, Operand, solve
+from shardc.planner.graph import build_graph
+from shardc.planner.layout import CostContext, Value
 
 CHAINS = {
     "fsdp_tp": """

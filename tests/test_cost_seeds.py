@@ -9,9 +9,9 @@ import pytest
 import sympy
 
 import shardc
-from shardc.cost.formulas import symbol
-from shardc.cost.report import CostReport
-from shardc.plan.ir import Plan
+from shardc.costmodel.formulas import symbol
+from shardc.costmodel.report import CostReport
+from shardc.planner.ir import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 LLAMA = {"B": 2_998_272, "D": 5120, "F": 13824, "N": 40, "H": 128}

@@ -16,8 +16,8 @@ import pytest
 import shardc
 from shardc.cli.main import main
 from shardc.errors import ShardcError
-from shardc.lower.verify import Report, render_report, verify
-from shardc.plan.ir import Monomial
+from shardc.lowering.verify import Report, render_report, verify
+from shardc.planner.ir import Monomial
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.shard"))
@@ -36,8 +36,8 @@ def report_of(path: Path) -> Report:
 
 
 @pytest.fixture(scope="module")
-def fsdp_tp() -> shardc.lower.api.Lowered:  # type: ignore[name-defined]
-    from shardc.lower.sizes import small_sizes
+def fsdp_tp() -> shardc.lowering.api.Lowered:  # type: ignore[name-defined]
+    from shardc.lowering.sizes import small_sizes
 
     plan = shardc.plan(spec_of(ROOT / "examples" / "fsdp_tp.shard"))
     return shardc.lower(plan, sizes=small_sizes(plan, 8))

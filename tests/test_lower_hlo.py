@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardc.lower.hlo import collectives, group_axes, parse_replica_groups
-from shardc.plan.ir import Op
+from shardc.lowering.hlo import collectives, group_axes, parse_replica_groups
+from shardc.planner.ir import Op
 
 MESH = (("X", 2), ("Y", 2), ("Z", 2))
 

@@ -12,9 +12,9 @@ import pytest
 import sympy
 
 import shardc
-from shardc.plan.check import check_plan, comm_time
-from shardc.plan.ir import Op, Plan, Step
-from shardc.plan.render import phase_total, render_text, to_json
+from shardc.planner.check import check_plan, comm_time
+from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.render import phase_total, render_text, to_json
 from shardc.spec.ir import Dim, TensorRef
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -284,7 +284,7 @@ def _ref(name: str, *dims: tuple[str, tuple[str, ...]]) -> TensorRef:
 
 def test_a_collective_inside_a_later_ones_result_becomes_a_slice() -> None:
     """AllToAll dT[B, D_X] -> dT[B_X, D], then AllGather dT[B, D_X] -> dT[B, D]: gather first, slice."""
-    from shardc.plan.fold import fold_redundant
+    from shardc.planner.fold import fold_redundant
 
     src, split, full = _ref("dT", ("B", ()), ("D", ("X",))), _ref("dT", ("B", ("X",)), ("D", ())), \
         _ref("dT", ("B", ()), ("D", ()))

@@ -8,8 +8,8 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import shardc
-from shardc.plan.check import check_plan, comm_time, replay_step
-from shardc.plan.ir import Op, Step
+from shardc.planner.check import check_plan, comm_time, replay_step
+from shardc.planner.ir import Op, Step
 from shardc.spec.ir import Dim, TensorRef
 from shardc.testing import specs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 
 import shardc
-from shardc.lower.verify import render_report, verify
+from shardc.lowering.verify import render_report, verify
 from shardc.testing import specs
 
 

@@ -46,7 +46,7 @@ def register(subparsers: Any, name: str) -> None:
 def run_hardware(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from shardc.cost.hardware import PRESETS
+    from shardc.costmodel.hardware import PRESETS
 
     if args.json:
         print(json.dumps({k: asdict(h) | {"w_ici": h.w_ici, "c_over_w_ici": h.intensity_ici}
@@ -66,7 +66,7 @@ def run_hardware(args: argparse.Namespace) -> int:
 
 def run_cost(args: argparse.Namespace) -> int:
     from shardc import plan
-    from shardc.cost.report import cost
+    from shardc.costmodel.report import cost
 
     spec = read_spec(args)
     the_plan = plan(spec, save=args.save)
@@ -80,8 +80,8 @@ def run_cost(args: argparse.Namespace) -> int:
 
 def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     from shardc import parse, plan
-    from shardc.cost.hardware import resolve_hardware
-    from shardc.cost.sweep import parse_sweep, plot, sweep
+    from shardc.costmodel.hardware import resolve_hardware
+    from shardc.costmodel.sweep import parse_sweep, plot, sweep
     from shardc.spec.overrides import apply_overrides
 
     dim, low, high = parse_sweep(args.sweep)

@@ -44,9 +44,9 @@ _HELP = {
 
 
 def run_lower(args: argparse.Namespace) -> int:
-    from shardc.lower.api import lowered_mesh, lowered_sizes
-    from shardc.lower.codegen import generate
-    from shardc.plan.planner import plan
+    from shardc.lowering.api import lowered_mesh, lowered_sizes
+    from shardc.lowering.codegen import generate
+    from shardc.planner.planner import plan
 
     result = plan(read_spec(args), save=args.save)
     mesh = lowered_mesh(result, None)
@@ -74,7 +74,7 @@ def emulate_devices(count: int) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     spec = read_spec(args)
     emulate_devices(args.devices)
-    from shardc.lower.verify import render_report, verify
+    from shardc.lowering.verify import render_report, verify
 
     report = verify(spec, devices=args.devices, save=args.save)
     if args.json:
@@ -87,7 +87,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     spec = read_spec(args)
     emulate_devices(args.devices)
-    from shardc.lower.compare import compare, render_comparison
+    from shardc.lowering.compare import compare, render_comparison
 
     result = compare(spec, devices=args.devices, save=args.save)
     if args.json:

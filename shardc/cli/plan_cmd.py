@@ -26,8 +26,8 @@ def register(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardc.plan.planner import plan
-    from shardc.plan.render import render_explain, render_text, to_json
+    from shardc.planner.planner import plan
+    from shardc.planner.render import render_explain, render_text, to_json
 
     result = plan(read_spec(args), save=args.save)
     if args.json:

@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from shardc.plan.ir import Monomial, Op
+from shardc.planner.ir import Monomial, Op
 from shardc.spec.ir import Dim, DType, Mesh, Network, TensorRef
 
 __all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost"]

@@ -16,7 +16,7 @@ moves up and the earlier one becomes free slices.
 
 from __future__ import annotations
 
-from shardc.plan.ir import Op, Step
+from shardc.planner.ir import Op, Step
 from shardc.spec.ir import Dim, TensorRef
 
 __all__ = ["fold_redundant"]

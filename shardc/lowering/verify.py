@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shardc.lower import reference
-from shardc.lower.hlo import Collective, collectives
-from shardc.lower.sizes import small_sizes
-from shardc.plan.ir import Op, Plan, Step
-from shardc.plan.render import step_label
+from shardc.lowering import reference
+from shardc.lowering.hlo import Collective, collectives
+from shardc.lowering.sizes import small_sizes
+from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.render import step_label
 from shardc.spec.ir import Spec
 
 if TYPE_CHECKING:
-    from shardc.lower.api import Lowered
+    from shardc.lowering.api import Lowered
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives",
            "TOLERANCE"]
@@ -151,8 +151,8 @@ def reference_inputs(lowered: Lowered, inputs: dict[str, np.ndarray]) -> dict[st
 def verify(plan_or_spec: Plan | Spec, devices: int = 8, sizes: dict[str, int] | None = None,
            seed: int = 0, save: str = "default") -> Report:
     """Lower at small sizes, run forward and backward, check values and HLO collectives."""
-    from shardc.lower.api import lower
-    from shardc.plan.planner import plan as make_plan
+    from shardc.lowering.api import lower
+    from shardc.planner.planner import plan as make_plan
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     small = {**small_sizes(plan, devices), **(sizes or {})}

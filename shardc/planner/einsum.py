@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardc.plan.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
 
 __all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
            "room"]

@@ -15,7 +15,7 @@ splits into three independent parts,
 
 so each configuration is costed once, keyed by its (local first operand, local
 result), and the table is filled from those distinct values.  The minimum is the
-same as the einsum search's (:func:`shardc.plan.einsum.solve`), which stays the
+same as the einsum search's (:func:`shardc.planner.einsum.solve`), which stays the
 one that plans the step once the layouts are chosen.
 """
 
@@ -24,11 +24,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from shardc.plan.einsum import EinsumProblem, Operand, configurations
-from shardc.plan.graph import Node
-from shardc.plan.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost, least_costs, reshard
-from shardc.plan.phase import Phase
-from shardc.plan.reverse import costs_to
+from shardc.planner.einsum import EinsumProblem, Operand, configurations
+from shardc.planner.graph import Node
+from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost, least_costs, reshard
+from shardc.planner.phase import Phase
+from shardc.planner.reverse import costs_to
 from shardc.spec.ir import TensorRef
 
 __all__ = ["choose_chain"]

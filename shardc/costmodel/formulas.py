@@ -2,7 +2,7 @@
 
 Symbols: one positive symbol per dim and per mesh axis (named as in the spec),
 ``C`` (FLOPs/s), ``W_ici`` and ``W_dcn`` (bidirectional bytes/s of one axis, as
-:mod:`shardc.cost.collective` uses them), and ``L`` or the spec's layer count.
+:mod:`shardc.costmodel.collective` uses them), and ``L`` or the spec's layer count.
 Formulas carry the bandwidth terms of collectives, not the latency bound.
 sympy takes about a second to import, so it is imported here only, on first use.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
-from shardc.cost.collective import FACTOR, links, split_axes
-from shardc.plan.ir import Monomial, Op, Step
+from shardc.costmodel.collective import FACTOR, links, split_axes
+from shardc.planner.ir import Monomial, Op, Step
 from shardc.spec.ir import Mesh
 
 if TYPE_CHECKING:

@@ -8,15 +8,15 @@ of design section 3, and each phase ends holding what it promised: the declared
 results in the forward, every gradient in its primal's sharding in the backward.
 
 >>> import shardc
->>> from shardc.plan.check import check_plan
+>>> from shardc.planner.check import check_plan
 >>> check_plan(shardc.plan(shardc.parse("mesh X=2\\nC[I, K] = A[I, J_X] · B[J_X, K]\\n")))
 []
 """
 
 from __future__ import annotations
 
-from shardc.plan.ir import Monomial, Op, Plan, Step
-from shardc.plan.layout import Value
+from shardc.planner.ir import Monomial, Op, Plan, Step
+from shardc.planner.layout import Value
 from shardc.spec.ir import TensorRef
 
 __all__ = ["check_plan", "replay_step", "comm_time"]
@@ -24,7 +24,7 @@ __all__ = ["check_plan", "replay_step", "comm_time"]
 
 def comm_time(plan: Plan) -> float:
     """Seconds of communication of both phases on the planning hardware (what the search minimises)."""
-    from shardc.plan.layout import CostContext
+    from shardc.planner.layout import CostContext
 
     ctx = CostContext(plan.spec.mesh, plan.spec.dtype, plan.spec.sizes or None)
     steps = plan.forward + plan.backward

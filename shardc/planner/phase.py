@@ -3,7 +3,7 @@
 Forward and backward are planned by the same code: a phase holds, per tensor,
 every value it has made or been given (so a value is collected once and reused,
 as the seeds gather dOut once for both dW_out and dTmp), and turns each einsum
-into steps through :func:`shardc.plan.einsum.solve` (with sizes) or the seeds'
+into steps through :func:`shardc.planner.einsum.solve` (with sizes) or the seeds'
 rules (without).
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from shardc.errors import ShardcError, Span
-from shardc.plan.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
-from shardc.plan.ir import Alternative, Choice, Op, Step, sum_formula
-from shardc.plan.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
+from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
+from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
 from shardc.spec.ir import TensorRef
 
 __all__ = ["Phase"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardc.cost.collective import StepCost
+from shardc.costmodel.collective import StepCost
 
 if TYPE_CHECKING:
-    from shardc.cost.report import CostReport, PhaseCost
+    from shardc.costmodel.report import CostReport, PhaseCost
 
 __all__ = ["render", "fmt_bytes", "fmt_seconds", "fmt_flops"]
 

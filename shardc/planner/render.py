@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shardc.plan.ir import Monomial, Op, Plan, Step, sum_formula
+from shardc.planner.ir import Monomial, Op, Plan, Step, sum_formula
 
 __all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_total", "step_label"]
 

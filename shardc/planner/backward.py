@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.plan.graph import Graph, Node
-from shardc.plan.ir import Op, Step
-from shardc.plan.layout import Value, reshard
-from shardc.plan.phase import Phase
+from shardc.planner.graph import Graph, Node
+from shardc.planner.ir import Op, Step
+from shardc.planner.layout import Value, reshard
+from shardc.planner.phase import Phase
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 

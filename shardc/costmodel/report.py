@@ -24,13 +24,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shardc.cost.collective import StepCost, cost_step
-from shardc.cost.formulas import PhaseFormula, phase_formula
-from shardc.cost.hardware import Hardware, resolve_hardware
-from shardc.cost.memory import ACCOUNTINGS, Memory, memory
-from shardc.cost.thresholds import Threshold, derive
+from shardc.costmodel.collective import StepCost, cost_step
+from shardc.costmodel.formulas import PhaseFormula, phase_formula
+from shardc.costmodel.hardware import Hardware, resolve_hardware
+from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
+from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
-from shardc.plan.ir import Plan
+from shardc.planner.ir import Plan
 
 if TYPE_CHECKING:
     import sympy
@@ -171,7 +171,7 @@ class CostReport:
         return json.dumps(self.to_json(), indent=2)
 
     def render(self) -> str:
-        from shardc.cost.render import render
+        from shardc.costmodel.render import render
 
         return render(self)
 

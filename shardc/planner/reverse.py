@@ -1,6 +1,6 @@
 """Costs *to* a set of targets from many sources: one Dijkstra over reversed moves.
 
-:func:`shardc.plan.layout.reshard` searches forward from its sources, one search
+:func:`shardc.planner.layout.reshard` searches forward from its sources, one search
 per source set.  A chain's last step needs the opposite: from each of hundreds of
 candidate layouts to one declared result.  Reversing the moves answers all of
 them with one search from the targets.
@@ -18,7 +18,7 @@ import heapq
 import itertools
 from collections.abc import Iterable
 
-from shardc.plan.layout import INFINITE, Cost, CostContext, Edge, Value, add_cost
+from shardc.planner.layout import INFINITE, Cost, CostContext, Edge, Value, add_cost
 
 __all__ = ["costs_to"]
 

@@ -5,7 +5,7 @@ planner's graph: one node per einsum or elementwise map, chains folded left to
 right as the language defines) but none of the plan's steps, and derives the
 gradients itself by reverse mode, so a wrong planned backward (not only a
 wrong collective) shows up.  ``xp`` is numpy by
-default; :mod:`shardc.lower.compare` passes jax.numpy to build the same
+default; :mod:`shardc.lowering.compare` passes jax.numpy to build the same
 computation for XLA's partitioner.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from shardc.lower.functions import function
-from shardc.plan.graph import Graph, build_graph
+from shardc.lowering.functions import function
+from shardc.planner.graph import Graph, build_graph
 from shardc.spec.ir import Spec
 
 __all__ = ["forward", "backward", "outputs", "leaf_names"]

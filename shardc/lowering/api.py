@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from shardc.errors import ShardcError
-from shardc.lower.codegen import Boundary, Module, generate
-from shardc.plan.ir import Plan
+from shardc.lowering.codegen import Boundary, Module, generate
+from shardc.planner.ir import Plan
 from shardc.spec.ir import Spec, TensorRef
 
 __all__ = ["Lowered", "lower", "lowered_mesh", "lowered_sizes", "check_devices"]
@@ -147,7 +147,7 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
 
 
 def _plan(spec: Spec, sizes: dict[str, int] | None, save: str, options: dict[str, Any]) -> Plan:
-    from shardc.plan.planner import plan as make_plan
+    from shardc.planner.planner import plan as make_plan
     from shardc.spec.overrides import apply_overrides
 
     if sizes:

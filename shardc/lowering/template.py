@@ -1,6 +1,6 @@
 """The fixed parts of a generated module, around the two phase bodies.
 
-Kept apart from :mod:`shardc.lower.codegen` so the shape of the emitted file
+Kept apart from :mod:`shardc.lowering.codegen` so the shape of the emitted file
 is readable in one place.  Everything here is text; nothing imports jax.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shardc.lower.codegen import Phase
-    from shardc.plan.ir import Plan
+    from shardc.lowering.codegen import Phase
+    from shardc.planner.ir import Plan
 
 __all__ = ["render"]
 
@@ -192,7 +192,7 @@ if __name__ == "__main__":
 
 
 def _specs(name: str, boundaries: tuple[object, ...]) -> str:
-    from shardc.lower.codegen import pspec
+    from shardc.lowering.codegen import pspec
 
     rows = [f"    {b.key!r}: {pspec(b.ref)},  # {b.ref}" for b in boundaries]  # type: ignore[attr-defined]
     return f"{name} = {{\n" + "\n".join(rows) + "\n}\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from shardc.plan.ir import Plan
+from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
 
 __all__ = ["shrink_mesh", "small_sizes", "MAX_SMALL_DIM"]

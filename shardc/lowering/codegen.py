@@ -20,10 +20,10 @@ import keyword
 from dataclasses import dataclass
 
 from shardc.errors import ShardcError
-from shardc.lower import template
-from shardc.lower.functions import function
-from shardc.lower.sizes import small_sizes
-from shardc.plan.ir import Op, Plan, Step
+from shardc.lowering import template
+from shardc.lowering.functions import function
+from shardc.lowering.sizes import small_sizes
+from shardc.planner.ir import Op, Plan, Step
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]

@@ -35,9 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from shardc.cost.hardware import Hardware
+from shardc.costmodel.hardware import Hardware
 from shardc.errors import ShardcError
-from shardc.plan.ir import Op, Step
+from shardc.planner.ir import Op, Step
 from shardc.spec.ir import Mesh, Network, TensorRef
 
 __all__ = ["FACTOR", "links", "hops", "StepCost", "cost_step", "einsum_flops", "split_axes", "local_elements"]

@@ -17,11 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shardc.lower import reference
-from shardc.lower.hlo import Collective, collectives
-from shardc.lower.sizes import small_sizes
-from shardc.plan.ir import Op, Plan
-from shardc.plan.render import step_label
+from shardc.lowering import reference
+from shardc.lowering.hlo import Collective, collectives
+from shardc.lowering.sizes import small_sizes
+from shardc.planner.ir import Op, Plan
+from shardc.planner.render import step_label
 from shardc.spec.ir import Spec, TensorRef
 
 __all__ = ["Side", "Comparison", "compare", "render_comparison"]
@@ -159,8 +159,8 @@ def compare(plan_or_spec: Plan | Spec, devices: int = 8, save: str = "default",
     import jax
     from jax.sharding import NamedSharding
 
-    from shardc.lower.api import lower
-    from shardc.plan.planner import plan as make_plan
+    from shardc.lowering.api import lower
+    from shardc.planner.planner import plan as make_plan
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     sizes = small_sizes(plan, devices)

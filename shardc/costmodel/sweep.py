@@ -13,11 +13,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardc.cost.collective import cost_step
-from shardc.cost.hardware import Hardware
-from shardc.cost.report import default_spans, resolve_layers, resolve_sizes
+from shardc.costmodel.collective import cost_step
+from shardc.costmodel.hardware import Hardware
+from shardc.costmodel.report import default_spans, resolve_layers, resolve_sizes
 from shardc.errors import ShardcError
-from shardc.plan.ir import Plan
+from shardc.planner.ir import Plan
 
 __all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot"]
 

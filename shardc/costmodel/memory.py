@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.cost.collective import local_elements
+from shardc.costmodel.collective import local_elements
 from shardc.errors import ShardcError
-from shardc.plan.ir import Plan, Step
+from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import TensorRef
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory"]

@@ -10,14 +10,14 @@
 from __future__ import annotations
 
 from shardc.errors import ShardcError
-from shardc.plan.backward import plan_backward
-from shardc.plan.chain import choose_chain
-from shardc.plan.check import comm_time
-from shardc.plan.fold import fold_redundant
-from shardc.plan.graph import Graph, Node, build_graph
-from shardc.plan.ir import Op, Plan, Step, TensorInfo
-from shardc.plan.layout import CostContext, Layout, Value
-from shardc.plan.phase import Phase
+from shardc.planner.backward import plan_backward
+from shardc.planner.chain import choose_chain
+from shardc.planner.check import comm_time
+from shardc.planner.fold import fold_redundant
+from shardc.planner.graph import Graph, Node, build_graph
+from shardc.planner.ir import Op, Plan, Step, TensorInfo
+from shardc.planner.layout import CostContext, Layout, Value
+from shardc.planner.phase import Phase
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import validate
 
@@ -116,7 +116,7 @@ def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
         raise ShardcError(f"{node.result} is an elementwise function of partial sums", node.statement.span,
                           fix="drop the {U_...} suffix: the function needs reduced values")
     want = Value(_permute(phase.indices[arg], node.indices, target), ())
-    from shardc.plan.layout import reshard
+    from shardc.planner.layout import reshard
 
     _, moves = reshard(phase.ctx, arg, phase.indices[arg], phase.held[arg], want)
     phase.moves(arg, moves)

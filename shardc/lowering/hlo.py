@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardc.plan.ir import Op
+from shardc.planner.ir import Op
 
 __all__ = ["Collective", "collectives", "parse_replica_groups"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shardc.cost.formulas import PhaseFormula, symbol
-from shardc.cost.hardware import Hardware
+from shardc.costmodel.formulas import PhaseFormula, symbol
+from shardc.costmodel.hardware import Hardware
 
 if TYPE_CHECKING:
     import sympy
