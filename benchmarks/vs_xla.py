@@ -3,7 +3,7 @@
     python benchmarks/vs_xla.py [--repeats N] [examples/*.shard ...]
 
 Runs on 8 emulated CPU devices (set before jax is imported).  Volume: the plan's
-weighted bytes (forward + backward, V of design section 3, AllReduce twice,
+weighted bytes (forward + backward, V (bytes a device would hold unsharded over the axes), AllReduce twice,
 AllToAll a quarter) over those of the collectives XLA inserts for the same
 computation and boundary shardings.  Time: median wall time of the lowered
 forward+backward over the jit-partitioned one, at the small verification sizes

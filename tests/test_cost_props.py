@@ -1,4 +1,4 @@
-"""Property tests of the cost model over the seeds' examples at random sizes, and the CLI's JSON."""
+"""Property tests of the cost model over the book's examples at random sizes, and the CLI's JSON."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_cost_sweep_and_user_errors() -> None:
 
 
 def test_sweep_plot_compares_strategies(tmp_path: Path) -> None:
-    """--plot draws compute and communication per step for each file, as the seeds' figures do."""
+    """--plot draws compute and communication per step for each file, as the book's figures do."""
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"
     out = run("cost", str(EXAMPLES / "fsdp.shard"), "--with", str(EXAMPLES / "dp.shard"),
@@ -141,7 +141,7 @@ def test_a_two_axis_collective_gets_twice_the_bandwidth_and_small_ones_pay_laten
     assert small.comm_s == small.latency_s > small.bandwidth_s
 
 
-# design section 3: (bf16 FLOPs/s, ICI one-way per link, HBM bytes, DCN/InfiniBand per chip or None)
+# the data sheets: (bf16 FLOPs/s, ICI one-way per link, HBM bytes, DCN/InfiniBand per chip or None)
 DESIGN_PRESETS = {
     "tpu-v4p": (2.75e14, 4.5e10, 32e9, None), "tpu-v5e": (1.97e14, 4.5e10, 16e9, None),
     "tpu-v5p": (4.59e14, 9e10, 96e9, 6.25e9), "tpu-v6e": (9.2e14, 9e10, 32e9, None),
@@ -150,7 +150,7 @@ DESIGN_PRESETS = {
 
 
 @pytest.mark.parametrize("name", sorted(DESIGN_PRESETS))
-def test_presets_have_the_design_figures(name: str) -> None:
+def test_presets_have_the_data_sheet_figures(name: str) -> None:
     from shardc.costmodel.hardware import get_hardware
 
     hw = get_hardware(name)

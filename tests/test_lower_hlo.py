@@ -20,7 +20,7 @@ def test_axes_come_out_major_to_minor_along_the_group() -> None:
     assert group_axes([0, 1], MESH) == ("Z",)
 
 
-def test_volumes_follow_design_section_3() -> None:
+def test_volumes_are_unsharded_bytes_over_the_group() -> None:
     text = """
   %ag = f32[16,4]{1,0} all-gather(%p), replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}
   %rs = f32[2,4]{0,1} reduce-scatter(%d), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={1}

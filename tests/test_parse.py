@@ -35,7 +35,7 @@ def one(text: str) -> Statement:
     return parse("mesh X=4, Y=2\n" + text + "\n").statements[0]
 
 
-def test_design_example() -> None:
+def test_readme_example() -> None:
     spec = parse(DESIGN_EXAMPLE, "fsdp.shard")
     assert spec.mesh == Mesh((MeshAxis("X", 16), MeshAxis("Y", 4)))
     assert spec.dims == (("B", 3_000_000), ("D", 5120), ("F", 13824))

@@ -1,4 +1,4 @@
-"""Golden tests of the planner against the seeds' listings and table (design section 4)."""
+"""Golden tests of the planner against the book's listings and table."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def load(name: str, sized: bool = True, save: str = "default", strategy: str = "
 
 
 def collectives(steps) -> list[str]:  # type: ignore[no-untyped-def]
-    """The seeds' notation of each collective: ``AllGather_X W_in[D_X, F] -> W_in[D, F]``."""
+    """The the book's notation of each collective: ``AllGather_X W_in[D_X, F] -> W_in[D, F]``."""
     return [f"{s.op.title}_{''.join(s.axes)} {s.src} -> {s.dst}" for s in steps if s.is_collective]
 
 
@@ -38,7 +38,7 @@ def formula(steps) -> sympy.Expr:  # type: ignore[no-untyped-def]
 
 B, D, F, X, Y = sympy.symbols("B D F X Y")
 
-# The seeds' step-by-step listings (How To Scale Your Model, ch. 5), per phase.
+# The the book's step-by-step listings (How To Scale Your Model, ch. 5), per phase.
 SEED_LISTINGS = {
     "dp": (
         [],
@@ -74,7 +74,7 @@ SEED_LISTINGS = {
 }
 
 # Design section 4's table, bytes per layer (backward of FSDP+TP as the plan computes it
-# with the default policy, which keeps In gathered: the seeds' own listing gives 4BD/X).
+# with the default policy, which keeps In gathered: the book's own listing gives 4BD/X).
 SEED_TABLE = {
     "dp": (0, 8 * D * F),
     "fsdp": (4 * D * F, 8 * D * F),
@@ -103,7 +103,7 @@ def test_seed_table(name: str, sized: bool) -> None:
 
 
 def test_fsdp_tp_residual_policies() -> None:
-    """The seeds' 6BD/X backward appears when In is gathered again (save=none)."""
+    """The the book's 6BD/X backward appears when In is gathered again (save=none)."""
     kept = formula(load("fsdp_tp", save="default").backward)
     again = formula(load("fsdp_tp", save="none").backward)
     assert sympy.simplify(again - kept - 2 * B * D / X) == 0
@@ -114,7 +114,7 @@ def test_fsdp_tp_residual_policies() -> None:
 
 
 def test_value_collected_once() -> None:
-    """The backward gathers dOut once for both dW_out and dTmp (the seeds' listing)."""
+    """The backward gathers dOut once for both dW_out and dTmp (the book's listing)."""
     p = load("fsdp_tp")
     gathers = [s for s in p.backward if s.op is Op.ALL_GATHER and s.tensor == "dOut"]
     assert len(gathers) == 1
@@ -137,7 +137,7 @@ def test_gradients_end_in_primal_sharding() -> None:
 
 
 def test_tp_large_batch_finds_cheaper_plan() -> None:
-    """With B far above F the search shards the batch (AllToAll) instead of the seeds' TP."""
+    """With B far above F the search shards the batch (AllToAll) instead of the book's TP."""
     p = load("tp")
     big = shardc.plan(shardc.parse((EXAMPLES / "tp.shard").read_text().replace("B=16_384", "B=1_048_576")))
     rules = shardc.plan(big.spec, strategy="rules")
@@ -150,7 +150,7 @@ def test_tp_large_batch_finds_cheaper_plan() -> None:
 CASES = {
     # case 1: contracted dim replicated in both, free dims sharded -> no communication
     "case1": ("C[I_X, K] = A[I_X, J] · B[J, K]", [], []),
-    # case 2: one operand's contracted dim sharded -> gather it (seeds' rule)
+    # case 2: one operand's contracted dim sharded -> gather it (the book's rule)
     "case2": ("C[I, K] = A[I, J_X] · B[J, K]", ["AllGather_X A[I, J_X] -> A[I, J]"], None),
     # case 3: contracted dim sharded identically -> local einsum, reduce after
     "case3": ("C[I, K] = A[I, J_X] · B[J_X, K]", ["AllReduce_X C[I, K]{U_X} -> C[I, K]"], None),

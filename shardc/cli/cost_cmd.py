@@ -33,7 +33,7 @@ def register(subparsers: Any, name: str) -> None:
                         help="memory accounting: 10 or 16 bytes a param")
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
-                        help="mesh axis AXIS is laid over K physical ICI axes (the seeds' M_X; repeatable)")
+                        help="mesh axis AXIS is laid over K physical ICI axes (the book's M_X; repeatable)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--sweep", metavar="DIM=LOW:HIGH", help="log-spaced sweep of one dim")
     parser.add_argument("--points", type=int, default=13, help="points of the sweep (13)")

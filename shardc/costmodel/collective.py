@@ -1,10 +1,10 @@
 """The time of one plan step on one chip: a collective's bandwidth and latency terms, an einsum's FLOPs.
 
-The model (design section 3), with the decisions the design leaves open:
+The model, with the choices the book leaves open:
 
 * V is the step's ``volume`` (bytes a device would hold unsharded over the
   collective's axes).  With W the bidirectional bandwidth of one mesh axis
-  (:attr:`Hardware.w_ici`, twice the one-way link figure, as the seeds use it),
+  (:attr:`Hardware.w_ici`, twice the one-way link figure, as the book uses it),
   AllGather and ReduceScatter take ``V / (W * n_axes)``, AllReduce
   ``2V / (W * n_axes)``, AllToAll ``V / (4 * W * n_axes)``.
 * A collective whose axes all cross DCN uses ``W_dcn`` (a chip's DCN figure is
@@ -13,9 +13,9 @@ The model (design section 3), with the decisions the design leaves open:
   over I (``factor * V / (W_ici * n_I)``), the DCN part moves the ``V / |I|`` each
   chip is left with (``factor * V / (|I| * W_dcn)``).  That is what makes data
   parallelism across pods compute-bound iff tokens per pod > C / W_dcn, the
-  seeds' 73,440 on v5p.
+  the book's 73,440 on v5p.
 * A mesh axis may be laid over several physical ICI axes of the torus (the
-  seeds' M_X: X = 1024 chips of a 16x16x16 pod spans about 3).  ``spans`` gives
+  the book's M_X: X = 1024 chips of a 16x16x16 pod spans about 3).  ``spans`` gives
   that count per mesh axis (default 1); an ICI collective's ``n_axes`` is the sum
   of its axes' spans, since each physical axis brings its own links.
 * Latency: about ``hop_latency`` (1 us) a hop, ``ceil(n/2)`` hops around a ring of
@@ -42,7 +42,7 @@ from shardc.spec.ir import Mesh, Network, TensorRef
 
 __all__ = ["FACTOR", "links", "hops", "StepCost", "cost_step", "einsum_flops", "split_axes", "local_elements"]
 
-# How many times V crosses a link, relative to an AllGather (the seeds' weighting).
+# How many times V crosses a link, relative to an AllGather (the book's weighting).
 FACTOR: dict[Op, Fraction] = {
     Op.ALL_GATHER: Fraction(1),
     Op.REDUCE_SCATTER: Fraction(1),

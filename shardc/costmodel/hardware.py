@@ -1,13 +1,13 @@
-"""Hardware presets (design section 3) and a user's own chip from a TOML file.
+"""Hardware presets (the chips' data-sheet figures) and a user's own chip from a TOML file.
 
 Every figure is per chip.  ``ici_bandwidth`` is the *one-way* bandwidth of one
-link, as the data sheets (and design section 3) give it; the cost model uses
+link, as the data sheets give it; the cost model uses
 the bidirectional figure ``w_ici = 2 * ici_bandwidth`` for one mesh axis, as the
-seeds do (TPU v5p: 2 * 9e10 = 1.8e11, so C / W_ici = 4.59e14 / 1.8e11 = 2550).
-``dcn_bandwidth`` (DCN on TPU, InfiniBand on GPU) is used as given: the seeds'
+book does (TPU v5p: 2 * 9e10 = 1.8e11, so C / W_ici = 4.59e14 / 1.8e11 = 2550).
+``dcn_bandwidth`` (DCN on TPU, InfiniBand on GPU) is used as given: the book's
 per-chip 6.25e9 gives C / W_dcn = 73,440 on v5p.
 
-Figures beyond design section 3 (HBM bandwidth, the DCN figure of TPUs other
+Figures beyond the book's (HBM bandwidth, the DCN figure of TPUs other
 than v5p) are the public data-sheet numbers; a chip that differs can be given
 with ``--hardware-file chip.toml`` using the field names below as keys.
 """
@@ -44,7 +44,7 @@ class Hardware:
     def spans(self, chips: int) -> int:
         """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
 
-        This is the seeds' M_X: X = 1024 on a 16x16x16 v5p pod spans 3 axes, so its
+        This is the book's M_X: X = 1024 on a 16x16x16 v5p pod spans 3 axes, so its
         collectives have 3 axes' links.  An axis of at most ``torus_side`` chips spans 1.
         """
         if self.torus_side is None or chips <= self.torus_side:

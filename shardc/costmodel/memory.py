@@ -1,9 +1,9 @@
 """Memory per device: weights and optimizer state, residual activations, gathered weights.
 
-Two accountings of the training state, both from the seeds, chosen by name:
+Two accountings of the training state, both from the book, chosen by name:
 
 * ``adam10``: 10 bytes a parameter, a bf16 param and fp32 Adam m and v (the
-  seeds' "data parallel fits about HBM/10 params"); gradients are not counted
+  the book's "data parallel fits about HBM/10 params"); gradients are not counted
   apart (they are reduced and applied as they are made).
 * ``adam16``: 16 bytes, adding a bf16 gradient and an fp32 master copy.
 

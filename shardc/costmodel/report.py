@@ -7,11 +7,11 @@ Per phase (forward, backward) and for the whole training step (``step``, both):
   split into ``critical_s`` and ``ahead_s`` (``Step.ahead``: weight gathers and
   weight-gradient reductions can be issued off the critical path).
 * ``bound``: ``"communication"`` iff comm_s > compute_s, all collectives assumed
-  to overlap compute, as the seeds draw it; ``step_s = max(compute_s, comm_s)``
+  to overlap compute, as the book draws it; ``step_s = max(compute_s, comm_s)``
   is the time under that overlap, ``step_ahead_only_s = max(compute_s, ahead_s)
   + critical_s`` the time when only ahead-of-time collectives overlap.
 * ``mfu``: model FLOPs / (devices * C * step_s); with ``mfu=0.4``,
-  ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the seeds' estimate.
+  ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the book's estimate.
 
 Everything is multiplied by the layer count (``layers`` in the spec).  Every
 figure also comes as a sympy formula (bandwidth terms; ``*_expr`` in JSON).
@@ -184,7 +184,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
          spans: dict[str, int] | None = None, **options: object) -> CostReport:
     """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`, or the spec's ``hardware`` line).
 
-    ``spans`` maps a mesh axis to the physical ICI axes it is laid over (the seeds'
+    ``spans`` maps a mesh axis to the physical ICI axes it is laid over (the book's
     M_X; default 1): its collectives get that many times the bandwidth.
     """
     if options:
@@ -214,7 +214,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
     notes = _notes(plan, hw, values) + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
-        f"the seeds' M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
+        f"the book's M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
     return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), notes)
 
 

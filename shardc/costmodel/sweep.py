@@ -3,7 +3,7 @@
 The plan is kept fixed (its collectives were chosen at the spec's sizes); only
 the sizes change, and each point is costed with the same model as the report.
 Points are log-spaced.  Several plans (strategies) can be swept together, which
-is how the seeds' figures compare them; ``--plot`` draws them with matplotlib,
+is how the book's figures compare them; ``--plot`` draws them with matplotlib,
 imported only then (``pip install shardc[plot]``).
 """
 

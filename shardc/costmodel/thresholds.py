@@ -1,14 +1,14 @@
 """Where a phase turns from compute-bound to communication-bound, solved from its formulas.
 
-With every collective overlapping compute (the seeds' verdict), a phase is
+With every collective overlapping compute (the book's verdict), a phase is
 compute-bound iff ``flops / C > q_ici / W_ici + q_dcn / W_dcn``.  For one network
 that reads ``flops / q > C / W``: the left side is the plan's arithmetic
 intensity (FLOPs a byte), a formula in dims and mesh sizes only; the right side
 the chip's.  Writing the intensity ``c * M`` with a number c, the sentence is the
-seeds' ``B/X > C/W_ici = 2550 (tpu-v5p)``; when M is a model dim over a single
+the book's ``B/X > C/W_ici = 2550 (tpu-v5p)``; when M is a model dim over a single
 mesh axis it is solved for that axis, ``Y < F/2550``.  When a phase uses both
 networks there is one sentence a network, each a necessary condition (the DCN
-one is what the seeds quote across pods); the verdict itself adds both terms.
+one is what the book quotes across pods); the verdict itself adds both terms.
 """
 
 from __future__ import annotations

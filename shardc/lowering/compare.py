@@ -6,7 +6,7 @@ as reverse mode over them, in jax.numpy) under ``jax.jit`` with
 same phase boundaries as the lowered program: the forward maps inputs and
 params to every statement result; the backward maps inputs, params, those
 results and the cotangents to the gradients.  What XLA inserts in between is
-its choice (GSPMD).  Volumes are V of design section 3, weighted (AllReduce
+its choice (GSPMD).  Volumes are V, weighted (AllReduce
 twice, AllToAll a quarter), in the spec's dtype.
 """
 
@@ -204,7 +204,7 @@ def render_comparison(c: Comparison) -> str:
     """Both sides' collectives per phase, then the totals and their ratio."""
     mesh = ", ".join(f"{k}={v}" for k, v in c.mesh.items())
     dims = ", ".join(f"{k}={v}" for k, v in c.sizes.items() if k not in c.mesh)
-    lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V, design section 3)", ""]
+    lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V: bytes a device holds unsharded over the axes)", ""]
     for phase in ("forward", "backward"):
         lines.append(f"{phase}")
         ours = [r for r in c.plan.rows if r[0] == phase]

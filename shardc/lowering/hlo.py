@@ -4,8 +4,8 @@ Axes come from the replica groups: each group lists the devices (flattened
 mesh positions, since the mesh's device order is the executable's device
 assignment) that talk to each other; the mesh coordinates that vary across a
 group are the collective's axes, ordered major to minor by how slowly they
-change along the group (the order all-gather concatenates in).  Volume is V of
-design section 3, counted in elements so a caller can price them in the spec's
+change along the group (the order all-gather concatenates in).  Volume is V (bytes a
+device would hold unsharded over the group), counted in elements so a caller can price them in the spec's
 dtype (XLA on CPU widens bf16 collectives to f32).
 """
 

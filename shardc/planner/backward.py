@@ -117,7 +117,7 @@ class _Backward:
                 self.phase.einsum(dst, (grad,), self.target(a), f"{dst} from {grad}")
             return
         a, b = node.operands
-        # The right operand first (usually the weight, as in the seeds' listings): its
+        # The right operand first (usually the weight, as in the book's listings): its
         # gradient's reduction can then be issued while the rest of the backward runs.
         if b in self.needs:
             dst = self.grad_name(b)

@@ -2,9 +2,9 @@
 
 This is the planner's own referee, and the property tests' oracle: every step
 reads only values its phase holds, every collective does exactly what its op
-says to its source (design section 2's moves, at the minor end of a dim), every
+says to its source (the moves, at the minor end of a dim), every
 local einsum is valid (the four cases of sharded matmul), volumes are the bytes
-of design section 3, and each phase ends holding what it promised: the declared
+of the cost model, and each phase ends holding what it promised: the declared
 results in the forward, every gradient in its primal's sharding in the backward.
 
 >>> import shardc
@@ -84,7 +84,7 @@ def replay_step(plan: Plan, step: Step) -> tuple[TensorRef | None, Monomial | No
 
 
 def check_einsum(step: Step) -> str | None:
-    """Why a local einsum is invalid, or None (design section 2's validity)."""
+    """Why a local einsum is invalid, or None (the four cases of sharded matmul)."""
     ops, out = step.operands, step.dst
     where = [{a: i for d in op.dims for a in d.axes for i in [d.name]} for op in ops]
     result_axes = {d.name: d.axes for d in out.dims}

@@ -13,7 +13,7 @@ fixes the operands' local values and the local result; its cost is the cheapest
 reshard of each operand to its local value plus the cheapest reshard of the
 local result to the requested one.  With sizes the search is exhaustive over
 configurations (and each reshard is exact), so it is never worse than the rules.
-Without sizes the seeds' rules pick the one configuration (:func:`rule_config`).
+Without sizes the book's rules pick the one configuration (:func:`rule_config`).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
 
 
 def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ...]) -> Solution:
-    """The seeds' rule-based plan: one configuration, chosen without sizes."""
+    """The the book's rule-based plan: one configuration, chosen without sizes."""
     roles = rule_config(ctx, problem, given)
     order = _rule_order(problem, roles, given)
     config = _configuration(problem, roles, order)
@@ -236,7 +236,7 @@ def _where(problem: EinsumProblem, k: int, value: Value, axis: str) -> str | Non
 
 
 def rule_config(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ...]) -> dict[str, str]:
-    """Per axis, the seeds' rules (design section 2), from the operands' given values.
+    """Per axis, the book's rules, from the operands' given values.
 
     - a contracted index sharded identically in both stays: reduce after the einsum;
     - a contracted index sharded in one operand only: gather that operand;

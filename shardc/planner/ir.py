@@ -34,7 +34,7 @@ class Op(enum.Enum):
 
     @property
     def title(self) -> str:
-        """The seeds' name of the operation (``AllGather``)."""
+        """The the book's name of the operation (``AllGather``)."""
         return _TITLES[self]
 
     def __str__(self) -> str:
@@ -151,7 +151,7 @@ class Step:
     dim: int | None = None
     dim2: int | None = None
     fn: str | None = None
-    volume: Monomial | None = None  # V of design section 3, in bytes; None for local steps
+    volume: Monomial | None = None  # V: bytes a device would hold unsharded over the axes; None for local steps
     ahead: bool = False  # can be issued ahead of / off the critical path
     note: str = ""
 
@@ -160,7 +160,7 @@ class Step:
         return self.op in COLLECTIVES
 
     def weighted_volume(self) -> Monomial | None:
-        """V with AllReduce counted twice and AllToAll a quarter (the seeds' "bytes")."""
+        """V with AllReduce counted twice and AllToAll a quarter (the book's "bytes")."""
         if self.volume is None:
             return None
         factor = {Op.ALL_REDUCE: Fraction(2), Op.ALL_TO_ALL: Fraction(1, 4)}.get(self.op, Fraction(1))
@@ -207,7 +207,7 @@ class Plan:
     residuals: tuple[TensorRef, ...] = ()  # forward values the backward reads
     cotangents: tuple[TensorRef, ...] = ()  # d<Out> for each output, sharded like it
     grads: tuple[TensorRef, ...] = ()  # d<Name> for each param and the first input
-    strategy: str = "rules"  # "search" (least communication time) or "rules" (the seeds')
+    strategy: str = "rules"  # "search" (least communication time) or "rules" (the book's)
     choices: tuple[Choice, ...] = field(default=(), compare=False)
 
     def tensor(self, name: str) -> TensorInfo:

@@ -1,8 +1,8 @@
 """Sharded values of one tensor, the moves between them, and the cheapest path.
 
 A value's *layout* gives, for each tensor dim, the mesh axes that shard it
-(major to minor), and its *unreduced* axes (partial sums).  The moves of design
-section 2 act on one value at a time; each is valid only at the minor end of
+(major to minor), and its *unreduced* axes (partial sums).  The moves
+act on one value at a time; each is valid only at the minor end of
 a dim, because that is where a tiled collective adds or removes a factor:
 
     all_gather      remove a suffix of a dim's axes             (one collective)
@@ -35,7 +35,7 @@ Layout = tuple[tuple[str, ...], ...]
 # only their ratio matters for choices, and only when a mesh axis crosses DCN.
 W_ICI = 1.8e11
 W_DCN = 6.25e9
-# Without dims, every dim is taken to be this large (and the seeds' rules decide).
+# Without dims, every dim is taken to be this large (and the book's rules decide).
 PROXY_DIM = 1 << 20
 
 Cost = tuple[float, int, int]
@@ -131,12 +131,12 @@ class CostContext:
         return volume.value(self._sizes)
 
     def bandwidth(self, axes: tuple[str, ...]) -> float:
-        """n_axes times the slowest axis's bandwidth (design section 3)."""
+        """n_axes times the slowest axis's bandwidth."""
         slow = any(self.mesh.axis(a).network is Network.DCN for a in axes)
         return (W_DCN if slow else W_ICI) * len(axes)
 
     def seconds(self, op: Op, volume: Monomial, axes: tuple[str, ...]) -> float:
-        """Bandwidth time of one collective (design section 3), on the planning hardware."""
+        """Bandwidth time of one collective, on the planning hardware."""
         factor = {Op.ALL_REDUCE: 2.0, Op.ALL_TO_ALL: 0.25}.get(op, 1.0)
         return factor * self.evaluate(volume) / self.bandwidth(axes)
 

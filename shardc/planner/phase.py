@@ -2,8 +2,8 @@
 
 Forward and backward are planned by the same code: a phase holds, per tensor,
 every value it has made or been given (so a value is collected once and reused,
-as the seeds gather dOut once for both dW_out and dTmp), and turns each einsum
-into steps through :func:`shardc.planner.einsum.solve` (with sizes) or the seeds'
+as the book gathers dOut once for both dW_out and dTmp), and turns each einsum
+into steps through :func:`shardc.planner.einsum.solve` (with sizes) or the book's
 rules (without).
 """
 
@@ -124,7 +124,7 @@ class Phase:
                 rows[text] = self._alternative(alt, text, text == chosen)
         rows.setdefault(chosen, self._alternative(sol, chosen, True))
         if not self.sized:
-            reason = "no sizes: the seeds' rules decide"
+            reason = "no sizes: the book's rules decide"
         elif len(alternatives) <= 1:
             reason = "the only valid local layout"
         else:

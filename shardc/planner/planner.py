@@ -28,9 +28,9 @@ STRATEGIES = ("auto", "search", "rules")
 
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
-    """Plan ``spec``: by least communication time with ``dims``, by the seeds' rules without.
+    """Plan ``spec``: by least communication time with ``dims``, by the book's rules without.
 
-    ``strategy="rules"`` applies the seeds' rules even when sizes are known (the
+    ``strategy="rules"`` applies the book's rules even when sizes are known (the
     baseline the search is measured against); ``"search"`` is the default with dims.
     """
     if save not in SAVE_POLICIES:

@@ -1,4 +1,4 @@
-"""Plans as text (the seeds' notation, one numbered line a step) and as JSON data."""
+"""Plans as text (the book's notation, one numbered line a step) and as JSON data."""
 
 from __future__ import annotations
 
@@ -69,9 +69,9 @@ def render_text(plan: Plan) -> str:
     if plan.strategy == "search":
         how = "by least communication time"
     elif sizes is not None:
-        how = "by the seeds' rules (no cheaper in total than the search)"
+        how = "by the book's rules (no cheaper in total than the search)"
     else:
-        how = "by the seeds' rules (no dims)"
+        how = "by the book's rules (no dims)"
     lines = [f"# {plan.spec.filename or 'spec'}: {plan.spec.mesh}; collectives chosen {how}"]
     lines += _phase_lines("forward", plan.forward, sizes)
     lines.append("")

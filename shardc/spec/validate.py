@@ -249,7 +249,7 @@ def _check_indices(statement: Statement) -> None:
 
 
 def fold(left: tuple[str, ...], right: tuple[str, ...], final: set[str], later: set[str]) -> tuple[str, ...]:
-    """Indices of a chain intermediate (the seeds' left-to-right products).
+    """Indices of a chain intermediate (the book's left-to-right products).
 
     A shared index is batch, and kept, iff it is in the final result and no later
     operand reads it; otherwise neighbours contract it (``In[B,D]·W_in[D,F]·W_out[F,D]``

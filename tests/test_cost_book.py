@@ -1,4 +1,4 @@
-"""The seeds' numbers (design section 4), reproduced from real plans of the example specs."""
+"""The the book's numbers, reproduced from real plans of the example specs."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def same(a: str | sympy.Expr, b: str) -> bool:
     ("tp", "4*B*D", "4*B*D"),
     ("fsdp_tp", "4*B*D/X + 4*D*F/Y", "4*B*D/X + 8*D*F/Y"),  # default policy keeps In gathered
 ])
-def test_seeds_table_bytes(name: str, forward: str, backward: str) -> None:
+def test_book_table_bytes(name: str, forward: str, backward: str) -> None:
     data = report_of(name).to_json()
     assert same(data["forward"]["comm_bytes_expr"], forward)  # type: ignore[index]
     assert same(data["backward"]["comm_bytes_expr"], backward)  # type: ignore[index]
@@ -56,7 +56,7 @@ def test_seeds_table_bytes(name: str, forward: str, backward: str) -> None:
 
 
 def test_fsdp_tp_backward_depends_on_the_residual_policy() -> None:
-    # the seeds' own listing: In gathered again in the backward costs 6BD/X, kept 4BD/X
+    # the book's own listing: In gathered again in the backward costs 6BD/X, kept 4BD/X
     assert same(report_of("fsdp_tp", "none").backward.formula.comm_bytes, "6*B*D/X + 8*D*F/Y")
     assert report_of("fsdp_tp").plan.save == "default"
 
@@ -84,7 +84,7 @@ def test_three_axes_threshold_850(weights: str) -> None:
     backward = next(t for t in report.thresholds if t.phase == "backward")
     assert "B/(X*Y*Z) > C/(3*W_ici) = 850 (tpu-v5p)" in backward.sentence
     assert backward.value == pytest.approx(850)
-    # the seeds' LLaMA-2 13B case b): 3e6 tokens on 4096 chips, 732 a chip < 850
+    # the book's LLaMA-2 13B case b): 3e6 tokens on 4096 chips, 732 a chip < 850
     assert backward.here == pytest.approx(732.4, abs=0.1) and backward.holds is False
 
 
@@ -124,8 +124,8 @@ def test_llama2_13b_on_4096_chips() -> None:
     assert fsdp.step.bound == "communication"
     assert hybrid.step.bound == "compute"
     assert hybrid.step.step_at_mfu_s == pytest.approx(0.3, rel=0.1)
-    seeds = 6 * 3e6 * 13e9 / (4096 * 4.59e14 * 0.4)  # the seeds' estimate
-    assert hybrid.step.step_at_mfu_s == pytest.approx(seeds, rel=0.05)
+    book = 6 * 3e6 * 13e9 / (4096 * 4.59e14 * 0.4)  # the book's estimate
+    assert hybrid.step.step_at_mfu_s == pytest.approx(book, rel=0.05)
     assert hybrid.memory.fits and fsdp.memory.fits
 
 
