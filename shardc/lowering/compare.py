@@ -204,7 +204,7 @@ def render_comparison(c: Comparison) -> str:
     """Both sides' collectives per phase, then the totals and their ratio."""
     mesh = ", ".join(f"{k}={v}" for k, v in c.mesh.items())
     dims = ", ".join(f"{k}={v}" for k, v in c.sizes.items() if k not in c.mesh)
-    lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V: bytes a device holds unsharded over the axes)", ""]
+    lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V, unsharded over the axes)", ""]
     for phase in ("forward", "backward"):
         lines.append(f"{phase}")
         ours = [r for r in c.plan.rows if r[0] == phase]
