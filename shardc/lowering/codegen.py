@@ -29,7 +29,7 @@ from shardc.spec.ir import Mesh, TensorRef
 __all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]
 
 _RESERVED = set(keyword.kwlist) | {"jax", "jnp", "P", "np", "math", "functools", "AxisType",
-                                   "NamedSharding", "shard_slice", "forward", "grad", "programs",
+                                   "NamedSharding", "shard_slice", "gather_dims", "forward", "grad", "programs",
                                    "make_mesh", "inputs", "cotangent", "main"}
 _COMMENT_COLUMN = 80  # code wider than this pushes only its own comment right
 
@@ -155,6 +155,8 @@ def _step_code(step: Step, var: _Namer, letters: dict[str, str]) -> str:
     """One step as one line of Python (without the comment)."""
     src = var(step.src) if step.src is not None else ""
     axes = _axes_entry(step.axes) if step.axes else ""
+    if step.op is Op.ALL_GATHER and step.dim is None:
+        return f"gather_dims({src}, {_gathered_groups(step)})"
     if step.op is Op.ALL_GATHER:
         return f"jax.lax.all_gather({src}, {axes}, axis={step.dim}, tiled=True, to='invarying')"
     if step.op is Op.REDUCE_SCATTER:
@@ -172,6 +174,14 @@ def _step_code(step: Step, var: _Namer, letters: dict[str, str]) -> str:
         args = ", ".join(var(ref) for ref in step.operands)
         return f"jnp.einsum('{ins}->{out}', {args})"
     return _elementwise_code(step, var)
+
+
+def _gathered_groups(step: Step) -> str:
+    """``((dim, axes), ...)`` of an AllGather of several dims: the suffix each dim loses."""
+    assert step.src is not None
+    groups = [(d, have[len(want):]) for d, (have, want) in enumerate(zip(step.src.layout, step.dst.layout,
+                                                                        strict=True)) if have != want]
+    return "(" + ", ".join(f"({d}, {axes!r})" for d, axes in groups) + ",)"
 
 
 def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:

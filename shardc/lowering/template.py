@@ -70,6 +70,24 @@ def shard_slice(x, axes, dim):
     """This device's block of ``x`` along ``dim`` over mesh ``axes``: free, no communication."""
     size = x.shape[dim] // jax.lax.axis_size(axes)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, axis=dim)
+
+
+def gather_dims(x, groups):
+    """One AllGather of several dims: ``groups`` pairs each dim with the axes it loses
+    (major to minor).  The blocks arrive in a new leading dim over all the axes at once
+    and are laid out locally: each dim's gathered axes go just before it, then merge in."""
+    axes = tuple(a for _, names in groups for a in names)
+    sizes = [jax.lax.axis_size(a) for a in axes]
+    y = jax.lax.all_gather(x, axes, axis=0, tiled=False, to='invarying').reshape(*sizes, *x.shape)
+    lead, k = {{}}, 0
+    for d, names in groups:
+        lead[d] = list(range(k, k + len(names)))
+        k += len(names)
+    order, shape = [], []
+    for d in range(x.ndim):
+        order += lead.get(d, []) + [len(axes) + d]
+        shape.append(math.prod(sizes[i] for i in lead.get(d, [])) * x.shape[d])
+    return jnp.transpose(y, order).reshape(shape)
 '''
 
 _DRIVER = '''

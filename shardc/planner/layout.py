@@ -6,6 +6,9 @@ act on one value at a time; each is valid only at the minor end of
 a dim, because that is where a tiled collective adds or removes a factor:
 
     all_gather      remove a suffix of a dim's axes             (one collective)
+                    or of several dims' at once: gathered into a new leading dim over all
+                    their axes, then laid out locally, one collective at the speed of
+                    every axis it spans (the book: an AllGather over two axes, V/(2W))
     slice           append a replicated axis to a dim            (free)
     all_to_all      move a suffix of one dim to another's end    (one collective)
     reduce_scatter  resolve unreduced axes onto a dim's end      (one collective)
@@ -85,13 +88,11 @@ class Move:
 
 @dataclass(frozen=True)
 class Edge:
-    """A move out of a search state: its cost, the value number it reaches, and its axes as bits."""
+    """A move out of a search state: its cost and the value number it reaches."""
 
     move: Move
     cost: Cost
     dst: int
-    sliced: int  # axes this move slices (a SLICE)
-    blocked: int  # axes this move needs unsliced on the way (a gather or all-to-all)
 
 
 @dataclass
@@ -155,10 +156,7 @@ class CostContext:
         return hit
 
     def _edge(self, move: Move, tensor: str) -> Edge:
-        mask = self.mask(move.axes)
-        sliced = mask if move.op is Op.SLICE else 0
-        blocked = mask if move.op in (Op.ALL_GATHER, Op.ALL_TO_ALL) else 0  # never re-gather a sliced axis
-        return Edge(move, self.move_cost(move, tensor), self.number(move.dst), sliced, blocked)
+        return Edge(move, self.move_cost(move, tensor), self.number(move.dst))
 
     def number(self, value: Value) -> int:
         """A small integer per value: search states hash and compare as ints."""
@@ -167,10 +165,6 @@ class CostContext:
             n = self._numbers[value] = len(self.values)
             self.values.append(value)
         return n
-
-    def mask(self, axes: tuple[str, ...]) -> int:
-        names = self.mesh.names
-        return sum(1 << names.index(a) for a in set(axes))
 
     def divides(self, index: str, axes: tuple[str, ...]) -> bool:
         if self.sizes is None:
@@ -195,6 +189,18 @@ def _gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]
         for suffix in _suffixes(axes):
             dst = Value(_replace(v.layout, d, axes[: len(axes) - len(suffix)]), v.unreduced)
             yield Move(Op.ALL_GATHER, v, dst, suffix, dim=d, volume=ctx.local_bytes(idx, dst))
+
+
+def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+    """Suffixes of two or more dims gathered by one collective (axes in dim order)."""
+    options = [[()] + list(_suffixes(axes)) for axes in v.layout]
+    for combo in itertools.product(*options):
+        if sum(1 for suffix in combo if suffix) < 2:
+            continue
+        layout = tuple(axes[: len(axes) - len(suffix)] for axes, suffix in zip(v.layout, combo, strict=True))
+        dst = Value(layout, v.unreduced)
+        axes = tuple(a for suffix in combo for a in suffix)
+        yield Move(Op.ALL_GATHER, v, dst, axes, volume=ctx.local_bytes(idx, dst))
 
 
 def _slices(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
@@ -236,6 +242,7 @@ def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Mo
 def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     yield from _reductions(ctx, idx, v)
     yield from _gathers(ctx, idx, v)
+    yield from _multi_gathers(ctx, idx, v)
     yield from _slices(ctx, idx, v)
     yield from _all_to_alls(ctx, idx, v)
 
@@ -285,26 +292,23 @@ def least_costs(ctx: CostContext, tensor: str, idx: tuple[str, ...], spent: dict
 class _Search:
     """Dijkstra from a set of sources, resumable: settled values are kept for later queries.
 
-    States are (value, axes sliced on the way): a sliced axis is never gathered or
-    moved again.  Under the bandwidth model a collective over more axes is faster,
-    so without this the cheapest path would slice a replicated axis only to gather
-    over it as well; that moves the same bytes over more links, not fewer bytes.
-    A state is one int: value number times 2**axes, plus the sliced axes' bits.
+    A state is a value number.  Any move may follow any other: slicing a replicated
+    axis before a gather or an all-to-all over it as well is a real saving under the
+    book's model (the collective then spans more axes' links, or moves fewer bytes).
     """
 
     def __init__(self, ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple[Value, ...],
                  spent: tuple[Cost, ...] | None = None) -> None:
         self.ctx, self.tensor, self.idx = ctx, tensor, idx
-        self.shift = len(ctx.mesh.names)
         self.best: dict[int, Cost] = {}
         for value, cost in zip(starts, spent or (ZERO,) * len(starts), strict=True):
-            state = ctx.number(value) << self.shift
+            state = ctx.number(value)
             self.best[state] = min(cost, self.best.get(state, INFINITE))
         self.back: dict[int, tuple[Move, int]] = {}
         self.tie = itertools.count()  # first pushed first among equal costs: deterministic plans
         self.heap: list[tuple[Cost, int, int]] = [(c, next(self.tie), s) for s, c in self.best.items()]
         heapq.heapify(self.heap)
-        self.settled: dict[int, tuple[Cost, int]] = {}  # value -> its cost and the first state that reached it
+        self.settled: dict[int, Cost] = {}
 
     def find(self, goal: int, bound: Cost | None) -> tuple[Cost, tuple[Move, ...]] | None:
         """The cheapest path to value ``goal``, or None if it costs more than ``bound`` (or is unreachable)."""
@@ -312,26 +316,22 @@ class _Search:
             if not self.heap or (bound is not None and self.heap[0][0] > bound):
                 return None  # every remaining path is dearer still
             self._step()
-        cost, state = self.settled[goal]
+        cost = self.settled[goal]
         if bound is not None and cost > bound:
             return None
-        return cost, _path(self.back, state)
+        return cost, _path(self.back, goal)
 
     def _step(self) -> None:
         cost, _, state = heapq.heappop(self.heap)
-        if cost > self.best[state]:
-            return  # a stale entry: the state was reached cheaper since
-        value, sliced = state >> self.shift, state & ((1 << self.shift) - 1)
-        self.settled.setdefault(value, (cost, state))
-        for edge in self.ctx.edges(self.tensor, self.idx, value):
-            if edge.blocked & sliced:
-                continue
-            nxt = (edge.dst << self.shift) | sliced | edge.sliced
+        if state in self.settled:
+            return  # a stale entry: the state was settled cheaper
+        self.settled[state] = cost
+        for edge in self.ctx.edges(self.tensor, self.idx, state):
             new = add_cost(cost, edge.cost)
-            if new < self.best.get(nxt, INFINITE):
-                self.best[nxt] = new
-                self.back[nxt] = (edge.move, state)
-                heapq.heappush(self.heap, (new, next(self.tie), nxt))
+            if edge.dst not in self.settled and new < self.best.get(edge.dst, INFINITE):
+                self.best[edge.dst] = new
+                self.back[edge.dst] = (edge.move, state)
+                heapq.heappush(self.heap, (new, next(self.tie), edge.dst))
 
 
 def _path(back: dict[int, tuple[Move, int]], end: int) -> tuple[Move, ...]:

@@ -16,8 +16,9 @@ from shardc.planner.check import comm_time
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
-from shardc.planner.layout import CostContext, Layout, Value
+from shardc.planner.layout import CostContext, Layout, Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.unit import strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import validate
 
@@ -38,7 +39,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
-    graph = build_graph(spec)
+    graph = build_graph(strip_unit_axes(spec))  # size-1 axes are free: the search never sees them
     if strategy == "auto" and spec.dims:
         # The search is exact per einsum but greedy across them: a gather the rules make
         # early can be reused later for free.  Plan both ways and keep the cheaper whole.
@@ -52,7 +53,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
 
 def _context(spec: Spec, graph: Graph) -> CostContext:
     grads = frozenset(f"d{p}" for p in graph.params)
-    return CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
+    return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) -> Plan:
@@ -96,7 +97,11 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) ->
 
 
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
-    target = Value.of(declared[node.result]) if node.result in declared else None
+    # A pre-activation (the A · B of f(A · B)) takes the layout f's result is declared in:
+    # moving it before f costs what moving f's result would, so the einsum search sees the
+    # whole statement, f(A · B) = (A · B then f).
+    wanted = declared.get(node.result, node.target)
+    target = Value.of(wanted) if wanted is not None else None
     label = _label(node, phase, declared)
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
@@ -108,17 +113,21 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
 
 def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
                       target: Value | None) -> None:
-    """``f`` keeps the sharding; its input must be reduced, in the result's layout."""
+    """``f`` keeps the sharding; its input must be reduced, in the result's layout.
+
+    The result's indices may be the argument's permuted: that is a local transpose,
+    so the argument's layout is read index by index, never position by position.
+    """
     (arg,) = node.operands
+    arg_idx = phase.indices[arg]
     if target is None:
-        target = Value(phase.held[arg][0].layout, ())
+        held = dict(zip(arg_idx, phase.held[arg][0].layout, strict=True))
+        target = Value(tuple(held[i] for i in node.indices), ())
     if target.unreduced:
         raise ShardcError(f"{node.result} is an elementwise function of partial sums", node.statement.span,
                           fix="drop the {U_...} suffix: the function needs reduced values")
-    want = Value(_permute(phase.indices[arg], node.indices, target), ())
-    from shardc.planner.layout import reshard
-
-    _, moves = reshard(phase.ctx, arg, phase.indices[arg], phase.held[arg], want)
+    want = Value(_permute(arg_idx, node.indices, target), ())
+    _, moves = reshard(phase.ctx, arg, arg_idx, phase.held[arg], want)
     phase.moves(arg, moves)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
                     operands=(phase.ref(arg, want),), fn=node.fn))

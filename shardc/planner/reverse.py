@@ -5,11 +5,8 @@ per source set.  A chain's last step needs the opposite: from each of hundreds o
 candidate layouts to one declared result.  Reversing the moves answers all of
 them with one search from the targets.
 
-The forward rule "a sliced axis is never gathered or moved again" reads, on a
-path walked backwards: a slice may be prepended only if no later move gathers
-or moves its axes.  A reverse state is therefore (value, axes gathered or moved
-further on), and the cheapest cost found for a value over all such states is
-its cost from that value as a fresh source.
+A reverse state is a value; its settled cost is the cost from that value, as a
+fresh source, to the cheapest target.
 """
 
 from __future__ import annotations
@@ -28,10 +25,9 @@ def costs_to(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Itera
     """For each source, the least over targets of (moves from the source to it) + its given cost."""
     numbers = [ctx.number(s) for s in sources]
     back = _reversed_edges(ctx, tensor, idx, numbers)
-    shift = len(ctx.mesh.names)
     best: dict[int, Cost] = {}
     for target, spent in targets.items():
-        state = ctx.number(target) << shift
+        state = ctx.number(target)
         best[state] = min(spent, best.get(state, INFINITE))
     tie = itertools.count()
     heap = [(c, next(tie), s) for s, c in best.items()]
@@ -40,18 +36,14 @@ def costs_to(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Itera
     wanted = set(numbers)
     while heap and not wanted <= settled.keys():
         cost, _, state = heapq.heappop(heap)
-        if cost > best[state]:
+        if state in settled:
             continue
-        value, later = state >> shift, state & ((1 << shift) - 1)
-        settled.setdefault(value, cost)
-        for before, edge in back.get(value, ()):
-            if edge.sliced & later:
-                continue  # slicing an axis that a later move gathers or moves: not a valid path
-            prev = (before << shift) | later | edge.blocked
+        settled[state] = cost
+        for before, edge in back.get(state, ()):
             new = add_cost(edge.cost, cost)
-            if new < best.get(prev, INFINITE):
-                best[prev] = new
-                heapq.heappush(heap, (new, next(tie), prev))
+            if before not in settled and new < best.get(before, INFINITE):
+                best[before] = new
+                heapq.heappush(heap, (new, next(tie), before))
     return {ctx.values[n]: settled[n] for n in numbers if n in settled}
 
 
