@@ -24,7 +24,8 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.reverse import reshard_to
 
 __all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
            "room"]
@@ -165,18 +166,20 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
             return None
         operand_moves.append(moves)
     result_moves: tuple[Move, ...] = ()
-    if problem.target is not None:
-        if not local_result.reaches(problem.target):
+    target = problem.target
+    if target is None and local_result.unreduced:
+        target = Value(local_result.layout, ())  # an intermediate the caller lays out: reduce in place
+    if target is not None:
+        if not local_result.reaches(target):
             return None  # partial sums cannot be made from reduced values
-        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), problem.target,
-                                     room(best, total))
-        total = add_cost(total, cost)
-    elif local_result.unreduced:
-        # An intermediate whose layout the caller chooses: resolve partial sums in place.
-        target = Value(local_result.layout, ())
-        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), target,
-                                     room(best, total))
-        total = add_cost(total, cost)
+        if problem.target is not None:  # one search back from it answers every configuration
+            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, room(best, total))
+        else:
+            found = reshard(ctx, problem.result, problem.indices, (local_result,), target, room(best, total))
+        if found is None or found[0] == INFINITE:
+            return None
+        total = add_cost(total, found[0])
+        result_moves = found[1]
     if best is not None and total > best:
         return None
     return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,

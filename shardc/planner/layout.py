@@ -108,6 +108,9 @@ class CostContext:
     # (is weight, indices, value) -> its moves and their costs; states recur across searches
     _edges: dict[tuple[object, ...], tuple[Edge, ...]] = field(default_factory=dict)
     _numbers: dict[Value, int] = field(default_factory=dict)
+    # reverse searches (to one target) and the moves into each value: see shardc.planner.reverse
+    _reverse: dict[tuple[object, ...], object] = field(default_factory=dict)
+    _into: dict[tuple[object, ...], tuple[tuple[Move, int, Cost], ...]] = field(default_factory=dict)
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
 

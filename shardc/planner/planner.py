@@ -53,7 +53,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
 
 def _context(spec: Spec, graph: Graph) -> CostContext:
     grads = frozenset(f"d{p}" for p in graph.params)
-    return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
+    sizes = spec.sizes if spec.dims else None
+    return CostContext(without_unit_axes(spec.mesh), spec.dtype, sizes, graph.params | grads)
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) -> Plan:
