@@ -209,6 +209,7 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
     seen: list[Solution] = []
     bound: Cost | None = None
     for config in configurations(ctx, problem):
+        ctx.tick()
         sol = _evaluate(ctx, problem, config, bound)
         if sol is None:
             continue

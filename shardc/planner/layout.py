@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from shardc.planner.ir import Monomial, Op
 from shardc.spec.ir import Dim, DType, Mesh, Network, TensorRef
 
-__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost"]
+__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost",
+           "SearchTooLong"]
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -40,6 +42,14 @@ W_ICI = 1.8e11
 W_DCN = 6.25e9
 # Without dims, every dim is taken to be this large (and the book's rules decide).
 PROXY_DIM = 1 << 20
+
+class SearchTooLong(Exception):
+    """The exact search ran past its time budget (the planner turns this into a ShardcError)."""
+
+    def __init__(self, axes: int) -> None:
+        super().__init__(axes)
+        self.axes = axes
+
 
 Cost = tuple[float, int, int]
 ZERO: Cost = (0.0, 0, 0)
@@ -111,6 +121,7 @@ class CostContext:
     # reverse searches (to one target) and the moves into each value: see shardc.planner.reverse
     _reverse: dict[tuple[object, ...], object] = field(default_factory=dict)
     _into: dict[tuple[object, ...], tuple[tuple[Move, int, Cost], ...]] = field(default_factory=dict)
+    deadline: float | None = None  # time.monotonic() past which the search gives up (see tick)
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
 
@@ -160,6 +171,11 @@ class CostContext:
 
     def _edge(self, move: Move, tensor: str) -> Edge:
         return Edge(move, self.move_cost(move, tensor), self.number(move.dst))
+
+    def tick(self) -> None:
+        """Give up with a clear error once past the deadline, rather than search for minutes."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise SearchTooLong(len(self.mesh.axes))
 
     def number(self, value: Value) -> int:
         """A small integer per value: search states hash and compare as ints."""
@@ -329,6 +345,7 @@ class _Search:
         if state in self.settled:
             return  # a stale entry: the state was settled cheaper
         self.settled[state] = cost
+        self.ctx.tick()
         for edge in self.ctx.edges(self.tensor, self.idx, state):
             new = add_cost(cost, edge.cost)
             if edge.dst not in self.settled and new < self.best.get(edge.dst, INFINITE):

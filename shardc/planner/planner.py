@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 from shardc.errors import ShardcError
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
@@ -16,7 +18,7 @@ from shardc.planner.check import comm_time
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
-from shardc.planner.layout import CostContext, Layout, Value, reshard
+from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.unit import strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
@@ -25,6 +27,9 @@ from shardc.spec.validate import validate
 __all__ = ["plan", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
+# Seconds the exact search may take before it gives up with a clear error: it grows with
+# every mesh axis of size > 1 (the layouts of a tensor multiply), never with size-1 axes.
+BUDGET = 30.0
 STRATEGIES = ("auto", "search", "rules")
 
 
@@ -39,6 +44,17 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
+    try:
+        return _plan_within_budget(spec, save, strategy)
+    except SearchTooLong as e:
+        raise ShardcError(
+            f"planning gave up after {BUDGET:.0f} s: the exact search over layouts grows with every mesh axis "
+            f"(this mesh has {e.axes} of size > 1)",
+            fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
+                "one axis XY=4), or drop the dims line to plan by the book's rules") from None
+
+
+def _plan_within_budget(spec: Spec, save: str, strategy: str) -> Plan:
     graph = build_graph(strip_unit_axes(spec))  # size-1 axes are free: the search never sees them
     if strategy == "auto" and spec.dims:
         # The search is exact per einsum but greedy across them: a gather the rules make
@@ -54,7 +70,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
 def _context(spec: Spec, graph: Graph) -> CostContext:
     grads = frozenset(f"d{p}" for p in graph.params)
     sizes = spec.sizes if spec.dims else None
-    return CostContext(without_unit_axes(spec.mesh), spec.dtype, sizes, graph.params | grads)
+    ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, sizes, graph.params | grads)
+    ctx.deadline = time.monotonic() + BUDGET
+    return ctx
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) -> Plan:

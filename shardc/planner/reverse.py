@@ -84,6 +84,7 @@ class _Reverse:
         if state in self.settled:
             return
         self.settled[state] = cost
+        self.ctx.tick()
         for move, before, price in self._into(state):
             if before in self.settled:
                 continue
