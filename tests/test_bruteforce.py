@@ -6,8 +6,9 @@ any order), every valid local einsum of the values reached, and every sequence
 of moves on its result to the declared value.  Its moves and its rules of a
 valid local einsum are written here from the collectives' semantics, sharing
 no code with ``shardc.planner.layout`` or ``shardc.planner.einsum``; the one
-thing shared is the price of a single move (:func:`move_seconds`), so the two
-compare under one objective.
+things shared are the price of a single move (:func:`move_seconds`) and of a
+local einsum's compute where the objective counts it (:func:`einsum_seconds`), so
+the two compare under one objective.
 
 Depth.  Moves cost no less than zero, so a cheapest sequence never visits a
 value twice: Dijkstra over the (finite) graph of values is exhaustive over
@@ -57,6 +58,14 @@ def move_seconds(ctx: CostContext, tensor: str, op: Op, src: State, dst: State, 
     move = Move(op, Value(src.layout, tuple(sorted(src.partial))), Value(dst.layout, tuple(sorted(dst.partial))),
                 axes, volume=volume)
     return ctx.move_cost(move, tensor)[0]
+
+
+def einsum_seconds(ctx: CostContext, operands: tuple[tuple[tuple[str, ...], State], ...]) -> float:
+    """The planner's price of a local einsum's compute, where its objective has one (else 0)."""
+    price = getattr(ctx, "einsum_seconds", None)
+    if price is None:
+        return 0.0
+    return float(price(tuple((idx, Value(s.layout, tuple(sorted(s.partial)))) for idx, s in operands)))
 
 
 class Oracle:
@@ -212,8 +221,11 @@ def _einsum_results(oracle: Oracle, refs: list[TensorRef], out: tuple[str, ...],
             if c + d > room:
                 continue
             r = local_einsum(ra.indices, s, rb.indices, t, out)
-            if r is not None and c + d < results.get(r, float("inf")):
-                results[r] = c + d
+            if r is None:
+                continue
+            total = c + d + einsum_seconds(oracle.ctx, ((ra.indices, s), (rb.indices, t)))
+            if total < results.get(r, float("inf")):
+                results[r] = total
     return results
 
 
@@ -224,6 +236,8 @@ def forward_seconds(plan: Plan, ctx: CostContext) -> float:
     for step in plan.forward:
         if step.is_collective:
             total += _step_seconds(oracle, ctx, step)
+        elif step.op is Op.EINSUM and len(step.operands) == 2:
+            total += einsum_seconds(ctx, tuple((r.indices, oracle.state(r)) for r in step.operands))
     return total
 
 
