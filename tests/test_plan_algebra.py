@@ -141,3 +141,25 @@ def test_past_the_time_budget_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ShardcError) as err:
         plan("mesh X=2, Y=2\ndims B=8, D=8\nOut[B_X, D] = In[B_Y, D]\n")
     assert "gave up" in str(err.value) and err.value.fix and "merge axes" in err.value.fix
+
+
+SIX = """mesh X=2, Y=2, Z=2, P=2, Q=2, R=2
+dims B=4096, D=1024, F=4096
+T[B_XYZ, F_PQR] = In[B_XYZ, D] · W_in[D_XYZ, F_PQR]
+Out[B_XYZ, D] = T[B_XYZ, F_PQR] · W_out[F_PQR, D_XYZ]
+"""
+
+
+def test_past_four_axes_bonded_axes_move_as_one() -> None:
+    """Item 11: 6 axes of size 2 plan (a benchmark times it) with X, Y, Z and P, Q, R each moved as one."""
+    from shardc.planner.unit import bonded_axes
+
+    spec = shardc.parse(SIX)
+    assert bonded_axes(spec) == (("X", "Y", "Z"), ("P", "Q", "R"))
+    assert bonded_axes(shardc.parse(SIX.replace("D_XYZ]\n", "D_XZY]\n"))) == (("X",), ("Y",), ("Z",), ("P", "Q", "R"))
+    four = SIX.replace("X=2, Y=2, Z=2, P=2, Q=2, R=2", "X=2, Y=2, Z=2, P=8").replace("PQR", "P")
+    assert bonded_axes(shardc.parse(four)) is None  # up to four axes the search is exact
+    six = plan(SIX)
+    assert check_plan(six) == []
+    steps = [s for s in six.forward + six.backward if s.is_collective or s.op is Op.SLICE]
+    assert steps and all(set(s.axes) in ({"X", "Y", "Z"}, {"P", "Q", "R"}, set("XYZPQR")) for s in steps)

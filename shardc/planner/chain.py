@@ -152,16 +152,17 @@ def _operands_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Valu
 
 def layouts(ctx: CostContext, indices: tuple[str, ...]) -> Iterator[Value]:
     """Every reduced layout of a tensor with these indices on the mesh."""
-    options = [[None, *range(len(indices))] for _ in ctx.mesh.names]
+    units = ctx.unit_list()
+    options = [[None, *range(len(indices))] for _ in units]
     for combo in itertools.product(*options):
-        groups: dict[int, list[str]] = {}
-        for axis, d in zip(ctx.mesh.names, combo, strict=True):
+        groups: dict[int, list[tuple[str, ...]]] = {}
+        for unit, d in zip(units, combo, strict=True):
             if d is not None:
-                groups.setdefault(d, []).append(axis)
+                groups.setdefault(d, []).append(unit)
         keys = sorted(groups)
         for perms in itertools.product(*(itertools.permutations(groups[d]) for d in keys)):
             layout: list[tuple[str, ...]] = [()] * len(indices)
             for d, perm in zip(keys, perms, strict=True):
-                layout[d] = tuple(perm)
+                layout[d] = tuple(a for u in perm for a in u)
             if all(ctx.divides(i, axes) for i, axes in zip(indices, layout, strict=True)):
                 yield Value(tuple(layout), ())

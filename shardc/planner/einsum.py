@@ -109,26 +109,28 @@ def _local_values(problem: EinsumProblem, roles: dict[str, str],
 def _assignments(ctx: CostContext, problem: EinsumProblem) -> Iterator[dict[str, str]]:
     """Every role per mesh axis: unused, an index, or pass-through of partial sums."""
     indices = list(classify(problem))
+    units = ctx.unit_list()  # the axes of a unit take one role
     options: list[list[str]] = []
-    for axis in ctx.mesh.names:
-        choices = [UNUSED] + [i for i in indices if ctx.divides(i, (axis,))]
+    for unit in units:
+        choices = [UNUSED] + [i for i in indices if ctx.divides(i, unit)]
         for k, op in enumerate(problem.operands):
-            if any(axis in s.unreduced for s in op.sources):
+            if any(unit[0] in s.unreduced for s in op.sources):
                 choices.append(f"{PASS}{k}")
         options.append(choices)
     for combo in itertools.product(*options):
-        yield dict(zip(ctx.mesh.names, combo, strict=True))
+        yield {a: role for unit, role in zip(units, combo, strict=True) for a in unit}
 
 
 def _orders(ctx: CostContext, roles: dict[str, str]) -> Iterator[dict[str, tuple[str, ...]]]:
     """Every major-to-minor order of the axes that share an index."""
-    by_index: dict[str, list[str]] = {}
-    for axis, role in roles.items():
+    by_index: dict[str, list[tuple[str, ...]]] = {}
+    for unit in ctx.unit_list():
+        role = roles[unit[0]]
         if role != UNUSED and passes(role) is None:
-            by_index.setdefault(role, []).append(axis)
-    groups = [(i, list(itertools.permutations(axes))) for i, axes in by_index.items()]
+            by_index.setdefault(role, []).append(unit)
+    groups = [(i, list(itertools.permutations(units))) for i, units in by_index.items()]
     for combo in itertools.product(*(perms for _, perms in groups)):
-        order = {i: tuple(p) for (i, _), p in zip(groups, combo, strict=True)}
+        order = {i: tuple(a for u in p for a in u) for (i, _), p in zip(groups, combo, strict=True)}
         if all(ctx.divides(i, axes) for i, axes in order.items()):
             yield order
 

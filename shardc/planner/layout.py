@@ -122,6 +122,10 @@ class CostContext:
     _reverse: dict[tuple[object, ...], object] = field(default_factory=dict)
     _into: dict[tuple[object, ...], tuple[tuple[Move, int, Cost], ...]] = field(default_factory=dict)
     deadline: float | None = None  # time.monotonic() past which the search gives up (see tick)
+    # Mesh axes the search moves as one (major to minor), each axis in exactly one; None: every
+    # axis alone (exact).  See shardc.planner.unit.bonded_axes.
+    units: tuple[tuple[str, ...], ...] | None = None
+    _heads: frozenset[str] | None = None
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
 
@@ -172,6 +176,27 @@ class CostContext:
     def _edge(self, move: Move, tensor: str) -> Edge:
         return Edge(move, self.move_cost(move, tensor), self.number(move.dst))
 
+    def unit_list(self) -> tuple[tuple[str, ...], ...]:
+        if self.units is None:
+            self.units = tuple((a,) for a in self.mesh.names)
+        return self.units
+
+    def heads(self) -> frozenset[str]:
+        """The first axis of each unit: where a move may cut a dim's axes."""
+        if self._heads is None:
+            self._heads = frozenset(u[0] for u in self.unit_list())
+        return self._heads
+
+    def free_units(self, used: frozenset[str]) -> list[tuple[str, ...]]:
+        return [u for u in self.unit_list() if u[0] not in used]
+
+    def suffixes(self, axes: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+        """The minor suffixes of ``axes`` that are whole units, shortest first."""
+        heads = self.heads()
+        for k in range(1, len(axes) + 1):
+            if axes[len(axes) - k] in heads:
+                yield axes[len(axes) - k:]
+
     def tick(self) -> None:
         """Give up with a clear error once past the deadline, rather than search for minutes."""
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -194,25 +219,20 @@ class CostContext:
         return self.sizes[index] % product == 0
 
 
-def _suffixes(axes: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
-    for k in range(1, len(axes) + 1):
-        yield axes[len(axes) - k:]
-
-
 def _replace(layout: Layout, dim: int, axes: tuple[str, ...]) -> Layout:
     return layout[:dim] + (axes,) + layout[dim + 1:]
 
 
 def _gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     for d, axes in enumerate(v.layout):
-        for suffix in _suffixes(axes):
+        for suffix in ctx.suffixes(axes):
             dst = Value(_replace(v.layout, d, axes[: len(axes) - len(suffix)]), v.unreduced)
             yield Move(Op.ALL_GATHER, v, dst, suffix, dim=d, volume=ctx.local_bytes(idx, dst))
 
 
 def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     """Suffixes of two or more dims gathered by one collective (axes in dim order)."""
-    options = [[()] + list(_suffixes(axes)) for axes in v.layout]
+    options = [[()] + list(ctx.suffixes(axes)) for axes in v.layout]
     for combo in itertools.product(*options):
         if sum(1 for suffix in combo if suffix) < 2:
             continue
@@ -223,17 +243,16 @@ def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator
 
 
 def _slices(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
-    free = [a for a in ctx.mesh.names if a not in v.used()]
-    for a in free:
+    for unit in ctx.free_units(v.used()):
         for d, axes in enumerate(v.layout):
-            if ctx.divides(idx[d], axes + (a,)):
-                dst = Value(_replace(v.layout, d, axes + (a,)), v.unreduced)
-                yield Move(Op.SLICE, v, dst, (a,), dim=d)
+            if ctx.divides(idx[d], axes + unit):
+                dst = Value(_replace(v.layout, d, axes + unit), v.unreduced)
+                yield Move(Op.SLICE, v, dst, unit, dim=d)
 
 
 def _all_to_alls(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     for src_dim, axes in enumerate(v.layout):
-        for suffix in _suffixes(axes):
+        for suffix in ctx.suffixes(axes):
             kept = axes[: len(axes) - len(suffix)]
             for d, other in enumerate(v.layout):
                 if d == src_dim or not ctx.divides(idx[d], other + suffix):
@@ -246,12 +265,17 @@ def _all_to_alls(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[M
 
 def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     unreduced = v.unreduced
-    for k in range(1, len(unreduced) + 1):
-        for group in itertools.combinations(unreduced, k):
+    heads = ctx.heads()
+    units = {u[0]: u for u in ctx.unit_list()}
+    parts = [units[a] for a in unreduced if a in heads]
+    for k in range(1, len(parts) + 1):
+        for chosen in itertools.combinations(parts, k):
+            group = tuple(sorted(a for u in chosen for a in u))
             rest = tuple(a for a in unreduced if a not in group)
             volume = ctx.local_bytes(idx, v)  # the array before the reduction
             yield Move(Op.ALL_REDUCE, v, Value(v.layout, rest), group, volume=volume)
-            for order in itertools.permutations(group):
+            for perm in itertools.permutations(chosen):
+                order = tuple(a for u in perm for a in u)
                 for d, axes in enumerate(v.layout):
                     if ctx.divides(idx[d], axes + order):
                         dst = Value(_replace(v.layout, d, axes + order), rest)

@@ -20,7 +20,7 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
-from shardc.planner.unit import strip_unit_axes, without_unit_axes
+from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import validate
 
@@ -55,22 +55,24 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
 
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str) -> Plan:
-    graph = build_graph(strip_unit_axes(spec))  # size-1 axes are free: the search never sees them
+    stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
+    graph = build_graph(stripped)
+    units = bonded_axes(stripped)
     if strategy == "auto" and spec.dims:
         # The search is exact per einsum but greedy across them: a gather the rules make
         # early can be reused later for free.  Plan both ways and keep the cheaper whole.
-        ctx = _context(spec, graph)  # one search cache for both
+        ctx = _context(spec, graph, units)  # one search cache for both
         searched = _plan(spec, graph, save, "search", ctx)
         rules = _plan(spec, graph, save, "rules", ctx)
         return rules if comm_time(rules) < comm_time(searched) * (1 - 1e-9) else searched
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy,
-                 _context(spec, graph))
+                 _context(spec, graph, units))
 
 
-def _context(spec: Spec, graph: Graph) -> CostContext:
+def _context(spec: Spec, graph: Graph, units: tuple[tuple[str, ...], ...] | None) -> CostContext:
     grads = frozenset(f"d{p}" for p in graph.params)
     sizes = spec.sizes if spec.dims else None
-    ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, sizes, graph.params | grads)
+    ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, sizes, graph.params | grads, units=units)
     ctx.deadline = time.monotonic() + BUDGET
     return ctx
 

@@ -108,22 +108,17 @@ def _replace(layout: tuple[tuple[str, ...], ...], dim: int, axes: tuple[str, ...
     return layout[:dim] + (axes,) + layout[dim + 1:]
 
 
-def _suffixes(axes: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
-    for k in range(1, len(axes) + 1):
-        yield axes[len(axes) - k:]
-
-
 def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     """Every move that makes ``v``: the forward moves (:func:`shardc.planner.layout.neighbours`) backwards."""
     lay = v.layout
-    used = v.used()
-    free = [a for a in ctx.mesh.names if a not in used]
+    free = ctx.free_units(v.used())
     for d, axes in enumerate(lay):
-        if axes:  # a slice appended the last axis of the dim
-            yield Move(Op.SLICE, Value(_replace(lay, d, axes[:-1]), v.unreduced), v, (axes[-1],), dim=d)
+        last = next(iter(ctx.suffixes(axes)), None)
+        if last is not None:  # a slice appended the dim's last unit
+            yield Move(Op.SLICE, Value(_replace(lay, d, axes[: len(axes) - len(last)]), v.unreduced), v, last, dim=d)
     yield from _gathered_into(ctx, idx, v, free)
     for e, axes in enumerate(lay):
-        for moved in _suffixes(axes):
+        for moved in ctx.suffixes(axes):
             kept = axes[: len(axes) - len(moved)]
             for d, other in enumerate(lay):  # an all-to-all moved the suffix from dim d onto dim e
                 if d != e and ctx.divides(idx[d], other + moved):
@@ -134,29 +129,30 @@ def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[M
             src = Value(_replace(lay, e, kept), tuple(sorted(v.unreduced + moved)))
             yield Move(Op.REDUCE_SCATTER, src, v, moved, dim=e, volume=ctx.local_bytes(idx, src))
     for k in range(1, len(free) + 1):
-        for group in itertools.combinations(sorted(free), k):
+        for chosen in itertools.combinations(free, k):
+            group = tuple(sorted(a for u in chosen for a in u))
             src = Value(lay, tuple(sorted(v.unreduced + group)))
             yield Move(Op.ALL_REDUCE, src, v, group, volume=ctx.local_bytes(idx, src))
 
 
-def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value, free: list[str]) -> Iterator[Move]:
-    """Gathers that make ``v``: one or more dims held free axes more, at their minor ends."""
+def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value,
+                   free: list[tuple[str, ...]]) -> Iterator[Move]:
+    """Gathers that make ``v``: one or more dims held free units more, at their minor ends."""
     lay = v.layout
     volume = ctx.local_bytes(idx, v)
     for owners in itertools.product(range(-1, len(lay)), repeat=len(free)):
-        groups: dict[int, list[str]] = {}
-        for axis, d in zip(free, owners, strict=True):
+        groups: dict[int, list[tuple[str, ...]]] = {}
+        for unit, d in zip(free, owners, strict=True):
             if d >= 0:
-                groups.setdefault(d, []).append(axis)
+                groups.setdefault(d, []).append(unit)
         if not groups:
             continue
         dims = sorted(groups)
         for perms in itertools.product(*(itertools.permutations(groups[d]) for d in dims)):
-            extra = dict(zip(dims, perms, strict=True))
+            extra = {d: tuple(a for u in perm for a in u) for d, perm in zip(dims, perms, strict=True)}
             if not all(ctx.divides(idx[d], lay[d] + extra[d]) for d in dims):
                 continue
-            src_layout = tuple(axes + extra.get(d, ()) for d, axes in enumerate(lay))
-            src = Value(src_layout, v.unreduced)
+            src = Value(tuple(axes + extra.get(d, ()) for d, axes in enumerate(lay)), v.unreduced)
             axes = tuple(a for d in dims for a in extra[d])
             if len(dims) == 1:
                 yield Move(Op.ALL_GATHER, src, v, axes, dim=dims[0], volume=volume)
