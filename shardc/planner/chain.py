@@ -75,6 +75,7 @@ def _step_costs(ctx: CostContext, problem: EinsumProblem, starts: list[State],
         return _to_one(ctx, problem, rest, starts, targets[0])
     table: dict[tuple[State, Value], Cost] = {}
     for state in starts:
+        ctx.tick()
         by_result: dict[Value, Cost] = {}
         for (local_head, local_result), cost in rest.items():
             if local_head is not None:
@@ -93,6 +94,7 @@ def _rest_costs(ctx: CostContext, problem: EinsumProblem,
     """Per (local first operand, or None without ``skip_head``; local result): the least operand cost."""
     rest: dict[tuple[Value | None, Value], Cost] = {}
     for locals_, local_result, _ in configurations(ctx, problem):
+        ctx.tick()
         cost = _operands_cost(ctx, problem, locals_, skip_head)
         if cost is None:
             continue
