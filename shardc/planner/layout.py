@@ -15,9 +15,14 @@ a dim, because that is where a tiled collective adds or removes a factor:
     all_reduce      resolve unreduced axes, replicated           (one collective)
 
 :func:`reshard` runs Dijkstra over values from any of several free sources
-(values the phase already holds) to one target.  Costs are tuples compared
+(values the phase already holds) to one target (:mod:`shardc.planner.reverse`
+searches back from one target to many sources).  Costs are tuples compared
 lexicographically: (communication time, collectives, activation collectives),
 so ties go to fewer collectives, then to moving weights rather than activations.
+
+The moves cut a dim's axes only between *units* (:attr:`CostContext.units`):
+every axis alone, except past four mesh axes, where axes the spec always writes
+together move as one (:func:`shardc.planner.unit.bonded_axes`).
 """
 
 from __future__ import annotations
