@@ -207,12 +207,14 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
         return _valid(spec)
     inputs = sorted(state.tensors.keys() - state.defined)
     params = draw(st.none() | st.lists(st.sampled_from(inputs), min_size=1, unique=True)) if inputs else None
+    others = [n for n in inputs if params is None or n not in params]
+    const = tuple(draw(st.lists(st.sampled_from(others), unique=True))) if others else ()
     layers: int | str | None = draw(st.none() | st.integers(1, 96))
     if with_dims and draw(st.booleans()):
         sizes = sizes if "L" in dict(sizes) else sizes + (("L", draw(st.integers(1, 96))),)
         layers = "L"
     return _valid(Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
-                       params=None if params is None else tuple(params),
+                       params=None if params is None else tuple(params), const=const,
                        hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers))
 
 
