@@ -247,7 +247,8 @@ def test_shardings_use_each_axis_once(mesh_and_dims: tuple[Mesh, tuple[Dim, ...]
 
 
 @pytest.mark.parametrize("module", ["shardc.spec.parser", "shardc.spec.validate", "shardc.spec.overrides",
-                                    "shardc.spec.functions", "shardc.spec.ir", "shardc.testing"])
+                                    "shardc.spec.functions", "shardc.spec.ir", "shardc.testing",
+                                    "shardc.names"])
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib
