@@ -15,6 +15,7 @@ from shardc.lowering.verify import render_report, verify
 from shardc.names import fresh, gradient_names
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan
+from shardc.planner.render import render_text, to_json
 
 CROSS_ATTENTION = """\
 mesh X=2, Y=2
@@ -77,6 +78,8 @@ def test_a_tensor_named_dW_beside_a_param_W_is_not_its_gradient() -> None:
     # the user's dW is read (it is an operand of Out), never made
     assert "dW" not in made_names(plan) and any("dW" in {o.name for o in s.operands} for s in plan.backward)
     assert check_plan(plan) == []
+    assert "d_W is the gradient of W (dW is a tensor of the spec)" in render_text(plan)
+    assert to_json(plan)["gradient_names"]["W"] == "d_W"
     verified(plan)
 
 
