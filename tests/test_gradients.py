@@ -1,5 +1,6 @@
 """Gradients you can trust: names that never take a spec's name, a gradient for every input
-not declared ``const``, and partial contributions added before they are reduced."""
+not declared ``const``, partial contributions added before they are reduced, and one
+normal form for partial-sum axes."""
 
 from __future__ import annotations
 
@@ -195,3 +196,18 @@ def test_adding_before_moving_never_costs_more(spec: shardc.Spec) -> None:
         old = shardc.plan(spec)
     assert comm_time(new) <= comm_time(old) * (1 + 1e-9) + 1e-15
     assert check_plan(new) == []
+
+
+# --- one sharded-value type: {U_YX} is {U_XY} from the parser on ---------------------------
+
+@pytest.mark.parametrize("written", ["YX", "XY"])
+def test_partial_sums_written_in_any_order_plan_and_lower_alike(written: str) -> None:
+    """Once `{U_YX}` planned wrongly (the lowering found no step making the declared result)."""
+    from shardc.lowering.codegen import generate
+
+    spec = shardc.parse(f"mesh X=2, Y=2, Z=2\nOut[B_Z, F]{{U_{written}}} = In[B, D] * W[D, F]\n")
+    plan = shardc.plan(spec)
+    assert plan.tensor("Out").ref.unreduced == ("X", "Y") and check_plan(plan) == []
+    sizes = {"B": 4, "D": 4, "F": 4, "X": 2, "Y": 2, "Z": 2}
+    module = generate(plan, (("X", 2), ("Y", 2), ("Z", 2)), sizes)
+    assert "Out[B_Z, F]{U_XY}" in module.source
