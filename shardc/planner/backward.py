@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.names import fresh
-from shardc.planner.einsum import EinsumProblem, Operand
+from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, reshard
@@ -36,7 +36,7 @@ from shardc.planner.phase import Phase
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 
-__all__ = ["Backward", "plan_backward", "needs_grad"]
+__all__ = ["Backward", "plan_backward"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Backward:
     grads: tuple[TensorRef, ...]
 
 
-def needs_grad(graph: Graph) -> set[str]:
+def _needs_grad(graph: Graph) -> set[str]:
     """Params, inputs not declared ``const``, and every tensor computed from one of them."""
     needs = set(graph.params) | set(graph.differentiable)
     for node in graph.nodes:
@@ -70,7 +70,7 @@ def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
 class _Backward:
     def __init__(self, graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str) -> None:
         self.graph, self.forward, self.declared = graph, forward, declared
-        self.needs = needs_grad(graph)
+        self.needs = _needs_grad(graph)
         self.count = _contributors(graph, self.needs)
         self.grads = graph.grads
         self.taken = set(graph.names) | set(graph.grads.values())  # for the parts' names
@@ -115,7 +115,10 @@ class _Backward:
         """What the einsum planned for ``target`` computes before moving its result there."""
         problem = EinsumProblem(tuple(Operand(n, self.phase.indices[n], tuple(self.phase.held[n])) for n in operands),
                                 dst, self.phase.indices[dst], target)
-        solution, _ = self.phase.solve(problem, None)
+        try:
+            solution, _ = self.phase.solve(problem, None)
+        except NoPlan:
+            return target  # the einsum itself reports it, with the statement's span
         return solution.local_result
 
     def _text(self, name: str) -> str:
