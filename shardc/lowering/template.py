@@ -31,8 +31,9 @@ returned summed.
 runs the planned backward below for the outputs' cotangents; cotangents of
 results that a later statement reads, and gradients of inputs declared ``const``
 (which the plan does not differentiate), come from JAX's transpose of the forward
-program, only when asked for.  Each phase is one ``shard_map``; every line is one step of the plan,
-commented with the sharded tensor it makes and its local (per-device) shape.
+program, only when asked for.  Each phase is one ``shard_map``; every line is one
+step of the plan, commented with the sharded tensor it makes and its local
+(per-device) shape.
 
 On a CPU, emulate the devices with
 XLA_FLAGS=--xla_force_host_platform_device_count={devices} set before jax is imported.
