@@ -112,10 +112,19 @@ class _State:
         return f"{base}{self.counter}"
 
 
+def _input_name(draw: st.DrawFn, state: _State) -> str:
+    name = state.fresh(draw(st.sampled_from(INPUT_NAMES)))
+    if state.tensors and draw(st.integers(0, 7)) == 0:
+        # now and then the book's name of another tensor's gradient: `dIn1` beside `In1`
+        taken = "d" + draw(st.sampled_from(sorted(state.tensors)))
+        if taken not in state.tensors:
+            return taken
+    return name
+
+
 def _input(draw: st.DrawFn, state: _State, indices: list[str]) -> TensorRef:
     # inputs may arrive as partial sums too (the output of a row-parallel layer, unreduced)
-    ref = draw(tensor_refs(state.fresh(draw(st.sampled_from(INPUT_NAMES))), indices, state.mesh,
-                           unreduced=state.unreduced))
+    ref = draw(tensor_refs(_input_name(draw, state), indices, state.mesh, unreduced=state.unreduced))
     state.tensors[ref.name] = ref
     return ref
 
