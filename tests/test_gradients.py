@@ -95,6 +95,19 @@ def test_an_input_named_dOut_beside_an_output_Out_is_not_its_cotangent() -> None
     verified(plan)
 
 
+def test_jax_grad_through_a_module_with_an_input_named_dOut() -> None:
+    """The lowered custom_vjp pools inputs and cotangents by name: dOut must stay the input."""
+    import jax
+    import jax.numpy as jnp
+
+    lowered = shardc.lower(shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = dOut[B_X, D] · W[D, F]\n"))
+    inputs = {k: jnp.asarray(v) for k, v in lowered.random_inputs().items()}
+    got = jax.grad(lambda i: jnp.sum(jnp.sin(lowered.forward(i)["Out"])))(inputs)
+    want = jax.grad(lambda i: jnp.sum(jnp.sin(jnp.einsum("bd,df->bf", i["dOut"], i["W"]))))(inputs)
+    for name in ("dOut", "W"):
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-4, atol=1e-5)
+
+
 def test_part_names_avoid_the_specs_names() -> None:
     """In is read twice, so its gradient has two parts; the spec already has a tensor dIn_1."""
     spec = shardc.parse("mesh X=2\nA[B_X, F] = In[B_X, D] · W[D, F]\nC[B_X, F] = In[B_X, D] · dIn_1[D, F]\n")
