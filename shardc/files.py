@@ -86,14 +86,13 @@ def decode(data: bytes, path: str) -> str:
         if data.startswith(bom):
             raise ShardcError(f"{path} is {name} text; shardc reads UTF-8",
                               fix=f"convert it: iconv -f {name} -t UTF-8 {path} > {path}.utf8")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise _not_utf8(data, err.start, path) from None
-    if "\x00" in text:
+    if b"\x00" in data:  # no text has one; UTF-16 without a BOM has one every other byte
         raise _not_utf8(data, data.index(b"\x00"), path, "a NUL byte (UTF-16 text without a byte order mark?)",
                         "UTF-16LE")
-    return text
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _not_utf8(data, err.start, path) from None
 
 
 def _not_utf8(data: bytes, at: int, path: str, what: str | None = None, source: str = "LATIN1") -> ShardcError:

@@ -40,7 +40,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--hardware", metavar="NAME", help="a preset (see `shardc hardware`)")
     parser.add_argument("--hardware-file", metavar="TOML", help="a chip of your own (keys: shardc hardware)")
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
-                        help="the plan's residual policy")
+                        help="the plan's residual policy (see `shardc plan --help`)")
     parser.add_argument("--optimizer", choices=("adam10", "adam16"), default="adam10",
                         help="memory accounting: 10 or 16 bytes a param")
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
@@ -50,7 +50,8 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--sweep", metavar="DIM=LOW:HIGH",
                         help="instead of the report, a table of compute vs communication time at log-spaced "
                              "sizes of one dim (or mesh axis), the plan kept fixed")
-    parser.add_argument("--points", type=int, default=13, help=f"points of the sweep, 2 to {MAX_POINTS} (13)")
+    parser.add_argument("--points", type=int, default=13, metavar="N",
+                        help=f"points of the sweep, 2 to {MAX_POINTS} (13)")
     parser.add_argument("--with", dest="others", action="append", default=[], metavar="FILE",
                         help="another spec to sweep beside FILE (repeatable)")
     parser.add_argument("--plot", metavar="PATH",
