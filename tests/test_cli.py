@@ -210,8 +210,9 @@ def test_hardware_file_not_utf8(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     (["--sweep", "B=1e3:1e7", "--plot", "out.xyz"], "extension .xyz is not an image format"),
     (["--sweep", "B=1e3:1e7", "--plot", "out"], "no extension"),
     (["--sweep", "B=1e3:1e7", "--plot", "no/such/dir/out.png"], "no directory"),
-    (["--sweep", "B=1:inf"], "0 < LOW < HIGH"),
-    (["--sweep", "B=nan:1e7"], "0 < LOW < HIGH"),
+    (["--sweep", "B=1:inf"], "1 <= LOW < HIGH <= 1e18"),
+    (["--sweep", "B=nan:1e7"], "1 <= LOW < HIGH <= 1e18"),
+    (["--sweep", "B=1e-300:1e18"], "1 <= LOW < HIGH <= 1e18"),
     (["--sweep", "B=1e3:1e7", "--points", "100000000"], "--points must be from 2 to"),
     (["--sweep", "Q=1e3:1e7"], "no dim or mesh axis of that name"),
 ])

@@ -167,7 +167,7 @@ class CostReport:
         }
 
     def json_text(self) -> str:
-        return json.dumps(self.to_json(), indent=2)
+        return json.dumps(self.to_json(), indent=2, allow_nan=False)  # strict JSON: a NaN is a bug
 
     def render(self) -> str:
         from shardc.costmodel.render import render

@@ -64,8 +64,9 @@ def parse_sweep(text: str) -> tuple[str, float, float]:
         low, high = float(low_text.replace("_", "")), float(high_text.replace("_", ""))
     except ValueError:
         low = high = math.nan
-    if not sep or not colon or not name.isidentifier() or not 0 < low < high <= MAX_SIZE:  # inf, nan refused
-        raise ShardcError(f"--sweep expects NAME=LOW:HIGH with 0 < LOW < HIGH <= 1e18, got {text!r}",
+    if not sep or not colon or not name.isidentifier() or not 1 <= low < high <= MAX_SIZE:  # inf, nan refused
+        raise ShardcError(f"--sweep expects NAME=LOW:HIGH with 1 <= LOW < HIGH <= 1e18 (sizes count elements "
+                          f"or devices), got {text!r}",
                           fix="write e.g. --sweep B=1e3:1e7")
     return name, low, high
 
@@ -84,7 +85,7 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
     mesh = plan.spec.mesh
     spans = default_spans(plan, hw, base) | (spans or {})
     for k in range(points):
-        value = low * (high / low) ** (k / (points - 1))
+        value = math.exp(math.log(low) + math.log(high / low) * k / (points - 1))
         values = dict(base)
         values[dim] = value  # type: ignore[assignment]  # fractional sizes are fine for costing
         layers, _ = resolve_layers(plan, values)
