@@ -75,6 +75,16 @@ def test_help_describes_every_command_and_flag(capsys: pytest.CaptureFixture[str
         assert status == 0 and parser.description.split()[0] in out
 
 
+def test_argument_parsing_imports_no_pass() -> None:
+    # `shardc --help` and each command's parser load argparse and the command modules only
+    code = ("import sys; from shardc.cli.main import COMMANDS, build_parser, full_parser; "
+            "[build_parser(c) for c in COMMANDS]; full_parser(); "
+            "print(sorted(m for m in sys.modules if m.startswith(('shardc.planner', 'shardc.costmodel', "
+            "'shardc.lowering', 'shardc.spec', 'jax', 'sympy', 'lark', 'numpy'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def readme_section(name: str) -> str:
     """The README's bullet of ``shardc NAME`` up to the next command's bullet."""
     start = README.index(f"- **`shardc {name}")

@@ -101,7 +101,7 @@ def command_lines(draw: st.DrawFn) -> list[str]:
     return args
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(command_lines())
 def test_no_flag_or_file_gives_a_traceback(args: list[str]) -> None:
     out, err = io.StringIO(), io.StringIO()
