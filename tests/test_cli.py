@@ -133,6 +133,13 @@ def test_utf8_with_a_bom_reads_like_without(capsys: pytest.CaptureFixture[str], 
     assert plain[0] == bom[0] == 0 and plain[1] == bom[1]
 
 
+def test_parse_accepts_a_bom_read_as_text(tmp_path: Path) -> None:
+    path = write(tmp_path, b"\xef\xbb\xbf" + SPEC.encode())
+    with open(path, encoding="utf-8") as handle:  # keeps the BOM as U+FEFF
+        text = handle.read()
+    assert text.startswith("\ufeff") and shardc.parse(text) == shardc.parse(SPEC)
+
+
 @pytest.mark.parametrize(("encoding", "says"), [
     ("latin-1", "is not UTF-8: byte 0xe9"),
     ("utf-16", "is UTF-16 text"),
@@ -198,6 +205,7 @@ CHIP = 'flops = 4.59e14\nici_bandwidth = 4.5e10\nhbm_bytes = 96e9\ndcn_bandwidth
     ("torus_dims = 0\n", "torus_dims must be a whole number"),
     ("ici_domain = 2.5\n", "ici_domain must be a whole number"),
     ('name = 7\n', "name must be a string"),
+    ("hop_latency = 1e-320\n", "outside 1e-30..1e30"),
 ])
 def test_hardware_file_values(capsys: pytest.CaptureFixture[str], tmp_path: Path, extra: str, says: str) -> None:
     chip = write(tmp_path, (CHIP + extra).encode(), "chip.toml")

@@ -43,12 +43,30 @@ def pair(names: st.SearchStrategy[str], values: st.SearchStrategy[str]) -> st.Se
 
 SWEEPS = st.builds(lambda d, lo, hi: f"{d}={lo}:{hi}", NAMES, NUMBERS, NUMBERS)
 
+CHIP_KEYS = ["flops", "ici_bandwidth", "hbm_bytes", "dcn_bandwidth", "hbm_bandwidth", "hop_latency", "ici_domain",
+             "torus_side", "torus_dims", "name", "description", "colour"]
+TOML_VALUES = mostly(["4.59e14", "9e10", "16", "3", '"chip"'],
+                     ["0", "-1", "0.5", "inf", "nan", "1e400", "true", '"x"', "[1]", "{a=1}", '"caf\xe9"', "="])
+
+
+@st.composite
+def chip_files(draw: st.DrawFn) -> str:
+    """A --hardware-file: the required keys mostly present, values good and bad, sometimes not UTF-8."""
+    keys = draw(st.lists(st.sampled_from(CHIP_KEYS), max_size=4, unique=True))
+    required = CHIP_KEYS[:4] if draw(st.integers(0, 3)) else CHIP_KEYS[:3]
+    lines = [f"{key} = 4.5e10" for key in required if key not in keys]
+    lines += [f"{key} = {draw(TOML_VALUES)}" for key in keys]
+    path = WORK / "chip.toml"
+    path.write_bytes("\n".join(lines).encode("latin-1"))
+    return str(path)
+
+
 FLAGS: dict[str, dict[str, st.SearchStrategy[str] | None]] = {
     "plan": {"--save": st.sampled_from(["default", "none", "all", "some"]), "--json": None,
              "--explain": None},
     "cost": {"--save": st.sampled_from(["default", "none", "all"]), "--json": None,
              "--hardware": st.sampled_from(["tpu-v5p", "h100", "TPU_V5E", "abacus", ""]),
-             "--optimizer": st.sampled_from(["adam10", "adam16", "sgd"]),
+             "--optimizer": st.sampled_from(["adam10", "adam16", "sgd"]), "--hardware-file": chip_files(),
              "--mfu": FRACTIONS, "--spans": pair(NAMES, NUMBERS), "--sweep": SWEEPS,
              "--points": mostly(["2", "3", "13"], ["1", "0", "-4", "1000000000", "x"]),
              "--with": st.sampled_from([str(p) for p in SMALL] + [str(WORK / "missing.shard")])},

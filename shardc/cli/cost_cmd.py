@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 from shardc.cli.main import add_common, load_spec, parse_sets, read_spec
@@ -94,6 +95,9 @@ def run_cost(args: argparse.Namespace) -> int:
 
         formulas = cost_formulas(the_plan, hardware=args.hardware, hardware_file=args.hardware_file,
                                  spans=parse_sets(args.spans) or None)
+        if args.mfu is not None:
+            formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
+                                                                 "needs the sizes",))
         print(formulas.json_text() if args.json else formulas.render(), end="\n" if args.json else "")
         return 0
     report = cost(the_plan, hardware=args.hardware, mfu=args.mfu, optimizer=args.optimizer,

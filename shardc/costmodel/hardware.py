@@ -124,6 +124,9 @@ def load_hardware_file(path: str) -> Hardware:
     return hardware_from_mapping(data, source=path)
 
 
+_FIGURE_RANGE = (1e-30, 1e30)
+
+
 def _check_file_values(data: dict[str, object], path: str) -> None:
     """Types and ranges the dataclass cannot check: finite figures, whole counts, text names."""
     for key, value in data.items():
@@ -133,6 +136,11 @@ def _check_file_values(data: dict[str, object], path: str) -> None:
                                   fix=f'write e.g. `{key} = "my-chip"`')
         elif isinstance(value, int | float) and not isinstance(value, bool) and not math.isfinite(value):
             raise ShardcError(f"{path}: {key} must be a finite number, got {value!r}",
+                              fix=f"write e.g. `{key} = 1e11`")
+        elif isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and \
+                not _FIGURE_RANGE[0] <= value <= _FIGURE_RANGE[1]:
+            # beyond any chip; the ratios of such figures (C / W) would overflow a float
+            raise ShardcError(f"{path}: {key} = {value!r} is outside 1e-30..1e30",
                               fix=f"write e.g. `{key} = 1e11`")
     for key, least, example in (("ici_domain", 1, 8), ("torus_side", 2, 16), ("torus_dims", 1, 3)):
         value = data.get(key)

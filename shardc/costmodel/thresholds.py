@@ -14,6 +14,7 @@ A phase with no FLOPs (only moves) is communication-bound at any size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
@@ -144,7 +145,9 @@ def _solved(ctx: _Context, intensity: Ratio, value: float) -> str:
     if len(tokens) != 1:
         return ""
     token = tokens[0]
-    whole = abs(value - round(value)) < 1e-9 * value
+    if not math.isfinite(value):
+        return ""
+    whole = value < 1e6 and abs(value - round(value)) < 1e-9 * value  # 2550, 1275, 73440 as they are
     number = Fraction(round(value)) if whole else Fraction(Decimal(f"{value:.4g}"))
     # intensity = number is num - number*den = 0, solved when linear in the token dim
     coeffs = (intensity.num - number * intensity.den).collect(token)

@@ -151,6 +151,7 @@ def parse_unchecked(text: str, filename: str | None = None) -> Spec:
     """Parse spec text into IR without the semantic checks of :func:`validate`."""
     if not isinstance(text, str):
         raise ShardcError(f"spec text must be a str, not {type(text).__name__}")
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark, which open(..., encoding="utf-8") keeps
     lines = [line.rstrip("\r") for line in text.split("\n")]  # lark counts lines by newlines only
     _check_nesting(lines, filename)
     _local.lines, _local.filename = lines, filename
