@@ -5,8 +5,8 @@ values (``TensorRef`` with a layout and unreduced axes) into other sharded
 values, so every pass after planning (cost, lowering, verification) reads the
 same steps.  Volumes are :class:`Monomial` formulas in the dims and the mesh
 sizes; they evaluate to bytes once sizes are known.  (A monomial is all a
-single collective's volume ever is; sums and thresholds are sympy's job in the
-cost pass, which keeps ``shardc plan`` free of sympy's import time.)
+single collective's volume ever is; sums and thresholds are the cost pass's job,
+in :mod:`shardc.costmodel.poly`.)
 """
 
 from __future__ import annotations
