@@ -70,7 +70,7 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str) -> Plan:
 
 
 def _context(spec: Spec, graph: Graph, units: tuple[tuple[str, ...], ...] | None) -> CostContext:
-    grads = frozenset(f"d{p}" for p in graph.params)
+    grads = frozenset(graph.grads[p] for p in graph.params)
     sizes = spec.sizes if spec.dims else None
     ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, sizes, graph.params | grads, units=units)
     ctx.deadline = time.monotonic() + BUDGET
@@ -100,6 +100,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) 
         grads=backward.grads,
         strategy="search" if sized else "rules",
         choices=tuple(forward.choices + backward.phase.choices),
+        gradient_names=tuple(graph.grads.items()),
     )
 
 
