@@ -279,7 +279,7 @@ def small_meshes(draw: st.DrawFn) -> Mesh:
     return Mesh(tuple(axes))
 
 
-@settings(max_examples=340, deadline=None, derandomize=True, database=None,
+@settings(max_examples=380, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(small_meshes().flatmap(lambda m: specs(max_statements=2, dims=True, chains=False, headers=False, mesh=m)))
 def test_planner_is_never_above_the_exhaustive_search(spec: Spec) -> None:
