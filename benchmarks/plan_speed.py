@@ -20,10 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import shardc
-from shardc.errors import ShardcError
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's shardc, not an installed one
+
+import shardc  # noqa: E402
+from shardc.errors import ShardcError  # noqa: E402
 
 
 def deep_spec(layers: int, sized: bool = True) -> str:
