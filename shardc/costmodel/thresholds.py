@@ -175,7 +175,7 @@ def _is_monomial(expr: sympy.Expr) -> bool:
 
 def _single_axis(rest: sympy.Expr, mesh_axes: frozenset[str], token_dims: frozenset[str]) -> str | None:
     """The mesh axis to solve for, when ``rest`` is model dims over exactly one mesh axis."""
-    if not _is_monomial(rest):
+    if rest == 0 or not _is_monomial(rest):  # no FLOPs (a copy): nothing to solve for
         return None
     powers = rest.as_powers_dict()
     axes = [s.name for s in powers if s.name in mesh_axes]

@@ -19,16 +19,21 @@ from shardc.planner.ir import Monomial, Op, Plan, Step
 from shardc.planner.layout import Value
 from shardc.spec.ir import TensorRef
 
-__all__ = ["check_plan", "replay_step", "comm_time"]
+__all__ = ["check_plan", "replay_step", "comm_time", "step_time"]
+
+
+def step_time(plan: Plan) -> float:
+    """The step time of ``plan`` on its chip: what the planner minimises and ``shardc cost`` reports."""
+    from shardc.timing import plan_time
+
+    return plan_time(plan, plan.hardware).step_s
 
 
 def comm_time(plan: Plan) -> float:
-    """Seconds of communication of both phases on the planning hardware (what the search minimises)."""
-    from shardc.planner.layout import CostContext
+    """Seconds of communication of both phases on the plan's chip (the table's model)."""
+    from shardc.timing import plan_time
 
-    ctx = CostContext(plan.spec.mesh, plan.spec.dtype, plan.spec.sizes or None)
-    steps = plan.forward + plan.backward
-    return sum(ctx.seconds(s.op, s.volume, s.axes) for s in steps if s.volume is not None)
+    return plan_time(plan, plan.hardware).comm_s
 
 
 def _local_bytes(plan: Plan, ref: TensorRef) -> Monomial:
@@ -141,7 +146,7 @@ def check_plan(plan: Plan) -> list[str]:
 def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
     reads = list(step.operands) + ([step.src] if step.src is not None else [])
     problems = [f"reads {r}, which is not held" for r in reads if r not in held]
-    if step.op is Op.EINSUM:
+    if step.op in (Op.EINSUM, Op.COPY):
         why = check_einsum(step)
         return problems + ([f"invalid local einsum {step.dst}: {why}"] if why else [])
     if step.op is Op.ELEMENTWISE:

@@ -11,47 +11,16 @@ cost pass, which keeps ``shardc plan`` free of sympy's import time.)
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from shardc.collectives import COLLECTIVES, FACTOR, Op
 from shardc.spec.ir import Spec, TensorRef
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
 ]
-
-
-class Op(enum.Enum):
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_REDUCE = "all_reduce"
-    ALL_TO_ALL = "all_to_all"
-    SLICE = "slice"
-    EINSUM = "einsum"
-    ELEMENTWISE = "elementwise"
-
-    @property
-    def title(self) -> str:
-        """The the book's name of the operation (``AllGather``)."""
-        return _TITLES[self]
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_TITLES = {
-    Op.ALL_GATHER: "AllGather",
-    Op.REDUCE_SCATTER: "ReduceScatter",
-    Op.ALL_REDUCE: "AllReduce",
-    Op.ALL_TO_ALL: "AllToAll",
-    Op.SLICE: "Slice",
-    Op.EINSUM: "Einsum",
-    Op.ELEMENTWISE: "Elementwise",
-}
-
-COLLECTIVES = frozenset({Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE, Op.ALL_TO_ALL})
 
 
 @dataclass(frozen=True, order=True)
@@ -163,8 +132,7 @@ class Step:
         """V with AllReduce counted twice and AllToAll a quarter (the book's "bytes")."""
         if self.volume is None:
             return None
-        factor = {Op.ALL_REDUCE: Fraction(2), Op.ALL_TO_ALL: Fraction(1, 4)}.get(self.op, Fraction(1))
-        return self.volume.scale(factor)
+        return self.volume.scale(FACTOR.get(self.op, Fraction(1)))
 
 
 @dataclass(frozen=True)
@@ -172,7 +140,7 @@ class Alternative:
     """One way an einsum could have been done, as ``--explain`` lists it."""
 
     description: str
-    time: float | None  # seconds of communication on the planning hardware, None without sizes
+    time: float | None  # seconds (the search's objective on the plan's hardware), None without sizes
     volume: str  # weighted volume formula
     collectives: int
     chosen: bool
@@ -207,8 +175,11 @@ class Plan:
     residuals: tuple[TensorRef, ...] = ()  # forward values the backward reads
     cotangents: tuple[TensorRef, ...] = ()  # d<Out> for each output, sharded like it
     grads: tuple[TensorRef, ...] = ()  # d<Name> for each param and the first input
-    strategy: str = "rules"  # "search" (least communication time) or "rules" (the book's)
+    strategy: str = "rules"  # "search" (least step time) or "rules" (the book's)
     choices: tuple[Choice, ...] = field(default=(), compare=False)
+    hardware: str = "tpu-v5p"  # the chip the plan was chosen for
+    spans: tuple[tuple[str, int], ...] = ()  # spans given to the planner over the chip's defaults
+    notes: tuple[str, ...] = ()  # facts the listing states (e.g. padded uneven dims)
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:
