@@ -30,7 +30,7 @@ from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
-           "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_sizes", "plan_spans"]
+           "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_sizes", "plan_spans", "resolve_layers"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,16 @@ def einsum_flops(step: Step, sizes: Mapping[str, int]) -> tuple[int, int]:
     return 2 * math.prod(local.values()), 2 * math.prod(_size(sizes, name) for name in local)
 
 
+def step_seconds_of(step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
+                    spans: Mapping[str, int] | None = None) -> tuple[float, float]:
+    """(compute seconds, communication seconds) of one step: what :func:`cost_step` reports, without text."""
+    if step.is_collective:
+        return 0.0, collective_time(step.op, step_volume(step, sizes), step.axes, mesh, sizes, hw, spans).seconds
+    if step.op is Op.EINSUM:
+        return einsum_flops(step, sizes)[0] / hw.flops, 0.0
+    return 0.0, 0.0
+
+
 def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
               spans: Mapping[str, int] | None = None) -> StepCost:
     """The :class:`StepCost` of one step of a plan."""
@@ -197,19 +207,45 @@ def plan_spans(plan: Plan, hw: Hardware, sizes: Mapping[str, int]) -> dict[str, 
 
 
 def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping[str, int] | None = None,
-              spans: Mapping[str, int] | None = None, layers: int = 1) -> PlanTime:
-    """The step time of ``plan`` on a chip (the spec's ``hardware`` line by default, else tpu-v5p)."""
+              spans: Mapping[str, int] | None = None) -> PlanTime:
+    """The step time of ``plan`` on a chip (the spec's ``hardware`` line by default, else tpu-v5p), all layers."""
     hw = resolve_hardware(hardware, None, plan.spec.hardware)
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
+    layers, _ = resolve_layers(plan, values)
     links = dict(spans) if spans is not None else plan_spans(plan, hw, values)
     mesh = plan.spec.mesh
 
+    seen: dict[tuple[object, ...], tuple[float, float]] = {}  # layers repeat the same steps
+
+    def seconds(step: Step) -> tuple[float, float]:
+        key = (step.op, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
+               step.src.dims if step.src is not None else None)
+        hit = seen.get(key)
+        if hit is None:
+            hit = seen[key] = step_seconds_of(step, mesh, values, hw, links)
+        return hit
+
     def totals(steps: Iterable[Step]) -> tuple[float, float]:
-        rows = [cost_step(0, s, mesh, values, hw, links) for s in steps]
-        return (layers * math.fsum(r.compute_s for r in rows),
-                layers * math.fsum(r.comm_s for r in rows if r.is_collective))
+        pairs = [seconds(s) for s in steps]
+        return layers * math.fsum(c for c, _ in pairs), layers * math.fsum(m for _, m in pairs)
 
     return PlanTime(*totals(plan.forward), *totals(plan.backward))
+
+
+def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:
+    """The layer count, and its symbol when the spec names a dim (``layers L``)."""
+    layers = plan.spec.layers
+    if layers is None:
+        indices = {d.name for info in plan.tensors for d in info.ref.dims}
+        if "L" in sizes and "L" not in indices:  # --set L=40 without a `layers` line
+            return sizes["L"], "L"
+        return 1, None
+    if isinstance(layers, int):
+        return layers, None
+    if layers not in sizes:
+        raise ShardcError(f"`layers {layers}` names no known size",
+                          fix=f"add {layers}=... to the `dims` line, or pass --set {layers}=...")
+    return sizes[layers], layers
 
 
 def _size(sizes: Mapping[str, int], name: str) -> int:

@@ -66,14 +66,16 @@ def run_hardware(args: argparse.Namespace) -> int:
 
 def run_cost(args: argparse.Namespace) -> int:
     from shardc import plan
+    from shardc.costmodel.hardware import resolve_hardware
     from shardc.costmodel.report import cost
 
     spec = read_spec(args)
-    the_plan = plan(spec, save=args.save)
+    hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
+    spans = parse_sets(args.spans) or None
+    the_plan = plan(spec, save=args.save, hardware=hw, spans=spans)  # planned for the chip it is costed on
     if args.sweep:
         return _run_sweep(args, the_plan)
-    report = cost(the_plan, hardware=args.hardware, mfu=args.mfu, optimizer=args.optimizer,
-                  hardware_file=args.hardware_file, spans=parse_sets(args.spans) or None)
+    report = cost(the_plan, hardware=hw, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
     return 0
 
@@ -96,7 +98,7 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
 
             raise ShardcError(f"cannot read {path}: {err.strerror}", fix="check the --with path") from None
         sets = parse_sets(args.set)
-        plans.append(plan(apply_overrides(spec, sets) if sets else spec, save=args.save))
+        plans.append(plan(apply_overrides(spec, sets) if sets else spec, save=args.save, hardware=hw))
     spans = parse_sets(args.spans) or None
     sweeps = [sweep(p, hw, dim, low, high, args.points, spans=spans) for p in plans]
     if args.json:

@@ -33,7 +33,7 @@ from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
-from shardc.timing import phase_seconds, plan_sizes, plan_spans, step_seconds
+from shardc.timing import phase_seconds, plan_sizes, plan_spans, resolve_layers, step_seconds
 
 if TYPE_CHECKING:
     import sympy
@@ -255,22 +255,6 @@ def resolve_sizes(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int]:
                           fix="add them to the `dims` line, or pass --set " +
                           " ".join(f"{m}=..." for m in missing))
     return values
-
-
-def resolve_layers(plan: Plan, sizes: dict[str, int]) -> tuple[int, str | None]:
-    """The layer count, and its symbol when the spec names a dim (``layers L``)."""
-    layers = plan.spec.layers
-    if layers is None:
-        indices = {d.name for info in plan.tensors for d in info.ref.dims}
-        if "L" in sizes and "L" not in indices:  # --set L=40 without a `layers` line
-            return sizes["L"], "L"
-        return 1, None
-    if isinstance(layers, int):
-        return layers, None
-    if layers not in sizes:
-        raise ShardcError(f"`layers {layers}` names no known size",
-                          fix=f"add {layers}=... to the `dims` line, or pass --set {layers}=...")
-    return sizes[layers], layers
 
 
 def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:

@@ -109,6 +109,7 @@ class CostContext:
     hardware: Hardware = PRESETS[DEFAULT]
     spans: dict[str, int] | None = None  # over the chip's defaults (Hardware.spans)
     padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
+    compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
     _searches: dict[tuple[object, ...], _Search] = field(default_factory=dict)  # see reshard
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
     # (is weight, indices, value) -> its moves and their costs; states recur across searches
@@ -175,7 +176,7 @@ class CostContext:
 
         2 * prod(local index sizes) FLOPs a device (padded pieces), over the chip's C.
         """
-        if self.sizes is None:
+        if self.sizes is None or not self.compute_weight:
             return 0.0
         key = tuple(operands)
         hit = self._compute.get(key)
@@ -185,7 +186,7 @@ class CostContext:
                 for i, (n, k) in zip(idx, self._pieces(idx, value), strict=True):
                     local[i] = min(local.get(i, -(-n // k)), -(-n // k))
             hit = self._compute[key] = 2.0 * math.prod(local.values()) / self.hardware.flops
-        return hit
+        return hit * self.compute_weight
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:
         """The moves out of value number ``state`` with their costs, built once per context."""

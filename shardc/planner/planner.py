@@ -28,6 +28,9 @@ __all__ = ["plan", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
 STRATEGIES = ("auto", "search", "rules")
+# How much the search counts a second of compute beside one of communication, per phase
+# (forward, backward): their sum first, which bounds a phase's max(compute, comm) within 2x.
+SUM: tuple[float, float] = (1.0, 1.0)
 
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
@@ -40,9 +43,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     ``shardc cost`` reports on that chip (:func:`shardc.timing.plan_time`: compute and
     communication, each phase ``max(compute, comm)``).  That max does not split over
     einsums, so the search minimises per einsum their sum (compute + communication,
-    which bounds it within 2x) and the planner returns, of the plans it builds (the
-    search's and the book's rules'), the one of least step time, ties to less
-    communication.  ``strategy="rules"`` applies the book's rules even when sizes are
+    which bounds it within 2x), and once more communication alone; the planner returns,
+    of the plans it builds (those searches' and the book's rules'), the one of least
+    step time, ties to less communication.  ``strategy="rules"`` applies the book's rules even when sizes are
     known (the baseline the search is measured against); ``"search"`` only the search.
     """
     if save not in SAVE_POLICIES:
@@ -51,12 +54,39 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
     hw = resolve_hardware(hardware, None, spec.hardware)
+    _check_spans(spec, spans)
     graph = build_graph(spec)
     ctx = _context(spec, graph, hw, spans)  # one search cache for every candidate
     if strategy == "auto" and spec.dims:
-        candidates = [_plan(spec, graph, save, "search", ctx), _plan(spec, graph, save, "rules", ctx)]
-        return min(candidates, key=lambda p: _objective(p, hw))
+        return _best_plan(spec, graph, save, ctx)
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx)
+
+
+def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
+    """The least step time among the rules' plan and searches under a few compute weights.
+
+    A phase takes max(compute, comm): once a phase is communication-bound only its
+    communication counts at the margin, so after the sum's plan each phase is searched
+    again with compute weighted 0 if that plan left it communication-bound (1 if not),
+    and once with communication alone in both.  The exact step time picks the winner.
+    """
+    first = _plan(spec, graph, save, "search", ctx, SUM)
+    candidates = {"sum": first}
+    t = plan_time(first, ctx.hardware)
+    bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
+             0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
+    for weights in [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM]:
+        candidates[str(weights)] = _plan(spec, graph, save, "search", ctx, weights)
+    candidates["rules"] = _plan(spec, graph, save, "rules", ctx)
+    return min(candidates.values(), key=lambda p: _objective(p, ctx.hardware))  # ties: the first
+
+
+def _check_spans(spec: Spec, spans: dict[str, int] | None) -> None:
+    for axis, k in (spans or {}).items():
+        if axis not in spec.mesh.names:
+            raise ShardcError(f"--spans {axis}: not a mesh axis", fix="use one of " + ", ".join(spec.mesh.names))
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1", fix="write e.g. --spans X=3")
 
 
 def _objective(p: Plan, hw: Hardware) -> tuple[float, float]:
@@ -109,14 +139,18 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) -> Plan:
+def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
+          weights: tuple[float, float] = SUM) -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
     for name in graph.inputs:
         forward.hold(name, Value.of(declared[name]))
+    ctx.compute_weight = weights[0]
     _plan_forward(forward, graph, declared)
+    ctx.compute_weight = weights[1]
     backward = plan_backward(graph, forward, declared, save)
+    ctx.compute_weight = SUM[1]
     sizes = None
     if spec.dims:
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
