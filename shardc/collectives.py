@@ -40,6 +40,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Protocol, TypeVar
 
 from shardc.hardware import Hardware
 from shardc.spec.ir import Mesh, Network
@@ -115,8 +116,19 @@ def piece(dims: Iterable[tuple[int, int]]) -> int:
     return count
 
 
-def volume_elements(op: Op, src_piece: Fraction, dst_piece: Fraction, group: int) -> Fraction:
-    """V in elements, from the per-device pieces before and after the collective."""
+class _Scalable(Protocol):
+    def __mul__(self: _T, other: _T) -> _T: ...
+
+
+_T = TypeVar("_T", bound=_Scalable)
+
+
+def volume_elements(op: Op, src_piece: _T, dst_piece: _T, group: _T) -> _T:
+    """V from the per-device pieces before and after the collective and the group size.
+
+    Numbers (elements, padded pieces) or :class:`~shardc.planner.ir.Monomial` formulas
+    (bytes), so the planner's volumes and the cost's padded ones follow one rule.
+    """
     info = TABLE[op]
     base = src_piece if info.volume_side == "src" else dst_piece
     return base * group if info.times_group else base

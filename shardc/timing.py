@@ -92,8 +92,8 @@ def step_volume(step: Step, sizes: Mapping[str, int]) -> float:
     if all(n % k == 0 for n, k in src + dst):
         return exact
     group = math.prod(_size(sizes, a) for a in step.axes)
-    unpadded = volume_elements(step.op, _exact(src), _exact(dst), group)
-    padded = volume_elements(step.op, Fraction(piece(src)), Fraction(piece(dst)), group)
+    unpadded = volume_elements(step.op, _exact(src), _exact(dst), Fraction(group))
+    padded = volume_elements(step.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))
     return exact * float(padded / unpadded)
 
 

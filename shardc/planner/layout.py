@@ -168,7 +168,7 @@ class CostContext:
         if all(n % k == 0 for n, k in src + dst):
             return self.evaluate(move.volume)
         group = math.prod(self.axis_sizes[a] for a in move.axes)
-        elements = volume_elements(move.op, Fraction(piece(src)), Fraction(piece(dst)), group)
+        elements = volume_elements(move.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))
         return float(elements) * self.dtype.nbytes
 
     def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value]]) -> float:
