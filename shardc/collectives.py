@@ -108,11 +108,12 @@ BY_HLO_OP: dict[str, Op] = {info.hlo_op: op for op, info in TABLE.items() if inf
 def piece(dims: Iterable[tuple[int, int]]) -> int:
     """Elements of one device's piece: per (dim size, devices sharding it), ``ceil(size / devices)``.
 
-    XLA pads a dim that its devices do not divide, so each device holds the ceiling.
+    XLA pads a dim that its devices do not divide, so each device holds the ceiling.  A
+    fractional size (a ``shardc cost --sweep`` point between sizes) is divided exactly.
     """
     count = 1
     for size, devices in dims:
-        count *= -(-size // devices)
+        count *= -(-size // devices) if isinstance(size, int) else size / devices  # type: ignore[assignment]
     return count
 
 

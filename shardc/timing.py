@@ -89,8 +89,8 @@ def step_volume(step: Step, sizes: Mapping[str, int]) -> float:
                           fix="this is a planner bug: report it with the spec")
     exact = float(step.volume.evaluate(dict(sizes)))
     src, dst = _pieces(step.src, sizes), _pieces(step.dst, sizes)
-    if all(n % k == 0 for n, k in src + dst):
-        return exact
+    if all(n % k == 0 or not isinstance(n, int) for n, k in src + dst):
+        return exact  # even (or a fractional sweep point): the formula is the volume
     group = math.prod(_size(sizes, a) for a in step.axes)
     unpadded = volume_elements(step.op, _exact(src), _exact(dst), Fraction(group))
     padded = volume_elements(step.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))

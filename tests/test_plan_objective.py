@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
 
 import shardc
 from shardc.collectives import BY_HLO_OP, FACTOR, TABLE, Op, collective_time
@@ -19,7 +21,8 @@ from shardc.planner.check import check_plan, step_time
 from shardc.planner.ir import Monomial, Plan, Step
 from shardc.planner.layout import CostContext
 from shardc.planner.render import render_text, to_json
-from shardc.spec.ir import Dim, TensorRef
+from shardc.spec.ir import Dim, Spec, TensorRef
+from shardc.testing import specs
 from shardc.timing import plan_time
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -189,3 +192,16 @@ def test_book_pure_fsdp_d_over_4096_chips_is_padded() -> None:
     data = to_json(p)
     assert data["forward"][0]["bytes"] == 2 * 8192 * 13824 and data["notes"] == list(p.notes)
     assert "# note: D=5120 over 4096 devices is padded" in render_text(p)
+
+
+@settings(max_examples=6, deadline=None)
+@given(specs(max_devices=8, max_statements=2, dims=True), st.sampled_from(["tpu-v5p", "h100"]))
+def test_random_specs_plan_the_reported_time(spec: Spec, chip: str) -> None:  # type: ignore[no-untyped-def]
+    """The planner's time is the cost report's, and no strategy's plan reports less."""
+    note(str(spec))
+    p = shardc.plan(spec, hardware=chip)
+    assert check_plan(p) == []
+    assert plan_time(p, chip).step_s == pytest.approx(reported(p, chip), rel=1e-12, abs=1e-18)
+    for strategy in ("search", "rules"):
+        other = shardc.plan(spec, strategy=strategy, hardware=chip)
+        assert plan_time(p, chip).step_s <= plan_time(other, chip).step_s * (1 + 1e-9) + 1e-18
