@@ -45,7 +45,7 @@ def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None =
          **options: Any) -> CostReport:
     """Cost a plan on a hardware preset (see ``shardc hardware``); imports sympy.
 
-    ``hardware=None`` takes the spec's ``hardware`` line, else tpu-v5p.
+    ``hardware=None`` takes the chip the plan was made for (the spec's ``hardware`` line, else tpu-v5p).
     """
     from shardc.costmodel.report import cost as _cost
 

@@ -208,8 +208,8 @@ def plan_spans(plan: Plan, hw: Hardware, sizes: Mapping[str, int]) -> dict[str, 
 
 def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping[str, int] | None = None,
               spans: Mapping[str, int] | None = None) -> PlanTime:
-    """The step time of ``plan`` on a chip (the spec's ``hardware`` line by default, else tpu-v5p), all layers."""
-    hw = resolve_hardware(hardware, None, plan.spec.hardware)
+    """The step time of ``plan`` on a chip (by default the one it was planned for), all layers."""
+    hw = resolve_hardware(hardware if hardware is not None else plan.chip, None, plan.spec.hardware)
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
     layers, _ = resolve_layers(plan, values)
     links = dict(spans) if spans is not None else plan_spans(plan, hw, values)

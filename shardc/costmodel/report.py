@@ -190,7 +190,7 @@ class CostReport:
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
          mfu: float | None = None, optimizer: str = "adam10", hardware_file: str | None = None,
          spans: dict[str, int] | None = None, **options: object) -> CostReport:
-    """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`, or the spec's ``hardware`` line).
+    """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`; default the chip it was planned for).
 
     ``spans`` maps a mesh axis to the physical ICI axes it is laid over (the book's
     M_X; default 1): its collectives get that many times the bandwidth.
@@ -202,7 +202,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
     if optimizer not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use adam10 or adam16")
-    hw = resolve_hardware(hardware, hardware_file, plan.spec.hardware)
+    hw = resolve_hardware(hardware if hardware is not None else plan.chip, hardware_file, plan.spec.hardware)
     check_spans(plan, spans)
     values = resolve_sizes(plan, sizes)
     spans = plan_spans(plan, hw, values) | (spans or {})

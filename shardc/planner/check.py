@@ -27,14 +27,14 @@ def step_time(plan: Plan) -> float:
     """The step time of ``plan`` on its chip: what the planner minimises and ``shardc cost`` reports."""
     from shardc.timing import plan_time
 
-    return plan_time(plan, plan.hardware).step_s
+    return plan_time(plan).step_s
 
 
 def comm_time(plan: Plan) -> float:
     """Seconds of communication of both phases on the plan's chip (the table's model)."""
     from shardc.timing import plan_time
 
-    return plan_time(plan, plan.hardware).comm_s
+    return plan_time(plan).comm_s
 
 
 def _local_bytes(plan: Plan, ref: TensorRef) -> Monomial:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from shardc.collectives import COLLECTIVES, FACTOR, Op
+from shardc.hardware import Hardware
 from shardc.spec.ir import Spec, TensorRef
 
 __all__ = [
@@ -177,7 +178,8 @@ class Plan:
     grads: tuple[TensorRef, ...] = ()  # d<Name> for each param and the first input
     strategy: str = "rules"  # "search" (least step time) or "rules" (the book's)
     choices: tuple[Choice, ...] = field(default=(), compare=False)
-    hardware: str = "tpu-v5p"  # the chip the plan was chosen for
+    hardware: str = "tpu-v5p"  # the name of the chip the plan was chosen for
+    chip: Hardware | None = field(default=None, compare=False)  # that chip (None: the spec's, else tpu-v5p)
     spans: tuple[tuple[str, int], ...] = ()  # spans given to the planner over the chip's defaults
     notes: tuple[str, ...] = ()  # facts the listing states (e.g. padded uneven dims)
 

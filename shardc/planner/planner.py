@@ -169,6 +169,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         strategy="search" if sized else "rules",
         choices=tuple(forward.choices + backward.phase.choices),
         hardware=ctx.hardware.name,
+        chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
         notes=padding_notes(spec, fwd + bwd) if spec.dims else (),
     )

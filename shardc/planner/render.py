@@ -72,9 +72,16 @@ def _phase_bytes(steps: Sequence[Step], sizes: dict[str, int]) -> float:
 
 
 def _time_line(plan: Plan) -> str:
-    t = plan_time(plan, plan.hardware)
-    return (f"# step time on {plan.hardware}: {t.step_s:.4g} s (forward {t.forward_s:.4g} s, backward "
-            f"{t.backward_s:.4g} s; each max(compute, communication)), as `shardc cost` reports it")
+    t = plan_time(plan)
+    return (f"# step time on {plan.hardware}: {_seconds(t.step_s)} (forward {_seconds(t.forward_s)}, backward "
+            f"{_seconds(t.backward_s)}; each max(compute, communication)), as `shardc cost` reports it")
+
+
+def _seconds(x: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x / 1e-9:.3g} ns" if x else "0 s"
 
 
 def render_text(plan: Plan) -> str:
@@ -142,7 +149,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         totals[name] = {"bytes_expr": formula, "bytes": value}
     timing: dict[str, Any] = {"hardware": plan.hardware, "notes": list(plan.notes)}
     if sizes is not None:
-        t = plan_time(plan, plan.hardware)
+        t = plan_time(plan)
         timing.update(step_s=t.step_s, forward_s=t.forward_s, backward_s=t.backward_s, comm_s=t.comm_s)
     return timing | {
         "forward": [step_json(s, sizes) for s in plan.forward],
