@@ -150,7 +150,8 @@ class Phase:
             return "every valid local layout communicates the same way"
         runner = min(others, key=lambda s: s.cost)
         if runner.cost[0] > sol.cost[0] * (1 + 1e-9):
-            return f"least time, compute + communication ({sol.cost[0]:.3g} s vs {runner.cost[0]:.3g} s next)"
+            what = "least time, compute + communication" if self.ctx.compute_weight else "least communication time"
+            return f"{what} ({sol.cost[0]:.3g} s vs {runner.cost[0]:.3g} s next)"
         if runner.cost[1] != sol.cost[1]:
             return "tie in time: fewer collectives"
         return "tie in time and count: moves weights rather than activations"
