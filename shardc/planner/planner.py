@@ -42,11 +42,12 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     mesh axis is laid over (:meth:`Hardware.spans`).  The objective is the step time
     ``shardc cost`` reports on that chip (:func:`shardc.timing.plan_time`: compute and
     communication, each phase ``max(compute, comm)``).  That max does not split over
-    einsums, so the search minimises per einsum their sum (compute + communication,
-    which bounds it within 2x), and once more communication alone; the planner returns,
-    of the plans it builds (those searches' and the book's rules'), the one of least
-    step time, ties to less communication.  ``strategy="rules"`` applies the book's rules even when sizes are
-    known (the baseline the search is measured against); ``"search"`` only the search.
+    einsums, so the search minimises per einsum a weighted sum of the two, under a few
+    weights (:func:`_best_plan`), and the planner returns, of the plans it builds (those
+    searches' and the book's rules'), the one of least step time, ties to less
+    communication.  ``strategy="rules"`` applies the book's rules even when sizes are
+    known (the baseline the search is measured against); ``"search"`` runs the search
+    once, compute and communication counted alike.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
