@@ -101,7 +101,7 @@ def _rounded(x: float) -> float:
 
 
 def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None) -> CostContext:
-    grads = frozenset(f"d{p}" for p in graph.params)
+    grads = frozenset(graph.grads[p] for p in graph.params)
     return CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads,
                        hardware=hw, spans=spans, padded=frozenset(d for d, _ in uneven_dims(spec)))
 
@@ -169,6 +169,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         grads=backward.grads,
         strategy="search" if sized else "rules",
         choices=tuple(forward.choices + backward.phase.choices),
+        gradient_names=tuple(graph.grads.items()),
         hardware=ctx.hardware.name,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
