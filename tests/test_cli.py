@@ -378,3 +378,6 @@ def test_dims_named_like_hardware_symbols(capsys: pytest.CaptureFixture[str], tm
     status, out, _ = run_main(capsys, "cost", write(tmp_path, spec.encode()), "--json")
     data = strict_json(out)
     assert status == 0 and data["hardware"]["symbols"]["C"] == "C_chip"  # type: ignore[index]
+    axis = "mesh W_ici=4\ndims B=4096, C=64, F=128\nparam W\nOut[B_{W_ici}, F] = In[B_{W_ici}, C] · W[C_{W_ici}, F]\n"
+    forward = shardc.cost(shardc.plan(shardc.parse(axis))).forward.formula
+    assert (forward.compute_s_text(), forward.comm_s_text()) == ("2*B*C*F/(C_chip*W_ici)", "2*C*F/W_ici_chip")
