@@ -18,11 +18,11 @@ Representation decisions (other passes rely on them):
   make nested Contracts (``(A · B) · C``), and a group around a whole operand
   list or a single operand is dropped (``(A)`` is ``A``).
 - The chain form ``A · B -> R`` is ``Statement(arrow=True)``; meaning is the same.
-- Several ``dims`` lines (and several ``param`` lines) merge, in order;
+- Several ``dims`` lines (and several ``param`` or ``const`` lines) merge, in order;
   ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
   Header lines may come anywhere; statements keep their order.
-- A line's first word ``mesh``/``dims``/``dtype``/``param``/``hardware``/``layers``
-  is the keyword, so those six words cannot name a tensor or function there.
+- A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``
+  is the keyword, so those seven words cannot name a tensor or function there.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ _TERMINAL_WORDS = {
     "DIMS": "`dims`",
     "DTYPE": "`dtype`",
     "PARAM": "`param`",
+    "CONST": "`const`",
     "HARDWARE": "`hardware`",
     "LAYERS": "`layers`",
     "OVER": "`over dcn`",
@@ -370,6 +371,10 @@ class _Builder(Transformer[Token, Any]):
         names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
         return ("param", names, _span(children[0]))
 
+    def const_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
+        return ("const", names, _span(children[0]))
+
     def hardware_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("hardware", str(children[1]), _span(children[0]))
 
@@ -387,14 +392,14 @@ def _build_spec(items: list[Any]) -> Spec:
     """Gather the lines into a Spec: header lines merge or must be unique, statements keep order."""
     statements: list[Statement] = []
     seen: dict[str, Span] = {}
-    header: dict[str, Any] = {"dims": [], "param": None}
+    header: dict[str, Any] = {"dims": [], "param": None, "const": []}
     spans: list[tuple[str, Span]] = []
     for item in items:
         if isinstance(item, Statement):
             statements.append(item)
             continue
         kind, value, span = item
-        if kind in seen and kind not in ("dims", "param"):
+        if kind in seen and kind not in ("dims", "param", "const"):
             raise ShardcError(f"`{kind}` is given twice (first on line {seen[kind].line})", span,
                               fix=f"keep one `{kind}` line")
         seen.setdefault(kind, span)
@@ -405,6 +410,9 @@ def _build_spec(items: list[Any]) -> Spec:
         elif kind == "param":
             header["param"] = (header["param"] or []) + [name for name, _ in value]
             spans.extend((f"param:{name}", s) for name, s in value)
+        elif kind == "const":
+            header["const"] += [name for name, _ in value]
+            spans.extend((f"const:{name}", s) for name, s in value)
         else:
             header[kind] = value
     if "mesh" not in header:
@@ -418,6 +426,7 @@ def _build_spec(items: list[Any]) -> Spec:
         dims=tuple(header["dims"]),
         dtype=header.get("dtype", DType.BF16),
         params=None if params is None else tuple(params),
+        const=tuple(header["const"]),
         hardware=header.get("hardware"),
         layers=header.get("layers"),
         filename=_local.filename,
