@@ -99,7 +99,7 @@ class _Reverse:
         key = (self.tensor in ctx.weights, self.idx, state)
         hit = ctx._into.get(key)
         if hit is None:
-            hit = ctx._into[key] = tuple((m, ctx.number(m.src), ctx.move_cost(m, self.tensor))
+            hit = ctx._into[key] = tuple((m, ctx.number(m.src), ctx.move_cost(m, self.tensor, self.idx))
                                          for m in predecessors(ctx, self.idx, ctx.values[state]))
         return hit
 
