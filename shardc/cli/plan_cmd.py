@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from shardc.cli.main import add_common, read_spec
+from shardc.errors import InternalError
 
 __all__ = ["register"]
 
@@ -26,10 +28,16 @@ def register(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardc.planner.check import require_sound
     from shardc.planner.planner import plan
     from shardc.planner.render import render_explain, render_text, to_json
 
     result = plan(read_spec(args), save=args.save)
+    try:
+        require_sound(result)  # a broken plan is a shardc bug: say so (exit 1), never print it as sound
+    except InternalError as err:
+        print(err.render(), file=sys.stderr)
+        return err.exit_code
     if args.json:
         data = to_json(result)
         if args.explain:
