@@ -16,7 +16,7 @@ import pytest
 import shardc
 from shardc.cli.main import main
 from shardc.lowering.sizes import devices_to_check, shrink_mesh
-from shardc.lowering.verify import Report, ValueRow, _compare, render_report, verify
+from shardc.lowering.verify import Report, _compare, render_report, verify
 from shardc.planner.ir import Op
 from shardc.spec.ir import DType
 
@@ -157,3 +157,17 @@ def test_cli_verify_of_a_four_axis_mesh_uses_16_devices_strict_json(tmp_path: Pa
     data = json.loads(run.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
     assert data["mesh"] == {"A": 2, "X": 2, "Y": 2, "Z": 2} and data["ok"]
     assert all(r["hlo_op"] != "-" for r in data["collectives"])
+
+
+def test_compare_pairs_rows_by_tensor_at_the_same_sizes() -> None:
+    from shardc.lowering.compare import Row, compare, pair_rows
+
+    ours = [Row("forward", "W", "AllGather_X", "X", 8), Row("forward", "In", "AllGather_X", "X", 8)]
+    theirs = [Row("forward", "In|dIn", "AllGather", "X", 8), Row("forward", "?", "AllReduce", "X", 4)]
+    assert pair_rows(ours, theirs) == [(ours[0], None), (ours[1], theirs[0]), (None, theirs[1])]
+    spec = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "fsdp.shard").read_text())
+    result = compare(spec)
+    forward = pair_rows([r for r in result.plan.rows if r.phase == "forward"],
+                        [r for r in result.xla.rows if r.phase == "forward"])
+    assert all(a is not None and b is not None and a.tensor in b.tensor.split("|") and a.bytes == b.bytes
+               for a, b in forward), forward
