@@ -171,3 +171,17 @@ def test_compare_pairs_rows_by_tensor_at_the_same_sizes() -> None:
                         [r for r in result.xla.rows if r.phase == "forward"])
     assert all(a is not None and b is not None and a.tensor in b.tensor.split("|") and a.bytes == b.bytes
                for a, b in forward), forward
+
+
+def test_lower_at_small_sizes_keeps_the_plan_made_at_the_spec_sizes() -> None:
+    """fsdp_tp re-planned at its small sizes gives other steps; lowering must not re-plan."""
+    from shardc.lowering.sizes import small_sizes
+    from shardc.spec.overrides import apply_overrides
+
+    spec = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "fsdp_tp.shard").read_text())
+    plan = shardc.plan(spec)
+    small = small_sizes(plan, 8)
+    replanned = shardc.plan(apply_overrides(spec, small))
+    assert replanned.forward + replanned.backward != plan.forward + plan.backward
+    lowered = shardc.lower(spec, sizes=small)
+    assert lowered.plan.forward + lowered.plan.backward == plan.forward + plan.backward

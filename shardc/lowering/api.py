@@ -136,8 +136,16 @@ def check_devices(mesh: tuple[tuple[str, int], ...]) -> None:
 
 def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: str = "default",
           **options: Any) -> Lowered:
-    """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process."""
-    plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, sizes, save, options)
+    """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process.
+
+    A spec is planned as written, as ``shardc plan`` plans it; ``sizes`` (dims and mesh
+    axes) only set the sizes the module runs at, never the plan.  The plan checker runs
+    first: a broken plan raises :class:`~shardc.errors.InternalError`.
+    """
+    from shardc.planner.check import require_sound
+
+    plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, save, options)
+    require_sound(plan)
     mesh = lowered_mesh(plan, sizes)
     full = lowered_sizes(plan, sizes, mesh)
     module = generate(plan, mesh, full)
@@ -146,12 +154,9 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
     return Lowered(plan, module, namespace, full)
 
 
-def _plan(spec: Spec, sizes: dict[str, int] | None, save: str, options: dict[str, Any]) -> Plan:
+def _plan(spec: Spec, save: str, options: dict[str, Any]) -> Plan:
     from shardc.planner.planner import plan as make_plan
-    from shardc.spec.overrides import apply_overrides
 
-    if sizes:
-        spec = apply_overrides(spec, dict(sizes))
     return make_plan(spec, save=save, **options)
 
 
