@@ -114,8 +114,12 @@ def _check_divisible(plan: Plan, sizes: dict[str, int]) -> None:
                     continue
                 shards = int(np.prod([sizes[a] for a in d.axes])) if d.axes else 1
                 if sizes[d.name] % shards:
-                    raise ShardcError(f"{d.name}={sizes[d.name]} is not divisible by the {shards} "
-                                      f"shards of {ref}", fix=f"make {d.name} a multiple of {shards}")
+                    even = -(-sizes[d.name] // shards) * shards
+                    raise ShardcError(
+                        f"{d.name}={sizes[d.name]} is not divisible by the {shards} shards of {ref}: "
+                        "shard_map needs even blocks, and this lowering does not pad them as XLA's "
+                        "partitioner would", fix=f"lower at sizes that divide (e.g. --set {d.name}={even}); "
+                        "`shardc verify` picks such sizes itself")
 
 
 def check_devices(mesh: tuple[tuple[str, int], ...]) -> None:

@@ -21,7 +21,7 @@ import keyword
 import string
 from dataclasses import dataclass
 
-from shardc.errors import ShardcError
+from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.sizes import small_sizes
@@ -154,12 +154,12 @@ def _check_einsum(step: Step, number: int, phase: str) -> None:
     for ref in step.operands:
         for d in ref.dims:
             if layouts.setdefault(d.name, d.axes) != d.axes:
-                raise ShardcError(f"{phase} step {number} ({step.dst}): index {d.name} is sharded "
+                raise InternalError(f"{phase} step {number} ({step.dst}): index {d.name} is sharded "
                                   f"differently in the operands of a local einsum",
                                   fix="this is a planner bug: report the spec")
     for d in step.dst.dims:
         if d.name in layouts and layouts[d.name] != d.axes:
-            raise ShardcError(f"{phase} step {number} ({step.dst}): result index {d.name} is not "
+            raise InternalError(f"{phase} step {number} ({step.dst}): result index {d.name} is not "
                               f"sharded like its operands", fix="this is a planner bug: report the spec")
 
 
@@ -223,7 +223,7 @@ def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Name
     for number, step in enumerate(steps, 1):
         for ref in _reads(step):
             if _key(ref) not in made:
-                raise ShardcError(f"{phase} step {number} ({step.op.title} -> {step.dst}) reads "
+                raise InternalError(f"{phase} step {number} ({step.op.title} -> {step.dst}) reads "
                                   f"{ref}, which no earlier step makes",
                                   fix="this is a planner bug: report the spec")
         if step.op is Op.EINSUM:
@@ -262,7 +262,7 @@ def _forward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
     outputs = [Boundary(info.name, var(info.ref), _key(info.ref)) for info in results]
     for info in results:
         if _key(info.ref) not in made:
-            raise ShardcError(f"the forward never makes {info.ref}, the result the spec declares",
+            raise InternalError(f"the forward never makes {info.ref}, the result the spec declares",
                               fix="this is a planner bug: report the spec")
     kept = {b.ref for b in outputs} | ready
     outputs += [Boundary(var(r), var(r), r) for r in needed if r not in kept and r in made]
@@ -277,7 +277,7 @@ def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
     inputs.update({_key(c): Boundary(c.name, var(c), _key(c)) for c in plan.cotangents})
     missing = [r for r in external if r not in inputs]
     if missing:
-        raise ShardcError(f"the backward reads {missing[0]}, which neither the forward nor the "
+        raise InternalError(f"the backward reads {missing[0]}, which neither the forward nor the "
                           "inputs, residuals or cotangents provide",
                           fix="this is a planner bug: report the spec")
     used = [inputs[r] for r in external]
@@ -285,7 +285,7 @@ def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
     lines, made = _body("backward", plan.backward, {b.ref for b in used}, var, sizes)
     for g in plan.grads:
         if _key(g) not in made:
-            raise ShardcError(f"the backward never makes {g}", fix="this is a planner bug: report the spec")
+            raise InternalError(f"the backward never makes {g}", fix="this is a planner bug: report the spec")
     outputs = tuple(Boundary(g.name, var(g), _key(g)) for g in plan.grads)
     return Phase("backward", tuple(used), outputs, tuple(lines))
 
