@@ -153,3 +153,19 @@ def test_a_dim_not_divisible_by_its_shards_is_refused_clearly() -> None:
 
     with pytest.raises(ShardcError, match="not divisible"):
         verify(plan, sizes={"B": 5})
+
+
+def test_a_spec_whose_dims_do_not_divide_lowers_to_a_module_that_runs_at_sizes_that_do() -> None:
+    """The book's D=5120 over 4096 chips: the module is shape-generic, written without the spec's sizes."""
+    from shardc.lowering.api import load_module, module_source
+
+    spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
+    plan = shardc.plan(spec)
+    uneven = dataclasses.replace(spec, dims=(("B", 5), ("D", 4), ("F", 6)))  # as planned with B=5
+    source, note = module_source(dataclasses.replace(plan, spec=uneven, sizes=(("B", 5), ("D", 4), ("F", 6),
+                                                                             ("X", 2))))
+    assert note is not None and "B=5 is not divisible" in note
+    module = load_module(source, "uneven")
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 6)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(module.forward({"In": x, "W": w})["Out"]), x @ w, rtol=1e-5, atol=1e-5)

@@ -87,14 +87,13 @@ def _module_name(path: str) -> str:
 
 
 def run_lower(args: argparse.Namespace) -> int:
-    from shardc.lowering.api import lowered_mesh, lowered_sizes
-    from shardc.lowering.codegen import generate
+    from shardc.lowering.api import module_source
 
     if args.output:
         _refuse_overwriting_the_spec(args)
-    result = _plan(args)
-    mesh = lowered_mesh(result, None)
-    source = generate(result, mesh, lowered_sizes(result, None, mesh)).source
+    source, note = module_source(_plan(args))
+    if note:
+        print(note, file=sys.stderr)
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as handle:

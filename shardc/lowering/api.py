@@ -18,7 +18,7 @@ from shardc.lowering.codegen import Boundary, Module, generate
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Spec, TensorRef
 
-__all__ = ["Lowered", "lower", "lowered_mesh", "lowered_sizes", "check_devices"]
+__all__ = ["Lowered", "lower", "lowered_mesh", "lowered_sizes", "check_devices", "module_source"]
 
 
 @dataclass
@@ -120,6 +120,24 @@ def _check_divisible(plan: Plan, sizes: dict[str, int]) -> None:
                         "shard_map needs even blocks, and this lowering does not pad them as XLA's "
                         "partitioner would", fix=f"lower at sizes that divide (e.g. --set {d.name}={even}); "
                         "`shardc verify` picks such sizes itself")
+
+
+def module_source(plan: Plan) -> tuple[str, str | None]:
+    """The module text ``shardc lower`` writes, and a note when the spec's sizes cannot run.
+
+    The module is shape-generic: its shard_maps run at any sizes the shardings divide.  When
+    the spec's own dims do not divide (XLA's partitioner would pad; shard_map does not), it is
+    written without them (symbolic local shapes in the comments) and the note says so.
+    """
+    mesh = lowered_mesh(plan, None)
+    try:
+        return generate(plan, mesh, lowered_sizes(plan, None, mesh)).source, None
+    except ShardcError as err:
+        if "not divisible" not in err.message:
+            raise
+        note = (f"note: {err.message}; the module is written without the spec's sizes and runs at "
+                "sizes that divide (its demo picks some)")
+        return generate(plan, mesh, None).source, note
 
 
 def check_devices(mesh: tuple[tuple[str, int], ...]) -> None:
