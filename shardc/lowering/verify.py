@@ -304,6 +304,9 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     run = _reference_run(lowered, dtype, seed)
     report.input_scale = run.scale
     report.values += _value_rows(lowered, run, tol, dtype)
+    unplanned = [p for p in run.grads if p not in lowered.module.grads]
+    if unplanned:  # listed, so a gradient nobody compared is never taken for a verified one
+        report.notes.append(f"no planned gradient for {', '.join(unplanned)}: not compared")
     cut = collapsed_axes(plan, mesh)
     if cut:
         report.notes.append(f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
