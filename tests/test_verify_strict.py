@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import shardc
 from shardc.cli.main import main
@@ -30,6 +33,16 @@ def test_shrinking_keeps_every_axis_at_two_when_the_devices_allow() -> None:
     assert dict(shrink_mesh([("X", 6), ("Y", 1)], 4)) == {"X": 3, "Y": 1}
     plan = shardc.plan(shardc.parse("mesh A=10, X=100, Y=100, Z=10\nOut[B_X, F_Y] = In[B_XA, D_Z] · W[D_Z, F_Y]\n"))
     assert devices_to_check(plan) == 16
+
+
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=8), st.integers(1, 256))
+def test_shrunk_meshes_fit_and_keep_axes_when_they_can(sizes: list[int], devices: int) -> None:
+    mesh = [(f"A{k}", s) for k, s in enumerate(sizes)]
+    small = shrink_mesh(mesh, devices)
+    assert math.prod(s for _, s in small) <= devices or all(s == 1 for _, s in small)
+    assert all(1 <= b <= a for (_, a), (_, b) in zip(mesh, small, strict=True))
+    if 2 ** sum(s > 1 for s in sizes) <= devices:
+        assert all(b >= 2 for (_, a), (_, b) in zip(mesh, small, strict=True) if a > 1)
 
 
 def test_a_huge_prime_axis_shrinks_at_once() -> None:
