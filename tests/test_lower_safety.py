@@ -169,3 +169,20 @@ def test_a_spec_whose_dims_do_not_divide_lowers_to_a_module_that_runs_at_sizes_t
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 6)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(module.forward({"In": x, "W": w})["Out"]), x @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unexpected_exception_in_verify_is_an_internal_error_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardc.lowering import verify as verify_module
+
+    spec = tmp_path / "tp.shard"
+    spec.write_text("mesh X=2\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise ValueError("XLA said no\nsecond line")
+
+    monkeypatch.setattr(verify_module, "verify", boom)
+    monkeypatch.delenv("SHARDC_TRACEBACK", raising=False)
+    assert main(["verify", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert "internal error: ValueError: XLA said no" in err and "Traceback" not in err

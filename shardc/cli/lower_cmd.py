@@ -43,13 +43,27 @@ def register(sub: Any, name: str) -> None:
 
 
 def _reporting_internal_errors(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """A shardc bug (a plan the checker rejects) is exit status 1, like a failed check, not 2."""
+    """A shardc bug is exit status 1 with a message, like a failed check (2 is a usage error).
+
+    A plan the checker rejects is an InternalError; any other unexpected exception (from
+    jax or XLA too) is reported the same way, its traceback shown only with SHARDC_TRACEBACK=1.
+    """
     def wrapped(args: argparse.Namespace) -> int:
         try:
             return run(args)
-        except InternalError as err:
+        except ShardcError as err:
+            if not isinstance(err, InternalError):
+                raise  # a usage error: main prints it, exit 2
             print(err.render(), file=sys.stderr)
             return err.exit_code
+        except Exception as err:  # noqa: BLE001 - the CLI never prints a traceback
+            if os.environ.get("SHARDC_TRACEBACK"):
+                raise
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            print(InternalError(f"internal error: {type(err).__name__}: {first}",
+                                fix="this is a shardc bug: please report the spec "
+                                    "(SHARDC_TRACEBACK=1 shows the traceback)").render(), file=sys.stderr)
+            return InternalError.exit_code
     return wrapped
 
 
