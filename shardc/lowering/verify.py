@@ -306,7 +306,8 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     report.values += _value_rows(lowered, run, tol, dtype)
     unplanned = [p for p in run.grads if p not in lowered.module.grads]
     if unplanned:  # listed, so a gradient nobody compared is never taken for a verified one
-        report.notes.append(f"no planned gradient for {', '.join(unplanned)}: not compared")
+        report.notes.append(f"no planned gradient for {', '.join(unplanned)} (constant, or not "
+                            "differentiated by the plan): not compared")
     cut = collapsed_axes(plan, mesh)
     if cut:
         report.notes.append(f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
@@ -348,7 +349,8 @@ def render_report(report: Report) -> str:
                     [[r.phase, r.step or "-", r.plan_axes, _num(r.plan_bytes), r.hlo_op, r.hlo_axes,
                       _num(r.hlo_bytes), _status(r.ok, r.note)]
                      for r in report.collectives])
-    lines += ["", "verified: values and collectives match" if report.ok else "verification FAILED"]
+    verdict = "verified: values and collectives match" if report.ok else "verification FAILED"
+    lines += ["", verdict + ("; the notes above list what was not compared" if report.notes else "")]
     return "\n".join(lines) + "\n"
 
 
