@@ -207,3 +207,10 @@ def test_an_input_the_plan_does_not_differentiate_is_named_in_the_report() -> No
     missing = {"K", "In", "W"} - set(shardc.lower(spec).module.grads)
     assert all(name in " ".join(report.notes) for name in missing)
     assert ("no planned gradient" in render_report(report)) == bool(missing)
+
+
+def test_a_mesh_axis_of_prime_size_verifies() -> None:
+    spec = shardc.parse("mesh X=2147483647\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
+    report = verify(spec)
+    assert 2 <= report.mesh["X"] <= 8
+    assert report.ok, render_report(report)
