@@ -25,12 +25,12 @@ GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "Ax
 
 
 def _plain(text: str) -> str:
-    """User text made safe inside a docstring or comment: printable, no quote, backslash or newline.
+    """User text made safe inside a docstring or comment: printable, no double quote, backslash or newline.
 
     A file name can hold anything, three double quotes and code after them included;
     mangled so, it can neither end the string nor start a line of code.
     """
-    return "".join(c if c.isprintable() and c not in "\"'\\" else "?" for c in text)
+    return "".join(c if c.isprintable() and c not in "\"\\" else "?" for c in text)
 
 
 def comment(text: str) -> str:
@@ -229,7 +229,7 @@ def _function(phase: Phase) -> str:
              f'    """The {phase.name} on one device: local blocks in, local blocks out."""']
     for b in phase.inputs:
         if b.stacked:
-            lines.append(f"    {b.var} = {b.var}[0]  " + comment(f"this device's partial sum of {b.ref}"))
+            lines.append(f"    {b.var} = {b.var}[0]  # this device's partial sum of " + _plain(str(b.ref)))
     lines += ["    " + line for line in phase.body]
     outs = [f"{b.var}[None]" if b.stacked else b.var for b in phase.outputs]
     lines.append("    return (" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")")
