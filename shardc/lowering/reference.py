@@ -156,10 +156,12 @@ def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np) -> dict[str, Arr
 
 def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
              xp: Any = np, given: dict[str, Array] | None = None) -> dict[str, Array]:
-    """The gradient of every input and param, keyed by its name, given a cotangent per output.
+    """The gradient of every input and param, keyed by the input's name, given the
+    cotangent of each output keyed by the output's name.
 
-    ``cotangents`` is keyed by output name; ``given`` holds forward values already
-    computed (by name), used in place of recomputing them.
+    Keys are the tensors' own names, not gradient names: those are the plan's
+    (:meth:`shardc.planner.ir.Plan.grad_name`), and this reference does not read the plan.
+    ``given`` holds forward values already computed (by name), used in place of recomputing them.
     """
     nodes = _nodes(spec)
     values, shape = _run(nodes, inputs, xp, given)

@@ -192,6 +192,14 @@ def _compare(phase: str, pairs: list[tuple[str, Any, np.ndarray, np.ndarray]], t
     return rows
 
 
+def _unplanned(plan: Plan, lowered: Lowered, run: _Run) -> list[ValueRow]:
+    """A mismatch for each input with a gradient the plan does not make (only `const` ones may lack one)."""
+    const = set(plan.spec.const)
+    return [ValueRow("backward", plan.grad_name(name), math.nan, math.nan, math.nan, False,
+                     "the plan makes no such gradient")
+            for name in run.grads if name not in lowered.module.grads and name not in const]
+
+
 def reference_inputs(lowered: Lowered, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inputs as the unsharded reference reads them: in float64, partial sums summed."""
     stacked = lowered.namespace.STACKED_INPUTS  # the module's own list: one source of truth
@@ -304,10 +312,7 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     run = _reference_run(lowered, dtype, seed)
     report.input_scale = run.scale
     report.values += _value_rows(lowered, run, tol, dtype)
-    unplanned = [p for p in run.grads if p not in lowered.module.grads]
-    if unplanned:  # listed, so a gradient nobody compared is never taken for a verified one
-        report.notes.append(f"no planned gradient for {', '.join(unplanned)} (constant, or not "
-                            "differentiated by the plan): not compared")
+    report.values += _unplanned(plan, lowered, run)
     cut = collapsed_axes(plan, mesh)
     if cut:
         report.notes.append(f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
