@@ -212,9 +212,8 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             continue
         d = grads.pop(node.result)
         if node.fn is not None:
-            z = values[node.operands[0]]
-            term = d * np.abs(function(node.fn).derivative(z, np))
-            grads[node.operands[0]] = grads.get(node.operands[0], 0) + term
+            z, m = values[node.operands[0]], mag[node.operands[0]]
+            grads[node.operands[0]] = grads.get(node.operands[0], 0) + d * _slope(function(node.fn), z, m)
             continue
         for k, name in enumerate(node.operands):
             others = [mag[o] for j, o in enumerate(node.operands) if j != k]
@@ -222,3 +221,14 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             grads[name] = grads.get(name, 0) + _contract(np, [d, *others], labels, node.labels[k], shape)
     return {**{s.result.name: mag[s.result.name] for s in spec.statements},
             **{name: grads[name] for name in leaf_names(spec) if name in grads}}
+
+
+def _slope(f: Any, z: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """What the backward's ``f'(z)`` may err by, in the units of ``magnitudes``.
+
+    The terms its evaluation adds (``slope_terms``), plus how far ``f'`` moves when ``z``
+    moves by its own magnitude ``m`` (``|f''| m``, by a float64 difference quotient).
+    """
+    h = 1e-4
+    moved = np.abs(f.derivative(z + h * m, np) - f.derivative(z, np)) / h
+    return np.abs(f.derivative(z, np)) + f.slope_terms(z) + moved
