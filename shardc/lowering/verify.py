@@ -40,9 +40,9 @@ __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives",
 # where the magnitude (reference.magnitudes) sums the absolute values of the terms behind each
 # value, so cancellation does not shrink the bound below the rounding it must admit.  Over every
 # example run in each dtype (benchmarks/verify_dtypes.py) the worst error is 4.9e-3 of it in
-# bfloat16 (unit roundoff 2**-9) and 1.7e-3 in float16 (2**-10): rtol is about 5x that, far
+# bfloat16 (unit roundoff 2**-9) and 6e-4 in float16 (2**-10): rtol is 5x and 7x that, far
 # below the error of a wrong plan (a missing or doubled reduction is of the order of the value).
-TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (8e-3, 1e-4),
+TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e-3, 1e-4),
              "float64": (1e-12, 1e-12)}
 # f8 values are rounded to float8_e4m3fn and computed in bfloat16: FP8 training recipes
 # (NVIDIA Transformer Engine, the FP8 formats paper of Micikevicius et al. 2022) accumulate
