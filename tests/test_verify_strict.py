@@ -187,11 +187,11 @@ def test_compare_pairs_rows_by_tensor_at_the_same_sizes() -> None:
 
 
 def test_lower_at_small_sizes_keeps_the_plan_made_at_the_spec_sizes() -> None:
-    """fsdp_tp re-planned at its small sizes gives other steps; lowering must not re-plan."""
+    """dp_dcn re-planned at its small sizes gives other steps; lowering must not re-plan."""
     from shardc.lowering.sizes import small_sizes
     from shardc.spec.overrides import apply_overrides
 
-    spec = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "fsdp_tp.shard").read_text())
+    spec = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "dp_dcn.shard").read_text())
     plan = shardc.plan(spec)
     small = small_sizes(plan, 8)
     replanned = shardc.plan(apply_overrides(spec, small))
