@@ -207,15 +207,20 @@ def plan_spans(plan: Plan, hw: Hardware, sizes: Mapping[str, int]) -> dict[str, 
 
 
 def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping[str, int] | None = None,
-              spans: Mapping[str, int] | None = None) -> PlanTime:
-    """The step time of ``plan`` on a chip (by default the one it was planned for), all layers."""
+              spans: Mapping[str, int] | None = None,
+              memo: dict[tuple[object, ...], tuple[float, float]] | None = None) -> PlanTime:
+    """The step time of ``plan`` on a chip (by default the one it was planned for), all layers.
+
+    ``memo`` keeps each step's seconds across calls: pass one dict only to calls on
+    plans of the same spec, chip, sizes and spans (the planner's candidates).
+    """
     hw = resolve_hardware(hardware if hardware is not None else plan.chip, None, plan.spec.hardware)
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
     layers, _ = resolve_layers(plan, values)
     links = dict(spans) if spans is not None else plan_spans(plan, hw, values)
     mesh = plan.spec.mesh
 
-    seen: dict[tuple[object, ...], tuple[float, float]] = {}  # layers repeat the same steps
+    seen = {} if memo is None else memo  # layers repeat the same steps
 
     def seconds(step: Step) -> tuple[float, float]:
         key = (step.op, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),

@@ -106,7 +106,7 @@ class _Backward:
         want = self.target(primal)
         if self.count.get(primal, 0) > 1:
             want = self._local_result(dst, operands, want)
-        text = f"{self.phase.ref(dst, want)} = " + " · ".join(self._text(n) for n in label)
+        text = f"{self.phase.text(dst, want)} = " + " · ".join(self._text(n) for n in label)
         made = self.phase.einsum(dst, operands, want, text)
         if self.count.get(primal, 0) > 1:
             self.parts.setdefault(primal, []).append((dst, made))
@@ -122,7 +122,7 @@ class _Backward:
         return solution.local_result
 
     def _text(self, name: str) -> str:
-        return str(self.phase.ref(name, self.phase.held[name][0]))
+        return self.phase.text(name, self.phase.held[name][0])
 
     def _move(self, name: str, src: Value, dst: Value) -> None:
         _, moves = reshard(self.phase.ctx, name, self.phase.indices[name], (src,), dst)

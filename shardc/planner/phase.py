@@ -34,6 +34,7 @@ class Phase:
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
     _refs: dict[tuple[str, Value], TensorRef] = field(default_factory=dict)
+    _texts: dict[tuple[str, Value], str] = field(default_factory=dict)
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])
@@ -47,9 +48,19 @@ class Phase:
             hit = self._refs[key] = value.ref(name, self.indices[name])
         return hit
 
-    def emit(self, step: Step) -> None:
+    def text(self, name: str, value: Value) -> str:
+        """``str(self.ref(name, value))``, made once: layers repeat the same labels."""
+        key = (name, value)
+        hit = self._texts.get(key)
+        if hit is None:
+            hit = self._texts[key] = str(self.ref(name, value))
+        return hit
+
+    def emit(self, step: Step, value: Value | None = None) -> None:
+        """Append ``step``; ``value`` is its destination's, when the caller has it at hand."""
         self.steps.append(step)
-        value = Value.of(step.dst)
+        if value is None:
+            value = Value.of(step.dst)
         self.hold(step.tensor, value)
         self.made.add((step.tensor, value))
 
@@ -57,7 +68,7 @@ class Phase:
         for m in moves:
             self.emit(Step(m.op, tensor, self.ref(tensor, m.dst), self.ref(tensor, m.src), m.axes,
                            dim=m.dim, dim2=m.dim2, volume=m.volume, ahead=tensor in self.ahead,
-                           note=note))
+                           note=note), m.dst)
 
     def einsum(self, result: str, operands: tuple[str, ...], target: Value | None,
                label: str, rule_given: tuple[Value, ...] | None = None, span: Span | None = None) -> Value:
@@ -84,7 +95,8 @@ class Phase:
             self.moves(op, moves)
         local = tuple(self.ref(n, v) for n, v in zip(operands, sol.locals, strict=True))
         copy = len(operands) == 1 and set(self.indices[operands[0]]) == set(self.indices[result])
-        self.emit(Step(Op.COPY if copy else Op.EINSUM, result, self.ref(result, sol.local_result), operands=local))
+        self.emit(Step(Op.COPY if copy else Op.EINSUM, result, self.ref(result, sol.local_result), operands=local),
+                  sol.local_result)
         self.moves(result, sol.result_moves)
         self.choices.append(Choice(self.name, label, rows, reason))
         return sol.final

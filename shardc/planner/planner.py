@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, resolve_hardware
@@ -24,7 +25,7 @@ from shardc.planner.phase import Phase
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
-from shardc.timing import plan_time
+from shardc.timing import PlanTime, plan_time
 
 __all__ = ["plan", "SAVE_POLICIES"]
 
@@ -89,15 +90,19 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
     again with compute weighted 0 if that plan left it communication-bound (1 if not),
     and once with communication alone in both.  The exact step time picks the winner.
     """
-    first = _plan(spec, graph, save, "search", ctx, SUM)
-    candidates = {"sum": first}
-    t = plan_time(first, ctx.hardware)
+    memo: dict[tuple[object, ...], tuple[float, float]] = {}  # step seconds, shared by the candidates
+    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False)
+    t = plan_time(first, ctx.hardware, memo=memo)
+    candidates = [(_objective(t), first)]
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
              0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
     for weights in [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM]:
-        candidates[str(weights)] = _plan(spec, graph, save, "search", ctx, weights)
-    candidates["rules"] = _plan(spec, graph, save, "rules", ctx)
-    return min(candidates.values(), key=lambda p: _objective(p, ctx.hardware))  # ties: the first
+        p = _plan(spec, graph, save, "search", ctx, weights, notes=False)
+        candidates.append((_objective(plan_time(p, ctx.hardware, memo=memo)), p))
+    rules = _plan(spec, graph, save, "rules", ctx, notes=False)
+    candidates.append((_objective(plan_time(rules, ctx.hardware, memo=memo)), rules))
+    best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
+    return replace(best, notes=padding_notes(spec, best.forward + best.backward))
 
 
 def _check_spans(spec: Spec, spans: dict[str, int] | None) -> None:
@@ -108,9 +113,8 @@ def _check_spans(spec: Spec, spans: dict[str, int] | None) -> None:
             raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1", fix="write e.g. --spans X=3")
 
 
-def _objective(p: Plan, hw: Hardware) -> tuple[float, float]:
+def _objective(t: PlanTime) -> tuple[float, float]:
     """Step time then communication, rounded so float noise between equal plans does not decide."""
-    t = plan_time(p, hw)
     return (_rounded(t.step_s), _rounded(t.comm_s))
 
 
@@ -163,7 +167,7 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
-          weights: tuple[float, float] = SUM) -> Plan:
+          weights: tuple[float, float] = SUM, notes: bool = True) -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
@@ -195,7 +199,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         hardware=ctx.hardware.name,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
-        notes=padding_notes(spec, fwd + bwd) if spec.dims else (),
+        notes=padding_notes(spec, fwd + bwd) if spec.dims and notes else (),
     )
 
 
