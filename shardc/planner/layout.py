@@ -144,6 +144,9 @@ class CostContext:
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
     _compute: dict[tuple[object, ...], float] = field(default_factory=dict)
+    # (name, indices, value) -> its TensorRef and that ref's text: every candidate plan remakes them
+    refs: dict[tuple[str, tuple[str, ...], Value], TensorRef] = field(default_factory=dict)
+    texts: dict[tuple[str, tuple[str, ...], Value], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.axis_sizes = {a.name: a.size for a in self.mesh.axes}

@@ -33,8 +33,6 @@ class Phase:
     made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
-    _refs: dict[tuple[str, Value], TensorRef] = field(default_factory=dict)
-    _texts: dict[tuple[str, Value], str] = field(default_factory=dict)
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])
@@ -42,18 +40,18 @@ class Phase:
             values.append(value)
 
     def ref(self, name: str, value: Value) -> TensorRef:
-        key = (name, value)
-        hit = self._refs.get(key)
-        if hit is None:  # layers repeat: the same refs are made again and again
-            hit = self._refs[key] = value.ref(name, self.indices[name])
+        key = (name, self.indices[name], value)
+        hit = self.ctx.refs.get(key)
+        if hit is None:  # candidate plans repeat: the same refs are made again and again
+            hit = self.ctx.refs[key] = value.ref(name, key[1])
         return hit
 
     def text(self, name: str, value: Value) -> str:
         """``str(self.ref(name, value))``, made once: layers repeat the same labels."""
-        key = (name, value)
-        hit = self._texts.get(key)
+        key = (name, self.indices[name], value)
+        hit = self.ctx.texts.get(key)
         if hit is None:
-            hit = self._texts[key] = str(self.ref(name, value))
+            hit = self.ctx.texts[key] = str(self.ref(name, value))
         return hit
 
     def emit(self, step: Step, value: Value | None = None) -> None:
