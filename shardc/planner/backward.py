@@ -225,12 +225,13 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
 
 def _residuals(backward: Phase, forward: Phase) -> tuple[TensorRef, ...]:
     """Values the backward reads that the forward made (what must be kept between them)."""
-    made_here = {(s.tensor, Value.of(s.dst)) for s in backward.steps}
     seen: dict[TensorRef, None] = {}
     for step in backward.steps:
-        reads = list(step.operands) + ([step.src] if step.src is not None else [])
+        reads = step.operands + ((step.src,) if step.src is not None else ())
         for ref in reads:
+            if ref in seen:
+                continue
             key = (ref.name, Value.of(ref))
-            if key in forward.made and key not in made_here:
-                seen.setdefault(ref, None)
+            if key in forward.made and key not in backward.made:  # made: every step's (tensor, result)
+                seen[ref] = None
     return tuple(seen)
