@@ -1,0 +1,52 @@
+"""The planner's speed caches (step seconds, refs and their text, shared by the candidate plans) change no plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.hardware import resolve_hardware
+from shardc.planner import planner
+from shardc.planner.graph import build_graph
+from shardc.planner.unit import bonded_axes, strip_unit_axes
+from shardc.timing import plan_time
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DEEP = "mesh X=16, Y=4\ndims B=1_048_576, D=8192, F=32768\n" + "".join(
+    f"T{k}[B_X, F_Y] = H{k - 1}[B_X, D_Y] · W_in{k}[D_X, F_Y]\nH{k}[B_X, D_Y] = T{k}[B_X, F_Y] · W_out{k}[F_Y, D_X]\n"
+    for k in range(1, 5))
+
+
+def _fresh(spec: shardc.Spec, strategy: str, weights: tuple[float, float]) -> shardc.Plan:
+    """One candidate planned alone: its own context, so nothing is shared with another candidate."""
+    stripped = strip_unit_axes(spec)
+    graph = build_graph(stripped)
+    ctx = planner._context(spec, graph, resolve_hardware(None, None, spec.hardware), None,
+                           bonded_axes(stripped))
+    return planner._plan(spec, graph, "default", strategy, ctx, weights)
+
+
+@pytest.mark.parametrize("text", [DEEP, *(p.read_text() for p in sorted(EXAMPLES.glob("*.shard"))[:6])])
+def test_shared_caches_pick_the_plan_fresh_candidates_pick(text: str) -> None:
+    spec = shardc.parse(text)
+    if not spec.dims:
+        pytest.skip("without dims the rules plan alone")
+    first = _fresh(spec, "search", planner.SUM)
+    t = plan_time(first)
+    bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
+             0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
+    candidates = [first] + [_fresh(spec, "search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != planner.SUM]
+    candidates.append(_fresh(spec, "rules", planner.SUM))
+    expected = min(candidates, key=lambda p: planner._objective(plan_time(p)))
+    assert shardc.plan(spec) == expected
+
+
+def test_memoised_step_seconds_match_a_fresh_count() -> None:
+    spec = shardc.parse(DEEP)
+    memo: dict[tuple[object, ...], tuple[float, float]] = {}
+    for weights in (planner.SUM, (0.0, 0.0)):
+        p = _fresh(spec, "search", weights)
+        assert plan_time(p, memo=memo) == plan_time(p)
+    assert memo  # the second plan read the first's figures
