@@ -40,6 +40,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--with", dest="others", action="append", default=[], metavar="FILE",
                         help="another spec to sweep beside FILE (repeatable)")
     parser.add_argument("--plot", metavar="PNG", help="draw the sweep (needs matplotlib)")
+    parser.add_argument("--schedule-plot", metavar="PNG", help="draw the pipeline schedule as a Gantt chart")
     parser.set_defaults(func=run_cost)
 
 
@@ -75,6 +76,12 @@ def run_cost(args: argparse.Namespace) -> int:
     report = cost(the_plan, hardware=args.hardware, mfu=args.mfu, optimizer=args.optimizer,
                   hardware_file=args.hardware_file, spans=parse_sets(args.spans) or None)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
+    if args.schedule_plot:
+        from shardc.costmodel.pipeline import draw_schedule
+
+        draw_schedule(report, args.schedule_plot)
+        if not args.json:
+            print(f"wrote {args.schedule_plot}")
     return 0
 
 

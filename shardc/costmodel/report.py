@@ -28,6 +28,7 @@ from shardc.costmodel.collective import StepCost, cost_step
 from shardc.costmodel.formulas import PhaseFormula, phase_formula
 from shardc.costmodel.hardware import Hardware, resolve_hardware
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
+from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
@@ -151,10 +152,11 @@ class CostReport:
     memory: Memory
     thresholds: tuple[Threshold, ...]
     notes: tuple[str, ...] = field(default=())
+    pipeline: PipelineCost | None = None  # with a `pipeline` mesh axis (shardc.costmodel.pipeline)
 
     def to_json(self) -> dict[str, object]:
         hw = self.hardware
-        return {
+        data: dict[str, object] = {
             "file": self.plan.spec.filename,
             "hardware": {"name": hw.name, "C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn,
                          "hbm_bytes": hw.hbm_bytes, "hop_latency": hw.hop_latency},
@@ -166,6 +168,9 @@ class CostReport:
             "threshold_details": [t.to_json() for t in self.thresholds],
             "notes": list(self.notes),
         }
+        if self.pipeline is not None:
+            data["pipeline"] = self.pipeline.to_json()
+        return data
 
     def json_text(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -201,6 +206,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     layers, layer_symbol = resolve_layers(plan, values)
     mesh = plan.spec.mesh
     devices = math.prod(values[a] for a in mesh.names)
+    pipe = pipeline_cost(plan, hw, values, spans, optimizer)
+    if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch at once
+        layers, layer_symbol, devices = max(pipe.pipeline.stage_layers), None, devices // pipe.pipeline.stages
     rows_f = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.forward, 1))
     rows_b = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.backward, 1))
     count = layer_symbol if layer_symbol is not None else layers
@@ -215,7 +223,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     notes = _notes(plan, hw, values) + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
         f"the book's M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
-    return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), notes)
+    return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), notes, pipe)
 
 
 def default_spans(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> dict[str, int]:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from shardc.errors import ShardcError
+from shardc.pipeline.stages import pipelined, stage_spec
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.check import comm_time
@@ -38,6 +39,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
+    if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
+        return pipelined(spec, plan(stage_spec(spec), save, strategy))
     graph = build_graph(spec)
     if strategy == "auto" and spec.dims:
         # The search is exact per einsum but greedy across them: a gather the rules make

@@ -32,6 +32,7 @@ import re
 from collections.abc import Iterator
 
 from shardc.errors import ShardcError, Span
+from shardc.pipeline.stages import check_pipeline
 from shardc.spec.functions import is_known, known_list
 from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 
@@ -59,6 +60,7 @@ def validate(spec: Spec) -> None:
         first[statement.result.name] = (statement.result, line, True)
     _check_layers(spec)
     _check_params(spec, defined)
+    check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
