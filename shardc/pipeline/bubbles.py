@@ -10,7 +10,7 @@ schedules that do not split them):
 * gpipe, 1f1b: idle (p-1)(T_F+T_B+T_W): (p-1)/m of ideal, (p-1)/(m+p-1) of total.
 * interleaved V: chunks are 1/V of a stage, so (p-1)/(V m) of ideal.
 * zb-h1 (Qi et al. 2023): idle (p-1)(T_F+T_B-T_W), (p-1)/(3m) of ideal when the three
-  times are equal (the paper's assumption, and the form these formulas take for it).
+  times are equal (the paper's assumption, and the form the formula is printed in).
 * zbv (Qi et al. 2024): only the fill of half-stage forwards, (p-1) T_F / 2: (p-1)/(6m)
   of ideal, about 0 for m >> p, at twice the point-to-point traffic (2(p-1) sends a
   microbatch, down the V and back, against p-1).
@@ -28,8 +28,8 @@ from shardc.pipeline.schedules import Timing
 
 __all__ = ["Bubble", "bubble", "inflight", "held", "activation_factor", "sends_per_microbatch", "EXACT"]
 
-# Schedules whose closed form holds for any times; the zero-bubble ones assume T_F = T_B = T_W.
-EXACT = frozenset({"gpipe", "1f1b", "interleaved"})
+# Schedules whose closed form holds for any times; zbv's assumes T_F = T_B = T_W and free sends.
+EXACT = frozenset({"gpipe", "1f1b", "interleaved", "zb-h1"})
 
 
 @dataclass(frozen=True)

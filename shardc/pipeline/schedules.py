@@ -17,13 +17,14 @@ point-to-point send).  A device runs one op at a time:
 * ``interleaved V`` (Megatron-LM, Narayanan et al. 2021): device s holds chunks
   s, s+p, ...; the same warm-up/steady/drain order over virtual microbatches,
   with a warm-up of 2(p-1-s) + (V-1)p.
-* ``zb-h1`` and ``zbv`` (Qi et al. 2023, 2024): greedily, a device runs a ready B
-  first, else an F while its in-flight activations are under the limit (zb-h1:
-  1F1B's p - s microbatches, so the memory of 1F1B), else a W.  ``zbv`` puts two
-  chunks on each device in a V (chunk c on device c, then chunk 2p-1-c), so the
-  last chunk and the loss are on device 0; a device may hold p first-leg chunks
-  (half a stage each), and runs a second-leg forward whenever it is ready.  With
-  T_F = T_B = T_W and free sends its bubble is the unavoidable fill, (p-1) T_F / 2.
+* ``zb-h1`` (Qi et al. 2023): 1F1B's order with W split off, stage s's W lagging s
+  microbatches behind its B; every stage holds p microbatches, 1F1B's peak.
+* ``zbv`` (Qi et al. 2024): two chunks a device in a V (chunk c on device c, then
+  chunk 2p-1-c), so the last chunk and the loss are on device 0.  Its order is found
+  greedily: a device runs a ready B first, else an F while it holds fewer than p
+  stage-microbatches of activations (1F1B's peak; held until W, which reads them),
+  else a W.  With T_F = T_B = T_W and free sends its bubble is the unavoidable fill,
+  (p-1) T_F / 2; with slow sends the greedy order loses more than a hand-made one.
 
 The simulation commits, among all devices, the op that can start first, so it
 never runs an op before its inputs exist.
@@ -96,9 +97,15 @@ class Simulation:
         return self.bubble / self.makespan
 
     def peak_inflight(self, device: int = 0) -> float:
-        """Most microbatches' activations held at once (forward started, backward not done), in stages."""
+        """Most microbatches' activations held at once, in microbatches of a whole stage.
+
+        Held from the forward's start to the end of the last op that reads them: the
+        backward, or for the zero-bubble schedules the weight gradient (it reads the
+        layer inputs too; the paper counts that memory until W).
+        """
+        free = "W" if any(op.kind == "W" for op in self.ops) else "B"
         events = sorted([(op.start, 1) for op in self.ops if op.device == device and op.kind == "F"]
-                        + [(op.end, -1) for op in self.ops if op.device == device and op.kind == "B"])
+                        + [(op.end, -1) for op in self.ops if op.device == device and op.kind == free])
         held = peak = 0
         for _, step in events:
             held += step
@@ -132,13 +139,15 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     if not zb:
         b, w = b + w, 0.0
     durations = {"F": f, "B": b, "W": w}
-    orders = None if zb else [_order(schedule, s, p, m, virtual) for s in range(p)]
+    orders = None if schedule == "zbv" else [_order(schedule, s, p, m, virtual) for s in range(p)]
     ops = _run(schedule, p, m, chunks * p, durations, timing.comm, orders, zb)
     return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)))
 
 
 def _order(schedule: str, s: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
-    """A device's fixed order of (kind, microbatch, chunk) for gpipe, 1f1b and interleaved."""
+    """A device's fixed order of (kind, microbatch, chunk) for gpipe, 1f1b, interleaved and zb-h1."""
+    if schedule == "zb-h1":
+        return _zb_h1(s, p, m)
     if schedule == "gpipe":
         return [("F", j, s) for j in range(m)] + [("B", j, s) for j in range(m)]
     if schedule == "1f1b":
@@ -162,6 +171,26 @@ def _order(schedule: str, s: int, p: int, m: int, v: int) -> list[tuple[str, int
     return order + backwards[len(forwards) - warmup:]
 
 
+def _zb_h1(s: int, p: int, m: int) -> list[tuple[str, int, int]]:
+    """1F1B's order with W split off and stage s's W lagging s microbatches behind its B.
+
+    The lag fills stage s's drain bubbles with weight gradients, and stage s then holds
+    (p-1-s) + 1 + s = p microbatches: 1F1B's first-stage peak on every stage, the
+    paper's ZB-H1 (Qi et al. 2023, fig. 3).
+    """
+    warmup = min(p - 1 - s, m)
+    order = [("F", j, s) for j in range(warmup)]
+    done_w = 0
+    for k in range(m):
+        if warmup + k < m:
+            order.append(("F", warmup + k, s))
+        order.append(("B", k, s))
+        if k >= s:
+            order.append(("W", done_w, s))
+            done_w += 1
+    return order + [("W", j, s) for j in range(done_w, m)]
+
+
 def _deps(kind: str, j: int, c: int, last: int) -> list[tuple[str, int, int]]:
     if kind == "F":
         return [("F", j, c - 1)] if c else []
@@ -179,18 +208,16 @@ def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, floa
     free = [0.0] * p
     position = [0] * p
     inflight = [0] * p
-    # In-flight first-leg activations a device may hold before it must run a B or W instead of an F:
-    # 1F1B's p - s for zb-h1 (its memory); p chunks (of half a stage) on every zbv device, with the
-    # second leg's forwards always allowed, since they lead straight to the loss and the backward.
-    limit = [p if schedule == "zbv" else p - s for s in range(p)]
+    # Activations a device may hold (forward started, weight gradient not done: W reads them too)
+    # before it must run a B or a W instead of an F: p stage-microbatches, 1F1B's peak, as in the
+    # paper.  zb-h1 has a fixed order; this limit is zbv's, in chunks of half a stage.
+    limit = 2 * p  # chunks
     pending = set(todo)
     result: list[Op] = []
     while pending:
-        best: tuple[float, int, int, tuple[str, int, int]] | None = None
-        for d in range(p):
-            choice = _choose(d, orders, position, pending, home, ends, comm, free, inflight, limit, n_chunks)
-            if choice is not None and (best is None or choice[:2] < best[:2]):
-                best = choice
+        best = _next(p, orders, position, pending, home, ends, comm, free, inflight, limit, n_chunks)
+        if best is None:  # every device waits on memory (sends delayed a B): one F goes over the limit
+            best = _next(p, orders, position, pending, home, ends, comm, free, inflight, None, n_chunks)
         if best is None:
             raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
         start, _, d, key = best
@@ -198,16 +225,28 @@ def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, floa
         ends[key], free[d] = end, end
         pending.discard(key)
         position[d] += 1
-        if key[2] < p:  # a first-leg chunk: what the limit counts
-            inflight[d] += {"F": 1, "B": -1, "W": 0}[key[0]]
+        inflight[d] += {"F": 1, "B": 0, "W": -1}[key[0]]
         result.append(Op(start, end, d, *key))
     return result
+
+
+def _next(p: int, orders: list[list[tuple[str, int, int]]] | None, position: list[int],
+          pending: set[tuple[str, int, int]], home: dict[tuple[str, int, int], int],
+          ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
+          limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
+    """The op that can start first on any device (ties: the lowest device)."""
+    best: tuple[float, int, int, tuple[str, int, int]] | None = None
+    for d in range(p):
+        choice = _choose(d, orders, position, pending, home, ends, comm, free, inflight, limit, n_chunks)
+        if choice is not None and (best is None or choice[:3] < best[:3]):
+            best = choice
+    return best
 
 
 def _choose(d: int, orders: list[list[tuple[str, int, int]]] | None, position: list[int],
             pending: set[tuple[str, int, int]], home: dict[tuple[str, int, int], int],
             ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
-            limit: list[int], n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
+            limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
     """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready."""
     def ready(key: tuple[str, int, int]) -> float | None:
         t = free[d]
@@ -230,9 +269,9 @@ def _choose(d: int, orders: list[list[tuple[str, int, int]]] | None, position: l
     now = [key for t, key in mine if t <= start + comm]  # worth idling one send for a higher priority
     # Zero-bubble priorities: B unblocks the previous stage; F only under the memory limit; W fills.
     rank = {"B": 0, "F": 1, "W": 2}
-    allowed = [k for k in now if k[0] != "F" or k[2] >= len(free) or inflight[d] < limit[d]]
+    allowed = [k for k in now if k[0] != "F" or limit is None or inflight[d] < limit]
     if not allowed:  # only forwards are ready and memory is full: wait for anything else
-        later = [(t, key) for t, key in mine if key[0] != "F" or key[2] >= len(free)]
+        later = [(t, key) for t, key in mine if key[0] != "F"]
         if not later:
             return None
         start = min(t for t, _ in later)

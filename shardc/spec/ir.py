@@ -78,10 +78,10 @@ class MeshAxis:
 
     def __str__(self) -> str:
         text = f"{self.name}={self.size}"
-        if self.network is Network.DCN:
-            text += " over dcn"
         if self.pipeline:
             text += " pipeline"
+        if self.network is Network.DCN:
+            text += " over dcn"
         return text
 
 

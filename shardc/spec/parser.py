@@ -312,9 +312,9 @@ class _Builder(Transformer[Token, Any]):
 
     # --- header lines -----------------------------------------------------------------
     def mesh_axis(self, children: list[Token]) -> MeshAxis:
-        pipeline = children[-1].type == "PIPELINE"
+        pipeline = len(children) > 3 and children[3].type == "PIPELINE"
         if pipeline:
-            children = children[:-1]
+            children = children[:3] + children[4:]
         name, size = children[0], children[2]
         network = Network.ICI
         if len(children) > 3:
