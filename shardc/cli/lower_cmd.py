@@ -50,7 +50,12 @@ def run_lower(args: argparse.Namespace) -> int:
 
     result = plan(read_spec(args), save=args.save)
     mesh = lowered_mesh(result, None)
-    source = generate(result, mesh, lowered_sizes(result, None, mesh)).source
+    if result.spec.mesh.pipeline_axis is not None:  # GPipe over the stage axis
+        from shardc.lowering.pipeline import lower_pipeline
+
+        source = lower_pipeline(result, load=False).source
+    else:
+        source = generate(result, mesh, lowered_sizes(result, None, mesh)).source
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as handle:

@@ -155,6 +155,10 @@ def verify(plan_or_spec: Plan | Spec, devices: int = 8, sizes: dict[str, int] | 
     from shardc.planner.planner import plan as make_plan
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
+    if plan.spec.mesh.pipeline_axis is not None:  # GPipe over the stage axis: its own module
+        from shardc.lowering.pipeline_verify import verify_pipeline
+
+        return verify_pipeline(plan, devices, seed)
     small = {**small_sizes(plan, devices), **(sizes or {})}
     lowered = lower(plan, sizes=small)
     mesh = dict(lowered.module.mesh)
