@@ -257,3 +257,24 @@ def test_uneven_stages_pace_the_pipeline() -> None:
     assert stages[0].forward_s == pytest.approx(1.5 * stages[3].forward_s)
     assert report.pipeline.timing.forward == pytest.approx(stages[0].forward_s)
     assert math.isclose(report.layers, 3)
+
+
+def test_stage_activations_follow_the_save_policy() -> None:
+    s = spec("mesh P=2 pipeline, X=2, Y=2\nlayers 4\nmicrobatches 4")
+
+    def activations(save: str) -> float:
+        report = shardc.cost(shardc.plan(s, save=save))
+        assert report.pipeline is not None
+        first = report.pipeline.stages[0]
+        # The tables' residuals are one stage's layers on the whole batch (4 microbatches) at once.
+        per_micro = sum(b for v, b in report.memory.residuals if "B" in v) / 4
+        weights = sum(b for v, b in report.memory.residuals if "B" not in v)
+        assert first.activation_bytes == pytest.approx(first.layers * (per_micro * first.held + weights))
+        return first.activation_bytes
+
+    assert activations("none") < activations("default") <= activations("all")
+
+
+def test_uneven_split_is_stated_in_the_text() -> None:
+    report = shardc.cost(shardc.plan(spec("mesh P=4 pipeline, X=2, Y=2\nlayers 10\nmicrobatches 8")))
+    assert "10 layers over 4 stages, unevenly: 3, 3, 2, 2" in report.render()

@@ -15,9 +15,10 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   the tensor-parallel degree when it is sharded), sent one way over one link of the
   stage axis's network (one ICI link's one-way bandwidth, or the chip's DCN figure);
 * memory per stage: params, grads and optimizer state of its layers, the gathered weights
-  of one layer, and the residuals the plan's save policy keeps for one microbatch times
-  the microbatches the stage holds at its peak (simulated; the closed forms are gpipe m,
-  1f1b p - s, interleaved p (1 + (p-1)/(p V)) on the first stage).
+  of one layer, and the residuals the plan's save policy keeps: those with the batch dim
+  for one microbatch times the microbatches the stage holds at its peak (simulated; the
+  closed forms are gpipe m, 1f1b p - s, interleaved p (1 + (p-1)/(p V)) on the first
+  stage), saved weights once.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from shardc.costmodel.collective import StepCost, cost_step, local_elements
 from shardc.costmodel.hardware import Hardware
-from shardc.costmodel.memory import memory
+from shardc.costmodel.memory import memory, residual_values
 from shardc.errors import ShardcError
 from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, bubble, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import Simulation, Timing, simulate
@@ -212,16 +213,21 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
 def _stages(plan: Plan, pipe: Pipeline, per_layer: list[tuple[float, float]], micro: dict[str, int],
             p2p_s: float, sim: Simulation, hw: Hardware, optimizer: str) -> tuple[StageCost, ...]:
     out = []
+    dim = microbatch_dim(plan)
+    nbytes = plan.spec.dtype.nbytes
+    kept = [(float(local_elements(r, micro)) * nbytes, dim in r.indices) for r in residual_values(plan)]
     for s, layers in enumerate(pipe.stage_layers):
         mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer)
+        held = sim.peak_inflight(s)
+        # A microbatch's own residuals, for each microbatch held; saved weights once a layer.
+        residual = layers * math.fsum(b * (held if per_micro else 1.0) for b, per_micro in kept)
         compute = layers * math.fsum(c for c, _ in per_layer)
         sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
         comm = layers * math.fsum(k for _, k in per_layer) + sends
         f, b, w = (max(c, k) * layers for c, k in per_layer)
-        held = sim.peak_inflight(s)
         out.append(StageCost(s, layers, f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
-                             mem.residual_bytes * held, mem.gathered_bytes, hw.hbm_bytes))
+                             residual, mem.gathered_bytes, hw.hbm_bytes))
     return tuple(out)
 
 

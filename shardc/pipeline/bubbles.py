@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.pipeline.schedules import Timing
+from shardc.pipeline.schedules import Timing, chunks_of, device_of
 
 __all__ = ["Bubble", "bubble", "inflight", "held", "activation_factor", "sends_per_microbatch", "EXACT"]
 
@@ -79,9 +79,9 @@ def held(schedule: str, p: int, m: int, virtual: int = 1) -> float:
 
 
 def sends_per_microbatch(schedule: str, p: int, virtual: int = 1) -> int:
-    """Stage boundaries a microbatch's activation crosses forward (its cotangent crosses them back)."""
-    if schedule == "zbv":
-        return 2 * (p - 1)  # down the V and back up: the turn at device p-1 stays on the device
-    if schedule == "interleaved":
-        return p * virtual - 1
-    return p - 1
+    """Stage boundaries a microbatch's activation crosses forward (its cotangent crosses them back).
+
+    p - 1; interleaved p V - 1; zbv 2(p - 1), down the V and back (the turn stays on device p-1).
+    """
+    n = chunks_of(schedule, virtual) * p
+    return sum(device_of(schedule, c, p) != device_of(schedule, c + 1, p) for c in range(n - 1))

@@ -199,6 +199,15 @@ def _deps(kind: str, j: int, c: int, last: int) -> list[tuple[str, int, int]]:
     return [("B", j, c)]
 
 
+def _dependents(kind: str, j: int, c: int, last: int, zb: bool) -> list[tuple[str, int, int]]:
+    """The ops that read what (kind, j, c) makes (the inverse of :func:`_deps`)."""
+    if kind == "F":
+        return ([("F", j, c + 1)] if c < last else []) + [("B", j, c)]
+    if kind == "B":
+        return ([("B", j, c - 1)] if c else []) + ([("W", j, c)] if zb else [])
+    return []
+
+
 def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, float], comm: float,
          orders: list[list[tuple[str, int, int]]] | None, zb: bool) -> list[Op]:
     kinds = ("F", "B", "W") if zb else ("F", "B")
@@ -212,9 +221,12 @@ def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, floa
     # before it must run a B or a W instead of an F: p stage-microbatches, 1F1B's peak, as in the
     # paper.  zb-h1 has a fixed order; this limit is zbv's, in chunks of half a stage.
     limit = 2 * p  # chunks
-    pending = set(todo)
+    # Ops whose inputs are all made, per device (the greedy order picks among them).
+    pending: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
+    for j in range(m):
+        pending[home[("F", j, 0)]].add(("F", j, 0))
     result: list[Op] = []
-    while pending:
+    while len(result) < len(todo):
         best = _next(p, orders, position, pending, home, ends, comm, free, inflight, limit, n_chunks)
         if best is None:  # every device waits on memory (sends delayed a B): one F goes over the limit
             best = _next(p, orders, position, pending, home, ends, comm, free, inflight, None, n_chunks)
@@ -223,7 +235,10 @@ def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, floa
         start, _, d, key = best
         end = start + durations[key[0]]
         ends[key], free[d] = end, end
-        pending.discard(key)
+        pending[d].discard(key)
+        for after in _dependents(*key, n_chunks - 1, zb):
+            if all(dep in ends for dep in _deps(*after, n_chunks - 1)):
+                pending[home[after]].add(after)
         position[d] += 1
         inflight[d] += {"F": 1, "B": 0, "W": -1}[key[0]]
         result.append(Op(start, end, d, *key))
@@ -231,7 +246,7 @@ def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, floa
 
 
 def _next(p: int, orders: list[list[tuple[str, int, int]]] | None, position: list[int],
-          pending: set[tuple[str, int, int]], home: dict[tuple[str, int, int], int],
+          pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
           ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
           limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
     """The op that can start first on any device (ties: the lowest device)."""
@@ -244,7 +259,7 @@ def _next(p: int, orders: list[list[tuple[str, int, int]]] | None, position: lis
 
 
 def _choose(d: int, orders: list[list[tuple[str, int, int]]] | None, position: list[int],
-            pending: set[tuple[str, int, int]], home: dict[tuple[str, int, int], int],
+            pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
             ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
             limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
     """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready."""
@@ -262,7 +277,7 @@ def _choose(d: int, orders: list[list[tuple[str, int, int]]] | None, position: l
         key = orders[d][position[d]]
         t = ready(key)
         return None if t is None else (t, 0, d, key)
-    mine = [(t, key) for key in pending if home[key] == d and (t := ready(key)) is not None]
+    mine = [(t, key) for key in pending[d] if (t := ready(key)) is not None]
     if not mine:
         return None
     start = min(t for t, _ in mine)
