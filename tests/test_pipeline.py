@@ -278,3 +278,12 @@ def test_stage_activations_follow_the_save_policy() -> None:
 def test_uneven_split_is_stated_in_the_text() -> None:
     report = shardc.cost(shardc.plan(spec("mesh P=4 pipeline, X=2, Y=2\nlayers 10\nmicrobatches 8")))
     assert "10 layers over 4 stages, unevenly: 3, 3, 2, 2" in report.render()
+
+
+def test_plan_text_says_it_is_one_stage() -> None:
+    from shardc.planner.render import render_text
+
+    text = render_text(shardc.plan(shardc.parse(EXAMPLE.read_text(), str(EXAMPLE))))
+    assert text.splitlines()[1] == ("# pipeline over P: 32 layers over 4 stages: 8 a stage; 16 microbatches, "
+                                    "schedule 1f1b; below is one stage's plan, for one layer (nothing is "
+                                    "sharded over P)")

@@ -17,7 +17,8 @@ from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Contract, Mesh, Schedule, Spec, Statement, TensorRef
 
-__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipelined", "layer_count", "DEFAULT_SCHEDULE"]
+__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipelined", "pipeline_note", "layer_count",
+           "DEFAULT_SCHEDULE"]
 
 DEFAULT_SCHEDULE = Schedule("1f1b")
 
@@ -73,6 +74,17 @@ def pipeline_of(spec: Spec) -> Pipeline | None:
     given = spec.microbatches is not None
     micro = spec.microbatches if spec.microbatches is not None else axis.size  # default: one a stage
     return Pipeline(axis.name, axis.size, micro, spec.schedule or DEFAULT_SCHEDULE, layer_count(spec), given)
+
+
+def pipeline_note(spec: Spec) -> list[str]:
+    """The header line ``shardc plan`` adds for a pipelined spec (none otherwise)."""
+    pipe = pipeline_of(spec)
+    if pipe is None:
+        return []
+    given = "" if pipe.microbatches_given else " (default)"
+    return [f"# pipeline over {pipe.axis}: {pipe.split_text()}; {pipe.microbatches} microbatches{given}, "
+            f"schedule {pipe.schedule}; below is one stage's plan, for one layer (nothing is sharded over "
+            f"{pipe.axis})"]
 
 
 def stage_spec(spec: Spec) -> Spec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from shardc.pipeline.stages import pipeline_note
 from shardc.planner.ir import Monomial, Op, Plan, Step, sum_formula
 
 __all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_total", "step_label"]
@@ -73,6 +74,7 @@ def render_text(plan: Plan) -> str:
     else:
         how = "by the book's rules (no dims)"
     lines = [f"# {plan.spec.filename or 'spec'}: {plan.spec.mesh}; collectives chosen {how}"]
+    lines += pipeline_note(plan.spec)
     lines += _phase_lines("forward", plan.forward, sizes)
     lines.append("")
     lines += _phase_lines(f"backward (save={plan.save})", plan.backward, sizes)
