@@ -69,6 +69,7 @@ def test_defaults_one_f_one_b_and_a_microbatch_a_stage() -> None:
     ("mesh P=4 pipeline, X=2, Y=2", "1 layer(s) cannot fill 4 stages", 1, 6),
     ("mesh P=4 pipeline, X=2, Y=2\nlayers 8\nmicrobatches 0", "size must be positive", 3, 14),
     ("mesh P=4 pipelin, X=2", "syntax error", 1, 10),
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 8\nmicrobatches 6\nschedule interleaved 2", "a multiple of the 4", 3, 1),
 ])
 def test_pipeline_errors_point_at_the_mistake(head: str, message: str, line: int, column: int) -> None:
     with pytest.raises(ShardcError) as err:

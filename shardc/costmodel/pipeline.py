@@ -179,6 +179,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
     pipe = pipeline_of(plan.spec)
     if pipe is None:
         return None
+    pipe = replace(pipe, stages=sizes.get(pipe.axis, pipe.stages))  # sizes= may resize the mesh
     if isinstance(plan.spec.layers, str):
         pipe = replace(pipe, layers=sizes[plan.spec.layers])
     dim = microbatch_dim(plan)

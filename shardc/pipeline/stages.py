@@ -122,6 +122,11 @@ def check_pipeline(spec: Spec) -> None:
                                   f"{axis.name} axis holds different layers, not slices of a tensor")
     pipe = pipeline_of(spec)
     assert pipe is not None
+    if pipe.schedule.name == "interleaved" and pipe.microbatches % pipe.stages:
+        raise ShardcError(f"interleaved needs microbatches a multiple of the {pipe.stages} stages, "
+                          f"not {pipe.microbatches}", spec.span_of("microbatches"),
+                          fix=f"use microbatches {pipe.stages * max(1, pipe.microbatches // pipe.stages)} "
+                          "(Megatron-LM's interleaved order)")
     needed = pipe.stages * pipe.chunks
     if pipe.layers < needed:
         stages = f"{pipe.stages} stages" + (f" of {pipe.chunks} chunks" if pipe.chunks > 1 else "")
