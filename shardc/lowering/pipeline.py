@@ -16,8 +16,10 @@ gradient needs no reduction over the stage axis.  Each layer is a
 ``jax.custom_vjp`` whose backward is the plan's own, so the collectives on the other
 axes are the planned ones in both directions.
 
-Only GPipe's order lowers: the values of every schedule are the same, and the other
-schedules (1f1b, interleaved, zb-h1, zbv) are costed and drawn, not lowered.
+``schedule 1f1b`` adds a second program, the 1F1B order as a tick table
+(:mod:`shardc.lowering.pipeline_1f1b`), which ``shardc verify`` runs instead.  The
+other schedules (interleaved, zb-h1, zbv) are costed and drawn, and lower as GPipe
+(every schedule computes the same values).
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
         axis=pipe.axis, stages=stages, layers=layers, micro=microbatches, first=first.name, out=out.name,
         params=tuple(params), mesh={n: s for n, s in mesh}, in_dim=first.indices.index(dim),
         out_dim=out.indices.index(dim), perm=[(s, s + 1) for s in range(stages - 1)])
+    if pipe.schedule.name == "1f1b":
+        from shardc.lowering.pipeline_1f1b import SECTION, tick_tables
+
+        f_table, b_table = tick_tables(stages, microbatches)
+        text += SECTION.format(axis=pipe.axis, f_table=f_table, b_table=b_table)
     return module, head + text, micro[dim] * microbatches
 
 
@@ -127,7 +134,7 @@ _SECTION = '''
 # ---- pipeline: GPipe over {axis} ---------------------------------------------
 # The SPMD pipeline of JAX's shard_map documentation: every device runs its stage's layers each
 # tick and jax.lax.ppermute hands the result to the next stage; jax.vjp of the program carries the
-# cotangents back the same way.  Only GPipe's order is lowered (every schedule computes the same).
+# cotangents back the same way.
 
 PIPELINE_AXIS = {axis!r}
 STAGES = {stages}

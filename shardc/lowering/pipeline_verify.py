@@ -177,12 +177,71 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0) -> Report:
     want_out, want_grads = _reference(lowered, inputs, d_out)
     import jax
 
+    one_f_one_b = lowered.pipeline.schedule.name == "1f1b"
     with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
-        fwd_text, got_out, bwd_text, got_grads = _run(lowered, inputs, d_out)
+        if one_f_one_b:
+            text, got_out, got_grads = _run_1f1b(lowered, inputs, d_out)
+        else:
+            fwd_text, got_out, bwd_text, got_grads = _run(lowered, inputs, d_out)
     report.values.append(_row("forward", ns.BLOCK_OUTPUT, got_out, want_out, tol))
     report.values += [_row("backward", k, got_grads[k], v, tol) for k, v in want_grads.items()]
-    report.collectives += _permutes(lowered, fwd_text, bwd_text)
+    report.collectives += _loop_permutes(lowered, text) if one_f_one_b else _permutes(lowered, fwd_text, bwd_text)
     return report
+
+
+def _run_1f1b(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
+              d_out: np.ndarray) -> tuple[str, np.ndarray, dict[str, np.ndarray]]:
+    """The 1F1B step (forward and backward in one program): HLO text, output, gradients."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    ns = lowered.namespace
+    mesh, step = ns.one_f_one_b_program()
+    args = ns._args(inputs)
+    d_last = ns._split(d_out, ns.MICRO_DIM[1])
+    d_outs = jnp.zeros((ns.STAGES,) + d_last.shape, d_last.dtype).at[-1].set(d_last)
+    d_outs = jax.device_put(d_outs, NamedSharding(mesh, ns.PIPE_OUT))
+    compiled = step.lower(args[0], d_outs, *args[1:]).compile()
+    outs, dxs, *dws = compiled(args[0], d_outs, *args[1:])
+    got = {"d" + ns.BLOCK_INPUT: np.asarray(ns._join(dxs[0], ns.MICRO_DIM[0]))}
+    got.update({"d" + p: np.asarray(g) for p, g in zip(ns.PARAMS, dws, strict=True)})
+    return compiled.as_text(), np.asarray(ns._join(outs[-1], ns.MICRO_DIM[1])), got
+
+
+_TRIPS = re.compile(r'known_trip_count\\?"?:\{\\?"?n\\?"?:\\?"?(\d+)')
+
+
+def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
+    """1F1B's HLO: one permute down and one up, in a while loop of 2(m+p-1) ticks."""
+    plan, pipe, ns = lowered.plan, lowered.pipeline, lowered.namespace
+    mesh = tuple(ns.PIPE_MESH_AXES.items())
+    nbytes = plan.spec.dtype.nbytes
+    boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
+    want_bytes = int(local_elements(boundary, lowered.sizes)) * nbytes
+    ticks = 2 * (pipe.microbatches + pipe.stages - 1)
+    trips = [int(n) for n in _TRIPS.findall(text)]
+    stride = math.prod(s for n, s in mesh[[n for n, _ in mesh].index(pipe.axis) + 1:])
+    found = [c for c in collectives(text, mesh) if c.hlo_op == "collective-permute"]
+    rows = [CollectiveRow("step", f"while loop of {ticks} ticks (2(m+p-1))", "Loop", pipe.axis, None,
+                          f"while x {trips}", pipe.axis, None, ticks in trips,
+                          "" if ticks in trips else "no loop of that trip count")]
+    for step, what in ((stride, "activations s -> s+1"), (-stride, "cotangents s+1 -> s")):
+        mine = [c for c in found if (pr := _pairs(c.text)) and all(t - s == step for s, t in pr)]
+        ok = len(mine) == 1 and mine[0].bytes(nbytes) == want_bytes
+        rows.append(CollectiveRow("step", f"ppermute_{pipe.axis} a tick: {what}, a microbatch", "CollectivePermute",
+                                  pipe.axis, want_bytes, f"collective-permute x {len(mine)}", pipe.axis,
+                                  sum(c.bytes(nbytes) for c in mine), ok, "" if ok else "not one of the bytes"))
+    if len(found) != 2:
+        rows.append(CollectiveRow("step", "", "CollectivePermute", "-", None, "collective-permute", "-", None,
+                                  False, f"{len(found)} permutes in the HLO, not 2"))
+    planned = {(s.op, tuple(a for a in s.axes if ns.PIPE_MESH_AXES[a] > 1))
+               for s in plan.forward + plan.backward if s.is_collective}
+    for c in collectives(text, mesh):
+        if c.kind is not None and c.axes and (c.kind, c.axes) not in planned:
+            rows.append(CollectiveRow("step", "", c.kind.title, "-", None, c.hlo_op, ",".join(c.axes),
+                                      c.bytes(nbytes), False, "not in the plan"))
+    return rows
 
 
 def _run(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
