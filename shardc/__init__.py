@@ -7,8 +7,9 @@ Read a spec, plan its collectives, cost them, lower them to JAX::
     >>> print(shardc.plan(spec).forward[0].op)
     einsum
 
-``parse`` and ``plan`` never import jax or sympy; ``cost`` imports sympy and
-``lower`` imports jax, each on first use.
+``parse``, ``plan`` and ``cost`` never import jax; ``lower`` imports jax on
+first use.  ``shardc --version`` prints :data:`__version__`, the one place the
+version is written (the wheel's metadata reads it from here).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
 
 def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None = None,
          **options: Any) -> CostReport:
-    """Cost a plan on a hardware preset (see ``shardc hardware``); imports sympy.
+    """Cost a plan on a hardware preset (see ``shardc hardware``).
 
     ``hardware=None`` takes the spec's ``hardware`` line, else tpu-v5p.
     """

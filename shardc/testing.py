@@ -112,10 +112,19 @@ class _State:
         return f"{base}{self.counter}"
 
 
+def _input_name(draw: st.DrawFn, state: _State) -> str:
+    name = state.fresh(draw(st.sampled_from(INPUT_NAMES)))
+    if state.tensors and draw(st.integers(0, 7)) == 0:
+        # now and then the book's name of another tensor's gradient: `dIn1` beside `In1`
+        taken = "d" + draw(st.sampled_from(sorted(state.tensors)))
+        if taken not in state.tensors:
+            return taken
+    return name
+
+
 def _input(draw: st.DrawFn, state: _State, indices: list[str]) -> TensorRef:
     # inputs may arrive as partial sums too (the output of a row-parallel layer, unreduced)
-    ref = draw(tensor_refs(state.fresh(draw(st.sampled_from(INPUT_NAMES))), indices, state.mesh,
-                           unreduced=state.unreduced))
+    ref = draw(tensor_refs(_input_name(draw, state), indices, state.mesh, unreduced=state.unreduced))
     state.tensors[ref.name] = ref
     return ref
 
@@ -207,12 +216,14 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
         return _valid(spec)
     inputs = sorted(state.tensors.keys() - state.defined)
     params = draw(st.none() | st.lists(st.sampled_from(inputs), min_size=1, unique=True)) if inputs else None
+    others = [n for n in inputs if params is None or n not in params]
+    const = tuple(draw(st.lists(st.sampled_from(others), unique=True))) if others else ()
     layers: int | str | None = draw(st.none() | st.integers(1, 96))
     if with_dims and draw(st.booleans()):
         sizes = sizes if "L" in dict(sizes) else sizes + (("L", draw(st.integers(1, 96))),)
         layers = "L"
     return _valid(Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
-                       params=None if params is None else tuple(params),
+                       params=None if params is None else tuple(params), const=const,
                        hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers))
 
 

@@ -9,7 +9,6 @@ import pytest
 import sympy
 
 import shardc
-from shardc.costmodel.formulas import symbol
 from shardc.costmodel.report import CostReport
 from shardc.planner.ir import Plan
 
@@ -33,7 +32,7 @@ def plan_text(text: str) -> Plan:
 
 
 def expr(text: str) -> sympy.Expr:
-    names = {n: symbol(n) for n in ("B", "D", "F", "X", "Y", "Z", "P", "N", "H", "L")}
+    names = {n: sympy.Symbol(n, positive=True) for n in ("B", "D", "F", "X", "Y", "Z", "P", "N", "H", "L")}
     return sympy.sympify(text, locals=names)
 
 

@@ -168,3 +168,88 @@ def test_the_spec_hardware_line_picks_the_chip() -> None:
     assert shardc.cost(p).hardware.name == "h100"
     assert shardc.cost(p, hardware="tpu-v5e").hardware.name == "tpu-v5e"  # an explicit chip wins
     assert shardc.cost(shardc.plan(shardc.parse(text.replace("hardware h100\n", "")))).hardware.name == "tpu-v5p"
+
+
+# The formula algebra (shardc.costmodel.poly) against sympy, which the tests keep as an oracle.
+
+NAMES_POLY = ("B", "D", "F", "X", "Y")
+
+
+@st.composite
+def polys(draw: st.DrawFn, max_terms: int = 3) -> object:
+    from shardc.costmodel.poly import Poly
+
+    total = Poly()
+    for _ in range(draw(st.integers(1, max_terms))):
+        coeff = draw(st.fractions(min_value=-8, max_value=8, max_denominator=4).filter(lambda c: c != 0))
+        powers = tuple((n, draw(st.integers(-2, 2))) for n in NAMES_POLY if draw(st.booleans()))
+        total = total + Poly.monomial(coeff, powers)
+    return total
+
+
+def as_sympy(text: str):  # type: ignore[no-untyped-def]
+    import sympy
+
+    return sympy.sympify(text, locals={n: sympy.Symbol(n, positive=True) for n in NAMES_POLY})
+
+
+@settings(max_examples=30, deadline=None)
+@given(polys(), polys())
+def test_poly_arithmetic_and_printing_match_sympy(a: object, b: object) -> None:
+    import sympy
+
+    for result, expected in ((a + b, as_sympy(str(a)) + as_sympy(str(b))),  # type: ignore[operator]
+                             (a * b, as_sympy(str(a)) * as_sympy(str(b)))):  # type: ignore[operator]
+        assert sympy.expand(as_sympy(str(result)) - expected) == 0, (a, b, result)
+
+
+@settings(max_examples=30, deadline=None)
+@given(polys(), polys())
+def test_ratio_cancelled_is_the_same_function(a: object, b: object) -> None:
+    import sympy
+
+    from shardc.costmodel.poly import Ratio
+
+    if b.is_zero:  # type: ignore[attr-defined]
+        return
+    ratio = Ratio(a, b)  # type: ignore[arg-type]
+    reduced = ratio.cancelled()
+    assert not any(p < 0 for t in (reduced.num, reduced.den) for k, _ in t.terms for _, p in k)
+    assert sympy.cancel(as_sympy(str(ratio)) - as_sympy(str(a)) / as_sympy(str(b))) == 0, str(ratio)
+    if reduced.is_monomial:
+        assert sympy.cancel(as_sympy(str(reduced.as_poly())) - as_sympy(str(a)) / as_sympy(str(b))) == 0
+
+
+def test_poly_prints_as_the_book_writes() -> None:
+    from shardc.costmodel.poly import Poly, Ratio
+
+    b, d, f, x, y = (Poly.symbol(n) for n in NAMES_POLY)
+    assert str(4 * b * d / x + 2 * d * f / y) == "4*B*D/X + 2*D*F/Y"
+    assert str(f - 2550 * y) == "F - 2550*Y"
+    assert str(Ratio(2 * b * d * f / (x * y), 2 * d * f / y + 4 * b * d / x)) == "B*F/(2*B*Y + F*X)"
+    assert str(Ratio(3 * b * f, 2 * b * y + 2 * f * x)) == "3*B*F/(2*(B*Y + F*X))"
+    assert str(Ratio(-2550 * f, 2550 * y - f)) == "2550*F/(F - 2550*Y)"
+    assert str(Poly.symbol("C") / (3 * Poly.symbol("W_ici"))) == "C/(3*W_ici)"
+    assert str(Ratio(b * (d + f), 2 * x * (d + f))) == "B/(2*X)"  # equal sums cancel
+
+
+def test_threshold_of_a_phase_without_flops() -> None:
+    # issue 9 item 2: a phase that only moves data is communication-bound at any size (no AttributeError)
+    from shardc.costmodel.formulas import PhaseFormula
+    from shardc.costmodel.poly import Poly
+    from shardc.costmodel.thresholds import derive
+
+    moves = PhaseFormula(Poly(), Poly(), 4 * Poly.symbol("B"), 4 * Poly.symbol("B"), Poly())
+    [threshold] = derive("forward", moves, get_hardware("tpu-v5p"), frozenset({"X"}), {"B": ()}, {"B": 8})
+    assert threshold.holds is False and "communication-bound at any size" in threshold.sentence
+    constant = PhaseFormula(Poly.number(2), Poly.number(2), Poly.number(4), Poly.number(4), Poly())
+    [threshold] = derive("step", constant, get_hardware("tpu-v5p"), frozenset({"X"}), {}, None)
+    assert "0.5 FLOPs a byte at any size" in threshold.sentence and threshold.holds is None
+
+
+def test_cost_imports_no_computer_algebra() -> None:
+    code = ("import sys, shardc; p = shardc.plan(shardc.parse(open(sys.argv[1]).read())); "
+            "shardc.cost(p).render(); print('sympy' in sys.modules, 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(EXAMPLES / "fsdp_tp.shard")], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

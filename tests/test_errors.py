@@ -236,6 +236,23 @@ def test_param_defined_by_statement() -> None:
     check("mesh X=4\nparam A\nA[I] = W[I]\n", "2:7", "param A is computed by a statement", "A", "remove A")
 
 
+def test_const_errors() -> None:
+    body = "Out[B_X, F] = Tok[B_X, D] · W[D, F]\n"
+    check("mesh X=2\nconst Tok, Tok\n" + body, "2:12", "const Tok is listed twice", "Tok", "list Tok once")
+    check("mesh X=2\nconst Out\n" + body, "2:7", "const Out is computed by a statement", "Out",
+          "remove Out from `const`")
+    check("mesh X=2\nparam W\nconst W\n" + body, "3:7", "W is both a param and const", "W", "remove W")
+    check("mesh X=2\nconst Nope\n" + body, "2:7", "const Nope is not a tensor of the spec", "Nope", "Tok, W")
+    check("mesh X=2\nconst\n" + body, "2:6", "unexpected end of line", "", "a name")
+
+
+def test_mesh_axis_named_like_a_dim() -> None:
+    """`mesh D=2` with a dim D: the volume 2*D*F/D would cancel the dim (issue: costed wrong)."""
+    check("mesh D=2\ndims B=8, D=8, F=6\nOut[B_D, F] = In[B_D, D] · W[D, F]\n", "1:6",
+          "D names both a mesh axis and a dim", "D=2", "rename the mesh axis (e.g. X)")
+    check("mesh X=2, F=4\nOut[B_X, F] = In[B_X, D] · W[D, F]\n", "1:11", "F names both", "F=4", "e.g. Y")
+
+
 def test_layers_not_a_dim() -> None:
     check("mesh X=4\nlayers L\nA[I] = W[I]\n", "2:1", "L is not a dim with a size", "layers L", "dims L=40")
 

@@ -107,7 +107,8 @@ def test_jax_grad_of_forward_runs_the_planned_backward(fsdp_tp, monkeypatch) -> 
     monkeypatch.undo()
     assert calls == [1]
     for name in ("W_in", "W_out", "In"):
-        np.testing.assert_allclose(np.asarray(auto[name]), np.asarray(planned["d" + name]), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(auto[name]), np.asarray(planned[fsdp_tp.plan.grad_name(name)]),
+                                   rtol=1e-5)
 
 
 def _fsdp_tp_loss(i, cot):  # type: ignore[no-untyped-def]
@@ -140,8 +141,9 @@ def test_jax_grad_through_an_intermediate_and_every_input(fsdp_tp) -> None:  # t
     np.testing.assert_allclose(np.asarray(only_tmp), np.asarray(expect), rtol=2e-4, atol=1e-5)
 
 
-def test_jit_grad_reaches_inputs_the_plan_does_not_differentiate() -> None:
-    """Attention: Kt and V are neither params nor the first input; Scores is read later."""
+def test_jit_grad_through_a_result_read_later() -> None:
+    """Attention: Scores is read later, so its own cotangent comes from JAX's transpose;
+    Kt and V, though neither params nor the first input, get planned gradients."""
     import jax
     import jax.numpy as jnp
 

@@ -80,6 +80,28 @@ def test_unreduced_suffix() -> None:
     assert spec.statements[0].result.unreduced == ("data", "model")
 
 
+def test_unreduced_axes_are_a_set_sorted_when_made() -> None:
+    """{U_YX} and {U_XY} are one value in the IR, in the planner and in print (a bug class once)."""
+    yx = one("O[B]{U_YX} = I[B, D_XY] · W[D_XY]").result
+    assert yx == one("O[B]{U_XY} = I[B, D_XY] · W[D_XY]").result and yx.unreduced == ("X", "Y")
+    assert str(yx) == "O[B]{U_XY}" and hash(yx) == hash(ref("O", "B", u=("X", "Y")))
+    assert ref("T", u=("Y", "X")).unreduced == ("X", "Y")
+    spec = parse("mesh data=2, model=2\nO[B]{U_{model,data}} = I[B, D_{model,data}] · W[D_{model,data}]\n")
+    assert spec.statements[0].result.unreduced == ("data", "model")
+    assert parse(str(spec)) == spec and "{U_{data,model}}" in str(spec)
+    assert ref("T", u=("X", "X")).unreduced == ("X", "X")  # kept, for validate to report
+
+
+def test_const_line() -> None:
+    text = "mesh X=2\nconst Tok\nconst Mask\nparam W\nOut[B_X, F] = Tok[B_X, D] · W[D, F] · Mask[F]\n"
+    spec = parse(text)
+    assert spec.const == ("Tok", "Mask") and spec.params == ("W",)
+    assert "const Tok, Mask\n" in str(spec) and parse(str(spec)) == spec
+    assert parse("mesh X=2\nOut[B] = In[B]\n").const == ()
+    assert parse("mesh X=2\nconst In\nOut[B] = In[B]\n") != parse("mesh X=2\nOut[B] = In[B]\n")
+    assert parse("mesh X=2\nconstant[B] = In[B]\n").statements[0].result.name == "constant"
+
+
 def test_zero_dim_tensor_and_names_with_underscores() -> None:
     statement = one("S[] = W_in_2[I] · x_[I]")
     assert statement.result == TensorRef("S", ())
@@ -225,7 +247,8 @@ def test_shardings_use_each_axis_once(mesh_and_dims: tuple[Mesh, tuple[Dim, ...]
 
 
 @pytest.mark.parametrize("module", ["shardc.spec.parser", "shardc.spec.validate", "shardc.spec.overrides",
-                                    "shardc.spec.functions", "shardc.spec.ir", "shardc.testing"])
+                                    "shardc.spec.functions", "shardc.spec.ir", "shardc.testing",
+                                    "shardc.names"])
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib

@@ -194,7 +194,7 @@ def test_attention_batch_dims() -> None:
     p = shardc.plan(spec)
     assert collectives(p.forward) == []
     assert check_plan(p) == []
-    assert [str(g) for g in p.grads] == ["dQ[B_X, T, N_Y, H]"]
+    assert [str(g) for g in p.grads] == ["dQ[B_X, T, N_Y, H]", "dK[B_X, S, N_Y, H]"]
 
 
 def test_elementwise_and_reshard() -> None:
@@ -300,7 +300,7 @@ def test_a_collective_inside_a_later_ones_result_becomes_a_slice() -> None:
 
 def test_a_move_nothing_reads_is_dropped() -> None:
     """The backward made dTmp in Tmp's declared layout for no reader; XLA drops such moves too."""
-    p = shardc.plan(shardc.parse("mesh X=2 over dcn\nT4[B, D_X] = In1[] · In2[B_X, D] · In3[]\n"))
+    p = shardc.plan(shardc.parse("mesh X=2 over dcn\nconst In2, In3\nT4[B, D_X] = In1[] · In2[B_X, D] · In3[]\n"))
     assert collectives(p.backward) == ["AllGather_X dTmp[B, D_X] -> dTmp[B, D]",
                                        "AllGather_X In2[B_X, D] -> In2[B, D]"]
 

@@ -72,11 +72,13 @@ def test_all_reduce_is_reduce_scatter_plus_all_gather(spec) -> None:  # type: ig
 
 @settings(max_examples=15)
 @given(specs(max_devices=8, max_statements=3))
-def test_gradients_for_params_and_first_input(spec) -> None:  # type: ignore[no-untyped-def]
+def test_gradients_for_every_input_but_const(spec) -> None:  # type: ignore[no-untyped-def]
     p = shardc.plan(spec)
-    params = {i.name for i in p.tensors if i.role == "param"}
+    inputs = {i.name for i in p.tensors if i.role in ("param", "input")}
     names = {g.name for g in p.grads}
-    assert {f"d{n}" for n in params} <= names
+    assert names == {p.grad_name(n) for n in inputs - set(spec.const)}
+    made = {s.tensor for s in p.backward if s.op in (Op.EINSUM, Op.ELEMENTWISE)}  # gradients and their parts
+    assert not (made | {c.name for c in p.cotangents}) & {i.name for i in p.tensors}  # never a user's name
     for grad in p.grads:
-        primal = p.tensor(grad.name[1:]).ref
+        primal = p.tensor(p.primal(grad.name)).ref
         assert grad.dims == primal.dims and grad.unreduced == ()

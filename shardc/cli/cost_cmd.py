@@ -9,38 +9,56 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
-from shardc.cli.main import add_common, parse_sets, read_spec
+from shardc.cli.main import add_common, load_spec, parse_sets, read_spec
+from shardc.errors import ShardcError
 
-__all__ = ["register", "run_cost", "run_hardware"]
+__all__ = ["register", "run_cost", "run_hardware", "MAX_POINTS"]
+
+MAX_POINTS = 1000  # a sweep's table is read by a person; more points would only eat memory
 
 
 def register(subparsers: Any, name: str) -> None:
     """Add the ``cost`` or the ``hardware`` subcommand (both live here)."""
     if name == "hardware":
-        parser = subparsers.add_parser(name, help="list the hardware presets")
+        parser = subparsers.add_parser(
+            name, help="list the hardware presets",
+            description="List the hardware presets (FLOPs/s, link and HBM bandwidths, HBM size) and the keys "
+                        "a --hardware-file takes.")
         parser.add_argument("--json", action="store_true", help="print the presets as JSON")
         parser.set_defaults(func=run_hardware)
         return
-    parser = subparsers.add_parser(name, help="cost a plan: time, roofline, memory, thresholds")
+    parser = subparsers.add_parser(
+        name, help="cost a plan: time, roofline, memory, thresholds",
+        description="Cost the plan of FILE on a chip: each step's bytes, FLOPs and time, per phase and for "
+                    "the whole step, memory per device, and the thresholds where the step turns "
+                    "communication-bound.  Without sizes for every dim it prints the same table as "
+                    "formulas.  The chip: --hardware-file, else --hardware, else the spec's `hardware` "
+                    "line, else tpu-v5p.")
     add_common(parser)
     parser.add_argument("--hardware", metavar="NAME", help="a preset (see `shardc hardware`)")
     parser.add_argument("--hardware-file", metavar="TOML", help="a chip of your own (keys: shardc hardware)")
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
-                        help="the plan's residual policy")
+                        help="the plan's residual policy (see `shardc plan --help`)")
     parser.add_argument("--optimizer", choices=("adam10", "adam16"), default="adam10",
                         help="memory accounting: 10 or 16 bytes a param")
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
                         help="mesh axis AXIS is laid over K physical ICI axes (the book's M_X; repeatable)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--sweep", metavar="DIM=LOW:HIGH", help="log-spaced sweep of one dim")
-    parser.add_argument("--points", type=int, default=13, help="points of the sweep (13)")
+    parser.add_argument("--sweep", metavar="DIM=LOW:HIGH",
+                        help="instead of the report, a table of compute vs communication time at log-spaced "
+                             "sizes of one dim (or mesh axis), the plan kept fixed")
+    parser.add_argument("--points", type=int, default=13, metavar="N",
+                        help=f"points of the sweep, 2 to {MAX_POINTS} (13)")
     parser.add_argument("--with", dest="others", action="append", default=[], metavar="FILE",
                         help="another spec to sweep beside FILE (repeatable)")
-    parser.add_argument("--plot", metavar="PNG", help="draw the sweep (needs matplotlib)")
-    parser.add_argument("--schedule-plot", metavar="PNG", help="draw the pipeline schedule as a Gantt chart")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="draw the sweep to PATH (.png, .pdf, .svg, ...; needs matplotlib)")
+    parser.add_argument("--schedule-plot", metavar="PATH",
+                        help="draw the pipeline schedule as a Gantt chart (.png, ...; needs matplotlib)")
     parser.set_defaults(func=run_cost)
 
 
@@ -67,12 +85,23 @@ def run_hardware(args: argparse.Namespace) -> int:
 
 def run_cost(args: argparse.Namespace) -> int:
     from shardc import plan
-    from shardc.costmodel.report import cost
+    from shardc.costmodel.report import cost, missing_sizes
 
     spec = read_spec(args)
     the_plan = plan(spec, save=args.save)
     if args.sweep:
         return _run_sweep(args, the_plan)
+    sizes = {a.name: a.size for a in spec.mesh.axes} | dict(spec.sizes)
+    if missing_sizes(the_plan, sizes):
+        from shardc.costmodel.symbolic import cost_formulas
+
+        formulas = cost_formulas(the_plan, hardware=args.hardware, hardware_file=args.hardware_file,
+                                 spans=parse_sets(args.spans) or None)
+        if args.mfu is not None:
+            formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
+                                                                 "needs the sizes",))
+        print(formulas.json_text() if args.json else formulas.render(), end="\n" if args.json else "")
+        return 0
     report = cost(the_plan, hardware=args.hardware, mfu=args.mfu, optimizer=args.optimizer,
                   hardware_file=args.hardware_file, spans=parse_sets(args.spans) or None)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
@@ -86,24 +115,17 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def _run_sweep(args: argparse.Namespace, first: Any) -> int:
-    from shardc import parse, plan
+    from shardc import plan
     from shardc.costmodel.hardware import resolve_hardware
-    from shardc.costmodel.sweep import parse_sweep, plot, sweep
-    from shardc.spec.overrides import apply_overrides
+    from shardc.costmodel.sweep import check_plot_path, parse_sweep, plot, sweep
 
     dim, low, high = parse_sweep(args.sweep)
+    if not 2 <= args.points <= MAX_POINTS:
+        raise ShardcError(f"--points must be from 2 to {MAX_POINTS}, got {args.points}", fix="write e.g. --points 13")
+    if args.plot:
+        check_plot_path(args.plot)
     hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)
-    plans = [first]
-    for path in args.others:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                spec = parse(handle.read(), filename=path)
-        except OSError as err:
-            from shardc.errors import ShardcError
-
-            raise ShardcError(f"cannot read {path}: {err.strerror}", fix="check the --with path") from None
-        sets = parse_sets(args.set)
-        plans.append(plan(apply_overrides(spec, sets) if sets else spec, save=args.save))
+    plans = [first] + [plan(load_spec(path, args.set), save=args.save) for path in args.others]
     spans = parse_sets(args.spans) or None
     sweeps = [sweep(p, hw, dim, low, high, args.points, spans=spans) for p in plans]
     if args.json:

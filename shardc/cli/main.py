@@ -1,22 +1,34 @@
 """The ``shardc`` command: parses arguments, runs a pass, formats its output.
 
-Each subcommand lives in its own module with ``register(subparsers)``, which
-adds its parser and sets ``func`` to a ``run(args) -> int``.  Modules are
-imported only when their command runs, so ``shardc plan`` never pays for jax.
-A :class:`ShardcError` is printed as a diagnostic (never a traceback), exit 2.
+Each subcommand lives in its own module with ``register(subparsers, name)``,
+which adds its parser and sets ``func`` to a ``run(args) -> int``.  Modules are
+imported only when their command runs, so ``shardc plan`` never pays for jax
+(and ``shardc --help`` for nothing but argparse).
+
+Exit status: 0 success, 1 a check failed (``verify``), 2 a usage or spec error
+(130 when interrupted).
+A :class:`ShardcError` is printed as a diagnostic, never a traceback; so is
+running out of memory, and any other exception (a bug in shardc) is printed as
+one ``internal error`` line asking for a report (``SHARDC_TRACEBACK=1`` shows
+the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+from shardc import __version__
 from shardc.errors import ShardcError
 
-# command name -> module defining register(); the help line is kept here so
-# ``shardc --help`` imports nothing heavy.
+__all__ = ["COMMANDS", "build_parser", "full_parser", "main", "parse_sets", "add_common", "read_spec"]
+
+# command name -> (module defining register(), one-line help); the help lines live here so
+# ``shardc --help`` imports no command module.
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("shardc.cli.plan_cmd", "infer the collectives of forward and backward"),
     "cost": ("shardc.cli.cost_cmd", "cost a plan: time, roofline, memory, thresholds"),
@@ -26,9 +38,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("shardc.cli.lower_cmd", "put the plan beside XLA's partitioner"),
 }
 
+_EPILOG = "Run `shardc COMMAND --help` for a command's flags.  Exit status: 0 ok, 1 a check failed, 2 an error."
+
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardc", description=__doc__.splitlines()[0])
+    """The parser with ``command``'s flags registered (the others as names only)."""
+    parser = _top_parser()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         if name == command:
@@ -38,21 +53,68 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def full_parser() -> argparse.ArgumentParser:
+    """The parser with every command's flags (for documentation and its tests)."""
+    parser = _top_parser()
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, _) in COMMANDS.items():
+        importlib.import_module(module).register(sub, name)
+    return parser
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardc", epilog=_EPILOG,
+        description="A compiler pass for sharding annotations: plan, cost and lower the collectives "
+                    "of sharded einsums written in a .shard file.")
+    parser.add_argument("--version", action="version", version=f"shardc {__version__}",
+                        help="print the version and exit")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    command = next((a for a in args_list if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(args_list)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    command = next((a for a in args_list if a in COMMANDS), None)
     try:
+        parser = build_parser(command)
+        args = parser.parse_args(args_list)
+        if args.command is None:
+            parser.print_help()
+            return 2
         return int(args.func(args))
     except ShardcError as err:
         print(err.render(), file=sys.stderr)
         return 2
     except BrokenPipeError:
+        _quiet_stdout()
         return 0
+    except KeyboardInterrupt:
+        print("shardc: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("error: out of memory\nfix: use smaller sizes or fewer points, or a machine with more memory",
+              file=sys.stderr)
+        return 2
+    except RecursionError:
+        print("error: the spec nests too deeply to process\nfix: split the expression over several statements",
+              file=sys.stderr)
+        return 2
+    except Exception as err:  # a bug: one line, not a traceback, unless asked for
+        if os.environ.get("SHARDC_TRACEBACK"):
+            raise
+        print(f"internal error: {type(err).__name__}: {err}\n"
+              "this is a bug in shardc: please report it with the spec and the command "
+              "(SHARDC_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe, point stdout at /dev/null so the interpreter's final flush stays silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, int]:
@@ -70,22 +132,22 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, int]:
 
 def add_common(parser: argparse.ArgumentParser) -> None:
     """FILE and --set, shared by every command that reads a spec."""
-    parser.add_argument("file", metavar="FILE", help="a .shard spec file")
+    parser.add_argument("file", metavar="FILE", help="a .shard spec file (UTF-8)")
     parser.add_argument("--set", action="append", metavar="NAME=VALUE", default=[],
-                        help="override a dim or a mesh axis size (repeatable)")
+                        help="override a dim or a mesh axis size, e.g. --set B=1e6 (repeatable)")
 
 
-def read_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """Read and parse FILE, then apply ``--set``; errors are ShardcErrors."""
+def load_spec(path: str, sets: Sequence[str] | None = None) -> Any:
+    """Read and parse a spec file, then apply ``--set`` pairs; errors are ShardcErrors."""
+    from shardc.files import read_text
     from shardc.spec.overrides import apply_overrides
     from shardc.spec.parser import parse
 
-    try:
-        with open(args.file, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as err:
-        raise ShardcError(f"cannot read {args.file}: {err.strerror}",
-                          fix="check the path of the .shard file") from None
-    spec = parse(text, filename=args.file)
-    sets = parse_sets(args.set)
-    return apply_overrides(spec, sets) if sets else spec
+    spec = parse(read_text(path), filename=path)
+    sizes = parse_sets(sets)
+    return apply_overrides(spec, sizes) if sizes else spec
+
+
+def read_spec(args: argparse.Namespace) -> Any:
+    """FILE and ``--set`` of a command's arguments, parsed."""
+    return load_spec(args.file, args.set)

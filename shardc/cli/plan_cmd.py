@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         data = to_json(result)
         if args.explain:
             data["choices"] = [_choice_json(c) for c in result.choices]
-        print(json.dumps(data, indent=2))
+        print(json.dumps(data, indent=2, allow_nan=False))  # strict JSON: a NaN would be a bug
         return 0
     text = render_text(result)
     if args.explain:

@@ -108,17 +108,48 @@ def get_hardware(name: str) -> Hardware:
 
 
 def load_hardware_file(path: str) -> Hardware:
-    """A chip from TOML: the :class:`Hardware` field names as keys (``name`` optional)."""
+    """A chip from TOML: the :class:`Hardware` field names as keys (``name`` optional).
+
+    The file is read bounded and as UTF-8 (:mod:`shardc.files`); figures must be
+    finite and positive, counts whole numbers (a torus side of at least 2).
+    """
+    from shardc.files import read_text
+
     try:
-        with open(path, "rb") as handle:
-            data = tomllib.load(handle)
-    except OSError as err:
-        raise ShardcError(f"cannot read hardware file {path}: {err.strerror}",
-                          fix="check the path given to --hardware-file") from None
+        data = tomllib.loads(read_text(path, what="hardware file"))
     except tomllib.TOMLDecodeError as err:
         raise ShardcError(f"hardware file {path} is not valid TOML: {err}",
                           fix="write lines like `flops = 4.59e14`") from None
+    _check_file_values(data, path)
     return hardware_from_mapping(data, source=path)
+
+
+_FIGURE_RANGE = (1e-30, 1e30)
+
+
+def _check_file_values(data: dict[str, object], path: str) -> None:
+    """Types and ranges the dataclass cannot check: finite figures, whole counts, text names."""
+    for key, value in data.items():
+        if key in ("name", "description"):
+            if not isinstance(value, str):
+                raise ShardcError(f"{path}: {key} must be a string, got {value!r}",
+                                  fix=f'write e.g. `{key} = "my-chip"`')
+        elif isinstance(value, int | float) and not isinstance(value, bool) and not math.isfinite(value):
+            raise ShardcError(f"{path}: {key} must be a finite number, got {value!r}",
+                              fix=f"write e.g. `{key} = 1e11`")
+        elif isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and \
+                not _FIGURE_RANGE[0] <= value <= _FIGURE_RANGE[1]:
+            # beyond any chip; the ratios of such figures (C / W) would overflow a float
+            raise ShardcError(f"{path}: {key} = {value!r} is outside 1e-30..1e30",
+                              fix=f"write e.g. `{key} = 1e11`")
+    for key, least, example in (("ici_domain", 1, 8), ("torus_side", 2, 16), ("torus_dims", 1, 3)):
+        value = data.get(key)
+        if value is None:
+            continue
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole or value < least:  # type: ignore[operator]
+            raise ShardcError(f"{path}: {key} must be a whole number of at least {least}, got {value!r}",
+                              fix=f"write e.g. `{key} = {example}`")
 
 
 def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -> Hardware:

@@ -79,7 +79,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     total = sum(float(_global_elements(p.ref, sizes)) for p in params) * layers
     nbytes = plan.spec.dtype.nbytes
     kept = tuple((str(ref), float(local_elements(ref, sizes)) * nbytes) for ref in residual_values(plan))
-    names = {p.name for p in params}
+    names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
     gathered = max(peak_weights(plan.forward, names, sizes), peak_weights(plan.backward, names, sizes))
     return Memory(accounting, text, local, total, local * per_param, local * per_grad, local * per_opt,
                   sum(b for _, b in kept) * layers, gathered * nbytes, kept, hbm_bytes)
@@ -98,9 +98,10 @@ def residual_values(plan: Plan) -> list[TensorRef]:
     return out
 
 
-def peak_weights(steps: tuple[Step, ...], params: set[str], sizes: dict[str, int]) -> float:
-    """Most elements of gathered weights / unreduced weight gradients alive at one step of a phase."""
-    weights = {p for p in params} | {f"d{p}" for p in params}
+def peak_weights(steps: tuple[Step, ...], weights: set[str], sizes: dict[str, int]) -> float:
+    """Most elements of gathered weights / unreduced weight gradients alive at one step of a phase.
+
+    ``weights`` names the params and their gradients (:meth:`Plan.grad_name`)."""
     born: dict[TensorRef, int] = {}
     last: dict[TensorRef, int] = {}
     for i, step in enumerate(steps):

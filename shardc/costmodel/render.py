@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING
 from shardc.costmodel.collective import StepCost
 
 if TYPE_CHECKING:
+    from shardc.costmodel.formulas import HardwareSymbols
+    from shardc.costmodel.hardware import Hardware
     from shardc.costmodel.report import CostReport, PhaseCost
 
-__all__ = ["render", "fmt_bytes", "fmt_seconds", "fmt_flops"]
+__all__ = ["render", "hardware_line", "fmt_bytes", "fmt_seconds", "fmt_flops"]
 
 
 def _scaled(x: float, units: tuple[tuple[float, str], ...], base: str) -> str:
@@ -58,7 +60,7 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
         f"  compute {fmt_seconds(p.compute_s)}{per}: {fmt_flops(p.compute_flops)} a device = {f.flops}",
         f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {f.comm_bytes}"
         f"  [critical {fmt_seconds(p.critical_s)}, ahead {fmt_seconds(p.ahead_s)}]",
-        f"  time    = {f.compute_s} vs {f.comm_s}",
+        f"  time    = {f.compute_s_text()} vs {f.comm_s_text()}",
         f"  bound: {p.bound}; step {fmt_seconds(p.step_s)} with all collectives overlapped, "
         f"{fmt_seconds(p.step_ahead_only_s)} with only ahead-of-time ones; MFU {p.mfu:.1%}",
     ]
@@ -92,11 +94,16 @@ def _memory(report: CostReport) -> list[str]:
     return lines
 
 
+def hardware_line(filename: str | None, hw: Hardware, names: HardwareSymbols) -> str:
+    c, w_ici, w_dcn = names.names()
+    return (f"{filename or '<spec>'} on {hw.name}: {c}={hw.flops:.3g} FLOP/s, "
+            f"{w_ici}={hw.w_ici:.3g} B/s, {w_dcn}={hw.w_dcn:.3g} B/s, HBM {fmt_bytes(hw.hbm_bytes)}")
+
+
 def render(report: CostReport) -> str:
     hw = report.hardware
     sizes = ", ".join(f"{k}={v:_}" for k, v in report.sizes.items())
-    head = [f"{report.plan.spec.filename or '<spec>'} on {hw.name}: C={hw.flops:.3g} FLOP/s, "
-            f"W_ici={hw.w_ici:.3g} B/s, W_dcn={hw.w_dcn:.3g} B/s, HBM {fmt_bytes(hw.hbm_bytes)}",
+    head = [hardware_line(report.plan.spec.filename, hw, report.step.formula.hw),
             f"sizes: {sizes}; {report.step.devices} devices; layers {report.layers}", ""]
     body: list[str] = []
     for phase in (report.forward, report.backward):

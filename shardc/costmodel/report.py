@@ -14,7 +14,7 @@ Per phase (forward, backward) and for the whole training step (``step``, both):
   ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the book's estimate.
 
 Everything is multiplied by the layer count (``layers`` in the spec).  Every
-figure also comes as a sympy formula (bandwidth terms; ``*_expr`` in JSON).
+figure also comes as a formula (bandwidth terms; ``*_expr`` in JSON).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from shardc.costmodel.collective import StepCost, cost_step
-from shardc.costmodel.formulas import PhaseFormula, phase_formula
+from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.hardware import Hardware, resolve_hardware
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
 from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
@@ -33,10 +32,7 @@ from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
 
-if TYPE_CHECKING:
-    import sympy
-
-__all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers"]
+__all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes"]
 
 
 @dataclass(frozen=True)
@@ -118,10 +114,11 @@ class PhaseCost:
             return None
         return self.model_flops / (self.devices * self.hardware.flops * self.mfu_assumed)
 
-    def exprs(self) -> dict[str, sympy.Expr]:
+    def exprs(self) -> dict[str, str]:
         f = self.formula
-        return {"comm_bytes_expr": f.comm_bytes, "comm_s_expr": f.comm_s, "compute_flops_expr": f.flops,
-                "compute_s_expr": f.compute_s, "model_flops_expr": f.model_flops}
+        return {"comm_bytes_expr": str(f.comm_bytes), "comm_s_expr": f.comm_s_text(),
+                "compute_flops_expr": str(f.flops), "compute_s_expr": f.compute_s_text(),
+                "model_flops_expr": str(f.model_flops)}
 
     def to_json(self, rows: bool = True) -> dict[str, object]:
         data: dict[str, object] = {
@@ -132,7 +129,7 @@ class PhaseCost:
             "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu,
             "step_at_mfu_s": self.step_at_mfu_s,
         }
-        data.update({k: str(v) for k, v in self.exprs().items()})
+        data.update(self.exprs())
         if rows:
             data["rows"] = [r.to_json() for r in self.rows]
         return data
@@ -159,7 +156,9 @@ class CostReport:
         data: dict[str, object] = {
             "file": self.plan.spec.filename,
             "hardware": {"name": hw.name, "C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn,
-                         "hbm_bytes": hw.hbm_bytes, "hop_latency": hw.hop_latency},
+                         "hbm_bytes": hw.hbm_bytes, "hop_latency": hw.hop_latency,
+                         "symbols": dict(zip(("C", "W_ici", "W_dcn"), self.step.formula.hw.names(),
+                                             strict=True))},
             "sizes": self.sizes, "layers": self.layers, "devices": self.step.devices,
             "save": self.plan.save,
             "forward": self.forward.to_json(), "backward": self.backward.to_json(),
@@ -173,7 +172,7 @@ class CostReport:
         return data
 
     def json_text(self) -> str:
-        return json.dumps(self.to_json(), indent=2)
+        return json.dumps(self.to_json(), indent=2, allow_nan=False)  # strict JSON: a NaN is a bug
 
     def render(self) -> str:
         from shardc.costmodel.render import render
@@ -212,18 +211,53 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     rows_f = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.forward, 1))
     rows_b = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.backward, 1))
     count = layer_symbol if layer_symbol is not None else layers
-    f_fwd = phase_formula(plan.forward, mesh, count, spans)
-    f_bwd = phase_formula(plan.backward, mesh, count, spans)
+    names = symbols_of(plan)
+    f_fwd = phase_formula(plan.forward, mesh, count, spans, names)
+    f_bwd = phase_formula(plan.backward, mesh, count, spans, names)
     phases = (PhaseCost("forward", rows_f, layers, devices, hw, f_fwd, mfu),
               PhaseCost("backward", rows_b, layers, devices, hw, f_bwd, mfu),
               PhaseCost("step", rows_f + rows_b, layers, devices, hw, f_fwd + f_bwd, mfu))
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer)
     tokens = token_dims(plan)
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
-    notes = _notes(plan, hw, values) + tuple(
+    notes = _notes(plan, hw, values) + renamed_note(names) + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
         f"the book's M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
     return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), notes, pipe)
+
+
+def used_dims(plan: Plan) -> set[str]:
+    """Every dim the plan's tensors and steps have."""
+    used = {d.name for info in plan.tensors for d in info.ref.dims}
+    for phase in (plan.forward, plan.backward):
+        used.update(d.name for s in phase for ref in (s.dst, *s.operands) for d in ref.dims)
+    return used
+
+
+def used_names(plan: Plan) -> set[str]:
+    """Every dim and mesh axis name the plan's formulas can contain."""
+    return used_dims(plan) | set(plan.spec.mesh.names) | set(plan.spec.sizes)
+
+
+def missing_sizes(plan: Plan, sizes: dict[str, int]) -> list[str]:
+    """The dims (and a named layer count) that ``sizes`` lacks, sorted."""
+    needed = used_dims(plan) | ({plan.spec.layers} if isinstance(plan.spec.layers, str) else set())
+    return sorted(needed - set(sizes))
+
+
+def symbols_of(plan: Plan) -> HardwareSymbols:
+    """The hardware symbols of this plan's formulas, renamed where a dim or axis has the book's name."""
+    return hardware_symbols(used_names(plan))
+
+
+def renamed_note(names: HardwareSymbols) -> tuple[str, ...]:
+    """Say which hardware symbols were renamed because the spec uses the book's names."""
+    pairs = [f"{book} is written {ours}" for book, ours in zip(HardwareSymbols().names(), names.names(),
+                                                               strict=True) if book != ours]
+    if not pairs:
+        return ()
+    return (f"the spec names a dim or axis like a hardware symbol: in the formulas the chip's "
+            f"{', '.join(pairs)}",)
 
 
 def default_spans(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> dict[str, int]:
@@ -250,14 +284,12 @@ def resolve_sizes(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int]:
     values.update(plan.spec.sizes)
     values.update(plan.size_map or {})
     values.update(sizes or {})
-    used = {d.name for info in plan.tensors for d in info.ref.dims}
-    for phase in (plan.forward, plan.backward):
-        used.update(d.name for s in phase for ref in (s.dst, *s.operands) for d in ref.dims)
-    missing = sorted(used - set(values))
+    missing = [m for m in missing_sizes(plan, values) if m != plan.spec.layers]  # resolve_layers says it
     if missing:
         raise ShardcError("costs need the size of every dim; missing " + ", ".join(missing),
                           fix="add them to the `dims` line, or pass --set " +
-                          " ".join(f"{m}=..." for m in missing))
+                          " ".join(f"{m}=..." for m in missing) +
+                          " (shardc.costmodel.symbolic.cost_formulas gives the formulas without them)")
     return values
 
 

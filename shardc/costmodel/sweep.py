@@ -10,6 +10,7 @@ imported only then (``pip install shardc[plot]``).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,8 +19,9 @@ from shardc.costmodel.hardware import Hardware
 from shardc.costmodel.report import default_spans, resolve_layers, resolve_sizes
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
+from shardc.spec.parser import MAX_SIZE
 
-__all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot"]
+__all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot", "check_plot_path"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,12 @@ def parse_sweep(text: str) -> tuple[str, float, float]:
     name, sep, span = text.partition("=")
     low_text, colon, high_text = span.partition(":")
     try:
-        low, high = float(low_text), float(high_text)
+        low, high = float(low_text.replace("_", "")), float(high_text.replace("_", ""))
     except ValueError:
         low = high = math.nan
-    if not sep or not colon or not name.isidentifier() or not 0 < low < high:
-        raise ShardcError(f"--sweep expects NAME=LOW:HIGH with 0 < LOW < HIGH, got {text!r}",
+    if not sep or not colon or not name.isidentifier() or not 1 <= low < high <= MAX_SIZE:  # inf, nan refused
+        raise ShardcError(f"--sweep expects NAME=LOW:HIGH with 1 <= LOW < HIGH <= 1e18 (sizes count elements "
+                          f"or devices), got {text!r}",
                           fix="write e.g. --sweep B=1e3:1e7")
     return name, low, high
 
@@ -82,7 +85,7 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
     mesh = plan.spec.mesh
     spans = default_spans(plan, hw, base) | (spans or {})
     for k in range(points):
-        value = low * (high / low) ** (k / (points - 1))
+        value = math.exp(math.log(low) + math.log(high / low) * k / (points - 1))
         values = dict(base)
         values[dim] = value  # type: ignore[assignment]  # fractional sizes are fine for costing
         layers, _ = resolve_layers(plan, values)
@@ -94,8 +97,7 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
     return Sweep(label or plan.spec.filename or "<spec>", dim, tuple(out))
 
 
-def plot(sweeps: Sequence[Sweep], path: str, hw: Hardware) -> None:
-    """Communication time of each plan against the dim, with compute time dashed, log-log."""
+def _pyplot():  # type: ignore[no-untyped-def]
     try:
         import matplotlib
 
@@ -104,6 +106,29 @@ def plot(sweeps: Sequence[Sweep], path: str, hw: Hardware) -> None:
     except ImportError:
         raise ShardcError("--plot needs matplotlib, which is not installed",
                           fix="pip install 'shardc[plot]' (or matplotlib), or drop --plot") from None
+    return plt
+
+
+def check_plot_path(path: str) -> None:
+    """A path matplotlib can write: its extension names a format of the Agg canvas (png, pdf, svg, ...)."""
+    plt = _pyplot()
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix not in formats:
+        said = (f"the extension .{suffix} is not an image format matplotlib writes" if suffix
+                else "the path has no extension to say the image format")
+        raise ShardcError(f"--plot {path}: {said}",
+                          fix="end the path with one of " + ", ".join(f".{k}" for k in sorted(formats)))
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ShardcError(f"--plot {path}: no directory {folder}", fix="create it, or write the plot elsewhere")
+
+
+def plot(sweeps: Sequence[Sweep], path: str, hw: Hardware) -> None:
+    """Communication time of each plan against the dim, with compute time dashed, log-log."""
+    check_plot_path(path)
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in sweeps:
         xs = [p.value for p in s.points]
@@ -121,5 +146,7 @@ def plot(sweeps: Sequence[Sweep], path: str, hw: Hardware) -> None:
         fig.savefig(path)
     except OSError as err:
         raise ShardcError(f"cannot write {path}: {err.strerror}", fix="check the --plot path") from None
+    except ValueError as err:  # matplotlib's refusals of a path or a format
+        raise ShardcError(f"cannot write {path}: {err}", fix="check the --plot path") from None
     finally:
         plt.close(fig)

@@ -9,18 +9,19 @@ the book's ``B/X > C/W_ici = 2550 (tpu-v5p)``; when M is a model dim over a sing
 mesh axis it is solved for that axis, ``Y < F/2550``.  When a phase uses both
 networks there is one sentence a network, each a necessary condition (the DCN
 one is what the book quotes across pods); the verdict itself adds both terms.
+A phase with no FLOPs (only moves) is communication-bound at any size.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from decimal import Decimal
+from fractions import Fraction
 
-from shardc.costmodel.formulas import PhaseFormula, symbol
+from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, symbol
 from shardc.costmodel.hardware import Hardware
-
-if TYPE_CHECKING:
-    import sympy
+from shardc.costmodel.poly import Poly, Ratio
 
 __all__ = ["Threshold", "derive", "format_number"]
 
@@ -56,12 +57,13 @@ def derive(phase: str, formula: PhaseFormula, hw: Hardware, mesh_axes: frozenset
 
     ``token_dims`` maps each batch/token dim to the mesh axes sharding it in the
     spec's input, so a solved bound can be printed per device (``B/X > ...``).
+    ``sizes`` may lack some or all dims: the sentences then carry no ``here``.
     """
-    parts = [(net, q) for net, q in (("ici", formula.q_ici), ("dcn", formula.q_dcn)) if q != 0]
+    parts = [(net, q) for net, q in (("ici", formula.q_ici), ("dcn", formula.q_dcn)) if not q.is_zero]
     out: list[Threshold] = []
     for network, q in parts:
         label = phase if len(parts) == 1 else f"{phase} ({network.upper()} part)"
-        ctx = _Context(label, network, hw, mesh_axes, token_dims, sizes)
+        ctx = _Context(label, network, hw, formula.hw, mesh_axes, token_dims, sizes)
         out.append(_one(ctx, formula.flops, q))
     return out
 
@@ -71,50 +73,56 @@ class _Context:
     label: str
     network: str
     hw: Hardware
+    names: HardwareSymbols
     mesh_axes: frozenset[str]
     token_dims: dict[str, tuple[str, ...]]
     sizes: dict[str, int] | None
 
     @property
     def w_name(self) -> str:
-        return "W_ici" if self.network == "ici" else "W_dcn"
+        return self.names.ici if self.network == "ici" else self.names.dcn
 
     @property
     def chip(self) -> float:
         return self.hw.intensity_ici if self.network == "ici" else self.hw.intensity_dcn
 
 
-def _one(ctx: _Context, flops: sympy.Expr, q: sympy.Expr) -> Threshold:
+def _one(ctx: _Context, flops: Poly, q: Poly) -> Threshold:
     """Split the intensity into a number times the rest, then pick the sentence's form."""
-    import sympy
-
-    intensity = sympy.factor(sympy.cancel(flops / q))  # a ratio of polynomials: cancel is exact and fast
-    coeff, rest = intensity.as_coeff_Mul()
-    if not _is_monomial(rest) or rest == 1:
-        coeff, rest = sympy.Integer(1), intensity
+    intensity = Ratio(flops, q).cancelled()
+    plain = str(symbol(ctx.names.flops) / symbol(ctx.w_name))
+    if intensity.is_zero:
+        sentence = (f"{ctx.label}: no FLOPs to hide the communication behind: communication-bound "
+                    f"at any size")
+        return Threshold(ctx.label, ctx.network, "0", "0", ">", plain, ctx.chip, 0.0,
+                         False if ctx.sizes is not None else None, sentence)
+    coeff, rest = Fraction(1), intensity
+    if intensity.is_monomial and not intensity.as_poly().is_number:
+        coeff = intensity.as_poly().coefficient()
+        rest = Ratio(intensity.as_poly() / coeff, Poly.number(1))
     value = ctx.chip / float(coeff)
-    rhs_sym = str(symbol("C") / (coeff * symbol(ctx.w_name)))
+    rhs_sym = str(symbol(ctx.names.flops) / (coeff * symbol(ctx.w_name)))
     axis = _single_axis(rest, ctx.mesh_axes, frozenset(ctx.token_dims))
     if axis is not None:
-        return _axis_form(ctx, intensity, rest, axis, value, rhs_sym)
+        return _axis_form(ctx, intensity, rest.as_poly(), axis, value, rhs_sym)
     here = _evaluate(rest, ctx.sizes)
     holds = None if here is None else here > value
     where = f"({ctx.hw.name})"
     lhs = str(rest)
-    if not rest.free_symbols:  # type: ignore[attr-defined]
-        sentence = (f"{ctx.label}: {format_number(float(rest))} FLOPs a byte at any size, "
+    if not rest.free_symbols:
+        sentence = (f"{ctx.label}: {format_number(rest.evaluate({}))} FLOPs a byte at any size, "
                     f"compute-bound iff that exceeds {rhs_sym} = {format_number(value)} {where}")
         return Threshold(ctx.label, ctx.network, str(intensity), lhs, ">", rhs_sym, value, here, holds,
                          sentence)
     sentence = f"{ctx.label}: compute-bound iff {lhs} > {rhs_sym} = {format_number(value)} {where}"
-    solved = _solved(ctx, rest, value) if not _is_monomial(rest) else ""
+    solved = _solved(ctx, rest, value) if not rest.is_monomial else ""
     sentence += solved
     if here is not None and not solved:
         sentence += f"; here {lhs} = {format_number(here)}"
     return Threshold(ctx.label, ctx.network, str(intensity), lhs, ">", rhs_sym, value, here, holds, sentence)
 
 
-def _axis_form(ctx: _Context, intensity: sympy.Expr, rest: sympy.Expr, axis: str, value: float,
+def _axis_form(ctx: _Context, intensity: Ratio, rest: Poly, axis: str, value: float,
                rhs_sym: str) -> Threshold:
     """``Y < F/2550``: the intensity is model dims over one mesh axis, solved for the axis."""
     numerator = rest * symbol(axis)
@@ -131,66 +139,52 @@ def _axis_form(ctx: _Context, intensity: sympy.Expr, rest: sympy.Expr, axis: str
                      sentence)
 
 
-def _solved(ctx: _Context, intensity: sympy.Expr, value: float) -> str:
+def _solved(ctx: _Context, intensity: Ratio, value: float) -> str:
     """``, i.e. B/X > 2550*F/(F - 2550*Y)``: a sum's intensity solved for its one token dim, per device."""
-    import sympy
-
-    tokens = [s for s in intensity.free_symbols if s.name in ctx.token_dims]  # type: ignore[attr-defined]
+    tokens = [s for s in intensity.free_symbols if s in ctx.token_dims]
     if len(tokens) != 1:
         return ""
     token = tokens[0]
-    whole = abs(value - round(value)) < 1e-9 * value
-    number = sympy.Integer(round(value)) if whole else sympy.Float(value, 4)
-    # intensity = number is num - number*den = 0; solved by hand when linear in the token dim
-    # (sympy.solve gives the same root but imports sympy.physics and takes a third of a second)
-    num, den = sympy.fraction(sympy.cancel(intensity))
-    poly = sympy.Poly(sympy.expand(num - number * den), token)
-    if poly.degree() != 1:
+    if not math.isfinite(value):
         return ""
-    slope, offset = poly.all_coeffs()
-    shards = sympy.Mul(*(symbol(a) for a in ctx.token_dims[token.name]))
-    per_device = token / shards
-    bound = sympy.factor(sympy.cancel(-offset / (slope * shards)))
+    whole = value < 1e6 and abs(value - round(value)) < 1e-9 * value  # 2550, 1275, 73440 as they are
+    number = Fraction(round(value)) if whole else Fraction(Decimal(f"{value:.4g}"))
+    # intensity = number is num - number*den = 0, solved when linear in the token dim
+    coeffs = (intensity.num - number * intensity.den).collect(token)
+    if set(coeffs) != {0, 1} and set(coeffs) != {1}:
+        return ""
+    slope, offset = coeffs[1], coeffs.get(0, Poly())
+    shards = Poly.monomial(1, tuple((a, 1) for a in ctx.token_dims[token]))
+    per_device = symbol(token) / shards
+    bound = Ratio(-offset, slope * shards).cancelled()
     text = f", i.e. {per_device} > {bound}"
     here = _evaluate(bound, ctx.sizes)
     if here is not None:
         text += f" = {format_number(here)}" if here > 0 else " (never: the bound is negative)"
-    now = _evaluate(per_device, ctx.sizes)
+    now = _evaluate(Ratio(per_device, Poly.number(1)), ctx.sizes)
     if now is not None:
         text += f"; here {per_device} = {format_number(now)}"
     return text
 
 
-def _is_monomial(expr: sympy.Expr) -> bool:
-    import sympy
-
-    if expr.is_Symbol:
-        return True
-    if expr.is_Pow:
-        return bool(expr.base.is_Symbol and expr.exp.is_Integer)  # type: ignore[attr-defined]
-    if expr.is_Mul:
-        return all(_is_monomial(a) for a in expr.args)
-    return isinstance(expr, sympy.Integer)
-
-
-def _single_axis(rest: sympy.Expr, mesh_axes: frozenset[str], token_dims: frozenset[str]) -> str | None:
+def _single_axis(rest: Ratio, mesh_axes: frozenset[str], token_dims: frozenset[str]) -> str | None:
     """The mesh axis to solve for, when ``rest`` is model dims over exactly one mesh axis."""
-    if not _is_monomial(rest):
+    if not rest.is_monomial:
         return None
-    powers = rest.as_powers_dict()
-    axes = [s.name for s in powers if s.name in mesh_axes]
-    if len(axes) != 1 or powers[symbol(axes[0])] != -1:
+    powers = rest.as_poly().powers()
+    axes = [name for name in powers if name in mesh_axes]
+    if len(axes) != 1 or powers[axes[0]] != -1:
         return None
-    others = [(s.name, p) for s, p in powers.items() if s.name != axes[0]]
+    others = [(name, p) for name, p in powers.items() if name != axes[0]]
     if not others or any(p < 0 or name in token_dims or name in mesh_axes for name, p in others):
         return None
     return axes[0]
 
 
-def _evaluate(expr: sympy.Expr, sizes: dict[str, int] | None) -> float | None:
-    if sizes is None:
+def _evaluate(expr: Poly | Ratio, sizes: dict[str, int] | None) -> float | None:
+    if sizes is None or any(s not in sizes for s in expr.free_symbols):
         return None
-    free = expr.free_symbols  # type: ignore[attr-defined]
-    if any(s.name not in sizes for s in free):
+    try:
+        return expr.evaluate({k: float(v) for k, v in sizes.items()})
+    except ZeroDivisionError:
         return None
-    return float(expr.subs({s: sizes[s.name] for s in free}))

@@ -44,7 +44,8 @@ class Lowered:
         return dict(self.namespace.forward(inputs))
 
     def grad(self, inputs: dict[str, Any], cotangent: dict[str, Any]) -> dict[str, Any]:
-        """``d<Name>`` for each param and the first input, from ``d<Out>`` cotangents."""
+        """The gradient of each input not declared ``const`` (keyed ``plan.grad_name(x)``, ``dX``),
+        from the outputs' cotangents (keyed by their gradient names, ``dOut``)."""
         return dict(self.namespace.grad(inputs, cotangent))
 
     def global_shape(self, ref: TensorRef) -> tuple[int, ...]:

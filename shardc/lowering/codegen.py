@@ -63,7 +63,7 @@ class Module:
     forward: Phase
     backward: Phase
     results: tuple[str, ...]  # forward() keys: every statement's result
-    cotangents: dict[str, str]  # d<Out> -> Out
+    cotangents: dict[str, str]  # the gradient of an output (d<Out>) -> the output
     grads: dict[str, str]  # input or param name -> its gradient's name
 
 
@@ -285,15 +285,11 @@ def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int
     external = _external_reads(plan.backward)
     forward, results = _forward_phase(plan, var, letters, sizes, external)
     backward = _backward_phase(plan, var, letters, sizes, forward, external)
-    cotangents = {c.name: _primal(c.name) for c in plan.cotangents}
-    grads = {_primal(g.name): g.name for g in plan.grads}
+    cotangents = {c.name: plan.primal(c.name) for c in plan.cotangents}
+    grads = {plan.primal(g.name): g.name for g in plan.grads}
     demo = small_sizes(_with_mesh(plan, mesh), devices=None)
     source = template.render(plan, title, mesh, sizes, demo, forward, backward, results, cotangents, grads)
     return Module(source, mesh, sizes, forward, backward, results, cotangents, grads)
-
-
-def _primal(name: str) -> str:
-    return name[1:] if name.startswith("d") else name
 
 
 def _with_mesh(plan: Plan, mesh: tuple[tuple[str, int], ...]) -> Plan:

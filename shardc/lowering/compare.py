@@ -130,9 +130,9 @@ class _XlaPrograms:
             k, r = len(self.inputs), len(self.results)
             inputs = summed(args[:k])
             given = dict(zip([i.name for i in self.results], args[k:k + r], strict=True))
-            cot = dict(zip([c.name for c in self.cotangents], args[k + r:], strict=True))
+            cot = dict(zip([plan.primal(c.name) for c in self.cotangents], args[k + r:], strict=True))
             grads = reference.backward(spec, inputs, cot, jnp, given=given)
-            return tuple(grads[g.name] for g in self.grads)
+            return tuple(grads[plan.primal(g.name)] for g in self.grads)
 
         self.fwd_in = [sharding(i.ref, stacked=True) for i in self.inputs]
         self.bwd_in = self.fwd_in + [sharding(i.ref) for i in self.results] + [

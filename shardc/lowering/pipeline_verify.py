@@ -154,10 +154,10 @@ def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
     grads: dict[str, list[np.ndarray]] = {p: [] for p in params}
     g = d_out.astype(np.float64)
     for values in reversed(kept):
-        got = reference.backward(spec, values, {"d" + ns.BLOCK_OUTPUT: g})
+        got = reference.backward(spec, values, {ns.BLOCK_OUTPUT: g})  # keyed by the tensors' names
         for p in params:
-            grads[p].insert(0, got["d" + p])
-        g = got["d" + ns.BLOCK_INPUT]
+            grads[p].insert(0, got[p])
+        g = got[ns.BLOCK_INPUT]
     return x, {"d" + ns.BLOCK_INPUT: g, **{"d" + p: np.stack(v) for p, v in grads.items()}}
 
 

@@ -90,8 +90,11 @@ def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np) -> dict[str, Arr
 
 def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
              xp: Any = np, given: dict[str, Array] | None = None) -> dict[str, Array]:
-    """``d<Name>`` of every input and param, given ``d<Out>`` (or ``Out``) for each output.
+    """The gradient of every input and param, keyed by the input's name, given the
+    cotangent of each output keyed by the output's name.
 
+    Keys are the tensors' own names, not gradient names: those are the plan's
+    (:meth:`shardc.planner.ir.Plan.grad_name`), and this reference does not read the plan.
     ``given`` holds forward values already computed (by name); the rest are recomputed.
     """
     graph = build_graph(spec)
@@ -102,8 +105,8 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         grads[name] = grads[name] + g if name in grads else g
 
     for out in graph.outputs:  # an output without a cotangent leads to no wanted gradient
-        if "d" + out in cotangents or out in cotangents:
-            add(out, cotangents["d" + out] if "d" + out in cotangents else cotangents[out])
+        if out in cotangents:
+            add(out, cotangents[out])
     for node in reversed(graph.nodes):
         if node.result not in grads:
             continue
@@ -118,4 +121,4 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
             others = [values[o] for j, o in enumerate(node.operands) if j != k]
             other_labels = [lab for j, lab in enumerate(labels) if j != k]
             add(name, _contract(xp, [d, *others], [list(node.indices), *other_labels], labels[k], shape))
-    return {"d" + name: grads[name] for name in graph.inputs if name in grads}
+    return {name: grads[name] for name in graph.inputs if name in grads}

@@ -29,10 +29,11 @@ returned summed.
 
 ``forward`` is a ``jax.custom_vjp``: ``jax.grad`` of a function of its results
 runs the planned backward below for the outputs' cotangents; cotangents of
-results that a later statement reads, and gradients of inputs the plan does not
-differentiate, come from JAX's transpose of the forward program, only when asked
-for.  Each phase is one ``shard_map``; every line is one step of the plan,
-commented with the sharded tensor it makes and its local (per-device) shape.
+results that a later statement reads, and gradients of inputs declared ``const``
+(which the plan does not differentiate), come from JAX's transpose of the forward
+program, only when asked for.  Each phase is one ``shard_map``; every line is one
+step of the plan, commented with the sharded tensor it makes and its local
+(per-device) shape.
 
 On a CPU, emulate the devices with
 XLA_FLAGS=--xla_force_host_platform_device_count={devices} set before jax is imported.
@@ -131,11 +132,11 @@ def _forward_fwd(inputs):
 
 
 def _forward_bwd(residuals, cotangent):
-    """The planned backward for the outputs' cotangents, into the params and the first input.
+    """The planned backward for the outputs' cotangents, into every input not declared const.
 
     By linearity the rest is added from JAX's own transpose of the forward program
     (not planned, not costed): cotangents of results a later statement reads, and
-    gradients of inputs the plan does not differentiate.  Neither runs unless needed.
+    gradients of const inputs, should they be asked for.  Neither runs unless needed.
     """
     inputs, saved, wanted = residuals
     results = _results(saved)
@@ -169,7 +170,8 @@ forward.defvjp(_forward_fwd, _forward_bwd, symbolic_zeros=True)
 
 
 def grad(inputs, cotangent):
-    """d<Name> for each param and the first input; ``cotangent`` keyed by d<Out> (or Out)."""
+    """The planned gradients (keyed as GRADS names them) of every input not declared const;
+    ``cotangent`` keyed by the outputs' gradient names (COTANGENTS) or by the outputs."""
     cot = {{name: cotangent[name] if name in cotangent else cotangent[out]
            for name, out in COTANGENTS.items()}}
     return run_backward(inputs, run_forward(inputs), cot)
@@ -237,7 +239,7 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
     text += _function(forward)
     text += "\n\n# ---- backward " + "-" * 59 + "\n\n" + _specs("BACKWARD_IN", backward.inputs)
     text += _specs("BACKWARD_OUT", backward.outputs)
-    text += f"COTANGENTS = {cotangents!r}  # d<Out> -> Out\n"
+    text += f"COTANGENTS = {cotangents!r}  # an output's gradient name -> the output\n"
     text += f"GRADS = {grads!r}  # tensor -> its gradient\n\n\n"
     text += _function(backward)
     text += "\n\n# ---- driver " + "-" * 61 + "\n" + _DRIVER.format()

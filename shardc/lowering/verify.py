@@ -142,6 +142,14 @@ def _compare(phase: str, got: dict[str, Any], want: dict[str, np.ndarray], names
     return rows
 
 
+def _unplanned(plan: Plan, ref_grads: dict[str, np.ndarray]) -> list[ValueRow]:
+    """A mismatch for each input with a gradient the plan does not make (only `const` ones may lack one)."""
+    planned = {g.name for g in plan.grads}
+    const = set(plan.spec.const)
+    return [ValueRow("backward", name, math.nan, math.nan, math.nan, False, "the plan makes no such gradient")
+            for name in ref_grads if name not in planned and plan.primal(name) not in const]
+
+
 def reference_inputs(lowered: Lowered, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inputs as the unsharded reference reads them: in float64, partial sums summed."""
     stacked = lowered.namespace.STACKED_INPUTS  # the module's own list: one source of truth
@@ -170,9 +178,11 @@ def verify(plan_or_spec: Plan | Spec, devices: int = 8, sizes: dict[str, int] | 
     wide = reference_inputs(lowered, inputs)
     ref_out = reference.forward(plan.spec, wide)
     report.values += _compare("forward", lowered.forward(inputs), ref_out, list(ref_out), tol)
-    ref_grads = reference.backward(plan.spec, wide, {k: v.astype(np.float64) for k, v in cotangents.items()})
+    by_output = {plan.primal(k): v.astype(np.float64) for k, v in cotangents.items()}
+    ref_grads = {plan.grad_name(k): v for k, v in reference.backward(plan.spec, wide, by_output).items()}
     grads = lowered.grad(inputs, cotangents)
     report.values += _compare("backward", grads, ref_grads, [g.name for g in plan.grads], tol)
+    report.values += _unplanned(plan, ref_grads)
     nbytes = plan.spec.dtype.nbytes
     for phase, steps in (("forward", plan.forward), ("backward", plan.backward)):
         found = collectives(lowered.compiled_text(phase), lowered.module.mesh)

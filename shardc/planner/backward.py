@@ -6,8 +6,15 @@ become contracted, its contracted ones free), with ``dC`` sharded like ``C``
 and each gradient required in its primal's sharding.  So the backward is not
 a second rule set: it is the same einsum planning on transformed data, with
 unreduced results where the forward had replicated ones.  An elementwise
-``H = f(Z)`` gives ``dZ = f_vjp(Z, dH)`` in H's layout; a tensor read by
-several nodes sums its gradient contributions (``add``).
+``H = f(Z)`` gives ``dZ = f_vjp(Z, dH)`` in H's layout.
+
+Every param and every input not declared ``const`` gets a gradient.  A tensor
+read by several nodes sums its gradient contributions (``add``), and sums them
+before moving them: each contribution stays as its einsum made it (partial sums
+over the contracted axes, say), contributions made alike are added, and only the
+sum is reduced to the primal's sharding.  Every collective is linear, so one
+AllReduce of ``dX_1 + dX_2`` is the two AllReduces of the parts, at half the
+bytes (a SwiGLU's gate and up projections both give partial ``dX``).
 
 What the backward may read of the forward (the residual policy):
 ``default`` keeps every value the forward made of activations (so a gathered
@@ -20,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardc.names import fresh
+from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, reshard
@@ -39,9 +48,8 @@ class Backward:
 
 
 def _needs_grad(graph: Graph) -> set[str]:
-    needs = set(graph.params)
-    if graph.inputs:
-        needs.add(graph.inputs[0])
+    """Params, inputs not declared ``const``, and every tensor computed from one of them."""
+    needs = set(graph.params) | set(graph.differentiable)
     for node in graph.nodes:
         if any(o in needs for o in node.operands):
             needs.add(node.result)
@@ -64,10 +72,12 @@ class _Backward:
         self.graph, self.forward, self.declared = graph, forward, declared
         self.needs = _needs_grad(graph)
         self.count = _contributors(graph, self.needs)
-        self.parts: dict[str, list[str]] = {}
+        self.grads = graph.grads
+        self.taken = set(graph.names) | set(graph.grads.values())  # for the parts' names
+        self.parts: dict[str, list[tuple[str, Value]]] = {}  # tensor -> its contributions, as made
         indices = dict(forward.indices)
-        indices.update({f"d{n}": idx for n, idx in forward.indices.items()})
-        ahead = frozenset(graph.params) | frozenset(f"d{p}" for p in graph.params)
+        indices.update({grad: graph.indices[name] for name, grad in graph.grads.items()})
+        ahead = frozenset(graph.params) | frozenset(graph.grads[p] for p in graph.params)
         self.phase = Phase("backward", forward.ctx, indices, forward.sized, ahead)
         for name, ref in declared.items():
             self.phase.hold(name, Value.of(ref))
@@ -82,55 +92,95 @@ class _Backward:
     def target(self, name: str) -> Value:
         return Value(self.declared[name].layout, ())
 
-    def grad_name(self, name: str) -> str:
-        """``dX``, or ``dX_k`` for the k-th of several contributions."""
+    def part_name(self, name: str) -> str:
+        """The gradient's name, or ``dX_k`` for the k-th of several contributions."""
         if self.count.get(name, 0) <= 1:
-            return f"d{name}"
-        parts = self.parts.setdefault(name, [])
-        part = f"d{name}_{len(parts) + 1}"
-        parts.append(part)
+            return self.grads[name]
+        part = fresh(f"{self.grads[name]}_{len(self.parts.get(name, ())) + 1}", self.taken)
         self.phase.indices[part] = self.phase.indices[name]
         return part
 
+    def contribute(self, primal: str, operands: tuple[str, ...], label: tuple[str, ...]) -> None:
+        """One einsum contribution to ``primal``'s gradient (kept as made when there are several)."""
+        dst = self.part_name(primal)
+        want = self.target(primal)
+        if self.count.get(primal, 0) > 1:
+            want = self._local_result(dst, operands, want)
+        text = f"{self.phase.ref(dst, want)} = " + " · ".join(self._text(n) for n in label)
+        made = self.phase.einsum(dst, operands, want, text)
+        if self.count.get(primal, 0) > 1:
+            self.parts.setdefault(primal, []).append((dst, made))
+
+    def _local_result(self, dst: str, operands: tuple[str, ...], target: Value) -> Value:
+        """What the einsum planned for ``target`` computes before moving its result there."""
+        problem = EinsumProblem(tuple(Operand(n, self.phase.indices[n], tuple(self.phase.held[n])) for n in operands),
+                                dst, self.phase.indices[dst], target)
+        try:
+            solution, _ = self.phase.solve(problem, None)
+        except NoPlan:
+            return target  # the einsum itself reports it, with the statement's span
+        return solution.local_result
+
+    def _text(self, name: str) -> str:
+        return str(self.phase.ref(name, self.phase.held[name][0]))
+
+    def _move(self, name: str, src: Value, dst: Value) -> None:
+        _, moves = reshard(self.phase.ctx, name, self.phase.indices[name], (src,), dst)
+        self.phase.moves(name, moves)
+
+    def _add(self, name: str, parts: list[str], value: Value) -> None:
+        operands = tuple(self.phase.ref(p, value) for p in parts)
+        self.phase.emit(Step(Op.ELEMENTWISE, name, self.phase.ref(name, value), operands=operands, fn="add"))
+
     def finish(self, name: str) -> None:
-        """Sum the contributions of ``name``'s gradient, once all have arrived."""
-        parts = self.parts.get(name)
+        """Sum the contributions of ``name``'s gradient, once all have arrived.
+
+        Contributions made alike (same layout, same partial sums) are added first and
+        moved once; only then do the sums meet in the primal's sharding.
+        """
+        parts = self.parts.pop(name, None)
         if not parts:
             return
-        target = self.target(name)
-        grad = f"d{name}"
-        operands = tuple(self.phase.ref(p, target) for p in parts)
-        self.phase.emit(Step(Op.ELEMENTWISE, grad, self.phase.ref(grad, target), operands=operands, fn="add"))
+        target, grad = self.target(name), self.grads[name]
+        groups: dict[Value, list[str]] = {}
+        for part, value in parts:
+            groups.setdefault(value, []).append(part)
+        if len(groups) == 1:
+            ((value, names),) = groups.items()
+            self._add(grad, names, value)
+            self._move(grad, value, target)
+            return
+        sums = []
+        for value, names in groups.items():
+            total = names[0]
+            if len(names) > 1:
+                total = fresh(f"{grad}_sum", self.taken)
+                self.phase.indices[total] = self.phase.indices[name]
+                self._add(total, names, value)
+            self._move(total, value, target)
+            sums.append(total)
+        self._add(grad, sums, target)
 
     def node(self, node: Node) -> None:
         if node.result not in self.needs:
             return
         self.finish(node.result)
-        grad = f"d{node.result}"
+        grad = self.grads[node.result]
         if node.kind == "elementwise":
             self.elementwise(node, grad)
             return
         if len(node.operands) == 1:
             (a,) = node.operands
             if a in self.needs:
-                dst = self.grad_name(a)
-                self.phase.einsum(dst, (grad,), self.target(a), f"{dst} from {grad}")
+                self.contribute(a, (grad,), (grad,))
             return
         a, b = node.operands
         # The right operand first (usually the weight, as in the book's listings): its
         # gradient's reduction can then be issued while the rest of the backward runs.
         if b in self.needs:
-            dst = self.grad_name(b)
-            self.phase.einsum(dst, (a, grad), self.target(b), self.label(dst, b, a, grad))
+            self.contribute(b, (a, grad), (a, grad))
         if a in self.needs:
-            dst = self.grad_name(a)
-            self.phase.einsum(dst, (grad, b), self.target(a), self.label(dst, a, grad, b))
-
-    def label(self, dst: str, primal: str, left: str, right: str) -> str:
-        def text(name: str) -> str:
-            return str(self.phase.ref(name, self.phase.held[name][0]))
-
-        return f"{self.phase.ref(dst, self.target(primal))} = {text(left)} · {text(right)}"
+            self.contribute(a, (grad, b), (grad, b))
 
     def elementwise(self, node: Node, grad: str) -> None:
         (z,) = node.operands
@@ -139,7 +189,7 @@ class _Backward:
         layout = self.target(node.result).layout
         by_index = dict(zip(node.indices, layout, strict=True))
         want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
-        dst = self.grad_name(z)
+        dst = self.part_name(z)
         cotangent = self.phase.ref(grad, self.target(node.result))
         if node.fn in PASS_THROUGH:  # the gradient is the cotangent, in the argument's index order
             self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=(cotangent,),
@@ -149,9 +199,10 @@ class _Backward:
             self.phase.moves(z, moves, note="residual for the elementwise gradient")
             self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want),
                                  operands=(self.phase.ref(z, want), cotangent), fn=f"{node.fn}_vjp"))
-        if want != self.target(z):
-            _, moves = reshard(self.phase.ctx, dst, self.phase.indices[dst], (want,), self.target(z))
-            self.phase.moves(dst, moves)
+        if self.count.get(z, 0) > 1:
+            self.parts.setdefault(z, []).append((dst, want))
+        elif want != self.target(z):
+            self._move(dst, want, self.target(z))
 
 
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str) -> Backward:
@@ -159,17 +210,15 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     cotangents = []
     for out in graph.outputs:
         if out in bw.needs:
-            ref = bw.phase.ref(f"d{out}", bw.target(out))
-            bw.phase.hold(f"d{out}", bw.target(out))
-            cotangents.append(ref)
+            name = graph.grads[out]
+            cotangents.append(bw.phase.ref(name, bw.target(out)))
+            bw.phase.hold(name, bw.target(out))
     for node in reversed(graph.nodes):
         bw.node(node)
-    wanted = sorted(graph.params, key=lambda n: list(declared).index(n))
-    if graph.inputs and graph.inputs[0] not in graph.params:
-        wanted.insert(0, graph.inputs[0])
+    wanted = [n for n in graph.inputs if n in bw.needs]
     for name in wanted:
         bw.finish(name)
-    grads = tuple(bw.phase.ref(f"d{n}", bw.target(n)) for n in wanted)
+    grads = tuple(bw.phase.ref(graph.grads[n], bw.target(n)) for n in wanted)
     residuals = _residuals(bw.phase, forward)
     return Backward(bw.phase, residuals, tuple(cotangents), grads)
 

@@ -7,12 +7,15 @@ the two sides is a batch index only if the final result has it and no later
 operand uses it again; otherwise it is contracted (so ``In[B, D] · W_in[D, F] ·
 W_out[F, D] -> Out[B, D]`` contracts D, then F).  Intermediates get names
 (``Tmp``, or ``<Result>_t1, ...``), and their shardings are left to the planner.
+Every tensor, intermediates included, also gets its gradient's name here
+(:func:`shardc.names.gradient_names`), distinct from every name above.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from shardc.names import gradient_names
 from shardc.spec.ir import Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, fold, leaves
 
@@ -41,6 +44,18 @@ class Graph:
     params: frozenset[str]
     inputs: tuple[str, ...]  # tensors read but never defined, in order of first read
     outputs: tuple[str, ...]  # statement results no statement reads
+    const: frozenset[str] = frozenset()  # inputs declared without a gradient
+    grads: dict[str, str] = field(default_factory=dict)  # tensor -> its gradient's name
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every tensor name: the spec's and the intermediates'."""
+        return frozenset(self.indices)
+
+    @property
+    def differentiable(self) -> tuple[str, ...]:
+        """The inputs that get a gradient: all but the ``const`` ones, in first-read order."""
+        return tuple(n for n in self.inputs if n not in self.const)
 
 
 def build_graph(spec: Spec) -> Graph:
@@ -127,11 +142,13 @@ class _Builder:
         return name
 
     def finish(self) -> Graph:
+        const = frozenset(self.spec.const)
         params = self.spec.params
         if params is None:
-            params = tuple(n for n in self.inputs if n.startswith("W"))
+            params = tuple(n for n in self.inputs if n.startswith("W") and n not in const)
         outputs = tuple(s.result.name for s in self.spec.statements if s.result.name not in self.read)
+        grads = gradient_names(self.indices, taken=self.names | set(self.indices))
         return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params),
-                     tuple(self.inputs), outputs)
+                     tuple(self.inputs), outputs, const, grads)
 
 

@@ -5,8 +5,8 @@ values (``TensorRef`` with a layout and unreduced axes) into other sharded
 values, so every pass after planning (cost, lowering, verification) reads the
 same steps.  Volumes are :class:`Monomial` formulas in the dims and the mesh
 sizes; they evaluate to bytes once sizes are known.  (A monomial is all a
-single collective's volume ever is; sums and thresholds are sympy's job in the
-cost pass, which keeps ``shardc plan`` free of sympy's import time.)
+single collective's volume ever is; sums and thresholds are the cost pass's job,
+in :mod:`shardc.costmodel.poly`.)
 """
 
 from __future__ import annotations
@@ -205,16 +205,32 @@ class Plan:
     sizes: tuple[tuple[str, int], ...] | None = None  # dims and mesh sizes; None without dims
     tensors: tuple[TensorInfo, ...] = ()
     residuals: tuple[TensorRef, ...] = ()  # forward values the backward reads
-    cotangents: tuple[TensorRef, ...] = ()  # d<Out> for each output, sharded like it
-    grads: tuple[TensorRef, ...] = ()  # d<Name> for each param and the first input
+    cotangents: tuple[TensorRef, ...] = ()  # the gradient of each output, sharded like it
+    grads: tuple[TensorRef, ...] = ()  # the gradient of each input not declared `const`
     strategy: str = "rules"  # "search" (least communication time) or "rules" (the book's)
     choices: tuple[Choice, ...] = field(default=(), compare=False)
+    # tensor -> its gradient's name (shardc.names.gradient_names): never a name of the spec
+    gradient_names: tuple[tuple[str, str], ...] = ()
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:
             if info.name == name:
                 return info
         raise KeyError(name)
+
+    def grad_name(self, tensor: str) -> str:
+        """The name of ``tensor``'s gradient (``dW`` for ``W`` unless the spec uses that name)."""
+        for primal, grad in self.gradient_names:
+            if primal == tensor:
+                return grad
+        raise KeyError(tensor)
+
+    def primal(self, grad: str) -> str:
+        """The tensor whose gradient is named ``grad`` (the inverse of :meth:`grad_name`)."""
+        for primal, name in self.gradient_names:
+            if name == grad:
+                return primal
+        raise KeyError(grad)
 
     @property
     def size_map(self) -> dict[str, int] | None:

@@ -67,7 +67,9 @@ class Value:
 
     @staticmethod
     def of(ref: TensorRef) -> Value:
-        return Value(ref.layout, tuple(sorted(ref.unreduced)))
+        """A sharded value without its name: TensorRef, which sorts its unreduced axes when
+        made, is the one normal form; Value only ever copies it (and :meth:`ref` goes back)."""
+        return Value(ref.layout, ref.unreduced)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
 
 
 def _context(spec: Spec, graph: Graph) -> CostContext:
-    grads = frozenset(f"d{p}" for p in graph.params)
+    grads = frozenset(graph.grads[p] for p in graph.params)
     return CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
 
 
@@ -81,6 +81,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) 
         grads=backward.grads,
         strategy="search" if sized else "rules",
         choices=tuple(forward.choices + backward.phase.choices),
+        gradient_names=tuple(graph.grads.items()),
     )
 
 

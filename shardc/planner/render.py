@@ -80,6 +80,11 @@ def render_text(plan: Plan) -> str:
     lines += _phase_lines(f"backward (save={plan.save})", plan.backward, sizes)
     if plan.residuals:
         lines.append("       residuals kept from the forward: " + ", ".join(str(r) for r in plan.residuals))
+    renamed = [(plan.primal(g.name), g.name) for g in plan.cotangents + plan.grads
+               if g.name != f"d{plan.primal(g.name)}"]
+    if renamed:  # the book's dX names a tensor of the spec: say what the gradient is called instead
+        lines.append("       gradient names: " + ", ".join(
+            f"{grad} is the gradient of {primal} (d{primal} is a tensor of the spec)" for primal, grad in renamed))
     return "\n".join(lines) + "\n"
 
 
@@ -135,4 +140,5 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "residuals": [str(r) for r in plan.residuals],
         "grads": [str(g) for g in plan.grads],
         "cotangents": [str(c) for c in plan.cotangents],
+        "gradient_names": {plan.primal(g.name): g.name for g in plan.cotangents + plan.grads},
     }

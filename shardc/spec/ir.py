@@ -8,6 +8,8 @@ Source spans are kept for error messages but never compared.
 'B_XY'
 >>> str(TensorRef("W_in", (Dim("D", ("X",)), Dim("F")), unreduced=("Y",)))
 'W_in[D_X, F]{U_Y}'
+>>> TensorRef("T", (), unreduced=("Y", "X")) == TensorRef("T", (), unreduced=("X", "Y"))
+True
 """
 
 from __future__ import annotations
@@ -139,13 +141,23 @@ class Dim:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """``Name[dim, ...]`` with an optional ``{U_axes}`` unreduced suffix."""
+    """``Name[dim, ...]`` with an optional ``{U_axes}`` unreduced suffix.
+
+    The unreduced axes are a set (a partial sum over X then Y is one over Y then X), kept
+    sorted from construction on, so ``{U_YX}`` and ``{U_XY}`` are one value everywhere.
+    A repeated axis is kept, for :func:`shardc.spec.validate.validate` to report.
+    """
 
     name: str
     dims: tuple[Dim, ...]
     unreduced: tuple[str, ...] = ()
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
     unreduced_span: Span | None = field(default=None, compare=False, hash=False, repr=False)  # the {U_..}
+
+    def __post_init__(self) -> None:
+        normal = tuple(sorted(self.unreduced))
+        if normal != self.unreduced:
+            object.__setattr__(self, "unreduced", normal)
 
     @property
     def indices(self) -> tuple[str, ...]:
@@ -234,6 +246,7 @@ class Spec:
     dims: tuple[tuple[str, int], ...] = ()
     dtype: DType = DType.BF16
     params: tuple[str, ...] | None = None  # None: names starting with W
+    const: tuple[str, ...] = ()  # inputs without a gradient (token ids, masks)
     hardware: str | None = None
     layers: int | str | None = None  # a count, or the name of a dim that holds it
     # Pipeline parallelism (with a `pipeline` mesh axis): microbatches a step, and the schedule.
@@ -241,7 +254,8 @@ class Spec:
     schedule: Schedule | None = None  # None: the default, 1f1b
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
-    # "param", "hardware", "layers" (the keyword), "dim:B" and "param:W_in" (one entry).
+    # "param", "const", "hardware", "layers" (the keyword), "dim:B", "param:W_in" and
+    # "const:Mask" (one entry each).
     header_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, hash=False, repr=False)
 
     def span_of(self, key: str) -> Span | None:
@@ -263,6 +277,8 @@ class Spec:
             lines.append(f"dtype {self.dtype}")
         if self.params is not None:
             lines.append("param " + ", ".join(self.params))
+        if self.const:
+            lines.append("const " + ", ".join(self.const))
         if self.hardware is not None:
             lines.append(f"hardware {self.hardware}")
         if self.layers is not None:

@@ -44,9 +44,6 @@ def apply_overrides(spec: Spec, sets: dict[str, int]) -> Spec:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ShardcError(f"--set {name}={value}: a size must be a positive whole number",
                               fix=f"write e.g. --set {name}=8")
-        if name in axes and name in dims:
-            raise ShardcError(f"--set {name}: {name} is both a mesh axis and a dim",
-                              fix="rename the dim or the mesh axis in the spec so the name says which")
         if name in axes:
             axes[name] = dataclasses.replace(axes[name], size=value)
         elif name in dims:

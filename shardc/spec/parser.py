@@ -18,23 +18,25 @@ Representation decisions (other passes rely on them):
   make nested Contracts (``(A · B) · C``), and a group around a whole operand
   list or a single operand is dropped (``(A)`` is ``A``).
 - The chain form ``A · B -> R`` is ``Statement(arrow=True)``; meaning is the same.
-- Several ``dims`` lines (and several ``param`` lines) merge, in order;
+- Several ``dims`` lines (and several ``param`` or ``const`` lines) merge, in order;
   ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
   Header lines may come anywhere; statements keep their order.
-- A line's first word ``mesh``/``dims``/``dtype``/``param``/``hardware``/``layers``/
-  ``microbatches``/``schedule`` is the keyword, so those words cannot name a tensor or
+- A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
+  ``microbatches``/``schedule`` is the keyword, so those nine words cannot name a tensor or
   function there.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import threading
 from decimal import Decimal, InvalidOperation
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import lark
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
@@ -81,6 +83,7 @@ _TERMINAL_WORDS = {
     "DIMS": "`dims`",
     "DTYPE": "`dtype`",
     "PARAM": "`param`",
+    "CONST": "`const`",
     "HARDWARE": "`hardware`",
     "LAYERS": "`layers`",
     "OVER": "`over dcn`",
@@ -100,19 +103,44 @@ _parser: Lark | None = None
 
 def grammar_text() -> str:
     """The lark grammar: the copy inside the wheel, else the source checkout's ``grammar/``."""
+    for path in (Path(__file__).parents[1] / "grammar" / "shard.lark",  # the wheel's copy, read directly
+                 Path(__file__).parents[2] / "grammar" / "shard.lark"):  # a source checkout
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError:
+            continue
+    from importlib import resources  # a zipped install: the slow but general route
+
+    return (resources.files("shardc") / "grammar" / "shard.lark").read_text(encoding="utf-8")
+
+
+def _cache_file() -> str | bool:
+    """Where lark keeps its grammar analysis between runs (a third of ``shardc plan``'s time without it).
+
+    A private per-user directory (lark's default is the shared temp dir, and the cache
+    is a pickle); lark checks the grammar's hash in the file, so a stale cache is rebuilt.
+    False (no cache) when the directory cannot be made.
+    """
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "shardc")
     try:
-        return (resources.files("shardc") / "grammar" / "shard.lark").read_text(encoding="utf-8")
-    except (FileNotFoundError, NotADirectoryError, OSError):
-        return (Path(__file__).parents[2] / "grammar" / "shard.lark").read_text(encoding="utf-8")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError:
+        return False
+    if not os.access(folder, os.W_OK | os.R_OK):
+        return False
+    version = f"{sys.version_info[0]}{sys.version_info[1]}"
+    return os.path.join(folder, f"grammar-lark{lark.__version__}-py{version}.cache")
 
 
 def _get_parser() -> Lark:
-    # Built once (grammar analysis costs ~0.1 s), with the transformer inline so no tree is built.
+    # Built once (grammar analysis costs ~0.1 s, cached on disk), with the transformer inline so no
+    # tree is built.
     global _parser
     with _parser_lock:
         if _parser is None:
             _parser = Lark(grammar_text(), parser="lalr", lexer="contextual",
-                           propagate_positions=True, transformer=_Builder())
+                           propagate_positions=True, transformer=_Builder(), cache=_cache_file())
         return _parser
 
 
@@ -129,6 +157,7 @@ def parse_unchecked(text: str, filename: str | None = None) -> Spec:
     """Parse spec text into IR without the semantic checks of :func:`validate`."""
     if not isinstance(text, str):
         raise ShardcError(f"spec text must be a str, not {type(text).__name__}")
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark, which open(..., encoding="utf-8") keeps
     lines = [line.rstrip("\r") for line in text.split("\n")]  # lark counts lines by newlines only
     _check_nesting(lines, filename)
     _local.lines, _local.filename = lines, filename
@@ -351,6 +380,10 @@ class _Builder(Transformer[Token, Any]):
         names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
         return ("param", names, _span(children[0]))
 
+    def const_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
+        return ("const", names, _span(children[0]))
+
     def hardware_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("hardware", str(children[1]), _span(children[0]))
 
@@ -397,14 +430,14 @@ def _build_spec(items: list[Any]) -> Spec:
     """Gather the lines into a Spec: header lines merge or must be unique, statements keep order."""
     statements: list[Statement] = []
     seen: dict[str, Span] = {}
-    header: dict[str, Any] = {"dims": [], "param": None}
+    header: dict[str, Any] = {"dims": [], "param": None, "const": []}
     spans: list[tuple[str, Span]] = []
     for item in items:
         if isinstance(item, Statement):
             statements.append(item)
             continue
         kind, value, span = item
-        if kind in seen and kind not in ("dims", "param"):
+        if kind in seen and kind not in ("dims", "param", "const"):
             raise ShardcError(f"`{kind}` is given twice (first on line {seen[kind].line})", span,
                               fix=f"keep one `{kind}` line")
         seen.setdefault(kind, span)
@@ -415,6 +448,9 @@ def _build_spec(items: list[Any]) -> Spec:
         elif kind == "param":
             header["param"] = (header["param"] or []) + [name for name, _ in value]
             spans.extend((f"param:{name}", s) for name, s in value)
+        elif kind == "const":
+            header["const"] += [name for name, _ in value]
+            spans.extend((f"const:{name}", s) for name, s in value)
         else:
             header[kind] = value
     if "mesh" not in header:
@@ -428,6 +464,7 @@ def _build_spec(items: list[Any]) -> Spec:
         dims=tuple(header["dims"]),
         dtype=header.get("dtype", DType.BF16),
         params=None if params is None else tuple(params),
+        const=tuple(header["const"]),
         hardware=header.get("hardware"),
         layers=header.get("layers"),
         microbatches=header.get("microbatches"),

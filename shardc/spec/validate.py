@@ -3,8 +3,10 @@
 The parser builds IR without judging it; :func:`validate` then checks, in text
 order (so the first problem of the file is the one reported):
 
-- the header: mesh axes named once, dims named once and without `_`,
-  `layers L` naming a dim, `param` naming input tensors;
+- the header: mesh axes named once, dims named once and without `_`, no name
+  both a mesh axis and a dim (cost formulas read both as one symbol),
+  `layers L` naming a dim, `param` naming input tensors, `const` naming
+  inputs that are not params;
 - each tensor reference: an index at most once, each axis in the mesh and used
   at most once (dims and the `{U_..}` suffix together), sizes known and
   divisible by the axes when `dims` is given;
@@ -60,6 +62,8 @@ def validate(spec: Spec) -> None:
         first[statement.result.name] = (statement.result, line, True)
     _check_layers(spec)
     _check_params(spec, defined)
+    _check_const(spec, defined)
+    _check_namespaces(spec)
     check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
 
 
@@ -156,6 +160,41 @@ def _check_params(spec: Spec, defined: dict[str, int]) -> None:
             inputs = sorted(names - set(defined))
             raise ShardcError(f"param {name} is not a tensor of the spec", span,
                               fix="list input tensors the statements read: " + (", ".join(inputs) or "none"))
+
+
+def _check_const(spec: Spec, defined: dict[str, int]) -> None:
+    """``const`` names inputs that get no gradient: read, never computed, not trainable."""
+    names = {ref.name for s in spec.statements for ref in leaves(s.expr)}
+    seen: dict[str, int] = {}
+    for name in spec.const:
+        span = _nth_span(spec, f"const:{name}", seen.get(name, 0))
+        if name in seen:
+            raise ShardcError(f"const {name} is listed twice", span, fix=f"list {name} once")
+        seen[name] = 1
+        if name in defined:
+            raise ShardcError(f"const {name} is computed by a statement, not an input", span,
+                              fix=f"`const` lists inputs that need no gradient: remove {name} from `const`")
+        if spec.params is not None and name in spec.params:
+            raise ShardcError(f"{name} is both a param and const", span,
+                              fix=f"a param is trained, so it has a gradient: remove {name} from `const` "
+                              "or from `param`")
+        if name not in names:
+            inputs = sorted(names - set(defined))
+            raise ShardcError(f"const {name} is not a tensor of the spec", span,
+                              fix="list input tensors the statements read: " + (", ".join(inputs) or "none"))
+
+
+def _check_namespaces(spec: Spec) -> None:
+    """A mesh axis and a dim share one namespace: volumes like ``2*D*F/X`` name both."""
+    dims = dict.fromkeys(name for name, _ in spec.dims)
+    dims.update(dict.fromkeys(d.name for s in spec.statements for r in _refs_in_text_order(s) for d in r.dims))
+    for axis in spec.mesh.axes:
+        if axis.name in dims:
+            taken = set(dims) | set(spec.mesh.names)
+            other = next(n for n in (*"XYZPQRSTUV", *(f"X{k}" for k in range(len(taken) + 1))) if n not in taken)
+            raise ShardcError(f"{axis.name} names both a mesh axis and a dim", axis.span,
+                              fix=f"cost formulas name both by their names and could not tell them apart: "
+                              f"rename the mesh axis (e.g. {other}) everywhere, or the dim")
 
 
 # --- tensor references ----------------------------------------------------------------

@@ -1,0 +1,175 @@
+"""``shardc cost`` without dims: the same table as formulas, with the numbers left to the sizes.
+
+The book's table (bytes a collective moves, the time of each step, the
+thresholds) is made of formulas in the dims, the mesh sizes and the chip's
+figures; only the numbers need the dims.  :func:`cost_formulas` gives, per
+phase, each step's bytes and time as formulas in the hardware symbols, the
+totals, and the threshold sentences (their chip figures are numbers: the chip is
+known), and says which sizes the numbers need.  Memory needs sizes and is left out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from shardc.costmodel.collective import describe
+from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, monomial, over, phase_formula, step_formula
+from shardc.costmodel.hardware import Hardware, resolve_hardware
+from shardc.costmodel.render import hardware_line
+from shardc.costmodel.report import check_spans, default_spans, missing_sizes, renamed_note, symbols_of, token_dims
+from shardc.costmodel.thresholds import Threshold, derive
+from shardc.planner.ir import Op, Plan, Step
+from shardc.spec.ir import Mesh
+
+__all__ = ["FormulaRow", "FormulaPhase", "FormulaReport", "cost_formulas"]
+
+
+@dataclass(frozen=True)
+class FormulaRow:
+    """One step: its bytes (collectives) or FLOPs (einsums) and its time, as formulas."""
+
+    index: int
+    op: Op
+    axes: tuple[str, ...]
+    text: str
+    amount: str  # V in bytes, or per-device FLOPs; "" for local steps
+    time: str  # seconds, in the hardware symbols; "" for local steps
+    ahead: bool
+
+    def to_json(self) -> dict[str, object]:
+        key = "flops_expr" if self.op is Op.EINSUM else "volume_bytes_expr"
+        row: dict[str, object] = {"index": self.index, "op": self.op.value, "text": self.text}
+        if self.amount:
+            row.update({key: self.amount, "time_s_expr": self.time})
+        if self.op is not Op.EINSUM and self.amount:
+            row.update(axes=list(self.axes), path="ahead" if self.ahead else "critical")
+        return row
+
+
+@dataclass(frozen=True)
+class FormulaPhase:
+    name: str
+    rows: tuple[FormulaRow, ...]
+    formula: PhaseFormula
+
+    def to_json(self, rows: bool = True) -> dict[str, object]:
+        f = self.formula
+        data: dict[str, object] = {
+            "comm_bytes_expr": str(f.comm_bytes), "comm_s_expr": f.comm_s_text(),
+            "compute_flops_expr": str(f.flops), "compute_s_expr": f.compute_s_text(),
+            "model_flops_expr": str(f.model_flops)}
+        if rows:
+            data["rows"] = [r.to_json() for r in self.rows]
+        return data
+
+
+@dataclass(frozen=True)
+class FormulaReport:
+    """What :func:`cost_formulas` returns; ``str()`` is the text ``shardc cost`` prints without dims."""
+
+    plan: Plan
+    hardware: Hardware
+    missing: tuple[str, ...]
+    layers: int | str  # a count, or the dim that names it
+    forward: FormulaPhase
+    backward: FormulaPhase
+    step: FormulaPhase
+    thresholds: tuple[Threshold, ...]
+    notes: tuple[str, ...]
+
+    def to_json(self) -> dict[str, object]:
+        hw = self.hardware
+        return {
+            "file": self.plan.spec.filename, "formulas_only": True, "missing_sizes": list(self.missing),
+            "hardware": {"name": hw.name, "C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn,
+                         "hbm_bytes": hw.hbm_bytes, "hop_latency": hw.hop_latency,
+                         "symbols": dict(zip(("C", "W_ici", "W_dcn"), self.step.formula.hw.names(),
+                                             strict=True))},
+            "mesh": {a.name: a.size for a in self.plan.spec.mesh.axes}, "layers": self.layers,
+            "save": self.plan.save,
+            "forward": self.forward.to_json(), "backward": self.backward.to_json(),
+            "step": self.step.to_json(rows=False),
+            "thresholds": [t.sentence for t in self.thresholds],
+            "threshold_details": [t.to_json() for t in self.thresholds],
+            "notes": list(self.notes),
+        }
+
+    def json_text(self) -> str:
+        return json.dumps(self.to_json(), indent=2, allow_nan=False)
+
+    def render(self) -> str:
+        spec = self.plan.spec
+        mesh = ", ".join(f"{a.name}={a.size}" for a in spec.mesh.axes)
+        lines = [hardware_line(spec.filename, self.hardware, self.step.formula.hw),
+                 f"formulas only: numbers need the size of {', '.join(self.missing)}; mesh {mesh}; "
+                 f"layers {self.layers}", ""]
+        for phase in (self.forward, self.backward):
+            lines += [phase.name, f"  {'#':>3}  {'op':<13} {'axes':<6} {'V bytes / FLOPs':<18}  "
+                                  f"{'time':<22}  {'path':<8}  what"]
+            lines += [_row(r) for r in phase.rows] or ["  (no steps)"]
+            lines += _totals(phase.formula) + [""]
+        lines += ["step (forward + backward)", *_totals(self.step.formula), ""]
+        lines += ["memory per device: needs the sizes", "", "thresholds"]
+        lines += [f"  {t.sentence}" for t in self.thresholds] or ["  (no communication)"]
+        lines += ["", "notes"] + [f"  {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _row(r: FormulaRow) -> str:
+    path = ("ahead" if r.ahead else "critical") if r.op is not Op.EINSUM else "compute"
+    if not r.amount:
+        path = "local"
+    return (f"  {r.index:>3}  {r.op.title:<13} {','.join(r.axes):<6} {r.amount:<18}  {r.time:<22}  "
+            f"{path:<8}  {r.text}")
+
+
+def _totals(f: PhaseFormula) -> list[str]:
+    return [f"  compute {f.flops} FLOPs a device",
+            f"  comm    {f.comm_bytes} bytes (AllReduce counted twice, AllToAll a quarter)",
+            f"  time    = {f.compute_s_text()} vs {f.comm_s_text()}"]
+
+
+def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
+                 spans: dict[str, int]) -> FormulaRow:
+    one = step_formula(step, mesh, spans)
+    if step.op is Op.EINSUM:
+        return FormulaRow(index, step.op, (), describe(step), str(one.flops), over(one.flops, names.flops),
+                          False)
+    if step.is_collective and step.volume is not None:
+        parts = [over(q, w) for q, w in ((one.q_ici, names.ici), (one.q_dcn, names.dcn)) if not q.is_zero]
+        return FormulaRow(index, step.op, step.axes, describe(step), str(monomial(step.volume)),
+                          " + ".join(parts) or "0", step.ahead)
+    return FormulaRow(index, step.op, step.axes, describe(step), "", "", False)
+
+
+def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_file: str | None = None,
+                  spans: dict[str, int] | None = None) -> FormulaReport:
+    """The cost report as formulas, for a plan whose dims have no sizes (or only some)."""
+    hw = resolve_hardware(hardware, hardware_file, plan.spec.hardware)
+    check_spans(plan, spans)
+    mesh = plan.spec.mesh
+    sizes = {a.name: a.size for a in mesh.axes} | dict(plan.spec.sizes)
+    all_spans = default_spans(plan, hw, sizes) | (spans or {})
+    names = symbols_of(plan)
+    layers = plan.spec.layers
+    count: int | str = layers if layers is not None else 1
+    f_fwd = phase_formula(plan.forward, mesh, count, all_spans, names)
+    f_bwd = phase_formula(plan.backward, mesh, count, all_spans, names)
+    phases = [FormulaPhase(name, tuple(_formula_row(i, s, mesh, names, all_spans) for i, s in enumerate(steps, 1)),
+                           f)
+              for name, steps, f in (("forward", plan.forward, f_fwd), ("backward", plan.backward, f_bwd))]
+    step = FormulaPhase("step", (), f_fwd + f_bwd)
+    tokens = token_dims(plan)
+    found = tuple(t for p in (*phases, step)
+                  for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, sizes))
+    missing = tuple(missing_sizes(plan, sizes))
+    notes = (f"numbers need sizes: add `dims {', '.join(f'{m}=...' for m in missing)}` "
+             f"or pass --set {' '.join(f'{m}=...' for m in missing)}",
+             f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
+             "formulas and thresholds use bandwidth terms; with sizes, times also bound each collective "
+             f"below by latency ({hw.hop_latency:g} s a hop)") + renamed_note(names)
+    return FormulaReport(plan, hw, missing, count, phases[0], phases[1], step, found, notes)
