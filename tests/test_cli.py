@@ -119,6 +119,26 @@ def test_readme_python_snippet_runs_as_written(tmp_path: Path) -> None:
     assert "compute-bound iff" in done.stdout and "'Out': (256, 64)" in done.stdout
 
 
+def test_grammar_cache_is_made_reused_and_survives_corruption(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XDG_CACHE_HOME"} | {"XDG_CACHE_HOME": str(tmp_path)}
+
+    def plan_text() -> str:
+        done = subprocess.run([sys.executable, "-m", "shardc", "plan", str(EXAMPLES / "tp.shard")], cwd=ROOT,
+                              env=env, capture_output=True, text=True, check=False)
+        assert done.returncode == 0 and not done.stderr, done.stderr
+        return done.stdout
+
+    first = plan_text()
+    [cache] = (tmp_path / "shardc").iterdir()
+    assert plan_text() == first
+    cache.write_bytes(b"not a pickle\n\x00\x01")
+    assert plan_text() == first
+    blocked = tmp_path / "a-file"
+    blocked.write_text("", encoding="utf-8")
+    env["XDG_CACHE_HOME"] = str(blocked)  # no directory can be made there: planning goes on without a cache
+    assert plan_text() == first
+
+
 # files: encodings, sizes, devices ----------------------------------------------------------------
 
 def write(tmp_path: Path, data: bytes, name: str = "x.shard") -> str:
@@ -358,3 +378,6 @@ def test_dims_named_like_hardware_symbols(capsys: pytest.CaptureFixture[str], tm
     status, out, _ = run_main(capsys, "cost", write(tmp_path, spec.encode()), "--json")
     data = strict_json(out)
     assert status == 0 and data["hardware"]["symbols"]["C"] == "C_chip"  # type: ignore[index]
+    axis = "mesh W_ici=4\ndims B=4096, C=64, F=128\nparam W\nOut[B_{W_ici}, F] = In[B_{W_ici}, C] · W[C_{W_ici}, F]\n"
+    forward = shardc.cost(shardc.plan(shardc.parse(axis))).forward.formula
+    assert (forward.compute_s_text(), forward.comm_s_text()) == ("2*B*C*F/(C_chip*W_ici)", "2*C*F/W_ici_chip")

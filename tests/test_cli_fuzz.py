@@ -10,8 +10,10 @@ runs in-process, with its own stdout and stderr; an ``internal error`` line
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from shardc.testing import spec_texts
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.shard"))
 SMALL = [p for p in EXAMPLES if "llama" not in p.name]  # the LLaMA specs plan in seconds, not ms
 WORK = Path(tempfile.mkdtemp(prefix="shardc-cli-fuzz-"))
+atexit.register(shutil.rmtree, WORK, True)
 
 
 def mostly(good: list[str], bad: list[str]) -> st.SearchStrategy[str]:

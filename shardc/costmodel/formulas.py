@@ -102,6 +102,12 @@ class PhaseFormula:
                  if not q.is_zero]
         return " + ".join(parts) if parts else "0"
 
+    def exprs(self) -> dict[str, str]:
+        """The formulas as the ``*_expr`` fields of the JSON report."""
+        return {"comm_bytes_expr": str(self.comm_bytes), "comm_s_expr": self.comm_s_text(),
+                "compute_flops_expr": str(self.flops), "compute_s_expr": self.compute_s_text(),
+                "model_flops_expr": str(self.model_flops)}
+
     def __add__(self, other: PhaseFormula) -> PhaseFormula:
         return PhaseFormula(self.flops + other.flops, self.model_flops + other.model_flops,
                             self.comm_bytes + other.comm_bytes, self.q_ici + other.q_ici,

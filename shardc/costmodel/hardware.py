@@ -15,7 +15,6 @@ with ``--hardware-file chip.toml`` using the field names below as keys.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, fields
 
 from shardc.errors import ShardcError
@@ -113,6 +112,8 @@ def load_hardware_file(path: str) -> Hardware:
     The file is read bounded and as UTF-8 (:mod:`shardc.files`); figures must be
     finite and positive, counts whole numbers (a torus side of at least 2).
     """
+    import tomllib  # here, not at the top: only a file needs it (a few ms of `shardc cost`)
+
     from shardc.files import read_text
 
     try:

@@ -115,10 +115,7 @@ class PhaseCost:
         return self.model_flops / (self.devices * self.hardware.flops * self.mfu_assumed)
 
     def exprs(self) -> dict[str, str]:
-        f = self.formula
-        return {"comm_bytes_expr": str(f.comm_bytes), "comm_s_expr": f.comm_s_text(),
-                "compute_flops_expr": str(f.flops), "compute_s_expr": f.compute_s_text(),
-                "model_flops_expr": str(f.model_flops)}
+        return self.formula.exprs()
 
     def to_json(self, rows: bool = True) -> dict[str, object]:
         data: dict[str, object] = {
@@ -152,13 +149,9 @@ class CostReport:
     pipeline: PipelineCost | None = None  # with a `pipeline` mesh axis (shardc.costmodel.pipeline)
 
     def to_json(self) -> dict[str, object]:
-        hw = self.hardware
         data: dict[str, object] = {
             "file": self.plan.spec.filename,
-            "hardware": {"name": hw.name, "C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn,
-                         "hbm_bytes": hw.hbm_bytes, "hop_latency": hw.hop_latency,
-                         "symbols": dict(zip(("C", "W_ici", "W_dcn"), self.step.formula.hw.names(),
-                                             strict=True))},
+            "hardware": hardware_json(self.hardware, self.step.formula.hw),
             "sizes": self.sizes, "layers": self.layers, "devices": self.step.devices,
             "save": self.plan.save,
             "forward": self.forward.to_json(), "backward": self.backward.to_json(),
@@ -181,6 +174,13 @@ class CostReport:
 
     def __str__(self) -> str:
         return self.render()
+
+
+def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
+    """The chip's figures in JSON, and the symbols the formulas write them with."""
+    return {"name": hw.name, "C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn, "hbm_bytes": hw.hbm_bytes,
+            "hop_latency": hw.hop_latency,
+            "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
 
 
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,

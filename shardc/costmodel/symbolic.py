@@ -17,7 +17,15 @@ from shardc.costmodel.collective import describe
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, monomial, over, phase_formula, step_formula
 from shardc.costmodel.hardware import Hardware, resolve_hardware
 from shardc.costmodel.render import hardware_line
-from shardc.costmodel.report import check_spans, default_spans, missing_sizes, renamed_note, symbols_of, token_dims
+from shardc.costmodel.report import (
+    check_spans,
+    default_spans,
+    hardware_json,
+    missing_sizes,
+    renamed_note,
+    symbols_of,
+    token_dims,
+)
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.planner.ir import Op, Plan, Step
 from shardc.spec.ir import Mesh
@@ -54,11 +62,7 @@ class FormulaPhase:
     formula: PhaseFormula
 
     def to_json(self, rows: bool = True) -> dict[str, object]:
-        f = self.formula
-        data: dict[str, object] = {
-            "comm_bytes_expr": str(f.comm_bytes), "comm_s_expr": f.comm_s_text(),
-            "compute_flops_expr": str(f.flops), "compute_s_expr": f.compute_s_text(),
-            "model_flops_expr": str(f.model_flops)}
+        data: dict[str, object] = dict(self.formula.exprs())
         if rows:
             data["rows"] = [r.to_json() for r in self.rows]
         return data
@@ -79,13 +83,9 @@ class FormulaReport:
     notes: tuple[str, ...]
 
     def to_json(self) -> dict[str, object]:
-        hw = self.hardware
         return {
             "file": self.plan.spec.filename, "formulas_only": True, "missing_sizes": list(self.missing),
-            "hardware": {"name": hw.name, "C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn,
-                         "hbm_bytes": hw.hbm_bytes, "hop_latency": hw.hop_latency,
-                         "symbols": dict(zip(("C", "W_ici", "W_dcn"), self.step.formula.hw.names(),
-                                             strict=True))},
+            "hardware": hardware_json(self.hardware, self.step.formula.hw),
             "mesh": {a.name: a.size for a in self.plan.spec.mesh.axes}, "layers": self.layers,
             "save": self.plan.save,
             "forward": self.forward.to_json(), "backward": self.backward.to_json(),
