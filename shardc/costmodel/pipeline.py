@@ -265,8 +265,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              f"  bubble {closed.of_ideal:.1%} of the ideal time ({closed.formula}), {closed.of_total:.1%} of the "
              f"step; simulated with the sends {sim.bubble_of_ideal:.1%} / {sim.bubble_of_total:.1%}"
              + ("" if name in EXACT else " (the closed form assumes T_F = T_B = T_W and free sends; the "
-                                         "simulated zbv order is greedy, and slow sends cost it more than "
-                                         "the paper's hand-made order)"),
+                                         "simulated zbv order is a greedy one, not the paper's hand-made one)"),
              f"  step {fmt_seconds(cost.step_s)} = stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) "
              f"[{fmt_seconds(cost.step_closed_s)} with free sends]",
              f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"

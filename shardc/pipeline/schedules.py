@@ -21,10 +21,11 @@ point-to-point send).  A device runs one op at a time:
   microbatches behind its B; every stage holds p microbatches, 1F1B's peak.
 * ``zbv`` (Qi et al. 2024): two chunks a device in a V (chunk c on device c, then
   chunk 2p-1-c), so the last chunk and the loss are on device 0.  Its order is found
-  greedily: a device runs a ready B first, else an F while it holds fewer than p
-  stage-microbatches of activations (1F1B's peak; held until W, which reads them),
-  else a W.  With T_F = T_B = T_W and free sends its bubble is the unavoidable fill,
-  (p-1) T_F / 2; with slow sends the greedy order loses more than a hand-made one.
+  greedily with free sends: a device runs a ready B first, else an F while it holds
+  fewer than p stage-microbatches of activations (1F1B's peak; held until W, which
+  reads them), else a W; that order is then kept, as a fixed order, when the sends
+  take time (so they delay ops but cannot reorder them into more memory).  With
+  T_F = T_B = T_W and free sends its bubble is the unavoidable fill, (p-1) T_F / 2.
 
 The simulation commits, among all devices, the op that can start first, so it
 never runs an op before its inputs exist.
@@ -139,7 +140,11 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     if not zb:
         b, w = b + w, 0.0
     durations = {"F": f, "B": b, "W": w}
-    orders = None if schedule == "zbv" else [_order(schedule, s, p, m, virtual) for s in range(p)]
+    if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
+        found = _run(schedule, p, m, chunks * p, durations, 0.0, None, zb)
+        orders = [[(o.kind, o.microbatch, o.chunk) for o in sorted(found) if o.device == d] for d in range(p)]
+    else:
+        orders = [_order(schedule, s, p, m, virtual) for s in range(p)]
     ops = _run(schedule, p, m, chunks * p, durations, timing.comm, orders, zb)
     return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)))
 
