@@ -204,7 +204,7 @@ def test_cost_json_has_the_pipeline_object() -> None:
 
 
 def test_a_dcn_stage_axis_pays_dcn_for_its_sends() -> None:
-    from shardc.costmodel.hardware import get_hardware
+    from shardc.hardware import get_hardware
 
     hw = get_hardware("tpu-v5p")
 

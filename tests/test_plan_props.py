@@ -8,7 +8,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import shardc
-from shardc.planner.check import check_plan, comm_time, replay_step
+from shardc.planner.check import check_plan, replay_step, step_time
 from shardc.planner.ir import Op, Step
 from shardc.spec.ir import Dim, TensorRef
 from shardc.testing import specs
@@ -36,7 +36,7 @@ def test_search_never_costs_more_than_the_rules(spec) -> None:  # type: ignore[n
     searched = shardc.plan(spec)
     rules = shardc.plan(spec, strategy="rules")
     assert check_plan(rules) == []
-    assert comm_time(searched) <= comm_time(rules) * (1 + 1e-9) + 1e-15
+    assert step_time(searched) <= step_time(rules) * (1 + 1e-9) + 1e-15  # the objective `shardc cost` reports
 
 
 def _split(step: Step) -> tuple[Step, Step]:

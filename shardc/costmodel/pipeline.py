@@ -27,15 +27,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from shardc.costmodel.collective import StepCost, cost_step, local_elements
-from shardc.costmodel.hardware import Hardware
 from shardc.costmodel.memory import memory, residual_values
 from shardc.errors import ShardcError
+from shardc.hardware import Hardware
 from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, bubble, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import Simulation, Timing, simulate
 from shardc.pipeline.stages import Pipeline, pipeline_of
 from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Network, TensorRef
+from shardc.timing import StepCost, cost_step, local_elements
 
 if TYPE_CHECKING:
     from shardc.costmodel.report import CostReport

@@ -155,22 +155,23 @@ def _step_code(step: Step, var: _Namer, letters: dict[str, str]) -> str:
     """One step as one line of Python (without the comment)."""
     src = var(step.src) if step.src is not None else ""
     axes = _axes_entry(step.axes) if step.axes else ""
+    call = step.op.info.jax_call
     if step.op is Op.ALL_GATHER:
-        return f"jax.lax.all_gather({src}, {axes}, axis={step.dim}, tiled=True, to='invarying')"
+        return f"{call}({src}, {axes}, axis={step.dim}, tiled=True, to='invarying')"
     if step.op is Op.REDUCE_SCATTER:
-        return f"jax.lax.psum_scatter({src}, {axes}, scatter_dimension={step.dim}, tiled=True)"
+        return f"{call}({src}, {axes}, scatter_dimension={step.dim}, tiled=True)"
     if step.op is Op.ALL_REDUCE:
-        return f"jax.lax.psum({src}, {axes})"
+        return f"{call}({src}, {axes})"
     if step.op is Op.ALL_TO_ALL:
-        return (f"jax.lax.all_to_all({src}, {axes}, split_axis={step.dim}, "
+        return (f"{call}({src}, {axes}, split_axis={step.dim}, "
                 f"concat_axis={step.dim2}, tiled=True)")
     if step.op is Op.SLICE:
         return f"shard_slice({src}, {axes}, dim={step.dim})"
-    if step.op is Op.EINSUM:
+    if step.op in (Op.EINSUM, Op.COPY):
         ins = ",".join("".join(letters[i] for i in ref.indices) for ref in step.operands)
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
-        return f"jnp.einsum('{ins}->{out}', {args})"
+        return f"{call}('{ins}->{out}', {args})"
     return _elementwise_code(step, var)
 
 
@@ -194,7 +195,7 @@ def _elementwise_code(step: Step, var: _Namer) -> str:
 
 
 def _reads(step: Step) -> tuple[TensorRef, ...]:
-    return step.operands if step.op in (Op.EINSUM, Op.ELEMENTWISE) else (step.src,) if step.src else ()
+    return step.operands if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE) else (step.src,) if step.src else ()
 
 
 def _key(ref: TensorRef) -> TensorRef:
@@ -213,7 +214,7 @@ def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Name
                 raise ShardcError(f"{phase} step {number} ({step.op.title} -> {step.dst}) reads "
                                   f"{ref}, which no earlier step makes",
                                   fix="this is a planner bug: report the spec")
-        if step.op is Op.EINSUM:
+        if step.op in (Op.EINSUM, Op.COPY):
             _check_einsum(step, number, phase)
         code = f"{var(step.dst)} = {_step_code(step, var, letters)}"
         lines.append((code, f"# {step.dst}  {local_shape_text(step.dst, sizes)}"))

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardc.collectives import BY_HLO_OP
 from shardc.planner.ir import Op
 
 __all__ = ["Collective", "collectives", "parse_replica_groups"]
 
-_KINDS = {"all-gather": Op.ALL_GATHER, "reduce-scatter": Op.REDUCE_SCATTER,
-          "all-reduce": Op.ALL_REDUCE, "all-to-all": Op.ALL_TO_ALL}
+_KINDS = BY_HLO_OP
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[\w\[\],{}:]+?)\s+"
-                   r"(?P<op>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
+                   r"(?P<op>" + "|".join(map(re.escape, (*BY_HLO_OP, "collective-permute"))) + ")"
                    r"(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -94,7 +94,7 @@ def collectives(hlo_text: str, mesh: tuple[tuple[str, int], ...]) -> list[Collec
         axes = group_axes(groups[0], mesh) if groups and groups[0] else ()
         group = len(groups[0]) if groups else 1
         kind = _KINDS.get(op)
-        if match.group("start") and op == "all-gather":
+        if match.group("start") and kind is Op.ALL_GATHER:
             arrays = arrays[-1:]  # async start: (operand, result); the result is what counts
         if kind is Op.ALL_TO_ALL:
             # the tuple form lists one chunk per peer: together they are the per-device array

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from shardc.costmodel.collective import local_elements
 from shardc.lowering import reference
 from shardc.lowering.hlo import collectives
 from shardc.lowering.pipeline import PipelineLowered, lower_pipeline, permutes_expected
@@ -35,6 +34,7 @@ from shardc.lowering.verify import TOLERANCE, CollectiveRow, Report, ValueRow
 from shardc.pipeline.stages import pipeline_of, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Spec
+from shardc.timing import local_elements
 
 __all__ = ["verify_pipeline"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from shardc.planner.einsum import EinsumProblem, Operand, configurations
+from shardc.planner.einsum import EinsumProblem, Operand, compute_cost, configurations
 from shardc.planner.graph import Node
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost, least_costs, reshard
 from shardc.planner.phase import Phase
@@ -96,6 +96,7 @@ def _rest_costs(ctx: CostContext, problem: EinsumProblem,
         cost = _operands_cost(ctx, problem, locals_, skip_head)
         if cost is None:
             continue
+        cost = add_cost(cost, compute_cost(ctx, problem, locals_))
         key = (locals_[0] if skip_head else None, local_result)
         if cost < rest.get(key, INFINITE):
             rest[key] = cost

@@ -15,20 +15,26 @@ results in the forward, every gradient in its primal's sharding in the backward.
 
 from __future__ import annotations
 
+from shardc.collectives import volume_elements
 from shardc.planner.ir import Monomial, Op, Plan, Step
 from shardc.planner.layout import Value
 from shardc.spec.ir import TensorRef
 
-__all__ = ["check_plan", "replay_step", "comm_time"]
+__all__ = ["check_plan", "replay_step", "comm_time", "step_time"]
+
+
+def step_time(plan: Plan) -> float:
+    """The step time of ``plan`` on its chip: what the planner minimises and ``shardc cost`` reports."""
+    from shardc.timing import plan_time
+
+    return plan_time(plan).step_s
 
 
 def comm_time(plan: Plan) -> float:
-    """Seconds of communication of both phases on the planning hardware (what the search minimises)."""
-    from shardc.planner.layout import CostContext
+    """Seconds of communication of both phases on the plan's chip (the table's model)."""
+    from shardc.timing import plan_time
 
-    ctx = CostContext(plan.spec.mesh, plan.spec.dtype, plan.spec.sizes or None)
-    steps = plan.forward + plan.backward
-    return sum(ctx.seconds(s.op, s.volume, s.axes) for s in steps if s.volume is not None)
+    return plan_time(plan).comm_s
 
 
 def _local_bytes(plan: Plan, ref: TensorRef) -> Monomial:
@@ -59,28 +65,36 @@ def replay_step(plan: Plan, step: Step) -> tuple[TensorRef | None, Monomial | No
     if src is None or dim is None and step.op is not Op.ALL_REDUCE:
         return None, None
     renamed = TensorRef(step.tensor, src.dims, src.unreduced)
+    out = _replayed(renamed, step)
+    if out is None or not step.is_collective:
+        return out, None
+    group = Monomial.of(1, num=axes)
+    return out, volume_elements(step.op, _local_bytes(plan, src), _local_bytes(plan, out), group)
+
+
+def _replayed(renamed: TensorRef, step: Step) -> TensorRef | None:
+    """What the step makes of its (renamed) source, or None if the move is invalid."""
+    src, dim, axes = renamed, step.dim, step.axes
     if step.op is Op.ALL_GATHER and dim is not None:
-        out = _drop_suffix(renamed, dim, axes)
-        return out, None if out is None else _local_bytes(plan, out)
+        return _drop_suffix(renamed, dim, axes)
     if step.op is Op.SLICE and dim is not None:
         used = {a for d in src.dims for a in d.axes} | set(src.unreduced)
         if set(axes) & used:
-            return None, None
-        return _with_dim(renamed, dim, src.dims[dim].axes + axes), None
+            return None
+        return _with_dim(renamed, dim, src.dims[dim].axes + axes)
     if step.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
         if not set(axes) <= set(src.unreduced) or not axes:
-            return None, None
+            return None
         out = _with_unreduced(renamed, tuple(a for a in src.unreduced if a not in axes))
         if step.op is Op.REDUCE_SCATTER and dim is not None:
             out = _with_dim(out, dim, out.dims[dim].axes + axes)
-        return out, _local_bytes(plan, src)
+        return out
     if step.op is Op.ALL_TO_ALL and dim is not None and step.dim2 is not None:
         dropped = _drop_suffix(renamed, step.dim2, axes)
         if dropped is None or dim == step.dim2:
-            return None, None
-        out = _with_dim(dropped, dim, dropped.dims[dim].axes + axes)
-        return out, _local_bytes(plan, src) * Monomial.of(1, num=axes)
-    return None, None
+            return None
+        return _with_dim(dropped, dim, dropped.dims[dim].axes + axes)
+    return None
 
 
 def check_einsum(step: Step) -> str | None:
@@ -141,7 +155,7 @@ def check_plan(plan: Plan) -> list[str]:
 def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
     reads = list(step.operands) + ([step.src] if step.src is not None else [])
     problems = [f"reads {r}, which is not held" for r in reads if r not in held]
-    if step.op is Op.EINSUM:
+    if step.op in (Op.EINSUM, Op.COPY):
         why = check_einsum(step)
         return problems + ([f"invalid local einsum {step.dst}: {why}"] if why else [])
     if step.op is Op.ELEMENTWISE:

@@ -22,10 +22,10 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.layout import Cost, CostContext, Move, Value, add_cost, reshard
 
 __all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
-           "room"]
+           "room", "compute_cost"]
 
 
 class NoPlan(Exception):
@@ -149,7 +149,7 @@ def _configuration(problem: EinsumProblem, roles: dict[str, str],
 
 def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None) -> Solution | None:
     locals_, local_result, roles = config
-    total: Cost = ZERO
+    total: Cost = compute_cost(ctx, problem, locals_)
     operand_moves = []
     for op, local in zip(problem.operands, locals_, strict=True):
         if not any(s.reaches(local) for s in op.sources):
@@ -176,6 +176,11 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
         return None
     return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,
                     tuple(sorted(roles.items())))
+
+
+def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...]) -> Cost:
+    """The local einsum's compute time on the plan's chip: part of the objective (see layout)."""
+    return (ctx.einsum_seconds(zip((op.indices for op in problem.operands), locals_, strict=True)), 0, 0)
 
 
 # How many of the cheapest configurations the search keeps for ``--explain`` (it

@@ -13,28 +13,32 @@ a dim, because that is where a tiled collective adds or removes a factor:
 
 :func:`reshard` runs Dijkstra over values from any of several free sources
 (values the phase already holds) to one target.  Costs are tuples compared
-lexicographically: (communication time, collectives, activation collectives),
-so ties go to fewer collectives, then to moving weights rather than activations.
+lexicographically: (seconds, collectives, activation collectives), so ties go to
+fewer collectives, then to moving weights rather than activations.  A move's
+seconds are its time on the plan's chip from the table of collectives
+(:func:`shardc.collectives.collective_time`: links per axis with torus spans, DCN,
+latency), at the padded per-device size where a dim is uneven; the einsum search
+adds each configuration's compute (:meth:`CostContext.einsum_seconds`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 
+from shardc.collectives import collective_time, piece, volume_elements
+from shardc.hardware import DEFAULT, PRESETS, Hardware, default_spans
 from shardc.planner.ir import Monomial, Op
-from shardc.spec.ir import Dim, DType, Mesh, Network, TensorRef
+from shardc.spec.ir import Dim, DType, Mesh, TensorRef
 
 __all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost"]
 
 Layout = tuple[tuple[str, ...], ...]
 
-# Planning bandwidths (bytes/s, bidirectional) of the default hardware, TPU v5p:
-# only their ratio matters for choices, and only when a mesh axis crosses DCN.
-W_ICI = 1.8e11
-W_DCN = 6.25e9
 # Without dims, every dim is taken to be this large (and the book's rules decide).
 PROXY_DIM = 1 << 20
 
@@ -98,12 +102,16 @@ class Edge:
 
 @dataclass
 class CostContext:
-    """What costs depend on: mesh, dtype, sizes (or proxies) and which tensors are weights."""
+    """What costs depend on: mesh, dtype, sizes (or proxies), which tensors are weights, and the chip."""
 
     mesh: Mesh
     dtype: DType
     sizes: dict[str, int] | None  # dims; None: use PROXY_DIM for every dim
     weights: frozenset[str] = frozenset()
+    hardware: Hardware = PRESETS[DEFAULT]
+    spans: dict[str, int] | None = None  # over the chip's defaults (Hardware.spans)
+    padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
+    compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
     _searches: dict[tuple[object, ...], _Search] = field(default_factory=dict)  # see reshard
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
     # (is weight, indices, value) -> its moves and their costs; states recur across searches
@@ -111,6 +119,11 @@ class CostContext:
     _numbers: dict[Value, int] = field(default_factory=dict)
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
+    _compute: dict[tuple[object, ...], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.axis_sizes = {a.name: a.size for a in self.mesh.axes}
+        self.links = default_spans(self.mesh, self.hardware) | (self.spans or {})
 
     def dim_size(self, index: str) -> int:
         return PROXY_DIM if self.sizes is None else self.sizes[index]
@@ -132,35 +145,65 @@ class CostContext:
                 self._sizes[symbol] = float(self.dim_size(symbol))
         return volume.value(self._sizes)
 
-    def bandwidth(self, axes: tuple[str, ...]) -> float:
-        """n_axes times the slowest axis's bandwidth."""
-        slow = any(self.mesh.axis(a).network is Network.DCN for a in axes)
-        return (W_DCN if slow else W_ICI) * len(axes)
+    def seconds(self, op: Op, volume: Monomial | float, axes: tuple[str, ...]) -> float:
+        """Time of one collective moving ``volume`` (a formula, or bytes) on the plan's chip."""
+        nbytes = volume if isinstance(volume, float | int) else self.evaluate(volume)
+        return collective_time(op, nbytes, axes, self.mesh, self.axis_sizes, self.hardware, self.links).seconds
 
-    def seconds(self, op: Op, volume: Monomial, axes: tuple[str, ...]) -> float:
-        """Bandwidth time of one collective, on the planning hardware."""
-        factor = {Op.ALL_REDUCE: 2.0, Op.ALL_TO_ALL: 0.25}.get(op, 1.0)
-        return factor * self.evaluate(volume) / self.bandwidth(axes)
-
-    def move_cost(self, move: Move, tensor: str) -> Cost:
+    def move_cost(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Cost:
         if move.volume is None:
             return ZERO
-        seconds = self.seconds(move.op, move.volume, move.axes)
+        volume: Monomial | float = move.volume
+        if idx is not None and self.padded and self.sizes is not None:
+            volume = self.padded_bytes(move, idx)
+        seconds = self.seconds(move.op, volume, move.axes)
         return (seconds, 1, 0 if tensor in self.weights else 1)
+
+    def _pieces(self, idx: tuple[str, ...], value: Value) -> list[tuple[int, int]]:
+        return [(self.dim_size(i), math.prod(self.axis_sizes[a] for a in axes))
+                for i, axes in zip(idx, value.layout, strict=True)]
+
+    def padded_bytes(self, move: Move, idx: tuple[str, ...]) -> float:
+        """V of a move at the padded per-device sizes (each dim's piece ``ceil(size / devices)``)."""
+        assert move.volume is not None
+        src, dst = self._pieces(idx, move.src), self._pieces(idx, move.dst)
+        if all(n % k == 0 for n, k in src + dst):
+            return self.evaluate(move.volume)
+        group = math.prod(self.axis_sizes[a] for a in move.axes)
+        elements = volume_elements(move.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))
+        return float(elements) * self.dtype.nbytes
+
+    def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value]]) -> float:
+        """Compute time of a local einsum over these (indices, local value) operands; 0 without sizes.
+
+        2 * prod(local index sizes) FLOPs a device (padded pieces), over the chip's C.
+        """
+        if self.sizes is None or not self.compute_weight:
+            return 0.0
+        key = tuple(operands)
+        hit = self._compute.get(key)
+        if hit is None:
+            local: dict[str, int] = {}
+            for idx, value in key:
+                for i, (n, k) in zip(idx, self._pieces(idx, value), strict=True):
+                    local[i] = min(local.get(i, -(-n // k)), -(-n // k))
+            hit = self._compute[key] = 2.0 * math.prod(local.values()) / self.hardware.flops
+        return hit * self.compute_weight
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:
         """The moves out of value number ``state`` with their costs, built once per context."""
         key = (tensor in self.weights, idx, state)
         hit = self._edges.get(key)
         if hit is None:
-            hit = self._edges[key] = tuple(self._edge(m, tensor) for m in neighbours(self, idx, self.values[state]))
+            hit = self._edges[key] = tuple(self._edge(m, tensor, idx)
+                                           for m in neighbours(self, idx, self.values[state]))
         return hit
 
-    def _edge(self, move: Move, tensor: str) -> Edge:
+    def _edge(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Edge:
         mask = self.mask(move.axes)
         sliced = mask if move.op is Op.SLICE else 0
         blocked = mask if move.op in (Op.ALL_GATHER, Op.ALL_TO_ALL) else 0  # never re-gather a sliced axis
-        return Edge(move, self.move_cost(move, tensor), self.number(move.dst), sliced, blocked)
+        return Edge(move, self.move_cost(move, tensor, idx), self.number(move.dst), sliced, blocked)
 
     def number(self, value: Value) -> int:
         """A small integer per value: search states hash and compare as ints."""
@@ -175,12 +218,13 @@ class CostContext:
         return sum(1 << names.index(a) for a in set(axes))
 
     def divides(self, index: str, axes: tuple[str, ...]) -> bool:
+        """Whether the search may shard ``index`` over ``axes``: evenly, or (padded) a dim the spec shards
+        unevenly, if every device still gets part of it."""
         if self.sizes is None:
             return True
-        product = 1
-        for a in axes:
-            product *= self.mesh.size(a)
-        return self.sizes[index] % product == 0
+        product = math.prod(self.axis_sizes[a] for a in axes)
+        size = self.sizes[index]
+        return size % product == 0 or (index in self.padded and size >= product)
 
 
 def _suffixes(axes: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
