@@ -287,4 +287,5 @@ def test_plan_text_says_it_is_one_stage() -> None:
     text = render_text(shardc.plan(shardc.parse(EXAMPLE.read_text(), str(EXAMPLE))))
     assert text.splitlines()[1] == ("# pipeline over P: 32 layers over 4 stages: 8 a stage; 16 microbatches, "
                                     "schedule 1f1b; below is one stage's plan, for one layer (nothing is "
-                                    "sharded over P)")
+                                    "sharded over P); `shardc cost` gives the pipeline's step time")
+    assert "# step time" not in text  # one stage's plan over every layer is not the pipeline's step

@@ -84,7 +84,7 @@ def pipeline_note(spec: Spec) -> list[str]:
     given = "" if pipe.microbatches_given else " (default)"
     return [f"# pipeline over {pipe.axis}: {pipe.split_text()}; {pipe.microbatches} microbatches{given}, "
             f"schedule {pipe.schedule}; below is one stage's plan, for one layer (nothing is sharded over "
-            f"{pipe.axis})"]
+            f"{pipe.axis}); `shardc cost` gives the pipeline's step time"]
 
 
 def stage_spec(spec: Spec) -> Spec:
