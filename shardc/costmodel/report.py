@@ -215,7 +215,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     devices = math.prod(values[a] for a in mesh.names)
     pipe = pipeline_cost(plan, hw, values, spans, optimizer)
     if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch at once
-        layers, layer_symbol, devices = max(pipe.pipeline.stage_layers), None, devices // pipe.pipeline.stages
+        devices //= pipe.pipeline.stages  # (resolve_layers gave the slowest stage's layers)
     rows_f = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.forward, 1))
     rows_b = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.backward, 1))
     count = layer_symbol if layer_symbol is not None else layers
