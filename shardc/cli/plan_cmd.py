@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from shardc.cli.main import add_common, parse_sets, read_spec
+from shardc.errors import InternalError
 
 __all__ = ["register"]
 
@@ -32,12 +34,18 @@ def register(sub: Any, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardc.hardware import resolve_hardware
+    from shardc.planner.check import require_sound
     from shardc.planner.planner import plan
     from shardc.planner.render import render_explain, render_text, to_json
 
     spec = read_spec(args)
     hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
     result = plan(spec, save=args.save, hardware=hw, spans=parse_sets(args.spans) or None)
+    try:
+        require_sound(result)  # a broken plan is a shardc bug: say so (exit 1), never print it as sound
+    except InternalError as err:
+        print(err.render(), file=sys.stderr)
+        return err.exit_code
     if args.json:
         data = to_json(result)
         if args.explain:

@@ -38,6 +38,7 @@ class Collective:
     elements: int  # V in elements
     dtype: str
     text: str
+    shape: tuple[int, ...] = ()  # the result array's dims (per device)
 
     def bytes(self, nbytes: int) -> int:
         return self.elements * nbytes
@@ -79,6 +80,11 @@ def _arrays(shape_text: str) -> list[tuple[str, int]]:
             for dt, dims in _ARRAY.findall(shape_text)]
 
 
+def _last_shape(shape_text: str) -> tuple[int, ...]:
+    found = _ARRAY.findall(shape_text)
+    return tuple(int(x) for x in found[-1][1].split(",") if x) if found else ()
+
+
 def collectives(hlo_text: str, mesh: tuple[tuple[str, int], ...]) -> list[Collective]:
     """Every collective instruction of a compiled module, in text order."""
     devices = int(np.prod([size for _, size in mesh]))
@@ -102,5 +108,6 @@ def collectives(hlo_text: str, mesh: tuple[tuple[str, int], ...]) -> list[Collec
         for dtype, elements in arrays:  # a combined (tuple) collective counts each array
             if kind is Op.REDUCE_SCATTER or kind is Op.ALL_TO_ALL:
                 elements *= group  # V: before scattering / per-device bytes times the group
-            found.append(Collective(kind, op, axes, elements, dtype, line.strip()))
+            found.append(Collective(kind, op, axes, elements, dtype, line.strip(),
+                                    _last_shape(match.group("shape"))))
     return found

@@ -16,11 +16,12 @@ results in the forward, every gradient in its primal's sharding in the backward.
 from __future__ import annotations
 
 from shardc.collectives import volume_elements
+from shardc.errors import InternalError
 from shardc.planner.ir import Monomial, Op, Plan, Step
 from shardc.planner.layout import Value
 from shardc.spec.ir import TensorRef
 
-__all__ = ["check_plan", "replay_step", "comm_time", "step_time"]
+__all__ = ["check_plan", "require_sound", "replay_step", "comm_time", "step_time"]
 
 
 def step_time(plan: Plan) -> float:
@@ -129,9 +130,14 @@ def check_einsum(step: Step) -> str | None:
     return None
 
 
+def _norm(ref: TensorRef) -> TensorRef:
+    """A value's identity: partial-sum axes are a set (``{U_YX}`` is ``{U_XY}``)."""
+    return _with_unreduced(ref, ref.unreduced)
+
+
 def _held_at_start(plan: Plan) -> tuple[set[TensorRef], set[TensorRef]]:
-    forward = {i.ref for i in plan.tensors if i.role in ("param", "input")}
-    backward = {i.ref for i in plan.tensors} | set(plan.residuals) | set(plan.cotangents)
+    forward = {_norm(i.ref) for i in plan.tensors if i.role in ("param", "input")}
+    backward = {_norm(r) for r in [*(i.ref for i in plan.tensors), *plan.residuals, *plan.cotangents]}
     return forward, backward
 
 
@@ -142,19 +148,29 @@ def check_plan(plan: Plan) -> list[str]:
     for phase, steps, held in (("forward", plan.forward, fwd_held), ("backward", plan.backward, bwd_held)):
         for k, step in enumerate(steps, 1):
             problems += [f"{phase} {k}: {p}" for p in _check_step(plan, step, held)]
-            held.add(step.dst)
+            held.add(_norm(step.dst))
         if phase == "forward":
             declared = [i.ref for i in plan.tensors if i.role == "activation"]
-            problems += [f"forward never makes {r}" for r in declared if r not in held]
+            problems += [f"forward never makes {r}" for r in declared if _norm(r) not in held]
     for grad in plan.grads:
-        if grad not in {s.dst for s in plan.backward}:
+        if _norm(grad) not in {_norm(s.dst) for s in plan.backward}:
             problems.append(f"backward never makes {grad}")
     return problems
 
 
+def require_sound(plan: Plan) -> None:
+    """Raise :class:`InternalError` listing every broken invariant of ``plan`` (none: return)."""
+    problems = check_plan(plan)
+    if problems:
+        listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise InternalError(f"internal error: the planner made a broken plan ({listed})",
+                            fix="this is a shardc bug: please report the spec; `shardc plan --explain` "
+                                "shows the choices that led to it")
+
+
 def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
     reads = list(step.operands) + ([step.src] if step.src is not None else [])
-    problems = [f"reads {r}, which is not held" for r in reads if r not in held]
+    problems = [f"reads {r}, which is not held" for r in reads if _norm(r) not in held]
     if step.op in (Op.EINSUM, Op.COPY):
         why = check_einsum(step)
         return problems + ([f"invalid local einsum {step.dst}: {why}"] if why else [])
@@ -164,7 +180,7 @@ def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
             problems.append(f"elementwise {step.fn} changes the layout of {step.dst}")
         return problems
     out, volume = replay_step(plan, step)
-    if out is None or out != step.dst:
+    if out is None or out != _norm(step.dst):
         problems.append(f"{step.op.title} of {step.src} over {step.axes} does not make {step.dst}")
     elif volume != step.volume:
         problems.append(f"{step.op.title} {step.dst}: volume {step.volume}, expected {volume}")
