@@ -224,7 +224,9 @@ def test_gradient_contributions_are_summed() -> None:
 def test_multi_axis_and_braced_names() -> None:
     spec = shardc.parse("mesh data=2, model=4\nOut[B_{data}, F] = In[B_{data}, D] · W[D_{model}, F]\n")
     p = shardc.plan(spec)
-    assert collectives(p.forward) == ["AllGather_model W[D_{model}, F] -> W[D, F]"]
+    # W is replicated over data: sliced there first (free), one AllGather spans both axes' links,
+    # V/(2W) in the book's model rather than V/W over model alone
+    assert collectives(p.forward) == ["AllGather_modeldata W[D_{model,data}, F] -> W[D, F]"]
     assert check_plan(p) == []
     multi = shardc.plan(shardc.parse("mesh X=2, Y=4\nOut[B_XY, F] = In[B_XY, D] · W[D_XY, F]\n"))
     assert collectives(multi.forward) == ["AllGather_XY W[D_XY, F] -> W[D, F]"]

@@ -168,6 +168,8 @@ def _step_code(step: Step, var: _Namer) -> str:
     src = var(step.src) if step.src is not None else ""
     axes = _axes_entry(step.axes) if step.axes else ""
     call = step.op.info.jax_call
+    if step.op is Op.ALL_GATHER and step.dim is None:
+        return f"gather_dims({src}, {_gathered_groups(step)})"
     if step.op is Op.ALL_GATHER:
         return f"{call}({src}, {axes}, axis={step.dim}, tiled=True, to='invarying')"
     if step.op is Op.REDUCE_SCATTER:
@@ -186,6 +188,14 @@ def _step_code(step: Step, var: _Namer) -> str:
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
     return _elementwise_code(step, var)
+
+
+def _gathered_groups(step: Step) -> str:
+    """``((dim, axes), ...)`` of an AllGather of several dims: the suffix each dim loses."""
+    assert step.src is not None
+    groups = [(d, have[len(want):]) for d, (have, want) in enumerate(zip(step.src.layout, step.dst.layout,
+                                                                        strict=True)) if have != want]
+    return "(" + ", ".join(f"({d}, {axes!r})" for d, axes in groups) + ",)"
 
 
 def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:

@@ -17,7 +17,8 @@ __all__ = ["render", "comment", "GLOBALS"]
 # Every module-level name of a generated module (tests check the list is complete): a
 # tensor's variable never takes one of these, so no phase function shadows what it reads.
 GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "AxisType", "NamedSharding",
-           "P", "MESH_AXES", "make_mesh", "shard_slice", "FORWARD_IN", "FORWARD_OUT", "RESULTS", "STACKED",
+           "P", "MESH_AXES", "make_mesh", "shard_slice", "gather_dims", "FORWARD_IN", "FORWARD_OUT", "RESULTS",
+           "STACKED",
            "STACKED_INPUTS", "forward_local", "BACKWARD_IN", "BACKWARD_OUT", "COTANGENTS", "GRADS",
            "backward_local", "programs", "_put", "run_forward", "run_backward", "_results", "forward",
            "_forward_fwd", "_forward_bwd", "_plus", "grad", "DIMS", "INPUT_DIMS", "main", "inputs",
@@ -95,6 +96,24 @@ def shard_slice(x, axes, dim):
     """This device's block of ``x`` along ``dim`` over mesh ``axes``: free, no communication."""
     size = x.shape[dim] // jax.lax.axis_size(axes)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, axis=dim)
+
+
+def gather_dims(x, groups):
+    """One AllGather of several dims: ``groups`` pairs each dim with the axes it loses
+    (major to minor).  The blocks arrive in a new leading dim over all the axes at once
+    and are laid out locally: each dim's gathered axes go just before it, then merge in."""
+    axes = tuple(a for _, names in groups for a in names)
+    sizes = [jax.lax.axis_size(a) for a in axes]
+    y = jax.lax.all_gather(x, axes, axis=0, tiled=False, to='invarying').reshape(*sizes, *x.shape)
+    lead, k = {{}}, 0
+    for d, names in groups:
+        lead[d] = list(range(k, k + len(names)))
+        k += len(names)
+    order, shape = [], []
+    for d in range(x.ndim):
+        order += lead.get(d, []) + [len(axes) + d]
+        shape.append(math.prod(sizes[i] for i in lead.get(d, [])) * x.shape[d])
+    return jnp.transpose(y, order).reshape(shape)
 '''
 
 _DRIVER = '''

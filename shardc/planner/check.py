@@ -50,6 +50,22 @@ def _drop_suffix(ref: TensorRef, dim: int, axes: tuple[str, ...]) -> TensorRef |
     return _with_dim(ref, dim, have[: len(have) - len(axes)])
 
 
+def _drop_suffixes(ref: TensorRef, dst: TensorRef, axes: tuple[str, ...]) -> TensorRef | None:
+    """An AllGather of several dims: each loses a suffix, the suffixes in dim order are ``axes``."""
+    if len(dst.dims) != len(ref.dims):
+        return None
+    removed: list[str] = []
+    out = ref
+    for d, (have, want) in enumerate(zip(ref.layout, dst.layout, strict=True)):
+        if have[:len(want)] != want:
+            return None
+        removed += have[len(want):]
+        out = _with_dim(out, d, want)
+    if tuple(removed) != axes or sum(1 for h, w in zip(ref.layout, dst.layout, strict=True) if h != w) < 2:
+        return None
+    return out
+
+
 def _with_dim(ref: TensorRef, dim: int, axes: tuple[str, ...]) -> TensorRef:
     dims = list(ref.dims)
     dims[dim] = type(dims[dim])(dims[dim].name, axes)
@@ -63,6 +79,9 @@ def _with_unreduced(ref: TensorRef, unreduced: tuple[str, ...]) -> TensorRef:
 def replay_step(plan: Plan, step: Step) -> tuple[TensorRef | None, Monomial | None]:
     """What a collective or slice makes of its source, and its volume; None if invalid."""
     src, dim, axes = step.src, step.dim, step.axes
+    if src is not None and step.op is Op.ALL_GATHER and dim is None:
+        out = _drop_suffixes(TensorRef(step.tensor, src.dims, src.unreduced), step.dst, axes)
+        return out, None if out is None else _local_bytes(plan, out)
     if src is None or dim is None and step.op is not Op.ALL_REDUCE:
         return None, None
     renamed = TensorRef(step.tensor, src.dims, src.unreduced)

@@ -33,6 +33,7 @@ class Phase:
     made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
+    _refs: dict[tuple[str, Value], TensorRef] = field(default_factory=dict)
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])
@@ -40,7 +41,11 @@ class Phase:
             values.append(value)
 
     def ref(self, name: str, value: Value) -> TensorRef:
-        return value.ref(name, self.indices[name])
+        key = (name, value)
+        hit = self._refs.get(key)
+        if hit is None:  # layers repeat: the same refs are made again and again
+            hit = self._refs[key] = value.ref(name, self.indices[name])
+        return hit
 
     def emit(self, step: Step) -> None:
         self.steps.append(step)

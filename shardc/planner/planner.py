@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, resolve_hardware
@@ -19,8 +20,9 @@ from shardc.planner.chain import choose_chain
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
-from shardc.planner.layout import CostContext, Layout, Value
+from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
 from shardc.timing import plan_time
@@ -28,6 +30,9 @@ from shardc.timing import plan_time
 __all__ = ["plan", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
+# Seconds the exact search may take before it gives up with a clear error: it grows with
+# every mesh axis of size > 1 (the layouts of a tensor multiply), never with size-1 axes.
+BUDGET = 30.0
 STRATEGIES = ("auto", "search", "rules")
 # How much the search counts a second of compute beside one of communication, per phase
 # (forward, backward): their sum first, which bounds a phase's max(compute, comm) within 2x.
@@ -55,13 +60,26 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
+    try:
+        return _plan_within_budget(spec, save, strategy, hardware, spans)
+    except SearchTooLong as e:
+        raise ShardcError(
+            f"planning gave up after {BUDGET:.0f} s: the exact search over layouts grows with every mesh axis "
+            f"(this mesh has {e.axes} of size > 1)",
+            fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
+                "one axis XY=4), or drop the dims line to plan by the book's rules") from None
+
+
+def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
+                        spans: dict[str, int] | None) -> Plan:
     hw = resolve_hardware(hardware, None, spec.hardware)
     _check_spans(spec, spans)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
-        return pipelined(spec, plan(stage_spec(spec), save, strategy, hw, stage_spans or None))
-    graph = build_graph(spec)
-    ctx = _context(spec, graph, hw, spans)  # one search cache for every candidate
+        return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None))
+    stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
+    graph = build_graph(stripped)
+    ctx = _context(spec, graph, hw, spans, bonded_axes(stripped))  # one search cache for every candidate
     if strategy == "auto" and spec.dims:
         return _best_plan(spec, graph, save, ctx)
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx)
@@ -104,10 +122,14 @@ def _rounded(x: float) -> float:
     return 0.0 if x == 0 else round(x, 9 - int(math.floor(math.log10(abs(x)))))
 
 
-def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None) -> CostContext:
+def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None,
+             units: tuple[tuple[str, ...], ...] | None = None) -> CostContext:
     grads = frozenset(graph.grads[p] for p in graph.params)
-    return CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads,
-                       hardware=hw, spans=spans, padded=frozenset(d for d, _ in uneven_dims(spec)))
+    ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
+                      graph.params | grads, hardware=hw, spans=spans,
+                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units)
+    ctx.deadline = time.monotonic() + BUDGET
+    return ctx
 
 
 def uneven_dims(spec: Spec) -> list[tuple[str, int]]:
@@ -196,7 +218,11 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) ->
 
 
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
-    target = Value.of(declared[node.result]) if node.result in declared else None
+    # A pre-activation (the A · B of f(A · B)) takes the layout f's result is declared in:
+    # moving it before f costs what moving f's result would, so the einsum search sees the
+    # whole statement, f(A · B) = (A · B then f).
+    wanted = declared.get(node.result, node.target)
+    target = Value.of(wanted) if wanted is not None else None
     label = _label(node, phase, declared)
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
@@ -208,17 +234,21 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
 
 def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
                       target: Value | None) -> None:
-    """``f`` keeps the sharding; its input must be reduced, in the result's layout."""
+    """``f`` keeps the sharding; its input must be reduced, in the result's layout.
+
+    The result's indices may be the argument's permuted: that is a local transpose,
+    so the argument's layout is read index by index, never position by position.
+    """
     (arg,) = node.operands
+    arg_idx = phase.indices[arg]
     if target is None:
-        target = Value(phase.held[arg][0].layout, ())
+        held = dict(zip(arg_idx, phase.held[arg][0].layout, strict=True))
+        target = Value(tuple(held[i] for i in node.indices), ())
     if target.unreduced:
         raise ShardcError(f"{node.result} is an elementwise function of partial sums", node.statement.span,
                           fix="drop the {U_...} suffix: the function needs reduced values")
-    want = Value(_permute(phase.indices[arg], node.indices, target), ())
-    from shardc.planner.layout import reshard
-
-    _, moves = reshard(phase.ctx, arg, phase.indices[arg], phase.held[arg], want)
+    want = Value(_permute(arg_idx, node.indices, target), ())
+    _, moves = reshard(phase.ctx, arg, arg_idx, phase.held[arg], want)
     phase.moves(arg, moves)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
                     operands=(phase.ref(arg, want),), fn=node.fn))
