@@ -111,5 +111,9 @@ def render(report: CostReport) -> str:
     body += ["step (forward + backward)"] + _totals(report.step, report.layers) + [""]
     body += _memory(report) + ["", "thresholds"]
     body += [f"  {t.sentence}" for t in report.thresholds] or ["  (no communication)"]
+    if report.pipeline is not None:
+        from shardc.costmodel.pipeline import render_pipeline
+
+        body += [""] + render_pipeline(report.pipeline)
     body += ["", "notes"] + [f"  {n}" for n in report.notes]
     return "\n".join(head + body) + "\n"
