@@ -46,9 +46,9 @@ def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None =
          **options: Any) -> CostReport:
     """Cost a plan on a hardware preset (see ``shardc hardware``).
 
-    ``hardware=None`` takes the spec's ``hardware`` line, else tpu-v5p.  Every dim
-    needs a size; ``shardc.costmodel.symbolic.cost_formulas(plan)`` gives the
-    figures as formulas without them.
+    ``hardware=None`` takes the chip the plan was made for (the spec's ``hardware``
+    line, else tpu-v5p).  Every dim needs a size;
+    ``shardc.costmodel.symbolic.cost_formulas(plan)`` gives the figures as formulas without them.
     """
     from shardc.costmodel.report import cost as _cost
 

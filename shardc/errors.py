@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ShardcError", "Span"]
+__all__ = ["ShardcError", "InternalError", "Span"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +63,12 @@ class ShardcError(Exception):
     def with_span(self, span: Span) -> ShardcError:
         """The same error, pointing at ``span`` (used when a pass learns the place late)."""
         return ShardcError(self.message, span, self.fix)
+
+
+class InternalError(ShardcError):
+    """A bug in shardc itself (a plan that breaks its own invariants), not in the user's input.
+
+    The CLI reports it with exit status 1, like a failed check, rather than 2 (a usage error).
+    """
+
+    exit_code = 1

@@ -197,13 +197,19 @@ def test_a_mesh_larger_than_the_devices_says_how_to_emulate() -> None:
 
 
 def test_a_wrong_volume_is_a_mismatch(fsdp_tp) -> None:  # type: ignore[no-untyped-def]
+    from shardc.errors import InternalError
+    from shardc.lowering.hlo import collectives
+    from shardc.lowering.verify import match_collectives
+
     plan = fsdp_tp.plan
     steps = list(plan.forward)
     k = next(i for i, s in enumerate(steps) if s.is_collective)
     steps[k] = dataclasses.replace(steps[k], volume=steps[k].volume * Monomial.of(2))
-    report = verify(dataclasses.replace(plan, forward=tuple(steps)))
-    assert not report.ok
-    assert [r.note for r in report.collectives if not r.ok] == ["bytes differ"]
+    with pytest.raises(InternalError, match="volume"):  # the plan checker sees it first
+        verify(dataclasses.replace(plan, forward=tuple(steps)))
+    found = collectives(fsdp_tp.compiled_text("forward"), fsdp_tp.module.mesh)
+    rows = match_collectives("forward", tuple(steps), found, fsdp_tp.sizes, plan.spec.dtype.nbytes)
+    assert [r.note for r in rows if not r.ok] == ["bytes differ"]
 
 
 def test_cli_verify_json_and_compare(capsys: pytest.CaptureFixture[str]) -> None:

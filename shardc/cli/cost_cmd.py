@@ -83,25 +83,26 @@ def run_hardware(args: argparse.Namespace) -> int:
 
 def run_cost(args: argparse.Namespace) -> int:
     from shardc import plan
+    from shardc.costmodel.hardware import resolve_hardware
     from shardc.costmodel.report import cost, missing_sizes
 
     spec = read_spec(args)
-    the_plan = plan(spec, save=args.save)
+    hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
+    spans = parse_sets(args.spans) or None
+    the_plan = plan(spec, save=args.save, hardware=hw, spans=spans)  # planned for the chip it is costed on
     if args.sweep:
         return _run_sweep(args, the_plan)
     sizes = {a.name: a.size for a in spec.mesh.axes} | dict(spec.sizes)
     if missing_sizes(the_plan, sizes):
         from shardc.costmodel.symbolic import cost_formulas
 
-        formulas = cost_formulas(the_plan, hardware=args.hardware, hardware_file=args.hardware_file,
-                                 spans=parse_sets(args.spans) or None)
+        formulas = cost_formulas(the_plan, hardware=hw, spans=spans)
         if args.mfu is not None:
             formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
                                                                  "needs the sizes",))
         print(formulas.json_text() if args.json else formulas.render(), end="\n" if args.json else "")
         return 0
-    report = cost(the_plan, hardware=args.hardware, mfu=args.mfu, optimizer=args.optimizer,
-                  hardware_file=args.hardware_file, spans=parse_sets(args.spans) or None)
+    report = cost(the_plan, hardware=hw, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
     return 0
 
@@ -117,7 +118,7 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     if args.plot:
         check_plot_path(args.plot)
     hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)
-    plans = [first] + [plan(load_spec(path, args.set), save=args.save) for path in args.others]
+    plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw) for path in args.others]
     spans = parse_sets(args.spans) or None
     sweeps = [sweep(p, hw, dim, low, high, args.points, spans=spans) for p in plans]
     if args.json:

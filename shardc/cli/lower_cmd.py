@@ -1,21 +1,25 @@
 """``shardc lower``, ``shardc verify``, ``shardc compare``: the plan as JAX code, run and checked.
 
 ``lower`` only writes text (no jax import).  ``verify`` and ``compare`` run
-jax; before its first import they ask XLA for 8 emulated CPU devices (unless
-XLA_FLAGS already says how many), since the environment must say so before
-jax starts.
+jax; before its first import they plan, pick the devices the run needs (enough
+for every mesh axis to be 2, or ``--devices``) and ask XLA for that many
+emulated CPU devices (unless XLA_FLAGS already says how many), since the
+environment must say so before jax starts.  A plan the plan checker rejects is
+a shardc bug, reported with exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from shardc.cli.main import add_common, read_spec
-from shardc.errors import ShardcError
+from shardc.errors import InternalError, ShardcError
 
 __all__ = ["register"]
 
@@ -31,9 +35,36 @@ def register(sub: Any, name: str) -> None:
         parser.add_argument("-o", "--output", metavar="MODULE.py", help="write here instead of stdout")
     else:
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
-        parser.add_argument("--devices", type=int, default=8,
-                            help="devices to run on (emulated on a CPU; default 8)")
-    parser.set_defaults(func={"lower": run_lower, "verify": run_verify, "compare": run_compare}[name])
+        parser.add_argument("--devices", type=int, default=None,
+                            help="devices to run on (emulated on a CPU; default: enough for every mesh "
+                                 "axis to run at size 2, at least 8 when the mesh has them, at most 256)")
+    parser.set_defaults(func=_reporting_internal_errors(
+        {"lower": run_lower, "verify": run_verify, "compare": run_compare}[name]))
+
+
+def _reporting_internal_errors(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A shardc bug is exit status 1 with a message, like a failed check (2 is a usage error).
+
+    A plan the checker rejects is an InternalError; any other unexpected exception (from
+    jax or XLA too) is reported the same way, its traceback shown only with SHARDC_TRACEBACK=1.
+    """
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except ShardcError as err:
+            if not isinstance(err, InternalError):
+                raise  # a usage error: main prints it, exit 2
+            print(err.render(), file=sys.stderr)
+            return err.exit_code
+        except Exception as err:  # noqa: BLE001 - the CLI never prints a traceback
+            if os.environ.get("SHARDC_TRACEBACK"):
+                raise
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            print(InternalError(f"internal error: {type(err).__name__}: {first}",
+                                fix="this is a shardc bug: please report the spec "
+                                    "(SHARDC_TRACEBACK=1 shows the traceback)").render(), file=sys.stderr)
+            return InternalError.exit_code
+    return wrapped
 
 
 _HELP = {
@@ -43,14 +74,40 @@ _HELP = {
 }
 
 
-def run_lower(args: argparse.Namespace) -> int:
-    from shardc.lowering.api import lowered_mesh, lowered_sizes
-    from shardc.lowering.codegen import generate
+def _plan(args: argparse.Namespace) -> Any:
+    """The plan ``shardc plan`` prints for the same arguments, checked."""
+    from shardc.planner.check import require_sound
     from shardc.planner.planner import plan
 
     result = plan(read_spec(args), save=args.save)
-    mesh = lowered_mesh(result, None)
-    source = generate(result, mesh, lowered_sizes(result, None, mesh)).source
+    require_sound(result)
+    return result
+
+
+def _refuse_overwriting_the_spec(args: argparse.Namespace) -> None:
+    same = os.path.realpath(args.output) == os.path.realpath(args.file)
+    try:
+        same = same or os.path.samefile(args.output, args.file)
+    except OSError:
+        pass  # the output does not exist yet
+    if same:
+        raise ShardcError(f"-o {args.output} is the spec itself: writing the module there would replace it",
+                          fix="write the module elsewhere, e.g. -o " + _module_name(args.file))
+
+
+def _module_name(path: str) -> str:
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return (stem if stem.isidentifier() else "lowered") + ".py"
+
+
+def run_lower(args: argparse.Namespace) -> int:
+    from shardc.lowering.api import module_source
+
+    if args.output:
+        _refuse_overwriting_the_spec(args)
+    source, note = module_source(_plan(args))
+    if note:
+        print(note, file=sys.stderr)
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as handle:
@@ -64,6 +121,29 @@ def run_lower(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag_devices() -> int | None:
+    """The emulated device count XLA_FLAGS already asks for, if any."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for word in flags.split():
+        name, _, value = word.partition("=")
+        if name == _DEVICE_FLAG and value.isdigit():
+            return int(value)
+    return None
+
+
+def _devices(args: argparse.Namespace, plan: Any) -> int:
+    """Check ``--devices`` (or choose it), then ask XLA for that many CPU devices."""
+    from shardc.lowering.sizes import devices_to_check, shrink_mesh
+    from shardc.lowering.verify import check_device_count
+
+    if args.devices is not None:
+        check_device_count(args.devices)
+    devices = args.devices or devices_to_check(plan, _flag_devices())
+    mesh = shrink_mesh([(a.name, a.size) for a in plan.spec.mesh.axes], devices)
+    emulate_devices(math.prod(s for _, s in mesh))  # no more than the run uses: XLA starts faster
+    return int(devices)
+
+
 def emulate_devices(count: int) -> None:
     """Ask XLA for ``count`` CPU devices, unless jax is already up or the flag is set."""
     flags = os.environ.get("XLA_FLAGS", "")
@@ -72,26 +152,26 @@ def emulate_devices(count: int) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    spec = read_spec(args)
-    emulate_devices(args.devices)
+    plan = _plan(args)
+    devices = _devices(args, plan)
     from shardc.lowering.verify import render_report, verify
 
-    report = verify(spec, devices=args.devices, save=args.save)
+    report = verify(plan, devices=devices)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps(report.to_json(), indent=2, allow_nan=False))
     else:
         print(render_report(report), end="")
     return 0 if report.ok else 1
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    spec = read_spec(args)
-    emulate_devices(args.devices)
+    plan = _plan(args)
+    devices = _devices(args, plan)
     from shardc.lowering.compare import compare, render_comparison
 
-    result = compare(spec, devices=args.devices, save=args.save)
+    result = compare(plan, devices=devices)
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(json.dumps(result.to_json(), indent=2, allow_nan=False))
     else:
         print(render_comparison(result), end="")
     return 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from shardc.cli.main import add_common, read_spec
+from shardc.cli.main import add_common, parse_sets, read_spec
+from shardc.errors import InternalError
 
 __all__ = ["register"]
 
@@ -19,6 +21,11 @@ def register(sub: Any, name: str) -> None:
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="residual policy: default keeps gathered activations and gathers weights "
                              "again; none keeps nothing gathered; all keeps everything")
+    parser.add_argument("--hardware", metavar="NAME",
+                        help="plan for this chip (see `shardc hardware`; default: the spec's, else tpu-v5p)")
+    parser.add_argument("--hardware-file", metavar="TOML", help="plan for a chip of your own")
+    parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
+                        help="mesh axis AXIS is laid over K physical ICI axes (as for `shardc cost`)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--explain", action="store_true",
                         help="also list, per einsum, the alternatives considered and why one won")
@@ -26,10 +33,19 @@ def register(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardc.hardware import resolve_hardware
+    from shardc.planner.check import require_sound
     from shardc.planner.planner import plan
     from shardc.planner.render import render_explain, render_text, to_json
 
-    result = plan(read_spec(args), save=args.save)
+    spec = read_spec(args)
+    hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
+    result = plan(spec, save=args.save, hardware=hw, spans=parse_sets(args.spans) or None)
+    try:
+        require_sound(result)  # a broken plan is a shardc bug: say so (exit 1), never print it as sound
+    except InternalError as err:
+        print(err.render(), file=sys.stderr)
+        return err.exit_code
     if args.json:
         data = to_json(result)
         if args.explain:

@@ -7,9 +7,11 @@ Per phase (forward, backward) and for the whole training step (``step``, both):
   split into ``critical_s`` and ``ahead_s`` (``Step.ahead``: weight gathers and
   weight-gradient reductions can be issued off the critical path).
 * ``bound``: ``"communication"`` iff comm_s > compute_s, all collectives assumed
-  to overlap compute, as the book draws it; ``step_s = max(compute_s, comm_s)``
-  is the time under that overlap, ``step_ahead_only_s = max(compute_s, ahead_s)
-  + critical_s`` the time when only ahead-of-time collectives overlap.
+  to overlap compute, as the book draws it; ``step_s`` is the time under that
+  overlap (:mod:`shardc.timing`: ``max(compute_s, comm_s)`` a phase, forward plus
+  backward for the step; the planner minimises exactly this figure),
+  ``step_ahead_only_s = max(compute_s, ahead_s) + critical_s`` (a phase) the time
+  when only ahead-of-time collectives overlap.
 * ``mfu``: model FLOPs / (devices * C * step_s); with ``mfu=0.4``,
   ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the book's estimate.
 
@@ -30,6 +32,7 @@ from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
+from shardc.timing import phase_seconds, plan_sizes, plan_spans, resolve_layers, step_seconds
 
 __all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes"]
 
@@ -45,6 +48,7 @@ class PhaseCost:
     hardware: Hardware
     formula: PhaseFormula
     mfu_assumed: float | None = None
+    parts: tuple[PhaseCost, ...] = ()  # the step: its phases, which run one after the other
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
         rows = [r for r in self.rows if only is None or (r.is_collective and r.ahead is only)]
@@ -96,10 +100,14 @@ class PhaseCost:
 
     @property
     def step_s(self) -> float:
-        return max(self.compute_s, self.comm_s)
+        if self.parts:
+            return step_seconds(*(p.step_s for p in self.parts))
+        return phase_seconds(self.compute_s, self.comm_s)
 
     @property
     def step_ahead_only_s(self) -> float:
+        if self.parts:
+            return step_seconds(*(p.step_ahead_only_s for p in self.parts))
         return max(self.compute_s, self.ahead_s) + self.critical_s
 
     @property
@@ -181,7 +189,7 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
          mfu: float | None = None, optimizer: str = "adam10", hardware_file: str | None = None,
          spans: dict[str, int] | None = None, **options: object) -> CostReport:
-    """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`, or the spec's ``hardware`` line).
+    """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`; default the chip it was planned for).
 
     ``spans`` maps a mesh axis to the physical ICI axes it is laid over (the book's
     M_X; default 1): its collectives get that many times the bandwidth.
@@ -193,10 +201,10 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
     if optimizer not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use adam10 or adam16")
-    hw = resolve_hardware(hardware, hardware_file, plan.spec.hardware)
+    hw = resolve_hardware(hardware if hardware is not None else plan.chip, hardware_file, plan.spec.hardware)
     check_spans(plan, spans)
     values = resolve_sizes(plan, sizes)
-    spans = default_spans(plan, hw, values) | (spans or {})
+    spans = plan_spans(plan, hw, values) | (spans or {})
     layers, layer_symbol = resolve_layers(plan, values)
     mesh = plan.spec.mesh
     devices = math.prod(values[a] for a in mesh.names)
@@ -206,9 +214,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     names = symbols_of(plan)
     f_fwd = phase_formula(plan.forward, mesh, count, spans, names)
     f_bwd = phase_formula(plan.backward, mesh, count, spans, names)
-    phases = (PhaseCost("forward", rows_f, layers, devices, hw, f_fwd, mfu),
-              PhaseCost("backward", rows_b, layers, devices, hw, f_bwd, mfu),
-              PhaseCost("step", rows_f + rows_b, layers, devices, hw, f_fwd + f_bwd, mfu))
+    fwd = PhaseCost("forward", rows_f, layers, devices, hw, f_fwd, mfu)
+    bwd = PhaseCost("backward", rows_b, layers, devices, hw, f_bwd, mfu)
+    phases = (fwd, bwd, PhaseCost("step", rows_f + rows_b, layers, devices, hw, f_fwd + f_bwd, mfu, (fwd, bwd)))
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer)
     tokens = token_dims(plan)
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
@@ -253,10 +261,8 @@ def renamed_note(names: HardwareSymbols) -> tuple[str, ...]:
 
 
 def default_spans(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> dict[str, int]:
-    """Each ICI mesh axis's torus axes on this chip (:meth:`Hardware.spans`)."""
-    from shardc.spec.ir import Network
-
-    return {a.name: hw.spans(sizes[a.name]) for a in plan.spec.mesh.axes if a.network is not Network.DCN}
+    """Each ICI mesh axis's torus axes on this chip, with the spans the plan was made for."""
+    return plan_spans(plan, hw, sizes)
 
 
 def check_spans(plan: Plan, spans: dict[str, int] | None) -> None:
@@ -272,9 +278,7 @@ def check_spans(plan: Plan, spans: dict[str, int] | None) -> None:
 
 def resolve_sizes(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int]:
     """Dims and mesh sizes: the plan's, then the spec's, then ``sizes`` over them."""
-    values = {a.name: a.size for a in plan.spec.mesh.axes}
-    values.update(plan.spec.sizes)
-    values.update(plan.size_map or {})
+    values = plan_sizes(plan)
     values.update(sizes or {})
     missing = [m for m in missing_sizes(plan, values) if m != plan.spec.layers]  # resolve_layers says it
     if missing:
@@ -283,22 +287,6 @@ def resolve_sizes(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int]:
                           " ".join(f"{m}=..." for m in missing) +
                           " (shardc.costmodel.symbolic.cost_formulas gives the formulas without them)")
     return values
-
-
-def resolve_layers(plan: Plan, sizes: dict[str, int]) -> tuple[int, str | None]:
-    """The layer count, and its symbol when the spec names a dim (``layers L``)."""
-    layers = plan.spec.layers
-    if layers is None:
-        indices = {d.name for info in plan.tensors for d in info.ref.dims}
-        if "L" in sizes and "L" not in indices:  # --set L=40 without a `layers` line
-            return sizes["L"], "L"
-        return 1, None
-    if isinstance(layers, int):
-        return layers, None
-    if layers not in sizes:
-        raise ShardcError(f"`layers {layers}` names no known size",
-                          fix=f"add {layers}=... to the `dims` line, or pass --set {layers}=...")
-    return sizes[layers], layers
 
 
 def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
@@ -316,8 +304,12 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> tuple[str, ...]:
     from shardc.spec.ir import Network
 
     notes = [f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
-             "formulas and thresholds use bandwidth terms; times also bound each collective "
-             f"below by latency ({hw.hop_latency:g} s a hop)"]
+             *plan.notes]
+    if plan.strategy == "search" and plan.hardware != hw.name:
+        notes.append(f"the plan was chosen for {plan.hardware}, costed here on {hw.name}: "
+                     f"`shardc plan --hardware {hw.name}` may find a faster one")
+    notes.append("formulas and thresholds use bandwidth terms; times also bound each collective "
+                 f"below by latency ({hw.hop_latency:g} s a hop)")
     ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
     group = math.prod(sizes[a] for a in ici)
     if hw.ici_domain is not None and group > hw.ici_domain:

@@ -18,7 +18,7 @@ from shardc.lowering.codegen import Boundary, Module, generate
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Spec, TensorRef
 
-__all__ = ["Lowered", "lower", "lowered_mesh", "lowered_sizes", "check_devices"]
+__all__ = ["Lowered", "lower", "lowered_mesh", "lowered_sizes", "check_devices", "module_source"]
 
 
 @dataclass
@@ -115,8 +115,30 @@ def _check_divisible(plan: Plan, sizes: dict[str, int]) -> None:
                     continue
                 shards = int(np.prod([sizes[a] for a in d.axes])) if d.axes else 1
                 if sizes[d.name] % shards:
-                    raise ShardcError(f"{d.name}={sizes[d.name]} is not divisible by the {shards} "
-                                      f"shards of {ref}", fix=f"make {d.name} a multiple of {shards}")
+                    even = -(-sizes[d.name] // shards) * shards
+                    raise ShardcError(
+                        f"{d.name}={sizes[d.name]} is not divisible by the {shards} shards of {ref}: "
+                        "shard_map needs even blocks, and this lowering does not pad them as XLA's "
+                        "partitioner would", fix=f"lower at sizes that divide (e.g. --set {d.name}={even}); "
+                        "`shardc verify` picks such sizes itself")
+
+
+def module_source(plan: Plan) -> tuple[str, str | None]:
+    """The module text ``shardc lower`` writes, and a note when the spec's sizes cannot run.
+
+    The module is shape-generic: its shard_maps run at any sizes the shardings divide.  When
+    the spec's own dims do not divide (XLA's partitioner would pad; shard_map does not), it is
+    written without them (symbolic local shapes in the comments) and the note says so.
+    """
+    mesh = lowered_mesh(plan, None)
+    try:
+        return generate(plan, mesh, lowered_sizes(plan, None, mesh)).source, None
+    except ShardcError as err:
+        if "not divisible" not in err.message:
+            raise
+        note = (f"note: {err.message}; the module is written without the spec's sizes and runs at "
+                "sizes that divide (its demo picks some)")
+        return generate(plan, mesh, None).source, note
 
 
 def check_devices(mesh: tuple[tuple[str, int], ...]) -> None:
@@ -137,8 +159,16 @@ def check_devices(mesh: tuple[tuple[str, int], ...]) -> None:
 
 def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: str = "default",
           **options: Any) -> Lowered:
-    """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process."""
-    plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, sizes, save, options)
+    """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process.
+
+    A spec is planned as written, as ``shardc plan`` plans it; ``sizes`` (dims and mesh
+    axes) only set the sizes the module runs at, never the plan.  The plan checker runs
+    first: a broken plan raises :class:`~shardc.errors.InternalError`.
+    """
+    from shardc.planner.check import require_sound
+
+    plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, save, options)
+    require_sound(plan)
     mesh = lowered_mesh(plan, sizes)
     full = lowered_sizes(plan, sizes, mesh)
     module = generate(plan, mesh, full)
@@ -147,12 +177,9 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
     return Lowered(plan, module, namespace, full)
 
 
-def _plan(spec: Spec, sizes: dict[str, int] | None, save: str, options: dict[str, Any]) -> Plan:
+def _plan(spec: Spec, save: str, options: dict[str, Any]) -> Plan:
     from shardc.planner.planner import plan as make_plan
-    from shardc.spec.overrides import apply_overrides
 
-    if sizes:
-        spec = apply_overrides(spec, dict(sizes))
     return make_plan(spec, save=save, **options)
 
 

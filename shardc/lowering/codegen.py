@@ -15,11 +15,13 @@ accept it in replicated ``out_specs``.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import keyword
+import string
 from dataclasses import dataclass
 
-from shardc.errors import ShardcError
+from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.sizes import small_sizes
@@ -28,9 +30,11 @@ from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]
 
-_RESERVED = set(keyword.kwlist) | {"jax", "jnp", "P", "np", "math", "functools", "AxisType",
-                                   "NamedSharding", "shard_slice", "forward", "grad", "programs",
-                                   "make_mesh", "inputs", "cotangent", "main"}
+_LETTERS = string.ascii_lowercase + string.ascii_uppercase
+# Names a tensor's variable must not take: keywords, builtins (``__debug__`` cannot even be
+# assigned), and every global of the generated module (its functions read them).
+_RESERVED = (set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins))
+             | set(template.GLOBALS) | {"np", "rng", "lead", "outputs", "name", "value"})
 _COMMENT_COLUMN = 80  # code wider than this pushes only its own comment right
 
 
@@ -109,28 +113,36 @@ class _Namer:
             return self.names[key]
         # a tensor's own name goes to its declared value, or to its first value if none is declared
         own = _key(self.declared.get(ref.name, key)) == key
-        name = ref.name if own and ref.name not in self.used else ""
+        base = _identifier(ref.name)
+        name = base if own and base not in self.used and not base.startswith("__") else ""
         while not name or name in self.used:
-            self.counts[ref.name] = self.counts.get(ref.name, 0) + 1
-            name = f"{ref.name}_{self.counts[ref.name]}"
+            self.counts[base] = self.counts.get(base, 0) + 1
+            name = f"{base}_{self.counts[base]}"
         self.used.add(name)
         self.names[key] = name
         return name
 
 
-def _letters(plan: Plan) -> dict[str, str]:
-    """One einsum letter per index name, its own lower-case initial when free."""
-    indices: list[str] = []
-    for step in plan.forward + plan.backward:
-        for ref in (step.dst, *step.operands):
-            indices += [i for i in ref.indices if i not in indices]
+def _identifier(name: str) -> str:
+    """``name`` as a Python identifier: a tensor name made in Python may be anything."""
+    text = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name)
+    return text if text.isidentifier() else "t_" + text
+
+
+def _einsum_letters(refs: tuple[TensorRef, ...]) -> dict[str, str]:
+    """One einsum letter per index of one einsum, its own initial when free.
+
+    Per einsum, not per plan: a plan may use more than the 52 letters in all.
+    """
+    indices = list(dict.fromkeys(i for ref in refs for i in ref.indices))
+    if len(indices) > len(_LETTERS):
+        raise ShardcError(f"one einsum has {len(indices)} distinct indices; jnp.einsum takes at most "
+                          f"{len(_LETTERS)}", fix="split the product into statements with fewer indices")
+    pool = list(_LETTERS)
     letters: dict[str, str] = {}
-    pool = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"]
     for index in indices:
         first = index[0].lower()
         letter = first if first in pool else (index[0].upper() if index[0].upper() in pool else pool[0])
-        if not pool:
-            raise ShardcError("more than 52 index names in one plan", fix="use fewer index names")
         pool.remove(letter)
         letters[index] = letter
     return letters
@@ -142,36 +154,48 @@ def _check_einsum(step: Step, number: int, phase: str) -> None:
     for ref in step.operands:
         for d in ref.dims:
             if layouts.setdefault(d.name, d.axes) != d.axes:
-                raise ShardcError(f"{phase} step {number} ({step.dst}): index {d.name} is sharded "
+                raise InternalError(f"{phase} step {number} ({step.dst}): index {d.name} is sharded "
                                   f"differently in the operands of a local einsum",
                                   fix="this is a planner bug: report the spec")
     for d in step.dst.dims:
         if d.name in layouts and layouts[d.name] != d.axes:
-            raise ShardcError(f"{phase} step {number} ({step.dst}): result index {d.name} is not "
+            raise InternalError(f"{phase} step {number} ({step.dst}): result index {d.name} is not "
                               f"sharded like its operands", fix="this is a planner bug: report the spec")
 
 
-def _step_code(step: Step, var: _Namer, letters: dict[str, str]) -> str:
+def _step_code(step: Step, var: _Namer) -> str:
     """One step as one line of Python (without the comment)."""
     src = var(step.src) if step.src is not None else ""
     axes = _axes_entry(step.axes) if step.axes else ""
+    call = step.op.info.jax_call
+    if step.op is Op.ALL_GATHER and step.dim is None:
+        return f"gather_dims({src}, {_gathered_groups(step)})"
     if step.op is Op.ALL_GATHER:
-        return f"jax.lax.all_gather({src}, {axes}, axis={step.dim}, tiled=True, to='invarying')"
+        return f"{call}({src}, {axes}, axis={step.dim}, tiled=True, to='invarying')"
     if step.op is Op.REDUCE_SCATTER:
-        return f"jax.lax.psum_scatter({src}, {axes}, scatter_dimension={step.dim}, tiled=True)"
+        return f"{call}({src}, {axes}, scatter_dimension={step.dim}, tiled=True)"
     if step.op is Op.ALL_REDUCE:
-        return f"jax.lax.psum({src}, {axes})"
+        return f"{call}({src}, {axes})"
     if step.op is Op.ALL_TO_ALL:
-        return (f"jax.lax.all_to_all({src}, {axes}, split_axis={step.dim}, "
+        return (f"{call}({src}, {axes}, split_axis={step.dim}, "
                 f"concat_axis={step.dim2}, tiled=True)")
     if step.op is Op.SLICE:
         return f"shard_slice({src}, {axes}, dim={step.dim})"
-    if step.op is Op.EINSUM:
+    if step.op in (Op.EINSUM, Op.COPY):
+        letters = _einsum_letters((*step.operands, step.dst))
         ins = ",".join("".join(letters[i] for i in ref.indices) for ref in step.operands)
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
-        return f"jnp.einsum('{ins}->{out}', {args})"
+        return f"{call}('{ins}->{out}', {args})"
     return _elementwise_code(step, var)
+
+
+def _gathered_groups(step: Step) -> str:
+    """``((dim, axes), ...)`` of an AllGather of several dims: the suffix each dim loses."""
+    assert step.src is not None
+    groups = [(d, have[len(want):]) for d, (have, want) in enumerate(zip(step.src.layout, step.dst.layout,
+                                                                        strict=True)) if have != want]
+    return "(" + ", ".join(f"({d}, {axes!r})" for d, axes in groups) + ",)"
 
 
 def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:
@@ -194,7 +218,7 @@ def _elementwise_code(step: Step, var: _Namer) -> str:
 
 
 def _reads(step: Step) -> tuple[TensorRef, ...]:
-    return step.operands if step.op in (Op.EINSUM, Op.ELEMENTWISE) else (step.src,) if step.src else ()
+    return step.operands if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE) else (step.src,) if step.src else ()
 
 
 def _key(ref: TensorRef) -> TensorRef:
@@ -203,20 +227,20 @@ def _key(ref: TensorRef) -> TensorRef:
 
 
 def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Namer,
-          letters: dict[str, str], sizes: dict[str, int] | None) -> tuple[list[str], set[TensorRef]]:
+          sizes: dict[str, int] | None) -> tuple[list[str], set[TensorRef]]:
     """The lines of one phase; ``ready`` holds the values available at its start."""
     lines: list[tuple[str, str]] = []
     made = set(ready)
     for number, step in enumerate(steps, 1):
         for ref in _reads(step):
             if _key(ref) not in made:
-                raise ShardcError(f"{phase} step {number} ({step.op.title} -> {step.dst}) reads "
+                raise InternalError(f"{phase} step {number} ({step.op.title} -> {step.dst}) reads "
                                   f"{ref}, which no earlier step makes",
                                   fix="this is a planner bug: report the spec")
-        if step.op is Op.EINSUM:
+        if step.op in (Op.EINSUM, Op.COPY):
             _check_einsum(step, number, phase)
-        code = f"{var(step.dst)} = {_step_code(step, var, letters)}"
-        lines.append((code, f"# {step.dst}  {local_shape_text(step.dst, sizes)}"))
+        code = f"{var(step.dst)} = {_step_code(step, var)}"
+        lines.append((code, template.comment(f"{step.dst}  {local_shape_text(step.dst, sizes)}")))
         made.add(_key(step.dst))
     width = min(max((len(code) for code, _ in lines), default=0), _COMMENT_COLUMN)
     return [f"{code.ljust(width)}  {comment}" for code, comment in lines], made
@@ -240,16 +264,16 @@ def _declared(plan: Plan) -> dict[str, TensorRef]:
     return refs
 
 
-def _forward_phase(plan: Plan, var: _Namer, letters: dict[str, str], sizes: dict[str, int] | None,
+def _forward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
                    needed: list[TensorRef]) -> tuple[Phase, tuple[str, ...]]:
     entry = [info for info in plan.tensors if info.role in ("input", "param")]
     ready = {_key(info.ref) for info in entry}
-    lines, made = _body("forward", plan.forward, ready, var, letters, sizes)
+    lines, made = _body("forward", plan.forward, ready, var, sizes)
     results = [info for info in plan.tensors if info.role not in ("input", "param")]
     outputs = [Boundary(info.name, var(info.ref), _key(info.ref)) for info in results]
     for info in results:
         if _key(info.ref) not in made:
-            raise ShardcError(f"the forward never makes {info.ref}, the result the spec declares",
+            raise InternalError(f"the forward never makes {info.ref}, the result the spec declares",
                               fix="this is a planner bug: report the spec")
     kept = {b.ref for b in outputs} | ready
     outputs += [Boundary(var(r), var(r), r) for r in needed if r not in kept and r in made]
@@ -257,22 +281,22 @@ def _forward_phase(plan: Plan, var: _Namer, letters: dict[str, str], sizes: dict
     return Phase("forward", inputs, tuple(outputs), tuple(lines)), tuple(info.name for info in results)
 
 
-def _backward_phase(plan: Plan, var: _Namer, letters: dict[str, str], sizes: dict[str, int] | None,
+def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
                     forward: Phase, external: list[TensorRef]) -> Phase:
     inputs = {b.ref: b for b in forward.inputs}
     inputs.update({b.ref: b for b in forward.outputs})
     inputs.update({_key(c): Boundary(c.name, var(c), _key(c)) for c in plan.cotangents})
     missing = [r for r in external if r not in inputs]
     if missing:
-        raise ShardcError(f"the backward reads {missing[0]}, which neither the forward nor the "
+        raise InternalError(f"the backward reads {missing[0]}, which neither the forward nor the "
                           "inputs, residuals or cotangents provide",
                           fix="this is a planner bug: report the spec")
     used = [inputs[r] for r in external]
     used += [inputs[_key(c)] for c in plan.cotangents if inputs[_key(c)] not in used]
-    lines, made = _body("backward", plan.backward, {b.ref for b in used}, var, letters, sizes)
+    lines, made = _body("backward", plan.backward, {b.ref for b in used}, var, sizes)
     for g in plan.grads:
         if _key(g) not in made:
-            raise ShardcError(f"the backward never makes {g}", fix="this is a planner bug: report the spec")
+            raise InternalError(f"the backward never makes {g}", fix="this is a planner bug: report the spec")
     outputs = tuple(Boundary(g.name, var(g), _key(g)) for g in plan.grads)
     return Phase("backward", tuple(used), outputs, tuple(lines))
 
@@ -281,10 +305,9 @@ def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int
              title: str = "") -> Module:
     """The module for ``plan`` on ``mesh`` (axis sizes may differ from the spec's)."""
     var = _Namer(_declared(plan))
-    letters = _letters(plan)
     external = _external_reads(plan.backward)
-    forward, results = _forward_phase(plan, var, letters, sizes, external)
-    backward = _backward_phase(plan, var, letters, sizes, forward, external)
+    forward, results = _forward_phase(plan, var, sizes, external)
+    backward = _backward_phase(plan, var, sizes, forward, external)
     cotangents = {c.name: plan.primal(c.name) for c in plan.cotangents}
     grads = {plan.primal(g.name): g.name for g in plan.grads}
     demo = small_sizes(_with_mesh(plan, mesh), devices=None)

@@ -12,28 +12,41 @@ twice, AllToAll a quarter), in the spec's dtype.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shardc.collectives import FACTOR
 from shardc.lowering import reference
 from shardc.lowering.hlo import Collective, collectives
 from shardc.lowering.sizes import small_sizes
-from shardc.planner.ir import Op, Plan
+from shardc.planner.ir import Plan
 from shardc.planner.render import step_label
 from shardc.spec.ir import Spec, TensorRef
 
-__all__ = ["Side", "Comparison", "compare", "render_comparison"]
+__all__ = ["Row", "Side", "Comparison", "compare", "render_comparison", "pair_rows"]
 
-_WEIGHT = {Op.ALL_REDUCE: 2.0, Op.ALL_TO_ALL: 0.25}
+_WEIGHT = {op: float(f) for op, f in FACTOR.items()}  # the book's weighting, from the table
+
+
+@dataclass(frozen=True)
+class Row:
+    """One collective and the tensor it moves (on XLA's side: every tensor of its per-device shape)."""
+
+    phase: str
+    tensor: str
+    kind: str
+    axes: str
+    bytes: int
 
 
 @dataclass
 class Side:
-    """One program pair's collectives: (phase, kind, axes, bytes) rows and weighted totals."""
+    """One program pair's collectives, and weighted totals per phase."""
 
-    rows: list[tuple[str, str, str, int]] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
     weighted: dict[str, float] = field(default_factory=dict)  # phase -> weighted bytes
     seconds: float | None = None  # median wall time of forward + backward
 
@@ -76,26 +89,54 @@ def _plan_side(plan: Plan, sizes: dict[str, int]) -> Side:
             if step.volume is None or all(sizes[a] == 1 for a in step.axes):
                 continue  # local steps, and nothing moves over size-1 axes (XLA drops them too)
             v = int(step.volume.evaluate(sizes))
-            side.rows.append((phase, step_label(step), ",".join(step.axes), v))
+            side.rows.append(Row(phase, step.tensor, step_label(step), ",".join(step.axes), v))
             side.weighted[phase] += v * _WEIGHT.get(step.op, 1.0)
     return side
 
 
-def _xla_side(found: dict[str, list[Collective]], nbytes: int) -> Side:
+def _local_shape(ref: TensorRef, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[d.name] // math.prod(sizes[a] for a in d.axes) for d in ref.dims)
+
+
+def _shapes(plan: Plan, sizes: dict[str, int]) -> dict[tuple[int, ...], str]:
+    """Per-device shapes of the plan's values -> the tensors of that shape (``A|dA`` when several)."""
+    names: dict[tuple[int, ...], set[str]] = {}
+    for step in plan.forward + plan.backward:
+        for ref in (step.dst, *([step.src] if step.src else []), *step.operands):
+            names.setdefault(_local_shape(ref, sizes), set()).add(ref.name)
+    return {shape: "|".join(sorted(found)) for shape, found in names.items()}
+
+
+def _xla_side(found: dict[str, list[Collective]], nbytes: int, shapes: dict[tuple[int, ...], str]) -> Side:
     side = Side()
     for phase, items in found.items():
         side.weighted[phase] = 0.0
         for c in items:
             v = c.bytes(nbytes)
-            side.rows.append((phase, c.kind.title if c.kind else c.hlo_op, ",".join(c.axes), v))
+            tensor = shapes.get(c.shape, "?")
+            side.rows.append(Row(phase, tensor, c.kind.title if c.kind else c.hlo_op, ",".join(c.axes), v))
             side.weighted[phase] += v * _WEIGHT.get(c.kind, 1.0) if c.kind else v
     return side
+
+
+def pair_rows(ours: list[Row], theirs: list[Row]) -> list[tuple[Row | None, Row | None]]:
+    """Plan and XLA rows side by side: the same tensor and kind, else the same kind, axes and bytes."""
+    left = list(theirs)
+    pairs: list[tuple[Row | None, Row | None]] = []
+    for row in ours:
+        same = [r for r in left if row.tensor in r.tensor.split("|") and row.kind.startswith(r.kind)]
+        match = next((r for r in same if (r.axes, r.bytes) == (row.axes, row.bytes)), same[0] if same else None)
+        if match is not None:
+            left.remove(match)
+        pairs.append((row, match))
+    return pairs + [(None, r) for r in left]
 
 
 class _XlaPrograms:
     """``jax.jit`` of the global computation, shardings only at the boundaries."""
 
-    def __init__(self, plan: Plan, mesh_axes: tuple[tuple[str, int], ...]) -> None:
+    def __init__(self, plan: Plan, mesh_axes: tuple[tuple[str, int], ...], cotangents: dict[str, str],
+                 grads: dict[str, str]) -> None:
         import jax
         from jax.sharding import AxisType, NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -116,9 +157,12 @@ class _XlaPrograms:
             names = [i.name for i in self.inputs]
             return {n: a.sum(axis=0) if n in stacked else a for n, a in zip(names, args, strict=True)}
 
-        self.results = [i for i in plan.tensors if i.role not in ("input", "param")]
+        # the spec's statement results (the reference names no chain intermediate: XLA picks its own)
+        made = {s.result.name for s in plan.spec.statements}
+        self.results = [i for i in plan.tensors if i.role not in ("input", "param") and i.name in made]
         self.cotangents = list(plan.cotangents)
         self.grads = list(plan.grads)
+        primal = {g: p for p, g in grads.items()}  # gradient name -> its tensor
         spec = plan.spec
         import jax.numpy as jnp
 
@@ -130,9 +174,9 @@ class _XlaPrograms:
             k, r = len(self.inputs), len(self.results)
             inputs = summed(args[:k])
             given = dict(zip([i.name for i in self.results], args[k:k + r], strict=True))
-            cot = dict(zip([plan.primal(c.name) for c in self.cotangents], args[k + r:], strict=True))
+            cot = dict(zip([cotangents[c.name] for c in self.cotangents], args[k + r:], strict=True))
             grads = reference.backward(spec, inputs, cot, jnp, given=given)
-            return tuple(grads[plan.primal(g.name)] for g in self.grads)
+            return tuple(grads[primal[g.name]] for g in self.grads)
 
         self.fwd_in = [sharding(i.ref, stacked=True) for i in self.inputs]
         self.bwd_in = self.fwd_in + [sharding(i.ref) for i in self.results] + [
@@ -153,19 +197,26 @@ def _median_seconds(run: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def compare(plan_or_spec: Plan | Spec, devices: int = 8, save: str = "default",
+def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "default",
             repeats: int = 0) -> Comparison:
-    """Collectives and weighted volume of the plan and of XLA's partitioner; timed if repeats > 0."""
+    """Collectives and weighted volume of the plan and of XLA's partitioner; timed if repeats > 0.
+
+    Both sides run at the same sizes (the lowered program's) and on the same inputs.
+    ``devices`` None: as for :func:`shardc.lowering.verify.verify`.
+    """
     import jax
     from jax.sharding import NamedSharding
 
     from shardc.lowering.api import lower
+    from shardc.lowering.sizes import devices_to_check
+    from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
-    sizes = small_sizes(plan, devices)
+    require_sound(plan)
+    sizes = small_sizes(plan, devices_to_check(plan, jax.device_count()) if devices is None else devices)
     lowered = lower(plan, sizes=sizes)
-    xla = _XlaPrograms(plan, lowered.module.mesh)
+    xla = _XlaPrograms(plan, lowered.module.mesh, lowered.module.cotangents, lowered.module.grads)
     inputs = lowered.random_inputs()
     cot = lowered.random_cotangents()
     fwd_args = [jax.device_put(inputs[i.name], s) for i, s in zip(xla.inputs, xla.fwd_in, strict=True)]
@@ -177,8 +228,9 @@ def compare(plan_or_spec: Plan | Spec, devices: int = 8, save: str = "default",
                                     lowered.module.mesh),
              "backward": collectives(str(xla.backward.lower(*bwd_args).compile().as_text()),
                                      lowered.module.mesh)}
-    ours = _plan_side(plan, lowered.sizes or sizes)
-    theirs = _xla_side(found, plan.spec.dtype.nbytes)
+    same = lowered.sizes or sizes  # one set of sizes for both sides
+    ours = _plan_side(plan, same)
+    theirs = _xla_side(found, plan.spec.dtype.nbytes, _shapes(plan, same))
     if repeats:
         ns = lowered.namespace  # time the programs on arrays already laid out, as for XLA
         placed = {k: jax.device_put(v, NamedSharding(ns.programs()[0], ns.FORWARD_IN[k]))
@@ -194,10 +246,8 @@ def compare(plan_or_spec: Plan | Spec, devices: int = 8, save: str = "default",
                       dict(lowered.sizes or sizes), str(plan.spec.dtype), ours, theirs)
 
 
-def _cell(rows: list[tuple[str, str, str, int]], k: int) -> str:
-    if k < len(rows):
-        return f"{rows[k][1]} ({rows[k][2]}) {rows[k][3]}"
-    return "(none)" if k == 0 else ""
+def _cell(row: Row | None) -> str:
+    return "-" if row is None else f"{row.kind} {row.tensor} ({row.axes}) {row.bytes}"
 
 
 def render_comparison(c: Comparison) -> str:
@@ -207,12 +257,10 @@ def render_comparison(c: Comparison) -> str:
     lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V, unsharded over the axes)", ""]
     for phase in ("forward", "backward"):
         lines.append(f"{phase}")
-        ours = [r for r in c.plan.rows if r[0] == phase]
-        theirs = [r for r in c.xla.rows if r[0] == phase]
-        width = max([len(f"{k}_{a} {v}") for _, k, a, v in ours] + [24])
-        for k in range(max(len(ours), len(theirs), 1)):
-            left, right = _cell(ours, k), _cell(theirs, k)
-            lines.append(f"  plan: {left:<{width + 6}}  xla: {right}")
+        pairs = pair_rows([r for r in c.plan.rows if r.phase == phase], [r for r in c.xla.rows if r.phase == phase])
+        width = max([len(_cell(a)) for a, _ in pairs] + [24])
+        for ours, theirs in pairs or [(None, None)]:
+            lines.append(f"  plan: {_cell(ours):<{width}}  xla: {_cell(theirs)}")
         lines.append(f"  weighted bytes: plan {c.plan.weighted.get(phase, 0):g}, "
                      f"xla {c.xla.weighted.get(phase, 0):g}")
     ratio = c.volume_ratio

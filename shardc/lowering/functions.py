@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from shardc.errors import ShardcError
 
 __all__ = ["Function", "FUNCTIONS", "function"]
@@ -28,6 +30,9 @@ class Function:
     jax: str  # a callable expression in the generated module
     forward: Callable[[Array, Any], Array]
     derivative: Callable[[Array, Any], Array]
+    # the terms a derivative's evaluation adds up, in absolute value (numpy): its rounding
+    # error is a few units of the last place of this, however much they cancel
+    slope_terms: Callable[[Array], Array]
 
 
 def _gelu(x: Array, xp: Any) -> Array:
@@ -48,17 +53,31 @@ def _silu_prime(x: Array, xp: Any) -> Array:
     return s * (1.0 + x * (1.0 - s))
 
 
+def _gelu_terms(x: Array) -> Array:
+    t = np.tanh(_C * (x + 0.044715 * x**3))
+    return 0.5 * (1.0 + np.abs(t)) + 0.5 * np.abs(x) * (1.0 + t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _silu_terms(x: Array) -> Array:
+    s = _sigmoid(x, np)
+    return s * (1.0 + np.abs(x) * (1.0 + s))
+
+
 FUNCTIONS: dict[str, Function] = {f.name: f for f in (
-    Function("gelu", "jax.nn.gelu", _gelu, _gelu_prime),
-    Function("relu", "jax.nn.relu", lambda x, xp: xp.maximum(x, 0.0), lambda x, xp: (x > 0) * 1.0),
-    Function("silu", "jax.nn.silu", lambda x, xp: x * _sigmoid(x, xp), _silu_prime),
-    Function("swish", "jax.nn.silu", lambda x, xp: x * _sigmoid(x, xp), _silu_prime),
+    Function("gelu", "jax.nn.gelu", _gelu, _gelu_prime, _gelu_terms),
+    Function("relu", "jax.nn.relu", lambda x, xp: xp.maximum(x, 0.0), lambda x, xp: (x > 0) * 1.0,
+             lambda x: np.ones_like(x)),
+    Function("silu", "jax.nn.silu", lambda x, xp: x * _sigmoid(x, xp), _silu_prime, _silu_terms),
+    Function("swish", "jax.nn.silu", lambda x, xp: x * _sigmoid(x, xp), _silu_prime, _silu_terms),
     Function("sigmoid", "jax.nn.sigmoid", _sigmoid,
-             lambda x, xp: _sigmoid(x, xp) * (1.0 - _sigmoid(x, xp))),
-    Function("tanh", "jnp.tanh", lambda x, xp: xp.tanh(x), lambda x, xp: 1.0 - xp.tanh(x) ** 2),
-    Function("exp", "jnp.exp", lambda x, xp: xp.exp(x), lambda x, xp: xp.exp(x)),
-    Function("square", "jnp.square", lambda x, xp: x * x, lambda x, xp: 2.0 * x),
-    Function("identity", "(lambda x: x)", lambda x, xp: x, lambda x, xp: x * 0.0 + 1.0),
+             lambda x, xp: _sigmoid(x, xp) * (1.0 - _sigmoid(x, xp)),
+             lambda x: _sigmoid(x, np) * (1.0 + _sigmoid(x, np))),
+    Function("tanh", "jnp.tanh", lambda x, xp: xp.tanh(x), lambda x, xp: 1.0 - xp.tanh(x) ** 2,
+             lambda x: 1.0 + np.tanh(x) ** 2),
+    Function("exp", "jnp.exp", lambda x, xp: xp.exp(x), lambda x, xp: xp.exp(x), lambda x: np.exp(x)),
+    Function("square", "jnp.square", lambda x, xp: x * x, lambda x, xp: 2.0 * x, lambda x: 2.0 * np.abs(x)),
+    Function("identity", "(lambda x: x)", lambda x, xp: x, lambda x, xp: x * 0.0 + 1.0,
+             lambda x: np.ones_like(x)),
 )}
 
 

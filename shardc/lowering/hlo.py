@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardc.collectives import BY_HLO_OP
 from shardc.planner.ir import Op
 
 __all__ = ["Collective", "collectives", "parse_replica_groups"]
 
-_KINDS = {"all-gather": Op.ALL_GATHER, "reduce-scatter": Op.REDUCE_SCATTER,
-          "all-reduce": Op.ALL_REDUCE, "all-to-all": Op.ALL_TO_ALL}
+_KINDS = BY_HLO_OP
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[\w\[\],{}:]+?)\s+"
-                   r"(?P<op>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
+                   r"(?P<op>" + "|".join(map(re.escape, (*BY_HLO_OP, "collective-permute"))) + ")"
                    r"(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -38,6 +38,7 @@ class Collective:
     elements: int  # V in elements
     dtype: str
     text: str
+    shape: tuple[int, ...] = ()  # the result array's dims (per device)
 
     def bytes(self, nbytes: int) -> int:
         return self.elements * nbytes
@@ -79,6 +80,11 @@ def _arrays(shape_text: str) -> list[tuple[str, int]]:
             for dt, dims in _ARRAY.findall(shape_text)]
 
 
+def _last_shape(shape_text: str) -> tuple[int, ...]:
+    found = _ARRAY.findall(shape_text)
+    return tuple(int(x) for x in found[-1][1].split(",") if x) if found else ()
+
+
 def collectives(hlo_text: str, mesh: tuple[tuple[str, int], ...]) -> list[Collective]:
     """Every collective instruction of a compiled module, in text order."""
     devices = int(np.prod([size for _, size in mesh]))
@@ -94,7 +100,7 @@ def collectives(hlo_text: str, mesh: tuple[tuple[str, int], ...]) -> list[Collec
         axes = group_axes(groups[0], mesh) if groups and groups[0] else ()
         group = len(groups[0]) if groups else 1
         kind = _KINDS.get(op)
-        if match.group("start") and op == "all-gather":
+        if match.group("start") and kind is Op.ALL_GATHER:
             arrays = arrays[-1:]  # async start: (operand, result); the result is what counts
         if kind is Op.ALL_TO_ALL:
             # the tuple form lists one chunk per peer: together they are the per-device array
@@ -102,5 +108,6 @@ def collectives(hlo_text: str, mesh: tuple[tuple[str, int], ...]) -> list[Collec
         for dtype, elements in arrays:  # a combined (tuple) collective counts each array
             if kind is Op.REDUCE_SCATTER or kind is Op.ALL_TO_ALL:
                 elements *= group  # V: before scattering / per-device bytes times the group
-            found.append(Collective(kind, op, axes, elements, dtype, line.strip()))
+            found.append(Collective(kind, op, axes, elements, dtype, line.strip(),
+                                    _last_shape(match.group("shape"))))
     return found

@@ -1,59 +1,129 @@
-"""The unsharded reference: the spec's einsums on whole arrays, forward and backward.
+"""The unsharded reference: the spec's statements on whole arrays, forward and backward.
 
-Independent of the plan on purpose: it reads the spec's operations (the
-planner's graph: one node per einsum or elementwise map, chains folded left to
-right as the language defines) but none of the plan's steps, and derives the
-gradients itself by reverse mode, so a wrong planned backward (not only a
-wrong collective) shows up.  ``xp`` is numpy by
-default; :mod:`shardc.lowering.compare` passes jax.numpy to build the same
-computation for XLA's partitioner.
+Built from the spec's own semantics, not from the planner: each statement's
+expression is read as the language defines it (:func:`shardc.spec.validate.fold`:
+products fold left to right, a shared index kept only when the result has it and
+no later operand reads it; a function applies elementwise; a parenthesised group
+is its own product),
+and the gradients are derived here by reverse mode over that expression tree,
+with closed-form derivatives.  Neither the planner's graph nor the plan's steps
+are read, so a wrong plan (a wrong collective, a wrong local einsum, a wrong
+planned backward) shows up as a wrong value.  ``xp`` is numpy by default;
+:mod:`shardc.lowering.compare` passes jax.numpy to build the same computation
+for XLA's partitioner.
 """
 
 from __future__ import annotations
 
+import string
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from shardc.errors import ShardcError
 from shardc.lowering.functions import function
-from shardc.planner.graph import Graph, build_graph
-from shardc.spec.ir import Spec
+from shardc.spec.ir import Call, Contract, Expr, Spec, TensorRef
+from shardc.spec.validate import chain_indices, fold, leaves
 
-__all__ = ["forward", "backward", "outputs", "leaf_names"]
+__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
 
 Array = Any
-_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_LETTERS = string.ascii_letters  # einsum subscripts, assigned per call
 
 
-def _values_shape(graph: Graph, values: dict[str, Array]) -> dict[str, int]:
-    shape: dict[str, int] = {}
-    for name, value in values.items():
-        shape.update(zip(graph.indices[name], value.shape, strict=True))
-    return shape
+@dataclass(frozen=True)
+class _Node:
+    """One operation of the expression tree: ``fn`` None is an einsum of ``operands``."""
+
+    result: str
+    operands: tuple[str, ...]
+    labels: tuple[tuple[str, ...], ...]  # each operand's indices
+    out: tuple[str, ...]  # the result's indices
+    fn: str | None = None
 
 
 def leaf_names(spec: Spec) -> list[str]:
     """Inputs and params: tensors read but never made, in first-read order."""
-    return list(build_graph(spec).inputs)
+    made = {s.result.name for s in spec.statements}
+    names = [ref.name for s in spec.statements for ref in leaves(s.expr) if ref.name not in made]
+    return list(dict.fromkeys(names))
 
 
 def outputs(spec: Spec) -> list[str]:
     """Statement results no other statement reads."""
-    return list(build_graph(spec).outputs)
+    read = {ref.name for s in spec.statements for ref in leaves(s.expr)}
+    return [s.result.name for s in spec.statements if s.result.name not in read]
 
 
-def _subscripts(labels: list[list[str]], out: list[str]) -> str:
-    names = list(dict.fromkeys([i for group in labels for i in group] + out))
+class _Builder:
+    """Turns statements into a list of nodes (temporaries are ``#k``, never a tensor name)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[_Node] = []
+        self.labels: dict[str, tuple[str, ...]] = {}
+
+    def temp(self) -> str:
+        return f"#{len(self.nodes)}"
+
+    def value(self, expr: Expr, keep: tuple[str, ...]) -> str:
+        """The key of ``expr``'s value; a product or call comes out indexed by ``keep``."""
+        if isinstance(expr, TensorRef):
+            self.labels.setdefault(expr.name, expr.indices)
+            return expr.name
+        if isinstance(expr, Call):
+            arg = self.value(expr.arg, keep)
+            key = self.temp()
+            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], expr.func))
+            self.labels[key] = self.labels[arg]
+            return key
+        assert isinstance(expr, Contract)
+        parts = [chain_indices(o, keep) for o in expr.operands]
+        keys = [self.value(o, part) for o, part in zip(expr.operands, parts, strict=True)]
+        left = keys[0]
+        for k in range(1, len(keys)):  # left to right, as the language folds a chain
+            later = {i for p in parts[k + 1:] for i in p}
+            out = keep if k == len(keys) - 1 else fold(self.labels[left], parts[k], set(keep), later)
+            left = self.einsum([left, keys[k]], out)
+        return left
+
+    def einsum(self, keys: list[str], out: tuple[str, ...]) -> str:
+        key = self.temp()
+        self.nodes.append(_Node(key, tuple(keys), tuple(self.labels[k] for k in keys), out))
+        self.labels[key] = out
+        return key
+
+    def statement(self, result: TensorRef, expr: Expr) -> None:
+        key = self.value(expr, result.indices)
+        if not key.startswith("#") or self.labels[key] != result.indices:
+            key = self.einsum([key], result.indices)  # a permuted (or copied) tensor
+        last = self.nodes[-1]
+        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn)
+        self.labels[result.name] = result.indices
+
+
+def _nodes(spec: Spec) -> list[_Node]:
+    builder = _Builder()
+    for s in spec.statements:
+        builder.statement(s.result, s.expr)
+    return builder.nodes
+
+
+def _subscripts(labels: list[tuple[str, ...]], out: tuple[str, ...]) -> str:
+    names = list(dict.fromkeys([i for group in labels for i in group] + list(out)))
+    if len(names) > len(_LETTERS):
+        raise ShardcError(f"one product has {len(names)} distinct indices; einsum takes at most "
+                          f"{len(_LETTERS)}", fix="split the product into statements of fewer indices")
     letters = {name: _LETTERS[k] for k, name in enumerate(names)}
     ins = ",".join("".join(letters[i] for i in group) for group in labels)
     return ins + "->" + "".join(letters[i] for i in out)
 
 
-def _contract(xp: Any, arrays: list[Array], labels: list[list[str]], out: list[str],
+def _contract(xp: Any, arrays: list[Array], labels: list[tuple[str, ...]], out: tuple[str, ...],
               shape: dict[str, int]) -> Array:
     """einsum to ``out``, broadcasting output indices no operand has (gradients of sums)."""
     present = {i for group in labels for i in group}
-    kept = [i for i in out if i in present]
+    kept = tuple(i for i in out if i in present)
     value = xp.einsum(_subscripts(labels, kept), *arrays)
     if len(kept) == len(out):
         return value
@@ -61,31 +131,27 @@ def _contract(xp: Any, arrays: list[Array], labels: list[list[str]], out: list[s
     return xp.broadcast_to(value, [shape[i] for i in out])
 
 
-def _run(graph: Graph, inputs: dict[str, Array], xp: Any,
-         given: dict[str, Array] | None = None) -> tuple[dict[str, Array], dict[str, int]]:
+def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
+         given: dict[str, Array] | None) -> tuple[dict[str, Array], dict[str, int]]:
     values = dict(inputs)
-    shape = _values_shape(graph, values)
-    for node in graph.nodes:
+    shape: dict[str, int] = {}
+    for node in nodes:
+        args = [values[o] for o in node.operands]
+        for group, arg in zip(node.labels, args, strict=True):
+            shape.update(zip(group, arg.shape, strict=True))
+        if node.fn is not None:
+            values[node.result] = function(node.fn).forward(args[0], xp)
+        else:
+            values[node.result] = _contract(xp, args, list(node.labels), node.out, shape)
         if given and node.result in given:  # a forward value the caller already has
             values[node.result] = given[node.result]
-            shape.update(zip(node.indices, values[node.result].shape, strict=True))
-            continue
-        labels = [list(graph.indices[o]) for o in node.operands]
-        args = [values[o] for o in node.operands]
-        if node.kind == "elementwise":
-            z = _contract(xp, args, labels, list(node.indices), shape)
-            values[node.result] = function(node.fn or "").forward(z, xp)
-        else:
-            values[node.result] = _contract(xp, args, labels, list(node.indices), shape)
-        shape.update(zip(node.indices, values[node.result].shape, strict=True))
     return values, shape
 
 
 def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np) -> dict[str, Array]:
-    """Every statement's result (and chain intermediate) from the inputs and params."""
-    graph = build_graph(spec)
-    values, _ = _run(graph, inputs, xp)
-    return {name: value for name, value in values.items() if name not in inputs}
+    """Every statement's result, by name, from the inputs and params."""
+    values, _ = _run(_nodes(spec), inputs, xp, None)
+    return {s.result.name: values[s.result.name] for s in spec.statements}
 
 
 def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
@@ -95,30 +161,74 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
 
     Keys are the tensors' own names, not gradient names: those are the plan's
     (:meth:`shardc.planner.ir.Plan.grad_name`), and this reference does not read the plan.
-    ``given`` holds forward values already computed (by name); the rest are recomputed.
+    ``given`` holds forward values already computed (by name), used in place of recomputing them.
     """
-    graph = build_graph(spec)
-    values, shape = _run(graph, inputs, xp, given)
+    nodes = _nodes(spec)
+    values, shape = _run(nodes, inputs, xp, given)
     grads: dict[str, Array] = {}
 
     def add(name: str, g: Array) -> None:
         grads[name] = grads[name] + g if name in grads else g
 
-    for out in graph.outputs:  # an output without a cotangent leads to no wanted gradient
+    for out in outputs(spec):  # an output without a cotangent leads to no gradient
         if out in cotangents:
             add(out, cotangents[out])
-    for node in reversed(graph.nodes):
+    for node in reversed(nodes):
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        labels = [list(graph.indices[o]) for o in node.operands]
-        if node.kind == "elementwise":
-            z = _contract(xp, [values[node.operands[0]]], labels, list(node.indices), shape)
-            dz = d * function(node.fn or "").derivative(z, xp)
-            add(node.operands[0], _contract(xp, [dz], [list(node.indices)], labels[0], shape))
+        if node.fn is not None:
+            add(node.operands[0], d * function(node.fn).derivative(values[node.operands[0]], xp))
             continue
         for k, name in enumerate(node.operands):
             others = [values[o] for j, o in enumerate(node.operands) if j != k]
-            other_labels = [lab for j, lab in enumerate(labels) if j != k]
-            add(name, _contract(xp, [d, *others], [list(node.indices), *other_labels], labels[k], shape))
-    return {name: grads[name] for name in graph.inputs if name in grads}
+            labels = [node.out, *(lab for j, lab in enumerate(node.labels) if j != k)]
+            add(name, _contract(xp, [d, *others], labels, node.labels[k], shape))
+    return {name: grads[name] for name in leaf_names(spec) if name in grads}
+
+
+def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
+               cotangents: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A running bound on the terms behind each value: results by name, gradients by primal's name.
+
+    Each einsum sums the products of its operands' magnitudes, a function scales its
+    argument's by ``|f'|`` (and adds ``|f|``), the backward likewise: rounding a sum of
+    terms errs by at most a few units of the last place of this magnitude, however much
+    the terms cancel (Higham, *Accuracy and Stability of Numerical Algorithms*, ch. 3-4).
+    Numpy only.
+    """
+    nodes = _nodes(spec)
+    values, shape = _run(nodes, inputs, np, None)
+    mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
+    for node in nodes:
+        if node.fn is not None:
+            z, f = values[node.operands[0]], function(node.fn)
+            mag[node.result] = np.abs(f.forward(z, np)) + np.abs(f.derivative(z, np)) * mag[node.operands[0]]
+        else:
+            mag[node.result] = _contract(np, [mag[o] for o in node.operands], list(node.labels), node.out, shape)
+    grads: dict[str, np.ndarray] = {out: np.abs(cotangents[out]) for out in outputs(spec) if out in cotangents}
+    for node in reversed(nodes):
+        if node.result not in grads:
+            continue
+        d = grads.pop(node.result)
+        if node.fn is not None:
+            z, m = values[node.operands[0]], mag[node.operands[0]]
+            grads[node.operands[0]] = grads.get(node.operands[0], 0) + d * _slope(function(node.fn), z, m)
+            continue
+        for k, name in enumerate(node.operands):
+            others = [mag[o] for j, o in enumerate(node.operands) if j != k]
+            labels = [node.out, *(lab for j, lab in enumerate(node.labels) if j != k)]
+            grads[name] = grads.get(name, 0) + _contract(np, [d, *others], labels, node.labels[k], shape)
+    return {**{s.result.name: mag[s.result.name] for s in spec.statements},
+            **{name: grads[name] for name in leaf_names(spec) if name in grads}}
+
+
+def _slope(f: Any, z: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """What the backward's ``f'(z)`` may err by, in the units of ``magnitudes``.
+
+    The terms its evaluation adds (``slope_terms``), plus how far ``f'`` moves when ``z``
+    moves by its own magnitude ``m`` (``|f''| m``, by a float64 difference quotient).
+    """
+    h = 1e-4
+    moved = np.abs(f.derivative(z + h * m, np) - f.derivative(z, np)) / h
+    return np.abs(f.derivative(z, np)) + f.slope_terms(z) + moved

@@ -2,7 +2,8 @@
 
 Used by verification (runs on a few emulated CPU devices) and by the demo of a
 generated module.  The plan's steps are symbolic in the sizes, so the same plan
-lowers unchanged at any sizes its shardings divide.
+lowers unchanged at any sizes its shardings divide: a shrunk axis need not
+divide the spec's axis, it only has to stay above 1 for its collectives to run.
 """
 
 from __future__ import annotations
@@ -12,20 +13,46 @@ import math
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
 
-__all__ = ["shrink_mesh", "small_sizes", "MAX_SMALL_DIM"]
+__all__ = ["shrink_mesh", "small_sizes", "devices_to_check", "collapsed_axes", "MAX_SMALL_DIM",
+           "MAX_DEVICES"]
 
 MAX_SMALL_DIM = 64  # the spec's own dims are used when every one is at most this
+# Emulated CPU devices start in about 2 s at 256; far more makes XLA's start-up crawl
+# (100000 never finishes), so a larger request is an error rather than a hang.
+MAX_DEVICES = 256
 
 
 def shrink_mesh(mesh: list[tuple[str, int]], devices: int) -> list[tuple[str, int]]:
-    """Divide the largest axis by its smallest prime factor until the mesh fits."""
+    """The mesh cut down to at most ``devices`` devices, every axis kept at 2 or more while possible.
+
+    The largest axis is halved first (never below 2); when even a mesh of 2s does not
+    fit, the minor-most axes fall to 1 until it does.  Size-1 axes stay 1.
+    """
     mesh = list(mesh)
     while math.prod(s for _, s in mesh) > devices:
-        k = max(range(len(mesh)), key=lambda j: (mesh[j][1], -j))
-        name, size = mesh[k]
-        factor = next(p for p in range(2, size + 1) if size % p == 0)
-        mesh[k] = (name, size // factor)
+        big = [k for k, (_, s) in enumerate(mesh) if s > 2]
+        if big:
+            k = max(big, key=lambda j: (mesh[j][1], -j))
+            mesh[k] = (mesh[k][0], max(2, mesh[k][1] // 2))
+            continue
+        k = max(k for k, (_, s) in enumerate(mesh) if s > 1)  # all 2s: drop the minor-most
+        mesh[k] = (mesh[k][0], 1)
     return mesh
+
+
+def devices_to_check(plan: Plan, available: int | None = None) -> int:
+    """Devices that run every axis of the plan's mesh at size 2 or more, at least 8 when the mesh has them.
+
+    ``available`` caps the count (the devices jax has); so does :data:`MAX_DEVICES`.
+    """
+    sizes = [a.size for a in plan.spec.mesh.axes]
+    need = min(math.prod(sizes), max(8, 2 ** sum(1 for s in sizes if s > 1)))
+    return max(1, min(need, MAX_DEVICES, available or MAX_DEVICES))
+
+
+def collapsed_axes(plan: Plan, mesh: dict[str, int]) -> tuple[str, ...]:
+    """Axes of more than one device in the spec that the run's mesh has cut to 1."""
+    return tuple(a.name for a in plan.spec.mesh.axes if a.size > 1 and mesh.get(a.name, a.size) == 1)
 
 
 def _refs(plan: Plan) -> list[TensorRef]:

@@ -12,7 +12,32 @@ if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase
     from shardc.planner.ir import Plan
 
-__all__ = ["render"]
+__all__ = ["render", "comment", "GLOBALS"]
+
+# Every module-level name of a generated module (tests check the list is complete): a
+# tensor's variable never takes one of these, so no phase function shadows what it reads.
+GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "AxisType", "NamedSharding",
+           "P", "MESH_AXES", "make_mesh", "shard_slice", "gather_dims", "FORWARD_IN", "FORWARD_OUT", "RESULTS",
+           "STACKED",
+           "STACKED_INPUTS", "forward_local", "BACKWARD_IN", "BACKWARD_OUT", "COTANGENTS", "GRADS",
+           "backward_local", "programs", "_put", "run_forward", "run_backward", "_results", "forward",
+           "_forward_fwd", "_forward_bwd", "_plus", "grad", "DIMS", "INPUT_DIMS", "main", "inputs",
+           "cotangent")
+
+
+def _plain(text: str) -> str:
+    """User text made safe inside a docstring or comment: printable, no double quote, backslash or newline.
+
+    A file name can hold anything, three double quotes and code after them included;
+    mangled so, it can neither end the string nor start a line of code.
+    """
+    return "".join(c if c.isprintable() and c not in "\"\\" else "?" for c in text)
+
+
+def comment(text: str) -> str:
+    """``# text`` on one line, whatever ``text`` holds."""
+    return "# " + _plain(text)
+
 
 _HEADER = '''\
 """{title}
@@ -71,6 +96,24 @@ def shard_slice(x, axes, dim):
     """This device's block of ``x`` along ``dim`` over mesh ``axes``: free, no communication."""
     size = x.shape[dim] // jax.lax.axis_size(axes)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, axis=dim)
+
+
+def gather_dims(x, groups):
+    """One AllGather of several dims: ``groups`` pairs each dim with the axes it loses
+    (major to minor).  The blocks arrive in a new leading dim over all the axes at once
+    and are laid out locally: each dim's gathered axes go just before it, then merge in."""
+    axes = tuple(a for _, names in groups for a in names)
+    sizes = [jax.lax.axis_size(a) for a in axes]
+    y = jax.lax.all_gather(x, axes, axis=0, tiled=False, to='invarying').reshape(*sizes, *x.shape)
+    lead, k = {{}}, 0
+    for d, names in groups:
+        lead[d] = list(range(k, k + len(names)))
+        k += len(names)
+    order, shape = [], []
+    for d in range(x.ndim):
+        order += lead.get(d, []) + [len(axes) + d]
+        shape.append(math.prod(sizes[i] for i in lead.get(d, [])) * x.shape[d])
+    return jnp.transpose(y, order).reshape(shape)
 '''
 
 _DRIVER = '''
@@ -196,7 +239,8 @@ if __name__ == "__main__":
 def _specs(name: str, boundaries: tuple[object, ...]) -> str:
     from shardc.lowering.codegen import pspec
 
-    rows = [f"    {b.key!r}: {pspec(b.ref)},  # {b.ref}" for b in boundaries]  # type: ignore[attr-defined]
+    rows = [f"    {b.key!r}: {pspec(b.ref)},  {comment(str(b.ref))}"  # type: ignore[attr-defined]
+            for b in boundaries]
     return f"{name} = {{\n" + "\n".join(rows) + "\n}\n"
 
 
@@ -206,7 +250,7 @@ def _function(phase: Phase) -> str:
              f'    """The {phase.name} on one device: local blocks in, local blocks out."""']
     for b in phase.inputs:
         if b.stacked:
-            lines.append(f"    {b.var} = {b.var}[0]  # this device's partial sum of {b.ref}")
+            lines.append(f"    {b.var} = {b.var}[0]  # this device's partial sum of " + _plain(str(b.ref)))
     lines += ["    " + line for line in phase.body]
     outs = [f"{b.var}[None]" if b.stacked else b.var for b in phase.outputs]
     lines.append("    return (" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")")
@@ -222,11 +266,11 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
         devices *= size
     spec = plan.spec
     text = _HEADER.format(
-        title=title or "A sharded einsum chain, lowered to JAX shard_map.",
-        filename=spec.filename or "<spec>", save=plan.save,
-        mesh_text=", ".join(f"{n}={s}" for n, s in mesh), devices=devices,
-        results=", ".join(results), grads=", ".join(grads.values()),
-        inputs=", ".join(b.key for b in forward.inputs), cotangents=", ".join(cotangents),
+        title=_plain(title or "A sharded einsum chain, lowered to JAX shard_map."),
+        filename=_plain(spec.filename or "<spec>"), save=_plain(plan.save),
+        mesh_text=_plain(", ".join(f"{n}={s}" for n, s in mesh)), devices=devices,
+        results=_plain(", ".join(results)), grads=_plain(", ".join(grads.values())),
+        inputs=_plain(", ".join(b.key for b in forward.inputs)), cotangents=_plain(", ".join(cotangents)),
         mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in mesh) + "}")
     text += _HELPERS.format()
     text += "\n\n# ---- forward " + "-" * 60 + "\n\n" + _specs("FORWARD_IN", forward.inputs)

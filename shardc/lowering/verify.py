@@ -1,12 +1,17 @@
 """``shardc verify``: run a lowered plan and check it by value and by compiled HLO.
 
-The plan is made at the spec's own sizes (so cost-based choices are the real
-ones) and lowered at small sizes that fit the devices present: the mesh shrunk
-to at most ``devices`` (largest axis first), each dim the least common multiple
-of the shard counts it meets times a small distinct factor.  Values are
-computed in float32 (XLA on CPU runs bf16 collectives in f32 anyway) and
-compared with the float64 numpy reference; HLO volumes are priced in the
-spec's dtype, as the plan's are.
+The plan is the one ``shardc plan`` prints (made at the spec's own sizes, so
+cost-based choices are the real ones), checked by the plan checker, then lowered
+at small sizes that fit the devices: the mesh shrunk to at most ``devices``
+(largest axis halved first, every axis kept at 2 or more while the devices
+allow), each dim the least common multiple of the shard counts it meets times a
+small distinct factor.  Values are computed in the spec's dtype (inputs rounded
+to it, the reference in float64 from those same rounded inputs) and pass within
+a tolerance per dtype; inputs are scaled down until every reference value fits
+the dtype with room to spare.  A value that cannot be compared (out of range,
+NaN or inf on either side, a wrong shape) fails, and so does a collective over
+an axis the run had to cut to 1: nothing is reported verified that was not run.
+HLO volumes are priced in the spec's dtype, as the plan's are.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shardc.errors import ShardcError
 from shardc.lowering import reference
 from shardc.lowering.hlo import Collective, collectives
 from shardc.lowering.sizes import small_sizes
@@ -27,12 +33,25 @@ from shardc.spec.ir import Spec
 if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
 
-__all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives",
-           "TOLERANCE"]
+__all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives", "compute_dtype",
+           "check_device_count", "TOLERANCE"]
 
-# (rtol, atol) of max|lowered - reference| <= atol + rtol * max|reference|, per compute dtype
-_F32_MAX = 1e30  # references larger than this are not compared (float32 overflows nearby)
-TOLERANCE = {"float32": (2e-5, 1e-5), "float64": (1e-12, 1e-12)}
+# (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
+# where the magnitude (reference.magnitudes) sums the absolute values of the terms behind each
+# value, so cancellation does not shrink the bound below the rounding it must admit.  Over every
+# example run in each dtype (benchmarks/verify_dtypes.py) the worst error is 4.9e-3 of it in
+# bfloat16 (unit roundoff 2**-9) and 6e-4 in float16 (2**-10): rtol is 5x and 7x that, far
+# below the error of a wrong plan (a missing or doubled reduction is of the order of the value).
+TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e-3, 1e-4),
+             "float64": (1e-12, 1e-12)}
+# f8 values are rounded to float8_e4m3fn and computed in bfloat16: FP8 training recipes
+# (NVIDIA Transformer Engine, the FP8 formats paper of Micikevicius et al. 2022) accumulate
+# and emit matmuls in a wider type, and every intermediate rounded to e4m3's 3 mantissa
+# bits errs by up to 30% on the examples, the size of the errors this check must catch.
+COMPUTE_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f8": "bfloat16"}
+STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
+_HEADROOM = 64.0  # every reference value stays this far below the dtype's largest
+_SCALE_TRIES = 16  # inputs are divided by 4 at most this many times
 
 
 @dataclass(frozen=True)
@@ -70,15 +89,28 @@ class Report:
     tolerance: tuple[float, float]
     values: list[ValueRow] = field(default_factory=list)
     collectives: list[CollectiveRow] = field(default_factory=list)
+    input_scale: float = 1.0  # inputs are standard normal times this
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.values) and all(r.ok for r in self.collectives)
+        return bool(self.values) and all(r.ok for r in self.values) and all(r.ok for r in self.collectives)
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        """Strict JSON data: a value that is not a finite number is null."""
+        data = _finite(asdict(self))
         data["ok"] = self.ok
-        return data
+        return data  # type: ignore[no-any-return]
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(v) for v in data]
+    return data
 
 
 def _axes_text(axes: tuple[str, ...]) -> str:
@@ -91,8 +123,12 @@ def _plan_row_key(step: Step, mesh: dict[str, int]) -> tuple[Op, tuple[str, ...]
 
 
 def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collective],
-                      sizes: dict[str, int], nbytes: int) -> list[CollectiveRow]:
-    """Pair each planned collective with an HLO one of the same kind, axes and bytes."""
+                      sizes: dict[str, int], nbytes: int, cut: tuple[str, ...] = ()) -> list[CollectiveRow]:
+    """Pair each planned collective with an HLO one of the same kind, axes and bytes.
+
+    ``cut`` lists axes the run shrank to 1 though the spec's are larger: a step over
+    one of them was not (or only partly) run, so its row fails.
+    """
     mesh = {a: sizes[a] for s in steps for a in s.axes}
     left = [c for c in found if c.axes]  # a group of one device moves nothing
     rows: list[CollectiveRow] = []
@@ -100,6 +136,12 @@ def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collectiv
         want = int(step.volume.evaluate(sizes)) if step.volume is not None else None
         op, axes = _plan_row_key(step, mesh)
         label = f"{step_label(step)} {step.src} -> {step.dst}"
+        skipped = [a for a in step.axes if a in cut]
+        if skipped:
+            rows.append(CollectiveRow(phase, label, step.op.title, _axes_text(step.axes), want, "-", "-",
+                                      None, False, f"not run: {'axis' if len(skipped) == 1 else 'axes'} "
+                                      f"{','.join(skipped)} cut to 1 to fit the devices (raise --devices)"))
+            continue
         if not axes:
             rows.append(CollectiveRow(phase, label, step.op.title, _axes_text(step.axes), want, "-", "-",
                                       None, True, "size-1 axes: nothing to move"))
@@ -126,64 +168,169 @@ def _hlo_axes(c: Collective) -> tuple[str, ...]:
     return tuple(sorted(c.axes)) if c.kind is Op.ALL_REDUCE else c.axes
 
 
-def _compare(phase: str, got: dict[str, Any], want: dict[str, np.ndarray], names: list[str],
-             tol: tuple[float, float]) -> list[ValueRow]:
+def _compare(phase: str, pairs: list[tuple[str, Any, np.ndarray, np.ndarray]], tol: tuple[float, float],
+             limit: float) -> list[ValueRow]:
+    """One row per (tensor, lowered value, reference, magnitude); anything not compared fails."""
     rows = []
-    for name in names:
-        value, ref = np.asarray(got[name], np.float64), want[name]
+    for name, got, ref, magnitude in pairs:
+        value = np.asarray(got).astype(np.float64)
         scale = float(np.max(np.abs(ref))) if ref.size else 0.0
-        if not scale <= _F32_MAX:  # exp of a long sum: float32 cannot hold the true value
-            rows.append(ValueRow(phase, name, math.nan, scale, math.nan, True,
-                                 "beyond float32 range: not compared"))
+        terms = float(np.max(magnitude)) if ref.size else 0.0
+        note = ""
+        if value.shape != ref.shape:
+            note = f"shape {value.shape}, reference {ref.shape}: not compared"
+        elif not np.all(np.isfinite(ref)) or scale > limit:
+            note = "reference out of the dtype's range: not compared"
+        elif not np.all(np.isfinite(value)):
+            note = "NaN or inf in the lowered value"
+        if note:
+            rows.append(ValueRow(phase, name, math.nan, scale, math.nan, False, note))
             continue
-        err = float(np.max(np.abs(value - ref))) if ref.size and value.shape == ref.shape else math.inf
-        bound = tol[1] + tol[0] * scale
+        err = float(np.max(np.abs(value - ref))) if ref.size else 0.0
+        bound = tol[1] + tol[0] * terms
         rows.append(ValueRow(phase, name, err, scale, bound, err <= bound))
     return rows
 
 
-def _unplanned(plan: Plan, ref_grads: dict[str, np.ndarray]) -> list[ValueRow]:
+def _unplanned(plan: Plan, lowered: Lowered, run: _Run) -> list[ValueRow]:
     """A mismatch for each input with a gradient the plan does not make (only `const` ones may lack one)."""
-    planned = {g.name for g in plan.grads}
     const = set(plan.spec.const)
-    return [ValueRow("backward", name, math.nan, math.nan, math.nan, False, "the plan makes no such gradient")
-            for name in ref_grads if name not in planned and plan.primal(name) not in const]
+    return [ValueRow("backward", plan.grad_name(name), math.nan, math.nan, math.nan, False,
+                     "the plan makes no such gradient")
+            for name in run.grads if name not in lowered.module.grads and name not in const]
 
 
 def reference_inputs(lowered: Lowered, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inputs as the unsharded reference reads them: in float64, partial sums summed."""
     stacked = lowered.namespace.STACKED_INPUTS  # the module's own list: one source of truth
-    return {k: (v.sum(axis=0) if k in stacked else v).astype(np.float64) for k, v in inputs.items()}
+    return {k: (v.astype(np.float64).sum(axis=0) if k in stacked else v.astype(np.float64))
+            for k, v in inputs.items()}
 
 
-def verify(plan_or_spec: Plan | Spec, devices: int = 8, sizes: dict[str, int] | None = None,
+def _dtype(name: str) -> np.dtype[Any]:
+    import ml_dtypes  # a jax dependency: numpy's bfloat16 and float8 types
+
+    return np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+
+
+def compute_dtype(spec: Spec) -> np.dtype[Any]:
+    """The dtype the run computes in: the spec's own, bfloat16 for f8 (see STORAGE_DTYPE)."""
+    return _dtype(COMPUTE_DTYPE[str(spec.dtype)])
+
+
+def _rounded(x: np.ndarray, spec: Spec, dtype: np.dtype[Any]) -> np.ndarray:
+    storage = STORAGE_DTYPE.get(str(spec.dtype))
+    return (x.astype(_dtype(storage)) if storage else x).astype(dtype)
+
+
+@dataclass
+class _Run:
+    """Inputs and cotangents in the compute dtype, and the reference from the same values."""
+
+    inputs: dict[str, np.ndarray]
+    cotangents: dict[str, np.ndarray]
+    forward: dict[str, np.ndarray]
+    grads: dict[str, np.ndarray]
+    magnitude: dict[str, np.ndarray]  # reference.magnitudes: the bound's scale per value
+    scale: float
+    fits: bool
+
+
+def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
+    """Random inputs, divided by 4 until the reference fits ``dtype`` with headroom.
+
+    Rounded to the dtype first, so the reference sees exactly what the lowered program does.
+    """
+    import ml_dtypes
+
+    spec = lowered.plan.spec
+    limit = float(ml_dtypes.finfo(dtype).max) / _HEADROOM
+    raw = lowered.random_inputs(seed, np.float64)
+    raw_cot = lowered.random_cotangents(seed + 1, np.float64)
+    outs = lowered.module.cotangents  # cotangent name -> output name
+    run = None
+    for k in range(_SCALE_TRIES):
+        scale = 4.0 ** -k
+        inputs = {n: _rounded(v * scale, spec, dtype) for n, v in raw.items()}
+        cot = {n: _rounded(v * scale, spec, dtype) for n, v in raw_cot.items()}
+        wide = reference_inputs(lowered, inputs)
+        wide_cot = {outs[n]: v.astype(np.float64) for n, v in cot.items()}
+        with np.errstate(all="ignore"):  # overflow is what this loop looks for
+            ref_out = reference.forward(spec, wide)
+            grads = reference.backward(spec, wide, wide_cot)
+            magnitude = reference.magnitudes(spec, wide, wide_cot)
+        values = [*ref_out.values(), *grads.values(), *magnitude.values()]
+        fits = all(np.all(np.isfinite(v)) and (not v.size or np.max(np.abs(v)) <= limit) for v in values)
+        run = _Run(inputs, cot, ref_out, grads, magnitude, scale, fits)
+        if fits:
+            break
+    assert run is not None
+    return run
+
+
+def _value_rows(lowered: Lowered, run: _Run, tol: tuple[float, float], dtype: np.dtype[Any]) -> list[ValueRow]:
+    """Every result and every gradient the module returns, against the reference."""
+    import ml_dtypes
+
+    limit = float(ml_dtypes.finfo(dtype).max) / (_HEADROOM if run.fits else 1.0)
+    got = lowered.forward(run.inputs)
+    rows = _compare("forward", [(n, got[n], ref, run.magnitude[n]) for n, ref in run.forward.items()], tol, limit)
+    grads = lowered.grad(run.inputs, run.cotangents)
+    pairs = []
+    for primal, name in lowered.module.grads.items():
+        # an input no output depends on has a zero gradient, which the reference leaves out
+        zero = np.zeros(np.shape(grads[name]))
+        pairs.append((name, grads[name], run.grads.get(primal, zero), run.magnitude.get(primal, zero)))
+    return rows + _compare("backward", pairs, tol, limit)
+
+
+def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[str, int] | None = None,
            seed: int = 0, save: str = "default") -> Report:
-    """Lower at small sizes, run forward and backward, check values and HLO collectives."""
+    """Lower the plan at small sizes, run forward and backward, check values and HLO collectives.
+
+    ``devices`` None: enough for every mesh axis to run at size 2 or more, within the
+    devices jax has.  A Spec is planned exactly as ``shardc plan`` plans it.
+    """
+    import jax
+
     from shardc.lowering.api import lower
+    from shardc.lowering.sizes import collapsed_axes, devices_to_check
+    from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
+    require_sound(plan)
+    devices = devices_to_check(plan, jax.device_count()) if devices is None else devices
+    check_device_count(devices)
     small = {**small_sizes(plan, devices), **(sizes or {})}
     lowered = lower(plan, sizes=small)
     mesh = dict(lowered.module.mesh)
-    tol = TOLERANCE["float32"]
+    dtype = compute_dtype(plan.spec)
+    tol = TOLERANCE[dtype.name]
     report = Report(plan.spec.filename or "<spec>", mesh, dict(lowered.sizes or {}),
-                    str(plan.spec.dtype), "float32", tol)
-    inputs = lowered.random_inputs(seed)
-    cotangents = lowered.random_cotangents(seed + 1)
-    wide = reference_inputs(lowered, inputs)
-    ref_out = reference.forward(plan.spec, wide)
-    report.values += _compare("forward", lowered.forward(inputs), ref_out, list(ref_out), tol)
-    by_output = {plan.primal(k): v.astype(np.float64) for k, v in cotangents.items()}
-    ref_grads = {plan.grad_name(k): v for k, v in reference.backward(plan.spec, wide, by_output).items()}
-    grads = lowered.grad(inputs, cotangents)
-    report.values += _compare("backward", grads, ref_grads, [g.name for g in plan.grads], tol)
-    report.values += _unplanned(plan, ref_grads)
+                    str(plan.spec.dtype), dtype.name, tol)
+    run = _reference_run(lowered, dtype, seed)
+    report.input_scale = run.scale
+    report.values += _value_rows(lowered, run, tol, dtype)
+    report.values += _unplanned(plan, lowered, run)
+    cut = collapsed_axes(plan, mesh)
+    if cut:
+        report.notes.append(f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
+                            f"are not run (use --devices {devices_to_check(plan)})")
     nbytes = plan.spec.dtype.nbytes
     for phase, steps in (("forward", plan.forward), ("backward", plan.backward)):
-        found = collectives(lowered.compiled_text(phase), lowered.module.mesh)
-        report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes)
+        found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
+        report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut)
     return report
+
+
+def check_device_count(devices: int) -> None:
+    """A device count verification can emulate: 1 to MAX_DEVICES."""
+    from shardc.lowering.sizes import MAX_DEVICES
+
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
+        raise ShardcError(f"--devices {devices}: verification runs on 1 to {MAX_DEVICES} devices",
+                          fix="leave --devices out (enough for every mesh axis to be 2) or give e.g. --devices 8")
 
 
 def render_report(report: Report) -> str:
@@ -191,20 +338,29 @@ def render_report(report: Report) -> str:
     sizes = ", ".join(f"{k}={v}" for k, v in report.sizes.items() if k not in report.mesh)
     mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
     rtol, atol = report.tolerance
+    storage = STORAGE_DTYPE.get(report.dtype)
+    rounded = f", inputs rounded to {storage}" if storage else ""
     lines = [f"# verify {report.file}: mesh {mesh} ({math.prod(report.mesh.values())} devices), {sizes}",
-             f"# computed in {report.compute_dtype} (spec dtype {report.dtype}); values pass when "
-             f"max|err| <= {atol:g} + {rtol:g}*max|ref|; HLO bytes priced in {report.dtype}",
-             "", "values"]
+             f"# computed in {report.compute_dtype} (spec dtype {report.dtype}{rounded}), inputs standard normal "
+             f"times {report.input_scale:g}; values pass when max|err| <= {atol:g} + {rtol:g}*max|terms|; "
+             f"HLO bytes priced in {report.dtype}"]
+    lines += [f"# note: {note}" for note in report.notes]
+    lines += ["", "values"]
     lines += _table(["phase", "tensor", "max|err|", "max|ref|", "bound", ""],
-                    [[r.phase, r.tensor, f"{r.max_error:.2e}", f"{r.max_reference:.3g}",
-                      f"{r.tolerance:.2e}", _status(r.ok, r.note)] for r in report.values])
+                    [[r.phase, r.tensor, _float(r.max_error, ".2e"), _float(r.max_reference, ".3g"),
+                      _float(r.tolerance, ".2e"), _status(r.ok, r.note)] for r in report.values])
     lines += ["", "collectives (plan vs compiled HLO)"]
     lines += _table(["phase", "plan step", "axes", "bytes", "HLO", "axes", "bytes", ""],
                     [[r.phase, r.step or "-", r.plan_axes, _num(r.plan_bytes), r.hlo_op, r.hlo_axes,
                       _num(r.hlo_bytes), _status(r.ok, r.note)]
                      for r in report.collectives])
-    lines += ["", "verified: values and collectives match" if report.ok else "verification FAILED"]
+    verdict = "verified: values and collectives match" if report.ok else "verification FAILED"
+    lines += ["", verdict + ("; the notes above list what was not compared" if report.notes else "")]
     return "\n".join(lines) + "\n"
+
+
+def _float(x: float, spec: str) -> str:
+    return format(x, spec) if math.isfinite(x) else "-"
 
 
 def _status(ok: bool, note: str) -> str:

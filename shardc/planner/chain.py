@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from shardc.planner.einsum import EinsumProblem, Operand, configurations
+from shardc.planner.einsum import EinsumProblem, Operand, compute_cost, configurations
 from shardc.planner.graph import Node
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost, least_costs, reshard
 from shardc.planner.phase import Phase
@@ -75,6 +75,7 @@ def _step_costs(ctx: CostContext, problem: EinsumProblem, starts: list[State],
         return _to_one(ctx, problem, rest, starts, targets[0])
     table: dict[tuple[State, Value], Cost] = {}
     for state in starts:
+        ctx.tick()
         by_result: dict[Value, Cost] = {}
         for (local_head, local_result), cost in rest.items():
             if local_head is not None:
@@ -93,9 +94,11 @@ def _rest_costs(ctx: CostContext, problem: EinsumProblem,
     """Per (local first operand, or None without ``skip_head``; local result): the least operand cost."""
     rest: dict[tuple[Value | None, Value], Cost] = {}
     for locals_, local_result, _ in configurations(ctx, problem):
+        ctx.tick()
         cost = _operands_cost(ctx, problem, locals_, skip_head)
         if cost is None:
             continue
+        cost = add_cost(cost, compute_cost(ctx, problem, locals_))
         key = (locals_[0] if skip_head else None, local_result)
         if cost < rest.get(key, INFINITE):
             rest[key] = cost
@@ -152,16 +155,17 @@ def _operands_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Valu
 
 def layouts(ctx: CostContext, indices: tuple[str, ...]) -> Iterator[Value]:
     """Every reduced layout of a tensor with these indices on the mesh."""
-    options = [[None, *range(len(indices))] for _ in ctx.mesh.names]
+    units = ctx.unit_list()
+    options = [[None, *range(len(indices))] for _ in units]
     for combo in itertools.product(*options):
-        groups: dict[int, list[str]] = {}
-        for axis, d in zip(ctx.mesh.names, combo, strict=True):
+        groups: dict[int, list[tuple[str, ...]]] = {}
+        for unit, d in zip(units, combo, strict=True):
             if d is not None:
-                groups.setdefault(d, []).append(axis)
+                groups.setdefault(d, []).append(unit)
         keys = sorted(groups)
         for perms in itertools.product(*(itertools.permutations(groups[d]) for d in keys)):
             layout: list[tuple[str, ...]] = [()] * len(indices)
             for d, perm in zip(keys, perms, strict=True):
-                layout[d] = tuple(perm)
+                layout[d] = tuple(a for u in perm for a in u)
             if all(ctx.divides(i, axes) for i, axes in zip(indices, layout, strict=True)):
                 yield Value(tuple(layout), ())

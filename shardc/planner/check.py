@@ -15,20 +15,27 @@ results in the forward, every gradient in its primal's sharding in the backward.
 
 from __future__ import annotations
 
+from shardc.collectives import volume_elements
+from shardc.errors import InternalError
 from shardc.planner.ir import Monomial, Op, Plan, Step
 from shardc.planner.layout import Value
 from shardc.spec.ir import TensorRef
 
-__all__ = ["check_plan", "replay_step", "comm_time"]
+__all__ = ["check_plan", "require_sound", "replay_step", "comm_time", "step_time"]
+
+
+def step_time(plan: Plan) -> float:
+    """The step time of ``plan`` on its chip: what the planner minimises and ``shardc cost`` reports."""
+    from shardc.timing import plan_time
+
+    return plan_time(plan).step_s
 
 
 def comm_time(plan: Plan) -> float:
-    """Seconds of communication of both phases on the planning hardware (what the search minimises)."""
-    from shardc.planner.layout import CostContext
+    """Seconds of communication of both phases on the plan's chip (the table's model)."""
+    from shardc.timing import plan_time
 
-    ctx = CostContext(plan.spec.mesh, plan.spec.dtype, plan.spec.sizes or None)
-    steps = plan.forward + plan.backward
-    return sum(ctx.seconds(s.op, s.volume, s.axes) for s in steps if s.volume is not None)
+    return plan_time(plan).comm_s
 
 
 def _local_bytes(plan: Plan, ref: TensorRef) -> Monomial:
@@ -41,6 +48,22 @@ def _drop_suffix(ref: TensorRef, dim: int, axes: tuple[str, ...]) -> TensorRef |
     if len(axes) == 0 or have[len(have) - len(axes):] != axes:
         return None
     return _with_dim(ref, dim, have[: len(have) - len(axes)])
+
+
+def _drop_suffixes(ref: TensorRef, dst: TensorRef, axes: tuple[str, ...]) -> TensorRef | None:
+    """An AllGather of several dims: each loses a suffix, the suffixes in dim order are ``axes``."""
+    if len(dst.dims) != len(ref.dims):
+        return None
+    removed: list[str] = []
+    out = ref
+    for d, (have, want) in enumerate(zip(ref.layout, dst.layout, strict=True)):
+        if have[:len(want)] != want:
+            return None
+        removed += have[len(want):]
+        out = _with_dim(out, d, want)
+    if tuple(removed) != axes or sum(1 for h, w in zip(ref.layout, dst.layout, strict=True) if h != w) < 2:
+        return None
+    return out
 
 
 def _with_dim(ref: TensorRef, dim: int, axes: tuple[str, ...]) -> TensorRef:
@@ -56,31 +79,42 @@ def _with_unreduced(ref: TensorRef, unreduced: tuple[str, ...]) -> TensorRef:
 def replay_step(plan: Plan, step: Step) -> tuple[TensorRef | None, Monomial | None]:
     """What a collective or slice makes of its source, and its volume; None if invalid."""
     src, dim, axes = step.src, step.dim, step.axes
+    if src is not None and step.op is Op.ALL_GATHER and dim is None:
+        out = _drop_suffixes(TensorRef(step.tensor, src.dims, src.unreduced), step.dst, axes)
+        return out, None if out is None else _local_bytes(plan, out)
     if src is None or dim is None and step.op is not Op.ALL_REDUCE:
         return None, None
     renamed = TensorRef(step.tensor, src.dims, src.unreduced)
+    out = _replayed(renamed, step)
+    if out is None or not step.is_collective:
+        return out, None
+    group = Monomial.of(1, num=axes)
+    return out, volume_elements(step.op, _local_bytes(plan, src), _local_bytes(plan, out), group)
+
+
+def _replayed(renamed: TensorRef, step: Step) -> TensorRef | None:
+    """What the step makes of its (renamed) source, or None if the move is invalid."""
+    src, dim, axes = renamed, step.dim, step.axes
     if step.op is Op.ALL_GATHER and dim is not None:
-        out = _drop_suffix(renamed, dim, axes)
-        return out, None if out is None else _local_bytes(plan, out)
+        return _drop_suffix(renamed, dim, axes)
     if step.op is Op.SLICE and dim is not None:
         used = {a for d in src.dims for a in d.axes} | set(src.unreduced)
         if set(axes) & used:
-            return None, None
-        return _with_dim(renamed, dim, src.dims[dim].axes + axes), None
+            return None
+        return _with_dim(renamed, dim, src.dims[dim].axes + axes)
     if step.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
         if not set(axes) <= set(src.unreduced) or not axes:
-            return None, None
+            return None
         out = _with_unreduced(renamed, tuple(a for a in src.unreduced if a not in axes))
         if step.op is Op.REDUCE_SCATTER and dim is not None:
             out = _with_dim(out, dim, out.dims[dim].axes + axes)
-        return out, _local_bytes(plan, src)
+        return out
     if step.op is Op.ALL_TO_ALL and dim is not None and step.dim2 is not None:
         dropped = _drop_suffix(renamed, step.dim2, axes)
         if dropped is None or dim == step.dim2:
-            return None, None
-        out = _with_dim(dropped, dim, dropped.dims[dim].axes + axes)
-        return out, _local_bytes(plan, src) * Monomial.of(1, num=axes)
-    return None, None
+            return None
+        return _with_dim(dropped, dim, dropped.dims[dim].axes + axes)
+    return None
 
 
 def check_einsum(step: Step) -> str | None:
@@ -115,9 +149,14 @@ def check_einsum(step: Step) -> str | None:
     return None
 
 
+def _norm(ref: TensorRef) -> TensorRef:
+    """A value's identity: partial-sum axes are a set (``{U_YX}`` is ``{U_XY}``)."""
+    return _with_unreduced(ref, ref.unreduced)
+
+
 def _held_at_start(plan: Plan) -> tuple[set[TensorRef], set[TensorRef]]:
-    forward = {i.ref for i in plan.tensors if i.role in ("param", "input")}
-    backward = {i.ref for i in plan.tensors} | set(plan.residuals) | set(plan.cotangents)
+    forward = {_norm(i.ref) for i in plan.tensors if i.role in ("param", "input")}
+    backward = {_norm(r) for r in [*(i.ref for i in plan.tensors), *plan.residuals, *plan.cotangents]}
     return forward, backward
 
 
@@ -128,20 +167,30 @@ def check_plan(plan: Plan) -> list[str]:
     for phase, steps, held in (("forward", plan.forward, fwd_held), ("backward", plan.backward, bwd_held)):
         for k, step in enumerate(steps, 1):
             problems += [f"{phase} {k}: {p}" for p in _check_step(plan, step, held)]
-            held.add(step.dst)
+            held.add(_norm(step.dst))
         if phase == "forward":
             declared = [i.ref for i in plan.tensors if i.role == "activation"]
-            problems += [f"forward never makes {r}" for r in declared if r not in held]
+            problems += [f"forward never makes {r}" for r in declared if _norm(r) not in held]
     for grad in plan.grads:
-        if grad not in {s.dst for s in plan.backward}:
+        if _norm(grad) not in {_norm(s.dst) for s in plan.backward}:
             problems.append(f"backward never makes {grad}")
     return problems
 
 
+def require_sound(plan: Plan) -> None:
+    """Raise :class:`InternalError` listing every broken invariant of ``plan`` (none: return)."""
+    problems = check_plan(plan)
+    if problems:
+        listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise InternalError(f"internal error: the planner made a broken plan ({listed})",
+                            fix="this is a shardc bug: please report the spec; `shardc plan --explain` "
+                                "shows the choices that led to it")
+
+
 def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
     reads = list(step.operands) + ([step.src] if step.src is not None else [])
-    problems = [f"reads {r}, which is not held" for r in reads if r not in held]
-    if step.op is Op.EINSUM:
+    problems = [f"reads {r}, which is not held" for r in reads if _norm(r) not in held]
+    if step.op in (Op.EINSUM, Op.COPY):
         why = check_einsum(step)
         return problems + ([f"invalid local einsum {step.dst}: {why}"] if why else [])
     if step.op is Op.ELEMENTWISE:
@@ -150,7 +199,7 @@ def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
             problems.append(f"elementwise {step.fn} changes the layout of {step.dst}")
         return problems
     out, volume = replay_step(plan, step)
-    if out is None or out != step.dst:
+    if out is None or out != _norm(step.dst):
         problems.append(f"{step.op.title} of {step.src} over {step.axes} does not make {step.dst}")
     elif volume != step.volume:
         problems.append(f"{step.op.title} {step.dst}: volume {step.volume}, expected {volume}")

@@ -8,7 +8,9 @@ class, and the rules are stated per class (the four cases of sharded matmul):
     left/right   in one operand and the result     that operand's axes, which the other must not use
 
 A *local configuration* gives every mesh axis one role: unused, or sharding one
-index (plus "passes an operand's partial sums through").  Each configuration
+index, or passing one operand's partial sums through (the other operand, if it is
+unreduced over the same axis, is reduced first: of a product of two partial sums the
+search reduces the cheaper operand).  Each configuration
 fixes the operands' local values and the local result; its cost is the cheapest
 reshard of each operand to its local value plus the cheapest reshard of the
 local result to the requested one.  With sizes the search is exhaustive over
@@ -22,17 +24,23 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.layout import INFINITE, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.reverse import reshard_to
 
 __all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
-           "room"]
+           "room", "compute_cost"]
 
 
 class NoPlan(Exception):
     """No local layout reaches the requested result (raised as a ShardcError by the phase)."""
 
 UNUSED = "-"
-PASS = "+"  # the axis stays unreduced in an operand and in the result
+PASS = "+"  # "+k": the axis stays unreduced in operand k and in the result
+
+
+def passes(role: str) -> int | None:
+    """The operand whose partial sums a role passes through, or None."""
+    return int(role[1:]) if role.startswith(PASS) else None
 
 
 @dataclass(frozen=True)
@@ -85,12 +93,12 @@ def classify(problem: EinsumProblem) -> dict[str, str]:
 def _local_values(problem: EinsumProblem, roles: dict[str, str],
                   orders: dict[str, tuple[str, ...]]) -> tuple[tuple[Value, ...], Value]:
     """The operands' and result's local values for one assignment of axes."""
-    passing = tuple(sorted(a for a, r in roles.items() if r == PASS))
+    passing = tuple(sorted(a for a, r in roles.items() if passes(r) is not None))
     classes = classify(problem)
     locals_: list[Value] = []
-    for op in problem.operands:
+    for k, op in enumerate(problem.operands):
         layout = tuple(orders.get(i, ()) for i in op.indices)
-        pass_here = tuple(a for a in passing if any(a in s.unreduced for s in op.sources))
+        pass_here = tuple(a for a in passing if passes(roles[a]) == k)
         locals_.append(Value(layout, pass_here))
     contracted = tuple(a for a, r in roles.items() if r in classes and classes[r] == "contracted")
     result = Value(tuple(orders.get(i, ()) for i in problem.indices),
@@ -101,26 +109,28 @@ def _local_values(problem: EinsumProblem, roles: dict[str, str],
 def _assignments(ctx: CostContext, problem: EinsumProblem) -> Iterator[dict[str, str]]:
     """Every role per mesh axis: unused, an index, or pass-through of partial sums."""
     indices = list(classify(problem))
-    unreduced = {a for op in problem.operands for s in op.sources for a in s.unreduced}
+    units = ctx.unit_list()  # the axes of a unit take one role
     options: list[list[str]] = []
-    for axis in ctx.mesh.names:
-        choices = [UNUSED] + [i for i in indices if ctx.divides(i, (axis,))]
-        if axis in unreduced:
-            choices.append(PASS)
+    for unit in units:
+        choices = [UNUSED] + [i for i in indices if ctx.divides(i, unit)]
+        for k, op in enumerate(problem.operands):
+            if any(unit[0] in s.unreduced for s in op.sources):
+                choices.append(f"{PASS}{k}")
         options.append(choices)
     for combo in itertools.product(*options):
-        yield dict(zip(ctx.mesh.names, combo, strict=True))
+        yield {a: role for unit, role in zip(units, combo, strict=True) for a in unit}
 
 
 def _orders(ctx: CostContext, roles: dict[str, str]) -> Iterator[dict[str, tuple[str, ...]]]:
     """Every major-to-minor order of the axes that share an index."""
-    by_index: dict[str, list[str]] = {}
-    for axis, role in roles.items():
-        if role not in (UNUSED, PASS):
-            by_index.setdefault(role, []).append(axis)
-    groups = [(i, list(itertools.permutations(axes))) for i, axes in by_index.items()]
+    by_index: dict[str, list[tuple[str, ...]]] = {}
+    for unit in ctx.unit_list():
+        role = roles[unit[0]]
+        if role != UNUSED and passes(role) is None:
+            by_index.setdefault(role, []).append(unit)
+    groups = [(i, list(itertools.permutations(units))) for i, units in by_index.items()]
     for combo in itertools.product(*(perms for _, perms in groups)):
-        order = {i: tuple(p) for (i, _), p in zip(groups, combo, strict=True)}
+        order = {i: tuple(a for u in p for a in u) for (i, _), p in zip(groups, combo, strict=True)}
         if all(ctx.divides(i, axes) for i, axes in order.items()):
             yield order
 
@@ -139,17 +149,15 @@ def configurations(ctx: CostContext, problem: EinsumProblem) -> Iterator[Config]
 
 def _configuration(problem: EinsumProblem, roles: dict[str, str],
                    order: dict[str, tuple[str, ...]]) -> Config | None:
+    # partial sums pass through one operand only (a product of two is not a partial sum):
+    # the roles say which, and the other operand is reduced over that axis first
     locals_, local_result = _local_values(problem, roles, order)
-    for axis, role in roles.items():
-        # partial sums may pass through one operand only: a product of two is not a partial sum
-        if role == PASS and sum(axis in v.unreduced for v in locals_) != 1:
-            return None
     return locals_, local_result, roles
 
 
 def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None) -> Solution | None:
     locals_, local_result, roles = config
-    total: Cost = ZERO
+    total: Cost = compute_cost(ctx, problem, locals_)
     operand_moves = []
     for op, local in zip(problem.operands, locals_, strict=True):
         if not any(s.reaches(local) for s in op.sources):
@@ -160,22 +168,29 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
             return None
         operand_moves.append(moves)
     result_moves: tuple[Move, ...] = ()
-    if problem.target is not None:
-        if not local_result.reaches(problem.target):
+    target = problem.target
+    if target is None and local_result.unreduced:
+        target = Value(local_result.layout, ())  # an intermediate the caller lays out: reduce in place
+    if target is not None:
+        if not local_result.reaches(target):
             return None  # partial sums cannot be made from reduced values
-        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), problem.target,
-                                     room(best, total))
-        total = add_cost(total, cost)
-    elif local_result.unreduced:
-        # An intermediate whose layout the caller chooses: resolve partial sums in place.
-        target = Value(local_result.layout, ())
-        cost, result_moves = reshard(ctx, problem.result, problem.indices, (local_result,), target,
-                                     room(best, total))
-        total = add_cost(total, cost)
+        if problem.target is not None:  # one search back from it answers every configuration
+            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, room(best, total))
+        else:
+            found = reshard(ctx, problem.result, problem.indices, (local_result,), target, room(best, total))
+        if found is None or found[0] == INFINITE:
+            return None
+        total = add_cost(total, found[0])
+        result_moves = found[1]
     if best is not None and total > best:
         return None
     return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,
                     tuple(sorted(roles.items())))
+
+
+def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...]) -> Cost:
+    """The local einsum's compute time on the plan's chip: part of the objective (see layout)."""
+    return (ctx.einsum_seconds(zip((op.indices for op in problem.operands), locals_, strict=True)), 0, 0)
 
 
 # How many of the cheapest configurations the search keeps for ``--explain`` (it
@@ -201,6 +216,7 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
     seen: list[Solution] = []
     bound: Cost | None = None
     for config in configurations(ctx, problem):
+        ctx.tick()
         sol = _evaluate(ctx, problem, config, bound)
         if sol is None:
             continue
@@ -249,8 +265,9 @@ def rule_config(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ..
     roles: dict[str, str] = {}
     for axis in ctx.mesh.names:
         places = [_where(problem, k, v, axis) for k, v in enumerate(given)]
-        if any(axis in v.unreduced for v in given):
-            roles[axis] = PASS
+        partial = [k for k, v in enumerate(given) if axis in v.unreduced]
+        if partial:
+            roles[axis] = f"{PASS}{partial[0]}"  # the left operand's partial sums pass; the other reduces
             continue
         roles[axis] = _rule_role(classes, places, problem, target, axis)
     return roles
@@ -296,6 +313,6 @@ def _rule_order(problem: EinsumProblem, roles: dict[str, str],
             if picked and i not in order:
                 order[i] = picked
     for axis, role in roles.items():
-        if role not in (UNUSED, PASS) and axis not in order.get(role, ()):
+        if role != UNUSED and passes(role) is None and axis not in order.get(role, ()):
             order[role] = order.get(role, ()) + (axis,)
     return order

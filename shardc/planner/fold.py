@@ -12,6 +12,13 @@ moves up and the earlier one becomes free slices.
 
     earlier   AllToAll_X dT[B, D_X] -> dT[B_X, D]       AllGather_X dT[B, D_X] -> dT[B, D]
     later     AllGather_X dT[B, D_X] -> dT[B, D]   =>   slice_X dT[B, D] -> dT[B_X, D]
+
+An AllToAll whose result only an AllGather reads folds into one AllGather from
+the AllToAll's source, when that is a gather (every dim of the end keeps a
+prefix of the source's axes): the moved blocks are gathered where they are.
+
+    AllToAll_X   A[B_X, D_Y] -> A[B, D_YX]     =>   AllGather_XY A[B_X, D_Y] -> A[B, D]
+    AllGather_YX A[B, D_YX] -> A[B, D]
 """
 
 from __future__ import annotations
@@ -31,9 +38,49 @@ def fold_redundant(steps: tuple[Step, ...], keep: frozenset[TensorRef]) -> tuple
     collectives the program never runs.
     """
     out = list(steps)
-    while _fold_once(out):
+    while _fold_once(out) or _fold_all_to_all(out, keep):
         pass
     return tuple(_drop_dead_moves(out, keep))
+
+
+def _fold_all_to_all(out: list[Step], keep: frozenset[TensorRef]) -> bool:
+    """An AllToAll read only by an AllGather, folded with it into one AllGather (see above)."""
+    for i, first in enumerate(out):
+        if first.op is not Op.ALL_TO_ALL or first.src is None or first.dst in keep:
+            continue
+        readers = [j for j in range(i + 1, len(out)) if first.dst in _reads(out[j])]
+        if len(readers) != 1 or out[readers[0]].op is not Op.ALL_GATHER:
+            continue
+        j = readers[0]
+        gather = _gather(first.tensor, first.src, out[j])
+        if gather is not None:
+            out[j] = gather
+            del out[i]
+            return True
+    return False
+
+
+def _reads(step: Step) -> tuple[TensorRef, ...]:
+    return step.operands + ((step.src,) if step.src is not None else ())
+
+
+def _gather(tensor: str, src: TensorRef, late: Step) -> Step | None:
+    """One AllGather taking ``src`` to ``late``'s result, or None if that is no gather."""
+    dst = late.dst
+    if src.unreduced != dst.unreduced or src.indices != dst.indices:
+        return None
+    lost = []
+    for have, want in zip(src.layout, dst.layout, strict=True):
+        if have[:len(want)] != want:
+            return None
+        lost.append(have[len(want):])
+    changed = [d for d, axes in enumerate(lost) if axes]
+    if not changed:
+        return None
+    axes = tuple(a for part in lost for a in part)
+    dim = changed[0] if len(changed) == 1 else None  # several dims: one gather of them all
+    return Step(Op.ALL_GATHER, tensor, dst, src, axes, dim=dim, volume=late.volume, ahead=late.ahead,
+                note="an AllToAll and this AllGather folded into one")
 
 
 def _drop_dead_moves(steps: list[Step], keep: frozenset[TensorRef]) -> list[Step]:

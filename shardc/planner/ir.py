@@ -11,47 +11,17 @@ in :mod:`shardc.costmodel.formulas` and :mod:`shardc.costmodel.thresholds`.)
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from shardc.collectives import COLLECTIVES, FACTOR, Op
+from shardc.hardware import Hardware
 from shardc.spec.ir import Spec, TensorRef
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
 ]
-
-
-class Op(enum.Enum):
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_REDUCE = "all_reduce"
-    ALL_TO_ALL = "all_to_all"
-    SLICE = "slice"
-    EINSUM = "einsum"
-    ELEMENTWISE = "elementwise"
-
-    @property
-    def title(self) -> str:
-        """The the book's name of the operation (``AllGather``)."""
-        return _TITLES[self]
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_TITLES = {
-    Op.ALL_GATHER: "AllGather",
-    Op.REDUCE_SCATTER: "ReduceScatter",
-    Op.ALL_REDUCE: "AllReduce",
-    Op.ALL_TO_ALL: "AllToAll",
-    Op.SLICE: "Slice",
-    Op.EINSUM: "Einsum",
-    Op.ELEMENTWISE: "Elementwise",
-}
-
-COLLECTIVES = frozenset({Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE, Op.ALL_TO_ALL})
 
 
 @dataclass(frozen=True, order=True)
@@ -163,8 +133,7 @@ class Step:
         """V with AllReduce counted twice and AllToAll a quarter (the book's "bytes")."""
         if self.volume is None:
             return None
-        factor = {Op.ALL_REDUCE: Fraction(2), Op.ALL_TO_ALL: Fraction(1, 4)}.get(self.op, Fraction(1))
-        return self.volume.scale(factor)
+        return self.volume.scale(FACTOR.get(self.op, Fraction(1)))
 
 
 @dataclass(frozen=True)
@@ -172,7 +141,7 @@ class Alternative:
     """One way an einsum could have been done, as ``--explain`` lists it."""
 
     description: str
-    time: float | None  # seconds of communication on the planning hardware, None without sizes
+    time: float | None  # seconds (the search's objective on the plan's hardware), None without sizes
     volume: str  # weighted volume formula
     collectives: int
     chosen: bool
@@ -207,10 +176,14 @@ class Plan:
     residuals: tuple[TensorRef, ...] = ()  # forward values the backward reads
     cotangents: tuple[TensorRef, ...] = ()  # the gradient of each output, sharded like it
     grads: tuple[TensorRef, ...] = ()  # the gradient of each input not declared `const`
-    strategy: str = "rules"  # "search" (least communication time) or "rules" (the book's)
+    strategy: str = "rules"  # "search" (least step time) or "rules" (the book's)
     choices: tuple[Choice, ...] = field(default=(), compare=False)
     # tensor -> its gradient's name (shardc.names.gradient_names): never a name of the spec
     gradient_names: tuple[tuple[str, str], ...] = ()
+    hardware: str = "tpu-v5p"  # the name of the chip the plan was chosen for
+    chip: Hardware | None = field(default=None, compare=False)  # that chip (None: the spec's, else tpu-v5p)
+    spans: tuple[tuple[str, int], ...] = ()  # spans given to the planner over the chip's defaults
+    notes: tuple[str, ...] = ()  # facts the listing states (e.g. padded uneven dims)
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

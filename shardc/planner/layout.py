@@ -6,37 +6,59 @@ act on one value at a time; each is valid only at the minor end of
 a dim, because that is where a tiled collective adds or removes a factor:
 
     all_gather      remove a suffix of a dim's axes             (one collective)
+                    or of several dims' at once: gathered into a new leading dim over all
+                    their axes, then laid out locally, one collective at the speed of
+                    every axis it spans (the book: an AllGather over two axes, V/(2W))
     slice           append a replicated axis to a dim            (free)
     all_to_all      move a suffix of one dim to another's end    (one collective)
     reduce_scatter  resolve unreduced axes onto a dim's end      (one collective)
     all_reduce      resolve unreduced axes, replicated           (one collective)
 
 :func:`reshard` runs Dijkstra over values from any of several free sources
-(values the phase already holds) to one target.  Costs are tuples compared
-lexicographically: (communication time, collectives, activation collectives),
-so ties go to fewer collectives, then to moving weights rather than activations.
+(values the phase already holds) to one target (:mod:`shardc.planner.reverse`
+searches back from one target to many sources).  Costs are tuples compared
+lexicographically: (seconds, collectives, activation collectives), so ties go to
+fewer collectives, then to moving weights rather than activations.  A move's
+seconds are its time on the plan's chip from the table of collectives
+(:func:`shardc.collectives.collective_time`: links per axis with torus spans, DCN,
+latency), at the padded per-device size where a dim is uneven; the einsum search
+adds each configuration's compute (:meth:`CostContext.einsum_seconds`).
+
+The moves cut a dim's axes only between *units* (:attr:`CostContext.units`):
+every axis alone, except past four mesh axes, where axes the spec always writes
+together move as one (:func:`shardc.planner.unit.bonded_axes`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 
+from shardc.collectives import collective_time, piece, volume_elements
+from shardc.hardware import DEFAULT, PRESETS, Hardware, default_spans
 from shardc.planner.ir import Monomial, Op
-from shardc.spec.ir import Dim, DType, Mesh, Network, TensorRef
+from shardc.spec.ir import Dim, DType, Mesh, TensorRef
 
-__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost"]
+__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost",
+           "SearchTooLong"]
 
 Layout = tuple[tuple[str, ...], ...]
 
-# Planning bandwidths (bytes/s, bidirectional) of the default hardware, TPU v5p:
-# only their ratio matters for choices, and only when a mesh axis crosses DCN.
-W_ICI = 1.8e11
-W_DCN = 6.25e9
 # Without dims, every dim is taken to be this large (and the book's rules decide).
 PROXY_DIM = 1 << 20
+
+class SearchTooLong(Exception):
+    """The exact search ran past its time budget (the planner turns this into a ShardcError)."""
+
+    def __init__(self, axes: int) -> None:
+        super().__init__(axes)
+        self.axes = axes
+
 
 Cost = tuple[float, int, int]
 ZERO: Cost = (0.0, 0, 0)
@@ -87,30 +109,45 @@ class Move:
 
 @dataclass(frozen=True)
 class Edge:
-    """A move out of a search state: its cost, the value number it reaches, and its axes as bits."""
+    """A move out of a search state: its cost and the value number it reaches."""
 
     move: Move
     cost: Cost
     dst: int
-    sliced: int  # axes this move slices (a SLICE)
-    blocked: int  # axes this move needs unsliced on the way (a gather or all-to-all)
 
 
 @dataclass
 class CostContext:
-    """What costs depend on: mesh, dtype, sizes (or proxies) and which tensors are weights."""
+    """What costs depend on: mesh, dtype, sizes (or proxies), which tensors are weights, and the chip."""
 
     mesh: Mesh
     dtype: DType
     sizes: dict[str, int] | None  # dims; None: use PROXY_DIM for every dim
     weights: frozenset[str] = frozenset()
+    hardware: Hardware = PRESETS[DEFAULT]
+    spans: dict[str, int] | None = None  # over the chip's defaults (Hardware.spans)
+    padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
+    compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
     _searches: dict[tuple[object, ...], _Search] = field(default_factory=dict)  # see reshard
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
     # (is weight, indices, value) -> its moves and their costs; states recur across searches
     _edges: dict[tuple[object, ...], tuple[Edge, ...]] = field(default_factory=dict)
     _numbers: dict[Value, int] = field(default_factory=dict)
+    # reverse searches (to one target) and the moves into each value: see shardc.planner.reverse
+    _reverse: dict[tuple[object, ...], object] = field(default_factory=dict)
+    _into: dict[tuple[object, ...], tuple[tuple[Move, int, Cost], ...]] = field(default_factory=dict)
+    deadline: float | None = None  # time.monotonic() past which the search gives up (see tick)
+    # Mesh axes the search moves as one (major to minor), each axis in exactly one; None: every
+    # axis alone (exact).  See shardc.planner.unit.bonded_axes.
+    units: tuple[tuple[str, ...], ...] | None = None
+    _heads: frozenset[str] | None = None
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
+    _compute: dict[tuple[object, ...], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.axis_sizes = {a.name: a.size for a in self.mesh.axes}
+        self.links = default_spans(self.mesh, self.hardware) | (self.spans or {})
 
     def dim_size(self, index: str) -> int:
         return PROXY_DIM if self.sizes is None else self.sizes[index]
@@ -132,35 +169,88 @@ class CostContext:
                 self._sizes[symbol] = float(self.dim_size(symbol))
         return volume.value(self._sizes)
 
-    def bandwidth(self, axes: tuple[str, ...]) -> float:
-        """n_axes times the slowest axis's bandwidth."""
-        slow = any(self.mesh.axis(a).network is Network.DCN for a in axes)
-        return (W_DCN if slow else W_ICI) * len(axes)
+    def seconds(self, op: Op, volume: Monomial | float, axes: tuple[str, ...]) -> float:
+        """Time of one collective moving ``volume`` (a formula, or bytes) on the plan's chip."""
+        nbytes = volume if isinstance(volume, float | int) else self.evaluate(volume)
+        return collective_time(op, nbytes, axes, self.mesh, self.axis_sizes, self.hardware, self.links).seconds
 
-    def seconds(self, op: Op, volume: Monomial, axes: tuple[str, ...]) -> float:
-        """Bandwidth time of one collective, on the planning hardware."""
-        factor = {Op.ALL_REDUCE: 2.0, Op.ALL_TO_ALL: 0.25}.get(op, 1.0)
-        return factor * self.evaluate(volume) / self.bandwidth(axes)
-
-    def move_cost(self, move: Move, tensor: str) -> Cost:
+    def move_cost(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Cost:
         if move.volume is None:
             return ZERO
-        seconds = self.seconds(move.op, move.volume, move.axes)
+        volume: Monomial | float = move.volume
+        if idx is not None and self.padded and self.sizes is not None:
+            volume = self.padded_bytes(move, idx)
+        seconds = self.seconds(move.op, volume, move.axes)
         return (seconds, 1, 0 if tensor in self.weights else 1)
+
+    def _pieces(self, idx: tuple[str, ...], value: Value) -> list[tuple[int, int]]:
+        return [(self.dim_size(i), math.prod(self.axis_sizes[a] for a in axes))
+                for i, axes in zip(idx, value.layout, strict=True)]
+
+    def padded_bytes(self, move: Move, idx: tuple[str, ...]) -> float:
+        """V of a move at the padded per-device sizes (each dim's piece ``ceil(size / devices)``)."""
+        assert move.volume is not None
+        src, dst = self._pieces(idx, move.src), self._pieces(idx, move.dst)
+        if all(n % k == 0 for n, k in src + dst):
+            return self.evaluate(move.volume)
+        group = math.prod(self.axis_sizes[a] for a in move.axes)
+        elements = volume_elements(move.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))
+        return float(elements) * self.dtype.nbytes
+
+    def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value]]) -> float:
+        """Compute time of a local einsum over these (indices, local value) operands; 0 without sizes.
+
+        2 * prod(local index sizes) FLOPs a device (padded pieces), over the chip's C.
+        """
+        if self.sizes is None or not self.compute_weight:
+            return 0.0
+        key = tuple(operands)
+        hit = self._compute.get(key)
+        if hit is None:
+            local: dict[str, int] = {}
+            for idx, value in key:
+                for i, (n, k) in zip(idx, self._pieces(idx, value), strict=True):
+                    local[i] = min(local.get(i, -(-n // k)), -(-n // k))
+            hit = self._compute[key] = 2.0 * math.prod(local.values()) / self.hardware.flops
+        return hit * self.compute_weight
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:
         """The moves out of value number ``state`` with their costs, built once per context."""
         key = (tensor in self.weights, idx, state)
         hit = self._edges.get(key)
         if hit is None:
-            hit = self._edges[key] = tuple(self._edge(m, tensor) for m in neighbours(self, idx, self.values[state]))
+            hit = self._edges[key] = tuple(self._edge(m, tensor, idx)
+                                           for m in neighbours(self, idx, self.values[state]))
         return hit
 
-    def _edge(self, move: Move, tensor: str) -> Edge:
-        mask = self.mask(move.axes)
-        sliced = mask if move.op is Op.SLICE else 0
-        blocked = mask if move.op in (Op.ALL_GATHER, Op.ALL_TO_ALL) else 0  # never re-gather a sliced axis
-        return Edge(move, self.move_cost(move, tensor), self.number(move.dst), sliced, blocked)
+    def _edge(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Edge:
+        return Edge(move, self.move_cost(move, tensor, idx), self.number(move.dst))
+
+    def unit_list(self) -> tuple[tuple[str, ...], ...]:
+        if self.units is None:
+            self.units = tuple((a,) for a in self.mesh.names)
+        return self.units
+
+    def heads(self) -> frozenset[str]:
+        """The first axis of each unit: where a move may cut a dim's axes."""
+        if self._heads is None:
+            self._heads = frozenset(u[0] for u in self.unit_list())
+        return self._heads
+
+    def free_units(self, used: frozenset[str]) -> list[tuple[str, ...]]:
+        return [u for u in self.unit_list() if u[0] not in used]
+
+    def suffixes(self, axes: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+        """The minor suffixes of ``axes`` that are whole units, shortest first."""
+        heads = self.heads()
+        for k in range(1, len(axes) + 1):
+            if axes[len(axes) - k] in heads:
+                yield axes[len(axes) - k:]
+
+    def tick(self) -> None:
+        """Give up with a clear error once past the deadline, rather than search for minutes."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise SearchTooLong(len(self.mesh.axes))
 
     def number(self, value: Value) -> int:
         """A small integer per value: search states hash and compare as ints."""
@@ -170,22 +260,14 @@ class CostContext:
             self.values.append(value)
         return n
 
-    def mask(self, axes: tuple[str, ...]) -> int:
-        names = self.mesh.names
-        return sum(1 << names.index(a) for a in set(axes))
-
     def divides(self, index: str, axes: tuple[str, ...]) -> bool:
+        """Whether the search may shard ``index`` over ``axes``: evenly, or (padded) a dim the spec shards
+        unevenly, if every device still gets part of it."""
         if self.sizes is None:
             return True
-        product = 1
-        for a in axes:
-            product *= self.mesh.size(a)
-        return self.sizes[index] % product == 0
-
-
-def _suffixes(axes: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
-    for k in range(1, len(axes) + 1):
-        yield axes[len(axes) - k:]
+        product = math.prod(self.axis_sizes[a] for a in axes)
+        size = self.sizes[index]
+        return size % product == 0 or (index in self.padded and size >= product)
 
 
 def _replace(layout: Layout, dim: int, axes: tuple[str, ...]) -> Layout:
@@ -194,23 +276,34 @@ def _replace(layout: Layout, dim: int, axes: tuple[str, ...]) -> Layout:
 
 def _gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     for d, axes in enumerate(v.layout):
-        for suffix in _suffixes(axes):
+        for suffix in ctx.suffixes(axes):
             dst = Value(_replace(v.layout, d, axes[: len(axes) - len(suffix)]), v.unreduced)
             yield Move(Op.ALL_GATHER, v, dst, suffix, dim=d, volume=ctx.local_bytes(idx, dst))
 
 
+def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+    """Suffixes of two or more dims gathered by one collective (axes in dim order)."""
+    options = [[()] + list(ctx.suffixes(axes)) for axes in v.layout]
+    for combo in itertools.product(*options):
+        if sum(1 for suffix in combo if suffix) < 2:
+            continue
+        layout = tuple(axes[: len(axes) - len(suffix)] for axes, suffix in zip(v.layout, combo, strict=True))
+        dst = Value(layout, v.unreduced)
+        axes = tuple(a for suffix in combo for a in suffix)
+        yield Move(Op.ALL_GATHER, v, dst, axes, volume=ctx.local_bytes(idx, dst))
+
+
 def _slices(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
-    free = [a for a in ctx.mesh.names if a not in v.used()]
-    for a in free:
+    for unit in ctx.free_units(v.used()):
         for d, axes in enumerate(v.layout):
-            if ctx.divides(idx[d], axes + (a,)):
-                dst = Value(_replace(v.layout, d, axes + (a,)), v.unreduced)
-                yield Move(Op.SLICE, v, dst, (a,), dim=d)
+            if ctx.divides(idx[d], axes + unit):
+                dst = Value(_replace(v.layout, d, axes + unit), v.unreduced)
+                yield Move(Op.SLICE, v, dst, unit, dim=d)
 
 
 def _all_to_alls(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     for src_dim, axes in enumerate(v.layout):
-        for suffix in _suffixes(axes):
+        for suffix in ctx.suffixes(axes):
             kept = axes[: len(axes) - len(suffix)]
             for d, other in enumerate(v.layout):
                 if d == src_dim or not ctx.divides(idx[d], other + suffix):
@@ -223,12 +316,17 @@ def _all_to_alls(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[M
 
 def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     unreduced = v.unreduced
-    for k in range(1, len(unreduced) + 1):
-        for group in itertools.combinations(unreduced, k):
+    heads = ctx.heads()
+    units = {u[0]: u for u in ctx.unit_list()}
+    parts = [units[a] for a in unreduced if a in heads]
+    for k in range(1, len(parts) + 1):
+        for chosen in itertools.combinations(parts, k):
+            group = tuple(sorted(a for u in chosen for a in u))
             rest = tuple(a for a in unreduced if a not in group)
             volume = ctx.local_bytes(idx, v)  # the array before the reduction
             yield Move(Op.ALL_REDUCE, v, Value(v.layout, rest), group, volume=volume)
-            for order in itertools.permutations(group):
+            for perm in itertools.permutations(chosen):
+                order = tuple(a for u in perm for a in u)
                 for d, axes in enumerate(v.layout):
                     if ctx.divides(idx[d], axes + order):
                         dst = Value(_replace(v.layout, d, axes + order), rest)
@@ -238,6 +336,7 @@ def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Mo
 def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
     yield from _reductions(ctx, idx, v)
     yield from _gathers(ctx, idx, v)
+    yield from _multi_gathers(ctx, idx, v)
     yield from _slices(ctx, idx, v)
     yield from _all_to_alls(ctx, idx, v)
 
@@ -287,26 +386,23 @@ def least_costs(ctx: CostContext, tensor: str, idx: tuple[str, ...], spent: dict
 class _Search:
     """Dijkstra from a set of sources, resumable: settled values are kept for later queries.
 
-    States are (value, axes sliced on the way): a sliced axis is never gathered or
-    moved again.  Under the bandwidth model a collective over more axes is faster,
-    so without this the cheapest path would slice a replicated axis only to gather
-    over it as well; that moves the same bytes over more links, not fewer bytes.
-    A state is one int: value number times 2**axes, plus the sliced axes' bits.
+    A state is a value number.  Any move may follow any other: slicing a replicated
+    axis before a gather or an all-to-all over it as well is a real saving under the
+    book's model (the collective then spans more axes' links, or moves fewer bytes).
     """
 
     def __init__(self, ctx: CostContext, tensor: str, idx: tuple[str, ...], starts: tuple[Value, ...],
                  spent: tuple[Cost, ...] | None = None) -> None:
         self.ctx, self.tensor, self.idx = ctx, tensor, idx
-        self.shift = len(ctx.mesh.names)
         self.best: dict[int, Cost] = {}
         for value, cost in zip(starts, spent or (ZERO,) * len(starts), strict=True):
-            state = ctx.number(value) << self.shift
+            state = ctx.number(value)
             self.best[state] = min(cost, self.best.get(state, INFINITE))
         self.back: dict[int, tuple[Move, int]] = {}
         self.tie = itertools.count()  # first pushed first among equal costs: deterministic plans
         self.heap: list[tuple[Cost, int, int]] = [(c, next(self.tie), s) for s, c in self.best.items()]
         heapq.heapify(self.heap)
-        self.settled: dict[int, tuple[Cost, int]] = {}  # value -> its cost and the first state that reached it
+        self.settled: dict[int, Cost] = {}
 
     def find(self, goal: int, bound: Cost | None) -> tuple[Cost, tuple[Move, ...]] | None:
         """The cheapest path to value ``goal``, or None if it costs more than ``bound`` (or is unreachable)."""
@@ -314,26 +410,23 @@ class _Search:
             if not self.heap or (bound is not None and self.heap[0][0] > bound):
                 return None  # every remaining path is dearer still
             self._step()
-        cost, state = self.settled[goal]
+        cost = self.settled[goal]
         if bound is not None and cost > bound:
             return None
-        return cost, _path(self.back, state)
+        return cost, _path(self.back, goal)
 
     def _step(self) -> None:
         cost, _, state = heapq.heappop(self.heap)
-        if cost > self.best[state]:
-            return  # a stale entry: the state was reached cheaper since
-        value, sliced = state >> self.shift, state & ((1 << self.shift) - 1)
-        self.settled.setdefault(value, (cost, state))
-        for edge in self.ctx.edges(self.tensor, self.idx, value):
-            if edge.blocked & sliced:
-                continue
-            nxt = (edge.dst << self.shift) | sliced | edge.sliced
+        if state in self.settled:
+            return  # a stale entry: the state was settled cheaper
+        self.settled[state] = cost
+        self.ctx.tick()
+        for edge in self.ctx.edges(self.tensor, self.idx, state):
             new = add_cost(cost, edge.cost)
-            if new < self.best.get(nxt, INFINITE):
-                self.best[nxt] = new
-                self.back[nxt] = (edge.move, state)
-                heapq.heappush(self.heap, (new, next(self.tie), nxt))
+            if edge.dst not in self.settled and new < self.best.get(edge.dst, INFINITE):
+                self.best[edge.dst] = new
+                self.back[edge.dst] = (edge.move, state)
+                heapq.heappush(self.heap, (new, next(self.tie), edge.dst))
 
 
 def _path(back: dict[int, tuple[Move, int]], end: int) -> tuple[Move, ...]:

@@ -10,8 +10,8 @@ rules (without).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fractions import Fraction
 
+from shardc.collectives import FACTOR
 from shardc.errors import ShardcError, Span
 from shardc.planner.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
 from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
@@ -33,6 +33,7 @@ class Phase:
     made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
+    _refs: dict[tuple[str, Value], TensorRef] = field(default_factory=dict)
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])
@@ -40,7 +41,11 @@ class Phase:
             values.append(value)
 
     def ref(self, name: str, value: Value) -> TensorRef:
-        return value.ref(name, self.indices[name])
+        key = (name, value)
+        hit = self._refs.get(key)
+        if hit is None:  # layers repeat: the same refs are made again and again
+            hit = self._refs[key] = value.ref(name, self.indices[name])
+        return hit
 
     def emit(self, step: Step) -> None:
         self.steps.append(step)
@@ -78,7 +83,8 @@ class Phase:
         for op, moves in zip(operands, sol.operand_moves, strict=True):
             self.moves(op, moves)
         local = tuple(self.ref(n, v) for n, v in zip(operands, sol.locals, strict=True))
-        self.emit(Step(Op.EINSUM, result, self.ref(result, sol.local_result), operands=local))
+        copy = len(operands) == 1 and set(self.indices[operands[0]]) == set(self.indices[result])
+        self.emit(Step(Op.COPY if copy else Op.EINSUM, result, self.ref(result, sol.local_result), operands=local))
         self.moves(result, sol.result_moves)
         self.choices.append(Choice(self.name, label, rows, reason))
         return sol.final
@@ -138,8 +144,7 @@ class Phase:
 
     def _alternative(self, sol: Solution, text: str, chosen: bool) -> Alternative:
         moves = [m for ms in sol.operand_moves for m in ms] + list(sol.result_moves)
-        factors = {Op.ALL_REDUCE: Fraction(2), Op.ALL_TO_ALL: Fraction(1, 4)}
-        terms = [m.volume.scale(factors.get(m.op, Fraction(1))) for m in moves if m.volume is not None]
+        terms = [m.volume.scale(FACTOR[m.op]) for m in moves if m.volume is not None]
         volume = sum_formula(terms)
         time = sol.cost[0] if self.sized else None
         return Alternative(text, time, volume, sol.cost[1], chosen)
@@ -150,7 +155,8 @@ class Phase:
             return "every valid local layout communicates the same way"
         runner = min(others, key=lambda s: s.cost)
         if runner.cost[0] > sol.cost[0] * (1 + 1e-9):
-            return f"least communication time ({sol.cost[0]:.3g} s vs {runner.cost[0]:.3g} s next)"
+            what = "least time, compute + communication" if self.ctx.compute_weight else "least communication time"
+            return f"{what} ({sol.cost[0]:.3g} s vs {runner.cost[0]:.3g} s next)"
         if runner.cost[1] != sol.cost[1]:
             return "tie in time: fewer collectives"
         return "tie in time and count: moves weights rather than activations"

@@ -9,67 +9,180 @@
 
 from __future__ import annotations
 
+import math
+import time
+
 from shardc.errors import ShardcError
+from shardc.hardware import Hardware, resolve_hardware
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
-from shardc.planner.check import comm_time
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
-from shardc.planner.layout import CostContext, Layout, Value
+from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
-from shardc.spec.validate import validate
+from shardc.spec.validate import leaves, validate
+from shardc.timing import plan_time
 
 __all__ = ["plan", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
+# Seconds the exact search may take before it gives up with a clear error: it grows with
+# every mesh axis of size > 1 (the layouts of a tensor multiply), never with size-1 axes.
+BUDGET = 30.0
 STRATEGIES = ("auto", "search", "rules")
+# How much the search counts a second of compute beside one of communication, per phase
+# (forward, backward): their sum first, which bounds a phase's max(compute, comm) within 2x.
+SUM: tuple[float, float] = (1.0, 1.0)
 
 
-def plan(spec: Spec, save: str = "default", strategy: str = "auto") -> Plan:
-    """Plan ``spec``: by least communication time with ``dims``, by the book's rules without.
+def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
+         spans: dict[str, int] | None = None) -> Plan:
+    """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
-    ``strategy="rules"`` applies the book's rules even when sizes are known (the
-    baseline the search is measured against); ``"search"`` is the default with dims.
+    The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
+    ``hardware`` line, else tpu-v5p; ``spans`` overrides how many physical ICI axes a
+    mesh axis is laid over (:meth:`Hardware.spans`).  The objective is the step time
+    ``shardc cost`` reports on that chip (:func:`shardc.timing.plan_time`: compute and
+    communication, each phase ``max(compute, comm)``).  That max does not split over
+    einsums, so the search minimises per einsum a weighted sum of the two, under a few
+    weights (:func:`_best_plan`), and the planner returns, of the plans it builds (those
+    searches' and the book's rules'), the one of least step time, ties to less
+    communication.  ``strategy="rules"`` applies the book's rules even when sizes are
+    known (the baseline the search is measured against); ``"search"`` runs the search
+    once, compute and communication counted alike.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
-    graph = build_graph(spec)
+    try:
+        return _plan_within_budget(spec, save, strategy, hardware, spans)
+    except SearchTooLong as e:
+        raise ShardcError(
+            f"planning gave up after {BUDGET:.0f} s: the exact search over layouts grows with every mesh axis "
+            f"(this mesh has {e.axes} of size > 1)",
+            fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
+                "one axis XY=4), or drop the dims line to plan by the book's rules") from None
+
+
+def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
+                        spans: dict[str, int] | None) -> Plan:
+    hw = resolve_hardware(hardware, None, spec.hardware)
+    _check_spans(spec, spans)
+    stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
+    graph = build_graph(stripped)
+    ctx = _context(spec, graph, hw, spans, bonded_axes(stripped))  # one search cache for every candidate
     if strategy == "auto" and spec.dims:
-        # The search is exact per einsum but greedy across them: a gather the rules make
-        # early can be reused later for free.  Plan both ways and keep the cheaper whole.
-        ctx = _context(spec, graph)  # one search cache for both
-        searched = _plan(spec, graph, save, "search", ctx)
-        rules = _plan(spec, graph, save, "rules", ctx)
-        return rules if comm_time(rules) < comm_time(searched) * (1 - 1e-9) else searched
-    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy,
-                 _context(spec, graph))
+        return _best_plan(spec, graph, save, ctx)
+    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx)
 
 
-def _context(spec: Spec, graph: Graph) -> CostContext:
+def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
+    """The least step time among the rules' plan and searches under a few compute weights.
+
+    A phase takes max(compute, comm): once a phase is communication-bound only its
+    communication counts at the margin, so after the sum's plan each phase is searched
+    again with compute weighted 0 if that plan left it communication-bound (1 if not),
+    and once with communication alone in both.  The exact step time picks the winner.
+    """
+    first = _plan(spec, graph, save, "search", ctx, SUM)
+    candidates = {"sum": first}
+    t = plan_time(first, ctx.hardware)
+    bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
+             0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
+    for weights in [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM]:
+        candidates[str(weights)] = _plan(spec, graph, save, "search", ctx, weights)
+    candidates["rules"] = _plan(spec, graph, save, "rules", ctx)
+    return min(candidates.values(), key=lambda p: _objective(p, ctx.hardware))  # ties: the first
+
+
+def _check_spans(spec: Spec, spans: dict[str, int] | None) -> None:
+    for axis, k in (spans or {}).items():
+        if axis not in spec.mesh.names:
+            raise ShardcError(f"--spans {axis}: not a mesh axis", fix="use one of " + ", ".join(spec.mesh.names))
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1", fix="write e.g. --spans X=3")
+
+
+def _objective(p: Plan, hw: Hardware) -> tuple[float, float]:
+    """Step time then communication, rounded so float noise between equal plans does not decide."""
+    t = plan_time(p, hw)
+    return (_rounded(t.step_s), _rounded(t.comm_s))
+
+
+def _rounded(x: float) -> float:
+    return 0.0 if x == 0 else round(x, 9 - int(math.floor(math.log10(abs(x)))))
+
+
+def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None,
+             units: tuple[tuple[str, ...], ...] | None = None) -> CostContext:
     grads = frozenset(graph.grads[p] for p in graph.params)
-    return CostContext(spec.mesh, spec.dtype, spec.sizes if spec.dims else None, graph.params | grads)
+    ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
+                      graph.params | grads, hardware=hw, spans=spans,
+                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units)
+    ctx.deadline = time.monotonic() + BUDGET
+    return ctx
 
 
-def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) -> Plan:
+def uneven_dims(spec: Spec) -> list[tuple[str, int]]:
+    """(dim, devices) for every declared sharding whose devices do not divide the dim, in order."""
+    if not spec.dims:
+        return []
+    sizes = spec.sizes
+    found: dict[tuple[str, int], None] = {}
+    for statement in spec.statements:
+        for ref in (statement.result, *leaves(statement.expr)):
+            for dim in ref.dims:
+                devices = math.prod(spec.mesh.size(a) for a in dim.axes)
+                if dim.name in sizes and sizes[dim.name] % devices:
+                    found[(dim.name, devices)] = None
+    return list(found)
+
+
+def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
+    """One note per uneven (dim, devices) the plan holds: XLA pads each device's piece to the ceiling."""
+    sizes = spec.sizes
+    found: dict[tuple[str, int], None] = {}
+    for step in steps:
+        for ref in (step.dst, *step.operands, *((step.src,) if step.src else ())):
+            for dim in ref.dims:
+                devices = math.prod(spec.mesh.size(a) for a in dim.axes)
+                if sizes.get(dim.name, 0) % devices:
+                    found[(dim.name, devices)] = None
+    notes = []
+    for name, devices in found:
+        n = sizes[name]
+        each = -(-n // devices)
+        notes.append(f"{name}={n} over {devices} devices is padded to {each * devices} ({each} a device, "
+                     f"as XLA pads uneven shards): plan and cost use the padded size")
+    return tuple(notes)
+
+
+def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
+          weights: tuple[float, float] = SUM) -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
     for name in graph.inputs:
         forward.hold(name, Value.of(declared[name]))
+    ctx.compute_weight = weights[0]
     _plan_forward(forward, graph, declared)
+    ctx.compute_weight = weights[1]
     backward = plan_backward(graph, forward, declared, save)
+    ctx.compute_weight = SUM[1]
     sizes = None
     if spec.dims:
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
+    fwd = fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals))
+    bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
     return Plan(
         spec=spec,
-        forward=fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals)),
-        backward=fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads)),
+        forward=fwd,
+        backward=bwd,
         save=save,
         sizes=sizes,
         tensors=_tensor_infos(graph, declared),
@@ -79,6 +192,10 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext) 
         strategy="search" if sized else "rules",
         choices=tuple(forward.choices + backward.phase.choices),
         gradient_names=tuple(graph.grads.items()),
+        hardware=ctx.hardware.name,
+        chip=ctx.hardware,
+        spans=tuple(sorted((ctx.spans or {}).items())),
+        notes=padding_notes(spec, fwd + bwd) if spec.dims else (),
     )
 
 
@@ -97,7 +214,11 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) ->
 
 
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
-    target = Value.of(declared[node.result]) if node.result in declared else None
+    # A pre-activation (the A · B of f(A · B)) takes the layout f's result is declared in:
+    # moving it before f costs what moving f's result would, so the einsum search sees the
+    # whole statement, f(A · B) = (A · B then f).
+    wanted = declared.get(node.result, node.target)
+    target = Value.of(wanted) if wanted is not None else None
     label = _label(node, phase, declared)
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
@@ -109,17 +230,21 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
 
 def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
                       target: Value | None) -> None:
-    """``f`` keeps the sharding; its input must be reduced, in the result's layout."""
+    """``f`` keeps the sharding; its input must be reduced, in the result's layout.
+
+    The result's indices may be the argument's permuted: that is a local transpose,
+    so the argument's layout is read index by index, never position by position.
+    """
     (arg,) = node.operands
+    arg_idx = phase.indices[arg]
     if target is None:
-        target = Value(phase.held[arg][0].layout, ())
+        held = dict(zip(arg_idx, phase.held[arg][0].layout, strict=True))
+        target = Value(tuple(held[i] for i in node.indices), ())
     if target.unreduced:
         raise ShardcError(f"{node.result} is an elementwise function of partial sums", node.statement.span,
                           fix="drop the {U_...} suffix: the function needs reduced values")
-    want = Value(_permute(phase.indices[arg], node.indices, target), ())
-    from shardc.planner.layout import reshard
-
-    _, moves = reshard(phase.ctx, arg, phase.indices[arg], phase.held[arg], want)
+    want = Value(_permute(arg_idx, node.indices, target), ())
+    _, moves = reshard(phase.ctx, arg, arg_idx, phase.held[arg], want)
     phase.moves(arg, moves)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
                     operands=(phase.ref(arg, want),), fn=node.fn))

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from shardc.collectives import FACTOR
 from shardc.planner.ir import Monomial, Op, Plan, Step, sum_formula
+from shardc.timing import plan_time, step_volume
 
 __all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_total", "step_label"]
 
@@ -17,8 +19,8 @@ def phase_total(steps: Sequence[Step]) -> tuple[str, float | None, list[Monomial
 
 
 def step_label(step: Step) -> str:
-    if step.op is Op.EINSUM:
-        return "Einsum"
+    if step.op in (Op.EINSUM, Op.COPY):
+        return step.op.title
     if step.op is Op.ELEMENTWISE:
         return f"Map {step.fn}"
     suffix = "".join(step.axes) if all(len(a) == 1 for a in step.axes) else "{" + ",".join(step.axes) + "}"
@@ -28,7 +30,7 @@ def step_label(step: Step) -> str:
 def _bytes_number(step: Step, sizes: dict[str, int] | None) -> str:
     if step.volume is None or sizes is None:
         return ""
-    return " = " + human_bytes(float(step.volume.evaluate(sizes)))
+    return " = " + human_bytes(step_volume(step, sizes))
 
 
 def human_bytes(n: float) -> str:
@@ -40,8 +42,8 @@ def human_bytes(n: float) -> str:
 
 def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
     label = step_label(step)
-    if step.op is Op.EINSUM or step.op is Op.ELEMENTWISE:
-        joiner = " · " if step.op is Op.EINSUM else ", "
+    if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE):
+        joiner = ", " if step.op is Op.ELEMENTWISE else " · "
         body = f"{step.dst} = " + joiner.join(str(o) for o in step.operands)
         return f"{k:3d}  {label:<17} {body}"
     body = f"{step.src} -> {step.dst}"
@@ -59,20 +61,41 @@ def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None
     formula, _, terms = phase_total(steps)
     total = f"       total {formula} bytes"
     if sizes is not None:
-        total += " = " + human_bytes(float(sum(t.evaluate(sizes) for t in terms)))
+        total += " = " + human_bytes(_phase_bytes(steps, sizes))
     lines.append(total + "   (AllReduce counted twice, AllToAll a quarter)")
     return lines
+
+
+def _phase_bytes(steps: Sequence[Step], sizes: dict[str, int]) -> float:
+    """Weighted bytes of a phase at the padded sizes (what ``shardc cost`` counts)."""
+    return sum(step_volume(s, sizes) * float(FACTOR[s.op]) for s in steps if s.volume is not None)
+
+
+def _time_line(plan: Plan) -> str:
+    t = plan_time(plan)
+    return (f"# step time on {plan.hardware}: {_seconds(t.step_s)} (forward {_seconds(t.forward_s)}, backward "
+            f"{_seconds(t.backward_s)}; each max(compute, communication)), as `shardc cost` reports it")
+
+
+def _seconds(x: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x / 1e-9:.3g} ns" if x else "0 s"
 
 
 def render_text(plan: Plan) -> str:
     sizes = plan.size_map
     if plan.strategy == "search":
-        how = "by least communication time"
+        how = f"by least step time on {plan.hardware}"
     elif sizes is not None:
         how = "by the book's rules (no cheaper in total than the search)"
     else:
         how = "by the book's rules (no dims)"
     lines = [f"# {plan.spec.filename or 'spec'}: {plan.spec.mesh}; collectives chosen {how}"]
+    if sizes is not None:
+        lines.append(_time_line(plan))
+    lines += [f"# note: {n}" for n in plan.notes]
     lines += _phase_lines("forward", plan.forward, sizes)
     lines.append("")
     lines += _phase_lines(f"backward (save={plan.save})", plan.backward, sizes)
@@ -110,7 +133,7 @@ def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
         "ahead": step.ahead,
     }
     if step.volume is not None and sizes is not None:
-        data["bytes"] = int(step.volume.evaluate(sizes))
+        data["bytes"] = int(step_volume(step, sizes))
     if step.operands:
         data["operands"] = [str(o) for o in step.operands]
     if step.dim is not None:
@@ -127,9 +150,13 @@ def to_json(plan: Plan) -> dict[str, Any]:
     totals = {}
     for name, steps in (("forward", plan.forward), ("backward", plan.backward)):
         formula, _, terms = phase_total(steps)
-        value = int(sum(t.evaluate(sizes) for t in terms)) if sizes is not None else None
+        value = int(_phase_bytes(steps, sizes)) if sizes is not None else None
         totals[name] = {"bytes_expr": formula, "bytes": value}
-    return {
+    timing: dict[str, Any] = {"hardware": plan.hardware, "notes": list(plan.notes)}
+    if sizes is not None:
+        t = plan_time(plan)
+        timing.update(step_s=t.step_s, forward_s=t.forward_s, backward_s=t.backward_s, comm_s=t.comm_s)
+    return timing | {
         "forward": [step_json(s, sizes) for s in plan.forward],
         "backward": [step_json(s, sizes) for s in plan.backward],
         "save": plan.save,

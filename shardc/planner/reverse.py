@@ -1,71 +1,160 @@
-"""Costs *to* a set of targets from many sources: one Dijkstra over reversed moves.
+"""Costs *to* a target from many sources: one Dijkstra over reversed moves.
 
 :func:`shardc.planner.layout.reshard` searches forward from its sources, one search
-per source set.  A chain's last step needs the opposite: from each of hundreds of
-candidate layouts to one declared result.  Reversing the moves answers all of
-them with one search from the targets.
+per source set.  An einsum's result needs the opposite: from each of hundreds of
+local results (one per configuration) to one declared value, and a chain's last
+step the same from each candidate layout.  Walking the moves backwards from the
+target answers all of them with one search, resumed by each query.
 
-The forward rule "a sliced axis is never gathered or moved again" reads, on a
-path walked backwards: a slice may be prepended only if no later move gathers
-or moves its axes.  A reverse state is therefore (value, axes gathered or moved
-further on), and the cheapest cost found for a value over all such states is
-its cost from that value as a fresh source.
+The moves into a value are the moves out of it read backwards (:func:`predecessors`):
+each is the same :class:`~shardc.planner.layout.Move` the forward search makes, so it
+costs the same.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
-from shardc.planner.layout import INFINITE, Cost, CostContext, Edge, Value, add_cost
+from shardc.planner.ir import Monomial, Op
+from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
 
-__all__ = ["costs_to"]
+__all__ = ["costs_to", "reshard_to", "predecessors"]
 
 
 def costs_to(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Iterable[Value],
              targets: dict[Value, Cost]) -> dict[Value, Cost]:
     """For each source, the least over targets of (moves from the source to it) + its given cost."""
-    numbers = [ctx.number(s) for s in sources]
-    back = _reversed_edges(ctx, tensor, idx, numbers)
-    shift = len(ctx.mesh.names)
-    best: dict[int, Cost] = {}
-    for target, spent in targets.items():
-        state = ctx.number(target) << shift
-        best[state] = min(spent, best.get(state, INFINITE))
-    tie = itertools.count()
-    heap = [(c, next(tie), s) for s, c in best.items()]
-    heapq.heapify(heap)
-    settled: dict[int, Cost] = {}
-    wanted = set(numbers)
-    while heap and not wanted <= settled.keys():
-        cost, _, state = heapq.heappop(heap)
-        if cost > best[state]:
+    search = _Reverse(ctx, tensor, idx, targets)
+    out = {}
+    for source in sources:
+        found = search.find(ctx.number(source), None)
+        if found is not None:
+            out[source] = found[0]
+    return out
+
+
+def reshard_to(ctx: CostContext, tensor: str, idx: tuple[str, ...], source: Value, target: Value,
+               bound: Cost | None = None) -> tuple[Cost, tuple[Move, ...]] | None:
+    """Cheapest moves from ``source`` to ``target``, or None above ``bound`` (or unreachable).
+
+    One reverse search per (weight or not, indices, target) lives in the context and is
+    resumed by each query: every configuration of an einsum asks it for its local result.
+    """
+    key = (tensor in ctx.weights, idx, target)
+    search = ctx._reverse.get(key)
+    if not isinstance(search, _Reverse):
+        search = ctx._reverse[key] = _Reverse(ctx, tensor, idx, {target: ZERO})
+    return search.find(ctx.number(source), bound)
+
+
+class _Reverse:
+    """Dijkstra from the targets over reversed moves; a settled value's cost is its cost to them."""
+
+    def __init__(self, ctx: CostContext, tensor: str, idx: tuple[str, ...], targets: dict[Value, Cost]) -> None:
+        self.ctx, self.tensor, self.idx = ctx, tensor, idx
+        self.best: dict[int, Cost] = {}
+        for target, spent in targets.items():
+            state = ctx.number(target)
+            self.best[state] = min(spent, self.best.get(state, INFINITE))
+        self.next: dict[int, tuple[Move, int]] = {}
+        self.tie = itertools.count()
+        self.heap = [(c, next(self.tie), s) for s, c in self.best.items()]
+        heapq.heapify(self.heap)
+        self.settled: dict[int, Cost] = {}
+
+    def find(self, source: int, bound: Cost | None) -> tuple[Cost, tuple[Move, ...]] | None:
+        while source not in self.settled:
+            if not self.heap or (bound is not None and self.heap[0][0] > bound):
+                return None
+            self._step()
+        cost = self.settled[source]
+        if bound is not None and cost > bound:
+            return None
+        moves = []
+        state = source
+        while state in self.next:
+            move, state = self.next[state]
+            moves.append(move)
+        return cost, tuple(moves)
+
+    def _step(self) -> None:
+        cost, _, state = heapq.heappop(self.heap)
+        if state in self.settled:
+            return
+        self.settled[state] = cost
+        self.ctx.tick()
+        for move, before, price in self._into(state):
+            if before in self.settled:
+                continue
+            new = add_cost(price, cost)
+            if new < self.best.get(before, INFINITE):
+                self.best[before] = new
+                self.next[before] = (move, state)
+                heapq.heappush(self.heap, (new, next(self.tie), before))
+
+    def _into(self, state: int) -> tuple[tuple[Move, int, Cost], ...]:
+        ctx = self.ctx
+        key = (self.tensor in ctx.weights, self.idx, state)
+        hit = ctx._into.get(key)
+        if hit is None:
+            hit = ctx._into[key] = tuple((m, ctx.number(m.src), ctx.move_cost(m, self.tensor, self.idx))
+                                         for m in predecessors(ctx, self.idx, ctx.values[state]))
+        return hit
+
+
+def _replace(layout: tuple[tuple[str, ...], ...], dim: int, axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return layout[:dim] + (axes,) + layout[dim + 1:]
+
+
+def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+    """Every move that makes ``v``: the forward moves (:func:`shardc.planner.layout.neighbours`) backwards."""
+    lay = v.layout
+    free = ctx.free_units(v.used())
+    for d, axes in enumerate(lay):
+        last = next(iter(ctx.suffixes(axes)), None)
+        if last is not None:  # a slice appended the dim's last unit
+            yield Move(Op.SLICE, Value(_replace(lay, d, axes[: len(axes) - len(last)]), v.unreduced), v, last, dim=d)
+    yield from _gathered_into(ctx, idx, v, free)
+    for e, axes in enumerate(lay):
+        for moved in ctx.suffixes(axes):
+            kept = axes[: len(axes) - len(moved)]
+            for d, other in enumerate(lay):  # an all-to-all moved the suffix from dim d onto dim e
+                if d != e and ctx.divides(idx[d], other + moved):
+                    src = Value(_replace(_replace(lay, e, kept), d, other + moved), v.unreduced)
+                    volume = ctx.local_bytes(idx, src) * Monomial.of(1, num=moved)
+                    yield Move(Op.ALL_TO_ALL, src, v, moved, e, d, volume)
+            # a reduce-scatter resolved these partial sums onto the dim
+            src = Value(_replace(lay, e, kept), tuple(sorted(v.unreduced + moved)))
+            yield Move(Op.REDUCE_SCATTER, src, v, moved, dim=e, volume=ctx.local_bytes(idx, src))
+    for k in range(1, len(free) + 1):
+        for chosen in itertools.combinations(free, k):
+            group = tuple(sorted(a for u in chosen for a in u))
+            src = Value(lay, tuple(sorted(v.unreduced + group)))
+            yield Move(Op.ALL_REDUCE, src, v, group, volume=ctx.local_bytes(idx, src))
+
+
+def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value,
+                   free: list[tuple[str, ...]]) -> Iterator[Move]:
+    """Gathers that make ``v``: one or more dims held free units more, at their minor ends."""
+    lay = v.layout
+    volume = ctx.local_bytes(idx, v)
+    for owners in itertools.product(range(-1, len(lay)), repeat=len(free)):
+        groups: dict[int, list[tuple[str, ...]]] = {}
+        for unit, d in zip(free, owners, strict=True):
+            if d >= 0:
+                groups.setdefault(d, []).append(unit)
+        if not groups:
             continue
-        value, later = state >> shift, state & ((1 << shift) - 1)
-        settled.setdefault(value, cost)
-        for before, edge in back.get(value, ()):
-            if edge.sliced & later:
-                continue  # slicing an axis that a later move gathers or moves: not a valid path
-            prev = (before << shift) | later | edge.blocked
-            new = add_cost(edge.cost, cost)
-            if new < best.get(prev, INFINITE):
-                best[prev] = new
-                heapq.heappush(heap, (new, next(tie), prev))
-    return {ctx.values[n]: settled[n] for n in numbers if n in settled}
-
-
-def _reversed_edges(ctx: CostContext, tensor: str, idx: tuple[str, ...],
-                    starts: list[int]) -> dict[int, list[tuple[int, Edge]]]:
-    """Every move among the values reachable from ``starts``, keyed by the value it reaches."""
-    back: dict[int, list[tuple[int, Edge]]] = {}
-    seen = set(starts)
-    todo = list(starts)
-    while todo:
-        value = todo.pop()
-        for edge in ctx.edges(tensor, idx, value):
-            back.setdefault(edge.dst, []).append((value, edge))
-            if edge.dst not in seen:
-                seen.add(edge.dst)
-                todo.append(edge.dst)
-    return back
+        dims = sorted(groups)
+        for perms in itertools.product(*(itertools.permutations(groups[d]) for d in dims)):
+            extra = {d: tuple(a for u in perm for a in u) for d, perm in zip(dims, perms, strict=True)}
+            if not all(ctx.divides(idx[d], lay[d] + extra[d]) for d in dims):
+                continue
+            src = Value(tuple(axes + extra.get(d, ()) for d, axes in enumerate(lay)), v.unreduced)
+            axes = tuple(a for d in dims for a in extra[d])
+            if len(dims) == 1:
+                yield Move(Op.ALL_GATHER, src, v, axes, dim=dims[0], volume=volume)
+            else:
+                yield Move(Op.ALL_GATHER, src, v, axes, volume=volume)

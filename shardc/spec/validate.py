@@ -245,11 +245,13 @@ def _check_size(dim: Dim, spec: Spec, span: Span | None) -> None:
     devices = 1
     for axis in dim.axes:
         devices *= spec.mesh.size(axis)
-    if sizes[dim.name] % devices:
+    if sizes[dim.name] < devices:
+        # XLA pads a dim its devices do not divide (ceil(D / devices) a device), but a dim
+        # smaller than its devices leaves some with nothing but padding
         over = " × ".join(f"{a}={spec.mesh.size(a)}" for a in dim.axes)
-        raise ShardcError(f"dim {dim.name}={sizes[dim.name]} is not divisible by {devices} ({over}) "
+        raise ShardcError(f"dim {dim.name}={sizes[dim.name]} is smaller than its {devices} devices ({over}) "
                           f"in `{dim}`", span,
-                          fix=f"make {dim.name} a multiple of {devices}, or shard it over fewer axes")
+                          fix=f"make {dim.name} at least {devices}, or shard it over fewer axes")
 
 
 # --- statements -----------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""Hardware presets (the chips' data-sheet figures) and a user's own chip from a TOML file.
+
+Every figure is per chip.  ``ici_bandwidth`` is the *one-way* bandwidth of one
+link, as the data sheets give it; the cost model uses
+the bidirectional figure ``w_ici = 2 * ici_bandwidth`` for one mesh axis, as the
+book does (TPU v5p: 2 * 9e10 = 1.8e11, so C / W_ici = 4.59e14 / 1.8e11 = 2550).
+``dcn_bandwidth`` (DCN on TPU, InfiniBand on GPU) is used as given: the book's
+per-chip 6.25e9 gives C / W_dcn = 73,440 on v5p.
+
+Figures beyond the book's (HBM bandwidth, the DCN figure of TPUs other
+than v5p) are the public data-sheet numbers; a chip that differs can be given
+with ``--hardware-file chip.toml`` using the field names below as keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from shardc.errors import ShardcError
+from shardc.spec.ir import Mesh, Network
+
+__all__ = ["Hardware", "PRESETS", "DEFAULT", "get_hardware", "load_hardware_file", "resolve_hardware",
+           "hardware_from_mapping", "default_spans"]
+
+DEFAULT = "tpu-v5p"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator chip, per-chip figures in bytes, bytes/s and FLOPs/s."""
+
+    name: str
+    flops: float  # C: dense bf16 FLOPs/s
+    ici_bandwidth: float  # one-way bytes/s of one ICI / NVLink link (per direction)
+    hbm_bytes: float
+    hbm_bandwidth: float
+    dcn_bandwidth: float  # bytes/s per chip over DCN / InfiniBand, used as is
+    hop_latency: float = 1e-6  # seconds a hop; bounds the time of small collectives
+    ici_domain: int | None = None  # chips reachable over ICI/NVLink (8 per H100 node); None: a pod
+    description: str = ""
+    torus_side: int | None = None  # chips along one torus axis (16 on TPU pods); None: no torus
+    torus_dims: int = 1  # axes of the torus (3 for v4p/v5p, 2 for v5e/v6e)
+
+    def spans(self, chips: int) -> int:
+        """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
+
+        This is the book's M_X: X = 1024 on a 16x16x16 v5p pod spans 3 axes, so its
+        collectives have 3 axes' links.  An axis of at most ``torus_side`` chips spans 1.
+        """
+        if self.torus_side is None or chips <= self.torus_side:
+            return 1
+        k = math.ceil(math.log(chips) / math.log(self.torus_side) - 1e-9)
+        return max(1, min(k, self.torus_dims))
+
+    @property
+    def w_ici(self) -> float:
+        """Bidirectional ICI bandwidth of one mesh axis: twice the one-way link figure."""
+        return 2.0 * self.ici_bandwidth
+
+    @property
+    def w_dcn(self) -> float:
+        return self.dcn_bandwidth
+
+    @property
+    def intensity_ici(self) -> float:
+        """C / W_ici: FLOPs a byte over ICI must pay for (2550 on tpu-v5p)."""
+        return self.flops / self.w_ici
+
+    @property
+    def intensity_dcn(self) -> float:
+        return self.flops / self.w_dcn
+
+    def scaled(self, bandwidth: float = 1.0, flops: float = 1.0) -> Hardware:
+        """The same chip with every bandwidth (ICI, DCN) and/or FLOPs/s scaled (for what-ifs)."""
+        return Hardware(self.name, self.flops * flops, self.ici_bandwidth * bandwidth, self.hbm_bytes,
+                             self.hbm_bandwidth, self.dcn_bandwidth * bandwidth, self.hop_latency,
+                        self.ici_domain, self.description, self.torus_side, self.torus_dims)
+
+
+PRESETS: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        Hardware("tpu-v4p", 2.75e14, 4.5e10, 32e9, 1.2e12, 6.25e9, description="TPU v4p, 3D torus",
+                 torus_side=16, torus_dims=3),
+        Hardware("tpu-v5e", 1.97e14, 4.5e10, 16e9, 8.1e11, 6.25e9, description="TPU v5e, 2D torus",
+                 torus_side=16, torus_dims=2),
+        Hardware("tpu-v5p", 4.59e14, 9e10, 96e9, 2.8e12, 6.25e9, description="TPU v5p, 3D torus",
+                 torus_side=16, torus_dims=3),
+        Hardware("tpu-v6e", 9.2e14, 9e10, 32e9, 1.64e12, 6.25e9, description="TPU v6e, 2D torus",
+                 torus_side=16, torus_dims=2),
+        Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8,
+                 description="H100 SXM: NVLink within a node of 8, InfiniBand across"),
+        Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8,
+                 description="H200: an H100 with 141 GB HBM3e"),
+    )
+}
+
+_REQUIRED = ("flops", "ici_bandwidth", "hbm_bytes", "dcn_bandwidth")
+
+
+def get_hardware(name: str) -> Hardware:
+    """A preset by name (case-insensitive, ``_`` or ``-``); the error lists the presets."""
+    key = name.strip().lower().replace("_", "-")
+    if key in PRESETS:
+        return PRESETS[key]
+    raise ShardcError(f"unknown hardware {name!r}",
+                      fix="use one of " + ", ".join(PRESETS) + ", or --hardware-file chip.toml")
+
+
+def load_hardware_file(path: str) -> Hardware:
+    """A chip from TOML: the :class:`Hardware` field names as keys (``name`` optional).
+
+    The file is read bounded and as UTF-8 (:mod:`shardc.files`); figures must be
+    finite and positive, counts whole numbers (a torus side of at least 2).
+    """
+    import tomllib  # here, not at the top: only a file needs it (a few ms of `shardc cost`)
+
+    from shardc.files import read_text
+
+    try:
+        data = tomllib.loads(read_text(path, what="hardware file"))
+    except tomllib.TOMLDecodeError as err:
+        raise ShardcError(f"hardware file {path} is not valid TOML: {err}",
+                          fix="write lines like `flops = 4.59e14`") from None
+    _check_file_values(data, path)
+    return hardware_from_mapping(data, source=path)
+
+
+_FIGURE_RANGE = (1e-30, 1e30)
+
+
+def _check_file_values(data: dict[str, object], path: str) -> None:
+    """Types and ranges the dataclass cannot check: finite figures, whole counts, text names."""
+    for key, value in data.items():
+        if key in ("name", "description"):
+            if not isinstance(value, str):
+                raise ShardcError(f"{path}: {key} must be a string, got {value!r}",
+                                  fix=f'write e.g. `{key} = "my-chip"`')
+        elif isinstance(value, int | float) and not isinstance(value, bool) and not math.isfinite(value):
+            raise ShardcError(f"{path}: {key} must be a finite number, got {value!r}",
+                              fix=f"write e.g. `{key} = 1e11`")
+        elif isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and \
+                not _FIGURE_RANGE[0] <= value <= _FIGURE_RANGE[1]:
+            # beyond any chip; the ratios of such figures (C / W) would overflow a float
+            raise ShardcError(f"{path}: {key} = {value!r} is outside 1e-30..1e30",
+                              fix=f"write e.g. `{key} = 1e11`")
+    for key, least, example in (("ici_domain", 1, 8), ("torus_side", 2, 16), ("torus_dims", 1, 3)):
+        value = data.get(key)
+        if value is None:
+            continue
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole or value < least:  # type: ignore[operator]
+            raise ShardcError(f"{path}: {key} must be a whole number of at least {least}, got {value!r}",
+                              fix=f"write e.g. `{key} = {example}`")
+
+
+def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -> Hardware:
+    """Validate keys and values: unknown keys, missing ones and non-positive figures are errors."""
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ShardcError(f"{source}: unknown key(s) {', '.join(unknown)}",
+                          fix="use the keys " + ", ".join(sorted(known)))
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise ShardcError(f"{source}: missing key(s) {', '.join(missing)}",
+                          fix="give at least " + ", ".join(_REQUIRED))
+    values: dict[str, object] = {"name": str(data.get("name", source)),
+                                 "description": str(data.get("description", ""))}
+    for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency"):
+        if key in data:
+            values[key] = _positive(data[key], key, source)
+    values.setdefault("hbm_bandwidth", math.inf)
+    for key in ("ici_domain", "torus_side", "torus_dims"):
+        if data.get(key) is not None:
+            values[key] = int(_positive(data[key], key, source))
+    return Hardware(**values)  # type: ignore[arg-type]
+
+
+def _positive(value: object, key: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ShardcError(f"{source}: {key} must be a positive number, got {value!r}",
+                          fix=f"write e.g. `{key} = 1e11`")
+    return float(value)
+
+
+def resolve_hardware(hardware: str | Hardware | None, hardware_file: str | None = None,
+                     spec_hardware: str | None = None) -> Hardware:
+    """The chip to cost on: a file beats a name given here, which beats the spec's, then tpu-v5p."""
+    if hardware_file is not None:
+        return load_hardware_file(hardware_file)
+    if isinstance(hardware, Hardware):
+        return hardware
+    return get_hardware(hardware or spec_hardware or DEFAULT)
+
+
+def default_spans(mesh: Mesh, hw: Hardware, sizes: dict[str, int] | None = None) -> dict[str, int]:
+    """Each ICI mesh axis's torus axes on this chip (:meth:`Hardware.spans`); DCN axes have none."""
+    given = sizes or {}
+    return {a.name: hw.spans(given.get(a.name, a.size)) for a in mesh.axes if a.network is not Network.DCN}

@@ -1,0 +1,107 @@
+"""Size-1 mesh axes are free: stripped from every reference before the search.
+
+Sharding a dim over an axis of one device leaves every local block whole, and a
+partial sum over one device is already the sum, so ``A[M_X, E_P]`` with ``P=1``
+is ``A[M_X, E]`` and ``{U_P}`` is nothing.  A collective over such an axis moves
+no bytes and XLA drops it, so a plan that kept the axis would promise
+collectives the program never runs; and every size-1 axis multiplies the
+layouts the search walks (an 8-axis mesh with six of them plans as a 2-axis
+one).  Planning therefore runs on the spec with those axes gone: plans are
+invariant under adding size-1 axes, and no move ever names one.
+
+Partial-sum axes are sorted here as well, so ``{U_YX}`` and ``{U_XY}`` are one value.
+
+On a mesh of more than :data:`EXACT_AXES` axes (of size > 1) the layouts of one
+tensor run to the tens of thousands and the exact search to minutes, so there the
+search moves *bonded* axes as one (:func:`bonded_axes`): axes that every reference
+of the spec writes together, adjacent and in one order (``B_XYZ`` and ``D_XYZ``,
+never ``X`` without ``Y``).  Each collective still runs over, and is priced by,
+its member axes; what the search gives up is splitting such a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardc.spec.ir import Call, Contract, Expr, Mesh, Spec, TensorRef
+from shardc.spec.validate import leaves
+
+__all__ = ["strip_unit_axes", "canonical", "without_unit_axes", "bonded_axes", "EXACT_AXES"]
+
+# Up to this many mesh axes (of size > 1) the search treats every axis alone: exact.
+EXACT_AXES = 4
+
+
+def canonical(ref: TensorRef, unit: frozenset[str]) -> TensorRef:
+    """``ref`` without the axes in ``unit``, its partial-sum axes sorted (spans kept)."""
+    dims = tuple(replace(d, axes=tuple(a for a in d.axes if a not in unit)) if set(d.axes) & unit else d
+                 for d in ref.dims)
+    unreduced = tuple(sorted(a for a in ref.unreduced if a not in unit))
+    if dims == ref.dims and unreduced == ref.unreduced:
+        return ref
+    return replace(ref, dims=dims, unreduced=unreduced)
+
+
+def without_unit_axes(mesh: Mesh) -> Mesh:
+    return Mesh(tuple(a for a in mesh.axes if a.size != 1))
+
+
+def strip_unit_axes(spec: Spec) -> Spec:
+    """``spec`` on its mesh without size-1 axes, every reference canonical."""
+    unit = frozenset(a.name for a in spec.mesh.axes if a.size == 1)
+    statements = tuple(replace(s, result=canonical(s.result, unit), expr=_expr(s.expr, unit))
+                       for s in spec.statements)
+    return replace(spec, mesh=without_unit_axes(spec.mesh), statements=statements)
+
+
+def _expr(e: Expr, unit: frozenset[str]) -> Expr:
+    if isinstance(e, TensorRef):
+        return canonical(e, unit)
+    if isinstance(e, Call):
+        return replace(e, arg=_expr(e.arg, unit))
+    assert isinstance(e, Contract)
+    return replace(e, operands=tuple(_expr(o, unit) for o in e.operands))
+
+
+def bonded_axes(spec: Spec) -> tuple[tuple[str, ...], ...] | None:
+    """The search's units on a mesh of more than :data:`EXACT_AXES` axes, else None (each axis alone).
+
+    ``b`` is bonded to ``a`` when every reference that uses either writes ``b`` right after
+    ``a`` in one dim, or both among its partial sums, and both axes are on the same network.
+    A unit is a maximal run of bonded axes; units are listed in mesh order of their first axis.
+    """
+    names = spec.mesh.names
+    if len(names) <= EXACT_AXES:
+        return None
+    refs = [r for s in spec.statements for r in (s.result, *leaves(s.expr))]
+    after: dict[str, str] = {}
+    for a in names:
+        for b in names:
+            if a != b and _bonded(a, b, refs) and spec.mesh.axis(a).network is spec.mesh.axis(b).network:
+                after[a] = b
+    firsts = [a for a in names if a not in after.values()]
+    units = []
+    for a in firsts:
+        unit = [a]
+        while unit[-1] in after and after[unit[-1]] not in unit:
+            unit.append(after[unit[-1]])
+        units.append(tuple(unit))
+    return tuple(units)
+
+
+def _bonded(a: str, b: str, refs: list[TensorRef]) -> bool:
+    seen = False
+    for ref in refs:
+        in_a = any(a in d.axes for d in ref.dims) or a in ref.unreduced
+        in_b = any(b in d.axes for d in ref.dims) or b in ref.unreduced
+        if in_a != in_b:
+            return False
+        if not in_a:
+            continue
+        seen = True
+        if (a in ref.unreduced) != (b in ref.unreduced):
+            return False
+        for d in ref.dims:
+            if a in d.axes and (d.axes.index(a) + 1 >= len(d.axes) or d.axes[d.axes.index(a) + 1] != b):
+                return False
+    return seen
