@@ -34,6 +34,18 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
     assert "jax.lax.all_gather(" in source  # the stage's own plan (FSDP over X) is composed in
 
 
+def test_a_schedule_that_does_not_lower_says_it_lowers_as_gpipe(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    from shardc.cli.main import main
+
+    spec = tmp_path / "interleaved.shard"
+    spec.write_text(EXAMPLE.read_text().replace("schedule 1f1b", "schedule interleaved 2"))
+    assert main(["lower", str(spec)]) == 0
+    source = capsys.readouterr().out
+    assert "# schedule interleaved lowers as GPipe (same values)" in source
+    assert "def one_f_one_b_local(" not in source
+
+
 def _values_ok(report: object) -> None:
     names = {(r.phase, r.tensor) for r in report.values}  # type: ignore[attr-defined]
     assert names == {("forward", "Out"), ("backward", "dIn")} | {

@@ -89,6 +89,10 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
         axis=pipe.axis, stages=stages, layers=layers, micro=microbatches, first=first.name, out=out.name,
         params=tuple(params), mesh={n: s for n, s in mesh}, in_dim=first.indices.index(dim),
         out_dim=out.indices.index(dim), perm=[(s, s + 1) for s in range(stages - 1)])
+    if pipe.schedule.name not in ("gpipe", "1f1b"):
+        # Every schedule computes the same values; only GPipe's and 1F1B's orders are lowered.
+        text += (f"\n# schedule {pipe.schedule.name} lowers as GPipe (same values); `shardc cost` costs and "
+                 f"draws its own order\n")
     if pipe.schedule.name == "1f1b":
         from shardc.lowering.pipeline_1f1b import SECTION, tick_tables
 
