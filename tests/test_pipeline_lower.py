@@ -46,6 +46,15 @@ def test_a_schedule_that_does_not_lower_says_it_lowers_as_gpipe(capsys: pytest.C
     assert "def one_f_one_b_local(" not in source
 
 
+def test_the_python_api_lowers_a_pipelined_spec_to_its_pipeline() -> None:
+    from shardc.lowering.pipeline import PipelineLowered
+
+    spec = shardc.parse(EXAMPLE.read_text().replace("schedule 1f1b", "schedule gpipe"), "gpipe")
+    lowered = shardc.lower(shardc.plan(spec), sizes={"X": 2, "Y": 1, "B": 64, "D": 8, "F": 16, "N": 2, "H": 4})
+    assert isinstance(lowered, PipelineLowered)
+    assert "jax.lax.ppermute" in lowered.source and lowered.pipeline.stages == 4
+
+
 def _values_ok(report: object) -> None:
     names = {(r.phase, r.tensor) for r in report.values}  # type: ignore[attr-defined]
     assert names == {("forward", "Out"), ("backward", "dIn")} | {
