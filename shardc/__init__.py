@@ -21,6 +21,7 @@ from shardc.errors import ShardcError
 if TYPE_CHECKING:
     from shardc.costmodel.report import CostReport
     from shardc.lowering.api import Lowered
+    from shardc.lowering.pipeline import PipelineLowered
     from shardc.planner.ir import Plan
     from shardc.spec.ir import Spec
 
@@ -55,8 +56,21 @@ def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None =
     return _cost(plan, hardware=hardware, sizes=sizes, **options)
 
 
-def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, **options: Any) -> Lowered:
-    """Lower a plan (or a spec, planned with defaults) to JAX shard_map code; imports jax."""
-    from shardc.lowering.api import lower as _lower
+def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
+          **options: Any) -> Lowered | PipelineLowered:
+    """Lower a plan (or a spec, planned with defaults) to JAX shard_map code; imports jax.
 
+    A spec with a pipeline axis lowers to its pipeline over the stage axis, as ``shardc lower`` writes it.
+    """
+    from shardc.lowering.api import lower as _lower
+    from shardc.planner.ir import Plan as _Plan
+
+    spec = plan_or_spec.spec if isinstance(plan_or_spec, _Plan) else plan_or_spec
+    if spec.mesh.pipeline_axis is not None:
+        from shardc.lowering.pipeline import lower_pipeline
+        from shardc.planner.check import require_sound
+
+        pipelined = plan_or_spec if isinstance(plan_or_spec, _Plan) else plan(spec, **options)
+        require_sound(pipelined)
+        return lower_pipeline(pipelined, sizes)
     return _lower(plan_or_spec, sizes=sizes, **options)

@@ -238,7 +238,19 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
 
 
 def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:
-    """The layer count, and its symbol when the spec names a dim (``layers L``)."""
+    """The layer count, and its symbol when the spec names a dim (``layers L``).
+
+    A pipelined plan is one stage's (:mod:`shardc.pipeline.stages`): its count is the
+    slowest stage's, ceil(L / P), with no symbol.
+    """
+    layers, symbol = _all_layers(plan, sizes)
+    axis = plan.spec.mesh.pipeline_axis
+    if axis is not None:
+        return -(-layers // sizes.get(axis.name, axis.size)), None
+    return layers, symbol
+
+
+def _all_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:
     layers = plan.spec.layers
     if layers is None:
         indices = {d.name for info in plan.tensors for d in info.ref.dims}

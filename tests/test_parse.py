@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from hypothesis import given
 
@@ -198,17 +196,16 @@ def test_grammar_is_found() -> None:
     assert "statement" in grammar_text()
 
 
-def test_96_layer_spec_parses_fast() -> None:
+def test_96_layer_spec_parses() -> None:
+    """A deep spec parses whole (its speed is measured by benchmarks/plan_speed.py, not here)."""
     lines = ["mesh X=16, Y=4", "dims B=4096, D=5120, F=13824"]
     previous = "In"
     for layer in range(96):
         lines.append(f"H{layer}[B_X, F_Y] = gelu({previous}[B_X, D] · Win{layer}[D_X, F_Y])")
         lines.append(f"O{layer}[B_X, D] = H{layer}[B_X, F_Y] · Wout{layer}[F_Y, D_X]")
         previous = f"O{layer}"
-    parse("mesh X=2\nO[B] = I[B]\n")  # build the parser outside the timing
-    start = time.perf_counter()
     spec = parse("\n".join(lines))
-    assert time.perf_counter() - start < 0.3 and len(spec.statements) == 192
+    assert len(spec.statements) == 192 and spec.statements[-1].result.name == "O95"
 
 
 def test_overrides() -> None:

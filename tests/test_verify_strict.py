@@ -49,7 +49,7 @@ def test_a_huge_prime_axis_shrinks_at_once() -> None:
     start = time.perf_counter()
     ((_, size),) = shrink_mesh([("X", 2_147_483_647)], 8)
     assert 2 <= size <= 8
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 30  # a hang guard (it once factored 2**31-1 by trial), not a speed target
 
 
 def test_verify_runs_the_plan_shardc_plan_prints() -> None:

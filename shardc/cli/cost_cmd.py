@@ -57,6 +57,8 @@ def register(subparsers: Any, name: str) -> None:
                         help="another spec to sweep beside FILE (repeatable)")
     parser.add_argument("--plot", metavar="PATH",
                         help="draw the sweep to PATH (.png, .pdf, .svg, ...; needs matplotlib)")
+    parser.add_argument("--schedule-plot", metavar="PATH",
+                        help="draw the pipeline schedule as a Gantt chart (.png, ...; needs matplotlib)")
     parser.set_defaults(func=run_cost)
 
 
@@ -104,6 +106,12 @@ def run_cost(args: argparse.Namespace) -> int:
         return 0
     report = cost(the_plan, hardware=hw, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
+    if args.schedule_plot:
+        from shardc.costmodel.pipeline import draw_schedule
+
+        draw_schedule(report, args.schedule_plot)
+        if not args.json:
+            print(f"wrote {args.schedule_plot}")
     return 0
 
 

@@ -6,22 +6,28 @@ FLOPs/s ``C`` and ``W_ici``, ``W_dcn`` (bidirectional bytes/s of one axis, as
 count.  The hardware symbols are kept apart from the user's names: a spec with a
 dim or axis named ``C`` gets the chip's FLOPs/s as ``C_chip`` (:func:`hardware_symbols`),
 so ``flops / C`` never cancels a dim.  Formulas carry the bandwidth terms of
-collectives, not the latency bound.  They are :class:`Poly` sums of monomials
-(:mod:`shardc.costmodel.poly`), so costing imports no computer algebra system.
+collectives, not the latency bound.  They are exact symengine expressions
+(integer and rational coefficients), expanded to sums of monomials; symengine
+imports in a fraction of sympy's time, and only the cost pass imports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
+
+import symengine as se
+from symengine import Basic as Expr  # a formula
 
 from shardc.costmodel.collective import FACTOR, links, split_axes
-from shardc.costmodel.poly import Poly
 from shardc.planner.ir import Monomial, Op, Step
 from shardc.spec.ir import Mesh
 
-__all__ = ["HardwareSymbols", "hardware_symbols", "StepFormula", "PhaseFormula", "symbol", "monomial",
-           "step_formula", "phase_formula", "evaluate", "over"]
+__all__ = ["Expr", "HardwareSymbols", "hardware_symbols", "StepFormula", "PhaseFormula", "symbol", "monomial",
+           "number", "product", "text", "step_formula", "phase_formula", "evaluate", "over", "ZERO"]
+
+ZERO = se.Integer(0)
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,76 @@ def hardware_symbols(taken: Iterable[str]) -> HardwareSymbols:
     return HardwareSymbols(*names)
 
 
-def symbol(name: str) -> Poly:
+def symbol(name: str) -> Expr:
     """The formula of a dim, a mesh axis or a hardware figure alone."""
-    return Poly.symbol(name)
+    return se.Symbol(name)
 
 
-def monomial(m: Monomial) -> Poly:
+def number(value: int | Fraction) -> Expr:
+    """An exact number (a :class:`~fractions.Fraction` stays a rational)."""
+    value = Fraction(value)
+    return se.Rational(value.numerator, value.denominator)
+
+
+def product(names: Iterable[str]) -> Expr:
+    """The product of the symbols ``names`` (1 for none): a group of mesh axes."""
+    result = se.Integer(1)
+    for name in names:
+        result *= symbol(name)
+    return result
+
+
+def text(expr: Expr) -> str:
+    """A formula as the book (and ``shardc plan``) writes it: ``4*B*D/X + 5*D*S/2``, ``1/X``, ``C/(2*W_ici)``.
+
+    symengine's own printing writes ``(5/2)*D*S`` and ``X**(-1)`` and orders terms by
+    hash; here each term is one fraction, and terms go in lexicographic order of
+    their powers (the order sympy prints), so the text is the same on every platform.
+    """
+    if not expr.is_Add:
+        return _fraction(expr)
+    names = sorted(str(s) for s in expr.free_symbols)
+
+    def order(term: Expr) -> tuple[int, ...]:
+        powers = {str(k): int(v) for k, v in term.as_powers_dict().items() if not k.is_Number}
+        return tuple(powers.get(n, 0) for n in names)
+
+    out = ""
+    for term in sorted(expr.args, key=order, reverse=True):
+        part = _fraction(term)
+        out += part if not out else f" - {part[1:]}" if part.startswith("-") else f" + {part}"
+    return out
+
+
+def _fraction(term: Expr) -> str:
+    num, den = term.as_numer_denom()
+    if den.is_Add and text(den).startswith("-"):  # 2550*F/(F - 2550*Y), not -2550*F/(-F + 2550*Y)
+        num, den = -num, se.expand(-den)
+    if den == 1:
+        return _product(num)
+    top = f"({text(num)})" if num.is_Add else _product(num)
+    return f"{top}/({_product(den)})" if den.is_Add or den.is_Mul else f"{top}/{_product(den)}"
+
+
+def _product(expr: Expr) -> str:
+    """A product of a number, symbols and sums: the number first, symbols by name, then the sums."""
+    if expr.is_Add:
+        return text(expr)
+    if not expr.is_Mul:
+        return str(expr)
+    factors = sorted(expr.args, key=lambda f: (not f.is_Number, f.is_Add, str(f.args[0] if f.is_Pow else f)))
+    parts = [f"({text(f)})" if f.is_Add else str(f) for f in factors]
+    if parts[0] == "-1":
+        return "-" + "*".join(parts[1:])
+    return "*".join(parts)
+
+
+def monomial(m: Monomial) -> Expr:
     """A plan :class:`Monomial` (``2*D*F/Y``) as a formula."""
-    return Poly.monomial(m.coeff, m.powers)
+    result = number(m.coeff)
+    for name, power in m.powers:
+        result *= symbol(name) ** power
+    return result
 
 
 @dataclass(frozen=True)
@@ -66,30 +134,30 @@ class StepFormula:
     time, so ``time = flops/C + q_ici/W_ici + q_dcn/W_dcn``.
     """
 
-    flops: Poly
-    model_flops: Poly
-    weighted: Poly
-    q_ici: Poly
-    q_dcn: Poly
+    flops: Expr
+    model_flops: Expr
+    weighted: Expr
+    q_ici: Expr
+    q_dcn: Expr
 
 
 @dataclass(frozen=True)
 class PhaseFormula:
     """Sums over a phase (or the whole step), times the layer count."""
 
-    flops: Poly
-    model_flops: Poly
-    comm_bytes: Poly
-    q_ici: Poly
-    q_dcn: Poly
+    flops: Expr
+    model_flops: Expr
+    comm_bytes: Expr
+    q_ici: Expr
+    q_dcn: Expr
     hw: HardwareSymbols = field(default=HardwareSymbols())
 
     @property
-    def compute_s(self) -> Poly:
+    def compute_s(self) -> Expr:
         return self.flops / symbol(self.hw.flops)
 
     @property
-    def comm_s(self) -> Poly:
+    def comm_s(self) -> Expr:
         return self.q_ici / symbol(self.hw.ici) + self.q_dcn / symbol(self.hw.dcn)
 
     def compute_s_text(self) -> str:
@@ -98,74 +166,69 @@ class PhaseFormula:
 
     def comm_s_text(self) -> str:
         """``comm_s`` one quotient a network: ``(4*B*D/X + 4*D*F/Y)/W_ici``."""
-        parts = [over(q, name) for q, name in ((self.q_ici, self.hw.ici), (self.q_dcn, self.hw.dcn))
-                 if not q.is_zero]
+        parts = [over(q, name) for q, name in ((self.q_ici, self.hw.ici), (self.q_dcn, self.hw.dcn)) if q != 0]
         return " + ".join(parts) if parts else "0"
 
     def exprs(self) -> dict[str, str]:
         """The formulas as the ``*_expr`` fields of the JSON report."""
-        return {"comm_bytes_expr": str(self.comm_bytes), "comm_s_expr": self.comm_s_text(),
-                "compute_flops_expr": str(self.flops), "compute_s_expr": self.compute_s_text(),
-                "model_flops_expr": str(self.model_flops)}
+        return {"comm_bytes_expr": text(self.comm_bytes), "comm_s_expr": self.comm_s_text(),
+                "compute_flops_expr": text(self.flops), "compute_s_expr": self.compute_s_text(),
+                "model_flops_expr": text(self.model_flops)}
 
     def __add__(self, other: PhaseFormula) -> PhaseFormula:
-        return PhaseFormula(self.flops + other.flops, self.model_flops + other.model_flops,
-                            self.comm_bytes + other.comm_bytes, self.q_ici + other.q_ici,
-                            self.q_dcn + other.q_dcn, self.hw)
+        return PhaseFormula(se.expand(self.flops + other.flops), se.expand(self.model_flops + other.model_flops),
+                            se.expand(self.comm_bytes + other.comm_bytes), se.expand(self.q_ici + other.q_ici),
+                            se.expand(self.q_dcn + other.q_dcn), self.hw)
 
 
-def over(expr: Poly, name: str) -> str:
+def over(expr: Expr, name: str) -> str:
     """``expr / name`` printed with the sum kept whole."""
-    if expr.is_zero:
+    if expr == 0:
         return "0"
-    return str(expr / symbol(name)) if expr.is_monomial else f"({expr})/{name}"
+    return f"({text(expr)})/{name}" if expr.is_Add else text(expr / symbol(name))
 
 
 def step_formula(step: Step, mesh: Mesh, spans: Mapping[str, int] | None = None) -> StepFormula:
     """The formulas of one step (zeros where a step has no such figure)."""
-    zero = Poly()
+    zero = ZERO
     if step.op is Op.EINSUM:
         flops, model = _einsum(step)
         return StepFormula(flops, model, zero, zero, zero)
     if not step.is_collective or step.volume is None:
         return StepFormula(zero, zero, zero, zero, zero)
-    factor = FACTOR[step.op]
+    factor = number(FACTOR[step.op])
     volume = monomial(step.volume)
     ici, dcn = split_axes(mesh, step.axes)
     q_ici = factor * volume / links(ici, spans) if ici else zero
-    group_ici = Poly.monomial(1, tuple((a, 1) for a in ici))
-    q_dcn = factor * volume / group_ici if dcn else zero
+    q_dcn = factor * volume / product(ici) if dcn else zero
     return StepFormula(zero, zero, factor * volume, q_ici, q_dcn)
 
 
-def _einsum(step: Step) -> tuple[Poly, Poly]:
+def _einsum(step: Step) -> tuple[Expr, Expr]:
     axes_of: dict[str, tuple[str, ...]] = {}
     for ref in (*step.operands, step.dst):
         for dim in ref.dims:
             # the occurrence sharded over the most axes is the piece a device works on
             if len(dim.axes) >= len(axes_of.get(dim.name, ())):
                 axes_of[dim.name] = dim.axes
-    flops, model = Poly.number(2), Poly.number(2)
-    for name, axes in axes_of.items():
-        flops *= symbol(name) / Poly.monomial(1, tuple((a, 1) for a in axes))
-        model *= symbol(name)
-    return flops, model
+    model = 2 * product(axes_of)
+    return model / product(a for axes in axes_of.values() for a in axes), model
 
 
 def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None,
                   spans: Mapping[str, int] | None = None, hw: HardwareSymbols | None = None) -> PhaseFormula:
     """The sums of a phase's step formulas, multiplied by the layer count (a number or a symbol)."""
     parts = [step_formula(s, mesh, spans) for s in steps]
-    count = symbol(layers) if isinstance(layers, str) else Poly.number(layers if isinstance(layers, int) else 1)
+    count = symbol(layers) if isinstance(layers, str) else number(layers if isinstance(layers, int) else 1)
 
-    def total(values: list[Poly]) -> Poly:
-        return count * sum(values, Poly())
+    def total(values: list[Expr]) -> Expr:
+        return se.expand(count * sum(values, ZERO))  # expanded: a sum of monomials, as the book writes them
 
     return PhaseFormula(total([p.flops for p in parts]), total([p.model_flops for p in parts]),
                         total([p.weighted for p in parts]), total([p.q_ici for p in parts]),
                         total([p.q_dcn for p in parts]), hw or HardwareSymbols())
 
 
-def evaluate(expr: Poly, values: Mapping[str, float]) -> float:
+def evaluate(expr: Expr, values: Mapping[str, float]) -> float:
     """A formula's value at sizes and hardware figures (every free symbol must be given)."""
-    return expr.evaluate(values)
+    return float(expr.subs({symbol(k): v for k, v in values.items()}))

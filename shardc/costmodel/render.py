@@ -54,11 +54,13 @@ def _row(r: StepCost) -> str:
 
 
 def _totals(p: PhaseCost, layers: int) -> list[str]:
+    from shardc.costmodel.formulas import text
+
     per = f" ({layers} layers)" if layers != 1 else ""
     f = p.formula
     lines = [
-        f"  compute {fmt_seconds(p.compute_s)}{per}: {fmt_flops(p.compute_flops)} a device = {f.flops}",
-        f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {f.comm_bytes}"
+        f"  compute {fmt_seconds(p.compute_s)}{per}: {fmt_flops(p.compute_flops)} a device = {text(f.flops)}",
+        f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {text(f.comm_bytes)}"
         f"  [critical {fmt_seconds(p.critical_s)}, ahead {fmt_seconds(p.ahead_s)}]",
         f"  time    = {f.compute_s_text()} vs {f.comm_s_text()}",
         f"  bound: {p.bound}; step {fmt_seconds(p.step_s)} with all collectives overlapped, "
@@ -111,5 +113,9 @@ def render(report: CostReport) -> str:
     body += ["step (forward + backward)"] + _totals(report.step, report.layers) + [""]
     body += _memory(report) + ["", "thresholds"]
     body += [f"  {t.sentence}" for t in report.thresholds] or ["  (no communication)"]
+    if report.pipeline is not None:
+        from shardc.costmodel.pipeline import render_pipeline
+
+        body += [""] + render_pipeline(report.pipeline)
     body += ["", "notes"] + [f"  {n}" for n in report.notes]
     return "\n".join(head + body) + "\n"

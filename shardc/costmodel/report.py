@@ -29,6 +29,7 @@ from shardc.costmodel.collective import StepCost, cost_step
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.hardware import Hardware, resolve_hardware
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
+from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
@@ -153,9 +154,10 @@ class CostReport:
     memory: Memory
     thresholds: tuple[Threshold, ...]
     notes: tuple[str, ...] = field(default=())
+    pipeline: PipelineCost | None = None  # with a `pipeline` mesh axis (shardc.costmodel.pipeline)
 
     def to_json(self) -> dict[str, object]:
-        return {
+        data: dict[str, object] = {
             "file": self.plan.spec.filename,
             "hardware": hardware_json(self.hardware, self.step.formula.hw),
             "sizes": self.sizes, "layers": self.layers, "devices": self.step.devices,
@@ -166,6 +168,9 @@ class CostReport:
             "threshold_details": [t.to_json() for t in self.thresholds],
             "notes": list(self.notes),
         }
+        if self.pipeline is not None:
+            data["pipeline"] = self.pipeline.to_json()
+        return data
 
     def json_text(self) -> str:
         return json.dumps(self.to_json(), indent=2, allow_nan=False)  # strict JSON: a NaN is a bug
@@ -208,6 +213,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     layers, layer_symbol = resolve_layers(plan, values)
     mesh = plan.spec.mesh
     devices = math.prod(values[a] for a in mesh.names)
+    pipe = pipeline_cost(plan, hw, values, spans, optimizer)
+    if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch at once
+        devices //= pipe.pipeline.stages  # (resolve_layers gave the slowest stage's layers)
     rows_f = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.forward, 1))
     rows_b = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.backward, 1))
     count = layer_symbol if layer_symbol is not None else layers
@@ -223,7 +231,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     notes = _notes(plan, hw, values) + renamed_note(names) + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
         f"the book's M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
-    return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), notes)
+    return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), notes, pipe)
 
 
 def used_dims(plan: Plan) -> set[str]:

@@ -14,7 +14,15 @@ import json
 from dataclasses import dataclass
 
 from shardc.costmodel.collective import describe
-from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, monomial, over, phase_formula, step_formula
+from shardc.costmodel.formulas import (
+    HardwareSymbols,
+    PhaseFormula,
+    monomial,
+    over,
+    phase_formula,
+    step_formula,
+    text,
+)
 from shardc.costmodel.hardware import Hardware, resolve_hardware
 from shardc.costmodel.render import hardware_line
 from shardc.costmodel.report import (
@@ -128,8 +136,8 @@ def _row(r: FormulaRow) -> str:
 
 
 def _totals(f: PhaseFormula) -> list[str]:
-    return [f"  compute {f.flops} FLOPs a device",
-            f"  comm    {f.comm_bytes} bytes (AllReduce counted twice, AllToAll a quarter)",
+    return [f"  compute {text(f.flops)} FLOPs a device",
+            f"  comm    {text(f.comm_bytes)} bytes (AllReduce counted twice, AllToAll a quarter)",
             f"  time    = {f.compute_s_text()} vs {f.comm_s_text()}"]
 
 
@@ -137,11 +145,11 @@ def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
                  spans: dict[str, int]) -> FormulaRow:
     one = step_formula(step, mesh, spans)
     if step.op is Op.EINSUM:
-        return FormulaRow(index, step.op, (), describe(step), str(one.flops), over(one.flops, names.flops),
+        return FormulaRow(index, step.op, (), describe(step), text(one.flops), over(one.flops, names.flops),
                           False)
     if step.is_collective and step.volume is not None:
-        parts = [over(q, w) for q, w in ((one.q_ici, names.ici), (one.q_dcn, names.dcn)) if not q.is_zero]
-        return FormulaRow(index, step.op, step.axes, describe(step), str(monomial(step.volume)),
+        parts = [over(q, w) for q, w in ((one.q_ici, names.ici), (one.q_dcn, names.dcn)) if q != 0]
+        return FormulaRow(index, step.op, step.axes, describe(step), text(monomial(step.volume)),
                           " + ".join(parts) or "0", step.ahead)
     return FormulaRow(index, step.op, step.axes, describe(step), "", "", False)
 

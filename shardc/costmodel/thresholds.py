@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
-from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, symbol
+import symengine as se
+
+from shardc.costmodel.formulas import Expr, HardwareSymbols, PhaseFormula, number, product, symbol, text
 from shardc.costmodel.hardware import Hardware
-from shardc.costmodel.poly import Poly, Ratio
 
 __all__ = ["Threshold", "derive", "format_number"]
 
@@ -59,7 +60,7 @@ def derive(phase: str, formula: PhaseFormula, hw: Hardware, mesh_axes: frozenset
     spec's input, so a solved bound can be printed per device (``B/X > ...``).
     ``sizes`` may lack some or all dims: the sentences then carry no ``here``.
     """
-    parts = [(net, q) for net, q in (("ici", formula.q_ici), ("dcn", formula.q_dcn)) if not q.is_zero]
+    parts = [(net, q) for net, q in (("ici", formula.q_ici), ("dcn", formula.q_dcn)) if q != 0]
     out: list[Threshold] = []
     for network, q in parts:
         label = phase if len(parts) == 1 else f"{phase} ({network.upper()} part)"
@@ -87,91 +88,130 @@ class _Context:
         return self.hw.intensity_ici if self.network == "ici" else self.hw.intensity_dcn
 
 
-def _one(ctx: _Context, flops: Poly, q: Poly) -> Threshold:
+def cancelled(expr: Expr) -> Expr:
+    """``expr`` as ``c * P / Q``: P, Q polynomials with no common monomial or numeric factor.
+
+    symengine has no ``cancel``; a cost ratio needs only the content (the number and
+    the monomial that divide every term) taken out of each side, and equal sides cancelled.
+    """
+    num, den = (se.expand(side) for side in se.expand(expr).as_numer_denom())
+    if num == 0:
+        return se.Integer(0)
+    c_num, c_den = _content(num), _content(den)
+    p, q = se.expand(num / c_num), se.expand(den / c_den)
+    if p == q:
+        p = q = se.Integer(1)
+    return c_num / c_den * p / q
+
+
+def _content(poly: Expr) -> Expr:
+    """The positive number and the monomial that divide every term of a nonzero polynomial."""
+    terms = poly.args if poly.is_Add else (poly,)
+    coeffs = [Fraction(str(t)) if t.is_Number else _coefficient(t) for t in terms]
+    powers = [t.as_powers_dict() for t in terms]
+    common = set.intersection(*({k for k in p if not k.is_Number} for p in powers))
+    content = number(Fraction(math.gcd(*(c.numerator for c in coeffs)), math.lcm(*(c.denominator for c in coeffs))))
+    for name in common:
+        content *= name ** min(p[name] for p in powers)
+    return content
+
+
+def _is_monomial(expr: Expr) -> bool:
+    num, den = expr.as_numer_denom()
+    return not se.expand(num).is_Add and not se.expand(den).is_Add
+
+
+def _coefficient(mono: Expr) -> Fraction:
+    """The number of a monomial: 3/2 of ``3*B/(2*X)``."""
+    [(_, coeff)] = mono.as_coefficients_dict().items()
+    return Fraction(str(coeff))
+
+
+def _one(ctx: _Context, flops: Expr, q: Expr) -> Threshold:
     """Split the intensity into a number times the rest, then pick the sentence's form."""
-    intensity = Ratio(flops, q).cancelled()
-    plain = str(symbol(ctx.names.flops) / symbol(ctx.w_name))
-    if intensity.is_zero:
+    intensity = cancelled(flops / q)
+    plain = text(symbol(ctx.names.flops) / symbol(ctx.w_name))
+    if intensity == 0:
         sentence = (f"{ctx.label}: no FLOPs to hide the communication behind: communication-bound "
                     f"at any size")
         return Threshold(ctx.label, ctx.network, "0", "0", ">", plain, ctx.chip, 0.0,
                          False if ctx.sizes is not None else None, sentence)
     coeff, rest = Fraction(1), intensity
-    if intensity.is_monomial and not intensity.as_poly().is_number:
-        coeff = intensity.as_poly().coefficient()
-        rest = Ratio(intensity.as_poly() / coeff, Poly.number(1))
+    if _is_monomial(intensity) and intensity.free_symbols:
+        coeff = _coefficient(intensity)
+        rest = intensity / number(coeff)
     value = ctx.chip / float(coeff)
-    rhs_sym = str(symbol(ctx.names.flops) / (coeff * symbol(ctx.w_name)))
+    rhs_sym = text(symbol(ctx.names.flops) / (number(coeff) * symbol(ctx.w_name)))
     axis = _single_axis(rest, ctx.mesh_axes, frozenset(ctx.token_dims))
     if axis is not None:
-        return _axis_form(ctx, intensity, rest.as_poly(), axis, value, rhs_sym)
+        return _axis_form(ctx, intensity, rest, axis, value, rhs_sym)
     here = _evaluate(rest, ctx.sizes)
     holds = None if here is None else here > value
     where = f"({ctx.hw.name})"
-    lhs = str(rest)
+    lhs = text(rest)
     if not rest.free_symbols:
-        sentence = (f"{ctx.label}: {format_number(rest.evaluate({}))} FLOPs a byte at any size, "
+        sentence = (f"{ctx.label}: {format_number(float(rest))} FLOPs a byte at any size, "
                     f"compute-bound iff that exceeds {rhs_sym} = {format_number(value)} {where}")
-        return Threshold(ctx.label, ctx.network, str(intensity), lhs, ">", rhs_sym, value, here, holds,
+        return Threshold(ctx.label, ctx.network, text(intensity), lhs, ">", rhs_sym, value, here, holds,
                          sentence)
     sentence = f"{ctx.label}: compute-bound iff {lhs} > {rhs_sym} = {format_number(value)} {where}"
-    solved = _solved(ctx, rest, value) if not rest.is_monomial else ""
+    solved = _solved(ctx, rest, value) if not _is_monomial(rest) else ""
     sentence += solved
     if here is not None and not solved:
         sentence += f"; here {lhs} = {format_number(here)}"
-    return Threshold(ctx.label, ctx.network, str(intensity), lhs, ">", rhs_sym, value, here, holds, sentence)
+    return Threshold(ctx.label, ctx.network, text(intensity), lhs, ">", rhs_sym, value, here, holds, sentence)
 
 
-def _axis_form(ctx: _Context, intensity: Ratio, rest: Poly, axis: str, value: float,
+def _axis_form(ctx: _Context, intensity: Expr, rest: Expr, axis: str, value: float,
                rhs_sym: str) -> Threshold:
     """``Y < F/2550``: the intensity is model dims over one mesh axis, solved for the axis."""
     numerator = rest * symbol(axis)
-    rhs = f"{numerator}/{format_number(value)}"
+    rhs = f"{text(numerator)}/{format_number(value)}"
     sentence = (f"{ctx.label}: compute-bound iff {axis} < {rhs} "
-                f"(from {rest} > {rhs_sym} = {format_number(value)}, {ctx.hw.name})")
+                f"(from {text(rest)} > {rhs_sym} = {format_number(value)}, {ctx.hw.name})")
     here = _evaluate(rest, ctx.sizes)
     here_axis = None if here is None or ctx.sizes is None else float(ctx.sizes[axis])
     if here is not None and here_axis is not None:
         limit = here_axis * here / value  # = numerator / value at these sizes
         sentence += f"; here {axis} = {format_number(here_axis)} vs {rhs} = {format_number(limit)}"
     holds = None if here is None else here > value
-    return Threshold(ctx.label, ctx.network, str(intensity), axis, "<", rhs, value, here_axis, holds,
+    return Threshold(ctx.label, ctx.network, text(intensity), axis, "<", rhs, value, here_axis, holds,
                      sentence)
 
 
-def _solved(ctx: _Context, intensity: Ratio, value: float) -> str:
+def _solved(ctx: _Context, intensity: Expr, value: float) -> str:
     """``, i.e. B/X > 2550*F/(F - 2550*Y)``: a sum's intensity solved for its one token dim, per device."""
-    tokens = [s for s in intensity.free_symbols if s in ctx.token_dims]
-    if len(tokens) != 1:
+    tokens = [str(s) for s in intensity.free_symbols if str(s) in ctx.token_dims]
+    if len(tokens) != 1 or not math.isfinite(value):
         return ""
-    token = tokens[0]
-    if not math.isfinite(value):
-        return ""
+    token = symbol(tokens[0])
     whole = value < 1e6 and abs(value - round(value)) < 1e-9 * value  # 2550, 1275, 73440 as they are
-    number = Fraction(round(value)) if whole else Fraction(Decimal(f"{value:.4g}"))
-    # intensity = number is num - number*den = 0, solved when linear in the token dim
-    coeffs = (intensity.num - number * intensity.den).collect(token)
-    if set(coeffs) != {0, 1} and set(coeffs) != {1}:
+    exact = number(Fraction(round(value)) if whole else Fraction(Decimal(f"{value:.4g}")))
+    # intensity = exact is num - exact*den = 0, solved when linear in the token dim
+    num, den = intensity.as_numer_denom()
+    zero = se.expand(num - exact * den)
+    slope = se.diff(zero, token)
+    if slope == 0 or token in slope.free_symbols:
         return ""
-    slope, offset = coeffs[1], coeffs.get(0, Poly())
-    shards = Poly.monomial(1, tuple((a, 1) for a in ctx.token_dims[token]))
-    per_device = symbol(token) / shards
-    bound = Ratio(-offset, slope * shards).cancelled()
-    text = f", i.e. {per_device} > {bound}"
+    offset = se.expand(zero.subs({token: 0}))
+    shards = product(ctx.token_dims[tokens[0]])
+    per_device = token / shards
+    bound = cancelled(-offset / (slope * shards))
+    out = f", i.e. {text(per_device)} > {text(bound)}"
     here = _evaluate(bound, ctx.sizes)
     if here is not None:
-        text += f" = {format_number(here)}" if here > 0 else " (never: the bound is negative)"
-    now = _evaluate(Ratio(per_device, Poly.number(1)), ctx.sizes)
+        out += f" = {format_number(here)}" if here > 0 else " (never: the bound is negative)"
+    now = _evaluate(per_device, ctx.sizes)
     if now is not None:
-        text += f"; here {per_device} = {format_number(now)}"
-    return text
+        out += f"; here {text(per_device)} = {format_number(now)}"
+    return out
 
 
-def _single_axis(rest: Ratio, mesh_axes: frozenset[str], token_dims: frozenset[str]) -> str | None:
+def _single_axis(rest: Expr, mesh_axes: frozenset[str], token_dims: frozenset[str]) -> str | None:
     """The mesh axis to solve for, when ``rest`` is model dims over exactly one mesh axis."""
-    if not rest.is_monomial:
+    if not _is_monomial(rest):
         return None
-    powers = rest.as_poly().powers()
+    powers = {str(k): int(p) for k, p in rest.as_powers_dict().items() if not k.is_Number}
     axes = [name for name in powers if name in mesh_axes]
     if len(axes) != 1 or powers[axes[0]] != -1:
         return None
@@ -181,10 +221,9 @@ def _single_axis(rest: Ratio, mesh_axes: frozenset[str], token_dims: frozenset[s
     return axes[0]
 
 
-def _evaluate(expr: Poly | Ratio, sizes: dict[str, int] | None) -> float | None:
-    if sizes is None or any(s not in sizes for s in expr.free_symbols):
+def _evaluate(expr: Expr, sizes: dict[str, int] | None) -> float | None:
+    """``expr`` at ``sizes`` (None when a size is missing or the value is not finite)."""
+    if sizes is None or any(str(s) not in sizes for s in expr.free_symbols):
         return None
-    try:
-        return expr.evaluate({k: float(v) for k, v in sizes.items()})
-    except ZeroDivisionError:
-        return None
+    value = expr.subs({symbol(k): se.Integer(v) for k, v in sizes.items()})
+    return float(value) if value.is_Number and value.is_finite else None  # not zoo (a zero denominator)

@@ -130,6 +130,10 @@ def module_source(plan: Plan) -> tuple[str, str | None]:
     the spec's own dims do not divide (XLA's partitioner would pad; shard_map does not), it is
     written without them (symbolic local shapes in the comments) and the note says so.
     """
+    if plan.spec.mesh.pipeline_axis is not None:  # GPipe (and 1F1B) over the stage axis
+        from shardc.lowering.pipeline import lower_pipeline
+
+        return lower_pipeline(plan, load=False).source, None
     mesh = lowered_mesh(plan, None)
     try:
         return generate(plan, mesh, lowered_sizes(plan, None, mesh)).source, None

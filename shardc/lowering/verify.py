@@ -302,6 +302,10 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     require_sound(plan)
     devices = devices_to_check(plan, jax.device_count()) if devices is None else devices
     check_device_count(devices)
+    if plan.spec.mesh.pipeline_axis is not None:  # GPipe over the stage axis: its own module
+        from shardc.lowering.pipeline_verify import verify_pipeline
+
+        return verify_pipeline(plan, devices, seed)
     small = {**small_sizes(plan, devices), **(sizes or {})}
     lowered = lower(plan, sizes=small)
     mesh = dict(lowered.module.mesh)

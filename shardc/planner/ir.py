@@ -6,7 +6,7 @@ values, so every pass after planning (cost, lowering, verification) reads the
 same steps.  Volumes are :class:`Monomial` formulas in the dims and the mesh
 sizes; they evaluate to bytes once sizes are known.  (A monomial is all a
 single collective's volume ever is; sums and thresholds are the cost pass's job,
-in :mod:`shardc.costmodel.poly`.)
+in :mod:`shardc.costmodel.formulas` and :mod:`shardc.costmodel.thresholds`.)
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, resolve_hardware
+from shardc.pipeline.stages import pipelined, stage_spec
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.fold import fold_redundant
@@ -74,6 +75,9 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
                         spans: dict[str, int] | None) -> Plan:
     hw = resolve_hardware(hardware, None, spec.hardware)
     _check_spans(spec, spans)
+    if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
+        stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
+        return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped)
     ctx = _context(spec, graph, hw, spans, bonded_axes(stripped))  # one search cache for every candidate

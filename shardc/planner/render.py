@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardc.collectives import FACTOR
+from shardc.pipeline.stages import pipeline_note
 from shardc.planner.ir import Monomial, Op, Plan, Step, sum_formula
 from shardc.timing import plan_time, step_volume
 
@@ -93,7 +94,9 @@ def render_text(plan: Plan) -> str:
     else:
         how = "by the book's rules (no dims)"
     lines = [f"# {plan.spec.filename or 'spec'}: {plan.spec.mesh}; collectives chosen {how}"]
-    if sizes is not None:
+    note = pipeline_note(plan.spec)
+    lines += note
+    if sizes is not None and not note:  # a pipeline's step is the schedule's: `shardc cost` gives it
         lines.append(_time_line(plan))
     lines += [f"# note: {n}" for n in plan.notes]
     lines += _phase_lines("forward", plan.forward, sizes)

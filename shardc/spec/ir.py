@@ -32,6 +32,8 @@ __all__ = [
     "Statement",
     "Spec",
     "format_axes",
+    "SCHEDULES",
+    "Schedule",
 ]
 
 
@@ -74,9 +76,12 @@ class MeshAxis:
     size: int
     network: Network = Network.ICI
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+    pipeline: bool = False  # the pipeline-stage axis (`P=4 pipeline`): its devices hold different layers
 
     def __str__(self) -> str:
         text = f"{self.name}={self.size}"
+        if self.pipeline:
+            text += " pipeline"
         if self.network is Network.DCN:
             text += " over dcn"
         return text
@@ -103,6 +108,11 @@ class Mesh:
             if axis.name == name:
                 return axis
         raise KeyError(name)
+
+    @property
+    def pipeline_axis(self) -> MeshAxis | None:
+        """The axis marked ``pipeline``, if any (validation allows at most one)."""
+        return next((a for a in self.axes if a.pipeline), None)
 
     @property
     def devices(self) -> int:
@@ -196,6 +206,21 @@ class Call:
 
 Expr = TensorRef | Contract | Call
 
+# Pipeline schedules, as the `schedule` line names them (the pipeline package simulates each).
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``schedule NAME [V]``: a pipeline schedule; only ``interleaved`` takes V, its virtual stages."""
+
+    name: str = "1f1b"
+    virtual: int = 1
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.virtual}" if self.name == "interleaved" else self.name
+
 
 @dataclass(frozen=True)
 class Statement:
@@ -224,6 +249,9 @@ class Spec:
     const: tuple[str, ...] = ()  # inputs without a gradient (token ids, masks)
     hardware: str | None = None
     layers: int | str | None = None  # a count, or the name of a dim that holds it
+    # Pipeline parallelism (with a `pipeline` mesh axis): microbatches a step, and the schedule.
+    microbatches: int | None = None
+    schedule: Schedule | None = None  # None: the default, 1f1b
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
     # "param", "const", "hardware", "layers" (the keyword), "dim:B", "param:W_in" and
@@ -255,5 +283,9 @@ class Spec:
             lines.append(f"hardware {self.hardware}")
         if self.layers is not None:
             lines.append(f"layers {self.layers}")
+        if self.microbatches is not None:
+            lines.append(f"microbatches {self.microbatches}")
+        if self.schedule is not None:
+            lines.append(f"schedule {self.schedule}")
         lines.extend(str(s) for s in self.statements)
         return "\n".join(lines) + "\n"

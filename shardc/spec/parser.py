@@ -21,8 +21,9 @@ Representation decisions (other passes rely on them):
 - Several ``dims`` lines (and several ``param`` or ``const`` lines) merge, in order;
   ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
   Header lines may come anywhere; statements keep their order.
-- A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``
-  is the keyword, so those seven words cannot name a tensor or function there.
+- A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
+  ``microbatches``/``schedule`` is the keyword, so those nine words cannot name a tensor or
+  function there.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from shardc.spec.ir import (
     Mesh,
     MeshAxis,
     Network,
+    Schedule,
     Spec,
     Statement,
     TensorRef,
@@ -85,6 +87,9 @@ _TERMINAL_WORDS = {
     "HARDWARE": "`hardware`",
     "LAYERS": "`layers`",
     "OVER": "`over dcn`",
+    "PIPELINE": "`pipeline`",
+    "MICROBATCHES": "`microbatches`",
+    "SCHEDULE": "`schedule`",
 }
 
 _SIZE_RE = re.compile(r"[0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9]{1,4})?")
@@ -336,6 +341,9 @@ class _Builder(Transformer[Token, Any]):
 
     # --- header lines -----------------------------------------------------------------
     def mesh_axis(self, children: list[Token]) -> MeshAxis:
+        pipeline = len(children) > 3 and children[3].type == "PIPELINE"
+        if pipeline:
+            children = children[:3] + children[4:]
         name, size = children[0], children[2]
         network = Network.ICI
         if len(children) > 3:
@@ -345,7 +353,8 @@ class _Builder(Transformer[Token, Any]):
                                   fix="write `over dcn` for an axis whose collectives cross the data-centre "
                                   "network, or nothing for the fast links")
             network = Network(str(word))
-        return MeshAxis(str(name), _size(size, f"mesh axis {name}"), network, span=_span(name, children[-1]))
+        return MeshAxis(str(name), _size(size, f"mesh axis {name}"), network, span=_span(name, children[-1]),
+                        pipeline=pipeline)
 
     def mesh_line(self, children: list[Any]) -> tuple[str, Any, Span]:
         axes = tuple(c for c in children if isinstance(c, MeshAxis))
@@ -383,9 +392,38 @@ class _Builder(Transformer[Token, Any]):
         value: int | str = _size(word, "layers") if word.type == "SIZE" else str(word)
         return ("layers", value, _span(children[0], word))
 
+    def microbatches_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("microbatches", _size(children[1], "microbatches"), _span(children[0], children[1]))
+
+    def schedule_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("schedule", _schedule(children), _span(children[0], children[-1]))
+
     def start(self, children: list[Any]) -> Spec:
         return _build_spec([c for c in children if not isinstance(c, Token)])
 
+
+
+def _schedule(children: list[Token]) -> Schedule:
+    """``schedule NAME [V]``: a known name; V for ``interleaved`` only (at least 2)."""
+    from shardc.spec.ir import SCHEDULES
+
+    word, span = str(children[1]), _span(children[1])
+    if word not in SCHEDULES:
+        raise ShardcError(f"unknown pipeline schedule `{word}`", span,
+                          fix="use one of gpipe, 1f1b, interleaved V, zb-h1, zbv")
+    if word != "interleaved":
+        if len(children) > 2:
+            raise ShardcError(f"schedule {word} takes no number", _span(children[2]),
+                              fix=f"write `schedule {word}`; only `interleaved V` has virtual stages")
+        return Schedule(word, span=span)
+    if len(children) < 3:
+        raise ShardcError("schedule interleaved needs its virtual stages per device", span,
+                          fix="write e.g. `schedule interleaved 2`")
+    virtual = _size(children[2], "schedule interleaved")
+    if virtual < 2:
+        raise ShardcError("interleaved needs at least 2 virtual stages a device", _span(children[2]),
+                          fix="write `schedule interleaved 2`, or `schedule 1f1b` for one stage a device")
+    return Schedule(word, virtual, span=span)
 
 
 def _build_spec(items: list[Any]) -> Spec:
@@ -429,6 +467,8 @@ def _build_spec(items: list[Any]) -> Spec:
         const=tuple(header["const"]),
         hardware=header.get("hardware"),
         layers=header.get("layers"),
+        microbatches=header.get("microbatches"),
+        schedule=header.get("schedule"),
         filename=_local.filename,
         header_spans=tuple(spans),
     )

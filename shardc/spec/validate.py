@@ -34,6 +34,7 @@ import re
 from collections.abc import Iterator
 
 from shardc.errors import ShardcError, Span
+from shardc.pipeline.stages import check_pipeline
 from shardc.spec.functions import is_known, known_list
 from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 
@@ -63,6 +64,7 @@ def validate(spec: Spec) -> None:
     _check_params(spec, defined)
     _check_const(spec, defined)
     _check_namespaces(spec)
+    check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:

@@ -1,0 +1,297 @@
+"""The pipeline figures of ``shardc cost``: bubble, memory per stage, point-to-point traffic, the step.
+
+A stage runs its layers of the plan (which never uses the stage axis) on one
+microbatch at a time, the batch dim cut M ways, so each stage-time is the plan's
+costed at the microbatch's sizes times the stage's layers: forward, the backward's
+input-gradient part (B) and its weight-gradient part (W: the steps on ``dW...``),
+each ``max(compute, collectives)`` as the report's own step is.  Then:
+
+* the bubble: the schedule's closed form (:mod:`shardc.pipeline.bubbles`), over the
+  ideal time and over the total step, from the slowest stage's times;
+* the step: the discrete-event simulation of the schedule with those times and the
+  point-to-point sends (:mod:`shardc.pipeline.schedules`), i.e. the stage time per
+  microbatch times (m + bubble), plus what the sends add to the fill;
+* point-to-point: a microbatch's block output, one device's shard of it (so divided by
+  the tensor-parallel degree when it is sharded), sent one way over one link of the
+  stage axis's network (one ICI link's one-way bandwidth, or the chip's DCN figure);
+* memory per stage: params, grads and optimizer state of its layers, the gathered weights
+  of one layer, and the residuals the plan's save policy keeps: those with the batch dim
+  for one microbatch times the microbatches the stage holds at its peak (simulated; the
+  closed forms are gpipe m, 1f1b p - s, interleaved p (1 + (p-1)/(p V)) on the first
+  stage), saved weights once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from shardc.costmodel.memory import memory, residual_values
+from shardc.errors import ShardcError
+from shardc.hardware import Hardware
+from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, bubble, inflight, sends_per_microbatch
+from shardc.pipeline.schedules import Simulation, Timing, simulate
+from shardc.pipeline.stages import Pipeline, pipeline_of
+from shardc.planner.ir import Plan, Step
+from shardc.spec.ir import Network, TensorRef
+from shardc.timing import StepCost, cost_step, local_elements
+
+if TYPE_CHECKING:
+    from shardc.costmodel.report import CostReport
+
+__all__ = ["StageCost", "PipelineCost", "pipeline_cost", "microbatch_dim", "boundary_tensor", "weight_steps",
+           "render_pipeline", "draw_schedule"]
+
+BUBBLE_TARGET = 0.05  # the bubble the threshold sentence solves m for
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage, one microbatch: times, the verdict, memory at the stage's peak."""
+
+    stage: int
+    layers: int
+    forward_s: float
+    backward_s: float  # input gradients (B)
+    weight_s: float  # weight gradients (W)
+    compute_s: float
+    comm_s: float  # its collectives plus its sends and receives
+    held: float  # microbatches of activations at its peak
+    state_bytes: float  # params, grads, optimizer state of its layers
+    activation_bytes: float
+    gathered_bytes: float
+    hbm_bytes: float
+
+    @property
+    def bound(self) -> str:
+        return "communication" if self.comm_s > self.compute_s else "compute"
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes + self.gathered_bytes
+
+    def to_json(self) -> dict[str, object]:
+        return {"stage": self.stage, "layers": self.layers, "forward_s": self.forward_s,
+                "backward_s": self.backward_s, "weight_s": self.weight_s, "compute_s": self.compute_s,
+                "comm_s": self.comm_s, "bound": self.bound, "inflight_microbatches": self.held,
+                "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
+                "gathered_bytes": self.gathered_bytes, "memory_bytes": self.memory_bytes,
+                "fits": self.memory_bytes <= self.hbm_bytes}
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    pipeline: Pipeline
+    dim: str  # the batch dim the microbatches cut
+    microbatch_size: int
+    boundary: TensorRef  # what crosses a stage boundary
+    network: str
+    p2p_bytes: float  # one microbatch, one boundary, one device
+    p2p_bytes_global: float
+    p2p_s: float
+    timing: Timing  # the slowest stage's
+    closed: Bubble
+    simulation: Simulation
+    stages: tuple[StageCost, ...]
+    thresholds: tuple[str, ...]
+
+    @property
+    def stage_time_s(self) -> float:
+        """One microbatch through the slowest stage, forward and backward."""
+        return self.timing.total
+
+    @property
+    def step_s(self) -> float:
+        return self.simulation.makespan
+
+    @property
+    def step_closed_s(self) -> float:
+        """The stage time times (m + bubble), sends free: the closed form of the step."""
+        m = self.pipeline.microbatches
+        return self.stage_time_s * (m + m * self.closed.of_ideal)
+
+    def to_json(self) -> dict[str, object]:
+        pipe, sim = self.pipeline, self.simulation
+        return {
+            "axis": pipe.axis, "stages": pipe.stages, "microbatches": pipe.microbatches,
+            "schedule": str(pipe.schedule), "virtual_stages": pipe.chunks, "layers": list(pipe.stage_layers),
+            "microbatch_dim": self.dim, "microbatch_size": self.microbatch_size,
+            "bubble_of_ideal": self.closed.of_ideal, "bubble_of_total": self.closed.of_total,
+            "bubble_formula": self.closed.formula, "bubble_formula_exact": pipe.schedule.name in EXACT,
+            "simulated_bubble_of_ideal": sim.bubble_of_ideal, "simulated_bubble_of_total": sim.bubble_of_total,
+            "inflight_microbatches": inflight(pipe.schedule.name, pipe.stages, pipe.microbatches),
+            "activation_factor": activation_factor(pipe.schedule.name, pipe.stages, pipe.chunks),
+            "boundary": str(self.boundary), "network": self.network, "p2p_bytes": self.p2p_bytes,
+            "p2p_bytes_global": self.p2p_bytes_global, "p2p_s": self.p2p_s,
+            "sends_per_microbatch": sends_per_microbatch(pipe.schedule.name, pipe.stages, pipe.chunks),
+            "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,
+            "backward_s": self.timing.backward, "weight_s": self.timing.weight,
+            "step_s": self.step_s, "step_closed_s": self.step_closed_s,
+            "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
+        }
+
+
+def microbatch_dim(plan: Plan) -> str:
+    """The dim microbatches cut: the first dim of the block's first input that no param has."""
+    model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
+    for info in plan.tensors:
+        if info.role == "input":
+            for dim in info.ref.dims:
+                if dim.name not in model:
+                    return dim.name
+    raise ShardcError("a pipeline needs a batch dim to cut into microbatches; every input dim is a param's",
+                      fix="give the block's input a batch dim such as B")
+
+
+def boundary_tensor(plan: Plan) -> TensorRef:
+    """The activation a stage sends the next: the output shaped like the block's first input."""
+    first = next((i.ref for i in plan.tensors if i.role == "input"), None)
+    outputs = [i.ref for i in plan.tensors if i.is_output]
+    for ref in outputs:
+        if first is not None and sorted(ref.indices) == sorted(first.indices):
+            return ref
+    if not outputs:
+        raise ShardcError("the pipelined block has no output to send to the next stage")
+    return outputs[-1]
+
+
+def weight_steps(plan: Plan) -> frozenset[int]:
+    """Indices of the backward steps that make weight gradients (the zero-bubble W op)."""
+    grads = {f"d{i.name}" for i in plan.tensors if i.role == "param"}
+    return frozenset(k for k, s in enumerate(plan.backward) if s.tensor in grads)
+
+
+def _time(rows: list[StepCost]) -> tuple[float, float]:
+    compute = math.fsum(r.compute_s for r in rows)
+    comm = math.fsum(r.comm_s for r in rows if r.is_collective)
+    return compute, comm
+
+
+def _rows(steps: tuple[Step, ...], plan: Plan, sizes: dict[str, int], hw: Hardware,
+          spans: dict[str, int]) -> list[StepCost]:
+    return [cost_step(i, s, plan.spec.mesh, sizes, hw, spans) for i, s in enumerate(steps, 1)]
+
+
+def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[str, int],
+                  optimizer: str) -> PipelineCost | None:
+    """The pipeline figures of ``plan`` (None when its spec has no pipeline axis)."""
+    pipe = pipeline_of(plan.spec)
+    if pipe is None:
+        return None
+    pipe = replace(pipe, stages=sizes.get(pipe.axis, pipe.stages))  # sizes= may resize the mesh
+    if isinstance(plan.spec.layers, str):
+        pipe = replace(pipe, layers=sizes[plan.spec.layers])
+    dim = microbatch_dim(plan)
+    if sizes[dim] % pipe.microbatches:
+        raise ShardcError(f"{dim}={sizes[dim]} does not split into {pipe.microbatches} microbatches",
+                          plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
+    micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
+    fwd = _rows(plan.forward, plan, micro, hw, spans)
+    bwd = _rows(plan.backward, plan, micro, hw, spans)
+    w_idx = weight_steps(plan)
+    per_layer = [_time(fwd), _time([r for k, r in enumerate(bwd) if k not in w_idx]),
+                 _time([r for k, r in enumerate(bwd) if k in w_idx])]
+    ref = boundary_tensor(plan)
+    nbytes = plan.spec.dtype.nbytes
+    p2p = float(local_elements(ref, micro)) * nbytes
+    axis = plan.spec.mesh.axis(pipe.axis)
+    dcn = axis.network is Network.DCN
+    p2p_s = p2p / (hw.dcn_bandwidth if dcn else hw.ici_bandwidth) + hw.hop_latency
+    slowest = max(pipe.stage_layers)
+    f, b, w = (max(c, k) * slowest for c, k in per_layer)
+    timing = Timing(f, b, w, p2p_s)
+    name = pipe.schedule.name
+    sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks)
+    stages = _stages(plan, pipe, per_layer, micro, p2p_s, sim, hw, optimizer)
+    glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
+    closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
+    found = _thresholds(pipe, per_layer[0], p2p_s, "DCN" if dcn else "ICI link")
+    return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
+                        sim, stages, found)
+
+
+def _stages(plan: Plan, pipe: Pipeline, per_layer: list[tuple[float, float]], micro: dict[str, int],
+            p2p_s: float, sim: Simulation, hw: Hardware, optimizer: str) -> tuple[StageCost, ...]:
+    out = []
+    dim = microbatch_dim(plan)
+    nbytes = plan.spec.dtype.nbytes
+    kept = [(float(local_elements(r, micro)) * nbytes, dim in r.indices) for r in residual_values(plan)]
+    for s, layers in enumerate(pipe.stage_layers):
+        mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer)
+        held = sim.peak_inflight(s)
+        # A microbatch's own residuals, for each microbatch held; saved weights once a layer.
+        residual = layers * math.fsum(b * (held if per_micro else 1.0) for b, per_micro in kept)
+        compute = layers * math.fsum(c for c, _ in per_layer)
+        sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
+        comm = layers * math.fsum(k for _, k in per_layer) + sends
+        f, b, w = (max(c, k) * layers for c, k in per_layer)
+        out.append(StageCost(s, layers, f, b, w, compute, comm, held,
+                             mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
+                             residual, mem.gathered_bytes, hw.hbm_bytes))
+    return tuple(out)
+
+
+def _thresholds(pipe: Pipeline, forward: tuple[float, float], p2p_s: float, link: str) -> tuple[str, ...]:
+    p, name = pipe.stages, pipe.schedule.name
+    k = {"interleaved": pipe.chunks, "zb-h1": 3, "zbv": 6}.get(name, 1)
+    need = math.ceil((p - 1) / (k * BUBBLE_TARGET) - 1e-9)
+    here = pipe.microbatches
+    lines = [f"bubble <= {BUBBLE_TARGET:.0%} of ideal iff m >= (p-1)/({k}*{BUBBLE_TARGET:g}) = {need} "
+             f"({name}; here m = {here}: {'holds' if here >= need else 'does not hold'})"]
+    layer_f = max(forward)
+    if layer_f > 0:
+        least = p2p_s / layer_f
+        layers = min(pipe.stage_layers)
+        lines.append(f"a stage's sends hide behind its compute iff layers per stage > t_send/t_layer = "
+                     f"{least:.3g} (here {layers}: {'holds' if layers > least else 'does not hold'}; "
+                     f"t_send over one {link})")
+    return tuple(lines)
+
+
+def render_pipeline(cost: PipelineCost) -> list[str]:
+    """The pipeline section of ``shardc cost``'s text."""
+    from shardc.costmodel.render import fmt_bytes, fmt_seconds
+
+    pipe, sim, closed = cost.pipeline, cost.simulation, cost.closed
+    name = pipe.schedule.name
+    given = "" if pipe.microbatches_given else " (default: one a stage; add a `microbatches` line)"
+    lines = [f"pipeline over {pipe.axis}: {pipe.stages} stages, schedule {pipe.schedule}, "
+             f"{pipe.microbatches} microbatches of {cost.dim}={cost.microbatch_size:_}{given}",
+             f"  {pipe.split_text()}; the tables above are one stage's, on the whole batch at once",
+             f"  a microbatch through the slowest stage: F {fmt_seconds(cost.timing.forward)}, "
+             f"B {fmt_seconds(cost.timing.backward)}, W {fmt_seconds(cost.timing.weight)}"
+             + ("" if name in ("zb-h1", "zbv") else " (B and W run as one backward)"),
+             f"  bubble {closed.of_ideal:.1%} of the ideal time ({closed.formula}), {closed.of_total:.1%} of the "
+             f"step; simulated with the sends {sim.bubble_of_ideal:.1%} / {sim.bubble_of_total:.1%}"
+             + ("" if name in EXACT else " (the closed form assumes T_F = T_B = T_W and free sends; the "
+                                         "simulated zbv order is a greedy one, not the paper's hand-made one)"),
+             f"  step {fmt_seconds(cost.step_s)} = stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) "
+             f"[{fmt_seconds(cost.step_closed_s)} with free sends]",
+             f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
+             f" x activation factor {activation_factor(name, pipe.stages, pipe.chunks):.3g}",
+             f"  point-to-point: {cost.boundary} a microbatch, {fmt_bytes(cost.p2p_bytes)} a device "
+             f"({fmt_bytes(cost.p2p_bytes_global)} in all) per boundary over {cost.network.upper()}, "
+             f"{fmt_seconds(cost.p2p_s)}; {sends_per_microbatch(name, pipe.stages, pipe.chunks)} boundaries "
+             "a microbatch, each way",
+             f"  {'stage':>5} {'layers':>6} {'compute':>9} {'comm':>9} {'bound':<13} {'held':>5} "
+             f"{'state':>9} {'activations':>11} {'total':>9}"]
+    for s in cost.stages:
+        lines.append(f"  {s.stage:>5} {s.layers:>6} {fmt_seconds(s.compute_s):>9} {fmt_seconds(s.comm_s):>9} "
+                     f"{s.bound:<13} {s.held:>5.3g} {fmt_bytes(s.state_bytes):>9} "
+                     f"{fmt_bytes(s.activation_bytes):>11} {fmt_bytes(s.memory_bytes):>9}"
+                     + ("" if s.memory_bytes <= s.hbm_bytes else "  does NOT fit"))
+    return lines + [f"  {t}" for t in cost.thresholds]
+
+
+def draw_schedule(report: CostReport, path: str) -> None:
+    """``--schedule-plot``: the simulated schedule of the report's pipeline as a Gantt chart."""
+    from shardc.pipeline.gantt import draw
+
+    if report.pipeline is None:
+        raise ShardcError("--schedule-plot needs a pipelined spec",
+                          fix="mark the stage axis of the mesh, e.g. `mesh P=4 pipeline, X=8`")
+    cost = report.pipeline
+    sim = cost.simulation
+    draw(sim, path, f"{report.plan.spec.filename or 'spec'}: {cost.pipeline.schedule}, p={sim.stages}, "
+         f"m={sim.microbatches}, bubble {sim.bubble_of_ideal:.1%} of ideal")

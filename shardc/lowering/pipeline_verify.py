@@ -1,0 +1,317 @@
+"""``shardc verify`` of a pipelined spec: the GPipe module against numpy, and its HLO's permutes.
+
+Values are computed in float64 (a stack of 2P quadratic layers amplifies float32's
+rounding to about 1e-4 relative, as numpy's own float32 shows) and compared with the
+float64 numpy reference, within 100 times the one-block float64 bound (a real mistake
+is off by order 1); HLO bytes are priced in the spec's dtype.  The mesh keeps the
+stage axis and shrinks the others, minor first, to fit the devices (P=4 with X=2 on
+8 devices); the block is stacked 2P layers deep and cut into 2P microbatches (at most
+the spec's).  The numpy reference runs the layers one after the other on the whole
+batch, and its backward runs them in reverse, each layer's input gradient the
+cotangent of the layer before.  Params are scaled by 1/sqrt(their contracted size),
+and each layer's last one so that its output has unit RMS, so a deep stack of
+products neither vanishes nor overflows.
+
+The compiled HLO must hold, in the forward program, m + p - 2 collective-permutes each
+moving one microbatch's shard of the block output (the cost model's ``p2p_bytes``),
+every one from stage s to s + 1, and in the backward program as many again from s + 1
+back to s; every other collective must be of a kind and axes the stage plan has.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from shardc.lowering import reference
+from shardc.lowering.hlo import collectives
+from shardc.lowering.pipeline import PipelineLowered, lower_pipeline, permutes_expected
+from shardc.lowering.sizes import small_sizes
+from shardc.lowering.verify import TOLERANCE, CollectiveRow, Report, ValueRow
+from shardc.pipeline.stages import pipeline_of, stage_spec
+from shardc.planner.ir import Plan
+from shardc.spec.ir import Spec
+from shardc.timing import local_elements
+
+__all__ = ["verify_pipeline"]
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def _sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
+    """Mesh and dims for the run, the layer count and the microbatches."""
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None
+    stages = pipe.stages
+    if stages > devices:
+        raise _error(f"the pipeline's {stages} stages need more than {devices} devices")
+    others = [(a.name, a.size) for a in plan.spec.mesh.axes if not a.pipeline]
+    mesh = dict(_shrink(others, devices // stages))
+    from dataclasses import replace
+
+    stage = replace(plan, spec=replace(stage_spec(plan.spec), mesh=_mesh(plan.spec, mesh)))
+    dims = small_sizes(stage, None)
+    micro = min(pipe.microbatches, 2 * stages)
+    from shardc.costmodel.pipeline import microbatch_dim
+
+    dim = microbatch_dim(plan)
+    dims[dim] *= micro
+    return {**dims, **mesh, pipe.axis: stages}, 2 * stages, micro
+
+
+def _shrink(axes: list[tuple[str, int]], devices: int) -> list[tuple[str, int]]:
+    """Shrink the minor axes first, so the major one (FSDP's X) keeps its size longest."""
+    out = list(axes)
+    for k in reversed(range(len(out))):
+        while math.prod(s for _, s in out) > devices and out[k][1] > 1:
+            name, size = out[k]
+            out[k] = (name, size // next(p for p in range(2, size + 1) if size % p == 0))
+    return out
+
+
+def _mesh(spec: Spec, sizes: dict[str, int]) -> Any:
+    from dataclasses import replace
+
+    from shardc.spec.ir import Mesh
+
+    return Mesh(tuple(replace(a, size=sizes[a.name]) for a in spec.mesh.axes if not a.pipeline))
+
+
+def _error(message: str) -> Exception:
+    from shardc.errors import ShardcError
+
+    return ShardcError(message, fix="run with more devices (--devices) or a smaller pipeline axis")
+
+
+def _inputs(lowered: PipelineLowered, seed: int) -> dict[str, np.ndarray]:
+    spec, sizes = stage_spec(lowered.plan.spec), {**lowered.sizes}
+    first = next(i.ref for i in lowered.plan.tensors if i.role == "input")
+    sizes_full = dict(sizes)
+    from shardc.costmodel.pipeline import microbatch_dim
+
+    dim = microbatch_dim(lowered.plan)
+    sizes_full[dim] = lowered.batch
+    rng = np.random.default_rng(seed)
+    values = {first.name: rng.standard_normal([sizes_full[d.name] for d in first.dims])}
+    for info in lowered.plan.tensors:
+        if info.role == "param":
+            shape = [sizes[d.name] for d in info.ref.dims]
+            scale = 1 / math.sqrt(_contracted(spec, info.name, sizes))
+            values[info.name] = rng.standard_normal([lowered.pipeline.layers, *shape]) * scale
+    _calibrate(lowered, spec, values)
+    return values
+
+
+def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarray]) -> None:
+    """Scale each layer's last param so its output has unit RMS (a deep product of einsums
+    otherwise vanishes or overflows; layer norms do this in a real model)."""
+    from shardc.spec.ir import Contract
+    from shardc.spec.validate import leaves
+
+    ns = lowered.namespace
+    last = next((s for s in spec.statements if s.result.name == ns.BLOCK_OUTPUT), None)
+    if last is None or not isinstance(last.expr, Contract):  # the output is linear in its operands
+        return
+    linear = [r.name for r in leaves(last.expr) if r.name in ns.PARAMS]
+    if not linear:
+        return
+    x = values[ns.BLOCK_INPUT]
+    for layer in range(lowered.pipeline.layers):
+        layer_values = {ns.BLOCK_INPUT: x, **{p: values[p][layer] for p in ns.PARAMS}}
+        out = reference.forward(spec, layer_values)[ns.BLOCK_OUTPUT]
+        rms = float(np.sqrt(np.mean(out ** 2))) or 1.0
+        values[linear[0]][layer] /= rms
+        x = out / rms
+
+
+def _contracted(spec: Spec, param: str, sizes: dict[str, int]) -> int:
+    """The size a param's einsum sums over (its indices the result lacks)."""
+    for statement in spec.statements:
+        from shardc.spec.validate import leaves
+
+        refs = list(leaves(statement.expr))
+        for ref in refs:
+            if ref.name == param:
+                gone = set(ref.indices) - set(statement.result.indices)
+                return max(1, math.prod(sizes[i] for i in gone))
+    return 1
+
+
+def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
+               d_out: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    ns = lowered.namespace
+    spec = stage_spec(lowered.plan.spec)
+    params = list(ns.PARAMS)
+    x = inputs[ns.BLOCK_INPUT].astype(np.float64)
+    kept = []
+    for layer in range(lowered.pipeline.layers):
+        values = {ns.BLOCK_INPUT: x, **{p: inputs[p][layer].astype(np.float64) for p in params}}
+        kept.append(values)
+        x = reference.forward(spec, values)[ns.BLOCK_OUTPUT]
+    grads: dict[str, list[np.ndarray]] = {p: [] for p in params}
+    g = d_out.astype(np.float64)
+    for values in reversed(kept):
+        got = reference.backward(spec, values, {ns.BLOCK_OUTPUT: g})  # keyed by the tensors' names
+        for p in params:
+            grads[p].insert(0, got[p])
+        g = got[ns.BLOCK_INPUT]
+    return x, {"d" + ns.BLOCK_INPUT: g, **{"d" + p: np.stack(v) for p, v in grads.items()}}
+
+
+def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0) -> Report:
+    """Lower the pipeline small, run it, check values and the compiled permutes (see the module doc)."""
+    sizes, layers, micro = _sizes(plan, devices)
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)
+    ns = lowered.namespace
+    tol = (100 * TOLERANCE["float64"][0], 100 * TOLERANCE["float64"][1])  # 2P layers deep: rounding x ~10
+    mesh = dict(ns.PIPE_MESH_AXES)
+    report = Report(plan.spec.filename or "<spec>", mesh, {**lowered.sizes, "layers": layers,
+                                                           "microbatches": micro}, str(plan.spec.dtype),
+                    "float64", tol)
+    inputs = _inputs(lowered, seed)
+    out_shape = inputs[ns.BLOCK_INPUT].shape
+    d_out = np.random.default_rng(seed + 1).standard_normal(out_shape)
+    want_out, want_grads = _reference(lowered, inputs, d_out)
+    import jax
+
+    one_f_one_b = lowered.pipeline.schedule.name == "1f1b"
+    with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
+        if one_f_one_b:
+            text, got_out, got_grads = _run_1f1b(lowered, inputs, d_out)
+        else:
+            fwd_text, got_out, bwd_text, got_grads = _run(lowered, inputs, d_out)
+    report.values.append(_row("forward", ns.BLOCK_OUTPUT, got_out, want_out, tol))
+    report.values += [_row("backward", k, got_grads[k], v, tol) for k, v in want_grads.items()]
+    report.collectives += _loop_permutes(lowered, text) if one_f_one_b else _permutes(lowered, fwd_text, bwd_text)
+    return report
+
+
+def _run_1f1b(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
+              d_out: np.ndarray) -> tuple[str, np.ndarray, dict[str, np.ndarray]]:
+    """The 1F1B step (forward and backward in one program): HLO text, output, gradients."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    ns = lowered.namespace
+    mesh, step = ns.one_f_one_b_program()
+    args = ns._args(inputs)
+    d_last = ns._split(d_out, ns.MICRO_DIM[1])
+    d_outs = jnp.zeros((ns.STAGES,) + d_last.shape, d_last.dtype).at[-1].set(d_last)
+    d_outs = jax.device_put(d_outs, NamedSharding(mesh, ns.PIPE_OUT))
+    compiled = step.lower(args[0], d_outs, *args[1:]).compile()
+    outs, dxs, *dws = compiled(args[0], d_outs, *args[1:])
+    got = {"d" + ns.BLOCK_INPUT: np.asarray(ns._join(dxs[0], ns.MICRO_DIM[0]))}
+    got.update({"d" + p: np.asarray(g) for p, g in zip(ns.PARAMS, dws, strict=True)})
+    return compiled.as_text(), np.asarray(ns._join(outs[-1], ns.MICRO_DIM[1])), got
+
+
+_TRIPS = re.compile(r'known_trip_count\\?"?:\{\\?"?n\\?"?:\\?"?(\d+)')
+
+
+def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
+    """1F1B's HLO: one permute down and one up, in a while loop of 2(m+p-1) ticks."""
+    plan, pipe, ns = lowered.plan, lowered.pipeline, lowered.namespace
+    mesh = tuple(ns.PIPE_MESH_AXES.items())
+    nbytes = plan.spec.dtype.nbytes
+    boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
+    want_bytes = int(local_elements(boundary, lowered.sizes)) * nbytes
+    ticks = 2 * (pipe.microbatches + pipe.stages - 1)
+    trips = [int(n) for n in _TRIPS.findall(text)]
+    stride = math.prod(s for n, s in mesh[[n for n, _ in mesh].index(pipe.axis) + 1:])
+    found = [c for c in collectives(text, mesh) if c.hlo_op == "collective-permute"]
+    rows = [CollectiveRow("step", f"while loop of {ticks} ticks (2(m+p-1))", "Loop", pipe.axis, None,
+                          f"while x {trips}", pipe.axis, None, ticks in trips,
+                          "" if ticks in trips else "no loop of that trip count")]
+    for step, what in ((stride, "activations s -> s+1"), (-stride, "cotangents s+1 -> s")):
+        mine = [c for c in found if (pr := _pairs(c.text)) and all(t - s == step for s, t in pr)]
+        ok = len(mine) == 1 and mine[0].bytes(nbytes) == want_bytes
+        rows.append(CollectiveRow("step", f"ppermute_{pipe.axis} a tick: {what}, a microbatch", "CollectivePermute",
+                                  pipe.axis, want_bytes, f"collective-permute x {len(mine)}", pipe.axis,
+                                  sum(c.bytes(nbytes) for c in mine), ok, "" if ok else "not one of the bytes"))
+    if len(found) != 2:
+        rows.append(CollectiveRow("step", "", "CollectivePermute", "-", None, "collective-permute", "-", None,
+                                  False, f"{len(found)} permutes in the HLO, not 2"))
+    planned = {(s.op, tuple(a for a in s.axes if ns.PIPE_MESH_AXES[a] > 1))
+               for s in plan.forward + plan.backward if s.is_collective}
+    for c in collectives(text, mesh):
+        if c.kind is not None and c.axes and (c.kind, c.axes) not in planned:
+            rows.append(CollectiveRow("step", "", c.kind.title, "-", None, c.hlo_op, ",".join(c.axes),
+                                      c.bytes(nbytes), False, "not in the plan"))
+    return rows
+
+
+def _run(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
+         d_out: np.ndarray) -> tuple[str, np.ndarray, str, dict[str, np.ndarray]]:
+    """Compile each program once, read its HLO, run it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    ns = lowered.namespace
+    mesh, fwd, bwd = ns.pipeline_programs()
+    args = ns._args(inputs)
+    fwd_c = fwd.lower(*args).compile()
+    outs = fwd_c(*args)
+    d_last = ns._split(d_out, ns.MICRO_DIM[1])
+    d_outs = jnp.zeros((ns.STAGES,) + d_last.shape, d_last.dtype).at[-1].set(d_last)
+    d_outs = jax.device_put(d_outs, NamedSharding(mesh, ns.PIPE_OUT))
+    bwd_c = bwd.lower(d_outs, *args).compile()
+    grads = bwd_c(d_outs, *args)
+    got = {"d" + ns.BLOCK_INPUT: np.asarray(ns._join(grads[0][0], ns.MICRO_DIM[0]))}
+    got.update({"d" + p: np.asarray(g) for p, g in zip(ns.PARAMS, grads[1:], strict=True)})
+    return fwd_c.as_text(), np.asarray(ns._join(outs[-1], ns.MICRO_DIM[1])), bwd_c.as_text(), got
+
+
+def _row(phase: str, name: str, got: np.ndarray, want: np.ndarray, tol: tuple[float, float]) -> ValueRow:
+    scale = float(np.max(np.abs(want)))
+    ok_shape = got.shape == want.shape
+    err = float(np.max(np.abs(got.astype(np.float64) - want))) if ok_shape else math.inf
+    bound = tol[1] + tol[0] * scale
+    return ValueRow(phase, name, err, scale, bound, err <= bound, "" if ok_shape else "shapes differ")
+
+
+def _permutes(lowered: PipelineLowered, fwd_text: str, bwd_text: str) -> list[CollectiveRow]:
+    plan, pipe, ns = lowered.plan, lowered.pipeline, lowered.namespace
+    mesh = tuple(ns.PIPE_MESH_AXES.items())
+    nbytes = plan.spec.dtype.nbytes
+    boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
+    want_bytes = int(local_elements(boundary, lowered.sizes)) * nbytes  # the cost model's p2p_bytes
+    want = permutes_expected(pipe.stages, pipe.microbatches)
+    stride = math.prod(s for n, s in mesh[[n for n, _ in mesh].index(pipe.axis) + 1:])
+    rows = []
+    planned = {(s.op, tuple(a for a in s.axes if ns.PIPE_MESH_AXES[a] > 1))
+               for s in plan.forward + plan.backward if s.is_collective}
+    # The forward program sends activations down; the backward one recomputes that, then sends cotangents up.
+    for phase, text, directions in (("forward", fwd_text, (stride,)), ("backward", bwd_text, (stride, -stride))):
+        found = [c for c in collectives(text, mesh) if c.hlo_op == "collective-permute"]
+        for step in directions:
+            mine = [c for c in found if (pr := _pairs(c.text)) and all(t - s == step for s, t in pr)]
+            right = sum(1 for c in mine if c.bytes(nbytes) == want_bytes)
+            what = "activations s -> s+1" if step > 0 else "cotangents s+1 -> s"
+            label = f"ppermute_{pipe.axis} x {want}: {what}, a microbatch each"
+            ok = len(mine) == want and right == want
+            note = "" if ok else f"{len(mine)} in the HLO, {right} of {want_bytes} bytes"
+            rows.append(CollectiveRow(phase, label, "CollectivePermute", pipe.axis, want_bytes * want,
+                                      f"collective-permute x {len(mine)}", pipe.axis,
+                                      sum(c.bytes(nbytes) for c in mine), ok, note))
+        stray = len(found) - sum(1 for c in found if _pairs(c.text) and
+                                 all(abs(t - s) == stride for s, t in _pairs(c.text)))
+        if stray:
+            rows.append(CollectiveRow(phase, "", "CollectivePermute", "-", None, "collective-permute",
+                                      "-", None, False, f"{stray} permutes not between neighbouring stages"))
+        for c in collectives(text, mesh):
+            if c.kind is not None and c.axes and (c.kind, c.axes) not in planned:
+                rows.append(CollectiveRow(phase, "", c.kind.title, "-", None, c.hlo_op, ",".join(c.axes),
+                                          c.bytes(nbytes), False, "not in the plan"))
+    return rows
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    match = _PAIRS.search(text)
+    if not match:
+        return []
+    return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", match.group(1))]

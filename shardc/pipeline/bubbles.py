@@ -1,0 +1,87 @@
+"""Closed forms of each schedule's bubble and in-flight activations (the simulation checks them).
+
+Two definitions of the bubble, which differ: idle time over the *ideal* time (one
+device's work, m microbatches through its stage, the form 1F1B's (p-1)/m takes) and
+idle time over the *total* step (GPipe's (p-1)/(m+p-1)); one gives the other,
+total = ideal / (1 + ideal).  With T_F, T_B, T_W a microbatch's forward, input-
+gradient and weight-gradient time through one stage (B and W together for the
+schedules that do not split them):
+
+* gpipe, 1f1b: idle (p-1)(T_F+T_B+T_W): (p-1)/m of ideal, (p-1)/(m+p-1) of total.
+* interleaved V: chunks are 1/V of a stage, so (p-1)/(V m) of ideal.
+* zb-h1 (Qi et al. 2023): idle (p-1)(T_F+T_B-T_W), (p-1)/(3m) of ideal when the three
+  times are equal (the paper's assumption, and the form the formula is printed in).
+* zbv (Qi et al. 2024): only the fill of half-stage forwards, (p-1) T_F / 2: (p-1)/(6m)
+  of ideal, about 0 for m >> p, at twice the point-to-point traffic (2(p-1) sends a
+  microbatch, down the V and back, against p-1).
+
+In flight on the first stage (activations kept for the backward, in microbatches of a
+whole stage): gpipe m; 1f1b, zb-h1 and zbv min(p, m); interleaved p times the
+activation factor 1 + (p-1)/(p V) (Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardc.pipeline.schedules import Timing, chunks_of, device_of
+
+__all__ = ["Bubble", "bubble", "inflight", "held", "activation_factor", "sends_per_microbatch", "EXACT"]
+
+# Schedules whose closed form holds for any times; zbv's assumes T_F = T_B = T_W and free sends.
+EXACT = frozenset({"gpipe", "1f1b", "interleaved", "zb-h1"})
+
+
+@dataclass(frozen=True)
+class Bubble:
+    idle_s: float
+    ideal_s: float
+    formula: str  # the closed form over the ideal time, in p, m, V
+
+    @property
+    def of_ideal(self) -> float:
+        return self.idle_s / self.ideal_s if self.ideal_s else 0.0
+
+    @property
+    def of_total(self) -> float:
+        total = self.idle_s + self.ideal_s
+        return self.idle_s / total if total else 0.0
+
+
+def bubble(schedule: str, p: int, m: int, timing: Timing, virtual: int = 1) -> Bubble:
+    """The closed-form idle time of a device under ``schedule`` (sends free)."""
+    f, b, w = timing.forward, timing.backward, timing.weight
+    ideal = m * timing.total
+    if schedule in ("gpipe", "1f1b"):
+        return Bubble((p - 1) * (f + b + w), ideal, "(p-1)/m")
+    if schedule == "interleaved":
+        return Bubble((p - 1) * (f + b + w) / virtual, ideal, "(p-1)/(V*m)")
+    if schedule == "zb-h1":
+        return Bubble((p - 1) * max(f + b - w, 0.0), ideal, "(p-1)/(3*m)")
+    if schedule == "zbv":
+        return Bubble((p - 1) * f / 2, ideal, "(p-1)/(6*m)")
+    raise ValueError(schedule)
+
+
+def activation_factor(schedule: str, p: int, virtual: int = 1) -> float:
+    """The interleaved schedule's extra activations, 1 + (p-1)/(p V); 1 for every other schedule."""
+    return 1 + (p - 1) / (p * virtual) if schedule == "interleaved" else 1.0
+
+
+def inflight(schedule: str, p: int, m: int) -> int:
+    """Microbatches whose activations the first stage holds at once (before the activation factor)."""
+    return m if schedule == "gpipe" else min(p, m)
+
+
+def held(schedule: str, p: int, m: int, virtual: int = 1) -> float:
+    """Activations the first stage holds at its peak, in microbatches of a stage: in-flight x factor, <= m."""
+    return min(inflight(schedule, p, m) * activation_factor(schedule, p, virtual), float(m))
+
+
+def sends_per_microbatch(schedule: str, p: int, virtual: int = 1) -> int:
+    """Stage boundaries a microbatch's activation crosses forward (its cotangent crosses them back).
+
+    p - 1; interleaved p V - 1; zbv 2(p - 1), down the V and back (the turn stays on device p-1).
+    """
+    n = chunks_of(schedule, virtual) * p
+    return sum(device_of(schedule, c, p) != device_of(schedule, c + 1, p) for c in range(n - 1))

@@ -1,0 +1,62 @@
+"""``shardc cost --schedule-plot out.png``: the simulated schedule as a Gantt chart.
+
+One row a device (stage 0 on top), one bar an op, coloured by kind (forward,
+backward, and weight gradient for the zero-bubble schedules) and labelled with its
+microbatch, as the schedule figures of the zero-bubble paper and torchtitan's
+visualiser draw them.  matplotlib is imported only here, on use.
+"""
+
+from __future__ import annotations
+
+from shardc.errors import ShardcError
+from shardc.pipeline.schedules import Simulation
+
+__all__ = ["draw", "COLOURS"]
+
+COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+_NAMES = {"F": "forward", "B": "backward (input grad)", "W": "weight grad"}
+
+
+def draw(sim: Simulation, path: str, title: str = "") -> None:
+    """Write the Gantt chart of ``sim`` to ``path`` (any format matplotlib knows from the suffix)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ShardcError("--schedule-plot needs matplotlib, which is not installed",
+                          fix="pip install 'shardc[plot]' (or matplotlib), or drop --schedule-plot") from None
+    scale, unit = _unit(sim.makespan)
+    fig, ax = plt.subplots(figsize=(min(18.0, 4 + 0.12 * len(sim.ops) / sim.stages), 0.6 * sim.stages + 1.6))
+    for op in sim.ops:
+        width = (op.end - op.start) * scale
+        light = sim.chunks > 1 and op.chunk >= sim.stages  # a later chunk: paler
+        ax.barh(op.device, width, left=op.start * scale, height=0.8, color=COLOURS[op.kind],
+                alpha=0.6 if light else 1.0, edgecolor="white", linewidth=0.5)
+        if width > sim.makespan * scale / 120:
+            ax.text((op.start + op.end) / 2 * scale, op.device, str(op.microbatch), ha="center", va="center",
+                    fontsize=6, color="white")
+    kinds = [k for k in ("F", "B", "W") if any(op.kind == k for op in sim.ops)]
+    handles = [matplotlib.patches.Patch(color=COLOURS[k], label=_NAMES[k] if k != "B" or "W" in kinds
+                                        else "backward") for k in kinds]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize="small")
+    ax.set_yticks(range(sim.stages), [f"stage {s}" for s in range(sim.stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_title(title or f"{sim.schedule}: p={sim.stages}, m={sim.microbatches}, "
+                 f"bubble {sim.bubble_of_ideal:.1%} of ideal")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        raise ShardcError(f"cannot write {path}: {err.strerror}", fix="check the --schedule-plot path") from None
+    finally:
+        plt.close(fig)
+
+
+def _unit(span: float) -> tuple[float, str]:
+    for scale, unit in ((1.0, "seconds"), (1e3, "milliseconds"), (1e6, "microseconds")):
+        if span * scale >= 1:
+            return scale, unit
+    return 1.0, "seconds"

@@ -1,0 +1,302 @@
+"""A discrete-event simulation of every pipeline schedule: when each stage runs which op.
+
+Each device (a stage, or for ``interleaved``/``zbv`` a device holding several
+chunks of layers) runs, per microbatch and chunk, a forward ``F``, a backward
+``B`` and, for the zero-bubble schedules, a separate weight-gradient op ``W``
+(Qi et al. 2023, "Zero Bubble Pipeline Parallelism": B computes the input's
+gradient, which the previous stage waits for; W the weights', which nobody
+waits for, so it can fill the bubbles).  Elsewhere W is part of B.
+
+Dependencies: F(j, c) needs F(j, c-1); B(j, c) needs F(j, c) and B(j, c+1); W(j, c)
+needs B(j, c); a dependency across devices also waits ``comm`` seconds (the
+point-to-point send).  A device runs one op at a time:
+
+* ``gpipe`` (Huang et al. 2019): every forward, then every backward.
+* ``1f1b`` (PipeDream-flush, Narayanan et al. 2021): stage s runs p-1-s forwards,
+  then alternates one forward and one backward, then drains the backwards.
+* ``interleaved V`` (Megatron-LM, Narayanan et al. 2021): device s holds chunks
+  s, s+p, ...; the same warm-up/steady/drain order over virtual microbatches,
+  with a warm-up of 2(p-1-s) + (V-1)p.
+* ``zb-h1`` (Qi et al. 2023): 1F1B's order with W split off, stage s's W lagging s
+  microbatches behind its B; every stage holds p microbatches, 1F1B's peak.
+* ``zbv`` (Qi et al. 2024): two chunks a device in a V (chunk c on device c, then
+  chunk 2p-1-c), so the last chunk and the loss are on device 0.  Its order is found
+  greedily with free sends: a device runs a ready B first, else an F while it holds
+  fewer than p stage-microbatches of activations (1F1B's peak; held until W, which
+  reads them), else a W; that order is then kept, as a fixed order, when the sends
+  take time (so they delay ops but cannot reorder them into more memory).  With
+  T_F = T_B = T_W and free sends its bubble is the unavoidable fill, (p-1) T_F / 2.
+
+The simulation commits, among all devices, the op that can start first, so it
+never runs an op before its inputs exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardc.errors import ShardcError
+
+__all__ = ["Timing", "Op", "Simulation", "simulate", "device_of", "chunks_of", "ZERO_BUBBLE"]
+
+ZERO_BUBBLE = frozenset({"zb-h1", "zbv"})
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds of one microbatch through one stage (all its layers): forward, input grad, weight grad."""
+
+    forward: float
+    backward: float  # the input-gradient part of the backward (the whole backward when weight is 0)
+    weight: float = 0.0
+    comm: float = 0.0  # one point-to-point send between devices
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.weight
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    start: float
+    end: float
+    device: int
+    kind: str  # "F", "B" or "W"
+    microbatch: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Simulation:
+    schedule: str
+    stages: int
+    microbatches: int
+    chunks: int  # chunks a device holds
+    timing: Timing
+    ops: tuple[Op, ...] = field(repr=False)
+
+    @property
+    def makespan(self) -> float:
+        return max(op.end for op in self.ops)
+
+    @property
+    def ideal(self) -> float:
+        """One device's work: every microbatch through one stage, no idling."""
+        return self.microbatches * self.timing.total
+
+    @property
+    def bubble(self) -> float:
+        """Idle time of a device: the step minus its work (the same on every device)."""
+        return self.makespan - self.ideal
+
+    @property
+    def bubble_of_ideal(self) -> float:
+        return self.bubble / self.ideal
+
+    @property
+    def bubble_of_total(self) -> float:
+        return self.bubble / self.makespan
+
+    def peak_inflight(self, device: int = 0) -> float:
+        """Most microbatches' activations held at once, in microbatches of a whole stage.
+
+        Held from the forward's start to the end of the last op that reads them: the
+        backward, or for the zero-bubble schedules the weight gradient (it reads the
+        layer inputs too; the paper counts that memory until W).
+        """
+        free = "W" if any(op.kind == "W" for op in self.ops) else "B"
+        events = sorted([(op.start, 1) for op in self.ops if op.device == device and op.kind == "F"]
+                        + [(op.end, -1) for op in self.ops if op.device == device and op.kind == free])
+        held = peak = 0
+        for _, step in events:
+            held += step
+            peak = max(peak, held)
+        return peak / self.chunks
+
+
+def chunks_of(schedule: str, virtual: int = 1) -> int:
+    return {"interleaved": virtual, "zbv": 2}.get(schedule, 1)
+
+
+def device_of(schedule: str, chunk: int, stages: int) -> int:
+    """The device that holds model chunk ``chunk``."""
+    if schedule == "zbv" and chunk >= stages:
+        return 2 * stages - 1 - chunk
+    return chunk % stages
+
+
+def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virtual: int = 1) -> Simulation:
+    """Run ``schedule`` on ``stages`` devices for ``microbatches`` microbatches (see the module docstring)."""
+    p, m = stages, microbatches
+    if p < 1 or m < 1:
+        raise ShardcError(f"a pipeline needs stages and microbatches >= 1, not {p} and {m}")
+    if schedule == "interleaved" and m % p:
+        raise ShardcError(f"interleaved needs microbatches a multiple of the stages ({m} over {p})",
+                          fix=f"use microbatches {max(p, m - m % p)} (Megatron-LM's interleaved order)")
+    chunks = chunks_of(schedule, virtual)
+    zb = schedule in ZERO_BUBBLE
+    # Chunk times: a device's chunks share the stage's layers equally.
+    f, b, w = timing.forward / chunks, timing.backward / chunks, timing.weight / chunks
+    if not zb:
+        b, w = b + w, 0.0
+    durations = {"F": f, "B": b, "W": w}
+    if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
+        found = _run(schedule, p, m, chunks * p, durations, 0.0, None, zb)
+        orders = [[(o.kind, o.microbatch, o.chunk) for o in sorted(found) if o.device == d] for d in range(p)]
+    else:
+        orders = [_order(schedule, s, p, m, virtual) for s in range(p)]
+    ops = _run(schedule, p, m, chunks * p, durations, timing.comm, orders, zb)
+    return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)))
+
+
+def _order(schedule: str, s: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """A device's fixed order of (kind, microbatch, chunk) for gpipe, 1f1b, interleaved and zb-h1."""
+    if schedule == "zb-h1":
+        return _zb_h1(s, p, m)
+    if schedule == "gpipe":
+        return [("F", j, s) for j in range(m)] + [("B", j, s) for j in range(m)]
+    if schedule == "1f1b":
+        forwards = [("F", j, s) for j in range(m)]
+        backwards = [("B", j, s) for j in range(m)]
+        warmup = min(p - 1 - s, m)
+    elif schedule == "interleaved":
+        def virtual(k: int, back: bool) -> tuple[int, int]:
+            group, r = divmod(k, p * v)
+            local = r // p
+            return group * p + r % p, (v - 1 - local if back else local) * p + s
+
+        forwards = [("F", *virtual(k, False)) for k in range(m * v)]
+        backwards = [("B", *virtual(k, True)) for k in range(m * v)]
+        warmup = min(2 * (p - 1 - s) + (v - 1) * p, m * v)
+    else:
+        raise ShardcError(f"unknown pipeline schedule {schedule!r}", fix="use gpipe, 1f1b, interleaved, zb-h1, zbv")
+    order = forwards[:warmup]
+    for k in range(len(forwards) - warmup):
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[len(forwards) - warmup:]
+
+
+def _zb_h1(s: int, p: int, m: int) -> list[tuple[str, int, int]]:
+    """1F1B's order with W split off and stage s's W lagging s microbatches behind its B.
+
+    The lag fills stage s's drain bubbles with weight gradients, and stage s then holds
+    (p-1-s) + 1 + s = p microbatches: 1F1B's first-stage peak on every stage, the
+    paper's ZB-H1 (Qi et al. 2023, fig. 3).
+    """
+    warmup = min(p - 1 - s, m)
+    order = [("F", j, s) for j in range(warmup)]
+    done_w = 0
+    for k in range(m):
+        if warmup + k < m:
+            order.append(("F", warmup + k, s))
+        order.append(("B", k, s))
+        if k >= s:
+            order.append(("W", done_w, s))
+            done_w += 1
+    return order + [("W", j, s) for j in range(done_w, m)]
+
+
+def _deps(kind: str, j: int, c: int, last: int) -> list[tuple[str, int, int]]:
+    if kind == "F":
+        return [("F", j, c - 1)] if c else []
+    if kind == "B":
+        return [("F", j, c)] + ([("B", j, c + 1)] if c < last else [])
+    return [("B", j, c)]
+
+
+def _dependents(kind: str, j: int, c: int, last: int, zb: bool) -> list[tuple[str, int, int]]:
+    """The ops that read what (kind, j, c) makes (the inverse of :func:`_deps`)."""
+    if kind == "F":
+        return ([("F", j, c + 1)] if c < last else []) + [("B", j, c)]
+    if kind == "B":
+        return ([("B", j, c - 1)] if c else []) + ([("W", j, c)] if zb else [])
+    return []
+
+
+def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, float], comm: float,
+         orders: list[list[tuple[str, int, int]]] | None, zb: bool) -> list[Op]:
+    kinds = ("F", "B", "W") if zb else ("F", "B")
+    todo = [(k, j, c) for k in kinds for j in range(m) for c in range(n_chunks)]
+    home = {key: device_of(schedule, key[2], p) for key in todo}
+    ends: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * p
+    position = [0] * p
+    inflight = [0] * p
+    # Activations a device may hold (forward started, weight gradient not done: W reads them too)
+    # before it must run a B or a W instead of an F: p stage-microbatches, 1F1B's peak, as in the
+    # paper.  zb-h1 has a fixed order; this limit is zbv's, in chunks of half a stage.
+    limit = 2 * p  # chunks
+    # Ops whose inputs are all made, per device (the greedy order picks among them).
+    pending: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
+    for j in range(m):
+        pending[home[("F", j, 0)]].add(("F", j, 0))
+    result: list[Op] = []
+    while len(result) < len(todo):
+        best = _next(p, orders, position, pending, home, ends, comm, free, inflight, limit, n_chunks)
+        if best is None:  # every device waits on memory (sends delayed a B): one F goes over the limit
+            best = _next(p, orders, position, pending, home, ends, comm, free, inflight, None, n_chunks)
+        if best is None:
+            raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
+        start, _, d, key = best
+        end = start + durations[key[0]]
+        ends[key], free[d] = end, end
+        pending[d].discard(key)
+        for after in _dependents(*key, n_chunks - 1, zb):
+            if all(dep in ends for dep in _deps(*after, n_chunks - 1)):
+                pending[home[after]].add(after)
+        position[d] += 1
+        inflight[d] += {"F": 1, "B": 0, "W": -1}[key[0]]
+        result.append(Op(start, end, d, *key))
+    return result
+
+
+def _next(p: int, orders: list[list[tuple[str, int, int]]] | None, position: list[int],
+          pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
+          ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
+          limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
+    """The op that can start first on any device (ties: the lowest device)."""
+    best: tuple[float, int, int, tuple[str, int, int]] | None = None
+    for d in range(p):
+        choice = _choose(d, orders, position, pending, home, ends, comm, free, inflight, limit, n_chunks)
+        if choice is not None and (best is None or choice[:3] < best[:3]):
+            best = choice
+    return best
+
+
+def _choose(d: int, orders: list[list[tuple[str, int, int]]] | None, position: list[int],
+            pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
+            ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
+            limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
+    """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready."""
+    def ready(key: tuple[str, int, int]) -> float | None:
+        t = free[d]
+        for dep in _deps(*key, n_chunks - 1):
+            if dep not in ends:
+                return None
+            t = max(t, ends[dep] + (comm if home[dep] != d else 0.0))
+        return t
+
+    if orders is not None:
+        if position[d] >= len(orders[d]):
+            return None
+        key = orders[d][position[d]]
+        t = ready(key)
+        return None if t is None else (t, 0, d, key)
+    mine = [(t, key) for key in pending[d] if (t := ready(key)) is not None]
+    if not mine:
+        return None
+    start = min(t for t, _ in mine)
+    now = [key for t, key in mine if t <= start + comm]  # worth idling one send for a higher priority
+    # Zero-bubble priorities: B unblocks the previous stage; F only under the memory limit; W fills.
+    rank = {"B": 0, "F": 1, "W": 2}
+    allowed = [k for k in now if k[0] != "F" or limit is None or inflight[d] < limit]
+    if not allowed:  # only forwards are ready and memory is full: wait for anything else
+        later = [(t, key) for t, key in mine if key[0] != "F"]
+        if not later:
+            return None
+        start = min(t for t, _ in later)
+        allowed = [key for t, key in later if t <= start]
+    key = min(allowed, key=lambda k: (rank[k[0]], -k[2] if k[0] == "F" else k[1], k[1] if k[0] == "F" else -k[2]))
+    return (max(start, dict((k, t) for t, k in mine)[key]), 0, d, key)
+
+

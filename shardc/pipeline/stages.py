@@ -1,0 +1,147 @@
+"""A pipelined spec: its stage axis, the split of the repeated block's layers, the stage's own spec.
+
+The block repeated ``layers L`` times is cut into P stages (P the size of the axis
+marked ``pipeline``) of L/P consecutive layers; an uneven split puts the extra
+layers on the first stages, and is stated.  Inside a stage the plan uses the other
+axes only: :func:`stage_spec` is the spec with the stage axis removed, which the
+planner plans as it would any spec.  ``interleaved V`` and ``zbv`` cut each stage
+into V (zbv: 2) chunks of layers: chunk c of the model sits on device c mod P
+(interleaved) or on device c, then back, for c >= P (zbv's V shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shardc.errors import ShardcError
+from shardc.planner.ir import Plan
+from shardc.spec.ir import Contract, Mesh, Schedule, Spec, Statement, TensorRef
+
+__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipelined", "pipeline_note", "layer_count",
+           "DEFAULT_SCHEDULE"]
+
+DEFAULT_SCHEDULE = Schedule("1f1b")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The pipeline of a spec: P stages, M microbatches, a schedule, the layers of each stage."""
+
+    axis: str
+    stages: int
+    microbatches: int
+    schedule: Schedule
+    layers: int
+    microbatches_given: bool = True
+
+    @property
+    def chunks(self) -> int:
+        """Layer chunks a device holds: V for interleaved, 2 for zbv, else 1."""
+        return {"interleaved": self.schedule.virtual, "zbv": 2}.get(self.schedule.name, 1)
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Layers on each stage; the first ``layers % stages`` stages hold one more."""
+        base, extra = divmod(self.layers, self.stages)
+        return tuple(base + (s < extra) for s in range(self.stages))
+
+    @property
+    def even(self) -> bool:
+        return self.layers % self.stages == 0
+
+    def split_text(self) -> str:
+        counts = self.stage_layers
+        if self.even:
+            return f"{self.layers} layers over {self.stages} stages: {counts[0]} a stage"
+        return (f"{self.layers} layers over {self.stages} stages, unevenly: "
+                + ", ".join(str(c) for c in counts) + " (the slowest stage sets the pace)")
+
+
+def layer_count(spec: Spec) -> int:
+    """The spec's layer count (1 without a ``layers`` line)."""
+    if spec.layers is None:
+        return 1
+    if isinstance(spec.layers, int):
+        return spec.layers
+    return spec.sizes[spec.layers]
+
+
+def pipeline_of(spec: Spec) -> Pipeline | None:
+    """The spec's pipeline, or None when no mesh axis is marked ``pipeline``."""
+    axis = spec.mesh.pipeline_axis
+    if axis is None:
+        return None
+    given = spec.microbatches is not None
+    micro = spec.microbatches if spec.microbatches is not None else axis.size  # default: one a stage
+    return Pipeline(axis.name, axis.size, micro, spec.schedule or DEFAULT_SCHEDULE, layer_count(spec), given)
+
+
+def pipeline_note(spec: Spec) -> list[str]:
+    """The header line ``shardc plan`` adds for a pipelined spec (none otherwise)."""
+    pipe = pipeline_of(spec)
+    if pipe is None:
+        return []
+    given = "" if pipe.microbatches_given else " (default)"
+    return [f"# pipeline over {pipe.axis}: {pipe.split_text()}; {pipe.microbatches} microbatches{given}, "
+            f"schedule {pipe.schedule}; below is one stage's plan, for one layer (nothing is sharded over "
+            f"{pipe.axis}); `shardc cost` gives the pipeline's step time"]
+
+
+def stage_spec(spec: Spec) -> Spec:
+    """The spec one stage runs: the mesh without the stage axis, no pipeline lines."""
+    axes = tuple(a for a in spec.mesh.axes if not a.pipeline)
+    return replace(spec, mesh=Mesh(axes), microbatches=None, schedule=None)
+
+
+def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
+    """One stage's plan, told it runs in ``spec``'s pipeline (its mesh keeps the stage axis)."""
+    sizes = stage_plan.sizes
+    if sizes is not None:
+        sizes = sizes + tuple((a.name, a.size) for a in spec.mesh.axes if a.pipeline)
+    return replace(stage_plan, spec=spec, sizes=sizes)
+
+
+def check_pipeline(spec: Spec) -> None:
+    """Raise if the pipeline lines are inconsistent (called by ``validate``)."""
+    marked = [a for a in spec.mesh.axes if a.pipeline]
+    if len(marked) > 1:
+        raise ShardcError(f"mesh axes {marked[0].name} and {marked[1].name} are both marked pipeline",
+                          marked[1].span, fix="mark one axis `pipeline`: its devices hold the stages")
+    if not marked:
+        for key, given in (("microbatches", spec.microbatches is not None), ("schedule", spec.schedule is not None)):
+            if given:
+                raise ShardcError(f"`{key}` needs a pipeline axis", spec.span_of(key),
+                                  fix="mark the stage axis of the mesh, e.g. `mesh P=4 pipeline, X=8`")
+        return
+    axis = marked[0]
+    for statement in spec.statements:
+        for ref in _refs(statement):
+            if axis.name in {a for d in ref.dims for a in d.axes} | set(ref.unreduced):
+                raise ShardcError(f"{ref.name} is sharded over {axis.name}, the pipeline axis", ref.span,
+                                  fix=f"inside a stage tensors are sharded over the other axes; the "
+                                  f"{axis.name} axis holds different layers, not slices of a tensor")
+    pipe = pipeline_of(spec)
+    assert pipe is not None
+    if pipe.schedule.name == "interleaved" and pipe.microbatches % pipe.stages:
+        raise ShardcError(f"interleaved needs microbatches a multiple of the {pipe.stages} stages, "
+                          f"not {pipe.microbatches}", spec.span_of("microbatches"),
+                          fix=f"use microbatches {pipe.stages * max(1, pipe.microbatches // pipe.stages)} "
+                          "(Megatron-LM's interleaved order)")
+    needed = pipe.stages * pipe.chunks
+    if pipe.layers < needed:
+        stages = f"{pipe.stages} stages" + (f" of {pipe.chunks} chunks" if pipe.chunks > 1 else "")
+        raise ShardcError(f"{pipe.layers} layer(s) cannot fill {stages}", spec.span_of("layers") or axis.span,
+                          fix=f"a `layers` line of at least {needed}, or a smaller pipeline axis")
+
+
+def _refs(statement: Statement) -> list[TensorRef]:
+    out, todo = [statement.result], [statement.expr]
+    while todo:
+        expr = todo.pop()
+        if isinstance(expr, TensorRef):
+            out.append(expr)
+        elif isinstance(expr, Contract):
+            todo.extend(expr.operands)
+        else:
+            todo.append(expr.arg)
+    return out

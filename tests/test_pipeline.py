@@ -1,0 +1,291 @@
+"""Pipeline parallelism: the language, the schedule simulator against the closed forms, the cost figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardc
+from shardc.costmodel.pipeline import boundary_tensor, microbatch_dim, weight_steps
+from shardc.errors import ShardcError
+from shardc.pipeline.bubbles import EXACT, bubble, held, inflight, sends_per_microbatch
+from shardc.pipeline.schedules import Timing, device_of, simulate
+from shardc.pipeline.stages import pipeline_of, stage_spec
+from shardc.spec.ir import SCHEDULES, MeshAxis, Schedule
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
+BLOCK = """\
+dims B=4096, D=256, F=1024
+param W_in, W_out
+Tmp[B_X, F_Y] = In[B_X, D_Y] · W_in[D_X, F_Y]
+Out[B_X, D_Y] = Tmp[B_X, F_Y] · W_out[F_Y, D_X]
+"""
+
+
+def spec(head: str, block: str = BLOCK) -> shardc.spec.ir.Spec:  # type: ignore[name-defined]
+    return shardc.parse(head + "\n" + block)
+
+
+# --- the language ------------------------------------------------------------------------
+
+def test_pipeline_lines_parse_and_print_back() -> None:
+    s = spec("mesh P=4 pipeline, X=8 over dcn, Y=4\nlayers 8\nmicrobatches 8\nschedule interleaved 2")
+    assert s.mesh.axes[0] == MeshAxis("P", 4, pipeline=True)
+    assert s.mesh.pipeline_axis == s.mesh.axes[0] and not s.mesh.axes[1].pipeline
+    assert s.microbatches == 8 and s.schedule == Schedule("interleaved", 2)
+    text = str(s)
+    assert "mesh P=4 pipeline, X=8 over dcn, Y=4" in text and "schedule interleaved 2" in text
+    assert shardc.parse(text) == s
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "interleaved"])
+def test_every_schedule_parses(name: str) -> None:
+    s = spec(f"mesh P=2 pipeline, X=2, Y=2\nlayers 4\nschedule {name}")
+    assert s.schedule == Schedule(name) and shardc.parse(str(s)) == s
+
+
+def test_defaults_one_f_one_b_and_a_microbatch_a_stage() -> None:
+    pipe = pipeline_of(spec("mesh P=4 pipeline, X=2, Y=2\nlayers 10"))
+    assert pipe is not None and pipe.schedule == Schedule("1f1b") and pipe.microbatches == 4
+    assert not pipe.microbatches_given
+    assert pipe.stage_layers == (3, 3, 2, 2) and "unevenly" in pipe.split_text()  # uneven split stated
+
+
+@pytest.mark.parametrize(("head", "message", "line", "column"), [
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 8\nschedule foo", "unknown pipeline schedule `foo`", 3, 10),
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 8\nschedule gpipe 2", "takes no number", 3, 16),
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 8\nschedule interleaved", "needs its virtual stages", 3, 10),
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 8\nschedule interleaved 1", "at least 2 virtual", 3, 22),
+    ("mesh P=4 pipeline, X=2 pipeline, Y=2\nlayers 8", "both marked pipeline", 1, 20),
+    ("mesh X=2, Y=2\nmicrobatches 4", "`microbatches` needs a pipeline axis", 2, 1),
+    ("mesh X=2, Y=2\nschedule gpipe", "`schedule` needs a pipeline axis", 2, 1),
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 3", "3 layer(s) cannot fill 4 stages", 2, 1),
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 4\nschedule zbv", "cannot fill 4 stages of 2 chunks", 2, 1),
+    ("mesh P=4 pipeline, X=2, Y=2", "1 layer(s) cannot fill 4 stages", 1, 6),
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 8\nmicrobatches 0", "size must be positive", 3, 14),
+    ("mesh P=4 pipelin, X=2", "syntax error", 1, 10),
+    ("mesh P=4 pipeline, X=2, Y=2\nlayers 8\nmicrobatches 6\nschedule interleaved 2", "a multiple of the 4", 3, 1),
+])
+def test_pipeline_errors_point_at_the_mistake(head: str, message: str, line: int, column: int) -> None:
+    with pytest.raises(ShardcError) as err:
+        spec(head)
+    assert message in err.value.message and err.value.fix
+    assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (line, column)
+
+
+def test_a_tensor_cannot_be_sharded_over_the_stage_axis() -> None:
+    with pytest.raises(ShardcError, match="sharded over P, the pipeline axis") as err:
+        spec("mesh P=2 pipeline, X=2\nlayers 2", "Out[B_X, F] = In[B_P, D] · W[D, F]\n")
+    assert err.value.span is not None and err.value.span.column == 15
+
+
+def test_the_stage_plan_never_uses_the_stage_axis() -> None:
+    s = spec("mesh P=4 pipeline, X=2, Y=2\nlayers 8")
+    plan = shardc.plan(s)
+    assert plan.spec == s and ("P", 4) in (plan.sizes or ())
+    assert all("P" not in step.axes for step in plan.forward + plan.backward)
+    assert plan.forward == shardc.plan(stage_spec(s)).forward
+
+
+# --- the simulator against the closed forms ---------------------------------------------
+
+GRID = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, p, 2 * p, 3 * p + 1, 4 * p)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_bubble_formulas_agree_with_the_simulation(schedule: str, p: int, m: int) -> None:
+    if schedule == "interleaved" and m % p:
+        pytest.skip("Megatron's interleaved order needs m a multiple of p")
+    # The exact schedules at unequal times; zbv at T_F = T_B = T_W, the paper's case.
+    timing = Timing(1.0, 1.7, 0.6) if schedule in EXACT else Timing(1.0, 1.0, 1.0)
+    virtual = 2 if schedule == "interleaved" else 1
+    sim = simulate(schedule, p, m, timing, virtual)
+    closed = bubble(schedule, p, m, timing, virtual)
+    if schedule in ("zb-h1", "zbv") and m < p:
+        assert sim.bubble_of_ideal >= closed.of_ideal - 1e-9  # too few microbatches to fill: a bound
+        return
+    assert sim.bubble_of_ideal == pytest.approx(closed.of_ideal, abs=1e-9)
+    assert sim.bubble_of_total == pytest.approx(closed.of_total, abs=1e-9)
+    assert sim.peak_inflight(0) == pytest.approx(held(schedule, p, m, virtual))
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "of_ideal", "of_total"), [
+    ("gpipe", 4, 8, 3 / 8, 3 / 11),  # (p-1)/m of ideal = (p-1)/(m+p-1) of total
+    ("1f1b", 4, 8, 3 / 8, 3 / 11),
+    ("interleaved", 4, 8, 3 / 16, 3 / 19),  # (p-1)/(V m), V = 2
+    ("zb-h1", 4, 8, 3 / 24, 3 / 27),  # (p-1)/(3m)
+    ("zbv", 4, 8, 3 / 48, 3 / 51),  # (p-1)/(6m): about 0
+])
+def test_golden_bubbles(schedule: str, p: int, m: int, of_ideal: float, of_total: float) -> None:
+    sim = simulate(schedule, p, m, Timing(1.0, 1.0, 1.0), virtual=2)
+    assert sim.bubble_of_ideal == pytest.approx(of_ideal) and sim.bubble_of_total == pytest.approx(of_total)
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "want"), [
+    ("gpipe", 4, 8, 8), ("1f1b", 4, 8, 4), ("1f1b", 4, 2, 2), ("zb-h1", 4, 8, 4), ("zbv", 4, 8, 4),
+    ("interleaved", 4, 8, 4 * (1 + 3 / 8)),  # p (1 + (p-1)/(p V)) with V = 2
+])
+def test_golden_inflight(schedule: str, p: int, m: int, want: float) -> None:
+    sim = simulate(schedule, p, m, Timing(1.0, 1.0, 1.0), virtual=2)
+    assert sim.peak_inflight(0) == pytest.approx(want)
+    assert held(schedule, p, m, 2) == pytest.approx(want)
+
+
+def test_one_f_one_b_stage_s_holds_p_minus_s() -> None:
+    sim = simulate("1f1b", 4, 8, Timing(1.0, 2.0))
+    assert [sim.peak_inflight(s) for s in range(4)] == [4, 3, 2, 1]
+    assert inflight("1f1b", 4, 8) == 4 and inflight("gpipe", 4, 8) == 8
+
+
+def test_zbv_is_a_v_and_sends_twice_as_much() -> None:
+    assert [device_of("zbv", c, 4) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert sends_per_microbatch("zbv", 4) == 2 * sends_per_microbatch("1f1b", 4)
+    sim = simulate("zbv", 4, 8, Timing(1.0, 1.0, 1.0))
+    assert {op.device for op in sim.ops if op.chunk == 7} == {0}  # the loss is on device 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(schedule=st.sampled_from(SCHEDULES), p=st.integers(1, 6), m=st.integers(1, 12),
+       times=st.tuples(*[st.floats(0.01, 5.0)] * 3), comm=st.floats(0.0, 0.5))
+def test_the_step_never_undercuts_one_microbatch_through_every_stage(
+        schedule: str, p: int, m: int, times: tuple[float, float, float], comm: float) -> None:
+    if schedule == "interleaved":
+        m = p * max(1, m // p)
+    timing = Timing(*times, comm=comm)
+    sim = simulate(schedule, p, m, timing, virtual=2)
+    sends = sends_per_microbatch(schedule, p, 2)
+    # One microbatch's chain: every stage's F, then every stage's B, sends both ways; a separate
+    # W (zero-bubble) waits on nothing after it, so only the last one is on the chain.
+    chain = p * timing.total if schedule not in ("zb-h1", "zbv") else p * (timing.forward + timing.backward)
+    chain += (timing.weight / (2 if schedule == "zbv" else 1)) if schedule in ("zb-h1", "zbv") else 0.0
+    assert sim.makespan >= chain + 2 * sends * comm - 1e-9
+    assert sim.makespan >= sim.ideal - 1e-9
+    by_device: dict[int, list[tuple[float, float]]] = {}
+    for op in sim.ops:
+        by_device.setdefault(op.device, []).append((op.start, op.end))
+    for spans in by_device.values():  # a device runs one op at a time
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
+    kinds = 3 if schedule in ("zb-h1", "zbv") else 2
+    assert len(sim.ops) == kinds * m * p * (2 if schedule in ("interleaved", "zbv") else 1)
+
+
+# --- cost -----------------------------------------------------------------------------------
+
+def test_cost_json_has_the_pipeline_object() -> None:
+    report = shardc.cost(shardc.plan(shardc.parse(EXAMPLE.read_text(), str(EXAMPLE))))
+    data = json.loads(report.json_text())["pipeline"]
+    for key in ("stages", "microbatches", "schedule", "bubble_of_ideal", "bubble_of_total",
+                "inflight_microbatches", "activation_factor", "p2p_bytes"):
+        assert key in data
+    assert (data["stages"], data["microbatches"], data["schedule"]) == (4, 16, "1f1b")
+    assert data["bubble_of_ideal"] == pytest.approx(3 / 16) and data["bubble_of_total"] == pytest.approx(3 / 19)
+    assert data["inflight_microbatches"] == 4 and data["activation_factor"] == 1
+    # Out[B_X, D_Y] of one microbatch: B/16 tokens over X=8, D over Y=4, bf16.
+    assert data["p2p_bytes"] == 4_194_304 // 16 // 8 * 4096 // 4 * 2
+    assert data["p2p_bytes_global"] == data["p2p_bytes"] * 32
+    assert data["network"] == "ici" and data["p2p_s"] > 0
+    stages = data["per_stage"]
+    assert [s["layers"] for s in stages] == [8] * 4 and [s["inflight_microbatches"] for s in stages] == [4, 3, 2, 1]
+    assert stages[0]["activation_bytes"] == pytest.approx(4 * stages[3]["activation_bytes"])
+    assert all(s["bound"] in ("compute", "communication") for s in stages)
+    # The step: the stage time times (m + bubble), sends free; the simulation adds the sends.
+    assert data["step_closed_s"] == pytest.approx(data["stage_time_s"] * (16 + 16 * 3 / 16))
+    assert data["step_s"] >= data["step_closed_s"]
+    text = report.render()
+    assert "pipeline over P: 4 stages, schedule 1f1b, 16 microbatches" in text
+    assert "bubble 18.8% of the ideal time ((p-1)/m), 15.8% of the step" in text
+
+
+def test_a_dcn_stage_axis_pays_dcn_for_its_sends() -> None:
+    from shardc.hardware import get_hardware
+
+    hw = get_hardware("tpu-v5p")
+
+    def p2p(mesh: str) -> tuple[float, float, str]:
+        s = spec(f"{mesh}\nlayers 8\nmicrobatches 8")
+        report = shardc.cost(shardc.plan(s), hardware="tpu-v5p")
+        assert report.pipeline is not None
+        return report.pipeline.p2p_s, report.pipeline.p2p_bytes, report.pipeline.network
+
+    slow, nbytes, net = p2p("mesh P=4 pipeline over dcn, X=2, Y=2")
+    assert net == "dcn" and slow == pytest.approx(nbytes / hw.dcn_bandwidth + hw.hop_latency)
+    fast, nbytes, net = p2p("mesh P=4 pipeline, X=2, Y=2")  # one ICI link, one way
+    assert net == "ici" and fast == pytest.approx(nbytes / hw.ici_bandwidth + hw.hop_latency)
+    assert nbytes == 4096 // 8 // 2 * 256 // 2 * 2  # Out[B_X, D_Y]: a microbatch's shard, bf16
+
+
+def test_weight_gradient_steps_and_the_boundary() -> None:
+    plan = shardc.plan(spec("mesh P=2 pipeline, X=2, Y=2\nlayers 2"))
+    assert microbatch_dim(plan) == "B" and str(boundary_tensor(plan)) == "Out[B_X, D_Y]"
+    assert {plan.backward[k].tensor for k in weight_steps(plan)} == {"dW_in", "dW_out"}
+
+
+def test_microbatches_must_divide_the_batch() -> None:
+    s = spec("mesh P=2 pipeline, X=2, Y=2\nlayers 2\nmicrobatches 3")
+    with pytest.raises(ShardcError, match="does not split into 3 microbatches"):
+        shardc.cost(shardc.plan(s))
+
+
+def test_schedule_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardc.cli.main import main
+
+    out = tmp_path / "gantt.png"
+    assert main(["cost", str(EXAMPLE), "--schedule-plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_schedule_plot_needs_a_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardc.cli.main import main
+
+    examples = Path(__file__).parents[1] / "examples"
+    assert main(["cost", str(examples / "fsdp_tp.shard"), "--schedule-plot", str(tmp_path / "x.png")]) != 0
+    assert "needs a pipelined spec" in capsys.readouterr().err
+
+
+def test_uneven_stages_pace_the_pipeline() -> None:
+    report = shardc.cost(shardc.plan(spec("mesh P=4 pipeline, X=2, Y=2\nlayers 10\nmicrobatches 8")))
+    assert report.pipeline is not None
+    stages = report.pipeline.stages
+    assert [s.layers for s in stages] == [3, 3, 2, 2]
+    assert stages[0].forward_s == pytest.approx(1.5 * stages[3].forward_s)
+    assert report.pipeline.timing.forward == pytest.approx(stages[0].forward_s)
+    assert math.isclose(report.layers, 3)
+
+
+def test_stage_activations_follow_the_save_policy() -> None:
+    s = spec("mesh P=2 pipeline, X=2, Y=2\nlayers 4\nmicrobatches 4")
+
+    def activations(save: str) -> float:
+        report = shardc.cost(shardc.plan(s, save=save))
+        assert report.pipeline is not None
+        first = report.pipeline.stages[0]
+        # The tables' residuals are one stage's layers on the whole batch (4 microbatches) at once.
+        per_micro = sum(b for v, b in report.memory.residuals if "B" in v) / 4
+        weights = sum(b for v, b in report.memory.residuals if "B" not in v)
+        assert first.activation_bytes == pytest.approx(first.layers * (per_micro * first.held + weights))
+        return first.activation_bytes
+
+    assert activations("none") < activations("default") <= activations("all")
+
+
+def test_uneven_split_is_stated_in_the_text() -> None:
+    report = shardc.cost(shardc.plan(spec("mesh P=4 pipeline, X=2, Y=2\nlayers 10\nmicrobatches 8")))
+    assert "10 layers over 4 stages, unevenly: 3, 3, 2, 2" in report.render()
+
+
+def test_plan_text_says_it_is_one_stage() -> None:
+    from shardc.planner.render import render_text
+
+    text = render_text(shardc.plan(shardc.parse(EXAMPLE.read_text(), str(EXAMPLE))))
+    assert text.splitlines()[1] == ("# pipeline over P: 32 layers over 4 stages: 8 a stage; 16 microbatches, "
+                                    "schedule 1f1b; below is one stage's plan, for one layer (nothing is "
+                                    "sharded over P); `shardc cost` gives the pipeline's step time")
+    assert "# step time" not in text  # one stage's plan over every layer is not the pipeline's step

@@ -1,0 +1,108 @@
+"""Lowering a pipelined spec to GPipe over the stage axis, and verifying it (values and HLO permutes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.errors import ShardcError
+from shardc.lowering.pipeline import lower_pipeline, permutes_expected
+from shardc.lowering.pipeline_1f1b import tick_tables
+from shardc.lowering.pipeline_verify import _permutes, _sizes, verify_pipeline
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
+
+
+@pytest.fixture(scope="module")
+def plan() -> shardc.planner.ir.Plan:  # type: ignore[name-defined]
+    return shardc.plan(shardc.parse(EXAMPLE.read_text(), str(EXAMPLE)))
+
+
+def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardc.cli.main import main
+
+    assert main(["lower", str(EXAMPLE)]) == 0
+    source = capsys.readouterr().out
+    compile(source, "pipeline_llama.py", "exec")  # valid Python
+    for line in ("STAGES = 4", "LAYERS = 32", "MICROBATCHES = 16", "TICKS = MICROBATCHES + STAGES - 1",
+                 "state = jax.lax.ppermute(x, PIPELINE_AXIS, SENDS)", "SENDS = [(0, 1), (1, 2), (2, 3)]",
+                 "def forward_local(", "def backward_local(", "layer.defvjp(_layer_fwd, _layer_bwd)",
+                 "def one_f_one_b_local(", "TICKS_1F1B = len(F_TABLE)"):
+        assert line in source
+    assert "jax.lax.all_gather(" in source  # the stage's own plan (FSDP over X) is composed in
+
+
+def test_a_schedule_that_does_not_lower_says_it_lowers_as_gpipe(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    from shardc.cli.main import main
+
+    spec = tmp_path / "interleaved.shard"
+    spec.write_text(EXAMPLE.read_text().replace("schedule 1f1b", "schedule interleaved 2"))
+    assert main(["lower", str(spec)]) == 0
+    source = capsys.readouterr().out
+    assert "# schedule interleaved lowers as GPipe (same values)" in source
+    assert "def one_f_one_b_local(" not in source
+
+
+def test_the_python_api_lowers_a_pipelined_spec_to_its_pipeline() -> None:
+    from shardc.lowering.pipeline import PipelineLowered
+
+    spec = shardc.parse(EXAMPLE.read_text().replace("schedule 1f1b", "schedule gpipe"), "gpipe")
+    lowered = shardc.lower(shardc.plan(spec), sizes={"X": 2, "Y": 1, "B": 64, "D": 8, "F": 16, "N": 2, "H": 4})
+    assert isinstance(lowered, PipelineLowered)
+    assert "jax.lax.ppermute" in lowered.source and lowered.pipeline.stages == 4
+
+
+def _values_ok(report: object) -> None:
+    names = {(r.phase, r.tensor) for r in report.values}  # type: ignore[attr-defined]
+    assert names == {("forward", "Out"), ("backward", "dIn")} | {
+        ("backward", f"dW_{w}") for w in ("q", "o", "gate", "up", "down")}
+    assert all(r.ok for r in report.values), [r for r in report.values if not r.ok]  # type: ignore[attr-defined]
+
+
+def test_verify_runs_gpipe_on_eight_devices_against_numpy() -> None:
+    gpipe = shardc.plan(shardc.parse(EXAMPLE.read_text().replace("schedule 1f1b", "schedule gpipe"), "gpipe"))
+    report = verify_pipeline(gpipe, devices=8)
+    assert report.mesh == {"P": 4, "X": 2, "Y": 1}
+    assert report.sizes["layers"] == 8 and report.sizes["microbatches"] == 8
+    _values_ok(report)
+    permutes = [r for r in report.collectives if r.kind == "CollectivePermute"]
+    assert len(permutes) == 3 and all(r.ok for r in permutes)  # forward; recompute + cotangents
+    assert all(r.hlo_op == f"collective-permute x {permutes_expected(4, 8)}" for r in permutes)
+    assert report.ok, [r for r in report.collectives if not r.ok]
+
+
+def test_verify_runs_the_examples_1f1b(plan: object) -> None:
+    report = verify_pipeline(plan, devices=8)  # type: ignore[arg-type]
+    assert report.mesh == {"P": 4, "X": 2, "Y": 1}
+    _values_ok(report)
+    loop, down, up = report.collectives[:3]
+    assert loop.ok and loop.hlo_op == "while x [22]"  # 2 (m + p - 1) ticks
+    assert down.ok and up.ok and down.hlo_op == up.hlo_op == "collective-permute x 1"
+    assert report.ok, [r for r in report.collectives if not r.ok]
+
+
+def test_missing_permutes_are_a_mismatch(plan: object) -> None:
+    sizes, layers, micro = _sizes(plan, 8)  # type: ignore[arg-type]
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)  # type: ignore[arg-type]
+    rows = _permutes(lowered, "", "")
+    assert len(rows) == 3 and not any(r.ok for r in rows)
+    assert rows[0].plan_bytes == permutes_expected(4, 8) * 2 * 8 * 2  # Out[B_X, D_Y]: B/X=2 x D=8, bf16
+
+
+def test_uneven_stages_do_not_lower(plan: object) -> None:
+    with pytest.raises(ShardcError, match="do not split evenly"):
+        lower_pipeline(plan, layers=10, load=False)  # type: ignore[arg-type]
+
+
+def test_1f1b_tick_tables_follow_the_simulation() -> None:
+    f_table, b_table = tick_tables(4, 8)
+    assert len(f_table) == 2 * (8 + 4 - 1)
+    for table in (f_table, b_table):  # every microbatch once on every stage
+        for s in range(4):
+            assert sorted(row[s] for row in table if row[s] >= 0) == list(range(8))
+    assert all(not (f >= 0 and b >= 0) for fr, br in zip(f_table, b_table, strict=True)
+               for f, b in zip(fr, br, strict=True))  # one op a tick
+    assert [row[0] for row in f_table[:4]] == [0, 1, 2, 3]  # stage 0: p - 1 warm-up forwards, then one more
