@@ -258,3 +258,14 @@ def test_docstring_examples(module: str) -> None:
 @given(specs(dims=True))
 def test_specs_with_dims_always_have_sizes(spec: Spec) -> None:
     assert spec.dims and all(i in spec.sizes for s in spec.statements for i in s.result.indices)
+
+
+def test_a_refs_cached_hash_and_layout_never_leave_the_process() -> None:
+    import pickle
+
+    from shardc.spec.ir import Dim, TensorRef
+
+    ref = TensorRef("W", (Dim("D", ("X",)), Dim("F")), ("Y", "X"))
+    assert hash(ref) == hash(TensorRef("W", (Dim("D", ("X",)), Dim("F")), ("X", "Y"))) and ref.layout == (("X",), ())
+    again = pickle.loads(pickle.dumps(ref))
+    assert again == ref and "_hash" not in again.__dict__ and "_layout" not in again.__dict__

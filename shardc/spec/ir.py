@@ -159,6 +159,18 @@ class TensorRef:
         if normal != self.unreduced:
             object.__setattr__(self, "unreduced", normal)
 
+    def __hash__(self) -> int:
+        # The planner keys dicts and sets by refs many thousand times a plan: hash the fields once.
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.name, self.dims, self.unreduced))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, object]:
+        # The caches stay behind: a string's hash differs between processes.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_layout")}
+
     @property
     def indices(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.dims)
@@ -166,7 +178,11 @@ class TensorRef:
     @property
     def layout(self) -> tuple[tuple[str, ...], ...]:
         """The axes of each dim, in dim order."""
-        return tuple(d.axes for d in self.dims)
+        cached: tuple[tuple[str, ...], ...] | None = self.__dict__.get("_layout")
+        if cached is None:
+            cached = tuple(d.axes for d in self.dims)
+            object.__setattr__(self, "_layout", cached)
+        return cached
 
     def sharding_text(self) -> str:
         """The bracketed part and suffix, without the name: ``[B_X, D]{U_Y}``."""
