@@ -31,7 +31,7 @@ fix: a mesh axis shards at most one dim of a tensor (or marks it unreduced): rem
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from shardc.errors import ShardcError, Span
 from shardc.pipeline.stages import check_pipeline
@@ -144,43 +144,40 @@ def _check_layers(spec: Spec) -> None:
 
 
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:
-    if spec.params is None:
-        return
-    names = {ref.name for s in spec.statements for ref in leaves(s.expr)}
-    seen: dict[str, int] = {}
-    for name in spec.params:
-        span = _nth_span(spec, f"param:{name}", seen.get(name, 0))
-        if name in seen:
-            raise ShardcError(f"param {name} is listed twice", span, fix=f"list {name} once")
-        seen[name] = 1
-        if name in defined:
-            raise ShardcError(f"param {name} is computed by a statement, not an input", span,
-                              fix=f"params are trainable inputs: remove {name} from `param`")
-        if name not in names:
-            inputs = sorted(names - set(defined))
-            raise ShardcError(f"param {name} is not a tensor of the spec", span,
-                              fix="list input tensors the statements read: " + (", ".join(inputs) or "none"))
+    if spec.params is not None:
+        _check_listed(spec, defined, "param", spec.params, "params are trainable inputs: remove {name} from `param`")
 
 
 def _check_const(spec: Spec, defined: dict[str, int]) -> None:
     """``const`` names inputs that get no gradient: read, never computed, not trainable."""
-    names = {ref.name for s in spec.statements for ref in leaves(s.expr)}
-    seen: dict[str, int] = {}
-    for name in spec.const:
-        span = _nth_span(spec, f"const:{name}", seen.get(name, 0))
-        if name in seen:
-            raise ShardcError(f"const {name} is listed twice", span, fix=f"list {name} once")
-        seen[name] = 1
-        if name in defined:
-            raise ShardcError(f"const {name} is computed by a statement, not an input", span,
-                              fix=f"`const` lists inputs that need no gradient: remove {name} from `const`")
+    def not_a_param(name: str, span: Span | None) -> None:
         if spec.params is not None and name in spec.params:
             raise ShardcError(f"{name} is both a param and const", span,
                               fix=f"a param is trained, so it has a gradient: remove {name} from `const` "
                               "or from `param`")
+
+    _check_listed(spec, defined, "const", spec.const,
+                  "`const` lists inputs that need no gradient: remove {name} from `const`", not_a_param)
+
+
+def _check_listed(spec: Spec, defined: dict[str, int], keyword: str, listed: tuple[str, ...], computed_fix: str,
+                  also: Callable[[str, Span | None], None] | None = None) -> None:
+    """A header line listing inputs (``param``, ``const``): each once, read by a statement, never computed."""
+    names = {ref.name for s in spec.statements for ref in leaves(s.expr)}
+    seen: dict[str, int] = {}
+    for name in listed:
+        span = _nth_span(spec, f"{keyword}:{name}", seen.get(name, 0))
+        if name in seen:
+            raise ShardcError(f"{keyword} {name} is listed twice", span, fix=f"list {name} once")
+        seen[name] = 1
+        if name in defined:
+            raise ShardcError(f"{keyword} {name} is computed by a statement, not an input", span,
+                              fix=computed_fix.format(name=name))
+        if also is not None:
+            also(name, span)
         if name not in names:
             inputs = sorted(names - set(defined))
-            raise ShardcError(f"const {name} is not a tensor of the spec", span,
+            raise ShardcError(f"{keyword} {name} is not a tensor of the spec", span,
                               fix="list input tensors the statements read: " + (", ".join(inputs) or "none"))
 
 
