@@ -29,7 +29,7 @@ from shardc.hardware import Hardware, default_spans, resolve_hardware
 from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Mesh, TensorRef
 
-__all__ = ["StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
+__all__ = ["bound_of", "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
            "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_sizes", "plan_spans", "resolve_layers"]
 
 
@@ -154,6 +154,11 @@ def describe(step: Step) -> str:
 def phase_seconds(compute_s: float, comm_s: float) -> float:
     """A phase's time: its collectives overlap its compute (the book's max)."""
     return max(compute_s, comm_s)
+
+
+def bound_of(compute_s: float, comm_s: float) -> str:
+    """The verdict beside :func:`phase_seconds`: which of the two sets the time."""
+    return "communication" if comm_s > compute_s else "compute"
 
 
 def step_seconds(forward_s: float, backward_s: float) -> float:

@@ -35,7 +35,7 @@ from shardc.pipeline.schedules import Simulation, Timing, simulate
 from shardc.pipeline.stages import Pipeline, pipeline_of
 from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Network, TensorRef
-from shardc.timing import StepCost, cost_step, local_elements
+from shardc.timing import StepCost, bound_of, cost_step, local_elements
 
 if TYPE_CHECKING:
     from shardc.costmodel.report import CostReport
@@ -65,7 +65,7 @@ class StageCost:
 
     @property
     def bound(self) -> str:
-        return "communication" if self.comm_s > self.compute_s else "compute"
+        return bound_of(self.compute_s, self.comm_s)
 
     @property
     def memory_bytes(self) -> float:

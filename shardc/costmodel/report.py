@@ -33,7 +33,7 @@ from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
-from shardc.timing import phase_seconds, plan_sizes, plan_spans, resolve_layers, step_seconds
+from shardc.timing import bound_of, phase_seconds, plan_sizes, plan_spans, resolve_layers, step_seconds
 
 __all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes"]
 
@@ -97,7 +97,7 @@ class PhaseCost:
 
     @property
     def bound(self) -> str:
-        return "communication" if self.comm_s > self.compute_s else "compute"
+        return bound_of(self.compute_s, self.comm_s)
 
     @property
     def step_s(self) -> float:

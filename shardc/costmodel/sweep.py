@@ -20,6 +20,7 @@ from shardc.costmodel.report import default_spans, resolve_layers, resolve_sizes
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
 from shardc.spec.parser import MAX_SIZE
+from shardc.timing import bound_of
 
 __all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot", "check_plot_path"]
 
@@ -33,7 +34,7 @@ class SweepPoint:
 
     @property
     def bound(self) -> str:
-        return "communication" if self.comm_s > self.compute_s else "compute"
+        return bound_of(self.compute_s, self.comm_s)
 
 
 @dataclass(frozen=True)
