@@ -26,7 +26,11 @@ __all__ = ["Node", "Graph", "build_graph"]
 
 @dataclass(frozen=True)
 class Node:
-    """One operation: ``kind`` is "einsum" (1 or 2 operands) or "elementwise"."""
+    """One operation: ``kind`` is "einsum" (1 or 2 operands) or "elementwise".
+
+    The transformer-layer ops add kinds of their own; ``call`` is the spec's call a node
+    comes from (its index names, numbers and ``over`` index), ``signs`` a sum's term signs.
+    """
 
     kind: str
     result: str
@@ -36,6 +40,8 @@ class Node:
     statement: Statement
     fn: str | None = None
     chain: int = 0  # position in a chain of intermediates (0: not in one)
+    call: Call | None = None  # the call this node computes (non-elementwise functions)
+    signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
 
 
 @dataclass(frozen=True)
