@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
+from shardc.lowering.layer_code import LAYER_FNS, layer_code
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
 from shardc.spec.ir import Mesh, TensorRef
@@ -208,9 +209,9 @@ def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:
 
 def _elementwise_code(step: Step, var: _Namer) -> str:
     fn = step.fn or ""
+    if fn.startswith("add") or fn in LAYER_FNS:
+        return layer_code(step, var)
     args = [_aligned(ref, step.dst, var) for ref in step.operands]
-    if fn == "add":
-        return " + ".join(args)
     if fn.endswith("_vjp"):
         jax_fn = function(fn[: -len("_vjp")]).jax
         return f"jax.vjp({jax_fn}, {args[0]})[1]({args[1]})[0]"

@@ -23,7 +23,7 @@ import numpy as np
 
 from shardc.errors import ShardcError
 from shardc.lowering.functions import function
-from shardc.spec.ir import Call, Contract, Expr, Spec, TensorRef
+from shardc.spec.ir import Add, Call, Contract, Expr, Spec, TensorRef
 from shardc.spec.validate import chain_indices, fold, leaves
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
@@ -41,6 +41,7 @@ class _Node:
     labels: tuple[tuple[str, ...], ...]  # each operand's indices
     out: tuple[str, ...]  # the result's indices
     fn: str | None = None
+    signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -71,6 +72,14 @@ class _Builder:
         if isinstance(expr, TensorRef):
             self.labels.setdefault(expr.name, expr.indices)
             return expr.name
+        if isinstance(expr, Add):
+            terms = [self.value(t, chain_indices(t, keep)) for t in expr.terms]
+            key = self.temp()
+            out = chain_indices(expr, keep)
+            self.nodes.append(_Node(key, tuple(terms), tuple(self.labels[t] for t in terms), out, "add",
+                                    expr.signs))
+            self.labels[key] = out
+            return key
         if isinstance(expr, Call):
             arg = self.value(expr.arg, keep)
             key = self.temp()
@@ -94,11 +103,17 @@ class _Builder:
         return key
 
     def statement(self, result: TensorRef, expr: Expr) -> None:
+        if isinstance(expr, TensorRef) and set(expr.indices) != set(result.indices):
+            # a rename (`Kx[B, T, D] = X[B, S, D]`): the same array, its indices renamed by position
+            self.labels.setdefault(expr.name, expr.indices)
+            self.nodes.append(_Node(result.name, (expr.name,), (expr.indices,), result.indices, "rename"))
+            self.labels[result.name] = result.indices
+            return
         key = self.value(expr, result.indices)
         if not key.startswith("#") or self.labels[key] != result.indices:
             key = self.einsum([key], result.indices)  # a permuted (or copied) tensor
         last = self.nodes[-1]
-        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn)
+        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn, last.signs)
         self.labels[result.name] = result.indices
 
 
@@ -131,6 +146,35 @@ def _contract(xp: Any, arrays: list[Array], labels: list[tuple[str, ...]], out: 
     return xp.broadcast_to(value, [shape[i] for i in out])
 
 
+_LAYER = frozenset({"add", "rename"})  # the linear transformer-layer maps
+
+
+def _layer_forward(xp: Any, node: _Node, args: list[Array], shape: dict[str, int],
+                   absolute: bool = False) -> Array:
+    """A sum (each term broadcast to the result's indices, signed) or a rename (the same array)."""
+    if node.fn == "rename":
+        shape.update(zip(node.out, args[0].shape, strict=True))
+        return args[0]
+    total = None
+    for arg, labels, sign in zip(args, node.labels, node.signs, strict=True):
+        term = _contract(xp, [arg], [labels], node.out, shape)
+        term = term if sign > 0 or absolute else -term
+        total = term if total is None else total + term
+    return total
+
+
+def _layer_backward(xp: Any, node: _Node, d: Array, shape: dict[str, int],
+                    absolute: bool = False) -> list[tuple[str, Array]]:
+    """Each operand's gradient: ±d summed over the indices a term lacks; a rename's is d itself."""
+    if node.fn == "rename":
+        return [(node.operands[0], d)]
+    out = []
+    for name, labels, sign in zip(node.operands, node.labels, node.signs, strict=True):
+        g = _contract(xp, [d], [node.out], labels, shape)
+        out.append((name, g if sign > 0 or absolute else -g))
+    return out
+
+
 def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
          given: dict[str, Array] | None) -> tuple[dict[str, Array], dict[str, int]]:
     values = dict(inputs)
@@ -139,7 +183,9 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.fn is not None:
+        if node.fn in _LAYER:
+            values[node.result] = _layer_forward(xp, node, args, shape)
+        elif node.fn is not None:
             values[node.result] = function(node.fn).forward(args[0], xp)
         else:
             values[node.result] = _contract(xp, args, list(node.labels), node.out, shape)
@@ -177,6 +223,10 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if node.fn in _LAYER:
+            for name, g in _layer_backward(xp, node, d, shape):
+                add(name, g)
+            continue
         if node.fn is not None:
             add(node.operands[0], d * function(node.fn).derivative(values[node.operands[0]], xp))
             continue
@@ -201,7 +251,9 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.fn is not None:
+        if node.fn in _LAYER:  # linear maps: the magnitudes map alike, signs dropped
+            mag[node.result] = _layer_forward(np, node, [mag[o] for o in node.operands], shape, absolute=True)
+        elif node.fn is not None:
             z, f = values[node.operands[0]], function(node.fn)
             mag[node.result] = np.abs(f.forward(z, np)) + np.abs(f.derivative(z, np)) * mag[node.operands[0]]
         else:
@@ -211,6 +263,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if node.fn in _LAYER:
+            for name, g in _layer_backward(np, node, d, shape, absolute=True):
+                grads[name] = grads.get(name, 0) + g
+            continue
         if node.fn is not None:
             z, m = values[node.operands[0]], mag[node.operands[0]]
             grads[node.operands[0]] = grads.get(node.operands[0], 0) + d * _slope(function(node.fn), z, m)

@@ -33,6 +33,7 @@ from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.sums import ALIAS
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 
@@ -169,6 +170,12 @@ class _Backward:
         if node.kind == "elementwise":
             self.elementwise(node, grad)
             return
+        if node.kind == "add":
+            self.add(node, grad)
+            return
+        if node.kind == "rename":
+            self.rename(node, grad)
+            return
         if len(node.operands) == 1:
             (a,) = node.operands
             if a in self.needs:
@@ -181,6 +188,34 @@ class _Backward:
             self.contribute(b, (a, grad), (a, grad))
         if a in self.needs:
             self.contribute(a, (grad, b), (grad, b))
+
+    def add(self, node: Node, grad: str) -> None:
+        """``R = A ± B``: dA = ±dR, summed over the indices A lacks (the einsum ``dR[B, S, D] -> dA[D]``)."""
+        for term, sign in zip(node.operands, node.signs, strict=True):
+            if term not in self.needs:
+                continue
+            source = grad
+            if sign < 0:  # -dR, once for every term it feeds
+                source = fresh(f"{grad}_neg", self.taken)
+                self.phase.indices[source] = node.indices
+                value = self.target(node.result)
+                self.phase.emit(Step(Op.ELEMENTWISE, source, self.phase.ref(source, value),
+                                     operands=(self.phase.ref(grad, value),), fn="neg"), value)
+            self.contribute(term, (source,), (source,))
+
+    def rename(self, node: Node, grad: str) -> None:
+        """``Kx[B, T, D] = X[B, S, D]``: dKx is X's contribution, renamed back (an alias, no step of data)."""
+        (src,) = node.operands
+        if src not in self.needs:
+            return
+        value = self.target(node.result)
+        dst = self.part_name(src)
+        self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, value),
+                             operands=(self.phase.ref(grad, value),), fn=ALIAS), value)
+        if self.count.get(src, 0) > 1:
+            self.parts.setdefault(src, []).append((dst, value))
+        elif value != self.target(src):
+            self._move(dst, value, self.target(src))
 
     def elementwise(self, node: Node, grad: str) -> None:
         (z,) = node.operands

@@ -69,14 +69,18 @@ class Phase:
                            note=note), m.dst)
 
     def einsum(self, result: str, operands: tuple[str, ...], target: Value | None,
-               label: str, rule_given: tuple[Value, ...] | None = None, span: Span | None = None) -> Value:
-        """Plan one einsum into steps; returns the result value it ends in."""
+               label: str, rule_given: tuple[Value, ...] | None = None, span: Span | None = None,
+               partial: bool = False) -> Value:
+        """Plan one einsum into steps; returns the result value it ends in.
+
+        ``partial``: without a target, the result may stay partial sums (a term of a sum).
+        """
         problem = EinsumProblem(
             tuple(Operand(n, self.indices[n], tuple(self.held[n])) for n in operands),
-            result, self.indices[result], target)
+            result, self.indices[result], target, partial)
         # Layers repeat: the same problem (up to names) is solved and explained once.
         key = (tuple((o.indices, o.sources, o.name in self.ctx.weights) for o in problem.operands),
-               problem.indices, target, result in self.ctx.weights, self.name, rule_given)
+               problem.indices, target, result in self.ctx.weights, self.name, rule_given, partial)
         hit = self.solved.get(key)
         if hit is None:
             try:
@@ -101,7 +105,7 @@ class Phase:
 
     def solve(self, problem: EinsumProblem,
               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
-        if len(problem.operands) == 1:
+        if len(problem.operands) == 1 and set(problem.indices) >= set(problem.operands[0].indices):
             return self.solve_copy(problem), []
         if self.sized:
             return solve(self.ctx, problem)

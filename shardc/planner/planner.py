@@ -23,6 +23,7 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
@@ -221,6 +222,10 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) ->
         k += 1
 
 
+# The transformer-layer nodes, each planned by its own module.
+LAYER_PLANS = {"add": plan_add, "rename": plan_rename}
+
+
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
     # A pre-activation (the A · B of f(A · B)) takes the layout f's result is declared in:
     # moving it before f costs what moving f's result would, so the einsum search sees the
@@ -231,7 +236,11 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
         return
-    final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span)
+    if node.kind in LAYER_PLANS:
+        LAYER_PLANS[node.kind](phase, node, declared, target)
+        return
+    final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span,
+                         partial=node.partial)
     if node.result not in declared:  # a chain intermediate: the planner chose its sharding
         declared[node.result] = phase.ref(node.result, final)
 

@@ -57,7 +57,8 @@ def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
 
 def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None) -> list[str]:
     lines = [title]
-    for k, step in enumerate(steps, 1):
+    shown = [s for s in steps if s.fn != "alias"]  # a rename is a new name for the same array: no step
+    for k, step in enumerate(shown, 1):
         lines.append(_step_line(k, step, sizes))
     formula, _, terms = phase_total(steps)
     total = f"       total {formula} bytes"
