@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from shardc.costmodel.collective import local_elements
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
+from shardc.planner.sums import ALIAS
 from shardc.spec.ir import TensorRef
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory"]
@@ -86,15 +87,26 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
 
 
 def residual_values(plan: Plan) -> list[TensorRef]:
-    """Forward values the backward reads, each once, in the order first read."""
+    """Forward values the backward reads, each once, in the order first read.
+
+    A rename's value (an alias step, :data:`shardc.planner.sums.ALIAS`) is its source's
+    array under another name: it is counted as that source, once.
+    """
     made = {s.dst for s in plan.backward}
     declared_params = {info.ref for info in plan.tensors if info.role == "param"}
     skip = made | set(plan.cotangents) | declared_params
-    out: list[TensorRef] = list(dict.fromkeys(r for r in plan.residuals if r not in skip))
+    aliases = {s.dst: s.operands[0] for s in plan.forward if s.fn == ALIAS}
+
+    def root(ref: TensorRef) -> TensorRef:
+        while ref in aliases:
+            ref = aliases[ref]
+        return ref
+
+    out: list[TensorRef] = list(dict.fromkeys(root(r) for r in plan.residuals if r not in skip))
     for step in plan.backward:
         for ref in _reads(step):
-            if ref not in skip and ref not in out:
-                out.append(ref)
+            if ref not in skip and root(ref) not in out:
+                out.append(root(ref))
     return out
 
 

@@ -68,11 +68,25 @@ def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
     return count
 
 
+def _renames(graph: Graph, needs: set[str], count: dict[str, int]) -> frozenset[str]:
+    """Renames' results: their gradient's contributions are kept as made, to become their source's."""
+    renamed = set()
+    for node in graph.nodes:
+        if node.kind == "rename" and node.result in needs:
+            (src,) = node.operands
+            made = count.get(node.result, 0)
+            count[src] = count.get(src, 0) + max(made, 1) - 1  # one per contribution to the alias
+            count[node.result] = max(made, 2)  # kept as made (see _Backward.rename)
+            renamed.add(node.result)
+    return frozenset(renamed)
+
+
 class _Backward:
     def __init__(self, graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str) -> None:
         self.graph, self.forward, self.declared = graph, forward, declared
         self.needs = _needs_grad(graph)
         self.count = _contributors(graph, self.needs)
+        self.renamed = _renames(graph, self.needs, self.count)
         self.grads = graph.grads
         self.taken = set(graph.names) | set(graph.grads.values())  # for the parts' names
         self.parts: dict[str, list[tuple[str, Value]]] = {}  # tensor -> its contributions, as made
@@ -165,6 +179,9 @@ class _Backward:
     def node(self, node: Node) -> None:
         if node.result not in self.needs:
             return
+        if node.kind == "rename":
+            self.rename(node)
+            return
         self.finish(node.result)
         grad = self.grads[node.result]
         if node.kind == "elementwise":
@@ -172,9 +189,6 @@ class _Backward:
             return
         if node.kind == "add":
             self.add(node, grad)
-            return
-        if node.kind == "rename":
-            self.rename(node, grad)
             return
         if len(node.operands) == 1:
             (a,) = node.operands
@@ -201,21 +215,34 @@ class _Backward:
                 value = self.target(node.result)
                 self.phase.emit(Step(Op.ELEMENTWISE, source, self.phase.ref(source, value),
                                      operands=(self.phase.ref(grad, value),), fn="neg"), value)
-            self.contribute(term, (source,), (source,))
+            if self.phase.indices[term] == node.indices:
+                self.alias(term, source, self.target(node.result))  # dA is dR itself: no copy
+            else:
+                self.contribute(term, (source,), (source,))
 
-    def rename(self, node: Node, grad: str) -> None:
-        """``Kx[B, T, D] = X[B, S, D]``: dKx is X's contribution, renamed back (an alias, no step of data)."""
+    def rename(self, node: Node) -> None:
+        """``Kx[B, T, D] = X[B, S, D]``: each contribution to dKx, as made, is one to dX renamed back.
+
+        So X's partial gradients from its own readers and from its alias's are added
+        before one reduction (self-attention's dX from queries, keys and values).
+        """
         (src,) = node.operands
-        if src not in self.needs:
-            return
-        value = self.target(node.result)
-        dst = self.part_name(src)
+        parts = self.parts.pop(node.result, [])
+        if not parts:  # an output: its cotangent, in its declared sharding
+            parts = [(self.grads[node.result], self.target(node.result))]
+        if src in self.needs:
+            for part, value in parts:
+                self.alias(src, part, value)
+
+    def alias(self, primal: str, grad: str, value: Value) -> None:
+        """``grad`` (held as ``value``) is a contribution to ``primal``'s gradient as it is: an alias step."""
+        dst = self.part_name(primal)
         self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, value),
                              operands=(self.phase.ref(grad, value),), fn=ALIAS), value)
-        if self.count.get(src, 0) > 1:
-            self.parts.setdefault(src, []).append((dst, value))
-        elif value != self.target(src):
-            self._move(dst, value, self.target(src))
+        if self.count.get(primal, 0) > 1:
+            self.parts.setdefault(primal, []).append((dst, value))
+        elif value != self.target(primal):
+            self._move(dst, value, self.target(primal))
 
     def elementwise(self, node: Node, grad: str) -> None:
         (z,) = node.operands
