@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from shardc.errors import ShardcError
 from shardc.spec.functions import ELEMENTWISE
 from shardc.spec.ir import (
+    Add,
     Call,
     Contract,
     Dim,
@@ -106,6 +107,7 @@ class _State:
     tensors: dict[str, TensorRef] = field(default_factory=dict)
     defined: set[str] = field(default_factory=set)
     counter: int = 0
+    same: dict[str, str] = field(default_factory=dict)  # a renamed index -> the one it renames (one size)
 
     def fresh(self, base: str) -> str:
         self.counter += 1
@@ -167,10 +169,45 @@ def _single(draw: st.DrawFn, state: _State) -> tuple[TensorRef, list[str]]:
     return ref, draw(st.permutations(ref.indices))
 
 
+def _sum(draw: st.DrawFn, state: _State) -> tuple[Add, list[str]]:
+    """``T ± U``: a contraction or a tensor, plus a new input with all or a subset of its indices."""
+    inner: Expr
+    inner, indices = _contraction(draw, state, 2) if draw(st.booleans()) else _single(draw, state)
+    sub = draw(st.permutations(indices)) if draw(st.booleans()) else draw(
+        st.lists(st.sampled_from(indices), unique=True) if indices else st.just([]))
+    term = _input(draw, state, list(sub))
+    terms = (inner, term) if draw(st.booleans()) else (term, inner)
+    return Add(terms, (1, draw(st.sampled_from((1, -1))))), indices
+
+
+def _rename(draw: st.DrawFn, state: _State) -> Statement | None:
+    """``Kx[B, T] = X[B, S]``: an existing tensor with one index renamed (the sizes agree)."""
+    named = sorted(n for n, r in state.tensors.items() if r.indices and not r.unreduced)
+    if not named:
+        return None
+    source = state.tensors[draw(st.sampled_from(named))]
+    k = draw(st.integers(0, len(source.indices) - 1))
+    new = state.fresh("Ix")
+    state.same[new] = source.indices[k]
+    indices = list(source.indices)
+    indices[k] = new
+    result = draw(tensor_refs(state.fresh("Kx"), indices, state.mesh))
+    state.tensors[result.name] = result
+    state.defined.add(result.name)
+    return Statement(result, source)
+
+
 def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -> Statement:
     kind = draw(st.sampled_from(kinds))
     expr: Expr
-    if kind == "reshard":
+    if kind == "rename":
+        renamed = _rename(draw, state)
+        if renamed is not None:
+            return renamed
+        kind = "contract"
+    if kind == "sum":
+        expr, indices = _sum(draw, state)
+    elif kind == "reshard":
         expr, indices = _single(draw, state)
     elif kind == "contract":
         expr, indices = _contraction(draw, state, draw(st.integers(2, 3 if chains else 2)))
@@ -200,15 +237,22 @@ def _contracts_an_index(expr: Expr, result: list[str]) -> bool:
 @st.composite
 def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, dims: bool | None = None,
           chains: bool = True, calls: bool = True, unreduced: bool = True, reshards: bool = True,
-          headers: bool = True, max_devices: int = 64) -> Spec:
-    """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never)."""
+          headers: bool = True, max_devices: int = 64, sums: bool = True, renames: bool = True) -> Spec:
+    """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never).
+
+    ``sums`` draws ``A ± B`` (a term may broadcast), ``renames`` ``Kx[B, T] = X[B, S]``.
+    """
     state = _State(mesh if mesh is not None else draw(meshes(max_devices=max_devices)), unreduced)
-    kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls
+    kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls + ["sum"] * sums + ["rename"] * renames
     count = draw(st.integers(1, max_statements))
     statements = tuple(_statement(draw, state, kinds, chains) for _ in range(count))
     used = dict.fromkeys(i for s in statements for r in [s.result, *leaves(s.expr)] for i in r.indices)
     with_dims = draw(st.booleans()) if dims is None else dims
-    sizes = tuple((i, state.mesh.devices * draw(st.integers(1, 4))) for i in used) if with_dims else ()
+    drawn = {i: state.mesh.devices * draw(st.integers(1, 4)) for i in used} if with_dims else {}
+    for new, old in state.same.items():  # a rename keeps the size
+        if new in drawn:
+            drawn[new] = drawn.get(old, drawn[new])
+    sizes = tuple(drawn.items())
     if with_dims and not sizes:  # only zero-dim tensors: a dims line still says "sizes are known"
         sizes = (("L", draw(st.integers(1, 96))),)
     spec = Spec(state.mesh, statements, dims=sizes)

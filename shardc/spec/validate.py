@@ -38,7 +38,7 @@ from shardc.pipeline.stages import check_pipeline
 from shardc.spec.functions import integer_args, is_known, known_list, signature
 from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 
-__all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices"]
+__all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices", "renamed_indices"]
 
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
@@ -397,8 +397,7 @@ def _check_indices(statement: Statement, spec: Spec) -> None:
                           result.unreduced_span or result.span,
                           fix="drop the {U_...} suffix: a function needs reduced values")
     _check_partial_sums(statement)
-    if isinstance(expr, TensorRef) and set(expr.indices) != set(result.indices) and \
-            len(expr.indices) == len(result.indices):
+    if is_rename(statement):
         _check_rename(statement, spec)
         return
     have = _indices(expr)
@@ -418,6 +417,25 @@ def _check_indices(statement: Statement, spec: Spec) -> None:
             raise ShardcError(f"{result.name} has indices {', '.join(result.indices) or 'none'}, but {what} "
                               f"gives {', '.join(made) or 'a scalar'}", result.span,
                               fix=f"write {result.name}[{', '.join(made)}]")
+
+
+def is_rename(statement: Statement) -> bool:
+    """``Kx[B, T, D] = X[B, S, D]``: a tensor read under other index names (by position)."""
+    expr = statement.expr
+    return isinstance(expr, TensorRef) and set(expr.indices) != set(statement.result.indices) and \
+        len(expr.indices) == len(statement.result.indices)
+
+
+def renamed_indices(spec: Spec) -> list[tuple[str, str]]:
+    """(new, old) for each index a rename gives another name: the two have one size."""
+    pairs: dict[tuple[str, str], None] = {}
+    for statement in spec.statements:
+        if is_rename(statement):
+            assert isinstance(statement.expr, TensorRef)
+            for new, old in zip(statement.result.indices, statement.expr.indices, strict=True):
+                if new != old:
+                    pairs[(new, old)] = None
+    return list(pairs)
 
 
 def _check_rename(statement: Statement, spec: Spec) -> None:
