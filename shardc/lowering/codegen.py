@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
-from shardc.lowering.layer_code import LAYER_FNS, layer_code
+from shardc.lowering.layer_code import LAYER_FNS, MASKS, layer_code
+from shardc.planner.masks import parse_fn
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
 from shardc.spec.ir import Mesh, TensorRef
@@ -209,7 +210,7 @@ def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:
 
 def _elementwise_code(step: Step, var: _Namer) -> str:
     fn = step.fn or ""
-    if fn.startswith("add") or fn in LAYER_FNS:
+    if fn.startswith("add") or fn in LAYER_FNS or parse_fn(fn)[0] in MASKS:
         return layer_code(step, var)
     args = [_aligned(ref, step.dst, var) for ref in step.operands]
     if fn.endswith("_vjp"):

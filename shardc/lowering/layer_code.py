@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardc.planner.ir import Step
+from shardc.planner.masks import parse_fn
 from shardc.planner.sums import ALIAS, guard_axes
 from shardc.spec.ir import TensorRef
 
 __all__ = ["LAYER_FNS", "layer_code", "broadcast_text"]
 
 LAYER_FNS = frozenset({"neg", ALIAS})
+MASKS = ("causal", "causal_vjp", "dropout", "dropout_mask", "dropout_vjp")  # fns written f(args)
 
 
 def _axes_entry(axes: tuple[str, ...]) -> str:
@@ -44,9 +46,31 @@ def _term(ref: TensorRef, dst: TensorRef, var: Callable[[TensorRef], str]) -> st
     return text
 
 
+def _dim(ref: TensorRef, index: str) -> str:
+    d = ref.indices.index(index)
+    return f"({d}, {ref.dims[d].axes!r})"
+
+
+def _mask_code(step: Step, var: Callable[[TensorRef], str]) -> str:
+    """causal / dropout and their gradients, every operand in the result's index order."""
+    head, args = parse_fn(step.fn or "")
+    dst = step.dst
+    x = [broadcast_text(var(ref), ref.indices, dst.indices) for ref in step.operands]
+    if head in ("causal", "causal_vjp"):
+        fill = ", fill=0" if head == "causal_vjp" else ""
+        return f"causal_mask({x[0]}, {_dim(dst, args[0])}, {_dim(dst, args[1])}{fill})"
+    rate = float(args[0])
+    if head == "dropout_mask":
+        order = tuple(sorted(range(len(dst.indices)), key=lambda d: dst.indices[d]))
+        return f"keep_mask({x[0]}, {int(args[1])}, {rate!r}, {dst.layout!r}, {order!r})"
+    return f"jnp.where({x[0]}, {x[1]} / {1 - rate!r}, 0)"
+
+
 def layer_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     """The right-hand side of a sum, a negation or an alias."""
     fn = step.fn or ""
+    if parse_fn(fn)[0] in MASKS:
+        return _mask_code(step, var)
     if fn == ALIAS:
         return var(step.operands[0])
     if fn == "neg":

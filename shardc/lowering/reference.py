@@ -23,8 +23,9 @@ import numpy as np
 
 from shardc.errors import ShardcError
 from shardc.lowering.functions import function
-from shardc.spec.ir import Add, Call, Contract, Expr, Spec, TensorRef
-from shardc.spec.validate import chain_indices, fold, leaves
+from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
+from shardc.spec.functions import dropout_salt
+from shardc.spec.validate import chain_indices, dropout_number, fold, leaves
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
 
@@ -42,6 +43,8 @@ class _Node:
     out: tuple[str, ...]  # the result's indices
     fn: str | None = None
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
+    call: Call | None = None  # causal's and dropout's call (its indices, its rate)
+    salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -61,6 +64,7 @@ class _Builder:
     """Turns statements into a list of nodes (temporaries are ``#k``, never a tensor name)."""
 
     def __init__(self) -> None:
+        self.current: Statement | None = None
         self.nodes: list[_Node] = []
         self.labels: dict[str, tuple[str, ...]] = {}
 
@@ -83,7 +87,11 @@ class _Builder:
         if isinstance(expr, Call):
             arg = self.value(expr.arg, keep)
             key = self.temp()
-            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], expr.func))
+            salt = 0
+            if expr.func == "dropout":
+                salt = dropout_salt(self.current.result.name, dropout_number(self.current, expr))
+            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], expr.func,
+                                    call=expr if expr.func in _MASKS else None, salt=salt))
             self.labels[key] = self.labels[arg]
             return key
         assert isinstance(expr, Contract)
@@ -113,13 +121,15 @@ class _Builder:
         if not key.startswith("#") or self.labels[key] != result.indices:
             key = self.einsum([key], result.indices)  # a permuted (or copied) tensor
         last = self.nodes[-1]
-        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn, last.signs)
+        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn, last.signs, last.call,
+                               last.salt)
         self.labels[result.name] = result.indices
 
 
 def _nodes(spec: Spec) -> list[_Node]:
     builder = _Builder()
     for s in spec.statements:
+        builder.current = s
         builder.statement(s.result, s.expr)
     return builder.nodes
 
@@ -146,7 +156,34 @@ def _contract(xp: Any, arrays: list[Array], labels: list[tuple[str, ...]], out: 
     return xp.broadcast_to(value, [shape[i] for i in out])
 
 
-_LAYER = frozenset({"add", "rename"})  # the linear transformer-layer maps
+_MASKS = frozenset({"causal", "dropout"})
+_LAYER = frozenset({"add", "rename"}) | _MASKS  # the transformer-layer maps: linear, given their masks
+
+
+def keep_mask(shape: tuple[int, ...], labels: tuple[str, ...], salt: int, rate: float) -> np.ndarray:
+    """A dropout's global keep-mask: murmur3's 32-bit finaliser of each element's position (dims in
+    sorted index-name order) plus the salt, kept where at least ``rate`` * 2**32."""
+    h = np.zeros(shape, np.uint32)
+    for d in sorted(range(len(shape)), key=lambda d: labels[d]):
+        pos = np.arange(shape[d], dtype=np.uint32).reshape([shape[d] if k == d else 1 for k in range(len(shape))])
+        h = h * np.uint32(shape[d]) + pos
+    h = h + np.uint32(salt)
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = (h ^ (h >> np.uint32(shift))) * np.uint32(factor)
+    h = h ^ (h >> np.uint32(16))
+    return h >= np.uint32(min(int(rate * 2**32), 2**32 - 1))  # type: ignore[no-any-return]
+
+
+def _mask(node: _Node, shape: tuple[int, ...]) -> tuple[np.ndarray, float]:
+    """(where the value passes, its scale): causal keeps key <= query, dropout its keep-mask / (1 - r)."""
+    assert node.call is not None
+    labels = node.labels[0]
+    if node.call.func == "causal":
+        query, key = (np.arange(shape[labels.index(i)]).reshape(
+            [-1 if j == labels.index(i) else 1 for j in range(len(labels))]) for i in node.call.names)
+        return np.broadcast_to(key <= query, shape), 1.0
+    rate = node.call.numbers[0]
+    return keep_mask(shape, labels, node.salt, rate), 1.0 / (1.0 - rate)
 
 
 def _layer_forward(xp: Any, node: _Node, args: list[Array], shape: dict[str, int],
@@ -155,6 +192,10 @@ def _layer_forward(xp: Any, node: _Node, args: list[Array], shape: dict[str, int
     if node.fn == "rename":
         shape.update(zip(node.out, args[0].shape, strict=True))
         return args[0]
+    if node.call is not None:
+        keep, scale = _mask(node, tuple(args[0].shape))
+        fill = 0.0 if absolute or node.fn == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
+        return xp.where(keep, args[0] * scale, fill)
     total = None
     for arg, labels, sign in zip(args, node.labels, node.signs, strict=True):
         term = _contract(xp, [arg], [labels], node.out, shape)
@@ -168,6 +209,9 @@ def _layer_backward(xp: Any, node: _Node, d: Array, shape: dict[str, int],
     """Each operand's gradient: ±d summed over the indices a term lacks; a rename's is d itself."""
     if node.fn == "rename":
         return [(node.operands[0], d)]
+    if node.call is not None:
+        keep, scale = _mask(node, tuple(d.shape))
+        return [(node.operands[0], xp.where(keep, d * scale, 0.0))]
     out = []
     for name, labels, sign in zip(node.operands, node.labels, node.signs, strict=True):
         g = _contract(xp, [d], [node.out], labels, shape)

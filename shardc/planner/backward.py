@@ -32,6 +32,7 @@ from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, reshard
+from shardc.planner.masks import vjp_fn
 from shardc.planner.phase import Phase
 from shardc.planner.sums import ALIAS
 from shardc.spec.functions import PASS_THROUGH
@@ -190,6 +191,9 @@ class _Backward:
         if node.kind == "add":
             self.add(node, grad)
             return
+        if node.kind in ("causal", "dropout"):
+            self.masked(node, grad)
+            return
         if len(node.operands) == 1:
             (a,) = node.operands
             if a in self.needs:
@@ -243,6 +247,26 @@ class _Backward:
             self.parts.setdefault(primal, []).append((dst, value))
         elif value != self.target(primal):
             self._move(dst, value, self.target(primal))
+
+    def masked(self, node: Node, grad: str) -> None:
+        """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
+        (z,) = node.operands
+        if z not in self.needs:
+            return
+        value = self.target(node.result)
+        by_index = dict(zip(node.indices, value.layout, strict=True))
+        want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
+        operands = (self.phase.ref(grad, value),)
+        for mask in node.made:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
+            self.phase.hold(mask, value)
+            operands = (self.phase.ref(mask, value), *operands)
+        dst = self.part_name(z)
+        self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=operands,
+                             fn=vjp_fn(node)), want)
+        if self.count.get(z, 0) > 1:
+            self.parts.setdefault(z, []).append((dst, want))
+        elif want != self.target(z):
+            self._move(dst, want, self.target(z))
 
     def elementwise(self, node: Node, grad: str) -> None:
         (z,) = node.operands

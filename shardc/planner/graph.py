@@ -46,6 +46,7 @@ class Node:
     call: Call | None = None  # the call this node computes (non-elementwise functions)
     signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
     partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
+    made: tuple[str, ...] = ()  # tensors the node makes besides its result (a dropout's keep-mask)
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,14 @@ class _Builder:
             self.indices[arg] = indices
             self.expr(e.arg, arg, indices, None if target is None else TensorRef(arg, target.dims))
         self.indices[name] = indices
-        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e))
+        made: tuple[str, ...] = ()
+        if e.func == "dropout":
+            mask = f"{name}_mask" if f"{name}_mask" not in self.names else self.fresh(f"{name}_mask")
+            self.names.add(mask)
+            made = (mask,)
+            self.indices[made[0]] = indices
+        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e,
+                               made=made))
         return name
 
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],

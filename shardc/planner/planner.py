@@ -22,6 +22,7 @@ from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
+from shardc.planner.masks import plan_masked
 from shardc.planner.phase import Phase
 from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
@@ -223,7 +224,7 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) ->
 
 
 # The transformer-layer nodes, each planned by its own module.
-LAYER_PLANS = {"add": plan_add, "rename": plan_rename}
+LAYER_PLANS = {"add": plan_add, "rename": plan_rename, "causal": plan_masked, "dropout": plan_masked}
 
 
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:

@@ -38,7 +38,7 @@ from shardc.pipeline.stages import check_pipeline
 from shardc.spec.functions import integer_args, is_known, known_list, signature
 from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 
-__all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices", "renamed_indices"]
+__all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices", "renamed_indices", "dropout_number"]
 
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
@@ -90,6 +90,12 @@ def calls(expr: Expr) -> Iterator[Call]:
     elif isinstance(expr, Contract | Add):
         for operand in expr.operands if isinstance(expr, Contract) else expr.terms:
             yield from calls(operand)
+
+
+def dropout_number(statement: Statement, call: Call) -> int:
+    """Which dropout of its statement ``call`` is, outermost first (with the result, its mask's salt)."""
+    dropouts = [c for c in calls(statement.expr) if c.func == "dropout"]
+    return next(k for k, c in enumerate(dropouts) if c is call)
 
 
 def id_refs(expr: Expr) -> Iterator[TensorRef]:
