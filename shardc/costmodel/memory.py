@@ -79,7 +79,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     local = sum(float(local_elements(p.ref, sizes)) for p in params) * layers
     total = sum(float(_global_elements(p.ref, sizes)) for p in params) * layers
     nbytes = plan.spec.dtype.nbytes
-    kept = tuple((str(ref), float(local_elements(ref, sizes)) * nbytes) for ref in residual_values(plan))
+    kept = tuple((str(ref), float(local_elements(ref, sizes)) * plan.nbytes(ref.name)) for ref in residual_values(plan))
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
     gathered = max(peak_weights(plan.forward, names, sizes), peak_weights(plan.backward, names, sizes))
     return Memory(accounting, text, local, total, local * per_param, local * per_grad, local * per_opt,

@@ -184,6 +184,12 @@ class Plan:
     chip: Hardware | None = field(default=None, compare=False)  # that chip (None: the spec's, else tpu-v5p)
     spans: tuple[tuple[str, int], ...] = ()  # spans given to the planner over the chip's defaults
     notes: tuple[str, ...] = ()  # facts the listing states (e.g. padded uneven dims)
+    # tensors whose elements are not the spec's dtype, and their bytes (a dropout's keep-mask: 1)
+    element_bytes: tuple[tuple[str, int], ...] = ()
+
+    def nbytes(self, tensor: str) -> int:
+        """Bytes of one element of ``tensor``: the spec's dtype unless ``element_bytes`` says otherwise."""
+        return dict(self.element_bytes).get(tensor, self.spec.dtype.nbytes)
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

@@ -22,7 +22,7 @@ from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
-from shardc.planner.masks import plan_masked
+from shardc.planner.masks import MASK_BYTES, plan_masked
 from shardc.planner.phase import Phase
 from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
@@ -206,6 +206,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
         notes=padding_notes(spec, fwd + bwd) if spec.dims and notes else (),
+        element_bytes=tuple((mask, MASK_BYTES) for node in graph.nodes for mask in node.made),
     )
 
 
