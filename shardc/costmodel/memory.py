@@ -25,6 +25,7 @@ from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
 from shardc.planner.sums import ALIAS
 from shardc.spec.ir import TensorRef
+from shardc.spec.validate import leaves
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory"]
 
@@ -76,14 +77,26 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                           fix="use " + " or ".join(ACCOUNTINGS))
     per_param, per_grad, per_opt, text = ACCOUNTINGS[accounting]
     params = [info for info in plan.tensors if info.role == "param"]
-    local = sum(float(local_elements(p.ref, sizes)) for p in params) * layers
-    total = sum(float(_global_elements(p.ref, sizes)) for p in params) * layers
+    repeated = _block_reads(plan)
+    times = {p.name: layers if p.name in repeated else 1 for p in params}  # a `layers` block's params: L
+    local = sum(float(local_elements(p.ref, sizes)) * times[p.name] for p in params)
+    total = sum(float(_global_elements(p.ref, sizes)) * times[p.name] for p in params)
     nbytes = plan.spec.dtype.nbytes
-    kept = tuple((str(ref), float(local_elements(ref, sizes)) * plan.nbytes(ref.name)) for ref in residual_values(plan))
+    made = {s.dst: s.once for s in plan.forward}  # a value a step outside the block made is kept once
+    once = {ref for ref in residual_values(plan) if made.get(ref, ref.name not in repeated)}
+    values = residual_values(plan)
+    kept = tuple((str(ref), float(local_elements(ref, sizes)) * plan.nbytes(ref.name)) for ref in values)
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
     gathered = max(peak_weights(plan.forward, names, sizes), peak_weights(plan.backward, names, sizes))
     return Memory(accounting, text, local, total, local * per_param, local * per_grad, local * per_opt,
-                  sum(b for _, b in kept) * layers, gathered * nbytes, kept, hbm_bytes)
+                  sum(b * (1 if ref in once else layers) for ref, (_, b) in zip(values, kept, strict=True)),
+                  gathered * nbytes, kept, hbm_bytes)
+
+
+def _block_reads(plan: Plan) -> set[str]:
+    """Tensors a repeated statement reads (every one's, without a ``layers`` block)."""
+    spec = plan.spec
+    return {r.name for k, s in enumerate(spec.statements) if spec.repeats(k) for r in leaves(s.expr)}
 
 
 def residual_values(plan: Plan) -> list[TensorRef]:

@@ -291,7 +291,9 @@ class _Backward:
             self._move(dst, want, self.target(z))
 
 
-def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str) -> Backward:
+def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
+                  once: frozenset[int] = frozenset()) -> Backward:
+    """The backward of ``graph``; the steps of the ``once`` nodes (outside a ``layers`` block) run once."""
     bw = _Backward(graph, forward, declared, save)
     cotangents = []
     for out in graph.outputs:
@@ -299,11 +301,20 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
             name = graph.grads[out]
             cotangents.append(bw.phase.ref(name, bw.target(out)))
             bw.phase.hold(name, bw.target(out))
-    for node in reversed(graph.nodes):
-        bw.node(node)
+    repeated = {o for k, node in enumerate(graph.nodes) if k not in once for o in node.operands}
+    for k in reversed(range(len(graph.nodes))):
+        if k in once and graph.nodes[k].result in repeated:
+            bw.finish(graph.nodes[k].result)  # a layer's input gradient: summed once a layer
+        start = len(bw.phase.steps)
+        bw.node(graph.nodes[k])
+        if k in once:
+            bw.phase.mark_once(start)
     wanted = [n for n in graph.inputs if n in bw.needs]
     for name in wanted:
+        start = len(bw.phase.steps)
         bw.finish(name)
+        if once and name not in repeated:
+            bw.phase.mark_once(start)
     grads = tuple(bw.phase.ref(graph.grads[n], bw.target(n)) for n in wanted)
     residuals = _residuals(bw.phase, forward)
     return Backward(bw.phase, residuals, tuple(cotangents), grads)

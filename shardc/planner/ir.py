@@ -124,6 +124,7 @@ class Step:
     volume: Monomial | None = None  # V: bytes a device would hold unsharded over the axes; None for local steps
     ahead: bool = False  # can be issued ahead of / off the critical path
     note: str = ""
+    once: bool = False  # outside a `layers L { ... }` block: runs once a step, not once a layer
 
     @property
     def is_collective(self) -> bool:

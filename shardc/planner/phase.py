@@ -9,7 +9,7 @@ rules (without).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardc.collectives import FACTOR
 from shardc.errors import ShardcError, Span
@@ -61,6 +61,10 @@ class Phase:
             value = Value.of(step.dst)
         self.hold(step.tensor, value)
         self.made.add((step.tensor, value))
+
+    def mark_once(self, start: int) -> None:
+        """The steps from ``start`` on run once, not once a layer (outside a ``layers`` block)."""
+        self.steps[start:] = [replace(s, once=True) for s in self.steps[start:]]
 
     def moves(self, tensor: str, moves: tuple[Move, ...], note: str = "") -> None:
         for m in moves:

@@ -180,9 +180,9 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     for name in graph.inputs:
         forward.hold(name, Value.of(declared[name]))
     ctx.compute_weight = weights[0]
-    _plan_forward(forward, graph, declared)
+    _plan_forward(forward, graph, declared, spec)
     ctx.compute_weight = weights[1]
-    backward = plan_backward(graph, forward, declared, save)
+    backward = plan_backward(graph, forward, declared, save, once_nodes(spec, graph))
     ctx.compute_weight = SUM[1]
     sizes = None
     if spec.dims:
@@ -210,8 +210,9 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     )
 
 
-def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) -> None:
+def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef], spec: Spec) -> None:
     nodes = list(graph.nodes)
+    once = once_nodes(spec, graph)
     k = 0
     while k < len(nodes):
         node = nodes[k]
@@ -220,8 +221,19 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) ->
             while nodes[end].chain:
                 end += 1
             choose_chain(phase, nodes[k:end + 1], declared)
+        start = len(phase.steps)
         _plan_node(phase, node, declared)
+        if k in once:
+            phase.mark_once(start)
         k += 1
+
+
+def once_nodes(spec: Spec, graph: Graph) -> frozenset[int]:
+    """The nodes of statements outside a ``layers L { ... }`` block (none without a block)."""
+    if spec.block is None:
+        return frozenset()
+    order = list(dict.fromkeys(id(n.statement) for n in graph.nodes))  # each statement makes a node
+    return frozenset(k for k, n in enumerate(graph.nodes) if not spec.repeats(order.index(id(n.statement))))
 
 
 # The transformer-layer nodes, each planned by its own module.

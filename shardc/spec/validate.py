@@ -62,6 +62,7 @@ def validate(spec: Spec) -> None:
         line = statement.result.span.line if statement.result.span else number + 1
         first[statement.result.name] = (statement.result, line, True)
     _check_layers(spec)
+    _check_block(spec)
     _check_feed(spec)
     _check_params(spec, defined)
     _check_const(spec, defined)
@@ -163,6 +164,14 @@ def _check_layers(spec: Spec) -> None:
                           "or write the count, `layers 40`")
 
 
+def _check_block(spec: Spec) -> None:
+    """A ``layers L { ... }`` block is not cut into pipeline stages (yet)."""
+    if spec.block is not None and spec.mesh.pipeline_axis is not None:
+        raise ShardcError("a `layers` block with a pipeline axis: the pipeline cuts the whole spec into stages",
+                          spec.span_of("layers"),
+                          fix="write the layer alone with `layers L` (no braces) to pipeline it")
+
+
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:
     if spec.params is not None:
         _check_listed(spec, defined, "param", spec.params, "params are trainable inputs: remove {name} from `param`")
@@ -204,6 +213,9 @@ def _check_listed(spec: Spec, defined: dict[str, int], keyword: str, listed: tup
 def _check_feed(spec: Spec) -> None:
     """With ``layers``, each layer's outputs feed the next layer's inputs: their shardings agree.
 
+    The layer is the ``layers L { ... }`` block when there is one (what it reads from before
+    it is its input; what it makes and does not read itself, its output), else the whole spec.
+
     Each activation input (read, never computed, neither a param, nor const, nor token ids) is
     fed by the last output (a result no statement reads) with the same indices; other outputs
     (a layer's keys and values, say) leave the block.  An input with no such output is an error,
@@ -211,14 +223,16 @@ def _check_feed(spec: Spec) -> None:
     """
     if spec.layers is None:
         return
-    defined = {s.result.name for s in spec.statements}
-    read = [r for s in spec.statements for r in leaves(s.expr)]
-    params = set(spec.params) if spec.params is not None else {r.name for r in read if r.name.startswith("W")}
+    block = [st for k, st in enumerate(spec.statements) if spec.repeats(k)]  # the whole spec, or the block
+    defined = {s.result.name for s in block}
+    every = [r for s in spec.statements for r in leaves(s.expr)]
+    read = [r for s in block for r in leaves(s.expr)]
+    params = set(spec.params) if spec.params is not None else {r.name for r in every if r.name.startswith("W")}
     ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
     skip = defined | params | set(spec.const) | ids
     inputs = list({r.name: r for r in read if r.name not in skip}.values())
     names = {r.name for r in read}
-    outputs = [s.result for s in spec.statements if s.result.name not in names]
+    outputs = [s.result for s in block if s.result.name not in names]  # read after the block, or never
     for given in inputs:
         made = next((o for o in reversed(outputs) if o.indices == given.indices), None)
         if made is None:
