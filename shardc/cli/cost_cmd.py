@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from shardc.cli.main import add_common, load_spec, parse_sets, read_spec
+from shardc.costmodel.memory import ACCOUNTINGS
 from shardc.errors import ShardcError
 
 __all__ = ["register", "run_cost", "run_hardware", "MAX_POINTS"]
@@ -42,8 +43,9 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--hardware-file", metavar="TOML", help="a chip of your own (keys: shardc hardware)")
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="the plan's residual policy (see `shardc plan --help`)")
-    parser.add_argument("--optimizer", choices=("adam10", "adam16"), default="adam10",
-                        help="memory accounting: 10 or 16 bytes a param")
+    parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
+                        help="training-state accounting: " + "; ".join(
+                            f"{k} {v[3]}" for k, v in ACCOUNTINGS.items()))
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
                         help="mesh axis AXIS is laid over K physical ICI axes (the book's M_X; repeatable)")

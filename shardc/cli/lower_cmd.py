@@ -84,6 +84,16 @@ def _plan(args: argparse.Namespace) -> Any:
     return result
 
 
+def _lowered_plan(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """:func:`_plan`, and what lowering runs instead when the optimizer phase is not lowered (ZeRO-1/2)."""
+    from shardc.planner.check import require_sound
+    from shardc.planner.zero import unlowered_optimizer
+
+    lowered, note = unlowered_optimizer(_plan(args))
+    require_sound(lowered)
+    return lowered, note
+
+
 def _refuse_overwriting_the_spec(args: argparse.Namespace) -> None:
     same = os.path.realpath(args.output) == os.path.realpath(args.file)
     try:
@@ -105,7 +115,10 @@ def run_lower(args: argparse.Namespace) -> int:
 
     if args.output:
         _refuse_overwriting_the_spec(args)
-    source, note = module_source(_plan(args))
+    lowered, zero_note = _lowered_plan(args)
+    if zero_note:
+        print(f"note: {zero_note}", file=sys.stderr)
+    source, note = module_source(lowered)
     if note:
         print(note, file=sys.stderr)
     if args.output:

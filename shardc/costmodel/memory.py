@@ -1,13 +1,22 @@
 """Memory per device: weights and optimizer state, residual activations, gathered weights.
 
-Two accountings of the training state, both from the book, chosen by name:
+Three accountings of the training state, chosen by name (:data:`ACCOUNTINGS`):
 
 * ``adam10``: 10 bytes a parameter, a bf16 param and fp32 Adam m and v (the
-  the book's "data parallel fits about HBM/10 params"); gradients are not counted
+  book's "data parallel fits about HBM/10 params"); gradients are not counted
   apart (they are reduced and applied as they are made).
-* ``adam16``: 16 bytes, adding a bf16 gradient and an fp32 master copy.
+* ``adam16``: 16 bytes, adding a bf16 gradient and an fp32 master copy: the ZeRO
+  paper's mixed-precision Adam (Rajbhandari et al. 2020: 2 + 2 + K bytes, K = 12).
+* ``mixed18``: 18 bytes, the gradient accumulated in fp32 (2 + 4 + 4 + 4 + 4: bf16
+  param, fp32 grad, fp32 master, m and v), as Megatron-LM's distributed optimizer
+  and DeepSpeed count it.
 
-Each byte is sharded as its param is declared.  Residuals are the forward
+Each byte is sharded as its param is declared; under ``zero N over X``
+(:mod:`shardc.planner.zero`) the optimizer state (N >= 1) and the gradient (N >= 2)
+of a param not sharded over X are counted on its ZeRO shard, and at N = 3 the
+param is declared sharded.  With ``adam16`` (the paper's K = 12) that is the ZeRO
+paper's 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N bytes a device (:func:`state_formula`
+gives them as formulas).  Residuals are the forward
 values the backward reads under the plan's save policy (``plan.residuals``,
 statement results read in their declared sharding, and the block's inputs),
 each at its local size and the spec's dtype.  ``layers`` multiplies the
@@ -20,17 +29,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import symengine as se
+
 from shardc.costmodel.collective import local_elements
+from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
-from shardc.spec.ir import TensorRef
+from shardc.planner.zero import zero_params
+from shardc.spec.ir import Dim, TensorRef
 
-__all__ = ["ACCOUNTINGS", "Memory", "memory"]
+__all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula"]
 
 # bytes a parameter: (param, grad, optimizer state)
 ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
     "adam10": (2, 0, 8, "10 bytes/param: bf16 param + fp32 Adam m, v"),
     "adam16": (2, 2, 12, "16 bytes/param: bf16 param + bf16 grad + fp32 master, m, v"),
+    "mixed18": (2, 4, 12, "18 bytes/param: bf16 param + fp32 grad + fp32 master, m, v"),
 }
 
 
@@ -47,6 +61,7 @@ class Memory:
     gathered_bytes: float
     residuals: tuple[tuple[str, float], ...]  # (value, bytes for one layer)
     hbm_bytes: float
+    zero: str = ""  # the spec's `zero N over X` line, "" without one
 
     @property
     def total_bytes(self) -> float:
@@ -58,7 +73,7 @@ class Memory:
         return self.total_bytes <= self.hbm_bytes
 
     def to_json(self) -> dict[str, object]:
-        return {"accounting": self.accounting, "accounting_text": self.accounting_text,
+        return {"accounting": self.accounting, "accounting_text": self.accounting_text, "zero": self.zero or None,
                 "params_per_device": self.params, "params_total": self.params_total,
                 "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "residual_bytes": self.residual_bytes,
@@ -77,12 +92,50 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     params = [info for info in plan.tensors if info.role == "param"]
     local = sum(float(local_elements(p.ref, sizes)) for p in params) * layers
     total = sum(float(_global_elements(p.ref, sizes)) for p in params) * layers
+    grad_local, opt_local = (sum(float(local_elements(r, sizes)) for r in refs) * layers
+                             for refs in state_refs(plan))
     nbytes = plan.spec.dtype.nbytes
     kept = tuple((str(ref), float(local_elements(ref, sizes)) * nbytes) for ref in residual_values(plan))
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
     gathered = max(peak_weights(plan.forward, names, sizes), peak_weights(plan.backward, names, sizes))
-    return Memory(accounting, text, local, total, local * per_param, local * per_grad, local * per_opt,
-                  sum(b for _, b in kept) * layers, gathered * nbytes, kept, hbm_bytes)
+    return Memory(accounting, text, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
+                  sum(b for _, b in kept) * layers, gathered * nbytes, kept, hbm_bytes,
+                  str(plan.spec.zero) if plan.spec.zero is not None else "")
+
+
+def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:
+    """Each param's gradient and optimizer state as one device holds them: sharded as the param,
+    or on its ZeRO shard (the gradient from stage 2, the optimizer state from stage 1)."""
+    declared = {info.name: info.ref for info in plan.tensors}
+    params = [info.ref for info in plan.tensors if info.role == "param"]
+    zero = plan.spec.zero
+    shards = zero_params(plan.spec, frozenset(r.name for r in params), declared) if zero is not None else {}
+
+    def on_shard(ref: TensorRef) -> TensorRef:
+        layout = shards.get(ref.name)
+        if layout is None:
+            return ref
+        return TensorRef(ref.name, tuple(Dim(d.name, a) for d, a in zip(ref.dims, layout, strict=True)))
+
+    stage = zero.stage if zero is not None else 0
+    return ([on_shard(r) if stage >= 2 else r for r in params], [on_shard(r) for r in params])
+
+
+def state_formula(plan: Plan, accounting: str = "adam16", layers: int | str = 1) -> tuple[Expr, Expr, Expr]:
+    """(param, gradient, optimizer state) bytes a device as exact formulas in the dims and mesh axes."""
+    per_param, per_grad, per_opt, _ = ACCOUNTINGS[accounting]
+    grads, states = state_refs(plan)
+    params = [info.ref for info in plan.tensors if info.role == "param"]
+    count = symbol(layers) if isinstance(layers, str) else number(layers)
+
+    def total(refs: list[TensorRef], nbytes: int) -> Expr:
+        return se.expand(count * nbytes * sum((_elements(r) for r in refs), ZERO))
+
+    return total(params, per_param), total(grads, per_grad), total(states, per_opt)
+
+
+def _elements(ref: TensorRef) -> Expr:
+    return product(d.name for d in ref.dims) / product(a for d in ref.dims for a in d.axes)
 
 
 def residual_values(plan: Plan) -> list[TensorRef]:

@@ -84,7 +84,9 @@ def _phase(p: PhaseCost, layers: int) -> list[str]:
 def _memory(report: CostReport) -> list[str]:
     m = report.memory
     verdict = "fits" if m.fits else "does NOT fit"
-    lines = [f"memory per device ({m.accounting}: {m.accounting_text})",
+    zero = f"; {m.zero}: optimizer state{', gradients' if ' 2 ' in m.zero or ' 3 ' in m.zero else ''}" \
+        f"{', params' if ' 3 ' in m.zero else ''} sharded" if m.zero else ""
+    lines = [f"memory per device ({m.accounting}: {m.accounting_text}{zero})",
              f"  params     {m.params:.4g} of {m.params_total:.4g} on this device",
              f"  weights    {fmt_bytes(m.param_bytes)}",
              f"  grads      {fmt_bytes(m.grad_bytes)}",
@@ -108,9 +110,13 @@ def render(report: CostReport) -> str:
     head = [hardware_line(report.plan.spec.filename, hw, report.step.formula.hw),
             f"sizes: {sizes}; {report.step.devices} devices; layers {report.layers}", ""]
     body: list[str] = []
-    for phase in (report.forward, report.backward):
+    phases = [report.forward, report.backward]
+    if report.optimizer is not None and report.optimizer.rows:
+        phases.append(report.optimizer)
+    for phase in phases:
         body += _phase(phase, report.layers) + [""]
-    body += ["step (forward + backward)"] + _totals(report.step, report.layers) + [""]
+    title = " + ".join(p.name for p in phases)
+    body += [f"step ({title})"] + _totals(report.step, report.layers) + [""]
     body += _memory(report) + ["", "thresholds"]
     body += [f"  {t.sentence}" for t in report.thresholds] or ["  (no communication)"]
     if report.pipeline is not None:

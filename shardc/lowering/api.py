@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import linecache
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,14 +166,21 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
           **options: Any) -> Lowered:
     """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process.
 
+    A ZeRO-1/2 plan's optimizer phase is not lowered: the spec without its ``zero`` line is,
+    with a warning (:func:`shardc.planner.zero.unlowered_optimizer`).
     A spec is planned as written, as ``shardc plan`` plans it; ``sizes`` (dims and mesh
     axes) only set the sizes the module runs at, never the plan.  The plan checker runs
     first: a broken plan raises :class:`~shardc.errors.InternalError`.
     """
     from shardc.planner.check import require_sound
 
+    from shardc.planner.zero import unlowered_optimizer
+
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, save, options)
     require_sound(plan)
+    plan, note = unlowered_optimizer(plan)  # ZeRO-1/2: the optimizer phase is not lowered
+    if note is not None:
+        warnings.warn(note, stacklevel=2)
     mesh = lowered_mesh(plan, sizes)
     full = lowered_sizes(plan, sizes, mesh)
     module = generate(plan, mesh, full)

@@ -212,8 +212,11 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
 
+    from shardc.planner.zero import unlowered_optimizer
+
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)
+    plan, _ = unlowered_optimizer(plan)  # ZeRO-1/2: the forward and backward XLA partitions are compared
     sizes = small_sizes(plan, devices_to_check(plan, jax.device_count()) if devices is None else devices)
     lowered = lower(plan, sizes=sizes)
     xla = _XlaPrograms(plan, lowered.module.mesh, lowered.module.cotangents, lowered.module.grads)

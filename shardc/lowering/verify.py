@@ -298,8 +298,11 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
 
+    from shardc.planner.zero import unlowered_optimizer
+
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)
+    plan, zero_note = unlowered_optimizer(plan)  # ZeRO-1/2: the optimizer phase is not lowered
     devices = devices_to_check(plan, jax.device_count()) if devices is None else devices
     check_device_count(devices)
     if plan.spec.mesh.pipeline_axis is not None:  # GPipe over the stage axis: its own module
@@ -317,6 +320,8 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     report.input_scale = run.scale
     report.values += _value_rows(lowered, run, tol, dtype)
     report.values += _unplanned(plan, lowered, run)
+    if zero_note is not None:
+        report.notes.append(zero_note)
     cut = collapsed_axes(plan, mesh)
     if cut:
         report.notes.append(f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "

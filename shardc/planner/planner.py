@@ -24,6 +24,7 @@ from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
+from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
 from shardc.timing import PlanTime, plan_time
@@ -75,6 +76,10 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
                         spans: dict[str, int] | None) -> Plan:
     hw = resolve_hardware(hardware, None, spec.hardware)
     _check_spans(spec, spans)
+    spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
+    if zero_notes:
+        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans)
+        return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
         return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None))
@@ -180,8 +185,14 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     ctx.compute_weight = weights[0]
     _plan_forward(forward, graph, declared)
     ctx.compute_weight = weights[1]
-    backward = plan_backward(graph, forward, declared, save)
+    shards = zero_params(spec, graph.params, declared) if spec.zero is not None and spec.zero.stage < 3 else {}
+    partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
+               for p, layout in shards.items()}
+    backward = plan_backward(graph, forward, declared, save, partial)
     ctx.compute_weight = SUM[1]
+    optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
+    made = {g.name: g for g in backward.grads}
+    opt = plan_optimizer(optimizer, shards, declared, {p: made[graph.grads[p]] for p in shards})
     sizes = None
     if spec.dims:
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
@@ -204,6 +215,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
         notes=padding_notes(spec, fwd + bwd) if spec.dims and notes else (),
+        optimizer=opt,
     )
 
 
