@@ -9,6 +9,7 @@ from shardc.costmodel.collective import StepCost
 if TYPE_CHECKING:
     from shardc.costmodel.formulas import HardwareSymbols
     from shardc.costmodel.hardware import Hardware
+    from shardc.costmodel.memory import Memory
     from shardc.costmodel.report import CostReport, PhaseCost
 
 __all__ = ["render", "hardware_line", "fmt_bytes", "fmt_seconds", "fmt_flops"]
@@ -95,6 +96,20 @@ def _memory(report: CostReport) -> list[str]:
              + (f" ({', '.join(v for v, _ in m.residuals)} a layer)" if m.residuals else ""),
              f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)",
              f"  total      {fmt_bytes(m.total_bytes)}: {verdict} {fmt_bytes(m.hbm_bytes)} of HBM"]
+    return lines + _residual_table(m)
+
+
+def _residual_table(m: Memory) -> list[str]:
+    """What the backward keeps, a row a tensor (one layer), and what it recomputes instead."""
+    if not m.residuals:
+        return []
+    lines = [f"  kept for the backward, one layer (--recompute {m.recompute}):"]
+    whys = m.whys or ("",) * len(m.residuals)
+    lines += [f"    {value:<28} {fmt_bytes(nbytes):>9}  {why}"
+              for (value, nbytes), why in zip(m.residuals, whys, strict=True)]
+    if m.recomputed:
+        lines.append("  recomputed in the backward instead: "
+                     + ", ".join(f"{v} ({fmt_bytes(b)})" for v, b in m.recomputed))
     return lines
 
 

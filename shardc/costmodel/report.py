@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardc.costmodel.collective import StepCost, cost_step
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
@@ -227,7 +227,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         devices //= pipe.pipeline.stages  # (resolve_layers gave the slowest stage's layers)
     count = layer_symbol if layer_symbol is not None else layers
     names = symbols_of(plan)
-    fwd, bwd, opt = (PhaseCost(name, _rows(steps, mesh, values, hw, spans), layers, devices, hw,
+    again = frozenset(range(1, len(plan.recomputed) + 1))
+    fwd, bwd, opt = (PhaseCost(name, _rows(steps, mesh, values, hw, spans, again if name == "backward" else
+                                           frozenset()), layers, devices, hw,
                                phase_formula(steps, mesh, count, spans, names), mfu)
                      for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
@@ -249,8 +251,10 @@ def phase_steps(plan: Plan) -> tuple[tuple[str, tuple[Step, ...]], ...]:
 
 
 def _rows(steps: tuple[Step, ...], mesh: Mesh, values: dict[str, int], hw: Hardware,
-          spans: dict[str, int]) -> tuple[StepCost, ...]:
-    return tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(steps, 1))
+          spans: dict[str, int], again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
+    """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
+    rows = (cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(steps, 1))
+    return tuple(replace(r, text=f"(recomputed) {r.text}") if r.index in again else r for r in rows)
 
 
 def used_dims(plan: Plan) -> set[str]:

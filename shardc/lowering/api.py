@@ -173,7 +173,6 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
     first: a broken plan raises :class:`~shardc.errors.InternalError`.
     """
     from shardc.planner.check import require_sound
-
     from shardc.planner.zero import unlowered_optimizer
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, save, options)

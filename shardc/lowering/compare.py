@@ -211,7 +211,6 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
     from shardc.lowering.sizes import devices_to_check
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
-
     from shardc.planner.zero import unlowered_optimizer
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)

@@ -297,7 +297,6 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     from shardc.lowering.sizes import collapsed_axes, devices_to_check
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
-
     from shardc.planner.zero import unlowered_optimizer
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)

@@ -23,6 +23,7 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.ir import Spec, TensorRef
@@ -42,7 +43,7 @@ SUM: tuple[float, float] = (1.0, 1.0)
 
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
-         spans: dict[str, int] | None = None) -> Plan:
+         spans: dict[str, int] | None = None, recompute: str = "none") -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -55,15 +56,19 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     searches' and the book's rules'), the one of least step time, ties to less
     communication.  ``strategy="rules"`` applies the book's rules even when sizes are
     known (the baseline the search is measured against); ``"search"`` runs the search
-    once, compute and communication counted alike.
+    once, compute and communication counted alike.  ``recompute`` (none, selective,
+    full: :mod:`shardc.planner.recompute`) is what the backward recomputes instead of
+    keeping; those forward steps are part of every candidate's backward time.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
+    if recompute not in RECOMPUTE_MODES:
+        raise ShardcError(f"unknown recompute mode {recompute!r}", fix="use one of: " + ", ".join(RECOMPUTE_MODES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
     try:
-        return _plan_within_budget(spec, save, strategy, hardware, spans)
+        return _plan_within_budget(spec, (save, recompute), strategy, hardware, spans)
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {BUDGET:.0f} s: the exact search over layouts grows with every mesh axis "
@@ -72,8 +77,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
                 "one axis XY=4), or drop the dims line to plan by the book's rules") from None
 
 
-def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
+def _plan_within_budget(spec: Spec, save: tuple[str, str], strategy: str, hardware: str | Hardware | None,
                         spans: dict[str, int] | None) -> Plan:
+    """``save`` is (the residual policy, the recompute mode)."""
     hw = resolve_hardware(hardware, None, spec.hardware)
     _check_spans(spec, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
@@ -91,7 +97,7 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx)
 
 
-def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
+def _best_plan(spec: Spec, graph: Graph, save: tuple[str, str], ctx: CostContext) -> Plan:
     """The least step time among the rules' plan and searches under a few compute weights.
 
     A phase takes max(compute, comm): once a phase is communication-bound only its
@@ -175,8 +181,9 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
+def _plan(spec: Spec, graph: Graph, policy: tuple[str, str], strategy: str, ctx: CostContext,
           weights: tuple[float, float] = SUM, notes: bool = True) -> Plan:
+    save, recompute = policy
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
@@ -198,6 +205,8 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
     fwd = fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals))
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
+    region = attention_region(graph) if recompute == "selective" else frozenset()
+    again = recompute_steps(recompute, fwd, backward.residuals, (declared[n] for n in graph.inputs), region)
     return Plan(
         spec=spec,
         forward=fwd,
@@ -216,6 +225,8 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         spans=tuple(sorted((ctx.spans or {}).items())),
         notes=padding_notes(spec, fwd + bwd) if spec.dims and notes else (),
         optimizer=opt,
+        recompute=recompute,
+        recomputed=again,
     )
 
 

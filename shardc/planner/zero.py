@@ -153,7 +153,8 @@ def unlowered_optimizer(plan: Plan) -> tuple[Plan, str | None]:
 
     spec = replace(plan.spec, zero=None)
     spans = dict(plan.spans) or None
-    alone = make_plan(spec, save=plan.save, hardware=plan.chip or plan.hardware, spans=spans)
+    alone = make_plan(spec, save=plan.save, hardware=plan.chip or plan.hardware, spans=spans,
+                      recompute=plan.recompute)
     note = (f"`{plan.spec.zero}`: the optimizer phase (ReduceScatter, update, AllGather) is not lowered; "
             "the module runs the spec without the zero line, whose backward reduces each gradient "
             "(`shardc plan` lists the optimizer phase, `shardc cost` costs it)")
