@@ -188,8 +188,8 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
                           plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
     fwd = _rows(plan.forward, plan, micro, hw, spans)
-    bwd = _rows(plan.backward, plan, micro, hw, spans)
-    w_idx = weight_steps(plan)
+    bwd = _rows(plan.recomputed + plan.backward, plan, micro, hw, spans)  # a recompute runs in the B op
+    w_idx = frozenset(k + len(plan.recomputed) for k in weight_steps(plan))
     per_layer = [_time(fwd), _time([r for k, r in enumerate(bwd) if k not in w_idx]),
                  _time([r for k, r in enumerate(bwd) if k in w_idx])]
     ref = boundary_tensor(plan)

@@ -22,8 +22,10 @@ activation is not gathered again) but not gathered weights (FSDP gathers
 them again); ``none`` keeps only the declared shardings; ``all`` keeps
 everything the forward made.
 
-Under ZeRO-1/2 (:mod:`shardc.planner.zero`) a param's gradient is left partial over
-the ZeRO axes its einsum sums over (``partial``): the optimizer phase reduce-scatters it.
+Under ZeRO-1 (:mod:`shardc.planner.zero`) a param's gradient is left partial over the
+ZeRO axes its einsum sums over (``partial``): the optimizer phase reduce-scatters it.
+Under ZeRO-2 it is made on the param's ZeRO shard (``shards``): reduce-scattered as
+it is made, as DeepSpeed's stage 2 does, so no device holds the whole gradient.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
 
 class _Backward:
     def __init__(self, graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
-                 partial: dict[str, tuple[tuple[str, ...], Layout]]) -> None:
+                 partial: dict[str, tuple[tuple[str, ...], Layout]], shards: dict[str, Layout]) -> None:
         self.graph, self.forward, self.declared = graph, forward, declared
+        self.shards = shards  # param -> the ZeRO-2 shard its gradient is made on
         self.partial = partial  # param -> (ZeRO axes its gradient may be left partial over, its ZeRO shard)
         self.final: dict[str, Value] = {}  # a tensor's gradient as the backward leaves it, where not its target
         self.needs = _needs_grad(graph)
@@ -96,7 +99,8 @@ class _Backward:
         return save == "all" or (save == "default" and name not in self.graph.params)
 
     def target(self, name: str) -> Value:
-        return Value(self.declared[name].layout, ())
+        shard = self.shards.get(name)
+        return Value(shard if shard is not None else self.declared[name].layout, ())
 
     def left_partial(self, name: str, made: list[Value]) -> Value:
         """``name``'s gradient target under ZeRO-1/2: partial over the ZeRO axes every value in
@@ -231,8 +235,11 @@ class _Backward:
 
 
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
-                  partial: dict[str, tuple[tuple[str, ...], Layout]] | None = None) -> Backward:
-    bw = _Backward(graph, forward, declared, save, partial or {})
+                  partial: dict[str, tuple[tuple[str, ...], Layout]] | None = None,
+                  shards: dict[str, Layout] | None = None) -> Backward:
+    """The backward; under ZeRO-1 ``partial`` params' gradients may stay partial sums, under ZeRO-2
+    ``shards`` params' gradients are made on their ZeRO shard (:mod:`shardc.planner.zero`)."""
+    bw = _Backward(graph, forward, declared, save, partial or {}, shards or {})
     cotangents = []
     for out in graph.outputs:
         if out in bw.needs:

@@ -193,9 +193,10 @@ def _plan(spec: Spec, graph: Graph, policy: tuple[str, str], strategy: str, ctx:
     _plan_forward(forward, graph, declared)
     ctx.compute_weight = weights[1]
     shards = zero_params(spec, graph.params, declared) if spec.zero is not None and spec.zero.stage < 3 else {}
+    stage = spec.zero.stage if spec.zero is not None else 0
     partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
-               for p, layout in shards.items()}
-    backward = plan_backward(graph, forward, declared, save, partial)
+               for p, layout in shards.items()} if stage == 1 else {}
+    backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {})
     ctx.compute_weight = SUM[1]
     optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
     made = {g.name: g for g in backward.grads}

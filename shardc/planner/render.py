@@ -110,8 +110,10 @@ def render_text(plan: Plan) -> str:
                      + ", ".join(dict.fromkeys(s.tensor for s in plan.recomputed)))
     if plan.optimizer:
         lines.append("")
-        lines += _phase_lines(f"optimizer ({plan.spec.zero}: gradients reduce-scattered onto the optimizer "
-                              "state's shard, updated params all-gathered)", plan.optimizer, sizes)
+        how = ("gradients reduce-scattered onto the optimizer state's shard" if plan.spec.zero is not None
+               and plan.spec.zero.stage == 1 else "gradients made on the shard by the backward")
+        lines += _phase_lines(f"optimizer ({plan.spec.zero}: {how}, each shard updated, the updated params "
+                              "all-gathered)", plan.optimizer, sizes)
     renamed = [(plan.primal(g.name), g.name) for g in plan.cotangents + plan.grads
                if g.name != f"d{plan.primal(g.name)}"]
     if renamed:  # the book's dX names a tensor of the spec: say what the gradient is called instead

@@ -10,13 +10,17 @@ declares sharded over X is left as it is (its state is sharded with it).
 * Stage 3 is FSDP: :func:`zero3_spec` rewrites each param's declared sharding
   (every reference), and the planner gathers it before use and reduce-scatters
   its gradient, as for any sharded param.
-* Stages 1 and 2 leave the params replicated over X.  The backward leaves each
-  such param's gradient partial over X (instead of all-reducing it), and a third
-  phase, the optimizer step (:func:`plan_optimizer`), reduce-scatters it onto the
-  param's ZeRO shard, updates that shard (a local step), and all-gathers the
-  updated param: the same bytes as the one AllReduce it replaces (the paper's
-  "same communication volume as data parallelism", section 7).  Stages 1 and 2
-  plan alike; they differ in the memory they count (:mod:`shardc.costmodel.memory`).
+* Stages 1 and 2 leave the params replicated over X, and add a third phase after
+  the backward, the optimizer step (:func:`plan_optimizer`): the update of each
+  param's ZeRO shard (a local step) and the AllGather of the updated param.  At
+  stage 1 the backward leaves each such gradient partial over X (instead of
+  all-reducing it; every device holds a whole gradient, 2Ψ), and the optimizer
+  phase reduce-scatters it onto the shard first.  At stage 2 the backward makes
+  the gradient on the shard (its reduction is a ReduceScatter as it is made, as
+  DeepSpeed's stage 2 overlaps it with the backward), so no device holds the
+  whole gradient (2Ψ/N).  Either way the ReduceScatter and the AllGather are the
+  bytes of the one AllReduce they replace (the paper's "same communication volume
+  as data parallelism", section 7).
 """
 
 from __future__ import annotations
@@ -117,10 +121,11 @@ def _rewrite(expr: Expr, new: dict[str, TensorRef]) -> Expr:
 
 def plan_optimizer(phase: Phase, shards: dict[str, Layout], declared: dict[str, TensorRef],
                    grads: dict[str, TensorRef]) -> tuple[Step, ...]:
-    """The optimizer phase of ZeRO-1/2: per param, ReduceScatter its gradient, update, AllGather it.
+    """The optimizer phase of ZeRO-1/2: per param, its gradient onto the shard, the update, AllGather.
 
-    ``grads`` maps each param to its gradient as the backward left it (partial over
-    the ZeRO axes it was summed over).  Each move is the cheapest reshard the
+    ``grads`` maps each param to its gradient as the backward left it: partial over
+    the ZeRO axes it was summed over (stage 1: a ReduceScatter here), or on the
+    shard already (stage 2: nothing to move).  Each move is the cheapest reshard the
     planner's search finds (:func:`shardc.planner.layout.reshard`).
     """
     for param, layout in shards.items():
