@@ -216,6 +216,9 @@ def test_shardc_verify_of_a_zero_1_spec_passes_and_notes_the_unlowered_phase(tmp
     lowered = subprocess.run([sys.executable, "-m", "shardc", "lower", str(path)], capture_output=True, text=True,
                              cwd=ROOT, check=True)
     assert "note: `zero 1 over X`: the optimizer phase" in lowered.stderr
+    compared = subprocess.run([sys.executable, "-m", "shardc", "compare", str(path), "--json"],
+                              capture_output=True, text=True, cwd=ROOT, check=True)
+    assert any("not lowered" in n for n in json.loads(compared.stdout)["notes"])
 
 
 # --- any spec ---------------------------------------------------------------------------------------

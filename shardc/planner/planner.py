@@ -68,7 +68,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         raise ShardcError(f"unknown recompute mode {recompute!r}", fix="use one of: " + ", ".join(RECOMPUTE_MODES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
     try:
-        return _plan_within_budget(spec, (save, recompute), strategy, hardware, spans)
+        return _plan_within_budget(spec, save, strategy, hardware, spans, recompute)
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {BUDGET:.0f} s: the exact search over layouts grows with every mesh axis "
@@ -77,27 +77,28 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
                 "one axis XY=4), or drop the dims line to plan by the book's rules") from None
 
 
-def _plan_within_budget(spec: Spec, save: tuple[str, str], strategy: str, hardware: str | Hardware | None,
-                        spans: dict[str, int] | None) -> Plan:
-    """``save`` is (the residual policy, the recompute mode)."""
+def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
+                        spans: dict[str, int] | None, recompute: str = "none") -> Plan:
     hw = resolve_hardware(hardware, None, spec.hardware)
     _check_spans(spec, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
     if zero_notes:
-        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans)
+        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute)
         return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
-        return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None))
+        return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
+                                                   recompute))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped)
     ctx = _context(spec, graph, hw, spans, bonded_axes(stripped))  # one search cache for every candidate
     if strategy == "auto" and spec.dims:
-        return _best_plan(spec, graph, save, ctx)
-    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx)
+        return _best_plan(spec, graph, save, ctx, recompute)
+    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx,
+                 recompute=recompute)
 
 
-def _best_plan(spec: Spec, graph: Graph, save: tuple[str, str], ctx: CostContext) -> Plan:
+def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none") -> Plan:
     """The least step time among the rules' plan and searches under a few compute weights.
 
     A phase takes max(compute, comm): once a phase is communication-bound only its
@@ -106,15 +107,15 @@ def _best_plan(spec: Spec, graph: Graph, save: tuple[str, str], ctx: CostContext
     and once with communication alone in both.  The exact step time picks the winner.
     """
     memo: dict[tuple[object, ...], tuple[float, float]] = {}  # step seconds, shared by the candidates
-    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False)
+    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, recompute=recompute)
     t = plan_time(first, ctx.hardware, memo=memo)
     candidates = [(_objective(t), first)]
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
              0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
     for weights in [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM]:
-        p = _plan(spec, graph, save, "search", ctx, weights, notes=False)
+        p = _plan(spec, graph, save, "search", ctx, weights, notes=False, recompute=recompute)
         candidates.append((_objective(plan_time(p, ctx.hardware, memo=memo)), p))
-    rules = _plan(spec, graph, save, "rules", ctx, notes=False)
+    rules = _plan(spec, graph, save, "rules", ctx, notes=False, recompute=recompute)
     candidates.append((_objective(plan_time(rules, ctx.hardware, memo=memo)), rules))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
     return replace(best, notes=padding_notes(spec, best.forward + best.backward))
@@ -181,9 +182,8 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _plan(spec: Spec, graph: Graph, policy: tuple[str, str], strategy: str, ctx: CostContext,
-          weights: tuple[float, float] = SUM, notes: bool = True) -> Plan:
-    save, recompute = policy
+def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
+          weights: tuple[float, float] = SUM, notes: bool = True, recompute: str = "none") -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
