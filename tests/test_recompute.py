@@ -9,13 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import symengine as se
 from hypothesis import given
 from hypothesis import strategies as st
 
 import shardc
-from shardc.costmodel.memory import residual_table
+from shardc.costmodel.formulas import evaluate, text
+from shardc.costmodel.memory import residual_formula, residual_table
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan
+from shardc.planner.recompute import RECOMPUTE_MODES as RECOMPUTE
 from shardc.planner.recompute import REGION_OPS, attention_region
 from shardc.spec.ir import Statement, TensorRef
 from shardc.testing import specs
@@ -177,3 +180,17 @@ def test_recompute_keeps_less_and_costs_what_the_planner_minimises(spec: shardc.
     if mode == "full":
         inputs = {info.ref for info in again.tensors if info.role == "input"}
         assert {ref for ref, _ in residual_table(again)} <= inputs
+
+
+def test_the_kept_bytes_as_formulas_and_as_numbers() -> None:
+    """What selective drops is exactly the two [B, N, S, T] score tensors (bf16), the 5as/h-like term."""
+    symbolic = ATTENTION.replace("dims B=8, S=64, T=64, N=4, H=16, D=64\n", "")
+    none, sel, full = (residual_formula(planned(symbolic, mode)) for mode in ("none", "selective", "full"))
+    b, n, s, t, h, d, x, y = (se.Symbol(k) for k in "BNSTHDXY")
+    assert se.expand(none - sel - 4 * b * n * s * t / (x * y)) == 0
+    assert se.expand(full - (2 * b * s * d / x + 4 * b * t * n * h / (x * y))) == 0
+    for mode in RECOMPUTE:
+        p = planned(ATTENTION, mode)
+        m = shardc.cost(p).memory
+        assert evaluate(residual_formula(p), plan_sizes(p)) == m.residual_bytes
+        assert m.to_json()["residual_bytes_per_layer_expr"] == text(residual_formula(p))

@@ -25,13 +25,14 @@ import symengine as se
 
 from shardc.accountings import ACCOUNTINGS
 from shardc.costmodel.collective import describe, local_elements
-from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol
+from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
 from shardc.planner.zero import zero_params
 from shardc.spec.ir import Dim, TensorRef
 
-__all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table"]
+__all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
+           "residual_formula"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Memory:
     recompute: str = "none"  # the plan's --recompute mode
     whys: tuple[str, ...] = ()  # why each residual is kept, in the order of ``residuals``
     recomputed: tuple[tuple[str, float], ...] = ()  # forward values made again in the backward, bytes a layer
+    residual_bytes_expr: str = ""  # the residuals of one layer as a formula (:func:`residual_formula`)
 
     @property
     def total_bytes(self) -> float:
@@ -68,7 +70,7 @@ class Memory:
                 "optimizer_bytes": self.optimizer_bytes, "residual_bytes": self.residual_bytes,
                 "gathered_bytes": self.gathered_bytes, "total_bytes": self.total_bytes,
                 "hbm_bytes": self.hbm_bytes, "fits": self.fits,
-                "recompute": self.recompute,
+                "recompute": self.recompute, "residual_bytes_per_layer_expr": self.residual_bytes_expr,
                 "residuals": [{"value": v, "bytes_per_layer": b, "why": w}
                               for (v, b), w in zip(self.residuals, self.whys or ("",) * len(self.residuals),
                                                    strict=True)],
@@ -81,7 +83,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     if accounting not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {accounting!r}",
                           fix="use " + " or ".join(ACCOUNTINGS))
-    per_param, per_grad, per_opt, text = ACCOUNTINGS[accounting]
+    per_param, per_grad, per_opt, described = ACCOUNTINGS[accounting]
     params = [info for info in plan.tensors if info.role == "param"]
     local = sum(float(local_elements(p.ref, sizes)) for p in params) * layers
     total = sum(float(_global_elements(p.ref, sizes)) for p in params) * layers
@@ -94,10 +96,10 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
     gathered = max(peak_weights(plan.forward, names, sizes), peak_weights(plan.backward, names, sizes))
-    return Memory(accounting, text, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
+    return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
                   sum(b for _, b in kept) * layers, gathered * nbytes, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
-                  tuple(why for _, why in table), again)
+                  tuple(why for _, why in table), again, text(residual_formula(plan)))
 
 
 def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:
@@ -129,6 +131,16 @@ def state_formula(plan: Plan, accounting: str = "adam16", layers: int | str = 1)
         return se.expand(count * nbytes * sum((_elements(r) for r in refs), ZERO))
 
     return total(params, per_param), total(grads, per_grad), total(states, per_opt)
+
+
+def residual_formula(plan: Plan) -> Expr:
+    """The bytes the backward keeps for one layer (:func:`residual_table`), as an exact formula.
+
+    Per value its local elements (each dim over its axes' product, unpadded) times the
+    spec's dtype bytes: the form Korthikanti et al. (2022) write, e.g. ``34*B*D*S/Y``.
+    """
+    nbytes = plan.spec.dtype.nbytes
+    return se.expand(nbytes * sum((_elements(ref) for ref, _ in residual_table(plan)), ZERO))
 
 
 def _elements(ref: TensorRef) -> Expr:

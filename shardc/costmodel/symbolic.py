@@ -5,7 +5,8 @@ thresholds) is made of formulas in the dims, the mesh sizes and the chip's
 figures; only the numbers need the dims.  :func:`cost_formulas` gives, per
 phase, each step's bytes and time as formulas in the hardware symbols, the
 totals, and the threshold sentences (their chip figures are numbers: the chip is
-known), and says which sizes the numbers need.  Memory needs sizes and is left out.
+known), and says which sizes the numbers need.  Memory is the training state and the
+residuals of a layer, as formulas (padding of uneven dims needs the sizes).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from shardc.costmodel.formulas import (
     text,
 )
 from shardc.costmodel.hardware import Hardware, resolve_hardware
-from shardc.costmodel.memory import state_formula
+from shardc.costmodel.memory import residual_formula, state_formula
 from shardc.costmodel.render import hardware_line
 from shardc.costmodel.report import (
     check_spans,
@@ -94,6 +95,7 @@ class FormulaReport:
     optimizer: FormulaPhase | None = None  # ZeRO-1/2's optimizer phase
     # the training state a device holds, (accounting, param, gradient, optimizer-state bytes) as formulas
     state: tuple[str, str, str, str] = ("adam10", "", "", "")
+    residuals: str = ""  # what the backward keeps for one layer, bytes, as a formula
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -109,7 +111,8 @@ class FormulaReport:
             "threshold_details": [t.to_json() for t in self.thresholds],
             "memory": {"accounting": self.state[0], "zero": None if self.plan.spec.zero is None else
                        str(self.plan.spec.zero), "param_bytes_expr": self.state[1],
-                       "grad_bytes_expr": self.state[2], "optimizer_bytes_expr": self.state[3]},
+                       "grad_bytes_expr": self.state[2], "optimizer_bytes_expr": self.state[3],
+                       "recompute": self.plan.recompute, "residual_bytes_per_layer_expr": self.residuals},
             "notes": list(self.notes),
         }
 
@@ -132,7 +135,8 @@ class FormulaReport:
         accounting, params, grads, state = self.state
         zero = f", {self.plan.spec.zero}" if self.plan.spec.zero is not None else ""
         lines += [f"memory per device ({accounting}{zero}): params {params}, grads {grads}, optimizer {state} "
-                  "bytes; activations need the sizes", "", "thresholds"]
+                  f"bytes; kept for the backward (--recompute {self.plan.recompute}) {self.residuals} bytes a layer",
+                  "", "thresholds"]
         lines += [f"  {t.sentence}" for t in self.thresholds] or ["  (no communication)"]
         lines += ["", "notes"] + [f"  {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
@@ -202,4 +206,4 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     optimizer_phase = phases[2] if len(phases) > 2 else None
     params, grads, states = state_formula(plan, optimizer, count)
     return FormulaReport(plan, hw, missing, count, phases[0], phases[1], step, found, notes, optimizer_phase,
-                         (optimizer, text(params), text(grads), text(states)))
+                         (optimizer, text(params), text(grads), text(states)), text(residual_formula(plan)))
