@@ -70,7 +70,7 @@ def test_state_formula_is_the_symbolic_form_of_the_numbers() -> None:
 @given(st.sampled_from(sorted(ACCOUNTINGS)), st.sampled_from(["D_X, F_Y", "D, F_Y", "D_Y, F", "D, F", "D_XY, F"]),
        st.integers(1, 3))
 def test_state_bytes_are_the_accounting_times_local_params(name: str, sharding: str, layers: int) -> None:
-    spec = shardc.parse(f"mesh X=4, Y=2\ndims B=64, D=64, F=32\nlayers {layers}\n"
+    spec = shardc.parse(f"mesh X=4, Y=2\ndims B=64, D=64, F=32\nlayers {layers}\nconst In\n"
                         f"Out[B_X, F] = In[B_X, D] · W[{sharding}]\n")
     p = shardc.plan(spec)
     m = shardc.cost(p, optimizer=name).memory

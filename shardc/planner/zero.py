@@ -33,6 +33,7 @@ from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.layout import Layout, Value, reshard
 from shardc.planner.phase import Phase
 from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, TensorRef, Zero
+from shardc.spec.validate import leaves
 
 __all__ = ["zero_axes", "zero_layout", "zero3_spec", "zero_params", "plan_optimizer", "unlowered_optimizer",
            "UPDATE"]
@@ -89,7 +90,7 @@ def zero3_spec(spec: Spec, params: frozenset[str]) -> tuple[Spec, tuple[str, ...
         return spec, ()
     new: dict[str, TensorRef] = {}
     for statement in spec.statements:
-        for ref in _leaves(statement.expr):
+        for ref in leaves(statement.expr):
             if ref.name in params and ref.name not in new:
                 layout = zero_layout(ref, zero_axes(spec), spec)
                 if layout is not None:
@@ -102,21 +103,15 @@ def zero3_spec(spec: Spec, params: frozenset[str]) -> tuple[Spec, tuple[str, ...
     return replace(spec, statements=statements), notes
 
 
-def _leaves(expr: Expr) -> list[TensorRef]:
-    if isinstance(expr, TensorRef):
-        return [expr]
-    if isinstance(expr, Call):
-        return _leaves(expr.arg)
-    return [r for o in expr.operands for r in _leaves(o)]
-
-
 def _rewrite(expr: Expr, new: dict[str, TensorRef]) -> Expr:
+    """``expr`` with every reference to a tensor of ``new`` replaced by its new sharding."""
     if isinstance(expr, TensorRef):
         return new.get(expr.name, expr)
     if isinstance(expr, Call):
-        return replace(expr, arg=_rewrite(expr.arg, new))
-    assert isinstance(expr, Contract)
-    return replace(expr, operands=tuple(_rewrite(o, new) for o in expr.operands))
+        return replace(expr, arg=_rewrite(expr.arg, new), more=tuple(_rewrite(m, new) for m in expr.more))
+    if isinstance(expr, Contract):
+        return replace(expr, operands=tuple(_rewrite(o, new) for o in expr.operands))
+    return replace(expr, terms=tuple(_rewrite(t, new) for t in expr.terms))
 
 
 def plan_optimizer(phase: Phase, shards: dict[str, Layout], declared: dict[str, TensorRef],
