@@ -20,7 +20,7 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan
 from shardc.planner.recompute import RECOMPUTE_MODES as RECOMPUTE
 from shardc.planner.recompute import REGION_OPS, attention_region
-from shardc.spec.ir import Statement, TensorRef
+from shardc.spec.ir import Call, Statement, TensorRef
 from shardc.testing import specs
 from shardc.timing import einsum_flops, plan_sizes, plan_time
 
@@ -59,11 +59,13 @@ def test_the_region_needs_the_closing_einsum() -> None:
 
 def _node(kind: str, result: str, indices: str, operands: tuple[str, ...], fn: str | None = None) -> Node:
     dummy = Statement(TensorRef(result, ()), TensorRef(result, ()))
-    return Node(kind, result, tuple(indices), operands, None, dummy, fn)
+    call = Call(fn, TensorRef(operands[0], ())) if kind in ("normalize", "mask") and fn is not None else None
+    return Node(kind, result, tuple(indices), operands, None, dummy, None if call else fn, call=call)
 
 
 @pytest.mark.parametrize("kinds", [("softmax", None, "dropout", None), ("elementwise", "causal", "dropout", None),
-                                   ("elementwise", "softmax", "elementwise", "dropout")])
+                                   ("elementwise", "softmax", "elementwise", "dropout"),
+                                   ("normalize", "softmax", "mask", "causal")])
 def test_the_region_grows_through_softmax_causal_and_dropout_by_name(kinds: tuple[str, ...]) -> None:
     """The ops other passes add (a softmax node kind, a `dropout` function) continue the region."""
     first_kind, first_fn, second_kind, second_fn = kinds
@@ -74,6 +76,10 @@ def test_the_region_grows_through_softmax_causal_and_dropout_by_name(kinds: tupl
     indices |= {n.result: n.indices for n in nodes}
     graph = Graph(nodes, {}, indices, frozenset({"Wq", "Wo"}), ("X", "Wq", "K", "V", "Wo"), ("Out",))
     assert attention_region(graph) == {"Sc", "Pr", "Pd"}
+    rmsnorm = tuple(_node("normalize", n.result, "".join(n.indices), n.operands, "rmsnorm")
+                    if n.result == "Pr" else n for n in nodes)
+    # a norm is not part of the region: the chain to the attention times V breaks, so there is none
+    assert attention_region(Graph(rmsnorm, {}, indices, graph.params, graph.inputs, graph.outputs)) == set()
     assert {"softmax", "dropout", "causal"} <= REGION_OPS
 
 

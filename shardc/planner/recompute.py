@@ -22,7 +22,7 @@ The attention-score region is found structurally (:func:`attention_region`): it
 starts at an einsum of two activations (no param) whose result keeps a free index
 of each (``Q[B, S, N, H] · K[B, T, N, H] -> Sc[B, N, S, T]``), grows through the
 elementwise and :data:`REGION_OPS` steps that read it (``softmax``, ``causal``,
-``dropout``, or any elementwise function), and must end at an einsum of two
+``dropout``, a sum with a mask, or any elementwise function), and must end at an einsum of two
 activations that contracts one of the score's free indices (the attention times
 V).  ``X · W`` with a param is never a score; ``P · V`` is not one either, as
 nothing contracts its result with another activation.
@@ -40,7 +40,7 @@ __all__ = ["RECOMPUTE_MODES", "REGION_OPS", "attention_region", "recompute_steps
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Node kinds or function names that continue an attention-score region (beside any elementwise function).
-REGION_OPS = frozenset({"softmax", "causal", "dropout"})
+REGION_OPS = frozenset({"softmax", "causal", "dropout", "add"})  # "add": a bias or mask added to the scores
 
 
 def reads(step: Step) -> tuple[TensorRef, ...]:
@@ -53,7 +53,10 @@ def _norm(ref: TensorRef) -> TensorRef:
 
 
 def _continues(node: Node) -> bool:
-    return node.kind == "elementwise" or node.kind in REGION_OPS or (node.fn or "") in REGION_OPS
+    """Whether a node reading the region stays in it: elementwise, or named in :data:`REGION_OPS`
+    by its kind, its function or the spec's call it computes (``softmax`` is a "normalize" node)."""
+    names = {node.kind, node.fn or "", node.call.func if node.call is not None else ""}
+    return node.kind == "elementwise" or bool(names & REGION_OPS)
 
 
 def _is_score(node: Node, graph: Graph) -> bool:
