@@ -195,30 +195,56 @@ def test_zero_3_shards_every_param_and_plans_fsdp() -> None:
     assert p.forward == declared.forward and p.backward == declared.backward
 
 
-# --- lowering says what it does not lower ----------------------------------------------------------
+# --- lowering: forward and grad without the zero line, the optimizer phase as optimizer_step ---------
 
-def test_lowering_a_zero_1_plan_says_the_optimizer_phase_is_not_lowered() -> None:
+def test_forward_and_grad_lower_the_spec_without_the_zero_line() -> None:
     p = planned(MLP, "zero 1 over X")
     alone, note = unlowered_optimizer(p)
-    assert note is not None and "optimizer phase" in note and "not lowered" in note
+    assert note is not None and "without the zero line" in note and "optimizer_step" in note
     assert alone.optimizer == () and alone.spec.zero is None
     assert unlowered_optimizer(planned(MLP, "zero 3 over X")) == (planned(MLP, "zero 3 over X"), None)
 
 
-def test_shardc_verify_of_a_zero_1_spec_passes_and_notes_the_unlowered_phase(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_step_is_sgd_on_the_shards_then_gathered(stage: int) -> None:
+    import numpy as np
+
+    from shardc.lowering.optimizer import LEARNING_RATE
+
+    lowered = shardc.lower(planned(MLP, f"zero {stage} over X"), sizes={"B": 16, "D": 8, "F": 4, "X": 4, "Y": 2})
+    assert lowered.module.optimizer is not None and "def optimizer_step(params, grads):" in lowered.source
+    rng = np.random.default_rng(0)
+    params = {"W_in": rng.standard_normal((8, 4)), "W_out": rng.standard_normal((4, 8))}
+    full = {"dW_in": rng.standard_normal((8, 4)), "dW_out": rng.standard_normal((4, 8))}
+    # stage 1 takes the backward's partial sums, stacked over X; stage 2 the reduced gradient on the shard
+    grads = {k: np.stack([g / 4] * 4) if stage == 1 else g for k, g in full.items()}
+    got = lowered.optimizer_step({k: v.astype(np.float32) for k, v in params.items()},
+                                 {k: v.astype(np.float32) for k, v in grads.items()})
+    for name in params:
+        assert np.allclose(np.asarray(got[name]), params[name] - LEARNING_RATE * full["d" + name], atol=1e-5)
+    text = lowered.compiled_text("optimizer")
+    assert text.count("reduce-scatter(") == (2 if stage == 1 else 0) and text.count("all-gather(") == 2
+
+
+def test_shardc_verify_checks_the_optimizer_phase_values_and_hlo(tmp_path: Path) -> None:
     path = tmp_path / "z.shard"
     path.write_text("mesh X=4, Y=2\nzero 1 over X\nTmp[B_X, F_Y] = In[B_X, D] · W_in[D, F_Y]\n", encoding="utf-8")
     done = subprocess.run([sys.executable, "-m", "shardc", "verify", str(path), "--json"], capture_output=True,
                           text=True, cwd=ROOT)
     report = json.loads(done.stdout)
     assert done.returncode == 0 and report["ok"]
-    assert any("optimizer phase" in n and "not lowered" in n for n in report["notes"])
+    assert any("optimizer_step" in n for n in report["notes"])
+    assert [(r["phase"], r["tensor"], r["ok"]) for r in report["values"] if r["phase"] == "optimizer"] == \
+        [("optimizer", "W_in", True)]
+    rows = [(r["kind"], r["hlo_op"], r["ok"]) for r in report["collectives"] if r["phase"] == "optimizer"]
+    assert rows == [("ReduceScatter", "reduce-scatter", True), ("AllGather", "all-gather", True)]
     lowered = subprocess.run([sys.executable, "-m", "shardc", "lower", str(path)], capture_output=True, text=True,
                              cwd=ROOT, check=True)
-    assert "note: `zero 1 over X`: the optimizer phase" in lowered.stderr
+    assert "note: `zero 1 over X`: forward and grad run the spec without the zero line" in lowered.stderr
+    assert "def optimizer_local(" in lowered.stdout
     compared = subprocess.run([sys.executable, "-m", "shardc", "compare", str(path), "--json"],
                               capture_output=True, text=True, cwd=ROOT, check=True)
-    assert any("not lowered" in n for n in json.loads(compared.stdout)["notes"])
+    assert any("without the zero line" in n for n in json.loads(compared.stdout)["notes"])
 
 
 # --- any spec ---------------------------------------------------------------------------------------

@@ -84,15 +84,6 @@ def _plan(args: argparse.Namespace) -> Any:
     return result
 
 
-def _lowered_plan(args: argparse.Namespace) -> tuple[Any, str | None]:
-    """:func:`_plan`, and what lowering runs instead when the optimizer phase is not lowered (ZeRO-1/2)."""
-    from shardc.planner.check import require_sound
-    from shardc.planner.zero import unlowered_optimizer
-
-    lowered, note = unlowered_optimizer(_plan(args))
-    require_sound(lowered)
-    return lowered, note
-
 
 def _refuse_overwriting_the_spec(args: argparse.Namespace) -> None:
     same = os.path.realpath(args.output) == os.path.realpath(args.file)
@@ -115,10 +106,12 @@ def run_lower(args: argparse.Namespace) -> int:
 
     if args.output:
         _refuse_overwriting_the_spec(args)
-    lowered, zero_note = _lowered_plan(args)
-    if zero_note:
-        print(f"note: {zero_note}", file=sys.stderr)
-    source, note = module_source(lowered)
+    planned = _plan(args)
+    if planned.optimizer:
+        print(f"note: `{planned.spec.zero}`: forward and grad run the spec without the zero line (whose "
+              "backward reduces each gradient); its optimizer phase is optimizer_step(params, grads)",
+              file=sys.stderr)
+    source, note = module_source(planned)
     if note:
         print(note, file=sys.stderr)
     if args.output:

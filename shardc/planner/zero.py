@@ -141,11 +141,13 @@ def plan_optimizer(phase: Phase, shards: dict[str, Layout], declared: dict[str, 
 
 
 def unlowered_optimizer(plan: Plan) -> tuple[Plan, str | None]:
-    """The plan lowering runs, and a note when it is not ``plan``: the optimizer phase is not lowered.
+    """The plan whose forward and backward lowering runs, and a note when it is not ``plan``.
 
-    A ZeRO-1/2 plan's backward leaves gradients partial sums for its optimizer phase;
-    the lowered module instead runs the same spec planned without the ``zero`` line
-    (same policy and chip), whose backward reduces every gradient.  ZeRO-3 lowers as is.
+    A ZeRO-1/2 plan's backward leaves gradients for its optimizer phase (partial sums,
+    or shards); the lowered ``forward`` and ``grad`` instead run the same spec planned
+    without the ``zero`` line (same policy and chip), whose backward reduces every
+    gradient, so ``jax.grad`` is a true gradient, and the optimizer phase is lowered
+    beside them (:mod:`shardc.lowering.optimizer`).  ZeRO-3 lowers as is.
     """
     if not plan.optimizer:
         return plan, None
@@ -155,7 +157,7 @@ def unlowered_optimizer(plan: Plan) -> tuple[Plan, str | None]:
     spans = dict(plan.spans) or None
     alone = make_plan(spec, save=plan.save, hardware=plan.chip or plan.hardware, spans=spans,
                       recompute=plan.recompute)
-    note = (f"`{plan.spec.zero}`: the optimizer phase (ReduceScatter, update, AllGather) is not lowered; "
-            "the module runs the spec without the zero line, whose backward reduces each gradient "
-            "(`shardc plan` lists the optimizer phase, `shardc cost` costs it)")
+    note = (f"`{plan.spec.zero}`: forward and grad run the spec without the zero line (whose backward "
+            "reduces each gradient); the optimizer phase runs as optimizer_step, checked from the ZeRO "
+            "backward's gradients")
     return alone, note
