@@ -158,6 +158,6 @@ def unlowered_optimizer(plan: Plan) -> tuple[Plan, str | None]:
     alone = make_plan(spec, save=plan.save, hardware=plan.chip or plan.hardware, spans=spans,
                       recompute=plan.recompute)
     note = (f"`{plan.spec.zero}`: forward and grad run the spec without the zero line (whose backward "
-            "reduces each gradient); the optimizer phase runs as optimizer_step, checked from the ZeRO "
-            "backward's gradients")
+            "reduces each gradient); the optimizer phase runs as optimizer_step, from the gradients as the "
+            "ZeRO backward leaves them")
     return alone, note
