@@ -85,8 +85,10 @@ def _phase(p: PhaseCost, layers: int) -> list[str]:
 def _memory(report: CostReport) -> list[str]:
     m = report.memory
     verdict = "fits" if m.fits else "does NOT fit"
-    zero = f"; {m.zero}: optimizer state{', gradients' if ' 2 ' in m.zero or ' 3 ' in m.zero else ''}" \
-        f"{', params' if ' 3 ' in m.zero else ''} sharded" if m.zero else ""
+    zero = ""
+    if m.zero:  # `zero N over X`: stage N shards the first N of these
+        stage = int(m.zero.split()[1])
+        zero = f"; {m.zero}: {', '.join(('optimizer state', 'gradients', 'params')[:stage])} sharded"
     lines = [f"memory per device ({m.accounting}: {m.accounting_text}{zero})",
              f"  params     {m.params:.4g} of {m.params_total:.4g} on this device",
              f"  weights    {fmt_bytes(m.param_bytes)}",
