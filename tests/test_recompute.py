@@ -200,3 +200,15 @@ def test_the_kept_bytes_as_formulas_and_as_numbers() -> None:
         m = shardc.cost(p).memory
         assert evaluate(residual_formula(p), plan_sizes(p)) == m.residual_bytes
         assert m.to_json()["residual_bytes_per_layer_expr"] == text(residual_formula(p))
+
+
+def test_full_recompute_keeps_2sbh_a_layer_as_korthikanti_write_it() -> None:
+    """Korthikanti et al. 2022, Table 2: full recompute keeps a layer's 16-bit input, 2sbh, with or
+    without tensor parallelism t (the input is replicated over the tensor axis)."""
+    tp = ("mesh T=8\nTmp[S, B, F_T] = gelu(In[S, B, H] · W_in[H, F_T])\n"
+          "Out[S, B, H] = Tmp[S, B, F_T] · W_out[F_T, H]\n")
+    s, b, h = (se.Symbol(k) for k in "SBH")
+    full = shardc.plan(shardc.parse(tp), recompute="full")
+    assert se.expand(residual_formula(full) - 2 * s * b * h) == 0
+    none = shardc.plan(shardc.parse(tp))
+    assert text(residual_formula(none)) == "4*B*F*S/T + 2*B*H*S"  # the input, and gelu's input and output
