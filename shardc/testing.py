@@ -197,7 +197,19 @@ def _rename(draw: st.DrawFn, state: _State) -> Statement | None:
     return Statement(result, source)
 
 
-def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -> Statement:
+def _call(draw: st.DrawFn, func: str, expr: Expr, indices: list[str]) -> Expr:
+    """``func(expr)``: dropout with a rate, causal over two of the indices (else an elementwise call)."""
+    if func == "dropout":
+        return Call(func, expr, numbers=(draw(st.sampled_from((0.0, 0.1, 0.5))),))
+    if func == "causal":
+        if len(indices) < 2:
+            return expr
+        query, key = draw(st.permutations(indices))[:2]
+        return Call(func, expr, names=(query, key))
+    return Call(func, expr)
+
+
+def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool, masks: bool = True) -> Statement:
     kind = draw(st.sampled_from(kinds))
     expr: Expr
     if kind == "rename":
@@ -214,14 +226,18 @@ def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -
     else:  # an elementwise call (maybe nested) on a contraction or on one tensor
         inner, indices = _contraction(draw, state, 2) if draw(st.booleans()) else _single(draw, state)
         expr = inner
-        for func in draw(st.lists(st.sampled_from(sorted(ELEMENTWISE)), min_size=1, max_size=2)):
-            expr = Call(func, expr)
+        pool = sorted(ELEMENTWISE) + ["dropout", "causal"] * masks
+        funcs = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=2))
+        for k, func in enumerate(funcs):
+            if func != "causal" or k == len(funcs) - 1:  # -inf feeds only a softmax: causal goes last
+                expr = _call(draw, func, expr, indices)
     # Only a contraction leaves partial sums (a function of partial sums is an error); the planner
     # makes them by contracting locally, so give {U_..} to binary contractions with a contracted index.
     partial = state.unreduced and _contracts_an_index(expr, indices)
     result = draw(tensor_refs(state.fresh(draw(st.sampled_from(("T", "H", "Out")))), indices, state.mesh,
                               unreduced=partial))
-    state.tensors[result.name] = result
+    if not (isinstance(expr, Call) and expr.func == "causal"):  # its -inf is read by nothing drawn here
+        state.tensors[result.name] = result
     state.defined.add(result.name)
     arrow = chains and not isinstance(expr, TensorRef) and draw(st.booleans())
     return Statement(result, expr, arrow=arrow)
@@ -237,15 +253,17 @@ def _contracts_an_index(expr: Expr, result: list[str]) -> bool:
 @st.composite
 def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, dims: bool | None = None,
           chains: bool = True, calls: bool = True, unreduced: bool = True, reshards: bool = True,
-          headers: bool = True, max_devices: int = 64, sums: bool = True, renames: bool = True) -> Spec:
+          headers: bool = True, max_devices: int = 64, sums: bool = True, renames: bool = True,
+          masks: bool = True) -> Spec:
     """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never).
 
-    ``sums`` draws ``A ± B`` (a term may broadcast), ``renames`` ``Kx[B, T] = X[B, S]``.
+    ``sums`` draws ``A ± B`` (a term may broadcast), ``renames`` ``Kx[B, T] = X[B, S]``, ``masks``
+    ``dropout(X, rate)`` and ``causal(X, S, T)`` among the calls.
     """
     state = _State(mesh if mesh is not None else draw(meshes(max_devices=max_devices)), unreduced)
     kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls + ["sum"] * sums + ["rename"] * renames
     count = draw(st.integers(1, max_statements))
-    statements = tuple(_statement(draw, state, kinds, chains) for _ in range(count))
+    statements = tuple(_statement(draw, state, kinds, chains, masks) for _ in range(count))
     used = dict.fromkeys(i for s in statements for r in [s.result, *leaves(s.expr)] for i in r.indices)
     with_dims = draw(st.booleans()) if dims is None else dims
     drawn = {i: state.mesh.devices * draw(st.integers(1, 4)) for i in used} if with_dims else {}
