@@ -32,7 +32,8 @@ from shardc.hardware import Hardware, default_spans, resolve_hardware
 from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Mesh, TensorRef
 
-__all__ = ["step_count", "bound_of", "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
+__all__ = ["step_count", "bound_of",
+           "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
            "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_sizes", "plan_spans", "resolve_layers"]
 
 

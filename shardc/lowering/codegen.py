@@ -25,9 +25,9 @@ from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.layer_code import LAYER_FNS, MASKS, layer_code
-from shardc.planner.masks import parse_fn
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.masks import parse_fn
 from shardc.planner.zero import UPDATE
 from shardc.spec.ir import Mesh, TensorRef
 

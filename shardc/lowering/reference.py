@@ -23,8 +23,8 @@ import numpy as np
 
 from shardc.errors import ShardcError
 from shardc.lowering.functions import function
-from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.functions import dropout_salt
+from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, dropout_number, fold, leaves
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
@@ -89,6 +89,7 @@ class _Builder:
             key = self.temp()
             salt = 0
             if expr.func == "dropout":
+                assert self.current is not None
                 salt = dropout_salt(self.current.result.name, dropout_number(self.current, expr))
             self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], expr.func,
                                     call=expr if expr.func in _MASKS else None, salt=salt))

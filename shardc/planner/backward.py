@@ -285,7 +285,7 @@ class _Backward:
         value = self.target(node.result)
         by_index = dict(zip(node.indices, value.layout, strict=True))
         want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
-        operands = (self.phase.ref(grad, value),)
+        operands: tuple[TensorRef, ...] = (self.phase.ref(grad, value),)
         for mask in node.made:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
             self.phase.hold(mask, value)
             operands = (self.phase.ref(mask, value), *operands)

@@ -69,7 +69,7 @@ def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target
     _, moves = reshard(phase.ctx, arg, arg_idx, phase.held[arg], want)
     phase.moves(arg, moves)
     assert node.call is not None
-    operands = (phase.ref(arg, want),)
+    operands: tuple[TensorRef, ...] = (phase.ref(arg, want),)
     if node.kind == "causal":
         fn = causal_fn(*node.call.names)
     else:

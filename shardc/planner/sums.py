@@ -100,9 +100,9 @@ def _evaluate(ctx: CostContext, node: Node, terms: list[Term], local: Value, tar
         for want in options:
             if not any(s.reaches(want) for s in sources):
                 continue
-            cost, moves = reshard(ctx, name, idx, sources, want)
+            cost, path = reshard(ctx, name, idx, sources, want)
             if best is None or cost < best[0]:
-                best = (cost, want, moves)
+                best = (cost, want, path)
         if best is None:
             return None
         total = add_cost(total, best[0])
