@@ -284,11 +284,15 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     if with_dims and draw(st.booleans()):
         sizes = sizes if "L" in dict(sizes) else sizes + (("L", draw(st.integers(1, 96))),)
         layers = "L"
+    block = None
+    if layers is not None and count > 1 and draw(st.booleans()):  # `layers L { ... }` around some statements
+        first = draw(st.integers(0, count - 1))
+        block = (first, draw(st.integers(first + 1, count)))
     spec = Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
                 params=None if params is None else tuple(params), const=const,
-                hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers)
+                hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers, block=block)
     if layers is not None and not _feeds(spec):
-        spec = replace(spec, layers=None)  # this block's outputs cannot feed its inputs
+        spec = replace(spec, layers=None, block=None)  # this block's outputs cannot feed its inputs
     return _valid(spec)
 
 

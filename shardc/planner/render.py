@@ -59,7 +59,7 @@ def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None
     lines = [title]
     shown = [s for s in steps if s.fn != "alias"]  # a rename is a new name for the same array: no step
     for k, step in enumerate(shown, 1):
-        lines.append(_step_line(k, step, sizes))
+        lines.append(_step_line(k, step, sizes) + ("   [once: outside the layers block]" if step.once else ""))
     formula, _, terms = phase_total(steps)
     total = f"       total {formula} bytes"
     if sizes is not None:
@@ -156,6 +156,8 @@ def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
         data["dim2"] = step.dim2
     if step.fn is not None:
         data["fn"] = step.fn
+    if step.once:
+        data["once"] = True  # outside a `layers L { ... }` block: runs once, not once a layer
     return data
 
 
