@@ -106,7 +106,8 @@ def test_a_broadcast_term_is_sliced_and_its_gradient_is_a_reduction() -> None:
 def test_a_rename_is_an_alias() -> None:
     plan = _plan(SELF_ATTENTION)
     text = render_text(plan)
-    assert "Kx[B_X, T, D] = X" not in text  # no step in the listing, no FLOPs, no bytes
+    assert "Kx[B_X, T, D] = X" not in text  # no numbered step in the listing, no FLOPs, no bytes
+    assert "= alias           Kx[B_X, T, D] is X[B_X, S, D]   (no data moved)" in text
     (alias,) = [s for s in plan.forward if s.fn == "alias"]
     assert str(alias.dst) == "Kx[B_X, T, D]" and str(alias.operands[0]) == "X[B_X, S, D]"
     # queries and keys both give a partial dX: added, then one AllReduce

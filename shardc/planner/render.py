@@ -57,8 +57,12 @@ def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
 
 def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None) -> list[str]:
     lines = [title]
-    shown = [s for s in steps if s.fn != "alias"]  # a rename is a new name for the same array: no step
-    for k, step in enumerate(shown, 1):
+    k = 0
+    for step in steps:
+        if step.fn == "alias":  # a new name for the same array (a rename, a sum's cotangent): not a step
+            lines.append(f"     {'= alias':<17} {step.dst} is {step.operands[0]}   (no data moved)")
+            continue
+        k += 1
         lines.append(_step_line(k, step, sizes) + ("   [once: outside the layers block]" if step.once else ""))
     formula, _, terms = phase_total(steps)
     total = f"       total {formula} bytes"
