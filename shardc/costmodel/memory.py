@@ -138,9 +138,10 @@ def state_formula(plan: Plan, accounting: str = "adam16", layers: int | str = 1)
     grads, states = state_refs(plan)
     params = [info.ref for info in plan.tensors if info.role == "param"]
     count = symbol(layers) if isinstance(layers, str) else number(layers)
+    repeated = _block_reads(plan)  # a `layers` block's params: L times; the others once
 
     def total(refs: list[TensorRef], nbytes: int) -> Expr:
-        return se.expand(count * nbytes * sum((_elements(r) for r in refs), ZERO))
+        return se.expand(nbytes * sum(((count if r.name in repeated else 1) * _elements(r) for r in refs), ZERO))
 
     return total(params, per_param), total(grads, per_grad), total(states, per_opt)
 
