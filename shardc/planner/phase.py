@@ -33,6 +33,7 @@ class Phase:
     made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
+    sums: dict[object, object] = field(default_factory=dict)  # the sums searched (shardc.planner.sums)
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])

@@ -27,6 +27,7 @@ import itertools
 from collections.abc import Iterator
 
 from shardc.errors import ShardcError
+from shardc.planner.einsum import room
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, reshard
@@ -59,17 +60,15 @@ def plan_add(phase: Phase, node: Node, declared: dict[str, TensorRef], target: V
         raise ShardcError(f"{node.result} is declared partial sums over {', '.join(target.unreduced)}, "
                           "but no term of the sum is", node.statement.span,
                           fix="drop the {U_...} suffix, or make a term partial over those axes")
-    candidates = _candidates(phase.ctx, node, terms) if phase.sized else [_rule_local(node, terms, target)]
-    best: tuple[Cost, Value, list[tuple[Value, tuple[Move, ...]]], tuple[Move, ...]] | None = None
-    for local in candidates:
-        phase.ctx.tick()
-        found = _evaluate(phase.ctx, node, terms, local, target)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = (found[0], local, found[1], found[2])
+    # Layers repeat: the same sum (up to names) is searched once a phase.
+    weights = phase.ctx.weights
+    key = ("add", tuple((idx, sources, name in weights) for name, idx, sources in terms), node.indices, target,
+           node.partial, node.result in weights, phase.sized)
+    best = phase.sums.get(key)
     if best is None:
-        raise ShardcError(f"no sharding of the terms makes {node.result}", node.statement.span,
-                          fix="declare the result reduced, or shard the terms alike")
-    _, local, reads, result_moves = best
+        best = phase.sums[key] = _search(phase, node, terms, target)
+    solution: Solution = best  # type: ignore[assignment]
+    _, local, reads, result_moves = solution
     operands = []
     for (name, _, _), (value, moves) in zip(terms, reads, strict=True):
         phase.moves(name, moves)
@@ -81,14 +80,35 @@ def plan_add(phase: Phase, node: Node, declared: dict[str, TensorRef], target: V
     declared.setdefault(node.result, phase.ref(node.result, final))
 
 
+Solution = tuple[Cost, Value, list[tuple[Value, tuple[Move, ...]]], tuple[Move, ...]]
+
+
+def _search(phase: Phase, node: Node, terms: list[Term], target: Value | None) -> Solution:
+    """The least-cost local result value and the moves around it (one value without sizes)."""
+    candidates = _candidates(phase.ctx, node, terms) if phase.sized else [_rule_local(node, terms, target)]
+    best: Solution | None = None
+    for local in candidates:
+        phase.ctx.tick()
+        found = _evaluate(phase.ctx, node, terms, local, target, best[0] if best is not None else None)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], local, found[1], found[2])
+    if best is None:
+        raise ShardcError(f"no sharding of the terms makes {node.result}", node.statement.span,
+                          fix="declare the result reduced, or shard the terms alike")
+    return best
+
+
 def _available(terms: list[Term]) -> set[str]:
     """Axes some term holds partial sums over."""
     return {a for _, _, sources in terms for s in sources for a in s.unreduced}
 
 
-def _evaluate(ctx: CostContext, node: Node, terms: list[Term], local: Value, target: Value | None
-              ) -> tuple[Cost, list[tuple[Value, tuple[Move, ...]]], tuple[Move, ...]] | None:
-    """The cost of one local result value: each term read into it, the result moved to its target."""
+def _evaluate(ctx: CostContext, node: Node, terms: list[Term], local: Value, target: Value | None,
+              bound: Cost | None = None) -> tuple[Cost, list[tuple[Value, tuple[Move, ...]]], tuple[Move, ...]] | None:
+    """The cost of one local result value: each term read into it, the result moved to its target.
+
+    None when it cannot be made, or costs more than ``bound`` (the search stops exploring there).
+    """
     by_index = dict(zip(node.indices, local.layout, strict=True))
     total: Cost = ZERO
     reads = []
@@ -100,12 +120,14 @@ def _evaluate(ctx: CostContext, node: Node, terms: list[Term], local: Value, tar
         for want in options:
             if not any(s.reaches(want) for s in sources):
                 continue
-            cost, path = reshard(ctx, name, idx, sources, want)
-            if best is None or cost < best[0]:
+            cost, path = reshard(ctx, name, idx, sources, want, room(bound, total))
+            if cost != INFINITE and (best is None or cost < best[0]):
                 best = (cost, want, path)
         if best is None:
             return None
         total = add_cost(total, best[0])
+        if bound is not None and total > bound:
+            return None
         reads.append((best[1], best[2]))
     if target is None and local.unreduced and not node.partial:
         target = Value(local.layout, ())  # an intermediate the caller lays out: reduce the sum in place
@@ -113,10 +135,12 @@ def _evaluate(ctx: CostContext, node: Node, terms: list[Term], local: Value, tar
     if target is not None:
         if not local.reaches(target):
             return None
-        cost, moves = reshard(ctx, node.result, node.indices, (local,), target)
+        cost, moves = reshard(ctx, node.result, node.indices, (local,), target, room(bound, total))
         if cost == INFINITE:
             return None
         total = add_cost(total, cost)
+        if bound is not None and total > bound:
+            return None
     return total, reads, moves
 
 
