@@ -71,3 +71,14 @@ def test_a_block_lowers_and_verifies() -> None:
     from shardc.lowering.verify import verify
 
     assert verify(shardc.plan(shardc.parse(MODEL))).ok  # one layer runs: the values are the spec's
+
+
+def test_residual_blocks_example_has_one_tensor_parallel_all_reduce_each_way_a_layer() -> None:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "residual_blocks.shard"
+    plan = shardc.plan(shardc.parse(path.read_text(), filename=str(path)))
+    for steps in (plan.forward, plan.backward):
+        per_layer = [f"{s.op.title}_{''.join(s.axes)}" for s in steps
+                     if s.is_collective and not s.once and "Y" in s.axes]
+        assert per_layer == ["AllReduce_Y"]  # the MLP's partial sum (bias added after), and its partial dX
