@@ -33,6 +33,7 @@ from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.rows_backward import rows_backward
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 
@@ -166,6 +167,9 @@ class _Backward:
             return
         self.finish(node.result)
         grad = self.grads[node.result]
+        if node.kind == "rows":
+            rows_backward(self, node, grad)
+            return
         if node.kind == "elementwise":
             self.elementwise(node, grad)
             return

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardc.errors import ShardcError
-from shardc.names import gradient_names
-from shardc.spec.functions import is_elementwise
+from shardc.names import fresh, gradient_names
+from shardc.planner.rowstats import stat_names
+from shardc.spec.functions import is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, fold, leaves
 
@@ -42,6 +43,7 @@ class Node:
     chain: int = 0  # position in a chain of intermediates (0: not in one)
     call: Call | None = None  # the call this node computes (non-elementwise functions)
     signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
+    aux: tuple[str, ...] = ()  # tensors the node makes on the way (a reduction's row statistics)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class _Builder:
                 return src
             self.nodes.append(Node("einsum", name, indices, (src,), target, self.current))
             return name
+        if isinstance(e, Call) and signature(e.func).kind in ("normalize", "reduce"):
+            return self.rows(e, name, indices, target)
         if isinstance(e, Add) or isinstance(e, Call) and not is_elementwise(e.func):
             what = "`+` and `-`" if isinstance(e, Add) else f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
@@ -136,6 +140,23 @@ class _Builder:
             self.nodes.append(Node("elementwise", name, indices, (arg,), target, self.current, fn=e.func))
             return name
         return self.contract(e, name, indices, target)
+
+    def rows(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """A reduction over ``e.over`` (shardc.planner.rows plans it): its argument, then one node."""
+        assert e.over is not None
+        if isinstance(e.arg, TensorRef):
+            arg = self.leaf(e.arg)
+        else:  # its argument is computed towards the result's indices (and the reduced one)
+            arg = self.fresh(name)
+            arg_idx = indices if e.over in indices else indices + (e.over,)
+            self.indices[arg] = arg_idx
+            self.expr(e.arg, arg, arg_idx, None)
+        rows = tuple(i for i in self.indices[arg] if i != e.over)
+        aux = tuple(fresh(base, self.names) for base in stat_names(e.func, name))
+        self.indices.update({a: rows for a in aux})
+        self.indices[name] = indices
+        self.nodes.append(Node("rows", name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
+        return name
 
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],
                  target: TensorRef | None) -> str:

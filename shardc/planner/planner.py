@@ -23,6 +23,7 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.rows import plan_rows
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
@@ -230,6 +231,9 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     label = _label(node, phase, declared)
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
+        return
+    if node.kind == "rows":
+        plan_rows(phase, node, declared, target, label)
         return
     final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span)
     if node.result not in declared:  # a chain intermediate: the planner chose its sharding
