@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
+from shardc.lowering.rows import row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.rowstats import ROW_FNS
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]
@@ -163,7 +165,7 @@ def _check_einsum(step: Step, number: int, phase: str) -> None:
                               f"sharded like its operands", fix="this is a planner bug: report the spec")
 
 
-def _step_code(step: Step, var: _Namer) -> str:
+def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> str:
     """One step as one line of Python (without the comment)."""
     src = var(step.src) if step.src is not None else ""
     axes = _axes_entry(step.axes) if step.axes else ""
@@ -175,7 +177,7 @@ def _step_code(step: Step, var: _Namer) -> str:
     if step.op is Op.REDUCE_SCATTER:
         return f"{call}({src}, {axes}, scatter_dimension={step.dim}, tiled=True)"
     if step.op is Op.ALL_REDUCE:
-        return f"{call}({src}, {axes})"
+        return f"{'jax.lax.pmax' if step.fn == 'max' else call}({src}, {axes})"
     if step.op is Op.ALL_TO_ALL:
         return (f"{call}({src}, {axes}, split_axis={step.dim}, "
                 f"concat_axis={step.dim2}, tiled=True)")
@@ -187,6 +189,8 @@ def _step_code(step: Step, var: _Namer) -> str:
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
+    if step.fn in ROW_FNS:
+        return row_code(step, var, sizes)
     return _elementwise_code(step, var)
 
 
@@ -239,7 +243,7 @@ def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Name
                                   fix="this is a planner bug: report the spec")
         if step.op in (Op.EINSUM, Op.COPY):
             _check_einsum(step, number, phase)
-        code = f"{var(step.dst)} = {_step_code(step, var)}"
+        code = f"{var(step.dst)} = {_step_code(step, var, sizes)}"
         lines.append((code, template.comment(f"{step.dst}  {local_shape_text(step.dst, sizes)}")))
         made.add(_key(step.dst))
     width = min(max((len(code) for code, _ in lines), default=0), _COMMENT_COLUMN)

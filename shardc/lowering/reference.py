@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from shardc.errors import ShardcError
+from shardc.lowering import rows
 from shardc.lowering.functions import function
+from shardc.spec.functions import signature
 from shardc.spec.ir import Call, Contract, Expr, Spec, TensorRef
 from shardc.spec.validate import chain_indices, fold, leaves
 
@@ -41,6 +43,7 @@ class _Node:
     labels: tuple[tuple[str, ...], ...]  # each operand's indices
     out: tuple[str, ...]  # the result's indices
     fn: str | None = None
+    over: str | None = None  # a reduction's index (shardc.lowering.rows)
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -71,6 +74,8 @@ class _Builder:
         if isinstance(expr, TensorRef):
             self.labels.setdefault(expr.name, expr.indices)
             return expr.name
+        if isinstance(expr, Call) and signature(expr.func).kind in ("normalize", "reduce"):
+            return self.reduction(expr, keep)
         if isinstance(expr, Call):
             arg = self.value(expr.arg, keep)
             key = self.temp()
@@ -87,6 +92,18 @@ class _Builder:
             left = self.einsum([left, keys[k]], out)
         return left
 
+    def reduction(self, expr: Call, keep: tuple[str, ...]) -> str:
+        """``softmax(X over I)`` and the like: the argument towards the result's indices and I."""
+        assert expr.over is not None
+        arg = self.value(expr.arg, keep if expr.over in keep else keep + (expr.over,))
+        labels = self.labels[arg]
+        reduces = signature(expr.func).kind == "reduce"
+        out = tuple(i for i in labels if i != expr.over) if reduces else labels
+        key = self.temp()
+        self.nodes.append(_Node(key, (arg,), (labels,), out, expr.func, expr.over))
+        self.labels[key] = out
+        return key
+
     def einsum(self, keys: list[str], out: tuple[str, ...]) -> str:
         key = self.temp()
         self.nodes.append(_Node(key, tuple(keys), tuple(self.labels[k] for k in keys), out))
@@ -98,7 +115,7 @@ class _Builder:
         if not key.startswith("#") or self.labels[key] != result.indices:
             key = self.einsum([key], result.indices)  # a permuted (or copied) tensor
         last = self.nodes[-1]
-        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn)
+        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn, last.over)
         self.labels[result.name] = result.indices
 
 
@@ -139,7 +156,9 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.fn is not None:
+        if node.over is not None:
+            values[node.result] = rows.forward(node.fn or "", args[0], node.labels[0].index(node.over), xp)
+        elif node.fn is not None:
             values[node.result] = function(node.fn).forward(args[0], xp)
         else:
             values[node.result] = _contract(xp, args, list(node.labels), node.out, shape)
@@ -177,6 +196,11 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if node.over is not None:
+            x = values[node.operands[0]]
+            add(node.operands[0], rows.vjp(node.fn or "", x, values[node.result], d,
+                                           node.labels[0].index(node.over), xp))
+            continue
         if node.fn is not None:
             add(node.operands[0], d * function(node.fn).derivative(values[node.operands[0]], xp))
             continue
@@ -201,7 +225,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.fn is not None:
+        if node.over is not None:
+            mag[node.result] = rows.magnitude(node.fn or "", values[node.operands[0]], mag[node.operands[0]],
+                                              node.labels[0].index(node.over))
+        elif node.fn is not None:
             z, f = values[node.operands[0]], function(node.fn)
             mag[node.result] = np.abs(f.forward(z, np)) + np.abs(f.derivative(z, np)) * mag[node.operands[0]]
         else:
@@ -211,6 +238,11 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if node.over is not None:
+            x = values[node.operands[0]]
+            grads[node.operands[0]] = grads.get(node.operands[0], 0) + rows.grad_magnitude(
+                node.fn or "", x, mag[node.operands[0]], d, node.labels[0].index(node.over))
+            continue
         if node.fn is not None:
             z, m = values[node.operands[0]], mag[node.operands[0]]
             grads[node.operands[0]] = grads.get(node.operands[0], 0) + d * _slope(function(node.fn), z, m)

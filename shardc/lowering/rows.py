@@ -1,0 +1,199 @@
+"""Reductions over an index, as lowering and the numpy reference see them.
+
+:func:`row_code` writes one planned row step (:mod:`shardc.planner.rows`) as one
+line of JAX: ``jax.nn.softmax`` / ``jax.nn.logsumexp`` where the reduced index I
+is whole on the device, else the local statistic, the finishing map, or the
+closed-form gradient.  Each step computes in its frame (its result's index order
+if that has every index, else its first operand's) with I at ``step.dim``;
+per-row operands are aligned to the frame without I and expanded back at I.
+A mean divides by I's global length: the local length times the devices sharding
+I (``jax.lax.axis_size``), so the module stays shape-generic.
+
+:func:`forward` and :func:`vjp` are the same functions on whole arrays (``xp`` is
+numpy or jax.numpy), for :mod:`shardc.lowering.reference`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from shardc.errors import ShardcError
+from shardc.planner.ir import Step
+from shardc.spec.ir import TensorRef
+
+__all__ = ["row_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS"]
+
+Array = Any
+RMS_EPS = 1e-6
+LN_EPS = 1e-5
+
+
+def _frame(step: Step) -> tuple[str, ...]:
+    widest = max(len(r.indices) for r in (*step.operands, step.dst))
+    return step.dst.indices if len(step.dst.indices) == widest else step.operands[0].indices
+
+
+def _aligned(code: str, have: tuple[str, ...], want: tuple[str, ...]) -> str:
+    if have == want:
+        return code
+    return f"jnp.transpose({code}, {tuple(have.index(i) for i in want)})"
+
+
+def row_code(step: Step, var: Callable[[TensorRef], str], sizes: dict[str, int] | None) -> str:
+    """One row step as one line of Python (its right-hand side)."""
+    frame = _frame(step)
+    d = step.dim
+    over = frame[d] if d is not None else None
+    rows = tuple(i for i in frame if i != over)
+    args = []
+    for ref in step.operands:
+        full = over is not None and over in ref.indices
+        args.append(_aligned(var(ref), ref.indices, frame if full else rows))
+    wide = next((r for r in (*step.operands, step.dst) if over is not None and over in r.indices), None)
+    axes = wide.dims[wide.indices.index(over)].axes if wide is not None and over is not None else ()
+
+    def e(k: int) -> str:  # a per-row operand, broadcast along I
+        return f"jnp.expand_dims({args[k]}, {d})"
+
+    n = f"({args[0]}.shape[{d}] * jax.lax.axis_size({axes!r}))" if axes else f"{args[0]}.shape[{d}]"
+    code = _expression(step, args, e, n, d, sizes, axes)
+    out = frame if len(step.dst.indices) == len(frame) else rows
+    return _aligned(code if out == step.dst.indices else f"({code})", out, step.dst.indices)
+
+
+def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: int | None,
+                sizes: dict[str, int] | None, axes: tuple[str, ...]) -> str:
+    fn = step.fn or ""
+    simple = {
+        "softmax": f"jax.nn.softmax({a[0]}, axis={d})",
+        "logsumexp": f"jax.nn.logsumexp({a[0]}, axis={d})",
+        "row_max": f"jnp.max({a[0]}, axis={d})",
+        "row_sumexp": f"jnp.sum(jnp.exp({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d})",
+        "row_sum": f"jnp.sum({a[0]}, axis={d})",
+        "row_mean": f"jnp.sum({a[0]}, axis={d}) / {n}",
+        "row_meansq": f"jnp.sum(jnp.square({a[0]}), axis={d}) / {n}",
+        "row_meandot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d}) / {n}",
+        "row_dot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d})",
+    }
+    if fn in simple:
+        return simple[fn]
+    if fn == "softmax_apply":
+        return f"jnp.exp({a[0]} - {e(1)}) / {e(2)}"
+    if fn == "lse_apply":
+        return f"{a[0]} + jnp.log({a[1]})"
+    if fn == "rmsnorm_apply":
+        return f"{a[0]} * jax.lax.rsqrt({e(1)} + {RMS_EPS})"
+    if fn == "layernorm_apply":
+        return f"({a[0]} - {e(1)}) * jax.lax.rsqrt({e(2)} - jnp.square({e(1)}) + {LN_EPS})"
+    if fn == "softmax_vjp":
+        return f"{a[0]} * ({a[1]} - jnp.sum({a[0]} * {a[1]}, axis={d}, keepdims=True))"
+    if fn == "softmax_vjp_apply":
+        return f"{a[0]} * ({a[1]} - {e(2)})"
+    if fn == "logsumexp_vjp":
+        return f"jnp.exp({a[0]} - {e(1)}) * {e(2)}"
+    if fn == "max_vjp":
+        return f"jnp.where({a[0]} == {e(1)}, {e(2)}, jnp.zeros_like({a[0]}))"
+    if fn == "rmsnorm_vjp":
+        return f"jax.lax.rsqrt({e(2)} + {RMS_EPS}) * ({a[1]} - {a[0]} * {e(3)})"
+    if fn == "layernorm_vjp":
+        return (f"jax.lax.rsqrt({e(3)} - jnp.square({e(2)}) + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})")
+    if fn in ("sum_vjp", "mean_vjp"):
+        return _spread(step, e(0), sizes, fn == "mean_vjp")
+    raise ShardcError(f"lowering does not know the row function {fn!r}")
+
+
+def _spread(step: Step, row: str, sizes: dict[str, int] | None, mean: bool) -> str:
+    """dS broadcast along I to the gradient's local shape (over I's global length for a mean)."""
+    dims = step.dst.dims
+    if sizes is None or any(x.name not in sizes for x in dims):
+        raise ShardcError(f"lowering the gradient of a sum into {step.dst} needs its sizes",
+                          fix="give the spec a dims line (or lower at sizes that divide its shardings)")
+    shape = tuple(sizes[x.name] // math.prod(sizes[a] for a in x.axes) for x in dims)
+    over = step.dst.dims[step.dim or 0].name
+    spread = f"jnp.broadcast_to({row}, {shape})"
+    return f"{spread} / {sizes[over]}" if mean else spread
+
+
+# --- whole arrays: the reference ---------------------------------------------------------
+
+def forward(fn: str, x: Array, axis: int, xp: Any) -> Array:
+    """``fn`` of ``x`` along ``axis`` (reductions drop it)."""
+    if fn == "softmax":
+        z = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+        return z / xp.sum(z, axis=axis, keepdims=True)
+    if fn == "logsumexp":
+        m = xp.max(x, axis=axis, keepdims=True)
+        return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
+    if fn == "rmsnorm":
+        return x / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+    if fn == "layernorm":
+        mu = xp.mean(x, axis=axis, keepdims=True)
+        return (x - mu) / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
+    if fn == "sum":
+        return xp.sum(x, axis=axis)
+    if fn == "mean":
+        return xp.mean(x, axis=axis)
+    if fn == "max":
+        return xp.max(x, axis=axis)
+    raise ShardcError(f"the reference does not know the reduction {fn!r}")
+
+
+def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    """The gradient of ``fn`` at ``x`` (result ``y``) for the cotangent ``dy``, in closed form."""
+    if fn in ("sum", "mean", "max", "logsumexp"):
+        dy_, y_ = xp.expand_dims(dy, axis), xp.expand_dims(y, axis)
+        n = x.shape[axis]
+        if fn == "sum":
+            return xp.broadcast_to(dy_, x.shape) + 0.0 * x
+        if fn == "mean":
+            return xp.broadcast_to(dy_, x.shape) / n + 0.0 * x
+        if fn == "max":
+            return xp.where(x == y_, dy_, 0.0 * x)
+        return xp.exp(x - y_) * dy_
+    if fn == "softmax":
+        return y * (dy - xp.sum(dy * y, axis=axis, keepdims=True))
+    if fn == "rmsnorm":
+        r = 1.0 / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+        return r * (dy - y * xp.mean(dy * y, axis=axis, keepdims=True))
+    if fn == "layernorm":
+        mu = xp.mean(x, axis=axis, keepdims=True)
+        r = 1.0 / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
+        return r * (dy - xp.mean(dy, axis=axis, keepdims=True) - y * xp.mean(dy * y, axis=axis, keepdims=True))
+    raise ShardcError(f"the reference does not know the reduction {fn!r}")
+
+
+def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:
+    """A bound on the terms behind ``fn(x)`` (numpy), for verify's tolerance (see reference.magnitudes).
+
+    Every output of a row reads the whole row: the row's largest input magnitude, scaled by
+    how much the function can amplify it (a norm divides by the row's RMS).
+    """
+    import numpy as np
+
+    y = forward(fn, x, axis, np)
+    row = np.max(mag, axis=axis, keepdims=True)
+    if fn in ("sum", "mean"):
+        return np.sum(mag, axis=axis) / (x.shape[axis] if fn == "mean" else 1)
+    if fn in ("max", "logsumexp"):
+        return np.squeeze(row, axis) + np.abs(y)
+    if fn == "softmax":
+        return np.abs(y) * (1.0 + 2.0 * row)
+    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+    return np.abs(y) + 2.0 * row * scale
+
+
+def grad_magnitude(fn: str, x: Any, mag: Any, d: Any, axis: int) -> Any:
+    """A bound on the terms behind the gradient of ``fn`` for a cotangent of magnitude ``d`` (numpy)."""
+    import numpy as np
+
+    y = forward(fn, x, axis, np)
+    if fn in ("sum", "mean", "max", "logsumexp"):
+        spread = np.broadcast_to(np.expand_dims(d, axis), x.shape)
+        return spread * (1.0 + np.max(mag, axis=axis, keepdims=True)) / (x.shape[axis] if fn == "mean" else 1)
+    total = np.sum(d * np.abs(y), axis=axis, keepdims=True)
+    if fn == "softmax":
+        return np.abs(y) * (d + total) * (1.0 + np.max(mag, axis=axis, keepdims=True))
+    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+    return 2.0 * scale * (d + np.abs(y) * total / x.shape[axis] + np.sum(d, axis=axis, keepdims=True) / x.shape[axis])
