@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
-from shardc.lowering.rows import row_code
+from shardc.lowering.rows import VOCAB_FNS, lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.rowstats import ROW_FNS
@@ -189,7 +189,9 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
-    if step.fn in ROW_FNS:
+    if step.fn in ("embed", "embed_vjp"):
+        return lookup_code(step, var, sizes)
+    if step.fn in ROW_FNS or step.fn in VOCAB_FNS:
         return row_code(step, var, sizes)
     return _elementwise_code(step, var)
 

@@ -76,6 +76,8 @@ class _Builder:
             return expr.name
         if isinstance(expr, Call) and signature(expr.func).kind in ("normalize", "reduce"):
             return self.reduction(expr, keep)
+        if isinstance(expr, Call) and signature(expr.func).kind in ("embed", "loss"):
+            return self.lookup(expr)
         if isinstance(expr, Call):
             arg = self.value(expr.arg, keep)
             key = self.temp()
@@ -101,6 +103,19 @@ class _Builder:
         out = tuple(i for i in labels if i != expr.over) if reduces else labels
         key = self.temp()
         self.nodes.append(_Node(key, (arg,), (labels,), out, expr.func, expr.over))
+        self.labels[key] = out
+        return key
+
+    def lookup(self, expr: Call) -> str:
+        """``embed(Tok, W)`` (over W's first index) or ``cross_entropy(Logits, Tok)`` (over the vocabulary)."""
+        keys = [self.value(a, chain_indices(a, ())) for a in expr.args]
+        labels = tuple(self.labels[k] for k in keys)
+        if expr.func == "embed":
+            out, over = labels[0] + labels[1][1:], labels[1][0]
+        else:
+            out, over = (), next(i for i in labels[0] if i not in labels[1])
+        key = self.temp()
+        self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, over))
         self.labels[key] = out
         return key
 
@@ -156,7 +171,9 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.over is not None:
+        if node.fn in LOOKUPS:
+            values[node.result] = rows.lookup_forward(node.fn or "", args[0], args[1], _vocab_axis(node), xp)
+        elif node.over is not None:
             values[node.result] = rows.forward(node.fn or "", args[0], node.labels[0].index(node.over), xp)
         elif node.fn is not None:
             values[node.result] = function(node.fn).forward(args[0], xp)
@@ -196,6 +213,11 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if node.fn in LOOKUPS:  # token ids get no gradient
+            a, b = (values[o] for o in node.operands)
+            add(node.operands[1 if node.fn == "embed" else 0], rows.lookup_vjp(node.fn or "", a, b, d,
+                                                                              _vocab_axis(node), xp))
+            continue
         if node.over is not None:
             x = values[node.operands[0]]
             add(node.operands[0], rows.vjp(node.fn or "", x, values[node.result], d,
@@ -225,7 +247,9 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.over is not None:
+        if node.fn in LOOKUPS:
+            mag[node.result] = _lookup_magnitude(node, values, mag)
+        elif node.over is not None:
             mag[node.result] = rows.magnitude(node.fn or "", values[node.operands[0]], mag[node.operands[0]],
                                               node.labels[0].index(node.over))
         elif node.fn is not None:
@@ -238,6 +262,11 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if node.fn in LOOKUPS:
+            a, b = (values[o] for o in node.operands)
+            target = node.operands[1 if node.fn == "embed" else 0]
+            grads[target] = grads.get(target, 0) + _lookup_grad_magnitude(node, a, b, d, mag)
+            continue
         if node.over is not None:
             x = values[node.operands[0]]
             grads[node.operands[0]] = grads.get(node.operands[0], 0) + rows.grad_magnitude(
@@ -253,6 +282,35 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             grads[name] = grads.get(name, 0) + _contract(np, [d, *others], labels, node.labels[k], shape)
     return {**{s.result.name: mag[s.result.name] for s in spec.statements},
             **{name: grads[name] for name in leaf_names(spec) if name in grads}}
+
+
+LOOKUPS = ("embed", "cross_entropy")
+
+
+def _vocab_axis(node: _Node) -> int:
+    return 0 if node.fn == "embed" else node.labels[0].index(node.over or "")
+
+
+def _lookup_magnitude(node: _Node, values: dict[str, Any], mag: dict[str, np.ndarray]) -> np.ndarray:
+    """Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice, plus
+    its logsumexp, averaged."""
+    a, b = (values[o] for o in node.operands)
+    if node.fn == "embed":
+        return rows.lookup_forward("embed", a, mag[node.operands[1]], 0, np)
+    logits = np.moveaxis(a, _vocab_axis(node), -1)
+    row = np.max(np.moveaxis(mag[node.operands[0]], _vocab_axis(node), -1), axis=-1)
+    return np.asarray(np.mean(2.0 * row + np.abs(rows.forward("logsumexp", logits, -1, np))))
+
+
+def _lookup_grad_magnitude(node: _Node, a: Any, b: Any, d: np.ndarray, mag: dict[str, np.ndarray]) -> np.ndarray:
+    if node.fn == "embed":
+        return rows.lookup_vjp("embed", a, b, np.abs(d), 0, np)
+    axis = _vocab_axis(node)
+    logits = np.moveaxis(a, axis, -1)
+    p = rows.forward("softmax", logits, -1, np)
+    hot = rows.lookup_vjp("cross_entropy", a, b, np.ones_like(d), axis, np)  # (p - onehot) / tokens
+    scale = 1.0 + np.max(mag[node.operands[0]])
+    return np.abs(d) * (np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])) * scale
 
 
 def _slope(f: Any, z: np.ndarray, m: np.ndarray) -> np.ndarray:

@@ -23,7 +23,8 @@ from shardc.errors import ShardcError
 from shardc.planner.ir import Step
 from shardc.spec.ir import TensorRef
 
-__all__ = ["row_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS"]
+__all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
+           "HELPERS", "HELPER_NAMES", "id_inputs", "VOCAB_FNS", "uses_helpers", "lookup_forward", "lookup_vjp"]
 
 Array = Any
 RMS_EPS = 1e-6
@@ -36,7 +37,7 @@ def _frame(step: Step) -> tuple[str, ...]:
 
 
 def _aligned(code: str, have: tuple[str, ...], want: tuple[str, ...]) -> str:
-    if have == want:
+    if have == want or len(have) != len(want):  # a scalar (a loss's cotangent) broadcasts as it is
         return code
     return f"jnp.transpose({code}, {tuple(have.index(i) for i in want)})"
 
@@ -101,6 +102,15 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
         return (f"jax.lax.rsqrt({e(3)} - jnp.square({e(2)}) + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})")
     if fn in ("sum_vjp", "mean_vjp"):
         return _spread(step, e(0), sizes, fn == "mean_vjp")
+    if fn == "vocab_pick":
+        return f"vocab_pick({a[0]}, {a[1]}, {d}, {axes!r})"
+    tokens = tuple(x for ref in step.operands[1:2] for dim in ref.dims for x in dim.axes)
+    if fn == "ce_apply":
+        tokens = tuple(x for dim in step.operands[0].dims for x in dim.axes)
+        count = f"({a[0]}.size * jax.lax.axis_size({tokens!r}))" if tokens else f"{a[0]}.size"
+        return f"jnp.sum({a[0]} - {a[1]}) / {count}"
+    if fn == "ce_vjp":
+        return f"vocab_ce_grad({a[0]}, {a[1]}, {a[2]}, {a[3]}, {d}, {axes!r}, {tokens!r})"
     raise ShardcError(f"lowering does not know the row function {fn!r}")
 
 
@@ -114,6 +124,75 @@ def _spread(step: Step, row: str, sizes: dict[str, int] | None, mean: bool) -> s
     over = step.dst.dims[step.dim or 0].name
     spread = f"jnp.broadcast_to({row}, {shape})"
     return f"{spread} / {sizes[over]}" if mean else spread
+
+
+def lookup_code(step: Step, var: Callable[[TensorRef], str], sizes: dict[str, int] | None) -> str:
+    """``embed`` (a masked lookup in the local vocabulary shard) and its scatter-add gradient."""
+    tok, other = step.operands
+    if step.fn == "embed":
+        axes = other.dims[0].axes
+        made = tok.indices + other.indices[1:]
+        code = (f"vocab_lookup({var(other)}, {var(tok)}, {axes!r})" if axes
+                else f"jnp.take({var(other)}, {var(tok)}, axis=0)")
+        return _aligned(code, made, step.dst.indices)
+    table = step.dst
+    axes = table.dims[0].axes
+    order = tok.indices + table.indices[1:]
+    if sizes is None or table.dims[0].name not in sizes:
+        raise ShardcError(f"lowering the gradient of a lookup into {table} needs its sizes",
+                          fix="give the spec a dims line (or lower at sizes that divide its shardings)")
+    rows = sizes[table.dims[0].name] // math.prod(sizes[a] for a in axes)
+    return f"vocab_scatter({var(tok)}, {_aligned(var(other), other.indices, order)}, {rows}, {axes!r})"
+
+
+# The helpers a module using vocabulary ops defines (after the fixed ones; see template.GLOBALS).
+HELPERS = '''
+
+def _vocab_rows(ids, rows, axes):
+    """Token ids as rows of this device's vocabulary shard, and which of them it holds."""
+    local = ids - (jax.lax.axis_index(axes) * rows if axes else 0)
+    inside = (local >= 0) & (local < rows)
+    return jnp.where(inside, local, 0), inside
+
+
+def vocab_lookup(table, ids, axes):
+    """Megatron's vocab-parallel embedding, locally: rows this shard holds, 0 for the others' ids."""
+    local, inside = _vocab_rows(ids, table.shape[0], axes)
+    found = jnp.take(table, local, axis=0)
+    return jnp.where(inside.reshape(inside.shape + (1,) * (table.ndim - 1)), found, jnp.zeros_like(found))
+
+
+def vocab_scatter(ids, grads, rows, axes):
+    """The gradient of this device's vocabulary shard: each token's cotangent row added at its id."""
+    local, inside = _vocab_rows(ids, rows, axes)
+    tail = grads.shape[ids.ndim:]
+    kept = jnp.where(inside.reshape(inside.shape + (1,) * len(tail)), grads, jnp.zeros_like(grads))
+    return jnp.zeros((rows, *tail), grads.dtype).at[local.reshape(-1)].add(kept.reshape((-1, *tail)))
+
+
+def vocab_pick(logits, ids, axis, axes):
+    """Each token's logit at its target id, from the shard that holds it (0 on the others)."""
+    local, inside = _vocab_rows(ids, logits.shape[axis], axes)
+    picked = jnp.take_along_axis(logits, jnp.expand_dims(local, axis), axis=axis)
+    return jnp.where(inside, jnp.squeeze(picked, axis), jnp.zeros_like(ids, logits.dtype))
+
+
+def vocab_ce_grad(logits, lse, ids, dloss, axis, axes, token_axes):
+    """(softmax - onehot) * dLoss / tokens on this vocabulary shard: no communication."""
+    local, inside = _vocab_rows(ids, logits.shape[axis], axes)
+    shape = [1] * logits.ndim
+    shape[axis] = logits.shape[axis]
+    hot = (jnp.expand_dims(local, axis) == jnp.arange(logits.shape[axis]).reshape(shape)) & jnp.expand_dims(inside, axis)
+    tokens = ids.size * (jax.lax.axis_size(token_axes) if token_axes else 1)
+    return (jnp.exp(logits - jnp.expand_dims(lse, axis)) - hot.astype(logits.dtype)) * (dloss / tokens)
+'''
+HELPER_NAMES = ("_vocab_rows", "vocab_lookup", "vocab_scatter", "vocab_pick", "vocab_ce_grad")
+VOCAB_FNS = frozenset({"embed", "embed_vjp", "vocab_pick", "ce_apply", "ce_vjp"})
+
+
+def uses_helpers(steps: tuple[Step, ...]) -> bool:
+    """Whether a plan's steps call the vocabulary helpers."""
+    return any(s.fn in VOCAB_FNS for s in steps)
 
 
 # --- whole arrays: the reference ---------------------------------------------------------
@@ -197,3 +276,48 @@ def grad_magnitude(fn: str, x: Any, mag: Any, d: Any, axis: int) -> Any:
         return np.abs(y) * (d + total) * (1.0 + np.max(mag, axis=axis, keepdims=True))
     scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
     return 2.0 * scale * (d + np.abs(y) * total / x.shape[axis] + np.sum(d, axis=axis, keepdims=True) / x.shape[axis])
+
+
+def _onehot(ids: Array, n: int, xp: Any) -> Array:
+    return (xp.expand_dims(xp.asarray(ids).astype(int), -1) == xp.arange(n)) * 1.0
+
+
+def lookup_forward(fn: str, a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
+    """``embed(Tok=a, W=b)``: rows of b at a (Tok's indices, then b's others); ``cross_entropy(Logits=a,
+    Tok=b)``: the mean over tokens of logsumexp(a along ``vocab_axis``) - a at the target."""
+    if fn == "embed":
+        return xp.take(b, xp.asarray(a).astype(int), axis=0)
+    logits = xp.moveaxis(a, vocab_axis, -1)
+    lse = forward("logsumexp", logits, -1, xp)
+    target = xp.sum(logits * _onehot(b, logits.shape[-1], xp), axis=-1)
+    return xp.mean(lse - target)
+
+
+def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
+    """The gradient of the table (embed) or of the logits (cross_entropy); token ids have none."""
+    if fn == "embed":
+        hot = _onehot(a, b.shape[0], xp)
+        flat_hot = xp.reshape(hot, (-1, b.shape[0]))
+        return xp.reshape(xp.einsum("tv,tr->vr", flat_hot, xp.reshape(d, (flat_hot.shape[0], -1))), b.shape)
+    logits = xp.moveaxis(a, vocab_axis, -1)
+    p = forward("softmax", logits, -1, xp)
+    grad = (p - _onehot(b, logits.shape[-1], xp)) * d / (p.size // p.shape[-1])
+    return xp.moveaxis(grad, -1, vocab_axis)
+
+
+def id_inputs(spec: Any) -> dict[str, str]:
+    """Token-id inputs (integers in [0, vocabulary)) and their vocabulary index, from the spec."""
+    from shardc.spec.functions import is_known, signature
+    from shardc.spec.validate import calls, chain_indices
+
+    ids: dict[str, str] = {}
+    for statement in spec.statements:
+        for call in calls(statement.expr):
+            if not is_known(call.func) or signature(call.func).kind not in ("embed", "loss"):
+                continue
+            first, second = call.args
+            if signature(call.func).kind == "embed" and isinstance(first, TensorRef):
+                ids[first.name] = chain_indices(second, ())[0]
+            elif isinstance(second, TensorRef):
+                ids[second.name] = next(i for i in chain_indices(first, ()) if i not in second.indices)
+    return ids

@@ -22,7 +22,7 @@ GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "Ax
            "STACKED_INPUTS", "forward_local", "BACKWARD_IN", "BACKWARD_OUT", "COTANGENTS", "GRADS",
            "backward_local", "programs", "_put", "run_forward", "run_backward", "_results", "forward",
            "_forward_fwd", "_forward_bwd", "_plus", "grad", "DIMS", "INPUT_DIMS", "main", "inputs",
-           "cotangent")
+           "cotangent", "_vocab_rows", "vocab_lookup", "vocab_scatter", "vocab_pick", "vocab_ce_grad")
 
 
 def _plain(text: str) -> str:
@@ -273,6 +273,10 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
         inputs=_plain(", ".join(b.key for b in forward.inputs)), cotangents=_plain(", ".join(cotangents)),
         mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in mesh) + "}")
     text += _HELPERS.format()
+    from shardc.lowering.rows import HELPERS, uses_helpers
+
+    if uses_helpers(plan.forward + plan.backward):
+        text += HELPERS
     text += "\n\n# ---- forward " + "-" * 60 + "\n\n" + _specs("FORWARD_IN", forward.inputs)
     text += _specs("FORWARD_OUT", forward.outputs)
     text += f"RESULTS = {tuple(results)!r}  # forward() returns these; the rest are residuals\n"

@@ -34,6 +34,7 @@ from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.rows_backward import rows_backward
+from shardc.planner.vocab import embed_backward, loss_backward
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 
@@ -169,6 +170,9 @@ class _Backward:
         grad = self.grads[node.result]
         if node.kind == "rows":
             rows_backward(self, node, grad)
+            return
+        if node.kind in ("embed", "loss"):
+            (embed_backward if node.kind == "embed" else loss_backward)(self, node, grad)
             return
         if node.kind == "elementwise":
             self.elementwise(node, grad)

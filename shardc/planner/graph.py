@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from shardc.errors import ShardcError
 from shardc.names import fresh, gradient_names
 from shardc.planner.rowstats import stat_names
-from shardc.spec.functions import is_elementwise, signature
+from shardc.spec.functions import integer_args, is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, fold, leaves
 
@@ -83,6 +83,7 @@ class _Builder:
         self.indices: dict[str, tuple[str, ...]] = {}
         self.inputs: list[str] = []
         self.read: set[str] = set()
+        self.ids: set[str] = set()  # token ids (embed's, cross_entropy's): integers, no gradient
         self.defined = {s.result.name for s in spec.statements}
         self.names = set(self.defined) | {r.name for s in spec.statements for r in leaves(s.expr)}
 
@@ -123,6 +124,8 @@ class _Builder:
             return name
         if isinstance(e, Call) and signature(e.func).kind in ("normalize", "reduce"):
             return self.rows(e, name, indices, target)
+        if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
+            return self.lookup(e, name, indices, target)
         if isinstance(e, Add) or isinstance(e, Call) and not is_elementwise(e.func):
             what = "`+` and `-`" if isinstance(e, Add) else f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
@@ -158,6 +161,26 @@ class _Builder:
         self.nodes.append(Node("rows", name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
         return name
 
+    def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``embed`` or ``cross_entropy`` (shardc.planner.vocab plans them); its token ids get no gradient."""
+        args = []
+        for arg in e.args:
+            if isinstance(arg, TensorRef):
+                args.append(self.leaf(arg))
+                continue
+            inner = self.fresh(name)
+            self.indices[inner] = chain_indices(arg, ())
+            args.append(self.expr(arg, inner, self.indices[inner], None))
+        self.ids.update(args[k] for k in integer_args(e.func))
+        kind = signature(e.func).kind
+        aux: tuple[str, ...] = ()
+        if kind == "loss":
+            aux = tuple(fresh(f"{name}_{suffix}", self.names) for suffix in ("max", "sum", "lse", "target"))
+            self.indices.update({a: self.indices[args[1]] for a in aux})
+        self.indices[name] = indices
+        self.nodes.append(Node(kind, name, indices, tuple(args), target, self.current, fn=e.func, call=e, aux=aux))
+        return name
+
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],
                  target: TensorRef | None) -> str:
         operand_indices = [chain_indices(o, indices) for o in e.operands]
@@ -178,7 +201,7 @@ class _Builder:
         return name
 
     def finish(self) -> Graph:
-        const = frozenset(self.spec.const)
+        const = frozenset(self.spec.const) | frozenset(self.ids)
         params = self.spec.params
         if params is None:
             params = tuple(n for n in self.inputs if n.startswith("W") and n not in const)

@@ -24,6 +24,7 @@ from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.rows import plan_rows
+from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
@@ -234,6 +235,9 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         return
     if node.kind == "rows":
         plan_rows(phase, node, declared, target, label)
+        return
+    if node.kind in ("embed", "loss"):
+        (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)
         return
     final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span)
     if node.result not in declared:  # a chain intermediate: the planner chose its sharding
