@@ -167,10 +167,52 @@ def _single(draw: st.DrawFn, state: _State) -> tuple[TensorRef, list[str]]:
     return ref, draw(st.permutations(ref.indices))
 
 
+REDUCTIONS = ("softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp")
+
+
+def _reduction(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]] | None:
+    """``f(X over I)`` of a tensor or a product: same indices (normalize) or I dropped (reduce)."""
+    inner: Expr
+    inner, indices = _contraction(draw, state, 2) if draw(st.booleans()) else _single(draw, state)
+    if not indices:
+        return None
+    over = draw(st.sampled_from(indices))
+    func = draw(st.sampled_from(REDUCTIONS))
+    kept = indices if func in ("softmax", "rmsnorm", "layernorm") else [i for i in indices if i != over]
+    return Call(func, inner, over=over), draw(st.permutations(kept))
+
+
+def _ids(draw: st.DrawFn, state: _State, indices: list[str]) -> TensorRef:
+    """Token ids: an input read by embed or cross_entropy only (never by a product)."""
+    return TensorRef(state.fresh("Tok"), draw(shardings(indices, state.mesh)))
+
+
+def _vocabulary(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]]:
+    """``embed(Tok, W_emb)`` or ``cross_entropy(Logits, Tok)``."""
+    if draw(st.booleans()):
+        tok = draw(st.lists(st.sampled_from([i for i in INDEX_NAMES if i not in ("D", "V2")]), min_size=1,
+                            max_size=2, unique=True))
+        table = _input(draw, state, ["V2", "D"])
+        return Call("embed", _ids(draw, state, tok), more=(table,)), draw(st.permutations(tok + ["D"]))
+    wide = sorted(n for n, r in state.tensors.items() if len(r.indices) >= 2)
+    if wide and draw(st.booleans()):
+        logits = state.tensors[draw(st.sampled_from(wide))]
+    else:
+        logits = _input(draw, state, draw(st.permutations(["B", "V2"])))
+    vocab = draw(st.sampled_from(list(logits.indices)))
+    tok = draw(st.permutations([i for i in logits.indices if i != vocab]))
+    return Call("cross_entropy", logits, more=(_ids(draw, state, tok),)), []
+
+
 def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -> Statement:
     kind = draw(st.sampled_from(kinds))
     expr: Expr
-    if kind == "reshard":
+    drawn = _reduction(draw, state) if kind == "reduce" else _vocabulary(draw, state) if kind == "vocab" else None
+    if kind in ("reduce", "vocab") and drawn is None:
+        kind = "contract"
+    if drawn is not None:
+        expr, indices = drawn
+    elif kind == "reshard":
         expr, indices = _single(draw, state)
     elif kind == "contract":
         expr, indices = _contraction(draw, state, draw(st.integers(2, 3 if chains else 2)))
@@ -200,10 +242,13 @@ def _contracts_an_index(expr: Expr, result: list[str]) -> bool:
 @st.composite
 def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, dims: bool | None = None,
           chains: bool = True, calls: bool = True, unreduced: bool = True, reshards: bool = True,
-          headers: bool = True, max_devices: int = 64) -> Spec:
-    """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never)."""
+          headers: bool = True, max_devices: int = 64, layer_ops: bool = False) -> Spec:
+    """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never).
+
+    ``layer_ops`` draws reductions over an index (softmax, norms, sum, ...), embed and cross_entropy too.
+    """
     state = _State(mesh if mesh is not None else draw(meshes(max_devices=max_devices)), unreduced)
-    kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls
+    kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls + ["reduce", "reduce", "vocab"] * layer_ops
     count = draw(st.integers(1, max_statements))
     statements = tuple(_statement(draw, state, kinds, chains) for _ in range(count))
     used = dict.fromkeys(i for s in statements for r in [s.result, *leaves(s.expr)] for i in r.indices)

@@ -75,6 +75,7 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
         "row_sum": f"jnp.sum({a[0]}, axis={d})",
         "row_mean": f"jnp.sum({a[0]}, axis={d}) / {n}",
         "row_meansq": f"jnp.sum(jnp.square({a[0]}), axis={d}) / {n}",
+        "row_meandev": f"jnp.sum(jnp.square({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d}) / {n}",
         "row_meandot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d}) / {n}",
         "row_dot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d})",
     }
@@ -87,7 +88,7 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
     if fn == "rmsnorm_apply":
         return f"{a[0]} * jax.lax.rsqrt({e(1)} + {RMS_EPS})"
     if fn == "layernorm_apply":
-        return f"({a[0]} - {e(1)}) * jax.lax.rsqrt({e(2)} - jnp.square({e(1)}) + {LN_EPS})"
+        return f"({a[0]} - {e(1)}) * jax.lax.rsqrt({e(2)} + {LN_EPS})"
     if fn == "softmax_vjp":
         return f"{a[0]} * ({a[1]} - jnp.sum({a[0]} * {a[1]}, axis={d}, keepdims=True))"
     if fn == "softmax_vjp_apply":
@@ -99,7 +100,7 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
     if fn == "rmsnorm_vjp":
         return f"jax.lax.rsqrt({e(2)} + {RMS_EPS}) * ({a[1]} - {a[0]} * {e(3)})"
     if fn == "layernorm_vjp":
-        return (f"jax.lax.rsqrt({e(3)} - jnp.square({e(2)}) + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})")
+        return f"jax.lax.rsqrt({e(3)} + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})"
     if fn in ("sum_vjp", "mean_vjp"):
         return _spread(step, e(0), sizes, fn == "mean_vjp")
     if fn == "vocab_pick":

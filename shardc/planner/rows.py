@@ -11,7 +11,8 @@ collectives):
   over A (V = rows x 1 per statistic), then finish locally.  Softmax needs the row
   max (an AllReduce taking the max) and the sum of exponentials after it, as
   Megatron-LM's vocab-parallel cross entropy does; rmsnorm the mean of squares;
-  layernorm the mean and the mean of squares; max its maximum.  ``sum`` and
+  layernorm the mean, then the mean squared deviation from it (two passes:
+  one pass of E[x**2] - mean**2 cancels to nonsense in 16-bit floats); max its maximum.  ``sum`` and
   ``mean`` are linear: their local result is a partial sum over A ({U_A}), which
   the ordinary moves reduce later (AllReduce, ReduceScatter) or never.
 
@@ -264,7 +265,7 @@ def emit_forward(phase: Phase, node: Node, option: Layouts) -> None:
         local_map(phase, "rmsnorm_apply", *out, (x, (names[0], q)), over)
     elif fn == "layernorm":
         mu = statistic(phase, "row_mean", names[0], rows_value, axes, (x,), over, "sum")
-        q = statistic(phase, "row_meansq", names[1], rows_value, axes, (x,), over, "sum")
-        local_map(phase, "layernorm_apply", *out, (x, (names[0], mu), (names[1], q)), over)
+        var = statistic(phase, "row_meandev", names[1], rows_value, axes, (x, (names[0], mu)), over, "sum")
+        local_map(phase, "layernorm_apply", *out, (x, (names[0], mu), (names[1], var)), over)
     else:
         raise ShardcError(f"`{fn}` is not a reduction over an index")

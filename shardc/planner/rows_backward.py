@@ -4,7 +4,7 @@ With I the reduced index, rows every other index, and each row on its own:
 
     softmax     dX = P * (dP - sum(dP * P over I))
     rmsnorm     dX = r * (dY - Y * mean(dY * Y over I)),           r = 1 / sqrt(ms + 1e-6)
-    layernorm   dX = r * (dY - mean(dY) - Y * mean(dY * Y over I)), r = 1 / sqrt(ms - mean**2 + 1e-5)
+    layernorm   dX = r * (dY - mean(dY) - Y * mean(dY * Y over I)), r = 1 / sqrt(var + 1e-5)
     logsumexp   dX = exp(X - L) * dL
     max         dX = (X == M) * dM
     sum, mean   dX = dS spread along I (over I's size for mean)
@@ -12,7 +12,7 @@ With I the reduced index, rows every other index, and each row on its own:
 Where I is sharded over axes A, the row sums above are local partial sums
 all-reduced over A (one AllReduce of rows x 1 each), or I is gathered first:
 the same candidates and the same objective as the forward
-(:mod:`shardc.planner.rows`).  The forward's statistics (``ms``, ``mean``) are
+(:mod:`shardc.planner.rows`).  The forward's statistics (``ms``, ``mean``, ``var``) are
 read as the forward made them: they are rows x 1, and kept under every residual
 policy, as fused norm kernels keep them.
 """
