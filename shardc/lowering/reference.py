@@ -172,7 +172,8 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
         if node.fn in LOOKUPS:
-            values[node.result] = rows.lookup_forward(node.fn or "", args[0], args[1], _vocab_axis(node), xp)
+            values[node.result] = rows.lookup_forward(node.fn or "", args[0], _ids_aligned(node, args[1], xp),
+                                                      _vocab_axis(node), xp)
         elif node.over is not None:
             values[node.result] = rows.forward(node.fn or "", args[0], node.labels[0].index(node.over), xp)
         elif node.fn is not None:
@@ -214,7 +215,7 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
             continue
         d = grads.pop(node.result)
         if node.fn in LOOKUPS:  # token ids get no gradient
-            a, b = (values[o] for o in node.operands)
+            a, b = values[node.operands[0]], _ids_aligned(node, values[node.operands[1]], xp)
             add(node.operands[1 if node.fn == "embed" else 0], rows.lookup_vjp(node.fn or "", a, b, d,
                                                                               _vocab_axis(node), xp))
             continue
@@ -263,7 +264,7 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             continue
         d = grads.pop(node.result)
         if node.fn in LOOKUPS:
-            a, b = (values[o] for o in node.operands)
+            a, b = values[node.operands[0]], _ids_aligned(node, values[node.operands[1]], np)
             target = node.operands[1 if node.fn == "embed" else 0]
             grads[target] = grads.get(target, 0) + _lookup_grad_magnitude(node, a, b, d, mag)
             continue
@@ -287,6 +288,14 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
 LOOKUPS = ("embed", "cross_entropy")
 
 
+def _ids_aligned(node: _Node, ids: Any, xp: Any) -> Any:
+    """cross_entropy's ids in the order of the logits' other indices (embed's as they are)."""
+    if node.fn == "embed":
+        return ids
+    rows = tuple(i for i in node.labels[0] if i != node.over)
+    return xp.transpose(ids, tuple(node.labels[1].index(i) for i in rows)) if rows != node.labels[1] else ids
+
+
 def _vocab_axis(node: _Node) -> int:
     return 0 if node.fn == "embed" else node.labels[0].index(node.over or "")
 
@@ -294,7 +303,7 @@ def _vocab_axis(node: _Node) -> int:
 def _lookup_magnitude(node: _Node, values: dict[str, Any], mag: dict[str, np.ndarray]) -> np.ndarray:
     """Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice, plus
     its logsumexp, averaged."""
-    a, b = (values[o] for o in node.operands)
+    a = values[node.operands[0]]
     if node.fn == "embed":
         return rows.lookup_forward("embed", a, mag[node.operands[1]], 0, np)
     logits = np.moveaxis(a, _vocab_axis(node), -1)
