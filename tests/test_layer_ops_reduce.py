@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shardc
 from shardc.lowering.api import lower
@@ -17,6 +19,9 @@ from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.render import render_explain
+from shardc.spec.ir import Spec
+from shardc.spec.validate import calls
+from shardc.testing import specs
 from shardc.timing import plan_time, step_volume
 
 BIG = "mesh X=4\ndims B=8, N=32, S=2048, T=2048\nP[B, N, S, T_X] = softmax(Sc[B, N, S, T_X] over T)\n"
@@ -166,3 +171,15 @@ def test_verifies_under_every_residual_policy() -> None:
     for save in ("none", "all"):
         report = verify(shardc.parse(text), save=save)
         assert report.ok, render_report(report)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(specs(max_devices=8, max_statements=3, layer_ops=True), st.sampled_from(["default", "none", "all"]))
+def test_random_layer_op_specs_round_trip_and_plan_soundly(spec: Spec, save: str) -> None:
+    assert shardc.parse(str(spec)) == spec
+    p = shardc.plan(spec, save=save)
+    assert check_plan(p) == []
+    names = {c.func for s in spec.statements for c in calls(s.expr)}
+    if names & {"embed", "cross_entropy"}:  # token ids never get a gradient
+        assert not any(g.name.startswith("dTok") for g in p.grads)

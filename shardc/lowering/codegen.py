@@ -165,7 +165,7 @@ def _check_einsum(step: Step, number: int, phase: str) -> None:
                               f"sharded like its operands", fix="this is a planner bug: report the spec")
 
 
-def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> str:
+def _step_code(step: Step, var: _Namer) -> str:
     """One step as one line of Python (without the comment)."""
     src = var(step.src) if step.src is not None else ""
     axes = _axes_entry(step.axes) if step.axes else ""
@@ -190,9 +190,9 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
     if step.fn in ("embed", "embed_vjp"):
-        return lookup_code(step, var, sizes)
+        return lookup_code(step, var)
     if step.fn in ROW_FNS or step.fn in VOCAB_FNS:
-        return row_code(step, var, sizes)
+        return row_code(step, var)
     return _elementwise_code(step, var)
 
 
@@ -245,7 +245,7 @@ def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Name
                                   fix="this is a planner bug: report the spec")
         if step.op in (Op.EINSUM, Op.COPY):
             _check_einsum(step, number, phase)
-        code = f"{var(step.dst)} = {_step_code(step, var, sizes)}"
+        code = f"{var(step.dst)} = {_step_code(step, var)}"
         lines.append((code, template.comment(f"{step.dst}  {local_shape_text(step.dst, sizes)}")))
         made.add(_key(step.dst))
     width = min(max((len(code) for code, _ in lines), default=0), _COMMENT_COLUMN)

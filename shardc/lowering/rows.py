@@ -15,12 +15,12 @@ numpy or jax.numpy), for :mod:`shardc.lowering.reference`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 from shardc.errors import ShardcError
 from shardc.planner.ir import Step
+from shardc.planner.rowstats import VOCAB_FNS
 from shardc.spec.ir import TensorRef
 
 __all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
@@ -42,7 +42,7 @@ def _aligned(code: str, have: tuple[str, ...], want: tuple[str, ...]) -> str:
     return f"jnp.transpose({code}, {tuple(have.index(i) for i in want)})"
 
 
-def row_code(step: Step, var: Callable[[TensorRef], str], sizes: dict[str, int] | None) -> str:
+def row_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     """One row step as one line of Python (its right-hand side)."""
     frame = _frame(step)
     d = step.dim
@@ -59,13 +59,13 @@ def row_code(step: Step, var: Callable[[TensorRef], str], sizes: dict[str, int] 
         return f"jnp.expand_dims({args[k]}, {d})"
 
     n = f"({args[0]}.shape[{d}] * jax.lax.axis_size({axes!r}))" if axes else f"{args[0]}.shape[{d}]"
-    code = _expression(step, args, e, n, d, sizes, axes)
+    code = _expression(step, args, e, n, d, var, axes)
     out = frame if len(step.dst.indices) == len(frame) else rows
     return _aligned(code if out == step.dst.indices else f"({code})", out, step.dst.indices)
 
 
 def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: int | None,
-                sizes: dict[str, int] | None, axes: tuple[str, ...]) -> str:
+                var: Callable[[TensorRef], str], axes: tuple[str, ...]) -> str:
     fn = step.fn or ""
     simple = {
         "softmax": f"jax.nn.softmax({a[0]}, axis={d})",
@@ -102,7 +102,7 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
     if fn == "layernorm_vjp":
         return f"jax.lax.rsqrt({e(3)} + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})"
     if fn in ("sum_vjp", "mean_vjp"):
-        return _spread(step, e(0), sizes, fn == "mean_vjp")
+        return _spread(step, e(0), var, fn == "mean_vjp")
     if fn == "vocab_pick":
         return f"vocab_pick({a[0]}, {a[1]}, {d}, {axes!r})"
     tokens = tuple(x for ref in step.operands[1:2] for dim in ref.dims for x in dim.axes)
@@ -115,21 +115,31 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
     raise ShardcError(f"lowering does not know the row function {fn!r}")
 
 
-def _spread(step: Step, row: str, sizes: dict[str, int] | None, mean: bool) -> str:
-    """dS broadcast along I to the gradient's local shape (over I's global length for a mean)."""
-    dims = step.dst.dims
-    if sizes is None or any(x.name not in sizes for x in dims):
-        raise ShardcError(f"lowering the gradient of a sum into {step.dst} needs its sizes",
-                          fix="give the spec a dims line (or lower at sizes that divide its shardings)")
-    shape = tuple(sizes[x.name] // math.prod(sizes[a] for a in x.axes) for x in dims)
-    over = step.dst.dims[step.dim or 0].name
-    spread = f"jnp.broadcast_to({row}, {shape})"
-    return f"{spread} / {sizes[over]}" if mean else spread
+def _length(ref: TensorRef, code: str, index: str, axes: tuple[str, ...]) -> str:
+    """The local length of ``index`` when sharded over ``axes``, from a value ``code`` of ``ref`` (its shape)."""
+    have = ref.dims[ref.indices.index(index)].axes
+    length = f"{code}.shape[{ref.indices.index(index)}]"
+    if have == axes:
+        return length
+    scale = f" * jax.lax.axis_size({have!r})" if have else ""
+    return f"{length}{scale} // jax.lax.axis_size({axes!r})" if axes else f"{length}{scale}"
 
 
-def lookup_code(step: Step, var: Callable[[TensorRef], str], sizes: dict[str, int] | None) -> str:
+def _spread(step: Step, row: str, var: Callable[[TensorRef], str], mean: bool) -> str:
+    """dS repeated along I to the gradient's local shape (over I's global length for a mean).
+
+    The second operand is the input as declared, read for its shape only (no data moves)."""
+    x = step.operands[1]
+    d = step.dim or 0
+    over = step.dst.indices[d]
+    axes = step.dst.dims[d].axes
+    spread = f"jnp.repeat({row}, {_length(x, var(x), over, axes)}, axis={d})"
+    return f"{spread} / ({_length(x, var(x), over, ())})" if mean else spread
+
+
+def lookup_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     """``embed`` (a masked lookup in the local vocabulary shard) and its scatter-add gradient."""
-    tok, other = step.operands
+    tok, other = step.operands[:2]
     if step.fn == "embed":
         axes = other.dims[0].axes
         made = tok.indices + other.indices[1:]
@@ -139,10 +149,8 @@ def lookup_code(step: Step, var: Callable[[TensorRef], str], sizes: dict[str, in
     table = step.dst
     axes = table.dims[0].axes
     order = tok.indices + table.indices[1:]
-    if sizes is None or table.dims[0].name not in sizes:
-        raise ShardcError(f"lowering the gradient of a lookup into {table} needs its sizes",
-                          fix="give the spec a dims line (or lower at sizes that divide its shardings)")
-    rows = sizes[table.dims[0].name] // math.prod(sizes[a] for a in axes)
+    declared = step.operands[2]  # the table as declared, read for its shape only
+    rows = _length(declared, var(declared), table.indices[0], axes)
     return f"vocab_scatter({var(tok)}, {_aligned(var(other), other.indices, order)}, {rows}, {axes!r})"
 
 
@@ -188,7 +196,6 @@ def vocab_ce_grad(logits, lse, ids, dloss, axis, axes, token_axes):
     return (jnp.exp(logits - jnp.expand_dims(lse, axis)) - hot.astype(logits.dtype)) * (dloss / tokens)
 '''
 HELPER_NAMES = ("_vocab_rows", "vocab_lookup", "vocab_scatter", "vocab_pick", "vocab_ce_grad")
-VOCAB_FNS = frozenset({"embed", "embed_vjp", "vocab_pick", "ce_apply", "ce_vjp"})
 
 
 def uses_helpers(steps: tuple[Step, ...]) -> bool:

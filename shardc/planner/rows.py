@@ -269,3 +269,30 @@ def emit_forward(phase: Phase, node: Node, option: Layouts) -> None:
         local_map(phase, "layernorm_apply", *out, (x, (names[0], mu), (names[1], var)), over)
     else:
         raise ShardcError(f"`{fn}` is not a reduction over an index")
+
+
+# Row steps whose last operand is read for its shape only (the length of I, of the vocabulary).
+SHAPE_ONLY = frozenset({"sum_vjp", "mean_vjp", "embed_vjp"})
+
+
+def check_row_step(step: Step) -> list[str]:
+    """Why a local row step is invalid: its operands must shard each index as its frame does."""
+    operands = step.operands[:-1] if step.fn in SHAPE_ONLY else step.operands
+    if step.fn in ("embed", "embed_vjp"):
+        tok, other = operands
+        table = other if step.fn == "embed" else step.dst
+        if {a for d in tok.dims for a in d.axes} & {a for d in table.dims for a in d.axes}:
+            return [f"{step.fn} {step.dst}: the ids and the table {table.name} share a mesh axis"]
+        rows = step.dst if step.fn == "embed" else other  # the looked-up rows: the ids' indices, the table's others
+        axes = {d.name: d.axes for d in (*tok.dims, *table.dims[1:])}
+        return [f"{step.fn} {step.dst}: {rows.name} shards {d.name} unlike the ids and the table"
+                for d in rows.dims if axes.get(d.name) != d.axes]
+    widest = max((*operands, step.dst), key=lambda r: len(r.indices))
+    axes = {d.name: d.axes for d in widest.dims}
+    problems = []
+    for ref in (*operands, step.dst):
+        for d in ref.dims:
+            if axes.get(d.name, d.axes) != d.axes:
+                problems.append(f"row step {step.fn} {step.dst}: {ref.name} shards {d.name} over {d.axes}, "
+                                f"its frame over {axes[d.name]}")
+    return problems

@@ -5,7 +5,7 @@ Kept apart, without imports, so the graph builder can name them.
 
 from __future__ import annotations
 
-__all__ = ["STATS", "BACKWARD_STATS", "ROW_FNS", "stat_names"]
+__all__ = ["STATS", "BACKWARD_STATS", "ROW_FNS", "VOCAB_FNS", "stat_names"]
 
 # Per function, the statistics the forward all-reduces when I is sharded (name suffix, combiner).
 STATS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -30,3 +30,6 @@ ROW_FNS = frozenset({
 def stat_names(func: str, result: str) -> tuple[str, ...]:
     """The names the forward statistics of ``func`` take (before making them unique); ``max`` is its own."""
     return () if func == "max" else tuple(f"{result}_{suffix}" for suffix, _ in STATS[func])
+
+# The local maps of the vocabulary ops (shardc.planner.vocab).
+VOCAB_FNS = frozenset({"embed", "embed_vjp", "vocab_pick", "ce_apply", "ce_vjp"})

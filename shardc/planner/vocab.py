@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from shardc.errors import ShardcError
 from shardc.planner.graph import Node
-from shardc.planner.ir import Op, Step
+from shardc.planner.ir import Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.rows import (Layouts, all_reduce, by_index, choose, in_order, local_map, record, statistic,
@@ -138,8 +138,9 @@ def plan_loss(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
     axes = by_index(idx, best.local.layout)
     t = in_order(tok_idx, axes)
     rows_value = t
+    volume = sum_formula([phase.ctx.local_bytes(tok_idx, t).scale(2)] * 3)
     record(phase, f"{label.split(' = ')[0]} = cross_entropy({phase.text(logits, best.local)}, {phase.text(tok, t)})",
-           best, shown, 3, "")
+           best, shown, 3, volume)
     phase.moves(logits, _move(phase, logits, best.local)[1])  # type: ignore[index]
     phase.moves(tok, _move(phase, tok, t)[1])  # type: ignore[index]
     m_name, z_name, lse_name, tgt_name = node.aux
@@ -200,7 +201,9 @@ def embed_backward(bw: _Backward, node: Node, grad: str) -> None:
     phase.moves(tok, _move(phase, tok, t)[1], note="residual for the lookup's gradient")  # type: ignore[index]
     phase.moves(grad, _move(phase, grad, d_local)[1])  # type: ignore[index]
     phase.emit(Step(Op.ELEMENTWISE, dst, phase.ref(dst, best.result),
-                    operands=(phase.ref(tok, t), phase.ref(grad, d_local)), fn="embed_vjp"), best.result)
+                    operands=(phase.ref(tok, t), phase.ref(grad, d_local),
+                              phase.ref(table, Value.of(bw.declared[table]))),  # for its shape only
+                    fn="embed_vjp"), best.result)
     if bw.count.get(table, 0) > 1:
         bw.parts.setdefault(table, []).append((dst, best.result))
     else:
