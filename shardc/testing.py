@@ -195,7 +195,7 @@ def _vocabulary(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]]:
         table = _input(draw, state, ["V2", "D"])
         return Call("embed", _ids(draw, state, tok), more=(table,)), draw(st.permutations(tok + ["D"]))
     wide = sorted(n for n, r in state.tensors.items() if len(r.indices) >= 2)
-    if wide and draw(st.booleans()):
+    if wide and draw(st.booleans()):  # type: ignore[arg-type]
         logits = state.tensors[draw(st.sampled_from(wide))]
     else:
         logits = _input(draw, state, draw(st.permutations(["B", "V2"])))

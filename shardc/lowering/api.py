@@ -82,7 +82,7 @@ class Lowered:
             program, boundaries = (fwd, self.module.forward.inputs) if phase == "forward" else (
                 bwd, self.module.backward.inputs)
             ids = id_inputs(self.plan.spec)
-            args = [jax.ShapeDtypeStruct(self.global_shape(b.ref), np.int32 if b.key in ids else dtype,
+            args = [jax.ShapeDtypeStruct(self.global_shape(b.ref), np.int32 if b.ref.name in ids else dtype,
                                          sharding=NamedSharding(mesh, _spec(self, b)))
                     for b in boundaries]
             self._compiled[key] = program.lower(*args).compile().as_text()

@@ -191,7 +191,8 @@ def vocab_ce_grad(logits, lse, ids, dloss, axis, axes, token_axes):
     local, inside = _vocab_rows(ids, logits.shape[axis], axes)
     shape = [1] * logits.ndim
     shape[axis] = logits.shape[axis]
-    hot = (jnp.expand_dims(local, axis) == jnp.arange(logits.shape[axis]).reshape(shape)) & jnp.expand_dims(inside, axis)
+    column = jnp.arange(logits.shape[axis]).reshape(shape)
+    hot = (jnp.expand_dims(local, axis) == column) & jnp.expand_dims(inside, axis)
     tokens = ids.size * (jax.lax.axis_size(token_axes) if token_axes else 1)
     return (jnp.exp(logits - jnp.expand_dims(lse, axis)) - hot.astype(logits.dtype)) * (dloss / tokens)
 '''

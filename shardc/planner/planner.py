@@ -24,8 +24,8 @@ from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.rows import plan_rows
-from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
+from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
 from shardc.timing import PlanTime, plan_time

@@ -38,7 +38,8 @@ from shardc.planner.rowstats import BACKWARD_STATS, ROW_FNS, STATS
 from shardc.spec.functions import signature
 from shardc.spec.ir import TensorRef
 
-__all__ = ["ROW_FNS", "STATS", "BACKWARD_STATS", "is_row_node", "plan_rows", "by_index",
+__all__ = ["over_of", "check_row_step", "SHAPE_ONLY", "ROW_FNS", "STATS", "BACKWARD_STATS", "is_row_node",
+           "plan_rows", "by_index",
            "in_order", "frame_of", "Layouts", "stats_cost", "choose"]
 
 def is_row_node(node: Node) -> bool:
@@ -152,7 +153,7 @@ def _candidates(phase: Phase, arg: str, over: str, result_idx: tuple[str, ...], 
 def _option(phase: Phase, node: Node, local: Value, target: Value | None, stats: int) -> Layouts | None:
     (arg,) = node.operands
     idx = phase.indices[arg]
-    over = _over(node)
+    over = over_of(node)
     if not any(s.reaches(local) for s in phase.held[arg]):
         return None
     cost, moves_in = reshard(phase.ctx, arg, idx, phase.held[arg], local)
@@ -172,7 +173,8 @@ def _option(phase: Phase, node: Node, local: Value, target: Value | None, stats:
     return Layouts(local, axes[over], add_cost(cost, moved), moves_in, moves_out, result, want)
 
 
-def _over(node: Node) -> str:
+def over_of(node: Node) -> str:
+    """The index a reduction node runs over."""
     assert node.call is not None and node.call.over is not None
     return node.call.over
 
@@ -187,17 +189,17 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
                           node.statement.span, fix="drop the {U_...} suffix: the function needs reduced values")
     stats = len(STATS[fn])
     linear = fn in ("sum", "mean")
-    options = [o for v in _candidates(phase, arg, _over(node), node.indices, target, linear)
+    options = [o for v in _candidates(phase, arg, over_of(node), node.indices, target, linear)
                if (o := _option(phase, node, v, target, stats)) is not None]
     if not options:
         raise ShardcError(f"no sharding of {arg} makes {label.split(' = ')[0]}", node.statement.span,
                           fix="a partial sum {U_..} of a reduction needs its index sharded over those axes")
     best, shown = choose(options, stats)
-    rows = tuple(i for i in phase.indices[arg] if i != _over(node))
+    rows = tuple(i for i in phase.indices[arg] if i != over_of(node))
     rows_value = in_order(rows, by_index(phase.indices[arg], best.local.layout))
     volume = sum_formula([phase.ctx.local_bytes(rows, rows_value).scale(2)] * stats)
     head = label.split(" = ")[0]
-    record(phase, f"{head} = {fn}({phase.text(arg, phase.held[arg][0])} over {_over(node)})", best, shown, stats,
+    record(phase, f"{head} = {fn}({phase.text(arg, phase.held[arg][0])} over {over_of(node)})", best, shown, stats,
            volume)
     phase.moves(arg, best.moves_in)
     emit_forward(phase, node, best)
@@ -237,7 +239,7 @@ def emit_forward(phase: Phase, node: Node, option: Layouts) -> None:
     fn = node.fn or ""
     (arg,) = node.operands
     idx = phase.indices[arg]
-    over = _over(node)
+    over = over_of(node)
     x = (arg, option.local)
     axes = option.axes
     rows = tuple(i for i in idx if i != over)

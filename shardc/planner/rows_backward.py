@@ -23,10 +23,20 @@ from typing import TYPE_CHECKING
 
 from shardc.names import fresh
 from shardc.planner.graph import Node
-from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
 from shardc.planner.ir import sum_formula
-from shardc.planner.rows import (BACKWARD_STATS, Layouts, by_index, choose, in_order, local_map, record, statistic,
-                                 stats_cost)
+from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
+from shardc.planner.rows import (
+    BACKWARD_STATS,
+    Layouts,
+    by_index,
+    choose,
+    in_order,
+    local_map,
+    over_of,
+    record,
+    statistic,
+    stats_cost,
+)
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
@@ -55,8 +65,7 @@ def _option(bw: _Backward, node: Node, grad: str, local: Value, dst: str) -> Lay
     (x,) = node.operands
     phase = bw.phase
     idx = phase.indices[x]
-    over = node.call.over if node.call is not None else None
-    assert over is not None
+    over = over_of(node)
     axes = by_index(idx, local.layout)
     full, rows = _reads(node, grad)
     total: Cost = ZERO
@@ -82,7 +91,7 @@ def _option(bw: _Backward, node: Node, grad: str, local: Value, dst: str) -> Lay
 def _candidates(bw: _Backward, node: Node, grad: str) -> list[Value]:
     (x,) = node.operands
     idx = bw.phase.indices[x]
-    over = node.call.over if node.call is not None else ""
+    over = over_of(node)
     full, _ = _reads(node, grad)
     found: dict[Value, None] = {bw.target(x): None}
     for name in full:
@@ -112,7 +121,7 @@ def rows_backward(bw: _Backward, node: Node, grad: str) -> None:
     stats = BACKWARD_STATS[node.fn or ""]
     best, shown = choose(options, stats)
     idx = phase.indices[x]
-    over = node.call.over if node.call is not None else ""
+    over = over_of(node)
     row_idx = tuple(i for i in idx if i != over)
     rows_value = in_order(row_idx, by_index(idx, best.local.layout))
     label = f"{phase.text(dst, bw.target(x))} = {node.fn}_vjp({phase.text(grad, phase.held[grad][0])} over {over})"
@@ -129,7 +138,7 @@ def _emit(bw: _Backward, node: Node, grad: str, option: Layouts, dst: str) -> No
     fn = node.fn or ""
     (x,) = node.operands
     idx = phase.indices[x]
-    over = node.call.over if node.call is not None else ""
+    over = over_of(node)
     axes = by_index(idx, option.local.layout)
     full, rows = _reads(node, grad)
     values: dict[str, Value] = {}

@@ -21,7 +21,8 @@ STATS: dict[str, tuple[tuple[str, str], ...]] = {
 BACKWARD_STATS = {"softmax": 1, "rmsnorm": 1, "layernorm": 2, "logsumexp": 0, "max": 0, "sum": 0, "mean": 0}
 # The local maps the steps use: forward, finishing maps and gradients.
 ROW_FNS = frozenset({
-    "softmax", "logsumexp", "row_max", "row_dot", "row_sumexp", "row_sum", "row_mean", "row_meansq", "row_meandev", "row_meandot",
+    "softmax", "logsumexp", "row_max", "row_dot", "row_sumexp", "row_sum", "row_mean", "row_meansq", "row_meandev",
+    "row_meandot",
     "softmax_apply", "lse_apply", "rmsnorm_apply", "layernorm_apply",
     "softmax_vjp", "softmax_vjp_apply", "logsumexp_vjp", "max_vjp", "sum_vjp", "mean_vjp",
     "rmsnorm_vjp", "layernorm_vjp"})

@@ -30,8 +30,17 @@ from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
 from shardc.planner.phase import Phase
-from shardc.planner.rows import (Layouts, all_reduce, by_index, choose, in_order, local_map, record, statistic,
-                                 stats_cost)
+from shardc.planner.rows import (
+    Layouts,
+    all_reduce,
+    by_index,
+    choose,
+    in_order,
+    local_map,
+    record,
+    statistic,
+    stats_cost,
+)
 from shardc.spec.ir import TensorRef
 
 if TYPE_CHECKING:
