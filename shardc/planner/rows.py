@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardc.collectives import FACTOR
 from shardc.errors import ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
@@ -100,11 +101,12 @@ def choose(options: list[Layouts], stats: int) -> tuple[Layouts, list[Layouts]]:
 
 
 def record(phase: Phase, label: str, best: Layouts, options: list[Layouts], stats: int,
-           volume: str) -> None:
-    """A ``--explain`` entry: each way the reduction could run, and why the chosen one won."""
+           idx: tuple[str, ...], over: str) -> None:
+    """A ``--explain`` entry: each way the reduction could run (``idx``: the indices of an option's
+    ``local`` value, ``over`` the reduced one), and why the chosen one won."""
     rows = []
     for o in options:
-        vol = volume if o.axes and stats else _moves_volume(o)
+        vol = _volume(phase, o, stats, idx, over)
         time = o.cost[0] if phase.sized else None
         rows.append(Alternative(o.describe(stats), time, vol, o.cost[1], o is best or
                                 o.describe(stats) == best.describe(stats)))
@@ -125,10 +127,14 @@ def record(phase: Phase, label: str, best: Layouts, options: list[Layouts], stat
     phase.choices.append(Choice(phase.name, label, tuple(rows), reason))
 
 
-def _moves_volume(o: Layouts) -> str:
-    from shardc.collectives import FACTOR
-
-    return sum_formula(m.volume.scale(FACTOR[m.op]) for m in (*o.moves_in, *o.moves_out) if m.volume is not None)
+def _volume(phase: Phase, o: Layouts, stats: int, idx: tuple[str, ...], over: str) -> str:
+    """An option's weighted bytes: its moves', and its statistics' AllReduces (rows x 1 each, counted twice)."""
+    terms = [m.volume.scale(FACTOR[m.op]) for m in (*o.moves_in, *o.moves_out) if m.volume is not None]
+    if o.axes and stats:
+        rows = tuple(i for i in idx if i != over)
+        value = in_order(rows, by_index(idx, o.local.layout))
+        terms += [phase.ctx.local_bytes(rows, value).scale(FACTOR[Op.ALL_REDUCE])] * stats
+    return sum_formula(terms)
 
 
 def _candidates(phase: Phase, arg: str, over: str, result_idx: tuple[str, ...], target: Value | None,
@@ -195,12 +201,9 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
         raise ShardcError(f"no sharding of {arg} makes {label.split(' = ')[0]}", node.statement.span,
                           fix="a partial sum {U_..} of a reduction needs its index sharded over those axes")
     best, shown = choose(options, stats)
-    rows = tuple(i for i in phase.indices[arg] if i != over_of(node))
-    rows_value = in_order(rows, by_index(phase.indices[arg], best.local.layout))
-    volume = sum_formula([phase.ctx.local_bytes(rows, rows_value).scale(2)] * stats)
     head = label.split(" = ")[0]
     record(phase, f"{head} = {fn}({phase.text(arg, phase.held[arg][0])} over {over_of(node)})", best, shown, stats,
-           volume)
+           phase.indices[arg], over_of(node))
     phase.moves(arg, best.moves_in)
     emit_forward(phase, node, best)
     phase.moves(node.result, best.moves_out)

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 from shardc.names import fresh
 from shardc.planner.graph import Node
-from shardc.planner.ir import sum_formula
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
 from shardc.planner.rows import (
     BACKWARD_STATS,
@@ -122,10 +121,8 @@ def rows_backward(bw: _Backward, node: Node, grad: str) -> None:
     best, shown = choose(options, stats)
     idx = phase.indices[x]
     over = over_of(node)
-    row_idx = tuple(i for i in idx if i != over)
-    rows_value = in_order(row_idx, by_index(idx, best.local.layout))
     label = f"{phase.text(dst, bw.target(x))} = {node.fn}_vjp({phase.text(grad, phase.held[grad][0])} over {over})"
-    record(phase, label, best, shown, stats, sum_formula([phase.ctx.local_bytes(row_idx, rows_value).scale(2)] * stats))
+    record(phase, label, best, shown, stats, idx, over)
     _emit(bw, node, grad, best, dst)
     if bw.count.get(x, 0) > 1:
         bw.parts.setdefault(x, []).append((dst, best.local))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from shardc.errors import ShardcError
 from shardc.planner.graph import Node
-from shardc.planner.ir import Op, Step, sum_formula
+from shardc.planner.ir import Op, Step
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.rows import (
@@ -109,7 +109,7 @@ def plan_embed(phase: Phase, node: Node, declared: dict[str, TensorRef], target:
     best, shown = choose([o[0] for o in options], 0)
     _, t, tok_moves, table_moves = next(o for o in options if o[0] is best)
     record(phase, f"{label.split(' = ')[0]} = embed({phase.text(tok, t)}, {phase.text(table, best.local)})",
-           best, shown, 0, "")
+           best, shown, 0, w_idx, "")
     phase.moves(tok, tok_moves)
     phase.moves(table, table_moves)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, best.result),
@@ -147,9 +147,8 @@ def plan_loss(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
     axes = by_index(idx, best.local.layout)
     t = in_order(tok_idx, axes)
     rows_value = t
-    volume = sum_formula([phase.ctx.local_bytes(tok_idx, t).scale(2)] * 3)
     record(phase, f"{label.split(' = ')[0]} = cross_entropy({phase.text(logits, best.local)}, {phase.text(tok, t)})",
-           best, shown, 3, volume)
+           best, shown, 3, idx, vocab)
     phase.moves(logits, _move(phase, logits, best.local)[1])  # type: ignore[index]
     phase.moves(tok, _move(phase, tok, t)[1])  # type: ignore[index]
     m_name, z_name, lse_name, tgt_name = node.aux
@@ -206,7 +205,7 @@ def embed_backward(bw: _Backward, node: Node, grad: str) -> None:
     best, shown = choose([o for o, _, _ in options], 0)
     _, t, d_local = next(o for o in options if o[0] is best)
     record(phase, f"{phase.text(dst, target)} = embed_vjp({phase.text(tok, t)}, {phase.text(grad, d_local)})",
-           best, shown, 0, "")
+           best, shown, 0, w_idx, "")
     phase.moves(tok, _move(phase, tok, t)[1], note="residual for the lookup's gradient")  # type: ignore[index]
     phase.moves(grad, _move(phase, grad, d_local)[1])  # type: ignore[index]
     phase.emit(Step(Op.ELEMENTWISE, dst, phase.ref(dst, best.result),
@@ -251,7 +250,7 @@ def loss_backward(bw: _Backward, node: Node, grad: str) -> None:
     best, shown = choose([o for o, _ in options], 0)
     reads = next(r for o, r in options if o is best)
     record(phase, f"{phase.text(dst, target)} = cross_entropy_vjp({phase.text(grad, Value((), ()))})",
-           best, shown, 0, "")
+           best, shown, 0, idx, vocab)
     for name, value in reads:
         phase.moves(name, _move(phase, name, value)[1], note="residual for the loss's gradient")  # type: ignore[index]
     local_map(phase, "ce_vjp", dst, best.local, tuple(reads), vocab)
