@@ -66,11 +66,11 @@ def validate(spec: Spec) -> None:
         line = statement.result.span.line if statement.result.span else number + 1
         first[statement.result.name] = (statement.result, line, True)
     _check_layers(spec)
-    _check_feed(spec)
     _check_params(spec, defined)
     _check_const(spec, defined)
     _check_namespaces(spec)
     check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
+    _check_feed(spec)  # after the per-reference checks: it compares whole shardings
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
