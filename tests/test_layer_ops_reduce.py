@@ -158,6 +158,9 @@ VERIFY = [
     "mesh X=2, Y=2\ndims B=8, D=64\nM[B]{U_XY} = sum(X[B, D_X]{U_Y} over D)\n",
     "mesh X=4\ndims B=8, D=64\nM[B_X] = mean(X[B, D_X] over D)\n",
     "mesh X=4\ndims B=8, D=4096\nM[B] = logsumexp(X[B, D_X] over D)\n",
+    # a scale is an einsum with batch index D; reductions nest inside products and reductions
+    "mesh X=2, Y=2\ndims B=8, S=64, D=1024\nY[B_Y, S, D_X] = rmsnorm(X[B_Y, S, D_X] over D) * W_g[D_X]\n"
+    "M[B_Y] = mean(softmax(Y[B_Y, S, D_X] over D) · W_p[D_X] over S)\n",
 ]
 
 
