@@ -22,7 +22,7 @@ def test_random_specs_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  
 
 
 # the transformer-layer ops too: reductions over an index, embed and cross_entropy
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs(max_devices=8, max_statements=3, layer_ops=True))
 def test_random_specs_with_layer_ops_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
