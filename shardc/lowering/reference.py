@@ -171,11 +171,8 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.fn in LOOKUPS:
-            values[node.result] = rows.lookup_forward(node.fn or "", args[0], _ids_aligned(node, args[1], xp),
-                                                      _vocab_axis(node), xp)
-        elif node.over is not None:
-            values[node.result] = rows.forward(node.fn or "", args[0], node.labels[0].index(node.over), xp)
+        if node.over is not None:  # a reduction over an index, or a vocabulary op
+            values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
         elif node.fn is not None:
             values[node.result] = function(node.fn).forward(args[0], xp)
         else:
@@ -214,15 +211,10 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if node.fn in LOOKUPS:  # token ids get no gradient
-            a, b = values[node.operands[0]], _ids_aligned(node, values[node.operands[1]], xp)
-            add(node.operands[1 if node.fn == "embed" else 0], rows.lookup_vjp(node.fn or "", a, b, d,
-                                                                              _vocab_axis(node), xp))
-            continue
-        if node.over is not None:
-            x = values[node.operands[0]]
-            add(node.operands[0], rows.vjp(node.fn or "", x, values[node.result], d,
-                                           node.labels[0].index(node.over), xp))
+        if node.over is not None:  # one operand gets a gradient (token ids never do)
+            k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
+                                 node.labels, node.over, xp)
+            add(node.operands[k], g)
             continue
         if node.fn is not None:
             add(node.operands[0], d * function(node.fn).derivative(values[node.operands[0]], xp))
@@ -248,11 +240,9 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.fn in LOOKUPS:
-            mag[node.result] = _lookup_magnitude(node, values, mag)
-        elif node.over is not None:
-            mag[node.result] = rows.magnitude(node.fn or "", values[node.operands[0]], mag[node.operands[0]],
-                                              node.labels[0].index(node.over))
+        if node.over is not None:
+            mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
+                                                   [mag[o] for o in node.operands], node.labels, node.over)
         elif node.fn is not None:
             z, f = values[node.operands[0]], function(node.fn)
             mag[node.result] = np.abs(f.forward(z, np)) + np.abs(f.derivative(z, np)) * mag[node.operands[0]]
@@ -263,15 +253,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if node.fn in LOOKUPS:
-            a, b = values[node.operands[0]], _ids_aligned(node, values[node.operands[1]], np)
-            target = node.operands[1 if node.fn == "embed" else 0]
-            grads[target] = grads.get(target, 0) + _lookup_grad_magnitude(node, a, b, d, mag)
-            continue
         if node.over is not None:
-            x = values[node.operands[0]]
-            grads[node.operands[0]] = grads.get(node.operands[0], 0) + rows.grad_magnitude(
-                node.fn or "", x, mag[node.operands[0]], d, node.labels[0].index(node.over))
+            k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],
+                                            [mag[o] for o in node.operands], d, node.labels, node.over)
+            grads[node.operands[k]] = grads.get(node.operands[k], 0) + g
             continue
         if node.fn is not None:
             z, m = values[node.operands[0]], mag[node.operands[0]]
@@ -283,43 +268,6 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             grads[name] = grads.get(name, 0) + _contract(np, [d, *others], labels, node.labels[k], shape)
     return {**{s.result.name: mag[s.result.name] for s in spec.statements},
             **{name: grads[name] for name in leaf_names(spec) if name in grads}}
-
-
-LOOKUPS = ("embed", "cross_entropy")
-
-
-def _ids_aligned(node: _Node, ids: Any, xp: Any) -> Any:
-    """cross_entropy's ids in the order of the logits' other indices (embed's as they are)."""
-    if node.fn == "embed":
-        return ids
-    rows = tuple(i for i in node.labels[0] if i != node.over)
-    return xp.transpose(ids, tuple(node.labels[1].index(i) for i in rows)) if rows != node.labels[1] else ids
-
-
-def _vocab_axis(node: _Node) -> int:
-    return 0 if node.fn == "embed" else node.labels[0].index(node.over or "")
-
-
-def _lookup_magnitude(node: _Node, values: dict[str, Any], mag: dict[str, np.ndarray]) -> np.ndarray:
-    """Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice, plus
-    its logsumexp, averaged."""
-    a = values[node.operands[0]]
-    if node.fn == "embed":
-        return rows.lookup_forward("embed", a, mag[node.operands[1]], 0, np)
-    logits = np.moveaxis(a, _vocab_axis(node), -1)
-    row = np.max(np.moveaxis(mag[node.operands[0]], _vocab_axis(node), -1), axis=-1)
-    return np.asarray(np.mean(2.0 * row + np.abs(rows.forward("logsumexp", logits, -1, np))))
-
-
-def _lookup_grad_magnitude(node: _Node, a: Any, b: Any, d: np.ndarray, mag: dict[str, np.ndarray]) -> np.ndarray:
-    if node.fn == "embed":
-        return rows.lookup_vjp("embed", a, b, np.abs(d), 0, np)
-    axis = _vocab_axis(node)
-    logits = np.moveaxis(a, axis, -1)
-    p = rows.forward("softmax", logits, -1, np)
-    hot = rows.lookup_vjp("cross_entropy", a, b, np.ones_like(d), axis, np)  # (p - onehot) / tokens
-    scale = 1.0 + np.max(mag[node.operands[0]])
-    return np.abs(d) * (np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])) * scale
 
 
 def _slope(f: Any, z: np.ndarray, m: np.ndarray) -> np.ndarray:

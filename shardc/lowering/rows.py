@@ -24,7 +24,8 @@ from shardc.planner.rowstats import VOCAB_FNS
 from shardc.spec.ir import TensorRef
 
 __all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
-           "HELPERS", "HELPER_NAMES", "id_inputs", "VOCAB_FNS", "uses_helpers", "lookup_forward", "lookup_vjp"]
+           "HELPERS", "HELPER_NAMES", "id_inputs", "node_forward", "node_vjp", "node_magnitude",
+           "node_grad_magnitude", "VOCAB_FNS", "uses_helpers", "lookup_forward", "lookup_vjp"]
 
 Array = Any
 RMS_EPS = 1e-6
@@ -330,3 +331,69 @@ def id_inputs(spec: Any) -> dict[str, str]:
             elif isinstance(second, TensorRef):
                 ids[second.name] = next(i for i in chain_indices(first, ()) if i not in second.indices)
     return ids
+
+
+# --- one node of the reference: a reduction (``over`` its index) or a vocabulary op ----------
+
+def _ids_aligned(fn: str, labels: tuple[tuple[str, ...], ...], over: str, ids: Array, xp: Any) -> Array:
+    """cross_entropy's ids in the order of the logits' other indices (embed's as they are)."""
+    if fn == "embed":
+        return ids
+    order = tuple(i for i in labels[0] if i != over)
+    return xp.transpose(ids, tuple(labels[1].index(i) for i in order)) if order != labels[1] else ids
+
+
+def _axis(fn: str, labels: tuple[tuple[str, ...], ...], over: str) -> int:
+    return 0 if fn == "embed" else labels[0].index(over)
+
+
+def node_forward(fn: str, args: list[Array], labels: tuple[tuple[str, ...], ...], over: str, xp: Any) -> Array:
+    """The value of one reference node (its operands' indices ``labels``)."""
+    if fn in ("embed", "cross_entropy"):
+        return lookup_forward(fn, args[0], _ids_aligned(fn, labels, over, args[1], xp), _axis(fn, labels, over), xp)
+    return forward(fn, args[0], _axis(fn, labels, over), xp)
+
+
+def node_vjp(fn: str, args: list[Array], result: Array, d: Array, labels: tuple[tuple[str, ...], ...], over: str,
+             xp: Any) -> tuple[int, Array]:
+    """(which operand, its gradient): the table's (embed), the logits' (cross_entropy), else the input's."""
+    axis = _axis(fn, labels, over)
+    if fn in ("embed", "cross_entropy"):
+        ids = _ids_aligned(fn, labels, over, args[1], xp)
+        return (1 if fn == "embed" else 0), lookup_vjp(fn, args[0], ids, d, axis, xp)
+    return 0, vjp(fn, args[0], result, d, axis, xp)
+
+
+def node_magnitude(fn: str, args: list[Any], mags: list[Any], labels: tuple[tuple[str, ...], ...],
+                   over: str) -> Any:
+    """A bound on the terms behind one node's value (numpy; see :func:`magnitude`).
+
+    Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice,
+    plus its logsumexp, averaged."""
+    import numpy as np
+
+    axis = _axis(fn, labels, over)
+    if fn == "embed":
+        return lookup_forward("embed", args[0], mags[1], 0, np)
+    if fn == "cross_entropy":
+        row = np.max(np.moveaxis(mags[0], axis, -1), axis=-1)
+        lse = forward("logsumexp", np.moveaxis(args[0], axis, -1), -1, np)
+        return np.asarray(np.mean(2.0 * row + np.abs(lse)))
+    return magnitude(fn, args[0], mags[0], axis)
+
+
+def node_grad_magnitude(fn: str, args: list[Any], mags: list[Any], d: Any, labels: tuple[tuple[str, ...], ...],
+                        over: str) -> tuple[int, Any]:
+    """(which operand, a bound on the terms behind its gradient) for a cotangent of magnitude ``d``."""
+    import numpy as np
+
+    axis = _axis(fn, labels, over)
+    if fn == "embed":
+        return 1, lookup_vjp("embed", args[0], args[1], np.abs(d), 0, np)
+    if fn == "cross_entropy":
+        ids = _ids_aligned(fn, labels, over, args[1], np)
+        p = forward("softmax", np.moveaxis(args[0], axis, -1), -1, np)
+        hot = lookup_vjp(fn, args[0], ids, np.ones_like(d), axis, np)  # (p - onehot) / tokens
+        spread = np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])
+        return 0, np.abs(d) * spread * (1.0 + np.max(mags[0]))
+    return 0, grad_magnitude(fn, args[0], mags[0], d, axis)
