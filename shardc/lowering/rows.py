@@ -79,29 +79,14 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
         "row_meandev": f"jnp.sum(jnp.square({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d}) / {n}",
         "row_meandot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d}) / {n}",
         "row_dot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d})",
+        "softmax_vjp": f"{a[0]} * ({a[1] if len(a) > 1 else ''} - jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, "
+                       f"axis={d}, keepdims=True))",
     }
     if fn in simple:
         return simple[fn]
-    if fn == "softmax_apply":
-        return f"jnp.exp({a[0]} - {e(1)}) / {e(2)}"
-    if fn == "lse_apply":
-        return f"{a[0]} + jnp.log({a[1]})"
-    if fn == "rmsnorm_apply":
-        return f"{a[0]} * jax.lax.rsqrt({e(1)} + {RMS_EPS})"
-    if fn == "layernorm_apply":
-        return f"({a[0]} - {e(1)}) * jax.lax.rsqrt({e(2)} + {LN_EPS})"
-    if fn == "softmax_vjp":
-        return f"{a[0]} * ({a[1]} - jnp.sum({a[0]} * {a[1]}, axis={d}, keepdims=True))"
-    if fn == "softmax_vjp_apply":
-        return f"{a[0]} * ({a[1]} - {e(2)})"
-    if fn == "logsumexp_vjp":
-        return f"jnp.exp({a[0]} - {e(1)}) * {e(2)}"
-    if fn == "max_vjp":
-        return f"jnp.where({a[0]} == {e(1)}, {e(2)}, jnp.zeros_like({a[0]}))"
-    if fn == "rmsnorm_vjp":
-        return f"jax.lax.rsqrt({e(2)} + {RMS_EPS}) * ({a[1]} - {a[0]} * {e(3)})"
-    if fn == "layernorm_vjp":
-        return f"jax.lax.rsqrt({e(3)} + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})"
+    finishing = _finishing(fn, a, e)
+    if finishing is not None:
+        return finishing
     if fn in ("sum_vjp", "mean_vjp"):
         return _spread(step, e(0), var, fn == "mean_vjp")
     if fn == "vocab_pick":
@@ -114,6 +99,34 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
     if fn == "ce_vjp":
         return f"vocab_ce_grad({a[0]}, {a[1]}, {a[2]}, {a[3]}, {d}, {axes!r}, {tokens!r})"
     raise ShardcError(f"lowering does not know the row function {fn!r}")
+
+
+def _finishing(fn: str, a: list[str], e: Callable[[int], str]) -> str | None:
+    """The maps that finish a reduction from its statistics, and the closed-form gradients."""
+    if fn == "softmax_apply":
+        return f"jnp.exp({a[0]} - {e(1)}) / {e(2)}"
+    if fn == "lse_apply":
+        return f"{a[0]} + jnp.log({a[1]})"
+    if fn == "rmsnorm_apply":
+        return f"{a[0]} * jax.lax.rsqrt({e(1)} + {RMS_EPS})"
+    if fn == "layernorm_apply":
+        return f"({a[0]} - {e(1)}) * jax.lax.rsqrt({e(2)} + {LN_EPS})"
+    return _gradient(fn, a, e)
+
+
+def _gradient(fn: str, a: list[str], e: Callable[[int], str]) -> str | None:
+    """The closed-form gradients that read per-row statistics."""
+    if fn == "softmax_vjp_apply":
+        return f"{a[0]} * ({a[1]} - {e(2)})"
+    if fn == "logsumexp_vjp":
+        return f"jnp.exp({a[0]} - {e(1)}) * {e(2)}"
+    if fn == "max_vjp":
+        return f"jnp.where({a[0]} == {e(1)}, {e(2)}, jnp.zeros_like({a[0]}))"
+    if fn == "rmsnorm_vjp":
+        return f"jax.lax.rsqrt({e(2)} + {RMS_EPS}) * ({a[1]} - {a[0]} * {e(3)})"
+    if fn == "layernorm_vjp":
+        return f"jax.lax.rsqrt({e(3)} + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})"
+    return None
 
 
 def _length(ref: TensorRef, code: str, index: str, axes: tuple[str, ...]) -> str:

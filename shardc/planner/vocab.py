@@ -146,14 +146,21 @@ def plan_loss(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
     best, shown = choose(options, 3)
     axes = by_index(idx, best.local.layout)
     t = in_order(tok_idx, axes)
-    rows_value = t
     record(phase, f"{label.split(' = ')[0]} = cross_entropy({phase.text(logits, best.local)}, {phase.text(tok, t)})",
            best, shown, 3, idx, vocab)
     phase.moves(logits, _move(phase, logits, best.local)[1])  # type: ignore[index]
     phase.moves(tok, _move(phase, tok, t)[1])  # type: ignore[index]
+    _emit_loss(phase, node, best, t, vocab)
+    phase.moves(node.result, best.moves_out)
+    declared.setdefault(node.result, phase.ref(node.result, best.final))
+
+
+def _emit_loss(phase: Phase, node: Node, best: Layouts, rows_value: Value, vocab: str) -> None:
+    """The row logsumexp (from the all-reduced max and sum of exponentials), the target logits, the mean."""
+    logits, tok = node.operands
     m_name, z_name, lse_name, tgt_name = node.aux
     for name in node.aux:
-        phase.indices.setdefault(name, tok_idx)
+        phase.indices.setdefault(name, phase.indices[tok])
     x = (logits, best.local)
     a = best.axes
     if a:
@@ -163,12 +170,10 @@ def plan_loss(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
     else:
         local_map(phase, "logsumexp", lse_name, rows_value, (x,), vocab)
     picked = Value(rows_value.layout, tuple(sorted(a)))
-    local_map(phase, "vocab_pick", tgt_name, picked, (x, (tok, t)), vocab)
+    local_map(phase, "vocab_pick", tgt_name, picked, (x, (tok, rows_value)), vocab)
     if a:
         all_reduce(phase, tgt_name, picked, a, "sum")
     local_map(phase, "ce_apply", node.result, best.result, ((lse_name, rows_value), (tgt_name, rows_value)), vocab)
-    phase.moves(node.result, best.moves_out)
-    declared.setdefault(node.result, phase.ref(node.result, best.final))
 
 
 def _hold_kept(bw: _Backward, names: tuple[str, ...]) -> None:
