@@ -23,9 +23,11 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase
+from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.rows import plan_rows
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.planner.vocab import plan_embed, plan_loss
+from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
 from shardc.timing import PlanTime, plan_time
@@ -43,7 +45,7 @@ SUM: tuple[float, float] = (1.0, 1.0)
 
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
-         spans: dict[str, int] | None = None) -> Plan:
+         spans: dict[str, int] | None = None, recompute: str = "none") -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -56,15 +58,19 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     searches' and the book's rules'), the one of least step time, ties to less
     communication.  ``strategy="rules"`` applies the book's rules even when sizes are
     known (the baseline the search is measured against); ``"search"`` runs the search
-    once, compute and communication counted alike.
+    once, compute and communication counted alike.  ``recompute`` (none, selective,
+    full: :mod:`shardc.planner.recompute`) is what the backward recomputes instead of
+    keeping; those forward steps are part of every candidate's backward time.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
+    if recompute not in RECOMPUTE_MODES:
+        raise ShardcError(f"unknown recompute mode {recompute!r}", fix="use one of: " + ", ".join(RECOMPUTE_MODES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
     try:
-        return _plan_within_budget(spec, save, strategy, hardware, spans)
+        return _plan_within_budget(spec, save, strategy, hardware, spans, recompute)
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {BUDGET:.0f} s: the exact search over layouts grows with every mesh axis "
@@ -74,21 +80,27 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
 
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
-                        spans: dict[str, int] | None) -> Plan:
+                        spans: dict[str, int] | None, recompute: str = "none") -> Plan:
     hw = resolve_hardware(hardware, None, spec.hardware)
     _check_spans(spec, spans)
+    spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
+    if zero_notes:
+        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute)
+        return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
-        return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None))
+        return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
+                                                   recompute))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped)
     ctx = _context(spec, graph, hw, spans, bonded_axes(stripped))  # one search cache for every candidate
     if strategy == "auto" and spec.dims:
-        return _best_plan(spec, graph, save, ctx)
-    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx)
+        return _best_plan(spec, graph, save, ctx, recompute)
+    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx,
+                 recompute=recompute)
 
 
-def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
+def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none") -> Plan:
     """The least step time among the rules' plan and searches under a few compute weights.
 
     A phase takes max(compute, comm): once a phase is communication-bound only its
@@ -97,15 +109,15 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
     and once with communication alone in both.  The exact step time picks the winner.
     """
     memo: dict[tuple[object, ...], tuple[float, float]] = {}  # step seconds, shared by the candidates
-    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False)
+    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, recompute=recompute)
     t = plan_time(first, ctx.hardware, memo=memo)
     candidates = [(_objective(t), first)]
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
              0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
     for weights in [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM]:
-        p = _plan(spec, graph, save, "search", ctx, weights, notes=False)
+        p = _plan(spec, graph, save, "search", ctx, weights, notes=False, recompute=recompute)
         candidates.append((_objective(plan_time(p, ctx.hardware, memo=memo)), p))
-    rules = _plan(spec, graph, save, "rules", ctx, notes=False)
+    rules = _plan(spec, graph, save, "rules", ctx, notes=False, recompute=recompute)
     candidates.append((_objective(plan_time(rules, ctx.hardware, memo=memo)), rules))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
     return replace(best, notes=padding_notes(spec, best.forward + best.backward))
@@ -173,7 +185,7 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
-          weights: tuple[float, float] = SUM, notes: bool = True) -> Plan:
+          weights: tuple[float, float] = SUM, notes: bool = True, recompute: str = "none") -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
@@ -182,13 +194,22 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     ctx.compute_weight = weights[0]
     _plan_forward(forward, graph, declared)
     ctx.compute_weight = weights[1]
-    backward = plan_backward(graph, forward, declared, save)
+    shards = zero_params(spec, graph.params, declared) if spec.zero is not None and spec.zero.stage < 3 else {}
+    stage = spec.zero.stage if spec.zero is not None else 0
+    partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
+               for p, layout in shards.items()} if stage == 1 else {}
+    backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {})
     ctx.compute_weight = SUM[1]
+    optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
+    made = {g.name: g for g in backward.grads}
+    opt = plan_optimizer(optimizer, shards, declared, {p: made[graph.grads[p]] for p in shards})
     sizes = None
     if spec.dims:
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
     fwd = fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals))
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
+    region = attention_region(graph) if recompute == "selective" else frozenset()
+    again = recompute_steps(recompute, fwd, backward.residuals, (declared[n] for n in graph.inputs), region)
     return Plan(
         spec=spec,
         forward=fwd,
@@ -206,6 +227,9 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
         notes=padding_notes(spec, fwd + bwd) if spec.dims and notes else (),
+        optimizer=opt,
+        recompute=recompute,
+        recomputed=again,
     )
 
 
