@@ -17,9 +17,10 @@ Importing this module pulls in hypothesis but not jax or sympy.
 
 Narrow what you get with keywords, e.g. ``specs(calls=False, unreduced=False)``
 for plain contractions, ``specs(layer_ops=True)`` to draw reductions over an index
-(softmax, norms, sum, max, ...), ``embed`` and ``cross_entropy`` as well, ``specs(mesh=Mesh((MeshAxis("X", 8),)), dims=True)`` for
-a fixed mesh with sizes. ``shardings(("B", "D"), mesh)`` draws the dims of one
-tensor reference (each mesh axis at most once).
+(softmax, norms, sum, max, ...), ``embed`` and ``cross_entropy`` as well,
+``specs(mesh=Mesh((MeshAxis("X", 8),)), dims=True)`` for a fixed mesh with sizes.
+``shardings(("B", "D"), mesh)`` draws the dims of one tensor reference (each mesh axis
+at most once).
 """
 
 from __future__ import annotations
