@@ -187,3 +187,13 @@ def test_random_layer_op_specs_round_trip_and_plan_soundly(spec: Spec, save: str
     names = {c.func for s in spec.statements for c in calls(s.expr)}
     if names & {"embed", "cross_entropy"}:  # token ids never get a gradient
         assert not any(g.name.startswith("dTok") for g in p.grads)
+
+
+def test_recomputed_plans_with_reductions_verify() -> None:
+    text = ("mesh X=2, Y=2\ndims B=8, S=64, D=1024\nY[B_Y, S, D_X] = rmsnorm(X[B_Y, S, D_X] over D) * W_g[D_X]\n"
+            "M[B_Y] = mean(softmax(Y[B_Y, S, D_X] over D) · W_p[D_X] over S)\n")
+    for mode in ("selective", "full"):
+        p = shardc.plan(shardc.parse(text), recompute=mode)
+        assert check_plan(p) == []
+        report = verify(p)
+        assert report.ok, render_report(report)
