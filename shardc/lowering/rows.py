@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shardc.errors import ShardcError
+from shardc.errors import InternalError
 from shardc.planner.ir import Step
 from shardc.planner.rowstats import VOCAB_FNS
 from shardc.spec.ir import TensorRef
@@ -98,7 +98,7 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
         return f"jnp.sum({a[0]} - {a[1]}) / {count}"
     if fn == "ce_vjp":
         return f"vocab_ce_grad({a[0]}, {a[1]}, {a[2]}, {a[3]}, {d}, {axes!r}, {tokens!r})"
-    raise ShardcError(f"lowering does not know the row function {fn!r}")
+    raise InternalError(f"lowering does not know the row function {fn!r}", fix="this is a shardc bug: please report the spec")
 
 
 def _finishing(fn: str, a: list[str], e: Callable[[int], str]) -> str | None:
@@ -239,7 +239,7 @@ def forward(fn: str, x: Array, axis: int, xp: Any) -> Array:
         return xp.mean(x, axis=axis)
     if fn == "max":
         return xp.max(x, axis=axis)
-    raise ShardcError(f"the reference does not know the reduction {fn!r}")
+    raise InternalError(f"the reference does not know the reduction {fn!r}", fix="this is a shardc bug: please report the spec")
 
 
 def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
@@ -263,7 +263,7 @@ def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
         mu = xp.mean(x, axis=axis, keepdims=True)
         r = 1.0 / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
         return r * (dy - xp.mean(dy, axis=axis, keepdims=True) - y * xp.mean(dy * y, axis=axis, keepdims=True))
-    raise ShardcError(f"the reference does not know the reduction {fn!r}")
+    raise InternalError(f"the reference does not know the reduction {fn!r}", fix="this is a shardc bug: please report the spec")
 
 
 def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardc.collectives import FACTOR
-from shardc.errors import ShardcError
+from shardc.errors import InternalError, ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, Layout, Move, Value, add_cost, reshard
@@ -273,7 +273,7 @@ def emit_forward(phase: Phase, node: Node, option: Layouts) -> None:
         var = statistic(phase, "row_meandev", names[1], rows_value, axes, (x, (names[0], mu)), over, "sum")
         local_map(phase, "layernorm_apply", *out, (x, (names[0], mu), (names[1], var)), over)
     else:
-        raise ShardcError(f"`{fn}` is not a reduction over an index")
+        raise InternalError(f"`{fn}` is not a reduction over an index", fix="this is a shardc bug: please report the spec")
 
 
 # Row steps whose last operand is read for its shape only (the length of I, of the vocabulary).

@@ -142,7 +142,8 @@ def plan_loss(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
         cost = add_cost(cost, stats_cost(phase, tok_idx, t, axes[vocab], 3))
         options.append(Layouts(value, axes[vocab], cost, found[0][1] + found[1][1], moves_out, made, want))  # type: ignore[index]
     if not options:
-        raise ShardcError(f"no sharding of {logits} makes {node.result}", node.statement.span)
+        raise ShardcError(f"no sharding of {logits} makes {node.result}", node.statement.span,
+                          fix="the loss is a reduced scalar: declare it without {U_...}")
     best, shown = choose(options, 3)
     axes = by_index(idx, best.local.layout)
     t = in_order(tok_idx, axes)
