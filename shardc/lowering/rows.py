@@ -98,7 +98,8 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
         return f"jnp.sum({a[0]} - {a[1]}) / {count}"
     if fn == "ce_vjp":
         return f"vocab_ce_grad({a[0]}, {a[1]}, {a[2]}, {a[3]}, {d}, {axes!r}, {tokens!r})"
-    raise InternalError(f"lowering does not know the row function {fn!r}", fix="this is a shardc bug: please report the spec")
+    raise InternalError(f"lowering does not know the row function {fn!r}",
+                        fix="this is a shardc bug: please report the spec")
 
 
 def _finishing(fn: str, a: list[str], e: Callable[[int], str]) -> str | None:
@@ -239,7 +240,8 @@ def forward(fn: str, x: Array, axis: int, xp: Any) -> Array:
         return xp.mean(x, axis=axis)
     if fn == "max":
         return xp.max(x, axis=axis)
-    raise InternalError(f"the reference does not know the reduction {fn!r}", fix="this is a shardc bug: please report the spec")
+    raise InternalError(f"the reference does not know the reduction {fn!r}",
+                        fix="this is a shardc bug: please report the spec")
 
 
 def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
@@ -263,7 +265,8 @@ def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
         mu = xp.mean(x, axis=axis, keepdims=True)
         r = 1.0 / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
         return r * (dy - xp.mean(dy, axis=axis, keepdims=True) - y * xp.mean(dy * y, axis=axis, keepdims=True))
-    raise InternalError(f"the reference does not know the reduction {fn!r}", fix="this is a shardc bug: please report the spec")
+    raise InternalError(f"the reference does not know the reduction {fn!r}",
+                        fix="this is a shardc bug: please report the spec")
 
 
 def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:
