@@ -274,7 +274,7 @@ def emit_forward(phase: Phase, node: Node, option: Layouts) -> None:
         local_map(phase, "layernorm_apply", *out, (x, (names[0], mu), (names[1], var)), over)
     else:
         raise InternalError(f"`{fn}` is not a reduction over an index",
-                        fix="this is a shardc bug: please report the spec")
+                            fix="this is a shardc bug: please report the spec")
 
 
 # Row steps whose last operand is read for its shape only (the length of I, of the vocabulary).
