@@ -16,9 +16,11 @@ Importing this module pulls in hypothesis but not jax or sympy.
 >>> test_small_mesh()
 
 Narrow what you get with keywords, e.g. ``specs(calls=False, unreduced=False)``
-for plain contractions, ``specs(mesh=Mesh((MeshAxis("X", 8),)), dims=True)`` for
-a fixed mesh with sizes. ``shardings(("B", "D"), mesh)`` draws the dims of one
-tensor reference (each mesh axis at most once).
+for plain contractions, ``specs(layer_ops=True)`` to draw reductions over an index
+(softmax, norms, sum, max, ...), ``embed`` and ``cross_entropy`` as well,
+``specs(mesh=Mesh((MeshAxis("X", 8),)), dims=True)`` for a fixed mesh with sizes.
+``shardings(("B", "D"), mesh)`` draws the dims of one tensor reference (each mesh axis
+at most once).
 """
 
 from __future__ import annotations
@@ -209,6 +211,43 @@ def _call(draw: st.DrawFn, func: str, expr: Expr, indices: list[str]) -> Expr:
     return Call(func, expr)
 
 
+REDUCTIONS = ("softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp")
+
+
+def _reduction(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]] | None:
+    """``f(X over I)`` of a tensor or a product: same indices (normalize) or I dropped (reduce)."""
+    inner: Expr
+    inner, indices = _contraction(draw, state, 2) if draw(st.booleans()) else _single(draw, state)
+    if not indices:
+        return None
+    over = draw(st.sampled_from(indices))
+    func = draw(st.sampled_from(REDUCTIONS))
+    kept = indices if func in ("softmax", "rmsnorm", "layernorm") else [i for i in indices if i != over]
+    return Call(func, inner, over=over), draw(st.permutations(kept))
+
+
+def _ids(draw: st.DrawFn, state: _State, indices: list[str]) -> TensorRef:
+    """Token ids: an input read by embed or cross_entropy only (never by a product)."""
+    return TensorRef(state.fresh("Tok"), draw(shardings(indices, state.mesh)))
+
+
+def _vocabulary(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]]:
+    """``embed(Tok, W_emb)`` or ``cross_entropy(Logits, Tok)``."""
+    if draw(st.booleans()):
+        tok = draw(st.lists(st.sampled_from([i for i in INDEX_NAMES if i not in ("D", "V2")]), min_size=1,
+                            max_size=2, unique=True))
+        table = _input(draw, state, ["V2", "D"])
+        return Call("embed", _ids(draw, state, tok), more=(table,)), draw(st.permutations(tok + ["D"]))
+    wide = sorted(n for n, r in state.tensors.items() if len(r.indices) >= 2)
+    if wide and draw(st.booleans()):  # type: ignore[arg-type]
+        logits = state.tensors[draw(st.sampled_from(wide))]
+    else:
+        logits = _input(draw, state, draw(st.permutations(["B", "V2"])))
+    vocab = draw(st.sampled_from(list(logits.indices)))
+    tok = draw(st.permutations([i for i in logits.indices if i != vocab]))
+    return Call("cross_entropy", logits, more=(_ids(draw, state, tok),)), []
+
+
 def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool, masks: bool = True) -> Statement:
     kind = draw(st.sampled_from(kinds))
     expr: Expr
@@ -217,7 +256,12 @@ def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool, m
         if renamed is not None:
             return renamed
         kind = "contract"
-    if kind == "sum":
+    drawn = _reduction(draw, state) if kind == "reduce" else _vocabulary(draw, state) if kind == "vocab" else None
+    if kind in ("reduce", "vocab") and drawn is None:
+        kind = "contract"
+    if drawn is not None:
+        expr, indices = drawn
+    elif kind == "sum":
         expr, indices = _sum(draw, state)
     elif kind == "reshard":
         expr, indices = _single(draw, state)
@@ -254,14 +298,16 @@ def _contracts_an_index(expr: Expr, result: list[str]) -> bool:
 def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, dims: bool | None = None,
           chains: bool = True, calls: bool = True, unreduced: bool = True, reshards: bool = True,
           headers: bool = True, max_devices: int = 64, sums: bool = True, renames: bool = True,
-          masks: bool = True) -> Spec:
+          masks: bool = True, layer_ops: bool = False) -> Spec:
     """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never).
 
     ``sums`` draws ``A ± B`` (a term may broadcast), ``renames`` ``Kx[B, T] = X[B, S]``, ``masks``
-    ``dropout(X, rate)`` and ``causal(X, S, T)`` among the calls.
+    ``dropout(X, rate)`` and ``causal(X, S, T)`` among the calls; ``layer_ops`` draws reductions over
+    an index (softmax, norms, sum, ...), embed and cross_entropy too.
     """
     state = _State(mesh if mesh is not None else draw(meshes(max_devices=max_devices)), unreduced)
     kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls + ["sum"] * sums + ["rename"] * renames
+    kinds += ["reduce", "reduce", "vocab"] * layer_ops
     count = draw(st.integers(1, max_statements))
     statements = tuple(_statement(draw, state, kinds, chains, masks) for _ in range(count))
     used = dict.fromkeys(i for s in statements for r in [s.result, *leaves(s.expr)] for i in r.indices)

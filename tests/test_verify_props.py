@@ -19,3 +19,14 @@ def test_random_specs_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  
     assert all(r.ok for r in report.values), text
     # every planned collective is in the HLO with the planned kind, axes and bytes, and no other
     assert all(r.ok for r in report.collectives), text
+
+
+# the transformer-layer ops too: reductions over an index, embed and cross_entropy
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(specs(max_devices=8, max_statements=3, layer_ops=True))
+def test_random_specs_with_layer_ops_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
+    report = verify(shardc.plan(spec))
+    text = render_report(report)
+    assert all(r.ok for r in report.values), text
+    assert all(r.ok for r in report.collectives), text

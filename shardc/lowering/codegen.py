@@ -25,9 +25,11 @@ from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.layer_code import LAYER_FNS, MASKS, layer_code
+from shardc.lowering.rows import VOCAB_FNS, lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.masks import parse_fn
+from shardc.planner.rowstats import ROW_FNS
 from shardc.planner.zero import UPDATE
 from shardc.spec.ir import Mesh, TensorRef
 
@@ -179,7 +181,7 @@ def _step_code(step: Step, var: _Namer) -> str:
     if step.op is Op.REDUCE_SCATTER:
         return f"{call}({src}, {axes}, scatter_dimension={step.dim}, tiled=True)"
     if step.op is Op.ALL_REDUCE:
-        return f"{call}({src}, {axes})"
+        return f"{'jax.lax.pmax' if step.fn == 'max' else call}({src}, {axes})"
     if step.op is Op.ALL_TO_ALL:
         return (f"{call}({src}, {axes}, split_axis={step.dim}, "
                 f"concat_axis={step.dim2}, tiled=True)")
@@ -191,6 +193,10 @@ def _step_code(step: Step, var: _Namer) -> str:
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
+    if step.fn in ("embed", "embed_vjp"):
+        return lookup_code(step, var)
+    if step.fn in ROW_FNS or step.fn in VOCAB_FNS:
+        return row_code(step, var)
     return _elementwise_code(step, var)
 
 

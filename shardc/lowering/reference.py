@@ -15,6 +15,7 @@ for XLA's partitioner.
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from shardc.errors import ShardcError
+from shardc.lowering import rows
 from shardc.lowering.functions import function
-from shardc.spec.functions import dropout_salt
+from shardc.spec.functions import dropout_salt, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, dropout_number, fold, leaves
 
@@ -42,6 +44,7 @@ class _Node:
     labels: tuple[tuple[str, ...], ...]  # each operand's indices
     out: tuple[str, ...]  # the result's indices
     fn: str | None = None
+    over: str | None = None  # a reduction's index (shardc.lowering.rows)
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
     call: Call | None = None  # causal's and dropout's call (its indices, its rate)
     salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
@@ -76,12 +79,16 @@ class _Builder:
         if isinstance(expr, TensorRef):
             self.labels.setdefault(expr.name, expr.indices)
             return expr.name
+        if isinstance(expr, Call) and signature(expr.func).kind in ("normalize", "reduce"):
+            return self.reduction(expr, keep)
+        if isinstance(expr, Call) and signature(expr.func).kind in ("embed", "loss"):
+            return self.lookup(expr)
         if isinstance(expr, Add):
             terms = [self.value(t, chain_indices(t, keep)) for t in expr.terms]
             key = self.temp()
             out = chain_indices(expr, keep)
             self.nodes.append(_Node(key, tuple(terms), tuple(self.labels[t] for t in terms), out, "add",
-                                    expr.signs))
+                                    signs=expr.signs))
             self.labels[key] = out
             return key
         if isinstance(expr, Call):
@@ -105,6 +112,31 @@ class _Builder:
             left = self.einsum([left, keys[k]], out)
         return left
 
+    def reduction(self, expr: Call, keep: tuple[str, ...]) -> str:
+        """``softmax(X over I)`` and the like: the argument towards the result's indices and I."""
+        assert expr.over is not None
+        arg = self.value(expr.arg, keep if expr.over in keep else keep + (expr.over,))
+        labels = self.labels[arg]
+        reduces = signature(expr.func).kind == "reduce"
+        out = tuple(i for i in labels if i != expr.over) if reduces else labels
+        key = self.temp()
+        self.nodes.append(_Node(key, (arg,), (labels,), out, expr.func, expr.over))
+        self.labels[key] = out
+        return key
+
+    def lookup(self, expr: Call) -> str:
+        """``embed(Tok, W)`` (over W's first index) or ``cross_entropy(Logits, Tok)`` (over the vocabulary)."""
+        keys = [self.value(a, chain_indices(a, ())) for a in expr.args]
+        labels = tuple(self.labels[k] for k in keys)
+        if expr.func == "embed":
+            out, over = labels[0] + labels[1][1:], labels[1][0]
+        else:
+            out, over = (), next(i for i in labels[0] if i not in labels[1])
+        key = self.temp()
+        self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, over))
+        self.labels[key] = out
+        return key
+
     def einsum(self, keys: list[str], out: tuple[str, ...]) -> str:
         key = self.temp()
         self.nodes.append(_Node(key, tuple(keys), tuple(self.labels[k] for k in keys), out))
@@ -122,8 +154,7 @@ class _Builder:
         if not key.startswith("#") or self.labels[key] != result.indices:
             key = self.einsum([key], result.indices)  # a permuted (or copied) tensor
         last = self.nodes[-1]
-        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn, last.signs, last.call,
-                               last.salt)
+        self.nodes[-1] = dataclasses.replace(last, result=result.name)
         self.labels[result.name] = result.indices
 
 
@@ -228,7 +259,9 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.fn in _LAYER:
+        if node.over is not None:  # a reduction over an index, or a vocabulary op
+            values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
+        elif node.fn in _LAYER:
             values[node.result] = _layer_forward(xp, node, args, shape)
         elif node.fn is not None:
             values[node.result] = function(node.fn).forward(args[0], xp)
@@ -268,6 +301,11 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if node.over is not None:  # one operand gets a gradient (token ids never do)
+            k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
+                                 node.labels, node.over, xp)
+            add(node.operands[k], g)
+            continue
         if node.fn in _LAYER:
             for name, g in _layer_backward(xp, node, d, shape):
                 add(name, g)
@@ -296,7 +334,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.fn in _LAYER:  # linear maps: the magnitudes map alike, signs dropped
+        if node.over is not None:
+            mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
+                                                   [mag[o] for o in node.operands], node.labels, node.over)
+        elif node.fn in _LAYER:  # linear maps: the magnitudes map alike, signs dropped
             mag[node.result] = _layer_forward(np, node, [mag[o] for o in node.operands], shape, absolute=True)
         elif node.fn is not None:
             z, f = values[node.operands[0]], function(node.fn)
@@ -308,6 +349,11 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if node.over is not None:
+            k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],
+                                            [mag[o] for o in node.operands], d, node.labels, node.over)
+            grads[node.operands[k]] = grads.get(node.operands[k], 0) + g
+            continue
         if node.fn in _LAYER:
             for name, g in _layer_backward(np, node, d, shape, absolute=True):
                 grads[name] = grads.get(name, 0) + g

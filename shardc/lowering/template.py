@@ -24,7 +24,8 @@ GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "Ax
            "STACKED_INPUTS", "forward_local", "BACKWARD_IN", "BACKWARD_OUT", "COTANGENTS", "GRADS",
            "backward_local", "programs", "_put", "run_forward", "run_backward", "_results", "forward",
            "_forward_fwd", "_forward_bwd", "_plus", "grad", "DIMS", "INPUT_DIMS", "main", "inputs",
-           "cotangent", "positions", "causal_mask", "keep_mask", *OPTIMIZER_GLOBALS)
+           "cotangent", "positions", "causal_mask", "keep_mask", "_vocab_rows", "vocab_lookup", "vocab_scatter",
+           "vocab_pick", "vocab_ce_grad", "ID_INPUTS", *OPTIMIZER_GLOBALS)
 
 
 def _plain(text: str) -> str:
@@ -304,6 +305,10 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
         inputs=_plain(", ".join(b.key for b in forward.inputs)), cotangents=_plain(", ".join(cotangents)),
         mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in mesh) + "}")
     text += _HELPERS.format()
+    from shardc.lowering.rows import HELPERS, id_inputs, uses_helpers
+
+    if uses_helpers(plan.forward + plan.backward):
+        text += HELPERS
     text += "\n\n# ---- forward " + "-" * 60 + "\n\n" + _specs("FORWARD_IN", forward.inputs)
     text += _specs("FORWARD_OUT", forward.outputs)
     text += f"RESULTS = {tuple(results)!r}  # forward() returns these; the rest are residuals\n"
@@ -323,7 +328,15 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
         text += "\n\nDIMS = {" + ", ".join(f"{d!r}: {demo[d]}" for d in dims) + "}  # small, for a demo run\n"
         text += "INPUT_DIMS = {" + ", ".join(
             f"{b.key!r}: {tuple(d.name for d in b.ref.dims)!r}" for b in forward.inputs) + "}\n"
-        text += _MAIN.format()
+        main = _MAIN.format()
+        ids = id_inputs(spec)
+        if ids:  # token ids are integers in their vocabulary
+            text += f"ID_INPUTS = {ids!r}  # token-id inputs -> their vocabulary dim\n"
+            drawn = "    outputs = forward(inputs)\n"
+            main = main.replace(drawn, "    inputs.update({name: rng.integers(0, DIMS[v], [DIMS[d] for d in "
+                                "INPUT_DIMS[name]]).astype(np.int32)\n                   for name, v in "
+                                "ID_INPUTS.items()})\n" + drawn)
+        text += main
     return text
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from shardc.errors import ShardcError
 from shardc.lowering import reference
 from shardc.lowering.hlo import Collective, collectives
+from shardc.lowering.rows import id_inputs
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.render import step_label
@@ -249,12 +250,13 @@ def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
     spec = lowered.plan.spec
     limit = float(ml_dtypes.finfo(dtype).max) / _HEADROOM
     raw = lowered.random_inputs(seed, np.float64)
+    ids = id_inputs(spec)  # token ids stay integers
     raw_cot = lowered.random_cotangents(seed + 1, np.float64)
     outs = lowered.module.cotangents  # cotangent name -> output name
     run = None
     for k in range(_SCALE_TRIES):
         scale = 4.0 ** -k
-        inputs = {n: _rounded(v * scale, spec, dtype) for n, v in raw.items()}
+        inputs = {n: v if n in ids else _rounded(v * scale, spec, dtype) for n, v in raw.items()}
         cot = {n: _rounded(v * scale, spec, dtype) for n, v in raw_cot.items()}
         wide = reference_inputs(lowered, inputs)
         wide_cot = {outs[n]: v.astype(np.float64) for n, v in cot.items()}

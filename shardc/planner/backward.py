@@ -39,7 +39,9 @@ from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value, reshard
 from shardc.planner.masks import vjp_fn
 from shardc.planner.phase import Phase
+from shardc.planner.rows_backward import rows_backward
 from shardc.planner.sums import ALIAS
+from shardc.planner.vocab import embed_backward, loss_backward
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 
@@ -214,6 +216,12 @@ class _Backward:
             return
         self.finish(node.result)
         grad = self.grads[node.result]
+        if node.kind == "rows":
+            rows_backward(self, node, grad)
+            return
+        if node.kind in ("embed", "loss"):
+            (embed_backward if node.kind == "embed" else loss_backward)(self, node, grad)
+            return
         if node.kind == "elementwise":
             self.elementwise(node, grad)
             return
@@ -286,7 +294,7 @@ class _Backward:
         by_index = dict(zip(node.indices, value.layout, strict=True))
         want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
         operands: tuple[TensorRef, ...] = (self.phase.ref(grad, value),)
-        for mask in node.made:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
+        for mask in node.aux:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
             self.phase.hold(mask, value)
             operands = (self.phase.ref(mask, value), *operands)
         dst = self.part_name(z)

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
-from shardc.names import gradient_names
-from shardc.spec.functions import is_elementwise
+from shardc.names import fresh, gradient_names
+from shardc.planner.rowstats import stat_names
+from shardc.spec.functions import integer_args, is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, fold, leaves
 
@@ -46,7 +47,7 @@ class Node:
     call: Call | None = None  # the call this node computes (non-elementwise functions)
     signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
     partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
-    made: tuple[str, ...] = ()  # tensors the node makes besides its result (a dropout's keep-mask)
+    aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class _Builder:
         self.indices: dict[str, tuple[str, ...]] = {}
         self.inputs: list[str] = []
         self.read: set[str] = set()
+        self.ids: set[str] = set()  # token ids (embed's, cross_entropy's): integers, no gradient
         self.defined = {s.result.name for s in spec.statements}
         self.names = set(self.defined) | {r.name for s in spec.statements for r in leaves(s.expr)}
 
@@ -127,6 +129,10 @@ class _Builder:
             return self.add(e, name, indices, target)
         if isinstance(e, Call) and e.func in LAYER_CALLS:
             return self.layer_call(e, name, indices, target)
+        if isinstance(e, Call) and signature(e.func).kind in ("normalize", "reduce"):
+            return self.rows(e, name, indices, target)
+        if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
+            return self.lookup(e, name, indices, target)
         if isinstance(e, Call) and not is_elementwise(e.func):
             what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
@@ -176,14 +182,50 @@ class _Builder:
             self.indices[arg] = indices
             self.expr(e.arg, arg, indices, None if target is None else TensorRef(arg, target.dims))
         self.indices[name] = indices
-        made: tuple[str, ...] = ()
+        aux: tuple[str, ...] = ()
         if e.func == "dropout":
             mask = f"{name}_mask" if f"{name}_mask" not in self.names else self.fresh(f"{name}_mask")
             self.names.add(mask)
-            made = (mask,)
-            self.indices[made[0]] = indices
-        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e,
-                               made=made))
+            aux = (mask,)
+            self.indices[mask] = indices
+        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
+        return name
+
+    def rows(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """A reduction over ``e.over`` (shardc.planner.rows plans it): its argument, then one node."""
+        assert e.over is not None
+        if isinstance(e.arg, TensorRef):
+            arg = self.leaf(e.arg)
+        else:  # its argument is computed towards the result's indices (and the reduced one)
+            arg = self.fresh(name)
+            arg_idx = indices if e.over in indices else indices + (e.over,)
+            self.indices[arg] = arg_idx
+            self.expr(e.arg, arg, arg_idx, None)
+        rows = tuple(i for i in self.indices[arg] if i != e.over)
+        aux = tuple(fresh(base, self.names) for base in stat_names(e.func, name))
+        self.indices.update({a: rows for a in aux})
+        self.indices[name] = indices
+        self.nodes.append(Node("rows", name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
+        return name
+
+    def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``embed`` or ``cross_entropy`` (shardc.planner.vocab plans them); its token ids get no gradient."""
+        args = []
+        for arg in e.args:
+            if isinstance(arg, TensorRef):
+                args.append(self.leaf(arg))
+                continue
+            inner = self.fresh(name)
+            self.indices[inner] = chain_indices(arg, ())
+            args.append(self.expr(arg, inner, self.indices[inner], None))
+        self.ids.update(args[k] for k in integer_args(e.func))
+        kind = signature(e.func).kind
+        aux: tuple[str, ...] = ()
+        if kind == "loss":
+            aux = tuple(fresh(f"{name}_{suffix}", self.names) for suffix in ("max", "sum", "lse", "target"))
+            self.indices.update({a: self.indices[args[1]] for a in aux})
+        self.indices[name] = indices
+        self.nodes.append(Node(kind, name, indices, tuple(args), target, self.current, fn=e.func, call=e, aux=aux))
         return name
 
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],
@@ -206,7 +248,7 @@ class _Builder:
         return name
 
     def finish(self) -> Graph:
-        const = frozenset(self.spec.const)
+        const = frozenset(self.spec.const) | frozenset(self.ids)
         params = self.spec.params
         if params is None:
             params = tuple(n for n in self.inputs if n.startswith("W") and n not in const)

@@ -73,7 +73,7 @@ def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target
     if node.kind == "causal":
         fn = causal_fn(*node.call.names)
     else:
-        (mask,) = node.made
+        (mask,) = node.aux
         salt = dropout_salt(node.statement.result.name, dropout_number(node.statement, node.call))
         phase.emit(Step(Op.ELEMENTWISE, mask, phase.ref(mask, target), operands=operands,
                         fn=f"dropout_mask({node.call.numbers[0]!r},{salt})"), target)

@@ -25,8 +25,10 @@ from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, res
 from shardc.planner.masks import MASK_BYTES, plan_masked
 from shardc.planner.phase import Phase
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
+from shardc.planner.rows import plan_rows
 from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
+from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
@@ -228,7 +230,8 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
         notes=padding_notes(spec, fwd + bwd) if spec.dims and notes else (),
-        element_bytes=tuple((mask, MASK_BYTES) for node in graph.nodes for mask in node.made),
+        element_bytes=tuple((mask, MASK_BYTES) for node in graph.nodes
+                           if node.kind == "dropout" for mask in node.aux),
         optimizer=opt,
         recompute=recompute,
         recomputed=again,
@@ -277,6 +280,12 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         return
     if node.kind in LAYER_PLANS:
         LAYER_PLANS[node.kind](phase, node, declared, target)
+        return
+    if node.kind == "rows":
+        plan_rows(phase, node, declared, target, label)
+        return
+    if node.kind in ("embed", "loss"):
+        (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)
         return
     final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span,
                          partial=node.partial)

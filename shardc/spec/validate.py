@@ -44,6 +44,10 @@ __all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices", "renamed_i
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
 
+# Reductions that are sums: over a sharded index they leave partial sums, which a result may keep.
+LINEAR_REDUCTIONS = frozenset({"sum", "mean"})
+
+
 def validate(spec: Spec) -> None:
     """Raise the first :class:`ShardcError` found in ``spec``; return None when it is sound."""
     _check_mesh(spec)
@@ -439,7 +443,7 @@ def _indices(expr: Expr) -> set[str]:
 
 def _check_indices(statement: Statement, spec: Spec) -> None:
     result, expr = statement.result, statement.expr
-    if isinstance(expr, Call) and result.unreduced:
+    if isinstance(expr, Call) and result.unreduced and expr.func not in LINEAR_REDUCTIONS:
         raise ShardcError(f"{result.name} is a function ({expr.func}) of partial sums",
                           result.unreduced_span or result.span,
                           fix="drop the {U_...} suffix: a function needs reduced values")
@@ -590,6 +594,7 @@ def _check_partial_sums(statement: Statement) -> None:
             counts[index] = counts.get(index, 0) + 1
     contracted = isinstance(expr, Contract) and any(
         n > 1 and i not in result.indices for i, n in counts.items())
+    contracted = contracted or isinstance(expr, Call) and expr.func in LINEAR_REDUCTIONS  # a sum over an index
     for axis in result.unreduced:
         if axis not in inherited and not contracted:
             raise ShardcError(f"{result.name} is unreduced over {axis}, but nothing is summed to make "

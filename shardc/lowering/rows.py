@@ -1,0 +1,415 @@
+"""Reductions over an index, as lowering and the numpy reference see them.
+
+:func:`row_code` writes one planned row step (:mod:`shardc.planner.rows`) as one
+line of JAX: ``jax.nn.softmax`` / ``jax.nn.logsumexp`` where the reduced index I
+is whole on the device, else the local statistic, the finishing map, or the
+closed-form gradient.  Each step computes in its frame (its result's index order
+if that has every index, else its first operand's) with I at ``step.dim``;
+per-row operands are aligned to the frame without I and expanded back at I.
+A mean divides by I's global length: the local length times the devices sharding
+I (``jax.lax.axis_size``), so the module stays shape-generic.
+
+:func:`forward` and :func:`vjp` are the same functions on whole arrays (``xp`` is
+numpy or jax.numpy), for :mod:`shardc.lowering.reference`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from shardc.errors import InternalError
+from shardc.planner.ir import Step
+from shardc.planner.rowstats import VOCAB_FNS
+from shardc.spec.ir import TensorRef
+
+__all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
+           "HELPERS", "HELPER_NAMES", "id_inputs", "node_forward", "node_vjp", "node_magnitude",
+           "node_grad_magnitude", "VOCAB_FNS", "uses_helpers", "lookup_forward", "lookup_vjp"]
+
+Array = Any
+RMS_EPS = 1e-6
+LN_EPS = 1e-5
+
+
+def _frame(step: Step) -> tuple[str, ...]:
+    widest = max(len(r.indices) for r in (*step.operands, step.dst))
+    return step.dst.indices if len(step.dst.indices) == widest else step.operands[0].indices
+
+
+def _aligned(code: str, have: tuple[str, ...], want: tuple[str, ...]) -> str:
+    if have == want or len(have) != len(want):  # a scalar (a loss's cotangent) broadcasts as it is
+        return code
+    return f"jnp.transpose({code}, {tuple(have.index(i) for i in want)})"
+
+
+def row_code(step: Step, var: Callable[[TensorRef], str]) -> str:
+    """One row step as one line of Python (its right-hand side)."""
+    frame = _frame(step)
+    d = step.dim
+    over = frame[d] if d is not None else None
+    rows = tuple(i for i in frame if i != over)
+    args = []
+    for ref in step.operands:
+        full = over is not None and over in ref.indices
+        args.append(_aligned(var(ref), ref.indices, frame if full else rows))
+    wide = next((r for r in (*step.operands, step.dst) if over is not None and over in r.indices), None)
+    axes = wide.dims[wide.indices.index(over)].axes if wide is not None and over is not None else ()
+
+    def e(k: int) -> str:  # a per-row operand, broadcast along I
+        return f"jnp.expand_dims({args[k]}, {d})"
+
+    n = f"({args[0]}.shape[{d}] * jax.lax.axis_size({axes!r}))" if axes else f"{args[0]}.shape[{d}]"
+    code = _expression(step, args, e, n, d, var, axes)
+    out = frame if len(step.dst.indices) == len(frame) else rows
+    return _aligned(code if out == step.dst.indices else f"({code})", out, step.dst.indices)
+
+
+def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: int | None,
+                var: Callable[[TensorRef], str], axes: tuple[str, ...]) -> str:
+    fn = step.fn or ""
+    simple = {
+        "softmax": f"jax.nn.softmax({a[0]}, axis={d})",
+        "logsumexp": f"jax.nn.logsumexp({a[0]}, axis={d})",
+        "row_max": f"jnp.max({a[0]}, axis={d})",
+        "row_sumexp": f"jnp.sum(jnp.exp({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d})",
+        "row_sum": f"jnp.sum({a[0]}, axis={d})",
+        "row_mean": f"jnp.sum({a[0]}, axis={d}) / {n}",
+        "row_meansq": f"jnp.sum(jnp.square({a[0]}), axis={d}) / {n}",
+        "row_meandev": f"jnp.sum(jnp.square({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d}) / {n}",
+        "row_meandot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d}) / {n}",
+        "row_dot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d})",
+        "softmax_vjp": f"{a[0]} * ({a[1] if len(a) > 1 else ''} - jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, "
+                       f"axis={d}, keepdims=True))",
+    }
+    if fn in simple:
+        return simple[fn]
+    finishing = _finishing(fn, a, e)
+    if finishing is not None:
+        return finishing
+    if fn in ("sum_vjp", "mean_vjp"):
+        return _spread(step, e(0), var, fn == "mean_vjp")
+    if fn == "vocab_pick":
+        return f"vocab_pick({a[0]}, {a[1]}, {d}, {axes!r})"
+    tokens = tuple(x for ref in step.operands[1:2] for dim in ref.dims for x in dim.axes)
+    if fn == "ce_apply":
+        tokens = tuple(x for dim in step.operands[0].dims for x in dim.axes)
+        count = f"({a[0]}.size * jax.lax.axis_size({tokens!r}))" if tokens else f"{a[0]}.size"
+        return f"jnp.sum({a[0]} - {a[1]}) / {count}"
+    if fn == "ce_vjp":
+        return f"vocab_ce_grad({a[0]}, {a[1]}, {a[2]}, {a[3]}, {d}, {axes!r}, {tokens!r})"
+    raise InternalError(f"lowering does not know the row function {fn!r}",
+                        fix="this is a shardc bug: please report the spec")
+
+
+def _finishing(fn: str, a: list[str], e: Callable[[int], str]) -> str | None:
+    """The maps that finish a reduction from its statistics, and the closed-form gradients."""
+    if fn == "softmax_apply":
+        return f"jnp.exp({a[0]} - {e(1)}) / {e(2)}"
+    if fn == "lse_apply":
+        return f"{a[0]} + jnp.log({a[1]})"
+    if fn == "rmsnorm_apply":
+        return f"{a[0]} * jax.lax.rsqrt({e(1)} + {RMS_EPS})"
+    if fn == "layernorm_apply":
+        return f"({a[0]} - {e(1)}) * jax.lax.rsqrt({e(2)} + {LN_EPS})"
+    return _gradient(fn, a, e)
+
+
+def _gradient(fn: str, a: list[str], e: Callable[[int], str]) -> str | None:
+    """The closed-form gradients that read per-row statistics."""
+    if fn == "softmax_vjp_apply":
+        return f"{a[0]} * ({a[1]} - {e(2)})"
+    if fn == "logsumexp_vjp":
+        return f"jnp.exp({a[0]} - {e(1)}) * {e(2)}"
+    if fn == "max_vjp":
+        return f"jnp.where({a[0]} == {e(1)}, {e(2)}, jnp.zeros_like({a[0]}))"
+    if fn == "rmsnorm_vjp":
+        return f"jax.lax.rsqrt({e(2)} + {RMS_EPS}) * ({a[1]} - {a[0]} * {e(3)})"
+    if fn == "layernorm_vjp":
+        return f"jax.lax.rsqrt({e(3)} + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})"
+    return None
+
+
+def _length(ref: TensorRef, code: str, index: str, axes: tuple[str, ...]) -> str:
+    """The local length of ``index`` when sharded over ``axes``, from a value ``code`` of ``ref`` (its shape)."""
+    have = ref.dims[ref.indices.index(index)].axes
+    length = f"{code}.shape[{ref.indices.index(index)}]"
+    if have == axes:
+        return length
+    scale = f" * jax.lax.axis_size({have!r})" if have else ""
+    return f"{length}{scale} // jax.lax.axis_size({axes!r})" if axes else f"{length}{scale}"
+
+
+def _spread(step: Step, row: str, var: Callable[[TensorRef], str], mean: bool) -> str:
+    """dS repeated along I to the gradient's local shape (over I's global length for a mean).
+
+    The second operand is the input as declared, read for its shape only (no data moves)."""
+    x = step.operands[1]
+    d = step.dim or 0
+    over = step.dst.indices[d]
+    axes = step.dst.dims[d].axes
+    spread = f"jnp.repeat({row}, {_length(x, var(x), over, axes)}, axis={d})"
+    return f"{spread} / ({_length(x, var(x), over, ())})" if mean else spread
+
+
+def lookup_code(step: Step, var: Callable[[TensorRef], str]) -> str:
+    """``embed`` (a masked lookup in the local vocabulary shard) and its scatter-add gradient."""
+    tok, other = step.operands[:2]
+    if step.fn == "embed":
+        axes = other.dims[0].axes
+        made = tok.indices + other.indices[1:]
+        code = (f"vocab_lookup({var(other)}, {var(tok)}, {axes!r})" if axes
+                else f"jnp.take({var(other)}, {var(tok)}, axis=0)")
+        return _aligned(code, made, step.dst.indices)
+    table = step.dst
+    axes = table.dims[0].axes
+    order = tok.indices + table.indices[1:]
+    declared = step.operands[2]  # the table as declared, read for its shape only
+    rows = _length(declared, var(declared), table.indices[0], axes)
+    return f"vocab_scatter({var(tok)}, {_aligned(var(other), other.indices, order)}, {rows}, {axes!r})"
+
+
+# The helpers a module using vocabulary ops defines (after the fixed ones; see template.GLOBALS).
+HELPERS = '''
+
+def _vocab_rows(ids, rows, axes):
+    """Token ids as rows of this device's vocabulary shard, and which of them it holds."""
+    local = ids - (jax.lax.axis_index(axes) * rows if axes else 0)
+    inside = (local >= 0) & (local < rows)
+    return jnp.where(inside, local, 0), inside
+
+
+def vocab_lookup(table, ids, axes):
+    """Megatron's vocab-parallel embedding, locally: rows this shard holds, 0 for the others' ids."""
+    local, inside = _vocab_rows(ids, table.shape[0], axes)
+    found = jnp.take(table, local, axis=0)
+    return jnp.where(inside.reshape(inside.shape + (1,) * (table.ndim - 1)), found, jnp.zeros_like(found))
+
+
+def vocab_scatter(ids, grads, rows, axes):
+    """The gradient of this device's vocabulary shard: each token's cotangent row added at its id."""
+    local, inside = _vocab_rows(ids, rows, axes)
+    tail = grads.shape[ids.ndim:]
+    kept = jnp.where(inside.reshape(inside.shape + (1,) * len(tail)), grads, jnp.zeros_like(grads))
+    return jnp.zeros((rows, *tail), grads.dtype).at[local.reshape(-1)].add(kept.reshape((-1, *tail)))
+
+
+def vocab_pick(logits, ids, axis, axes):
+    """Each token's logit at its target id, from the shard that holds it (0 on the others)."""
+    local, inside = _vocab_rows(ids, logits.shape[axis], axes)
+    picked = jnp.take_along_axis(logits, jnp.expand_dims(local, axis), axis=axis)
+    return jnp.where(inside, jnp.squeeze(picked, axis), jnp.zeros_like(ids, logits.dtype))
+
+
+def vocab_ce_grad(logits, lse, ids, dloss, axis, axes, token_axes):
+    """(softmax - onehot) * dLoss / tokens on this vocabulary shard: no communication."""
+    local, inside = _vocab_rows(ids, logits.shape[axis], axes)
+    shape = [1] * logits.ndim
+    shape[axis] = logits.shape[axis]
+    column = jnp.arange(logits.shape[axis]).reshape(shape)
+    hot = (jnp.expand_dims(local, axis) == column) & jnp.expand_dims(inside, axis)
+    tokens = ids.size * (jax.lax.axis_size(token_axes) if token_axes else 1)
+    return (jnp.exp(logits - jnp.expand_dims(lse, axis)) - hot.astype(logits.dtype)) * (dloss / tokens)
+'''
+HELPER_NAMES = ("_vocab_rows", "vocab_lookup", "vocab_scatter", "vocab_pick", "vocab_ce_grad")
+
+
+def uses_helpers(steps: tuple[Step, ...]) -> bool:
+    """Whether a plan's steps call the vocabulary helpers."""
+    return any(s.fn in VOCAB_FNS for s in steps)
+
+
+# --- whole arrays: the reference ---------------------------------------------------------
+
+def forward(fn: str, x: Array, axis: int, xp: Any) -> Array:
+    """``fn`` of ``x`` along ``axis`` (reductions drop it)."""
+    if fn == "softmax":
+        z = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+        return z / xp.sum(z, axis=axis, keepdims=True)
+    if fn == "logsumexp":
+        m = xp.max(x, axis=axis, keepdims=True)
+        return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
+    if fn == "rmsnorm":
+        return x / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+    if fn == "layernorm":
+        mu = xp.mean(x, axis=axis, keepdims=True)
+        return (x - mu) / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
+    if fn == "sum":
+        return xp.sum(x, axis=axis)
+    if fn == "mean":
+        return xp.mean(x, axis=axis)
+    if fn == "max":
+        return xp.max(x, axis=axis)
+    raise InternalError(f"the reference does not know the reduction {fn!r}",
+                        fix="this is a shardc bug: please report the spec")
+
+
+def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    """The gradient of ``fn`` at ``x`` (result ``y``) for the cotangent ``dy``, in closed form."""
+    if fn in ("sum", "mean", "max", "logsumexp"):
+        dy_, y_ = xp.expand_dims(dy, axis), xp.expand_dims(y, axis)
+        n = x.shape[axis]
+        if fn == "sum":
+            return xp.broadcast_to(dy_, x.shape) + 0.0 * x
+        if fn == "mean":
+            return xp.broadcast_to(dy_, x.shape) / n + 0.0 * x
+        if fn == "max":
+            return xp.where(x == y_, dy_, 0.0 * x)
+        return xp.exp(x - y_) * dy_
+    if fn == "softmax":
+        return y * (dy - xp.sum(dy * y, axis=axis, keepdims=True))
+    if fn == "rmsnorm":
+        r = 1.0 / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+        return r * (dy - y * xp.mean(dy * y, axis=axis, keepdims=True))
+    if fn == "layernorm":
+        mu = xp.mean(x, axis=axis, keepdims=True)
+        r = 1.0 / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
+        return r * (dy - xp.mean(dy, axis=axis, keepdims=True) - y * xp.mean(dy * y, axis=axis, keepdims=True))
+    raise InternalError(f"the reference does not know the reduction {fn!r}",
+                        fix="this is a shardc bug: please report the spec")
+
+
+def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:
+    """A bound on the terms behind ``fn(x)`` (numpy), for verify's tolerance (see reference.magnitudes).
+
+    Every output of a row reads the whole row: the row's largest input magnitude, scaled by
+    how much the function can amplify it (a norm divides by the row's RMS).
+    """
+    import numpy as np
+
+    y = forward(fn, x, axis, np)
+    row = np.max(mag, axis=axis, keepdims=True)
+    if fn in ("sum", "mean"):
+        return np.sum(mag, axis=axis) / (x.shape[axis] if fn == "mean" else 1)
+    if fn in ("max", "logsumexp"):
+        return np.squeeze(row, axis) + np.abs(y)
+    if fn == "softmax":
+        return np.abs(y) * (1.0 + 2.0 * row)
+    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+    return np.abs(y) + 2.0 * row * scale
+
+
+def grad_magnitude(fn: str, x: Any, mag: Any, d: Any, axis: int) -> Any:
+    """A bound on the terms behind the gradient of ``fn`` for a cotangent of magnitude ``d`` (numpy)."""
+    import numpy as np
+
+    y = forward(fn, x, axis, np)
+    if fn in ("sum", "mean", "max", "logsumexp"):
+        spread = np.broadcast_to(np.expand_dims(d, axis), x.shape)
+        return spread * (1.0 + np.max(mag, axis=axis, keepdims=True)) / (x.shape[axis] if fn == "mean" else 1)
+    total = np.sum(d * np.abs(y), axis=axis, keepdims=True)
+    if fn == "softmax":
+        return np.abs(y) * (d + total) * (1.0 + np.max(mag, axis=axis, keepdims=True))
+    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+    return 2.0 * scale * (d + np.abs(y) * total / x.shape[axis] + np.sum(d, axis=axis, keepdims=True) / x.shape[axis])
+
+
+def _onehot(ids: Array, n: int, xp: Any) -> Array:
+    return (xp.expand_dims(xp.asarray(ids).astype(int), -1) == xp.arange(n)) * 1.0
+
+
+def lookup_forward(fn: str, a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
+    """``embed(Tok=a, W=b)``: rows of b at a (Tok's indices, then b's others); ``cross_entropy(Logits=a,
+    Tok=b)``: the mean over tokens of logsumexp(a along ``vocab_axis``) - a at the target."""
+    if fn == "embed":
+        return xp.take(b, xp.asarray(a).astype(int), axis=0)
+    logits = xp.moveaxis(a, vocab_axis, -1)
+    lse = forward("logsumexp", logits, -1, xp)
+    target = xp.sum(logits * _onehot(b, logits.shape[-1], xp), axis=-1)
+    return xp.mean(lse - target)
+
+
+def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
+    """The gradient of the table (embed) or of the logits (cross_entropy); token ids have none."""
+    if fn == "embed":
+        hot = _onehot(a, b.shape[0], xp)
+        flat_hot = xp.reshape(hot, (-1, b.shape[0]))
+        return xp.reshape(xp.einsum("tv,tr->vr", flat_hot, xp.reshape(d, (flat_hot.shape[0], -1))), b.shape)
+    logits = xp.moveaxis(a, vocab_axis, -1)
+    p = forward("softmax", logits, -1, xp)
+    grad = (p - _onehot(b, logits.shape[-1], xp)) * d / (p.size // p.shape[-1])
+    return xp.moveaxis(grad, -1, vocab_axis)
+
+
+def id_inputs(spec: Any) -> dict[str, str]:
+    """Token-id inputs (integers in [0, vocabulary)) and their vocabulary index, from the spec."""
+    from shardc.spec.functions import is_known, signature
+    from shardc.spec.validate import calls, chain_indices
+
+    ids: dict[str, str] = {}
+    for statement in spec.statements:
+        for call in calls(statement.expr):
+            if not is_known(call.func) or signature(call.func).kind not in ("embed", "loss"):
+                continue
+            first, second = call.args
+            if signature(call.func).kind == "embed" and isinstance(first, TensorRef):
+                ids[first.name] = chain_indices(second, ())[0]
+            elif isinstance(second, TensorRef):
+                ids[second.name] = next(i for i in chain_indices(first, ()) if i not in second.indices)
+    return ids
+
+
+# --- one node of the reference: a reduction (``over`` its index) or a vocabulary op ----------
+
+def _ids_aligned(fn: str, labels: tuple[tuple[str, ...], ...], over: str, ids: Array, xp: Any) -> Array:
+    """cross_entropy's ids in the order of the logits' other indices (embed's as they are)."""
+    if fn == "embed":
+        return ids
+    order = tuple(i for i in labels[0] if i != over)
+    return xp.transpose(ids, tuple(labels[1].index(i) for i in order)) if order != labels[1] else ids
+
+
+def _axis(fn: str, labels: tuple[tuple[str, ...], ...], over: str) -> int:
+    return 0 if fn == "embed" else labels[0].index(over)
+
+
+def node_forward(fn: str, args: list[Array], labels: tuple[tuple[str, ...], ...], over: str, xp: Any) -> Array:
+    """The value of one reference node (its operands' indices ``labels``)."""
+    if fn in ("embed", "cross_entropy"):
+        return lookup_forward(fn, args[0], _ids_aligned(fn, labels, over, args[1], xp), _axis(fn, labels, over), xp)
+    return forward(fn, args[0], _axis(fn, labels, over), xp)
+
+
+def node_vjp(fn: str, args: list[Array], result: Array, d: Array, labels: tuple[tuple[str, ...], ...], over: str,
+             xp: Any) -> tuple[int, Array]:
+    """(which operand, its gradient): the table's (embed), the logits' (cross_entropy), else the input's."""
+    axis = _axis(fn, labels, over)
+    if fn in ("embed", "cross_entropy"):
+        ids = _ids_aligned(fn, labels, over, args[1], xp)
+        return (1 if fn == "embed" else 0), lookup_vjp(fn, args[0], ids, d, axis, xp)
+    return 0, vjp(fn, args[0], result, d, axis, xp)
+
+
+def node_magnitude(fn: str, args: list[Any], mags: list[Any], labels: tuple[tuple[str, ...], ...],
+                   over: str) -> Any:
+    """A bound on the terms behind one node's value (numpy; see :func:`magnitude`).
+
+    Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice,
+    plus its logsumexp, averaged."""
+    import numpy as np
+
+    axis = _axis(fn, labels, over)
+    if fn == "embed":
+        return lookup_forward("embed", args[0], mags[1], 0, np)
+    if fn == "cross_entropy":
+        row = np.max(np.moveaxis(mags[0], axis, -1), axis=-1)
+        lse = forward("logsumexp", np.moveaxis(args[0], axis, -1), -1, np)
+        return np.asarray(np.mean(2.0 * row + np.abs(lse)))
+    return magnitude(fn, args[0], mags[0], axis)
+
+
+def node_grad_magnitude(fn: str, args: list[Any], mags: list[Any], d: Any, labels: tuple[tuple[str, ...], ...],
+                        over: str) -> tuple[int, Any]:
+    """(which operand, a bound on the terms behind its gradient) for a cotangent of magnitude ``d``."""
+    import numpy as np
+
+    axis = _axis(fn, labels, over)
+    if fn == "embed":
+        return 1, lookup_vjp("embed", args[0], args[1], np.abs(d), 0, np)
+    if fn == "cross_entropy":
+        ids = _ids_aligned(fn, labels, over, args[1], np)
+        p = forward("softmax", np.moveaxis(args[0], axis, -1), -1, np)
+        hot = lookup_vjp(fn, args[0], ids, np.ones_like(d), axis, np)  # (p - onehot) / tokens
+        spread = np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])
+        return 0, np.abs(d) * spread * (1.0 + np.max(mags[0]))
+    return 0, grad_magnitude(fn, args[0], mags[0], d, axis)

@@ -1,0 +1,171 @@
+"""The backward of a reduction over an index, in closed form, planned by the forward's rule.
+
+With I the reduced index, rows every other index, and each row on its own:
+
+    softmax     dX = P * (dP - sum(dP * P over I))
+    rmsnorm     dX = r * (dY - Y * mean(dY * Y over I)),           r = 1 / sqrt(ms + 1e-6)
+    layernorm   dX = r * (dY - mean(dY) - Y * mean(dY * Y over I)), r = 1 / sqrt(var + 1e-5)
+    logsumexp   dX = exp(X - L) * dL
+    max         dX = (X == M) * dM
+    sum, mean   dX = dS spread along I (over I's size for mean)
+
+Where I is sharded over axes A, the row sums above are local partial sums
+all-reduced over A (one AllReduce of rows x 1 each), or I is gathered first:
+the same candidates and the same objective as the forward
+(:mod:`shardc.planner.rows`).  The forward's statistics (``ms``, ``mean``, ``var``) are
+read as the forward made them: they are rows x 1, and kept under every residual
+policy, as fused norm kernels keep them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardc.names import fresh
+from shardc.planner.graph import Node
+from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
+from shardc.planner.rows import (
+    BACKWARD_STATS,
+    Layouts,
+    by_index,
+    choose,
+    in_order,
+    local_map,
+    over_of,
+    record,
+    statistic,
+    stats_cost,
+)
+
+if TYPE_CHECKING:
+    from shardc.planner.backward import _Backward
+
+__all__ = ["rows_backward"]
+
+
+def _reads(node: Node, grad: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(full-rank tensors, per-row tensors) the gradient of ``node`` reads, besides nothing else."""
+    fn = node.fn or ""
+    (x,) = node.operands
+    if fn == "softmax":
+        return (node.result, grad), ()
+    if fn in ("rmsnorm", "layernorm"):
+        return (node.result, grad), node.aux
+    if fn in ("logsumexp", "max"):
+        return (x,), (node.result, grad)
+    return (), (grad,)
+
+
+def _layout_of(bw: _Backward, name: str, axes: dict[str, tuple[str, ...]]) -> Value:
+    return in_order(bw.phase.indices[name], axes)
+
+
+def _option(bw: _Backward, node: Node, grad: str, local: Value, dst: str) -> Layouts | None:
+    (x,) = node.operands
+    phase = bw.phase
+    idx = phase.indices[x]
+    over = over_of(node)
+    axes = by_index(idx, local.layout)
+    full, rows = _reads(node, grad)
+    total: Cost = ZERO
+    moves_in: list[Move] = []
+    for name in (*full, *rows):
+        want = _layout_of(bw, name, axes if name in full else {**axes, over: ()})
+        if name not in phase.held or not any(s.reaches(want) for s in phase.held[name]):
+            return None
+        cost, moves = reshard(phase.ctx, name, phase.indices[name], phase.held[name], want)
+        total = add_cost(total, cost)
+        moves_in += moves
+    row_idx = tuple(i for i in idx if i != over)
+    total = add_cost(total, stats_cost(phase, row_idx, in_order(row_idx, axes), axes[over],
+                                       BACKWARD_STATS[node.fn or ""]))
+    if bw.count.get(x, 0) <= 1:
+        moved, moves_out = reshard(phase.ctx, dst, idx, (local,), bw.target(x))
+        total = add_cost(total, moved)
+    else:
+        moves_out = ()
+    return Layouts(local, axes[over], total, tuple(moves_in), moves_out, local, bw.target(x))
+
+
+def _candidates(bw: _Backward, node: Node, grad: str) -> list[Value]:
+    (x,) = node.operands
+    idx = bw.phase.indices[x]
+    over = over_of(node)
+    full, _ = _reads(node, grad)
+    found: dict[Value, None] = {bw.target(x): None}
+    for name in full:
+        for source in bw.phase.held.get(name, []):
+            found[in_order(idx, by_index(bw.phase.indices[name], source.layout))] = None
+    out: dict[Value, None] = {}
+    for value in found:
+        out[value] = None
+        axes = by_index(idx, value.layout)
+        if axes.get(over):
+            out[in_order(idx, {**axes, over: ()})] = None
+    return list(out)
+
+
+def rows_backward(bw: _Backward, node: Node, grad: str) -> None:
+    """Plan dX of one reduction: choose the layout, move the reads there, emit the closed form."""
+    (x,) = node.operands
+    if x not in bw.needs:
+        return
+    phase = bw.phase
+    for name in node.aux:  # the forward's statistics are kept (rows x 1 each)
+        for value in bw.forward.held.get(name, []):
+            if (name, value) in bw.forward.made and not value.unreduced:
+                phase.hold(name, value)
+    dst = bw.part_name(x)
+    options = [o for v in _candidates(bw, node, grad) if (o := _option(bw, node, grad, v, dst)) is not None]
+    stats = BACKWARD_STATS[node.fn or ""]
+    best, shown = choose(options, stats)
+    idx = phase.indices[x]
+    over = over_of(node)
+    label = f"{phase.text(dst, bw.target(x))} = {node.fn}_vjp({phase.text(grad, phase.held[grad][0])} over {over})"
+    record(phase, label, best, shown, stats, idx, over)
+    _emit(bw, node, grad, best, dst)
+    if bw.count.get(x, 0) > 1:
+        bw.parts.setdefault(x, []).append((dst, best.local))
+    else:
+        phase.moves(dst, best.moves_out)
+
+
+def _emit(bw: _Backward, node: Node, grad: str, option: Layouts, dst: str) -> None:
+    phase = bw.phase
+    fn = node.fn or ""
+    (x,) = node.operands
+    idx = phase.indices[x]
+    over = over_of(node)
+    axes = by_index(idx, option.local.layout)
+    full, rows = _reads(node, grad)
+    values: dict[str, Value] = {}
+    for name in (*full, *rows):
+        want = _layout_of(bw, name, axes if name in full else {**axes, over: ()})
+        _, moves = reshard(phase.ctx, name, phase.indices[name], phase.held[name], want)
+        phase.moves(name, moves, note="residual for the reduction's gradient")
+        values[name] = want
+    reads = tuple((n, values[n]) for n in (*full, *rows))
+    row_idx = tuple(i for i in idx if i != over)
+    rows_value = in_order(row_idx, axes | {over: ()})
+    if fn == "softmax" and option.axes:
+        name = _stat_name(bw, grad, "rowsum", row_idx)
+        total = statistic(phase, "row_dot", name, rows_value, option.axes, reads[:2], over, "sum")
+        local_map(phase, "softmax_vjp_apply", dst, option.local, (*reads, (name, total)), over)
+    elif fn in ("rmsnorm", "layernorm"):
+        sums: list[tuple[str, Value]] = []
+        if fn == "layernorm":
+            name = _stat_name(bw, grad, "mean", row_idx)
+            sums.append((name, statistic(phase, "row_mean", name, rows_value, option.axes, reads[1:2], over, "sum")))
+        name = _stat_name(bw, grad, "dot", row_idx)
+        sums.append((name, statistic(phase, "row_meandot", name, rows_value, option.axes, reads[:2], over, "sum")))
+        local_map(phase, f"{fn}_vjp", dst, option.local, (*reads, *sums), over)
+    elif fn in ("sum", "mean"):  # dS spread along I: the input as declared is read for I's length only
+        local_map(phase, f"{fn}_vjp", dst, option.local, (*reads, (x, Value.of(bw.declared[x]))), over)
+    else:
+        local_map(phase, f"{fn}_vjp", dst, option.local, reads, over)
+
+
+def _stat_name(bw: _Backward, grad: str, suffix: str, rows: tuple[str, ...]) -> str:
+    name = fresh(f"{grad}_{suffix}", bw.taken)
+    bw.phase.indices[name] = rows
+    return name
