@@ -160,3 +160,24 @@ def test_nested_dropouts_draw_different_masks_and_verify() -> None:
 def test_reference_keep_mask_is_order_free() -> None:
     keep = reference.keep_mask((4, 6), ("B", "D"), 7, 0.3)
     assert np.array_equal(reference.keep_mask((6, 4), ("D", "B"), 7, 0.3), keep.T)
+
+
+CAUSAL_SELF_ATTENTION = """\
+mesh X=2, Y=2
+Kx[B_X, T, D] = X[B_X, S, D]
+Q[B_X, S, N_Y, H] = X[B_X, S, D] · Wq[D, N_Y, H]
+K[B_X, T, N_Y, H] = Kx[B_X, T, D] · Wk[D, N_Y, H]
+V[B_X, T, N_Y, H] = Kx[B_X, T, D] · Wv[D, N_Y, H]
+Sc[B_X, N_Y, S, T] = Q[B_X, S, N_Y, H] · K[B_X, T, N_Y, H]
+P[B_X, N_Y, S, T] = softmax(dropout(causal(Sc[B_X, N_Y, S, T], S, T), 0.1) over T)
+O[B_X, S, N_Y, H] = P[B_X, N_Y, S, T] · V[B_X, T, N_Y, H]
+R[B_X, S, D] = X[B_X, S, D] + O[B_X, S, N_Y, H] · Wo[N_Y, H, D]
+"""
+
+
+def test_megatron_causal_self_attention_all_reduces_once_each_way() -> None:
+    plan = _plan(CAUSAL_SELF_ATTENTION)
+    over_y = [[c for c in _collectives(steps) if c.startswith("AllReduce_Y")]
+              for steps in (plan.forward, plan.backward)]
+    assert over_y == [["AllReduce_Y R"], ["AllReduce_Y dX_sum"]]  # the residual joins the partial sum; dX of
+    _verified(plan)  # queries, keys, values and the residual added before one reduction
