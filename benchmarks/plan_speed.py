@@ -66,18 +66,22 @@ def timed(label: str, text: str, target: float) -> None:
     print(f"{label}: parse + plan {total:.3f} s = {total / target:.2f} x the {target:g} s target ({outcome})")
 
 
-def deep(layers: int) -> None:
+def deep(layers: int, runs: int = 5) -> None:
+    """Parse + plan of the deep spec, the best of ``runs`` (the machine may be busy in some)."""
     for sized in (True, False):
         text = deep_spec(layers, sized)
-        t0 = time.perf_counter()
-        spec = shardc.parse(text, filename="deep.shard")
-        t1 = time.perf_counter()
-        result = shardc.plan(spec)
-        t2 = time.perf_counter()
+        best = (float("inf"), 0.0, 0.0)
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            spec = shardc.parse(text, filename="deep.shard")
+            t1 = time.perf_counter()
+            result = shardc.plan(spec)
+            t2 = time.perf_counter()
+            best = min(best, (t2 - t0, t1 - t0, t2 - t1))
         steps = len(result.forward) + len(result.backward)
-        total = t2 - t0
-        print(f"{layers} layers, {'with' if sized else 'without'} dims: parse {t1 - t0:.3f} s, "
-              f"plan {t2 - t1:.3f} s ({steps} steps), total {total:.3f} s = {total / 0.2:.2f} x the 0.2 s target")
+        total, parse, plan = best
+        print(f"{layers} layers, {'with' if sized else 'without'} dims (best of {runs}): parse {parse:.3f} s, "
+              f"plan {plan:.3f} s ({steps} steps), total {total:.3f} s = {total / 0.2:.2f} x the 0.2 s target")
 
 
 def cli(command: str, example: str, target: float) -> None:

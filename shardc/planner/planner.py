@@ -18,11 +18,12 @@ from shardc.hardware import Hardware, resolve_hardware
 from shardc.pipeline.stages import pipelined, stage_spec
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
+from shardc.planner.einsum import Solution
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
-from shardc.planner.phase import Phase
+from shardc.planner.phase import Phase, Traced
 from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
@@ -95,18 +96,53 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
     and once with communication alone in both.  The exact step time picks the winner.
     """
     memo: dict[tuple[object, ...], tuple[float, float]] = {}  # step seconds, shared by the candidates
-    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False)
+    trace: list[Traced] = []
+    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace)
     t = plan_time(first, ctx.hardware, memo=memo)
     candidates = [(_objective(t), first)]
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
              0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
-    for weights in [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM]:
-        p = _plan(spec, graph, save, "search", ctx, weights, notes=False)
+    others = [("search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM] + [("rules", SUM)]
+    for strategy, weights in others:
+        if _same_steps(graph, ctx, trace, strategy, weights):
+            continue  # the first's steps, so its time: the tie goes to the first anyway
+        p = _plan(spec, graph, save, strategy, ctx, weights, notes=False)
         candidates.append((_objective(plan_time(p, ctx.hardware, memo=memo)), p))
-    rules = _plan(spec, graph, save, "rules", ctx, notes=False)
-    candidates.append((_objective(plan_time(rules, ctx.hardware, memo=memo)), rules))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
     return replace(best, notes=padding_notes(spec, best.forward + best.backward))
+
+
+def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: str,
+                weights: tuple[float, float]) -> bool:
+    """Whether planning with ``strategy`` and ``weights`` makes the steps the traced plan made.
+
+    A phase's steps follow from its einsums' solutions alone (every other move is a
+    reshard, the same under any weights), and each solution from the values the phase
+    holds, which the earlier solutions made.  So if every solve the traced plan made
+    gives the same moves again, in order, the plans' steps are equal.  A chain's
+    layouts are chosen by their own search, so a spec with one is planned again.
+    """
+    if any(node.chain for node in graph.nodes):
+        return False
+    done: set[object] = set()
+    for key, problem, given, solution in trace:
+        if key in done:
+            continue
+        done.add(key)
+        name = key[4]  # type: ignore[index]  # the phase, see Phase.key
+        ctx.compute_weight = weights[0 if name == "forward" else 1]
+        phase = Phase(name, ctx, {}, strategy == "search", frozenset())  # type: ignore[arg-type]
+        again = phase.solve(problem, given)[0]
+        if _moves(again) != _moves(solution):
+            ctx.compute_weight = SUM[1]
+            return False
+    ctx.compute_weight = SUM[1]
+    return True
+
+
+def _moves(s: Solution) -> tuple[object, ...]:
+    """What of a solution becomes steps (its cost, under other weights, may differ)."""
+    return (s.operand_moves, s.locals, s.local_result, s.result_moves)
 
 
 def _check_spans(spec: Spec, spans: dict[str, int] | None) -> None:
@@ -171,10 +207,10 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
-          weights: tuple[float, float] = SUM, notes: bool = True) -> Plan:
+          weights: tuple[float, float] = SUM, notes: bool = True, trace: list[Traced] | None = None) -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
-    forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
+    forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params, trace=trace)
     for name in graph.inputs:
         forward.hold(name, Value.of(declared[name]))
     ctx.compute_weight = weights[0]
