@@ -235,6 +235,8 @@ def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ..
     """The the book's rule-based plan: one configuration, chosen without sizes."""
     roles = rule_config(ctx, problem, given)
     order = _rule_order(problem, roles, given)
+    if ctx.places is not None:  # past four axes: the order the search allows, where the spec gives one
+        order = {i: _placed_order(ctx, i, axes) for i, axes in order.items()}
     config = _configuration(problem, roles, order)
     sol = None if config is None else _evaluate(ctx, problem, config, None)
     if sol is None:
@@ -242,6 +244,15 @@ def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ..
         # the rules gather away); the exact search decides those.
         return solve(ctx, problem)[0]
     return sol
+
+
+def _placed_order(ctx: CostContext, index: str, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``axes`` as the search may put them on ``index`` (:attr:`CostContext.places`), if it may at all."""
+    assert ctx.places is not None
+    rank = ctx.places.get(index, (frozenset(), None))[1]
+    if ctx.placed(index, axes) or rank is None or not set(axes) <= set(rank):
+        return axes
+    return tuple(sorted(axes, key=rank.__getitem__))
 
 
 def _where(problem: EinsumProblem, k: int, value: Value, axis: str) -> str | None:

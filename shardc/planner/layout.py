@@ -42,6 +42,7 @@ from fractions import Fraction
 from shardc.collectives import collective_time, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware, default_spans
 from shardc.planner.ir import Monomial, Op
+from shardc.planner.unit import Placements
 from shardc.spec.ir import Dim, DType, Mesh, TensorRef
 
 __all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost",
@@ -141,6 +142,10 @@ class CostContext:
     # axis alone (exact).  See shardc.planner.unit.bonded_axes.
     units: tuple[tuple[str, ...], ...] | None = None
     _heads: frozenset[str] | None = None
+    # Past four axes, where each axis may go (shardc.planner.unit.placements); None: anywhere (exact).
+    places: Placements | None = None
+    _placed: dict[tuple[str, tuple[str, ...], bool], bool] = field(default_factory=dict)
+    _seconds: dict[tuple[Op, float, tuple[str, ...]], float] = field(default_factory=dict)
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
     _compute: dict[tuple[object, ...], float] = field(default_factory=dict)
@@ -175,7 +180,12 @@ class CostContext:
     def seconds(self, op: Op, volume: Monomial | float, axes: tuple[str, ...]) -> float:
         """Time of one collective moving ``volume`` (a formula, or bytes) on the plan's chip."""
         nbytes = volume if isinstance(volume, float | int) else self.evaluate(volume)
-        return collective_time(op, nbytes, axes, self.mesh, self.axis_sizes, self.hardware, self.links).seconds
+        key = (op, nbytes, axes)
+        hit = self._seconds.get(key)
+        if hit is None:  # layouts of one size recur across searches
+            hit = self._seconds[key] = collective_time(op, nbytes, axes, self.mesh, self.axis_sizes, self.hardware,
+                                                       self.links).seconds
+        return hit
 
     def move_cost(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Cost:
         if move.volume is None:
@@ -263,9 +273,27 @@ class CostContext:
             self.values.append(value)
         return n
 
-    def divides(self, index: str, axes: tuple[str, ...]) -> bool:
+    def placed(self, index: str, axes: tuple[str, ...], order: bool = True) -> bool:
+        """Whether :attr:`places` lets ``index`` be sharded over ``axes`` (these axes, in this order
+        unless ``order`` is false)."""
+        assert self.places is not None
+        key = (index, axes, order)
+        hit = self._placed.get(key)
+        if hit is None:
+            allowed, rank = self.places.get(index, (frozenset(), None))
+            hit = set(axes) <= allowed
+            if hit and rank is not None and order:
+                ranks = [rank[a] for a in axes]
+                hit = all(x < y for x, y in zip(ranks, ranks[1:], strict=False))
+            self._placed[key] = hit
+        return hit
+
+    def divides(self, index: str, axes: tuple[str, ...], order: bool = True) -> bool:
         """Whether the search may shard ``index`` over ``axes``: evenly, or (padded) a dim the spec shards
-        unevenly, if every device still gets part of it."""
+        unevenly, if every device still gets part of it; past four axes, only where :attr:`places` allows
+        (in any order of ``axes`` if ``order`` is false)."""
+        if self.places is not None and not self.placed(index, axes, order):
+            return False
         if self.sizes is None:
             return True
         product = math.prod(self.axis_sizes[a] for a in axes)

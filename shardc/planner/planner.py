@@ -24,7 +24,14 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase, Traced
-from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
+from shardc.planner.unit import (
+    Placements,
+    bonded_axes,
+    placements,
+    restriction_note,
+    strip_unit_axes,
+    without_unit_axes,
+)
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
 from shardc.timing import PlanTime, plan_time
@@ -81,7 +88,8 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
         return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped)
-    ctx = _context(spec, graph, hw, spans, bonded_axes(stripped))  # one search cache for every candidate
+    units = bonded_axes(stripped)
+    ctx = _context(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
     if strategy == "auto" and spec.dims:
         return _best_plan(spec, graph, save, ctx)
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx)
@@ -109,7 +117,7 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
         p = _plan(spec, graph, save, strategy, ctx, weights, notes=False)
         candidates.append((_objective(plan_time(p, ctx.hardware, memo=memo)), p))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
-    return replace(best, notes=padding_notes(spec, best.forward + best.backward))
+    return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
 
 
 def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: str,
@@ -163,11 +171,11 @@ def _rounded(x: float) -> float:
 
 
 def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None,
-             units: tuple[tuple[str, ...], ...] | None = None) -> CostContext:
+             units: tuple[tuple[str, ...], ...] | None = None, places: Placements | None = None) -> CostContext:
     grads = frozenset(graph.grads[p] for p in graph.params)
     ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
                       graph.params | grads, hardware=hw, spans=spans,
-                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units)
+                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places)
     ctx.deadline = time.monotonic() + BUDGET
     return ctx
 
@@ -185,6 +193,12 @@ def uneven_dims(spec: Spec) -> list[tuple[str, int]]:
                 if dim.name in sizes and sizes[dim.name] % devices:
                     found[(dim.name, devices)] = None
     return list(found)
+
+
+def _notes(spec: Spec, steps: tuple[Step, ...], ctx: CostContext) -> tuple[str, ...]:
+    """The plan's notes: padded dims, and the search's restriction on a mesh of many axes."""
+    padded = padding_notes(spec, steps) if spec.dims else ()
+    return padded + ((restriction_note(strip_unit_axes(spec)),) if ctx.places is not None else ())
 
 
 def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
@@ -239,7 +253,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         hardware=ctx.hardware.name,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
-        notes=padding_notes(spec, fwd + bwd) if spec.dims and notes else (),
+        notes=_notes(spec, fwd + bwd, ctx) if notes else (),
     )
 
 

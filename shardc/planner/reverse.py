@@ -140,7 +140,11 @@ def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value,
     """Gathers that make ``v``: one or more dims held free units more, at their minor ends."""
     lay = v.layout
     volume = ctx.local_bytes(idx, v)
-    for owners in itertools.product(range(-1, len(lay)), repeat=len(free)):
+    # a unit can only go to a dim that may hold it beside the dim's axes (in some order): the
+    # rest of the product below would fail the full test anyway
+    options = [[-1, *(d for d in range(len(lay)) if ctx.divides(idx[d], tuple(sorted(lay[d] + unit)), order=False))]
+               for unit in free]
+    for owners in itertools.product(*options):
         groups: dict[int, list[tuple[str, ...]]] = {}
         for unit, d in zip(free, owners, strict=True):
             if d >= 0:
