@@ -205,9 +205,13 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
     """One note per uneven (dim, devices) the plan holds: XLA pads each device's piece to the ceiling."""
     sizes = spec.sizes
     found: dict[tuple[str, int], None] = {}
+    seen: set[object] = set()  # dims recur in every layer's steps
     for step in steps:
         for ref in (step.dst, *step.operands, *((step.src,) if step.src else ())):
             for dim in ref.dims:
+                if dim in seen:
+                    continue
+                seen.add(dim)
                 devices = math.prod(spec.mesh.size(a) for a in dim.axes)
                 if sizes.get(dim.name, 0) % devices:
                     found[(dim.name, devices)] = None
