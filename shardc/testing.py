@@ -23,13 +23,13 @@ tensor reference (each mesh axis at most once).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import assume
 from hypothesis import strategies as st
 
 from shardc.errors import ShardcError
-from shardc.spec.functions import FUNCTIONS
+from shardc.spec.functions import ELEMENTWISE
 from shardc.spec.ir import (
     Call,
     Contract,
@@ -177,7 +177,7 @@ def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -
     else:  # an elementwise call (maybe nested) on a contraction or on one tensor
         inner, indices = _contraction(draw, state, 2) if draw(st.booleans()) else _single(draw, state)
         expr = inner
-        for func in draw(st.lists(st.sampled_from(sorted(FUNCTIONS)), min_size=1, max_size=2)):
+        for func in draw(st.lists(st.sampled_from(sorted(ELEMENTWISE)), min_size=1, max_size=2)):
             expr = Call(func, expr)
     # Only a contraction leaves partial sums (a function of partial sums is an error); the planner
     # makes them by contracting locally, so give {U_..} to binary contractions with a contracted index.
@@ -222,9 +222,21 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     if with_dims and draw(st.booleans()):
         sizes = sizes if "L" in dict(sizes) else sizes + (("L", draw(st.integers(1, 96))),)
         layers = "L"
-    return _valid(Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
-                       params=None if params is None else tuple(params), const=const,
-                       hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers))
+    spec = Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
+                params=None if params is None else tuple(params), const=const,
+                hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers)
+    if layers is not None and not _feeds(spec):
+        spec = replace(spec, layers=None)  # this block's outputs cannot feed its inputs
+    return _valid(spec)
+
+
+def _feeds(spec: Spec) -> bool:
+    """Whether ``layers`` is valid for this block (each output feeds an input sharded alike)."""
+    try:
+        validate(spec)
+    except ShardcError as err:
+        return "layers" not in err.message
+    return True
 
 
 def _valid(spec: Spec) -> Spec:

@@ -215,13 +215,13 @@ def test_error_at_end_of_text_without_newline() -> None:
 # --- 8. the rest -------------------------------------------------------------------------
 
 def test_unknown_function() -> None:
-    check("mesh X=4\nA[I] = softplus(B[I])\n", "2:8", "unknown elementwise function `softplus`", "softplus",
+    check("mesh X=4\nA[I] = softplus(B[I])\n", "2:8", "unknown function `softplus`", "softplus",
           "gelu")
 
 
 def test_function_of_partial_sums() -> None:
     check("mesh X=4\nA[I]{U_X} = gelu(B[I, J_X] · C[J_X])\n", "2:5",
-          "elementwise function (gelu) of partial sums", "{U_X}", "drop the {U_...} suffix")
+          "a function (gelu) of partial sums", "{U_X}", "drop the {U_...} suffix")
 
 
 def test_partial_sums_need_a_sum() -> None:

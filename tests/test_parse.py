@@ -209,7 +209,7 @@ def test_96_layer_spec_parses() -> None:
 
 
 def test_overrides() -> None:
-    spec = parse("mesh X=4, Y=2\ndims B=8, D=16, L=2\nlayers L\nO[B_X, D] = I[B_X, D_Y]\n")
+    spec = parse("mesh X=4, Y=2\ndims B=8, D=16, L=2\nlayers L\nO[B_X, D_Y] = I[B_X, D_Y]\n")
     new = apply_overrides(spec, {"Y": 8, "D": 64, "L": 40})
     assert new.mesh.size("Y") == 8 and new.sizes == {"B": 8, "D": 64, "L": 40}
     assert spec.mesh.size("Y") == 2  # the original is untouched

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
-from shardc.spec.ir import Contract, Mesh, Schedule, Spec, Statement, TensorRef
+from shardc.spec.ir import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
 
 __all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipelined", "pipeline_note", "layer_count",
            "DEFAULT_SCHEDULE"]
@@ -142,6 +142,8 @@ def _refs(statement: Statement) -> list[TensorRef]:
             out.append(expr)
         elif isinstance(expr, Contract):
             todo.extend(expr.operands)
+        elif isinstance(expr, Add):
+            todo.extend(expr.terms)
         else:
-            todo.append(expr.arg)
+            todo.extend(expr.args)
     return out

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardc.errors import ShardcError
 from shardc.names import gradient_names
-from shardc.spec.ir import Call, Contract, Expr, Spec, Statement, TensorRef
+from shardc.spec.functions import is_elementwise
+from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, fold, leaves
 
 __all__ = ["Node", "Graph", "build_graph"]
@@ -24,7 +26,11 @@ __all__ = ["Node", "Graph", "build_graph"]
 
 @dataclass(frozen=True)
 class Node:
-    """One operation: ``kind`` is "einsum" (1 or 2 operands) or "elementwise"."""
+    """One operation: ``kind`` is "einsum" (1 or 2 operands) or "elementwise".
+
+    The transformer-layer ops add kinds of their own; ``call`` is the spec's call a node
+    comes from (its index names, numbers and ``over`` index), ``signs`` a sum's term signs.
+    """
 
     kind: str
     result: str
@@ -34,6 +40,8 @@ class Node:
     statement: Statement
     fn: str | None = None
     chain: int = 0  # position in a chain of intermediates (0: not in one)
+    call: Call | None = None  # the call this node computes (non-elementwise functions)
+    signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
 
 
 @dataclass(frozen=True)
@@ -103,11 +111,18 @@ class _Builder:
              top: bool = False) -> str:
         """Emit nodes computing ``e`` into tensor ``name`` with ``indices``; return the name."""
         if isinstance(e, TensorRef):
+            if top and set(e.indices) != set(indices):
+                raise ShardcError("renames parse and validate, but the planner does not plan them yet", e.span,
+                                  fix="read the tensor under its own index names for now")
             src = self.leaf(e)
             if not top:
                 return src
             self.nodes.append(Node("einsum", name, indices, (src,), target, self.current))
             return name
+        if isinstance(e, Add) or isinstance(e, Call) and not is_elementwise(e.func):
+            what = "`+` and `-`" if isinstance(e, Add) else f"`{e.func}`"
+            raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
+                              fix="write the layer with einsums and elementwise functions for now")
         if isinstance(e, Call):
             if isinstance(e.arg, TensorRef):
                 arg = self.leaf(e.arg)

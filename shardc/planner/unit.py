@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardc.spec.ir import Call, Contract, Expr, Mesh, Spec, TensorRef
+from shardc.spec.ir import Add, Call, Expr, Mesh, Spec, TensorRef
 from shardc.spec.validate import leaves
 
 __all__ = ["strip_unit_axes", "canonical", "without_unit_axes", "bonded_axes", "EXACT_AXES", "placements",
@@ -75,8 +75,9 @@ def _expr(e: Expr, unit: frozenset[str]) -> Expr:
     if isinstance(e, TensorRef):
         return canonical(e, unit)
     if isinstance(e, Call):
-        return replace(e, arg=_expr(e.arg, unit))
-    assert isinstance(e, Contract)
+        return replace(e, arg=_expr(e.arg, unit), more=tuple(_expr(a, unit) for a in e.more))
+    if isinstance(e, Add):
+        return replace(e, terms=tuple(_expr(t, unit) for t in e.terms))
     return replace(e, operands=tuple(_expr(o, unit) for o in e.operands))
 
 

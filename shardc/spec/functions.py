@@ -1,43 +1,109 @@
-"""The elementwise functions a spec may call.
+"""The functions a spec may call, and what each one takes.
 
-Only the names live here (validation needs them and must not import jax);
-lowering maps each name to its jax/numpy implementation.  An elementwise
-function keeps the sharding of its argument, so the planner treats every
-name alike.
+Only names and signatures live here (validation needs them and must not import
+jax); lowering maps each name to its jax/numpy implementation.  Each function
+has a kind, which fixes how its result's indices follow from its arguments:
 
->>> is_known("gelu")
-True
+- ``elementwise``: one tensor, the same indices (``gelu(X)``);
+- ``normalize``: one tensor and ``over I``, the same indices, each row along I
+  normalised (``softmax``, ``rmsnorm``, ``layernorm``);
+- ``reduce``: one tensor and ``over I``, I dropped (``sum``, ``mean``, ``max``,
+  ``logsumexp``);
+- ``mask``: ``causal(Sc, S, T)``, query index S and key index T; the same indices;
+- ``dropout``: ``dropout(X, rate)``, the same indices;
+- ``embed``: ``embed(Tok, W_emb)``, a lookup of the ids ``Tok`` in the rows of the
+  table (its first index): Tok's indices, then the table's others;
+- ``loss``: ``cross_entropy(Logits, Tok)``, the mean over tokens of the softmax
+  cross entropy along the one index of Logits that Tok lacks: a scalar.
+
+>>> is_known("gelu"), signature("softmax").kind, signature("embed").tensors
+(True, 'normalize', 2)
 >>> "identity" in FUNCTIONS
 True
 >>> known_list().split(', ')[:3]
-['exp', 'gelu', 'identity']
+['causal', 'cross_entropy', 'dropout']
 """
 
 from __future__ import annotations
 
-__all__ = ["FUNCTIONS", "PASS_THROUGH", "is_known", "known_list"]
+from dataclasses import dataclass
 
-# name -> one-line meaning (documentation, and the `fix:` of an unknown-function error)
-FUNCTIONS: dict[str, str] = {
-    "exp": "e**x",
-    "gelu": "Gaussian error linear unit (tanh approximation, as jax.nn.gelu)",
-    "identity": "x",
-    "relu": "max(x, 0)",
-    "sigmoid": "1 / (1 + e**-x)",
-    "silu": "x * sigmoid(x) (swish)",
-    "square": "x**2",
-    "tanh": "hyperbolic tangent",
+__all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
+           "is_elementwise", "integer_args"]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a function takes: its kind, tensor and index argument counts, numbers, ``over``."""
+
+    kind: str
+    meaning: str
+    tensors: int = 1
+    names: int = 0
+    numbers: int = 0
+    over: bool = False
+
+    def usage(self, name: str) -> str:
+        """How a call of this function is written, e.g. ``softmax(X[B, T] over T)``."""
+        examples = {"elementwise": "X[B, D]", "normalize": "X[B, S, D] over D", "reduce": "X[B, D] over D",
+                    "mask": "Sc[B, N, S, T], S, T", "dropout": "X[B, S, D], 0.1",
+                    "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]"}
+        return f"{name}({examples[self.kind]})"
+
+
+def _e(meaning: str) -> Signature:
+    return Signature("elementwise", meaning)
+
+
+FUNCTIONS: dict[str, Signature] = {
+    "exp": _e("e**x"),
+    "gelu": _e("Gaussian error linear unit (tanh approximation, as jax.nn.gelu)"),
+    "identity": _e("x"),
+    "relu": _e("max(x, 0)"),
+    "sigmoid": _e("1 / (1 + e**-x)"),
+    "silu": _e("x * sigmoid(x) (swish)"),
+    "square": _e("x**2"),
+    "tanh": _e("hyperbolic tangent"),
+    "softmax": Signature("normalize", "exp(x) / sum(exp(x)) along the index", over=True),
+    "rmsnorm": Signature("normalize", "x / sqrt(mean(x**2) + 1e-6) along the index (no scale)", over=True),
+    "layernorm": Signature("normalize", "(x - mean) / sqrt(var + 1e-5) along the index (no scale)",
+                           over=True),
+    "sum": Signature("reduce", "the sum along the index", over=True),
+    "mean": Signature("reduce", "the mean along the index", over=True),
+    "max": Signature("reduce", "the maximum along the index", over=True),
+    "logsumexp": Signature("reduce", "log(sum(exp(x))) along the index", over=True),
+    "causal": Signature("mask", "-inf where the key position T is after the query position S", names=2),
+    "dropout": Signature("dropout", "zero with probability rate, else x / (1 - rate)", numbers=1),
+    "embed": Signature("embed", "the rows of the table (first index) at the token ids", tensors=2),
+    "cross_entropy": Signature("loss", "mean over tokens of logsumexp(logits) - logits[target]", tensors=2),
 }
 
+ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")
 
 # Functions whose gradient is the cotangent itself: the backward reads no argument (XLA would
 # drop any move that made one, so the plan must not make it either).
 PASS_THROUGH = frozenset({"identity"})
 
 
+def signature(name: str) -> Signature:
+    """The signature of a known function (KeyError for an unknown one)."""
+    return FUNCTIONS[name]
+
+
 def is_known(name: str) -> bool:
-    """Whether ``name`` is an elementwise function shardc can lower."""
+    """Whether ``name`` is a function shardc can lower."""
     return name in FUNCTIONS
+
+
+def is_elementwise(name: str) -> bool:
+    """Whether ``name`` applies to each element alone (so its result keeps the argument's sharding)."""
+    return name in ELEMENTWISE
+
+
+def integer_args(name: str) -> tuple[int, ...]:
+    """Which tensor arguments hold integer ids (no gradient): embed's and cross_entropy's tokens."""
+    kind = FUNCTIONS[name].kind
+    return (0,) if kind == "embed" else (1,) if kind == "loss" else ()
 
 
 def known_list() -> str:

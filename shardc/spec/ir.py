@@ -27,6 +27,7 @@ __all__ = [
     "Dim",
     "TensorRef",
     "Contract",
+    "Add",
     "Call",
     "Expr",
     "Statement",
@@ -204,23 +205,74 @@ class Contract:
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __str__(self) -> str:
-        # A nested Contract is a parenthesised group: print the parentheses back.
-        return f" {self.op} ".join(f"({o})" if isinstance(o, Contract) else str(o) for o in self.operands)
+        # A nested Contract or a sum is a parenthesised group: print the parentheses back.
+        return f" {self.op} ".join(f"({o})" if isinstance(o, Contract | Add) else str(o) for o in self.operands)
+
+
+@dataclass(frozen=True)
+class Add:
+    """Terms joined by ``+`` and ``-``: elementwise, a term may broadcast over a subset of indices.
+
+    ``signs`` holds ``+1`` or ``-1`` per term (the first term's is ``+1``).
+
+    >>> a, b = TensorRef("X", (Dim("B"), Dim("D"))), TensorRef("Bias", (Dim("D"),))
+    >>> str(Add((a, b), (1, -1)))
+    'X[B, D] - Bias[D]'
+    """
+
+    terms: tuple[Expr, ...]
+    signs: tuple[int, ...]
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        parts = []
+        for k, (term, sign) in enumerate(zip(self.terms, self.signs, strict=True)):
+            text = f"({term})" if isinstance(term, Add) else str(term)  # a nested sum was a group
+            parts.append(text if k == 0 else f"{'+' if sign > 0 else '-'} {text}")
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
 class Call:
-    """An elementwise function applied to an expression: sharding is unchanged."""
+    """A function of an expression: ``gelu(X)``, ``softmax(Sc over T)``, ``causal(Sc, S, T)``,
+    ``dropout(X, 0.1)``, ``embed(Tok, W_emb)``, ``cross_entropy(Logits, Tok)``.
+
+    ``arg`` is the first tensor argument, ``more`` the further ones, ``names`` the index
+    arguments, ``numbers`` the numeric ones and ``over`` the index a reduction runs over.
+    :mod:`shardc.spec.functions` says which function takes what.
+
+    >>> x = TensorRef("Sc", (Dim("S"), Dim("T")))
+    >>> str(Call("softmax", x, over="T")), str(Call("causal", x, names=("S", "T")))
+    ('softmax(Sc[S, T] over T)', 'causal(Sc[S, T], S, T)')
+    >>> str(Call("dropout", x, numbers=(0.1,)))
+    'dropout(Sc[S, T], 0.1)'
+    """
 
     func: str
     arg: Expr
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+    more: tuple[Expr, ...] = ()
+    names: tuple[str, ...] = ()
+    numbers: tuple[float, ...] = ()
+    over: str | None = None
+
+    @property
+    def args(self) -> tuple[Expr, ...]:
+        """Every tensor argument, in order."""
+        return (self.arg, *self.more)
 
     def __str__(self) -> str:
-        return f"{self.func}({self.arg})"
+        parts = [str(a) for a in self.args] + list(self.names) + [_number(n) for n in self.numbers]
+        over = f" over {self.over}" if self.over is not None else ""
+        return f"{self.func}({', '.join(parts)}{over})"
 
 
-Expr = TensorRef | Contract | Call
+def _number(value: float) -> str:
+    """A numeric argument as written back: ``0.1``, ``2`` (a whole number prints without ``.0``)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+Expr = TensorRef | Contract | Call | Add
 
 # Pipeline schedules, as the `schedule` line names them (the pipeline package simulates each).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")

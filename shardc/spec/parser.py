@@ -42,6 +42,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from shardc.errors import ShardcError, Span
 from shardc.spec.ir import (
+    Add,
     Call,
     Contract,
     Dim,
@@ -68,6 +69,7 @@ _TERMINAL_WORDS = {
     "HWNAME": "a hardware name such as tpu-v5p",
     "BRACED_DIM": "a dim with braced axes such as B_{data,model}",
     "OP": "a contraction operator (· @ * ×)",
+    "ADDOP": "`+` or `-`",
     "ARROW": "`->`",
     "EQUAL": "`=`",
     "COMMA": "`,`",
@@ -86,7 +88,7 @@ _TERMINAL_WORDS = {
     "CONST": "`const`",
     "HARDWARE": "`hardware`",
     "LAYERS": "`layers`",
-    "OVER": "`over dcn`",
+    "OVER": "`over`",
     "PIPELINE": "`pipeline`",
     "MICROBATCHES": "`microbatches`",
     "SCHEDULE": "`schedule`",
@@ -317,6 +319,14 @@ class _Builder(Transformer[Token, Any]):
 
     # --- expressions ------------------------------------------------------------------
     def expr(self, children: list[Any]) -> Expr:
+        terms = tuple(c for c in children if not isinstance(c, Token))
+        if len(terms) == 1:
+            result: Expr = terms[0]
+            return result
+        signs = (1, *(1 if str(c) == "+" else -1 for c in children if isinstance(c, Token)))
+        return Add(terms, signs, span=_join(terms[0].span, terms[-1].span))
+
+    def product(self, children: list[Any]) -> Expr:
         operands = tuple(c for c in children if not isinstance(c, Token))
         if len(operands) == 1:
             result: Expr = operands[0]
@@ -328,8 +338,25 @@ class _Builder(Transformer[Token, Any]):
         result: Expr = children[1]
         return result
 
+    def index_arg(self, children: list[Token]) -> _IndexArg:
+        return _IndexArg(str(children[0]), _span(children[0]))
+
+    def number_arg(self, children: list[Token]) -> _NumberArg:
+        token = children[0]
+        try:
+            value = float(str(token).replace("_", ""))
+        except ValueError:
+            raise ShardcError(f"`{token}` is not a number", _span(token), fix="write a number such as 0.1") from None
+        return _NumberArg(value, _span(token))
+
     def call(self, children: list[Any]) -> Call:
-        return Call(str(children[0]), children[2], span=_span(children[0], children[3]))
+        name, close = children[0], children[-1]
+        args = [c for c in children[2:] if not isinstance(c, Token)]
+        over = next((str(children[k + 1]) for k, c in enumerate(children)
+                     if isinstance(c, Token) and c.type == "OVER"), None)
+        exprs, names, numbers = _sort_args(str(name), args)
+        return Call(str(name), exprs[0], span=_span(name, close), more=tuple(exprs[1:]),
+                    names=tuple(names), numbers=tuple(numbers), over=over)
 
     def assign(self, children: list[Any]) -> Statement:
         result, expr = children[0], children[2]
@@ -401,6 +428,35 @@ class _Builder(Transformer[Token, Any]):
     def start(self, children: list[Any]) -> Spec:
         return _build_spec([c for c in children if not isinstance(c, Token)])
 
+
+
+class _IndexArg:
+    """An index name given to a function (``causal(Sc, S, T)``), while parsing."""
+
+    def __init__(self, name: str, span: Span) -> None:
+        self.name, self.span = name, span
+
+
+class _NumberArg:
+    """A number given to a function (``dropout(X, 0.1)``), while parsing."""
+
+    def __init__(self, value: float, span: Span) -> None:
+        self.value, self.span = value, span
+
+
+def _sort_args(func: str, args: list[Any]) -> tuple[list[Expr], list[str], list[float]]:
+    """A call's arguments by kind: tensors first, then index names, then numbers, in that order."""
+    rank = {_IndexArg: 1, _NumberArg: 2}
+    last = 0
+    for arg in args:
+        kind = rank.get(type(arg), 0)
+        if kind < last or (kind and arg is args[0]):
+            raise ShardcError(f"`{func}(...)`: arguments go tensors first, then index names, then numbers",
+                              arg.span, fix=f"write e.g. `{func}(X[B, S, D], S, 0.1)`")
+        last = kind
+    exprs = [a for a in args if rank.get(type(a), 0) == 0]
+    return exprs, [a.name for a in args if isinstance(a, _IndexArg)], [a.value for a in args
+                                                                       if isinstance(a, _NumberArg)]
 
 
 def _schedule(children: list[Token]) -> Schedule:

@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterator
 
 from shardc.errors import ShardcError, Span
 from shardc.pipeline.stages import check_pipeline
-from shardc.spec.functions import is_known, known_list
-from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, Statement, TensorRef
+from shardc.spec.functions import integer_args, is_known, known_list, signature
+from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 
-__all__ = ["validate", "leaves", "calls"]
+__all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices"]
 
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
@@ -69,7 +69,8 @@ def _check(spec: Spec) -> None:
         for ref in _refs_in_text_order(statement):
             _check_ref(ref, spec)
         _check_calls(statement.expr)
-        _check_indices(statement)
+        _check_expr(statement.expr, statement.result.indices, spec)
+        _check_indices(statement, spec)
         _check_reads(statement, number, defined, first)
         line = statement.result.span.line if statement.result.span else number + 1
         first[statement.result.name] = (statement.result, line, True)
@@ -78,6 +79,7 @@ def _check(spec: Spec) -> None:
     _check_const(spec, defined)
     _check_namespaces(spec)
     check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
+    _check_feed(spec)  # after the per-reference checks: it compares whole shardings
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
@@ -85,9 +87,10 @@ def leaves(expr: Expr) -> Iterator[TensorRef]:
     if isinstance(expr, TensorRef):
         yield expr
     elif isinstance(expr, Call):
-        yield from leaves(expr.arg)
+        for arg in expr.args:
+            yield from leaves(arg)
     else:
-        for operand in expr.operands:
+        for operand in expr.operands if isinstance(expr, Contract) else expr.terms:
             yield from leaves(operand)
 
 
@@ -95,10 +98,21 @@ def calls(expr: Expr) -> Iterator[Call]:
     """The function calls of an expression, outermost first."""
     if isinstance(expr, Call):
         yield expr
-        yield from calls(expr.arg)
-    elif isinstance(expr, Contract):
-        for operand in expr.operands:
+        for arg in expr.args:
+            yield from calls(arg)
+    elif isinstance(expr, Contract | Add):
+        for operand in expr.operands if isinstance(expr, Contract) else expr.terms:
             yield from calls(operand)
+
+
+def id_refs(expr: Expr) -> Iterator[TensorRef]:
+    """The token-id tensors of an expression (embed's ids, cross_entropy's targets): no gradient."""
+    for call in calls(expr):
+        if is_known(call.func):
+            for k in integer_args(call.func):
+                arg = call.args[k] if k < len(call.args) else None
+                if isinstance(arg, TensorRef):
+                    yield arg
 
 
 # --- header ---------------------------------------------------------------------------
@@ -194,6 +208,38 @@ def _check_listed(spec: Spec, defined: dict[str, int], keyword: str, listed: tup
                               fix="list input tensors the statements read: " + (", ".join(inputs) or "none"))
 
 
+def _check_feed(spec: Spec) -> None:
+    """With ``layers``, each layer's outputs feed the next layer's inputs: their shardings agree.
+
+    Each activation input (read, never computed, neither a param, nor const, nor token ids) is
+    fed by the last output (a result no statement reads) with the same indices; other outputs
+    (a layer's keys and values, say) leave the block.  An input with no such output is an error,
+    and so is a pair whose shardings differ: the next layer could not read what this one wrote.
+    """
+    if spec.layers is None:
+        return
+    defined = {s.result.name for s in spec.statements}
+    read = [r for s in spec.statements for r in leaves(s.expr)]
+    params = set(spec.params) if spec.params is not None else {r.name for r in read if r.name.startswith("W")}
+    ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
+    skip = defined | params | set(spec.const) | ids
+    inputs = list({r.name: r for r in read if r.name not in skip}.values())
+    names = {r.name for r in read}
+    outputs = [s.result for s in spec.statements if s.result.name not in names]
+    for given in inputs:
+        made = next((o for o in reversed(outputs) if o.indices == given.indices), None)
+        if made is None:
+            raise ShardcError(f"`layers {spec.layers}` repeats the block, but no output has the indices of "
+                              f"its input {given} to feed the next layer", spec.span_of("layers"),
+                              fix=f"end the block with an output {given.name}Out{given.sharding_text()}, or "
+                              f"declare {given.name} `const` if every layer reads the same value")
+        if made.layout != given.layout or made.unreduced != given.unreduced:
+            raise ShardcError(f"`layers`: output {made} feeds the next layer's input {given}, but their "
+                              "shardings differ", made.span,
+                              fix=f"write the output as {made.name}{given.sharding_text()} (the planner then "
+                              "reshards it), or change the input's sharding")
+
+
 def _check_namespaces(spec: Spec) -> None:
     """A mesh axis and a dim share one namespace: volumes like ``2*D*F/X`` name both."""
     dims = dict.fromkeys(name for name, _ in spec.dims)
@@ -269,26 +315,105 @@ def _check_size(dim: Dim, spec: Spec, span: Span | None) -> None:
 # --- statements -----------------------------------------------------------------------
 
 def _check_calls(expr: Expr) -> None:
+    """Known functions, each given the arguments its signature asks for."""
     for call in calls(expr):
+        span = call.span
+        if span is not None:
+            span = Span(span.line, span.column, len(call.func), span.filename, span.source_line)
         if not is_known(call.func):
-            span = call.span
-            if span is not None:
-                span = Span(span.line, span.column, len(call.func), span.filename, span.source_line)
-            raise ShardcError(f"unknown elementwise function `{call.func}`", span,
-                              fix=f"use one of {known_list()}")
+            raise ShardcError(f"unknown function `{call.func}`", span, fix=f"use one of {known_list()}")
+        sig = signature(call.func)
+        given = (len(call.args), len(call.names), len(call.numbers), call.over is not None)
+        if given != (sig.tensors, sig.names, sig.numbers, sig.over):
+            raise ShardcError(f"`{call.func}` takes {_takes(sig.tensors, sig.names, sig.numbers, sig.over)}",
+                              call.span, fix=f"write it as {sig.usage(call.func)}")
+
+
+def _takes(tensors: int, names: int, numbers: int, over: bool) -> str:
+    parts = [f"{tensors} tensor{'s' * (tensors > 1)}"]
+    if names:
+        parts.append(f"{names} index names")
+    if numbers:
+        parts.append("a number")
+    if over:
+        parts.append("`over` an index")
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
+def _check_expr(expr: Expr, outer: tuple[str, ...], spec: Spec) -> None:
+    """Each call's index arguments name indices of its tensors; each term of a sum broadcasts."""
+    if isinstance(expr, TensorRef):
+        return
+    if isinstance(expr, Contract):
+        parts = [chain_indices(o, outer) for o in expr.operands]
+        for operand, part in zip(expr.operands, parts, strict=True):
+            _check_expr(operand, part, spec)
+        return
+    if isinstance(expr, Add):
+        full = chain_indices(expr, outer)
+        for term in expr.terms:
+            mine = chain_indices(term, full)
+            if not set(mine) <= set(full):
+                extra = ", ".join(i for i in mine if i not in full)
+                raise ShardcError(f"a term of this sum has index {extra}, which its widest term lacks", term.span,
+                                  fix="`+` and `-` add tensors of the same indices, or broadcast one whose "
+                                  "indices are a subset (`X[B, D] + Bias[D]`)")
+            _check_expr(term, full, spec)
+        return
+    _check_call(expr, outer, spec)
+
+
+def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
+    kind = signature(call.func).kind
+    inner = outer + ((call.over,) if kind == "reduce" and call.over is not None else ())
+    arg = chain_indices(call.arg, inner)
+    for name in (*call.names, *((call.over,) if call.over is not None else ())):
+        if name not in arg:
+            raise ShardcError(f"`{call.func}`: {name} is not an index of its argument ({', '.join(arg)})",
+                              call.span, fix=f"name one of {', '.join(arg)}")
+    if kind == "mask" and call.names[0] == call.names[1]:
+        raise ShardcError("causal needs two different indices: the query position, then the key position",
+                          call.span, fix="write causal(Sc[B, N, S, T], S, T)")
+    if kind == "dropout" and not 0 <= call.numbers[0] < 1:
+        raise ShardcError(f"dropout rate {call.numbers[0]:g} is not in [0, 1)", call.span,
+                          fix="give the probability of dropping an element, e.g. 0.1")
+    if kind in ("embed", "loss"):
+        _check_lookup(call)
+    for a in call.args:
+        _check_expr(a, inner if a is call.arg else chain_indices(a, ()), spec)
+
+
+def _check_lookup(call: Call) -> None:
+    """embed(Tok, W[V, ...]) and cross_entropy(Logits[..., V], Tok): one index the ids pick from."""
+    if call.func == "embed":
+        tok, table = (chain_indices(a, ()) for a in call.args)
+        if not table or table[0] in tok or set(table[1:]) & set(tok):
+            raise ShardcError("embed(Tok, W): W's first index is the vocabulary the ids pick a row of, and "
+                              "its other indices are not Tok's", call.span,
+                              fix="write embed(Tok[B, S], W_emb[V, D])")
+        return
+    logits, tok = (chain_indices(a, ()) for a in call.args)
+    extra = [i for i in logits if i not in tok]
+    if len(extra) != 1 or not set(tok) <= set(logits):
+        raise ShardcError("cross_entropy(Logits, Tok): Tok has every index of Logits but the vocabulary one",
+                          call.span, fix="write cross_entropy(Logits[B, S, V], Tok[B, S])")
 
 
 def _indices(expr: Expr) -> set[str]:
     return {i for ref in leaves(expr) for i in ref.indices}
 
 
-def _check_indices(statement: Statement) -> None:
+def _check_indices(statement: Statement, spec: Spec) -> None:
     result, expr = statement.result, statement.expr
     if isinstance(expr, Call) and result.unreduced:
-        raise ShardcError(f"{result.name} is an elementwise function ({expr.func}) of partial sums",
+        raise ShardcError(f"{result.name} is a function ({expr.func}) of partial sums",
                           result.unreduced_span or result.span,
                           fix="drop the {U_...} suffix: a function needs reduced values")
     _check_partial_sums(statement)
+    if isinstance(expr, TensorRef) and set(expr.indices) != set(result.indices) and \
+            len(expr.indices) == len(result.indices):
+        _check_rename(statement, spec)
+        return
     have = _indices(expr)
     for dim in result.dims:
         if dim.name not in have:
@@ -299,6 +424,30 @@ def _check_indices(statement: Statement) -> None:
                               f"operand or remove it from {result.name}")
     _check_summed(expr, set(result.indices), statement)
     _check_chain(expr, result.indices, statement)
+    if isinstance(expr, Add | Call):
+        made = chain_indices(expr, result.indices)
+        if set(made) != set(result.indices):
+            what = "a sum" if isinstance(expr, Add) else f"`{expr.func}`"
+            raise ShardcError(f"{result.name} has indices {', '.join(result.indices) or 'none'}, but {what} "
+                              f"gives {', '.join(made) or 'a scalar'}", result.span,
+                              fix=f"write {result.name}[{', '.join(made)}]")
+
+
+def _check_rename(statement: Statement, spec: Spec) -> None:
+    """``Kx[B, T, D] = X[B, S, D]`` renames by position: sizes agree, a shared index keeps its place."""
+    result, source = statement.result, statement.expr
+    assert isinstance(source, TensorRef)
+    sizes = spec.sizes
+    for new, old in zip(result.dims, source.dims, strict=True):
+        if new.name != old.name and (new.name in source.indices or old.name in result.indices):
+            raise ShardcError(f"{result.name} renames {source.name}'s indices by position, but "
+                              f"{new.name if new.name in source.indices else old.name} moves",
+                              new.span or result.span,
+                              fix="a rename keeps each index in its place: rename or transpose in two statements")
+        if new.name != old.name and sizes and sizes.get(new.name) != sizes.get(old.name):
+            raise ShardcError(f"{result.name} renames {old.name}={sizes.get(old.name)} to "
+                              f"{new.name}={sizes.get(new.name)}", new.span or result.span,
+                              fix=f"a rename keeps the size: give {new.name} and {old.name} one size in dims")
 
 
 def fold(left: tuple[str, ...], right: tuple[str, ...], final: set[str], later: set[str]) -> tuple[str, ...]:
@@ -320,7 +469,10 @@ def chain_indices(expr: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
     if isinstance(expr, TensorRef):
         return expr.indices
     if isinstance(expr, Call):
-        return chain_indices(expr.arg, outer)
+        return _call_indices(expr, outer)
+    if isinstance(expr, Add):
+        terms = [chain_indices(t, outer) for t in expr.terms]
+        return max(terms, key=len)  # the widest term; the others broadcast (checked by validate)
     parts = [chain_indices(o, outer) for o in expr.operands]
     acc = parts[0]
     for k in range(1, len(parts)):
@@ -328,10 +480,34 @@ def chain_indices(expr: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
     return acc
 
 
+def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
+    """A call's indices: its argument's, less a reduced index; a lookup's or a loss's by kind."""
+    kind = signature(call.func).kind if is_known(call.func) else "elementwise"
+    if kind == "reduce" and call.over is not None:
+        return tuple(i for i in chain_indices(call.arg, outer + (call.over,)) if i != call.over)
+    if kind == "embed" and call.more:
+        return chain_indices(call.arg, ()) + chain_indices(call.more[0], ())[1:]
+    if kind == "loss":
+        return ()
+    return chain_indices(call.arg, outer)
+
+
+def _call_outer(call: Call, arg: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
+    """The indices a call's argument is computed towards."""
+    if arg is not call.arg or signature(call.func).kind in ("embed", "loss"):
+        return chain_indices(arg, ())
+    return outer + ((call.over,) if call.over is not None and call.over not in outer else ())
+
+
 def _check_chain(expr: Expr, outer: tuple[str, ...], statement: Statement) -> None:
     """Each product of a chain keeps the indices one side has alone: a chain cannot sum inside one."""
     if isinstance(expr, Call):
-        _check_chain(expr.arg, outer, statement)
+        for arg in expr.args:
+            _check_chain(arg, _call_outer(expr, arg, outer), statement)
+        return
+    if isinstance(expr, Add):
+        for term in expr.terms:
+            _check_chain(term, outer, statement)
         return
     if not isinstance(expr, Contract):
         return
@@ -374,7 +550,11 @@ def _check_partial_sums(statement: Statement) -> None:
 def _check_summed(expr: Expr, needed: set[str], statement: Statement) -> None:
     """An index leaving ``expr`` without being needed must be contracted with another operand."""
     if isinstance(expr, Call):
-        _check_summed(expr.arg, needed, statement)
+        for arg in expr.args:
+            _check_summed(arg, set(_call_outer(expr, arg, tuple(needed))), statement)
+    elif isinstance(expr, Add):
+        for term in expr.terms:
+            _check_summed(term, needed, statement)
     elif isinstance(expr, Contract):
         parts = [_indices(o) for o in expr.operands]
         for n, operand in enumerate(expr.operands):
