@@ -45,8 +45,8 @@ from shardc.planner.ir import Monomial, Op
 from shardc.planner.unit import Placements
 from shardc.spec.ir import Dim, DType, Mesh, TensorRef
 
-__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost",
-           "SearchTooLong"]
+__all__ = ["Layout", "Value", "Move", "expand", "spanning", "Cost", "CostContext", "reshard", "least_costs", "ZERO",
+           "add_cost", "SearchTooLong"]
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -106,6 +106,14 @@ class Move:
     dim: int | None = None
     dim2: int | None = None
     volume: Monomial | None = None
+    # The moves this one stands for, when it is several (free slices, then the collective):
+    # past four axes the search keeps axes in place, and a gather may still span more links.
+    via: tuple[Move, ...] = ()
+
+
+def expand(moves: Iterable[Move]) -> tuple[Move, ...]:
+    """``moves`` with each move that stands for several replaced by them."""
+    return tuple(m for move in moves for m in (move.via or (move,)))
 
 
 @dataclass(frozen=True)
@@ -294,6 +302,10 @@ class CostContext:
         (in any order of ``axes`` if ``order`` is false)."""
         if self.places is not None and not self.placed(index, axes, order):
             return False
+        return self.fits(index, axes)
+
+    def fits(self, index: str, axes: tuple[str, ...]) -> bool:
+        """Whether ``index`` may be sharded over ``axes`` by size alone (see :meth:`divides`)."""
         if self.sizes is None:
             return True
         product = math.prod(self.axis_sizes[a] for a in axes)
@@ -370,6 +382,35 @@ def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Mov
     yield from _multi_gathers(ctx, idx, v)
     yield from _slices(ctx, idx, v)
     yield from _all_to_alls(ctx, idx, v)
+    if ctx.places is not None:
+        for gather in itertools.chain(_gathers(ctx, idx, v), _multi_gathers(ctx, idx, v)):
+            yield from spanning(ctx, idx, gather)
+
+
+def spanning(ctx: CostContext, idx: tuple[str, ...], gather: Move) -> Iterator[Move]:
+    """``gather`` over more links: free units sliced onto its last dim first, then gathered with it.
+
+    Past four axes the search keeps each axis where the spec puts it (:attr:`CostContext.places`),
+    so it would not reach the state between; the pair is one move of the search.
+    """
+    src = gather.src
+    d = gather.dim if gather.dim is not None else max(
+        k for k, (a, b) in enumerate(zip(src.layout, gather.dst.layout, strict=True)) if a != b)
+    free = ctx.free_units(src.used())
+    extras = [list(c) for k in range(1, len(free) + 1) for c in itertools.combinations(free, k)] \
+        if len(free) <= 2 else [[u] for u in free] + [free]
+    for extra in extras:
+        axes = tuple(a for u in extra for a in u)
+        if not ctx.fits(idx[d], src.layout[d] + axes):
+            continue
+        steps, cur = [], src
+        for unit in extra:
+            nxt = Value(_replace(cur.layout, d, cur.layout[d] + unit), cur.unreduced)
+            steps.append(Move(Op.SLICE, cur, nxt, unit, dim=d))
+            cur = nxt
+        last = Move(Op.ALL_GATHER, cur, gather.dst, gather.axes + axes, dim=gather.dim, volume=gather.volume)
+        yield Move(Op.ALL_GATHER, src, gather.dst, last.axes, dim=gather.dim, volume=gather.volume,
+                   via=(*steps, last))
 
 
 INFINITE: Cost = (float("inf"), 0, 0)
@@ -466,4 +507,4 @@ def _path(back: dict[int, tuple[Move, int]], end: int) -> tuple[Move, ...]:
     while state in back:
         move, state = back[state]
         moves.append(move)
-    return tuple(reversed(moves))
+    return expand(reversed(moves))

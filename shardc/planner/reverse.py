@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from shardc.planner.ir import Monomial, Op
-from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
+from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, expand, spanning
 
 __all__ = ["costs_to", "reshard_to", "predecessors"]
 
@@ -77,7 +77,7 @@ class _Reverse:
         while state in self.next:
             move, state = self.next[state]
             moves.append(move)
-        return cost, tuple(moves)
+        return cost, expand(moves)
 
     def _step(self) -> None:
         cost, _, state = heapq.heappop(self.heap)
@@ -116,7 +116,10 @@ def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[M
         last = next(iter(ctx.suffixes(axes)), None)
         if last is not None:  # a slice appended the dim's last unit
             yield Move(Op.SLICE, Value(_replace(lay, d, axes[: len(axes) - len(last)]), v.unreduced), v, last, dim=d)
-    yield from _gathered_into(ctx, idx, v, free)
+    for gather in _gathered_into(ctx, idx, v, free):
+        yield gather
+        if ctx.places is not None:
+            yield from spanning(ctx, idx, gather)
     for e, axes in enumerate(lay):
         for moved in ctx.suffixes(axes):
             kept = axes[: len(axes) - len(moved)]

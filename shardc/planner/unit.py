@@ -24,7 +24,9 @@ over it, and the axes on one index keep the order the spec writes them in (where
 spec writes them in more than one order, any order).  A tensor then has a few hundred
 layouts, not tens of thousands; what the search gives up is sharding a dim over an axis
 the spec never uses for it (slicing a replicated axis onto another dim only to gather
-it again, say).  The plan says so in a note (:func:`restriction_note`).  The book's rules
+it again, say), except on the way to a gather: free axes sliced onto the gathered dim
+and gathered with it are one move (:func:`shardc.planner.layout.spanning`), so a gather
+still spans as many links as it can.  The plan says so in a note (:func:`restriction_note`).  The book's rules
 plan is one of the planner's candidates, so the plan is never worse than it; its reshards
 are searched under the same restriction, so it may be dearer than the rules' plan over
 every layout (on the written-apart 5- and 6-axis specs of ``benchmarks/plan_speed.py``
