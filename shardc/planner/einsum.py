@@ -90,11 +90,12 @@ def classify(problem: EinsumProblem) -> dict[str, str]:
     return classes
 
 
-def _local_values(problem: EinsumProblem, roles: dict[str, str],
-                  orders: dict[str, tuple[str, ...]]) -> tuple[tuple[Value, ...], Value]:
-    """The operands' and result's local values for one assignment of axes."""
+def _local_values(problem: EinsumProblem, roles: dict[str, str], orders: dict[str, tuple[str, ...]],
+                  classes: dict[str, str] | None = None) -> tuple[tuple[Value, ...], Value]:
+    """The operands' and result's local values for one assignment of axes (``classes``: the problem's)."""
     passing = tuple(sorted(a for a, r in roles.items() if passes(r) is not None))
-    classes = classify(problem)
+    if classes is None:
+        classes = classify(problem)
     locals_: list[Value] = []
     for k, op in enumerate(problem.operands):
         layout = tuple(orders.get(i, ()) for i in op.indices)
@@ -140,18 +141,19 @@ Config = tuple[tuple[Value, ...], Value, dict[str, str]]  # local operands, loca
 
 def configurations(ctx: CostContext, problem: EinsumProblem) -> Iterator[Config]:
     """Every valid local configuration, in a fixed order (ties go to the first)."""
+    classes = classify(problem)
     for roles in _assignments(ctx, problem):
         for order in _orders(ctx, roles):
-            config = _configuration(problem, roles, order)
+            config = _configuration(problem, roles, order, classes)
             if config is not None:
                 yield config
 
 
-def _configuration(problem: EinsumProblem, roles: dict[str, str],
-                   order: dict[str, tuple[str, ...]]) -> Config | None:
+def _configuration(problem: EinsumProblem, roles: dict[str, str], order: dict[str, tuple[str, ...]],
+                   classes: dict[str, str] | None = None) -> Config | None:
     # partial sums pass through one operand only (a product of two is not a partial sum):
     # the roles say which, and the other operand is reduced over that axis first
-    locals_, local_result = _local_values(problem, roles, order)
+    locals_, local_result = _local_values(problem, roles, order, classes)
     return locals_, local_result, roles
 
 

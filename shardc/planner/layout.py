@@ -113,7 +113,11 @@ class Move:
 
 def expand(moves: Iterable[Move]) -> tuple[Move, ...]:
     """``moves`` with each move that stands for several replaced by them."""
-    return tuple(m for move in moves for m in (move.via or (move,)))
+    out = tuple(moves)
+    for move in out:
+        if move.via:
+            return tuple(m for move in out for m in (move.via or (move,)))
+    return out
 
 
 @dataclass(frozen=True)
