@@ -73,7 +73,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         return _plan_within_budget(spec, save, strategy, hardware, spans)
     except SearchTooLong as e:
         raise ShardcError(
-            f"planning gave up after {BUDGET:.0f} s: the exact search over layouts grows with every mesh axis "
+            f"planning gave up after {BUDGET:.0f} s: the search over layouts grows with every mesh axis "
             f"(this mesh has {e.axes} of size > 1)",
             fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
                 "one axis XY=4), or drop the dims line to plan by the book's rules") from None
