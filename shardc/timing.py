@@ -11,8 +11,11 @@ elementwise steps are free.  Uneven dims use the padded per-device size
 The overlap rule (:func:`phase_seconds`, :func:`step_seconds`), as the book draws
 it: within a phase every collective overlaps the phase's compute, so a phase
 takes ``max(compute_s, comm_s)``; the backward needs the forward's results, so the
-training step takes ``forward + backward``.  Both are multiplied by the layer
-count.  :func:`plan_time` is that step time; ``shardc cost`` reports it as
+training step takes ``forward + backward``, plus the optimizer phase of ZeRO-1/2
+(``Plan.optimizer``: its reduce-scatters and all-gathers, after the backward, with
+no compute to overlap).  The forward steps a ``--recompute`` mode runs again
+(``Plan.recomputed``) are part of the backward phase, FLOPs and collectives.  All
+are multiplied by the layer count.  :func:`plan_time` is that step time; ``shardc cost`` reports it as
 ``step_s`` and the planner returns, of the plans it builds, the one it makes least.
 """
 
@@ -161,9 +164,9 @@ def bound_of(compute_s: float, comm_s: float) -> str:
     return "communication" if comm_s > compute_s else "compute"
 
 
-def step_seconds(forward_s: float, backward_s: float) -> float:
-    """A training step's time: the backward runs after the forward."""
-    return forward_s + backward_s
+def step_seconds(*phases_s: float) -> float:
+    """A training step's time: its phases run one after the other (forward, backward, optimizer)."""
+    return math.fsum(phases_s)
 
 
 @dataclass(frozen=True)
@@ -172,8 +175,10 @@ class PlanTime:
 
     forward_compute_s: float
     forward_comm_s: float
-    backward_compute_s: float
+    backward_compute_s: float  # with the recomputed forward steps
     backward_comm_s: float
+    optimizer_compute_s: float = 0.0
+    optimizer_comm_s: float = 0.0
 
     @property
     def forward_s(self) -> float:
@@ -184,12 +189,16 @@ class PlanTime:
         return phase_seconds(self.backward_compute_s, self.backward_comm_s)
 
     @property
+    def optimizer_s(self) -> float:
+        return phase_seconds(self.optimizer_compute_s, self.optimizer_comm_s)
+
+    @property
     def step_s(self) -> float:
-        return step_seconds(self.forward_s, self.backward_s)
+        return step_seconds(self.forward_s, self.backward_s, self.optimizer_s)
 
     @property
     def comm_s(self) -> float:
-        return self.forward_comm_s + self.backward_comm_s
+        return self.forward_comm_s + self.backward_comm_s + self.optimizer_comm_s
 
     def key(self) -> tuple[float, float]:
         """What the planner compares: the step time, then less communication."""
@@ -239,7 +248,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
         pairs = [seconds(s) for s in steps]
         return layers * math.fsum(c for c, _ in pairs), layers * math.fsum(m for _, m in pairs)
 
-    return PlanTime(*totals(plan.forward), *totals(plan.backward))
+    return PlanTime(*totals(plan.forward), *totals(plan.recomputed + plan.backward), *totals(plan.optimizer))
 
 
 def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:

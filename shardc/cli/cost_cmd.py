@@ -12,6 +12,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from shardc.accountings import ACCOUNTINGS
 from shardc.cli.main import add_common, load_spec, parse_sets, read_spec
 from shardc.errors import ShardcError
 
@@ -42,8 +43,11 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--hardware-file", metavar="TOML", help="a chip of your own (keys: shardc hardware)")
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="the plan's residual policy (see `shardc plan --help`)")
-    parser.add_argument("--optimizer", choices=("adam10", "adam16"), default="adam10",
-                        help="memory accounting: 10 or 16 bytes a param")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="what the backward recomputes instead of keeping (see `shardc plan --help`)")
+    parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
+                        help="training-state accounting: " + "; ".join(
+                            f"{k} {v[3]}" for k, v in ACCOUNTINGS.items()))
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
                         help="mesh axis AXIS is laid over K physical ICI axes (the book's M_X; repeatable)")
@@ -91,14 +95,15 @@ def run_cost(args: argparse.Namespace) -> int:
     spec = read_spec(args)
     hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
     spans = parse_sets(args.spans) or None
-    the_plan = plan(spec, save=args.save, hardware=hw, spans=spans)  # planned for the chip it is costed on
+    the_plan = plan(spec, save=args.save, hardware=hw, spans=spans,  # planned for the chip it is costed on
+                    recompute=args.recompute)
     if args.sweep:
         return _run_sweep(args, the_plan)
     sizes = {a.name: a.size for a in spec.mesh.axes} | dict(spec.sizes)
     if missing_sizes(the_plan, sizes):
         from shardc.costmodel.symbolic import cost_formulas
 
-        formulas = cost_formulas(the_plan, hardware=hw, spans=spans)
+        formulas = cost_formulas(the_plan, hardware=hw, spans=spans, optimizer=args.optimizer)
         if args.mfu is not None:
             formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
                                                                  "needs the sizes",))
@@ -126,7 +131,8 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     if args.plot:
         check_plot_path(args.plot)
     hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)
-    plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw) for path in args.others]
+    plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute)
+                       for path in args.others]
     spans = parse_sets(args.spans) or None
     sweeps = [sweep(p, hw, dim, low, high, args.points, spans=spans) for p in plans]
     if args.json:

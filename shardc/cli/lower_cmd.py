@@ -84,6 +84,7 @@ def _plan(args: argparse.Namespace) -> Any:
     return result
 
 
+
 def _refuse_overwriting_the_spec(args: argparse.Namespace) -> None:
     same = os.path.realpath(args.output) == os.path.realpath(args.file)
     try:
@@ -105,7 +106,12 @@ def run_lower(args: argparse.Namespace) -> int:
 
     if args.output:
         _refuse_overwriting_the_spec(args)
-    source, note = module_source(_plan(args))
+    planned = _plan(args)
+    if planned.optimizer:
+        print(f"note: `{planned.spec.zero}`: forward and grad run the spec without the zero line (whose "
+              "backward reduces each gradient); its optimizer phase is optimizer_step(params, grads)",
+              file=sys.stderr)
+    source, note = module_source(planned)
     if note:
         print(note, file=sys.stderr)
     if args.output:

@@ -21,6 +21,9 @@ def register(sub: Any, name: str) -> None:
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="residual policy: default keeps gathered activations and gathers weights "
                              "again; none keeps nothing gathered; all keeps everything")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="activation recomputation: none keeps what --save keeps; selective recomputes the "
+                             "attention-score region (Korthikanti et al. 2022); full keeps each layer's input")
     parser.add_argument("--hardware", metavar="NAME",
                         help="plan for this chip (see `shardc hardware`; default: the spec's, else tpu-v5p)")
     parser.add_argument("--hardware-file", metavar="TOML", help="plan for a chip of your own")
@@ -40,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     spec = read_spec(args)
     hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
-    result = plan(spec, save=args.save, hardware=hw, spans=parse_sets(args.spans) or None)
+    result = plan(spec, save=args.save, hardware=hw, spans=parse_sets(args.spans) or None,
+                  recompute=args.recompute)
     try:
         require_sound(result)  # a broken plan is a shardc bug: say so (exit 1), never print it as sound
     except InternalError as err:

@@ -1,16 +1,17 @@
 """Memory per device: weights and optimizer state, residual activations, gathered weights.
 
-Two accountings of the training state, both from the book, chosen by name:
+The training state is counted by one of the accountings of
+:data:`shardc.accountings.ACCOUNTINGS` (``adam10``, ``adam16``, ``mixed18``).
 
-* ``adam10``: 10 bytes a parameter, a bf16 param and fp32 Adam m and v (the
-  the book's "data parallel fits about HBM/10 params"); gradients are not counted
-  apart (they are reduced and applied as they are made).
-* ``adam16``: 16 bytes, adding a bf16 gradient and an fp32 master copy.
-
-Each byte is sharded as its param is declared.  Residuals are the forward
-values the backward reads under the plan's save policy (``plan.residuals``,
-statement results read in their declared sharding, and the block's inputs),
-each at its local size and the spec's dtype.  ``layers`` multiplies the
+Each byte is sharded as its param is declared; under ``zero N over X``
+(:mod:`shardc.planner.zero`) the optimizer state (N >= 1) and the gradient (N >= 2)
+of a param not sharded over X are counted on its ZeRO shard, and at N = 3 the
+param is declared sharded.  With ``adam16`` (the paper's K = 12) that is the ZeRO
+paper's 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N bytes a device (:func:`state_formula`
+gives them as formulas).  Residuals are the forward values the backward reads
+from memory under the plan's save policy and recompute mode (:func:`residual_table`:
+``plan.residuals`` the backward does not recompute, and the block's inputs, each
+with why), each at its local size and the spec's dtype.  ``layers`` multiplies the
 per-layer state and residuals; the gathered weights (and unreduced weight
 gradients) alive at once are counted for one layer, since layers run one at a
 time.  Transient activations of the running layer are not counted.
@@ -20,18 +21,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.costmodel.collective import local_elements
+import symengine as se
+
+from shardc.accountings import ACCOUNTINGS
+from shardc.costmodel.collective import describe, local_elements
+from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
-from shardc.spec.ir import TensorRef
+from shardc.planner.zero import zero_params
+from shardc.spec.ir import Dim, TensorRef
 
-__all__ = ["ACCOUNTINGS", "Memory", "memory"]
-
-# bytes a parameter: (param, grad, optimizer state)
-ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
-    "adam10": (2, 0, 8, "10 bytes/param: bf16 param + fp32 Adam m, v"),
-    "adam16": (2, 2, 12, "16 bytes/param: bf16 param + bf16 grad + fp32 master, m, v"),
-}
+__all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
+           "residual_formula"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class Memory:
     gathered_bytes: float
     residuals: tuple[tuple[str, float], ...]  # (value, bytes for one layer)
     hbm_bytes: float
+    zero: str = ""  # the spec's `zero N over X` line, "" without one
+    recompute: str = "none"  # the plan's --recompute mode
+    whys: tuple[str, ...] = ()  # why each residual is kept, in the order of ``residuals``
+    recomputed: tuple[tuple[str, float], ...] = ()  # forward values made again in the backward, bytes a layer
+    residual_bytes_expr: str = ""  # the residuals of one layer as a formula (:func:`residual_formula`)
 
     @property
     def total_bytes(self) -> float:
@@ -58,13 +64,17 @@ class Memory:
         return self.total_bytes <= self.hbm_bytes
 
     def to_json(self) -> dict[str, object]:
-        return {"accounting": self.accounting, "accounting_text": self.accounting_text,
+        return {"accounting": self.accounting, "accounting_text": self.accounting_text, "zero": self.zero or None,
                 "params_per_device": self.params, "params_total": self.params_total,
                 "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "residual_bytes": self.residual_bytes,
                 "gathered_bytes": self.gathered_bytes, "total_bytes": self.total_bytes,
                 "hbm_bytes": self.hbm_bytes, "fits": self.fits,
-                "residuals": [{"value": v, "bytes_per_layer": b} for v, b in self.residuals]}
+                "recompute": self.recompute, "residual_bytes_per_layer_expr": self.residual_bytes_expr,
+                "residuals": [{"value": v, "bytes_per_layer": b, "why": w}
+                              for (v, b), w in zip(self.residuals, self.whys or ("",) * len(self.residuals),
+                                                   strict=True)],
+                "recomputed": [{"value": v, "bytes_per_layer": b} for v, b in self.recomputed]}
 
 
 def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
@@ -73,29 +83,102 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     if accounting not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {accounting!r}",
                           fix="use " + " or ".join(ACCOUNTINGS))
-    per_param, per_grad, per_opt, text = ACCOUNTINGS[accounting]
+    per_param, per_grad, per_opt, described = ACCOUNTINGS[accounting]
     params = [info for info in plan.tensors if info.role == "param"]
     local = sum(float(local_elements(p.ref, sizes)) for p in params) * layers
     total = sum(float(_global_elements(p.ref, sizes)) for p in params) * layers
+    grad_local, opt_local = (sum(float(local_elements(r, sizes)) for r in refs) * layers
+                             for refs in state_refs(plan))
     nbytes = plan.spec.dtype.nbytes
-    kept = tuple((str(ref), float(local_elements(ref, sizes)) * nbytes) for ref in residual_values(plan))
+    table = residual_table(plan)
+    kept = tuple((str(ref), float(local_elements(ref, sizes)) * nbytes) for ref, _ in table)
+    again = tuple((str(s.dst), float(local_elements(s.dst, sizes)) * nbytes) for s in plan.recomputed
+                  if s.dst in set(plan.residuals))
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
     gathered = max(peak_weights(plan.forward, names, sizes), peak_weights(plan.backward, names, sizes))
-    return Memory(accounting, text, local, total, local * per_param, local * per_grad, local * per_opt,
-                  sum(b for _, b in kept) * layers, gathered * nbytes, kept, hbm_bytes)
+    return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
+                  sum(b for _, b in kept) * layers, gathered * nbytes, kept, hbm_bytes,
+                  str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
+                  tuple(why for _, why in table), again, text(residual_formula(plan)))
+
+
+def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:
+    """Each param's gradient and optimizer state as one device holds them: sharded as the param,
+    or on its ZeRO shard (the gradient from stage 2, the optimizer state from stage 1)."""
+    declared = {info.name: info.ref for info in plan.tensors}
+    params = [info.ref for info in plan.tensors if info.role == "param"]
+    zero = plan.spec.zero
+    shards = zero_params(plan.spec, frozenset(r.name for r in params), declared) if zero is not None else {}
+
+    def on_shard(ref: TensorRef) -> TensorRef:
+        layout = shards.get(ref.name)
+        if layout is None:
+            return ref
+        return TensorRef(ref.name, tuple(Dim(d.name, a) for d, a in zip(ref.dims, layout, strict=True)))
+
+    stage = zero.stage if zero is not None else 0
+    return ([on_shard(r) if stage >= 2 else r for r in params], [on_shard(r) for r in params])
+
+
+def state_formula(plan: Plan, accounting: str = "adam16", layers: int | str = 1) -> tuple[Expr, Expr, Expr]:
+    """(param, gradient, optimizer state) bytes a device as exact formulas in the dims and mesh axes."""
+    per_param, per_grad, per_opt, _ = ACCOUNTINGS[accounting]
+    grads, states = state_refs(plan)
+    params = [info.ref for info in plan.tensors if info.role == "param"]
+    count = symbol(layers) if isinstance(layers, str) else number(layers)
+
+    def total(refs: list[TensorRef], nbytes: int) -> Expr:
+        return se.expand(count * nbytes * sum((_elements(r) for r in refs), ZERO))
+
+    return total(params, per_param), total(grads, per_grad), total(states, per_opt)
+
+
+def residual_formula(plan: Plan) -> Expr:
+    """The bytes the backward keeps for one layer (:func:`residual_table`), as an exact formula.
+
+    Per value its local elements (each dim over its axes' product, unpadded) times the
+    spec's dtype bytes: the form Korthikanti et al. (2022) write, e.g. ``34*B*D*S/Y``.
+    """
+    nbytes = plan.spec.dtype.nbytes
+    return se.expand(nbytes * sum((_elements(ref) for ref, _ in residual_table(plan)), ZERO))
+
+
+def _elements(ref: TensorRef) -> Expr:
+    return product(d.name for d in ref.dims) / product(a for d in ref.dims for a in d.axes)
 
 
 def residual_values(plan: Plan) -> list[TensorRef]:
-    """Forward values the backward reads, each once, in the order first read."""
-    made = {s.dst for s in plan.backward}
-    declared_params = {info.ref for info in plan.tensors if info.role == "param"}
-    skip = made | set(plan.cotangents) | declared_params
-    out: list[TensorRef] = list(dict.fromkeys(r for r in plan.residuals if r not in skip))
-    for step in plan.backward:
+    """Forward values the backward reads from memory, each once, in the order first read."""
+    return [ref for ref, _ in residual_table(plan)]
+
+
+def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
+    """What the backward keeps from the forward, each value once, with why.
+
+    The values the recomputed forward steps (``plan.recomputed``) and then the
+    backward read that neither makes: the plan's residuals first, then the layer's
+    inputs, each with the first step that reads it.
+    """
+    steps = (*(("the recomputed forward", s) for s in plan.recomputed),
+             *((f"backward step {k}", s) for k, s in enumerate(plan.backward, 1)))
+    made = {s.dst for _, s in steps}
+    declared = {info.ref: info.role for info in plan.tensors}
+    skip = made | set(plan.cotangents) | {r for r, role in declared.items() if role == "param"}
+    first: dict[TensorRef, str] = {}
+    for where, step in steps:
         for ref in _reads(step):
-            if ref not in skip and ref not in out:
-                out.append(ref)
-    return out
+            if ref not in skip and ref not in first:
+                first[ref] = f"read by {where}: {describe(step)}"
+    order = [r for r in plan.residuals if r in first] + [r for r in first if r not in plan.residuals]
+    return [(ref, _why(ref, first[ref], declared, plan.recompute)) for ref in dict.fromkeys(order)]
+
+
+def _why(ref: TensorRef, reader: str, declared: dict[TensorRef, str], mode: str) -> str:
+    if declared.get(ref) == "input":
+        return "layer input, " + reader
+    if mode == "selective":
+        return "kept (outside the attention-score region), " + reader
+    return reader
 
 
 def peak_weights(steps: tuple[Step, ...], weights: set[str], sizes: dict[str, int]) -> float:

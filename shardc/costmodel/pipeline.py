@@ -35,7 +35,7 @@ from shardc.pipeline.schedules import Simulation, Timing, simulate
 from shardc.pipeline.stages import Pipeline, pipeline_of
 from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Network, TensorRef
-from shardc.timing import StepCost, bound_of, cost_step, local_elements
+from shardc.timing import StepCost, bound_of, cost_step, local_elements, phase_seconds
 
 if TYPE_CHECKING:
     from shardc.costmodel.report import CostReport
@@ -95,6 +95,7 @@ class PipelineCost:
     simulation: Simulation
     stages: tuple[StageCost, ...]
     thresholds: tuple[str, ...]
+    optimizer_s: float = 0.0  # ZeRO-1/2's optimizer phase of the slowest stage's layers, once a step
 
     @property
     def stage_time_s(self) -> float:
@@ -103,13 +104,14 @@ class PipelineCost:
 
     @property
     def step_s(self) -> float:
-        return self.simulation.makespan
+        """The simulated schedule, then the optimizer phase (ZeRO-1/2) after it."""
+        return self.simulation.makespan + self.optimizer_s
 
     @property
     def step_closed_s(self) -> float:
         """The stage time times (m + bubble), sends free: the closed form of the step."""
         m = self.pipeline.microbatches
-        return self.stage_time_s * (m + m * self.closed.of_ideal)
+        return self.stage_time_s * (m + m * self.closed.of_ideal) + self.optimizer_s
 
     def to_json(self) -> dict[str, object]:
         pipe, sim = self.pipeline, self.simulation
@@ -127,7 +129,7 @@ class PipelineCost:
             "sends_per_microbatch": sends_per_microbatch(pipe.schedule.name, pipe.stages, pipe.chunks),
             "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,
             "backward_s": self.timing.backward, "weight_s": self.timing.weight,
-            "step_s": self.step_s, "step_closed_s": self.step_closed_s,
+            "step_s": self.step_s, "step_closed_s": self.step_closed_s, "optimizer_s": self.optimizer_s,
             "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
         }
 
@@ -188,8 +190,8 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
                           plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
     fwd = _rows(plan.forward, plan, micro, hw, spans)
-    bwd = _rows(plan.backward, plan, micro, hw, spans)
-    w_idx = weight_steps(plan)
+    bwd = _rows(plan.recomputed + plan.backward, plan, micro, hw, spans)  # a recompute runs in the B op
+    w_idx = frozenset(k + len(plan.recomputed) for k in weight_steps(plan))
     per_layer = [_time(fwd), _time([r for k, r in enumerate(bwd) if k not in w_idx]),
                  _time([r for k, r in enumerate(bwd) if k in w_idx])]
     ref = boundary_tensor(plan)
@@ -207,8 +209,9 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
     found = _thresholds(pipe, per_layer[0], p2p_s, "DCN" if dcn else "ICI link")
+    optimizer_s = slowest * phase_seconds(*_time(_rows(plan.optimizer, plan, sizes, hw, spans)))
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
-                        sim, stages, found)
+                        sim, stages, found, optimizer_s)
 
 
 def _stages(plan: Plan, pipe: Pipeline, per_layer: list[tuple[float, float]], micro: dict[str, int],
@@ -267,7 +270,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + ("" if name in EXACT else " (the closed form assumes T_F = T_B = T_W and free sends; the "
                                          "simulated zbv order is a greedy one, not the paper's hand-made one)"),
              f"  step {fmt_seconds(cost.step_s)} = stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) "
-             f"[{fmt_seconds(cost.step_closed_s)} with free sends]",
+             + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
+             + f"[{fmt_seconds(cost.step_closed_s)} with free sends]",
              f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
              f" x activation factor {activation_factor(name, pipe.stages, pipe.chunks):.3g}",
              f"  point-to-point: {cost.boundary} a microbatch, {fmt_bytes(cost.p2p_bytes)} a device "

@@ -9,6 +9,7 @@ from shardc.costmodel.collective import StepCost
 if TYPE_CHECKING:
     from shardc.costmodel.formulas import HardwareSymbols
     from shardc.costmodel.hardware import Hardware
+    from shardc.costmodel.memory import Memory
     from shardc.costmodel.report import CostReport, PhaseCost
 
 __all__ = ["render", "hardware_line", "fmt_bytes", "fmt_seconds", "fmt_flops"]
@@ -84,7 +85,11 @@ def _phase(p: PhaseCost, layers: int) -> list[str]:
 def _memory(report: CostReport) -> list[str]:
     m = report.memory
     verdict = "fits" if m.fits else "does NOT fit"
-    lines = [f"memory per device ({m.accounting}: {m.accounting_text})",
+    zero = ""
+    if m.zero:  # `zero N over X`: stage N shards the first N of these
+        stage = int(m.zero.split()[1])
+        zero = f"; {m.zero}: {', '.join(('optimizer state', 'gradients', 'params')[:stage])} sharded"
+    lines = [f"memory per device ({m.accounting}: {m.accounting_text}{zero})",
              f"  params     {m.params:.4g} of {m.params_total:.4g} on this device",
              f"  weights    {fmt_bytes(m.param_bytes)}",
              f"  grads      {fmt_bytes(m.grad_bytes)}",
@@ -93,6 +98,20 @@ def _memory(report: CostReport) -> list[str]:
              + (f" ({', '.join(v for v, _ in m.residuals)} a layer)" if m.residuals else ""),
              f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)",
              f"  total      {fmt_bytes(m.total_bytes)}: {verdict} {fmt_bytes(m.hbm_bytes)} of HBM"]
+    return lines + _residual_table(m)
+
+
+def _residual_table(m: Memory) -> list[str]:
+    """What the backward keeps, a row a tensor (one layer), and what it recomputes instead."""
+    if not m.residuals:
+        return []
+    lines = [f"  kept for the backward, one layer (--recompute {m.recompute}):"]
+    whys = m.whys or ("",) * len(m.residuals)
+    lines += [f"    {value:<28} {fmt_bytes(nbytes):>9}  {why}"
+              for (value, nbytes), why in zip(m.residuals, whys, strict=True)]
+    if m.recomputed:
+        lines.append("  recomputed in the backward instead: "
+                     + ", ".join(f"{v} ({fmt_bytes(b)})" for v, b in m.recomputed))
     return lines
 
 
@@ -108,9 +127,13 @@ def render(report: CostReport) -> str:
     head = [hardware_line(report.plan.spec.filename, hw, report.step.formula.hw),
             f"sizes: {sizes}; {report.step.devices} devices; layers {report.layers}", ""]
     body: list[str] = []
-    for phase in (report.forward, report.backward):
+    phases = [report.forward, report.backward]
+    if report.optimizer is not None and report.optimizer.rows:
+        phases.append(report.optimizer)
+    for phase in phases:
         body += _phase(phase, report.layers) + [""]
-    body += ["step (forward + backward)"] + _totals(report.step, report.layers) + [""]
+    title = " + ".join(p.name for p in phases)
+    body += [f"step ({title})"] + _totals(report.step, report.layers) + [""]
     body += _memory(report) + ["", "thresholds"]
     body += [f"  {t.sentence}" for t in report.thresholds] or ["  (no communication)"]
     if report.pipeline is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardc.costmodel.collective import StepCost, cost_step
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
@@ -32,7 +32,8 @@ from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
 from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
-from shardc.planner.ir import Plan
+from shardc.planner.ir import Plan, Step
+from shardc.spec.ir import Mesh
 from shardc.timing import bound_of, phase_seconds, plan_sizes, plan_spans, resolve_layers, step_seconds
 
 __all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes"]
@@ -155,14 +156,17 @@ class CostReport:
     thresholds: tuple[Threshold, ...]
     notes: tuple[str, ...] = field(default=())
     pipeline: PipelineCost | None = None  # with a `pipeline` mesh axis (shardc.costmodel.pipeline)
+    optimizer: PhaseCost | None = None  # ZeRO-1/2's optimizer phase (no rows without a `zero 1|2` line)
 
     def to_json(self) -> dict[str, object]:
         data: dict[str, object] = {
             "file": self.plan.spec.filename,
             "hardware": hardware_json(self.hardware, self.step.formula.hw),
             "sizes": self.sizes, "layers": self.layers, "devices": self.step.devices,
-            "save": self.plan.save,
+            "save": self.plan.save, "recompute": self.plan.recompute,
+            "zero": _zero_json(self.plan),
             "forward": self.forward.to_json(), "backward": self.backward.to_json(),
+            **({"optimizer": self.optimizer.to_json()} if self.optimizer is not None else {}),
             "step": self.step.to_json(rows=False), "memory": self.memory.to_json(),
             "thresholds": [t.sentence for t in self.thresholds],
             "threshold_details": [t.to_json() for t in self.thresholds],
@@ -182,6 +186,11 @@ class CostReport:
 
     def __str__(self) -> str:
         return self.render()
+
+
+def _zero_json(plan: Plan) -> dict[str, object] | None:
+    zero = plan.spec.zero
+    return None if zero is None else {"stage": zero.stage, "axes": list(zero.axes)}
 
 
 def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
@@ -205,7 +214,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     if mfu is not None and not 0 < mfu <= 1:
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
     if optimizer not in ACCOUNTINGS:
-        raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use adam10 or adam16")
+        raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use " + ", ".join(ACCOUNTINGS))
     hw = resolve_hardware(hardware if hardware is not None else plan.chip, hardware_file, plan.spec.hardware)
     check_spans(plan, spans)
     values = resolve_sizes(plan, sizes)
@@ -216,22 +225,36 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     pipe = pipeline_cost(plan, hw, values, spans, optimizer)
     if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch at once
         devices //= pipe.pipeline.stages  # (resolve_layers gave the slowest stage's layers)
-    rows_f = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.forward, 1))
-    rows_b = tuple(cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.backward, 1))
     count = layer_symbol if layer_symbol is not None else layers
     names = symbols_of(plan)
-    f_fwd = phase_formula(plan.forward, mesh, count, spans, names)
-    f_bwd = phase_formula(plan.backward, mesh, count, spans, names)
-    fwd = PhaseCost("forward", rows_f, layers, devices, hw, f_fwd, mfu)
-    bwd = PhaseCost("backward", rows_b, layers, devices, hw, f_bwd, mfu)
-    phases = (fwd, bwd, PhaseCost("step", rows_f + rows_b, layers, devices, hw, f_fwd + f_bwd, mfu, (fwd, bwd)))
+    again = frozenset(range(1, len(plan.recomputed) + 1))
+    fwd, bwd, opt = (PhaseCost(name, _rows(steps, mesh, values, hw, spans, again if name == "backward" else
+                                           frozenset()), layers, devices, hw,
+                               phase_formula(steps, mesh, count, spans, names), mfu)
+                     for name, steps in phase_steps(plan))
+    step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
+                     fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt))
+    phases = (fwd, bwd, opt, step) if opt.rows else (fwd, bwd, step)
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer)
     tokens = token_dims(plan)
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
     notes = _notes(plan, hw, values) + renamed_note(names) + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
         f"the book's M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
-    return CostReport(plan, hw, values, layers, *phases, mem, tuple(found), notes, pipe)
+    return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt)
+
+
+def phase_steps(plan: Plan) -> tuple[tuple[str, tuple[Step, ...]], ...]:
+    """The phases as costed: forward; backward with the forward steps it recomputes first; optimizer."""
+    return (("forward", plan.forward), ("backward", plan.recomputed + plan.backward),
+            ("optimizer", plan.optimizer))
+
+
+def _rows(steps: tuple[Step, ...], mesh: Mesh, values: dict[str, int], hw: Hardware,
+          spans: dict[str, int], again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
+    """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
+    rows = (cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(steps, 1))
+    return tuple(replace(r, text=f"(recomputed) {r.text}") if r.index in again else r for r in rows)
 
 
 def used_dims(plan: Plan) -> set[str]:

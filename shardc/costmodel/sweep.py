@@ -90,7 +90,8 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
         values = dict(base)
         values[dim] = value  # type: ignore[assignment]  # fractional sizes are fine for costing
         layers, _ = resolve_layers(plan, values)
-        rows = [cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(plan.forward + plan.backward)]
+        rows = [cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(
+            plan.forward + plan.recomputed + plan.backward + plan.optimizer)]
         compute = layers * math.fsum(r.compute_s for r in rows)
         comm = layers * math.fsum(r.comm_s for r in rows)
         critical = layers * math.fsum(r.comm_s for r in rows if r.is_collective and not r.ahead)

@@ -5,7 +5,8 @@ thresholds) is made of formulas in the dims, the mesh sizes and the chip's
 figures; only the numbers need the dims.  :func:`cost_formulas` gives, per
 phase, each step's bytes and time as formulas in the hardware symbols, the
 totals, and the threshold sentences (their chip figures are numbers: the chip is
-known), and says which sizes the numbers need.  Memory needs sizes and is left out.
+known), and says which sizes the numbers need.  Memory is the training state and the
+residuals of a layer, as formulas (padding of uneven dims needs the sizes).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from shardc.costmodel.formulas import (
     text,
 )
 from shardc.costmodel.hardware import Hardware, resolve_hardware
+from shardc.costmodel.memory import residual_formula, state_formula
 from shardc.costmodel.render import hardware_line
 from shardc.costmodel.report import (
     check_spans,
     default_spans,
     hardware_json,
     missing_sizes,
+    phase_steps,
     renamed_note,
     symbols_of,
     token_dims,
@@ -89,6 +92,10 @@ class FormulaReport:
     step: FormulaPhase
     thresholds: tuple[Threshold, ...]
     notes: tuple[str, ...]
+    optimizer: FormulaPhase | None = None  # ZeRO-1/2's optimizer phase
+    # the training state a device holds, (accounting, param, gradient, optimizer-state bytes) as formulas
+    state: tuple[str, str, str, str] = ("adam10", "", "", "")
+    residuals: str = ""  # what the backward keeps for one layer, bytes, as a formula
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -96,10 +103,16 @@ class FormulaReport:
             "hardware": hardware_json(self.hardware, self.step.formula.hw),
             "mesh": {a.name: a.size for a in self.plan.spec.mesh.axes}, "layers": self.layers,
             "save": self.plan.save,
+            "recompute": self.plan.recompute,
             "forward": self.forward.to_json(), "backward": self.backward.to_json(),
+            **({"optimizer": self.optimizer.to_json()} if self.optimizer is not None else {}),
             "step": self.step.to_json(rows=False),
             "thresholds": [t.sentence for t in self.thresholds],
             "threshold_details": [t.to_json() for t in self.thresholds],
+            "memory": {"accounting": self.state[0], "zero": None if self.plan.spec.zero is None else
+                       str(self.plan.spec.zero), "param_bytes_expr": self.state[1],
+                       "grad_bytes_expr": self.state[2], "optimizer_bytes_expr": self.state[3],
+                       "recompute": self.plan.recompute, "residual_bytes_per_layer_expr": self.residuals},
             "notes": list(self.notes),
         }
 
@@ -112,13 +125,18 @@ class FormulaReport:
         lines = [hardware_line(spec.filename, self.hardware, self.step.formula.hw),
                  f"formulas only: numbers need the size of {', '.join(self.missing)}; mesh {mesh}; "
                  f"layers {self.layers}", ""]
-        for phase in (self.forward, self.backward):
+        for phase in (self.forward, self.backward, *((self.optimizer,) if self.optimizer is not None else ())):
             lines += [phase.name, f"  {'#':>3}  {'op':<13} {'axes':<6} {'V bytes / FLOPs':<18}  "
                                   f"{'time':<22}  {'path':<8}  what"]
             lines += [_row(r) for r in phase.rows] or ["  (no steps)"]
             lines += _totals(phase.formula) + [""]
-        lines += ["step (forward + backward)", *_totals(self.step.formula), ""]
-        lines += ["memory per device: needs the sizes", "", "thresholds"]
+        title = "forward + backward" + (" + optimizer" if self.optimizer is not None else "")
+        lines += [f"step ({title})", *_totals(self.step.formula), ""]
+        accounting, params, grads, state = self.state
+        zero = f", {self.plan.spec.zero}" if self.plan.spec.zero is not None else ""
+        lines += [f"memory per device ({accounting}{zero}): params {params}, grads {grads}, optimizer {state} "
+                  f"bytes; kept for the backward (--recompute {self.plan.recompute}) {self.residuals} bytes a layer",
+                  "", "thresholds"]
         lines += [f"  {t.sentence}" for t in self.thresholds] or ["  (no communication)"]
         lines += ["", "notes"] + [f"  {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
@@ -155,8 +173,12 @@ def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
 
 
 def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_file: str | None = None,
-                  spans: dict[str, int] | None = None) -> FormulaReport:
-    """The cost report as formulas, for a plan whose dims have no sizes (or only some)."""
+                  spans: dict[str, int] | None = None, optimizer: str = "adam10") -> FormulaReport:
+    """The cost report as formulas, for a plan whose dims have no sizes (or only some).
+
+    Memory is the training state alone (:func:`shardc.costmodel.memory.state_formula`
+    under the ``optimizer`` accounting): activations need the sizes.
+    """
     hw = resolve_hardware(hardware, hardware_file, plan.spec.hardware)
     check_spans(plan, spans)
     mesh = plan.spec.mesh
@@ -165,12 +187,13 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     names = symbols_of(plan)
     layers = plan.spec.layers
     count: int | str = layers if layers is not None else 1
-    f_fwd = phase_formula(plan.forward, mesh, count, all_spans, names)
-    f_bwd = phase_formula(plan.backward, mesh, count, all_spans, names)
     phases = [FormulaPhase(name, tuple(_formula_row(i, s, mesh, names, all_spans) for i, s in enumerate(steps, 1)),
-                           f)
-              for name, steps, f in (("forward", plan.forward, f_fwd), ("backward", plan.backward, f_bwd))]
-    step = FormulaPhase("step", (), f_fwd + f_bwd)
+                           phase_formula(steps, mesh, count, all_spans, names))
+              for name, steps in phase_steps(plan) if steps or name != "optimizer"]
+    total = phases[0].formula
+    for phase in phases[1:]:
+        total = total + phase.formula
+    step = FormulaPhase("step", (), total)
     tokens = token_dims(plan)
     found = tuple(t for p in (*phases, step)
                   for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, sizes))
@@ -180,4 +203,7 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
              f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
              "formulas and thresholds use bandwidth terms; with sizes, times also bound each collective "
              f"below by latency ({hw.hop_latency:g} s a hop)") + renamed_note(names)
-    return FormulaReport(plan, hw, missing, count, phases[0], phases[1], step, found, notes)
+    optimizer_phase = phases[2] if len(phases) > 2 else None
+    params, grads, states = state_formula(plan, optimizer, count)
+    return FormulaReport(plan, hw, missing, count, phases[0], phases[1], step, found, notes, optimizer_phase,
+                         (optimizer, text(params), text(grads), text(states)), text(residual_formula(plan)))

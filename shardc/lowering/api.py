@@ -29,6 +29,7 @@ class Lowered:
     module: Module
     namespace: types.ModuleType
     sizes: dict[str, int] | None
+    zero: Plan | None = None  # the ZeRO-1/2 plan whose optimizer phase ``optimizer_step`` runs
     _compiled: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -47,6 +48,13 @@ class Lowered:
         """The gradient of each input not declared ``const`` (keyed ``plan.grad_name(x)``, ``dX``),
         from the outputs' cotangents (keyed by their gradient names, ``dOut``)."""
         return dict(self.namespace.grad(inputs, cotangent))
+
+    def optimizer_step(self, params: dict[str, Any], grads: dict[str, Any]) -> dict[str, Any]:
+        """ZeRO-1/2's optimizer phase: the updated params, from the params and the gradients as the
+        ZeRO plan's backward leaves them (keyed by gradient name; stacked where partial sums)."""
+        if self.module.optimizer is None:
+            raise ShardcError("this plan has no optimizer phase", fix="add `zero 1 over X` or `zero 2 over X`")
+        return dict(self.namespace.optimizer_step(params, grads))
 
     def global_shape(self, ref: TensorRef) -> tuple[int, ...]:
         """The global array of a value: stacked partial sums lead when it is unreduced."""
@@ -76,6 +84,8 @@ class Lowered:
             mesh, fwd, bwd = self.namespace.programs()
             program, boundaries = (fwd, self.module.forward.inputs) if phase == "forward" else (
                 bwd, self.module.backward.inputs)
+            if phase == "optimizer" and self.module.optimizer is not None:
+                program, boundaries = self.namespace.optimizer_program(), self.module.optimizer.inputs
             args = [jax.ShapeDtypeStruct(self.global_shape(b.ref), dtype,
                                          sharding=NamedSharding(mesh, _spec(self, b)))
                     for b in boundaries]
@@ -84,6 +94,9 @@ class Lowered:
 
 
 def _spec(lowered: Lowered, boundary: Boundary) -> Any:
+    optimizer = lowered.module.optimizer
+    if optimizer is not None and boundary in optimizer.inputs:
+        return lowered.namespace.OPTIMIZER_IN[boundary.key]
     table = lowered.namespace.FORWARD_IN if boundary in lowered.module.forward.inputs else (
         lowered.namespace.BACKWARD_IN)
     return table[boundary.key]
@@ -134,15 +147,19 @@ def module_source(plan: Plan) -> tuple[str, str | None]:
         from shardc.lowering.pipeline import lower_pipeline
 
         return lower_pipeline(plan, load=False).source, None
+    from shardc.planner.zero import unlowered_optimizer
+
+    zero = plan if plan.optimizer else None
+    plan, _ = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     mesh = lowered_mesh(plan, None)
     try:
-        return generate(plan, mesh, lowered_sizes(plan, None, mesh)).source, None
+        return generate(plan, mesh, lowered_sizes(zero or plan, None, mesh), zero=zero).source, None
     except ShardcError as err:
         if "not divisible" not in err.message:
             raise
         note = (f"note: {err.message}; the module is written without the spec's sizes and runs at "
                 "sizes that divide (its demo picks some)")
-        return generate(plan, mesh, None).source, note
+        return generate(plan, mesh, None, zero=zero).source, note
 
 
 def check_devices(mesh: tuple[tuple[str, int], ...]) -> None:
@@ -165,20 +182,25 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
           **options: Any) -> Lowered:
     """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process.
 
+    A ZeRO-1/2 plan's forward and grad run the spec without its ``zero`` line (a true gradient
+    for ``jax.grad``), and its optimizer phase is ``.optimizer_step`` (:mod:`shardc.lowering.optimizer`).
     A spec is planned as written, as ``shardc plan`` plans it; ``sizes`` (dims and mesh
     axes) only set the sizes the module runs at, never the plan.  The plan checker runs
     first: a broken plan raises :class:`~shardc.errors.InternalError`.
     """
     from shardc.planner.check import require_sound
+    from shardc.planner.zero import unlowered_optimizer
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, save, options)
     require_sound(plan)
+    zero = plan if plan.optimizer else None
+    plan, _ = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     mesh = lowered_mesh(plan, sizes)
-    full = lowered_sizes(plan, sizes, mesh)
-    module = generate(plan, mesh, full)
+    full = lowered_sizes(zero or plan, sizes, mesh)
+    module = generate(plan, mesh, full, zero=zero)
     check_devices(mesh)
     namespace = load_module(module.source, plan.spec.filename or "spec")
-    return Lowered(plan, module, namespace, full)
+    return Lowered(plan, module, namespace, full, zero)
 
 
 def _plan(spec: Spec, save: str, options: dict[str, Any]) -> Plan:

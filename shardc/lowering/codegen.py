@@ -26,6 +26,7 @@ from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.zero import UPDATE
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]
@@ -69,6 +70,7 @@ class Module:
     results: tuple[str, ...]  # forward() keys: every statement's result
     cotangents: dict[str, str]  # the gradient of an output (d<Out>) -> the output
     grads: dict[str, str]  # input or param name -> its gradient's name
+    optimizer: Phase | None = None  # ZeRO-1/2's optimizer phase (shardc.lowering.optimizer)
 
 
 def pspec(ref: TensorRef) -> str:
@@ -211,6 +213,8 @@ def _elementwise_code(step: Step, var: _Namer) -> str:
     args = [_aligned(ref, step.dst, var) for ref in step.operands]
     if fn == "add":
         return " + ".join(args)
+    if fn == UPDATE:  # the optimizer's step, lowered as plain SGD (shardc.lowering.optimizer)
+        return f"{args[0]} - LEARNING_RATE * {args[1]}"
     if fn.endswith("_vjp"):
         jax_fn = function(fn[: -len("_vjp")]).jax
         return f"jax.vjp({jax_fn}, {args[0]})[1]({args[1]})[0]"
@@ -302,8 +306,9 @@ def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
 
 
 def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int] | None,
-             title: str = "") -> Module:
-    """The module for ``plan`` on ``mesh`` (axis sizes may differ from the spec's)."""
+             title: str = "", zero: Plan | None = None) -> Module:
+    """The module for ``plan`` on ``mesh`` (axis sizes may differ from the spec's); with ``zero``, a
+    ZeRO-1/2 plan of the same spec, also its optimizer phase (``optimizer_step``)."""
     var = _Namer(_declared(plan))
     external = _external_reads(plan.backward)
     forward, results = _forward_phase(plan, var, sizes, external)
@@ -311,8 +316,26 @@ def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int
     cotangents = {c.name: plan.primal(c.name) for c in plan.cotangents}
     grads = {plan.primal(g.name): g.name for g in plan.grads}
     demo = small_sizes(_with_mesh(plan, mesh), devices=None)
-    source = template.render(plan, title, mesh, sizes, demo, forward, backward, results, cotangents, grads)
-    return Module(source, mesh, sizes, forward, backward, results, cotangents, grads)
+    optimizer = _optimizer_phase(zero, var, sizes) if zero is not None and zero.optimizer else None
+    extra = template.render_optimizer(str(zero.spec.zero), optimizer) if zero is not None and optimizer else ""
+    source = template.render(plan, title, mesh, sizes, demo, forward, backward, results, cotangents, grads, extra)
+    return Module(source, mesh, sizes, forward, backward, results, cotangents, grads, optimizer)
+
+
+def _optimizer_phase(zero: Plan, var: _Namer, sizes: dict[str, int] | None) -> Phase:
+    """The ZeRO plan's optimizer phase: params and gradients in, the updated params out."""
+    external = _external_reads(zero.optimizer)
+    inputs = tuple(Boundary(ref.name, var(ref), ref) for ref in external)
+    lines, made = _body("optimizer", zero.optimizer, set(external), var, sizes)
+    updated = dict.fromkeys(s.tensor for s in zero.optimizer if s.op is Op.ELEMENTWISE)
+    outputs = []
+    for name in updated:
+        ref = _key(zero.tensor(name).ref)
+        if ref not in made:
+            raise InternalError(f"the optimizer phase never gathers {ref} back",
+                                fix="this is a planner bug: report the spec")
+        outputs.append(Boundary(name, var(ref), ref))  # its last line rebinds the param's variable
+    return Phase("optimizer", inputs, tuple(outputs), tuple(lines))
 
 
 def _with_mesh(plan: Plan, mesh: tuple[tuple[str, int], ...]) -> Plan:

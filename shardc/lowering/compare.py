@@ -63,6 +63,7 @@ class Comparison:
     dtype: str
     plan: Side
     xla: Side
+    notes: list[str] = field(default_factory=list)
 
     @property
     def volume_ratio(self) -> float | None:
@@ -211,9 +212,11 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
     from shardc.lowering.sizes import devices_to_check
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
+    from shardc.planner.zero import unlowered_optimizer
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)
+    plan, zero_note = unlowered_optimizer(plan)  # ZeRO-1/2: the forward and backward are compared
     sizes = small_sizes(plan, devices_to_check(plan, jax.device_count()) if devices is None else devices)
     lowered = lower(plan, sizes=sizes)
     xla = _XlaPrograms(plan, lowered.module.mesh, lowered.module.cotangents, lowered.module.grads)
@@ -243,7 +246,8 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
             xla.backward(*fwd_args, *xla.forward(*fwd_args), *bwd_args[len(fwd_args) + len(results):])),
             repeats)
     return Comparison(plan.spec.filename or "<spec>", dict(lowered.module.mesh),
-                      dict(lowered.sizes or sizes), str(plan.spec.dtype), ours, theirs)
+                      dict(lowered.sizes or sizes), str(plan.spec.dtype), ours, theirs,
+                      [zero_note] if zero_note is not None else [])
 
 
 def _cell(row: Row | None) -> str:
@@ -254,7 +258,8 @@ def render_comparison(c: Comparison) -> str:
     """Both sides' collectives per phase, then the totals and their ratio."""
     mesh = ", ".join(f"{k}={v}" for k, v in c.mesh.items())
     dims = ", ".join(f"{k}={v}" for k, v in c.sizes.items() if k not in c.mesh)
-    lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V, unsharded over the axes)", ""]
+    lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V, unsharded over the axes)"]
+    lines += [f"# note: {note}" for note in c.notes] + [""]
     for phase in ("forward", "backward"):
         lines.append(f"{phase}")
         pairs = pair_rows([r for r in c.plan.rows if r.phase == phase], [r for r in c.xla.rows if r.phase == phase])

@@ -57,7 +57,7 @@ def collapsed_axes(plan: Plan, mesh: dict[str, int]) -> tuple[str, ...]:
 
 def _refs(plan: Plan) -> list[TensorRef]:
     refs = [info.ref for info in plan.tensors] + list(plan.cotangents + plan.grads)
-    for step in plan.forward + plan.backward:
+    for step in plan.forward + plan.backward + plan.optimizer:
         refs += [step.dst, *step.operands] + ([step.src] if step.src else [])
     return refs
 

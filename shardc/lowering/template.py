@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shardc.lowering.optimizer import OPTIMIZER_GLOBALS
+
 if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase
     from shardc.planner.ir import Plan
 
-__all__ = ["render", "comment", "GLOBALS"]
+__all__ = ["render", "render_optimizer", "comment", "GLOBALS"]
 
 # Every module-level name of a generated module (tests check the list is complete): a
 # tensor's variable never takes one of these, so no phase function shadows what it reads.
@@ -22,7 +24,7 @@ GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "Ax
            "STACKED_INPUTS", "forward_local", "BACKWARD_IN", "BACKWARD_OUT", "COTANGENTS", "GRADS",
            "backward_local", "programs", "_put", "run_forward", "run_backward", "_results", "forward",
            "_forward_fwd", "_forward_bwd", "_plus", "grad", "DIMS", "INPUT_DIMS", "main", "inputs",
-           "cotangent")
+           "cotangent", *OPTIMIZER_GLOBALS)
 
 
 def _plain(text: str) -> str:
@@ -259,8 +261,8 @@ def _function(phase: Phase) -> str:
 
 def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int] | None,
            demo: dict[str, int], forward: Phase, backward: Phase, results: tuple[str, ...],
-           cotangents: dict[str, str], grads: dict[str, str]) -> str:
-    """The whole module text."""
+           cotangents: dict[str, str], grads: dict[str, str], extra: str = "") -> str:
+    """The whole module text (``extra``: a section before the driver, e.g. the optimizer phase)."""
     devices = 1
     for _, size in mesh:
         devices *= size
@@ -285,7 +287,7 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
     text += _specs("BACKWARD_OUT", backward.outputs)
     text += f"COTANGENTS = {cotangents!r}  # an output's gradient name -> the output\n"
     text += f"GRADS = {grads!r}  # tensor -> its gradient\n\n\n"
-    text += _function(backward)
+    text += _function(backward) + extra
     text += "\n\n# ---- driver " + "-" * 61 + "\n" + _DRIVER.format()
     dims = sorted({d.name for b in forward.inputs for d in b.ref.dims})
     if all(d in demo for d in dims):
@@ -294,3 +296,11 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
             f"{b.key!r}: {tuple(d.name for d in b.ref.dims)!r}" for b in forward.inputs) + "}\n"
         text += _MAIN.format()
     return text
+
+
+def render_optimizer(zero: str, phase: Phase) -> str:
+    """The optimizer section appended to a module (:mod:`shardc.lowering.optimizer`)."""
+    from shardc.lowering.optimizer import optimizer_text
+
+    specs = _specs("OPTIMIZER_IN", phase.inputs) + _specs("OPTIMIZER_OUT", phase.outputs)
+    return optimizer_text(_plain(zero), specs, _function(phase))

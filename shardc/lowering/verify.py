@@ -284,6 +284,29 @@ def _value_rows(lowered: Lowered, run: _Run, tol: tuple[float, float], dtype: np
     return rows + _compare("backward", pairs, tol, limit)
 
 
+def _optimizer_rows(lowered: Lowered, tol: tuple[float, float], dtype: np.dtype[Any], seed: int) -> list[ValueRow]:
+    """ZeRO-1/2's ``optimizer_step`` against numpy: random params and gradients (random partial sums
+    where the ZeRO backward leaves partial sums), each param updated to W - LEARNING_RATE * (sum)."""
+    from shardc.lowering.optimizer import LEARNING_RATE
+
+    phase = lowered.module.optimizer
+    if phase is None or lowered.zero is None:
+        return []
+    rng = np.random.default_rng(seed + 7)
+    given = {b.key: rng.standard_normal(lowered.global_shape(b.ref)).astype(dtype) for b in phase.inputs}
+    summed = {b.key: given[b.key].astype(np.float64).sum(axis=0) if b.stacked else given[b.key].astype(np.float64)
+              for b in phase.inputs}
+    params = {b.key for b in phase.outputs}
+    got = lowered.optimizer_step({k: v for k, v in given.items() if k in params},
+                                 {k: v for k, v in given.items() if k not in params})
+    pairs = []
+    for name in params:
+        grad = summed[lowered.zero.grad_name(name)]
+        reference = summed[name] - LEARNING_RATE * grad
+        pairs.append((name, got[name], reference, np.abs(summed[name]) + LEARNING_RATE * np.abs(grad)))
+    return _compare("optimizer", pairs, tol, math.inf)
+
+
 def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[str, int] | None = None,
            seed: int = 0, save: str = "default") -> Report:
     """Lower the plan at small sizes, run forward and backward, check values and HLO collectives.
@@ -297,17 +320,20 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     from shardc.lowering.sizes import collapsed_axes, devices_to_check
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
+    from shardc.planner.zero import unlowered_optimizer
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)
+    zero = plan if plan.optimizer else None
+    plan, zero_note = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     devices = devices_to_check(plan, jax.device_count()) if devices is None else devices
     check_device_count(devices)
     if plan.spec.mesh.pipeline_axis is not None:  # GPipe over the stage axis: its own module
         from shardc.lowering.pipeline_verify import verify_pipeline
 
         return verify_pipeline(plan, devices, seed)
-    small = {**small_sizes(plan, devices), **(sizes or {})}
-    lowered = lower(plan, sizes=small)
+    small = {**small_sizes(zero or plan, devices), **(sizes or {})}
+    lowered = lower(zero or plan, sizes=small)
     mesh = dict(lowered.module.mesh)
     dtype = compute_dtype(plan.spec)
     tol = TOLERANCE[dtype.name]
@@ -317,12 +343,17 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     report.input_scale = run.scale
     report.values += _value_rows(lowered, run, tol, dtype)
     report.values += _unplanned(plan, lowered, run)
+    if zero_note is not None:
+        report.notes.append(zero_note)
+        report.values += _optimizer_rows(lowered, tol, dtype, seed)
     cut = collapsed_axes(plan, mesh)
     if cut:
         report.notes.append(f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
                             f"are not run (use --devices {devices_to_check(plan)})")
     nbytes = plan.spec.dtype.nbytes
-    for phase, steps in (("forward", plan.forward), ("backward", plan.backward)):
+    phases = [("forward", plan.forward), ("backward", plan.backward)]
+    phases += [("optimizer", zero.optimizer)] if zero is not None else []
+    for phase, steps in phases:
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
         report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut)
     return report

@@ -21,6 +21,11 @@ What the backward may read of the forward (the residual policy):
 activation is not gathered again) but not gathered weights (FSDP gathers
 them again); ``none`` keeps only the declared shardings; ``all`` keeps
 everything the forward made.
+
+Under ZeRO-1 (:mod:`shardc.planner.zero`) a param's gradient is left partial over the
+ZeRO axes its einsum sums over (``partial``): the optimizer phase reduce-scatters it.
+Under ZeRO-2 it is made on the param's ZeRO shard (``shards``): reduce-scattered as
+it is made, as DeepSpeed's stage 2 does, so no device holds the whole gradient.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from shardc.names import fresh
 from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
-from shardc.planner.layout import Value, reshard
+from shardc.planner.layout import Layout, Value, reshard
 from shardc.planner.phase import Phase
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
@@ -68,8 +73,12 @@ def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
 
 
 class _Backward:
-    def __init__(self, graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str) -> None:
+    def __init__(self, graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
+                 partial: dict[str, tuple[tuple[str, ...], Layout]], shards: dict[str, Layout]) -> None:
         self.graph, self.forward, self.declared = graph, forward, declared
+        self.shards = shards  # param -> the ZeRO-2 shard its gradient is made on
+        self.partial = partial  # param -> (ZeRO axes its gradient may be left partial over, its ZeRO shard)
+        self.final: dict[str, Value] = {}  # a tensor's gradient as the backward leaves it, where not its target
         self.needs = _needs_grad(graph)
         self.count = _contributors(graph, self.needs)
         self.grads = graph.grads
@@ -90,7 +99,25 @@ class _Backward:
         return save == "all" or (save == "default" and name not in self.graph.params)
 
     def target(self, name: str) -> Value:
-        return Value(self.declared[name].layout, ())
+        shard = self.shards.get(name)
+        return Value(shard if shard is not None else self.declared[name].layout, ())
+
+    def left_partial(self, name: str, made: list[Value]) -> Value:
+        """``name``'s gradient target under ZeRO-1/2: partial over the ZeRO axes every value in
+        ``made`` is partial over, or the ZeRO shard itself when that is what was made."""
+        target = self.target(name)
+        if name not in self.partial:
+            return target
+        axes, shard = self.partial[name]
+        keep = tuple(a for a in sorted(axes) if all(a in v.unreduced for v in made))
+        if keep:
+            target = Value(target.layout, keep)
+        elif all(v == Value(shard, ()) for v in made):
+            target = Value(shard, ())
+        else:
+            return target
+        self.final[name] = target
+        return target
 
     def part_name(self, name: str) -> str:
         """The gradient's name, or ``dX_k`` for the k-th of several contributions."""
@@ -106,6 +133,8 @@ class _Backward:
         want = self.target(primal)
         if self.count.get(primal, 0) > 1:
             want = self._local_result(dst, operands, want)
+        elif primal in self.partial:
+            want = self.left_partial(primal, [self._local_result(dst, operands, want)])
         text = f"{self.phase.text(dst, want)} = " + " · ".join(self._text(n) for n in label)
         made = self.phase.einsum(dst, operands, want, text)
         if self.count.get(primal, 0) > 1:
@@ -141,7 +170,7 @@ class _Backward:
         parts = self.parts.pop(name, None)
         if not parts:
             return
-        target, grad = self.target(name), self.grads[name]
+        target, grad = self.left_partial(name, [v for _, v in parts]), self.grads[name]
         groups: dict[Value, list[str]] = {}
         for part, value in parts:
             groups.setdefault(value, []).append(part)
@@ -205,8 +234,12 @@ class _Backward:
             self._move(dst, want, self.target(z))
 
 
-def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str) -> Backward:
-    bw = _Backward(graph, forward, declared, save)
+def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
+                  partial: dict[str, tuple[tuple[str, ...], Layout]] | None = None,
+                  shards: dict[str, Layout] | None = None) -> Backward:
+    """The backward; under ZeRO-1 ``partial`` params' gradients may stay partial sums, under ZeRO-2
+    ``shards`` params' gradients are made on their ZeRO shard (:mod:`shardc.planner.zero`)."""
+    bw = _Backward(graph, forward, declared, save, partial or {}, shards or {})
     cotangents = []
     for out in graph.outputs:
         if out in bw.needs:
@@ -218,7 +251,7 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     wanted = [n for n in graph.inputs if n in bw.needs]
     for name in wanted:
         bw.finish(name)
-    grads = tuple(bw.phase.ref(graph.grads[n], bw.target(n)) for n in wanted)
+    grads = tuple(bw.phase.ref(graph.grads[n], bw.final.get(n, bw.target(n))) for n in wanted)
     residuals = _residuals(bw.phase, forward)
     return Backward(bw.phase, residuals, tuple(cotangents), grads)
 

@@ -174,7 +174,29 @@ def check_plan(plan: Plan) -> list[str]:
     for grad in plan.grads:
         if _norm(grad) not in {_norm(s.dst) for s in plan.backward}:
             problems.append(f"backward never makes {grad}")
-    return problems
+    return problems + _check_optimizer(plan, bwd_held)
+
+
+def _check_optimizer(plan: Plan, held: set[TensorRef]) -> list[str]:
+    """ZeRO-1/2's optimizer phase reads what the backward left and ends with every param as declared."""
+    problems: list[str] = []
+    updated: set[str] = set()
+    for k, step in enumerate(plan.optimizer, 1):
+        problems += [f"optimizer {k}: {p}" for p in _check_step(plan, step, held)]
+        held.add(_norm(step.dst))
+        if step.op is Op.ELEMENTWISE:
+            updated.add(step.tensor)
+        elif step.tensor in updated and step.is_collective:
+            updated.discard(step.tensor)
+            declared = plan.tensor(step.tensor).ref
+            if _norm(step.dst) != _norm(declared):
+                problems.append(f"optimizer {k}: {step.tensor} ends as {step.dst}, declared {declared}")
+    return problems + [f"optimizer: the updated {name} is never gathered back" for name in sorted(updated)
+                       if _norm(plan.tensor(name).ref) != _norm(_last_made(plan, name))]
+
+
+def _last_made(plan: Plan, name: str) -> TensorRef:
+    return [s.dst for s in plan.optimizer if s.tensor == name][-1]
 
 
 def require_sound(plan: Plan) -> None:

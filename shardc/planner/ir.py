@@ -184,6 +184,12 @@ class Plan:
     chip: Hardware | None = field(default=None, compare=False)  # that chip (None: the spec's, else tpu-v5p)
     spans: tuple[tuple[str, int], ...] = ()  # spans given to the planner over the chip's defaults
     notes: tuple[str, ...] = ()  # facts the listing states (e.g. padded uneven dims)
+    # ZeRO-1/2 (`zero 1 over X`): the third phase, after the backward: gradients reduce-scattered onto
+    # the optimizer state's shard, the update, the updated params all-gathered (shardc.planner.zero)
+    optimizer: tuple[Step, ...] = ()
+    # `--recompute none|selective|full` (shardc.planner.recompute): the forward steps the backward runs again
+    recompute: str = "none"
+    recomputed: tuple[Step, ...] = ()
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

@@ -24,6 +24,7 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase, Traced
+from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.unit import (
     Placements,
     bonded_axes,
@@ -32,6 +33,7 @@ from shardc.planner.unit import (
     strip_unit_axes,
     without_unit_axes,
 )
+from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import leaves, validate
 from shardc.timing import PlanTime, plan_time
@@ -49,7 +51,7 @@ SUM: tuple[float, float] = (1.0, 1.0)
 
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
-         spans: dict[str, int] | None = None) -> Plan:
+         spans: dict[str, int] | None = None, recompute: str = "none") -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -62,15 +64,19 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     searches' and the book's rules'), the one of least step time, ties to less
     communication.  ``strategy="rules"`` applies the book's rules even when sizes are
     known (the baseline the search is measured against); ``"search"`` runs the search
-    once, compute and communication counted alike.
+    once, compute and communication counted alike.  ``recompute`` (none, selective,
+    full: :mod:`shardc.planner.recompute`) is what the backward recomputes instead of
+    keeping; those forward steps are part of every candidate's backward time.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
+    if recompute not in RECOMPUTE_MODES:
+        raise ShardcError(f"unknown recompute mode {recompute!r}", fix="use one of: " + ", ".join(RECOMPUTE_MODES))
     validate(spec)  # a Spec built in Python has not met the parser's checks
     try:
-        return _plan_within_budget(spec, save, strategy, hardware, spans)
+        return _plan_within_budget(spec, save, strategy, hardware, spans, recompute)
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {BUDGET:.0f} s: the search over layouts grows with every mesh axis "
@@ -80,22 +86,28 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
 
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
-                        spans: dict[str, int] | None) -> Plan:
+                        spans: dict[str, int] | None, recompute: str = "none") -> Plan:
     hw = resolve_hardware(hardware, None, spec.hardware)
     _check_spans(spec, spans)
+    spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
+    if zero_notes:
+        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute)
+        return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
-        return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None))
+        return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
+                                                   recompute))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped)
     units = bonded_axes(stripped)
     ctx = _context(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
     if strategy == "auto" and spec.dims:
-        return _best_plan(spec, graph, save, ctx)
-    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx)
+        return _best_plan(spec, graph, save, ctx, recompute)
+    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx,
+                 recompute=recompute)
 
 
-def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
+def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none") -> Plan:
     """The least step time among the rules' plan and searches under a few compute weights.
 
     A phase takes max(compute, comm): once a phase is communication-bound only its
@@ -105,7 +117,7 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
     """
     memo: dict[tuple[object, ...], tuple[float, float]] = {}  # step seconds, shared by the candidates
     trace: list[Traced] = []
-    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace)
+    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
     t = plan_time(first, ctx.hardware, memo=memo)
     candidates = [(_objective(t), first)]
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
@@ -114,7 +126,7 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext) -> Plan:
     for strategy, weights in others:
         if _same_steps(graph, ctx, trace, strategy, weights):
             continue  # the first's steps, so its time: the tie goes to the first anyway
-        p = _plan(spec, graph, save, strategy, ctx, weights, notes=False)
+        p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
         candidates.append((_objective(plan_time(p, ctx.hardware, memo=memo)), p))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
     return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
@@ -225,7 +237,8 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
-          weights: tuple[float, float] = SUM, notes: bool = True, trace: list[Traced] | None = None) -> Plan:
+          weights: tuple[float, float] = SUM, notes: bool = True, trace: list[Traced] | None = None,
+          recompute: str = "none") -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params, trace=trace)
@@ -234,13 +247,22 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     ctx.compute_weight = weights[0]
     _plan_forward(forward, graph, declared)
     ctx.compute_weight = weights[1]
-    backward = plan_backward(graph, forward, declared, save)
+    shards = zero_params(spec, graph.params, declared) if spec.zero is not None and spec.zero.stage < 3 else {}
+    stage = spec.zero.stage if spec.zero is not None else 0
+    partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
+               for p, layout in shards.items()} if stage == 1 else {}
+    backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {})
     ctx.compute_weight = SUM[1]
+    optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
+    made = {g.name: g for g in backward.grads}
+    opt = plan_optimizer(optimizer, shards, declared, {p: made[graph.grads[p]] for p in shards})
     sizes = None
     if spec.dims:
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
     fwd = fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals))
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
+    region = attention_region(graph) if recompute == "selective" else frozenset()
+    again = recompute_steps(recompute, fwd, backward.residuals, (declared[n] for n in graph.inputs), region)
     return Plan(
         spec=spec,
         forward=fwd,
@@ -258,6 +280,9 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
         notes=_notes(spec, fwd + bwd, ctx) if notes else (),
+        optimizer=opt,
+        recompute=recompute,
+        recomputed=again,
     )
 
 

@@ -74,8 +74,9 @@ def _phase_bytes(steps: Sequence[Step], sizes: dict[str, int]) -> float:
 
 def _time_line(plan: Plan) -> str:
     t = plan_time(plan)
+    opt = f", optimizer {_seconds(t.optimizer_s)}" if plan.optimizer else ""
     return (f"# step time on {plan.hardware}: {_seconds(t.step_s)} (forward {_seconds(t.forward_s)}, backward "
-            f"{_seconds(t.backward_s)}; each max(compute, communication)), as `shardc cost` reports it")
+            f"{_seconds(t.backward_s)}{opt}; each max(compute, communication)), as `shardc cost` reports it")
 
 
 def _seconds(x: float) -> str:
@@ -104,6 +105,15 @@ def render_text(plan: Plan) -> str:
     lines += _phase_lines(f"backward (save={plan.save})", plan.backward, sizes)
     if plan.residuals:
         lines.append("       residuals kept from the forward: " + ", ".join(str(r) for r in plan.residuals))
+    if plan.recomputed:
+        lines.append(f"       recomputed in the backward (--recompute {plan.recompute}): "
+                     + ", ".join(dict.fromkeys(s.tensor for s in plan.recomputed)))
+    if plan.optimizer:
+        lines.append("")
+        how = ("gradients reduce-scattered onto the optimizer state's shard" if plan.spec.zero is not None
+               and plan.spec.zero.stage == 1 else "gradients made on the shard by the backward")
+        lines += _phase_lines(f"optimizer ({plan.spec.zero}: {how}, each shard updated, the updated params "
+                              "all-gathered)", plan.optimizer, sizes)
     renamed = [(plan.primal(g.name), g.name) for g in plan.cotangents + plan.grads
                if g.name != f"d{plan.primal(g.name)}"]
     if renamed:  # the book's dX names a tensor of the spec: say what the gradient is called instead
@@ -151,17 +161,22 @@ def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
 def to_json(plan: Plan) -> dict[str, Any]:
     sizes = plan.size_map
     totals = {}
-    for name, steps in (("forward", plan.forward), ("backward", plan.backward)):
+    for name, steps in (("forward", plan.forward), ("backward", plan.backward), ("optimizer", plan.optimizer)):
         formula, _, terms = phase_total(steps)
         value = int(_phase_bytes(steps, sizes)) if sizes is not None else None
         totals[name] = {"bytes_expr": formula, "bytes": value}
     timing: dict[str, Any] = {"hardware": plan.hardware, "notes": list(plan.notes)}
     if sizes is not None:
         t = plan_time(plan)
-        timing.update(step_s=t.step_s, forward_s=t.forward_s, backward_s=t.backward_s, comm_s=t.comm_s)
+        timing.update(step_s=t.step_s, forward_s=t.forward_s, backward_s=t.backward_s, optimizer_s=t.optimizer_s,
+                      comm_s=t.comm_s)
     return timing | {
         "forward": [step_json(s, sizes) for s in plan.forward],
         "backward": [step_json(s, sizes) for s in plan.backward],
+        "optimizer": [step_json(s, sizes) for s in plan.optimizer],
+        "zero": None if plan.spec.zero is None else {"stage": plan.spec.zero.stage, "axes": list(plan.spec.zero.axes)},
+        "recompute": plan.recompute,
+        "recomputed": [step_json(s, sizes) for s in plan.recomputed],
         "save": plan.save,
         "strategy": plan.strategy,
         "totals": totals,

@@ -35,6 +35,7 @@ __all__ = [
     "format_axes",
     "SCHEDULES",
     "Schedule",
+    "Zero",
 ]
 
 
@@ -291,6 +292,22 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class Zero:
+    """``zero STAGE over AXES``: ZeRO (Rajbhandari et al. 2020) over mesh axes.
+
+    Stage 1 shards the optimizer state over ``axes``, stage 2 the gradients too,
+    stage 3 the params too (FSDP); axes in the order written, major to minor.
+    """
+
+    stage: int
+    axes: tuple[str, ...]
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"zero {self.stage} over {', '.join(self.axes)}"
+
+
+@dataclass(frozen=True)
 class Statement:
     """``result = expr`` (statement form) or ``expr -> result`` (chain form)."""
 
@@ -320,9 +337,10 @@ class Spec:
     # Pipeline parallelism (with a `pipeline` mesh axis): microbatches a step, and the schedule.
     microbatches: int | None = None
     schedule: Schedule | None = None  # None: the default, 1f1b
+    zero: Zero | None = None  # ZeRO stage and axes (`zero 1 over X`); None: the state is sharded as the params
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
-    # "param", "const", "hardware", "layers" (the keyword), "dim:B", "param:W_in" and
+    # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in" and
     # "const:Mask" (one entry each).
     header_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, hash=False, repr=False)
 
@@ -355,5 +373,7 @@ class Spec:
             lines.append(f"microbatches {self.microbatches}")
         if self.schedule is not None:
             lines.append(f"schedule {self.schedule}")
+        if self.zero is not None:
+            lines.append(str(self.zero))
         lines.extend(str(s) for s in self.statements)
         return "\n".join(lines) + "\n"

@@ -22,7 +22,7 @@ Representation decisions (other passes rely on them):
   ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
   Header lines may come anywhere; statements keep their order.
 - A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
-  ``microbatches``/``schedule`` is the keyword, so those nine words cannot name a tensor or
+  ``microbatches``/``schedule``/``zero`` is the keyword, so those ten words cannot name a tensor or
   function there.
 """
 
@@ -55,6 +55,7 @@ from shardc.spec.ir import (
     Spec,
     Statement,
     TensorRef,
+    Zero,
 )
 
 __all__ = ["parse", "parse_size", "grammar_text"]
@@ -88,10 +89,11 @@ _TERMINAL_WORDS = {
     "CONST": "`const`",
     "HARDWARE": "`hardware`",
     "LAYERS": "`layers`",
-    "OVER": "`over`",
+    "OVER": "`over` (`over dcn` in the mesh, `over X` after zero)",
     "PIPELINE": "`pipeline`",
     "MICROBATCHES": "`microbatches`",
     "SCHEDULE": "`schedule`",
+    "ZERO": "`zero`",
 }
 
 _SIZE_RE = re.compile(r"[0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9]{1,4})?")
@@ -425,6 +427,16 @@ class _Builder(Transformer[Token, Any]):
     def schedule_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("schedule", _schedule(children), _span(children[0], children[-1]))
 
+    def zero_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        stage = children[1]
+        if str(stage) not in ("1", "2", "3"):
+            raise ShardcError(f"`zero {stage}`: ZeRO has stages 1, 2 and 3", _span(stage),
+                              fix="write `zero 1 over X` (optimizer state), `zero 2 over X` (and gradients) "
+                                  "or `zero 3 over X` (and params)")
+        axes = tuple(str(t) for t in children[3:] if t.type == "NAME")
+        return ("zero", Zero(int(str(stage)), axes, span=_span(children[0], children[-1])),
+                _span(children[0], children[-1]))
+
     def start(self, children: list[Any]) -> Spec:
         return _build_spec([c for c in children if not isinstance(c, Token)])
 
@@ -525,6 +537,7 @@ def _build_spec(items: list[Any]) -> Spec:
         layers=header.get("layers"),
         microbatches=header.get("microbatches"),
         schedule=header.get("schedule"),
+        zero=header.get("zero"),
         filename=_local.filename,
         header_spans=tuple(spans),
     )

@@ -6,7 +6,8 @@ order (so the first problem of the file is the one reported):
 - the header: mesh axes named once, dims named once and without `_`, no name
   both a mesh axis and a dim (cost formulas read both as one symbol),
   `layers L` naming a dim, `param` naming input tensors, `const` naming
-  inputs that are not params;
+  inputs that are not params, `zero N over X` naming mesh axes (not the
+  pipeline's), each once;
 - each tensor reference: an index at most once, each axis in the mesh and used
   at most once (dims and the `{U_..}` suffix together), sizes known and
   divisible by the axes when `dims` is given;
@@ -78,6 +79,7 @@ def _check(spec: Spec) -> None:
     _check_params(spec, defined)
     _check_const(spec, defined)
     _check_namespaces(spec)
+    _check_zero(spec)
     check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
     _check_feed(spec)  # after the per-reference checks: it compares whole shardings
 
@@ -206,6 +208,24 @@ def _check_listed(spec: Spec, defined: dict[str, int], keyword: str, listed: tup
             inputs = sorted(names - set(defined))
             raise ShardcError(f"{keyword} {name} is not a tensor of the spec", span,
                               fix="list input tensors the statements read: " + (", ".join(inputs) or "none"))
+
+
+def _check_zero(spec: Spec) -> None:
+    """``zero N over AXES``: mesh axes, each once, not the pipeline's (its devices hold other layers)."""
+    zero = spec.zero
+    if zero is None:
+        return
+    seen: set[str] = set()
+    for axis in zero.axes:
+        if axis not in spec.mesh.names:
+            raise ShardcError(f"`{zero}`: {axis} is not a mesh axis ({spec.mesh})", zero.span,
+                              fix="shard the training state over mesh axes: " + ", ".join(spec.mesh.names))
+        if axis in seen:
+            raise ShardcError(f"`{zero}`: axis {axis} is given twice", zero.span, fix=f"name {axis} once")
+        if spec.mesh.axis(axis).pipeline:
+            raise ShardcError(f"`{zero}`: {axis} is the pipeline axis, whose devices hold different layers",
+                              zero.span, fix="shard the state over a data-parallel axis of the mesh")
+        seen.add(axis)
 
 
 def _check_feed(spec: Spec) -> None:

@@ -1,0 +1,121 @@
+"""Activation recomputation: which forward values the backward keeps, and which it makes again.
+
+``--recompute`` picks what the backward may read from memory:
+
+* ``none``: every residual the save policy keeps (``Plan.residuals``, and the
+  layer's inputs).
+* ``full``: only what the forward started from (each layer's input; params are
+  state, not activations), as Megatron-LM's full checkpointing keeps it
+  (Korthikanti et al. 2022, section 4: 2sbh a layer, its input).
+* ``selective``: everything but the attention-score region (Korthikanti et al.
+  2022, section 4.3: the QK^T result, softmax, softmax dropout), which is cheap
+  to recompute and large (5as/h of the 34 + 5as/h).
+
+What is not kept is recomputed (:func:`recompute_steps`): the forward steps that
+make the residuals the backward reads and does not keep, and the steps making
+what those read, back to kept values, in forward order, as ``jax.checkpoint``
+reruns them (a step whose result the backward never needs, even through another,
+is not rerun).  Their FLOPs and collectives run in the backward phase
+(:mod:`shardc.timing`), so the planner's objective and ``shardc cost`` count them.
+
+The attention-score region is found structurally (:func:`attention_region`): it
+starts at an einsum of two activations (no param) whose result keeps a free index
+of each (``Q[B, S, N, H] · K[B, T, N, H] -> Sc[B, N, S, T]``), grows through the
+elementwise and :data:`REGION_OPS` steps that read it (``softmax``, ``causal``,
+``dropout``, a sum with a mask, or any elementwise function), and must end at an einsum of two
+activations that contracts one of the score's free indices (the attention times
+V).  ``X · W`` with a param is never a score; ``P · V`` is not one either, as
+nothing contracts its result with another activation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from shardc.planner.graph import Graph, Node
+from shardc.planner.ir import Step
+from shardc.spec.ir import TensorRef
+
+__all__ = ["RECOMPUTE_MODES", "REGION_OPS", "attention_region", "recompute_steps", "reads"]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+# Node kinds or function names that continue an attention-score region (beside any elementwise function).
+REGION_OPS = frozenset({"softmax", "causal", "dropout", "add"})  # "add": a bias or mask added to the scores
+
+
+def reads(step: Step) -> tuple[TensorRef, ...]:
+    """The values a step reads: its operands, and a collective's source."""
+    return (*step.operands, *((step.src,) if step.src is not None else ()))
+
+
+def _norm(ref: TensorRef) -> TensorRef:
+    return TensorRef(ref.name, ref.dims, ref.unreduced)
+
+
+def _continues(node: Node) -> bool:
+    """Whether a node reading the region stays in it: elementwise, or named in :data:`REGION_OPS`
+    by its kind, its function or the spec's call it computes (``softmax`` is a "normalize" node)."""
+    names = {node.kind, node.fn or "", node.call.func if node.call is not None else ""}
+    return node.kind == "elementwise" or bool(names & REGION_OPS)
+
+
+def _is_score(node: Node, graph: Graph) -> bool:
+    """An einsum of two activations whose result keeps a free index of each operand."""
+    if node.kind != "einsum" or len(node.operands) != 2 or any(o in graph.params for o in node.operands):
+        return False
+    a, b = (set(graph.indices[o]) for o in node.operands)
+    out = set(node.indices)
+    return bool((a - b) & out) and bool((b - a) & out)
+
+
+def attention_region(graph: Graph) -> frozenset[str]:
+    """The tensors of every attention-score region of the graph (see the module docstring)."""
+    found: set[str] = set()
+    for start in graph.nodes:
+        if not _is_score(start, graph):
+            continue
+        a, b = (set(graph.indices[o]) for o in start.operands)
+        free = (a ^ b) & set(start.indices)
+        region = {start.result}
+        closed = False
+        for node in graph.nodes:
+            if not set(node.operands) & region or node.result in region:
+                continue
+            if _continues(node):  # another operand (a mask, a bias) is read, not recomputed
+                region.add(node.result)
+            elif (node.kind == "einsum" and len(node.operands) == 2
+                  and not any(o in graph.params for o in node.operands)
+                  and free - set(node.indices)):
+                closed = True  # the attention times V contracts a free index of the scores
+        if closed:
+            found |= region
+    return frozenset(found)
+
+
+def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[TensorRef],
+                    start: Iterable[TensorRef], region: frozenset[str]) -> tuple[Step, ...]:
+    """The forward steps the backward reruns under ``mode``, in forward order.
+
+    ``residuals`` are the forward values the backward reads, ``start`` the values the
+    forward starts from (declared inputs and params), ``region`` the tensors
+    ``selective`` recomputes.
+    """
+    if mode == "none":
+        return ()
+    kept = {_norm(r) for r in start}
+    wanted = [_norm(r) for r in residuals]
+    if mode == "selective":
+        kept |= {r for r in wanted if r.name not in region}
+        kept |= {_norm(r) for s in forward if s.tensor in region for r in reads(s) if r.name not in region}
+    producer: dict[TensorRef, int] = {}
+    for k, step in enumerate(forward):
+        producer.setdefault(_norm(step.dst), k)
+    chosen: set[int] = set()
+    todo = [r for r in wanted if r not in kept]
+    while todo:
+        found = producer.get(todo.pop())
+        if found is None or found in chosen:
+            continue
+        chosen.add(found)
+        todo += [r for r in map(_norm, reads(forward[found])) if r not in kept]
+    return tuple(forward[k] for k in sorted(chosen))
