@@ -157,7 +157,20 @@ def _configuration(problem: EinsumProblem, roles: dict[str, str], order: dict[st
     return locals_, local_result, roles
 
 
-def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None) -> Solution | None:
+def partial_axes(ctx: CostContext, problem: EinsumProblem) -> frozenset[str]:
+    """The axes a local result of ``problem`` may be unreduced over: those that may shard a
+    contracted index, and those an operand's partial sums pass through (see :func:`_assignments`)."""
+    contracted = [i for i, c in classify(problem).items() if c == "contracted"]
+    out: set[str] = set()
+    for unit in ctx.unit_list():
+        if any(ctx.divides(i, unit) for i in contracted) or any(
+                unit[0] in s.unreduced for op in problem.operands for s in op.sources):
+            out.update(unit)
+    return frozenset(out)
+
+
+def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None,
+              partial: frozenset[str] | None = None) -> Solution | None:
     locals_, local_result, roles = config
     total: Cost = compute_cost(ctx, problem, locals_)
     operand_moves = []
@@ -177,7 +190,10 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
         if not local_result.reaches(target):
             return None  # partial sums cannot be made from reduced values
         if problem.target is not None:  # one search back from it answers every configuration
-            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, room(best, total))
+            if partial is not None and not partial.issuperset(local_result.unreduced):
+                partial = None  # a local result the search's roles do not make (the rules')
+            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, room(best, total),
+                               partial)
         else:
             found = reshard(ctx, problem.result, problem.indices, (local_result,), target, room(best, total))
         if found is None or found[0] == INFINITE:
@@ -217,9 +233,10 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
     best: Solution | None = None
     seen: list[Solution] = []
     bound: Cost | None = None
+    partial = partial_axes(ctx, problem)
     for config in configurations(ctx, problem):
         ctx.tick()
-        sol = _evaluate(ctx, problem, config, bound)
+        sol = _evaluate(ctx, problem, config, bound, partial)
         if sol is None:
             continue
         seen.append(sol)
@@ -240,7 +257,7 @@ def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ..
     if ctx.places is not None:  # past four axes: the order the search allows, where the spec gives one
         order = {i: _placed_order(ctx, i, axes) for i, axes in order.items()}
     config = _configuration(problem, roles, order)
-    sol = None if config is None else _evaluate(ctx, problem, config, None)
+    sol = None if config is None else _evaluate(ctx, problem, config, None, partial_axes(ctx, problem))
     if sol is None:
         # The rules cannot reach every requested result (e.g. partial sums over an axis
         # the rules gather away); the exact search decides those.
