@@ -18,7 +18,9 @@ from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
 from shardc.spec.ir import TensorRef
 
-__all__ = ["Phase"]
+__all__ = ["Phase", "Traced"]
+
+Traced = tuple[object, EinsumProblem, "tuple[Value, ...] | None", Solution]
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Phase:
     made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
+    # every solve's (key, problem, given values, solution), in order: see planner._same_steps
+    trace: list[Traced] | None = None
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])
@@ -75,8 +79,7 @@ class Phase:
             tuple(Operand(n, self.indices[n], tuple(self.held[n])) for n in operands),
             result, self.indices[result], target)
         # Layers repeat: the same problem (up to names) is solved and explained once.
-        key = (tuple((o.indices, o.sources, o.name in self.ctx.weights) for o in problem.operands),
-               problem.indices, target, result in self.ctx.weights, self.name, rule_given)
+        key = self.key(problem, rule_given)
         hit = self.solved.get(key)
         if hit is None:
             try:
@@ -99,8 +102,21 @@ class Phase:
         self.choices.append(Choice(self.name, label, rows, reason))
         return sol.final
 
+    def key(self, problem: EinsumProblem, rule_given: tuple[Value, ...] | None) -> object:
+        """``problem`` up to names: what its solution depends on."""
+        weights = self.ctx.weights
+        return (tuple((o.indices, o.sources, o.name in weights) for o in problem.operands),
+                problem.indices, problem.target, problem.result in weights, self.name, rule_given)
+
     def solve(self, problem: EinsumProblem,
               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
+        found = self._solve(problem, rule_given)
+        if self.trace is not None:
+            self.trace.append((self.key(problem, rule_given), problem, rule_given, found[0]))
+        return found
+
+    def _solve(self, problem: EinsumProblem,
+               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
         if len(problem.operands) == 1:
             return self.solve_copy(problem), []
         if self.sized:
