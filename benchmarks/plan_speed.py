@@ -5,8 +5,9 @@ Prints, each with its target:
 - the 96-layer spec (two einsums a layer, FSDP + TP MLP blocks): parse + plan, < 0.2 s;
 - the 8-axis MaxText-style mesh (``data=16, stage=1, fsdp=1, seq=1, tensor=4, expert=1,
   ctx=1, tt=1``): plan, < 1 s (size-1 axes are stripped before the search);
-- an MLP block on 6 mesh axes of size 2: plan, < 5 s (or the planner's clear error
-  past its time budget, with the time it took to say so);
+- an MLP block on 4, 5 and 6 mesh axes of size 2, and two specs on 6 and 5 axes of size 2
+  whose references write the axes apart (no two always together): plan, < 5 s (or the
+  planner's clear error past its time budget, with the time it took to say so);
 - ``shardc plan`` and ``shardc cost`` on an example, wall time of a fresh process
   (imports included), < 0.3 s and < 0.6 s.
 
@@ -55,6 +56,22 @@ def axes_of_two(n: int) -> str:
             f"Out[B_{batch}, D] = T[B_{batch}, F_{hidden}] · W_out[F_{hidden}, D_{batch}]\n")
 
 
+# Six axes of size 2 written apart: no two axes always together, so none move as one
+# (the issue's spec: 35 s and a give-up at the 30 s budget before the search kept axes in place).
+SIX_APART = """mesh P=2, Q=2, R=2, X=2, Y=2, Z=2
+dims B=4096, D=1024, F=4096
+T[B_{P,Q}, F_{X,Y}] = In[B_{P,R}, D_Z] · W_in[D_{Q,X}, F_{Y,Z}]
+Out[B_{P,Q}, D_R] = T[B_{P,Q}, F_{X,Y}] · W_out[F_{Z,X}, D_{Y,Q}]
+"""
+
+# Five axes written apart, attention-style projections with tensors of three and four dims.
+FIVE_APART = """mesh P=2, Q=2, R=2, X=2, Y=2
+dims B=256, L=2048, D=1024, H=32, K=64
+A[B_P, L_R, H_{Q,X}, K] = In[B_{P,Q}, L_R, D_Y] · Wq[D_{X,Y}, H_Q, K]
+Out[B_P, L_{R,Y}, D_X] = A[B_P, L_R, H_{Q,X}, K] · Wo[H_{Q,X}, K, D_Y]
+"""
+
+
 def timed(label: str, text: str, target: float) -> None:
     t0 = time.perf_counter()
     try:
@@ -66,18 +83,22 @@ def timed(label: str, text: str, target: float) -> None:
     print(f"{label}: parse + plan {total:.3f} s = {total / target:.2f} x the {target:g} s target ({outcome})")
 
 
-def deep(layers: int) -> None:
+def deep(layers: int, runs: int = 5) -> None:
+    """Parse + plan of the deep spec, the best of ``runs`` (the machine may be busy in some)."""
     for sized in (True, False):
         text = deep_spec(layers, sized)
-        t0 = time.perf_counter()
-        spec = shardc.parse(text, filename="deep.shard")
-        t1 = time.perf_counter()
-        result = shardc.plan(spec)
-        t2 = time.perf_counter()
+        best = (float("inf"), 0.0, 0.0)
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            spec = shardc.parse(text, filename="deep.shard")
+            t1 = time.perf_counter()
+            result = shardc.plan(spec)
+            t2 = time.perf_counter()
+            best = min(best, (t2 - t0, t1 - t0, t2 - t1))
         steps = len(result.forward) + len(result.backward)
-        total = t2 - t0
-        print(f"{layers} layers, {'with' if sized else 'without'} dims: parse {t1 - t0:.3f} s, "
-              f"plan {t2 - t1:.3f} s ({steps} steps), total {total:.3f} s = {total / 0.2:.2f} x the 0.2 s target")
+        total, parse, plan = best
+        print(f"{layers} layers, {'with' if sized else 'without'} dims (best of {runs}): parse {parse:.3f} s, "
+              f"plan {plan:.3f} s ({steps} steps), total {total:.3f} s = {total / 0.2:.2f} x the 0.2 s target")
 
 
 def cli(command: str, example: str, target: float) -> None:
@@ -97,6 +118,8 @@ def main() -> None:
     timed("8-axis MaxText-style mesh (6 axes of size 1)", MAXTEXT, 1.0)
     for n in (4, 5, 6):
         timed(f"{n} axes of size 2", axes_of_two(n), 5.0)
+    timed("6 axes of size 2 written apart", SIX_APART, 5.0)
+    timed("5 axes of size 2 written apart (3- and 4-dim tensors)", FIVE_APART, 5.0)
     cli("plan", "examples/fsdp_tp.shard", 0.3)
     cli("cost", "examples/fsdp_tp.shard", 0.6)
 

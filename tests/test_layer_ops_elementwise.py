@@ -118,10 +118,11 @@ def test_a_rename_is_an_alias() -> None:
     _verified(plan)
 
 
-def test_a_rename_to_another_sharding_moves_only_the_source() -> None:
+def test_a_rename_to_another_sharding_is_an_alias_then_moves() -> None:
     plan = _plan("mesh X=2, Y=2\nKx[B, T_Y, D] = X[B_X, S, D]\nO[B, T_Y, F] = Kx[B, T_Y, D] · W[D, F]\n")
-    moves = [s for s in plan.forward if s.is_collective or s.op is Op.SLICE]
-    assert {s.tensor for s in moves} == {"X"}
+    assert plan.forward[0].fn == "alias" and str(plan.forward[0].dst) == "Kx[B_X, T, D]"
+    moves = [s for s in plan.forward if (s.is_collective or s.op is Op.SLICE) and s.tensor != "O"]
+    assert {s.tensor for s in moves} == {"Kx"} and str(moves[-1].dst) == "Kx[B, T_Y, D]"  # X never moves
     _verified(plan)
 
 

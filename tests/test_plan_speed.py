@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given
 
 import shardc
 from shardc.hardware import resolve_hardware
 from shardc.planner import planner
 from shardc.planner.graph import build_graph
 from shardc.planner.unit import bonded_axes, strip_unit_axes
+from shardc.testing import specs
 from shardc.timing import plan_time
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -28,18 +30,34 @@ def _fresh(spec: shardc.Spec, strategy: str, weights: tuple[float, float]) -> sh
     return planner._plan(spec, graph, "default", strategy, ctx, weights)
 
 
-@pytest.mark.parametrize("text", [DEEP, *(p.read_text() for p in sorted(EXAMPLES.glob("*.shard"))[:6])])
-def test_shared_caches_pick_the_plan_fresh_candidates_pick(text: str) -> None:
-    spec = shardc.parse(text)
-    if not spec.dims:
-        pytest.skip("without dims the rules plan alone")
+def _every_candidate_fresh(spec: shardc.Spec) -> shardc.Plan:
+    """The plan of least time among every candidate, each planned alone (none skipped)."""
     first = _fresh(spec, "search", planner.SUM)
     t = plan_time(first)
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
              0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
     candidates = [first] + [_fresh(spec, "search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != planner.SUM]
     candidates.append(_fresh(spec, "rules", planner.SUM))
-    expected = min(candidates, key=lambda p: planner._objective(plan_time(p)))
+    return min(candidates, key=lambda p: planner._objective(plan_time(p)))
+
+
+@pytest.mark.parametrize("text", [DEEP, *(p.read_text() for p in sorted(EXAMPLES.glob("*.shard")))])
+def test_shared_caches_pick_the_plan_fresh_candidates_pick(text: str) -> None:
+    spec = shardc.parse(text)
+    if not spec.dims:
+        pytest.skip("without dims the rules plan alone")
+    if spec.mesh.pipeline_axis is not None:
+        pytest.skip("a pipelined spec plans one stage's spec (tests/test_pipeline.py)")
+    assert shardc.plan(spec) == _every_candidate_fresh(spec)
+
+
+@given(specs(max_statements=3, dims=True, chains=False))
+def test_skipping_candidates_with_the_first_ones_steps_changes_no_plan(spec: shardc.Spec) -> None:
+    """The planner skips a candidate whose solves repeat the first's moves: the result is as if it had not."""
+    try:
+        expected = _every_candidate_fresh(spec)
+    except shardc.ShardcError:
+        return  # a spec no sharding plans: the planner says so (tested elsewhere)
     assert shardc.plan(spec) == expected
 
 

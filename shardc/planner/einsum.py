@@ -91,11 +91,12 @@ def classify(problem: EinsumProblem) -> dict[str, str]:
     return classes
 
 
-def _local_values(problem: EinsumProblem, roles: dict[str, str],
-                  orders: dict[str, tuple[str, ...]]) -> tuple[tuple[Value, ...], Value]:
-    """The operands' and result's local values for one assignment of axes."""
+def _local_values(problem: EinsumProblem, roles: dict[str, str], orders: dict[str, tuple[str, ...]],
+                  classes: dict[str, str] | None = None) -> tuple[tuple[Value, ...], Value]:
+    """The operands' and result's local values for one assignment of axes (``classes``: the problem's)."""
     passing = tuple(sorted(a for a, r in roles.items() if passes(r) is not None))
-    classes = classify(problem)
+    if classes is None:
+        classes = classify(problem)
     locals_: list[Value] = []
     for k, op in enumerate(problem.operands):
         layout = tuple(orders.get(i, ()) for i in op.indices)
@@ -141,22 +142,36 @@ Config = tuple[tuple[Value, ...], Value, dict[str, str]]  # local operands, loca
 
 def configurations(ctx: CostContext, problem: EinsumProblem) -> Iterator[Config]:
     """Every valid local configuration, in a fixed order (ties go to the first)."""
+    classes = classify(problem)
     for roles in _assignments(ctx, problem):
         for order in _orders(ctx, roles):
-            config = _configuration(problem, roles, order)
+            config = _configuration(problem, roles, order, classes)
             if config is not None:
                 yield config
 
 
-def _configuration(problem: EinsumProblem, roles: dict[str, str],
-                   order: dict[str, tuple[str, ...]]) -> Config | None:
+def _configuration(problem: EinsumProblem, roles: dict[str, str], order: dict[str, tuple[str, ...]],
+                   classes: dict[str, str] | None = None) -> Config | None:
     # partial sums pass through one operand only (a product of two is not a partial sum):
     # the roles say which, and the other operand is reduced over that axis first
-    locals_, local_result = _local_values(problem, roles, order)
+    locals_, local_result = _local_values(problem, roles, order, classes)
     return locals_, local_result, roles
 
 
-def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None) -> Solution | None:
+def partial_axes(ctx: CostContext, problem: EinsumProblem) -> frozenset[str]:
+    """The axes a local result of ``problem`` may be unreduced over: those that may shard a
+    contracted index, and those an operand's partial sums pass through (see :func:`_assignments`)."""
+    contracted = [i for i, c in classify(problem).items() if c == "contracted"]
+    out: set[str] = set()
+    for unit in ctx.unit_list():
+        if any(ctx.divides(i, unit) for i in contracted) or any(
+                unit[0] in s.unreduced for op in problem.operands for s in op.sources):
+            out.update(unit)
+    return frozenset(out)
+
+
+def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None,
+              partial: frozenset[str] | None = None) -> Solution | None:
     locals_, local_result, roles = config
     total: Cost = compute_cost(ctx, problem, locals_)
     operand_moves = []
@@ -176,7 +191,10 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
         if not local_result.reaches(target):
             return None  # partial sums cannot be made from reduced values
         if problem.target is not None:  # one search back from it answers every configuration
-            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, room(best, total))
+            if partial is not None and not partial.issuperset(local_result.unreduced):
+                partial = None  # a local result the search's roles do not make (the rules')
+            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, room(best, total),
+                               partial)
         else:
             found = reshard(ctx, problem.result, problem.indices, (local_result,), target, room(best, total))
         if found is None or found[0] == INFINITE:
@@ -216,9 +234,10 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
     best: Solution | None = None
     seen: list[Solution] = []
     bound: Cost | None = None
+    partial = partial_axes(ctx, problem)
     for config in configurations(ctx, problem):
         ctx.tick()
-        sol = _evaluate(ctx, problem, config, bound)
+        sol = _evaluate(ctx, problem, config, bound, partial)
         if sol is None:
             continue
         seen.append(sol)
@@ -236,13 +255,24 @@ def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ..
     """The the book's rule-based plan: one configuration, chosen without sizes."""
     roles = rule_config(ctx, problem, given)
     order = _rule_order(problem, roles, given)
+    if ctx.places is not None:  # past four axes: the order the search allows, where the spec gives one
+        order = {i: _placed_order(ctx, i, axes) for i, axes in order.items()}
     config = _configuration(problem, roles, order)
-    sol = None if config is None else _evaluate(ctx, problem, config, None)
+    sol = None if config is None else _evaluate(ctx, problem, config, None, partial_axes(ctx, problem))
     if sol is None:
         # The rules cannot reach every requested result (e.g. partial sums over an axis
         # the rules gather away); the exact search decides those.
         return solve(ctx, problem)[0]
     return sol
+
+
+def _placed_order(ctx: CostContext, index: str, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``axes`` as the search may put them on ``index`` (:attr:`CostContext.places`), if it may at all."""
+    assert ctx.places is not None
+    rank = ctx.places.get(index, (frozenset(), None))[1]
+    if ctx.placed(index, axes) or rank is None or not set(axes) <= set(rank):
+        return axes
+    return tuple(sorted(axes, key=rank.__getitem__))
 
 
 def _where(problem: EinsumProblem, k: int, value: Value, axis: str) -> str | None:

@@ -42,10 +42,11 @@ from fractions import Fraction
 from shardc.collectives import collective_time, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware, default_spans
 from shardc.planner.ir import Monomial, Op
+from shardc.planner.unit import Placements
 from shardc.spec.ir import Dim, DType, Mesh, TensorRef
 
-__all__ = ["Layout", "Value", "Move", "Cost", "CostContext", "reshard", "least_costs", "ZERO", "add_cost",
-           "SearchTooLong"]
+__all__ = ["Layout", "Value", "Move", "expand", "spanning", "Cost", "CostContext", "reshard", "least_costs", "ZERO",
+           "add_cost", "SearchTooLong"]
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -105,6 +106,18 @@ class Move:
     dim: int | None = None
     dim2: int | None = None
     volume: Monomial | None = None
+    # The moves this one stands for, when it is several (free slices, then the collective):
+    # past four axes the search keeps axes in place, and a gather may still span more links.
+    via: tuple[Move, ...] = ()
+
+
+def expand(moves: Iterable[Move]) -> tuple[Move, ...]:
+    """``moves`` with each move that stands for several replaced by them."""
+    out = tuple(moves)
+    for move in out:
+        if move.via:
+            return tuple(m for move in out for m in (move.via or (move,)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,10 @@ class CostContext:
     # axis alone (exact).  See shardc.planner.unit.bonded_axes.
     units: tuple[tuple[str, ...], ...] | None = None
     _heads: frozenset[str] | None = None
+    # Past four axes, where each axis may go (shardc.planner.unit.placements); None: anywhere (exact).
+    places: Placements | None = None
+    _placed: dict[tuple[str, tuple[str, ...], bool], bool] = field(default_factory=dict)
+    _seconds: dict[tuple[Op, float, tuple[str, ...]], float] = field(default_factory=dict)
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
     _compute: dict[tuple[object, ...], float] = field(default_factory=dict)
@@ -175,7 +192,12 @@ class CostContext:
     def seconds(self, op: Op, volume: Monomial | float, axes: tuple[str, ...]) -> float:
         """Time of one collective moving ``volume`` (a formula, or bytes) on the plan's chip."""
         nbytes = volume if isinstance(volume, float | int) else self.evaluate(volume)
-        return collective_time(op, nbytes, axes, self.mesh, self.axis_sizes, self.hardware, self.links).seconds
+        key = (op, nbytes, axes)
+        hit = self._seconds.get(key)
+        if hit is None:  # layouts of one size recur across searches
+            hit = self._seconds[key] = collective_time(op, nbytes, axes, self.mesh, self.axis_sizes, self.hardware,
+                                                       self.links).seconds
+        return hit
 
     def move_cost(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Cost:
         if move.volume is None:
@@ -263,9 +285,31 @@ class CostContext:
             self.values.append(value)
         return n
 
-    def divides(self, index: str, axes: tuple[str, ...]) -> bool:
+    def placed(self, index: str, axes: tuple[str, ...], order: bool = True) -> bool:
+        """Whether :attr:`places` lets ``index`` be sharded over ``axes`` (these axes, in this order
+        unless ``order`` is false)."""
+        assert self.places is not None
+        key = (index, axes, order)
+        hit = self._placed.get(key)
+        if hit is None:
+            allowed, rank = self.places.get(index, (frozenset(), None))
+            hit = set(axes) <= allowed
+            if hit and rank is not None and order:
+                ranks = [rank[a] for a in axes]
+                hit = all(x < y for x, y in zip(ranks, ranks[1:], strict=False))
+            self._placed[key] = hit
+        return hit
+
+    def divides(self, index: str, axes: tuple[str, ...], order: bool = True) -> bool:
         """Whether the search may shard ``index`` over ``axes``: evenly, or (padded) a dim the spec shards
-        unevenly, if every device still gets part of it."""
+        unevenly, if every device still gets part of it; past four axes, only where :attr:`places` allows
+        (in any order of ``axes`` if ``order`` is false)."""
+        if self.places is not None and not self.placed(index, axes, order):
+            return False
+        return self.fits(index, axes)
+
+    def fits(self, index: str, axes: tuple[str, ...]) -> bool:
+        """Whether ``index`` may be sharded over ``axes`` by size alone (see :meth:`divides`)."""
         if self.sizes is None:
             return True
         product = math.prod(self.axis_sizes[a] for a in axes)
@@ -342,6 +386,35 @@ def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Mov
     yield from _multi_gathers(ctx, idx, v)
     yield from _slices(ctx, idx, v)
     yield from _all_to_alls(ctx, idx, v)
+    if ctx.places is not None:
+        for gather in itertools.chain(_gathers(ctx, idx, v), _multi_gathers(ctx, idx, v)):
+            yield from spanning(ctx, idx, gather)
+
+
+def spanning(ctx: CostContext, idx: tuple[str, ...], gather: Move) -> Iterator[Move]:
+    """``gather`` over more links: free units sliced onto its last dim first, then gathered with it.
+
+    Past four axes the search keeps each axis where the spec puts it (:attr:`CostContext.places`),
+    so it would not reach the state between; the pair is one move of the search.
+    """
+    src = gather.src
+    d = gather.dim if gather.dim is not None else max(
+        k for k, (a, b) in enumerate(zip(src.layout, gather.dst.layout, strict=True)) if a != b)
+    free = ctx.free_units(src.used())
+    extras = [list(c) for k in range(1, len(free) + 1) for c in itertools.combinations(free, k)] \
+        if len(free) <= 2 else [[u] for u in free] + [free]
+    for extra in extras:
+        axes = tuple(a for u in extra for a in u)
+        if not ctx.fits(idx[d], src.layout[d] + axes):
+            continue
+        steps, cur = [], src
+        for unit in extra:
+            nxt = Value(_replace(cur.layout, d, cur.layout[d] + unit), cur.unreduced)
+            steps.append(Move(Op.SLICE, cur, nxt, unit, dim=d))
+            cur = nxt
+        last = Move(Op.ALL_GATHER, cur, gather.dst, gather.axes + axes, dim=gather.dim, volume=gather.volume)
+        yield Move(Op.ALL_GATHER, src, gather.dst, last.axes, dim=gather.dim, volume=gather.volume,
+                   via=(*steps, last))
 
 
 INFINITE: Cost = (float("inf"), 0, 0)
@@ -438,4 +511,4 @@ def _path(back: dict[int, tuple[Move, int]], end: int) -> tuple[Move, ...]:
     while state in back:
         move, state = back[state]
         moves.append(move)
-    return tuple(reversed(moves))
+    return expand(reversed(moves))

@@ -18,7 +18,9 @@ from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
 from shardc.spec.ir import TensorRef
 
-__all__ = ["Phase"]
+__all__ = ["Phase", "Traced"]
+
+Traced = tuple[object, EinsumProblem, "tuple[Value, ...] | None", Solution]
 
 
 @dataclass
@@ -34,6 +36,8 @@ class Phase:
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
     sums: dict[object, object] = field(default_factory=dict)  # the sums searched (shardc.planner.sums)
+    # every solve's (key, problem, given values, solution), in order: see planner._same_steps
+    trace: list[Traced] | None = None
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])
@@ -84,8 +88,7 @@ class Phase:
             tuple(Operand(n, self.indices[n], tuple(self.held[n])) for n in operands),
             result, self.indices[result], target, partial)
         # Layers repeat: the same problem (up to names) is solved and explained once.
-        key = (tuple((o.indices, o.sources, o.name in self.ctx.weights) for o in problem.operands),
-               problem.indices, target, result in self.ctx.weights, self.name, rule_given, partial)
+        key = self.key(problem, rule_given)
         hit = self.solved.get(key)
         if hit is None:
             try:
@@ -108,8 +111,21 @@ class Phase:
         self.choices.append(Choice(self.name, label, rows, reason))
         return sol.final
 
+    def key(self, problem: EinsumProblem, rule_given: tuple[Value, ...] | None) -> object:
+        """``problem`` up to names: what its solution depends on."""
+        weights = self.ctx.weights
+        return (tuple((o.indices, o.sources, o.name in weights) for o in problem.operands),
+                problem.indices, problem.target, problem.result in weights, self.name, rule_given, problem.partial)
+
     def solve(self, problem: EinsumProblem,
               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
+        found = self._solve(problem, rule_given)
+        if self.trace is not None:
+            self.trace.append((self.key(problem, rule_given), problem, rule_given, found[0]))
+        return found
+
+    def _solve(self, problem: EinsumProblem,
+               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
         if len(problem.operands) == 1 and set(problem.indices) >= set(problem.operands[0].indices):
             return self.solve_copy(problem), []
         if self.sized:

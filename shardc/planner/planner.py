@@ -18,16 +18,24 @@ from shardc.hardware import Hardware, resolve_hardware
 from shardc.pipeline.stages import pipelined, stage_spec
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
+from shardc.planner.einsum import Solution
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.masks import MASK_BYTES, plan_masked
-from shardc.planner.phase import Phase
+from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.rows import plan_rows
 from shardc.planner.sums import plan_add, plan_rename
-from shardc.planner.unit import bonded_axes, strip_unit_axes, without_unit_axes
+from shardc.planner.unit import (
+    Placements,
+    bonded_axes,
+    placements,
+    restriction_note,
+    strip_unit_axes,
+    without_unit_axes,
+)
 from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.ir import Spec, TensorRef
@@ -75,7 +83,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         return _plan_within_budget(spec, save, strategy, hardware, spans, recompute)
     except SearchTooLong as e:
         raise ShardcError(
-            f"planning gave up after {BUDGET:.0f} s: the exact search over layouts grows with every mesh axis "
+            f"planning gave up after {BUDGET:.0f} s: the search over layouts grows with every mesh axis "
             f"(this mesh has {e.axes} of size > 1)",
             fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
                 "one axis XY=4), or drop the dims line to plan by the book's rules") from None
@@ -95,7 +103,8 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
                                                    recompute))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped)
-    ctx = _context(spec, graph, hw, spans, bonded_axes(stripped))  # one search cache for every candidate
+    units = bonded_axes(stripped)
+    ctx = _context(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
     if strategy == "auto" and spec.dims:
         return _best_plan(spec, graph, save, ctx, recompute)
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx,
@@ -111,18 +120,55 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
     and once with communication alone in both.  The exact step time picks the winner.
     """
     memo: dict[tuple[object, ...], tuple[float, float]] = {}  # step seconds, shared by the candidates
-    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, recompute=recompute)
+    trace: list[Traced] = []
+    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
     t = plan_time(first, ctx.hardware, memo=memo)
     candidates = [(_objective(t), first)]
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
              0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
-    for weights in [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM]:
-        p = _plan(spec, graph, save, "search", ctx, weights, notes=False, recompute=recompute)
+    others = [("search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM] + [("rules", SUM)]
+    for strategy, weights in others:
+        if _same_steps(graph, ctx, trace, strategy, weights):
+            continue  # the first's steps, so its time: the tie goes to the first anyway
+        p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
         candidates.append((_objective(plan_time(p, ctx.hardware, memo=memo)), p))
-    rules = _plan(spec, graph, save, "rules", ctx, notes=False, recompute=recompute)
-    candidates.append((_objective(plan_time(rules, ctx.hardware, memo=memo)), rules))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
-    return replace(best, notes=padding_notes(spec, best.forward + best.backward))
+    return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
+
+
+def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: str,
+                weights: tuple[float, float]) -> bool:
+    """Whether planning with ``strategy`` and ``weights`` makes the steps the traced plan made.
+
+    A phase's steps follow from its einsums' solutions alone (every other move is a
+    reshard, the same under any weights), and each solution from the values the phase
+    holds, which the earlier solutions made.  So if every solve the traced plan made
+    gives the same moves again, in order, the plans' steps are equal.  A chain's
+    layouts are chosen by their own search, so a spec with one is planned again.
+    """
+    if any(node.chain for node in graph.nodes):
+        return False
+    if strategy == "rules" and any(node.kind == "add" for node in graph.nodes):
+        return False  # a sum's local value is searched with sizes, and taken by a rule without
+    done: set[object] = set()
+    for key, problem, given, solution in trace:
+        if key in done:
+            continue
+        done.add(key)
+        name = key[4]  # type: ignore[index]  # the phase, see Phase.key
+        ctx.compute_weight = weights[0 if name == "forward" else 1]
+        phase = Phase(name, ctx, {}, strategy == "search", frozenset())  # type: ignore[arg-type]
+        again = phase.solve(problem, given)[0]
+        if _moves(again) != _moves(solution):
+            ctx.compute_weight = SUM[1]
+            return False
+    ctx.compute_weight = SUM[1]
+    return True
+
+
+def _moves(s: Solution) -> tuple[object, ...]:
+    """What of a solution becomes steps (its cost, under other weights, may differ)."""
+    return (s.operand_moves, s.locals, s.local_result, s.result_moves)
 
 
 def _check_spans(spec: Spec, spans: dict[str, int] | None) -> None:
@@ -143,11 +189,11 @@ def _rounded(x: float) -> float:
 
 
 def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None,
-             units: tuple[tuple[str, ...], ...] | None = None) -> CostContext:
+             units: tuple[tuple[str, ...], ...] | None = None, places: Placements | None = None) -> CostContext:
     grads = frozenset(graph.grads[p] for p in graph.params)
     ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
                       graph.params | grads, hardware=hw, spans=spans,
-                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units)
+                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places)
     ctx.deadline = time.monotonic() + BUDGET
     return ctx
 
@@ -167,13 +213,23 @@ def uneven_dims(spec: Spec) -> list[tuple[str, int]]:
     return list(found)
 
 
+def _notes(spec: Spec, steps: tuple[Step, ...], ctx: CostContext) -> tuple[str, ...]:
+    """The plan's notes: padded dims, and the search's restriction on a mesh of many axes."""
+    padded = padding_notes(spec, steps) if spec.dims else ()
+    return padded + ((restriction_note(strip_unit_axes(spec)),) if ctx.places is not None else ())
+
+
 def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
     """One note per uneven (dim, devices) the plan holds: XLA pads each device's piece to the ceiling."""
     sizes = spec.sizes
     found: dict[tuple[str, int], None] = {}
+    seen: set[object] = set()  # dims recur in every layer's steps
     for step in steps:
         for ref in (step.dst, *step.operands, *((step.src,) if step.src else ())):
             for dim in ref.dims:
+                if dim in seen:
+                    continue
+                seen.add(dim)
                 devices = math.prod(spec.mesh.size(a) for a in dim.axes)
                 if sizes.get(dim.name, 0) % devices:
                     found[(dim.name, devices)] = None
@@ -187,10 +243,11 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
-          weights: tuple[float, float] = SUM, notes: bool = True, recompute: str = "none") -> Plan:
+          weights: tuple[float, float] = SUM, notes: bool = True, trace: list[Traced] | None = None,
+          recompute: str = "none") -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
-    forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params)
+    forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params, trace=trace)
     for name in graph.inputs:
         forward.hold(name, Value.of(declared[name]))
     ctx.compute_weight = weights[0]
@@ -229,7 +286,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         hardware=ctx.hardware.name,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
-        notes=padding_notes(spec, fwd + bwd) if spec.dims and notes else (),
+        notes=_notes(spec, fwd + bwd, ctx) if notes else (),
         element_bytes=tuple((mask, MASK_BYTES) for node in graph.nodes
                            if node.kind == "dropout" for mask in node.aux),
         optimizer=opt,

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from shardc.planner.ir import Monomial, Op
-from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
+from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, expand, spanning
 
 __all__ = ["costs_to", "reshard_to", "predecessors"]
 
@@ -36,24 +36,29 @@ def costs_to(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Itera
 
 
 def reshard_to(ctx: CostContext, tensor: str, idx: tuple[str, ...], source: Value, target: Value,
-               bound: Cost | None = None) -> tuple[Cost, tuple[Move, ...]] | None:
+               bound: Cost | None = None, partial: frozenset[str] | None = None
+               ) -> tuple[Cost, tuple[Move, ...]] | None:
     """Cheapest moves from ``source`` to ``target``, or None above ``bound`` (or unreachable).
 
-    One reverse search per (weight or not, indices, target) lives in the context and is
-    resumed by each query: every configuration of an einsum asks it for its local result.
+    One reverse search per (weight or not, indices, target, ``partial``) lives in the context
+    and is resumed by each query: every configuration of an einsum asks it for its local result.
+    ``partial``: axes every source's partial sums lie within.  Moves never make partial sums,
+    so no path from such a source passes a value with others, and the search never walks
+    back to one: the same costs and moves, from fewer values.
     """
-    key = (tensor in ctx.weights, idx, target)
+    key = (tensor in ctx.weights, idx, target, partial)
     search = ctx._reverse.get(key)
     if not isinstance(search, _Reverse):
-        search = ctx._reverse[key] = _Reverse(ctx, tensor, idx, {target: ZERO})
+        search = ctx._reverse[key] = _Reverse(ctx, tensor, idx, {target: ZERO}, partial)
     return search.find(ctx.number(source), bound)
 
 
 class _Reverse:
     """Dijkstra from the targets over reversed moves; a settled value's cost is its cost to them."""
 
-    def __init__(self, ctx: CostContext, tensor: str, idx: tuple[str, ...], targets: dict[Value, Cost]) -> None:
-        self.ctx, self.tensor, self.idx = ctx, tensor, idx
+    def __init__(self, ctx: CostContext, tensor: str, idx: tuple[str, ...], targets: dict[Value, Cost],
+                 partial: frozenset[str] | None = None) -> None:
+        self.ctx, self.tensor, self.idx, self.partial = ctx, tensor, idx, partial
         self.best: dict[int, Cost] = {}
         for target, spent in targets.items():
             state = ctx.number(target)
@@ -77,7 +82,7 @@ class _Reverse:
         while state in self.next:
             move, state = self.next[state]
             moves.append(move)
-        return cost, tuple(moves)
+        return cost, expand(moves)
 
     def _step(self) -> None:
         cost, _, state = heapq.heappop(self.heap)
@@ -96,11 +101,11 @@ class _Reverse:
 
     def _into(self, state: int) -> tuple[tuple[Move, int, Cost], ...]:
         ctx = self.ctx
-        key = (self.tensor in ctx.weights, self.idx, state)
+        key = (self.tensor in ctx.weights, self.idx, state, self.partial)
         hit = ctx._into.get(key)
         if hit is None:
             hit = ctx._into[key] = tuple((m, ctx.number(m.src), ctx.move_cost(m, self.tensor, self.idx))
-                                         for m in predecessors(ctx, self.idx, ctx.values[state]))
+                                         for m in predecessors(ctx, self.idx, ctx.values[state], self.partial))
         return hit
 
 
@@ -108,15 +113,21 @@ def _replace(layout: tuple[tuple[str, ...], ...], dim: int, axes: tuple[str, ...
     return layout[:dim] + (axes,) + layout[dim + 1:]
 
 
-def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
-    """Every move that makes ``v``: the forward moves (:func:`shardc.planner.layout.neighbours`) backwards."""
+def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value,
+                 partial: frozenset[str] | None = None) -> Iterator[Move]:
+    """Every move that makes ``v``: the forward moves (:func:`shardc.planner.layout.neighbours`) backwards;
+    with ``partial``, only those from values whose partial sums lie within it."""
     lay = v.layout
     free = ctx.free_units(v.used())
+    reducible = free if partial is None else [u for u in free if partial.issuperset(u)]
     for d, axes in enumerate(lay):
         last = next(iter(ctx.suffixes(axes)), None)
         if last is not None:  # a slice appended the dim's last unit
             yield Move(Op.SLICE, Value(_replace(lay, d, axes[: len(axes) - len(last)]), v.unreduced), v, last, dim=d)
-    yield from _gathered_into(ctx, idx, v, free)
+    for gather in _gathered_into(ctx, idx, v, free):
+        yield gather
+        if ctx.places is not None:
+            yield from spanning(ctx, idx, gather)
     for e, axes in enumerate(lay):
         for moved in ctx.suffixes(axes):
             kept = axes[: len(axes) - len(moved)]
@@ -125,11 +136,13 @@ def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[M
                     src = Value(_replace(_replace(lay, e, kept), d, other + moved), v.unreduced)
                     volume = ctx.local_bytes(idx, src) * Monomial.of(1, num=moved)
                     yield Move(Op.ALL_TO_ALL, src, v, moved, e, d, volume)
+            if partial is not None and not partial.issuperset(moved):
+                continue
             # a reduce-scatter resolved these partial sums onto the dim
             src = Value(_replace(lay, e, kept), tuple(sorted(v.unreduced + moved)))
             yield Move(Op.REDUCE_SCATTER, src, v, moved, dim=e, volume=ctx.local_bytes(idx, src))
-    for k in range(1, len(free) + 1):
-        for chosen in itertools.combinations(free, k):
+    for k in range(1, len(reducible) + 1):
+        for chosen in itertools.combinations(reducible, k):
             group = tuple(sorted(a for u in chosen for a in u))
             src = Value(lay, tuple(sorted(v.unreduced + group)))
             yield Move(Op.ALL_REDUCE, src, v, group, volume=ctx.local_bytes(idx, src))
@@ -140,7 +153,11 @@ def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value,
     """Gathers that make ``v``: one or more dims held free units more, at their minor ends."""
     lay = v.layout
     volume = ctx.local_bytes(idx, v)
-    for owners in itertools.product(range(-1, len(lay)), repeat=len(free)):
+    # a unit can only go to a dim that may hold it beside the dim's axes (in some order): the
+    # rest of the product below would fail the full test anyway
+    options = [[-1, *(d for d in range(len(lay)) if ctx.divides(idx[d], tuple(sorted(lay[d] + unit)), order=False))]
+               for unit in free]
+    for owners in itertools.product(*options):
         groups: dict[int, list[tuple[str, ...]]] = {}
         for unit, d in zip(free, owners, strict=True):
             if d >= 0:

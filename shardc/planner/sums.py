@@ -18,7 +18,7 @@ sum the terms hold.
 
 A rename ``Kx[B, T, D] = X[B, S, D]`` is an alias: X's value read under new index
 names (by position), no copy, no FLOPs; only a declared sharding that differs
-from X's moves X first.
+from X's moves the alias after it.
 """
 
 from __future__ import annotations
@@ -180,12 +180,16 @@ def _candidates(ctx: CostContext, node: Node, terms: list[Term]) -> Iterator[Val
 
 
 def plan_rename(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None) -> None:
-    """``Kx[B, T, D] = X[B, S, D]``: X in the declared layout (by position), then an alias step."""
+    """``Kx[B, T, D] = X[B, S, D]``: an alias of a value of X (layouts are by position), then the
+    moves its declared sharding needs, on Kx."""
     (src,) = node.operands
-    want = Value(target.layout, ()) if target is not None else phase.held[src][0]
-    _, moves = reshard(phase.ctx, src, phase.indices[src], phase.held[src], want)
-    phase.moves(src, moves)
-    value = Value(want.layout, want.unreduced)
-    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, value),
-                    operands=(phase.ref(src, want),), fn=ALIAS), value)
-    declared.setdefault(node.result, phase.ref(node.result, value))
+    held = tuple(phase.held[src])
+    moves: tuple[Move, ...] = ()
+    start = held[0]
+    if target is not None:
+        _, moves = reshard(phase.ctx, node.result, node.indices, held, target)
+        start = moves[0].src if moves else target
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, start),
+                    operands=(phase.ref(src, start),), fn=ALIAS), start)
+    phase.moves(node.result, moves)
+    declared.setdefault(node.result, phase.ref(node.result, moves[-1].dst if moves else start))

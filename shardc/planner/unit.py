@@ -17,6 +17,20 @@ search moves *bonded* axes as one (:func:`bonded_axes`): axes that every referen
 of the spec writes together, adjacent and in one order (``B_XYZ`` and ``D_XYZ``,
 never ``X`` without ``Y``).  Each collective still runs over, and is priced by,
 its member axes; what the search gives up is splitting such a group.
+
+Past :data:`EXACT_AXES` axes the search also keeps each axis where the spec puts it
+(:func:`placements`): an axis may shard only an index some reference of the spec shards
+over it, and the axes on one index keep the order the spec writes them in (where the
+spec writes them in more than one order, any order).  A tensor then has a few hundred
+layouts, not tens of thousands; what the search gives up is sharding a dim over an axis
+the spec never uses for it (slicing a replicated axis onto another dim only to gather
+it again, say), except on the way to a gather: free axes sliced onto the gathered dim
+and gathered with it are one move (:func:`shardc.planner.layout.spanning`), so a gather
+still spans as many links as it can.  The plan says so in a note (:func:`restriction_note`).  The book's rules
+plan is one of the planner's candidates, so the plan is never worse than it; its reshards
+are searched under the same restriction, so it may be dearer than the rules' plan over
+every layout (on the written-apart 5- and 6-axis specs of ``benchmarks/plan_speed.py``
+the planner's plan is still the cheaper, ``tests/test_many_axes.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +40,12 @@ from dataclasses import replace
 from shardc.spec.ir import Add, Call, Expr, Mesh, Spec, TensorRef
 from shardc.spec.validate import leaves
 
-__all__ = ["strip_unit_axes", "canonical", "without_unit_axes", "bonded_axes", "EXACT_AXES"]
+__all__ = ["strip_unit_axes", "canonical", "without_unit_axes", "bonded_axes", "EXACT_AXES", "placements",
+           "Placements", "restriction_note"]
+
+# index -> (the axes that may shard it, each axis's rank in the one order they may take on it,
+# or None where the spec writes them in more than one order)
+Placements = dict[str, tuple[frozenset[str], dict[str, int] | None]]
 
 # Up to this many mesh axes (of size > 1) the search treats every axis alone: exact.
 EXACT_AXES = 4
@@ -81,13 +100,20 @@ def bonded_axes(spec: Spec) -> tuple[tuple[str, ...], ...] | None:
             if a != b and _bonded(a, b, refs) and spec.mesh.axis(a).network is spec.mesh.axis(b).network:
                 after[a] = b
     firsts = [a for a in names if a not in after.values()]
+    # axes bonded both ways (only ever partial sums together, `{U_PQ}`) have no first: they start
+    # a unit of their own, in mesh order, so every axis is in exactly one unit
+    starts = firsts + [a for a in names if a not in firsts]
     units = []
-    for a in firsts:
+    covered: set[str] = set()
+    for a in starts:
+        if a in covered:
+            continue
         unit = [a]
-        while unit[-1] in after and after[unit[-1]] not in unit:
+        while unit[-1] in after and after[unit[-1]] not in unit and after[unit[-1]] not in covered:
             unit.append(after[unit[-1]])
+        covered.update(unit)
         units.append(tuple(unit))
-    return tuple(units)
+    return tuple(sorted(units, key=lambda u: names.index(u[0])))
 
 
 def _bonded(a: str, b: str, refs: list[TensorRef]) -> bool:
@@ -106,3 +132,45 @@ def _bonded(a: str, b: str, refs: list[TensorRef]) -> bool:
             if a in d.axes and (d.axes.index(a) + 1 >= len(d.axes) or d.axes[d.axes.index(a) + 1] != b):
                 return False
     return seen
+
+
+def placements(spec: Spec, units: tuple[tuple[str, ...], ...] | None) -> Placements | None:
+    """Where the search may put each axis past :data:`EXACT_AXES` axes (see above), else None."""
+    if len(spec.mesh.names) <= EXACT_AXES:
+        return None
+    unit_of = {a: u for u in (units or tuple((a,) for a in spec.mesh.names)) for a in u}
+    refs = [r for s in spec.statements for r in (s.result, *leaves(s.expr))]
+    axes: dict[str, set[str]] = {}
+    before: dict[str, set[tuple[tuple[str, ...], tuple[str, ...]]]] = {}  # index -> (unit, unit after it)
+    for ref in refs:
+        for dim in ref.dims:
+            axes.setdefault(dim.name, set()).update(dim.axes)
+            seq = list(dict.fromkeys(unit_of[a] for a in dim.axes))
+            before.setdefault(dim.name, set()).update(zip(seq, seq[1:], strict=False))
+    out: Placements = {}
+    for index, used in axes.items():
+        order = _order([u for u in dict.fromkeys(unit_of[a] for a in spec.mesh.names) if set(u) & used],
+                       before[index])
+        rank = None if order is None else {a: k for k, a in enumerate(a for u in order for a in u)}
+        out[index] = (frozenset(used), rank)
+    return out
+
+
+def _order(units: list[tuple[str, ...]], edges: set[tuple[tuple[str, ...], tuple[str, ...]]]
+           ) -> list[tuple[str, ...]] | None:
+    """The units in an order that keeps every (earlier, later) edge, ties in mesh order; None on a cycle."""
+    order: list[tuple[str, ...]] = []
+    left = list(units)
+    while left:
+        free = [u for u in left if not any(b == u and a in left for a, b in edges)]
+        if not free:
+            return None
+        order.append(free[0])
+        left.remove(free[0])
+    return order
+
+
+def restriction_note(spec: Spec) -> str:
+    return (f"search restricted past {EXACT_AXES} mesh axes (this mesh has {len(spec.mesh.names)} of size > 1): "
+            "each axis shards only dims the spec shards over it, in the spec's order "
+            "(the rules plan, one of the candidates, reshards under the same restriction)")

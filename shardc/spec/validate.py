@@ -32,6 +32,7 @@ fix: a mesh axis shards at most one dim of a tensor (or marks it unreduced): rem
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterator
 
 from shardc.errors import ShardcError, Span
@@ -47,9 +48,20 @@ _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 # Reductions that are sums: over a sharded index they leave partial sums, which a result may keep.
 LINEAR_REDUCTIONS = frozenset({"sum", "mean"})
 
+# Specs found sound, by id (a Spec is frozen: once sound, always): the parser validates, and
+# shardc.plan validates again for a Spec built in Python; the parser's need not be read twice.
+_SOUND: weakref.WeakValueDictionary[int, Spec] = weakref.WeakValueDictionary()
+
 
 def validate(spec: Spec) -> None:
     """Raise the first :class:`ShardcError` found in ``spec``; return None when it is sound."""
+    if _SOUND.get(id(spec)) is spec:
+        return
+    _check(spec)
+    _SOUND[id(spec)] = spec
+
+
+def _check(spec: Spec) -> None:
     _check_mesh(spec)
     _check_dims(spec)
     if not spec.statements:
