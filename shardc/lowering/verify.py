@@ -17,7 +17,7 @@ HLO volumes are priced in the spec's dtype, as the plan's are.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -253,7 +253,8 @@ def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
     ids = id_inputs(spec)  # token ids stay integers
     raw_cot = lowered.random_cotangents(seed + 1, np.float64)
     outs = lowered.module.cotangents  # cotangent name -> output name
-    run = None
+    run: _Run | None = None
+    tol = TOLERANCE[np.dtype(dtype).name]
     for k in range(_SCALE_TRIES):
         scale = 4.0 ** -k
         inputs = {n: v if n in ids else _rounded(v * scale, spec, dtype) for n, v in raw.items()}
@@ -266,11 +267,29 @@ def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
             magnitude = reference.magnitudes(spec, wide, wide_cot)
         values = [*ref_out.values(), *grads.values(), *magnitude.values()]
         fits = all(_fits(v, limit) for v in values)
-        run = _Run(inputs, cot, ref_out, grads, magnitude, scale, fits)
-        if fits:
+        this = _Run(inputs, cot, ref_out, grads, magnitude, scale, fits)
+        if run is None or not run.fits or fits and _looseness(this, tol) < _looseness(run, tol):
+            run = this
+        elif run.fits and not fits:
             break
+        if run.fits and _looseness(run, tol) < _POWER / 8:
+            break  # tight enough: smaller inputs would only bring the absolute tolerance nearer
     assert run is not None
     return run
+
+
+def _looseness(run: _Run, tol: tuple[float, float]) -> float:
+    """The worst bound over value ratio of a run: a check passes errors below it, of the value's size.
+
+    Inputs too large make nonlinear values ill-conditioned (a softmax of large scores, gelu of
+    large products), and the bound, which must admit their rounding, grows past the values.
+    """
+    worst = 0.0
+    for name, ref in [*run.forward.items(), *run.grads.items()]:
+        peak = float(np.max(np.abs(np.where(np.isneginf(ref), 0.0, ref)))) if ref.size else 0.0
+        if peak > 0 and name in run.magnitude:
+            worst = max(worst, (tol[1] + tol[0] * float(np.max(run.magnitude[name]))) / peak)
+    return worst
 
 
 def _fits(v: np.ndarray, limit: float) -> bool:
@@ -353,6 +372,7 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     run = _reference_run(lowered, dtype, seed)
     report.input_scale = run.scale
     report.values += _value_rows(lowered, run, tol, dtype)
+    report.values = _recheck_weak(report, lowered, dtype, seed)
     report.values += _unplanned(plan, lowered, run)
     if zero_note is not None:
         report.notes.append(zero_note)
@@ -368,6 +388,82 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
         report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut)
     return report
+
+
+_POWER = 0.5  # a check must fail an error of half the value (a missing or doubled reduction over 2)
+
+
+def _weak(row: ValueRow) -> bool:
+    """A passing row whose bound would also pass an error of ``_POWER`` times the value."""
+    return row.ok and row.max_reference > 0 and row.tolerance >= _POWER * row.max_reference
+
+
+def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: int) -> list[ValueRow]:
+    """Rows whose bound cannot catch a wrong plan, checked again in float32 against the
+    unsharded program's own error; a row still that loose fails.
+
+    The bound admits the worst rounding of the terms behind a value: for an ill-conditioned
+    value (a softmax of large scores, a norm's gradient) it can exceed the value itself, and
+    such a pass proves nothing.  The recheck runs the lowered program and the spec's unsharded
+    program (the reference's statements in jax, on one device) in float32: a right plan only
+    reorders sums, so its error is of the unsharded program's order (``_DIFFERENTIAL`` times it,
+    plus 64 float32 roundings of the value), while a wrong plan errs by the value's order.
+    """
+    weak = [r for r in report.values if _weak(r)]
+    if not weak:
+        return report.values
+    wide = np.dtype("float32")
+    run = _reference_run(lowered, wide, seed)
+    again = {(r.phase, r.tensor): r for r in _differential_rows(lowered, run)}
+    report.notes.append(f"in {dtype.name} the bound of {', '.join(r.tensor for r in weak)} would pass an error "
+                        "of half the value: checked again in float32 against the unsharded program's error "
+                        "(rows marked f32)")
+    extra = [replace(again[(r.phase, r.tensor)], phase=f"{r.phase} f32") for r in weak]
+    return report.values + [_failed(r) if _weak(r) else r for r in extra]
+
+
+_DIFFERENTIAL = 16.0
+
+
+def _differential_rows(lowered: Lowered, run: _Run) -> list[ValueRow]:
+    """Lowered values against the float64 reference, bounded by the unsharded float32 program's error."""
+    import jax.numpy as jnp
+
+    spec = lowered.plan.spec
+    ids = id_inputs(spec)
+    wide = reference_inputs(lowered, run.inputs)
+    plain_in = {n: jnp.asarray(v if n in ids else v.astype(np.float32)) for n, v in wide.items()}
+    outs = lowered.module.cotangents
+    plain_cot = {outs[n]: jnp.asarray(v.astype(np.float32)) for n, v in run.cotangents.items()}
+    plain_fwd = reference.forward(spec, plain_in, jnp)
+    plain_bwd = reference.backward(spec, plain_in, plain_cot, jnp)
+    got_fwd, got_bwd = lowered.forward(run.inputs), lowered.grad(run.inputs, run.cotangents)
+    rows = []
+    for name, ref in run.forward.items():
+        rows.append(_differential("forward", name, got_fwd[name], ref, plain_fwd[name]))
+    for primal, name in lowered.module.grads.items():
+        zero = np.zeros(np.shape(got_bwd[name]))
+        rows.append(_differential("backward", name, got_bwd[name], run.grads.get(primal, zero),
+                                  plain_bwd.get(primal, zero)))
+    return rows
+
+
+def _differential(phase: str, name: str, got: Any, ref: np.ndarray, plain: Any) -> ValueRow:
+    finite = ~np.isneginf(ref)
+    value = np.where(finite, np.asarray(got).astype(np.float64), 0.0)
+    unsharded = np.where(finite, np.asarray(plain).astype(np.float64), 0.0)
+    ref = np.where(finite, ref, 0.0)
+    if value.shape != ref.shape or not np.all(np.isfinite(value)):
+        return ValueRow(phase, name, math.nan, 0.0, math.nan, False, "shape or NaN: not compared")
+    peak = float(np.max(np.abs(ref))) if ref.size else 0.0
+    own = float(np.max(np.abs(unsharded - ref))) if ref.size else 0.0
+    bound = _DIFFERENTIAL * own + 64 * float(np.finfo(np.float32).eps) * peak + 1e-30
+    err = float(np.max(np.abs(value - ref))) if ref.size else 0.0
+    return ValueRow(phase, name, err, peak, bound, err <= bound)
+
+
+def _failed(row: ValueRow) -> ValueRow:
+    return replace(row, ok=False, note="the bound would pass an error of half the value: not compared")
 
 
 def check_device_count(devices: int) -> None:

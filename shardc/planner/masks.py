@@ -59,7 +59,7 @@ def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target
     (arg,) = node.operands
     arg_idx = phase.indices[arg]
     if target is None:
-        held = dict(zip(arg_idx, phase.held[arg][0].layout, strict=True))
+        held = dict(zip(arg_idx, phase.natural(arg, declared.get(arg)).layout, strict=True))
         target = Value(tuple(held[i] for i in node.indices), ())
     if target.unreduced:
         raise ShardcError(f"{node.result} is a {node.fn} of partial sums", node.statement.span,

@@ -18,9 +18,12 @@ from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
 from shardc.spec.ir import TensorRef
 
-__all__ = ["Phase", "Traced"]
+__all__ = ["ALIAS", "Phase", "Traced"]
 
 Traced = tuple[object, EinsumProblem, "tuple[Value, ...] | None", Solution]
+
+
+ALIAS = "alias"  # the fn of a rename's step: a new name for the same local array
 
 
 @dataclass
@@ -33,6 +36,8 @@ class Phase:
     steps: list[Step] = field(default_factory=list)
     held: dict[str, list[Value]] = field(default_factory=dict)
     made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
+    # a rename and its source, both ways: a value made of one is the other's too (one array)
+    aliases: dict[str, list[str]] = field(default_factory=dict)
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
     sums: dict[object, object] = field(default_factory=dict)  # the sums searched (shardc.planner.sums)
@@ -43,6 +48,19 @@ class Phase:
         values = self.held.setdefault(name, [])
         if value not in values:
             values.append(value)
+
+    def natural(self, name: str, declared: TensorRef | None) -> Value:
+        """The reduced layout a map with no declared result reads ``name`` in.
+
+        Its declared sharding when held (a statement result as written: `dropout(A)` reads A as
+        the statement made it, not the partial sums it was made from), else the first reduced
+        value held, else the first value with its partial sums dropped (to be reduced).
+        """
+        values = self.held[name]
+        if declared is not None and not declared.unreduced and Value.of(declared) in values:
+            return Value.of(declared)
+        reduced = next((v for v in values if not v.unreduced), None)
+        return reduced if reduced is not None else Value(values[0].layout, ())
 
     def ref(self, name: str, value: Value) -> TensorRef:
         key = (name, self.indices[name], value)
@@ -66,6 +84,20 @@ class Phase:
             value = Value.of(step.dst)
         self.hold(step.tensor, value)
         self.made.add((step.tensor, value))
+        for other in self.aliases.get(step.tensor, ()):
+            if value not in self.held.get(other, ()):  # e.g. L1 gathered for Q is Kx gathered for K
+                self.emit(Step(Op.ELEMENTWISE, other, self.ref(other, value),
+                               operands=(self.ref(step.tensor, value),), fn=ALIAS), value)
+
+    def link(self, source: str, rename: str) -> None:
+        """From now on, every value held or made of ``source`` is also ``rename``'s, and back."""
+        self.aliases.setdefault(source, []).append(rename)
+        self.aliases.setdefault(rename, []).append(source)
+        for name, other in ((source, rename), (rename, source)):
+            for value in list(self.held.get(name, ())):
+                if value not in self.held.get(other, ()):
+                    self.emit(Step(Op.ELEMENTWISE, other, self.ref(other, value),
+                                   operands=(self.ref(name, value),), fn=ALIAS), value)
 
     def mark_once(self, start: int) -> None:
         """The steps from ``start`` on run once, not once a layer (outside a ``layers`` block)."""

@@ -360,7 +360,7 @@ def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
     (arg,) = node.operands
     arg_idx = phase.indices[arg]
     if target is None:
-        held = dict(zip(arg_idx, phase.held[arg][0].layout, strict=True))
+        held = dict(zip(arg_idx, phase.natural(arg, declared.get(arg)).layout, strict=True))
         target = Value(tuple(held[i] for i in node.indices), ())
     if target.unreduced:
         raise ShardcError(f"{node.result} is an elementwise function of partial sums", node.statement.span,

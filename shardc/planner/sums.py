@@ -31,12 +31,11 @@ from shardc.planner.einsum import room
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, reshard
-from shardc.planner.phase import Phase
+from shardc.planner.phase import ALIAS, Phase
 from shardc.spec.ir import TensorRef
 
 __all__ = ["plan_add", "plan_rename", "add_fn", "guard_axes", "ALIAS"]
 
-ALIAS = "alias"  # the fn of a rename's step: a new name for the same local array
 
 Term = tuple[str, tuple[str, ...], tuple[Value, ...]]  # name, indices, the values the phase holds
 
@@ -192,4 +191,5 @@ def plan_rename(phase: Phase, node: Node, declared: dict[str, TensorRef], target
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, start),
                     operands=(phase.ref(src, start),), fn=ALIAS), start)
     phase.moves(node.result, moves)
+    phase.link(src, node.result)  # values made later of either are the other's (one gather for Q and K)
     declared.setdefault(node.result, phase.ref(node.result, moves[-1].dst if moves else start))
