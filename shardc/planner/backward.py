@@ -55,10 +55,11 @@ class Backward:
 
 
 def _needs_grad(graph: Graph) -> set[str]:
-    """Params, inputs not declared ``const``, and every tensor computed from one of them."""
+    """Params, inputs not declared ``const``, and every tensor computed from one of them
+    (but a ``route`` mask: a 0/1 function of its gates, with no gradient, like token ids)."""
     needs = set(graph.params) | set(graph.differentiable)
     for node in graph.nodes:
-        if any(o in needs for o in node.operands):
+        if node.kind != "route" and any(o in needs for o in node.operands):
             needs.add(node.result)
     return needs
 

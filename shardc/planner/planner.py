@@ -25,6 +25,7 @@ from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
+from shardc.planner.route import plan_route
 from shardc.planner.rows import plan_rows
 from shardc.planner.unit import (
     Placements,
@@ -314,6 +315,9 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         return
     if node.kind == "rows":
         plan_rows(phase, node, declared, target, label)
+        return
+    if node.kind == "route":
+        plan_route(phase, node, declared, target, label)
         return
     if node.kind in ("embed", "loss"):
         (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)

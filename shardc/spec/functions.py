@@ -14,7 +14,14 @@ has a kind, which fixes how its result's indices follow from its arguments:
 - ``embed``: ``embed(Tok, W_emb)``, a lookup of the ids ``Tok`` in the rows of the
   table (its first index): Tok's indices, then the table's others;
 - ``loss``: ``cross_entropy(Logits, Tok)``, the mean over tokens of the softmax
-  cross entropy along the one index of Logits that Tok lacks: a scalar.
+  cross entropy along the one index of Logits that Tok lacks: a scalar;
+- ``route``: ``route(Gate[G, S, E], S, C, k over E)``, top-k routing to experts with
+  capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): the 0/1 dispatch
+  mask ``[G, S, E, C]``, 1 where token s goes to slot c of expert e.  Each token picks
+  the k largest gates along E (ties: the lower expert), and takes the next free slot
+  of each expert it picked, tokens in order of S (the first index name), the
+  capacity index C (the second, not an index of the argument) counting slots; a
+  token past an expert's capacity is dropped there.  A mask: no gradient.
 
 >>> is_known("gelu"), signature("softmax").kind, signature("embed").tensors
 (True, 'normalize', 2)
@@ -22,6 +29,8 @@ has a kind, which fixes how its result's indices follow from its arguments:
 True
 >>> known_list().split(', ')[:3]
 ['causal', 'cross_entropy', 'dropout']
+>>> signature("route").usage("route")
+'route(Gate[G, S, E], S, C, 2 over E)'
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ class Signature:
         """How a call of this function is written, e.g. ``softmax(X[B, T] over T)``."""
         examples = {"elementwise": "X[B, D]", "normalize": "X[B, S, D] over D", "reduce": "X[B, D] over D",
                     "mask": "Sc[B, N, S, T], S, T", "dropout": "X[B, S, D], 0.1",
-                    "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]"}
+                    "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]",
+                    "route": "Gate[G, S, E], S, C, 2 over E"}
         return f"{name}({examples[self.kind]})"
 
 
@@ -76,6 +86,8 @@ FUNCTIONS: dict[str, Signature] = {
     "dropout": Signature("dropout", "zero with probability rate, else x / (1 - rate)", numbers=1),
     "embed": Signature("embed", "the rows of the table (first index) at the token ids", tensors=2),
     "cross_entropy": Signature("loss", "mean over tokens of logsumexp(logits) - logits[target]", tensors=2),
+    "route": Signature("route", "0/1 mask: each token (in order of S) to a free slot C of its top k along E",
+                       names=2, numbers=1, over=True),
 }
 
 ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")
