@@ -19,9 +19,10 @@ from shardc.collectives import volume_elements
 from shardc.errors import InternalError
 from shardc.planner.ir import Monomial, Op, Plan, Step
 from shardc.planner.layout import Value
-from shardc.planner.route import check_route_step, is_route_fn
+from shardc.planner.route import check_route_step
 from shardc.planner.rows import check_row_step
 from shardc.planner.rowstats import ROW_FNS, VOCAB_FNS
+from shardc.spec.functions import is_route_fn
 from shardc.spec.ir import TensorRef
 
 __all__ = ["check_plan", "require_sound", "replay_step", "comm_time", "step_time"]

@@ -9,7 +9,7 @@ of a token is a cumulative count along S.  The candidates are those of a
 reduction (:func:`shardc.planner.rows.candidates`) with E and S gathered, costed
 by the same objective; every other index keeps its sharding, and C comes out
 replicated, then moves to the declared sharding.  The step is one local map whose
-``fn`` says what lowering needs (:func:`route_fn`).  The mask is 0/1: it has no
+``fn`` says what lowering needs (:func:`shardc.spec.functions.route_fn`).  The mask is 0/1: it has no
 gradient (:mod:`shardc.planner.backward` skips it), as token ids have none.
 """
 
@@ -21,25 +21,17 @@ from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, add_cost, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.rows import Layouts, by_index, candidates, choose, in_order, record
+from shardc.spec.functions import parse_route, route_fn
 from shardc.spec.ir import Call, TensorRef
 
-__all__ = ["plan_route", "route_fn", "parse_route", "is_route_fn", "check_route_step"]
+__all__ = ["plan_route", "call_fn", "check_route_step"]
 
 
-def route_fn(call: Call) -> str:
-    """The step's fn: ``route(S,E,C,2)``, the token order index, the expert index, the capacity index, k."""
+def call_fn(call: Call) -> str:
+    """The route step's fn for ``call`` (:func:`shardc.spec.functions.route_fn`)."""
+    assert call.over is not None
     order, slots = call.names
-    return f"route({order},{call.over},{slots},{int(call.numbers[0])})"
-
-
-def is_route_fn(fn: str | None) -> bool:
-    return fn is not None and fn.startswith("route(")
-
-
-def parse_route(fn: str) -> tuple[str, str, str, int]:
-    """``route(S,E,C,2)`` -> ("S", "E", "C", 2): the inverse of :func:`route_fn`."""
-    order, experts, slots, k = fn[len("route("):-1].split(",")
-    return order, experts, slots, int(k)
+    return route_fn(order, call.over, slots, call.numbers[0])
 
 
 def _option(phase: Phase, node: Node, local: Value, target: Value | None, whole: tuple[str, ...]) -> Layouts | None:
@@ -62,7 +54,7 @@ def plan_route(phase: Phase, node: Node, declared: dict[str, TensorRef], target:
     """Plan a route node: gates with E and S whole, one local map, then the mask to its sharding."""
     assert node.call is not None and node.call.over is not None
     (arg,) = node.operands
-    order, experts, _, _ = parse_route(route_fn(node.call))
+    order, experts, _, _ = parse_route(call_fn(node.call))
     head = label.split(" = ")[0]
     if target is not None and target.unreduced:
         raise ShardcError(f"{node.result} is a routing mask, which is not a partial sum", node.statement.span,
@@ -75,11 +67,11 @@ def plan_route(phase: Phase, node: Node, declared: dict[str, TensorRef], target:
                           fix=f"route needs {order} and {experts} whole on a device: leave them unsharded "
                               f"in {head}, or shard another index")
     best, shown = choose(options, 0)
-    record(phase, f"{head} = {route_fn(node.call)}({phase.text(arg, phase.held[arg][0])})", best, shown, 0,
+    record(phase, f"{head} = {call_fn(node.call)}({phase.text(arg, phase.held[arg][0])})", best, shown, 0,
            phase.indices[arg], experts)
     phase.moves(arg, best.moves_in)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, best.result),
-                    operands=(phase.ref(arg, best.local),), fn=route_fn(node.call)), best.result)
+                    operands=(phase.ref(arg, best.local),), fn=call_fn(node.call)), best.result)
     phase.moves(node.result, best.moves_out)
     declared.setdefault(node.result, phase.ref(node.result, best.final))
 
