@@ -1,4 +1,6 @@
-"""Mixture of experts: ``route`` (top-k routing with capacity) and expert parallelism's AllToAlls."""
+"""Mixture of experts: ``route`` (top-k routing with capacity) and expert parallelism's AllToAlls.
+
+``examples/moe_layer.shard`` itself is verified (values and HLO) by tests/test_lower.py, with every example."""
 
 from __future__ import annotations
 
@@ -46,12 +48,7 @@ def test_moe_layer_plans_dispatch_and_combine_alltoalls_and_all_reduces_only_the
     (route,) = [s for s in p.forward if s.fn and s.fn.startswith("route(")]
     assert str(route.operands[0]) == "Gate[G_X, S, E]" and str(route.dst) == "Disp[G_X, S, E, C]"
     assert "dDisp" not in {g.name for g in p.grads} and [g.name for g in p.grads] == ["dX", "dW_r", "dW_1", "dW_2"]
-    assert not any(s.tensor in ("dDisp", "Disp") for s in p.backward if s.dst.name == "dDisp")
-
-
-def test_moe_layer_verifies() -> None:
-    report = verify(shardc.parse(MOE.read_text(), filename=str(MOE)))
-    assert report.ok, render_report(report)
+    assert all(s.dst.name != "dDisp" for s in p.backward)  # the mask's gradient is never made
 
 
 SMALL = """mesh X=2

@@ -50,8 +50,8 @@ def route_code(step: Step, var: Callable[[TensorRef], str], capacity: str) -> st
     order, experts, slots, k = parse_route(step.fn or "")
     (gates,) = step.operands
     made = (*gates.indices, slots)
-    code = (f"route_topk({var(gates)}, {k}, {capacity}, {gates.indices.index(order)}, "
-            f"{gates.indices.index(experts)})")
+    code = (f"route_topk({var(gates)}, k={k}, capacity={capacity}, order={gates.indices.index(order)}, "
+            f"experts={gates.indices.index(experts)})")
     if made == step.dst.indices:
         return code
     return f"jnp.transpose({code}, {tuple(made.index(i) for i in step.dst.indices)})"
