@@ -21,7 +21,7 @@ from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, add_cost, reshard
 from shardc.planner.phase import Phase
 from shardc.planner.rows import Layouts, by_index, candidates, choose, in_order, record
-from shardc.spec.functions import parse_route, route_fn
+from shardc.spec.functions import parse_route, route_fn  # the step fn: route(S,E,C,k)
 from shardc.spec.ir import Call, TensorRef
 
 __all__ = ["plan_route", "call_fn", "check_route_step"]
@@ -54,7 +54,7 @@ def plan_route(phase: Phase, node: Node, declared: dict[str, TensorRef], target:
     """Plan a route node: gates with E and S whole, one local map, then the mask to its sharding."""
     assert node.call is not None and node.call.over is not None
     (arg,) = node.operands
-    order, experts, _, _ = parse_route(call_fn(node.call))
+    order, experts = node.call.names[0], node.call.over
     head = label.split(" = ")[0]
     if target is not None and target.unreduced:
         raise ShardcError(f"{node.result} is a routing mask, which is not a partial sum", node.statement.span,
