@@ -218,8 +218,7 @@ def _stages(plan: Plan, pipe: Pipeline, per_layer: list[tuple[float, float]], mi
             p2p_s: float, sim: Simulation, hw: Hardware, optimizer: str) -> tuple[StageCost, ...]:
     out = []
     dim = microbatch_dim(plan)
-    nbytes = plan.spec.dtype.nbytes
-    kept = [(float(local_elements(r, micro)) * nbytes, dim in r.indices) for r in residual_values(plan)]
+    kept = [(float(local_elements(r, micro)) * plan.nbytes(r.name), dim in r.indices) for r in residual_values(plan)]
     for s, layers in enumerate(pipe.stage_layers):
         mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer)
         held = sim.peak_inflight(s)

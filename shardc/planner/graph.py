@@ -13,7 +13,7 @@ Every tensor, intermediates included, also gets its gradient's name here
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
 from shardc.names import fresh, gradient_names
@@ -22,7 +22,10 @@ from shardc.spec.functions import integer_args, is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, fold, leaves
 
-__all__ = ["Node", "Graph", "build_graph"]
+__all__ = ["Node", "Graph", "build_graph", "LAYER_CALLS"]
+
+# Calls planned as elementwise maps with an argument of their own (shardc.planner.sums).
+LAYER_CALLS = frozenset({"dropout", "causal"})
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class Node:
     chain: int = 0  # position in a chain of intermediates (0: not in one)
     call: Call | None = None  # the call this node computes (non-elementwise functions)
     signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
-    aux: tuple[str, ...] = ()  # tensors the node makes on the way (a reduction's row statistics)
+    partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
+    aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
 
 
 @dataclass(frozen=True)
@@ -115,21 +119,24 @@ class _Builder:
         """Emit nodes computing ``e`` into tensor ``name`` with ``indices``; return the name."""
         if isinstance(e, TensorRef):
             if top and set(e.indices) != set(indices):
-                raise ShardcError("renames parse and validate, but the planner does not plan them yet", e.span,
-                                  fix="read the tensor under its own index names for now")
+                return self.rename(e, name, indices, target)
             src = self.leaf(e)
             if not top:
                 return src
             self.nodes.append(Node("einsum", name, indices, (src,), target, self.current))
             return name
+        if isinstance(e, Add):
+            return self.add(e, name, indices, target)
+        if isinstance(e, Call) and e.func in LAYER_CALLS:
+            return self.layer_call(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("normalize", "reduce"):
             return self.rows(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
             return self.lookup(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind == "route":
             return self.route(e, name, indices, target)
-        if isinstance(e, Add) or isinstance(e, Call) and not is_elementwise(e.func):
-            what = "`+` and `-`" if isinstance(e, Add) else f"`{e.func}`"
+        if isinstance(e, Call) and not is_elementwise(e.func):
+            what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
                               fix="write the layer with einsums and elementwise functions for now")
         if isinstance(e, Call):
@@ -145,6 +152,46 @@ class _Builder:
             self.nodes.append(Node("elementwise", name, indices, (arg,), target, self.current, fn=e.func))
             return name
         return self.contract(e, name, indices, target)
+
+    def add(self, e: Add, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``A ± B ± ...``: one "add" node; a term that is a product may stay partial sums."""
+        terms = []
+        for term in e.terms:
+            if isinstance(term, TensorRef):
+                terms.append(self.leaf(term))
+                continue
+            made = self.expr(term, self.fresh(name), chain_indices(term, indices), None)
+            last = self.nodes[-1]
+            if last.result == made and last.kind in ("einsum", "add") and len(last.operands) > 1:
+                self.nodes[-1] = replace(last, partial=True)
+            terms.append(made)
+        self.indices[name] = indices
+        self.nodes.append(Node("add", name, indices, tuple(terms), target, self.current, signs=e.signs))
+        return name
+
+    def rename(self, e: TensorRef, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``Kx[B, T, D] = X[B, S, D]``: an alias of X under new index names (by position)."""
+        src = self.leaf(e)
+        self.nodes.append(Node("rename", name, indices, (src,), target, self.current))
+        return name
+
+    def layer_call(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``dropout(X, rate)`` and ``causal(Sc, S, T)``: elementwise, the call kept on the node."""
+        if isinstance(e.arg, TensorRef):
+            arg = self.leaf(e.arg)
+        else:
+            arg = self.fresh(name)
+            self.indices[arg] = indices
+            self.expr(e.arg, arg, indices, None if target is None else TensorRef(arg, target.dims))
+        self.indices[name] = indices
+        aux: tuple[str, ...] = ()
+        if e.func == "dropout":
+            mask = f"{name}_mask" if f"{name}_mask" not in self.names else self.fresh(f"{name}_mask")
+            self.names.add(mask)
+            aux = (mask,)
+            self.indices[mask] = indices
+        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
+        return name
 
     def rows(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """A reduction over ``e.over`` (shardc.planner.rows plans it): its argument, then one node."""

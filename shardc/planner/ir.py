@@ -124,6 +124,7 @@ class Step:
     volume: Monomial | None = None  # V: bytes a device would hold unsharded over the axes; None for local steps
     ahead: bool = False  # can be issued ahead of / off the critical path
     note: str = ""
+    once: bool = False  # outside a `layers L { ... }` block: runs once a step, not once a layer
 
     @property
     def is_collective(self) -> bool:
@@ -190,6 +191,12 @@ class Plan:
     # `--recompute none|selective|full` (shardc.planner.recompute): the forward steps the backward runs again
     recompute: str = "none"
     recomputed: tuple[Step, ...] = ()
+    # tensors whose elements are not the spec's dtype, and their bytes (a dropout's keep-mask: 1)
+    element_bytes: tuple[tuple[str, int], ...] = ()
+
+    def nbytes(self, tensor: str) -> int:
+        """Bytes of one element of ``tensor``: the spec's dtype unless ``element_bytes`` says otherwise."""
+        return dict(self.element_bytes).get(tensor, self.spec.dtype.nbytes)
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

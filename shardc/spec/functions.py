@@ -35,10 +35,11 @@ True
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args", "route_fn", "is_route_fn", "parse_route"]
+           "is_elementwise", "integer_args", "dropout_salt", "route_fn", "is_route_fn", "parse_route"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,16 @@ def integer_args(name: str) -> tuple[int, ...]:
     """Which tensor arguments hold integer ids (no gradient): embed's and cross_entropy's tokens."""
     kind = FUNCTIONS[name].kind
     return (0,) if kind == "embed" else (1,) if kind == "loss" else ()
+
+
+def dropout_salt(result: str, k: int) -> int:
+    """The salt of the k-th dropout (outermost first) of the statement defining ``result``.
+
+    A dropout's keep-mask is a counter-based hash of each element's global position
+    and this salt: one global mask per dropout, drawn alike by every device's block
+    of it and by the numpy reference.
+    """
+    return zlib.crc32(f"{result}/{k}".encode())
 
 
 def known_list() -> str:
