@@ -45,7 +45,7 @@ def fsdp_tp() -> shardc.lowering.api.Lowered:  # type: ignore[name-defined]
 
 def test_the_required_examples_exist() -> None:
     names = {p.stem for p in EXAMPLES}
-    assert {"dp", "fsdp", "tp", "fsdp_tp", "attention", "multiaxis", "braced", "alltoall"} <= names
+    assert {"dp", "fsdp", "tp", "fsdp_tp", "attention", "multiaxis", "braced", "alltoall", "moe_layer"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

@@ -25,12 +25,14 @@ from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.layer_code import LAYER_FNS, MASKS, layer_code
+from shardc.lowering.route import route_code
 from shardc.lowering.rows import VOCAB_FNS, lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.masks import parse_fn
 from shardc.planner.rowstats import ROW_FNS
 from shardc.planner.zero import UPDATE
+from shardc.spec.functions import is_route_fn, parse_route
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]
@@ -169,7 +171,7 @@ def _check_einsum(step: Step, number: int, phase: str) -> None:
                               f"sharded like its operands", fix="this is a planner bug: report the spec")
 
 
-def _step_code(step: Step, var: _Namer) -> str:
+def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> str:
     """One step as one line of Python (without the comment)."""
     src = var(step.src) if step.src is not None else ""
     axes = _axes_entry(step.axes) if step.axes else ""
@@ -193,11 +195,21 @@ def _step_code(step: Step, var: _Namer) -> str:
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
+    if is_route_fn(step.fn):
+        return route_code(step, var, _capacity(step, sizes))
     if step.fn in ("embed", "embed_vjp"):
         return lookup_code(step, var)
     if step.fn in ROW_FNS or step.fn in VOCAB_FNS:
         return row_code(step, var)
     return _elementwise_code(step, var)
+
+
+def _capacity(step: Step, sizes: dict[str, int] | None) -> str:
+    """A route step's capacity: the length of its capacity index (replicated), at the module's sizes."""
+    _, _, slots, _ = parse_route(step.fn or "")
+    if not sizes or slots not in sizes:
+        raise ShardcError(f"route's capacity index {slots} has no size here", fix=f"give {slots} a size in dims")
+    return str(sizes[slots])
 
 
 def _gathered_groups(step: Step) -> str:
@@ -251,7 +263,7 @@ def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Name
                                   fix="this is a planner bug: report the spec")
         if step.op in (Op.EINSUM, Op.COPY):
             _check_einsum(step, number, phase)
-        code = f"{var(step.dst)} = {_step_code(step, var)}"
+        code = f"{var(step.dst)} = {_step_code(step, var, sizes)}"
         lines.append((code, template.comment(f"{step.dst}  {local_shape_text(step.dst, sizes)}")))
         made.add(_key(step.dst))
     width = min(max((len(code) for code, _ in lines), default=0), _COMMENT_COLUMN)

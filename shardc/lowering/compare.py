@@ -137,7 +137,7 @@ class _XlaPrograms:
     """``jax.jit`` of the global computation, shardings only at the boundaries."""
 
     def __init__(self, plan: Plan, mesh_axes: tuple[tuple[str, int], ...], cotangents: dict[str, str],
-                 grads: dict[str, str]) -> None:
+                 grads: dict[str, str], sizes: dict[str, int] | None = None) -> None:
         import jax
         from jax.sharding import AxisType, NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -168,7 +168,7 @@ class _XlaPrograms:
         import jax.numpy as jnp
 
         def fwd(*args: Any) -> tuple[Any, ...]:
-            values = reference.forward(spec, summed(args), jnp)
+            values = reference.forward(spec, summed(args), jnp, sizes=sizes)
             return tuple(values[i.name] for i in self.results)
 
         def bwd(*args: Any) -> tuple[Any, ...]:
@@ -176,7 +176,7 @@ class _XlaPrograms:
             inputs = summed(args[:k])
             given = dict(zip([i.name for i in self.results], args[k:k + r], strict=True))
             cot = dict(zip([cotangents[c.name] for c in self.cotangents], args[k + r:], strict=True))
-            grads = reference.backward(spec, inputs, cot, jnp, given=given)
+            grads = reference.backward(spec, inputs, cot, jnp, given=given, sizes=sizes)
             return tuple(grads[primal[g.name]] for g in self.grads)
 
         self.fwd_in = [sharding(i.ref, stacked=True) for i in self.inputs]
@@ -219,7 +219,8 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
     plan, zero_note = unlowered_optimizer(plan)  # ZeRO-1/2: the forward and backward are compared
     sizes = small_sizes(plan, devices_to_check(plan, jax.device_count()) if devices is None else devices)
     lowered = lower(plan, sizes=sizes)
-    xla = _XlaPrograms(plan, lowered.module.mesh, lowered.module.cotangents, lowered.module.grads)
+    xla = _XlaPrograms(plan, lowered.module.mesh, lowered.module.cotangents, lowered.module.grads,
+                       dict(lowered.sizes or sizes))
     inputs = lowered.random_inputs()
     cot = lowered.random_cotangents()
     fwd_args = [jax.device_put(inputs[i.name], s) for i, s in zip(xla.inputs, xla.fwd_in, strict=True)]

@@ -25,7 +25,8 @@ import numpy as np
 from shardc.errors import ShardcError
 from shardc.lowering import rows
 from shardc.lowering.functions import function
-from shardc.spec.functions import dropout_salt, signature
+from shardc.lowering.route import route_forward
+from shardc.spec.functions import dropout_salt, is_route_fn, parse_route, route_fn, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, dropout_number, fold, leaves
 
@@ -83,6 +84,8 @@ class _Builder:
             return self.reduction(expr, keep)
         if isinstance(expr, Call) and signature(expr.func).kind in ("embed", "loss"):
             return self.lookup(expr)
+        if isinstance(expr, Call) and signature(expr.func).kind == "route":
+            return self.route(expr, keep)
         if isinstance(expr, Add):
             terms = [self.value(t, chain_indices(t, keep)) for t in expr.terms]
             key = self.temp()
@@ -135,6 +138,18 @@ class _Builder:
         key = self.temp()
         self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, over))
         self.labels[key] = out
+        return key
+
+    def route(self, expr: Call, keep: tuple[str, ...]) -> str:
+        """``route(Gate, S, C, k over E)``: the gates' indices, then the capacity index C (a mask)."""
+        assert expr.over is not None
+        order, slots = expr.names
+        arg = self.value(expr.arg, tuple(i for i in keep if i != slots))
+        labels = self.labels[arg]
+        key = self.temp()
+        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots),
+                                route_fn(order, expr.over, slots, expr.numbers[0])))
+        self.labels[key] = (*labels, slots)
         return key
 
     def einsum(self, keys: list[str], out: tuple[str, ...]) -> str:
@@ -251,15 +266,17 @@ def _layer_backward(xp: Any, node: _Node, d: Array, shape: dict[str, int],
     return out
 
 
-def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
-         given: dict[str, Array] | None) -> tuple[dict[str, Array], dict[str, int]]:
+def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str, Array] | None,
+         sizes: dict[str, int] | None = None) -> tuple[dict[str, Array], dict[str, int]]:
     values = dict(inputs)
-    shape: dict[str, int] = {}
+    shape: dict[str, int] = dict(sizes or {})  # the inputs' shapes win; sizes give the rest (a capacity)
     for node in nodes:
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.over is not None:  # a reduction over an index, or a vocabulary op
+        if is_route_fn(node.fn):
+            values[node.result] = _route(node, args[0], shape, xp)
+        elif node.over is not None:  # a reduction over an index, or a vocabulary op
             values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
         elif node.fn in _LAYER:
             values[node.result] = _layer_forward(xp, node, args, shape)
@@ -272,14 +289,26 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
     return values, shape
 
 
-def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np) -> dict[str, Array]:
-    """Every statement's result, by name, from the inputs and params."""
-    values, _ = _run(_nodes(spec), inputs, xp, None)
+def _route(node: _Node, gates: Array, shape: dict[str, int], xp: Any) -> Array:
+    """A routing mask (:func:`shardc.lowering.route.route_forward`); C's length from ``shape``."""
+    order, experts, slots, k = parse_route(node.fn or "")
+    if slots not in shape:
+        raise ShardcError(f"route's capacity index {slots} has no size", fix=f"give {slots} a size in dims")
+    (labels,) = node.labels
+    return route_forward(gates, labels.index(order), labels.index(experts), shape[slots], k, xp)
+
+
+def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np,
+            sizes: dict[str, int] | None = None) -> dict[str, Array]:
+    """Every statement's result, by name, from the inputs and params (``sizes``: the dims no input
+    has, such as a route's capacity)."""
+    values, _ = _run(_nodes(spec), inputs, xp, None, sizes)
     return {s.result.name: values[s.result.name] for s in spec.statements}
 
 
 def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
-             xp: Any = np, given: dict[str, Array] | None = None) -> dict[str, Array]:
+             xp: Any = np, given: dict[str, Array] | None = None,
+             sizes: dict[str, int] | None = None) -> dict[str, Array]:
     """The gradient of every input and param, keyed by the input's name, given the
     cotangent of each output keyed by the output's name.
 
@@ -288,7 +317,7 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
     ``given`` holds forward values already computed (by name), used in place of recomputing them.
     """
     nodes = _nodes(spec)
-    values, shape = _run(nodes, inputs, xp, given)
+    values, shape = _run(nodes, inputs, xp, given, sizes)
     grads: dict[str, Array] = {}
 
     def add(name: str, g: Array) -> None:
@@ -301,6 +330,8 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if is_route_fn(node.fn):  # a 0/1 mask: no gradient
+            continue
         if node.over is not None:  # one operand gets a gradient (token ids never do)
             k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
                                  node.labels, node.over, xp)
@@ -321,7 +352,7 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
 
 
 def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
-               cotangents: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+               cotangents: dict[str, np.ndarray], sizes: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """A running bound on the terms behind each value: results by name, gradients by primal's name.
 
     Each einsum sums the products of its operands' magnitudes, a function scales its
@@ -331,10 +362,12 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     Numpy only.
     """
     nodes = _nodes(spec)
-    values, shape = _run(nodes, inputs, np, None)
+    values, shape = _run(nodes, inputs, np, None, sizes)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.over is not None:
+        if is_route_fn(node.fn):  # exact 0/1 values: no rounding behind them
+            mag[node.result] = np.abs(values[node.result])
+        elif node.over is not None:
             mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
                                                    [mag[o] for o in node.operands], node.labels, node.over)
         elif node.fn in _LAYER:  # linear maps: the magnitudes map alike, signs dropped
@@ -349,6 +382,8 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
+        if is_route_fn(node.fn):
+            continue
         if node.over is not None:
             k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],
                                             [mag[o] for o in node.operands], d, node.labels, node.over)

@@ -309,6 +309,11 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
 
     if uses_helpers(plan.forward + plan.backward):
         text += HELPERS
+    from shardc.lowering.route import HELPER as ROUTE_HELPER
+    from shardc.lowering.route import uses_route
+
+    if uses_route(plan.forward):
+        text += ROUTE_HELPER
     text += "\n\n# ---- forward " + "-" * 60 + "\n\n" + _specs("FORWARD_IN", forward.inputs)
     text += _specs("FORWARD_OUT", forward.outputs)
     text += f"RESULTS = {tuple(results)!r}  # forward() returns these; the rest are residuals\n"

@@ -262,9 +262,10 @@ def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
         wide = reference_inputs(lowered, inputs)
         wide_cot = {outs[n]: v.astype(np.float64) for n, v in cot.items()}
         with np.errstate(all="ignore"):  # overflow is what this loop looks for
-            ref_out = reference.forward(spec, wide)
-            grads = reference.backward(spec, wide, wide_cot)
-            magnitude = reference.magnitudes(spec, wide, wide_cot)
+            sizes = dict(lowered.sizes or {})
+            ref_out = reference.forward(spec, wide, sizes=sizes)
+            grads = reference.backward(spec, wide, wide_cot, sizes=sizes)
+            magnitude = reference.magnitudes(spec, wide, wide_cot, sizes)
         values = [*ref_out.values(), *grads.values(), *magnitude.values()]
         fits = all(_fits(v, limit) for v in values)
         this = _Run(inputs, cot, ref_out, grads, magnitude, scale, fits)

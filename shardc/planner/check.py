@@ -19,8 +19,10 @@ from shardc.collectives import volume_elements
 from shardc.errors import InternalError
 from shardc.planner.ir import Monomial, Op, Plan, Step
 from shardc.planner.layout import Value
+from shardc.planner.route import check_route_step
 from shardc.planner.rows import check_row_step
 from shardc.planner.rowstats import ROW_FNS, VOCAB_FNS
+from shardc.spec.functions import is_route_fn
 from shardc.spec.ir import TensorRef
 
 __all__ = ["check_plan", "require_sound", "replay_step", "comm_time", "step_time"]
@@ -217,6 +219,8 @@ def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
     if step.op in (Op.EINSUM, Op.COPY):
         why = check_einsum(step)
         return problems + ([f"invalid local einsum {step.dst}: {why}"] if why else [])
+    if step.op is Op.ELEMENTWISE and is_route_fn(step.fn):
+        return problems + check_route_step(step)
     if step.op is Op.ELEMENTWISE and step.fn in ROW_FNS | VOCAB_FNS:
         return problems + check_row_step(step)
     if step.op is Op.ELEMENTWISE:

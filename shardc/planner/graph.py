@@ -133,6 +133,8 @@ class _Builder:
             return self.rows(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
             return self.lookup(e, name, indices, target)
+        if isinstance(e, Call) and signature(e.func).kind == "route":
+            return self.route(e, name, indices, target)
         if isinstance(e, Call) and not is_elementwise(e.func):
             what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
@@ -206,6 +208,19 @@ class _Builder:
         self.indices.update({a: rows for a in aux})
         self.indices[name] = indices
         self.nodes.append(Node("rows", name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
+        return name
+
+    def route(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``route(Gate, S, C, k over E)`` (shardc.planner.route plans it): a 0/1 mask, no gradient."""
+        slots = e.names[1]
+        if isinstance(e.arg, TensorRef):
+            arg = self.leaf(e.arg)
+        else:  # the gates are computed towards the mask's indices less the capacity one
+            arg = self.fresh(name)
+            self.indices[arg] = tuple(i for i in indices if i != slots)
+            self.expr(e.arg, arg, self.indices[arg], None)
+        self.indices[name] = indices
+        self.nodes.append(Node("route", name, indices, (arg,), target, self.current, fn=e.func, call=e))
         return name
 
     def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:

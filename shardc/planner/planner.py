@@ -26,6 +26,7 @@ from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, res
 from shardc.planner.masks import MASK_BYTES, plan_masked
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
+from shardc.planner.route import plan_route
 from shardc.planner.rows import plan_rows
 from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import (
@@ -340,6 +341,9 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         return
     if node.kind == "rows":
         plan_rows(phase, node, declared, target, label)
+        return
+    if node.kind == "route":
+        plan_route(phase, node, declared, target, label)
         return
     if node.kind in ("embed", "loss"):
         (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)

@@ -41,7 +41,7 @@ from shardc.spec.ir import TensorRef
 
 __all__ = ["over_of", "check_row_step", "SHAPE_ONLY", "ROW_FNS", "STATS", "BACKWARD_STATS", "is_row_node",
            "plan_rows", "by_index",
-           "in_order", "frame_of", "Layouts", "stats_cost", "choose"]
+           "in_order", "frame_of", "Layouts", "stats_cost", "choose", "candidates", "record"]
 
 def is_row_node(node: Node) -> bool:
     return node.kind == "rows"
@@ -137,9 +137,10 @@ def _volume(phase: Phase, o: Layouts, stats: int, idx: tuple[str, ...], over: st
     return sum_formula(terms)
 
 
-def _candidates(phase: Phase, arg: str, over: str, result_idx: tuple[str, ...], target: Value | None,
-                linear: bool) -> list[Value]:
-    """Input layouts worth costing: held values (reduced first unless linear), the target's, each with I gathered."""
+def candidates(phase: Phase, arg: str, whole: tuple[str, ...], result_idx: tuple[str, ...], target: Value | None,
+               linear: bool) -> list[Value]:
+    """Input layouts worth costing: held values (reduced first unless linear), the target's, and each of
+    them with the indices ``whole`` gathered (a reduction's I; ``route``'s expert and token indices)."""
     idx = phase.indices[arg]
     found: dict[Value, None] = {}
     for source in phase.held[arg]:
@@ -151,8 +152,8 @@ def _candidates(phase: Phase, arg: str, over: str, result_idx: tuple[str, ...], 
     for value in found:
         out[value] = None
         axes = by_index(idx, value.layout)
-        if axes.get(over):
-            out[in_order(idx, {**axes, over: ()}, value.unreduced)] = None
+        if any(axes.get(i) for i in whole):
+            out[in_order(idx, {**axes, **dict.fromkeys(whole, ())}, value.unreduced)] = None
     return list(out)
 
 
@@ -195,7 +196,7 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
                           node.statement.span, fix="drop the {U_...} suffix: the function needs reduced values")
     stats = len(STATS[fn])
     linear = fn in ("sum", "mean")
-    options = [o for v in _candidates(phase, arg, over_of(node), node.indices, target, linear)
+    options = [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, linear)
                if (o := _option(phase, node, v, target, stats)) is not None]
     if not options:
         raise ShardcError(f"no sharding of {arg} makes {label.split(' = ')[0]}", node.statement.span,

@@ -14,7 +14,14 @@ has a kind, which fixes how its result's indices follow from its arguments:
 - ``embed``: ``embed(Tok, W_emb)``, a lookup of the ids ``Tok`` in the rows of the
   table (its first index): Tok's indices, then the table's others;
 - ``loss``: ``cross_entropy(Logits, Tok)``, the mean over tokens of the softmax
-  cross entropy along the one index of Logits that Tok lacks: a scalar.
+  cross entropy along the one index of Logits that Tok lacks: a scalar;
+- ``route``: ``route(Gate[G, S, E], S, C, k over E)``, top-k routing to experts with
+  capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): the 0/1 dispatch
+  mask ``[G, S, E, C]``, 1 where token s goes to slot c of expert e.  Each token picks
+  the k largest gates along E (ties: the lower expert), and takes the next free slot
+  of each expert it picked, tokens in order of S (the first index name), the
+  capacity index C (the second, not an index of the argument) counting slots; a
+  token past an expert's capacity is dropped there.  A mask: no gradient.
 
 >>> is_known("gelu"), signature("softmax").kind, signature("embed").tensors
 (True, 'normalize', 2)
@@ -22,6 +29,8 @@ has a kind, which fixes how its result's indices follow from its arguments:
 True
 >>> known_list().split(', ')[:3]
 ['causal', 'cross_entropy', 'dropout']
+>>> signature("route").usage("route")
+'route(Gate[G, S, E], S, C, 2 over E)'
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import zlib
 from dataclasses import dataclass
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args", "dropout_salt"]
+           "is_elementwise", "integer_args", "dropout_salt", "route_fn", "is_route_fn", "parse_route"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,8 @@ class Signature:
         """How a call of this function is written, e.g. ``softmax(X[B, T] over T)``."""
         examples = {"elementwise": "X[B, D]", "normalize": "X[B, S, D] over D", "reduce": "X[B, D] over D",
                     "mask": "Sc[B, N, S, T], S, T", "dropout": "X[B, S, D], 0.1",
-                    "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]"}
+                    "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]",
+                    "route": "Gate[G, S, E], S, C, 2 over E"}
         return f"{name}({examples[self.kind]})"
 
 
@@ -77,6 +87,8 @@ FUNCTIONS: dict[str, Signature] = {
     "dropout": Signature("dropout", "zero with probability rate, else x / (1 - rate)", numbers=1),
     "embed": Signature("embed", "the rows of the table (first index) at the token ids", tensors=2),
     "cross_entropy": Signature("loss", "mean over tokens of logsumexp(logits) - logits[target]", tensors=2),
+    "route": Signature("route", "0/1 mask: each token (in order of S) to a free slot C of its top k along E",
+                       names=2, numbers=1, over=True),
 }
 
 ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")
@@ -120,3 +132,23 @@ def dropout_salt(result: str, k: int) -> int:
 def known_list() -> str:
     """The known names, sorted, comma separated (for error messages)."""
     return ", ".join(sorted(FUNCTIONS))
+
+
+def route_fn(order: str, experts: str, slots: str, k: float) -> str:
+    """A route call's parameters as a plan step's fn: ``route(S,E,C,2)``, the token order index,
+    the expert index, the capacity index, k (the plan is data; lowering reads it back)."""
+    return f"route({order},{experts},{slots},{int(k)})"
+
+
+def is_route_fn(fn: str | None) -> bool:
+    return fn is not None and fn.startswith("route(")
+
+
+def parse_route(fn: str) -> tuple[str, str, str, int]:
+    """``route(S,E,C,2)`` -> ("S", "E", "C", 2): the inverse of :func:`route_fn`.
+
+    >>> parse_route(route_fn("S", "E", "C", 2))
+    ('S', 'E', 'C', 2)
+    """
+    order, experts, slots, k = fn[len("route("):-1].split(",")
+    return order, experts, slots, int(k)

@@ -40,7 +40,8 @@ from shardc.pipeline.stages import check_pipeline
 from shardc.spec.functions import integer_args, is_known, known_list, signature
 from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 
-__all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices", "renamed_indices", "dropout_number"]
+__all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices", "renamed_indices", "dropout_number",
+           "route_slots"]
 
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
@@ -417,7 +418,9 @@ def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
     kind = signature(call.func).kind
     inner = outer + ((call.over,) if kind == "reduce" and call.over is not None else ())
     arg = chain_indices(call.arg, inner)
-    for name in (*call.names, *((call.over,) if call.over is not None else ())):
+    if kind == "route":
+        _check_route(call, arg, spec)
+    for name in (*call.names[:1 if kind == "route" else None], *((call.over,) if call.over is not None else ())):
         if name not in arg:
             raise ShardcError(f"`{call.func}`: {name} is not an index of its argument ({', '.join(arg)})",
                               call.span, fix=f"name one of {', '.join(arg)}")
@@ -431,6 +434,28 @@ def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
         _check_lookup(call)
     for a in call.args:
         _check_expr(a, inner if a is call.arg else chain_indices(a, ()), spec)
+
+
+def _check_route(call: Call, arg: tuple[str, ...], spec: Spec) -> None:
+    """route(Gate[G, S, E], S, C, k over E): S orders the tokens, C (new) counts slots, k <= E experts."""
+    order, slots = call.names
+    k = call.numbers[0]
+    fix = "write route(Gate[G, S, E], S, C, 2 over E): the token order index, a new capacity index, k"
+    if slots in arg:
+        raise ShardcError(f"route: the capacity index {slots} is an index of its argument ({', '.join(arg)})",
+                          call.span, fix=fix)
+    if order == call.over:
+        raise ShardcError(f"route: tokens are ordered along {order}, which is the expert index", call.span, fix=fix)
+    experts = (spec.sizes or {}).get(call.over or "")
+    if not float(k).is_integer() or k < 1 or (experts is not None and k > experts):
+        raise ShardcError(f"route: k={k:g} is not a whole number of experts from 1 to {experts or call.over}",
+                          call.span, fix=fix)
+
+
+def route_slots(expr: Expr) -> set[str]:
+    """The capacity indices that ``route`` calls in ``expr`` make (no tensor of the spec has them before)."""
+    return {c.names[1] for c in calls(expr) if is_known(c.func) and signature(c.func).kind == "route"
+            and len(c.names) == 2}
 
 
 def _check_lookup(call: Call) -> None:
@@ -450,7 +475,7 @@ def _check_lookup(call: Call) -> None:
 
 
 def _indices(expr: Expr) -> set[str]:
-    return {i for ref in leaves(expr) for i in ref.indices}
+    return {i for ref in leaves(expr) for i in ref.indices} | route_slots(expr)
 
 
 def _check_indices(statement: Statement, spec: Spec) -> None:
@@ -557,6 +582,8 @@ def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
         return chain_indices(call.arg, ()) + chain_indices(call.more[0], ())[1:]
     if kind == "loss":
         return ()
+    if kind == "route" and len(call.names) == 2:
+        return chain_indices(call.arg, outer) + (call.names[1],)
     return chain_indices(call.arg, outer)
 
 
