@@ -11,10 +11,11 @@ paper's 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N bytes a device (:func:`state_formu
 gives them as formulas).  Residuals are the forward values the backward reads
 from memory under the plan's save policy and recompute mode (:func:`residual_table`:
 ``plan.residuals`` the backward does not recompute, and the block's inputs, each
-with why), each at its local size and the spec's dtype.  ``layers`` multiplies the
-per-layer state and residuals; the gathered weights (and unreduced weight
-gradients) alive at once are counted for one layer, since layers run one at a
-time.  Transient activations of the running layer are not counted.
+with why), each at its local size and its element bytes (the spec's dtype; 4 for token
+ids, int32); a value the backward reads for its shape only (``Step.shapes``) is none.
+``layers`` multiplies the per-layer state and residuals; the gathered weights (and
+unreduced weight gradients) alive at once are counted for one layer, since layers run
+one at a time.  Transient activations of the running layer are not counted.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from shardc.planner.zero import zero_params
 from shardc.spec.ir import Dim, TensorRef
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
-           "residual_formula"]
+           "residual_formula", "value_bytes"]
 
 
 @dataclass(frozen=True)
@@ -89,15 +90,14 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     total = sum(float(_global_elements(p.ref, sizes)) for p in params) * layers
     grad_local, opt_local = (sum(float(local_elements(r, sizes)) for r in refs) * layers
                              for refs in state_refs(plan))
-    nbytes = plan.spec.dtype.nbytes
     table = residual_table(plan)
-    kept = tuple((str(ref), float(local_elements(ref, sizes)) * nbytes) for ref, _ in table)
-    again = tuple((str(s.dst), float(local_elements(s.dst, sizes)) * nbytes) for s in plan.recomputed
+    kept = tuple((str(ref), value_bytes(plan, ref, sizes)) for ref, _ in table)
+    again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
-    gathered = max(peak_weights(plan.forward, names, sizes), peak_weights(plan.backward, names, sizes))
+    gathered = max(peak_weights(plan, plan.forward, names, sizes), peak_weights(plan, plan.backward, names, sizes))
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
-                  sum(b for _, b in kept) * layers, gathered * nbytes, kept, hbm_bytes,
+                  sum(b for _, b in kept) * layers, gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
                   tuple(why for _, why in table), again, text(residual_formula(plan)))
 
@@ -133,14 +133,19 @@ def state_formula(plan: Plan, accounting: str = "adam16", layers: int | str = 1)
     return total(params, per_param), total(grads, per_grad), total(states, per_opt)
 
 
+def value_bytes(plan: Plan, ref: TensorRef, sizes: dict[str, int]) -> float:
+    """Bytes of one device's piece of ``ref``: its padded local elements times its element bytes
+    (:meth:`Plan.nbytes`: 4 for token ids, else the spec's dtype's)."""
+    return float(local_elements(ref, sizes)) * plan.nbytes(ref.name)
+
+
 def residual_formula(plan: Plan) -> Expr:
     """The bytes the backward keeps for one layer (:func:`residual_table`), as an exact formula.
 
-    Per value its local elements (each dim over its axes' product, unpadded) times the
-    spec's dtype bytes: the form Korthikanti et al. (2022) write, e.g. ``34*B*D*S/Y``.
+    Per value its local elements (each dim over its axes' product, unpadded) times its
+    element bytes (:meth:`Plan.nbytes`): the form Korthikanti et al. (2022) write, e.g. ``34*B*D*S/Y``.
     """
-    nbytes = plan.spec.dtype.nbytes
-    return se.expand(nbytes * sum((_elements(ref) for ref, _ in residual_table(plan)), ZERO))
+    return se.expand(sum((plan.nbytes(ref.name) * _elements(ref) for ref, _ in residual_table(plan)), ZERO))
 
 
 def _elements(ref: TensorRef) -> Expr:
@@ -181,8 +186,8 @@ def _why(ref: TensorRef, reader: str, declared: dict[TensorRef, str], mode: str)
     return reader
 
 
-def peak_weights(steps: tuple[Step, ...], weights: set[str], sizes: dict[str, int]) -> float:
-    """Most elements of gathered weights / unreduced weight gradients alive at one step of a phase.
+def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: dict[str, int]) -> float:
+    """Most bytes of gathered weights / unreduced weight gradients alive at one step of a phase.
 
     ``weights`` names the params and their gradients (:meth:`Plan.grad_name`)."""
     born: dict[TensorRef, int] = {}
@@ -196,7 +201,7 @@ def peak_weights(steps: tuple[Step, ...], weights: set[str], sizes: dict[str, in
             last.setdefault(step.dst, i)
     peak = 0.0
     for i in range(len(steps)):
-        alive = sum(float(local_elements(r, sizes)) for r in born if born[r] <= i <= last[r])
+        alive = sum(value_bytes(plan, r, sizes) for r in born if born[r] <= i <= last[r])
         peak = max(peak, alive)
     return peak
 

@@ -110,6 +110,11 @@ class Step:
     ``dim2``).  For an einsum: ``operands`` are the local operand values and
     ``dst`` the local result (unreduced over the sharded contracted axes).  For an
     elementwise step: ``fn`` is applied to ``operands[0]``.
+
+    ``operands`` are read for their data; ``shapes`` only for their shape (a sum's gradient
+    spreads dS along I, whose length it takes from the input; the embedding's gradient is
+    the table's shape).  XLA keeps no data for a shape, so a value read only so is no
+    residual, is never recomputed and is not counted in memory.
     """
 
     op: Op
@@ -124,6 +129,7 @@ class Step:
     volume: Monomial | None = None  # V: bytes a device would hold unsharded over the axes; None for local steps
     ahead: bool = False  # can be issued ahead of / off the critical path
     note: str = ""
+    shapes: tuple[TensorRef, ...] = ()  # values read for their shape only (see above)
 
     @property
     def is_collective(self) -> bool:
@@ -190,6 +196,16 @@ class Plan:
     # `--recompute none|selective|full` (shardc.planner.recompute): the forward steps the backward runs again
     recompute: str = "none"
     recomputed: tuple[Step, ...] = ()
+    # tensor -> bytes an element, where not the spec's dtype: token ids are int32
+    # (shardc.spec.validate.element_bytes); read through :meth:`nbytes` wherever bytes are counted
+    element_bytes: tuple[tuple[str, int], ...] = ()
+
+    def nbytes(self, tensor: str) -> int:
+        """Bytes an element of ``tensor``: 4 for token ids (int32), else the spec's dtype's."""
+        for name, size in self.element_bytes:
+            if name == tensor:
+                return size
+        return self.spec.dtype.nbytes
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

@@ -189,7 +189,8 @@ def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | Non
     grads = frozenset(graph.grads[p] for p in graph.params)
     ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
                       graph.params | grads, hardware=hw, spans=spans,
-                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places)
+                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
+                      element_bytes=graph.element_bytes)
     ctx.deadline = time.monotonic() + BUDGET
     return ctx
 
@@ -285,6 +286,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         optimizer=opt,
         recompute=recompute,
         recomputed=again,
+        element_bytes=tuple(graph.element_bytes.items()),
     )
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args"]
+           "is_elementwise", "integer_args", "ID_DTYPE", "ID_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,12 @@ def is_known(name: str) -> bool:
 def is_elementwise(name: str) -> bool:
     """Whether ``name`` applies to each element alone (so its result keeps the argument's sharding)."""
     return name in ELEMENTWISE
+
+
+# Token ids are int32 whatever the spec's dtype: the lowered module feeds them so, and plan,
+# cost and memory count their bytes so (:func:`shardc.spec.validate.element_bytes`).
+ID_DTYPE = "int32"
+ID_BYTES = 4
 
 
 def integer_args(name: str) -> tuple[int, ...]:
