@@ -30,6 +30,7 @@ from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
 from shardc.planner.zero import zero_params
+from shardc.spec.functions import ID_DTYPE
 from shardc.spec.ir import Dim, TensorRef
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
@@ -161,8 +162,11 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
     """What the backward keeps from the forward, each value once, with why.
 
     The values the recomputed forward steps (``plan.recomputed``) and then the
-    backward read that neither makes: the plan's residuals first, then the layer's
-    inputs, each with the first step that reads it.
+    backward read for their data (:attr:`Step.operands` and sources, not
+    :attr:`Step.shapes`) that neither makes: the plan's residuals first, then the
+    layer's inputs.  Each says the first step that reads it, what it is (token ids,
+    a layer input, or a value a forward collective made, kept rather than moved
+    again) and, under ``selective``, that it lies outside the attention-score region.
     """
     steps = (*(("the recomputed forward", s) for s in plan.recomputed),
              *((f"backward step {k}", s) for k, s in enumerate(plan.backward, 1)))
@@ -175,15 +179,24 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
             if ref not in skip and ref not in first:
                 first[ref] = f"read by {where}: {describe(step)}"
     order = [r for r in plan.residuals if r in first] + [r for r in first if r not in plan.residuals]
-    return [(ref, _why(ref, first[ref], declared, plan.recompute)) for ref in dict.fromkeys(order)]
+    moved: dict[TensorRef, str] = {}
+    for k, step in enumerate(plan.forward, 1):
+        if step.is_collective and step.dst not in declared:
+            moved.setdefault(step.dst, f"made by forward step {k} ({step.op.title}_{''.join(step.axes)} "
+                                       f"{describe(step)}), kept rather than moved again (--save {plan.save})")
+    return [(ref, _why(plan, ref, first[ref], declared, moved)) for ref in dict.fromkeys(order)]
 
 
-def _why(ref: TensorRef, reader: str, declared: dict[TensorRef, str], mode: str) -> str:
+def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str], moved: dict[TensorRef, str]) -> str:
+    ids = dict(plan.element_bytes)  # the tensors whose elements are not the dtype's: the token ids
+    parts = [f"token ids, {ids[ref.name]} bytes an element ({ID_DTYPE})"] if ref.name in ids else []
     if declared.get(ref) == "input":
-        return "layer input, " + reader
-    if mode == "selective":
-        return "kept (outside the attention-score region), " + reader
-    return reader
+        parts.append("layer input")
+    elif ref in moved:
+        parts.append(moved[ref])
+    if plan.recompute == "selective" and declared.get(ref) != "input":
+        parts.append("kept (outside the attention-score region)")
+    return ", ".join([*parts, reader])
 
 
 def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: dict[str, int]) -> float:

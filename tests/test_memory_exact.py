@@ -1,7 +1,11 @@
-"""Exact bytes: token ids are int32 (4 bytes) wherever bytes are counted, and a value the backward
-reads for its shape only (a sum's input, the embedding table) is no residual."""
+"""Exact memory and bytes: token ids are int32 (4 bytes) wherever bytes are counted, a value the
+backward reads for its shape only (a sum's input, the embedding table) is no residual, and each
+residual's why names the steps that make and read it."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,6 +112,53 @@ def test_the_embedding_gradient_reads_the_table_for_its_shape_only() -> None:
     assert [s["shapes"] for s in to_json(p)["backward"] if s.get("fn") == "embed_vjp"] == [["W_emb[V, D]"]]
 
 
+ROOT = Path(__file__).resolve().parent.parent
+ATTENTION = """mesh X=2, Y=2
+dims B=8, S=64, T=64, N=4, H=16, D=64
+Q[B_X, S, N_Y, H] = Xq[B_X, S, D] · W_q[D, N_Y, H]
+Sc[B_X, N_Y, S, T] = Q[B_X, S, N_Y, H] · K[B_X, T, N_Y, H]
+P[B_X, N_Y, S, T] = softmax(Sc[B_X, N_Y, S, T] over T)
+O[B_X, S, N_Y, H] = P[B_X, N_Y, S, T] · V[B_X, T, N_Y, H]
+Out[B_X, S, D] = O[B_X, S, N_Y, H] · W_o[N_Y, H, D]
+"""
+
+
+def _check_whys(p: Plan) -> None:
+    """Each why names a step that reads the value for its data, and the forward step that moved it."""
+    for ref, why in residual_table(p):
+        read = re.search(r"read by (backward step (\d+)|the recomputed forward): (.*)$", why)
+        assert read is not None, why
+        steps = p.backward[int(read.group(2)) - 1:int(read.group(2))] if read.group(2) else p.recomputed
+        assert any(ref in (*s.operands, *((s.src,) if s.src else ())) for s in steps), why
+        made = re.search(r"made by forward step (\d+) \((\w+)_", why)
+        if made is not None:
+            step = p.forward[int(made.group(1)) - 1]
+            assert step.dst == ref and step.is_collective and step.op.title == made.group(2), why
+        assert ("token ids" in why) == (ref.name in dict(p.element_bytes)), why
+
+
+def test_each_why_says_what_the_value_is_and_who_reads_it() -> None:
+    fsdp_tp = shardc.plan(shardc.parse((ROOT / "examples/fsdp_tp.shard").read_text()))
+    whys = {str(ref): why for ref, why in residual_table(fsdp_tp)}
+    assert whys["In[B_X, D]"].startswith("made by forward step 1 (AllGather_Y In[B_X, D_Y] -> In[B_X, D]), "
+                                         "kept rather than moved again (--save default), read by backward step")
+    vocab = shardc.plan(shardc.parse((ROOT / "examples/vocab_parallel.shard").read_text()))
+    whys = {ref.name: why for ref, why in residual_table(vocab)}
+    assert whys["Tok"].startswith("token ids, 4 bytes an element (int32), layer input, read by backward step")
+    assert "embed_vjp(Tok[B_Y, S], dE[B_Y, S, D]) -> dW_emb" in whys["Tok"]  # the table is read for its shape
+    for mode in ("none", "selective", "full"):
+        p = shardc.plan(shardc.parse(ATTENTION), recompute=mode)
+        _check_whys(p)
+        whys = {ref.name: why for ref, why in residual_table(p)}
+        assert "Sc" not in whys  # softmax's gradient reads its output, not its input
+        if mode == "none":
+            assert whys["P"].startswith("read by backward step")
+        if mode == "selective":
+            assert whys["Q"].startswith("kept (outside the attention-score region), read by the recomputed forward")
+    for path in (ROOT / "examples").glob("*.shard"):
+        _check_whys(shardc.plan(shardc.parse(path.read_text())))
+
+
 def _volume_bytes(p: Plan) -> list[tuple[str, int, int]]:
     return [(s.tensor, int(s.volume.coeff), p.nbytes(s.tensor)) for s in p.forward + p.backward + p.recomputed
             if s.is_collective and s.volume is not None]
@@ -121,9 +172,7 @@ def test_every_collective_and_residual_counts_its_own_element_bytes(spec: Spec) 
     ids = element_bytes(spec)
     for tensor, coeff, nbytes in _volume_bytes(p):
         assert coeff == nbytes == ids.get(tensor, spec.dtype.nbytes), (tensor, coeff)
-    data = {r for s in p.backward + p.recomputed for r in (*s.operands, *((s.src,) if s.src else ()))}
-    for ref, _ in residual_table(p):
-        assert ref in data  # read for its data by some step, never for its shape alone
+    _check_whys(p)  # each residual is read for its data by the step its why names, never for a shape alone
     if p.sizes is not None:
         sizes = plan_sizes(p)
         mem = memory(p, sizes, 1, 96e9)
