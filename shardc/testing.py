@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from shardc.errors import ShardcError
 from shardc.spec.functions import ELEMENTWISE
 from shardc.spec.ir import (
+    Add,
     Call,
     Contract,
     Dim,
@@ -108,6 +109,7 @@ class _State:
     tensors: dict[str, TensorRef] = field(default_factory=dict)
     defined: set[str] = field(default_factory=set)
     counter: int = 0
+    same: dict[str, str] = field(default_factory=dict)  # a renamed index -> the one it renames (one size)
 
     def fresh(self, base: str) -> str:
         self.counter += 1
@@ -169,6 +171,46 @@ def _single(draw: st.DrawFn, state: _State) -> tuple[TensorRef, list[str]]:
     return ref, draw(st.permutations(ref.indices))
 
 
+def _sum(draw: st.DrawFn, state: _State) -> tuple[Add, list[str]]:
+    """``T ± U``: a contraction or a tensor, plus a new input with all or a subset of its indices."""
+    inner: Expr
+    inner, indices = _contraction(draw, state, 2) if draw(st.booleans()) else _single(draw, state)
+    sub = draw(st.permutations(indices)) if draw(st.booleans()) else draw(
+        st.lists(st.sampled_from(indices), unique=True) if indices else st.just([]))
+    term = _input(draw, state, list(sub))
+    terms = (inner, term) if draw(st.booleans()) else (term, inner)
+    return Add(terms, (1, draw(st.sampled_from((1, -1))))), indices
+
+
+def _rename(draw: st.DrawFn, state: _State) -> Statement | None:
+    """``Kx[B, T] = X[B, S]``: an existing tensor with one index renamed (the sizes agree)."""
+    named = sorted(n for n, r in state.tensors.items() if r.indices and not r.unreduced)
+    if not named:
+        return None
+    source = state.tensors[draw(st.sampled_from(named))]
+    k = draw(st.integers(0, len(source.indices) - 1))
+    new = state.fresh("Ix")
+    state.same[new] = source.indices[k]
+    indices = list(source.indices)
+    indices[k] = new
+    result = draw(tensor_refs(state.fresh("Kx"), indices, state.mesh))
+    state.tensors[result.name] = result
+    state.defined.add(result.name)
+    return Statement(result, source)
+
+
+def _call(draw: st.DrawFn, func: str, expr: Expr, indices: list[str]) -> Expr:
+    """``func(expr)``: dropout with a rate, causal over two of the indices (else an elementwise call)."""
+    if func == "dropout":
+        return Call(func, expr, numbers=(draw(st.sampled_from((0.0, 0.1, 0.5))),))
+    if func == "causal":
+        if len(indices) < 2:
+            return expr
+        query, key = draw(st.permutations(indices))[:2]
+        return Call(func, expr, names=(query, key))
+    return Call(func, expr)
+
+
 REDUCTIONS = ("softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp")
 
 
@@ -206,14 +248,21 @@ def _vocabulary(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]]:
     return Call("cross_entropy", logits, more=(_ids(draw, state, tok),)), []
 
 
-def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -> Statement:
+def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool, masks: bool = True) -> Statement:
     kind = draw(st.sampled_from(kinds))
     expr: Expr
+    if kind == "rename":
+        renamed = _rename(draw, state)
+        if renamed is not None:
+            return renamed
+        kind = "contract"
     drawn = _reduction(draw, state) if kind == "reduce" else _vocabulary(draw, state) if kind == "vocab" else None
     if kind in ("reduce", "vocab") and drawn is None:
         kind = "contract"
     if drawn is not None:
         expr, indices = drawn
+    elif kind == "sum":
+        expr, indices = _sum(draw, state)
     elif kind == "reshard":
         expr, indices = _single(draw, state)
     elif kind == "contract":
@@ -221,14 +270,18 @@ def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool) -
     else:  # an elementwise call (maybe nested) on a contraction or on one tensor
         inner, indices = _contraction(draw, state, 2) if draw(st.booleans()) else _single(draw, state)
         expr = inner
-        for func in draw(st.lists(st.sampled_from(sorted(ELEMENTWISE)), min_size=1, max_size=2)):
-            expr = Call(func, expr)
+        pool = sorted(ELEMENTWISE) + ["dropout", "causal"] * masks
+        funcs = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=2))
+        for k, func in enumerate(funcs):
+            if func != "causal" or k == len(funcs) - 1:  # -inf feeds only a softmax: causal goes last
+                expr = _call(draw, func, expr, indices)
     # Only a contraction leaves partial sums (a function of partial sums is an error); the planner
     # makes them by contracting locally, so give {U_..} to binary contractions with a contracted index.
     partial = state.unreduced and _contracts_an_index(expr, indices)
     result = draw(tensor_refs(state.fresh(draw(st.sampled_from(("T", "H", "Out")))), indices, state.mesh,
                               unreduced=partial))
-    state.tensors[result.name] = result
+    if not (isinstance(expr, Call) and expr.func == "causal"):  # its -inf is read by nothing drawn here
+        state.tensors[result.name] = result
     state.defined.add(result.name)
     arrow = chains and not isinstance(expr, TensorRef) and draw(st.booleans())
     return Statement(result, expr, arrow=arrow)
@@ -244,18 +297,26 @@ def _contracts_an_index(expr: Expr, result: list[str]) -> bool:
 @st.composite
 def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, dims: bool | None = None,
           chains: bool = True, calls: bool = True, unreduced: bool = True, reshards: bool = True,
-          headers: bool = True, max_devices: int = 64, layer_ops: bool = False) -> Spec:
+          headers: bool = True, max_devices: int = 64, sums: bool = True, renames: bool = True,
+          masks: bool = True, layer_ops: bool = False) -> Spec:
     """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never).
 
-    ``layer_ops`` draws reductions over an index (softmax, norms, sum, ...), embed and cross_entropy too.
+    ``sums`` draws ``A ± B`` (a term may broadcast), ``renames`` ``Kx[B, T] = X[B, S]``, ``masks``
+    ``dropout(X, rate)`` and ``causal(X, S, T)`` among the calls; ``layer_ops`` draws reductions over
+    an index (softmax, norms, sum, ...), embed and cross_entropy too.
     """
     state = _State(mesh if mesh is not None else draw(meshes(max_devices=max_devices)), unreduced)
-    kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls + ["reduce", "reduce", "vocab"] * layer_ops
+    kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls + ["sum"] * sums + ["rename"] * renames
+    kinds += ["reduce", "reduce", "vocab"] * layer_ops
     count = draw(st.integers(1, max_statements))
-    statements = tuple(_statement(draw, state, kinds, chains) for _ in range(count))
+    statements = tuple(_statement(draw, state, kinds, chains, masks) for _ in range(count))
     used = dict.fromkeys(i for s in statements for r in [s.result, *leaves(s.expr)] for i in r.indices)
     with_dims = draw(st.booleans()) if dims is None else dims
-    sizes = tuple((i, state.mesh.devices * draw(st.integers(1, 4))) for i in used) if with_dims else ()
+    drawn = {i: state.mesh.devices * draw(st.integers(1, 4)) for i in used} if with_dims else {}
+    for new, old in state.same.items():  # a rename keeps the size
+        if new in drawn:
+            drawn[new] = drawn.get(old, drawn[new])
+    sizes = tuple(drawn.items())
     if with_dims and not sizes:  # only zero-dim tensors: a dims line still says "sizes are known"
         sizes = (("L", draw(st.integers(1, 96))),)
     spec = Spec(state.mesh, statements, dims=sizes)
@@ -269,11 +330,15 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     if with_dims and draw(st.booleans()):
         sizes = sizes if "L" in dict(sizes) else sizes + (("L", draw(st.integers(1, 96))),)
         layers = "L"
+    block = None
+    if layers is not None and count > 1 and draw(st.booleans()):  # `layers L { ... }` around some statements
+        first = draw(st.integers(0, count - 1))
+        block = (first, draw(st.integers(first + 1, count)))
     spec = Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
                 params=None if params is None else tuple(params), const=const,
-                hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers)
+                hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers, block=block)
     if layers is not None and not _feeds(spec):
-        spec = replace(spec, layers=None)  # this block's outputs cannot feed its inputs
+        spec = replace(spec, layers=None, block=None)  # this block's outputs cannot feed its inputs
     return _valid(spec)
 
 

@@ -32,7 +32,8 @@ from shardc.hardware import Hardware, default_spans, resolve_hardware
 from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Mesh, TensorRef
 
-__all__ = ["bound_of", "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
+__all__ = ["step_count", "bound_of",
+           "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
            "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_sizes", "plan_spans", "resolve_layers"]
 
 
@@ -54,6 +55,7 @@ class StepCost:
     model_flops: float = 0.0  # the whole einsum, all devices
     compute_s: float = 0.0
     ahead: bool = False
+    once: bool = False  # outside a `layers` block: counted once, not once a layer
 
     @property
     def comm_s(self) -> float:
@@ -136,12 +138,13 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         volume = step_volume(step, sizes)
         t = collective_time(step.op, volume, step.axes, mesh, sizes, hw, spans)
         return StepCost(index, step.op, step.tensor, text, step.axes, t.network, volume,
-                        volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead)
+                        volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead,
+                        once=step.once)
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
         return StepCost(index, step.op, step.tensor, text, flops=float(flops),
-                        model_flops=float(model), compute_s=flops / hw.flops)
-    return StepCost(index, step.op, step.tensor, text, axes=step.axes)
+                        model_flops=float(model), compute_s=flops / hw.flops, once=step.once)
+    return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once)
 
 
 def describe(step: Step) -> str:
@@ -152,6 +155,11 @@ def describe(step: Step) -> str:
         args = ", ".join(str(o) for o in step.operands)
         return f"{step.fn}({args}) -> {step.dst}"
     return f"{step.src} -> {step.dst}"
+
+
+def step_count(step: Step, layers: int) -> int:
+    """How often a step runs in a training step: once a layer, or once (outside a ``layers`` block)."""
+    return 1 if step.once else layers
 
 
 def phase_seconds(compute_s: float, comm_s: float) -> float:
@@ -245,8 +253,8 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
         return hit
 
     def totals(steps: Iterable[Step]) -> tuple[float, float]:
-        pairs = [seconds(s) for s in steps]
-        return layers * math.fsum(c for c, _ in pairs), layers * math.fsum(m for _, m in pairs)
+        pairs = [(seconds(s), step_count(s, layers)) for s in steps]
+        return math.fsum(c * n for (c, _), n in pairs), math.fsum(m * n for (_, m), n in pairs)
 
     return PlanTime(*totals(plan.forward), *totals(plan.recomputed + plan.backward), *totals(plan.optimizer))
 

@@ -21,7 +21,7 @@ from shardc.planner.ir import Op, Plan
 from shardc.planner.render import render_text, to_json
 from shardc.spec.functions import ID_BYTES, ID_DTYPE
 from shardc.spec.ir import Spec
-from shardc.spec.validate import element_bytes, id_vocabulary
+from shardc.spec.validate import element_bytes, id_names, id_vocabulary
 from shardc.testing import specs
 from shardc.timing import plan_sizes, step_volume
 
@@ -134,7 +134,7 @@ def _check_whys(p: Plan) -> None:
         if made is not None:
             step = p.forward[int(made.group(1)) - 1]
             assert step.dst == ref and step.is_collective and step.op.title == made.group(2), why
-        assert ("token ids" in why) == (ref.name in dict(p.element_bytes)), why
+        assert ("token ids" in why) == (ref.name in id_names(p.spec)), why
 
 
 def test_each_why_says_what_the_value_is_and_who_reads_it() -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import shardc
 from shardc.planner.check import check_plan, replay_step, step_time
 from shardc.planner.ir import Op, Step
-from shardc.spec.ir import Call, Contract, Dim, Expr, Mesh, MeshAxis, Spec, TensorRef
+from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Mesh, MeshAxis, Spec, TensorRef
 from shardc.testing import specs
 
 
@@ -105,6 +105,8 @@ def _with_unit_axes(spec: Spec, data: st.DataObject) -> Spec:
             return ref(e)
         if isinstance(e, Call):
             return replace(e, arg=expr(e.arg))
+        if isinstance(e, Add):
+            return replace(e, terms=tuple(expr(t) for t in e.terms))
         assert isinstance(e, Contract)
         return replace(e, operands=tuple(expr(o) for o in e.operands))
 
@@ -115,6 +117,8 @@ def _with_unit_axes(spec: Spec, data: st.DataObject) -> Spec:
             return seen.setdefault(e.name, expr(e))
         if isinstance(e, Call):
             return replace(e, arg=same(e.arg))
+        if isinstance(e, Add):
+            return replace(e, terms=tuple(same(t) for t in e.terms))
         assert isinstance(e, Contract)
         return replace(e, operands=tuple(same(o) for o in e.operands))
 

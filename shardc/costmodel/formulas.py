@@ -221,8 +221,11 @@ def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None,
     parts = [step_formula(s, mesh, spans) for s in steps]
     count = symbol(layers) if isinstance(layers, str) else number(layers if isinstance(layers, int) else 1)
 
+    counts = [number(1) if s.once else count for s in steps]  # outside a `layers` block: once
+
     def total(values: list[Expr]) -> Expr:
-        return se.expand(count * sum(values, ZERO))  # expanded: a sum of monomials, as the book writes them
+        # expanded: a sum of monomials, as the book writes them
+        return se.expand(sum((n * v for n, v in zip(counts, values, strict=True)), ZERO))
 
     return PhaseFormula(total([p.flops for p in parts]), total([p.model_flops for p in parts]),
                         total([p.weighted for p in parts]), total([p.q_ici for p in parts]),

@@ -29,9 +29,11 @@ from shardc.costmodel.collective import describe, local_elements
 from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
+from shardc.planner.sums import ALIAS
 from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.ir import Dim, TensorRef
+from shardc.spec.validate import id_names, leaves
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
            "residual_formula", "value_bytes"]
@@ -87,20 +89,30 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                           fix="use " + " or ".join(ACCOUNTINGS))
     per_param, per_grad, per_opt, described = ACCOUNTINGS[accounting]
     params = [info for info in plan.tensors if info.role == "param"]
-    local = sum(float(local_elements(p.ref, sizes)) for p in params) * layers
-    total = sum(float(_global_elements(p.ref, sizes)) for p in params) * layers
-    grad_local, opt_local = (sum(float(local_elements(r, sizes)) for r in refs) * layers
+    repeated = _block_reads(plan)
+    times = {p.name: layers if p.name in repeated else 1 for p in params}  # a `layers` block's params: L
+    local = sum(float(local_elements(p.ref, sizes)) * times[p.name] for p in params)
+    total = sum(float(_global_elements(p.ref, sizes)) * times[p.name] for p in params)
+    grad_local, opt_local = (sum(float(local_elements(r, sizes)) * times[r.name] for r in refs)
                              for refs in state_refs(plan))
     table = residual_table(plan)
     kept = tuple((str(ref), value_bytes(plan, ref, sizes)) for ref, _ in table)
+    made = {s.dst: s.once for s in plan.forward}  # a value a step outside the block made is kept once
+    counts = [1 if made.get(ref, ref.name not in repeated) else layers for ref, _ in table]
     again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
     gathered = max(peak_weights(plan, plan.forward, names, sizes), peak_weights(plan, plan.backward, names, sizes))
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
-                  sum(b for _, b in kept) * layers, gathered, kept, hbm_bytes,
+                  sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
                   tuple(why for _, why in table), again, text(residual_formula(plan)))
+
+
+def _block_reads(plan: Plan) -> set[str]:
+    """Tensors a repeated statement reads (every one's, without a ``layers L { ... }`` block)."""
+    spec = plan.spec
+    return {r.name for k, s in enumerate(spec.statements) if spec.repeats(k) for r in leaves(s.expr)}
 
 
 def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:
@@ -127,9 +139,10 @@ def state_formula(plan: Plan, accounting: str = "adam16", layers: int | str = 1)
     grads, states = state_refs(plan)
     params = [info.ref for info in plan.tensors if info.role == "param"]
     count = symbol(layers) if isinstance(layers, str) else number(layers)
+    repeated = _block_reads(plan)  # a `layers` block's params: L times; the others once
 
     def total(refs: list[TensorRef], nbytes: int) -> Expr:
-        return se.expand(count * nbytes * sum((_elements(r) for r in refs), ZERO))
+        return se.expand(nbytes * sum(((count if r.name in repeated else 1) * _elements(r) for r in refs), ZERO))
 
     return total(params, per_param), total(grads, per_grad), total(states, per_opt)
 
@@ -167,7 +180,16 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
     layer's inputs.  Each says the first step that reads it, what it is (token ids,
     a layer input, or a value a forward collective made, kept rather than moved
     again) and, under ``selective``, that it lies outside the attention-score region.
+    A rename's value (an alias step, :data:`shardc.planner.sums.ALIAS`) is its
+    source's array under another name: it is kept as that source, once.
     """
+    aliases = {s.dst: s.operands[0] for s in plan.forward if s.fn == ALIAS}
+
+    def root(ref: TensorRef) -> TensorRef:
+        while ref in aliases:
+            ref = aliases[ref]
+        return ref
+
     steps = (*(("the recomputed forward", s) for s in plan.recomputed),
              *((f"backward step {k}", s) for k, s in enumerate(plan.backward, 1)))
     made = {s.dst for _, s in steps}
@@ -176,9 +198,10 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
     first: dict[TensorRef, str] = {}
     for where, step in steps:
         for ref in _reads(step):
-            if ref not in skip and ref not in first:
-                first[ref] = f"read by {where}: {describe(step)}"
-    order = [r for r in plan.residuals if r in first] + [r for r in first if r not in plan.residuals]
+            if ref not in skip and root(ref) not in first:
+                first[root(ref)] = f"read by {where}: {describe(step)}"
+    residuals = [root(r) for r in plan.residuals]
+    order = [r for r in residuals if r in first] + [r for r in first if r not in residuals]
     moved: dict[TensorRef, str] = {}
     for k, step in enumerate(plan.forward, 1):
         if step.is_collective and step.dst not in declared:
@@ -188,8 +211,9 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
 
 
 def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str], moved: dict[TensorRef, str]) -> str:
-    ids = dict(plan.element_bytes)  # the tensors whose elements are not the dtype's: the token ids
-    parts = [f"token ids, {ids[ref.name]} bytes an element ({ID_DTYPE})"] if ref.name in ids else []
+    size = dict(plan.element_bytes).get(ref.name)  # set where an element is not of the spec's dtype
+    parts = [] if size is None else [f"token ids, {size} bytes an element ({ID_DTYPE})"] \
+        if ref.name in id_names(plan.spec) else [f"{size} byte{'s' if size > 1 else ''} an element"]
     if declared.get(ref) == "input":
         parts.append("layer input")
     elif ref in moved:

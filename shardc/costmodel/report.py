@@ -54,7 +54,7 @@ class PhaseCost:
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
         rows = [r for r in self.rows if only is None or (r.is_collective and r.ahead is only)]
-        return self.layers * math.fsum(getattr(r, attr) for r in rows)
+        return math.fsum(getattr(r, attr) * (1 if r.once else self.layers) for r in rows)
 
     @property
     def compute_flops(self) -> float:

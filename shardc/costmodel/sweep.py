@@ -92,9 +92,11 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
         layers, _ = resolve_layers(plan, values)
         rows = [cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(
             plan.forward + plan.recomputed + plan.backward + plan.optimizer)]
-        compute = layers * math.fsum(r.compute_s for r in rows)
-        comm = layers * math.fsum(r.comm_s for r in rows)
-        critical = layers * math.fsum(r.comm_s for r in rows if r.is_collective and not r.ahead)
+        times = [1 if r.once else layers for r in rows]  # outside a `layers` block: once
+        compute = math.fsum(r.compute_s * n for r, n in zip(rows, times, strict=True))
+        comm = math.fsum(r.comm_s * n for r, n in zip(rows, times, strict=True))
+        critical = math.fsum(r.comm_s * n for r, n in zip(rows, times, strict=True)
+                             if r.is_collective and not r.ahead)
         out.append(SweepPoint(value, compute, comm, critical))
     return Sweep(label or plan.spec.filename or "<spec>", dim, tuple(out))
 

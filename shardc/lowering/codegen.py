@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
+from shardc.lowering.layer_code import LAYER_FNS, MASKS, layer_code
 from shardc.lowering.rows import VOCAB_FNS, lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.masks import parse_fn
 from shardc.planner.rowstats import ROW_FNS
 from shardc.planner.zero import UPDATE
 from shardc.spec.ir import Mesh, TensorRef
@@ -216,9 +218,9 @@ def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:
 
 def _elementwise_code(step: Step, var: _Namer) -> str:
     fn = step.fn or ""
+    if fn.startswith("add") or fn in LAYER_FNS or parse_fn(fn)[0] in MASKS:
+        return layer_code(step, var)
     args = [_aligned(ref, step.dst, var) for ref in step.operands]
-    if fn == "add":
-        return " + ".join(args)
     if fn == UPDATE:  # the optimizer's step, lowered as plain SGD (shardc.lowering.optimizer)
         return f"{args[0]} - LEARNING_RATE * {args[1]}"
     if fn.endswith("_vjp"):

@@ -15,6 +15,7 @@ for XLA's partitioner.
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +25,9 @@ import numpy as np
 from shardc.errors import ShardcError
 from shardc.lowering import rows
 from shardc.lowering.functions import function
-from shardc.spec.functions import signature
-from shardc.spec.ir import Call, Contract, Expr, Spec, TensorRef
-from shardc.spec.validate import chain_indices, fold, leaves
+from shardc.spec.functions import dropout_salt, signature
+from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
+from shardc.spec.validate import chain_indices, dropout_number, fold, leaves
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
 
@@ -44,6 +45,9 @@ class _Node:
     out: tuple[str, ...]  # the result's indices
     fn: str | None = None
     over: str | None = None  # a reduction's index (shardc.lowering.rows)
+    signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
+    call: Call | None = None  # causal's and dropout's call (its indices, its rate)
+    salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -63,6 +67,7 @@ class _Builder:
     """Turns statements into a list of nodes (temporaries are ``#k``, never a tensor name)."""
 
     def __init__(self) -> None:
+        self.current: Statement | None = None
         self.nodes: list[_Node] = []
         self.labels: dict[str, tuple[str, ...]] = {}
 
@@ -78,10 +83,23 @@ class _Builder:
             return self.reduction(expr, keep)
         if isinstance(expr, Call) and signature(expr.func).kind in ("embed", "loss"):
             return self.lookup(expr)
+        if isinstance(expr, Add):
+            terms = [self.value(t, chain_indices(t, keep)) for t in expr.terms]
+            key = self.temp()
+            out = chain_indices(expr, keep)
+            self.nodes.append(_Node(key, tuple(terms), tuple(self.labels[t] for t in terms), out, "add",
+                                    signs=expr.signs))
+            self.labels[key] = out
+            return key
         if isinstance(expr, Call):
             arg = self.value(expr.arg, keep)
             key = self.temp()
-            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], expr.func))
+            salt = 0
+            if expr.func == "dropout":
+                assert self.current is not None
+                salt = dropout_salt(self.current.result.name, dropout_number(self.current, expr))
+            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], expr.func,
+                                    call=expr if expr.func in _MASKS else None, salt=salt))
             self.labels[key] = self.labels[arg]
             return key
         assert isinstance(expr, Contract)
@@ -126,17 +144,24 @@ class _Builder:
         return key
 
     def statement(self, result: TensorRef, expr: Expr) -> None:
+        if isinstance(expr, TensorRef) and set(expr.indices) != set(result.indices):
+            # a rename (`Kx[B, T, D] = X[B, S, D]`): the same array, its indices renamed by position
+            self.labels.setdefault(expr.name, expr.indices)
+            self.nodes.append(_Node(result.name, (expr.name,), (expr.indices,), result.indices, "rename"))
+            self.labels[result.name] = result.indices
+            return
         key = self.value(expr, result.indices)
         if not key.startswith("#") or self.labels[key] != result.indices:
             key = self.einsum([key], result.indices)  # a permuted (or copied) tensor
         last = self.nodes[-1]
-        self.nodes[-1] = _Node(result.name, last.operands, last.labels, last.out, last.fn, last.over)
+        self.nodes[-1] = dataclasses.replace(last, result=result.name)
         self.labels[result.name] = result.indices
 
 
 def _nodes(spec: Spec) -> list[_Node]:
     builder = _Builder()
     for s in spec.statements:
+        builder.current = s
         builder.statement(s.result, s.expr)
     return builder.nodes
 
@@ -163,6 +188,69 @@ def _contract(xp: Any, arrays: list[Array], labels: list[tuple[str, ...]], out: 
     return xp.broadcast_to(value, [shape[i] for i in out])
 
 
+_MASKS = frozenset({"causal", "dropout"})
+_LAYER = frozenset({"add", "rename"}) | _MASKS  # the transformer-layer maps: linear, given their masks
+
+
+def keep_mask(shape: tuple[int, ...], labels: tuple[str, ...], salt: int, rate: float) -> np.ndarray:
+    """A dropout's global keep-mask: murmur3's 32-bit finaliser of each element's position (dims in
+    sorted index-name order) plus the salt, kept where at least ``rate`` * 2**32."""
+    h = np.zeros(shape, np.uint32)
+    for d in sorted(range(len(shape)), key=lambda d: labels[d]):
+        pos = np.arange(shape[d], dtype=np.uint32).reshape([shape[d] if k == d else 1 for k in range(len(shape))])
+        h = h * np.uint32(shape[d]) + pos
+    h = h + np.uint32(salt)
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = (h ^ (h >> np.uint32(shift))) * np.uint32(factor)
+    h = h ^ (h >> np.uint32(16))
+    return h >= np.uint32(min(int(rate * 2**32), 2**32 - 1))  # type: ignore[no-any-return]
+
+
+def _mask(node: _Node, shape: tuple[int, ...]) -> tuple[np.ndarray, float]:
+    """(where the value passes, its scale): causal keeps key <= query, dropout its keep-mask / (1 - r)."""
+    assert node.call is not None
+    labels = node.labels[0]
+    if node.call.func == "causal":
+        query, key = (np.arange(shape[labels.index(i)]).reshape(
+            [-1 if j == labels.index(i) else 1 for j in range(len(labels))]) for i in node.call.names)
+        return np.broadcast_to(key <= query, shape), 1.0
+    rate = node.call.numbers[0]
+    return keep_mask(shape, labels, node.salt, rate), 1.0 / (1.0 - rate)
+
+
+def _layer_forward(xp: Any, node: _Node, args: list[Array], shape: dict[str, int],
+                   absolute: bool = False) -> Array:
+    """A sum (each term broadcast to the result's indices, signed) or a rename (the same array)."""
+    if node.fn == "rename":
+        shape.update(zip(node.out, args[0].shape, strict=True))
+        return args[0]
+    if node.call is not None:
+        keep, scale = _mask(node, tuple(args[0].shape))
+        fill = 0.0 if absolute or node.fn == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
+        return xp.where(keep, args[0] * scale, fill)
+    total = None
+    for arg, labels, sign in zip(args, node.labels, node.signs, strict=True):
+        term = _contract(xp, [arg], [labels], node.out, shape)
+        term = term if sign > 0 or absolute else -term
+        total = term if total is None else total + term
+    return total
+
+
+def _layer_backward(xp: Any, node: _Node, d: Array, shape: dict[str, int],
+                    absolute: bool = False) -> list[tuple[str, Array]]:
+    """Each operand's gradient: ±d summed over the indices a term lacks; a rename's is d itself."""
+    if node.fn == "rename":
+        return [(node.operands[0], d)]
+    if node.call is not None:
+        keep, scale = _mask(node, tuple(d.shape))
+        return [(node.operands[0], xp.where(keep, d * scale, 0.0))]
+    out = []
+    for name, labels, sign in zip(node.operands, node.labels, node.signs, strict=True):
+        g = _contract(xp, [d], [node.out], labels, shape)
+        out.append((name, g if sign > 0 or absolute else -g))
+    return out
+
+
 def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
          given: dict[str, Array] | None) -> tuple[dict[str, Array], dict[str, int]]:
     values = dict(inputs)
@@ -173,6 +261,8 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any,
             shape.update(zip(group, arg.shape, strict=True))
         if node.over is not None:  # a reduction over an index, or a vocabulary op
             values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
+        elif node.fn in _LAYER:
+            values[node.result] = _layer_forward(xp, node, args, shape)
         elif node.fn is not None:
             values[node.result] = function(node.fn).forward(args[0], xp)
         else:
@@ -216,6 +306,10 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
                                  node.labels, node.over, xp)
             add(node.operands[k], g)
             continue
+        if node.fn in _LAYER:
+            for name, g in _layer_backward(xp, node, d, shape):
+                add(name, g)
+            continue
         if node.fn is not None:
             add(node.operands[0], d * function(node.fn).derivative(values[node.operands[0]], xp))
             continue
@@ -243,6 +337,8 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.over is not None:
             mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
                                                    [mag[o] for o in node.operands], node.labels, node.over)
+        elif node.fn in _LAYER:  # linear maps: the magnitudes map alike, signs dropped
+            mag[node.result] = _layer_forward(np, node, [mag[o] for o in node.operands], shape, absolute=True)
         elif node.fn is not None:
             z, f = values[node.operands[0]], function(node.fn)
             mag[node.result] = np.abs(f.forward(z, np)) + np.abs(f.derivative(z, np)) * mag[node.operands[0]]
@@ -257,6 +353,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],
                                             [mag[o] for o in node.operands], d, node.labels, node.over)
             grads[node.operands[k]] = grads.get(node.operands[k], 0) + g
+            continue
+        if node.fn in _LAYER:
+            for name, g in _layer_backward(np, node, d, shape, absolute=True):
+                grads[name] = grads.get(name, 0) + g
             continue
         if node.fn is not None:
             z, m = values[node.operands[0]], mag[node.operands[0]]

@@ -12,6 +12,7 @@ import math
 
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
+from shardc.spec.validate import renamed_indices
 
 __all__ = ["shrink_mesh", "small_sizes", "devices_to_check", "collapsed_axes", "MAX_SMALL_DIM",
            "MAX_DEVICES"]
@@ -70,13 +71,34 @@ def small_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int]:
     for ref in _refs(plan):
         for d in ref.dims:
             need[d.name] = math.lcm(need.get(d.name, 1), math.prod(mesh[a] for a in d.axes))
+    same = _same_size(plan, need)
+    for name in need:  # a renamed index has its source's size: both divide by every sharding of either
+        need[name] = math.lcm(*(need[n] for n in need if same[n] == same[name]))
     own = plan.spec.sizes
     if own and all(0 < own.get(n, 0) <= MAX_SMALL_DIM and own[n] % m == 0 for n, m in need.items()):
         return {**{n: own[n] for n in need}, **mesh}
     sizes: dict[str, int] = {}
     for name, base in need.items():
+        if same[name] in sizes:
+            sizes[name] = sizes[same[name]]
+            continue
         factor = max(2, -(-4 // base))  # at least 4 elements, at least 2 per shard
         while base * factor in sizes.values():  # distinct sizes catch transposed dims
             factor += 1
         sizes[name] = base * factor
+        sizes.setdefault(same[name], sizes[name])
     return {**sizes, **mesh}
+
+
+def _same_size(plan: Plan, need: dict[str, int]) -> dict[str, str]:
+    """Each index's representative among the indices renames tie to one size (union-find)."""
+    parent = {n: n for n in need}
+
+    def find(n: str) -> str:
+        while parent.setdefault(n, n) != n:
+            n = parent[n]
+        return n
+
+    for new, old in renamed_indices(plan.spec):
+        parent[find(new)] = find(old)
+    return {n: find(n) for n in need}

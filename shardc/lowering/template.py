@@ -24,8 +24,8 @@ GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "Ax
            "STACKED_INPUTS", "forward_local", "BACKWARD_IN", "BACKWARD_OUT", "COTANGENTS", "GRADS",
            "backward_local", "programs", "_put", "run_forward", "run_backward", "_results", "forward",
            "_forward_fwd", "_forward_bwd", "_plus", "grad", "DIMS", "INPUT_DIMS", "main", "inputs",
-           "cotangent", "_vocab_rows", "vocab_lookup", "vocab_scatter", "vocab_pick", "vocab_ce_grad", "ID_INPUTS",
-           *OPTIMIZER_GLOBALS)
+           "cotangent", "positions", "causal_mask", "keep_mask", "_vocab_rows", "vocab_lookup", "vocab_scatter",
+           "vocab_pick", "vocab_ce_grad", "ID_INPUTS", *OPTIMIZER_GLOBALS)
 
 
 def _plain(text: str) -> str:
@@ -117,6 +117,35 @@ def gather_dims(x, groups):
         order += lead.get(d, []) + [len(axes) + d]
         shape.append(math.prod(sizes[i] for i in lead.get(d, [])) * x.shape[d])
     return jnp.transpose(y, order).reshape(shape)
+
+
+def positions(x, dim, axes):
+    """The global positions of this device's block of ``x`` along ``dim`` (sharded over ``axes``),
+    shaped to broadcast against ``x``."""
+    n = x.shape[dim]
+    start = jax.lax.axis_index(axes) * n if axes else 0
+    return (start + jnp.arange(n)).reshape([n if d == dim else 1 for d in range(x.ndim)])
+
+
+def causal_mask(x, query, key, fill=-jnp.inf):
+    """``fill`` where the key's global position is after the query's; ``query`` and ``key`` are
+    (dim, axes sharding it): each device offsets its block's positions by its index along them."""
+    return jnp.where(positions(x, *key) > positions(x, *query), fill, x)
+
+
+def keep_mask(x, salt, rate, dims, order):
+    """Dropout's keep-mask for this device's block of ``x``: murmur3's 32-bit finaliser of each
+    element's global position (dims taken in ``order``; ``dims`` gives each dim's axes) plus ``salt``,
+    kept where it is at least ``rate`` * 2**32.  Every device draws its block of one global mask."""
+    h = jnp.zeros(x.shape, jnp.uint32)
+    for d in order:
+        total = x.shape[d] * (jax.lax.axis_size(dims[d]) if dims[d] else 1)
+        h = h * jnp.uint32(total) + positions(x, d, dims[d]).astype(jnp.uint32)
+    h = h + jnp.uint32(salt)
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = (h ^ (h >> shift)) * jnp.uint32(factor)
+    h = h ^ (h >> 16)
+    return h >= jnp.uint32(min(int(rate * 2**32), 2**32 - 1))
 '''
 
 _DRIVER = '''

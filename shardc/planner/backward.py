@@ -37,8 +37,10 @@ from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value, reshard
+from shardc.planner.masks import vjp_fn
 from shardc.planner.phase import Phase
 from shardc.planner.rows_backward import rows_backward
+from shardc.planner.sums import ALIAS
 from shardc.planner.vocab import embed_backward, loss_backward
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
@@ -74,6 +76,19 @@ def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
     return count
 
 
+def _renames(graph: Graph, needs: set[str], count: dict[str, int]) -> frozenset[str]:
+    """Renames' results: their gradient's contributions are kept as made, to become their source's."""
+    renamed = set()
+    for node in graph.nodes:
+        if node.kind == "rename" and node.result in needs:
+            (src,) = node.operands
+            made = count.get(node.result, 0)
+            count[src] = count.get(src, 0) + max(made, 1) - 1  # one per contribution to the alias
+            count[node.result] = max(made, 2)  # kept as made (see _Backward.rename)
+            renamed.add(node.result)
+    return frozenset(renamed)
+
+
 class _Backward:
     def __init__(self, graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
                  partial: dict[str, tuple[tuple[str, ...], Layout]], shards: dict[str, Layout]) -> None:
@@ -83,6 +98,7 @@ class _Backward:
         self.final: dict[str, Value] = {}  # a tensor's gradient as the backward leaves it, where not its target
         self.needs = _needs_grad(graph)
         self.count = _contributors(graph, self.needs)
+        self.renamed = _renames(graph, self.needs, self.count)
         self.grads = graph.grads
         self.taken = set(graph.names) | set(graph.grads.values())  # for the parts' names
         self.parts: dict[str, list[tuple[str, Value]]] = {}  # tensor -> its contributions, as made
@@ -195,6 +211,9 @@ class _Backward:
     def node(self, node: Node) -> None:
         if node.result not in self.needs:
             return
+        if node.kind == "rename":
+            self.rename(node)
+            return
         self.finish(node.result)
         grad = self.grads[node.result]
         if node.kind == "rows":
@@ -205,6 +224,12 @@ class _Backward:
             return
         if node.kind == "elementwise":
             self.elementwise(node, grad)
+            return
+        if node.kind == "add":
+            self.add(node, grad)
+            return
+        if node.kind in ("causal", "dropout"):
+            self.masked(node, grad)
             return
         if len(node.operands) == 1:
             (a,) = node.operands
@@ -218,6 +243,67 @@ class _Backward:
             self.contribute(b, (a, grad), (a, grad))
         if a in self.needs:
             self.contribute(a, (grad, b), (grad, b))
+
+    def add(self, node: Node, grad: str) -> None:
+        """``R = A ± B``: dA = ±dR, summed over the indices A lacks (the einsum ``dR[B, S, D] -> dA[D]``)."""
+        for term, sign in zip(node.operands, node.signs, strict=True):
+            if term not in self.needs:
+                continue
+            source = grad
+            if sign < 0:  # -dR, once for every term it feeds
+                source = fresh(f"{grad}_neg", self.taken)
+                self.phase.indices[source] = node.indices
+                value = self.target(node.result)
+                self.phase.emit(Step(Op.ELEMENTWISE, source, self.phase.ref(source, value),
+                                     operands=(self.phase.ref(grad, value),), fn="neg"), value)
+            if self.phase.indices[term] == node.indices:
+                self.alias(term, source, self.target(node.result))  # dA is dR itself: no copy
+            else:
+                self.contribute(term, (source,), (source,))
+
+    def rename(self, node: Node) -> None:
+        """``Kx[B, T, D] = X[B, S, D]``: each contribution to dKx, as made, is one to dX renamed back.
+
+        So X's partial gradients from its own readers and from its alias's are added
+        before one reduction (self-attention's dX from queries, keys and values).
+        """
+        (src,) = node.operands
+        parts = self.parts.pop(node.result, [])
+        if not parts:  # an output: its cotangent, in its declared sharding
+            parts = [(self.grads[node.result], self.target(node.result))]
+        if src in self.needs:
+            for part, value in parts:
+                self.alias(src, part, value)
+
+    def alias(self, primal: str, grad: str, value: Value) -> None:
+        """``grad`` (held as ``value``) is a contribution to ``primal``'s gradient as it is: an alias step."""
+        dst = self.part_name(primal)
+        self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, value),
+                             operands=(self.phase.ref(grad, value),), fn=ALIAS), value)
+        if self.count.get(primal, 0) > 1:
+            self.parts.setdefault(primal, []).append((dst, value))
+        elif value != self.target(primal):
+            self._move(dst, value, self.target(primal))
+
+    def masked(self, node: Node, grad: str) -> None:
+        """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
+        (z,) = node.operands
+        if z not in self.needs:
+            return
+        value = self.target(node.result)
+        by_index = dict(zip(node.indices, value.layout, strict=True))
+        want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
+        operands: tuple[TensorRef, ...] = (self.phase.ref(grad, value),)
+        for mask in node.aux:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
+            self.phase.hold(mask, value)
+            operands = (self.phase.ref(mask, value), *operands)
+        dst = self.part_name(z)
+        self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=operands,
+                             fn=vjp_fn(node)), want)
+        if self.count.get(z, 0) > 1:
+            self.parts.setdefault(z, []).append((dst, want))
+        elif want != self.target(z):
+            self._move(dst, want, self.target(z))
 
     def elementwise(self, node: Node, grad: str) -> None:
         (z,) = node.operands
@@ -244,9 +330,10 @@ class _Backward:
 
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
                   partial: dict[str, tuple[tuple[str, ...], Layout]] | None = None,
-                  shards: dict[str, Layout] | None = None) -> Backward:
+                  shards: dict[str, Layout] | None = None, once: frozenset[int] = frozenset()) -> Backward:
     """The backward; under ZeRO-1 ``partial`` params' gradients may stay partial sums, under ZeRO-2
-    ``shards`` params' gradients are made on their ZeRO shard (:mod:`shardc.planner.zero`)."""
+    ``shards`` params' gradients are made on their ZeRO shard (:mod:`shardc.planner.zero`); the
+    steps of the ``once`` nodes (outside a ``layers L { ... }`` block) run once, not once a layer."""
     bw = _Backward(graph, forward, declared, save, partial or {}, shards or {})
     cotangents = []
     for out in graph.outputs:
@@ -254,11 +341,20 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
             name = graph.grads[out]
             cotangents.append(bw.phase.ref(name, bw.target(out)))
             bw.phase.hold(name, bw.target(out))
-    for node in reversed(graph.nodes):
-        bw.node(node)
+    repeated = {o for k, node in enumerate(graph.nodes) if k not in once for o in node.operands}
+    for k in reversed(range(len(graph.nodes))):
+        if k in once and graph.nodes[k].result in repeated:
+            bw.finish(graph.nodes[k].result)  # a layer's input gradient: summed once a layer
+        start = len(bw.phase.steps)
+        bw.node(graph.nodes[k])
+        if k in once:
+            bw.phase.mark_once(start)
     wanted = [n for n in graph.inputs if n in bw.needs]
     for name in wanted:
+        start = len(bw.phase.steps)
         bw.finish(name)
+        if once and name not in repeated:
+            bw.phase.mark_once(start)
     grads = tuple(bw.phase.ref(graph.grads[n], bw.final.get(n, bw.target(n))) for n in wanted)
     residuals = _residuals(bw.phase, forward)
     return Backward(bw.phase, residuals, tuple(cotangents), grads)

@@ -223,10 +223,24 @@ def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
         if any(Value.of(o).layout != Value.of(step.dst).layout and o.indices == step.dst.indices
                for o in step.operands):
             problems.append(f"elementwise {step.fn} changes the layout of {step.dst}")
+        if (step.fn or "").startswith("add"):
+            problems += _check_sum(step)
         return problems
     out, volume = replay_step(plan, step)
     if out is None or out != _norm(step.dst):
         problems.append(f"{step.op.title} of {step.src} over {step.axes} does not make {step.dst}")
     elif volume != step.volume:
         problems.append(f"{step.op.title} {step.dst}: volume {step.volume}, expected {volume}")
+    return problems
+
+
+def _check_sum(step: Step) -> list[str]:
+    """A local sum: each term laid out as the result on its indices, partial over no axis the result is not."""
+    axes = {d.name: d.axes for d in step.dst.dims}
+    problems = []
+    for term in step.operands:
+        if any(axes.get(d.name) != d.axes for d in term.dims):
+            problems.append(f"term {term} of {step.dst} is not laid out as the sum")
+        if not set(term.unreduced) <= set(step.dst.unreduced):
+            problems.append(f"term {term} of {step.dst} is partial over an axis the sum is not")
     return problems

@@ -58,6 +58,7 @@ class EinsumProblem:
     result: str
     indices: tuple[str, ...]
     target: Value | None  # None: any reduced result layout (the planner then picks)
+    partial: bool = False  # without a target, the result may stay partial sums (a term of a sum)
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ def classify(problem: EinsumProblem) -> dict[str, str]:
         inside = [i in op.indices for op in ops]
         if all(inside) and len(ops) == 2:
             classes[i] = "batch" if i in result else "contracted"
-        elif len(ops) == 1:
-            classes[i] = "free"
+        elif len(ops) == 1:  # a copy, or a sum over the indices the result lacks
+            classes[i] = "free" if i in result else "contracted"
         else:
             classes[i] = "left" if inside[0] else "right"
     return classes
@@ -184,7 +185,7 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
         operand_moves.append(moves)
     result_moves: tuple[Move, ...] = ()
     target = problem.target
-    if target is None and local_result.unreduced:
+    if target is None and local_result.unreduced and not problem.partial:
         target = Value(local_result.layout, ())  # an intermediate the caller lays out: reduce in place
     if target is not None:
         if not local_result.reaches(target):
@@ -313,6 +314,8 @@ def _rule_role(classes: dict[str, str], places: list[str | None], problem: Einsu
     found = [p for p in places if p is not None]
     if not found:
         return UNUSED
+    if len(places) == 1:
+        return found[0]  # one operand (a sum over some indices): keep its sharding, reduce after
     if len(places) == 2 and places[0] == places[1]:
         return found[0]  # identical in both: contracted or batch, kept
     candidates = []

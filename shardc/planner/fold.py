@@ -40,7 +40,37 @@ def fold_redundant(steps: tuple[Step, ...], keep: frozenset[TensorRef]) -> tuple
     out = list(steps)
     while _fold_once(out) or _fold_all_to_all(out, keep):
         pass
+    _share_copied(out)
     return tuple(_drop_dead_moves(out, keep))
+
+
+def _share_copied(out: list[Step]) -> None:
+    """A collective repeating one already run on a copy of its source is the same data moved again.
+
+    ``T2[B]{U_Z} = W1[B]{U_Z}`` (a copy) then both reduced: XLA runs the reduction once,
+    so the later one becomes an alias of the earlier's result (a new name, no step of data).
+    """
+    root: dict[TensorRef, TensorRef] = {}  # a value -> the first value holding the same data
+    done: dict[tuple[object, ...], TensorRef] = {}
+    for k, step in enumerate(out):
+        if step.op in (Op.COPY, Op.ELEMENTWISE) and (step.op is Op.COPY or step.fn == "alias") \
+                and len(step.operands) == 1 and _same_data(step.operands[0], step.dst):
+            root[step.dst] = root.get(step.operands[0], step.operands[0])
+        if not step.is_collective or step.src is None:
+            continue
+        key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2)
+        earlier = done.get(key)
+        if earlier is not None and _same_data(earlier, step.dst):
+            out[k] = Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(earlier,), fn="alias", ahead=step.ahead,
+                          once=step.once, note="the same data as an earlier collective on a copy of it")
+            root[step.dst] = root.get(earlier, earlier)
+            continue
+        done.setdefault(key, step.dst)
+
+
+def _same_data(a: TensorRef, b: TensorRef) -> bool:
+    """Two values of one array: the same indices in the same order, laid out alike."""
+    return a.indices == b.indices and a.layout == b.layout and a.unreduced == b.unreduced
 
 
 def _fold_all_to_all(out: list[Step], keep: frozenset[TensorRef]) -> bool:

@@ -13,16 +13,19 @@ Every tensor, intermediates included, also gets its gradient's name here
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
 from shardc.names import fresh, gradient_names
 from shardc.planner.rowstats import stat_names
-from shardc.spec.functions import is_elementwise, signature
+from shardc.spec.functions import MASK_BYTES, is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.validate import chain_indices, element_bytes, fold, id_names, leaves
 
-__all__ = ["Node", "Graph", "build_graph"]
+__all__ = ["Node", "Graph", "build_graph", "LAYER_CALLS"]
+
+# Calls planned as elementwise maps with an argument of their own (shardc.planner.sums).
+LAYER_CALLS = frozenset({"dropout", "causal"})
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class Node:
     chain: int = 0  # position in a chain of intermediates (0: not in one)
     call: Call | None = None  # the call this node computes (non-elementwise functions)
     signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
-    aux: tuple[str, ...] = ()  # tensors the node makes on the way (a reduction's row statistics)
+    partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
+    aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class Graph:
     outputs: tuple[str, ...]  # statement results no statement reads
     const: frozenset[str] = frozenset()  # inputs declared without a gradient
     grads: dict[str, str] = field(default_factory=dict)  # tensor -> its gradient's name
-    # tensor -> bytes an element, where not the spec's dtype (token ids: shardc.spec.validate.element_bytes)
+    # tensor -> bytes an element, where not the spec's dtype: token ids 4 (int32,
+    # shardc.spec.validate.element_bytes), a dropout's keep-mask 1; the one place it is decided
     element_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -116,19 +121,22 @@ class _Builder:
         """Emit nodes computing ``e`` into tensor ``name`` with ``indices``; return the name."""
         if isinstance(e, TensorRef):
             if top and set(e.indices) != set(indices):
-                raise ShardcError("renames parse and validate, but the planner does not plan them yet", e.span,
-                                  fix="read the tensor under its own index names for now")
+                return self.rename(e, name, indices, target)
             src = self.leaf(e)
             if not top:
                 return src
             self.nodes.append(Node("einsum", name, indices, (src,), target, self.current))
             return name
+        if isinstance(e, Add):
+            return self.add(e, name, indices, target)
+        if isinstance(e, Call) and e.func in LAYER_CALLS:
+            return self.layer_call(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("normalize", "reduce"):
             return self.rows(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
             return self.lookup(e, name, indices, target)
-        if isinstance(e, Add) or isinstance(e, Call) and not is_elementwise(e.func):
-            what = "`+` and `-`" if isinstance(e, Add) else f"`{e.func}`"
+        if isinstance(e, Call) and not is_elementwise(e.func):
+            what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
                               fix="write the layer with einsums and elementwise functions for now")
         if isinstance(e, Call):
@@ -144,6 +152,46 @@ class _Builder:
             self.nodes.append(Node("elementwise", name, indices, (arg,), target, self.current, fn=e.func))
             return name
         return self.contract(e, name, indices, target)
+
+    def add(self, e: Add, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``A ± B ± ...``: one "add" node; a term that is a product may stay partial sums."""
+        terms = []
+        for term in e.terms:
+            if isinstance(term, TensorRef):
+                terms.append(self.leaf(term))
+                continue
+            made = self.expr(term, self.fresh(name), chain_indices(term, indices), None)
+            last = self.nodes[-1]
+            if last.result == made and last.kind in ("einsum", "add") and len(last.operands) > 1:
+                self.nodes[-1] = replace(last, partial=True)
+            terms.append(made)
+        self.indices[name] = indices
+        self.nodes.append(Node("add", name, indices, tuple(terms), target, self.current, signs=e.signs))
+        return name
+
+    def rename(self, e: TensorRef, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``Kx[B, T, D] = X[B, S, D]``: an alias of X under new index names (by position)."""
+        src = self.leaf(e)
+        self.nodes.append(Node("rename", name, indices, (src,), target, self.current))
+        return name
+
+    def layer_call(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
+        """``dropout(X, rate)`` and ``causal(Sc, S, T)``: elementwise, the call kept on the node."""
+        if isinstance(e.arg, TensorRef):
+            arg = self.leaf(e.arg)
+        else:
+            arg = self.fresh(name)
+            self.indices[arg] = indices
+            self.expr(e.arg, arg, indices, None if target is None else TensorRef(arg, target.dims))
+        self.indices[name] = indices
+        aux: tuple[str, ...] = ()
+        if e.func == "dropout":
+            mask = f"{name}_mask" if f"{name}_mask" not in self.names else self.fresh(f"{name}_mask")
+            self.names.add(mask)
+            aux = (mask,)
+            self.indices[mask] = indices
+        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
+        return name
 
     def rows(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """A reduction over ``e.over`` (shardc.planner.rows plans it): its argument, then one node."""
@@ -200,6 +248,11 @@ class _Builder:
             left, left_idx = out, out_idx
         return name
 
+    def element_bytes(self) -> dict[str, int]:
+        """Bytes an element of each tensor not of the spec's dtype: the token ids, the keep-masks."""
+        masks = {m: MASK_BYTES for node in self.nodes if node.kind == "dropout" for m in node.aux}
+        return element_bytes(self.spec) | masks
+
     def finish(self) -> Graph:
         const = frozenset(self.spec.const) | id_names(self.spec)  # token ids: integers, no gradient
         params = self.spec.params
@@ -208,6 +261,6 @@ class _Builder:
         outputs = tuple(s.result.name for s in self.spec.statements if s.result.name not in self.read)
         grads = gradient_names(self.indices, taken=self.names | set(self.indices))
         return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params),
-                     tuple(self.inputs), outputs, const, grads, element_bytes(self.spec))
+                     tuple(self.inputs), outputs, const, grads, self.element_bytes())
 
 

@@ -129,6 +129,7 @@ class Step:
     volume: Monomial | None = None  # V: bytes a device would hold unsharded over the axes; None for local steps
     ahead: bool = False  # can be issued ahead of / off the critical path
     note: str = ""
+    once: bool = False  # outside a `layers L { ... }` block: runs once a step, not once a layer
     shapes: tuple[TensorRef, ...] = ()  # values read for their shape only (see above)
 
     @property
@@ -196,12 +197,13 @@ class Plan:
     # `--recompute none|selective|full` (shardc.planner.recompute): the forward steps the backward runs again
     recompute: str = "none"
     recomputed: tuple[Step, ...] = ()
-    # tensor -> bytes an element, where not the spec's dtype: token ids are int32
-    # (shardc.spec.validate.element_bytes); read through :meth:`nbytes` wherever bytes are counted
+    # tensor -> bytes an element, where not the spec's dtype: token ids 4 (int32), a dropout's
+    # keep-mask 1 (shardc.planner.graph.Graph.element_bytes decides); read through :meth:`nbytes`
+    # wherever bytes are counted
     element_bytes: tuple[tuple[str, int], ...] = ()
 
     def nbytes(self, tensor: str) -> int:
-        """Bytes an element of ``tensor``: 4 for token ids (int32), else the spec's dtype's."""
+        """Bytes an element of ``tensor``: the spec's dtype's unless ``element_bytes`` says otherwise."""
         for name, size in self.element_bytes:
             if name == tensor:
                 return size

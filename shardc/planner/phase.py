@@ -9,7 +9,7 @@ rules (without).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardc.collectives import FACTOR
 from shardc.errors import ShardcError, Span
@@ -35,6 +35,7 @@ class Phase:
     made: set[tuple[str, Value]] = field(default_factory=set)  # values this phase made
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
+    sums: dict[object, object] = field(default_factory=dict)  # the sums searched (shardc.planner.sums)
     # every solve's (key, problem, given values, solution), in order: see planner._same_steps
     trace: list[Traced] | None = None
 
@@ -66,6 +67,10 @@ class Phase:
         self.hold(step.tensor, value)
         self.made.add((step.tensor, value))
 
+    def mark_once(self, start: int) -> None:
+        """The steps from ``start`` on run once, not once a layer (outside a ``layers`` block)."""
+        self.steps[start:] = [replace(s, once=True) for s in self.steps[start:]]
+
     def moves(self, tensor: str, moves: tuple[Move, ...], note: str = "") -> None:
         for m in moves:
             self.emit(Step(m.op, tensor, self.ref(tensor, m.dst), self.ref(tensor, m.src), m.axes,
@@ -73,11 +78,15 @@ class Phase:
                            note=note), m.dst)
 
     def einsum(self, result: str, operands: tuple[str, ...], target: Value | None,
-               label: str, rule_given: tuple[Value, ...] | None = None, span: Span | None = None) -> Value:
-        """Plan one einsum into steps; returns the result value it ends in."""
+               label: str, rule_given: tuple[Value, ...] | None = None, span: Span | None = None,
+               partial: bool = False) -> Value:
+        """Plan one einsum into steps; returns the result value it ends in.
+
+        ``partial``: without a target, the result may stay partial sums (a term of a sum).
+        """
         problem = EinsumProblem(
             tuple(Operand(n, self.indices[n], tuple(self.held[n])) for n in operands),
-            result, self.indices[result], target)
+            result, self.indices[result], target, partial)
         # Layers repeat: the same problem (up to names) is solved and explained once.
         key = self.key(problem, rule_given)
         hit = self.solved.get(key)
@@ -106,7 +115,7 @@ class Phase:
         """``problem`` up to names: what its solution depends on."""
         kind = self.ctx.kind
         return (tuple((o.indices, o.sources, kind(o.name)) for o in problem.operands),
-                problem.indices, problem.target, kind(problem.result), self.name, rule_given)
+                problem.indices, problem.target, kind(problem.result), self.name, rule_given, problem.partial)
 
     def solve(self, problem: EinsumProblem,
               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
@@ -117,7 +126,7 @@ class Phase:
 
     def _solve(self, problem: EinsumProblem,
                rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
-        if len(problem.operands) == 1:
+        if len(problem.operands) == 1 and set(problem.indices) >= set(problem.operands[0].indices):
             return self.solve_copy(problem), []
         if self.sized:
             return solve(self.ctx, problem)

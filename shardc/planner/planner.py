@@ -23,9 +23,11 @@ from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
+from shardc.planner.masks import plan_masked
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.rows import plan_rows
+from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import (
     Placements,
     bonded_axes,
@@ -146,6 +148,8 @@ def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: s
     """
     if any(node.chain for node in graph.nodes):
         return False
+    if strategy == "rules" and any(node.kind == "add" for node in graph.nodes):
+        return False  # a sum's local value is searched with sizes, and taken by a rule without
     done: set[object] = set()
     for key, problem, given, solution in trace:
         if key in done:
@@ -248,13 +252,14 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     for name in graph.inputs:
         forward.hold(name, Value.of(declared[name]))
     ctx.compute_weight = weights[0]
-    _plan_forward(forward, graph, declared)
+    _plan_forward(forward, graph, declared, spec)
     ctx.compute_weight = weights[1]
     shards = zero_params(spec, graph.params, declared) if spec.zero is not None and spec.zero.stage < 3 else {}
     stage = spec.zero.stage if spec.zero is not None else 0
     partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
                for p, layout in shards.items()} if stage == 1 else {}
-    backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {})
+    backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {},
+                             once_nodes(spec, graph))
     ctx.compute_weight = SUM[1]
     optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
     made = {g.name: g for g in backward.grads}
@@ -290,8 +295,9 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     )
 
 
-def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) -> None:
+def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef], spec: Spec) -> None:
     nodes = list(graph.nodes)
+    once = once_nodes(spec, graph)
     k = 0
     while k < len(nodes):
         node = nodes[k]
@@ -300,8 +306,23 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef]) ->
             while nodes[end].chain:
                 end += 1
             choose_chain(phase, nodes[k:end + 1], declared)
+        start = len(phase.steps)
         _plan_node(phase, node, declared)
+        if k in once:
+            phase.mark_once(start)
         k += 1
+
+
+def once_nodes(spec: Spec, graph: Graph) -> frozenset[int]:
+    """The nodes of statements outside a ``layers L { ... }`` block (none without a block)."""
+    if spec.block is None:
+        return frozenset()
+    order = list(dict.fromkeys(id(n.statement) for n in graph.nodes))  # each statement makes a node
+    return frozenset(k for k, n in enumerate(graph.nodes) if not spec.repeats(order.index(id(n.statement))))
+
+
+# The transformer-layer nodes, each planned by its own module.
+LAYER_PLANS = {"add": plan_add, "rename": plan_rename, "causal": plan_masked, "dropout": plan_masked}
 
 
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
@@ -314,13 +335,17 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
         return
+    if node.kind in LAYER_PLANS:
+        LAYER_PLANS[node.kind](phase, node, declared, target)
+        return
     if node.kind == "rows":
         plan_rows(phase, node, declared, target, label)
         return
     if node.kind in ("embed", "loss"):
         (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)
         return
-    final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span)
+    final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span,
+                         partial=node.partial)
     if node.result not in declared:  # a chain intermediate: the planner chose its sharding
         declared[node.result] = phase.ref(node.result, final)
 

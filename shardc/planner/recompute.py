@@ -83,6 +83,7 @@ def attention_region(graph: Graph) -> frozenset[str]:
                 continue
             if _continues(node):  # another operand (a mask, a bias) is read, not recomputed
                 region.add(node.result)
+                region.update(node.aux)  # what it makes on the way: a dropout's keep-mask (a hash: the same again)
             elif (node.kind == "einsum" and len(node.operands) == 2
                   and not any(o in graph.params for o in node.operands)
                   and free - set(node.indices)):

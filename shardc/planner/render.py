@@ -59,8 +59,13 @@ def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
 
 def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None) -> list[str]:
     lines = [title]
-    for k, step in enumerate(steps, 1):
-        lines.append(_step_line(k, step, sizes))
+    k = 0
+    for step in steps:
+        if step.fn == "alias":  # a new name for the same array (a rename, a sum's cotangent): not a step
+            lines.append(f"     {'= alias':<17} {step.dst} is {step.operands[0]}   (no data moved)")
+            continue
+        k += 1
+        lines.append(_step_line(k, step, sizes) + ("   [once: outside the layers block]" if step.once else ""))
     formula, _, terms = phase_total(steps)
     total = f"       total {formula} bytes"
     if sizes is not None:
@@ -159,6 +164,8 @@ def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
         data["dim2"] = step.dim2
     if step.fn is not None:
         data["fn"] = step.fn
+    if step.once:
+        data["once"] = True  # outside a `layers L { ... }` block: runs once, not once a layer
     return data
 
 

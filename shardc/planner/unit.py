@@ -100,13 +100,20 @@ def bonded_axes(spec: Spec) -> tuple[tuple[str, ...], ...] | None:
             if a != b and _bonded(a, b, refs) and spec.mesh.axis(a).network is spec.mesh.axis(b).network:
                 after[a] = b
     firsts = [a for a in names if a not in after.values()]
+    # axes bonded both ways (only ever partial sums together, `{U_PQ}`) have no first: they start
+    # a unit of their own, in mesh order, so every axis is in exactly one unit
+    starts = firsts + [a for a in names if a not in firsts]
     units = []
-    for a in firsts:
+    covered: set[str] = set()
+    for a in starts:
+        if a in covered:
+            continue
         unit = [a]
-        while unit[-1] in after and after[unit[-1]] not in unit:
+        while unit[-1] in after and after[unit[-1]] not in unit and after[unit[-1]] not in covered:
             unit.append(after[unit[-1]])
+        covered.update(unit)
         units.append(tuple(unit))
-    return tuple(units)
+    return tuple(sorted(units, key=lambda u: names.index(u[0])))
 
 
 def _bonded(a: str, b: str, refs: list[TensorRef]) -> bool:

@@ -26,10 +26,12 @@ True
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args", "ID_DTYPE", "ID_BYTES"]
+           "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES",
+           "MASK_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,23 @@ def is_elementwise(name: str) -> bool:
 # cost and memory count their bytes so (:func:`shardc.spec.validate.element_bytes`).
 ID_DTYPE = "int32"
 ID_BYTES = 4
+MASK_BYTES = 1  # a dropout keep-mask element: one byte (a bool)
 
 
 def integer_args(name: str) -> tuple[int, ...]:
     """Which tensor arguments hold integer ids (no gradient): embed's and cross_entropy's tokens."""
     kind = FUNCTIONS[name].kind
     return (0,) if kind == "embed" else (1,) if kind == "loss" else ()
+
+
+def dropout_salt(result: str, k: int) -> int:
+    """The salt of the k-th dropout (outermost first) of the statement defining ``result``.
+
+    A dropout's keep-mask is a counter-based hash of each element's global position
+    and this salt: one global mask per dropout, drawn alike by every device's block
+    of it and by the numpy reference.
+    """
+    return zlib.crc32(f"{result}/{k}".encode())
 
 
 def known_list() -> str:

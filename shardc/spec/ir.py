@@ -334,6 +334,9 @@ class Spec:
     const: tuple[str, ...] = ()  # inputs without a gradient (token ids, masks)
     hardware: str | None = None
     layers: int | str | None = None  # a count, or the name of a dim that holds it
+    # `layers L { ... }`: the statements [first, end) repeat L times, the others run once;
+    # None: with `layers`, the whole spec repeats
+    block: tuple[int, int] | None = None
     # Pipeline parallelism (with a `pipeline` mesh axis): microbatches a step, and the schedule.
     microbatches: int | None = None
     schedule: Schedule | None = None  # None: the default, 1f1b
@@ -351,6 +354,10 @@ class Spec:
                 return span
         return None
 
+    def repeats(self, k: int) -> bool:
+        """Whether statement ``k`` runs once a layer (inside the block, or any with no block)."""
+        return self.block is None or self.block[0] <= k < self.block[1]
+
     @property
     def sizes(self) -> dict[str, int]:
         return dict(self.dims)
@@ -367,7 +374,7 @@ class Spec:
             lines.append("const " + ", ".join(self.const))
         if self.hardware is not None:
             lines.append(f"hardware {self.hardware}")
-        if self.layers is not None:
+        if self.layers is not None and self.block is None:
             lines.append(f"layers {self.layers}")
         if self.microbatches is not None:
             lines.append(f"microbatches {self.microbatches}")
@@ -375,5 +382,11 @@ class Spec:
             lines.append(f"schedule {self.schedule}")
         if self.zero is not None:
             lines.append(str(self.zero))
-        lines.extend(str(s) for s in self.statements)
+        for k, statement in enumerate(self.statements):
+            if self.block is not None and k == self.block[0]:
+                lines.append(f"layers {self.layers} {{")
+            lines.append(("  " if self.block is not None and self.block[0] <= k < self.block[1] else "")
+                         + str(statement))
+            if self.block is not None and k == self.block[1] - 1:
+                lines.append("}")
         return "\n".join(lines) + "\n"

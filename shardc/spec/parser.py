@@ -421,6 +421,12 @@ class _Builder(Transformer[Token, Any]):
         value: int | str = _size(word, "layers") if word.type == "SIZE" else str(word)
         return ("layers", value, _span(children[0], word))
 
+    def layers_block(self, children: list[Any]) -> _Block:
+        word = children[1]
+        value: int | str = _size(word, "layers") if word.type == "SIZE" else str(word)
+        body = [c for c in children if isinstance(c, Statement)]
+        return _Block(value, _span(children[0], word), body)
+
     def microbatches_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("microbatches", _size(children[1], "microbatches"), _span(children[0], children[1]))
 
@@ -440,6 +446,13 @@ class _Builder(Transformer[Token, Any]):
     def start(self, children: list[Any]) -> Spec:
         return _build_spec([c for c in children if not isinstance(c, Token)])
 
+
+
+class _Block:
+    """``layers L {`` statements ``}``, while parsing."""
+
+    def __init__(self, layers: int | str, span: Span, statements: list[Statement]) -> None:
+        self.layers, self.span, self.statements = layers, span, statements
 
 
 class _IndexArg:
@@ -500,10 +513,18 @@ def _build_spec(items: list[Any]) -> Spec:
     seen: dict[str, Span] = {}
     header: dict[str, Any] = {"dims": [], "param": None, "const": []}
     spans: list[tuple[str, Span]] = []
+    block: tuple[int, int] | None = None
     for item in items:
         if isinstance(item, Statement):
             statements.append(item)
             continue
+        if isinstance(item, _Block):
+            if not item.statements:
+                raise ShardcError("`layers` block has no statements", item.span,
+                                  fix="put the statements of one layer between `{` and `}`")
+            block = (len(statements), len(statements) + len(item.statements))
+            statements.extend(item.statements)
+            item = ("layers", item.layers, item.span)
         kind, value, span = item
         if kind in seen and kind not in ("dims", "param", "const"):
             raise ShardcError(f"`{kind}` is given twice (first on line {seen[kind].line})", span,
@@ -535,6 +556,7 @@ def _build_spec(items: list[Any]) -> Spec:
         const=tuple(header["const"]),
         hardware=header.get("hardware"),
         layers=header.get("layers"),
+        block=block,
         microbatches=header.get("microbatches"),
         schedule=header.get("schedule"),
         zero=header.get("zero"),

@@ -41,7 +41,7 @@ from shardc.spec.functions import ID_BYTES, integer_args, is_known, known_list, 
 from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 
 __all__ = ["validate", "leaves", "calls", "id_refs", "id_names", "id_vocabulary", "element_bytes",
-           "chain_indices"]
+           "chain_indices", "renamed_indices", "dropout_number"]
 
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
@@ -80,6 +80,7 @@ def _check(spec: Spec) -> None:
         line = statement.result.span.line if statement.result.span else number + 1
         first[statement.result.name] = (statement.result, line, True)
     _check_layers(spec)
+    _check_block(spec)
     _check_params(spec, defined)
     _check_const(spec, defined)
     _check_namespaces(spec)
@@ -109,6 +110,12 @@ def calls(expr: Expr) -> Iterator[Call]:
     elif isinstance(expr, Contract | Add):
         for operand in expr.operands if isinstance(expr, Contract) else expr.terms:
             yield from calls(operand)
+
+
+def dropout_number(statement: Statement, call: Call) -> int:
+    """Which dropout of its statement ``call`` is, outermost first (with the result, its mask's salt)."""
+    dropouts = [c for c in calls(statement.expr) if c.func == "dropout"]
+    return next(k for k, c in enumerate(dropouts) if c is call)
 
 
 def id_refs(expr: Expr) -> Iterator[TensorRef]:
@@ -213,6 +220,21 @@ def _check_layers(spec: Spec) -> None:
                           "or write the count, `layers 40`")
 
 
+def _check_block(spec: Spec) -> None:
+    """A ``layers L { ... }`` block, and dropout, are not cut into pipeline stages (yet)."""
+    if spec.mesh.pipeline_axis is None:
+        return
+    if spec.block is not None:
+        raise ShardcError("a `layers` block with a pipeline axis: the pipeline cuts the whole spec into stages",
+                          spec.span_of("layers"),
+                          fix="write the layer alone with `layers L` (no braces) to pipeline it")
+    dropout = next((c for s in spec.statements for c in calls(s.expr) if c.func == "dropout"), None)
+    if dropout is not None:
+        raise ShardcError("dropout in a pipelined spec: its mask is drawn over the whole batch, and a "
+                          "pipeline runs it a microbatch at a time", dropout.span,
+                          fix="drop the pipeline axis, or the dropout")
+
+
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:
     if spec.params is not None:
         _check_listed(spec, defined, "param", spec.params, "params are trainable inputs: remove {name} from `param`")
@@ -272,6 +294,9 @@ def _check_zero(spec: Spec) -> None:
 def _check_feed(spec: Spec) -> None:
     """With ``layers``, each layer's outputs feed the next layer's inputs: their shardings agree.
 
+    The layer is the ``layers L { ... }`` block when there is one (what it reads from before
+    it is its input; what it makes and does not read itself, its output), else the whole spec.
+
     Each activation input (read, never computed, neither a param, nor const, nor token ids) is
     fed by the last output (a result no statement reads) with the same indices; other outputs
     (a layer's keys and values, say) leave the block.  An input with no such output is an error,
@@ -279,14 +304,16 @@ def _check_feed(spec: Spec) -> None:
     """
     if spec.layers is None:
         return
-    defined = {s.result.name for s in spec.statements}
-    read = [r for s in spec.statements for r in leaves(s.expr)]
-    params = set(spec.params) if spec.params is not None else {r.name for r in read if r.name.startswith("W")}
+    block = [st for k, st in enumerate(spec.statements) if spec.repeats(k)]  # the whole spec, or the block
+    defined = {s.result.name for s in block}
+    every = [r for s in spec.statements for r in leaves(s.expr)]
+    read = [r for s in block for r in leaves(s.expr)]
+    params = set(spec.params) if spec.params is not None else {r.name for r in every if r.name.startswith("W")}
     ids = id_names(spec)
     skip = defined | params | set(spec.const) | ids
     inputs = list({r.name: r for r in read if r.name not in skip}.values())
     names = {r.name for r in read}
-    outputs = [s.result for s in spec.statements if s.result.name not in names]
+    outputs = [s.result for s in block if s.result.name not in names]  # read after the block, or never
     for given in inputs:
         made = next((o for o in reversed(outputs) if o.indices == given.indices), None)
         if made is None:
@@ -471,8 +498,7 @@ def _check_indices(statement: Statement, spec: Spec) -> None:
                           result.unreduced_span or result.span,
                           fix="drop the {U_...} suffix: a function needs reduced values")
     _check_partial_sums(statement)
-    if isinstance(expr, TensorRef) and set(expr.indices) != set(result.indices) and \
-            len(expr.indices) == len(result.indices):
+    if is_rename(statement):
         _check_rename(statement, spec)
         return
     have = _indices(expr)
@@ -492,6 +518,25 @@ def _check_indices(statement: Statement, spec: Spec) -> None:
             raise ShardcError(f"{result.name} has indices {', '.join(result.indices) or 'none'}, but {what} "
                               f"gives {', '.join(made) or 'a scalar'}", result.span,
                               fix=f"write {result.name}[{', '.join(made)}]")
+
+
+def is_rename(statement: Statement) -> bool:
+    """``Kx[B, T, D] = X[B, S, D]``: a tensor read under other index names (by position)."""
+    expr = statement.expr
+    return isinstance(expr, TensorRef) and set(expr.indices) != set(statement.result.indices) and \
+        len(expr.indices) == len(statement.result.indices)
+
+
+def renamed_indices(spec: Spec) -> list[tuple[str, str]]:
+    """(new, old) for each index a rename gives another name: the two have one size."""
+    pairs: dict[tuple[str, str], None] = {}
+    for statement in spec.statements:
+        if is_rename(statement):
+            assert isinstance(statement.expr, TensorRef)
+            for new, old in zip(statement.result.indices, statement.expr.indices, strict=True):
+                if new != old:
+                    pairs[(new, old)] = None
+    return list(pairs)
 
 
 def _check_rename(statement: Statement, spec: Spec) -> None:

@@ -1,0 +1,84 @@
+"""``causal`` and ``dropout``: elementwise maps that keep the sharding, planned beside ``gelu``.
+
+Both read their argument reduced, in the result's layout, and their steps say what
+the lowering needs in the step's ``fn`` (the plan is data):
+
+- ``causal(S,T)``: -inf where the key position T is after the query position S,
+  by GLOBAL position: lowered, each device offsets its block's positions by its
+  index along the axes that shard S and T, so a sequence-sharded score is masked
+  as the whole one is.  Its gradient passes the cotangent where not masked.
+- ``dropout(r)``: keeps each element with probability 1 - r, scaled by 1/(1 - r).
+  The forward makes the keep-mask first, a tensor of its own (``<Y>_mask``, one
+  byte an element, :data:`MASK_BYTES`), from a counter-based hash of the
+  element's global position (so every device draws its own block of one global
+  mask, and the numpy reference draws the same mask); the backward multiplies the
+  cotangent by that same mask over 1 - r, so the mask is a residual.
+"""
+
+from __future__ import annotations
+
+from shardc.errors import ShardcError
+from shardc.planner.graph import Node
+from shardc.planner.ir import Op, Step
+from shardc.planner.layout import Value, reshard
+from shardc.planner.phase import Phase
+from shardc.spec.functions import MASK_BYTES, dropout_salt
+from shardc.spec.ir import TensorRef
+from shardc.spec.validate import dropout_number
+
+__all__ = ["plan_masked", "vjp_fn", "causal_fn", "dropout_fn", "parse_fn", "MASK_BYTES"]
+
+
+
+def causal_fn(query: str, key: str) -> str:
+    return f"causal({query},{key})"
+
+
+def dropout_fn(rate: float, part: str = "") -> str:
+    """``dropout(0.1)`` applies the mask, ``dropout_mask(0.1)`` makes it, ``dropout_vjp(0.1)`` is the gradient."""
+    return f"dropout{part}({rate!r})"
+
+
+def vjp_fn(node: Node) -> str:
+    """The fn of a mask's gradient step: ``causal_vjp(S,T)`` or ``dropout_vjp(0.1)``."""
+    assert node.call is not None
+    if node.kind == "causal":
+        return causal_fn(*node.call.names).replace("causal", "causal_vjp", 1)
+    return dropout_fn(node.call.numbers[0], "_vjp")
+
+
+def parse_fn(fn: str) -> tuple[str, tuple[str, ...]]:
+    """``causal(S,T)`` -> ("causal", ("S", "T")); the inverse of the two functions above."""
+    head, _, rest = fn.partition("(")
+    return head, tuple(rest.rstrip(")").split(",")) if rest else ()
+
+
+def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None) -> None:
+    """The argument reduced, in the result's layout (read index by index), then the map."""
+    (arg,) = node.operands
+    arg_idx = phase.indices[arg]
+    if target is None:
+        held = dict(zip(arg_idx, phase.held[arg][0].layout, strict=True))
+        target = Value(tuple(held[i] for i in node.indices), ())
+    if target.unreduced:
+        raise ShardcError(f"{node.result} is a {node.fn} of partial sums", node.statement.span,
+                          fix="drop the {U_...} suffix: the function needs reduced values")
+    by_index = dict(zip(node.indices, target.layout, strict=True))
+    want = Value(tuple(by_index[i] for i in arg_idx), ())
+    _, moves = reshard(phase.ctx, arg, arg_idx, phase.held[arg], want)
+    phase.moves(arg, moves)
+    assert node.call is not None
+    operands: tuple[TensorRef, ...] = (phase.ref(arg, want),)
+    if node.kind == "causal":
+        fn = causal_fn(*node.call.names)
+    else:
+        (mask,) = node.aux
+        salt = dropout_salt(node.statement.result.name, dropout_number(node.statement, node.call))
+        phase.emit(Step(Op.ELEMENTWISE, mask, phase.ref(mask, target), operands=operands,
+                        fn=f"dropout_mask({node.call.numbers[0]!r},{salt})"), target)
+        operands = (phase.ref(mask, target), *operands)  # (mask, x), as its gradient reads (mask, dY)
+        fn = dropout_fn(node.call.numbers[0])
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target), operands=operands, fn=fn),
+               target)
+    declared.setdefault(node.result, phase.ref(node.result, target))
+    declared.setdefault(arg, phase.ref(arg, want))
