@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 import shardc
 from shardc.costmodel.formulas import text
-from shardc.costmodel.memory import memory, residual_formula, residual_table
+from shardc.costmodel.memory import kept_once, memory, residual_formula, residual_table
 from shardc.lowering.hlo import Collective
 from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
@@ -135,6 +135,7 @@ def _check_whys(p: Plan) -> None:
             step = p.forward[int(made.group(1)) - 1]
             assert step.dst == ref and step.is_collective and step.op.title == made.group(2), why
         assert ("token ids" in why) == (ref.name in id_names(p.spec)), why
+        assert ("kept once" in why) == (p.spec.block is not None and ref in kept_once(p, [ref])), why
 
 
 def test_each_why_says_what_the_value_is_and_who_reads_it() -> None:
@@ -146,6 +147,11 @@ def test_each_why_says_what_the_value_is_and_who_reads_it() -> None:
     whys = {ref.name: why for ref, why in residual_table(vocab)}
     assert whys["Tok"].startswith("token ids, 4 bytes an element (int32), layer input, read by backward step")
     assert "embed_vjp(Tok[B_Y, S], dE[B_Y, S, D]) -> dW_emb" in whys["Tok"]  # the table is read for its shape
+    blocks = shardc.plan(shardc.parse((ROOT / "examples/residual_blocks.shard").read_text()))
+    whys = {ref.name: why for ref, why in residual_table(blocks)}
+    assert whys["In"].startswith("input, outside the layers block, kept once (not once a layer), read by")
+    assert whys["E2_t1_mask"].startswith("1 byte an element, read by backward step")  # a dropout's keep-mask
+    assert "kept once" not in whys["H"]
     for mode in ("none", "selective", "full"):
         p = shardc.plan(shardc.parse(ATTENTION), recompute=mode)
         _check_whys(p)

@@ -36,7 +36,7 @@ from shardc.spec.ir import Dim, TensorRef
 from shardc.spec.validate import id_names, leaves
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
-           "residual_formula", "value_bytes"]
+           "residual_formula", "value_bytes", "kept_once"]
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                              for refs in state_refs(plan))
     table = residual_table(plan)
     kept = tuple((str(ref), value_bytes(plan, ref, sizes)) for ref, _ in table)
-    made = {s.dst: s.once for s in plan.forward}  # a value a step outside the block made is kept once
-    counts = [1 if made.get(ref, ref.name not in repeated) else layers for ref, _ in table]
+    once = kept_once(plan, [ref for ref, _ in table])
+    counts = [1 if ref in once else layers for ref, _ in table]
     again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
@@ -107,6 +107,14 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
                   tuple(why for _, why in table), again, text(residual_formula(plan)))
+
+
+def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:
+    """The residuals among ``refs`` kept once a step, not once a layer: a value a step outside the
+    ``layers L { ... }`` block made, or an input no repeated statement reads."""
+    repeated = _block_reads(plan)
+    made = {s.dst: s.once for s in plan.forward}
+    return {ref for ref in refs if made.get(ref, ref.name not in repeated)}
 
 
 def _block_reads(plan: Plan) -> set[str]:
@@ -207,17 +215,22 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
         if step.is_collective and step.dst not in declared:
             moved.setdefault(step.dst, f"made by forward step {k} ({step.op.title}_{''.join(step.axes)} "
                                        f"{describe(step)}), kept rather than moved again (--save {plan.save})")
-    return [(ref, _why(plan, ref, first[ref], declared, moved)) for ref in dict.fromkeys(order)]
+    refs = list(dict.fromkeys(order))
+    once = kept_once(plan, refs) if plan.spec.block is not None else set()
+    return [(ref, _why(plan, ref, first[ref], declared, moved, ref in once)) for ref in refs]
 
 
-def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str], moved: dict[TensorRef, str]) -> str:
+def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str], moved: dict[TensorRef, str],
+         once: bool) -> str:
     size = dict(plan.element_bytes).get(ref.name)  # set where an element is not of the spec's dtype
     parts = [] if size is None else [f"token ids, {size} bytes an element ({ID_DTYPE})"] \
         if ref.name in id_names(plan.spec) else [f"{size} byte{'s' if size > 1 else ''} an element"]
     if declared.get(ref) == "input":
-        parts.append("layer input")
+        parts.append("input" if once else "layer input")
     elif ref in moved:
         parts.append(moved[ref])
+    if once:
+        parts.append("outside the layers block, kept once (not once a layer)")
     if plan.recompute == "selective" and declared.get(ref) != "input":
         parts.append("kept (outside the attention-score region)")
     return ", ".join([*parts, reader])
