@@ -11,10 +11,11 @@ paper's 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N bytes a device (:func:`state_formu
 gives them as formulas).  Residuals are the forward values the backward reads
 from memory under the plan's save policy and recompute mode (:func:`residual_table`:
 ``plan.residuals`` the backward does not recompute, and the block's inputs, each
-with why), each at its local size and the spec's dtype.  ``layers`` multiplies the
-per-layer state and residuals; the gathered weights (and unreduced weight
-gradients) alive at once are counted for one layer, since layers run one at a
-time.  Transient activations of the running layer are not counted.
+with why), each at its local size and its element bytes (the spec's dtype; 4 for token
+ids, int32); a value the backward reads for its shape only (``Step.shapes``) is none.
+``layers`` multiplies the per-layer state and residuals; the gathered weights (and
+unreduced weight gradients) alive at once are counted for one layer, since layers run
+one at a time.  Transient activations of the running layer are not counted.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
 from shardc.planner.sums import ALIAS
 from shardc.planner.zero import zero_params
+from shardc.spec.functions import ID_DTYPE
 from shardc.spec.ir import Dim, TensorRef
-from shardc.spec.validate import leaves
+from shardc.spec.validate import id_names, leaves
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
-           "residual_formula"]
+           "residual_formula", "value_bytes", "kept_once"]
 
 
 @dataclass(frozen=True)
@@ -93,19 +95,26 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     total = sum(float(_global_elements(p.ref, sizes)) * times[p.name] for p in params)
     grad_local, opt_local = (sum(float(local_elements(r, sizes)) * times[r.name] for r in refs)
                              for refs in state_refs(plan))
-    nbytes = plan.spec.dtype.nbytes
     table = residual_table(plan)
-    kept = tuple((str(ref), float(local_elements(ref, sizes)) * plan.nbytes(ref.name)) for ref, _ in table)
-    made = {s.dst: s.once for s in plan.forward}  # a value a step outside the block made is kept once
-    counts = [1 if made.get(ref, ref.name not in repeated) else layers for ref, _ in table]
-    again = tuple((str(s.dst), float(local_elements(s.dst, sizes)) * nbytes) for s in plan.recomputed
+    kept = tuple((str(ref), value_bytes(plan, ref, sizes)) for ref, _ in table)
+    once = kept_once(plan, [ref for ref, _ in table])
+    counts = [1 if ref in once else layers for ref, _ in table]
+    again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
-    gathered = max(peak_weights(plan.forward, names, sizes), peak_weights(plan.backward, names, sizes))
+    gathered = max(peak_weights(plan, plan.forward, names, sizes), peak_weights(plan, plan.backward, names, sizes))
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
-                  sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered * nbytes, kept, hbm_bytes,
+                  sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
                   tuple(why for _, why in table), again, text(residual_formula(plan)))
+
+
+def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:
+    """The residuals among ``refs`` kept once a step, not once a layer: a value a step outside the
+    ``layers L { ... }`` block made, or an input no repeated statement reads."""
+    repeated = _block_reads(plan)
+    made = {s.dst: s.once for s in plan.forward}
+    return {ref for ref in refs if made.get(ref, ref.name not in repeated)}
 
 
 def _block_reads(plan: Plan) -> set[str]:
@@ -146,11 +155,17 @@ def state_formula(plan: Plan, accounting: str = "adam16", layers: int | str = 1)
     return total(params, per_param), total(grads, per_grad), total(states, per_opt)
 
 
+def value_bytes(plan: Plan, ref: TensorRef, sizes: dict[str, int]) -> float:
+    """Bytes of one device's piece of ``ref``: its padded local elements times its element bytes
+    (:meth:`Plan.nbytes`: 4 for token ids, else the spec's dtype's)."""
+    return float(local_elements(ref, sizes)) * plan.nbytes(ref.name)
+
+
 def residual_formula(plan: Plan) -> Expr:
     """The bytes the backward keeps for one layer (:func:`residual_table`), as an exact formula.
 
-    Per value its local elements (each dim over its axes' product, unpadded) times the
-    spec's dtype bytes: the form Korthikanti et al. (2022) write, e.g. ``34*B*D*S/Y``.
+    Per value its local elements (each dim over its axes' product, unpadded) times its
+    element bytes (:meth:`Plan.nbytes`): the form Korthikanti et al. (2022) write, e.g. ``34*B*D*S/Y``.
     """
     return se.expand(sum((plan.nbytes(ref.name) * _elements(ref) for ref, _ in residual_table(plan)), ZERO))
 
@@ -168,10 +183,13 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
     """What the backward keeps from the forward, each value once, with why.
 
     The values the recomputed forward steps (``plan.recomputed``) and then the
-    backward read that neither makes: the plan's residuals first, then the layer's
-    inputs, each with the first step that reads it.  A rename's value (an alias step,
-    :data:`shardc.planner.sums.ALIAS`) is its source's array under another name: it is
-    kept as that source, once.
+    backward read for their data (:attr:`Step.operands` and sources, not
+    :attr:`Step.shapes`) that neither makes: the plan's residuals first, then the
+    layer's inputs.  Each says the first step that reads it, what it is (token ids,
+    a layer input, or a value a forward collective made, kept rather than moved
+    again) and, under ``selective``, that it lies outside the attention-score region.
+    A rename's value (an alias step, :data:`shardc.planner.sums.ALIAS`) is its
+    source's array under another name: it is kept as that source, once.
     """
     aliases = {s.dst: s.operands[0] for s in plan.forward if s.fn == ALIAS}
 
@@ -192,19 +210,34 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
                 first[root(ref)] = f"read by {where}: {describe(step)}"
     residuals = [root(r) for r in plan.residuals]
     order = [r for r in residuals if r in first] + [r for r in first if r not in residuals]
-    return [(ref, _why(ref, first[ref], declared, plan.recompute)) for ref in dict.fromkeys(order)]
+    moved: dict[TensorRef, str] = {}
+    for k, step in enumerate(plan.forward, 1):
+        if step.is_collective and step.dst not in declared:
+            moved.setdefault(step.dst, f"made by forward step {k} ({step.op.title}_{''.join(step.axes)} "
+                                       f"{describe(step)}), kept rather than moved again (--save {plan.save})")
+    refs = list(dict.fromkeys(order))
+    once = kept_once(plan, refs) if plan.spec.block is not None else set()
+    return [(ref, _why(plan, ref, first[ref], declared, moved, ref in once)) for ref in refs]
 
 
-def _why(ref: TensorRef, reader: str, declared: dict[TensorRef, str], mode: str) -> str:
+def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str], moved: dict[TensorRef, str],
+         once: bool) -> str:
+    size = dict(plan.element_bytes).get(ref.name)  # set where an element is not of the spec's dtype
+    parts = [] if size is None else [f"token ids, {size} bytes an element ({ID_DTYPE})"] \
+        if ref.name in id_names(plan.spec) else [f"{size} byte{'s' if size > 1 else ''} an element"]
     if declared.get(ref) == "input":
-        return "layer input, " + reader
-    if mode == "selective":
-        return "kept (outside the attention-score region), " + reader
-    return reader
+        parts.append("input" if once else "layer input")
+    elif ref in moved:
+        parts.append(moved[ref])
+    if once:
+        parts.append("outside the layers block, kept once (not once a layer)")
+    if plan.recompute == "selective" and declared.get(ref) != "input":
+        parts.append("kept (outside the attention-score region)")
+    return ", ".join([*parts, reader])
 
 
-def peak_weights(steps: tuple[Step, ...], weights: set[str], sizes: dict[str, int]) -> float:
-    """Most elements of gathered weights / unreduced weight gradients alive at one step of a phase.
+def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: dict[str, int]) -> float:
+    """Most bytes of gathered weights / unreduced weight gradients alive at one step of a phase.
 
     ``weights`` names the params and their gradients (:meth:`Plan.grad_name`)."""
     born: dict[TensorRef, int] = {}
@@ -218,7 +251,7 @@ def peak_weights(steps: tuple[Step, ...], weights: set[str], sizes: dict[str, in
             last.setdefault(step.dst, i)
     peak = 0.0
     for i in range(len(steps)):
-        alive = sum(float(local_elements(r, sizes)) for r in born if born[r] <= i <= last[r])
+        alive = sum(value_bytes(plan, r, sizes) for r in born if born[r] <= i <= last[r])
         peak = max(peak, alive)
     return peak
 

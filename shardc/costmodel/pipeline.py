@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from shardc.costmodel.memory import memory, residual_values
+from shardc.costmodel.memory import memory, residual_values, value_bytes
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, bubble, inflight, sends_per_microbatch
@@ -195,7 +195,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
     per_layer = [_time(fwd), _time([r for k, r in enumerate(bwd) if k not in w_idx]),
                  _time([r for k, r in enumerate(bwd) if k in w_idx])]
     ref = boundary_tensor(plan)
-    nbytes = plan.spec.dtype.nbytes
+    nbytes = plan.nbytes(ref.name)
     p2p = float(local_elements(ref, micro)) * nbytes
     axis = plan.spec.mesh.axis(pipe.axis)
     dcn = axis.network is Network.DCN
@@ -218,7 +218,7 @@ def _stages(plan: Plan, pipe: Pipeline, per_layer: list[tuple[float, float]], mi
             p2p_s: float, sim: Simulation, hw: Hardware, optimizer: str) -> tuple[StageCost, ...]:
     out = []
     dim = microbatch_dim(plan)
-    kept = [(float(local_elements(r, micro)) * plan.nbytes(r.name), dim in r.indices) for r in residual_values(plan)]
+    kept = [(value_bytes(plan, r, micro), dim in r.indices) for r in residual_values(plan)]
     for s, layers in enumerate(pipe.stage_layers):
         mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer)
         held = sim.peak_inflight(s)

@@ -17,6 +17,7 @@ from shardc.errors import ShardcError
 from shardc.lowering.codegen import Boundary, Module, generate
 from shardc.lowering.rows import id_inputs
 from shardc.planner.ir import Plan
+from shardc.spec.functions import ID_DTYPE
 from shardc.spec.ir import Spec, TensorRef
 
 __all__ = ["Lowered", "lower", "lowered_mesh", "lowered_sizes", "check_devices", "module_source"]
@@ -66,11 +67,11 @@ class Lowered:
         return tuple(lead + [sizes[d.name] for d in ref.dims])
 
     def random_inputs(self, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
-        """Standard normal inputs; token ids (embed's, cross_entropy's) uniform int32 in their vocabulary."""
+        """Standard normal inputs; token ids (embed's, cross_entropy's) uniform ID_DTYPE in their vocabulary."""
         rng = np.random.default_rng(seed)
         ids = id_inputs(self.plan.spec)
         sizes = self.sizes or {}
-        return {b.key: rng.integers(0, sizes[ids[b.key]], self.global_shape(b.ref)).astype(np.int32)
+        return {b.key: rng.integers(0, sizes[ids[b.key]], self.global_shape(b.ref)).astype(ID_DTYPE)
                 if b.key in ids else rng.standard_normal(self.global_shape(b.ref)).astype(dtype)
                 for b in self.module.forward.inputs}
 
@@ -92,7 +93,7 @@ class Lowered:
             if phase == "optimizer" and self.module.optimizer is not None:
                 program, boundaries = self.namespace.optimizer_program(), self.module.optimizer.inputs
             ids = id_inputs(self.plan.spec)
-            args = [jax.ShapeDtypeStruct(self.global_shape(b.ref), np.int32 if b.ref.name in ids else dtype,
+            args = [jax.ShapeDtypeStruct(self.global_shape(b.ref), ID_DTYPE if b.ref.name in ids else dtype,
                                          sharding=NamedSharding(mesh, _spec(self, b)))
                     for b in boundaries]
             self._compiled[key] = program.lower(*args).compile().as_text()

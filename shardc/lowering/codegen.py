@@ -242,7 +242,10 @@ def _elementwise_code(step: Step, var: _Namer) -> str:
 
 
 def _reads(step: Step) -> tuple[TensorRef, ...]:
-    return step.operands if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE) else (step.src,) if step.src else ()
+    """What a step's line names: its operands (and the values it reads the shape of), or its source."""
+    if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE):
+        return step.operands + step.shapes
+    return (step.src,) if step.src else ()
 
 
 def _key(ref: TensorRef) -> TensorRef:

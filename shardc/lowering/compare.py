@@ -7,7 +7,7 @@ same phase boundaries as the lowered program: the forward maps inputs and
 params to every statement result; the backward maps inputs, params, those
 results and the cotangents to the gradients.  What XLA inserts in between is
 its choice (GSPMD).  Volumes are V, weighted (AllReduce
-twice, AllToAll a quarter), in the spec's dtype.
+twice, AllToAll a quarter), in the spec's dtype (integers, the token ids, at their own width).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ mesh positions, since the mesh's device order is the executable's device
 assignment) that talk to each other; the mesh coordinates that vary across a
 group are the collective's axes, ordered major to minor by how slowly they
 change along the group (the order all-gather concatenates in).  Volume is V (bytes a
-device would hold unsharded over the group), counted in elements so a caller can price them in the spec's
-dtype (XLA on CPU widens bf16 collectives to f32).
+device would hold unsharded over the group), counted in elements so a caller can price floating ones in
+the spec's dtype (XLA on CPU widens bf16 collectives to f32); integer ones (token ids, ``s32``) are
+priced at the width HLO gives them, which the plan's element bytes must match.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[\w\[\],
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_INTEGER = re.compile(r"[su](\d+)")  # HLO's signed and unsigned integer types: s32, u8, ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,9 @@ class Collective:
     shape: tuple[int, ...] = ()  # the result array's dims (per device)
 
     def bytes(self, nbytes: int) -> int:
-        return self.elements * nbytes
+        """V in bytes: a floating element at ``nbytes`` (the spec's dtype), an integer one at its own width."""
+        integer = _INTEGER.fullmatch(self.dtype)
+        return self.elements * (int(integer.group(1)) // 8 if integer else 1 if self.dtype == "pred" else nbytes)
 
 
 def parse_replica_groups(line: str, devices: int) -> list[list[int]]:

@@ -218,7 +218,7 @@ def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
     mesh = tuple(ns.PIPE_MESH_AXES.items())
     nbytes = plan.spec.dtype.nbytes
     boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
-    want_bytes = int(local_elements(boundary, lowered.sizes)) * nbytes
+    want_bytes = int(local_elements(boundary, lowered.sizes)) * plan.nbytes(boundary.name)
     ticks = 2 * (pipe.microbatches + pipe.stages - 1)
     trips = [int(n) for n in _TRIPS.findall(text)]
     stride = math.prod(s for n, s in mesh[[n for n, _ in mesh].index(pipe.axis) + 1:])
@@ -279,7 +279,7 @@ def _permutes(lowered: PipelineLowered, fwd_text: str, bwd_text: str) -> list[Co
     mesh = tuple(ns.PIPE_MESH_AXES.items())
     nbytes = plan.spec.dtype.nbytes
     boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
-    want_bytes = int(local_elements(boundary, lowered.sizes)) * nbytes  # the cost model's p2p_bytes
+    want_bytes = int(local_elements(boundary, lowered.sizes)) * plan.nbytes(boundary.name)  # the cost model's p2p_bytes
     want = permutes_expected(pipe.stages, pipe.microbatches)
     stride = math.prod(s for n, s in mesh[[n for n, _ in mesh].index(pipe.axis) + 1:])
     rows = []

@@ -143,8 +143,8 @@ def _length(ref: TensorRef, code: str, index: str, axes: tuple[str, ...]) -> str
 def _spread(step: Step, row: str, var: Callable[[TensorRef], str], mean: bool) -> str:
     """dS repeated along I to the gradient's local shape (over I's global length for a mean).
 
-    The second operand is the input as declared, read for its shape only (no data moves)."""
-    x = step.operands[1]
+    The input as declared is read for its shape only (:attr:`Step.shapes`: no data is kept)."""
+    (x,) = step.shapes
     d = step.dim or 0
     over = step.dst.indices[d]
     axes = step.dst.dims[d].axes
@@ -164,7 +164,7 @@ def lookup_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     table = step.dst
     axes = table.dims[0].axes
     order = tok.indices + table.indices[1:]
-    declared = step.operands[2]  # the table as declared, read for its shape only
+    (declared,) = step.shapes  # the table as declared, read for its shape only
     rows = _length(declared, var(declared), table.indices[0], axes)
     return f"vocab_scatter({var(tok)}, {_aligned(var(other), other.indices, order)}, {rows}, {axes!r})"
 
@@ -332,21 +332,10 @@ def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) 
 
 
 def id_inputs(spec: Any) -> dict[str, str]:
-    """Token-id inputs (integers in [0, vocabulary)) and their vocabulary index, from the spec."""
-    from shardc.spec.functions import is_known, signature
-    from shardc.spec.validate import calls, chain_indices
+    """Token-id tensors (integers in [0, vocabulary), ID_DTYPE) and their vocabulary index, from the spec."""
+    from shardc.spec.validate import id_vocabulary
 
-    ids: dict[str, str] = {}
-    for statement in spec.statements:
-        for call in calls(statement.expr):
-            if not is_known(call.func) or signature(call.func).kind not in ("embed", "loss"):
-                continue
-            first, second = call.args
-            if signature(call.func).kind == "embed" and isinstance(first, TensorRef):
-                ids[first.name] = chain_indices(second, ())[0]
-            elif isinstance(second, TensorRef):
-                ids[second.name] = next(i for i in chain_indices(first, ()) if i not in second.indices)
-    return ids
+    return id_vocabulary(spec)
 
 
 # --- one node of the reference: a reduction (``over`` its index) or a vocabulary op ----------

@@ -306,6 +306,7 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
         mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in mesh) + "}")
     text += _HELPERS.format()
     from shardc.lowering.rows import HELPERS, id_inputs, uses_helpers
+    from shardc.spec.functions import ID_DTYPE
 
     if uses_helpers(plan.forward + plan.backward):
         text += HELPERS
@@ -334,12 +335,13 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
         text += "INPUT_DIMS = {" + ", ".join(
             f"{b.key!r}: {tuple(d.name for d in b.ref.dims)!r}" for b in forward.inputs) + "}\n"
         main = _MAIN.format()
-        ids = id_inputs(spec)
+        inputs = {b.key for b in forward.inputs}
+        ids = {name: vocab for name, vocab in id_inputs(spec).items() if name in inputs}
         if ids:  # token ids are integers in their vocabulary
             text += f"ID_INPUTS = {ids!r}  # token-id inputs -> their vocabulary dim\n"
             drawn = "    outputs = forward(inputs)\n"
             main = main.replace(drawn, "    inputs.update({name: rng.integers(0, DIMS[v], [DIMS[d] for d in "
-                                "INPUT_DIMS[name]]).astype(np.int32)\n                   for name, v in "
+                                f"INPUT_DIMS[name]]).astype(np.{ID_DTYPE})\n                   for name, v in "
                                 "ID_INPUTS.items()})\n" + drawn)
         text += main
     return text

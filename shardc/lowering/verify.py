@@ -486,7 +486,7 @@ def render_report(report: Report) -> str:
     lines = [f"# verify {report.file}: mesh {mesh} ({math.prod(report.mesh.values())} devices), {sizes}",
              f"# computed in {report.compute_dtype} (spec dtype {report.dtype}{rounded}), inputs standard normal "
              f"times {report.input_scale:g}; values pass when max|err| <= {atol:g} + {rtol:g}*max|terms|; "
-             f"HLO bytes priced in {report.dtype}"]
+             f"HLO bytes priced in {report.dtype} (integers, the token ids, at their own width)"]
     lines += [f"# note: {note}" for note in report.notes]
     lines += ["", "values"]
     lines += _table(["phase", "tensor", "max|err|", "max|ref|", "bound", ""],

@@ -44,7 +44,7 @@ def comm_time(plan: Plan) -> float:
 
 def _local_bytes(plan: Plan, ref: TensorRef) -> Monomial:
     den = tuple(a for d in ref.dims for a in d.axes)
-    return Monomial.of(plan.spec.dtype.nbytes, num=ref.indices, den=den)
+    return Monomial.of(plan.nbytes(ref.name), num=ref.indices, den=den)
 
 
 def _drop_suffix(ref: TensorRef, dim: int, axes: tuple[str, ...]) -> TensorRef | None:
@@ -214,7 +214,7 @@ def require_sound(plan: Plan) -> None:
 
 
 def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
-    reads = list(step.operands) + ([step.src] if step.src is not None else [])
+    reads = list(step.operands + step.shapes) + ([step.src] if step.src is not None else [])
     problems = [f"reads {r}, which is not held" for r in reads if _norm(r) not in held]
     if step.op in (Op.EINSUM, Op.COPY):
         why = check_einsum(step)

@@ -91,7 +91,7 @@ def _fold_all_to_all(out: list[Step], keep: frozenset[TensorRef]) -> bool:
 
 
 def _reads(step: Step) -> tuple[TensorRef, ...]:
-    return step.operands + ((step.src,) if step.src is not None else ())
+    return step.operands + step.shapes + ((step.src,) if step.src is not None else ())
 
 
 def _gather(tensor: str, src: TensorRef, late: Step) -> Step | None:
@@ -120,7 +120,7 @@ def _drop_dead_moves(steps: list[Step], keep: frozenset[TensorRef]) -> list[Step
         if (step.is_collective or step.op is Op.SLICE) and step.dst not in read:
             continue
         out.append(step)
-        read.update(step.operands)
+        read.update(step.operands + step.shapes)
         if step.src is not None:
             read.add(step.src)
     return out[::-1]

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from shardc.errors import ShardcError
 from shardc.names import fresh, gradient_names
 from shardc.planner.rowstats import stat_names
-from shardc.spec.functions import integer_args, is_elementwise, signature
+from shardc.spec.functions import MASK_BYTES, is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
-from shardc.spec.validate import chain_indices, fold, leaves
+from shardc.spec.validate import chain_indices, element_bytes, fold, id_names, leaves
 
 __all__ = ["Node", "Graph", "build_graph", "LAYER_CALLS"]
 
@@ -60,6 +60,9 @@ class Graph:
     outputs: tuple[str, ...]  # statement results no statement reads
     const: frozenset[str] = frozenset()  # inputs declared without a gradient
     grads: dict[str, str] = field(default_factory=dict)  # tensor -> its gradient's name
+    # tensor -> bytes an element, where not the spec's dtype: token ids 4 (int32,
+    # shardc.spec.validate.element_bytes), a dropout's keep-mask 1; the one place it is decided
+    element_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def names(self) -> frozenset[str]:
@@ -87,7 +90,6 @@ class _Builder:
         self.indices: dict[str, tuple[str, ...]] = {}
         self.inputs: list[str] = []
         self.read: set[str] = set()
-        self.ids: set[str] = set()  # token ids (embed's, cross_entropy's): integers, no gradient
         self.defined = {s.result.name for s in spec.statements}
         self.names = set(self.defined) | {r.name for s in spec.statements for r in leaves(s.expr)}
 
@@ -233,7 +235,6 @@ class _Builder:
             inner = self.fresh(name)
             self.indices[inner] = chain_indices(arg, ())
             args.append(self.expr(arg, inner, self.indices[inner], None))
-        self.ids.update(args[k] for k in integer_args(e.func))
         kind = signature(e.func).kind
         aux: tuple[str, ...] = ()
         if kind == "loss":
@@ -262,14 +263,19 @@ class _Builder:
             left, left_idx = out, out_idx
         return name
 
+    def element_bytes(self) -> dict[str, int]:
+        """Bytes an element of each tensor not of the spec's dtype: the token ids, the keep-masks."""
+        masks = {m: MASK_BYTES for node in self.nodes if node.kind == "dropout" for m in node.aux}
+        return element_bytes(self.spec) | masks
+
     def finish(self) -> Graph:
-        const = frozenset(self.spec.const) | frozenset(self.ids)
+        const = frozenset(self.spec.const) | id_names(self.spec)  # token ids: integers, no gradient
         params = self.spec.params
         if params is None:
             params = tuple(n for n in self.inputs if n.startswith("W") and n not in const)
         outputs = tuple(s.result.name for s in self.spec.statements if s.result.name not in self.read)
         grads = gradient_names(self.indices, taken=self.names | set(self.indices))
         return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params),
-                     tuple(self.inputs), outputs, const, grads)
+                     tuple(self.inputs), outputs, const, grads, self.element_bytes())
 
 

@@ -110,6 +110,11 @@ class Step:
     ``dim2``).  For an einsum: ``operands`` are the local operand values and
     ``dst`` the local result (unreduced over the sharded contracted axes).  For an
     elementwise step: ``fn`` is applied to ``operands[0]``.
+
+    ``operands`` are read for their data; ``shapes`` only for their shape (a sum's gradient
+    spreads dS along I, whose length it takes from the input; the embedding's gradient is
+    the table's shape).  XLA keeps no data for a shape, so a value read only so is no
+    residual, is never recomputed and is not counted in memory.
     """
 
     op: Op
@@ -125,6 +130,7 @@ class Step:
     ahead: bool = False  # can be issued ahead of / off the critical path
     note: str = ""
     once: bool = False  # outside a `layers L { ... }` block: runs once a step, not once a layer
+    shapes: tuple[TensorRef, ...] = ()  # values read for their shape only (see above)
 
     @property
     def is_collective(self) -> bool:
@@ -191,12 +197,17 @@ class Plan:
     # `--recompute none|selective|full` (shardc.planner.recompute): the forward steps the backward runs again
     recompute: str = "none"
     recomputed: tuple[Step, ...] = ()
-    # tensors whose elements are not the spec's dtype, and their bytes (a dropout's keep-mask: 1)
+    # tensor -> bytes an element, where not the spec's dtype: token ids 4 (int32), a dropout's
+    # keep-mask 1 (shardc.planner.graph.Graph.element_bytes decides); read through :meth:`nbytes`
+    # wherever bytes are counted
     element_bytes: tuple[tuple[str, int], ...] = ()
 
     def nbytes(self, tensor: str) -> int:
-        """Bytes of one element of ``tensor``: the spec's dtype unless ``element_bytes`` says otherwise."""
-        return dict(self.element_bytes).get(tensor, self.spec.dtype.nbytes)
+        """Bytes an element of ``tensor``: the spec's dtype's unless ``element_bytes`` says otherwise."""
+        for name, size in self.element_bytes:
+            if name == tensor:
+                return size
+        return self.spec.dtype.nbytes
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

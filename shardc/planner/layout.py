@@ -141,9 +141,11 @@ class CostContext:
     spans: dict[str, int] | None = None  # over the chip's defaults (Hardware.spans)
     padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
     compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
+    # tensor -> bytes an element where not the dtype's (token ids: shardc.spec.validate.element_bytes)
+    element_bytes: dict[str, int] = field(default_factory=dict)
     _searches: dict[tuple[object, ...], _Search] = field(default_factory=dict)  # see reshard
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
-    # (is weight, indices, value) -> its moves and their costs; states recur across searches
+    # (kind, indices, value) -> its moves and their costs (CostContext.kind); states recur across searches
     _edges: dict[tuple[object, ...], tuple[Edge, ...]] = field(default_factory=dict)
     _numbers: dict[Value, int] = field(default_factory=dict)
     # reverse searches (to one target) and the moves into each value: see shardc.planner.reverse
@@ -172,13 +174,22 @@ class CostContext:
     def dim_size(self, index: str) -> int:
         return PROXY_DIM if self.sizes is None else self.sizes[index]
 
-    def local_bytes(self, indices: tuple[str, ...], value: Value) -> Monomial:
-        """Per-device bytes of ``value`` as a formula: dtype * dims / axes."""
-        key = (indices, value.layout)
+    def nbytes(self, tensor: str) -> int:
+        """Bytes an element of ``tensor``: 4 for token ids (int32), else the dtype's."""
+        return self.element_bytes.get(tensor, self.dtype.nbytes)
+
+    def kind(self, tensor: str) -> tuple[bool, int]:
+        """What a tensor's moves and their costs depend on beside its indices: weight or not, element bytes."""
+        return tensor in self.weights, self.nbytes(tensor)
+
+    def local_bytes(self, indices: tuple[str, ...], value: Value, nbytes: int | None = None) -> Monomial:
+        """Per-device bytes of ``value`` as a formula: element bytes (``nbytes``, else the dtype's) * dims / axes."""
+        size = self.dtype.nbytes if nbytes is None else nbytes
+        key = (indices, value.layout, size)
         hit = self._bytes.get(key)
         if hit is None:
             den = tuple(a for axes in value.layout for a in axes)
-            hit = self._bytes[key] = Monomial.of(self.dtype.nbytes, num=indices, den=den)
+            hit = self._bytes[key] = Monomial.of(size, num=indices, den=den)
         return hit
 
     def evaluate(self, volume: Monomial) -> float:
@@ -204,7 +215,7 @@ class CostContext:
             return ZERO
         volume: Monomial | float = move.volume
         if idx is not None and self.padded and self.sizes is not None:
-            volume = self.padded_bytes(move, idx)
+            volume = self.padded_bytes(move, idx, self.nbytes(tensor))
         seconds = self.seconds(move.op, volume, move.axes)
         return (seconds, 1, 0 if tensor in self.weights else 1)
 
@@ -212,7 +223,7 @@ class CostContext:
         return [(self.dim_size(i), math.prod(self.axis_sizes[a] for a in axes))
                 for i, axes in zip(idx, value.layout, strict=True)]
 
-    def padded_bytes(self, move: Move, idx: tuple[str, ...]) -> float:
+    def padded_bytes(self, move: Move, idx: tuple[str, ...], nbytes: int) -> float:
         """V of a move at the padded per-device sizes (each dim's piece ``ceil(size / devices)``)."""
         assert move.volume is not None
         src, dst = self._pieces(idx, move.src), self._pieces(idx, move.dst)
@@ -220,7 +231,7 @@ class CostContext:
             return self.evaluate(move.volume)
         group = math.prod(self.axis_sizes[a] for a in move.axes)
         elements = volume_elements(move.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))
-        return float(elements) * self.dtype.nbytes
+        return float(elements) * nbytes
 
     def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value]]) -> float:
         """Compute time of a local einsum over these (indices, local value) operands; 0 without sizes.
@@ -241,11 +252,11 @@ class CostContext:
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:
         """The moves out of value number ``state`` with their costs, built once per context."""
-        key = (tensor in self.weights, idx, state)
+        key = (self.kind(tensor), idx, state)
         hit = self._edges.get(key)
         if hit is None:
             hit = self._edges[key] = tuple(self._edge(m, tensor, idx)
-                                           for m in neighbours(self, idx, self.values[state]))
+                                           for m in neighbours(self, idx, self.values[state], self.nbytes(tensor)))
         return hit
 
     def _edge(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Edge:
@@ -321,14 +332,14 @@ def _replace(layout: Layout, dim: int, axes: tuple[str, ...]) -> Layout:
     return layout[:dim] + (axes,) + layout[dim + 1:]
 
 
-def _gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+def _gathers(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None) -> Iterator[Move]:
     for d, axes in enumerate(v.layout):
         for suffix in ctx.suffixes(axes):
             dst = Value(_replace(v.layout, d, axes[: len(axes) - len(suffix)]), v.unreduced)
-            yield Move(Op.ALL_GATHER, v, dst, suffix, dim=d, volume=ctx.local_bytes(idx, dst))
+            yield Move(Op.ALL_GATHER, v, dst, suffix, dim=d, volume=ctx.local_bytes(idx, dst, nbytes))
 
 
-def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None) -> Iterator[Move]:
     """Suffixes of two or more dims gathered by one collective (axes in dim order)."""
     options = [[()] + list(ctx.suffixes(axes)) for axes in v.layout]
     for combo in itertools.product(*options):
@@ -337,7 +348,7 @@ def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator
         layout = tuple(axes[: len(axes) - len(suffix)] for axes, suffix in zip(v.layout, combo, strict=True))
         dst = Value(layout, v.unreduced)
         axes = tuple(a for suffix in combo for a in suffix)
-        yield Move(Op.ALL_GATHER, v, dst, axes, volume=ctx.local_bytes(idx, dst))
+        yield Move(Op.ALL_GATHER, v, dst, axes, volume=ctx.local_bytes(idx, dst, nbytes))
 
 
 def _slices(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
@@ -348,7 +359,7 @@ def _slices(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
                 yield Move(Op.SLICE, v, dst, unit, dim=d)
 
 
-def _all_to_alls(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+def _all_to_alls(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None) -> Iterator[Move]:
     for src_dim, axes in enumerate(v.layout):
         for suffix in ctx.suffixes(axes):
             kept = axes[: len(axes) - len(suffix)]
@@ -357,11 +368,11 @@ def _all_to_alls(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[M
                     continue
                 layout = _replace(_replace(v.layout, src_dim, kept), d, other + suffix)
                 group = Monomial.of(1, num=suffix)  # per-device bytes times the group size
-                volume = ctx.local_bytes(idx, v) * group
+                volume = ctx.local_bytes(idx, v, nbytes) * group
                 yield Move(Op.ALL_TO_ALL, v, Value(layout, v.unreduced), suffix, d, src_dim, volume)
 
 
-def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
+def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None) -> Iterator[Move]:
     unreduced = v.unreduced
     heads = ctx.heads()
     units = {u[0]: u for u in ctx.unit_list()}
@@ -370,7 +381,7 @@ def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Mo
         for chosen in itertools.combinations(parts, k):
             group = tuple(sorted(a for u in chosen for a in u))
             rest = tuple(a for a in unreduced if a not in group)
-            volume = ctx.local_bytes(idx, v)  # the array before the reduction
+            volume = ctx.local_bytes(idx, v, nbytes)  # the array before the reduction
             yield Move(Op.ALL_REDUCE, v, Value(v.layout, rest), group, volume=volume)
             for perm in itertools.permutations(chosen):
                 order = tuple(a for u in perm for a in u)
@@ -380,14 +391,15 @@ def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Mo
                         yield Move(Op.REDUCE_SCATTER, v, dst, order, dim=d, volume=volume)
 
 
-def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
-    yield from _reductions(ctx, idx, v)
-    yield from _gathers(ctx, idx, v)
-    yield from _multi_gathers(ctx, idx, v)
+def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None = None) -> Iterator[Move]:
+    """The moves out of ``v``, their volumes at ``nbytes`` an element (else the dtype's)."""
+    yield from _reductions(ctx, idx, v, nbytes)
+    yield from _gathers(ctx, idx, v, nbytes)
+    yield from _multi_gathers(ctx, idx, v, nbytes)
     yield from _slices(ctx, idx, v)
-    yield from _all_to_alls(ctx, idx, v)
+    yield from _all_to_alls(ctx, idx, v, nbytes)
     if ctx.places is not None:
-        for gather in itertools.chain(_gathers(ctx, idx, v), _multi_gathers(ctx, idx, v)):
+        for gather in itertools.chain(_gathers(ctx, idx, v, nbytes), _multi_gathers(ctx, idx, v, nbytes)):
             yield from spanning(ctx, idx, gather)
 
 
@@ -424,14 +436,14 @@ def reshard(ctx: CostContext, tensor: str, idx: tuple[str, ...], sources: Iterab
             target: Value, bound: Cost | None = None) -> tuple[Cost, tuple[Move, ...]]:
     """Cheapest moves from any source (free) to ``target``.
 
-    One search per (weight or not, indices, sources) lives in the context and is
+    One search per (:meth:`CostContext.kind`, indices, sources) lives in the context and is
     resumed by each query, so asking for many targets from the same sources costs
     one Dijkstra in all.  With ``bound``, a query that finds nothing at or below it
     returns :data:`INFINITE` (the search stops there, to resume if asked for more),
     so the einsum search prunes configurations without exploring every layout.
     """
     starts = tuple(sorted(set(sources)))
-    key = (tensor in ctx.weights, idx, starts)
+    key = (ctx.kind(tensor), idx, starts)
     search = ctx._searches.get(key)
     if search is None:
         search = ctx._searches[key] = _Search(ctx, tensor, idx, starts)

@@ -22,13 +22,12 @@ from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, reshard
 from shardc.planner.phase import Phase
-from shardc.spec.functions import dropout_salt
+from shardc.spec.functions import MASK_BYTES, dropout_salt
 from shardc.spec.ir import TensorRef
 from shardc.spec.validate import dropout_number
 
 __all__ = ["plan_masked", "vjp_fn", "causal_fn", "dropout_fn", "parse_fn", "MASK_BYTES"]
 
-MASK_BYTES = 1  # a keep-mask element: one byte (a bool)
 
 
 def causal_fn(query: str, key: str) -> str:

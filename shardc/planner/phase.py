@@ -145,9 +145,9 @@ class Phase:
 
     def key(self, problem: EinsumProblem, rule_given: tuple[Value, ...] | None) -> object:
         """``problem`` up to names: what its solution depends on."""
-        weights = self.ctx.weights
-        return (tuple((o.indices, o.sources, o.name in weights) for o in problem.operands),
-                problem.indices, problem.target, problem.result in weights, self.name, rule_given, problem.partial)
+        kind = self.ctx.kind
+        return (tuple((o.indices, o.sources, kind(o.name)) for o in problem.operands),
+                problem.indices, problem.target, kind(problem.result), self.name, rule_given, problem.partial)
 
     def solve(self, problem: EinsumProblem,
               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:

@@ -23,7 +23,7 @@ from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
-from shardc.planner.masks import MASK_BYTES, plan_masked
+from shardc.planner.masks import plan_masked
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.route import plan_route
@@ -194,7 +194,8 @@ def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | Non
     grads = frozenset(graph.grads[p] for p in graph.params)
     ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
                       graph.params | grads, hardware=hw, spans=spans,
-                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places)
+                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
+                      element_bytes=graph.element_bytes)
     ctx.deadline = time.monotonic() + BUDGET
     return ctx
 
@@ -288,11 +289,10 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
         notes=_notes(spec, fwd + bwd, ctx) if notes else (),
-        element_bytes=tuple((mask, MASK_BYTES) for node in graph.nodes
-                           if node.kind == "dropout" for mask in node.aux),
         optimizer=opt,
         recompute=recompute,
         recomputed=again,
+        element_bytes=tuple(graph.element_bytes.items()),
     )
 
 

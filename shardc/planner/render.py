@@ -46,6 +46,8 @@ def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
     if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE):
         joiner = ", " if step.op is Op.ELEMENTWISE else " · "
         body = f"{step.dst} = " + joiner.join(str(o) for o in step.operands)
+        if step.shapes:  # read for the shape only: no data, no residual
+            body += f"; the shape of {', '.join(str(o) for o in step.shapes)}"
         return f"{k:3d}  {label:<17} {body}"
     body = f"{step.src} -> {step.dst}"
     if step.volume is None:
@@ -154,6 +156,8 @@ def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
         data["bytes"] = int(step_volume(step, sizes))
     if step.operands:
         data["operands"] = [str(o) for o in step.operands]
+    if step.shapes:
+        data["shapes"] = [str(o) for o in step.shapes]
     if step.dim is not None:
         data["dim"] = step.dim
     if step.dim2 is not None:

@@ -40,13 +40,13 @@ def reshard_to(ctx: CostContext, tensor: str, idx: tuple[str, ...], source: Valu
                ) -> tuple[Cost, tuple[Move, ...]] | None:
     """Cheapest moves from ``source`` to ``target``, or None above ``bound`` (or unreachable).
 
-    One reverse search per (weight or not, indices, target, ``partial``) lives in the context
+    One reverse search per (:meth:`CostContext.kind`, indices, target, ``partial``) lives in the context
     and is resumed by each query: every configuration of an einsum asks it for its local result.
     ``partial``: axes every source's partial sums lie within.  Moves never make partial sums,
     so no path from such a source passes a value with others, and the search never walks
     back to one: the same costs and moves, from fewer values.
     """
-    key = (tensor in ctx.weights, idx, target, partial)
+    key = (ctx.kind(tensor), idx, target, partial)
     search = ctx._reverse.get(key)
     if not isinstance(search, _Reverse):
         search = ctx._reverse[key] = _Reverse(ctx, tensor, idx, {target: ZERO}, partial)
@@ -101,11 +101,12 @@ class _Reverse:
 
     def _into(self, state: int) -> tuple[tuple[Move, int, Cost], ...]:
         ctx = self.ctx
-        key = (self.tensor in ctx.weights, self.idx, state, self.partial)
+        key = (ctx.kind(self.tensor), self.idx, state, self.partial)
         hit = ctx._into.get(key)
         if hit is None:
+            moves = predecessors(ctx, self.idx, ctx.values[state], self.partial, ctx.nbytes(self.tensor))
             hit = ctx._into[key] = tuple((m, ctx.number(m.src), ctx.move_cost(m, self.tensor, self.idx))
-                                         for m in predecessors(ctx, self.idx, ctx.values[state], self.partial))
+                                         for m in moves)
         return hit
 
 
@@ -114,9 +115,10 @@ def _replace(layout: tuple[tuple[str, ...], ...], dim: int, axes: tuple[str, ...
 
 
 def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value,
-                 partial: frozenset[str] | None = None) -> Iterator[Move]:
-    """Every move that makes ``v``: the forward moves (:func:`shardc.planner.layout.neighbours`) backwards;
-    with ``partial``, only those from values whose partial sums lie within it."""
+                 partial: frozenset[str] | None = None, nbytes: int | None = None) -> Iterator[Move]:
+    """Every move that makes ``v``: the forward moves (:func:`shardc.planner.layout.neighbours`) backwards,
+    at ``nbytes`` an element (else the dtype's); with ``partial``, only those from values whose partial
+    sums lie within it."""
     lay = v.layout
     free = ctx.free_units(v.used())
     reducible = free if partial is None else [u for u in free if partial.issuperset(u)]
@@ -124,7 +126,7 @@ def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value,
         last = next(iter(ctx.suffixes(axes)), None)
         if last is not None:  # a slice appended the dim's last unit
             yield Move(Op.SLICE, Value(_replace(lay, d, axes[: len(axes) - len(last)]), v.unreduced), v, last, dim=d)
-    for gather in _gathered_into(ctx, idx, v, free):
+    for gather in _gathered_into(ctx, idx, v, free, nbytes):
         yield gather
         if ctx.places is not None:
             yield from spanning(ctx, idx, gather)
@@ -134,25 +136,25 @@ def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value,
             for d, other in enumerate(lay):  # an all-to-all moved the suffix from dim d onto dim e
                 if d != e and ctx.divides(idx[d], other + moved):
                     src = Value(_replace(_replace(lay, e, kept), d, other + moved), v.unreduced)
-                    volume = ctx.local_bytes(idx, src) * Monomial.of(1, num=moved)
+                    volume = ctx.local_bytes(idx, src, nbytes) * Monomial.of(1, num=moved)
                     yield Move(Op.ALL_TO_ALL, src, v, moved, e, d, volume)
             if partial is not None and not partial.issuperset(moved):
                 continue
             # a reduce-scatter resolved these partial sums onto the dim
             src = Value(_replace(lay, e, kept), tuple(sorted(v.unreduced + moved)))
-            yield Move(Op.REDUCE_SCATTER, src, v, moved, dim=e, volume=ctx.local_bytes(idx, src))
+            yield Move(Op.REDUCE_SCATTER, src, v, moved, dim=e, volume=ctx.local_bytes(idx, src, nbytes))
     for k in range(1, len(reducible) + 1):
         for chosen in itertools.combinations(reducible, k):
             group = tuple(sorted(a for u in chosen for a in u))
             src = Value(lay, tuple(sorted(v.unreduced + group)))
-            yield Move(Op.ALL_REDUCE, src, v, group, volume=ctx.local_bytes(idx, src))
+            yield Move(Op.ALL_REDUCE, src, v, group, volume=ctx.local_bytes(idx, src, nbytes))
 
 
 def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value,
-                   free: list[tuple[str, ...]]) -> Iterator[Move]:
+                   free: list[tuple[str, ...]], nbytes: int | None) -> Iterator[Move]:
     """Gathers that make ``v``: one or more dims held free units more, at their minor ends."""
     lay = v.layout
-    volume = ctx.local_bytes(idx, v)
+    volume = ctx.local_bytes(idx, v, nbytes)
     # a unit can only go to a dim that may hold it beside the dim's axes (in some order): the
     # rest of the product below would fail the full test anyway
     options = [[-1, *(d for d in range(len(lay)) if ctx.divides(idx[d], tuple(sorted(lay[d] + unit)), order=False))]

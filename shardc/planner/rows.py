@@ -39,7 +39,7 @@ from shardc.planner.rowstats import BACKWARD_STATS, ROW_FNS, STATS
 from shardc.spec.functions import signature
 from shardc.spec.ir import TensorRef
 
-__all__ = ["over_of", "check_row_step", "SHAPE_ONLY", "ROW_FNS", "STATS", "BACKWARD_STATS", "is_row_node",
+__all__ = ["over_of", "check_row_step", "ROW_FNS", "STATS", "BACKWARD_STATS", "is_row_node",
            "plan_rows", "by_index",
            "in_order", "frame_of", "Layouts", "stats_cost", "choose", "candidates", "record"]
 
@@ -212,10 +212,11 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
 
 
 def local_map(phase: Phase, fn: str, dst: str, value: Value, operands: tuple[tuple[str, Value], ...],
-              over: str) -> None:
-    """One local row map; its ``dim`` is I's position in its frame (:func:`frame_of`)."""
+              over: str, shapes: tuple[tuple[str, Value], ...] = ()) -> None:
+    """One local row map; its ``dim`` is I's position in its frame (:func:`frame_of`); ``shapes``
+    are read for their shape only (:class:`Step`)."""
     step = Step(Op.ELEMENTWISE, dst, phase.ref(dst, value), operands=tuple(phase.ref(n, v) for n, v in operands),
-                fn=fn)
+                fn=fn, shapes=tuple(phase.ref(n, v) for n, v in shapes))
     frame = frame_of(step)
     phase.emit(replace(step, dim=frame.index(over) if over in frame else None), value)
 
@@ -223,7 +224,7 @@ def local_map(phase: Phase, fn: str, dst: str, value: Value, operands: tuple[tup
 def all_reduce(phase: Phase, name: str, value: Value, axes: tuple[str, ...], combine: str) -> Value:
     """One AllReduce of a statistic (partial over ``axes``); ``combine`` "max" takes the maximum."""
     done = Value(value.layout, tuple(a for a in value.unreduced if a not in axes))
-    volume = phase.ctx.local_bytes(phase.indices[name], value)
+    volume = phase.ctx.local_bytes(phase.indices[name], value, phase.ctx.nbytes(name))
     phase.emit(Step(Op.ALL_REDUCE, name, phase.ref(name, done), phase.ref(name, value), axes,
                     fn="max" if combine == "max" else None, volume=volume,
                     note="row statistic"), done)
@@ -278,13 +279,10 @@ def emit_forward(phase: Phase, node: Node, option: Layouts) -> None:
                             fix="this is a shardc bug: please report the spec")
 
 
-# Row steps whose last operand is read for its shape only (the length of I, of the vocabulary).
-SHAPE_ONLY = frozenset({"sum_vjp", "mean_vjp", "embed_vjp"})
-
-
 def check_row_step(step: Step) -> list[str]:
-    """Why a local row step is invalid: its operands must shard each index as its frame does."""
-    operands = step.operands[:-1] if step.fn in SHAPE_ONLY else step.operands
+    """Why a local row step is invalid: its operands must shard each index as its frame does
+    (what it reads for the shape only, :attr:`Step.shapes`, may be sharded any way)."""
+    operands = step.operands
     if step.fn in ("embed", "embed_vjp"):
         tok, other = operands
         table = other if step.fn == "embed" else step.dst

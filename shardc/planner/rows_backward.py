@@ -160,7 +160,7 @@ def _emit(bw: _Backward, node: Node, grad: str, option: Layouts, dst: str) -> No
         sums.append((name, statistic(phase, "row_meandot", name, rows_value, option.axes, reads[:2], over, "sum")))
         local_map(phase, f"{fn}_vjp", dst, option.local, (*reads, *sums), over)
     elif fn in ("sum", "mean"):  # dS spread along I: the input as declared is read for I's length only
-        local_map(phase, f"{fn}_vjp", dst, option.local, (*reads, (x, Value.of(bw.declared[x]))), over)
+        local_map(phase, f"{fn}_vjp", dst, option.local, reads, over, shapes=((x, Value.of(bw.declared[x])),))
     else:
         local_map(phase, f"{fn}_vjp", dst, option.local, reads, over)
 

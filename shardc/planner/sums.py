@@ -60,9 +60,9 @@ def plan_add(phase: Phase, node: Node, declared: dict[str, TensorRef], target: V
                           "but no term of the sum is", node.statement.span,
                           fix="drop the {U_...} suffix, or make a term partial over those axes")
     # Layers repeat: the same sum (up to names) is searched once a phase.
-    weights = phase.ctx.weights
-    key = ("add", tuple((idx, sources, name in weights) for name, idx, sources in terms), node.indices, target,
-           node.partial, node.result in weights, phase.sized)
+    kind = phase.ctx.kind  # weight or not, element bytes: what a tensor's moves cost
+    key = ("add", tuple((idx, sources, kind(name)) for name, idx, sources in terms), node.indices, target,
+           node.partial, kind(node.result), phase.sized)
     best = phase.sums.get(key)
     if best is None:
         best = phase.sums[key] = _search(phase, node, terms, target)

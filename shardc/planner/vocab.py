@@ -215,8 +215,8 @@ def embed_backward(bw: _Backward, node: Node, grad: str) -> None:
     phase.moves(tok, _move(phase, tok, t)[1], note="residual for the lookup's gradient")  # type: ignore[index]
     phase.moves(grad, _move(phase, grad, d_local)[1])  # type: ignore[index]
     phase.emit(Step(Op.ELEMENTWISE, dst, phase.ref(dst, best.result),
-                    operands=(phase.ref(tok, t), phase.ref(grad, d_local),
-                              phase.ref(table, Value.of(bw.declared[table]))),  # for its shape only
+                    operands=(phase.ref(tok, t), phase.ref(grad, d_local)),
+                    shapes=(phase.ref(table, Value.of(bw.declared[table])),),  # the table's rows: no data
                     fn="embed_vjp"), best.result)
     if bw.count.get(table, 0) > 1:
         bw.parts.setdefault(table, []).append((dst, best.result))

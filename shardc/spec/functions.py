@@ -39,7 +39,8 @@ import zlib
 from dataclasses import dataclass
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args", "dropout_salt", "route_fn", "is_route_fn", "parse_route"]
+           "is_elementwise", "integer_args", "dropout_salt", "route_fn", "is_route_fn", "parse_route",
+           "ID_DTYPE", "ID_BYTES", "MASK_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,13 @@ def is_known(name: str) -> bool:
 def is_elementwise(name: str) -> bool:
     """Whether ``name`` applies to each element alone (so its result keeps the argument's sharding)."""
     return name in ELEMENTWISE
+
+
+# Token ids are int32 whatever the spec's dtype: the lowered module feeds them so, and plan,
+# cost and memory count their bytes so (:func:`shardc.spec.validate.element_bytes`).
+ID_DTYPE = "int32"
+ID_BYTES = 4
+MASK_BYTES = 1  # a dropout keep-mask element: one byte (a bool)
 
 
 def integer_args(name: str) -> tuple[int, ...]:

@@ -37,11 +37,11 @@ from collections.abc import Callable, Iterator
 
 from shardc.errors import ShardcError, Span
 from shardc.pipeline.stages import check_pipeline
-from shardc.spec.functions import integer_args, is_known, known_list, signature
+from shardc.spec.functions import ID_BYTES, integer_args, is_known, known_list, signature
 from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 
-__all__ = ["validate", "leaves", "calls", "id_refs", "chain_indices", "renamed_indices", "dropout_number",
-           "route_slots"]
+__all__ = ["validate", "leaves", "calls", "id_refs", "id_names", "id_vocabulary", "element_bytes",
+           "chain_indices", "renamed_indices", "dropout_number", "route_slots"]
 
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
@@ -121,11 +121,48 @@ def dropout_number(statement: Statement, call: Call) -> int:
 def id_refs(expr: Expr) -> Iterator[TensorRef]:
     """The token-id tensors of an expression (embed's ids, cross_entropy's targets): no gradient."""
     for call in calls(expr):
-        if is_known(call.func):
-            for k in integer_args(call.func):
-                arg = call.args[k] if k < len(call.args) else None
-                if isinstance(arg, TensorRef):
-                    yield arg
+        for _, ref in _call_ids(call):
+            yield ref
+
+
+def _call_ids(call: Call) -> Iterator[tuple[int, TensorRef]]:
+    """(argument number, reference) of each token-id argument of one call."""
+    if is_known(call.func):
+        for k in integer_args(call.func):
+            arg = call.args[k] if k < len(call.args) else None
+            if isinstance(arg, TensorRef):
+                yield k, arg
+
+
+def id_vocabulary(spec: Spec) -> dict[str, str]:
+    """Every tensor holding token ids -> the vocabulary index its ids pick from: those embed (the
+    table's first index) and cross_entropy (the index of the logits the ids lack) read, and what a
+    copy of one reads (``Tok2[B, S] = Tok[B_X, S]`` moves ids, so Tok holds ids too)."""
+    found: dict[str, str] = {}
+    for statement in spec.statements:
+        for call in calls(statement.expr):
+            for k, ids in _call_ids(call):
+                other = chain_indices(call.args[1 - k], ()) if len(call.args) == 2 else ()
+                embed = signature(call.func).kind == "embed"
+                vocab = other[:1] if embed else tuple(i for i in other if i not in ids.indices)
+                found.setdefault(ids.name, vocab[0] if vocab else "")
+    for statement in reversed(spec.statements):  # a copy is defined before what reads it
+        source = statement.expr
+        if statement.result.name in found and isinstance(source, TensorRef):
+            found.setdefault(source.name, found[statement.result.name])
+    return found
+
+
+def id_names(spec: Spec) -> frozenset[str]:
+    """Every tensor holding token ids (:func:`id_vocabulary`): integers, without a gradient."""
+    return frozenset(id_vocabulary(spec))
+
+
+def element_bytes(spec: Spec) -> dict[str, int]:
+    """Bytes an element of each tensor whose elements are not of the spec's dtype: the token ids
+    (int32).  The one place this is decided: the planner's volumes, the costs, memory and the HLO
+    check all read it (:meth:`shardc.planner.ir.Plan.nbytes`)."""
+    return dict.fromkeys(sorted(id_names(spec)), ID_BYTES)
 
 
 # --- header ---------------------------------------------------------------------------
@@ -272,7 +309,7 @@ def _check_feed(spec: Spec) -> None:
     every = [r for s in spec.statements for r in leaves(s.expr)]
     read = [r for s in block for r in leaves(s.expr)]
     params = set(spec.params) if spec.params is not None else {r.name for r in every if r.name.startswith("W")}
-    ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
+    ids = id_names(spec)
     skip = defined | params | set(spec.const) | ids
     inputs = list({r.name: r for r in read if r.name not in skip}.values())
     names = {r.name for r in read}
