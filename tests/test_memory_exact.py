@@ -20,7 +20,7 @@ from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan
 from shardc.planner.render import render_text, to_json
 from shardc.spec.functions import ID_BYTES, ID_DTYPE
-from shardc.spec.ir import Spec
+from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import element_bytes, id_names, id_vocabulary
 from shardc.testing import specs
 from shardc.timing import plan_sizes, step_volume
@@ -123,13 +123,24 @@ Out[B_X, S, D] = O[B_X, S, N_Y, H] · W_o[N_Y, H, D]
 """
 
 
+def _aliases(p: Plan, ref: TensorRef) -> set[TensorRef]:
+    """``ref`` and every forward value an alias step (a rename) makes the same array."""
+    same = {ref}
+    for _ in range(3):
+        for step in p.forward:
+            if step.fn == "alias" and (step.dst in same or step.operands[0] in same):
+                same |= {step.dst, step.operands[0]}
+    return same
+
+
 def _check_whys(p: Plan) -> None:
     """Each why names a step that reads the value for its data, and the forward step that moved it."""
     for ref, why in residual_table(p):
         read = re.search(r"read by (backward step (\d+)|the recomputed forward): (.*)$", why)
         assert read is not None, why
         steps = p.backward[int(read.group(2)) - 1:int(read.group(2))] if read.group(2) else p.recomputed
-        assert any(ref in (*s.operands, *((s.src,) if s.src else ())) for s in steps), why
+        same = _aliases(p, ref)  # a rename's reads are its source's (memory counts the array once)
+        assert any(r in same for s in steps for r in (*s.operands, *((s.src,) if s.src else ()))), why
         made = re.search(r"made by forward step (\d+) \((\w+)_", why)
         if made is not None:
             step = p.forward[int(made.group(1)) - 1]

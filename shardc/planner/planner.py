@@ -307,11 +307,25 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef], sp
             while nodes[end].chain:
                 end += 1
             choose_chain(phase, nodes[k:end + 1], declared)
+        if once and k not in once and (k == 0 or k - 1 in once):
+            _enter_block(phase, nodes[k:], once, k, declared)
         start = len(phase.steps)
         _plan_node(phase, node, declared)
         if k in once:
             phase.mark_once(start)
         k += 1
+
+
+def _enter_block(phase: Phase, rest: list[Node], once: frozenset[int], k: int,
+                 declared: dict[str, TensorRef]) -> None:
+    """A ``layers`` block's every layer reads its inputs as the previous layer feeds them: in their
+    declared sharding, never a value made before the block (the embedding's partial sums, say)."""
+    made_inside = {n.result for j, n in enumerate(rest, start=k) if j not in once}
+    for node in (n for j, n in enumerate(rest, start=k) if j not in once):
+        for name in node.operands:
+            ref = declared.get(name)
+            if name not in made_inside and ref is not None and name in phase.held:
+                phase.held[name] = [Value.of(ref)]
 
 
 def once_nodes(spec: Spec, graph: Graph) -> frozenset[int]:

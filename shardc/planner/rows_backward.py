@@ -12,9 +12,11 @@ With I the reduced index, rows every other index, and each row on its own:
 Where I is sharded over axes A, the row sums above are local partial sums
 all-reduced over A (one AllReduce of rows x 1 each), or I is gathered first:
 the same candidates and the same objective as the forward
-(:mod:`shardc.planner.rows`).  The forward's statistics (``ms``, ``mean``, ``var``) are
-read as the forward made them: they are rows x 1, and kept under every residual
-policy, as fused norm kernels keep them.
+(:mod:`shardc.planner.rows`).  A norm's backward reads its input X, and makes its
+statistics and Y again from it (the same maps and AllReduces as the forward, counted
+in the backward): the layer keeps a norm's input and nothing of its own, as
+Korthikanti et al. 2022 count it (2sbh a layernorm), and the recomputed statistics are
+rows x 1.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _reads(node: Node, grad: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if fn == "softmax":
         return (node.result, grad), ()
     if fn in ("rmsnorm", "layernorm"):
-        return (node.result, grad), node.aux
+        return (x, grad), ()
     if fn in ("logsumexp", "max"):
         return (x,), (node.result, grad)
     return (), (grad,)
@@ -111,10 +113,6 @@ def rows_backward(bw: _Backward, node: Node, grad: str) -> None:
     if x not in bw.needs:
         return
     phase = bw.phase
-    for name in node.aux:  # the forward's statistics are kept (rows x 1 each)
-        for value in bw.forward.held.get(name, []):
-            if (name, value) in bw.forward.made and not value.unreduced:
-                phase.hold(name, value)
     dst = bw.part_name(x)
     options = [o for v in _candidates(bw, node, grad) if (o := _option(bw, node, grad, v, dst)) is not None]
     stats = BACKWARD_STATS[node.fn or ""]
@@ -152,6 +150,8 @@ def _emit(bw: _Backward, node: Node, grad: str, option: Layouts, dst: str) -> No
         total = statistic(phase, "row_dot", name, rows_value, option.axes, reads[:2], over, "sum")
         local_map(phase, "softmax_vjp_apply", dst, option.local, (*reads, (name, total)), over)
     elif fn in ("rmsnorm", "layernorm"):
+        again, stats = _norm_again(bw, node, reads[0], option, rows_value, row_idx)
+        reads = (again, reads[1], *stats)
         sums: list[tuple[str, Value]] = []
         if fn == "layernorm":
             name = _stat_name(bw, grad, "mean", row_idx)
@@ -163,6 +163,26 @@ def _emit(bw: _Backward, node: Node, grad: str, option: Layouts, dst: str) -> No
         local_map(phase, f"{fn}_vjp", dst, option.local, reads, over, shapes=((x, Value.of(bw.declared[x])),))
     else:
         local_map(phase, f"{fn}_vjp", dst, option.local, reads, over)
+
+
+def _norm_again(bw: _Backward, node: Node, x: tuple[str, Value], option: Layouts, rows_value: Value,
+                row_idx: tuple[str, ...]) -> tuple[tuple[str, Value], tuple[tuple[str, Value], ...]]:
+    """A norm's statistics and output made again from its input, in the backward's layout
+    (under names of their own: the forward's values are not the backward's to remake)."""
+    phase, over = bw.phase, over_of(node)
+    first = _stat_name(bw, node.result, "mean" if node.fn == "layernorm" else "ms", row_idx)
+    stats: tuple[tuple[str, Value], ...]
+    if node.fn == "rmsnorm":
+        stats = ((first, statistic(phase, "row_meansq", first, rows_value, option.axes, (x,), over, "sum")),)
+    else:
+        mu = statistic(phase, "row_mean", first, rows_value, option.axes, (x,), over, "sum")
+        second = _stat_name(bw, node.result, "var", row_idx)
+        var = statistic(phase, "row_meandev", second, rows_value, option.axes, (x, (first, mu)), over, "sum")
+        stats = ((first, mu), (second, var))
+    name = _stat_name(bw, node.result, "again", phase.indices[node.result])
+    y = in_order(phase.indices[name], by_index(phase.indices[x[0]], option.local.layout))  # the result's order
+    local_map(phase, f"{node.fn}_apply", name, y, (x, *stats), over)
+    return (name, y), stats
 
 
 def _stat_name(bw: _Backward, grad: str, suffix: str, rows: tuple[str, ...]) -> str:

@@ -18,7 +18,8 @@ STATS: dict[str, tuple[tuple[str, str], ...]] = {
     "mean": (),
 }
 # Per function, how many row sums its backward all-reduces when I is sharded.
-BACKWARD_STATS = {"softmax": 1, "rmsnorm": 1, "layernorm": 2, "logsumexp": 0, "max": 0, "sum": 0, "mean": 0}
+# (A norm makes its statistics again from its input first: rmsnorm 1 + 1, layernorm 2 + 2.)
+BACKWARD_STATS = {"softmax": 1, "rmsnorm": 2, "layernorm": 4, "logsumexp": 0, "max": 0, "sum": 0, "mean": 0}
 # The local maps the steps use: forward, finishing maps and gradients.
 ROW_FNS = frozenset({
     "softmax", "logsumexp", "row_max", "row_dot", "row_sumexp", "row_sum", "row_mean", "row_meansq", "row_meandev",
