@@ -13,12 +13,13 @@ from shardc.costmodel.report import CostReport
 from shardc.planner.ir import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SPECS = Path(__file__).resolve().parent / "specs"  # regression fixtures: LLaMA-2 13B's projections alone
 LLAMA = {"B": 2_998_272, "D": 5120, "F": 13824, "N": 40, "H": 128}
 
 
 @cache
 def plan_of(name: str, save: str = "default") -> Plan:
-    path = EXAMPLES / f"{name}.shard"
+    path = next(p for p in (EXAMPLES / f"{name}.shard", SPECS / f"{name}.shard") if p.exists())
     return shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), str(path)), save=save)
 
 
@@ -132,7 +133,7 @@ def test_llama2_13b_on_4096_chips() -> None:
 
 def test_llama2_13b_fsdp_tp_on_a_physical_torus_mesh() -> None:
     # the same block with X written as three torus axes X, Z, S (no spans guessed): compute-bound
-    text = (EXAMPLES / "llama2_13b_fsdp_tp.shard").read_text(encoding="utf-8")
+    text = (SPECS / "llama2_13b_fsdp_tp.shard").read_text(encoding="utf-8")
     text = text.replace("mesh X=1024, Y=4", "mesh X=16, Z=16, S=4, Y=4").replace("_X,", "_XZS,")
     text = text.replace("_X]", "_XZS]")
     text = "\n".join(line for line in text.splitlines() if not line.startswith("dims"))

@@ -103,7 +103,7 @@ def test_reshard_on_a_torus_is_costed_with_its_spans() -> None:
 
 def test_llama2_13b_fsdp_is_planned_on_the_costs_model() -> None:
     """Issue 9 item 7: cost reported 0.289 s for the fixed-model plan of this example."""
-    p = shardc.plan(shardc.parse((EXAMPLES / "llama2_13b_fsdp.shard").read_text()))
+    p = shardc.plan(shardc.parse((Path(__file__).resolve().parent / "specs" / "llama2_13b_fsdp.shard").read_text()))
     assert reported(p) < 0.22
     for strategy in ("search", "rules"):
         assert reported(p) <= reported(shardc.plan(p.spec, strategy=strategy)) * (1 + 1e-9)

@@ -111,7 +111,8 @@ class _Backward:
         indices = dict(forward.indices)
         indices.update({grad: graph.indices[name] for name, grad in graph.grads.items()})
         ahead = frozenset(graph.params) | frozenset(graph.grads[p] for p in graph.params)
-        self.phase = Phase("backward", forward.ctx, indices, forward.sized, ahead, trace=forward.trace)
+        self.phase = Phase("backward", forward.ctx, indices, forward.sized, ahead, trace=forward.trace,
+                           aliases={k: list(v) for k, v in forward.aliases.items()})  # renames stay one array
         for name, ref in declared.items():
             self.phase.hold(name, Value.of(ref))
         for name, values in forward.held.items():
