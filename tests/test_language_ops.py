@@ -97,3 +97,19 @@ def test_layers_outputs_feed_inputs() -> None:
     with pytest.raises(ShardcError, match="no output has the indices"):
         parse("mesh X=2\nlayers 4\nH[B_X, F] = In[B_X, D] · W_in[D, F]\n")
     parse("mesh X=2\nconst In\nlayers 4\nH[B_X, F] = In[B_X, D] · W_in[D, F]\n")  # every layer reads In
+
+
+def test_a_sum_of_products_may_stay_partial() -> None:
+    """`{U_Y}` on a sum whose terms contract over Y: the partial products add, nothing is reduced
+    (a reduced term is added on one coordinate of Y only, so the sum counts it once)."""
+    import shardc
+    from shardc.lowering.verify import verify
+
+    for text in ("O[B, D]{U_Y} = A[B, F_Y] · W1[F_Y, D] + C[B, G_Y] · W2[G_Y, D]",
+                 "O[B, D]{U_Y} = A[B, F_Y] · W1[F_Y, D] + X[B, D]"):
+        spec = parse("mesh Y=2\ndims B=8, F=4, G=6, D=4\n" + text + "\n")
+        plan = shardc.plan(spec)
+        assert not [s for s in plan.forward if s.is_collective]
+        assert verify(plan).ok
+    with pytest.raises(ShardcError, match="nothing is summed"):
+        parse("mesh Y=2\nO[B, D]{U_Y} = A[B, D] + X[B, D]\n")

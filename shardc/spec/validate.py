@@ -664,13 +664,7 @@ def _check_partial_sums(statement: Statement) -> None:
     result, expr = statement.result, statement.expr
     reads = list(leaves(expr))
     inherited = {a for ref in reads for a in ref.unreduced}
-    counts: dict[str, int] = {}
-    for ref in reads:
-        for index in ref.indices:
-            counts[index] = counts.get(index, 0) + 1
-    contracted = isinstance(expr, Contract) and any(
-        n > 1 and i not in result.indices for i, n in counts.items())
-    contracted = contracted or isinstance(expr, Call) and expr.func in LINEAR_REDUCTIONS  # a sum over an index
+    contracted = _sums(expr, result.indices)
     for axis in result.unreduced:
         if axis not in inherited and not contracted:
             raise ShardcError(f"{result.name} is unreduced over {axis}, but nothing is summed to make "
@@ -678,6 +672,22 @@ def _check_partial_sums(statement: Statement) -> None:
                               fix=f"drop {axis} from the {{U_...}} suffix: only a contraction (an index in "
                               "two operands and not in the result) or a partial-sum operand leaves partial "
                               "sums")
+
+
+def _sums(expr: Expr, kept: tuple[str, ...]) -> bool:
+    """Whether ``expr`` sums over an index (a contraction, ``sum``/``mean``, or a term of ``+``
+    that does): its result may then be left as partial sums."""
+    if isinstance(expr, Add):
+        return any(_sums(t, chain_indices(t, kept)) for t in expr.terms)
+    if isinstance(expr, Call):
+        return expr.func in LINEAR_REDUCTIONS
+    if isinstance(expr, TensorRef):
+        return False
+    counts: dict[str, int] = {}
+    for ref in leaves(expr):
+        for index in ref.indices:
+            counts[index] = counts.get(index, 0) + 1
+    return any(n > 1 and i not in kept for i, n in counts.items())
 
 
 def _check_summed(expr: Expr, needed: set[str], statement: Statement) -> None:
