@@ -182,3 +182,29 @@ def test_megatron_causal_self_attention_all_reduces_once_each_way() -> None:
               for steps in (plan.forward, plan.backward)]
     assert over_y == [["AllReduce_Y R"], ["AllReduce_Y dX_sum"]]  # the residual joins the partial sum; dX of
     _verified(plan)  # queries, keys, values and the residual added before one reduction
+
+
+def test_dropout_draws_its_masks_from_a_key() -> None:
+    """forward(inputs, key): another key, other masks; each equals the reference's under that key,
+    and so do the planned gradients and jax.grad through the module."""
+    import jax
+
+    from shardc.lowering.api import lower
+    from shardc.lowering.verify import reference_inputs
+
+    spec = shardc.parse("mesh X=2, Y=2\ndims B=8, D=16, F=32\nparam W\n"
+                        "H[B_X, F_Y] = dropout(In[B_X, D] · W[D, F_Y], 0.5)\n")
+    low = lower(shardc.plan(spec), sizes={"B": 8, "D": 16, "F": 32})
+    x = low.random_inputs(0, np.float32)
+    wide = reference_inputs(low, x)
+    by_key = {k: np.asarray(low.forward(x, k)["H"]) for k in (0, 7)}
+    for k, got in by_key.items():
+        np.testing.assert_allclose(got, reference.forward(spec, wide, key=k)["H"], atol=1e-5)
+    assert ((by_key[0] == 0) != (by_key[7] == 0)).mean() > 0.3  # other masks
+    cot = low.random_cotangents(1, np.float32)
+    grads = low.grad(x, cot, 7)
+    want = reference.backward(spec, wide, {low.module.cotangents[n]: v.astype(np.float64) for n, v in cot.items()},
+                              key=7)
+    np.testing.assert_allclose(np.asarray(grads[low.module.grads["W"]]), want["W"], atol=1e-5)
+    d = jax.grad(lambda w: (low.namespace.forward({"In": x["In"], "W": w}, 7)["H"] * cot["dH"]).sum())(x["W"])
+    np.testing.assert_allclose(np.asarray(d), want["W"], atol=1e-5)

@@ -42,14 +42,14 @@ class Lowered:
     def mesh(self) -> Any:
         return self.namespace.programs()[0]
 
-    def forward(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Every statement's result (global arrays keyed by tensor name)."""
-        return dict(self.namespace.forward(inputs))
+    def forward(self, inputs: dict[str, Any], key: int = 0) -> dict[str, Any]:
+        """Every statement's result (global arrays keyed by tensor name); ``key`` draws the dropout masks."""
+        return dict(self.namespace.forward(inputs, key))
 
-    def grad(self, inputs: dict[str, Any], cotangent: dict[str, Any]) -> dict[str, Any]:
+    def grad(self, inputs: dict[str, Any], cotangent: dict[str, Any], key: int = 0) -> dict[str, Any]:
         """The gradient of each input not declared ``const`` (keyed ``plan.grad_name(x)``, ``dX``),
-        from the outputs' cotangents (keyed by their gradient names, ``dOut``)."""
-        return dict(self.namespace.grad(inputs, cotangent))
+        from the outputs' cotangents (keyed by their gradient names, ``dOut``), under dropout ``key``."""
+        return dict(self.namespace.grad(inputs, cotangent, key))
 
     def optimizer_step(self, params: dict[str, Any], grads: dict[str, Any]) -> dict[str, Any]:
         """ZeRO-1/2's optimizer phase: the updated params, from the params and the gradients as the
@@ -96,6 +96,10 @@ class Lowered:
             args = [jax.ShapeDtypeStruct(self.global_shape(b.ref), ID_DTYPE if b.ref.name in ids else dtype,
                                          sharding=NamedSharding(mesh, _spec(self, b)))
                     for b in boundaries]
+            if phase == "forward" and self.namespace.KEYED:  # the dropout key, replicated
+                from jax.sharding import PartitionSpec
+
+                args.append(jax.ShapeDtypeStruct((), np.uint32, sharding=NamedSharding(mesh, PartitionSpec())))
             self._compiled[key] = program.lower(*args).compile().as_text()
         return str(self._compiled[key])
 

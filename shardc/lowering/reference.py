@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -173,12 +173,19 @@ class _Builder:
         self.labels[result.name] = result.indices
 
 
-def _nodes(spec: Spec) -> list[_Node]:
+def _nodes(spec: Spec, key: int = 0) -> list[_Node]:
     builder = _Builder()
     for s in spec.statements:
         builder.current = s
         builder.statement(s.result, s.expr)
+    if key:  # a dropout key draws other masks: the salts move as the lowered module's do
+        return [replace(n, salt=keyed_salt(n.salt, key)) if n.salt else n for n in builder.nodes]
     return builder.nodes
+
+
+def keyed_salt(salt: int, key: int) -> int:
+    """A dropout's salt under a key, as the lowered ``keep_mask`` mixes them (32-bit wrap)."""
+    return (salt + int(key) * 0x9E3779B9) % 2**32
 
 
 def _subscripts(labels: list[tuple[str, ...]], out: tuple[str, ...]) -> str:
@@ -299,16 +306,16 @@ def _route(node: _Node, gates: Array, shape: dict[str, int], xp: Any) -> Array:
 
 
 def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np,
-            sizes: dict[str, int] | None = None) -> dict[str, Array]:
+            sizes: dict[str, int] | None = None, key: int = 0) -> dict[str, Array]:
     """Every statement's result, by name, from the inputs and params (``sizes``: the dims no input
     has, such as a route's capacity)."""
-    values, _ = _run(_nodes(spec), inputs, xp, None, sizes)
+    values, _ = _run(_nodes(spec, key), inputs, xp, None, sizes)
     return {s.result.name: values[s.result.name] for s in spec.statements}
 
 
 def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
              xp: Any = np, given: dict[str, Array] | None = None,
-             sizes: dict[str, int] | None = None) -> dict[str, Array]:
+             sizes: dict[str, int] | None = None, key: int = 0) -> dict[str, Array]:
     """The gradient of every input and param, keyed by the input's name, given the
     cotangent of each output keyed by the output's name.
 
@@ -316,7 +323,7 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
     (:meth:`shardc.planner.ir.Plan.grad_name`), and this reference does not read the plan.
     ``given`` holds forward values already computed (by name), used in place of recomputing them.
     """
-    nodes = _nodes(spec)
+    nodes = _nodes(spec, key)
     values, shape = _run(nodes, inputs, xp, given, sizes)
     grads: dict[str, Array] = {}
 

@@ -133,15 +133,16 @@ def causal_mask(x, query, key, fill=-jnp.inf):
     return jnp.where(positions(x, *key) > positions(x, *query), fill, x)
 
 
-def keep_mask(x, salt, rate, dims, order):
+def keep_mask(x, salt, rate, dims, order, key=0):
     """Dropout's keep-mask for this device's block of ``x``: murmur3's 32-bit finaliser of each
-    element's global position (dims taken in ``order``; ``dims`` gives each dim's axes) plus ``salt``,
-    kept where it is at least ``rate`` * 2**32.  Every device draws its block of one global mask."""
+    element's global position (dims taken in ``order``; ``dims`` gives each dim's axes) plus ``salt``
+    and the dropout ``key`` (forward's argument: another key, other masks), kept where it is at
+    least ``rate`` * 2**32.  Every device draws its block of one global mask."""
     h = jnp.zeros(x.shape, jnp.uint32)
     for d in order:
         total = x.shape[d] * (jax.lax.axis_size(dims[d]) if dims[d] else 1)
         h = h * jnp.uint32(total) + positions(x, d, dims[d]).astype(jnp.uint32)
-    h = h + jnp.uint32(salt)
+    h = h + jnp.uint32(salt) + jnp.asarray(key, jnp.uint32) * jnp.uint32(0x9E3779B9)
     for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
         h = (h ^ (h >> shift)) * jnp.uint32(factor)
     h = h ^ (h >> 16)
@@ -154,7 +155,7 @@ _DRIVER = '''
 def programs():
     """The mesh and each phase as ``jit(shard_map(...))``, compiled on first call."""
     mesh = make_mesh()
-    fwd = jax.jit(jax.shard_map(forward_local, mesh=mesh, in_specs=tuple(FORWARD_IN.values()),
+    fwd = jax.jit(jax.shard_map(forward_local, mesh=mesh, in_specs=tuple(FORWARD_IN.values()) + (P(),) * KEYED,
                                 out_specs=tuple(FORWARD_OUT.values())))
     bwd = jax.jit(jax.shard_map(backward_local, mesh=mesh, in_specs=tuple(BACKWARD_IN.values()),
                                 out_specs=tuple(BACKWARD_OUT.values())))
@@ -172,10 +173,12 @@ def _put(x, spec, mesh):
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def run_forward(inputs):
-    """Every forward value leaving the shard_map: results and residuals (stacked when unreduced)."""
+def run_forward(inputs, key=0):
+    """Every forward value leaving the shard_map: results and residuals (stacked when unreduced);
+    ``key`` draws the dropout masks (a uint32; one per step gives each step its own masks)."""
     mesh, fwd, _ = programs()
-    args = [_put(inputs[key], spec, mesh) for key, spec in FORWARD_IN.items()]
+    args = [_put(inputs[name], spec, mesh) for name, spec in FORWARD_IN.items()]
+    args += [jnp.asarray(key, jnp.uint32)] * KEYED
     return dict(zip(FORWARD_OUT, fwd(*args)))
 
 
@@ -193,17 +196,18 @@ def _results(saved):
 
 
 @jax.custom_vjp
-def forward(inputs):
-    """Every statement's result, as global arrays keyed by tensor name."""
-    return _results(run_forward(inputs))
+def forward(inputs, key=0):
+    """Every statement's result, as global arrays keyed by tensor name (``key``: the dropout key)."""
+    return _results(run_forward(inputs, key))
 
 
-def _forward_fwd(inputs):
+def _forward_fwd(inputs, key=0):
     values = {{name: x.value for name, x in inputs.items()}}
+    key = getattr(key, "value", key)
     # residuals must be arrays: which inputs want a gradient travels as pytree structure
     wanted = {{name: () for name, x in inputs.items() if x.perturbed}}
-    saved = run_forward(values)
-    return _results(saved), (values, saved, wanted)
+    saved = run_forward(values, key)
+    return _results(saved), (values, saved, wanted, key)
 
 
 def _forward_bwd(residuals, cotangent):
@@ -213,7 +217,7 @@ def _forward_bwd(residuals, cotangent):
     (not planned, not costed): cotangents of results a later statement reads, and
     gradients of const inputs, should they be asked for.  Neither runs unless needed.
     """
-    inputs, saved, wanted = residuals
+    inputs, saved, wanted, key = residuals
     results = _results(saved)
     given = {{out: c for out, c in cotangent.items() if not isinstance(c, SymbolicZero)}}
     outs = {{name: given.get(out, jnp.zeros_like(results[out])) for name, out in COTANGENTS.items()}}
@@ -222,7 +226,7 @@ def _forward_bwd(residuals, cotangent):
     inner = {{out: c for out, c in given.items() if out not in COTANGENTS.values()}}
     unplanned = [name for name in wanted if name not in GRADS]
     if inner or unplanned:
-        _, transpose = jax.vjp(lambda i: _results(run_forward(i)), inputs)
+        _, transpose = jax.vjp(lambda i: _results(run_forward(i, key)), inputs)
         if inner:
             (extra,) = transpose({{out: inner.get(out, jnp.zeros_like(r)) for out, r in results.items()}})
             grads = {{name: extra[name] if g is None else _plus(g, extra[name]) for name, g in grads.items()}}
@@ -232,7 +236,7 @@ def _forward_bwd(residuals, cotangent):
     for name in STACKED_INPUTS:  # a sum's gradient is the same for each of its partial sums
         if grads.get(name) is not None and grads[name].shape != inputs[name].shape:
             grads[name] = jnp.broadcast_to(grads[name], inputs[name].shape)
-    return ({{name: grads[name] if name in wanted else None for name in inputs}},)
+    return ({{name: grads[name] if name in wanted else None for name in inputs}}, None)
 
 
 def _plus(a, b):
@@ -244,12 +248,12 @@ def _plus(a, b):
 forward.defvjp(_forward_fwd, _forward_bwd, symbolic_zeros=True)
 
 
-def grad(inputs, cotangent):
+def grad(inputs, cotangent, key=0):
     """The planned gradients (keyed as GRADS names them) of every input not declared const;
     ``cotangent`` keyed by the outputs' gradient names (COTANGENTS) or by the outputs."""
     cot = {{name: cotangent[name] if name in cotangent else cotangent[out]
            for name, out in COTANGENTS.items()}}
-    return run_backward(inputs, run_forward(inputs), cot)
+    return run_backward(inputs, run_forward(inputs, key), cot)
 '''
 
 _MAIN = '''
@@ -276,8 +280,8 @@ def _specs(name: str, boundaries: tuple[object, ...]) -> str:
     return f"{name} = {{\n" + "\n".join(rows) + "\n}\n"
 
 
-def _function(phase: Phase) -> str:
-    params = ", ".join(b.var for b in phase.inputs)
+def _function(phase: Phase, keyed: bool = False) -> str:
+    params = ", ".join([b.var for b in phase.inputs] + ["dropout_key"] * keyed)
     lines = [f"def {phase.name}_local({params}):",
              f'    """The {phase.name} on one device: local blocks in, local blocks out."""']
     for b in phase.inputs:
@@ -321,8 +325,10 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
     stacked = sorted(b.key for b in forward.outputs if b.stacked)
     text += f"STACKED = frozenset({stacked!r})  # unreduced values: leading dim = partial sums\n"
     stacked_in = {b.key: b.ref.unreduced for b in forward.inputs if b.stacked}
-    text += f"STACKED_INPUTS = {stacked_in!r}  # inputs given as partial sums over these axes\n\n\n"
-    text += _function(forward)
+    text += f"STACKED_INPUTS = {stacked_in!r}  # inputs given as partial sums over these axes\n"
+    keyed = any((s.fn or "").startswith("dropout_mask") for s in plan.forward)
+    text += f"KEYED = {keyed!r}  # the forward takes a dropout key (forward(inputs, key))\n\n\n"
+    text += _function(forward, keyed)
     text += "\n\n# ---- backward " + "-" * 59 + "\n\n" + _specs("BACKWARD_IN", backward.inputs)
     text += _specs("BACKWARD_OUT", backward.outputs)
     text += f"COTANGENTS = {cotangents!r}  # an output's gradient name -> the output\n"
