@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 __all__ = ["render", "render_optimizer", "comment", "GLOBALS"]
 
 # Every module-level name of a generated module (tests check the list is complete): a
-# tensor's variable never takes one of these, so no phase function shadows what it reads.
+# tensor's variable never takes one of these, so no phase function shadows what it reads (the
+# forward's `dropout_key` parameter is listed too).
 GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "AxisType", "NamedSharding",
            "P", "MESH_AXES", "make_mesh", "shard_slice", "gather_dims", "FORWARD_IN", "FORWARD_OUT", "RESULTS",
-           "STACKED",
+           "STACKED", "KEYED", "dropout_key",
            "STACKED_INPUTS", "forward_local", "BACKWARD_IN", "BACKWARD_OUT", "COTANGENTS", "GRADS",
            "backward_local", "programs", "_put", "run_forward", "run_backward", "_results", "forward",
            "_forward_fwd", "_forward_bwd", "_plus", "grad", "DIMS", "INPUT_DIMS", "main", "inputs",
