@@ -178,6 +178,14 @@ class _Backward:
     def _text(self, name: str) -> str:
         return self.phase.text(name, self.phase.held[name][0])
 
+    def settle(self, primal: str, dst: str, value: Value) -> None:
+        """A contribution ``dst`` to ``primal``'s gradient, made as ``value``: kept as made to be
+        summed when there are several, else moved to the primal's sharding."""
+        if self.count.get(primal, 0) > 1:
+            self.parts.setdefault(primal, []).append((dst, value))
+        elif value != self.target(primal):
+            self._move(dst, value, self.target(primal))
+
     def _move(self, name: str, src: Value, dst: Value) -> None:
         _, moves = reshard(self.phase.ctx, name, self.phase.indices[name], (src,), dst)
         self.phase.moves(name, moves)
@@ -287,10 +295,7 @@ class _Backward:
         dst = self.part_name(primal)
         self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, value),
                              operands=(self.phase.ref(grad, value),), fn=ALIAS), value)
-        if self.count.get(primal, 0) > 1:
-            self.parts.setdefault(primal, []).append((dst, value))
-        elif value != self.target(primal):
-            self._move(dst, value, self.target(primal))
+        self.settle(primal, dst, value)
 
     def masked(self, node: Node, grad: str) -> None:
         """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
@@ -307,10 +312,7 @@ class _Backward:
         dst = self.part_name(z)
         self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=operands,
                              fn=vjp_fn(node)), want)
-        if self.count.get(z, 0) > 1:
-            self.parts.setdefault(z, []).append((dst, want))
-        elif want != self.target(z):
-            self._move(dst, want, self.target(z))
+        self.settle(z, dst, want)
 
     def elementwise(self, node: Node, grad: str) -> None:
         (z,) = node.operands
@@ -329,10 +331,7 @@ class _Backward:
             self.phase.moves(z, moves, note="residual for the elementwise gradient")
             self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want),
                                  operands=(self.phase.ref(z, want), cotangent), fn=f"{node.fn}_vjp"))
-        if self.count.get(z, 0) > 1:
-            self.parts.setdefault(z, []).append((dst, want))
-        elif want != self.target(z):
-            self._move(dst, want, self.target(z))
+        self.settle(z, dst, want)
 
 
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,

@@ -142,18 +142,22 @@ class _Builder:
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
                               fix="write the layer with einsums and elementwise functions for now")
         if isinstance(e, Call):
-            if isinstance(e.arg, TensorRef):
-                arg = self.leaf(e.arg)
-            else:
-                # f(A · B): the contraction makes a reduced pre-activation in the result's layout
-                arg = self.fresh(name)
-                self.indices[arg] = indices
-                pre = None if target is None else TensorRef(arg, target.dims)
-                self.expr(e.arg, arg, indices, pre)
+            # f(A · B): the contraction makes a reduced pre-activation in the result's layout
+            arg = self.argument(e.arg, name, indices, target)
             self.indices[name] = indices
             self.nodes.append(Node("elementwise", name, indices, (arg,), target, self.current, fn=e.func))
             return name
         return self.contract(e, name, indices, target)
+
+    def argument(self, e: Expr, name: str, indices: tuple[str, ...], target: TensorRef | None = None) -> str:
+        """A call's argument: a tensor read as it is, else a fresh intermediate of ``name`` computed
+        towards ``indices`` (in ``target``'s layout when given: f(A · B) makes A · B where f's result is)."""
+        if isinstance(e, TensorRef):
+            return self.leaf(e)
+        arg = self.fresh(name)
+        self.indices[arg] = indices
+        self.expr(e, arg, indices, None if target is None else TensorRef(arg, target.dims))
+        return arg
 
     def add(self, e: Add, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """``A ± B ± ...``: one "add" node; a term that is a product may stay partial sums."""
@@ -179,12 +183,7 @@ class _Builder:
 
     def layer_call(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """``dropout(X, rate)`` and ``causal(Sc, S, T)``: elementwise, the call kept on the node."""
-        if isinstance(e.arg, TensorRef):
-            arg = self.leaf(e.arg)
-        else:
-            arg = self.fresh(name)
-            self.indices[arg] = indices
-            self.expr(e.arg, arg, indices, None if target is None else TensorRef(arg, target.dims))
+        arg = self.argument(e.arg, name, indices, target)
         self.indices[name] = indices
         aux: tuple[str, ...] = ()
         if e.func == "dropout":
@@ -198,13 +197,8 @@ class _Builder:
     def rows(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """A reduction over ``e.over`` (shardc.planner.rows plans it): its argument, then one node."""
         assert e.over is not None
-        if isinstance(e.arg, TensorRef):
-            arg = self.leaf(e.arg)
-        else:  # its argument is computed towards the result's indices (and the reduced one)
-            arg = self.fresh(name)
-            arg_idx = indices if e.over in indices else indices + (e.over,)
-            self.indices[arg] = arg_idx
-            self.expr(e.arg, arg, arg_idx, None)
+        # its argument is computed towards the result's indices (and the reduced one)
+        arg = self.argument(e.arg, name, indices if e.over in indices else indices + (e.over,))
         rows = tuple(i for i in self.indices[arg] if i != e.over)
         aux = tuple(fresh(base, self.names) for base in stat_names(e.func, name))
         self.indices.update({a: rows for a in aux})
@@ -215,26 +209,15 @@ class _Builder:
     def route(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """``route(Gate, S, C, k over E)`` (shardc.planner.route plans it): a 0/1 mask, no gradient."""
         slots = e.names[1]
-        if isinstance(e.arg, TensorRef):
-            arg = self.leaf(e.arg)
-        else:  # the gates are computed towards the mask's indices less the capacity one
-            arg = self.fresh(name)
-            self.indices[arg] = tuple(i for i in indices if i != slots)
-            self.expr(e.arg, arg, self.indices[arg], None)
+        # the gates are computed towards the mask's indices less the capacity one
+        arg = self.argument(e.arg, name, tuple(i for i in indices if i != slots))
         self.indices[name] = indices
         self.nodes.append(Node("route", name, indices, (arg,), target, self.current, fn=e.func, call=e))
         return name
 
     def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """``embed`` or ``cross_entropy`` (shardc.planner.vocab plans them); its token ids get no gradient."""
-        args = []
-        for arg in e.args:
-            if isinstance(arg, TensorRef):
-                args.append(self.leaf(arg))
-                continue
-            inner = self.fresh(name)
-            self.indices[inner] = chain_indices(arg, ())
-            args.append(self.expr(arg, inner, self.indices[inner], None))
+        args = [self.argument(arg, name, chain_indices(arg, ())) for arg in e.args]
         kind = signature(e.func).kind
         aux: tuple[str, ...] = ()
         if kind == "loss":

@@ -17,10 +17,9 @@ the lowering needs in the step's ``fn`` (the plan is data):
 
 from __future__ import annotations
 
-from shardc.errors import ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
-from shardc.planner.layout import Value, reshard
+from shardc.planner.layout import Value
 from shardc.planner.phase import Phase
 from shardc.spec.functions import MASK_BYTES, dropout_salt
 from shardc.spec.ir import TensorRef
@@ -56,17 +55,8 @@ def parse_fn(fn: str) -> tuple[str, tuple[str, ...]]:
 def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None) -> None:
     """The argument reduced, in the result's layout (read index by index), then the map."""
     (arg,) = node.operands
-    arg_idx = phase.indices[arg]
-    if target is None:
-        held = dict(zip(arg_idx, phase.natural(arg, declared.get(arg)).layout, strict=True))
-        target = Value(tuple(held[i] for i in node.indices), ())
-    if target.unreduced:
-        raise ShardcError(f"{node.result} is a {node.fn} of partial sums", node.statement.span,
-                          fix="drop the {U_...} suffix: the function needs reduced values")
-    by_index = dict(zip(node.indices, target.layout, strict=True))
-    want = Value(tuple(by_index[i] for i in arg_idx), ())
-    _, moves = reshard(phase.ctx, arg, arg_idx, phase.held[arg], want)
-    phase.moves(arg, moves)
+    target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
+                                      f"a {node.fn}", node.statement.span)
     assert node.call is not None
     operands: tuple[TensorRef, ...] = (phase.ref(arg, want),)
     if node.kind == "causal":

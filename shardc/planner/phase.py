@@ -62,6 +62,24 @@ class Phase:
         reduced = next((v for v in values if not v.unreduced), None)
         return reduced if reduced is not None else Value(values[0].layout, ())
 
+    def map_argument(self, arg: str, result: str, indices: tuple[str, ...], target: Value | None,
+                     declared: TensorRef | None, what: str, span: Span | None) -> tuple[Value, Value]:
+        """(the result's layout, the argument's) of a map computed where its result is, the argument
+        moved there: reduced, read index by index (the result's indices may be the argument's permuted).
+        No declared result: the argument's :meth:`natural` layout. ``what`` names the map in the error."""
+        arg_idx = self.indices[arg]
+        if target is None:
+            held = dict(zip(arg_idx, self.natural(arg, declared).layout, strict=True))
+            target = Value(tuple(held[i] for i in indices), ())
+        if target.unreduced:
+            raise ShardcError(f"{result} is {what} of partial sums", span,
+                              fix="drop the {U_...} suffix: the function needs reduced values")
+        by_index = dict(zip(indices, target.layout, strict=True))
+        want = Value(tuple(by_index[i] for i in arg_idx), ())
+        _, moves = reshard(self.ctx, arg, arg_idx, self.held[arg], want)
+        self.moves(arg, moves)
+        return target, want
+
     def ref(self, name: str, value: Value) -> TensorRef:
         key = (name, self.indices[name], value)
         hit = self.ctx.refs.get(key)

@@ -22,7 +22,7 @@ from shardc.planner.einsum import Solution
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
-from shardc.planner.layout import CostContext, Layout, SearchTooLong, Value, reshard
+from shardc.planner.layout import CostContext, SearchTooLong, Value
 from shardc.planner.masks import plan_masked
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
@@ -376,26 +376,13 @@ def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
     so the argument's layout is read index by index, never position by position.
     """
     (arg,) = node.operands
-    arg_idx = phase.indices[arg]
-    if target is None:
-        held = dict(zip(arg_idx, phase.natural(arg, declared.get(arg)).layout, strict=True))
-        target = Value(tuple(held[i] for i in node.indices), ())
-    if target.unreduced:
-        raise ShardcError(f"{node.result} is an elementwise function of partial sums", node.statement.span,
-                          fix="drop the {U_...} suffix: the function needs reduced values")
-    want = Value(_permute(arg_idx, node.indices, target), ())
-    _, moves = reshard(phase.ctx, arg, arg_idx, phase.held[arg], want)
-    phase.moves(arg, moves)
+    target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
+                                      "an elementwise function", node.statement.span)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
                     operands=(phase.ref(arg, want),), fn=node.fn))
     declared.setdefault(node.result, phase.ref(node.result, target))
     declared.setdefault(arg, phase.ref(arg, want))
 
-
-def _permute(arg_idx: tuple[str, ...], res_idx: tuple[str, ...], target: Value) -> Layout:
-    """The target's per-index axes, in the argument's index order."""
-    by_index = dict(zip(res_idx, target.layout, strict=True))
-    return tuple(by_index[i] for i in arg_idx)
 
 
 def _label(node: Node, phase: Phase, declared: dict[str, TensorRef]) -> str:
