@@ -305,8 +305,8 @@ def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool, m
                route: bool = False) -> Statement:
     kind = "route" if route else draw(st.sampled_from(kinds))
     expr: Expr
-    if kind == "route":  # a new mask (always when forced), or a statement reading one
-        drawn_route = None if route or draw(st.booleans()) else _routed(draw, state)
+    if kind == "route":  # a new mask (always when forced), or more often a statement reading one
+        drawn_route = None if route or draw(st.integers(0, 2)) == 0 else _routed(draw, state)
         expr, indices = drawn_route if drawn_route is not None else _route(draw, state)
         return _result(draw, state, expr, indices, chains, "Disp" if drawn_route is None else "")
     if kind == "rename":

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import runpy
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis.errors import NoSuchExample
@@ -94,10 +98,9 @@ def test_a_layers_feed_error_has_its_kind_and_feeds_reads_it() -> None:
     assert "layers" in err.value.message and err.value.kind is None and _feeds(other)
 
 
-def test_the_readme_example_of_shardc_testing_runs() -> None:
-    import re
-    from pathlib import Path
-
+def test_the_readme_example_of_shardc_testing_runs(tmp_path: Path) -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "shardc.testing" in b]
-    exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - the README's own example
+    script = tmp_path / "testing_example.py"
+    script.write_text(block, encoding="utf-8")
+    runpy.run_path(str(script))

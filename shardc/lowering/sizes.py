@@ -95,8 +95,8 @@ def small_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int]:
 def _least(plan: Plan, same: dict[str, str]) -> dict[str, int]:
     """The least size of each representative index: a route's expert index has its k at least."""
     least: dict[str, int] = {}
-    for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func == "route" and c.over):
-        rep = same.get(call.over, call.over)
+    for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func == "route"):
+        rep = same.get(call.over or "", call.over or "")
         least[rep] = max(least.get(rep, 1), int(call.numbers[0]))
     return least
 
