@@ -141,7 +141,7 @@ class CostContext:
     spans: dict[str, int] | None = None  # over the chip's defaults (Hardware.spans)
     padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
     compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
-    # tensor -> bytes an element where not the dtype's (token ids: shardc.spec.validate.element_bytes)
+    # tensor -> bytes an element where not the dtype's (token ids: shardc.spec.walk.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
     _searches: dict[tuple[object, ...], _Search] = field(default_factory=dict)  # see reshard
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)

@@ -33,7 +33,7 @@ from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.layout import Layout, Value, reshard
 from shardc.planner.phase import Phase
 from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, TensorRef, Zero
-from shardc.spec.validate import leaves
+from shardc.spec.walk import leaves
 
 __all__ = ["zero_axes", "zero_layout", "zero3_spec", "zero_params", "plan_optimizer", "unlowered_optimizer",
            "UPDATE"]
