@@ -11,7 +11,7 @@ import shardc
 from shardc.planner.check import check_plan, replay_step, step_time
 from shardc.planner.ir import Op, Step
 from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Mesh, MeshAxis, Spec, TensorRef
-from shardc.spec.validate import leaves
+from shardc.spec.walk import leaves
 from shardc.testing import specs
 
 

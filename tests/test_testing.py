@@ -14,7 +14,8 @@ import shardc
 from shardc.errors import LAYERS_FEED, ShardcError, Span
 from shardc.spec.ir import Call, Contract, DType, Spec, TensorRef
 from shardc.spec.parser import parse, parse_unchecked
-from shardc.spec.validate import calls, leaves, validate
+from shardc.spec.validate import validate
+from shardc.spec.walk import calls, leaves
 from shardc.testing import _feeds, specs
 
 # the first example found, unshrunk (shrinking a spec takes minutes), the same on every run

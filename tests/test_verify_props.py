@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 
 import shardc
 from shardc.lowering.verify import render_report, verify
-from shardc.spec.validate import calls
+from shardc.spec.walk import calls
 from shardc.testing import specs
 
 
