@@ -8,9 +8,10 @@ the stage axis), and m + p - 1 ticks in which every stage runs its layers on wha
 holds and ``jax.lax.ppermute`` passes the result to the next stage.  Stage 0 reads
 microbatch t at tick t; the last stage's output at tick t is microbatch t - (p - 1).
 The last tick sends nothing (no stage would read it), so the program has m + p - 2
-collective-permutes forward, and ``jax.vjp`` of it, whose transpose of each
-``ppermute`` carries cotangents back a stage, as many backward (after as many
-forward ones: the backward program recomputes the forward).  The microbatches enter
+collective-permutes forward, and ``jax.vjp`` of it on each device (inside a second
+``shard_map``), whose transpose of each ``ppermute`` carries cotangents back a stage,
+as many backward (after as many forward ones: the backward program recomputes the
+forward).  The microbatches enter
 on stage 0 (the input is stacked over the stages, zeros elsewhere), so their
 gradient needs no reduction over the stage axis.  Each layer is a
 ``jax.custom_vjp`` whose backward is the plan's own, so the collectives on the other
@@ -210,10 +211,14 @@ def pipeline_programs():
     mesh = make_pipeline_mesh()
     fwd = jax.shard_map(pipeline_local, mesh=mesh, in_specs=PIPE_IN, out_specs=PIPE_OUT, check_vma=False)
 
-    def bwd(d_outs, *args):
-        _, vjp = jax.vjp(fwd, *args)
+    def bwd_local(d_outs, *args):
+        # jax.vjp on each device, inside the shard_map: the transpose of a shard_map without
+        # replication checks would rescale the cotangent of an output replicated over an axis
+        # (tensor parallelism's Y), and the planned backward already sums what it must.
+        _, vjp = jax.vjp(pipeline_local, *args)
         return vjp(d_outs)
 
+    bwd = jax.shard_map(bwd_local, mesh=mesh, in_specs=(PIPE_OUT,) + PIPE_IN, out_specs=PIPE_IN, check_vma=False)
     return mesh, jax.jit(fwd), jax.jit(bwd)
 
 
