@@ -28,7 +28,7 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
     compile(source, "pipeline_llama.py", "exec")  # valid Python
     for line in ("STAGES = 4", "LAYERS = 32", "MICROBATCHES = 64", "TICKS = MICROBATCHES + STAGES - 1",
                  "state = jax.lax.ppermute(x, PIPELINE_AXIS, SENDS)", "SENDS = [(0, 1), (1, 2), (2, 3)]",
-                 "def forward_local(", "def backward_local(", "layer.defvjp(_layer_fwd, _layer_bwd)",
+                 "def forward_local(", "def backward_local(", "layer.defvjp(_layer_fwd, _layer_vjp)",
                  "def one_f_one_b_local(", "TICKS_1F1B = len(F_TABLE)"):
         assert line in source
     assert "jax.lax.all_gather(" in source  # the stage's own plan (FSDP over X) is composed in

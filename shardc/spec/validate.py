@@ -221,18 +221,14 @@ def _check_layers(spec: Spec) -> None:
 
 
 def _check_block(spec: Spec) -> None:
-    """A ``layers L { ... }`` block, and dropout, are not cut into pipeline stages (yet)."""
+    """A ``layers L { ... }`` block is not cut into pipeline stages (yet).  Dropout is: a microbatch
+    draws its slice of the whole batch's mask (shardc.lowering.template's keep_mask)."""
     if spec.mesh.pipeline_axis is None:
         return
     if spec.block is not None:
         raise ShardcError("a `layers` block with a pipeline axis: the pipeline cuts the whole spec into stages",
                           spec.span_of("layers"),
                           fix="write the layer alone with `layers L` (no braces) to pipeline it")
-    dropout = next((c for s in spec.statements for c in calls(s.expr) if c.func == "dropout"), None)
-    if dropout is not None:
-        raise ShardcError("dropout in a pipelined spec: its mask is drawn over the whole batch, and a "
-                          "pipeline runs it a microbatch at a time", dropout.span,
-                          fix="drop the pipeline axis, or the dropout")
 
 
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:
