@@ -215,7 +215,8 @@ def pipeline_local(key, xs, *params):
     return outs[None]  # stacked over the stages; the last stage's is the output
 
 
-PIPE_IN = (P(), P(PIPELINE_AXIS, None, *FORWARD_IN[BLOCK_INPUT])) + tuple(P(PIPELINE_AXIS, *FORWARD_IN[p]) for p in PARAMS)
+PIPE_IN = (P(), P(PIPELINE_AXIS, None, *FORWARD_IN[BLOCK_INPUT]))  # the dropout key, the microbatches
+PIPE_IN += tuple(P(PIPELINE_AXIS, *FORWARD_IN[p]) for p in PARAMS)
 PIPE_OUT = P(PIPELINE_AXIS, None, *FORWARD_OUT[BLOCK_OUTPUT])
 
 
