@@ -40,7 +40,7 @@ from shardc.errors import ShardcError, Span
 from shardc.pipeline.stages import check_pipeline
 from shardc.spec.exprs import check_expression
 from shardc.spec.ir import Dim, Spec, Statement, TensorRef
-from shardc.spec.walk import calls, id_names, leaves
+from shardc.spec.walk import id_names, leaves
 
 __all__ = ["validate"]
 
