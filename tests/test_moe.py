@@ -16,6 +16,7 @@ from shardc.errors import ShardcError
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
 from shardc.lowering.route import route_forward
+from shardc.lowering.sizes import small_sizes
 from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan
@@ -143,5 +144,15 @@ def test_route_of_sequence_sharded_gates_gathers_them_and_verifies() -> None:
     p = _plan(NESTED)
     assert [(s.op, s.axes) for s in p.forward if s.is_collective][0] == (Op.ALL_GATHER, ("Y",))
     assert [g.name for g in p.grads] == ["dX"]  # W_r reaches the output only through the mask: no gradient
+    report = verify(spec)
+    assert report.ok, render_report(report)
+
+
+def test_verify_runs_a_route_of_more_experts_than_its_small_sizes_would_give() -> None:
+    # S=128 is too large to run, so verify picks small sizes: E must stay >= k=8 for top_k (found by
+    # shardc.testing's route draws: small_sizes gave E=4 and top_k failed)
+    spec = shardc.parse(NESTED.replace("mesh X=2, Y=2", "mesh X=2").replace("S=8, E=4", "S=128, E=128")
+                        .replace("S_Y", "S").replace("E_Y", "E").replace("2 over E", "8 over E"))
+    assert small_sizes(shardc.plan(spec))["E"] >= 8
     report = verify(spec)
     assert report.ok, render_report(report)

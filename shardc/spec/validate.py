@@ -36,7 +36,7 @@ import re
 import weakref
 from collections.abc import Callable
 
-from shardc.errors import ShardcError, Span
+from shardc.errors import LAYERS_FEED, ShardcError, Span
 from shardc.pipeline.stages import check_pipeline
 from shardc.spec.exprs import check_expression
 from shardc.spec.ir import Dim, Spec, Statement, TensorRef
@@ -240,12 +240,12 @@ def _check_feed(spec: Spec) -> None:
             raise ShardcError(f"`layers {spec.layers}` repeats the block, but no output has the indices of "
                               f"its input {given} to feed the next layer", spec.span_of("layers"),
                               fix=f"end the block with an output {given.name}Out{given.sharding_text()}, or "
-                              f"declare {given.name} `const` if every layer reads the same value")
+                              f"declare {given.name} `const` if every layer reads the same value", kind=LAYERS_FEED)
         if made.layout != given.layout or made.unreduced != given.unreduced:
             raise ShardcError(f"`layers`: output {made} feeds the next layer's input {given}, but their "
                               "shardings differ", made.span,
                               fix=f"write the output as {made.name}{given.sharding_text()} (the planner then "
-                              "reshards it), or change the input's sharding")
+                              "reshards it), or change the input's sharding", kind=LAYERS_FEED)
 
 
 def _check_namespaces(spec: Spec) -> None:
