@@ -29,10 +29,18 @@ point-to-point send).  A device runs one op at a time:
 
 The simulation commits, among all devices, the op that can start first, so it
 never runs an op before its inputs exist.
+
+Chunks need not do the same work: :func:`simulate` takes one :class:`Timing` a
+model chunk (``chunk_times``; by default the stage's times shared equally by its
+chunks), as when the first chunk also runs an embedding and the last a loss
+(Megatron-LM's placement).  The ideal time is then the busiest device's work (m
+microbatches through its chunks, no idling) and the bubble the step minus it: the
+idle time of that device, which with equal chunks is every device's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shardc.errors import ShardcError
@@ -44,7 +52,7 @@ ZERO_BUBBLE = frozenset({"zb-h1", "zbv"})
 
 @dataclass(frozen=True)
 class Timing:
-    """Seconds of one microbatch through one stage (all its layers): forward, input grad, weight grad."""
+    """Seconds of one microbatch through one stage (all its layers) or one chunk: forward, input grad, weight grad."""
 
     forward: float
     backward: float  # the input-gradient part of the backward (the whole backward when weight is 0)
@@ -74,6 +82,12 @@ class Simulation:
     chunks: int  # chunks a device holds
     timing: Timing
     ops: tuple[Op, ...] = field(repr=False)
+    chunk_times: tuple[Timing, ...] = ()  # a microbatch's times through each model chunk, in chunk order
+
+    def work(self, device: int) -> float:
+        """Seconds of ops ``device`` runs: every microbatch through each chunk it holds."""
+        return self.microbatches * math.fsum(t.total for c, t in enumerate(self.chunk_times)
+                                             if device_of(self.schedule, c, self.stages) == device)
 
     @property
     def makespan(self) -> float:
@@ -81,12 +95,12 @@ class Simulation:
 
     @property
     def ideal(self) -> float:
-        """One device's work: every microbatch through one stage, no idling."""
-        return self.microbatches * self.timing.total
+        """The busiest device's work: every microbatch through its chunks, no idling."""
+        return max(self.work(d) for d in range(self.stages))
 
     @property
     def bubble(self) -> float:
-        """Idle time of a device: the step minus its work (the same on every device)."""
+        """Idle time of the busiest device: the step minus its work (every device's, when chunks are alike)."""
         return self.makespan - self.ideal
 
     @property
@@ -125,8 +139,14 @@ def device_of(schedule: str, chunk: int, stages: int) -> int:
     return chunk % stages
 
 
-def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virtual: int = 1) -> Simulation:
-    """Run ``schedule`` on ``stages`` devices for ``microbatches`` microbatches (see the module docstring)."""
+def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virtual: int = 1,
+             chunk_times: tuple[Timing, ...] | None = None) -> Simulation:
+    """Run ``schedule`` on ``stages`` devices for ``microbatches`` microbatches (see the module docstring).
+
+    ``chunk_times`` gives each model chunk's own times (``stages`` x chunks a device of them);
+    by default each chunk is an equal share of ``timing``, a whole stage's.  ``timing.comm``
+    is the send in both cases.
+    """
     p, m = stages, microbatches
     if p < 1 or m < 1:
         raise ShardcError(f"a pipeline needs stages and microbatches >= 1, not {p} and {m}")
@@ -135,18 +155,27 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
                           fix=f"use microbatches {max(p, m - m % p)} (Megatron-LM's interleaved order)")
     chunks = chunks_of(schedule, virtual)
     zb = schedule in ZERO_BUBBLE
-    # Chunk times: a device's chunks share the stage's layers equally.
-    f, b, w = timing.forward / chunks, timing.backward / chunks, timing.weight / chunks
-    if not zb:
-        b, w = b + w, 0.0
-    durations = {"F": f, "B": b, "W": w}
+    if chunk_times is None:  # a device's chunks share the stage's layers equally
+        share = Timing(timing.forward / chunks, timing.backward / chunks, timing.weight / chunks)
+        chunk_times = (share,) * (chunks * p)
+    if len(chunk_times) != chunks * p:
+        raise ShardcError(f"schedule {schedule} on {p} stages has {chunks * p} chunks, "
+                          f"not the {len(chunk_times)} timed")
+    durations = [_durations(t, zb) for t in chunk_times]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
-        found = _run(schedule, p, m, chunks * p, durations, 0.0, None, zb)
+        found = _run(schedule, p, m, durations, 0.0, None, zb)
         orders = [[(o.kind, o.microbatch, o.chunk) for o in sorted(found) if o.device == d] for d in range(p)]
     else:
         orders = [_order(schedule, s, p, m, virtual) for s in range(p)]
-    ops = _run(schedule, p, m, chunks * p, durations, timing.comm, orders, zb)
-    return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)))
+    ops = _run(schedule, p, m, durations, timing.comm, orders, zb)
+    return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times))
+
+
+def _durations(timing: Timing, zb: bool) -> dict[str, float]:
+    """A chunk's op times: W is part of B unless the schedule splits it off."""
+    if zb:
+        return {"F": timing.forward, "B": timing.backward, "W": timing.weight}
+    return {"F": timing.forward, "B": timing.backward + timing.weight, "W": 0.0}
 
 
 def _order(schedule: str, s: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
@@ -213,8 +242,9 @@ def _dependents(kind: str, j: int, c: int, last: int, zb: bool) -> list[tuple[st
     return []
 
 
-def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, float], comm: float,
+def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float,
          orders: list[list[tuple[str, int, int]]] | None, zb: bool) -> list[Op]:
+    n_chunks = len(durations)
     kinds = ("F", "B", "W") if zb else ("F", "B")
     todo = [(k, j, c) for k in kinds for j in range(m) for c in range(n_chunks)]
     home = {key: device_of(schedule, key[2], p) for key in todo}
@@ -238,7 +268,7 @@ def _run(schedule: str, p: int, m: int, n_chunks: int, durations: dict[str, floa
         if best is None:
             raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
         start, _, d, key = best
-        end = start + durations[key[0]]
+        end = start + durations[key[2]][key[0]]
         ends[key], free[d] = end, end
         pending[d].discard(key)
         for after in _dependents(*key, n_chunks - 1, zb):
