@@ -82,15 +82,24 @@ class Memory:
 
 
 def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
-           accounting: str = "adam10") -> Memory:
-    """The per-device memory of a training step of ``plan`` (see the module docstring)."""
+           accounting: str = "adam10", outside: frozenset[str] | None = None) -> Memory:
+    """The per-device memory of a training step of ``plan`` (see the module docstring).
+
+    ``outside`` names the tensors outside a ``layers L { ... }`` block that this device holds
+    (a pipeline stage: the first holds the embedding's, the last the loss's); None: all of them."""
     if accounting not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {accounting!r}",
                           fix="use " + " or ".join(ACCOUNTINGS))
     per_param, per_grad, per_opt, described = ACCOUNTINGS[accounting]
     params = [info for info in plan.tensors if info.role == "param"]
     repeated = _block_reads(plan)
-    times = {p.name: layers if p.name in repeated else 1 for p in params}  # a `layers` block's params: L
+
+    def count(name: str, once: bool) -> int:  # a `layers` block's tensors: L; the others once, where held
+        if not once:
+            return layers
+        return 1 if outside is None or name in outside else 0
+
+    times = {p.name: count(p.name, p.name not in repeated) for p in params}
     local = sum(float(local_elements(p.ref, sizes)) * times[p.name] for p in params)
     total = sum(float(_global_elements(p.ref, sizes)) * times[p.name] for p in params)
     grad_local, opt_local = (sum(float(local_elements(r, sizes)) * times[r.name] for r in refs)
@@ -98,10 +107,10 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     table = residual_table(plan)
     kept = tuple((str(ref), value_bytes(plan, ref, sizes)) for ref, _ in table)
     once = kept_once(plan, [ref for ref, _ in table])
-    counts = [1 if ref in once else layers for ref, _ in table]
+    counts = [count(ref.name, ref in once) for ref, _ in table]
     again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
                   if s.dst in set(plan.residuals))
-    names = {p.name for p in params} | {plan.grad_name(p.name) for p in params}
+    names = {p.name for p in params if times[p.name]} | {plan.grad_name(p.name) for p in params if times[p.name]}
     gathered = max(peak_weights(plan, plan.forward, names, sizes), peak_weights(plan, plan.backward, names, sizes))
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered, kept, hbm_bytes,

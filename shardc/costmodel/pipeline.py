@@ -6,11 +6,17 @@ costed at the microbatch's sizes times the stage's layers: forward, the backward
 input-gradient part (B) and its weight-gradient part (W: the steps on ``dW...``),
 each ``max(compute, collectives)`` as the report's own step is.  Then:
 
+* a ``layers L { ... }`` block's ends: only the block's steps are costed a layer; the
+  steps before it (the embedding) run on the first chunk and those after it (final norm,
+  output layer, loss) on the last, Megatron-LM's placement, so those chunks' times grow
+  by theirs, and the stages that hold them hold their params, gradients, optimizer state
+  and residuals (the other stages none of them);
 * the bubble: the schedule's closed form (:mod:`shardc.pipeline.bubbles`), over the
   ideal time and over the total step, from the slowest stage's times;
-* the step: the discrete-event simulation of the schedule with those times and the
-  point-to-point sends (:mod:`shardc.pipeline.schedules`), i.e. the stage time per
-  microbatch times (m + bubble), plus what the sends add to the fill;
+* the step: the discrete-event simulation of the schedule with those times (each chunk's
+  own) and the point-to-point sends (:mod:`shardc.pipeline.schedules`), i.e. the stage
+  time per microbatch times (m + bubble), plus what the sends add to the fill; its bubble
+  is the step minus the busiest device's work;
 * point-to-point: a microbatch's block output, one device's shard of it (so divided by
   the tensor-parallel degree when it is sharded), sent one way over one link of the
   stage axis's network (one ICI link's one-way bandwidth, or the chip's DCN figure);
@@ -24,17 +30,19 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from shardc.costmodel.memory import memory, residual_values, value_bytes
-from shardc.errors import ShardcError
+from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
+from shardc.errors import InternalError, ShardcError
 from shardc.hardware import Hardware
 from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, bubble, inflight, sends_per_microbatch
-from shardc.pipeline.schedules import Simulation, Timing, simulate
+from shardc.pipeline.schedules import Simulation, Timing, device_of, simulate
 from shardc.pipeline.stages import Pipeline, pipeline_of
 from shardc.planner.ir import Plan, Step
-from shardc.spec.ir import Network, TensorRef
+from shardc.spec.ir import Network, Statement, TensorRef
+from shardc.spec.walk import leaves
 from shardc.timing import StepCost, bound_of, cost_step, local_elements, phase_seconds
 
 if TYPE_CHECKING:
@@ -95,7 +103,14 @@ class PipelineCost:
     simulation: Simulation
     stages: tuple[StageCost, ...]
     thresholds: tuple[str, ...]
-    optimizer_s: float = 0.0  # ZeRO-1/2's optimizer phase of the slowest stage's layers, once a step
+    optimizer_s: float = 0.0  # ZeRO-1/2's optimizer phase of the busiest stage, once a step
+    first: Timing = Timing(0.0, 0.0)  # a microbatch through the statements before the block (the first chunk's)
+    last: Timing = Timing(0.0, 0.0)  # and through those after it (the last chunk's)
+
+    @property
+    def extra(self) -> bool:
+        """Whether the first or last chunk does work the others do not (a ``layers L { ... }`` block's ends)."""
+        return self.first.total > 0 or self.last.total > 0
 
     @property
     def stage_time_s(self) -> float:
@@ -109,9 +124,10 @@ class PipelineCost:
 
     @property
     def step_closed_s(self) -> float:
-        """The stage time times (m + bubble), sends free: the closed form of the step."""
-        m = self.pipeline.microbatches
-        return self.stage_time_s * (m + m * self.closed.of_ideal) + self.optimizer_s
+        """The busiest device's work plus the closed-form idle time, sends free: with alike stages the
+        stage time times (m + bubble); with extra work on the first or last chunk it adds that work,
+        m microbatches of it (GPipe's step exactly when one end does extra work)."""
+        return self.simulation.ideal + self.closed.idle_s + self.optimizer_s
 
     def to_json(self) -> dict[str, object]:
         pipe, sim = self.pipeline, self.simulation
@@ -130,27 +146,49 @@ class PipelineCost:
             "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,
             "backward_s": self.timing.backward, "weight_s": self.timing.weight,
             "step_s": self.step_s, "step_closed_s": self.step_closed_s, "optimizer_s": self.optimizer_s,
+            "ideal_s": sim.ideal, "first_extra_s": _times(self.first), "last_extra_s": _times(self.last),
             "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
         }
+
+
+def _block_input(plan: Plan) -> TensorRef | None:
+    """What a stage receives: the ``layers`` block's first activation input (the first input without one)."""
+    spec = plan.spec
+    if spec.block is None:
+        return next((i.ref for i in plan.tensors if i.role == "input"), None)
+    lo, hi = spec.block
+    made = {s.result.name for s in spec.statements[lo:hi]}
+    kinds = {i.name: i.role for i in plan.tensors}
+    reads = (r for s in spec.statements[lo:hi] for r in leaves(s.expr))
+    return next((r for r in reads if r.name not in made and kinds.get(r.name) == "activation"), None)
+
+
+def _times(t: Timing) -> dict[str, float]:
+    return {"forward_s": t.forward, "backward_s": t.backward, "weight_s": t.weight}
 
 
 def microbatch_dim(plan: Plan) -> str:
     """The dim microbatches cut: the first dim of the block's first input that no param has."""
     model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
-    for info in plan.tensors:
-        if info.role == "input":
-            for dim in info.ref.dims:
-                if dim.name not in model:
-                    return dim.name
+    first = _block_input(plan)
+    for ref in [first] if first is not None else []:
+        for dim in ref.dims:
+            if dim.name not in model:
+                return dim.name
     raise ShardcError("a pipeline needs a batch dim to cut into microbatches; every input dim is a param's",
                       fix="give the block's input a batch dim such as B")
 
 
 def boundary_tensor(plan: Plan) -> TensorRef:
-    """The activation a stage sends the next: the output shaped like the block's first input."""
-    first = next((i.ref for i in plan.tensors if i.role == "input"), None)
-    outputs = [i.ref for i in plan.tensors if i.is_output]
-    for ref in outputs:
+    """The activation a stage sends the next: the block's output shaped like its first input."""
+    first = _block_input(plan)
+    spec = plan.spec
+    if spec.block is not None:
+        lo, hi = spec.block
+        outputs = [s.result for s in spec.statements[lo:hi]]
+    else:
+        outputs = [i.ref for i in plan.tensors if i.is_output]
+    for ref in reversed(outputs) if spec.block is not None else outputs:
         if first is not None and sorted(ref.indices) == sorted(first.indices):
             return ref
     if not outputs:
@@ -189,11 +227,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
         raise ShardcError(f"{dim}={sizes[dim]} does not split into {pipe.microbatches} microbatches",
                           plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
-    fwd = _rows(plan.forward, plan, micro, hw, spans)
-    bwd = _rows(plan.recomputed + plan.backward, plan, micro, hw, spans)  # a recompute runs in the B op
-    w_idx = frozenset(k + len(plan.recomputed) for k in weight_steps(plan))
-    per_layer = [_time(fwd), _time([r for k, r in enumerate(bwd) if k not in w_idx]),
-                 _time([r for k, r in enumerate(bwd) if k in w_idx])]
+    parts = _sections(plan, micro, hw, spans)
     ref = boundary_tensor(plan)
     nbytes = plan.nbytes(ref.name)
     p2p = float(local_elements(ref, micro)) * nbytes
@@ -201,33 +235,124 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
     dcn = axis.network is Network.DCN
     p2p_s = p2p / (hw.dcn_bandwidth if dcn else hw.ici_bandwidth) + hw.hop_latency
     slowest = max(pipe.stage_layers)
-    f, b, w = (max(c, k) * slowest for c, k in per_layer)
+    f, b, w = (max(c, k) * slowest for c, k in parts["layer"])
     timing = Timing(f, b, w, p2p_s)
+    first, last = (Timing(*(max(c, k) for c, k in parts[end])) for end in ("first", "last"))
     name = pipe.schedule.name
-    sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks)
-    stages = _stages(plan, pipe, per_layer, micro, p2p_s, sim, hw, optimizer)
+    sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
+    stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
-    found = _thresholds(pipe, per_layer[0], p2p_s, "DCN" if dcn else "ICI link")
-    optimizer_s = slowest * phase_seconds(*_time(_rows(plan.optimizer, plan, sizes, hw, spans)))
+    found = _thresholds(pipe, parts["layer"][0], p2p_s, "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
-                        sim, stages, found, optimizer_s)
+                        sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last)
 
 
-def _stages(plan: Plan, pipe: Pipeline, per_layer: list[tuple[float, float]], micro: dict[str, int],
+def _runs(rows: list[StepCost]) -> tuple[list[StepCost], list[StepCost], list[StepCost]]:
+    """A phase's rows: the once rows before the block's, the block's, the once rows after them."""
+    inside = [k for k, r in enumerate(rows) if not r.once]
+    if not inside:
+        return rows, [], []
+    lo, hi = inside[0], inside[-1] + 1
+    if any(r.once for r in rows[lo:hi]):
+        raise InternalError("a step outside the `layers` block sits among the block's steps")
+    return rows[:lo], rows[lo:hi], rows[hi:]
+
+
+def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
+              spans: dict[str, int]) -> dict[str, list[tuple[float, float]]]:
+    """(compute, comm) of a microbatch's F, B and W: one layer of the block ("layer"), the statements
+    before the block ("first": the first chunk runs them) and those after it ("last")."""
+    fwd = _runs(_rows(plan.forward, plan, micro, hw, spans))
+    again = _runs(_rows(plan.recomputed, plan, micro, hw, spans))  # a recompute runs in the B op
+    rows = _rows(plan.backward, plan, micro, hw, spans)
+    grads = weight_steps(plan)
+    weight = [k in grads for k in range(len(rows))]
+    after, inside, before = _runs(rows)  # the backward runs the statements after the block first
+    offsets = {"first": len(after) + len(inside), "layer": len(after), "last": 0}
+    out = {}
+    for k, (key, back) in enumerate((("first", before), ("layer", inside), ("last", after))):
+        marks = weight[offsets[key]:offsets[key] + len(back)]
+        out[key] = [_time(fwd[k]), _time(again[k] + [r for r, m in zip(back, marks, strict=True) if not m]),
+                    _time([r for r, m in zip(back, marks, strict=True) if m])]
+    return out
+
+
+def _chunk_times(pipe: Pipeline, timing: Timing, first: Timing, last: Timing) -> tuple[Timing, ...]:
+    """Each model chunk's times: a share of the slowest stage's, the first chunk also running the
+    statements before the block and the last those after it (Megatron-LM's placement)."""
+    n, v = pipe.stages * pipe.chunks, pipe.chunks
+    out = []
+    for c in range(n):
+        ends = [t for t, here in ((first, c == 0), (last, c == n - 1)) if here]
+        out.append(Timing(timing.forward / v + math.fsum(t.forward for t in ends),
+                          timing.backward / v + math.fsum(t.backward for t in ends),
+                          timing.weight / v + math.fsum(t.weight for t in ends)))
+    return tuple(out)
+
+
+def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
+    """The tensors the statements before the ``layers`` block name, and those after it (none without one)."""
+    spec = plan.spec
+    if spec.block is None:
+        return frozenset(), frozenset()
+    lo, hi = spec.block
+
+    def names(statements: tuple[Statement, ...]) -> frozenset[str]:
+        return frozenset({s.result.name for s in statements} | {r.name for s in statements for r in leaves(s.expr)})
+
+    return names(spec.statements[:lo]), names(spec.statements[hi:])
+
+
+def _held(plan: Plan, pipe: Pipeline, stage: int) -> frozenset[str] | None:
+    """The tensors outside the block that ``stage`` holds: the first chunk's and the last's, where they sit."""
+    if plan.spec.block is None:
+        return None
+    name, n = pipe.schedule.name, pipe.stages * pipe.chunks
+    before, after = outside_names(plan)
+    return ((before if device_of(name, 0, pipe.stages) == stage else frozenset())
+            | (after if device_of(name, n - 1, pipe.stages) == stage else frozenset()))
+
+
+def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: dict[str, int]) -> float:
+    """ZeRO-1/2's optimizer phase, once a step, on the busiest stage: its layers' params and the
+    params outside the block it holds."""
+    if not plan.optimizer:
+        return 0.0
+    rows = _rows(plan.optimizer, plan, sizes, hw, spans)
+    primal = {g: p for p, g in plan.gradient_names}
+    repeated = {r.name for k, st in enumerate(plan.spec.statements) if plan.spec.repeats(k) for r in leaves(st.expr)}
+    inside = [r for r in rows if primal.get(r.tensor, r.tensor) in repeated]
+    worst = 0.0
+    for stage, layers in enumerate(pipe.stage_layers):
+        held = _held(plan, pipe, stage) or frozenset()
+        mine = [r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated]
+        worst = max(worst, layers * phase_seconds(*_time(inside)) + phase_seconds(*_time(mine)))
+    return worst
+
+
+def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[tuple[float, float]]], micro: dict[str, int],
             p2p_s: float, sim: Simulation, hw: Hardware, optimizer: str) -> tuple[StageCost, ...]:
     out = []
     dim = microbatch_dim(plan)
-    kept = [(value_bytes(plan, r, micro), dim in r.indices) for r in residual_values(plan)]
+    values = residual_values(plan)
+    once = kept_once(plan, values) if plan.spec.block is not None else set()
+    name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     for s, layers in enumerate(pipe.stage_layers):
-        mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer)
+        held_names = _held(plan, pipe, s)
+        mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer, held_names)
         held = sim.peak_inflight(s)
-        # A microbatch's own residuals, for each microbatch held; saved weights once a layer.
-        residual = layers * math.fsum(b * (held if per_micro else 1.0) for b, per_micro in kept)
-        compute = layers * math.fsum(c for c, _ in per_layer)
+        ends = [parts[k] for k, c in (("first", 0), ("last", n - 1)) if device_of(name, c, pipe.stages) == s]
+        # A microbatch's own residuals, for each microbatch held; saved weights once a layer; a value
+        # outside the block once, on the stage that holds it.
+        counts = [(1 if held_names is None or r.name in held_names else 0) if r in once else layers for r in values]
+        residual = math.fsum(value_bytes(plan, r, micro) * k * (held if dim in r.indices else 1.0)
+                             for r, k in zip(values, counts, strict=True))
+        compute = layers * math.fsum(c for c, _ in parts["layer"]) + math.fsum(c for e in ends for c, _ in e)
         sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
-        comm = layers * math.fsum(k for _, k in per_layer) + sends
-        f, b, w = (max(c, k) * layers for c, k in per_layer)
+        comm = layers * math.fsum(k for _, k in parts["layer"]) + math.fsum(k for e in ends for _, k in e) + sends
+        f, b, w = (max(c, k) * layers + math.fsum(max(*e[i]) for e in ends)
+                   for i, (c, k) in enumerate(parts["layer"]))
         out.append(StageCost(s, layers, f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
                              residual, mem.gathered_bytes, hw.hbm_bytes))
@@ -268,7 +393,11 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              f"step; simulated with the sends {sim.bubble_of_ideal:.1%} / {sim.bubble_of_total:.1%}"
              + ("" if name in EXACT else " (the closed form assumes T_F = T_B = T_W and free sends; the "
                                          "simulated zbv order is a greedy one, not the paper's hand-made one)"),
-             f"  step {fmt_seconds(cost.step_s)} = stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) "
+             *_ends(cost, fmt_seconds),
+             f"  step {fmt_seconds(cost.step_s)} = "
+             + (f"stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) " if not cost.extra else
+                f"the busiest stage's work {fmt_seconds(sim.ideal)} + its idle time "
+                f"{fmt_seconds(sim.makespan - sim.ideal)} ")
              + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
              + f"[{fmt_seconds(cost.step_closed_s)} with free sends]",
              f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
@@ -285,6 +414,17 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
                      f"{fmt_bytes(s.activation_bytes):>11} {fmt_bytes(s.memory_bytes):>9}"
                      + ("" if s.memory_bytes <= s.hbm_bytes else "  does NOT fit"))
     return lines + [f"  {t}" for t in cost.thresholds]
+
+
+def _ends(cost: PipelineCost, fmt: Callable[[float], str]) -> list[str]:
+    """The line on the first and last stage's extra work (none when the spec has no block)."""
+    if not cost.extra:
+        return []
+    first, last = cost.first, cost.last
+    return [f"  the first chunk also runs the statements before the block (F {fmt(first.forward)}, B "
+            f"{fmt(first.backward)}, W {fmt(first.weight)} a microbatch), the last those after it (F "
+            f"{fmt(last.forward)}, B {fmt(last.backward)}, W {fmt(last.weight)}), as Megatron-LM places the "
+            "embedding and the loss; the bubble is the step minus the busiest stage's work"]
 
 
 def draw_schedule(report: CostReport, path: str) -> None:

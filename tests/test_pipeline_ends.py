@@ -1,0 +1,123 @@
+"""The pipeline cost of a ``layers L { ... }`` block: the statements before it on the first chunk, those
+after it on the last (Megatron-LM's placement of the embedding and the loss).
+
+The spec's parser still refuses a block with a pipeline axis (lowering it is not done), so these
+plans are built as the planner builds a pipelined plan: the stage spec's plan, told its pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import shardc
+from shardc.accountings import ACCOUNTINGS
+from shardc.costmodel.pipeline import PipelineCost, boundary_tensor, microbatch_dim
+from shardc.pipeline.schedules import device_of, simulate
+from shardc.pipeline.stages import pipelined, stage_spec
+from shardc.planner.ir import Plan
+from shardc.spec.ir import Mesh, MeshAxis, Schedule
+
+MODEL = """\
+mesh X=4, Y=2
+dims B=256, S=512, D=1024, F=4096, V=32000
+hardware tpu-v5p
+const Tok, Next
+param W_emb, W1, W2, W_out
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V_Y, D_X])
+layers 8 {
+  H[B_X, S, F_Y] = gelu(X0[B_X, S, D] · W1[D_X, F_Y])
+  X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F_Y] · W2[F_Y, D_X]
+}
+Fn[B_X, S, D] = rmsnorm(X1[B_X, S, D] over D)
+Lg[B_X, S, V_Y] = Fn[B_X, S, D] · W_out[D_X, V_Y]
+Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S])
+"""
+P, M = 4, 8
+
+
+def _plan(schedule: str = "1f1b") -> Plan:
+    spec = shardc.parse(MODEL)
+    piped = dataclasses.replace(spec, mesh=Mesh((MeshAxis("P", P, pipeline=True), *spec.mesh.axes)),
+                                microbatches=M, schedule=Schedule(schedule, 2 if schedule == "interleaved" else 1))
+    return pipelined(piped, shardc.plan(stage_spec(piped)))
+
+
+def _pipe(schedule: str = "1f1b") -> PipelineCost:
+    cost = shardc.cost(_plan(schedule)).pipeline
+    assert cost is not None
+    return cost
+
+
+def test_the_block_sends_its_output_and_cuts_its_batch_dim() -> None:
+    plan = _plan()
+    assert boundary_tensor(plan).name == "X1" and microbatch_dim(plan) == "B"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbv"])
+def test_the_ends_extra_work_lengthens_the_step(schedule: str) -> None:
+    """Fails if the first or last chunk's extra work is dropped: the step then is the block's alone."""
+    cost = _pipe(schedule)
+    assert cost.first.total > 0 and cost.last.total > 0 and cost.extra
+    sim = cost.simulation
+    alike = simulate(schedule, P, M, cost.timing, cost.pipeline.chunks)  # every chunk the block's only
+    n = P * cost.pipeline.chunks
+    ends = dict.fromkeys(range(P), 0.0)
+    ends[device_of(schedule, 0, P)] += cost.first.total
+    ends[device_of(schedule, n - 1, P)] += cost.last.total
+    assert sim.ideal == pytest.approx(M * (cost.timing.total + max(ends.values())))
+    assert cost.step_s > alike.makespan and cost.step_s >= sim.ideal
+    if schedule != "zbv":  # device P-1 starts once microbatch 0 is through chunks 0..P-2, the first's extra too
+        chunk_f = cost.timing.forward / cost.pipeline.chunks
+        start = cost.first.forward + (P - 1) * chunk_f + (P - 1) * cost.timing.comm
+        assert cost.step_s >= start + sim.work(P - 1) - 1e-12
+    assert cost.step_closed_s == pytest.approx(sim.ideal + cost.closed.idle_s)
+
+
+def test_the_ends_cost_what_the_unpipelined_spec_costs_outside_the_block() -> None:
+    """Stage 0 computes the embedding's steps more than a middle stage, the last stage the head's;
+    together the steps the unpipelined plan runs once, at one microbatch's sizes."""
+    plan = _plan("1f1b")
+    stages = shardc.cost(plan).pipeline.stages  # type: ignore[union-attr]
+    middle = stages[1].compute_s
+    assert stages[2].compute_s == pytest.approx(middle)
+    alone = shardc.plan(shardc.parse(MODEL))
+    once = shardc.cost(alone, sizes={"B": 256 // M})
+    rows = once.forward.rows + once.backward.rows
+    assert any(r.once for r in rows)
+    extra = (stages[0].compute_s - middle) + (stages[-1].compute_s - middle)
+    assert extra == pytest.approx(sum(r.compute_s for r in rows if r.once), rel=1e-9)
+    assert stages[-1].compute_s > middle  # the output layer's einsums
+
+
+@pytest.mark.parametrize(("schedule", "first", "last"), [("1f1b", 0, P - 1), ("zbv", 0, 0)])
+def test_the_ends_params_live_on_their_stages(schedule: str, first: int, last: int) -> None:
+    """The embedding's table on the first stage, the output layer's on the last (zbv's V: both on 0)."""
+    stages = _pipe(schedule).stages
+    per = sum(ACCOUNTINGS["adam10"][:3])
+    emb = 32000 * 1024 / (2 * 4) * per  # W_emb[V_Y, D_X]
+    out = 1024 * 32000 / (4 * 2) * per  # W_out[D_X, V_Y]
+    block = 8 // P * 2 * (1024 * 4096 / 8) * per  # W1, W2 of each of a stage's layers
+    want = [block + (emb if s == first else 0.0) + (out if s == last else 0.0) for s in range(P)]
+    assert [s.state_bytes for s in stages] == pytest.approx(want)
+    assert stages[first].activation_bytes > stages[1].activation_bytes  # the embedding's output, held
+
+
+def test_the_report_states_the_ends() -> None:
+    from shardc.costmodel.pipeline import render_pipeline
+
+    cost = _pipe()
+    text = "\n".join(render_pipeline(cost))
+    assert "the first chunk also runs the statements before the block" in text
+    assert "the busiest stage's work" in text
+    data = cost.to_json()
+    assert data["first_extra_s"]["forward_s"] == cost.first.forward  # type: ignore[index]
+    assert data["ideal_s"] == cost.simulation.ideal
+
+
+def test_a_pipelined_block_is_still_refused() -> None:
+    from shardc.errors import ShardcError
+
+    with pytest.raises(ShardcError, match="pipeline axis"):
+        shardc.parse(MODEL.replace("mesh X=4, Y=2", "mesh P=4 pipeline, X=4, Y=2"))
