@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardc.errors import ShardcError
 from shardc.lowering.codegen import Module, generate
 from shardc.pipeline.stages import Pipeline, pipeline_of, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
+
+if TYPE_CHECKING:
+    from shardc.lowering.pipeline_ends import Ends
 
 __all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "permutes_expected"]
 
@@ -49,6 +52,7 @@ class PipelineLowered:
     sizes: dict[str, int]  # one microbatch's, and the mesh's
     batch: int  # the batch dim's size, all microbatches
     namespace: Any = None
+    ends: Ends | None = None  # a `layers L { ... }` block's three plans (shardc.lowering.pipeline_ends)
 
 
 def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
@@ -102,6 +106,21 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     return module, head + text, micro[dim] * microbatches
 
 
+def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module, microbatches: int) -> str:
+    """The ends' functions and the whole model's programs, at one microbatch's sizes."""
+    from shardc.costmodel.pipeline import microbatch_dim
+    from shardc.lowering.pipeline_ends import ends_source
+
+    pipe = pipeline_of(ends.block.spec)
+    assert pipe is not None
+    stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
+    micro = dict(block.sizes or {})
+    dim = microbatch_dim(ends.block)
+    modules = [generate(part, stage_mesh, micro) for part in (ends.pre, ends.post)]
+    data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
+    return ends_source(ends, modules[0], modules[1], data, pipe.schedule.name)
+
+
 def permutes_expected(stages: int, microbatches: int) -> int:
     """Collective-permutes of the forward (and again of the backward): one a tick but the last."""
     return microbatches + stages - 2
@@ -121,9 +140,16 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
         raise ShardcError("lowering a pipeline needs the size of every dim", fix="add a `dims` line")
     layers = layers or pipe.layers
     microbatches = microbatches or pipe.microbatches
-    module, source, batch = pipeline_source(plan, mesh, full, layers, microbatches)
+    ends = None
+    if plan.spec.block is not None:  # the statements around the block on the first and last stage
+        from shardc.lowering.pipeline_ends import plan_parts
+
+        ends = plan_parts(plan)
+    module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches)
+    if ends is not None:
+        source += _ends_text(ends, mesh, module, microbatches)
     pipe = replace(pipe, layers=layers, microbatches=microbatches, stages=dict(mesh)[pipe.axis])
-    lowered = PipelineLowered(plan, pipe, module, source, dict(module.sizes or {}) | dict(mesh), batch)
+    lowered = PipelineLowered(plan, pipe, module, source, dict(module.sizes or {}) | dict(mesh), batch, ends=ends)
     if load:
         check_devices(mesh)
         lowered.namespace = load_module(source, plan.spec.filename or "spec")

@@ -218,7 +218,14 @@ def _run_1f1b(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_out: np
 _TRIPS = re.compile(r'known_trip_count\\?"?:\{\\?"?n\\?"?:\\?"?(\d+)')
 
 
-def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
+def _planned(lowered: PipelineLowered, parts: tuple[Plan, ...] | None) -> set[tuple[Any, tuple[str, ...]]]:
+    """(kind, axes) of each collective the plan (or the parts it was lowered as) has, size-1 axes dropped."""
+    ns = lowered.namespace
+    return {(s.op, tuple(a for a in s.axes if ns.PIPE_MESH_AXES[a] > 1))
+            for plan in (parts or (lowered.plan,)) for s in plan.forward + plan.backward if s.is_collective}
+
+
+def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | None = None) -> list[CollectiveRow]:
     """1F1B's HLO: one permute down and one up, in a while loop of 2(m+p-1) ticks."""
     plan, pipe, ns = lowered.plan, lowered.pipeline, lowered.namespace
     mesh = tuple(ns.PIPE_MESH_AXES.items())
@@ -241,8 +248,7 @@ def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
     if len(found) != 2:
         rows.append(CollectiveRow("step", "", "CollectivePermute", "-", None, "collective-permute", "-", None,
                                   False, f"{len(found)} permutes in the HLO, not 2"))
-    planned = {(s.op, tuple(a for a in s.axes if ns.PIPE_MESH_AXES[a] > 1))
-               for s in plan.forward + plan.backward if s.is_collective}
+    planned = _planned(lowered, parts)
     for c in collectives(text, mesh):
         if c.kind is not None and c.axes and (c.kind, c.axes) not in planned:
             rows.append(CollectiveRow("step", "", c.kind.title, "-", None, c.hlo_op, ",".join(c.axes),
@@ -280,7 +286,8 @@ def _row(phase: str, name: str, got: np.ndarray, want: np.ndarray, tol: tuple[fl
     return ValueRow(phase, name, err, scale, bound, err <= bound, "" if ok_shape else "shapes differ")
 
 
-def _permutes(lowered: PipelineLowered, fwd_text: str, bwd_text: str) -> list[CollectiveRow]:
+def _permutes(lowered: PipelineLowered, fwd_text: str, bwd_text: str,
+              parts: tuple[Plan, ...] | None = None) -> list[CollectiveRow]:
     plan, pipe, ns = lowered.plan, lowered.pipeline, lowered.namespace
     mesh = tuple(ns.PIPE_MESH_AXES.items())
     nbytes = plan.spec.dtype.nbytes
@@ -289,8 +296,7 @@ def _permutes(lowered: PipelineLowered, fwd_text: str, bwd_text: str) -> list[Co
     want = permutes_expected(pipe.stages, pipe.microbatches)
     stride = math.prod(s for n, s in mesh[[n for n, _ in mesh].index(pipe.axis) + 1:])
     rows = []
-    planned = {(s.op, tuple(a for a in s.axes if ns.PIPE_MESH_AXES[a] > 1))
-               for s in plan.forward + plan.backward if s.is_collective}
+    planned = _planned(lowered, parts)
     # The forward program sends activations down; the backward one recomputes that, then sends cotangents up.
     for phase, text, directions in (("forward", fwd_text, (stride,)), ("backward", bwd_text, (stride, -stride))):
         found = [c for c in collectives(text, mesh) if c.hlo_op == "collective-permute"]

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase
     from shardc.planner.ir import Plan
 
-__all__ = ["render", "render_optimizer", "comment", "GLOBALS"]
+__all__ = ["render", "render_optimizer", "comment", "specs", "function", "GLOBALS"]
 
 # Every module-level name of a generated module (tests check the list is complete): a
 # tensor's variable never takes one of these, so no phase function shadows what it reads (the
@@ -282,7 +282,7 @@ if __name__ == "__main__":
 '''
 
 
-def _specs(name: str, boundaries: tuple[object, ...]) -> str:
+def specs(name: str, boundaries: tuple[object, ...]) -> str:
     from shardc.lowering.codegen import pspec
 
     rows = [f"    {b.key!r}: {pspec(b.ref)},  {comment(str(b.ref))}"  # type: ignore[attr-defined]
@@ -290,7 +290,7 @@ def _specs(name: str, boundaries: tuple[object, ...]) -> str:
     return f"{name} = {{\n" + "\n".join(rows) + "\n}\n"
 
 
-def _function(phase: Phase, keyed: bool = False) -> str:
+def function(phase: Phase, keyed: bool = False) -> str:
     params = ", ".join([b.var for b in phase.inputs] + ["dropout_key"] * keyed)
     lines = [f"def {phase.name}_local({params}):",
              f'    """The {phase.name} on one device: local blocks in, local blocks out."""']
@@ -329,8 +329,8 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
 
     if uses_route(plan.forward):
         text += ROUTE_HELPER
-    text += "\n\n# ---- forward " + "-" * 60 + "\n\n" + _specs("FORWARD_IN", forward.inputs)
-    text += _specs("FORWARD_OUT", forward.outputs)
+    text += "\n\n# ---- forward " + "-" * 60 + "\n\n" + specs("FORWARD_IN", forward.inputs)
+    text += specs("FORWARD_OUT", forward.outputs)
     text += f"RESULTS = {tuple(results)!r}  # forward() returns these; the rest are residuals\n"
     stacked = sorted(b.key for b in forward.outputs if b.stacked)
     text += f"STACKED = frozenset({stacked!r})  # unreduced values: leading dim = partial sums\n"
@@ -338,12 +338,12 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
     text += f"STACKED_INPUTS = {stacked_in!r}  # inputs given as partial sums over these axes\n"
     keyed = any((s.fn or "").startswith("dropout_mask") for s in plan.forward)
     text += f"KEYED = {keyed!r}  # the forward takes a dropout key (forward(inputs, key))\n\n\n"
-    text += _function(forward, keyed)
-    text += "\n\n# ---- backward " + "-" * 59 + "\n\n" + _specs("BACKWARD_IN", backward.inputs)
-    text += _specs("BACKWARD_OUT", backward.outputs)
+    text += function(forward, keyed)
+    text += "\n\n# ---- backward " + "-" * 59 + "\n\n" + specs("BACKWARD_IN", backward.inputs)
+    text += specs("BACKWARD_OUT", backward.outputs)
     text += f"COTANGENTS = {cotangents!r}  # an output's gradient name -> the output\n"
     text += f"GRADS = {grads!r}  # tensor -> its gradient\n\n\n"
-    text += _function(backward) + extra
+    text += function(backward) + extra
     text += "\n\n# ---- driver " + "-" * 61 + "\n" + _DRIVER.format()
     dims = sorted({d.name for b in forward.inputs for d in b.ref.dims})
     if all(d in demo for d in dims):
@@ -367,5 +367,5 @@ def render_optimizer(zero: str, phase: Phase) -> str:
     """The optimizer section appended to a module (:mod:`shardc.lowering.optimizer`)."""
     from shardc.lowering.optimizer import optimizer_text
 
-    specs = _specs("OPTIMIZER_IN", phase.inputs) + _specs("OPTIMIZER_OUT", phase.outputs)
-    return optimizer_text(_plain(zero), specs, _function(phase))
+    tables = specs("OPTIMIZER_IN", phase.inputs) + specs("OPTIMIZER_OUT", phase.outputs)
+    return optimizer_text(_plain(zero), tables, function(phase))
