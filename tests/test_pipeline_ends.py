@@ -1,9 +1,5 @@
-"""The pipeline cost of a ``layers L { ... }`` block: the statements before it on the first chunk, those
-after it on the last (Megatron-LM's placement of the embedding and the loss).
-
-The spec's parser still refuses a block with a pipeline axis (lowering it is not done), so these
-plans are built as the planner builds a pipelined plan: the stage spec's plan, told its pipeline.
-"""
+"""A pipelined ``layers L { ... }`` block: the statements before it on the first chunk, those after it
+on the last (Megatron-LM's placement of the embedding and the loss), costed, lowered and verified."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ import shardc
 from shardc.accountings import ACCOUNTINGS
 from shardc.costmodel.pipeline import PipelineCost, boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import device_of, simulate
-from shardc.pipeline.stages import pipelined, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Mesh, MeshAxis, Schedule
 
@@ -41,7 +36,7 @@ def _plan(schedule: str = "1f1b") -> Plan:
     spec = shardc.parse(MODEL)
     piped = dataclasses.replace(spec, mesh=Mesh((MeshAxis("P", P, pipeline=True), *spec.mesh.axes)),
                                 microbatches=M, schedule=Schedule(schedule, 2 if schedule == "interleaved" else 1))
-    return pipelined(piped, shardc.plan(stage_spec(piped)))
+    return shardc.plan(piped)
 
 
 def _pipe(schedule: str = "1f1b") -> PipelineCost:
@@ -116,8 +111,54 @@ def test_the_report_states_the_ends() -> None:
     assert data["ideal_s"] == cost.simulation.ideal
 
 
-def test_a_pipelined_block_is_still_refused() -> None:
-    from shardc.errors import ShardcError
+def test_the_pipelined_block_parses() -> None:
+    spec = shardc.parse(MODEL.replace("mesh X=4, Y=2", "mesh P=4 pipeline, X=4, Y=2"))
+    assert spec.block == (1, 3) and spec.mesh.pipeline_axis is not None
 
-    with pytest.raises(ShardcError, match="pipeline axis"):
-        shardc.parse(MODEL.replace("mesh X=4, Y=2", "mesh P=4 pipeline, X=4, Y=2"))
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_whole_model_verifies(schedule: str) -> None:
+    """The loss and every gradient (the embedding's, the block's stacked, the head's) against numpy,
+    and the HLO's permutes: GPipe's m + p - 2 each way, 1F1B's one each way in its loop."""
+    from shardc.lowering.verify import verify
+
+    report = verify(_plan(schedule))
+    assert report.ok, report
+    grads = {r.tensor for r in report.values if r.phase == "backward"}
+    assert grads == {"dW_emb", "dW1", "dW2", "dW_out"}
+    assert [r.tensor for r in report.values if r.phase == "forward"] == ["Loss"]
+    assert any(r.kind == "CollectivePermute" and r.ok for r in report.collectives)
+
+
+def test_the_loss_is_the_mean_of_the_microbatches() -> None:
+    """Summing the microbatches' losses instead (their cotangent the loss's, not over M) is caught."""
+    from shardc.lowering import pipeline_ends_verify as ends_verify
+
+    lowered = ends_verify.lower_pipeline(_plan("gpipe"), *ends_verify._sizes(_plan("gpipe"), 8))
+    ns = lowered.namespace
+    inputs = ends_verify._inputs(lowered, 0, 0)
+    want, _ = ends_verify._reference(lowered, inputs, 1.0, 0)
+    got = float(ns.model_forward(inputs)[ns.LOSS])
+    assert got == pytest.approx(want, rel=1e-5)  # float32: not x64 here
+    sums = float(ns.model_programs()[1](*ns._model_args(inputs))[-1].sum())
+    assert sums == pytest.approx(M * got, rel=1e-5) and abs(sums - want) > 1.0
+
+
+TIED = ("W_out[D_X, V_Y]", "W_emb[V_Y, D_X]")  # the output layer reads the embedding's table
+NO_LOSS = ("Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S])", "Out[B_X, S, V_Y] = gelu(Lg[B_X, S, V_Y])")
+
+
+@pytest.mark.parametrize(("edit", "message"), [(TIED, "read both before and after"),
+                                               (NO_LOSS, "cross_entropy loss")])
+def test_what_the_lowering_refuses(edit: tuple[str, str], message: str) -> None:
+    from shardc.errors import ShardcError
+    from shardc.lowering.pipeline import lower_pipeline
+
+    text = MODEL.replace("mesh X=4, Y=2", "mesh P=4 pipeline, X=4, Y=2").replace(*edit)
+    if edit is TIED:
+        text = text.replace(", W_out\n", "\n")
+    else:
+        text = text.replace(", Next\n", "\n")
+    plan = shardc.plan(shardc.parse(text))
+    with pytest.raises(ShardcError, match=message):
+        lower_pipeline(plan, load=False)

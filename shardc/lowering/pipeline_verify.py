@@ -168,7 +168,13 @@ def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_out: n
 
 def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -> Report:
     """Lower the pipeline small, run it, check values and the compiled permutes (see the module doc);
-    ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it."""
+    ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it.  A ``layers L
+    { ... }`` block with statements around it is verified as the whole model
+    (:mod:`shardc.lowering.pipeline_ends_verify`)."""
+    if plan.spec.block is not None:
+        from shardc.lowering.pipeline_ends_verify import verify_model
+
+        return verify_model(plan, devices, seed, key)
     sizes, layers, micro = _sizes(plan, devices)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)
     ns = lowered.namespace

@@ -76,7 +76,6 @@ def _check(spec: Spec) -> None:
         line = statement.result.span.line if statement.result.span else number + 1
         first[statement.result.name] = (statement.result, line, True)
     _check_layers(spec)
-    _check_block(spec)
     _check_params(spec, defined)
     _check_const(spec, defined)
     _check_namespaces(spec)
@@ -138,21 +137,6 @@ def _check_layers(spec: Spec) -> None:
         raise ShardcError(f"`layers {layers}`: {layers} is not a dim with a size", span,
                           fix=f"add {layers} to dims (e.g. `dims {layers}=40`) "
                           "or write the count, `layers 40`")
-
-
-def _check_block(spec: Spec) -> None:
-    """A ``layers L { ... }`` block is not cut into pipeline stages (yet): the statements around it
-    would run on the first and last stage (as Megatron-LM places the embedding and the loss), which
-    neither the pipeline's cost (its stages are alike) nor its lowering (one layer function) does.
-    Dropout is pipelined: a microbatch draws its slice of the whole batch's mask."""
-    if spec.mesh.pipeline_axis is None:
-        return
-    if spec.block is not None:
-        raise ShardcError("a `layers` block with a pipeline axis: the pipeline cuts the whole spec into stages "
-                          "of identical layers, and does not yet place the statements before the block on the "
-                          "first stage and those after it on the last", spec.span_of("layers"),
-                          fix="pipeline the layer alone (`layers L` without braces; its first input is what a "
-                          "stage receives), and cost the embedding and the loss without the pipeline axis")
 
 
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:
