@@ -4,6 +4,7 @@ on the last (Megatron-LM's placement of the embedding and the loss), costed, low
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,29 @@ def test_what_the_lowering_refuses(edit: tuple[str, str], message: str) -> None:
     plan = shardc.plan(shardc.parse(text))
     with pytest.raises(ShardcError, match=message):
         lower_pipeline(plan, load=False)
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline_llama2_13b.shard"
+
+
+def test_the_llama2_13b_example_costs_its_ends_on_stages_0_and_3() -> None:
+    plan = shardc.plan(shardc.parse(EXAMPLE.read_text(encoding="utf-8"), filename=str(EXAMPLE)))
+    from shardc.pipeline.stages import pipeline_note
+
+    assert "the steps marked once on the first stage" in pipeline_note(plan.spec)[0]
+    cost = shardc.cost(plan).pipeline
+    assert cost is not None and cost.pipeline.stage_layers == (10,) * 4
+    state = [s.state_bytes for s in cost.stages]
+    table = 32000 * 5120 / (64 * 4) * sum(ACCOUNTINGS["adam10"][:3])  # W_emb[V_Y, D_X], W_out[D_X, V_Y]
+    assert state[0] - state[1] == pytest.approx(table) and state[3] - state[1] == pytest.approx(table)
+    assert state[1] == pytest.approx(state[2])
+    assert all(s.memory_bytes <= s.hbm_bytes for s in cost.stages)
+    assert cost.last.forward > 0 and cost.step_s > cost.simulation.ideal
+
+
+def test_the_llama2_13b_example_verifies_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardc.cli.main import main
+
+    assert main(["verify", str(EXAMPLE)]) == 0
+    out = capsys.readouterr().out
+    assert "verified" in out and "dW_emb" in out and "dW_out" in out and "Loss" in out

@@ -19,8 +19,7 @@ import numpy as np
 
 from shardc.lowering import reference
 from shardc.lowering.pipeline import PipelineLowered, lower_pipeline
-from shardc.lowering.pipeline_verify import (_calibrate, _contracted, _key, _loop_permutes, _permutes, _row,
-                                             _sizes)
+from shardc.lowering.pipeline_verify import _calibrate, _contracted, _key, _loop_permutes, _permutes, _row, _sizes
 from shardc.lowering.verify import TOLERANCE, Report
 from shardc.pipeline.stages import stage_spec
 from shardc.planner.ir import Plan

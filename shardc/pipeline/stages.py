@@ -1,8 +1,9 @@
 """A pipelined spec: its stage axis, the split of the repeated block's layers, the stage's own spec.
 
 The block repeated ``layers L`` times is cut into P stages (P the size of the axis
-marked ``pipeline``) of L/P consecutive layers; an uneven split puts the extra
-layers on the first stages, and is stated.  Inside a stage the plan uses the other
+marked ``pipeline``) of L/P consecutive layers (the statements before a ``layers L
+{ ... }`` block run on the first stage, those after it on the last, as Megatron-LM
+places them); an uneven split puts the extra layers on the first stages, and is stated.  Inside a stage the plan uses the other
 axes only: :func:`stage_spec` is the spec with the stage axis removed, which the
 planner plans as it would any spec.  ``interleaved V`` and ``zbv`` cut each stage
 into V (zbv: 2) chunks of layers: chunk c of the model sits on device c mod P
@@ -82,8 +83,10 @@ def pipeline_note(spec: Spec) -> list[str]:
     if pipe is None:
         return []
     given = "" if pipe.microbatches_given else " (default)"
+    what = ("for one layer of the block, the steps marked once on the first stage (before the block) or the "
+            "last (after it)" if spec.block is not None else "for one layer")
     return [f"# pipeline over {pipe.axis}: {pipe.split_text()}; {pipe.microbatches} microbatches{given}, "
-            f"schedule {pipe.schedule}; below is one stage's plan, for one layer (nothing is sharded over "
+            f"schedule {pipe.schedule}; below is one stage's plan, {what} (nothing is sharded over "
             f"{pipe.axis}); `shardc cost` gives the pipeline's step time"]
 
 
