@@ -46,7 +46,8 @@ from shardc.spec.ir import (
     Statement,
     TensorRef,
 )
-from shardc.spec.validate import leaves, validate
+from shardc.spec.validate import validate
+from shardc.spec.walk import leaves
 
 __all__ = ["meshes", "shardings", "tensor_refs", "specs", "spec_texts"]
 

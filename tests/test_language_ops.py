@@ -7,7 +7,7 @@ import pytest
 from shardc.errors import ShardcError
 from shardc.spec.ir import Add, Call, Contract, TensorRef
 from shardc.spec.parser import parse
-from shardc.spec.validate import chain_indices
+from shardc.spec.walk import chain_indices
 
 HEAD = "mesh X=2, Y=2\n"
 

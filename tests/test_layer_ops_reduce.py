@@ -20,7 +20,7 @@ from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.render import render_explain
 from shardc.spec.ir import Spec
-from shardc.spec.validate import calls
+from shardc.spec.walk import calls
 from shardc.testing import specs
 from shardc.timing import plan_time, step_volume
 

@@ -21,7 +21,7 @@ from shardc.planner.ir import Op, Plan
 from shardc.planner.render import render_text, to_json
 from shardc.spec.functions import ID_BYTES, ID_DTYPE
 from shardc.spec.ir import Spec, TensorRef
-from shardc.spec.validate import element_bytes, id_names, id_vocabulary
+from shardc.spec.walk import element_bytes, id_names, id_vocabulary
 from shardc.testing import specs
 from shardc.timing import plan_sizes, step_volume
 

@@ -244,9 +244,9 @@ def test_shardings_use_each_axis_once(mesh_and_dims: tuple[Mesh, tuple[Dim, ...]
     assert len(axes) == len(set(axes)) and set(axes) <= set(mesh.names) and mesh.devices <= 8
 
 
-@pytest.mark.parametrize("module", ["shardc.spec.parser", "shardc.spec.validate", "shardc.spec.overrides",
-                                    "shardc.spec.functions", "shardc.spec.ir", "shardc.testing",
-                                    "shardc.names"])
+@pytest.mark.parametrize("module", ["shardc.spec.parser", "shardc.spec.validate", "shardc.spec.exprs",
+                                    "shardc.spec.walk", "shardc.spec.overrides", "shardc.spec.functions",
+                                    "shardc.spec.ir", "shardc.testing", "shardc.names"])
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib

@@ -33,7 +33,7 @@ from shardc.planner.sums import ALIAS
 from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.ir import Dim, TensorRef
-from shardc.spec.validate import id_names, leaves
+from shardc.spec.walk import id_names, leaves
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
            "residual_formula", "value_bytes", "kept_once"]

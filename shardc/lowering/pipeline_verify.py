@@ -109,7 +109,7 @@ def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarra
     """Scale each layer's last param so its output has unit RMS (a deep product of einsums
     otherwise vanishes or overflows; layer norms do this in a real model)."""
     from shardc.spec.ir import Contract
-    from shardc.spec.validate import leaves
+    from shardc.spec.walk import leaves
 
     ns = lowered.namespace
     last = next((s for s in spec.statements if s.result.name == ns.BLOCK_OUTPUT), None)
@@ -130,7 +130,7 @@ def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarra
 def _contracted(spec: Spec, param: str, sizes: dict[str, int]) -> int:
     """The size a param's einsum sums over (its indices the result lacks)."""
     for statement in spec.statements:
-        from shardc.spec.validate import leaves
+        from shardc.spec.walk import leaves
 
         refs = list(leaves(statement.expr))
         for ref in refs:

@@ -1,7 +1,7 @@
 """The unsharded reference: the spec's statements on whole arrays, forward and backward.
 
 Built from the spec's own semantics, not from the planner: each statement's
-expression is read as the language defines it (:func:`shardc.spec.validate.fold`:
+expression is read as the language defines it (:func:`shardc.spec.walk.fold`:
 products fold left to right, a shared index kept only when the result has it and
 no later operand reads it; a function applies elementwise; a parenthesised group
 is its own product),
@@ -28,7 +28,7 @@ from shardc.lowering.functions import function
 from shardc.lowering.route import route_forward
 from shardc.spec.functions import dropout_salt, is_route_fn, parse_route, route_fn, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
-from shardc.spec.validate import chain_indices, dropout_number, fold, leaves
+from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
 

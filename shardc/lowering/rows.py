@@ -333,7 +333,7 @@ def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) 
 
 def id_inputs(spec: Any) -> dict[str, str]:
     """Token-id tensors (integers in [0, vocabulary), ID_DTYPE) and their vocabulary index, from the spec."""
-    from shardc.spec.validate import id_vocabulary
+    from shardc.spec.walk import id_vocabulary
 
     return id_vocabulary(spec)
 

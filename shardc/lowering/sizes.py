@@ -12,7 +12,7 @@ import math
 
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
-from shardc.spec.validate import renamed_indices
+from shardc.spec.walk import renamed_indices
 
 __all__ = ["shrink_mesh", "small_sizes", "devices_to_check", "collapsed_axes", "MAX_SMALL_DIM",
            "MAX_DEVICES"]

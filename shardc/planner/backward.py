@@ -36,10 +36,11 @@ from shardc.names import fresh
 from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
-from shardc.planner.layout import Layout, Value, reshard
+from shardc.planner.layout import Layout, Value
 from shardc.planner.masks import vjp_fn
 from shardc.planner.phase import Phase
 from shardc.planner.rows_backward import rows_backward
+from shardc.planner.search import reshard
 from shardc.planner.sums import ALIAS
 from shardc.planner.vocab import embed_backward, loss_backward
 from shardc.spec.functions import PASS_THROUGH

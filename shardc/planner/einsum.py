@@ -24,8 +24,9 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardc.planner.layout import INFINITE, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.layout import INFINITE, Cost, CostContext, Move, Value, add_cost
 from shardc.planner.reverse import reshard_to
+from shardc.planner.search import reshard
 
 __all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
            "room", "compute_cost"]

@@ -20,7 +20,7 @@ from shardc.names import fresh, gradient_names
 from shardc.planner.rowstats import stat_names
 from shardc.spec.functions import MASK_BYTES, is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
-from shardc.spec.validate import chain_indices, element_bytes, fold, id_names, leaves
+from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
 __all__ = ["Node", "Graph", "build_graph", "LAYER_CALLS"]
 
@@ -61,7 +61,7 @@ class Graph:
     const: frozenset[str] = frozenset()  # inputs declared without a gradient
     grads: dict[str, str] = field(default_factory=dict)  # tensor -> its gradient's name
     # tensor -> bytes an element, where not the spec's dtype: token ids 4 (int32,
-    # shardc.spec.validate.element_bytes), a dropout's keep-mask 1; the one place it is decided
+    # shardc.spec.walk.element_bytes), a dropout's keep-mask 1; the one place it is decided
     element_bytes: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -23,7 +23,7 @@ from shardc.planner.layout import Value
 from shardc.planner.phase import Phase
 from shardc.spec.functions import MASK_BYTES, dropout_salt
 from shardc.spec.ir import TensorRef
-from shardc.spec.validate import dropout_number
+from shardc.spec.walk import dropout_number
 
 __all__ = ["plan_masked", "vjp_fn", "causal_fn", "dropout_fn", "parse_fn", "MASK_BYTES"]
 

@@ -15,7 +15,8 @@ from shardc.collectives import FACTOR
 from shardc.errors import ShardcError, Span
 from shardc.planner.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
 from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
-from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost
+from shardc.planner.search import reshard
 from shardc.spec.ir import TensorRef
 
 __all__ = ["ALIAS", "Phase", "Traced"]

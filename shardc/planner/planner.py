@@ -40,7 +40,8 @@ from shardc.planner.unit import (
 from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.ir import Spec, TensorRef
-from shardc.spec.validate import leaves, validate
+from shardc.spec.validate import validate
+from shardc.spec.walk import leaves
 from shardc.timing import PlanTime, plan_time
 
 __all__ = ["plan", "SAVE_POLICIES"]

@@ -1,6 +1,6 @@
 """Costs *to* a target from many sources: one Dijkstra over reversed moves.
 
-:func:`shardc.planner.layout.reshard` searches forward from its sources, one search
+:func:`shardc.planner.search.reshard` searches forward from its sources, one search
 per source set.  An einsum's result needs the opposite: from each of hundreds of
 local results (one per configuration) to one declared value, and a chain's last
 step the same from each candidate layout.  Walking the moves backwards from the

@@ -18,9 +18,10 @@ from __future__ import annotations
 from shardc.errors import ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
-from shardc.planner.layout import Value, add_cost, reshard
+from shardc.planner.layout import Value, add_cost
 from shardc.planner.phase import Phase
 from shardc.planner.rows import Layouts, by_index, candidates, choose, in_order, record
+from shardc.planner.search import reshard
 from shardc.spec.functions import parse_route, route_fn  # the step fn: route(S,E,C,k)
 from shardc.spec.ir import Call, TensorRef
 

@@ -33,9 +33,10 @@ from shardc.collectives import FACTOR
 from shardc.errors import InternalError, ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
-from shardc.planner.layout import ZERO, Cost, Layout, Move, Value, add_cost, reshard
+from shardc.planner.layout import ZERO, Cost, Layout, Move, Value, add_cost
 from shardc.planner.phase import Phase
 from shardc.planner.rowstats import BACKWARD_STATS, ROW_FNS, STATS
+from shardc.planner.search import reshard
 from shardc.spec.functions import signature
 from shardc.spec.ir import TensorRef
 

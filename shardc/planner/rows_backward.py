@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from shardc.names import fresh
 from shardc.planner.graph import Node
-from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
+from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.planner.rows import (
     BACKWARD_STATS,
     Layouts,
@@ -38,6 +38,7 @@ from shardc.planner.rows import (
     statistic,
     stats_cost,
 )
+from shardc.planner.search import reshard
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward

@@ -30,8 +30,9 @@ from shardc.errors import ShardcError
 from shardc.planner.einsum import room
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
-from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, reshard
+from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
 from shardc.planner.phase import ALIAS, Phase
+from shardc.planner.search import reshard
 from shardc.spec.ir import TensorRef
 
 __all__ = ["plan_add", "plan_rename", "add_fn", "guard_axes", "ALIAS"]

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from shardc.errors import ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
-from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost, reshard
+from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.planner.phase import Phase
 from shardc.planner.rows import (
     Layouts,
@@ -41,6 +41,7 @@ from shardc.planner.rows import (
     statistic,
     stats_cost,
 )
+from shardc.planner.search import reshard
 from shardc.spec.ir import TensorRef
 
 if TYPE_CHECKING:

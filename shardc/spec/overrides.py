@@ -18,7 +18,8 @@ import dataclasses
 
 from shardc.errors import ShardcError
 from shardc.spec.ir import Mesh, Spec
-from shardc.spec.validate import leaves, validate
+from shardc.spec.validate import validate
+from shardc.spec.walk import leaves
 
 __all__ = ["apply_overrides", "dim_names"]
 

@@ -1,0 +1,169 @@
+"""Reading an expression of a spec: its tensors, calls, token ids and the indices it leaves.
+
+The parse, plan, cost and lower passes all read a spec's expressions through these
+functions, so each question (which references, which calls, which tensors hold token
+ids, which indices a chain's intermediate keeps) has one answer.
+
+>>> from shardc.spec.parser import parse
+>>> spec = parse("mesh X=4\\nOut[B_X, D] = In[B_X, D] · W_in[D, F] · W_out[F, D]\\n")
+>>> [ref.name for ref in leaves(spec.statements[0].expr)]
+['In', 'W_in', 'W_out']
+>>> fold(("B", "D"), ("D", "F"), {"B", "D"}, {"F", "D"})
+('B', 'F')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from shardc.spec.functions import ID_BYTES, integer_args, is_known, signature
+from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
+
+__all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes",
+           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices"]
+
+
+def leaves(expr: Expr) -> Iterator[TensorRef]:
+    """The tensor references of an expression, left to right."""
+    if isinstance(expr, TensorRef):
+        yield expr
+    elif isinstance(expr, Call):
+        for arg in expr.args:
+            yield from leaves(arg)
+    else:
+        for operand in expr.operands if isinstance(expr, Contract) else expr.terms:
+            yield from leaves(operand)
+
+
+def calls(expr: Expr) -> Iterator[Call]:
+    """The function calls of an expression, outermost first."""
+    if isinstance(expr, Call):
+        yield expr
+        for arg in expr.args:
+            yield from calls(arg)
+    elif isinstance(expr, Contract | Add):
+        for operand in expr.operands if isinstance(expr, Contract) else expr.terms:
+            yield from calls(operand)
+
+
+def dropout_number(statement: Statement, call: Call) -> int:
+    """Which dropout of its statement ``call`` is, outermost first (with the result, its mask's salt)."""
+    dropouts = [c for c in calls(statement.expr) if c.func == "dropout"]
+    return next(k for k, c in enumerate(dropouts) if c is call)
+
+
+def id_refs(expr: Expr) -> Iterator[TensorRef]:
+    """The token-id tensors of an expression (embed's ids, cross_entropy's targets): no gradient."""
+    for call in calls(expr):
+        for _, ref in _call_ids(call):
+            yield ref
+
+
+def _call_ids(call: Call) -> Iterator[tuple[int, TensorRef]]:
+    """(argument number, reference) of each token-id argument of one call."""
+    if is_known(call.func):
+        for k in integer_args(call.func):
+            arg = call.args[k] if k < len(call.args) else None
+            if isinstance(arg, TensorRef):
+                yield k, arg
+
+
+def id_vocabulary(spec: Spec) -> dict[str, str]:
+    """Every tensor holding token ids -> the vocabulary index its ids pick from: those embed (the
+    table's first index) and cross_entropy (the index of the logits the ids lack) read, and what a
+    copy of one reads (``Tok2[B, S] = Tok[B_X, S]`` moves ids, so Tok holds ids too)."""
+    found: dict[str, str] = {}
+    for statement in spec.statements:
+        for call in calls(statement.expr):
+            for k, ids in _call_ids(call):
+                other = chain_indices(call.args[1 - k], ()) if len(call.args) == 2 else ()
+                embed = signature(call.func).kind == "embed"
+                vocab = other[:1] if embed else tuple(i for i in other if i not in ids.indices)
+                found.setdefault(ids.name, vocab[0] if vocab else "")
+    for statement in reversed(spec.statements):  # a copy is defined before what reads it
+        source = statement.expr
+        if statement.result.name in found and isinstance(source, TensorRef):
+            found.setdefault(source.name, found[statement.result.name])
+    return found
+
+
+def id_names(spec: Spec) -> frozenset[str]:
+    """Every tensor holding token ids (:func:`id_vocabulary`): integers, without a gradient."""
+    return frozenset(id_vocabulary(spec))
+
+
+def element_bytes(spec: Spec) -> dict[str, int]:
+    """Bytes an element of each tensor whose elements are not of the spec's dtype: the token ids
+    (int32).  The one place this is decided: the planner's volumes, the costs, memory and the HLO
+    check all read it (:meth:`shardc.planner.ir.Plan.nbytes`)."""
+    return dict.fromkeys(sorted(id_names(spec)), ID_BYTES)
+
+
+def route_slots(expr: Expr) -> set[str]:
+    """The capacity indices that ``route`` calls in ``expr`` make (no tensor of the spec has them before)."""
+    return {c.names[1] for c in calls(expr) if is_known(c.func) and signature(c.func).kind == "route"
+            and len(c.names) == 2}
+
+
+def is_rename(statement: Statement) -> bool:
+    """``Kx[B, T, D] = X[B, S, D]``: a tensor read under other index names (by position)."""
+    expr = statement.expr
+    return isinstance(expr, TensorRef) and set(expr.indices) != set(statement.result.indices) and \
+        len(expr.indices) == len(statement.result.indices)
+
+
+def renamed_indices(spec: Spec) -> list[tuple[str, str]]:
+    """(new, old) for each index a rename gives another name: the two have one size."""
+    pairs: dict[tuple[str, str], None] = {}
+    for statement in spec.statements:
+        if is_rename(statement):
+            assert isinstance(statement.expr, TensorRef)
+            for new, old in zip(statement.result.indices, statement.expr.indices, strict=True):
+                if new != old:
+                    pairs[(new, old)] = None
+    return list(pairs)
+
+
+def fold(left: tuple[str, ...], right: tuple[str, ...], final: set[str], later: set[str]) -> tuple[str, ...]:
+    """Indices of a chain intermediate (the book's left-to-right products).
+
+    A shared index is batch, and kept, iff it is in the final result and no later
+    operand reads it; otherwise neighbours contract it (``In[B,D]·W_in[D,F]·W_out[F,D]``
+    contracts D first and reads a new D in W_out).
+    """
+    shared = set(left) & set(right)
+    batch = {i for i in shared if i in final and i not in later}
+    out = [i for i in left if i not in shared or i in batch]
+    out += [i for i in right if i not in shared]
+    return tuple(out)
+
+
+def chain_indices(expr: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
+    """The indices ``expr`` leaves, under chain folding towards a result with ``outer``."""
+    if isinstance(expr, TensorRef):
+        return expr.indices
+    if isinstance(expr, Call):
+        return _call_indices(expr, outer)
+    if isinstance(expr, Add):
+        terms = [chain_indices(t, outer) for t in expr.terms]
+        return max(terms, key=len)  # the widest term; the others broadcast (checked by validate)
+    parts = [chain_indices(o, outer) for o in expr.operands]
+    acc = parts[0]
+    for k in range(1, len(parts)):
+        acc = fold(acc, parts[k], set(outer), {i for p in parts[k + 1:] for i in p})
+    return acc
+
+
+def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
+    """A call's indices: its argument's, less a reduced index; a lookup's or a loss's by kind."""
+    kind = signature(call.func).kind if is_known(call.func) else "elementwise"
+    if kind == "reduce" and call.over is not None:
+        return tuple(i for i in chain_indices(call.arg, outer + (call.over,)) if i != call.over)
+    if kind == "embed" and call.more:
+        return chain_indices(call.arg, ()) + chain_indices(call.more[0], ())[1:]
+    if kind == "loss":
+        return ()
+    if kind == "route" and len(call.names) == 2:
+        return chain_indices(call.arg, outer) + (call.names[1],)
+    return chain_indices(call.arg, outer)
+
