@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ShardcError", "InternalError", "Span"]
+__all__ = ["ShardcError", "InternalError", "Span", "LAYERS_FEED"]
+
+# ShardcError.kind of a `layers` spec whose layer outputs cannot feed its inputs (validate._check_feed)
+LAYERS_FEED = "layers-feed"
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,17 @@ class ShardcError(Exception):
     """The root (and only) error class of shardc.
 
     ``message`` says what is wrong, ``fix`` how to repair it, ``span`` where.
-    ``str(err)`` is the full rendering with the source line and a caret.
+    ``str(err)`` is the full rendering with the source line and a caret.  ``kind``, when
+    set, names the check that failed for code that acts on it (``LAYERS_FEED``), so no
+    caller matches words of the message.
     """
 
-    def __init__(self, message: str, span: Span | None = None, fix: str | None = None) -> None:
+    def __init__(self, message: str, span: Span | None = None, fix: str | None = None,
+                 kind: str | None = None) -> None:
         self.message = message
         self.span = span
         self.fix = fix
+        self.kind = kind
         super().__init__(self.render())
 
     def render(self) -> str:
@@ -62,7 +69,7 @@ class ShardcError(Exception):
 
     def with_span(self, span: Span) -> ShardcError:
         """The same error, pointing at ``span`` (used when a pass learns the place late)."""
-        return ShardcError(self.message, span, self.fix)
+        return ShardcError(self.message, span, self.fix, self.kind)
 
 
 class InternalError(ShardcError):

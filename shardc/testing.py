@@ -15,9 +15,16 @@ Importing this module pulls in hypothesis but not jax or sympy.
 ...     assert mesh.devices <= 8
 >>> test_small_mesh()
 
+>>> @given(specs(routes=True, max_statements=2))
+... def test_routed_specs_compute_in_f32(spec):
+...     assert any("route(" in str(s) for s in spec.statements) and str(spec.dtype) == "f32"
+>>> test_routed_specs_compute_in_f32()
+
 Narrow what you get with keywords, e.g. ``specs(calls=False, unreduced=False)``
 for plain contractions, ``specs(layer_ops=True)`` to draw reductions over an index
-(softmax, norms, sum, max, ...), ``embed`` and ``cross_entropy`` as well,
+(softmax, norms, sum, max, ...), ``embed``, ``cross_entropy`` and ``route`` as well,
+``specs(routes=True)`` for a top-k ``route`` in every spec (computed in f32) and the
+combine and dispatch products reading its mask,
 ``specs(mesh=Mesh((MeshAxis("X", 8),)), dims=True)`` for a fixed mesh with sizes.
 ``shardings(("B", "D"), mesh)`` draws the dims of one tensor reference (each mesh axis
 at most once).
@@ -30,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from shardc.errors import ShardcError
+from shardc.errors import LAYERS_FEED, ShardcError
 from shardc.spec.functions import ELEMENTWISE
 from shardc.spec.ir import (
     Add,
@@ -111,6 +118,8 @@ class _State:
     defined: set[str] = field(default_factory=set)
     counter: int = 0
     same: dict[str, str] = field(default_factory=dict)  # a renamed index -> the one it renames (one size)
+    least: dict[str, int] = field(default_factory=dict)  # a route's expert index -> its k (the size's floor)
+    routes: list[tuple[Call, TensorRef]] = field(default_factory=list)  # each route drawn, and its mask
 
     def fresh(self, base: str) -> str:
         self.counter += 1
@@ -249,9 +258,58 @@ def _vocabulary(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]]:
     return Call("cross_entropy", logits, more=(_ids(draw, state, tok),)), []
 
 
-def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool, masks: bool = True) -> Statement:
-    kind = draw(st.sampled_from(kinds))
+def _gates(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]]:
+    """Route's argument, of two or more indices: a tensor, or softmax of a product (a router)."""
+    wide = sorted(n for n, r in state.tensors.items() if len(r.indices) >= 2 and not r.unreduced)
+    choice = draw(st.integers(0, 2))
+    if choice == 0 and wide:
+        ref = state.tensors[draw(st.sampled_from(wide))]
+        return ref, draw(st.permutations(ref.indices))
+    if choice == 1:
+        inner, indices = _contraction(draw, state, 2)
+        if len(indices) >= 2:
+            return Call("softmax", inner, over=draw(st.sampled_from(indices))), indices
+    indices = draw(st.lists(st.sampled_from(INDEX_NAMES), min_size=2, max_size=3, unique=True))
+    ref = draw(tensor_refs(_input_name(draw, state), indices, state.mesh))  # reduced: route reads whole gates
+    state.tensors[ref.name] = ref
+    return ref, indices
+
+
+def _route(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]]:
+    """``route(Gate, S, C, k over E)``: a fresh capacity index C, k at most E's size (see :func:`specs`)."""
+    gates, indices = _gates(draw, state)
+    order, experts = draw(st.permutations(indices))[:2]
+    k = draw(st.integers(1, 4))
+    state.least[experts] = max(k, state.least.get(experts, 1))
+    slots = state.fresh("C")
+    call = Call("route", gates, names=(order, slots), numbers=(float(k),), over=experts)
+    return call, draw(st.permutations(indices + [slots]))
+
+
+def _routed(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]] | None:
+    """A statement reading a mask drawn before: the combine ``Gate * Disp`` or the dispatch ``Disp · X``."""
+    if not state.routes:
+        return None
+    call, mask = state.routes[draw(st.integers(0, len(state.routes) - 1))]
+    if isinstance(call.arg, TensorRef) and draw(st.booleans()):  # Comb[G, S, E, C] = Gate * Disp
+        operands = draw(st.permutations([call.arg, mask]))
+        return Contract(tuple(operands), op="*"), draw(st.permutations(list(mask.indices)))
+    (order, slots), experts = call.names, call.over
+    # In[G, E, C, D] = Disp[G, S, E, C] · X[G, S, D]: the tokens, gathered into the experts' slots
+    model = draw(st.sampled_from([i for i in INDEX_NAMES if i not in mask.indices]))
+    x = _input(draw, state, draw(st.permutations([i for i in mask.indices if i not in (experts, slots)] + [model])))
+    kept = [i for i in mask.indices if i != order] + [model]
+    return Contract(tuple(draw(st.permutations([mask, x]))), op=draw(st.sampled_from(OPS))), draw(st.permutations(kept))
+
+
+def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool, masks: bool = True,
+               route: bool = False) -> Statement:
+    kind = "route" if route else draw(st.sampled_from(kinds))
     expr: Expr
+    if kind == "route":  # a new mask (always when forced), or more often a statement reading one
+        drawn_route = None if route or draw(st.integers(0, 2)) == 0 else _routed(draw, state)
+        expr, indices = drawn_route if drawn_route is not None else _route(draw, state)
+        return _result(draw, state, expr, indices, chains, "Disp" if drawn_route is None else "")
     if kind == "rename":
         renamed = _rename(draw, state)
         if renamed is not None:
@@ -276,13 +334,21 @@ def _statement(draw: st.DrawFn, state: _State, kinds: list[str], chains: bool, m
         for k, func in enumerate(funcs):
             if func != "causal" or k == len(funcs) - 1:  # -inf feeds only a softmax: causal goes last
                 expr = _call(draw, func, expr, indices)
+    return _result(draw, state, expr, indices, chains)
+
+
+def _result(draw: st.DrawFn, state: _State, expr: Expr, indices: list[str], chains: bool,
+            base: str = "") -> Statement:
+    """The statement ``Result[indices] = expr``, its result readable by later statements."""
     # Only a contraction leaves partial sums (a function of partial sums is an error); the planner
     # makes them by contracting locally, so give {U_..} to binary contractions with a contracted index.
     partial = state.unreduced and _contracts_an_index(expr, indices)
-    result = draw(tensor_refs(state.fresh(draw(st.sampled_from(("T", "H", "Out")))), indices, state.mesh,
+    result = draw(tensor_refs(state.fresh(base or draw(st.sampled_from(("T", "H", "Out")))), indices, state.mesh,
                               unreduced=partial))
     if not (isinstance(expr, Call) and expr.func == "causal"):  # its -inf is read by nothing drawn here
         state.tensors[result.name] = result
+    if isinstance(expr, Call) and expr.func == "route":
+        state.routes.append((expr, result))
     state.defined.add(result.name)
     arrow = chains and not isinstance(expr, TensorRef) and draw(st.booleans())
     return Statement(result, expr, arrow=arrow)
@@ -299,28 +365,42 @@ def _contracts_an_index(expr: Expr, result: list[str]) -> bool:
 def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, dims: bool | None = None,
           chains: bool = True, calls: bool = True, unreduced: bool = True, reshards: bool = True,
           headers: bool = True, max_devices: int = 64, sums: bool = True, renames: bool = True,
-          masks: bool = True, layer_ops: bool = False) -> Spec:
+          masks: bool = True, layer_ops: bool = False, routes: bool | None = None) -> Spec:
     """A valid spec of 1..max_statements statements (``dims``: None = maybe, True/False = always/never).
 
     ``sums`` draws ``A ± B`` (a term may broadcast), ``renames`` ``Kx[B, T] = X[B, S]``, ``masks``
     ``dropout(X, rate)`` and ``causal(X, S, T)`` among the calls; ``layer_ops`` draws reductions over
-    an index (softmax, norms, sum, ...), embed and cross_entropy too.
+    an index (softmax, norms, sum, ...), embed and cross_entropy too.  ``routes`` draws
+    ``route(Gate, S, C, k over E)`` (None: with ``layer_ops``; True: in every spec) and statements
+    reading its mask, the combine ``Gate * Disp`` and the dispatch ``Disp · X``.
     """
     state = _State(mesh if mesh is not None else draw(meshes(max_devices=max_devices)), unreduced)
     kinds = ["contract"] + ["reshard"] * reshards + ["call"] * calls + ["sum"] * sums + ["rename"] * renames
     kinds += ["reduce", "reduce", "vocab"] * layer_ops
+    routes = layer_ops if routes is None else routes
+    kinds += ["route", "route"] * routes
     count = draw(st.integers(1, max_statements))
-    statements = tuple(_statement(draw, state, kinds, chains, masks) for _ in range(count))
+    forced = draw(st.integers(0, count - 1)) if routes is True and "route" in kinds else -1  # one route at least
+    statements = tuple(_statement(draw, state, kinds, chains, masks, k == forced) for k in range(count))
     used = dict.fromkeys(i for s in statements for r in [s.result, *leaves(s.expr)] for i in r.indices)
     with_dims = draw(st.booleans()) if dims is None else dims
-    drawn = {i: state.mesh.devices * draw(st.integers(1, 4)) for i in used} if with_dims else {}
+    least = _least_sizes(state)
+    devices = state.mesh.devices
+    drawn = {i: devices * draw(st.integers(-(-least.get(i, 1) // devices), 4)) for i in used} if with_dims else {}
     for new, old in state.same.items():  # a rename keeps the size
         if new in drawn:
             drawn[new] = drawn.get(old, drawn[new])
     sizes = tuple(drawn.items())
     if with_dims and not sizes:  # only zero-dim tensors: a dims line still says "sizes are known"
         sizes = (("L", draw(st.integers(1, 96))),)
-    spec = Spec(state.mesh, statements, dims=sizes)
+    # A route's top k flips between near-equal gates when the lowered program rounds them otherwise
+    # than the float64 reference: bf16 (8 bits of mantissa) and f16 rounds give ties often, and f8
+    # computes in bf16.  A reference rounding its gates to the dtype would not help, since the lowered
+    # program's sums round in another order.  So a spec with a route computes in f32, as Switch
+    # computes its router (Fedus et al. 2021); in f32 a flip needs two gates within about 2**-24
+    # of each other, far rarer than verify's small sizes draw.
+    dtypes = [DType.F32] if state.routes else list(DType)
+    spec = Spec(state.mesh, statements, dims=sizes, dtype=dtypes[0])
     if not headers:
         return _valid(spec)
     inputs = sorted(state.tensors.keys() - state.defined)
@@ -335,7 +415,7 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     if layers is not None and count > 1 and draw(st.booleans()):  # `layers L { ... }` around some statements
         first = draw(st.integers(0, count - 1))
         block = (first, draw(st.integers(first + 1, count)))
-    spec = Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(list(DType))),
+    spec = Spec(state.mesh, statements, dims=sizes, dtype=draw(st.sampled_from(dtypes)),
                 params=None if params is None else tuple(params), const=const,
                 hardware=draw(st.none() | st.sampled_from(HARDWARE)), layers=layers, block=block)
     if layers is not None and not _feeds(spec):
@@ -343,12 +423,20 @@ def specs(draw: st.DrawFn, max_statements: int = 4, mesh: Mesh | None = None, di
     return _valid(spec)
 
 
+def _least_sizes(state: _State) -> dict[str, int]:
+    """Each index's least size: a route's expert index at least its k, and so the index it renames."""
+    least = dict(state.least)
+    for new, old in reversed(state.same.items()):  # a rename's size is its source's: the floor moves there
+        least[old] = max(least.get(old, 1), least.get(new, 1))
+    return least
+
+
 def _feeds(spec: Spec) -> bool:
     """Whether ``layers`` is valid for this block (each output feeds an input sharded alike)."""
     try:
         validate(spec)
     except ShardcError as err:
-        return "layers" not in err.message
+        return err.kind != LAYERS_FEED
     return True
 
 

@@ -16,6 +16,7 @@ from shardc.errors import ShardcError
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
 from shardc.lowering.route import route_forward
+from shardc.lowering.sizes import small_sizes
 from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan
@@ -159,3 +160,13 @@ def test_the_float32_recheck_of_a_routed_spec_gives_the_unsharded_program_the_ca
     lowered = lower(p, sizes=small_sizes(p, 2))
     rows = _differential_rows(lowered, _reference_run(lowered, np.dtype("float32"), 0))
     assert {r.tensor for r in rows} >= {"Disp", "Out", "dW_r"} and all(r.ok for r in rows)
+
+
+def test_verify_runs_a_route_of_more_experts_than_its_small_sizes_would_give() -> None:
+    # S=128 is too large to run, so verify picks small sizes: E must stay >= k=8 for top_k (found by
+    # shardc.testing's route draws: small_sizes gave E=4 and top_k failed)
+    spec = shardc.parse(NESTED.replace("mesh X=2, Y=2", "mesh X=2").replace("S=8, E=4", "S=128, E=128")
+                        .replace("S_Y", "S").replace("E_Y", "E").replace("2 over E", "8 over E"))
+    assert small_sizes(shardc.plan(spec))["E"] >= 8
+    report = verify(spec)
+    assert report.ok, render_report(report)

@@ -11,11 +11,17 @@ import shardc
 from shardc.planner.check import check_plan, replay_step, step_time
 from shardc.planner.ir import Op, Step
 from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Mesh, MeshAxis, Spec, TensorRef
+from shardc.spec.walk import leaves
 from shardc.testing import specs
 
 
+def _specs(**options: object) -> st.SearchStrategy[Spec]:
+    """Random specs, half of them with a route (top-k routing) and statements reading its mask."""
+    return st.one_of(specs(**options), specs(routes=True, **options))  # type: ignore[arg-type]
+
+
 @settings(max_examples=15)
-@given(specs(max_devices=8, max_statements=3), st.sampled_from(["default", "none", "all"]))
+@given(_specs(max_devices=8, max_statements=3), st.sampled_from(["default", "none", "all"]))
 def test_every_plan_replays(spec, save) -> None:  # type: ignore[no-untyped-def]
     """Local einsums are valid, moves do what they say, each phase ends where it promised."""
     note(str(spec))
@@ -30,7 +36,7 @@ def test_every_plan_replays(spec, save) -> None:  # type: ignore[no-untyped-def]
 
 
 @settings(max_examples=15)
-@given(specs(max_devices=8, max_statements=3, dims=True))
+@given(_specs(max_devices=8, max_statements=3, dims=True))
 def test_search_never_costs_more_than_the_rules(spec) -> None:  # type: ignore[no-untyped-def]
     note(str(spec))
     searched = shardc.plan(spec)
@@ -52,7 +58,7 @@ def _split(step: Step) -> tuple[Step, Step]:
 
 
 @settings(max_examples=15)
-@given(specs(max_devices=8, max_statements=3, dims=True))
+@given(_specs(max_devices=8, max_statements=3, dims=True))
 def test_all_reduce_is_reduce_scatter_plus_all_gather(spec) -> None:  # type: ignore[no-untyped-def]
     p = shardc.plan(spec)
     sizes = p.size_map
@@ -70,11 +76,30 @@ def test_all_reduce_is_reduce_scatter_plus_all_gather(spec) -> None:  # type: ig
         assert weighted.evaluate(sizes) == rs_volume.evaluate(sizes) + ag_volume.evaluate(sizes)
 
 
+def _differentiable_reads(expr: Expr) -> set[str]:
+    """The tensors ``expr`` reads but through a route's gates (a 0/1 mask has no gradient)."""
+    if isinstance(expr, TensorRef):
+        return {expr.name}
+    if isinstance(expr, Call):
+        return set() if expr.func == "route" else set().union(*map(_differentiable_reads, expr.args))
+    return set().union(*map(_differentiable_reads, expr.operands if isinstance(expr, Contract) else expr.terms))
+
+
+def _reach_an_output(spec: Spec) -> set[str]:
+    """Tensors some output (a result nothing reads) depends on past no route mask."""
+    read = {r.name for s in spec.statements for r in leaves(s.expr)}
+    live = {s.result.name for s in spec.statements if s.result.name not in read}
+    for statement in reversed(spec.statements):
+        if statement.result.name in live:
+            live |= _differentiable_reads(statement.expr)
+    return live
+
+
 @settings(max_examples=15)
-@given(specs(max_devices=8, max_statements=3))
+@given(_specs(max_devices=8, max_statements=3))
 def test_gradients_for_every_input_but_const(spec) -> None:  # type: ignore[no-untyped-def]
     p = shardc.plan(spec)
-    inputs = {i.name for i in p.tensors if i.role in ("param", "input")}
+    inputs = {i.name for i in p.tensors if i.role in ("param", "input")} & _reach_an_output(spec)
     names = {g.name for g in p.grads}
     assert names == {p.grad_name(n) for n in inputs - set(spec.const)}
     made = {s.tensor for s in p.backward if s.op in (Op.EINSUM, Op.ELEMENTWISE)}  # gradients and their parts
@@ -131,7 +156,7 @@ def _with_unit_axes(spec: Spec, data: st.DataObject) -> Spec:
 
 
 @settings(max_examples=15)
-@given(specs(max_devices=8, max_statements=3), st.data())
+@given(_specs(max_devices=8, max_statements=3), st.data())
 def test_planning_is_invariant_under_adding_size_one_axes(spec, data) -> None:  # type: ignore[no-untyped-def]
     """Size-1 axes are stripped before the search: the steps are those of the spec without them."""
     padded = _with_unit_axes(spec, data)

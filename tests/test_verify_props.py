@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 
 import shardc
 from shardc.lowering.verify import render_report, verify
+from shardc.spec.walk import calls
 from shardc.testing import specs
 
 
@@ -26,6 +27,18 @@ def test_random_specs_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs(max_devices=8, max_statements=3, layer_ops=True))
 def test_random_specs_with_layer_ops_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
+    report = verify(shardc.plan(spec))
+    text = render_report(report)
+    assert all(r.ok for r in report.values), text
+    assert all(r.ok for r in report.collectives), text
+
+
+# route (top-k routing with capacity) in every spec, and the combine and dispatch that read its mask
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(specs(max_devices=8, max_statements=3, routes=True))
+def test_random_specs_with_routes_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
+    assert any(c.func == "route" for s in spec.statements for c in calls(s.expr))
     report = verify(shardc.plan(spec))
     text = render_report(report)
     assert all(r.ok for r in report.values), text

@@ -12,7 +12,7 @@ import math
 
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
-from shardc.spec.walk import renamed_indices
+from shardc.spec.walk import calls, renamed_indices
 
 __all__ = ["shrink_mesh", "small_sizes", "devices_to_check", "collapsed_axes", "MAX_SMALL_DIM",
            "MAX_DEVICES"]
@@ -78,16 +78,27 @@ def small_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int]:
     if own and all(0 < own.get(n, 0) <= MAX_SMALL_DIM and own[n] % m == 0 for n, m in need.items()):
         return {**{n: own[n] for n in need}, **mesh}
     sizes: dict[str, int] = {}
+    least = _least(plan, same)
     for name, base in need.items():
         if same[name] in sizes:
             sizes[name] = sizes[same[name]]
             continue
-        factor = max(2, -(-4 // base))  # at least 4 elements, at least 2 per shard
+        # at least 4 elements, at least 2 per shard, at least the k experts a route picks
+        factor = max(2, -(-4 // base), -(-least.get(same[name], 1) // base))
         while base * factor in sizes.values():  # distinct sizes catch transposed dims
             factor += 1
         sizes[name] = base * factor
         sizes.setdefault(same[name], sizes[name])
     return {**sizes, **mesh}
+
+
+def _least(plan: Plan, same: dict[str, str]) -> dict[str, int]:
+    """The least size of each representative index: a route's expert index has its k at least."""
+    least: dict[str, int] = {}
+    for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func == "route"):
+        rep = same.get(call.over or "", call.over or "")
+        least[rep] = max(least.get(rep, 1), int(call.numbers[0]))
+    return least
 
 
 def _same_size(plan: Plan, need: dict[str, int]) -> dict[str, str]:
