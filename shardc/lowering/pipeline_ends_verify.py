@@ -75,11 +75,12 @@ def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_loss: 
     f64 = {k: v if v.dtype.kind in "iu" else v.astype(np.float64) for k, v in inputs.items()}
     pre_in = {k: f64[k] for k in ns.PRE_FORWARD_IN}
     x = reference.forward(pre, pre_in)[ns.PRE_RESULT]
+    sizes = dict(lowered.sizes)  # the dims no input has (a route's capacity); the inputs' shapes win
     kept = []
     for layer in range(lowered.pipeline.layers):
         values = {ns.BLOCK_INPUT: x, **{p: f64[p][layer] for p in ns.PARAMS}}
         kept.append(values)
-        x = reference.forward(block, values, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
+        x = reference.forward(block, values, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
     post_in = {k: x if k == ns.BLOCK_OUTPUT else f64[k] for k in ns.POST_FORWARD_IN}
     loss = float(reference.forward(post, post_in)[ns.LOSS])
     got = reference.backward(post, post_in, {ns.LOSS: np.asarray(d_loss)})
@@ -87,7 +88,8 @@ def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_loss: 
     g = got[ns.BLOCK_OUTPUT]
     layers: dict[str, list[np.ndarray]] = {p: [] for p in ns.PARAMS}
     for layer in reversed(range(len(kept))):
-        back = reference.backward(block, kept[layer], {ns.BLOCK_OUTPUT: g}, key=_key(lowered, key, layer))
+        back = reference.backward(block, kept[layer], {ns.BLOCK_OUTPUT: g}, sizes=sizes,
+                                  key=_key(lowered, key, layer))
         for p in ns.PARAMS:
             layers[p].insert(0, back[p])
         g = back[ns.BLOCK_INPUT]

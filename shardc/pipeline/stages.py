@@ -3,11 +3,12 @@
 The block repeated ``layers L`` times is cut into P stages (P the size of the axis
 marked ``pipeline``) of L/P consecutive layers (the statements before a ``layers L
 { ... }`` block run on the first stage, those after it on the last, as Megatron-LM
-places them); an uneven split puts the extra layers on the first stages, and is stated.  Inside a stage the plan uses the other
-axes only: :func:`stage_spec` is the spec with the stage axis removed, which the
-planner plans as it would any spec.  ``interleaved V`` and ``zbv`` cut each stage
-into V (zbv: 2) chunks of layers: chunk c of the model sits on device c mod P
-(interleaved) or on device c, then back, for c >= P (zbv's V shape).
+places them); an uneven split puts the extra layers on the first stages, and is
+stated.  Inside a stage the plan uses the other axes only: :func:`stage_spec` is the
+spec with the stage axis removed, which the planner plans as it would any spec.
+``interleaved V`` and ``zbv`` cut each stage into V (zbv: 2) chunks of layers: chunk c
+of the model sits on device c mod P (interleaved) or on device c, then back, for
+c >= P (zbv's V shape).
 """
 
 from __future__ import annotations
