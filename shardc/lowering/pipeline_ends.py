@@ -64,19 +64,18 @@ def split_spec(spec: Spec) -> tuple[Spec, Spec, Spec]:
                        schedule=spec.schedule if pipelined else None)
 
     pre, block, post = spec.statements[:lo], spec.statements[lo:hi], spec.statements[hi:]
-    _check_ends(spec, pre, block, post)
+    _check_ends(spec, pre, post)
     return part(pre, False), part(block, True), part(post, False)
 
 
-def _check_ends(spec: Spec, pre: tuple[Statement, ...], block: tuple[Statement, ...],
-                post: tuple[Statement, ...]) -> None:
+def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, ...]) -> None:
     """The parts meet only at the block's input and output, and the spec ends in one loss."""
     fix = ("write the model as an embedding, a `layers` block and a head ending in `Loss[] = "
            "cross_entropy(...)`, each reading only its own params")
     if not pre or not post:
         raise ShardcError("lowering a pipelined block needs statements before and after it", spec.span_of("layers"),
                           fix=fix)
-    shared = (_names(pre) & _names(post)) | (_names(pre) & _names(block) & _names(post))
+    shared = _names(pre) & _names(post)
     if shared:
         raise ShardcError(f"{', '.join(sorted(shared))} is read both before and after the pipelined block "
                           "(on the first and the last stage)", spec.span_of("layers"), fix=fix)
