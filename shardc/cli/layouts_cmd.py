@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
@@ -22,6 +24,18 @@ def _chips(text: str) -> int:
     if not value.is_integer():
         raise argparse.ArgumentTypeError(f"expects a whole number of chips, got {text!r}")
     return int(value)
+
+
+def _progress() -> Callable[[int, int], None] | None:
+    """On a terminal, a ``planned k/n`` line on stderr, rewritten in place and cleared at the end."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        end = "\r" if done < total else "\r" + " " * 40 + "\r"
+        print(f"planned {done}/{total} layouts", end=end, file=sys.stderr, flush=True)
+
+    return show
 
 
 def register(subparsers: Any, name: str) -> None:
@@ -70,7 +84,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     fixed = frozenset(parse_sets(args.set))
     hw = resolve_hardware(args.hardware, args.hardware_file, specs[0].hardware)
     options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu)
-    search = search_layouts(specs, options, args.chips, fixed, args.jobs)
+    search = search_layouts(specs, options, args.chips, fixed, args.jobs, _progress())
     if args.json:
         print(json.dumps(search.to_json(args.top), indent=2, allow_nan=False))
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from shardc.costmodel.report import CostReport, cost
@@ -112,7 +112,8 @@ def evaluate(candidate: Spec, options: Options) -> Layout | str:
                       hardware=options.hardware, mfu=options.mfu, optimizer=options.optimizer)
     except ShardcError as err:
         return err.message.splitlines()[0]
-    return layout_of(report, candidate.filename or "<spec>", _pairs(candidate, {a.name: a.size for a in candidate.mesh.axes}))
+    sizes = {a.name: a.size for a in candidate.mesh.axes}
+    return layout_of(report, candidate.filename or "<spec>", _pairs(candidate, sizes))
 
 
 def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]) -> Layout:
@@ -142,11 +143,12 @@ def rank_key(row: Layout) -> tuple[bool, float, float, float]:
     return (not row.fits, float(f"{row.step_s:.{DIGITS - 1}e}"), row.critical_s, row.memory_bytes)
 
 
-def ranked(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options: Options, jobs: int = 1
-           ) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+def ranked(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options: Options, jobs: int = 1,
+           progress: Callable[[int, int], None] | None = None) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
     """Every candidate of every spec evaluated (over ``jobs`` processes), the layouts ranked; counts, seconds.
 
     A candidate whose spec, stripped of its size-1 axes, is one already met is not planned again.
+    ``progress(done, total)`` is called after each plan.
     """
     start = time.perf_counter()
     skipped: list[Skipped] = []
@@ -161,7 +163,7 @@ def ranked(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options
             key = str(strip_unit_axes(candidate))
             unique.setdefault(key, candidate)
             todo.append((candidate, _pairs(spec, sizes), key))
-    done = dict(zip(unique, _run(list(unique.values()), options, jobs), strict=True))
+    done = dict(zip(unique, _run(list(unique.values()), options, jobs, progress), strict=True))
     rows: list[Layout] = []
     for candidate, pairs, key in todo:
         row = done[key]
@@ -183,13 +185,23 @@ def _jobs(jobs: int, plans: int) -> int:
     return max(1, min(jobs, plans))
 
 
-def _run(candidates: list[Spec], options: Options, jobs: int) -> list[Layout | str]:
+def _run(candidates: list[Spec], options: Options, jobs: int,
+         progress: Callable[[int, int], None] | None) -> list[Layout | str]:
     n = _jobs(jobs, len(candidates))
+    out: list[Layout | str] = []
     if n == 1:
-        return [evaluate(c, options) for c in candidates]
+        for c in candidates:
+            out.append(evaluate(c, options))
+            if progress is not None:
+                progress(len(out), len(candidates))
+        return out
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn, not fork: a fresh interpreter per worker, whatever threads the caller runs
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(evaluate, candidates, [options] * len(candidates), chunksize=1))
+        for row in pool.map(evaluate, candidates, [options] * len(candidates), chunksize=1):
+            out.append(row)
+            if progress is not None:
+                progress(len(out), len(candidates))
+    return out

@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 from shardc.costmodel.render import fmt_bytes, fmt_seconds
-from shardc.meshes.rank import DIGITS, Layout, rank_key
+from shardc.meshes.rank import DIGITS, Layout, Skipped, rank_key
 
 if TYPE_CHECKING:
     from shardc.meshes.search import LayoutSearch
@@ -16,13 +16,13 @@ __all__ = ["render", "to_json", "reason"]
 SKIPPED_SHOWN = 8
 
 
-def _name(row: Layout) -> str:
+def _name(row: Layout | Skipped) -> str:
     return os.path.basename(row.spec)
 
 
 def _header(search: LayoutSearch) -> list[str]:
     o = search.options
-    specs = list(dict.fromkeys(r.spec for r in search.layouts + search.skipped))  # type: ignore[operator]
+    specs = list(dict.fromkeys([r.spec for r in search.layouts] + [s.spec for s in search.skipped]))
     return [f"layouts of {', '.join(specs)} on {search.chips} {o.hardware.name} chips "
             f"({fmt_bytes(o.hardware.hbm_bytes)} HBM each; {o.optimizer}, --save {o.save}, --recompute {o.recompute})",
             f"rank: {search.rule}"]
@@ -67,6 +67,11 @@ def render(search: LayoutSearch, top: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fine(x: float) -> str:
+    """Seconds to 4 digits: the reason compares figures the table's 3 digits round alike."""
+    return f"{x:.4g} s" if abs(x) >= 1 else f"{x * 1e3:.4g} ms" if abs(x) >= 1e-3 else f"{x * 1e6:.4g} us"
+
+
 def reason(search: LayoutSearch) -> str:
     """Why the first layout is chosen, by the ranking rule's figures."""
     best = search.chosen
@@ -78,7 +83,7 @@ def reason(search: LayoutSearch) -> str:
                        f"{fmt_bytes(best.memory_bytes)}); it is the fastest of those that do not "
                        "(fix: more chips, a `zero` line, --recompute, or a sharded variant under --with)")
     parts = [f"fits ({fmt_bytes(best.memory_bytes)} of {fmt_bytes(best.hbm_bytes)}) and takes "
-             f"{fmt_seconds(best.step_s)} a step, {best.bound}-bound"]
+             f"{_fine(best.step_s)} a step, {best.bound}-bound"]
     if best.at_mfu_s is not None:
         parts.append(f"{fmt_seconds(best.at_mfu_s)} at {search.options.mfu:.0%} MFU")
     faster = [r for r in search.layouts if not r.fits and r.step_s < best.step_s]
@@ -89,13 +94,14 @@ def reason(search: LayoutSearch) -> str:
     if tied:
         nxt = tied[0]
         parts.append(f"{len(tied)} other layout(s) take the same step time (to {DIGITS} digits); least "
-                     f"critical-path communication: {fmt_seconds(best.critical_s)} vs "
-                     f"{fmt_seconds(nxt.critical_s)} for {_name(nxt)} {nxt.axes_text}"
+                     f"critical-path communication: {_fine(best.critical_s)} vs "
+                     f"{_fine(nxt.critical_s)} for {_name(nxt)} {nxt.axes_text}"
                      + (f", then memory {fmt_bytes(best.memory_bytes)} vs {fmt_bytes(nxt.memory_bytes)}"
                         if nxt.critical_s == best.critical_s else ""))
     elif len(search.layouts) > 1 and search.layouts[1].fits:
         nxt = search.layouts[1]
-        parts.append(f"next: {_name(nxt)} {nxt.axes_text} at {fmt_seconds(nxt.step_s)} ({nxt.bound}-bound)")
+        parts.append(f"next: {_name(nxt)} {nxt.axes_text} at {_fine(nxt.step_s)} vs {_fine(best.step_s)} "
+                     f"({nxt.bound}-bound, communication {_fine(nxt.comm_s)} vs {_fine(best.comm_s)})")
     return head + "; ".join(parts)
 
 

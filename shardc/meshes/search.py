@@ -9,7 +9,7 @@ first: the fastest of those that fit, the reason said in numbers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardc.errors import ShardcError
@@ -53,11 +53,13 @@ class LayoutSearch:
 
 
 def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = None,
-                   fixed: frozenset[str] = frozenset(), jobs: int = 1) -> LayoutSearch:
+                   fixed: frozenset[str] = frozenset(), jobs: int = 1,
+                   progress: Callable[[int, int], None] | None = None) -> LayoutSearch:
     """Rank every layout of ``specs`` on ``chips`` (default: the first spec's devices).
 
     ``fixed`` names axes kept at their size (as DCN axes are); every spec needs a size for each dim.
-    ``jobs`` processes plan the candidates (0: one a core, when there are enough to repay them).
+    ``jobs`` processes plan the candidates (0: one a core, when there are enough to repay them);
+    ``progress(done, total)`` is called after each plan.
     """
     if not specs:
         raise ShardcError("no spec to search", fix="pass a .shard file")
@@ -65,7 +67,7 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
     for spec in specs:
         _check_sized(spec)
     plans = [candidates(spec, n, fixed & set(spec.mesh.names)) for spec in specs]
-    rows, skipped, stats = ranked(specs, plans, options, jobs)
+    rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
     return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats)
 
 
