@@ -37,7 +37,6 @@ def test_the_block_parses_prints_back_and_validates() -> None:
      .replace("E2[B_X, D] · W_out", "E2[B, D_X] · W_out"), "shardings differ"),
     ("mesh X=2\nlayers 4 {\n}\n", "has no statements"),
     ("mesh P=2 pipeline, X=2\nlayers 4 {\nO[B_X, D] = I[B_X, F] · W[F, D]\n}\n", "pipeline axis"),
-    ("mesh P=2 pipeline, X=2\nlayers 4\nO[B_X, D] = dropout(I[B_X, D], 0.1)\n", "dropout in a pipelined spec"),
 ])
 def test_the_block_is_checked(text_: str, message: str) -> None:
     with pytest.raises(ShardcError, match=message):

@@ -184,23 +184,24 @@ def test_cost_json_has_the_pipeline_object() -> None:
     for key in ("stages", "microbatches", "schedule", "bubble_of_ideal", "bubble_of_total",
                 "inflight_microbatches", "activation_factor", "p2p_bytes"):
         assert key in data
-    assert (data["stages"], data["microbatches"], data["schedule"]) == (4, 16, "1f1b")
-    assert data["bubble_of_ideal"] == pytest.approx(3 / 16) and data["bubble_of_total"] == pytest.approx(3 / 19)
+    assert (data["stages"], data["microbatches"], data["schedule"]) == (4, 64, "1f1b")
+    assert data["bubble_of_ideal"] == pytest.approx(3 / 64) and data["bubble_of_total"] == pytest.approx(3 / 67)
     assert data["inflight_microbatches"] == 4 and data["activation_factor"] == 1
-    # Out[B_X, D_Y] of one microbatch: B/16 tokens over X=8, D over Y=4, bf16.
-    assert data["p2p_bytes"] == 4_194_304 // 16 // 8 * 4096 // 4 * 2
-    assert data["p2p_bytes_global"] == data["p2p_bytes"] * 32
+    # Out[B_X, S, D] of one microbatch: B/64 sequences over X=8, S=4096 tokens of D=4096, bf16.
+    assert data["p2p_bytes"] == 1024 // 64 // 8 * 4096 * 4096 * 2
+    assert data["p2p_bytes_global"] == data["p2p_bytes"] * 8
     assert data["network"] == "ici" and data["p2p_s"] > 0
     stages = data["per_stage"]
     assert [s["layers"] for s in stages] == [8] * 4 and [s["inflight_microbatches"] for s in stages] == [4, 3, 2, 1]
     assert stages[0]["activation_bytes"] == pytest.approx(4 * stages[3]["activation_bytes"])
     assert all(s["bound"] in ("compute", "communication") for s in stages)
     # The step: the stage time times (m + bubble), sends free; the simulation adds the sends.
-    assert data["step_closed_s"] == pytest.approx(data["stage_time_s"] * (16 + 16 * 3 / 16))
+    assert data["step_closed_s"] == pytest.approx(data["stage_time_s"] * (64 + 64 * 3 / 64))
     assert data["step_s"] >= data["step_closed_s"]
     text = report.render()
-    assert "pipeline over P: 4 stages, schedule 1f1b, 16 microbatches" in text
-    assert "bubble 18.8% of the ideal time ((p-1)/m), 15.8% of the step" in text
+    assert "pipeline over P: 4 stages, schedule 1f1b, 64 microbatches" in text
+    assert "bubble 4.7% of the ideal time ((p-1)/m), 4.5% of the step" in text
+    assert all(s["fits"] for s in stages)  # 64 microbatches: the first stage holds 4 of 16 sequences
 
 
 def test_a_dcn_stage_axis_pays_dcn_for_its_sends() -> None:
@@ -285,7 +286,7 @@ def test_plan_text_says_it_is_one_stage() -> None:
     from shardc.planner.render import render_text
 
     text = render_text(shardc.plan(shardc.parse(EXAMPLE.read_text(), str(EXAMPLE))))
-    assert text.splitlines()[1] == ("# pipeline over P: 32 layers over 4 stages: 8 a stage; 16 microbatches, "
+    assert text.splitlines()[1] == ("# pipeline over P: 32 layers over 4 stages: 8 a stage; 64 microbatches, "
                                     "schedule 1f1b; below is one stage's plan, for one layer (nothing is "
                                     "sharded over P); `shardc cost` gives the pipeline's step time")
     assert "# step time" not in text  # one stage's plan over every layer is not the pipeline's step

@@ -26,9 +26,9 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
     assert main(["lower", str(EXAMPLE)]) == 0
     source = capsys.readouterr().out
     compile(source, "pipeline_llama.py", "exec")  # valid Python
-    for line in ("STAGES = 4", "LAYERS = 32", "MICROBATCHES = 16", "TICKS = MICROBATCHES + STAGES - 1",
+    for line in ("STAGES = 4", "LAYERS = 32", "MICROBATCHES = 64", "TICKS = MICROBATCHES + STAGES - 1",
                  "state = jax.lax.ppermute(x, PIPELINE_AXIS, SENDS)", "SENDS = [(0, 1), (1, 2), (2, 3)]",
-                 "def forward_local(", "def backward_local(", "layer.defvjp(_layer_fwd, _layer_bwd)",
+                 "def forward_local(", "def backward_local(", "layer.defvjp(_layer_fwd, _layer_vjp)",
                  "def one_f_one_b_local(", "TICKS_1F1B = len(F_TABLE)"):
         assert line in source
     assert "jax.lax.all_gather(" in source  # the stage's own plan (FSDP over X) is composed in
@@ -50,15 +50,16 @@ def test_the_python_api_lowers_a_pipelined_spec_to_its_pipeline() -> None:
     from shardc.lowering.pipeline import PipelineLowered
 
     spec = shardc.parse(EXAMPLE.read_text().replace("schedule 1f1b", "schedule gpipe"), "gpipe")
-    lowered = shardc.lower(shardc.plan(spec), sizes={"X": 2, "Y": 1, "B": 64, "D": 8, "F": 16, "N": 2, "H": 4})
+    lowered = shardc.lower(shardc.plan(spec), sizes={"X": 2, "Y": 1, "B": 128, "S": 4, "T": 4,
+                                                      "D": 8, "F": 16, "N": 2, "H": 4})
     assert isinstance(lowered, PipelineLowered)
     assert "jax.lax.ppermute" in lowered.source and lowered.pipeline.stages == 4
 
 
 def _values_ok(report: object) -> None:
     names = {(r.phase, r.tensor) for r in report.values}  # type: ignore[attr-defined]
-    assert names == {("forward", "Out"), ("backward", "dIn")} | {
-        ("backward", f"dW_{w}") for w in ("q", "o", "gate", "up", "down")}
+    assert names == {("forward", "Out"), ("backward", "dX")} | {
+        ("backward", f"dW_{w}") for w in ("q", "k", "v", "o", "gate", "up", "down")}
     assert all(r.ok for r in report.values), [r for r in report.values if not r.ok]  # type: ignore[attr-defined]
 
 
@@ -89,7 +90,8 @@ def test_missing_permutes_are_a_mismatch(plan: object) -> None:
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)  # type: ignore[arg-type]
     rows = _permutes(lowered, "", "")
     assert len(rows) == 3 and not any(r.ok for r in rows)
-    assert rows[0].plan_bytes == permutes_expected(4, 8) * 2 * 8 * 2  # Out[B_X, D_Y]: B/X=2 x D=8, bf16
+    # Out[B_X, S, D] of a microbatch: B/X=2 x S=5 x D=6, bf16.
+    assert rows[0].plan_bytes == permutes_expected(4, 8) * 2 * 5 * 6 * 2
 
 
 def test_uneven_stages_do_not_lower(plan: object) -> None:
@@ -106,3 +108,14 @@ def test_1f1b_tick_tables_follow_the_simulation() -> None:
     assert all(not (f >= 0 and b >= 0) for fr, br in zip(f_table, b_table, strict=True)
                for f, b in zip(fr, br, strict=True))  # one op a tick
     assert [row[0] for row in f_table[:4]] == [0, 1, 2, 3]  # stage 0: p - 1 warm-up forwards, then one more
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_tensor_parallel_stages_verify(schedule: str) -> None:
+    # P=2 leaves X=2 and Y=2 on 8 devices: FSDP and tensor parallelism inside each stage (with P=4
+    # verify shrinks Y to 1). GPipe's backward once rescaled the grads of params sharded over Y.
+    text = EXAMPLE.read_text().replace("mesh P=4 pipeline, X=8, Y=4", "mesh P=2 pipeline, X=2, Y=2")
+    report = verify_pipeline(shardc.plan(shardc.parse(text.replace("schedule 1f1b", f"schedule {schedule}"))))
+    assert report.mesh == {"P": 2, "X": 2, "Y": 2}
+    _values_ok(report)
+    assert report.ok, [r for r in report.collectives if not r.ok]

@@ -62,7 +62,8 @@ def _mask_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     rate = float(args[0])
     if head == "dropout_mask":
         order = tuple(sorted(range(len(dst.indices)), key=lambda d: dst.indices[d]))
-        return f"keep_mask({x[0]}, {int(args[1])}, {rate!r}, {dst.layout!r}, {order!r}, dropout_key)"
+        return (f"keep_mask({x[0]}, {int(args[1])}, {rate!r}, {dst.layout!r}, {order!r}, dropout_key, "
+                f"{dst.indices!r})")
     return f"jnp.where({x[0]}, {x[1]} / {1 - rate!r}, 0)"
 
 

@@ -8,9 +8,10 @@ the stage axis), and m + p - 1 ticks in which every stage runs its layers on wha
 holds and ``jax.lax.ppermute`` passes the result to the next stage.  Stage 0 reads
 microbatch t at tick t; the last stage's output at tick t is microbatch t - (p - 1).
 The last tick sends nothing (no stage would read it), so the program has m + p - 2
-collective-permutes forward, and ``jax.vjp`` of it, whose transpose of each
-``ppermute`` carries cotangents back a stage, as many backward (after as many
-forward ones: the backward program recomputes the forward).  The microbatches enter
+collective-permutes forward, and ``jax.vjp`` of it on each device (inside a second
+``shard_map``), whose transpose of each ``ppermute`` carries cotangents back a stage,
+as many backward (after as many forward ones: the backward program recomputes the
+forward).  The microbatches enter
 on stage 0 (the input is stacked over the stages, zeros elsewhere), so their
 gradient needs no reduction over the stage axis.  Each layer is a
 ``jax.custom_vjp`` whose backward is the plan's own, so the collectives on the other
@@ -88,7 +89,7 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     text = _SECTION.format(
         axis=pipe.axis, stages=stages, layers=layers, micro=microbatches, first=first.name, out=out.name,
         params=tuple(params), mesh={n: s for n, s in mesh}, in_dim=first.indices.index(dim),
-        out_dim=out.indices.index(dim), perm=[(s, s + 1) for s in range(stages - 1)])
+        out_dim=out.indices.index(dim), dim=dim, perm=[(s, s + 1) for s in range(stages - 1)])
     if pipe.schedule.name not in ("gpipe", "1f1b"):
         # Every schedule computes the same values; only GPipe's and 1F1B's orders are lowered.
         text += (f"\n# schedule {pipe.schedule.name} lowers as GPipe (same values); `shardc cost` costs and "
@@ -149,6 +150,7 @@ BLOCK_INPUT, BLOCK_OUTPUT = {first!r}, {out!r}  # what a stage receives and send
 PARAMS = {params!r}  # each passed stacked: [LAYERS, ...]
 PIPE_MESH_AXES = {mesh!r}
 MICRO_DIM = ({in_dim}, {out_dim})  # the batch dim in BLOCK_INPUT and BLOCK_OUTPUT, cut into microbatches
+MICROBATCH = ({dim!r}, MICROBATCHES)  # keep_mask: a microbatch draws its slice of the whole batch's mask
 SENDS = {perm!r}  # stage s -> s + 1
 
 
@@ -159,39 +161,52 @@ def make_pipeline_mesh() -> jax.sharding.Mesh:
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def layer_key(key, stage, k, j):
+    """The dropout key of layer k of ``stage`` on microbatch j: (key * LAYERS + its layer number, j),
+    the masks layer number l of the unpipelined stack draws under key * LAYERS + l."""
+    number = stage * (LAYERS // STAGES) + k
+    return (jnp.asarray(key, jnp.uint32) * jnp.uint32(LAYERS) + jnp.asarray(number, jnp.uint32),
+            jnp.asarray(j, jnp.int32))
+
+
 @jax.custom_vjp
-def layer(x, params):
+def layer(x, params, key):
     """One layer on one device: the planned forward; its VJP is the planned backward."""
-    return _layer_fwd(x, params)[0]
+    return _layer_fwd(x, params, key)[0]
 
 
-def _layer_fwd(x, params):
+def _layer_fwd(x, params, key):
     pool = {{BLOCK_INPUT: x, **dict(zip(PARAMS, params))}}
-    saved = dict(zip(FORWARD_OUT, forward_local(*[pool[k] for k in FORWARD_IN])))
+    saved = dict(zip(FORWARD_OUT, forward_local(*[pool[k] for k in FORWARD_IN], *[key] * KEYED)))
     return saved[BLOCK_OUTPUT], (pool, saved)
 
 
 def _layer_bwd(residuals, d_out):
-    pool, saved = residuals
+    pool, saved = residuals  # a dropout's keep-mask is a saved forward value: no key needed
     cot = {{name: d_out if out == BLOCK_OUTPUT else jnp.zeros_like(saved[out]) for name, out in COTANGENTS.items()}}
     values = {{**pool, **saved, **cot}}
     grads = dict(zip(BACKWARD_OUT, backward_local(*[values[k] for k in BACKWARD_IN])))
     return grads[GRADS[BLOCK_INPUT]], tuple(grads[GRADS[p]] for p in PARAMS)
 
 
-layer.defvjp(_layer_fwd, _layer_bwd)
+def _layer_vjp(residuals, d_out):
+    return (*_layer_bwd(residuals, d_out), None)  # the key has no cotangent
 
 
-def pipeline_local(xs, *params):
-    """GPipe on one device: ``xs`` [1, MICROBATCHES, block] (stage 0's are read), params [LAYERS/STAGES, ...]."""
+layer.defvjp(_layer_fwd, _layer_vjp)
+
+
+def pipeline_local(key, xs, *params):
+    """GPipe on one device: ``xs`` [1, MICROBATCHES, block] (stage 0's are read), params [LAYERS/STAGES, ...],
+    ``key`` the dropout key."""
     stage = jax.lax.axis_index(PIPELINE_AXIS)
     xs = xs[0]
     state = jnp.zeros_like(xs[0])
     outs = jnp.zeros_like(xs)
     for t in range(TICKS):
         x = jnp.where(stage == 0, xs[min(t, MICROBATCHES - 1)], state)
-        for k in range(LAYERS // STAGES):
-            x = layer(x, tuple(w[k] for w in params))
+        for k in range(LAYERS // STAGES):  # stage s runs microbatch t - s at tick t
+            x = layer(x, tuple(w[k] for w in params), layer_key(key, stage, k, t - stage))
         j = t - (STAGES - 1)
         if j >= 0:  # the last stage finishes microbatch j
             outs = outs.at[j].set(jnp.where(stage == STAGES - 1, x, outs[j]))
@@ -200,7 +215,8 @@ def pipeline_local(xs, *params):
     return outs[None]  # stacked over the stages; the last stage's is the output
 
 
-PIPE_IN = (P(PIPELINE_AXIS, None, *FORWARD_IN[BLOCK_INPUT]),) + tuple(P(PIPELINE_AXIS, *FORWARD_IN[p]) for p in PARAMS)
+PIPE_IN = (P(), P(PIPELINE_AXIS, None, *FORWARD_IN[BLOCK_INPUT]))  # the dropout key, the microbatches
+PIPE_IN += tuple(P(PIPELINE_AXIS, *FORWARD_IN[p]) for p in PARAMS)
 PIPE_OUT = P(PIPELINE_AXIS, None, *FORWARD_OUT[BLOCK_OUTPUT])
 
 
@@ -210,10 +226,15 @@ def pipeline_programs():
     mesh = make_pipeline_mesh()
     fwd = jax.shard_map(pipeline_local, mesh=mesh, in_specs=PIPE_IN, out_specs=PIPE_OUT, check_vma=False)
 
-    def bwd(d_outs, *args):
-        _, vjp = jax.vjp(fwd, *args)
+    def bwd_local(d_outs, key, *args):
+        # jax.vjp on each device, inside the shard_map: the transpose of a shard_map without
+        # replication checks would rescale the cotangent of an output replicated over an axis
+        # (tensor parallelism's Y), and the planned backward already sums what it must.
+        _, vjp = jax.vjp(functools.partial(pipeline_local, key), *args)
         return vjp(d_outs)
 
+    bwd = jax.shard_map(bwd_local, mesh=mesh, in_specs=(PIPE_OUT,) + PIPE_IN, out_specs=PIPE_IN[1:],
+                        check_vma=False)
     return mesh, jax.jit(fwd), jax.jit(bwd)
 
 
@@ -225,25 +246,27 @@ def _join(xs, dim):
     return jnp.concatenate(list(xs), axis=dim)
 
 
-def _args(inputs):
-    """The program's arguments: the microbatches on stage 0 (zeros elsewhere), the stacked params."""
+def _args(inputs, key=0):
+    """The program's arguments: the dropout key, the microbatches on stage 0 (zeros elsewhere), the
+    stacked params."""
     mesh, _, _ = pipeline_programs()
     xs = _split(inputs[BLOCK_INPUT], MICRO_DIM[0])
     xs = jnp.zeros((STAGES,) + xs.shape, xs.dtype).at[0].set(xs)
-    args = [xs] + [jnp.asarray(inputs[p]) for p in PARAMS]
+    args = [jnp.asarray(key, jnp.uint32), xs] + [jnp.asarray(inputs[p]) for p in PARAMS]
     return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, PIPE_IN)]
 
 
-def pipeline_forward(inputs):
-    """{{BLOCK_OUTPUT: ...}} after all LAYERS layers, from BLOCK_INPUT and each param stacked [LAYERS, ...]."""
+def pipeline_forward(inputs, key=0):
+    """{{BLOCK_OUTPUT: ...}} after all LAYERS layers, from BLOCK_INPUT and each param stacked [LAYERS, ...];
+    ``key`` draws the dropout masks (layer l's under key * LAYERS + l)."""
     _, fwd, _ = pipeline_programs()
-    return {{BLOCK_OUTPUT: _join(fwd(*_args(inputs))[-1], MICRO_DIM[1])}}
+    return {{BLOCK_OUTPUT: _join(fwd(*_args(inputs, key))[-1], MICRO_DIM[1])}}
 
 
-def pipeline_grad(inputs, cotangent):
-    """d<Name> of BLOCK_INPUT and of each stacked param, from d<BLOCK_OUTPUT>."""
+def pipeline_grad(inputs, cotangent, key=0):
+    """d<Name> of BLOCK_INPUT and of each stacked param, from d<BLOCK_OUTPUT>, under dropout ``key``."""
     mesh, fwd, bwd = pipeline_programs()
-    args = _args(inputs)
+    args = _args(inputs, key)
     d_last = _split(cotangent["d" + BLOCK_OUTPUT], MICRO_DIM[1])
     d_outs = jnp.zeros((STAGES,) + d_last.shape, d_last.dtype).at[-1].set(d_last)
     grads = bwd(jax.device_put(d_outs, NamedSharding(mesh, PIPE_OUT)), *args)

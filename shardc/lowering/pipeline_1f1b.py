@@ -42,10 +42,10 @@ TICKS_1F1B = len(F_TABLE)  # 2 (MICROBATCHES + STAGES - 1)
 BACK = [(s + 1, s) for s in range(STAGES - 1)]
 
 
-def _stage_fwd(x, params):
+def _stage_fwd(x, params, key, stage, j):
     kept = []
     for k in range(LAYERS // STAGES):
-        x, residuals = _layer_fwd(x, tuple(w[k] for w in params))
+        x, residuals = _layer_fwd(x, tuple(w[k] for w in params), layer_key(key, stage, k, j))
         kept.append(residuals)
     return x, kept
 
@@ -57,12 +57,12 @@ def _stage_bwd(kept, g):
     return g, tuple(jnp.stack([d[i] for d in grads]) for i in range(len(PARAMS)))
 
 
-def one_f_one_b_local(xs, d_outs, *params):
-    """1F1B on one device: outputs, d(microbatches) and d(params) of this stage."""
+def one_f_one_b_local(key, xs, d_outs, *params):
+    """1F1B on one device: outputs, d(microbatches) and d(params) of this stage (``key``: dropout's)."""
     stage = jax.lax.axis_index(PIPELINE_AXIS)
     xs, d_outs = xs[0], d_outs[0]
     ftab, btab = jnp.asarray(F_TABLE), jnp.asarray(B_TABLE)
-    shapes = jax.eval_shape(_stage_fwd, xs[0], params)[1]
+    shapes = jax.eval_shape(_stage_fwd, xs[0], params, key, stage, 0)[1]
     kept = jax.tree.map(lambda a: jnp.zeros((MICROBATCHES,) + a.shape, a.dtype), shapes)
     zeros = jnp.zeros_like(xs)
 
@@ -70,7 +70,7 @@ def one_f_one_b_local(xs, d_outs, *params):
         kept, acts, cots, outs, dxs, dparams = carry
         jf, jb = ftab[t, stage], btab[t, stage]
         jf0, jb0 = jnp.maximum(jf, 0), jnp.maximum(jb, 0)
-        y, res = _stage_fwd(jnp.where(stage == 0, xs[jf0], acts[jf0]), params)
+        y, res = _stage_fwd(jnp.where(stage == 0, xs[jf0], acts[jf0]), params, key, stage, jf0)
         kept = jax.tree.map(lambda buf, r: jnp.where(jf >= 0, buf.at[jf0].set(r), buf), kept, res)
         outs = jnp.where((jf >= 0) & (stage == STAGES - 1), outs.at[jf0].set(y), outs)
         g = jnp.where(stage == STAGES - 1, d_outs[jb0], cots[jb0])
@@ -93,9 +93,9 @@ def one_f_one_b_local(xs, d_outs, *params):
 
 @functools.cache
 def one_f_one_b_program():
-    """The mesh and the 1F1B step, ``(xs, d_outs, *params) -> (outs, d_xs, *d_params)``."""
+    """The mesh and the 1F1B step, ``(key, xs, d_outs, *params) -> (outs, d_xs, *d_params)``."""
     mesh = make_pipeline_mesh()
-    step = jax.shard_map(one_f_one_b_local, mesh=mesh, in_specs=(PIPE_IN[0], PIPE_OUT, *PIPE_IN[1:]),
-                         out_specs=(PIPE_OUT, PIPE_IN[0], *PIPE_IN[1:]), check_vma=False)
+    step = jax.shard_map(one_f_one_b_local, mesh=mesh, in_specs=(*PIPE_IN[:2], PIPE_OUT, *PIPE_IN[2:]),
+                         out_specs=(PIPE_OUT, *PIPE_IN[1:]), check_vma=False)
     return mesh, jax.jit(step)
 '''

@@ -33,6 +33,7 @@ from shardc.lowering.sizes import small_sizes
 from shardc.lowering.verify import TOLERANCE, CollectiveRow, Report, ValueRow
 from shardc.pipeline.stages import pipeline_of, stage_spec
 from shardc.planner.ir import Plan
+from shardc.spec.functions import layer_key
 from shardc.spec.ir import Spec
 from shardc.timing import local_elements
 
@@ -86,7 +87,7 @@ def _error(message: str) -> Exception:
     return ShardcError(message, fix="run with more devices (--devices) or a smaller pipeline axis")
 
 
-def _inputs(lowered: PipelineLowered, seed: int) -> dict[str, np.ndarray]:
+def _inputs(lowered: PipelineLowered, seed: int, key: int) -> dict[str, np.ndarray]:
     spec, sizes = stage_spec(lowered.plan.spec), {**lowered.sizes}
     first = next(i.ref for i in lowered.plan.tensors if i.role == "input")
     sizes_full = dict(sizes)
@@ -101,11 +102,11 @@ def _inputs(lowered: PipelineLowered, seed: int) -> dict[str, np.ndarray]:
             shape = [sizes[d.name] for d in info.ref.dims]
             scale = 1 / math.sqrt(_contracted(spec, info.name, sizes))
             values[info.name] = rng.standard_normal([lowered.pipeline.layers, *shape]) * scale
-    _calibrate(lowered, spec, values)
+    _calibrate(lowered, spec, values, key)
     return values
 
 
-def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarray]) -> None:
+def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarray], key: int) -> None:
     """Scale each layer's last param so its output has unit RMS (a deep product of einsums
     otherwise vanishes or overflows; layer norms do this in a real model)."""
     from shardc.spec.ir import Contract
@@ -121,7 +122,7 @@ def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarra
     x = values[ns.BLOCK_INPUT]
     for layer in range(lowered.pipeline.layers):
         layer_values = {ns.BLOCK_INPUT: x, **{p: values[p][layer] for p in ns.PARAMS}}
-        out = reference.forward(spec, layer_values)[ns.BLOCK_OUTPUT]
+        out = reference.forward(spec, layer_values, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
         rms = float(np.sqrt(np.mean(out ** 2))) or 1.0
         values[linear[0]][layer] /= rms
         x = out / rms
@@ -140,8 +141,12 @@ def _contracted(spec: Spec, param: str, sizes: dict[str, int]) -> int:
     return 1
 
 
-def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
-               d_out: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _key(lowered: PipelineLowered, key: int, layer: int) -> int:
+    return layer_key(key, layer, lowered.pipeline.layers)
+
+
+def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_out: np.ndarray,
+               key: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     ns = lowered.namespace
     spec = stage_spec(lowered.plan.spec)
     params = list(ns.PARAMS)
@@ -150,19 +155,20 @@ def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
     for layer in range(lowered.pipeline.layers):
         values = {ns.BLOCK_INPUT: x, **{p: inputs[p][layer].astype(np.float64) for p in params}}
         kept.append(values)
-        x = reference.forward(spec, values)[ns.BLOCK_OUTPUT]
+        x = reference.forward(spec, values, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
     grads: dict[str, list[np.ndarray]] = {p: [] for p in params}
     g = d_out.astype(np.float64)
-    for values in reversed(kept):
-        got = reference.backward(spec, values, {ns.BLOCK_OUTPUT: g})  # keyed by the tensors' names
+    for layer in reversed(range(len(kept))):  # keyed by the tensors' names
+        got = reference.backward(spec, kept[layer], {ns.BLOCK_OUTPUT: g}, key=_key(lowered, key, layer))
         for p in params:
             grads[p].insert(0, got[p])
         g = got[ns.BLOCK_INPUT]
     return x, {"d" + ns.BLOCK_INPUT: g, **{"d" + p: np.stack(v) for p, v in grads.items()}}
 
 
-def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0) -> Report:
-    """Lower the pipeline small, run it, check values and the compiled permutes (see the module doc)."""
+def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -> Report:
+    """Lower the pipeline small, run it, check values and the compiled permutes (see the module doc);
+    ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it."""
     sizes, layers, micro = _sizes(plan, devices)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)
     ns = lowered.namespace
@@ -171,26 +177,26 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0) -> Report:
     report = Report(plan.spec.filename or "<spec>", mesh, {**lowered.sizes, "layers": layers,
                                                            "microbatches": micro}, str(plan.spec.dtype),
                     "float64", tol)
-    inputs = _inputs(lowered, seed)
+    inputs = _inputs(lowered, seed, key)
     out_shape = inputs[ns.BLOCK_INPUT].shape
     d_out = np.random.default_rng(seed + 1).standard_normal(out_shape)
-    want_out, want_grads = _reference(lowered, inputs, d_out)
+    want_out, want_grads = _reference(lowered, inputs, d_out, key)
     import jax
 
     one_f_one_b = lowered.pipeline.schedule.name == "1f1b"
     with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
         if one_f_one_b:
-            text, got_out, got_grads = _run_1f1b(lowered, inputs, d_out)
+            text, got_out, got_grads = _run_1f1b(lowered, inputs, d_out, key)
         else:
-            fwd_text, got_out, bwd_text, got_grads = _run(lowered, inputs, d_out)
+            fwd_text, got_out, bwd_text, got_grads = _run(lowered, inputs, d_out, key)
     report.values.append(_row("forward", ns.BLOCK_OUTPUT, got_out, want_out, tol))
     report.values += [_row("backward", k, got_grads[k], v, tol) for k, v in want_grads.items()]
     report.collectives += _loop_permutes(lowered, text) if one_f_one_b else _permutes(lowered, fwd_text, bwd_text)
     return report
 
 
-def _run_1f1b(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
-              d_out: np.ndarray) -> tuple[str, np.ndarray, dict[str, np.ndarray]]:
+def _run_1f1b(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_out: np.ndarray,
+              key: int) -> tuple[str, np.ndarray, dict[str, np.ndarray]]:
     """The 1F1B step (forward and backward in one program): HLO text, output, gradients."""
     import jax
     import jax.numpy as jnp
@@ -198,12 +204,12 @@ def _run_1f1b(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
 
     ns = lowered.namespace
     mesh, step = ns.one_f_one_b_program()
-    args = ns._args(inputs)
+    args = ns._args(inputs, key)
     d_last = ns._split(d_out, ns.MICRO_DIM[1])
     d_outs = jnp.zeros((ns.STAGES,) + d_last.shape, d_last.dtype).at[-1].set(d_last)
     d_outs = jax.device_put(d_outs, NamedSharding(mesh, ns.PIPE_OUT))
-    compiled = step.lower(args[0], d_outs, *args[1:]).compile()
-    outs, dxs, *dws = compiled(args[0], d_outs, *args[1:])
+    compiled = step.lower(*args[:2], d_outs, *args[2:]).compile()
+    outs, dxs, *dws = compiled(*args[:2], d_outs, *args[2:])
     got = {"d" + ns.BLOCK_INPUT: np.asarray(ns._join(dxs[0], ns.MICRO_DIM[0]))}
     got.update({"d" + p: np.asarray(g) for p, g in zip(ns.PARAMS, dws, strict=True)})
     return compiled.as_text(), np.asarray(ns._join(outs[-1], ns.MICRO_DIM[1])), got
@@ -244,8 +250,8 @@ def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
     return rows
 
 
-def _run(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
-         d_out: np.ndarray) -> tuple[str, np.ndarray, str, dict[str, np.ndarray]]:
+def _run(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_out: np.ndarray,
+         key: int) -> tuple[str, np.ndarray, str, dict[str, np.ndarray]]:
     """Compile each program once, read its HLO, run it."""
     import jax
     import jax.numpy as jnp
@@ -253,7 +259,7 @@ def _run(lowered: PipelineLowered, inputs: dict[str, np.ndarray],
 
     ns = lowered.namespace
     mesh, fwd, bwd = ns.pipeline_programs()
-    args = ns._args(inputs)
+    args = ns._args(inputs, key)
     fwd_c = fwd.lower(*args).compile()
     outs = fwd_c(*args)
     d_last = ns._split(d_out, ns.MICRO_DIM[1])

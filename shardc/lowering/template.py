@@ -21,7 +21,7 @@ __all__ = ["render", "render_optimizer", "comment", "GLOBALS"]
 # forward's `dropout_key` parameter is listed too).
 GLOBALS = ("annotations", "functools", "math", "jax", "jnp", "SymbolicZero", "AxisType", "NamedSharding",
            "P", "MESH_AXES", "make_mesh", "shard_slice", "gather_dims", "FORWARD_IN", "FORWARD_OUT", "RESULTS",
-           "STACKED", "KEYED", "dropout_key",
+           "STACKED", "KEYED", "dropout_key", "MICROBATCH",
            "STACKED_INPUTS", "forward_local", "BACKWARD_IN", "BACKWARD_OUT", "COTANGENTS", "GRADS",
            "backward_local", "programs", "_put", "run_forward", "run_backward", "_results", "forward",
            "_forward_fwd", "_forward_bwd", "_plus", "grad", "DIMS", "INPUT_DIMS", "main", "inputs",
@@ -134,15 +134,24 @@ def causal_mask(x, query, key, fill=-jnp.inf):
     return jnp.where(positions(x, *key) > positions(x, *query), fill, x)
 
 
-def keep_mask(x, salt, rate, dims, order, key=0):
+MICROBATCH = None  # a pipeline's (batch dim, microbatches): its positions run on over the microbatches
+
+
+def keep_mask(x, salt, rate, dims, order, key=0, index=()):
     """Dropout's keep-mask for this device's block of ``x``: murmur3's 32-bit finaliser of each
-    element's global position (dims taken in ``order``; ``dims`` gives each dim's axes) plus ``salt``
-    and the dropout ``key`` (forward's argument: another key, other masks), kept where it is at
-    least ``rate`` * 2**32.  Every device draws its block of one global mask."""
+    element's global position (dims taken in ``order``; ``dims`` gives each dim's axes, ``index``
+    its name) plus ``salt`` and the dropout ``key`` (forward's argument: another key, other masks),
+    kept where it is at least ``rate`` * 2**32.  Every device draws its block of one global mask.
+    In a pipeline ``key`` is (key, microbatch j): the batch dim's positions are j's slice of the
+    whole batch's, so a microbatch draws its slice of the whole batch's mask."""
+    key, micro = key if isinstance(key, tuple) else (key, 0)
     h = jnp.zeros(x.shape, jnp.uint32)
     for d in order:
         total = x.shape[d] * (jax.lax.axis_size(dims[d]) if dims[d] else 1)
-        h = h * jnp.uint32(total) + positions(x, d, dims[d]).astype(jnp.uint32)
+        pos = positions(x, d, dims[d])
+        if MICROBATCH is not None and index[d] == MICROBATCH[0]:
+            pos, total = pos + micro * total, total * MICROBATCH[1]
+        h = h * jnp.uint32(total) + pos.astype(jnp.uint32)
     h = h + jnp.uint32(salt) + jnp.asarray(key, jnp.uint32) * jnp.uint32(0x9E3779B9)
     for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
         h = (h ^ (h >> shift)) * jnp.uint32(factor)

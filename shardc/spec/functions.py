@@ -137,6 +137,13 @@ def dropout_salt(result: str, k: int) -> int:
     return zlib.crc32(f"{result}/{k}".encode())
 
 
+def layer_key(key: int, layer: int, layers: int) -> int:
+    """The dropout key layer ``layer`` of a stack of ``layers`` draws its masks under, when the
+    step's key is ``key``: key * layers + layer (32-bit wrap), so each (step, layer) has its own
+    key and a one-layer program under key k draws the masks of layer 0 under key k."""
+    return (int(key) * layers + layer) % 2**32
+
+
 def known_list() -> str:
     """The known names, sorted, comma separated (for error messages)."""
     return ", ".join(sorted(FUNCTIONS))

@@ -1,8 +1,9 @@
 """Parse ``.shard`` text into the spec IR (then check it with :func:`validate`).
 
-This module only parses: it turns text into :mod:`shardc.spec.ir` nodes and
-turns lark's syntax errors into :class:`ShardcError` with a caret.  Every
-semantic check lives in :mod:`shardc.spec.validate`.
+This module only parses: it turns text into :mod:`shardc.spec.ir` nodes;
+lark's syntax errors become :class:`ShardcError` with a caret in
+:mod:`shardc.spec.syntax_errors`.  Every semantic check lives in
+:mod:`shardc.spec.validate`.
 
 >>> spec = parse("mesh X=4, Y=2\\nOut[B_X, F_Y] = In[B_X, D] · W[D, F_Y]\\n")
 >>> spec.mesh.names
@@ -38,7 +39,7 @@ from typing import Any
 
 import lark
 from lark import Lark, Token, Transformer
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.exceptions import UnexpectedInput, VisitError
 
 from shardc.errors import ShardcError, Span
 from shardc.spec.ir import (
@@ -57,44 +58,12 @@ from shardc.spec.ir import (
     TensorRef,
     Zero,
 )
+from shardc.spec.syntax_errors import syntax_error
 
 __all__ = ["parse", "parse_size", "grammar_text"]
 
 MAX_NESTING = 48  # parentheses deeper than this are an error: keeps every pass far from the recursion limit
 MAX_SIZE = 10**18  # sizes beyond this are typos; they would also overflow int64 shapes
-
-# Human words for lark's terminal names, used to say what was expected.
-_TERMINAL_WORDS = {
-    "NAME": "a name",
-    "SIZE": "a number",
-    "HWNAME": "a hardware name such as tpu-v5p",
-    "BRACED_DIM": "a dim with braced axes such as B_{data,model}",
-    "OP": "a contraction operator (· @ * ×)",
-    "ADDOP": "`+` or `-`",
-    "ARROW": "`->`",
-    "EQUAL": "`=`",
-    "COMMA": "`,`",
-    "LPAR": "`(`",
-    "RPAR": "`)`",
-    "LSQB": "`[`",
-    "RSQB": "`]`",
-    "LBRACE": "an unreduced mark such as {U_X}",
-    "RBRACE": "`}`",
-    "_NL": "the end of the line",
-    "$END": "the end of the text",
-    "MESH": "`mesh`",
-    "DIMS": "`dims`",
-    "DTYPE": "`dtype`",
-    "PARAM": "`param`",
-    "CONST": "`const`",
-    "HARDWARE": "`hardware`",
-    "LAYERS": "`layers`",
-    "OVER": "`over` (`over dcn` in the mesh, `over X` after zero)",
-    "PIPELINE": "`pipeline`",
-    "MICROBATCHES": "`microbatches`",
-    "SCHEDULE": "`schedule`",
-    "ZERO": "`zero`",
-}
 
 _SIZE_RE = re.compile(r"[0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9]{1,4})?")
 _AXIS_RUN_RE = re.compile(r"[A-Za-z]+")
@@ -172,7 +141,7 @@ def parse_unchecked(text: str, filename: str | None = None) -> Spec:
             raise err.orig_exc from None
         raise
     except UnexpectedInput as err:
-        raise _syntax_error(err, lines, filename) from None
+        raise syntax_error(err, lines, filename) from None
     finally:
         _local.lines, _local.filename = None, None
     assert isinstance(spec, Spec)
@@ -242,44 +211,6 @@ def _size(token: Token, what: str) -> int:
         return parse_size(str(token), what)
     except ShardcError as err:
         raise err.with_span(_span(token)) from None
-
-
-def _syntax_error(err: UnexpectedInput, lines: list[str], filename: str | None) -> ShardcError:
-    """Turn a lark error into a ShardcError: where, what was found, what was expected."""
-    line, column, length = getattr(err, "line", -1), getattr(err, "column", -1), 1
-    if isinstance(err, UnexpectedToken) and err.token.type not in ("_NL", "$END"):
-        found = f"`{err.token}`"
-        length = len(str(err.token))
-    elif isinstance(err, UnexpectedCharacters):
-        found = f"character `{lines[line - 1][column - 1] if 0 < line <= len(lines) else '?'}`"
-    else:
-        found = "end of line"
-    if not (isinstance(line, int) and 0 < line <= len(lines)) or isinstance(err, UnexpectedEOF):
-        line = max((i for i, text in enumerate(lines, 1) if text.strip()), default=1)
-        column = len(lines[line - 1]) + 1
-    source = lines[line - 1]
-    column = max(1, min(column, len(source) + 1))
-    span = Span(line, column, length, filename, source)
-    return ShardcError(f"syntax error: unexpected {found}", span, fix=_expected_fix(err, found))
-
-
-def _expected_fix(err: UnexpectedInput, found: str) -> str:
-    expected: set[str] = set()
-    if isinstance(err, UnexpectedToken):
-        expected = set(err.accepts or err.expected)
-    elif isinstance(err, UnexpectedCharacters):
-        expected = set(err.allowed or ())
-    elif isinstance(err, UnexpectedEOF):
-        expected = set(err.expected)
-    words = sorted({_TERMINAL_WORDS.get(name, name.lower()) for name in expected})
-    fix = "expected " + " or ".join(words) if words else "check the syntax against the examples in the docs"
-    if "RSQB" in expected and "COMMA" in expected:
-        fix += "; a tensor is written Name[dim, dim, ...], a dim as B, B_XY or B_{data,model}"
-    elif found == "character `_`" or "`_`" in found:
-        fix += "; dim names cannot contain `_` (the first `_` starts the axes)"
-    elif "EQUAL" in expected and "ARROW" not in expected and "OP" not in expected:
-        fix += "; header lines are written `mesh X=16, Y=4`, `dims B=1024, D=512`"
-    return fix
 
 
 class _Builder(Transformer[Token, Any]):
@@ -445,7 +376,6 @@ class _Builder(Transformer[Token, Any]):
 
     def start(self, children: list[Any]) -> Spec:
         return _build_spec([c for c in children if not isinstance(c, Token)])
-
 
 
 class _Block:

@@ -40,7 +40,7 @@ from shardc.errors import LAYERS_FEED, ShardcError, Span
 from shardc.pipeline.stages import check_pipeline
 from shardc.spec.exprs import check_expression
 from shardc.spec.ir import Dim, Spec, Statement, TensorRef
-from shardc.spec.walk import calls, id_names, leaves
+from shardc.spec.walk import id_names, leaves
 
 __all__ = ["validate"]
 
@@ -141,18 +141,18 @@ def _check_layers(spec: Spec) -> None:
 
 
 def _check_block(spec: Spec) -> None:
-    """A ``layers L { ... }`` block, and dropout, are not cut into pipeline stages (yet)."""
+    """A ``layers L { ... }`` block is not cut into pipeline stages (yet): the statements around it
+    would run on the first and last stage (as Megatron-LM places the embedding and the loss), which
+    neither the pipeline's cost (its stages are alike) nor its lowering (one layer function) does.
+    Dropout is pipelined: a microbatch draws its slice of the whole batch's mask."""
     if spec.mesh.pipeline_axis is None:
         return
     if spec.block is not None:
-        raise ShardcError("a `layers` block with a pipeline axis: the pipeline cuts the whole spec into stages",
-                          spec.span_of("layers"),
-                          fix="write the layer alone with `layers L` (no braces) to pipeline it")
-    dropout = next((c for s in spec.statements for c in calls(s.expr) if c.func == "dropout"), None)
-    if dropout is not None:
-        raise ShardcError("dropout in a pipelined spec: its mask is drawn over the whole batch, and a "
-                          "pipeline runs it a microbatch at a time", dropout.span,
-                          fix="drop the pipeline axis, or the dropout")
+        raise ShardcError("a `layers` block with a pipeline axis: the pipeline cuts the whole spec into stages "
+                          "of identical layers, and does not yet place the statements before the block on the "
+                          "first stage and those after it on the last", spec.span_of("layers"),
+                          fix="pipeline the layer alone (`layers L` without braces; its first input is what a "
+                          "stage receives), and cost the embedding and the loss without the pipeline axis")
 
 
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:
