@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 
 import shardc
 from shardc.cli.main import main
+from shardc.errors import ShardcError
 from shardc.hardware import get_hardware
 from shardc.meshes import LayoutSearch, Options, factorisations, search_layouts
 from shardc.meshes.factor import MAX_CHIPS
+from shardc.meshes.rank import rank, rank_key
+from shardc.testing import specs
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "examples" / "llama2_13b.shard"
@@ -245,3 +248,30 @@ def test_the_table_says_the_rule_and_the_choice(capsys: pytest.CaptureFixture[st
     assert status == 0, err
     assert "rank: layouts that fit HBM first" in out and "chosen: fsdp_tp.shard X=16 Y=1" in out
     assert "at 40% MFU" in out and "3 more (--top 0 lists all)" in out
+
+
+# properties ----------------------------------------------------------------------------------------
+
+
+@given(specs(max_statements=3, dims=True, max_devices=8, layer_ops=True))
+def test_every_row_is_shardc_costs_figures_and_the_rows_are_ranked(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
+    chips = spec.mesh.devices
+    kept = {a.name: a.size for a in spec.mesh.axes if a.network.value == "dcn"}
+    left, searched = chips // math.prod(kept.values()), len(spec.mesh.axes) - len(kept)
+    if searched > 1 and left > 1 and all(left % d for d in range(2, left)):  # a prime: nothing to trade
+        with pytest.raises(ShardcError, match="prime"):
+            search_layouts([spec], Options(get_hardware("tpu-v5p")), chips=chips, jobs=1)
+        return
+    search = search_layouts([spec], Options(get_hardware("tpu-v5p")), chips=chips, jobs=1)
+    assert len(search.layouts) + len(search.skipped) == len(factorisations(left, searched))
+    assert all(math.prod(dict(r.sizes).values()) == chips and kept.items() <= dict(r.sizes).items()
+               for r in search.layouts)
+    assert list(search.layouts) == rank(search.layouts)
+    keys = [rank_key(r) for r in search.layouts]
+    assert keys == sorted(keys)
+    own = next((r for r in search.layouts if dict(r.sizes) == {a.name: a.size for a in spec.mesh.axes}), None)
+    if own is not None:  # the spec's own mesh: the row is what `shardc cost` reports for it
+        report = shardc.cost(shardc.plan(spec, hardware="tpu-v5p"), hardware="tpu-v5p")
+        if report.pipeline is None:
+            assert own.step_s == report.step.step_s and own.memory_bytes == report.memory.total_bytes
+            assert own.critical_s == report.step.critical_s and own.bound == report.step.bound

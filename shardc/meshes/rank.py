@@ -29,7 +29,8 @@ from shardc.planner.unit import strip_unit_axes
 from shardc.spec.ir import Spec
 from shardc.spec.overrides import apply_overrides
 
-__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "prepare", "evaluate", "layout_of", "rank_key", "ranked"]
+__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "prepare", "evaluate", "layout_of", "rank_key", "rank",
+           "ranked"]
 
 DIGITS = 9
 RULE = ("layouts that fit HBM first, then least step time (equal to 9 significant digits: compute-bound "
@@ -119,7 +120,8 @@ def evaluate(candidate: Spec, options: Options) -> Layout | str:
 def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]) -> Layout:
     """A row from a cost report: the step's times, and memory (a pipeline's: its fullest stage's)."""
     step, mem = report.step, report.memory
-    notes = tuple(n for n in report.plan.notes if "padded" in n)
+    notes = tuple(n for n in report.plan.notes if "padded" in n) + tuple(
+        n for n in report.notes if "a node has" in n)  # ICI axes wider than a GPU node: say so
     memory: tuple[tuple[str, float], ...] = (
         ("params", mem.param_bytes), ("grads", mem.grad_bytes), ("optimizer", mem.optimizer_bytes),
         ("activations", mem.residual_bytes), ("gathered", mem.gathered_bytes))
@@ -171,11 +173,14 @@ def ranked(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options
             skipped.append(Skipped(candidate.filename or "<spec>", pairs, row))
         else:
             rows.append(replace(row, spec=candidate.filename or "<spec>", sizes=pairs))
-    order = sorted(range(len(rows)), key=lambda i: (rank_key(rows[i]), i))  # ties: enumeration order
-    stats = {"candidates": float(sum(len(p) for p in plans)),
-             "planned": float(len(unique)), "reused": float(len(todo) - len(unique)),
-             "jobs": float(_jobs(jobs, len(unique))), "seconds": time.perf_counter() - start}
-    return [rows[i] for i in order], skipped, stats
+    stats = {"candidates": sum(len(p) for p in plans), "planned": len(unique), "reused": len(todo) - len(unique),
+             "jobs": _jobs(jobs, len(unique)), "seconds": time.perf_counter() - start}
+    return rank(rows), skipped, stats
+
+
+def rank(rows: Sequence[Layout]) -> list[Layout]:
+    """``rows`` by :func:`rank_key`, equal keys in the order given (enumeration order)."""
+    return sorted(rows, key=rank_key)  # sorted is stable
 
 
 def _jobs(jobs: int, plans: int) -> int:

@@ -55,10 +55,10 @@ def render(search: LayoutSearch, top: int = 0) -> str:
                   for s in search.skipped[:SKIPPED_SHOWN]]
         if len(search.skipped) > SKIPPED_SHOWN:
             lines.append(f"  ... {len(search.skipped) - SKIPPED_SHOWN} more (--json lists all)")
-    padded = sorted({n for r in shown for n in r.notes})
-    if padded:
+    notes = sorted({n for r in shown for n in r.notes})
+    if notes:
         lines.append("notes (of the rows shown):")
-        lines += [f"  {n}" for n in padded]
+        lines += [f"  {n}" for n in notes]
     lines.append(reason(search))
     s = search.stats
     lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['planned']:.0f} planned and costed, "
@@ -69,6 +69,8 @@ def render(search: LayoutSearch, top: int = 0) -> str:
 
 def _fine(x: float) -> str:
     """Seconds to 4 digits: the reason compares figures the table's 3 digits round alike."""
+    if x == 0:
+        return "0"
     return f"{x:.4g} s" if abs(x) >= 1 else f"{x * 1e3:.4g} ms" if abs(x) >= 1e-3 else f"{x * 1e6:.4g} us"
 
 
