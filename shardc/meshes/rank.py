@@ -203,10 +203,22 @@ def _run(candidates: list[Spec], options: Options, jobs: int,
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    # spawn, not fork: a fresh interpreter per worker, whatever threads the caller runs
-    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # spawn, not fork: a fresh interpreter per worker, whatever threads the caller runs; workers leave
+    # Ctrl-C to this process, which cancels what is left rather than waiting for it
+    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupt)
+    try:
         for row in pool.map(evaluate, candidates, [options] * len(candidates), chunksize=1):
             out.append(row)
             if progress is not None:
                 progress(len(out), len(candidates))
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return out
+
+
+def _ignore_interrupt() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
