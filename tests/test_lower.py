@@ -45,7 +45,8 @@ def fsdp_tp() -> shardc.lowering.api.Lowered:  # type: ignore[name-defined]
 
 def test_the_required_examples_exist() -> None:
     names = {p.stem for p in EXAMPLES}
-    assert {"dp", "fsdp", "tp", "fsdp_tp", "attention", "multiaxis", "braced", "alltoall", "moe_layer"} <= names
+    assert {"dp", "fsdp", "tp", "fsdp_tp", "attention", "multiaxis", "braced", "alltoall", "moe_layer",
+            "moe_transformer"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

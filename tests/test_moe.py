@@ -148,6 +148,20 @@ def test_route_of_sequence_sharded_gates_gathers_them_and_verifies() -> None:
     assert report.ok, render_report(report)
 
 
+def test_the_float32_recheck_of_a_routed_spec_gives_the_unsharded_program_the_capacity() -> None:
+    """Weak rows are checked again against the unsharded program (verify's ``_differential_rows``):
+    that program must get the capacity C too, as no input has it (it raised "C has no size")."""
+    pytest.importorskip("jax")
+    from shardc.lowering.api import lower
+    from shardc.lowering.sizes import small_sizes
+    from shardc.lowering.verify import _differential_rows, _reference_run
+
+    p = _plan(SMALL)
+    lowered = lower(p, sizes=small_sizes(p, 2))
+    rows = _differential_rows(lowered, _reference_run(lowered, np.dtype("float32"), 0))
+    assert {r.tensor for r in rows} >= {"Disp", "Out", "dW_r"} and all(r.ok for r in rows)
+
+
 def test_verify_runs_a_route_of_more_experts_than_its_small_sizes_would_give() -> None:
     # S=128 is too large to run, so verify picks small sizes: E must stay >= k=8 for top_k (found by
     # shardc.testing's route draws: small_sizes gave E=4 and top_k failed)

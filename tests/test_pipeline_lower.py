@@ -110,6 +110,28 @@ def test_1f1b_tick_tables_follow_the_simulation() -> None:
     assert [row[0] for row in f_table[:4]] == [0, 1, 2, 3]  # stage 0: p - 1 warm-up forwards, then one more
 
 
+ROUTED = """mesh P=2 pipeline, X=2
+dims B=8, S=4, D=6, E=4, C=3, F=5
+dtype f32
+layers 4
+microbatches 2
+param W_r, W_1, W_2
+Gate[B_X, S, E] = softmax(X0[B_X, S, D] · W_r[D, E] over E)
+Disp[B_X, S, E, C] = route(Gate[B_X, S, E], S, C, 2 over E)
+Comb[B_X, S, E, C] = Gate[B_X, S, E] * Disp[B_X, S, E, C]
+In[B, E_X, C, D] = Disp[B_X, S, E, C] · X0[B_X, S, D]
+Ex[B, E_X, C, D] = gelu(In[B, E_X, C, D] · W_1[E_X, D, F]) · W_2[E_X, F, D]
+X1[B_X, S, D] = X0[B_X, S, D] + Comb[B_X, S, E, C] · Ex[B, E_X, C, D]
+"""
+
+
+def test_a_pipelined_routed_layer_verifies() -> None:
+    """The reference gets the capacity C from the sizes (no input has it): it raised "C has no size"."""
+    report = verify_pipeline(shardc.plan(shardc.parse(ROUTED)), devices=8)
+    assert {r.tensor for r in report.values} == {"X1", "dX0", "dW_r", "dW_1", "dW_2"}
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_tensor_parallel_stages_verify(schedule: str) -> None:
     # P=2 leaves X=2 and Y=2 on 8 devices: FSDP and tensor parallelism inside each stage (with P=4

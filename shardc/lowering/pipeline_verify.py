@@ -122,7 +122,8 @@ def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarra
     x = values[ns.BLOCK_INPUT]
     for layer in range(lowered.pipeline.layers):
         layer_values = {ns.BLOCK_INPUT: x, **{p: values[p][layer] for p in ns.PARAMS}}
-        out = reference.forward(spec, layer_values, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
+        out = reference.forward(spec, layer_values, sizes=dict(lowered.sizes),
+                                key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
         rms = float(np.sqrt(np.mean(out ** 2))) or 1.0
         values[linear[0]][layer] /= rms
         x = out / rms
@@ -150,16 +151,18 @@ def _reference(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_out: n
     ns = lowered.namespace
     spec = stage_spec(lowered.plan.spec)
     params = list(ns.PARAMS)
+    sizes = dict(lowered.sizes)  # the dims no input has (a route's capacity); the inputs' shapes win
     x = inputs[ns.BLOCK_INPUT].astype(np.float64)
     kept = []
     for layer in range(lowered.pipeline.layers):
         values = {ns.BLOCK_INPUT: x, **{p: inputs[p][layer].astype(np.float64) for p in params}}
         kept.append(values)
-        x = reference.forward(spec, values, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
+        x = reference.forward(spec, values, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
     grads: dict[str, list[np.ndarray]] = {p: [] for p in params}
     g = d_out.astype(np.float64)
     for layer in reversed(range(len(kept))):  # keyed by the tensors' names
-        got = reference.backward(spec, kept[layer], {ns.BLOCK_OUTPUT: g}, key=_key(lowered, key, layer))
+        got = reference.backward(spec, kept[layer], {ns.BLOCK_OUTPUT: g}, sizes=sizes,
+                                 key=_key(lowered, key, layer))
         for p in params:
             grads[p].insert(0, got[p])
         g = got[ns.BLOCK_INPUT]

@@ -436,8 +436,9 @@ def _differential_rows(lowered: Lowered, run: _Run) -> list[ValueRow]:
     plain_in = {n: jnp.asarray(v if n in ids else v.astype(np.float32)) for n, v in wide.items()}
     outs = lowered.module.cotangents
     plain_cot = {outs[n]: jnp.asarray(v.astype(np.float32)) for n, v in run.cotangents.items()}
-    plain_fwd = reference.forward(spec, plain_in, jnp)
-    plain_bwd = reference.backward(spec, plain_in, plain_cot, jnp)
+    sizes = dict(lowered.sizes or {})  # the dims no input has (a route's capacity), as the first run
+    plain_fwd = reference.forward(spec, plain_in, jnp, sizes=sizes)
+    plain_bwd = reference.backward(spec, plain_in, plain_cot, jnp, sizes=sizes)
     got_fwd, got_bwd = lowered.forward(run.inputs), lowered.grad(run.inputs, run.cotangents)
     rows = []
     for name, ref in run.forward.items():
