@@ -32,6 +32,7 @@ __all__ = ["COMMANDS", "build_parser", "full_parser", "main", "parse_sets", "add
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("shardc.cli.plan_cmd", "infer the collectives of forward and backward"),
     "cost": ("shardc.cli.cost_cmd", "cost a plan: time, roofline, memory, thresholds"),
+    "layouts": ("shardc.cli.layouts_cmd", "rank the mesh layouts of a spec on a number of chips"),
     "hardware": ("shardc.cli.cost_cmd", "list the hardware presets"),
     "lower": ("shardc.cli.lower_cmd", "write the plan as a JAX shard_map module"),
     "verify": ("shardc.cli.lower_cmd", "run the lowered plan and check values and HLO"),

@@ -1,0 +1,61 @@
+"""Speed of ``shardc layouts``: the layout search over every mesh axis assignment of a chip count.
+
+Prints, for each case, the candidates, how many were planned, reused and skipped, the
+seconds (serial, one process) and the seconds a plan, with its target:
+
+- ``examples/llama2_13b.shard`` on 4096 chips (2 axes: 13 candidates, 7 refused as N=40 heads
+  < Y), with its pure-data-parallel variant beside it: < 5 s;
+- ``examples/llama2_13b_hsdp.shard`` on 4096 chips (3 axes: 91 candidates): < 60 s serial,
+  the number to watch being seconds a plan (the planner's own speed: ``plan_speed.py``);
+- the same with ``--jobs 0`` (a process a core), when the machine has more than one.
+
+Run with ``python benchmarks/layouts_speed.py`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's shardc, not an installed one
+
+import shardc  # noqa: E402
+from shardc.hardware import get_hardware  # noqa: E402
+from shardc.meshes import Options, search_layouts  # noqa: E402
+
+
+def _spec(name: str) -> shardc.spec.ir.Spec:  # type: ignore[name-defined]
+    path = ROOT / name
+    return shardc.parse(path.read_text(encoding="utf-8"), name)
+
+
+def case(title: str, files: list[str], chips: int, target_s: float, jobs: int = 1) -> None:
+    specs = [_spec(f) for f in files]
+    start = time.perf_counter()
+    search = search_layouts(specs, Options(get_hardware("tpu-v5p"), mfu=0.4), chips=chips, jobs=jobs)
+    took = time.perf_counter() - start
+    s = search.stats
+    best = search.chosen
+    per_plan = took / s["planned"] if s["planned"] else 0.0
+    verdict = "ok" if took < target_s else "SLOW"
+    print(f"{title}: {s['candidates']:.0f} candidates, {s['planned']:.0f} planned, {s['reused']:.0f} reused, "
+          f"{len(search.skipped)} skipped; {took:.1f} s over {s['jobs']:.0f} process(es) "
+          f"({per_plan:.2f} s a plan), target < {target_s:g} s: {verdict}")
+    if best is not None:
+        print(f"  chosen {best.spec} {best.axes_text}: {best.step_s * 1e3:.1f} ms a step, {best.bound}-bound")
+
+
+def main() -> None:
+    case("llama2_13b + DP variant, 4096 chips, 2 axes",
+         ["examples/llama2_13b.shard", "tests/specs/llama2_13b_dp.shard"], 4096, 5.0)
+    case("llama2_13b_hsdp, 4096 chips, 3 axes", ["examples/llama2_13b_hsdp.shard"], 4096, 60.0)
+    if (os.cpu_count() or 1) > 1:
+        case("llama2_13b_hsdp, 4096 chips, 3 axes, --jobs 0", ["examples/llama2_13b_hsdp.shard"], 4096, 60.0,
+             jobs=0)
+
+
+if __name__ == "__main__":
+    main()

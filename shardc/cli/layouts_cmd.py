@@ -1,0 +1,92 @@
+"""``shardc layouts FILE``: rank the mesh layouts of a spec (and ``--with`` variants) on a chip count."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from shardc.accountings import ACCOUNTINGS
+from shardc.cli.main import add_common, load_spec, parse_sets
+from shardc.errors import ShardcError
+
+__all__ = ["register", "run_layouts"]
+
+
+def _chips(text: str) -> int:
+    """``--chips``: a positive whole number (``4096``, ``4_096``, ``4e3`` if whole); range checks come later."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        value = float("nan")
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"expects a whole number of chips, got {text!r}")
+    return int(value)
+
+
+def _progress() -> Callable[[int, int], None] | None:
+    """On a terminal, a ``planned k/n`` line on stderr, rewritten in place and cleared at the end."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        end = "\r" if done < total else "\r" + " " * 40 + "\r"
+        print(f"planned {done}/{total} layouts", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def register(subparsers: Any, name: str) -> None:
+    parser = subparsers.add_parser(
+        name, help="rank the mesh layouts of a spec on a number of chips",
+        description="Rank every layout of FILE (and of each --with spec) on --chips chips: each assignment of "
+                    "sizes to the mesh axes whose product is the chip count, planned for the chip and costed "
+                    "as `shardc cost` costs it.  DCN axes and axes given with --set keep their size.  Layouts "
+                    "that fit HBM come first, then by step time, then by critical-path communication, then "
+                    "by memory.")
+    add_common(parser)
+    parser.add_argument("--chips", type=_chips, metavar="N",
+                        help="the chips to lay out (default: the spec's own device count)")
+    parser.add_argument("--with", dest="others", action="append", default=[], metavar="FILE",
+                        help="another spec of the same model to search beside FILE (repeatable)")
+    parser.add_argument("--hardware", metavar="NAME", help="a preset (see `shardc hardware`)")
+    parser.add_argument("--hardware-file", metavar="TOML", help="a chip of your own (keys: shardc hardware)")
+    parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
+                        help="training-state accounting (see `shardc cost --help`)")
+    parser.add_argument("--save", choices=("default", "none", "all"), default="default",
+                        help="the plans' residual policy (see `shardc plan --help`)")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="what the backward recomputes instead of keeping (see `shardc plan --help`)")
+    parser.add_argument("--mfu", type=float, metavar="FRACTION",
+                        help="also give each step time at this MFU (never under the step time)")
+    parser.add_argument("--top", type=int, default=20, metavar="K",
+                        help="list the best K layouts (20; 0 lists all)")
+    parser.add_argument("--jobs", type=int, default=0, metavar="J",
+                        help="processes that plan the candidates (0: one a core, up to 8, when 8 or more plans)")
+    parser.add_argument("--json", action="store_true", help="print the search as JSON")
+    parser.set_defaults(func=run_layouts)
+
+
+def run_layouts(args: argparse.Namespace) -> int:
+    from shardc.costmodel.hardware import resolve_hardware
+    from shardc.meshes import Options, search_layouts
+
+    if args.top < 0:
+        raise ShardcError(f"--top must be 0 (all) or more, got {args.top}", fix="write e.g. --top 10")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ShardcError(f"--mfu must be in (0, 1], got {args.mfu}", fix="write e.g. --mfu 0.4")
+    if args.jobs < 0:
+        raise ShardcError(f"--jobs must be 0 (one a core) or more, got {args.jobs}", fix="write e.g. --jobs 4")
+    paths = list(dict.fromkeys([args.file, *args.others]))  # a file given twice is searched once
+    specs = [load_spec(path, args.set) for path in paths]
+    fixed = frozenset(parse_sets(args.set))
+    hw = resolve_hardware(args.hardware, args.hardware_file, specs[0].hardware)
+    options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu)
+    search = search_layouts(specs, options, args.chips, fixed, args.jobs, _progress())
+    if args.json:
+        print(json.dumps(search.to_json(args.top), indent=2, allow_nan=False))
+    else:
+        print(search.render(args.top), end="")
+    return 0

@@ -1,0 +1,224 @@
+"""Plan and cost each candidate layout, and rank them.
+
+Each candidate is the spec with its mesh axes set (:func:`shardc.spec.overrides.apply_overrides`,
+which validates it again), planned for the chip (``shardc plan``: the planner minimises
+the step time ``shardc cost`` reports) and costed (``shardc cost``); every figure of a
+row is the cost report's.  A candidate the spec refuses (a dim smaller than its devices,
+more stages than layers) is skipped with the reason.  Candidates whose spec, once its
+size-1 axes are stripped, is one already planned (the same spec under ``--with``, or two
+specs equal but for an axis switched off) reuse that plan's figures.
+
+The ranking: layouts that fit the chip's HBM first; then by step time, compared to
+:data:`DIGITS` significant digits (compute-bound layouts all take the compute time, up to
+rounding); then by communication time on the critical path (what is left exposed when only
+ahead-of-time collectives overlap); then by memory per device; then in enumeration order.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from shardc.costmodel.report import CostReport, cost
+from shardc.errors import ShardcError
+from shardc.hardware import Hardware
+from shardc.planner.planner import plan
+from shardc.planner.unit import strip_unit_axes
+from shardc.spec.ir import Spec
+from shardc.spec.overrides import apply_overrides
+
+__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "prepare", "evaluate", "layout_of", "rank_key", "rank",
+           "ranked"]
+
+DIGITS = 9
+RULE = ("layouts that fit HBM first, then least step time (equal to 9 significant digits: compute-bound "
+        "layouts all take the compute time), then least communication on the critical path, then least "
+        "memory per device")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every candidate is planned and costed with (the flags of ``shardc layouts``)."""
+
+    hardware: Hardware
+    save: str = "default"
+    recompute: str = "none"
+    optimizer: str = "adam10"
+    mfu: float | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate's figures, all from its cost report (whole step, all layers, one device)."""
+
+    spec: str
+    sizes: tuple[tuple[str, int], ...]  # every mesh axis, in mesh order
+    step_s: float
+    compute_s: float
+    comm_s: float
+    critical_s: float
+    bound: str
+    mfu: float  # model FLOPs / (chips * C * step_s)
+    at_mfu_s: float | None  # the step at --mfu: cost's compute at that MFU, or step_s when longer
+    memory: tuple[tuple[str, float], ...]  # (part, bytes) per device
+    memory_bytes: float
+    hbm_bytes: float
+    notes: tuple[str, ...] = ()  # padding of uneven dims, the pipeline's schedule
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.hbm_bytes
+
+    @property
+    def axes_text(self) -> str:
+        return " ".join(f"{name}={size}" for name, size in self.sizes)
+
+    def to_json(self) -> dict[str, object]:
+        return {"spec": self.spec, "axes": dict(self.sizes), "step_s": self.step_s, "compute_s": self.compute_s,
+                "comm_s": self.comm_s, "critical_s": self.critical_s, "bound": self.bound, "mfu": self.mfu,
+                "step_at_mfu_s": self.at_mfu_s, "memory": dict(self.memory), "memory_bytes": self.memory_bytes,
+                "hbm_bytes": self.hbm_bytes, "fits": self.fits, "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A candidate the spec refuses at those sizes, and why (the first line of the error)."""
+
+    spec: str
+    sizes: tuple[tuple[str, int], ...]
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"spec": self.spec, "axes": dict(self.sizes), "reason": self.reason}
+
+
+def prepare(spec: Spec, sizes: dict[str, int]) -> Spec | Skipped:
+    """``spec`` with its mesh axes at ``sizes``, validated again; or why the spec refuses them."""
+    try:
+        return apply_overrides(spec, sizes)
+    except ShardcError as err:
+        return Skipped(spec.filename or "<spec>", _pairs(spec, sizes), err.message.splitlines()[0])
+
+
+def _pairs(spec: Spec, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple((name, sizes[name]) for name in spec.mesh.names)
+
+
+def evaluate(candidate: Spec, options: Options) -> Layout | str:
+    """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line)."""
+    try:
+        report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute),
+                      hardware=options.hardware, mfu=options.mfu, optimizer=options.optimizer)
+    except ShardcError as err:
+        return err.message.splitlines()[0]
+    sizes = {a.name: a.size for a in candidate.mesh.axes}
+    return layout_of(report, candidate.filename or "<spec>", _pairs(candidate, sizes))
+
+
+def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]) -> Layout:
+    """A row from a cost report: the step's times, and memory (a pipeline's: its fullest stage's)."""
+    step, mem = report.step, report.memory
+    notes = tuple(n for n in report.plan.notes if "padded" in n) + tuple(
+        n for n in report.notes if "a node has" in n)  # ICI axes wider than a GPU node: say so
+    memory: tuple[tuple[str, float], ...] = (
+        ("params", mem.param_bytes), ("grads", mem.grad_bytes), ("optimizer", mem.optimizer_bytes),
+        ("activations", mem.residual_bytes), ("gathered", mem.gathered_bytes))
+    total, step_s = mem.total_bytes, step.step_s
+    if report.pipeline is not None:  # the schedule's step, and the stage holding the most
+        pipe = report.pipeline
+        fullest = max(pipe.stages, key=lambda s: s.memory_bytes)
+        memory = (("state", fullest.state_bytes), ("activations", fullest.activation_bytes),
+                  ("gathered", fullest.gathered_bytes))
+        total, step_s = fullest.memory_bytes, pipe.step_s
+        if pipe.pipeline.stages > 1:
+            notes += (f"pipeline: {pipe.pipeline.stages} stages, {pipe.pipeline.microbatches} microbatches, "
+                      f"{pipe.pipeline.schedule}; step = the simulated schedule",)
+    at_mfu = step.step_at_mfu_s
+    return Layout(label, sizes, step_s, step.compute_s, step.comm_s, step.critical_s, step.bound, step.mfu,
+                  None if at_mfu is None else max(at_mfu, step_s), memory, total, mem.hbm_bytes, notes)
+
+
+def rank_key(row: Layout) -> tuple[bool, float, float, float]:
+    """Fits first, then step time (to :data:`DIGITS` digits), critical-path communication, memory."""
+    return (not row.fits, float(f"{row.step_s:.{DIGITS - 1}e}"), row.critical_s, row.memory_bytes)
+
+
+def ranked(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options: Options, jobs: int = 1,
+           progress: Callable[[int, int], None] | None = None) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+    """Every candidate of every spec evaluated (over ``jobs`` processes), the layouts ranked; counts, seconds.
+
+    A candidate whose spec, stripped of its size-1 axes, is one already met is not planned again.
+    ``progress(done, total)`` is called after each plan.
+    """
+    start = time.perf_counter()
+    skipped: list[Skipped] = []
+    todo: list[tuple[Spec, tuple[tuple[str, int], ...], str]] = []  # candidate, its sizes, its key
+    unique: dict[str, Spec] = {}
+    for spec, sizes_list in zip(specs, plans, strict=True):
+        for sizes in sizes_list:
+            candidate = prepare(spec, sizes)
+            if isinstance(candidate, Skipped):
+                skipped.append(candidate)
+                continue
+            key = str(strip_unit_axes(candidate))
+            unique.setdefault(key, candidate)
+            todo.append((candidate, _pairs(spec, sizes), key))
+    done = dict(zip(unique, _run(list(unique.values()), options, jobs, progress), strict=True))
+    rows: list[Layout] = []
+    for candidate, pairs, key in todo:
+        row = done[key]
+        if isinstance(row, str):
+            skipped.append(Skipped(candidate.filename or "<spec>", pairs, row))
+        else:
+            rows.append(replace(row, spec=candidate.filename or "<spec>", sizes=pairs))
+    stats = {"candidates": sum(len(p) for p in plans), "planned": len(unique), "reused": len(todo) - len(unique),
+             "jobs": _jobs(jobs, len(unique)), "seconds": time.perf_counter() - start}
+    return rank(rows), skipped, stats
+
+
+def rank(rows: Sequence[Layout]) -> list[Layout]:
+    """``rows`` by :func:`rank_key`, equal keys in the order given (enumeration order)."""
+    return sorted(rows, key=rank_key)  # sorted is stable
+
+
+def _jobs(jobs: int, plans: int) -> int:
+    """``jobs`` processes (0: one a core, up to 8, and none when fewer than 8 plans would not repay starting them)."""
+    if jobs == 0:
+        jobs = 1 if plans < 8 else min(os.cpu_count() or 1, 8)
+    return max(1, min(jobs, plans))
+
+
+def _run(candidates: list[Spec], options: Options, jobs: int,
+         progress: Callable[[int, int], None] | None) -> list[Layout | str]:
+    n = _jobs(jobs, len(candidates))
+    out: list[Layout | str] = []
+    if n == 1:
+        for c in candidates:
+            out.append(evaluate(c, options))
+            if progress is not None:
+                progress(len(out), len(candidates))
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: a fresh interpreter per worker, whatever threads the caller runs; workers leave
+    # Ctrl-C to this process, which cancels what is left rather than waiting for it
+    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupt)
+    try:
+        for row in pool.map(evaluate, candidates, [options] * len(candidates), chunksize=1):
+            out.append(row)
+            if progress is not None:
+                progress(len(out), len(candidates))
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return out
+
+
+def _ignore_interrupt() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

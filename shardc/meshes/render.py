@@ -1,0 +1,120 @@
+"""The text table and the JSON of a layout search, and the chosen layout's reason in numbers."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from shardc.costmodel.render import fmt_bytes, fmt_seconds
+from shardc.meshes.rank import DIGITS, Layout, Skipped, rank_key
+
+if TYPE_CHECKING:
+    from shardc.meshes.search import LayoutSearch
+
+__all__ = ["render", "to_json", "reason"]
+
+SKIPPED_SHOWN = 8
+
+
+def _name(row: Layout | Skipped) -> str:
+    return os.path.basename(row.spec)
+
+
+def _header(search: LayoutSearch) -> list[str]:
+    o = search.options
+    specs = list(dict.fromkeys([r.spec for r in search.layouts] + [s.spec for s in search.skipped]))
+    return [f"layouts of {', '.join(specs)} on {search.chips} {o.hardware.name} chips "
+            f"({fmt_bytes(o.hardware.hbm_bytes)} HBM each; {o.optimizer}, --save {o.save}, --recompute {o.recompute})",
+            f"rank: {search.rule}"]
+
+
+def _table(search: LayoutSearch, rows: tuple[Layout, ...]) -> list[str]:
+    mfu = search.options.mfu
+    width = max([len(_name(r)) for r in rows] + [4])
+    axes = max([len(r.axes_text) for r in rows] + [4])
+    at = f"  {f'at {mfu:.0%} MFU':>11}" if mfu is not None else ""
+    lines = [f"  {'#':>3}  {'spec':<{width}}  {'axes':<{axes}}  {'step':>9}  {'compute':>9}  {'comm':>9}  "
+             f"{'critical':>9}  {'bound':<13}{at}  {'memory':>9}  fits"]
+    for i, r in enumerate(rows, 1):
+        at = f"  {fmt_seconds(r.at_mfu_s):>11}" if r.at_mfu_s is not None else ""
+        lines.append(f"  {i:>3}  {_name(r):<{width}}  {r.axes_text:<{axes}}  {fmt_seconds(r.step_s):>9}  "
+                     f"{fmt_seconds(r.compute_s):>9}  {fmt_seconds(r.comm_s):>9}  {fmt_seconds(r.critical_s):>9}  "
+                     f"{r.bound:<13}{at}  {fmt_bytes(r.memory_bytes):>9}  {'yes' if r.fits else 'no'}")
+    return lines
+
+
+def render(search: LayoutSearch, top: int = 0) -> str:
+    """The table (the first ``top`` rows; 0: all), the skipped candidates, the choice and its reason."""
+    shown = search.layouts[:top] if top else search.layouts
+    lines = _header(search) + _table(search, shown)
+    if len(shown) < len(search.layouts):
+        lines.append(f"  ... {len(search.layouts) - len(shown)} more (--top 0 lists all)")
+    if search.skipped:
+        lines.append(f"skipped {len(search.skipped)} candidate(s) the spec refuses at those sizes:")
+        lines += [f"  {_name(s)} {' '.join(f'{k}={v}' for k, v in s.sizes)}: {s.reason}"
+                  for s in search.skipped[:SKIPPED_SHOWN]]
+        if len(search.skipped) > SKIPPED_SHOWN:
+            lines.append(f"  ... {len(search.skipped) - SKIPPED_SHOWN} more (--json lists all)")
+    notes = sorted({n for r in shown for n in r.notes})
+    if notes:
+        lines.append("notes (of the rows shown):")
+        lines += [f"  {n}" for n in notes]
+    lines.append(reason(search))
+    s = search.stats
+    lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['planned']:.0f} planned and costed, "
+                 f"{s['reused']:.0f} reused (the same spec once size-1 axes are stripped), "
+                 f"{len(search.skipped)} skipped, in {s['seconds']:.1f} s over {s['jobs']:.0f} process(es)")
+    return "\n".join(lines) + "\n"
+
+
+def _fine(x: float) -> str:
+    """Seconds to 4 digits: the reason compares figures the table's 3 digits round alike."""
+    if x == 0:
+        return "0"
+    return f"{x:.4g} s" if abs(x) >= 1 else f"{x * 1e3:.4g} ms" if abs(x) >= 1e-3 else f"{x * 1e6:.4g} us"
+
+
+def reason(search: LayoutSearch) -> str:
+    """Why the first layout is chosen, by the ranking rule's figures."""
+    best = search.chosen
+    if best is None:
+        return "chosen: none: the spec refuses every candidate (see skipped)"
+    head = f"chosen: {_name(best)} {best.axes_text}: "
+    if not best.fits:
+        return head + (f"no layout fits {fmt_bytes(best.hbm_bytes)} of HBM (this one needs "
+                       f"{fmt_bytes(best.memory_bytes)}); it is the fastest of those that do not "
+                       "(fix: more chips, a `zero` line, --recompute, or a sharded variant under --with)")
+    parts = [f"fits ({fmt_bytes(best.memory_bytes)} of {fmt_bytes(best.hbm_bytes)}) and takes "
+             f"{_fine(best.step_s)} a step, {best.bound}-bound"]
+    if best.at_mfu_s is not None:
+        parts.append(f"{fmt_seconds(best.at_mfu_s)} at {search.options.mfu:.0%} MFU")
+    faster = [r for r in search.layouts if not r.fits and r.step_s < best.step_s]
+    if faster:
+        parts.append(f"{len(faster)} faster layout(s) do not fit (e.g. {_name(faster[0])} {faster[0].axes_text}: "
+                     f"{fmt_bytes(faster[0].memory_bytes)})")
+    tied = [r for r in search.layouts[1:] if rank_key(r)[:2] == rank_key(best)[:2]]
+    if tied:
+        nxt = tied[0]
+        parts.append(f"{len(tied)} other layout(s) take the same step time (to {DIGITS} digits); least "
+                     f"critical-path communication: {_fine(best.critical_s)} vs "
+                     f"{_fine(nxt.critical_s)} for {_name(nxt)} {nxt.axes_text}"
+                     + (f", then memory {fmt_bytes(best.memory_bytes)} vs {fmt_bytes(nxt.memory_bytes)}"
+                        if nxt.critical_s == best.critical_s else ""))
+    elif len(search.layouts) > 1 and search.layouts[1].fits:
+        nxt = search.layouts[1]
+        parts.append(f"next: {_name(nxt)} {nxt.axes_text} at {_fine(nxt.step_s)} vs {_fine(best.step_s)} "
+                     f"({nxt.bound}-bound, communication {_fine(nxt.comm_s)} vs {_fine(best.comm_s)})")
+    return head + "; ".join(parts)
+
+
+def to_json(search: LayoutSearch, top: int = 0) -> dict[str, object]:
+    """Strict-JSON data: the chip, the rule, the rows (ranked), skipped, chosen and why, the counts."""
+    o = search.options
+    shown = search.layouts[:top] if top else search.layouts
+    best = search.chosen
+    return {"chips": search.chips, "hardware": o.hardware.name, "hbm_bytes": o.hardware.hbm_bytes,
+            "optimizer": o.optimizer, "save": o.save, "recompute": o.recompute, "mfu": o.mfu,
+            "rule": search.rule, "layouts": [r.to_json() for r in shown], "more": len(search.layouts) - len(shown),
+            "skipped": [s.to_json() for s in search.skipped],
+            "chosen": best.to_json() if best is not None else None, "reason": reason(search),
+            "stats": search.stats}

@@ -1,0 +1,80 @@
+"""``shardc layouts``: which mesh layout, for this model, on these chips.
+
+For each spec (the first, and those given with ``--with``: e.g. a DP, an FSDP and an
+FSDP+TP variant of one model), every assignment of sizes to its searched mesh axes
+whose product is the chip count (:mod:`shardc.meshes.factor`) is planned and costed
+(:mod:`shardc.meshes.rank`), and the layouts are ranked.  The chosen layout is the
+first: the fastest of those that fit, the reason said in numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from shardc.errors import ShardcError
+from shardc.meshes.factor import candidates
+from shardc.meshes.rank import RULE, Layout, Options, Skipped, ranked
+from shardc.spec.ir import Spec
+from shardc.spec.overrides import dim_names
+
+__all__ = ["LayoutSearch", "search_layouts"]
+
+
+@dataclass(frozen=True)
+class LayoutSearch:
+    """The ranked layouts (best first), the candidates skipped, and what the search took."""
+
+    chips: int
+    options: Options
+    layouts: tuple[Layout, ...]
+    skipped: tuple[Skipped, ...]
+    stats: dict[str, float]
+    rule: str = RULE
+
+    @property
+    def chosen(self) -> Layout | None:
+        return self.layouts[0] if self.layouts else None
+
+    def reason(self) -> str:
+        from shardc.meshes.render import reason
+
+        return reason(self)
+
+    def render(self, top: int = 0) -> str:
+        from shardc.meshes.render import render
+
+        return render(self, top)
+
+    def to_json(self, top: int = 0) -> dict[str, object]:
+        from shardc.meshes.render import to_json
+
+        return to_json(self, top)
+
+
+def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = None,
+                   fixed: frozenset[str] = frozenset(), jobs: int = 1,
+                   progress: Callable[[int, int], None] | None = None) -> LayoutSearch:
+    """Rank every layout of ``specs`` on ``chips`` (default: the first spec's devices).
+
+    ``fixed`` names axes kept at their size (as DCN axes are); every spec needs a size for each dim.
+    ``jobs`` processes plan the candidates (0: one a core, when there are enough to repay them);
+    ``progress(done, total)`` is called after each plan.
+    """
+    if not specs:
+        raise ShardcError("no spec to search", fix="pass a .shard file")
+    n = specs[0].mesh.devices if chips is None else chips
+    for spec in specs:
+        _check_sized(spec)
+    plans = [candidates(spec, n, fixed & set(spec.mesh.names)) for spec in specs]
+    rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
+    return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats)
+
+
+def _check_sized(spec: Spec) -> None:
+    sized = dict(spec.dims)
+    missing = [d for d in dim_names(spec) if d not in sized]
+    if missing:
+        raise ShardcError(f"{spec.filename or '<spec>'}: layouts are ranked by step time, which needs a size for "
+                          f"every dim; {', '.join(missing)} {'has' if len(missing) == 1 else 'have'} none",
+                          fix=f"add them to the dims line, or pass --set {missing[0]}=...")
