@@ -189,3 +189,14 @@ def test_the_llama2_13b_example_verifies_from_the_cli(capsys: pytest.CaptureFixt
     assert main(["verify", str(EXAMPLE)]) == 0
     out = capsys.readouterr().out
     assert "verified" in out and "dW_emb" in out and "dW_out" in out and "Loss" in out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_tensor_parallel_stages_with_a_vocabulary_parallel_loss_verify(schedule: str) -> None:
+    """P=2 leaves X=2 and Y=2 on 8 devices: the embedding's table and the logits cut over Y."""
+    from shardc.lowering.verify import verify
+
+    text = MODEL.replace("mesh X=4, Y=2", f"mesh P=2 pipeline, X=2, Y=2\nschedule {schedule}\nmicrobatches 4")
+    report = verify(shardc.plan(shardc.parse(text)))
+    assert report.mesh == {"P": 2, "X": 2, "Y": 2}
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
