@@ -10,7 +10,8 @@ import shardc
 from shardc.errors import ShardcError
 from shardc.lowering.pipeline import lower_pipeline, permutes_expected
 from shardc.lowering.pipeline_1f1b import tick_tables
-from shardc.lowering.pipeline_verify import _permutes, _sizes, verify_pipeline
+from shardc.lowering.pipeline_hlo import _permutes
+from shardc.lowering.pipeline_verify import _sizes, verify_pipeline
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
 
@@ -63,26 +64,54 @@ def _values_ok(report: object) -> None:
     assert all(r.ok for r in report.values), [r for r in report.values if not r.ok]  # type: ignore[attr-defined]
 
 
+FOUR_STAGES = ("mesh P=4 pipeline, X=8, Y=4", "mesh P=4 pipeline, X=8, Y=1")  # P=4 x X=2 fits 8 devices
+
+
 def test_verify_runs_gpipe_on_eight_devices_against_numpy() -> None:
-    gpipe = shardc.plan(shardc.parse(EXAMPLE.read_text().replace("schedule 1f1b", "schedule gpipe"), "gpipe"))
-    report = verify_pipeline(gpipe, devices=8)
+    text = EXAMPLE.read_text().replace("schedule 1f1b", "schedule gpipe").replace(*FOUR_STAGES)
+    report = verify_pipeline(shardc.plan(shardc.parse(text, "gpipe")), devices=8)
     assert report.mesh == {"P": 4, "X": 2, "Y": 1}
     assert report.sizes["layers"] == 8 and report.sizes["microbatches"] == 8
     _values_ok(report)
     permutes = [r for r in report.collectives if r.kind == "CollectivePermute"]
     assert len(permutes) == 3 and all(r.ok for r in permutes)  # forward; recompute + cotangents
     assert all(r.hlo_op == f"collective-permute x {permutes_expected(4, 8)}" for r in permutes)
+    gathers = [r for r in report.collectives if r.kind == "AllGather"]
+    assert gathers and all(r.ok and r.hlo_bytes == r.plan_bytes for r in gathers)  # FSDP over X, in the stages
     assert report.ok, [r for r in report.collectives if not r.ok]
 
 
 def test_verify_runs_the_examples_1f1b(plan: object) -> None:
+    """8 devices run the example's P=4, X=8, Y=4 as P=2, X=2, Y=2: every axis moves something."""
     report = verify_pipeline(plan, devices=8)  # type: ignore[arg-type]
-    assert report.mesh == {"P": 4, "X": 2, "Y": 1}
+    assert report.mesh == {"P": 2, "X": 2, "Y": 2}
     _values_ok(report)
     loop, down, up = report.collectives[:3]
-    assert loop.ok and loop.hlo_op == "while x [22]"  # 2 (m + p - 1) ticks
+    assert loop.ok and loop.hlo_op == "while x [10]"  # 2 (m + p - 1) ticks
     assert down.ok and up.ok and down.hlo_op == up.hlo_op == "collective-permute x 1"
+    reduces = [r for r in report.collectives if r.kind == "AllReduce"]
+    assert len(reduces) == 4 and all(r.ok and r.plan_axes == "Y" for r in reduces)  # Megatron: 2 forward, 2 back
     assert report.ok, [r for r in report.collectives if not r.ok]
+
+
+def test_an_axis_cut_to_one_fails_its_collectives(plan: object) -> None:
+    """4 devices: P=2, X=2 and Y cut to 1, so the tensor-parallel AllReduces did not run."""
+    report = verify_pipeline(plan, devices=4)  # type: ignore[arg-type]
+    assert report.mesh == {"P": 2, "X": 2, "Y": 1}
+    _values_ok(report)
+    failed = [r for r in report.collectives if not r.ok]
+    assert failed and all(r.kind == "AllReduce" and "cut to 1" in r.note for r in failed)
+    assert not report.ok and any("Y cut to 1" in n for n in report.notes)
+
+
+def test_a_collective_missing_from_the_hlo_is_a_mismatch(plan: object) -> None:
+    from shardc.lowering.pipeline_hlo import stage_rows
+
+    sizes, layers, micro = _sizes(plan, 8)  # type: ignore[arg-type]
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)  # type: ignore[arg-type]
+    rows = stage_rows(lowered, {"forward": "", "backward": ""}, None, ())
+    assert rows and not any(r.ok for r in rows)
+    assert {r.phase for r in rows} == {"forward", "backward"}
 
 
 def test_missing_permutes_are_a_mismatch(plan: object) -> None:
@@ -90,8 +119,8 @@ def test_missing_permutes_are_a_mismatch(plan: object) -> None:
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)  # type: ignore[arg-type]
     rows = _permutes(lowered, "", "")
     assert len(rows) == 3 and not any(r.ok for r in rows)
-    # Out[B_X, S, D] of a microbatch: B/X=2 x S=5 x D=6, bf16.
-    assert rows[0].plan_bytes == permutes_expected(4, 8) * 2 * 5 * 6 * 2
+    # Out[B_X, S, D] of a microbatch: B/X=2 x S=5 x D=6, bf16; P=2 stages, 4 microbatches.
+    assert rows[0].plan_bytes == permutes_expected(2, 4) * 2 * 5 * 6 * 2
 
 
 def test_uneven_stages_do_not_lower(plan: object) -> None:

@@ -145,7 +145,8 @@ def _devices(args: argparse.Namespace, plan: Any) -> int:
     if args.devices is not None:
         check_device_count(args.devices)
     devices = args.devices or devices_to_check(plan, _flag_devices())
-    mesh = shrink_mesh([(a.name, a.size) for a in plan.spec.mesh.axes], devices)
+    stage = plan.spec.mesh.pipeline_axis
+    mesh = shrink_mesh([(a.name, a.size) for a in plan.spec.mesh.axes], devices, stage.name if stage else None)
     emulate_devices(math.prod(s for _, s in mesh))  # no more than the run uses: XLA starts faster
     return int(devices)
 

@@ -1,56 +1,49 @@
-"""``shardc verify`` of a pipelined spec: the GPipe module against numpy, and its HLO's permutes.
+"""``shardc verify`` of a pipelined spec: the GPipe or 1F1B module against numpy, and its HLO.
 
 Values are computed in float64 (a stack of 2P quadratic layers amplifies float32's
 rounding to about 1e-4 relative, as numpy's own float32 shows) and compared with the
 float64 numpy reference, within 100 times the one-block float64 bound (a real mistake
-is off by order 1); HLO bytes are priced in the spec's dtype.  The mesh keeps the
-stage axis and shrinks the others, minor first, to fit the devices (P=4 with X=2 on
-8 devices); the block is stacked 2P layers deep and cut into 2P microbatches (at most
-the spec's).  The numpy reference runs the layers one after the other on the whole
-batch, and its backward runs them in reverse, each layer's input gradient the
-cotangent of the layer before.  Params are scaled by 1/sqrt(their contracted size),
-and each layer's last one so that its output has unit RMS, so a deep stack of
-products neither vanishes nor overflows.
+is off by order 1); HLO bytes are priced in the spec's dtype.  The mesh shrinks to fit
+the devices as a block's does, every axis kept at 2 or more while possible, the stage
+axis last (P=4, X=64, Y=4 runs as P=4, X=2, Y=2 on 16 devices and P=2, X=2, Y=2 on 8);
+an axis cut to 1 fails the collectives over it, which did not run.  The block is
+stacked 2P layers deep and cut into 2P microbatches (at most the spec's).  The numpy
+reference runs the layers one after the other on the whole batch, and its backward runs
+them in reverse, each layer's input gradient the cotangent of the layer before.  Params
+are scaled by 1/sqrt(their contracted size), and each layer's last one so that its
+output has unit RMS, so a deep stack of products neither vanishes nor overflows.
 
-The compiled HLO must hold, in the forward program, m + p - 2 collective-permutes each
-moving one microbatch's shard of the block output (the cost model's ``p2p_bytes``),
-every one from stage s to s + 1, and in the backward program as many again from s + 1
-back to s; every other collective must be of a kind and axes the stage plan has.
+The compiled HLO is checked by :mod:`shardc.lowering.pipeline_hlo`: the permutes
+between stages, and every planned collective by kind, axes and bytes.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import numpy as np
 
 from shardc.lowering import reference
-from shardc.lowering.hlo import collectives
-from shardc.lowering.pipeline import PipelineLowered, lower_pipeline, permutes_expected
-from shardc.lowering.sizes import small_sizes
-from shardc.lowering.verify import TOLERANCE, CollectiveRow, Report, ValueRow
+from shardc.lowering.pipeline import PipelineLowered, lower_pipeline
+from shardc.lowering.pipeline_hlo import gpipe_rows, one_f_one_b_rows
+from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
+from shardc.lowering.verify import TOLERANCE, Report, ValueRow, cut_note
 from shardc.pipeline.stages import pipeline_of, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.functions import layer_key
 from shardc.spec.ir import Spec
-from shardc.timing import local_elements
 
 __all__ = ["verify_pipeline"]
-
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-
 
 def _sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
     """Mesh and dims for the run, the layer count and the microbatches."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
-    stages = pipe.stages
-    if stages > devices:
-        raise _error(f"the pipeline's {stages} stages need more than {devices} devices")
-    others = [(a.name, a.size) for a in plan.spec.mesh.axes if not a.pipeline]
-    mesh = dict(_shrink(others, devices // stages))
+    if devices < 2:
+        raise _error("a pipeline's stages need 2 devices or more")
+    mesh = dict(shrink_mesh([(a.name, a.size) for a in plan.spec.mesh.axes], devices, pipe.axis))
+    stages = mesh.pop(pipe.axis)
     from dataclasses import replace
 
     stage = replace(plan, spec=replace(stage_spec(plan.spec), mesh=_mesh(plan.spec, mesh)))
@@ -61,16 +54,6 @@ def _sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
     dim = microbatch_dim(plan)
     dims[dim] *= micro
     return {**dims, **mesh, pipe.axis: stages}, 2 * stages, micro
-
-
-def _shrink(axes: list[tuple[str, int]], devices: int) -> list[tuple[str, int]]:
-    """Shrink the minor axes first, so the major one (FSDP's X) keeps its size longest."""
-    out = list(axes)
-    for k in reversed(range(len(out))):
-        while math.prod(s for _, s in out) > devices and out[k][1] > 1:
-            name, size = out[k]
-            out[k] = (name, size // next(p for p in range(2, size + 1) if size % p == 0))
-    return out
 
 
 def _mesh(spec: Spec, sizes: dict[str, int]) -> Any:
@@ -200,7 +183,11 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -
             fwd_text, got_out, bwd_text, got_grads = _run(lowered, inputs, d_out, key)
     report.values.append(_row("forward", ns.BLOCK_OUTPUT, got_out, want_out, tol))
     report.values += [_row("backward", k, got_grads[k], v, tol) for k, v in want_grads.items()]
-    report.collectives += _loop_permutes(lowered, text) if one_f_one_b else _permutes(lowered, fwd_text, bwd_text)
+    cut = collapsed_axes(plan, {**mesh})
+    if cut:
+        report.notes.append(cut_note(cut, devices, plan))
+    report.collectives += one_f_one_b_rows(lowered, text, cut=cut) if one_f_one_b else gpipe_rows(
+        lowered, fwd_text, bwd_text, cut=cut)
     return report
 
 
@@ -222,47 +209,6 @@ def _run_1f1b(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_out: np
     got = {"d" + ns.BLOCK_INPUT: np.asarray(ns._join(dxs[0], ns.MICRO_DIM[0]))}
     got.update({"d" + p: np.asarray(g) for p, g in zip(ns.PARAMS, dws, strict=True)})
     return compiled.as_text(), np.asarray(ns._join(outs[-1], ns.MICRO_DIM[1])), got
-
-
-_TRIPS = re.compile(r'known_trip_count\\?"?:\{\\?"?n\\?"?:\\?"?(\d+)')
-
-
-def _planned(lowered: PipelineLowered, parts: tuple[Plan, ...] | None) -> set[tuple[Any, tuple[str, ...]]]:
-    """(kind, axes) of each collective the plan (or the parts it was lowered as) has, size-1 axes dropped."""
-    ns = lowered.namespace
-    return {(s.op, tuple(a for a in s.axes if ns.PIPE_MESH_AXES[a] > 1))
-            for plan in (parts or (lowered.plan,)) for s in plan.forward + plan.backward if s.is_collective}
-
-
-def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | None = None) -> list[CollectiveRow]:
-    """1F1B's HLO: one permute down and one up, in a while loop of 2(m+p-1) ticks."""
-    plan, pipe, ns = lowered.plan, lowered.pipeline, lowered.namespace
-    mesh = tuple(ns.PIPE_MESH_AXES.items())
-    nbytes = plan.spec.dtype.nbytes
-    boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
-    want_bytes = int(local_elements(boundary, lowered.sizes)) * plan.nbytes(boundary.name)
-    ticks = 2 * (pipe.microbatches + pipe.stages - 1)
-    trips = [int(n) for n in _TRIPS.findall(text)]
-    stride = math.prod(s for n, s in mesh[[n for n, _ in mesh].index(pipe.axis) + 1:])
-    found = [c for c in collectives(text, mesh) if c.hlo_op == "collective-permute"]
-    rows = [CollectiveRow("step", f"while loop of {ticks} ticks (2(m+p-1))", "Loop", pipe.axis, None,
-                          f"while x {trips}", pipe.axis, None, ticks in trips,
-                          "" if ticks in trips else "no loop of that trip count")]
-    for step, what in ((stride, "activations s -> s+1"), (-stride, "cotangents s+1 -> s")):
-        mine = [c for c in found if (pr := _pairs(c.text)) and all(t - s == step for s, t in pr)]
-        ok = len(mine) == 1 and mine[0].bytes(nbytes) == want_bytes
-        rows.append(CollectiveRow("step", f"ppermute_{pipe.axis} a tick: {what}, a microbatch", "CollectivePermute",
-                                  pipe.axis, want_bytes, f"collective-permute x {len(mine)}", pipe.axis,
-                                  sum(c.bytes(nbytes) for c in mine), ok, "" if ok else "not one of the bytes"))
-    if len(found) != 2:
-        rows.append(CollectiveRow("step", "", "CollectivePermute", "-", None, "collective-permute", "-", None,
-                                  False, f"{len(found)} permutes in the HLO, not 2"))
-    planned = _planned(lowered, parts)
-    for c in collectives(text, mesh):
-        if c.kind is not None and c.axes and (c.kind, c.axes) not in planned:
-            rows.append(CollectiveRow("step", "", c.kind.title, "-", None, c.hlo_op, ",".join(c.axes),
-                                      c.bytes(nbytes), False, "not in the plan"))
-    return rows
 
 
 def _run(lowered: PipelineLowered, inputs: dict[str, np.ndarray], d_out: np.ndarray,
@@ -293,46 +239,3 @@ def _row(phase: str, name: str, got: np.ndarray, want: np.ndarray, tol: tuple[fl
     err = float(np.max(np.abs(got.astype(np.float64) - want))) if ok_shape else math.inf
     bound = tol[1] + tol[0] * scale
     return ValueRow(phase, name, err, scale, bound, err <= bound, "" if ok_shape else "shapes differ")
-
-
-def _permutes(lowered: PipelineLowered, fwd_text: str, bwd_text: str,
-              parts: tuple[Plan, ...] | None = None) -> list[CollectiveRow]:
-    plan, pipe, ns = lowered.plan, lowered.pipeline, lowered.namespace
-    mesh = tuple(ns.PIPE_MESH_AXES.items())
-    nbytes = plan.spec.dtype.nbytes
-    boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
-    want_bytes = int(local_elements(boundary, lowered.sizes)) * plan.nbytes(boundary.name)  # the cost model's p2p_bytes
-    want = permutes_expected(pipe.stages, pipe.microbatches)
-    stride = math.prod(s for n, s in mesh[[n for n, _ in mesh].index(pipe.axis) + 1:])
-    rows = []
-    planned = _planned(lowered, parts)
-    # The forward program sends activations down; the backward one recomputes that, then sends cotangents up.
-    for phase, text, directions in (("forward", fwd_text, (stride,)), ("backward", bwd_text, (stride, -stride))):
-        found = [c for c in collectives(text, mesh) if c.hlo_op == "collective-permute"]
-        for step in directions:
-            mine = [c for c in found if (pr := _pairs(c.text)) and all(t - s == step for s, t in pr)]
-            right = sum(1 for c in mine if c.bytes(nbytes) == want_bytes)
-            what = "activations s -> s+1" if step > 0 else "cotangents s+1 -> s"
-            label = f"ppermute_{pipe.axis} x {want}: {what}, a microbatch each"
-            ok = len(mine) == want and right == want
-            note = "" if ok else f"{len(mine)} in the HLO, {right} of {want_bytes} bytes"
-            rows.append(CollectiveRow(phase, label, "CollectivePermute", pipe.axis, want_bytes * want,
-                                      f"collective-permute x {len(mine)}", pipe.axis,
-                                      sum(c.bytes(nbytes) for c in mine), ok, note))
-        stray = len(found) - sum(1 for c in found if _pairs(c.text) and
-                                 all(abs(t - s) == stride for s, t in _pairs(c.text)))
-        if stray:
-            rows.append(CollectiveRow(phase, "", "CollectivePermute", "-", None, "collective-permute",
-                                      "-", None, False, f"{stray} permutes not between neighbouring stages"))
-        for c in collectives(text, mesh):
-            if c.kind is not None and c.axes and (c.kind, c.axes) not in planned:
-                rows.append(CollectiveRow(phase, "", c.kind.title, "-", None, c.hlo_op, ",".join(c.axes),
-                                          c.bytes(nbytes), False, "not in the plan"))
-    return rows
-
-
-def _pairs(text: str) -> list[tuple[int, int]]:
-    match = _PAIRS.search(text)
-    if not match:
-        return []
-    return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", match.group(1))]

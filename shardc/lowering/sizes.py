@@ -23,31 +23,40 @@ MAX_SMALL_DIM = 64  # the spec's own dims are used when every one is at most thi
 MAX_DEVICES = 256
 
 
-def shrink_mesh(mesh: list[tuple[str, int]], devices: int) -> list[tuple[str, int]]:
+def shrink_mesh(mesh: list[tuple[str, int]], devices: int, keep: str | None = None) -> list[tuple[str, int]]:
     """The mesh cut down to at most ``devices`` devices, every axis kept at 2 or more while possible.
 
     The largest axis is halved first (never below 2); when even a mesh of 2s does not
-    fit, the minor-most axes fall to 1 until it does.  Size-1 axes stay 1.
+    fit, the minor-most axes fall to 1 until it does.  Size-1 axes stay 1.  ``keep`` (a
+    pipeline's stage axis) is halved only once every other axis is 2, and never falls to 1:
+    the stage count is what a pipeline's schedule is about.
     """
     mesh = list(mesh)
     while math.prod(s for _, s in mesh) > devices:
-        big = [k for k, (_, s) in enumerate(mesh) if s > 2]
-        if big:
-            k = max(big, key=lambda j: (mesh[j][1], -j))
+        big = [k for k, (n, s) in enumerate(mesh) if s > 2 and n != keep]
+        kept = [k for k, (n, s) in enumerate(mesh) if s > 2 and n == keep]
+        small = [k for k, (n, s) in enumerate(mesh) if s > 1 and n != keep]
+        if big or kept:
+            k = max(big, key=lambda j: (mesh[j][1], -j)) if big else kept[0]
             mesh[k] = (mesh[k][0], max(2, mesh[k][1] // 2))
-            continue
-        k = max(k for k, (_, s) in enumerate(mesh) if s > 1)  # all 2s: drop the minor-most
-        mesh[k] = (mesh[k][0], 1)
+        elif small:
+            k = max(small)  # all 2s: drop the minor-most
+            mesh[k] = (mesh[k][0], 1)
+        else:
+            break  # the stage axis alone is more than the devices: the caller says so
     return mesh
 
 
 def devices_to_check(plan: Plan, available: int | None = None) -> int:
-    """Devices that run every axis of the plan's mesh at size 2 or more, at least 8 when the mesh has them.
+    """Devices that run every axis of the plan's mesh at size 2 or more, at least 8 when the mesh has them;
+    a pipeline's stage axis counts at its own size.
 
     ``available`` caps the count (the devices jax has); so does :data:`MAX_DEVICES`.
     """
-    sizes = [a.size for a in plan.spec.mesh.axes]
-    need = min(math.prod(sizes), max(8, 2 ** sum(1 for s in sizes if s > 1)))
+    axes = plan.spec.mesh.axes
+    stages = math.prod(a.size for a in axes if a.pipeline)
+    others = sum(1 for a in axes if a.size > 1 and not a.pipeline)
+    need = min(math.prod(a.size for a in axes), max(8, stages * 2 ** others))
     return max(1, min(need, MAX_DEVICES, available or MAX_DEVICES))
 
 

@@ -26,7 +26,7 @@ from shardc.errors import ShardcError
 from shardc.lowering import reference
 from shardc.lowering.hlo import Collective, collectives
 from shardc.lowering.rows import id_inputs
-from shardc.lowering.sizes import small_sizes
+from shardc.lowering.sizes import collapsed_axes, devices_to_check, small_sizes
 from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.render import step_label
 from shardc.spec.ir import Spec
@@ -348,7 +348,6 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     import jax
 
     from shardc.lowering.api import lower
-    from shardc.lowering.sizes import collapsed_axes, devices_to_check
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan as make_plan
     from shardc.planner.zero import unlowered_optimizer
@@ -380,8 +379,7 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
         report.values += _optimizer_rows(lowered, tol, dtype, seed)
     cut = collapsed_axes(plan, mesh)
     if cut:
-        report.notes.append(f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
-                            f"are not run (use --devices {devices_to_check(plan)})")
+        report.notes.append(cut_note(cut, devices, plan))
     nbytes = plan.spec.dtype.nbytes
     phases = [("forward", plan.forward), ("backward", plan.backward)]
     phases += [("optimizer", zero.optimizer)] if zero is not None else []
@@ -389,6 +387,12 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
         report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut)
     return report
+
+
+def cut_note(cut: tuple[str, ...], devices: int, plan: Plan) -> str:
+    """Why a report over a mesh with axes cut to 1 is not a pass, and the devices that would make it one."""
+    return (f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
+            f"are not run (use --devices {devices_to_check(plan)})")
 
 
 _POWER = 0.5  # a check must fail an error of half the value (a missing or doubled reduction over 2)
