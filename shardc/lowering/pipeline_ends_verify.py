@@ -6,21 +6,26 @@ once on the whole batch, the block L times (layer l with the l-th slice of each
 stacked param), the statements after it once; the backward runs them in reverse, each
 part's input gradient the cotangent of the part before.  Inputs are drawn as for a
 block alone (:mod:`shardc.lowering.pipeline_verify`), token ids uniform over their
-vocabulary.  The HLO is checked as a block alone's is, the collectives allowed being
-those of the three parts' plans.
+vocabulary.  The HLO is checked as a block alone's is
+(:mod:`shardc.lowering.pipeline_hlo`), against the three parts' plans; and those parts'
+collectives must be the collectives of the whole model's plan, the one ``shardc cost``
+priced, so what ran is what was costed.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
 from shardc.lowering import reference
 from shardc.lowering.pipeline import PipelineLowered, lower_pipeline
-from shardc.lowering.pipeline_verify import _calibrate, _contracted, _key, _loop_permutes, _permutes, _row, _sizes
-from shardc.lowering.verify import TOLERANCE, Report
+from shardc.lowering.pipeline_hlo import gpipe_rows, one_f_one_b_rows
+from shardc.lowering.pipeline_verify import _calibrate, _contracted, _key, _row, _sizes
+from shardc.lowering.sizes import collapsed_axes
+from shardc.lowering.verify import TOLERANCE, CollectiveRow, Report, cut_note
 from shardc.pipeline.stages import stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.functions import ID_DTYPE
@@ -114,16 +119,45 @@ def verify_model(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -> R
 
     assert lowered.ends is not None
     parts = (lowered.ends.pre, lowered.ends.block, lowered.ends.post)
+    cut = collapsed_axes(plan, dict(ns.PIPE_MESH_AXES))
+    if cut:
+        report.notes.append(cut_note(cut, devices, plan))
+    report.collectives += _as_costed(plan, parts)
     with jax.enable_x64(True):
         if lowered.pipeline.schedule.name == "1f1b":
             text, loss, grads = _run_1f1b(ns, inputs, d_loss, key)
-            report.collectives += _loop_permutes(lowered, text, parts)
+            report.collectives += one_f_one_b_rows(lowered, text, parts, cut)
         else:
             fwd_text, loss, bwd_text, grads = _run(ns, inputs, d_loss, key)
-            report.collectives += _permutes(lowered, fwd_text, bwd_text, parts)
+            report.collectives += gpipe_rows(lowered, fwd_text, bwd_text, parts, cut)
     report.values.append(_row("forward", ns.LOSS, np.asarray(loss), np.asarray(want_loss), tol))
     report.values += [_row("backward", k, np.asarray(grads[k]), v, tol) for k, v in want_grads.items()]
     return report
+
+
+def _collectives(plans: tuple[Plan, ...]) -> Counter[tuple[str, str, str, str, str]]:
+    return Counter((phase, s.op.title, ",".join(s.axes), str(s.src), str(s.dst)) for p in plans
+                   for phase, steps in (("forward", p.forward), ("backward", p.backward))
+                   for s in steps if s.is_collective)
+
+
+def _as_costed(plan: Plan, parts: tuple[Plan, ...]) -> list[CollectiveRow]:
+    """The lowered parts' collectives against the whole model's plan (the one costed), step for step.
+
+    The parts are planned apart, each keeping the block's declared boundary shardings;
+    a difference would mean the program runs other collectives than the cost priced.
+    """
+    costed, lowered = _collectives((plan,)), _collectives(parts)
+    if costed == lowered:
+        n = sum(costed.values())
+        return [CollectiveRow("plan", f"the {n} collectives the cost priced, each lowered", "-", "-", None,
+                              f"{n} lowered", "-", None, True)]
+    rows = []
+    for extra, note in ((costed - lowered, "priced but not lowered"), (lowered - costed, "lowered but not priced")):
+        for (phase, op, axes, src, dst), n in extra.items():
+            rows.append(CollectiveRow("plan", f"{op} {src} -> {dst} ({phase}) x {n}", op, axes, None, "-", "-",
+                                      None, False, note))
+    return rows
 
 
 def _run(ns: Any, inputs: dict[str, np.ndarray], d_loss: float,
