@@ -22,7 +22,7 @@ import re
 
 from shardc.lowering.hlo import Collective, collectives
 from shardc.lowering.pipeline import PipelineLowered, permutes_expected
-from shardc.lowering.verify import CollectiveRow, _axes_text, _hlo_axes, _plan_row_key
+from shardc.lowering.report import CollectiveRow, axes_text, hlo_axes, plan_row_key
 from shardc.planner.ir import Op, Plan
 from shardc.planner.render import step_label
 from shardc.timing import local_elements
@@ -55,7 +55,7 @@ def _mesh(lowered: PipelineLowered) -> tuple[tuple[str, int], ...]:
 
 def _signatures(text: str, mesh: tuple[tuple[str, int], ...], nbytes: int) -> dict[Signature, Collective]:
     """The HLO's collectives (permutes aside, checked on their own) by kind, axes and bytes."""
-    return {(c.kind, _hlo_axes(c), c.bytes(nbytes)): c for c in collectives(text, mesh)
+    return {(c.kind, hlo_axes(c), c.bytes(nbytes)): c for c in collectives(text, mesh)
             if c.kind is not None and c.axes}
 
 
@@ -71,14 +71,14 @@ def stage_rows(lowered: PipelineLowered, programs: dict[str, str], parts: tuple[
         for phase, steps in (("forward", plan.forward), ("backward", plan.backward)):
             program = phase if phase in programs else "step"
             for step in (s for s in steps if s.is_collective):
-                op, axes = _plan_row_key(step, dict(mesh))
+                op, axes = plan_row_key(step, dict(mesh))
                 want = int(step.volume.evaluate(sizes)) if step.volume is not None else None
                 label = f"{step_label(step)} {step.src} -> {step.dst}"
                 skipped = [a for a in step.axes if a in cut]
                 if skipped or not axes:
                     note = (f"not run: {','.join(skipped)} cut to 1 to fit the devices (raise --devices)"
                             if skipped else "size-1 axes: nothing to move")
-                    rows.append(CollectiveRow(program, label, step.op.title, _axes_text(step.axes), want,
+                    rows.append(CollectiveRow(program, label, step.op.title, axes_text(step.axes), want,
                                               "-", "-", None, not skipped, note))
                     continue
                 signature: Signature = (op, axes, want)
@@ -86,15 +86,15 @@ def stage_rows(lowered: PipelineLowered, programs: dict[str, str], parts: tuple[
                 if phase == "forward" and "backward" in programs:
                     allowed["backward"].add(signature)  # the backward program recomputes the forward
                 hit = found[program].get(signature)
-                rows.append(CollectiveRow(program, label, step.op.title, _axes_text(axes), want,
-                                          hit.hlo_op if hit else "-", _axes_text(hit.axes) if hit else "-",
+                rows.append(CollectiveRow(program, label, step.op.title, axes_text(axes), want,
+                                          hit.hlo_op if hit else "-", axes_text(hit.axes) if hit else "-",
                                           want if hit else None, hit is not None,
                                           "" if hit else "no collective of its kind, axes and bytes in the HLO"))
     for name, got in found.items():
         for signature, c in got.items():
             if signature not in allowed[name]:
                 rows.append(CollectiveRow(name, "", c.kind.title if c.kind else c.hlo_op, "-", None, c.hlo_op,
-                                          _axes_text(c.axes), signature[2], False, "not in the plan"))
+                                          axes_text(c.axes), signature[2], False, "not in the plan"))
     return rows
 
 

@@ -17,25 +17,25 @@ HLO volumes are priced in the spec's dtype, as the plan's are.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shardc.errors import ShardcError
 from shardc.lowering import reference
-from shardc.lowering.hlo import Collective, collectives
+from shardc.lowering.hlo import collectives
+from shardc.lowering.report import STORAGE_DTYPE, CollectiveRow, Report, ValueRow, match_collectives, render_report
 from shardc.lowering.rows import id_inputs
 from shardc.lowering.sizes import collapsed_axes, devices_to_check, small_sizes
-from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.render import step_label
+from shardc.planner.ir import Plan
 from shardc.spec.ir import Spec
 
 if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives", "compute_dtype",
-           "check_device_count", "TOLERANCE"]
+           "check_device_count", "render_report", "TOLERANCE"]
 
 # (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
 # where the magnitude (reference.magnitudes) sums the absolute values of the terms behind each
@@ -50,123 +50,8 @@ TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e
 # and emit matmuls in a wider type, and every intermediate rounded to e4m3's 3 mantissa
 # bits errs by up to 30% on the examples, the size of the errors this check must catch.
 COMPUTE_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f8": "bfloat16"}
-STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
 _HEADROOM = 64.0  # every reference value stays this far below the dtype's largest
 _SCALE_TRIES = 16  # inputs are divided by 4 at most this many times
-
-
-@dataclass(frozen=True)
-class ValueRow:
-    phase: str
-    tensor: str
-    max_error: float
-    max_reference: float
-    tolerance: float
-    ok: bool
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class CollectiveRow:
-    phase: str
-    step: str  # the plan's step, or "" for a collective the plan does not have
-    kind: str
-    plan_axes: str
-    plan_bytes: int | None
-    hlo_op: str
-    hlo_axes: str
-    hlo_bytes: int | None
-    ok: bool
-    note: str = ""
-
-
-@dataclass
-class Report:
-    file: str
-    mesh: dict[str, int]
-    sizes: dict[str, int]
-    dtype: str
-    compute_dtype: str
-    tolerance: tuple[float, float]
-    values: list[ValueRow] = field(default_factory=list)
-    collectives: list[CollectiveRow] = field(default_factory=list)
-    input_scale: float = 1.0  # inputs are standard normal times this
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.values) and all(r.ok for r in self.values) and all(r.ok for r in self.collectives)
-
-    def to_json(self) -> dict[str, Any]:
-        """Strict JSON data: a value that is not a finite number is null."""
-        data = _finite(asdict(self))
-        data["ok"] = self.ok
-        return data  # type: ignore[no-any-return]
-
-
-def _finite(data: Any) -> Any:
-    if isinstance(data, float):
-        return data if math.isfinite(data) else None
-    if isinstance(data, dict):
-        return {k: _finite(v) for k, v in data.items()}
-    if isinstance(data, list | tuple):
-        return [_finite(v) for v in data]
-    return data
-
-
-def _axes_text(axes: tuple[str, ...]) -> str:
-    return ",".join(axes) or "-"
-
-
-def _plan_row_key(step: Step, mesh: dict[str, int]) -> tuple[Op, tuple[str, ...]]:
-    axes = tuple(a for a in step.axes if mesh[a] > 1)
-    return step.op, tuple(sorted(axes)) if step.op is Op.ALL_REDUCE else axes
-
-
-def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collective],
-                      sizes: dict[str, int], nbytes: int, cut: tuple[str, ...] = ()) -> list[CollectiveRow]:
-    """Pair each planned collective with an HLO one of the same kind, axes and bytes.
-
-    ``cut`` lists axes the run shrank to 1 though the spec's are larger: a step over
-    one of them was not (or only partly) run, so its row fails.
-    """
-    mesh = {a: sizes[a] for s in steps for a in s.axes}
-    left = [c for c in found if c.axes]  # a group of one device moves nothing
-    rows: list[CollectiveRow] = []
-    for step in (s for s in steps if s.is_collective):
-        want = int(step.volume.evaluate(sizes)) if step.volume is not None else None
-        op, axes = _plan_row_key(step, mesh)
-        label = f"{step_label(step)} {step.src} -> {step.dst}"
-        skipped = [a for a in step.axes if a in cut]
-        if skipped:
-            rows.append(CollectiveRow(phase, label, step.op.title, _axes_text(step.axes), want, "-", "-",
-                                      None, False, f"not run: {'axis' if len(skipped) == 1 else 'axes'} "
-                                      f"{','.join(skipped)} cut to 1 to fit the devices (raise --devices)"))
-            continue
-        if not axes:
-            rows.append(CollectiveRow(phase, label, step.op.title, _axes_text(step.axes), want, "-", "-",
-                                      None, True, "size-1 axes: nothing to move"))
-            continue
-        same = [c for c in left if c.kind is op and _hlo_axes(c) == axes]
-        exact = [c for c in same if c.bytes(nbytes) == want]
-        if not same:
-            rows.append(CollectiveRow(phase, label, step.op.title, _axes_text(axes), want, "-", "-",
-                                      None, False, "not in the compiled HLO: XLA found it unneeded"))
-            continue
-        chosen = (exact or same)[0]
-        left.remove(chosen)
-        got = chosen.bytes(nbytes)
-        rows.append(CollectiveRow(phase, label, step.op.title, _axes_text(axes), want, chosen.hlo_op,
-                                  _axes_text(chosen.axes), got, got == want,
-                                  "" if got == want else "bytes differ"))
-    for c in left:
-        rows.append(CollectiveRow(phase, "", c.kind.title if c.kind else c.hlo_op, "-", None, c.hlo_op,
-                                  _axes_text(c.axes), c.bytes(nbytes), False, "not in the plan"))
-    return rows
-
-
-def _hlo_axes(c: Collective) -> tuple[str, ...]:
-    return tuple(sorted(c.axes)) if c.kind is Op.ALL_REDUCE else c.axes
 
 
 def _compare(phase: str, pairs: list[tuple[str, Any, np.ndarray, np.ndarray]], tol: tuple[float, float],
@@ -479,49 +364,3 @@ def check_device_count(devices: int) -> None:
     if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
         raise ShardcError(f"--devices {devices}: verification runs on 1 to {MAX_DEVICES} devices",
                           fix="leave --devices out (enough for every mesh axis to be 2) or give e.g. --devices 8")
-
-
-def render_report(report: Report) -> str:
-    """The verification as two tables, values then collectives."""
-    sizes = ", ".join(f"{k}={v}" for k, v in report.sizes.items() if k not in report.mesh)
-    mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
-    rtol, atol = report.tolerance
-    storage = STORAGE_DTYPE.get(report.dtype)
-    rounded = f", inputs rounded to {storage}" if storage else ""
-    lines = [f"# verify {report.file}: mesh {mesh} ({math.prod(report.mesh.values())} devices), {sizes}",
-             f"# computed in {report.compute_dtype} (spec dtype {report.dtype}{rounded}), inputs standard normal "
-             f"times {report.input_scale:g}; values pass when max|err| <= {atol:g} + {rtol:g}*max|terms|; "
-             f"HLO bytes priced in {report.dtype} (integers, the token ids, at their own width)"]
-    lines += [f"# note: {note}" for note in report.notes]
-    lines += ["", "values"]
-    lines += _table(["phase", "tensor", "max|err|", "max|ref|", "bound", ""],
-                    [[r.phase, r.tensor, _float(r.max_error, ".2e"), _float(r.max_reference, ".3g"),
-                      _float(r.tolerance, ".2e"), _status(r.ok, r.note)] for r in report.values])
-    lines += ["", "collectives (plan vs compiled HLO)"]
-    lines += _table(["phase", "plan step", "axes", "bytes", "HLO", "axes", "bytes", ""],
-                    [[r.phase, r.step or "-", r.plan_axes, _num(r.plan_bytes), r.hlo_op, r.hlo_axes,
-                      _num(r.hlo_bytes), _status(r.ok, r.note)]
-                     for r in report.collectives])
-    verdict = "verified: values and collectives match" if report.ok else "verification FAILED"
-    lines += ["", verdict + ("; the notes above list what was not compared" if report.notes else "")]
-    return "\n".join(lines) + "\n"
-
-
-def _float(x: float, spec: str) -> str:
-    return format(x, spec) if math.isfinite(x) else "-"
-
-
-def _status(ok: bool, note: str) -> str:
-    return ("ok" if ok else "MISMATCH") + (f" ({note})" if note else "")
-
-
-def _num(n: int | None) -> str:
-    return "-" if n is None else str(n)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    if not rows:
-        return ["  (none)"]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    return ["  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
-            for row in [header, *rows]]
