@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["gradient_names", "fresh"]
+__all__ = ["gradient_names", "fresh", "book_name"]
 
 
 def fresh(base: str, taken: set[str]) -> str:
@@ -28,6 +28,11 @@ def fresh(base: str, taken: set[str]) -> str:
         name = f"{base}_{k}"
     taken.add(name)
     return name
+
+
+def book_name(tensor: str) -> str:
+    """The book's name for ``tensor``'s gradient, ``d<Name>``: the gradient's own name unless the spec took it."""
+    return f"d{tensor}"
 
 
 def gradient_names(tensors: Iterable[str], taken: Iterable[str]) -> dict[str, str]:
@@ -42,6 +47,6 @@ def gradient_names(tensors: Iterable[str], taken: Iterable[str]) -> dict[str, st
     for tensor in tensors:
         if tensor in names:
             continue
-        preferred = f"d{tensor}"
+        preferred = book_name(tensor)
         names[tensor] = fresh(f"d_{tensor}", used) if preferred in used else fresh(preferred, used)
     return names

@@ -198,7 +198,7 @@ def boundary_tensor(plan: Plan) -> TensorRef:
 
 def weight_steps(plan: Plan) -> frozenset[int]:
     """Indices of the backward steps that make weight gradients (the zero-bubble W op)."""
-    grads = {f"d{i.name}" for i in plan.tensors if i.role == "param"}
+    grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
     return frozenset(k for k, s in enumerate(plan.backward) if s.tensor in grads)
 
 

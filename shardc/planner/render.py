@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardc.collectives import FACTOR
+from shardc.names import book_name
 from shardc.pipeline.stages import pipeline_note
 from shardc.planner.ir import Monomial, Op, Plan, Step, sum_formula
 from shardc.timing import plan_time, step_volume
@@ -122,10 +123,11 @@ def render_text(plan: Plan) -> str:
         lines += _phase_lines(f"optimizer ({plan.spec.zero}: {how}, each shard updated, the updated params "
                               "all-gathered)", plan.optimizer, sizes)
     renamed = [(plan.primal(g.name), g.name) for g in plan.cotangents + plan.grads
-               if g.name != f"d{plan.primal(g.name)}"]
+               if g.name != book_name(plan.primal(g.name))]
     if renamed:  # the book's dX names a tensor of the spec: say what the gradient is called instead
         lines.append("       gradient names: " + ", ".join(
-            f"{grad} is the gradient of {primal} (d{primal} is a tensor of the spec)" for primal, grad in renamed))
+            f"{grad} is the gradient of {primal} ({book_name(primal)} is a tensor of the spec)"
+            for primal, grad in renamed))
     return "\n".join(lines) + "\n"
 
 
