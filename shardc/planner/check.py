@@ -175,9 +175,8 @@ def check_plan(plan: Plan) -> list[str]:
         if phase == "forward":
             declared = [i.ref for i in plan.tensors if i.role == "activation"]
             problems += [f"forward never makes {r}" for r in declared if _norm(r) not in held]
-    for grad in plan.grads:
-        if _norm(grad) not in {_norm(s.dst) for s in plan.backward}:
-            problems.append(f"backward never makes {grad}")
+    made = {_norm(s.dst) for s in plan.backward}  # once: the check stays linear in the plan's steps
+    problems += [f"backward never makes {grad}" for grad in plan.grads if _norm(grad) not in made]
     return problems + _check_optimizer(plan, bwd_held)
 
 
@@ -185,22 +184,22 @@ def _check_optimizer(plan: Plan, held: set[TensorRef]) -> list[str]:
     """ZeRO-1/2's optimizer phase reads what the backward left and ends with every param as declared."""
     problems: list[str] = []
     updated: set[str] = set()
+    declared: dict[str, TensorRef] = {}
+    for info in plan.tensors:
+        declared.setdefault(info.name, info.ref)  # the first, as Plan.tensor finds it
+    last: dict[str, TensorRef] = {}  # each tensor's last value the phase made
     for k, step in enumerate(plan.optimizer, 1):
         problems += [f"optimizer {k}: {p}" for p in _check_step(plan, step, held)]
         held.add(_norm(step.dst))
+        last[step.tensor] = step.dst
         if step.op is Op.ELEMENTWISE:
             updated.add(step.tensor)
         elif step.tensor in updated and step.is_collective:
             updated.discard(step.tensor)
-            declared = plan.tensor(step.tensor).ref
-            if _norm(step.dst) != _norm(declared):
-                problems.append(f"optimizer {k}: {step.tensor} ends as {step.dst}, declared {declared}")
+            if _norm(step.dst) != _norm(declared[step.tensor]):
+                problems.append(f"optimizer {k}: {step.tensor} ends as {step.dst}, declared {declared[step.tensor]}")
     return problems + [f"optimizer: the updated {name} is never gathered back" for name in sorted(updated)
-                       if _norm(plan.tensor(name).ref) != _norm(_last_made(plan, name))]
-
-
-def _last_made(plan: Plan, name: str) -> TensorRef:
-    return [s.dst for s in plan.optimizer if s.tensor == name][-1]
+                       if _norm(declared[name]) != _norm(last[name])]
 
 
 def require_sound(plan: Plan) -> None:

@@ -23,6 +23,8 @@ prefix of the source's axes): the moved blocks are gathered where they are.
 
 from __future__ import annotations
 
+import bisect
+
 from shardc.planner.ir import Op, Step
 from shardc.spec.ir import Dim, TensorRef
 
@@ -75,19 +77,32 @@ def _same_data(a: TensorRef, b: TensorRef) -> bool:
 
 def _fold_all_to_all(out: list[Step], keep: frozenset[TensorRef]) -> bool:
     """An AllToAll read only by an AllGather, folded with it into one AllGather (see above)."""
+    readers = _readers(out)
     for i, first in enumerate(out):
         if first.op is not Op.ALL_TO_ALL or first.src is None or first.dst in keep:
             continue
-        readers = [j for j in range(i + 1, len(out)) if first.dst in _reads(out[j])]
-        if len(readers) != 1 or out[readers[0]].op is not Op.ALL_GATHER:
+        steps = readers.get(first.dst, [])
+        later = bisect.bisect_right(steps, i)  # the readers after the AllToAll
+        if len(steps) - later != 1 or out[steps[later]].op is not Op.ALL_GATHER:
             continue
-        j = readers[0]
+        j = steps[later]
         gather = _gather(first.tensor, first.src, out[j])
         if gather is not None:
             out[j] = gather
             del out[i]
             return True
     return False
+
+
+def _readers(steps: list[Step]) -> dict[TensorRef, list[int]]:
+    """Each value -> the steps that read it, in order: one pass, so a fold is linear in the steps."""
+    readers: dict[TensorRef, list[int]] = {}
+    for j, step in enumerate(steps):
+        for ref in _reads(step):
+            at = readers.setdefault(ref, [])
+            if not at or at[-1] != j:  # a step reading a value twice reads it once
+                at.append(j)
+    return readers
 
 
 def _reads(step: Step) -> tuple[TensorRef, ...]:
