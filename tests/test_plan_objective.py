@@ -119,9 +119,7 @@ def test_compute_counts_row_parallel_matmul_all_reduces() -> None:
     from shardc.planner import planner
 
     # the search on communication alone (the planner's old objective) gathers both operands
-    graph = planner.build_graph(p.spec)
-    ctx = planner._context(p.spec, graph, PRESETS["tpu-v5p"], None)
-    gathered = planner._plan(p.spec, graph, "default", "search", ctx, (0.0, 0.0))
+    gathered = planner.plan_candidate(p.spec, "search", (0.0, 0.0), hardware="tpu-v5p")
     assert [s.op for s in gathered.forward if s.is_collective] == [Op.ALL_GATHER, Op.ALL_GATHER]
     assert reported(gathered) > 2 * reported(p)
     assert shardc.cost(gathered).step.comm_s < shardc.cost(p).step.comm_s  # fewer bytes, yet slower

@@ -8,10 +8,7 @@ import pytest
 from hypothesis import given
 
 import shardc
-from shardc.hardware import resolve_hardware
 from shardc.planner import planner
-from shardc.planner.graph import build_graph
-from shardc.planner.unit import bonded_axes, strip_unit_axes
 from shardc.testing import specs
 from shardc.timing import plan_time
 
@@ -21,24 +18,16 @@ DEEP = "mesh X=16, Y=4\ndims B=1_048_576, D=8192, F=32768\n" + "".join(
     for k in range(1, 5))
 
 
-def _fresh(spec: shardc.Spec, strategy: str, weights: tuple[float, float]) -> shardc.Plan:
-    """One candidate planned alone: its own context, so nothing is shared with another candidate."""
-    stripped = strip_unit_axes(spec)
-    graph = build_graph(stripped)
-    ctx = planner._context(spec, graph, resolve_hardware(None, None, spec.hardware), None,
-                           bonded_axes(stripped))
-    return planner._plan(spec, graph, "default", strategy, ctx, weights)
-
-
 def _every_candidate_fresh(spec: shardc.Spec) -> shardc.Plan:
     """The plan of least time among every candidate, each planned alone (none skipped)."""
-    first = _fresh(spec, "search", planner.SUM)
+    first = planner.plan_candidate(spec, "search")
     t = plan_time(first)
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
              0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
-    candidates = [first] + [_fresh(spec, "search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != planner.SUM]
-    candidates.append(_fresh(spec, "rules", planner.SUM))
-    return min(candidates, key=lambda p: planner._objective(plan_time(p)))
+    weights = [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != planner.SUM]
+    candidates = [first, *(planner.plan_candidate(spec, "search", w) for w in weights)]
+    candidates.append(planner.plan_candidate(spec, "rules"))
+    return min(candidates, key=lambda p: planner.objective(plan_time(p)))
 
 
 @pytest.mark.parametrize("text", [DEEP, *(p.read_text() for p in sorted(EXAMPLES.glob("*.shard")))])
@@ -65,6 +54,6 @@ def test_memoised_step_seconds_match_a_fresh_count() -> None:
     spec = shardc.parse(DEEP)
     memo: dict[tuple[object, ...], tuple[float, float]] = {}
     for weights in (planner.SUM, (0.0, 0.0)):
-        p = _fresh(spec, "search", weights)
+        p = planner.plan_candidate(spec, "search", weights)
         assert plan_time(p, memo=memo) == plan_time(p)
     assert memo  # the second plan read the first's figures

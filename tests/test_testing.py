@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
-import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,9 @@ from shardc.spec.ir import Call, Contract, DType, Spec, TensorRef
 from shardc.spec.parser import parse, parse_unchecked
 from shardc.spec.validate import validate
 from shardc.spec.walk import calls, leaves
-from shardc.testing import _feeds, specs
+from shardc.testing import specs
 
+ROOT = Path(__file__).resolve().parent.parent
 # the first example found, unshrunk (shrinking a spec takes minutes), the same on every run
 FIND = settings(max_examples=500, database=None, derandomize=True, phases=[Phase.generate],
                 suppress_health_check=[HealthCheck.too_slow])
@@ -82,7 +85,17 @@ H[B_X, D] = gelu(In[B_X, D])
 """
 
 
-def test_a_layers_feed_error_has_its_kind_and_feeds_reads_it() -> None:
+def _feed_error(spec: Spec) -> bool:
+    """Whether validating ``spec`` fails on its ``layers`` feed: the error kind shardc.testing reads
+    to drop a ``layers`` line rather than reject the whole draw."""
+    try:
+        validate(spec)
+    except ShardcError as err:
+        return err.kind == LAYERS_FEED
+    return False
+
+
+def test_a_layers_feed_error_has_its_kind_and_no_other_error_has() -> None:
     with pytest.raises(ShardcError) as err:
         shardc.parse(FEED.replace("H[B_X, D]", "H[B, D_X]"))  # the next layer's In[B_X, D] is sharded otherwise
     assert err.value.kind == LAYERS_FEED and err.value.with_span(Span(1, 1)).kind == LAYERS_FEED
@@ -90,18 +103,41 @@ def test_a_layers_feed_error_has_its_kind_and_feeds_reads_it() -> None:
         # no output has In's indices to feed it
         shardc.parse(FEED.replace("H[B_X, D]", "H[B_X, F]").replace("gelu(In[B_X, D])", "In[B_X, D] · W[D, F]"))
     assert err.value.kind == LAYERS_FEED
-    assert _feeds(shardc.parse(FEED)) and not _feeds(parse_unchecked(FEED.replace("H[B_X, D]", "H[B, D_X]")))
+    assert not _feed_error(shardc.parse(FEED)) and _feed_error(parse_unchecked(FEED.replace("H[B_X, D]", "H[B, D_X]")))
     # another error of a `layers` spec, whose message names `layers`, is not the feed's: the strategy
     # rejects that draw instead of dropping the `layers` line
     other = parse_unchecked(FEED.replace("layers 4", "layers L"))
     with pytest.raises(ShardcError) as err:
         validate(other)
-    assert "layers" in err.value.message and err.value.kind is None and _feeds(other)
+    assert "layers" in err.value.message and err.value.kind is None and not _feed_error(other)
 
 
-def test_the_readme_example_of_shardc_testing_runs(tmp_path: Path) -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "shardc.testing" in b]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+# A machine far slower than this one, as a fresh interpreter sees it: hypothesis's defaults (the
+# conftest's profiles are not loaded there) with a deadline of 1 ms, which any example that plans
+# exceeds; 10 examples, the same on every run.
+SLOW_MACHINE = """from datetime import timedelta
+from hypothesis import settings
+settings.register_profile("slow_machine", deadline=timedelta(milliseconds=1), max_examples=10,
+                          derandomize=True, database=None)
+settings.load_profile("slow_machine")
+"""
+
+
+def test_the_readme_snippets_cover_every_python_block() -> None:
+    """tests/test_cli.py runs the first snippet, the test below every one that uses hypothesis."""
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    assert len(blocks) == 2 and "hypothesis" not in blocks[0] and "shardc.testing" in blocks[1], \
+        "a new README snippet needs a test that runs it as written"
+
+
+@pytest.mark.parametrize("block", [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "hypothesis" in b])
+def test_the_readme_example_of_shardc_testing_runs_on_a_slow_machine(block: str, tmp_path: Path) -> None:
+    """The snippet as written, in a fresh interpreter, passes even where every example overruns the deadline."""
     script = tmp_path / "testing_example.py"
-    script.write_text(block, encoding="utf-8")
-    runpy.run_path(str(script))
+    script.write_text(SLOW_MACHINE + block, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]

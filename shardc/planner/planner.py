@@ -44,7 +44,7 @@ from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
 from shardc.timing import PlanTime, plan_time
 
-__all__ = ["plan", "SAVE_POLICIES"]
+__all__ = ["plan", "plan_candidate", "objective", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
 # Seconds the exact search may take before it gives up with a clear error: it grows with
@@ -125,7 +125,7 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
     trace: list[Traced] = []
     first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
     t = plan_time(first, ctx.hardware, memo=memo)
-    candidates = [(_objective(t), first)]
+    candidates = [(objective(t), first)]
     bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
              0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
     others = [("search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM] + [("rules", SUM)]
@@ -133,9 +133,31 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
         if _same_steps(graph, ctx, trace, strategy, weights):
             continue  # the first's steps, so its time: the tie goes to the first anyway
         p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
-        candidates.append((_objective(plan_time(p, ctx.hardware, memo=memo)), p))
+        candidates.append((objective(plan_time(p, ctx.hardware, memo=memo)), p))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
     return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
+
+
+def plan_candidate(spec: Spec, strategy: str, weights: tuple[float, float] = SUM,
+                   hardware: str | Hardware | None = None) -> Plan:
+    """One of the candidates :func:`plan` compares, planned alone, with its own search cache.
+
+    ``strategy`` is ``"search"`` (compute weighted ``weights``, forward then backward, beside
+    communication) or ``"rules"`` (the book's rules).  Every reshard is searched over all layouts,
+    also on a mesh whose many axes make :func:`plan` restrict them.  :func:`plan` returns the
+    candidate of least :func:`objective`; a spec with ZeRO-3 or a pipeline axis is planned through
+    a derived spec first, so it is not a candidate itself.
+    """
+    if strategy not in ("search", "rules"):
+        raise ShardcError(f"unknown candidate strategy {strategy!r}", fix="use search or rules")
+    if spec.mesh.pipeline_axis is not None or (spec.zero is not None and spec.zero.stage == 3):
+        raise ShardcError("a spec with a pipeline axis or ZeRO-3 is planned through a derived spec",
+                          fix="use shardc.plan")
+    validate(spec)
+    stripped = strip_unit_axes(spec)
+    graph = build_graph(stripped)
+    ctx = _context(spec, graph, resolve_hardware(hardware, None, spec.hardware), None, bonded_axes(stripped))
+    return _plan(spec, graph, "default", strategy, ctx, weights)
 
 
 def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: str,
@@ -181,8 +203,9 @@ def _check_spans(spec: Spec, spans: dict[str, int] | None) -> None:
             raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1", fix="write e.g. --spans X=3")
 
 
-def _objective(t: PlanTime) -> tuple[float, float]:
-    """Step time then communication, rounded so float noise between equal plans does not decide."""
+def objective(t: PlanTime) -> tuple[float, float]:
+    """What :func:`plan` minimises over its candidates: step time then communication, rounded so
+    float noise between equal plans does not decide."""
     return (_rounded(t.step_s), _rounded(t.comm_s))
 
 
