@@ -15,13 +15,14 @@ with ``--hardware-file chip.toml`` using the field names below as keys.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from shardc.errors import ShardcError
 from shardc.spec.ir import Mesh, Network
 
 __all__ = ["Hardware", "PRESETS", "DEFAULT", "get_hardware", "load_hardware_file", "resolve_hardware",
-           "hardware_from_mapping", "default_spans"]
+           "hardware_from_mapping", "default_spans", "check_spans"]
 
 DEFAULT = "tpu-v5p"
 
@@ -199,3 +200,12 @@ def default_spans(mesh: Mesh, hw: Hardware, sizes: dict[str, int] | None = None)
     """Each ICI mesh axis's torus axes on this chip (:meth:`Hardware.spans`); DCN axes have none."""
     given = sizes or {}
     return {a.name: hw.spans(given.get(a.name, a.size)) for a in mesh.axes if a.network is not Network.DCN}
+
+
+def check_spans(mesh: Mesh, spans: Mapping[str, int] | None) -> None:
+    """Spans given over the chip's defaults name mesh axes and are whole numbers >= 1 (not booleans)."""
+    for axis, k in (spans or {}).items():
+        if axis not in mesh.names:
+            raise ShardcError(f"--spans {axis}: not a mesh axis", fix="use one of " + ", ".join(mesh.names))
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1", fix="write e.g. --spans X=3")

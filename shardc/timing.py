@@ -34,7 +34,8 @@ from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["step_count", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
-           "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_sizes", "plan_spans", "resolve_layers"]
+           "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_chip", "plan_sizes", "plan_spans",
+           "resolve_layers"]
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,13 @@ def plan_sizes(plan: Plan) -> dict[str, int]:
     return values
 
 
+def plan_chip(plan: Plan, hardware: str | Hardware | None = None, hardware_file: str | None = None) -> Hardware:
+    """The chip to cost ``plan`` on: a file or chip given here, else the one it was planned for (``Plan.chip``)."""
+    if hardware is None and hardware_file is None:
+        return plan.chip
+    return resolve_hardware(hardware, hardware_file)
+
+
 def plan_spans(plan: Plan, hw: Hardware, sizes: Mapping[str, int]) -> dict[str, int]:
     """The chip's spans at these sizes, with those the plan was made for on this chip over them."""
     spans = default_spans(plan.spec.mesh, hw, dict(sizes))
@@ -236,7 +244,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     ``memo`` keeps each step's seconds across calls: pass one dict only to calls on
     plans of the same spec, chip, sizes and spans (the planner's candidates).
     """
-    hw = resolve_hardware(hardware if hardware is not None else plan.chip, None, plan.spec.hardware)
+    hw = plan_chip(plan, hardware)
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
     layers, _ = resolve_layers(plan, values)
     links = dict(spans) if spans is not None else plan_spans(plan, hw, values)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import shardc
 from shardc.costmodel.formulas import evaluate
-from shardc.costmodel.hardware import get_hardware
+from shardc.hardware import get_hardware
 from shardc.planner.ir import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -131,7 +131,7 @@ def _gather_rows(dims: str) -> list:  # type: ignore[type-arg]
 
 
 def test_a_two_axis_collective_gets_twice_the_bandwidth_and_small_ones_pay_latency() -> None:
-    from shardc.costmodel.hardware import get_hardware
+    from shardc.hardware import get_hardware
 
     hw = get_hardware("tpu-v5p")
     (big,) = _gather_rows("B=1048576, D=8192")
@@ -153,7 +153,7 @@ DESIGN_PRESETS = {
 
 @pytest.mark.parametrize("name", sorted(DESIGN_PRESETS))
 def test_presets_have_the_data_sheet_figures(name: str) -> None:
-    from shardc.costmodel.hardware import get_hardware
+    from shardc.hardware import get_hardware
 
     hw = get_hardware(name)
     flops, link, hbm, dcn = DESIGN_PRESETS[name]

@@ -69,7 +69,7 @@ def register(subparsers: Any, name: str) -> None:
 def run_hardware(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from shardc.costmodel.hardware import PRESETS
+    from shardc.hardware import PRESETS
 
     if args.json:
         print(json.dumps({k: asdict(h) | {"w_ici": h.w_ici, "c_over_w_ici": h.intensity_ici}
@@ -89,8 +89,8 @@ def run_hardware(args: argparse.Namespace) -> int:
 
 def run_cost(args: argparse.Namespace) -> int:
     from shardc import plan
-    from shardc.costmodel.hardware import resolve_hardware
     from shardc.costmodel.report import cost, missing_sizes
+    from shardc.hardware import resolve_hardware
 
     spec = read_spec(args)
     hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
@@ -122,8 +122,8 @@ def run_cost(args: argparse.Namespace) -> int:
 
 def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     from shardc import plan
-    from shardc.costmodel.hardware import resolve_hardware
     from shardc.costmodel.sweep import check_plot_path, parse_sweep, plot, sweep
+    from shardc.hardware import resolve_hardware
 
     dim, low, high = parse_sweep(args.sweep)
     if not 2 <= args.points <= MAX_POINTS:

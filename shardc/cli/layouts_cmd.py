@@ -70,7 +70,7 @@ def register(subparsers: Any, name: str) -> None:
 
 
 def run_layouts(args: argparse.Namespace) -> int:
-    from shardc.costmodel.hardware import resolve_hardware
+    from shardc.hardware import resolve_hardware
     from shardc.meshes import Options, search_layouts
 
     if args.top < 0:

@@ -2,7 +2,7 @@
 
 Symbols: one per dim and per mesh axis (named as in the spec), the chip's
 FLOPs/s ``C`` and ``W_ici``, ``W_dcn`` (bidirectional bytes/s of one axis, as
-:mod:`shardc.costmodel.collective` uses them), and ``L`` or the spec's layer
+:mod:`shardc.collectives` uses them), and ``L`` or the spec's layer
 count.  The hardware symbols are kept apart from the user's names: a spec with a
 dim or axis named ``C`` gets the chip's FLOPs/s as ``C_chip`` (:func:`hardware_symbols`),
 so ``flops / C`` never cancels a dim.  Formulas carry the bandwidth terms of
@@ -20,7 +20,7 @@ from fractions import Fraction
 import symengine as se
 from symengine import Basic as Expr  # a formula
 
-from shardc.costmodel.collective import FACTOR, links, split_axes
+from shardc.collectives import FACTOR, links, split_axes
 from shardc.planner.ir import Monomial, Op, Step
 from shardc.spec.ir import Mesh
 

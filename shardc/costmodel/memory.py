@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import symengine as se
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.costmodel.collective import describe, local_elements
 from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
@@ -34,6 +33,7 @@ from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.ir import Dim, TensorRef
 from shardc.spec.walk import id_names, leaves
+from shardc.timing import describe, local_elements
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
            "residual_formula", "value_bytes", "kept_once"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardc.costmodel.collective import StepCost
+from shardc.timing import StepCost
 
 if TYPE_CHECKING:
     from shardc.costmodel.formulas import HardwareSymbols
-    from shardc.costmodel.hardware import Hardware
     from shardc.costmodel.memory import Memory
     from shardc.costmodel.report import CostReport, PhaseCost
+    from shardc.hardware import Hardware
 
 __all__ = ["render", "hardware_line", "fmt_bytes", "fmt_seconds", "fmt_flops"]
 

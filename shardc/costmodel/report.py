@@ -25,16 +25,25 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-from shardc.costmodel.collective import StepCost, cost_step
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
-from shardc.costmodel.hardware import Hardware, resolve_hardware
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
 from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
+from shardc.hardware import Hardware, check_spans
 from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Mesh
-from shardc.timing import bound_of, phase_seconds, plan_sizes, plan_spans, resolve_layers, step_seconds
+from shardc.timing import (
+    StepCost,
+    bound_of,
+    cost_step,
+    phase_seconds,
+    plan_chip,
+    plan_sizes,
+    plan_spans,
+    resolve_layers,
+    step_seconds,
+)
 
 __all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes"]
 
@@ -215,8 +224,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
     if optimizer not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use " + ", ".join(ACCOUNTINGS))
-    hw = resolve_hardware(hardware if hardware is not None else plan.chip, hardware_file, plan.spec.hardware)
-    check_spans(plan, spans)
+    hw = plan_chip(plan, hardware, hardware_file)
+    check_spans(plan.spec.mesh, spans)
     values = resolve_sizes(plan, sizes)
     spans = plan_spans(plan, hw, values) | (spans or {})
     layers, layer_symbol = resolve_layers(plan, values)
@@ -289,22 +298,6 @@ def renamed_note(names: HardwareSymbols) -> tuple[str, ...]:
         return ()
     return (f"the spec names a dim or axis like a hardware symbol: in the formulas the chip's "
             f"{', '.join(pairs)}",)
-
-
-def default_spans(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> dict[str, int]:
-    """Each ICI mesh axis's torus axes on this chip, with the spans the plan was made for."""
-    return plan_spans(plan, hw, sizes)
-
-
-def check_spans(plan: Plan, spans: dict[str, int] | None) -> None:
-    """Spans name mesh axes and are positive integers."""
-    for axis, k in (spans or {}).items():
-        if axis not in plan.spec.mesh.names:
-            raise ShardcError(f"--spans {axis}: not a mesh axis",
-                              fix="use one of " + ", ".join(plan.spec.mesh.names))
-        if not isinstance(k, int) or k < 1:
-            raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1",
-                              fix="write e.g. --spans X=3")
 
 
 def resolve_sizes(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int]:

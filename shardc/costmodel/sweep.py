@@ -14,13 +14,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardc.costmodel.collective import cost_step
-from shardc.costmodel.hardware import Hardware
-from shardc.costmodel.report import default_spans, resolve_layers, resolve_sizes
+from shardc.costmodel.report import resolve_layers, resolve_sizes
 from shardc.errors import ShardcError
+from shardc.hardware import Hardware
 from shardc.planner.ir import Plan
 from shardc.spec.parser import MAX_SIZE
-from shardc.timing import bound_of
+from shardc.timing import bound_of, cost_step, plan_spans
 
 __all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot", "check_plot_path"]
 
@@ -84,7 +83,7 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
         raise ShardcError("--points must be at least 2", fix="write e.g. --points 13")
     out: list[SweepPoint] = []
     mesh = plan.spec.mesh
-    spans = default_spans(plan, hw, base) | (spans or {})
+    spans = plan_spans(plan, hw, base) | (spans or {})
     for k in range(points):
         value = math.exp(math.log(low) + math.log(high / low) * k / (points - 1))
         values = dict(base)

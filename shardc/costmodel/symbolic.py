@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from shardc.costmodel.collective import describe
 from shardc.costmodel.formulas import (
     HardwareSymbols,
     PhaseFormula,
@@ -24,12 +23,9 @@ from shardc.costmodel.formulas import (
     step_formula,
     text,
 )
-from shardc.costmodel.hardware import Hardware, resolve_hardware
 from shardc.costmodel.memory import residual_formula, state_formula
 from shardc.costmodel.render import hardware_line
 from shardc.costmodel.report import (
-    check_spans,
-    default_spans,
     hardware_json,
     missing_sizes,
     phase_steps,
@@ -38,8 +34,10 @@ from shardc.costmodel.report import (
     token_dims,
 )
 from shardc.costmodel.thresholds import Threshold, derive
+from shardc.hardware import Hardware, check_spans
 from shardc.planner.ir import Op, Plan, Step
 from shardc.spec.ir import Mesh
+from shardc.timing import describe, plan_chip, plan_spans
 
 __all__ = ["FormulaRow", "FormulaPhase", "FormulaReport", "cost_formulas"]
 
@@ -179,11 +177,11 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     Memory is the training state alone (:func:`shardc.costmodel.memory.state_formula`
     under the ``optimizer`` accounting): activations need the sizes.
     """
-    hw = resolve_hardware(hardware, hardware_file, plan.spec.hardware)
-    check_spans(plan, spans)
+    hw = plan_chip(plan, hardware, hardware_file)
+    check_spans(plan.spec.mesh, spans)
     mesh = plan.spec.mesh
     sizes = {a.name: a.size for a in mesh.axes} | dict(plan.spec.sizes)
-    all_spans = default_spans(plan, hw, sizes) | (spans or {})
+    all_spans = plan_spans(plan, hw, sizes) | (spans or {})
     names = symbols_of(plan)
     layers = plan.spec.layers
     count: int | str = layers if layers is not None else 1

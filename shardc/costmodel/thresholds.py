@@ -22,7 +22,7 @@ from fractions import Fraction
 import symengine as se
 
 from shardc.costmodel.formulas import Expr, HardwareSymbols, PhaseFormula, number, product, symbol, text
-from shardc.costmodel.hardware import Hardware
+from shardc.hardware import Hardware
 
 __all__ = ["Threshold", "derive", "format_number"]
 

@@ -90,7 +90,7 @@ def plan_parts(plan: Plan) -> Ends:
     from shardc.planner.planner import plan as make_plan
 
     spans = dict(plan.spans) or None
-    parts = [make_plan(s, save=plan.save, hardware=plan.chip or plan.hardware, spans=spans,
+    parts = [make_plan(s, save=plan.save, hardware=plan.chip, spans=spans,
                        recompute=plan.recompute) for s in split_spec(plan.spec)]
     for part in (parts[0], parts[2]):
         if any((s.fn or "").startswith("dropout_mask") for s in part.forward):

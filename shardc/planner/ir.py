@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from shardc.collectives import COLLECTIVES, FACTOR, Op
-from shardc.hardware import Hardware
+from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.spec.ir import Spec, TensorRef
 
 __all__ = [
@@ -188,7 +188,8 @@ class Plan:
     # tensor -> its gradient's name (shardc.names.gradient_names): never a name of the spec
     gradient_names: tuple[tuple[str, str], ...] = ()
     hardware: str = "tpu-v5p"  # the name of the chip the plan was chosen for
-    chip: Hardware | None = field(default=None, compare=False)  # that chip (None: the spec's, else tpu-v5p)
+    # that chip, resolved once by the planner; every later pass costs on it (:func:`shardc.timing.plan_chip`)
+    chip: Hardware = field(default=PRESETS[DEFAULT], compare=False)
     spans: tuple[tuple[str, int], ...] = ()  # spans given to the planner over the chip's defaults
     notes: tuple[str, ...] = ()  # facts the listing states (e.g. padded uneven dims)
     # ZeRO-1/2 (`zero 1 over X`): the third phase, after the backward: gradients reduce-scattered onto

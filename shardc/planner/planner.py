@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 
 from shardc.errors import ShardcError
-from shardc.hardware import Hardware, resolve_hardware
+from shardc.hardware import Hardware, check_spans, resolve_hardware
 from shardc.pipeline.stages import pipelined, stage_spec
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
@@ -94,7 +94,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
                         spans: dict[str, int] | None, recompute: str = "none") -> Plan:
     hw = resolve_hardware(hardware, None, spec.hardware)
-    _check_spans(spec, spans)
+    check_spans(spec.mesh, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
     if zero_notes:
         planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute)
@@ -193,14 +193,6 @@ def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: s
 def _moves(s: Solution) -> tuple[object, ...]:
     """What of a solution becomes steps (its cost, under other weights, may differ)."""
     return (s.operand_moves, s.locals, s.local_result, s.result_moves)
-
-
-def _check_spans(spec: Spec, spans: dict[str, int] | None) -> None:
-    for axis, k in (spans or {}).items():
-        if axis not in spec.mesh.names:
-            raise ShardcError(f"--spans {axis}: not a mesh axis", fix="use one of " + ", ".join(spec.mesh.names))
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1", fix="write e.g. --spans X=3")
 
 
 def objective(t: PlanTime) -> tuple[float, float]:

@@ -156,7 +156,7 @@ def unlowered_optimizer(plan: Plan) -> tuple[Plan, str | None]:
 
     spec = replace(plan.spec, zero=None)
     spans = dict(plan.spans) or None
-    alone = make_plan(spec, save=plan.save, hardware=plan.chip or plan.hardware, spans=spans,
+    alone = make_plan(spec, save=plan.save, hardware=plan.chip, spans=spans,
                       recompute=plan.recompute)
     note = (f"`{plan.spec.zero}`: forward and grad run the spec without the zero line (whose backward "
             "reduces each gradient); the optimizer phase runs as optimizer_step, from the gradients as the "
