@@ -15,8 +15,11 @@ import numpy as np
 
 from shardc.errors import ShardcError
 from shardc.lowering.codegen import Boundary, Module, generate
+from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.rows import id_inputs
+from shardc.planner.check import require_sound
 from shardc.planner.ir import Plan
+from shardc.planner.planner import plan as make_plan
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.ir import Spec, TensorRef
 
@@ -158,8 +161,6 @@ def module_source(plan: Plan) -> tuple[str, str | None]:
         from shardc.lowering.pipeline import lower_pipeline
 
         return lower_pipeline(plan, load=False).source, None
-    from shardc.planner.zero import unlowered_optimizer
-
     zero = plan if plan.optimizer else None
     plan, _ = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     mesh = lowered_mesh(plan, None)
@@ -199,9 +200,6 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
     axes) only set the sizes the module runs at, never the plan.  The plan checker runs
     first: a broken plan raises :class:`~shardc.errors.InternalError`.
     """
-    from shardc.planner.check import require_sound
-    from shardc.planner.zero import unlowered_optimizer
-
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, save, options)
     require_sound(plan)
     zero = plan if plan.optimizer else None
@@ -215,8 +213,6 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
 
 
 def _plan(spec: Spec, save: str, options: dict[str, Any]) -> Plan:
-    from shardc.planner.planner import plan as make_plan
-
     return make_plan(spec, save=save, **options)
 
 

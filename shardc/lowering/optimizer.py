@@ -1,7 +1,7 @@
 """ZeRO-1/2's optimizer phase, lowered: ``optimizer_step(params, grads)`` in the module.
 
 The module's ``forward`` and ``grad`` run the spec without its ``zero`` line
-(:func:`shardc.planner.zero.unlowered_optimizer`: their backward reduces every
+(:func:`shardc.lowering.replan.unlowered_optimizer`: their backward reduces every
 gradient, so ``jax.grad`` stays a true gradient).  The optimizer phase of the ZeRO
 plan is lowered beside them as its own ``shard_map``, one line a step: the
 ReduceScatter of each gradient as the ZeRO backward leaves it (stage 1: partial
