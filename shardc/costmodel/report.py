@@ -30,6 +30,7 @@ from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_sy
 from shardc.costmodel.hardware import Hardware, resolve_hardware
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
 from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
+from shardc.costmodel.render import render
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
@@ -180,8 +181,6 @@ class CostReport:
         return json.dumps(self.to_json(), indent=2, allow_nan=False)  # strict JSON: a NaN is a bug
 
     def render(self) -> str:
-        from shardc.costmodel.render import render
-
         return render(self)
 
     def __str__(self) -> str:
