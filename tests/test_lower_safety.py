@@ -14,8 +14,8 @@ import shardc
 from shardc.cli.main import main
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
-from shardc.lowering.api import lowered_mesh, lowered_sizes
 from shardc.lowering.codegen import generate
+from shardc.lowering.load import lowered_mesh, lowered_sizes
 from shardc.planner.ir import Op
 
 HOSTILE_FILE = 'x"""; __import__("os").system("touch PWNED"); """.shard'
@@ -157,7 +157,8 @@ def test_a_dim_not_divisible_by_its_shards_is_refused_clearly() -> None:
 
 def test_a_spec_whose_dims_do_not_divide_lowers_to_a_module_that_runs_at_sizes_that_do() -> None:
     """The book's D=5120 over 4096 chips: the module is shape-generic, written without the spec's sizes."""
-    from shardc.lowering.api import load_module, module_source
+    from shardc.lowering.api import module_source
+    from shardc.lowering.load import load_module
 
     spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
     plan = shardc.plan(spec)

@@ -11,6 +11,7 @@ import pytest
 import shardc
 from shardc.accountings import ACCOUNTINGS
 from shardc.costmodel.pipeline import PipelineCost, boundary_tensor, microbatch_dim
+from shardc.costmodel.render import render_pipeline
 from shardc.pipeline.schedules import device_of, simulate
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Mesh, MeshAxis, Schedule
@@ -101,8 +102,6 @@ def test_the_ends_params_live_on_their_stages(schedule: str, first: int, last: i
 
 
 def test_the_report_states_the_ends() -> None:
-    from shardc.costmodel.pipeline import render_pipeline
-
     cost = _pipe()
     text = "\n".join(render_pipeline(cost))
     assert "the first chunk also runs the statements before the block" in text

@@ -30,7 +30,6 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -38,6 +37,7 @@ from shardc.costmodel.memory import kept_once, memory, residual_values, value_by
 from shardc.errors import InternalError, ShardcError
 from shardc.hardware import Hardware
 from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, bubble, inflight, sends_per_microbatch
+from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import Simulation, Timing, device_of, simulate
 from shardc.pipeline.stages import Pipeline, pipeline_of
 from shardc.planner.ir import Plan, Step
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from shardc.costmodel.report import CostReport
 
 __all__ = ["StageCost", "PipelineCost", "pipeline_cost", "microbatch_dim", "boundary_tensor", "weight_steps",
-           "render_pipeline", "draw_schedule"]
+           "draw_schedule"]
 
 BUBBLE_TARGET = 0.05  # the bubble the threshold sentence solves m for
 
@@ -376,63 +376,8 @@ def _thresholds(pipe: Pipeline, forward: tuple[float, float], p2p_s: float, link
     return tuple(lines)
 
 
-def render_pipeline(cost: PipelineCost) -> list[str]:
-    """The pipeline section of ``shardc cost``'s text."""
-    from shardc.costmodel.render import fmt_bytes, fmt_seconds
-
-    pipe, sim, closed = cost.pipeline, cost.simulation, cost.closed
-    name = pipe.schedule.name
-    given = "" if pipe.microbatches_given else " (default: one a stage; add a `microbatches` line)"
-    lines = [f"pipeline over {pipe.axis}: {pipe.stages} stages, schedule {pipe.schedule}, "
-             f"{pipe.microbatches} microbatches of {cost.dim}={cost.microbatch_size:_}{given}",
-             f"  {pipe.split_text()}; the tables above are one stage's"
-             + (" (and the steps outside the block, which run on the first and last stage)" if cost.extra else "")
-             + ", on the whole batch at once",
-             f"  a microbatch through the slowest stage: F {fmt_seconds(cost.timing.forward)}, "
-             f"B {fmt_seconds(cost.timing.backward)}, W {fmt_seconds(cost.timing.weight)}"
-             + ("" if name in ("zb-h1", "zbv") else " (B and W run as one backward)"),
-             f"  bubble {closed.of_ideal:.1%} of the ideal time ({closed.formula}), {closed.of_total:.1%} of the "
-             f"step; simulated with the sends {sim.bubble_of_ideal:.1%} / {sim.bubble_of_total:.1%}"
-             + ("" if name in EXACT else " (the closed form assumes T_F = T_B = T_W and free sends; the "
-                                         "simulated zbv order is a greedy one, not the paper's hand-made one)"),
-             *_ends(cost, fmt_seconds),
-             f"  step {fmt_seconds(cost.step_s)} = "
-             + (f"stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) " if not cost.extra else
-                f"the busiest stage's work {fmt_seconds(sim.ideal)} + its idle time "
-                f"{fmt_seconds(sim.makespan - sim.ideal)} ")
-             + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
-             + f"[{fmt_seconds(cost.step_closed_s)} with free sends]",
-             f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
-             f" x activation factor {activation_factor(name, pipe.stages, pipe.chunks):.3g}",
-             f"  point-to-point: {cost.boundary} a microbatch, {fmt_bytes(cost.p2p_bytes)} a device "
-             f"({fmt_bytes(cost.p2p_bytes_global)} in all) per boundary over {cost.network.upper()}, "
-             f"{fmt_seconds(cost.p2p_s)}; {sends_per_microbatch(name, pipe.stages, pipe.chunks)} boundaries "
-             "a microbatch, each way",
-             f"  {'stage':>5} {'layers':>6} {'compute':>9} {'comm':>9} {'bound':<13} {'held':>5} "
-             f"{'state':>9} {'activations':>11} {'total':>9}"]
-    for s in cost.stages:
-        lines.append(f"  {s.stage:>5} {s.layers:>6} {fmt_seconds(s.compute_s):>9} {fmt_seconds(s.comm_s):>9} "
-                     f"{s.bound:<13} {s.held:>5.3g} {fmt_bytes(s.state_bytes):>9} "
-                     f"{fmt_bytes(s.activation_bytes):>11} {fmt_bytes(s.memory_bytes):>9}"
-                     + ("" if s.memory_bytes <= s.hbm_bytes else "  does NOT fit"))
-    return lines + [f"  {t}" for t in cost.thresholds]
-
-
-def _ends(cost: PipelineCost, fmt: Callable[[float], str]) -> list[str]:
-    """The line on the first and last stage's extra work (none when the spec has no block)."""
-    if not cost.extra:
-        return []
-    first, last = cost.first, cost.last
-    return [f"  the first chunk also runs the statements before the block (F {fmt(first.forward)}, B "
-            f"{fmt(first.backward)}, W {fmt(first.weight)} a microbatch), the last those after it (F "
-            f"{fmt(last.forward)}, B {fmt(last.backward)}, W {fmt(last.weight)}), as Megatron-LM places the "
-            "embedding and the loss; the bubble is the step minus the busiest stage's work"]
-
-
 def draw_schedule(report: CostReport, path: str) -> None:
     """``--schedule-plot``: the simulated schedule of the report's pipeline as a Gantt chart."""
-    from shardc.pipeline.gantt import draw
-
     if report.pipeline is None:
         raise ShardcError("--schedule-plot needs a pipelined spec",
                           fix="mark the stage axis of the mesh, e.g. `mesh P=4 pipeline, X=8`")

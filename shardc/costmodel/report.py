@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
 from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
+from shardc.costmodel.render import render
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans
@@ -189,8 +190,6 @@ class CostReport:
         return json.dumps(self.to_json(), indent=2, allow_nan=False)  # strict JSON: a NaN is a bug
 
     def render(self) -> str:
-        from shardc.costmodel.render import render
-
         return render(self)
 
     def __str__(self) -> str:

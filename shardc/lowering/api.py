@@ -6,7 +6,6 @@ module, so what runs here is exactly what ``shardc lower`` writes.
 
 from __future__ import annotations
 
-import linecache
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,12 +14,17 @@ import numpy as np
 
 from shardc.errors import ShardcError
 from shardc.lowering.codegen import Boundary, Module, generate
+from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
+from shardc.lowering.pipeline import lower_pipeline
+from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.rows import id_inputs
+from shardc.planner.check import require_sound
 from shardc.planner.ir import Plan
+from shardc.planner.planner import plan as make_plan
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.ir import Spec, TensorRef
 
-__all__ = ["Lowered", "lower", "lowered_mesh", "lowered_sizes", "check_devices", "module_source"]
+__all__ = ["Lowered", "lower", "module_source"]
 
 
 @dataclass
@@ -113,40 +117,6 @@ def _spec(lowered: Lowered, boundary: Boundary) -> Any:
     return table[boundary.key]
 
 
-def lowered_mesh(plan: Plan, sizes: dict[str, int] | None) -> tuple[tuple[str, int], ...]:
-    """The plan's mesh with axis sizes taken from ``sizes`` where given."""
-    sizes = sizes or {}
-    return tuple((a.name, int(sizes.get(a.name, a.size))) for a in plan.spec.mesh.axes)
-
-
-def lowered_sizes(plan: Plan, sizes: dict[str, int] | None,
-                  mesh: tuple[tuple[str, int], ...]) -> dict[str, int] | None:
-    """Dims and mesh sizes: the plan's, overridden by ``sizes`` (dims may be missing)."""
-    axis_names = {name for name, _ in mesh}
-    dims = dict(plan.spec.dims)
-    dims.update({k: v for k, v in (plan.sizes or ()) if k not in axis_names})
-    dims.update({k: int(v) for k, v in (sizes or {}).items() if k not in axis_names})
-    merged = {**dims, **dict(mesh)}
-    _check_divisible(plan, merged)
-    return merged
-
-
-def _check_divisible(plan: Plan, sizes: dict[str, int]) -> None:
-    for step in plan.forward + plan.backward:
-        for ref in (step.dst, *step.operands, *([step.src] if step.src else [])):
-            for d in ref.dims:
-                if d.name not in sizes:
-                    continue
-                shards = int(np.prod([sizes[a] for a in d.axes])) if d.axes else 1
-                if sizes[d.name] % shards:
-                    even = -(-sizes[d.name] // shards) * shards
-                    raise ShardcError(
-                        f"{d.name}={sizes[d.name]} is not divisible by the {shards} shards of {ref}: "
-                        "shard_map needs even blocks, and this lowering does not pad them as XLA's "
-                        "partitioner would", fix=f"lower at sizes that divide (e.g. --set {d.name}={even}); "
-                        "`shardc verify` picks such sizes itself")
-
-
 def module_source(plan: Plan) -> tuple[str, str | None]:
     """The module text ``shardc lower`` writes, and a note when the spec's sizes cannot run.
 
@@ -155,11 +125,7 @@ def module_source(plan: Plan) -> tuple[str, str | None]:
     written without them (symbolic local shapes in the comments) and the note says so.
     """
     if plan.spec.mesh.pipeline_axis is not None:  # GPipe (and 1F1B) over the stage axis
-        from shardc.lowering.pipeline import lower_pipeline
-
         return lower_pipeline(plan, load=False).source, None
-    from shardc.planner.zero import unlowered_optimizer
-
     zero = plan if plan.optimizer else None
     plan, _ = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     mesh = lowered_mesh(plan, None)
@@ -173,22 +139,6 @@ def module_source(plan: Plan) -> tuple[str, str | None]:
         return generate(plan, mesh, None, zero=zero).source, note
 
 
-def check_devices(mesh: tuple[tuple[str, int], ...]) -> None:
-    """A mesh larger than the devices present is an error that says how to emulate them."""
-    import jax
-
-    needed = int(np.prod([size for _, size in mesh]))
-    present = jax.device_count()
-    if present < needed:
-        text = ", ".join(f"{n}={s}" for n, s in mesh)
-        raise ShardcError(
-            f"the mesh {text} needs {needed} devices but jax sees {present} "
-            f"({jax.default_backend()})",
-            fix=f"on a CPU, emulate devices: set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{needed} in the environment before jax is imported (e.g. `XLA_FLAGS=... python ...`), "
-                "or shrink the mesh with --set AXIS=SIZE")
-
-
 def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: str = "default",
           **options: Any) -> Lowered:
     """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process.
@@ -199,9 +149,6 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
     axes) only set the sizes the module runs at, never the plan.  The plan checker runs
     first: a broken plan raises :class:`~shardc.errors.InternalError`.
     """
-    from shardc.planner.check import require_sound
-    from shardc.planner.zero import unlowered_optimizer
-
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, save, options)
     require_sound(plan)
     zero = plan if plan.optimizer else None
@@ -215,21 +162,4 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: 
 
 
 def _plan(spec: Spec, save: str, options: dict[str, Any]) -> Plan:
-    from shardc.planner.planner import plan as make_plan
-
     return make_plan(spec, save=save, **options)
-
-
-_loaded = 0
-
-
-def load_module(source: str, name: str) -> types.ModuleType:
-    """Execute generated source as a module; its lines show in tracebacks."""
-    global _loaded
-    _loaded += 1
-    filename = f"<shardc-lowered-{_loaded}:{name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    module = types.ModuleType(f"shardc_lowered_{_loaded}")
-    module.__file__ = filename
-    exec(compile(source, filename, "exec"), module.__dict__)
-    return module

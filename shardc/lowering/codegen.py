@@ -25,6 +25,7 @@ from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.layer_code import LAYER_FNS, MASKS, layer_code
+from shardc.lowering.partition_specs import axes_entry
 from shardc.lowering.route import route_code
 from shardc.lowering.rows import VOCAB_FNS, lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
@@ -35,7 +36,7 @@ from shardc.planner.zero import UPDATE
 from shardc.spec.functions import is_route_fn, parse_route
 from shardc.spec.ir import Mesh, TensorRef
 
-__all__ = ["Boundary", "Phase", "Module", "generate", "pspec", "local_shape_text"]
+__all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
 
 _LETTERS = string.ascii_lowercase + string.ascii_uppercase
 # Names a tensor's variable must not take: keywords, builtins (``__debug__`` cannot even be
@@ -77,17 +78,6 @@ class Module:
     cotangents: dict[str, str]  # the gradient of an output (d<Out>) -> the output
     grads: dict[str, str]  # input or param name -> its gradient's name
     optimizer: Phase | None = None  # ZeRO-1/2's optimizer phase (shardc.lowering.optimizer)
-
-
-def pspec(ref: TensorRef) -> str:
-    """The PartitionSpec source of a value (stacked partial sums lead when unreduced)."""
-    entries = [_axes_entry(ref.unreduced)] if ref.unreduced else []
-    entries += [_axes_entry(d.axes) if d.axes else "None" for d in ref.dims]
-    return "P(" + ", ".join(entries) + ")"
-
-
-def _axes_entry(axes: tuple[str, ...]) -> str:
-    return repr(axes[0]) if len(axes) == 1 else "(" + ", ".join(repr(a) for a in axes) + ")"
 
 
 def local_shape_text(ref: TensorRef, sizes: dict[str, int] | None) -> str:
@@ -174,7 +164,7 @@ def _check_einsum(step: Step, number: int, phase: str) -> None:
 def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> str:
     """One step as one line of Python (without the comment)."""
     src = var(step.src) if step.src is not None else ""
-    axes = _axes_entry(step.axes) if step.axes else ""
+    axes = axes_entry(step.axes) if step.axes else ""
     call = step.op.info.jax_call
     if step.op is Op.ALL_GATHER and step.dim is None:
         return f"gather_dims({src}, {_gathered_groups(step)})"

@@ -20,9 +20,13 @@ from typing import Any
 
 from shardc.collectives import FACTOR
 from shardc.lowering import reference
+from shardc.lowering.api import lower
 from shardc.lowering.hlo import Collective, collectives
-from shardc.lowering.sizes import small_sizes
+from shardc.lowering.replan import unlowered_optimizer
+from shardc.lowering.sizes import devices_to_check, small_sizes
+from shardc.planner.check import require_sound
 from shardc.planner.ir import Plan
+from shardc.planner.planner import plan as make_plan
 from shardc.planner.render import step_label
 from shardc.spec.ir import Spec, TensorRef
 
@@ -208,11 +212,6 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
     import jax
     from jax.sharding import NamedSharding
 
-    from shardc.lowering.api import lower
-    from shardc.lowering.sizes import devices_to_check
-    from shardc.planner.check import require_sound
-    from shardc.planner.planner import plan as make_plan
-    from shardc.planner.zero import unlowered_optimizer
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)

@@ -1,7 +1,7 @@
 """ZeRO-1/2's optimizer phase, lowered: ``optimizer_step(params, grads)`` in the module.
 
 The module's ``forward`` and ``grad`` run the spec without its ``zero`` line
-(:func:`shardc.planner.zero.unlowered_optimizer`: their backward reduces every
+(:func:`shardc.lowering.replan.unlowered_optimizer`: their backward reduces every
 gradient, so ``jax.grad`` stays a true gradient).  The optimizer phase of the ZeRO
 plan is lowered beside them as its own ``shard_map``, one line a step: the
 ReduceScatter of each gradient as the ZeRO backward leaves it (stage 1: partial
@@ -39,12 +39,8 @@ def optimizer_step(params, grads):
 '''
 
 
-def optimizer_text(zero: str, specs: str, function: str) -> str:
-    """The module's optimizer section: its boundary specs, the local function, the driver."""
-    from shardc.lowering.template import comment
-
-    head = "\n\n# ---- optimizer " + "-" * 58 + "\n"
-    head += comment(f"{zero}: the optimizer phase of the ZeRO plan (forward and grad above run the spec "
-                    "without the zero line)") + "\n\n"
+def optimizer_text(heading: str, specs: str, function: str) -> str:
+    """The module's optimizer section: its heading comment, boundary specs, the local function, the driver."""
+    head = "\n\n# ---- optimizer " + "-" * 58 + "\n" + heading + "\n\n"
     rate = f"LEARNING_RATE = {LEARNING_RATE!r}  # the lowered update is plain SGD: W - LEARNING_RATE * dW\n\n\n"
     return head + specs + rate + function + _DRIVER

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardc.errors import ShardcError
 from shardc.lowering.codegen import Module, generate
+from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
 from shardc.pipeline.stages import Pipeline, pipeline_of, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
@@ -70,7 +71,6 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                     layers: int, microbatches: int) -> tuple[Module, str, int]:
     """The module text for ``plan`` pipelined on ``mesh``; ``sizes`` are the whole batch's."""
     from shardc.costmodel.pipeline import microbatch_dim
-    from shardc.lowering.api import lowered_sizes
 
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
@@ -129,8 +129,6 @@ def permutes_expected(stages: int, microbatches: int) -> int:
 def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int | None = None,
                    microbatches: int | None = None, load: bool = True) -> PipelineLowered:
     """Lower a pipelined plan (``sizes`` may resize the mesh and dims, as for :func:`shardc.lower`)."""
-    from shardc.lowering.api import check_devices, load_module, lowered_mesh, lowered_sizes
-
     pipe = pipeline_of(plan.spec)
     if pipe is None:
         raise ShardcError("not a pipelined spec", fix="mark the stage axis, e.g. `mesh P=4 pipeline, X=8`")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardc.lowering.optimizer import OPTIMIZER_GLOBALS
+from shardc.lowering.optimizer import OPTIMIZER_GLOBALS, optimizer_text
+from shardc.lowering.partition_specs import pspec
 
 if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase
@@ -283,8 +284,6 @@ if __name__ == "__main__":
 
 
 def specs(name: str, boundaries: tuple[object, ...]) -> str:
-    from shardc.lowering.codegen import pspec
-
     rows = [f"    {b.key!r}: {pspec(b.ref)},  {comment(str(b.ref))}"  # type: ignore[attr-defined]
             for b in boundaries]
     return f"{name} = {{\n" + "\n".join(rows) + "\n}\n"
@@ -365,7 +364,7 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
 
 def render_optimizer(zero: str, phase: Phase) -> str:
     """The optimizer section appended to a module (:mod:`shardc.lowering.optimizer`)."""
-    from shardc.lowering.optimizer import optimizer_text
-
+    heading = comment(f"{zero}: the optimizer phase of the ZeRO plan (forward and grad above run the spec "
+                      "without the zero line)")
     tables = specs("OPTIMIZER_IN", phase.inputs) + specs("OPTIMIZER_OUT", phase.outputs)
-    return optimizer_text(_plain(zero), tables, function(phase))
+    return optimizer_text(heading, tables, function(phase))

@@ -24,11 +24,15 @@ import numpy as np
 
 from shardc.errors import ShardcError
 from shardc.lowering import reference
+from shardc.lowering.api import lower
 from shardc.lowering.hlo import collectives
+from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.report import STORAGE_DTYPE, CollectiveRow, Report, ValueRow, match_collectives, render_report
 from shardc.lowering.rows import id_inputs
 from shardc.lowering.sizes import collapsed_axes, devices_to_check, small_sizes
+from shardc.planner.check import require_sound
 from shardc.planner.ir import Plan
+from shardc.planner.planner import plan as make_plan
 from shardc.spec.ir import Spec
 
 if TYPE_CHECKING:
@@ -231,11 +235,6 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     devices jax has.  A Spec is planned exactly as ``shardc plan`` plans it.
     """
     import jax
-
-    from shardc.lowering.api import lower
-    from shardc.planner.check import require_sound
-    from shardc.planner.planner import plan as make_plan
-    from shardc.planner.zero import unlowered_optimizer
 
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)

@@ -29,15 +29,14 @@ import math
 from dataclasses import replace
 
 from shardc.errors import ShardcError
-from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value
 from shardc.planner.phase import Phase
 from shardc.planner.search import reshard
 from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, TensorRef, Zero
 from shardc.spec.walk import leaves
 
-__all__ = ["zero_axes", "zero_layout", "zero3_spec", "zero_params", "plan_optimizer", "unlowered_optimizer",
-           "UPDATE"]
+__all__ = ["zero_axes", "zero_layout", "zero3_spec", "zero_params", "plan_optimizer", "UPDATE"]
 
 UPDATE = "update"  # the name of the optimizer's local step (any elementwise rule: SGD, Adam)
 
@@ -139,26 +138,3 @@ def plan_optimizer(phase: Phase, shards: dict[str, Layout], declared: dict[str, 
         phase.moves(param, reshard(phase.ctx, param, p_idx, (shard,), full)[1],
                     note="ZeRO: the updated param to every device")
     return tuple(phase.steps)
-
-
-def unlowered_optimizer(plan: Plan) -> tuple[Plan, str | None]:
-    """The plan whose forward and backward lowering runs, and a note when it is not ``plan``.
-
-    A ZeRO-1/2 plan's backward leaves gradients for its optimizer phase (partial sums,
-    or shards); the lowered ``forward`` and ``grad`` instead run the same spec planned
-    without the ``zero`` line (same policy and chip), whose backward reduces every
-    gradient, so ``jax.grad`` is a true gradient, and the optimizer phase is lowered
-    beside them (:mod:`shardc.lowering.optimizer`).  ZeRO-3 lowers as is.
-    """
-    if not plan.optimizer:
-        return plan, None
-    from shardc.planner.planner import plan as make_plan
-
-    spec = replace(plan.spec, zero=None)
-    spans = dict(plan.spans) or None
-    alone = make_plan(spec, save=plan.save, hardware=plan.chip, spans=spans,
-                      recompute=plan.recompute)
-    note = (f"`{plan.spec.zero}`: forward and grad run the spec without the zero line (whose backward "
-            "reduces each gradient); the optimizer phase runs as optimizer_step, from the gradients as the "
-            "ZeRO backward leaves them")
-    return alone, note
