@@ -429,8 +429,11 @@ def _ends(cost: PipelineCost, fmt: Callable[[float], str]) -> list[str]:
             "embedding and the loss; the bubble is the step minus the busiest stage's work"]
 
 
-def draw_schedule(report: CostReport, path: str) -> None:
-    """``--schedule-plot``: the simulated schedule of the report's pipeline as a Gantt chart."""
+def draw_schedule(report: CostReport, path: str, force: bool = False) -> None:
+    """``--schedule-plot``: the simulated schedule of the report's pipeline as a Gantt chart.
+
+    ``force`` replaces a file at ``path`` that is not an image (see :mod:`shardc.images`).
+    """
     from shardc.pipeline.gantt import draw
 
     if report.pipeline is None:
@@ -439,4 +442,4 @@ def draw_schedule(report: CostReport, path: str) -> None:
     cost = report.pipeline
     sim = cost.simulation
     draw(sim, path, f"{report.plan.spec.filename or 'spec'}: {cost.pipeline.schedule}, p={sim.stages}, "
-         f"m={sim.microbatches}, bubble {sim.bubble_of_ideal:.1%} of ideal")
+         f"m={sim.microbatches}, bubble {sim.bubble_of_ideal:.1%} of ideal", force)
