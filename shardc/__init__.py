@@ -30,16 +30,18 @@ __version__ = "0.1.0"
 
 
 def parse(text: str, filename: str | None = None) -> Spec:
-    """Parse and check spec text; raises :class:`ShardcError` pointing at the mistake."""
+    """Parse and check spec text (at most 1 MiB, as a file); raises :class:`ShardcError` pointing at the mistake."""
+    from shardc.arguments import check_text
     from shardc.spec.parser import parse as _parse
 
-    return _parse(text, filename=filename)
+    return _parse(check_text(text, filename), filename=filename)
 
 
 def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
     """Infer every collective of the forward and backward pass of ``spec``."""
     from shardc.planner.planner import plan as _plan
 
+    _check_plan_args(spec, save, options)
     return _plan(spec, save=save, **options)
 
 
@@ -51,8 +53,18 @@ def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None =
     line, else tpu-v5p).  Every dim needs a size;
     ``shardc.costmodel.symbolic.cost_formulas(plan)`` gives the figures as formulas without them.
     """
+    from shardc import arguments as a
     from shardc.costmodel.report import cost as _cost
+    from shardc.planner.ir import Plan as _Plan
 
+    a.check_instance(plan, _Plan, "plan", "a Plan (from shardc.plan)")
+    a.check_hardware_arg(hardware)
+    a.check_sizes(sizes)
+    a.check_spans_arg(options.get("spans"))
+    a.check_fraction(options.get("mfu"), "mfu")
+    for key in ("optimizer", "hardware_file"):
+        if options.get(key) is not None:
+            a.check_choice(options[key], key)
     return _cost(plan, hardware=hardware, sizes=sizes, **options)
 
 
@@ -62,8 +74,15 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
 
     A spec with a pipeline axis lowers to its pipeline over the stage axis, as ``shardc lower`` writes it.
     """
-    from shardc.lowering.api import lower as _lower
+    from shardc.arguments import check_instance, check_sizes
     from shardc.planner.ir import Plan as _Plan
+    from shardc.spec.ir import Spec as _Spec
+
+    check_instance(plan_or_spec, _Plan | _Spec, "plan_or_spec", "a Plan or a Spec")
+    check_sizes(sizes)
+    if isinstance(plan_or_spec, _Spec):
+        _check_plan_args(plan_or_spec, options.get("save", "default"), options)
+    from shardc.lowering.api import lower as _lower
 
     spec = plan_or_spec.spec if isinstance(plan_or_spec, _Plan) else plan_or_spec
     if spec.mesh.pipeline_axis is not None:
@@ -74,3 +93,16 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
         require_sound(pipelined)
         return lower_pipeline(pipelined, sizes)
     return _lower(plan_or_spec, sizes=sizes, **options)
+
+
+def _check_plan_args(spec: object, save: object, options: dict[str, Any]) -> None:
+    from shardc import arguments as a
+    from shardc.spec.ir import Spec as _Spec
+
+    a.check_instance(spec, _Spec, "spec", "a Spec (from shardc.parse)")
+    a.check_choice(save, "save")
+    for key in ("strategy", "recompute"):
+        if key in options:
+            a.check_choice(options[key], key)
+    a.check_hardware_arg(options.get("hardware"))
+    a.check_spans_arg(options.get("spans"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ShardcError", "InternalError", "Span", "LAYERS_FEED"]
+__all__ = ["ShardcError", "InternalError", "Span", "LAYERS_FEED", "clip"]
 
 # ShardcError.kind of a `layers` spec whose layer outputs cannot feed its inputs (validate._check_feed)
 LAYERS_FEED = "layers-feed"
@@ -79,3 +79,8 @@ class InternalError(ShardcError):
     """
 
     exit_code = 1
+
+
+def clip(text: str, limit: int = 40) -> str:
+    """``text`` as a message echoes it: whole when short, else its start and how long it was."""
+    return text if len(text) <= limit else f"{text[:limit - 12]}... ({len(text)} characters)"

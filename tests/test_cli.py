@@ -292,8 +292,8 @@ def test_a_bug_is_one_line_not_a_traceback(capsys: pytest.CaptureFixture[str],
     monkeypatch.setattr(planner, "plan", broken)
     monkeypatch.delenv("SHARDC_TRACEBACK", raising=False)
     status, _, err = run_main(capsys, "plan", str(EXAMPLES / "tp.shard"))
-    assert status == 2 and "Traceback" not in err
-    assert err.startswith("internal error: KeyError") and "please report it" in err
+    assert status == 1 and "Traceback" not in err  # an internal error exits 1 from every command
+    assert err.startswith("error: internal error: KeyError") and "please report it" in err
 
 
 def test_exit_status_of_the_process(tmp_path: Path) -> None:

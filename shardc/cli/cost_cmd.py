@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.cli.main import add_common, load_spec, parse_sets, read_spec
+from shardc.cli.main import add_common, check_hardware_flag, load_spec, parse_spans, read_spec
 from shardc.errors import ShardcError
 
 __all__ = ["register", "run_cost", "run_hardware", "MAX_POINTS"]
@@ -55,7 +55,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--sweep", metavar="DIM=LOW:HIGH",
                         help="instead of the report, a table of compute vs communication time at log-spaced "
                              "sizes of one dim (or mesh axis), the plan kept fixed")
-    parser.add_argument("--points", type=int, default=13, metavar="N",
+    parser.add_argument("--points", type=int, default=None, metavar="N",
                         help=f"points of the sweep, 2 to {MAX_POINTS} (13)")
     parser.add_argument("--with", dest="others", action="append", default=[], metavar="FILE",
                         help="another spec to sweep beside FILE (repeatable)")
@@ -63,6 +63,8 @@ def register(subparsers: Any, name: str) -> None:
                         help="draw the sweep to PATH (.png, .pdf, .svg, ...; needs matplotlib)")
     parser.add_argument("--schedule-plot", metavar="PATH",
                         help="draw the pipeline schedule as a Gantt chart (.png, ...; needs matplotlib)")
+    parser.add_argument("--force", action="store_true",
+                        help="let --plot or --schedule-plot replace a file that is not an image")
     parser.set_defaults(func=run_cost)
 
 
@@ -92,9 +94,14 @@ def run_cost(args: argparse.Namespace) -> int:
     from shardc.costmodel.report import cost, missing_sizes
     from shardc.hardware import resolve_hardware
 
+    _check_flags(args)
     spec = read_spec(args)
     hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
-    spans = parse_sets(args.spans) or None
+    spans = parse_spans(args.spans, spec)
+    if args.schedule_plot:  # before any work: a bad path must not cost a whole run
+        from shardc.images import check_image_path
+
+        check_image_path(args.schedule_plot, "--schedule-plot", args.force)
     the_plan = plan(spec, save=args.save, hardware=hw, spans=spans,  # planned for the chip it is costed on
                     recompute=args.recompute)
     if args.sweep:
@@ -114,10 +121,26 @@ def run_cost(args: argparse.Namespace) -> int:
     if args.schedule_plot:
         from shardc.costmodel.pipeline import draw_schedule
 
-        draw_schedule(report, args.schedule_plot)
+        draw_schedule(report, args.schedule_plot, args.force)
         if not args.json:
             print(f"wrote {args.schedule_plot}")
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that only mean something together: none is silently ignored."""
+    check_hardware_flag(args)
+    alone = [flag for flag, given in (("--plot", args.plot), ("--with", args.others),
+                                      ("--points", args.points is not None)) if given]
+    if alone and not args.sweep:
+        raise ShardcError(f"{alone[0]} only applies to a sweep, and no --sweep was given",
+                          fix=f"add --sweep DIM=LOW:HIGH, or drop {alone[0]}")
+    if args.sweep and args.schedule_plot:
+        raise ShardcError("--schedule-plot draws the report's pipeline, which --sweep replaces",
+                          fix="run the two separately")
+    if args.force and not (args.plot or args.schedule_plot):
+        raise ShardcError("--force only lets --plot or --schedule-plot replace a file, and neither was given",
+                          fix="drop --force")
 
 
 def _run_sweep(args: argparse.Namespace, first: Any) -> int:
@@ -126,20 +149,21 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     from shardc.hardware import resolve_hardware
 
     dim, low, high = parse_sweep(args.sweep)
-    if not 2 <= args.points <= MAX_POINTS:
-        raise ShardcError(f"--points must be from 2 to {MAX_POINTS}, got {args.points}", fix="write e.g. --points 13")
+    points = 13 if args.points is None else args.points
+    if not 2 <= points <= MAX_POINTS:
+        raise ShardcError(f"--points must be from 2 to {MAX_POINTS}, got {points}", fix="write e.g. --points 13")
     if args.plot:
-        check_plot_path(args.plot)
+        check_plot_path(args.plot, args.force)
     hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)
     plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute)
                        for path in args.others]
-    spans = parse_sets(args.spans) or None
-    sweeps = [sweep(p, hw, dim, low, high, args.points, spans=spans) for p in plans]
+    spans = parse_spans(args.spans, first.spec)
+    sweeps = [sweep(p, hw, dim, low, high, points, spans=spans) for p in plans]
     if args.json:
         print(json.dumps([s.to_json() for s in sweeps], indent=2))
     else:
         print("\n".join(s.render() for s in sweeps), end="")
     if args.plot:
-        plot(sweeps, args.plot, hw)
+        plot(sweeps, args.plot, hw, args.force)
         print(f"wrote {args.plot}")
     return 0

@@ -6,23 +6,25 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
 from shardc.cli.main import add_common, load_spec, parse_sets
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, clip
 
 __all__ = ["register", "run_layouts"]
 
 
 def _chips(text: str) -> int:
-    """``--chips``: a positive whole number (``4096``, ``4_096``, ``4e3`` if whole); range checks come later."""
+    """``--chips``: a whole number (``4096``, ``4_096``, ``4e3``), read exactly; range checks come later."""
     try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        value = float("nan")
-    if not value.is_integer():
-        raise argparse.ArgumentTypeError(f"expects a whole number of chips, got {text!r}")
+        value = Decimal(text.replace("_", "")) if len(text) <= 100 else Decimal("NaN")
+        whole = value.is_finite() and value == value.to_integral_value() and abs(value.adjusted()) < 100
+    except InvalidOperation:
+        whole = False
+    if not whole:
+        raise argparse.ArgumentTypeError(f"expects a whole number of chips, got {clip(repr(text))}")
     return int(value)
 
 

@@ -5,7 +5,7 @@ jax; before its first import they plan, pick the devices the run needs (enough
 for every mesh axis to be 2, or ``--devices``) and ask XLA for that many
 emulated CPU devices (unless XLA_FLAGS already says how many), since the
 environment must say so before jax starts.  A plan the plan checker rejects is
-a shardc bug, reported with exit status 1.
+a shardc bug, reported (as every internal error, by ``shardc.cli.main``) with exit status 1.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from shardc.cli.main import add_common, read_spec
-from shardc.errors import InternalError, ShardcError
+from shardc.errors import ShardcError
 
 __all__ = ["register"]
 
@@ -38,33 +37,7 @@ def register(sub: Any, name: str) -> None:
         parser.add_argument("--devices", type=int, default=None,
                             help="devices to run on (emulated on a CPU; default: enough for every mesh "
                                  "axis to run at size 2, at least 8 when the mesh has them, at most 256)")
-    parser.set_defaults(func=_reporting_internal_errors(
-        {"lower": run_lower, "verify": run_verify, "compare": run_compare}[name]))
-
-
-def _reporting_internal_errors(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """A shardc bug is exit status 1 with a message, like a failed check (2 is a usage error).
-
-    A plan the checker rejects is an InternalError; any other unexpected exception (from
-    jax or XLA too) is reported the same way, its traceback shown only with SHARDC_TRACEBACK=1.
-    """
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except ShardcError as err:
-            if not isinstance(err, InternalError):
-                raise  # a usage error: main prints it, exit 2
-            print(err.render(), file=sys.stderr)
-            return err.exit_code
-        except Exception as err:  # noqa: BLE001 - the CLI never prints a traceback
-            if os.environ.get("SHARDC_TRACEBACK"):
-                raise
-            first = (str(err).strip().splitlines() or [""])[0][:300]
-            print(InternalError(f"internal error: {type(err).__name__}: {first}",
-                                fix="this is a shardc bug: please report the spec "
-                                    "(SHARDC_TRACEBACK=1 shows the traceback)").render(), file=sys.stderr)
-            return InternalError.exit_code
-    return wrapped
+    parser.set_defaults(func={"lower": run_lower, "verify": run_verify, "compare": run_compare}[name])
 
 
 _HELP = {

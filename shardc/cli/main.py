@@ -5,12 +5,13 @@ which adds its parser and sets ``func`` to a ``run(args) -> int``.  Modules are
 imported only when their command runs, so ``shardc plan`` never pays for jax
 (and ``shardc --help`` for nothing but argparse).
 
-Exit status: 0 success, 1 a check failed (``verify``), 2 a usage or spec error
-(130 when interrupted).
-A :class:`ShardcError` is printed as a diagnostic, never a traceback; so is
-running out of memory, and any other exception (a bug in shardc) is printed as
-one ``internal error`` line asking for a report (``SHARDC_TRACEBACK=1`` shows
-the traceback).
+Exit status, for every command: 0 success, 1 a check failed (``verify``) or an
+internal error (a bug in shardc: a plan the plan checker rejects, or any
+unexpected exception), 2 a usage or spec error, or a budget exceeded (130 when
+interrupted).  A :class:`ShardcError` is printed as a diagnostic, never a
+traceback; so is running out of memory, and an internal error is printed as one
+``internal error`` line asking for a report (``SHARDC_TRACEBACK=1`` shows the
+traceback).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardc import __version__
-from shardc.errors import ShardcError
+from shardc.errors import InternalError, ShardcError, clip
 
-__all__ = ["COMMANDS", "build_parser", "full_parser", "main", "parse_sets", "add_common", "read_spec"]
+__all__ = ["COMMANDS", "build_parser", "full_parser", "main", "parse_sets", "parse_spans", "check_hardware_flag",
+           "add_common", "read_spec"]
 
 # command name -> (module defining register(), one-line help); the help lines live here so
 # ``shardc --help`` imports no command module.
@@ -39,7 +41,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("shardc.cli.lower_cmd", "put the plan beside XLA's partitioner"),
 }
 
-_EPILOG = "Run `shardc COMMAND --help` for a command's flags.  Exit status: 0 ok, 1 a check failed, 2 an error."
+_EPILOG = ("Run `shardc COMMAND --help` for a command's flags.  Exit status: 0 ok, 1 a check failed or an "
+           "internal error (a bug in shardc), 2 an error in the spec or the flags.")
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
@@ -83,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         return int(args.func(args))
+    except InternalError as err:
+        print(err.render(), file=sys.stderr)
+        return err.exit_code
     except ShardcError as err:
         print(err.render(), file=sys.stderr)
         return 2
@@ -100,13 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: the spec nests too deeply to process\nfix: split the expression over several statements",
               file=sys.stderr)
         return 2
-    except Exception as err:  # a bug: one line, not a traceback, unless asked for
+    except Exception as err:  # a bug (in shardc, or jax and XLA under it): one line, not a traceback
         if os.environ.get("SHARDC_TRACEBACK"):
             raise
-        print(f"internal error: {type(err).__name__}: {err}\n"
-              "this is a bug in shardc: please report it with the spec and the command "
-              "(SHARDC_TRACEBACK=1 shows the traceback)", file=sys.stderr)
-        return 2
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        print(InternalError(f"internal error: {type(err).__name__}: {first}",
+                            fix="this is a bug in shardc: please report it with the spec and the command "
+                                "(SHARDC_TRACEBACK=1 shows the traceback)").render(), file=sys.stderr)
+        return InternalError.exit_code
 
 
 def _quiet_stdout() -> None:
@@ -118,17 +125,40 @@ def _quiet_stdout() -> None:
         pass
 
 
-def parse_sets(items: Sequence[str] | None) -> dict[str, int]:
-    """``--set NAME=VALUE`` pairs as sizes; values take ``_`` separators and ``1e6``."""
+def parse_sets(items: Sequence[str] | None, flag: str = "--set") -> dict[str, int]:
+    """``--set NAME=VALUE`` pairs (or another ``flag``'s) as sizes; values take ``_`` separators and ``1e6``."""
     from shardc.spec.parser import parse_size
 
+    example = "X=3" if flag == "--spans" else "B=1e6"
     sizes: dict[str, int] = {}
     for item in items or ():
         name, sep, value = item.partition("=")
         if not sep or not name.isidentifier():
-            raise ShardcError(f"--set expects NAME=VALUE, got {item!r}", fix="write e.g. --set B=1e6")
-        sizes[name] = parse_size(value, what=f"--set {name}")
+            raise ShardcError(f"{flag} expects NAME=VALUE, got {clip(repr(item))}", fix=f"write e.g. {flag} {example}")
+        sizes[name] = parse_size(value, what=f"{flag} {clip(name)}")
     return sizes
+
+
+def parse_spans(items: Sequence[str] | None, spec: Any) -> dict[str, int] | None:
+    """``--spans AXIS=K``: an ICI mesh axis of the spec over K physical axes, each of 2 chips or more."""
+    spans = parse_sets(items, "--spans")
+    for name, k in spans.items():
+        if name not in spec.mesh.names:
+            raise ShardcError(f"--spans {clip(name)}: not a mesh axis", fix="use one of " + ", ".join(spec.mesh.names))
+        size = spec.mesh.axis(name).size
+        if k > 1 and 2 ** min(k, 64) > size:
+            raise ShardcError(f"--spans {name}={k}: an axis of {size} chips spans at most "
+                              f"{max(1, size.bit_length() - 1)} physical axes (each has 2 chips or more)",
+                              fix=f"write e.g. --spans {name}=1")
+    return spans or None
+
+
+def check_hardware_flag(args: argparse.Namespace) -> None:
+    """An empty ``--hardware`` or ``--hardware-file`` is a mistake, not a request for the default."""
+    for flag, value in (("--hardware", getattr(args, "hardware", None)),
+                        ("--hardware-file", getattr(args, "hardware_file", None))):
+        if value is not None and not value.strip():
+            raise ShardcError(f"{flag} is empty", fix=f"name a preset (see `shardc hardware`), or drop {flag}")
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from shardc.cli.main import add_common, parse_sets, read_spec
+from shardc.cli.main import add_common, check_hardware_flag, parse_spans, read_spec
 from shardc.errors import InternalError
 
 __all__ = ["register"]
@@ -41,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
     from shardc.planner.planner import plan
     from shardc.planner.render import render_explain, render_text, to_json
 
+    check_hardware_flag(args)
     spec = read_spec(args)
     hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
-    result = plan(spec, save=args.save, hardware=hw, spans=parse_sets(args.spans) or None,
+    result = plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
                   recompute=args.recompute)
     try:
         require_sound(result)  # a broken plan is a shardc bug: say so (exit 1), never print it as sound

@@ -376,12 +376,15 @@ def _thresholds(pipe: Pipeline, forward: tuple[float, float], p2p_s: float, link
     return tuple(lines)
 
 
-def draw_schedule(report: CostReport, path: str) -> None:
-    """``--schedule-plot``: the simulated schedule of the report's pipeline as a Gantt chart."""
+def draw_schedule(report: CostReport, path: str, force: bool = False) -> None:
+    """``--schedule-plot``: the simulated schedule of the report's pipeline as a Gantt chart.
+
+    ``force`` replaces a file at ``path`` that is not an image (see :mod:`shardc.images`).
+    """
     if report.pipeline is None:
         raise ShardcError("--schedule-plot needs a pipelined spec",
                           fix="mark the stage axis of the mesh, e.g. `mesh P=4 pipeline, X=8`")
     cost = report.pipeline
     sim = cost.simulation
     draw(sim, path, f"{report.plan.spec.filename or 'spec'}: {cost.pipeline.schedule}, p={sim.stages}, "
-         f"m={sim.microbatches}, bubble {sim.bubble_of_ideal:.1%} of ideal")
+         f"m={sim.microbatches}, bubble {sim.bubble_of_ideal:.1%} of ideal", force)

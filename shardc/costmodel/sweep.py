@@ -10,13 +10,13 @@ imported only then (``pip install shardc[plot]``).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardc.costmodel.report import resolve_layers, resolve_sizes
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
+from shardc.images import check_image_path, pyplot
 from shardc.planner.ir import Plan
 from shardc.spec.parser import MAX_SIZE
 from shardc.timing import bound_of, cost_step, plan_spans
@@ -86,6 +86,8 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
     spans = plan_spans(plan, hw, base) | (spans or {})
     for k in range(points):
         value = math.exp(math.log(low) + math.log(high / low) * k / (points - 1))
+        if dim in mesh.names:  # devices come whole: a mesh axis takes the nearest count, padding as XLA pads
+            value = round(value)
         values = dict(base)
         values[dim] = value  # type: ignore[assignment]  # fractional sizes are fine for costing
         layers, _ = resolve_layers(plan, values)
@@ -100,38 +102,18 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
     return Sweep(label or plan.spec.filename or "<spec>", dim, tuple(out))
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ShardcError("--plot needs matplotlib, which is not installed",
-                          fix="pip install 'shardc[plot]' (or matplotlib), or drop --plot") from None
-    return plt
+def check_plot_path(path: str, force: bool = False) -> None:
+    """A path matplotlib can write an image to without replacing a file that is not one."""
+    check_image_path(path, "--plot", force)
 
 
-def check_plot_path(path: str) -> None:
-    """A path matplotlib can write: its extension names a format of the Agg canvas (png, pdf, svg, ...)."""
-    plt = _pyplot()
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
-    suffix = os.path.splitext(path)[1][1:].lower()
-    if suffix not in formats:
-        said = (f"the extension .{suffix} is not an image format matplotlib writes" if suffix
-                else "the path has no extension to say the image format")
-        raise ShardcError(f"--plot {path}: {said}",
-                          fix="end the path with one of " + ", ".join(f".{k}" for k in sorted(formats)))
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise ShardcError(f"--plot {path}: no directory {folder}", fix="create it, or write the plot elsewhere")
+def plot(sweeps: Sequence[Sweep], path: str, hw: Hardware, force: bool = False) -> None:
+    """Communication time of each plan against the dim, with compute time dashed, log-log.
 
-
-def plot(sweeps: Sequence[Sweep], path: str, hw: Hardware) -> None:
-    """Communication time of each plan against the dim, with compute time dashed, log-log."""
-    check_plot_path(path)
-    plt = _pyplot()
+    ``force`` replaces a file at ``path`` that is not an image (see :mod:`shardc.images`).
+    """
+    check_plot_path(path, force)
+    plt = pyplot("--plot")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in sweeps:
         xs = [p.value for p in s.points]

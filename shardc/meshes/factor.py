@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, clip
 from shardc.spec.ir import Network, Spec
 
 __all__ = ["MAX_CHIPS", "MAX_CANDIDATES", "Axes", "searched_axes", "factorisations", "check_chips",
@@ -71,7 +71,7 @@ def check_chips(chips: int, axes: Axes, label: str) -> int:
     if isinstance(chips, bool) or not isinstance(chips, int) or chips < 1:
         raise ShardcError(f"--chips must be a positive whole number, got {chips!r}", fix="write e.g. --chips 4096")
     if chips > MAX_CHIPS:
-        raise ShardcError(f"--chips {chips} is more than {MAX_CHIPS} chips, past any machine",
+        raise ShardcError(f"--chips {clip(str(chips))} is more than {MAX_CHIPS} chips, past any machine",
                           fix=f"use at most --chips {MAX_CHIPS}")
     kept = axes.kept_devices
     if chips % kept:

@@ -9,6 +9,7 @@ visualiser draw them.  matplotlib is imported only here, on use.
 from __future__ import annotations
 
 from shardc.errors import ShardcError
+from shardc.images import check_image_path, pyplot
 from shardc.pipeline.schedules import Simulation
 
 __all__ = ["draw", "COLOURS"]
@@ -17,16 +18,15 @@ COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 _NAMES = {"F": "forward", "B": "backward (input grad)", "W": "weight grad"}
 
 
-def draw(sim: Simulation, path: str, title: str = "") -> None:
-    """Write the Gantt chart of ``sim`` to ``path`` (any format matplotlib knows from the suffix)."""
-    try:
-        import matplotlib
+def draw(sim: Simulation, path: str, title: str = "", force: bool = False) -> None:
+    """Write the Gantt chart of ``sim`` to ``path`` (any format matplotlib knows from the suffix).
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ShardcError("--schedule-plot needs matplotlib, which is not installed",
-                          fix="pip install 'shardc[plot]' (or matplotlib), or drop --schedule-plot") from None
+    ``force`` replaces a file at ``path`` that is not an image (see :mod:`shardc.images`).
+    """
+    check_image_path(path, "--schedule-plot", force)
+    import matplotlib
+
+    plt = pyplot("--schedule-plot")
     scale, unit = _unit(sim.makespan)
     fig, ax = plt.subplots(figsize=(min(18.0, 4 + 0.12 * len(sim.ops) / sim.stages), 0.6 * sim.stages + 1.6))
     for op in sim.ops:
@@ -51,6 +51,8 @@ def draw(sim: Simulation, path: str, title: str = "") -> None:
         fig.savefig(path, dpi=120)
     except OSError as err:
         raise ShardcError(f"cannot write {path}: {err.strerror}", fix="check the --schedule-plot path") from None
+    except ValueError as err:  # matplotlib's refusals of a path or a format
+        raise ShardcError(f"cannot write {path}: {err}", fix="check the --schedule-plot path") from None
     finally:
         plt.close(fig)
 

@@ -41,7 +41,7 @@ import lark
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedInput, VisitError
 
-from shardc.errors import ShardcError, Span
+from shardc.errors import ShardcError, Span, clip
 from shardc.spec.ir import (
     Add,
     Call,
@@ -155,22 +155,23 @@ def parse_size(text: str, what: str) -> int:
     1000000
     """
     t = text.strip()
+    shown = clip(text)
     if not _SIZE_RE.fullmatch(t):
-        raise ShardcError(f"{what}: `{text}` is not a size",
+        raise ShardcError(f"{what}: `{shown}` is not a size",
                           fix="write a positive integer such as 5120, 3_000_000, 1e6 or 2.5e3")
     mantissa, _, exponent = t.replace("_", "").lower().partition("e")
     try:
         value = Decimal(mantissa).scaleb(int(exponent or "0"))
     except (InvalidOperation, ValueError):
-        raise ShardcError(f"{what}: `{text}` is not a size",
+        raise ShardcError(f"{what}: `{shown}` is not a size",
                           fix="write a positive integer such as 5120") from None
     if value > MAX_SIZE:
-        raise ShardcError(f"{what}: {text} is too large (more than 1e18)", fix="check the number for a typo")
+        raise ShardcError(f"{what}: {shown} is too large (more than 1e18)", fix="check the number for a typo")
     if value != value.to_integral_value():
-        raise ShardcError(f"{what}: {text} is not a whole number", fix="sizes count elements or devices: "
+        raise ShardcError(f"{what}: {shown} is not a whole number", fix="sizes count elements or devices: "
                           f"use a whole number such as {max(1, int(value))}")
     if value <= 0:
-        raise ShardcError(f"{what}: size must be positive, not {text}", fix="use a size of at least 1")
+        raise ShardcError(f"{what}: size must be positive, not {shown}", fix="use a size of at least 1")
     return int(value)
 
 

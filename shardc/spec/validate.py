@@ -36,7 +36,7 @@ import re
 import weakref
 from collections.abc import Callable
 
-from shardc.errors import LAYERS_FEED, ShardcError, Span
+from shardc.errors import LAYERS_FEED, ShardcError, Span, clip
 from shardc.pipeline.stages import check_pipeline
 from shardc.spec.exprs import check_expression
 from shardc.spec.ir import Dim, Spec, Statement, TensorRef
@@ -45,6 +45,8 @@ from shardc.spec.walk import id_names, leaves
 __all__ = ["validate"]
 
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # the grammar's NAME (grammar/shard.lark)
+MAX_NAME = 200  # characters; longer names are no one's intent and only slow every pass
 
 
 # Specs found sound, by id (a Spec is frozen: once sound, always): the parser validates, and
@@ -61,6 +63,7 @@ def validate(spec: Spec) -> None:
 
 
 def _check(spec: Spec) -> None:
+    _check_names(spec)
     _check_mesh(spec)
     _check_dims(spec)
     if not spec.statements:
@@ -97,6 +100,29 @@ def _nth_span(spec: Spec, key: str, n: int) -> Span | None:
 
 def _first_span(spec: Spec) -> Span | None:
     return spec.span_of("mesh")
+
+
+def _check_names(spec: Spec) -> None:
+    """Every name is what the grammar's NAME admits (a Spec built in Python met no grammar).
+
+    Names reach JAX and XLA as mesh axis names, argument names and HLO metadata; outside
+    ASCII letters, digits and `_` (a backquote, a Greek letter, a line separator) XLA has
+    aborted the process rather than report an error.
+    """
+    named = [(a.name, "mesh axis", a.span) for a in spec.mesh.axes]
+    named += [(name, "tensor", None) for name in (*(spec.params or ()), *spec.const)]
+    for statement in spec.statements:
+        for ref in _refs_in_text_order(statement):
+            named.append((ref.name, "tensor", ref.span))
+            named += [(d.name, "index", d.span or ref.span) for d in ref.dims]
+            named += [(axis, "mesh axis", d.span or ref.span) for d in ref.dims for axis in d.axes]
+            named += [(axis, "mesh axis", ref.unreduced_span or ref.span) for axis in ref.unreduced]
+    for name, what, span in named:
+        if not isinstance(name, str) or len(name) > MAX_NAME or not _NAME_RE.fullmatch(name):
+            shown = clip(repr(name))
+            raise ShardcError(f"{shown} cannot name a {what}", span,
+                              fix=f"names are ASCII letters, digits and `_`, not starting with a digit, "
+                                  f"at most {MAX_NAME} characters")
 
 
 def _check_mesh(spec: Spec) -> None:
