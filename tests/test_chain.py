@@ -7,7 +7,7 @@ import math
 import pytest
 
 import shardc
-from shardc.planner.chain import _step_costs, layouts
+from shardc.planner.chain import layouts, step_costs
 from shardc.planner.einsum import EinsumProblem, Operand, solve
 from shardc.planner.graph import build_graph
 from shardc.planner.layout import CostContext, Value
@@ -41,7 +41,7 @@ def test_step_costs_equal_the_search_per_pair(name: str) -> None:
     held = {n: (Value.of(graph.declared[n]),) for n in graph.inputs}
     ops = tuple(Operand(n, graph.indices[n], held[n]) for n in first.operands)
     middles = list(layouts(ctx, first.indices))
-    table = _step_costs(ctx, EinsumProblem(ops, first.result, first.indices, None), [None], middles)
+    table = step_costs(ctx, EinsumProblem(ops, first.result, first.indices, None), [None], middles)
     for target in middles[::7]:  # every pair is slow to search one by one: a spread of them
         exact, _ = solve(ctx, EinsumProblem(ops, first.result, first.indices, target))
         assert _close(table[(None, target)], exact.cost), target
@@ -49,7 +49,7 @@ def test_step_costs_equal_the_search_per_pair(name: str) -> None:
     starts = middles[::5]
     head = Operand(last.operands[0], first.indices, (starts[0],))
     rest = tuple(Operand(n, graph.indices[n], held[n]) for n in last.operands[1:])
-    table = _step_costs(ctx, EinsumProblem((head, *rest), last.result, last.indices, None), starts, [final])
+    table = step_costs(ctx, EinsumProblem((head, *rest), last.result, last.indices, None), starts, [final])
     for state in starts:
         problem = EinsumProblem((Operand(head.name, head.indices, (state,)), *rest), last.result,
                                 last.indices, final)

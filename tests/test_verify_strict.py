@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import shardc
 from shardc.cli.main import main
 from shardc.lowering.sizes import devices_to_check, shrink_mesh
-from shardc.lowering.verify import Report, _compare, render_report, verify
+from shardc.lowering.verify import Report, compare_values, render_report, verify
 from shardc.planner.ir import Op
 from shardc.spec.ir import DType
 
@@ -74,9 +74,9 @@ def test_an_axis_cut_to_one_fails_its_collectives() -> None:
 
 def test_nan_is_never_equal_and_uncompared_values_fail() -> None:
     nan = np.array([np.nan, 1.0])
-    rows = _compare("forward", [("A", nan, nan, np.abs(nan)), ("B", np.ones(2), np.full(2, np.inf), np.ones(2)),
-                                ("C", np.ones(3), np.ones(2), np.ones(2)), ("D", np.ones(2), np.ones(2), np.ones(2))],
-                    (1e-5, 1e-5), 1e30)
+    pairs = [("A", nan, nan, np.abs(nan)), ("B", np.ones(2), np.full(2, np.inf), np.ones(2)),
+             ("C", np.ones(3), np.ones(2), np.ones(2)), ("D", np.ones(2), np.ones(2), np.ones(2))]
+    rows = compare_values("forward", pairs, (1e-5, 1e-5), 1e30)
     assert [r.ok for r in rows] == [False, False, False, True]
     report = Report("x", {"X": 2}, {}, "f32", "float32", (1e-5, 1e-5), values=rows)
     assert not report.ok

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives", "compute_dtype",
-           "check_device_count", "render_report", "TOLERANCE"]
+           "check_device_count", "render_report", "compare_values", "differential_rows", "TOLERANCE"]
 
 # (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
 # where the magnitude (reference.magnitudes) sums the absolute values of the terms behind each
@@ -58,9 +58,12 @@ _HEADROOM = 64.0  # every reference value stays this far below the dtype's large
 _SCALE_TRIES = 16  # inputs are divided by 4 at most this many times
 
 
-def _compare(phase: str, pairs: list[tuple[str, Any, np.ndarray, np.ndarray]], tol: tuple[float, float],
-             limit: float) -> list[ValueRow]:
-    """One row per (tensor, lowered value, reference, magnitude); anything not compared fails."""
+def compare_values(phase: str, pairs: list[tuple[str, Any, np.ndarray, np.ndarray]], tol: tuple[float, float],
+                   limit: float) -> list[ValueRow]:
+    """One row per (tensor, lowered value, reference, magnitude), passing within ``tol`` (rtol, atol
+    of the magnitude); anything not compared fails: NaN or inf in the value, a reference beyond
+    ``limit`` or not finite, a wrong shape.  Where the reference is -inf (a causal mask) the value
+    must be -inf too."""
     rows = []
     for name, got, ref, magnitude in pairs:
         value = np.asarray(got).astype(np.float64)
@@ -194,14 +197,14 @@ def _value_rows(lowered: Lowered, run: _Run, tol: tuple[float, float], dtype: np
 
     limit = float(ml_dtypes.finfo(dtype).max) / (_HEADROOM if run.fits else 1.0)
     got = lowered.forward(run.inputs)
-    rows = _compare("forward", [(n, got[n], ref, run.magnitude[n]) for n, ref in run.forward.items()], tol, limit)
+    rows = compare_values("forward", [(n, got[n], ref, run.magnitude[n]) for n, ref in run.forward.items()], tol, limit)
     grads = lowered.grad(run.inputs, run.cotangents)
     pairs = []
     for primal, name in lowered.module.grads.items():
         # an input no output depends on has a zero gradient, which the reference leaves out
         zero = np.zeros(np.shape(grads[name]))
         pairs.append((name, grads[name], run.grads.get(primal, zero), run.magnitude.get(primal, zero)))
-    return rows + _compare("backward", pairs, tol, limit)
+    return rows + compare_values("backward", pairs, tol, limit)
 
 
 def _optimizer_rows(lowered: Lowered, tol: tuple[float, float], dtype: np.dtype[Any], seed: int) -> list[ValueRow]:
@@ -224,7 +227,7 @@ def _optimizer_rows(lowered: Lowered, tol: tuple[float, float], dtype: np.dtype[
         grad = summed[lowered.zero.grad_name(name)]
         reference = summed[name] - LEARNING_RATE * grad
         pairs.append((name, got[name], reference, np.abs(summed[name]) + LEARNING_RATE * np.abs(grad)))
-    return _compare("optimizer", pairs, tol, math.inf)
+    return compare_values("optimizer", pairs, tol, math.inf)
 
 
 def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[str, int] | None = None,
@@ -301,9 +304,7 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
     weak = [r for r in report.values if _weak(r)]
     if not weak:
         return report.values
-    wide = np.dtype("float32")
-    run = _reference_run(lowered, wide, seed)
-    again = {(r.phase, r.tensor): r for r in _differential_rows(lowered, run)}
+    again = {(r.phase, r.tensor): r for r in differential_rows(lowered, seed)}
     report.notes.append(f"in {dtype.name} the bound of {', '.join(r.tensor for r in weak)} would pass an error "
                         "of half the value: checked again in float32 against the unsharded program's error "
                         "(rows marked f32)")
@@ -314,10 +315,13 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
 _DIFFERENTIAL = 16.0
 
 
-def _differential_rows(lowered: Lowered, run: _Run) -> list[ValueRow]:
-    """Lowered values against the float64 reference, bounded by the unsharded float32 program's error."""
+def differential_rows(lowered: Lowered, seed: int = 0) -> list[ValueRow]:
+    """Every lowered value, run in float32 from inputs drawn with ``seed``, against the float64
+    reference, bounded by the error of the unsharded float32 program (the reference's statements
+    in jax, on one device): the recheck of a row whose bound is too loose to catch a wrong plan."""
     import jax.numpy as jnp
 
+    run = _reference_run(lowered, np.dtype("float32"), seed)
     spec = lowered.plan.spec
     ids = id_inputs(spec)
     wide = reference_inputs(lowered, run.inputs)

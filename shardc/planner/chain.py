@@ -50,7 +50,7 @@ def choose_chain(phase: Phase, chain: list[Node], declared: dict[str, TensorRef]
         operands = tuple(
             Operand(name, phase.indices[name], (first,) if first is not None and j == 0 else tuple(phase.held[name]))
             for j, name in enumerate(node.operands))
-        table = _step_costs(ctx, EinsumProblem(operands, node.result, node.indices, None), starts, targets)
+        table = step_costs(ctx, EinsumProblem(operands, node.result, node.indices, None), starts, targets)
         new_states: dict[State, Path] = {}
         for (state, target), step in table.items():
             cost, path = states[state]
@@ -63,12 +63,13 @@ def choose_chain(phase: Phase, chain: list[Node], declared: dict[str, TensorRef]
         declared[node.result] = value.ref(node.result, node.indices)
 
 
-def _step_costs(ctx: CostContext, problem: EinsumProblem, starts: list[State],
-                targets: list[Value]) -> dict[tuple[State, Value], Cost]:
+def step_costs(ctx: CostContext, problem: EinsumProblem, starts: list[State],
+               targets: list[Value]) -> dict[tuple[State, Value], Cost]:
     """The least cost of this einsum from each start (its first operand's source) to each target.
 
     Every state after the first is a reduced layout, so the configurations that
-    are valid are the same for all of them.
+    are valid are the same for all of them.  Each entry equals one exact
+    :func:`shardc.planner.einsum.solve` of the pair, which the tests check.
     """
     head = problem.operands[0]
     rest = _rest_costs(ctx, problem, skip_head=starts[0] is not None)
