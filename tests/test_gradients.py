@@ -17,6 +17,7 @@ from shardc.names import fresh, gradient_names
 from shardc.planner import backward
 from shardc.planner.check import check_plan, comm_time
 from shardc.planner.ir import Op, Plan
+from shardc.planner.localops import Add
 from shardc.planner.render import render_text, to_json
 from shardc.spec.ir import Mesh, MeshAxis
 from shardc.testing import specs
@@ -174,7 +175,7 @@ def test_swiglu_reduces_dX_once() -> None:
     plan = shardc.plan(shardc.parse(SWIGLU))
     reductions = [s for s in plan.backward if s.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER) and "Y" in s.axes]
     assert [(s.tensor, s.axes) for s in reductions] == [("dX", ("Y",))]
-    add = next(s for s in plan.backward if s.fn == "add")
+    add = next(s for s in plan.backward if isinstance(s.fn, Add))
     assert add.dst.unreduced == ("Y",) and all(o.unreduced == ("Y",) for o in add.operands)
     assert check_plan(plan) == []
     verified(plan)

@@ -13,6 +13,7 @@ from shardc.lowering import layer_code, reference, template
 from shardc.lowering.verify import Report, render_report, verify
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan
+from shardc.planner.localops import ALIAS, NEG, Add, CausalVjp, DropoutMask, DropoutVjp
 from shardc.planner.render import render_text
 
 TWO_PRODUCTS = """\
@@ -76,7 +77,7 @@ def test_partial_products_are_added_before_one_reduction() -> None:
 
 def test_a_replicated_term_is_added_once_to_partial_sums(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = _plan(RESIDUAL)
-    add = next(s for s in plan.forward if s.fn == "add++-")
+    add = next(s for s in plan.forward if s.fn == Add((1, 1, -1)))
     assert add.dst.unreduced == ("Y",)  # X and Bias join the partial sums, one AllReduce after
     assert _collectives(plan.forward) == ["AllReduce_Y R"]
     source = shardc.lower(plan, sizes={"B": 4, "F": 6, "D": 8}).source
@@ -89,9 +90,9 @@ def test_a_replicated_term_is_added_once_to_partial_sums(monkeypatch: pytest.Mon
 
 def test_the_residual_gradients_add() -> None:
     plan = _plan(RESIDUAL)
-    adds = [s for s in plan.backward if s.fn == "add"]
+    adds = [s for s in plan.backward if isinstance(s.fn, Add)]
     assert [s.tensor for s in adds] == ["dX"]  # the residual's cotangent plus the MLP's dX
-    assert any(s.fn == "neg" for s in plan.backward)  # d(-Bias) = -dR, summed over B
+    assert any(s.fn == NEG for s in plan.backward)  # d(-Bias) = -dR, summed over B
 
 
 def test_a_broadcast_term_is_sliced_and_its_gradient_is_a_reduction() -> None:
@@ -108,7 +109,7 @@ def test_a_rename_is_an_alias() -> None:
     text = render_text(plan)
     assert "Kx[B_X, T, D] = X" not in text  # no numbered step in the listing, no FLOPs, no bytes
     assert "= alias           Kx[B_X, T, D] is X[B_X, S, D]   (no data moved)" in text
-    (alias,) = [s for s in plan.forward if s.fn == "alias"]
+    (alias,) = [s for s in plan.forward if s.fn == ALIAS]
     assert str(alias.dst) == "Kx[B_X, T, D]" and str(alias.operands[0]) == "X[B_X, S, D]"
     # queries and keys both give a partial dX: added, then one AllReduce
     assert [c for c in _collectives(plan.backward) if c.endswith(" dX") or "dKx" in c] == ["AllReduce_Y dX"]
@@ -120,7 +121,7 @@ def test_a_rename_is_an_alias() -> None:
 
 def test_a_rename_to_another_sharding_is_an_alias_then_moves() -> None:
     plan = _plan("mesh X=2, Y=2\nKx[B, T_Y, D] = X[B_X, S, D]\nO[B, T_Y, F] = Kx[B, T_Y, D] · W[D, F]\n")
-    assert plan.forward[0].fn == "alias" and str(plan.forward[0].dst) == "Kx[B_X, T, D]"
+    assert plan.forward[0].fn == ALIAS and str(plan.forward[0].dst) == "Kx[B_X, T, D]"
     moves = [s for s in plan.forward if (s.is_collective or s.op is Op.SLICE) and s.tensor != "O"]
     assert {s.tensor for s in moves} == {"Kx"} and str(moves[-1].dst) == "Kx[B, T_Y, D]"  # X never moves
     _verified(plan)
@@ -128,7 +129,7 @@ def test_a_rename_to_another_sharding_is_an_alias_then_moves() -> None:
 
 def test_causal_masks_by_global_position_and_dropout_shards_one_global_mask() -> None:
     plan = _plan(MASKS)
-    assert [s.fn for s in plan.backward] == ["dropout_vjp(0.5)", "causal_vjp(S,T)"]
+    assert [s.fn for s in plan.backward] == [DropoutVjp(0.5), CausalVjp("S", "T")]
     assert plan.nbytes("Y_mask") == 1 and "Y_mask" in {r.name for r in plan.residuals}
     _verified(plan)
 
@@ -151,7 +152,7 @@ def test_dropout_memory_counts_a_one_byte_mask() -> None:
 
 def test_nested_dropouts_draw_different_masks_and_verify() -> None:
     spec = shardc.parse("mesh X=2\nY[B_X, D] = gelu(dropout(X[B_X, D], 0.5)) + dropout(X[B_X, D], 0.5)\n")
-    masks = [s.fn for s in shardc.plan(spec).forward if (s.fn or "").startswith("dropout_mask")]
+    masks = [s.fn for s in shardc.plan(spec).forward if isinstance(s.fn, DropoutMask)]
     assert len(set(masks)) == 2  # each dropout of a statement its own salt
     keep = reference.keep_mask((64, 64), ("B", "D"), 12345, 0.5)
     assert 0.45 < keep.mean() < 0.55

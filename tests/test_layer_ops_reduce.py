@@ -18,6 +18,7 @@ from shardc.lowering.reference import forward as ref_forward
 from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.localops import Combine
 from shardc.planner.render import render_explain
 from shardc.spec.ir import Spec
 from shardc.spec.walk import calls
@@ -41,7 +42,7 @@ def _plan(text: str, **options: object) -> Plan:
 def test_softmax_over_a_sharded_index_all_reduces_two_statistics_per_row() -> None:
     p = _plan(BIG)
     fwd = _collectives(p.forward)
-    assert [(s.op, s.fn, s.axes) for s in fwd] == [(Op.ALL_REDUCE, "max", ("X",)), (Op.ALL_REDUCE, None, ("X",))]
+    assert [(s.op, s.fn, s.axes) for s in fwd] == [(Op.ALL_REDUCE, Combine.MAX, ("X",)), (Op.ALL_REDUCE, None, ("X",))]
     # each statistic: one value per row (B*N*S rows, none sharded), in the spec's dtype
     assert [str(s.volume) for s in fwd] == ["2*B*N*S", "2*B*N*S"]
     sizes = p.size_map or {}
@@ -116,7 +117,7 @@ def test_without_dims_the_statistics_win_at_proxy_sizes() -> None:
 def test_max_lowers_to_pmax() -> None:
     p = _plan("mesh X=4\ndims B=8, D=64\nM[B] = max(X[B, D_X] over D)\n")
     (step,) = _collectives(p.forward)
-    assert step.fn == "max"
+    assert step.fn is Combine.MAX
     source = lower(p).source
     assert "jax.lax.pmax(" in source and "jnp.max(X, axis=1)" in source
 

@@ -13,6 +13,7 @@ from shardc.lowering.reference import forward as ref_forward
 from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.localops import Combine, Vocab
 from shardc.timing import plan_sizes, step_volume
 
 EMBED = "mesh X=4\ndims B=8, S=1024, V=32768, D=4096\nE[B, S, D] = embed(Tok[B, S], W_emb[V_X, D])\n"
@@ -31,7 +32,7 @@ def _collectives(steps: tuple[Step, ...]) -> list[Step]:
 
 def test_vocab_parallel_embedding_is_a_local_lookup_then_one_reduction() -> None:
     p = _plan(EMBED)
-    (local,) = [s for s in p.forward if s.fn == "embed"]
+    (local,) = [s for s in p.forward if s.fn is Vocab.EMBED]
     assert str(local.dst) == "E[B, S, D]{U_X}"  # a partial sum over V's axis
     assert [(s.op, str(s.volume)) for s in _collectives(p.forward)] == [(Op.ALL_REDUCE, "2*B*D*S")]
     assert _collectives(p.backward) == []  # the scatter-add needs nothing dE does not
@@ -52,7 +53,7 @@ def test_vocab_parallel_cross_entropy_moves_tokens_not_logits() -> None:
     p = _plan(LOSS)
     fwd = _collectives(p.forward)
     assert [(s.op, s.fn, s.axes, str(s.volume)) for s in fwd] == [
-        (Op.ALL_REDUCE, "max", ("X",), "2*B*S/Y"), (Op.ALL_REDUCE, None, ("X",), "2*B*S/Y"),
+        (Op.ALL_REDUCE, Combine.MAX, ("X",), "2*B*S/Y"), (Op.ALL_REDUCE, None, ("X",), "2*B*S/Y"),
         (Op.ALL_REDUCE, None, ("X",), "2*B*S/Y"), (Op.ALL_REDUCE, None, ("Y",), "2")]
     assert not any(s.tensor == "Lg" for s in _collectives(p.forward + p.backward))  # never gathered
     assert all("V" not in s.volume.symbols() for s in fwd if s.volume is not None)  # O(tokens), not O(tokens * V)
@@ -65,7 +66,7 @@ def test_vocab_parallel_cross_entropy_moves_tokens_not_logits() -> None:
 
 def test_the_loss_backward_reads_logits_statistics_and_ids() -> None:
     p = _plan(LOSS)
-    (step,) = [s for s in p.backward if s.fn == "ce_vjp"]
+    (step,) = [s for s in p.backward if s.fn is Vocab.CE_VJP]
     assert [o.name for o in step.operands] == ["Lg", "L_lse", "Tok", "dL"]
     mem = memory(p, plan_sizes(p), 1, 96e9)
     kept = dict(mem.residuals)

@@ -18,6 +18,7 @@ from shardc.lowering.hlo import Collective
 from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan
+from shardc.planner.localops import ALIAS, Row, Vocab
 from shardc.planner.render import render_text, to_json
 from shardc.spec.functions import ID_BYTES, ID_DTYPE
 from shardc.spec.ir import Spec, TensorRef
@@ -91,7 +92,7 @@ def test_verify_agrees_the_ids_move_4_bytes_an_element(spec_text: str) -> None:
 
 def test_a_sum_over_an_activation_keeps_no_residual_for_it() -> None:
     p = _plan(SUM)
-    (spread,) = [s for s in p.backward if s.fn == "sum_vjp"]
+    (spread,) = [s for s in p.backward if s.fn is Row.SUM_VJP]
     assert [str(r) for r in spread.operands] == ["dM[B_X]"] and [str(r) for r in spread.shapes] == ["X[B_X, D]"]
     assert "X" not in {r.name for r in p.residuals}
     assert "X" not in {ref.name for ref, _ in residual_table(p)}
@@ -106,7 +107,7 @@ def test_a_sum_over_an_activation_keeps_no_residual_for_it() -> None:
 
 def test_the_embedding_gradient_reads_the_table_for_its_shape_only() -> None:
     p = _plan("mesh X=4\ndims B=8, S=16, V=64, D=32\nE[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D])\n")
-    (scatter,) = [s for s in p.backward if s.fn == "embed_vjp"]
+    (scatter,) = [s for s in p.backward if s.fn is Vocab.EMBED_VJP]
     assert [r.name for r in scatter.operands] == ["Tok", "dE"] and [r.name for r in scatter.shapes] == ["W_emb"]
     assert "embed_vjp     dW_emb[V, D]{U_X} = Tok[B_X, S], dE[B_X, S, D]; the shape of W_emb[V, D]" in render_text(p)
     assert [s["shapes"] for s in to_json(p)["backward"] if s.get("fn") == "embed_vjp"] == [["W_emb[V, D]"]]
@@ -128,7 +129,7 @@ def _aliases(p: Plan, ref: TensorRef) -> set[TensorRef]:
     same = {ref}
     for _ in range(3):
         for step in p.forward:
-            if step.fn == "alias" and (step.dst in same or step.operands[0] in same):
+            if step.fn == ALIAS and (step.dst in same or step.operands[0] in same):
                 same |= {step.dst, step.operands[0]}
     return same
 

@@ -14,6 +14,7 @@ import sympy
 import shardc
 from shardc.planner.check import check_plan, comm_time, step_time
 from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.localops import Add, MapVjp
 from shardc.planner.render import phase_total, render_text, to_json
 from shardc.spec.ir import Dim, TensorRef
 
@@ -209,14 +210,14 @@ def test_elementwise_and_reshard() -> None:
     p = shardc.plan(spec)
     assert [s.op for s in p.forward].count(Op.ELEMENTWISE) == 1
     assert "AllToAll_X H2[B_X, F] -> H2[B, F_X]" in collectives(p.forward)
-    assert any(s.fn == "gelu_vjp" for s in p.backward)
+    assert any(s.fn == MapVjp("gelu") for s in p.backward)
     assert check_plan(p) == []
 
 
 def test_gradient_contributions_are_summed() -> None:
     spec = shardc.parse("mesh X=2\nA[B_X, F] = In[B_X, D] · W1[D, F]\nC[B_X, F] = In[B_X, D] · W2[D, F]\n")
     p = shardc.plan(spec)
-    adds = [s for s in p.backward if s.fn == "add"]
+    adds = [s for s in p.backward if isinstance(s.fn, Add)]
     assert len(adds) == 1 and adds[0].tensor == "dIn" and len(adds[0].operands) == 2
     assert check_plan(p) == []
 

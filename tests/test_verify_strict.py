@@ -21,6 +21,7 @@ from shardc.cli.main import main
 from shardc.lowering.sizes import devices_to_check, shrink_mesh
 from shardc.lowering.verify import Report, compare_values, render_report, verify
 from shardc.planner.ir import Op
+from shardc.planner.localops import Map, MapVjp
 from shardc.spec.ir import DType
 
 TP = "mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D_X, F]\n"
@@ -119,7 +120,7 @@ def test_a_wrong_plan_is_caught_by_value() -> None:
     plan = shardc.plan(spec)
     k = next(i for i, s in enumerate(plan.forward) if s.op is Op.ELEMENTWISE)
     steps = list(plan.forward)
-    steps[k] = dataclasses.replace(steps[k], fn="tanh")
+    steps[k] = dataclasses.replace(steps[k], fn=Map("tanh"))
     report = verify(dataclasses.replace(plan, forward=tuple(steps)))
     assert [r.tensor for r in report.values if not r.ok] == ["H"]
 
@@ -127,7 +128,7 @@ def test_a_wrong_plan_is_caught_by_value() -> None:
 def test_a_wrong_planned_backward_is_caught_by_value() -> None:
     spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nH[B_X, F] = gelu(In[B_X, D] · W[D_X, F])\n")
     plan = shardc.plan(spec)
-    bad = tuple(dataclasses.replace(s, fn="tanh_vjp") if s.fn == "gelu_vjp" else s for s in plan.backward)
+    bad = tuple(dataclasses.replace(s, fn=MapVjp("tanh")) if s.fn == MapVjp("gelu") else s for s in plan.backward)
     assert bad != plan.backward
     report = verify(dataclasses.replace(plan, backward=bad))
     assert {r.tensor for r in report.values if not r.ok} == {"dIn", "dW"}
@@ -226,7 +227,7 @@ def test_every_pass_could_fail_a_wrong_plan() -> None:
     assert all(r.ok for r in report.values)
     checked = {(r.phase.split()[0], r.tensor) for r in report.values if r.tolerance < 0.5 * r.max_reference}
     assert checked >= {(r.phase, r.tensor) for r in report.values if " " not in r.phase and r.max_reference > 0}
-    bad = tuple(dataclasses.replace(s, fn="tanh_vjp") if s.fn == "gelu_vjp" else s for s in plan.backward)
+    bad = tuple(dataclasses.replace(s, fn=MapVjp("tanh")) if s.fn == MapVjp("gelu") else s for s in plan.backward)
     assert bad != plan.backward
     wrong = verify(dataclasses.replace(plan, backward=bad))
     assert {"dX", "dW_1"} <= {r.tensor for r in wrong.values if not r.ok}

@@ -19,6 +19,7 @@ from shardc.costmodel.memory import state_formula
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.planner.check import check_plan
 from shardc.planner.ir import Op, Plan, Step
+from shardc.planner.localops import UPDATE
 from shardc.planner.render import phase_total, render_text, to_json
 from shardc.planner.zero import zero_layout
 from shardc.spec.ir import Zero
@@ -119,7 +120,7 @@ def test_zero_1_reduce_scatters_then_all_gathers_in_a_third_phase(dims: str) -> 
     assert check_plan(zero) == []
     assert collectives(zero.optimizer) == [("reduce_scatter", "X", "dW_in"), ("all_gather", "X", "W_in"),
                                           ("reduce_scatter", "X", "dW_out"), ("all_gather", "X", "W_out")]
-    assert [s.fn for s in zero.optimizer if s.op is Op.ELEMENTWISE] == ["update", "update"]
+    assert [s.fn for s in zero.optimizer if s.op is Op.ELEMENTWISE] == [UPDATE, UPDATE]
     # the backward no longer all-reduces the weight gradients over X: it leaves them partial sums
     assert collectives(weight_steps(base.backward)) == [("all_reduce", "X", "dW_out"), ("all_reduce", "X", "dW_in")]
     assert not collectives(weight_steps(zero.backward))

@@ -24,16 +24,13 @@ from dataclasses import dataclass
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
-from shardc.lowering.layer_code import LAYER_FNS, MASKS, layer_code
+from shardc.lowering.layer_code import LAYER_OPS, layer_code
 from shardc.lowering.partition_specs import axes_entry
 from shardc.lowering.route import route_code
-from shardc.lowering.rows import VOCAB_FNS, lookup_code, row_code
+from shardc.lowering.rows import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.masks import parse_fn
-from shardc.planner.rowstats import ROW_FNS
-from shardc.planner.zero import UPDATE
-from shardc.spec.functions import is_route_fn, parse_route
+from shardc.planner.localops import Combine, Map, MapVjp, Route, Row, Update, Vocab
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
@@ -173,7 +170,7 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
     if step.op is Op.REDUCE_SCATTER:
         return f"{call}({src}, {axes}, scatter_dimension={step.dim}, tiled=True)"
     if step.op is Op.ALL_REDUCE:
-        return f"{'jax.lax.pmax' if step.fn == 'max' else call}({src}, {axes})"
+        return f"{'jax.lax.pmax' if step.fn is Combine.MAX else call}({src}, {axes})"
     if step.op is Op.ALL_TO_ALL:
         return (f"{call}({src}, {axes}, split_axis={step.dim}, "
                 f"concat_axis={step.dim2}, tiled=True)")
@@ -185,18 +182,18 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
-    if is_route_fn(step.fn):
-        return route_code(step, var, _capacity(step, sizes))
-    if step.fn in ("embed", "embed_vjp"):
+    if isinstance(step.fn, Route):
+        return route_code(step, var, _capacity(step.fn, sizes))
+    if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
         return lookup_code(step, var)
-    if step.fn in ROW_FNS or step.fn in VOCAB_FNS:
+    if isinstance(step.fn, (Row, Vocab)):
         return row_code(step, var)
     return _elementwise_code(step, var)
 
 
-def _capacity(step: Step, sizes: dict[str, int] | None) -> str:
+def _capacity(route: Route, sizes: dict[str, int] | None) -> str:
     """A route step's capacity: the length of its capacity index (replicated), at the module's sizes."""
-    _, _, slots, _ = parse_route(step.fn or "")
+    slots = route.slots
     if not sizes or slots not in sizes:
         raise ShardcError(f"route's capacity index {slots} has no size here", fix=f"give {slots} a size in dims")
     return str(sizes[slots])
@@ -219,16 +216,18 @@ def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:
 
 
 def _elementwise_code(step: Step, var: _Namer) -> str:
-    fn = step.fn or ""
-    if fn.startswith("add") or fn in LAYER_FNS or parse_fn(fn)[0] in MASKS:
+    fn = step.fn
+    if isinstance(fn, LAYER_OPS):
         return layer_code(step, var)
     args = [_aligned(ref, step.dst, var) for ref in step.operands]
-    if fn == UPDATE:  # the optimizer's step, lowered as plain SGD (shardc.lowering.optimizer)
+    if isinstance(fn, Update):  # the optimizer's step, lowered as plain SGD (shardc.lowering.optimizer)
         return f"{args[0]} - LEARNING_RATE * {args[1]}"
-    if fn.endswith("_vjp"):
-        jax_fn = function(fn[: -len("_vjp")]).jax
-        return f"jax.vjp({jax_fn}, {args[0]})[1]({args[1]})[0]"
-    return f"{function(fn).jax}({args[0]})"
+    if isinstance(fn, MapVjp):
+        return f"jax.vjp({function(fn.name).jax}, {args[0]})[1]({args[1]})[0]"
+    if isinstance(fn, Map):
+        return f"{function(fn.name).jax}({args[0]})"
+    raise InternalError(f"lowering does not know the local operation {fn} of {step.dst}",
+                        fix="this is a shardc bug: please report the spec")
 
 
 def _reads(step: Step) -> tuple[TensorRef, ...]:

@@ -12,14 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardc.planner.ir import Step
-from shardc.planner.masks import parse_fn
-from shardc.planner.sums import ALIAS, guard_axes
+from shardc.planner.localops import MASK_OPS, Add, Alias, Causal, CausalVjp, DropoutMask, Neg
+from shardc.planner.sums import guard_axes
 from shardc.spec.ir import TensorRef
 
-__all__ = ["LAYER_FNS", "layer_code", "broadcast_text"]
+__all__ = ["LAYER_OPS", "layer_code", "broadcast_text", "uses_dropout"]
 
-LAYER_FNS = frozenset({"neg", ALIAS})
-MASKS = ("causal", "causal_vjp", "dropout", "dropout_mask", "dropout_vjp")  # fns written f(args)
+LAYER_OPS = (Add, Neg, Alias, *MASK_OPS)  # the local operations written here
+
+
+def uses_dropout(steps: tuple[Step, ...]) -> bool:
+    """Whether steps draw a dropout keep-mask (the module then takes a dropout key)."""
+    return any(isinstance(s.fn, DropoutMask) for s in steps)
 
 
 def _axes_entry(axes: tuple[str, ...]) -> str:
@@ -53,32 +57,33 @@ def _dim(ref: TensorRef, index: str) -> str:
 
 def _mask_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     """causal / dropout and their gradients, every operand in the result's index order."""
-    head, args = parse_fn(step.fn or "")
+    fn = step.fn
     dst = step.dst
     x = [broadcast_text(var(ref), ref.indices, dst.indices) for ref in step.operands]
-    if head in ("causal", "causal_vjp"):
-        fill = ", fill=0" if head == "causal_vjp" else ""
-        return f"causal_mask({x[0]}, {_dim(dst, args[0])}, {_dim(dst, args[1])}{fill})"
-    rate = float(args[0])
-    if head == "dropout_mask":
+    if isinstance(fn, (Causal, CausalVjp)):
+        fill = ", fill=0" if isinstance(fn, CausalVjp) else ""
+        return f"causal_mask({x[0]}, {_dim(dst, fn.query)}, {_dim(dst, fn.key)}{fill})"
+    assert fn is not None and isinstance(fn, MASK_OPS)
+    rate = float(fn.rate)
+    if isinstance(fn, DropoutMask):
         order = tuple(sorted(range(len(dst.indices)), key=lambda d: dst.indices[d]))
-        return (f"keep_mask({x[0]}, {int(args[1])}, {rate!r}, {dst.layout!r}, {order!r}, dropout_key, "
+        return (f"keep_mask({x[0]}, {fn.salt}, {rate!r}, {dst.layout!r}, {order!r}, dropout_key, "
                 f"{dst.indices!r})")
     return f"jnp.where({x[0]}, {x[1]} / {1 - rate!r}, 0)"
 
 
 def layer_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     """The right-hand side of a sum, a negation or an alias."""
-    fn = step.fn or ""
-    if parse_fn(fn)[0] in MASKS:
+    fn = step.fn
+    if isinstance(fn, MASK_OPS):
         return _mask_code(step, var)
-    if fn == ALIAS:
+    if isinstance(fn, Alias):
         return var(step.operands[0])
-    if fn == "neg":
+    if isinstance(fn, Neg):
         return "-" + var(step.operands[0])
-    signs = fn[len("add"):] or "+" * len(step.operands)
+    assert isinstance(fn, Add)
     parts = []
-    for k, (sign, ref) in enumerate(zip(signs, step.operands, strict=True)):
+    for k, (sign, ref) in enumerate(zip(fn.signs, step.operands, strict=True)):
         text = _term(ref, step.dst, var)
-        parts.append(("-" if sign == "-" else "") + text if k == 0 else f"{sign} {text}")
+        parts.append(("-" if sign < 0 else "") + text if k == 0 else f"{'+' if sign > 0 else '-'} {text}")
     return " ".join(parts)

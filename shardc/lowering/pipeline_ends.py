@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from shardc.errors import ShardcError
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
+from shardc.lowering.layer_code import uses_dropout
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Call, Mesh, Spec, Statement
 from shardc.spec.walk import leaves
@@ -93,7 +94,7 @@ def plan_parts(plan: Plan) -> Ends:
     parts = [make_plan(s, save=plan.save, hardware=plan.chip, spans=spans,
                        recompute=plan.recompute) for s in split_spec(plan.spec)]
     for part in (parts[0], parts[2]):
-        if any((s.fn or "").startswith("dropout_mask") for s in part.forward):
+        if uses_dropout(part.forward):
             raise ShardcError("a dropout outside the pipelined block does not lower yet",
                               fix="put the dropout inside the `layers` block")
     return Ends(*parts)

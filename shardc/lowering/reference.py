@@ -26,7 +26,7 @@ from shardc.errors import ShardcError
 from shardc.lowering import rows
 from shardc.lowering.functions import function
 from shardc.lowering.route import route_forward
-from shardc.spec.functions import dropout_salt, is_route_fn, parse_route, route_fn, signature
+from shardc.spec.functions import dropout_salt, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
 
@@ -47,7 +47,7 @@ class _Node:
     fn: str | None = None
     over: str | None = None  # a reduction's index (shardc.lowering.rows)
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
-    call: Call | None = None  # causal's and dropout's call (its indices, its rate)
+    call: Call | None = None  # causal's, dropout's and route's call (its indices, its rate, its k)
     salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
 
 
@@ -143,12 +143,11 @@ class _Builder:
     def route(self, expr: Call, keep: tuple[str, ...]) -> str:
         """``route(Gate, S, C, k over E)``: the gates' indices, then the capacity index C (a mask)."""
         assert expr.over is not None
-        order, slots = expr.names
+        _, slots = expr.names
         arg = self.value(expr.arg, tuple(i for i in keep if i != slots))
         labels = self.labels[arg]
         key = self.temp()
-        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots),
-                                route_fn(order, expr.over, slots, expr.numbers[0])))
+        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots), "route", call=expr))
         self.labels[key] = (*labels, slots)
         return key
 
@@ -281,7 +280,7 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if is_route_fn(node.fn):
+        if node.fn == "route":
             values[node.result] = _route(node, args[0], shape, xp)
         elif node.over is not None:  # a reduction over an index, or a vocabulary op
             values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
@@ -298,7 +297,8 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
 
 def _route(node: _Node, gates: Array, shape: dict[str, int], xp: Any) -> Array:
     """A routing mask (:func:`shardc.lowering.route.route_forward`); C's length from ``shape``."""
-    order, experts, slots, k = parse_route(node.fn or "")
+    assert node.call is not None and node.call.over is not None
+    (order, slots), experts, k = node.call.names, node.call.over, int(node.call.numbers[0])
     if slots not in shape:
         raise ShardcError(f"route's capacity index {slots} has no size", fix=f"give {slots} a size in dims")
     (labels,) = node.labels
@@ -337,7 +337,7 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if is_route_fn(node.fn):  # a 0/1 mask: no gradient
+        if node.fn == "route":  # a 0/1 mask: no gradient
             continue
         if node.over is not None:  # one operand gets a gradient (token ids never do)
             k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
@@ -372,7 +372,7 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None, sizes)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if is_route_fn(node.fn):  # exact 0/1 values: no rounding behind them
+        if node.fn == "route":  # exact 0/1 values: no rounding behind them
             mag[node.result] = np.abs(values[node.result])
         elif node.over is not None:
             mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
@@ -389,7 +389,7 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if is_route_fn(node.fn):
+        if node.fn == "route":
             continue
         if node.over is not None:
             k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],

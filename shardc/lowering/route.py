@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardc.planner.ir import Step
-from shardc.spec.functions import is_route_fn, parse_route
+from shardc.planner.localops import Route
 from shardc.spec.ir import TensorRef
 
 __all__ = ["HELPER", "route_code", "route_forward", "uses_route"]
@@ -42,12 +42,13 @@ def route_topk(gates, k, capacity, order, experts):
 
 def uses_route(steps: tuple[Step, ...]) -> bool:
     """Whether a plan's steps call ``route_topk``."""
-    return any(is_route_fn(s.fn) for s in steps)
+    return any(isinstance(s.fn, Route) for s in steps)
 
 
 def route_code(step: Step, var: Callable[[TensorRef], str], capacity: str) -> str:
     """One route step as one line of Python; ``capacity`` is C's local length, as code."""
-    order, experts, slots, k = parse_route(step.fn or "")
+    assert isinstance(step.fn, Route)
+    order, experts, slots, k = step.fn.order, step.fn.experts, step.fn.slots, step.fn.k
     (gates,) = step.operands
     made = (*gates.indices, slots)
     code = (f"route_topk({var(gates)}, k={k}, capacity={capacity}, order={gates.indices.index(order)}, "

@@ -20,12 +20,12 @@ from typing import Any
 
 from shardc.errors import InternalError
 from shardc.planner.ir import Step
-from shardc.planner.rowstats import VOCAB_FNS
+from shardc.planner.localops import Row, Vocab
 from shardc.spec.ir import TensorRef
 
 __all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
            "HELPERS", "HELPER_NAMES", "id_inputs", "node_forward", "node_vjp", "node_magnitude",
-           "node_grad_magnitude", "VOCAB_FNS", "uses_helpers", "lookup_forward", "lookup_vjp"]
+           "node_grad_magnitude", "uses_helpers", "lookup_forward", "lookup_vjp"]
 
 Array = Any
 RMS_EPS = 1e-6
@@ -67,65 +67,65 @@ def row_code(step: Step, var: Callable[[TensorRef], str]) -> str:
 
 def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: int | None,
                 var: Callable[[TensorRef], str], axes: tuple[str, ...]) -> str:
-    fn = step.fn or ""
+    fn = step.fn
     simple = {
-        "softmax": f"jax.nn.softmax({a[0]}, axis={d})",
-        "logsumexp": f"jax.nn.logsumexp({a[0]}, axis={d})",
-        "row_max": f"jnp.max({a[0]}, axis={d})",
-        "row_sumexp": f"jnp.sum(jnp.exp({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d})",
-        "row_sum": f"jnp.sum({a[0]}, axis={d})",
-        "row_mean": f"jnp.sum({a[0]}, axis={d}) / {n}",
-        "row_meansq": f"jnp.sum(jnp.square({a[0]}), axis={d}) / {n}",
-        "row_meandev": f"jnp.sum(jnp.square({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d}) / {n}",
-        "row_meandot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d}) / {n}",
-        "row_dot": f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d})",
-        "softmax_vjp": f"{a[0]} * ({a[1] if len(a) > 1 else ''} - jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, "
-                       f"axis={d}, keepdims=True))",
+        Row.SOFTMAX: f"jax.nn.softmax({a[0]}, axis={d})",
+        Row.LOGSUMEXP: f"jax.nn.logsumexp({a[0]}, axis={d})",
+        Row.ROW_MAX: f"jnp.max({a[0]}, axis={d})",
+        Row.ROW_SUMEXP: f"jnp.sum(jnp.exp({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d})",
+        Row.ROW_SUM: f"jnp.sum({a[0]}, axis={d})",
+        Row.ROW_MEAN: f"jnp.sum({a[0]}, axis={d}) / {n}",
+        Row.ROW_MEANSQ: f"jnp.sum(jnp.square({a[0]}), axis={d}) / {n}",
+        Row.ROW_MEANDEV: f"jnp.sum(jnp.square({a[0]} - {e(1) if len(a) > 1 else ''}), axis={d}) / {n}",
+        Row.ROW_MEANDOT: f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d}) / {n}",
+        Row.ROW_DOT: f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d})",
+        Row.SOFTMAX_VJP: f"{a[0]} * ({a[1] if len(a) > 1 else ''} - jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, "
+                         f"axis={d}, keepdims=True))",
     }
-    if fn in simple:
+    if isinstance(fn, Row) and fn in simple:
         return simple[fn]
-    finishing = _finishing(fn, a, e)
+    finishing = _finishing(fn, a, e) if isinstance(fn, Row) else None
     if finishing is not None:
         return finishing
-    if fn in ("sum_vjp", "mean_vjp"):
-        return _spread(step, e(0), var, fn == "mean_vjp")
-    if fn == "vocab_pick":
+    if fn in (Row.SUM_VJP, Row.MEAN_VJP):
+        return _spread(step, e(0), var, fn is Row.MEAN_VJP)
+    if fn is Vocab.VOCAB_PICK:
         return f"vocab_pick({a[0]}, {a[1]}, {d}, {axes!r})"
     tokens = tuple(x for ref in step.operands[1:2] for dim in ref.dims for x in dim.axes)
-    if fn == "ce_apply":
+    if fn is Vocab.CE_APPLY:
         tokens = tuple(x for dim in step.operands[0].dims for x in dim.axes)
         count = f"({a[0]}.size * jax.lax.axis_size({tokens!r}))" if tokens else f"{a[0]}.size"
         return f"jnp.sum({a[0]} - {a[1]}) / {count}"
-    if fn == "ce_vjp":
+    if fn is Vocab.CE_VJP:
         return f"vocab_ce_grad({a[0]}, {a[1]}, {a[2]}, {a[3]}, {d}, {axes!r}, {tokens!r})"
-    raise InternalError(f"lowering does not know the row function {fn!r}",
+    raise InternalError(f"lowering does not know the row function {fn}",
                         fix="this is a shardc bug: please report the spec")
 
 
-def _finishing(fn: str, a: list[str], e: Callable[[int], str]) -> str | None:
+def _finishing(fn: Row, a: list[str], e: Callable[[int], str]) -> str | None:
     """The maps that finish a reduction from its statistics, and the closed-form gradients."""
-    if fn == "softmax_apply":
+    if fn is Row.SOFTMAX_APPLY:
         return f"jnp.exp({a[0]} - {e(1)}) / {e(2)}"
-    if fn == "lse_apply":
+    if fn is Row.LSE_APPLY:
         return f"{a[0]} + jnp.log({a[1]})"
-    if fn == "rmsnorm_apply":
+    if fn is Row.RMSNORM_APPLY:
         return f"{a[0]} * jax.lax.rsqrt({e(1)} + {RMS_EPS})"
-    if fn == "layernorm_apply":
+    if fn is Row.LAYERNORM_APPLY:
         return f"({a[0]} - {e(1)}) * jax.lax.rsqrt({e(2)} + {LN_EPS})"
     return _gradient(fn, a, e)
 
 
-def _gradient(fn: str, a: list[str], e: Callable[[int], str]) -> str | None:
+def _gradient(fn: Row, a: list[str], e: Callable[[int], str]) -> str | None:
     """The closed-form gradients that read per-row statistics."""
-    if fn == "softmax_vjp_apply":
+    if fn is Row.SOFTMAX_VJP_APPLY:
         return f"{a[0]} * ({a[1]} - {e(2)})"
-    if fn == "logsumexp_vjp":
+    if fn is Row.LOGSUMEXP_VJP:
         return f"jnp.exp({a[0]} - {e(1)}) * {e(2)}"
-    if fn == "max_vjp":
+    if fn is Row.MAX_VJP:
         return f"jnp.where({a[0]} == {e(1)}, {e(2)}, jnp.zeros_like({a[0]}))"
-    if fn == "rmsnorm_vjp":
+    if fn is Row.RMSNORM_VJP:
         return f"jax.lax.rsqrt({e(2)} + {RMS_EPS}) * ({a[1]} - {a[0]} * {e(3)})"
-    if fn == "layernorm_vjp":
+    if fn is Row.LAYERNORM_VJP:
         return f"jax.lax.rsqrt({e(3)} + {LN_EPS}) * ({a[1]} - {e(4)} - {a[0]} * {e(5)})"
     return None
 
@@ -155,7 +155,7 @@ def _spread(step: Step, row: str, var: Callable[[TensorRef], str], mean: bool) -
 def lookup_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     """``embed`` (a masked lookup in the local vocabulary shard) and its scatter-add gradient."""
     tok, other = step.operands[:2]
-    if step.fn == "embed":
+    if step.fn is Vocab.EMBED:
         axes = other.dims[0].axes
         made = tok.indices + other.indices[1:]
         code = (f"vocab_lookup({var(other)}, {var(tok)}, {axes!r})" if axes
@@ -216,7 +216,7 @@ HELPER_NAMES = ("_vocab_rows", "vocab_lookup", "vocab_scatter", "vocab_pick", "v
 
 def uses_helpers(steps: tuple[Step, ...]) -> bool:
     """Whether a plan's steps call the vocabulary helpers."""
-    return any(s.fn in VOCAB_FNS for s in steps)
+    return any(isinstance(s.fn, Vocab) for s in steps)
 
 
 # --- whole arrays: the reference ---------------------------------------------------------

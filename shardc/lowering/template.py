@@ -335,7 +335,9 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
     text += f"STACKED = frozenset({stacked!r})  # unreduced values: leading dim = partial sums\n"
     stacked_in = {b.key: b.ref.unreduced for b in forward.inputs if b.stacked}
     text += f"STACKED_INPUTS = {stacked_in!r}  # inputs given as partial sums over these axes\n"
-    keyed = any((s.fn or "").startswith("dropout_mask") for s in plan.forward)
+    from shardc.lowering.layer_code import uses_dropout
+
+    keyed = uses_dropout(plan.forward)
     text += f"KEYED = {keyed!r}  # the forward takes a dropout key (forward(inputs, key))\n\n\n"
     text += function(forward, keyed)
     text += "\n\n# ---- backward " + "-" * 59 + "\n\n" + specs("BACKWARD_IN", backward.inputs)

@@ -37,11 +37,11 @@ from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value
-from shardc.planner.masks import vjp_fn
+from shardc.planner.localops import ALIAS, NEG, Map, MapVjp, add_op
+from shardc.planner.masks import vjp_op
 from shardc.planner.phase import Phase
 from shardc.planner.rows_backward import rows_backward
 from shardc.planner.search import reshard
-from shardc.planner.sums import ALIAS
 from shardc.planner.vocab import embed_backward, loss_backward
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
@@ -193,7 +193,8 @@ class _Backward:
 
     def _add(self, name: str, parts: list[str], value: Value) -> None:
         operands = tuple(self.phase.ref(p, value) for p in parts)
-        self.phase.emit(Step(Op.ELEMENTWISE, name, self.phase.ref(name, value), operands=operands, fn="add"))
+        self.phase.emit(Step(Op.ELEMENTWISE, name, self.phase.ref(name, value), operands=operands,
+                             fn=add_op(len(operands))))
 
     def finish(self, name: str) -> None:
         """Sum the contributions of ``name``'s gradient, once all have arrived.
@@ -271,7 +272,7 @@ class _Backward:
                 self.phase.indices[source] = node.indices
                 value = self.target(node.result)
                 self.phase.emit(Step(Op.ELEMENTWISE, source, self.phase.ref(source, value),
-                                     operands=(self.phase.ref(grad, value),), fn="neg"), value)
+                                     operands=(self.phase.ref(grad, value),), fn=NEG), value)
             if self.phase.indices[term] == node.indices:
                 self.alias(term, source, self.target(node.result))  # dA is dR itself: no copy
             else:
@@ -312,7 +313,7 @@ class _Backward:
             operands = (self.phase.ref(mask, value), *operands)
         dst = self.part_name(z)
         self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=operands,
-                             fn=vjp_fn(node)), want)
+                             fn=vjp_op(node)), want)
         self.settle(z, dst, want)
 
     def elementwise(self, node: Node, grad: str) -> None:
@@ -326,12 +327,12 @@ class _Backward:
         cotangent = self.phase.ref(grad, self.target(node.result))
         if node.fn in PASS_THROUGH:  # the gradient is the cotangent, in the argument's index order
             self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=(cotangent,),
-                                 fn=node.fn))
+                                 fn=Map(node.fn)))
         else:
             _, moves = reshard(self.phase.ctx, z, self.phase.indices[z], self.phase.held[z], want)
             self.phase.moves(z, moves, note="residual for the elementwise gradient")
             self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want),
-                                 operands=(self.phase.ref(z, want), cotangent), fn=f"{node.fn}_vjp"))
+                                 operands=(self.phase.ref(z, want), cotangent), fn=MapVjp(node.fn or "")))
         self.settle(z, dst, want)
 
 

@@ -19,10 +19,9 @@ from shardc.collectives import volume_elements
 from shardc.errors import InternalError
 from shardc.planner.ir import Monomial, Op, Plan, Step
 from shardc.planner.layout import Value
+from shardc.planner.localops import Add, Route, Row, Vocab
 from shardc.planner.route import check_route_step
 from shardc.planner.rows import check_row_step
-from shardc.planner.rowstats import ROW_FNS, VOCAB_FNS
-from shardc.spec.functions import is_route_fn
 from shardc.spec.ir import TensorRef
 
 __all__ = ["check_plan", "require_sound", "replay_step", "comm_time", "step_time"]
@@ -218,15 +217,15 @@ def _check_step(plan: Plan, step: Step, held: set[TensorRef]) -> list[str]:
     if step.op in (Op.EINSUM, Op.COPY):
         why = check_einsum(step)
         return problems + ([f"invalid local einsum {step.dst}: {why}"] if why else [])
-    if step.op is Op.ELEMENTWISE and is_route_fn(step.fn):
+    if step.op is Op.ELEMENTWISE and isinstance(step.fn, Route):
         return problems + check_route_step(step)
-    if step.op is Op.ELEMENTWISE and step.fn in ROW_FNS | VOCAB_FNS:
+    if step.op is Op.ELEMENTWISE and isinstance(step.fn, (Row, Vocab)):
         return problems + check_row_step(step)
     if step.op is Op.ELEMENTWISE:
         if any(Value.of(o).layout != Value.of(step.dst).layout and o.indices == step.dst.indices
                for o in step.operands):
             problems.append(f"elementwise {step.fn} changes the layout of {step.dst}")
-        if (step.fn or "").startswith("add"):
+        if isinstance(step.fn, Add):
             problems += _check_sum(step)
         return problems
     out, volume = replay_step(plan, step)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 
 from shardc.planner.ir import Op, Step
+from shardc.planner.localops import ALIAS
 from shardc.spec.ir import Dim, TensorRef
 
 __all__ = ["fold_redundant"]
@@ -55,7 +56,7 @@ def _share_copied(out: list[Step]) -> None:
     root: dict[TensorRef, TensorRef] = {}  # a value -> the first value holding the same data
     done: dict[tuple[object, ...], TensorRef] = {}
     for k, step in enumerate(out):
-        if step.op in (Op.COPY, Op.ELEMENTWISE) and (step.op is Op.COPY or step.fn == "alias") \
+        if step.op in (Op.COPY, Op.ELEMENTWISE) and (step.op is Op.COPY or step.fn == ALIAS) \
                 and len(step.operands) == 1 and _same_data(step.operands[0], step.dst):
             root[step.dst] = root.get(step.operands[0], step.operands[0])
         if not step.is_collective or step.src is None:
@@ -63,7 +64,7 @@ def _share_copied(out: list[Step]) -> None:
         key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2)
         earlier = done.get(key)
         if earlier is not None and _same_data(earlier, step.dst):
-            out[k] = Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(earlier,), fn="alias", ahead=step.ahead,
+            out[k] = Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(earlier,), fn=ALIAS, ahead=step.ahead,
                           once=step.once, note="the same data as an earlier collective on a copy of it")
             root[step.dst] = root.get(earlier, earlier)
             continue

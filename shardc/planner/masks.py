@@ -1,7 +1,7 @@
 """``causal`` and ``dropout``: elementwise maps that keep the sharding, planned beside ``gelu``.
 
 Both read their argument reduced, in the result's layout, and their steps say what
-the lowering needs in the step's ``fn`` (the plan is data):
+the lowering needs in the step's typed ``fn`` (:mod:`shardc.planner.localops`):
 
 - ``causal(S,T)``: -inf where the key position T is after the query position S,
   by GLOBAL position: lowered, each device offsets its block's positions by its
@@ -20,36 +20,22 @@ from __future__ import annotations
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value
+from shardc.planner.localops import Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
 from shardc.planner.phase import Phase
 from shardc.spec.functions import MASK_BYTES, dropout_salt
 from shardc.spec.ir import TensorRef
 from shardc.spec.walk import dropout_number
 
-__all__ = ["plan_masked", "vjp_fn", "causal_fn", "dropout_fn", "parse_fn", "MASK_BYTES"]
+__all__ = ["plan_masked", "vjp_op", "MASK_BYTES"]
 
 
-
-def causal_fn(query: str, key: str) -> str:
-    return f"causal({query},{key})"
-
-
-def dropout_fn(rate: float, part: str = "") -> str:
-    """``dropout(0.1)`` applies the mask, ``dropout_mask(0.1)`` makes it, ``dropout_vjp(0.1)`` is the gradient."""
-    return f"dropout{part}({rate!r})"
-
-
-def vjp_fn(node: Node) -> str:
-    """The fn of a mask's gradient step: ``causal_vjp(S,T)`` or ``dropout_vjp(0.1)``."""
+def vjp_op(node: Node) -> LocalOp:
+    """The local operation of a mask's gradient step: ``causal_vjp(S,T)`` or ``dropout_vjp(0.1)``."""
     assert node.call is not None
     if node.kind == "causal":
-        return causal_fn(*node.call.names).replace("causal", "causal_vjp", 1)
-    return dropout_fn(node.call.numbers[0], "_vjp")
-
-
-def parse_fn(fn: str) -> tuple[str, tuple[str, ...]]:
-    """``causal(S,T)`` -> ("causal", ("S", "T")); the inverse of the two functions above."""
-    head, _, rest = fn.partition("(")
-    return head, tuple(rest.rstrip(")").split(",")) if rest else ()
+        query, key = node.call.names
+        return CausalVjp(query, key)
+    return DropoutVjp(node.call.numbers[0])
 
 
 def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None) -> None:
@@ -59,15 +45,17 @@ def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target
                                       f"a {node.fn}", node.statement.span)
     assert node.call is not None
     operands: tuple[TensorRef, ...] = (phase.ref(arg, want),)
+    fn: LocalOp
     if node.kind == "causal":
-        fn = causal_fn(*node.call.names)
+        query, key = node.call.names
+        fn = Causal(query, key)
     else:
         (mask,) = node.aux
         salt = dropout_salt(node.statement.result.name, dropout_number(node.statement, node.call))
         phase.emit(Step(Op.ELEMENTWISE, mask, phase.ref(mask, target), operands=operands,
-                        fn=f"dropout_mask({node.call.numbers[0]!r},{salt})"), target)
+                        fn=DropoutMask(node.call.numbers[0], salt)), target)
         operands = (phase.ref(mask, target), *operands)  # (mask, x), as its gradient reads (mask, dY)
-        fn = dropout_fn(node.call.numbers[0])
+        fn = Dropout(node.call.numbers[0])
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target), operands=operands, fn=fn),
                target)
     declared.setdefault(node.result, phase.ref(node.result, target))

@@ -16,15 +16,15 @@ from shardc.errors import ShardcError, Span
 from shardc.planner.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
 from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost
+from shardc.planner.localops import ALIAS
 from shardc.planner.search import reshard
 from shardc.spec.ir import TensorRef
 
-__all__ = ["ALIAS", "Phase", "Traced"]
+__all__ = ["Phase", "Traced"]
 
 Traced = tuple[object, EinsumProblem, "tuple[Value, ...] | None", Solution]
 
 
-ALIAS = "alias"  # the fn of a rename's step: a new name for the same local array
 
 
 @dataclass

@@ -23,6 +23,7 @@ from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, SearchTooLong, Value
+from shardc.planner.localops import Map
 from shardc.planner.masks import plan_masked
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
@@ -395,7 +396,7 @@ def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
     target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
                                       "an elementwise function", node.statement.span)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
-                    operands=(phase.ref(arg, want),), fn=node.fn))
+                    operands=(phase.ref(arg, want),), fn=Map(node.fn or "")))
     declared.setdefault(node.result, phase.ref(node.result, target))
     declared.setdefault(arg, phase.ref(arg, want))
 

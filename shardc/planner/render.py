@@ -9,6 +9,7 @@ from shardc.collectives import FACTOR
 from shardc.names import book_name
 from shardc.pipeline.stages import pipeline_note
 from shardc.planner.ir import Monomial, Op, Plan, Step, sum_formula
+from shardc.planner.localops import ALIAS
 from shardc.timing import plan_time, step_volume
 
 __all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_total", "step_label"]
@@ -62,7 +63,7 @@ def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None
     lines = [title]
     k = 0
     for step in steps:
-        if step.fn == "alias":  # a new name for the same array (a rename, a sum's cotangent): not a step
+        if step.fn == ALIAS:  # a new name for the same array (a rename, a sum's cotangent): not a step
             lines.append(f"     {'= alias':<17} {step.dst} is {step.operands[0]}   (no data moved)")
             continue
         k += 1
@@ -165,7 +166,7 @@ def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
     if step.dim2 is not None:
         data["dim2"] = step.dim2
     if step.fn is not None:
-        data["fn"] = step.fn
+        data["fn"] = str(step.fn)  # as listed: the operation's parameters rendered
     if step.once:
         data["once"] = True  # outside a `layers L { ... }` block: runs once, not once a layer
     return data

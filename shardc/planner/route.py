@@ -9,7 +9,7 @@ of a token is a cumulative count along S.  The candidates are those of a
 reduction (:func:`shardc.planner.rows.candidates`) with E and S gathered, costed
 by the same objective; every other index keeps its sharding, and C comes out
 replicated, then moves to the declared sharding.  The step is one local map whose
-``fn`` says what lowering needs (:func:`shardc.spec.functions.route_fn`).  The mask is 0/1: it has no
+``fn`` says what lowering needs (:class:`shardc.planner.localops.Route`).  The mask is 0/1: it has no
 gradient (:mod:`shardc.planner.backward` skips it), as token ids have none.
 """
 
@@ -19,20 +19,20 @@ from shardc.errors import ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, add_cost
+from shardc.planner.localops import Route
 from shardc.planner.phase import Phase
 from shardc.planner.rows import Layouts, by_index, candidates, choose, in_order, record
 from shardc.planner.search import reshard
-from shardc.spec.functions import parse_route, route_fn  # the step fn: route(S,E,C,k)
 from shardc.spec.ir import Call, TensorRef
 
-__all__ = ["plan_route", "call_fn", "check_route_step"]
+__all__ = ["plan_route", "route_op", "check_route_step"]
 
 
-def call_fn(call: Call) -> str:
-    """The route step's fn for ``call`` (:func:`shardc.spec.functions.route_fn`)."""
+def route_op(call: Call) -> Route:
+    """The route step's local operation for ``call``."""
     assert call.over is not None
     order, slots = call.names
-    return route_fn(order, call.over, slots, call.numbers[0])
+    return Route(order, call.over, slots, int(call.numbers[0]))
 
 
 def _option(phase: Phase, node: Node, local: Value, target: Value | None, whole: tuple[str, ...]) -> Layouts | None:
@@ -68,18 +68,19 @@ def plan_route(phase: Phase, node: Node, declared: dict[str, TensorRef], target:
                           fix=f"route needs {order} and {experts} whole on a device: leave them unsharded "
                               f"in {head}, or shard another index")
     best, shown = choose(options, 0)
-    record(phase, f"{head} = {call_fn(node.call)}({phase.text(arg, phase.held[arg][0])})", best, shown, 0,
+    record(phase, f"{head} = {route_op(node.call)}({phase.text(arg, phase.held[arg][0])})", best, shown, 0,
            phase.indices[arg], experts)
     phase.moves(arg, best.moves_in)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, best.result),
-                    operands=(phase.ref(arg, best.local),), fn=call_fn(node.call)), best.result)
+                    operands=(phase.ref(arg, best.local),), fn=route_op(node.call)), best.result)
     phase.moves(node.result, best.moves_out)
     declared.setdefault(node.result, phase.ref(node.result, best.final))
 
 
 def check_route_step(step: Step) -> list[str]:
     """Why a local route step is invalid: E and S whole, C replicated, other indices sharded as the gates."""
-    order, experts, slots, _ = parse_route(step.fn or "")
+    assert isinstance(step.fn, Route)
+    order, experts, slots = step.fn.order, step.fn.experts, step.fn.slots
     (gates,) = step.operands
     axes = {d.name: d.axes for d in gates.dims}
     problems = [f"route {step.dst}: {gates.name} shards {i}, which route needs whole" for i in (order, experts)

@@ -19,9 +19,9 @@ collectives):
 Every function but ``sum`` and ``mean`` is nonlinear: its input is reduced first.
 The candidate input layouts are those the phase holds, the requested result's,
 and each of them with I gathered; ``shardc plan --explain`` lists them.  The
-steps are local maps (``Op.ELEMENTWISE`` with the row functions of
-:data:`ROW_FNS`; ``dim`` is the position of I in the frame, see
-:func:`frame_of`) and AllReduces (``fn="max"`` for a maximum).  Local maps are
+steps are local maps (``Op.ELEMENTWISE`` with a
+:class:`~shardc.planner.localops.Row`; ``dim`` is the position of I in the frame, see
+:func:`frame_of`) and AllReduces (``fn=Combine.MAX`` for a maximum).  Local maps are
 free in the cost model, as every elementwise step is.
 """
 
@@ -34,13 +34,14 @@ from shardc.errors import InternalError, ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, Layout, Move, Value, add_cost
+from shardc.planner.localops import Combine, Row, Vocab
 from shardc.planner.phase import Phase
-from shardc.planner.rowstats import BACKWARD_STATS, ROW_FNS, STATS
+from shardc.planner.rowstats import BACKWARD_STATS, STATS
 from shardc.planner.search import reshard
 from shardc.spec.functions import signature
 from shardc.spec.ir import TensorRef
 
-__all__ = ["over_of", "check_row_step", "ROW_FNS", "STATS", "BACKWARD_STATS", "is_row_node",
+__all__ = ["over_of", "check_row_step", "STATS", "BACKWARD_STATS", "is_row_node",
            "plan_rows", "by_index",
            "in_order", "frame_of", "Layouts", "stats_cost", "choose", "candidates", "record"]
 
@@ -212,7 +213,7 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
     declared.setdefault(node.result, phase.ref(node.result, best.final))
 
 
-def local_map(phase: Phase, fn: str, dst: str, value: Value, operands: tuple[tuple[str, Value], ...],
+def local_map(phase: Phase, fn: Row | Vocab, dst: str, value: Value, operands: tuple[tuple[str, Value], ...],
               over: str, shapes: tuple[tuple[str, Value], ...] = ()) -> None:
     """One local row map; its ``dim`` is I's position in its frame (:func:`frame_of`); ``shapes``
     are read for their shape only (:class:`Step`)."""
@@ -222,18 +223,18 @@ def local_map(phase: Phase, fn: str, dst: str, value: Value, operands: tuple[tup
     phase.emit(replace(step, dim=frame.index(over) if over in frame else None), value)
 
 
-def all_reduce(phase: Phase, name: str, value: Value, axes: tuple[str, ...], combine: str) -> Value:
-    """One AllReduce of a statistic (partial over ``axes``); ``combine`` "max" takes the maximum."""
+def all_reduce(phase: Phase, name: str, value: Value, axes: tuple[str, ...], combine: Combine | None) -> Value:
+    """One AllReduce of a statistic (partial over ``axes``); ``combine`` None sums."""
     done = Value(value.layout, tuple(a for a in value.unreduced if a not in axes))
     volume = phase.ctx.local_bytes(phase.indices[name], value, phase.ctx.nbytes(name))
     phase.emit(Step(Op.ALL_REDUCE, name, phase.ref(name, done), phase.ref(name, value), axes,
-                    fn="max" if combine == "max" else None, volume=volume,
+                    fn=combine, volume=volume,
                     note="row statistic"), done)
     return done
 
 
-def statistic(phase: Phase, fn: str, name: str, rows_value: Value, axes: tuple[str, ...],
-              operands: tuple[tuple[str, Value], ...], over: str, combine: str) -> Value:
+def statistic(phase: Phase, fn: Row, name: str, rows_value: Value, axes: tuple[str, ...],
+              operands: tuple[tuple[str, Value], ...], over: str, combine: Combine | None) -> Value:
     """A per-row statistic: local over this shard (partial over ``axes``), then all-reduced."""
     partial = Value(rows_value.layout, tuple(sorted(axes)))
     local_map(phase, fn, name, partial, operands, over)
@@ -255,26 +256,26 @@ def emit_forward(phase: Phase, node: Node, option: Layouts) -> None:
         phase.indices.setdefault(name, rows)
     out = (node.result, option.result)
     if fn in ("sum", "mean"):
-        local_map(phase, f"row_{fn}", node.result, option.result, (x,), over)
+        local_map(phase, Row.ROW_SUM if fn == "sum" else Row.ROW_MEAN, node.result, option.result, (x,), over)
     elif fn == "max":
-        value = statistic(phase, "row_max", node.result, option.result, axes, (x,), over, "max")
+        value = statistic(phase, Row.ROW_MAX, node.result, option.result, axes, (x,), over, Combine.MAX)
         assert value == option.result or not axes
     elif fn in ("softmax", "logsumexp") and not axes:
-        local_map(phase, fn, node.result, option.result, (x,), over)
+        local_map(phase, Row.SOFTMAX if fn == "softmax" else Row.LOGSUMEXP, node.result, option.result, (x,), over)
     elif fn in ("softmax", "logsumexp"):
-        m = statistic(phase, "row_max", names[0], rows_value, axes, (x,), over, "max")
-        z = statistic(phase, "row_sumexp", names[1], rows_value, axes, (x, (names[0], m)), over, "sum")
+        m = statistic(phase, Row.ROW_MAX, names[0], rows_value, axes, (x,), over, Combine.MAX)
+        z = statistic(phase, Row.ROW_SUMEXP, names[1], rows_value, axes, (x, (names[0], m)), over, None)
         if fn == "softmax":
-            local_map(phase, "softmax_apply", *out, (x, (names[0], m), (names[1], z)), over)
+            local_map(phase, Row.SOFTMAX_APPLY, *out, (x, (names[0], m), (names[1], z)), over)
         else:
-            local_map(phase, "lse_apply", *out, ((names[0], m), (names[1], z)), over)
+            local_map(phase, Row.LSE_APPLY, *out, ((names[0], m), (names[1], z)), over)
     elif fn == "rmsnorm":
-        q = statistic(phase, "row_meansq", names[0], rows_value, axes, (x,), over, "sum")
-        local_map(phase, "rmsnorm_apply", *out, (x, (names[0], q)), over)
+        q = statistic(phase, Row.ROW_MEANSQ, names[0], rows_value, axes, (x,), over, None)
+        local_map(phase, Row.RMSNORM_APPLY, *out, (x, (names[0], q)), over)
     elif fn == "layernorm":
-        mu = statistic(phase, "row_mean", names[0], rows_value, axes, (x,), over, "sum")
-        var = statistic(phase, "row_meandev", names[1], rows_value, axes, (x, (names[0], mu)), over, "sum")
-        local_map(phase, "layernorm_apply", *out, (x, (names[0], mu), (names[1], var)), over)
+        mu = statistic(phase, Row.ROW_MEAN, names[0], rows_value, axes, (x,), over, None)
+        var = statistic(phase, Row.ROW_MEANDEV, names[1], rows_value, axes, (x, (names[0], mu)), over, None)
+        local_map(phase, Row.LAYERNORM_APPLY, *out, (x, (names[0], mu), (names[1], var)), over)
     else:
         raise InternalError(f"`{fn}` is not a reduction over an index",
                             fix="this is a shardc bug: please report the spec")
@@ -284,12 +285,12 @@ def check_row_step(step: Step) -> list[str]:
     """Why a local row step is invalid: its operands must shard each index as its frame does
     (what it reads for the shape only, :attr:`Step.shapes`, may be sharded any way)."""
     operands = step.operands
-    if step.fn in ("embed", "embed_vjp"):
+    if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
         tok, other = operands
-        table = other if step.fn == "embed" else step.dst
+        table = other if step.fn is Vocab.EMBED else step.dst
         if {a for d in tok.dims for a in d.axes} & {a for d in table.dims for a in d.axes}:
             return [f"{step.fn} {step.dst}: the ids and the table {table.name} share a mesh axis"]
-        rows = step.dst if step.fn == "embed" else other  # the looked-up rows: the ids' indices, the table's others
+        rows = step.dst if step.fn is Vocab.EMBED else other  # the looked-up rows: the ids' indices, the table's others
         axes = {d.name: d.axes for d in (*tok.dims, *table.dims[1:])}
         return [f"{step.fn} {step.dst}: {rows.name} shards {d.name} unlike the ids and the table"
                 for d in rows.dims if axes.get(d.name) != d.axes]

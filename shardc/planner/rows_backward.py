@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from shardc.names import fresh
 from shardc.planner.graph import Node
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.planner.localops import Row
 from shardc.planner.rows import (
     BACKWARD_STATS,
     Layouts,
@@ -38,6 +39,7 @@ from shardc.planner.rows import (
     statistic,
     stats_cost,
 )
+from shardc.planner.rowstats import APPLY, VJP
 from shardc.planner.search import reshard
 
 if TYPE_CHECKING:
@@ -148,22 +150,22 @@ def _emit(bw: _Backward, node: Node, grad: str, option: Layouts, dst: str) -> No
     rows_value = in_order(row_idx, axes | {over: ()})
     if fn == "softmax" and option.axes:
         name = _stat_name(bw, grad, "rowsum", row_idx)
-        total = statistic(phase, "row_dot", name, rows_value, option.axes, reads[:2], over, "sum")
-        local_map(phase, "softmax_vjp_apply", dst, option.local, (*reads, (name, total)), over)
+        total = statistic(phase, Row.ROW_DOT, name, rows_value, option.axes, reads[:2], over, None)
+        local_map(phase, Row.SOFTMAX_VJP_APPLY, dst, option.local, (*reads, (name, total)), over)
     elif fn in ("rmsnorm", "layernorm"):
         again, stats = _norm_again(bw, node, reads[0], option, rows_value, row_idx)
         reads = (again, reads[1], *stats)
         sums: list[tuple[str, Value]] = []
         if fn == "layernorm":
             name = _stat_name(bw, grad, "mean", row_idx)
-            sums.append((name, statistic(phase, "row_mean", name, rows_value, option.axes, reads[1:2], over, "sum")))
+            sums.append((name, statistic(phase, Row.ROW_MEAN, name, rows_value, option.axes, reads[1:2], over, None)))
         name = _stat_name(bw, grad, "dot", row_idx)
-        sums.append((name, statistic(phase, "row_meandot", name, rows_value, option.axes, reads[:2], over, "sum")))
-        local_map(phase, f"{fn}_vjp", dst, option.local, (*reads, *sums), over)
+        sums.append((name, statistic(phase, Row.ROW_MEANDOT, name, rows_value, option.axes, reads[:2], over, None)))
+        local_map(phase, VJP[fn], dst, option.local, (*reads, *sums), over)
     elif fn in ("sum", "mean"):  # dS spread along I: the input as declared is read for I's length only
-        local_map(phase, f"{fn}_vjp", dst, option.local, reads, over, shapes=((x, Value.of(bw.declared[x])),))
+        local_map(phase, VJP[fn], dst, option.local, reads, over, shapes=((x, Value.of(bw.declared[x])),))
     else:
-        local_map(phase, f"{fn}_vjp", dst, option.local, reads, over)
+        local_map(phase, VJP[fn], dst, option.local, reads, over)
 
 
 def _norm_again(bw: _Backward, node: Node, x: tuple[str, Value], option: Layouts, rows_value: Value,
@@ -174,15 +176,15 @@ def _norm_again(bw: _Backward, node: Node, x: tuple[str, Value], option: Layouts
     first = _stat_name(bw, node.result, "mean" if node.fn == "layernorm" else "ms", row_idx)
     stats: tuple[tuple[str, Value], ...]
     if node.fn == "rmsnorm":
-        stats = ((first, statistic(phase, "row_meansq", first, rows_value, option.axes, (x,), over, "sum")),)
+        stats = ((first, statistic(phase, Row.ROW_MEANSQ, first, rows_value, option.axes, (x,), over, None)),)
     else:
-        mu = statistic(phase, "row_mean", first, rows_value, option.axes, (x,), over, "sum")
+        mu = statistic(phase, Row.ROW_MEAN, first, rows_value, option.axes, (x,), over, None)
         second = _stat_name(bw, node.result, "var", row_idx)
-        var = statistic(phase, "row_meandev", second, rows_value, option.axes, (x, (first, mu)), over, "sum")
+        var = statistic(phase, Row.ROW_MEANDEV, second, rows_value, option.axes, (x, (first, mu)), over, None)
         stats = ((first, mu), (second, var))
     name = _stat_name(bw, node.result, "again", phase.indices[node.result])
     y = in_order(phase.indices[name], by_index(phase.indices[x[0]], option.local.layout))  # the result's order
-    local_map(phase, f"{node.fn}_apply", name, y, (x, *stats), over)
+    local_map(phase, APPLY[node.fn or ""], name, y, (x, *stats), over)
     return (name, y), stats
 
 

@@ -1,11 +1,13 @@
 """The row statistics of each reduction over an index (see :mod:`shardc.planner.rows`).
 
-Kept apart, without imports, so the graph builder can name them.
+Kept apart, importing only the local operations, so the graph builder can name them.
 """
 
 from __future__ import annotations
 
-__all__ = ["STATS", "BACKWARD_STATS", "ROW_FNS", "VOCAB_FNS", "stat_names"]
+from shardc.planner.localops import Row
+
+__all__ = ["STATS", "BACKWARD_STATS", "VJP", "APPLY", "stat_names"]
 
 # Per function, the statistics the forward all-reduces when I is sharded (name suffix, combiner).
 STATS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -20,18 +22,13 @@ STATS: dict[str, tuple[tuple[str, str], ...]] = {
 # Per function, how many row sums its backward all-reduces when I is sharded.
 # (A norm makes its statistics again from its input first: rmsnorm 1 + 1, layernorm 2 + 2.)
 BACKWARD_STATS = {"softmax": 1, "rmsnorm": 2, "layernorm": 4, "logsumexp": 0, "max": 0, "sum": 0, "mean": 0}
-# The local maps the steps use: forward, finishing maps and gradients.
-ROW_FNS = frozenset({
-    "softmax", "logsumexp", "row_max", "row_dot", "row_sumexp", "row_sum", "row_mean", "row_meansq", "row_meandev",
-    "row_meandot",
-    "softmax_apply", "lse_apply", "rmsnorm_apply", "layernorm_apply",
-    "softmax_vjp", "softmax_vjp_apply", "logsumexp_vjp", "max_vjp", "sum_vjp", "mean_vjp",
-    "rmsnorm_vjp", "layernorm_vjp"})
+# Per function, the local map of its gradient in closed form (softmax's when its index is whole).
+VJP = {"softmax": Row.SOFTMAX_VJP, "logsumexp": Row.LOGSUMEXP_VJP, "max": Row.MAX_VJP, "sum": Row.SUM_VJP,
+       "mean": Row.MEAN_VJP, "rmsnorm": Row.RMSNORM_VJP, "layernorm": Row.LAYERNORM_VJP}
+# Per norm, the local map that finishes it from its input and its statistics.
+APPLY = {"rmsnorm": Row.RMSNORM_APPLY, "layernorm": Row.LAYERNORM_APPLY}
 
 
 def stat_names(func: str, result: str) -> tuple[str, ...]:
     """The names the forward statistics of ``func`` take (before making them unique); ``max`` is its own."""
     return () if func == "max" else tuple(f"{result}_{suffix}" for suffix, _ in STATS[func])
-
-# The local maps of the vocabulary ops (shardc.planner.vocab).
-VOCAB_FNS = frozenset({"embed", "embed_vjp", "vocab_pick", "ce_apply", "ce_vjp"})

@@ -31,21 +31,15 @@ from shardc.planner.einsum import room
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
-from shardc.planner.phase import ALIAS, Phase
+from shardc.planner.localops import ALIAS, Add
+from shardc.planner.phase import Phase
 from shardc.planner.search import reshard
 from shardc.spec.ir import TensorRef
 
-__all__ = ["plan_add", "plan_rename", "add_fn", "guard_axes", "ALIAS"]
+__all__ = ["plan_add", "plan_rename", "guard_axes"]
 
 
 Term = tuple[str, tuple[str, ...], tuple[Value, ...]]  # name, indices, the values the phase holds
-
-
-def add_fn(signs: tuple[int, ...]) -> str:
-    """The step's fn: ``add`` when every sign is +, else ``add`` and the signs (``add+-+``)."""
-    if all(s > 0 for s in signs):
-        return "add"
-    return "add" + "".join("+" if s > 0 else "-" for s in signs)
 
 
 def guard_axes(operand: TensorRef, result: TensorRef) -> tuple[str, ...]:
@@ -74,7 +68,7 @@ def plan_add(phase: Phase, node: Node, declared: dict[str, TensorRef], target: V
         phase.moves(name, moves)
         operands.append(phase.ref(name, value))
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, local), operands=tuple(operands),
-                    fn=add_fn(node.signs)), local)
+                    fn=Add(node.signs)), local)
     phase.moves(node.result, result_moves)
     final = result_moves[-1].dst if result_moves else local
     declared.setdefault(node.result, phase.ref(node.result, final))

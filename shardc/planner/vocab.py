@@ -29,6 +29,7 @@ from shardc.errors import ShardcError
 from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.planner.localops import Combine, Row, Vocab
 from shardc.planner.phase import Phase
 from shardc.planner.rows import (
     Layouts,
@@ -114,7 +115,7 @@ def plan_embed(phase: Phase, node: Node, declared: dict[str, TensorRef], target:
     phase.moves(tok, tok_moves)
     phase.moves(table, table_moves)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, best.result),
-                    operands=(phase.ref(tok, t), phase.ref(table, best.local)), fn="embed"), best.result)
+                    operands=(phase.ref(tok, t), phase.ref(table, best.local)), fn=Vocab.EMBED), best.result)
     phase.moves(node.result, best.moves_out)
     declared.setdefault(node.result, phase.ref(node.result, best.final))
 
@@ -166,16 +167,16 @@ def _emit_loss(phase: Phase, node: Node, best: Layouts, rows_value: Value, vocab
     x = (logits, best.local)
     a = best.axes
     if a:
-        m = statistic(phase, "row_max", m_name, rows_value, a, (x,), vocab, "max")
-        z = statistic(phase, "row_sumexp", z_name, rows_value, a, (x, (m_name, m)), vocab, "sum")
-        local_map(phase, "lse_apply", lse_name, rows_value, ((m_name, m), (z_name, z)), vocab)
+        m = statistic(phase, Row.ROW_MAX, m_name, rows_value, a, (x,), vocab, Combine.MAX)
+        z = statistic(phase, Row.ROW_SUMEXP, z_name, rows_value, a, (x, (m_name, m)), vocab, None)
+        local_map(phase, Row.LSE_APPLY, lse_name, rows_value, ((m_name, m), (z_name, z)), vocab)
     else:
-        local_map(phase, "logsumexp", lse_name, rows_value, (x,), vocab)
+        local_map(phase, Row.LOGSUMEXP, lse_name, rows_value, (x,), vocab)
     picked = Value(rows_value.layout, tuple(sorted(a)))
-    local_map(phase, "vocab_pick", tgt_name, picked, (x, (tok, rows_value)), vocab)
+    local_map(phase, Vocab.VOCAB_PICK, tgt_name, picked, (x, (tok, rows_value)), vocab)
     if a:
-        all_reduce(phase, tgt_name, picked, a, "sum")
-    local_map(phase, "ce_apply", node.result, best.result, ((lse_name, rows_value), (tgt_name, rows_value)), vocab)
+        all_reduce(phase, tgt_name, picked, a, None)
+    local_map(phase, Vocab.CE_APPLY, node.result, best.result, ((lse_name, rows_value), (tgt_name, rows_value)), vocab)
 
 
 def _hold_kept(bw: _Backward, names: tuple[str, ...]) -> None:
@@ -218,7 +219,7 @@ def embed_backward(bw: _Backward, node: Node, grad: str) -> None:
     phase.emit(Step(Op.ELEMENTWISE, dst, phase.ref(dst, best.result),
                     operands=(phase.ref(tok, t), phase.ref(grad, d_local)),
                     shapes=(phase.ref(table, Value.of(bw.declared[table])),),  # the table's rows: no data
-                    fn="embed_vjp"), best.result)
+                    fn=Vocab.EMBED_VJP), best.result)
     if bw.count.get(table, 0) > 1:
         bw.parts.setdefault(table, []).append((dst, best.result))
     else:
@@ -260,7 +261,7 @@ def loss_backward(bw: _Backward, node: Node, grad: str) -> None:
            best, shown, 0, idx, vocab)
     for name, value in reads:
         phase.moves(name, _move(phase, name, value)[1], note="residual for the loss's gradient")  # type: ignore[index]
-    local_map(phase, "ce_vjp", dst, best.local, tuple(reads), vocab)
+    local_map(phase, Vocab.CE_VJP, dst, best.local, tuple(reads), vocab)
     if bw.count.get(logits, 0) > 1:
         bw.parts.setdefault(logits, []).append((dst, best.local))
     else:

@@ -31,14 +31,14 @@ from dataclasses import replace
 from shardc.errors import ShardcError
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value
+from shardc.planner.localops import UPDATE
 from shardc.planner.phase import Phase
 from shardc.planner.search import reshard
 from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, TensorRef, Zero
 from shardc.spec.walk import leaves
 
-__all__ = ["zero_axes", "zero_layout", "zero3_spec", "zero_params", "plan_optimizer", "UPDATE"]
+__all__ = ["zero_axes", "zero_layout", "zero3_spec", "zero_params", "plan_optimizer"]
 
-UPDATE = "update"  # the name of the optimizer's local step (any elementwise rule: SGD, Adam)
 
 
 def zero_axes(spec: Spec) -> tuple[str, ...]:

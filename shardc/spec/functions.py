@@ -39,8 +39,7 @@ import zlib
 from dataclasses import dataclass
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args", "dropout_salt", "route_fn", "is_route_fn", "parse_route",
-           "ID_DTYPE", "ID_BYTES", "MASK_BYTES"]
+           "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -148,22 +147,3 @@ def known_list() -> str:
     """The known names, sorted, comma separated (for error messages)."""
     return ", ".join(sorted(FUNCTIONS))
 
-
-def route_fn(order: str, experts: str, slots: str, k: float) -> str:
-    """A route call's parameters as a plan step's fn: ``route(S,E,C,2)``, the token order index,
-    the expert index, the capacity index, k (the plan is data; lowering reads it back)."""
-    return f"route({order},{experts},{slots},{int(k)})"
-
-
-def is_route_fn(fn: str | None) -> bool:
-    return fn is not None and fn.startswith("route(")
-
-
-def parse_route(fn: str) -> tuple[str, str, str, int]:
-    """``route(S,E,C,2)`` -> ("S", "E", "C", 2): the inverse of :func:`route_fn`.
-
-    >>> parse_route(route_fn("S", "E", "C", 2))
-    ('S', 'E', 'C', 2)
-    """
-    order, experts, slots, k = fn[len("route("):-1].split(",")
-    return order, experts, slots, int(k)

@@ -1,0 +1,229 @@
+"""The local operation of a plan step: what a device computes on its own blocks.
+
+A step that is not a collective nor an einsum applies one of these to its local
+operands (:attr:`shardc.planner.ir.Step.fn`); an AllReduce names its combiner with
+:data:`Combine.MAX` (a sum names none).  Each is a small frozen value whose fields
+are the operation's parameters, so the passes after planning (cost, lowering,
+verification) read those fields and never parse text.  ``str`` renders the
+operation as ``shardc plan`` lists it (``route(S,E,C,2)``, ``dropout_mask(0.1,7)``,
+``add+-``): that text is for reading and nothing parses it back.
+
+>>> str(Route("S", "E", "C", 2)), str(Add((1, -1))), str(DropoutMask(0.1, 7)), str(Row.SOFTMAX_APPLY)
+('route(S,E,C,2)', 'add+-', 'dropout_mask(0.1,7)', 'softmax_apply')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Map", "MapVjp", "Add", "Neg", "Alias", "Update", "Causal", "CausalVjp", "Dropout", "DropoutMask",
+           "DropoutVjp", "Route", "Row", "Vocab", "Combine", "LocalOp", "NEG", "ALIAS", "UPDATE", "MASK_OPS",
+           "add_op"]
+
+
+@dataclass(frozen=True)
+class Map:
+    """An elementwise function of the spec (``gelu``, ``identity``), applied to each element."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class MapVjp:
+    """The gradient of :class:`Map` ``name``: operands (its input, the cotangent)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.name}_vjp"
+
+
+@dataclass(frozen=True)
+class Add:
+    """A sum of the operands, each with its sign (+1 or -1), broadcast to the result's indices."""
+
+    signs: tuple[int, ...]
+
+    def __str__(self) -> str:
+        if all(s > 0 for s in self.signs):
+            return "add"
+        return "add" + "".join("+" if s > 0 else "-" for s in self.signs)
+
+
+def add_op(count: int) -> Add:
+    """The sum of ``count`` operands, every one added."""
+    return Add((1,) * count)
+
+
+@dataclass(frozen=True)
+class Neg:
+    """The operand negated (a ``-`` term's gradient)."""
+
+    def __str__(self) -> str:
+        return "neg"
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A new name for the same local array (a rename, a sum's cotangent): no computation."""
+
+    def __str__(self) -> str:
+        return "alias"
+
+
+@dataclass(frozen=True)
+class Update:
+    """The optimizer's step on a param's shard: operands (the param, its gradient)."""
+
+    def __str__(self) -> str:
+        return "update"
+
+
+NEG = Neg()
+ALIAS = Alias()
+UPDATE = Update()
+
+
+@dataclass(frozen=True)
+class Causal:
+    """-inf where the key position (index ``key``) is after the query position (``query``), by global
+    position."""
+
+    query: str
+    key: str
+
+    def __str__(self) -> str:
+        return f"causal({self.query},{self.key})"
+
+
+@dataclass(frozen=True)
+class CausalVjp:
+    """The gradient of :class:`Causal`: the cotangent where not masked, 0 where masked."""
+
+    query: str
+    key: str
+
+    def __str__(self) -> str:
+        return f"causal_vjp({self.query},{self.key})"
+
+
+@dataclass(frozen=True)
+class DropoutMask:
+    """The keep-mask of a dropout of rate ``rate``: 1 with probability 1 - rate, drawn by a
+    counter-based hash of each element's global position and ``salt``."""
+
+    rate: float
+    salt: int
+
+    def __str__(self) -> str:
+        return f"dropout_mask({self.rate!r},{self.salt})"
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """A dropout applied: operands (the keep-mask, x); x / (1 - rate) where kept, else 0."""
+
+    rate: float
+
+    def __str__(self) -> str:
+        return f"dropout({self.rate!r})"
+
+
+@dataclass(frozen=True)
+class DropoutVjp:
+    """A dropout's gradient: operands (the keep-mask, the cotangent), the same map as :class:`Dropout`."""
+
+    rate: float
+
+    def __str__(self) -> str:
+        return f"dropout_vjp({self.rate!r})"
+
+
+MASK_OPS = (Causal, CausalVjp, DropoutMask, Dropout, DropoutVjp)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Top-k routing with capacity: tokens in order of index ``order`` to ``k`` of the experts along
+    ``experts``, a slot each along the new capacity index ``slots``."""
+
+    order: str
+    experts: str
+    slots: str
+    k: int
+
+    def __str__(self) -> str:
+        return f"route({self.order},{self.experts},{self.slots},{self.k})"
+
+
+class Row(Enum):
+    """The local maps of a reduction over an index: forward, finishing maps and gradients.
+
+    Each computes in its step's frame with the reduced index at ``Step.dim``
+    (:func:`shardc.planner.rows.frame_of`).
+    """
+
+    SOFTMAX = "softmax"
+    LOGSUMEXP = "logsumexp"
+    ROW_MAX = "row_max"
+    ROW_DOT = "row_dot"
+    ROW_SUMEXP = "row_sumexp"
+    ROW_SUM = "row_sum"
+    ROW_MEAN = "row_mean"
+    ROW_MEANSQ = "row_meansq"
+    ROW_MEANDEV = "row_meandev"
+    ROW_MEANDOT = "row_meandot"
+    SOFTMAX_APPLY = "softmax_apply"
+    LSE_APPLY = "lse_apply"
+    RMSNORM_APPLY = "rmsnorm_apply"
+    LAYERNORM_APPLY = "layernorm_apply"
+    SOFTMAX_VJP = "softmax_vjp"
+    SOFTMAX_VJP_APPLY = "softmax_vjp_apply"
+    LOGSUMEXP_VJP = "logsumexp_vjp"
+    MAX_VJP = "max_vjp"
+    SUM_VJP = "sum_vjp"
+    MEAN_VJP = "mean_vjp"
+    RMSNORM_VJP = "rmsnorm_vjp"
+    LAYERNORM_VJP = "layernorm_vjp"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Vocab(Enum):
+    """The local maps of the vocabulary ops (:mod:`shardc.planner.vocab`)."""
+
+    EMBED = "embed"
+    EMBED_VJP = "embed_vjp"
+    VOCAB_PICK = "vocab_pick"
+    CE_APPLY = "ce_apply"
+    CE_VJP = "ce_vjp"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Combine(Enum):
+    """An AllReduce's combiner where it is not a sum (a sum's step names none)."""
+
+    MAX = "max"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+LocalOp = (Map | MapVjp | Add | Neg | Alias | Update | Causal | CausalVjp | DropoutMask | Dropout | DropoutVjp
+           | Route | Row | Vocab | Combine)
