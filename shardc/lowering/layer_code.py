@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shardc.lowering.template import LOCALS
 from shardc.planner.ir import Step
 from shardc.planner.masks import parse_fn
 from shardc.planner.sums import ALIAS, guard_axes
@@ -62,8 +63,8 @@ def _mask_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     rate = float(args[0])
     if head == "dropout_mask":
         order = tuple(sorted(range(len(dst.indices)), key=lambda d: dst.indices[d]))
-        return (f"keep_mask({x[0]}, {int(args[1])}, {rate!r}, {dst.layout!r}, {order!r}, dropout_key, "
-                f"{dst.indices!r})")
+        return (f"keep_mask({x[0]}, {int(args[1])}, {rate!r}, {dst.layout!r}, {order!r}, {LOCALS[0]}, "
+                f"{dst.indices!r}, MICROBATCH)")
     return f"jnp.where({x[0]}, {x[1]} / {1 - rate!r}, 0)"
 
 
