@@ -60,17 +60,57 @@ def test_hostile_names_and_file_name_lower_import_and_run(tmp_path: Path, monkey
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_every_global_of_a_generated_module_is_reserved() -> None:
+def _function_locals(source: str) -> set[str]:
+    """The names the module's functions bind: their parameters and the variables they assign."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            names |= {a.arg for a in node.args.args}
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return names
+
+
+def _globals_of(text: str) -> list[str]:
+    """The globals of the module ``text`` lowers to that a spec can name a tensor after."""
+    plan = shardc.plan(shardc.parse(text))
+    mesh = lowered_mesh(plan, None)
+    names = template.defined_names(generate(plan, mesh, lowered_sizes(plan, None, mesh)).source)
+    return sorted(n for n in names if n.isidentifier() and not n.startswith("_"))
+
+
+def test_no_variable_of_a_generated_module_shadows_one_of_its_globals() -> None:
     spec = shardc.parse(HOSTILE_SPEC)
     plan = shardc.plan(spec)
     mesh = lowered_mesh(plan, None)
-    tree = ast.parse(generate(plan, mesh, lowered_sizes(plan, None, mesh)).source)
-    names = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
-             if isinstance(t, ast.Name)}
-    names |= {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-    names |= {(a.asname or a.name).split(".")[0] for node in tree.body
-              if isinstance(node, ast.Import | ast.ImportFrom) for a in node.names}
-    assert names <= set(template.GLOBALS)
+    source = generate(plan, mesh, lowered_sizes(plan, None, mesh)).source
+    assert {"jax", "jnp", "P", "PROGRAM", "forward", "route_topk", "keep_mask", "MICROBATCH"} <= (
+        template.defined_names(source))
+    assert not _function_locals(source) & template.defined_names(source)
+
+
+SMALL = "mesh X=2\ndims B=4, D=6\nOut[B_X, D] = gelu(In[B_X, D])\n"
+
+
+def test_tensors_named_like_every_global_of_the_module_lower_and_verify() -> None:
+    """A tensor named like a helper (``route_topk``) or a table (``PROGRAM``) once shadowed it."""
+    from shardc.lowering.verify import verify
+
+    names = _globals_of(SMALL)
+    lines = ["mesh X=2", "dims B=4, D=6"]
+    pairs = zip(["In", *names[:-1]], names, strict=True)
+    lines += [f"{name}[B_X, D] = tanh({before}[B_X, D])" for before, name in pairs]
+    report = verify(shardc.plan(shardc.parse("\n".join(lines) + "\n")), devices=2)
+    assert report.ok and set(names) <= {r.tensor for r in report.values}
+
+
+def test_a_tensor_named_like_the_routing_helper_verifies() -> None:
+    from shardc.lowering.verify import verify
+
+    text = ("mesh X=2\ndims G=4, S=8, E=4, C=4, D=6\ndtype f32\nparam W_r\n"
+            "Gate[G_X, S, E] = softmax(X[G_X, S, D] · W_r[D, E] over E)\n"
+            "route_topk[G_X, S, E, C] = route(Gate[G_X, S, E], S, C, 2 over E)\n"
+            "Out[G_X, S, E, C] = Gate[G_X, S, E] * route_topk[G_X, S, E, C]\n")
+    assert verify(shardc.plan(shardc.parse(text)), devices=2).ok
 
 
 def test_a_tensor_name_made_in_python_is_mangled_into_an_identifier() -> None:

@@ -36,10 +36,11 @@ from shardc.spec.ir import Mesh, TensorRef
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
 
 _LETTERS = string.ascii_lowercase + string.ascii_uppercase
-# Names a tensor's variable must not take: keywords, builtins (``__debug__`` cannot even be
-# assigned), and every global of the generated module (its functions read them).
-_RESERVED = (set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins))
-             | set(template.GLOBALS) | {"np", "rng", "lead", "outputs", "name", "value"})
+# Names a tensor's variable must not take whatever the module: keywords, builtins (``__debug__``
+# cannot even be assigned) and the skeleton's own locals.  The module's globals are reserved
+# from the module itself (:func:`generate`).
+_RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins)) | frozenset(
+    template.LOCALS)
 _COMMENT_COLUMN = 80  # code wider than this pushes only its own comment right
 
 
@@ -75,6 +76,7 @@ class Module:
     cotangents: dict[str, str]  # the gradient of an output (d<Out>) -> the output
     grads: dict[str, str]  # input or param name -> its gradient's name
     optimizer: Phase | None = None  # ZeRO-1/2's optimizer phase (shardc.lowering.optimizer)
+    variables: frozenset[str] = frozenset()  # the names the phase functions give the tensors
 
 
 def local_shape_text(ref: TensorRef, sizes: dict[str, int] | None) -> str:
@@ -96,10 +98,10 @@ def local_shape_text(ref: TensorRef, sizes: dict[str, int] | None) -> str:
 class _Namer:
     """One Python name per value, shared by both phases so residuals keep theirs."""
 
-    def __init__(self, declared: dict[str, TensorRef]) -> None:
+    def __init__(self, declared: dict[str, TensorRef], reserved: frozenset[str]) -> None:
         self.declared = declared
         self.names: dict[TensorRef, str] = {}
-        self.used: set[str] = set(_RESERVED)
+        self.used: set[str] = set(_RESERVED | reserved)
         self.counts: dict[str, int] = {}
 
     def __call__(self, ref: TensorRef) -> str:
@@ -318,10 +320,15 @@ def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
 
 
 def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int] | None,
-             title: str = "", zero: Plan | None = None) -> Module:
+             title: str = "", zero: Plan | None = None, reserved: frozenset[str] = frozenset()) -> Module:
     """The module for ``plan`` on ``mesh`` (axis sizes may differ from the spec's); with ``zero``, a
-    ZeRO-1/2 plan of the same spec, also its optimizer phase (``optimizer_step``)."""
-    var = _Namer(_declared(plan))
+    ZeRO-1/2 plan of the same spec, also its optimizer phase (``optimizer_step``).
+
+    No tensor's variable takes a name the module defines at its top level: those are read
+    from the module written (:func:`shardc.lowering.template.defined_names`), and should a
+    variable have taken one, the module is written again with them ``reserved`` (its
+    globals do not depend on the variables' names, so once is enough)."""
+    var = _Namer(_declared(plan), reserved)
     external = _external_reads(plan.backward)
     forward, results = _forward_phase(plan, var, sizes, external)
     backward = _backward_phase(plan, var, sizes, forward, external)
@@ -329,9 +336,13 @@ def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int
     grads = {plan.primal(g.name): g.name for g in plan.grads}
     demo = small_sizes(_with_mesh(plan, mesh), devices=None)
     optimizer = _optimizer_phase(zero, var, sizes) if zero is not None and zero.optimizer else None
-    extra = template.render_optimizer(str(zero.spec.zero), optimizer) if zero is not None and optimizer else ""
-    source = template.render(plan, title, mesh, sizes, demo, forward, backward, results, cotangents, grads, extra)
-    return Module(source, mesh, sizes, forward, backward, results, cotangents, grads, optimizer)
+    section = (str(zero.spec.zero), optimizer) if zero is not None and optimizer is not None else None
+    source = template.render(plan, title, mesh, demo, forward, backward, results, cotangents, grads, section)
+    variables = frozenset(var.names.values())
+    defined = template.defined_names(source)
+    if variables & defined:
+        return generate(plan, mesh, sizes, title, zero, reserved | defined)
+    return Module(source, mesh, sizes, forward, backward, results, cotangents, grads, optimizer, variables)
 
 
 def _optimizer_phase(zero: Plan, var: _Namer, sizes: dict[str, int] | None) -> Phase:

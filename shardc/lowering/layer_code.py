@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shardc.lowering.template import LOCALS
 from shardc.planner.ir import Step
 from shardc.planner.localops import MASK_OPS, Add, Alias, Causal, CausalVjp, DropoutMask, Neg
 from shardc.planner.sums import guard_axes
@@ -67,8 +68,8 @@ def _mask_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     rate = float(fn.rate)
     if isinstance(fn, DropoutMask):
         order = tuple(sorted(range(len(dst.indices)), key=lambda d: dst.indices[d]))
-        return (f"keep_mask({x[0]}, {fn.salt}, {rate!r}, {dst.layout!r}, {order!r}, dropout_key, "
-                f"{dst.indices!r})")
+        return (f"keep_mask({x[0]}, {fn.salt}, {rate!r}, {dst.layout!r}, {order!r}, {LOCALS[0]}, "
+                f"{dst.indices!r}, MICROBATCH)")
     return f"jnp.where({x[0]}, {x[1]} / {1 - rate!r}, 0)"
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from shardc.errors import ShardcError
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
+from shardc.lowering.template import defined_names
 from shardc.pipeline.stages import Pipeline, pipeline_of, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
@@ -68,7 +69,7 @@ def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
 
 
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
-                    layers: int, microbatches: int) -> tuple[Module, str, int]:
+                    layers: int, microbatches: int, reserved: frozenset[str] = frozenset()) -> tuple[Module, str, int]:
     """The module text for ``plan`` pipelined on ``mesh``; ``sizes`` are the whole batch's."""
     from shardc.costmodel.pipeline import microbatch_dim
 
@@ -87,7 +88,7 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = lowered_sizes(stage_plan, {**sizes, dim: sizes[dim] // microbatches}, stage_mesh)
     assert micro is not None
-    module = generate(stage_plan, stage_mesh, micro, title=" (one stage, one microbatch)")
+    module = generate(stage_plan, stage_mesh, micro, title=" (one stage, one microbatch)", reserved=reserved)
     head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n"
     params = [i.name for i in plan.tensors if i.role == "param"]
     text = _SECTION.format(
@@ -106,7 +107,8 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     return module, head + text, micro[dim] * microbatches
 
 
-def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module, microbatches: int) -> str:
+def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
+               reserved: frozenset[str]) -> tuple[str, frozenset[str]]:
     """The ends' functions and the whole model's programs, at one microbatch's sizes."""
     from shardc.costmodel.pipeline import microbatch_dim
     from shardc.lowering.pipeline_ends import ends_source
@@ -116,9 +118,10 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module, mic
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = dict(block.sizes or {})
     dim = microbatch_dim(ends.block)
-    modules = [generate(part, stage_mesh, micro) for part in (ends.pre, ends.post)]
+    modules = [generate(part, stage_mesh, micro, reserved=reserved) for part in (ends.pre, ends.post)]
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
-    return ends_source(ends, modules[0], modules[1], data, pipe.schedule.name)
+    variables = modules[0].variables | modules[1].variables
+    return ends_source(ends, modules[0], modules[1], data, pipe.schedule.name), variables
 
 
 def permutes_expected(stages: int, microbatches: int) -> int:
@@ -143,9 +146,18 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
         from shardc.lowering.pipeline_ends import plan_parts
 
         ends = plan_parts(plan)
-    module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches)
-    if ends is not None:
-        source += _ends_text(ends, mesh, module, microbatches)
+    reserved: frozenset[str] = frozenset()
+    while True:  # no tensor's variable takes a global of the module: written again if one did
+        module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches,
+                                                reserved)
+        variables = module.variables
+        if ends is not None:
+            text, more = _ends_text(ends, mesh, module, reserved)
+            source, variables = source + text, variables | more
+        defined = defined_names(source)
+        if not variables & defined:
+            break
+        reserved |= defined
     pipe = replace(pipe, layers=layers, microbatches=microbatches, stages=dict(mesh)[pipe.axis])
     lowered = PipelineLowered(plan, pipe, module, source, dict(module.sizes or {}) | dict(mesh), batch, ends=ends)
     if load:
@@ -164,6 +176,11 @@ _SECTION = '''
 # The SPMD pipeline of JAX's shard_map documentation: every device runs its stage's layers each
 # tick and jax.lax.ppermute hands the result to the next stage; jax.vjp of the program carries the
 # cotangents back the same way.
+
+import functools
+import math
+
+from jax.sharding import AxisType, NamedSharding
 
 PIPELINE_AXIS = {axis!r}
 STAGES = {stages}

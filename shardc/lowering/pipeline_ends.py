@@ -121,13 +121,7 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
     post_data = tuple(b.key for b in post.forward.inputs if b.key not in post_params
                       and b.key != _block_output(ends))
     loss = ends.post.spec.statements[-1].result.name
-    from shardc.lowering.rows import HELPERS, uses_helpers
-
-    text = ""
-    if not uses_helpers(ends.block.forward + ends.block.backward) and any(
-            uses_helpers(p.forward + p.backward) for p in (ends.pre, ends.post)):
-        text += HELPERS
-    text += "\n\n# ---- the block's ends: the statements before it on stage 0, after it on the last " + "-" * 4
+    text = "\n\n# ---- the block's ends: the statements before it on stage 0, after it on the last " + "-" * 4
     text += "\n\n" + _renamed(pre, "PRE") + "\n" + _renamed(post, "POST")
     text += _SECTION.format(pre_params=pre_params, post_params=post_params, pre_data=pre_data,
                             post_data=post_data, loss=loss, data_dims=data_dims,

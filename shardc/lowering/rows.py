@@ -24,8 +24,8 @@ from shardc.planner.localops import Row, Vocab
 from shardc.spec.ir import TensorRef
 
 __all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
-           "HELPERS", "HELPER_NAMES", "id_inputs", "node_forward", "node_vjp", "node_magnitude",
-           "node_grad_magnitude", "uses_helpers", "lookup_forward", "lookup_vjp"]
+           "id_inputs", "node_forward", "node_vjp", "node_magnitude",
+           "node_grad_magnitude", "lookup_forward", "lookup_vjp"]
 
 Array = Any
 RMS_EPS = 1e-6
@@ -167,56 +167,6 @@ def lookup_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     (declared,) = step.shapes  # the table as declared, read for its shape only
     rows = _length(declared, var(declared), table.indices[0], axes)
     return f"vocab_scatter({var(tok)}, {_aligned(var(other), other.indices, order)}, {rows}, {axes!r})"
-
-
-# The helpers a module using vocabulary ops defines (after the fixed ones; see template.GLOBALS).
-HELPERS = '''
-
-def _vocab_rows(ids, rows, axes):
-    """Token ids as rows of this device's vocabulary shard, and which of them it holds."""
-    local = ids - (jax.lax.axis_index(axes) * rows if axes else 0)
-    inside = (local >= 0) & (local < rows)
-    return jnp.where(inside, local, 0), inside
-
-
-def vocab_lookup(table, ids, axes):
-    """Megatron's vocab-parallel embedding, locally: rows this shard holds, 0 for the others' ids."""
-    local, inside = _vocab_rows(ids, table.shape[0], axes)
-    found = jnp.take(table, local, axis=0)
-    return jnp.where(inside.reshape(inside.shape + (1,) * (table.ndim - 1)), found, jnp.zeros_like(found))
-
-
-def vocab_scatter(ids, grads, rows, axes):
-    """The gradient of this device's vocabulary shard: each token's cotangent row added at its id."""
-    local, inside = _vocab_rows(ids, rows, axes)
-    tail = grads.shape[ids.ndim:]
-    kept = jnp.where(inside.reshape(inside.shape + (1,) * len(tail)), grads, jnp.zeros_like(grads))
-    return jnp.zeros((rows, *tail), grads.dtype).at[local.reshape(-1)].add(kept.reshape((-1, *tail)))
-
-
-def vocab_pick(logits, ids, axis, axes):
-    """Each token's logit at its target id, from the shard that holds it (0 on the others)."""
-    local, inside = _vocab_rows(ids, logits.shape[axis], axes)
-    picked = jnp.take_along_axis(logits, jnp.expand_dims(local, axis), axis=axis)
-    return jnp.where(inside, jnp.squeeze(picked, axis), jnp.zeros_like(ids, logits.dtype))
-
-
-def vocab_ce_grad(logits, lse, ids, dloss, axis, axes, token_axes):
-    """(softmax - onehot) * dLoss / tokens on this vocabulary shard: no communication."""
-    local, inside = _vocab_rows(ids, logits.shape[axis], axes)
-    shape = [1] * logits.ndim
-    shape[axis] = logits.shape[axis]
-    column = jnp.arange(logits.shape[axis]).reshape(shape)
-    hot = (jnp.expand_dims(local, axis) == column) & jnp.expand_dims(inside, axis)
-    tokens = ids.size * (jax.lax.axis_size(token_axes) if token_axes else 1)
-    return (jnp.exp(logits - jnp.expand_dims(lse, axis)) - hot.astype(logits.dtype)) * (dloss / tokens)
-'''
-HELPER_NAMES = ("_vocab_rows", "vocab_lookup", "vocab_scatter", "vocab_pick", "vocab_ce_grad")
-
-
-def uses_helpers(steps: tuple[Step, ...]) -> bool:
-    """Whether a plan's steps call the vocabulary helpers."""
-    return any(isinstance(s.fn, Vocab) for s in steps)
 
 
 # --- whole arrays: the reference ---------------------------------------------------------

@@ -1,0 +1,154 @@
+"""The helpers a lowered module's per-device functions call, as ordinary Python.
+
+A module written by ``shardc lower`` imports these (it runs where jax, numpy and
+shardc are installed); they are the same code whatever the plan, so they are kept
+here, linted, type-checked and tested like the rest of the package, rather than
+pasted into every module as text.  Each runs inside ``jax.shard_map`` on one
+device's blocks: ``jax.lax.axis_index`` and ``jax.lax.axis_size`` name the mesh
+axes the plan put on a dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask", "keep_mask", "vocab_lookup",
+           "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk"]
+
+Array = Any
+Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
+
+
+def make_mesh(mesh_axes: dict[str, int]) -> jax.sharding.Mesh:
+    """The device mesh (Auto axes: jit reshards arguments that arrive laid out otherwise)."""
+    shape, names = tuple(mesh_axes.values()), tuple(mesh_axes)
+    needed = math.prod(shape)
+    if jax.device_count() < needed:
+        raise RuntimeError(
+            f"the mesh needs {needed} devices but jax sees {jax.device_count()}; on a CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} before jax is imported")
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def shard_slice(x: Array, axes: Axes, dim: int) -> Array:
+    """This device's block of ``x`` along ``dim`` over mesh ``axes``: free, no communication."""
+    size = x.shape[dim] // jax.lax.axis_size(axes)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, axis=dim)
+
+
+def gather_dims(x: Array, groups: tuple[tuple[int, tuple[str, ...]], ...]) -> Array:
+    """One AllGather of several dims: ``groups`` pairs each dim with the axes it loses
+    (major to minor).  The blocks arrive in a new leading dim over all the axes at once
+    and are laid out locally: each dim's gathered axes go just before it, then merge in."""
+    axes = tuple(a for _, names in groups for a in names)
+    sizes = [jax.lax.axis_size(a) for a in axes]
+    y = jax.lax.all_gather(x, axes, axis=0, tiled=False, to="invarying").reshape(*sizes, *x.shape)
+    lead: dict[int, list[int]] = {}
+    k = 0
+    for d, names in groups:
+        lead[d] = list(range(k, k + len(names)))
+        k += len(names)
+    order, shape = [], []
+    for d in range(x.ndim):
+        order += lead.get(d, []) + [len(axes) + d]
+        shape.append(math.prod(sizes[i] for i in lead.get(d, [])) * x.shape[d])
+    return jnp.transpose(y, order).reshape(shape)
+
+
+def positions(x: Array, dim: int, axes: Axes) -> Array:
+    """The global positions of this device's block of ``x`` along ``dim`` (sharded over ``axes``),
+    shaped to broadcast against ``x``."""
+    n = x.shape[dim]
+    start = jax.lax.axis_index(axes) * n if axes else 0
+    return (start + jnp.arange(n)).reshape([n if d == dim else 1 for d in range(x.ndim)])
+
+
+def causal_mask(x: Array, query: tuple[int, Axes], key: tuple[int, Axes], fill: float = -jnp.inf) -> Array:
+    """``fill`` where the key's global position is after the query's; ``query`` and ``key`` are
+    (dim, axes sharding it): each device offsets its block's positions by its index along them."""
+    return jnp.where(positions(x, *key) > positions(x, *query), fill, x)
+
+
+def keep_mask(x: Array, salt: int, rate: float, dims: tuple[tuple[str, ...], ...], order: tuple[int, ...],
+              key: Any = 0, index: tuple[str, ...] = (), microbatch: tuple[str, int] | None = None) -> Array:
+    """Dropout's keep-mask for this device's block of ``x``: murmur3's 32-bit finaliser of each
+    element's global position (dims taken in ``order``; ``dims`` gives each dim's axes, ``index``
+    its name) plus ``salt`` and the dropout ``key`` (forward's argument: another key, other masks),
+    kept where it is at least ``rate`` * 2**32.  Every device draws its block of one global mask.
+    In a pipeline ``microbatch`` is (the batch dim, the microbatches) and ``key`` is (key,
+    microbatch j): the batch dim's positions are j's slice of the whole batch's, so a microbatch
+    draws its slice of the whole batch's mask."""
+    key, micro = key if isinstance(key, tuple) else (key, 0)
+    h = jnp.zeros(x.shape, jnp.uint32)
+    for d in order:
+        total = x.shape[d] * (jax.lax.axis_size(dims[d]) if dims[d] else 1)
+        pos = positions(x, d, dims[d])
+        if microbatch is not None and index[d] == microbatch[0]:
+            pos, total = pos + micro * total, total * microbatch[1]
+        h = h * jnp.uint32(total) + pos.astype(jnp.uint32)
+    h = h + jnp.uint32(salt) + jnp.asarray(key, jnp.uint32) * jnp.uint32(0x9E3779B9)
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = (h ^ (h >> shift)) * jnp.uint32(factor)
+    h = h ^ (h >> 16)
+    return h >= jnp.uint32(min(int(rate * 2**32), 2**32 - 1))
+
+
+# --- vocabulary-parallel ops (Megatron-LM's embedding and cross-entropy) ---------------------
+
+def _vocab_rows(ids: Array, rows: Any, axes: Axes) -> tuple[Array, Array]:
+    """Token ids as rows of this device's vocabulary shard, and which of them it holds."""
+    local = ids - (jax.lax.axis_index(axes) * rows if axes else 0)
+    inside = (local >= 0) & (local < rows)
+    return jnp.where(inside, local, 0), inside
+
+
+def vocab_lookup(table: Array, ids: Array, axes: Axes) -> Array:
+    """Megatron's vocab-parallel embedding, locally: rows this shard holds, 0 for the others' ids."""
+    local, inside = _vocab_rows(ids, table.shape[0], axes)
+    found = jnp.take(table, local, axis=0)
+    return jnp.where(inside.reshape(inside.shape + (1,) * (table.ndim - 1)), found, jnp.zeros_like(found))
+
+
+def vocab_scatter(ids: Array, grads: Array, rows: int, axes: Axes) -> Array:
+    """The gradient of this device's vocabulary shard: each token's cotangent row added at its id."""
+    local, inside = _vocab_rows(ids, rows, axes)
+    tail = grads.shape[ids.ndim:]
+    kept = jnp.where(inside.reshape(inside.shape + (1,) * len(tail)), grads, jnp.zeros_like(grads))
+    return jnp.zeros((rows, *tail), grads.dtype).at[local.reshape(-1)].add(kept.reshape((-1, *tail)))
+
+
+def vocab_pick(logits: Array, ids: Array, axis: int, axes: Axes) -> Array:
+    """Each token's logit at its target id, from the shard that holds it (0 on the others)."""
+    local, inside = _vocab_rows(ids, logits.shape[axis], axes)
+    picked = jnp.take_along_axis(logits, jnp.expand_dims(local, axis), axis=axis)
+    return jnp.where(inside, jnp.squeeze(picked, axis), jnp.zeros_like(ids, logits.dtype))
+
+
+def vocab_ce_grad(logits: Array, lse: Array, ids: Array, dloss: Array, axis: int, axes: Axes,
+                  token_axes: Axes) -> Array:
+    """(softmax - onehot) * dLoss / tokens on this vocabulary shard: no communication."""
+    local, inside = _vocab_rows(ids, logits.shape[axis], axes)
+    shape = [1] * logits.ndim
+    shape[axis] = logits.shape[axis]
+    column = jnp.arange(logits.shape[axis]).reshape(shape)
+    hot = (jnp.expand_dims(local, axis) == column) & jnp.expand_dims(inside, axis)
+    tokens = ids.size * (jax.lax.axis_size(token_axes) if token_axes else 1)
+    return (jnp.exp(logits - jnp.expand_dims(lse, axis)) - hot.astype(logits.dtype)) * (dloss / tokens)
+
+
+# --- routing (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021) ---------------------
+
+def route_topk(gates: Array, k: int, capacity: int, order: int, experts: int) -> Array:
+    """Top-k routing with capacity: the 0/1 mask [..., capacity] (a new last dim) of each token's
+    slot at each of its k largest gates along ``experts`` (ties: the lower expert), slots counted
+    in token order along ``order``; a token past an expert's capacity is dropped there."""
+    x = jnp.moveaxis(gates, (order, experts), (-2, -1))
+    _, top = jax.lax.top_k(x, k)
+    chosen = jnp.sum(jax.nn.one_hot(top, x.shape[-1], dtype=jnp.int32), axis=-2)
+    slot = jnp.cumsum(chosen, axis=-2) - chosen  # tokens before this one that chose the expert
+    mask = chosen[..., None] * jax.nn.one_hot(slot, capacity, dtype=gates.dtype)  # 0 past the capacity
+    return jnp.moveaxis(mask, (-3, -2), (order, experts))
