@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, fields
 
 from shardc.errors import ShardcError
+from shardc.files import read_text
 from shardc.spec.ir import Mesh, Network
 
 __all__ = ["Hardware", "PRESETS", "DEFAULT", "get_hardware", "load_hardware_file", "resolve_hardware",
@@ -115,8 +116,6 @@ def load_hardware_file(path: str) -> Hardware:
     finite and positive, counts whole numbers (a torus side of at least 2).
     """
     import tomllib  # here, not at the top: only a file needs it (a few ms of `shardc cost`)
-
-    from shardc.files import read_text
 
     try:
         data = tomllib.loads(read_text(path, what="hardware file"))

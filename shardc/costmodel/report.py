@@ -34,7 +34,7 @@ from shardc.costmodel.render import render
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
-from shardc.spec.ir import Mesh
+from shardc.spec.ir import Mesh, Network
 from shardc.timing import bound_of, phase_seconds, plan_sizes, plan_spans, resolve_layers, step_seconds
 
 __all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes"]
@@ -331,8 +331,6 @@ def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
 
 
 def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> tuple[str, ...]:
-    from shardc.spec.ir import Network
-
     notes = [f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
              *plan.notes]
     if plan.strategy == "search" and plan.hardware != hw.name:

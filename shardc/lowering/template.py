@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING
 
 from shardc.lowering.optimizer import OPTIMIZER_GLOBALS, optimizer_text
 from shardc.lowering.partition_specs import pspec
+from shardc.lowering.route import HELPER as ROUTE_HELPER
+from shardc.lowering.route import uses_route
+from shardc.lowering.rows import HELPERS, id_inputs, uses_helpers
+from shardc.spec.functions import ID_DTYPE
 
 if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase
@@ -318,14 +322,8 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], sizes: dic
         inputs=_plain(", ".join(b.key for b in forward.inputs)), cotangents=_plain(", ".join(cotangents)),
         mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in mesh) + "}")
     text += _HELPERS.format()
-    from shardc.lowering.rows import HELPERS, id_inputs, uses_helpers
-    from shardc.spec.functions import ID_DTYPE
-
     if uses_helpers(plan.forward + plan.backward):
         text += HELPERS
-    from shardc.lowering.route import HELPER as ROUTE_HELPER
-    from shardc.lowering.route import uses_route
-
     if uses_route(plan.forward):
         text += ROUTE_HELPER
     text += "\n\n# ---- forward " + "-" * 60 + "\n\n" + specs("FORWARD_IN", forward.inputs)
