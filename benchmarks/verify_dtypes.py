@@ -1,4 +1,4 @@
-"""The rounding error verify meets per dtype: the figures behind ``shardc.lowering.verify.TOLERANCE``.
+"""The rounding error verify meets per dtype: the figures behind ``shardc.lowering.report.TOLERANCE``.
 
     python benchmarks/verify_dtypes.py [--dtypes f32,bf16,f16,f8] [examples/*.shard ...]
 

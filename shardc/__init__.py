@@ -55,10 +55,11 @@ def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None =
     """
     from shardc import arguments as a
     from shardc.costmodel.report import cost as _cost
+    from shardc.hardware import check_hardware_arg
     from shardc.planner.ir import Plan as _Plan
 
     a.check_instance(plan, _Plan, "plan", "a Plan (from shardc.plan)")
-    a.check_hardware_arg(hardware)
+    check_hardware_arg(hardware)
     a.check_sizes(sizes)
     a.check_spans_arg(options.get("spans"))
     a.check_fraction(options.get("mfu"), "mfu")
@@ -97,6 +98,7 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
 
 def _check_plan_args(spec: object, save: object, options: dict[str, Any]) -> None:
     from shardc import arguments as a
+    from shardc.hardware import check_hardware_arg
     from shardc.spec.ir import Spec as _Spec
 
     a.check_instance(spec, _Spec, "spec", "a Spec (from shardc.parse)")
@@ -104,5 +106,5 @@ def _check_plan_args(spec: object, save: object, options: dict[str, Any]) -> Non
     for key in ("strategy", "recompute"):
         if key in options:
             a.check_choice(options[key], key)
-    a.check_hardware_arg(options.get("hardware"))
+    check_hardware_arg(options.get("hardware"))
     a.check_spans_arg(options.get("spans"))

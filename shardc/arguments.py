@@ -16,7 +16,7 @@ from shardc.errors import ShardcError, clip
 from shardc.files import MAX_BYTES
 from shardc.spec.parser import MAX_SIZE
 
-__all__ = ["check_text", "check_instance", "check_sizes", "check_spans_arg", "check_choice", "check_hardware_arg",
+__all__ = ["check_text", "check_instance", "check_sizes", "check_spans_arg", "check_choice",
            "check_fraction"]
 
 
@@ -80,18 +80,6 @@ def check_choice(value: object, name: str) -> None:
     """A keyword naming a mode (``save``, ``optimizer``, ...): a str, checked against its choices later."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, not {type(value).__name__}")
-
-
-def check_hardware_arg(hardware: object) -> None:
-    """``None``, a preset name or a :class:`shardc.hardware.Hardware`."""
-    from shardc.hardware import Hardware
-
-    if hardware is None or isinstance(hardware, Hardware):
-        return
-    if not isinstance(hardware, str):
-        raise TypeError(f"hardware must be a preset name, a Hardware or None, not {type(hardware).__name__}")
-    if not hardware.strip():
-        raise ShardcError("hardware is an empty name", fix="name a preset (see `shardc hardware`), or pass None")
 
 
 def check_fraction(value: object, name: str) -> None:

@@ -19,10 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from shardc.errors import ShardcError
+from shardc.files import read_text
 from shardc.spec.ir import Mesh, Network
 
 __all__ = ["Hardware", "PRESETS", "DEFAULT", "get_hardware", "load_hardware_file", "resolve_hardware",
-           "hardware_from_mapping", "default_spans", "check_spans"]
+           "hardware_from_mapping", "default_spans", "check_spans", "check_hardware_arg"]
 
 DEFAULT = "tpu-v5p"
 
@@ -117,8 +118,6 @@ def load_hardware_file(path: str) -> Hardware:
     """
     import tomllib  # here, not at the top: only a file needs it (a few ms of `shardc cost`)
 
-    from shardc.files import read_text
-
     try:
         data = tomllib.loads(read_text(path, what="hardware file"))
     except tomllib.TOMLDecodeError as err:
@@ -209,3 +208,13 @@ def check_spans(mesh: Mesh, spans: Mapping[str, int] | None) -> None:
             raise ShardcError(f"--spans {axis}: not a mesh axis", fix="use one of " + ", ".join(mesh.names))
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1", fix="write e.g. --spans X=3")
+
+
+def check_hardware_arg(hardware: object) -> None:
+    """``None``, a preset name or a :class:`shardc.hardware.Hardware`."""
+    if hardware is None or isinstance(hardware, Hardware):
+        return
+    if not isinstance(hardware, str):
+        raise TypeError(f"hardware must be a preset name, a Hardware or None, not {type(hardware).__name__}")
+    if not hardware.strip():
+        raise ShardcError("hardware is an empty name", fix="name a preset (see `shardc hardware`), or pass None")

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardc
-from shardc.costmodel.pipeline import boundary_tensor, microbatch_dim, weight_steps
+from shardc.costmodel.pipeline import weight_steps
 from shardc.errors import ShardcError
+from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.bubbles import EXACT, bubble, held, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import Timing, device_of, simulate
 from shardc.pipeline.stages import pipeline_of, stage_spec

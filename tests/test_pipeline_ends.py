@@ -10,8 +10,9 @@ import pytest
 
 import shardc
 from shardc.accountings import ACCOUNTINGS
-from shardc.costmodel.pipeline import PipelineCost, boundary_tensor, microbatch_dim
+from shardc.costmodel.pipeline import PipelineCost
 from shardc.costmodel.render import render_pipeline
+from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import device_of, simulate
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Mesh, MeshAxis, Schedule

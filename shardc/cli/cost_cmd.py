@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
@@ -69,8 +69,6 @@ def register(subparsers: Any, name: str) -> None:
 
 
 def run_hardware(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
     from shardc.hardware import PRESETS
 
     if args.json:

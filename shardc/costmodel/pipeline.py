@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
 from shardc.errors import InternalError, ShardcError
 from shardc.hardware import Hardware
+from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, bubble, inflight, sends_per_microbatch
 from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import Simulation, Timing, device_of, simulate
@@ -48,7 +49,7 @@ from shardc.timing import StepCost, bound_of, cost_step, local_elements, phase_s
 if TYPE_CHECKING:
     from shardc.costmodel.report import CostReport
 
-__all__ = ["StageCost", "PipelineCost", "pipeline_cost", "microbatch_dim", "boundary_tensor", "weight_steps",
+__all__ = ["StageCost", "PipelineCost", "pipeline_cost", "weight_steps",
            "draw_schedule"]
 
 BUBBLE_TARGET = 0.05  # the bubble the threshold sentence solves m for
@@ -151,49 +152,8 @@ class PipelineCost:
         }
 
 
-def _block_input(plan: Plan) -> TensorRef | None:
-    """What a stage receives: the ``layers`` block's first activation input (the first input without one)."""
-    spec = plan.spec
-    if spec.block is None:
-        return next((i.ref for i in plan.tensors if i.role == "input"), None)
-    lo, hi = spec.block
-    made = {s.result.name for s in spec.statements[lo:hi]}
-    kinds = {i.name: i.role for i in plan.tensors}
-    reads = (r for s in spec.statements[lo:hi] for r in leaves(s.expr))
-    return next((r for r in reads if r.name not in made and kinds.get(r.name) == "activation"), None)
-
-
 def _times(t: Timing) -> dict[str, float]:
     return {"forward_s": t.forward, "backward_s": t.backward, "weight_s": t.weight}
-
-
-def microbatch_dim(plan: Plan) -> str:
-    """The dim microbatches cut: the first dim of the block's first input that no param has."""
-    model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
-    first = _block_input(plan)
-    for ref in [first] if first is not None else []:
-        for dim in ref.dims:
-            if dim.name not in model:
-                return dim.name
-    raise ShardcError("a pipeline needs a batch dim to cut into microbatches; every input dim is a param's",
-                      fix="give the block's input a batch dim such as B")
-
-
-def boundary_tensor(plan: Plan) -> TensorRef:
-    """The activation a stage sends the next: the block's output shaped like its first input."""
-    first = _block_input(plan)
-    spec = plan.spec
-    if spec.block is not None:
-        lo, hi = spec.block
-        outputs = [s.result for s in spec.statements[lo:hi]]
-    else:
-        outputs = [i.ref for i in plan.tensors if i.is_output]
-    for ref in reversed(outputs) if spec.block is not None else outputs:
-        if first is not None and sorted(ref.indices) == sorted(first.indices):
-            return ref
-    if not outputs:
-        raise ShardcError("the pipelined block has no output to send to the next stage")
-    return outputs[-1]
 
 
 def weight_steps(plan: Plan) -> frozenset[int]:

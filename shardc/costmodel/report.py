@@ -33,7 +33,7 @@ from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans
 from shardc.planner.ir import Plan, Step
-from shardc.spec.ir import Mesh
+from shardc.spec.ir import Mesh, Network
 from shardc.timing import (
     StepCost,
     bound_of,
@@ -324,8 +324,6 @@ def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
 
 
 def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> tuple[str, ...]:
-    from shardc.spec.ir import Network
-
     notes = [f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
              *plan.notes]
     if plan.strategy == "search" and plan.hardware != hw.name:

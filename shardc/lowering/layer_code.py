@@ -17,14 +17,9 @@ from shardc.planner.localops import MASK_OPS, Add, Alias, Causal, CausalVjp, Dro
 from shardc.planner.sums import guard_axes
 from shardc.spec.ir import TensorRef
 
-__all__ = ["LAYER_OPS", "layer_code", "broadcast_text", "uses_dropout"]
+__all__ = ["LAYER_OPS", "layer_code", "broadcast_text"]
 
 LAYER_OPS = (Add, Neg, Alias, *MASK_OPS)  # the local operations written here
-
-
-def uses_dropout(steps: tuple[Step, ...]) -> bool:
-    """Whether steps draw a dropout keep-mask (the module then takes a dropout key)."""
-    return any(isinstance(s.fn, DropoutMask) for s in steps)
 
 
 def _axes_entry(axes: tuple[str, ...]) -> str:

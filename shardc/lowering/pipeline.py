@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardc.errors import ShardcError
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
+from shardc.lowering.pipeline_1f1b import SECTION, tick_tables
+from shardc.lowering.pipeline_ends import Ends, ends_source, plan_parts
 from shardc.lowering.template import defined_names
+from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.stages import Pipeline, pipeline_of, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
-
-if TYPE_CHECKING:
-    from shardc.lowering.pipeline_ends import Ends
 
 __all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "permutes_expected"]
 
@@ -58,8 +58,6 @@ class PipelineLowered:
 
 
 def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
-    from shardc.costmodel.pipeline import boundary_tensor
-
     first = next((i.ref for i in plan.tensors if i.role == "input"), None)
     out = boundary_tensor(plan)
     if first is None or first.dims != out.dims or first.unreduced or out.unreduced:
@@ -71,8 +69,6 @@ def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
                     layers: int, microbatches: int, reserved: frozenset[str] = frozenset()) -> tuple[Module, str, int]:
     """The module text for ``plan`` pipelined on ``mesh``; ``sizes`` are the whole batch's."""
-    from shardc.costmodel.pipeline import microbatch_dim
-
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
     stages = dict(mesh)[pipe.axis]
@@ -100,8 +96,6 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
         text += (f"\n# schedule {pipe.schedule.name} lowers as GPipe (same values); `shardc cost` costs and "
                  f"draws its own order\n")
     if pipe.schedule.name == "1f1b":
-        from shardc.lowering.pipeline_1f1b import SECTION, tick_tables
-
         f_table, b_table = tick_tables(stages, microbatches)
         text += SECTION.format(axis=pipe.axis, f_table=f_table, b_table=b_table)
     return module, head + text, micro[dim] * microbatches
@@ -110,9 +104,6 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
 def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
                reserved: frozenset[str]) -> tuple[str, frozenset[str]]:
     """The ends' functions and the whole model's programs, at one microbatch's sizes."""
-    from shardc.costmodel.pipeline import microbatch_dim
-    from shardc.lowering.pipeline_ends import ends_source
-
     pipe = pipeline_of(ends.block.spec)
     assert pipe is not None
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
@@ -143,8 +134,6 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     microbatches = microbatches or pipe.microbatches
     ends = None
     if plan.spec.block is not None:  # the statements around the block on the first and last stage
-        from shardc.lowering.pipeline_ends import plan_parts
-
         ends = plan_parts(plan)
     reserved: frozenset[str] = frozenset()
     while True:  # no tensor's variable takes a global of the module: written again if one did

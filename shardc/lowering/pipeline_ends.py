@@ -27,8 +27,10 @@ from dataclasses import dataclass, replace
 from shardc.errors import ShardcError
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
-from shardc.lowering.layer_code import uses_dropout
-from shardc.planner.ir import Plan
+from shardc.lowering.pipeline_ends_1f1b import SECTION
+from shardc.pipeline.boundary import boundary_tensor
+from shardc.planner.ir import Plan, uses_dropout
+from shardc.planner.planner import plan as make_plan
 from shardc.spec.ir import Call, Mesh, Spec, Statement
 from shardc.spec.walk import leaves
 
@@ -88,8 +90,6 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
 
 def plan_parts(plan: Plan) -> Ends:
     """Plan the three parts as ``plan`` was planned (its policy, recompute mode and chip)."""
-    from shardc.planner.planner import plan as make_plan
-
     spans = dict(plan.spans) or None
     parts = [make_plan(s, save=plan.save, hardware=plan.chip, spans=spans,
                        recompute=plan.recompute) for s in split_spec(plan.spec)]
@@ -128,15 +128,11 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
                             pre_result=ends.pre.spec.statements[-1].result.name,
                             d_loss=next(iter(post.cotangents)))
     if schedule == "1f1b":
-        from shardc.lowering.pipeline_ends_1f1b import SECTION
-
         text += SECTION
     return text
 
 
 def _block_output(ends: Ends) -> str:
-    from shardc.costmodel.pipeline import boundary_tensor
-
     return boundary_tensor(ends.block).name
 
 

@@ -24,8 +24,10 @@ from shardc.lowering import reference
 from shardc.lowering.pipeline import PipelineLowered, lower_pipeline
 from shardc.lowering.pipeline_hlo import gpipe_rows, one_f_one_b_rows
 from shardc.lowering.pipeline_verify import _calibrate, _contracted, _key, _row, _sizes
+from shardc.lowering.report import TOLERANCE, CollectiveRow, Report, cut_note
+from shardc.lowering.rows import id_inputs
 from shardc.lowering.sizes import collapsed_axes
-from shardc.lowering.verify import TOLERANCE, CollectiveRow, Report, cut_note
+from shardc.pipeline.boundary import microbatch_dim
 from shardc.pipeline.stages import stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.functions import ID_DTYPE
@@ -43,8 +45,6 @@ def _specs(lowered: PipelineLowered) -> tuple[Spec, Spec, Spec]:
 def _inputs(lowered: PipelineLowered, seed: int, key: int) -> dict[str, np.ndarray]:
     ns, sizes = lowered.namespace, dict(lowered.sizes)
     pre, block, post = _specs(lowered)
-    from shardc.costmodel.pipeline import microbatch_dim
-
     assert lowered.ends is not None
     sizes[microbatch_dim(lowered.ends.block)] = lowered.batch
     rng = np.random.default_rng(seed)
@@ -68,8 +68,6 @@ def _inputs(lowered: PipelineLowered, seed: int, key: int) -> dict[str, np.ndarr
 
 def _vocab(spec: Spec) -> dict[str, str]:
     """Token-id inputs and the vocabulary dim they index."""
-    from shardc.lowering.rows import id_inputs
-
     return dict(id_inputs(spec))
 
 

@@ -20,19 +20,23 @@ between stages, and every planned collective by kind, axes and bytes.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from shardc.errors import ShardcError
 from shardc.lowering import reference
 from shardc.lowering.pipeline import PipelineLowered, lower_pipeline
 from shardc.lowering.pipeline_hlo import gpipe_rows, one_f_one_b_rows
+from shardc.lowering.report import TOLERANCE, Report, ValueRow, cut_note
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
-from shardc.lowering.verify import TOLERANCE, Report, ValueRow, cut_note
+from shardc.pipeline.boundary import microbatch_dim
 from shardc.pipeline.stages import pipeline_of, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.functions import layer_key
-from shardc.spec.ir import Spec
+from shardc.spec.ir import Contract, Mesh, Spec
+from shardc.spec.walk import leaves
 
 __all__ = ["verify_pipeline"]
 
@@ -44,29 +48,19 @@ def _sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
         raise _error("a pipeline's stages need 2 devices or more")
     mesh = dict(shrink_mesh([(a.name, a.size) for a in plan.spec.mesh.axes], devices, pipe.axis))
     stages = mesh.pop(pipe.axis)
-    from dataclasses import replace
-
     stage = replace(plan, spec=replace(stage_spec(plan.spec), mesh=_mesh(plan.spec, mesh)))
     dims = small_sizes(stage, None)
     micro = min(pipe.microbatches, 2 * stages)
-    from shardc.costmodel.pipeline import microbatch_dim
-
     dim = microbatch_dim(plan)
     dims[dim] *= micro
     return {**dims, **mesh, pipe.axis: stages}, 2 * stages, micro
 
 
 def _mesh(spec: Spec, sizes: dict[str, int]) -> Any:
-    from dataclasses import replace
-
-    from shardc.spec.ir import Mesh
-
     return Mesh(tuple(replace(a, size=sizes[a.name]) for a in spec.mesh.axes if not a.pipeline))
 
 
 def _error(message: str) -> Exception:
-    from shardc.errors import ShardcError
-
     return ShardcError(message, fix="run with more devices (--devices) or a smaller pipeline axis")
 
 
@@ -74,8 +68,6 @@ def _inputs(lowered: PipelineLowered, seed: int, key: int) -> dict[str, np.ndarr
     spec, sizes = stage_spec(lowered.plan.spec), {**lowered.sizes}
     first = next(i.ref for i in lowered.plan.tensors if i.role == "input")
     sizes_full = dict(sizes)
-    from shardc.costmodel.pipeline import microbatch_dim
-
     dim = microbatch_dim(lowered.plan)
     sizes_full[dim] = lowered.batch
     rng = np.random.default_rng(seed)
@@ -92,9 +84,6 @@ def _inputs(lowered: PipelineLowered, seed: int, key: int) -> dict[str, np.ndarr
 def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarray], key: int) -> None:
     """Scale each layer's last param so its output has unit RMS (a deep product of einsums
     otherwise vanishes or overflows; layer norms do this in a real model)."""
-    from shardc.spec.ir import Contract
-    from shardc.spec.walk import leaves
-
     ns = lowered.namespace
     last = next((s for s in spec.statements if s.result.name == ns.BLOCK_OUTPUT), None)
     if last is None or not isinstance(last.expr, Contract):  # the output is linear in its operands
@@ -115,8 +104,6 @@ def _calibrate(lowered: PipelineLowered, spec: Spec, values: dict[str, np.ndarra
 def _contracted(spec: Spec, param: str, sizes: dict[str, int]) -> int:
     """The size a param's einsum sums over (its indices the result lacks)."""
     for statement in spec.statements:
-        from shardc.spec.walk import leaves
-
         refs = list(leaves(statement.expr))
         for ref in refs:
             if ref.name == param:
@@ -156,11 +143,11 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -
     """Lower the pipeline small, run it, check values and the compiled permutes (see the module doc);
     ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it.  A ``layers L
     { ... }`` block with statements around it is verified as the whole model
-    (:mod:`shardc.lowering.pipeline_ends_verify`)."""
+    (:func:`shardc.lowering.pipeline_ends_verify.verify_model`, which :func:`shardc.lowering.verify.verify`
+    calls for it)."""
     if plan.spec.block is not None:
-        from shardc.lowering.pipeline_ends_verify import verify_model
-
-        return verify_model(plan, devices, seed, key)
+        raise ShardcError("a layers block with statements around it is verified as the whole model",
+                          fix="verify it with shardc.lowering.verify.verify (or verify_model)")
     sizes, layers, micro = _sizes(plan, devices)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)
     ns = lowered.namespace

@@ -12,13 +12,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardc.lowering.hlo import Collective
-from shardc.planner.ir import Op, Step
+from shardc.lowering.sizes import devices_to_check
+from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.render import step_label
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text",
-           "hlo_axes", "plan_row_key", "STORAGE_DTYPE"]
+           "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE", "cut_note"]
 
 STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
+# (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
+# where the magnitude (reference.magnitudes) sums the absolute values of the terms behind each
+# value, so cancellation does not shrink the bound below the rounding it must admit.  Over every
+# example run in each dtype (benchmarks/verify_dtypes.py) the worst error is 4.9e-3 of it in
+# bfloat16 (unit roundoff 2**-9) and 6e-4 in float16 (2**-10): rtol is 5x and 7x that, far
+# below the error of a wrong plan (a missing or doubled reduction is of the order of the value).
+TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e-3, 1e-4),
+             "float64": (1e-12, 1e-12)}
 
 
 @dataclass(frozen=True)
@@ -179,3 +188,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     return ["  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
             for row in [header, *rows]]
+
+
+def cut_note(cut: tuple[str, ...], devices: int, plan: Plan) -> str:
+    """Why a report over a mesh with axes cut to 1 is not a pass, and the devices that would make it one."""
+    return (f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
+            f"are not run (use --devices {devices_to_check(plan)})")

@@ -18,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from shardc.errors import InternalError
 from shardc.planner.ir import Step
 from shardc.planner.localops import Row, Vocab
 from shardc.spec.ir import TensorRef
+from shardc.spec.walk import id_vocabulary
 
 __all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
            "id_inputs", "node_forward", "node_vjp", "node_magnitude",
@@ -225,8 +228,6 @@ def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:
     Every output of a row reads the whole row: the row's largest input magnitude, scaled by
     how much the function can amplify it (a norm divides by the row's RMS).
     """
-    import numpy as np
-
     y = forward(fn, x, axis, np)
     row = np.max(mag, axis=axis, keepdims=True)
     if fn in ("sum", "mean"):
@@ -241,8 +242,6 @@ def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:
 
 def grad_magnitude(fn: str, x: Any, mag: Any, d: Any, axis: int) -> Any:
     """A bound on the terms behind the gradient of ``fn`` for a cotangent of magnitude ``d`` (numpy)."""
-    import numpy as np
-
     y = forward(fn, x, axis, np)
     if fn in ("sum", "mean", "max", "logsumexp"):
         spread = np.broadcast_to(np.expand_dims(d, axis), x.shape)
@@ -283,8 +282,6 @@ def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) 
 
 def id_inputs(spec: Any) -> dict[str, str]:
     """Token-id tensors (integers in [0, vocabulary), ID_DTYPE) and their vocabulary index, from the spec."""
-    from shardc.spec.walk import id_vocabulary
-
     return id_vocabulary(spec)
 
 
@@ -325,8 +322,6 @@ def node_magnitude(fn: str, args: list[Any], mags: list[Any], labels: tuple[tupl
 
     Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice,
     plus its logsumexp, averaged."""
-    import numpy as np
-
     axis = _axis(fn, labels, over)
     if fn == "embed":
         return lookup_forward("embed", args[0], mags[1], 0, np)
@@ -340,8 +335,6 @@ def node_magnitude(fn: str, args: list[Any], mags: list[Any], labels: tuple[tupl
 def node_grad_magnitude(fn: str, args: list[Any], mags: list[Any], d: Any, labels: tuple[tuple[str, ...], ...],
                         over: str) -> tuple[int, Any]:
     """(which operand, a bound on the terms behind its gradient) for a cotangent of magnitude ``d``."""
-    import numpy as np
-
     axis = _axis(fn, labels, over)
     if fn == "embed":
         return 1, lookup_vjp("embed", args[0], args[1], np.abs(d), 0, np)

@@ -15,11 +15,13 @@ import ast
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardc.lowering.optimizer import LEARNING_RATE
 from shardc.lowering.partition_specs import pspec
+from shardc.lowering.rows import id_inputs
+from shardc.planner.ir import Plan, uses_dropout
 
 if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase
-    from shardc.planner.ir import Plan
 
 __all__ = ["render", "comment", "specs", "function", "defined_names", "runtime_names", "LOCALS"]
 
@@ -168,8 +170,6 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], demo: dict
     text += f"STACKED = frozenset({stacked!r})  # unreduced values: leading dim = partial sums\n"
     stacked_in = {b.key: b.ref.unreduced for b in forward.inputs if b.stacked}
     text += f"STACKED_INPUTS = {stacked_in!r}  # inputs given as partial sums over these axes\n"
-    from shardc.lowering.layer_code import uses_dropout
-
     keyed = uses_dropout(plan.forward)
     text += f"KEYED = {keyed!r}  # the forward takes a dropout key (forward(inputs, key))\n\n\n"
     text += function(forward, keyed)
@@ -186,8 +186,6 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], demo: dict
 
 def _demo(plan: Plan, forward: Phase, demo: dict[str, int]) -> str:
     """Small sizes and a ``__main__`` that runs the module on them, when every input dim has one."""
-    from shardc.lowering.rows import id_inputs
-
     dims = sorted({d.name for b in forward.inputs for d in b.ref.dims})
     if not all(d in demo for d in dims):
         return ""
@@ -202,8 +200,6 @@ def _demo(plan: Plan, forward: Phase, demo: dict[str, int]) -> str:
 
 def _optimizer(zero: str, phase: Phase) -> str:
     """The optimizer section (:mod:`shardc.lowering.optimizer`): its tables, its function, its program."""
-    from shardc.lowering.optimizer import LEARNING_RATE
-
     text = "\n\n# ---- optimizer " + "-" * 58 + "\n"
     text += comment(f"{_plain(zero)}: the optimizer phase of the ZeRO plan (forward and grad above run the spec "
                     "without the zero line)") + "\n\n"

@@ -26,10 +26,22 @@ from shardc.errors import ShardcError
 from shardc.lowering import reference
 from shardc.lowering.api import lower
 from shardc.lowering.hlo import collectives
+from shardc.lowering.optimizer import LEARNING_RATE
+from shardc.lowering.pipeline_ends_verify import verify_model
+from shardc.lowering.pipeline_verify import verify_pipeline
 from shardc.lowering.replan import unlowered_optimizer
-from shardc.lowering.report import STORAGE_DTYPE, CollectiveRow, Report, ValueRow, match_collectives, render_report
+from shardc.lowering.report import (
+    STORAGE_DTYPE,
+    TOLERANCE,
+    CollectiveRow,
+    Report,
+    ValueRow,
+    cut_note,
+    match_collectives,
+    render_report,
+)
 from shardc.lowering.rows import id_inputs
-from shardc.lowering.sizes import collapsed_axes, devices_to_check, small_sizes
+from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check, small_sizes
 from shardc.planner.check import require_sound
 from shardc.planner.ir import Plan
 from shardc.planner.planner import plan as make_plan
@@ -41,14 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives", "compute_dtype",
            "check_device_count", "render_report", "compare_values", "differential_rows", "TOLERANCE"]
 
-# (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
-# where the magnitude (reference.magnitudes) sums the absolute values of the terms behind each
-# value, so cancellation does not shrink the bound below the rounding it must admit.  Over every
-# example run in each dtype (benchmarks/verify_dtypes.py) the worst error is 4.9e-3 of it in
-# bfloat16 (unit roundoff 2**-9) and 6e-4 in float16 (2**-10): rtol is 5x and 7x that, far
-# below the error of a wrong plan (a missing or doubled reduction is of the order of the value).
-TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e-3, 1e-4),
-             "float64": (1e-12, 1e-12)}
 # f8 values are rounded to float8_e4m3fn and computed in bfloat16: FP8 training recipes
 # (NVIDIA Transformer Engine, the FP8 formats paper of Micikevicius et al. 2022) accumulate
 # and emit matmuls in a wider type, and every intermediate rounded to e4m3's 3 mantissa
@@ -210,8 +214,6 @@ def _value_rows(lowered: Lowered, run: _Run, tol: tuple[float, float], dtype: np
 def _optimizer_rows(lowered: Lowered, tol: tuple[float, float], dtype: np.dtype[Any], seed: int) -> list[ValueRow]:
     """ZeRO-1/2's ``optimizer_step`` against numpy: random params and gradients (random partial sums
     where the ZeRO backward leaves partial sums), each param updated to W - LEARNING_RATE * (sum)."""
-    from shardc.lowering.optimizer import LEARNING_RATE
-
     phase = lowered.module.optimizer
     if phase is None or lowered.zero is None:
         return []
@@ -246,8 +248,8 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     devices = devices_to_check(plan, jax.device_count()) if devices is None else devices
     check_device_count(devices)
     if plan.spec.mesh.pipeline_axis is not None:  # GPipe over the stage axis: its own module
-        from shardc.lowering.pipeline_verify import verify_pipeline
-
+        if plan.spec.block is not None:  # the whole model: the block's stages and the statements around it
+            return verify_model(plan, devices, seed)
         return verify_pipeline(plan, devices, seed)
     small = {**small_sizes(zero or plan, devices), **(sizes or {})}
     lowered = lower(zero or plan, sizes=small)
@@ -274,12 +276,6 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
         report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut)
     return report
-
-
-def cut_note(cut: tuple[str, ...], devices: int, plan: Plan) -> str:
-    """Why a report over a mesh with axes cut to 1 is not a pass, and the devices that would make it one."""
-    return (f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
-            f"are not run (use --devices {devices_to_check(plan)})")
 
 
 _POWER = 0.5  # a check must fail an error of half the value (a missing or doubled reduction over 2)
@@ -362,8 +358,6 @@ def _failed(row: ValueRow) -> ValueRow:
 
 def check_device_count(devices: int) -> None:
     """A device count verification can emulate: 1 to MAX_DEVICES."""
-    from shardc.lowering.sizes import MAX_DEVICES
-
     if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
         raise ShardcError(f"--devices {devices}: verification runs on 1 to {MAX_DEVICES} devices",
                           fix="leave --devices out (enough for every mesh axis to be 2) or give e.g. --devices 8")

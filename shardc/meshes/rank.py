@@ -16,9 +16,12 @@ ahead-of-time collectives overlap); then by memory per device; then in enumerati
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 from shardc.costmodel.report import CostReport, cost
@@ -200,8 +203,6 @@ def _run(candidates: list[Spec], options: Options, jobs: int,
             if progress is not None:
                 progress(len(out), len(candidates))
         return out
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     # spawn, not fork: a fresh interpreter per worker, whatever threads the caller runs; workers leave
     # Ctrl-C to this process, which cancels what is left rather than waiting for it
@@ -219,6 +220,4 @@ def _run(candidates: list[Spec], options: Options, jobs: int,
 
 
 def _ignore_interrupt() -> None:
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)

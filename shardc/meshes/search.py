@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from shardc.errors import ShardcError
 from shardc.meshes.factor import candidates
 from shardc.meshes.rank import RULE, Layout, Options, Skipped, ranked
+from shardc.meshes.render import reason, render, to_json
 from shardc.spec.ir import Spec
 from shardc.spec.overrides import dim_names
 
@@ -37,18 +38,12 @@ class LayoutSearch:
         return self.layouts[0] if self.layouts else None
 
     def reason(self) -> str:
-        from shardc.meshes.render import reason
-
         return reason(self)
 
     def render(self, top: int = 0) -> str:
-        from shardc.meshes.render import render
-
         return render(self, top)
 
     def to_json(self, top: int = 0) -> dict[str, object]:
-        from shardc.meshes.render import to_json
-
         return to_json(self, top)
 
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
-from shardc.planner.ir import Plan
 from shardc.spec.ir import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
 
-__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipelined", "pipeline_note", "layer_count",
+__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count",
            "DEFAULT_SCHEDULE"]
 
 DEFAULT_SCHEDULE = Schedule("1f1b")
@@ -95,14 +94,6 @@ def stage_spec(spec: Spec) -> Spec:
     """The spec one stage runs: the mesh without the stage axis, no pipeline lines."""
     axes = tuple(a for a in spec.mesh.axes if not a.pipeline)
     return replace(spec, mesh=Mesh(axes), microbatches=None, schedule=None)
-
-
-def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
-    """One stage's plan, told it runs in ``spec``'s pipeline (its mesh keeps the stage axis)."""
-    sizes = stage_plan.sizes
-    if sizes is not None:
-        sizes = sizes + tuple((a.name, a.size) for a in spec.mesh.axes if a.pipeline)
-    return replace(stage_plan, spec=spec, sizes=sizes)
 
 
 def check_pipeline(spec: Spec) -> None:

@@ -23,21 +23,18 @@ from shardc.planner.localops import Add, Route, Row, Vocab
 from shardc.planner.route import check_route_step
 from shardc.planner.rows import check_row_step
 from shardc.spec.ir import TensorRef
+from shardc.timing import plan_time
 
 __all__ = ["check_plan", "require_sound", "replay_step", "comm_time", "step_time"]
 
 
 def step_time(plan: Plan) -> float:
     """The step time of ``plan`` on its chip: what the planner minimises and ``shardc cost`` reports."""
-    from shardc.timing import plan_time
-
     return plan_time(plan).step_s
 
 
 def comm_time(plan: Plan) -> float:
     """Seconds of communication of both phases on the plan's chip (the table's model)."""
-    from shardc.timing import plan_time
-
     return plan_time(plan).comm_s
 
 

@@ -17,11 +17,12 @@ from fractions import Fraction
 
 from shardc.collectives import COLLECTIVES, FACTOR, Op
 from shardc.hardware import DEFAULT, PRESETS, Hardware
-from shardc.planner.localops import LocalOp
+from shardc.planner.localops import DropoutMask, LocalOp
 from shardc.spec.ir import Spec, TensorRef
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
+    "uses_dropout",
 ]
 
 
@@ -234,3 +235,8 @@ class Plan:
     @property
     def size_map(self) -> dict[str, int] | None:
         return None if self.sizes is None else dict(self.sizes)
+
+
+def uses_dropout(steps: Iterable[Step]) -> bool:
+    """Whether ``steps`` draw a dropout keep-mask (a lowered module then takes a dropout key)."""
+    return any(isinstance(s.fn, DropoutMask) for s in steps)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans, resolve_hardware
-from shardc.pipeline.stages import pipelined, stage_spec
+from shardc.pipeline.stages import stage_spec
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.einsum import Solution
@@ -112,6 +112,14 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
         return _best_plan(spec, graph, save, ctx, recompute)
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx,
                  recompute=recompute)
+
+
+def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
+    """One stage's plan, told it runs in ``spec``'s pipeline (its mesh keeps the stage axis)."""
+    sizes = stage_plan.sizes
+    if sizes is not None:
+        sizes = sizes + tuple((a.name, a.size) for a in spec.mesh.axes if a.pipeline)
+    return replace(stage_plan, spec=spec, sizes=sizes)
 
 
 def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none") -> Plan:

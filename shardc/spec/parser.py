@@ -43,6 +43,7 @@ from lark.exceptions import UnexpectedInput, VisitError
 
 from shardc.errors import ShardcError, Span, clip
 from shardc.spec.ir import (
+    SCHEDULES,
     Add,
     Call,
     Contract,
@@ -59,6 +60,7 @@ from shardc.spec.ir import (
     Zero,
 )
 from shardc.spec.syntax_errors import syntax_error
+from shardc.spec.validate import validate
 
 __all__ = ["parse", "parse_size", "grammar_text"]
 
@@ -119,8 +121,6 @@ def _get_parser() -> Lark:
 
 def parse(text: str, filename: str | None = None) -> Spec:
     """Parse spec text and validate it; every mistake is a :class:`ShardcError`."""
-    from shardc.spec.validate import validate
-
     spec = parse_unchecked(text, filename)
     validate(spec)
     return spec
@@ -417,8 +417,6 @@ def _sort_args(func: str, args: list[Any]) -> tuple[list[Expr], list[str], list[
 
 def _schedule(children: list[Token]) -> Schedule:
     """``schedule NAME [V]``: a known name; V for ``interleaved`` only (at least 2)."""
-    from shardc.spec.ir import SCHEDULES
-
     word, span = str(children[1]), _span(children[1])
     if word not in SCHEDULES:
         raise ShardcError(f"unknown pipeline schedule `{word}`", span,
