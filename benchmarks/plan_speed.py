@@ -2,12 +2,17 @@
 
 Prints, each with its target:
 
-- the 96-layer spec (two einsums a layer, FSDP + TP MLP blocks): parse + plan, < 0.2 s;
+- the 96-layer spec (two einsums a layer, FSDP + TP MLP blocks): parse + plan, < 0.2 s, and the
+  plan checker on its plan;
+- a LLaMA decoder layer (RMSNorm, causal attention, SwiGLU) written out 96 times, every layer
+  its own tensors and params: parse + plan, and the plan checker (``shardc plan`` runs it on
+  every plan), which does work linear in the plan's steps;
 - the 8-axis MaxText-style mesh (``data=16, stage=1, fsdp=1, seq=1, tensor=4, expert=1,
   ctx=1, tt=1``): plan, < 1 s (size-1 axes are stripped before the search);
 - an MLP block on 4, 5 and 6 mesh axes of size 2, and two specs on 6 and 5 axes of size 2
-  whose references write the axes apart (no two always together): plan, < 5 s (or the
-  planner's clear error past its time budget, with the time it took to say so);
+  whose references write the axes apart (no two always together): plan, < 5 s;
+- eight axes of size 2 written apart: past the planner's budget (a count of search work, not
+  seconds), so the clear error, with the time it took to say so;
 - ``shardc plan`` and ``shardc cost`` on an example, wall time of a fresh process
   (imports included), < 0.3 s and < 0.6 s.
 
@@ -26,6 +31,8 @@ sys.path.insert(0, str(ROOT))  # this checkout's shardc, not an installed one
 
 import shardc  # noqa: E402
 from shardc.errors import ShardcError  # noqa: E402
+from shardc.planner.check import check_plan  # noqa: E402
+from shardc.planner.ir import Plan  # noqa: E402
 
 
 def deep_spec(layers: int, sized: bool = True) -> str:
@@ -38,6 +45,37 @@ def deep_spec(layers: int, sized: bool = True) -> str:
         lines.append(f"H{k}[B_X, D_Y] = T{k}[B_X, F_Y] · W_out{k}[F_Y, D_X]")
         prev = f"H{k}"
     return "\n".join(lines) + "\n"
+
+
+# One LLaMA-2 70B decoder layer as examples/llama_layer_fsdp_tp.shard writes it; {x} is the layer's
+# input, {k} its number: every tensor and param of a layer is its own.
+LLAMA_LAYER = """\
+L1{k}[B_X, S, D] = rmsnorm({x}[B_X, S, D] over D)
+Kx{k}[B_X, T, D] = L1{k}[B_X, S, D]
+Q{k}[B_X, S, G_Y, R, H] = L1{k}[B_X, S, D] · W_q{k}[D_X, G_Y, R, H]
+K{k}[B_X, T, G_Y, H] = Kx{k}[B_X, T, D] · W_k{k}[D_X, G_Y, H]
+V{k}[B_X, T, G_Y, H] = Kx{k}[B_X, T, D] · W_v{k}[D_X, G_Y, H]
+Sc{k}[B_X, G_Y, R, S, T] = Q{k}[B_X, S, G_Y, R, H] · K{k}[B_X, T, G_Y, H]
+P{k}[B_X, G_Y, R, S, T] = softmax(causal(Sc{k}[B_X, G_Y, R, S, T], S, T) over T)
+C{k}[B_X, S, G_Y, R, H] = P{k}[B_X, G_Y, R, S, T] · V{k}[B_X, T, G_Y, H]
+R1{k}[B_X, S, D] = {x}[B_X, S, D] + C{k}[B_X, S, G_Y, R, H] · W_o{k}[G_Y, R, H, D_X]
+L2{k}[B_X, S, D] = rmsnorm(R1{k}[B_X, S, D] over D)
+Gt{k}[B_X, S, F_Y] = silu(L2{k}[B_X, S, D] · W_gate{k}[D_X, F_Y])
+U{k}[B_X, S, F_Y] = L2{k}[B_X, S, D] · W_up{k}[D_X, F_Y]
+A{k}[B_X, S, F_Y] = Gt{k}[B_X, S, F_Y] * U{k}[B_X, S, F_Y]
+Out{k}[B_X, S, D] = R1{k}[B_X, S, D] + A{k}[B_X, S, F_Y] · W_down{k}[F_Y, D_X]
+"""
+
+
+def llama_spec(layers: int) -> str:
+    """``layers`` LLaMA decoder layers written out (no ``layers`` block), each feeding the next."""
+    params = ", ".join(f"{w}{k}" for k in range(1, layers + 1)
+                       for w in ("W_q", "W_k", "W_v", "W_o", "W_gate", "W_up", "W_down"))
+    lines = ["mesh X=32, Y=8", "dims B=256, S=4096, T=4096, D=8192, G=8, R=8, H=128, F=28672",
+             f"param {params}"]
+    for k in range(1, layers + 1):
+        lines.append(LLAMA_LAYER.format(k=k, x="X" if k == 1 else f"Out{k - 1}"))
+    return "\n".join(lines)
 
 
 MAXTEXT = """mesh data=16, stage=1, fsdp=1, seq=1, tensor=4, expert=1, ctx=1, tt=1
@@ -72,6 +110,14 @@ Out[B_P, L_{R,Y}, D_X] = A[B_P, L_R, H_{Q,X}, K] · Wo[H_{Q,X}, K, D_Y]
 """
 
 
+# Eight axes of size 2 written apart: more search than the planner's budget allows.
+EIGHT_APART = """mesh P=2, Q=2, R=2, S=2, X=2, Y=2, Z=2, W=2
+dims B=4096, D=1024, F=4096
+T[B_{P,Q,S}, F_{X,Y}] = In[B_{P,R}, D_{Z,W}] · W_in[D_{Q,X,S}, F_{Y,Z}]
+Out[B_{P,Q}, D_{R,W}] = T[B_{P,Q,S}, F_{X,Y}] · W_out[F_{Z,X}, D_{Y,Q,S}]
+"""
+
+
 def timed(label: str, text: str, target: float) -> None:
     t0 = time.perf_counter()
     try:
@@ -98,7 +144,29 @@ def deep(layers: int, runs: int = 5) -> None:
         steps = len(result.forward) + len(result.backward)
         total, parse, plan = best
         print(f"{layers} layers, {'with' if sized else 'without'} dims (best of {runs}): parse {parse:.3f} s, "
-              f"plan {plan:.3f} s ({steps} steps), total {total:.3f} s = {total / 0.2:.2f} x the 0.2 s target")
+              f"plan {plan:.3f} s ({steps} steps), total {total:.3f} s = {total / 0.2:.2f} x the 0.2 s target; "
+              f"check {checked(result):.3f} s")
+
+
+def checked(plan: Plan) -> float:
+    """Seconds the plan checker takes on ``plan`` (which must be sound)."""
+    t0 = time.perf_counter()
+    problems = check_plan(plan)
+    took = time.perf_counter() - t0
+    assert not problems, problems[:3]
+    return took
+
+
+def llama(layers: int) -> None:
+    """Parse + plan of ``layers`` LLaMA layers written out, then the checker on the plan; twice the
+    layers should take about twice the checker's time (it is linear in the steps)."""
+    for n in (layers // 2, layers):
+        t0 = time.perf_counter()
+        result = shardc.plan(shardc.parse(llama_spec(n), filename="llama.shard"))
+        planned = time.perf_counter() - t0
+        steps = len(result.forward) + len(result.backward)
+        print(f"LLaMA layer written out {n} times: parse + plan {planned:.3f} s ({steps} steps), "
+              f"check {checked(result):.3f} s")
 
 
 def cli(command: str, example: str, target: float) -> None:
@@ -114,12 +182,15 @@ def cli(command: str, example: str, target: float) -> None:
 
 def main() -> None:
     shardc.plan(shardc.parse("mesh X=2\nA[B_X] = C[B]\n"))  # imports the planner: later figures exclude that
-    deep(int(sys.argv[1]) if len(sys.argv) > 1 else 96)
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 96
+    deep(layers)
+    llama(layers)
     timed("8-axis MaxText-style mesh (6 axes of size 1)", MAXTEXT, 1.0)
     for n in (4, 5, 6):
         timed(f"{n} axes of size 2", axes_of_two(n), 5.0)
     timed("6 axes of size 2 written apart", SIX_APART, 5.0)
     timed("5 axes of size 2 written apart (3- and 4-dim tensors)", FIVE_APART, 5.0)
+    timed("8 axes of size 2 written apart (past the budget: the error)", EIGHT_APART, 60.0)
     cli("plan", "examples/fsdp_tp.shard", 0.3)
     cli("cost", "examples/fsdp_tp.shard", 0.6)
 

@@ -54,7 +54,7 @@ def test_softmax_over_a_sharded_index_all_reduces_two_statistics_per_row() -> No
 
 def test_the_choice_is_the_objectives_and_explain_shows_both() -> None:
     for text, winner in ((BIG, "row statistics"), (TINY, "AllGather_X")):
-        p = _plan(text)
+        p = _plan(text, explain=True)
         (choice,) = [c for c in p.choices if c.phase == "forward"]
         chosen = [a for a in choice.alternatives if a.chosen]
         assert len(chosen) == 1 and winner in chosen[0].description, choice
@@ -109,7 +109,7 @@ def test_a_nonlinear_function_of_partial_sums_reduces_its_input_first() -> None:
 
 
 def test_without_dims_the_statistics_win_at_proxy_sizes() -> None:
-    p = _plan("mesh X=4\nM[B] = logsumexp(X[B, D_X] over D)\n")
+    p = _plan("mesh X=4\nM[B] = logsumexp(X[B, D_X] over D)\n", explain=True)
     assert [s.tensor for s in _collectives(p.forward)] == ["M_max", "M_sum"]
     assert "no sizes" in render_explain(p)
 

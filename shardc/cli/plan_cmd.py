@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     spec = read_spec(args)
     hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
     result = plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
-                  recompute=args.recompute)
+                  recompute=args.recompute, explain=args.explain)
     try:
         require_sound(result)  # a broken plan is a shardc bug: say so (exit 1), never print it as sound
     except InternalError as err:

@@ -214,7 +214,8 @@ def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value,
 
 
 # How many of the cheapest configurations the search keeps for ``--explain`` (it
-# shows six distinct ones); dearer configurations are pruned unexplored.
+# shows six distinct ones); dearer configurations are pruned unexplored.  Without
+# --explain only the cheapest is kept, so the search prunes at it.
 KEEP = 24
 
 
@@ -227,11 +228,13 @@ def room(bound: Cost | None, spent: Cost) -> Cost | None:
 
 
 def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solution]]:
-    """The cheapest solution and the ``KEEP`` cheapest alternatives (for ``--explain``).
+    """The cheapest solution and, with ``ctx.explain``, the ``KEEP`` cheapest alternatives.
 
-    Exact: a configuration is pruned only once ``KEEP`` others are known to cost
-    less, so the cheapest one is always found.
+    Exact: a configuration is pruned only once ``KEEP`` others (one without
+    ``ctx.explain``) are known to cost no less, so the cheapest one is always found,
+    the first of equals as configurations come, whatever is kept.
     """
+    keep = KEEP if ctx.explain else 1
     best: Solution | None = None
     seen: list[Solution] = []
     bound: Cost | None = None
@@ -244,8 +247,8 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
         seen.append(sol)
         if best is None or sol.cost < best.cost:
             best = sol
-        if len(seen) >= KEEP:
-            seen = sorted(seen, key=lambda s: s.cost)[:KEEP]
+        if len(seen) >= keep:
+            seen = sorted(seen, key=lambda s: s.cost)[:keep]
             bound = seen[-1].cost
     if best is None:
         raise NoPlan(problem.result)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -53,11 +52,12 @@ Layout = tuple[tuple[str, ...], ...]
 PROXY_DIM = 1 << 20
 
 class SearchTooLong(Exception):
-    """The exact search ran past its time budget (the planner turns this into a ShardcError)."""
+    """The search did more work than its budget allows (the planner turns this into a ShardcError)."""
 
-    def __init__(self, axes: int) -> None:
-        super().__init__(axes)
+    def __init__(self, axes: int, work: int) -> None:
+        super().__init__(axes, work)
         self.axes = axes
+        self.work = work
 
 
 Cost = tuple[float, int, int]
@@ -152,7 +152,13 @@ class CostContext:
     # reverse searches (to one target) and the moves into each value: see shardc.planner.reverse
     _reverse: dict[tuple[object, ...], object] = field(default_factory=dict)
     _into: dict[tuple[object, ...], tuple[tuple[Move, int, Cost], ...]] = field(default_factory=dict)
-    deadline: float | None = None  # time.monotonic() past which the search gives up (see tick)
+    # Search work the planner may do before it gives up (see tick); None: no limit.  A count of
+    # work, not of seconds, so whether a spec plans never depends on how busy the machine is.
+    budget: int | None = None
+    explored: int = 0  # work done so far (see tick), over every candidate plan of this context
+    # Whether to keep the alternatives `shardc plan --explain` lists (Plan.choices): only when asked,
+    # since building them and searching the runners-up costs time the plan itself never needs.
+    explain: bool = False
     # Mesh axes the search moves as one (major to minor), each axis in exactly one; None: every
     # axis alone (exact).  See shardc.planner.unit.bonded_axes.
     units: tuple[tuple[str, ...], ...] | None = None
@@ -258,6 +264,7 @@ class CostContext:
         if hit is None:
             hit = self._edges[key] = tuple(self._edge(m, tensor, idx)
                                            for m in neighbours(self, idx, self.values[state], self.nbytes(tensor)))
+            self.tick(len(hit))
         return hit
 
     def _edge(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Edge:
@@ -284,10 +291,13 @@ class CostContext:
             if axes[len(axes) - k] in heads:
                 yield axes[len(axes) - k:]
 
-    def tick(self) -> None:
-        """Give up with a clear error once past the deadline, rather than search for minutes."""
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            raise SearchTooLong(len(self.mesh.axes))
+    def tick(self, work: int = 1) -> None:
+        """Count ``work``: one search state settled or configuration tried, or the moves built out of
+        (or into) a state, each one; past the budget, give up with a clear error rather than search
+        for minutes.  Moves count because on a mesh of many axes a state has thousands, each costed."""
+        self.explored += work
+        if self.budget is not None and self.explored > self.budget:
+            raise SearchTooLong(len(self.mesh.axes), self.budget)
 
     def number(self, value: Value) -> int:
         """A small integer per value: search states hash and compare as ints."""

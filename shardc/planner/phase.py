@@ -149,7 +149,7 @@ class Phase:
                     f"no sharding of the operands makes {label.split(' = ')[0]}", span,
                     fix="partial sums {U_..} can only come from axes that shard a contracted index "
                         "or an unreduced operand: drop the suffix or shard a contracted index") from None
-            hit = (sol, self.explain(sol, alternatives))
+            hit = (sol, self.explain(sol, alternatives) if self.ctx.explain else ((), ""))
             self.solved[key] = hit
         sol, (rows, reason) = hit
         for op, moves in zip(operands, sol.operand_moves, strict=True):
@@ -159,7 +159,8 @@ class Phase:
         self.emit(Step(Op.COPY if copy else Op.EINSUM, result, self.ref(result, sol.local_result), operands=local),
                   sol.local_result)
         self.moves(result, sol.result_moves)
-        self.choices.append(Choice(self.name, label, rows, reason))
+        if self.ctx.explain:
+            self.choices.append(Choice(self.name, label, rows, reason))
         return sol.final
 
     def key(self, problem: EinsumProblem, rule_given: tuple[Value, ...] | None) -> object:

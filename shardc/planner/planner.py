@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 
 from shardc.errors import ShardcError
@@ -48,9 +47,14 @@ from shardc.timing import PlanTime, plan_time
 __all__ = ["plan", "plan_candidate", "objective", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
-# Seconds the exact search may take before it gives up with a clear error: it grows with
-# every mesh axis of size > 1 (the layouts of a tensor multiply), never with size-1 axes.
-BUDGET = 30.0
+# The search work (states settled, configurations tried, moves built: CostContext.tick) the
+# planner may do before it gives up with a clear error.  The search grows with every mesh axis
+# of size > 1 (the layouts of a tensor multiply), never with size-1 axes.  A count, not seconds:
+# the same spec plans, or stops, on any machine under any load.  The most any example, test spec
+# or test of the suite needs is about 80,000 (examples/moe_transformer.shard; six size-2 axes
+# written apart, 70,000); eight size-2 axes written apart need more than this and stop, after
+# about as long as the 30 s the search once allowed (benchmarks/plan_speed.py).
+BUDGET = 300_000
 STRATEGIES = ("auto", "search", "rules")
 # How much the search counts a second of compute beside one of communication, per phase
 # (forward, backward): their sum first, which bounds a phase's max(compute, comm) within 2x.
@@ -58,7 +62,8 @@ SUM: tuple[float, float] = (1.0, 1.0)
 
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
-         spans: dict[str, int] | None = None, recompute: str = "none") -> Plan:
+         spans: dict[str, int] | None = None, recompute: str = "none", budget: int = BUDGET,
+         explain: bool = False) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -74,6 +79,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     once, compute and communication counted alike.  ``recompute`` (none, selective,
     full: :mod:`shardc.planner.recompute`) is what the backward recomputes instead of
     keeping; those forward steps are part of every candidate's backward time.
+    ``budget`` is how much search the planner may do (:data:`BUDGET`) before it stops
+    with a :class:`ShardcError`.  ``explain`` keeps, in :attr:`Plan.choices`, the
+    alternatives each choice weighed (``shardc plan --explain``); the plan is the same.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
@@ -81,33 +89,38 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
     if recompute not in RECOMPUTE_MODES:
         raise ShardcError(f"unknown recompute mode {recompute!r}", fix="use one of: " + ", ".join(RECOMPUTE_MODES))
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ShardcError(f"budget={budget!r}: must be a whole number of search steps >= 1",
+                          fix=f"leave it out for the default, {BUDGET:,}")
     validate(spec)  # a Spec built in Python has not met the parser's checks
     try:
-        return _plan_within_budget(spec, save, strategy, hardware, spans, recompute)
+        return _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain))
     except SearchTooLong as e:
         raise ShardcError(
-            f"planning gave up after {BUDGET:.0f} s: the search over layouts grows with every mesh axis "
-            f"(this mesh has {e.axes} of size > 1)",
+            f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "
+            f"over layouts grows with every mesh axis (this mesh has {e.axes} of size > 1)",
             fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
                 "one axis XY=4), or drop the dims line to plan by the book's rules") from None
 
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
-                        spans: dict[str, int] | None, recompute: str = "none") -> Plan:
+                        spans: dict[str, int] | None, recompute: str, search: tuple[int, bool]) -> Plan:
+    """``search``: (budget, explain), as :func:`plan` takes them."""
     hw = resolve_hardware(hardware, None, spec.hardware)
     check_spans(spec.mesh, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
     if zero_notes:
-        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute)
+        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute, search)
         return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
         return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
-                                                   recompute))
+                                                   recompute, search))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped)
     units = bonded_axes(stripped)
     ctx = _context(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
+    ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
     if strategy == "auto" and spec.dims:
         return _best_plan(spec, graph, save, ctx, recompute)
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx,
@@ -217,12 +230,10 @@ def _rounded(x: float) -> float:
 def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None,
              units: tuple[tuple[str, ...], ...] | None = None, places: Placements | None = None) -> CostContext:
     grads = frozenset(graph.grads[p] for p in graph.params)
-    ctx = CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
-                      graph.params | grads, hardware=hw, spans=spans,
-                      padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
-                      element_bytes=graph.element_bytes)
-    ctx.deadline = time.monotonic() + BUDGET
-    return ctx
+    return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
+                       graph.params | grads, hardware=hw, spans=spans,
+                       padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
+                       element_bytes=graph.element_bytes)
 
 
 def uneven_dims(spec: Spec) -> list[tuple[str, int]]:

@@ -107,6 +107,7 @@ class _Reverse:
             moves = predecessors(ctx, self.idx, ctx.values[state], self.partial, ctx.nbytes(self.tensor))
             hit = ctx._into[key] = tuple((m, ctx.number(m.src), ctx.move_cost(m, self.tensor, self.idx))
                                          for m in moves)
+            ctx.tick(len(hit))
         return hit
 
 

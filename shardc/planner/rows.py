@@ -105,7 +105,10 @@ def choose(options: list[Layouts], stats: int) -> tuple[Layouts, list[Layouts]]:
 def record(phase: Phase, label: str, best: Layouts, options: list[Layouts], stats: int,
            idx: tuple[str, ...], over: str) -> None:
     """A ``--explain`` entry: each way the reduction could run (``idx``: the indices of an option's
-    ``local`` value, ``over`` the reduced one), and why the chosen one won."""
+    ``local`` value, ``over`` the reduced one), and why the chosen one won; only when asked
+    (:attr:`CostContext.explain`)."""
+    if not phase.ctx.explain:
+        return
     rows = []
     for o in options:
         vol = _volume(phase, o, stats, idx, over)
