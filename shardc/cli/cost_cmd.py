@@ -103,13 +103,13 @@ def run_cost(args: argparse.Namespace) -> int:
     if missing_sizes(the_plan, sizes):
         from shardc.costmodel.symbolic import cost_formulas
 
-        formulas = cost_formulas(the_plan, hardware=hw, spans=spans, optimizer=args.optimizer)
+        formulas = cost_formulas(the_plan, spans=spans, optimizer=args.optimizer)  # on the plan's chip
         if args.mfu is not None:
             formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
                                                                  "needs the sizes",))
         print(formulas.json_text() if args.json else formulas.render(), end="\n" if args.json else "")
         return 0
-    report = cost(the_plan, hardware=hw, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
+    report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
     if args.schedule_plot:
         from shardc.costmodel.pipeline import draw_schedule
@@ -123,14 +123,13 @@ def run_cost(args: argparse.Namespace) -> int:
 def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     from shardc import plan
     from shardc.costmodel.sweep import check_plot_path, parse_sweep, plot, sweep
-    from shardc.hardware import resolve_hardware
 
     dim, low, high = parse_sweep(args.sweep)
     if not 2 <= args.points <= MAX_POINTS:
         raise ShardcError(f"--points must be from 2 to {MAX_POINTS}, got {args.points}", fix="write e.g. --points 13")
     if args.plot:
         check_plot_path(args.plot)
-    hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)
+    hw = first.chip  # the chip the first plan was made for: the others are planned for it too
     plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute)
                        for path in args.others]
     spans = parse_sets(args.spans) or None
