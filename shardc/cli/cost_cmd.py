@@ -123,13 +123,14 @@ def run_cost(args: argparse.Namespace) -> int:
 def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     from shardc import plan
     from shardc.costmodel.sweep import check_plot_path, parse_sweep, plot, sweep
+    from shardc.hardware import resolve_hardware
 
     dim, low, high = parse_sweep(args.sweep)
     if not 2 <= args.points <= MAX_POINTS:
         raise ShardcError(f"--points must be from 2 to {MAX_POINTS}, got {args.points}", fix="write e.g. --points 13")
     if args.plot:
         check_plot_path(args.plot)
-    hw = first.chip  # the chip the first plan was made for: the others are planned for it too
+    hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)
     plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute)
                        for path in args.others]
     spans = parse_sets(args.spans) or None

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from shardc.collectives import share
 from shardc.errors import ShardcError
 from shardc.lowering.codegen import Boundary, Module, generate
 from shardc.lowering.rows import id_inputs
@@ -140,7 +139,7 @@ def _check_divisible(plan: Plan, sizes: dict[str, int]) -> None:
                     continue
                 shards = int(np.prod([sizes[a] for a in d.axes])) if d.axes else 1
                 if sizes[d.name] % shards:
-                    even = share(sizes[d.name], shards) * shards
+                    even = -(-sizes[d.name] // shards) * shards
                     raise ShardcError(
                         f"{d.name}={sizes[d.name]} is not divisible by the {shards} shards of {ref}: "
                         "shard_map needs even blocks, and this lowering does not pad them as XLA's "
