@@ -44,12 +44,12 @@ def test_formulas_and_cost_take_a_chip_given_over_the_plans() -> None:
 @pytest.mark.parametrize("spans", [{"X": True}, {"X": 0}, {"Q": 2}])
 def test_cost_refuses_the_spans_the_planner_refuses(spans: dict[str, int]) -> None:
     spec = shardc.parse(MLP + "dims B=4096, D=1024, F=4096\n", "<test>")
-    with pytest.raises(ShardcError, match="--spans"):
+    with pytest.raises(ShardcError, match="spans"):
         shardc.plan(spec, spans=spans)
     plan = shardc.plan(spec)
-    with pytest.raises(ShardcError, match="--spans"):
+    with pytest.raises(ShardcError, match="spans"):
         shardc.cost(plan, spans=spans)
-    with pytest.raises(ShardcError, match="--spans"):
+    with pytest.raises(ShardcError, match="spans"):
         cost_formulas(plan, spans=spans)
 
 
