@@ -31,22 +31,32 @@ The time model, with the choices the book leaves open:
   n chips, summed over the collective's axes; an axis spanning k physical axes is
   k rings of n**(1/k).  A collective takes ``max(bandwidth term, latency)``:
   latency only bounds small arrays.  Formulas carry the bandwidth terms only.
+* CollectivePermute (a pipeline's send of a stage's output to the next stage,
+  :attr:`OpInfo.neighbour`) moves its V one way over one link: half the axis's
+  bidirectional W_ici (W_dcn is a per-chip figure already), one hop, and its
+  latency adds to the transfer (one message, nothing to hide it behind).
+
+The figures are written once, generic over numbers and formulas: per-device
+pieces (:func:`share`, :func:`piece`), volumes (:func:`volume_elements`), the
+bandwidth terms of a collective (:func:`bandwidth_terms`) and the FLOPs of a local
+einsum (:func:`einsum_flops`) take ints, floats, fractions or symengine
+expressions alike, so the planner, ``shardc cost``, its formulas and memory agree.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from shardc.hardware import Hardware
 from shardc.spec.ir import Mesh, Network
 
 __all__ = ["Op", "OpInfo", "TABLE", "COLLECTIVES", "FACTOR", "BY_HLO_OP", "CollectiveTime", "collective_time",
-           "links", "hops", "split_axes", "piece", "volume_elements"]
+           "links", "hops", "split_axes", "share", "piece", "volume_elements", "bandwidth_terms", "einsum_flops"]
 
 
 class Op(enum.Enum):
@@ -58,6 +68,7 @@ class Op(enum.Enum):
     EINSUM = "einsum"
     COPY = "copy"  # a one-operand statement with the same indices: a reshard or transpose, no FLOPs
     ELEMENTWISE = "elementwise"
+    COLLECTIVE_PERMUTE = "collective_permute"  # a pipeline's send between stages, never a plan step
 
     @property
     def title(self) -> str:
@@ -83,6 +94,7 @@ class OpInfo:
     times_group: bool = False  # V is that piece times the collective's group size
     jax_call: str | None = None  # the jax.lax function codegen emits
     hlo_op: str | None = None  # the op name in compiled HLO text
+    neighbour: bool = False  # a send to the next device along one axis (see the module docstring)
 
     @property
     def is_collective(self) -> bool:
@@ -98,23 +110,58 @@ TABLE: dict[Op, OpInfo] = {info.op: info for info in (
     OpInfo(Op.EINSUM, "Einsum", jax_call="jnp.einsum"),
     OpInfo(Op.COPY, "Copy", jax_call="jnp.einsum"),
     OpInfo(Op.ELEMENTWISE, "Elementwise"),
+    OpInfo(Op.COLLECTIVE_PERMUTE, "CollectivePermute", Fraction(1), "src", False, "jax.lax.ppermute",
+           "collective-permute", neighbour=True),
 )}
 
 COLLECTIVES = frozenset(op for op, info in TABLE.items() if info.is_collective)
 FACTOR: dict[Op, Fraction] = {op: info.factor for op, info in TABLE.items() if info.factor is not None}
-BY_HLO_OP: dict[str, Op] = {info.hlo_op: op for op, info in TABLE.items() if info.hlo_op is not None}
+# the HLO ops of plan steps (a collective-permute is the pipeline's, matched apart)
+BY_HLO_OP: dict[str, Op] = {info.hlo_op: op for op, info in TABLE.items()
+                            if info.hlo_op is not None and not info.neighbour}
 
 
-def piece(dims: Iterable[tuple[int, int]]) -> int:
-    """Elements of one device's piece: per (dim size, devices sharding it), ``ceil(size / devices)``.
+_N = TypeVar("_N", int, float, Fraction, Any)
+
+
+def share(size: _N, devices: _N) -> _N:
+    """One device's part of a dim of ``size`` over ``devices``: ``ceil(size / devices)`` for whole numbers.
 
     XLA pads a dim that its devices do not divide, so each device holds the ceiling.  A
-    fractional size (a ``shardc cost --sweep`` point between sizes) is divided exactly.
+    fractional size (a ``shardc cost --sweep`` point between sizes) or a formula is
+    divided exactly.
     """
-    count = 1
+    if isinstance(size, int) and isinstance(devices, int):
+        return -(-size // devices)
+    return size / devices
+
+
+def piece(dims: Iterable[tuple[_N, _N]]) -> _N:
+    """Elements of one device's piece: the product of :func:`share` over (dim size, devices sharding it)."""
+    count: Any = 1
     for size, devices in dims:
-        count *= -(-size // devices) if isinstance(size, int) else size / devices  # type: ignore[assignment]
-    return count
+        count *= share(size, devices)
+    return count  # type: ignore[no-any-return]
+
+
+def einsum_flops(occurrences: Iterable[tuple[str, tuple[str, ...]]], size: Callable[[str], _N]) -> tuple[_N, _N]:
+    """(per-device FLOPs, model FLOPs) of a local einsum: ``2 * prod`` of its index sizes.
+
+    ``occurrences`` are (index, mesh axes sharding it) over its operands and result;
+    ``size`` gives a dim's or an axis's size (a number or a symbol).  An index is
+    sharded alike in every operand, and the result may be sliced further: the
+    occurrence over the most axes is the piece a device works on (:func:`share`).
+    """
+    axes_of: dict[str, tuple[str, ...]] = {}
+    for index, axes in occurrences:
+        if len(axes) >= len(axes_of.get(index, ())):
+            axes_of[index] = axes
+    local: Any = 2
+    model: Any = 2
+    for index, axes in axes_of.items():
+        local *= share(size(index), math.prod((size(a) for a in axes), start=1))
+        model *= size(index)
+    return local, model
 
 
 class _Scalable(Protocol):
@@ -159,14 +206,38 @@ def hops(axes: tuple[str, ...], sizes: Mapping[str, int], spans: Mapping[str, in
     return total
 
 
+def bandwidth_terms(op: Op, volume: _N, axes: tuple[str, ...], mesh: Mesh, size: Callable[[str], _N],
+                    spans: Mapping[str, int] | None, number: Callable[[Fraction], _N]) -> dict[str, tuple[_N, _N]]:
+    """Per network a collective crosses (``"ici"``, ``"dcn"``): (weighted bytes, divisor of that W).
+
+    Its bandwidth time is the sum of ``weighted / (W * divisor)`` (see the module
+    docstring): the ICI part moves ``factor * V`` over the links of its ICI axes, the
+    DCN part over the group of its ICI axes.  ``number`` makes a table fraction of
+    the volume's kind (``float``, or an exact rational for formulas).
+    """
+    info = TABLE[op]
+    assert info.factor is not None, f"{op} moves nothing"
+    weighted = number(info.factor) * volume
+    ici, dcn = split_axes(mesh, axes)
+    terms: dict[str, tuple[_N, _N]] = {}
+    if ici:  # a neighbour's send uses one direction of one link: half the bidirectional W
+        terms["ici"] = (weighted, number(Fraction(1, 2)) if info.neighbour else number(Fraction(links(ici, spans))))
+    if dcn:
+        terms["dcn"] = (weighted, math.prod((size(a) for a in ici), start=number(Fraction(1))))
+    return terms
+
+
 @dataclass(frozen=True)
 class CollectiveTime:
     bandwidth_s: float
     latency_s: float
     network: str  # "ici", "dcn" or "ici+dcn"
+    serial: bool = False  # the latency adds to the transfer (a neighbour's send) instead of bounding it
 
     @property
     def seconds(self) -> float:
+        if self.serial:
+            return self.bandwidth_s + self.latency_s
         return max(self.bandwidth_s, self.latency_s)
 
 
@@ -175,13 +246,11 @@ def collective_time(op: Op, volume_bytes: float, axes: tuple[str, ...], mesh: Me
     """The time of one collective moving ``volume_bytes`` (V) over ``axes`` (see the module docstring)."""
     if math.prod(sizes[a] for a in axes) == 1:
         return CollectiveTime(0.0, 0.0, "")  # over size-1 axes nothing moves (XLA drops it)
-    factor = float(FACTOR[op])
-    ici, dcn = split_axes(mesh, axes)
+    terms = bandwidth_terms(op, float(volume_bytes), axes, mesh, lambda a: float(sizes[a]), spans, float)
+    bandwidth = {"ici": hw.w_ici, "dcn": hw.w_dcn}
     seconds = 0.0
-    if ici:
-        seconds += factor * volume_bytes / (hw.w_ici * links(ici, spans))
-    if dcn:
-        group_ici = math.prod(sizes[a] for a in ici)
-        seconds += factor * volume_bytes / (group_ici * hw.w_dcn)
-    network = "+".join(n for n, part in (("ici", ici), ("dcn", dcn)) if part)
-    return CollectiveTime(seconds, hops(axes, sizes, spans) * hw.hop_latency, network)
+    for network, (weighted, divisor) in terms.items():
+        seconds += weighted / (bandwidth[network] * divisor)
+    neighbour = TABLE[op].neighbour
+    latency = (1 if neighbour else hops(axes, sizes, spans)) * hw.hop_latency
+    return CollectiveTime(seconds, latency, "+".join(terms), neighbour)

@@ -26,7 +26,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from shardc.collectives import FACTOR, Op, collective_time, piece, volume_elements
+from shardc.collectives import FACTOR, Op, collective_time, piece, share, volume_elements
+from shardc.collectives import einsum_flops as flops_of  # this module's einsum_flops takes a Step
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, default_spans, resolve_hardware
 from shardc.planner.ir import Plan, Step
@@ -108,17 +109,9 @@ def _exact(pieces: list[tuple[int, int]]) -> Fraction:
 
 
 def einsum_flops(step: Step, sizes: Mapping[str, int]) -> tuple[int, int]:
-    """(per-device FLOPs, model FLOPs) of an einsum step: 2 * product of its index sizes.
-
-    An index is sharded alike in every operand of a local einsum; the smallest piece
-    is kept in case the result is sliced further than the operands.
-    """
-    local: dict[str, int] = {}
-    for ref in (*step.operands, step.dst):
-        for size_devices, dim in zip(_pieces(ref, sizes), ref.dims, strict=True):
-            part = piece([size_devices])
-            local[dim.name] = min(local.get(dim.name, part), part)
-    return 2 * math.prod(local.values()), 2 * math.prod(_size(sizes, name) for name in local)
+    """(per-device FLOPs, model FLOPs) of an einsum step (:func:`shardc.collectives.einsum_flops`)."""
+    occurrences = ((d.name, d.axes) for ref in (*step.operands, step.dst) for d in ref.dims)
+    return flops_of(occurrences, lambda name: _size(sizes, name))
 
 
 def step_seconds_of(step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
@@ -276,7 +269,7 @@ def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | Non
     layers, symbol = _all_layers(plan, sizes)
     axis = plan.spec.mesh.pipeline_axis
     if axis is not None:
-        return -(-layers // sizes.get(axis.name, axis.size)), None
+        return share(layers, sizes.get(axis.name, axis.size)), None
     return layers, symbol
 
 

@@ -108,13 +108,13 @@ def run_cost(args: argparse.Namespace) -> int:
     if missing_sizes(the_plan, sizes):
         from shardc.costmodel.symbolic import cost_formulas
 
-        formulas = cost_formulas(the_plan, hardware=hw, spans=spans, optimizer=args.optimizer)
+        formulas = cost_formulas(the_plan, spans=spans, optimizer=args.optimizer)  # on the plan's chip
         if args.mfu is not None:
             formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
                                                                  "needs the sizes",))
         print(formulas.json_text() if args.json else formulas.render(), end="\n" if args.json else "")
         return 0
-    report = cost(the_plan, hardware=hw, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
+    report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
     if args.schedule_plot:
         from shardc.costmodel.pipeline import draw_schedule

@@ -20,7 +20,7 @@ from fractions import Fraction
 import symengine as se
 from symengine import Basic as Expr  # a formula
 
-from shardc.collectives import FACTOR, links, split_axes
+from shardc.collectives import FACTOR, bandwidth_terms, einsum_flops
 from shardc.planner.ir import Monomial, Op, Step
 from shardc.spec.ir import Mesh
 
@@ -196,23 +196,15 @@ def step_formula(step: Step, mesh: Mesh, spans: Mapping[str, int] | None = None)
         return StepFormula(flops, model, zero, zero, zero)
     if not step.is_collective or step.volume is None:
         return StepFormula(zero, zero, zero, zero, zero)
-    factor = number(FACTOR[step.op])
-    volume = monomial(step.volume)
-    ici, dcn = split_axes(mesh, step.axes)
-    q_ici = factor * volume / links(ici, spans) if ici else zero
-    q_dcn = factor * volume / product(ici) if dcn else zero
-    return StepFormula(zero, zero, factor * volume, q_ici, q_dcn)
+    terms = bandwidth_terms(step.op, monomial(step.volume), step.axes, mesh, symbol, spans, number)
+    q = {network: weighted / divisor for network, (weighted, divisor) in terms.items()}
+    weighted = number(FACTOR[step.op]) * monomial(step.volume)
+    return StepFormula(zero, zero, weighted, q.get("ici", zero), q.get("dcn", zero))
 
 
 def _einsum(step: Step) -> tuple[Expr, Expr]:
-    axes_of: dict[str, tuple[str, ...]] = {}
-    for ref in (*step.operands, step.dst):
-        for dim in ref.dims:
-            # the occurrence sharded over the most axes is the piece a device works on
-            if len(dim.axes) >= len(axes_of.get(dim.name, ())):
-                axes_of[dim.name] = dim.axes
-    model = 2 * product(axes_of)
-    return model / product(a for axes in axes_of.values() for a in axes), model
+    local, model = einsum_flops(((d.name, d.axes) for ref in (*step.operands, step.dst) for d in ref.dims), symbol)
+    return ZERO + local, ZERO + model  # a formula even for an einsum of scalars (2)
 
 
 def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None,

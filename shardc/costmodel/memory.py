@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import symengine as se
 
 from shardc.accountings import ACCOUNTINGS
+from shardc.collectives import piece
 from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan, Step
@@ -180,7 +181,8 @@ def residual_formula(plan: Plan) -> Expr:
 
 
 def _elements(ref: TensorRef) -> Expr:
-    return product(d.name for d in ref.dims) / product(a for d in ref.dims for a in d.axes)
+    """One device's piece of ``ref`` as a formula (:func:`shardc.collectives.piece`, unpadded)."""
+    return piece((symbol(d.name), product(d.axes)) for d in ref.dims)
 
 
 def residual_values(plan: Plan) -> list[TensorRef]:

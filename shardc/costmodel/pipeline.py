@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from shardc.collectives import Op, collective_time
 from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
 from shardc.errors import InternalError, ShardcError
 from shardc.hardware import Hardware
@@ -193,7 +194,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
     p2p = float(local_elements(ref, micro)) * nbytes
     axis = plan.spec.mesh.axis(pipe.axis)
     dcn = axis.network is Network.DCN
-    p2p_s = p2p / (hw.dcn_bandwidth if dcn else hw.ici_bandwidth) + hw.hop_latency
+    p2p_s = collective_time(Op.COLLECTIVE_PERMUTE, p2p, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
     slowest = max(pipe.stage_layers)
     f, b, w = (max(c, k) * slowest for c, k in parts["layer"])
     timing = Timing(f, b, w, p2p_s)

@@ -18,9 +18,11 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import keyword
+import math
 import string
 from dataclasses import dataclass
 
+from shardc.collectives import share
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
 from shardc.lowering.functions import function
@@ -85,12 +87,7 @@ def local_shape_text(ref: TensorRef, sizes: dict[str, int] | None) -> str:
                        else "/(" + "*".join(d.axes) + ")" if d.axes else "") for d in ref.dims]
     text = "[" + ", ".join(parts) + "]"
     if sizes is not None and all(d.name in sizes for d in ref.dims):
-        nums = []
-        for d in ref.dims:
-            n = sizes[d.name]
-            for a in d.axes:
-                n //= sizes.get(a, 1)
-            nums.append(str(n))
+        nums = [str(share(sizes[d.name], math.prod(sizes.get(a, 1) for a in d.axes))) for d in ref.dims]
         text += " = [" + ", ".join(nums) + "]"
     return text
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shardc.collectives import FACTOR
+from shardc.collectives import FACTOR, share
 from shardc.lowering import reference
 from shardc.lowering.api import lower
 from shardc.lowering.hlo import Collective, collectives
@@ -100,7 +100,7 @@ def _plan_side(plan: Plan, sizes: dict[str, int]) -> Side:
 
 
 def _local_shape(ref: TensorRef, sizes: dict[str, int]) -> tuple[int, ...]:
-    return tuple(sizes[d.name] // math.prod(sizes[a] for a in d.axes) for d in ref.dims)
+    return tuple(share(sizes[d.name], math.prod(sizes[a] for a in d.axes)) for d in ref.dims)
 
 
 def _shapes(plan: Plan, sizes: dict[str, int]) -> dict[tuple[int, ...], str]:

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardc.collectives import BY_HLO_OP
+from shardc.collectives import BY_HLO_OP, TABLE
 from shardc.planner.ir import Op
 
 __all__ = ["Collective", "collectives", "parse_replica_groups"]
 
 _KINDS = BY_HLO_OP
+_HLO_OPS = [i.hlo_op for i in TABLE.values() if i.is_collective and i.hlo_op]  # the pipeline's permute too
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[\w\[\],{}:]+?)\s+"
-                   r"(?P<op>" + "|".join(map(re.escape, (*BY_HLO_OP, "collective-permute"))) + ")"
+                   r"(?P<op>" + "|".join(map(re.escape, _HLO_OPS)) + ")"
                    r"(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")

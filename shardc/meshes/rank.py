@@ -113,7 +113,7 @@ def evaluate(candidate: Spec, options: Options) -> Layout | str:
     """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line)."""
     try:
         report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute),
-                      hardware=options.hardware, mfu=options.mfu, optimizer=options.optimizer)
+                      mfu=options.mfu, optimizer=options.optimizer)
     except ShardcError as err:
         return err.message.splitlines()[0]
     sizes = {a.name: a.size for a in candidate.mesh.axes}

@@ -61,7 +61,7 @@ class Graph:
     const: frozenset[str] = frozenset()  # inputs declared without a gradient
     grads: dict[str, str] = field(default_factory=dict)  # tensor -> its gradient's name
     # tensor -> bytes an element, where not the spec's dtype: token ids 4 (int32,
-    # shardc.spec.walk.element_bytes), a dropout's keep-mask 1; the one place it is decided
+    # shardc.spec.walk.element_bytes), a dropout's keep-mask 1; read through shardc.spec.walk.nbytes_of
     element_bytes: dict[str, int] = field(default_factory=dict)
 
     @property

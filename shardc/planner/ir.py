@@ -19,6 +19,7 @@ from shardc.collectives import COLLECTIVES, FACTOR, Op
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.planner.localops import DropoutMask, LocalOp
 from shardc.spec.ir import Spec, TensorRef
+from shardc.spec.walk import nbytes_of
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
@@ -206,11 +207,8 @@ class Plan:
     element_bytes: tuple[tuple[str, int], ...] = ()
 
     def nbytes(self, tensor: str) -> int:
-        """Bytes an element of ``tensor``: the spec's dtype's unless ``element_bytes`` says otherwise."""
-        for name, size in self.element_bytes:
-            if name == tensor:
-                return size
-        return self.spec.dtype.nbytes
+        """Bytes an element of ``tensor`` (:func:`shardc.spec.walk.nbytes_of`)."""
+        return nbytes_of(tensor, dict(self.element_bytes), self.spec.dtype)
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

@@ -37,11 +37,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from shardc.collectives import collective_time, piece, volume_elements
+from shardc.collectives import collective_time, einsum_flops, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware, default_spans
 from shardc.planner.ir import Monomial, Op
 from shardc.planner.unit import Placements
 from shardc.spec.ir import Dim, DType, Mesh, TensorRef
+from shardc.spec.walk import nbytes_of
 
 __all__ = ["Layout", "Value", "Move", "expand", "neighbours", "spanning", "Cost", "CostContext", "ZERO", "INFINITE",
            "add_cost", "SearchTooLong"]
@@ -141,7 +142,7 @@ class CostContext:
     spans: dict[str, int] | None = None  # over the chip's defaults (Hardware.spans)
     padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
     compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
-    # tensor -> bytes an element where not the dtype's (token ids: shardc.spec.walk.element_bytes)
+    # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
     # forward searches, resumed by each query: see shardc.planner.search.reshard
     _searches: dict[tuple[object, ...], object] = field(default_factory=dict)
@@ -183,7 +184,7 @@ class CostContext:
 
     def nbytes(self, tensor: str) -> int:
         """Bytes an element of ``tensor``: 4 for token ids (int32), else the dtype's."""
-        return self.element_bytes.get(tensor, self.dtype.nbytes)
+        return nbytes_of(tensor, self.element_bytes, self.dtype)
 
     def kind(self, tensor: str) -> tuple[bool, int]:
         """What a tensor's moves and their costs depend on beside its indices: weight or not, element bytes."""
@@ -250,11 +251,9 @@ class CostContext:
         key = tuple(operands)
         hit = self._compute.get(key)
         if hit is None:
-            local: dict[str, int] = {}
-            for idx, value in key:
-                for i, (n, k) in zip(idx, self._pieces(idx, value), strict=True):
-                    local[i] = min(local.get(i, -(-n // k)), -(-n // k))
-            hit = self._compute[key] = 2.0 * math.prod(local.values()) / self.hardware.flops
+            occurrences = ((i, axes) for idx, value in key for i, axes in zip(idx, value.layout, strict=True))
+            flops, _ = einsum_flops(occurrences, lambda name: self.axis_sizes.get(name) or self.dim_size(name))
+            hit = self._compute[key] = float(flops) / self.hardware.flops
         return hit * self.compute_weight
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from shardc.collectives import share
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans, resolve_hardware
 from shardc.pipeline.stages import stage_spec
@@ -274,7 +275,7 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
     notes = []
     for name, devices in found:
         n = sizes[name]
-        each = -(-n // devices)
+        each = share(n, devices)
         notes.append(f"{name}={n} over {devices} devices is padded to {each * devices} ({each} a device, "
                      f"as XLA pads uneven shards): plan and cost use the padded size")
     return tuple(notes)

@@ -114,7 +114,7 @@ def is_elementwise(name: str) -> bool:
 
 
 # Token ids are int32 whatever the spec's dtype: the lowered module feeds them so, and plan,
-# cost and memory count their bytes so (:func:`shardc.spec.walk.element_bytes`).
+# cost and memory count their bytes so (:func:`shardc.spec.walk.nbytes_of`).
 ID_DTYPE = "int32"
 ID_BYTES = 4
 MASK_BYTES = 1  # a dropout keep-mask element: one byte (a bool)

@@ -14,12 +14,12 @@ ids, which indices a chain's intermediate keeps) has one answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from shardc.spec.functions import ID_BYTES, integer_args, is_known, signature
-from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
+from shardc.spec.ir import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
 
-__all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes",
+__all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
            "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices"]
 
 
@@ -93,10 +93,16 @@ def id_names(spec: Spec) -> frozenset[str]:
 
 
 def element_bytes(spec: Spec) -> dict[str, int]:
-    """Bytes an element of each tensor whose elements are not of the spec's dtype: the token ids
-    (int32).  The one place this is decided: the planner's volumes, the costs, memory and the HLO
-    check all read it (:meth:`shardc.planner.ir.Plan.nbytes`)."""
+    """The spec's tensors whose elements are not of its dtype: the token ids (int32), 4 bytes.
+
+    Part of the map :meth:`shardc.planner.graph.Graph.element_bytes` builds (which adds the
+    keep-masks a dropout makes); every pass reads an element's bytes through :func:`nbytes_of`."""
     return dict.fromkeys(sorted(id_names(spec)), ID_BYTES)
+
+
+def nbytes_of(tensor: str, element_bytes: Mapping[str, int], dtype: DType) -> int:
+    """Bytes an element of ``tensor``: its entry in ``element_bytes``, else the spec's dtype's."""
+    return element_bytes.get(tensor, dtype.nbytes)
 
 
 def route_slots(expr: Expr) -> set[str]:
