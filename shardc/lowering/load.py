@@ -11,6 +11,7 @@ import types
 
 import numpy as np
 
+from shardc.collectives import share
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
 
@@ -43,7 +44,7 @@ def _check_divisible(plan: Plan, sizes: dict[str, int]) -> None:
                     continue
                 shards = int(np.prod([sizes[a] for a in d.axes])) if d.axes else 1
                 if sizes[d.name] % shards:
-                    even = -(-sizes[d.name] // shards) * shards
+                    even = share(sizes[d.name], shards) * shards
                     raise ShardcError(
                         f"{d.name}={sizes[d.name]} is not divisible by the {shards} shards of {ref}: "
                         "shard_map needs even blocks, and this lowering does not pad them as XLA's "
