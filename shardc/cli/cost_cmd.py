@@ -117,13 +117,13 @@ def run_cost(args: argparse.Namespace) -> int:
         print(formulas.json_text() if args.json else formulas.render(), end="\n" if args.json else "")
         return 0
     report = cost(the_plan, hardware=hw, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
-    print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
-    if args.schedule_plot:
+    if args.schedule_plot:  # drawn before the report is printed: a refusal leaves no half output
         from shardc.costmodel.pipeline import draw_schedule
 
         draw_schedule(report, args.schedule_plot, args.force)
-        if not args.json:
-            print(f"wrote {args.schedule_plot}")
+    print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
+    if args.schedule_plot and not args.json:
+        print(f"wrote {args.schedule_plot}")
     return 0
 
 
