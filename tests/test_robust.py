@@ -273,3 +273,39 @@ def test_zb_h1_reports_one_bubble(capsys: pytest.CaptureFixture[str], tmp_path: 
     threshold = next(x for x in out.splitlines() if "bubble <= 5% of ideal iff m >=" in x)
     need = int(threshold.split("(T_F+T_B+T_W)) = ")[1].split()[0])
     assert status == 0 and (bubble <= 0.05) == (4 >= need) and "does not hold" in threshold
+
+
+# one rule for every command ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["plan", "cost", "lower", "verify"])
+def test_microbatches_that_do_not_split_the_batch_are_refused_by_every_command(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str) -> None:
+    spec = tmp_path / "m48.shard"
+    spec.write_text(Path(PIPELINE).read_text().replace("microbatches 64", "microbatches 48"))
+    status, out, err = run(capsys, command, str(spec))
+    assert status == 2 and "B=1024 does not split into 48 microbatches" in err and ":13:1: error" in err, err
+    assert not out
+
+
+def test_the_dropout_mask_hash_wraps_without_a_warning() -> None:
+    """murmur3's finaliser wraps modulo 2**32 by design; a 0-d mask must not print numpy's overflow warning."""
+    import warnings
+
+    from shardc.lowering.reference import keep_mask
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scalar = keep_mask((), (), 2**31 + 12345, 0.25)
+        block = keep_mask((3, 2), ("B", "D"), 2**31 + 12345, 0.25)
+    assert scalar.shape == () and block.shape == (3, 2)
+
+
+@pytest.mark.parametrize("command", ["lower", "verify"])
+def test_a_pipelined_block_reading_another_input_is_refused_before_jax(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str) -> None:
+    spec = tmp_path / "fresh.shard"
+    spec.write_text("mesh P=2 pipeline, X=2\ndims B=8, D=4, F=4\nlayers 2\nmicrobatches 2\nparam W1, W2\n"
+                    "H[B_X, F] = X[B_X, D] · W1[D, F]\nOut[B_X, D] = H[B_X, F] · W2[F, D] + M[B_X, D]\n")
+    status, out, err = run(capsys, command, str(spec))
+    assert status == 2 and not out, err
+    assert "fresh.shard:7:38: error: the pipelined block reads M, an input" in err and "make M a param" in err

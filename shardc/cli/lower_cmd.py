@@ -49,11 +49,13 @@ _HELP = {
 
 def _plan(args: argparse.Namespace) -> Any:
     """The plan ``shardc plan`` prints for the same arguments, checked."""
+    from shardc.pipeline.stages import check_lowerable
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan
 
     result = plan(read_spec(args), save=args.save)
     require_sound(result)
+    check_lowerable(result)  # a pipeline reading an input its stages cannot be fed: a clear refusal
     return result
 
 

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from shardc.costmodel.report import CostReport
 
 __all__ = ["StageCost", "PipelineCost", "pipeline_cost", "microbatch_dim", "boundary_tensor", "weight_steps",
-           "render_pipeline", "draw_schedule"]
+           "render_pipeline", "draw_schedule", "check_microbatches"]
 
 BUBBLE_TARGET = 0.05  # the bubble the threshold sentence solves m for
 
@@ -187,6 +187,18 @@ def microbatch_dim(plan: Plan) -> str:
                       fix="give the block's input a batch dim such as B")
 
 
+def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> str:
+    """The microbatch dim, once its size (when ``sizes`` has one) splits into ``microbatches``.
+
+    ``shardc plan``, ``lower`` and ``verify`` check the spec's own sizes so, as ``cost`` does.
+    """
+    dim = microbatch_dim(plan)
+    if dim in sizes and sizes[dim] % microbatches:
+        raise ShardcError(f"{dim}={sizes[dim]} does not split into {microbatches} microbatches",
+                          plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
+    return dim
+
+
 def boundary_tensor(plan: Plan) -> TensorRef:
     """The activation a stage sends the next: the block's output shaped like its first input."""
     first = _block_input(plan)
@@ -230,10 +242,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
     pipe = replace(pipe, stages=sizes.get(pipe.axis, pipe.stages))  # sizes= may resize the mesh
     if isinstance(plan.spec.layers, str):
         pipe = replace(pipe, layers=sizes[plan.spec.layers])
-    dim = microbatch_dim(plan)
-    if sizes[dim] % pipe.microbatches:
-        raise ShardcError(f"{dim}={sizes[dim]} does not split into {pipe.microbatches} microbatches",
-                          plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
+    dim = check_microbatches(plan, pipe.microbatches, sizes)
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
     parts = _sections(plan, micro, hw, spans)
     ref = boundary_tensor(plan)

@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
 from shardc.spec.ir import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
+from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipelined", "pipeline_note", "layer_count",
-           "DEFAULT_SCHEDULE"]
+__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "check_lowerable", "stage_spec", "pipelined", "pipeline_note",
+           "layer_count", "DEFAULT_SCHEDULE"]
 
 DEFAULT_SCHEDULE = Schedule("1f1b")
 
@@ -99,10 +100,43 @@ def stage_spec(spec: Spec) -> Spec:
 
 def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
     """One stage's plan, told it runs in ``spec``'s pipeline (its mesh keeps the stage axis)."""
+    from shardc.costmodel.pipeline import check_microbatches
+
     sizes = stage_plan.sizes
     if sizes is not None:
         sizes = sizes + tuple((a.name, a.size) for a in spec.mesh.axes if a.pipeline)
-    return replace(stage_plan, spec=spec, sizes=sizes)
+    planned = replace(stage_plan, spec=spec, sizes=sizes)
+    pipe = pipeline_of(spec)
+    if pipe is not None and spec.dims:  # the spec's own batch splits into its microbatches, as cost needs
+        check_microbatches(planned, pipe.microbatches, dict(spec.dims))
+    return planned
+
+
+def check_lowerable(plan: Plan) -> None:
+    """Refuse a pipelined plan that reads an input its lowered pipeline has no way to feed.
+
+    A stage receives one activation from the previous stage (the block's input, or with
+    `layers` alone the spec's first input) and holds its own params; the statements before
+    a `layers { }` block also read token ids (an embedding's), those after it a loss's
+    targets.  Another input (a bias or a position table that is not a param) would be a
+    different tensor on every stage, which neither the lowering nor the reference defines.
+    """
+    spec = plan.spec
+    if spec.mesh.pipeline_axis is None:
+        return
+    inputs = [i.name for i in plan.tensors if i.role == "input"]
+    lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
+    ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
+    for k, statement in enumerate(spec.statements):
+        inside = lo <= k < hi
+        fed = ({inputs[0]} if inputs and spec.block is None else set()) if inside else ids
+        for ref in leaves(statement.expr):
+            if ref.name in inputs and ref.name not in fed:
+                where = "the pipelined block reads" if inside else "the statements around the pipelined block read"
+                raise ShardcError(f"{where} {ref.name}, an input; a pipelined stage receives only the previous "
+                                  "stage's activation (and, around a block, token ids and targets)", ref.span,
+                                  fix=f"make {ref.name} a param (declared with `param`), or compute it from the "
+                                      "block's input")
 
 
 def check_pipeline(spec: Spec) -> None:
