@@ -227,6 +227,7 @@ def test_layouts_past_the_work_budget_are_refused(capsys: pytest.CaptureFixture[
     (["cost", FSDP, "--force"], "--force only lets --plot or --schedule-plot"),
     (["cost", FSDP, "--hardware", ""], "--hardware is empty"),
     (["plan", FSDP, "--hardware", " "], "--hardware is empty"),
+    (["layouts", FSDP, "--hardware-file", ""], "--hardware-file is empty"),
     (["cost", FSDP, "--set", "B=" + "9" * 200], "(200 characters) is too large"),
     (["layouts", FSDP, "--chips", "9" * 50], "(50 characters) is more than 1048576 chips"),
 ])

@@ -10,7 +10,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.cli.main import add_common, load_spec, parse_sets
+from shardc.cli.main import add_common, check_hardware_flag, load_spec, parse_sets
 from shardc.errors import ShardcError, clip
 
 __all__ = ["register", "run_layouts"]
@@ -75,6 +75,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     from shardc.costmodel.hardware import resolve_hardware
     from shardc.meshes import Options, search_layouts
 
+    check_hardware_flag(args)
     if args.top < 0:
         raise ShardcError(f"--top must be 0 (all) or more, got {clip(str(args.top))}", fix="write e.g. --top 10")
     if args.mfu is not None and not 0 < args.mfu <= 1:
