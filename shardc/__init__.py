@@ -88,10 +88,12 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
     spec = plan_or_spec.spec if isinstance(plan_or_spec, _Plan) else plan_or_spec
     if spec.mesh.pipeline_axis is not None:
         from shardc.lowering.pipeline import lower_pipeline
+        from shardc.pipeline.boundary import check_lowerable
         from shardc.planner.check import require_sound
 
         pipelined = plan_or_spec if isinstance(plan_or_spec, _Plan) else plan(spec, **options)
         require_sound(pipelined)
+        check_lowerable(pipelined)
         return lower_pipeline(pipelined, sizes)
     return _lower(plan_or_spec, sizes=sizes, **options)
 

@@ -163,3 +163,150 @@ def test_api_misuse_raises_only_shardc_or_type_errors(function: str, first: bool
         call(*([head] if first else []), *args, **kwargs)
     except (ShardcError, TypeError):
         pass
+
+
+# budgets -------------------------------------------------------------------------------------------
+
+def _pipeline(tmp: Path, stages: int, microbatches: int, schedule: str = "1f1b") -> str:
+    text = (Path(PIPELINE).read_text().replace("mesh P=4 pipeline", f"mesh P={stages} pipeline")
+            .replace("layers 32", f"layers {2 * stages}").replace("microbatches 64", f"microbatches {microbatches}")
+            .replace("B=1024", f"B={8 * microbatches}").replace("schedule 1f1b", f"schedule {schedule}"))
+    path = tmp / f"p{stages}_m{microbatches}_{schedule}.shard"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(("stages", "microbatches", "schedule", "says"), [
+    (1000, 1000, "1f1b", "2,000,000 ops, past the budget of 500,000 ops"),
+    (4, 10_000_000, "1f1b", "80,000,000 ops"),
+    (64, 64, "zbv", "op-devices"),
+])
+def test_a_pipeline_past_the_simulation_budget_is_refused(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, stages: int, microbatches: int, schedule: str,
+        says: str) -> None:
+    spec = _pipeline(tmp_path, stages, microbatches, schedule)
+    status, out, err = run(capsys, "cost", spec)
+    assert status == 2 and says in err and "fewer microbatches or fewer stages" in err and not out, err
+
+
+def test_two_hundred_stages_simulate_in_linear_time() -> None:
+    """The fixed orders advance each device until it waits: 80,000 ops in well under a second's work."""
+    from shardc.pipeline.schedules import Timing, simulate
+
+    sim = simulate("1f1b", 200, 200, Timing(1.0, 2.0))
+    assert len(sim.ops) == 80_000 and sim.makespan == (200 + 199) * 3.0  # (m + p - 1)(T_F + T_B)
+
+
+def test_a_schedule_chart_has_a_bar_budget(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    spec = _pipeline(tmp_path, 8, 512)
+    status, out, err = run(capsys, "cost", spec, "--schedule-plot", str(tmp_path / "chart.png"))
+    assert status == 2 and "8,192 ops, more bars than a chart can show" in err and not out
+    assert not (tmp_path / "chart.png").exists()
+
+
+def test_layouts_past_the_work_budget_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    spec = tmp_path / "four.shard"
+    spec.write_text("mesh W=2, X=2, Y=2, Z=2\ndims B=1048576, D=1048576, F=1048576\n"
+                    "A[B_XY, F_Z] = In[B_XY, D_W] · W1[D_W, F_Z]\n")
+    status, _, err = run(capsys, "layouts", str(spec), "--chips", str(1 << 20))
+    assert status == 2 and "1771 layouts of 1048576 chips over 4 axes, past the budget of 64 plans" in err
+    assert "--set AXIS=SIZE" in err
+
+
+# messages ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["cost", FSDP, "--spans", "X=1e9"], "--spans X=1000000000: an axis of 16 chips spans at most 4"),
+    (["cost", FSDP, "--spans", "X"], "--spans expects NAME=VALUE"),
+    (["plan", FSDP, "--spans", "X=0"], "--spans X: size must be positive"),
+    (["cost", FSDP, "--spans", "Q=2"], "--spans Q: not a mesh axis"),
+    (["cost", FSDP, "--plot", "out.png"], "--plot only applies to a sweep"),
+    (["cost", FSDP, "--with", FSDP], "--with only applies to a sweep"),
+    (["cost", FSDP, "--points", "5"], "--points only applies to a sweep"),
+    (["cost", FSDP, "--force"], "--force only lets --plot or --schedule-plot"),
+    (["cost", FSDP, "--hardware", ""], "--hardware is empty"),
+    (["plan", FSDP, "--hardware", " "], "--hardware is empty"),
+    (["layouts", FSDP, "--hardware-file", ""], "--hardware-file is empty"),
+    (["cost", FSDP, "--set", "B=" + "9" * 200], "(200 characters) is too large"),
+    (["layouts", FSDP, "--chips", "9" * 50], "(50 characters) is more than 1048576 chips"),
+])
+def test_flag_mistakes_are_named(capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and says in err and not out, err
+    assert all(len(line) < 300 for line in err.splitlines())
+
+
+# the bubble threshold agrees with the bubble ------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(schedule=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]), p=st.integers(1, 64),
+       times=st.tuples(*[st.floats(0.01, 10.0)] * 3), target=st.sampled_from([0.05, 0.01, 0.2]))
+def test_the_microbatch_threshold_is_where_the_closed_bubble_meets_the_target(
+        schedule: str, p: int, times: tuple[float, float, float], target: float) -> None:
+    from shardc.pipeline.bubbles import bubble, microbatches_for
+    from shardc.pipeline.schedules import Timing
+
+    timing = Timing(*times)
+    need = microbatches_for(schedule, p, timing, target, 2)
+    assert bubble(schedule, p, need, timing, 2).of_ideal <= target
+    assert need == 1 or bubble(schedule, p, need - 1, timing, 2).of_ideal > target
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=st.integers(1, 8), extra=st.integers(0, 12), times=st.tuples(*[st.floats(0.1, 3.0)] * 3))
+def test_zb_h1_closed_form_is_the_simulation_for_any_times(p: int, extra: int,
+                                                           times: tuple[float, float, float]) -> None:
+    """A weight gradient longer than T_F or T_B fills no more: never a 0% bubble beside a failed threshold."""
+    from shardc.pipeline.bubbles import bubble
+    from shardc.pipeline.schedules import Timing, simulate
+
+    timing, m = Timing(*times), p + extra
+    assert simulate("zb-h1", p, m, timing).bubble == pytest.approx(bubble("zb-h1", p, m, timing).idle_s, abs=1e-9)
+
+
+def test_zb_h1_reports_one_bubble(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The report's bubble line and its 5% threshold agree (m = 4 of 4 stages: 32%, does not hold)."""
+    spec = _pipeline(tmp_path, 4, 4, "zb-h1")
+    status, out, _ = run(capsys, "cost", spec)
+    line = next(x for x in out.splitlines() if x.strip().startswith("bubble ") and "ideal time" in x)
+    bubble = float(line.split()[1].rstrip("%")) / 100
+    threshold = next(x for x in out.splitlines() if "bubble <= 5% of ideal iff m >=" in x)
+    need = int(threshold.split("(T_F+T_B+T_W)) = ")[1].split()[0])
+    assert status == 0 and (bubble <= 0.05) == (4 >= need) and "does not hold" in threshold
+
+
+# one rule for every command ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["plan", "cost", "lower", "verify"])
+def test_microbatches_that_do_not_split_the_batch_are_refused_by_every_command(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str) -> None:
+    spec = tmp_path / "m48.shard"
+    spec.write_text(Path(PIPELINE).read_text().replace("microbatches 64", "microbatches 48"))
+    status, out, err = run(capsys, command, str(spec))
+    assert status == 2 and "B=1024 does not split into 48 microbatches" in err and ":13:1: error" in err, err
+    assert not out
+
+
+def test_the_dropout_mask_hash_wraps_without_a_warning() -> None:
+    """murmur3's finaliser wraps modulo 2**32 by design; a 0-d mask must not print numpy's overflow warning."""
+    import warnings
+
+    from shardc.lowering.reference import keep_mask
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scalar = keep_mask((), (), 2**31 + 12345, 0.25)
+        block = keep_mask((3, 2), ("B", "D"), 2**31 + 12345, 0.25)
+    assert scalar.shape == () and block.shape == (3, 2)
+
+
+@pytest.mark.parametrize("command", ["lower", "verify"])
+def test_a_pipelined_block_reading_another_input_is_refused_before_jax(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str) -> None:
+    spec = tmp_path / "fresh.shard"
+    spec.write_text("mesh P=2 pipeline, X=2\ndims B=8, D=4, F=4\nlayers 2\nmicrobatches 2\nparam W1, W2\n"
+                    "H[B_X, F] = X[B_X, D] · W1[D, F]\nOut[B_X, D] = H[B_X, F] · W2[F, D] + M[B_X, D]\n")
+    status, out, err = run(capsys, command, str(spec))
+    assert status == 2 and not out, err
+    assert "fresh.shard:7:38: error: the pipelined block reads M, an input" in err and "make M a param" in err

@@ -14,7 +14,7 @@ from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
 from shardc.cli.main import add_common, check_hardware_flag, load_spec, parse_spans, read_spec
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, clip
 
 __all__ = ["register", "run_cost", "run_hardware", "MAX_POINTS"]
 
@@ -115,13 +115,13 @@ def run_cost(args: argparse.Namespace) -> int:
         print(formulas.json_text() if args.json else formulas.render(), end="\n" if args.json else "")
         return 0
     report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
-    print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
-    if args.schedule_plot:
+    if args.schedule_plot:  # drawn before the report is printed: a refusal leaves no half output
         from shardc.costmodel.pipeline import draw_schedule
 
         draw_schedule(report, args.schedule_plot, args.force)
-        if not args.json:
-            print(f"wrote {args.schedule_plot}")
+    print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
+    if args.schedule_plot and not args.json:
+        print(f"wrote {args.schedule_plot}")
     return 0
 
 
@@ -149,7 +149,8 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     dim, low, high = parse_sweep(args.sweep)
     points = 13 if args.points is None else args.points
     if not 2 <= points <= MAX_POINTS:
-        raise ShardcError(f"--points must be from 2 to {MAX_POINTS}, got {points}", fix="write e.g. --points 13")
+        raise ShardcError(f"--points must be from 2 to {MAX_POINTS}, got {clip(str(points))}",
+                          fix="write e.g. --points 13")
     if args.plot:
         check_plot_path(args.plot, args.force)
     hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)

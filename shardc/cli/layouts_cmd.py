@@ -10,7 +10,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.cli.main import add_common, load_spec, parse_sets
+from shardc.cli.main import add_common, check_hardware_flag, load_spec, parse_sets
 from shardc.errors import ShardcError, clip
 
 __all__ = ["register", "run_layouts"]
@@ -75,12 +75,14 @@ def run_layouts(args: argparse.Namespace) -> int:
     from shardc.hardware import resolve_hardware
     from shardc.meshes import Options, search_layouts
 
+    check_hardware_flag(args)
     if args.top < 0:
-        raise ShardcError(f"--top must be 0 (all) or more, got {args.top}", fix="write e.g. --top 10")
+        raise ShardcError(f"--top must be 0 (all) or more, got {clip(str(args.top))}", fix="write e.g. --top 10")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ShardcError(f"--mfu must be in (0, 1], got {args.mfu}", fix="write e.g. --mfu 0.4")
     if args.jobs < 0:
-        raise ShardcError(f"--jobs must be 0 (one a core) or more, got {args.jobs}", fix="write e.g. --jobs 4")
+        raise ShardcError(f"--jobs must be 0 (one a core) or more, got {clip(str(args.jobs))}",
+                          fix="write e.g. --jobs 4")
     paths = list(dict.fromkeys([args.file, *args.others]))  # a file given twice is searched once
     specs = [load_spec(path, args.set) for path in paths]
     fixed = frozenset(parse_sets(args.set))

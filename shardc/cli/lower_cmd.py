@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from shardc.cli.main import add_common, read_spec
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, clip
 
 __all__ = ["register"]
 
@@ -49,11 +49,13 @@ _HELP = {
 
 def _plan(args: argparse.Namespace) -> Any:
     """The plan ``shardc plan`` prints for the same arguments, checked."""
+    from shardc.pipeline.boundary import check_lowerable
     from shardc.planner.check import require_sound
     from shardc.planner.planner import plan
 
     result = plan(read_spec(args), save=args.save)
     require_sound(result)
+    check_lowerable(result)  # a pipeline reading an input its stages cannot be fed: a clear refusal
     return result
 
 
@@ -116,6 +118,8 @@ def _devices(args: argparse.Namespace, plan: Any) -> int:
     from shardc.lowering.verify import check_device_count
 
     if args.devices is not None:
+        if len(str(args.devices)) > 12:  # not echoed whole: no count that long is meant
+            raise ShardcError(f"--devices {clip(str(args.devices))}: not a device count", fix="give e.g. --devices 8")
         check_device_count(args.devices)
     devices = args.devices or devices_to_check(plan, _flag_devices())
     stage = plan.spec.mesh.pipeline_axis

@@ -37,10 +37,18 @@ from shardc.collectives import Op, collective_time
 from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
 from shardc.errors import InternalError, ShardcError
 from shardc.hardware import Hardware
-from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
-from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, bubble, inflight, sends_per_microbatch
+from shardc.pipeline.boundary import boundary_tensor, check_microbatches, microbatch_dim
+from shardc.pipeline.bubbles import (
+    EXACT,
+    Bubble,
+    activation_factor,
+    bubble,
+    inflight,
+    microbatches_for,
+    sends_per_microbatch,
+)
 from shardc.pipeline.gantt import draw
-from shardc.pipeline.schedules import Simulation, Timing, device_of, simulate
+from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of, simulate
 from shardc.pipeline.stages import Pipeline, pipeline_of
 from shardc.planner.ir import Plan, Step
 from shardc.spec.ir import Network, Statement, TensorRef
@@ -183,10 +191,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
     pipe = replace(pipe, stages=sizes.get(pipe.axis, pipe.stages))  # sizes= may resize the mesh
     if isinstance(plan.spec.layers, str):
         pipe = replace(pipe, layers=sizes[plan.spec.layers])
-    dim = microbatch_dim(plan)
-    if sizes[dim] % pipe.microbatches:
-        raise ShardcError(f"{dim}={sizes[dim]} does not split into {pipe.microbatches} microbatches",
-                          plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
+    dim = check_microbatches(plan, pipe.microbatches, sizes)
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
     parts = _sections(plan, micro, hw, spans)
     ref = boundary_tensor(plan)
@@ -204,7 +209,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[s
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
-    found = _thresholds(pipe, parts["layer"][0], p2p_s, "DCN" if dcn else "ICI link")
+    found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0], p2p_s, "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last)
 
@@ -320,12 +325,19 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[tuple[float, float
     return tuple(out)
 
 
-def _thresholds(pipe: Pipeline, forward: tuple[float, float], p2p_s: float, link: str) -> tuple[str, ...]:
+def _thresholds(pipe: Pipeline, timing: Timing, forward: tuple[float, float], p2p_s: float,
+                link: str) -> tuple[str, ...]:
     p, name = pipe.stages, pipe.schedule.name
-    k = {"interleaved": pipe.chunks, "zb-h1": 3, "zbv": 6}.get(name, 1)
-    need = math.ceil((p - 1) / (k * BUBBLE_TARGET) - 1e-9)
     here = pipe.microbatches
-    lines = [f"bubble <= {BUBBLE_TARGET:.0%} of ideal iff m >= (p-1)/({k}*{BUBBLE_TARGET:g}) = {need} "
+    if name in ZERO_BUBBLE:  # the idle time depends on the three times, not on p alone
+        idle = {"zb-h1": "(p-1)*max(T_F+T_B-T_W, T_F, T_B)", "zbv": "(p-1)*T_F/2"}[name]
+        need = microbatches_for(name, p, timing, BUBBLE_TARGET, pipe.chunks)  # as the bubble line's closed form
+        form = f"{idle}/({BUBBLE_TARGET:g}*(T_F+T_B+T_W))"
+    else:
+        k = pipe.chunks if name == "interleaved" else 1
+        need = math.ceil((p - 1) / (k * BUBBLE_TARGET) - 1e-9)
+        form = f"(p-1)/({k}*{BUBBLE_TARGET:g})"
+    lines = [f"bubble <= {BUBBLE_TARGET:.0%} of ideal iff m >= {form} = {need} "
              f"({name}; here m = {here}: {'holds' if here >= need else 'does not hold'})"]
     layer_f = max(forward)
     if layer_f > 0:

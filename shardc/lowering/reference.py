@@ -215,15 +215,20 @@ _LAYER = frozenset({"add", "rename"}) | _MASKS  # the transformer-layer maps: li
 
 def keep_mask(shape: tuple[int, ...], labels: tuple[str, ...], salt: int, rate: float) -> np.ndarray:
     """A dropout's global keep-mask: murmur3's 32-bit finaliser of each element's position (dims in
-    sorted index-name order) plus the salt, kept where at least ``rate`` * 2**32."""
-    h = np.zeros(shape, np.uint32)
-    for d in sorted(range(len(shape)), key=lambda d: labels[d]):
-        pos = np.arange(shape[d], dtype=np.uint32).reshape([shape[d] if k == d else 1 for k in range(len(shape))])
-        h = h * np.uint32(shape[d]) + pos
-    h = h + np.uint32(salt)
-    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-        h = (h ^ (h >> np.uint32(shift))) * np.uint32(factor)
-    h = h ^ (h >> np.uint32(16))
+    sorted index-name order) plus the salt, kept where at least ``rate`` * 2**32.
+
+    The hash wraps modulo 2**32 by design; numpy warns of that on 0-d values (a scalar
+    dropout), so the warning is silenced here, where the wrapping is meant.
+    """
+    with np.errstate(over="ignore"):
+        h = np.zeros(shape, np.uint32)
+        for d in sorted(range(len(shape)), key=lambda d: labels[d]):
+            pos = np.arange(shape[d], dtype=np.uint32).reshape([shape[d] if k == d else 1 for k in range(len(shape))])
+            h = h * np.uint32(shape[d]) + pos
+        h = h + np.uint32(salt)
+        for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+            h = (h ^ (h >> np.uint32(shift))) * np.uint32(factor)
+        h = h ^ (h >> np.uint32(16))
     return h >= np.uint32(min(int(rate * 2**32), 2**32 - 1))  # type: ignore[no-any-return]
 
 

@@ -22,11 +22,13 @@ from functools import cache
 from shardc.errors import ShardcError, clip
 from shardc.spec.ir import Network, Spec
 
-__all__ = ["MAX_CHIPS", "MAX_CANDIDATES", "Axes", "searched_axes", "factorisations", "check_chips",
+__all__ = ["MAX_CHIPS", "MAX_WORK", "Axes", "searched_axes", "factorisations", "check_chips",
            "candidates"]
 
 MAX_CHIPS = 1 << 20  # a million chips: past any machine built, and the enumeration stays small
-MAX_CANDIDATES = 2000  # at ~0.1-0.5 s a plan, more would not be interactive
+# A plan's search grows about twofold with each searched axis (0.1-0.5 s a plan at 2-3 axes), so
+# candidates x 2^axes is the work a search takes: 1024 keeps it within a minute in one process.
+MAX_WORK = 1024
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,11 @@ def candidates(spec: Spec, chips: int, fixed: frozenset[str] = frozenset()) -> l
     axes = searched_axes(spec, fixed)
     left = check_chips(chips, axes, spec.filename or "<spec>")
     found = factorisations(left, len(axes.searched))
-    if len(found) > MAX_CANDIDATES:
+    work = len(found) << len(axes.searched)
+    if work > MAX_WORK:
         raise ShardcError(f"{spec.filename or '<spec>'}: {len(found)} layouts of {left} chips over "
-                          f"{len(axes.searched)} axes, more than {MAX_CANDIDATES} to plan",
+                          f"{len(axes.searched)} axes, past the budget of {MAX_WORK >> len(axes.searched)} plans "
+                          f"for {len(axes.searched)} axes (each axis about doubles a plan's search)",
                           fix="fix some axes with --set AXIS=SIZE, or search fewer chips")
     kept = dict(axes.kept)
     out = []

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardc.errors import ShardcError
-from shardc.meshes.factor import candidates
+from shardc.meshes.factor import MAX_WORK, candidates, searched_axes
 from shardc.meshes.rank import RULE, Layout, Options, Skipped, ranked
 from shardc.meshes.render import reason, render, to_json
 from shardc.spec.ir import Spec
@@ -62,6 +62,11 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
     for spec in specs:
         _check_sized(spec)
     plans = [candidates(spec, n, fixed & set(spec.mesh.names)) for spec in specs]
+    work = sum(len(found) << len(searched_axes(spec, fixed & set(spec.mesh.names)).searched)
+               for spec, found in zip(specs, plans, strict=True))
+    if work > MAX_WORK:  # each spec is within it (candidates checks): together they are not
+        raise ShardcError(f"{len(specs)} specs have {sum(map(len, plans))} layouts on {n} chips together, past the "
+                          f"budget of {MAX_WORK} plans x 2^axes", fix="search fewer --with specs at once")
     rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
     return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats)
 

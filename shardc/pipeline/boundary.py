@@ -9,9 +9,9 @@ from __future__ import annotations
 from shardc.errors import ShardcError
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
-from shardc.spec.walk import leaves
+from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["microbatch_dim", "boundary_tensor"]
+__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable"]
 
 
 def _block_input(plan: Plan) -> TensorRef | None:
@@ -53,3 +53,42 @@ def boundary_tensor(plan: Plan) -> TensorRef:
     if not outputs:
         raise ShardcError("the pipelined block has no output to send to the next stage")
     return outputs[-1]
+
+
+def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> str:
+    """The microbatch dim, once its size (when ``sizes`` has one) splits into ``microbatches``.
+
+    ``shardc plan``, ``lower`` and ``verify`` check the spec's own sizes so, as ``cost`` does.
+    """
+    dim = microbatch_dim(plan)
+    if dim in sizes and sizes[dim] % microbatches:
+        raise ShardcError(f"{dim}={sizes[dim]} does not split into {microbatches} microbatches",
+                          plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
+    return dim
+
+
+def check_lowerable(plan: Plan) -> None:
+    """Refuse a pipelined plan that reads an input its lowered pipeline has no way to feed.
+
+    A stage receives one activation from the previous stage (the block's input, or with
+    `layers` alone the spec's first input) and holds its own params; the statements before
+    a `layers { }` block also read token ids (an embedding's), those after it a loss's
+    targets.  Another input (a bias or a position table that is not a param) would be a
+    different tensor on every stage, which neither the lowering nor the reference defines.
+    """
+    spec = plan.spec
+    if spec.mesh.pipeline_axis is None:
+        return
+    inputs = [i.name for i in plan.tensors if i.role == "input"]
+    lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
+    ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
+    for k, statement in enumerate(spec.statements):
+        inside = lo <= k < hi
+        fed = ({inputs[0]} if inputs and spec.block is None else set()) if inside else ids
+        for ref in leaves(statement.expr):
+            if ref.name in inputs and ref.name not in fed:
+                where = "the pipelined block reads" if inside else "the statements around the pipelined block read"
+                raise ShardcError(f"{where} {ref.name}, an input; a pipelined stage receives only the previous "
+                                  "stage's activation (and, around a block, token ids and targets)", ref.span,
+                                  fix=f"make {ref.name} a param (declared with `param`), or compute it from the "
+                                      "block's input")

@@ -9,8 +9,11 @@ schedules that do not split them):
 
 * gpipe, 1f1b: idle (p-1)(T_F+T_B+T_W): (p-1)/m of ideal, (p-1)/(m+p-1) of total.
 * interleaved V: chunks are 1/V of a stage, so (p-1)/(V m) of ideal.
-* zb-h1 (Qi et al. 2023): idle (p-1)(T_F+T_B-T_W), (p-1)/(3m) of ideal when the three
-  times are equal (the paper's assumption, and the form the formula is printed in).
+* zb-h1 (Qi et al. 2023): idle (p-1)(T_F+T_B-T_W) while T_W <= min(T_F, T_B), (p-1)/(3m)
+  of ideal when the three times are equal (the paper's assumption).  A longer W cannot fill
+  more: the last stage still waits (p-1) T_F for its first forward, and the first (p-1) T_B
+  for its last input gradient, so the idle time is (p-1) max(T_F+T_B-T_W, T_F, T_B), printed
+  in the times (the simulation gives exactly this for m >= p, whatever the times).
 * zbv (Qi et al. 2024): only the fill of half-stage forwards, (p-1) T_F / 2: (p-1)/(6m)
   of ideal, about 0 for m >> p, at twice the point-to-point traffic (2(p-1) sends a
   microbatch, down the V and back, against p-1).
@@ -22,11 +25,13 @@ activation factor 1 + (p-1)/(p V) (Narayanan et al. 2021).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardc.pipeline.schedules import Timing, chunks_of, device_of
 
-__all__ = ["Bubble", "bubble", "inflight", "held", "activation_factor", "sends_per_microbatch", "EXACT"]
+__all__ = ["Bubble", "bubble", "inflight", "held", "activation_factor", "sends_per_microbatch", "EXACT",
+           "microbatches_for"]
 
 # Schedules whose closed form holds for any times; zbv's assumes T_F = T_B = T_W and free sends.
 EXACT = frozenset({"gpipe", "1f1b", "interleaved", "zb-h1"})
@@ -57,10 +62,24 @@ def bubble(schedule: str, p: int, m: int, timing: Timing, virtual: int = 1) -> B
     if schedule == "interleaved":
         return Bubble((p - 1) * (f + b + w) / virtual, ideal, "(p-1)/(V*m)")
     if schedule == "zb-h1":
-        return Bubble((p - 1) * max(f + b - w, 0.0), ideal, "(p-1)/(3*m)")
+        return Bubble((p - 1) * max(f + b - w, f, b), ideal, "(p-1)*max(T_F+T_B-T_W, T_F, T_B)/(m*(T_F+T_B+T_W))")
     if schedule == "zbv":
         return Bubble((p - 1) * f / 2, ideal, "(p-1)/(6*m)")
     raise ValueError(schedule)
+
+
+def microbatches_for(schedule: str, p: int, timing: Timing, target: float, virtual: int = 1) -> int:
+    """The fewest microbatches whose closed-form bubble is at most ``target`` of the ideal time.
+
+    The idle time does not grow with m and the ideal time is m x one microbatch's work, so the
+    bubble is (idle / work) / m: m >= idle / (target x work).  A schedule with no idle time
+    (zb-h1 when T_W >= T_F + T_B) meets any target from one microbatch on.
+    """
+    one = bubble(schedule, p, 1, timing, virtual)
+    if one.idle_s <= 0 or one.ideal_s <= 0:
+        return 1
+    need = max(1, math.ceil(one.idle_s / (target * one.ideal_s) - 1e-9))
+    return need if bubble(schedule, p, need, timing, virtual).of_ideal <= target else need + 1
 
 
 def activation_factor(schedule: str, p: int, virtual: int = 1) -> float:

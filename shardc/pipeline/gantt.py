@@ -12,7 +12,9 @@ from shardc.errors import ShardcError
 from shardc.images import check_image_path, pyplot
 from shardc.pipeline.schedules import Simulation
 
-__all__ = ["draw", "COLOURS"]
+__all__ = ["draw", "COLOURS", "MAX_BARS"]
+
+MAX_BARS = 5000  # a bar an op: past this the chart is unreadable and takes tens of seconds to draw
 
 COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 _NAMES = {"F": "forward", "B": "backward (input grad)", "W": "weight grad"}
@@ -24,6 +26,10 @@ def draw(sim: Simulation, path: str, title: str = "", force: bool = False) -> No
     ``force`` replaces a file at ``path`` that is not an image (see :mod:`shardc.images`).
     """
     check_image_path(path, "--schedule-plot", force)
+    if len(sim.ops) > MAX_BARS:
+        raise ShardcError(f"--schedule-plot: the schedule has {len(sim.ops):,} ops, more bars than a chart can "
+                          f"show (at most {MAX_BARS:,}, each drawn in milliseconds)",
+                          fix="draw it with fewer microbatches (the order repeats: 4 a stage show it all)")
     import matplotlib
 
     plt = pyplot("--schedule-plot")

@@ -42,12 +42,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from shardc.errors import ShardcError
 
-__all__ = ["Timing", "Op", "Simulation", "simulate", "device_of", "chunks_of", "ZERO_BUBBLE"]
+__all__ = ["Timing", "Op", "Simulation", "simulate", "device_of", "chunks_of", "ZERO_BUBBLE", "operations",
+           "check_budget", "MAX_OPS", "MAX_GREEDY"]
 
 ZERO_BUBBLE = frozenset({"zb-h1", "zbv"})
+# Budgets, in work counts: half a million ops is a few hundred MB of ops and seconds of simulation
+# (4096 microbatches over 64 stages of 1F1B); zbv's greedy search weighs each op by the devices.
+MAX_OPS = 500_000
+MAX_GREEDY = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -118,14 +124,26 @@ class Simulation:
         backward, or for the zero-bubble schedules the weight gradient (it reads the
         layer inputs too; the paper counts that memory until W).
         """
+        return self._peaks[device] / self.chunks
+
+    @cached_property
+    def _peaks(self) -> list[int]:
+        """Each device's most activations held at once (in chunks), from one pass over the ops."""
         free = "W" if any(op.kind == "W" for op in self.ops) else "B"
-        events = sorted([(op.start, 1) for op in self.ops if op.device == device and op.kind == "F"]
-                        + [(op.end, -1) for op in self.ops if op.device == device and op.kind == free])
-        held = peak = 0
-        for _, step in events:
-            held += step
-            peak = max(peak, held)
-        return peak / self.chunks
+        events: list[list[tuple[float, int]]] = [[] for _ in range(self.stages)]
+        for op in self.ops:
+            if op.kind == "F":
+                events[op.device].append((op.start, 1))
+            elif op.kind == free:
+                events[op.device].append((op.end, -1))
+        peaks = []
+        for device_events in events:
+            held = peak = 0
+            for _, step in sorted(device_events):
+                held += step
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
 
 
 def chunks_of(schedule: str, virtual: int = 1) -> int:
@@ -161,14 +179,78 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     if len(chunk_times) != chunks * p:
         raise ShardcError(f"schedule {schedule} on {p} stages has {chunks * p} chunks, "
                           f"not the {len(chunk_times)} timed")
+    check_budget(schedule, p, m, virtual)
     durations = [_durations(t, zb) for t in chunk_times]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
-        found = _run(schedule, p, m, durations, 0.0, None, zb)
+        found = _run(schedule, p, m, durations, 0.0, zb)
         orders = [[(o.kind, o.microbatch, o.chunk) for o in sorted(found) if o.device == d] for d in range(p)]
     else:
         orders = [_order(schedule, s, p, m, virtual) for s in range(p)]
-    ops = _run(schedule, p, m, durations, timing.comm, orders, zb)
+    ops = _run_in_order(schedule, p, m, durations, timing.comm, orders)
     return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times))
+
+
+def operations(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Ops the simulation of ``schedule`` runs: F and B (and W) for each microbatch and model chunk."""
+    kinds = 3 if schedule in ZERO_BUBBLE else 2
+    return kinds * microbatches * chunks_of(schedule, virtual) * stages
+
+
+def check_budget(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
+    """Refuse a simulation past :data:`MAX_OPS` ops (zbv's greedy search: :data:`MAX_GREEDY` op-devices).
+
+    Work counts rather than seconds, so the answer is the same on every machine: the
+    fixed orders cost a few microseconds an op, zbv's search an op per device per op.
+    """
+    ops = operations(schedule, stages, microbatches, virtual)
+    greedy = ops * stages if schedule == "zbv" else 0
+    if ops > MAX_OPS or greedy > MAX_GREEDY:
+        what = (f"{ops:,} ops" if ops > MAX_OPS else f"{ops:,} ops searched over {stages} devices")
+        cap = f"{MAX_OPS:,} ops" if ops > MAX_OPS else f"{MAX_GREEDY:,} op-devices"
+        raise ShardcError(f"simulating {schedule} over {stages} stages and {microbatches} microbatches is {what}, "
+                          f"past the budget of {cap}",
+                          fix="use fewer microbatches or fewer stages (the bubble depends on their ratio, "
+                              "(p-1)/m for 1F1B)" + (", or another schedule than zbv" if greedy else ""))
+
+
+def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float,
+                  orders: list[list[tuple[str, int, int]]]) -> list[Op]:
+    """Each device runs its ``orders`` in turn, each op as soon as its inputs and the device are free.
+
+    Start times follow from the orders alone (a device's previous op, the ops it reads), so
+    one pass that advances each device until it waits on another's op gives them, in time
+    linear in the ops; a device that waits is resumed when that op is done.
+    """
+    last = len(durations) - 1
+    ends: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * p
+    position = [0] * p
+    blocked: dict[tuple[str, int, int], list[int]] = {}  # an op not yet run -> the devices waiting on it
+    runnable = list(range(p - 1, -1, -1))
+    result: list[Op] = []
+    while runnable:
+        d = runnable.pop()
+        order = orders[d]
+        while position[d] < len(order):
+            key = order[position[d]]
+            t = free[d]
+            missing = None
+            for dep in _deps(*key, last):
+                if dep not in ends:
+                    missing = dep
+                    break
+                t = max(t, ends[dep] + (comm if device_of(schedule, dep[2], p) != d else 0.0))
+            if missing is not None:
+                blocked.setdefault(missing, []).append(d)
+                break
+            end = t + durations[key[2]][key[0]]
+            ends[key], free[d] = end, end
+            position[d] += 1
+            result.append(Op(t, end, d, *key))
+            runnable.extend(blocked.pop(key, ()))
+    if len(result) < operations(schedule, p, m, len(durations) // p) or blocked:
+        raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
+    return result
 
 
 def _durations(timing: Timing, zb: bool) -> dict[str, float]:
@@ -242,59 +324,65 @@ def _dependents(kind: str, j: int, c: int, last: int, zb: bool) -> list[tuple[st
     return []
 
 
-def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float,
-         orders: list[list[tuple[str, int, int]]] | None, zb: bool) -> list[Op]:
+def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float, zb: bool) -> list[Op]:
+    """zbv's greedy order: each step commits, among all devices, the op that can start first."""
     n_chunks = len(durations)
     kinds = ("F", "B", "W") if zb else ("F", "B")
     todo = [(k, j, c) for k in kinds for j in range(m) for c in range(n_chunks)]
     home = {key: device_of(schedule, key[2], p) for key in todo}
     ends: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
-    position = [0] * p
     inflight = [0] * p
     # Activations a device may hold (forward started, weight gradient not done: W reads them too)
     # before it must run a B or a W instead of an F: p stage-microbatches, 1F1B's peak, as in the
     # paper.  zb-h1 has a fixed order; this limit is zbv's, in chunks of half a stage.
     limit = 2 * p  # chunks
     # Ops whose inputs are all made, per device (the greedy order picks among them).
+    # The first chunk's forwards need nothing and are ready at once; of those, the lowest
+    # microbatch is always the one chosen, so only it is pending (the next joins as it runs).
     pending: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
-    for j in range(m):
-        pending[home[("F", j, 0)]].add(("F", j, 0))
+    pending[home[("F", 0, 0)]].add(("F", 0, 0))
     result: list[Op] = []
+    # A device's choice depends on its own state only (its pending ops' inputs are all made),
+    # so it is kept until that state changes: the device that ran, and those that got an op.
+    choices = [_choose(d, pending, home, ends, comm, free, inflight, limit, n_chunks) for d in range(p)]
     while len(result) < len(todo):
-        best = _next(p, orders, position, pending, home, ends, comm, free, inflight, limit, n_chunks)
+        best = min((c for c in choices if c is not None), key=lambda c: c[:3], default=None)
         if best is None:  # every device waits on memory (sends delayed a B): one F goes over the limit
-            best = _next(p, orders, position, pending, home, ends, comm, free, inflight, None, n_chunks)
+            best = _next(p, pending, home, ends, comm, free, inflight, None, n_chunks)
         if best is None:
             raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
         start, _, d, key = best
         end = start + durations[key[2]][key[0]]
         ends[key], free[d] = end, end
         pending[d].discard(key)
+        changed = {d}
+        if key[0] == "F" and key[2] == 0 and key[1] + 1 < m:
+            pending[d].add(("F", key[1] + 1, 0))
         for after in _dependents(*key, n_chunks - 1, zb):
             if all(dep in ends for dep in _deps(*after, n_chunks - 1)):
                 pending[home[after]].add(after)
-        position[d] += 1
+                changed.add(home[after])
         inflight[d] += {"F": 1, "B": 0, "W": -1}[key[0]]
+        for e in changed:
+            choices[e] = _choose(e, pending, home, ends, comm, free, inflight, limit, n_chunks)
         result.append(Op(start, end, d, *key))
     return result
 
 
-def _next(p: int, orders: list[list[tuple[str, int, int]]] | None, position: list[int],
-          pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
+def _next(p: int, pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
           ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
           limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
     """The op that can start first on any device (ties: the lowest device)."""
     best: tuple[float, int, int, tuple[str, int, int]] | None = None
     for d in range(p):
-        choice = _choose(d, orders, position, pending, home, ends, comm, free, inflight, limit, n_chunks)
+        choice = _choose(d, pending, home, ends, comm, free, inflight, limit, n_chunks)
         if choice is not None and (best is None or choice[:3] < best[:3]):
             best = choice
     return best
 
 
-def _choose(d: int, orders: list[list[tuple[str, int, int]]] | None, position: list[int],
-            pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
+def _choose(d: int, pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
             ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
             limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
     """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready."""
@@ -306,12 +394,6 @@ def _choose(d: int, orders: list[list[tuple[str, int, int]]] | None, position: l
             t = max(t, ends[dep] + (comm if home[dep] != d else 0.0))
         return t
 
-    if orders is not None:
-        if position[d] >= len(orders[d]):
-            return None
-        key = orders[d][position[d]]
-        t = ready(key)
-        return None if t is None else (t, 0, d, key)
     mine = [(t, key) for key in pending[d] if (t := ready(key)) is not None]
     if not mine:
         return None

@@ -15,7 +15,8 @@ from dataclasses import replace
 from shardc.collectives import share
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans, resolve_hardware
-from shardc.pipeline.stages import stage_spec
+from shardc.pipeline.boundary import check_microbatches
+from shardc.pipeline.stages import pipeline_of, stage_spec
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.einsum import Solution
@@ -133,7 +134,11 @@ def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
     sizes = stage_plan.sizes
     if sizes is not None:
         sizes = sizes + tuple((a.name, a.size) for a in spec.mesh.axes if a.pipeline)
-    return replace(stage_plan, spec=spec, sizes=sizes)
+    planned = replace(stage_plan, spec=spec, sizes=sizes)
+    pipe = pipeline_of(spec)
+    if pipe is not None and spec.dims:  # the spec's own batch splits into its microbatches, as cost needs
+        check_microbatches(planned, pipe.microbatches, dict(spec.dims))
+    return planned
 
 
 def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none") -> Plan:
