@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, clip
 from shardc.files import read_text
 from shardc.spec.ir import Mesh, Network
 
@@ -202,12 +202,22 @@ def default_spans(mesh: Mesh, hw: Hardware, sizes: dict[str, int] | None = None)
 
 
 def check_spans(mesh: Mesh, spans: Mapping[str, int] | None) -> None:
-    """Spans given over the chip's defaults name mesh axes and are whole numbers >= 1 (not booleans)."""
+    """Spans given over the chip's defaults: each names a mesh axis and is a whole number >= 1 (not a
+    boolean) of physical axes of 2 chips or more, so at most log2 of the axis's devices.
+
+    The one check of spans: the CLI's ``--spans``, the planner, ``cost`` and the formulas call it.
+    """
     for axis, k in (spans or {}).items():
         if axis not in mesh.names:
-            raise ShardcError(f"--spans {axis}: not a mesh axis", fix="use one of " + ", ".join(mesh.names))
+            raise ShardcError(f"--spans {clip(str(axis))}: not a mesh axis", fix="use one of " + ", ".join(mesh.names))
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ShardcError(f"--spans {axis}={k}: must be a whole number >= 1", fix="write e.g. --spans X=3")
+            raise ShardcError(f"--spans {axis}={clip(repr(k))}: must be a whole number >= 1",
+                              fix="write e.g. --spans X=3")
+        size = mesh.axis(axis).size
+        if k > 1 and 2 ** min(k, 64) > size:
+            raise ShardcError(f"--spans {axis}={clip(str(k))}: an axis of {size} chips spans at most "
+                              f"{max(1, size.bit_length() - 1)} physical axes (each has 2 chips or more)",
+                              fix=f"write e.g. --spans {axis}=1")
 
 
 def check_hardware_arg(hardware: object) -> None:

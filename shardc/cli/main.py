@@ -141,15 +141,10 @@ def parse_sets(items: Sequence[str] | None, flag: str = "--set") -> dict[str, in
 
 def parse_spans(items: Sequence[str] | None, spec: Any) -> dict[str, int] | None:
     """``--spans AXIS=K``: an ICI mesh axis of the spec over K physical axes, each of 2 chips or more."""
+    from shardc.hardware import check_spans
+
     spans = parse_sets(items, "--spans")
-    for name, k in spans.items():
-        if name not in spec.mesh.names:
-            raise ShardcError(f"--spans {clip(name)}: not a mesh axis", fix="use one of " + ", ".join(spec.mesh.names))
-        size = spec.mesh.axis(name).size
-        if k > 1 and 2 ** min(k, 64) > size:
-            raise ShardcError(f"--spans {name}={k}: an axis of {size} chips spans at most "
-                              f"{max(1, size.bit_length() - 1)} physical axes (each has 2 chips or more)",
-                              fix=f"write e.g. --spans {name}=1")
+    check_spans(spec.mesh, spans)
     return spans or None
 
 
