@@ -74,6 +74,7 @@ def test_partial_products_are_added_before_one_reduction() -> None:
     assert {s.tensor for s in unsized.forward if s.is_collective} == {"O"}
 
 
+@pytest.mark.slow
 def test_a_replicated_term_is_added_once_to_partial_sums(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = _plan(RESIDUAL)
     add = next(s for s in plan.forward if s.fn == "add++-")
@@ -94,6 +95,7 @@ def test_the_residual_gradients_add() -> None:
     assert any(s.fn == "neg" for s in plan.backward)  # d(-Bias) = -dR, summed over B
 
 
+@pytest.mark.slow
 def test_a_broadcast_term_is_sliced_and_its_gradient_is_a_reduction() -> None:
     plan = _plan(BIAS)
     assert [s.op for s in plan.forward] == [Op.SLICE, Op.ELEMENTWISE]  # Bias[D] -> Bias[D_Y], free
@@ -103,6 +105,7 @@ def test_a_broadcast_term_is_sliced_and_its_gradient_is_a_reduction() -> None:
     _verified(plan)
 
 
+@pytest.mark.slow
 def test_a_rename_is_an_alias() -> None:
     plan = _plan(SELF_ATTENTION)
     text = render_text(plan)
@@ -118,6 +121,7 @@ def test_a_rename_is_an_alias() -> None:
     _verified(plan)
 
 
+@pytest.mark.slow
 def test_a_rename_to_another_sharding_is_an_alias_then_moves() -> None:
     plan = _plan("mesh X=2, Y=2\nKx[B, T_Y, D] = X[B_X, S, D]\nO[B, T_Y, F] = Kx[B, T_Y, D] · W[D, F]\n")
     assert plan.forward[0].fn == "alias" and str(plan.forward[0].dst) == "Kx[B_X, T, D]"
@@ -126,6 +130,7 @@ def test_a_rename_to_another_sharding_is_an_alias_then_moves() -> None:
     _verified(plan)
 
 
+@pytest.mark.slow
 def test_causal_masks_by_global_position_and_dropout_shards_one_global_mask() -> None:
     plan = _plan(MASKS)
     assert [s.fn for s in plan.backward] == ["dropout_vjp(0.5)", "causal_vjp(S,T)"]
@@ -133,6 +138,7 @@ def test_causal_masks_by_global_position_and_dropout_shards_one_global_mask() ->
     _verified(plan)
 
 
+@pytest.mark.slow
 def test_masks_from_local_positions_fail_verification(monkeypatch: pytest.MonkeyPatch) -> None:
     local = template._HELPERS.replace("start = jax.lax.axis_index(axes) * n if axes else 0", "start = 0")
     assert local != template._HELPERS
@@ -149,6 +155,7 @@ def test_dropout_memory_counts_a_one_byte_mask() -> None:
     assert kept["X[B_X, S, D]"] == 8 * 16 * 32 / 2 * 2  # bf16
 
 
+@pytest.mark.slow
 def test_nested_dropouts_draw_different_masks_and_verify() -> None:
     spec = shardc.parse("mesh X=2\nY[B_X, D] = gelu(dropout(X[B_X, D], 0.5)) + dropout(X[B_X, D], 0.5)\n")
     masks = [s.fn for s in shardc.plan(spec).forward if (s.fn or "").startswith("dropout_mask")]
@@ -176,6 +183,7 @@ R[B_X, S, D] = X[B_X, S, D] + O[B_X, S, N_Y, H] · Wo[N_Y, H, D]
 """
 
 
+@pytest.mark.slow
 def test_megatron_causal_self_attention_all_reduces_once_each_way() -> None:
     plan = _plan(CAUSAL_SELF_ATTENTION)
     over_y = [[c for c in _collectives(steps) if c.startswith("AllReduce_Y")]
@@ -184,6 +192,7 @@ def test_megatron_causal_self_attention_all_reduces_once_each_way() -> None:
     _verified(plan)  # queries, keys, values and the residual added before one reduction
 
 
+@pytest.mark.slow
 def test_dropout_draws_its_masks_from_a_key() -> None:
     """forward(inputs, key): another key, other masks; each equals the reference's under that key,
     and so do the planned gradients and jax.grad through the module."""
