@@ -8,10 +8,13 @@ examples and switches deadlines off, since some tests compile with XLA.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Generator
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True,
@@ -19,5 +22,45 @@ settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True
 settings.register_profile("dev", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 # Bounded and derandomized unless asked otherwise: random planner specs can reach layouts whose
-# exact search takes seconds (a known gap), and the suite must stay under 10 minutes.
+# exact search takes seconds (a known gap), and the suite must stay under 8 minutes on 2 cores.
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# A test that compiles with XLA must be marked slow, so that `-m "not slow"` stays fast: every
+# XLA compilation (jax's backend-compile event) during an unmarked test's set-up or call fails it.
+# jax is never imported here; the listener is added once some test has imported it.
+_XLA_COMPILE = "/jax/core/compile/backend_compile_duration"
+_compiles = [0]
+_listening = [False]
+
+
+def _count_compile(event: str, _duration: float, **_: object) -> None:
+    if event == _XLA_COMPILE:
+        _compiles[0] += 1
+
+
+def _listen() -> None:
+    if not _listening[0] and "jax" in sys.modules:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(_count_compile)
+        _listening[0] = True
+
+
+def _unmarked_compiles(item: pytest.Item) -> Generator[None, object, object]:
+    _listen()
+    before = _compiles[0]
+    result = yield
+    if _compiles[0] > before and item.get_closest_marker("slow") is None:
+        raise AssertionError(f"{item.nodeid} compiled with XLA {_compiles[0] - before} time(s): mark it slow")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _unmarked_compiles(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _unmarked_compiles(item))

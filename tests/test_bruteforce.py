@@ -29,6 +29,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
@@ -279,6 +280,7 @@ def small_meshes(draw: st.DrawFn) -> Mesh:
     return Mesh(tuple(axes))
 
 
+@pytest.mark.slow
 @settings(max_examples=380, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(small_meshes().flatmap(lambda m: specs(max_statements=2, dims=True, chains=False, headers=False, mesh=m,
@@ -292,6 +294,7 @@ def test_planner_is_never_above_the_exhaustive_search(spec: Spec) -> None:
 RUN: list[tuple[Spec, float]] = []
 
 
+@pytest.mark.slow
 def test_the_oracle_ran_on_300_specs() -> None:
     """Hypothesis runs every example asked for (none filtered away): at least 300 distinct specs."""
     if not RUN:

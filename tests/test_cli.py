@@ -106,6 +106,7 @@ def test_readme_lists_every_flag_of_every_command() -> None:
                     f"README's `shardc {name}` does not mention {flag}"
 
 
+@pytest.mark.slow
 def test_readme_python_snippet_runs_as_written(tmp_path: Path) -> None:
     block = re.search(r"```python\n(.*?)```", README, re.S)
     assert block is not None

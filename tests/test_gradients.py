@@ -74,6 +74,7 @@ def test_gradient_names_never_take_a_name(names: list[str]) -> None:
 
 # --- issue items 1 and 19: a user's dW or dOut is not a gradient ----------------------------
 
+@pytest.mark.slow
 def test_a_tensor_named_dW_beside_a_param_W_is_not_its_gradient() -> None:
     spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · dW[D, F]\n"
                         "T[B_X, F] = In[B_X, D] · W[D, F]\n")
@@ -88,6 +89,7 @@ def test_a_tensor_named_dW_beside_a_param_W_is_not_its_gradient() -> None:
     verified(plan)
 
 
+@pytest.mark.slow
 def test_an_input_named_dOut_beside_an_output_Out_is_not_its_cotangent() -> None:
     spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = dOut[B_X, D] · W[D, F]\n")
     plan = shardc.plan(spec)
@@ -97,6 +99,7 @@ def test_an_input_named_dOut_beside_an_output_Out_is_not_its_cotangent() -> None
     verified(plan)
 
 
+@pytest.mark.slow
 def test_jax_grad_through_a_module_with_an_input_named_dOut() -> None:
     """The lowered custom_vjp pools inputs and cotangents by name: dOut must stay the input."""
     import jax
@@ -121,6 +124,7 @@ def test_part_names_avoid_the_specs_names() -> None:
 
 # --- issue item 14: every input but the const ones -----------------------------------------
 
+@pytest.mark.slow
 def test_a_second_activation_input_gets_its_gradient() -> None:
     """Cross attention: the keys come from another tensor (Mem), which needs a gradient too."""
     plan = shardc.plan(shardc.parse(CROSS_ATTENTION))
@@ -128,6 +132,7 @@ def test_a_second_activation_input_gets_its_gradient() -> None:
     verified(plan)
 
 
+@pytest.mark.slow
 def test_a_const_input_gets_no_gradient() -> None:
     plan = shardc.plan(shardc.parse("const Mem\n" + CROSS_ATTENTION))
     assert [g.name for g in plan.grads] == ["dIn", "dWq", "dWk"]
@@ -141,6 +146,7 @@ def test_const_excludes_a_default_param() -> None:
     assert [g.name for g in plan.grads] == ["dIn"]
 
 
+@pytest.mark.slow
 def test_verify_fails_on_a_gradient_the_plan_lacks() -> None:
     """A plan that drops a non-const input's gradient is a mismatch, not silently unchecked."""
     plan = shardc.plan(shardc.parse(CROSS_ATTENTION))
@@ -149,6 +155,7 @@ def test_verify_fails_on_a_gradient_the_plan_lacks() -> None:
     assert [(r.tensor, r.ok) for r in report.values if r.tensor == "dMem"] == [("dMem", False)]
 
 
+@pytest.mark.slow
 def test_jax_grad_of_a_const_input_is_still_right() -> None:
     """The plan does not differentiate Mem; asked for, JAX's transpose gives its gradient."""
     import jax
@@ -170,6 +177,7 @@ def test_jax_grad_of_a_const_input_is_still_right() -> None:
 
 # --- issue item 8: a sum of partial sums stays partial ------------------------------------------
 
+@pytest.mark.slow
 def test_swiglu_reduces_dX_once() -> None:
     """dX = dG · Wg + dU · Wu: both parts are partial over Y; add them, then one AllReduce."""
     plan = shardc.plan(shardc.parse(SWIGLU))
@@ -181,6 +189,7 @@ def test_swiglu_reduces_dX_once() -> None:
     verified(plan)
 
 
+@pytest.mark.slow
 def test_contributions_made_differently_are_summed_by_kind() -> None:
     """Two partial parts of dX are added and reduced once; a third, already reduced, joins after."""
     spec = shardc.parse("mesh X=2, Y=2\ndims B=8, D=8, F=8\nG[B_X, F_Y] = X[B_X, D] · Wg[D, F_Y]\n"

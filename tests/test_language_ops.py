@@ -99,6 +99,7 @@ def test_layers_outputs_feed_inputs() -> None:
     parse("mesh X=2\nconst In\nlayers 4\nH[B_X, F] = In[B_X, D] · W_in[D, F]\n")  # every layer reads In
 
 
+@pytest.mark.slow
 def test_a_sum_of_products_may_stay_partial() -> None:
     """`{U_Y}` on a sum whose terms contract over Y: the partial products add, nothing is reduced
     (a reduced term is added on one coordinate of Y only, so the sum counts it once)."""

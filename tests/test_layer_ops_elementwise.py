@@ -75,6 +75,7 @@ def test_partial_products_are_added_before_one_reduction() -> None:
     assert {s.tensor for s in unsized.forward if s.is_collective} == {"O"}
 
 
+@pytest.mark.slow
 def test_a_replicated_term_is_added_once_to_partial_sums(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = _plan(RESIDUAL)
     add = next(s for s in plan.forward if s.fn == Add((1, 1, -1)))
@@ -95,6 +96,7 @@ def test_the_residual_gradients_add() -> None:
     assert any(s.fn == NEG for s in plan.backward)  # d(-Bias) = -dR, summed over B
 
 
+@pytest.mark.slow
 def test_a_broadcast_term_is_sliced_and_its_gradient_is_a_reduction() -> None:
     plan = _plan(BIAS)
     assert [s.op for s in plan.forward] == [Op.SLICE, Op.ELEMENTWISE]  # Bias[D] -> Bias[D_Y], free
@@ -104,6 +106,7 @@ def test_a_broadcast_term_is_sliced_and_its_gradient_is_a_reduction() -> None:
     _verified(plan)
 
 
+@pytest.mark.slow
 def test_a_rename_is_an_alias() -> None:
     plan = _plan(SELF_ATTENTION)
     text = render_text(plan)
@@ -119,6 +122,7 @@ def test_a_rename_is_an_alias() -> None:
     _verified(plan)
 
 
+@pytest.mark.slow
 def test_a_rename_to_another_sharding_is_an_alias_then_moves() -> None:
     plan = _plan("mesh X=2, Y=2\nKx[B, T_Y, D] = X[B_X, S, D]\nO[B, T_Y, F] = Kx[B, T_Y, D] · W[D, F]\n")
     assert plan.forward[0].fn == ALIAS and str(plan.forward[0].dst) == "Kx[B_X, T, D]"
@@ -127,6 +131,7 @@ def test_a_rename_to_another_sharding_is_an_alias_then_moves() -> None:
     _verified(plan)
 
 
+@pytest.mark.slow
 def test_causal_masks_by_global_position_and_dropout_shards_one_global_mask() -> None:
     plan = _plan(MASKS)
     assert [s.fn for s in plan.backward] == [DropoutVjp(0.5), CausalVjp("S", "T")]
@@ -134,6 +139,7 @@ def test_causal_masks_by_global_position_and_dropout_shards_one_global_mask() ->
     _verified(plan)
 
 
+@pytest.mark.slow
 def test_masks_from_local_positions_fail_verification(monkeypatch: pytest.MonkeyPatch) -> None:
     import jax.numpy as jnp
 
@@ -156,6 +162,7 @@ def test_dropout_memory_counts_a_one_byte_mask() -> None:
     assert kept["X[B_X, S, D]"] == 8 * 16 * 32 / 2 * 2  # bf16
 
 
+@pytest.mark.slow
 def test_nested_dropouts_draw_different_masks_and_verify() -> None:
     spec = shardc.parse("mesh X=2\nY[B_X, D] = gelu(dropout(X[B_X, D], 0.5)) + dropout(X[B_X, D], 0.5)\n")
     masks = [s.fn for s in shardc.plan(spec).forward if isinstance(s.fn, DropoutMask)]
@@ -183,6 +190,7 @@ R[B_X, S, D] = X[B_X, S, D] + O[B_X, S, N_Y, H] · Wo[N_Y, H, D]
 """
 
 
+@pytest.mark.slow
 def test_megatron_causal_self_attention_all_reduces_once_each_way() -> None:
     plan = _plan(CAUSAL_SELF_ATTENTION)
     over_y = [[c for c in _collectives(steps) if c.startswith("AllReduce_Y")]
@@ -191,6 +199,7 @@ def test_megatron_causal_self_attention_all_reduces_once_each_way() -> None:
     _verified(plan)  # queries, keys, values and the residual added before one reduction
 
 
+@pytest.mark.slow
 def test_dropout_draws_its_masks_from_a_key() -> None:
     """forward(inputs, key): another key, other masks; each equals the reference's under that key,
     and so do the planned gradients and jax.grad through the module."""

@@ -114,6 +114,7 @@ def test_without_dims_the_statistics_win_at_proxy_sizes() -> None:
     assert "no sizes" in render_explain(p)
 
 
+@pytest.mark.slow
 def test_max_lowers_to_pmax() -> None:
     p = _plan("mesh X=4\ndims B=8, D=64\nM[B] = max(X[B, D_X] over D)\n")
     (step,) = _collectives(p.forward)
@@ -166,12 +167,14 @@ VERIFY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", VERIFY)
 def test_lowered_values_and_collectives_verify(text: str) -> None:
     report = verify(shardc.parse(text))
     assert report.ok, render_report(report)
 
 
+@pytest.mark.slow
 def test_verifies_under_every_residual_policy() -> None:
     text = "mesh X=4\ndims B=8, S=512, D=4096\nY[B, S, D_X] = layernorm(X[B, S, D_X] over D)\n"
     for save in ("none", "all"):
@@ -191,6 +194,7 @@ def test_random_layer_op_specs_round_trip_and_plan_soundly(spec: Spec, save: str
         assert not any(g.name.startswith("dTok") for g in p.grads)
 
 
+@pytest.mark.slow
 def test_recomputed_plans_with_reductions_verify() -> None:
     text = ("mesh X=2, Y=2\ndims B=8, S=64, D=1024\nY[B_Y, S, D_X] = rmsnorm(X[B_Y, S, D_X] over D) * W_g[D_X]\n"
             "M[B_Y] = mean(softmax(Y[B_Y, S, D_X] over D) · W_p[D_X] over S)\n")

@@ -116,6 +116,7 @@ VERIFY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", VERIFY)
 def test_lowered_values_and_collectives_verify(text: str) -> None:
     report = verify(shardc.parse(text))

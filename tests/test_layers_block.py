@@ -65,6 +65,7 @@ def test_only_the_block_is_counted_l_times() -> None:
     assert params == 64 * 16 * 2 + 4 * (16 * 32 * 2)  # W_emb, W_out once; W1, W2 a layer
 
 
+@pytest.mark.slow
 def test_a_block_lowers_and_verifies() -> None:
     from shardc.lowering.verify import verify
 

@@ -253,6 +253,7 @@ def test_the_table_says_the_rule_and_the_choice(capsys: pytest.CaptureFixture[st
 # properties ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @given(specs(max_statements=3, dims=True, max_devices=8, layer_ops=True))
 def test_every_row_is_shardc_costs_figures_and_the_rows_are_ranked(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
     chips = spec.mesh.devices

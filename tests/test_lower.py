@@ -49,6 +49,7 @@ def test_the_required_examples_exist() -> None:
             "moe_transformer"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_verifies(path: Path) -> None:
     report = report_of(path)
@@ -57,11 +58,13 @@ def test_example_verifies(path: Path) -> None:
     assert {"forward", "backward"} <= phases <= {"forward", "backward", "optimizer"}
 
 
+@pytest.mark.slow
 def test_the_alltoall_example_really_moves_an_axis() -> None:
     kinds = {r.hlo_op for r in report_of(ROOT / "examples" / "alltoall.shard").collectives}
     assert "all-to-all" in kinds
 
 
+@pytest.mark.slow
 def test_source_is_readable_one_line_a_step(fsdp_tp) -> None:  # type: ignore[no-untyped-def]
     source = fsdp_tp.source
     ast.parse(source)
@@ -81,6 +84,7 @@ def test_source_is_readable_one_line_a_step(fsdp_tp) -> None:  # type: ignore[no
     assert "# Out[B_X, D]{U_Y}" in body
 
 
+@pytest.mark.slow
 def test_forward_returns_every_result_and_grad_every_param(fsdp_tp) -> None:  # type: ignore[no-untyped-def]
     inputs = fsdp_tp.random_inputs()
     out = fsdp_tp.forward(inputs)
@@ -90,6 +94,7 @@ def test_forward_returns_every_result_and_grad_every_param(fsdp_tp) -> None:  # 
     assert grads["dW_in"].shape == inputs["W_in"].shape
 
 
+@pytest.mark.slow
 def test_jax_grad_of_forward_runs_the_planned_backward(fsdp_tp, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import jax
     import jax.numpy as jnp
@@ -126,6 +131,7 @@ def _fsdp_tp_loss(i, cot):  # type: ignore[no-untyped-def]
     return jnp.sum(out * cot["dOut"]) + jnp.sum(jnp.sin(tmp))
 
 
+@pytest.mark.slow
 def test_jax_grad_through_an_intermediate_and_every_input(fsdp_tp) -> None:  # type: ignore[no-untyped-def]
     """Cotangents of a result a later statement reads still reach the inputs."""
     import jax
@@ -147,6 +153,7 @@ def test_jax_grad_through_an_intermediate_and_every_input(fsdp_tp) -> None:  # t
     np.testing.assert_allclose(np.asarray(only_tmp), np.asarray(expect), rtol=2e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_jit_grad_through_a_result_read_later() -> None:
     """Attention: Scores is read later, so its own cotangent comes from JAX's transpose;
     Kt and V, though neither params nor the first input, get planned gradients."""
@@ -170,6 +177,7 @@ def test_jit_grad_through_a_result_read_later() -> None:
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_an_input_of_partial_sums_is_taken_stacked_and_differentiated() -> None:
     import jax
     import jax.numpy as jnp
@@ -188,6 +196,7 @@ def test_an_input_of_partial_sums_is_taken_stacked_and_differentiated() -> None:
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_partial_sums_over_axes_written_in_any_order_verify() -> None:
     """{U_YX} and {U_XY} are one value: the lowering keys values with their axes sorted."""
     spec = shardc.parse("mesh X=2, Y=4\ndims N=8\nOut[N_Y] = B[]{U_YX} · E[]{U_XY} · A[N_{Y,X}]\n")
@@ -202,6 +211,7 @@ def test_a_mesh_larger_than_the_devices_says_how_to_emulate() -> None:
     assert "--xla_force_host_platform_device_count=64" in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_wrong_volume_is_a_mismatch(fsdp_tp) -> None:  # type: ignore[no-untyped-def]
     from shardc.errors import InternalError
     from shardc.lowering.hlo import collectives
@@ -218,6 +228,7 @@ def test_a_wrong_volume_is_a_mismatch(fsdp_tp) -> None:  # type: ignore[no-untyp
     assert [r.note for r in rows if not r.ok] == ["bytes differ"]
 
 
+@pytest.mark.slow
 def test_cli_verify_json_and_compare(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(ROOT / "examples" / "tp.shard"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -227,6 +238,7 @@ def test_cli_verify_json_and_compare(capsys: pytest.CaptureFixture[str]) -> None
     assert data["volume_ratio"] <= 1.0
 
 
+@pytest.mark.slow
 def test_cli_lower_writes_a_module_that_runs(tmp_path: Path) -> None:
     out = tmp_path / "tp_module.py"
     path = str(ROOT / "examples" / "tp.shard")

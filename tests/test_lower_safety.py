@@ -39,6 +39,7 @@ def _import(path: Path) -> object:
     return module
 
 
+@pytest.mark.slow
 def test_hostile_names_and_file_name_lower_import_and_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / HOSTILE_FILE).write_text(HOSTILE_SPEC)
@@ -193,6 +194,7 @@ def test_a_dim_not_divisible_by_its_shards_is_refused_clearly() -> None:
         verify(plan, sizes={"B": 5})
 
 
+@pytest.mark.slow
 def test_a_spec_whose_dims_do_not_divide_lowers_to_a_module_that_runs_at_sizes_that_do() -> None:
     """The book's D=5120 over 4096 chips: the module is shape-generic, written without the spec's sizes."""
     from shardc.lowering.api import module_source

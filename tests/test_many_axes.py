@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 
 import shardc
@@ -51,6 +52,7 @@ def test_a_gather_past_four_axes_may_span_free_axes() -> None:
         m for m in neighbours(ctx, ("B", "D"), v) if m.dst == gather.dst and not m.via), "In")[0]
 
 
+@pytest.mark.slow
 def test_six_axes_written_apart_plan_with_a_note_and_check() -> None:
     """The issue's spec (35 s and a give-up before): planned, checked, and the restriction stated."""
     spec = shardc.parse(SIX_APART)
@@ -63,6 +65,7 @@ def test_six_axes_written_apart_plan_with_a_note_and_check() -> None:
         "mesh X=2, Y=2\ndims B=8, D=8\nOut[B_X, D] = In[B_Y, D]\n")).notes)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(specs(mesh=FIVE, max_statements=2, dims=True, chains=False, calls=False, reshards=False, headers=False))
 def test_on_five_axes_the_plan_is_never_worse_than_the_rules(spec: shardc.Spec) -> None:
@@ -81,6 +84,7 @@ Out[B_{P,Q}, D_R] = T[B_{P,R}, F_{X,Y}] · W_out[F_{R,X}, D_{Y,Q}]
 """
 
 
+@pytest.mark.slow
 def test_on_five_axes_apart_the_plan_beats_the_rules_over_every_layout() -> None:
     """The rules' reshards searched over every layout (no placements) are dearer still (77 us vs 51 us)."""
     spec = shardc.parse(FIVE_APART)

@@ -81,6 +81,7 @@ def test_the_hlo_check_prices_integers_at_their_own_width() -> None:
     assert Collective(Op.ALL_REDUCE, "all-reduce", ("X",), 8, "pred", "").bytes(2) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec_text", [EMBED, LOSS])
 def test_verify_agrees_the_ids_move_4_bytes_an_element(spec_text: str) -> None:
     report = verify(_plan(spec_text))
@@ -90,6 +91,7 @@ def test_verify_agrees_the_ids_move_4_bytes_an_element(spec_text: str) -> None:
     assert row.plan_bytes == row.hlo_bytes == 4 * sizes["B"] * sizes["S"], render_report(report)
 
 
+@pytest.mark.slow
 def test_a_sum_over_an_activation_keeps_no_residual_for_it() -> None:
     p = _plan(SUM)
     (spread,) = [s for s in p.backward if s.fn is Row.SUM_VJP]

@@ -65,6 +65,7 @@ Out[G_X, S, D] = Comb[G_X, S, E, C] · Ex[G, E_X, C, D]
 """
 
 
+@pytest.mark.slow
 def test_a_routed_layer_that_drops_tokens_verifies_with_its_own_sizes() -> None:
     # 8 tokens x 2 choices over 4 experts of 3 slots: some tokens are dropped at every expert they chose
     spec = shardc.parse(SMALL)
@@ -94,6 +95,7 @@ def test_route_semantics_by_hand() -> None:
     assert top2[2].sum() == 0 and top2[0, 0, 0] == top2[0, 1, 0] == top2[1, 2, 0] == 1
 
 
+@pytest.mark.slow
 @given(st.integers(1, 3), st.integers(1, 4), st.integers(0, 2**31 - 1))
 def test_route_topk_helper_matches_the_reference(k: int, capacity: int, seed: int) -> None:
     pytest.importorskip("jax")
@@ -137,6 +139,7 @@ In[G, E_X, C, D] = Disp[G_X, S, E_Y, C] · X[G_X, S_Y, D]
 """
 
 
+@pytest.mark.slow
 def test_route_of_sequence_sharded_gates_gathers_them_and_verifies() -> None:
     spec = shardc.parse(NESTED)
     assert shardc.parse(str(spec)) == spec  # route prints back as written
@@ -147,6 +150,7 @@ def test_route_of_sequence_sharded_gates_gathers_them_and_verifies() -> None:
     assert report.ok, render_report(report)
 
 
+@pytest.mark.slow
 def test_the_float32_recheck_of_a_routed_spec_gives_the_unsharded_program_the_capacity() -> None:
     """Weak rows are checked again against the unsharded program (verify's ``differential_rows``):
     that program must get the capacity C too, as no input has it (it raised "C has no size")."""
@@ -161,6 +165,7 @@ def test_the_float32_recheck_of_a_routed_spec_gives_the_unsharded_program_the_ca
     assert {r.tensor for r in rows} >= {"Disp", "Out", "dW_r"} and all(r.ok for r in rows)
 
 
+@pytest.mark.slow
 def test_verify_runs_a_route_of_more_experts_than_its_small_sizes_would_give() -> None:
     # S=128 is too large to run, so verify picks small sizes: E must stay >= k=8 for top_k (found by
     # shardc.testing's route draws: small_sizes gave E=4 and top_k failed)

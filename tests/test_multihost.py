@@ -9,10 +9,12 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import shardc
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # two interpreters compile and run a lowered module
 
 WORKER = textwrap.dedent('''
     import os, sys

@@ -12,6 +12,8 @@ from shardc.lowering.pipeline_verify import verify_pipeline
 from shardc.pipeline.stages import stage_spec
 from shardc.spec.functions import layer_key
 
+pytestmark = pytest.mark.slow  # every test compiles a pipelined module
+
 SPEC = """\
 mesh P=2 pipeline, X=2, Y=2
 dims B=16, D=8, F=16

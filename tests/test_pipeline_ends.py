@@ -117,6 +117,7 @@ def test_the_pipelined_block_parses() -> None:
     assert spec.block == (1, 3) and spec.mesh.pipeline_axis is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_the_whole_model_verifies(schedule: str) -> None:
     """The loss and every gradient (the embedding's, the block's stacked, the head's) against numpy,
@@ -131,6 +132,7 @@ def test_the_whole_model_verifies(schedule: str) -> None:
     assert any(r.kind == "CollectivePermute" and r.ok for r in report.collectives)
 
 
+@pytest.mark.slow
 def test_the_loss_is_the_mean_of_the_microbatches() -> None:
     """Summing the microbatches' losses instead (their cotangent the loss's, not over M) is caught."""
     from shardc.lowering import pipeline_ends_verify as ends_verify
@@ -184,6 +186,7 @@ def test_the_llama2_13b_example_costs_its_ends_on_stages_0_and_3() -> None:
     assert cost.last.forward > 0 and cost.step_s > cost.simulation.ideal
 
 
+@pytest.mark.slow
 def test_the_llama2_13b_example_verifies_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     from shardc.cli.main import main
 
@@ -192,6 +195,7 @@ def test_the_llama2_13b_example_verifies_from_the_cli(capsys: pytest.CaptureFixt
     assert "verified" in out and "dW_emb" in out and "dW_out" in out and "Loss" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_tensor_parallel_stages_with_a_vocabulary_parallel_loss_verify(schedule: str) -> None:
     """P=2 leaves X=2 and Y=2 on 8 devices: the embedding's table and the logits cut over Y."""

@@ -47,6 +47,7 @@ def test_a_schedule_that_does_not_lower_says_it_lowers_as_gpipe(capsys: pytest.C
     assert "def one_f_one_b_local(" not in source
 
 
+@pytest.mark.slow
 def test_the_python_api_lowers_a_pipelined_spec_to_its_pipeline() -> None:
     from shardc.lowering.pipeline import PipelineLowered
 
@@ -67,6 +68,7 @@ def _values_ok(report: object) -> None:
 FOUR_STAGES = ("mesh P=4 pipeline, X=8, Y=4", "mesh P=4 pipeline, X=8, Y=1")  # P=4 x X=2 fits 8 devices
 
 
+@pytest.mark.slow
 def test_verify_runs_gpipe_on_eight_devices_against_numpy() -> None:
     text = EXAMPLE.read_text().replace("schedule 1f1b", "schedule gpipe").replace(*FOUR_STAGES)
     report = verify_pipeline(shardc.plan(shardc.parse(text, "gpipe")), devices=8)
@@ -81,6 +83,7 @@ def test_verify_runs_gpipe_on_eight_devices_against_numpy() -> None:
     assert report.ok, [r for r in report.collectives if not r.ok]
 
 
+@pytest.mark.slow
 def test_verify_runs_the_examples_1f1b(plan: object) -> None:
     """8 devices run the example's P=4, X=8, Y=4 as P=2, X=2, Y=2: every axis moves something."""
     report = verify_pipeline(plan, devices=8)  # type: ignore[arg-type]
@@ -94,6 +97,7 @@ def test_verify_runs_the_examples_1f1b(plan: object) -> None:
     assert report.ok, [r for r in report.collectives if not r.ok]
 
 
+@pytest.mark.slow
 def test_an_axis_cut_to_one_fails_its_collectives(plan: object) -> None:
     """4 devices: P=2, X=2 and Y cut to 1, so the tensor-parallel AllReduces did not run."""
     report = verify_pipeline(plan, devices=4)  # type: ignore[arg-type]
@@ -154,6 +158,7 @@ X1[B_X, S, D] = X0[B_X, S, D] + Comb[B_X, S, E, C] · Ex[B, E_X, C, D]
 """
 
 
+@pytest.mark.slow
 def test_a_pipelined_routed_layer_verifies() -> None:
     """The reference gets the capacity C from the sizes (no input has it): it raised "C has no size"."""
     report = verify_pipeline(shardc.plan(shardc.parse(ROUTED)), devices=8)
@@ -161,6 +166,7 @@ def test_a_pipelined_routed_layer_verifies() -> None:
     assert report.ok, [r for r in report.values + report.collectives if not r.ok]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_tensor_parallel_stages_verify(schedule: str) -> None:
     # P=2 leaves X=2 and Y=2 on 8 devices: FSDP and tensor parallelism inside each stage (with P=4

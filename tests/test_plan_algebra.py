@@ -71,6 +71,7 @@ def test_a_gather_of_two_dims_is_one_collective() -> None:
     assert check_plan(p) == []
 
 
+@pytest.mark.slow
 def test_a_gather_of_two_dims_lowers_and_verifies() -> None:
     from shardc.lowering.verify import render_report, verify
 

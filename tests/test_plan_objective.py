@@ -67,6 +67,7 @@ def test_planner_moves_cost_what_cost_reports() -> None:
                                              report.hardware, {"X": 2}).seconds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.shard")), ids=lambda p: p.stem)
 def test_planned_time_is_the_reported_time_and_no_strategy_beats_it(path: Path) -> None:
     spec = shardc.parse(path.read_text(), filename=str(path))

@@ -30,6 +30,7 @@ def _every_candidate_fresh(spec: shardc.Spec) -> shardc.Plan:
     return min(candidates, key=lambda p: planner.objective(plan_time(p)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", [DEEP, *(p.read_text() for p in sorted(EXAMPLES.glob("*.shard")))])
 def test_shared_caches_pick_the_plan_fresh_candidates_pick(text: str) -> None:
     spec = shardc.parse(text)
@@ -40,6 +41,7 @@ def test_shared_caches_pick_the_plan_fresh_candidates_pick(text: str) -> None:
     assert shardc.plan(spec) == _every_candidate_fresh(spec)
 
 
+@pytest.mark.slow
 @given(specs(max_statements=3, dims=True, chains=False))
 def test_skipping_candidates_with_the_first_ones_steps_changes_no_plan(spec: shardc.Spec) -> None:
     """The planner skips a candidate whose solves repeat the first's moves: the result is as if it had not."""

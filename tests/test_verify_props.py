@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 import shardc
 from shardc.lowering.verify import render_report, verify
 from shardc.spec.walk import calls
 from shardc.testing import specs
+
+pytestmark = pytest.mark.slow  # every test lowers, compiles and runs random specs
 
 
 # compiling dominates (about a second an example), so few examples; deadline off

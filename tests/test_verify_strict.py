@@ -53,6 +53,7 @@ def test_a_huge_prime_axis_shrinks_at_once() -> None:
     assert time.perf_counter() - start < 30  # a hang guard (it once factored 2**31-1 by trial), not a speed target
 
 
+@pytest.mark.slow
 def test_verify_runs_the_plan_shardc_plan_prints() -> None:
     spec = shardc.parse("mesh X=100, Y=100, Z=10\ndims B=1000, D=1000, F=1000\n"
                         "Out[B_X, F_Y] = In[B_X, D_Z] · W[D_Z, F_Y]\n")
@@ -65,6 +66,7 @@ def test_verify_runs_the_plan_shardc_plan_prints() -> None:
     assert report.ok, render_report(report)
 
 
+@pytest.mark.slow
 def test_an_axis_cut_to_one_fails_its_collectives() -> None:
     plan = shardc.plan(shardc.parse(TP))
     report = verify(plan, devices=1)
@@ -86,6 +88,7 @@ def test_nan_is_never_equal_and_uncompared_values_fail() -> None:
     assert not Report("x", {}, {}, "f32", "float32", (0, 0)).ok  # nothing compared is not a pass
 
 
+@pytest.mark.slow
 def test_inputs_are_scaled_until_nothing_overflows() -> None:
     """exp(exp(.)) of standard normal inputs overflows float16: the inputs shrink, every value is compared."""
     spec = shardc.parse("mesh X=2\ndims B=4, D=8, E=6\ndtype f16\nOut[B_X, D] = exp(exp(In[B_X, E] · W[E, D]))\n")
@@ -96,6 +99,7 @@ def test_inputs_are_scaled_until_nothing_overflows() -> None:
     assert report.ok, render_report(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "compute"), [("f32", "float32"), ("bf16", "bfloat16"), ("f16", "float16"),
                                                 ("f8", "bfloat16")])
 def test_each_dtype_runs_in_its_own_type(dtype: str, compute: str) -> None:
@@ -105,6 +109,7 @@ def test_each_dtype_runs_in_its_own_type(dtype: str, compute: str) -> None:
     assert report.ok, render_report(report)
 
 
+@pytest.mark.slow
 def test_the_lowered_program_really_computes_in_bf16() -> None:
     from shardc.lowering.sizes import small_sizes
     from shardc.lowering.verify import compute_dtype
@@ -114,6 +119,7 @@ def test_the_lowered_program_really_computes_in_bf16() -> None:
     assert "bf16[" in lowered.compiled_text("forward", compute_dtype(plan.spec))
 
 
+@pytest.mark.slow
 def test_a_wrong_plan_is_caught_by_value() -> None:
     """The reference comes from the spec: a plan applying the wrong function fails, in bf16 too."""
     spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nH[B_X, F] = gelu(In[B_X, D] · W[D_X, F])\n")
@@ -125,6 +131,7 @@ def test_a_wrong_plan_is_caught_by_value() -> None:
     assert [r.tensor for r in report.values if not r.ok] == ["H"]
 
 
+@pytest.mark.slow
 def test_a_wrong_planned_backward_is_caught_by_value() -> None:
     spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nH[B_X, F] = gelu(In[B_X, D] · W[D_X, F])\n")
     plan = shardc.plan(spec)
@@ -160,6 +167,7 @@ def test_bad_device_counts_are_usage_errors(devices: str, tmp_path: Path, capsys
     assert "1 to 256 devices" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_cli_verify_of_a_four_axis_mesh_uses_16_devices_strict_json(tmp_path: Path) -> None:
     spec = tmp_path / "big.shard"
     spec.write_text("mesh A=10, X=100, Y=100, Z=10\ndims B=1000, D=1000, F=1000\n"
@@ -173,6 +181,7 @@ def test_cli_verify_of_a_four_axis_mesh_uses_16_devices_strict_json(tmp_path: Pa
     assert all(r["hlo_op"] != "-" for r in data["collectives"])
 
 
+@pytest.mark.slow
 def test_compare_pairs_rows_by_tensor_at_the_same_sizes() -> None:
     from shardc.lowering.compare import Row, compare, pair_rows
 
@@ -201,6 +210,7 @@ def test_lower_at_small_sizes_keeps_the_plan_made_at_the_spec_sizes() -> None:
     assert lowered.plan.forward + lowered.plan.backward == plan.forward + plan.backward
 
 
+@pytest.mark.slow
 def test_a_const_input_needs_no_gradient_and_others_do() -> None:
     spec = shardc.parse("mesh X=2\ndims B=4, D=6, F=8\nconst K\nOut[B_X, F] = In[B_X, D] · W[D, F]\n"
                         "T[B_X, F] = In[B_X, D] · K[D, F]\n")
@@ -211,6 +221,7 @@ def test_a_const_input_needs_no_gradient_and_others_do() -> None:
     assert [r.note for r in report.values if not r.ok] == ["the plan makes no such gradient"]
 
 
+@pytest.mark.slow
 def test_a_mesh_axis_of_prime_size_verifies() -> None:
     spec = shardc.parse("mesh X=2147483647\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
     report = verify(spec)
@@ -218,6 +229,7 @@ def test_a_mesh_axis_of_prime_size_verifies() -> None:
     assert report.ok, render_report(report)
 
 
+@pytest.mark.slow
 def test_every_pass_could_fail_a_wrong_plan() -> None:
     """A bound above half a value passes nothing: such rows are checked again in float32 against
     the unsharded program's own error, and a row still that loose fails (bf16 attention)."""

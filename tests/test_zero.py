@@ -207,6 +207,7 @@ def test_forward_and_grad_lower_the_spec_without_the_zero_line() -> None:
     assert unlowered_optimizer(planned(MLP, "zero 3 over X")) == (planned(MLP, "zero 3 over X"), None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_optimizer_step_is_sgd_on_the_shards_then_gathered(stage: int) -> None:
     import numpy as np
@@ -228,6 +229,7 @@ def test_optimizer_step_is_sgd_on_the_shards_then_gathered(stage: int) -> None:
     assert text.count("reduce-scatter(") == (2 if stage == 1 else 0) and text.count("all-gather(") == 2
 
 
+@pytest.mark.slow
 def test_shardc_verify_checks_the_optimizer_phase_values_and_hlo(tmp_path: Path) -> None:
     path = tmp_path / "z.shard"
     path.write_text("mesh X=4, Y=2\nzero 1 over X\nTmp[B_X, F_Y] = In[B_X, D] · W_in[D, F_Y]\n", encoding="utf-8")
