@@ -270,7 +270,7 @@ class Pipeline:
     block: Part
     block_input: str
     params: tuple[str, ...]
-    ends: Any  # an Ends
+    ends: Ends
     dims: dict[str, int]
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
