@@ -92,6 +92,7 @@ def test_no_variable_of_a_generated_module_shadows_one_of_its_globals() -> None:
 SMALL = "mesh X=2\ndims B=4, D=6\nOut[B_X, D] = gelu(In[B_X, D])\n"
 
 
+@pytest.mark.slow
 def test_tensors_named_like_every_global_of_the_module_lower_and_verify() -> None:
     """A tensor named like a helper (``route_topk``) or a table (``PROGRAM``) once shadowed it."""
     from shardc.lowering.verify import verify
@@ -104,6 +105,7 @@ def test_tensors_named_like_every_global_of_the_module_lower_and_verify() -> Non
     assert report.ok and set(names) <= {r.tensor for r in report.values}
 
 
+@pytest.mark.slow
 def test_a_tensor_named_like_the_routing_helper_verifies() -> None:
     from shardc.lowering.verify import verify
 

@@ -121,7 +121,7 @@ def test_the_pipelined_block_parses() -> None:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_the_whole_model_verifies(schedule: str) -> None:
     """The loss and every gradient (the embedding's, the block's stacked, the head's) against numpy,
-    and the HLO's permutes: GPipe's m + p - 2 each way, 1F1B's one each way in its loop."""
+    and the HLO: one permute each way in the loop of the schedule's tick table."""
     from shardc.lowering.verify import verify
 
     report = verify(_plan(schedule))
@@ -135,15 +135,18 @@ def test_the_whole_model_verifies(schedule: str) -> None:
 @pytest.mark.slow
 def test_the_loss_is_the_mean_of_the_microbatches() -> None:
     """Summing the microbatches' losses instead (their cotangent the loss's, not over M) is caught."""
-    from shardc.lowering import pipeline_ends_verify as ends_verify
+    from shardc.lowering.pipeline import lower_pipeline
+    from shardc.lowering.pipeline_verify import draw_inputs, reference, run_sizes
 
-    lowered = ends_verify.lower_pipeline(_plan("gpipe"), *ends_verify._sizes(_plan("gpipe"), 8))
+    lowered = lower_pipeline(_plan("gpipe"), *run_sizes(_plan("gpipe"), 8))
     ns = lowered.namespace
-    inputs = ends_verify._inputs(lowered, 0, 0)
-    want, _ = ends_verify._reference(lowered, inputs, 1.0, 0)
+    inputs = draw_inputs(lowered, 0, 0)
+    want = float(reference(lowered, inputs, {"dLoss": 1.0}, 0)[0]["Loss"])
     got = float(ns.model_forward(inputs)[ns.LOSS])
     assert got == pytest.approx(want, rel=1e-5)  # float32: not x64 here
-    sums = float(ns.model_programs()[1](*ns._model_args(inputs))[-1].sum())
+    pipe = ns.PIPELINE
+    (acc,) = pipe.program(backward=False)[1](*pipe.arguments(inputs, pipe.ends.cotangent(pipe, inputs, None)))
+    sums = float(acc[0][-1].sum())
     m = lowered.pipeline.microbatches
     assert m > 1 and sums == pytest.approx(m * got, rel=1e-5) and abs(sums - want) > 1.0
 

@@ -8,10 +8,9 @@ import pytest
 
 import shardc
 from shardc.errors import ShardcError
-from shardc.lowering.pipeline import lower_pipeline, permutes_expected
-from shardc.lowering.pipeline_1f1b import tick_tables
-from shardc.lowering.pipeline_hlo import _permutes
-from shardc.lowering.pipeline_verify import _sizes, verify_pipeline
+from shardc.lowering.pipeline import lower_pipeline, tick_tables
+from shardc.lowering.pipeline_hlo import loop_rows, stage_rows
+from shardc.lowering.pipeline_verify import run_sizes, verify_pipeline
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
 
@@ -27,11 +26,12 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
     assert main(["lower", str(EXAMPLE)]) == 0
     source = capsys.readouterr().out
     compile(source, "pipeline_llama.py", "exec")  # valid Python
-    for line in ("STAGES = 4", "LAYERS = 32", "MICROBATCHES = 64", "TICKS = MICROBATCHES + STAGES - 1",
-                 "state = jax.lax.ppermute(x, PIPELINE_AXIS, SENDS)", "SENDS = [(0, 1), (1, 2), (2, 3)]",
-                 "def forward_local(", "def backward_local(", "layer.defvjp(_layer_fwd, _layer_vjp)",
-                 "def one_f_one_b_local(", "TICKS_1F1B = len(F_TABLE)"):
+    for line in ("STAGES = 4", "LAYERS = 32", "MICROBATCHES = 64", "F_TABLE = (\n    (0, -1, -1, -1),\n",
+                 "def forward_local(", "def backward_local(", "PIPELINE = Pipeline(", "BlockEnds(",
+                 "pipeline_forward, pipeline_grad = PIPELINE.outputs, PIPELINE.gradients"):
         assert line in source
+    forward, backward = tick_tables("1f1b", 4, 64)
+    assert f"    {tuple(forward[5])!r},\n" in source and f"    {tuple(backward[-1])!r},\n" in source
     assert "jax.lax.all_gather(" in source  # the stage's own plan (FSDP over X) is composed in
 
 
@@ -44,7 +44,7 @@ def test_a_schedule_that_does_not_lower_says_it_lowers_as_gpipe(capsys: pytest.C
     assert main(["lower", str(spec)]) == 0
     source = capsys.readouterr().out
     assert "# schedule interleaved lowers as GPipe (same values)" in source
-    assert "def one_f_one_b_local(" not in source
+    assert tick_tables("interleaved", 4, 64) == tick_tables("gpipe", 4, 64) != tick_tables("1f1b", 4, 64)
 
 
 @pytest.mark.slow
@@ -75,9 +75,9 @@ def test_verify_runs_gpipe_on_eight_devices_against_numpy() -> None:
     assert report.mesh == {"P": 4, "X": 2, "Y": 1}
     assert report.sizes["layers"] == 8 and report.sizes["microbatches"] == 8
     _values_ok(report)
-    permutes = [r for r in report.collectives if r.kind == "CollectivePermute"]
-    assert len(permutes) == 3 and all(r.ok for r in permutes)  # forward; recompute + cotangents
-    assert all(r.hlo_op == f"collective-permute x {permutes_expected(4, 8)}" for r in permutes)
+    loop, down, up = report.collectives[:3]  # GPipe's tick table: every forward, then every backward
+    assert loop.ok and loop.hlo_op == "while x [22]"  # 2 (m + p - 1) ticks
+    assert down.ok and up.ok and down.hlo_op == up.hlo_op == "collective-permute x 1"
     gathers = [r for r in report.collectives if r.kind == "AllGather"]
     assert gathers and all(r.ok and r.hlo_bytes == r.plan_bytes for r in gathers)  # FSDP over X, in the stages
     assert report.ok, [r for r in report.collectives if not r.ok]
@@ -109,22 +109,19 @@ def test_an_axis_cut_to_one_fails_its_collectives(plan: object) -> None:
 
 
 def test_a_collective_missing_from_the_hlo_is_a_mismatch(plan: object) -> None:
-    from shardc.lowering.pipeline_hlo import stage_rows
-
-    sizes, layers, micro = _sizes(plan, 8)  # type: ignore[arg-type]
+    sizes, layers, micro = run_sizes(plan, 8)  # type: ignore[arg-type]
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)  # type: ignore[arg-type]
-    rows = stage_rows(lowered, {"forward": "", "backward": ""}, None, ())
+    rows = stage_rows(lowered, "", None, ())
     assert rows and not any(r.ok for r in rows)
-    assert {r.phase for r in rows} == {"forward", "backward"}
 
 
 def test_missing_permutes_are_a_mismatch(plan: object) -> None:
-    sizes, layers, micro = _sizes(plan, 8)  # type: ignore[arg-type]
+    sizes, layers, micro = run_sizes(plan, 8)  # type: ignore[arg-type]
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)  # type: ignore[arg-type]
-    rows = _permutes(lowered, "", "")
-    assert len(rows) == 3 and not any(r.ok for r in rows)
-    # Out[B_X, S, D] of a microbatch: B/X=2 x S=5 x D=6, bf16; P=2 stages, 4 microbatches.
-    assert rows[0].plan_bytes == permutes_expected(2, 4) * 2 * 5 * 6 * 2
+    loop, down, up, count = loop_rows(lowered, "")[:4]
+    assert not any(r.ok for r in (loop, down, up, count)) and count.note == "0 permutes in the HLO, not 2"
+    # Out[B_X, S, D] of a microbatch: B/X=2 x S=5 x D=6, bf16.
+    assert down.plan_bytes == up.plan_bytes == 2 * 5 * 6 * 2
 
 
 def test_uneven_stages_do_not_lower(plan: object) -> None:
@@ -132,15 +129,19 @@ def test_uneven_stages_do_not_lower(plan: object) -> None:
         lower_pipeline(plan, layers=10, load=False)  # type: ignore[arg-type]
 
 
-def test_1f1b_tick_tables_follow_the_simulation() -> None:
-    f_table, b_table = tick_tables(4, 8)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_tick_tables_follow_the_simulation(schedule: str) -> None:
+    f_table, b_table = tick_tables(schedule, 4, 8)
     assert len(f_table) == 2 * (8 + 4 - 1)
     for table in (f_table, b_table):  # every microbatch once on every stage
         for s in range(4):
             assert sorted(row[s] for row in table if row[s] >= 0) == list(range(8))
     assert all(not (f >= 0 and b >= 0) for fr, br in zip(f_table, b_table, strict=True)
                for f, b in zip(fr, br, strict=True))  # one op a tick
-    assert [row[0] for row in f_table[:4]] == [0, 1, 2, 3]  # stage 0: p - 1 warm-up forwards, then one more
+    if schedule == "1f1b":  # stage 0: p - 1 warm-up forwards, then one more
+        assert [row[0] for row in f_table[:5]] == [0, 1, 2, 3, -1]
+    else:  # every forward, then every backward
+        assert [row[0] for row in f_table[:8]] == list(range(8)) and b_table[-1][0] == 7
 
 
 ROUTED = """mesh P=2 pipeline, X=2
@@ -176,3 +177,27 @@ def test_tensor_parallel_stages_verify(schedule: str) -> None:
     assert report.mesh == {"P": 2, "X": 2, "Y": 2}
     _values_ok(report)
     assert report.ok, [r for r in report.collectives if not r.ok]
+
+
+SHADOWS = """mesh P=2 pipeline, X=2
+dims B=8, D=6, F=4
+dtype f32
+layers 4
+microbatches 2
+param PARAMS, BLOCK
+STAGES[B_X, F] = PIPELINE[B_X, D] · PARAMS[D, F]
+layer[B_X, F] = gelu(STAGES[B_X, F])
+route_topk[B_X, D] = PIPELINE[B_X, D] + layer[B_X, F] · BLOCK[F, D]
+"""
+
+
+@pytest.mark.slow
+def test_tensors_named_like_the_pipeline_globals_verify() -> None:
+    """A tensor named like a global of the pipeline module (STAGES, PARAMS, ...) once shadowed it."""
+    from shardc.lowering.template import defined_names
+
+    plan = shardc.plan(shardc.parse(SHADOWS))
+    source = lower_pipeline(plan, load=False).source
+    assert {"STAGES", "PARAMS", "PIPELINE", "BLOCK", "route_topk"} <= defined_names(source)
+    report = verify_pipeline(plan, devices=4)
+    assert report.ok and {r.tensor for r in report.values} == {"route_topk", "dPIPELINE", "dPARAMS", "dBLOCK"}

@@ -1,46 +1,42 @@
-"""Lowering a pipelined spec: GPipe over the stage axis, the stage's own plan on the other axes.
+"""Lowering a pipelined spec: its schedule's tick table over the stage axis, the stage's own plan on
+the other axes.
 
 The generated module is the stage plan's module (``forward_local``/``backward_local``
-on one microbatch) followed by a pipeline section, the SPMD pipeline pattern of JAX's
-``shard_map`` documentation: one ``shard_map`` over every mesh axis, each device
-holding its stage's L/P layers (params stacked on a leading layer dim sharded over
-the stage axis), and m + p - 1 ticks in which every stage runs its layers on what it
-holds and ``jax.lax.ppermute`` passes the result to the next stage.  Stage 0 reads
-microbatch t at tick t; the last stage's output at tick t is microbatch t - (p - 1).
-The last tick sends nothing (no stage would read it), so the program has m + p - 2
-collective-permutes forward, and ``jax.vjp`` of it on each device (inside a second
-``shard_map``), whose transpose of each ``ppermute`` carries cotangents back a stage,
-as many backward (after as many forward ones: the backward program recomputes the
-forward).  The microbatches enter
-on stage 0 (the input is stacked over the stages, zeros elsewhere), so their
-gradient needs no reduction over the stage axis.  Each layer is a
-``jax.custom_vjp`` whose backward is the plan's own, so the collectives on the other
-axes are the planned ones in both directions.
+on one microbatch) followed by a pipeline section: the schedule as a tick table
+(:func:`tick_tables`: the simulated order with unit times, where each device runs at
+most one forward and one backward a tick) and a :class:`~shardc.lowering.pipeline_runtime.Pipeline`
+that runs any table the same way, with the block's plan as each layer
+(:mod:`shardc.lowering.pipeline_runtime`).  A ``layers L { ... }`` block with
+statements around it adds their two plans as the block's ends (before it on stage
+0, after it on the last stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe and 1F1B
+lower with their own tables; the other schedules (interleaved, zb-h1, zbv) are costed
+and drawn, and lower with GPipe's (every schedule computes the same values).
 
-``schedule 1f1b`` adds a second program, the 1F1B order as a tick table
-(:mod:`shardc.lowering.pipeline_1f1b`), which ``shardc verify`` runs instead.  The
-other schedules (interleaved, zb-h1, zbv) are costed and drawn, and lower as GPipe
-(every schedule computes the same values).
+The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
+with one collective-permute down and one up in its body, each moving one
+microbatch's shard of the block's output; ``shardc verify`` checks that and the
+stages' planned collectives in the compiled HLO (:mod:`shardc.lowering.pipeline_hlo`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from shardc.errors import ShardcError
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
-from shardc.lowering.pipeline_1f1b import SECTION, tick_tables
 from shardc.lowering.pipeline_ends import Ends, ends_source, plan_parts
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
+from shardc.pipeline.schedules import Timing, simulate
 from shardc.pipeline.stages import Pipeline, pipeline_of, stage_spec
 from shardc.planner.ir import Plan
 from shardc.spec.ir import TensorRef
 
-__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "permutes_expected"]
+__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "LOWERED_SCHEDULES"]
+
+LOWERED_SCHEDULES = ("gpipe", "1f1b")  # the others lower with GPipe's table
 
 
 @dataclass
@@ -66,9 +62,22 @@ def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
     return first, out
 
 
+def tick_tables(schedule: str, stages: int, microbatches: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(forward, backward): the microbatch each stage runs forward / backward at each tick, or -1,
+    in the schedule's simulated order with unit times (GPipe's for a schedule not lowered)."""
+    name = schedule if schedule in LOWERED_SCHEDULES else "gpipe"
+    sim = simulate(name, stages, microbatches, Timing(1.0, 1.0))
+    ticks = int(round(sim.makespan))
+    tables = {k: [[-1] * stages for _ in range(ticks)] for k in "FB"}
+    for op in sim.ops:
+        tables[op.kind][int(round(op.start))][op.device] = op.microbatch
+    return tables["F"], tables["B"]
+
+
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
                     layers: int, microbatches: int, reserved: frozenset[str] = frozenset()) -> tuple[Module, str, int]:
-    """The module text for ``plan`` pipelined on ``mesh``; ``sizes`` are the whole batch's."""
+    """The stage module and the pipeline section's constants for ``plan`` pipelined on ``mesh``
+    (``sizes`` are the whole batch's), and the batch size."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
     stages = dict(mesh)[pipe.axis]
@@ -87,23 +96,35 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     module = generate(stage_plan, stage_mesh, micro, title=" (one stage, one microbatch)", reserved=reserved)
     head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n"
     params = [i.name for i in plan.tensors if i.role == "param"]
+    f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches)
     text = _SECTION.format(
-        axis=pipe.axis, stages=stages, layers=layers, micro=microbatches, first=first.name, out=out.name,
-        params=tuple(params), mesh={n: s for n, s in mesh}, in_dim=first.indices.index(dim),
-        out_dim=out.indices.index(dim), dim=dim, perm=[(s, s + 1) for s in range(stages - 1)])
-    if pipe.schedule.name not in ("gpipe", "1f1b"):
+        schedule=pipe.schedule.name, axis=pipe.axis, stages=stages, layers=layers, micro=microbatches,
+        first=first.name, out=out.name, params=tuple(params), mesh={n: s for n, s in mesh}, dim=dim,
+        f_table=_table(f_table), b_table=_table(b_table))
+    if pipe.schedule.name not in LOWERED_SCHEDULES:
         # Every schedule computes the same values; only GPipe's and 1F1B's orders are lowered.
-        text += (f"\n# schedule {pipe.schedule.name} lowers as GPipe (same values); `shardc cost` costs and "
+        text += (f"# schedule {pipe.schedule.name} lowers as GPipe (same values); `shardc cost` costs and "
                  f"draws its own order\n")
-    if pipe.schedule.name == "1f1b":
-        f_table, b_table = tick_tables(stages, microbatches)
-        text += SECTION.format(axis=pipe.axis, f_table=f_table, b_table=b_table)
     return module, head + text, micro[dim] * microbatches
+
+
+def _table(rows: list[list[int]]) -> str:
+    """A tick table as a tuple literal, one tick a line."""
+    return "(\n" + "".join(f"    {tuple(row)!r},\n" for row in rows) + ")"
+
+
+def _block_section(plan: Plan, module: Module) -> str:
+    """The pipeline of a block alone: stage 0 reads the microbatches, the last stage returns the outputs."""
+    first, out = _block(plan)
+    dim = microbatch_dim(plan)
+    (cot,) = [name for name, o in module.cotangents.items() if o == out.name]
+    dims = {first.name: first.indices.index(dim), out.name: out.indices.index(dim)}
+    return _BLOCK.format(cot=cot, dims=dims)
 
 
 def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
                reserved: frozenset[str]) -> tuple[str, frozenset[str]]:
-    """The ends' functions and the whole model's programs, at one microbatch's sizes."""
+    """The ends' functions and the whole model's pipeline, at one microbatch's sizes."""
     pipe = pipeline_of(ends.block.spec)
     assert pipe is not None
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
@@ -112,12 +133,7 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     modules = [generate(part, stage_mesh, micro, reserved=reserved) for part in (ends.pre, ends.post)]
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables
-    return ends_source(ends, modules[0], modules[1], data, pipe.schedule.name), variables
-
-
-def permutes_expected(stages: int, microbatches: int) -> int:
-    """Collective-permutes of the forward (and again of the backward): one a tick but the last."""
-    return microbatches + stages - 2
+    return ends_source(ends, modules[0], modules[1], data), variables
 
 
 def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int | None = None,
@@ -143,6 +159,8 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
         if ends is not None:
             text, more = _ends_text(ends, mesh, module, reserved)
             source, variables = source + text, variables | more
+        else:
+            source += _block_section(plan, module)
         defined = defined_names(source)
         if not variables & defined:
             break
@@ -155,150 +173,34 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     return lowered
 
 
-def device_count(mesh: tuple[tuple[str, int], ...]) -> int:
-    return math.prod(s for _, s in mesh)
-
-
 _SECTION = '''
 
-# ---- pipeline: GPipe over {axis} ---------------------------------------------
-# The SPMD pipeline of JAX's shard_map documentation: every device runs its stage's layers each
-# tick and jax.lax.ppermute hands the result to the next stage; jax.vjp of the program carries the
-# cotangents back the same way.
+# ---- pipeline: {schedule} over {axis} ----------------------------------------------
+# The SPMD pipeline of JAX's shard_map documentation, in the schedule's order: at tick t stage s
+# runs the forward of microbatch F_TABLE[t][s] and the backward of B_TABLE[t][s] (-1: none), each
+# layer with the planned forward_local and backward_local, and jax.lax.ppermute hands activations
+# to the next stage and cotangents to the one before (shardc.lowering.pipeline_runtime).
 
-import functools
-import math
-
-from jax.sharding import AxisType, NamedSharding
+from shardc.lowering.pipeline_runtime import BlockEnds, ModelEnds, Part, Pipeline
 
 PIPELINE_AXIS = {axis!r}
 STAGES = {stages}
 LAYERS = {layers}  # in all; LAYERS // STAGES on each stage
 MICROBATCHES = {micro}
-TICKS = MICROBATCHES + STAGES - 1  # microbatch j is on stage s at tick j + s
 BLOCK_INPUT, BLOCK_OUTPUT = {first!r}, {out!r}  # what a stage receives and sends
 PARAMS = {params!r}  # each passed stacked: [LAYERS, ...]
 PIPE_MESH_AXES = {mesh!r}
-MICRO_DIM = ({in_dim}, {out_dim})  # the batch dim in BLOCK_INPUT and BLOCK_OUTPUT, cut into microbatches
 MICROBATCH = ({dim!r}, MICROBATCHES)  # keep_mask: a microbatch draws its slice of the whole batch's mask
-SENDS = {perm!r}  # stage s -> s + 1
+F_TABLE = {f_table}
+B_TABLE = {b_table}
+BLOCK = Part(forward_local, FORWARD_IN, FORWARD_OUT, backward_local, BACKWARD_IN, BACKWARD_OUT, COTANGENTS, GRADS,
+             BLOCK_OUTPUT, KEYED)
+'''
 
-
-def make_pipeline_mesh() -> jax.sharding.Mesh:
-    shape, names = tuple(PIPE_MESH_AXES.values()), tuple(PIPE_MESH_AXES)
-    if jax.device_count() < math.prod(shape):
-        raise RuntimeError(f"the pipeline mesh needs {{math.prod(shape)}} devices, jax sees {{jax.device_count()}}")
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
-
-
-def layer_key(key, stage, k, j):
-    """The dropout key of layer k of ``stage`` on microbatch j: (key * LAYERS + its layer number, j),
-    the masks layer number l of the unpipelined stack draws under key * LAYERS + l."""
-    number = stage * (LAYERS // STAGES) + k
-    return (jnp.asarray(key, jnp.uint32) * jnp.uint32(LAYERS) + jnp.asarray(number, jnp.uint32),
-            jnp.asarray(j, jnp.int32))
-
-
-@jax.custom_vjp
-def layer(x, params, key):
-    """One layer on one device: the planned forward; its VJP is the planned backward."""
-    return _layer_fwd(x, params, key)[0]
-
-
-def _layer_fwd(x, params, key):
-    pool = {{BLOCK_INPUT: x, **dict(zip(PARAMS, params))}}
-    saved = dict(zip(FORWARD_OUT, forward_local(*[pool[k] for k in FORWARD_IN], *[key] * KEYED)))
-    return saved[BLOCK_OUTPUT], (pool, saved)
-
-
-def _layer_bwd(residuals, d_out):
-    pool, saved = residuals  # a dropout's keep-mask is a saved forward value: no key needed
-    cot = {{name: d_out if out == BLOCK_OUTPUT else jnp.zeros_like(saved[out]) for name, out in COTANGENTS.items()}}
-    values = {{**pool, **saved, **cot}}
-    grads = dict(zip(BACKWARD_OUT, backward_local(*[values[k] for k in BACKWARD_IN])))
-    return grads[GRADS[BLOCK_INPUT]], tuple(grads[GRADS[p]] for p in PARAMS)
-
-
-def _layer_vjp(residuals, d_out):
-    return (*_layer_bwd(residuals, d_out), None)  # the key has no cotangent
-
-
-layer.defvjp(_layer_fwd, _layer_vjp)
-
-
-def pipeline_local(key, xs, *params):
-    """GPipe on one device: ``xs`` [1, MICROBATCHES, block] (stage 0's are read), params [LAYERS/STAGES, ...],
-    ``key`` the dropout key."""
-    stage = jax.lax.axis_index(PIPELINE_AXIS)
-    xs = xs[0]
-    state = jnp.zeros_like(xs[0])
-    outs = jnp.zeros_like(xs)
-    for t in range(TICKS):
-        x = jnp.where(stage == 0, xs[min(t, MICROBATCHES - 1)], state)
-        for k in range(LAYERS // STAGES):  # stage s runs microbatch t - s at tick t
-            x = layer(x, tuple(w[k] for w in params), layer_key(key, stage, k, t - stage))
-        j = t - (STAGES - 1)
-        if j >= 0:  # the last stage finishes microbatch j
-            outs = outs.at[j].set(jnp.where(stage == STAGES - 1, x, outs[j]))
-        if t < TICKS - 1:  # the last tick's result has no next tick to go to
-            state = jax.lax.ppermute(x, PIPELINE_AXIS, SENDS)
-    return outs[None]  # stacked over the stages; the last stage's is the output
-
-
-PIPE_IN = (P(), P(PIPELINE_AXIS, None, *FORWARD_IN[BLOCK_INPUT]))  # the dropout key, the microbatches
-PIPE_IN += tuple(P(PIPELINE_AXIS, *FORWARD_IN[p]) for p in PARAMS)
-PIPE_OUT = P(PIPELINE_AXIS, None, *FORWARD_OUT[BLOCK_OUTPUT])
-
-
-@functools.cache
-def pipeline_programs():
-    """The mesh, the forward program and the backward program (jit of jax.vjp), compiled on first call."""
-    mesh = make_pipeline_mesh()
-    fwd = jax.shard_map(pipeline_local, mesh=mesh, in_specs=PIPE_IN, out_specs=PIPE_OUT, check_vma=False)
-
-    def bwd_local(d_outs, key, *args):
-        # jax.vjp on each device, inside the shard_map: the transpose of a shard_map without
-        # replication checks would rescale the cotangent of an output replicated over an axis
-        # (tensor parallelism's Y), and the planned backward already sums what it must.
-        _, vjp = jax.vjp(functools.partial(pipeline_local, key), *args)
-        return vjp(d_outs)
-
-    bwd = jax.shard_map(bwd_local, mesh=mesh, in_specs=(PIPE_OUT,) + PIPE_IN, out_specs=PIPE_IN[1:],
-                        check_vma=False)
-    return mesh, jax.jit(fwd), jax.jit(bwd)
-
-
-def _split(x, dim):
-    return jnp.stack(jnp.split(jnp.asarray(x), MICROBATCHES, axis=dim))
-
-
-def _join(xs, dim):
-    return jnp.concatenate(list(xs), axis=dim)
-
-
-def _args(inputs, key=0):
-    """The program's arguments: the dropout key, the microbatches on stage 0 (zeros elsewhere), the
-    stacked params."""
-    mesh, _, _ = pipeline_programs()
-    xs = _split(inputs[BLOCK_INPUT], MICRO_DIM[0])
-    xs = jnp.zeros((STAGES,) + xs.shape, xs.dtype).at[0].set(xs)
-    args = [jnp.asarray(key, jnp.uint32), xs] + [jnp.asarray(inputs[p]) for p in PARAMS]
-    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, PIPE_IN)]
-
-
-def pipeline_forward(inputs, key=0):
-    """{{BLOCK_OUTPUT: ...}} after all LAYERS layers, from BLOCK_INPUT and each param stacked [LAYERS, ...];
-    ``key`` draws the dropout masks (layer l's under key * LAYERS + l)."""
-    _, fwd, _ = pipeline_programs()
-    return {{BLOCK_OUTPUT: _join(fwd(*_args(inputs, key))[-1], MICRO_DIM[1])}}
-
-
-def pipeline_grad(inputs, cotangent, key=0):
-    """d<Name> of BLOCK_INPUT and of each stacked param, from d<BLOCK_OUTPUT>, under dropout ``key``."""
-    mesh, fwd, bwd = pipeline_programs()
-    args = _args(inputs, key)
-    d_last = _split(cotangent["d" + BLOCK_OUTPUT], MICRO_DIM[1])
-    d_outs = jnp.zeros((STAGES,) + d_last.shape, d_last.dtype).at[-1].set(d_last)
-    grads = bwd(jax.device_put(d_outs, NamedSharding(mesh, PIPE_OUT)), *args)
-    return {{"d" + BLOCK_INPUT: _join(grads[0][0], MICRO_DIM[0]), **{{"d" + p: g for p, g in zip(PARAMS, grads[1:])}}}}
+_BLOCK = '''
+PIPELINE = Pipeline(PIPE_MESH_AXES, PIPELINE_AXIS, LAYERS, MICROBATCHES, F_TABLE, B_TABLE, BLOCK, BLOCK_INPUT, PARAMS,
+                    BlockEnds(BLOCK_INPUT, BLOCK_OUTPUT, FORWARD_IN[BLOCK_INPUT], FORWARD_OUT[BLOCK_OUTPUT],
+                              GRADS[BLOCK_INPUT], {cot!r}),
+                    {dims!r})  # the batch dim of BLOCK_INPUT and BLOCK_OUTPUT, cut into microbatches
+pipeline_forward, pipeline_grad = PIPELINE.outputs, PIPELINE.gradients
 '''

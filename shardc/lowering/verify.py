@@ -27,7 +27,6 @@ from shardc.lowering import reference
 from shardc.lowering.api import lower
 from shardc.lowering.hlo import collectives
 from shardc.lowering.optimizer import LEARNING_RATE
-from shardc.lowering.pipeline_ends_verify import verify_model
 from shardc.lowering.pipeline_verify import verify_pipeline
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.report import (
@@ -247,9 +246,7 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     plan, zero_note = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     devices = devices_to_check(plan, jax.device_count()) if devices is None else devices
     check_device_count(devices)
-    if plan.spec.mesh.pipeline_axis is not None:  # GPipe over the stage axis: its own module
-        if plan.spec.block is not None:  # the whole model: the block's stages and the statements around it
-            return verify_model(plan, devices, seed)
+    if plan.spec.mesh.pipeline_axis is not None:  # a pipeline over the stage axis: its own module
         return verify_pipeline(plan, devices, seed)
     small = {**small_sizes(zero or plan, devices), **(sizes or {})}
     lowered = lower(zero or plan, sizes=small)

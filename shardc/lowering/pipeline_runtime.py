@@ -1,0 +1,415 @@
+"""A pipelined module's program, as ordinary Python: any schedule's tick table, the block, its ends.
+
+The SPMD pipeline of JAX's ``shard_map`` documentation: one ``shard_map`` over every
+mesh axis, each device holding its stage's L/P layers (params stacked on a leading
+layer dim sharded over the stage axis).  A schedule is a tick table: at tick t stage s
+runs the forward of microbatch ``forward[t][s]`` and the backward of ``backward[t][s]``
+(-1: none), as the schedule's simulation with unit times places them
+(:mod:`shardc.pipeline.schedules`).  :class:`Pipeline` runs any table the same way: a
+``fori_loop`` over the ticks (one compiled body), in which every device runs its stage
+forward and backward masked by the table (SPMD: one program for all), keeps each
+microbatch's residuals until its backward, and sends with ``jax.lax.ppermute`` its
+activation down and its cotangent up (the receiver keeps what the table says was
+really sent).  Each layer's forward and backward are the stage plan's own, so the
+collectives on the other axes are the planned ones in both directions.
+
+What comes before the block and after it is an :class:`Ends`: for a block alone
+(:class:`BlockEnds`) stage 0 reads the microbatches and the last stage keeps the
+outputs and reads their cotangents; for a ``layers L { ... }`` block in a whole model
+(:class:`ModelEnds`, Megatron-LM's placement) stage 0 runs the statements before the
+block and the last stage those after it, ending in the loss, whose backward runs at
+once (the loss's cotangent over M: the batch's loss is the microbatches' mean).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardc.lowering.runtime import make_mesh
+
+__all__ = ["Part", "Ends", "BlockEnds", "ModelEnds", "Pipeline", "forward_only"]
+
+Arrays = dict[str, Any]
+Table = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One planned part on one device: its two phase functions and their boundary tables.
+
+    ``result`` is the value the part hands on (the block's output, the loss); ``grads`` maps
+    each input that gets a gradient to its gradient's name."""
+
+    forward_local: Callable[..., tuple[Any, ...]]
+    forward_in: dict[str, P]
+    forward_out: dict[str, P]
+    backward_local: Callable[..., tuple[Any, ...]]
+    backward_in: dict[str, P]
+    backward_out: dict[str, P]
+    cotangents: dict[str, str]
+    grads: dict[str, str]
+    result: str
+    keyed: bool = False
+
+    def forward(self, pool: Arrays, key: Any = None) -> tuple[Any, tuple[Arrays, Arrays]]:
+        """The result, and the residuals the backward reads."""
+        args = [pool[k] for k in self.forward_in] + [key] * self.keyed
+        saved = dict(zip(self.forward_out, self.forward_local(*args), strict=True))
+        return saved[self.result], (pool, saved)
+
+    def backward(self, residuals: tuple[Arrays, Arrays], d_out: Any) -> Arrays:
+        """Each input's gradient (keyed by the input) for the result's cotangent ``d_out``; a dropout's
+        keep-mask is a saved forward value, so no key is needed."""
+        pool, saved = residuals
+        cot = {n: d_out if o == self.result else jnp.zeros_like(saved[o]) for n, o in self.cotangents.items()}
+        values = {**pool, **saved, **cot}
+        got = dict(zip(self.backward_out, self.backward_local(*[values[k] for k in self.backward_in]), strict=True))
+        return {k: got[g] for k, g in self.grads.items()}
+
+
+def forward_only(table: Table) -> Table:
+    """The ticks of ``table`` that run a forward, in order (a program that computes no gradient)."""
+    return tuple(row for row in table if any(j >= 0 for j in row))
+
+
+class Ends(Protocol):
+    """What runs before the block on stage 0 and after it on the last stage, each microbatch.
+
+    Its arguments (``inputs``) arrive on the stage that reads them (``stage_of``: 0 or -1), data
+    cut into microbatches [M, ...]; ``cotangent`` is the cotangent of its result, on the last stage.
+    Its accumulator (``start``) is its result and the gradients it makes, returned as ``result_specs``
+    lays them out, each stacked over the stages."""
+
+    def inputs(self) -> tuple[str, ...]: ...
+
+    def stage_of(self, name: str) -> int: ...
+
+    def specs(self) -> tuple[P, ...]: ...  # each input's, without the stage axis
+
+    def cotangent_spec(self) -> P: ...
+
+    def result_specs(self, axis: str) -> Any: ...
+
+    def first(self, args: Arrays, j: Any) -> Any: ...  # stage 0's block input for microbatch j
+
+    def start(self, args: Arrays, x: Any) -> Any: ...
+
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]: ...
+
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any: ...
+
+    def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any: ...
+
+    def outputs(self, pipe: Pipeline, acc: Any) -> Arrays: ...
+
+    def gradients(self, pipe: Pipeline, acc: Any) -> Arrays: ...
+
+
+@dataclass(frozen=True)
+class BlockEnds:
+    """A block alone: stage 0 reads microbatch j of ``block_input``; the last stage keeps the block's
+    output and reads its cotangent ([M, ...]); the accumulator is the outputs and the input's gradients."""
+
+    block_input: str
+    block_output: str
+    input_spec: P
+    output_spec: P
+    input_grad: str  # the gradient's name of the block input
+    output_cotangent: str  # the cotangent's name of the block output
+
+    def inputs(self) -> tuple[str, ...]:
+        return (self.block_input,)
+
+    def stage_of(self, name: str) -> int:
+        return 0
+
+    def specs(self) -> tuple[P, ...]:
+        return (P(None, *self.input_spec),)
+
+    def cotangent_spec(self) -> P:
+        return P(None, *self.output_spec)
+
+    def result_specs(self, axis: str) -> Any:
+        return (P(axis, None, *self.output_spec), P(axis, None, *self.input_spec))
+
+    def first(self, args: Arrays, j: Any) -> Any:
+        return args[self.block_input][j]
+
+    def start(self, args: Arrays, x: Any) -> Any:
+        zeros = jnp.zeros_like(args[self.block_input])
+        return zeros, zeros
+
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
+        outs, dxs = acc
+        return args["cotangent"][j], (jnp.where(done, outs.at[j].set(y), outs), dxs)
+
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any:
+        outs, dxs = acc
+        return outs, jnp.where(done, dxs.at[j].set(dx), dxs)
+
+    def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any:
+        if cotangent is None:  # the output is laid out as the input: zeros of its microbatches
+            return jnp.zeros_like(pipe.split(inputs[self.block_input], pipe.dims[self.block_input]))
+        return pipe.split(cotangent[self.output_cotangent], pipe.dims[self.block_output])
+
+    def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
+        return {self.block_output: pipe.join(acc[0][-1], pipe.dims[self.block_output])}  # the last stage's
+
+    def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
+        return {self.input_grad: pipe.join(acc[1][0], pipe.dims[self.block_input])}  # stage 0's
+
+
+@dataclass(frozen=True)
+class ModelEnds:
+    """A block in a whole model: ``pre`` on stage 0 makes the block's input from the data inputs
+    ``pre_data`` and its params; ``post`` on the last stage reads the block's output, ``post_data`` and
+    its params and makes the loss.  Their params arrive stacked over the stages, only the first
+    (last) stage's copy non-zero, so their gradients need no reduction over the stage axis.  The
+    cotangent is each microbatch's loss's; the accumulator the losses and the ends' gradients."""
+
+    pre: Part
+    post: Part
+    pre_data: tuple[str, ...]
+    post_data: tuple[str, ...]
+    pre_params: tuple[str, ...]
+    post_params: tuple[str, ...]
+    block_output: str
+
+    def inputs(self) -> tuple[str, ...]:
+        return self.pre_data + self.post_data + self.pre_params + self.post_params
+
+    def stage_of(self, name: str) -> int:
+        return 0 if name in self.pre_data + self.pre_params else -1
+
+    def _spec(self, name: str) -> P:
+        return (self.pre if self.stage_of(name) == 0 else self.post).forward_in[name]
+
+    def specs(self) -> tuple[P, ...]:
+        data = tuple(P(None, *self._spec(k)) for k in self.pre_data + self.post_data)
+        return data + tuple(self._spec(k) for k in self.pre_params + self.post_params)
+
+    def cotangent_spec(self) -> P:
+        return P()
+
+    def result_specs(self, axis: str) -> Any:
+        return P(axis, None), {k: P(axis, *self._spec(k)) for k in self.pre_params + self.post_params}
+
+    def _pre_pool(self, args: Arrays, j: Any) -> Arrays:
+        return {k: args[k][j] if k in self.pre_data else args[k] for k in self.pre.forward_in}
+
+    def _post_pool(self, args: Arrays, y: Any, j: Any) -> Arrays:
+        return {k: y if k == self.block_output else args[k][j] if k in self.post_data else args[k]
+                for k in self.post.forward_in}
+
+    def first(self, args: Arrays, j: Any) -> Any:
+        return self.pre.forward(self._pre_pool(args, j))[0]
+
+    def start(self, args: Arrays, x: Any) -> Any:
+        losses = jnp.zeros((args[self.inputs()[0]].shape[0],), x.dtype)
+        return losses, {k: jnp.zeros_like(args[k]) for k in self.pre_params + self.post_params}
+
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
+        losses, dends = acc
+        loss, residuals = self.post.forward(self._post_pool(args, y, j))
+        losses = jnp.where(done, losses.at[j].set(loss), losses)
+        if not backward:
+            return jnp.zeros_like(y), (losses, dends)
+        got = self.post.backward(residuals, args["cotangent"])
+        dends = {k: jnp.where(done, g + got[k], g) if k in self.post_params else g for k, g in dends.items()}
+        return got[self.block_output], (losses, dends)
+
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any:
+        losses, dends = acc  # the forward before the block runs again for its residuals (a cheap lookup)
+        got = self.pre.backward(self.pre.forward(self._pre_pool(args, j))[1], dx)
+        dends = {k: jnp.where(done, g + got[k], g) if k in self.pre_params else g for k, g in dends.items()}
+        return losses, dends
+
+    @property
+    def result_cotangent(self) -> str:
+        """The loss's cotangent's name."""
+        (name,) = self.post.cotangents
+        return name
+
+    def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any:
+        if cotangent is None:
+            return jnp.zeros(())
+        return jnp.asarray(cotangent[self.result_cotangent]) / pipe.microbatches  # a microbatch's share
+
+    def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
+        """The batch's loss: the mean of the microbatches' (each a mean over its tokens)."""
+        return {self.post.result: jnp.mean(acc[0][-1])}
+
+    def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
+        dends = acc[1]
+        got = {self.pre.grads[k]: dends[k][0] for k in self.pre_params}
+        return got | {self.post.grads[k]: dends[k][-1] for k in self.post_params}
+
+
+@dataclass
+class Pipeline:
+    """The block's ``layers`` layers over the stages of ``axis`` of the mesh ``mesh_axes``, ``ends``
+    around it, in the order of the tick tables ``forward_ticks`` and ``backward_ticks``.
+
+    ``params``: the block's, each passed stacked [layers, ...]; ``dims``: the microbatch dim of
+    each data input of the whole batch (and of the block's output, keyed so)."""
+
+    mesh_axes: dict[str, int]
+    axis: str
+    layers: int
+    microbatches: int
+    forward_ticks: Table
+    backward_ticks: Table
+    block: Part
+    block_input: str
+    params: tuple[str, ...]
+    ends: Ends
+    dims: dict[str, int]
+    _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def stages(self) -> int:
+        return self.mesh_axes[self.axis]
+
+    def layer_key(self, key: Any, stage: Any, k: int, j: Any) -> tuple[Any, Any]:
+        """The dropout key of layer k of ``stage`` on microbatch j: (key * layers + its layer number, j),
+        the masks layer number l of the unpipelined stack draws under key * layers + l."""
+        number = stage * (self.layers // self.stages) + k
+        return (jnp.asarray(key, jnp.uint32) * jnp.uint32(self.layers) + jnp.asarray(number, jnp.uint32),
+                jnp.asarray(j, jnp.int32))
+
+    def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, stage: Any, j: Any) -> tuple[Any, list[Any]]:
+        kept = []
+        for k in range(self.layers // self.stages):
+            pool = {self.block_input: x, **{p: w[k] for p, w in zip(self.params, params, strict=True)}}
+            x, residuals = self.block.forward(pool, self.layer_key(key, stage, k, j))
+            kept.append(residuals)
+        return x, kept
+
+    def _stage_bwd(self, kept: list[Any], g: Any) -> tuple[Any, tuple[Any, ...]]:
+        grads: list[Arrays] = [{}] * len(kept)
+        for k in reversed(range(len(kept))):
+            grads[k] = self.block.backward(kept[k], g)
+            g = grads[k][self.block_input]
+        return g, tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
+
+    def _local(self, backward: bool, key: Any, cotangent: Any, *args: Any) -> tuple[Any, ...]:
+        """The schedule on one device: the ends' accumulator (results and their gradients) and, with
+        ``backward``, the block params' gradients, from this stage's blocks of the arguments."""
+        stage = jax.lax.axis_index(self.axis)
+        names = self.ends.inputs()
+        pool = {k: x[0] for k, x in zip(names, args, strict=False)} | {"cotangent": cotangent[0]}
+        params = args[len(names):]
+        table = self.forward_ticks if backward else forward_only(self.forward_ticks)
+        ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
+        x = jax.eval_shape(self.ends.first, pool, 0)
+        shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0)[1]
+        kept = jax.tree.map(lambda a: jnp.zeros((self.microbatches,) + a.shape, a.dtype), shapes)
+        zeros = jnp.zeros((self.microbatches,) + x.shape, x.dtype)
+        first, last = stage == 0, stage == self.stages - 1
+        sends = [(s, s + 1) for s in range(self.stages - 1)]
+        back = [(s + 1, s) for s in range(self.stages - 1)]
+
+        def tick(t: Any, carry: Any) -> Any:
+            kept, acts, cots, acc, dparams = carry
+            jf = ftab[t, stage]
+            jf0 = jnp.maximum(jf, 0)
+            y, res = self._stage_fwd(jnp.where(first, self.ends.first(pool, jf0), acts[jf0]), params, key, stage, jf0)
+            kept = jax.tree.map(lambda buf, r: jnp.where(jf >= 0, buf.at[jf0].set(r), buf), kept, res)
+            cot, acc = self.ends.last(pool, y, jf0, (jf >= 0) & last, acc, backward)
+            cots = jnp.where((jf >= 0) & last, cots.at[jf0].set(cot), cots)
+            # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
+            got = jax.lax.ppermute(y, self.axis, sends)
+            sent = ftab[t, jnp.maximum(stage - 1, 0)]  # the microbatch the stage above ran
+            acts = jnp.where((stage > 0) & (sent >= 0), acts.at[jnp.maximum(sent, 0)].set(got), acts)
+            if not backward:
+                return kept, acts, cots, acc, dparams
+            jb = btab[t, stage]
+            jb0 = jnp.maximum(jb, 0)
+            dx, dw = self._stage_bwd(jax.tree.map(lambda buf: buf[jb0], kept), cots[jb0])
+            dparams = tuple(jnp.where(jb >= 0, a + b, a) for a, b in zip(dparams, dw, strict=True))
+            acc = self.ends.first_back(pool, dx, jb0, (jb >= 0) & first, acc)
+            got = jax.lax.ppermute(dx, self.axis, back)
+            sent = btab[t, jnp.minimum(stage + 1, self.stages - 1)]
+            cots = jnp.where((stage < self.stages - 1) & (sent >= 0), cots.at[jnp.maximum(sent, 0)].set(got), cots)
+            return kept, acts, cots, acc, dparams
+
+        init = (kept, zeros, zeros, self.ends.start(pool, x), tuple(jnp.zeros_like(w) for w in params))
+        _, _, _, acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)
+        acc = jax.tree.map(lambda a: a[None], acc)
+        return (acc, dparams) if backward else (acc,)
+
+    def specs(self) -> tuple[tuple[P, ...], tuple[Any, tuple[P, ...]]]:
+        """The program's in_specs (the key, the cotangent, the ends' inputs, the block's params), and
+        its outputs' (the ends' accumulator, the params' gradients), the stage axis leading."""
+        a = self.axis
+        params = tuple(P(a, *self.block.forward_in[p]) for p in self.params)
+        ins = (P(), P(a, *self.ends.cotangent_spec()), *[P(a, *s) for s in self.ends.specs()], *params)
+        return ins, (self.ends.result_specs(a), params)
+
+    def program(self, backward: bool = True) -> tuple[jax.sharding.Mesh, Any]:
+        """The mesh and the jitted schedule ``(key, cotangent, *inputs, *params)``: with ``backward``
+        the whole tick table, returning the ends' accumulator and the params' gradients; else its
+        forward ticks only, returning the accumulator."""
+        if backward not in self._programs:
+            mesh = make_mesh(self.mesh_axes)
+            ins, outs = self.specs()
+            step = jax.shard_map(functools.partial(self._local, backward), mesh=mesh, in_specs=ins,
+                                 out_specs=outs if backward else outs[:1], check_vma=False)
+            self._programs[backward] = (mesh, jax.jit(step))
+        return self._programs[backward]
+
+    def split(self, x: Any, dim: int) -> Any:
+        """The batch cut into microbatches along ``dim``: [M, ...]."""
+        return jnp.stack(jnp.split(jnp.asarray(x), self.microbatches, axis=dim))
+
+    def join(self, xs: Any, dim: int) -> Any:
+        """Microbatches [M, ...] back into the batch along ``dim``."""
+        return jnp.concatenate(list(xs), axis=dim)
+
+    def _on(self, x: Any, where: int) -> Any:
+        """``x`` stacked over the stages, on stage ``where`` only (zeros elsewhere)."""
+        x = jnp.asarray(x)
+        return jnp.zeros((self.stages,) + x.shape, x.dtype).at[where].set(x)
+
+    def arguments(self, inputs: Arrays, cotangent: Any, key: Any = 0) -> list[Any]:
+        """The program's arguments, placed: the dropout key, the cotangent on the last stage, each data
+        input cut into microbatches and each end param on the stage that reads it, the block's params."""
+        mesh = self.program()[0]
+        args = [jnp.asarray(key, jnp.uint32), self._on(cotangent, -1)]
+        for k in self.ends.inputs():
+            x = self.split(inputs[k], self.dims[k]) if k in self.dims else inputs[k]
+            args.append(self._on(x, self.ends.stage_of(k)))
+        args += [jnp.asarray(inputs[p]) for p in self.params]
+        return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, self.specs()[0], strict=True)]
+
+    def outputs(self, inputs: Arrays, key: Any = 0) -> Arrays:
+        """The ends' results (the block's output, or the loss) as global arrays, from the inputs (each
+        block param stacked [layers, ...]); ``key`` draws the dropout masks (layer l's under
+        key * layers + l).  Runs the table's forward ticks only."""
+        _, step = self.program(backward=False)
+        (acc,) = step(*self.arguments(inputs, self.ends.cotangent(self, inputs, None), key))
+        return dict(self.ends.outputs(self, acc))
+
+    def gradients(self, inputs: Arrays, cotangent: Arrays, key: Any = 0) -> Arrays:
+        """Every gradient (keyed by gradient name; the block params' stacked [layers, ...]) from the
+        cotangent of the ends' result (keyed by its gradient name), under dropout ``key``."""
+        return self.run(inputs, cotangent, key)[1]
+
+    def run(self, inputs: Arrays, cotangent: Arrays, key: Any = 0) -> tuple[Arrays, Arrays]:
+        """The whole tick table once: the ends' results and every gradient."""
+        _, step = self.program()
+        return self.read(*step(*self.arguments(inputs, self.ends.cotangent(self, inputs, cotangent), key)))
+
+    def read(self, acc: Any, dparams: tuple[Any, ...]) -> tuple[Arrays, Arrays]:
+        """The program's outputs as global arrays keyed by name: the ends' results, every gradient."""
+        grads = dict(self.ends.gradients(self, acc))
+        grads.update({self.block.grads[p]: g for p, g in zip(self.params, dparams, strict=True)})
+        return dict(self.ends.outputs(self, acc)), grads
