@@ -28,6 +28,7 @@ from shardc.lowering.layer_code import LAYER_OPS, layer_code
 from shardc.lowering.route import route_code
 from shardc.lowering.rows import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
+from shardc.ops.registry import of_op
 from shardc.planner.ir import Op, Plan, Step
 from shardc.planner.localops import Combine, Map, MapVjp, Route, Row, Update, Vocab
 from shardc.spec.ir import Mesh, TensorRef
@@ -192,6 +193,9 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
+    family = of_op(step.fn)
+    if family is not None:
+        return family.emit(step, var)
     if isinstance(step.fn, Route):
         return route_code(step, var, _capacity(step.fn, sizes))
     if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
