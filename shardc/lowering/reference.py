@@ -25,8 +25,7 @@ import numpy as np
 from shardc.errors import ShardcError
 from shardc.lowering import rows
 from shardc.lowering.functions import function
-from shardc.lowering.route import route_forward
-from shardc.ops.registry import Family, of_call
+from shardc.ops.registry import Family, Site, of_call
 from shardc.spec.functions import dropout_salt, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
@@ -48,7 +47,7 @@ class _Node:
     fn: str | None = None
     over: str | None = None  # a reduction's index (shardc.lowering.rows)
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
-    call: Call | None = None  # an op family's and route's call (its indices, its rate, its k)
+    call: Call | None = None  # an op family's call (its indices, its rate, its k)
     salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
     family: Family | None = None  # its op family (shardc.ops): its meaning on whole arrays
 
@@ -150,7 +149,8 @@ class _Builder:
         arg = self.value(expr.arg, tuple(i for i in keep if i != slots))
         labels = self.labels[arg]
         key = self.temp()
-        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots), "route", call=expr))
+        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots), "route", call=expr,
+                                family=of_call(expr.func)))
         self.labels[key] = (*labels, slots)
         return key
 
@@ -241,6 +241,12 @@ def _layer_backward(xp: Any, node: _Node, d: Array, shape: dict[str, int],
     return out
 
 
+def _site(node: _Node, shape: dict[str, int]) -> Site:
+    """Where a family's call applies, for its reference (:class:`shardc.ops.registry.Site`)."""
+    assert node.call is not None
+    return Site(node.call, node.labels[0], node.salt, shape)
+
+
 def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str, Array] | None,
          sizes: dict[str, int] | None = None) -> tuple[dict[str, Array], dict[str, int]]:
     values = dict(inputs)
@@ -249,12 +255,8 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.fn == "route":
-            values[node.result] = _route(node, args[0], shape, xp)
-        elif node.family is not None:
-            assert node.call is not None
-            values[node.result] = node.family.reference.forward(node.call, node.labels[0], node.salt, args[0], xp,
-                                                                False)
+        if node.family is not None:
+            values[node.result] = node.family.reference.forward(_site(node, shape), args[0], xp)
         elif node.over is not None:  # a reduction over an index, or a vocabulary op
             values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
         elif node.fn in _LAYER:
@@ -266,16 +268,6 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
         if given and node.result in given:  # a forward value the caller already has
             values[node.result] = given[node.result]
     return values, shape
-
-
-def _route(node: _Node, gates: Array, shape: dict[str, int], xp: Any) -> Array:
-    """A routing mask (:func:`shardc.lowering.route.route_forward`); C's length from ``shape``."""
-    assert node.call is not None and node.call.over is not None
-    (order, slots), experts, k = node.call.names, node.call.over, int(node.call.numbers[0])
-    if slots not in shape:
-        raise ShardcError(f"route's capacity index {slots} has no size", fix=f"give {slots} a size in dims")
-    (labels,) = node.labels
-    return route_forward(gates, labels.index(order), labels.index(experts), shape[slots], k, xp)
 
 
 def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np,
@@ -310,11 +302,10 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if node.fn == "route":  # a 0/1 mask: no gradient
-            continue
         if node.family is not None:
-            assert node.call is not None
-            add(node.operands[0], node.family.reference.vjp(node.call, node.labels[0], node.salt, d, xp))
+            vjp = node.family.reference.vjp
+            if vjp is not None:  # None: a 0/1 mask, no gradient
+                add(node.operands[0], vjp(_site(node, shape), d, xp))
             continue
         if node.over is not None:  # one operand gets a gradient (token ids never do)
             k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
@@ -349,12 +340,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None, sizes)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.fn == "route":  # exact 0/1 values: no rounding behind them
-            mag[node.result] = np.abs(values[node.result])
-        elif node.family is not None:  # the masks: linear given their masks, so magnitudes map alike
-            assert node.call is not None
-            mag[node.result] = node.family.reference.forward(node.call, node.labels[0], node.salt,
-                                                             mag[node.operands[0]], np, True)
+        if node.family is not None:
+            (x,) = node.operands
+            mag[node.result] = node.family.reference.magnitude(_site(node, shape), values[x], mag[x],
+                                                               values[node.result])
         elif node.over is not None:
             mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
                                                    [mag[o] for o in node.operands], node.labels, node.over)
@@ -370,12 +359,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if node.fn == "route":
-            continue
         if node.family is not None:
-            assert node.call is not None
-            g = node.family.reference.vjp(node.call, node.labels[0], node.salt, d, np)
-            grads[node.operands[0]] = grads.get(node.operands[0], 0) + g
+            vjp = node.family.reference.vjp
+            if vjp is not None:  # linear given the call (a mask's): magnitudes map as values do
+                grads[node.operands[0]] = grads.get(node.operands[0], 0) + vjp(_site(node, shape), d, np)
             continue
         if node.over is not None:
             k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],

@@ -16,12 +16,11 @@ JAX line of each step, and their meaning on whole arrays for the reference:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shardc.ops.registry import Family, Reference, register
+from shardc.ops.registry import Family, Namer, Reference, Site, register
 from shardc.ops.text import broadcast_text
 from shardc.planner.ir import Step
 from shardc.planner.localops import MASK_OPS, Causal, CausalVjp, DropoutMask
@@ -31,10 +30,22 @@ from shardc.spec.ir import Call, TensorRef
 
 if TYPE_CHECKING:
     from shardc.planner.graph import Node
+    from shardc.planner.layout import Value
+    from shardc.planner.phase import Phase
 
 __all__ = ["MASKS", "keep_mask", "emit"]
 
 Array = Any
+
+
+def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
+    """The argument has the result's indices."""
+    return indices
+
+
+def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
+    """The argument reduced, in the result's layout, then the map (no choice to explain)."""
+    plan_masked(phase, node, declared, target)
 
 
 def _aux(call: Call, result: str) -> tuple[str, ...]:
@@ -51,8 +62,8 @@ def _dim(ref: TensorRef, index: str) -> str:
     return f"({d}, {ref.dims[d].axes!r})"
 
 
-def emit(step: Step, var: Callable[[TensorRef], str]) -> str:
-    """causal / dropout and their gradients, every operand in the result's index order."""
+def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
+    """causal / dropout and their gradients, every operand in the result's index order (any sizes)."""
     fn = step.fn
     dst = step.dst
     x = [broadcast_text(var(ref), ref.indices, dst.indices) for ref in step.operands]
@@ -92,16 +103,21 @@ def _keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int
     return keep_mask(shape, labels, salt, rate), 1.0 / (1.0 - rate)
 
 
-def _forward(call: Call, labels: tuple[str, ...], salt: int, x: Array, xp: Any, absolute: bool) -> Array:
-    keep, scale = _keep(call, labels, tuple(x.shape), salt)
-    fill = 0.0 if absolute or call.func == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
+def _apply(site: Site, x: Array, xp: Any, absolute: bool = False) -> Array:
+    keep, scale = _keep(site.call, site.labels, tuple(x.shape), site.salt)
+    fill = 0.0 if absolute or site.call.func == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
     return xp.where(keep, x * scale, fill)
 
 
-def _vjp(call: Call, labels: tuple[str, ...], salt: int, d: Array, xp: Any) -> Array:
-    keep, scale = _keep(call, labels, tuple(d.shape), salt)
+def _vjp(site: Site, d: Array, xp: Any) -> Array:
+    keep, scale = _keep(site.call, site.labels, tuple(d.shape), site.salt)
     return xp.where(keep, d * scale, 0.0)
 
 
-MASKS = register(Family("masks", frozenset({"causal", "dropout"}), MASK_OPS, _aux, _aux_bytes, plan_masked,
-                        plan_masked_backward, emit, Reference(_forward, _vjp)))
+def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
+    """Linear given the mask: the magnitudes masked alike (0 where masked)."""
+    return _apply(site, mag, np, absolute=True)
+
+
+MASKS = register(Family("masks", frozenset({"causal", "dropout"}), MASK_OPS, _argument, _aux, _aux_bytes, _plan,
+                        plan_masked_backward, emit, Reference(_apply, _vjp, _magnitude)))

@@ -26,22 +26,35 @@ if TYPE_CHECKING:
     from shardc.planner.phase import Phase
     from shardc.spec.ir import Call, TensorRef
 
-__all__ = ["Family", "Reference", "register", "of_call", "of_op", "families"]
+__all__ = ["Family", "Reference", "Site", "register", "of_call", "of_op", "families"]
 
 Array = Any
+Namer = Callable[["TensorRef"], str]  # a value's variable in the generated code
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where the reference applies a family's call: the call, its argument's indices ``labels``, a
+    dropout's ``salt``, and the length of every index known so far (``shape``)."""
+
+    call: Call
+    labels: tuple[str, ...]
+    salt: int
+    shape: dict[str, int]
 
 
 @dataclass(frozen=True)
 class Reference:
     """A family's meaning on whole arrays (``xp`` numpy or jax.numpy), for the independent reference.
 
-    ``forward(call, labels, salt, x, xp, absolute)`` is the value of ``call`` on ``x`` (its indices
-    ``labels``; ``salt`` a dropout's); with ``absolute`` a bound on magnitudes (signs and fills dropped).
-    ``vjp(call, labels, salt, d, xp)`` is the argument's gradient for the cotangent ``d``.
+    ``forward(site, x, xp)`` is the call's value on its argument ``x``; ``vjp(site, d, xp)`` the
+    argument's gradient for the cotangent ``d`` (None: no gradient); ``magnitude(site, x, mag, y)``
+    (numpy) a bound on the terms behind the value ``y``, given the argument's value and magnitudes.
     """
 
-    forward: Callable[[Call, tuple[str, ...], int, Array, Any, bool], Array]
-    vjp: Callable[[Call, tuple[str, ...], int, Array, Any], Array]
+    forward: Callable[[Site, Array, Any], Array]
+    vjp: Callable[[Site, Array, Any], Array] | None
+    magnitude: Callable[[Site, Array, Array, Array], Array]
 
 
 @dataclass(frozen=True)
@@ -51,11 +64,16 @@ class Family:
     name: str
     calls: frozenset[str]  # the spec functions it implements
     ops: tuple[type, ...]  # the local operations its steps carry
+    # the indices a call's argument is computed towards, given its result's
+    argument: Callable[[Call, tuple[str, ...]], tuple[str, ...]]
     aux: Callable[[Call, str], tuple[str, ...]]  # the tensors a node of ``call`` makes besides its result
     aux_bytes: Callable[[Node], dict[str, int]]  # bytes an element of those, where not the spec's dtype
-    plan: Callable[[Phase, Node, dict[str, TensorRef], Value | None], None]  # the forward of a node
-    backward: Callable[[_Backward, Node, str], None]  # the backward of a node, given its cotangent's name
-    emit: Callable[[Step, Callable[[TensorRef], str]], str]  # one step as one line of JAX (its right side)
+    # the forward of a node (``label``: its statement as ``--explain`` names it)
+    plan: Callable[[Phase, Node, dict[str, TensorRef], Value | None, str], None]
+    # the backward of a node, given its cotangent's name; None: the result has no gradient (a 0/1 mask)
+    backward: Callable[[_Backward, Node, str], None] | None
+    # one step as one line of JAX (its right-hand side), at the module's sizes (None: shape-generic)
+    emit: Callable[[Step, Namer, dict[str, int] | None], str]
     reference: Reference
 
 

@@ -58,17 +58,22 @@ class Backward:
 
 def _needs_grad(graph: Graph) -> set[str]:
     """Params, inputs not declared ``const``, and every tensor computed from one of them
-    (but a ``route`` mask: a 0/1 function of its gates, with no gradient, like token ids),
-    each only where an output's gradient reaches it (gates read by a route alone get none)."""
+    (but a family's result without a gradient, such as a ``route`` mask: a 0/1 function of its
+    gates, like token ids), each only where an output's gradient reaches it (gates read by a
+    route alone get none)."""
     needs = set(graph.params) | set(graph.differentiable)
     for node in graph.nodes:
-        if node.kind != "route" and any(o in needs for o in node.operands):
+        if _has_gradient(node) and any(o in needs for o in node.operands):
             needs.add(node.result)
     live = set(graph.outputs)
     for node in reversed(graph.nodes):
-        if node.kind != "route" and node.result in live:
+        if _has_gradient(node) and node.result in live:
             live.update(node.operands)
     return needs & live
+
+
+def _has_gradient(node: Node) -> bool:
+    return node.family is None or node.family.backward is not None
 
 
 def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
@@ -233,7 +238,8 @@ class _Backward:
         self.finish(node.result)
         grad = self.grads[node.result]
         if node.family is not None:
-            node.family.backward(self, node, grad)
+            if node.family.backward is not None:
+                node.family.backward(self, node, grad)
             return
         if node.kind == "rows":
             rows_backward(self, node, grad)

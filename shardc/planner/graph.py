@@ -134,8 +134,6 @@ class _Builder:
             return self.rows(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
             return self.lookup(e, name, indices, target)
-        if isinstance(e, Call) and signature(e.func).kind == "route":
-            return self.route(e, name, indices, target)
         if isinstance(e, Call) and not is_elementwise(e.func):
             what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
@@ -182,9 +180,12 @@ class _Builder:
 
     def family_call(self, e: Call, family: Family, name: str, indices: tuple[str, ...],
                     target: TensorRef | None) -> str:
-        """A call of an op family (``dropout(X, rate)``, ``causal(Sc, S, T)``): one node, the call kept
-        on it, and the tensors the family makes on the way (a dropout's keep-mask), named uniquely."""
-        arg = self.argument(e.arg, name, indices, target)
+        """A call of an op family (``dropout(X, rate)``, ``route(Gate, S, C, k over E)``): one node, the
+        call kept on it, and the tensors the family makes on the way (a dropout's keep-mask), named
+        uniquely.  Its argument is computed towards the indices the family says (a route's gates: the
+        mask's less the capacity index), in ``target``'s layout where those are the result's."""
+        towards = family.argument(e, indices)
+        arg = self.argument(e.arg, name, towards, target if towards == indices else None)
         self.indices[name] = indices
         aux = []
         for base in family.aux(e, name):
@@ -206,15 +207,6 @@ class _Builder:
         self.indices.update({a: rows for a in aux})
         self.indices[name] = indices
         self.nodes.append(Node("rows", name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
-        return name
-
-    def route(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
-        """``route(Gate, S, C, k over E)`` (shardc.planner.route plans it): a 0/1 mask, no gradient."""
-        slots = e.names[1]
-        # the gates are computed towards the mask's indices less the capacity one
-        arg = self.argument(e.arg, name, tuple(i for i in indices if i != slots))
-        self.indices[name] = indices
-        self.nodes.append(Node("route", name, indices, (arg,), target, self.current, fn=e.func, call=e))
         return name
 
     def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:

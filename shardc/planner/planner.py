@@ -26,7 +26,6 @@ from shardc.planner.layout import CostContext, SearchTooLong, Value
 from shardc.planner.localops import Map
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
-from shardc.planner.route import plan_route
 from shardc.planner.rows import plan_rows
 from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import (
@@ -349,7 +348,7 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     target = Value.of(wanted) if wanted is not None else None
     label = _label(node, phase, declared)
     if node.family is not None:
-        node.family.plan(phase, node, declared, target)
+        node.family.plan(phase, node, declared, target, label)
         return
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
@@ -359,9 +358,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         return
     if node.kind == "rows":
         plan_rows(phase, node, declared, target, label)
-        return
-    if node.kind == "route":
-        plan_route(phase, node, declared, target, label)
         return
     if node.kind in ("embed", "loss"):
         (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)
