@@ -292,7 +292,7 @@ def test_the_dropout_mask_hash_wraps_without_a_warning() -> None:
     """murmur3's finaliser wraps modulo 2**32 by design; a 0-d mask must not print numpy's overflow warning."""
     import warnings
 
-    from shardc.lowering.reference import keep_mask
+    from shardc.ops.masks import keep_mask
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

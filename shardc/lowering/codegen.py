@@ -28,11 +28,11 @@ from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.layer_code import LAYER_OPS, layer_code
 from shardc.lowering.partition_specs import axes_entry
-from shardc.lowering.route import route_code
 from shardc.lowering.rows import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
+from shardc.ops.registry import of_op
 from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.localops import Combine, Map, MapVjp, Route, Row, Update, Vocab
+from shardc.planner.localops import Combine, Map, MapVjp, Row, Update, Vocab
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
@@ -181,21 +181,14 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
         out = "".join(letters[i] for i in step.dst.indices)
         args = ", ".join(var(ref) for ref in step.operands)
         return f"{call}('{ins}->{out}', {args})"
-    if isinstance(step.fn, Route):
-        return route_code(step, var, _capacity(step.fn, sizes))
+    family = of_op(step.fn)
+    if family is not None:
+        return family.emit(step, var, sizes)
     if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
         return lookup_code(step, var)
     if isinstance(step.fn, (Row, Vocab)):
         return row_code(step, var)
     return _elementwise_code(step, var)
-
-
-def _capacity(route: Route, sizes: dict[str, int] | None) -> str:
-    """A route step's capacity: the length of its capacity index (replicated), at the module's sizes."""
-    slots = route.slots
-    if not sizes or slots not in sizes:
-        raise ShardcError(f"route's capacity index {slots} has no size here", fix=f"give {slots} a size in dims")
-    return str(sizes[slots])
 
 
 def _gathered_groups(step: Step) -> str:

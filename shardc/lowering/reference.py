@@ -25,7 +25,7 @@ import numpy as np
 from shardc.errors import ShardcError
 from shardc.lowering import rows
 from shardc.lowering.functions import function
-from shardc.lowering.route import route_forward
+from shardc.ops.registry import Family, Site, of_call
 from shardc.spec.functions import dropout_salt, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
@@ -47,8 +47,9 @@ class _Node:
     fn: str | None = None
     over: str | None = None  # a reduction's index (shardc.lowering.rows)
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
-    call: Call | None = None  # causal's, dropout's and route's call (its indices, its rate, its k)
+    call: Call | None = None  # an op family's call (its indices, its rate, its k)
     salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
+    family: Family | None = None  # its op family (shardc.ops): its meaning on whole arrays
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -101,8 +102,9 @@ class _Builder:
             if expr.func == "dropout":
                 assert self.current is not None
                 salt = dropout_salt(self.current.result.name, dropout_number(self.current, expr))
+            family = of_call(expr.func)
             self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], expr.func,
-                                    call=expr if expr.func in _MASKS else None, salt=salt))
+                                    call=expr if family is not None else None, salt=salt, family=family))
             self.labels[key] = self.labels[arg]
             return key
         assert isinstance(expr, Contract)
@@ -147,7 +149,8 @@ class _Builder:
         arg = self.value(expr.arg, tuple(i for i in keep if i != slots))
         labels = self.labels[arg]
         key = self.temp()
-        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots), "route", call=expr))
+        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots), "route", call=expr,
+                                family=of_call(expr.func)))
         self.labels[key] = (*labels, slots)
         return key
 
@@ -209,39 +212,7 @@ def _contract(xp: Any, arrays: list[Array], labels: list[tuple[str, ...]], out: 
     return xp.broadcast_to(value, [shape[i] for i in out])
 
 
-_MASKS = frozenset({"causal", "dropout"})
-_LAYER = frozenset({"add", "rename"}) | _MASKS  # the transformer-layer maps: linear, given their masks
-
-
-def keep_mask(shape: tuple[int, ...], labels: tuple[str, ...], salt: int, rate: float) -> np.ndarray:
-    """A dropout's global keep-mask: murmur3's 32-bit finaliser of each element's position (dims in
-    sorted index-name order) plus the salt, kept where at least ``rate`` * 2**32.
-
-    The hash wraps modulo 2**32 by design; numpy warns of that on 0-d values (a scalar
-    dropout), so the warning is silenced here, where the wrapping is meant.
-    """
-    with np.errstate(over="ignore"):
-        h = np.zeros(shape, np.uint32)
-        for d in sorted(range(len(shape)), key=lambda d: labels[d]):
-            pos = np.arange(shape[d], dtype=np.uint32).reshape([shape[d] if k == d else 1 for k in range(len(shape))])
-            h = h * np.uint32(shape[d]) + pos
-        h = h + np.uint32(salt)
-        for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-            h = (h ^ (h >> np.uint32(shift))) * np.uint32(factor)
-        h = h ^ (h >> np.uint32(16))
-    return h >= np.uint32(min(int(rate * 2**32), 2**32 - 1))  # type: ignore[no-any-return]
-
-
-def _mask(node: _Node, shape: tuple[int, ...]) -> tuple[np.ndarray, float]:
-    """(where the value passes, its scale): causal keeps key <= query, dropout its keep-mask / (1 - r)."""
-    assert node.call is not None
-    labels = node.labels[0]
-    if node.call.func == "causal":
-        query, key = (np.arange(shape[labels.index(i)]).reshape(
-            [-1 if j == labels.index(i) else 1 for j in range(len(labels))]) for i in node.call.names)
-        return np.broadcast_to(key <= query, shape), 1.0
-    rate = node.call.numbers[0]
-    return keep_mask(shape, labels, node.salt, rate), 1.0 / (1.0 - rate)
+_LAYER = frozenset({"add", "rename"})  # the transformer-layer maps: linear
 
 
 def _layer_forward(xp: Any, node: _Node, args: list[Array], shape: dict[str, int],
@@ -250,10 +221,6 @@ def _layer_forward(xp: Any, node: _Node, args: list[Array], shape: dict[str, int
     if node.fn == "rename":
         shape.update(zip(node.out, args[0].shape, strict=True))
         return args[0]
-    if node.call is not None:
-        keep, scale = _mask(node, tuple(args[0].shape))
-        fill = 0.0 if absolute or node.fn == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
-        return xp.where(keep, args[0] * scale, fill)
     total = None
     for arg, labels, sign in zip(args, node.labels, node.signs, strict=True):
         term = _contract(xp, [arg], [labels], node.out, shape)
@@ -267,14 +234,17 @@ def _layer_backward(xp: Any, node: _Node, d: Array, shape: dict[str, int],
     """Each operand's gradient: ±d summed over the indices a term lacks; a rename's is d itself."""
     if node.fn == "rename":
         return [(node.operands[0], d)]
-    if node.call is not None:
-        keep, scale = _mask(node, tuple(d.shape))
-        return [(node.operands[0], xp.where(keep, d * scale, 0.0))]
     out = []
     for name, labels, sign in zip(node.operands, node.labels, node.signs, strict=True):
         g = _contract(xp, [d], [node.out], labels, shape)
         out.append((name, g if sign > 0 or absolute else -g))
     return out
+
+
+def _site(node: _Node, shape: dict[str, int]) -> Site:
+    """Where a family's call applies, for its reference (:class:`shardc.ops.registry.Site`)."""
+    assert node.call is not None
+    return Site(node.call, node.labels[0], node.salt, shape)
 
 
 def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str, Array] | None,
@@ -285,8 +255,8 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.fn == "route":
-            values[node.result] = _route(node, args[0], shape, xp)
+        if node.family is not None:
+            values[node.result] = node.family.reference.forward(_site(node, shape), args[0], xp)
         elif node.over is not None:  # a reduction over an index, or a vocabulary op
             values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
         elif node.fn in _LAYER:
@@ -298,16 +268,6 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
         if given and node.result in given:  # a forward value the caller already has
             values[node.result] = given[node.result]
     return values, shape
-
-
-def _route(node: _Node, gates: Array, shape: dict[str, int], xp: Any) -> Array:
-    """A routing mask (:func:`shardc.lowering.route.route_forward`); C's length from ``shape``."""
-    assert node.call is not None and node.call.over is not None
-    (order, slots), experts, k = node.call.names, node.call.over, int(node.call.numbers[0])
-    if slots not in shape:
-        raise ShardcError(f"route's capacity index {slots} has no size", fix=f"give {slots} a size in dims")
-    (labels,) = node.labels
-    return route_forward(gates, labels.index(order), labels.index(experts), shape[slots], k, xp)
 
 
 def forward(spec: Spec, inputs: dict[str, Array], xp: Any = np,
@@ -342,7 +302,10 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if node.fn == "route":  # a 0/1 mask: no gradient
+        if node.family is not None:
+            vjp = node.family.reference.vjp
+            if vjp is not None:  # None: a 0/1 mask, no gradient
+                add(node.operands[0], vjp(_site(node, shape), d, xp))
             continue
         if node.over is not None:  # one operand gets a gradient (token ids never do)
             k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
@@ -377,8 +340,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None, sizes)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.fn == "route":  # exact 0/1 values: no rounding behind them
-            mag[node.result] = np.abs(values[node.result])
+        if node.family is not None:
+            (x,) = node.operands
+            mag[node.result] = node.family.reference.magnitude(_site(node, shape), values[x], mag[x],
+                                                               values[node.result])
         elif node.over is not None:
             mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
                                                    [mag[o] for o in node.operands], node.labels, node.over)
@@ -394,7 +359,10 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if node.fn == "route":
+        if node.family is not None:
+            vjp = node.family.reference.vjp
+            if vjp is not None:  # linear given the call (a mask's): magnitudes map as values do
+                grads[node.operands[0]] = grads.get(node.operands[0], 0) + vjp(_site(node, shape), d, np)
             continue
         if node.over is not None:
             k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],

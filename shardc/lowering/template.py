@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from shardc.lowering.optimizer import LEARNING_RATE
 from shardc.lowering.partition_specs import pspec
 from shardc.lowering.rows import id_inputs
+from shardc.ops.masks import KEY
 from shardc.planner.ir import Plan, uses_dropout
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ def specs(name: str, boundaries: tuple[object, ...]) -> str:
 
 # The names the skeleton adds to a phase function's own (the forward's dropout key): a tensor's
 # variable never takes one.
-LOCALS = ("dropout_key",)
+LOCALS = (KEY,)
 
 
 def function(phase: Phase, keyed: bool = False) -> str:

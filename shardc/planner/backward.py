@@ -38,7 +38,6 @@ from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value
 from shardc.planner.localops import ALIAS, NEG, Map, MapVjp, add_op
-from shardc.planner.masks import vjp_op
 from shardc.planner.phase import Phase
 from shardc.planner.rows_backward import rows_backward
 from shardc.planner.search import reshard
@@ -59,17 +58,22 @@ class Backward:
 
 def _needs_grad(graph: Graph) -> set[str]:
     """Params, inputs not declared ``const``, and every tensor computed from one of them
-    (but a ``route`` mask: a 0/1 function of its gates, with no gradient, like token ids),
-    each only where an output's gradient reaches it (gates read by a route alone get none)."""
+    (but a family's result without a gradient, such as a ``route`` mask: a 0/1 function of its
+    gates, like token ids), each only where an output's gradient reaches it (gates read by a
+    route alone get none)."""
     needs = set(graph.params) | set(graph.differentiable)
     for node in graph.nodes:
-        if node.kind != "route" and any(o in needs for o in node.operands):
+        if _has_gradient(node) and any(o in needs for o in node.operands):
             needs.add(node.result)
     live = set(graph.outputs)
     for node in reversed(graph.nodes):
-        if node.kind != "route" and node.result in live:
+        if _has_gradient(node) and node.result in live:
             live.update(node.operands)
     return needs & live
+
+
+def _has_gradient(node: Node) -> bool:
+    return node.family is None or node.family.backward is not None
 
 
 def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
@@ -233,6 +237,10 @@ class _Backward:
             return
         self.finish(node.result)
         grad = self.grads[node.result]
+        if node.family is not None:
+            if node.family.backward is not None:
+                node.family.backward(self, node, grad)
+            return
         if node.kind == "rows":
             rows_backward(self, node, grad)
             return
@@ -244,9 +252,6 @@ class _Backward:
             return
         if node.kind == "add":
             self.add(node, grad)
-            return
-        if node.kind in ("causal", "dropout"):
-            self.masked(node, grad)
             return
         if len(node.operands) == 1:
             (a,) = node.operands
@@ -298,23 +303,6 @@ class _Backward:
         self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, value),
                              operands=(self.phase.ref(grad, value),), fn=ALIAS), value)
         self.settle(primal, dst, value)
-
-    def masked(self, node: Node, grad: str) -> None:
-        """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
-        (z,) = node.operands
-        if z not in self.needs:
-            return
-        value = self.target(node.result)
-        by_index = dict(zip(node.indices, value.layout, strict=True))
-        want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
-        operands: tuple[TensorRef, ...] = (self.phase.ref(grad, value),)
-        for mask in node.aux:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
-            self.phase.hold(mask, value)
-            operands = (self.phase.ref(mask, value), *operands)
-        dst = self.part_name(z)
-        self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=operands,
-                             fn=vjp_op(node)), want)
-        self.settle(z, dst, want)
 
     def elementwise(self, node: Node, grad: str) -> None:
         (z,) = node.operands

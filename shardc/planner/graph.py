@@ -17,15 +17,13 @@ from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
 from shardc.names import fresh, gradient_names
+from shardc.ops.registry import Family, of_call
 from shardc.planner.rowstats import stat_names
-from shardc.spec.functions import MASK_BYTES, is_elementwise, signature
+from shardc.spec.functions import is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
-__all__ = ["Node", "Graph", "build_graph", "LAYER_CALLS"]
-
-# Calls planned as elementwise maps with an argument of their own (shardc.planner.sums).
-LAYER_CALLS = frozenset({"dropout", "causal"})
+__all__ = ["Node", "Graph", "build_graph"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +46,7 @@ class Node:
     signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
     partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
     aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
+    family: Family | None = field(default=None, compare=False)  # its op family (shardc.ops), where moved there
 
 
 @dataclass(frozen=True)
@@ -129,14 +128,12 @@ class _Builder:
             return name
         if isinstance(e, Add):
             return self.add(e, name, indices, target)
-        if isinstance(e, Call) and e.func in LAYER_CALLS:
-            return self.layer_call(e, name, indices, target)
+        if isinstance(e, Call) and (family := of_call(e.func)) is not None:
+            return self.family_call(e, family, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("normalize", "reduce"):
             return self.rows(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
             return self.lookup(e, name, indices, target)
-        if isinstance(e, Call) and signature(e.func).kind == "route":
-            return self.route(e, name, indices, target)
         if isinstance(e, Call) and not is_elementwise(e.func):
             what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
@@ -181,17 +178,23 @@ class _Builder:
         self.nodes.append(Node("rename", name, indices, (src,), target, self.current))
         return name
 
-    def layer_call(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
-        """``dropout(X, rate)`` and ``causal(Sc, S, T)``: elementwise, the call kept on the node."""
-        arg = self.argument(e.arg, name, indices, target)
+    def family_call(self, e: Call, family: Family, name: str, indices: tuple[str, ...],
+                    target: TensorRef | None) -> str:
+        """A call of an op family (``dropout(X, rate)``, ``route(Gate, S, C, k over E)``): one node, the
+        call kept on it, and the tensors the family makes on the way (a dropout's keep-mask), named
+        uniquely.  Its argument is computed towards the indices the family says (a route's gates: the
+        mask's less the capacity index), in ``target``'s layout where those are the result's."""
+        towards = family.argument(e, indices)
+        arg = self.argument(e.arg, name, towards, target if towards == indices else None)
         self.indices[name] = indices
-        aux: tuple[str, ...] = ()
-        if e.func == "dropout":
-            mask = f"{name}_mask" if f"{name}_mask" not in self.names else self.fresh(f"{name}_mask")
-            self.names.add(mask)
-            aux = (mask,)
-            self.indices[mask] = indices
-        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
+        aux = []
+        for base in family.aux(e, name):
+            made = base if base not in self.names else self.fresh(base)
+            self.names.add(made)
+            self.indices[made] = indices
+            aux.append(made)
+        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e,
+                               aux=tuple(aux), family=family))
         return name
 
     def rows(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
@@ -204,15 +207,6 @@ class _Builder:
         self.indices.update({a: rows for a in aux})
         self.indices[name] = indices
         self.nodes.append(Node("rows", name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
-        return name
-
-    def route(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
-        """``route(Gate, S, C, k over E)`` (shardc.planner.route plans it): a 0/1 mask, no gradient."""
-        slots = e.names[1]
-        # the gates are computed towards the mask's indices less the capacity one
-        arg = self.argument(e.arg, name, tuple(i for i in indices if i != slots))
-        self.indices[name] = indices
-        self.nodes.append(Node("route", name, indices, (arg,), target, self.current, fn=e.func, call=e))
         return name
 
     def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
@@ -248,8 +242,8 @@ class _Builder:
 
     def element_bytes(self) -> dict[str, int]:
         """Bytes an element of each tensor not of the spec's dtype: the token ids, the keep-masks."""
-        masks = {m: MASK_BYTES for node in self.nodes if node.kind == "dropout" for m in node.aux}
-        return element_bytes(self.spec) | masks
+        made = {k: v for node in self.nodes if node.family is not None for k, v in node.family.aux_bytes(node).items()}
+        return element_bytes(self.spec) | made
 
     def finish(self) -> Graph:
         const = frozenset(self.spec.const) | id_names(self.spec)  # token ids: integers, no gradient

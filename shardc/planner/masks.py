@@ -17,7 +17,8 @@ the lowering needs in the step's typed ``fn`` (:mod:`shardc.planner.localops`):
 
 from __future__ import annotations
 
-from shardc.planner.graph import Node
+from typing import TYPE_CHECKING
+
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value
 from shardc.planner.localops import Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
@@ -26,7 +27,11 @@ from shardc.spec.functions import MASK_BYTES, dropout_salt
 from shardc.spec.ir import TensorRef
 from shardc.spec.walk import dropout_number
 
-__all__ = ["plan_masked", "vjp_op", "MASK_BYTES"]
+if TYPE_CHECKING:
+    from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
+
+__all__ = ["plan_masked", "plan_masked_backward", "vjp_op", "MASK_BYTES"]
 
 
 def vjp_op(node: Node) -> LocalOp:
@@ -60,3 +65,20 @@ def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target
                target)
     declared.setdefault(node.result, phase.ref(node.result, target))
     declared.setdefault(arg, phase.ref(arg, want))
+
+
+def plan_masked_backward(bw: _Backward, node: Node, grad: str) -> None:
+    """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
+    (z,) = node.operands
+    if z not in bw.needs:
+        return
+    value = bw.target(node.result)
+    by_index = dict(zip(node.indices, value.layout, strict=True))
+    want = Value(tuple(by_index[i] for i in bw.phase.indices[z]), ())
+    operands: tuple[TensorRef, ...] = (bw.phase.ref(grad, value),)
+    for mask in node.aux:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
+        bw.phase.hold(mask, value)
+        operands = (bw.phase.ref(mask, value), *operands)
+    dst = bw.part_name(z)
+    bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, want), operands=operands, fn=vjp_op(node)), want)
+    bw.settle(z, dst, want)

@@ -25,10 +25,8 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, SearchTooLong, Value
 from shardc.planner.localops import Map
-from shardc.planner.masks import plan_masked
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
-from shardc.planner.route import plan_route
 from shardc.planner.rows import plan_rows
 from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import (
@@ -379,7 +377,7 @@ def once_nodes(spec: Spec, graph: Graph) -> frozenset[int]:
 
 
 # The transformer-layer nodes, each planned by its own module.
-LAYER_PLANS = {"add": plan_add, "rename": plan_rename, "causal": plan_masked, "dropout": plan_masked}
+LAYER_PLANS = {"add": plan_add, "rename": plan_rename}
 
 
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
@@ -389,6 +387,9 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     wanted = declared.get(node.result, node.target)
     target = Value.of(wanted) if wanted is not None else None
     label = _label(node, phase, declared)
+    if node.family is not None:
+        node.family.plan(phase, node, declared, target, label)
+        return
     if node.kind == "elementwise":
         _plan_elementwise(phase, node, declared, target)
         return
@@ -397,9 +398,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         return
     if node.kind == "rows":
         plan_rows(phase, node, declared, target, label)
-        return
-    if node.kind == "route":
-        plan_route(phase, node, declared, target, label)
         return
     if node.kind in ("embed", "loss"):
         (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)

@@ -15,8 +15,9 @@ gradient (:mod:`shardc.planner.backward` skips it), as token ids have none.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shardc.errors import ShardcError
-from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value, add_cost
 from shardc.planner.localops import Route
@@ -24,6 +25,9 @@ from shardc.planner.phase import Phase
 from shardc.planner.rows import Layouts, by_index, candidates, choose, in_order, record
 from shardc.planner.search import reshard
 from shardc.spec.ir import Call, TensorRef
+
+if TYPE_CHECKING:
+    from shardc.planner.graph import Node
 
 __all__ = ["plan_route", "route_op", "check_route_step"]
 

@@ -28,10 +28,10 @@ free in the cost model, as every elementwise step is.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from shardc.collectives import FACTOR
 from shardc.errors import InternalError, ShardcError
-from shardc.planner.graph import Node
 from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, Layout, Move, Value, add_cost
 from shardc.planner.localops import Combine, Row, Vocab
@@ -40,6 +40,9 @@ from shardc.planner.rowstats import BACKWARD_STATS, STATS
 from shardc.planner.search import reshard
 from shardc.spec.functions import signature
 from shardc.spec.ir import TensorRef
+
+if TYPE_CHECKING:
+    from shardc.planner.graph import Node
 
 __all__ = ["over_of", "check_row_step", "STATS", "BACKWARD_STATS", "is_row_node",
            "plan_rows", "by_index",

@@ -1,0 +1,13 @@
+"""Op families, one module each, registered in :mod:`shardc.ops.registry`.
+
+Adding an op: write one module here that builds a :class:`~shardc.ops.registry.Family`
+(its spec functions, its typed local operations, how its forward and backward are
+planned, the bytes of what it makes, its JAX emitter and its numpy reference) and
+calls :func:`~shardc.ops.registry.register`; import it below; add its tests.  Its
+functions' signatures are declared in :mod:`shardc.spec.functions`, which parsing reads
+without importing anything of planning.
+"""
+
+from shardc.ops import masks, route
+
+__all__ = ["masks", "route"]

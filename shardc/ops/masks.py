@@ -1,0 +1,130 @@
+"""The masks family: ``causal(Sc, S, T)`` and ``dropout(X, rate)``, registered once.
+
+Both are elementwise maps that keep the sharding; :mod:`shardc.planner.masks` plans
+their forward and backward.  Here are the rest: the keep-mask a dropout node makes
+on the way (one byte an element, :data:`shardc.spec.functions.MASK_BYTES`), the
+JAX line of each step, and their meaning on whole arrays for the reference:
+
+- ``causal``: -inf where the key position T is after the query position S, by global
+  position (the lowered ``causal_mask`` offsets each device's block by its index
+  along the axes that shard S and T); its gradient is the cotangent where not masked.
+- ``dropout``: keeps an element where a counter-based hash of its global position and
+  the dropout's salt passes the rate (:func:`keep_mask`; the lowered ``keep_mask``
+  draws the same global mask, block by block), scaled by 1 / (1 - rate); its gradient
+  is the cotangent times that same mask over 1 - rate.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shardc.ops.registry import Family, Namer, Reference, Site, register
+from shardc.ops.text import broadcast_text
+from shardc.planner.ir import Step
+from shardc.planner.localops import MASK_OPS, Causal, CausalVjp, DropoutMask
+from shardc.planner.masks import plan_masked, plan_masked_backward
+from shardc.spec.functions import MASK_BYTES
+from shardc.spec.ir import Call, TensorRef
+
+if TYPE_CHECKING:
+    from shardc.planner.graph import Node
+    from shardc.planner.layout import Value
+    from shardc.planner.phase import Phase
+
+__all__ = ["MASKS", "KEY", "keep_mask", "emit"]
+
+KEY = "dropout_key"  # the lowered functions' dropout-key argument (a local of the module's functions)
+
+Array = Any
+
+
+def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
+    """The argument has the result's indices."""
+    return indices
+
+
+def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
+    """The argument reduced, in the result's layout, then the map (no choice to explain)."""
+    plan_masked(phase, node, declared, target)
+
+
+def _aux(call: Call, result: str) -> tuple[str, ...]:
+    """A dropout makes its keep-mask, ``<result>_mask``; a causal mask makes nothing."""
+    return (f"{result}_mask",) if call.func == "dropout" else ()
+
+
+def _aux_bytes(node: Node) -> dict[str, int]:
+    return dict.fromkeys(node.aux, MASK_BYTES)
+
+
+def _dim(ref: TensorRef, index: str) -> str:
+    d = ref.indices.index(index)
+    return f"({d}, {ref.dims[d].axes!r})"
+
+
+def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
+    """causal / dropout and their gradients, every operand in the result's index order (any sizes)."""
+    fn = step.fn
+    dst = step.dst
+    x = [broadcast_text(var(ref), ref.indices, dst.indices) for ref in step.operands]
+    if isinstance(fn, (Causal, CausalVjp)):
+        fill = ", fill=0" if isinstance(fn, CausalVjp) else ""
+        return f"causal_mask({x[0]}, {_dim(dst, fn.query)}, {_dim(dst, fn.key)}{fill})"
+    assert fn is not None and isinstance(fn, MASK_OPS)
+    rate = float(fn.rate)
+    if isinstance(fn, DropoutMask):
+        order = tuple(sorted(range(len(dst.indices)), key=lambda d: dst.indices[d]))
+        return (f"keep_mask({x[0]}, {fn.salt}, {rate!r}, {dst.layout!r}, {order!r}, {KEY}, "
+                f"{dst.indices!r}, MICROBATCH)")
+    return f"jnp.where({x[0]}, {x[1]} / {1 - rate!r}, 0)"
+
+
+def keep_mask(shape: tuple[int, ...], labels: tuple[str, ...], salt: int, rate: float) -> np.ndarray:
+    """A dropout's global keep-mask: murmur3's 32-bit finaliser of each element's position (dims in
+    sorted index-name order) plus the salt, kept where at least ``rate`` * 2**32.
+
+    The hash wraps modulo 2**32 by design; numpy warns of that on 0-d values (a scalar
+    dropout), so the warning is silenced here, where the wrapping is meant.
+    """
+    with np.errstate(over="ignore"):
+        h = np.zeros(shape, np.uint32)
+        for d in sorted(range(len(shape)), key=lambda d: labels[d]):
+            pos = np.arange(shape[d], dtype=np.uint32).reshape([shape[d] if k == d else 1 for k in range(len(shape))])
+            h = h * np.uint32(shape[d]) + pos
+        h = h + np.uint32(salt)
+        for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+            h = (h ^ (h >> np.uint32(shift))) * np.uint32(factor)
+        h = h ^ (h >> np.uint32(16))
+    return h >= np.uint32(min(int(rate * 2**32), 2**32 - 1))  # type: ignore[no-any-return]
+
+
+def _keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
+    """(where the value passes, its scale): causal keeps key <= query, dropout its keep-mask / (1 - r)."""
+    if call.func == "causal":
+        query, key = (np.arange(shape[labels.index(i)]).reshape(
+            [-1 if j == labels.index(i) else 1 for j in range(len(labels))]) for i in call.names)
+        return np.broadcast_to(key <= query, shape), 1.0
+    rate = call.numbers[0]
+    return keep_mask(shape, labels, salt, rate), 1.0 / (1.0 - rate)
+
+
+def _apply(site: Site, x: Array, xp: Any, absolute: bool = False) -> Array:
+    keep, scale = _keep(site.call, site.labels, tuple(x.shape), site.salt)
+    fill = 0.0 if absolute or site.call.func == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
+    return xp.where(keep, x * scale, fill)
+
+
+def _vjp(site: Site, d: Array, xp: Any) -> Array:
+    keep, scale = _keep(site.call, site.labels, tuple(d.shape), site.salt)
+    return xp.where(keep, d * scale, 0.0)
+
+
+def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
+    """Linear given the mask: the magnitudes masked alike (0 where masked)."""
+    return _apply(site, mag, np, absolute=True)
+
+
+MASKS = register(Family("masks", frozenset({"causal", "dropout"}), MASK_OPS, _argument, _aux, _aux_bytes, _plan,
+                        plan_masked_backward, emit, Reference(_apply, _vjp, _magnitude)))

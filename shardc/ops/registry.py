@@ -1,0 +1,109 @@
+"""The op families, registered once: each pass finds an op's code here, never by its name.
+
+A family (:class:`Family`) is a set of spec functions and the typed local
+operations (:mod:`shardc.planner.localops`) their plan steps carry, with what every
+pass needs of them: how the planner plans the forward and the backward of one of
+its graph nodes, the bytes an element of the tensors those nodes make on the way,
+one line of JAX for each of its steps, and its meaning on whole arrays for the
+numpy reference.  The graph builder puts a node's family on the node
+(:attr:`shardc.planner.graph.Node.family`), so the planner dispatches on that
+object; codegen looks a step's family up by the class of its local operation
+(:func:`of_op`).  Each family registers itself, in its own module, with
+:func:`register`; :mod:`shardc.ops` imports every family module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
+    from shardc.planner.ir import Step
+    from shardc.planner.layout import Value
+    from shardc.planner.phase import Phase
+    from shardc.spec.ir import Call, TensorRef
+
+__all__ = ["Family", "Reference", "Site", "register", "of_call", "of_op", "families"]
+
+Array = Any
+Namer = Callable[["TensorRef"], str]  # a value's variable in the generated code
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where the reference applies a family's call: the call, its argument's indices ``labels``, a
+    dropout's ``salt``, and the length of every index known so far (``shape``)."""
+
+    call: Call
+    labels: tuple[str, ...]
+    salt: int
+    shape: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A family's meaning on whole arrays (``xp`` numpy or jax.numpy), for the independent reference.
+
+    ``forward(site, x, xp)`` is the call's value on its argument ``x``; ``vjp(site, d, xp)`` the
+    argument's gradient for the cotangent ``d`` (None: no gradient); ``magnitude(site, x, mag, y)``
+    (numpy) a bound on the terms behind the value ``y``, given the argument's value and magnitudes.
+    """
+
+    forward: Callable[[Site, Array, Any], Array]
+    vjp: Callable[[Site, Array, Any], Array] | None
+    magnitude: Callable[[Site, Array, Array, Array], Array]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything the passes need of one op family (see the module's docstring)."""
+
+    name: str
+    calls: frozenset[str]  # the spec functions it implements
+    ops: tuple[type, ...]  # the local operations its steps carry
+    # the indices a call's argument is computed towards, given its result's
+    argument: Callable[[Call, tuple[str, ...]], tuple[str, ...]]
+    aux: Callable[[Call, str], tuple[str, ...]]  # the tensors a node of ``call`` makes besides its result
+    aux_bytes: Callable[[Node], dict[str, int]]  # bytes an element of those, where not the spec's dtype
+    # the forward of a node (``label``: its statement as ``--explain`` names it)
+    plan: Callable[[Phase, Node, dict[str, TensorRef], Value | None, str], None]
+    # the backward of a node, given its cotangent's name; None: the result has no gradient (a 0/1 mask)
+    backward: Callable[[_Backward, Node, str], None] | None
+    # one step as one line of JAX (its right-hand side), at the module's sizes (None: shape-generic)
+    emit: Callable[[Step, Namer, dict[str, int] | None], str]
+    reference: Reference
+
+
+_BY_CALL: dict[str, Family] = {}
+_BY_OP: dict[type, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add ``family``; a spec function or a local operation belongs to one family only."""
+    for call in family.calls:
+        if call in _BY_CALL:
+            raise ValueError(f"{call} is already in the family {_BY_CALL[call].name}")
+        _BY_CALL[call] = family
+    for op in family.ops:
+        if op in _BY_OP:
+            raise ValueError(f"{op.__name__} is already in the family {_BY_OP[op].name}")
+        _BY_OP[op] = family
+    return family
+
+
+def of_call(func: str) -> Family | None:
+    """The family of the spec function ``func`` (None: not yet moved to a family)."""
+    return _BY_CALL.get(func)
+
+
+def of_op(op: object) -> Family | None:
+    """The family whose steps carry the local operation ``op`` (looked up by its class)."""
+    return _BY_OP.get(type(op))
+
+
+def families() -> tuple[Family, ...]:
+    """Every registered family, in registration order."""
+    return tuple(dict.fromkeys(_BY_CALL.values()))

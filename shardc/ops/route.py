@@ -1,0 +1,74 @@
+"""The routing family: ``route(Gate[G, S, E], S, C, k over E)``, top-k routing with capacity.
+
+:mod:`shardc.planner.route` plans its forward (E and S whole on a device); the mask is
+0/1, so it has no backward (no gradient reaches the gates through it, as none reaches
+token ids).  Its step's JAX line calls the module's ``route_topk`` helper and its
+whole-array meaning is :func:`shardc.lowering.route.route_forward`; the capacity is the
+length of the capacity index C, from the sizes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shardc.errors import ShardcError
+from shardc.lowering.route import route_code, route_forward
+from shardc.ops.registry import Family, Namer, Reference, Site, register
+from shardc.planner.ir import Step
+from shardc.planner.localops import Route
+from shardc.planner.route import plan_route
+from shardc.spec.ir import Call
+
+if TYPE_CHECKING:
+    from shardc.planner.graph import Node
+
+__all__ = ["ROUTING", "emit"]
+
+Array = Any
+
+
+def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
+    """The gates: the mask's indices less the capacity index."""
+    return tuple(i for i in indices if i != call.names[1])
+
+
+def _aux(call: Call, result: str) -> tuple[str, ...]:
+    return ()
+
+
+def _aux_bytes(node: Node) -> dict[str, int]:
+    return {}
+
+
+def _capacity(slots: str, sizes: dict[str, int] | None) -> int:
+    """The length of the capacity index ``slots`` (replicated) at the given sizes."""
+    if not sizes or slots not in sizes:
+        raise ShardcError(f"route's capacity index {slots} has no size here", fix=f"give {slots} a size in dims")
+    return sizes[slots]
+
+
+def emit(step: Step, var: Namer, sizes: dict[str, int] | None) -> str:
+    """One call of ``route_topk``, its capacity at the module's sizes."""
+    assert isinstance(step.fn, Route)
+    return route_code(step, var, str(_capacity(step.fn.slots, sizes)))
+
+
+def _forward(site: Site, gates: Array, xp: Any) -> Array:
+    """The routing mask of whole gates (:func:`shardc.lowering.route.route_forward`)."""
+    call = site.call
+    assert call.over is not None
+    (order, slots), experts, k = call.names, call.over, int(call.numbers[0])
+    if slots not in site.shape:
+        raise ShardcError(f"route's capacity index {slots} has no size", fix=f"give {slots} a size in dims")
+    return route_forward(gates, site.labels.index(order), site.labels.index(experts), site.shape[slots], k, xp)
+
+
+def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
+    """Exact 0/1 values: no rounding behind them."""
+    return np.abs(y)
+
+
+ROUTING = register(Family("routing", frozenset({"route"}), (Route,), _argument, _aux, _aux_bytes, plan_route, None,
+                          emit, Reference(_forward, None, _magnitude)))
