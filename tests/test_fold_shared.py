@@ -93,3 +93,10 @@ def test_verify_passes_the_two_copies(tmp_path: Path, capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert status == 0, out
     assert "MISMATCH" not in out and out.count("AllGather_X") == 1
+
+
+def test_a_layer_moves_its_own_data_not_a_move_made_once_outside_its_block() -> None:
+    """Inside ``layers`` X0 is each layer's input; before the block it is the first's: two values."""
+    spec = "mesh X=4\nO1[D, S] = X0[S_X, D]\nlayers 3 {\n  O2[D, S] = X0[S_X, D]\n  X1[S_X, D] = tanh(X0[S_X, D])\n}\n"
+    plan = shardc.plan(shardc.parse(spec))
+    assert [(s.op, s.once) for s in _collectives(plan.forward)] == [(Op.ALL_GATHER, True), (Op.ALL_GATHER, False)]

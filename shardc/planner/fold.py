@@ -65,10 +65,13 @@ def _share_copied(out: list[Step]) -> None:
     too (``O1[E, S_X] = A[S_X, E]`` and ``O2[E, S_X] = A[S_X, E]``, each then gathered):
     XLA's common-subexpression pass merges them, then the collectives of their results.
     """
-    root: dict[TensorRef, TensorRef] = {}  # a value -> the first value holding the same data
+    # Same data only within a region: outside a `layers` block a step runs once, inside it once a
+    # layer on that layer's data, so a name read in both is two values (and the keys hold `once`).
+    roots: dict[bool, dict[TensorRef, TensorRef]] = {False: {}, True: {}}  # a value -> the first alike
     made: dict[tuple[object, ...], TensorRef] = {}  # a local einsum's inputs and result layout -> its result
     done: dict[tuple[object, ...], TensorRef] = {}
     for k, step in enumerate(out):
+        root = roots[step.once]
         if step.op in (Op.COPY, Op.ELEMENTWISE) and (step.op is Op.COPY or step.fn == ALIAS) \
                 and len(step.operands) == 1 and _same_data(step.operands[0], step.dst):
             root[step.dst] = root.get(step.operands[0], step.operands[0])
@@ -76,7 +79,7 @@ def _share_copied(out: list[Step]) -> None:
             _share_einsum(step, root, made)
         if not step.is_collective or step.src is None:
             continue
-        key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2)
+        key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2, step.once)
         earlier = done.get(key)
         if earlier is not None and _same_data(earlier, step.dst):
             out[k] = Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(earlier,), fn=ALIAS, ahead=step.ahead,
@@ -95,7 +98,7 @@ def _share_einsum(step: Step, root: dict[TensorRef, TensorRef], made: dict[tuple
     """
     dst = step.dst
     key = (step.op, tuple(root.get(o, o) for o in step.operands), step.shapes, dst.indices, dst.layout,
-           dst.unreduced)
+           dst.unreduced, step.once)
     first = made.setdefault(key, dst)
     if first != dst:
         root[dst] = root.get(first, first)
