@@ -19,6 +19,15 @@ prefix of the source's axes): the moved blocks are gathered where they are.
 
     AllToAll_X   A[B_X, D_Y] -> A[B, D_YX]     =>   AllGather_XY A[B_X, D_Y] -> A[B, D]
     AllGather_YX A[B, D_YX] -> A[B, D]
+
+A collective that moves the same data as an earlier one, the same way, is that one's
+result under a new name: its source is a copy of the earlier's, or a local einsum of the
+same operands into the same layout.  XLA's common-subexpression pass merges them.
+
+    Copy        O1[E, S_X] = A[S_X, E]              Copy        O1[E, S_X] = A[S_X, E]
+    AllGather_X O1[E, S_X] -> O1[E, S]         =>   AllGather_X O1[E, S_X] -> O1[E, S]
+    Copy        O2[E, S_X] = A[S_X, E]              Copy        O2[E, S_X] = A[S_X, E]
+    AllGather_X O2[E, S_X] -> O2[E, S]              alias       O2[E, S] is O1[E, S]
 """
 
 from __future__ import annotations
@@ -48,27 +57,51 @@ def fold_redundant(steps: tuple[Step, ...], keep: frozenset[TensorRef]) -> tuple
 
 
 def _share_copied(out: list[Step]) -> None:
-    """A collective repeating one already run on a copy of its source is the same data moved again.
+    """A collective repeating one already run on the same data is the same data moved again.
 
     ``T2[B]{U_Z} = W1[B]{U_Z}`` (a copy) then both reduced: XLA runs the reduction once,
     so the later one becomes an alias of the earlier's result (a new name, no step of data).
+    Two local einsums of the same data into the same indices and layout make the same data
+    too (``O1[E, S_X] = A[S_X, E]`` and ``O2[E, S_X] = A[S_X, E]``, each then gathered):
+    XLA's common-subexpression pass merges them, then the collectives of their results.
     """
-    root: dict[TensorRef, TensorRef] = {}  # a value -> the first value holding the same data
+    # Same data only within a region: outside a `layers` block a step runs once, inside it once a
+    # layer on that layer's data, so a name read in both is two values (and the keys hold `once`).
+    roots: dict[bool, dict[TensorRef, TensorRef]] = {False: {}, True: {}}  # a value -> the first alike
+    made: dict[tuple[object, ...], TensorRef] = {}  # a local einsum's inputs and result layout -> its result
     done: dict[tuple[object, ...], TensorRef] = {}
     for k, step in enumerate(out):
+        root = roots[step.once]
         if step.op in (Op.COPY, Op.ELEMENTWISE) and (step.op is Op.COPY or step.fn == ALIAS) \
                 and len(step.operands) == 1 and _same_data(step.operands[0], step.dst):
             root[step.dst] = root.get(step.operands[0], step.operands[0])
+        elif step.op in (Op.COPY, Op.EINSUM):
+            _share_einsum(step, root, made)
         if not step.is_collective or step.src is None:
             continue
-        key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2)
+        key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2, step.once)
         earlier = done.get(key)
         if earlier is not None and _same_data(earlier, step.dst):
             out[k] = Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(earlier,), fn=ALIAS, ahead=step.ahead,
-                          once=step.once, note="the same data as an earlier collective on a copy of it")
+                          once=step.once, note="the same data an earlier collective moved the same way")
             root[step.dst] = root.get(earlier, earlier)
             continue
         done.setdefault(key, step.dst)
+
+
+def _share_einsum(step: Step, root: dict[TensorRef, TensorRef], made: dict[tuple[object, ...], TensorRef]) -> None:
+    """Root a local einsum's result at an earlier one's of the same data in the same layout.
+
+    A local einsum (a copy too) is the one its indices name (``se->es``), so the data of
+    its operands and its result's indices, layout and partial sums fix its result.  A root
+    holds its values' data in their order, so einsums of the same roots are one einsum.
+    """
+    dst = step.dst
+    key = (step.op, tuple(root.get(o, o) for o in step.operands), step.shapes, dst.indices, dst.layout,
+           dst.unreduced, step.once)
+    first = made.setdefault(key, dst)
+    if first != dst:
+        root[dst] = root.get(first, first)
 
 
 def _same_data(a: TensorRef, b: TensorRef) -> bool:
