@@ -85,6 +85,7 @@ def test_the_fold_shares_a_moved_gradient_in_the_backward_too() -> None:
     assert folded[-1].fn == ALIAS and folded[-1].operands == (done1,) and folded[-1].dst == done2
 
 
+@pytest.mark.slow
 def test_verify_passes_the_two_copies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The compiled HLO has one all-gather; the plan must promise one (it promised two before)."""
     path = tmp_path / "two_copies.shard"
