@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))  # this checkout's shardc, not an installed one
 
 import shardc  # noqa: E402
 from shardc.hardware import get_hardware  # noqa: E402
-from shardc.meshes import Options, search_layouts  # noqa: E402
+from shardc.layouts import Options, search_layouts  # noqa: E402
 
 
-def _spec(name: str) -> shardc.spec.ir.Spec:  # type: ignore[name-defined]
+def _spec(name: str) -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
     path = ROOT / name
     return shardc.parse(path.read_text(encoding="utf-8"), name)
 

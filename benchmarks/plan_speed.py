@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))  # this checkout's shardc, not an installed one
 
 import shardc  # noqa: E402
 from shardc.errors import ShardcError  # noqa: E402
+from shardc.ir.plan import Plan  # noqa: E402
 from shardc.planner.check import check_plan  # noqa: E402
-from shardc.planner.ir import Plan  # noqa: E402
 
 
 def deep_spec(layers: int, sized: bool = True) -> str:

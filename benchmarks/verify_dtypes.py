@@ -1,4 +1,4 @@
-"""The rounding error verify meets per dtype: the figures behind ``shardc.lowering.report.TOLERANCE``.
+"""The rounding error verify meets per dtype: the figures behind ``shardc.verification.report.TOLERANCE``.
 
     python benchmarks/verify_dtypes.py [--dtypes f32,bf16,f16,f8] [examples/*.shard ...]
 
@@ -25,8 +25,8 @@ def main() -> int:
     parser.add_argument("--dtypes", default="f32,bf16,f16,f8", help="comma-separated spec dtypes")
     args = parser.parse_args()
     import shardc
-    from shardc.lowering.verify import verify
-    from shardc.spec.ir import DType
+    from shardc.ir.spec import DType
+    from shardc.verification.verify import verify
 
     root = Path(__file__).resolve().parent.parent
     files = [Path(f) for f in args.files] or sorted((root / "examples").glob("*.shard"))

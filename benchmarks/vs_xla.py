@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per program")
     args = parser.parse_args()
     import shardc
-    from shardc.lowering.compare import compare
+    from shardc.verification.compare import compare
 
     root = Path(__file__).resolve().parent.parent
     files = [Path(f) for f in args.files] or sorted((root / "examples").glob("*.shard"))

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 from shardc.errors import ShardcError
 
 if TYPE_CHECKING:
-    from shardc.costmodel.report import CostReport
+    from shardc.costmodel.cost_report import CostReport
+    from shardc.ir.plan import Plan
+    from shardc.ir.spec import Spec
     from shardc.lowering.api import Lowered
-    from shardc.lowering.pipeline import PipelineLowered
-    from shardc.planner.ir import Plan
-    from shardc.spec.ir import Spec
+    from shardc.lowering.pipeline_lowering import PipelineLowered
 
 __all__ = ["ShardcError", "parse", "plan", "cost", "lower"]
 __version__ = "0.1.0"
@@ -54,9 +54,9 @@ def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None =
     ``shardc.costmodel.symbolic.cost_formulas(plan)`` gives the figures as formulas without them.
     """
     from shardc import arguments as a
-    from shardc.costmodel.report import cost as _cost
+    from shardc.costmodel.cost_report import cost as _cost
     from shardc.hardware import check_hardware_arg
-    from shardc.planner.ir import Plan as _Plan
+    from shardc.ir.plan import Plan as _Plan
 
     a.check_instance(plan, _Plan, "plan", "a Plan (from shardc.plan)")
     check_hardware_arg(hardware)
@@ -76,8 +76,8 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
     A spec with a pipeline axis lowers to its pipeline over the stage axis, as ``shardc lower`` writes it.
     """
     from shardc.arguments import check_instance, check_sizes
-    from shardc.planner.ir import Plan as _Plan
-    from shardc.spec.ir import Spec as _Spec
+    from shardc.ir.plan import Plan as _Plan
+    from shardc.ir.spec import Spec as _Spec
 
     check_instance(plan_or_spec, _Plan | _Spec, "plan_or_spec", "a Plan or a Spec")
     check_sizes(sizes)
@@ -87,7 +87,7 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
 
     spec = plan_or_spec.spec if isinstance(plan_or_spec, _Plan) else plan_or_spec
     if spec.mesh.pipeline_axis is not None:
-        from shardc.lowering.pipeline import lower_pipeline
+        from shardc.lowering.pipeline_lowering import lower_pipeline
         from shardc.pipeline.boundary import check_lowerable
         from shardc.planner.check import require_sound
 
@@ -101,7 +101,7 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
 def _check_plan_args(spec: object, save: object, options: dict[str, Any]) -> None:
     from shardc import arguments as a
     from shardc.hardware import check_hardware_arg
-    from shardc.spec.ir import Spec as _Spec
+    from shardc.ir.spec import Spec as _Spec
 
     a.check_instance(spec, _Spec, "spec", "a Spec (from shardc.parse)")
     a.check_choice(save, "save")

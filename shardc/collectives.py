@@ -53,7 +53,7 @@ from fractions import Fraction
 from typing import Any, Protocol, TypeVar
 
 from shardc.hardware import Hardware
-from shardc.spec.ir import Mesh, Network
+from shardc.ir.spec import Mesh, Network
 
 __all__ = ["Op", "OpInfo", "TABLE", "COLLECTIVES", "FACTOR", "BY_HLO_OP", "CollectiveTime", "collective_time",
            "links", "hops", "split_axes", "share", "piece", "volume_elements", "bandwidth_terms", "einsum_flops"]
@@ -174,7 +174,7 @@ _T = TypeVar("_T", bound=_Scalable)
 def volume_elements(op: Op, src_piece: _T, dst_piece: _T, group: _T) -> _T:
     """V from the per-device pieces before and after the collective and the group size.
 
-    Numbers (elements, padded pieces) or :class:`~shardc.planner.ir.Monomial` formulas
+    Numbers (elements, padded pieces) or :class:`~shardc.ir.plan.Monomial` formulas
     (bytes), so the planner's volumes and the cost's padded ones follow one rule.
     """
     info = TABLE[op]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 from shardc.errors import ShardcError, clip
 from shardc.files import read_text
-from shardc.spec.ir import Mesh, Network
+from shardc.ir.spec import Mesh, Network
 
 __all__ = ["Hardware", "PRESETS", "DEFAULT", "get_hardware", "load_hardware_file", "resolve_hardware",
            "hardware_from_mapping", "default_spans", "check_spans", "check_hardware_arg"]

@@ -1,7 +1,7 @@
 """Names shardc makes up: gradients (cotangents) and their partial contributions.
 
 A gradient is named in one place, :func:`gradient_names`, and every pass reads
-the mapping (the plan carries it as :meth:`shardc.planner.ir.Plan.grad_name`).
+the mapping (the plan carries it as :meth:`shardc.ir.plan.Plan.grad_name`).
 The book writes the gradient of ``W`` as ``dW``; shardc does too whenever no
 tensor of the spec already has that name.  A spec may well have one (a tensor
 ``dW`` beside a param ``W``, an input ``dOut`` beside an output ``Out``), and a

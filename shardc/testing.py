@@ -38,8 +38,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from shardc.errors import LAYERS_FEED, ShardcError
-from shardc.spec.functions import ELEMENTWISE
-from shardc.spec.ir import (
+from shardc.ir.spec import (
     Add,
     Call,
     Contract,
@@ -53,6 +52,7 @@ from shardc.spec.ir import (
     Statement,
     TensorRef,
 )
+from shardc.spec.functions import ELEMENTWISE
 from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
 

@@ -30,8 +30,8 @@ from shardc.collectives import FACTOR, Op, collective_time, piece, share, volume
 from shardc.collectives import einsum_flops as flops_of  # this module's einsum_flops takes a Step
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, default_spans, resolve_hardware
-from shardc.planner.ir import Plan, Step
-from shardc.spec.ir import Mesh, TensorRef
+from shardc.ir.plan import Plan, Step
+from shardc.ir.spec import Mesh, TensorRef
 
 __all__ = ["step_count", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
@@ -263,7 +263,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
 def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:
     """The layer count, and its symbol when the spec names a dim (``layers L``).
 
-    A pipelined plan is one stage's (:mod:`shardc.pipeline.stages`): its count is the
+    A pipelined plan is one stage's (:mod:`shardc.spec.stages`): its count is the
     slowest stage's, ceil(L / P), with no symbol.
     """
     layers, symbol = _all_layers(plan, sizes)

@@ -31,15 +31,14 @@ DEFERRED = ("jax", "jaxlib", "ml_dtypes", "matplotlib", "lark", "importlib", "to
 ENTRY_POINTS = ("shardc", "shardc.cli")
 
 # the planning and costing layers: parsing a spec must not reach any of them (the spec's own pipeline
-# lines, its stage axis and layer split, are ``shardc.pipeline.stages``, which validation reads)
-PLANNING_AND_COSTING = ("shardc.planner", "shardc.costmodel", "shardc.collectives", "shardc.timing",
-                        "shardc.hardware", "shardc.accountings", "shardc.meshes", "shardc.lowering",
-                        "shardc.pipeline.boundary", "shardc.pipeline.bubbles", "shardc.pipeline.schedules",
-                        "shardc.pipeline.gantt")
+# lines, its stage axis and layer split, are ``shardc.spec.stages``, which validation reads)
+PLANNING_AND_COSTING = ("shardc.planner", "shardc.ir.plan", "shardc.ir.localops", "shardc.ops", "shardc.costmodel",
+                        "shardc.collectives", "shardc.timing", "shardc.hardware", "shardc.accountings",
+                        "shardc.layouts", "shardc.lowering", "shardc.verification", "shardc.pipeline")
 
 # the passes that never import jax (so neither may anything they reach)
-NO_JAX = ("shardc.spec", "shardc.planner", "shardc.costmodel", "shardc.collectives", "shardc.timing",
-          "shardc.hardware", "shardc.pipeline", "shardc.meshes")
+NO_JAX = ("shardc.spec", "shardc.ir", "shardc.ops", "shardc.planner", "shardc.costmodel", "shardc.collectives",
+          "shardc.timing", "shardc.hardware", "shardc.pipeline", "shardc.layouts")
 
 
 @dataclass(frozen=True)
@@ -227,13 +226,13 @@ def _cycle_edges(component: list[str]) -> list[str]:
 
 def test_imports_are_resolved_as_python_resolves_them() -> None:
     source = "shardc.planner.planner"
-    tree = ast.parse("from shardc.planner import ir\nfrom . import zero\nfrom .. import errors\n"
-                     "from shardc.spec.ir import Spec\nimport shardc.costmodel.report\nfrom shardc import plan\n"
+    tree = ast.parse("from shardc.ir import plan\nfrom . import zero\nfrom .. import errors\n"
+                     "from shardc.ir.spec import Spec\nimport shardc.costmodel.cost_report\nfrom shardc import plan\n"
                      "if TYPE_CHECKING:\n    from shardc.lowering.api import Lowered\n"
                      "def f():\n    import jax.numpy as jnp\n")
     found = [(t, deferred) for node, deferred in _imports(tree) for t in _targets(node, source)]
-    assert found == [("shardc.planner.ir", False), ("shardc.planner.zero", False), ("shardc.errors", False),
-                     ("shardc.spec.ir", False), ("shardc.costmodel.report", False), ("shardc", False),
+    assert found == [("shardc.ir.plan", False), ("shardc.planner.zero", False), ("shardc.errors", False),
+                     ("shardc.ir.spec", False), ("shardc.costmodel.cost_report", False), ("shardc", False),
                      ("jax.numpy", True)]
 
 
@@ -293,3 +292,13 @@ def test_parse_plan_and_cost_never_import_jax() -> None:
             bad += [f"{_path(e.source, parent)} -> {e}" for e in EDGES
                     if e.source in parent and _within(e.target, ("jax", "jaxlib"))]
     assert not bad, "these passes import jax:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_no_two_modules_share_a_base_name() -> None:
+    # a module is found by its base name alone (in tracebacks, editors, docs): each names one thing
+    names: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__init__.py":
+            names.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE.parent)))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not shared, f"base names used twice: {shared}"

@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import shardc
-from shardc.planner.ir import Monomial, Op, Plan, Step
+from shardc.ir.plan import Monomial, Op, Plan, Step
+from shardc.ir.spec import Call, Contract, Expr, Mesh, MeshAxis, Network, Spec, TensorRef
 from shardc.planner.layout import CostContext, Move, Value
-from shardc.spec.ir import Call, Contract, Expr, Mesh, MeshAxis, Network, Spec, TensorRef
 from shardc.testing import specs
 
 SLACK = 1e-9  # relative: sums of the same seconds in another order differ in the last bits

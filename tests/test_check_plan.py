@@ -13,10 +13,10 @@ from collections.abc import Callable
 import pytest
 
 import shardc
+from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.check import check_plan
 from shardc.planner.fold import fold_redundant
-from shardc.planner.ir import Op, Plan, Step
-from shardc.spec.ir import Dim, TensorRef
 
 MLP = ("mesh X=8, Y=2\n{zero}dims B=1024, D=512, F=2048\nTmp[B_X, F_Y] = In[B_X, D] · W_in[D, F_Y]\n"
        "Out[B_X, D] = Tmp[B_X, F_Y] · W_out[F_Y, D]\n")

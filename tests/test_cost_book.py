@@ -9,8 +9,8 @@ import pytest
 import sympy
 
 import shardc
-from shardc.costmodel.report import CostReport
-from shardc.planner.ir import Plan
+from shardc.costmodel.cost_report import CostReport
+from shardc.ir.plan import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SPECS = Path(__file__).resolve().parent / "specs"  # regression fixtures: LLaMA-2 13B's projections alone

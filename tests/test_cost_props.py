@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import shardc
 from shardc.costmodel.formulas import evaluate
 from shardc.hardware import get_hardware
-from shardc.planner.ir import Plan
+from shardc.ir.plan import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NAMES = ["dp", "fsdp", "tp", "fsdp_tp", "dp_dcn"]

@@ -14,11 +14,11 @@ import pytest
 
 import shardc
 from shardc.cli.main import main
+from shardc.ir.localops import ALIAS
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.check import check_plan
 from shardc.planner.fold import fold_redundant
-from shardc.planner.ir import Op, Step
-from shardc.planner.localops import ALIAS
-from shardc.spec.ir import Dim, TensorRef
 
 TWO_COPIES = "mesh X=8\ndims E=16, S=64\nO1[E, S] = A[S_X, E]\nO2[E, S] = A[S_X, E]\n"
 

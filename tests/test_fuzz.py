@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardc.errors import ShardcError
-from shardc.spec.ir import Spec
+from shardc.ir.spec import Spec
 from shardc.spec.overrides import apply_overrides
 from shardc.spec.parser import parse
 from shardc.testing import spec_texts, specs

@@ -12,15 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardc
-from shardc.lowering.verify import render_report, verify
+from shardc.ir.localops import Add
+from shardc.ir.plan import Op, Plan
+from shardc.ir.spec import Mesh, MeshAxis
 from shardc.names import fresh, gradient_names
 from shardc.planner import backward
 from shardc.planner.check import check_plan, comm_time
-from shardc.planner.ir import Op, Plan
-from shardc.planner.localops import Add
-from shardc.planner.render import render_text, to_json
-from shardc.spec.ir import Mesh, MeshAxis
+from shardc.planner.plan_text import render_text, to_json
 from shardc.testing import specs
+from shardc.verification.verify import render_report, verify
 
 CROSS_ATTENTION = """\
 mesh X=2, Y=2

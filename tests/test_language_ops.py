@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardc.errors import ShardcError
-from shardc.spec.ir import Add, Call, Contract, TensorRef
+from shardc.ir.spec import Add, Call, Contract, TensorRef
 from shardc.spec.parser import parse
 from shardc.spec.walk import chain_indices
 
@@ -104,7 +104,7 @@ def test_a_sum_of_products_may_stay_partial() -> None:
     """`{U_Y}` on a sum whose terms contract over Y: the partial products add, nothing is reduced
     (a reduced term is added on one coordinate of Y only, so the sum counts it once)."""
     import shardc
-    from shardc.lowering.verify import verify
+    from shardc.verification.verify import verify
 
     for text in ("O[B, D]{U_Y} = A[B, F_Y] · W1[F_Y, D] + C[B, G_Y] · W2[G_Y, D]",
                  "O[B, D]{U_Y} = A[B, F_Y] · W1[F_Y, D] + X[B, D]"):

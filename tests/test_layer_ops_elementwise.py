@@ -9,13 +9,13 @@ import pytest
 
 import shardc
 from shardc.costmodel.memory import memory
+from shardc.ir.localops import ALIAS, NEG, Add, CausalVjp, DropoutMask, DropoutVjp
+from shardc.ir.plan import Op, Plan
 from shardc.lowering import layer_code, reference
-from shardc.lowering.verify import Report, render_report, verify
 from shardc.ops.masks import keep_mask
 from shardc.planner.check import check_plan
-from shardc.planner.ir import Op, Plan
-from shardc.planner.localops import ALIAS, NEG, Add, CausalVjp, DropoutMask, DropoutVjp
-from shardc.planner.render import render_text
+from shardc.planner.plan_text import render_text
+from shardc.verification.verify import Report, render_report, verify
 
 TWO_PRODUCTS = """\
 mesh X=2, Y=4
@@ -207,7 +207,7 @@ def test_dropout_draws_its_masks_from_a_key() -> None:
     import jax
 
     from shardc.lowering.api import lower
-    from shardc.lowering.verify import reference_inputs
+    from shardc.verification.verify import reference_inputs
 
     spec = shardc.parse("mesh X=2, Y=2\ndims B=8, D=16, F=32\nparam W\n"
                         "H[B_X, F_Y] = dropout(In[B_X, D] · W[D, F_Y], 0.5)\n")

@@ -12,18 +12,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardc
+from shardc.ir.localops import Combine
+from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.spec import Spec
 from shardc.lowering.api import lower
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
-from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
-from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.localops import Combine
-from shardc.planner.render import render_explain
-from shardc.spec.ir import Spec
+from shardc.planner.plan_text import render_explain
 from shardc.spec.walk import calls
 from shardc.testing import specs
 from shardc.timing import plan_time, step_volume
+from shardc.verification.verify import render_report, verify
 
 BIG = "mesh X=4\ndims B=8, N=32, S=2048, T=2048\nP[B, N, S, T_X] = softmax(Sc[B, N, S, T_X] over T)\n"
 TINY = "mesh X=4\ndims B=2, N=2, S=4, T=8\nP[B, N, S, T_X] = softmax(Sc[B, N, S, T_X] over T)\n"

@@ -7,14 +7,14 @@ import pytest
 
 import shardc
 from shardc.costmodel.memory import memory
+from shardc.ir.localops import Combine, Vocab
+from shardc.ir.plan import Op, Plan, Step
 from shardc.lowering.api import lower
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
-from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
-from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.localops import Combine, Vocab
 from shardc.timing import plan_sizes, step_volume
+from shardc.verification.verify import render_report, verify
 
 EMBED = "mesh X=4\ndims B=8, S=1024, V=32768, D=4096\nE[B, S, D] = embed(Tok[B, S], W_emb[V_X, D])\n"
 LOSS = "mesh X=4, Y=2\ndims B=8, S=1024, V=32768\nL[] = cross_entropy(Lg[B_Y, S, V_X], Tok[B_Y, S])\n"

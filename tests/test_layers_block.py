@@ -9,7 +9,7 @@ import pytest
 import shardc
 from shardc.costmodel.formulas import text
 from shardc.errors import ShardcError
-from shardc.spec.ir import Spec
+from shardc.ir.spec import Spec
 from shardc.timing import plan_time
 
 MODEL = """\
@@ -67,7 +67,7 @@ def test_only_the_block_is_counted_l_times() -> None:
 
 @pytest.mark.slow
 def test_a_block_lowers_and_verifies() -> None:
-    from shardc.lowering.verify import verify
+    from shardc.verification.verify import verify
 
     assert verify(shardc.plan(shardc.parse(MODEL))).ok  # one layer runs: the values are the spec's
 

@@ -18,9 +18,9 @@ import shardc
 from shardc.cli.main import main
 from shardc.errors import ShardcError
 from shardc.hardware import get_hardware
-from shardc.meshes import LayoutSearch, Options, factorisations, search_layouts
-from shardc.meshes.factor import MAX_CHIPS
-from shardc.meshes.rank import rank, rank_key
+from shardc.layouts import LayoutSearch, Options, factorisations, search_layouts
+from shardc.layouts.factor import MAX_CHIPS
+from shardc.layouts.rank import rank, rank_key
 from shardc.testing import specs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     return status, out, err
 
 
-def load(path: Path) -> shardc.spec.ir.Spec:  # type: ignore[name-defined]
+def load(path: Path) -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
     return shardc.parse(path.read_text(encoding="utf-8"), str(path))
 
 
@@ -255,7 +255,7 @@ def test_the_table_says_the_rule_and_the_choice(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.slow
 @given(specs(max_statements=3, dims=True, max_devices=8, layer_ops=True))
-def test_every_row_is_shardc_costs_figures_and_the_rows_are_ranked(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
+def test_every_row_is_shardc_costs_figures_and_the_rows_are_ranked(spec: shardc.ir.spec.Spec) -> None:  # type: ignore[name-defined]
     chips = spec.mesh.devices
     kept = {a.name: a.size for a in spec.mesh.axes if a.network.value == "dcn"}
     left, searched = chips // math.prod(kept.values()), len(spec.mesh.axes) - len(kept)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.costmodel.report import CostReport
+from shardc.costmodel.cost_report import CostReport
 from shardc.spec.overrides import apply_overrides
 
 TEXT = (Path(__file__).resolve().parents[1] / "examples" / "llama2_13b.shard").read_text(encoding="utf-8")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.planner import localops
-from shardc.planner.localops import Add, DropoutMask, Route
+from shardc.ir import localops
+from shardc.ir.localops import Add, DropoutMask, Route
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 TYPES = typing.get_args(localops.LocalOp)

@@ -16,15 +16,15 @@ import pytest
 import shardc
 from shardc.cli.main import main
 from shardc.errors import ShardcError
-from shardc.lowering.verify import Report, render_report, verify
-from shardc.planner.ir import Monomial
+from shardc.ir.plan import Monomial
+from shardc.verification.verify import Report, render_report, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.shard"))
 _reports: dict[str, Report] = {}
 
 
-def spec_of(path: Path) -> shardc.spec.ir.Spec:  # type: ignore[name-defined]
+def spec_of(path: Path) -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
     return shardc.parse(path.read_text(), filename=str(path))
 
 
@@ -214,8 +214,8 @@ def test_a_mesh_larger_than_the_devices_says_how_to_emulate() -> None:
 @pytest.mark.slow
 def test_a_wrong_volume_is_a_mismatch(fsdp_tp) -> None:  # type: ignore[no-untyped-def]
     from shardc.errors import InternalError
-    from shardc.lowering.hlo import collectives
-    from shardc.lowering.verify import match_collectives
+    from shardc.verification.hlo import collectives
+    from shardc.verification.verify import match_collectives
 
     plan = fsdp_tp.plan
     steps = list(plan.forward)

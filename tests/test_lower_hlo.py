@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardc.lowering.hlo import collectives, group_axes, parse_replica_groups
-from shardc.planner.ir import Op
+from shardc.ir.plan import Op
+from shardc.verification.hlo import collectives, group_axes, parse_replica_groups
 
 MESH = (("X", 2), ("Y", 2), ("Z", 2))
 

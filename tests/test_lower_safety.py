@@ -13,10 +13,10 @@ import pytest
 import shardc
 from shardc.cli.main import main
 from shardc.errors import InternalError, ShardcError
+from shardc.ir.plan import Op
 from shardc.lowering import template
 from shardc.lowering.codegen import generate
 from shardc.lowering.load import lowered_mesh, lowered_sizes
-from shardc.planner.ir import Op
 
 HOSTILE_FILE = 'x"""; __import__("os").system("touch PWNED"); """.shard'
 # keywords, builtins, the generated module's own globals, and a name that cannot be assigned
@@ -53,7 +53,7 @@ def test_hostile_names_and_file_name_lower_import_and_run(tmp_path: Path, monkey
     shapes = {"def": (4, 6), "make_mesh": (6, 8), "forward": (8, 6)}
     inputs = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     results = module.forward(inputs)  # type: ignore[attr-defined]
-    want = np.tanh(np.asarray(shardc.lowering.functions.function("gelu").forward(
+    want = np.tanh(np.asarray(shardc.lowering.function_code.function("gelu").forward(
         inputs["def"] @ inputs["make_mesh"], np)) @ inputs["forward"])
     np.testing.assert_allclose(np.asarray(results["__debug__"]), want, rtol=1e-4, atol=1e-5)
     grads = module.grad(inputs, {"d__debug__": np.ones((4, 6), np.float32)})  # type: ignore[attr-defined]
@@ -95,7 +95,7 @@ SMALL = "mesh X=2\ndims B=4, D=6\nOut[B_X, D] = gelu(In[B_X, D])\n"
 @pytest.mark.slow
 def test_tensors_named_like_every_global_of_the_module_lower_and_verify() -> None:
     """A tensor named like a helper (``route_topk``) or a table (``PROGRAM``) once shadowed it."""
-    from shardc.lowering.verify import verify
+    from shardc.verification.verify import verify
 
     names = _globals_of(SMALL)
     lines = ["mesh X=2", "dims B=4, D=6"]
@@ -107,7 +107,7 @@ def test_tensors_named_like_every_global_of_the_module_lower_and_verify() -> Non
 
 @pytest.mark.slow
 def test_a_tensor_named_like_the_routing_helper_verifies() -> None:
-    from shardc.lowering.verify import verify
+    from shardc.verification.verify import verify
 
     text = ("mesh X=2\ndims G=4, S=8, E=4, C=4, D=6\ndtype f32\nparam W_r\n"
             "Gate[G_X, S, E] = softmax(X[G_X, S, D] · W_r[D, E] over E)\n"
@@ -155,7 +155,7 @@ def test_lower_refuses_to_overwrite_the_spec(tmp_path: Path, capsys: pytest.Capt
     assert spec.read_text() == text
 
 
-def _broken(plan: shardc.planner.ir.Plan) -> shardc.planner.ir.Plan:  # type: ignore[name-defined]
+def _broken(plan: shardc.ir.plan.Plan) -> shardc.ir.plan.Plan:  # type: ignore[name-defined]
     """The plan without its first collective: a later step reads a value nothing makes."""
     steps = list(plan.forward)
     k = next(i for i, s in enumerate(steps) if s.is_collective)
@@ -179,7 +179,7 @@ def test_commands_run_the_plan_checker(command: str, tmp_path: Path, monkeypatch
 def test_the_api_runs_the_plan_checker_too() -> None:
     plan = shardc.plan(shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D_X, F]\n"))
     assert any(s.op is Op.ALL_GATHER for s in plan.forward)
-    from shardc.lowering.verify import verify
+    from shardc.verification.verify import verify
 
     with pytest.raises(InternalError):
         verify(_broken(plan))
@@ -190,7 +190,7 @@ def test_a_dim_not_divisible_by_its_shards_is_refused_clearly() -> None:
     plan = shardc.plan(shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D, F]\n"))
     with pytest.raises(ShardcError, match="not divisible"):
         shardc.lower(plan, sizes={"B": 5, "D": 4, "F": 6})
-    from shardc.lowering.verify import verify
+    from shardc.verification.verify import verify
 
     with pytest.raises(ShardcError, match="not divisible"):
         verify(plan, sizes={"B": 5})
@@ -216,8 +216,7 @@ def test_a_spec_whose_dims_do_not_divide_lowers_to_a_module_that_runs_at_sizes_t
 
 def test_an_unexpected_exception_in_verify_is_an_internal_error_not_a_traceback(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from shardc.lowering import verify as verify_module
-
+    from shardc.verification import verify as verify_module
     spec = tmp_path / "tp.shard"
     spec.write_text("mesh X=2\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
 

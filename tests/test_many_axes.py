@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 
 import shardc
+from shardc.ir.spec import Mesh, MeshAxis
 from shardc.planner import planner
 from shardc.planner.check import check_plan
 from shardc.planner.unit import bonded_axes, placements, strip_unit_axes
-from shardc.spec.ir import Mesh, MeshAxis
 from shardc.testing import specs
 from shardc.timing import plan_time
 

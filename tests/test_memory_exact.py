@@ -14,17 +14,17 @@ from hypothesis import HealthCheck, given, settings
 import shardc
 from shardc.costmodel.formulas import text
 from shardc.costmodel.memory import kept_once, memory, residual_formula, residual_table
-from shardc.lowering.hlo import Collective
-from shardc.lowering.verify import render_report, verify
+from shardc.ir.localops import ALIAS, Row, Vocab
+from shardc.ir.plan import Op, Plan
+from shardc.ir.spec import Spec, TensorRef
 from shardc.planner.check import check_plan
-from shardc.planner.ir import Op, Plan
-from shardc.planner.localops import ALIAS, Row, Vocab
-from shardc.planner.render import render_text, to_json
+from shardc.planner.plan_text import render_text, to_json
 from shardc.spec.functions import ID_BYTES, ID_DTYPE
-from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.walk import element_bytes, id_names, id_vocabulary
 from shardc.testing import specs
 from shardc.timing import plan_sizes, step_volume
+from shardc.verification.hlo import Collective
+from shardc.verification.verify import render_report, verify
 
 # The lookup needs the ids off the table's axis X: Tok[B_X, S] is gathered (4*B*S bytes), not W_emb (2*V*D).
 EMBED = "mesh X=4\ndims B=16, S=8, V=4096, D=256\nE[B, S, D] = embed(Tok[B_X, S], W_emb[V_X, D])\n"
@@ -200,7 +200,7 @@ def test_every_collective_and_residual_counts_its_own_element_bytes(spec: Spec) 
             assert nbytes == pytest.approx(p.nbytes(ref.name) * _elements(ref, sizes))
 
 
-def _elements(ref: shardc.spec.ir.TensorRef, sizes: dict[str, int]) -> float:  # type: ignore[name-defined]
+def _elements(ref: shardc.ir.spec.TensorRef, sizes: dict[str, int]) -> float:  # type: ignore[name-defined]
     count = 1.0
     for d in ref.dims:
         count *= -(-sizes[d.name] // int(np.prod([sizes[a] for a in d.axes])))

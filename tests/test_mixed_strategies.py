@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import shardc
+from shardc.ir.plan import Op, Plan
 from shardc.planner.check import check_plan
-from shardc.planner.ir import Op, Plan
 
 PATH = Path(__file__).resolve().parents[1] / "examples" / "moe_transformer.shard"
 AG, RS, AR, A2A = Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE, Op.ALL_TO_ALL

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 import shardc
 from shardc.errors import ShardcError
+from shardc.ir.localops import Route
+from shardc.ir.plan import Op, Plan
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
-from shardc.lowering.route import route_forward
+from shardc.lowering.route_code import route_forward
 from shardc.lowering.sizes import small_sizes
-from shardc.lowering.verify import render_report, verify
 from shardc.planner.check import check_plan
-from shardc.planner.ir import Op, Plan
-from shardc.planner.localops import Route
+from shardc.verification.verify import render_report, verify
 
 MOE = Path(__file__).parent.parent / "examples" / "moe_layer.shard"
 
@@ -157,7 +157,7 @@ def test_the_float32_recheck_of_a_routed_spec_gives_the_unsharded_program_the_ca
     pytest.importorskip("jax")
     from shardc.lowering.api import lower
     from shardc.lowering.sizes import small_sizes
-    from shardc.lowering.verify import differential_rows
+    from shardc.verification.verify import differential_rows
 
     p = _plan(SMALL)
     lowered = lower(p, sizes=small_sizes(p, 2))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 import shardc
+from shardc.ir.localops import Causal, Dropout, DropoutMask, DropoutVjp, Map, Route
 from shardc.ops.masks import MASKS
 from shardc.ops.registry import Family, Reference, families, of_call, of_op, register
 from shardc.ops.route import ROUTING
 from shardc.planner.graph import build_graph
-from shardc.planner.localops import Causal, Dropout, DropoutMask, DropoutVjp, Map, Route
 
 
 def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 
 from shardc.errors import ShardcError
-from shardc.spec.ir import Call, Contract, Dim, DType, Mesh, MeshAxis, Network, Spec, Statement, TensorRef
+from shardc.ir.spec import Call, Contract, Dim, DType, Mesh, MeshAxis, Network, Spec, Statement, TensorRef
 from shardc.spec.overrides import apply_overrides
 from shardc.spec.parser import grammar_text, parse, parse_size
 from shardc.testing import meshes, shardings, spec_texts, specs
@@ -246,7 +246,7 @@ def test_shardings_use_each_axis_once(mesh_and_dims: tuple[Mesh, tuple[Dim, ...]
 
 @pytest.mark.parametrize("module", ["shardc.spec.parser", "shardc.spec.validate", "shardc.spec.exprs",
                                     "shardc.spec.walk", "shardc.spec.overrides", "shardc.spec.functions",
-                                    "shardc.spec.ir", "shardc.testing", "shardc.names"])
+                                    "shardc.ir.spec", "shardc.testing", "shardc.names"])
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib
@@ -263,7 +263,7 @@ def test_specs_with_dims_always_have_sizes(spec: Spec) -> None:
 def test_a_refs_cached_hash_and_layout_never_leave_the_process() -> None:
     import pickle
 
-    from shardc.spec.ir import Dim, TensorRef
+    from shardc.ir.spec import Dim, TensorRef
 
     ref = TensorRef("W", (Dim("D", ("X",)), Dim("F")), ("Y", "X"))
     assert hash(ref) == hash(TensorRef("W", (Dim("D", ("X",)), Dim("F")), ("X", "Y"))) and ref.layout == (("X",), ())

@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardc
-from shardc.costmodel.pipeline import weight_steps
+from shardc.costmodel.pipeline_cost import weight_steps
 from shardc.errors import ShardcError
+from shardc.ir.spec import SCHEDULES, MeshAxis, Schedule
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.bubbles import EXACT, bubble, held, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import Timing, device_of, simulate
-from shardc.pipeline.stages import pipeline_of, stage_spec
-from shardc.spec.ir import SCHEDULES, MeshAxis, Schedule
+from shardc.spec.stages import pipeline_of, stage_spec
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
 BLOCK = """\
@@ -28,7 +28,7 @@ Out[B_X, D_Y] = Tmp[B_X, F_Y] · W_out[F_Y, D_X]
 """
 
 
-def spec(head: str, block: str = BLOCK) -> shardc.spec.ir.Spec:  # type: ignore[name-defined]
+def spec(head: str, block: str = BLOCK) -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
     return shardc.parse(head + "\n" + block)
 
 
@@ -284,7 +284,7 @@ def test_uneven_split_is_stated_in_the_text() -> None:
 
 
 def test_plan_text_says_it_is_one_stage() -> None:
-    from shardc.planner.render import render_text
+    from shardc.planner.plan_text import render_text
 
     text = render_text(shardc.plan(shardc.parse(EXAMPLE.read_text(), str(EXAMPLE))))
     assert text.splitlines()[1] == ("# pipeline over P: 32 layers over 4 stages: 8 a stage; 64 microbatches, "

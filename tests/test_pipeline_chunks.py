@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardc.errors import ShardcError
+from shardc.ir.spec import SCHEDULES
 from shardc.pipeline.bubbles import EXACT
 from shardc.pipeline.schedules import Timing, chunks_of, device_of, simulate
-from shardc.spec.ir import SCHEDULES
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import shardc
-from shardc.lowering.pipeline import lower_pipeline
-from shardc.lowering.pipeline_verify import verify_pipeline
-from shardc.pipeline.stages import stage_spec
+from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.spec.functions import layer_key
+from shardc.spec.stages import stage_spec
+from shardc.verification.pipeline_verify import verify_pipeline
 
 pytestmark = pytest.mark.slow  # every test compiles a pipelined module
 

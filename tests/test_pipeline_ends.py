@@ -10,12 +10,12 @@ import pytest
 
 import shardc
 from shardc.accountings import ACCOUNTINGS
-from shardc.costmodel.pipeline import PipelineCost
-from shardc.costmodel.render import render_pipeline
+from shardc.costmodel.cost_text import render_pipeline
+from shardc.costmodel.pipeline_cost import PipelineCost
+from shardc.ir.plan import Plan
+from shardc.ir.spec import Mesh, MeshAxis, Schedule
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import device_of, simulate
-from shardc.planner.ir import Plan
-from shardc.spec.ir import Mesh, MeshAxis, Schedule
 
 MODEL = """\
 mesh X=4, Y=2
@@ -122,7 +122,7 @@ def test_the_pipelined_block_parses() -> None:
 def test_the_whole_model_verifies(schedule: str) -> None:
     """The loss and every gradient (the embedding's, the block's stacked, the head's) against numpy,
     and the HLO: one permute each way in the loop of the schedule's tick table."""
-    from shardc.lowering.verify import verify
+    from shardc.verification.verify import verify
 
     report = verify(_plan(schedule))
     assert report.ok, report
@@ -135,8 +135,8 @@ def test_the_whole_model_verifies(schedule: str) -> None:
 @pytest.mark.slow
 def test_the_loss_is_the_mean_of_the_microbatches() -> None:
     """Summing the microbatches' losses instead (their cotangent the loss's, not over M) is caught."""
-    from shardc.lowering.pipeline import lower_pipeline
-    from shardc.lowering.pipeline_verify import draw_inputs, reference, run_sizes
+    from shardc.lowering.pipeline_lowering import lower_pipeline
+    from shardc.verification.pipeline_verify import draw_inputs, reference, run_sizes
 
     lowered = lower_pipeline(_plan("gpipe"), *run_sizes(_plan("gpipe"), 8))
     ns = lowered.namespace
@@ -159,7 +159,7 @@ NO_LOSS = ("Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S])", "Out[B_X, S,
                                                (NO_LOSS, "cross_entropy loss")])
 def test_what_the_lowering_refuses(edit: tuple[str, str], message: str) -> None:
     from shardc.errors import ShardcError
-    from shardc.lowering.pipeline import lower_pipeline
+    from shardc.lowering.pipeline_lowering import lower_pipeline
 
     text = MODEL.replace("mesh X=4, Y=2", "mesh P=4 pipeline, X=4, Y=2").replace(*edit)
     if edit is TIED:
@@ -176,7 +176,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline_llama2_13
 
 def test_the_llama2_13b_example_costs_its_ends_on_stages_0_and_3() -> None:
     plan = shardc.plan(shardc.parse(EXAMPLE.read_text(encoding="utf-8"), filename=str(EXAMPLE)))
-    from shardc.pipeline.stages import pipeline_note
+    from shardc.spec.stages import pipeline_note
 
     assert "the steps marked once on the first stage" in pipeline_note(plan.spec)[0]
     cost = shardc.cost(plan).pipeline
@@ -202,7 +202,7 @@ def test_the_llama2_13b_example_verifies_from_the_cli(capsys: pytest.CaptureFixt
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_tensor_parallel_stages_with_a_vocabulary_parallel_loss_verify(schedule: str) -> None:
     """P=2 leaves X=2 and Y=2 on 8 devices: the embedding's table and the logits cut over Y."""
-    from shardc.lowering.verify import verify
+    from shardc.verification.verify import verify
 
     text = MODEL.replace("mesh X=4, Y=2", f"mesh P=2 pipeline, X=2, Y=2\nschedule {schedule}\nmicrobatches 4")
     report = verify(shardc.plan(shardc.parse(text)))

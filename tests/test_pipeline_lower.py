@@ -8,15 +8,15 @@ import pytest
 
 import shardc
 from shardc.errors import ShardcError
-from shardc.lowering.pipeline import lower_pipeline, tick_tables
-from shardc.lowering.pipeline_hlo import loop_rows, stage_rows
-from shardc.lowering.pipeline_verify import run_sizes, verify_pipeline
+from shardc.lowering.pipeline_lowering import lower_pipeline, tick_tables
+from shardc.verification.pipeline_hlo import loop_rows, stage_rows
+from shardc.verification.pipeline_verify import run_sizes, verify_pipeline
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
 
 
 @pytest.fixture(scope="module")
-def plan() -> shardc.planner.ir.Plan:  # type: ignore[name-defined]
+def plan() -> shardc.ir.plan.Plan:  # type: ignore[name-defined]
     return shardc.plan(shardc.parse(EXAMPLE.read_text(), str(EXAMPLE)))
 
 
@@ -49,7 +49,7 @@ def test_a_schedule_that_does_not_lower_says_it_lowers_as_gpipe(capsys: pytest.C
 
 @pytest.mark.slow
 def test_the_python_api_lowers_a_pipelined_spec_to_its_pipeline() -> None:
-    from shardc.lowering.pipeline import PipelineLowered
+    from shardc.lowering.pipeline_lowering import PipelineLowered
 
     spec = shardc.parse(EXAMPLE.read_text().replace("schedule 1f1b", "schedule gpipe"), "gpipe")
     lowered = shardc.lower(shardc.plan(spec), sizes={"X": 2, "Y": 1, "B": 128, "S": 4, "T": 4,

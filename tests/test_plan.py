@@ -12,11 +12,11 @@ import pytest
 import sympy
 
 import shardc
+from shardc.ir.localops import Add, MapVjp
+from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.check import check_plan, comm_time, step_time
-from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.localops import Add, MapVjp
-from shardc.planner.render import phase_total, render_text, to_json
-from shardc.spec.ir import Dim, TensorRef
+from shardc.planner.plan_text import phase_total, render_text, to_json
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

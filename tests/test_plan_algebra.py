@@ -6,10 +6,10 @@ import pytest
 
 import shardc
 from shardc.errors import ShardcError
+from shardc.ir.plan import Monomial, Op, Plan, Step
+from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.check import check_plan
 from shardc.planner.fold import fold_redundant
-from shardc.planner.ir import Monomial, Op, Plan, Step
-from shardc.spec.ir import Dim, TensorRef
 
 
 def plan(text: str, **options: str) -> Plan:
@@ -73,7 +73,7 @@ def test_a_gather_of_two_dims_is_one_collective() -> None:
 
 @pytest.mark.slow
 def test_a_gather_of_two_dims_lowers_and_verifies() -> None:
-    from shardc.lowering.verify import render_report, verify
+    from shardc.verification.verify import render_report, verify
 
     spec = shardc.parse(TWO_DIMS.replace("A2[B, D]", "A2[B, D_X]"))  # a slice after it, to lower it all
     report = verify(spec)

@@ -17,7 +17,7 @@ import pytest
 
 import shardc
 from shardc.hardware import get_hardware
-from shardc.meshes import Options, search_layouts
+from shardc.layouts import Options, search_layouts
 from shardc.planner.planner import BUDGET
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 import shardc
 from shardc.collectives import BY_HLO_OP, FACTOR, TABLE, Op, collective_time
 from shardc.hardware import PRESETS
+from shardc.ir.plan import Monomial, Plan, Step
+from shardc.ir.spec import Dim, Spec, TensorRef
 from shardc.planner.check import check_plan, step_time
-from shardc.planner.ir import Monomial, Plan, Step
 from shardc.planner.layout import CostContext
-from shardc.planner.render import render_text, to_json
-from shardc.spec.ir import Dim, Spec, TensorRef
+from shardc.planner.plan_text import render_text, to_json
 from shardc.testing import specs
 from shardc.timing import plan_time
 
@@ -41,8 +41,7 @@ def test_the_table_is_what_every_pass_reads() -> None:
     assert {op for op, info in TABLE.items() if info.is_collective} == set(FACTOR)
     assert (FACTOR[Op.ALL_REDUCE], FACTOR[Op.ALL_TO_ALL], FACTOR[Op.ALL_GATHER]) == (2, 0.25, 1)
     assert BY_HLO_OP["all-to-all"] is Op.ALL_TO_ALL and Op.ALL_GATHER.title == "AllGather"
-    from shardc.lowering import hlo
-
+    from shardc.verification import hlo
     assert hlo._KINDS is BY_HLO_OP
     p = shardc.plan(shardc.parse("mesh X=4\ndims B=64, D=64, F=64\nOut[B, F] = In[B, D_X] · W[D_X, F]\n"))
     source = shardc.lower(p).source

@@ -8,9 +8,9 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import shardc
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import Add, Call, Contract, Dim, Expr, Mesh, MeshAxis, Spec, TensorRef
 from shardc.planner.check import check_plan, replay_step, step_time
-from shardc.planner.ir import Op, Step
-from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Mesh, MeshAxis, Spec, TensorRef
 from shardc.spec.walk import leaves
 from shardc.testing import specs
 

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 import shardc
 from shardc.costmodel.formulas import evaluate, text
 from shardc.costmodel.memory import residual_formula, residual_table
+from shardc.ir.plan import Op, Plan
+from shardc.ir.spec import Call, Statement, TensorRef
 from shardc.planner.graph import Graph, Node, build_graph
-from shardc.planner.ir import Op, Plan
 from shardc.planner.recompute import RECOMPUTE_MODES as RECOMPUTE
 from shardc.planner.recompute import REGION_OPS, attention_region
-from shardc.spec.ir import Call, Statement, TensorRef
 from shardc.testing import specs
 from shardc.timing import einsum_flops, plan_sizes, plan_time
 

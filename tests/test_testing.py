@@ -14,7 +14,7 @@ from hypothesis.errors import NoSuchExample
 
 import shardc
 from shardc.errors import LAYERS_FEED, ShardcError, Span
-from shardc.spec.ir import Call, Contract, DType, Spec, TensorRef
+from shardc.ir.spec import Call, Contract, DType, Spec, TensorRef
 from shardc.spec.parser import parse, parse_unchecked
 from shardc.spec.validate import validate
 from shardc.spec.walk import calls, leaves

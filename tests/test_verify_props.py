@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import shardc
-from shardc.lowering.verify import render_report, verify
 from shardc.spec.walk import calls
 from shardc.testing import specs
+from shardc.verification.verify import render_report, verify
 
 pytestmark = pytest.mark.slow  # every test lowers, compiles and runs random specs
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # every test lowers, compiles and runs random spe
 @settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs(max_devices=8, max_statements=3))
-def test_random_specs_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
+def test_random_specs_lower_run_and_verify(spec: shardc.ir.spec.Spec) -> None:  # type: ignore[name-defined]
     report = verify(shardc.plan(spec))
     text = render_report(report)
     assert all(r.ok for r in report.values), text
@@ -29,7 +29,7 @@ def test_random_specs_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  
 @settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs(max_devices=8, max_statements=3, layer_ops=True))
-def test_random_specs_with_layer_ops_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
+def test_random_specs_with_layer_ops_lower_run_and_verify(spec: shardc.ir.spec.Spec) -> None:  # type: ignore[name-defined]
     report = verify(shardc.plan(spec))
     text = render_report(report)
     assert all(r.ok for r in report.values), text
@@ -40,7 +40,7 @@ def test_random_specs_with_layer_ops_lower_run_and_verify(spec: shardc.spec.ir.S
 @settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs(max_devices=8, max_statements=3, routes=True))
-def test_random_specs_with_routes_lower_run_and_verify(spec: shardc.spec.ir.Spec) -> None:  # type: ignore[name-defined]
+def test_random_specs_with_routes_lower_run_and_verify(spec: shardc.ir.spec.Spec) -> None:  # type: ignore[name-defined]
     assert any(c.func == "route" for s in spec.statements for c in calls(s.expr))
     report = verify(shardc.plan(spec))
     text = render_report(report)

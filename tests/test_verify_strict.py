@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 import shardc
 from shardc.cli.main import main
+from shardc.ir.localops import Map, MapVjp
+from shardc.ir.plan import Op
+from shardc.ir.spec import DType
 from shardc.lowering.sizes import devices_to_check, shrink_mesh
-from shardc.lowering.verify import Report, compare_values, render_report, verify
-from shardc.planner.ir import Op
-from shardc.planner.localops import Map, MapVjp
-from shardc.spec.ir import DType
+from shardc.verification.verify import Report, compare_values, render_report, verify
 
 TP = "mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D_X, F]\n"
 
@@ -62,7 +62,7 @@ def test_verify_runs_the_plan_shardc_plan_prints() -> None:
     assert report.mesh == {"X": 2, "Y": 2, "Z": 2}
     planned = [s for s in plan.forward + plan.backward if s.is_collective]
     assert [r.step for r in report.collectives if r.step] == [
-        f"{shardc.planner.render.step_label(s)} {s.src} -> {s.dst}" for s in planned]
+        f"{shardc.planner.plan_text.step_label(s)} {s.src} -> {s.dst}" for s in planned]
     assert report.ok, render_report(report)
 
 
@@ -112,7 +112,7 @@ def test_each_dtype_runs_in_its_own_type(dtype: str, compute: str) -> None:
 @pytest.mark.slow
 def test_the_lowered_program_really_computes_in_bf16() -> None:
     from shardc.lowering.sizes import small_sizes
-    from shardc.lowering.verify import compute_dtype
+    from shardc.verification.verify import compute_dtype
 
     plan = shardc.plan(shardc.parse(TP))
     lowered = shardc.lower(plan, sizes=small_sizes(plan, 8))
@@ -183,7 +183,7 @@ def test_cli_verify_of_a_four_axis_mesh_uses_16_devices_strict_json(tmp_path: Pa
 
 @pytest.mark.slow
 def test_compare_pairs_rows_by_tensor_at_the_same_sizes() -> None:
-    from shardc.lowering.compare import Row, compare, pair_rows
+    from shardc.verification.compare import Row, compare, pair_rows
 
     ours = [Row("forward", "W", "AllGather_X", "X", 8), Row("forward", "In", "AllGather_X", "X", 8)]
     theirs = [Row("forward", "In|dIn", "AllGather", "X", 8), Row("forward", "?", "AllReduce", "X", 4)]

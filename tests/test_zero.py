@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 import shardc
 from shardc.costmodel.formulas import symbol
 from shardc.costmodel.memory import state_formula
+from shardc.ir.localops import UPDATE
+from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.spec import Zero
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.planner.check import check_plan
-from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.localops import UPDATE
-from shardc.planner.render import phase_total, render_text, to_json
+from shardc.planner.plan_text import phase_total, render_text, to_json
 from shardc.planner.zero import zero_layout
-from shardc.spec.ir import Zero
 from shardc.testing import specs
 from shardc.timing import plan_time
 

@@ -89,7 +89,7 @@ def run_hardware(args: argparse.Namespace) -> int:
 
 def run_cost(args: argparse.Namespace) -> int:
     from shardc import plan
-    from shardc.costmodel.report import cost, missing_sizes
+    from shardc.costmodel.cost_report import cost, missing_sizes
     from shardc.hardware import resolve_hardware
 
     _check_flags(args)
@@ -116,7 +116,7 @@ def run_cost(args: argparse.Namespace) -> int:
         return 0
     report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
     if args.schedule_plot:  # drawn before the report is printed: a refusal leaves no half output
-        from shardc.costmodel.pipeline import draw_schedule
+        from shardc.costmodel.pipeline_cost import draw_schedule
 
         draw_schedule(report, args.schedule_plot, args.force)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")

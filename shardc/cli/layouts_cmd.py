@@ -73,7 +73,7 @@ def register(subparsers: Any, name: str) -> None:
 
 def run_layouts(args: argparse.Namespace) -> int:
     from shardc.hardware import resolve_hardware
-    from shardc.meshes import Options, search_layouts
+    from shardc.layouts import Options, search_layouts
 
     check_hardware_flag(args)
     if args.top < 0:

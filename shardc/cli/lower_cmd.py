@@ -115,7 +115,7 @@ def _flag_devices() -> int | None:
 def _devices(args: argparse.Namespace, plan: Any) -> int:
     """Check ``--devices`` (or choose it), then ask XLA for that many CPU devices."""
     from shardc.lowering.sizes import devices_to_check, shrink_mesh
-    from shardc.lowering.verify import check_device_count
+    from shardc.verification.verify import check_device_count
 
     if args.devices is not None:
         if len(str(args.devices)) > 12:  # not echoed whole: no count that long is meant
@@ -138,7 +138,7 @@ def emulate_devices(count: int) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     plan = _plan(args)
     devices = _devices(args, plan)
-    from shardc.lowering.verify import render_report, verify
+    from shardc.verification.verify import render_report, verify
 
     report = verify(plan, devices=devices)
     if args.json:
@@ -151,7 +151,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     plan = _plan(args)
     devices = _devices(args, plan)
-    from shardc.lowering.compare import compare, render_comparison
+    from shardc.verification.compare import compare, render_comparison
 
     result = compare(plan, devices=devices)
     if args.json:

@@ -38,8 +38,8 @@ def register(sub: Any, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardc.hardware import resolve_hardware
     from shardc.planner.check import require_sound
+    from shardc.planner.plan_text import render_explain, render_text, to_json
     from shardc.planner.planner import plan
-    from shardc.planner.render import render_explain, render_text, to_json
 
     check_hardware_flag(args)
     spec = read_spec(args)

@@ -21,8 +21,8 @@ import symengine as se
 from symengine import Basic as Expr  # a formula
 
 from shardc.collectives import FACTOR, bandwidth_terms, einsum_flops
-from shardc.planner.ir import Monomial, Op, Step
-from shardc.spec.ir import Mesh
+from shardc.ir.plan import Monomial, Op, Step
+from shardc.ir.spec import Mesh
 
 __all__ = ["Expr", "HardwareSymbols", "hardware_symbols", "StepFormula", "PhaseFormula", "symbol", "monomial",
            "number", "product", "text", "step_formula", "phase_formula", "evaluate", "over", "ZERO"]

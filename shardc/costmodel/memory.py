@@ -28,11 +28,11 @@ from shardc.accountings import ACCOUNTINGS
 from shardc.collectives import piece
 from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
-from shardc.planner.ir import Plan, Step
-from shardc.planner.localops import ALIAS
+from shardc.ir.localops import ALIAS
+from shardc.ir.plan import Plan, Step
+from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE
-from shardc.spec.ir import Dim, TensorRef
 from shardc.spec.walk import id_names, leaves
 from shardc.timing import describe, local_elements
 
@@ -199,7 +199,7 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
     layer's inputs.  Each says the first step that reads it, what it is (token ids,
     a layer input, or a value a forward collective made, kept rather than moved
     again) and, under ``selective``, that it lies outside the attention-score region.
-    A rename's value (an alias step, :data:`shardc.planner.localops.ALIAS`) is its
+    A rename's value (an alias step, :data:`shardc.ir.localops.ALIAS`) is its
     source's array under another name: it is kept as that source, once.
     """
     aliases = {s.dst: s.operands[0] for s in plan.forward if s.fn == ALIAS}

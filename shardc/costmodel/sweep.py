@@ -13,11 +13,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardc.costmodel.report import resolve_layers, resolve_sizes
+from shardc.costmodel.cost_report import resolve_layers, resolve_sizes
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.images import check_image_path, pyplot
-from shardc.planner.ir import Plan
+from shardc.ir.plan import Plan
 from shardc.spec.parser import MAX_SIZE
 from shardc.timing import bound_of, cost_step, plan_spans
 

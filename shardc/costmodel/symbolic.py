@@ -14,6 +14,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from shardc.costmodel.cost_report import (
+    hardware_json,
+    missing_sizes,
+    phase_steps,
+    renamed_note,
+    symbols_of,
+    token_dims,
+)
+from shardc.costmodel.cost_text import hardware_line
 from shardc.costmodel.formulas import (
     HardwareSymbols,
     PhaseFormula,
@@ -24,19 +33,10 @@ from shardc.costmodel.formulas import (
     text,
 )
 from shardc.costmodel.memory import residual_formula, state_formula
-from shardc.costmodel.render import hardware_line
-from shardc.costmodel.report import (
-    hardware_json,
-    missing_sizes,
-    phase_steps,
-    renamed_note,
-    symbols_of,
-    token_dims,
-)
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.hardware import Hardware, check_spans
-from shardc.planner.ir import Op, Plan, Step
-from shardc.spec.ir import Mesh
+from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.spec import Mesh
 from shardc.timing import describe, plan_chip, plan_spans
 
 __all__ = ["FormulaRow", "FormulaPhase", "FormulaReport", "cost_formulas"]

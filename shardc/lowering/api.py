@@ -13,16 +13,16 @@ from typing import Any
 import numpy as np
 
 from shardc.errors import ShardcError
+from shardc.ir.plan import Plan
+from shardc.ir.spec import Spec, TensorRef
 from shardc.lowering.codegen import Boundary, Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
-from shardc.lowering.pipeline import lower_pipeline
+from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.lowering.replan import unlowered_optimizer
-from shardc.lowering.rows import id_inputs
+from shardc.lowering.row_code import id_inputs
 from shardc.planner.check import require_sound
-from shardc.planner.ir import Plan
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.functions import ID_DTYPE
-from shardc.spec.ir import Spec, TensorRef
 
 __all__ = ["Lowered", "lower", "module_source"]
 

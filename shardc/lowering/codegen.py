@@ -24,16 +24,16 @@ from dataclasses import dataclass
 
 from shardc.collectives import share
 from shardc.errors import InternalError, ShardcError
+from shardc.ir.localops import Combine, Map, MapVjp, Row, Update, Vocab
+from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.spec import Mesh, TensorRef
 from shardc.lowering import template
-from shardc.lowering.functions import function
+from shardc.lowering.function_code import function
 from shardc.lowering.layer_code import LAYER_OPS, layer_code
 from shardc.lowering.partition_specs import axes_entry
-from shardc.lowering.rows import lookup_code, row_code
+from shardc.lowering.row_code import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.ops.registry import of_op
-from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.localops import Combine, Map, MapVjp, Row, Update, Vocab
-from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shardc.ir.localops import Add, Alias, Neg
+from shardc.ir.plan import Step
+from shardc.ir.spec import TensorRef
 from shardc.ops.text import broadcast_text
-from shardc.planner.ir import Step
-from shardc.planner.localops import Add, Alias, Neg
 from shardc.planner.sums import guard_axes
-from shardc.spec.ir import TensorRef
 
 __all__ = ["LAYER_OPS", "layer_code"]
 

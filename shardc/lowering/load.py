@@ -1,7 +1,7 @@
 """Running a plan's module: the mesh and sizes it runs at, the devices it needs, the module loaded.
 
 Both the plain lowering (:mod:`shardc.lowering.api`) and the pipelined one
-(:mod:`shardc.lowering.pipeline`) lower and load through these.
+(:mod:`shardc.lowering.pipeline_lowering`) lower and load through these.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from shardc.collectives import share
 from shardc.errors import ShardcError
-from shardc.planner.ir import Plan
+from shardc.ir.plan import Plan
 
 __all__ = ["lowered_mesh", "lowered_sizes", "check_devices", "load_module"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardc.spec.ir import TensorRef
+from shardc.ir.spec import TensorRef
 
 __all__ = ["pspec", "axes_entry"]
 

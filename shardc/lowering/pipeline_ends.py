@@ -7,7 +7,7 @@ spec of its own on the stage mesh (the block with the pipeline axis, as a block 
 is pipelined), so each has its own planned forward and backward functions; the
 block's boundaries are its declared shardings, which all three plans keep.
 
-The generated module is the block's pipeline module (:mod:`shardc.lowering.pipeline`)
+The generated module is the block's pipeline module (:mod:`shardc.lowering.pipeline_lowering`)
 with the two ends' functions (``pre_forward_local``, ``post_backward_local``, ...) as
 the ends of its pipeline (:class:`shardc.lowering.pipeline_runtime.ModelEnds`): in the
 tick where stage 0 runs a microbatch's forward it first runs the statements before the
@@ -27,12 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
+from shardc.ir.plan import Plan, uses_dropout
+from shardc.ir.spec import Call, Mesh, Spec, Statement
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
 from shardc.pipeline.boundary import boundary_tensor
-from shardc.planner.ir import Plan, uses_dropout
 from shardc.planner.planner import plan as make_plan
-from shardc.spec.ir import Call, Mesh, Spec, Statement
 from shardc.spec.walk import leaves
 
 __all__ = ["Ends", "split_spec", "plan_parts", "ends_source"]

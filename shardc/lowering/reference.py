@@ -9,7 +9,7 @@ and the gradients are derived here by reverse mode over that expression tree,
 with closed-form derivatives.  Neither the planner's graph nor the plan's steps
 are read, so a wrong plan (a wrong collective, a wrong local einsum, a wrong
 planned backward) shows up as a wrong value.  ``xp`` is numpy by default;
-:mod:`shardc.lowering.compare` passes jax.numpy to build the same computation
+:mod:`shardc.verification.compare` passes jax.numpy to build the same computation
 for XLA's partitioner.
 """
 
@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from shardc.errors import ShardcError
-from shardc.lowering import rows
-from shardc.lowering.functions import function
+from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
+from shardc.lowering import row_code as rows
+from shardc.lowering.function_code import function
 from shardc.ops.registry import Family, Site, of_call
 from shardc.spec.functions import dropout_salt, signature
-from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
@@ -45,7 +45,7 @@ class _Node:
     labels: tuple[tuple[str, ...], ...]  # each operand's indices
     out: tuple[str, ...]  # the result's indices
     fn: str | None = None
-    over: str | None = None  # a reduction's index (shardc.lowering.rows)
+    over: str | None = None  # a reduction's index (shardc.lowering.row_code)
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
     call: Call | None = None  # an op family's call (its indices, its rate, its k)
     salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
@@ -285,7 +285,7 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
     cotangent of each output keyed by the output's name.
 
     Keys are the tensors' own names, not gradient names: those are the plan's
-    (:meth:`shardc.planner.ir.Plan.grad_name`), and this reference does not read the plan.
+    (:meth:`shardc.ir.plan.Plan.grad_name`), and this reference does not read the plan.
     ``given`` holds forward values already computed (by name), used in place of recomputing them.
     """
     nodes = _nodes(spec, key)

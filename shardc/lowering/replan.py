@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardc.planner.ir import Plan
+from shardc.ir.plan import Plan
 from shardc.planner.planner import plan as make_plan
 
 __all__ = ["unlowered_optimizer"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from shardc.planner.ir import Plan
-from shardc.spec.ir import TensorRef
+from shardc.ir.plan import Plan
+from shardc.ir.spec import TensorRef
 from shardc.spec.walk import calls, renamed_indices
 
 __all__ = ["shrink_mesh", "small_sizes", "devices_to_check", "collapsed_axes", "MAX_SMALL_DIM",

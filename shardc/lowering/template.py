@@ -15,11 +15,11 @@ import ast
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardc.ir.plan import Plan, uses_dropout
 from shardc.lowering.optimizer import LEARNING_RATE
 from shardc.lowering.partition_specs import pspec
-from shardc.lowering.rows import id_inputs
+from shardc.lowering.row_code import id_inputs
 from shardc.ops.masks import KEY
-from shardc.planner.ir import Plan, uses_dropout
 
 if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase

@@ -1,7 +1,7 @@
 """The op families, registered once: each pass finds an op's code here, never by its name.
 
 A family (:class:`Family`) is a set of spec functions and the typed local
-operations (:mod:`shardc.planner.localops`) their plan steps carry, with what every
+operations (:mod:`shardc.ir.localops`) their plan steps carry, with what every
 pass needs of them: how the planner plans the forward and the backward of one of
 its graph nodes, the bytes an element of the tensors those nodes make on the way,
 one line of JAX for each of its steps, and its meaning on whole arrays for the
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from shardc.ir.plan import Step
+    from shardc.ir.spec import Call, TensorRef
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
-    from shardc.planner.ir import Step
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
-    from shardc.spec.ir import Call, TensorRef
 
 __all__ = ["Family", "Reference", "Site", "register", "of_call", "of_op", "families"]
 

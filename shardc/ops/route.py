@@ -1,9 +1,9 @@
 """The routing family: ``route(Gate[G, S, E], S, C, k over E)``, top-k routing with capacity.
 
-:mod:`shardc.planner.route` plans its forward (E and S whole on a device); the mask is
+:mod:`shardc.planner.route_plans` plans its forward (E and S whole on a device); the mask is
 0/1, so it has no backward (no gradient reaches the gates through it, as none reaches
 token ids).  Its step's JAX line calls the module's ``route_topk`` helper and its
-whole-array meaning is :func:`shardc.lowering.route.route_forward`; the capacity is the
+whole-array meaning is :func:`shardc.lowering.route_code.route_forward`; the capacity is the
 length of the capacity index C, from the sizes.
 """
 
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shardc.errors import ShardcError
-from shardc.lowering.route import route_code, route_forward
+from shardc.ir.localops import Route
+from shardc.ir.plan import Step
+from shardc.ir.spec import Call
+from shardc.lowering.route_code import route_code, route_forward
 from shardc.ops.registry import Family, Namer, Reference, Site, register
-from shardc.planner.ir import Step
-from shardc.planner.localops import Route
-from shardc.planner.route import plan_route
-from shardc.spec.ir import Call
+from shardc.planner.route_plans import plan_route
 
 if TYPE_CHECKING:
     from shardc.planner.graph import Node
@@ -56,7 +56,7 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None) -> str:
 
 
 def _forward(site: Site, gates: Array, xp: Any) -> Array:
-    """The routing mask of whole gates (:func:`shardc.lowering.route.route_forward`)."""
+    """The routing mask of whole gates (:func:`shardc.lowering.route_code.route_forward`)."""
     call = site.call
     assert call.over is not None
     (order, slots), experts, k = call.names, call.over, int(call.numbers[0])

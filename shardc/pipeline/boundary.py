@@ -1,14 +1,14 @@
 """What crosses a stage boundary of a pipelined plan: the activation sent on, and the dim microbatches cut.
 
-Costing (:mod:`shardc.costmodel.pipeline`) and lowering (:mod:`shardc.lowering.pipeline`)
+Costing (:mod:`shardc.costmodel.pipeline_cost`) and lowering (:mod:`shardc.lowering.pipeline_lowering`)
 both ask these of a plan; they are questions about the pipeline's structure, answered once here.
 """
 
 from __future__ import annotations
 
 from shardc.errors import ShardcError
-from shardc.planner.ir import Plan
-from shardc.spec.ir import TensorRef
+from shardc.ir.plan import Plan
+from shardc.ir.spec import TensorRef
 from shardc.spec.walk import id_refs, leaves
 
 __all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable"]

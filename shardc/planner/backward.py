@@ -32,18 +32,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardc.ir.localops import ALIAS, NEG, Map, MapVjp, add_op
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import TensorRef
 from shardc.names import fresh
 from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
-from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value
-from shardc.planner.localops import ALIAS, NEG, Map, MapVjp, add_op
 from shardc.planner.phase import Phase
 from shardc.planner.rows_backward import rows_backward
 from shardc.planner.search import reshard
 from shardc.planner.vocab import embed_backward, loss_backward
 from shardc.spec.functions import PASS_THROUGH
-from shardc.spec.ir import TensorRef
 
 __all__ = ["Backward", "plan_backward"]
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+from shardc.ir.spec import TensorRef
 from shardc.planner.einsum import EinsumProblem, Operand, compute_cost, configurations
 from shardc.planner.graph import Node
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost
 from shardc.planner.phase import Phase
 from shardc.planner.reverse import costs_to
 from shardc.planner.search import least_costs, reshard
-from shardc.spec.ir import TensorRef
 
 __all__ = ["choose_chain"]
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import bisect
 
-from shardc.planner.ir import Op, Step
-from shardc.planner.localops import ALIAS
-from shardc.spec.ir import Dim, TensorRef
+from shardc.ir.localops import ALIAS
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import Dim, TensorRef
 
 __all__ = ["fold_redundant"]
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
+from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.names import fresh, gradient_names
 from shardc.ops.registry import Family, of_call
 from shardc.planner.rowstats import stat_names
 from shardc.spec.functions import is_elementwise, signature
-from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
 __all__ = ["Node", "Graph", "build_graph"]

@@ -39,9 +39,9 @@ from fractions import Fraction
 
 from shardc.collectives import collective_time, einsum_flops, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware, default_spans
-from shardc.planner.ir import Monomial, Op
+from shardc.ir.plan import Monomial, Op
+from shardc.ir.spec import Dim, DType, Mesh, TensorRef
 from shardc.planner.unit import Placements
-from shardc.spec.ir import Dim, DType, Mesh, TensorRef
 from shardc.spec.walk import nbytes_of
 
 __all__ = ["Layout", "Value", "Move", "expand", "neighbours", "spanning", "Cost", "CostContext", "ZERO", "INFINITE",

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field, replace
 
 from shardc.collectives import FACTOR
 from shardc.errors import ShardcError, Span
+from shardc.ir.localops import ALIAS
+from shardc.ir.plan import Alternative, Choice, Op, Step, sum_formula
+from shardc.ir.spec import TensorRef
 from shardc.planner.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
-from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
 from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost
-from shardc.planner.localops import ALIAS
 from shardc.planner.search import reshard
-from shardc.spec.ir import TensorRef
 
 __all__ = ["Phase", "Traced"]
 

@@ -15,16 +15,16 @@ from dataclasses import replace
 from shardc.collectives import share
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans, resolve_hardware
+from shardc.ir.localops import Map
+from shardc.ir.plan import Op, Plan, Step, TensorInfo
+from shardc.ir.spec import Spec, TensorRef
 from shardc.pipeline.boundary import check_microbatches
-from shardc.pipeline.stages import pipeline_of, stage_spec
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.einsum import Solution
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
-from shardc.planner.ir import Op, Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, SearchTooLong, Value
-from shardc.planner.localops import Map
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.rows import plan_rows
@@ -39,7 +39,7 @@ from shardc.planner.unit import (
 )
 from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
-from shardc.spec.ir import Spec, TensorRef
+from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
 from shardc.timing import PlanTime, plan_time

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from shardc.ir.plan import Step
+from shardc.ir.spec import TensorRef
 from shardc.planner.graph import Graph, Node
-from shardc.planner.ir import Step
-from shardc.spec.ir import TensorRef
 
 __all__ = ["RECOMPUTE_MODES", "REGION_OPS", "attention_region", "recompute_steps", "reads"]
 

@@ -17,7 +17,7 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 
-from shardc.planner.ir import Monomial, Op
+from shardc.ir.plan import Monomial, Op
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, expand, spanning
 
 __all__ = ["costs_to", "reshard_to", "predecessors"]

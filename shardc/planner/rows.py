@@ -20,7 +20,7 @@ Every function but ``sum`` and ``mean`` is nonlinear: its input is reduced first
 The candidate input layouts are those the phase holds, the requested result's,
 and each of them with I gathered; ``shardc plan --explain`` lists them.  The
 steps are local maps (``Op.ELEMENTWISE`` with a
-:class:`~shardc.planner.localops.Row`; ``dim`` is the position of I in the frame, see
+:class:`~shardc.ir.localops.Row`; ``dim`` is the position of I in the frame, see
 :func:`frame_of`) and AllReduces (``fn=Combine.MAX`` for a maximum).  Local maps are
 free in the cost model, as every elementwise step is.
 """
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 
 from shardc.collectives import FACTOR
 from shardc.errors import InternalError, ShardcError
-from shardc.planner.ir import Alternative, Choice, Op, Step, sum_formula
+from shardc.ir.localops import Combine, Row, Vocab
+from shardc.ir.plan import Alternative, Choice, Op, Step, sum_formula
+from shardc.ir.spec import TensorRef
 from shardc.planner.layout import ZERO, Cost, Layout, Move, Value, add_cost
-from shardc.planner.localops import Combine, Row, Vocab
 from shardc.planner.phase import Phase
 from shardc.planner.rowstats import BACKWARD_STATS, STATS
 from shardc.planner.search import reshard
 from shardc.spec.functions import signature
-from shardc.spec.ir import TensorRef
 
 if TYPE_CHECKING:
     from shardc.planner.graph import Node

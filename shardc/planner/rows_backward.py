@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shardc.ir.localops import Row
 from shardc.names import fresh
 from shardc.planner.graph import Node
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
-from shardc.planner.localops import Row
 from shardc.planner.rows import (
     BACKWARD_STATS,
     Layouts,

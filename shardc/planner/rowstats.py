@@ -5,7 +5,7 @@ Kept apart, importing only the local operations, so the graph builder can name t
 
 from __future__ import annotations
 
-from shardc.planner.localops import Row
+from shardc.ir.localops import Row
 
 __all__ = ["STATS", "BACKWARD_STATS", "VJP", "APPLY", "stat_names"]
 

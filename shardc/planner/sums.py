@@ -27,14 +27,14 @@ import itertools
 from collections.abc import Iterator
 
 from shardc.errors import ShardcError
+from shardc.ir.localops import ALIAS, Add
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import TensorRef
 from shardc.planner.einsum import room
 from shardc.planner.graph import Node
-from shardc.planner.ir import Op, Step
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
-from shardc.planner.localops import ALIAS, Add
 from shardc.planner.phase import Phase
 from shardc.planner.search import reshard
-from shardc.spec.ir import TensorRef
 
 __all__ = ["plan_add", "plan_rename", "guard_axes"]
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardc.spec.ir import Add, Call, Expr, Mesh, Spec, TensorRef
+from shardc.ir.spec import Add, Call, Expr, Mesh, Spec, TensorRef
 from shardc.spec.walk import leaves
 
 __all__ = ["strip_unit_axes", "canonical", "without_unit_axes", "bonded_axes", "EXACT_AXES", "placements",

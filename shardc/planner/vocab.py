@@ -26,10 +26,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardc.errors import ShardcError
+from shardc.ir.localops import Combine, Row, Vocab
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import TensorRef
 from shardc.planner.graph import Node
-from shardc.planner.ir import Op, Step
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
-from shardc.planner.localops import Combine, Row, Vocab
 from shardc.planner.phase import Phase
 from shardc.planner.rows import (
     Layouts,
@@ -43,7 +44,6 @@ from shardc.planner.rows import (
     stats_cost,
 )
 from shardc.planner.search import reshard
-from shardc.spec.ir import TensorRef
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward

@@ -29,12 +29,12 @@ import math
 from dataclasses import replace
 
 from shardc.errors import ShardcError
-from shardc.planner.ir import Op, Step
+from shardc.ir.localops import UPDATE
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import Call, Contract, Dim, Expr, Spec, TensorRef, Zero
 from shardc.planner.layout import Layout, Value
-from shardc.planner.localops import UPDATE
 from shardc.planner.phase import Phase
 from shardc.planner.search import reshard
-from shardc.spec.ir import Call, Contract, Dim, Expr, Spec, TensorRef, Zero
 from shardc.spec.walk import leaves
 
 __all__ = ["zero_axes", "zero_layout", "zero3_spec", "zero_params", "plan_optimizer"]

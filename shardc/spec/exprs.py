@@ -14,8 +14,8 @@ partner operand, and renames that keep sizes and places.
 from __future__ import annotations
 
 from shardc.errors import ShardcError, Span
+from shardc.ir.spec import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 from shardc.spec.functions import is_known, known_list, signature
-from shardc.spec.ir import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import calls, chain_indices, fold, is_rename, leaves, route_slots
 
 __all__ = ["check_expression"]

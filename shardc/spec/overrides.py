@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardc.errors import ShardcError
-from shardc.spec.ir import Mesh, Spec
+from shardc.ir.spec import Mesh, Spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
 

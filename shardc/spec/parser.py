@@ -1,6 +1,6 @@
 """Parse ``.shard`` text into the spec IR (then check it with :func:`validate`).
 
-This module only parses: it turns text into :mod:`shardc.spec.ir` nodes;
+This module only parses: it turns text into :mod:`shardc.ir.spec` nodes;
 lark's syntax errors become :class:`ShardcError` with a caret in
 :mod:`shardc.spec.syntax_errors`.  Every semantic check lives in
 :mod:`shardc.spec.validate`.
@@ -42,7 +42,7 @@ from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedInput, VisitError
 
 from shardc.errors import ShardcError, Span, clip
-from shardc.spec.ir import (
+from shardc.ir.spec import (
     SCHEDULES,
     Add,
     Call,

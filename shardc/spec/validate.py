@@ -37,9 +37,9 @@ import weakref
 from collections.abc import Callable
 
 from shardc.errors import LAYERS_FEED, ShardcError, Span, clip
-from shardc.pipeline.stages import check_pipeline
+from shardc.ir.spec import Dim, Spec, Statement, TensorRef
 from shardc.spec.exprs import check_expression
-from shardc.spec.ir import Dim, Spec, Statement, TensorRef
+from shardc.spec.stages import check_pipeline
 from shardc.spec.walk import id_names, leaves
 
 __all__ = ["validate"]

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
 from shardc.spec.functions import ID_BYTES, integer_args, is_known, signature
-from shardc.spec.ir import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
            "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardc.collectives import BY_HLO_OP, TABLE
-from shardc.planner.ir import Op
+from shardc.ir.plan import Op
 
 __all__ = ["Collective", "collectives", "parse_replica_groups"]
 

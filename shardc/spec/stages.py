@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
-from shardc.spec.ir import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
+from shardc.ir.spec import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
 
 __all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count",
            "DEFAULT_SCHEDULE"]

@@ -19,16 +19,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardc.collectives import FACTOR, share
+from shardc.ir.plan import Plan
+from shardc.ir.spec import Spec, TensorRef
 from shardc.lowering import reference
 from shardc.lowering.api import lower
-from shardc.lowering.hlo import Collective, collectives
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.sizes import devices_to_check, small_sizes
 from shardc.planner.check import require_sound
-from shardc.planner.ir import Plan
+from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
-from shardc.planner.render import step_label
-from shardc.spec.ir import Spec, TensorRef
+from shardc.verification.hlo import Collective, collectives
 
 __all__ = ["Row", "Side", "Comparison", "compare", "render_comparison", "pair_rows"]
 
@@ -207,7 +207,7 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
     """Collectives and weighted volume of the plan and of XLA's partitioner; timed if repeats > 0.
 
     Both sides run at the same sizes (the lowered program's) and on the same inputs.
-    ``devices`` None: as for :func:`shardc.lowering.verify.verify`.
+    ``devices`` None: as for :func:`shardc.verification.verify.verify`.
     """
     import jax
     from jax.sharding import NamedSharding

@@ -15,7 +15,7 @@ and drawn, and lower with GPipe's (every schedule computes the same values).
 The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
 with one collective-permute down and one up in its body, each moving one
 microbatch's shard of the block's output; ``shardc verify`` checks that and the
-stages' planned collectives in the compiled HLO (:mod:`shardc.lowering.pipeline_hlo`).
+stages' planned collectives in the compiled HLO (:mod:`shardc.verification.pipeline_hlo`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardc.errors import ShardcError
+from shardc.ir.plan import Plan
+from shardc.ir.spec import TensorRef
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
 from shardc.lowering.pipeline_ends import Ends, ends_source, plan_parts
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, simulate
-from shardc.pipeline.stages import Pipeline, pipeline_of, stage_spec
-from shardc.planner.ir import Plan
-from shardc.spec.ir import TensorRef
+from shardc.spec.stages import Pipeline, pipeline_of, stage_spec
 
 __all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "LOWERED_SCHEDULES"]
 

@@ -11,10 +11,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shardc.lowering.hlo import Collective
+from shardc.ir.plan import Op, Plan, Step
 from shardc.lowering.sizes import devices_to_check
-from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.render import step_label
+from shardc.planner.plan_text import step_label
+from shardc.verification.hlo import Collective
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text",
            "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE", "cut_note"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from shardc.errors import ShardcError, clip
-from shardc.spec.ir import Network, Spec
+from shardc.ir.spec import Network, Spec
 
 __all__ = ["MAX_CHIPS", "MAX_WORK", "Axes", "searched_axes", "factorisations", "check_chips",
            "candidates"]

@@ -25,15 +25,15 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
+from shardc.costmodel.cost_text import render
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
-from shardc.costmodel.pipeline import PipelineCost, pipeline_cost
-from shardc.costmodel.render import render
+from shardc.costmodel.pipeline_cost import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans
-from shardc.planner.ir import Plan, Step
-from shardc.spec.ir import Mesh, Network
+from shardc.ir.plan import Plan, Step
+from shardc.ir.spec import Mesh, Network
 from shardc.timing import (
     StepCost,
     bound_of,
@@ -165,7 +165,7 @@ class CostReport:
     memory: Memory
     thresholds: tuple[Threshold, ...]
     notes: tuple[str, ...] = field(default=())
-    pipeline: PipelineCost | None = None  # with a `pipeline` mesh axis (shardc.costmodel.pipeline)
+    pipeline: PipelineCost | None = None  # with a `pipeline` mesh axis (shardc.costmodel.pipeline_cost)
     optimizer: PhaseCost | None = None  # ZeRO-1/2's optimizer phase (no rows without a `zero 1|2` line)
 
     def to_json(self) -> dict[str, object]:

@@ -1,6 +1,6 @@
 """``route`` (top-k routing with capacity), as lowering and the numpy reference see it.
 
-:func:`route_code` writes the planned step (:mod:`shardc.planner.route`: E and S
+:func:`route_code` writes the planned step (:mod:`shardc.planner.route_plans`: E and S
 whole on the device) as one call of
 :func:`shardc.lowering.runtime.route_topk` (``jax.lax.top_k`` along E, an
 exclusive cumulative count along S), then a transpose to the result's index order.  :func:`route_forward` is the
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shardc.planner.ir import Step
-from shardc.planner.localops import Route
-from shardc.spec.ir import TensorRef
+from shardc.ir.localops import Route
+from shardc.ir.plan import Step
+from shardc.ir.spec import TensorRef
 
 __all__ = ["route_code", "route_forward"]
 

@@ -9,7 +9,7 @@ of a token is a cumulative count along S.  The candidates are those of a
 reduction (:func:`shardc.planner.rows.candidates`) with E and S gathered, costed
 by the same objective; every other index keeps its sharding, and C comes out
 replicated, then moves to the declared sharding.  The step is one local map whose
-``fn`` says what lowering needs (:class:`shardc.planner.localops.Route`).  The mask is 0/1: it has no
+``fn`` says what lowering needs (:class:`shardc.ir.localops.Route`).  The mask is 0/1: it has no
 gradient (:mod:`shardc.planner.backward` skips it), as token ids have none.
 """
 
@@ -18,13 +18,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardc.errors import ShardcError
-from shardc.planner.ir import Op, Step
+from shardc.ir.localops import Route
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import Call, TensorRef
 from shardc.planner.layout import Value, add_cost
-from shardc.planner.localops import Route
 from shardc.planner.phase import Phase
 from shardc.planner.rows import Layouts, by_index, candidates, choose, in_order, record
 from shardc.planner.search import reshard
-from shardc.spec.ir import Call, TensorRef
 
 if TYPE_CHECKING:
     from shardc.planner.graph import Node

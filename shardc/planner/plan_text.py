@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardc.collectives import FACTOR
+from shardc.ir.localops import ALIAS
+from shardc.ir.plan import Monomial, Op, Plan, Step, sum_formula
 from shardc.names import book_name
-from shardc.pipeline.stages import pipeline_note
-from shardc.planner.ir import Monomial, Op, Plan, Step, sum_formula
-from shardc.planner.localops import ALIAS
+from shardc.spec.stages import pipeline_note
 from shardc.timing import plan_time, step_volume
 
 __all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_total", "step_label"]

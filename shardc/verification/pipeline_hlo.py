@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 import re
 
-from shardc.lowering.hlo import Collective, collectives
-from shardc.lowering.pipeline import PipelineLowered
-from shardc.lowering.report import CollectiveRow, axes_text, hlo_axes, plan_row_key
-from shardc.planner.ir import Op, Plan
-from shardc.planner.render import step_label
+from shardc.ir.plan import Op, Plan
+from shardc.lowering.pipeline_lowering import PipelineLowered
+from shardc.planner.plan_text import step_label
 from shardc.timing import local_elements
+from shardc.verification.hlo import Collective, collectives
+from shardc.verification.report import CollectiveRow, axes_text, hlo_axes, plan_row_key
 
 __all__ = ["loop_rows", "stage_rows"]
 

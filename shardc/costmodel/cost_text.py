@@ -6,14 +6,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shardc.costmodel.formulas import text
-from shardc.costmodel.pipeline import PipelineCost
+from shardc.costmodel.pipeline_cost import PipelineCost
 from shardc.pipeline.bubbles import EXACT, activation_factor, inflight, sends_per_microbatch
 from shardc.timing import StepCost
 
 if TYPE_CHECKING:
+    from shardc.costmodel.cost_report import CostReport, PhaseCost
     from shardc.costmodel.formulas import HardwareSymbols
     from shardc.costmodel.memory import Memory
-    from shardc.costmodel.report import CostReport, PhaseCost
     from shardc.hardware import Hardware
 
 __all__ = ["render", "render_pipeline", "hardware_line", "fmt_bytes", "fmt_seconds", "fmt_flops"]

@@ -20,7 +20,7 @@ contracted size), and each layer's last one so that its output has unit RMS, so 
 stack of products neither vanishes nor overflows; token ids are uniform over their
 vocabulary.
 
-The compiled HLO is checked by :mod:`shardc.lowering.pipeline_hlo`: the loop and its
+The compiled HLO is checked by :mod:`shardc.verification.pipeline_hlo`: the loop and its
 permutes between stages, and every planned collective by kind, axes and bytes.  With
 statements around the block, the three parts' collectives must also be the collectives
 of the whole model's plan, the one ``shardc cost`` priced, so what ran is what was costed.
@@ -36,18 +36,18 @@ from typing import Any
 import numpy as np
 
 from shardc.errors import ShardcError
+from shardc.ir.plan import Plan
+from shardc.ir.spec import Contract, Mesh, Spec
 from shardc.lowering import reference as numpy_reference
-from shardc.lowering.pipeline import PipelineLowered, lower_pipeline
-from shardc.lowering.pipeline_hlo import loop_rows
-from shardc.lowering.report import TOLERANCE, CollectiveRow, Report, ValueRow, cut_note
-from shardc.lowering.rows import id_inputs
+from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline
+from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
-from shardc.pipeline.stages import pipeline_of, stage_spec
-from shardc.planner.ir import Plan
 from shardc.spec.functions import ID_DTYPE, layer_key
-from shardc.spec.ir import Contract, Mesh, Spec
+from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.walk import leaves
+from shardc.verification.pipeline_hlo import loop_rows
+from shardc.verification.report import TOLERANCE, CollectiveRow, Report, ValueRow, cut_note
 
 __all__ = ["verify_pipeline", "run_sizes", "draw_inputs", "draw_cotangent", "reference"]
 

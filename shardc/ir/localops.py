@@ -1,7 +1,7 @@
 """The local operation of a plan step: what a device computes on its own blocks.
 
 A step that is not a collective nor an einsum applies one of these to its local
-operands (:attr:`shardc.planner.ir.Step.fn`); an AllReduce names its combiner with
+operands (:attr:`shardc.ir.plan.Step.fn`); an AllReduce names its combiner with
 :data:`Combine.MAX` (a sum names none).  Each is a small frozen value whose fields
 are the operation's parameters, so the passes after planning (cost, lowering,
 verification) read those fields and never parse text.  ``str`` renders the

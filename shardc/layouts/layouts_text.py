@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from shardc.costmodel.render import fmt_bytes, fmt_seconds
-from shardc.meshes.rank import DIGITS, Layout, Skipped, rank_key
+from shardc.costmodel.cost_text import fmt_bytes, fmt_seconds
+from shardc.layouts.rank import DIGITS, Layout, Skipped, rank_key
 
 if TYPE_CHECKING:
-    from shardc.meshes.search import LayoutSearch
+    from shardc.layouts.layout_search import LayoutSearch
 
 __all__ = ["render", "to_json", "reason"]
 

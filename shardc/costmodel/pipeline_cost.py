@@ -37,6 +37,8 @@ from shardc.collectives import Op, collective_time
 from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
 from shardc.errors import InternalError, ShardcError
 from shardc.hardware import Hardware
+from shardc.ir.plan import Plan, Step
+from shardc.ir.spec import Network, Statement, TensorRef
 from shardc.pipeline.boundary import boundary_tensor, check_microbatches, microbatch_dim
 from shardc.pipeline.bubbles import (
     EXACT,
@@ -49,14 +51,12 @@ from shardc.pipeline.bubbles import (
 )
 from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of, simulate
-from shardc.pipeline.stages import Pipeline, pipeline_of
-from shardc.planner.ir import Plan, Step
-from shardc.spec.ir import Network, Statement, TensorRef
+from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import leaves
 from shardc.timing import StepCost, bound_of, cost_step, local_elements, phase_seconds
 
 if TYPE_CHECKING:
-    from shardc.costmodel.report import CostReport
+    from shardc.costmodel.cost_report import CostReport
 
 __all__ = ["StageCost", "PipelineCost", "pipeline_cost", "weight_steps",
            "draw_schedule"]

@@ -1,7 +1,7 @@
 """``causal`` and ``dropout``: elementwise maps that keep the sharding, planned beside ``gelu``.
 
 Both read their argument reduced, in the result's layout, and their steps say what
-the lowering needs in the step's typed ``fn`` (:mod:`shardc.planner.localops`):
+the lowering needs in the step's typed ``fn`` (:mod:`shardc.ir.localops`):
 
 - ``causal(S,T)``: -inf where the key position T is after the query position S,
   by GLOBAL position: lowered, each device offsets its block's positions by its
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardc.planner.ir import Op, Step
+from shardc.ir.localops import Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import TensorRef
 from shardc.planner.layout import Value
-from shardc.planner.localops import Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
 from shardc.planner.phase import Phase
 from shardc.spec.functions import MASK_BYTES, dropout_salt
-from shardc.spec.ir import TensorRef
 from shardc.spec.walk import dropout_number
 
 if TYPE_CHECKING:

@@ -23,13 +23,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shardc.errors import ShardcError
+from shardc.ir.plan import Plan
+from shardc.ir.spec import Spec
 from shardc.lowering import reference
 from shardc.lowering.api import lower
-from shardc.lowering.hlo import collectives
 from shardc.lowering.optimizer import LEARNING_RATE
-from shardc.lowering.pipeline_verify import verify_pipeline
 from shardc.lowering.replan import unlowered_optimizer
-from shardc.lowering.report import (
+from shardc.lowering.row_code import id_inputs
+from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check, small_sizes
+from shardc.planner.check import require_sound
+from shardc.planner.planner import plan as make_plan
+from shardc.verification.hlo import collectives
+from shardc.verification.pipeline_verify import verify_pipeline
+from shardc.verification.report import (
     STORAGE_DTYPE,
     TOLERANCE,
     CollectiveRow,
@@ -39,12 +45,6 @@ from shardc.lowering.report import (
     match_collectives,
     render_report,
 )
-from shardc.lowering.rows import id_inputs
-from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check, small_sizes
-from shardc.planner.check import require_sound
-from shardc.planner.ir import Plan
-from shardc.planner.planner import plan as make_plan
-from shardc.spec.ir import Spec
 
 if TYPE_CHECKING:
     from shardc.lowering.api import Lowered

@@ -17,8 +17,8 @@ from fractions import Fraction
 
 from shardc.collectives import COLLECTIVES, FACTOR, Op
 from shardc.hardware import DEFAULT, PRESETS, Hardware
-from shardc.planner.localops import DropoutMask, LocalOp
-from shardc.spec.ir import Spec, TensorRef
+from shardc.ir.localops import DropoutMask, LocalOp
+from shardc.ir.spec import Spec, TensorRef
 from shardc.spec.walk import nbytes_of
 
 __all__ = [
@@ -112,7 +112,7 @@ class Step:
     scatters onto (ReduceScatter), or splits (AllToAll, whose concatenated dim is
     ``dim2``).  For an einsum: ``operands`` are the local operand values and
     ``dst`` the local result (unreduced over the sharded contracted axes).  For an
-    elementwise step: ``fn`` (:mod:`shardc.planner.localops`) is applied to the operands.
+    elementwise step: ``fn`` (:mod:`shardc.ir.localops`) is applied to the operands.
 
     ``operands`` are read for their data; ``shapes`` only for their shape (a sum's gradient
     spreads dS along I, whose length it takes from the input; the embedding's gradient is
@@ -128,7 +128,7 @@ class Step:
     operands: tuple[TensorRef, ...] = ()
     dim: int | None = None
     dim2: int | None = None
-    fn: LocalOp | None = None  # the local operation (shardc.planner.localops); an AllReduce's combiner
+    fn: LocalOp | None = None  # the local operation (shardc.ir.localops); an AllReduce's combiner
     volume: Monomial | None = None  # V: bytes a device would hold unsharded over the axes; None for local steps
     ahead: bool = False  # can be issued ahead of / off the critical path
     note: str = ""

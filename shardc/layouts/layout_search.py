@@ -2,8 +2,8 @@
 
 For each spec (the first, and those given with ``--with``: e.g. a DP, an FSDP and an
 FSDP+TP variant of one model), every assignment of sizes to its searched mesh axes
-whose product is the chip count (:mod:`shardc.meshes.factor`) is planned and costed
-(:mod:`shardc.meshes.rank`), and the layouts are ranked.  The chosen layout is the
+whose product is the chip count (:mod:`shardc.layouts.factor`) is planned and costed
+(:mod:`shardc.layouts.rank`), and the layouts are ranked.  The chosen layout is the
 first: the fastest of those that fit, the reason said in numbers.
 """
 
@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardc.errors import ShardcError
-from shardc.meshes.factor import MAX_WORK, candidates, searched_axes
-from shardc.meshes.rank import RULE, Layout, Options, Skipped, ranked
-from shardc.meshes.render import reason, render, to_json
-from shardc.spec.ir import Spec
+from shardc.ir.spec import Spec
+from shardc.layouts.factor import MAX_WORK, candidates, searched_axes
+from shardc.layouts.layouts_text import reason, render, to_json
+from shardc.layouts.rank import RULE, Layout, Options, Skipped, ranked
 from shardc.spec.overrides import dim_names
 
 __all__ = ["LayoutSearch", "search_layouts"]

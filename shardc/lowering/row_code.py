@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from shardc.errors import InternalError
-from shardc.planner.ir import Step
-from shardc.planner.localops import Row, Vocab
-from shardc.spec.ir import TensorRef
+from shardc.ir.localops import Row, Vocab
+from shardc.ir.plan import Step
+from shardc.ir.spec import TensorRef
 from shardc.spec.walk import id_vocabulary
 
 __all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",

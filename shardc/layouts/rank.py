@@ -24,12 +24,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
-from shardc.costmodel.report import CostReport, cost
+from shardc.costmodel.cost_report import CostReport, cost
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
+from shardc.ir.spec import Spec
 from shardc.planner.planner import plan
 from shardc.planner.unit import strip_unit_axes
-from shardc.spec.ir import Spec
 from shardc.spec.overrides import apply_overrides
 
 __all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "prepare", "evaluate", "layout_of", "rank_key", "rank",
