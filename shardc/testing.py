@@ -38,6 +38,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from shardc.errors import LAYERS_FEED, ShardcError
+from shardc.names import book_name
 from shardc.spec.functions import ELEMENTWISE
 from shardc.spec.ir import (
     Add,
@@ -130,7 +131,7 @@ def _input_name(draw: st.DrawFn, state: _State) -> str:
     name = state.fresh(draw(st.sampled_from(INPUT_NAMES)))
     if state.tensors and draw(st.integers(0, 7)) == 0:
         # now and then the book's name of another tensor's gradient: `dIn1` beside `In1`
-        taken = "d" + draw(st.sampled_from(sorted(state.tensors)))
+        taken = book_name(draw(st.sampled_from(sorted(state.tensors))))
         if taken not in state.tensors:
             return taken
     return name
