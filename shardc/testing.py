@@ -52,6 +52,7 @@ from shardc.ir.spec import (
     Statement,
     TensorRef,
 )
+from shardc.names import book_name
 from shardc.spec.functions import ELEMENTWISE
 from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
@@ -130,7 +131,7 @@ def _input_name(draw: st.DrawFn, state: _State) -> str:
     name = state.fresh(draw(st.sampled_from(INPUT_NAMES)))
     if state.tensors and draw(st.integers(0, 7)) == 0:
         # now and then the book's name of another tensor's gradient: `dIn1` beside `In1`
-        taken = "d" + draw(st.sampled_from(sorted(state.tensors)))
+        taken = book_name(draw(st.sampled_from(sorted(state.tensors))))
         if taken not in state.tensors:
             return taken
     return name

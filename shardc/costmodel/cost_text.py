@@ -9,6 +9,7 @@ from shardc.costmodel.formulas import text
 from shardc.costmodel.pipeline_cost import PipelineCost
 from shardc.pipeline.bubbles import EXACT, activation_factor, inflight, sends_per_microbatch
 from shardc.timing import StepCost
+from shardc.units import fmt_bytes, fmt_flops, fmt_seconds
 
 if TYPE_CHECKING:
     from shardc.costmodel.cost_report import CostReport, PhaseCost
@@ -16,33 +17,7 @@ if TYPE_CHECKING:
     from shardc.costmodel.memory import Memory
     from shardc.hardware import Hardware
 
-__all__ = ["render", "render_pipeline", "hardware_line", "fmt_bytes", "fmt_seconds", "fmt_flops"]
-
-
-def _scaled(x: float, units: tuple[tuple[float, str], ...], base: str) -> str:
-    for scale, unit in units:
-        if abs(x) >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g} {base}"
-
-
-def fmt_bytes(x: float) -> str:
-    return _scaled(x, ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB")), "B")
-
-
-def fmt_flops(x: float) -> str:
-    return _scaled(x, ((1e18, "EFLOP"), (1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"),
-                       (1e6, "MFLOP")), "FLOP")
-
-
-def fmt_seconds(x: float) -> str:
-    if x == 0:
-        return "0"
-    if abs(x) >= 1:
-        return f"{x:.3g} s"
-    if abs(x) >= 1e-3:
-        return f"{x * 1e3:.3g} ms"
-    return f"{x * 1e6:.3g} us"
+__all__ = ["render", "render_pipeline", "hardware_line"]
 
 
 def _row(r: StepCost) -> str:

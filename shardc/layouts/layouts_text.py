@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from shardc.costmodel.cost_text import fmt_bytes, fmt_seconds
 from shardc.layouts.rank import DIGITS, Layout, Skipped, rank_key
+from shardc.units import fmt_bytes, fmt_seconds
 
 if TYPE_CHECKING:
     from shardc.layouts.layout_search import LayoutSearch
@@ -69,9 +69,7 @@ def render(search: LayoutSearch, top: int = 0) -> str:
 
 def _fine(x: float) -> str:
     """Seconds to 4 digits: the reason compares figures the table's 3 digits round alike."""
-    if x == 0:
-        return "0"
-    return f"{x:.4g} s" if abs(x) >= 1 else f"{x * 1e3:.4g} ms" if abs(x) >= 1e-3 else f"{x * 1e6:.4g} us"
+    return fmt_seconds(x, digits=4)
 
 
 def reason(search: LayoutSearch) -> str:

@@ -90,10 +90,11 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
 
 
 def plan_parts(plan: Plan) -> Ends:
-    """Plan the three parts as ``plan`` was planned (its policy, recompute mode and chip)."""
+    """Plan the three parts as ``plan`` was planned (its policy, recompute mode, chip and gradient
+    names: a part alone would name ``W``'s gradient ``dW`` where the whole spec has a tensor ``dW``)."""
     spans = dict(plan.spans) or None
-    parts = [make_plan(s, save=plan.save, hardware=plan.chip, spans=spans,
-                       recompute=plan.recompute) for s in split_spec(plan.spec)]
+    parts = [make_plan(s, save=plan.save, hardware=plan.chip, spans=spans, recompute=plan.recompute,
+                       gradients=dict(plan.gradient_names)) for s in split_spec(plan.spec)]
     for part in (parts[0], parts[2]):
         if uses_dropout(part.forward):
             raise ShardcError("a dropout outside the pipelined block does not lower yet",

@@ -13,6 +13,7 @@ Every tensor, intermediates included, also gets its gradient's name here
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
@@ -74,11 +75,12 @@ class Graph:
         return tuple(n for n in self.inputs if n not in self.const)
 
 
-def build_graph(spec: Spec) -> Graph:
+def build_graph(spec: Spec, gradients: Mapping[str, str] | None = None) -> Graph:
+    """``gradients`` names some tensors' gradients: a part of a spec planned apart keeps the whole's names."""
     builder = _Builder(spec)
     for statement in spec.statements:
         builder.statement(statement)
-    return builder.finish()
+    return builder.finish(gradients or {})
 
 
 class _Builder:
@@ -245,13 +247,15 @@ class _Builder:
         made = {k: v for node in self.nodes if node.family is not None for k, v in node.family.aux_bytes(node).items()}
         return element_bytes(self.spec) | made
 
-    def finish(self) -> Graph:
+    def finish(self, given: Mapping[str, str]) -> Graph:
         const = frozenset(self.spec.const) | id_names(self.spec)  # token ids: integers, no gradient
         params = self.spec.params
         if params is None:
             params = tuple(n for n in self.inputs if n.startswith("W") and n not in const)
         outputs = tuple(s.result.name for s in self.spec.statements if s.result.name not in self.read)
-        grads = gradient_names(self.indices, taken=self.names | set(self.indices))
+        taken = self.names | set(self.indices)
+        grads = gradient_names(self.indices, taken=taken | set(given.values()))
+        grads |= {t: g for t, g in given.items() if t in grads and g not in taken}
         return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params),
                      tuple(self.inputs), outputs, const, grads, self.element_bytes())
 

@@ -11,6 +11,7 @@ from shardc.ir.plan import Monomial, Op, Plan, Step, sum_formula
 from shardc.names import book_name
 from shardc.spec.stages import pipeline_note
 from shardc.timing import plan_time, step_volume
+from shardc.units import fmt_bytes, fmt_seconds
 
 __all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_total", "step_label"]
 
@@ -33,14 +34,7 @@ def step_label(step: Step) -> str:
 def _bytes_number(step: Step, sizes: dict[str, int] | None) -> str:
     if step.volume is None or sizes is None:
         return ""
-    return " = " + human_bytes(step_volume(step, sizes))
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
+    return " = " + fmt_bytes(step_volume(step, sizes))
 
 
 def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
@@ -71,7 +65,7 @@ def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None
     formula, _, terms = phase_total(steps)
     total = f"       total {formula} bytes"
     if sizes is not None:
-        total += " = " + human_bytes(_phase_bytes(steps, sizes))
+        total += " = " + fmt_bytes(_phase_bytes(steps, sizes))
     lines.append(total + "   (AllReduce counted twice, AllToAll a quarter)")
     return lines
 
@@ -83,16 +77,9 @@ def _phase_bytes(steps: Sequence[Step], sizes: dict[str, int]) -> float:
 
 def _time_line(plan: Plan) -> str:
     t = plan_time(plan)
-    opt = f", optimizer {_seconds(t.optimizer_s)}" if plan.optimizer else ""
-    return (f"# step time on {plan.hardware}: {_seconds(t.step_s)} (forward {_seconds(t.forward_s)}, backward "
-            f"{_seconds(t.backward_s)}{opt}; each max(compute, communication)), as `shardc cost` reports it")
-
-
-def _seconds(x: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if x >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x / 1e-9:.3g} ns" if x else "0 s"
+    opt = f", optimizer {fmt_seconds(t.optimizer_s)}" if plan.optimizer else ""
+    return (f"# step time on {plan.hardware}: {fmt_seconds(t.step_s)} (forward {fmt_seconds(t.forward_s)}, backward "
+            f"{fmt_seconds(t.backward_s)}{opt}; each max(compute, communication)), as `shardc cost` reports it")
 
 
 def render_text(plan: Plan) -> str:

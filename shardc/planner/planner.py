@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 
 from shardc.collectives import share
@@ -63,7 +64,7 @@ SUM: tuple[float, float] = (1.0, 1.0)
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
          spans: dict[str, int] | None = None, recompute: str = "none", budget: int = BUDGET,
-         explain: bool = False) -> Plan:
+         explain: bool = False, gradients: Mapping[str, str] | None = None) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -82,6 +83,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     ``budget`` is how much search the planner may do (:data:`BUDGET`) before it stops
     with a :class:`ShardcError`.  ``explain`` keeps, in :attr:`Plan.choices`, the
     alternatives each choice weighed (``shardc plan --explain``); the plan is the same.
+    ``gradients`` names tensors' gradients as given (tensor -> name), for a part of a spec
+    planned apart that must keep the whole spec's names (:func:`shardc.names.gradient_names`).
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
@@ -94,7 +97,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
                           fix=f"leave it out for the default, {BUDGET:,}")
     validate(spec)  # a Spec built in Python has not met the parser's checks
     try:
-        return _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain))
+        return _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
+                                   gradients or {})
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "
@@ -104,20 +108,22 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
 
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
-                        spans: dict[str, int] | None, recompute: str, search: tuple[int, bool]) -> Plan:
-    """``search``: (budget, explain), as :func:`plan` takes them."""
+                        spans: dict[str, int] | None, recompute: str, search: tuple[int, bool],
+                        gradients: Mapping[str, str]) -> Plan:
+    """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them."""
     hw = resolve_hardware(hardware, None, spec.hardware)
     check_spans(spec.mesh, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
     if zero_notes:
-        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute, search)
+        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute, search,
+                                      gradients)
         return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
         return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
-                                                   recompute, search))
+                                                   recompute, search, gradients))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
-    graph = build_graph(stripped)
+    graph = build_graph(stripped, gradients)
     units = bonded_axes(stripped)
     ctx = _context(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
     ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
