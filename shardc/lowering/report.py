@@ -190,7 +190,7 @@ def _scales(scales: dict[str, float]) -> str:
 
 
 def _percent(x: float) -> str:
-    return f"{x:.2%}" if math.isfinite(x) else "-"
+    return f"{x * 100:.2g}%" if math.isfinite(x) else "-"
 
 
 def _float(x: float, spec: str) -> str:
