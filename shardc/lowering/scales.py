@@ -69,14 +69,21 @@ def input_scales(spec: Spec, inputs: dict[str, np.ndarray], ids: set[str],
 
 def _calibrate(nodes: list[reference._Node], inputs: dict[str, np.ndarray], scales: dict[str, float],
                leaf: str, operand: str, like: str | None, sizes: dict[str, int] | None) -> None:
-    """Rescale ``leaf`` until ``operand`` has unit root mean square (or that of ``like``)."""
+    """Rescale ``leaf`` until ``operand`` has unit root mean square (or that of ``like``); a leaf
+    that does not move it (a norm in between) keeps its scale."""
+    start, before = scales[leaf], math.nan
     for _ in range(_TRIES):
         scaled = {n: v * scales.get(n, 1.0) for n, v in inputs.items()}
         with np.errstate(all="ignore"):
             values, _ = reference._run(nodes, scaled, np, None, sizes)
         got, want = _rms(values[operand]), (_rms(values[like]) if like else 1.0)
         if not (got > 0 and want > 0 and math.isfinite(got) and math.isfinite(want)):
+            scales[leaf] = start
             return
         if abs(math.log(want / got)) < math.log(_CLOSE):
             return
+        if abs(got - before) <= 1e-3 * got:  # the last rescaling did not move it
+            scales[leaf] = start
+            return
+        before = got
         scales[leaf] *= want / got

@@ -7,10 +7,14 @@ at small sizes that fit the devices: the mesh shrunk to at most ``devices``
 allow), each dim the least common multiple of the shard counts it meets times a
 small distinct factor.  Values are computed in the spec's dtype (inputs rounded
 to it, the reference in float64 from those same rounded inputs) and pass within
-a tolerance per dtype; inputs are scaled down until every reference value fits
-the dtype with room to spare.  A value that cannot be compared (out of range,
-NaN or inf on either side, a wrong shape) fails, and so does a collective over
-an axis the run had to cut to 1: nothing is reported verified that was not run.
+a tolerance per dtype.  Each input has its own scale, at which every op of the
+spec matters (:mod:`shardc.lowering.scales`), shrunk as a whole only until every
+reference value fits the dtype with room to spare.  A row whose bound would pass
+an error of ``POWER`` (5%) of its value is checked again in float32 against the
+unsharded program's own error; a spec with dropout runs under two keys.  A value
+that cannot be compared (out of range, NaN or inf on either side, a wrong shape)
+fails, and so does a collective over an axis the run had to cut to 1: nothing is
+reported verified that was not run.
 HLO volumes are priced in the spec's dtype, as the plan's are.
 """
 
