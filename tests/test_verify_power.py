@@ -58,6 +58,11 @@ def test_a_norm_statistic_divided_by_4_fails(monkeypatch: pytest.MonkeyPatch) ->
     assert _failed(report) == {"Y", "dX"}, render_report(report)
 
 
+def test_a_norm_statistic_without_its_allreduce_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _verify_edited(monkeypatch, RMSNORM, lambda s: re.sub(r"jax\.lax\.psum\((Y_ms\w*), 'X'\)", r"\1", s))
+    assert _failed(report) == {"Y", "dX"}, render_report(report)
+
+
 def test_a_layernorm_with_an_n_minus_1_variance_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     report = _verify_edited(monkeypatch, LAYERNORM, lambda s: re.sub(
         r"(Y_var\w* = .*?) / (X_\w+)\.shape\[1\]", r"\1 / (\2.shape[1] - 1)", s))
@@ -77,6 +82,13 @@ def test_a_lowering_that_ignores_the_dropout_key_fails(monkeypatch: pytest.Monke
     assert _failed(report) == {"Y", "dX"}, render_report(report)
     assert {r.phase for r in report.values if not r.ok} <= {"forward key 1", "backward key 1",
                                                              "forward key 1 f32", "backward key 1 f32"}
+
+
+def test_a_gpt_layer_that_ignores_the_dropout_key_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = open("examples/gpt_layer_tp.shard", encoding="utf-8").read()
+    report = _verify_edited(monkeypatch, text, lambda s: s.replace(", dropout_key, (", ", 0, ("))
+    assert {"Out", "dX", "dW_q"} <= _failed(report), render_report(report)
+    assert all("key 1" in r.phase for r in report.values if not r.ok)
 
 
 @pytest.mark.parametrize(("line", "failed"), [("H = jax.nn.gelu(H_t1)", {"H", "Out"}),
