@@ -327,16 +327,17 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
 
 
 def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
-               cotangents: dict[str, np.ndarray], sizes: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+               cotangents: dict[str, np.ndarray], sizes: dict[str, int] | None = None,
+               key: int = 0) -> dict[str, np.ndarray]:
     """A running bound on the terms behind each value: results by name, gradients by primal's name.
 
     Each einsum sums the products of its operands' magnitudes, a function scales its
     argument's by ``|f'|`` (and adds ``|f|``), the backward likewise: rounding a sum of
     terms errs by at most a few units of the last place of this magnitude, however much
     the terms cancel (Higham, *Accuracy and Stability of Numerical Algorithms*, ch. 3-4).
-    Numpy only.
+    Numpy only; ``key`` draws the dropout masks, as in :func:`forward`.
     """
-    nodes = _nodes(spec)
+    nodes = _nodes(spec, key)
     values, shape = _run(nodes, inputs, np, None, sizes)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:

@@ -17,7 +17,7 @@ from shardc.planner.plan_text import step_label
 from shardc.verification.hlo import Collective
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text",
-           "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE", "cut_note"]
+           "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE", "POWER", "cut_note"]
 
 STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
 # (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
@@ -26,6 +26,9 @@ STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
 # example run in each dtype (benchmarks/verify_dtypes.py) the worst error is 4.9e-3 of it in
 # bfloat16 (unit roundoff 2**-9) and 6e-4 in float16 (2**-10): rtol is 5x and 7x that, far
 # below the error of a wrong plan (a missing or doubled reduction is of the order of the value).
+# A check must fail an error of this fraction of a value (a statistic off by a constant, a 10%
+# scale on an activation): a row whose bound passes more is checked again in float32.
+POWER = 0.05
 TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e-3, 1e-4),
              "float64": (1e-12, 1e-12)}
 
@@ -39,6 +42,11 @@ class ValueRow:
     tolerance: float
     ok: bool
     note: str = ""
+
+    @property
+    def catches(self) -> float:
+        """The least error, as a fraction of the largest reference value, that this row fails."""
+        return self.tolerance / self.max_reference if self.max_reference > 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,8 @@ class Report:
     tolerance: tuple[float, float]
     values: list[ValueRow] = field(default_factory=list)
     collectives: list[CollectiveRow] = field(default_factory=list)
-    input_scale: float = 1.0  # inputs are standard normal times this
+    input_scale: float = 1.0  # inputs are standard normal times this, times their own scale
+    input_scales: dict[str, float] = field(default_factory=dict)  # each input's (shardc.verification.scales)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -75,6 +84,8 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         """Strict JSON data: a value that is not a finite number is null."""
         data = _finite(asdict(self))
+        for row, value in zip(data["values"], self.values, strict=True):
+            row["catches"] = _finite(value.catches)
         data["ok"] = self.ok
         return data  # type: ignore[no-any-return]
 
@@ -153,13 +164,16 @@ def render_report(report: Report) -> str:
     rounded = f", inputs rounded to {storage}" if storage else ""
     lines = [f"# verify {report.file}: mesh {mesh} ({math.prod(report.mesh.values())} devices), {sizes}",
              f"# computed in {report.compute_dtype} (spec dtype {report.dtype}{rounded}), inputs standard normal "
-             f"times {report.input_scale:g}; values pass when max|err| <= {atol:g} + {rtol:g}*max|terms|; "
+             f"times {report.input_scale:g} and their own scales{_scales(report.input_scales)}; values pass "
+             f"when max|err| <= {atol:g} + {rtol:g}*max|terms| (column catches: the least error failed, "
+             f"of max|ref|; a row that would pass {POWER:.0%} is checked again in float32); "
              f"HLO bytes priced in {report.dtype} (integers, the token ids, at their own width)"]
     lines += [f"# note: {note}" for note in report.notes]
     lines += ["", "values"]
-    lines += _table(["phase", "tensor", "max|err|", "max|ref|", "bound", ""],
+    lines += _table(["phase", "tensor", "max|err|", "max|ref|", "bound", "catches", ""],
                     [[r.phase, r.tensor, _float(r.max_error, ".2e"), _float(r.max_reference, ".3g"),
-                      _float(r.tolerance, ".2e"), _status(r.ok, r.note)] for r in report.values])
+                      _float(r.tolerance, ".2e"), _percent(r.catches), _status(r.ok, r.note)]
+                     for r in report.values])
     lines += ["", "collectives (plan vs compiled HLO)"]
     lines += _table(["phase", "plan step", "axes", "bytes", "HLO", "axes", "bytes", ""],
                     [[r.phase, r.step or "-", r.plan_axes, _num(r.plan_bytes), r.hlo_op, r.hlo_axes,
@@ -168,6 +182,15 @@ def render_report(report: Report) -> str:
     verdict = "verified: values and collectives match" if report.ok else "verification FAILED"
     lines += ["", verdict + ("; the notes above list what was not compared" if report.notes else "")]
     return "\n".join(lines) + "\n"
+
+
+def _scales(scales: dict[str, float]) -> str:
+    shown = [f"{k} {v:.3g}" for k, v in scales.items() if v != 1.0]
+    return f" ({', '.join(shown)})" if shown else ""
+
+
+def _percent(x: float) -> str:
+    return f"{x * 100:.2g}%" if math.isfinite(x) else "-"
 
 
 def _float(x: float, spec: str) -> str:

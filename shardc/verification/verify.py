@@ -7,10 +7,14 @@ at small sizes that fit the devices: the mesh shrunk to at most ``devices``
 allow), each dim the least common multiple of the shard counts it meets times a
 small distinct factor.  Values are computed in the spec's dtype (inputs rounded
 to it, the reference in float64 from those same rounded inputs) and pass within
-a tolerance per dtype; inputs are scaled down until every reference value fits
-the dtype with room to spare.  A value that cannot be compared (out of range,
-NaN or inf on either side, a wrong shape) fails, and so does a collective over
-an axis the run had to cut to 1: nothing is reported verified that was not run.
+a tolerance per dtype.  Each input has its own scale, at which every op of the
+spec matters (:mod:`shardc.verification.scales`), shrunk as a whole only until every
+reference value fits the dtype with room to spare.  A row whose bound would pass
+an error of ``POWER`` (5%) of its value is checked again in float32 against the
+unsharded program's own error; a spec with dropout runs under two keys.  A value
+that cannot be compared (out of range, NaN or inf on either side, a wrong shape)
+fails, and so does a collective over an axis the run had to cut to 1: nothing is
+reported verified that was not run.
 HLO volumes are priced in the spec's dtype, as the plan's are.
 """
 
@@ -36,6 +40,7 @@ from shardc.planner.planner import plan as make_plan
 from shardc.verification.hlo import collectives
 from shardc.verification.pipeline_verify import verify_pipeline
 from shardc.verification.report import (
+    POWER,
     STORAGE_DTYPE,
     TOLERANCE,
     CollectiveRow,
@@ -45,6 +50,7 @@ from shardc.verification.report import (
     match_collectives,
     render_report,
 )
+from shardc.verification.scales import input_scales
 
 if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
@@ -131,12 +137,15 @@ class _Run:
     forward: dict[str, np.ndarray]
     grads: dict[str, np.ndarray]
     magnitude: dict[str, np.ndarray]  # reference.magnitudes: the bound's scale per value
-    scale: float
+    scale: float  # the common factor the inputs were shrunk by to fit the dtype
     fits: bool
+    scales: dict[str, float]  # each input's own scale (shardc.verification.scales)
+    key: int = 0  # the dropout key the reference drew its masks with
 
 
 def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
-    """Random inputs, divided by 4 until the reference fits ``dtype`` with headroom.
+    """Random inputs at the scales where every op matters, divided by 4 as a whole only until the
+    reference fits ``dtype`` with headroom.
 
     Rounded to the dtype first, so the reference sees exactly what the lowered program does.
     """
@@ -147,45 +156,33 @@ def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
     raw = lowered.random_inputs(seed, np.float64)
     ids = id_inputs(spec)  # token ids stay integers
     raw_cot = lowered.random_cotangents(seed + 1, np.float64)
-    outs = lowered.module.cotangents  # cotangent name -> output name
+    own = input_scales(spec, reference_inputs(lowered, raw), set(ids), dict(lowered.sizes or {}))
     run: _Run | None = None
-    tol = TOLERANCE[np.dtype(dtype).name]
     for k in range(_SCALE_TRIES):
         scale = 4.0 ** -k
-        inputs = {n: v if n in ids else _rounded(v * scale, spec, dtype) for n, v in raw.items()}
+        inputs = {n: v if n in ids else _rounded(v * own[n] * scale, spec, dtype) for n, v in raw.items()}
         cot = {n: _rounded(v * scale, spec, dtype) for n, v in raw_cot.items()}
-        wide = reference_inputs(lowered, inputs)
-        wide_cot = {outs[n]: v.astype(np.float64) for n, v in cot.items()}
-        with np.errstate(all="ignore"):  # overflow is what this loop looks for
-            sizes = dict(lowered.sizes or {})
-            ref_out = reference.forward(spec, wide, sizes=sizes)
-            grads = reference.backward(spec, wide, wide_cot, sizes=sizes)
-            magnitude = reference.magnitudes(spec, wide, wide_cot, sizes)
-        values = [*ref_out.values(), *grads.values(), *magnitude.values()]
-        fits = all(_fits(v, limit) for v in values)
-        this = _Run(inputs, cot, ref_out, grads, magnitude, scale, fits)
-        if run is None or not run.fits or fits and _looseness(this, tol) < _looseness(run, tol):
-            run = this
-        elif run.fits and not fits:
+        run = _keyed(lowered, _Run(inputs, cot, {}, {}, {}, scale, False, own), 0)
+        run.fits = all(_fits(v, limit) for v in [*run.forward.values(), *run.grads.values(),
+                                                  *run.magnitude.values()])
+        if run.fits:
             break
-        if run.fits and _looseness(run, tol) < _POWER / 8:
-            break  # tight enough: smaller inputs would only bring the absolute tolerance nearer
     assert run is not None
     return run
 
 
-def _looseness(run: _Run, tol: tuple[float, float]) -> float:
-    """The worst bound over value ratio of a run: a check passes errors below it, of the value's size.
-
-    Inputs too large make nonlinear values ill-conditioned (a softmax of large scores, gelu of
-    large products), and the bound, which must admit their rounding, grows past the values.
-    """
-    worst = 0.0
-    for name, ref in [*run.forward.items(), *run.grads.items()]:
-        peak = float(np.max(np.abs(np.where(np.isneginf(ref), 0.0, ref)))) if ref.size else 0.0
-        if peak > 0 and name in run.magnitude:
-            worst = max(worst, (tol[1] + tol[0] * float(np.max(run.magnitude[name]))) / peak)
-    return worst
+def _keyed(lowered: Lowered, run: _Run, key: int) -> _Run:
+    """``run`` with the reference (values, gradients, magnitudes) drawn under dropout ``key``."""
+    spec = lowered.plan.spec
+    wide = reference_inputs(lowered, run.inputs)
+    outs = lowered.module.cotangents  # cotangent name -> output name
+    wide_cot = {outs[n]: v.astype(np.float64) for n, v in run.cotangents.items()}
+    sizes = dict(lowered.sizes or {})
+    with np.errstate(all="ignore"):  # overflow is what the caller looks for
+        forward = reference.forward(spec, wide, sizes=sizes, key=key)
+        grads = reference.backward(spec, wide, wide_cot, sizes=sizes, key=key)
+        magnitude = reference.magnitudes(spec, wide, wide_cot, sizes, key=key)
+    return replace(run, forward=forward, grads=grads, magnitude=magnitude, key=key)
 
 
 def _fits(v: np.ndarray, limit: float) -> bool:
@@ -194,20 +191,26 @@ def _fits(v: np.ndarray, limit: float) -> bool:
     return bool(np.all(np.isfinite(v)) and (not v.size or np.max(np.abs(v)) <= limit))
 
 
+def _phase(name: str, key: int) -> str:
+    """A row's phase: under a dropout key other than 0 the key is named."""
+    return name if key == 0 else f"{name} key {key}"
+
+
 def _value_rows(lowered: Lowered, run: _Run, tol: tuple[float, float], dtype: np.dtype[Any]) -> list[ValueRow]:
     """Every result and every gradient the module returns, against the reference."""
     import ml_dtypes
 
     limit = float(ml_dtypes.finfo(dtype).max) / (_HEADROOM if run.fits else 1.0)
-    got = lowered.forward(run.inputs)
-    rows = compare_values("forward", [(n, got[n], ref, run.magnitude[n]) for n, ref in run.forward.items()], tol, limit)
-    grads = lowered.grad(run.inputs, run.cotangents)
+    got = lowered.forward(run.inputs, run.key)
+    rows = compare_values(_phase("forward", run.key), [(n, got[n], ref, run.magnitude[n])
+                                                       for n, ref in run.forward.items()], tol, limit)
+    grads = lowered.grad(run.inputs, run.cotangents, run.key)
     pairs = []
     for primal, name in lowered.module.grads.items():
         # an input no output depends on has a zero gradient, which the reference leaves out
         zero = np.zeros(np.shape(grads[name]))
         pairs.append((name, grads[name], run.grads.get(primal, zero), run.magnitude.get(primal, zero)))
-    return rows + compare_values("backward", pairs, tol, limit)
+    return rows + compare_values(_phase("backward", run.key), pairs, tol, limit)
 
 
 def _optimizer_rows(lowered: Lowered, tol: tuple[float, float], dtype: np.dtype[Any], seed: int) -> list[ValueRow]:
@@ -256,8 +259,10 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     report = Report(plan.spec.filename or "<spec>", mesh, dict(lowered.sizes or {}),
                     str(plan.spec.dtype), dtype.name, tol)
     run = _reference_run(lowered, dtype, seed)
-    report.input_scale = run.scale
-    report.values += _value_rows(lowered, run, tol, dtype)
+    report.input_scale, report.input_scales = run.scale, dict(run.scales)
+    for key in _keys(lowered):
+        report.values += _value_rows(lowered, _keyed(lowered, run, key) if key else run, tol, dtype)
+    report.notes += _same_masks(lowered, run)
     report.values = _recheck_weak(report, lowered, dtype, seed)
     report.values += _unplanned(plan, lowered, run)
     if zero_note is not None:
@@ -275,12 +280,27 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     return report
 
 
-_POWER = 0.5  # a check must fail an error of half the value (a missing or doubled reduction over 2)
+DROPOUT_KEYS = (0, 1)  # a lowering that ignores the key draws key 0's masks under key 1, and fails
+
+
+def _keys(lowered: Lowered) -> tuple[int, ...]:
+    return DROPOUT_KEYS if lowered.namespace.KEYED else (0,)
+
+
+def _same_masks(lowered: Lowered, run: _Run) -> list[str]:
+    """A note where the dropout keys draw the same reference values: the key was not exercised."""
+    if not lowered.namespace.KEYED:
+        return []
+    other = _keyed(lowered, run, DROPOUT_KEYS[1])
+    if any(not np.array_equal(v, other.forward[n]) for n, v in run.forward.items()):
+        return []
+    return [f"dropout keys {DROPOUT_KEYS[0]} and {DROPOUT_KEYS[1]} draw the same masks at these sizes: "
+            "the key is not checked"]
 
 
 def _weak(row: ValueRow) -> bool:
-    """A passing row whose bound would also pass an error of ``_POWER`` times the value."""
-    return row.ok and row.max_reference > 0 and row.tolerance >= _POWER * row.max_reference
+    """A passing row whose bound would also pass an error of ``POWER`` times the value."""
+    return row.ok and row.max_reference > 0 and row.tolerance > POWER * row.max_reference
 
 
 def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: int) -> list[ValueRow]:
@@ -297,10 +317,10 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
     weak = [r for r in report.values if _weak(r)]
     if not weak:
         return report.values
-    again = {(r.phase, r.tensor): r for r in differential_rows(lowered, seed)}
-    report.notes.append(f"in {dtype.name} the bound of {', '.join(r.tensor for r in weak)} would pass an error "
-                        "of half the value: checked again in float32 against the unsharded program's error "
-                        "(rows marked f32)")
+    again = {(r.phase, r.tensor): r for key in _keys(lowered) for r in differential_rows(lowered, seed, key)}
+    names = ", ".join(dict.fromkeys(r.tensor for r in weak))
+    report.notes.append(f"in {dtype.name} the bound of {names} would pass an error of {POWER:.0%} of the value: "
+                        "checked again in float32 against the unsharded program's error (rows marked f32)")
     extra = [replace(again[(r.phase, r.tensor)], phase=f"{r.phase} f32") for r in weak]
     return report.values + [_failed(r) if _weak(r) else r for r in extra]
 
@@ -308,13 +328,15 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
 _DIFFERENTIAL = 16.0
 
 
-def differential_rows(lowered: Lowered, seed: int = 0) -> list[ValueRow]:
+def differential_rows(lowered: Lowered, seed: int = 0, key: int = 0) -> list[ValueRow]:
     """Every lowered value, run in float32 from inputs drawn with ``seed``, against the float64
     reference, bounded by the error of the unsharded float32 program (the reference's statements
-    in jax, on one device): the recheck of a row whose bound is too loose to catch a wrong plan."""
+    in jax, on one device): the recheck of a row whose bound is too loose to catch a wrong plan.
+    ``key``: the dropout key of both programs and the reference."""
     import jax.numpy as jnp
 
     run = _reference_run(lowered, np.dtype("float32"), seed)
+    run = _keyed(lowered, run, key) if key else run
     spec = lowered.plan.spec
     ids = id_inputs(spec)
     wide = reference_inputs(lowered, run.inputs)
@@ -322,15 +344,15 @@ def differential_rows(lowered: Lowered, seed: int = 0) -> list[ValueRow]:
     outs = lowered.module.cotangents
     plain_cot = {outs[n]: jnp.asarray(v.astype(np.float32)) for n, v in run.cotangents.items()}
     sizes = dict(lowered.sizes or {})  # the dims no input has (a route's capacity), as the first run
-    plain_fwd = reference.forward(spec, plain_in, jnp, sizes=sizes)
-    plain_bwd = reference.backward(spec, plain_in, plain_cot, jnp, sizes=sizes)
-    got_fwd, got_bwd = lowered.forward(run.inputs), lowered.grad(run.inputs, run.cotangents)
+    plain_fwd = reference.forward(spec, plain_in, jnp, sizes=sizes, key=key)
+    plain_bwd = reference.backward(spec, plain_in, plain_cot, jnp, sizes=sizes, key=key)
+    got_fwd, got_bwd = lowered.forward(run.inputs, key), lowered.grad(run.inputs, run.cotangents, key)
     rows = []
     for name, ref in run.forward.items():
-        rows.append(_differential("forward", name, got_fwd[name], ref, plain_fwd[name]))
+        rows.append(_differential(_phase("forward", key), name, got_fwd[name], ref, plain_fwd[name]))
     for primal, name in lowered.module.grads.items():
         zero = np.zeros(np.shape(got_bwd[name]))
-        rows.append(_differential("backward", name, got_bwd[name], run.grads.get(primal, zero),
+        rows.append(_differential(_phase("backward", key), name, got_bwd[name], run.grads.get(primal, zero),
                                   plain_bwd.get(primal, zero)))
     return rows
 
@@ -350,7 +372,7 @@ def _differential(phase: str, name: str, got: Any, ref: np.ndarray, plain: Any) 
 
 
 def _failed(row: ValueRow) -> ValueRow:
-    return replace(row, ok=False, note="the bound would pass an error of half the value: not compared")
+    return replace(row, ok=False, note=f"the bound would pass an error of {POWER:.0%} of the value: not compared")
 
 
 def check_device_count(devices: int) -> None:
