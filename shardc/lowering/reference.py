@@ -24,7 +24,6 @@ import numpy as np
 
 from shardc.errors import ShardcError
 from shardc.lowering import rows
-from shardc.lowering.functions import function
 from shardc.ops.registry import Family, Site, of_call
 from shardc.spec.functions import dropout_salt, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
@@ -261,8 +260,6 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
             values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
         elif node.fn in _LAYER:
             values[node.result] = _layer_forward(xp, node, args, shape)
-        elif node.fn is not None:
-            values[node.result] = function(node.fn).forward(args[0], xp)
         else:
             values[node.result] = _contract(xp, args, list(node.labels), node.out, shape)
         if given and node.result in given:  # a forward value the caller already has
@@ -305,7 +302,7 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.family is not None:
             vjp = node.family.reference.vjp
             if vjp is not None:  # None: a 0/1 mask, no gradient
-                add(node.operands[0], vjp(_site(node, shape), d, xp))
+                add(node.operands[0], vjp(_site(node, shape), values[node.operands[0]], d, xp))
             continue
         if node.over is not None:  # one operand gets a gradient (token ids never do)
             k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
@@ -315,9 +312,6 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.fn in _LAYER:
             for name, g in _layer_backward(xp, node, d, shape):
                 add(name, g)
-            continue
-        if node.fn is not None:
-            add(node.operands[0], d * function(node.fn).derivative(values[node.operands[0]], xp))
             continue
         for k, name in enumerate(node.operands):
             others = [values[o] for j, o in enumerate(node.operands) if j != k]
@@ -349,9 +343,6 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
                                                    [mag[o] for o in node.operands], node.labels, node.over)
         elif node.fn in _LAYER:  # linear maps: the magnitudes map alike, signs dropped
             mag[node.result] = _layer_forward(np, node, [mag[o] for o in node.operands], shape, absolute=True)
-        elif node.fn is not None:
-            z, f = values[node.operands[0]], function(node.fn)
-            mag[node.result] = np.abs(f.forward(z, np)) + np.abs(f.derivative(z, np)) * mag[node.operands[0]]
         else:
             mag[node.result] = _contract(np, [mag[o] for o in node.operands], list(node.labels), node.out, shape)
     grads: dict[str, np.ndarray] = {out: np.abs(cotangents[out]) for out in outputs(spec) if out in cotangents}
@@ -360,9 +351,7 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             continue
         d = grads.pop(node.result)
         if node.family is not None:
-            vjp = node.family.reference.vjp
-            if vjp is not None:  # linear given the call (a mask's): magnitudes map as values do
-                grads[node.operands[0]] = grads.get(node.operands[0], 0) + vjp(_site(node, shape), d, np)
+            grads.update(_family_grad_magnitude(node, shape, values, mag, d, grads))
             continue
         if node.over is not None:
             k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],
@@ -373,10 +362,6 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             for name, g in _layer_backward(np, node, d, shape, absolute=True):
                 grads[name] = grads.get(name, 0) + g
             continue
-        if node.fn is not None:
-            z, m = values[node.operands[0]], mag[node.operands[0]]
-            grads[node.operands[0]] = grads.get(node.operands[0], 0) + d * _slope(function(node.fn), z, m)
-            continue
         for k, name in enumerate(node.operands):
             others = [mag[o] for j, o in enumerate(node.operands) if j != k]
             labels = [node.out, *(lab for j, lab in enumerate(node.labels) if j != k)]
@@ -385,12 +370,16 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             **{name: grads[name] for name in leaf_names(spec) if name in grads}}
 
 
-def _slope(f: Any, z: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """What the backward's ``f'(z)`` may err by, in the units of ``magnitudes``.
-
-    The terms its evaluation adds (``slope_terms``), plus how far ``f'`` moves when ``z``
-    moves by its own magnitude ``m`` (``|f''| m``, by a float64 difference quotient).
-    """
-    h = 1e-4
-    moved = np.abs(f.derivative(z + h * m, np) - f.derivative(z, np)) / h
-    return np.abs(f.derivative(z, np)) + f.slope_terms(z) + moved
+def _family_grad_magnitude(node: _Node, shape: dict[str, int], values: dict[str, np.ndarray],
+                           mag: dict[str, np.ndarray], d: np.ndarray,
+                           grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A family's argument's gradient magnitude, added to what it has: its own bound where it has
+    one, else its vjp of the cotangent's magnitude (a map linear given the call: a mask's)."""
+    ref = node.family.reference if node.family is not None else None
+    if ref is None or ref.vjp is None:  # no gradient (a 0/1 mask)
+        return {}
+    (x,) = node.operands
+    site = _site(node, shape)
+    g = (ref.grad_magnitude(site, values[x], mag[x], d) if ref.grad_magnitude is not None
+         else ref.vjp(site, values[x], d, np))
+    return {x: grads.get(x, 0) + g}

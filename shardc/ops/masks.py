@@ -116,7 +116,7 @@ def _apply(site: Site, x: Array, xp: Any, absolute: bool = False) -> Array:
     return xp.where(keep, x * scale, fill)
 
 
-def _vjp(site: Site, d: Array, xp: Any) -> Array:
+def _vjp(site: Site, x: Array, d: Array, xp: Any) -> Array:
     keep, scale = _keep(site.call, site.labels, tuple(d.shape), site.salt)
     return xp.where(keep, d * scale, 0.0)
 

@@ -47,14 +47,17 @@ class Site:
 class Reference:
     """A family's meaning on whole arrays (``xp`` numpy or jax.numpy), for the independent reference.
 
-    ``forward(site, x, xp)`` is the call's value on its argument ``x``; ``vjp(site, d, xp)`` the
+    ``forward(site, x, xp)`` is the call's value on its argument ``x``; ``vjp(site, x, d, xp)`` the
     argument's gradient for the cotangent ``d`` (None: no gradient); ``magnitude(site, x, mag, y)``
-    (numpy) a bound on the terms behind the value ``y``, given the argument's value and magnitudes.
+    (numpy) a bound on the terms behind the value ``y``, given the argument's value and magnitudes;
+    ``grad_magnitude(site, x, mag, d)`` (numpy) the same for the argument's gradient, given the
+    cotangent's magnitude ``d`` (None: ``vjp`` of it, right for a map linear given the call).
     """
 
     forward: Callable[[Site, Array, Any], Array]
-    vjp: Callable[[Site, Array, Any], Array] | None
+    vjp: Callable[[Site, Array, Array, Any], Array] | None
     magnitude: Callable[[Site, Array, Array, Array], Array]
+    grad_magnitude: Callable[[Site, Array, Array, Array], Array] | None = None
 
 
 @dataclass(frozen=True)

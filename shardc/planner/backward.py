@@ -37,12 +37,11 @@ from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value
-from shardc.planner.localops import ALIAS, NEG, Map, MapVjp, add_op
+from shardc.planner.localops import ALIAS, NEG, add_op
 from shardc.planner.phase import Phase
 from shardc.planner.rows_backward import rows_backward
 from shardc.planner.search import reshard
 from shardc.planner.vocab import embed_backward, loss_backward
-from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 
 __all__ = ["Backward", "plan_backward"]
@@ -247,9 +246,6 @@ class _Backward:
         if node.kind in ("embed", "loss"):
             (embed_backward if node.kind == "embed" else loss_backward)(self, node, grad)
             return
-        if node.kind == "elementwise":
-            self.elementwise(node, grad)
-            return
         if node.kind == "add":
             self.add(node, grad)
             return
@@ -304,24 +300,6 @@ class _Backward:
                              operands=(self.phase.ref(grad, value),), fn=ALIAS), value)
         self.settle(primal, dst, value)
 
-    def elementwise(self, node: Node, grad: str) -> None:
-        (z,) = node.operands
-        if z not in self.needs:
-            return
-        layout = self.target(node.result).layout
-        by_index = dict(zip(node.indices, layout, strict=True))
-        want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
-        dst = self.part_name(z)
-        cotangent = self.phase.ref(grad, self.target(node.result))
-        if node.fn in PASS_THROUGH:  # the gradient is the cotangent, in the argument's index order
-            self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=(cotangent,),
-                                 fn=Map(node.fn)))
-        else:
-            _, moves = reshard(self.phase.ctx, z, self.phase.indices[z], self.phase.held[z], want)
-            self.phase.moves(z, moves, note="residual for the elementwise gradient")
-            self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want),
-                                 operands=(self.phase.ref(z, want), cotangent), fn=MapVjp(node.fn or "")))
-        self.settle(z, dst, want)
 
 
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,

@@ -19,7 +19,7 @@ from shardc.errors import ShardcError
 from shardc.names import fresh, gradient_names
 from shardc.ops.registry import Family, of_call
 from shardc.planner.rowstats import stat_names
-from shardc.spec.functions import is_elementwise, signature
+from shardc.spec.functions import signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
@@ -134,16 +134,10 @@ class _Builder:
             return self.rows(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
             return self.lookup(e, name, indices, target)
-        if isinstance(e, Call) and not is_elementwise(e.func):
+        if isinstance(e, Call):
             what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
                               fix="write the layer with einsums and elementwise functions for now")
-        if isinstance(e, Call):
-            # f(A · B): the contraction makes a reduced pre-activation in the result's layout
-            arg = self.argument(e.arg, name, indices, target)
-            self.indices[name] = indices
-            self.nodes.append(Node("elementwise", name, indices, (arg,), target, self.current, fn=e.func))
-            return name
         return self.contract(e, name, indices, target)
 
     def argument(self, e: Expr, name: str, indices: tuple[str, ...], target: TensorRef | None = None) -> str:

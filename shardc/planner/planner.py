@@ -22,9 +22,8 @@ from shardc.planner.chain import choose_chain
 from shardc.planner.einsum import Solution
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
-from shardc.planner.ir import Op, Plan, Step, TensorInfo
+from shardc.planner.ir import Plan, Step, TensorInfo
 from shardc.planner.layout import CostContext, SearchTooLong, Value
-from shardc.planner.localops import Map
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.rows import plan_rows
@@ -390,9 +389,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     if node.family is not None:
         node.family.plan(phase, node, declared, target, label)
         return
-    if node.kind == "elementwise":
-        _plan_elementwise(phase, node, declared, target)
-        return
     if node.kind in LAYER_PLANS:
         LAYER_PLANS[node.kind](phase, node, declared, target)
         return
@@ -406,22 +402,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
                          partial=node.partial)
     if node.result not in declared:  # a chain intermediate: the planner chose its sharding
         declared[node.result] = phase.ref(node.result, final)
-
-
-def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
-                      target: Value | None) -> None:
-    """``f`` keeps the sharding; its input must be reduced, in the result's layout.
-
-    The result's indices may be the argument's permuted: that is a local transpose,
-    so the argument's layout is read index by index, never position by position.
-    """
-    (arg,) = node.operands
-    target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
-                                      "an elementwise function", node.statement.span)
-    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
-                    operands=(phase.ref(arg, want),), fn=Map(node.fn or "")))
-    declared.setdefault(node.result, phase.ref(node.result, target))
-    declared.setdefault(arg, phase.ref(arg, want))
 
 
 
