@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from shardc.collectives import share
 from shardc.errors import InternalError, ShardcError
 from shardc.lowering import template
-from shardc.lowering.layer_code import LAYER_OPS, layer_code
 from shardc.lowering.partition_specs import axes_entry
 from shardc.lowering.rows import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
@@ -201,8 +200,6 @@ def _gathered_groups(step: Step) -> str:
 
 def _elementwise_code(step: Step, var: _Namer) -> str:
     fn = step.fn
-    if isinstance(fn, LAYER_OPS):
-        return layer_code(step, var)
     args = [aligned_text(var(ref), ref.indices, step.dst.indices) for ref in step.operands]
     if isinstance(fn, Update):  # the optimizer's step, lowered as plain SGD (shardc.lowering.optimizer)
         return f"{args[0]} - LEARNING_RATE * {args[1]}"

@@ -17,9 +17,7 @@ from shardc.planner.localops import Add, Alias, Neg
 from shardc.planner.sums import guard_axes
 from shardc.spec.ir import TensorRef
 
-__all__ = ["LAYER_OPS", "layer_code"]
-
-LAYER_OPS = (Add, Neg, Alias)  # the local operations written here
+__all__ = ["layer_code"]
 
 
 def _axes_entry(axes: tuple[str, ...]) -> str:

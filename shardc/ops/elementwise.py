@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shardc.lowering.functions import Function, function
-from shardc.ops.registry import Family, Namer, Reference, Site, register
+from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import aligned_text
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value
@@ -93,17 +93,17 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     return f"{function(fn.name).jax}({args[0]})"
 
 
-def _forward(site: Site, x: Array, xp: Any) -> Array:
-    return function(site.call.func).forward(x, xp)
+def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
+    return function(site.func.func).forward(xs[0], xp)
 
 
-def _vjp(site: Site, x: Array, d: Array, xp: Any) -> Array:
-    return d * function(site.call.func).derivative(x, xp)
+def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> Arrays:
+    return (d * function(site.func.func).derivative(xs[0], xp),)
 
 
-def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
+def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     """``|f(x)| + |f'(x)| mag``: the value, plus how far the argument's terms move it."""
-    f = function(site.call.func)
+    f, (x,), (mag,) = function(site.func.func), xs, mags
     return np.abs(f.forward(x, np)) + np.abs(f.derivative(x, np)) * mag
 
 
@@ -118,9 +118,9 @@ def _slope(f: Function, z: np.ndarray, m: np.ndarray) -> np.ndarray:
     return np.abs(f.derivative(z, np)) + f.slope_terms(z) + moved  # type: ignore[no-any-return]
 
 
-def _grad_magnitude(site: Site, x: Array, mag: Array, d: Array) -> Array:
+def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
     """The cotangent's magnitude scaled by the bound on ``f'(x)`` (not linear: vjp's would miss it)."""
-    return d * _slope(function(site.call.func), x, mag)
+    return (d * _slope(function(site.func.func), xs[0], mags[0]),)
 
 
 MAPS = register(Family("elementwise", ELEMENTWISE, (Map, MapVjp), _argument, _aux, _aux_bytes, _plan, _backward,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
 from shardc.names import fresh, gradient_names
-from shardc.ops.registry import Family, of_call
+from shardc.ops.registry import RENAME, SUM, Family, of_call
 from shardc.planner.rowstats import stat_names
 from shardc.spec.functions import signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
@@ -163,13 +163,14 @@ class _Builder:
                 self.nodes[-1] = replace(last, partial=True)
             terms.append(made)
         self.indices[name] = indices
-        self.nodes.append(Node("add", name, indices, tuple(terms), target, self.current, signs=e.signs))
+        self.nodes.append(Node("add", name, indices, tuple(terms), target, self.current, signs=e.signs,
+                               family=of_call(SUM)))
         return name
 
     def rename(self, e: TensorRef, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """``Kx[B, T, D] = X[B, S, D]``: an alias of X under new index names (by position)."""
         src = self.leaf(e)
-        self.nodes.append(Node("rename", name, indices, (src,), target, self.current))
+        self.nodes.append(Node("rename", name, indices, (src,), target, self.current, family=of_call(RENAME)))
         return name
 
     def family_call(self, e: Call, family: Family, name: str, indices: tuple[str, ...],

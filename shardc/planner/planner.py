@@ -27,7 +27,6 @@ from shardc.planner.layout import CostContext, SearchTooLong, Value
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.rows import plan_rows
-from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import (
     Placements,
     bonded_axes,
@@ -375,10 +374,6 @@ def once_nodes(spec: Spec, graph: Graph) -> frozenset[int]:
     return frozenset(k for k, n in enumerate(graph.nodes) if not spec.repeats(order.index(id(n.statement))))
 
 
-# The transformer-layer nodes, each planned by its own module.
-LAYER_PLANS = {"add": plan_add, "rename": plan_rename}
-
-
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
     # A pre-activation (the A · B of f(A · B)) takes the layout f's result is declared in:
     # moving it before f costs what moving f's result would, so the einsum search sees the
@@ -388,9 +383,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     label = _label(node, phase, declared)
     if node.family is not None:
         node.family.plan(phase, node, declared, target, label)
-        return
-    if node.kind in LAYER_PLANS:
-        LAYER_PLANS[node.kind](phase, node, declared, target)
         return
     if node.kind == "rows":
         plan_rows(phase, node, declared, target, label)
