@@ -11,8 +11,11 @@ an alias of its source's value); their backward is here:
   (so X's partial gradients from its own readers and from its alias's are added
   before one reduction: self-attention's dX from queries, keys and values).
 
-Their steps (:class:`~shardc.planner.localops.Add`, ``Neg``, ``Alias``) are lowered by
-:func:`shardc.lowering.layer_code.layer_code`.
+Lowered, a sum's term is laid out in the result's index order (``jnp.transpose``) and
+given a size-1 axis where it broadcasts (``Bias[None, None, :]``); a reduced term added
+to a sum that stays partial over axes ``U`` is added on the devices of coordinate 0
+along ``U`` only (``jnp.where(jax.lax.axis_index(U) == 0, x, 0)``), so the partial sums
+add up to the sum once.  A rename is the same array under a new name.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shardc.lowering.layer_code import layer_code
 from shardc.names import fresh
 from shardc.ops.arrays import contract
 from shardc.ops.registry import RENAME, SUM, Arrays, Family, Namer, Reference, Site, register
+from shardc.ops.text import broadcast_text
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Value
 from shardc.planner.localops import ALIAS, NEG, Add, Alias, Neg
-from shardc.planner.sums import plan_add, plan_rename
+from shardc.planner.sums import guard_axes, plan_add, plan_rename
 from shardc.spec.ir import Call, TensorRef
 
 if TYPE_CHECKING:
@@ -103,9 +106,31 @@ def _backward(bw: _Backward, node: Node, grad: str) -> None:
     (_rename_backward if _is_rename(node) else _add_backward)(bw, node, grad)
 
 
+def _axes_entry(axes: tuple[str, ...]) -> str:
+    return repr(axes[0]) if len(axes) == 1 else "(" + ", ".join(repr(a) for a in axes) + ")"
+
+
+def _term_code(ref: TensorRef, dst: TensorRef, var: Namer) -> str:
+    text = broadcast_text(var(ref), ref.indices, dst.indices)
+    guard = guard_axes(ref, dst)
+    if guard:
+        text = f"jnp.where(jax.lax.axis_index({_axes_entry(guard)}) == 0, {text}, 0)"
+    return text
+
+
 def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
-    """A sum, a negation or an alias (:func:`shardc.lowering.layer_code.layer_code`; any sizes)."""
-    return layer_code(step, var)
+    """The right-hand side of a sum, a negation or an alias (any sizes)."""
+    fn = step.fn
+    if isinstance(fn, Alias):
+        return var(step.operands[0])
+    if isinstance(fn, Neg):
+        return "-" + var(step.operands[0])
+    assert isinstance(fn, Add)
+    parts = []
+    for k, (sign, ref) in enumerate(zip(fn.signs, step.operands, strict=True)):
+        text = _term_code(ref, step.dst, var)
+        parts.append(("-" if sign < 0 else "") + text if k == 0 else f"{'+' if sign > 0 else '-'} {text}")
+    return " ".join(parts)
 
 
 def _term(xp: Any, site: Site, x: Array, labels: tuple[str, ...], out: tuple[str, ...], sign: int) -> Array:
