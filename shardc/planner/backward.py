@@ -261,8 +261,6 @@ class _Backward:
             self.contribute(a, (grad, b), (grad, b))
 
 
-
-
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
                   partial: dict[str, tuple[tuple[str, ...], Layout]] | None = None,
                   shards: dict[str, Layout] | None = None, once: frozenset[int] = frozenset()) -> Backward:

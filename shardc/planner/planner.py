@@ -396,7 +396,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         declared[node.result] = phase.ref(node.result, final)
 
 
-
 def _label(node: Node, phase: Phase, declared: dict[str, TensorRef]) -> str:
     parts = []
     for name in node.operands:
