@@ -2,21 +2,55 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import shardc
-from shardc.ir.localops import Causal, Dropout, DropoutMask, DropoutVjp, Map, Route
+from shardc.ir.localops import (
+    ALIAS,
+    NEG,
+    Add,
+    Causal,
+    Dropout,
+    DropoutMask,
+    DropoutVjp,
+    Map,
+    MapVjp,
+    Route,
+    Row,
+)
+from shardc.ir.spec import Call, TensorRef
+from shardc.ops.elementwise import MAPS
 from shardc.ops.masks import MASKS
-from shardc.ops.registry import Family, Reference, families, of_call, of_op, register
+from shardc.ops.registry import RENAME, SUM, Family, Reference, Site, families, of_call, of_op, register
 from shardc.ops.route import ROUTING
+from shardc.ops.sums import SUMS
 from shardc.planner.graph import build_graph
+from shardc.spec.functions import FUNCTIONS
 
 
 def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> None:
-    assert of_call("causal") is MASKS and of_call("dropout") is MASKS and of_call("gelu") is None
-    assert of_op(DropoutMask(0.1, 7)) is MASKS and of_op(Causal("S", "T")) is MASKS and of_op(Map("gelu")) is None
+    assert of_call("causal") is MASKS and of_call("dropout") is MASKS and of_call("softmax") is None
+    assert of_op(DropoutMask(0.1, 7)) is MASKS and of_op(Causal("S", "T")) is MASKS and of_op(Row.SOFTMAX) is None
     assert of_call("route") is ROUTING and of_op(Route("S", "E", "C", 2)) is ROUTING
-    assert families() == (MASKS, ROUTING)
+    assert of_call("gelu") is MAPS and of_op(Map("gelu")) is MAPS and of_op(MapVjp("tanh")) is MAPS
+    assert of_call(SUM) is SUMS and of_call(RENAME) is SUMS and of_op(Add((1, -1))) is SUMS
+    assert of_op(NEG) is SUMS and of_op(ALIAS) is SUMS
+    assert families() == (MAPS, MASKS, ROUTING, SUMS)
+
+
+# The spec functions whose families have not moved to the registry yet: reductions and norms, and
+# the vocabulary ops.  Each moves out of this list as its family registers.
+NOT_YET_REGISTERED = frozenset({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp",
+                                "embed", "cross_entropy"})
+
+
+def test_every_spec_function_belongs_to_exactly_one_family_or_is_listed_as_not_yet_moved() -> None:
+    registered = {name for name in FUNCTIONS if of_call(name) is not None}
+    assert registered == set(FUNCTIONS) - NOT_YET_REGISTERED and NOT_YET_REGISTERED <= set(FUNCTIONS)
+    for name in registered:
+        assert [f for f in families() if name in f.calls] == [of_call(name)]
+    assert set().union(*(f.calls for f in families())) == registered | {SUM, RENAME}  # nor any other name
 
 
 def test_a_call_belongs_to_one_family() -> None:
@@ -43,3 +77,41 @@ def test_a_family_without_a_backward_gives_its_argument_no_gradient() -> None:
     assert node.family is ROUTING and ROUTING.backward is None and ROUTING.reference.vjp is None
     plan = shardc.plan(spec)
     assert [type(s.fn) for s in plan.forward] == [Route] and plan.backward == () and plan.grads == ()
+
+
+def test_an_elementwise_map_is_a_node_of_its_family_and_its_gradient_reads_its_argument() -> None:
+    spec = shardc.parse("mesh X=2\nY[B_X, D] = gelu(X[B_X, D])\n")
+    (node,) = build_graph(spec).nodes
+    assert node.family is MAPS and node.fn == "gelu" and node.aux == ()
+    plan = shardc.plan(spec)
+    assert [s.fn for s in plan.forward] == [Map("gelu")] and [s.fn for s in plan.backward] == [MapVjp("gelu")]
+    assert [r.name for r in plan.backward[0].operands] == ["X", plan.grad_name("Y")]
+
+
+def test_an_elementwise_map_bounds_its_gradient_by_its_own_slope_not_its_vjp() -> None:
+    site = Site(((),), (), {}, Call("tanh", TensorRef("X", ())))
+    x, mag, d = np.array([0.5]), np.array([0.5]), np.array([1.0])
+    assert MAPS.reference.vjp is not None and MAPS.reference.grad_magnitude is not None
+    assert MAPS.reference.grad_magnitude(site, x, mag, d) > np.abs(MAPS.reference.vjp(site, x, d, np))
+
+
+def test_sums_and_renames_are_nodes_of_one_family_and_a_renamed_gradient_passes_on_as_made() -> None:
+    spec = shardc.parse("mesh X=2\nK[B_X, T] = X[B_X, S]\nY[B_X, T] = K[B_X, T] - Bias[T]\n")
+    rename, add = build_graph(spec).nodes
+    assert rename.family is SUMS and add.family is SUMS
+    assert SUMS.aliases(rename) and not SUMS.aliases(add)
+    plan = shardc.plan(spec)
+    assert [s.fn for s in plan.forward] == [ALIAS, Add((1, -1))]
+    assert {of_op(s.fn) for s in plan.backward} == {SUMS, None}  # None: the einsum summing dBias over B
+    assert NEG in [s.fn for s in plan.backward]
+
+
+def test_a_sums_reference_is_signed_and_its_magnitudes_are_not() -> None:
+    site = Site((("B", "T"), ("T",)), ("B", "T"), {"B": 2, "T": 3}, signs=(1, -1))
+    k, bias = np.ones((2, 3)), np.full(3, 2.0)
+    assert (SUMS.reference.forward(site, (k, bias), np) == -1.0).all()
+    assert (SUMS.reference.magnitude(site, (k, bias), (k, bias), k) == 3.0).all()
+    assert SUMS.reference.vjp is not None and SUMS.reference.grad_magnitude is not None
+    dk, dbias = SUMS.reference.vjp(site, (k, bias), k, np)
+    assert (dk == 1.0).all() and (dbias == -2.0).all()
+    assert (SUMS.reference.grad_magnitude(site, (k, bias), (k, bias), k)[1] == 2.0).all()

@@ -24,16 +24,15 @@ from dataclasses import dataclass
 
 from shardc.collectives import share
 from shardc.errors import InternalError, ShardcError
-from shardc.ir.localops import Combine, Map, MapVjp, Row, Update, Vocab
+from shardc.ir.localops import Combine, Row, Update, Vocab
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Mesh, TensorRef
 from shardc.lowering import template
-from shardc.lowering.function_code import function
-from shardc.lowering.layer_code import LAYER_OPS, layer_code
 from shardc.lowering.partition_specs import axes_entry
 from shardc.lowering.row_code import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.ops.registry import of_op
+from shardc.ops.text import aligned_text
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
 
@@ -199,25 +198,11 @@ def _gathered_groups(step: Step) -> str:
     return "(" + ", ".join(f"({d}, {axes!r})" for d, axes in groups) + ",)"
 
 
-def _aligned(ref: TensorRef, dst: TensorRef, var: _Namer) -> str:
-    """An operand in the result's index order (elementwise steps may permute dims)."""
-    if ref.indices == dst.indices or sorted(ref.indices) != sorted(dst.indices):
-        return var(ref)
-    perm = tuple(ref.indices.index(i) for i in dst.indices)
-    return f"jnp.transpose({var(ref)}, {perm})"
-
-
 def _elementwise_code(step: Step, var: _Namer) -> str:
     fn = step.fn
-    if isinstance(fn, LAYER_OPS):
-        return layer_code(step, var)
-    args = [_aligned(ref, step.dst, var) for ref in step.operands]
+    args = [aligned_text(var(ref), ref.indices, step.dst.indices) for ref in step.operands]
     if isinstance(fn, Update):  # the optimizer's step, lowered as plain SGD (shardc.lowering.optimizer)
         return f"{args[0]} - LEARNING_RATE * {args[1]}"
-    if isinstance(fn, MapVjp):
-        return f"jax.vjp({function(fn.name).jax}, {args[0]})[1]({args[1]})[0]"
-    if isinstance(fn, Map):
-        return f"{function(fn.name).jax}({args[0]})"
     raise InternalError(f"lowering does not know the local operation {fn} of {step.dst}",
                         fix="this is a shardc bug: please report the spec")
 

@@ -16,24 +16,21 @@ for XLA's partitioner.
 from __future__ import annotations
 
 import dataclasses
-import string
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.lowering import row_code as rows
-from shardc.lowering.function_code import function
-from shardc.ops.registry import Family, Site, of_call
+from shardc.ops.arrays import contract
+from shardc.ops.registry import RENAME, SUM, Family, Site, of_call
 from shardc.spec.functions import dropout_salt, signature
 from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
 
 Array = Any
-_LETTERS = string.ascii_letters  # einsum subscripts, assigned per call
 
 
 @dataclass(frozen=True)
@@ -92,7 +89,7 @@ class _Builder:
             key = self.temp()
             out = chain_indices(expr, keep)
             self.nodes.append(_Node(key, tuple(terms), tuple(self.labels[t] for t in terms), out, "add",
-                                    signs=expr.signs))
+                                    signs=expr.signs, family=of_call(SUM)))
             self.labels[key] = out
             return key
         if isinstance(expr, Call):
@@ -164,7 +161,8 @@ class _Builder:
         if isinstance(expr, TensorRef) and set(expr.indices) != set(result.indices):
             # a rename (`Kx[B, T, D] = X[B, S, D]`): the same array, its indices renamed by position
             self.labels.setdefault(expr.name, expr.indices)
-            self.nodes.append(_Node(result.name, (expr.name,), (expr.indices,), result.indices, "rename"))
+            self.nodes.append(_Node(result.name, (expr.name,), (expr.indices,), result.indices, "rename",
+                                    family=of_call(RENAME)))
             self.labels[result.name] = result.indices
             return
         key = self.value(expr, result.indices)
@@ -190,61 +188,9 @@ def keyed_salt(salt: int, key: int) -> int:
     return (salt + int(key) * 0x9E3779B9) % 2**32
 
 
-def _subscripts(labels: list[tuple[str, ...]], out: tuple[str, ...]) -> str:
-    names = list(dict.fromkeys([i for group in labels for i in group] + list(out)))
-    if len(names) > len(_LETTERS):
-        raise ShardcError(f"one product has {len(names)} distinct indices; einsum takes at most "
-                          f"{len(_LETTERS)}", fix="split the product into statements of fewer indices")
-    letters = {name: _LETTERS[k] for k, name in enumerate(names)}
-    ins = ",".join("".join(letters[i] for i in group) for group in labels)
-    return ins + "->" + "".join(letters[i] for i in out)
-
-
-def _contract(xp: Any, arrays: list[Array], labels: list[tuple[str, ...]], out: tuple[str, ...],
-              shape: dict[str, int]) -> Array:
-    """einsum to ``out``, broadcasting output indices no operand has (gradients of sums)."""
-    present = {i for group in labels for i in group}
-    kept = tuple(i for i in out if i in present)
-    value = xp.einsum(_subscripts(labels, kept), *arrays)
-    if len(kept) == len(out):
-        return value
-    value = xp.reshape(value, [shape[i] if i in present else 1 for i in out])
-    return xp.broadcast_to(value, [shape[i] for i in out])
-
-
-_LAYER = frozenset({"add", "rename"})  # the transformer-layer maps: linear
-
-
-def _layer_forward(xp: Any, node: _Node, args: list[Array], shape: dict[str, int],
-                   absolute: bool = False) -> Array:
-    """A sum (each term broadcast to the result's indices, signed) or a rename (the same array)."""
-    if node.fn == "rename":
-        shape.update(zip(node.out, args[0].shape, strict=True))
-        return args[0]
-    total = None
-    for arg, labels, sign in zip(args, node.labels, node.signs, strict=True):
-        term = _contract(xp, [arg], [labels], node.out, shape)
-        term = term if sign > 0 or absolute else -term
-        total = term if total is None else total + term
-    return total
-
-
-def _layer_backward(xp: Any, node: _Node, d: Array, shape: dict[str, int],
-                    absolute: bool = False) -> list[tuple[str, Array]]:
-    """Each operand's gradient: ±d summed over the indices a term lacks; a rename's is d itself."""
-    if node.fn == "rename":
-        return [(node.operands[0], d)]
-    out = []
-    for name, labels, sign in zip(node.operands, node.labels, node.signs, strict=True):
-        g = _contract(xp, [d], [node.out], labels, shape)
-        out.append((name, g if sign > 0 or absolute else -g))
-    return out
-
-
 def _site(node: _Node, shape: dict[str, int]) -> Site:
-    """Where a family's call applies, for its reference (:class:`shardc.ops.registry.Site`)."""
-    assert node.call is not None
-    return Site(node.call, node.labels[0], node.salt, shape)
+    """Where a family's node applies, for its reference (:class:`shardc.ops.registry.Site`)."""
+    return Site(node.labels, node.out, shape, node.call, node.salt, node.signs)
 
 
 def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str, Array] | None,
@@ -256,15 +202,11 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
         if node.family is not None:
-            values[node.result] = node.family.reference.forward(_site(node, shape), args[0], xp)
+            values[node.result] = node.family.reference.forward(_site(node, shape), tuple(args), xp)
         elif node.over is not None:  # a reduction over an index, or a vocabulary op
             values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
-        elif node.fn in _LAYER:
-            values[node.result] = _layer_forward(xp, node, args, shape)
-        elif node.fn is not None:
-            values[node.result] = function(node.fn).forward(args[0], xp)
         else:
-            values[node.result] = _contract(xp, args, list(node.labels), node.out, shape)
+            values[node.result] = contract(xp, args, list(node.labels), node.out, shape)
         if given and node.result in given:  # a forward value the caller already has
             values[node.result] = given[node.result]
     return values, shape
@@ -305,24 +247,19 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.family is not None:
             vjp = node.family.reference.vjp
             if vjp is not None:  # None: a 0/1 mask, no gradient
-                add(node.operands[0], vjp(_site(node, shape), d, xp))
+                xs = tuple(values[o] for o in node.operands)
+                for name, g in zip(node.operands, vjp(_site(node, shape), xs, d, xp), strict=True):
+                    add(name, g)
             continue
         if node.over is not None:  # one operand gets a gradient (token ids never do)
             k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
                                  node.labels, node.over, xp)
             add(node.operands[k], g)
             continue
-        if node.fn in _LAYER:
-            for name, g in _layer_backward(xp, node, d, shape):
-                add(name, g)
-            continue
-        if node.fn is not None:
-            add(node.operands[0], d * function(node.fn).derivative(values[node.operands[0]], xp))
-            continue
         for k, name in enumerate(node.operands):
             others = [values[o] for j, o in enumerate(node.operands) if j != k]
             labels = [node.out, *(lab for j, lab in enumerate(node.labels) if j != k)]
-            add(name, _contract(xp, [d, *others], labels, node.labels[k], shape))
+            add(name, contract(xp, [d, *others], labels, node.labels[k], shape))
     return {name: grads[name] for name in leaf_names(spec) if name in grads}
 
 
@@ -342,56 +279,46 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
         if node.family is not None:
-            (x,) = node.operands
-            mag[node.result] = node.family.reference.magnitude(_site(node, shape), values[x], mag[x],
-                                                               values[node.result])
+            mag[node.result] = node.family.reference.magnitude(
+                _site(node, shape), tuple(values[o] for o in node.operands), tuple(mag[o] for o in node.operands),
+                values[node.result])
         elif node.over is not None:
             mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
                                                    [mag[o] for o in node.operands], node.labels, node.over)
-        elif node.fn in _LAYER:  # linear maps: the magnitudes map alike, signs dropped
-            mag[node.result] = _layer_forward(np, node, [mag[o] for o in node.operands], shape, absolute=True)
-        elif node.fn is not None:
-            z, f = values[node.operands[0]], function(node.fn)
-            mag[node.result] = np.abs(f.forward(z, np)) + np.abs(f.derivative(z, np)) * mag[node.operands[0]]
         else:
-            mag[node.result] = _contract(np, [mag[o] for o in node.operands], list(node.labels), node.out, shape)
+            mag[node.result] = contract(np, [mag[o] for o in node.operands], list(node.labels), node.out, shape)
     grads: dict[str, np.ndarray] = {out: np.abs(cotangents[out]) for out in outputs(spec) if out in cotangents}
     for node in reversed(nodes):
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
         if node.family is not None:
-            vjp = node.family.reference.vjp
-            if vjp is not None:  # linear given the call (a mask's): magnitudes map as values do
-                grads[node.operands[0]] = grads.get(node.operands[0], 0) + vjp(_site(node, shape), d, np)
+            grads.update(_family_grad_magnitude(node, shape, values, mag, d, grads))
             continue
         if node.over is not None:
             k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],
                                             [mag[o] for o in node.operands], d, node.labels, node.over)
             grads[node.operands[k]] = grads.get(node.operands[k], 0) + g
             continue
-        if node.fn in _LAYER:
-            for name, g in _layer_backward(np, node, d, shape, absolute=True):
-                grads[name] = grads.get(name, 0) + g
-            continue
-        if node.fn is not None:
-            z, m = values[node.operands[0]], mag[node.operands[0]]
-            grads[node.operands[0]] = grads.get(node.operands[0], 0) + d * _slope(function(node.fn), z, m)
-            continue
         for k, name in enumerate(node.operands):
             others = [mag[o] for j, o in enumerate(node.operands) if j != k]
             labels = [node.out, *(lab for j, lab in enumerate(node.labels) if j != k)]
-            grads[name] = grads.get(name, 0) + _contract(np, [d, *others], labels, node.labels[k], shape)
+            grads[name] = grads.get(name, 0) + contract(np, [d, *others], labels, node.labels[k], shape)
     return {**{s.result.name: mag[s.result.name] for s in spec.statements},
             **{name: grads[name] for name in leaf_names(spec) if name in grads}}
 
 
-def _slope(f: Any, z: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """What the backward's ``f'(z)`` may err by, in the units of ``magnitudes``.
-
-    The terms its evaluation adds (``slope_terms``), plus how far ``f'`` moves when ``z``
-    moves by its own magnitude ``m`` (``|f''| m``, by a float64 difference quotient).
-    """
-    h = 1e-4
-    moved = np.abs(f.derivative(z + h * m, np) - f.derivative(z, np)) / h
-    return np.abs(f.derivative(z, np)) + f.slope_terms(z) + moved
+def _family_grad_magnitude(node: _Node, shape: dict[str, int], values: dict[str, np.ndarray],
+                           mag: dict[str, np.ndarray], d: np.ndarray,
+                           grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A family's argument's gradient magnitude, added to what it has: its own bound where it has
+    one, else its vjp of the cotangent's magnitude (a map linear given the call: a mask's)."""
+    ref = node.family.reference if node.family is not None else None
+    if ref is None or ref.vjp is None:  # no gradient (a 0/1 mask)
+        return {}
+    site, xs, mags = _site(node, shape), tuple(values[o] for o in node.operands), tuple(mag[o] for o in node.operands)
+    gs = ref.grad_magnitude(site, xs, mags, d) if ref.grad_magnitude is not None else ref.vjp(site, xs, d, np)
+    made: dict[str, np.ndarray] = {}
+    for name, g in zip(node.operands, gs, strict=True):
+        made[name] = made.get(name, grads.get(name, 0)) + g
+    return made

@@ -23,7 +23,7 @@ import numpy as np
 from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, DropoutMask
 from shardc.ir.plan import Step
 from shardc.ir.spec import Call, TensorRef
-from shardc.ops.registry import Family, Namer, Reference, Site, register
+from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import broadcast_text
 from shardc.planner.mask_plans import plan_masked, plan_masked_backward
 from shardc.spec.functions import MASK_BYTES
@@ -111,20 +111,24 @@ def _keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int
 
 
 def _apply(site: Site, x: Array, xp: Any, absolute: bool = False) -> Array:
-    keep, scale = _keep(site.call, site.labels, tuple(x.shape), site.salt)
-    fill = 0.0 if absolute or site.call.func == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
+    keep, scale = _keep(site.func, site.labels[0], tuple(x.shape), site.salt)
+    fill = 0.0 if absolute or site.func.func == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
     return xp.where(keep, x * scale, fill)
 
 
-def _vjp(site: Site, d: Array, xp: Any) -> Array:
-    keep, scale = _keep(site.call, site.labels, tuple(d.shape), site.salt)
-    return xp.where(keep, d * scale, 0.0)
+def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
+    return _apply(site, xs[0], xp)
 
 
-def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
+def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> Arrays:
+    keep, scale = _keep(site.func, site.labels[0], tuple(d.shape), site.salt)
+    return (xp.where(keep, d * scale, 0.0),)
+
+
+def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     """Linear given the mask: the magnitudes masked alike (0 where masked)."""
-    return _apply(site, mag, np, absolute=True)
+    return _apply(site, mags[0], np, absolute=True)
 
 
 MASKS = register(Family("masks", frozenset({"causal", "dropout"}), MASK_OPS, _argument, _aux, _aux_bytes, _plan,
-                        plan_masked_backward, emit, Reference(_apply, _vjp, _magnitude)))
+                        plan_masked_backward, emit, Reference(_forward, _vjp, _magnitude)))

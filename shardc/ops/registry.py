@@ -15,7 +15,7 @@ object; codegen looks a step's family up by the class of its local operation
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,35 +26,54 @@ if TYPE_CHECKING:
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
 
-__all__ = ["Family", "Reference", "Site", "register", "of_call", "of_op", "families"]
+__all__ = ["Family", "Reference", "Site", "register", "of_call", "of_op", "families", "SUM", "RENAME"]
+
+# The forms of the language a family may claim beside its spec functions: a sum of terms
+# (``A + B - C``) and a rename (``Kx[B, T, D] = X[B, S, D]``).
+SUM = "+"
+RENAME = "="
 
 Array = Any
+Arrays = tuple[Any, ...]  # one array per operand
 Namer = Callable[["TensorRef"], str]  # a value's variable in the generated code
 
 
 @dataclass(frozen=True)
 class Site:
-    """Where the reference applies a family's call: the call, its argument's indices ``labels``, a
-    dropout's ``salt``, and the length of every index known so far (``shape``)."""
+    """Where the reference applies a family's node: its operands' indices ``labels`` (one tuple
+    each), its result's ``out``, the length of every index known so far (``shape``), and what the
+    node is: a call (``call``, a dropout's ``salt``) or a sum (its terms' ``signs``)."""
 
-    call: Call
-    labels: tuple[str, ...]
-    salt: int
+    labels: tuple[tuple[str, ...], ...]
+    out: tuple[str, ...]
     shape: dict[str, int]
+    call: Call | None = None
+    salt: int = 0
+    signs: tuple[int, ...] = ()
+
+    @property
+    def func(self) -> Call:
+        """The call (a family of spec functions' sites always have one)."""
+        assert self.call is not None
+        return self.call
 
 
 @dataclass(frozen=True)
 class Reference:
     """A family's meaning on whole arrays (``xp`` numpy or jax.numpy), for the independent reference.
 
-    ``forward(site, x, xp)`` is the call's value on its argument ``x``; ``vjp(site, d, xp)`` the
-    argument's gradient for the cotangent ``d`` (None: no gradient); ``magnitude(site, x, mag, y)``
-    (numpy) a bound on the terms behind the value ``y``, given the argument's value and magnitudes.
+    ``forward(site, xs, xp)`` is the node's value on its operands' values ``xs``;
+    ``vjp(site, xs, d, xp)`` the operands' gradients, one each, for the cotangent ``d`` (None: no
+    gradient); ``magnitude(site, xs, mags, y)`` (numpy) a bound on the terms behind the value ``y``,
+    given the operands' values and magnitudes; ``grad_magnitude(site, xs, mags, d)`` (numpy) the same
+    for the operands' gradients, given the cotangent's magnitude ``d`` (None: ``vjp`` of it, right
+    for a map linear given the node, such as a mask or a sum).
     """
 
-    forward: Callable[[Site, Array, Any], Array]
-    vjp: Callable[[Site, Array, Any], Array] | None
-    magnitude: Callable[[Site, Array, Array, Array], Array]
+    forward: Callable[[Site, Arrays, Any], Array]
+    vjp: Callable[[Site, Arrays, Array, Any], Arrays] | None
+    magnitude: Callable[[Site, Arrays, Arrays, Array], Array]
+    grad_magnitude: Callable[[Site, Arrays, Arrays, Array], Arrays] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +81,7 @@ class Family:
     """Everything the passes need of one op family (see the module's docstring)."""
 
     name: str
-    calls: frozenset[str]  # the spec functions it implements
+    calls: frozenset[str]  # the spec functions it implements (or the forms SUM and RENAME)
     ops: tuple[type, ...]  # the local operations its steps carry
     # the indices a call's argument is computed towards, given its result's
     argument: Callable[[Call, tuple[str, ...]], tuple[str, ...]]
@@ -75,6 +94,9 @@ class Family:
     # one step as one line of JAX (its right-hand side), at the module's sizes (None: shape-generic)
     emit: Callable[[Step, Namer, dict[str, int] | None], str]
     reference: Reference
+    # whether a node's result is its argument under another name (a rename): its gradient's
+    # contributions then pass to the argument's as made, before any is summed
+    aliases: Callable[[Node], bool] = field(default=lambda node: False)
 
 
 _BY_CALL: dict[str, Family] = {}

@@ -18,7 +18,7 @@ from shardc.ir.localops import Route
 from shardc.ir.plan import Step
 from shardc.ir.spec import Call
 from shardc.lowering.route_code import route_code, route_forward
-from shardc.ops.registry import Family, Namer, Reference, Site, register
+from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.planner.route_plans import plan_route
 
 if TYPE_CHECKING:
@@ -55,17 +55,17 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None) -> str:
     return route_code(step, var, str(_capacity(step.fn.slots, sizes)))
 
 
-def _forward(site: Site, gates: Array, xp: Any) -> Array:
+def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
     """The routing mask of whole gates (:func:`shardc.lowering.route_code.route_forward`)."""
-    call = site.call
+    (gates,), call, labels = xs, site.func, site.labels[0]
     assert call.over is not None
     (order, slots), experts, k = call.names, call.over, int(call.numbers[0])
     if slots not in site.shape:
         raise ShardcError(f"route's capacity index {slots} has no size", fix=f"give {slots} a size in dims")
-    return route_forward(gates, site.labels.index(order), site.labels.index(experts), site.shape[slots], k, xp)
+    return route_forward(gates, labels.index(order), labels.index(experts), site.shape[slots], k, xp)
 
 
-def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
+def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     """Exact 0/1 values: no rounding behind them."""
     return np.abs(y)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["broadcast_text"]
+__all__ = ["broadcast_text", "aligned_text"]
 
 
 def broadcast_text(name: str, indices: tuple[str, ...], out: tuple[str, ...]) -> str:
@@ -15,3 +15,11 @@ def broadcast_text(name: str, indices: tuple[str, ...], out: tuple[str, ...]) ->
     if len(order) != len(out):
         text += "[" + ", ".join(":" if i in indices else "None" for i in out) + "]"
     return text
+
+
+def aligned_text(name: str, indices: tuple[str, ...], out: tuple[str, ...]) -> str:
+    """``name`` (with ``indices``) in the index order ``out``, where those are the same indices permuted."""
+    if indices == out or sorted(indices) != sorted(out):
+        return name
+    perm = tuple(indices.index(i) for i in out)
+    return f"jnp.transpose({name}, {perm})"

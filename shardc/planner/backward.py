@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.ir.localops import ALIAS, NEG, Map, MapVjp, add_op
+from shardc.ir.localops import add_op
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.names import fresh
@@ -43,7 +43,6 @@ from shardc.planner.phase import Phase
 from shardc.planner.rows_backward import rows_backward
 from shardc.planner.search import reshard
 from shardc.planner.vocab import embed_backward, loss_backward
-from shardc.spec.functions import PASS_THROUGH
 
 __all__ = ["Backward", "plan_backward"]
 
@@ -91,11 +90,11 @@ def _renames(graph: Graph, needs: set[str], count: dict[str, int]) -> frozenset[
     """Renames' results: their gradient's contributions are kept as made, to become their source's."""
     renamed = set()
     for node in graph.nodes:
-        if node.kind == "rename" and node.result in needs:
+        if node.family is not None and node.family.aliases(node) and node.result in needs:
             (src,) = node.operands
             made = count.get(node.result, 0)
             count[src] = count.get(src, 0) + max(made, 1) - 1  # one per contribution to the alias
-            count[node.result] = max(made, 2)  # kept as made (see _Backward.rename)
+            count[node.result] = max(made, 2)  # kept as made (see shardc.ops.sums)
             renamed.add(node.result)
     return frozenset(renamed)
 
@@ -232,8 +231,9 @@ class _Backward:
     def node(self, node: Node) -> None:
         if node.result not in self.needs:
             return
-        if node.kind == "rename":
-            self.rename(node)
+        if node.result in self.renamed:  # its gradient's contributions pass on as made, never summed here
+            assert node.family is not None and node.family.backward is not None
+            node.family.backward(self, node, self.grads[node.result])
             return
         self.finish(node.result)
         grad = self.grads[node.result]
@@ -247,12 +247,6 @@ class _Backward:
         if node.kind in ("embed", "loss"):
             (embed_backward if node.kind == "embed" else loss_backward)(self, node, grad)
             return
-        if node.kind == "elementwise":
-            self.elementwise(node, grad)
-            return
-        if node.kind == "add":
-            self.add(node, grad)
-            return
         if len(node.operands) == 1:
             (a,) = node.operands
             if a in self.needs:
@@ -265,63 +259,6 @@ class _Backward:
             self.contribute(b, (a, grad), (a, grad))
         if a in self.needs:
             self.contribute(a, (grad, b), (grad, b))
-
-    def add(self, node: Node, grad: str) -> None:
-        """``R = A ± B``: dA = ±dR, summed over the indices A lacks (the einsum ``dR[B, S, D] -> dA[D]``)."""
-        for term, sign in zip(node.operands, node.signs, strict=True):
-            if term not in self.needs:
-                continue
-            source = grad
-            if sign < 0:  # -dR, once for every term it feeds
-                source = fresh(f"{grad}_neg", self.taken)
-                self.phase.indices[source] = node.indices
-                value = self.target(node.result)
-                self.phase.emit(Step(Op.ELEMENTWISE, source, self.phase.ref(source, value),
-                                     operands=(self.phase.ref(grad, value),), fn=NEG), value)
-            if self.phase.indices[term] == node.indices:
-                self.alias(term, source, self.target(node.result))  # dA is dR itself: no copy
-            else:
-                self.contribute(term, (source,), (source,))
-
-    def rename(self, node: Node) -> None:
-        """``Kx[B, T, D] = X[B, S, D]``: each contribution to dKx, as made, is one to dX renamed back.
-
-        So X's partial gradients from its own readers and from its alias's are added
-        before one reduction (self-attention's dX from queries, keys and values).
-        """
-        (src,) = node.operands
-        parts = self.parts.pop(node.result, [])
-        if not parts:  # an output: its cotangent, in its declared sharding
-            parts = [(self.grads[node.result], self.target(node.result))]
-        if src in self.needs:
-            for part, value in parts:
-                self.alias(src, part, value)
-
-    def alias(self, primal: str, grad: str, value: Value) -> None:
-        """``grad`` (held as ``value``) is a contribution to ``primal``'s gradient as it is: an alias step."""
-        dst = self.part_name(primal)
-        self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, value),
-                             operands=(self.phase.ref(grad, value),), fn=ALIAS), value)
-        self.settle(primal, dst, value)
-
-    def elementwise(self, node: Node, grad: str) -> None:
-        (z,) = node.operands
-        if z not in self.needs:
-            return
-        layout = self.target(node.result).layout
-        by_index = dict(zip(node.indices, layout, strict=True))
-        want = Value(tuple(by_index[i] for i in self.phase.indices[z]), ())
-        dst = self.part_name(z)
-        cotangent = self.phase.ref(grad, self.target(node.result))
-        if node.fn in PASS_THROUGH:  # the gradient is the cotangent, in the argument's index order
-            self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want), operands=(cotangent,),
-                                 fn=Map(node.fn)))
-        else:
-            _, moves = reshard(self.phase.ctx, z, self.phase.indices[z], self.phase.held[z], want)
-            self.phase.moves(z, moves, note="residual for the elementwise gradient")
-            self.phase.emit(Step(Op.ELEMENTWISE, dst, self.phase.ref(dst, want),
-                                 operands=(self.phase.ref(z, want), cotangent), fn=MapVjp(node.fn or "")))
-        self.settle(z, dst, want)
 
 
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.names import fresh, gradient_names
-from shardc.ops.registry import Family, of_call
+from shardc.ops.registry import RENAME, SUM, Family, of_call
 from shardc.planner.rowstats import stat_names
-from shardc.spec.functions import is_elementwise, signature
+from shardc.spec.functions import signature
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
 __all__ = ["Node", "Graph", "build_graph"]
@@ -136,16 +136,10 @@ class _Builder:
             return self.rows(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
             return self.lookup(e, name, indices, target)
-        if isinstance(e, Call) and not is_elementwise(e.func):
+        if isinstance(e, Call):
             what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
                               fix="write the layer with einsums and elementwise functions for now")
-        if isinstance(e, Call):
-            # f(A · B): the contraction makes a reduced pre-activation in the result's layout
-            arg = self.argument(e.arg, name, indices, target)
-            self.indices[name] = indices
-            self.nodes.append(Node("elementwise", name, indices, (arg,), target, self.current, fn=e.func))
-            return name
         return self.contract(e, name, indices, target)
 
     def argument(self, e: Expr, name: str, indices: tuple[str, ...], target: TensorRef | None = None) -> str:
@@ -171,13 +165,14 @@ class _Builder:
                 self.nodes[-1] = replace(last, partial=True)
             terms.append(made)
         self.indices[name] = indices
-        self.nodes.append(Node("add", name, indices, tuple(terms), target, self.current, signs=e.signs))
+        self.nodes.append(Node("add", name, indices, tuple(terms), target, self.current, signs=e.signs,
+                               family=of_call(SUM)))
         return name
 
     def rename(self, e: TensorRef, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """``Kx[B, T, D] = X[B, S, D]``: an alias of X under new index names (by position)."""
         src = self.leaf(e)
-        self.nodes.append(Node("rename", name, indices, (src,), target, self.current))
+        self.nodes.append(Node("rename", name, indices, (src,), target, self.current, family=of_call(RENAME)))
         return name
 
     def family_call(self, e: Call, family: Family, name: str, indices: tuple[str, ...],

@@ -16,8 +16,7 @@ from dataclasses import replace
 from shardc.collectives import share
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans, resolve_hardware
-from shardc.ir.localops import Map
-from shardc.ir.plan import Op, Plan, Step, TensorInfo
+from shardc.ir.plan import Plan, Step, TensorInfo
 from shardc.ir.spec import Spec, TensorRef
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
@@ -29,7 +28,6 @@ from shardc.planner.layout import CostContext, SearchTooLong, Value
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
 from shardc.planner.rows import plan_rows
-from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import (
     Placements,
     bonded_axes,
@@ -382,10 +380,6 @@ def once_nodes(spec: Spec, graph: Graph) -> frozenset[int]:
     return frozenset(k for k, n in enumerate(graph.nodes) if not spec.repeats(order.index(id(n.statement))))
 
 
-# The transformer-layer nodes, each planned by its own module.
-LAYER_PLANS = {"add": plan_add, "rename": plan_rename}
-
-
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:
     # A pre-activation (the A · B of f(A · B)) takes the layout f's result is declared in:
     # moving it before f costs what moving f's result would, so the einsum search sees the
@@ -395,12 +389,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     label = _label(node, phase, declared)
     if node.family is not None:
         node.family.plan(phase, node, declared, target, label)
-        return
-    if node.kind == "elementwise":
-        _plan_elementwise(phase, node, declared, target)
-        return
-    if node.kind in LAYER_PLANS:
-        LAYER_PLANS[node.kind](phase, node, declared, target)
         return
     if node.kind == "rows":
         plan_rows(phase, node, declared, target, label)
@@ -412,23 +400,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
                          partial=node.partial)
     if node.result not in declared:  # a chain intermediate: the planner chose its sharding
         declared[node.result] = phase.ref(node.result, final)
-
-
-def _plan_elementwise(phase: Phase, node: Node, declared: dict[str, TensorRef],
-                      target: Value | None) -> None:
-    """``f`` keeps the sharding; its input must be reduced, in the result's layout.
-
-    The result's indices may be the argument's permuted: that is a local transpose,
-    so the argument's layout is read index by index, never position by position.
-    """
-    (arg,) = node.operands
-    target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
-                                      "an elementwise function", node.statement.span)
-    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
-                    operands=(phase.ref(arg, want),), fn=Map(node.fn or "")))
-    declared.setdefault(node.result, phase.ref(node.result, target))
-    declared.setdefault(arg, phase.ref(arg, want))
-
 
 
 def _label(node: Node, phase: Phase, declared: dict[str, TensorRef]) -> str:

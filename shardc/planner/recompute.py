@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 from shardc.planner.graph import Graph, Node
+from shardc.spec.functions import ELEMENTWISE
 
 __all__ = ["RECOMPUTE_MODES", "REGION_OPS", "attention_region", "recompute_steps", "reads"]
 
@@ -56,7 +57,7 @@ def _continues(node: Node) -> bool:
     """Whether a node reading the region stays in it: elementwise, or named in :data:`REGION_OPS`
     by its kind, its function or the spec's call it computes (``softmax`` is a "normalize" node)."""
     names = {node.kind, node.fn or "", node.call.func if node.call is not None else ""}
-    return node.kind == "elementwise" or bool(names & REGION_OPS)
+    return bool(names & (REGION_OPS | ELEMENTWISE))
 
 
 def _is_score(node: Node, graph: Graph) -> bool:

@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS, Add
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.planner.einsum import room
-from shardc.planner.graph import Node
 from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
 from shardc.planner.phase import Phase
 from shardc.planner.search import reshard
+
+if TYPE_CHECKING:
+    from shardc.planner.graph import Node
 
 __all__ = ["plan_add", "plan_rename", "guard_axes"]
 

@@ -1,0 +1,127 @@
+"""The elementwise maps: ``gelu``, ``relu``, ``silu``, ``tanh``, ``sigmoid``, ``exp``, ``square``,
+``identity``, registered once.
+
+A map keeps the sharding: its argument is read reduced, in the result's layout,
+index by index (the result's indices may be the argument's permuted: a local
+transpose).  Its gradient reads the argument there and the cotangent in the
+result's declared sharding (:class:`~shardc.ir.localops.MapVjp`), but for a
+map whose gradient is the cotangent itself (:data:`~shardc.spec.functions.PASS_THROUGH`):
+that step reads no argument, so no move makes one.  The JAX expression of each map,
+and its forward and derivative over an array module ``xp`` (numpy for the reference,
+jax.numpy for the XLA comparison), are written once in :mod:`shardc.lowering.function_code`;
+the backward step is ``jax.vjp`` of the forward's own expression.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shardc.ir.localops import Map, MapVjp
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import Call, TensorRef
+from shardc.lowering.function_code import Function, function
+from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
+from shardc.ops.text import aligned_text
+from shardc.planner.layout import Value
+from shardc.planner.search import reshard
+from shardc.spec.functions import ELEMENTWISE, PASS_THROUGH
+
+if TYPE_CHECKING:
+    from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
+    from shardc.planner.phase import Phase
+
+__all__ = ["MAPS", "emit"]
+
+Array = Any
+
+
+def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
+    """f(A · B) makes its argument towards the result's indices, in the result's layout."""
+    return indices
+
+
+def _aux(call: Call, result: str) -> tuple[str, ...]:
+    return ()
+
+
+def _aux_bytes(node: Node) -> dict[str, int]:
+    return {}
+
+
+def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
+    """``f`` keeps the sharding; its argument must be reduced, in the result's layout (read index
+    by index, never position by position)."""
+    (arg,) = node.operands
+    target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
+                                      "an elementwise function", node.statement.span)
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
+                    operands=(phase.ref(arg, want),), fn=Map(node.fn or "")))
+    declared.setdefault(node.result, phase.ref(node.result, target))
+    declared.setdefault(arg, phase.ref(arg, want))
+
+
+def _backward(bw: _Backward, node: Node, grad: str) -> None:
+    """dZ = f'(Z) dY, in the result's layout read index by index (the cotangent alone for a pass-through)."""
+    (z,) = node.operands
+    if z not in bw.needs:
+        return
+    layout = bw.target(node.result).layout
+    by_index = dict(zip(node.indices, layout, strict=True))
+    want = Value(tuple(by_index[i] for i in bw.phase.indices[z]), ())
+    dst = bw.part_name(z)
+    cotangent = bw.phase.ref(grad, bw.target(node.result))
+    if node.fn in PASS_THROUGH:  # the gradient is the cotangent, in the argument's index order
+        bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, want), operands=(cotangent,), fn=Map(node.fn)))
+    else:
+        _, moves = reshard(bw.phase.ctx, z, bw.phase.indices[z], bw.phase.held[z], want)
+        bw.phase.moves(z, moves, note="residual for the elementwise gradient")
+        bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, want),
+                           operands=(bw.phase.ref(z, want), cotangent), fn=MapVjp(node.fn or "")))
+    bw.settle(z, dst, want)
+
+
+def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
+    """``f(x)``, or ``jax.vjp`` of that same ``f`` applied to the cotangent, operands in the result's order."""
+    fn = step.fn
+    assert isinstance(fn, (Map, MapVjp))
+    args = [aligned_text(var(ref), ref.indices, step.dst.indices) for ref in step.operands]
+    if isinstance(fn, MapVjp):
+        return f"jax.vjp({function(fn.name).jax}, {args[0]})[1]({args[1]})[0]"
+    return f"{function(fn.name).jax}({args[0]})"
+
+
+def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
+    return function(site.func.func).forward(xs[0], xp)
+
+
+def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> Arrays:
+    return (d * function(site.func.func).derivative(xs[0], xp),)
+
+
+def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
+    """``|f(x)| + |f'(x)| mag``: the value, plus how far the argument's terms move it."""
+    f, (x,), (mag,) = function(site.func.func), xs, mags
+    return np.abs(f.forward(x, np)) + np.abs(f.derivative(x, np)) * mag
+
+
+def _slope(f: Function, z: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """What the backward's ``f'(z)`` may err by, in the units of the magnitudes.
+
+    The terms its evaluation adds (``slope_terms``), plus how far ``f'`` moves when ``z``
+    moves by its own magnitude ``m`` (``|f''| m``, by a float64 difference quotient).
+    """
+    h = 1e-4
+    moved = np.abs(f.derivative(z + h * m, np) - f.derivative(z, np)) / h
+    return np.abs(f.derivative(z, np)) + f.slope_terms(z) + moved  # type: ignore[no-any-return]
+
+
+def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
+    """The cotangent's magnitude scaled by the bound on ``f'(x)`` (not linear: vjp's would miss it)."""
+    return (d * _slope(function(site.func.func), xs[0], mags[0]),)
+
+
+MAPS = register(Family("elementwise", ELEMENTWISE, (Map, MapVjp), _argument, _aux, _aux_bytes, _plan, _backward,
+                       emit, Reference(_forward, _vjp, _magnitude, _grad_magnitude)))
