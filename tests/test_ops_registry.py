@@ -6,17 +6,18 @@ import pytest
 
 import shardc
 from shardc.ops.masks import MASKS
+from shardc.ops.reductions import REDUCTIONS
 from shardc.ops.registry import Family, Reference, families, of_call, of_op, register
 from shardc.ops.route import ROUTING
 from shardc.planner.graph import build_graph
-from shardc.planner.localops import Causal, Dropout, DropoutMask, DropoutVjp, Map, Route
+from shardc.planner.localops import Causal, Combine, Dropout, DropoutMask, DropoutVjp, Map, Route, Row
 
 
 def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> None:
     assert of_call("causal") is MASKS and of_call("dropout") is MASKS and of_call("gelu") is None
     assert of_op(DropoutMask(0.1, 7)) is MASKS and of_op(Causal("S", "T")) is MASKS and of_op(Map("gelu")) is None
     assert of_call("route") is ROUTING and of_op(Route("S", "E", "C", 2)) is ROUTING
-    assert families() == (MASKS, ROUTING)
+    assert families() == (MASKS, REDUCTIONS, ROUTING)
 
 
 def test_a_call_belongs_to_one_family() -> None:
@@ -43,3 +44,13 @@ def test_a_family_without_a_backward_gives_its_argument_no_gradient() -> None:
     assert node.family is ROUTING and ROUTING.backward is None and ROUTING.reference.vjp is None
     plan = shardc.plan(spec)
     assert [type(s.fn) for s in plan.forward] == [Route] and plan.backward == () and plan.grads == ()
+
+
+def test_a_reduction_is_one_node_of_its_family_with_its_row_statistics_indexed_by_row() -> None:
+    spec = shardc.parse("mesh X=2\nY[B, D_X] = rmsnorm(X[B, D_X] over D)\nZ[B] = max(Y[B, D_X] over D)\n")
+    norm, top = build_graph(spec).nodes
+    assert norm.family is REDUCTIONS and top.family is REDUCTIONS and of_call("softmax") is REDUCTIONS
+    assert norm.aux == ("Y_ms",) and top.aux == () and build_graph(spec).indices["Y_ms"] == ("B",)
+    plan = shardc.plan(spec)
+    ops = {s.fn for s in plan.forward + plan.backward if s.fn is not None}
+    assert Row.ROW_MEANSQ in ops and Combine.MAX in ops and {of_op(op) for op in ops} == {REDUCTIONS}

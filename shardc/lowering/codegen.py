@@ -32,7 +32,7 @@ from shardc.lowering.rows import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.ops.registry import of_op
 from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.localops import Combine, Map, MapVjp, Row, Update, Vocab
+from shardc.planner.localops import Combine, Map, MapVjp, Update, Vocab
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
@@ -186,7 +186,7 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
         return family.emit(step, var, sizes)
     if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
         return lookup_code(step, var)
-    if isinstance(step.fn, (Row, Vocab)):
+    if isinstance(step.fn, Vocab):
         return row_code(step, var)
     return _elementwise_code(step, var)
 

@@ -81,8 +81,8 @@ class _Builder:
         if isinstance(expr, TensorRef):
             self.labels.setdefault(expr.name, expr.indices)
             return expr.name
-        if isinstance(expr, Call) and signature(expr.func).kind in ("normalize", "reduce"):
-            return self.reduction(expr, keep)
+        if isinstance(expr, Call) and (family := of_call(expr.func)) is not None and family.reference.arguments:
+            return self.family_node(expr, family, keep)
         if isinstance(expr, Call) and signature(expr.func).kind in ("embed", "loss"):
             return self.lookup(expr)
         if isinstance(expr, Call) and signature(expr.func).kind == "route":
@@ -117,15 +117,16 @@ class _Builder:
             left = self.einsum([left, keys[k]], out)
         return left
 
-    def reduction(self, expr: Call, keep: tuple[str, ...]) -> str:
-        """``softmax(X over I)`` and the like: the argument towards the result's indices and I."""
-        assert expr.over is not None
-        arg = self.value(expr.arg, keep if expr.over in keep else keep + (expr.over,))
-        labels = self.labels[arg]
-        reduces = signature(expr.func).kind == "reduce"
-        out = tuple(i for i in labels if i != expr.over) if reduces else labels
+    def family_node(self, expr: Call, family: Family, keep: tuple[str, ...]) -> str:
+        """A call of a family that says its arguments and result (``softmax(X over I)``: X towards the
+        result's indices and I): each argument as the family computes it, then one node."""
+        ref = family.reference
+        assert ref.arguments is not None and ref.indices is not None
+        keys = [self.value(arg, towards) for arg, towards in ref.arguments(expr, keep)]
+        labels = tuple(self.labels[k] for k in keys)
+        out = ref.indices(expr, labels)
         key = self.temp()
-        self.nodes.append(_Node(key, (arg,), (labels,), out, expr.func, expr.over))
+        self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, call=expr, family=family))
         self.labels[key] = out
         return key
 
@@ -241,10 +242,12 @@ def _layer_backward(xp: Any, node: _Node, d: Array, shape: dict[str, int],
     return out
 
 
-def _site(node: _Node, shape: dict[str, int]) -> Site:
+def _site(node: _Node, shape: dict[str, int], values: dict[str, Array],
+          mags: dict[str, np.ndarray] | None = None) -> Site:
     """Where a family's call applies, for its reference (:class:`shardc.ops.registry.Site`)."""
     assert node.call is not None
-    return Site(node.call, node.labels[0], node.salt, shape)
+    return Site(node.call, node.labels[0], node.salt, shape, node.labels, tuple(values[o] for o in node.operands),
+                tuple(mags[o] for o in node.operands) if mags is not None else (), values.get(node.result))
 
 
 def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str, Array] | None,
@@ -256,7 +259,7 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
         if node.family is not None:
-            values[node.result] = node.family.reference.forward(_site(node, shape), args[0], xp)
+            values[node.result] = node.family.reference.forward(_site(node, shape, values), args[0], xp)
         elif node.over is not None:  # a reduction over an index, or a vocabulary op
             values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
         elif node.fn in _LAYER:
@@ -303,9 +306,10 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
             continue
         d = grads.pop(node.result)
         if node.family is not None:
-            vjp = node.family.reference.vjp
-            if vjp is not None:  # None: a 0/1 mask, no gradient
-                add(node.operands[0], vjp(_site(node, shape), d, xp))
+            ref = node.family.reference
+            if ref.vjp is not None:  # None: a 0/1 mask, no gradient
+                site = _site(node, shape, values)
+                add(node.operands[ref.grad_operand(site.call)], ref.vjp(site, d, xp))
             continue
         if node.over is not None:  # one operand gets a gradient (token ids never do)
             k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
@@ -341,8 +345,8 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
         if node.family is not None:
-            (x,) = node.operands
-            mag[node.result] = node.family.reference.magnitude(_site(node, shape), values[x], mag[x],
+            x = node.operands[0]
+            mag[node.result] = node.family.reference.magnitude(_site(node, shape, values, mag), values[x], mag[x],
                                                                values[node.result])
         elif node.over is not None:
             mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
@@ -360,9 +364,12 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             continue
         d = grads.pop(node.result)
         if node.family is not None:
-            vjp = node.family.reference.vjp
-            if vjp is not None:  # linear given the call (a mask's): magnitudes map as values do
-                grads[node.operands[0]] = grads.get(node.operands[0], 0) + vjp(_site(node, shape), d, np)
+            ref = node.family.reference
+            if ref.vjp is not None:  # without grad_magnitude, linear given the call: magnitudes map as values do
+                site = _site(node, shape, values, mag)
+                g = ref.grad_magnitude(site, d) if ref.grad_magnitude is not None else ref.vjp(site, d, np)
+                to = node.operands[ref.grad_operand(site.call)]
+                grads[to] = grads.get(to, 0) + g
             continue
         if node.over is not None:
             k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
@@ -24,23 +24,43 @@ if TYPE_CHECKING:
     from shardc.planner.ir import Step
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
-    from shardc.spec.ir import Call, TensorRef
+    from shardc.spec.ir import Call, Expr, TensorRef
 
-__all__ = ["Family", "Reference", "Site", "register", "of_call", "of_op", "families"]
+__all__ = ["Builder", "Family", "Reference", "Site", "register", "of_call", "of_op", "families"]
 
 Array = Any
 Namer = Callable[["TensorRef"], str]  # a value's variable in the generated code
 
 
+class Builder(Protocol):
+    """What a family may ask of the graph builder (:mod:`shardc.planner.graph`) for a node of its own
+    shape: the names taken, every tensor's indices, and a call's argument computed as a tensor."""
+
+    names: set[str]
+    indices: dict[str, tuple[str, ...]]
+
+    def argument(self, e: Expr, name: str, indices: tuple[str, ...], target: TensorRef | None = None) -> str: ...
+
+
 @dataclass(frozen=True)
 class Site:
     """Where the reference applies a family's call: the call, its argument's indices ``labels``, a
-    dropout's ``salt``, and the length of every index known so far (``shape``)."""
+    dropout's ``salt``, and the length of every index known so far (``shape``); then every operand's
+    indices, values and (in :func:`shardc.lowering.reference.magnitudes`) magnitudes, and the
+    call's value once known (in the backward)."""
 
     call: Call
     labels: tuple[str, ...]
     salt: int
     shape: dict[str, int]
+    operands: tuple[tuple[str, ...], ...] = ()
+    args: tuple[Array, ...] = ()
+    mags: tuple[Array, ...] = ()
+    result: Array = None
+
+
+def _first(call: Call) -> int:
+    return 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,14 @@ class Reference:
     forward: Callable[[Site, Array, Any], Array]
     vjp: Callable[[Site, Array, Any], Array] | None
     magnitude: Callable[[Site, Array, Array, Array], Array]
+    grad_operand: Callable[[Call], int] = _first  # the operand the gradient reaches (token ids get none)
+    # a bound on the terms behind that gradient for a cotangent of magnitude ``d`` (numpy); None: the
+    # vjp of the magnitudes, a bound for a family linear given its call (a mask's)
+    grad_magnitude: Callable[[Site, Array], Array] | None = None
+    # each tensor argument and the indices it is computed towards, given the result's (None: the one
+    # argument, as the plain call), and the result's indices given the operands' (None: the first's)
+    arguments: Callable[[Call, tuple[str, ...]], tuple[tuple[Expr, tuple[str, ...]], ...]] | None = None
+    indices: Callable[[Call, tuple[tuple[str, ...], ...]], tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +103,11 @@ class Family:
     # one step as one line of JAX (its right-hand side), at the module's sizes (None: shape-generic)
     emit: Callable[[Step, Namer, dict[str, int] | None], str]
     reference: Reference
+    # a node of its own shape (several tensor arguments, tensors made on the way indexed otherwise than
+    # the result): its operands and those tensors, named and indexed through the graph builder, given the
+    # call and its result's name and indices; None: one argument computed towards ``argument``'s
+    # indices, in the result's layout where those are the result's, and ``aux`` of the result's indices
+    operands: Callable[[Builder, Call, str, tuple[str, ...]], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
 
 
 _BY_CALL: dict[str, Family] = {}

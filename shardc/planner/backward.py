@@ -39,7 +39,6 @@ from shardc.planner.ir import Op, Step
 from shardc.planner.layout import Layout, Value
 from shardc.planner.localops import ALIAS, NEG, Map, MapVjp, add_op
 from shardc.planner.phase import Phase
-from shardc.planner.rows_backward import rows_backward
 from shardc.planner.search import reshard
 from shardc.planner.vocab import embed_backward, loss_backward
 from shardc.spec.functions import PASS_THROUGH
@@ -240,9 +239,6 @@ class _Backward:
         if node.family is not None:
             if node.family.backward is not None:
                 node.family.backward(self, node, grad)
-            return
-        if node.kind == "rows":
-            rows_backward(self, node, grad)
             return
         if node.kind in ("embed", "loss"):
             (embed_backward if node.kind == "embed" else loss_backward)(self, node, grad)

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from shardc.errors import ShardcError
 from shardc.names import fresh, gradient_names
 from shardc.ops.registry import Family, of_call
-from shardc.planner.rowstats import stat_names
 from shardc.spec.functions import is_elementwise, signature
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
@@ -130,8 +129,6 @@ class _Builder:
             return self.add(e, name, indices, target)
         if isinstance(e, Call) and (family := of_call(e.func)) is not None:
             return self.family_call(e, family, name, indices, target)
-        if isinstance(e, Call) and signature(e.func).kind in ("normalize", "reduce"):
-            return self.rows(e, name, indices, target)
         if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
             return self.lookup(e, name, indices, target)
         if isinstance(e, Call) and not is_elementwise(e.func):
@@ -183,7 +180,14 @@ class _Builder:
         """A call of an op family (``dropout(X, rate)``, ``route(Gate, S, C, k over E)``): one node, the
         call kept on it, and the tensors the family makes on the way (a dropout's keep-mask), named
         uniquely.  Its argument is computed towards the indices the family says (a route's gates: the
-        mask's less the capacity index), in ``target``'s layout where those are the result's."""
+        mask's less the capacity index), in ``target``'s layout where those are the result's; or, for a
+        node of the family's own shape, its operands and tensors as the family makes them."""
+        if family.operands is not None:
+            operands, tensors = family.operands(self, e, name, indices)
+            self.indices[name] = indices
+            self.nodes.append(Node(e.func, name, indices, operands, target, self.current, fn=e.func, call=e,
+                                   aux=tensors, family=family))
+            return name
         towards = family.argument(e, indices)
         arg = self.argument(e.arg, name, towards, target if towards == indices else None)
         self.indices[name] = indices
@@ -195,18 +199,6 @@ class _Builder:
             aux.append(made)
         self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e,
                                aux=tuple(aux), family=family))
-        return name
-
-    def rows(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
-        """A reduction over ``e.over`` (shardc.planner.rows plans it): its argument, then one node."""
-        assert e.over is not None
-        # its argument is computed towards the result's indices (and the reduced one)
-        arg = self.argument(e.arg, name, indices if e.over in indices else indices + (e.over,))
-        rows = tuple(i for i in self.indices[arg] if i != e.over)
-        aux = tuple(fresh(base, self.names) for base in stat_names(e.func, name))
-        self.indices.update({a: rows for a in aux})
-        self.indices[name] = indices
-        self.nodes.append(Node("rows", name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
         return name
 
     def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:

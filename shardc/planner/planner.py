@@ -27,7 +27,6 @@ from shardc.planner.layout import CostContext, SearchTooLong, Value
 from shardc.planner.localops import Map
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
-from shardc.planner.rows import plan_rows
 from shardc.planner.sums import plan_add, plan_rename
 from shardc.planner.unit import (
     Placements,
@@ -395,9 +394,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         return
     if node.kind in LAYER_PLANS:
         LAYER_PLANS[node.kind](phase, node, declared, target)
-        return
-    if node.kind == "rows":
-        plan_rows(phase, node, declared, target, label)
         return
     if node.kind in ("embed", "loss"):
         (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)

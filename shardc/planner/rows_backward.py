@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardc.names import fresh
-from shardc.planner.graph import Node
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.planner.localops import Row
 from shardc.planner.rows import (
@@ -44,6 +43,7 @@ from shardc.planner.search import reshard
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
 
 __all__ = ["rows_backward"]
 
