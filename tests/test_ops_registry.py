@@ -9,15 +9,16 @@ from shardc.ops.masks import MASKS
 from shardc.ops.reductions import REDUCTIONS
 from shardc.ops.registry import Family, Reference, families, of_call, of_op, register
 from shardc.ops.route import ROUTING
+from shardc.ops.vocabulary import VOCABULARY
 from shardc.planner.graph import build_graph
-from shardc.planner.localops import Causal, Combine, Dropout, DropoutMask, DropoutVjp, Map, Route, Row
+from shardc.planner.localops import Causal, Combine, Dropout, DropoutMask, DropoutVjp, Map, Route, Row, Vocab
 
 
 def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> None:
     assert of_call("causal") is MASKS and of_call("dropout") is MASKS and of_call("gelu") is None
     assert of_op(DropoutMask(0.1, 7)) is MASKS and of_op(Causal("S", "T")) is MASKS and of_op(Map("gelu")) is None
     assert of_call("route") is ROUTING and of_op(Route("S", "E", "C", 2)) is ROUTING
-    assert families() == (MASKS, REDUCTIONS, ROUTING)
+    assert families() == (MASKS, REDUCTIONS, ROUTING, VOCABULARY)
 
 
 def test_a_call_belongs_to_one_family() -> None:
@@ -54,3 +55,17 @@ def test_a_reduction_is_one_node_of_its_family_with_its_row_statistics_indexed_b
     plan = shardc.plan(spec)
     ops = {s.fn for s in plan.forward + plan.backward if s.fn is not None}
     assert Row.ROW_MEANSQ in ops and Combine.MAX in ops and {of_op(op) for op in ops} == {REDUCTIONS}
+
+
+def test_a_vocabulary_op_reads_two_tensors_and_its_gradient_reaches_the_table_or_the_logits() -> None:
+    spec = shardc.parse("mesh X=2\ndims B=4, S=8, V=16, D=8\nH[B, S, D] = embed(Tok[B, S], W_emb[V_X, D])\n"
+                        "L[] = cross_entropy(H[B, S, D], Tok[B, S])\n")
+    graph = build_graph(spec)
+    embed, loss = graph.nodes
+    assert embed.family is VOCABULARY and loss.family is VOCABULARY and embed.operands == ("Tok", "W_emb")
+    assert loss.aux == ("L_max", "L_sum", "L_lse", "L_target") and graph.indices["L_lse"] == ("B", "S")
+    assert [VOCABULARY.reference.grad_operand(n.call) for n in graph.nodes if n.call is not None] == [1, 0]
+    plan = shardc.plan(spec)
+    assert Vocab.EMBED_VJP in {s.fn for s in plan.backward}
+    assert plan.grad_name("Tok") not in {g.name for g in plan.grads}
+    assert {of_op(s.fn) for s in plan.forward if isinstance(s.fn, Vocab)} == {VOCABULARY}

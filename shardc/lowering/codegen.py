@@ -28,11 +28,10 @@ from shardc.lowering import template
 from shardc.lowering.functions import function
 from shardc.lowering.layer_code import LAYER_OPS, layer_code
 from shardc.lowering.partition_specs import axes_entry
-from shardc.lowering.rows import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.ops.registry import of_op
 from shardc.planner.ir import Op, Plan, Step
-from shardc.planner.localops import Combine, Map, MapVjp, Update, Vocab
+from shardc.planner.localops import Combine, Map, MapVjp, Update
 from shardc.spec.ir import Mesh, TensorRef
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
@@ -184,10 +183,6 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
     family = of_op(step.fn)
     if family is not None:
         return family.emit(step, var, sizes)
-    if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
-        return lookup_code(step, var)
-    if isinstance(step.fn, Vocab):
-        return row_code(step, var)
     return _elementwise_code(step, var)
 
 

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from shardc.errors import ShardcError
-from shardc.lowering import rows
 from shardc.lowering.functions import function
 from shardc.ops.registry import Family, Site, of_call
 from shardc.spec.functions import dropout_salt, signature
@@ -45,7 +44,6 @@ class _Node:
     labels: tuple[tuple[str, ...], ...]  # each operand's indices
     out: tuple[str, ...]  # the result's indices
     fn: str | None = None
-    over: str | None = None  # a reduction's index (shardc.lowering.rows)
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
     call: Call | None = None  # an op family's call (its indices, its rate, its k)
     salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
@@ -83,8 +81,6 @@ class _Builder:
             return expr.name
         if isinstance(expr, Call) and (family := of_call(expr.func)) is not None and family.reference.arguments:
             return self.family_node(expr, family, keep)
-        if isinstance(expr, Call) and signature(expr.func).kind in ("embed", "loss"):
-            return self.lookup(expr)
         if isinstance(expr, Call) and signature(expr.func).kind == "route":
             return self.route(expr, keep)
         if isinstance(expr, Add):
@@ -127,19 +123,6 @@ class _Builder:
         out = ref.indices(expr, labels)
         key = self.temp()
         self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, call=expr, family=family))
-        self.labels[key] = out
-        return key
-
-    def lookup(self, expr: Call) -> str:
-        """``embed(Tok, W)`` (over W's first index) or ``cross_entropy(Logits, Tok)`` (over the vocabulary)."""
-        keys = [self.value(a, chain_indices(a, ())) for a in expr.args]
-        labels = tuple(self.labels[k] for k in keys)
-        if expr.func == "embed":
-            out, over = labels[0] + labels[1][1:], labels[1][0]
-        else:
-            out, over = (), next(i for i in labels[0] if i not in labels[1])
-        key = self.temp()
-        self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, over))
         self.labels[key] = out
         return key
 
@@ -260,8 +243,6 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
             shape.update(zip(group, arg.shape, strict=True))
         if node.family is not None:
             values[node.result] = node.family.reference.forward(_site(node, shape, values), args[0], xp)
-        elif node.over is not None:  # a reduction over an index, or a vocabulary op
-            values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
         elif node.fn in _LAYER:
             values[node.result] = _layer_forward(xp, node, args, shape)
         elif node.fn is not None:
@@ -311,11 +292,6 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
                 site = _site(node, shape, values)
                 add(node.operands[ref.grad_operand(site.call)], ref.vjp(site, d, xp))
             continue
-        if node.over is not None:  # one operand gets a gradient (token ids never do)
-            k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
-                                 node.labels, node.over, xp)
-            add(node.operands[k], g)
-            continue
         if node.fn in _LAYER:
             for name, g in _layer_backward(xp, node, d, shape):
                 add(name, g)
@@ -348,9 +324,6 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             x = node.operands[0]
             mag[node.result] = node.family.reference.magnitude(_site(node, shape, values, mag), values[x], mag[x],
                                                                values[node.result])
-        elif node.over is not None:
-            mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
-                                                   [mag[o] for o in node.operands], node.labels, node.over)
         elif node.fn in _LAYER:  # linear maps: the magnitudes map alike, signs dropped
             mag[node.result] = _layer_forward(np, node, [mag[o] for o in node.operands], shape, absolute=True)
         elif node.fn is not None:
@@ -370,11 +343,6 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
                 g = ref.grad_magnitude(site, d) if ref.grad_magnitude is not None else ref.vjp(site, d, np)
                 to = node.operands[ref.grad_operand(site.call)]
                 grads[to] = grads.get(to, 0) + g
-            continue
-        if node.over is not None:
-            k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],
-                                            [mag[o] for o in node.operands], d, node.labels, node.over)
-            grads[node.operands[k]] = grads.get(node.operands[k], 0) + g
             continue
         if node.fn in _LAYER:
             for name, g in _layer_backward(np, node, d, shape, absolute=True):

@@ -10,7 +10,8 @@ A mean divides by I's global length: the local length times the devices sharding
 I (``jax.lax.axis_size``), so the module stays shape-generic.
 
 :func:`forward` and :func:`vjp` are the same functions on whole arrays (``xp`` is
-numpy or jax.numpy), for :mod:`shardc.lowering.reference`.
+numpy or jax.numpy), for the reference of the reductions' and the vocabulary ops' families
+(:mod:`shardc.ops.reductions`, :mod:`shardc.ops.vocabulary`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from shardc.spec.ir import TensorRef
 from shardc.spec.walk import id_vocabulary
 
 __all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
-           "id_inputs", "node_forward", "node_vjp", "node_magnitude",
-           "node_grad_magnitude", "lookup_forward", "lookup_vjp"]
+           "id_inputs", "lookup_forward", "lookup_vjp"]
 
 Array = Any
 RMS_EPS = 1e-6
@@ -283,65 +283,3 @@ def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) 
 def id_inputs(spec: Any) -> dict[str, str]:
     """Token-id tensors (integers in [0, vocabulary), ID_DTYPE) and their vocabulary index, from the spec."""
     return id_vocabulary(spec)
-
-
-# --- one node of the reference: a reduction (``over`` its index) or a vocabulary op ----------
-
-def _ids_aligned(fn: str, labels: tuple[tuple[str, ...], ...], over: str, ids: Array, xp: Any) -> Array:
-    """cross_entropy's ids in the order of the logits' other indices (embed's as they are)."""
-    if fn == "embed":
-        return ids
-    order = tuple(i for i in labels[0] if i != over)
-    return xp.transpose(ids, tuple(labels[1].index(i) for i in order)) if order != labels[1] else ids
-
-
-def _axis(fn: str, labels: tuple[tuple[str, ...], ...], over: str) -> int:
-    return 0 if fn == "embed" else labels[0].index(over)
-
-
-def node_forward(fn: str, args: list[Array], labels: tuple[tuple[str, ...], ...], over: str, xp: Any) -> Array:
-    """The value of one reference node (its operands' indices ``labels``)."""
-    if fn in ("embed", "cross_entropy"):
-        return lookup_forward(fn, args[0], _ids_aligned(fn, labels, over, args[1], xp), _axis(fn, labels, over), xp)
-    return forward(fn, args[0], _axis(fn, labels, over), xp)
-
-
-def node_vjp(fn: str, args: list[Array], result: Array, d: Array, labels: tuple[tuple[str, ...], ...], over: str,
-             xp: Any) -> tuple[int, Array]:
-    """(which operand, its gradient): the table's (embed), the logits' (cross_entropy), else the input's."""
-    axis = _axis(fn, labels, over)
-    if fn in ("embed", "cross_entropy"):
-        ids = _ids_aligned(fn, labels, over, args[1], xp)
-        return (1 if fn == "embed" else 0), lookup_vjp(fn, args[0], ids, d, axis, xp)
-    return 0, vjp(fn, args[0], result, d, axis, xp)
-
-
-def node_magnitude(fn: str, args: list[Any], mags: list[Any], labels: tuple[tuple[str, ...], ...],
-                   over: str) -> Any:
-    """A bound on the terms behind one node's value (numpy; see :func:`magnitude`).
-
-    Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice,
-    plus its logsumexp, averaged."""
-    axis = _axis(fn, labels, over)
-    if fn == "embed":
-        return lookup_forward("embed", args[0], mags[1], 0, np)
-    if fn == "cross_entropy":
-        row = np.max(np.moveaxis(mags[0], axis, -1), axis=-1)
-        lse = forward("logsumexp", np.moveaxis(args[0], axis, -1), -1, np)
-        return np.asarray(np.mean(2.0 * row + np.abs(lse)))
-    return magnitude(fn, args[0], mags[0], axis)
-
-
-def node_grad_magnitude(fn: str, args: list[Any], mags: list[Any], d: Any, labels: tuple[tuple[str, ...], ...],
-                        over: str) -> tuple[int, Any]:
-    """(which operand, a bound on the terms behind its gradient) for a cotangent of magnitude ``d``."""
-    axis = _axis(fn, labels, over)
-    if fn == "embed":
-        return 1, lookup_vjp("embed", args[0], args[1], np.abs(d), 0, np)
-    if fn == "cross_entropy":
-        ids = _ids_aligned(fn, labels, over, args[1], np)
-        p = forward("softmax", np.moveaxis(args[0], axis, -1), -1, np)
-        hot = lookup_vjp(fn, args[0], ids, np.ones_like(d), axis, np)  # (p - onehot) / tokens
-        spread = np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])
-        return 0, np.abs(d) * spread * (1.0 + np.max(mags[0]))
-    return 0, grad_magnitude(fn, args[0], mags[0], d, axis)

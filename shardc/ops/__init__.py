@@ -8,6 +8,6 @@ functions' signatures are declared in :mod:`shardc.spec.functions`, which parsin
 without importing anything of planning.
 """
 
-from shardc.ops import masks, reductions, route
+from shardc.ops import masks, reductions, route, vocabulary
 
-__all__ = ["masks", "reductions", "route"]
+__all__ = ["masks", "reductions", "route", "vocabulary"]

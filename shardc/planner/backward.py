@@ -40,7 +40,6 @@ from shardc.planner.layout import Layout, Value
 from shardc.planner.localops import ALIAS, NEG, Map, MapVjp, add_op
 from shardc.planner.phase import Phase
 from shardc.planner.search import reshard
-from shardc.planner.vocab import embed_backward, loss_backward
 from shardc.spec.functions import PASS_THROUGH
 from shardc.spec.ir import TensorRef
 
@@ -239,9 +238,6 @@ class _Backward:
         if node.family is not None:
             if node.family.backward is not None:
                 node.family.backward(self, node, grad)
-            return
-        if node.kind in ("embed", "loss"):
-            (embed_backward if node.kind == "embed" else loss_backward)(self, node, grad)
             return
         if node.kind == "elementwise":
             self.elementwise(node, grad)

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
-from shardc.names import fresh, gradient_names
+from shardc.names import gradient_names
 from shardc.ops.registry import Family, of_call
-from shardc.spec.functions import is_elementwise, signature
+from shardc.spec.functions import is_elementwise
 from shardc.spec.ir import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
@@ -129,8 +129,6 @@ class _Builder:
             return self.add(e, name, indices, target)
         if isinstance(e, Call) and (family := of_call(e.func)) is not None:
             return self.family_call(e, family, name, indices, target)
-        if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
-            return self.lookup(e, name, indices, target)
         if isinstance(e, Call) and not is_elementwise(e.func):
             what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
@@ -199,18 +197,6 @@ class _Builder:
             aux.append(made)
         self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e,
                                aux=tuple(aux), family=family))
-        return name
-
-    def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
-        """``embed`` or ``cross_entropy`` (shardc.planner.vocab plans them); its token ids get no gradient."""
-        args = [self.argument(arg, name, chain_indices(arg, ())) for arg in e.args]
-        kind = signature(e.func).kind
-        aux: tuple[str, ...] = ()
-        if kind == "loss":
-            aux = tuple(fresh(f"{name}_{suffix}", self.names) for suffix in ("max", "sum", "lse", "target"))
-            self.indices.update({a: self.indices[args[1]] for a in aux})
-        self.indices[name] = indices
-        self.nodes.append(Node(kind, name, indices, tuple(args), target, self.current, fn=e.func, call=e, aux=aux))
         return name
 
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],

@@ -36,7 +36,6 @@ from shardc.planner.unit import (
     strip_unit_axes,
     without_unit_axes,
 )
-from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.ir import Spec, TensorRef
 from shardc.spec.validate import validate
@@ -394,9 +393,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
         return
     if node.kind in LAYER_PLANS:
         LAYER_PLANS[node.kind](phase, node, declared, target)
-        return
-    if node.kind in ("embed", "loss"):
-        (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)
         return
     final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span,
                          partial=node.partial)

@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardc.errors import ShardcError
-from shardc.planner.graph import Node
 from shardc.planner.ir import Op, Step
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.planner.localops import Combine, Row, Vocab
@@ -47,13 +46,14 @@ from shardc.spec.ir import TensorRef
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
 
 __all__ = ["plan_embed", "plan_loss", "embed_backward", "loss_backward", "vocab_index"]
 
 
 def vocab_index(phase: Phase, node: Node) -> str:
     """The vocabulary index: the table's first (embed), the index of Logits that Tok lacks (loss)."""
-    if node.kind == "embed":
+    if node.fn == "embed":
         return phase.indices[node.operands[1]][0]
     logits, tok = node.operands
     return next(i for i in phase.indices[logits] if i not in phase.indices[tok])

@@ -1,0 +1,160 @@
+"""The vocabulary ops: ``embed(Tok, W_emb)`` and ``cross_entropy(Logits, Tok)``, registered once.
+
+:mod:`shardc.planner.vocab` plans both, forward and backward, with the vocabulary
+index sharded as Megatron-LM shards it.  A node reads two tensors, each computed
+towards its own indices; the token ids are integers and get no gradient, so the
+gradient reaches the table (``embed``) or the logits (``cross_entropy``).  A loss
+keeps four per-token values on the way (the row max, the sum of exponentials, the
+logsumexp and the target logit, of the ids' indices).  Its steps carry a
+:class:`~shardc.planner.localops.Vocab` (and the reductions' row statistics), written
+as one line of JAX by :mod:`shardc.lowering.rows`: a lookup or a scatter-add for
+``embed``, a row map for the rest.  Its meaning on whole arrays:
+
+- ``embed``: the table's rows at the ids (the ids' indices, then the table's others);
+  the table's gradient scatter-adds the cotangent's rows at the ids.
+- ``cross_entropy``: the mean over tokens of logsumexp(logits along the vocabulary)
+  minus the target logit; the logits' gradient is (softmax - onehot) / tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shardc.lowering import rows
+from shardc.names import fresh
+from shardc.ops.registry import Builder, Family, Namer, Reference, Site, register
+from shardc.planner.ir import Step
+from shardc.planner.localops import Vocab
+from shardc.planner.vocab import embed_backward, loss_backward, plan_embed, plan_loss
+from shardc.spec.ir import Call, Expr, TensorRef
+from shardc.spec.walk import chain_indices
+
+if TYPE_CHECKING:
+    from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
+    from shardc.planner.layout import Value
+    from shardc.planner.phase import Phase
+
+__all__ = ["VOCABULARY", "emit"]
+
+Array = Any
+_LOSS_VALUES = ("max", "sum", "lse", "target")  # what a loss keeps a token, as name suffixes
+
+
+def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
+    """The first argument's own indices (each argument is computed towards its own)."""
+    return chain_indices(call.arg, ())
+
+
+def _aux(call: Call, result: str) -> tuple[str, ...]:
+    return tuple(f"{result}_{suffix}" for suffix in _LOSS_VALUES) if call.func == "cross_entropy" else ()
+
+
+def _aux_bytes(node: Node) -> dict[str, int]:
+    return {}
+
+
+def _operands(builder: Builder, call: Call, result: str, indices: tuple[str, ...]) -> tuple[tuple[str, ...],
+                                                                                        tuple[str, ...]]:
+    """Both arguments, each towards its own indices in a layout of its own, and a loss's per-token
+    values, named uniquely, of the ids' indices."""
+    args = tuple(builder.argument(arg, result, chain_indices(arg, ())) for arg in call.args)
+    aux = tuple(fresh(base, builder.names) for base in _aux(call, result))
+    builder.indices.update({a: builder.indices[args[1]] for a in aux})
+    return args, aux
+
+
+def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
+    assert node.call is not None
+    (plan_embed if node.call.func == "embed" else plan_loss)(phase, node, declared, target, label)
+
+
+def _backward(bw: _Backward, node: Node, grad: str) -> None:
+    assert node.call is not None
+    (embed_backward if node.call.func == "embed" else loss_backward)(bw, node, grad)
+
+
+def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
+    """A lookup or its scatter-add, else a row map of the loss (any sizes)."""
+    if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
+        return rows.lookup_code(step, var)
+    return rows.row_code(step, var)
+
+
+# --- whole arrays: the reference -------------------------------------------------------------
+
+def _embeds(site: Site) -> bool:
+    return site.call.func == "embed"
+
+
+def _axis(site: Site) -> int:
+    """The vocabulary's position: the table's first index (embed), the logits' index the ids lack."""
+    if _embeds(site):
+        return 0
+    logits, ids = site.operands
+    return logits.index(next(i for i in logits if i not in ids))
+
+
+def _ids(site: Site, xp: Any) -> Array:
+    """The ids: as they are (embed), in the order of the logits' other indices (cross_entropy)."""
+    ids = site.args[1]
+    if _embeds(site):
+        return ids
+    logits, labels = site.operands
+    vocab = logits[_axis(site)]
+    order = tuple(i for i in logits if i != vocab)
+    return xp.transpose(ids, tuple(labels.index(i) for i in order)) if order != labels else ids
+
+
+def _forward(site: Site, x: Array, xp: Any) -> Array:
+    return rows.lookup_forward(site.call.func, x, _ids(site, xp), _axis(site), xp)
+
+
+def _vjp(site: Site, d: Array, xp: Any) -> Array:
+    """The table's gradient (embed) or the logits' (cross_entropy)."""
+    return rows.lookup_vjp(site.call.func, site.args[0], _ids(site, xp), d, _axis(site), xp)
+
+
+def _grad_operand(call: Call) -> int:
+    """The table (embed's second argument) or the logits (cross_entropy's first): never the ids."""
+    return 1 if call.func == "embed" else 0
+
+
+def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
+    """Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice,
+    plus its logsumexp, averaged."""
+    if _embeds(site):
+        return rows.lookup_forward("embed", x, site.mags[1], 0, np)
+    axis = _axis(site)
+    row = np.max(np.moveaxis(mag, axis, -1), axis=-1)
+    lse = rows.forward("logsumexp", np.moveaxis(x, axis, -1), -1, np)
+    return np.asarray(np.mean(2.0 * row + np.abs(lse)))
+
+
+def _grad_magnitude(site: Site, d: Array) -> Array:
+    """A bound on the terms behind the table's or the logits' gradient for a cotangent of magnitude ``d``."""
+    if _embeds(site):
+        return rows.lookup_vjp("embed", site.args[0], site.args[1], np.abs(d), 0, np)
+    axis, logits = _axis(site), site.args[0]
+    p = rows.forward("softmax", np.moveaxis(logits, axis, -1), -1, np)
+    hot = rows.lookup_vjp("cross_entropy", logits, _ids(site, np), np.ones_like(d), axis, np)  # (p - onehot) / tokens
+    spread = np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])
+    return np.abs(d) * spread * (1.0 + np.max(site.mags[0]))
+
+
+def _arguments(call: Call, keep: tuple[str, ...]) -> tuple[tuple[Expr, tuple[str, ...]], ...]:
+    return tuple((arg, chain_indices(arg, ())) for arg in call.args)
+
+
+def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    """The ids' indices then the table's others (embed); none, a scalar (cross_entropy)."""
+    first, second = operands
+    return first + second[1:] if call.func == "embed" else ()
+
+
+VOCABULARY = register(Family(
+    "vocabulary", frozenset({"embed", "cross_entropy"}), (Vocab,), _argument, _aux, _aux_bytes, _plan, _backward,
+    emit, Reference(_forward, _vjp, _magnitude, _grad_operand, _grad_magnitude, _arguments, _indices),
+    operands=_operands))
