@@ -127,4 +127,4 @@ def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
 
 
 MASKS = register(Family("masks", frozenset({"causal", "dropout"}), MASK_OPS, _argument, _aux, _aux_bytes, _plan,
-                        plan_masked_backward, emit, Reference(_apply, _vjp, _magnitude)))
+                        plan_masked_backward, emit, Reference(_apply, _vjp, _magnitude), scores=lambda call: True))

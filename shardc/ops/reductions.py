@@ -104,4 +104,4 @@ REDUCTIONS = register(Family(
     "reductions", frozenset({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp"}), (Row, Combine),
     _argument, _aux, _aux_bytes, plan_rows, rows_backward, emit,
     Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments, indices=_indices),
-    operands=_operands))
+    operands=_operands, scores=lambda call: call.func == "softmax"))

@@ -63,6 +63,10 @@ def _first(call: Call) -> int:
     return 0
 
 
+def _never(call: Call) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Reference:
     """A family's meaning on whole arrays (``xp`` numpy or jax.numpy), for the independent reference.
@@ -108,6 +112,9 @@ class Family:
     # call and its result's name and indices; None: one argument computed towards ``argument``'s
     # indices, in the result's layout where those are the result's, and ``aux`` of the result's indices
     operands: Callable[[Builder, Call, str, tuple[str, ...]], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
+    # whether a node of the call reading an attention-score region stays in it (a softmax, a mask), so
+    # selective recomputation reruns it (:func:`shardc.planner.recompute.attention_region`)
+    scores: Callable[[Call], bool] = _never
 
 
 _BY_CALL: dict[str, Family] = {}
