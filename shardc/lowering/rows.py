@@ -1,4 +1,4 @@
-"""Reductions over an index, as lowering and the numpy reference see them.
+"""Reductions over an index and the vocabulary ops, as lowering writes them.
 
 :func:`row_code` writes one planned row step (:mod:`shardc.planner.rows`) as one
 line of JAX: ``jax.nn.softmax`` / ``jax.nn.logsumexp`` where the reduced index I
@@ -8,10 +8,8 @@ if that has every index, else its first operand's) with I at ``step.dim``;
 per-row operands are aligned to the frame without I and expanded back at I.
 A mean divides by I's global length: the local length times the devices sharding
 I (``jax.lax.axis_size``), so the module stays shape-generic.
-
-:func:`forward` and :func:`vjp` are the same functions on whole arrays (``xp`` is
-numpy or jax.numpy), for the reference of the reductions' and the vocabulary ops' families
-(:mod:`shardc.ops.reductions`, :mod:`shardc.ops.vocabulary`).
+The same functions on whole arrays, for the reference, are their families'
+(:mod:`shardc.ops.reductions`, :mod:`shardc.ops.vocabulary`), with the same epsilons.
 """
 
 from __future__ import annotations
@@ -19,16 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from shardc.errors import InternalError
 from shardc.planner.ir import Step
 from shardc.planner.localops import Row, Vocab
 from shardc.spec.ir import TensorRef
 from shardc.spec.walk import id_vocabulary
 
-__all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
-           "id_inputs", "lookup_forward", "lookup_vjp"]
+__all__ = ["row_code", "lookup_code", "RMS_EPS", "LN_EPS", "id_inputs"]
 
 Array = Any
 RMS_EPS = 1e-6
@@ -170,114 +165,6 @@ def lookup_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     (declared,) = step.shapes  # the table as declared, read for its shape only
     rows = _length(declared, var(declared), table.indices[0], axes)
     return f"vocab_scatter({var(tok)}, {_aligned(var(other), other.indices, order)}, {rows}, {axes!r})"
-
-
-# --- whole arrays: the reference ---------------------------------------------------------
-
-def forward(fn: str, x: Array, axis: int, xp: Any) -> Array:
-    """``fn`` of ``x`` along ``axis`` (reductions drop it)."""
-    if fn == "softmax":
-        z = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
-        return z / xp.sum(z, axis=axis, keepdims=True)
-    if fn == "logsumexp":
-        m = xp.max(x, axis=axis, keepdims=True)
-        return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
-    if fn == "rmsnorm":
-        return x / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    if fn == "layernorm":
-        mu = xp.mean(x, axis=axis, keepdims=True)
-        return (x - mu) / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
-    if fn == "sum":
-        return xp.sum(x, axis=axis)
-    if fn == "mean":
-        return xp.mean(x, axis=axis)
-    if fn == "max":
-        return xp.max(x, axis=axis)
-    raise InternalError(f"the reference does not know the reduction {fn!r}",
-                        fix="this is a shardc bug: please report the spec")
-
-
-def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
-    """The gradient of ``fn`` at ``x`` (result ``y``) for the cotangent ``dy``, in closed form."""
-    if fn in ("sum", "mean", "max", "logsumexp"):
-        dy_, y_ = xp.expand_dims(dy, axis), xp.expand_dims(y, axis)
-        n = x.shape[axis]
-        if fn == "sum":
-            return xp.broadcast_to(dy_, x.shape) + 0.0 * x
-        if fn == "mean":
-            return xp.broadcast_to(dy_, x.shape) / n + 0.0 * x
-        if fn == "max":
-            return xp.where(x == y_, dy_, 0.0 * x)
-        return xp.exp(x - y_) * dy_
-    if fn == "softmax":
-        return y * (dy - xp.sum(dy * y, axis=axis, keepdims=True))
-    if fn == "rmsnorm":
-        r = 1.0 / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-        return r * (dy - y * xp.mean(dy * y, axis=axis, keepdims=True))
-    if fn == "layernorm":
-        mu = xp.mean(x, axis=axis, keepdims=True)
-        r = 1.0 / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
-        return r * (dy - xp.mean(dy, axis=axis, keepdims=True) - y * xp.mean(dy * y, axis=axis, keepdims=True))
-    raise InternalError(f"the reference does not know the reduction {fn!r}",
-                        fix="this is a shardc bug: please report the spec")
-
-
-def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:
-    """A bound on the terms behind ``fn(x)`` (numpy), for verify's tolerance (see reference.magnitudes).
-
-    Every output of a row reads the whole row: the row's largest input magnitude, scaled by
-    how much the function can amplify it (a norm divides by the row's RMS).
-    """
-    y = forward(fn, x, axis, np)
-    row = np.max(mag, axis=axis, keepdims=True)
-    if fn in ("sum", "mean"):
-        return np.sum(mag, axis=axis) / (x.shape[axis] if fn == "mean" else 1)
-    if fn in ("max", "logsumexp"):
-        return np.squeeze(row, axis) + np.abs(y)
-    if fn == "softmax":
-        return np.abs(y) * (1.0 + 2.0 * row)
-    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    return np.abs(y) + 2.0 * row * scale
-
-
-def grad_magnitude(fn: str, x: Any, mag: Any, d: Any, axis: int) -> Any:
-    """A bound on the terms behind the gradient of ``fn`` for a cotangent of magnitude ``d`` (numpy)."""
-    y = forward(fn, x, axis, np)
-    if fn in ("sum", "mean", "max", "logsumexp"):
-        spread = np.broadcast_to(np.expand_dims(d, axis), x.shape)
-        return spread * (1.0 + np.max(mag, axis=axis, keepdims=True)) / (x.shape[axis] if fn == "mean" else 1)
-    total = np.sum(d * np.abs(y), axis=axis, keepdims=True)
-    if fn == "softmax":
-        return np.abs(y) * (d + total) * (1.0 + np.max(mag, axis=axis, keepdims=True))
-    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    return 2.0 * scale * (d + np.abs(y) * total / x.shape[axis] + np.sum(d, axis=axis, keepdims=True) / x.shape[axis])
-
-
-def _onehot(ids: Array, n: int, xp: Any) -> Array:
-    return (xp.expand_dims(xp.asarray(ids).astype(int), -1) == xp.arange(n)) * 1.0
-
-
-def lookup_forward(fn: str, a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
-    """``embed(Tok=a, W=b)``: rows of b at a (Tok's indices, then b's others); ``cross_entropy(Logits=a,
-    Tok=b)``: the mean over tokens of logsumexp(a along ``vocab_axis``) - a at the target."""
-    if fn == "embed":
-        return xp.take(b, xp.asarray(a).astype(int), axis=0)
-    logits = xp.moveaxis(a, vocab_axis, -1)
-    lse = forward("logsumexp", logits, -1, xp)
-    target = xp.sum(logits * _onehot(b, logits.shape[-1], xp), axis=-1)
-    return xp.mean(lse - target)
-
-
-def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
-    """The gradient of the table (embed) or of the logits (cross_entropy); token ids have none."""
-    if fn == "embed":
-        hot = _onehot(a, b.shape[0], xp)
-        flat_hot = xp.reshape(hot, (-1, b.shape[0]))
-        return xp.reshape(xp.einsum("tv,tr->vr", flat_hot, xp.reshape(d, (flat_hot.shape[0], -1))), b.shape)
-    logits = xp.moveaxis(a, vocab_axis, -1)
-    p = forward("softmax", logits, -1, xp)
-    grad = (p - _onehot(b, logits.shape[-1], xp)) * d / (p.size // p.shape[-1])
-    return xp.moveaxis(grad, -1, vocab_axis)
 
 
 def id_inputs(spec: Any) -> dict[str, str]:

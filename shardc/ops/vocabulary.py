@@ -24,6 +24,7 @@ import numpy as np
 
 from shardc.lowering import rows
 from shardc.names import fresh
+from shardc.ops.reductions import forward
 from shardc.ops.registry import Builder, Family, Namer, Reference, Site, register
 from shardc.planner.ir import Step
 from shardc.planner.localops import Vocab
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
 
-__all__ = ["VOCABULARY", "emit"]
+__all__ = ["VOCABULARY", "emit", "lookup_forward", "lookup_vjp"]
 
 Array = Any
 _LOSS_VALUES = ("max", "sum", "lse", "target")  # what a loss keeps a token, as name suffixes
@@ -85,6 +86,33 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
 
 # --- whole arrays: the reference -------------------------------------------------------------
 
+def _onehot(ids: Array, n: int, xp: Any) -> Array:
+    return (xp.expand_dims(xp.asarray(ids).astype(int), -1) == xp.arange(n)) * 1.0
+
+
+def lookup_forward(fn: str, a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
+    """``embed(Tok=a, W=b)``: rows of b at a (Tok's indices, then b's others); ``cross_entropy(Logits=a,
+    Tok=b)``: the mean over tokens of logsumexp(a along ``vocab_axis``) - a at the target."""
+    if fn == "embed":
+        return xp.take(b, xp.asarray(a).astype(int), axis=0)
+    logits = xp.moveaxis(a, vocab_axis, -1)
+    lse = forward("logsumexp", logits, -1, xp)
+    target = xp.sum(logits * _onehot(b, logits.shape[-1], xp), axis=-1)
+    return xp.mean(lse - target)
+
+
+def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
+    """The gradient of the table (embed) or of the logits (cross_entropy); token ids have none."""
+    if fn == "embed":
+        hot = _onehot(a, b.shape[0], xp)
+        flat_hot = xp.reshape(hot, (-1, b.shape[0]))
+        return xp.reshape(xp.einsum("tv,tr->vr", flat_hot, xp.reshape(d, (flat_hot.shape[0], -1))), b.shape)
+    logits = xp.moveaxis(a, vocab_axis, -1)
+    p = forward("softmax", logits, -1, xp)
+    grad = (p - _onehot(b, logits.shape[-1], xp)) * d / (p.size // p.shape[-1])
+    return xp.moveaxis(grad, -1, vocab_axis)
+
+
 def _embeds(site: Site) -> bool:
     return site.call.func == "embed"
 
@@ -109,12 +137,12 @@ def _ids(site: Site, xp: Any) -> Array:
 
 
 def _forward(site: Site, x: Array, xp: Any) -> Array:
-    return rows.lookup_forward(site.call.func, x, _ids(site, xp), _axis(site), xp)
+    return lookup_forward(site.call.func, x, _ids(site, xp), _axis(site), xp)
 
 
 def _vjp(site: Site, d: Array, xp: Any) -> Array:
     """The table's gradient (embed) or the logits' (cross_entropy)."""
-    return rows.lookup_vjp(site.call.func, site.args[0], _ids(site, xp), d, _axis(site), xp)
+    return lookup_vjp(site.call.func, site.args[0], _ids(site, xp), d, _axis(site), xp)
 
 
 def _grad_operand(call: Call) -> int:
@@ -126,20 +154,20 @@ def _magnitude(site: Site, x: Array, mag: Array, y: Array) -> Array:
     """Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice,
     plus its logsumexp, averaged."""
     if _embeds(site):
-        return rows.lookup_forward("embed", x, site.mags[1], 0, np)
+        return lookup_forward("embed", x, site.mags[1], 0, np)
     axis = _axis(site)
     row = np.max(np.moveaxis(mag, axis, -1), axis=-1)
-    lse = rows.forward("logsumexp", np.moveaxis(x, axis, -1), -1, np)
+    lse = forward("logsumexp", np.moveaxis(x, axis, -1), -1, np)
     return np.asarray(np.mean(2.0 * row + np.abs(lse)))
 
 
 def _grad_magnitude(site: Site, d: Array) -> Array:
     """A bound on the terms behind the table's or the logits' gradient for a cotangent of magnitude ``d``."""
     if _embeds(site):
-        return rows.lookup_vjp("embed", site.args[0], site.args[1], np.abs(d), 0, np)
+        return lookup_vjp("embed", site.args[0], site.args[1], np.abs(d), 0, np)
     axis, logits = _axis(site), site.args[0]
-    p = rows.forward("softmax", np.moveaxis(logits, axis, -1), -1, np)
-    hot = rows.lookup_vjp("cross_entropy", logits, _ids(site, np), np.ones_like(d), axis, np)  # (p - onehot) / tokens
+    p = forward("softmax", np.moveaxis(logits, axis, -1), -1, np)
+    hot = lookup_vjp("cross_entropy", logits, _ids(site, np), np.ones_like(d), axis, np)  # (p - onehot) / tokens
     spread = np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])
     return np.abs(d) * spread * (1.0 + np.max(site.mags[0]))
 
