@@ -11,6 +11,7 @@ from shardc.ir.localops import (
     NEG,
     Add,
     Causal,
+    Combine,
     Dropout,
     DropoutMask,
     DropoutVjp,
@@ -18,39 +19,36 @@ from shardc.ir.localops import (
     MapVjp,
     Route,
     Row,
+    Vocab,
 )
 from shardc.ir.spec import Call, TensorRef
 from shardc.ops.elementwise import MAPS
 from shardc.ops.masks import MASKS
+from shardc.ops.reductions import REDUCTIONS
 from shardc.ops.registry import RENAME, SUM, Family, Reference, Site, families, of_call, of_op, register
 from shardc.ops.route import ROUTING
 from shardc.ops.sums import SUMS
+from shardc.ops.vocabulary import VOCABULARY
 from shardc.planner.graph import build_graph
 from shardc.spec.functions import FUNCTIONS
 
 
 def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> None:
-    assert of_call("causal") is MASKS and of_call("dropout") is MASKS and of_call("softmax") is None
-    assert of_op(DropoutMask(0.1, 7)) is MASKS and of_op(Causal("S", "T")) is MASKS and of_op(Row.SOFTMAX) is None
+    assert of_call("causal") is MASKS and of_call("dropout") is MASKS
+    assert of_op(DropoutMask(0.1, 7)) is MASKS and of_op(Causal("S", "T")) is MASKS
     assert of_call("route") is ROUTING and of_op(Route("S", "E", "C", 2)) is ROUTING
     assert of_call("gelu") is MAPS and of_op(Map("gelu")) is MAPS and of_op(MapVjp("tanh")) is MAPS
     assert of_call(SUM) is SUMS and of_call(RENAME) is SUMS and of_op(Add((1, -1))) is SUMS
     assert of_op(NEG) is SUMS and of_op(ALIAS) is SUMS
-    assert families() == (MAPS, MASKS, ROUTING, SUMS)
+    assert of_call("softmax") is REDUCTIONS and of_op(Row.SOFTMAX) is REDUCTIONS and of_op(Combine.MAX) is REDUCTIONS
+    assert of_call("embed") is VOCABULARY and of_op(Vocab.EMBED) is VOCABULARY
+    assert set(families()) == {MAPS, MASKS, REDUCTIONS, ROUTING, SUMS, VOCABULARY} and len(families()) == 6
 
 
-# The spec functions whose families have not moved to the registry yet: reductions and norms, and
-# the vocabulary ops.  Each moves out of this list as its family registers.
-NOT_YET_REGISTERED = frozenset({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp",
-                                "embed", "cross_entropy"})
-
-
-def test_every_spec_function_belongs_to_exactly_one_family_or_is_listed_as_not_yet_moved() -> None:
-    registered = {name for name in FUNCTIONS if of_call(name) is not None}
-    assert registered == set(FUNCTIONS) - NOT_YET_REGISTERED and NOT_YET_REGISTERED <= set(FUNCTIONS)
-    for name in registered:
-        assert [f for f in families() if name in f.calls] == [of_call(name)]
-    assert set().union(*(f.calls for f in families())) == registered | {SUM, RENAME}  # nor any other name
+def test_every_spec_function_belongs_to_exactly_one_family() -> None:
+    for name in FUNCTIONS:
+        assert [f for f in families() if name in f.calls] == [of_call(name)] != [None]
+    assert set().union(*(f.calls for f in families())) == set(FUNCTIONS) | {SUM, RENAME}  # nor any other name
 
 
 def test_a_call_belongs_to_one_family() -> None:
@@ -115,3 +113,33 @@ def test_a_sums_reference_is_signed_and_its_magnitudes_are_not() -> None:
     dk, dbias = SUMS.reference.vjp(site, (k, bias), k, np)
     assert (dk == 1.0).all() and (dbias == -2.0).all()
     assert (SUMS.reference.grad_magnitude(site, (k, bias), (k, bias), k)[1] == 2.0).all()
+
+
+def test_a_reduction_is_one_node_of_its_family_with_its_row_statistics_indexed_by_row() -> None:
+    spec = shardc.parse("mesh X=2\nY[B, D_X] = rmsnorm(X[B, D_X] over D)\nZ[B] = max(Y[B, D_X] over D)\n")
+    norm, top = build_graph(spec).nodes
+    assert norm.family is REDUCTIONS and top.family is REDUCTIONS and of_call("softmax") is REDUCTIONS
+    assert norm.aux == ("Y_ms",) and top.aux == () and build_graph(spec).indices["Y_ms"] == ("B",)
+    plan = shardc.plan(spec)
+    ops = {s.fn for s in plan.forward + plan.backward if s.fn is not None}
+    assert Row.ROW_MEANSQ in ops and Combine.MAX in ops and {of_op(op) for op in ops} == {REDUCTIONS}
+
+
+def test_a_vocabulary_op_reads_two_tensors_and_its_gradient_reaches_the_table_or_the_logits() -> None:
+    spec = shardc.parse("mesh X=2\ndims B=4, S=8, V=16, D=8\nH[B, S, D] = embed(Tok[B, S], W_emb[V_X, D])\n"
+                        "L[] = cross_entropy(H[B, S, D], Tok[B, S])\n")
+    graph = build_graph(spec)
+    embed, loss = graph.nodes
+    assert embed.family is VOCABULARY and loss.family is VOCABULARY and embed.operands == ("Tok", "W_emb")
+    assert loss.aux == ("L_max", "L_sum", "L_lse", "L_target") and graph.indices["L_lse"] == ("B", "S")
+    vjp = VOCABULARY.reference.vjp
+    assert vjp is not None
+    tok, table, logits = np.array([[0, 2]]), np.ones((3, 2)), np.ones((1, 2, 3))
+    g_tok, g_table = vjp(Site((("B", "S"), ("V", "D")), ("B", "S", "D"), {}, embed.call), (tok, table),
+                         np.ones((1, 2, 2)), np)
+    g_logits, g_ids = vjp(Site((("B", "S", "V"), ("B", "S")), (), {}, loss.call), (logits, tok), np.ones(()), np)
+    assert g_tok is None and g_ids is None and g_table.shape == table.shape and g_logits.shape == logits.shape
+    plan = shardc.plan(spec)
+    assert Vocab.EMBED_VJP in {s.fn for s in plan.backward}
+    assert plan.grad_name("Tok") not in {g.name for g in plan.grads}
+    assert {of_op(s.fn) for s in plan.forward if isinstance(s.fn, Vocab)} == {VOCABULARY}

@@ -18,6 +18,7 @@ from shardc.costmodel.formulas import evaluate, text
 from shardc.costmodel.memory import residual_formula, residual_table
 from shardc.ir.plan import Op, Plan
 from shardc.ir.spec import Call, Statement, TensorRef
+from shardc.ops.registry import of_call
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES as RECOMPUTE
 from shardc.planner.recompute import REGION_OPS, attention_region
@@ -58,16 +59,18 @@ def test_the_region_needs_the_closing_einsum() -> None:
 
 
 def _node(kind: str, result: str, indices: str, operands: tuple[str, ...], fn: str | None = None) -> Node:
+    """A node as the graph makes it: a call of an op family (``fn``, else ``kind``) carries it."""
     dummy = Statement(TensorRef(result, ()), TensorRef(result, ()))
-    call = Call(fn, TensorRef(operands[0], ())) if kind in ("normalize", "mask") and fn is not None else None
-    return Node(kind, result, tuple(indices), operands, None, dummy, None if call else fn, call=call)
+    family = of_call(fn or kind)
+    call = Call(fn or kind, TensorRef(operands[0], ())) if family is not None else None
+    return Node(kind, result, tuple(indices), operands, None, dummy, fn, call=call, family=family)
 
 
 @pytest.mark.parametrize("kinds", [("softmax", None, "dropout", None), ("elementwise", "causal", "dropout", None),
                                    ("elementwise", "softmax", "elementwise", "dropout"),
                                    ("normalize", "softmax", "mask", "causal")])
-def test_the_region_grows_through_softmax_causal_and_dropout_by_name(kinds: tuple[str, ...]) -> None:
-    """The ops other passes add (a softmax node kind, a `dropout` function) continue the region."""
+def test_the_region_grows_through_softmax_causal_and_dropout_by_their_families(kinds: tuple[str, ...]) -> None:
+    """The calls whose op family keeps them in the region (softmax, the masks) continue it."""
     first_kind, first_fn, second_kind, second_fn = kinds
     nodes = (_node("einsum", "Q", "BSH", ("X", "Wq")), _node("einsum", "Sc", "BST", ("Q", "K")),
              _node(first_kind, "Pr", "BST", ("Sc",), first_fn), _node(second_kind, "Pd", "BST", ("Pr",), second_fn),
@@ -80,7 +83,13 @@ def test_the_region_grows_through_softmax_causal_and_dropout_by_name(kinds: tupl
                     if n.result == "Pr" else n for n in nodes)
     # a norm is not part of the region: the chain to the attention times V breaks, so there is none
     assert attention_region(Graph(rmsnorm, {}, indices, graph.params, graph.inputs, graph.outputs)) == set()
-    assert {"softmax", "dropout", "causal"} <= REGION_OPS
+    assert all(_scores(f) for f in ("softmax", "dropout", "causal")) and not any(_scores(f) for f in ("rmsnorm", "max"))
+    assert "softmax" not in REGION_OPS
+
+
+def _scores(func: str) -> bool:
+    family = of_call(func)
+    return family is not None and family.scores(Call(func, TensorRef("Sc", ())))
 
 
 # --- what each mode keeps ------------------------------------------------------------------------------

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 from shardc.collectives import share
 from shardc.errors import InternalError, ShardcError
-from shardc.ir.localops import Combine, Row, Update, Vocab
+from shardc.ir.localops import Combine, Update
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Mesh, TensorRef
 from shardc.lowering import template
 from shardc.lowering.partition_specs import axes_entry
-from shardc.lowering.row_code import lookup_code, row_code
 from shardc.lowering.sizes import small_sizes
 from shardc.ops.registry import of_op
 from shardc.ops.text import aligned_text
@@ -183,10 +182,6 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
     family = of_op(step.fn)
     if family is not None:
         return family.emit(step, var, sizes)
-    if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
-        return lookup_code(step, var)
-    if isinstance(step.fn, (Row, Vocab)):
-        return row_code(step, var)
     return _elementwise_code(step, var)
 
 

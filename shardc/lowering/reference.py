@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
-from shardc.lowering import row_code as rows
 from shardc.ops.arrays import contract
 from shardc.ops.registry import RENAME, SUM, Family, Site, of_call
 from shardc.spec.functions import dropout_salt, signature
@@ -42,7 +41,6 @@ class _Node:
     labels: tuple[tuple[str, ...], ...]  # each operand's indices
     out: tuple[str, ...]  # the result's indices
     fn: str | None = None
-    over: str | None = None  # a reduction's index (shardc.lowering.row_code)
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
     call: Call | None = None  # an op family's call (its indices, its rate, its k)
     salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
@@ -78,10 +76,8 @@ class _Builder:
         if isinstance(expr, TensorRef):
             self.labels.setdefault(expr.name, expr.indices)
             return expr.name
-        if isinstance(expr, Call) and signature(expr.func).kind in ("normalize", "reduce"):
-            return self.reduction(expr, keep)
-        if isinstance(expr, Call) and signature(expr.func).kind in ("embed", "loss"):
-            return self.lookup(expr)
+        if isinstance(expr, Call) and (family := of_call(expr.func)) is not None and family.reference.arguments:
+            return self.family_node(expr, family, keep)
         if isinstance(expr, Call) and signature(expr.func).kind == "route":
             return self.route(expr, keep)
         if isinstance(expr, Add):
@@ -114,28 +110,16 @@ class _Builder:
             left = self.einsum([left, keys[k]], out)
         return left
 
-    def reduction(self, expr: Call, keep: tuple[str, ...]) -> str:
-        """``softmax(X over I)`` and the like: the argument towards the result's indices and I."""
-        assert expr.over is not None
-        arg = self.value(expr.arg, keep if expr.over in keep else keep + (expr.over,))
-        labels = self.labels[arg]
-        reduces = signature(expr.func).kind == "reduce"
-        out = tuple(i for i in labels if i != expr.over) if reduces else labels
-        key = self.temp()
-        self.nodes.append(_Node(key, (arg,), (labels,), out, expr.func, expr.over))
-        self.labels[key] = out
-        return key
-
-    def lookup(self, expr: Call) -> str:
-        """``embed(Tok, W)`` (over W's first index) or ``cross_entropy(Logits, Tok)`` (over the vocabulary)."""
-        keys = [self.value(a, chain_indices(a, ())) for a in expr.args]
+    def family_node(self, expr: Call, family: Family, keep: tuple[str, ...]) -> str:
+        """A call of a family that says its arguments and result (``softmax(X over I)``: X towards the
+        result's indices and I): each argument as the family computes it, then one node."""
+        ref = family.reference
+        assert ref.arguments is not None and ref.indices is not None
+        keys = [self.value(arg, towards) for arg, towards in ref.arguments(expr, keep)]
         labels = tuple(self.labels[k] for k in keys)
-        if expr.func == "embed":
-            out, over = labels[0] + labels[1][1:], labels[1][0]
-        else:
-            out, over = (), next(i for i in labels[0] if i not in labels[1])
+        out = ref.indices(expr, labels)
         key = self.temp()
-        self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, over))
+        self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, call=expr, family=family))
         self.labels[key] = out
         return key
 
@@ -188,9 +172,10 @@ def keyed_salt(salt: int, key: int) -> int:
     return (salt + int(key) * 0x9E3779B9) % 2**32
 
 
-def _site(node: _Node, shape: dict[str, int]) -> Site:
-    """Where a family's node applies, for its reference (:class:`shardc.ops.registry.Site`)."""
-    return Site(node.labels, node.out, shape, node.call, node.salt, node.signs)
+def _site(node: _Node, shape: dict[str, int], result: Array = None) -> Site:
+    """Where a family's node applies, for its reference (:class:`shardc.ops.registry.Site`); ``result``:
+    its value, once known (in the backward)."""
+    return Site(node.labels, node.out, shape, node.call, node.salt, node.signs, result)
 
 
 def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str, Array] | None,
@@ -203,8 +188,6 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
             shape.update(zip(group, arg.shape, strict=True))
         if node.family is not None:
             values[node.result] = node.family.reference.forward(_site(node, shape), tuple(args), xp)
-        elif node.over is not None:  # a reduction over an index, or a vocabulary op
-            values[node.result] = rows.node_forward(node.fn or "", args, node.labels, node.over, xp)
         else:
             values[node.result] = contract(xp, args, list(node.labels), node.out, shape)
         if given and node.result in given:  # a forward value the caller already has
@@ -248,13 +231,10 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
             vjp = node.family.reference.vjp
             if vjp is not None:  # None: a 0/1 mask, no gradient
                 xs = tuple(values[o] for o in node.operands)
-                for name, g in zip(node.operands, vjp(_site(node, shape), xs, d, xp), strict=True):
-                    add(name, g)
-            continue
-        if node.over is not None:  # one operand gets a gradient (token ids never do)
-            k, g = rows.node_vjp(node.fn or "", [values[o] for o in node.operands], values[node.result], d,
-                                 node.labels, node.over, xp)
-            add(node.operands[k], g)
+                for name, g in zip(node.operands, vjp(_site(node, shape, values[node.result]), xs, d, xp),
+                                   strict=True):
+                    if g is not None:  # None: no gradient there (token ids)
+                        add(name, g)
             continue
         for k, name in enumerate(node.operands):
             others = [values[o] for j, o in enumerate(node.operands) if j != k]
@@ -282,9 +262,6 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
             mag[node.result] = node.family.reference.magnitude(
                 _site(node, shape), tuple(values[o] for o in node.operands), tuple(mag[o] for o in node.operands),
                 values[node.result])
-        elif node.over is not None:
-            mag[node.result] = rows.node_magnitude(node.fn or "", [values[o] for o in node.operands],
-                                                   [mag[o] for o in node.operands], node.labels, node.over)
         else:
             mag[node.result] = contract(np, [mag[o] for o in node.operands], list(node.labels), node.out, shape)
     grads: dict[str, np.ndarray] = {out: np.abs(cotangents[out]) for out in outputs(spec) if out in cotangents}
@@ -294,11 +271,6 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         d = grads.pop(node.result)
         if node.family is not None:
             grads.update(_family_grad_magnitude(node, shape, values, mag, d, grads))
-            continue
-        if node.over is not None:
-            k, g = rows.node_grad_magnitude(node.fn or "", [values[o] for o in node.operands],
-                                            [mag[o] for o in node.operands], d, node.labels, node.over)
-            grads[node.operands[k]] = grads.get(node.operands[k], 0) + g
             continue
         for k, name in enumerate(node.operands):
             others = [mag[o] for j, o in enumerate(node.operands) if j != k]
@@ -316,9 +288,11 @@ def _family_grad_magnitude(node: _Node, shape: dict[str, int], values: dict[str,
     ref = node.family.reference if node.family is not None else None
     if ref is None or ref.vjp is None:  # no gradient (a 0/1 mask)
         return {}
-    site, xs, mags = _site(node, shape), tuple(values[o] for o in node.operands), tuple(mag[o] for o in node.operands)
+    site = _site(node, shape, values[node.result])
+    xs, mags = tuple(values[o] for o in node.operands), tuple(mag[o] for o in node.operands)
     gs = ref.grad_magnitude(site, xs, mags, d) if ref.grad_magnitude is not None else ref.vjp(site, xs, d, np)
     made: dict[str, np.ndarray] = {}
     for name, g in zip(node.operands, gs, strict=True):
-        made[name] = made.get(name, grads.get(name, 0)) + g
+        if g is not None:  # None: no gradient there (token ids)
+            made[name] = made.get(name, grads.get(name, 0)) + g
     return made

@@ -1,4 +1,4 @@
-"""Reductions over an index, as lowering and the numpy reference see them.
+"""Reductions over an index and the vocabulary ops, as lowering writes them.
 
 :func:`row_code` writes one planned row step (:mod:`shardc.planner.rows`) as one
 line of JAX: ``jax.nn.softmax`` / ``jax.nn.logsumexp`` where the reduced index I
@@ -8,9 +8,8 @@ if that has every index, else its first operand's) with I at ``step.dim``;
 per-row operands are aligned to the frame without I and expanded back at I.
 A mean divides by I's global length: the local length times the devices sharding
 I (``jax.lax.axis_size``), so the module stays shape-generic.
-
-:func:`forward` and :func:`vjp` are the same functions on whole arrays (``xp`` is
-numpy or jax.numpy), for :mod:`shardc.lowering.reference`.
+The same functions on whole arrays, for the reference, are their families'
+(:mod:`shardc.ops.reductions`, :mod:`shardc.ops.vocabulary`), with the same epsilons.
 """
 
 from __future__ import annotations
@@ -18,17 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from shardc.errors import InternalError
 from shardc.ir.localops import Row, Vocab
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 from shardc.spec.walk import id_vocabulary
 
-__all__ = ["row_code", "lookup_code", "forward", "vjp", "magnitude", "grad_magnitude", "RMS_EPS", "LN_EPS",
-           "id_inputs", "node_forward", "node_vjp", "node_magnitude",
-           "node_grad_magnitude", "lookup_forward", "lookup_vjp"]
+__all__ = ["row_code", "lookup_code", "RMS_EPS", "LN_EPS", "id_inputs"]
 
 Array = Any
 RMS_EPS = 1e-6
@@ -172,176 +167,6 @@ def lookup_code(step: Step, var: Callable[[TensorRef], str]) -> str:
     return f"vocab_scatter({var(tok)}, {_aligned(var(other), other.indices, order)}, {rows}, {axes!r})"
 
 
-# --- whole arrays: the reference ---------------------------------------------------------
-
-def forward(fn: str, x: Array, axis: int, xp: Any) -> Array:
-    """``fn`` of ``x`` along ``axis`` (reductions drop it)."""
-    if fn == "softmax":
-        z = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
-        return z / xp.sum(z, axis=axis, keepdims=True)
-    if fn == "logsumexp":
-        m = xp.max(x, axis=axis, keepdims=True)
-        return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
-    if fn == "rmsnorm":
-        return x / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    if fn == "layernorm":
-        mu = xp.mean(x, axis=axis, keepdims=True)
-        return (x - mu) / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
-    if fn == "sum":
-        return xp.sum(x, axis=axis)
-    if fn == "mean":
-        return xp.mean(x, axis=axis)
-    if fn == "max":
-        return xp.max(x, axis=axis)
-    raise InternalError(f"the reference does not know the reduction {fn!r}",
-                        fix="this is a shardc bug: please report the spec")
-
-
-def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
-    """The gradient of ``fn`` at ``x`` (result ``y``) for the cotangent ``dy``, in closed form."""
-    if fn in ("sum", "mean", "max", "logsumexp"):
-        dy_, y_ = xp.expand_dims(dy, axis), xp.expand_dims(y, axis)
-        n = x.shape[axis]
-        if fn == "sum":
-            return xp.broadcast_to(dy_, x.shape) + 0.0 * x
-        if fn == "mean":
-            return xp.broadcast_to(dy_, x.shape) / n + 0.0 * x
-        if fn == "max":
-            return xp.where(x == y_, dy_, 0.0 * x)
-        return xp.exp(x - y_) * dy_
-    if fn == "softmax":
-        return y * (dy - xp.sum(dy * y, axis=axis, keepdims=True))
-    if fn == "rmsnorm":
-        r = 1.0 / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-        return r * (dy - y * xp.mean(dy * y, axis=axis, keepdims=True))
-    if fn == "layernorm":
-        mu = xp.mean(x, axis=axis, keepdims=True)
-        r = 1.0 / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
-        return r * (dy - xp.mean(dy, axis=axis, keepdims=True) - y * xp.mean(dy * y, axis=axis, keepdims=True))
-    raise InternalError(f"the reference does not know the reduction {fn!r}",
-                        fix="this is a shardc bug: please report the spec")
-
-
-def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:
-    """A bound on the terms behind ``fn(x)`` (numpy), for verify's tolerance (see reference.magnitudes).
-
-    Every output of a row reads the whole row: the row's largest input magnitude, scaled by
-    how much the function can amplify it (a norm divides by the row's RMS).
-    """
-    y = forward(fn, x, axis, np)
-    row = np.max(mag, axis=axis, keepdims=True)
-    if fn in ("sum", "mean"):
-        return np.sum(mag, axis=axis) / (x.shape[axis] if fn == "mean" else 1)
-    if fn in ("max", "logsumexp"):
-        return np.squeeze(row, axis) + np.abs(y)
-    if fn == "softmax":
-        return np.abs(y) * (1.0 + 2.0 * row)
-    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    return np.abs(y) + 2.0 * row * scale
-
-
-def grad_magnitude(fn: str, x: Any, mag: Any, d: Any, axis: int) -> Any:
-    """A bound on the terms behind the gradient of ``fn`` for a cotangent of magnitude ``d`` (numpy)."""
-    y = forward(fn, x, axis, np)
-    if fn in ("sum", "mean", "max", "logsumexp"):
-        spread = np.broadcast_to(np.expand_dims(d, axis), x.shape)
-        return spread * (1.0 + np.max(mag, axis=axis, keepdims=True)) / (x.shape[axis] if fn == "mean" else 1)
-    total = np.sum(d * np.abs(y), axis=axis, keepdims=True)
-    if fn == "softmax":
-        return np.abs(y) * (d + total) * (1.0 + np.max(mag, axis=axis, keepdims=True))
-    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    return 2.0 * scale * (d + np.abs(y) * total / x.shape[axis] + np.sum(d, axis=axis, keepdims=True) / x.shape[axis])
-
-
-def _onehot(ids: Array, n: int, xp: Any) -> Array:
-    return (xp.expand_dims(xp.asarray(ids).astype(int), -1) == xp.arange(n)) * 1.0
-
-
-def lookup_forward(fn: str, a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
-    """``embed(Tok=a, W=b)``: rows of b at a (Tok's indices, then b's others); ``cross_entropy(Logits=a,
-    Tok=b)``: the mean over tokens of logsumexp(a along ``vocab_axis``) - a at the target."""
-    if fn == "embed":
-        return xp.take(b, xp.asarray(a).astype(int), axis=0)
-    logits = xp.moveaxis(a, vocab_axis, -1)
-    lse = forward("logsumexp", logits, -1, xp)
-    target = xp.sum(logits * _onehot(b, logits.shape[-1], xp), axis=-1)
-    return xp.mean(lse - target)
-
-
-def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
-    """The gradient of the table (embed) or of the logits (cross_entropy); token ids have none."""
-    if fn == "embed":
-        hot = _onehot(a, b.shape[0], xp)
-        flat_hot = xp.reshape(hot, (-1, b.shape[0]))
-        return xp.reshape(xp.einsum("tv,tr->vr", flat_hot, xp.reshape(d, (flat_hot.shape[0], -1))), b.shape)
-    logits = xp.moveaxis(a, vocab_axis, -1)
-    p = forward("softmax", logits, -1, xp)
-    grad = (p - _onehot(b, logits.shape[-1], xp)) * d / (p.size // p.shape[-1])
-    return xp.moveaxis(grad, -1, vocab_axis)
-
-
 def id_inputs(spec: Any) -> dict[str, str]:
     """Token-id tensors (integers in [0, vocabulary), ID_DTYPE) and their vocabulary index, from the spec."""
     return id_vocabulary(spec)
-
-
-# --- one node of the reference: a reduction (``over`` its index) or a vocabulary op ----------
-
-def _ids_aligned(fn: str, labels: tuple[tuple[str, ...], ...], over: str, ids: Array, xp: Any) -> Array:
-    """cross_entropy's ids in the order of the logits' other indices (embed's as they are)."""
-    if fn == "embed":
-        return ids
-    order = tuple(i for i in labels[0] if i != over)
-    return xp.transpose(ids, tuple(labels[1].index(i) for i in order)) if order != labels[1] else ids
-
-
-def _axis(fn: str, labels: tuple[tuple[str, ...], ...], over: str) -> int:
-    return 0 if fn == "embed" else labels[0].index(over)
-
-
-def node_forward(fn: str, args: list[Array], labels: tuple[tuple[str, ...], ...], over: str, xp: Any) -> Array:
-    """The value of one reference node (its operands' indices ``labels``)."""
-    if fn in ("embed", "cross_entropy"):
-        return lookup_forward(fn, args[0], _ids_aligned(fn, labels, over, args[1], xp), _axis(fn, labels, over), xp)
-    return forward(fn, args[0], _axis(fn, labels, over), xp)
-
-
-def node_vjp(fn: str, args: list[Array], result: Array, d: Array, labels: tuple[tuple[str, ...], ...], over: str,
-             xp: Any) -> tuple[int, Array]:
-    """(which operand, its gradient): the table's (embed), the logits' (cross_entropy), else the input's."""
-    axis = _axis(fn, labels, over)
-    if fn in ("embed", "cross_entropy"):
-        ids = _ids_aligned(fn, labels, over, args[1], xp)
-        return (1 if fn == "embed" else 0), lookup_vjp(fn, args[0], ids, d, axis, xp)
-    return 0, vjp(fn, args[0], result, d, axis, xp)
-
-
-def node_magnitude(fn: str, args: list[Any], mags: list[Any], labels: tuple[tuple[str, ...], ...],
-                   over: str) -> Any:
-    """A bound on the terms behind one node's value (numpy; see :func:`magnitude`).
-
-    Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice,
-    plus its logsumexp, averaged."""
-    axis = _axis(fn, labels, over)
-    if fn == "embed":
-        return lookup_forward("embed", args[0], mags[1], 0, np)
-    if fn == "cross_entropy":
-        row = np.max(np.moveaxis(mags[0], axis, -1), axis=-1)
-        lse = forward("logsumexp", np.moveaxis(args[0], axis, -1), -1, np)
-        return np.asarray(np.mean(2.0 * row + np.abs(lse)))
-    return magnitude(fn, args[0], mags[0], axis)
-
-
-def node_grad_magnitude(fn: str, args: list[Any], mags: list[Any], d: Any, labels: tuple[tuple[str, ...], ...],
-                        over: str) -> tuple[int, Any]:
-    """(which operand, a bound on the terms behind its gradient) for a cotangent of magnitude ``d``."""
-    axis = _axis(fn, labels, over)
-    if fn == "embed":
-        return 1, lookup_vjp("embed", args[0], args[1], np.abs(d), 0, np)
-    if fn == "cross_entropy":
-        ids = _ids_aligned(fn, labels, over, args[1], np)
-        p = forward("softmax", np.moveaxis(args[0], axis, -1), -1, np)
-        hot = lookup_vjp(fn, args[0], ids, np.ones_like(d), axis, np)  # (p - onehot) / tokens
-        spread = np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])
-        return 0, np.abs(d) * spread * (1.0 + np.max(mags[0]))
-    return 0, grad_magnitude(fn, args[0], mags[0], d, axis)

@@ -8,6 +8,6 @@ functions' signatures are declared in :mod:`shardc.spec.functions`, which parsin
 without importing anything of planning.
 """
 
-from shardc.ops import elementwise, masks, route, sums
+from shardc.ops import elementwise, masks, reductions, route, sums, vocabulary
 
-__all__ = ["elementwise", "masks", "route", "sums"]
+__all__ = ["elementwise", "masks", "reductions", "route", "sums", "vocabulary"]

@@ -124,4 +124,6 @@ def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
 
 
 MAPS = register(Family("elementwise", ELEMENTWISE, (Map, MapVjp), _argument, _aux, _aux_bytes, _plan, _backward,
-                       emit, Reference(_forward, _vjp, _magnitude, _grad_magnitude)))
+                       emit, Reference(_forward, _vjp, _magnitude, _grad_magnitude),
+                       # a map of the attention scores (a scale, an exp) stays in their region
+                       scores=lambda call: True))

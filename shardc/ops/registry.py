@@ -16,17 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from shardc.ir.plan import Step
-    from shardc.ir.spec import Call, TensorRef
+    from shardc.ir.spec import Call, Expr, TensorRef
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
 
-__all__ = ["Family", "Reference", "Site", "register", "of_call", "of_op", "families", "SUM", "RENAME"]
+__all__ = ["Builder", "Family", "Reference", "Site", "register", "of_call", "of_op", "families", "SUM", "RENAME"]
 
 # The forms of the language a family may claim beside its spec functions: a sum of terms
 # (``A + B - C``) and a rename (``Kx[B, T, D] = X[B, S, D]``).
@@ -38,11 +38,22 @@ Arrays = tuple[Any, ...]  # one array per operand
 Namer = Callable[["TensorRef"], str]  # a value's variable in the generated code
 
 
+class Builder(Protocol):
+    """What a family may ask of the graph builder (:mod:`shardc.planner.graph`) for a node of its own
+    shape: the names taken, every tensor's indices, and a call's argument computed as a tensor."""
+
+    names: set[str]
+    indices: dict[str, tuple[str, ...]]
+
+    def argument(self, e: Expr, name: str, indices: tuple[str, ...], target: TensorRef | None = None) -> str: ...
+
+
 @dataclass(frozen=True)
 class Site:
     """Where the reference applies a family's node: its operands' indices ``labels`` (one tuple
-    each), its result's ``out``, the length of every index known so far (``shape``), and what the
-    node is: a call (``call``, a dropout's ``salt``) or a sum (its terms' ``signs``)."""
+    each), its result's ``out``, the length of every index known so far (``shape``), what the
+    node is: a call (``call``, a dropout's ``salt``) or a sum (its terms' ``signs``), and, in the
+    backward, the node's value (``result``: a softmax's gradient reads it)."""
 
     labels: tuple[tuple[str, ...], ...]
     out: tuple[str, ...]
@@ -50,6 +61,7 @@ class Site:
     call: Call | None = None
     salt: int = 0
     signs: tuple[int, ...] = ()
+    result: Array = None
 
     @property
     def func(self) -> Call:
@@ -58,22 +70,31 @@ class Site:
         return self.call
 
 
+def _never(call: Call) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Reference:
     """A family's meaning on whole arrays (``xp`` numpy or jax.numpy), for the independent reference.
 
     ``forward(site, xs, xp)`` is the node's value on its operands' values ``xs``;
-    ``vjp(site, xs, d, xp)`` the operands' gradients, one each, for the cotangent ``d`` (None: no
-    gradient); ``magnitude(site, xs, mags, y)`` (numpy) a bound on the terms behind the value ``y``,
-    given the operands' values and magnitudes; ``grad_magnitude(site, xs, mags, d)`` (numpy) the same
-    for the operands' gradients, given the cotangent's magnitude ``d`` (None: ``vjp`` of it, right
-    for a map linear given the node, such as a mask or a sum).
+    ``vjp(site, xs, d, xp)`` the operands' gradients, one each (None where an operand gets none,
+    as token ids), for the cotangent ``d`` (``vjp`` None: no operand gets one);
+    ``magnitude(site, xs, mags, y)`` (numpy) a bound on the terms behind the value ``y``, given the
+    operands' values and magnitudes; ``grad_magnitude(site, xs, mags, d)`` (numpy) the same for the
+    operands' gradients, given the cotangent's magnitude ``d`` (None: ``vjp`` of it, right for a map
+    linear given the node, such as a mask or a sum).
     """
 
     forward: Callable[[Site, Arrays, Any], Array]
-    vjp: Callable[[Site, Arrays, Array, Any], Arrays] | None
+    vjp: Callable[[Site, Arrays, Array, Any], tuple[Array | None, ...]] | None
     magnitude: Callable[[Site, Arrays, Arrays, Array], Array]
-    grad_magnitude: Callable[[Site, Arrays, Arrays, Array], Arrays] | None = None
+    grad_magnitude: Callable[[Site, Arrays, Arrays, Array], tuple[Array | None, ...]] | None = None
+    # each tensor argument and the indices it is computed towards, given the result's (None: the one
+    # argument, as the plain call), and the result's indices given the operands' (None: the first's)
+    arguments: Callable[[Call, tuple[str, ...]], tuple[tuple[Expr, tuple[str, ...]], ...]] | None = None
+    indices: Callable[[Call, tuple[tuple[str, ...], ...]], tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +118,14 @@ class Family:
     # whether a node's result is its argument under another name (a rename): its gradient's
     # contributions then pass to the argument's as made, before any is summed
     aliases: Callable[[Node], bool] = field(default=lambda node: False)
+    # a node of its own shape (several tensor arguments, tensors made on the way indexed otherwise than
+    # the result): its operands and those tensors, named and indexed through the graph builder, given the
+    # call and its result's name and indices; None: one argument computed towards ``argument``'s
+    # indices, in the result's layout where those are the result's, and ``aux`` of the result's indices
+    operands: Callable[[Builder, Call, str, tuple[str, ...]], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
+    # whether a node of the call reading an attention-score region stays in it (a softmax, a mask), so
+    # selective recomputation reruns it (:func:`shardc.planner.recompute.attention_region`)
+    scores: Callable[[Call], bool] = _never
 
 
 _BY_CALL: dict[str, Family] = {}

@@ -40,9 +40,7 @@ from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
 from shardc.planner.graph import Graph, Node
 from shardc.planner.layout import Layout, Value
 from shardc.planner.phase import Phase
-from shardc.planner.rows_backward import rows_backward
 from shardc.planner.search import reshard
-from shardc.planner.vocab import embed_backward, loss_backward
 
 __all__ = ["Backward", "plan_backward"]
 
@@ -241,11 +239,6 @@ class _Backward:
             if node.family.backward is not None:
                 node.family.backward(self, node, grad)
             return
-        if node.kind == "rows":
-            rows_backward(self, node, grad)
-            return
-        if node.kind in ("embed", "loss"):
-            (embed_backward if node.kind == "embed" else loss_backward)(self, node, grad)
             return
         if len(node.operands) == 1:
             (a,) = node.operands

@@ -18,10 +18,8 @@ from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
-from shardc.names import fresh, gradient_names
+from shardc.names import gradient_names
 from shardc.ops.registry import RENAME, SUM, Family, of_call
-from shardc.planner.rowstats import stat_names
-from shardc.spec.functions import signature
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
 __all__ = ["Node", "Graph", "build_graph"]
@@ -132,10 +130,6 @@ class _Builder:
             return self.add(e, name, indices, target)
         if isinstance(e, Call) and (family := of_call(e.func)) is not None:
             return self.family_call(e, family, name, indices, target)
-        if isinstance(e, Call) and signature(e.func).kind in ("normalize", "reduce"):
-            return self.rows(e, name, indices, target)
-        if isinstance(e, Call) and signature(e.func).kind in ("embed", "loss"):
-            return self.lookup(e, name, indices, target)
         if isinstance(e, Call):
             what = f"`{e.func}`"
             raise ShardcError(f"{what} parse and validate, but the planner does not plan them yet", e.span,
@@ -180,7 +174,14 @@ class _Builder:
         """A call of an op family (``dropout(X, rate)``, ``route(Gate, S, C, k over E)``): one node, the
         call kept on it, and the tensors the family makes on the way (a dropout's keep-mask), named
         uniquely.  Its argument is computed towards the indices the family says (a route's gates: the
-        mask's less the capacity index), in ``target``'s layout where those are the result's."""
+        mask's less the capacity index), in ``target``'s layout where those are the result's; or, for a
+        node of the family's own shape, its operands and tensors as the family makes them."""
+        if family.operands is not None:
+            operands, tensors = family.operands(self, e, name, indices)
+            self.indices[name] = indices
+            self.nodes.append(Node(e.func, name, indices, operands, target, self.current, fn=e.func, call=e,
+                                   aux=tensors, family=family))
+            return name
         towards = family.argument(e, indices)
         arg = self.argument(e.arg, name, towards, target if towards == indices else None)
         self.indices[name] = indices
@@ -192,30 +193,6 @@ class _Builder:
             aux.append(made)
         self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e,
                                aux=tuple(aux), family=family))
-        return name
-
-    def rows(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
-        """A reduction over ``e.over`` (shardc.planner.rows plans it): its argument, then one node."""
-        assert e.over is not None
-        # its argument is computed towards the result's indices (and the reduced one)
-        arg = self.argument(e.arg, name, indices if e.over in indices else indices + (e.over,))
-        rows = tuple(i for i in self.indices[arg] if i != e.over)
-        aux = tuple(fresh(base, self.names) for base in stat_names(e.func, name))
-        self.indices.update({a: rows for a in aux})
-        self.indices[name] = indices
-        self.nodes.append(Node("rows", name, indices, (arg,), target, self.current, fn=e.func, call=e, aux=aux))
-        return name
-
-    def lookup(self, e: Call, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
-        """``embed`` or ``cross_entropy`` (shardc.planner.vocab plans them); its token ids get no gradient."""
-        args = [self.argument(arg, name, chain_indices(arg, ())) for arg in e.args]
-        kind = signature(e.func).kind
-        aux: tuple[str, ...] = ()
-        if kind == "loss":
-            aux = tuple(fresh(f"{name}_{suffix}", self.names) for suffix in ("max", "sum", "lse", "target"))
-            self.indices.update({a: self.indices[args[1]] for a in aux})
-        self.indices[name] = indices
-        self.nodes.append(Node(kind, name, indices, tuple(args), target, self.current, fn=e.func, call=e, aux=aux))
         return name
 
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],

@@ -27,7 +27,6 @@ from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.layout import CostContext, SearchTooLong, Value
 from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
-from shardc.planner.rows import plan_rows
 from shardc.planner.unit import (
     Placements,
     bonded_axes,
@@ -36,7 +35,6 @@ from shardc.planner.unit import (
     strip_unit_axes,
     without_unit_axes,
 )
-from shardc.planner.vocab import plan_embed, plan_loss
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
@@ -390,11 +388,6 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     if node.family is not None:
         node.family.plan(phase, node, declared, target, label)
         return
-    if node.kind == "rows":
-        plan_rows(phase, node, declared, target, label)
-        return
-    if node.kind in ("embed", "loss"):
-        (plan_embed if node.kind == "embed" else plan_loss)(phase, node, declared, target, label)
         return
     final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span,
                          partial=node.partial)

@@ -35,13 +35,13 @@ from collections.abc import Iterable
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 from shardc.planner.graph import Graph, Node
-from shardc.spec.functions import ELEMENTWISE
 
 __all__ = ["RECOMPUTE_MODES", "REGION_OPS", "attention_region", "recompute_steps", "reads"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-# Node kinds or function names that continue an attention-score region (beside any elementwise function).
-REGION_OPS = frozenset({"softmax", "causal", "dropout", "add"})  # "add": a bias or mask added to the scores
+# Node kinds or function names that continue an attention-score region (beside the calls whose op family
+# says so, shardc.ops.registry.Family.scores: the elementwise maps, the masks, softmax).
+REGION_OPS = frozenset({"add"})  # "add": a bias or mask added to the scores
 
 
 def reads(step: Step) -> tuple[TensorRef, ...]:
@@ -54,10 +54,13 @@ def _norm(ref: TensorRef) -> TensorRef:
 
 
 def _continues(node: Node) -> bool:
-    """Whether a node reading the region stays in it: elementwise, or named in :data:`REGION_OPS`
-    by its kind, its function or the spec's call it computes (``softmax`` is a "normalize" node)."""
+    """Whether a node reading the region stays in it: a call its family keeps there (an elementwise
+    map, ``softmax``, ``causal``, ``dropout``), or named in :data:`REGION_OPS` by its kind, its
+    function or the spec's call it computes."""
+    if node.family is not None and node.call is not None and node.family.scores(node.call):
+        return True
     names = {node.kind, node.fn or "", node.call.func if node.call is not None else ""}
-    return bool(names & (REGION_OPS | ELEMENTWISE))
+    return bool(names & REGION_OPS)
 
 
 def _is_score(node: Node, graph: Graph) -> bool:

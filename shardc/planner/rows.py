@@ -44,12 +44,8 @@ from shardc.spec.functions import signature
 if TYPE_CHECKING:
     from shardc.planner.graph import Node
 
-__all__ = ["over_of", "check_row_step", "STATS", "BACKWARD_STATS", "is_row_node",
-           "plan_rows", "by_index",
+__all__ = ["over_of", "check_row_step", "STATS", "BACKWARD_STATS", "plan_rows", "by_index",
            "in_order", "frame_of", "Layouts", "stats_cost", "choose", "candidates", "record"]
-
-def is_row_node(node: Node) -> bool:
-    return node.kind == "rows"
 
 
 def by_index(indices: tuple[str, ...], layout: Layout) -> dict[str, tuple[str, ...]]:

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from shardc.ir.localops import Row
 from shardc.names import fresh
-from shardc.planner.graph import Node
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.planner.rows import (
     BACKWARD_STATS,
@@ -44,6 +43,7 @@ from shardc.planner.search import reshard
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
 
 __all__ = ["rows_backward"]
 

@@ -29,7 +29,6 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Combine, Row, Vocab
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
-from shardc.planner.graph import Node
 from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.planner.phase import Phase
 from shardc.planner.rows import (
@@ -47,13 +46,14 @@ from shardc.planner.search import reshard
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
 
 __all__ = ["plan_embed", "plan_loss", "embed_backward", "loss_backward", "vocab_index"]
 
 
 def vocab_index(phase: Phase, node: Node) -> str:
     """The vocabulary index: the table's first (embed), the index of Logits that Tok lacks (loss)."""
-    if node.kind == "embed":
+    if node.fn == "embed":
         return phase.indices[node.operands[1]][0]
     logits, tok = node.operands
     return next(i for i in phase.indices[logits] if i not in phase.indices[tok])
