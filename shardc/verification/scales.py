@@ -32,6 +32,9 @@ _TRIES = 4  # rescalings per target: one is exact where the value is linear in t
 _CLOSE = 1.1  # a root mean square within this factor of its target is left alone
 
 
+_REACH = 2.0**20  # the furthest an input is rescaled from its common scale
+
+
 def _rms(x: np.ndarray) -> float:
     finite = np.asarray(x)[np.isfinite(x)]  # a causal mask's -inf is no term
     return float(np.sqrt(np.mean(np.square(finite)))) if finite.size else 0.0
@@ -87,3 +90,6 @@ def _calibrate(nodes: list[reference._Node], inputs: dict[str, np.ndarray], scal
             return
         before = got
         scales[leaf] *= want / got
+        if not _REACH ** -1 <= scales[leaf] / start <= _REACH:  # a leaf this far off barely moves it: as is
+            scales[leaf] = start
+            return
