@@ -32,6 +32,9 @@ _TRIES = 4  # rescalings per target: one is exact where the value is linear in t
 _CLOSE = 1.1  # a root mean square within this factor of its target is left alone
 
 
+# a sum's later terms at half its first term's size: both matter, and no element of a difference
+# cancels to nothing (two scalars of one size would, leaving only rounding to compare)
+_TERM = 0.5
 _REACH = 2.0**20  # the furthest an input is rescaled from its common scale
 
 
@@ -72,14 +75,14 @@ def input_scales(spec: Spec, inputs: dict[str, np.ndarray], ids: set[str],
 
 def _calibrate(nodes: list[reference._Node], inputs: dict[str, np.ndarray], scales: dict[str, float],
                leaf: str, operand: str, like: str | None, sizes: dict[str, int] | None) -> None:
-    """Rescale ``leaf`` until ``operand`` has unit root mean square (or that of ``like``); a leaf
+    """Rescale ``leaf`` until ``operand`` has unit root mean square (or half that of ``like``); a leaf
     that does not move it (a norm in between) keeps its scale."""
     start, before = scales[leaf], math.nan
     for _ in range(_TRIES):
         scaled = {n: v * scales.get(n, 1.0) for n, v in inputs.items()}
         with np.errstate(all="ignore"):
             values, _ = reference._run(nodes, scaled, np, None, sizes)
-        got, want = _rms(values[operand]), (_rms(values[like]) if like else 1.0)
+        got, want = _rms(values[operand]), (_TERM * _rms(values[like]) if like else 1.0)
         if not (got > 0 and want > 0 and math.isfinite(got) and math.isfinite(want)):
             scales[leaf] = start
             return
