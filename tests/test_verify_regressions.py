@@ -32,3 +32,12 @@ def test_a_routing_choice_flipped_by_rounding_is_judged_by_the_unsharded_program
     assert status == 0, out
     flipped = "unsharded float32 program's own choices" in out
     assert not flipped or "forward f32  Disp9" in out
+
+
+def test_scalar_terms_of_a_sum_are_not_scaled_to_cancel(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # scaling the product to the size of In3 made the two scalars cancel (a bf16 value of 3e-4 left,
+    # only rounding to compare), and the float32 recheck then failed a right plan
+    path = tmp_path / "scalars.shard"
+    path.write_text("mesh X=1 over dcn\nT4[] = In3[] + In1[] · dIn1[]\n")
+    status = main(["verify", str(path)])
+    assert status == 0, capsys.readouterr().out
