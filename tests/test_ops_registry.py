@@ -52,8 +52,8 @@ def test_every_spec_function_belongs_to_exactly_one_family() -> None:
 
 
 def test_a_call_belongs_to_one_family() -> None:
-    clash = Family("clash", frozenset({"causal"}), (), MASKS.argument, MASKS.aux, MASKS.aux_bytes, MASKS.plan,
-                   MASKS.backward, MASKS.emit, Reference(MASKS.reference.forward, None, MASKS.reference.magnitude))
+    clash = Family(name="clash", calls=frozenset({"causal"}), ops=(), plan=MASKS.plan, backward=MASKS.backward,
+                   emit=MASKS.emit, reference=Reference(MASKS.reference.forward, None, MASKS.reference.magnitude))
     with pytest.raises(ValueError, match="masks"):
         register(clash)
     assert of_call("causal") is MASKS

@@ -20,7 +20,7 @@ import numpy as np
 
 from shardc.ir.localops import Map, MapVjp
 from shardc.ir.plan import Op, Step
-from shardc.ir.spec import Call, TensorRef
+from shardc.ir.spec import TensorRef
 from shardc.lowering.function_code import Function, function
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import aligned_text
@@ -36,19 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["MAPS", "emit"]
 
 Array = Any
-
-
-def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
-    """f(A · B) makes its argument towards the result's indices, in the result's layout."""
-    return indices
-
-
-def _aux(call: Call, result: str) -> tuple[str, ...]:
-    return ()
-
-
-def _aux_bytes(node: Node) -> dict[str, int]:
-    return {}
 
 
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
@@ -123,7 +110,7 @@ def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
     return (d * _slope(function(site.func.func), xs[0], mags[0]),)
 
 
-MAPS = register(Family("elementwise", ELEMENTWISE, (Map, MapVjp), _argument, _aux, _aux_bytes, _plan, _backward,
-                       emit, Reference(_forward, _vjp, _magnitude, _grad_magnitude),
+MAPS = register(Family(name="elementwise", calls=ELEMENTWISE, ops=(Map, MapVjp), plan=_plan, backward=_backward,
+                       emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude),
                        # a map of the attention scores (a scale, an exp) stays in their region
                        scores=lambda call: True))

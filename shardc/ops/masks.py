@@ -40,11 +40,6 @@ KEY = "dropout_key"  # the lowered functions' dropout-key argument (a local of t
 Array = Any
 
 
-def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
-    """The argument has the result's indices."""
-    return indices
-
-
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
     """The argument reduced, in the result's layout, then the map (no choice to explain)."""
     plan_masked(phase, node, declared, target)
@@ -130,6 +125,6 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     return _apply(site, mags[0], np, absolute=True)
 
 
-MASKS = register(Family("masks", frozenset({"causal", "dropout"}), MASK_OPS, _argument, _aux, _aux_bytes, _plan,
-                        plan_masked_backward, emit, Reference(_forward, _vjp, _magnitude),
-                        scores=lambda call: True))
+MASKS = register(Family(name="masks", calls=frozenset({"causal", "dropout"}), ops=MASK_OPS, plan=_plan,
+                        backward=plan_masked_backward, emit=emit, reference=Reference(_forward, _vjp, _magnitude),
+                        aux=_aux, aux_bytes=_aux_bytes, scores=lambda call: True))

@@ -32,7 +32,7 @@ from shardc.planner.rowstats import stat_names
 from shardc.spec.functions import signature
 
 if TYPE_CHECKING:
-    from shardc.planner.graph import Node
+    pass
 
 __all__ = ["REDUCTIONS", "emit", "forward", "vjp", "magnitude", "grad_magnitude"]
 
@@ -48,10 +48,6 @@ def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
 def _aux(call: Call, result: str) -> tuple[str, ...]:
     """The forward's row statistics (``max`` is its own, so it makes none)."""
     return stat_names(call.func, result)
-
-
-def _aux_bytes(node: Node) -> dict[str, int]:
-    return {}
 
 
 def _operands(builder: Builder, call: Call, result: str, indices: tuple[str, ...]) -> tuple[tuple[str, ...],
@@ -186,7 +182,8 @@ def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ..
 
 
 REDUCTIONS = register(Family(
-    "reductions", frozenset({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp"}), (Row, Combine),
-    _argument, _aux, _aux_bytes, plan_rows, rows_backward, emit,
-    Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments, indices=_indices),
-    operands=_operands, scores=lambda call: call.func == "softmax"))
+    name="reductions", calls=frozenset({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp"}),
+    ops=(Row, Combine), plan=plan_rows, backward=rows_backward, emit=emit,
+    reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
+                        indices=_indices),
+    argument=_argument, aux=_aux, operands=_operands, scores=lambda call: call.func == "softmax"))

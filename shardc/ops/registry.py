@@ -74,6 +74,18 @@ def _never(call: Call) -> bool:
     return False
 
 
+def _result_indices(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
+    return indices
+
+
+def _no_aux(call: Call, result: str) -> tuple[str, ...]:
+    return ()
+
+
+def _spec_dtype(node: Node) -> dict[str, int]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Reference:
     """A family's meaning on whole arrays (``xp`` numpy or jax.numpy), for the independent reference.
@@ -97,17 +109,13 @@ class Reference:
     indices: Callable[[Call, tuple[tuple[str, ...], ...]], tuple[str, ...]] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
     """Everything the passes need of one op family (see the module's docstring)."""
 
     name: str
     calls: frozenset[str]  # the spec functions it implements (or the forms SUM and RENAME)
     ops: tuple[type, ...]  # the local operations its steps carry
-    # the indices a call's argument is computed towards, given its result's
-    argument: Callable[[Call, tuple[str, ...]], tuple[str, ...]]
-    aux: Callable[[Call, str], tuple[str, ...]]  # the tensors a node of ``call`` makes besides its result
-    aux_bytes: Callable[[Node], dict[str, int]]  # bytes an element of those, where not the spec's dtype
     # the forward of a node (``label``: its statement as ``--explain`` names it)
     plan: Callable[[Phase, Node, dict[str, TensorRef], Value | None, str], None]
     # the backward of a node, given its cotangent's name; None: the result has no gradient (a 0/1 mask)
@@ -115,6 +123,12 @@ class Family:
     # one step as one line of JAX (its right-hand side), at the module's sizes (None: shape-generic)
     emit: Callable[[Step, Namer, dict[str, int] | None], str]
     reference: Reference
+    # the indices a call's argument is computed towards, given its result's (by default the result's)
+    argument: Callable[[Call, tuple[str, ...]], tuple[str, ...]] = _result_indices
+    # the tensors a node of ``call`` makes besides its result (by default none)
+    aux: Callable[[Call, str], tuple[str, ...]] = _no_aux
+    # bytes an element of those, where not the spec's dtype (by default all the spec's)
+    aux_bytes: Callable[[Node], dict[str, int]] = _spec_dtype
     # whether a node's result is its argument under another name (a rename): its gradient's
     # contributions then pass to the argument's as made, before any is summed
     aliases: Callable[[Node], bool] = field(default=lambda node: False)

@@ -22,7 +22,7 @@ from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.planner.route_plans import plan_route
 
 if TYPE_CHECKING:
-    from shardc.planner.graph import Node
+    pass
 
 __all__ = ["ROUTING", "emit"]
 
@@ -32,14 +32,6 @@ Array = Any
 def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
     """The gates: the mask's indices less the capacity index."""
     return tuple(i for i in indices if i != call.names[1])
-
-
-def _aux(call: Call, result: str) -> tuple[str, ...]:
-    return ()
-
-
-def _aux_bytes(node: Node) -> dict[str, int]:
-    return {}
 
 
 def _capacity(slots: str, sizes: dict[str, int] | None) -> int:
@@ -70,5 +62,5 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     return np.abs(y)
 
 
-ROUTING = register(Family("routing", frozenset({"route"}), (Route,), _argument, _aux, _aux_bytes, plan_route, None,
-                          emit, Reference(_forward, None, _magnitude)))
+ROUTING = register(Family(name="routing", calls=frozenset({"route"}), ops=(Route,), plan=plan_route, backward=None,
+                          emit=emit, reference=Reference(_forward, None, _magnitude), argument=_argument))

@@ -26,7 +26,7 @@ import numpy as np
 
 from shardc.ir.localops import ALIAS, NEG, Add, Alias, Neg
 from shardc.ir.plan import Op, Step
-from shardc.ir.spec import Call, TensorRef
+from shardc.ir.spec import TensorRef
 from shardc.names import fresh
 from shardc.ops.arrays import contract
 from shardc.ops.registry import RENAME, SUM, Arrays, Family, Namer, Reference, Site, register
@@ -42,18 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["SUMS", "emit"]
 
 Array = Any
-
-
-def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
-    return indices
-
-
-def _aux(call: Call, result: str) -> tuple[str, ...]:
-    return ()
-
-
-def _aux_bytes(node: Node) -> dict[str, int]:
-    return {}
 
 
 def _is_rename(node: Node) -> bool:
@@ -167,5 +155,6 @@ def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
     return _vjp(site, xs, d, np, absolute=True)
 
 
-SUMS = register(Family("sums", frozenset({SUM, RENAME}), (Add, Neg, Alias), _argument, _aux, _aux_bytes, _plan,
-                       _backward, emit, Reference(_forward, _vjp, _magnitude, _grad_magnitude), _is_rename))
+SUMS = register(Family(name="sums", calls=frozenset({SUM, RENAME}), ops=(Add, Neg, Alias), plan=_plan,
+                       backward=_backward, emit=emit,
+                       reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude), aliases=_is_rename))

@@ -53,10 +53,6 @@ def _aux(call: Call, result: str) -> tuple[str, ...]:
     return tuple(f"{result}_{suffix}" for suffix in _LOSS_VALUES) if call.func == "cross_entropy" else ()
 
 
-def _aux_bytes(node: Node) -> dict[str, int]:
-    return {}
-
-
 def _operands(builder: Builder, call: Call, result: str, indices: tuple[str, ...]) -> tuple[tuple[str, ...],
                                                                                         tuple[str, ...]]:
     """Both arguments, each towards its own indices in a layout of its own, and a loss's per-token
@@ -184,6 +180,6 @@ def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ..
 
 
 VOCABULARY = register(Family(
-    "vocabulary", frozenset({"embed", "cross_entropy"}), (Vocab,), _argument, _aux, _aux_bytes, _plan, _backward,
-    emit, Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices),
-    operands=_operands))
+    name="vocabulary", calls=frozenset({"embed", "cross_entropy"}), ops=(Vocab,), plan=_plan, backward=_backward,
+    emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices),
+    argument=_argument, aux=_aux, operands=_operands))
