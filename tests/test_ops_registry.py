@@ -19,13 +19,28 @@ from shardc.ir.localops import (
     MapVjp,
     Route,
     Row,
+    Update,
     Vocab,
 )
+from shardc.ir.plan import Op
 from shardc.ir.spec import Call, TensorRef
 from shardc.ops.elementwise import MAPS
 from shardc.ops.masks import MASKS
+from shardc.ops.products import PRODUCTS
 from shardc.ops.reductions import REDUCTIONS
-from shardc.ops.registry import RENAME, SUM, Family, Reference, Site, families, of_call, of_op, register
+from shardc.ops.registry import (
+    CONTRACT,
+    RENAME,
+    SUM,
+    Family,
+    Reference,
+    Site,
+    families,
+    of_call,
+    of_op,
+    of_step,
+    register,
+)
 from shardc.ops.route import ROUTING
 from shardc.ops.sums import SUMS
 from shardc.ops.vocabulary import VOCABULARY
@@ -42,13 +57,30 @@ def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> 
     assert of_op(NEG) is SUMS and of_op(ALIAS) is SUMS
     assert of_call("softmax") is REDUCTIONS and of_op(Row.SOFTMAX) is REDUCTIONS and of_op(Combine.MAX) is REDUCTIONS
     assert of_call("embed") is VOCABULARY and of_op(Vocab.EMBED) is VOCABULARY
-    assert set(families()) == {MAPS, MASKS, REDUCTIONS, ROUTING, SUMS, VOCABULARY} and len(families()) == 6
+    assert of_call(CONTRACT) is PRODUCTS and PRODUCTS.steps == (Op.EINSUM, Op.COPY)
+    assert set(families()) == {MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS, VOCABULARY} and len(families()) == 7
+
+
+def test_every_step_of_a_plan_is_found_by_its_kind_or_its_operation() -> None:
+    """Einsums and copies by their step kind, every other local step by its operation: codegen asks
+    the registry for each; collectives, local slices and the optimizer's update belong to no family."""
+    plan = shardc.plan(shardc.parse(
+        "mesh X=2\nH[B_X, F] = gelu(In[B_X, D] · W_in[D, F])\nO[F, B] = H[B_X, F]\n"
+        "Out[B_X, D] = H[B_X, F] · W_out[F, D]\n"))
+    steps = plan.forward + plan.backward + plan.optimizer
+    assert {of_step(s) for s in steps if s.op in (Op.EINSUM, Op.COPY)} == {PRODUCTS}
+    assert {of_step(s) for s in steps if isinstance(s.fn, (Map, MapVjp))} == {MAPS}
+    alone = [s for s in steps if of_step(s) is None]
+    assert alone and all(s.is_collective or s.op is Op.SLICE or isinstance(s.fn, Update) for s in alone)
+    with pytest.raises(ValueError, match="einsum"):
+        register(Family(name="again", calls=frozenset(), ops=(), steps=(Op.COPY,), plan=PRODUCTS.plan,
+                        backward=None, emit=PRODUCTS.emit, reference=PRODUCTS.reference))
 
 
 def test_every_spec_function_belongs_to_exactly_one_family() -> None:
     for name in FUNCTIONS:
         assert [f for f in families() if name in f.calls] == [of_call(name)] != [None]
-    assert set().union(*(f.calls for f in families())) == set(FUNCTIONS) | {SUM, RENAME}  # nor any other name
+    assert set().union(*(f.calls for f in families())) == set(FUNCTIONS) | {SUM, RENAME, CONTRACT}  # no other
 
 
 def test_a_call_belongs_to_one_family() -> None:
@@ -100,7 +132,7 @@ def test_sums_and_renames_are_nodes_of_one_family_and_a_renamed_gradient_passes_
     assert SUMS.aliases(rename) and not SUMS.aliases(add)
     plan = shardc.plan(spec)
     assert [s.fn for s in plan.forward] == [ALIAS, Add((1, -1))]
-    assert {of_op(s.fn) for s in plan.backward} == {SUMS, None}  # None: the einsum summing dBias over B
+    assert {of_step(s) for s in plan.backward if not s.is_collective} == {SUMS, PRODUCTS}  # einsum: dBias over B
     assert NEG in [s.fn for s in plan.backward]
 
 

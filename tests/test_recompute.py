@@ -18,10 +18,10 @@ from shardc.costmodel.formulas import evaluate, text
 from shardc.costmodel.memory import residual_formula, residual_table
 from shardc.ir.plan import Op, Plan
 from shardc.ir.spec import Call, Statement, TensorRef
-from shardc.ops.registry import of_call
+from shardc.ops.registry import CONTRACT, family_of
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES as RECOMPUTE
-from shardc.planner.recompute import REGION_OPS, attention_region
+from shardc.planner.recompute import attention_region
 from shardc.testing import specs
 from shardc.timing import einsum_flops, plan_sizes, plan_time
 
@@ -59,11 +59,13 @@ def test_the_region_needs_the_closing_einsum() -> None:
 
 
 def _node(kind: str, result: str, indices: str, operands: tuple[str, ...], fn: str | None = None) -> Node:
-    """A node as the graph makes it: a call of an op family (``fn``, else ``kind``) carries it."""
+    """A node as the graph makes it: an einsum, or a call of an op family (``fn``, else ``kind``)."""
     dummy = Statement(TensorRef(result, ()), TensorRef(result, ()))
-    family = of_call(fn or kind)
-    call = Call(fn or kind, TensorRef(operands[0], ())) if family is not None else None
-    return Node(kind, result, tuple(indices), operands, None, dummy, fn, call=call, family=family)
+    if kind == "einsum":
+        return Node(family_of(CONTRACT), result, tuple(indices), operands, None, dummy)
+    family = family_of(fn or kind)
+    call = Call(fn or kind, TensorRef(operands[0], ()))
+    return Node(family, result, tuple(indices), operands, None, dummy, fn, call=call)
 
 
 @pytest.mark.parametrize("kinds", [("softmax", None, "dropout", None), ("elementwise", "causal", "dropout", None),
@@ -84,12 +86,10 @@ def test_the_region_grows_through_softmax_causal_and_dropout_by_their_families(k
     # a norm is not part of the region: the chain to the attention times V breaks, so there is none
     assert attention_region(Graph(rmsnorm, {}, indices, graph.params, graph.inputs, graph.outputs)) == set()
     assert all(_scores(f) for f in ("softmax", "dropout", "causal")) and not any(_scores(f) for f in ("rmsnorm", "max"))
-    assert "softmax" not in REGION_OPS
 
 
 def _scores(func: str) -> bool:
-    family = of_call(func)
-    return family is not None and family.scores(Call(func, TensorRef("Sc", ())))
+    return family_of(func).scores(_node(func, "Pr", "BST", ("Sc",), func))
 
 
 # --- what each mode keeps ------------------------------------------------------------------------------

@@ -23,14 +23,14 @@ import string
 from dataclasses import dataclass
 
 from shardc.collectives import share
-from shardc.errors import InternalError, ShardcError
+from shardc.errors import InternalError
 from shardc.ir.localops import Combine, Update
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Mesh, TensorRef
 from shardc.lowering import template
 from shardc.lowering.partition_specs import axes_entry
 from shardc.lowering.sizes import small_sizes
-from shardc.ops.registry import of_op
+from shardc.ops.registry import of_step
 from shardc.ops.text import aligned_text
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
@@ -121,25 +121,6 @@ def _identifier(name: str) -> str:
     return text if text.isidentifier() else "t_" + text
 
 
-def _einsum_letters(refs: tuple[TensorRef, ...]) -> dict[str, str]:
-    """One einsum letter per index of one einsum, its own initial when free.
-
-    Per einsum, not per plan: a plan may use more than the 52 letters in all.
-    """
-    indices = list(dict.fromkeys(i for ref in refs for i in ref.indices))
-    if len(indices) > len(_LETTERS):
-        raise ShardcError(f"one einsum has {len(indices)} distinct indices; jnp.einsum takes at most "
-                          f"{len(_LETTERS)}", fix="split the product into statements with fewer indices")
-    pool = list(_LETTERS)
-    letters: dict[str, str] = {}
-    for index in indices:
-        first = index[0].lower()
-        letter = first if first in pool else (index[0].upper() if index[0].upper() in pool else pool[0])
-        pool.remove(letter)
-        letters[index] = letter
-    return letters
-
-
 def _check_einsum(step: Step, number: int, phase: str) -> None:
     """The planner's promise for a local einsum: every index sharded alike wherever it appears."""
     layouts: dict[str, tuple[str, ...]] = {}
@@ -173,13 +154,7 @@ def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> 
                 f"concat_axis={step.dim2}, tiled=True)")
     if step.op is Op.SLICE:
         return f"shard_slice({src}, {axes}, dim={step.dim})"
-    if step.op in (Op.EINSUM, Op.COPY):
-        letters = _einsum_letters((*step.operands, step.dst))
-        ins = ",".join("".join(letters[i] for i in ref.indices) for ref in step.operands)
-        out = "".join(letters[i] for i in step.dst.indices)
-        args = ", ".join(var(ref) for ref in step.operands)
-        return f"{call}('{ins}->{out}', {args})"
-    family = of_op(step.fn)
+    family = of_step(step)
     if family is not None:
         return family.emit(step, var, sizes)
     return _elementwise_code(step, var)

@@ -16,14 +16,13 @@ for XLA's partitioner.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
-from shardc.ops.arrays import contract
-from shardc.ops.registry import RENAME, SUM, Family, Site, of_call
+from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Site, family_of, of_call
 from shardc.spec.functions import dropout_salt, signature
 from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
 
@@ -34,17 +33,17 @@ Array = Any
 
 @dataclass(frozen=True)
 class _Node:
-    """One operation of the expression tree: ``fn`` None is an einsum of ``operands``."""
+    """One operation of the expression tree, of an op family (its meaning on whole arrays)."""
 
     result: str
     operands: tuple[str, ...]
     labels: tuple[tuple[str, ...], ...]  # each operand's indices
     out: tuple[str, ...]  # the result's indices
-    fn: str | None = None
+    family: Family = field(compare=False)
+    fn: str | None = None  # the spec function or form ("add", "rename"); None: an einsum
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
     call: Call | None = None  # an op family's call (its indices, its rate, its k)
     salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
-    family: Family | None = None  # its op family (shardc.ops): its meaning on whole arrays
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -84,8 +83,8 @@ class _Builder:
             terms = [self.value(t, chain_indices(t, keep)) for t in expr.terms]
             key = self.temp()
             out = chain_indices(expr, keep)
-            self.nodes.append(_Node(key, tuple(terms), tuple(self.labels[t] for t in terms), out, "add",
-                                    signs=expr.signs, family=of_call(SUM)))
+            self.nodes.append(_Node(key, tuple(terms), tuple(self.labels[t] for t in terms), out, family_of(SUM),
+                                    "add", signs=expr.signs))
             self.labels[key] = out
             return key
         if isinstance(expr, Call):
@@ -95,9 +94,8 @@ class _Builder:
             if expr.func == "dropout":
                 assert self.current is not None
                 salt = dropout_salt(self.current.result.name, dropout_number(self.current, expr))
-            family = of_call(expr.func)
-            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], expr.func,
-                                    call=expr if family is not None else None, salt=salt, family=family))
+            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], family_of(expr.func),
+                                    expr.func, call=expr, salt=salt))
             self.labels[key] = self.labels[arg]
             return key
         assert isinstance(expr, Contract)
@@ -119,7 +117,7 @@ class _Builder:
         labels = tuple(self.labels[k] for k in keys)
         out = ref.indices(expr, labels)
         key = self.temp()
-        self.nodes.append(_Node(key, tuple(keys), labels, out, expr.func, call=expr, family=family))
+        self.nodes.append(_Node(key, tuple(keys), labels, out, family, expr.func, call=expr))
         self.labels[key] = out
         return key
 
@@ -130,14 +128,14 @@ class _Builder:
         arg = self.value(expr.arg, tuple(i for i in keep if i != slots))
         labels = self.labels[arg]
         key = self.temp()
-        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots), "route", call=expr,
-                                family=of_call(expr.func)))
+        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots), family_of(expr.func), "route",
+                                call=expr))
         self.labels[key] = (*labels, slots)
         return key
 
     def einsum(self, keys: list[str], out: tuple[str, ...]) -> str:
         key = self.temp()
-        self.nodes.append(_Node(key, tuple(keys), tuple(self.labels[k] for k in keys), out))
+        self.nodes.append(_Node(key, tuple(keys), tuple(self.labels[k] for k in keys), out, family_of(CONTRACT)))
         self.labels[key] = out
         return key
 
@@ -145,8 +143,8 @@ class _Builder:
         if isinstance(expr, TensorRef) and set(expr.indices) != set(result.indices):
             # a rename (`Kx[B, T, D] = X[B, S, D]`): the same array, its indices renamed by position
             self.labels.setdefault(expr.name, expr.indices)
-            self.nodes.append(_Node(result.name, (expr.name,), (expr.indices,), result.indices, "rename",
-                                    family=of_call(RENAME)))
+            self.nodes.append(_Node(result.name, (expr.name,), (expr.indices,), result.indices,
+                                    family_of(RENAME), "rename"))
             self.labels[result.name] = result.indices
             return
         key = self.value(expr, result.indices)
@@ -186,10 +184,7 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
         args = [values[o] for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
-        if node.family is not None:
-            values[node.result] = node.family.reference.forward(_site(node, shape), tuple(args), xp)
-        else:
-            values[node.result] = contract(xp, args, list(node.labels), node.out, shape)
+        values[node.result] = node.family.reference.forward(_site(node, shape), tuple(args), xp)
         if given and node.result in given:  # a forward value the caller already has
             values[node.result] = given[node.result]
     return values, shape
@@ -227,19 +222,13 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if node.family is not None:
-            vjp = node.family.reference.vjp
-            if vjp is not None:  # None: a 0/1 mask, no gradient
-                xs = tuple(values[o] for o in node.operands)
-                for name, g in zip(node.operands, vjp(_site(node, shape, values[node.result]), xs, d, xp),
-                                   strict=True):
-                    if g is not None:  # None: no gradient there (token ids)
-                        add(name, g)
+        vjp = node.family.reference.vjp
+        if vjp is None:  # a 0/1 mask: no gradient
             continue
-        for k, name in enumerate(node.operands):
-            others = [values[o] for j, o in enumerate(node.operands) if j != k]
-            labels = [node.out, *(lab for j, lab in enumerate(node.labels) if j != k)]
-            add(name, contract(xp, [d, *others], labels, node.labels[k], shape))
+        xs = tuple(values[o] for o in node.operands)
+        for name, g in zip(node.operands, vjp(_site(node, shape, values[node.result]), xs, d, xp), strict=True):
+            if g is not None:  # None: no gradient there (token ids)
+                add(name, g)
     return {name: grads[name] for name in leaf_names(spec) if name in grads}
 
 
@@ -258,24 +247,15 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
     values, shape = _run(nodes, inputs, np, None, sizes)
     mag: dict[str, np.ndarray] = {k: np.abs(v) for k, v in inputs.items()}
     for node in nodes:
-        if node.family is not None:
-            mag[node.result] = node.family.reference.magnitude(
-                _site(node, shape), tuple(values[o] for o in node.operands), tuple(mag[o] for o in node.operands),
-                values[node.result])
-        else:
-            mag[node.result] = contract(np, [mag[o] for o in node.operands], list(node.labels), node.out, shape)
+        mag[node.result] = node.family.reference.magnitude(
+            _site(node, shape), tuple(values[o] for o in node.operands), tuple(mag[o] for o in node.operands),
+            values[node.result])
     grads: dict[str, np.ndarray] = {out: np.abs(cotangents[out]) for out in outputs(spec) if out in cotangents}
     for node in reversed(nodes):
         if node.result not in grads:
             continue
         d = grads.pop(node.result)
-        if node.family is not None:
-            grads.update(_family_grad_magnitude(node, shape, values, mag, d, grads))
-            continue
-        for k, name in enumerate(node.operands):
-            others = [mag[o] for j, o in enumerate(node.operands) if j != k]
-            labels = [node.out, *(lab for j, lab in enumerate(node.labels) if j != k)]
-            grads[name] = grads.get(name, 0) + contract(np, [d, *others], labels, node.labels[k], shape)
+        grads.update(_family_grad_magnitude(node, shape, values, mag, d, grads))
     return {**{s.result.name: mag[s.result.name] for s in spec.statements},
             **{name: grads[name] for name in leaf_names(spec) if name in grads}}
 
@@ -285,8 +265,8 @@ def _family_grad_magnitude(node: _Node, shape: dict[str, int], values: dict[str,
                            grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A family's argument's gradient magnitude, added to what it has: its own bound where it has
     one, else its vjp of the cotangent's magnitude (a map linear given the call: a mask's)."""
-    ref = node.family.reference if node.family is not None else None
-    if ref is None or ref.vjp is None:  # no gradient (a 0/1 mask)
+    ref = node.family.reference
+    if ref.vjp is None:  # no gradient (a 0/1 mask)
         return {}
     site = _site(node, shape, values[node.result])
     xs, mags = tuple(values[o] for o in node.operands), tuple(mag[o] for o in node.operands)

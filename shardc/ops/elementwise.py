@@ -113,4 +113,4 @@ def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
 MAPS = register(Family(name="elementwise", calls=ELEMENTWISE, ops=(Map, MapVjp), plan=_plan, backward=_backward,
                        emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude),
                        # a map of the attention scores (a scale, an exp) stays in their region
-                       scores=lambda call: True))
+                       scores=lambda node: True))

@@ -127,4 +127,4 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
 
 MASKS = register(Family(name="masks", calls=frozenset({"causal", "dropout"}), ops=MASK_OPS, plan=_plan,
                         backward=plan_masked_backward, emit=emit, reference=Reference(_forward, _vjp, _magnitude),
-                        aux=_aux, aux_bytes=_aux_bytes, scores=lambda call: True))
+                        aux=_aux, aux_bytes=_aux_bytes, scores=lambda node: True))

@@ -32,7 +32,7 @@ from shardc.planner.rowstats import stat_names
 from shardc.spec.functions import signature
 
 if TYPE_CHECKING:
-    pass
+    from shardc.planner.graph import Node
 
 __all__ = ["REDUCTIONS", "emit", "forward", "vjp", "magnitude", "grad_magnitude"]
 
@@ -181,9 +181,14 @@ def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ..
     return tuple(i for i in labels if i != call.over) if reduces else labels
 
 
+def _softmax(node: Node) -> bool:
+    """A softmax of attention scores stays in their region (selective recomputation reruns it)."""
+    return node.call is not None and node.call.func == "softmax"
+
+
 REDUCTIONS = register(Family(
     name="reductions", calls=frozenset({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp"}),
     ops=(Row, Combine), plan=plan_rows, backward=rows_backward, emit=emit,
     reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
                         indices=_indices),
-    argument=_argument, aux=_aux, operands=_operands, scores=lambda call: call.func == "softmax"))
+    argument=_argument, aux=_aux, operands=_operands, scores=_softmax))

@@ -19,19 +19,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from shardc.ir.plan import Step
+    from shardc.ir.plan import Op, Step
     from shardc.ir.spec import Call, Expr, TensorRef
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
 
-__all__ = ["Builder", "Family", "Reference", "Site", "register", "of_call", "of_op", "families", "SUM", "RENAME"]
+__all__ = ["Builder", "Family", "Reference", "Site", "register", "of_call", "family_of", "of_op", "of_step", "families",
+           "SUM", "RENAME", "CONTRACT"]
 
 # The forms of the language a family may claim beside its spec functions: a sum of terms
-# (``A + B - C``) and a rename (``Kx[B, T, D] = X[B, S, D]``).
+# (``A + B - C``), a rename (``Kx[B, T, D] = X[B, S, D]``) and a product or copy (``A · B``).
 SUM = "+"
 RENAME = "="
+CONTRACT = "·"
 
 Array = Any
 Arrays = tuple[Any, ...]  # one array per operand
@@ -70,7 +72,7 @@ class Site:
         return self.call
 
 
-def _never(call: Call) -> bool:
+def _never(node: Node) -> bool:
     return False
 
 
@@ -137,13 +139,16 @@ class Family:
     # call and its result's name and indices; None: one argument computed towards ``argument``'s
     # indices, in the result's layout where those are the result's, and ``aux`` of the result's indices
     operands: Callable[[Builder, Call, str, tuple[str, ...]], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
-    # whether a node of the call reading an attention-score region stays in it (a softmax, a mask), so
+    # whether a node of the family reading an attention-score region stays in it (a softmax, a mask), so
     # selective recomputation reruns it (:func:`shardc.planner.recompute.attention_region`)
-    scores: Callable[[Call], bool] = _never
+    scores: Callable[[Node], bool] = _never
+    # the kinds of plan step that are its own whatever their local operation (an einsum's, a copy's)
+    steps: tuple[Op, ...] = ()
 
 
 _BY_CALL: dict[str, Family] = {}
 _BY_OP: dict[type, Family] = {}
+_BY_STEP: dict[Op, Family] = {}
 
 
 def register(family: Family) -> Family:
@@ -156,6 +161,10 @@ def register(family: Family) -> Family:
         if op in _BY_OP:
             raise ValueError(f"{op.__name__} is already in the family {_BY_OP[op].name}")
         _BY_OP[op] = family
+    for kind in family.steps:
+        if kind in _BY_STEP:
+            raise ValueError(f"{kind.name} steps are already the family {_BY_STEP[kind].name}'s")
+        _BY_STEP[kind] = family
     return family
 
 
@@ -164,9 +173,20 @@ def of_call(func: str) -> Family | None:
     return _BY_CALL.get(func)
 
 
+def family_of(call: str) -> Family:
+    """The family of ``call``, a registered spec function or form (KeyError: none registered it)."""
+    return _BY_CALL[call]
+
+
 def of_op(op: object) -> Family | None:
     """The family whose steps carry the local operation ``op`` (looked up by its class)."""
     return _BY_OP.get(type(op))
+
+
+def of_step(step: Step) -> Family | None:
+    """The family a plan step belongs to: by its kind (an einsum), else by its local operation (None: a
+    collective, or the optimizer's update)."""
+    return _BY_STEP.get(step.op) or _BY_OP.get(type(step.fn))
 
 
 def families() -> tuple[Family, ...]:

@@ -9,7 +9,7 @@ length of the capacity index C, from the sizes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -20,9 +20,6 @@ from shardc.ir.spec import Call
 from shardc.lowering.route_code import route_code, route_forward
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.planner.route_plans import plan_route
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["ROUTING", "emit"]
 

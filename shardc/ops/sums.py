@@ -157,4 +157,6 @@ def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
 
 SUMS = register(Family(name="sums", calls=frozenset({SUM, RENAME}), ops=(Add, Neg, Alias), plan=_plan,
                        backward=_backward, emit=emit,
-                       reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude), aliases=_is_rename))
+                       reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude), aliases=_is_rename,
+                       # a sum continues an attention-score region (a bias or mask added to the scores)
+                       scores=lambda node: not _is_rename(node)))

@@ -70,7 +70,7 @@ def _needs_grad(graph: Graph) -> set[str]:
 
 
 def _has_gradient(node: Node) -> bool:
-    return node.family is None or node.family.backward is not None
+    return node.family.backward is not None
 
 
 def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
@@ -88,7 +88,7 @@ def _renames(graph: Graph, needs: set[str], count: dict[str, int]) -> frozenset[
     """Renames' results: their gradient's contributions are kept as made, to become their source's."""
     renamed = set()
     for node in graph.nodes:
-        if node.family is not None and node.family.aliases(node) and node.result in needs:
+        if node.family.aliases(node) and node.result in needs:
             (src,) = node.operands
             made = count.get(node.result, 0)
             count[src] = count.get(src, 0) + max(made, 1) - 1  # one per contribution to the alias
@@ -230,28 +230,13 @@ class _Backward:
         if node.result not in self.needs:
             return
         if node.result in self.renamed:  # its gradient's contributions pass on as made, never summed here
-            assert node.family is not None and node.family.backward is not None
+            assert node.family.backward is not None
             node.family.backward(self, node, self.grads[node.result])
             return
         self.finish(node.result)
         grad = self.grads[node.result]
-        if node.family is not None:
-            if node.family.backward is not None:
-                node.family.backward(self, node, grad)
-            return
-            return
-        if len(node.operands) == 1:
-            (a,) = node.operands
-            if a in self.needs:
-                self.contribute(a, (grad,), (grad,))
-            return
-        a, b = node.operands
-        # The right operand first (usually the weight, as in the book's listings): its
-        # gradient's reduction can then be issued while the rest of the backward runs.
-        if b in self.needs:
-            self.contribute(b, (a, grad), (a, grad))
-        if a in self.needs:
-            self.contribute(a, (grad, b), (grad, b))
+        if node.family.backward is not None:
+            node.family.backward(self, node, grad)
 
 
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,

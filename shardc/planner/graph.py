@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.names import gradient_names
-from shardc.ops.registry import RENAME, SUM, Family, of_call
+from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, family_of, of_call
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
 __all__ = ["Node", "Graph", "build_graph"]
@@ -27,13 +27,13 @@ __all__ = ["Node", "Graph", "build_graph"]
 
 @dataclass(frozen=True)
 class Node:
-    """One operation: ``kind`` is "einsum" (1 or 2 operands) or "elementwise".
+    """One operation of an op family (:mod:`shardc.ops`): an einsum of 1 or 2 operands, a sum, a call.
 
-    The transformer-layer ops add kinds of their own; ``call`` is the spec's call a node
-    comes from (its index names, numbers and ``over`` index), ``signs`` a sum's term signs.
+    ``call`` is the spec's call a node comes from (its index names, numbers and ``over``
+    index), ``signs`` a sum's term signs.
     """
 
-    kind: str
+    family: Family = field(compare=False)  # its op family: every pass finds the node's code there
     result: str
     indices: tuple[str, ...]
     operands: tuple[str, ...]
@@ -45,7 +45,6 @@ class Node:
     signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
     partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
     aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
-    family: Family | None = field(default=None, compare=False)  # its op family (shardc.ops), where moved there
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ class _Builder:
             src = self.leaf(e)
             if not top:
                 return src
-            self.nodes.append(Node("einsum", name, indices, (src,), target, self.current))
+            self.nodes.append(Node(family_of(CONTRACT), name, indices, (src,), target, self.current))
             return name
         if isinstance(e, Add):
             return self.add(e, name, indices, target)
@@ -155,18 +154,17 @@ class _Builder:
                 continue
             made = self.expr(term, self.fresh(name), chain_indices(term, indices), None)
             last = self.nodes[-1]
-            if last.result == made and last.kind in ("einsum", "add") and len(last.operands) > 1:
+            if last.result == made and last.family in (family_of(CONTRACT), family_of(SUM)) and len(last.operands) > 1:
                 self.nodes[-1] = replace(last, partial=True)
             terms.append(made)
         self.indices[name] = indices
-        self.nodes.append(Node("add", name, indices, tuple(terms), target, self.current, signs=e.signs,
-                               family=of_call(SUM)))
+        self.nodes.append(Node(family_of(SUM), name, indices, tuple(terms), target, self.current, signs=e.signs))
         return name
 
     def rename(self, e: TensorRef, name: str, indices: tuple[str, ...], target: TensorRef | None) -> str:
         """``Kx[B, T, D] = X[B, S, D]``: an alias of X under new index names (by position)."""
         src = self.leaf(e)
-        self.nodes.append(Node("rename", name, indices, (src,), target, self.current, family=of_call(RENAME)))
+        self.nodes.append(Node(family_of(RENAME), name, indices, (src,), target, self.current))
         return name
 
     def family_call(self, e: Call, family: Family, name: str, indices: tuple[str, ...],
@@ -179,8 +177,8 @@ class _Builder:
         if family.operands is not None:
             operands, tensors = family.operands(self, e, name, indices)
             self.indices[name] = indices
-            self.nodes.append(Node(e.func, name, indices, operands, target, self.current, fn=e.func, call=e,
-                                   aux=tensors, family=family))
+            self.nodes.append(Node(family, name, indices, operands, target, self.current, fn=e.func, call=e,
+                                   aux=tensors))
             return name
         towards = family.argument(e, indices)
         arg = self.argument(e.arg, name, towards, target if towards == indices else None)
@@ -191,8 +189,8 @@ class _Builder:
             self.names.add(made)
             self.indices[made] = indices
             aux.append(made)
-        self.nodes.append(Node(e.func, name, indices, (arg,), target, self.current, fn=e.func, call=e,
-                               aux=tuple(aux), family=family))
+        self.nodes.append(Node(family, name, indices, (arg,), target, self.current, fn=e.func, call=e,
+                               aux=tuple(aux)))
         return name
 
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],
@@ -209,14 +207,14 @@ class _Builder:
             out = name if last else ("Tmp" if steps == 2 and "Tmp" not in self.names else self.fresh(name))
             self.names.add(out)
             self.indices[out] = out_idx
-            self.nodes.append(Node("einsum", out, out_idx, (left, names[k]),
+            self.nodes.append(Node(family_of(CONTRACT), out, out_idx, (left, names[k]),
                                    target if last else None, self.current, chain=0 if last else k))
             left, left_idx = out, out_idx
         return name
 
     def element_bytes(self) -> dict[str, int]:
         """Bytes an element of each tensor not of the spec's dtype: the token ids, the keep-masks."""
-        made = {k: v for node in self.nodes if node.family is not None for k, v in node.family.aux_bytes(node).items()}
+        made = {k: v for node in self.nodes for k, v in node.family.aux_bytes(node).items()}
         return element_bytes(self.spec) | made
 
     def finish(self, given: Mapping[str, str]) -> Graph:

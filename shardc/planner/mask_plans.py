@@ -37,7 +37,7 @@ __all__ = ["plan_masked", "plan_masked_backward", "vjp_op", "MASK_BYTES"]
 def vjp_op(node: Node) -> LocalOp:
     """The local operation of a mask's gradient step: ``causal_vjp(S,T)`` or ``dropout_vjp(0.1)``."""
     assert node.call is not None
-    if node.kind == "causal":
+    if node.call.func == "causal":
         query, key = node.call.names
         return CausalVjp(query, key)
     return DropoutVjp(node.call.numbers[0])
@@ -51,7 +51,7 @@ def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target
     assert node.call is not None
     operands: tuple[TensorRef, ...] = (phase.ref(arg, want),)
     fn: LocalOp
-    if node.kind == "causal":
+    if node.call.func == "causal":
         query, key = node.call.names
         fn = Causal(query, key)
     else:

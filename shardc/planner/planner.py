@@ -200,7 +200,7 @@ def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: s
     """
     if any(node.chain for node in graph.nodes):
         return False
-    if strategy == "rules" and any(node.kind == "add" for node in graph.nodes):
+    if strategy == "rules" and any(node.signs for node in graph.nodes):
         return False  # a sum's local value is searched with sizes, and taken by a rule without
     done: set[object] = set()
     for key, problem, given, solution in trace:
@@ -385,14 +385,7 @@ def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None
     wanted = declared.get(node.result, node.target)
     target = Value.of(wanted) if wanted is not None else None
     label = _label(node, phase, declared)
-    if node.family is not None:
-        node.family.plan(phase, node, declared, target, label)
-        return
-        return
-    final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span,
-                         partial=node.partial)
-    if node.result not in declared:  # a chain intermediate: the planner chose its sharding
-        declared[node.result] = phase.ref(node.result, final)
+    node.family.plan(phase, node, declared, target, label)
 
 
 def _label(node: Node, phase: Phase, declared: dict[str, TensorRef]) -> str:

@@ -21,8 +21,9 @@ is not rerun).  Their FLOPs and collectives run in the backward phase
 The attention-score region is found structurally (:func:`attention_region`): it
 starts at an einsum of two activations (no param) whose result keeps a free index
 of each (``Q[B, S, N, H] · K[B, T, N, H] -> Sc[B, N, S, T]``), grows through the
-elementwise and :data:`REGION_OPS` steps that read it (``softmax``, ``causal``,
-``dropout``, a sum with a mask, or any elementwise function), and must end at an einsum of two
+nodes that read it and whose op family keeps them there
+(:attr:`shardc.ops.registry.Family.scores`: ``softmax``, ``causal``, ``dropout``, a sum with
+a mask, or any elementwise function), and must end at an einsum of two
 activations that contracts one of the score's free indices (the attention times
 V).  ``X · W`` with a param is never a score; ``P · V`` is not one either, as
 nothing contracts its result with another activation.
@@ -34,14 +35,12 @@ from collections.abc import Iterable
 
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
+from shardc.ops.registry import CONTRACT, family_of
 from shardc.planner.graph import Graph, Node
 
-__all__ = ["RECOMPUTE_MODES", "REGION_OPS", "attention_region", "recompute_steps", "reads"]
+__all__ = ["RECOMPUTE_MODES", "attention_region", "recompute_steps", "reads"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-# Node kinds or function names that continue an attention-score region (beside the calls whose op family
-# says so, shardc.ops.registry.Family.scores: the elementwise maps, the masks, softmax).
-REGION_OPS = frozenset({"add"})  # "add": a bias or mask added to the scores
 
 
 def reads(step: Step) -> tuple[TensorRef, ...]:
@@ -53,19 +52,11 @@ def _norm(ref: TensorRef) -> TensorRef:
     return TensorRef(ref.name, ref.dims, ref.unreduced)
 
 
-def _continues(node: Node) -> bool:
-    """Whether a node reading the region stays in it: a call its family keeps there (an elementwise
-    map, ``softmax``, ``causal``, ``dropout``), or named in :data:`REGION_OPS` by its kind, its
-    function or the spec's call it computes."""
-    if node.family is not None and node.call is not None and node.family.scores(node.call):
-        return True
-    names = {node.kind, node.fn or "", node.call.func if node.call is not None else ""}
-    return bool(names & REGION_OPS)
-
-
 def _is_score(node: Node, graph: Graph) -> bool:
     """An einsum of two activations whose result keeps a free index of each operand."""
-    if node.kind != "einsum" or len(node.operands) != 2 or any(o in graph.params for o in node.operands):
+    if node.family is not family_of(CONTRACT) or len(node.operands) != 2:
+        return False
+    if any(o in graph.params for o in node.operands):
         return False
     a, b = (set(graph.indices[o]) for o in node.operands)
     out = set(node.indices)
@@ -85,10 +76,10 @@ def attention_region(graph: Graph) -> frozenset[str]:
         for node in graph.nodes:
             if not set(node.operands) & region or node.result in region:
                 continue
-            if _continues(node):  # another operand (a mask, a bias) is read, not recomputed
+            if node.family.scores(node):  # another operand (a mask, a bias) is read, not recomputed
                 region.add(node.result)
                 region.update(node.aux)  # what it makes on the way: a dropout's keep-mask (a hash: the same again)
-            elif (node.kind == "einsum" and len(node.operands) == 2
+            elif (node.family is family_of(CONTRACT) and len(node.operands) == 2
                   and not any(o in graph.params for o in node.operands)
                   and free - set(node.indices)):
                 closed = True  # the attention times V contracts a free index of the scores
