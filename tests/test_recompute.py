@@ -221,3 +221,22 @@ def test_full_recompute_keeps_2sbh_a_layer_as_korthikanti_write_it() -> None:
     assert se.expand(residual_formula(full) - 2 * s * b * h) == 0
     none = shardc.plan(shardc.parse(tp))
     assert text(residual_formula(none)) == "4*B*F*S/T + 2*B*H*S"  # the input, and gelu's input and output
+
+
+def test_full_recomputation_keeps_each_layers_input_once_a_layer() -> None:
+    """Full recomputation checkpoints every layer's input (Korthikanti et al. 2022, section 4.1: 2sbh a
+    layer): the block's input is kept once a layer, and the backward reruns the block from it, never
+    the embedding before the block."""
+    spec = shardc.parse((ROOT / "examples" / "llama2_13b.shard").read_text(encoding="utf-8"))
+    plan = shardc.plan(spec, recompute="full")
+    memory = shardc.cost(plan).to_json()["memory"]
+    rows = {r["value"]: r for r in memory["residuals"]}  # type: ignore[union-attr, index]
+    x0 = rows["X0[B_X, S, D]"]
+    assert "the layer's input" in x0["why"]
+    sizes = dict(spec.dims) | {a.name: a.size for a in spec.mesh.axes}
+    layer_input = 2 * sizes["B"] * sizes["S"] * sizes["D"] / sizes["X"]  # bf16, B sharded over X
+    assert x0["bytes_per_layer"] == layer_input
+    tokens = sum(r["bytes_per_layer"] for name, r in rows.items() if name != "X0[B_X, S, D]")
+    assert memory["residual_bytes"] == pytest.approx(40 * layer_input + tokens)
+    assert "X0" not in {s.dst.name for s in plan.recomputed}  # the embedding before the block is not rerun
+    assert "L1" in {s.dst.name for s in plan.recomputed}  # the block is

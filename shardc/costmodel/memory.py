@@ -33,7 +33,7 @@ from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE
-from shardc.spec.walk import id_names, leaves
+from shardc.spec.walk import id_names, layer_inputs, leaves
 from shardc.timing import describe, local_elements
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
@@ -121,10 +121,13 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
 
 def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:
     """The residuals among ``refs`` kept once a step, not once a layer: a value a step outside the
-    ``layers L { ... }`` block made, or an input no repeated statement reads."""
+    ``layers L { ... }`` block made, or an input no repeated statement reads.  Under full
+    recomputation the block's input stands for every layer's input, each layer's checkpoint,
+    so it is kept once a layer."""
     repeated = _block_reads(plan)
     made = {s.dst: s.once for s in plan.forward}
-    return {ref for ref in refs if made.get(ref, ref.name not in repeated)}
+    checkpoints = set(layer_inputs(plan.spec)) if plan.recompute == "full" else set()
+    return {ref for ref in refs if ref.name not in checkpoints and made.get(ref, ref.name not in repeated)}
 
 
 def _block_reads(plan: Plan) -> set[str]:
@@ -242,6 +245,8 @@ def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str]
         parts.append(moved[ref])
     if once:
         parts.append("outside the layers block, kept once (not once a layer)")
+    elif plan.recompute == "full" and ref.name in layer_inputs(plan.spec):
+        parts.append("the layer's input, kept once a layer (the checkpoint the layer is recomputed from)")
     if plan.recompute == "selective" and declared.get(ref) != "input":
         parts.append("kept (outside the attention-score region)")
     return ", ".join([*parts, reader])

@@ -38,7 +38,7 @@ from shardc.planner.unit import (
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
-from shardc.spec.walk import leaves
+from shardc.spec.walk import layer_inputs, leaves
 from shardc.timing import PlanTime, plan_time
 
 __all__ = ["plan", "plan_candidate", "objective", "SAVE_POLICIES"]
@@ -313,7 +313,10 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     fwd = fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals))
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
     region = attention_region(graph) if recompute == "selective" else frozenset()
-    again = recompute_steps(recompute, fwd, backward.residuals, (declared[n] for n in graph.inputs), region)
+    start = [declared[n] for n in graph.inputs]
+    if recompute == "full":  # each layer's input is its checkpoint: the backward reruns the layer from it
+        start += [declared[n] for n in layer_inputs(spec)]
+    again = recompute_steps(recompute, fwd, backward.residuals, start, region)
     return Plan(
         spec=spec,
         forward=fwd,

@@ -20,7 +20,7 @@ from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, Te
 from shardc.spec.functions import ID_BYTES, integer_args, is_known, signature
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
-           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices"]
+           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "layer_inputs"]
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
@@ -173,3 +173,12 @@ def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
         return chain_indices(call.arg, outer) + (call.names[1],)
     return chain_indices(call.arg, outer)
 
+
+def layer_inputs(spec: Spec) -> tuple[str, ...]:
+    """The activations a ``layers L { ... }`` block reads that a statement before it makes (none
+    without a block): what a layer starts from, so what full recomputation keeps for each layer."""
+    if spec.block is None:
+        return ()
+    lo, hi = spec.block
+    made = {s.result.name for s in spec.statements[:lo]}
+    return tuple(dict.fromkeys(r.name for s in spec.statements[lo:hi] for r in leaves(s.expr) if r.name in made))
