@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shardc.arguments import check_instance, check_verify_args
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Call, Spec
@@ -243,6 +244,8 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     """
     import jax
 
+    check_instance(plan_or_spec, Plan | Spec, "plan_or_spec", "a Plan or a Spec")
+    check_verify_args(sizes, seed, save)
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)
     zero = plan if plan.optimizer else None
