@@ -1,4 +1,4 @@
-"""Argument checks of the public functions (``shardc.parse``, ``plan``, ``cost``, ``lower``).
+"""Argument checks of the public functions (``shardc.parse``, ``plan``, ``cost``, ``lower``, and ``verify``).
 
 A caller's mistake is a :class:`ShardcError` (a value out of range: a negative
 size, a fractional one, an empty chip name, a text past the size cap) or a
@@ -15,9 +15,10 @@ from types import UnionType
 from shardc.errors import ShardcError, clip
 from shardc.files import MAX_BYTES
 from shardc.spec.parser import MAX_SIZE
+from shardc.spec.validate import check_name
 
 __all__ = ["check_text", "check_instance", "check_sizes", "check_spans_arg", "check_choice",
-           "check_fraction"]
+           "check_fraction", "check_gradients", "check_verify_args"]
 
 
 def check_text(text: object, filename: object) -> str:
@@ -83,3 +84,26 @@ def check_fraction(value: object, name: str) -> None:
     """``None`` or a real number (its range is the callee's to check)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
         raise TypeError(f"{name} must be a number or None, not {type(value).__name__}")
+
+
+def check_gradients(gradients: object) -> None:
+    """``None`` or a mapping of input names to the names their gradients take (names a module defines)."""
+    if gradients is None:
+        return
+    if not isinstance(gradients, Mapping):
+        raise TypeError(f"gradients must be a dict of tensor names to gradient names, not {type(gradients).__name__}")
+    for key, value in gradients.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"gradients must map str to str, not {type(key).__name__} to {type(value).__name__}")
+        check_name(value, "gradient")
+
+
+def check_verify_args(sizes: object, seed: object, save: object) -> None:
+    """``verify``'s ``sizes``, ``seed`` (a whole number from 0: numpy's generators take no negative
+    seed) and ``save``; ``devices`` is checked once the devices present are known."""
+    check_sizes(sizes)
+    check_choice(save, "save")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+    if seed < 0:
+        raise ShardcError(f"seed = {clip(str(seed))} is negative", fix="pass a seed of 0 or more")

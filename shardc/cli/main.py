@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from shardc import __version__
 from shardc.errors import InternalError, ShardcError, clip
@@ -66,8 +67,16 @@ def full_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors echo a long value clipped (argparse repeats it whole: a
+    5000-character ``--save`` value made a 5000-character line); the subcommands' parsers are of its class."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(re.sub(r"\S{101,}", lambda m: clip(m.group(0), 100), message))
+
+
 def _top_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardc", epilog=_EPILOG,
         description="A compiler pass for sharding annotations: plan, cost and lower the collectives "
                     "of sharded einsums written in a .shard file.")

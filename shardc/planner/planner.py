@@ -13,8 +13,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 
+from shardc.arguments import check_gradients
 from shardc.collectives import share
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, clip
 from shardc.hardware import Hardware, check_spans, resolve_hardware
 from shardc.ir.plan import Plan, Step, TensorInfo
 from shardc.ir.spec import Spec, TensorRef
@@ -89,8 +90,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     if recompute not in RECOMPUTE_MODES:
         raise ShardcError(f"unknown recompute mode {recompute!r}", fix="use one of: " + ", ".join(RECOMPUTE_MODES))
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ShardcError(f"budget={budget!r}: must be a whole number of search steps >= 1",
+        raise ShardcError(f"budget={clip(repr(budget))}: must be a whole number of search steps >= 1",
                           fix=f"leave it out for the default, {BUDGET:,}")
+    check_gradients(gradients)
     validate(spec)  # a Spec built in Python has not met the parser's checks
     try:
         return _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),

@@ -42,7 +42,7 @@ from shardc.spec.exprs import check_expression
 from shardc.spec.stages import check_pipeline
 from shardc.spec.walk import id_names, leaves
 
-__all__ = ["validate"]
+__all__ = ["validate", "check_name"]
 
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # the grammar's NAME (grammar/shard.lark)
@@ -118,11 +118,15 @@ def _check_names(spec: Spec) -> None:
             named += [(axis, "mesh axis", d.span or ref.span) for d in ref.dims for axis in d.axes]
             named += [(axis, "mesh axis", ref.unreduced_span or ref.span) for axis in ref.unreduced]
     for name, what, span in named:
-        if not isinstance(name, str) or len(name) > MAX_NAME or not _NAME_RE.fullmatch(name):
-            shown = clip(repr(name))
-            raise ShardcError(f"{shown} cannot name a {what}", span,
-                              fix=f"names are ASCII letters, digits and `_`, not starting with a digit, "
-                                  f"at most {MAX_NAME} characters")
+        check_name(name, what, span)
+
+
+def check_name(name: object, what: str, span: Span | None = None) -> None:
+    """``name`` is what the grammar's NAME admits, else a ShardcError saying it cannot name a ``what``."""
+    if not isinstance(name, str) or len(name) > MAX_NAME or not _NAME_RE.fullmatch(name):
+        raise ShardcError(f"{clip(repr(name))} cannot name a {what}", span,
+                          fix=f"names are ASCII letters, digits and `_`, not starting with a digit, "
+                              f"at most {MAX_NAME} characters")
 
 
 def _check_mesh(spec: Spec) -> None:

@@ -16,9 +16,14 @@ every axis kept at 2 or more while possible, the stage axis last (P=4, X=64, Y=4
 P=4, X=2, Y=2 on 16 devices and P=2, X=2, Y=2 on 8); an axis cut to 1 fails the
 collectives over it, which did not run.  The block is stacked 2P layers deep and cut
 into 2P microbatches (at most the spec's).  Params are scaled by 1/sqrt(their
-contracted size), and each layer's last one so that its output has unit RMS, so a deep
-stack of products neither vanishes nor overflows; token ids are uniform over their
-vocabulary.
+contracted size), then each part's and each layer's to the scales at which each of its
+ops matters (:mod:`shardc.verification.scales`: a norm's statistic, an activation's
+argument at unit size, a sum's terms of like size), and each layer's last one so that
+its output has unit RMS, so a deep stack of products neither vanishes nor overflows;
+token ids are uniform over their vocabulary.  As unpipelined verify does
+(:mod:`shardc.verification.power`), a spec with dropout runs under two keys (the
+program compiled once), and a row whose bound would pass an error of 5% of its value
+is checked again in float32 against the unsharded program's own error.
 
 The compiled HLO is checked by :mod:`shardc.verification.pipeline_hlo`: the loop and its
 permutes between stages, and every planned collective by kind, axes and bytes.  With
@@ -46,10 +51,12 @@ from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.functions import ID_DTYPE, layer_key
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.walk import leaves
+from shardc.verification import power
 from shardc.verification.pipeline_hlo import loop_rows
-from shardc.verification.report import TOLERANCE, CollectiveRow, Report, ValueRow, cut_note
+from shardc.verification.report import POWER, TOLERANCE, CollectiveRow, Report, ValueRow, cut_note
+from shardc.verification.scales import input_scales
 
-__all__ = ["verify_pipeline", "run_sizes", "draw_inputs", "draw_cotangent", "reference"]
+__all__ = ["verify_pipeline", "run_sizes", "draw_inputs", "draw_cotangent", "reference", "differential_rows"]
 
 Arrays = dict[str, np.ndarray]
 
@@ -92,9 +99,10 @@ def _key(lowered: PipelineLowered, key: int, layer: int) -> int:
     return layer_key(key, layer, lowered.pipeline.layers)
 
 
-def draw_inputs(lowered: PipelineLowered, seed: int, key: int) -> Arrays:
+def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str, float] | None = None) -> Arrays:
     """The run's inputs at the whole batch's sizes: data standard normal (token ids uniform over
-    their vocabulary), params scaled as the module doc says, the block's stacked [layers, ...]."""
+    their vocabulary), params scaled as the module doc says, the block's stacked [layers, ...];
+    ``scales``, when given, gets each input's own scale."""
     ns, sizes = lowered.namespace, dict(lowered.sizes)
     pre, block, post = _parts(lowered)
     sizes[microbatch_dim(lowered.plan)] = lowered.batch
@@ -114,28 +122,52 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int) -> Arrays:
             part = pre if pre is not None and info.name in ns.PRE_PARAMS else post
             assert part is not None
             values[info.name] = rng.standard_normal(shape) / math.sqrt(_contracted(part, info.name, sizes))
+    own = scales if scales is not None else {}
+    if pre is not None:
+        _rescale(pre, values, list(ns.PRE_FORWARD_IN), set(), sizes, own)
     x = values[ns.BLOCK_INPUT] if pre is None else numpy_reference.forward(pre, values)[ns.PRE_RESULT]
-    _calibrate(lowered, block, values, x, key)
+    x = _calibrate(lowered, block, values, x, key, own)
+    if post is not None:
+        _rescale(post, {**values, ns.BLOCK_OUTPUT: x}, list(ns.POST_FORWARD_IN), {ns.BLOCK_OUTPUT}, sizes, own)
     return values
 
 
-def _calibrate(lowered: PipelineLowered, spec: Spec, values: Arrays, x: np.ndarray, key: int) -> None:
-    """Scale each layer's last param so its output has unit RMS (a deep product of einsums
-    otherwise vanishes or overflows; layer norms do this in a real model)."""
+def _rescale(spec: Spec, values: Arrays, names: list[str], fixed: set[str], sizes: dict[str, int],
+             scales: dict[str, float], layer: int | None = None) -> None:
+    """Rescale the float inputs ``names`` of ``spec`` (but ``fixed`` ones) in place, to the scales at which
+    each of its ops matters (:func:`~shardc.verification.scales.input_scales`); record them in ``scales``
+    (a stacked param's per layer, as ``W[layer]``)."""
+    ids = set(id_inputs(spec)) | fixed
+    given = {n: values[n] if layer is None or n in fixed else values[n][layer] for n in names}
+    wide = {n: v if n in ids else np.asarray(v, np.float64) for n, v in given.items()}
+    for name, factor in input_scales(spec, wide, ids, sizes).items():
+        target = values[name] if layer is None else values[name][layer]
+        target *= factor  # in place: ``values`` may be a view of the caller's dict
+        scales[name if layer is None else f"{name}[{layer}]"] = factor
+
+
+def _calibrate(lowered: PipelineLowered, spec: Spec, values: Arrays, x: np.ndarray, key: int,
+               scales: dict[str, float]) -> np.ndarray:
+    """Each layer's params at the scales where its ops matter, then its last param scaled so that its
+    output has unit RMS (a deep product of einsums otherwise vanishes or overflows; layer norms do
+    this in a real model); the last layer's output."""
     ns = lowered.namespace
     last = next((s for s in spec.statements if s.result.name == ns.BLOCK_OUTPUT), None)
-    if last is None or not isinstance(last.expr, Contract):  # the output is linear in its operands
-        return
-    linear = [r.name for r in leaves(last.expr) if r.name in ns.PARAMS]
-    if not linear:
-        return
+    linear: list[str] = []
+    if last is not None and isinstance(last.expr, Contract):  # the output is linear in its operands
+        linear = [r.name for r in leaves(last.expr) if r.name in ns.PARAMS]
+    sizes = dict(lowered.sizes)
     for layer in range(lowered.pipeline.layers):
+        pool = {ns.BLOCK_INPUT: x, **{p: values[p] for p in ns.PARAMS}}
+        _rescale(spec, pool, [ns.BLOCK_INPUT, *ns.PARAMS], {ns.BLOCK_INPUT}, sizes, scales, layer)
         layer_values = {ns.BLOCK_INPUT: x, **{p: values[p][layer] for p in ns.PARAMS}}
-        out = numpy_reference.forward(spec, layer_values, sizes=dict(lowered.sizes),
-                                      key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
-        rms = float(np.sqrt(np.mean(out ** 2))) or 1.0
-        values[linear[0]][layer] /= rms
-        x = out / rms
+        out = numpy_reference.forward(spec, layer_values, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
+        if linear:
+            rms = float(np.sqrt(np.mean(out ** 2))) or 1.0
+            values[linear[0]][layer] /= rms
+            out = out / rms
+        x = out
+    return x
 
 
 def draw_cotangent(lowered: PipelineLowered, inputs: Arrays, seed: int) -> Arrays:
@@ -147,34 +179,35 @@ def draw_cotangent(lowered: PipelineLowered, inputs: Arrays, seed: int) -> Array
     return {ends.result_cotangent: np.asarray(rng.standard_normal())}
 
 
-def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: int) -> tuple[Arrays, Arrays]:
+def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: int, xp: Any = np,
+              dtype: Any = np.float64) -> tuple[Arrays, Arrays]:
     """The spec's meaning in float64: the pipeline's results and every gradient, keyed as the module
-    keys them."""
+    keys them.  With ``xp`` jax.numpy and ``dtype`` float32 it is the unsharded float32 program."""
     ns = lowered.namespace
     pre, block, post = _parts(lowered)
-    f64 = {k: v if v.dtype.kind in "iu" else v.astype(np.float64) for k, v in inputs.items()}
+    wide = {k: v if v.dtype.kind in "iu" else xp.asarray(v, dtype) for k, v in inputs.items()}
     sizes = dict(lowered.sizes)  # the dims no input has (a route's capacity); the inputs' shapes win
-    pre_in = {k: f64[k] for k in ns.PRE_FORWARD_IN} if pre is not None else {}
-    x = numpy_reference.forward(pre, pre_in)[ns.PRE_RESULT] if pre is not None else f64[ns.BLOCK_INPUT]
+    pre_in = {k: wide[k] for k in ns.PRE_FORWARD_IN} if pre is not None else {}
+    x = numpy_reference.forward(pre, pre_in, xp)[ns.PRE_RESULT] if pre is not None else wide[ns.BLOCK_INPUT]
     kept = []
     for layer in range(lowered.pipeline.layers):
-        values = {ns.BLOCK_INPUT: x, **{p: f64[p][layer] for p in ns.PARAMS}}
+        values = {ns.BLOCK_INPUT: x, **{p: wide[p][layer] for p in ns.PARAMS}}
         kept.append(values)
-        x = numpy_reference.forward(block, values, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
+        x = numpy_reference.forward(block, values, xp, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
     grads: Arrays = {}
     if post is None:
         results = {ns.BLOCK_OUTPUT: x}
-        g = cotangent[ns.PIPELINE.ends.output_cotangent].astype(np.float64)
+        g = xp.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
     else:
-        post_in = {k: x if k == ns.BLOCK_OUTPUT else f64[k] for k in ns.POST_FORWARD_IN}
-        results = {ns.LOSS: np.asarray(numpy_reference.forward(post, post_in)[ns.LOSS])}
-        d_loss = cotangent[ns.PIPELINE.ends.result_cotangent]
-        got = numpy_reference.backward(post, post_in, {ns.LOSS: np.asarray(d_loss)})
+        post_in = {k: x if k == ns.BLOCK_OUTPUT else wide[k] for k in ns.POST_FORWARD_IN}
+        results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp)[ns.LOSS])}
+        d_loss = xp.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
+        got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp)
         grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS})
         g = got[ns.BLOCK_OUTPUT]
     layers: dict[str, list[np.ndarray]] = {p: [] for p in ns.PARAMS}
     for layer in reversed(range(len(kept))):
-        back = numpy_reference.backward(block, kept[layer], {ns.BLOCK_OUTPUT: g}, sizes=sizes,
+        back = numpy_reference.backward(block, kept[layer], {ns.BLOCK_OUTPUT: g}, xp, sizes=sizes,
                                         key=_key(lowered, key, layer))
         for p in ns.PARAMS:
             layers[p].insert(0, back[p])
@@ -182,28 +215,28 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
     if pre is None:
         grads[ns.GRADS[ns.BLOCK_INPUT]] = g
     else:
-        got = numpy_reference.backward(pre, pre_in, {ns.PRE_RESULT: g})
+        got = numpy_reference.backward(pre, pre_in, {ns.PRE_RESULT: g}, xp)
         grads.update({ns.PRE_GRADS[p]: got[p] for p in ns.PRE_PARAMS})
-    grads.update({ns.GRADS[p]: np.stack(v) for p, v in layers.items()})
+    grads.update({ns.GRADS[p]: xp.stack(v) for p, v in layers.items()})
     return results, grads
 
 
 def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -> Report:
-    """Lower the pipeline small, run its schedule once, check values and the compiled program (see the
-    module doc); ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it."""
+    """Lower the pipeline small, run its schedule, check values and the compiled program (see the
+    module doc); ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it, and
+    a spec with dropout runs under the next key too (:data:`~shardc.verification.power.DROPOUT_KEYS`)."""
     import jax
 
     sizes, layers, micro = run_sizes(plan, devices)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)
-    ns = lowered.namespace
     tol = (100 * TOLERANCE["float64"][0], 100 * TOLERANCE["float64"][1])  # 2P layers deep: rounding x ~10
-    mesh = dict(ns.PIPE_MESH_AXES)
+    mesh = dict(lowered.namespace.PIPE_MESH_AXES)
     report = Report(plan.spec.filename or "<spec>", mesh, {**lowered.sizes, "layers": layers,
                                                            "microbatches": micro}, str(plan.spec.dtype),
                     "float64", tol)
-    inputs = draw_inputs(lowered, seed, key)
+    inputs = draw_inputs(lowered, seed, key, report.input_scales)
     cotangent = draw_cotangent(lowered, inputs, seed)
-    want_out, want_grads = reference(lowered, inputs, cotangent, key)
+    keys = _keys(lowered, key)
     cut = collapsed_axes(plan, {**mesh})
     if cut:
         report.notes.append(cut_note(cut, devices, plan))
@@ -211,21 +244,75 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -
     if parts is not None:
         report.collectives += _as_costed(plan, parts)
     with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
-        text, got_out, got_grads = _run(lowered, inputs, cotangent, key)
-    report.values += [_row("forward", k, got_out[k], v, tol) for k, v in want_out.items()]
-    report.values += [_row("backward", k, got_grads[k], v, tol) for k, v in want_grads.items()]
+        text, runs = _run(lowered, inputs, cotangent, keys)
+    wants = {k: reference(lowered, inputs, cotangent, k) for k in keys}
+    for k, ((got_out, got_grads), (want_out, want_grads)) in enumerate(zip(runs, wants.values(), strict=True)):
+        report.values += [_row(power.phase("forward", keys[k]), n, got_out[n], v, tol) for n, v in want_out.items()]
+        report.values += [_row(power.phase("backward", keys[k]), n, got_grads[n], v, tol)
+                          for n, v in want_grads.items()]
+    if len(keys) > 1 and all(np.array_equal(v, wants[keys[1]][0][n]) for n, v in wants[keys[0]][0].items()):
+        report.notes.append(f"dropout keys {keys[0]} and {keys[1]} draw the same masks at these sizes: "
+                            "the key is not checked")
+    report.values = _recheck_weak(report, lowered, inputs, cotangent, keys)
     report.collectives += loop_rows(lowered, text, parts, cut)
     return report
 
 
-def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: int) -> tuple[str, Arrays, Arrays]:
-    """The schedule's program compiled once: its HLO text, the results, the gradients."""
+def _keys(lowered: PipelineLowered, key: int) -> tuple[int, ...]:
+    """The dropout keys to run: ``key`` and the next, where the block draws masks."""
+    if not lowered.namespace.KEYED:
+        return (key,)
+    return tuple((key + k) % 2**32 for k in power.DROPOUT_KEYS)
+
+
+def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
+         keys: tuple[int, ...]) -> tuple[str, list[tuple[Arrays, Arrays]]]:
+    """The schedule's program compiled once: its HLO text, and the results and gradients under each key."""
     pipeline = lowered.namespace.PIPELINE
-    args = pipeline.arguments(inputs, pipeline.ends.cotangent(pipeline, inputs, cotangent), key)
-    compiled = pipeline.program()[1].lower(*args).compile()
-    results, grads = pipeline.read(*compiled(*args))
-    return (compiled.as_text(), {k: np.asarray(v) for k, v in results.items()},
-            {k: np.asarray(v) for k, v in grads.items()})
+    given = pipeline.ends.cotangent(pipeline, inputs, cotangent)
+    compiled = pipeline.program()[1].lower(*pipeline.arguments(inputs, given, keys[0])).compile()
+    runs = []
+    for key in keys:
+        results, grads = pipeline.read(*compiled(*pipeline.arguments(inputs, given, key)))
+        runs.append(({k: np.asarray(v) for k, v in results.items()}, {k: np.asarray(v) for k, v in grads.items()}))
+    return compiled.as_text(), runs
+
+
+def _recheck_weak(report: Report, lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
+                  keys: tuple[int, ...]) -> list[ValueRow]:
+    """Rows whose bound would pass an error of ``POWER`` of the value, checked again as the unpipelined
+    verifier checks them (:mod:`shardc.verification.power`): the pipeline run in float32 against the
+    float64 reference, within a few times the error of the unsharded float32 program (the reference's
+    statements in jax, on one device) on the same inputs; a row still that loose fails."""
+    weak = [r for r in report.values if power.weak(r)]
+    if not weak:
+        return report.values
+    names = ", ".join(dict.fromkeys(r.tensor for r in weak))
+    report.notes.append(f"in float64 the bound of {names} would pass an error of {POWER:.0%} of the value: "
+                        "checked again in float32 against the unsharded program's error (rows marked f32)")
+    again = {(r.phase, r.tensor): r for r in differential_rows(lowered, inputs, cotangent, keys)}
+    extra = [replace(again[(r.phase, r.tensor)], phase=f"{r.phase} f32") for r in weak if (r.phase, r.tensor) in again]
+    return report.values + [power.failed(r) if power.weak(r) else r for r in extra]
+
+
+def differential_rows(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
+                      keys: tuple[int, ...]) -> list[ValueRow]:
+    """Every value of the pipeline run in float32 (inputs rounded to it), against the float64 reference
+    from the same rounded inputs, bounded by the unsharded float32 program's own error."""
+    import jax.numpy as jnp
+
+    narrow = {k: v if v.dtype.kind in "iu" else v.astype(np.float32) for k, v in inputs.items()}
+    cot = {k: np.asarray(v, np.float32) for k, v in cotangent.items()}
+    _, runs = _run(lowered, narrow, cot, keys)
+    rows = []
+    for key, (got_out, got_grads) in zip(keys, runs, strict=True):
+        want_out, want_grads = reference(lowered, narrow, cot, key)
+        plain_out, plain_grads = reference(lowered, narrow, cot, key, jnp, jnp.float32)
+        rows += [power.differential(power.phase("forward", key), n, got_out[n], v, plain_out[n])
+                 for n, v in want_out.items()]
+        rows += [power.differential(power.phase("backward", key), n, got_grads[n], v, plain_grads[n])
+                 for n, v in want_grads.items()]
+    return rows
 
 
 def _collectives(plans: tuple[Plan, ...]) -> Counter[tuple[str, str, str, str, str]]:

@@ -58,7 +58,7 @@ def input_scales(spec: Spec, inputs: dict[str, np.ndarray], ids: set[str],
     nonlinear operation sees unit-size arguments and every sum's terms are of one size."""
     nodes = reference._nodes(spec)
     scales = {n: 1.0 for n in inputs if n not in ids}
-    upstream: dict[str, set[str]] = {n: {n} for n in scales}
+    upstream: dict[str, set[str]] = {n: {n} for n in inputs}  # the unscaled ones too: a sum's first term
     for node in nodes:
         upstream[node.result] = set().union(*(upstream.get(o, set()) for o in node.operands))
     fixed: set[str] = set()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shardc.arguments import check_instance, check_verify_args
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Call, Spec
@@ -39,6 +40,11 @@ from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
 from shardc.verification.hlo import collectives
 from shardc.verification.pipeline_verify import verify_pipeline
+from shardc.verification.power import DROPOUT_KEYS
+from shardc.verification.power import differential as _differential
+from shardc.verification.power import failed as _failed
+from shardc.verification.power import phase as _phase
+from shardc.verification.power import weak as _weak
 from shardc.verification.report import (
     POWER,
     STORAGE_DTYPE,
@@ -191,11 +197,6 @@ def _fits(v: np.ndarray, limit: float) -> bool:
     return bool(np.all(np.isfinite(v)) and (not v.size or np.max(np.abs(v)) <= limit))
 
 
-def _phase(name: str, key: int) -> str:
-    """A row's phase: under a dropout key other than 0 the key is named."""
-    return name if key == 0 else f"{name} key {key}"
-
-
 def _value_rows(lowered: Lowered, run: _Run, tol: tuple[float, float], dtype: np.dtype[Any]) -> list[ValueRow]:
     """Every result and every gradient the module returns, against the reference."""
     import ml_dtypes
@@ -243,6 +244,8 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     """
     import jax
 
+    check_instance(plan_or_spec, Plan | Spec, "plan_or_spec", "a Plan or a Spec")
+    check_verify_args(sizes, seed, save)
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)
     zero = plan if plan.optimizer else None
@@ -280,9 +283,6 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     return report
 
 
-DROPOUT_KEYS = (0, 1)  # a lowering that ignores the key draws key 0's masks under key 1, and fails
-
-
 def _keys(lowered: Lowered) -> tuple[int, ...]:
     return DROPOUT_KEYS if lowered.namespace.KEYED else (0,)
 
@@ -298,11 +298,6 @@ def _same_masks(lowered: Lowered, run: _Run) -> list[str]:
             "the key is not checked"]
 
 
-def _weak(row: ValueRow) -> bool:
-    """A passing row whose bound would also pass an error of ``POWER`` times the value."""
-    return row.ok and row.max_reference > 0 and row.tolerance > POWER * row.max_reference
-
-
 def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: int) -> list[ValueRow]:
     """Rows whose bound cannot catch a wrong plan, checked again in float32 against the
     unsharded program's own error; a row still that loose fails.
@@ -311,7 +306,7 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
     value (a softmax of large scores, a norm's gradient) it can exceed the value itself, and
     such a pass proves nothing.  The recheck runs the lowered program and the spec's unsharded
     program (the reference's statements in jax, on one device) in float32: a right plan only
-    reorders sums, so its error is of the unsharded program's order (``_DIFFERENTIAL`` times it,
+    reorders sums, so its error is of the unsharded program's order (``DIFFERENTIAL`` times it,
     plus 64 float32 roundings of the value), while a wrong plan errs by the value's order.
     """
     weak = [r for r in report.values if _weak(r)]
@@ -336,9 +331,6 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
 def _routed(spec: Spec) -> set[str]:
     """The tensors a statement computes as a ``route`` mask (a 0/1 choice of the top-k gates)."""
     return {s.result.name for s in spec.statements if isinstance(s.expr, Call) and s.expr.func == "route"}
-
-
-_DIFFERENTIAL = 16.0
 
 
 def differential_rows(lowered: Lowered, seed: int = 0, key: int = 0) -> list[ValueRow]:
@@ -374,20 +366,6 @@ def differential_rows(lowered: Lowered, seed: int = 0, key: int = 0) -> list[Val
     return rows
 
 
-def _differential(phase: str, name: str, got: Any, ref: np.ndarray, plain: Any) -> ValueRow:
-    finite = ~np.isneginf(ref)
-    value = np.where(finite, np.asarray(got).astype(np.float64), 0.0)
-    unsharded = np.where(finite, np.asarray(plain).astype(np.float64), 0.0)
-    ref = np.where(finite, ref, 0.0)
-    if value.shape != ref.shape or not np.all(np.isfinite(value)):
-        return ValueRow(phase, name, math.nan, 0.0, math.nan, False, "shape or NaN: not compared")
-    peak = float(np.max(np.abs(ref))) if ref.size else 0.0
-    own = float(np.max(np.abs(unsharded - ref))) if ref.size else 0.0
-    bound = _DIFFERENTIAL * own + 64 * float(np.finfo(np.float32).eps) * peak + 1e-30
-    err = float(np.max(np.abs(value - ref))) if ref.size else 0.0
-    return ValueRow(phase, name, err, peak, bound, err <= bound)
-
-
 def _choices(phase: str, name: str, got: Any, plain: Any) -> ValueRow:
     """A routing mask against the unsharded float32 program's: every 0/1 choice must agree."""
     value, unsharded = np.asarray(got).astype(np.float64), np.asarray(plain).astype(np.float64)
@@ -395,10 +373,6 @@ def _choices(phase: str, name: str, got: Any, plain: Any) -> ValueRow:
         return ValueRow(phase, name, math.nan, 0.0, math.nan, False, "shape or NaN: not compared")
     err = float(np.max(np.abs(value - unsharded))) if value.size else 0.0
     return ValueRow(phase, name, err, 1.0, 0.0, err == 0.0)
-
-
-def _failed(row: ValueRow) -> ValueRow:
-    return replace(row, ok=False, note=f"the bound would pass an error of {POWER:.0%} of the value: not compared")
 
 
 def check_device_count(devices: int) -> None:
