@@ -52,6 +52,7 @@ from shardc.verification.report import (
     match_collectives,
     render_report,
 )
+from shardc.verification.route_load import overflowing
 from shardc.verification.scales import input_scales
 
 if TYPE_CHECKING:
@@ -261,8 +262,9 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     given = given_source(module) if module is not None else None
     base = small_sizes(zero or plan, devices)
     fixed = module_sizes(plan, base) if given is not None else {}
-    small = {**base, **fixed, **(sizes or {})}
-    notes: list[str] = []
+    # a route's token index long enough that experts overflow: dropping past capacity is checked
+    grown, notes = overflowing(plan, {**base, **fixed}, fixed)
+    small = {**grown, **(sizes or {})}
     lowered = lower(zero or plan, sizes=small)
     if given is not None:
         lowered, used = use_module(lowered, *given)
