@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import sys
 from typing import Any
 
@@ -37,6 +38,10 @@ def register(sub: Any, name: str) -> None:
         parser.add_argument("--devices", type=int, default=None,
                             help="devices to run on (emulated on a CPU; default: enough for every mesh "
                                  "axis to run at size 2, at least 8 when the mesh has them, at most 256)")
+        if name == "verify":
+            parser.add_argument("--module", metavar="MOD.py", default=None,
+                                help="verify this lowered module (as `shardc lower -o` wrote it, or edited) "
+                                     "instead of lowering the plan again")
     parser.set_defaults(func={"lower": run_lower, "verify": run_verify, "compare": run_compare}[name])
 
 
@@ -138,9 +143,15 @@ def emulate_devices(count: int) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     plan = _plan(args)
     devices = _devices(args, plan)
+    from shardc.verification.module_check import ModuleRejected
     from shardc.verification.verify import render_report, verify
 
-    report = verify(plan, devices=devices)
+    module = pathlib.Path(args.module) if args.module is not None else None
+    try:
+        report = verify(plan, devices=devices, module=module)
+    except ModuleRejected as err:  # a module that cannot be run as the plan's fails the check
+        print(err.render(), file=sys.stderr)
+        return ModuleRejected.exit_code
     if args.json:
         print(json.dumps(report.to_json(), indent=2, allow_nan=False))
     else:

@@ -21,6 +21,7 @@ HLO volumes are priced in the spec's dtype, as the plan's are.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check,
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
 from shardc.verification.hlo import collectives
+from shardc.verification.module_check import given_source, module_sizes, running, use_module
 from shardc.verification.pipeline_verify import verify_pipeline
 from shardc.verification.power import DROPOUT_KEYS
 from shardc.verification.power import differential as _differential
@@ -56,6 +58,7 @@ from shardc.verification.report import (
     match_collectives,
     render_report,
 )
+from shardc.verification.route_load import overflowing
 from shardc.verification.scales import input_scales
 
 if TYPE_CHECKING:
@@ -236,11 +239,13 @@ def _optimizer_rows(lowered: Lowered, tol: tuple[float, float], dtype: np.dtype[
 
 
 def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[str, int] | None = None,
-           seed: int = 0, save: str = "default") -> Report:
+           seed: int = 0, save: str = "default", module: str | os.PathLike[str] | None = None) -> Report:
     """Lower the plan at small sizes, run forward and backward, check values and HLO collectives.
 
     ``devices`` None: enough for every mesh axis to run at size 2 or more, within the
-    devices jax has.  A Spec is planned exactly as ``shardc plan`` plans it.
+    devices jax has.  A Spec is planned exactly as ``shardc plan`` plans it.  ``module``: a
+    lowered module (a path, or its text) run instead of verify's own lowering and judged the
+    same way (:mod:`shardc.verification.module_check`); one that cannot run raises ModuleRejected.
     """
     import jax
 
@@ -253,9 +258,31 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     devices = devices_to_check(plan, jax.device_count()) if devices is None else devices
     check_device_count(devices)
     if plan.spec.mesh.pipeline_axis is not None:  # a pipeline over the stage axis: its own module
+        if module is not None:
+            raise ShardcError("verify --module runs a module of a spec without a pipeline axis",
+                              fix="verify the pipelined spec without --module")
         return verify_pipeline(plan, devices, seed)
-    small = {**small_sizes(zero or plan, devices), **(sizes or {})}
+    given = given_source(module) if module is not None else None
+    base = small_sizes(zero or plan, devices)
+    fixed = module_sizes(plan, base) if given is not None else {}
+    # a route's token index long enough that experts overflow: dropping past capacity is checked
+    grown, notes = overflowing(plan, {**base, **fixed}, fixed)
+    small = {**grown, **(sizes or {})}
     lowered = lower(zero or plan, sizes=small)
+    if given is not None:
+        lowered, used = use_module(lowered, *given)
+        notes[:0] = used
+    with running(given[1] if given is not None else None):
+        report = _checked(plan, (zero, zero_note), lowered, devices, seed)
+    report.notes[:0] = notes
+    return report
+
+
+def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Lowered, devices: int,
+             seed: int) -> Report:
+    """Values and HLO collectives of ``lowered`` (the plan's module at small sizes) against the plan;
+    ``zero_plan``: a ZeRO-1/2 plan and its note, or Nones."""
+    zero, zero_note = zero_plan
     mesh = dict(lowered.module.mesh)
     dtype = compute_dtype(plan.spec)
     tol = TOLERANCE[dtype.name]
