@@ -60,6 +60,8 @@ def render(search: LayoutSearch, top: int = 0) -> str:
         lines.append("notes (of the rows shown):")
         lines += [f"  {n}" for n in notes]
     lines.append(reason(search))
+    if search.optimum is not None and search.chosen is not None:
+        lines.append(search.optimum.text(dict(search.chosen.sizes)[search.optimum.fsdp_axis]))
     s = search.stats
     lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['planned']:.0f} planned and costed, "
                  f"{s['reused']:.0f} reused (the same spec once size-1 axes are stripped), "
@@ -115,4 +117,10 @@ def to_json(search: LayoutSearch, top: int = 0) -> dict[str, object]:
             "rule": search.rule, "layouts": [r.to_json() for r in shown], "more": len(search.layouts) - len(shown),
             "skipped": [s.to_json() for s in search.skipped],
             "chosen": best.to_json() if best is not None else None, "reason": reason(search),
-            "stats": search.stats}
+            "x_opt": search.optimum.x_opt if search.optimum is not None else None,
+            "book_optimum": search.optimum.to_json() if search.optimum is not None else None,
+            "topology": _topology(o.topology), "stats": search.stats}
+
+
+def _topology(topology: str | tuple[int, ...] | None) -> str | None:
+    return topology if topology is None or isinstance(topology, str) else "x".join(map(str, topology))

@@ -50,6 +50,7 @@ class Options:
     recompute: str = "none"
     optimizer: str = "adam10"
     mfu: float | None = None
+    topology: str | tuple[int, ...] | None = None  # the slice or cluster (--topology); None: the spec's or usual
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,8 @@ def _pairs(spec: Spec, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
 def evaluate(candidate: Spec, options: Options) -> Layout | str:
     """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line)."""
     try:
-        report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute),
-                      mfu=options.mfu, optimizer=options.optimizer)
+        report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute,
+                           topology=options.topology), mfu=options.mfu, optimizer=options.optimizer)
     except ShardcError as err:
         return err.message.splitlines()[0]
     sizes = {a.name: a.size for a in candidate.mesh.axes}
@@ -124,7 +125,7 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
     """A row from a cost report: the step's times, and memory (a pipeline's: its fullest stage's)."""
     step, mem = report.step, report.memory
     notes = tuple(n for n in report.plan.notes if "padded" in n) + tuple(
-        n for n in report.notes if "a node has" in n)  # ICI axes wider than a GPU node: say so
+        n for n in report.notes if "a node has" in n or "split with" in n or "usual" in n)
     memory: tuple[tuple[str, float], ...] = (
         ("params", mem.param_bytes), ("grads", mem.grad_bytes), ("optimizer", mem.optimizer_bytes),
         ("activations", mem.residual_bytes), ("gathered", mem.gathered_bytes))
