@@ -21,10 +21,11 @@ The time model, with the choices the book leaves open:
 * ``links`` is what the collective's axes lie on (:class:`shardc.topology.AxisLinks`, from the
   topology: :func:`shardc.topology.resolve_links`): the physical ICI axes of each mesh axis (the
   book's M_X: X = 1024 chips of a 16x16x16 pod spans 3), each a wrapped ring (1) or an open line
-  (1/2: twice the time, "How To Scale Your Model", part 2).  A count of physical axes (``--spans``,
-  the book's assumptions) is that many wrapped rings.  An AllToAll over several physical axes
-  laid on a slice takes the book's torus formula, ``V * max(n_d) / (4 N W)``: the traffic along
-  each axis loads its links with ``V n_d / 4N`` and the axes run at once.
+  of n chips (n / 2(n-1): 2(n-1)/n times the time, "How To Scale Your Model", part 2).  A count
+  of physical axes (``--spans``, the book's assumptions) is that many wrapped rings.  An
+  AllToAll over several physical axes laid on a slice takes the book's torus formula,
+  ``V * max(n_d) / (4 N W)``: the traffic along each axis loads its links with ``V n_d / 4N`` and
+  the axes run at once.
 * A collective whose axes all cross DCN uses ``W_dcn`` (a chip's DCN figure is one
   number, so DCN axes do not multiply it).  One that mixes ICI axes I and DCN axes
   is costed hierarchically, as such collectives are run: the ICI part moves V over I,
@@ -218,7 +219,7 @@ def _chips(mesh: Mesh, sizes: Mapping[str, int] | None, axis: str) -> int:
 
 def links(axes: tuple[str, ...], layout: Layout | None, mesh: Mesh | None = None,
           sizes: Mapping[str, int] | None = None) -> Fraction:
-    """The physical ICI axes' worth of links a collective over ``axes`` runs on (open lines count half)."""
+    """The physical ICI axes' worth of links a collective over ``axes`` runs on (open lines count less)."""
     return sum((axis_links(layout, a, _chips(mesh, sizes, a) if mesh is not None else 1).links for a in axes),
                Fraction(0))
 
@@ -241,7 +242,7 @@ def _nodes(axes: tuple[str, ...], mesh: Mesh, sizes: Mapping[str, int] | None,
 def _torus_all_to_all(rings: list[Ring]) -> Fraction:
     """The divisor of an AllToAll's V/4 on a torus (the book's torus formula): traffic along each
     physical axis of n_d chips loads its links with V * n_d / (4 N), and the axes run at once, so the
-    most loaded sets the time, V * max(n_d) / (4 N W); an open line's load counts twice."""
+    most loaded sets the time, V * max(n_d) / (4 N W); an open line's load counts as its links do."""
     chips = math.prod(r.chips for r in rings)
     worst = max((r.chips / float(r.links) for r in rings if r.links), default=1.0)
     return Fraction(chips / worst).limit_denominator(1 << 20)

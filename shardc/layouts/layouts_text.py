@@ -93,7 +93,11 @@ def reason(search: LayoutSearch) -> str:
         parts.append(f"{len(faster)} faster layout(s) do not fit (e.g. {_name(faster[0])} {faster[0].axes_text}: "
                      f"{fmt_bytes(faster[0].memory_bytes)})")
     tied = [r for r in search.layouts[1:] if rank_key(r)[:2] == rank_key(best)[:2]]
-    if tied:
+    if tied and tied[0].split and not best.split:
+        parts.append(f"{len(tied)} other layout(s) take the same step time (to {DIGITS} digits); its mesh axes lie "
+                     f"on whole physical axes, as JAX lays them by default, where {_name(tied[0])} "
+                     f"{tied[0].axes_text} splits one (less usable bandwidth)")
+    elif tied:
         nxt = tied[0]
         parts.append(f"{len(tied)} other layout(s) take the same step time (to {DIGITS} digits); least "
                      f"critical-path communication: {_fine(best.critical_s)} vs "
