@@ -50,6 +50,7 @@ class Ring:
     chips: float  # whole on a slice; the book's spans give n ** (1/k)
     wrapped: bool = True
     split: bool = False  # a part of a physical axis another mesh axis shares
+    axis: int = -1  # the physical axis (0 first in the topology's shape); -1: the book's spans
 
     @property
     def links(self) -> Fraction:
@@ -229,7 +230,7 @@ def axis_links(mesh: Mesh, sizes: Mapping[str, int], hw: Hardware, shape: Shape)
         return out
     parts = _torus_assignment(shape, wanted) or _split_assignment(shape, wanted)
     return {axis.name: AxisLinks(tuple(Ring(chips, wraps(hw, shape, shape[i]) and chips == shape[i],
-                                            chips != shape[i]) for i, chips in mine), speed=speed, torus=True)
+                                            chips != shape[i], i) for i, chips in mine), speed=speed, torus=True)
             for axis, mine in zip(ici, parts, strict=True)}
 
 
@@ -291,7 +292,11 @@ def _layout_notes(mesh: Mesh, sizes: Mapping[str, int], found: Mapping[str, Axis
     for axis in mesh.axes:
         n = sizes.get(axis.name, axis.size)
         links = found.get(axis.name)
-        if links is None or n == 1 or axis.name in spans:
+        if links is None or n == 1:
+            continue
+        if axis.name in spans:
+            out.append(f"mesh axis {axis.name} ({n} chips): --spans {axis.name}={spans[axis.name]}, that many "
+                       "wrapped rings (the book's M), over its place on the topology")
             continue
         if links.nodes:
             where = (f"{links.inner} GPU(s) of a node over {links.outer} node(s): NVLink and InfiniBand, "
@@ -299,9 +304,10 @@ def _layout_notes(mesh: Mesh, sizes: Mapping[str, int], found: Mapping[str, Axis
                      "inside a node (NVLink)" if links.outer == 1 else f"across {links.outer} nodes (InfiniBand)")
             out.append(f"mesh axis {axis.name} ({n} GPUs) on {shape_text(shape)}: {where}")
             continue
-        parts = ", ".join(f"{r.chips:g} chips " + ("split with another mesh axis (an open line)" if r.split else
-                                                   "wrapped" if r.wrapped else "an open line (no wraparound)")
+        parts = ", ".join(f"physical axis {r.axis}: {r.chips:g} chips, " +
+                          ("part of it, split with another mesh axis (an open line)" if r.split else
+                           "wrapped" if r.wrapped else "an open line (no wraparound)")
                           for r in links.rings if r.chips > 1)
-        out.append(f"mesh axis {axis.name} ({n} chips) on {shape_text(shape)}: {len(links.rings)} physical "
-                   f"axis(es), {parts}; {float(links.links):g}x one axis's bandwidth")
+        out.append(f"mesh axis {axis.name} ({n} chips) on {shape_text(shape)}: {parts}; "
+                   f"{float(links.links):.3g}x one axis's bandwidth")
     return out

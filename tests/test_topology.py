@@ -52,7 +52,9 @@ def test_x16_on_a_4x4x4_slice_spans_two_wrapped_physical_axes() -> None:
     _, (links, notes) = _links({"X": 16, "Y": 4}, V5P, (4, 4, 4))
     assert links["X"].links == 2 and [r.chips for r in links["X"].rings] == [4, 4]
     assert links["Y"].links == 1 and all(r.wrapped for r in links["X"].rings + links["Y"].rings)
-    assert any("mesh axis X (16 chips) on 4x4x4: 2 physical axis(es)" in n for n in notes)
+    assert "mesh axis X (16 chips) on 4x4x4: physical axis 1: 4 chips, wrapped, physical axis 2: 4 chips, wrapped; " \
+        "2x one axis's bandwidth" in notes
+    assert "mesh axis Y (4 chips) on 4x4x4: physical axis 0: 4 chips, wrapped; 1x one axis's bandwidth" in notes
     # the AllGather over X moves V over both axes' links: half the one-axis time
     one = _time(Op.ALL_GATHER, 1e9, {"X": 16, "Y": 4}, V5P, ("Y",), (4, 4, 4))
     two = _time(Op.ALL_GATHER, 1e9, {"X": 16, "Y": 4}, V5P, ("X",), (4, 4, 4))
