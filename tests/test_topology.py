@@ -183,3 +183,18 @@ def test_scaled_keeps_every_field() -> None:
     fast = book.scaled(bandwidth=2.0)
     assert fast.book and fast.ici_efficiency == H100.ici_efficiency and fast.ici_domain == 8
     assert fast.w_ici == pytest.approx(2 * book.w_ici) and book.w_ici == H100.ici_bandwidth
+
+
+def test_a_hardware_file_takes_book_and_efficiency(tmp_path: Path) -> None:
+    from shardc.hardware import load_hardware_file
+
+    chip = tmp_path / "chip.toml"
+    chip.write_text('flops = 9.89e14\nici_bandwidth = 4.5e11\nhbm_bytes = 80e9\ndcn_bandwidth = 5e10\n'
+                    'ici_domain = 8\nici_efficiency = 0.5\n', encoding="utf-8")
+    hw = load_hardware_file(str(chip))
+    assert hw.w_ici == pytest.approx(2.25e11) and not hw.book
+    chip.write_text(chip.read_text(encoding="utf-8") + "book = true\n", encoding="utf-8")
+    assert load_hardware_file(str(chip)).w_ici == pytest.approx(4.5e11)  # the book: no efficiency
+    chip.write_text(chip.read_text(encoding="utf-8").replace("book = true", 'book = "yes"'), encoding="utf-8")
+    with pytest.raises(ShardcError, match="book must be true or false"):
+        load_hardware_file(str(chip))

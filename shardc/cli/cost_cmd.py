@@ -82,9 +82,10 @@ def run_hardware(args: argparse.Namespace) -> int:
         print(f"{h.name:<9} {h.flops:>9.3g} {h.ici_bandwidth:>10.3g} {h.w_ici:>8.3g} {h.intensity_ici:>8.0f} "
               f"{h.hbm_bytes / 1e9:>4.0f}GB {h.hbm_bandwidth:>8.3g} {h.dcn_bandwidth:>8.3g} "
               f"{h.intensity_dcn:>8.0f}  {h.description}")
-    print("W_ici = 2 x the one-way link figure (bidirectional, per mesh axis); DCN/IB per chip, as is; "
-          "hop latency 1e-6 s.\n--hardware-file chip.toml takes the keys: name, flops, ici_bandwidth, "
-          "hbm_bytes, hbm_bandwidth, dcn_bandwidth, hop_latency, ici_domain, description")
+    print("W_ici = 2 x the one-way link figure on a torus (bidirectional, per mesh axis); on a GPU its NVLink "
+          "egress, one way, x ici_efficiency; DCN/IB per chip, as is; hop latency 1e-6 s.\n--hardware-file "
+          "chip.toml takes the keys: name, flops, ici_bandwidth, hbm_bytes, hbm_bandwidth, dcn_bandwidth, "
+          "hop_latency, ici_domain, torus_side, torus_dims, ici_efficiency, book, description")
     return 0
 
 
