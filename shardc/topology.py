@@ -194,22 +194,44 @@ def _torus_assignment(shape: Shape, wanted: Sequence[int]) -> list[list[tuple[in
 
 
 def _split_assignment(shape: Shape, wanted: Sequence[int]) -> list[list[tuple[int, int]]]:
-    """Whole remaining axes first, then the part of one still needed, last mesh axis first."""
-    free = list(shape)
+    """``mesh_utils._create_device_mesh_for_nd_torus_splitting_axes``: last mesh axis first, each takes
+    the assignment of its prime factors to physical axes that JAX prefers: the largest product of
+    whole physical axes, then the most whole axes, then the most on axes already taken, then the
+    largest in reverse lexicographic order."""
+    taken = [1] * len(shape)
     out: list[list[tuple[int, int]]] = [[] for _ in wanted]
     for k in reversed(range(len(wanted))):
-        need = wanted[k]
-        for whole in (True, False):
-            for i in range(len(free)):
-                part = free[i] if whole else math.gcd(need, free[i])
-                if part > 1 and need % part == 0 and (not whole or part == free[i]):
-                    out[k].append((i, part))
-                    free[i] //= part
-                    need //= part
-        if need != 1:
+        options = list(_assignments(shape, taken, wanted[k]))
+        if not options:
             raise ShardcError(f"the mesh's axes {list(wanted)} do not lay on the slice {shape_text(shape)}",
                               fix="give mesh axes whose sizes divide the slice's axes")
+        best = max(options, key=lambda z: (
+            math.prod(n for i, n in enumerate(z) if n == shape[i]),
+            sum(1 for i, n in enumerate(z) if n == shape[i] and n > 1),
+            math.prod(n for i, n in enumerate(z) if taken[i] > 1), z))
+        out[k] = [(i, n) for i, n in enumerate(best) if n > 1]
+        taken = [t * n for t, n in zip(taken, best, strict=True)]
     return out
+
+
+def _assignments(shape: Shape, taken: Sequence[int], size: int) -> set[tuple[int, ...]]:
+    """Every spread of ``size``'s prime factors over the physical axes' room left (JAX's enumeration)."""
+    factors: dict[int, int] = {}
+    for p in _primes(size):
+        factors[p] = factors.get(p, 0) + 1
+    room = [n // t for n, t in zip(shape, taken, strict=True)]
+    per_factor = []
+    for p, count in factors.items():
+        slots = [i for i, n in enumerate(room) for q in _primes(n) if q == p]
+        per_factor.append([(p, c) for c in set(itertools.combinations(slots, count))])
+    found = set()
+    for choice in itertools.product(*per_factor):
+        z = [1] * len(shape)
+        for p, axes in choice:
+            for i in axes:
+                z[i] *= p
+        found.add(tuple(z))
+    return found
 
 
 def axis_links(mesh: Mesh, sizes: Mapping[str, int], hw: Hardware, shape: Shape) -> dict[str, AxisLinks]:

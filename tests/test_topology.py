@@ -198,3 +198,12 @@ def test_a_hardware_file_takes_book_and_efficiency(tmp_path: Path) -> None:
     chip.write_text(chip.read_text(encoding="utf-8").replace("book = true", 'book = "yes"'), encoding="utf-8")
     with pytest.raises(ShardcError, match="book must be true or false"):
         load_hardware_file(str(chip))
+
+
+def test_split_axes_follow_mesh_utils_preferences() -> None:
+    """mesh_utils' splitting prefers whole physical axes: P=4, X=64, Y=4 on an 8x8x16 slice puts Y on 4
+    of axis 0, X on 2 of axis 0, 2 of axis 1 and the whole 16 of axis 2, P on the 4 left of axis 1."""
+    _, (links, _) = _links({"P": 4, "X": 64, "Y": 4}, V5P, (8, 8, 16))
+    assert [(r.axis, r.chips, r.wrapped) for r in links["Y"].rings] == [(0, 4, False)]
+    assert [(r.axis, r.chips, r.wrapped) for r in links["X"].rings] == [(0, 2, False), (1, 2, False), (2, 16, True)]
+    assert [(r.axis, r.chips) for r in links["P"].rings] == [(1, 4)]
