@@ -208,3 +208,17 @@ def test_split_axes_follow_mesh_utils_preferences() -> None:
     assert [(r.axis, r.chips, r.wrapped) for r in links["Y"].rings] == [(0, 4, False)]
     assert [(r.axis, r.chips, r.wrapped) for r in links["X"].rings] == [(0, 2, False), (1, 2, False), (2, 16, True)]
     assert [(r.axis, r.chips) for r in links["P"].rings] == [(1, 4)]
+
+
+def test_plan_and_cost_take_the_topology_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(ROOT / "examples" / "fsdp_tp.shard")
+    assert main(["cost", path, "--topology", "4x4x4", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert not any("usual" in n for n in notes)  # given, not the default
+    assert any(n.startswith("mesh axis X (16 chips) on 4x4x4") for n in notes)
+    assert main(["plan", path, "--topology", "4x4x4", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["plan", path, "--topology", "4x4"]) == 2
+    assert "topology 4x4 has 16 chips, the mesh's ICI axes 64" in capsys.readouterr().err
+    with pytest.raises(TypeError, match="topology must be"):
+        shardc.plan(shardc.parse("mesh X=4\nOut[B_X] = In[B_X]\n"), topology=4)
