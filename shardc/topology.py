@@ -19,8 +19,10 @@ links on every axis only when it is built of full 4x4x4 cubes (the optical switc
 the rings come with a cube: a 4x4x4 or 4x4x8 has them, a 2x2x4 has none), so here when the slice
 has 64 chips or more and the axis is a multiple of 4; a v5e/v6e slice wraps an axis of the full 16
 chips only (an 8x16 wraps its longer axis).  A physical axis with wraparound is a ring; without,
-or a part of one split between mesh axes, an open line, which "typically doubles the time of
-most throughput-bound comms" (the same chapter): 2(n-1)/n times a ring's (:attr:`Ring.links`).
+or a part of one split between mesh axes that does not reach round it, an open line, which
+"typically doubles the time of most throughput-bound comms" (the same chapter): 2(n-1)/n times a
+ring's.  A part whose chips lie ``stride`` apart (the major part of a split axis) shares each link
+with the other groups: ``stride`` times the time (:attr:`Ring.links`).
 """
 
 from __future__ import annotations
@@ -51,21 +53,25 @@ class Ring:
     wrapped: bool = True
     split: bool = False  # a part of a physical axis another mesh axis shares
     axis: int = -1  # the physical axis (0 first in the topology's shape); -1: the book's spans
+    stride: int = 1  # chips between neighbours: the part of the axis later mesh axes hold inside
 
     @property
     def links(self) -> Fraction:
-        """What its links count for against a ring: 1, or n / (2(n-1)) for an open line of n chips.
+        """What its links count for against a ring: 1, or n / (2(n-1)) for an open line of n chips,
+        over the stride.
 
         A ring's AllGather takes V / W (W both directions of a link); along a line the end chip
         takes in (n-1)/n of V through its one link, one way: 2(n-1)/n times as long, the book's
-        "typically doubles" (its 4-chip v5e axis: 560 us against 377 us, 1.5x; 2 chips: 1x).
+        "typically doubles" (its 4-chip v5e axis: 560 us against 377 us, 1.5x; 2 chips: 1x).  A part
+        whose neighbours are ``stride`` chips apart crosses that many links a hop, and each link
+        carries a hop of each of the ``stride`` interleaved groups: ``stride`` times the time.
         """
         if self.chips <= 1:
             return Fraction(0)
         if self.wrapped:
-            return Fraction(1)
+            return Fraction(1, self.stride)
         n = Fraction(self.chips).limit_denominator(1 << 20)
-        return n / (2 * (n - 1))
+        return n / (2 * (n - 1)) / self.stride
 
     @property
     def hops(self) -> int:
@@ -251,9 +257,19 @@ def axis_links(mesh: Mesh, sizes: Mapping[str, int], hw: Hardware, shape: Shape)
                 out[axis.name] = AxisLinks(gpu=True, nodes=True, outer=sizes.get(axis.name, axis.size), speed=speed)
         return out
     parts = _torus_assignment(shape, wanted) or _split_assignment(shape, wanted)
-    return {axis.name: AxisLinks(tuple(Ring(chips, wraps(hw, shape, shape[i]) and chips == shape[i],
-                                            chips != shape[i], i) for i, chips in mine), speed=speed, torus=True)
-            for axis, mine in zip(ici, parts, strict=True)}
+    return {axis.name: AxisLinks(_rings(hw, shape, parts, k), speed=speed, torus=True) for k, axis in enumerate(ici)}
+
+
+def _rings(hw: Hardware, shape: Shape, parts: list[list[tuple[int, int]]], k: int) -> tuple[Ring, ...]:
+    """Mesh axis ``k``'s rings.  Inside a split physical axis the later mesh axes hold the minor
+    (contiguous) part, as ``mesh_utils`` lays the more network-intensive axes; a part wraps when it
+    reaches across the whole axis (its chips times its stride) and the axis wraps."""
+    out = []
+    for i, chips in parts[k]:
+        stride = math.prod(n for later in parts[k + 1:] for j, n in later if j == i)
+        whole = chips * stride == shape[i]
+        out.append(Ring(chips, whole and wraps(hw, shape, shape[i]), chips != shape[i], i, stride))
+    return tuple(out)
 
 
 def book_links(mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
@@ -327,7 +343,9 @@ def _layout_notes(mesh: Mesh, sizes: Mapping[str, int], found: Mapping[str, Axis
             out.append(f"mesh axis {axis.name} ({n} GPUs) on {shape_text(shape)}: {where}")
             continue
         parts = ", ".join(f"physical axis {r.axis}: {r.chips:g} chips, " +
-                          ("part of it, split with another mesh axis (an open line)" if r.split else
+                          ("part of it, split with another mesh axis" + (f", {r.stride} chips apart" if r.stride > 1
+                                                                         else "") +
+                           (", wrapped" if r.wrapped else ", an open line") if r.split else
                            "wrapped" if r.wrapped else "an open line (no wraparound)")
                           for r in links.rings if r.chips > 1)
         out.append(f"mesh axis {axis.name} ({n} chips) on {shape_text(shape)}: {parts}; "

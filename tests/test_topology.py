@@ -81,11 +81,13 @@ def test_wraparound_only_on_full_cubes_and_full_16_chip_axes() -> None:
 
 def test_a_split_physical_axis_is_an_open_line_and_said_so() -> None:
     """LLaMA-2 13B's X=1024, Y=4 on a 16x16x16 slice: no physical axis has 4 chips, so Y takes 4 of one
-    (the minor part, as mesh_utils gives the later axis) and X the rest of it beside two whole axes."""
+    (the minor part, as mesh_utils gives the later axis: a line of 4) and X the rest of it, 4 chips 4
+    apart round the wrapped axis (a ring whose hops each cross 4 links, shared by Y's 4 groups: 1/4),
+    beside two whole axes."""
     _, (links, notes) = _links({"X": 1024, "Y": 4}, V5P, (16, 16, 16))
     assert links["Y"].split and links["Y"].links == pytest.approx(4 / 6)  # a line of 4
-    assert links["X"].links == pytest.approx(2 + 4 / 6)
-    assert any("split with another mesh axis" in n for n in notes)
+    assert links["X"].links == pytest.approx(2 + 1 / 4)
+    assert any("split with another mesh axis, 4 chips apart, wrapped" in n for n in notes)
 
 
 def test_multi_axis_all_to_all_by_the_torus_formula() -> None:
@@ -205,9 +207,12 @@ def test_split_axes_follow_mesh_utils_preferences() -> None:
     """mesh_utils' splitting prefers whole physical axes: P=4, X=64, Y=4 on an 8x8x16 slice puts Y on 4
     of axis 0, X on 2 of axis 0, 2 of axis 1 and the whole 16 of axis 2, P on the 4 left of axis 1."""
     _, (links, _) = _links({"P": 4, "X": 64, "Y": 4}, V5P, (8, 8, 16))
-    assert [(r.axis, r.chips, r.wrapped) for r in links["Y"].rings] == [(0, 4, False)]
-    assert [(r.axis, r.chips, r.wrapped) for r in links["X"].rings] == [(0, 2, False), (1, 2, False), (2, 16, True)]
-    assert [(r.axis, r.chips) for r in links["P"].rings] == [(1, 4)]
+    def where(axis: str) -> list[tuple[int, float, bool, int]]:
+        return [(r.axis, r.chips, r.wrapped, r.stride) for r in links[axis].rings]
+
+    assert where("Y") == [(0, 4, False, 1)]
+    assert where("X") == [(0, 2, True, 4), (1, 2, False, 1), (2, 16, True, 1)]
+    assert where("P") == [(1, 4, True, 2)]
 
 
 def test_plan_and_cost_take_the_topology_flag(capsys: pytest.CaptureFixture[str]) -> None:
