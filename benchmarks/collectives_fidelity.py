@@ -13,7 +13,11 @@ GPU counts: ``algbw * (n-1)/n`` for AllGather and ReduceScatter, ``algbw * 2(n-1
   NVIDIA/nccl-tests issue 212); the book's own 8xH100 AllReduce with SHARP off reaches the same
   ("How To Scale Your Model", the GPU chapter);
 - an AllReduce with NVLink SHARP (NCCL's default on an H100 node) reaches about 480 GB/s bus
-  bandwidth at large sizes (the same answer), which shardc does not model: printed for the record.
+  bandwidth at large sizes (the same answer), which shardc does not model: printed for the record;
+- across two nodes (16 GPUs) a ring's bus bandwidth is bounded by the nodes' 8 InfiniBand NICs, each
+  carrying one ring's share: 46-48 GB/s a 400 Gb/s NDR NIC (an NCCL maintainer, NVIDIA/nccl-tests
+  issue 290), so about 8 x 47 = 376 GB/s.  That row is derived from the per-NIC figure, not a
+  published run.
 
 Run with ``python benchmarks/collectives_fidelity.py`` from the repository root.
 """
@@ -33,6 +37,7 @@ from shardc.ir.spec import Mesh, MeshAxis  # noqa: E402
 from shardc.topology import resolve_links  # noqa: E402
 
 RING_BUSBW = 370e9  # bytes/s: NCCL's ring collectives in an 8xH100 node (NVIDIA/nccl-tests issue 212)
+TWO_NODE_BUSBW = 8 * 47e9  # bytes/s: 8 NDR NICs a node at 46-48 GB/s each (NVIDIA/nccl-tests issue 290)
 NVLS_ALLREDUCE_BUSBW = 480e9  # bytes/s: AllReduce with NVLink SHARP, the same source (not modelled)
 SIZES = (64 << 20, 256 << 20, 1 << 30, 4 << 30)  # 64 MB and up
 GPUS = 8
@@ -57,7 +62,8 @@ def bus_factor(op: Op, n: int) -> float:
 
 
 def predicted_busbw(op: Op, size: int, chip: str = "h100", gpus: int = GPUS) -> float:
-    """The bus bandwidth of shardc's time for one collective of ``size`` bytes over the GPUs of one node."""
+    """The bus bandwidth of shardc's time for one collective of ``size`` bytes over ``gpus`` GPUs (one mesh
+    axis, on the chip's usual cluster: one node up to 8, then whole nodes)."""
     hw = get_hardware(chip)
     mesh = Mesh((MeshAxis("X", gpus),))
     links, _ = resolve_links(mesh, {"X": gpus}, hw)
@@ -72,12 +78,15 @@ def rows() -> list[Row]:
             out.append(Row(op, size, RING_BUSBW, predicted_busbw(op, size), "ring"))
     out += [Row(Op.ALL_REDUCE, size, NVLS_ALLREDUCE_BUSBW, predicted_busbw(Op.ALL_REDUCE, size),
                 "NVLink SHARP, not modelled") for size in SIZES[-1:]]
+    out += [Row(op, 1 << 30, TWO_NODE_BUSBW, predicted_busbw(op, 1 << 30, gpus=2 * GPUS),
+                "2 nodes, 16 GPUs; derived from the per-NIC figure")
+            for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)]
     return out
 
 
 def main() -> None:
     print(f"{'collective':<14} {'size':>8} {'published':>11} {'predicted':>11} {'ratio':>6}  (bus bandwidth, "
-          f"GB/s; {GPUS} H100 in a node)")
+          f"GB/s; {GPUS} H100 in a node unless said)")
     for r in rows():
         print(f"{r.op.title:<14} {r.size >> 20:>5} MB {r.published / 1e9:>11.0f} {r.predicted / 1e9:>11.0f} "
               f"{r.ratio:>6.2f}  {r.note}")
