@@ -14,27 +14,37 @@ The time model, with the choices the book leaves open:
   result piece times the group; AllReduce: its source; AllToAll: its source piece
   times the group).  Uneven dims are padded as XLA pads them: each device's piece of
   a dim of size D over n devices is ``ceil(D / n)`` (:func:`piece`).
-* With W the bidirectional bandwidth of one mesh axis (:attr:`Hardware.w_ici`,
-  twice the one-way link figure, as the book uses it), AllGather and ReduceScatter
-  take ``V / (W * links)``, AllReduce ``2V / (W * links)``, AllToAll
-  ``V / (4 * W * links)`` (:attr:`OpInfo.factor`: the book's weighting).
-* ``links`` is the number of physical ICI axes the collective runs on: a mesh axis
-  may be laid over several axes of the torus (the book's M_X: X = 1024 chips of a
-  16x16x16 pod spans 3); ``spans`` gives that count per mesh axis (default 1).
+* With W the bandwidth of one mesh axis (:attr:`Hardware.w_ici`: on a torus twice the one-way
+  link figure, as the book uses it; on a GPU its NVLink egress), AllGather and ReduceScatter
+  take ``V / (W * links)``, AllReduce ``2V / (W * links)``, AllToAll ``V / (4 * W * links)``
+  (:attr:`OpInfo.factor`: the book's weighting).
+* ``links`` is what the collective's axes lie on (:class:`shardc.topology.AxisLinks`, from the
+  topology: :func:`shardc.topology.resolve_links`): the physical ICI axes of each mesh axis (the
+  book's M_X: X = 1024 chips of a 16x16x16 pod spans 3), each a wrapped ring (1) or an open line
+  of n chips (n / 2(n-1): 2(n-1)/n times the time, "How To Scale Your Model", part 2).  A count
+  of physical axes (``--spans``, the book's assumptions) is that many wrapped rings.  An
+  AllToAll over several physical axes laid on a slice takes the book's torus formula,
+  ``V * max(n_d) / (4 N W)``: the traffic along each axis loads its links with ``V n_d / 4N`` and
+  the axes run at once.
 * A collective whose axes all cross DCN uses ``W_dcn`` (a chip's DCN figure is one
   number, so DCN axes do not multiply it).  One that mixes ICI axes I and DCN axes
   is costed hierarchically, as such collectives are run: the ICI part moves V over I,
   the DCN part moves the ``V / |I|`` each chip is left with.  That is what makes
   data parallelism across pods compute-bound iff tokens per pod > C / W_dcn, the
   book's 73,440 on v5p.
-* Latency: about ``hop_latency`` (1 us) a hop, ``ceil(n/2)`` hops around a ring of
-  n chips, summed over the collective's axes; an axis spanning k physical axes is
-  k rings of n**(1/k).  A collective takes ``max(bandwidth term, latency)``:
-  latency only bounds small arrays.  Formulas carry the bandwidth terms only.
+* On a GPU cluster (a topology ``NODESxGPUS``) a collective over ``inner`` GPUs of each of
+  ``outer`` nodes runs as NCCL's hierarchical ring: (n-1)/n of V over NVLink, then 1/inner of it
+  over each GPU's InfiniBand rail, the phases pipelined, so the slower one sets the time; an
+  AllToAll by the bisection (:func:`_node_terms`).
+* Latency: on a torus about ``hop_latency`` (1 us) a hop, ``ceil(n/2)`` hops around a ring of
+  n chips and ``n-1`` along a line, summed over the collective's physical axes; a collective
+  takes ``max(bandwidth term, latency)``: latency only bounds small arrays.  On a GPU cluster,
+  NCCL's own model: a base per collective plus a latency per ring step (:data:`NCCL_BASE_S`),
+  added to the transfer.  Formulas carry the bandwidth terms only.
 * CollectivePermute (a pipeline's send of a stage's output to the next stage,
   :attr:`OpInfo.neighbour`) moves its V one way over one link: half the axis's
-  bidirectional W_ici (W_dcn is a per-chip figure already), one hop, and its
-  latency adds to the transfer (one message, nothing to hide it behind).
+  bidirectional W_ici on a torus (a GPU's W_ici and W_dcn are one-way figures already), one
+  hop, and its latency adds to the transfer (one message, nothing to hide it behind).
 
 The figures are written once, generic over numbers and formulas: per-device
 pieces (:func:`share`, :func:`piece`), volumes (:func:`volume_elements`), the
@@ -54,9 +64,11 @@ from typing import Any, Protocol, TypeVar
 
 from shardc.hardware import Hardware
 from shardc.ir.spec import Mesh, Network
+from shardc.topology import AxisLinks, Ring
 
 __all__ = ["Op", "OpInfo", "TABLE", "COLLECTIVES", "FACTOR", "BY_HLO_OP", "CollectiveTime", "collective_time",
-           "links", "hops", "split_axes", "share", "piece", "volume_elements", "bandwidth_terms", "einsum_flops"]
+           "links", "hops", "split_axes", "Layout", "axis_links", "share", "piece", "volume_elements",
+           "bandwidth_terms", "einsum_flops", "NCCL_BASE_S", "NCCL_NVLINK_STEP_S", "NCCL_NET_STEP_S"]
 
 
 class Op(enum.Enum):
@@ -189,42 +201,130 @@ def split_axes(mesh: Mesh, axes: tuple[str, ...]) -> tuple[tuple[str, ...], tupl
     return ici, dcn
 
 
-def links(axes: tuple[str, ...], spans: Mapping[str, int] | None) -> int:
-    """The physical ICI axes (each with its links) that a collective over ``axes`` runs on."""
-    return sum((spans or {}).get(a, 1) for a in axes)
+Layout = Mapping[str, "AxisLinks | int"]  # per mesh axis its links, or (the book's M_X) a count of torus axes
 
 
-def hops(axes: tuple[str, ...], sizes: Mapping[str, int], spans: Mapping[str, int] | None) -> int:
-    """Ring hops of a latency-bound collective: ceil(n/2) a ring, an axis of k spans k rings."""
-    total = 0
-    for axis in axes:
-        k = (spans or {}).get(axis, 1)
-        if sizes[axis] == 1:
-            continue  # a ring of one chip has no hops
-        side = sizes[axis] ** (1.0 / k)
-        total += k * math.ceil(round(side, 9) / 2)
-    return total
+def axis_links(layout: Layout | None, axis: str, chips: int) -> AxisLinks:
+    """An axis's :class:`AxisLinks`: as given, or from a span count k (k wrapped rings of n ** (1/k)),
+    by default one ring."""
+    value = (layout or {}).get(axis, 1)
+    if isinstance(value, AxisLinks):
+        return value
+    return AxisLinks(tuple(Ring(chips ** (1.0 / value)) for _ in range(value)) if chips > 1 else ())
+
+
+def _chips(mesh: Mesh, sizes: Mapping[str, int] | None, axis: str) -> int:
+    return (sizes or {}).get(axis, mesh.axis(axis).size)
+
+
+def links(axes: tuple[str, ...], layout: Layout | None, mesh: Mesh | None = None,
+          sizes: Mapping[str, int] | None = None) -> Fraction:
+    """The physical ICI axes' worth of links a collective over ``axes`` runs on (open lines count less)."""
+    return sum((axis_links(layout, a, _chips(mesh, sizes, a) if mesh is not None else 1).links for a in axes),
+               Fraction(0))
+
+
+def hops(axes: tuple[str, ...], sizes: Mapping[str, int], layout: Layout | None) -> int:
+    """Hops of a latency-bound collective on a torus: per physical ring ceil(n/2), per open line n-1."""
+    return sum(r.hops for a in axes if sizes[a] > 1 for r in axis_links(layout, a, sizes[a]).rings or
+               (Ring(sizes[a]),))
+
+
+def _nodes(axes: tuple[str, ...], mesh: Mesh, sizes: Mapping[str, int] | None,
+           layout: Layout | None) -> tuple[int, int, float] | None:
+    """(GPUs a node, nodes, W_ici / W_dcn) of a collective on a GPU cluster's layout; None elsewhere."""
+    found = [axis_links(layout, a, _chips(mesh, sizes, a)) for a in axes]
+    if not found or not all(f.nodes for f in found):
+        return None
+    return (math.prod(f.inner for f in found), math.prod(f.outer for f in found), found[0].speed)
+
+
+def _torus_all_to_all(rings: list[Ring]) -> Fraction:
+    """The divisor of an AllToAll's V/4 on a torus (the book's torus formula): traffic along each
+    physical axis of n_d chips loads its links with V * n_d / (4 N), and the axes run at once, so the
+    most loaded sets the time, V * max(n_d) / (4 N W); an open line's load counts as its links do."""
+    chips = math.prod(r.chips for r in rings)
+    worst = max((r.chips / float(r.links) for r in rings if r.links), default=1.0)
+    return Fraction(chips / worst).limit_denominator(1 << 20)
+
+
+def _node_terms(op: Op, inner: int, outer: int, speed: float) -> dict[str, Fraction]:
+    """Per network, the divisor of ``factor * V`` on a GPU cluster, and only the slower phase's.
+
+    A collective over ``inner`` GPUs of each of ``outer`` nodes runs as NCCL's hierarchical
+    collectives do: a ring inside each node over NVLink, (n-1)/n of V out of each GPU at its egress
+    W_ici, and, each GPU holding 1/inner of the data, a ring across nodes over its own InfiniBand
+    rail, (outer-1)/outer of that at W_dcn.  The phases are pipelined (chunks of one cross nodes while
+    the next moves in the node), so the slower one sets the time.  An AllToAll sends each peer
+    V / n^2: inside the node (inner-1) of them at W_ici, across nodes (n-inner) at W_dcn (the
+    bisection), at once.
+    """
+    n = inner * outer
+    if op is Op.ALL_TO_ALL:  # the table's V/4 weighting undone: V * peers / n^2
+        ici = Fraction(n * n, 4 * (inner - 1)) if inner > 1 else None
+        dcn = Fraction(n * n, 4 * (n - inner)) if outer > 1 else None
+    else:
+        ici = Fraction(inner, inner - 1) if inner > 1 else None
+        dcn = Fraction(n, outer - 1) if outer > 1 else None
+    if ici is not None and dcn is not None:  # pipelined: the slower phase (W_ici = speed * W_dcn)
+        return {"ici": ici} if 1 / (float(ici) * speed) >= 1 / float(dcn) else {"dcn": dcn}
+    return {k: v for k, v in (("ici", ici), ("dcn", dcn)) if v is not None}
 
 
 def bandwidth_terms(op: Op, volume: _N, axes: tuple[str, ...], mesh: Mesh, size: Callable[[str], _N],
-                    spans: Mapping[str, int] | None, number: Callable[[Fraction], _N]) -> dict[str, tuple[_N, _N]]:
+                    layout: Layout | None, number: Callable[[Fraction], _N],
+                    sizes: Mapping[str, int] | None = None) -> dict[str, tuple[_N, _N]]:
     """Per network a collective crosses (``"ici"``, ``"dcn"``): (weighted bytes, divisor of that W).
 
     Its bandwidth time is the sum of ``weighted / (W * divisor)`` (see the module
     docstring): the ICI part moves ``factor * V`` over the links of its ICI axes, the
-    DCN part over the group of its ICI axes.  ``number`` makes a table fraction of
-    the volume's kind (``float``, or an exact rational for formulas).
+    DCN part over the group of its ICI axes; on a GPU cluster's layout, the slower phase
+    (:func:`_node_terms`).  ``number`` makes a table fraction of the volume's kind (``float``,
+    or an exact rational for formulas); the divisors are numbers, from the mesh's sizes
+    (``sizes`` over them).
     """
     info = TABLE[op]
     assert info.factor is not None, f"{op} moves nothing"
     weighted = number(info.factor) * volume
+    nodes = _nodes(axes, mesh, sizes, layout)
+    if nodes is not None and info.neighbour:  # one way at a GPU's egress, or its rail across nodes
+        return {"dcn" if nodes[1] > 1 else "ici": (weighted, number(Fraction(1)))}
+    if nodes is not None:
+        return {k: (weighted, number(v)) for k, v in _node_terms(op, *nodes).items()}
     ici, dcn = split_axes(mesh, axes)
     terms: dict[str, tuple[_N, _N]] = {}
-    if ici:  # a neighbour's send uses one direction of one link: half the bidirectional W
-        terms["ici"] = (weighted, number(Fraction(1, 2)) if info.neighbour else number(Fraction(links(ici, spans))))
+    if ici:
+        terms["ici"] = (weighted, number(_ici_divisor(op, ici, mesh, sizes, layout)))
     if dcn:
         terms["dcn"] = (weighted, math.prod((size(a) for a in ici), start=number(Fraction(1))))
     return terms
+
+
+def _ici_divisor(op: Op, ici: tuple[str, ...], mesh: Mesh, sizes: Mapping[str, int] | None,
+                 layout: Layout | None) -> Fraction:
+    found = [axis_links(layout, a, _chips(mesh, sizes, a)) for a in ici]
+    if TABLE[op].neighbour:  # one direction of one link: half the torus's bidirectional W, a GPU's egress
+        return Fraction(1) if any(f.gpu for f in found) else Fraction(1, 2)
+    rings = [r for f in found for r in f.rings if r.chips > 1]
+    if op is Op.ALL_TO_ALL and len(rings) > 1 and all(f.torus for f in found):  # the book's spans: V/(4 W links)
+        return _torus_all_to_all(rings)
+    return sum((f.links for f in found), Fraction(0))
+
+
+# NCCL's own latency model (src/graph/tuning.cc): a base per collective plus a latency per step, for
+# the LL protocol it picks for small messages: base 6.6 us, a step 0.6 us over NVLink and 2.7 us over
+# the network (the Ring row of baseLat and hwLat)
+NCCL_BASE_S = 6.6e-6
+NCCL_NVLINK_STEP_S = 0.6e-6
+NCCL_NET_STEP_S = 2.7e-6
+
+
+def _nccl_latency(op: Op, inner: int, outer: int) -> float:
+    """NCCL's latency of a ring collective: base + steps; a ring of n takes n-1 steps (AllReduce twice)."""
+    if TABLE[op].neighbour:  # one send: one step, across nodes if the stage axis spans them
+        return NCCL_BASE_S + (NCCL_NET_STEP_S if outer > 1 else NCCL_NVLINK_STEP_S)
+    rounds = 2 if op is Op.ALL_REDUCE else 1
+    return NCCL_BASE_S + rounds * ((inner - 1) * NCCL_NVLINK_STEP_S + (outer - 1) * NCCL_NET_STEP_S)
 
 
 @dataclass(frozen=True)
@@ -242,15 +342,18 @@ class CollectiveTime:
 
 
 def collective_time(op: Op, volume_bytes: float, axes: tuple[str, ...], mesh: Mesh, sizes: Mapping[str, int],
-                    hw: Hardware, spans: Mapping[str, int] | None = None) -> CollectiveTime:
+                    hw: Hardware, spans: Layout | None = None) -> CollectiveTime:
     """The time of one collective moving ``volume_bytes`` (V) over ``axes`` (see the module docstring)."""
     if math.prod(sizes[a] for a in axes) == 1:
         return CollectiveTime(0.0, 0.0, "")  # over size-1 axes nothing moves (XLA drops it)
-    terms = bandwidth_terms(op, float(volume_bytes), axes, mesh, lambda a: float(sizes[a]), spans, float)
+    terms = bandwidth_terms(op, float(volume_bytes), axes, mesh, lambda a: float(sizes[a]), spans, float, sizes)
     bandwidth = {"ici": hw.w_ici, "dcn": hw.w_dcn}
     seconds = 0.0
     for network, (weighted, divisor) in terms.items():
         seconds += weighted / (bandwidth[network] * divisor)
+    nodes = _nodes(axes, mesh, sizes, spans)
+    if nodes is not None:  # a GPU cluster: NCCL's latency adds to the transfer
+        return CollectiveTime(seconds, _nccl_latency(op, nodes[0], nodes[1]), "+".join(terms), True)
     neighbour = TABLE[op].neighbour
     latency = (1 if neighbour else hops(axes, sizes, spans)) * hw.hop_latency
     return CollectiveTime(seconds, latency, "+".join(terms), neighbour)

@@ -1,9 +1,11 @@
 """Hardware presets (the chips' data-sheet figures) and a user's own chip from a TOML file.
 
 Every figure is per chip.  ``ici_bandwidth`` is the *one-way* bandwidth of one
-link, as the data sheets give it; the cost model uses
+link, as the data sheets give it; on a torus the cost model uses
 the bidirectional figure ``w_ici = 2 * ici_bandwidth`` for one mesh axis, as the
-book does (TPU v5p: 2 * 9e10 = 1.8e11, so C / W_ici = 4.59e14 / 1.8e11 = 2550).
+book does (TPU v5p: 2 * 9e10 = 1.8e11, so C / W_ici = 4.59e14 / 1.8e11 = 2550).  A GPU's
+``ici_bandwidth`` is its whole NVLink egress, one way (H100: 450 GB/s), used as is, at the
+``ici_efficiency`` NCCL reaches (:attr:`Hardware.w_ici`).
 ``dcn_bandwidth`` (DCN on TPU, InfiniBand on GPU) is used as given: the book's
 per-chip 6.25e9 gives C / W_dcn = 73,440 on v5p.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from shardc.errors import ShardcError, clip
 from shardc.files import read_text
@@ -43,6 +45,9 @@ class Hardware:
     description: str = ""
     torus_side: int | None = None  # chips along one torus axis (16 on TPU pods); None: no torus
     torus_dims: int = 1  # axes of the torus (3 for v4p/v5p, 2 for v5e/v6e)
+    # the share of the link figure a large collective reaches (NCCL's bus bandwidth over the data sheet's)
+    ici_efficiency: float = 1.0
+    book: bool = False  # the book's assumptions: spans by ceil(log16 n), no topology, no efficiency
 
     def spans(self, chips: int) -> int:
         """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
@@ -57,7 +62,16 @@ class Hardware:
 
     @property
     def w_ici(self) -> float:
-        """Bidirectional ICI bandwidth of one mesh axis: twice the one-way link figure."""
+        """The W_ici of the formulas: on a torus, one axis's bidirectional bandwidth (twice the one-way
+        link figure); on a GPU, its NVLink egress, one way, at the share collectives reach.
+
+        A GPU's ``ici_bandwidth`` is already the sum over its NVLink links (H100: 18 links, 450 GB/s
+        each way), the book's W_GPU egress ("How To Scale Your Model", the GPU chapter: C / W is
+        about 2200 on an H100); a ring over the NVSwitch sends (n-1)/n of V out of each GPU
+        (:mod:`shardc.collectives`).  The book's assumptions (``book``) leave out the efficiency.
+        """
+        if self.ici_domain is not None:
+            return self.ici_bandwidth * (1.0 if self.book else self.ici_efficiency)
         return 2.0 * self.ici_bandwidth
 
     @property
@@ -75,10 +89,14 @@ class Hardware:
 
     def scaled(self, bandwidth: float = 1.0, flops: float = 1.0) -> Hardware:
         """The same chip with every bandwidth (ICI, DCN) and/or FLOPs/s scaled (for what-ifs)."""
-        return Hardware(self.name, self.flops * flops, self.ici_bandwidth * bandwidth, self.hbm_bytes,
-                             self.hbm_bandwidth, self.dcn_bandwidth * bandwidth, self.hop_latency,
-                        self.ici_domain, self.description, self.torus_side, self.torus_dims)
+        return replace(self, flops=self.flops * flops, ici_bandwidth=self.ici_bandwidth * bandwidth,
+                       dcn_bandwidth=self.dcn_bandwidth * bandwidth)
 
+
+# NCCL's measured AllReduce bus bandwidth inside an 8xH100 node, SHARP off, is close to 370 GB/s of
+# NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
+# figure); the H200 has the same NVLink 4 and NVSwitch
+_NCCL_H100 = 370e9 / 450e9
 
 PRESETS: dict[str, Hardware] = {
     h.name: h
@@ -91,9 +109,9 @@ PRESETS: dict[str, Hardware] = {
                  torus_side=16, torus_dims=3),
         Hardware("tpu-v6e", 9.2e14, 9e10, 32e9, 1.64e12, 6.25e9, description="TPU v6e, 2D torus",
                  torus_side=16, torus_dims=2),
-        Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8,
+        Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across"),
-        Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8,
+        Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  description="H200: an H100 with 141 GB HBM3e"),
     )
 }
@@ -168,13 +186,18 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
                           fix="give at least " + ", ".join(_REQUIRED))
     values: dict[str, object] = {"name": str(data.get("name", source)),
                                  "description": str(data.get("description", ""))}
-    for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency"):
+    for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency",
+                "ici_efficiency"):
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)
     for key in ("ici_domain", "torus_side", "torus_dims"):
         if data.get(key) is not None:
             values[key] = int(_positive(data[key], key, source))
+    if "book" in data:
+        if not isinstance(data["book"], bool):
+            raise ShardcError(f"{source}: book must be true or false, got {data['book']!r}", fix="write `book = true`")
+        values["book"] = data["book"]
     return Hardware(**values)  # type: ignore[arg-type]
 
 

@@ -26,16 +26,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from shardc.collectives import FACTOR, Op, collective_time, piece, share, volume_elements
+from shardc.collectives import FACTOR, Layout, Op, collective_time, piece, share, volume_elements
 from shardc.collectives import einsum_flops as flops_of  # this module's einsum_flops takes a Step
 from shardc.errors import ShardcError
-from shardc.hardware import Hardware, default_spans, resolve_hardware
+from shardc.hardware import Hardware, resolve_hardware
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Mesh, TensorRef
+from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["step_count", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
-           "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_chip", "plan_sizes", "plan_spans",
+           "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_chip", "plan_sizes", "plan_links",
            "resolve_layers"]
 
 
@@ -58,10 +59,11 @@ class StepCost:
     compute_s: float = 0.0
     ahead: bool = False
     once: bool = False  # outside a `layers` block: counted once, not once a layer
+    serial: bool = False  # the latency adds to the transfer (NCCL's model, a send) instead of bounding it
 
     @property
     def comm_s(self) -> float:
-        return max(self.bandwidth_s, self.latency_s)
+        return self.bandwidth_s + self.latency_s if self.serial else max(self.bandwidth_s, self.latency_s)
 
     @property
     def is_collective(self) -> bool:
@@ -115,7 +117,7 @@ def einsum_flops(step: Step, sizes: Mapping[str, int]) -> tuple[int, int]:
 
 
 def step_seconds_of(step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
-                    spans: Mapping[str, int] | None = None) -> tuple[float, float]:
+                    spans: Layout | None = None) -> tuple[float, float]:
     """(compute seconds, communication seconds) of one step: what :func:`cost_step` reports, without text."""
     if step.is_collective:
         return 0.0, collective_time(step.op, step_volume(step, sizes), step.axes, mesh, sizes, hw, spans).seconds
@@ -125,7 +127,7 @@ def step_seconds_of(step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardwa
 
 
 def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
-              spans: Mapping[str, int] | None = None) -> StepCost:
+              spans: Layout | None = None) -> StepCost:
     """The :class:`StepCost` of one step of a plan."""
     text = describe(step)
     if step.is_collective:
@@ -133,7 +135,7 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         t = collective_time(step.op, volume, step.axes, mesh, sizes, hw, spans)
         return StepCost(index, step.op, step.tensor, text, step.axes, t.network, volume,
                         volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead,
-                        once=step.once)
+                        once=step.once, serial=t.serial)
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
         return StepCost(index, step.op, step.tensor, text, flops=float(flops),
@@ -221,12 +223,13 @@ def plan_chip(plan: Plan, hardware: str | Hardware | None = None, hardware_file:
     return resolve_hardware(hardware, hardware_file)
 
 
-def plan_spans(plan: Plan, hw: Hardware, sizes: Mapping[str, int]) -> dict[str, int]:
-    """The chip's spans at these sizes, with those the plan was made for on this chip over them."""
-    spans = default_spans(plan.spec.mesh, hw, dict(sizes))
-    if plan.hardware == hw.name:
-        spans.update(plan.spans)
-    return spans
+def plan_links(plan: Plan, hw: Hardware, sizes: Mapping[str, int],
+               spans: Mapping[str, int] | None = None) -> tuple[dict[str, AxisLinks], tuple[str, ...]]:
+    """Each mesh axis's links at these sizes on the plan's topology (:func:`shardc.topology.resolve_links`),
+    the spans the plan was made with on this chip and ``spans`` over them; and the notes that say so."""
+    given = dict(plan.spans) if plan.hardware == hw.name else {}
+    given.update(spans or {})
+    return resolve_links(plan.spec.mesh, sizes, hw, plan.topology, given)
 
 
 def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping[str, int] | None = None,
@@ -240,7 +243,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     hw = plan_chip(plan, hardware)
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
     layers, _ = resolve_layers(plan, values)
-    links = dict(spans) if spans is not None else plan_spans(plan, hw, values)
+    links = plan_links(plan, hw, values, spans)[0]
     mesh = plan.spec.mesh
 
     seen = {} if memo is None else memo  # layers repeat the same steps

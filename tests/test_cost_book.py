@@ -1,7 +1,9 @@
-"""The the book's numbers, reproduced from real plans of the example specs."""
+"""The the book's numbers, reproduced from real plans of the example specs, on chips under the book's
+assumptions (``Hardware.book``: each axis spans ceil(log16 n) torus axes, no topology, no efficiency)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -10,17 +12,25 @@ import sympy
 
 import shardc
 from shardc.costmodel.cost_report import CostReport
+from shardc.hardware import Hardware, resolve_hardware
 from shardc.ir.plan import Plan
+from shardc.ir.spec import Spec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SPECS = Path(__file__).resolve().parent / "specs"  # regression fixtures: LLaMA-2 13B's projections alone
 LLAMA = {"B": 2_998_272, "D": 5120, "F": 13824, "N": 40, "H": 128}
 
 
+def book_chip(spec: Spec) -> Hardware:
+    """The spec's chip under the book's assumptions."""
+    return replace(resolve_hardware(None, None, spec.hardware), book=True)
+
+
 @cache
 def plan_of(name: str, save: str = "default") -> Plan:
     path = next(p for p in (EXAMPLES / f"{name}.shard", SPECS / f"{name}.shard") if p.exists())
-    return shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), str(path)), save=save)
+    spec = shardc.parse(path.read_text(encoding="utf-8"), str(path))
+    return shardc.plan(spec, save=save, hardware=book_chip(spec))
 
 
 @cache
@@ -29,7 +39,8 @@ def report_of(name: str, save: str = "default") -> CostReport:
 
 
 def plan_text(text: str) -> Plan:
-    return shardc.plan(shardc.parse(text, "<test>"))
+    spec = shardc.parse(text, "<test>")
+    return shardc.plan(spec, hardware=book_chip(spec))
 
 
 def expr(text: str) -> sympy.Expr:

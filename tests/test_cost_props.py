@@ -93,10 +93,11 @@ def test_cost_json_has_the_issue_fields() -> None:
 
 
 def test_cost_hardware_file_set_and_layers(tmp_path: Path) -> None:
-    chip = tmp_path / "chip.toml"
-    chip.write_text('name = "half-v5p"\nflops = 4.59e14\nici_bandwidth = 4.5e10\nhbm_bytes = 96e9\n'
-                    'dcn_bandwidth = 6.25e9\n', encoding="utf-8")
-    base = json.loads(run("cost", str(EXAMPLES / "dp.shard"), "--json").stdout)
+    chip, full = tmp_path / "chip.toml", tmp_path / "full.toml"
+    for path, link in ((chip, "4.5e10"), (full, "9e10")):  # no torus: each axis one ring
+        path.write_text(f'name = "{path.stem}-v5p"\nflops = 4.59e14\nici_bandwidth = {link}\nhbm_bytes = 96e9\n'
+                        'dcn_bandwidth = 6.25e9\n', encoding="utf-8")
+    base = json.loads(run("cost", str(EXAMPLES / "dp.shard"), "--json", "--hardware-file", str(full)).stdout)
     half = json.loads(run("cost", str(EXAMPLES / "dp.shard"), "--json", "--hardware-file", str(chip)).stdout)
     assert half["backward"]["comm_bandwidth_s"] == pytest.approx(2 * base["backward"]["comm_bandwidth_s"])
     forty = json.loads(run("cost", str(EXAMPLES / "dp.shard"), "--json", "--set", "L=40").stdout)
@@ -125,15 +126,15 @@ def test_sweep_plot_compares_strategies(tmp_path: Path) -> None:
 
 
 def _gather_rows(dims: str) -> list:  # type: ignore[type-arg]
+    from dataclasses import replace
+
     spec = shardc.parse(f"mesh X=4, Y=4\ndims {dims}\nOut[B, D] = In[B_XY, D]\n")
-    report = shardc.cost(shardc.plan(spec), hardware="tpu-v5p")
+    report = shardc.cost(shardc.plan(spec, hardware=replace(get_hardware("tpu-v5p"), book=True)))
     return [r for r in report.forward.rows if r.is_collective]
 
 
 def test_a_two_axis_collective_gets_twice_the_bandwidth_and_small_ones_pay_latency() -> None:
-    from shardc.hardware import get_hardware
-
-    hw = get_hardware("tpu-v5p")
+    hw = get_hardware("tpu-v5p")  # under the book's assumptions: each axis one wrapped ring
     (big,) = _gather_rows("B=1048576, D=8192")
     assert big.axes == ("X", "Y") or big.axes == ("Y", "X")
     assert big.bandwidth_s == pytest.approx(big.volume / (2 * hw.w_ici))  # n_axes = 2

@@ -6,12 +6,14 @@ compute-bound at about 0.3 s a step at 40% MFU."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import shardc
 from shardc.costmodel.cost_report import CostReport
+from shardc.hardware import get_hardware
 from shardc.spec.overrides import apply_overrides
 
 TEXT = (Path(__file__).resolve().parents[1] / "examples" / "llama2_13b.shard").read_text(encoding="utf-8")
@@ -19,7 +21,8 @@ TEXT = (Path(__file__).resolve().parents[1] / "examples" / "llama2_13b.shard").r
 
 def _report(text: str, **sizes: int) -> CostReport:
     spec = shardc.parse(text)
-    return shardc.cost(shardc.plan(apply_overrides(spec, sizes) if sizes else spec), mfu=0.4)
+    book = replace(get_hardware("tpu-v5p"), book=True)  # the book's assumptions: its verdicts
+    return shardc.cost(shardc.plan(apply_overrides(spec, sizes) if sizes else spec, hardware=book), mfu=0.4)
 
 
 def test_params_are_13e9_within_1_percent() -> None:

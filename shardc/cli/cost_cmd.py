@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.cli.main import add_common, check_hardware_flag, load_spec, parse_spans, read_spec
+from shardc.cli.main import add_common, add_topology, check_hardware_flag, load_spec, parse_spans, read_spec
 from shardc.errors import ShardcError, clip
 
 __all__ = ["register", "run_cost", "run_hardware", "MAX_POINTS"]
@@ -51,6 +51,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
                         help="mesh axis AXIS is laid over K physical ICI axes (the book's M_X; repeatable)")
+    add_topology(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--sweep", metavar="DIM=LOW:HIGH",
                         help="instead of the report, a table of compute vs communication time at log-spaced "
@@ -81,9 +82,10 @@ def run_hardware(args: argparse.Namespace) -> int:
         print(f"{h.name:<9} {h.flops:>9.3g} {h.ici_bandwidth:>10.3g} {h.w_ici:>8.3g} {h.intensity_ici:>8.0f} "
               f"{h.hbm_bytes / 1e9:>4.0f}GB {h.hbm_bandwidth:>8.3g} {h.dcn_bandwidth:>8.3g} "
               f"{h.intensity_dcn:>8.0f}  {h.description}")
-    print("W_ici = 2 x the one-way link figure (bidirectional, per mesh axis); DCN/IB per chip, as is; "
-          "hop latency 1e-6 s.\n--hardware-file chip.toml takes the keys: name, flops, ici_bandwidth, "
-          "hbm_bytes, hbm_bandwidth, dcn_bandwidth, hop_latency, ici_domain, description")
+    print("W_ici = 2 x the one-way link figure on a torus (bidirectional, per mesh axis); on a GPU its NVLink "
+          "egress, one way, x ici_efficiency; DCN/IB per chip, as is; hop latency 1e-6 s.\n--hardware-file "
+          "chip.toml takes the keys: name, flops, ici_bandwidth, hbm_bytes, hbm_bandwidth, dcn_bandwidth, "
+          "hop_latency, ici_domain, torus_side, torus_dims, ici_efficiency, book, description")
     return 0
 
 
@@ -101,7 +103,7 @@ def run_cost(args: argparse.Namespace) -> int:
 
         check_image_path(args.schedule_plot, "--schedule-plot", args.force)
     the_plan = plan(spec, save=args.save, hardware=hw, spans=spans,  # planned for the chip it is costed on
-                    recompute=args.recompute)
+                    recompute=args.recompute, topology=args.topology)
     if args.sweep:
         return _run_sweep(args, the_plan)
     sizes = {a.name: a.size for a in spec.mesh.axes} | dict(spec.sizes)
@@ -154,8 +156,8 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     if args.plot:
         check_plot_path(args.plot, args.force)
     hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)
-    plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute)
-                       for path in args.others]
+    plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute,
+                            topology=args.topology) for path in args.others]
     spans = parse_spans(args.spans, first.spec)
     sweeps = [sweep(p, hw, dim, low, high, points, spans=spans) for p in plans]
     if args.json:

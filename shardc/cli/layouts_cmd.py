@@ -10,7 +10,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.cli.main import add_common, check_hardware_flag, load_spec, parse_sets
+from shardc.cli.main import add_common, add_topology, check_hardware_flag, load_spec, parse_sets
 from shardc.errors import ShardcError, clip
 
 __all__ = ["register", "run_layouts"]
@@ -68,6 +68,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--jobs", type=int, default=0, metavar="J",
                         help="processes that plan the candidates (0: one a core, up to 8, when 8 or more plans)")
     parser.add_argument("--json", action="store_true", help="print the search as JSON")
+    add_topology(parser)
     parser.set_defaults(func=run_layouts)
 
 
@@ -87,7 +88,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     specs = [load_spec(path, args.set) for path in paths]
     fixed = frozenset(parse_sets(args.set))
     hw = resolve_hardware(args.hardware, args.hardware_file, specs[0].hardware)
-    options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu)
+    options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu, args.topology)
     search = search_layouts(specs, options, args.chips, fixed, args.jobs, _progress())
     if args.json:
         print(json.dumps(search.to_json(args.top), indent=2, allow_nan=False))

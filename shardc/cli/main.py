@@ -28,6 +28,7 @@ from shardc import __version__
 from shardc.errors import InternalError, ShardcError, clip
 
 __all__ = ["COMMANDS", "build_parser", "full_parser", "main", "parse_sets", "parse_spans", "check_hardware_flag",
+           "add_topology",
            "add_common", "read_spec"]
 
 # command name -> (module defining register(), one-line help); the help lines live here so
@@ -170,6 +171,13 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="a .shard spec file (UTF-8)")
     parser.add_argument("--set", action="append", metavar="NAME=VALUE", default=[],
                         help="override a dim or a mesh axis size, e.g. --set B=1e6 (repeatable)")
+
+
+def add_topology(parser: argparse.ArgumentParser) -> None:
+    """``--topology``: the slice or cluster the mesh lies on, over the spec's ``topology`` line."""
+    parser.add_argument("--topology", metavar="SHAPE",
+                        help="the TPU slice the ICI axes lie on (4x4x4, 16x16) or the GPU cluster, NODESxGPUS "
+                             "(48x8); default: the spec's `topology` line, else the chip's usual one")
 
 
 def load_spec(path: str, sets: Sequence[str] | None = None) -> Any:

@@ -25,6 +25,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
+from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, Layout
 from shardc.costmodel.cost_text import render
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
@@ -40,11 +41,12 @@ from shardc.timing import (
     cost_step,
     phase_seconds,
     plan_chip,
+    plan_links,
     plan_sizes,
-    plan_spans,
     resolve_layers,
     step_seconds,
 )
+from shardc.topology import AxisLinks
 
 __all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes"]
 
@@ -226,19 +228,19 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     hw = plan_chip(plan, hardware, hardware_file)
     check_spans(plan.spec.mesh, spans)
     values = resolve_sizes(plan, sizes)
-    spans = plan_spans(plan, hw, values) | (spans or {})
+    links, link_notes = plan_links(plan, hw, values, spans)
     layers, layer_symbol = resolve_layers(plan, values)
     mesh = plan.spec.mesh
     devices = math.prod(values[a] for a in mesh.names)
-    pipe = pipeline_cost(plan, hw, values, spans, optimizer)
+    pipe = pipeline_cost(plan, hw, values, links, optimizer)
     if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch at once
         devices //= pipe.pipeline.stages  # (resolve_layers gave the slowest stage's layers)
     count = layer_symbol if layer_symbol is not None else layers
     names = symbols_of(plan)
     again = frozenset(range(1, len(plan.recomputed) + 1))
-    fwd, bwd, opt = (PhaseCost(name, _rows(steps, mesh, values, hw, spans, again if name == "backward" else
+    fwd, bwd, opt = (PhaseCost(name, _rows(steps, mesh, values, hw, links, again if name == "backward" else
                                            frozenset()), layers, devices, hw,
-                               phase_formula(steps, mesh, count, spans, names), mfu)
+                               phase_formula(steps, mesh, count, links, names, values), mfu)
                      for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
                      fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt))
@@ -246,10 +248,21 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer)
     tokens = token_dims(plan)
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
-    notes = _notes(plan, hw, values) + renamed_note(names) + tuple(
-        f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
-        f"the book's M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
+    notes = _notes(plan, hw, values, links) + renamed_note(names) + link_notes + tuple(
+        f"mesh axis {a} ({values[a]} chips) spans {len(k.rings)} physical ICI axes: {len(k.rings)}x the "
+        f"bandwidth, the book's M_{a} (--spans {a}=1 to cost it as one)"
+        for a, k in links.items() if hw.book and len(k.rings) > 1)
     return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt)
+
+
+def latency_note(hw: Hardware, links: Layout) -> str:
+    """How latency enters the times: a bound per hop on a torus, NCCL's base and steps on a GPU cluster."""
+    if any(isinstance(k, AxisLinks) and k.nodes for k in links.values()):
+        return ("formulas and thresholds use bandwidth terms; times add NCCL's latency to each collective "
+                f"({NCCL_BASE_S * 1e6:g} us, and {NCCL_NVLINK_STEP_S * 1e6:g} us a ring step over NVLink, "
+                f"{NCCL_NET_STEP_S * 1e6:g} us over InfiniBand)")
+    return ("formulas and thresholds use bandwidth terms; times also bound each collective "
+            f"below by latency ({hw.hop_latency:g} s a hop)")
 
 
 def phase_steps(plan: Plan) -> tuple[tuple[str, tuple[Step, ...]], ...]:
@@ -259,7 +272,7 @@ def phase_steps(plan: Plan) -> tuple[tuple[str, tuple[Step, ...]], ...]:
 
 
 def _rows(steps: tuple[Step, ...], mesh: Mesh, values: dict[str, int], hw: Hardware,
-          spans: dict[str, int], again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
+          spans: Layout, again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
     """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
     rows = (cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(steps, 1))
     return tuple(replace(r, text=f"(recomputed) {r.text}") if r.index in again else r for r in rows)
@@ -323,17 +336,17 @@ def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int]) -> tuple[str, ...]:
+def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tuple[str, ...]:
     notes = [f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
              *plan.notes]
     if plan.strategy == "search" and plan.hardware != hw.name:
         notes.append(f"the plan was chosen for {plan.hardware}, costed here on {hw.name}: "
                      f"`shardc plan --hardware {hw.name}` may find a faster one")
-    notes.append("formulas and thresholds use bandwidth terms; times also bound each collective "
-                 f"below by latency ({hw.hop_latency:g} s a hop)")
+    notes.append(latency_note(hw, links))
     ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
     group = math.prod(sizes[a] for a in ici)
-    if hw.ici_domain is not None and group > hw.ici_domain:
+    nodes = any(isinstance(k, AxisLinks) and k.nodes for k in links.values())
+    if hw.ici_domain is not None and group > hw.ici_domain and not nodes:
         notes.append(f"{hw.name}: the ICI/NVLink axes {', '.join(ici)} span {group} chips but a node "
                      f"has {hw.ici_domain}; mark the axes that cross nodes `over dcn`")
     return tuple(notes)

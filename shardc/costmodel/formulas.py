@@ -20,7 +20,7 @@ from fractions import Fraction
 import symengine as se
 from symengine import Basic as Expr  # a formula
 
-from shardc.collectives import FACTOR, bandwidth_terms, einsum_flops
+from shardc.collectives import FACTOR, Layout, bandwidth_terms, einsum_flops
 from shardc.ir.plan import Monomial, Op, Step
 from shardc.ir.spec import Mesh
 
@@ -188,7 +188,8 @@ def over(expr: Expr, name: str) -> str:
     return f"({text(expr)})/{name}" if expr.is_Add else text(expr / symbol(name))
 
 
-def step_formula(step: Step, mesh: Mesh, spans: Mapping[str, int] | None = None) -> StepFormula:
+def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
+                 sizes: Mapping[str, int] | None = None) -> StepFormula:
     """The formulas of one step (zeros where a step has no such figure)."""
     zero = ZERO
     if step.op is Op.EINSUM:
@@ -196,7 +197,7 @@ def step_formula(step: Step, mesh: Mesh, spans: Mapping[str, int] | None = None)
         return StepFormula(flops, model, zero, zero, zero)
     if not step.is_collective or step.volume is None:
         return StepFormula(zero, zero, zero, zero, zero)
-    terms = bandwidth_terms(step.op, monomial(step.volume), step.axes, mesh, symbol, spans, number)
+    terms = bandwidth_terms(step.op, monomial(step.volume), step.axes, mesh, symbol, spans, number, sizes)
     q = {network: weighted / divisor for network, (weighted, divisor) in terms.items()}
     weighted = number(FACTOR[step.op]) * monomial(step.volume)
     return StepFormula(zero, zero, weighted, q.get("ici", zero), q.get("dcn", zero))
@@ -208,9 +209,11 @@ def _einsum(step: Step) -> tuple[Expr, Expr]:
 
 
 def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None,
-                  spans: Mapping[str, int] | None = None, hw: HardwareSymbols | None = None) -> PhaseFormula:
-    """The sums of a phase's step formulas, multiplied by the layer count (a number or a symbol)."""
-    parts = [step_formula(s, mesh, spans) for s in steps]
+                  spans: Layout | None = None, hw: HardwareSymbols | None = None,
+                  sizes: Mapping[str, int] | None = None) -> PhaseFormula:
+    """The sums of a phase's step formulas, multiplied by the layer count (a number or a symbol); the
+    divisors of the bandwidth terms come from the mesh's sizes (``sizes`` over them)."""
+    parts = [step_formula(s, mesh, spans, sizes) for s in steps]
     count = symbol(layers) if isinstance(layers, str) else number(layers if isinstance(layers, int) else 1)
 
     counts = [number(1) if s.once else count for s in steps]  # outside a `layers` block: once

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from shardc.collectives import Op, collective_time
+from shardc.collectives import Layout, Op, collective_time
 from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
 from shardc.errors import InternalError, ShardcError
 from shardc.hardware import Hardware
@@ -178,11 +178,11 @@ def _time(rows: list[StepCost]) -> tuple[float, float]:
 
 
 def _rows(steps: tuple[Step, ...], plan: Plan, sizes: dict[str, int], hw: Hardware,
-          spans: dict[str, int]) -> list[StepCost]:
+          spans: Layout) -> list[StepCost]:
     return [cost_step(i, s, plan.spec.mesh, sizes, hw, spans) for i, s in enumerate(steps, 1)]
 
 
-def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: dict[str, int],
+def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout,
                   optimizer: str) -> PipelineCost | None:
     """The pipeline figures of ``plan`` (None when its spec has no pipeline axis)."""
     pipe = pipeline_of(plan.spec)
@@ -226,7 +226,7 @@ def _runs(rows: list[StepCost]) -> tuple[list[StepCost], list[StepCost], list[St
 
 
 def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
-              spans: dict[str, int]) -> dict[str, list[tuple[float, float]]]:
+              spans: Layout) -> dict[str, list[tuple[float, float]]]:
     """(compute, comm) of a microbatch's F, B and W: one layer of the block ("layer"), the statements
     before the block ("first": the first chunk runs them) and those after it ("last")."""
     fwd = _runs(_rows(plan.forward, plan, micro, hw, spans))
@@ -280,7 +280,7 @@ def _held(plan: Plan, pipe: Pipeline, stage: int) -> frozenset[str] | None:
             | (after if device_of(name, n - 1, pipe.stages) == stage else frozenset()))
 
 
-def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: dict[str, int]) -> float:
+def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
     """ZeRO-1/2's optimizer phase, once a step, on the busiest stage: its layers' params and the
     params outside the block it holds."""
     if not plan.optimizer:

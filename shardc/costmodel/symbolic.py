@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from shardc.collectives import Layout
 from shardc.costmodel.cost_report import (
     hardware_json,
+    latency_note,
     missing_sizes,
     phase_steps,
     renamed_note,
@@ -37,7 +39,7 @@ from shardc.costmodel.thresholds import Threshold, derive
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Mesh
-from shardc.timing import describe, plan_chip, plan_spans
+from shardc.timing import describe, plan_chip, plan_links
 
 __all__ = ["FormulaRow", "FormulaPhase", "FormulaReport", "cost_formulas"]
 
@@ -158,8 +160,8 @@ def _totals(f: PhaseFormula) -> list[str]:
 
 
 def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
-                 spans: dict[str, int]) -> FormulaRow:
-    one = step_formula(step, mesh, spans)
+                 spans: Layout, sizes: dict[str, int]) -> FormulaRow:
+    one = step_formula(step, mesh, spans, sizes)
     if step.op is Op.EINSUM:
         return FormulaRow(index, step.op, (), describe(step), text(one.flops), over(one.flops, names.flops),
                           False)
@@ -181,12 +183,13 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     check_spans(plan.spec.mesh, spans)
     mesh = plan.spec.mesh
     sizes = {a.name: a.size for a in mesh.axes} | dict(plan.spec.sizes)
-    all_spans = plan_spans(plan, hw, sizes) | (spans or {})
+    all_spans, link_notes = plan_links(plan, hw, sizes, spans)
     names = symbols_of(plan)
     layers = plan.spec.layers
     count: int | str = layers if layers is not None else 1
-    phases = [FormulaPhase(name, tuple(_formula_row(i, s, mesh, names, all_spans) for i, s in enumerate(steps, 1)),
-                           phase_formula(steps, mesh, count, all_spans, names))
+    phases = [FormulaPhase(name, tuple(_formula_row(i, s, mesh, names, all_spans, sizes)
+                                       for i, s in enumerate(steps, 1)),
+                           phase_formula(steps, mesh, count, all_spans, names, sizes))
               for name, steps in phase_steps(plan) if steps or name != "optimizer"]
     total = phases[0].formula
     for phase in phases[1:]:
@@ -199,8 +202,7 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     notes = (f"numbers need sizes: add `dims {', '.join(f'{m}=...' for m in missing)}` "
              f"or pass --set {' '.join(f'{m}=...' for m in missing)}",
              f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
-             "formulas and thresholds use bandwidth terms; with sizes, times also bound each collective "
-             f"below by latency ({hw.hop_latency:g} s a hop)") + renamed_note(names)
+             latency_note(hw, all_spans)) + link_notes + renamed_note(names)
     optimizer_phase = phases[2] if len(phases) > 2 else None
     params, grads, states = state_formula(plan, optimizer, count)
     return FormulaReport(plan, hw, missing, count, phases[0], phases[1], step, found, notes, optimizer_phase,

@@ -194,6 +194,7 @@ class Plan:
     # that chip, resolved once by the planner; every later pass costs on it (:func:`shardc.timing.plan_chip`)
     chip: Hardware = field(default=PRESETS[DEFAULT], compare=False)
     spans: tuple[tuple[str, int], ...] = ()  # spans given to the planner over the chip's defaults
+    topology: tuple[int, ...] | None = None  # the slice or cluster given (spec line or flag); None: the usual one
     notes: tuple[str, ...] = ()  # facts the listing states (e.g. padded uneven dims)
     # ZeRO-1/2 (`zero 1 over X`): the third phase, after the backward: gradients reduce-scattered onto
     # the optimizer state's shard, the update, the updated params all-gathered (shardc.planner.zero)

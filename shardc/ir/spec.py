@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shardc.errors import Span
+from shardc.errors import ShardcError, Span
 
 __all__ = [
     "DType",
@@ -36,6 +36,7 @@ __all__ = [
     "SCHEDULES",
     "Schedule",
     "Zero",
+    "parse_topology",
 ]
 
 
@@ -63,6 +64,15 @@ class Network(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def parse_topology(text: str, span: Span | None = None) -> tuple[int, ...]:
+    """``4x4x4``, ``16x16`` or ``48x8``: two or three whole sizes of 1 or more, joined by ``x``."""
+    parts = text.strip().lower().split("x")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() and len(p) <= 9 and int(p) >= 1 for p in parts):
+        raise ShardcError(f"topology {text[:40]!r}: expects a shape like 4x4x4, 16x16 or 48x8", span,
+                          fix="write the slice's sides (TPU) or NODESxGPUS (GPU), joined by x")
+    return tuple(int(p) for p in parts)
 
 
 def format_axes(axes: tuple[str, ...]) -> str:
@@ -333,6 +343,7 @@ class Spec:
     params: tuple[str, ...] | None = None  # None: names starting with W
     const: tuple[str, ...] = ()  # inputs without a gradient (token ids, masks)
     hardware: str | None = None
+    topology: tuple[int, ...] | None = None  # `topology 4x4x4`: the slice (TPU) or NODESxGPUS (GPU)
     layers: int | str | None = None  # a count, or the name of a dim that holds it
     # `layers L { ... }`: the statements [first, end) repeat L times, the others run once;
     # None: with `layers`, the whole spec repeats
@@ -374,6 +385,8 @@ class Spec:
             lines.append("const " + ", ".join(self.const))
         if self.hardware is not None:
             lines.append(f"hardware {self.hardware}")
+        if self.topology is not None:
+            lines.append("topology " + "x".join(map(str, self.topology)))
         if self.layers is not None and self.block is None:
             lines.append(f"layers {self.layers}")
         if self.microbatches is not None:

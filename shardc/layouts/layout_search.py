@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError
 from shardc.ir.spec import Spec
+from shardc.layouts.book_optimum import BookOptimum, book_optimum
 from shardc.layouts.factor import MAX_WORK, candidates, searched_axes
 from shardc.layouts.layouts_text import reason, render, to_json
-from shardc.layouts.rank import RULE, Layout, Options, Skipped, ranked
+from shardc.layouts.rank import RULE, Layout, Options, Skipped, prepare, ranked
+from shardc.planner.planner import plan
 from shardc.spec.overrides import dim_names
 
 __all__ = ["LayoutSearch", "search_layouts"]
@@ -32,6 +35,7 @@ class LayoutSearch:
     skipped: tuple[Skipped, ...]
     stats: dict[str, float]
     rule: str = RULE
+    optimum: BookOptimum | None = None  # the book's X_opt for the chosen layout (FSDP x tensor parallel)
 
     @property
     def chosen(self) -> Layout | None:
@@ -68,7 +72,20 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
         raise ShardcError(f"{len(specs)} specs have {sum(map(len, plans))} layouts on {n} chips together, past the "
                           f"budget of {MAX_WORK} plans x 2^axes", fix="search fewer --with specs at once")
     rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
-    return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats)
+    optimum = _optimum(specs, rows[0], options, fixed) if rows else None
+    return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats, optimum=optimum)
+
+
+def _optimum(specs: Sequence[Spec], best: Layout, options: Options, fixed: frozenset[str]) -> BookOptimum | None:
+    """The book's X_opt at the chosen layout, when its spec has two searched axes (FSDP, then tensor parallel)."""
+    spec = next(s for s in specs if (s.filename or "<spec>") == best.spec)
+    axes = searched_axes(spec, fixed & set(spec.mesh.names)).searched
+    candidate = prepare(spec, dict(best.sizes))
+    if len(axes) != 2 or not isinstance(candidate, Spec):
+        return None
+    report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute,
+                       topology=options.topology), mfu=options.mfu, optimizer=options.optimizer)
+    return book_optimum(report, axes)
 
 
 def _check_sized(spec: Spec) -> None:

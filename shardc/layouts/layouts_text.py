@@ -60,6 +60,8 @@ def render(search: LayoutSearch, top: int = 0) -> str:
         lines.append("notes (of the rows shown):")
         lines += [f"  {n}" for n in notes]
     lines.append(reason(search))
+    if search.optimum is not None and search.chosen is not None:
+        lines.append(search.optimum.text(dict(search.chosen.sizes)[search.optimum.fsdp_axis]))
     s = search.stats
     lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['planned']:.0f} planned and costed, "
                  f"{s['reused']:.0f} reused (the same spec once size-1 axes are stripped), "
@@ -91,7 +93,11 @@ def reason(search: LayoutSearch) -> str:
         parts.append(f"{len(faster)} faster layout(s) do not fit (e.g. {_name(faster[0])} {faster[0].axes_text}: "
                      f"{fmt_bytes(faster[0].memory_bytes)})")
     tied = [r for r in search.layouts[1:] if rank_key(r)[:2] == rank_key(best)[:2]]
-    if tied:
+    if tied and tied[0].split and not best.split:
+        parts.append(f"{len(tied)} other layout(s) take the same step time (to {DIGITS} digits); its mesh axes lie "
+                     f"on whole physical axes, as JAX lays them by default, where {_name(tied[0])} "
+                     f"{tied[0].axes_text} splits one (less usable bandwidth)")
+    elif tied:
         nxt = tied[0]
         parts.append(f"{len(tied)} other layout(s) take the same step time (to {DIGITS} digits); least "
                      f"critical-path communication: {_fine(best.critical_s)} vs "
@@ -115,4 +121,10 @@ def to_json(search: LayoutSearch, top: int = 0) -> dict[str, object]:
             "rule": search.rule, "layouts": [r.to_json() for r in shown], "more": len(search.layouts) - len(shown),
             "skipped": [s.to_json() for s in search.skipped],
             "chosen": best.to_json() if best is not None else None, "reason": reason(search),
-            "stats": search.stats}
+            "x_opt": search.optimum.x_opt if search.optimum is not None else None,
+            "book_optimum": search.optimum.to_json() if search.optimum is not None else None,
+            "topology": _topology(o.topology), "stats": search.stats}
+
+
+def _topology(topology: str | tuple[int, ...] | None) -> str | None:
+    return topology if topology is None or isinstance(topology, str) else "x".join(map(str, topology))

@@ -10,8 +10,12 @@ specs equal but for an axis switched off) reuse that plan's figures.
 
 The ranking: layouts that fit the chip's HBM first; then by step time, compared to
 :data:`DIGITS` significant digits (compute-bound layouts all take the compute time, up to
-rounding); then by communication time on the critical path (what is left exposed when only
-ahead-of-time collectives overlap); then by memory per device; then in enumeration order.
+rounding); then layouts whose mesh axes all lie on whole physical axes of the topology before
+those that split one (``mesh_utils.create_device_mesh`` splits a physical axis only when asked,
+``allow_split_physical_axes``, since it "would reduce total usable bandwidth": the layout JAX
+builds by default, and the one with room to spare); then by communication time on the critical
+path (what is left exposed when only ahead-of-time collectives overlap); then by memory per
+device; then in enumeration order.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ from shardc.ir.spec import Spec
 from shardc.planner.planner import plan
 from shardc.planner.unit import strip_unit_axes
 from shardc.spec.overrides import apply_overrides
+from shardc.timing import plan_links
 
 __all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "prepare", "evaluate", "layout_of", "rank_key", "rank",
            "ranked"]
 
 DIGITS = 9
 RULE = ("layouts that fit HBM first, then least step time (equal to 9 significant digits: compute-bound "
-        "layouts all take the compute time), then least communication on the critical path, then least "
+        "layouts all take the compute time), then mesh axes on whole physical axes before split ones, then "
+        "least communication on the critical path, then least "
         "memory per device")
 
 
@@ -50,6 +56,7 @@ class Options:
     recompute: str = "none"
     optimizer: str = "adam10"
     mfu: float | None = None
+    topology: str | tuple[int, ...] | None = None  # the slice or cluster (--topology); None: the spec's or usual
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class Layout:
     memory_bytes: float
     hbm_bytes: float
     notes: tuple[str, ...] = ()  # padding of uneven dims, the pipeline's schedule
+    split: bool = False  # a mesh axis lies on part of a physical axis another mesh axis shares
 
     @property
     def fits(self) -> bool:
@@ -82,7 +90,7 @@ class Layout:
         return {"spec": self.spec, "axes": dict(self.sizes), "step_s": self.step_s, "compute_s": self.compute_s,
                 "comm_s": self.comm_s, "critical_s": self.critical_s, "bound": self.bound, "mfu": self.mfu,
                 "step_at_mfu_s": self.at_mfu_s, "memory": dict(self.memory), "memory_bytes": self.memory_bytes,
-                "hbm_bytes": self.hbm_bytes, "fits": self.fits, "notes": list(self.notes)}
+                "hbm_bytes": self.hbm_bytes, "fits": self.fits, "split": self.split, "notes": list(self.notes)}
 
 
 @dataclass(frozen=True)
@@ -112,8 +120,8 @@ def _pairs(spec: Spec, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
 def evaluate(candidate: Spec, options: Options) -> Layout | str:
     """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line)."""
     try:
-        report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute),
-                      mfu=options.mfu, optimizer=options.optimizer)
+        report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute,
+                           topology=options.topology), mfu=options.mfu, optimizer=options.optimizer)
     except ShardcError as err:
         return err.message.splitlines()[0]
     sizes = {a.name: a.size for a in candidate.mesh.axes}
@@ -124,7 +132,7 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
     """A row from a cost report: the step's times, and memory (a pipeline's: its fullest stage's)."""
     step, mem = report.step, report.memory
     notes = tuple(n for n in report.plan.notes if "padded" in n) + tuple(
-        n for n in report.notes if "a node has" in n)  # ICI axes wider than a GPU node: say so
+        n for n in report.notes if "a node has" in n or "split with" in n or "usual" in n)
     memory: tuple[tuple[str, float], ...] = (
         ("params", mem.param_bytes), ("grads", mem.grad_bytes), ("optimizer", mem.optimizer_bytes),
         ("activations", mem.residual_bytes), ("gathered", mem.gathered_bytes))
@@ -139,13 +147,16 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
             notes += (f"pipeline: {pipe.pipeline.stages} stages, {pipe.pipeline.microbatches} microbatches, "
                       f"{pipe.pipeline.schedule}; step = the simulated schedule",)
     at_mfu = step.step_at_mfu_s
+    links, _ = plan_links(report.plan, report.hardware, report.sizes)
     return Layout(label, sizes, step_s, step.compute_s, step.comm_s, step.critical_s, step.bound, step.mfu,
-                  None if at_mfu is None else max(at_mfu, step_s), memory, total, mem.hbm_bytes, notes)
+                  None if at_mfu is None else max(at_mfu, step_s), memory, total, mem.hbm_bytes, notes,
+                  any(k.split for k in links.values()))
 
 
-def rank_key(row: Layout) -> tuple[bool, float, float, float]:
-    """Fits first, then step time (to :data:`DIGITS` digits), critical-path communication, memory."""
-    return (not row.fits, float(f"{row.step_s:.{DIGITS - 1}e}"), row.critical_s, row.memory_bytes)
+def rank_key(row: Layout) -> tuple[bool, float, bool, float, float]:
+    """Fits first, then step time (to :data:`DIGITS` digits), whole physical axes, critical-path
+    communication, memory."""
+    return (not row.fits, float(f"{row.step_s:.{DIGITS - 1}e}"), row.split, row.critical_s, row.memory_bytes)
 
 
 def ranked(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options: Options, jobs: int = 1,

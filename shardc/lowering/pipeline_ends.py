@@ -65,7 +65,8 @@ def split_spec(spec: Spec) -> tuple[Spec, Spec, Spec]:
                        params=params, const=tuple(c for c in spec.const if c in names),
                        layers=spec.layers if pipelined else None, mesh=spec.mesh if pipelined else stage_mesh,
                        microbatches=spec.microbatches if pipelined else None,
-                       schedule=spec.schedule if pipelined else None)
+                       schedule=spec.schedule if pipelined else None,
+                       topology=spec.topology if pipelined else None)  # one stage's chips: its usual slice
 
     pre, block, post = spec.statements[:lo], spec.statements[lo:hi], spec.statements[hi:]
     _check_ends(spec, pre, post)

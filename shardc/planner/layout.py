@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from shardc.collectives import collective_time, einsum_flops, piece, volume_elements
-from shardc.hardware import DEFAULT, PRESETS, Hardware, default_spans
+from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.plan import Monomial, Op
 from shardc.ir.spec import Dim, DType, Mesh, TensorRef
 from shardc.planner.unit import Placements
 from shardc.spec.walk import nbytes_of
+from shardc.topology import resolve_links
 
 __all__ = ["Layout", "Value", "Move", "expand", "neighbours", "spanning", "Cost", "CostContext", "ZERO", "INFINITE",
            "add_cost", "SearchTooLong"]
@@ -139,7 +140,8 @@ class CostContext:
     sizes: dict[str, int] | None  # dims; None: use PROXY_DIM for every dim
     weights: frozenset[str] = frozenset()
     hardware: Hardware = PRESETS[DEFAULT]
-    spans: dict[str, int] | None = None  # over the chip's defaults (Hardware.spans)
+    spans: dict[str, int] | None = None  # over the topology's layout (shardc.topology.resolve_links)
+    topology: tuple[int, ...] | None = None  # the slice or cluster given; None: the chip's usual one
     padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
     compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
@@ -177,7 +179,7 @@ class CostContext:
 
     def __post_init__(self) -> None:
         self.axis_sizes = {a.name: a.size for a in self.mesh.axes}
-        self.links = default_spans(self.mesh, self.hardware) | (self.spans or {})
+        self.links = resolve_links(self.mesh, self.axis_sizes, self.hardware, self.topology, self.spans)[0]
 
     def dim_size(self, index: str) -> int:
         return PROXY_DIM if self.sizes is None else self.sizes[index]

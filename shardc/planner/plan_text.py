@@ -78,7 +78,8 @@ def _phase_bytes(steps: Sequence[Step], sizes: dict[str, int]) -> float:
 def _time_line(plan: Plan) -> str:
     t = plan_time(plan)
     opt = f", optimizer {fmt_seconds(t.optimizer_s)}" if plan.optimizer else ""
-    return (f"# step time on {plan.hardware}: {fmt_seconds(t.step_s)} (forward {fmt_seconds(t.forward_s)}, backward "
+    where = plan.hardware + ("" if plan.topology is None else " " + "x".join(map(str, plan.topology)))
+    return (f"# step time on {where}: {fmt_seconds(t.step_s)} (forward {fmt_seconds(t.forward_s)}, backward "
             f"{fmt_seconds(t.backward_s)}{opt}; each max(compute, communication)), as `shardc cost` reports it")
 
 
@@ -166,7 +167,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         formula, _, terms = phase_total(steps)
         value = int(_phase_bytes(steps, sizes)) if sizes is not None else None
         totals[name] = {"bytes_expr": formula, "bytes": value}
-    timing: dict[str, Any] = {"hardware": plan.hardware, "notes": list(plan.notes)}
+    topology = None if plan.topology is None else "x".join(map(str, plan.topology))  # None: the chip's usual
+    timing: dict[str, Any] = {"hardware": plan.hardware, "topology": topology, "notes": list(plan.notes)}
     if sizes is not None:
         t = plan_time(plan)
         timing.update(step_s=t.step_s, forward_s=t.forward_s, backward_s=t.backward_s, optimizer_s=t.optimizer_s,

@@ -18,7 +18,7 @@ from shardc.collectives import share
 from shardc.errors import ShardcError, clip
 from shardc.hardware import Hardware, check_spans, resolve_hardware
 from shardc.ir.plan import Plan, Step, TensorInfo
-from shardc.ir.spec import Spec, TensorRef
+from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
@@ -41,6 +41,7 @@ from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import layer_inputs, leaves
 from shardc.timing import PlanTime, plan_time
+from shardc.topology import check_topology
 
 __all__ = ["plan", "plan_candidate", "objective", "SAVE_POLICIES"]
 
@@ -61,7 +62,8 @@ SUM: tuple[float, float] = (1.0, 1.0)
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
          spans: dict[str, int] | None = None, recompute: str = "none", budget: int = BUDGET,
-         explain: bool = False, gradients: Mapping[str, str] | None = None) -> Plan:
+         explain: bool = False, gradients: Mapping[str, str] | None = None,
+         topology: str | tuple[int, ...] | None = None) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -82,6 +84,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     alternatives each choice weighed (``shardc plan --explain``); the plan is the same.
     ``gradients`` names tensors' gradients as given (tensor -> name), for a part of a spec
     planned apart that must keep the whole spec's names (:func:`shardc.names.gradient_names`).
+    ``topology`` (``4x4x4``, ``48x8``, or a tuple) is the slice or cluster the mesh lies on, over
+    the spec's ``topology`` line; without either, the chip's usual one (:mod:`shardc.topology`).
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
@@ -94,6 +98,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
                           fix=f"leave it out for the default, {BUDGET:,}")
     check_gradients(gradients)
     validate(spec)  # a Spec built in Python has not met the parser's checks
+    spec = _with_topology(spec, topology, hardware)
     try:
         return _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
                                    gradients or {})
@@ -103,6 +108,22 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
             f"over layouts grows with every mesh axis (this mesh has {e.axes} of size > 1)",
             fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
                 "one axis XY=4), or drop the dims line to plan by the book's rules") from None
+
+
+def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware: str | Hardware | None) -> Spec:
+    """``spec`` with the topology given here over its own line, checked against its mesh and chip."""
+    if topology is not None:
+        if not isinstance(topology, str | tuple | list):
+            raise TypeError(f"topology must be a str like '4x4x4' or a tuple of ints, not {type(topology).__name__}")
+        shape = parse_topology(topology) if isinstance(topology, str) else tuple(topology)
+        if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+            raise ShardcError(f"topology {topology!r}: expects whole sizes of 1 or more", fix="write e.g. 4x4x4")
+        spec = replace(spec, topology=shape)
+    hw = resolve_hardware(hardware, None, spec.hardware)
+    if spec.topology is not None and not hw.book:
+        span = spec.span_of("topology") if topology is None else None
+        check_topology(spec.topology, spec.mesh, {}, hw, span)
+    return spec
 
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
@@ -239,7 +260,7 @@ def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | Non
              units: tuple[tuple[str, ...], ...] | None = None, places: Placements | None = None) -> CostContext:
     grads = frozenset(graph.grads[p] for p in graph.params)
     return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
-                       graph.params | grads, hardware=hw, spans=spans,
+                       graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
                        padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
                        element_bytes=graph.element_bytes)
 
@@ -335,6 +356,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         hardware=ctx.hardware.name,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
+        topology=ctx.topology,
         notes=_notes(spec, fwd + bwd, ctx) if notes else (),
         optimizer=opt,
         recompute=recompute,

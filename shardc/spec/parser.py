@@ -58,6 +58,7 @@ from shardc.ir.spec import (
     Statement,
     TensorRef,
     Zero,
+    parse_topology,
 )
 from shardc.spec.syntax_errors import syntax_error
 from shardc.spec.validate import validate
@@ -348,6 +349,9 @@ class _Builder(Transformer[Token, Any]):
     def hardware_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("hardware", str(children[1]), _span(children[0]))
 
+    def topology_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("topology", parse_topology(str(children[1]), _span(children[1])), _span(children[0], children[1]))
+
     def layers_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         word = children[1]
         value: int | str = _size(word, "layers") if word.type == "SIZE" else str(word)
@@ -484,6 +488,7 @@ def _build_spec(items: list[Any]) -> Spec:
         params=None if params is None else tuple(params),
         const=tuple(header["const"]),
         hardware=header.get("hardware"),
+        topology=header.get("topology"),
         layers=header.get("layers"),
         block=block,
         microbatches=header.get("microbatches"),

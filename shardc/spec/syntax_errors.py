@@ -38,6 +38,7 @@ _TERMINAL_WORDS = {
     "PARAM": "`param`",
     "CONST": "`const`",
     "HARDWARE": "`hardware`",
+    "TOPOLOGY": "`topology`",
     "LAYERS": "`layers`",
     "OVER": "`over` (`over dcn` in the mesh, `over X` after zero)",
     "PIPELINE": "`pipeline`",
