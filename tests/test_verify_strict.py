@@ -22,7 +22,8 @@ from shardc.ir.localops import Map, MapVjp
 from shardc.ir.plan import Op
 from shardc.ir.spec import DType
 from shardc.lowering.sizes import devices_to_check, shrink_mesh
-from shardc.verification.verify import Report, compare_values, render_report, verify
+from shardc.verification.report import compare_values
+from shardc.verification.verify import Report, render_report, verify
 
 TP = "mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D_X, F]\n"
 

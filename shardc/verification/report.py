@@ -11,12 +11,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from shardc.ir.plan import Op, Plan, Step
 from shardc.lowering.sizes import devices_to_check
 from shardc.planner.plan_text import step_label
 from shardc.verification.hlo import Collective
 
-__all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text",
+__all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text", "compare_values",
            "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE", "POWER", "cut_note"]
 
 STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
@@ -217,3 +219,33 @@ def cut_note(cut: tuple[str, ...], devices: int, plan: Plan) -> str:
     """Why a report over a mesh with axes cut to 1 is not a pass, and the devices that would make it one."""
     return (f"axes {', '.join(cut)} cut to 1 to fit {devices} devices: their collectives "
             f"are not run (use --devices {devices_to_check(plan)})")
+
+
+def compare_values(phase: str, pairs: list[tuple[str, Any, np.ndarray, np.ndarray]], tol: tuple[float, float],
+                   limit: float) -> list[ValueRow]:
+    """One row per (tensor, lowered value, reference, magnitude), passing within ``tol`` (rtol, atol
+    of the magnitude); anything not compared fails: NaN or inf in the value, a reference beyond
+    ``limit`` or not finite, a wrong shape.  Where the reference is -inf (a causal mask) the value
+    must be -inf too."""
+    rows = []
+    for name, got, ref, magnitude in pairs:
+        value = np.asarray(got).astype(np.float64)
+        masked = np.isneginf(ref)  # causal's -inf: the lowered value must be -inf there too
+        if masked.any() and value.shape == ref.shape and np.array_equal(np.isneginf(value), masked):
+            ref, value = np.where(masked, 0.0, ref), np.where(masked, 0.0, value)
+        scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+        terms = float(np.max(magnitude)) if ref.size else 0.0
+        note = ""
+        if value.shape != ref.shape:
+            note = f"shape {value.shape}, reference {ref.shape}: not compared"
+        elif not np.all(np.isfinite(ref)) or scale > limit:
+            note = "reference out of the dtype's range: not compared"
+        elif not np.all(np.isfinite(value)):
+            note = "NaN or inf in the lowered value"
+        if note:
+            rows.append(ValueRow(phase, name, math.nan, scale, math.nan, False, note))
+            continue
+        err = float(np.max(np.abs(value - ref))) if ref.size else 0.0
+        bound = tol[1] + tol[0] * terms
+        rows.append(ValueRow(phase, name, err, scale, bound, err <= bound))
+    return rows

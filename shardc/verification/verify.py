@@ -54,6 +54,7 @@ from shardc.verification.report import (
     CollectiveRow,
     Report,
     ValueRow,
+    compare_values,
     cut_note,
     match_collectives,
     render_report,
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives", "compute_dtype",
-           "check_device_count", "render_report", "compare_values", "differential_rows", "TOLERANCE"]
+           "check_device_count", "render_report", "differential_rows", "TOLERANCE"]
 
 # f8 values are rounded to float8_e4m3fn and computed in bfloat16: FP8 training recipes
 # (NVIDIA Transformer Engine, the FP8 formats paper of Micikevicius et al. 2022) accumulate
@@ -74,36 +75,6 @@ __all__ = ["ValueRow", "CollectiveRow", "Report", "verify", "match_collectives",
 COMPUTE_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f8": "bfloat16"}
 _HEADROOM = 64.0  # every reference value stays this far below the dtype's largest
 _SCALE_TRIES = 16  # inputs are divided by 4 at most this many times
-
-
-def compare_values(phase: str, pairs: list[tuple[str, Any, np.ndarray, np.ndarray]], tol: tuple[float, float],
-                   limit: float) -> list[ValueRow]:
-    """One row per (tensor, lowered value, reference, magnitude), passing within ``tol`` (rtol, atol
-    of the magnitude); anything not compared fails: NaN or inf in the value, a reference beyond
-    ``limit`` or not finite, a wrong shape.  Where the reference is -inf (a causal mask) the value
-    must be -inf too."""
-    rows = []
-    for name, got, ref, magnitude in pairs:
-        value = np.asarray(got).astype(np.float64)
-        masked = np.isneginf(ref)  # causal's -inf: the lowered value must be -inf there too
-        if masked.any() and value.shape == ref.shape and np.array_equal(np.isneginf(value), masked):
-            ref, value = np.where(masked, 0.0, ref), np.where(masked, 0.0, value)
-        scale = float(np.max(np.abs(ref))) if ref.size else 0.0
-        terms = float(np.max(magnitude)) if ref.size else 0.0
-        note = ""
-        if value.shape != ref.shape:
-            note = f"shape {value.shape}, reference {ref.shape}: not compared"
-        elif not np.all(np.isfinite(ref)) or scale > limit:
-            note = "reference out of the dtype's range: not compared"
-        elif not np.all(np.isfinite(value)):
-            note = "NaN or inf in the lowered value"
-        if note:
-            rows.append(ValueRow(phase, name, math.nan, scale, math.nan, False, note))
-            continue
-        err = float(np.max(np.abs(value - ref))) if ref.size else 0.0
-        bound = tol[1] + tol[0] * terms
-        rows.append(ValueRow(phase, name, err, scale, bound, err <= bound))
-    return rows
 
 
 def _unplanned(plan: Plan, lowered: Lowered, run: _Run) -> list[ValueRow]:
