@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -26,6 +27,7 @@ import shardc
 from shardc.errors import ShardcError
 from shardc.verification import verify as verify_module
 
+ROOT = Path(__file__).resolve().parent.parent
 TP = "mesh X=4\ndims B=64, D=32, F=16\nOut[B_X, F] = In[B_X, D] · W[D, F]\n"
 PIPE = ("mesh P=2 pipeline, X=2\ndims B=8, D=4, F=4\nlayers 2\nmicrobatches 2\nparam W1, W2\n"
         "H[B_X, F] = X[B_X, D] · W1[D, F]\nOut[B_X, D] = H[B_X, F] · W2[F, D]\n")
@@ -33,6 +35,10 @@ SPEC = shardc.parse(TP)
 PLAN = shardc.plan(SPEC)
 PIPE_SPEC = shardc.parse(PIPE)
 PIPE_PLAN = shardc.plan(PIPE_SPEC)
+# a ZeRO-2 optimizer phase, a routed MoE layer, dropout: the examples whose plans have the most kinds of step
+EXAMPLES = [shardc.parse((ROOT / "examples" / f"{name}.shard").read_text(encoding="utf-8"), f"{name}.shard")
+            for name in ("zero2_dp", "moe_layer", "gpt_layer_tp")]
+EXAMPLE_PLANS = [shardc.plan(spec) for spec in EXAMPLES]
 
 FUNCTIONS: dict[str, Callable[..., Any]] = {"parse": shardc.parse, "plan": shardc.plan, "cost": shardc.cost,
                                             "lower": shardc.lower, "verify": verify_module.verify}
@@ -41,8 +47,9 @@ OPTIONS = {"plan": ["strategy", "hardware", "spans", "recompute", "budget", "exp
            "cost": ["mfu", "optimizer", "hardware_file", "spans"],
            "lower": ["save", "strategy", "hardware", "recompute"]}
 GOOD: dict[str, list[object]] = {
-    "text": [TP, PIPE], "filename": [None, "f.shard"], "spec": [SPEC, PIPE_SPEC], "plan": [PLAN, PIPE_PLAN],
-    "plan_or_spec": [SPEC, PLAN, PIPE_PLAN], "save": ["default", "none", "all"], "strategy": ["auto", "rules"],
+    "text": [TP, PIPE], "filename": [None, "f.shard"], "spec": [SPEC, PIPE_SPEC, *EXAMPLES],
+    "plan": [PLAN, PIPE_PLAN, *EXAMPLE_PLANS], "plan_or_spec": [SPEC, PLAN, PIPE_PLAN, *EXAMPLE_PLANS],
+    "save": ["default", "none", "all"], "strategy": ["auto", "rules"],
     "hardware": [None, "tpu-v5p"], "spans": [None, {"X": 2}], "recompute": ["none", "full"],
     "sizes": [None, {"B": 64}, {"X": 2}], "mfu": [None, 0.4], "optimizer": ["adam10"], "hardware_file": [None],
     "devices": [None, 8, 4], "seed": [0, 3], "budget": [1000], "explain": [False], "gradients": [None]}
