@@ -187,6 +187,15 @@ def test_out_sharding_is_given_exactly_where_explicit_mode_would_not_infer_the_p
             assert (id(step) in listed) != same, step
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.shard")), ids=lambda p: p.stem)
+def test_every_example_exports_a_python_module(path: Path) -> None:
+    plan = planned(path.stem)
+    tree = ast.parse(jax_module(plan))
+    assigned = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    assert {"AXIS_SIZES", "SHARDINGS", "GRAD_SHARDINGS", "OUT_SHARDINGS", "BACKWARD_OUT_SHARDINGS"} <= assigned
+
+
 def test_names_reach_the_module_through_repr() -> None:
     spec = shardc.parse("mesh X=4\ndims B=64, D=16, F=32\nOut[B_X, F] = In[B_X, D] · W[D, F]\n",
                         filename="it's\n\"\"\"odd\".shard")

@@ -84,8 +84,10 @@ def logical_rules(plan: Plan, names: dict[str, str]) -> list[Rule]:
     refs = declared(plan)
     missing = sorted({d.name for _, ref in refs for d in ref.dims} - set(names) - set(DEFAULT_NAMES))
     if missing:
-        raise ShardcError("no logical name for the dim" + ("s " if len(missing) > 1 else " ") + ", ".join(missing),
-                          fix="name it, e.g. --names " + ",".join(f"{d}=NAME" for d in missing)
+        plural = len(missing) > 1
+        raise ShardcError(f"no logical name for the dim{'s' if plural else ''} " + ", ".join(missing),
+                          fix=f"name {'them' if plural else 'it'}, e.g. --names "
+                              + ",".join(f"{d}=NAME" for d in missing)
                               + " (the letters named by default: " + ", ".join(DEFAULT_NAMES) + ")")
     seen: dict[tuple[bool, str], list[tuple[tuple[str, ...], str]]] = {}
     for role, ref in refs:
