@@ -106,6 +106,38 @@ def test_a_transformer_layer_with_a_constraint() -> None:
     assert "collectives shardc would not need:" in text and "XLA's memory a device" in text
 
 
+def transposed_layout() -> tuple[Any, tuple[Any, ...]]:
+    """A result constrained to the transpose of the layout its operands give (rows over `model`, columns
+    over `data`), after the input itself is constrained to another layout: XLA reshards through
+    collective-permutes and a partial gather, shardc plans the einsum into the constrained layout."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, w: Any) -> Any:
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", "model")))
+        y = jnp.einsum("bd,df->bf", x, w)
+        return jnp.tanh(jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P("model", "data"))))
+
+    return jax.jit(f), (_arg(mesh, (16, 8), "data", None), _arg(mesh, (8, 24), None, "model"))
+
+
+def test_a_resharded_program_is_put_beside_the_plan() -> None:
+    fn, args = transposed_layout()
+    e = explain(fn, *args)
+    spec = shardc.parse(e.spec)
+    made = {s.result.name: s.result for s in spec.statements}
+    # the input's constraint is a copy of it (a reshard), the result's is the einsum's own sharding
+    assert "C1[B_{data}, D_{model}] = x[B_{data}, D]" in e.spec
+    assert [d.axes for d in made["Y1"].dims] == [("model",), ("data",)]
+    assert any(c.kind == "collective-permute" and c.seconds is None for c in e.xla)  # no plan step is one
+    assert e.not_needed and all(c.line.startswith(f"{__file__}:") for c in e.xla)
+    assert e.shardc_memory > 0
+
+
 def test_an_op_the_language_lacks_is_a_clear_error() -> None:
     import jax
     import jax.numpy as jnp

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 
 from shardc.collectives import collective_time, share
+from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError
 from shardc.explain.jaxpr_spec import read_program
 from shardc.ir.plan import Plan
@@ -62,6 +63,7 @@ class Explanation:
     plan_comm_s: float
     compute_s: float  # the forward's einsum FLOPs on the chip, the same for both
     xla_memory: dict[str, int] = field(default_factory=dict)
+    shardc_memory: float = 0.0  # shardc's bytes a device for a training step of the spec (its cost report)
     not_needed: list[Collective] = field(default_factory=list)  # XLA's, with no counterpart in the plan
     differently: list[Collective] = field(default_factory=list)  # the plan's, with none in XLA's
 
@@ -167,10 +169,11 @@ def _compare(plan: Plan, tensors: dict[str, TensorRef], lines: dict[str, str], c
     unpaired_xla = [theirs for mine, theirs in pairs if mine is None and theirs is not None]
     unpaired_plan = [mine for mine, theirs in pairs if theirs is None and mine is not None]
     times = plan_time(plan, hw, sizes)
+    shardc_memory = float(cost(plan).memory.total_bytes)
     memory = compiled.memory_analysis()
     xla_memory = {k: int(getattr(memory, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")}
     return Explanation(origin, text, hw.name, xla, ours, math.fsum(c.seconds or 0.0 for c in xla),
-                       times.forward_comm_s, times.forward_compute_s, xla_memory,
+                       times.forward_comm_s, times.forward_compute_s, xla_memory, shardc_memory,
                        [c for c in xla if any(_same(c, r) for r in unpaired_xla)],
                        [c for c in ours if any(_same(c, r) for r in unpaired_plan)])
 
@@ -181,7 +184,7 @@ def _same(c: Collective, row: Row) -> bool:
 
 def _row(c: Collective) -> str:
     time = "" if c.seconds is None else f"{c.seconds * 1e6:9.2f} us"
-    return f"    {c.kind:<16} {c.tensor:<14} over {c.axes or '-':<10} {c.bytes:>12,} B {time}  {c.line}"
+    return f"    {c.kind:<18} {c.tensor:<14} over {c.axes or '-':<10} {c.bytes:>12,} B {time}  {c.line}"
 
 
 def render_explanation(e: Explanation) -> str:
@@ -194,5 +197,7 @@ def render_explanation(e: Explanation) -> str:
     lines += ["collectives shardc does otherwise:"] + ([_row(c) for c in e.differently] or ["    none"])
     lines += ["", f"forward on {e.hardware}: compute {e.compute_s * 1e6:.2f} us; communication: XLA "
               f"{e.xla_comm_s * 1e6:.2f} us, shardc {e.plan_comm_s * 1e6:.2f} us",
-              "XLA's memory a device: " + ", ".join(f"{k} {v:,} B" for k, v in e.xla_memory.items())]
+              "XLA's memory a device (this program): " + ", ".join(f"{k} {v:,} B" for k, v in e.xla_memory.items()),
+              f"shardc's memory a device (a training step of the spec: params, gradients, optimizer state, "
+              f"activations kept): {e.shardc_memory:,.0f} B"]
     return "\n".join(lines) + "\n"

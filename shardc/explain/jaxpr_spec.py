@@ -78,6 +78,8 @@ class _Reader:
         self.statements: list[_Statement] = []
         self.counts: dict[str, int] = {}
         self.hints: dict[int, str] = {}  # dim id -> the letter the user's einsum equation gave it
+        self.used: set[Any] = set()  # tensors a statement reads
+        self.made: set[Any] = set()  # tensors a statement makes
 
     # dims ------------------------------------------------------------------------------------------
     def find(self, d: int) -> int:
@@ -116,7 +118,9 @@ class _Reader:
         return var
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
-        prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M"}[kind]
+        prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "copy": "C"}[kind]
+        self.used.update(operands)
+        self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
         self.names[var] = f"{prefix}{self.counts[prefix]}"
         self.statements.append(_Statement(kind, var, operands, **extra))
@@ -160,8 +164,7 @@ class _Reader:
         elif name == "broadcast_in_dim":
             self.broadcast(eqn)
         elif name == "sharding_constraint":
-            self.view(out, eqn.invars[0], list(range(len(out.aval.shape))))
-            self.shard(self.tensor(out), eqn.params["sharding"].spec)
+            self.constrain(eqn.invars[0], out, eqn.params["sharding"].spec, line)
         elif name in _ALIASES and arrays:
             self.view(out, arrays[0], list(range(len(out.aval.shape))))
         elif name in _UNARY:
@@ -170,6 +173,18 @@ class _Reader:
             raise ShardcError(f"`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes "
                               f"and sharding constraints; the program has `{name}`" + (f" at {line}" if line else ""),
                               fix="explain a program (or the part of it) made of those, or write its .shard spec")
+
+    def constrain(self, source: Any, out: Any, spec: Any, line: str) -> None:
+        """A just-made result takes the constraint's sharding; an input, or a tensor already read as it
+        is, is copied into one that has it (the language's reshard, ``A2[I, J_X] = A[I_X, J]``)."""
+        tensor = self.tensor(source)
+        if tensor in self.used or tensor not in self.made:
+            self.dims[out] = list(self.dims_of(tensor))
+            self.make(out, "copy", (tensor,), line=line)
+            tensor = out
+        else:
+            self.view(out, source, list(range(len(out.aval.shape))))
+        self.shard(tensor, spec)
 
     def call(self, eqn: Any) -> None:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
@@ -356,8 +371,12 @@ def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
         operands = [ref(o) for o in s.operands]
         tensors.update({r.name: r for r in (result, *operands)})
         lines[result.name] = s.line
+        for operand in operands:
+            lines.setdefault(operand.name, s.line)  # an input: where it is first read
         if s.kind in ("dot", "mul"):
             expr = (" · " if s.kind == "dot" else " * ").join(map(str, operands))
+        elif s.kind == "copy":
+            expr = str(operands[0])
         elif s.kind == "fn":
             expr = f"{s.fn}({operands[0]})"
         elif s.kind == "sum":
