@@ -138,6 +138,25 @@ def test_a_resharded_program_is_put_beside_the_plan() -> None:
     assert e.shardc_memory > 0
 
 
+def test_a_bias_a_gate_and_a_reduction() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, w: Any, b: Any, g: Any) -> Any:
+        y = jnp.einsum("bd,df->bf", x, w) + b
+        return jnp.sum(jax.nn.silu(y) * g, axis=1)
+
+    e = explain(jax.jit(f), _arg(mesh, (16, 8), "data", None), _arg(mesh, (8, 24), None, "model"),
+                _arg(mesh, (24,), "model"), _arg(mesh, (16, 24), "data", "model"))
+    spec = shardc.parse(e.spec)
+    texts = [str(s.expr) for s in spec.statements]
+    assert any(t.endswith("+ b[F_{model}]") for t in texts), texts  # the bias broadcast, as the language adds it
+    assert any(t.startswith("silu(") for t in texts) and any(" * g[B_{data}, F_{model}]" in t for t in texts)
+    assert any(t.startswith("sum(") and t.endswith("over F)") for t in texts), texts
+
+
 def test_an_op_the_language_lacks_is_a_clear_error() -> None:
     import jax
     import jax.numpy as jnp

@@ -236,10 +236,12 @@ class _Reader:
             return
         if name in ("add", "sub", "mul") and len(arrays) == 2:
             operands = tuple(self.tensor(a) for a in arrays)
-            for a in arrays:
-                for d, e in zip(self.dims_of(a), self.dims_of(out), strict=False):
-                    if a.aval.shape == out.aval.shape:
-                        self.join(d, e)
+            for a in arrays:  # a size-1 dim broadcasts (jnp adds a bias as b[None, :]): only equal sizes join
+                if len(a.aval.shape) == len(out.aval.shape):
+                    for d, e, n, m in zip(self.dims_of(a), self.dims_of(out), a.aval.shape, out.aval.shape,
+                                          strict=True):
+                        if n == m:
+                            self.join(d, e)
             kind = "mul" if name == "mul" else "sum"
             self.make(out, kind, operands, signs=(1, -1 if name == "sub" else 1), line=line)
             return
@@ -344,7 +346,8 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
     return _render(reader, jaxpr, origin)
 
 
-def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
+def _dim_names(reader: _Reader) -> dict[int, str]:
+    """A name for each class of dims: the user's einsum letter where it has one, else the next free letter."""
     names: dict[int, str] = {}
     for d, letter in reader.hints.items():
         if letter not in reader.mesh and letter not in names.values():
@@ -357,6 +360,23 @@ def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
                     letter = next(letters)
                     if letter not in names.values():
                         names[reader.find(d)] = letter
+    return names
+
+
+def _expression(s: _Statement, operands: list[TensorRef], over: str) -> str:
+    if s.kind in ("dot", "mul"):
+        return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
+    if s.kind == "copy":
+        return str(operands[0])
+    if s.kind == "fn":
+        return f"{s.fn}({operands[0]})"
+    if s.kind == "sum":
+        return f"{operands[0]} {'-' if s.signs[1] < 0 else '+'} {operands[1]}"
+    return f"{s.fn}({operands[0]} over {over})"
+
+
+def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
+    names = _dim_names(reader)
 
     def ref(var: Any) -> TensorRef:
         dims = tuple(Dim(names[reader.find(d)], reader.axes.get(var, {}).get(d, ())) for d in reader.dims_of(var))
@@ -367,23 +387,13 @@ def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
 
     body, tensors, lines = [], {}, {}
     for s in reader.statements:
-        result = ref(s.result)
-        operands = [ref(o) for o in s.operands]
+        result, operands = ref(s.result), [ref(o) for o in s.operands]
         tensors.update({r.name: r for r in (result, *operands)})
         lines[result.name] = s.line
         for operand in operands:
             lines.setdefault(operand.name, s.line)  # an input: where it is first read
-        if s.kind in ("dot", "mul"):
-            expr = (" · " if s.kind == "dot" else " * ").join(map(str, operands))
-        elif s.kind == "copy":
-            expr = str(operands[0])
-        elif s.kind == "fn":
-            expr = f"{s.fn}({operands[0]})"
-        elif s.kind == "sum":
-            expr = f"{operands[0]} {'-' if s.signs[1] < 0 else '+'} {operands[1]}"
-        else:
-            expr = f"{s.fn}({operands[0]} over {names[reader.find(s.over)]})"
-        body.append(f"{result} = {expr}" + (f"  # {s.line}" if s.line else ""))
+        over = names[reader.find(s.over)] if s.kind == "reduce" else ""
+        body.append(f"{result} = {_expression(s, operands, over)}" + (f"  # {_comment(s.line)}" if s.line else ""))
     if not body:
         raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
                           fix="explain a program with at least one")
