@@ -8,10 +8,11 @@ in a sharding jax would not infer from its operands.  ``named(specs, mesh)`` mak
 ``NamedSharding``s.  Every name of the spec reaches the text through ``repr`` (the spec's names are
 identifiers already; ``repr`` keeps the text Python whatever a future spec allows).
 
-Explicit mode's rule for ``jnp.einsum`` (jax's dot_general sharding rule, the "sharding in types"
-guide of jax's documentation): each result index keeps the axes it has in the operands (a batch index
-must have the same in both); a contracted index that is sharded leaves the result ambiguous, so
-jax asks for ``out_sharding``; an operand's partial sums are never inferred.  The plan's einsum
+Explicit mode's rule for ``jnp.einsum`` (jax's dot_general sharding rule; docs.jax.dev's "Explicit
+sharding" and "Autodiff and sharding" pages describe the mode): each result index keeps the axes it
+has in the operands (a batch index must have the same in both); a contracted index that is sharded
+leaves the result ambiguous, so jax asks for ``out_sharding``; an operand's partial sums are never
+inferred.  ``tests/test_export_jax.py`` checks this rule against jax's own, einsum by einsum.  The plan's einsum
 result differs from that inference exactly where it is a partial sum (a sharded contraction) or
 where the plan lays the result out otherwise; those get an ``out_sharding``.
 """
