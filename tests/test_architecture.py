@@ -38,7 +38,7 @@ PLANNING_AND_COSTING = ("shardc.planner", "shardc.ir.plan", "shardc.ir.localops"
 
 # the passes that never import jax (so neither may anything they reach)
 NO_JAX = ("shardc.spec", "shardc.ir", "shardc.ops", "shardc.planner", "shardc.costmodel", "shardc.collectives",
-          "shardc.timing", "shardc.hardware", "shardc.pipeline", "shardc.layouts")
+          "shardc.timing", "shardc.hardware", "shardc.pipeline", "shardc.layouts", "shardc.export")
 
 
 @dataclass(frozen=True)

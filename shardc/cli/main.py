@@ -41,6 +41,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lower": ("shardc.cli.lower_cmd", "write the plan as a JAX shard_map module"),
     "verify": ("shardc.cli.lower_cmd", "run the lowered plan and check values and HLO"),
     "compare": ("shardc.cli.lower_cmd", "put the plan beside XLA's partitioner"),
+    "export": ("shardc.cli.export_cmd", "write the plan's shardings for jax, MaxText or flax"),
+    "explain": ("shardc.cli.explain_cmd", "a jitted jax program's collectives beside shardc's plan"),
 }
 
 _EPILOG = ("Run `shardc COMMAND --help` for a command's flags.  Exit status: 0 ok, 1 a check failed or an "

@@ -1,0 +1,203 @@
+"""``shardc explain``: a user's jitted jax program, its collectives and their source lines, and shardc's plan.
+
+The program is compiled (on whatever devices jax has: emulated CPU devices are enough; nothing runs)
+and read back twice: its jaxpr as a ``.shard`` spec (:mod:`shardc.explain.jaxpr_spec`), and its
+compiled HLO's collectives (:mod:`shardc.verification.hlo`), each with the tensor of its per-device
+shape, its mesh axes, V in bytes, its time on the chip (shardc's collective model) and the user's
+source line (the HLO's stack frame tables).  shardc then plans the spec's forward pass and the two
+are put side by side, paired as ``shardc compare`` pairs them: the collectives shardc would not
+need, those it does otherwise, and the forward's communication time on the chip, compiled
+program's (every collective on the critical path) against the plan's.  The compiled program's
+memory is XLA's own ``memory_analysis()``.  The explained program is the forward: a training
+step's backward is read as any other ops, so explain the forward alone to compare it to shardc's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+
+from shardc.collectives import collective_time, share
+from shardc.costmodel.cost_report import cost
+from shardc.errors import ShardcError
+from shardc.explain.jaxpr_spec import read_program
+from shardc.ir.plan import Plan
+from shardc.ir.spec import TensorRef
+from shardc.planner.plan_text import step_label
+from shardc.planner.planner import plan as make_plan
+from shardc.spec.parser import parse
+from shardc.timing import plan_chip, plan_time, step_volume
+from shardc.verification.compare import Row, pair_rows
+from shardc.verification.hlo import collectives
+
+__all__ = ["Collective", "Explanation", "explain", "render_explanation"]
+
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective: what it moves and where the program asked for it."""
+
+    kind: str
+    tensor: str
+    axes: str
+    bytes: int
+    seconds: float | None
+    line: str = ""
+
+
+@dataclass
+class Explanation:
+    origin: str
+    spec: str  # the program as a .shard spec
+    hardware: str
+    xla: list[Collective]
+    plan: list[Collective]
+    xla_comm_s: float
+    plan_comm_s: float
+    compute_s: float  # the forward's einsum FLOPs on the chip, the same for both
+    xla_memory: dict[str, int] = field(default_factory=dict)
+    shardc_memory: float = 0.0  # shardc's bytes a device for a training step of the spec (its cost report)
+    not_needed: list[Collective] = field(default_factory=list)  # XLA's, with no counterpart in the plan
+    differently: list[Collective] = field(default_factory=list)  # the plan's, with none in XLA's
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _names(fn: Any, args: tuple[Any, ...]) -> list[str]:
+    """A spec name for each array leaf of the arguments: the parameter's name and its key path."""
+    try:
+        params = list(inspect.signature(getattr(fn, "__wrapped__", fn)).parameters)
+    except (TypeError, ValueError):
+        params = []
+    names: list[str] = []
+    for position, arg in enumerate(args):
+        base = params[position] if position < len(params) else f"arg{position}"
+        for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            text = re.sub(r"\W+", "_", base + jax.tree_util.keystr(path)).strip("_") or f"arg{position}"
+            name = text if text[0].isalpha() else "a" + text
+            while name in names:
+                name += "_"
+            names.append(name[:200])
+    return names
+
+
+def _source_lines(hlo: str) -> dict[str, str]:
+    """stack_frame_id -> "file:line", from the compiled module's FileNames/FileLocations/StackFrames tables."""
+    tables: dict[str, dict[str, str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (m := re.match(r"(\d+) (.*)", line)):
+            current[m.group(1)] = m.group(2)
+        elif not line.strip():
+            current = None
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    where = {k: f"{files.get(_field(v, 'file_name_id'), '?')}:{_field(v, 'line')}"
+             for k, v in tables.get("FileLocations", {}).items()}
+    return {k: where.get(_field(v, "file_location_id"), "") for k, v in tables.get("StackFrames", {}).items()}
+
+
+def _field(text: str, key: str) -> str:
+    m = re.search(rf"\b{key}=(\d+)", text)
+    return m.group(1) if m else ""
+
+
+def _local(ref: TensorRef, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(share(sizes[d.name], math.prod(sizes[a] for a in d.axes)) for d in ref.dims)
+
+
+def _mesh_of(shardings: list[Any]) -> dict[str, int]:
+    for s in shardings:
+        mesh = getattr(s, "mesh", None)
+        if mesh is not None and tuple(getattr(mesh, "axis_names", ())):
+            return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return {}
+
+
+def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None = None) -> Explanation:
+    """Explain a jitted function on its arguments (arrays or ``jax.ShapeDtypeStruct``s with shardings)."""
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    compiled = jitted.lower(*args).compile()
+    ins = list(jax.tree_util.tree_leaves(compiled.input_shardings[0]))
+    outs = list(jax.tree_util.tree_leaves(compiled.output_shardings))
+    mesh = _mesh_of(ins + outs)
+    if not mesh:
+        raise ShardcError("the program's arguments and results carry no NamedSharding on a mesh",
+                          fix="give the arguments shardings (jax.device_put or ShapeDtypeStruct(sharding=...))")
+    origin = origin or str(getattr(fn, "__name__", "program"))
+    program = read_program(jax.make_jaxpr(jitted)(*args), [s.spec for s in ins], [s.spec for s in outs],
+                           _names(fn, args), mesh, origin)
+    plan = make_plan(parse(program.text, filename=f"{origin}.shard"), hardware=hardware)
+    return _compare(plan, program.tensors, program.lines, compiled, mesh, origin, program.text)
+
+
+def _compare(plan: Plan, tensors: dict[str, TensorRef], lines: dict[str, str], compiled: Any,
+             mesh: dict[str, int], origin: str, text: str) -> Explanation:
+    sizes = dict(plan.sizes or ())
+    hw = plan_chip(plan)
+    nbytes = plan.spec.dtype.nbytes
+    shapes: dict[tuple[int, ...], list[str]] = {}
+    for name, ref in tensors.items():
+        shapes.setdefault(_local(ref, sizes), []).append(name)
+    hlo = compiled.as_text()
+    frames = _source_lines(hlo)
+    xla = []
+    for c in collectives(hlo, tuple(mesh.items())):
+        v = c.bytes(nbytes)
+        seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw).seconds if c.kind else None
+        frame = _FRAME.search(c.text)
+        xla.append(Collective(c.kind.title if c.kind else c.hlo_op, "|".join(shapes.get(c.shape, ["?"])),
+                              ",".join(c.axes), v, seconds, frames.get(frame.group(1), "") if frame else ""))
+    ours = []
+    for step in plan.forward:
+        if step.is_collective and step.volume is not None:
+            v = int(step_volume(step, sizes))
+            ours.append(Collective(step_label(step), step.tensor, ",".join(step.axes), v,
+                                   collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw).seconds,
+                                   lines.get(step.tensor, "")))
+    pairs = pair_rows([Row("forward", c.tensor, c.kind, c.axes, c.bytes) for c in ours],
+                      [Row("forward", c.tensor, c.kind, c.axes, c.bytes) for c in xla])
+    unpaired_xla = [theirs for mine, theirs in pairs if mine is None and theirs is not None]
+    unpaired_plan = [mine for mine, theirs in pairs if theirs is None and mine is not None]
+    times = plan_time(plan, hw, sizes)
+    shardc_memory = float(cost(plan).memory.total_bytes)
+    memory = compiled.memory_analysis()
+    xla_memory = {k: int(getattr(memory, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")}
+    return Explanation(origin, text, hw.name, xla, ours, math.fsum(c.seconds or 0.0 for c in xla),
+                       times.forward_comm_s, times.forward_compute_s, xla_memory, shardc_memory,
+                       [c for c in xla if any(_same(c, r) for r in unpaired_xla)],
+                       [c for c in ours if any(_same(c, r) for r in unpaired_plan)])
+
+
+def _same(c: Collective, row: Row) -> bool:
+    return (c.tensor, c.kind, c.axes, c.bytes) == (row.tensor, row.kind, row.axes, row.bytes)
+
+
+def _row(c: Collective) -> str:
+    time = "" if c.seconds is None else f"{c.seconds * 1e6:9.2f} us"
+    return f"    {c.kind:<18} {c.tensor:<14} over {c.axes or '-':<10} {c.bytes:>12,} B {time}  {c.line}"
+
+
+def render_explanation(e: Explanation) -> str:
+    """The spec, XLA's collectives, shardc's plan beside them, and the totals."""
+    lines = [f"# shardc explain {e.origin} (times on {e.hardware})", "", "the program as a spec:", ""]
+    lines += ["    " + line for line in e.spec.splitlines()]
+    lines += ["", f"XLA's collectives ({len(e.xla)}):"] + ([_row(c) for c in e.xla] or ["    none"])
+    lines += ["", f"shardc's plan of the forward ({len(e.plan)}):"] + ([_row(c) for c in e.plan] or ["    none"])
+    lines += ["", "collectives shardc would not need:"] + ([_row(c) for c in e.not_needed] or ["    none"])
+    lines += ["collectives shardc does otherwise:"] + ([_row(c) for c in e.differently] or ["    none"])
+    lines += ["", f"forward on {e.hardware}: compute {e.compute_s * 1e6:.2f} us; communication: XLA "
+              f"{e.xla_comm_s * 1e6:.2f} us, shardc {e.plan_comm_s * 1e6:.2f} us",
+              "XLA's memory a device (this program): " + ", ".join(f"{k} {v:,} B" for k, v in e.xla_memory.items()),
+              f"shardc's memory a device (a training step of the spec: params, gradients, optimizer state, "
+              f"activations kept): {e.shardc_memory:,.0f} B"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,410 @@
+"""A jitted jax program read back as a ``.shard`` spec: its contractions, maps, sums, reductions, shardings.
+
+The program's jaxpr is walked once.  Every array dim gets an id; a ``dot_general`` joins the ids of
+its contracted and batch dims, an elementwise op those of its operands and result, a transpose or
+a broadcast those it carries over, so each class of joined ids is one named dim of the spec (a dim's
+name is a letter of ``_LETTERS`` not taken by a mesh axis).  A run of elementwise ops over one array
+(``x * (1 + tanh(c * x**3))``) is one function of the language, named by its primitives (gelu,
+relu, silu, ...; ``identity`` when none fits: its sharding is all the spec needs); two arrays added
+are a sum, multiplied an einsum over shared indices; a reduction over one dim is ``sum``/``max``.
+A tensor's sharding is its argument's, its ``with_sharding_constraint``'s, the compiled program's
+for an output, else carried from its operands as explicit sharding mode would (each dim keeps an
+operand's axes, an axis at most once).  Anything else (a reshape, a gather, ...) is a clear error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.extend import core as jex
+
+from shardc.errors import ShardcError
+from shardc.ir.spec import Dim, TensorRef
+
+__all__ = ["ProgramSpec", "read_program", "source_line"]
+
+_LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
+_UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "abs", "neg", "sin", "cos",
+          "convert_element_type", "copy", "copy_p", "square", "stop_gradient", "max", "min", "add", "sub", "mul",
+          "div", "select_n", "ge", "gt", "le", "lt", "eq", "ne", "erf_inv", "sign", "log1p", "expm1", "cbrt"}
+_ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
+          "custom_vjp_call_jaxpr"}
+_EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
+_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+
+
+@dataclass
+class _Statement:
+    kind: str  # "dot", "mul", "fn", "sum", "reduce"
+    result: Any
+    operands: tuple[Any, ...]
+    fn: str = ""  # the function (fn) or reduction (reduce)
+    signs: tuple[int, ...] = ()
+    over: int = -1  # the reduced dim id
+    line: str = ""
+
+
+@dataclass
+class ProgramSpec:
+    """The spec text, and where each tensor came from."""
+
+    text: str
+    tensors: dict[str, TensorRef]  # name -> declared sharding
+    lines: dict[str, str] = field(default_factory=dict)  # tensor -> "file:line" of the op that made it
+    notes: list[str] = field(default_factory=list)
+
+
+def source_line(eqn: Any) -> str:
+    """``file:line`` of the user's code that made a jaxpr equation ('' when jax kept none)."""
+    from jax._src import source_info_util
+
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    return f"{frame.file_name}:{frame.start_line}" if frame is not None else ""
+
+
+class _Reader:
+    def __init__(self, mesh: dict[str, int]) -> None:
+        self.mesh = mesh
+        self.parent: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.dims: dict[Any, list[int]] = {}
+        self.alias: dict[Any, Any] = {}  # a view (transpose, broadcast, cast, constraint) -> the array it shows
+        self.region: dict[Any, tuple[Any, frozenset[str], str]] = {}  # elementwise run -> (its array, ops, line)
+        self.names: dict[Any, str] = {}
+        self.axes: dict[Any, dict[int, tuple[str, ...]]] = {}  # tensor -> dim id -> axes (declared or carried)
+        self.statements: list[_Statement] = []
+        self.counts: dict[str, int] = {}
+        self.hints: dict[int, str] = {}  # dim id -> the letter the user's einsum equation gave it
+        self.used: set[Any] = set()  # tensors a statement reads
+        self.made: set[Any] = set()  # tensors a statement makes
+
+    # dims ------------------------------------------------------------------------------------------
+    def find(self, d: int) -> int:
+        while self.parent[d] != d:
+            self.parent[d] = self.parent[self.parent[d]]
+            d = self.parent[d]
+        return d
+
+    def join(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+    def dims_of(self, var: Any) -> list[int]:
+        if var not in self.dims:
+            ids = []
+            for n in var.aval.shape:
+                d = len(self.parent)
+                self.parent[d], self.size[d] = d, int(n)
+                ids.append(d)
+            self.dims[var] = ids
+        return self.dims[var]
+
+    # tensors ---------------------------------------------------------------------------------------
+    def base(self, var: Any) -> Any:
+        while var in self.alias:
+            var = self.alias[var]
+        return var
+
+    def tensor(self, var: Any) -> Any:
+        """The spec tensor holding ``var``: its array, an elementwise run made a function statement."""
+        var = self.base(var)
+        if var in self.region:
+            source, ops, line = self.region.pop(var)
+            self.make(var, "fn", (self.tensor(source),), fn=_function(ops), line=line)
+        return var
+
+    def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
+        prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "copy": "C"}[kind]
+        self.used.update(operands)
+        self.made.add(var)
+        self.counts[prefix] = self.counts.get(prefix, 0) + 1
+        self.names[var] = f"{prefix}{self.counts[prefix]}"
+        self.statements.append(_Statement(kind, var, operands, **extra))
+        carried: dict[int, tuple[str, ...]] = {}
+        used: set[str] = set()
+        for operand in operands:
+            for d in self.dims[operand]:
+                axes = self.axes[operand].get(d, ())
+                if self.find(d) in [self.find(r) for r in self.dims_of(var)] and not used & set(axes):
+                    carried.setdefault(self.find(d), axes)
+                    used |= set(carried[self.find(d)])
+        self.axes[var] = {d: carried.get(self.find(d), ()) for d in self.dims_of(var)}
+
+    def shard(self, var: Any, spec: Any) -> None:
+        """A declared sharding (an argument's, a constraint's, an output's) on ``var``'s tensor."""
+        parts = list(spec.partitions) if hasattr(spec, "partitions") else list(spec)
+        parts += [None] * (len(self.dims_of(var)) - len(parts))
+        self.axes[var] = {d: (() if p is None else (p,) if isinstance(p, str) else tuple(p))
+                          for d, p in zip(self.dims_of(var), parts, strict=True)}
+
+    # equations -------------------------------------------------------------------------------------
+    def walk(self, jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            self.equation(eqn)
+
+    def equation(self, eqn: Any) -> None:
+        name = eqn.primitive.name
+        line = source_line(eqn)
+        arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape]
+        out: Any = eqn.outvars[0] if eqn.outvars else None
+        if name in _CALLS and not self.unary_call(eqn, arrays, line):
+            self.call(eqn)
+        elif name in _CALLS:
+            return
+        elif name == "dot_general":
+            self.dot(eqn, line)
+        elif name in ("reduce_sum", "reduce_max"):
+            self.reduce(eqn, line)
+        elif name == "transpose":
+            self.view(out, eqn.invars[0], list(eqn.params["permutation"]))
+        elif name == "broadcast_in_dim":
+            self.broadcast(eqn)
+        elif name == "sharding_constraint":
+            self.constrain(eqn.invars[0], out, eqn.params["sharding"].spec, line)
+        elif name in _ALIASES and arrays:
+            self.view(out, arrays[0], list(range(len(out.aval.shape))))
+        elif name in _UNARY:
+            self.elementwise(eqn, name, arrays, line)
+        else:
+            raise ShardcError(f"`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes "
+                              f"and sharding constraints; the program has `{name}`" + (f" at {line}" if line else ""),
+                              fix="explain a program (or the part of it) made of those, or write its .shard spec")
+
+    def constrain(self, source: Any, out: Any, spec: Any, line: str) -> None:
+        """A just-made result takes the constraint's sharding; an input, or a tensor already read as it
+        is, is copied into one that has it (the language's reshard, ``A2[I, J_X] = A[I_X, J]``)."""
+        tensor = self.tensor(source)
+        if tensor in self.used or tensor not in self.made:
+            self.dims[out] = list(self.dims_of(tensor))
+            self.make(out, "copy", (tensor,), line=line)
+            tensor = out
+        else:
+            self.view(out, source, list(range(len(out.aval.shape))))
+        self.shard(tensor, spec)
+
+    def call(self, eqn: Any) -> None:
+        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        inner = getattr(inner, "jaxpr", inner)
+        for outer_var, inner_var in zip(eqn.invars, inner.invars, strict=False):
+            if not isinstance(outer_var, jex.Literal) and outer_var.aval.shape:
+                self.view(inner_var, outer_var, list(range(len(outer_var.aval.shape))))
+        self.walk(inner)
+        for outer_var, inner_var in zip(eqn.outvars, inner.outvars, strict=True):
+            if not isinstance(inner_var, jex.Literal) and inner_var.aval.shape:
+                self.view(outer_var, inner_var, list(range(len(inner_var.aval.shape))))
+
+    def unary_call(self, eqn: Any, arrays: list[Any], line: str) -> bool:
+        """A custom_jvp/vjp function of one array, result of its shape (relu, gelu, silu): one function."""
+        if not eqn.primitive.name.startswith("custom") or len(arrays) != 1 or len(eqn.outvars) != 1:
+            return False
+        if eqn.outvars[0].aval.shape != arrays[0].aval.shape:
+            return False
+        inner = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        # a named function of its own: the run of maps before it ends there (gelu, then relu)
+        self.region_of(eqn.outvars[0], [self.tensor(arrays[0])], _primitives(getattr(inner, "jaxpr", inner)), line)
+        return True
+
+    def view(self, out: Any, source: Any, perm: list[int]) -> None:
+        ids = self.dims_of(source)
+        self.dims[out] = [ids[p] for p in perm]
+        self.alias[out] = source
+
+    def broadcast(self, eqn: Any) -> None:
+        source, out = eqn.invars[0], eqn.outvars[0]
+        if isinstance(source, jex.Literal) or not source.aval.shape:
+            self.dims_of(out)
+            self.region[out] = (out, frozenset(), "")  # a constant array: no tensor of the spec
+            return
+        ids = self.dims_of(out)
+        for i, position in enumerate(eqn.params["broadcast_dimensions"]):
+            if source.aval.shape[i] == out.aval.shape[position]:
+                self.join(self.dims_of(source)[i], ids[position])
+        self.alias[out] = source
+
+    def elementwise(self, eqn: Any, name: str, arrays: list[Any], line: str) -> None:
+        out = eqn.outvars[0]
+        arrays = [a for a in arrays if not (self.base(a) in self.region and self.region[self.base(a)][0] is
+                                            self.base(a))]  # broadcast constants
+        sources = {self.source(a) for a in arrays}
+        if len(sources) <= 1 and all(a.aval.shape == out.aval.shape for a in arrays):
+            ops = {name}.union(*(self.region.get(self.base(a), (None, frozenset(), ""))[1] for a in arrays))
+            self.region_of(out, arrays, frozenset(ops), line)
+            return
+        if name in ("add", "sub", "mul") and len(arrays) == 2:
+            operands = tuple(self.tensor(a) for a in arrays)
+            for a in arrays:  # a size-1 dim broadcasts (jnp adds a bias as b[None, :]): only equal sizes join
+                if len(a.aval.shape) == len(out.aval.shape):
+                    for d, e, n, m in zip(self.dims_of(a), self.dims_of(out), a.aval.shape, out.aval.shape,
+                                          strict=True):
+                        if n == m:
+                            self.join(d, e)
+            kind = "mul" if name == "mul" else "sum"
+            self.make(out, kind, operands, signs=(1, -1 if name == "sub" else 1), line=line)
+            return
+        raise ShardcError(f"`{name}` of {len(arrays)} different arrays" + (f" at {line}" if line else "")
+                          + " has no form in the spec language", fix="explain a program without it")
+
+    def source(self, var: Any) -> Any:
+        var = self.base(var)
+        return self.region[var][0] if var in self.region else var
+
+    def region_of(self, out: Any, arrays: list[Any], ops: frozenset[str], line: str) -> None:
+        source = self.source(arrays[0]) if arrays else out
+        ids = self.dims_of(out)
+        if arrays:
+            for d, e in zip(self.dims_of(source), ids, strict=True):
+                self.join(d, e)
+        prior = self.region.get(self.base(arrays[0]), (None, frozenset(), ""))[2] if arrays else ""
+        self.region[out] = (source, ops, line or prior)
+
+    def dot(self, eqn: Any, line: str) -> None:
+        lhs, rhs = eqn.invars
+        out = eqn.outvars[0]
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        left, right, ids = self.dims_of(lhs), self.dims_of(rhs), self.dims_of(out)
+        for a, b in zip(lc, rc, strict=True):
+            self.join(left[a], right[b])
+        free_l = [i for i in range(len(left)) if i not in lc and i not in lb]
+        free_r = [i for i in range(len(right)) if i not in rc and i not in rb]
+        order = [(left[a], right[b]) for a, b in zip(lb, rb, strict=True)]
+        order += [(left[i], None) for i in free_l] + [(None, right[i]) for i in free_r]
+        for position, (a, b) in enumerate(order):
+            for d in (a, b):
+                if d is not None:
+                    self.join(d, ids[position])
+        self.hint(eqn, (left, right))
+        self.make(out, "dot", (self.tensor(lhs), self.tensor(rhs)), line=line)
+
+    def hint(self, eqn: Any, operands: tuple[list[int], ...]) -> None:
+        """The letters of a ``jnp.einsum`` equation, where its terms are this dot_general's operands."""
+        found = _EQUATION.findall(str(eqn.source_info.name_stack))
+        terms = found[-1][:2] if found else ()
+        if len(terms) == 2 and all(len(t) == len(ids) for t, ids in zip(terms, operands, strict=True)):
+            for term, ids in zip(terms, operands, strict=True):
+                for letter, d in zip(term, ids, strict=True):
+                    self.hints.setdefault(d, letter.upper())
+
+    def reduce(self, eqn: Any, line: str) -> None:
+        source, out = eqn.invars[0], eqn.outvars[0]
+        axes = eqn.params["axes"]
+        if len(axes) != 1:
+            raise ShardcError(f"a reduction over {len(axes)} dims at {line or 'the program'}: the spec reduces one "
+                              "at a time", fix="reduce one dim at a time in the program")
+        ids = self.dims_of(source)
+        kept = [d for i, d in enumerate(ids) if i not in axes]
+        for d, e in zip(kept, self.dims_of(out), strict=True):
+            self.join(d, e)
+        fn = "sum" if eqn.primitive.name == "reduce_sum" else "max"
+        self.make(out, "reduce", (self.tensor(source),), fn=fn, over=ids[axes[0]], line=line)
+
+
+def _primitives(jaxpr: Any) -> frozenset[str]:
+    found: set[str] = set()
+    for eqn in getattr(jaxpr, "eqns", ()):
+        found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if isinstance(inner, jex.Jaxpr):
+                found |= _primitives(inner)
+    return frozenset(found)
+
+
+def _function(ops: frozenset[str]) -> str:
+    """The language's function for a run of elementwise primitives (identity when none fits)."""
+    if "erf" in ops or ("tanh" in ops and ops & {"integer_pow", "pow"}):
+        return "gelu"
+    if "logistic" in ops:
+        return "silu" if "mul" in ops else "sigmoid"
+    if ops & {"max"} and not ops & {"exp", "tanh"}:
+        return "relu"
+    for name in ("tanh", "exp"):
+        if name in ops:
+            return name
+    return "square" if ops <= {"mul", "integer_pow"} and ops else "identity"
+
+
+def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: list[str],
+                 mesh: dict[str, int], origin: str) -> ProgramSpec:
+    """The spec of a closed jaxpr whose inputs are sharded by ``in_specs`` and outputs by ``out_specs``."""
+    reader = _Reader(mesh)
+    jaxpr = closed.jaxpr
+    for var, spec, name in zip(jaxpr.invars, in_specs, names, strict=True):
+        reader.names[var] = name
+        reader.shard(var, spec)
+    reader.walk(jaxpr)
+    outputs = []
+    for var, spec in zip(jaxpr.outvars, out_specs, strict=True):
+        if isinstance(var, jex.Literal) or not var.aval.shape:
+            continue
+        tensor = reader.tensor(var)
+        reader.shard(tensor, spec)
+        outputs.append(tensor)
+    return _render(reader, jaxpr, origin)
+
+
+def _dim_names(reader: _Reader) -> dict[int, str]:
+    """A name for each class of dims: the user's einsum letter where it has one, else the next free letter."""
+    names: dict[int, str] = {}
+    for d, letter in reader.hints.items():
+        if letter not in reader.mesh and letter not in names.values():
+            names.setdefault(reader.find(d), letter)
+    letters = iter([c for c in _LETTERS if c not in reader.mesh] + [f"I{k}" for k in range(1000)])
+    for statement in reader.statements:
+        for var in (*statement.operands, statement.result):
+            for d in reader.dims_of(var):
+                while reader.find(d) not in names:
+                    letter = next(letters)
+                    if letter not in names.values():
+                        names[reader.find(d)] = letter
+    return names
+
+
+def _expression(s: _Statement, operands: list[TensorRef], over: str) -> str:
+    if s.kind in ("dot", "mul"):
+        return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
+    if s.kind == "copy":
+        return str(operands[0])
+    if s.kind == "fn":
+        return f"{s.fn}({operands[0]})"
+    if s.kind == "sum":
+        return f"{operands[0]} {'-' if s.signs[1] < 0 else '+'} {operands[1]}"
+    return f"{s.fn}({operands[0]} over {over})"
+
+
+def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
+    names = _dim_names(reader)
+
+    def ref(var: Any) -> TensorRef:
+        dims = tuple(Dim(names[reader.find(d)], reader.axes.get(var, {}).get(d, ())) for d in reader.dims_of(var))
+        if len({d.name for d in dims}) != len(dims):
+            raise ShardcError(f"{reader.names[var]} reads one dim twice ({', '.join(d.name for d in dims)}), which "
+                              "the spec language cannot write", fix="explain a program without it")
+        return TensorRef(reader.names[var], dims)
+
+    body, tensors, lines = [], {}, {}
+    for s in reader.statements:
+        result, operands = ref(s.result), [ref(o) for o in s.operands]
+        tensors.update({r.name: r for r in (result, *operands)})
+        lines[result.name] = s.line
+        for operand in operands:
+            lines.setdefault(operand.name, s.line)  # an input: where it is first read
+        over = names[reader.find(s.over)] if s.kind == "reduce" else ""
+        body.append(f"{result} = {_expression(s, operands, over)}" + (f"  # {_comment(s.line)}" if s.line else ""))
+    if not body:
+        raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
+                          fix="explain a program with at least one")
+    sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
+    dtype = _DTYPES.get(str(jaxpr.invars[0].aval.dtype), "f32") if jaxpr.invars else "f32"
+    head = [f"# {_comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
+            "mesh " + ", ".join(f"{a}={n}" for a, n in reader.mesh.items()),
+            "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {dtype}", ""]
+    return ProgramSpec("\n".join(head + body) + "\n", tensors, lines)
+
+
+def _comment(text: str) -> str:
+    return re.sub(r"[\r\n]+", " ", text)[:200]
+

@@ -1,0 +1,204 @@
+"""``shardc explain``: plain jax programs written here, read back as specs, their collectives beside the plan.
+
+Each program builds its mesh over the 8 emulated CPU devices (conftest) and is compiled, not run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardc
+from shardc.explain.explain_report import explain, render_explanation
+from tests.test_cli import fails_clearly, run_main
+
+pytestmark = pytest.mark.slow
+
+
+def _mesh(shape: tuple[int, int]) -> Any:
+    import jax
+    from jax.sharding import AxisType
+
+    return jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _arg(mesh: Any, shape: tuple[int, ...], *spec: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P(*spec)))
+
+
+def megatron_mlp() -> tuple[Any, tuple[Any, ...]]:
+    """Megatron's MLP: the hidden dim over `model`, so one AllReduce after the second matmul."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def mlp(x: Any, w1: Any, w2: Any) -> Any:
+        h = jax.nn.gelu(jnp.einsum("bd,df->bf", x, w1))
+        return jax.nn.relu(h) @ w2  # the AllReduce's line
+
+    return jax.jit(mlp), (_arg(mesh, (16, 8), "data", None), _arg(mesh, (8, 32), None, "model"),
+                          _arg(mesh, (32, 8), "model", None))
+
+
+def cross_attention_layer() -> tuple[Any, tuple[Any, ...]]:
+    """A decoder layer's cross-attention (sigmoid attention) and MLP, heads and MLP over `model`; the
+    residual stream is constrained to sequence parallelism (its length over `model`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh((2, 4))
+
+    def layer(x: Any, mem: Any, wq: Any, wk: Any, wv: Any, wo: Any, w1: Any, w2: Any) -> Any:
+        q = jnp.einsum("bsd,dnh->bsnh", x, wq)
+        k = jnp.einsum("btd,dnh->btnh", mem, wk)
+        v = jnp.einsum("btd,dnh->btnh", mem, wv)
+        p = jax.nn.sigmoid(jnp.einsum("bsnh,btnh->bnst", q, k))
+        y = x + jnp.einsum("bsnh,nhd->bsd", jnp.einsum("bnst,btnh->bsnh", p, v), wo)
+        y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P("data", "model", None)))
+        return y + jnp.einsum("bsf,fd->bsd", jax.nn.gelu(jnp.einsum("bsd,df->bsf", y, w1)), w2)
+
+    b, s, t, d, n, h, f = 4, 8, 12, 16, 8, 2, 32
+    return jax.jit(layer), (_arg(mesh, (b, s, d), "data"), _arg(mesh, (b, t, d), "data"),
+                            _arg(mesh, (d, n, h), None, "model"), _arg(mesh, (d, n, h), None, "model"),
+                            _arg(mesh, (d, n, h), None, "model"), _arg(mesh, (n, h, d), "model"),
+                            _arg(mesh, (d, f), None, "model"), _arg(mesh, (f, d), "model", None))
+
+
+def _line_of(fn: Any, text: str) -> str:
+    lines, start = inspect.getsourcelines(fn)
+    return f"{__file__}:{start + next(i for i, line in enumerate(lines) if text in line)}"
+
+
+def test_megatrons_mlp_is_read_as_its_spec_and_needs_what_the_plan_needs() -> None:
+    fn, args = megatron_mlp()
+    e = explain(fn, *args)
+    assert "Y1[B_{data}, F_{model}] = x[B_{data}, D] · w1[D, F_{model}]" in e.spec
+    assert "gelu(Y1" in e.spec and "relu(H1" in e.spec
+    assert [(c.kind, c.axes, c.bytes) for c in e.xla] == [("AllReduce", "model", 4 * 8 * 4)]
+    assert e.xla[0].line == _line_of(megatron_mlp, "the AllReduce's line")
+    assert [(c.kind, c.axes, c.bytes) for c in e.plan] == [("AllReduce_{model}", "model", 4 * 8 * 4)]
+    assert not e.not_needed and not e.differently and e.xla_comm_s == pytest.approx(e.plan_comm_s)
+    assert e.xla_memory["argument"] > 0
+    json.dumps(e.to_json())
+
+
+def test_a_transformer_layer_with_a_constraint() -> None:
+    fn, args = cross_attention_layer()
+    e = explain(fn, *args)
+    spec = shardc.parse(e.spec)  # the spec is the language's, and plans
+    assert "sigmoid(" in e.spec and "gelu(" in e.spec
+    constrained = next(s.result for s in spec.statements if s.result.name == "R1")
+    assert [d.axes for d in constrained.dims] == [("data",), ("model",), ()]
+    assert e.xla and all(c.line.startswith(f"{__file__}:") for c in e.xla)
+    text = render_explanation(e)
+    assert "collectives shardc would not need:" in text and "XLA's memory a device" in text
+
+
+def transposed_layout() -> tuple[Any, tuple[Any, ...]]:
+    """A result constrained to the transpose of the layout its operands give (rows over `model`, columns
+    over `data`), after the input itself is constrained to another layout: XLA reshards through
+    collective-permutes and a partial gather, shardc plans the einsum into the constrained layout."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, w: Any) -> Any:
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", "model")))
+        y = jnp.einsum("bd,df->bf", x, w)
+        return jnp.tanh(jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P("model", "data"))))
+
+    return jax.jit(f), (_arg(mesh, (16, 8), "data", None), _arg(mesh, (8, 24), None, "model"))
+
+
+def test_a_resharded_program_is_put_beside_the_plan() -> None:
+    fn, args = transposed_layout()
+    e = explain(fn, *args)
+    spec = shardc.parse(e.spec)
+    made = {s.result.name: s.result for s in spec.statements}
+    # the input's constraint is a copy of it (a reshard), the result's is the einsum's own sharding
+    assert "C1[B_{data}, D_{model}] = x[B_{data}, D]" in e.spec
+    assert [d.axes for d in made["Y1"].dims] == [("model",), ("data",)]
+    assert any(c.kind == "collective-permute" and c.seconds is None for c in e.xla)  # no plan step is one
+    assert e.not_needed and all(c.line.startswith(f"{__file__}:") for c in e.xla)
+    assert e.shardc_memory > 0
+
+
+def test_a_bias_a_gate_and_a_reduction() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, w: Any, b: Any, g: Any) -> Any:
+        y = jnp.einsum("bd,df->bf", x, w) + b
+        return jnp.sum(jax.nn.silu(y) * g, axis=1)
+
+    e = explain(jax.jit(f), _arg(mesh, (16, 8), "data", None), _arg(mesh, (8, 24), None, "model"),
+                _arg(mesh, (24,), "model"), _arg(mesh, (16, 24), "data", "model"))
+    spec = shardc.parse(e.spec)
+    texts = [str(s.expr) for s in spec.statements]
+    assert any(t.endswith("+ b[F_{model}]") for t in texts), texts  # the bias broadcast, as the language adds it
+    assert any(t.startswith("silu(") for t in texts) and any(" * g[B_{data}, F_{model}]" in t for t in texts)
+    assert any(t.startswith("sum(") and t.endswith("over F)") for t in texts), texts
+
+
+def test_an_op_the_language_lacks_is_a_clear_error() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+    fn = jax.jit(lambda x, w: (x @ w).reshape(-1))
+    with pytest.raises(shardc.ShardcError, match="the program has `reshape` at"):
+        explain(fn, _arg(mesh, (16, 8), "data", None), _arg(mesh, (8, 4), None, None))
+    assert jnp is not None
+
+
+def test_the_command_writes_json_and_the_spec(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    program = tmp_path / "model.py"
+    program.write_text(inspect.getsource(_mesh) + inspect.getsource(_arg) + inspect.getsource(megatron_mlp)
+                       .replace("megatron_mlp", "program"), encoding="utf-8")
+    program.write_text("from __future__ import annotations\nfrom typing import Any\n" + program.read_text("utf-8"),
+                       encoding="utf-8")
+    out_spec = tmp_path / "mlp.shard"
+    status, out, err = run_main(capsys, "explain", f"{program}:program", "--json", "--spec-out", str(out_spec))
+    assert status == 0, err
+    data = json.loads(out)
+    assert data["spec"] == out_spec.read_text(encoding="utf-8") and data["xla"][0]["kind"] == "AllReduce"
+    status, out, _ = run_main(capsys, "plan", str(out_spec))
+    assert status == 0 and "AllReduce" in out
+    fails_clearly(capsys, "explain", f"{program}:nothing", says="has no function nothing")
+    fails_clearly(capsys, "explain", "missing.py:program", says="no file missing.py")
+
+
+def test_the_readme_snippet_runs_as_written(tmp_path: Path) -> None:
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M) if "shardc.explain(" in b)
+    script = tmp_path / "explain_snippet.py"
+    script.write_text(block, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "x[B_{data}, D] · w1[D, F_{model}]" in done.stdout
+    assert "[('AllReduce', 'model')] [('AllReduce_{model}', 'model')]" in done.stdout
