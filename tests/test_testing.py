@@ -126,10 +126,12 @@ settings.load_profile("slow_machine")
 
 
 def test_the_readme_snippets_cover_every_python_block() -> None:
-    """tests/test_cli.py runs the first snippet, the test below every one that uses hypothesis."""
+    """tests/test_cli.py runs the first snippet, tests/test_explain.py the one of ``shardc.explain``, the test
+    below every one that uses hypothesis."""
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    assert len(blocks) == 2 and "hypothesis" not in blocks[0] and "shardc.testing" in blocks[1], \
+    assert len(blocks) == 3 and "hypothesis" not in blocks[0] and "shardc.testing" in blocks[1], \
         "a new README snippet needs a test that runs it as written"
+    assert "shardc.explain(" in blocks[2]
 
 
 @pytest.mark.parametrize("block", [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "hypothesis" in b])
