@@ -145,9 +145,10 @@ def test_a_two_axis_collective_gets_twice_the_bandwidth_and_small_ones_pay_laten
 
 # the data sheets: (bf16 FLOPs/s, ICI one-way per link, HBM bytes, DCN/InfiniBand per chip or None)
 DESIGN_PRESETS = {
-    "tpu-v4p": (2.75e14, 4.5e10, 32e9, None), "tpu-v5e": (1.97e14, 4.5e10, 16e9, None),
-    "tpu-v5p": (4.59e14, 9e10, 96e9, 6.25e9), "tpu-v6e": (9.2e14, 9e10, 32e9, None),
+    "tpu-v4p": (2.75e14, 4.5e10, 32e9, None), "tpu-v5e": (1.97e14, 4.5e10, 16e9, 3.125e9),
+    "tpu-v5p": (4.59e14, 9e10, 96e9, 6.25e9), "tpu-v6e": (9.2e14, 9e10, 32e9, 1.25e10),
     "h100": (9.89e14, 4.5e11, 80e9, 5e10), "h200": (9.89e14, 4.5e11, 141e9, 5e10),
+    "a100": (3.12e14, 3e11, 80e9, 2.5e10), "h800": (9.89e14, 2e11, 80e9, 5e10), "b200": (2.25e15, 9e11, 180e9, 5e10),
 }
 
 
@@ -159,7 +160,7 @@ def test_presets_have_the_data_sheet_figures(name: str) -> None:
     flops, link, hbm, dcn = DESIGN_PRESETS[name]
     assert (hw.flops, hw.ici_bandwidth, hw.hbm_bytes) == (flops, link, hbm)
     assert dcn is None or hw.dcn_bandwidth == dcn
-    assert (hw.ici_domain == 8) == name.startswith("h")  # 8 GPUs a node over NVLink
+    assert (hw.ici_domain == 8) == (not name.startswith("tpu"))  # 8 GPUs a node over NVLink
     if name == "tpu-v5p":
         assert round(hw.intensity_ici) == 2550
 
