@@ -1,4 +1,4 @@
-"""The the book's numbers, reproduced from real plans of the example specs."""
+"""The book's numbers, reproduced from real plans of the example specs, under the book's model (`model="book"`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ LLAMA = {"B": 2_998_272, "D": 5120, "F": 13824, "N": 40, "H": 128}
 @cache
 def plan_of(name: str, save: str = "default") -> Plan:
     path = next(p for p in (EXAMPLES / f"{name}.shard", SPECS / f"{name}.shard") if p.exists())
-    return shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), str(path)), save=save)
+    return shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), str(path)), save=save, model="book")
 
 
 @cache
@@ -29,7 +29,7 @@ def report_of(name: str, save: str = "default") -> CostReport:
 
 
 def plan_text(text: str) -> Plan:
-    return shardc.plan(shardc.parse(text, "<test>"))
+    return shardc.plan(shardc.parse(text, "<test>"), model="book")
 
 
 def expr(text: str) -> sympy.Expr:

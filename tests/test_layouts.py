@@ -72,8 +72,8 @@ def test_4096_chips_over_three_axes_are_91_layouts() -> None:
 
 
 @cache
-def llama_search() -> LayoutSearch:
-    options = Options(get_hardware("tpu-v5p"), mfu=0.4)
+def llama_search() -> LayoutSearch:  # the book's verdicts: under the book's model
+    options = Options(get_hardware("tpu-v5p").configured("book"), mfu=0.4)
     return search_layouts([load(LLAMA), load(LLAMA_DP)], options, chips=4096, jobs=1)
 
 

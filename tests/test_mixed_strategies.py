@@ -22,7 +22,8 @@ Row = tuple[Op, tuple[str, ...], str, int]
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
-    p = shardc.plan(shardc.parse(PATH.read_text(encoding="utf-8"), filename=str(PATH)))
+    # the collectives and the verdict below are the plan under the book's model
+    p = shardc.plan(shardc.parse(PATH.read_text(encoding="utf-8"), filename=str(PATH)), model="book")
     assert check_plan(p) == []
     return p
 

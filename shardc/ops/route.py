@@ -71,4 +71,4 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
 
 
 ROUTING = register(Family("routing", frozenset({"route"}), (Route,), _argument, _aux, _aux_bytes, plan_route, None,
-                          emit, Reference(_forward, None, _magnitude)))
+                          emit, Reference(_forward, None, _magnitude), fusible=False))

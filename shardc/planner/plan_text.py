@@ -78,8 +78,9 @@ def _phase_bytes(steps: Sequence[Step], sizes: dict[str, int]) -> float:
 def _time_line(plan: Plan) -> str:
     t = plan_time(plan)
     opt = f", optimizer {fmt_seconds(t.optimizer_s)}" if plan.optimizer else ""
+    opt += f", update {fmt_seconds(t.update_s)}" if t.update_s else ""
     return (f"# step time on {plan.hardware}: {fmt_seconds(t.step_s)} (forward {fmt_seconds(t.forward_s)}, backward "
-            f"{fmt_seconds(t.backward_s)}{opt}; each max(compute, communication)), as `shardc cost` reports it")
+            f"{fmt_seconds(t.backward_s)}{opt}), as `shardc cost` reports it")
 
 
 def render_text(plan: Plan) -> str:

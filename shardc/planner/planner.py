@@ -39,7 +39,7 @@ from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_para
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
-from shardc.timing import PlanTime, plan_time
+from shardc.timing import PlanTime, StepCost, plan_time
 
 __all__ = ["plan", "plan_candidate", "objective", "SAVE_POLICIES"]
 
@@ -144,18 +144,18 @@ def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
 def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none") -> Plan:
     """The least step time among the rules' plan and searches under a few compute weights.
 
-    A phase takes max(compute, comm): once a phase is communication-bound only its
+    A phase takes about max(compute, comm): once a phase is communication-bound only its
     communication counts at the margin, so after the sum's plan each phase is searched
     again with compute weighted 0 if that plan left it communication-bound (1 if not),
     and once with communication alone in both.  The exact step time picks the winner.
     """
-    memo: dict[tuple[object, ...], tuple[float, float]] = {}  # step seconds, shared by the candidates
+    memo: dict[tuple[object, ...], StepCost] = {}  # step costs, shared by the candidates
     trace: list[Traced] = []
     first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
     t = plan_time(first, ctx.hardware, memo=memo)
     candidates = [(objective(t), first)]
-    bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
-             0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
+    bound = (0.0 if t.forward.comm_s > t.forward.busy_s else 1.0,
+             0.0 if t.backward.comm_s > t.backward.busy_s else 1.0)
     others = [("search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM] + [("rules", SUM)]
     for strategy, weights in others:
         if _same_steps(graph, ctx, trace, strategy, weights):
