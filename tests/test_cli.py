@@ -368,7 +368,7 @@ def test_dims_named_like_hardware_symbols(capsys: pytest.CaptureFixture[str], tm
     from shardc.costmodel.formulas import evaluate
 
     spec = "mesh X=4\ndims B=4096, C=64, W=128\nparam Wt\nOut[B_X, W] = In[B_X, C] · Wt[C_X, W]\n"
-    report = shardc.cost(shardc.plan(shardc.parse(spec)))
+    report = shardc.cost(shardc.plan(shardc.parse(spec)), model="book")  # the formulas are the book's model
     f = report.forward.formula
     assert f.compute_s_text() == "2*B*C*W/(C_chip*X)"
     assert f.comm_s_text() == "2*C*W/W_ici"
