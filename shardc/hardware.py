@@ -285,7 +285,7 @@ def _check_file_values(data: dict[str, object], path: str) -> None:
 
 def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -> Hardware:
     """Validate keys and values: unknown keys, missing ones and non-positive figures are errors."""
-    known = {f.name for f in fields(Hardware)} - {"matmul_efficiency", "book"}
+    known = {f.name for f in fields(Hardware)} - {"book"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ShardcError(f"{source}: unknown key(s) {', '.join(unknown)}",
@@ -304,7 +304,28 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     for key in ("ici_domain", "torus_side", "torus_dims"):
         if data.get(key) is not None:
             values[key] = int(_positive(data[key], key, source))
+    if "matmul_efficiency" in data:
+        values["matmul_efficiency"] = _efficiency_points(data["matmul_efficiency"], source)
     return Hardware(**values)  # type: ignore[arg-type]
+
+
+def _efficiency_points(value: object, source: str) -> tuple[tuple[float, float], ...]:
+    """``matmul_efficiency = [[flops, fraction], ...]``: FLOPs of one matmul rising, each fraction in (0, 1]."""
+    fix = "write e.g. `matmul_efficiency = [[1e9, 0.3], [1e12, 0.8]]` (FLOPs of one matmul, fraction of peak)"
+    if not isinstance(value, list) or not value:
+        raise ShardcError(f"{source}: matmul_efficiency must be a list of [flops, fraction] pairs", fix=fix)
+    points = []
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ShardcError(f"{source}: matmul_efficiency has {clip(repr(pair))}, not a [flops, fraction] pair",
+                              fix=fix)
+        flops, fraction = (_positive(x, "matmul_efficiency", source) for x in pair)
+        if fraction > 1:
+            raise ShardcError(f"{source}: matmul_efficiency fraction {fraction!r} is above 1 (the peak)", fix=fix)
+        points.append((flops, fraction))
+    if any(b[0] <= a[0] for a, b in zip(points, points[1:], strict=False)):
+        raise ShardcError(f"{source}: matmul_efficiency's FLOPs must rise from pair to pair", fix=fix)
+    return tuple(points)
 
 
 def _positive(value: object, key: str, source: str) -> float:

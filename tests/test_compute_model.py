@@ -68,6 +68,21 @@ def test_hardware_json_lists_every_field_of_every_preset() -> None:
         assert row["dcn_bandwidth"] == PRESETS[name].dcn_bandwidth
 
 
+def test_a_hardware_file_gives_its_own_matmul_curve(tmp_path: Path) -> None:
+    from shardc.hardware import load_hardware_file
+
+    chip = tmp_path / "chip.toml"
+    base = 'flops = 1e15\nici_bandwidth = 1e11\nhbm_bytes = 8e10\ndcn_bandwidth = 5e10\nflops_f8 = 2e15\n'
+    chip.write_text(base + "matmul_efficiency = [[1e9, 0.2], [1e12, 0.8]]\n", encoding="utf-8")
+    hw = load_hardware_file(str(chip))
+    assert hw.matmul_efficiency == ((1e9, 0.2), (1e12, 0.8)) and hw.peak("f8") == 2e15
+    assert hw.efficiency(1e9) == 0.2 and hw.efficiency(1e15) == 0.8
+    for bad in ("[[1e12, 0.8], [1e9, 0.2]]", "[[1e9, 1.5]]", "[1e9]", "[[1e9, -0.1]]", "3"):
+        chip.write_text(base + f"matmul_efficiency = {bad}\n", encoding="utf-8")
+        with pytest.raises(ShardcError, match="matmul_efficiency"):
+            load_hardware_file(str(chip))
+
+
 def test_scaled_keeps_every_other_field() -> None:
     hw = get_hardware("h100")
     fast = hw.scaled(bandwidth=2.0, flops=3.0)
