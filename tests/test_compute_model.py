@@ -217,8 +217,13 @@ def test_cost_json_has_the_step_and_pipeline_figures() -> None:
         assert isinstance(step[key], float) and step[key] > 0, key
     assert step["tokens_per_s_per_chip"] == pytest.approx(4096 * 732 / step["step_s"] / 4096)  # B*S, 4096 chips
     out = run("cost", str(EXAMPLES / "pipeline_llama.shard"), "--json")
-    pipe = json.loads(out.stdout)["pipeline"]
+    data = json.loads(out.stdout)
+    pipe = data["pipeline"]
     assert pipe["step_s"] > 0 and 0 < pipe["mfu"] < 1
+    # the whole model's FLOPs over every chip and the simulated step: the block's layers on every stage
+    flops = data["step"]["model_flops"] / pipe["layers"][0] * sum(pipe["layers"])  # no ends outside the block
+    peak = data["hardware"]["C"]  # a bf16 spec
+    assert pipe["mfu"] == pytest.approx(flops / (data["devices"] * pipe["stages"] * peak * pipe["step_s"]))
     text = run("cost", str(EXAMPLES / "llama2_13b.shard")).stdout
     assert "exposed communication" in text and "HFU" in text and "tokens/s a chip" in text
 

@@ -324,9 +324,11 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     notes = _notes(plan, hw, values) + renamed_note(names) + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
         f"the book's M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
-    if pipe is not None:
-        pipe = replace(pipe, model_flops=step.model_flops * pipe.pipeline.stages, devices=all_devices,
-                       peak=hw.peak(dtype), update_s=step.update_s)
+    if pipe is not None:  # the whole model's FLOPs: the block's a layer times every stage's layers, the ends once
+        counted = [r for r in step.rows if not r.recomputed]
+        block = math.fsum(r.model_flops for r in counted if not r.once) * sum(pipe.pipeline.stage_layers)
+        pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops for r in counted if r.once),
+                       devices=all_devices, peak=hw.peak(dtype), update_s=step.update_s)
     return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt)
 
 
