@@ -228,6 +228,19 @@ def test_cost_json_has_the_step_and_pipeline_figures() -> None:
     assert "exposed communication" in text and "HFU" in text and "tokens/s a chip" in text
 
 
+def test_plan_and_layouts_take_the_model_and_bucket_flags() -> None:
+    path = str(EXAMPLES / "tp.shard")
+    for model in ("book", "chip"):
+        plan = run("plan", path, "--model", model, "--bucket-mb", "4")
+        spec = shardc.parse((EXAMPLES / "tp.shard").read_text(), path)
+        want = shardc.cost(shardc.plan(spec, model=model, bucket_mb=4)).step.step_s
+        assert plan.returncode == 0, plan.stderr
+        assert f"{want * 1e3:.3g} ms" in plan.stdout.splitlines()[1]
+        layouts = run("layouts", path, "--chips", "16", "--model", model, "--json")
+        assert layouts.returncode == 0, layouts.stderr
+    assert run("cost", path, "--bucket-mb", "0").returncode == 2
+
+
 def test_the_command_line_model_flag_is_the_python_one() -> None:
     out = run("cost", str(EXAMPLES / "fsdp_tp.shard"), "--json", "--model", "book")
     spec = shardc.parse((EXAMPLES / "fsdp_tp.shard").read_text(), str(EXAMPLES / "fsdp_tp.shard"))
