@@ -66,13 +66,15 @@ from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Mesh, TensorRef
 from shardc.ops.registry import all_traffic, of_op
+from shardc.pipeline.boundary import microbatch_dim
+from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import leaves
 
 __all__ = ["step_count", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
            "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip", "plan_sizes",
            "plan_spans", "resolve_layers", "memory_traffic", "kept_values", "update_seconds", "comm_split",
-           "plan_dtype", "phase_rows", "local_bytes_of", "phase_time", "is_product"]
+           "plan_dtype", "phase_rows", "local_bytes_of", "phase_time", "is_product", "microbatched"]
 
 
 @dataclass(frozen=True)
@@ -427,6 +429,8 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     links = dict(spans) if spans is not None else plan_spans(plan, hw, values)
     mesh, dtype = plan.spec.mesh, plan_dtype(plan)
     seen = {} if memo is None else memo  # layers repeat the same steps
+    update = update_seconds(plan, values, hw, layers, optimizer)
+    values, repeats = microbatched(plan, values, hw.book)
     nbytes = local_bytes_of(plan, values)
     kept = kept_values(plan)
 
@@ -438,12 +442,33 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
             hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="")
         return hit
 
-    def phase(steps: tuple[Step, ...]) -> PhaseTime:
+    def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
         moved = memory_traffic(steps, nbytes, kept) if not hw.book else [0.0] * len(steps)
-        return phase_time(((row(s, b), step_count(s, layers)) for s, b in zip(steps, moved, strict=True)), hw)
+        return phase_time(((row(s, b), step_count(s, layers) * times) for s, b in zip(steps, moved, strict=True)),
+                          hw)
 
-    return PlanTime(phase(plan.forward), phase(plan.recomputed + plan.backward), phase(plan.optimizer),
-                    update_seconds(plan, values, hw, layers, optimizer))
+    return PlanTime(phase(plan.forward, repeats), phase(plan.recomputed + plan.backward, repeats),
+                    phase(plan.optimizer, 1), update)
+
+
+def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tuple[dict[str, int], int]:
+    """The sizes a pipelined plan's stage runs at, one microbatch's (the batch dim cut M ways, where M
+    divides it), and M, how many times it runs them; a plan without a pipeline: the sizes, once.
+
+    A stage runs its layers on one microbatch at a time (:mod:`shardc.costmodel.pipeline_cost`), so its
+    einsums' efficiency, its memory-bound steps and a dim's padding are a microbatch's.  The book's model
+    costs the whole batch at once.
+    """
+    pipe = pipeline_of(plan.spec)
+    values = dict(sizes)
+    if pipe is None or book:
+        return values, 1
+    dim = microbatch_dim(plan)
+    m = pipe.microbatches
+    if dim not in values or values[dim] % m or m == 1:
+        return values, 1
+    values[dim] = values[dim] // m
+    return values, m
 
 
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,

@@ -45,6 +45,7 @@ from shardc.timing import (
     StepCost,
     bound_of,
     comm_split,
+    microbatched,
     phase_rows,
     phase_seconds,
     plan_chip,
@@ -74,13 +75,16 @@ class PhaseCost:
     update_s: float = 0.0  # the step: the optimizer's update, after its phases
     tokens: float = 0.0  # the step: tokens a step processes (all devices)
     dtype: str = "bf16"
+    repeats: int = 1  # a pipelined stage: its rows are one microbatch's, run this many times
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
+        if self.parts:  # the step: each phase counts its own rows (a pipelined stage's M times)
+            return math.fsum(p._sum(attr, only) for p in self.parts)
         rows = [r for r in self.rows if only is None or (r.is_collective and r.ahead is only)]
         return math.fsum(getattr(r, attr) * self._count(r) for r in rows)
 
     def _count(self, row: StepCost) -> int:
-        return 1 if row.once else self.layers
+        return (1 if row.once else self.layers) * self.repeats
 
     @property
     def compute_flops(self) -> float:
@@ -90,6 +94,8 @@ class PhaseCost:
     @property
     def model_flops(self) -> float:
         """FLOPs of the whole einsums, all devices, each once: recomputed ones not counted (MFU's)."""
+        if self.parts:
+            return math.fsum(p.model_flops for p in self.parts)
         return math.fsum(r.model_flops * self._count(r) for r in self.rows if not r.recomputed)
 
     @property
@@ -310,10 +316,15 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     names = symbols_of(plan)
     again = frozenset(range(1, len(plan.recomputed) + 1))
     dtype = plan_dtype(plan)
-    fwd, bwd, opt = (PhaseCost(name, phase_rows(plan, steps, values, hw, spans, again if name == "backward" else
-                                                frozenset()), layers, devices, hw,
-                               phase_formula(steps, mesh, count, spans, names), mfu, dtype=dtype)
-                     for name, steps in phase_steps(plan))
+    micro, repeats = microbatched(plan, values, hw.book)  # a pipelined stage's rows: a microbatch's, M times
+
+    def phase(name: str, steps: tuple[Step, ...]) -> PhaseCost:
+        times = repeats if name != "optimizer" else 1
+        return PhaseCost(name, phase_rows(plan, steps, micro if times > 1 else values, hw, spans,
+                                          again if name == "backward" else frozenset()), layers, devices, hw,
+                         phase_formula(steps, mesh, count, spans, names), mfu, dtype=dtype, repeats=times)
+
+    fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
                      fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
                      update_seconds(plan, values, hw, layers, optimizer), step_tokens(plan, values), dtype)
@@ -325,9 +336,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         f"mesh axis {a} ({values[a]} chips) spans {k} physical ICI axes: {k}x the bandwidth, "
         f"the book's M_{a} (--spans {a}=1 to cost it as one)" for a, k in spans.items() if k > 1)
     if pipe is not None:  # the whole model's FLOPs: the block's a layer times every stage's layers, the ends once
-        counted = [r for r in step.rows if not r.recomputed]
-        block = math.fsum(r.model_flops for r in counted if not r.once) * sum(pipe.pipeline.stage_layers)
-        pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops for r in counted if r.once),
+        counted = [(r, p.repeats) for p in step.parts for r in p.rows if not r.recomputed]
+        block = math.fsum(r.model_flops * n for r, n in counted if not r.once) * sum(pipe.pipeline.stage_layers)
+        pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops * n for r, n in counted if r.once),
                        devices=all_devices, peak=hw.peak(dtype), update_s=step.update_s)
     return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt)
 

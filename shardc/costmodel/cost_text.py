@@ -64,7 +64,10 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
 
 
 def _phase(p: PhaseCost, layers: int) -> list[str]:
-    lines = [f"{p.name} (one layer)" if layers != 1 else p.name,
+    title = f"{p.name} (one layer)" if layers != 1 else p.name
+    if p.repeats > 1:  # a pipelined stage runs a microbatch at a time
+        title = f"{p.name} ({'one layer, ' if layers != 1 else ''}one microbatch, run {p.repeats} times a step)"
+    lines = [title,
              f"  {'#':>3}  {'op':<13} {'axes':<6} {'V / FLOPs':>10}  {'time':>9}  {'path':<8}  what"]
     lines.extend(_row(r) for r in p.rows)
     if not p.rows:

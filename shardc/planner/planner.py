@@ -105,26 +105,27 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
                         spans: dict[str, int] | None, recompute: str, search: tuple[int, bool],
-                        gradients: Mapping[str, str]) -> Plan:
-    """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them."""
+                        gradients: Mapping[str, str], outer: Spec | None = None) -> Plan:
+    """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them; ``outer``: the
+    pipelined spec whose stage ``spec`` is (its candidates are timed as that pipeline runs them)."""
     hw = resolve_hardware(hardware, None, spec.hardware)
     check_spans(spec.mesh, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
     if zero_notes:
         planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute, search,
-                                      gradients)
+                                      gradients, outer)
         return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
         return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
-                                                   recompute, search, gradients))
+                                                   recompute, search, gradients, spec))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped, gradients)
     units = bonded_axes(stripped)
     ctx = _context(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
     ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
     if strategy == "auto" and spec.dims:
-        return _best_plan(spec, graph, save, ctx, recompute)
+        return _best_plan(spec, graph, save, ctx, recompute, outer)
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx,
                  recompute=recompute)
 
@@ -141,18 +142,24 @@ def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
     return planned
 
 
-def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none") -> Plan:
+def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none",
+               outer: Spec | None = None) -> Plan:
     """The least step time among the rules' plan and searches under a few compute weights.
 
     A phase takes about max(compute, comm): once a phase is communication-bound only its
     communication counts at the margin, so after the sum's plan each phase is searched
     again with compute weighted 0 if that plan left it communication-bound (1 if not),
-    and once with communication alone in both.  The exact step time picks the winner.
+    and once with communication alone in both.  The exact step time picks the winner: for a
+    pipeline's stage (``outer``), the time of the pipeline's plan, a microbatch at a time.
     """
     memo: dict[tuple[object, ...], StepCost] = {}  # step costs, shared by the candidates
+
+    def timed(p: Plan) -> PlanTime:
+        return plan_time(p if outer is None else pipelined(outer, p), ctx.hardware, memo=memo)
+
     trace: list[Traced] = []
     first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
-    t = plan_time(first, ctx.hardware, memo=memo)
+    t = timed(first)
     candidates = [(objective(t), first)]
     bound = (0.0 if t.forward.comm_s > t.forward.busy_s else 1.0,
              0.0 if t.backward.comm_s > t.backward.busy_s else 1.0)
@@ -161,7 +168,7 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
         if _same_steps(graph, ctx, trace, strategy, weights):
             continue  # the first's steps, so its time: the tie goes to the first anyway
         p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
-        candidates.append((objective(plan_time(p, ctx.hardware, memo=memo)), p))
+        candidates.append((objective(timed(p)), p))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
     return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
 
