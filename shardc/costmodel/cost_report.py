@@ -310,7 +310,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     devices = math.prod(values[a] for a in mesh.names)
     all_devices = devices
     pipe = pipeline_cost(plan, hw, values, spans, optimizer)
-    if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch at once
+    if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch (M microbatches)
         devices //= pipe.pipeline.stages  # (resolve_layers gave the slowest stage's layers)
     count = layer_symbol if layer_symbol is not None else layers
     names = symbols_of(plan)

@@ -144,7 +144,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              f"{pipe.microbatches} microbatches of {cost.dim}={cost.microbatch_size:_}{given}",
              f"  {pipe.split_text()}; the tables above are one stage's"
              + (" (and the steps outside the block, which run on the first and last stage)" if cost.extra else "")
-             + ", on the whole batch at once",
+             + ", on the whole batch (a microbatch at a time; at once under the book's model)",
              f"  a microbatch through the slowest stage: F {fmt_seconds(cost.timing.forward)}, "
              f"B {fmt_seconds(cost.timing.backward)}, W {fmt_seconds(cost.timing.weight)}"
              + ("" if name in ("zb-h1", "zbv") else " (B and W run as one backward)"),
