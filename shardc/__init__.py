@@ -39,10 +39,20 @@ def parse(text: str, filename: str | None = None) -> Spec:
 
 
 def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
-    """Infer every collective of the forward and backward pass of ``spec``."""
+    """Infer every collective of the forward and backward pass of ``spec``.
+
+    ``model="book"`` plans under the book's assumptions (matmuls at peak, memory-bound steps free,
+    every collective overlapped); ``bucket_mb`` sizes the gradient buckets (25 MiB).
+    """
     from shardc.planner.planner import plan as _plan
 
     _check_plan_args(spec, save, options)
+    model, bucket_mb = options.pop("model", None), options.pop("bucket_mb", None)
+    if model is not None or bucket_mb is not None:
+        from shardc.hardware import resolve_hardware
+
+        chip = resolve_hardware(options.get("hardware"), None, spec.hardware)
+        options["hardware"] = chip.configured(model, bucket_mb)
     return _plan(spec, save=save, **options)
 
 
@@ -51,7 +61,8 @@ def cost(plan: Plan, hardware: str | None = None, sizes: dict[str, int] | None =
     """Cost a plan on a hardware preset (see ``shardc hardware``).
 
     ``hardware=None`` takes the chip the plan was made for (the spec's ``hardware``
-    line, else tpu-v5p).  Every dim needs a size;
+    line, else tpu-v5p).  ``model="book"`` costs with the book's assumptions, ``"chip"`` at
+    the rates the chip reaches; ``bucket_mb`` sizes the gradient buckets.  Every dim needs a size;
     ``shardc.costmodel.symbolic.cost_formulas(plan)`` gives the figures as formulas without them.
     """
     from shardc import arguments as a

@@ -10,8 +10,15 @@ book does (TPU v5p: 2 * 9e10 = 1.8e11, so C / W_ici = 4.59e14 / 1.8e11 = 2550). 
 per-chip 6.25e9 gives C / W_dcn = 73,440 on v5p.
 
 Figures beyond the book's (HBM bandwidth, the DCN figure of TPUs other
-than v5p) are the public data-sheet numbers; a chip that differs can be given
-with ``--hardware-file chip.toml`` using the field names below as keys.
+than v5p) are the public data-sheet numbers, each cited beside its preset; a chip
+that differs can be given with ``--hardware-file chip.toml`` using the field
+names below as keys.
+
+The rate a chip reaches is not its peak: :attr:`Hardware.matmul_efficiency` is
+the fraction of peak a matmul of a given size runs at, points (FLOPs of one
+matmul, fraction) from published kernel measurements of the chip, interpolated
+in log FLOPs and held flat beyond the first and last point (:meth:`Hardware.efficiency`).
+``book=True`` is the book's model: every matmul at peak, elementwise work free.
 """
 
 from __future__ import annotations
@@ -24,10 +31,14 @@ from shardc.errors import ShardcError, clip
 from shardc.files import read_text
 from shardc.ir.spec import Mesh, Network
 
-__all__ = ["Hardware", "PRESETS", "DEFAULT", "get_hardware", "load_hardware_file", "resolve_hardware",
+__all__ = ["Hardware", "PRESETS", "DEFAULT", "BUCKET_BYTES", "MODELS", "check_model", "get_hardware",
+           "load_hardware_file", "resolve_hardware",
            "hardware_from_mapping", "default_spans", "check_spans", "check_hardware_arg"]
 
 DEFAULT = "tpu-v5p"
+
+# PyTorch DDP's default gradient bucket, bucket_cap_mb=25 (torch.nn.parallel.DistributedDataParallel: MiB)
+BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,10 @@ class Hardware:
     torus_dims: int = 1  # axes of the torus (3 for v4p/v5p, 2 for v5e/v6e)
     # the share of the link figure a large collective reaches (NCCL's bus bandwidth over the data sheet's)
     ici_efficiency: float = 1.0
+    flops_f8: float | None = None  # dense fp8 FLOPs/s; None: fp8 runs at the bf16 rate (no fp8 matrix unit)
+    # (FLOPs of one matmul, fraction of peak it reaches) measured on the chip, by FLOPs; () = peak always
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
     book: bool = False  # the book's assumptions: spans by ceil(log16 n), no topology, no efficiency
 
     def spans(self, chips: int) -> int:
@@ -90,7 +105,92 @@ class Hardware:
     def scaled(self, bandwidth: float = 1.0, flops: float = 1.0) -> Hardware:
         """The same chip with every bandwidth (ICI, DCN) and/or FLOPs/s scaled (for what-ifs)."""
         return replace(self, flops=self.flops * flops, ici_bandwidth=self.ici_bandwidth * bandwidth,
-                       dcn_bandwidth=self.dcn_bandwidth * bandwidth)
+                       dcn_bandwidth=self.dcn_bandwidth * bandwidth,
+                       flops_f8=None if self.flops_f8 is None else self.flops_f8 * flops)
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense FLOPs/s of a matmul in ``dtype``: the fp8 figure for f8 where the chip has one, else C."""
+        if dtype == "f8" and self.flops_f8 is not None:
+            return self.flops_f8
+        return self.flops
+
+    def efficiency(self, flops: float) -> float:
+        """The fraction of peak a matmul of ``flops`` FLOPs reaches: 1 under the book's model or without
+        measurements; else the measured points interpolated in log FLOPs, flat beyond the ends."""
+        points = self.matmul_efficiency
+        if self.book or not points:
+            return 1.0
+        if flops <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+            if flops <= x1:
+                t = (math.log(flops) - math.log(x0)) / (math.log(x1) - math.log(x0))
+                return y0 + t * (y1 - y0)
+        return points[-1][1]
+
+    def matmul_seconds(self, flops: float, dtype: str = "bf16") -> float:
+        """Seconds of one local einsum of ``flops`` FLOPs: over the dtype's peak times the efficiency."""
+        if flops <= 0:
+            return 0.0
+        return flops / (self.peak(dtype) * self.efficiency(flops))
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` through HBM (a memory-bound step); 0 under the book's model."""
+        if self.book or nbytes <= 0:
+            return 0.0
+        return nbytes / self.hbm_bandwidth
+
+    def configured(self, model: str | None = None, bucket_mb: float | None = None) -> Hardware:
+        """This chip under a cost model, ``"book"`` (the book's assumptions) or ``"chip"`` (the rates it
+        reaches; None keeps the chip's), with gradient buckets of ``bucket_mb`` MiB (None keeps them)."""
+        check_model(model)
+        hw = self if model is None else replace(self, book=model == "book")
+        if bucket_mb is not None:
+            if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float) or not bucket_mb > 0 \
+                    or not math.isfinite(bucket_mb):
+                raise ShardcError(f"--bucket-mb {clip(repr(bucket_mb))}: must be a positive number of MiB",
+                                  fix="write e.g. --bucket-mb 25 (PyTorch DDP's default)")
+            hw = replace(hw, bucket_bytes=float(bucket_mb) * 2**20)
+        return hw
+
+
+MODELS = ("chip", "book")
+
+
+def check_model(model: object) -> None:
+    """``None``, ``"chip"`` (the chip's measured rates) or ``"book"`` (the book's assumptions)."""
+    if model is not None and model not in MODELS:
+        raise ShardcError(f"unknown cost model {clip(repr(model))}", fix="use model='chip' or model='book'")
+
+
+def _points(peak: float, measured: tuple[tuple[int, int, int, int, float], ...]) -> tuple[tuple[float, float], ...]:
+    """(FLOPs, fraction of ``peak``) of measured matmuls given as (batch, m, n, k, achieved FLOPs/s)."""
+    return tuple(sorted((2.0 * b * m * n * k, rate / peak) for b, m, n, k, rate in measured))
+
+
+# H100 SXM (sm_90), bf16, measured by the OpenXLA authors: the default matmul performance table of XLA's
+# GPU cost model (xla/service/gpu/model/matmul_interpolator_data.h, "sm_90", bf16xbf16->bf16 entries).
+# The same die (GH100) runs the H200 and the H800.
+_H100_MATMULS = _points(9.89e14, ((1, 256, 512, 256, 1.1459846994535e13), (1, 1024, 1024, 512, 1.45572373101952e14),
+                                  (4, 1024, 1024, 1024, 4.89845722627737e14), (1, 2048, 2048, 2048, 6.3198459329017e14),
+                                  (1, 4096, 4096, 4096, 7.83328793548203e14),
+                                  (2, 4096, 4096, 4096, 8.0767101419194e14)))
+# B200 (sm_100), bf16, the same XLA table ("sm_100" entries of xla/backends/gpu/cost_model/
+# matmul_interpolator_data.h), over the HGX B200's dense bf16 peak.
+_B200_MATMULS = _points(2.25e15, ((1, 256, 256, 256, 6.765006451612e12), (1, 512, 512, 512, 4.8480306303052e13),
+                                  (1, 1024, 1024, 4096, 6.75256237088279e14),
+                                  (1, 2048, 2048, 2048, 9.85762519164562e14),
+                                  (1, 4096, 4096, 4096, 1.416867213789406e15)))
+# A100 SXM: one measured figure, the maximum achievable matmul FLOPs of Stas Bekman's ml-engineering
+# (compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table": 267.9 of 312
+# TFLOPS, 85.9%, best shape 6912x16384x2048, CUDA 12.1).
+_A100_MATMULS = _points(3.12e14, ((1, 6912, 16384, 2048, 2.679e14),))
+# TPU v5e, bf16: XLA's jnp.matmul in the JAX Pallas TPU matmul guide (docs/pallas/tpu/matmul.ipynb, "XLA
+# matmul": 4096^3 84.33%, 8192^3 92.30% of 197 TFLOPS).  Its 1024^3 point (9.1%) times one Python dispatch
+# per matmul, which a compiled training step does not pay, so it is left out.  No such measurement of
+# v4, v5p or v6e is published; they use v5e's (the same 128x128 MXU design, v6e's 256x256).
+_TPU_MATMULS = _points(1.97e14, ((1, 4096, 4096, 4096, 1.6613153396399134e14),
+                                 (1, 8192, 8192, 8192, 1.8182317539503744e14)))
 
 
 # NCCL's measured AllReduce bus bandwidth inside an 8xH100 node, SHARP off, is close to 370 GB/s of
@@ -101,18 +201,49 @@ _NCCL_H100 = 370e9 / 450e9
 PRESETS: dict[str, Hardware] = {
     h.name: h
     for h in (
+        # TPU C, ICI, HBM: the book's table ("How To Scale Your Model", chapter 2); DCN 6.25e9 a chip is the
+        # book's v5p figure.  No TPU before v7 has an fp8 matrix unit (JAX's Pallas TPU info,
+        # jax/_src/pallas/mosaic/tpu_info.py: fp8 "Not Available" on v4, v5e and v5p, v6e's fp8 rate
+        # equal to its bf16 rate), so f8 runs at C.
         Hardware("tpu-v4p", 2.75e14, 4.5e10, 32e9, 1.2e12, 6.25e9, description="TPU v4p, 3D torus",
-                 torus_side=16, torus_dims=3),
-        Hardware("tpu-v5e", 1.97e14, 4.5e10, 16e9, 8.1e11, 6.25e9, description="TPU v5e, 2D torus",
-                 torus_side=16, torus_dims=2),
+                 torus_side=16, torus_dims=3, matmul_efficiency=_TPU_MATMULS),
+        # DCN: Cloud TPU's v5e page, 6.4 Tbps of data-center network a 256-chip pod (2 x 100 Gbps NICs a
+        # host of 8 chips): 25 Gbps = 3.125e9 bytes/s a chip
+        Hardware("tpu-v5e", 1.97e14, 4.5e10, 16e9, 8.1e11, 3.125e9, description="TPU v5e, 2D torus",
+                 torus_side=16, torus_dims=2, matmul_efficiency=_TPU_MATMULS),
         Hardware("tpu-v5p", 4.59e14, 9e10, 96e9, 2.8e12, 6.25e9, description="TPU v5p, 3D torus",
-                 torus_side=16, torus_dims=3),
-        Hardware("tpu-v6e", 9.2e14, 9e10, 32e9, 1.64e12, 6.25e9, description="TPU v6e, 2D torus",
-                 torus_side=16, torus_dims=2),
+                 torus_side=16, torus_dims=3, matmul_efficiency=_TPU_MATMULS),
+        # DCN: Cloud TPU's v6e page, 25.6 Tbps a 256-chip pod (4 x 200 Gbps NICs a host of 8 chips):
+        # 100 Gbps = 1.25e10 bytes/s a chip
+        Hardware("tpu-v6e", 9.2e14, 9e10, 32e9, 1.64e12, 1.25e10, description="TPU v6e, 2D torus",
+                 torus_side=16, torus_dims=2, matmul_efficiency=_TPU_MATMULS),
+        # GPUs: ici_bandwidth is half the data sheet's total bidirectional NVLink figure (H100 900 GB/s),
+        # dcn_bandwidth the node's InfiniBand NIC a GPU (DGX H100: 8 ConnectX-7 at 400 Gb/s = 5e10 B/s).
+        # H100 SXM data sheet: 989 TFLOPS bf16 and 1,979 fp8 dense (half the sparsity figures), 80 GB, 3.35 TB/s.
         Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 description="H100 SXM: NVLink within a node of 8, InfiniBand across"),
+                 description="H100 SXM: NVLink within a node of 8, InfiniBand across",
+                 flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS),
+        # H200 data sheet: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 description="H200: an H100 with 141 GB HBM3e"),
+                 description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS),
+        # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
+        # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
+        # NVLink efficiency: the H100's measured share of line rate, assumed for NVLink 3 (no nccl-tests
+        # figure for A100 is cited here; `shardc calibrate` on the node measures it)
+        Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+                 description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
+                 matmul_efficiency=_A100_MATMULS),
+        # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
+        # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached)
+        Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+                 description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
+                 matmul_efficiency=_H100_MATMULS),
+        # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it)
+        # HGX B200 data sheet, a GPU: FP16/BF16 4.5 PFLOPS and FP8 9 PFLOPS with sparsity (dense half),
+        # 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s in all; DGX B200: 8 ConnectX-7 at 400 Gb/s
+        Hardware("b200", 2.25e15, 9e11, 180e9, 7.7e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+                 description="B200 (HGX): NVLink 5 within a node of 8, InfiniBand across", flops_f8=4.5e15,
+                 matmul_efficiency=_B200_MATMULS),
     )
 }
 
@@ -187,7 +318,7 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     values: dict[str, object] = {"name": str(data.get("name", source)),
                                  "description": str(data.get("description", ""))}
     for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency",
-                "ici_efficiency"):
+                "ici_efficiency", "flops_f8", "bucket_bytes"):
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)
@@ -198,7 +329,28 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
         if not isinstance(data["book"], bool):
             raise ShardcError(f"{source}: book must be true or false, got {data['book']!r}", fix="write `book = true`")
         values["book"] = data["book"]
+    if "matmul_efficiency" in data:
+        values["matmul_efficiency"] = _efficiency_points(data["matmul_efficiency"], source)
     return Hardware(**values)  # type: ignore[arg-type]
+
+
+def _efficiency_points(value: object, source: str) -> tuple[tuple[float, float], ...]:
+    """``matmul_efficiency = [[flops, fraction], ...]``: FLOPs of one matmul rising, each fraction in (0, 1]."""
+    fix = "write e.g. `matmul_efficiency = [[1e9, 0.3], [1e12, 0.8]]` (FLOPs of one matmul, fraction of peak)"
+    if not isinstance(value, list) or not value:
+        raise ShardcError(f"{source}: matmul_efficiency must be a list of [flops, fraction] pairs", fix=fix)
+    points = []
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ShardcError(f"{source}: matmul_efficiency has {clip(repr(pair))}, not a [flops, fraction] pair",
+                              fix=fix)
+        flops, fraction = (_positive(x, "matmul_efficiency", source) for x in pair)
+        if fraction > 1:
+            raise ShardcError(f"{source}: matmul_efficiency fraction {fraction!r} is above 1 (the peak)", fix=fix)
+        points.append((flops, fraction))
+    if any(b[0] <= a[0] for a, b in zip(points, points[1:], strict=False)):
+        raise ShardcError(f"{source}: matmul_efficiency's FLOPs must rise from pair to pair", fix=fix)
+    return tuple(points)
 
 
 def _positive(value: object, key: str, source: str) -> float:

@@ -3,41 +3,81 @@
 Per step (:func:`cost_step`): a collective takes its time from the table of
 collectives (:func:`shardc.collectives.collective_time`: bandwidth over the links of
 its axes, torus spans, DCN hierarchy, latency bound); an einsum costs
-``2 * prod(local index sizes)`` FLOPs per device over the chip's C (its model
-FLOPs, for MFU, are ``2 * prod(global index sizes)``); copies, slices and
-elementwise steps are free.  Uneven dims use the padded per-device size
-(``ceil(D / devices)``), as XLA pads them.
+``2 * prod(local index sizes)`` FLOPs per device over the chip's peak for the
+spec's dtype times the fraction of peak a matmul of that size reaches
+(:meth:`shardc.hardware.Hardware.matmul_seconds`; its model FLOPs, for MFU, are
+``2 * prod(global index sizes)``).  Every other local step is memory-bound: its HBM
+bytes (the op family's :attr:`shardc.ops.registry.Family.traffic`) over the chip's
+HBM bandwidth, less what fusion saves (:func:`memory_traffic`, the rule as XLA
+fuses):
 
-The overlap rule (:func:`phase_seconds`, :func:`step_seconds`), as the book draws
-it: within a phase every collective overlaps the phase's compute, so a phase
-takes ``max(compute_s, comm_s)``; the backward needs the forward's results, so the
-training step takes ``forward + backward``, plus the optimizer phase of ZeRO-1/2
-(``Plan.optimizer``: its reduce-scatters and all-gathers, after the backward, with
-no compute to overlap).  The forward steps a ``--recompute`` mode runs again
-(``Plan.recomputed``) are part of the backward phase, FLOPs and collectives.  All
-are multiplied by the layer count.  :func:`plan_time` is that step time; ``shardc cost`` reports it as
-``step_s`` and the planner returns, of the plans it builds, the one it makes least.
+* an elementwise map or a reduction reading the result of the step just before
+  it, an einsum or another map or reduction, does not read it from HBM (fused into
+  that step's kernel: a matmul's epilogue, a loop fusion);
+* its result is not written to HBM when the next step, a map or a reduction, is
+  its only reader and the backward does not keep it (a residual) nor is it a
+  gradient or an output;
+* a matmul's operands come from HBM (a producer is not fused into a matmul), a
+  slice is fused into its reader, a copy reads and writes, a collective's result
+  is in HBM;
+* an einsum that contracts no index (``G[B, F] · U[B, F] -> A[B, F]``, SwiGLU's
+  product) is an elementwise product: XLA runs it as a multiply, memory-bound and
+  fused like a map.
+* nothing fuses across the edge of a ``layers`` block: the block runs as a loop
+  (a pipeline stage's program), the steps before and after it outside it.
+
+The optimizer's update reads the param, its gradient and the optimizer state and
+writes the param and the state (:func:`update_seconds`), once a step, after the
+backward.  Uneven dims use the padded per-device size (``ceil(D / devices)``), as
+XLA pads them.
+
+The overlap rule (:func:`phase_seconds`), as the lowered program runs: a
+collective the next op waits for (``Step.ahead`` false: a Megatron AllReduce, a
+sequence-parallel gather) is exposed; those that can be issued ahead (weight
+gathers, gradient reductions) overlap the phase's compute, so a phase takes
+``max(compute + memory, ahead) + critical``.  Gradient reductions are bucketed as
+PyTorch DDP and FSDP bucket them (:attr:`Hardware.bucket_bytes`, 25 MiB): a
+reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`).
+The backward needs the forward's results, so the training step takes ``forward +
+backward``, plus the optimizer phase of ZeRO-1/2 (``Plan.optimizer``: its
+reduce-scatters and all-gathers, after the backward), plus the update.  The
+forward steps a ``--recompute`` mode runs again (``Plan.recomputed``) are part of
+the backward phase.  All are multiplied by the layer count.
+
+The book's model (``Hardware.book``, ``--model book``): every matmul at peak,
+memory-bound steps and the update free, every collective overlapping its phase's
+compute (``max(compute, comm)`` a phase) with no buckets.
+
+:func:`plan_time` is that step time; ``shardc cost`` reports it as ``step_s`` and
+the planner returns, of the plans it builds, the one it makes least.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from shardc.accountings import ACCOUNTINGS
 from shardc.collectives import FACTOR, Layout, Op, collective_time, piece, share, volume_elements
 from shardc.collectives import einsum_flops as flops_of  # this module's einsum_flops takes a Step
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, resolve_hardware
+from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Mesh, TensorRef
+from shardc.ops.registry import all_traffic, of_op
+from shardc.pipeline.boundary import microbatch_dim
+from shardc.spec.stages import pipeline_of
+from shardc.spec.walk import leaves
 from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["step_count", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
-           "phase_seconds", "step_seconds", "PlanTime", "plan_time", "plan_chip", "plan_sizes", "plan_links",
-           "resolve_layers"]
+           "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip", "plan_sizes",
+           "plan_links", "resolve_layers", "memory_traffic", "kept_values", "update_seconds", "comm_split",
+           "plan_dtype", "phase_rows", "local_bytes_of", "phase_time", "is_product", "microbatched"]
 
 
 @dataclass(frozen=True)
@@ -60,10 +100,18 @@ class StepCost:
     ahead: bool = False
     once: bool = False  # outside a `layers` block: counted once, not once a layer
     serial: bool = False  # the latency adds to the transfer (NCCL's model, a send) instead of bounding it
+    memory_bytes: float = 0.0  # HBM bytes of a memory-bound step (after fusion)
+    memory_s: float = 0.0
+    recomputed: bool = False  # a forward step the backward runs again: hardware FLOPs, not model FLOPs
 
     @property
     def comm_s(self) -> float:
         return self.bandwidth_s + self.latency_s if self.serial else max(self.bandwidth_s, self.latency_s)
+
+    @property
+    def busy_s(self) -> float:
+        """The time the chip's cores spend on it: matmul time or memory-bound time."""
+        return self.compute_s + self.memory_s
 
     @property
     def is_collective(self) -> bool:
@@ -79,6 +127,8 @@ class StepCost:
                        path="ahead" if self.ahead else "critical")
         elif self.op is Op.EINSUM:
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s)
+        elif self.memory_bytes:
+            row.update(memory_bytes=self.memory_bytes, memory_s=self.memory_s)
         return row
 
 
@@ -116,20 +166,12 @@ def einsum_flops(step: Step, sizes: Mapping[str, int]) -> tuple[int, int]:
     return flops_of(occurrences, lambda name: _size(sizes, name))
 
 
-def step_seconds_of(step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
-                    spans: Layout | None = None) -> tuple[float, float]:
-    """(compute seconds, communication seconds) of one step: what :func:`cost_step` reports, without text."""
-    if step.is_collective:
-        return 0.0, collective_time(step.op, step_volume(step, sizes), step.axes, mesh, sizes, hw, spans).seconds
-    if step.op is Op.EINSUM:
-        return einsum_flops(step, sizes)[0] / hw.flops, 0.0
-    return 0.0, 0.0
-
-
 def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
-              spans: Layout | None = None) -> StepCost:
-    """The :class:`StepCost` of one step of a plan."""
-    text = describe(step)
+              spans: Layout | None = None, dtype: str = "bf16", memory_bytes: float = 0.0,
+              text: str | None = None) -> StepCost:
+    """The :class:`StepCost` of one step of a plan; ``memory_bytes`` its HBM traffic if memory-bound
+    (:func:`memory_traffic`), ``dtype`` the spec's (an f8 einsum runs at the chip's fp8 rate)."""
+    text = describe(step) if text is None else text
     if step.is_collective:
         volume = step_volume(step, sizes)
         t = collective_time(step.op, volume, step.axes, mesh, sizes, hw, spans)
@@ -138,9 +180,79 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
                         once=step.once, serial=t.serial)
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
-        return StepCost(index, step.op, step.tensor, text, flops=float(flops),
-                        model_flops=float(model), compute_s=flops / hw.flops, once=step.once)
-    return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once)
+        seconds = 0.0 if is_product(step) and not hw.book else hw.matmul_seconds(flops, dtype)
+        return StepCost(index, step.op, step.tensor, text, flops=float(flops), model_flops=float(model),
+                        compute_s=seconds, once=step.once, memory_bytes=memory_bytes,
+                        memory_s=hw.memory_seconds(memory_bytes))
+    return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once, memory_bytes=memory_bytes,
+                    memory_s=hw.memory_seconds(memory_bytes))
+
+
+def plan_dtype(plan: Plan) -> str:
+    """The spec's element type by name (``"bf16"``, ``"f8"``): what its einsums run at."""
+    return plan.spec.dtype.value
+
+
+def kept_values(plan: Plan) -> frozenset[TensorRef]:
+    """The values a step must write to HBM whatever reads them next: the backward's residuals, the
+    gradients and the spec's outputs."""
+    outputs = {info.name for info in plan.tensors if info.is_output}
+    made = [s.dst for phase in (plan.forward, plan.backward) for s in phase if s.dst.name in outputs]
+    return frozenset((*plan.residuals, *plan.grads, *made))
+
+
+def is_product(step: Step) -> bool:
+    """Whether an einsum contracts no index: an elementwise product, which XLA runs as a multiply."""
+    if step.op is not Op.EINSUM:
+        return False
+    kept = {d.name for d in step.dst.dims}
+    return all(d.name in kept for ref in step.operands for d in ref.dims)
+
+
+def _fusible(step: Step | None) -> bool:
+    """Whether XLA fuses ``step`` with a neighbouring map: an elementwise map or product, or a reduction."""
+    if step is not None and is_product(step):
+        return True
+    if step is None or step.op is not Op.ELEMENTWISE or isinstance(step.fn, Update):
+        return False
+    family = of_op(step.fn)
+    return family is None or family.fusible
+
+
+def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], float],
+                   kept: frozenset[TensorRef]) -> list[float]:
+    """The HBM bytes of each of ``steps`` (one phase, in program order), 0 for einsums and collectives.
+
+    A memory-bound step moves what its family's traffic says, less what XLA's fusion saves (the rule is
+    the module's): an operand the step just before made (an einsum, a map or a reduction) is not read
+    back, and a result only the next map or reduction reads, and nothing keeps, is not written.
+    """
+    readers: dict[TensorRef, int] = {}
+    for step in steps:
+        for ref in set(step.operands):
+            readers[ref] = readers.get(ref, 0) + 1
+    out = []
+    for k, step in enumerate(steps):
+        if step.is_collective or (step.op is Op.EINSUM and not is_product(step)) or step.op is Op.SLICE \
+                or isinstance(step.fn, Update):
+            out.append(0.0)  # compute- or link-bound; a slice is fused into its reader; the update apart
+            continue
+        if step.op is Op.COPY:
+            out.append(local_bytes(step.operands[0]) + local_bytes(step.dst))
+            continue
+        family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+        reads, write = (family.traffic if family is not None else all_traffic)(step, local_bytes)
+        # a `layers` block runs as a loop (or a pipeline's stage program) apart from the steps around it:
+        # XLA fuses nothing across that boundary
+        before = steps[k - 1] if k > 0 and steps[k - 1].once == step.once else None
+        after = steps[k + 1] if k + 1 < len(steps) and steps[k + 1].once == step.once else None
+        if _fusible(step) and before is not None and (before.op is Op.EINSUM or _fusible(before)):
+            reads = tuple(0.0 if ref == before.dst else r for ref, r in zip(step.operands, reads, strict=True))
+        if (_fusible(step) and _fusible(after) and after is not None and step.dst in after.operands
+                and readers.get(step.dst, 0) == 1 and step.dst not in kept):
+            write = 0.0
+        out.append(math.fsum(reads) + write)
+    return out
 
 
 def describe(step: Step) -> str:
@@ -158,9 +270,12 @@ def step_count(step: Step, layers: int) -> int:
     return 1 if step.once else layers
 
 
-def phase_seconds(compute_s: float, comm_s: float) -> float:
-    """A phase's time: its collectives overlap its compute (the book's max)."""
-    return max(compute_s, comm_s)
+def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: bool = True) -> float:
+    """A phase's time: its compute and memory-bound time ``busy_s``; the collectives issued ahead overlap
+    it and those the next op waits for add to it.  The book's model overlaps every collective (its max)."""
+    if book:
+        return max(busy_s, ahead_s + critical_s)
+    return max(busy_s, ahead_s) + critical_s
 
 
 def bound_of(compute_s: float, comm_s: float) -> str:
@@ -173,36 +288,114 @@ def step_seconds(*phases_s: float) -> float:
     return math.fsum(phases_s)
 
 
+_BUCKETED = (Op.REDUCE_SCATTER, Op.ALL_REDUCE)
+
+
+def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[float, float]:
+    """(ahead, critical) seconds of the collectives among ``rows`` (each with how often it runs).
+
+    Gradient reductions issued ahead (a ReduceScatter or AllReduce off the critical path) are bucketed
+    as PyTorch DDP and FSDP bucket them: alike ones (op and axes) share buckets of ``hw.bucket_bytes``,
+    each paying the collective's latency once, so a group takes max(its bandwidth terms, buckets x
+    latency), or their sum where the latency adds to the transfer (NCCL's model on GPUs,
+    :attr:`StepCost.serial`).  Every other collective takes its own time each time.  The book's model
+    has no buckets.
+    """
+    ahead: list[float] = []
+    critical: list[float] = []
+    groups: dict[tuple[Op, tuple[str, ...]], list[tuple[StepCost, int]]] = {}
+    for row, n in rows:
+        if not row.is_collective:
+            continue
+        if row.ahead and row.op in _BUCKETED and not hw.book:
+            groups.setdefault((row.op, row.axes), []).append((row, n))
+        else:
+            (ahead if row.ahead else critical).append(row.comm_s * n)
+    for members in groups.values():
+        volume = math.fsum(r.volume * n for r, n in members)
+        buckets = max(1, math.ceil(volume / hw.bucket_bytes - 1e-9))
+        latency = max(r.latency_s for r, _ in members)
+        bandwidth = math.fsum(r.bandwidth_s * n for r, n in members)
+        serial = any(r.serial for r, _ in members)
+        ahead.append(bandwidth + buckets * latency if serial else max(bandwidth, buckets * latency))
+    return math.fsum(ahead), math.fsum(critical)
+
+
 @dataclass(frozen=True)
-class PlanTime:
-    """A plan's times on a chip, all layers: per phase compute and communication, and the step."""
+class PhaseTime:
+    """One phase's times, all layers: einsums, memory-bound steps, and its collectives split by overlap."""
 
-    forward_compute_s: float
-    forward_comm_s: float
-    backward_compute_s: float  # with the recomputed forward steps
-    backward_comm_s: float
-    optimizer_compute_s: float = 0.0
-    optimizer_comm_s: float = 0.0
-
-    @property
-    def forward_s(self) -> float:
-        return phase_seconds(self.forward_compute_s, self.forward_comm_s)
+    compute_s: float = 0.0
+    memory_s: float = 0.0
+    ahead_s: float = 0.0
+    critical_s: float = 0.0
+    book: bool = True
 
     @property
-    def backward_s(self) -> float:
-        return phase_seconds(self.backward_compute_s, self.backward_comm_s)
-
-    @property
-    def optimizer_s(self) -> float:
-        return phase_seconds(self.optimizer_compute_s, self.optimizer_comm_s)
-
-    @property
-    def step_s(self) -> float:
-        return step_seconds(self.forward_s, self.backward_s, self.optimizer_s)
+    def busy_s(self) -> float:
+        return self.compute_s + self.memory_s
 
     @property
     def comm_s(self) -> float:
-        return self.forward_comm_s + self.backward_comm_s + self.optimizer_comm_s
+        return self.ahead_s + self.critical_s
+
+    @property
+    def seconds(self) -> float:
+        return phase_seconds(self.busy_s, self.ahead_s, self.critical_s, self.book)
+
+
+def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> PhaseTime:
+    """The :class:`PhaseTime` of a phase's rows, each with how often it runs (layers, or once)."""
+    pairs = list(rows)
+    ahead, critical = comm_split(pairs, hw)
+    return PhaseTime(math.fsum(r.compute_s * n for r, n in pairs), math.fsum(r.memory_s * n for r, n in pairs),
+                     ahead, critical, hw.book)
+
+
+@dataclass(frozen=True)
+class PlanTime:
+    """A plan's times on a chip, all layers: per phase compute and communication, the update, the step."""
+
+    forward: PhaseTime
+    backward: PhaseTime  # with the recomputed forward steps
+    optimizer: PhaseTime = PhaseTime()
+    update_s: float = 0.0  # the optimizer's update of the params (memory-bound), once a step
+
+    @property
+    def forward_compute_s(self) -> float:
+        return self.forward.compute_s
+
+    @property
+    def forward_comm_s(self) -> float:
+        return self.forward.comm_s
+
+    @property
+    def backward_compute_s(self) -> float:
+        return self.backward.compute_s
+
+    @property
+    def backward_comm_s(self) -> float:
+        return self.backward.comm_s
+
+    @property
+    def forward_s(self) -> float:
+        return self.forward.seconds
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward.seconds
+
+    @property
+    def optimizer_s(self) -> float:
+        return self.optimizer.seconds
+
+    @property
+    def step_s(self) -> float:
+        return step_seconds(self.forward_s, self.backward_s, self.optimizer_s, self.update_s)
+
+    @property
+    def comm_s(self) -> float:
+        return self.forward.comm_s + self.backward.comm_s + self.optimizer.comm_s
 
     def key(self) -> tuple[float, float]:
         """What the planner compares: the step time, then less communication."""
@@ -233,34 +426,103 @@ def plan_links(plan: Plan, hw: Hardware, sizes: Mapping[str, int],
 
 
 def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping[str, int] | None = None,
-              spans: Mapping[str, int] | None = None,
-              memo: dict[tuple[object, ...], tuple[float, float]] | None = None) -> PlanTime:
+              spans: Mapping[str, int] | None = None, memo: dict[tuple[object, ...], StepCost] | None = None,
+              optimizer: str = "adam10") -> PlanTime:
     """The step time of ``plan`` on a chip (by default the one it was planned for), all layers.
 
-    ``memo`` keeps each step's seconds across calls: pass one dict only to calls on
+    ``memo`` keeps each step's cost across calls: pass one dict only to calls on
     plans of the same spec, chip, sizes and spans (the planner's candidates).
     """
     hw = plan_chip(plan, hardware)
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
     layers, _ = resolve_layers(plan, values)
     links = plan_links(plan, hw, values, spans)[0]
-    mesh = plan.spec.mesh
-
+    mesh, dtype = plan.spec.mesh, plan_dtype(plan)
     seen = {} if memo is None else memo  # layers repeat the same steps
+    update = update_seconds(plan, values, hw, layers, optimizer)
+    values, repeats = microbatched(plan, values, hw.book)
+    nbytes = local_bytes_of(plan, values)
+    kept = kept_values(plan)
 
-    def seconds(step: Step) -> tuple[float, float]:
+    def row(step: Step, moved: float) -> StepCost:
         key = (step.op, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
-               step.src.dims if step.src is not None else None)
+               step.src.dims if step.src is not None else None, moved, step.ahead)
         hit = seen.get(key)
         if hit is None:
-            hit = seen[key] = step_seconds_of(step, mesh, values, hw, links)
+            hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="")
         return hit
 
-    def totals(steps: Iterable[Step]) -> tuple[float, float]:
-        pairs = [(seconds(s), step_count(s, layers)) for s in steps]
-        return math.fsum(c * n for (c, _), n in pairs), math.fsum(m * n for (_, m), n in pairs)
+    def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
+        moved = memory_traffic(steps, nbytes, kept) if not hw.book else [0.0] * len(steps)
+        return phase_time(((row(s, b), step_count(s, layers) * times) for s, b in zip(steps, moved, strict=True)),
+                          hw)
 
-    return PlanTime(*totals(plan.forward), *totals(plan.recomputed + plan.backward), *totals(plan.optimizer))
+    return PlanTime(phase(plan.forward, repeats), phase(plan.recomputed + plan.backward, repeats),
+                    phase(plan.optimizer, 1), update)
+
+
+def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tuple[dict[str, int], int]:
+    """The sizes a pipelined plan's stage runs at, one microbatch's (the batch dim cut M ways, where M
+    divides it), and M, how many times it runs them; a plan without a pipeline: the sizes, once.
+
+    A stage runs its layers on one microbatch at a time (:mod:`shardc.costmodel.pipeline_cost`), so its
+    einsums' efficiency, its memory-bound steps and a dim's padding are a microbatch's.  The book's model
+    costs the whole batch at once.
+    """
+    pipe = pipeline_of(plan.spec)
+    values = dict(sizes)
+    if pipe is None or book:
+        return values, 1
+    dim = microbatch_dim(plan)
+    m = pipe.microbatches
+    if dim not in values or values[dim] % m or m == 1:
+        return values, 1
+    values[dim] = values[dim] // m
+    return values, m
+
+
+def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,
+               spans: Layout, again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
+    """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
+    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan)) if not hw.book else \
+        [0.0] * len(steps)
+    dtype = plan_dtype(plan)
+    rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b)
+            for i, (s, b) in enumerate(zip(steps, moved, strict=True), 1))
+    return tuple(replace(r, text=f"(recomputed) {r.text}", recomputed=True) if r.index in again else r for r in rows)
+
+
+def local_bytes_of(plan: Plan, sizes: Mapping[str, int]) -> Callable[[TensorRef], float]:
+    """Bytes of one device's piece of a value of ``plan`` (padded elements times its element bytes)."""
+    cache: dict[TensorRef, float] = {}
+
+    def size(ref: TensorRef) -> float:
+        hit = cache.get(ref)
+        if hit is None:
+            hit = cache[ref] = float(local_elements(ref, sizes)) * plan.nbytes(ref.name)
+        return hit
+
+    return size
+
+
+def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, layers: int,
+                   optimizer: str = "adam10") -> float:
+    """The optimizer's update, memory-bound: per element of the state a device updates, it reads the
+    param, the gradient (in the param's dtype where the accounting keeps none) and the optimizer state,
+    and writes the param and the state (``optimizer`` names the accounting, :mod:`shardc.accountings`).
+    The elements are the ZeRO shard's where the plan updates a shard (its ``update`` steps), else the
+    param's piece; a block's params count once a layer.  0 under the book's model."""
+    if hw.book or optimizer not in ACCOUNTINGS:
+        return 0.0
+    per_param, per_grad, per_state, _ = ACCOUNTINGS[optimizer]
+    per_element = 2 * per_param + max(per_grad, per_param) + 2 * per_state
+    shards = {s.operands[0].name: s.dst for s in plan.optimizer if isinstance(s.fn, Update) and s.operands}
+    spec = plan.spec
+    repeated = {r.name for k, st in enumerate(spec.statements) if spec.repeats(k) for r in leaves(st.expr)}
+    elements = math.fsum(float(local_elements(shards.get(info.name, info.ref), sizes))
+                         * (layers if info.name in repeated else 1)
+                         for info in plan.tensors if info.role == "param")
+    return hw.memory_seconds(elements * per_element)
 
 
 def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:

@@ -369,10 +369,10 @@ def test_dims_named_like_hardware_symbols(capsys: pytest.CaptureFixture[str], tm
     from shardc.costmodel.formulas import evaluate
 
     spec = "mesh X=4\ndims B=4096, C=64, W=128\nparam Wt\nOut[B_X, W] = In[B_X, C] · Wt[C_X, W]\n"
-    report = shardc.cost(shardc.plan(shardc.parse(spec)))
+    report = shardc.cost(shardc.plan(shardc.parse(spec)), model="book")  # the formulas are the book's model
     f = report.forward.formula
     assert f.compute_s_text() == "2*B*C*W/(C_chip*X)"
-    assert f.comm_s_text() == "C*W/W_ici"  # X=4 lies on both 2-chip axes of the 2x2x1 slice
+    assert f.comm_s_text() == "2*C*W/W_ici"  # the book's model: X=4 spans one axis (no topology)
     hw = report.hardware
     values = {"B": 4096.0, "C": 64.0, "W": 128.0, "X": 4.0, "C_chip": hw.flops, "W_ici": hw.w_ici}
     assert math.isclose(evaluate(f.compute_s, values), report.forward.compute_s)

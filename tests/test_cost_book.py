@@ -1,5 +1,4 @@
-"""The the book's numbers, reproduced from real plans of the example specs, on chips under the book's
-assumptions (``Hardware.book``: each axis spans ceil(log16 n) torus axes, no topology, no efficiency)."""
+"""The book's numbers, reproduced from real plans of the example specs, under the book's model (`model="book"`)."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def book_chip(spec: Spec) -> Hardware:
 @cache
 def plan_of(name: str, save: str = "default") -> Plan:
     path = next(p for p in (EXAMPLES / f"{name}.shard", SPECS / f"{name}.shard") if p.exists())
-    spec = shardc.parse(path.read_text(encoding="utf-8"), str(path))
-    return shardc.plan(spec, save=save, hardware=book_chip(spec))
+    return shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), str(path)), save=save, model="book")
 
 
 @cache
@@ -39,8 +37,7 @@ def report_of(name: str, save: str = "default") -> CostReport:
 
 
 def plan_text(text: str) -> Plan:
-    spec = shardc.parse(text, "<test>")
-    return shardc.plan(spec, hardware=book_chip(spec))
+    return shardc.plan(shardc.parse(text, "<test>"), model="book")
 
 
 def expr(text: str) -> sympy.Expr:

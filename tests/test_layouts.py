@@ -3,7 +3,6 @@ the book's LLaMA-2 13B verdicts on 4096 TPU v5p chips, and clear errors."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import subprocess
@@ -73,10 +72,8 @@ def test_4096_chips_over_three_axes_are_91_layouts() -> None:
 
 
 @cache
-def llama_search() -> LayoutSearch:
-    # the book's assumptions (X=1024 spans ceil(log16 1024) = 3 torus axes, Y=4 one): its verdicts; on
-    # the 16x16x16 slice itself Y=4 is a 4-chip part of a 16-chip axis, an open line
-    options = Options(dataclasses.replace(get_hardware("tpu-v5p"), book=True), mfu=0.4)
+def llama_search() -> LayoutSearch:  # the book's verdicts: under the book's model
+    options = Options(get_hardware("tpu-v5p").configured("book"), mfu=0.4)
     return search_layouts([load(LLAMA), load(LLAMA_DP)], options, chips=4096, jobs=1)
 
 

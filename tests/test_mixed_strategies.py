@@ -7,13 +7,11 @@ forward and gradients) runs with every example's, in tests/test_lower.py."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import shardc
-from shardc.hardware import get_hardware
 from shardc.ir.plan import Op, Plan
 from shardc.planner.check import check_plan
 
@@ -24,8 +22,8 @@ Row = tuple[Op, tuple[str, ...], str, int]
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
-    book = replace(get_hardware("tpu-v5p"), book=True)  # the book's assumptions, as the volumes were written
-    p = shardc.plan(shardc.parse(PATH.read_text(encoding="utf-8"), filename=str(PATH)), hardware=book)
+    # the collectives and the verdict below are the plan under the book's model
+    p = shardc.plan(shardc.parse(PATH.read_text(encoding="utf-8"), filename=str(PATH)), model="book")
     assert check_plan(p) == []
     return p
 

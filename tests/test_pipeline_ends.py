@@ -85,7 +85,9 @@ def test_the_ends_cost_what_the_unpipelined_spec_costs_outside_the_block() -> No
     rows = once.forward.rows + once.backward.rows
     assert any(r.once for r in rows)
     extra = (stages[0].compute_s - middle) + (stages[-1].compute_s - middle)
-    assert extra == pytest.approx(sum(r.compute_s for r in rows if r.once), rel=1e-9)
+    # compute exactly; memory-bound time but for one fusion boundary: the head's first map (the final
+    # norm's statistic of X1) reads the block's output back in one count and not in the other (3 us)
+    assert extra == pytest.approx(sum(r.busy_s for r in rows if r.once), rel=5e-3)
     assert stages[-1].compute_s > middle  # the output layer's einsums
 
 

@@ -149,7 +149,8 @@ def test_the_optimizer_phase_is_in_the_step_time_cost_reports_and_the_planner_mi
     t = plan_time(p)
     assert report.optimizer is not None and report.optimizer.comm_s > 0
     assert t.step_s == pytest.approx(report.step.step_s, rel=1e-12)
-    assert t.step_s == pytest.approx(t.forward_s + t.backward_s + report.optimizer.comm_s, rel=1e-12)
+    assert t.step_s == pytest.approx(t.forward_s + t.backward_s + report.optimizer.comm_s + t.update_s, rel=1e-12)
+    assert t.update_s == pytest.approx(report.step.update_s, rel=1e-12) and t.update_s > 0
     assert report.optimizer.compute_s == 0 and report.optimizer.step_s == report.optimizer.comm_s
     assert t.optimizer_s == pytest.approx(report.optimizer.step_s, rel=1e-12)
     data = report.to_json()

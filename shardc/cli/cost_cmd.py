@@ -13,7 +13,16 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.cli.main import add_common, add_topology, check_hardware_flag, load_spec, parse_spans, read_spec
+from shardc.cli.main import (
+    add_common,
+    add_model_flags,
+    add_topology,
+    check_hardware_flag,
+    configure_chip,
+    load_spec,
+    parse_spans,
+    read_spec,
+)
 from shardc.errors import ShardcError, clip
 
 __all__ = ["register", "run_cost", "run_hardware", "MAX_POINTS"]
@@ -52,6 +61,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
                         help="mesh axis AXIS is laid over K physical ICI axes (the book's M_X; repeatable)")
     add_topology(parser)
+    add_model_flags(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--sweep", metavar="DIM=LOW:HIGH",
                         help="instead of the report, a table of compute vs communication time at log-spaced "
@@ -73,19 +83,24 @@ def run_hardware(args: argparse.Namespace) -> int:
     from shardc.hardware import PRESETS
 
     if args.json:
-        print(json.dumps({k: asdict(h) | {"w_ici": h.w_ici, "c_over_w_ici": h.intensity_ici}
+        print(json.dumps({k: asdict(h) | {"w_ici": h.w_ici, "c_over_w_ici": h.intensity_ici,
+                                          "w_dcn": h.w_dcn, "c_over_w_dcn": h.intensity_dcn,
+                                          "peak_f8": h.peak("f8")}
                           for k, h in PRESETS.items()}, indent=2))
         return 0
-    print(f"{'name':<9} {'C FLOP/s':>9} {'ICI 1-way':>10} {'W_ici':>8} {'C/W_ici':>8} {'HBM':>6} "
-          f"{'HBM B/s':>8} {'DCN/IB':>8} {'C/W_dcn':>8}  notes")
+    print(f"{'name':<9} {'C FLOP/s':>9} {'fp8':>8} {'ICI 1-way':>10} {'W_ici':>8} {'C/W_ici':>8} {'HBM':>6} "
+          f"{'HBM B/s':>8} {'DCN/IB':>8} {'C/W_dcn':>8} {'matmul':>7}  notes")
     for h in PRESETS.values():
-        print(f"{h.name:<9} {h.flops:>9.3g} {h.ici_bandwidth:>10.3g} {h.w_ici:>8.3g} {h.intensity_ici:>8.0f} "
-              f"{h.hbm_bytes / 1e9:>4.0f}GB {h.hbm_bandwidth:>8.3g} {h.dcn_bandwidth:>8.3g} "
-              f"{h.intensity_dcn:>8.0f}  {h.description}")
+        best = max((e for _, e in h.matmul_efficiency), default=1.0)
+        print(f"{h.name:<9} {h.flops:>9.3g} {h.peak('f8'):>8.3g} {h.ici_bandwidth:>10.3g} {h.w_ici:>8.3g} "
+              f"{h.intensity_ici:>8.0f} {h.hbm_bytes / 1e9:>4.0f}GB {h.hbm_bandwidth:>8.3g} {h.dcn_bandwidth:>8.3g} "
+              f"{h.intensity_dcn:>8.0f} {best:>7.0%}  {h.description}")
     print("W_ici = 2 x the one-way link figure on a torus (bidirectional, per mesh axis); on a GPU its NVLink "
-          "egress, one way, x ici_efficiency; DCN/IB per chip, as is; hop latency 1e-6 s.\n--hardware-file "
-          "chip.toml takes the keys: name, flops, ici_bandwidth, hbm_bytes, hbm_bandwidth, dcn_bandwidth, "
-          "hop_latency, ici_domain, torus_side, torus_dims, ici_efficiency, book, description")
+          "egress, one way, x ici_efficiency; DCN/IB per chip, as is; hop latency 1e-6 s; fp8: the f8 matmul "
+          "rate;\nmatmul: the best measured fraction of peak a matmul reaches (smaller matmuls reach less; "
+          "--model book: all at peak).\n--hardware-file chip.toml takes the keys: name, flops, flops_f8, "
+          "ici_bandwidth, hbm_bytes, hbm_bandwidth, dcn_bandwidth, hop_latency, bucket_bytes, matmul_efficiency "
+          "([[flops, fraction], ...]), ici_domain, torus_side, torus_dims, ici_efficiency, book, description")
     return 0
 
 
@@ -96,7 +111,7 @@ def run_cost(args: argparse.Namespace) -> int:
 
     _check_flags(args)
     spec = read_spec(args)
-    hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
+    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)
     spans = parse_spans(args.spans, spec)
     if args.schedule_plot:  # before any work: a bad path must not cost a whole run
         from shardc.images import check_image_path
@@ -155,7 +170,7 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
                           fix="write e.g. --points 13")
     if args.plot:
         check_plot_path(args.plot, args.force)
-    hw = resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware)
+    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware), args)
     plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute,
                             topology=args.topology) for path in args.others]
     spans = parse_spans(args.spans, first.spec)

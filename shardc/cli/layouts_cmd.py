@@ -10,7 +10,15 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.cli.main import add_common, add_topology, check_hardware_flag, load_spec, parse_sets
+from shardc.cli.main import (
+    add_common,
+    add_model_flags,
+    add_topology,
+    check_hardware_flag,
+    configure_chip,
+    load_spec,
+    parse_sets,
+)
 from shardc.errors import ShardcError, clip
 
 __all__ = ["register", "run_layouts"]
@@ -55,6 +63,7 @@ def register(subparsers: Any, name: str) -> None:
                         help="another spec of the same model to search beside FILE (repeatable)")
     parser.add_argument("--hardware", metavar="NAME", help="a preset (see `shardc hardware`)")
     parser.add_argument("--hardware-file", metavar="TOML", help="a chip of your own (keys: shardc hardware)")
+    add_model_flags(parser)
     parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
                         help="training-state accounting (see `shardc cost --help`)")
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
@@ -87,7 +96,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     paths = list(dict.fromkeys([args.file, *args.others]))  # a file given twice is searched once
     specs = [load_spec(path, args.set) for path in paths]
     fixed = frozenset(parse_sets(args.set))
-    hw = resolve_hardware(args.hardware, args.hardware_file, specs[0].hardware)
+    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, specs[0].hardware), args)
     options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu, args.topology)
     search = search_layouts(specs, options, args.chips, fixed, args.jobs, _progress())
     if args.json:

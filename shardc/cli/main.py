@@ -28,7 +28,7 @@ from shardc import __version__
 from shardc.errors import InternalError, ShardcError, clip
 
 __all__ = ["COMMANDS", "build_parser", "full_parser", "main", "parse_sets", "parse_spans", "check_hardware_flag",
-           "add_topology",
+           "add_topology", "add_model_flags", "configure_chip",
            "add_common", "read_spec"]
 
 # command name -> (module defining register(), one-line help); the help lines live here so
@@ -180,6 +180,20 @@ def add_topology(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", metavar="SHAPE",
                         help="the TPU slice the ICI axes lie on (4x4x4, 16x16) or the GPU cluster, NODESxGPUS "
                              "(48x8); default: the spec's `topology` line, else the chip's usual one")
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """--model and --bucket-mb, shared by plan, cost and layouts."""
+    parser.add_argument("--model", choices=("chip", "book"), default=None,
+                        help="chip (default): matmuls at the rate the chip reaches, memory-bound steps over HBM, "
+                             "critical-path collectives exposed; book: the book's assumptions (matmuls at peak, "
+                             "memory-bound steps free, every collective overlapped)")
+    parser.add_argument("--bucket-mb", type=float, default=None, metavar="MIB",
+                        help="gradient reductions are issued in buckets of this many MiB, one latency a bucket "
+                             "(default 25, PyTorch DDP's)")
+
+
+def configure_chip(hw: Any, args: argparse.Namespace) -> Any:
+    """The chip of ``hw`` under the command's --model and --bucket-mb."""
+    return hw.configured(getattr(args, "model", None), getattr(args, "bucket_mb", None))
 
 
 def load_spec(path: str, sets: Sequence[str] | None = None) -> Any:

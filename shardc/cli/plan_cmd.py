@@ -7,7 +7,15 @@ import json
 import sys
 from typing import Any
 
-from shardc.cli.main import add_common, add_topology, check_hardware_flag, parse_spans, read_spec
+from shardc.cli.main import (
+    add_common,
+    add_model_flags,
+    add_topology,
+    check_hardware_flag,
+    configure_chip,
+    parse_spans,
+    read_spec,
+)
 from shardc.errors import InternalError
 
 __all__ = ["register"]
@@ -30,6 +38,7 @@ def register(sub: Any, name: str) -> None:
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
                         help="mesh axis AXIS is laid over K physical ICI axes (as for `shardc cost`)")
     add_topology(parser)
+    add_model_flags(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--explain", action="store_true",
                         help="also list, per einsum, the alternatives considered and why one won")
@@ -44,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_hardware_flag(args)
     spec = read_spec(args)
-    hw = resolve_hardware(args.hardware, args.hardware_file, spec.hardware)
+    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)
     result = plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
                   recompute=args.recompute, explain=args.explain, topology=args.topology)
     try:

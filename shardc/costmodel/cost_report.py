@@ -2,18 +2,25 @@
 
 Per phase (forward, backward) and for the whole training step (``step``, both):
 
-* ``compute_s``: per-device einsum FLOPs over C.
+* ``compute_s``: per-device einsum FLOPs over the rate the chip reaches on them
+  (:meth:`Hardware.matmul_seconds`); ``memory_s``: the memory-bound steps' HBM bytes
+  over the HBM bandwidth, after fusion (:func:`shardc.timing.memory_traffic`).
 * ``comm_s``: the collectives' times (bandwidth term, bounded below by latency),
   split into ``critical_s`` and ``ahead_s`` (``Step.ahead``: weight gathers and
-  weight-gradient reductions can be issued off the critical path).
-* ``bound``: ``"communication"`` iff comm_s > compute_s, all collectives assumed
-  to overlap compute, as the book draws it; ``step_s`` is the time under that
-  overlap (:mod:`shardc.timing`: ``max(compute_s, comm_s)`` a phase, forward plus
-  backward for the step; the planner minimises exactly this figure),
-  ``step_ahead_only_s = max(compute_s, ahead_s) + critical_s`` (a phase) the time
-  when only ahead-of-time collectives overlap.
-* ``mfu``: model FLOPs / (devices * C * step_s); with ``mfu=0.4``,
-  ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the book's estimate.
+  weight-gradient reductions can be issued off the critical path; gradient
+  reductions bucketed, :func:`shardc.timing.comm_split`).
+* ``step_s``: ``max(compute + memory, ahead) + critical`` a phase, forward plus
+  backward (plus ZeRO's optimizer phase and the update) for the step
+  (:mod:`shardc.timing`; the planner minimises exactly this figure); under the book's
+  model (``model="book"``) ``max(compute, comm)`` a phase.  ``exposed_comm_s`` is
+  the step less its compute and memory-bound time: the communication nothing hides.
+  ``step_ahead_only_s`` is the same rule with no buckets.
+* ``bound``: ``"communication"`` iff comm_s > compute_s + memory_s.
+* ``mfu``: model FLOPs (the einsums once, recomputed ones not counted, as PaLM
+  counts them) / (devices * C * step_s); ``hfu`` counts the recomputed FLOPs too.
+  With ``mfu=0.4``, ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the
+  book's estimate.  ``tokens_per_s_per_chip``: the step's tokens (the model
+  input's dims no param has) over step_s and the devices.
 
 Everything is multiplied by the layer count (``layers`` in the spec).  Every
 figure also comes as a formula (bandwidth terms; ``*_expr`` in JSON).
@@ -34,21 +41,25 @@ from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Step
-from shardc.ir.spec import Mesh, Network
+from shardc.ir.spec import Network
 from shardc.timing import (
     StepCost,
     bound_of,
-    cost_step,
+    comm_split,
+    microbatched,
+    phase_rows,
     phase_seconds,
     plan_chip,
+    plan_dtype,
     plan_links,
     plan_sizes,
     resolve_layers,
     step_seconds,
+    update_seconds,
 )
 from shardc.topology import AxisLinks
 
-__all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes"]
+__all__ = ["PhaseCost", "CostReport", "cost", "resolve_sizes", "resolve_layers", "missing_sizes", "step_tokens"]
 
 
 @dataclass(frozen=True)
@@ -63,25 +74,51 @@ class PhaseCost:
     formula: PhaseFormula
     mfu_assumed: float | None = None
     parts: tuple[PhaseCost, ...] = ()  # the step: its phases, which run one after the other
+    update_s: float = 0.0  # the step: the optimizer's update, after its phases
+    tokens: float = 0.0  # the step: tokens a step processes (all devices)
+    dtype: str = "bf16"
+    repeats: int = 1  # a pipelined stage: its rows are one microbatch's, run this many times
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
+        if self.parts:  # the step: each phase counts its own rows (a pipelined stage's M times)
+            return math.fsum(p._sum(attr, only) for p in self.parts)
         rows = [r for r in self.rows if only is None or (r.is_collective and r.ahead is only)]
-        return math.fsum(getattr(r, attr) * (1 if r.once else self.layers) for r in rows)
+        return math.fsum(getattr(r, attr) * self._count(r) for r in rows)
+
+    def _count(self, row: StepCost) -> int:
+        return (1 if row.once else self.layers) * self.repeats
 
     @property
     def compute_flops(self) -> float:
-        """Per-device einsum FLOPs."""
+        """Per-device einsum FLOPs (recomputed ones too: what the chip runs)."""
         return self._sum("flops")
 
     @property
     def model_flops(self) -> float:
-        """FLOPs of the whole einsums, all devices."""
+        """FLOPs of the whole einsums, all devices, each once: recomputed ones not counted (MFU's)."""
+        if self.parts:
+            return math.fsum(p.model_flops for p in self.parts)
+        return math.fsum(r.model_flops * self._count(r) for r in self.rows if not r.recomputed)
+
+    @property
+    def hardware_flops(self) -> float:
+        """FLOPs of the whole einsums, all devices, recomputed ones counted again (HFU's)."""
         return self._sum("model_flops")
 
     @property
     def compute_s(self) -> float:
-        """Compute time."""
+        """Compute time: the einsums at the rate the chip reaches."""
         return self._sum("compute_s")
+
+    @property
+    def memory_bytes(self) -> float:
+        """HBM bytes of the memory-bound steps, after fusion."""
+        return self._sum("memory_bytes")
+
+    @property
+    def memory_s(self) -> float:
+        """Memory-bound time: the steps that are not einsums nor collectives, and the update."""
+        return self._sum("memory_s") + self.update_s
 
     @property
     def comm_bytes(self) -> float:
@@ -90,50 +127,80 @@ class PhaseCost:
 
     @property
     def comm_s(self) -> float:
-        """Collective time, each bounded below by its latency."""
-        return self._sum("comm_s")
+        """Collective time: the ahead ones bucketed, the others each bounded below by its latency."""
+        if self.parts:
+            return math.fsum(p.comm_s for p in self.parts)
+        return math.fsum(self._split())
 
     @property
     def comm_bandwidth_s(self) -> float:
         """Collective time, bandwidth terms only (what the formulas give)."""
         return self._sum("bandwidth_s")
 
+    def _split(self) -> tuple[float, float]:
+        return comm_split(((r, self._count(r)) for r in self.rows), self.hardware)
+
     @property
     def critical_s(self) -> float:
-        """Collectives on the critical path."""
-        return self._sum("comm_s", only=False)
+        """Collectives on the critical path: the next op waits for them."""
+        if self.parts:
+            return math.fsum(p.critical_s for p in self.parts)
+        return self._split()[1]
 
     @property
     def ahead_s(self) -> float:
-        """Collectives that can be issued ahead."""
-        return self._sum("comm_s", only=True)
+        """Collectives that can be issued ahead (gradient reductions bucketed)."""
+        if self.parts:
+            return math.fsum(p.ahead_s for p in self.parts)
+        return self._split()[0]
 
     @property
     def bound(self) -> str:
-        return bound_of(self.compute_s, self.comm_s)
+        return bound_of(self.compute_s + self.memory_s, self.comm_s)
 
     @property
     def step_s(self) -> float:
         if self.parts:
-            return step_seconds(*(p.step_s for p in self.parts))
-        return phase_seconds(self.compute_s, self.comm_s)
+            return step_seconds(*(p.step_s for p in self.parts), self.update_s)
+        ahead, critical = self._split()
+        return phase_seconds(self.compute_s + self.memory_s, ahead, critical, self.hardware.book)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """The communication compute does not hide: the step less its compute and memory-bound time."""
+        if self.parts:
+            return math.fsum(p.exposed_comm_s for p in self.parts)
+        return max(0.0, self.step_s - self.compute_s - self.memory_s)
 
     @property
     def step_ahead_only_s(self) -> float:
         if self.parts:
-            return step_seconds(*(p.step_ahead_only_s for p in self.parts))
-        return max(self.compute_s, self.ahead_s) + self.critical_s
+            return step_seconds(*(p.step_ahead_only_s for p in self.parts), self.update_s)
+        return max(self.compute_s + self.memory_s, self._sum("comm_s", only=True)) + self._sum("comm_s", only=False)
+
+    def _utilisation(self, flops: float) -> float:
+        peak = self.devices * self.hardware.peak(self.dtype) * self.step_s
+        return flops / peak if peak else 0.0
 
     @property
     def mfu(self) -> float:
-        peak = self.devices * self.hardware.flops * self.step_s
-        return self.model_flops / peak if peak else 0.0
+        """Model FLOPs utilisation: model FLOPs (no recompute) over the devices' peak for the step."""
+        return self._utilisation(self.model_flops)
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: the FLOPs the chip runs, recomputation counted."""
+        return self._utilisation(self.hardware_flops)
+
+    @property
+    def tokens_per_s_per_chip(self) -> float:
+        return self.tokens / (self.step_s * self.devices) if self.step_s and self.devices else 0.0
 
     @property
     def step_at_mfu_s(self) -> float | None:
         if self.mfu_assumed is None:
             return None
-        return self.model_flops / (self.devices * self.hardware.flops * self.mfu_assumed)
+        return self.model_flops / (self.devices * self.hardware.peak(self.dtype) * self.mfu_assumed)
 
     def exprs(self) -> dict[str, str]:
         return self.formula.exprs()
@@ -143,8 +210,11 @@ class PhaseCost:
             "comm_bytes": self.comm_bytes, "comm_s": self.comm_s,
             "comm_bandwidth_s": self.comm_bandwidth_s, "critical_s": self.critical_s,
             "ahead_s": self.ahead_s, "compute_flops": self.compute_flops,
-            "model_flops": self.model_flops, "compute_s": self.compute_s, "step_s": self.step_s,
-            "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu,
+            "model_flops": self.model_flops, "hardware_flops": self.hardware_flops, "compute_s": self.compute_s,
+            "memory_bytes": self.memory_bytes, "memory_s": self.memory_s, "update_s": self.update_s,
+            "step_s": self.step_s, "exposed_comm_s": self.exposed_comm_s,
+            "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu, "hfu": self.hfu,
+            "tokens": self.tokens, "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
             "step_at_mfu_s": self.step_at_mfu_s,
         }
         data.update(self.exprs())
@@ -206,44 +276,60 @@ def _zero_json(plan: Plan) -> dict[str, object] | None:
 def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
     """The chip's figures in JSON, and the symbols the formulas write them with."""
     return {"name": hw.name, "C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn, "hbm_bytes": hw.hbm_bytes,
-            "hop_latency": hw.hop_latency,
+            "hop_latency": hw.hop_latency, "flops_f8": hw.flops_f8,
+            "hbm_bandwidth": hw.hbm_bandwidth if math.isfinite(hw.hbm_bandwidth) else None,
+            "model": "book" if hw.book else "chip", "bucket_bytes": hw.bucket_bytes,
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
 
 
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
          mfu: float | None = None, optimizer: str = "adam10", hardware_file: str | None = None,
-         spans: dict[str, int] | None = None, **options: object) -> CostReport:
+         spans: dict[str, int] | None = None, model: str | None = None, bucket_mb: float | None = None,
+         **options: object) -> CostReport:
     """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`; default the chip it was planned for).
 
     ``spans`` maps a mesh axis to the physical ICI axes it is laid over (the book's
-    M_X; default 1): its collectives get that many times the bandwidth.
+    M_X; default 1): its collectives get that many times the bandwidth.  ``model``:
+    ``"book"`` costs with the book's assumptions (matmuls at peak, memory-bound steps
+    free, every collective overlapped), ``"chip"`` at the rates the chip reaches (None:
+    the plan's chip's own); ``bucket_mb`` the gradient buckets' size (25 MiB).
     """
     if options:
         raise ShardcError(f"unknown cost option(s) {', '.join(sorted(options))}",
-                          fix="use hardware=, sizes=, mfu=, optimizer=, hardware_file=, spans=")
+                          fix="use hardware=, sizes=, mfu=, optimizer=, hardware_file=, spans=, model=, bucket_mb=")
     if mfu is not None and not 0 < mfu <= 1:
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
     if optimizer not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use " + ", ".join(ACCOUNTINGS))
-    hw = plan_chip(plan, hardware, hardware_file)
+    if model is None and plan.chip.book:  # another chip given for a plan made under the book's model keeps it
+        model = "book"
+    hw = plan_chip(plan, hardware, hardware_file).configured(model, bucket_mb)
     check_spans(plan.spec.mesh, spans)
     values = resolve_sizes(plan, sizes)
     links, link_notes = plan_links(plan, hw, values, spans)
     layers, layer_symbol = resolve_layers(plan, values)
     mesh = plan.spec.mesh
     devices = math.prod(values[a] for a in mesh.names)
+    all_devices = devices
     pipe = pipeline_cost(plan, hw, values, links, optimizer)
-    if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch at once
+    if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch (M microbatches)
         devices //= pipe.pipeline.stages  # (resolve_layers gave the slowest stage's layers)
     count = layer_symbol if layer_symbol is not None else layers
     names = symbols_of(plan)
     again = frozenset(range(1, len(plan.recomputed) + 1))
-    fwd, bwd, opt = (PhaseCost(name, _rows(steps, mesh, values, hw, links, again if name == "backward" else
-                                           frozenset()), layers, devices, hw,
-                               phase_formula(steps, mesh, count, links, names, values), mfu)
-                     for name, steps in phase_steps(plan))
+    dtype = plan_dtype(plan)
+    micro, repeats = microbatched(plan, values, hw.book)  # a pipelined stage's rows: a microbatch's, M times
+
+    def phase(name: str, steps: tuple[Step, ...]) -> PhaseCost:
+        times = repeats if name != "optimizer" else 1
+        return PhaseCost(name, phase_rows(plan, steps, micro if times > 1 else values, hw, links,
+                                          again if name == "backward" else frozenset()), layers, devices, hw,
+                         phase_formula(steps, mesh, count, links, names, values), mfu, dtype=dtype, repeats=times)
+
+    fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
-                     fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt))
+                     fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
+                     update_seconds(plan, values, hw, layers, optimizer), step_tokens(plan, values), dtype)
     phases = (fwd, bwd, opt, step) if opt.rows else (fwd, bwd, step)
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer)
     tokens = token_dims(plan)
@@ -252,6 +338,11 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         f"mesh axis {a} ({values[a]} chips) spans {len(k.rings)} physical ICI axes: {len(k.rings)}x the "
         f"bandwidth, the book's M_{a} (--spans {a}=1 to cost it as one)"
         for a, k in links.items() if hw.book and len(k.rings) > 1)
+    if pipe is not None:  # the whole model's FLOPs: the block's a layer times every stage's layers, the ends once
+        counted = [(r, p.repeats) for p in step.parts for r in p.rows if not r.recomputed]
+        block = math.fsum(r.model_flops * n for r, n in counted if not r.once) * sum(pipe.pipeline.stage_layers)
+        pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops * n for r, n in counted if r.once),
+                       devices=all_devices, peak=hw.peak(dtype), update_s=step.update_s)
     return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt)
 
 
@@ -271,11 +362,16 @@ def phase_steps(plan: Plan) -> tuple[tuple[str, tuple[Step, ...]], ...]:
             ("optimizer", plan.optimizer))
 
 
-def _rows(steps: tuple[Step, ...], mesh: Mesh, values: dict[str, int], hw: Hardware,
-          spans: Layout, again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
-    """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
-    rows = (cost_step(i, s, mesh, values, hw, spans) for i, s in enumerate(steps, 1))
-    return tuple(replace(r, text=f"(recomputed) {r.text}") if r.index in again else r for r in rows)
+def step_tokens(plan: Plan, sizes: dict[str, int]) -> float:
+    """Tokens a step processes: the product of the model input's dims that no param has (B and S of
+    ``Tok[B, S]``); the first input that has such dims is the model's input."""
+    model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
+    for info in plan.tensors:
+        if info.role == "input":
+            dims = [d.name for d in info.ref.dims if d.name not in model]
+            if dims:
+                return float(math.prod(sizes[d] for d in dims))
+    return 0.0
 
 
 def used_dims(plan: Plan) -> set[str]:

@@ -27,23 +27,36 @@ def _row(r: StepCost) -> str:
         lat = " (latency-bound)" if r.latency_s > r.bandwidth_s else ""
         return (f"  {r.index:>3}  {r.op.title:<13} {axes:<6} {fmt_bytes(r.volume):>10}  "
                 f"{fmt_seconds(r.comm_s):>9}  {path:<8}  {r.text}{lat}")
-    if r.flops:
+    if r.compute_s:
         return (f"  {r.index:>3}  {r.op.title:<13} {'':<6} {fmt_flops(r.flops):>10}  "
                 f"{fmt_seconds(r.compute_s):>9}  {'compute':<8}  {r.text}")
+    if r.memory_bytes:
+        return (f"  {r.index:>3}  {r.op.title:<13} {'':<6} {fmt_bytes(r.memory_bytes):>10}  "
+                f"{fmt_seconds(r.memory_s):>9}  {'memory':<8}  {r.text}")
     return f"  {r.index:>3}  {r.op.title:<13} {','.join(r.axes):<6} {'':>10}  {'':>9}  {'local':<8}  {r.text}"
 
 
 def _totals(p: PhaseCost, layers: int) -> list[str]:
     per = f" ({layers} layers)" if layers != 1 else ""
     f = p.formula
+    update = f" (the optimizer's update {fmt_seconds(p.update_s)})" if p.update_s else ""
     lines = [
         f"  compute {fmt_seconds(p.compute_s)}{per}: {fmt_flops(p.compute_flops)} a device = {text(f.flops)}",
+        f"  memory  {fmt_seconds(p.memory_s)}: {fmt_bytes(p.memory_bytes)} of HBM traffic a device "
+        f"(memory-bound steps, fused as XLA fuses){update}",
         f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {text(f.comm_bytes)}"
         f"  [critical {fmt_seconds(p.critical_s)}, ahead {fmt_seconds(p.ahead_s)}]",
         f"  time    = {f.compute_s_text()} vs {f.comm_s_text()}",
-        f"  bound: {p.bound}; step {fmt_seconds(p.step_s)} with all collectives overlapped, "
-        f"{fmt_seconds(p.step_ahead_only_s)} with only ahead-of-time ones; MFU {p.mfu:.1%}",
     ]
+    if p.hardware.book:
+        lines.append(f"  bound: {p.bound}; step {fmt_seconds(p.step_s)} with all collectives overlapped (the book's "
+                     f"model), {fmt_seconds(p.step_ahead_only_s)} with only ahead-of-time ones; MFU {p.mfu:.1%}")
+    else:
+        lines.append(f"  bound: {p.bound}; step {fmt_seconds(p.step_s)}: compute and memory, ahead-of-time "
+                     f"collectives overlapped, critical ones exposed; exposed communication "
+                     f"{fmt_seconds(p.exposed_comm_s)}")
+    lines.append(f"  MFU {p.mfu:.1%} (model FLOPs {fmt_flops(p.model_flops)}, recomputation not counted), "
+                 f"HFU {p.hfu:.1%}" + (f"; {p.tokens_per_s_per_chip:,.0f} tokens/s a chip" if p.tokens else ""))
     if p.step_at_mfu_s is not None and p.mfu_assumed is not None:
         lines.append(f"  at {p.mfu_assumed:.0%} MFU: {fmt_seconds(p.step_at_mfu_s)} "
                      f"(model FLOPs {fmt_flops(p.model_flops)} / (devices * C * MFU))")
@@ -51,7 +64,10 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
 
 
 def _phase(p: PhaseCost, layers: int) -> list[str]:
-    lines = [f"{p.name} (one layer)" if layers != 1 else p.name,
+    title = f"{p.name} (one layer)" if layers != 1 else p.name
+    if p.repeats > 1:  # a pipelined stage runs a microbatch at a time
+        title = f"{p.name} ({'one layer, ' if layers != 1 else ''}one microbatch, run {p.repeats} times a step)"
+    lines = [title,
              f"  {'#':>3}  {'op':<13} {'axes':<6} {'V / FLOPs':>10}  {'time':>9}  {'path':<8}  what"]
     lines.extend(_row(r) for r in p.rows)
     if not p.rows:
@@ -128,7 +144,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              f"{pipe.microbatches} microbatches of {cost.dim}={cost.microbatch_size:_}{given}",
              f"  {pipe.split_text()}; the tables above are one stage's"
              + (" (and the steps outside the block, which run on the first and last stage)" if cost.extra else "")
-             + ", on the whole batch at once",
+             + ", on the whole batch (a microbatch at a time; at once under the book's model)",
              f"  a microbatch through the slowest stage: F {fmt_seconds(cost.timing.forward)}, "
              f"B {fmt_seconds(cost.timing.backward)}, W {fmt_seconds(cost.timing.weight)}"
              + ("" if name in ("zb-h1", "zbv") else " (B and W run as one backward)"),
@@ -142,7 +158,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
                 f"the busiest stage's work {fmt_seconds(sim.ideal)} + its idle time "
                 f"{fmt_seconds(sim.makespan - sim.ideal)} ")
              + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
-             + f"[{fmt_seconds(cost.step_closed_s)} with free sends]",
+             + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
+             + f"[{fmt_seconds(cost.step_closed_s)} with free sends]; MFU {cost.mfu:.1%}",
              f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
              f" x activation factor {activation_factor(name, pipe.stages, pipe.chunks):.3g}",
              f"  point-to-point: {cost.boundary} a microbatch, {fmt_bytes(cost.p2p_bytes)} a device "

@@ -53,7 +53,7 @@ from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import leaves
-from shardc.timing import StepCost, bound_of, cost_step, local_elements, phase_seconds
+from shardc.timing import StepCost, bound_of, local_elements, phase_rows, phase_time
 
 if TYPE_CHECKING:
     from shardc.costmodel.cost_report import CostReport
@@ -73,7 +73,7 @@ class StageCost:
     forward_s: float
     backward_s: float  # input gradients (B)
     weight_s: float  # weight gradients (W)
-    compute_s: float
+    compute_s: float  # its einsums and memory-bound steps
     comm_s: float  # its collectives plus its sends and receives
     held: float  # microbatches of activations at its peak
     state_bytes: float  # params, grads, optimizer state of its layers
@@ -116,6 +116,16 @@ class PipelineCost:
     optimizer_s: float = 0.0  # ZeRO-1/2's optimizer phase of the busiest stage, once a step
     first: Timing = Timing(0.0, 0.0)  # a microbatch through the statements before the block (the first chunk's)
     last: Timing = Timing(0.0, 0.0)  # and through those after it (the last chunk's)
+    model_flops: float = 0.0  # the whole step's model FLOPs, every stage (recomputed ones not counted)
+    devices: int = 0  # every chip, stages included
+    peak: float = 0.0  # a chip's peak FLOPs/s in the spec's dtype
+    update_s: float = 0.0  # the optimizer's update on the busiest stage, after the schedule
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation of the whole pipelined step."""
+        return self.model_flops / (self.devices * self.peak * self.step_s) if self.devices * self.peak * \
+            self.step_s else 0.0
 
     @property
     def extra(self) -> bool:
@@ -129,15 +139,15 @@ class PipelineCost:
 
     @property
     def step_s(self) -> float:
-        """The simulated schedule, then the optimizer phase (ZeRO-1/2) after it."""
-        return self.simulation.makespan + self.optimizer_s
+        """The simulated schedule, then the optimizer phase (ZeRO-1/2) and the update after it."""
+        return self.simulation.makespan + self.optimizer_s + self.update_s
 
     @property
     def step_closed_s(self) -> float:
         """The busiest device's work plus the closed-form idle time, sends free: with alike stages the
         stage time times (m + bubble); with extra work on the first or last chunk it adds that work,
         m microbatches of it (GPipe's step exactly when one end does extra work)."""
-        return self.simulation.ideal + self.closed.idle_s + self.optimizer_s
+        return self.simulation.ideal + self.closed.idle_s + self.optimizer_s  # the schedule's, no update
 
     def to_json(self) -> dict[str, object]:
         pipe, sim = self.pipeline, self.simulation
@@ -155,7 +165,8 @@ class PipelineCost:
             "sends_per_microbatch": sends_per_microbatch(pipe.schedule.name, pipe.stages, pipe.chunks),
             "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,
             "backward_s": self.timing.backward, "weight_s": self.timing.weight,
-            "step_s": self.step_s, "step_closed_s": self.step_closed_s, "optimizer_s": self.optimizer_s,
+            "step_s": self.step_s, "mfu": self.mfu, "step_closed_s": self.step_closed_s,
+            "optimizer_s": self.optimizer_s, "update_s": self.update_s,
             "ideal_s": sim.ideal, "first_extra_s": _times(self.first), "last_extra_s": _times(self.last),
             "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
         }
@@ -171,15 +182,23 @@ def weight_steps(plan: Plan) -> frozenset[int]:
     return frozenset(k for k, s in enumerate(plan.backward) if s.tensor in grads)
 
 
-def _time(rows: list[StepCost]) -> tuple[float, float]:
-    compute = math.fsum(r.compute_s for r in rows)
-    comm = math.fsum(r.comm_s for r in rows if r.is_collective)
-    return compute, comm
+@dataclass(frozen=True)
+class _Part:
+    """A run of rows: compute and memory-bound time, collective time, and its time overlapped."""
+
+    busy: float
+    comm: float
+    seconds: float
+
+
+def _time(rows: list[StepCost], hw: Hardware) -> _Part:
+    t = phase_time(((r, 1) for r in rows), hw)
+    return _Part(t.busy_s, t.comm_s, t.seconds)
 
 
 def _rows(steps: tuple[Step, ...], plan: Plan, sizes: dict[str, int], hw: Hardware,
           spans: Layout) -> list[StepCost]:
-    return [cost_step(i, s, plan.spec.mesh, sizes, hw, spans) for i, s in enumerate(steps, 1)]
+    return list(phase_rows(plan, steps, sizes, hw, spans))
 
 
 def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout,
@@ -201,15 +220,16 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     dcn = axis.network is Network.DCN
     p2p_s = collective_time(Op.COLLECTIVE_PERMUTE, p2p, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
     slowest = max(pipe.stage_layers)
-    f, b, w = (max(c, k) * slowest for c, k in parts["layer"])
+    f, b, w = (p.seconds * slowest for p in parts["layer"])
     timing = Timing(f, b, w, p2p_s)
-    first, last = (Timing(*(max(c, k) for c, k in parts[end])) for end in ("first", "last"))
+    first, last = (Timing(*(p.seconds for p in parts[end])) for end in ("first", "last"))
     name = pipe.schedule.name
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
-    found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0], p2p_s, "DCN" if dcn else "ICI link")
+    found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0].seconds, p2p_s,
+                        "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last)
 
@@ -226,7 +246,7 @@ def _runs(rows: list[StepCost]) -> tuple[list[StepCost], list[StepCost], list[St
 
 
 def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
-              spans: Layout) -> dict[str, list[tuple[float, float]]]:
+              spans: Layout) -> dict[str, list[_Part]]:
     """(compute, comm) of a microbatch's F, B and W: one layer of the block ("layer"), the statements
     before the block ("first": the first chunk runs them) and those after it ("last")."""
     fwd = _runs(_rows(plan.forward, plan, micro, hw, spans))
@@ -239,8 +259,8 @@ def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
     out = {}
     for k, (key, back) in enumerate((("first", before), ("layer", inside), ("last", after))):
         marks = weight[offsets[key]:offsets[key] + len(back)]
-        out[key] = [_time(fwd[k]), _time(again[k] + [r for r, m in zip(back, marks, strict=True) if not m]),
-                    _time([r for r, m in zip(back, marks, strict=True) if m])]
+        out[key] = [_time(fwd[k], hw), _time(again[k] + [r for r, m in zip(back, marks, strict=True) if not m], hw),
+                    _time([r for r, m in zip(back, marks, strict=True) if m], hw)]
     return out
 
 
@@ -293,11 +313,11 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
     for stage, layers in enumerate(pipe.stage_layers):
         held = _held(plan, pipe, stage) or frozenset()
         mine = [r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated]
-        worst = max(worst, layers * phase_seconds(*_time(inside)) + phase_seconds(*_time(mine)))
+        worst = max(worst, layers * _time(inside, hw).seconds + _time(mine, hw).seconds)
     return worst
 
 
-def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[tuple[float, float]]], micro: dict[str, int],
+def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: dict[str, int],
             p2p_s: float, sim: Simulation, hw: Hardware, optimizer: str) -> tuple[StageCost, ...]:
     out = []
     dim = microbatch_dim(plan)
@@ -314,18 +334,18 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[tuple[float, float
         counts = [(1 if held_names is None or r.name in held_names else 0) if r in once else layers for r in values]
         residual = math.fsum(value_bytes(plan, r, micro) * k * (held if dim in r.indices else 1.0)
                              for r, k in zip(values, counts, strict=True))
-        compute = layers * math.fsum(c for c, _ in parts["layer"]) + math.fsum(c for e in ends for c, _ in e)
+        compute = layers * math.fsum(p.busy for p in parts["layer"]) + math.fsum(p.busy for e in ends for p in e)
         sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
-        comm = layers * math.fsum(k for _, k in parts["layer"]) + math.fsum(k for e in ends for _, k in e) + sends
-        f, b, w = (max(c, k) * layers + math.fsum(max(*e[i]) for e in ends)
-                   for i, (c, k) in enumerate(parts["layer"]))
+        comm = layers * math.fsum(p.comm for p in parts["layer"]) + math.fsum(p.comm for e in ends for p in e) + sends
+        f, b, w = (p.seconds * layers + math.fsum(e[i].seconds for e in ends)
+                   for i, p in enumerate(parts["layer"]))
         out.append(StageCost(s, layers, f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
                              residual, mem.gathered_bytes, hw.hbm_bytes))
     return tuple(out)
 
 
-def _thresholds(pipe: Pipeline, timing: Timing, forward: tuple[float, float], p2p_s: float,
+def _thresholds(pipe: Pipeline, timing: Timing, layer_f: float, p2p_s: float,
                 link: str) -> tuple[str, ...]:
     p, name = pipe.stages, pipe.schedule.name
     here = pipe.microbatches
@@ -339,7 +359,6 @@ def _thresholds(pipe: Pipeline, timing: Timing, forward: tuple[float, float], p2
         form = f"(p-1)/({k}*{BUBBLE_TARGET:g})"
     lines = [f"bubble <= {BUBBLE_TARGET:.0%} of ideal iff m >= {form} = {need} "
              f"({name}; here m = {here}: {'holds' if here >= need else 'does not hold'})"]
-    layer_f = max(forward)
     if layer_f > 0:
         least = p2p_s / layer_f
         layers = min(pipe.stage_layers)

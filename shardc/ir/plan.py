@@ -187,6 +187,7 @@ class Plan:
     cotangents: tuple[TensorRef, ...] = ()  # the gradient of each output, sharded like it
     grads: tuple[TensorRef, ...] = ()  # the gradient of each input not declared `const`
     strategy: str = "rules"  # "search" (least step time) or "rules" (the book's)
+    weights: tuple[float, float] = (1.0, 1.0)  # the search's compute weights (forward, backward)
     choices: tuple[Choice, ...] = field(default=(), compare=False)
     # tensor -> its gradient's name (shardc.names.gradient_names): never a name of the spec
     gradient_names: tuple[tuple[str, str], ...] = ()

@@ -94,8 +94,11 @@ def plan_parts(plan: Plan) -> Ends:
     """Plan the three parts as ``plan`` was planned (its policy, recompute mode, chip and gradient
     names: a part alone would name ``W``'s gradient ``dW`` where the whole spec has a tensor ``dW``)."""
     spans = dict(plan.spans) or None
+    # each part as the whole was planned: the candidate it chose (strategy and compute weights), never a
+    # choice of its own, so the parts' steps are the whole plan's (the costed ones)
     parts = [make_plan(s, save=plan.save, hardware=plan.chip, spans=spans, recompute=plan.recompute,
-                       gradients=dict(plan.gradient_names)) for s in split_spec(plan.spec)]
+                       gradients=dict(plan.gradient_names), strategy=plan.strategy, weights=plan.weights)
+             for s in split_spec(plan.spec)]
     for part in (parts[0], parts[2]):
         if uses_dropout(part.forward):
             raise ShardcError("a dropout outside the pipelined block does not lower yet",

@@ -3,7 +3,8 @@
 A family (:class:`Family`) is a set of spec functions and the typed local
 operations (:mod:`shardc.ir.localops`) their plan steps carry, with what every
 pass needs of them: how the planner plans the forward and the backward of one of
-its graph nodes, the bytes an element of the tensors those nodes make on the way,
+its graph nodes, the bytes an element of the tensors those nodes make on the way, the HBM
+bytes a step reads and writes (its cost: every step of a family is memory-bound),
 one line of JAX for each of its steps, and its meaning on whole arrays for the
 numpy reference.  The graph builder puts a node's family on the node
 (:attr:`shardc.planner.graph.Node.family`), so the planner dispatches on that
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
 
-__all__ = ["Builder", "Family", "Reference", "Site", "register", "of_call", "family_of", "of_op", "of_step", "families",
-           "SUM", "RENAME", "CONTRACT"]
+__all__ = ["Builder", "Family", "Reference", "Site", "Sizer", "Traffic", "all_traffic", "no_traffic", "register",
+           "of_call", "family_of", "of_op", "of_step", "families", "SUM", "RENAME", "CONTRACT"]
 
 # The forms of the language a family may claim beside its spec functions: a sum of terms
 # (``A + B - C``), a rename (``Kx[B, T, D] = X[B, S, D]``) and a product or copy (``A · B``).
@@ -38,6 +39,19 @@ CONTRACT = "·"
 Array = Any
 Arrays = tuple[Any, ...]  # one array per operand
 Namer = Callable[["TensorRef"], str]  # a value's variable in the generated code
+Sizer = Callable[["TensorRef"], float]  # bytes of one device's piece of a value
+# (HBM bytes read of each operand, in order, and bytes written) of one step
+Traffic = Callable[["Step", Sizer], tuple[tuple[float, ...], float]]
+
+
+def all_traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
+    """A step that reads each operand whole and writes its result: an elementwise map, a reduction."""
+    return tuple(nbytes(o) for o in step.operands), nbytes(step.dst)
+
+
+def no_traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
+    """A step that moves nothing: a new name for the same array."""
+    return tuple(0.0 for _ in step.operands), 0.0
 
 
 class Builder(Protocol):
@@ -144,6 +158,11 @@ class Family:
     scores: Callable[[Node], bool] = _never
     # the kinds of plan step that are its own whatever their local operation (an einsum's, a copy's)
     steps: tuple[Op, ...] = ()
+    # the HBM traffic of one of its steps (the cost model adds it up, minus what fusion saves)
+    traffic: Traffic = all_traffic
+    # whether XLA fuses its steps with their neighbours (elementwise maps and reductions: loop and
+    # reduction fusions; a top-k routing sorts, and is a kernel of its own)
+    fusible: bool = True
 
 
 _BY_CALL: dict[str, Family] = {}

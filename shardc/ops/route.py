@@ -60,4 +60,5 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
 
 
 ROUTING = register(Family(name="routing", calls=frozenset({"route"}), ops=(Route,), plan=plan_route, backward=None,
-                          emit=emit, reference=Reference(_forward, None, _magnitude), argument=_argument))
+                          emit=emit, reference=Reference(_forward, None, _magnitude), argument=_argument,
+                          fusible=False))

@@ -29,7 +29,19 @@ from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.names import fresh
 from shardc.ops.arrays import contract
-from shardc.ops.registry import RENAME, SUM, Arrays, Family, Namer, Reference, Site, register
+from shardc.ops.registry import (
+    RENAME,
+    SUM,
+    Arrays,
+    Family,
+    Namer,
+    Reference,
+    Site,
+    Sizer,
+    all_traffic,
+    no_traffic,
+    register,
+)
 from shardc.ops.text import broadcast_text
 from shardc.planner.layout import Value
 from shardc.planner.sum_plans import guard_axes, plan_add, plan_rename
@@ -155,8 +167,13 @@ def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
     return _vjp(site, xs, d, np, absolute=True)
 
 
+def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
+    """A sum or a negation reads its terms and writes the result; an alias is the same array, no traffic."""
+    return (no_traffic if isinstance(step.fn, Alias) else all_traffic)(step, nbytes)
+
+
 SUMS = register(Family(name="sums", calls=frozenset({SUM, RENAME}), ops=(Add, Neg, Alias), plan=_plan,
                        backward=_backward, emit=emit,
                        reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude), aliases=_is_rename,
                        # a sum continues an attention-score region (a bias or mask added to the scores)
-                       scores=lambda node: not _is_rename(node)))
+                       scores=lambda node: not _is_rename(node), traffic=_traffic))

@@ -28,7 +28,7 @@ from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.lowering import row_code as rows
 from shardc.names import fresh
 from shardc.ops.reductions import forward
-from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, register
+from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, all_traffic, register
 from shardc.planner.vocab import embed_backward, loss_backward, plan_embed, plan_loss
 from shardc.spec.walk import chain_indices
 
@@ -179,7 +179,18 @@ def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ..
     return first + second[1:] if call.func == "embed" else ()
 
 
+def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
+    """An embedding reads its ids and only the table rows they pick (its result's bytes); its gradient
+    scatter-adds into a zeroed table of the table's shape; the loss's maps read and write whole."""
+    if step.fn is Vocab.EMBED:
+        ids, _ = step.operands
+        return (nbytes(ids), nbytes(step.dst)), nbytes(step.dst)
+    if step.fn is Vocab.EMBED_VJP:
+        return tuple(nbytes(o) for o in step.operands), nbytes(step.shapes[0])
+    return all_traffic(step, nbytes)
+
+
 VOCABULARY = register(Family(
     name="vocabulary", calls=frozenset({"embed", "cross_entropy"}), ops=(Vocab,), plan=_plan, backward=_backward,
     emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices),
-    argument=_argument, aux=_aux, operands=_operands))
+    argument=_argument, aux=_aux, operands=_operands, traffic=_traffic))

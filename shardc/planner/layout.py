@@ -246,7 +246,8 @@ class CostContext:
     def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value]]) -> float:
         """Compute time of a local einsum over these (indices, local value) operands; 0 without sizes.
 
-        2 * prod(local index sizes) FLOPs a device (padded pieces), over the chip's C.
+        2 * prod(local index sizes) FLOPs a device (padded pieces), at the rate the chip reaches on a
+        matmul of that size in the spec's dtype (:meth:`Hardware.matmul_seconds`).
         """
         if self.sizes is None or not self.compute_weight:
             return 0.0
@@ -255,7 +256,7 @@ class CostContext:
         if hit is None:
             occurrences = ((i, axes) for idx, value in key for i, axes in zip(idx, value.layout, strict=True))
             flops, _ = einsum_flops(occurrences, lambda name: self.axis_sizes.get(name) or self.dim_size(name))
-            hit = self._compute[key] = float(flops) / self.hardware.flops
+            hit = self._compute[key] = self.hardware.matmul_seconds(float(flops), self.dtype.value)
         return hit * self.compute_weight
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:

@@ -78,9 +78,10 @@ def _phase_bytes(steps: Sequence[Step], sizes: dict[str, int]) -> float:
 def _time_line(plan: Plan) -> str:
     t = plan_time(plan)
     opt = f", optimizer {fmt_seconds(t.optimizer_s)}" if plan.optimizer else ""
+    opt += f", update {fmt_seconds(t.update_s)}" if t.update_s else ""
     where = plan.hardware + ("" if plan.topology is None else " " + "x".join(map(str, plan.topology)))
     return (f"# step time on {where}: {fmt_seconds(t.step_s)} (forward {fmt_seconds(t.forward_s)}, backward "
-            f"{fmt_seconds(t.backward_s)}{opt}; each max(compute, communication)), as `shardc cost` reports it")
+            f"{fmt_seconds(t.backward_s)}{opt}), as `shardc cost` reports it")
 
 
 def render_text(plan: Plan) -> str:

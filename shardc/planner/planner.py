@@ -40,7 +40,7 @@ from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_para
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import layer_inputs, leaves
-from shardc.timing import PlanTime, plan_time
+from shardc.timing import PlanTime, StepCost, plan_time
 from shardc.topology import check_topology
 
 __all__ = ["plan", "plan_candidate", "objective", "SAVE_POLICIES"]
@@ -63,7 +63,7 @@ SUM: tuple[float, float] = (1.0, 1.0)
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
          spans: dict[str, int] | None = None, recompute: str = "none", budget: int = BUDGET,
          explain: bool = False, gradients: Mapping[str, str] | None = None,
-         topology: str | tuple[int, ...] | None = None) -> Plan:
+         topology: str | tuple[int, ...] | None = None, weights: tuple[float, float] | None = None) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -76,8 +76,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     searches' and the book's rules'), the one of least step time, ties to less
     communication.  ``strategy="rules"`` applies the book's rules even when sizes are
     known (the baseline the search is measured against); ``"search"`` runs the search
-    once, compute and communication counted alike.  ``recompute`` (none, selective,
-    full: :mod:`shardc.planner.recompute`) is what the backward recomputes instead of
+    once, compute and communication counted alike (or as ``weights``, (forward, backward), says:
+    how a part of a spec is planned as the whole spec's chosen plan was, :attr:`Plan.weights`).
+    ``recompute`` (none, selective, full: :mod:`shardc.planner.recompute`) is what the backward recomputes instead of
     keeping; those forward steps are part of every candidate's backward time.
     ``budget`` is how much search the planner may do (:data:`BUDGET`) before it stops
     with a :class:`ShardcError`.  ``explain`` keeps, in :attr:`Plan.choices`, the
@@ -101,7 +102,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     spec = _with_topology(spec, topology, hardware)
     try:
         return _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
-                                   gradients or {})
+                                   gradients or {}, weights=weights or SUM)
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "
@@ -128,27 +129,29 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
                         spans: dict[str, int] | None, recompute: str, search: tuple[int, bool],
-                        gradients: Mapping[str, str]) -> Plan:
-    """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them."""
+                        gradients: Mapping[str, str], outer: Spec | None = None,
+                        weights: tuple[float, float] = SUM) -> Plan:
+    """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them; ``outer``: the
+    pipelined spec whose stage ``spec`` is (its candidates are timed as that pipeline runs them)."""
     hw = resolve_hardware(hardware, None, spec.hardware)
     check_spans(spec.mesh, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
     if zero_notes:
         planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute, search,
-                                      gradients)
+                                      gradients, outer, weights)
         return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
         return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
-                                                   recompute, search, gradients))
+                                                   recompute, search, gradients, spec, weights))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped, gradients)
     units = bonded_axes(stripped)
     ctx = _context(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
     ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
     if strategy == "auto" and spec.dims:
-        return _best_plan(spec, graph, save, ctx, recompute)
-    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx,
+        return _best_plan(spec, graph, save, ctx, recompute, outer)
+    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx, weights,
                  recompute=recompute)
 
 
@@ -164,27 +167,33 @@ def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
     return planned
 
 
-def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none") -> Plan:
+def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none",
+               outer: Spec | None = None) -> Plan:
     """The least step time among the rules' plan and searches under a few compute weights.
 
-    A phase takes max(compute, comm): once a phase is communication-bound only its
+    A phase takes about max(compute, comm): once a phase is communication-bound only its
     communication counts at the margin, so after the sum's plan each phase is searched
     again with compute weighted 0 if that plan left it communication-bound (1 if not),
-    and once with communication alone in both.  The exact step time picks the winner.
+    and once with communication alone in both.  The exact step time picks the winner: for a
+    pipeline's stage (``outer``), the time of the pipeline's plan, a microbatch at a time.
     """
-    memo: dict[tuple[object, ...], tuple[float, float]] = {}  # step seconds, shared by the candidates
+    memo: dict[tuple[object, ...], StepCost] = {}  # step costs, shared by the candidates
+
+    def timed(p: Plan) -> PlanTime:
+        return plan_time(p if outer is None else pipelined(outer, p), ctx.hardware, memo=memo)
+
     trace: list[Traced] = []
     first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
-    t = plan_time(first, ctx.hardware, memo=memo)
+    t = timed(first)
     candidates = [(objective(t), first)]
-    bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
-             0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
+    bound = (0.0 if t.forward.comm_s > t.forward.busy_s else 1.0,
+             0.0 if t.backward.comm_s > t.backward.busy_s else 1.0)
     others = [("search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM] + [("rules", SUM)]
     for strategy, weights in others:
         if _same_steps(graph, ctx, trace, strategy, weights):
             continue  # the first's steps, so its time: the tie goes to the first anyway
         p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
-        candidates.append((objective(plan_time(p, ctx.hardware, memo=memo)), p))
+        candidates.append((objective(timed(p)), p))
     best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
     return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
 
@@ -351,6 +360,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         cotangents=backward.cotangents,
         grads=backward.grads,
         strategy="search" if sized else "rules",
+        weights=weights,
         choices=tuple(forward.choices + backward.phase.choices),
         gradient_names=tuple(graph.grads.items()),
         hardware=ctx.hardware.name,
