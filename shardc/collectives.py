@@ -319,12 +319,14 @@ NCCL_NVLINK_STEP_S = 0.6e-6
 NCCL_NET_STEP_S = 2.7e-6
 
 
-def _nccl_latency(op: Op, inner: int, outer: int) -> float:
-    """NCCL's latency of a ring collective: base + steps; a ring of n takes n-1 steps (AllReduce twice)."""
+def _nccl_latency(op: Op, inner: int, outer: int, base: float | None = None) -> float:
+    """NCCL's latency of a ring collective: base + steps; a ring of n takes n-1 steps (AllReduce twice).
+    ``base``: the chip's measured base (:attr:`Hardware.collective_base`), else NCCL's."""
+    first = NCCL_BASE_S if base is None else base
     if TABLE[op].neighbour:  # one send: one step, across nodes if the stage axis spans them
-        return NCCL_BASE_S + (NCCL_NET_STEP_S if outer > 1 else NCCL_NVLINK_STEP_S)
+        return first + (NCCL_NET_STEP_S if outer > 1 else NCCL_NVLINK_STEP_S)
     rounds = 2 if op is Op.ALL_REDUCE else 1
-    return NCCL_BASE_S + rounds * ((inner - 1) * NCCL_NVLINK_STEP_S + (outer - 1) * NCCL_NET_STEP_S)
+    return first + rounds * ((inner - 1) * NCCL_NVLINK_STEP_S + (outer - 1) * NCCL_NET_STEP_S)
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,8 @@ def collective_time(op: Op, volume_bytes: float, axes: tuple[str, ...], mesh: Me
         seconds += weighted / (bandwidth[network] * divisor)
     nodes = _nodes(axes, mesh, sizes, spans)
     if nodes is not None:  # a GPU cluster: NCCL's latency adds to the transfer
-        return CollectiveTime(seconds, _nccl_latency(op, nodes[0], nodes[1]), "+".join(terms), True)
+        return CollectiveTime(seconds, _nccl_latency(op, nodes[0], nodes[1], hw.collective_base), "+".join(terms),
+                              True)
     neighbour = TABLE[op].neighbour
     latency = (1 if neighbour else hops(axes, sizes, spans)) * hw.hop_latency
     return CollectiveTime(seconds, latency, "+".join(terms), neighbour)

@@ -62,6 +62,8 @@ class Hardware:
     # (FLOPs of one matmul, fraction of peak it reaches) measured on the chip, by FLOPs; () = peak always
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
+    # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
+    collective_base: float | None = None
     book: bool = False  # the book's assumptions: spans by ceil(log16 n), no topology, no efficiency
 
     def spans(self, chips: int) -> int:
@@ -318,7 +320,7 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     values: dict[str, object] = {"name": str(data.get("name", source)),
                                  "description": str(data.get("description", ""))}
     for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency",
-                "ici_efficiency", "flops_f8", "bucket_bytes"):
+                "ici_efficiency", "flops_f8", "bucket_bytes", "collective_base"):
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)

@@ -99,7 +99,8 @@ def run_hardware(args: argparse.Namespace) -> int:
           "egress, one way, x ici_efficiency; DCN/IB per chip, as is; hop latency 1e-6 s; fp8: the f8 matmul "
           "rate;\nmatmul: the best measured fraction of peak a matmul reaches (smaller matmuls reach less; "
           "--model book: all at peak).\n--hardware-file chip.toml takes the keys: name, flops, flops_f8, "
-          "ici_bandwidth, hbm_bytes, hbm_bandwidth, dcn_bandwidth, hop_latency, bucket_bytes, matmul_efficiency "
+          "ici_bandwidth, hbm_bytes, hbm_bandwidth, dcn_bandwidth, hop_latency, bucket_bytes, collective_base, "
+          "matmul_efficiency "
           "([[flops, fraction], ...]), ici_domain, torus_side, torus_dims, ici_efficiency, book, description")
     return 0
 

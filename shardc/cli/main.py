@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("shardc.cli.lower_cmd", "put the plan beside XLA's partitioner"),
     "export": ("shardc.cli.export_cmd", "write the plan's shardings for jax, MaxText or flax"),
     "explain": ("shardc.cli.explain_cmd", "a jitted jax program's collectives beside shardc's plan"),
+    "calibrate": ("shardc.cli.calibrate_cmd", "measure this chip and write a hardware file"),
 }
 
 _EPILOG = ("Run `shardc COMMAND --help` for a command's flags.  Exit status: 0 ok, 1 a check failed or an "

@@ -1,0 +1,1 @@
+"""``shardc calibrate``: measure the chip jax runs on and write it as a hardware file."""

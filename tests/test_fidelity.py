@@ -1,0 +1,56 @@
+"""The published training runs of ``benchmarks/runs/``: each spec is the paper's model, and costs."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.ir.spec import Spec
+from shardc.spec.walk import leaves
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = ROOT / "benchmarks" / "runs"
+
+# parameter counts the papers give: Touvron et al. 2023 (LLaMA-2 70B: 68.98e9 as counted by its
+# released weights' shapes), Chowdhery et al. 2022 Table 1 (540.35e9), Dubey et al. 2024 (405e9),
+# Brown et al. 2020 Table 2.1 (175.0e9)
+PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 405e9, "gpt3_175b_megatron": 175.0e9}
+
+
+def _spec(name: str) -> Spec:
+    path = RUNS / f"{name}.shard"
+    return shardc.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _params(spec: Spec) -> float:
+    """Every param's elements, a `layers` block's once a layer (each param counted once)."""
+    sizes = dict(spec.dims)
+    layers = spec.layers if isinstance(spec.layers, int) else sizes.get(str(spec.layers), 1)
+    seen: dict[str, float] = {}
+    for k, statement in enumerate(spec.statements):
+        for ref in leaves(statement.expr):
+            if spec.params is not None and ref.name in spec.params and ref.name not in seen:
+                count = math.prod(sizes[d.name] for d in ref.dims)
+                seen[ref.name] = count * (layers if spec.block is not None and spec.repeats(k) else 1)
+    return math.fsum(seen.values())
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_each_run_is_its_papers_model_and_costs(name: str) -> None:
+    spec = _spec(name)
+    assert _params(spec) == pytest.approx(PARAMS[name], rel=0.005)
+    report = shardc.cost(shardc.plan(spec)).to_json()
+    step = report.get("pipeline") or report["step"]
+    assert step["step_s"] > 0 and 0 < step["mfu"] <= 1
+
+
+def test_the_fidelity_benchmark_prints_every_run() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/fidelity.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert all(run in done.stdout for run in ("LLaMA-2 70B", "PaLM 540B", "LLaMA 3 405B", "GPT-3 175B"))
