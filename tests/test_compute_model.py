@@ -258,7 +258,8 @@ def test_the_command_line_model_flag_is_the_python_one() -> None:
 @pytest.mark.parametrize("name", sorted(json.loads(BOOK.read_text())))
 def test_the_book_model_reproduces_the_figures_before_the_chip_model(name: str) -> None:
     """Every example's figures as `shardc cost` gave them before the chip's rates were modelled (the book's
-    model throughout), reproduced to the last digit under `model="book"`."""
+    model throughout), reproduced to the last digit under `model="book"`; a pipeline's step as since its
+    weight gradients are reduced once a step, not once a microbatch (`pipeline_step_s`)."""
     want = json.loads(BOOK.read_text())[name]
     path = EXAMPLES / f"{name}.shard"
     report = shardc.cost(shardc.plan(shardc.parse(path.read_text(), str(path)), model="book"), mfu=0.4)

@@ -293,3 +293,22 @@ def test_plan_text_says_it_is_one_stage() -> None:
                                     "schedule 1f1b; below is one stage's plan, for one layer (nothing is "
                                     "sharded over P); `shardc cost` gives the pipeline's step time")
     assert "# step time" not in text  # one stage's plan over every layer is not the pipeline's step
+
+
+def test_gradient_reductions_run_once_a_step_under_a_pipeline() -> None:
+    """Each microbatch's weight gradients are accumulated and reduced once a step (Megatron-LM,
+    DeepSpeed, torchtitan), so more microbatches add no reductions; what the last microbatch's
+    backward does not hide is added to the step."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "pipeline_llama2_13b.shard"
+    text = path.read_text(encoding="utf-8")
+    costs = [shardc.cost(shardc.plan(shardc.parse(text.replace("microbatches 16", f"microbatches {m}"))))
+             for m in (16, 32)]
+    for report in costs:
+        pipe = report.pipeline
+        assert pipe is not None and pipe.grad_reduce_s > 0 and 0 <= pipe.grad_reduce_exposed_s <= pipe.grad_reduce_s
+        assert pipe.step_s == pytest.approx(pipe.simulation.makespan + pipe.grad_reduce_exposed_s + pipe.optimizer_s
+                                            + pipe.update_s)
+        data = report.to_json()["pipeline"]
+        assert data["grad_reduce_s"] == pipe.grad_reduce_s  # type: ignore[index]
+    # the reductions move the params' gradients, whatever the microbatch count
+    assert costs[0].pipeline.grad_reduce_s == pytest.approx(costs[1].pipeline.grad_reduce_s)  # type: ignore[union-attr]

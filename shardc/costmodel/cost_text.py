@@ -157,9 +157,14 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + (f"stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) " if not cost.extra else
                 f"the busiest stage's work {fmt_seconds(sim.ideal)} + its idle time "
                 f"{fmt_seconds(sim.makespan - sim.ideal)} ")
+             + (f"+ exposed gradient reductions {fmt_seconds(cost.grad_reduce_exposed_s)} "
+                if cost.grad_reduce_exposed_s else "")
              + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
              + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
              + f"[{fmt_seconds(cost.step_closed_s)} with free sends]; MFU {cost.mfu:.1%}",
+             *([f"  gradient reductions: accumulated over the microbatches and reduced once a step, "
+                f"{fmt_seconds(cost.grad_reduce_s)} on the busiest stage, issued under the last microbatch's "
+                f"backward ({fmt_seconds(cost.grad_reduce_exposed_s)} exposed)"] if cost.grad_reduce_s else []),
              f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
              f" x activation factor {activation_factor(name, pipe.stages, pipe.chunks):.3g}",
              f"  point-to-point: {cost.boundary} a microbatch, {fmt_bytes(cost.p2p_bytes)} a device "

@@ -17,6 +17,9 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   own) and the point-to-point sends (:mod:`shardc.pipeline.schedules`), i.e. the stage
   time per microbatch times (m + bubble), plus what the sends add to the fill; its bubble
   is the step minus the busiest device's work;
+* the weight gradients' reductions (AllReduce, ReduceScatter of a ``dW``) are accumulated
+  over the microbatches and run once a step, as Megatron-LM, DeepSpeed and torchtitan run
+  them, issued under the last microbatch's backward: the step adds what they take beyond it;
 * point-to-point: a microbatch's block output, one device's shard of it (so divided by
   the tensor-parallel degree when it is sharded), sent one way over one link of the
   stage axis's network (one ICI link's one-way bandwidth, or the chip's DCN figure);
@@ -120,6 +123,8 @@ class PipelineCost:
     devices: int = 0  # every chip, stages included
     peak: float = 0.0  # a chip's peak FLOPs/s in the spec's dtype
     update_s: float = 0.0  # the optimizer's update on the busiest stage, after the schedule
+    grad_reduce_s: float = 0.0  # the weight gradients' reductions of the busiest stage, once a step
+    grad_reduce_exposed_s: float = 0.0  # what of them the last microbatch's backward does not hide
 
     @property
     def mfu(self) -> float:
@@ -139,8 +144,9 @@ class PipelineCost:
 
     @property
     def step_s(self) -> float:
-        """The simulated schedule, then the optimizer phase (ZeRO-1/2) and the update after it."""
-        return self.simulation.makespan + self.optimizer_s + self.update_s
+        """The simulated schedule, the exposed part of the gradient reductions once a step, then the
+        optimizer phase (ZeRO-1/2) and the update after it."""
+        return self.simulation.makespan + self.grad_reduce_exposed_s + self.optimizer_s + self.update_s
 
     @property
     def step_closed_s(self) -> float:
@@ -166,7 +172,8 @@ class PipelineCost:
             "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,
             "backward_s": self.timing.backward, "weight_s": self.timing.weight,
             "step_s": self.step_s, "mfu": self.mfu, "step_closed_s": self.step_closed_s,
-            "optimizer_s": self.optimizer_s, "update_s": self.update_s,
+            "optimizer_s": self.optimizer_s, "update_s": self.update_s, "grad_reduce_s": self.grad_reduce_s,
+            "grad_reduce_exposed_s": self.grad_reduce_exposed_s,
             "ideal_s": sim.ideal, "first_extra_s": _times(self.first), "last_extra_s": _times(self.last),
             "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
         }
@@ -226,12 +233,32 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     name = pipe.schedule.name
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
+    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
     found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0].seconds, p2p_s,
                         "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
-                        sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last)
+                        sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last,
+                        grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s)
+
+
+def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing,
+                     timing: Timing) -> tuple[float, float]:
+    """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
+    exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
+    hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows."""
+    layer = parts["layer reduce"][0].seconds
+    worst, exposed = 0.0, 0.0
+    for s, layers in enumerate(pipe.stage_layers):
+        ends = (parts["first reduce"][0].seconds if s == 0 else 0.0) + \
+            (parts["last reduce"][0].seconds if s == len(pipe.stage_layers) - 1 else 0.0)
+        own = layers * layer + ends
+        backward = (timing.backward + timing.weight) * layers / max(pipe.stage_layers) + \
+            (first.backward + first.weight if s == 0 else 0.0) + (last.backward + last.weight if s == len(
+                pipe.stage_layers) - 1 else 0.0)
+        worst, exposed = max(worst, own), max(exposed, own - backward)
+    return worst, max(0.0, exposed)
 
 
 def _runs(rows: list[StepCost]) -> tuple[list[StepCost], list[StepCost], list[StepCost]]:
@@ -259,9 +286,18 @@ def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
     out = {}
     for k, (key, back) in enumerate((("first", before), ("layer", inside), ("last", after))):
         marks = weight[offsets[key]:offsets[key] + len(back)]
+        w = [r for r, m in zip(back, marks, strict=True) if m]
         out[key] = [_time(fwd[k], hw), _time(again[k] + [r for r, m in zip(back, marks, strict=True) if not m], hw),
-                    _time([r for r, m in zip(back, marks, strict=True) if m], hw)]
+                    _time([r for r in w if not _accumulated(r)], hw)]
+        out[f"{key} reduce"] = [_time([r for r in w if _accumulated(r)], hw)]
     return out
+
+
+def _accumulated(row: StepCost) -> bool:
+    """A weight gradient's reduction (an AllReduce or ReduceScatter of a ``dW``): a sum over the batch, so
+    linear in it. Megatron-LM, DeepSpeed and torchtitan accumulate each microbatch's partial gradient
+    locally and reduce the sum once a step, after the schedule's last backward."""
+    return row.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)
 
 
 def _chunk_times(pipe: Pipeline, timing: Timing, first: Timing, last: Timing) -> tuple[Timing, ...]:
