@@ -180,7 +180,11 @@ def test_a_pipeline_axis_is_searched_as_the_stage_count(capsys: pytest.CaptureFi
     assert {r["axes"]["P"] for r in rows} == {1, 2, 4, 8}
     staged = next(r for r in rows if r["axes"]["P"] == 4)
     assert any("4 stages" in n for n in staged["notes"])
-    assert all(set(r["memory"]) == {"state", "activations", "gathered"} for r in rows)
+    assert all(set(r["memory"]) == {"state", "activations", "gathered"} for r in rows if r["axes"]["P"] > 1)
+    # P=1 is pipelining switched off: the plan's own step on the whole batch, no microbatches
+    off = next(r for r in rows if r["axes"] == {"P": 1, "X": 8, "Y": 1})
+    assert set(off["memory"]) == {"params", "grads", "optimizer", "activations", "gathered"}
+    assert not any("stages" in n for n in off["notes"])
 
 
 def test_a_zero_line_keeps_its_meaning() -> None:

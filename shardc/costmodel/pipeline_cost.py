@@ -215,6 +215,8 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     if pipe is None:
         return None
     pipe = replace(pipe, stages=sizes.get(pipe.axis, pipe.stages))  # sizes= may resize the mesh
+    if pipe.stages == 1:  # pipelining switched off: the one stage is the plan's own step
+        return None
     if isinstance(plan.spec.layers, str):
         pipe = replace(pipe, layers=sizes[plan.spec.layers])
     dim = check_microbatches(plan, pipe.microbatches, sizes)

@@ -123,8 +123,9 @@ class Mesh:
 
     @property
     def pipeline_axis(self) -> MeshAxis | None:
-        """The axis marked ``pipeline``, if any (validation allows at most one)."""
-        return next((a for a in self.axes if a.pipeline), None)
+        """The axis marked ``pipeline``, if any (validation allows at most one); one of size 1 is
+        pipelining switched off, none: its one stage is the whole model, run on the whole batch."""
+        return next((a for a in self.axes if a.pipeline and a.size > 1), None)
 
     @property
     def devices(self) -> int:
