@@ -51,6 +51,18 @@ def test_the_books_chapter_5_example_picks_x16_y4_on_a_4x4x4_slice(capsys: pytes
     assert "the book's X_opt = sqrt(B/F * M_X/M_Y * N)" in capsys.readouterr().out
 
 
+def test_the_books_x_opt_is_printed_beside_the_searched_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    """X_opt = sqrt(B/F * M_X/M_Y * N) at the links of the best layout using both axes, even where the
+    chosen one switches tensor parallelism off."""
+    assert main(["layouts", str(BOOK_CH5), "--topology", "4x4x4", "--jobs", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    book = data["book_optimum"]
+    assert book["N"] == 64 and all(size > 1 for size in book["at"].values())
+    assert data["x_opt"] == pytest.approx(math.sqrt(48_000 / 32_768 * book["M_X"] / book["M_Y"] * 64))
+    assert main(["layouts", str(BOOK_CH5), "--topology", "4x4x4", "--jobs", "1"]) == 0
+    assert "the book's X_opt = sqrt(B/F * M_X/M_Y * N)" in capsys.readouterr().out
+
+
 def test_x16_on_a_4x4x4_slice_spans_two_wrapped_physical_axes() -> None:
     _, (links, notes) = _links({"X": 16, "Y": 4}, V5P, (4, 4, 4))
     assert links["X"].links == 2 and [r.chips for r in links["X"].rings] == [4, 4]

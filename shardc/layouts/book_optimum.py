@@ -32,6 +32,8 @@ class BookOptimum:
     m_x: float
     m_y: float
     chips: int
+    x: int = 0  # the layout whose links M_X and M_Y are
+    y: int = 0
 
     @property
     def x_opt(self) -> float:
@@ -40,11 +42,13 @@ class BookOptimum:
     def text(self, searched: int) -> str:
         return (f"the book's X_opt = sqrt({self.batch}/{self.hidden} * M_{self.fsdp_axis}/M_{self.tp_axis} * N) = "
                 f"sqrt({self.b}/{self.f} * {self.m_x:g}/{self.m_y:g} * {self.chips}) = {self.x_opt:.1f} "
-                f"beside the searched {self.fsdp_axis}={searched}")
+                f"(at {self.fsdp_axis}={self.x}, {self.tp_axis}={self.y}'s links) beside the searched "
+                f"{self.fsdp_axis}={searched}")
 
     def to_json(self) -> dict[str, object]:
         return {"x_opt": self.x_opt, "fsdp_axis": self.fsdp_axis, "tp_axis": self.tp_axis, "B": self.b,
-                "F": self.f, "M_X": self.m_x, "M_Y": self.m_y, "N": self.chips}
+                "F": self.f, "M_X": self.m_x, "M_Y": self.m_y, "N": self.chips, "at": {self.fsdp_axis: self.x,
+                                                                                 self.tp_axis: self.y}}
 
 
 def book_optimum(report: CostReport, axes: tuple[str, ...]) -> BookOptimum | None:
@@ -63,4 +67,5 @@ def book_optimum(report: CostReport, axes: tuple[str, ...]) -> BookOptimum | Non
     m_x, m_y = (float(links[a].links) if a in links else 1.0 for a in (x, y))
     chips = report.sizes[x] * report.sizes[y]
     b = math.prod(report.sizes[t] for t in tokens)  # every token of a step (sequences x their length)
-    return BookOptimum(x, y, "*".join(tokens), f, b, report.sizes[f], m_x, m_y, chips)
+    return BookOptimum(x, y, "*".join(tokens), f, b, report.sizes[f], m_x, m_y, chips, report.sizes[x],
+                       report.sizes[y])

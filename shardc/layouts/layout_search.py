@@ -72,14 +72,18 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
         raise ShardcError(f"{len(specs)} specs have {sum(map(len, plans))} layouts on {n} chips together, past the "
                           f"budget of {MAX_WORK} plans x 2^axes", fix="search fewer --with specs at once")
     rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
-    optimum = _optimum(specs, rows[0], options, fixed) if rows else None
+    optimum = _optimum(specs, rows, options, fixed) if rows else None
     return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats, optimum=optimum)
 
 
-def _optimum(specs: Sequence[Spec], best: Layout, options: Options, fixed: frozenset[str]) -> BookOptimum | None:
-    """The book's X_opt at the chosen layout, when its spec has two searched axes (FSDP, then tensor parallel)."""
-    spec = next(s for s in specs if (s.filename or "<spec>") == best.spec)
+def _optimum(specs: Sequence[Spec], rows: Sequence[Layout], options: Options,
+             fixed: frozenset[str]) -> BookOptimum | None:
+    """The book's X_opt, when the chosen layout's spec has two searched axes (FSDP, then tensor parallel),
+    at the links of the best layout of that spec using both (the chosen one, unless it switches one off)."""
+    spec = next(s for s in specs if (s.filename or "<spec>") == rows[0].spec)
     axes = searched_axes(spec, fixed & set(spec.mesh.names)).searched
+    best = next((r for r in rows if r.spec == rows[0].spec and all(dict(r.sizes).get(a, 1) > 1 for a in axes)),
+                rows[0])
     candidate = prepare(spec, dict(best.sizes))
     if len(axes) != 2 or not isinstance(candidate, Spec):
         return None
