@@ -20,10 +20,9 @@ import re
 
 from shardc.ir.plan import Op, Plan
 from shardc.lowering.pipeline_lowering import PipelineLowered
-from shardc.planner.plan_text import step_label
 from shardc.timing import local_elements
 from shardc.verification.hlo import Collective, collectives
-from shardc.verification.report import CollectiveRow, axes_text, hlo_axes, plan_row_key
+from shardc.verification.report import CollectiveRow, axes_text, hlo_axes, planned_collective, unplanned_row
 
 __all__ = ["loop_rows", "stage_rows"]
 
@@ -61,28 +60,18 @@ def stage_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | No
     rows = []
     for plan in parts or (lowered.plan,):
         for step in (s for s in plan.forward + plan.backward if s.is_collective):
-            op, axes = plan_row_key(step, dict(mesh))
-            want = int(step.volume.evaluate(sizes)) if step.volume is not None else None
-            label = f"{step_label(step)} {step.src} -> {step.dst}"
-            skipped = [a for a in step.axes if a in cut]
-            if skipped or not axes:
-                note = (f"not run: {','.join(skipped)} cut to 1 to fit the devices (raise --devices)"
-                        if skipped else "size-1 axes: nothing to move")
-                rows.append(CollectiveRow("step", label, step.op.title, axes_text(step.axes), want,
-                                          "-", "-", None, not skipped, note))
+            p = planned_collective("step", step, dict(mesh), sizes, cut)
+            if isinstance(p, CollectiveRow):
+                rows.append(p)
                 continue
-            signature: Signature = (op, axes, want)
+            signature: Signature = (p.op, p.axes, p.want)  # the loop runs each distinct one once in its body
             allowed.add(signature)
             hit = found.get(signature)
-            rows.append(CollectiveRow("step", label, step.op.title, axes_text(axes), want,
+            rows.append(CollectiveRow("step", p.label, step.op.title, axes_text(p.axes), p.want,
                                       hit.hlo_op if hit else "-", axes_text(hit.axes) if hit else "-",
-                                      want if hit else None, hit is not None,
+                                      p.want if hit else None, hit is not None,
                                       "" if hit else "no collective of its kind, axes and bytes in the HLO"))
-    for signature, c in found.items():
-        if signature not in allowed:
-            rows.append(CollectiveRow("step", "", c.kind.title if c.kind else c.hlo_op, "-", None, c.hlo_op,
-                                      axes_text(c.axes), signature[2], False, "not in the plan"))
-    return rows
+    return rows + [unplanned_row("step", c, nbytes) for signature, c in found.items() if signature not in allowed]
 
 
 def _boundary_bytes(lowered: PipelineLowered) -> int:

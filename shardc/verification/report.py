@@ -19,7 +19,8 @@ from shardc.planner.plan_text import step_label
 from shardc.verification.hlo import Collective
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text", "compare_values",
-           "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE", "POWER", "cut_note"]
+           "Planned", "planned_collective", "unplanned_row", "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE",
+           "POWER", "cut_note"]
 
 STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
 # (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
@@ -111,6 +112,41 @@ def plan_row_key(step: Step, mesh: dict[str, int]) -> tuple[Op, tuple[str, ...]]
     return step.op, tuple(sorted(axes)) if step.op is Op.ALL_REDUCE else axes
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A planned collective as the HLO is searched for it: its row's label, its kind, its axes of size
+    > 1 (sorted for an AllReduce, whose group has no order) and its bytes."""
+
+    label: str
+    op: Op
+    axes: tuple[str, ...]
+    want: int | None
+
+
+def planned_collective(phase: str, step: Step, mesh: dict[str, int], sizes: dict[str, int],
+                       cut: tuple[str, ...]) -> Planned | CollectiveRow:
+    """A planned collective to look for in the HLO, or its row already when there is none to look for:
+    over an axis the run cut to 1 to fit the devices (it fails: not run), or over size-1 axes only."""
+    want = int(step.volume.evaluate(sizes)) if step.volume is not None else None
+    op, axes = plan_row_key(step, mesh)
+    label = f"{step_label(step)} {step.src} -> {step.dst}"
+    skipped = [a for a in step.axes if a in cut]
+    if skipped:
+        return CollectiveRow(phase, label, step.op.title, axes_text(step.axes), want, "-", "-", None, False,
+                             f"not run: {'axis' if len(skipped) == 1 else 'axes'} {','.join(skipped)} cut to 1 "
+                             "to fit the devices (raise --devices)")
+    if not axes:
+        return CollectiveRow(phase, label, step.op.title, axes_text(step.axes), want, "-", "-", None, True,
+                             "size-1 axes: nothing to move")
+    return Planned(label, op, axes, want)
+
+
+def unplanned_row(phase: str, c: Collective, nbytes: int) -> CollectiveRow:
+    """A collective of the HLO that no planned one matched: it fails."""
+    return CollectiveRow(phase, "", c.kind.title if c.kind else c.hlo_op, "-", None, c.hlo_op, axes_text(c.axes),
+                         c.bytes(nbytes), False, "not in the plan")
+
+
 def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collective],
                       sizes: dict[str, int], nbytes: int, cut: tuple[str, ...] = ()) -> list[CollectiveRow]:
     """Pair each planned collective with an HLO one of the same kind, axes and bytes.
@@ -122,35 +158,23 @@ def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collectiv
     left = [c for c in found if c.axes]  # a group of one device moves nothing
     rows: list[CollectiveRow] = []
     for step in (s for s in steps if s.is_collective):
-        want = int(step.volume.evaluate(sizes)) if step.volume is not None else None
-        op, axes = plan_row_key(step, mesh)
-        label = f"{step_label(step)} {step.src} -> {step.dst}"
-        skipped = [a for a in step.axes if a in cut]
-        if skipped:
-            rows.append(CollectiveRow(phase, label, step.op.title, axes_text(step.axes), want, "-", "-",
-                                      None, False, f"not run: {'axis' if len(skipped) == 1 else 'axes'} "
-                                      f"{','.join(skipped)} cut to 1 to fit the devices (raise --devices)"))
+        p = planned_collective(phase, step, mesh, sizes, cut)
+        if isinstance(p, CollectiveRow):
+            rows.append(p)
             continue
-        if not axes:
-            rows.append(CollectiveRow(phase, label, step.op.title, axes_text(step.axes), want, "-", "-",
-                                      None, True, "size-1 axes: nothing to move"))
-            continue
-        same = [c for c in left if c.kind is op and hlo_axes(c) == axes]
-        exact = [c for c in same if c.bytes(nbytes) == want]
+        same = [c for c in left if c.kind is p.op and hlo_axes(c) == p.axes]
+        exact = [c for c in same if c.bytes(nbytes) == p.want]
         if not same:
-            rows.append(CollectiveRow(phase, label, step.op.title, axes_text(axes), want, "-", "-",
+            rows.append(CollectiveRow(phase, p.label, step.op.title, axes_text(p.axes), p.want, "-", "-",
                                       None, False, "not in the compiled HLO: XLA found it unneeded"))
             continue
         chosen = (exact or same)[0]
         left.remove(chosen)
         got = chosen.bytes(nbytes)
-        rows.append(CollectiveRow(phase, label, step.op.title, axes_text(axes), want, chosen.hlo_op,
-                                  axes_text(chosen.axes), got, got == want,
-                                  "" if got == want else "bytes differ"))
-    for c in left:
-        rows.append(CollectiveRow(phase, "", c.kind.title if c.kind else c.hlo_op, "-", None, c.hlo_op,
-                                  axes_text(c.axes), c.bytes(nbytes), False, "not in the plan"))
-    return rows
+        rows.append(CollectiveRow(phase, p.label, step.op.title, axes_text(p.axes), p.want, chosen.hlo_op,
+                                  axes_text(chosen.axes), got, got == p.want,
+                                  "" if got == p.want else "bytes differ"))
+    return rows + [unplanned_row(phase, c, nbytes) for c in left]
 
 
 def hlo_axes(c: Collective) -> tuple[str, ...]:
