@@ -123,3 +123,17 @@ def test_a_quick_calibration_on_emulated_devices_writes_a_file_cost_accepts(tmp_
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cost.returncode == 0, cost.stderr
     assert "host" in cost.stdout
+
+
+def test_calibrate_refuses_outputs_it_must_not_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked before anything is measured: a directory, a device, an existing file without --force."""
+    from shardc.cli.main import main
+
+    kept = tmp_path / "kept.toml"
+    kept.write_text("x", encoding="utf-8")
+    for argv, says in ((["--out", str(tmp_path)], "not a file path"), (["--out", "/dev/null", "--force"], "regular"),
+                       (["--out", str(kept)], "--force"), (["--devices", "0"], "1 to 512")):
+        assert main(["calibrate", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+    assert kept.read_text(encoding="utf-8") == "x"

@@ -65,7 +65,7 @@ GOOD = {"--set": ["B=64", "X=2", "D=1e3"], "--hardware": ["tpu-v5p", "h100"], "-
         "--mfu": ["0.4"], "--spans": ["X=2"], "--sweep": ["B=1e3:1e6", "X=2:64"], "--points": ["3"],
         "--top": ["3"], "--devices": ["8", "1"], "--with": EXAMPLES[:3],
         "--output": [str(WORK / "module.py")], "--plot": [str(WORK / "sweep.svg")],
-        "--schedule-plot": [str(WORK / "gantt.svg")]}
+        "--schedule-plot": [str(WORK / "gantt.svg")], "--out": [str(WORK / "chip.toml")], "--name": ["host"]}
 
 
 # `layouts` plans over a process pool when it has 8 plans or more: here one process, whatever is drawn
@@ -87,7 +87,7 @@ def argvs(draw: st.DrawFn) -> list[str]:
     command = draw(st.sampled_from(sorted(COMMANDS)))
     argv = [command]
     flags = COMMANDS[command]
-    if command != "hardware":  # every other command reads FILE
+    if command not in ("hardware", "calibrate"):  # every other command reads FILE
         files = st.sampled_from([e for e in EXAMPLES if command != "layouts" or "pipeline" not in e])
         argv.append(draw(st.one_of(files, files, files, st.sampled_from(PATHS + [str(WORK / "long.shard")]))))
     if command == "layouts":
@@ -101,7 +101,8 @@ def argvs(draw: st.DrawFn) -> list[str]:
 
 
 class _WouldCompile(BaseException):
-    """Raised where ``verify`` or ``compare`` would start XLA: every argument check is behind it."""
+    """Raised where ``verify`` or ``compare`` would start XLA, or ``calibrate`` would start measuring: every
+    argument check is behind it."""
 
 
 def _stop(*args: object, **kwargs: object) -> None:
@@ -115,7 +116,8 @@ def run_cli(argv: list[str]) -> tuple[int | str, str, float]:
     start = time.process_time()
     with (contextlib.chdir(WORK), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err),
           mock.patch("shardc.verification.verify.verify", _stop),
-          mock.patch("shardc.verification.compare.compare", _stop)):
+          mock.patch("shardc.verification.compare.compare", _stop),
+          mock.patch("shardc.calibrate.run.measure", _stop)):
         try:
             status: int | str = main(argv)
         except SystemExit as stop:  # argparse: --help, --version, a malformed flag

@@ -33,6 +33,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.out is not None:
         if not args.out or os.path.isdir(args.out):
             raise ShardcError(f"--out {args.out!r} is not a file path", fix="name a file, e.g. --out chip.toml")
+        if os.path.exists(args.out) and not os.path.isfile(args.out):
+            raise ShardcError(f"--out {args.out} is not a regular file", fix="name a file, e.g. --out chip.toml")
         if os.path.exists(args.out) and not args.force:
             raise ShardcError(f"--out {args.out} exists", fix="name another file, or add --force to replace it")
     if args.devices is not None:
@@ -56,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         print(text, end="")
         return 0
-    with open(args.out, "w", encoding="utf-8") as handle:
-        handle.write(text)
+    try:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as err:
+        raise ShardcError(f"--out {args.out}: cannot write it ({err.strerror})",
+                          fix="name a file in a directory you can write") from None
     print(f"wrote {args.out}: {chip.name}, {measured.devices} x {measured.device_kind}", file=sys.stderr)
     return 0
