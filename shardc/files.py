@@ -1,4 +1,5 @@
-"""Reading a user's file (a spec, a hardware TOML): bounded in size and in waiting, UTF-8 only.
+"""Reading a user's file (a spec, a hardware TOML): bounded in size and in waiting, UTF-8 only; and
+writing one (a lowered module, an export, a chip file) with one error for every way that fails.
 
 A spec is a few kilobytes; anything past :data:`MAX_BYTES` is refused before it
 is held in memory (``shardc plan /dev/zero`` must not read until memory runs out).
@@ -18,7 +19,7 @@ import stat
 
 from shardc.errors import ShardcError, Span
 
-__all__ = ["MAX_BYTES", "WAIT_S", "read_bytes", "read_text", "decode"]
+__all__ = ["MAX_BYTES", "WAIT_S", "read_bytes", "read_text", "decode", "write_text"]
 
 MAX_BYTES = 1 << 20  # 1 MiB: a 96-layer spec is about 10 kB
 WAIT_S = 10.0
@@ -104,3 +105,13 @@ def _not_utf8(data: bytes, at: int, path: str, what: str | None = None, source: 
     found = what or f"byte 0x{data[at]:02x}, not UTF-8 (Latin-1 or Windows-1252 text?)"
     return ShardcError(f"{path} is not UTF-8: {found}", span,
                        fix=f"save it as UTF-8, e.g. iconv -f {source} -t UTF-8 {path} > {path}.utf8")
+
+
+def write_text(path: str, text: str, flag: str) -> None:
+    """Write ``text`` to ``path`` as UTF-8; a failure is a :class:`ShardcError` naming ``flag``."""
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as err:
+        raise ShardcError(f"{flag} {path}: cannot write it ({err.strerror})",
+                          fix="name a file in a directory you can write") from None

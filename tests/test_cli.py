@@ -385,3 +385,12 @@ def test_dims_named_like_hardware_symbols(capsys: pytest.CaptureFixture[str], tm
     axis = "mesh W_ici=4\ndims B=4096, C=64, F=128\nparam W\nOut[B_{W_ici}, F] = In[B_{W_ici}, C] · W[C_{W_ici}, F]\n"
     forward = shardc.cost(shardc.plan(shardc.parse(axis))).forward.formula
     assert (forward.compute_s_text(), forward.comm_s_text()) == ("2*B*C*F/(C_chip*W_ici)", "C*F/W_ici_chip")
+
+
+def test_an_output_that_cannot_be_written_is_one_clear_error(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    """`lower -o` and `export -o` write through one helper (shardc.files.write_text): one message, status 2."""
+    target = str(tmp_path / "no" / "such" / "dir" / "out.py")
+    for command in (["lower", str(EXAMPLES / "tp.shard"), "-o", target],
+                    ["export", str(EXAMPLES / "tp.shard"), "--to", "jax", "-o", target]):
+        fails_clearly(capsys, *command, says=f"-o {target}: cannot write it")

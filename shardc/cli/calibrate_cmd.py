@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from shardc.errors import ShardcError
+from shardc.files import write_text
 
 __all__ = ["register"]
 
@@ -58,11 +59,6 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         print(text, end="")
         return 0
-    try:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text)
-    except OSError as err:
-        raise ShardcError(f"--out {args.out}: cannot write it ({err.strerror})",
-                          fix="name a file in a directory you can write") from None
+    write_text(args.out, text, "--out")
     print(f"wrote {args.out}: {chip.name}, {measured.devices} x {measured.device_kind}", file=sys.stderr)
     return 0

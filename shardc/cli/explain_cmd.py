@@ -16,6 +16,7 @@ from typing import Any
 
 from shardc.cli.lower_cmd import emulate_devices
 from shardc.errors import ShardcError, clip
+from shardc.files import write_text
 
 __all__ = ["register"]
 
@@ -72,11 +73,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
     result = explain(fn, *tuple(fn_args), hardware=args.hardware, origin=args.target)
     if args.spec_out:
-        try:
-            with open(args.spec_out, "w", encoding="utf-8") as handle:
-                handle.write(result.spec)
-        except OSError as err:
-            raise ShardcError(f"cannot write {args.spec_out}: {err.strerror}", fix="check the directory") from None
+        write_text(args.spec_out, result.spec, "--spec-out")
     print(json.dumps(result.to_json(), indent=2) if args.json else render_explanation(result), end="\n"
           if args.json else "")
     return 0

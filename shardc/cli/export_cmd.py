@@ -9,6 +9,7 @@ from typing import Any
 
 from shardc.cli.main import add_common, read_spec
 from shardc.errors import ShardcError
+from shardc.files import write_text
 
 __all__ = ["register"]
 
@@ -52,11 +53,6 @@ def run_export(args: argparse.Namespace) -> int:
     if not args.output:
         print(text, end="")
         return 0
-    try:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text)
-    except OSError as err:
-        raise ShardcError(f"cannot write {args.output}: {err.strerror}",
-                          fix="check the directory exists and is writable") from None
+    write_text(args.output, text, "-o")
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -20,6 +20,7 @@ from typing import Any
 
 from shardc.cli.main import add_common, read_spec
 from shardc.errors import ShardcError, clip
+from shardc.files import write_text
 
 __all__ = ["register"]
 
@@ -95,12 +96,7 @@ def run_lower(args: argparse.Namespace) -> int:
     if note:
         print(note, file=sys.stderr)
     if args.output:
-        try:
-            with open(args.output, "w", encoding="utf-8") as handle:
-                handle.write(source)
-        except OSError as err:
-            raise ShardcError(f"cannot write {args.output}: {err.strerror}",
-                              fix="check the directory exists and is writable") from None
+        write_text(args.output, source, "-o")
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         print(source, end="")
