@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 
 from shardc.calibrate.fit import Line, efficiency_points, median
 from shardc.collectives import NCCL_BASE_S, CollectiveTime, Op, collective_time
@@ -144,11 +144,9 @@ def chip_toml(hw: Hardware, m: Measurements, when: str) -> str:
         lines.append("# dcn_bandwidth: not measured (one host); the ICI figure stands in")
     else:
         lines.append("# dcn_bandwidth: not measured (one host); the preset's data-sheet figure")
-    default = Hardware("", 1.0, 1.0, 1.0, 1.0, 1.0)
-    for f in fields(Hardware):
+    for f in fields(Hardware):  # the required figures, and each other one that is not its default
         value = getattr(hw, f.name)
-        if value is None or (f.name not in ("name", "flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth",
-                                            "dcn_bandwidth") and value == getattr(default, f.name)):
+        if value is None or (f.default is not MISSING and value == f.default):
             continue
         if isinstance(value, float) and not math.isfinite(value):
             continue

@@ -102,7 +102,7 @@ def collective_points(op: Op, volumes: Sequence[int], devices: Sequence[Any],
 
 
 @dataclass(frozen=True)
-class Plan:
+class Sizes:
     """Sizes to measure: matmul sides, the streamed array's bytes, collective volumes (bytes)."""
 
     sides: tuple[int, ...]
@@ -112,8 +112,8 @@ class Plan:
 
 
 # --quick: seconds on emulated CPU devices; the full run: 4 KB to 1 GB collectives, matmuls to 16384
-QUICK = Plan(sides=(64, 128, 256, 512), stream_bytes=2**24, volumes=tuple(2**k for k in range(12, 23, 2)), repeats=3)
-FULL = Plan(sides=(256, 512, 1024, 2048, 4096, 8192, 16384), stream_bytes=2**30,
+QUICK = Sizes(sides=(64, 128, 256, 512), stream_bytes=2**24, volumes=tuple(2**k for k in range(12, 23, 2)), repeats=3)
+FULL = Sizes(sides=(256, 512, 1024, 2048, 4096, 8192, 16384), stream_bytes=2**30,
             volumes=tuple(2**k for k in range(12, 31, 2)), repeats=10)
 
 

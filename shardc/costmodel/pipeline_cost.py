@@ -250,15 +250,12 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timin
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
     hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows."""
-    layer = parts["layer reduce"][0].seconds
+    layer, slowest, final = parts["layer reduce"][0].seconds, max(pipe.stage_layers), len(pipe.stage_layers) - 1
     worst, exposed = 0.0, 0.0
     for s, layers in enumerate(pipe.stage_layers):
-        ends = (parts["first reduce"][0].seconds if s == 0 else 0.0) + \
-            (parts["last reduce"][0].seconds if s == len(pipe.stage_layers) - 1 else 0.0)
-        own = layers * layer + ends
-        backward = (timing.backward + timing.weight) * layers / max(pipe.stage_layers) + \
-            (first.backward + first.weight if s == 0 else 0.0) + (last.backward + last.weight if s == len(
-                pipe.stage_layers) - 1 else 0.0)
+        ends = [(key, t) for key, t, on in (("first", first, s == 0), ("last", last, s == final)) if on]
+        own = layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends)
+        backward = (timing.backward + timing.weight) * layers / slowest + sum(t.backward + t.weight for _, t in ends)
         worst, exposed = max(worst, own), max(exposed, own - backward)
     return worst, max(0.0, exposed)
 
