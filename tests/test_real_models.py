@@ -1,0 +1,62 @@
+"""The field's real models as examples: each is its paper's model at its published (or stated) layout."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+# (example, the parameter count its source gives, its chips, the options it is costed under):
+# Gemma 2 27B: 1.18e9 embedding + 26.05e9 other parameters (Gemma Team 2024, Table 1), less the
+# 0.85e6 norm scales a spec leaves out; Yi-34B: 34.389e9 in its released weights, less 0.87e6
+# norm scales.
+MODELS = [("gemma2_27b", 27.2266e9, 6144, ()), ("yi_34b", 34.3880e9, 1024, ("--recompute", "full"))]
+
+
+def _mesh(name: str) -> dict[str, int]:
+    path = EXAMPLES / f"{name}.shard"
+    spec = shardc.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return {axis.name: axis.size for axis in spec.mesh.axes}
+
+
+def _cost(name: str, *options: str) -> dict:  # type: ignore[type-arg]
+    path = EXAMPLES / f"{name}.shard"
+    spec = shardc.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    recompute = options[1] if options else "none"
+    return shardc.cost(shardc.plan(spec, recompute=recompute)).to_json()
+
+
+@pytest.mark.parametrize(("name", "params", "chips", "options"), MODELS, ids=[m[0] for m in MODELS])
+def test_each_real_model_is_its_papers_model_and_fits(name: str, params: float, chips: int,
+                                                       options: tuple[str, ...]) -> None:
+    report = _cost(name, *options)
+    assert report["memory"]["params_total"] == pytest.approx(params, rel=1e-4)
+    assert math.prod(report["sizes"][axis] for axis in _mesh(name)) == chips
+    step = report.get("pipeline") or report["step"]
+    assert 0 < step["mfu"] <= 1
+
+
+def test_a_pipelined_models_parameter_count_is_the_whole_models_not_one_stages() -> None:
+    # the memory tables of a pipelined spec are one stage's; its parameter count is every stage's
+    report = _cost("yi_34b", "--recompute", "full")
+    assert report["memory"]["params_total"] > 4 * report["memory"]["params_per_device"]
+    assert report["memory"]["params_total"] == pytest.approx(34.3880e9, rel=1e-4)
+
+
+@pytest.mark.parametrize(("name", "params", "chips", "options"), MODELS, ids=[m[0] for m in MODELS])
+def test_layouts_ranks_the_published_layout_in_its_top_three(name: str, params: float, chips: int,
+                                                            options: tuple[str, ...],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = EXAMPLES / f"{name}.shard"
+    published = _mesh(name)
+    assert main(["layouts", str(path), "--chips", str(chips), "--jobs", "1", "--json", *options]) == 0
+    ranked = [row["axes"] for row in json.loads(capsys.readouterr().out)["layouts"] if row["fits"]]
+    assert published in ranked[:3], ranked[:3]
