@@ -1,6 +1,7 @@
 """Published training runs against shardc's cost model: step time and MFU, measured vs predicted.
 
-Each run is a whole-model spec in ``benchmarks/runs/`` written from its paper (embedding, every
+Each run is a whole-model spec in ``benchmarks/runs/`` (or ``examples/``, where it is small enough
+to verify in the tests) written from its paper (embedding, every
 layer, loss) at the published layout, batch and recompute policy, on the published chip.  A run
 published as a step time is compared on it; one published as FLOP/s a chip (or MFU alone) is
 compared on the step time those imply for the model's FLOPs as shardc counts them (6 x params x
@@ -26,15 +27,13 @@ sys.path.insert(0, str(ROOT))
 
 import shardc  # noqa: E402
 
-RUNS = ROOT / "benchmarks" / "runs"
-
 
 @dataclass(frozen=True)
 class Run:
     """A published run: its spec, the recompute policy it used, and what its paper measured."""
 
     name: str
-    spec: str
+    spec: str  # its path from the repository's root
     recompute: str
     source: str
     step_s: float | None = None  # seconds a step, where published
@@ -45,20 +44,20 @@ class Run:
 PUBLISHED = (
     # MaxText's save_dot_except_mlpwi recomputes the MLP's input matmuls, a policy shardc cannot name
     # yet: costed without recomputation, so its step leaves out those matmuls' second run
-    Run("LLaMA-2 70B, MaxText, 256 v5p", "llama2_70b_maxtext.shard", "none",
+    Run("LLaMA-2 70B, MaxText, 256 v5p", "benchmarks/runs/llama2_70b_maxtext.shard", "none",
         "MaxText docs/tiering.md, benchmarks/maxtext_v5p_model_configs.py", mfu=0.654),
-    Run("PaLM 540B, 6144 v4", "palm_540b.shard", "full",
+    Run("PaLM 540B, 6144 v4", "benchmarks/runs/palm_540b.shard", "full",
         "Chowdhery et al. 2022, Table 3 and section 4", step_s=17.6, mfu=0.462),
-    Run("LLaMA 3 405B 8K, 8192 H100", "llama3_405b.shard", "none",  # the paper names no recomputation
+    Run("LLaMA 3 405B 8K, 8192 H100", "examples/llama3_405b.shard", "none",  # the paper names no recomputation
         "Dubey et al. 2024, Table 4", flops_per_chip=430e12, mfu=0.43),
-    Run("GPT-3 175B, Megatron-LM, 384 A100", "gpt3_175b_megatron.shard", "full",
+    Run("GPT-3 175B, Megatron-LM, 384 A100", "benchmarks/runs/gpt3_175b_megatron.shard", "full",
         "Narayanan et al. 2021, Table 1", flops_per_chip=153e12),
 )
 
 
 def predict(run: Run) -> dict[str, Any]:
     """shardc's step time and MFU for ``run`` (the pipeline's where pipelined), and the chip's peak."""
-    spec = shardc.parse((RUNS / run.spec).read_text(encoding="utf-8"), filename=str(RUNS / run.spec))
+    spec = shardc.parse((ROOT / run.spec).read_text(encoding="utf-8"), filename=run.spec)
     report = shardc.cost(shardc.plan(spec, recompute=run.recompute)).to_json()
     step, pipeline = report["step"], report.get("pipeline") or {}
     return {"step_s": pipeline.get("step_s", step["step_s"]), "mfu": pipeline.get("mfu", step["mfu"]),
