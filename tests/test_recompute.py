@@ -131,8 +131,10 @@ def test_full_reruns_only_what_the_backward_needs() -> None:
 # --- the extra FLOPs are in the step time --------------------------------------------------------------
 
 @pytest.mark.parametrize("text", [ATTENTION, MLP])
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "full", "dots", "dots-except:W_in"])
 def test_recomputed_flops_are_in_the_backward_and_the_step_time(text: str, mode: str) -> None:
+    if "W_in" in mode and "W_in" not in text:
+        mode = "dots-except:W_q"
     none, again = planned(text, "none"), planned(text, mode)
     cost_none, cost_again = shardc.cost(none), shardc.cost(again)
     extra = math.fsum(einsum_flops(s, plan_sizes(again))[0] for s in again.recomputed if s.op is Op.EINSUM)
@@ -173,11 +175,49 @@ def test_cli_plan_and_cost_take_recompute(tmp_path: Path) -> None:
 def test_an_unknown_mode_is_an_error() -> None:
     with pytest.raises(shardc.ShardcError, match="unknown recompute mode"):
         planned(MLP, "some")
+    with pytest.raises(shardc.ShardcError, match="'W_gate' is not a param"):
+        planned(MLP, "dots-except:W_in,W_gate")
+    with pytest.raises(shardc.ShardcError, match="'' is not a param"):
+        planned(MLP, "dots-except:")
+    with pytest.raises(TypeError, match="recompute must be a str"):
+        planned(MLP, 3)  # type: ignore[arg-type]
+
+
+# --- dots: a matmul-with-a-weight's output kept, the rest rerun --------------------------------------------
+
+def test_dots_keeps_each_weight_matmuls_output_and_reruns_what_maps_it() -> None:
+    """JAX's dots_with_no_batch_dims_saveable: gelu's input (the matmul's output) is kept, its output rerun."""
+    dots = planned(MLP, "dots")
+    assert [s.dst.name for s in dots.recomputed] == ["Tmp"]
+    assert "Tmp_t1" in kept(dots) and "Tmp" not in kept(dots)
+    cost_none, cost_dots = shardc.cost(planned(MLP, "none")), shardc.cost(dots)
+    assert cost_dots.backward.compute_flops == cost_none.backward.compute_flops  # no matmul rerun
+    assert cost_dots.memory.residual_bytes < cost_none.memory.residual_bytes
+
+
+def test_dots_except_a_param_reruns_its_matmul_as_maxtexts_save_dot_except_mlpwi() -> None:
+    again = planned(MLP, "dots-except:W_in")
+    assert {s.dst.name for s in again.recomputed} == {"Tmp_t1", "Tmp"}
+    extra = shardc.cost(again).backward.compute_flops - shardc.cost(planned(MLP, "none")).backward.compute_flops
+    assert extra == 2 * 4096 * 1024 * 4096 / 8  # W_in's matmul once more, B*D*F/(X*Y) of it a device
+    assert again.recompute == "dots-except:W_in"
+
+
+def test_dots_keeps_each_layers_input_and_reruns_the_attention_scores() -> None:
+    """Under a remat policy a scanned layer keeps its input (the scan's carry); the attention scores, a matmul
+    of two activations, are rerun; the MLP's input projections too under dots-except."""
+    spec = shardc.parse((ROOT / "examples" / "llama2_13b.shard").read_text(encoding="utf-8"))
+    plan = shardc.plan(spec, recompute="dots-except:W_gate,W_up")
+    rows = {r["value"]: r for r in shardc.cost(plan).to_json()["memory"]["residuals"]}  # type: ignore[index]
+    assert "the layer's input" in rows["X0[B_X, S, D]"]["why"]
+    again = {s.dst.name for s in plan.recomputed}
+    assert {"Sc", "P", "C", "G_t1", "U"} <= again and not again & {"X0", "Q", "K", "Vl"}
+    assert {"Q[B_X, S, N_Y, H]", "K[B_X, T, N_Y, H]"} <= set(rows)
 
 
 # --- any spec ----------------------------------------------------------------------------------------------
 
-@given(specs(max_statements=3, dims=True), st.sampled_from(["selective", "full"]),
+@given(specs(max_statements=3, dims=True), st.sampled_from(["selective", "full", "dots"]),
        st.sampled_from(["default", "none", "all"]))
 def test_recompute_keeps_less_and_costs_what_the_planner_minimises(spec: shardc.Spec, mode: str, save: str) -> None:
     none, again = shardc.plan(spec, save=save), shardc.plan(spec, save=save, recompute=mode)

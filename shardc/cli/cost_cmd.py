@@ -16,6 +16,7 @@ from shardc.accountings import ACCOUNTINGS
 from shardc.cli.main import (
     add_common,
     add_model_flags,
+    add_recompute,
     add_topology,
     check_hardware_flag,
     configure_chip,
@@ -52,8 +53,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--hardware-file", metavar="TOML", help="a chip of your own (keys: shardc hardware)")
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="the plan's residual policy (see `shardc plan --help`)")
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                        help="what the backward recomputes instead of keeping (see `shardc plan --help`)")
+    add_recompute(parser)
     parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
                         help="training-state accounting: " + "; ".join(
                             f"{k} {v[3]}" for k, v in ACCOUNTINGS.items()))

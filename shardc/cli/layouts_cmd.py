@@ -13,6 +13,7 @@ from shardc.accountings import ACCOUNTINGS
 from shardc.cli.main import (
     add_common,
     add_model_flags,
+    add_recompute,
     add_topology,
     check_hardware_flag,
     configure_chip,
@@ -68,8 +69,7 @@ def register(subparsers: Any, name: str) -> None:
                         help="training-state accounting (see `shardc cost --help`)")
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="the plans' residual policy (see `shardc plan --help`)")
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                        help="what the backward recomputes instead of keeping (see `shardc plan --help`)")
+    add_recompute(parser)
     parser.add_argument("--mfu", type=float, metavar="FRACTION",
                         help="also give each step time at this MFU (never under the step time)")
     parser.add_argument("--top", type=int, default=20, metavar="K",

@@ -181,6 +181,17 @@ def add_topology(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", metavar="SHAPE",
                         help="the TPU slice the ICI axes lie on (4x4x4, 16x16) or the GPU cluster, NODESxGPUS "
                              "(48x8); default: the spec's `topology` line, else the chip's usual one")
+def add_recompute(parser: argparse.ArgumentParser, detail: bool = False) -> None:
+    """--recompute, shared by plan, cost and layouts (checked by the planner)."""
+    more = ("none keeps what --save keeps; selective recomputes the attention-score region (Korthikanti et "
+            "al. 2022); full keeps each layer's input; dots keeps every matmul-with-a-weight's output (JAX's "
+            "dots_with_no_batch_dims_saveable, MaxText's minimal); dots-except:W_gate,W_up also recomputes "
+            "the matmuls reading those params (MaxText's save_dot_except_mlpwi)") if detail else \
+        "see `shardc plan --help`"
+    parser.add_argument("--recompute", default="none", metavar="POLICY",
+                        help=f"what the backward recomputes instead of keeping: {more}")
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """--model and --bucket-mb, shared by plan, cost and layouts."""
     parser.add_argument("--model", choices=("chip", "book"), default=None,

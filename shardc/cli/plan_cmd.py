@@ -10,6 +10,7 @@ from typing import Any
 from shardc.cli.main import (
     add_common,
     add_model_flags,
+    add_recompute,
     add_topology,
     check_hardware_flag,
     configure_chip,
@@ -29,9 +30,7 @@ def register(sub: Any, name: str) -> None:
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="residual policy: default keeps gathered activations and gathers weights "
                              "again; none keeps nothing gathered; all keeps everything")
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                        help="activation recomputation: none keeps what --save keeps; selective recomputes the "
-                             "attention-score region (Korthikanti et al. 2022); full keeps each layer's input")
+    add_recompute(parser, detail=True)
     parser.add_argument("--hardware", metavar="NAME",
                         help="plan for this chip (see `shardc hardware`; default: the spec's, else tpu-v5p)")
     parser.add_argument("--hardware-file", metavar="TOML", help="plan for a chip of your own")

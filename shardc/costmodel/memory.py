@@ -31,6 +31,7 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Dim, TensorRef
+from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.walk import id_names, layer_inputs, leaves
@@ -126,7 +127,7 @@ def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:
     so it is kept once a layer."""
     repeated = _block_reads(plan)
     made = {s.dst: s.once for s in plan.forward}
-    checkpoints = set(layer_inputs(plan.spec)) if plan.recompute == "full" else set()
+    checkpoints = set(layer_inputs(plan.spec)) if keeps_layer_inputs(plan.recompute) else set()
     return {ref for ref in refs if ref.name not in checkpoints and made.get(ref, ref.name not in repeated)}
 
 
@@ -245,7 +246,7 @@ def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str]
         parts.append(moved[ref])
     if once:
         parts.append("outside the layers block, kept once (not once a layer)")
-    elif plan.recompute == "full" and ref.name in layer_inputs(plan.spec):
+    elif keeps_layer_inputs(plan.recompute) and ref.name in layer_inputs(plan.spec):
         parts.append("the layer's input, kept once a layer (the checkpoint the layer is recomputed from)")
     if plan.recompute == "selective" and declared.get(ref) != "input":
         parts.append("kept (outside the attention-score region)")

@@ -27,7 +27,7 @@ from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
 from shardc.planner.layout import CostContext, SearchTooLong, Value
 from shardc.planner.phase import Phase, Traced
-from shardc.planner.recompute import RECOMPUTE_MODES, attention_region, recompute_steps
+from shardc.planner.recompute import attention_region, keeps_layer_inputs, policy, recompute_steps
 from shardc.planner.unit import (
     Placements,
     bonded_axes,
@@ -78,8 +78,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     known (the baseline the search is measured against); ``"search"`` runs the search
     once, compute and communication counted alike (or as ``weights``, (forward, backward), says:
     how a part of a spec is planned as the whole spec's chosen plan was, :attr:`Plan.weights`).
-    ``recompute`` (none, selective, full: :mod:`shardc.planner.recompute`) is what the backward recomputes instead of
-    keeping; those forward steps are part of every candidate's backward time.
+    ``recompute`` (none, selective, full, dots, dots-except:PARAM,...: :mod:`shardc.planner.recompute`)
+    is what the backward recomputes instead of keeping; those forward steps are part of every candidate's backward time.
     ``budget`` is how much search the planner may do (:data:`BUDGET`) before it stops
     with a :class:`ShardcError`.  ``explain`` keeps, in :attr:`Plan.choices`, the
     alternatives each choice weighed (``shardc plan --explain``); the plan is the same.
@@ -92,8 +92,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
     if strategy not in STRATEGIES:
         raise ShardcError(f"unknown strategy {strategy!r}", fix="use one of: " + ", ".join(STRATEGIES))
-    if recompute not in RECOMPUTE_MODES:
-        raise ShardcError(f"unknown recompute mode {recompute!r}", fix="use one of: " + ", ".join(RECOMPUTE_MODES))
+    policy(recompute)  # its params are checked where the plan is made
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ShardcError(f"budget={clip(repr(budget))}: must be a whole number of search steps >= 1",
                           fix=f"leave it out for the default, {BUDGET:,}")
@@ -346,9 +345,10 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
     region = attention_region(graph) if recompute == "selective" else frozenset()
     start = [declared[n] for n in graph.inputs]
-    if recompute == "full":  # each layer's input is its checkpoint: the backward reruns the layer from it
+    if keeps_layer_inputs(recompute):  # each layer's input is its checkpoint: the backward reruns the layer from it
         start += [declared[n] for n in layer_inputs(spec)]
-    again = recompute_steps(recompute, fwd, backward.residuals, start, region)
+    mode, rerun = policy(recompute, graph.params)
+    again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun)
     return Plan(
         spec=spec,
         forward=fwd,

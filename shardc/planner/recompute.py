@@ -10,6 +10,13 @@
 * ``selective``: everything but the attention-score region (Korthikanti et al.
   2022, section 4.3: the QK^T result, softmax, softmax dropout), which is cheap
   to recompute and large (5as/h of the 34 + 5as/h).
+* ``dots``: the output of every matmul with a weight (an einsum reading a param,
+  and what a collective makes of it), as JAX's
+  ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` and MaxText's
+  ``minimal`` remat policy keep them: norms, activations and the attention
+  scores are recomputed.  ``dots-except:W_gate,W_up`` also recomputes the matmuls
+  reading the named params, as MaxText's ``save_dot_except_mlpwi`` does for the
+  MLP's input projections.
 
 What is not kept is recomputed (:func:`recompute_steps`): the forward steps that
 make the residuals the backward reads and does not keep, and the steps making
@@ -33,14 +40,54 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from shardc.collectives import Op
+from shardc.errors import ShardcError
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import CONTRACT, family_of
 from shardc.planner.graph import Graph, Node
 
-__all__ = ["RECOMPUTE_MODES", "attention_region", "recompute_steps", "reads"]
+__all__ = ["RECOMPUTE_MODES", "attention_region", "keeps_layer_inputs", "policy", "recompute_steps", "reads"]
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "dots")
+_EXCEPT = "dots-except:"
+
+
+def policy(text: object, params: Iterable[str] | None = None) -> tuple[str, frozenset[str]]:
+    """``--recompute``'s mode and, for ``dots-except:A,B``, the params whose matmuls are rerun
+    (each checked against ``params``, where given)."""
+    fix = "use one of: " + ", ".join(RECOMPUTE_MODES) + f", or {_EXCEPT}PARAM,... (e.g. {_EXCEPT}W_gate,W_up)"
+    if not isinstance(text, str):
+        raise ShardcError(f"recompute is a {type(text).__name__}: must be a string", fix=fix)
+    if text in RECOMPUTE_MODES:
+        return text, frozenset()
+    if not text.startswith(_EXCEPT):
+        raise ShardcError(f"unknown recompute mode {text[:80]!r}", fix=fix)
+    names = [n.strip() for n in text[len(_EXCEPT):].split(",")]
+    known = set(names if params is None else params)
+    unknown = [n for n in names if n not in known or not n]
+    if unknown:
+        raise ShardcError(f"recompute {text[:80]!r}: {', '.join(map(repr, unknown[:5]))} is not a param "
+                          "of the spec", fix="name params the spec declares: " + ", ".join(sorted(known)[:20]))
+    return "dots", frozenset(names)
+
+
+def keeps_layer_inputs(recompute: str) -> bool:
+    """Whether the policy reruns each layer from its input, kept once a layer as its checkpoint (``full``,
+    and ``dots``, as a remat policy under ``jax.lax.scan`` keeps the carry)."""
+    return recompute == "full" or recompute.startswith("dots")
+
+
+def _dot_outputs(forward: tuple[Step, ...], params: frozenset[str], rerun: frozenset[str]) -> set[TensorRef]:
+    """The outputs of the matmuls that read a param not in ``rerun``, and what collectives make of them."""
+    found: set[TensorRef] = set()
+    for step in forward:
+        names = {o.name for o in step.operands}
+        if step.op is Op.EINSUM and names & params and not names & rerun:
+            found.add(_norm(step.dst))
+        elif step.is_collective and step.src is not None and _norm(step.src) in found:
+            found.add(_norm(step.dst))
+    return found
 
 
 def reads(step: Step) -> tuple[TensorRef, ...]:
@@ -89,12 +136,14 @@ def attention_region(graph: Graph) -> frozenset[str]:
 
 
 def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[TensorRef],
-                    start: Iterable[TensorRef], region: frozenset[str]) -> tuple[Step, ...]:
+                    start: Iterable[TensorRef], region: frozenset[str],
+                    params: frozenset[str] = frozenset(), rerun: frozenset[str] = frozenset()) -> tuple[Step, ...]:
     """The forward steps the backward reruns under ``mode``, in forward order.
 
     ``residuals`` are the forward values the backward reads, ``start`` the values the
     forward starts from (declared inputs and params), ``region`` the tensors
-    ``selective`` recomputes.
+    ``selective`` recomputes; ``dots`` keeps the matmuls reading ``params``, but
+    those reading ``rerun``.
     """
     if mode == "none":
         return ()
@@ -103,6 +152,8 @@ def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[Te
     if mode == "selective":
         kept |= {r for r in wanted if r.name not in region}
         kept |= {_norm(r) for s in forward if s.tensor in region for r in reads(s) if r.name not in region}
+    if mode == "dots":
+        kept |= _dot_outputs(forward, params, rerun)
     producer: dict[TensorRef, int] = {}
     for k, step in enumerate(forward):
         producer.setdefault(_norm(step.dst), k)
