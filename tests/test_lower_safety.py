@@ -53,7 +53,7 @@ def test_hostile_names_and_file_name_lower_import_and_run(tmp_path: Path, monkey
     shapes = {"def": (4, 6), "make_mesh": (6, 8), "forward": (8, 6)}
     inputs = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     results = module.forward(inputs)  # type: ignore[attr-defined]
-    want = np.tanh(np.asarray(shardc.lowering.function_code.function("gelu").forward(
+    want = np.tanh(np.asarray(shardc.ops.elementwise.function("gelu").forward(
         inputs["def"] @ inputs["make_mesh"], np)) @ inputs["forward"])
     np.testing.assert_allclose(np.asarray(results["__debug__"]), want, rtol=1e-4, atol=1e-5)
     grads = module.grad(inputs, {"d__debug__": np.ones((4, 6), np.float32)})  # type: ignore[attr-defined]
