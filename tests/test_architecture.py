@@ -29,9 +29,12 @@ DEFERRED = ("jax", "jaxlib", "ml_dtypes", "matplotlib", "lark", "importlib", "to
 
 # The entry points import a pass only when its command or function runs: the package's ``__init__``
 # runs before any of its modules (so importing a pass there would make every module import every
-# pass), and ``shardc --help`` builds every command's parser without loading one.  Their imports
-# still count as edges of the graph, so they cannot hide a cycle.
+# pass); a command's module is loaded only when that command runs, and imports at module level all
+# but the passes that load a library deferred for start-up time (jax, matplotlib, lark: ``shardc
+# --help`` loads none, ``shardc explain --help`` no jax).  Their imports still count as edges of the
+# graph, so they cannot hide a cycle.
 ENTRY_POINTS = ("shardc", "shardc.cli")
+HEAVY = ("jax", "jaxlib", "matplotlib", "lark")
 
 # the planning and costing layers: parsing a spec must not reach any of them (the spec's own pipeline
 # lines, its stage axis and layer split, are ``shardc.spec.stages``, which validation reads)
@@ -316,6 +319,26 @@ def test_the_entry_points_defer_only_the_package_itself() -> None:
     odd = [str(e) for e in EDGES if e.deferred and _entry_point(e.source)
            and not _within(e.target, ("shardc", *DEFERRED))]
     assert not odd, "\n".join(odd)
+
+
+def _loads_a_heavy_library(name: str) -> bool:
+    """Whether importing ``name`` loads jax, matplotlib or lark (its module-level imports, and theirs)."""
+    graph: dict[str, set[str]] = {n: set() for n in MODULES}
+    for edge in EDGES:
+        if edge.target in MODULES and not edge.deferred:
+            graph[edge.source].add(edge.target)
+    loaded = reachable(name, graph)
+    return any(e.source in loaded and not e.deferred and _within(e.target, HEAVY) for e in EDGES)
+
+
+def test_the_commands_defer_only_what_loads_a_heavy_library() -> None:
+    # the package's own __init__ defers every pass; a command defers a pass only to spare its jax,
+    # matplotlib or lark
+    assert _loads_a_heavy_library("shardc.spec.parser") and not _loads_a_heavy_library("shardc.errors")
+    needless = [str(e) for e in EDGES if e.deferred and _within(e.source, ENTRY_POINTS[1:]) and e.target in MODULES
+                and not _loads_a_heavy_library(e.target)]
+    assert not needless, "these command imports load no jax, matplotlib or lark: import them at module level\n" + \
+        "\n".join(needless)
 
 
 def test_parsing_reaches_nothing_of_planning_or_costing() -> None:

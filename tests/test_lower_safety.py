@@ -165,12 +165,14 @@ def _broken(plan: shardc.ir.plan.Plan) -> shardc.ir.plan.Plan:  # type: ignore[n
 @pytest.mark.parametrize("command", ["plan", "lower", "verify"])
 def test_commands_run_the_plan_checker(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from shardc.cli import lower_cmd, plan_cmd
     from shardc.planner import planner
 
     spec = tmp_path / "fsdp.shard"
     spec.write_text("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D_X, F]\n")
     real = planner.plan
-    monkeypatch.setattr(planner, "plan", lambda *a, **k: _broken(real(*a, **k)))
+    for module in (plan_cmd, lower_cmd):  # the planner as each command calls it
+        monkeypatch.setattr(module, "plan", lambda *a, **k: _broken(real(*a, **k)))
     assert main([command, str(spec)]) == 1
     err = capsys.readouterr().err
     assert "internal error: the planner made a broken plan" in err and "Traceback" not in err
@@ -216,14 +218,14 @@ def test_a_spec_whose_dims_do_not_divide_lowers_to_a_module_that_runs_at_sizes_t
 
 def test_an_unexpected_exception_in_verify_is_an_internal_error_not_a_traceback(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from shardc.verification import verify as verify_module
+    from shardc.cli import lower_cmd
     spec = tmp_path / "tp.shard"
     spec.write_text("mesh X=2\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
 
     def boom(*args: object, **kwargs: object) -> None:
         raise ValueError("XLA said no\nsecond line")
 
-    monkeypatch.setattr(verify_module, "verify", boom)
+    monkeypatch.setattr(lower_cmd, "verify", boom)
     monkeypatch.delenv("SHARDC_TRACEBACK", raising=False)
     assert main(["verify", str(spec)]) == 1
     err = capsys.readouterr().err
