@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import shardc
+from shardc.cli import plan_cmd
 from shardc.cli.main import COMMANDS, full_parser, main
 from shardc.errors import ShardcError
 from shardc.files import MAX_BYTES, read_text
@@ -76,11 +77,19 @@ def test_help_describes_every_command_and_flag(capsys: pytest.CaptureFixture[str
 
 
 def test_argument_parsing_imports_no_pass() -> None:
-    # `shardc --help` and each command's parser load argparse and the command modules only
+    # `shardc --help` loads argparse and the dispatcher only
+    code = ("import sys; from shardc.cli.main import build_parser; build_parser(None); "
+            "print(sorted(m for m in sys.modules if m.startswith(('shardc.planner', 'shardc.costmodel', "
+            "'shardc.lowering', 'shardc.spec', 'shardc.hardware', 'jax', 'sympy', 'symengine', 'lark', 'numpy'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_no_command_parser_imports_jax() -> None:
+    # a command's parser loads its module and the passes it runs, but never jax or matplotlib
     code = ("import sys; from shardc.cli.main import COMMANDS, build_parser, full_parser; "
             "[build_parser(c) for c in COMMANDS]; full_parser(); "
-            "print(sorted(m for m in sys.modules if m.startswith(('shardc.planner', 'shardc.costmodel', "
-            "'shardc.lowering', 'shardc.spec', 'jax', 'sympy', 'symengine', 'lark', 'numpy'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('jax', 'matplotlib'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert done.stdout.strip() == "[]", done.stdout
 
@@ -274,23 +283,19 @@ def test_sweep_plot_writes_svg(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 # the exits of last resort ------------------------------------------------------------------------
 
 def test_memory_error_is_a_diagnostic(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardc.planner.planner as planner
-
     def exhausted(*args: object, **kwargs: object) -> None:
         raise MemoryError
 
-    monkeypatch.setattr(planner, "plan", exhausted)
+    monkeypatch.setattr(plan_cmd, "plan", exhausted)
     fails_clearly(capsys, "plan", str(EXAMPLES / "tp.shard"), says="error: out of memory")
 
 
 def test_a_bug_is_one_line_not_a_traceback(capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardc.planner.planner as planner
-
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("oops")
 
-    monkeypatch.setattr(planner, "plan", broken)
+    monkeypatch.setattr(plan_cmd, "plan", broken)
     monkeypatch.delenv("SHARDC_TRACEBACK", raising=False)
     status, _, err = run_main(capsys, "plan", str(EXAMPLES / "tp.shard"))
     assert status == 1 and "Traceback" not in err  # an internal error exits 1 from every command

@@ -19,13 +19,11 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from small_examples import SMALL
 
 from shardc.cli.main import main
 from shardc.testing import spec_texts
 
-EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.shard"))
-# the whole layers (LLaMA, the MoE decoder) plan in seconds, not ms
-SMALL = [p for p in EXAMPLES if "llama" not in p.name and p.stem != "moe_transformer"]
 WORK = Path(tempfile.mkdtemp(prefix="shardc-cli-fuzz-"))
 atexit.register(shutil.rmtree, WORK, True)
 

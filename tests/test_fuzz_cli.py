@@ -25,14 +25,12 @@ from unittest import mock
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from small_examples import SMALL
 
 from shardc.cli.main import full_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
-# the small examples plan in milliseconds (the whole LLaMA layers and the MoE decoder take seconds, and so
-# do the layouts of a pipeline)
-EXAMPLES = [str(p) for p in sorted((ROOT / "examples").glob("*.shard"))
-            if "llama2" not in p.name and p.stem not in ("moe_transformer", "llama_layer_fsdp_tp")]
+EXAMPLES = [str(p) for p in SMALL]
 WORK = Path(tempfile.mkdtemp(prefix="shardc-fuzz-cli-"))
 atexit.register(shutil.rmtree, WORK, True)
 (WORK / "folder").mkdir()
@@ -115,8 +113,8 @@ def run_cli(argv: list[str]) -> tuple[int | str, str, float]:
     saved = os.environ.get("XLA_FLAGS")  # verify and compare set the device count jax will start with
     start = time.process_time()
     with (contextlib.chdir(WORK), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err),
-          mock.patch("shardc.verification.verify.verify", _stop),
-          mock.patch("shardc.verification.compare.compare", _stop),
+          mock.patch("shardc.cli.lower_cmd.verify", _stop),  # the names the command calls
+          mock.patch("shardc.cli.lower_cmd.compare", _stop),
           mock.patch("shardc.calibrate.run.measure", _stop)):
         try:
             status: int | str = main(argv)

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from small_examples import SMALL
 
 import shardc
 from shardc.errors import ShardcError
 
-ROOT = Path(__file__).resolve().parent.parent
-# the examples that plan in milliseconds (the LLaMA models and the MoE decoder take seconds)
-TEXTS = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "examples").glob("*.shard"))
-         if "llama2" not in p.name and p.stem not in ("moe_transformer", "llama_layer_fsdp_tp")}
+TEXTS = {p.name: p.read_text(encoding="utf-8") for p in SMALL}
 TOKEN = re.compile(r"[A-Za-z0-9_.]+|\s+|.", re.DOTALL)
 HOSTILE_NAMES = ["a`", "a\\", "Ω", "a\u2028", "\u2028", "9a", "_", "x" * 300, "pipeline", "mesh", "over", "dcn",
                  "layers", "B_X", "é"]

@@ -53,7 +53,7 @@ def test_hostile_names_and_file_name_lower_import_and_run(tmp_path: Path, monkey
     shapes = {"def": (4, 6), "make_mesh": (6, 8), "forward": (8, 6)}
     inputs = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     results = module.forward(inputs)  # type: ignore[attr-defined]
-    want = np.tanh(np.asarray(shardc.lowering.function_code.function("gelu").forward(
+    want = np.tanh(np.asarray(shardc.ops.elementwise.function("gelu").forward(
         inputs["def"] @ inputs["make_mesh"], np)) @ inputs["forward"])
     np.testing.assert_allclose(np.asarray(results["__debug__"]), want, rtol=1e-4, atol=1e-5)
     grads = module.grad(inputs, {"d__debug__": np.ones((4, 6), np.float32)})  # type: ignore[attr-defined]
@@ -165,12 +165,14 @@ def _broken(plan: shardc.ir.plan.Plan) -> shardc.ir.plan.Plan:  # type: ignore[n
 @pytest.mark.parametrize("command", ["plan", "lower", "verify"])
 def test_commands_run_the_plan_checker(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from shardc.cli import lower_cmd, plan_cmd
     from shardc.planner import planner
 
     spec = tmp_path / "fsdp.shard"
     spec.write_text("mesh X=2\ndims B=8, D=4, F=6\nOut[B_X, F] = In[B_X, D] · W[D_X, F]\n")
     real = planner.plan
-    monkeypatch.setattr(planner, "plan", lambda *a, **k: _broken(real(*a, **k)))
+    for module in (plan_cmd, lower_cmd):  # the planner as each command calls it
+        monkeypatch.setattr(module, "plan", lambda *a, **k: _broken(real(*a, **k)))
     assert main([command, str(spec)]) == 1
     err = capsys.readouterr().err
     assert "internal error: the planner made a broken plan" in err and "Traceback" not in err
@@ -216,14 +218,14 @@ def test_a_spec_whose_dims_do_not_divide_lowers_to_a_module_that_runs_at_sizes_t
 
 def test_an_unexpected_exception_in_verify_is_an_internal_error_not_a_traceback(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from shardc.verification import verify as verify_module
+    from shardc.cli import lower_cmd
     spec = tmp_path / "tp.shard"
     spec.write_text("mesh X=2\nOut[B_X, F] = In[B_X, D] · W[D, F]\n")
 
     def boom(*args: object, **kwargs: object) -> None:
         raise ValueError("XLA said no\nsecond line")
 
-    monkeypatch.setattr(verify_module, "verify", boom)
+    monkeypatch.setattr(lower_cmd, "verify", boom)
     monkeypatch.delenv("SHARDC_TRACEBACK", raising=False)
     assert main(["verify", str(spec)]) == 1
     err = capsys.readouterr().err

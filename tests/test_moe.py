@@ -17,8 +17,8 @@ from shardc.ir.localops import Route
 from shardc.ir.plan import Op, Plan
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
-from shardc.lowering.route_code import route_forward
 from shardc.lowering.sizes import small_sizes
+from shardc.ops.route_code import route_forward
 from shardc.planner.check import check_plan
 from shardc.verification.verify import render_report, verify
 

@@ -87,7 +87,7 @@ def test_an_internal_error_exits_1_from_every_command(
         raise ZeroDivisionError("a bug")
 
     monkeypatch.delenv("SHARDC_TRACEBACK", raising=False)
-    monkeypatch.setattr("shardc.spec.parser.parse", broken)
+    monkeypatch.setattr("shardc.cli.spec_args.parse", broken)  # the parser as the commands call it
     status, _, err = run(capsys, command, FSDP)
     assert status == 1 and err.startswith("error: internal error: ZeroDivisionError: a bug"), err
     assert "Traceback" not in err

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from shardc.calibrate.chip import calibrated, chip_toml
 from shardc.errors import ShardcError
 from shardc.files import write_text
 
@@ -49,7 +50,6 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from shardc.calibrate.chip import calibrated, chip_toml
     from shardc.calibrate.measure import FULL, QUICK
     from shardc.calibrate.run import measure
 

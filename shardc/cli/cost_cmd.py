@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, replace
 from typing import Any
 
+from shardc import plan
 from shardc.accountings import ACCOUNTINGS
 from shardc.cli.main import (
     add_common,
@@ -20,11 +21,15 @@ from shardc.cli.main import (
     add_topology,
     check_hardware_flag,
     configure_chip,
-    load_spec,
-    parse_spans,
-    read_spec,
 )
+from shardc.cli.spec_args import load_spec, parse_spans, read_spec
+from shardc.costmodel.cost_report import cost, missing_sizes
+from shardc.costmodel.pipeline_cost import draw_schedule
+from shardc.costmodel.sweep import check_plot_path, parse_sweep, plot, sweep
+from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError, clip
+from shardc.hardware import PRESETS, resolve_hardware
+from shardc.images import check_image_path
 
 __all__ = ["register", "run_cost", "run_hardware", "MAX_POINTS"]
 
@@ -80,8 +85,6 @@ def register(subparsers: Any, name: str) -> None:
 
 
 def run_hardware(args: argparse.Namespace) -> int:
-    from shardc.hardware import PRESETS
-
     if args.json:
         print(json.dumps({k: asdict(h) | {"w_ici": h.w_ici, "c_over_w_ici": h.intensity_ici,
                                           "w_dcn": h.w_dcn, "c_over_w_dcn": h.intensity_dcn,
@@ -106,17 +109,11 @@ def run_hardware(args: argparse.Namespace) -> int:
 
 
 def run_cost(args: argparse.Namespace) -> int:
-    from shardc import plan
-    from shardc.costmodel.cost_report import cost, missing_sizes
-    from shardc.hardware import resolve_hardware
-
     _check_flags(args)
     spec = read_spec(args)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)
     spans = parse_spans(args.spans, spec)
     if args.schedule_plot:  # before any work: a bad path must not cost a whole run
-        from shardc.images import check_image_path
-
         check_image_path(args.schedule_plot, "--schedule-plot", args.force)
     the_plan = plan(spec, save=args.save, hardware=hw, spans=spans,  # planned for the chip it is costed on
                     recompute=args.recompute, topology=args.topology)
@@ -124,8 +121,6 @@ def run_cost(args: argparse.Namespace) -> int:
         return _run_sweep(args, the_plan)
     sizes = {a.name: a.size for a in spec.mesh.axes} | dict(spec.sizes)
     if missing_sizes(the_plan, sizes):
-        from shardc.costmodel.symbolic import cost_formulas
-
         formulas = cost_formulas(the_plan, spans=spans, optimizer=args.optimizer)  # on the plan's chip
         if args.mfu is not None:
             formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
@@ -134,8 +129,6 @@ def run_cost(args: argparse.Namespace) -> int:
         return 0
     report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
     if args.schedule_plot:  # drawn before the report is printed: a refusal leaves no half output
-        from shardc.costmodel.pipeline_cost import draw_schedule
-
         draw_schedule(report, args.schedule_plot, args.force)
     print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
     if args.schedule_plot and not args.json:
@@ -160,10 +153,6 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _run_sweep(args: argparse.Namespace, first: Any) -> int:
-    from shardc import plan
-    from shardc.costmodel.sweep import check_plot_path, parse_sweep, plot, sweep
-    from shardc.hardware import resolve_hardware
-
     dim, low, high = parse_sweep(args.sweep)
     points = 13 if args.points is None else args.points
     if not 2 <= points <= MAX_POINTS:

@@ -7,9 +7,14 @@ import os
 import sys
 from typing import Any
 
-from shardc.cli.main import add_common, read_spec
+from shardc.cli.main import add_common
+from shardc.cli.spec_args import read_spec
 from shardc.errors import ShardcError
+from shardc.export.jax_export import jax_module
+from shardc.export.logical import flax_rules, maxtext_yaml, parse_names
 from shardc.files import write_text
+from shardc.planner.check import require_sound
+from shardc.planner.planner import plan
 
 __all__ = ["register"]
 
@@ -33,11 +38,6 @@ def register(sub: Any, name: str) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from shardc.export.jax_export import jax_module
-    from shardc.export.logical import flax_rules, maxtext_yaml, parse_names
-    from shardc.planner.check import require_sound
-    from shardc.planner.planner import plan
-
     if args.names and args.to == "jax":
         raise ShardcError("--names applies to --to maxtext and --to flax", fix="drop --names, or pick maxtext or flax")
     if args.output and os.path.exists(args.output) and os.path.samefile(args.output, args.file):

@@ -17,10 +17,11 @@ from shardc.cli.main import (
     add_topology,
     check_hardware_flag,
     configure_chip,
-    load_spec,
-    parse_sets,
 )
+from shardc.cli.spec_args import load_spec, parse_sets
 from shardc.errors import ShardcError, clip
+from shardc.hardware import resolve_hardware
+from shardc.layouts import Options, search_layouts
 
 __all__ = ["register", "run_layouts"]
 
@@ -82,9 +83,6 @@ def register(subparsers: Any, name: str) -> None:
 
 
 def run_layouts(args: argparse.Namespace) -> int:
-    from shardc.hardware import resolve_hardware
-    from shardc.layouts import Options, search_layouts
-
     check_hardware_flag(args)
     if args.top < 0:
         raise ShardcError(f"--top must be 0 (all) or more, got {clip(str(args.top))}", fix="write e.g. --top 10")

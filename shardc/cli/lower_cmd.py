@@ -18,9 +18,18 @@ import pathlib
 import sys
 from typing import Any
 
-from shardc.cli.main import add_common, read_spec
+from shardc.cli.main import add_common
+from shardc.cli.spec_args import read_spec
 from shardc.errors import ShardcError, clip
 from shardc.files import write_text
+from shardc.lowering.api import module_source
+from shardc.lowering.sizes import devices_to_check, shrink_mesh
+from shardc.pipeline.boundary import check_lowerable
+from shardc.planner.check import require_sound
+from shardc.planner.planner import plan
+from shardc.verification.compare import compare, render_comparison
+from shardc.verification.module_check import ModuleRejected
+from shardc.verification.verify import check_device_count, render_report, verify
 
 __all__ = ["register"]
 
@@ -55,10 +64,6 @@ _HELP = {
 
 def _plan(args: argparse.Namespace) -> Any:
     """The plan ``shardc plan`` prints for the same arguments, checked."""
-    from shardc.pipeline.boundary import check_lowerable
-    from shardc.planner.check import require_sound
-    from shardc.planner.planner import plan
-
     result = plan(read_spec(args), save=args.save)
     require_sound(result)
     check_lowerable(result)  # a pipeline reading an input its stages cannot be fed: a clear refusal
@@ -83,8 +88,6 @@ def _module_name(path: str) -> str:
 
 
 def run_lower(args: argparse.Namespace) -> int:
-    from shardc.lowering.api import module_source
-
     if args.output:
         _refuse_overwriting_the_spec(args)
     planned = _plan(args)
@@ -115,9 +118,6 @@ def _flag_devices() -> int | None:
 
 def _devices(args: argparse.Namespace, plan: Any) -> int:
     """Check ``--devices`` (or choose it), then ask XLA for that many CPU devices."""
-    from shardc.lowering.sizes import devices_to_check, shrink_mesh
-    from shardc.verification.verify import check_device_count
-
     if args.devices is not None:
         if len(str(args.devices)) > 12:  # not echoed whole: no count that long is meant
             raise ShardcError(f"--devices {clip(str(args.devices))}: not a device count", fix="give e.g. --devices 8")
@@ -139,8 +139,6 @@ def emulate_devices(count: int) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     plan = _plan(args)
     devices = _devices(args, plan)
-    from shardc.verification.module_check import ModuleRejected
-    from shardc.verification.verify import render_report, verify
 
     module = pathlib.Path(args.module) if args.module is not None else None
     try:
@@ -158,7 +156,6 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     plan = _plan(args)
     devices = _devices(args, plan)
-    from shardc.verification.compare import compare, render_comparison
 
     result = compare(plan, devices=devices)
     if args.json:

@@ -27,9 +27,8 @@ from typing import Any, NoReturn
 from shardc import __version__
 from shardc.errors import InternalError, ShardcError, clip
 
-__all__ = ["COMMANDS", "build_parser", "full_parser", "main", "parse_sets", "parse_spans", "check_hardware_flag",
-           "add_topology", "add_model_flags", "configure_chip",
-           "add_common", "read_spec"]
+__all__ = ["COMMANDS", "build_parser", "full_parser", "main", "check_hardware_flag", "add_topology",
+           "add_model_flags", "configure_chip", "add_common"]
 
 # command name -> (module defining register(), one-line help); the help lines live here so
 # ``shardc --help`` imports no command module.
@@ -138,29 +137,6 @@ def _quiet_stdout() -> None:
         pass
 
 
-def parse_sets(items: Sequence[str] | None, flag: str = "--set") -> dict[str, int]:
-    """``--set NAME=VALUE`` pairs (or another ``flag``'s) as sizes; values take ``_`` separators and ``1e6``."""
-    from shardc.spec.parser import parse_size
-
-    example = "X=3" if flag == "--spans" else "B=1e6"
-    sizes: dict[str, int] = {}
-    for item in items or ():
-        name, sep, value = item.partition("=")
-        if not sep or not name.isidentifier():
-            raise ShardcError(f"{flag} expects NAME=VALUE, got {clip(repr(item))}", fix=f"write e.g. {flag} {example}")
-        sizes[name] = parse_size(value, what=f"{flag} {clip(name)}")
-    return sizes
-
-
-def parse_spans(items: Sequence[str] | None, spec: Any) -> dict[str, int] | None:
-    """``--spans AXIS=K``: an ICI mesh axis of the spec over K physical axes, each of 2 chips or more."""
-    from shardc.hardware import check_spans
-
-    spans = parse_sets(items, "--spans")
-    check_spans(spec.mesh, spans)
-    return spans or None
-
-
 def check_hardware_flag(args: argparse.Namespace) -> None:
     """An empty ``--hardware`` or ``--hardware-file`` is a mistake, not a request for the default."""
     for flag, value in (("--hardware", getattr(args, "hardware", None)),
@@ -206,19 +182,3 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 def configure_chip(hw: Any, args: argparse.Namespace) -> Any:
     """The chip of ``hw`` under the command's --model and --bucket-mb."""
     return hw.configured(getattr(args, "model", None), getattr(args, "bucket_mb", None))
-
-
-def load_spec(path: str, sets: Sequence[str] | None = None) -> Any:
-    """Read and parse a spec file, then apply ``--set`` pairs; errors are ShardcErrors."""
-    from shardc.files import read_text
-    from shardc.spec.overrides import apply_overrides
-    from shardc.spec.parser import parse
-
-    spec = parse(read_text(path), filename=path)
-    sizes = parse_sets(sets)
-    return apply_overrides(spec, sizes) if sizes else spec
-
-
-def read_spec(args: argparse.Namespace) -> Any:
-    """FILE and ``--set`` of a command's arguments, parsed."""
-    return load_spec(args.file, args.set)

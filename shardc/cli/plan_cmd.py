@@ -14,10 +14,13 @@ from shardc.cli.main import (
     add_topology,
     check_hardware_flag,
     configure_chip,
-    parse_spans,
-    read_spec,
 )
+from shardc.cli.spec_args import parse_spans, read_spec
 from shardc.errors import InternalError
+from shardc.hardware import resolve_hardware
+from shardc.planner.check import require_sound
+from shardc.planner.plan_text import render_explain, render_text, to_json
+from shardc.planner.planner import plan
 
 __all__ = ["register"]
 
@@ -45,11 +48,6 @@ def register(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardc.hardware import resolve_hardware
-    from shardc.planner.check import require_sound
-    from shardc.planner.plan_text import render_explain, render_text, to_json
-    from shardc.planner.planner import plan
-
     check_hardware_flag(args)
     spec = read_spec(args)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)

@@ -4,7 +4,7 @@ Per phase (forward, backward) and for the whole training step (``step``, both):
 
 * ``compute_s``: per-device einsum FLOPs over the rate the chip reaches on them
   (:meth:`Hardware.matmul_seconds`); ``memory_s``: the memory-bound steps' HBM bytes
-  over the HBM bandwidth, after fusion (:func:`shardc.timing.memory_traffic`).
+  over the HBM bandwidth, after fusion (:func:`shardc.fusion.memory_traffic`).
 * ``comm_s``: the collectives' times (bandwidth term, bounded below by latency),
   split into ``critical_s`` and ``ahead_s`` (``Step.ahead``: weight gathers and
   weight-gradient reductions can be issued off the critical path; gradient

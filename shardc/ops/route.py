@@ -3,7 +3,7 @@
 :mod:`shardc.planner.route_plans` plans its forward (E and S whole on a device); the mask is
 0/1, so it has no backward (no gradient reaches the gates through it, as none reaches
 token ids).  Its step's JAX line calls the module's ``route_topk`` helper and its
-whole-array meaning is :func:`shardc.lowering.route_code.route_forward`; the capacity is the
+whole-array meaning is :func:`shardc.ops.route_code.route_forward`; the capacity is the
 length of the capacity index C, from the sizes.
 """
 
@@ -17,8 +17,8 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Route
 from shardc.ir.plan import Step
 from shardc.ir.spec import Call
-from shardc.lowering.route_code import route_code, route_forward
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
+from shardc.ops.route_code import route_code, route_forward
 from shardc.planner.route_plans import plan_route
 
 __all__ = ["ROUTING", "emit"]
@@ -45,7 +45,7 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None) -> str:
 
 
 def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
-    """The routing mask of whole gates (:func:`shardc.lowering.route_code.route_forward`)."""
+    """The routing mask of whole gates (:func:`shardc.ops.route_code.route_forward`)."""
     (gates,), call, labels = xs, site.func, site.labels[0]
     assert call.over is not None
     (order, slots), experts, k = call.names, call.over, int(call.numbers[0])

@@ -7,8 +7,8 @@ gradient reaches the table (``embed``) or the logits (``cross_entropy``).  A los
 keeps four per-token values on the way (the row max, the sum of exponentials, the
 logsumexp and the target logit, of the ids' indices).  Its steps carry a
 :class:`~shardc.ir.localops.Vocab` (and the reductions' row statistics), written
-as one line of JAX by :mod:`shardc.lowering.row_code`: a lookup or a scatter-add for
-``embed``, a row map for the rest.  Its meaning on whole arrays:
+as one line of JAX: a lookup or a scatter-add for ``embed`` (:func:`lookup_code`),
+a row map for the rest (:func:`shardc.ops.reductions.row_code`).  Its meaning on whole arrays:
 
 - ``embed``: the table's rows at the ids (the ids' indices, then the table's others);
   the table's gradient scatter-adds the cotangent's rows at the ids.
@@ -25,9 +25,8 @@ import numpy as np
 from shardc.ir.localops import Vocab
 from shardc.ir.plan import Step
 from shardc.ir.spec import Call, Expr, TensorRef
-from shardc.lowering import row_code as rows
 from shardc.names import fresh
-from shardc.ops.reductions import forward
+from shardc.ops.reductions import aligned_to, forward, local_length, row_code
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, all_traffic, register
 from shardc.planner.vocab import embed_backward, loss_backward, plan_embed, plan_loss
 from shardc.spec.walk import chain_indices
@@ -76,8 +75,25 @@ def _backward(bw: _Backward, node: Node, grad: str) -> None:
 def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     """A lookup or its scatter-add, else a row map of the loss (any sizes)."""
     if step.fn in (Vocab.EMBED, Vocab.EMBED_VJP):
-        return rows.lookup_code(step, var)
-    return rows.row_code(step, var)
+        return lookup_code(step, var)
+    return row_code(step, var)
+
+
+def lookup_code(step: Step, var: Namer) -> str:
+    """``embed`` (a masked lookup in the local vocabulary shard) and its scatter-add gradient."""
+    tok, other = step.operands[:2]
+    if step.fn is Vocab.EMBED:
+        axes = other.dims[0].axes
+        made = tok.indices + other.indices[1:]
+        code = (f"vocab_lookup({var(other)}, {var(tok)}, {axes!r})" if axes
+                else f"jnp.take({var(other)}, {var(tok)}, axis=0)")
+        return aligned_to(code, made, step.dst.indices)
+    table = step.dst
+    axes = table.dims[0].axes
+    order = tok.indices + table.indices[1:]
+    (declared,) = step.shapes  # the table as declared, read for its shape only
+    rows = local_length(declared, var(declared), table.indices[0], axes)
+    return f"vocab_scatter({var(tok)}, {aligned_to(var(other), other.indices, order)}, {rows}, {axes!r})"
 
 
 # --- whole arrays: the reference -------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""``route`` (top-k routing with capacity), as lowering and the numpy reference see it.
+"""``route`` (top-k routing with capacity), as lowering and the numpy reference see it (for its
+family, :mod:`shardc.ops.route`).
 
 :func:`route_code` writes the planned step (:mod:`shardc.planner.route_plans`: E and S
 whole on the device) as one call of
