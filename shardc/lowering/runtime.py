@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask", "keep_mask", "vocab_lookup",
-           "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk"]
+           "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk", "attention", "attention_grads"]
 
 Array = Any
 Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
@@ -152,3 +152,92 @@ def route_topk(gates: Array, k: int, capacity: int, order: int, experts: int) ->
     slot = jnp.cumsum(chosen, axis=-2) - chosen  # tokens before this one that chose the expert
     mask = chosen[..., None] * jax.nn.one_hot(slot, capacity, dtype=gates.dtype)  # 0 past the capacity
     return jnp.moveaxis(mask, (-3, -2), (order, experts))
+
+
+# --- attention, blockwise with an online softmax (Dao et al. 2022, FlashAttention) ---------------
+
+def _key_block(n: int) -> int:
+    """The keys a step of the loop takes: the largest divisor of ``n`` up to min(512, n / 2) (two blocks
+    or more where ``n`` allows, so the online softmax combines blocks)."""
+    return next(b for b in range(max(min(512, n // 2), 1), 0, -1) if n % b == 0)
+
+
+def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key: str, query: str | None,
+                      start: Any) -> Array:
+    """One block of scores ``Q·K / sqrt(H)`` (the rows' letters, then the key letter), -inf where a causal
+    mask hides the key (its position past the query's: S and T are whole on the device)."""
+    qs, ks, _, _ = subs
+    s = jnp.einsum(f"{qs},{ks}->{qs[:-1]}{key}", q, kb) / math.sqrt(q.shape[-1])
+    if query is None:
+        return s
+    d = qs.index(query)
+    qpos = jnp.arange(q.shape[d]).reshape([-1 if k == d else 1 for k in range(s.ndim - 1)] + [1])
+    return jnp.where(start + jnp.arange(kb.shape[ks.index(key)]) > qpos, -jnp.inf, s)
+
+
+def _varying_zero(*xs: Array) -> Array:
+    """A float32 zero that varies over every mesh axis any of ``xs`` varies over (inside shard_map): a
+    loop's initial carry must vary as its result does."""
+    return sum((jnp.ravel(x)[0].astype(jnp.float32) * 0 for x in xs), jnp.float32(0))
+
+
+def attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
+              query: str | None = None) -> tuple[Array, Array]:
+    """(the output, the row logsumexp in float32) of ``softmax(Q·K / sqrt(H) over T) · V`` on local blocks:
+    a loop over blocks of keys keeping each row's running max, sum of exponentials and weighted sum of
+    values, so no S x T array is made.  ``subs`` are Q's, K's, V's and O's einsum letters, ``key`` T's."""
+    qs, ks, vs, os = subs
+    dtype = q.dtype
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    kt, vt, n = ks.index(key), vs.index(key), k.shape[ks.index(key)]
+    b = _key_block(n)
+    rows = qs[:-1]
+    zero = _varying_zero(q, k, v)
+    acc0 = jnp.zeros(q.shape[:-1] + (v.shape[-1],), jnp.float32) + zero
+    init = (jnp.full(q.shape[:-1], -jnp.inf, jnp.float32) + zero, jnp.zeros(q.shape[:-1], jnp.float32) + zero, acc0)
+
+    def body(j: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        m, total, acc = carry
+        kb, vb = (jax.lax.dynamic_slice_in_dim(x, j * b, b, axis) for x, axis in ((k, kt), (v, vt)))
+        s = _attention_scores(q, kb, subs, key, query, j * b)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        pv = jnp.einsum(f"{rows}{key},{vs}->{rows}{vs[-1]}", p, vb)
+        return m_new, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
+
+    m, total, acc = jax.lax.fori_loop(0, n // b, body, init)
+    out = jnp.einsum(f"{rows}{vs[-1]}->{os}", acc / total[..., None])
+    return out.astype(dtype), m + jnp.log(total)
+
+
+def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
+                    key: str, query: str | None = None) -> tuple[Array, Array, Array]:
+    """(dQ, dK, dV) of :func:`attention` from the forward's output and row logsumexp: FlashAttention's
+    backward, a loop over blocks of keys that makes each block's probabilities again from the logsumexp.
+    dK and dV sum over the query indices this device holds (partial sums where those are sharded)."""
+    qs, ks, vs, os = subs
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, o, do = (x.astype(jnp.float32) for x in (q, k, v, o, do))
+    kt, vt, n = ks.index(key), vs.index(key), k.shape[ks.index(key)]
+    b = _key_block(n)
+    rows = qs[:-1]
+    delta = jnp.einsum(f"{os},{os}->{rows}", do, o)  # rowsum(dO * O)
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def body(j: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        dq, dk, dv = carry
+        kb, vb = (jax.lax.dynamic_slice_in_dim(x, j * b, b, axis) for x, axis in ((k, kt), (v, vt)))
+        p = jnp.exp(_attention_scores(q, kb, subs, key, query, j * b) - lse[..., None])
+        dvb = jnp.einsum(f"{rows}{key},{os}->{vs}", p, do)
+        dp = jnp.einsum(f"{os},{vs}->{rows}{key}", do, vb)
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum(f"{rows}{key},{ks}->{qs}", ds, kb)
+        dkb = jnp.einsum(f"{rows}{key},{qs}->{ks}", ds, q)
+        return (dq, jax.lax.dynamic_update_slice_in_dim(dk, dkb, j * b, kt),
+                jax.lax.dynamic_update_slice_in_dim(dv, dvb, j * b, vt))
+
+    zero = _varying_zero(q, k, v, o, lse, do)
+    init = (jnp.zeros_like(q) + zero, jnp.zeros_like(k) + zero, jnp.zeros_like(v) + zero)
+    grads = jax.lax.fori_loop(0, n // b, body, init)
+    return tuple(g.astype(t) for g, t in zip(grads, dtypes, strict=True))  # type: ignore[return-value]
