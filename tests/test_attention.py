@@ -157,13 +157,21 @@ def test_the_reference_is_the_softmax_of_the_scores_times_v_and_its_gradient_is_
         assert slope / eps == pytest.approx(g[0, 1, 2, 3], rel=1e-4, abs=1e-6)
 
 
+def _fused_pipeline() -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
+    """examples/pipeline_llama.shard (4 stages, 1F1B, verified in float64) with its attention fused."""
+    text = (ROOT / "examples" / "pipeline_llama.shard").read_text(encoding="utf-8")
+    einsums = ("Sc[B_X, N_Y, S, T] = Q[B_X, S, N_Y, H] · K[B_X, T, N_Y, H]\n"
+               "Pr[B_X, N_Y, S, T] = softmax(causal(Sc[B_X, N_Y, S, T], S, T) over T)\n"
+               "C[B_X, S, N_Y, H] = Pr[B_X, N_Y, S, T] · V[B_X, T, N_Y, H]\n")
+    assert einsums in text
+    return shardc.parse(text.replace(einsums, "C[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, N_Y, H], "
+                                              "V[B_X, T, N_Y, H] over T, causal)\n"))
+
+
 @pytest.mark.slow
 def test_the_blockwise_kernel_matches_the_reference_over_several_key_blocks() -> None:
-    import jax
-
     from shardc.lowering.runtime import attention, attention_grads
 
-    jax.config.update("jax_enable_x64", False)
     r = roles(("B", "S", "G", "R", "H"), ("B", "T", "G", "H"), ("B", "T", "G", "H"), "T")
     rng = np.random.default_rng(1)
     q = rng.standard_normal((2, 16, 2, 2, 8)).astype(np.float32)
@@ -181,7 +189,26 @@ def test_the_blockwise_kernel_matches_the_reference_over_several_key_blocks() ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mha", "gqa", "mqa", "layer"])
+def test_the_steps_of_one_kernel_run_it_once() -> None:
+    """The output and its logsumexp, and dQ, dK and dV, are each a step of their own, one call each, as the
+    lowered module writes them: the program runs one loop for the forward and one for the backward."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardc.lowering.runtime import attention, attention_grads
+
+    subs = ("bsnh", "btnh", "btnh", "bsnh")
+
+    def steps(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array) -> tuple[jax.Array, ...]:
+        out, lse = attention(q, k, v, subs, "t", "s")[0], attention(q, k, v, subs, "t", "s")[1]
+        return out, *(attention_grads(q, k, v, out, lse, d, subs, "t", "s")[i] for i in range(3))
+
+    x = jnp.ones((2, 64, 2, 8))
+    assert jax.jit(steps).lower(x, x, x, x).compile().as_text().count(" while(") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mha", "gqa", "mqa", "layer", "pipeline"])
 def test_attention_verifies_against_the_reference_values_and_hlo(case: str) -> None:
     from shardc.verification.verify import verify
 
@@ -190,9 +217,10 @@ def test_attention_verifies_against_the_reference_values_and_hlo(case: str) -> N
         "gqa": _spec("Q[B_X, S, G, R_Y, H]", "K[B_X, T, G, H]", "V[B_X, T, G, H]", "O[B_X, S, G, R_Y, H]"),
         "mqa": _spec("Q[B_X, S, N_Y, H]", "K[B_X, T, H]", "V[B_X, T, H]", "O[B_X, S, N_Y, H]", "", "bf16"),
         "layer": shardc.parse((ROOT / "examples" / "llama_layer_flash.shard").read_text(encoding="utf-8")),
+        "pipeline": _fused_pipeline(),
     }
     report = verify(specs[case])
     assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
-    assert {r.tensor for r in report.values} >= ({"O"} if case != "layer" else {"Out"})
+    assert {r.tensor for r in report.values} >= ({"Out"} if case in ("layer", "pipeline") else {"O"})
     if case in ("gqa", "mqa"):  # dK and dV partial over the query heads' axis, reduced once each
         assert sum(r.hlo_op == "all-reduce" and r.ok for r in report.collectives) == 2
