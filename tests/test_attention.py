@@ -65,18 +65,31 @@ def test_the_result_has_qs_indices_with_vs_head_dim() -> None:
         shardc.parse("mesh X=2\nO[B, S, N] = attention(Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T)\n")
 
 
-@pytest.mark.parametrize(("q", "k", "out", "message"), [
-    ("Q[B, S_X, N_Y, H]", "K[B, T, N_Y, H]", "O[B, S, N_Y, H]", "sequence S sharded over X is context parallelism"),
-    ("Q[B_X, S, N_Y, H]", "K[B_X, T, N_Y, H]", "O[B_X, S_Y, N, H]", "sequence S sharded over Y is context par"),
-    ("Q[B_X, S, N, H]", "K[B_X, T_Y, N, H]", "O[B_X, S, N, H]", "sequence T sharded over Y is context parallelism"),
-    ("Q[B_X, S, N, H_Y]", "K[B_X, T, N, H_Y]", "O[B_X, S, N, H]", "head dim H sharded"),
+@pytest.mark.parametrize(("q", "k", "out"), [
+    ("Q[B_X, S, N, H_Y]", "K[B_X, T, N, H_Y]", "O[B_X, S, N, H]"),
+    ("Q[B_X, S, N, H]", "K[B_X, T, N, H]", "O[B_X, S, N, H_Y]"),
 ])
-def test_context_parallelism_and_a_sharded_head_dim_are_refused_with_what_to_do(q: str, k: str, out: str,
-                                                                             message: str) -> None:
-    spec = _spec(q, k, k.replace("K", "V"), out)
-    with pytest.raises(ShardcError, match=message) as err:
-        shardc.plan(spec)
-    assert err.value.fix and "keep" in err.value.fix
+def test_a_sharded_head_dim_is_refused_with_what_to_do(q: str, k: str, out: str) -> None:
+    with pytest.raises(ShardcError, match="head dim H sharded") as err:
+        shardc.plan(_spec(q, k, k.replace("K", "V"), out))
+    assert err.value.fix and "shard the heads" in err.value.fix
+
+
+def test_the_queries_sharded_gather_k_and_v_and_reduce_scatter_their_gradients() -> None:
+    """Context parallelism, the all-gather form: K and V gathered along T before the kernel, on the critical
+    path; dK and dV partial over the queries' axis, reduce-scattered back onto T; Q never moves."""
+    plan = shardc.plan(_spec("Q[B_Y, S_X, N, H]", "K[B_Y, T_X, N, H]", "V[B_Y, T_X, N, H]", "O[B_Y, S_X, N, H]"))
+    gathers = [(s.op, s.tensor, s.axes, s.ahead) for s in plan.forward if s.is_collective]
+    assert gathers == [(Op.ALL_GATHER, "K", ("X",), False), (Op.ALL_GATHER, "V", ("X",), False)]
+    reduced = [(s.op, s.tensor, str(s.dst)) for s in plan.backward if s.is_collective]
+    assert reduced == [(Op.REDUCE_SCATTER, plan.grad_name("K"), "dK[B_Y, T_X, N, H]"),
+                       (Op.REDUCE_SCATTER, plan.grad_name("V"), "dV[B_Y, T_X, N, H]")]
+
+
+def test_causal_context_parallel_blocks_are_not_balanced_so_the_last_device_sets_the_time() -> None:
+    plan = shardc.plan(_spec("Q[B_Y, S_X, N, H]", "K[B_Y, T, N, H]", "V[B_Y, T, N, H]", "O[B_Y, S_X, N, H]"))
+    b, s, t, n, h = (SIZES[i] for i in "BSTNH")
+    assert _cost(plan).forward.compute_flops == 4 * b * s * t * n * h / 4 * 3 / 4  # the last of 2: 3/4
 
 
 def test_batch_and_heads_sharded_need_no_collective() -> None:
@@ -178,12 +191,12 @@ def test_the_blockwise_kernel_matches_the_reference_over_several_key_blocks() ->
     k, v = (rng.standard_normal((2, 16, 2, 8)).astype(np.float32) for _ in range(2))
     d = rng.standard_normal(q.shape).astype(np.float32)
     subs = ("bsgrh", "btgh", "btgh", "bsgrh")
-    out, lse = attention(q, k, v, subs, "t", "s")  # 16 keys: two blocks of 8
+    out, lse = attention(q, k, v, subs, "t", ("s", ()))  # 16 keys: two blocks of 8
     assert np.allclose(out, attention_forward(r, True, q, k, v, np), atol=1e-5)
     scores = np.einsum("bsgrh,btgh->bsgrt", q, k) / np.sqrt(8)
     scores = np.where(np.arange(16) > np.arange(16)[None, :, None, None, None], -np.inf, scores)
     assert np.allclose(lse, np.log(np.exp(scores).sum(-1)), atol=1e-5)
-    for got, want in zip(attention_grads(q, k, v, out, lse, d, subs, "t", "s"),
+    for got, want in zip(attention_grads(q, k, v, out, lse, d, subs, "t", ("s", ())),
                          attention_vjp(r, True, q, k, v, d, np), strict=True):
         assert np.allclose(got, want, atol=1e-4)
 
@@ -200,15 +213,15 @@ def test_the_steps_of_one_kernel_run_it_once() -> None:
     subs = ("bsnh", "btnh", "btnh", "bsnh")
 
     def steps(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array) -> tuple[jax.Array, ...]:
-        out, lse = attention(q, k, v, subs, "t", "s")[0], attention(q, k, v, subs, "t", "s")[1]
-        return out, *(attention_grads(q, k, v, out, lse, d, subs, "t", "s")[i] for i in range(3))
+        out, lse = attention(q, k, v, subs, "t", ("s", ()))[0], attention(q, k, v, subs, "t", ("s", ()))[1]
+        return out, *(attention_grads(q, k, v, out, lse, d, subs, "t", ("s", ()))[i] for i in range(3))
 
     x = jnp.ones((2, 64, 2, 8))
     assert jax.jit(steps).lower(x, x, x, x).compile().as_text().count(" while(") == 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mha", "gqa", "mqa", "layer", "pipeline"])
+@pytest.mark.parametrize("case", ["mha", "gqa", "mqa", "context", "layer", "pipeline"])
 def test_attention_verifies_against_the_reference_values_and_hlo(case: str) -> None:
     from shardc.verification.verify import verify
 
@@ -216,6 +229,7 @@ def test_attention_verifies_against_the_reference_values_and_hlo(case: str) -> N
         "mha": _spec("Q[B_X, S, N_Y, H]", "K[B_X, T, N_Y, H]", "V[B_X, T, N_Y, H]", "O[B_X, S, N_Y, H]"),
         "gqa": _spec("Q[B_X, S, G, R_Y, H]", "K[B_X, T, G, H]", "V[B_X, T, G, H]", "O[B_X, S, G, R_Y, H]"),
         "mqa": _spec("Q[B_X, S, N_Y, H]", "K[B_X, T, H]", "V[B_X, T, H]", "O[B_X, S, N_Y, H]", "", "bf16"),
+        "context": _spec("Q[B_Y, S_X, G, R, H]", "K[B_Y, T_X, G, H]", "V[B_Y, T_X, G, H]", "O[B_Y, S_X, G, R, H]"),
         "layer": shardc.parse((ROOT / "examples" / "llama_layer_flash.shard").read_text(encoding="utf-8")),
         "pipeline": _fused_pipeline(),
     }
@@ -224,3 +238,5 @@ def test_attention_verifies_against_the_reference_values_and_hlo(case: str) -> N
     assert {r.tensor for r in report.values} >= ({"Out"} if case in ("layer", "pipeline") else {"O"})
     if case in ("gqa", "mqa"):  # dK and dV partial over the query heads' axis, reduced once each
         assert sum(r.hlo_op == "all-reduce" and r.ok for r in report.collectives) == 2
+    if case == "context":  # K and V gathered, their gradients reduce-scattered
+        assert sorted(r.hlo_op for r in report.collectives) == ["all-gather"] * 2 + ["reduce-scatter"] * 2

@@ -162,17 +162,17 @@ def _key_block(n: int) -> int:
     return next(b for b in range(max(min(512, n // 2), 1), 0, -1) if n % b == 0)
 
 
-def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key: str, query: str | None,
-                      start: Any) -> Array:
+def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key: str,
+                      query: tuple[str, Axes] | None, start: Any) -> Array:
     """One block of scores ``Q·K / sqrt(H)`` (the rows' letters, then the key letter), -inf where a causal
-    mask hides the key (its position past the query's: S and T are whole on the device)."""
+    mask hides the key: its global position (``start`` on, T whole on the device) past the query's
+    (``query``: S's letter and the axes sharding it, each device's block offset by its index along them)."""
     qs, ks, _, _ = subs
     s = jnp.einsum(f"{qs},{ks}->{qs[:-1]}{key}", q, kb) / math.sqrt(q.shape[-1])
     if query is None:
         return s
-    d = qs.index(query)
-    qpos = jnp.arange(q.shape[d]).reshape([-1 if k == d else 1 for k in range(s.ndim - 1)] + [1])
-    return jnp.where(start + jnp.arange(kb.shape[ks.index(key)]) > qpos, -jnp.inf, s)
+    letter, axes = query
+    return jnp.where(start + jnp.arange(kb.shape[ks.index(key)]) > positions(s, qs.index(letter), axes), -jnp.inf, s)
 
 
 def _varying_zero(dtype: Any, *xs: Array) -> Array:
@@ -210,15 +210,16 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
-              query: str | None = None) -> tuple[Array, Array]:
+              query: tuple[str, Axes] | None = None) -> tuple[Array, Array]:
     """(the output, the row logsumexp in float32 or wider) of ``softmax(Q·K / sqrt(H) over T) · V`` on local blocks:
     a loop over blocks of keys keeping each row's running max, sum of exponentials and weighted sum of
-    values, so no S x T array is made.  ``subs`` are Q's, K's, V's and O's einsum letters, ``key`` T's."""
+    values, so no S x T array is made.  ``subs`` are Q's, K's, V's and O's einsum letters, ``key`` T's, and
+    ``query`` S's with the axes sharding it, for a causal mask (None: none)."""
     return _kernel_once(_attention, q, k, v, subs, key, query)  # type: ignore[return-value]
 
 
 def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
-               query: str | None) -> tuple[Array, Array]:
+               query: tuple[str, Axes] | None) -> tuple[Array, Array]:
     qs, ks, vs, os = subs
     dtype, wide = q.dtype, _compute_dtype(q)
     q, k, v = (x.astype(wide) for x in (q, k, v))
@@ -245,7 +246,7 @@ def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], ke
 
 
 def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
-                    key: str, query: str | None = None) -> tuple[Array, Array, Array]:
+                    key: str, query: tuple[str, Axes] | None = None) -> tuple[Array, Array, Array]:
     """(dQ, dK, dV) of :func:`attention` from the forward's output and row logsumexp: FlashAttention's
     backward, a loop over blocks of keys that makes each block's probabilities again from the logsumexp.
     dK and dV sum over the query indices this device holds (partial sums where those are sharded)."""
@@ -253,7 +254,7 @@ def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arra
 
 
 def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
-                     key: str, query: str | None) -> tuple[Array, Array, Array]:
+                     key: str, query: tuple[str, Axes] | None) -> tuple[Array, Array, Array]:
     qs, ks, vs, os = subs
     dtypes, wide = (q.dtype, k.dtype, v.dtype), _compute_dtype(q)
     q, k, v, o, lse, do = (x.astype(wide) for x in (q, k, v, o, lse, do))

@@ -9,10 +9,17 @@ and that logsumexp, so the residuals are Q, K, V, O and the logsumexp.  Each ind
 (batch, heads, a group's query heads, the key index) is :mod:`shardc.spec.attention_call`'s:
 grouped-query and multi-query attention are K and V with fewer head indices than Q.
 
-Planned without communication where only batch and head indices are sharded: each device runs
-the kernel on its heads of its sequences.  The sequence (S or T) or the head dim sharded is
-context parallelism, not supported: the planner says so.  dK and dV sum over the query heads of a
-group (R), so where R is sharded they are partial sums, reduced as any gradient is.
+Planned in the result's layout on the batch, head and query indices, K and V whole along T:
+where only batch and head indices are sharded, each device runs the kernel on its heads of its
+sequences, without communication.  The queries S sharded is context parallelism in its all-gather
+form (the LLaMA 3 paper's, Dubey et al. 2024): K and V are gathered along T (they may be held
+sharded along it) and each device runs its block of queries against every key, its causal mask
+offset by its block's global position.  The blocks are contiguous, not load-balanced, so under a
+causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time.  Ring
+attention (K and V passed around with ppermute) and Ulysses (an AllToAll to heads sharded) are not
+planned; a sharded head dim is an error.  dK and dV sum over the query indices a key/value head
+serves (a group's query heads R, and S where sharded), so where those are sharded they are partial
+sums, reduced as any gradient is (onto K's and V's sharding along T: a ReduceScatter).
 
 FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` and ``P·V``, ``4 B S T N H``
 (each head dim counted where it is contracted); with ``causal`` the chip runs only the unmasked
@@ -92,13 +99,7 @@ def _aux_bytes(node: Node) -> dict[str, int]:
 # --- planning ----------------------------------------------------------------------------------
 
 def _refuse(r: Roles, axes: dict[str, tuple[str, ...]], span: Any) -> None:
-    """Context parallelism (S or T sharded) and a sharded head dim are not planned: say so."""
-    for index in (*r.queries[:1], r.key):
-        if axes.get(index):
-            raise ShardcError(f"attention with its sequence {index} sharded over {''.join(axes[index])} is context "
-                              "parallelism, which shardc does not support yet", span,
-                              fix=f"keep {index} whole inside attention (shard the batch or the heads), or "
-                                  "write the scores, softmax and product as einsums")
+    """A sharded head dim is contracted whole by the kernel, so it is not planned: say so."""
     for index in (r.head, r.value_head):
         if axes.get(index):
             raise ShardcError(f"attention with its head dim {index} sharded: the kernel contracts it whole",
@@ -120,7 +121,7 @@ def _declared_axes(node: Node, target: Value | None) -> dict[str, tuple[str, ...
 def _layouts(phase: Phase, node: Node, target: Value | None,
              declared: dict[str, TensorRef]) -> tuple[Roles, dict[str, tuple[str, ...]]]:
     """The roles, and the axes of each index inside the kernel: the result's (else Q's as held) on the
-    batch and head indices, none on the sequences and head dims."""
+    batch, head and query indices, none on the keys T and the head dims (K and V gathered along T)."""
     q, k, v = node.operands
     assert node.call is not None
     r = _call_roles(node.call, phase.indices[q], phase.indices[k], phase.indices[v])
@@ -129,7 +130,7 @@ def _layouts(phase: Phase, node: Node, target: Value | None,
         by_index = dict(zip(node.indices, target.layout, strict=True))
     else:
         by_index = dict(zip(r.q, phase.natural(q, declared.get(q)).layout, strict=True))
-    whole = {r.head, r.value_head, r.key, *r.queries[:1]}
+    whole = {r.head, r.value_head, r.key}
     axes = {i: () if i in whole else by_index.get(i, ()) for i in (*r.q, r.key, r.value_head)}
     return r, axes
 
@@ -214,12 +215,23 @@ def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
     r = roles(q.indices, k.indices, v.indices, step.fn.key)
     rows = tuple(d for d in q.dims if d.name != r.head)
     values = einsum_flops(((d.name, d.axes) for d in (*rows, *keys, v.dims[-1])), size)  # P·V: rows x T x Hv
-    # causal: the chip runs only the unmasked half of the blocks; the model FLOPs count the whole S x T
-    half = 1 if step.fn.query is None else 2
+    num, den = _unmasked(step, size)
     if part == "out":
-        return (scores[0] + values[0]) / half, scores[1] + values[1]
+        return (scores[0] + values[0]) * num / den, scores[1] + values[1]
     # the backward's kernel: the scores again, dP = dO·V, dQ = dS·K, dK = dS·Q, dV = P·dO
-    return (3 * scores[0] + 2 * values[0]) / half, 2 * scores[1] + 2 * values[1]
+    return (3 * scores[0] + 2 * values[0]) * num / den, 2 * scores[1] + 2 * values[1]
+
+
+def _unmasked(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
+    """The share of its S x T blocks the busiest device runs, as (numerator, denominator): all but causal;
+    causal, a half with S whole, and with S in n contiguous blocks the last's, (2n - 1) / 2n (its queries
+    see every key but half of its own block's: the all-gather form does not balance the load)."""
+    assert isinstance(step.fn, Attention)
+    if step.fn.query is None:
+        return 1, 1
+    q = step.operands[0]
+    n = math.prod((size(a) for a in q.dims[q.indices.index(step.fn.query)].axes), start=1)
+    return 2 * n - 1, 2 * n  # (numerator, denominator): exact in a formula
 
 
 def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
@@ -240,7 +252,9 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     out = step.operands[3] if len(step.operands) > 3 else step.dst
     letters = einsum_letters((q, k, v, out))
     subs = tuple("".join(letters[i] for i in ref.indices) for ref in (q, k, v, out))
-    query = repr(letters[step.fn.query]) if step.fn.query is not None else "None"
+    query = "None"
+    if step.fn.query is not None:  # S's letter and the axes sharding it: the causal mask's global positions
+        query = repr((letters[step.fn.query], q.dims[q.indices.index(step.fn.query)].axes))
     flags = f"{subs!r}, {letters[step.fn.key]!r}, {query}"
     if step.fn.part in ("out", "lse"):
         pick = 0 if step.fn.part == "out" else 1
