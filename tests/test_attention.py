@@ -86,6 +86,23 @@ def test_the_queries_sharded_gather_k_and_v_and_reduce_scatter_their_gradients()
                        (Op.REDUCE_SCATTER, plan.grad_name("V"), "dV[B_Y, T_X, N, H]")]
 
 
+def test_at_long_sequences_the_planner_moves_the_sequence_axes_to_the_heads_with_alltoalls() -> None:
+    """Ulysses' form: S's axis moved onto the heads (AllToAll of Q, K, V in, of O out), balanced causal blocks,
+    chosen over gathering K and V (the all-gather form's last device runs 15/16 of its blocks)."""
+    spec = shardc.parse("mesh X=8\ndims B=8, S=32768, T=32768, N=32, H=128\nO[B, S_X, N, H] = "
+                        "attention(Q[B, S_X, N, H], K[B, T_X, N, H], V[B, T_X, N, H] over T, causal)\n")
+    plan = shardc.plan(spec, explain=True)
+    moves = [(s.op, s.tensor, str(s.dst)) for s in plan.forward if s.is_collective]
+    assert moves == [(Op.ALL_TO_ALL, "Q", "Q[B, S, N_X, H]"), (Op.ALL_TO_ALL, "K", "K[B, T, N_X, H]"),
+                     (Op.ALL_TO_ALL, "V", "V[B, T, N_X, H]"), (Op.ALL_TO_ALL, "O", "O[B, S_X, N, H]")]
+    (choice,) = plan.choices
+    forms = {a.description.split(" (")[0]: a for a in choice.alternatives}
+    assert forms["S's X moved to N"].chosen and forms["S over X, K and V gathered along T"].time is not None
+    assert forms["S over X, K and V gathered along T"].time > forms["S's X moved to N"].time
+    b, s, t, n, h = 8, 32768, 32768, 32, 128
+    assert _cost(plan).forward.compute_flops == 4 * b * s * t * n * h / 8 / 2
+
+
 def test_causal_context_parallel_blocks_are_not_balanced_so_the_last_device_sets_the_time() -> None:
     plan = shardc.plan(_spec("Q[B_Y, S_X, N, H]", "K[B_Y, T, N, H]", "V[B_Y, T, N, H]", "O[B_Y, S_X, N, H]"))
     b, s, t, n, h = (SIZES[i] for i in "BSTNH")
@@ -221,7 +238,7 @@ def test_the_steps_of_one_kernel_run_it_once() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mha", "gqa", "mqa", "context", "layer", "pipeline"])
+@pytest.mark.parametrize("case", ["mha", "gqa", "mqa", "context", "ulysses", "layer", "pipeline"])
 def test_attention_verifies_against_the_reference_values_and_hlo(case: str) -> None:
     from shardc.verification.verify import verify
 
@@ -229,6 +246,8 @@ def test_attention_verifies_against_the_reference_values_and_hlo(case: str) -> N
         "mha": _spec("Q[B_X, S, N_Y, H]", "K[B_X, T, N_Y, H]", "V[B_X, T, N_Y, H]", "O[B_X, S, N_Y, H]"),
         "gqa": _spec("Q[B_X, S, G, R_Y, H]", "K[B_X, T, G, H]", "V[B_X, T, G, H]", "O[B_X, S, G, R_Y, H]"),
         "mqa": _spec("Q[B_X, S, N_Y, H]", "K[B_X, T, H]", "V[B_X, T, H]", "O[B_X, S, N_Y, H]", "", "bf16"),
+        "ulysses": shardc.parse("mesh X=4\ndims B=4, S=16384, T=16384, N=8, H=64\ndtype f32\nO[B, S_X, N, H] = "
+                                "attention(Q[B, S_X, N, H], K[B, T_X, N, H], V[B, T_X, N, H] over T, causal)\n"),
         "context": _spec("Q[B_Y, S_X, G, R, H]", "K[B_Y, T_X, G, H]", "V[B_Y, T_X, G, H]", "O[B_Y, S_X, G, R, H]"),
         "layer": shardc.parse((ROOT / "examples" / "llama_layer_flash.shard").read_text(encoding="utf-8")),
         "pipeline": _fused_pipeline(),
@@ -240,3 +259,5 @@ def test_attention_verifies_against_the_reference_values_and_hlo(case: str) -> N
         assert sum(r.hlo_op == "all-reduce" and r.ok for r in report.collectives) == 2
     if case == "context":  # K and V gathered, their gradients reduce-scattered
         assert sorted(r.hlo_op for r in report.collectives) == ["all-gather"] * 2 + ["reduce-scatter"] * 2
+    if case == "ulysses":  # Q, K, V and dO to the heads; O, dQ, dK, dV back
+        assert [r.hlo_op for r in report.collectives] == ["all-to-all"] * 8

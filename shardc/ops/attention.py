@@ -11,15 +11,18 @@ grouped-query and multi-query attention are K and V with fewer head indices than
 
 Planned in the result's layout on the batch, head and query indices, K and V whole along T:
 where only batch and head indices are sharded, each device runs the kernel on its heads of its
-sequences, without communication.  The queries S sharded is context parallelism in its all-gather
+sequences, without communication.  The queries S sharded is context parallelism: in its all-gather
 form (the LLaMA 3 paper's, Dubey et al. 2024): K and V are gathered along T (they may be held
 sharded along it) and each device runs its block of queries against every key, its causal mask
 offset by its block's global position.  The blocks are contiguous, not load-balanced, so under a
-causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time.  Ring
-attention (K and V passed around with ppermute) and Ulysses (an AllToAll to heads sharded) are not
-planned; a sharded head dim is an error.  dK and dV sum over the query indices a key/value head
-serves (a group's query heads R, and S where sharded), so where those are sharded they are partial
-sums, reduced as any gradient is (onto K's and V's sharding along T: a ReduceScatter).
+causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time.  Where S is
+sharded the planner also costs S's axes moved onto a head or batch index (an AllToAll of Q, K and
+V in and of the output out, as Ulysses does, Jacobs et al. 2023: whole sequences, balanced) and
+runs the form of least time, forward and backward; ``--explain`` lists them.  Ring attention (K
+and V passed around with ppermute) is not planned; a sharded head dim is an error.  dK and dV sum
+over the query indices a key/value head serves (a group's query heads R, and S where sharded), so
+where those are sharded they are partial sums, reduced as any gradient is (onto K's and V's
+sharding along T: a ReduceScatter).
 
 FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` and ``P·V``, ``4 B S T N H``
 (each head dim counted where it is contracted); with ``causal`` the chip runs only the unmasked
@@ -48,7 +51,7 @@ import numpy as np
 from shardc.collectives import einsum_flops
 from shardc.errors import ShardcError
 from shardc.ir.localops import Attention
-from shardc.ir.plan import Op, Step
+from shardc.ir.plan import Alternative, Choice, Op, Step
 from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.products import einsum_letters
@@ -139,20 +142,78 @@ def _value(indices: tuple[str, ...], axes: dict[str, tuple[str, ...]], unreduced
     return Value(tuple(axes[i] for i in indices), unreduced)
 
 
+def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]]) -> list[tuple[str, dict[str, tuple[str, ...]]]]:
+    """The kernel layouts to choose from: ``axes`` (the all-gather form where the queries S are sharded),
+    and, where they are, S's axes moved onto one of K's batch or head indices instead (Ulysses, Jacobs et
+    al. 2023: an AllToAll of Q, K and V to heads sharded, whole sequences, and of the output back),
+    where that index's length takes them whole."""
+    seq = r.queries[0]
+    forms = [(f"{seq} over {''.join(axes[seq])}, K and V gathered along {r.key} (all-gather)" if axes[seq]
+              else "local", axes)]
+    for i in reversed(r.batch) if axes[seq] else ():  # the heads (written after the batch) first
+        devices = math.prod(phase.ctx.axis_sizes[a] for a in (*axes[i], *axes[seq]))
+        if not phase.sized or phase.ctx.dim_size(i) % devices == 0:
+            forms.append((f"{seq}'s {''.join(axes[seq])} moved to {i} (AllToAll in and out, as Ulysses)",
+                          {**axes, seq: (), i: axes[i] + axes[seq]}))
+    return forms
+
+
+def _form_seconds(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]],
+                  want: Value) -> tuple[float, int]:
+    """A form's time, forward and backward: its moves twice (the backward moves their transposes: dO in,
+    dQ, dK, dV out), and its kernel at 3.5 times its forward's FLOPs (the backward's is 2.5 times); and
+    its forward's collectives."""
+    ctx = phase.ctx
+    moved, count = 0.0, 0
+    moves = [reshard(ctx, name, indices, phase.held[name], _value(indices, axes))
+             for name, indices in zip(node.operands, (r.q, r.k, r.v), strict=True)]
+    refs = [phase.ref(name, _value(indices, axes)) for name, indices in zip(node.operands, (r.q, r.k, r.v),
+                                                                            strict=True)]
+    out = _value(node.indices, axes)
+    if want != out:
+        moves.append(reshard(ctx, node.result, node.indices, (out,), want))
+    for cost, made in moves:
+        moved, count = moved + cost[0], count + len(made)
+    assert node.call is not None
+    kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs),
+                  fn=Attention("out", r.key, _query(node.call, r)))
+    flops, _ = _flops(kernel, lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name))
+    return 2 * moved + 3.5 * ctx.hardware.matmul_seconds(float(flops), ctx.dtype.value) * ctx.compute_weight, count
+
+
+def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]], want: Value,
+            label: str) -> dict[str, tuple[str, ...]]:
+    """The form of least time (the first without sizes), listed for ``--explain``."""
+    forms = _forms(phase, r, axes)
+    if len(forms) == 1 or not phase.sized:
+        return forms[0][1]
+    figures = [_form_seconds(phase, node, r, f, want) for _, f in forms]
+    times = [t for t, _ in figures]
+    best = min(range(len(forms)), key=lambda k: times[k])
+    if phase.ctx.explain:
+        rows = tuple(Alternative(text, t, "", n, k == best) for k, ((text, _), (t, n)) in enumerate(zip(forms, figures,
+                                                                                                       strict=True)))
+        phase.choices.append(Choice(phase.name, label, rows, f"least time, forward and backward ({times[best]:.3g} s)"))
+    return forms[best][1]
+
+
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
-    """Q, K and V moved to the kernel's layout (batch and heads as the result's), then the kernel's two steps:
-    the output, then the row logsumexp it makes on the way."""
+    """Q, K and V moved to the kernel's layout (the result's, or with the sequence's axes on the heads, whichever
+    is faster), then the kernel's two steps: the output, then the row logsumexp it makes on the way; the output
+    moved to the result's layout (without one declared, where the queries were)."""
     if target is not None and target.unreduced:
         raise ShardcError(f"{node.result} is attention, not a partial sum", node.statement.span,
                           fix="drop the {U_...} suffix")
-    r, axes = _layouts(phase, node, target, declared)
+    r, given = _layouts(phase, node, target, declared)
+    want = target if target is not None else _value(node.indices, given)
+    axes = _choose(phase, node, r, given, want, label)
     assert node.call is not None
     operands = []
     for name, indices in zip(node.operands, (r.q, r.k, r.v), strict=True):
-        want = _value(indices, axes)
-        _, moves = reshard(phase.ctx, name, indices, phase.held[name], want)
+        value = _value(indices, axes)
+        _, moves = reshard(phase.ctx, name, indices, phase.held[name], value)
         phase.moves(name, moves)
-        operands.append(phase.ref(name, want))
+        operands.append(phase.ref(name, value))
     (lse,) = node.aux
     query = _query(node.call, r)
     out, rows = _value(node.indices, axes), _value(r.rows, axes)
@@ -160,10 +221,10 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
                     fn=Attention("out", r.key, query)), out)
     phase.emit(Step(Op.ELEMENTWISE, lse, phase.ref(lse, rows), operands=tuple(operands),
                     fn=Attention("lse", r.key, query, kernel=False)), rows)
-    if target is not None and target != out:
-        _, moves = reshard(phase.ctx, node.result, node.indices, (out,), target)
+    if want != out:
+        _, moves = reshard(phase.ctx, node.result, node.indices, (out,), want)
         phase.moves(node.result, moves)
-    declared.setdefault(node.result, phase.ref(node.result, out))
+    declared.setdefault(node.result, phase.ref(node.result, want))
 
 
 def _forward_step(bw: _Backward, node: Node, part: str) -> Step:
