@@ -137,8 +137,11 @@ def test_grouped_query_flops_count_every_query_head() -> None:
 def test_the_cost_formula_without_sizes_counts_the_matmuls() -> None:
     spec = shardc.parse("mesh X=2, Y=2\nO[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, N_Y, H], "
                         "V[B_X, T, N_Y, H] over T, causal)\n")
-    text = str(cost_formulas(shardc.plan(spec)))
+    report = cost_formulas(shardc.plan(spec))
+    text = str(report)
     assert "compute 2*B*H*N*S*T/(X*Y) FLOPs a device" in text and "compute 5*B*H*N*S*T/(X*Y)" in text
+    kernel = report.to_json()["forward"]["rows"][0]  # type: ignore[index]
+    assert kernel["flops_expr"] == "2*B*H*N*S*T/(X*Y)" and kernel["time_s_expr"] == "2*B*H*N*S*T/(C*X*Y)"
 
 
 def test_the_residuals_are_q_k_v_the_output_and_a_float32_row_logsumexp() -> None:
