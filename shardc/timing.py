@@ -53,6 +53,7 @@ from shardc.hardware import Hardware, resolve_hardware
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Mesh, TensorRef
+from shardc.ops.registry import of_op
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import leaves
@@ -112,6 +113,9 @@ class StepCost:
                        path="ahead" if self.ahead else "critical")
         elif self.op is Op.EINSUM:
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s)
+        elif self.flops:  # a kernel with matmuls (attention): its FLOPs and its HBM traffic
+            row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s,
+                       memory_bytes=self.memory_bytes, memory_s=self.memory_s)
         elif self.memory_bytes:
             row.update(memory_bytes=self.memory_bytes, memory_s=self.memory_s)
         return row
@@ -169,6 +173,12 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         return StepCost(index, step.op, step.tensor, text, flops=float(flops), model_flops=float(model),
                         compute_s=seconds, once=step.once, memory_bytes=memory_bytes,
                         memory_s=hw.memory_seconds(memory_bytes))
+    family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+    if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
+        flops, model = family.flops(step, lambda name: _size(sizes, name))
+        return StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
+                        model_flops=float(model), compute_s=hw.matmul_seconds(flops, dtype) if flops else 0.0,
+                        once=step.once, memory_bytes=memory_bytes, memory_s=hw.memory_seconds(memory_bytes))
     return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once, memory_bytes=memory_bytes,
                     memory_s=hw.memory_seconds(memory_bytes))
 
@@ -368,7 +378,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     kept = kept_values(plan)
 
     def row(step: Step, moved: float) -> StepCost:
-        key = (step.op, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
+        key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
                step.src.dims if step.src is not None else None, moved, step.ahead)
         hit = seen.get(key)
         if hit is None:

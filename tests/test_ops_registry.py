@@ -10,6 +10,7 @@ from shardc.ir.localops import (
     ALIAS,
     NEG,
     Add,
+    Attention,
     Causal,
     Combine,
     Dropout,
@@ -24,6 +25,7 @@ from shardc.ir.localops import (
 )
 from shardc.ir.plan import Op
 from shardc.ir.spec import Call, TensorRef
+from shardc.ops.attention import ATTENTION
 from shardc.ops.elementwise import MAPS
 from shardc.ops.masks import MASKS
 from shardc.ops.products import PRODUCTS
@@ -58,7 +60,9 @@ def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> 
     assert of_call("softmax") is REDUCTIONS and of_op(Row.SOFTMAX) is REDUCTIONS and of_op(Combine.MAX) is REDUCTIONS
     assert of_call("embed") is VOCABULARY and of_op(Vocab.EMBED) is VOCABULARY
     assert of_call(CONTRACT) is PRODUCTS and PRODUCTS.steps == (Op.EINSUM, Op.COPY)
-    assert set(families()) == {MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS, VOCABULARY} and len(families()) == 7
+    assert of_call("attention") is ATTENTION and of_op(Attention("out", "T")) is ATTENTION
+    assert set(families()) == {ATTENTION, MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS, VOCABULARY}
+    assert len(families()) == 8
 
 
 def test_every_step_of_a_plan_is_found_by_its_kind_or_its_operation() -> None:
@@ -175,3 +179,16 @@ def test_a_vocabulary_op_reads_two_tensors_and_its_gradient_reaches_the_table_or
     assert Vocab.EMBED_VJP in {s.fn for s in plan.backward}
     assert plan.grad_name("Tok") not in {g.name for g in plan.grads}
     assert {of_op(s.fn) for s in plan.forward if isinstance(s.fn, Vocab)} == {VOCABULARY}
+
+
+def test_attention_reads_three_tensors_keeps_its_row_logsumexp_and_runs_matmuls() -> None:
+    spec = shardc.parse("mesh X=2\ndims B=2, S=4, T=4, N=2, H=8\n"
+                        "O[B_X, S, N, H] = attention(Q[B_X, S, N, H], K[B_X, T, N, H], V[B_X, T, N, H] over T)\n")
+    graph = build_graph(spec)
+    (node,) = graph.nodes
+    assert node.family is ATTENTION and node.operands == ("Q", "K", "V") and node.aux == ("O_lse",)
+    assert graph.indices["O_lse"] == ("B", "S", "N") and graph.element_bytes["O_lse"] == 4  # float32
+    plan = shardc.plan(spec)
+    assert [s.fn for s in plan.forward] == [Attention("out", "T"), Attention("lse", "T", kernel=False)]
+    assert [s.fn.part for s in plan.backward if isinstance(s.fn, Attention)] == ["dq", "dk", "dv"]
+    assert ATTENTION.flops is not None and not ATTENTION.fusible

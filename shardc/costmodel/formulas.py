@@ -23,6 +23,7 @@ from symengine import Basic as Expr  # a formula
 from shardc.collectives import FACTOR, Layout, bandwidth_terms, einsum_flops
 from shardc.ir.plan import Monomial, Op, Step
 from shardc.ir.spec import Mesh
+from shardc.ops.registry import of_op
 
 __all__ = ["Expr", "HardwareSymbols", "hardware_symbols", "StepFormula", "PhaseFormula", "symbol", "monomial",
            "number", "product", "text", "step_formula", "phase_formula", "evaluate", "over", "ZERO"]
@@ -195,6 +196,10 @@ def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
     if step.op is Op.EINSUM:
         flops, model = _einsum(step)
         return StepFormula(flops, model, zero, zero, zero)
+    family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+    if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
+        flops, model = family.flops(step, symbol)
+        return StepFormula(ZERO + flops, ZERO + model, zero, zero, zero)
     if not step.is_collective or step.volume is None:
         return StepFormula(zero, zero, zero, zero, zero)
     terms = bandwidth_terms(step.op, monomial(step.volume), step.axes, mesh, symbol, spans, number, sizes)

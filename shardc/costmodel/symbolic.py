@@ -55,13 +55,14 @@ class FormulaRow:
     amount: str  # V in bytes, or per-device FLOPs; "" for local steps
     time: str  # seconds, in the hardware symbols; "" for local steps
     ahead: bool
+    compute: bool = False  # FLOPs: an einsum, or a fused kernel's matmuls (attention's)
 
     def to_json(self) -> dict[str, object]:
-        key = "flops_expr" if self.op is Op.EINSUM else "volume_bytes_expr"
+        key = "flops_expr" if self.compute else "volume_bytes_expr"
         row: dict[str, object] = {"index": self.index, "op": self.op.value, "text": self.text}
         if self.amount:
             row.update({key: self.amount, "time_s_expr": self.time})
-        if self.op is not Op.EINSUM and self.amount:
+        if not self.compute and self.amount:
             row.update(axes=list(self.axes), path="ahead" if self.ahead else "critical")
         return row
 
@@ -146,7 +147,7 @@ class FormulaReport:
 
 
 def _row(r: FormulaRow) -> str:
-    path = ("ahead" if r.ahead else "critical") if r.op is not Op.EINSUM else "compute"
+    path = ("ahead" if r.ahead else "critical") if not r.compute else "compute"
     if not r.amount:
         path = "local"
     return (f"  {r.index:>3}  {r.op.title:<13} {','.join(r.axes):<6} {r.amount:<18}  {r.time:<22}  "
@@ -162,9 +163,9 @@ def _totals(f: PhaseFormula) -> list[str]:
 def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
                  spans: Layout, sizes: dict[str, int]) -> FormulaRow:
     one = step_formula(step, mesh, spans, sizes)
-    if step.op is Op.EINSUM:
+    if step.op is Op.EINSUM or one.flops != 0:  # an einsum, or a kernel's matmuls
         return FormulaRow(index, step.op, (), describe(step), text(one.flops), over(one.flops, names.flops),
-                          False)
+                          False, compute=True)
     if step.is_collective and step.volume is not None:
         parts = [over(q, w) for q, w in ((one.q_ici, names.ici), (one.q_dcn, names.dcn)) if q != 0]
         return FormulaRow(index, step.op, step.axes, describe(step), text(monomial(step.volume)),

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 __all__ = ["Map", "MapVjp", "Add", "Neg", "Alias", "Update", "Causal", "CausalVjp", "Dropout", "DropoutMask",
-           "DropoutVjp", "Route", "Row", "Vocab", "Combine", "LocalOp", "NEG", "ALIAS", "UPDATE", "MASK_OPS",
+           "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "Row", "Vocab", "Combine", "LocalOp", "NEG",
+           "ALIAS", "UPDATE", "MASK_OPS",
            "add_op"]
 
 
@@ -160,6 +161,27 @@ class Route:
         return f"route({self.order},{self.experts},{self.slots},{self.k})"
 
 
+ATTENTION_PARTS = ("out", "lse", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Blockwise attention on local blocks (operands Q, K, V; a gradient's also O, the row logsumexp
+    and dO): ``part`` is what the step makes, the output, the row logsumexp or one of dQ, dK, dV (one
+    of :data:`ATTENTION_PARTS`); ``key`` is the key index T; ``query`` the query position a causal
+    mask compares it with (None: not causal); ``kernel``: the step that runs the kernel (its FLOPs, its
+    reads), the others being its further results."""
+
+    part: str
+    key: str
+    query: str | None = None
+    kernel: bool = True
+
+    def __str__(self) -> str:
+        causal = f",causal({self.query},{self.key})" if self.query is not None else ""
+        return f"attention_{self.part}(over {self.key}{causal})"
+
+
 class Row(Enum):
     """The local maps of a reduction over an index: forward, finishing maps and gradients.
 
@@ -226,4 +248,4 @@ class Combine(Enum):
 
 
 LocalOp = (Map | MapVjp | Add | Neg | Alias | Update | Causal | CausalVjp | DropoutMask | Dropout | DropoutVjp
-           | Route | Row | Vocab | Combine)
+           | Route | Attention | Row | Vocab | Combine)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask", "keep_mask", "vocab_lookup",
-           "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk"]
+           "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk", "attention", "attention_grads"]
 
 Array = Any
 Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
@@ -152,3 +152,131 @@ def route_topk(gates: Array, k: int, capacity: int, order: int, experts: int) ->
     slot = jnp.cumsum(chosen, axis=-2) - chosen  # tokens before this one that chose the expert
     mask = chosen[..., None] * jax.nn.one_hot(slot, capacity, dtype=gates.dtype)  # 0 past the capacity
     return jnp.moveaxis(mask, (-3, -2), (order, experts))
+
+
+# --- attention, blockwise with an online softmax (Dao et al. 2022, FlashAttention) ---------------
+
+def _key_block(n: int) -> int:
+    """The keys a step of the loop takes: the largest divisor of ``n`` up to min(512, n / 2) (two blocks
+    or more where ``n`` allows, so the online softmax combines blocks)."""
+    return next(b for b in range(max(min(512, n // 2), 1), 0, -1) if n % b == 0)
+
+
+def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key: str,
+                      query: tuple[str, Axes] | None, start: Any) -> Array:
+    """One block of scores ``Q·K / sqrt(H)`` (the rows' letters, then the key letter), -inf where a causal
+    mask hides the key: its global position (``start`` on, T whole on the device) past the query's
+    (``query``: S's letter and the axes sharding it, each device's block offset by its index along them)."""
+    qs, ks, _, _ = subs
+    s = jnp.einsum(f"{qs},{ks}->{qs[:-1]}{key}", q, kb) / math.sqrt(q.shape[-1])
+    if query is None:
+        return s
+    letter, axes = query
+    return jnp.where(start + jnp.arange(kb.shape[ks.index(key)]) > positions(s, qs.index(letter), axes), -jnp.inf, s)
+
+
+def _varying_zero(dtype: Any, *xs: Array) -> Array:
+    """A zero that varies over every mesh axis any of ``xs`` varies over (inside shard_map): a loop's
+    initial carry must vary as its result does."""
+    return sum((jnp.ravel(x)[0].astype(dtype) * 0 for x in xs), jnp.zeros((), dtype))
+
+
+def _compute_dtype(x: Array) -> Any:
+    """What the kernel computes in: float32 at least (bf16 inputs accumulate in float32, as the kernels
+    do), float64 where the module runs in it."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+_KERNEL: list[tuple[tuple[Any, ...], tuple[Array, ...]]] = []  # the last kernel run: (its arguments, its results)
+
+
+def _kernel_once(run: Any, *args: Any) -> tuple[Array, ...]:
+    """``run(*args)``, or its results when the call just before had the same arguments (the same arrays):
+    a plan's steps that are one kernel's results (the output and its logsumexp; dQ, dK and dV) each call
+    it, and XLA does not merge the loops, so the kernel runs once for them all."""
+    if _KERNEL and _KERNEL[0][0][0] is run and len(_KERNEL[0][0]) == len(args) + 1 and all(
+            _same(a, b) for a, b in zip(_KERNEL[0][0][1:], args, strict=True)):
+        return _KERNEL[0][1]
+    results = run(*args)
+    _KERNEL[:] = [((run, *args), results)]
+    return results  # type: ignore[no-any-return]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """One jax array (immutable: the same object, the same values), or equal letters and flags."""
+    if isinstance(a, jax.Array):
+        return a is b
+    return isinstance(a, str | tuple | None) and a == b
+
+
+def attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
+              query: tuple[str, Axes] | None = None) -> tuple[Array, Array]:
+    """(the output, the row logsumexp in float32 or wider) of ``softmax(Q·K / sqrt(H) over T) · V`` on local blocks:
+    a loop over blocks of keys keeping each row's running max, sum of exponentials and weighted sum of
+    values, so no S x T array is made.  ``subs`` are Q's, K's, V's and O's einsum letters, ``key`` T's, and
+    ``query`` S's with the axes sharding it, for a causal mask (None: none)."""
+    return _kernel_once(_attention, q, k, v, subs, key, query)  # type: ignore[return-value]
+
+
+def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
+               query: tuple[str, Axes] | None) -> tuple[Array, Array]:
+    qs, ks, vs, os = subs
+    dtype, wide = q.dtype, _compute_dtype(q)
+    q, k, v = (x.astype(wide) for x in (q, k, v))
+    kt, vt, n = ks.index(key), vs.index(key), k.shape[ks.index(key)]
+    b = _key_block(n)
+    rows = qs[:-1]
+    zero = _varying_zero(wide, q, k, v)
+    acc0 = jnp.zeros(q.shape[:-1] + (v.shape[-1],), wide) + zero
+    init = (jnp.full(q.shape[:-1], -jnp.inf, wide) + zero, jnp.zeros(q.shape[:-1], wide) + zero, acc0)
+
+    def body(j: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        m, total, acc = carry
+        kb, vb = (jax.lax.dynamic_slice_in_dim(x, j * b, b, axis) for x, axis in ((k, kt), (v, vt)))
+        s = _attention_scores(q, kb, subs, key, query, j * b)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        pv = jnp.einsum(f"{rows}{key},{vs}->{rows}{vs[-1]}", p, vb)
+        return m_new, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
+
+    m, total, acc = jax.lax.fori_loop(0, n // b, body, init)
+    out = jnp.einsum(f"{rows}{vs[-1]}->{os}", acc / total[..., None])
+    return out.astype(dtype), m + jnp.log(total)
+
+
+def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
+                    key: str, query: tuple[str, Axes] | None = None) -> tuple[Array, Array, Array]:
+    """(dQ, dK, dV) of :func:`attention` from the forward's output and row logsumexp: FlashAttention's
+    backward, a loop over blocks of keys that makes each block's probabilities again from the logsumexp.
+    dK and dV sum over the query indices this device holds (partial sums where those are sharded)."""
+    return _kernel_once(_attention_grads, q, k, v, o, lse, do, subs, key, query)  # type: ignore[return-value]
+
+
+def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
+                     key: str, query: tuple[str, Axes] | None) -> tuple[Array, Array, Array]:
+    qs, ks, vs, os = subs
+    dtypes, wide = (q.dtype, k.dtype, v.dtype), _compute_dtype(q)
+    q, k, v, o, lse, do = (x.astype(wide) for x in (q, k, v, o, lse, do))
+    kt, vt, n = ks.index(key), vs.index(key), k.shape[ks.index(key)]
+    b = _key_block(n)
+    rows = qs[:-1]
+    delta = jnp.einsum(f"{os},{os}->{rows}", do, o)  # rowsum(dO * O)
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def body(j: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        dq, dk, dv = carry
+        kb, vb = (jax.lax.dynamic_slice_in_dim(x, j * b, b, axis) for x, axis in ((k, kt), (v, vt)))
+        p = jnp.exp(_attention_scores(q, kb, subs, key, query, j * b) - lse[..., None])
+        dvb = jnp.einsum(f"{rows}{key},{os}->{vs}", p, do)
+        dp = jnp.einsum(f"{os},{vs}->{rows}{key}", do, vb)
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum(f"{rows}{key},{ks}->{qs}", ds, kb)
+        dkb = jnp.einsum(f"{rows}{key},{qs}->{ks}", ds, q)
+        return (dq, jax.lax.dynamic_update_slice_in_dim(dk, dkb, j * b, kt),
+                jax.lax.dynamic_update_slice_in_dim(dv, dvb, j * b, vt))
+
+    zero = _varying_zero(wide, q, k, v, o, lse, do)
+    init = (jnp.zeros_like(q) + zero, jnp.zeros_like(k) + zero, jnp.zeros_like(v) + zero)
+    grads = jax.lax.fori_loop(0, n // b, body, init)
+    return tuple(g.astype(t) for g, t in zip(grads, dtypes, strict=True))  # type: ignore[return-value]

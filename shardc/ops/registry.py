@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
 
-__all__ = ["Builder", "Family", "Reference", "Site", "Sizer", "Traffic", "all_traffic", "no_traffic", "register",
-           "of_call", "family_of", "of_op", "of_step", "families", "SUM", "RENAME", "CONTRACT"]
+__all__ = ["Builder", "Family", "Flops", "Reference", "Site", "Sizer", "Traffic", "all_traffic", "no_traffic",
+           "register", "of_call", "family_of", "of_op", "of_step", "families", "SUM", "RENAME", "CONTRACT"]
 
 # The forms of the language a family may claim beside its spec functions: a sum of terms
 # (``A + B - C``), a rename (``Kx[B, T, D] = X[B, S, D]``) and a product or copy (``A · B``).
@@ -42,6 +42,9 @@ Namer = Callable[["TensorRef"], str]  # a value's variable in the generated code
 Sizer = Callable[["TensorRef"], float]  # bytes of one device's piece of a value
 # (HBM bytes read of each operand, in order, and bytes written) of one step
 Traffic = Callable[["Step", Sizer], tuple[tuple[float, ...], float]]
+# (per-device FLOPs, model FLOPs) of one step on the matrix units, given a dim's or an axis's size (a
+# number, or a symbol for the cost formulas)
+Flops = Callable[["Step", Callable[[str], Any]], tuple[Any, Any]]
 
 
 def all_traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
@@ -160,6 +163,9 @@ class Family:
     steps: tuple[Op, ...] = ()
     # the HBM traffic of one of its steps (the cost model adds it up, minus what fusion saves)
     traffic: Traffic = all_traffic
+    # the matmul FLOPs of one of its steps, which the cost model adds at the chip's matmul rate beside its
+    # traffic (None: its steps are memory-bound only; attention's are not)
+    flops: Flops | None = None
     # whether XLA fuses its steps with their neighbours (elementwise maps and reductions: loop and
     # reduction fusions; a top-k routing sorts, and is a kernel of its own)
     fusible: bool = True

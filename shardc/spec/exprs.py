@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from shardc.errors import ShardcError, Span
 from shardc.ir.spec import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
+from shardc.spec.attention_call import CAUSAL, roles
 from shardc.spec.functions import is_known, known_list, signature
 from shardc.spec.walk import calls, chain_indices, fold, is_rename, leaves, route_slots
 
@@ -42,6 +43,11 @@ def _check_calls(expr: Expr) -> None:
             raise ShardcError(f"unknown function `{call.func}`", span, fix=f"use one of {known_list()}")
         sig = signature(call.func)
         given = (len(call.args), len(call.names), len(call.numbers), call.over is not None)
+        if sig.kind == "attention" and call.names:
+            if call.names != (CAUSAL,):
+                raise ShardcError(f"`attention` takes one flag, {CAUSAL}, not {', '.join(call.names)}", call.span,
+                                  fix=f"write it as {sig.usage(call.func)}, or without `, {CAUSAL}`")
+            given = (given[0], 0, *given[2:])  # the optional flag
         if given != (sig.tensors, sig.names, sig.numbers, sig.over):
             raise ShardcError(f"`{call.func}` takes {_takes(sig.tensors, sig.names, sig.numbers, sig.over)}",
                               call.span, fix=f"write it as {sig.usage(call.func)}")
@@ -83,6 +89,9 @@ def _check_expr(expr: Expr, outer: tuple[str, ...], spec: Spec) -> None:
 
 def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
     kind = signature(call.func).kind
+    if kind == "attention":
+        _check_attention(call, spec)
+        return
     inner = outer + ((call.over,) if kind == "reduce" and call.over is not None else ())
     arg = chain_indices(call.arg, inner)
     if kind == "route":
@@ -101,6 +110,15 @@ def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
         _check_lookup(call)
     for a in call.args:
         _check_expr(a, inner if a is call.arg else chain_indices(a, ()), spec)
+
+
+def _check_attention(call: Call, spec: Spec) -> None:
+    """attention(Q, K, V over T[, causal]): each index's role fits (:func:`roles`), each argument checked
+    towards its own indices."""
+    q, k, v = (chain_indices(a, ()) for a in call.args)
+    roles(q, k, v, call.over, call.span)
+    for a in call.args:
+        _check_expr(a, chain_indices(a, ()), spec)
 
 
 def _check_route(call: Call, arg: tuple[str, ...], spec: Spec) -> None:
@@ -187,7 +205,7 @@ def _check_rename(statement: Statement, spec: Spec) -> None:
 
 def _call_outer(call: Call, arg: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
     """The indices a call's argument is computed towards."""
-    if arg is not call.arg or signature(call.func).kind in ("embed", "loss"):
+    if arg is not call.arg or signature(call.func).kind in ("embed", "loss", "attention"):
         return chain_indices(arg, ())
     return outer + ((call.over,) if call.over is not None and call.over not in outer else ())
 

@@ -22,13 +22,16 @@ has a kind, which fixes how its result's indices follow from its arguments:
   of each expert it picked, tokens in order of S (the first index name), the
   capacity index C (the second, not an index of the argument) counting slots; a
   token past an expert's capacity is dropped there.  A mask: no gradient.
+- ``attention``: ``attention(Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal)``,
+  ``softmax(Q·K / sqrt(H) over T) · V`` computed blockwise (no S x T scores held); the flag
+  ``causal`` is optional.  Each index's role: :mod:`shardc.spec.attention_call`.
 
 >>> is_known("gelu"), signature("softmax").kind, signature("embed").tensors
 (True, 'normalize', 2)
 >>> "identity" in FUNCTIONS
 True
 >>> known_list().split(', ')[:3]
-['causal', 'cross_entropy', 'dropout']
+['attention', 'causal', 'cross_entropy']
 >>> signature("route").usage("route")
 'route(Gate[G, S, E], S, C, 2 over E)'
 """
@@ -58,7 +61,8 @@ class Signature:
         examples = {"elementwise": "X[B, D]", "normalize": "X[B, S, D] over D", "reduce": "X[B, D] over D",
                     "mask": "Sc[B, N, S, T], S, T", "dropout": "X[B, S, D], 0.1",
                     "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]",
-                    "route": "Gate[G, S, E], S, C, 2 over E"}
+                    "route": "Gate[G, S, E], S, C, 2 over E",
+                    "attention": "Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal"}
         return f"{name}({examples[self.kind]})"
 
 
@@ -89,6 +93,9 @@ FUNCTIONS: dict[str, Signature] = {
     "cross_entropy": Signature("loss", "mean over tokens of logsumexp(logits) - logits[target]", tensors=2),
     "route": Signature("route", "0/1 mask: each token (in order of S) to a free slot C of its top k along E",
                        names=2, numbers=1, over=True),
+    # `causal` is an optional flag (an index-name argument): validation accepts 0 names or that one
+    "attention": Signature("attention", "softmax(Q·K / sqrt(H) over T) · V, blockwise (online softmax)",
+                           tensors=3, over=True),
 }
 
 ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")

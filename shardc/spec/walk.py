@@ -169,6 +169,9 @@ def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
         return chain_indices(call.arg, ()) + chain_indices(call.more[0], ())[1:]
     if kind == "loss":
         return ()
+    if kind == "attention" and len(call.more) == 2:  # Q's indices, its head dim replaced by V's
+        q, v = chain_indices(call.arg, ()), chain_indices(call.more[1], ())
+        return (*q[:-1], v[-1]) if q and v else q
     if kind == "route" and len(call.names) == 2:
         return chain_indices(call.arg, outer) + (call.names[1],)
     return chain_indices(call.arg, outer)

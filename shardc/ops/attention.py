@@ -1,0 +1,439 @@
+"""The attention family: ``attention(Q, K, V over T[, causal])``, fused (FlashAttention), registered once.
+
+``O[B, S, N, H] = attention(Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal)`` is
+``softmax(Q·K / sqrt(H) over T) · V`` computed as FlashAttention computes it (Dao et al. 2022;
+FlashAttention-2, Dao 2023): a loop over blocks of keys with an online softmax, so no S x T
+tensor is ever held.  The forward keeps the output and each row's logsumexp (float32, 4 bytes an
+element, as the kernels keep it); the backward makes each block's probabilities again from Q, K
+and that logsumexp, so the residuals are Q, K, V, O and the logsumexp.  Each index's role
+(batch, heads, a group's query heads, the key index) is :mod:`shardc.spec.attention_call`'s:
+grouped-query and multi-query attention are K and V with fewer head indices than Q.
+
+Planned in the result's layout on the batch, head and query indices, K and V whole along T:
+where only batch and head indices are sharded, each device runs the kernel on its heads of its
+sequences, without communication.  The queries S sharded is context parallelism: in its all-gather
+form (the LLaMA 3 paper's, Dubey et al. 2024): K and V are gathered along T (they may be held
+sharded along it) and each device runs its block of queries against every key, its causal mask
+offset by its block's global position.  The blocks are contiguous, not load-balanced, so under a
+causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time.  Where S is
+sharded the planner also costs S's axes moved onto a head or batch index (an AllToAll of Q, K and
+V in and of the output out, as Ulysses does, Jacobs et al. 2023: whole sequences, balanced) and
+runs the form of least time, forward and backward; ``--explain`` lists them.  Ring attention (K
+and V passed around with ppermute) is not planned; a sharded head dim is an error.  dK and dV sum
+over the query indices a key/value head serves (a group's query heads R, and S where sharded), so
+where those are sharded they are partial sums, reduced as any gradient is (onto K's and V's
+sharding along T: a ReduceScatter).
+
+FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` and ``P·V``, ``4 B S T N H``
+(each head dim counted where it is contracted); with ``causal`` the chip runs only the unmasked
+half of the S x T blocks, ``2 B S T N H`` (the count FlashAttention's benchmarks use).  The backward
+makes the scores again and runs four more (``dV = P·dO``, ``dP = dO·V``, ``dQ = dS·K``,
+``dK = dS·Q``): 2.5 times the forward's FLOPs on the chip.  Model FLOPs (MFU's) count the whole
+S x T, causal or not, and the backward as twice the forward (the recomputation not counted): the
+convention of PaLM's MFU (Chowdhery et al. 2022, appendix B: ``6N + 12 L H Q T`` a token) and of
+Megatron-LM's (Narayanan et al. 2021), which the published MFUs shardc is compared with used.  The
+step making the logsumexp is the same kernel as the output's: no FLOPs of its own, and likewise
+the backward's kernel is the first gradient step's, the others its further results.
+
+HBM traffic (:attr:`Family.traffic`): the forward reads Q, K and V and writes O and the
+logsumexp; the backward reads Q, K, V, O, the logsumexp and dO and writes dQ, dK and dV.
+Lowered as one call of :func:`shardc.lowering.runtime.attention` (or ``attention_grads``) a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shardc.collectives import einsum_flops
+from shardc.errors import ShardcError
+from shardc.ir.localops import Attention
+from shardc.ir.plan import Alternative, Choice, Op, Step
+from shardc.ir.spec import Call, Expr, TensorRef
+from shardc.names import fresh
+from shardc.ops.products import einsum_letters
+from shardc.ops.reductions import grad_magnitude as softmax_grad_magnitude
+from shardc.ops.reductions import magnitude as softmax_magnitude
+from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, register
+from shardc.planner.layout import Value
+from shardc.planner.search import reshard
+from shardc.spec.attention_call import CAUSAL, Roles, roles
+from shardc.spec.walk import chain_indices
+
+if TYPE_CHECKING:
+    from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
+    from shardc.planner.phase import Phase
+
+__all__ = ["ATTENTION", "LSE_BYTES", "emit", "attention_forward", "attention_vjp"]
+
+Array = Any
+LSE_BYTES = 4  # the row logsumexp is kept in float32 whatever the spec's dtype, as the kernels keep it
+
+
+def _call_roles(call: Call, q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...]) -> Roles:
+    return roles(q, k, v, call.over, call.span)
+
+
+def _query(call: Call, r: Roles) -> str | None:
+    """The query position a causal mask compares with the key's (None: not causal)."""
+    return r.query if CAUSAL in call.names else None
+
+
+# --- the graph node --------------------------------------------------------------------------
+
+def _operands(builder: Builder, call: Call, result: str, indices: tuple[str, ...]) -> tuple[tuple[str, ...],
+                                                                                        tuple[str, ...]]:
+    """Q, K and V, each computed towards its own indices, and the row logsumexp (Q's indices less H)."""
+    args = tuple(builder.argument(arg, result, chain_indices(arg, ())) for arg in call.args)
+    lse = fresh(f"{result}_lse", builder.names)
+    q, k, v = (builder.indices[a] for a in args)
+    builder.indices[lse] = _call_roles(call, q, k, v).rows
+    return args, (lse,)
+
+
+def _aux_bytes(node: Node) -> dict[str, int]:
+    return dict.fromkeys(node.aux, LSE_BYTES)
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+def _refuse(r: Roles, axes: dict[str, tuple[str, ...]], span: Any) -> None:
+    """A sharded head dim is contracted whole by the kernel, so it is not planned: say so."""
+    for index in (r.head, r.value_head):
+        if axes.get(index):
+            raise ShardcError(f"attention with its head dim {index} sharded: the kernel contracts it whole",
+                              span, fix=f"keep {index} whole inside attention; shard the heads (N or G) instead")
+
+
+def _declared_axes(node: Node, target: Value | None) -> dict[str, tuple[str, ...]]:
+    """The axes each index is sharded over where the spec says so: the result, and Q, K, V as written."""
+    axes: dict[str, tuple[str, ...]] = {}
+    assert node.call is not None
+    for arg in node.call.args:
+        if isinstance(arg, TensorRef):
+            axes.update({d.name: d.axes for d in arg.dims if d.axes})
+    if target is not None:
+        axes.update({i: a for i, a in zip(node.indices, target.layout, strict=True) if a})
+    return axes
+
+
+def _layouts(phase: Phase, node: Node, target: Value | None,
+             declared: dict[str, TensorRef]) -> tuple[Roles, dict[str, tuple[str, ...]]]:
+    """The roles, and the axes of each index inside the kernel: the result's (else Q's as held) on the
+    batch, head and query indices, none on the keys T and the head dims (K and V gathered along T)."""
+    q, k, v = node.operands
+    assert node.call is not None
+    r = _call_roles(node.call, phase.indices[q], phase.indices[k], phase.indices[v])
+    _refuse(r, _declared_axes(node, target), node.statement.span)
+    if target is not None:
+        by_index = dict(zip(node.indices, target.layout, strict=True))
+    else:
+        by_index = dict(zip(r.q, phase.natural(q, declared.get(q)).layout, strict=True))
+    whole = {r.head, r.value_head, r.key}
+    axes = {i: () if i in whole else by_index.get(i, ()) for i in (*r.q, r.key, r.value_head)}
+    return r, axes
+
+
+def _value(indices: tuple[str, ...], axes: dict[str, tuple[str, ...]], unreduced: tuple[str, ...] = ()) -> Value:
+    return Value(tuple(axes[i] for i in indices), unreduced)
+
+
+def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]]) -> list[tuple[str, dict[str, tuple[str, ...]]]]:
+    """The kernel layouts to choose from: ``axes`` (the all-gather form where the queries S are sharded),
+    and, where they are, S's axes moved onto one of K's batch or head indices instead (Ulysses, Jacobs et
+    al. 2023: an AllToAll of Q, K and V to heads sharded, whole sequences, and of the output back),
+    where that index's length takes them whole."""
+    seq = r.queries[0]
+    forms = [(f"{seq} over {''.join(axes[seq])}, K and V gathered along {r.key} (all-gather)" if axes[seq]
+              else "local", axes)]
+    for i in reversed(r.batch) if axes[seq] else ():  # the heads (written after the batch) first
+        devices = math.prod(phase.ctx.axis_sizes[a] for a in (*axes[i], *axes[seq]))
+        if not phase.sized or phase.ctx.dim_size(i) % devices == 0:
+            forms.append((f"{seq}'s {''.join(axes[seq])} moved to {i} (AllToAll in and out, as Ulysses)",
+                          {**axes, seq: (), i: axes[i] + axes[seq]}))
+    return forms
+
+
+def _form_seconds(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]],
+                  want: Value) -> tuple[float, int]:
+    """A form's time, forward and backward: its moves twice (the backward moves their transposes: dO in,
+    dQ, dK, dV out), and its kernel at 3.5 times its forward's FLOPs (the backward's is 2.5 times); and
+    its forward's collectives."""
+    ctx = phase.ctx
+    moved, count = 0.0, 0
+    moves = [reshard(ctx, name, indices, phase.held[name], _value(indices, axes))
+             for name, indices in zip(node.operands, (r.q, r.k, r.v), strict=True)]
+    refs = [phase.ref(name, _value(indices, axes)) for name, indices in zip(node.operands, (r.q, r.k, r.v),
+                                                                            strict=True)]
+    out = _value(node.indices, axes)
+    if want != out:
+        moves.append(reshard(ctx, node.result, node.indices, (out,), want))
+    for cost, made in moves:
+        moved, count = moved + cost[0], count + len(made)
+    assert node.call is not None
+    kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs),
+                  fn=Attention("out", r.key, _query(node.call, r)))
+    flops, _ = _flops(kernel, lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name))
+    return 2 * moved + 3.5 * ctx.hardware.matmul_seconds(float(flops), ctx.dtype.value) * ctx.compute_weight, count
+
+
+def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]], want: Value,
+            label: str) -> dict[str, tuple[str, ...]]:
+    """The form of least time (the first without sizes), listed for ``--explain``."""
+    forms = _forms(phase, r, axes)
+    if len(forms) == 1 or not phase.sized:
+        return forms[0][1]
+    figures = [_form_seconds(phase, node, r, f, want) for _, f in forms]
+    times = [t for t, _ in figures]
+    best = min(range(len(forms)), key=lambda k: times[k])
+    if phase.ctx.explain:
+        rows = tuple(Alternative(text, t, "", n, k == best) for k, ((text, _), (t, n)) in enumerate(zip(forms, figures,
+                                                                                                       strict=True)))
+        phase.choices.append(Choice(phase.name, label, rows, f"least time, forward and backward ({times[best]:.3g} s)"))
+    return forms[best][1]
+
+
+def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
+    """Q, K and V moved to the kernel's layout (the result's, or with the sequence's axes on the heads, whichever
+    is faster), then the kernel's two steps: the output, then the row logsumexp it makes on the way; the output
+    moved to the result's layout (without one declared, where the queries were)."""
+    if target is not None and target.unreduced:
+        raise ShardcError(f"{node.result} is attention, not a partial sum", node.statement.span,
+                          fix="drop the {U_...} suffix")
+    r, given = _layouts(phase, node, target, declared)
+    want = target if target is not None else _value(node.indices, given)
+    axes = _choose(phase, node, r, given, want, label)
+    assert node.call is not None
+    operands = []
+    for name, indices in zip(node.operands, (r.q, r.k, r.v), strict=True):
+        value = _value(indices, axes)
+        _, moves = reshard(phase.ctx, name, indices, phase.held[name], value)
+        phase.moves(name, moves)
+        operands.append(phase.ref(name, value))
+    (lse,) = node.aux
+    query = _query(node.call, r)
+    out, rows = _value(node.indices, axes), _value(r.rows, axes)
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(operands),
+                    fn=Attention("out", r.key, query)), out)
+    phase.emit(Step(Op.ELEMENTWISE, lse, phase.ref(lse, rows), operands=tuple(operands),
+                    fn=Attention("lse", r.key, query, kernel=False)), rows)
+    if want != out:
+        _, moves = reshard(phase.ctx, node.result, node.indices, (out,), want)
+        phase.moves(node.result, moves)
+    declared.setdefault(node.result, phase.ref(node.result, want))
+
+
+def _forward_step(bw: _Backward, node: Node, part: str) -> Step:
+    """The forward's step of ``node`` making ``part`` (its layouts are the backward's)."""
+    tensor = node.result if part == "out" else node.aux[0]
+    return next(s for s in reversed(bw.forward.steps) if s.tensor == tensor and isinstance(s.fn, Attention)
+                and s.fn.part == part)
+
+
+def _backward(bw: _Backward, node: Node, grad: str) -> None:
+    """dQ, dK and dV from the kernel's residuals (Q, K, V, O and the row logsumexp, kept whatever the save
+    policy, as FlashAttention keeps them) and dO in O's layout; dK and dV partial over the axes of the query
+    heads a key/value head serves (R), reduced as any gradient's contributions are."""
+    wanted = [x for x in node.operands if x in bw.needs]
+    if not wanted:
+        return
+    phase = bw.phase
+    out, lse = _forward_step(bw, node, "out"), _forward_step(bw, node, "lse")
+    for ref in (*out.operands, out.dst, lse.dst):
+        phase.hold(ref.name, Value.of(ref))
+    o_value = Value.of(out.dst)
+    _, moves = reshard(phase.ctx, grad, node.indices, phase.held[grad], o_value)
+    phase.moves(grad, moves)
+    reads = (*out.operands, out.dst, lse.dst, phase.ref(grad, o_value))
+    queries = {i for i in phase.indices[node.operands[0]] if i not in phase.indices[node.operands[1]]}
+    spread = tuple(sorted(a for d in out.operands[0].dims if d.name in queries for a in d.axes))
+    assert isinstance(out.fn, Attention)
+    for x, ref, part in zip(node.operands, out.operands, ("dq", "dk", "dv"), strict=True):
+        if x not in wanted:
+            continue
+        value = Value(ref.layout, () if part == "dq" else spread)
+        dst = bw.part_name(x)
+        phase.emit(Step(Op.ELEMENTWISE, dst, phase.ref(dst, value), operands=reads,
+                        fn=Attention(part, out.fn.key, out.fn.query, kernel=x == wanted[0])), value)
+        bw.settle(x, dst, value)
+
+
+# --- cost: FLOPs and HBM traffic ----------------------------------------------------------------
+
+def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
+    """(per-device FLOPs, model FLOPs) of a step: see the module's docstring."""
+    assert isinstance(step.fn, Attention)
+    part = step.fn.part
+    if not step.fn.kernel:
+        return 0, 0  # a further result of the kernel another step runs
+    q, k, v = step.operands[:3]
+    keys = tuple(d for d in k.dims if d.name == step.fn.key)
+    scores = einsum_flops(((d.name, d.axes) for d in (*q.dims, *keys)), size)  # Q·K: rows x T x H
+    r = roles(q.indices, k.indices, v.indices, step.fn.key)
+    rows = tuple(d for d in q.dims if d.name != r.head)
+    values = einsum_flops(((d.name, d.axes) for d in (*rows, *keys, v.dims[-1])), size)  # P·V: rows x T x Hv
+    num, den = _unmasked(step, size)
+    if part == "out":
+        return (scores[0] + values[0]) * num / den, scores[1] + values[1]
+    # the backward's kernel: the scores again, dP = dO·V, dQ = dS·K, dK = dS·Q, dV = P·dO
+    return (3 * scores[0] + 2 * values[0]) * num / den, 2 * scores[1] + 2 * values[1]
+
+
+def _unmasked(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
+    """The share of its S x T blocks the busiest device runs, as (numerator, denominator): all but causal;
+    causal, a half with S whole, and with S in n contiguous blocks the last's, (2n - 1) / 2n (its queries
+    see every key but half of its own block's: the all-gather form does not balance the load)."""
+    assert isinstance(step.fn, Attention)
+    if step.fn.query is None:
+        return 1, 1
+    q = step.operands[0]
+    n = math.prod((size(a) for a in q.dims[q.indices.index(step.fn.query)].axes), start=1)
+    return 2 * n - 1, 2 * n  # (numerator, denominator): exact in a formula
+
+
+def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
+    """A kernel reads its operands once; its further results (the logsumexp, the other gradients) are
+    written, nothing read again."""
+    assert isinstance(step.fn, Attention)
+    if step.fn.kernel:
+        return tuple(nbytes(o) for o in step.operands), nbytes(step.dst)
+    return tuple(0.0 for _ in step.operands), nbytes(step.dst)
+
+
+# --- lowering ----------------------------------------------------------------------------------
+
+def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
+    """One call of the runtime's blockwise kernel, its result picked (any sizes)."""
+    assert isinstance(step.fn, Attention)
+    q, k, v = step.operands[:3]
+    out = step.operands[3] if len(step.operands) > 3 else step.dst
+    letters = einsum_letters((q, k, v, out))
+    subs = tuple("".join(letters[i] for i in ref.indices) for ref in (q, k, v, out))
+    query = "None"
+    if step.fn.query is not None:  # S's letter and the axes sharding it: the causal mask's global positions
+        query = repr((letters[step.fn.query], q.dims[q.indices.index(step.fn.query)].axes))
+    flags = f"{subs!r}, {letters[step.fn.key]!r}, {query}"
+    if step.fn.part in ("out", "lse"):
+        pick = 0 if step.fn.part == "out" else 1
+        return f"attention({var(q)}, {var(k)}, {var(v)}, {flags})[{pick}]"
+    args = ", ".join(var(ref) for ref in step.operands)
+    return f"attention_grads({args}, {flags})[{('dq', 'dk', 'dv').index(step.fn.part)}]"
+
+
+# --- whole arrays: the reference ---------------------------------------------------------------
+
+def _subscripts(r: Roles) -> tuple[dict[str, str], str, str, str, str, str]:
+    """Einsum letters: (the map, Q's, K's, V's, the rows', the result's)."""
+    names = list(dict.fromkeys((*r.q, *r.k, *r.v)))
+    letters = {n: "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[j] for j, n in enumerate(names)}
+
+    def word(indices: tuple[str, ...]) -> str:
+        return "".join(letters[i] for i in indices)
+
+    return letters, word(r.q), word(r.k), word(r.v), word(r.rows), word(r.out)
+
+
+def _probabilities(r: Roles, causal: bool, q: Array, k: Array, xp: Any) -> tuple[Array, Array]:
+    """(scores Q·K / sqrt(H), -inf where masked; their softmax along T, the last axis)."""
+    letters, qs, ks, _, rows, _ = _subscripts(r)
+    t = letters[r.key]
+    s = xp.einsum(f"{qs},{ks}->{rows}{t}", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        s = xp.where(_masked(r, s.shape), -np.inf, s)
+    z = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
+    return s, z / xp.sum(z, axis=-1, keepdims=True)
+
+
+def _masked(r: Roles, shape: tuple[int, ...]) -> np.ndarray:
+    """Where the key position (the last axis) is after the query position."""
+    d = r.rows.index(r.query)
+    qpos = np.arange(shape[d]).reshape([-1 if j == d else 1 for j in range(len(shape))])
+    return np.arange(shape[-1]) > qpos  # type: ignore[no-any-return]
+
+
+def attention_forward(r: Roles, causal: bool, q: Array, k: Array, v: Array, xp: Any) -> Array:
+    """``softmax(Q·K / sqrt(H) over T) · V`` on whole arrays, the result in :attr:`Roles.out`'s order."""
+    letters, _, _, vs, rows, outs = _subscripts(r)
+    _, p = _probabilities(r, causal, q, k, xp)
+    return xp.einsum(f"{rows}{letters[r.key]},{vs}->{outs}", p, v)
+
+
+def attention_vjp(r: Roles, causal: bool, q: Array, k: Array, v: Array, d: Array, xp: Any) -> tuple[Array, ...]:
+    """(dQ, dK, dV) for the cotangent ``d`` of the result, in closed form: dS = P * (dP - rowsum(dP * P))."""
+    letters, qs, ks, vs, rows, outs = _subscripts(r)
+    t = letters[r.key]
+    _, p = _probabilities(r, causal, q, k, xp)
+    dp = xp.einsum(f"{outs},{vs}->{rows}{t}", d, v)
+    ds = p * (dp - xp.sum(dp * p, axis=-1, keepdims=True)) / math.sqrt(q.shape[-1])
+    return (xp.einsum(f"{rows}{t},{ks}->{qs}", ds, k), xp.einsum(f"{rows}{t},{qs}->{ks}", ds, q),
+            xp.einsum(f"{rows}{t},{outs}->{vs}", p, d))
+
+
+def _site_roles(site: Site) -> Roles:
+    q, k, v = site.labels
+    return _call_roles(site.func, q, k, v)
+
+
+def _causal(site: Site) -> bool:
+    return CAUSAL in site.func.names
+
+
+def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
+    q, k, v = xs
+    return attention_forward(_site_roles(site), _causal(site), q, k, v, xp)
+
+
+def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> tuple[Array | None, ...]:
+    q, k, v = xs
+    return attention_vjp(_site_roles(site), _causal(site), q, k, v, d, xp)
+
+
+def _score_bounds(site: Site, xs: Arrays, mags: Arrays) -> tuple[Roles, Array, Array, Array]:
+    """(roles, the scores, their magnitudes (masked: 0), the softmax's magnitudes) for verify's bounds."""
+    r = _site_roles(site)
+    letters, qs, ks, _, rows, _ = _subscripts(r)
+    s, _ = _probabilities(r, _causal(site), xs[0], xs[1], np)
+    mag_s = np.einsum(f"{qs},{ks}->{rows}{letters[r.key]}", mags[0], mags[1]) / math.sqrt(xs[0].shape[-1])
+    if _causal(site):
+        mag_s = np.where(np.isinf(s), 0.0, mag_s)
+    return r, s, mag_s, softmax_magnitude("softmax", s, mag_s, -1)
+
+
+def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
+    """The softmax's bound times |V|, plus the probabilities times V's magnitudes."""
+    r, s, _, mag_p = _score_bounds(site, xs, mags)
+    letters, _, _, vs, rows, outs = _subscripts(r)
+    p = np.exp(s - np.max(s, axis=-1, keepdims=True))
+    p = p / np.sum(p, axis=-1, keepdims=True)
+    spec = f"{rows}{letters[r.key]},{vs}->{outs}"
+    return np.einsum(spec, mag_p, np.abs(xs[2])) + np.einsum(spec, p, mags[2])
+
+
+def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> tuple[Array | None, ...]:
+    """Each gradient's matmuls over magnitudes, through the softmax's gradient bound."""
+    r, s, mag_s, mag_p = _score_bounds(site, xs, mags)
+    letters, qs, ks, vs, rows, outs = _subscripts(r)
+    t = letters[r.key]
+    mag_dp = np.einsum(f"{outs},{vs}->{rows}{t}", np.abs(d), mags[2])
+    mag_ds = softmax_grad_magnitude("softmax", s, mag_s, mag_dp, -1) / math.sqrt(xs[0].shape[-1])
+    return (np.einsum(f"{rows}{t},{ks}->{qs}", mag_ds, mags[1]), np.einsum(f"{rows}{t},{qs}->{ks}", mag_ds, mags[0]),
+            np.einsum(f"{rows}{t},{outs}->{vs}", mag_p, np.abs(d)))
+
+
+def _arguments(call: Call, keep: tuple[str, ...]) -> tuple[tuple[Expr, tuple[str, ...]], ...]:
+    return tuple((arg, chain_indices(arg, ())) for arg in call.args)
+
+
+def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    q, k, v = operands
+    return _call_roles(call, q, k, v).out
+
+
+ATTENTION = register(Family(
+    name="attention", calls=frozenset({"attention"}), ops=(Attention,), plan=_plan, backward=_backward, emit=emit,
+    reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices),
+    operands=_operands, aux_bytes=_aux_bytes, traffic=_traffic, flops=_flops, fusible=False))
