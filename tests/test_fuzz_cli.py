@@ -113,7 +113,7 @@ def run_cli(argv: list[str]) -> tuple[int | str, str, float]:
     saved = os.environ.get("XLA_FLAGS")  # verify and compare set the device count jax will start with
     start = time.process_time()
     with (contextlib.chdir(WORK), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err),
-          mock.patch("shardc.cli.lower_cmd.verify", _stop),  # the names the command calls
+          mock.patch("shardc.cli.lower_cmd.verify", _stop),  # where the commands call them
           mock.patch("shardc.cli.lower_cmd.compare", _stop),
           mock.patch("shardc.calibrate.run.measure", _stop)):
         try:

@@ -12,6 +12,8 @@ import math
 
 from shardc.ir.plan import Plan
 from shardc.ir.spec import TensorRef
+from shardc.ops.registry import of_call
+from shardc.ops.route import ROUTING
 from shardc.spec.walk import calls, renamed_indices
 
 __all__ = ["shrink_mesh", "small_sizes", "devices_to_check", "collapsed_axes", "MAX_SMALL_DIM",
@@ -104,7 +106,7 @@ def small_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int]:
 def _least(plan: Plan, same: dict[str, str]) -> dict[str, int]:
     """The least size of each representative index: a route's expert index has its k at least."""
     least: dict[str, int] = {}
-    for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func == "route"):
+    for call in (c for s in plan.spec.statements for c in calls(s.expr) if of_call(c.func) is ROUTING):
         rep = same.get(call.over or "", call.over or "")
         least[rep] = max(least.get(rep, 1), int(call.numbers[0]))
     return least

@@ -182,6 +182,7 @@ def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Arrays:
 
 
 MAPS = register(Family(name="elementwise", calls=ELEMENTWISE, ops=(Map, MapVjp), plan=_plan, backward=_backward,
-                       emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude),
+                       emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude,
+                                                      nonlinear=lambda func: func not in PASS_THROUGH),
                        # a map of the attention scores (a scale, an exp) stays in their region
                        scores=lambda node: True))

@@ -20,15 +20,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, DropoutMask
+from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp
 from shardc.ir.plan import Step
 from shardc.ir.spec import Call, TensorRef
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import broadcast_text
-from shardc.planner.mask_plans import plan_masked, plan_masked_backward
-from shardc.spec.functions import MASK_BYTES
+from shardc.planner.mask_plans import MaskOps, plan_masked, plan_masked_backward
+from shardc.spec.functions import MASK_BYTES, dropout_salt
+from shardc.spec.walk import dropout_number
 
 if TYPE_CHECKING:
+    from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
     from shardc.planner.layout import Value
     from shardc.planner.phase import Phase
@@ -40,9 +42,34 @@ KEY = "dropout_key"  # the lowered functions' dropout-key argument (a local of t
 Array = Any
 
 
+def _causal(node: Node, call: Call) -> MaskOps:
+    query, key = call.names
+    return MaskOps(Causal(query, key), CausalVjp(query, key))
+
+
+def _dropout(node: Node, call: Call) -> MaskOps:
+    """The map and its gradient at the rate, after the keep-mask drawn under the dropout's salt."""
+    rate = call.numbers[0]
+    salt = dropout_salt(node.statement.result.name, dropout_number(node.statement, call))
+    return MaskOps(Dropout(rate), DropoutVjp(rate), DropoutMask(rate, salt))
+
+
+# each spec function of the family, and the local operations of its node's steps
+_LOCAL_OPS = {"causal": _causal, "dropout": _dropout}
+
+
+def _local_ops(node: Node) -> MaskOps:
+    assert node.call is not None
+    return _LOCAL_OPS[node.call.func](node, node.call)
+
+
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
     """The argument reduced, in the result's layout, then the map (no choice to explain)."""
-    plan_masked(phase, node, declared, target)
+    plan_masked(phase, node, declared, target, _local_ops(node))
+
+
+def _backward(bw: _Backward, node: Node, grad: str) -> None:
+    plan_masked_backward(bw, node, grad, _local_ops(node).vjp)
 
 
 def _aux(call: Call, result: str) -> tuple[str, ...]:
@@ -125,6 +152,6 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     return _apply(site, mags[0], np, absolute=True)
 
 
-MASKS = register(Family(name="masks", calls=frozenset({"causal", "dropout"}), ops=MASK_OPS, plan=_plan,
-                        backward=plan_masked_backward, emit=emit, reference=Reference(_forward, _vjp, _magnitude),
+MASKS = register(Family(name="masks", calls=frozenset(_LOCAL_OPS), ops=MASK_OPS, plan=_plan,
+                        backward=_backward, emit=emit, reference=Reference(_forward, _vjp, _magnitude),
                         aux=_aux, aux_bytes=_aux_bytes, scores=lambda node: True))

@@ -317,9 +317,13 @@ def _softmax(node: Node) -> bool:
     return node.call is not None and node.call.func == "softmax"
 
 
+# the reductions whose value depends on the size of their argument, not only on it linearly (a sum, a
+# mean and a max scale with it)
+_SIZE_SENSITIVE = frozenset({"softmax", "rmsnorm", "layernorm", "logsumexp"})
+
 REDUCTIONS = register(Family(
     name="reductions", calls=frozenset({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp"}),
     ops=(Row, Combine), plan=plan_rows, backward=rows_backward, emit=emit,
     reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
-                        indices=_indices),
+                        indices=_indices, nonlinear=lambda func: func in _SIZE_SENSITIVE),
     argument=_argument, aux=_aux, operands=_operands, scores=_softmax))

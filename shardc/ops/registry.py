@@ -105,6 +105,10 @@ def _spec_dtype(node: Node) -> dict[str, int]:
     return {}
 
 
+def _linear(func: str) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Reference:
     """A family's meaning on whole arrays (``xp`` numpy or jax.numpy), for the independent reference.
@@ -115,7 +119,8 @@ class Reference:
     ``magnitude(site, xs, mags, y)`` (numpy) a bound on the terms behind the value ``y``, given the
     operands' values and magnitudes; ``grad_magnitude(site, xs, mags, d)`` (numpy) the same for the
     operands' gradients, given the cotangent's magnitude ``d`` (None: ``vjp`` of it, right for a map
-    linear given the node, such as a mask or a sum).
+    linear given the node, such as a mask or a sum); ``nonlinear(func)`` whether a call's value depends
+    on its argument's size other than linearly.
     """
 
     forward: Callable[[Site, Arrays, Any], Array]
@@ -126,6 +131,10 @@ class Reference:
     # argument, as the plain call), and the result's indices given the operands' (None: the first's)
     arguments: Callable[[Call, tuple[str, ...]], tuple[tuple[Expr, tuple[str, ...]], ...]] | None = None
     indices: Callable[[Call, tuple[tuple[str, ...], ...]], tuple[str, ...]] | None = None
+    # whether the spec function ``func``'s value depends on its argument's size other than linearly (an
+    # activation, a norm, a softmax, a loss): verify brings that argument to unit size
+    # (:mod:`shardc.verification.scales`); by default none does
+    nonlinear: Callable[[str], bool] = _linear
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -208,5 +208,6 @@ def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
 
 VOCABULARY = register(Family(
     name="vocabulary", calls=frozenset({"embed", "cross_entropy"}), ops=(Vocab,), plan=_plan, backward=_backward,
-    emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices),
+    emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices,
+                                   nonlinear=lambda func: func == "cross_entropy"),
     argument=_argument, aux=_aux, operands=_operands, traffic=_traffic))

@@ -17,57 +17,52 @@ the lowering needs in the step's typed ``fn`` (:mod:`shardc.ir.localops`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shardc.ir.localops import Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
+from shardc.ir.localops import LocalOp
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.planner.layout import Value
 from shardc.planner.phase import Phase
-from shardc.spec.functions import MASK_BYTES, dropout_salt
-from shardc.spec.walk import dropout_number
+from shardc.spec.functions import MASK_BYTES
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
 
-__all__ = ["plan_masked", "plan_masked_backward", "vjp_op", "MASK_BYTES"]
+__all__ = ["MaskOps", "plan_masked", "plan_masked_backward", "MASK_BYTES"]
 
 
-def vjp_op(node: Node) -> LocalOp:
-    """The local operation of a mask's gradient step: ``causal_vjp(S,T)`` or ``dropout_vjp(0.1)``."""
-    assert node.call is not None
-    if node.call.func == "causal":
-        query, key = node.call.names
-        return CausalVjp(query, key)
-    return DropoutVjp(node.call.numbers[0])
+@dataclass(frozen=True)
+class MaskOps:
+    """The typed local operations of one mask node's steps, as its family builds them for its call:
+    the map (``causal(S,T)``, ``dropout(0.1)``), its gradient, and the keep-mask drawn first (a
+    dropout's; None: the map reads nothing but its argument)."""
+
+    apply: LocalOp
+    vjp: LocalOp
+    draw: LocalOp | None = None
 
 
-def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None) -> None:
+def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None,
+                ops: MaskOps) -> None:
     """The argument reduced, in the result's layout (read index by index), then the map."""
     (arg,) = node.operands
     target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
                                       f"a {node.fn}", node.statement.span)
-    assert node.call is not None
     operands: tuple[TensorRef, ...] = (phase.ref(arg, want),)
-    fn: LocalOp
-    if node.call.func == "causal":
-        query, key = node.call.names
-        fn = Causal(query, key)
-    else:
+    if ops.draw is not None:
         (mask,) = node.aux
-        salt = dropout_salt(node.statement.result.name, dropout_number(node.statement, node.call))
-        phase.emit(Step(Op.ELEMENTWISE, mask, phase.ref(mask, target), operands=operands,
-                        fn=DropoutMask(node.call.numbers[0], salt)), target)
+        phase.emit(Step(Op.ELEMENTWISE, mask, phase.ref(mask, target), operands=operands, fn=ops.draw), target)
         operands = (phase.ref(mask, target), *operands)  # (mask, x), as its gradient reads (mask, dY)
-        fn = Dropout(node.call.numbers[0])
-    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target), operands=operands, fn=fn),
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target), operands=operands, fn=ops.apply),
                target)
     declared.setdefault(node.result, phase.ref(node.result, target))
     declared.setdefault(arg, phase.ref(arg, want))
 
 
-def plan_masked_backward(bw: _Backward, node: Node, grad: str) -> None:
+def plan_masked_backward(bw: _Backward, node: Node, grad: str, vjp: LocalOp) -> None:
     """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
     (z,) = node.operands
     if z not in bw.needs:
@@ -80,5 +75,5 @@ def plan_masked_backward(bw: _Backward, node: Node, grad: str) -> None:
         bw.phase.hold(mask, value)
         operands = (bw.phase.ref(mask, value), *operands)
     dst = bw.part_name(z)
-    bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, want), operands=operands, fn=vjp_op(node)), want)
+    bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, want), operands=operands, fn=vjp), want)
     bw.settle(z, dst, want)

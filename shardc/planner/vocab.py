@@ -52,9 +52,7 @@ __all__ = ["plan_embed", "plan_loss", "embed_backward", "loss_backward", "vocab_
 
 
 def vocab_index(phase: Phase, node: Node) -> str:
-    """The vocabulary index: the table's first (embed), the index of Logits that Tok lacks (loss)."""
-    if node.fn == "embed":
-        return phase.indices[node.operands[1]][0]
+    """A loss's vocabulary index: the index of Logits that Tok lacks."""
     logits, tok = node.operands
     return next(i for i in phase.indices[logits] if i not in phase.indices[tok])
 

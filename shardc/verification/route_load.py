@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec, TensorRef
+from shardc.ops.registry import of_call
+from shardc.ops.route import ROUTING
 from shardc.spec.walk import calls, renamed_indices
 
 __all__ = ["overflowing"]
@@ -32,7 +34,7 @@ def overflowing(plan: Plan, sizes: dict[str, int], fixed: Iterable[str] = ()) ->
     A capacity not in ``fixed`` (a given module's code fixes it) is first cut to the fewest slots its
     shardings allow, 2 at least, so that the token index grows least."""
     out, notes, spec = dict(sizes), [], plan.spec
-    for call in (c for s in spec.statements for c in calls(s.expr) if c.func == "route"):
+    for call in (c for s in spec.statements for c in calls(s.expr) if of_call(c.func) is ROUTING):
         if len(call.names) != 2 or call.over is None or not call.numbers or not isinstance(call.arg, TensorRef):
             continue
         (order, slots), experts, k = call.names, call.over, int(call.numbers[0])

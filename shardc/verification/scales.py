@@ -21,13 +21,9 @@ import numpy as np
 
 from shardc.ir.spec import Spec
 from shardc.lowering import reference
-from shardc.spec.functions import ELEMENTWISE, PASS_THROUGH
 
 __all__ = ["input_scales"]
 
-# reductions whose result depends on the size of their argument, not only on it linearly
-_SCALE_SENSITIVE = frozenset({"softmax", "rmsnorm", "layernorm", "logsumexp", "cross_entropy"})
-_NONLINEAR = (ELEMENTWISE - PASS_THROUGH) | _SCALE_SENSITIVE
 _TRIES = 4  # rescalings per target: one is exact where the value is linear in the input
 _CLOSE = 1.1  # a root mean square within this factor of its target is left alone
 
@@ -45,9 +41,9 @@ def _rms(x: np.ndarray) -> float:
 
 def _targets(node: reference._Node) -> list[tuple[str, str | None]]:
     """(operand, the operand whose size it should match; None: unit size) for one node."""
-    if node.fn in _NONLINEAR:
+    if node.fn is not None and node.family.reference.nonlinear(node.fn):  # its family says so
         return [(node.operands[0], None)]
-    if node.fn == "add" and len(node.operands) > 1:
+    if node.signs and len(node.operands) > 1:  # a sum of terms
         return [(o, node.operands[0]) for o in node.operands[1:]]
     return []
 
@@ -68,7 +64,7 @@ def input_scales(spec: Spec, inputs: dict[str, np.ndarray], ids: set[str],
             if free:
                 _calibrate(nodes[:k], inputs, scales, free[-1], operand, like, sizes)
             fixed |= upstream[operand] | (upstream[like] if like else set())
-        if node.fn == "add":
+        if node.signs:  # a sum
             fixed |= upstream[node.result]  # its first term sets the size of the others
     return scales
 
