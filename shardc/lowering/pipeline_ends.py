@@ -1,11 +1,13 @@
 """Lowering a pipelined ``layers L { ... }`` block with the statements around it.
 
 Megatron-LM places the embedding on the first pipeline stage and the final norm,
-output layer and loss on the last.  The spec is cut in three: the statements before
-the block, the block, and those after it (:func:`split_spec`).  Each is planned as a
-spec of its own on the stage mesh (the block with the pipeline axis, as a block alone
-is pipelined), so each has its own planned forward and backward functions; the
-block's boundaries are its declared shardings, which all three plans keep.
+output layer and loss on the last.  The planner cuts the whole model's plan in three
+sections (:attr:`shardc.ir.plan.Plan.sections`): the steps of the statements before the
+block, the block's (one layer), and those after it.  Each part here is its section's
+steps on its part of the spec (:func:`split_spec`; the ends on the stage mesh, the block
+with the pipeline axis, as a block alone is pipelined), so the program runs the steps
+``shardc cost`` priced, and each part has its own forward and backward functions; the
+block's boundaries are its declared shardings, where the sections meet.
 
 The generated module is the block's pipeline module (:mod:`shardc.lowering.pipeline_lowering`)
 with the two ends' functions (``pre_forward_local``, ``post_backward_local``, ...) as
@@ -27,15 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
-from shardc.ir.plan import Plan, uses_dropout
-from shardc.ir.spec import Call, Mesh, Spec, Statement
+from shardc.ir.plan import SECTIONS, Plan, Step, uses_dropout
+from shardc.ir.spec import Call, Mesh, Spec, Statement, TensorRef
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
 from shardc.pipeline.boundary import boundary_tensor
-from shardc.planner.planner import plan as make_plan
 from shardc.spec.walk import leaves
 
-__all__ = ["Ends", "split_spec", "plan_parts", "ends_source"]
+__all__ = ["Ends", "split_spec", "cut_parts", "ends_source"]
 
 
 @dataclass(frozen=True)
@@ -90,20 +91,58 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
                           "cross_entropy loss (the microbatches' losses are averaged)", last.span, fix=fix)
 
 
-def plan_parts(plan: Plan) -> Ends:
-    """Plan the three parts as ``plan`` was planned (its policy, recompute mode, chip and gradient
-    names: a part alone would name ``W``'s gradient ``dW`` where the whole spec has a tensor ``dW``)."""
-    spans = dict(plan.spans) or None
-    # each part as the whole was planned: the candidate it chose (strategy and compute weights), never a
-    # choice of its own, so the parts' steps are the whole plan's (the costed ones)
-    parts = [make_plan(s, save=plan.save, hardware=plan.chip, spans=spans, recompute=plan.recompute,
-                       gradients=dict(plan.gradient_names), strategy=plan.strategy, weights=plan.weights)
-             for s in split_spec(plan.spec)]
-    for part in (parts[0], parts[2]):
+def cut_parts(plan: Plan) -> Ends:
+    """The three parts of ``plan``, each its section's steps (:meth:`Plan.section`) on its part of the
+    spec (:func:`split_spec`): the steps the cost priced, never planned again."""
+    specs = split_spec(plan.spec)
+    block = _part(plan, "block", specs[1], specs[2])
+    pre = _part(plan, "before", specs[0], specs[1])
+    post = _part(plan, "after", specs[2], None)
+    for part in (pre, post):
         if uses_dropout(part.forward):
             raise ShardcError("a dropout outside the pipelined block does not lower yet",
                               fix="put the dropout inside the `layers` block")
-    return Ends(*parts)
+    return Ends(pre, block, post)
+
+
+def _made(steps: tuple[Step, ...]) -> dict[str, TensorRef]:
+    """Each tensor a run of steps makes, as its last step leaves it."""
+    return {s.dst.name: s.dst for s in steps}
+
+
+def _part(plan: Plan, name: str, spec: Spec, following: Spec | None) -> Plan:
+    """Section ``name`` of ``plan`` as a plan of its own spec: the tensors it makes its activations, those
+    it reads from the section before its inputs; its outputs' cotangents the gradients the section after
+    it hands back (``following``, the spec of that section), its inputs' gradients those it makes."""
+    section = plan.section(name)
+    made = _made(section.forward)
+    names = _names(spec.statements) | set(made)
+    read = {r.name for s in spec.statements for r in leaves(s.expr)}
+    outputs = {s.result.name for s in spec.statements if s.result.name not in read}
+    tensors = tuple(replace(i, role="input" if i.role == "activation" and i.name not in made else i.role,
+                            is_output=i.name in outputs) for i in plan.tensors if i.name in names)
+    entering = {i.name for i in tensors if i.role in ("input", "param")}
+    cotangents = [c for c in plan.cotangents if plan.primal(c.name) in outputs]
+    if following is not None:  # the gradient of what this section hands on, made by the next one's backward
+        after = _made(plan.section(SECTIONS[SECTIONS.index(name) + 1]).backward)
+        for out in sorted(outputs & _names(following.statements)):
+            if plan.grad_name(out) not in after:
+                raise ShardcError(f"the plan takes no gradient of {out}, the block's input, since nothing before "
+                                  "the block has one; a pipeline's layers need it (each feeds the one before)",
+                                  plan.spec.span_of("layers"), fix="make a tensor before the block a param")
+            cotangents.append(after[plan.grad_name(out)])
+    # each input's gradient this section makes: a param's as the plan hands it out, the section
+    # before's output's as this section's backward leaves it
+    made_back, final = _made(section.backward), {g.name: g for g in plan.grads}
+    wanted = [plan.grad_name(i.name) for i in tensors if i.name in entering]
+    grads = tuple(final.get(g, made_back[g]) for g in wanted if g in made_back)
+    reads = {r for s in section.backward for r in (*s.operands, *((s.src,) if s.src else ()))}
+    gone = {a.name for a in plan.spec.mesh.axes} - {a.name for a in spec.mesh.axes}  # an end's: the stage axis
+    return replace(plan, spec=spec, forward=section.forward, backward=section.backward,
+                   recomputed=section.recomputed, optimizer=(), sections=None, choices=(), tensors=tensors,
+                   residuals=tuple(r for r in plan.residuals if r.name in made and r in reads),
+                   cotangents=tuple(cotangents), grads=grads,
+                   sizes=None if plan.sizes is None else tuple((k, v) for k, v in plan.sizes if k not in gone))
 
 
 def _renamed(module: Module, prefix: str) -> str:

@@ -28,7 +28,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import TensorRef
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
-from shardc.lowering.pipeline_ends import Ends, ends_source, plan_parts
+from shardc.lowering.pipeline_ends import Ends, cut_parts, ends_source
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, simulate
@@ -150,7 +150,7 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     microbatches = microbatches or pipe.microbatches
     ends = None
     if plan.spec.block is not None:  # the statements around the block on the first and last stage
-        ends = plan_parts(plan)
+        ends = cut_parts(plan)
     reserved: frozenset[str] = frozenset()
     while True:  # no tensor's variable takes a global of the module: written again if one did
         module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches,
