@@ -36,12 +36,12 @@ from shardc.lowering.codegen import Module, Phase
 from shardc.pipeline.boundary import boundary_tensor
 from shardc.spec.walk import leaves
 
-__all__ = ["Ends", "split_spec", "cut_parts", "ends_source"]
+__all__ = ["Ends", "split_spec", "cut_parts", "ends_source", "constants", "pipeline_lines"]
 
 
 @dataclass(frozen=True)
 class Ends:
-    """The three plans of a pipelined block spec: before the block, the block, after it."""
+    """The three parts of a pipelined block spec, its plan's sections: before the block, the block, after it."""
 
     pre: Plan
     block: Plan
@@ -159,34 +159,36 @@ def _renamed(module: Module, prefix: str) -> str:
 
 def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]) -> str:
     """The ends' section of the pipeline module: their functions and tables, and the pipeline over
-    the whole model (:class:`~shardc.lowering.pipeline_runtime.ModelEnds`)."""
+    the whole model (:func:`~shardc.lowering.pipeline_runtime.model_pipeline` builds it from them)."""
     pre_params = tuple(i.name for i in ends.pre.tensors if i.role == "param")
     post_params = tuple(i.name for i in ends.post.tensors if i.role == "param")
     pre_data = tuple(b.key for b in pre.forward.inputs if b.key not in pre_params)
     post_data = tuple(b.key for b in post.forward.inputs if b.key not in post_params
                       and b.key != _block_output(ends))
     text = "\n\n# ---- the block's ends: the statements before it on stage 0, after it on the last " + "-" * 4
-    text += "\n\n" + _renamed(pre, "PRE") + "\n" + _renamed(post, "POST")
-    return text + _SECTION.format(pre_params=pre_params, post_params=post_params, pre_data=pre_data,
-                                  post_data=post_data, loss=ends.post.spec.statements[-1].result.name,
-                                  data_dims=data_dims, pre_result=ends.pre.spec.statements[-1].result.name)
+    text += "\n\n" + _renamed(pre, "PRE") + "\n" + _renamed(post, "POST") + "\n"
+    text += constants((("PRE_PARAMS", pre_params, "passed stacked over the stages: [STAGES, ...]"),
+                       ("POST_PARAMS", post_params, "so too"),
+                       ("PRE_DATA", pre_data, "cut into microbatches, stacked over the stages"),
+                       ("POST_DATA", post_data, "so too"),
+                       ("DATA_DIM", data_dims, "the microbatch dim of each"),
+                       ("PRE_RESULT", ends.pre.spec.statements[-1].result.name, "stage 0's output"),
+                       ("LOSS", ends.post.spec.statements[-1].result.name, "the loss (a mean over the tokens)")))
+    return text + pipeline_lines("model_pipeline", "model")
+
+
+def constants(rows: tuple[tuple[str, object, str], ...]) -> str:
+    """Module constants, one a line: ``NAME = value  # comment`` (a value's ``repr`` is its literal)."""
+    return "".join(f"{name} = {value!r}" + (f"  {template.comment(note)}" if note else "") + "\n"
+                   for name, value, note in rows)
+
+
+def pipeline_lines(builder: str, prefix: str) -> str:
+    """The module's pipeline, built by ``builder`` (:mod:`shardc.lowering.pipeline_runtime`) from the
+    module's tables, and its two entry points (``{prefix}_forward``, ``{prefix}_grad``)."""
+    return (f"\nPIPELINE = {builder}(globals())  # shardc.lowering.pipeline_runtime.{builder}: the tables above\n"
+            f"{prefix}_forward, {prefix}_grad = PIPELINE.outputs, PIPELINE.gradients\n")
 
 
 def _block_output(ends: Ends) -> str:
     return boundary_tensor(ends.block).name
-
-
-_SECTION = '''
-
-PRE_PARAMS, POST_PARAMS = {pre_params!r}, {post_params!r}  # passed stacked over the stages: [STAGES, ...]
-PRE_DATA, POST_DATA = {pre_data!r}, {post_data!r}  # cut into microbatches, stacked over the stages
-DATA_DIM = {data_dims!r}  # the microbatch dim of each
-PRE_RESULT, LOSS = {pre_result!r}, {loss!r}  # stage 0's output; the loss (a mean over the tokens)
-PRE = Part(pre_forward_local, PRE_FORWARD_IN, PRE_FORWARD_OUT, pre_backward_local, PRE_BACKWARD_IN, PRE_BACKWARD_OUT,
-           PRE_COTANGENTS, PRE_GRADS, PRE_RESULT)
-POST = Part(post_forward_local, POST_FORWARD_IN, POST_FORWARD_OUT, post_backward_local, POST_BACKWARD_IN,
-            POST_BACKWARD_OUT, POST_COTANGENTS, POST_GRADS, LOSS)
-PIPELINE = Pipeline(PIPE_MESH_AXES, PIPELINE_AXIS, LAYERS, MICROBATCHES, F_TABLE, B_TABLE, BLOCK, BLOCK_INPUT, PARAMS,
-                    ModelEnds(PRE, POST, PRE_DATA, POST_DATA, PRE_PARAMS, POST_PARAMS, BLOCK_OUTPUT), DATA_DIM)
-model_forward, model_grad = PIPELINE.outputs, PIPELINE.gradients
-'''

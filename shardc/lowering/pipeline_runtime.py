@@ -24,7 +24,7 @@ once (the loss's cotangent over M: the batch's loss is the microbatches' mean).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.runtime import make_mesh
 
-__all__ = ["Part", "Ends", "BlockEnds", "ModelEnds", "Pipeline", "forward_only"]
+__all__ = ["Part", "Ends", "BlockEnds", "ModelEnds", "Pipeline", "forward_only", "block_pipeline", "model_pipeline"]
 
 Arrays = dict[str, Any]
 Table = tuple[tuple[int, ...], ...]
@@ -413,3 +413,43 @@ class Pipeline:
         grads = dict(self.ends.gradients(self, acc))
         grads.update({self.block.grads[p]: g for p, g in zip(self.params, dparams, strict=True)})
         return dict(self.ends.outputs(self, acc)), grads
+
+
+# A lowered pipeline module's globals are its tables; these build its pipeline from them, so the
+# module holds data and one call, and the code is here.
+
+
+def _part(tables: Mapping[str, Any], prefix: str, result: str) -> Part:
+    """A part's phase functions and tables as a lowered module names them: ``forward_local``,
+    ``FORWARD_IN``, ... for the block, prefixed (``pre_forward_local``, ``PRE_FORWARD_IN``) for an end."""
+    fn, table = (prefix.lower() + "_", prefix + "_") if prefix else ("", "")
+    return Part(tables[fn + "forward_local"], tables[table + "FORWARD_IN"], tables[table + "FORWARD_OUT"],
+                tables[fn + "backward_local"], tables[table + "BACKWARD_IN"], tables[table + "BACKWARD_OUT"],
+                tables[table + "COTANGENTS"], tables[table + "GRADS"], result, tables.get(table + "KEYED", False))
+
+
+def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
+    """The block's layers over the stages in the tick tables' order, ``ends`` around it."""
+    block = _part(tables, "", tables["BLOCK_OUTPUT"])
+    return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
+                    tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
+                    tables["DATA_DIM"])
+
+
+def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:
+    """A block alone's pipeline from a lowered module's globals: stage 0 reads the microbatches of
+    ``BLOCK_INPUT``, the last stage keeps ``BLOCK_OUTPUT`` and reads its cotangent ``OUTPUT_COTANGENT``."""
+    first, out = tables["BLOCK_INPUT"], tables["BLOCK_OUTPUT"]
+    ends = BlockEnds(first, out, tables["FORWARD_IN"][first], tables["FORWARD_OUT"][out], tables["GRADS"][first],
+                     tables["OUTPUT_COTANGENT"])
+    return _pipeline(tables, ends)
+
+
+def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
+    """A whole model's pipeline from a lowered module's globals: the statements before the block
+    (``pre_*``, ``PRE_*``, making ``PRE_RESULT``) on stage 0, those after it (``post_*``, ``POST_*``,
+    ending in ``LOSS``) on the last."""
+    pre, post = _part(tables, "PRE", tables["PRE_RESULT"]), _part(tables, "POST", tables["LOSS"])
+    ends = ModelEnds(pre, post, tables["PRE_DATA"], tables["POST_DATA"], tables["PRE_PARAMS"], tables["POST_PARAMS"],
+                     tables["BLOCK_OUTPUT"])
+    return _pipeline(tables, ends)
