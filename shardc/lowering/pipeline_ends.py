@@ -157,16 +157,17 @@ def _renamed(module: Module, prefix: str) -> str:
     return text
 
 
-def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]) -> str:
-    """The ends' section of the pipeline module: their functions and tables, and the pipeline over
-    the whole model (:func:`~shardc.lowering.pipeline_runtime.model_pipeline` builds it from them)."""
+def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int], reduce: str = "") -> str:
+    """The ends' section of the pipeline module: their functions and tables (``reduce``: their gradients'
+    once-a-step reductions, :mod:`shardc.lowering.pipeline_grads`), and the pipeline over the whole model
+    (:func:`~shardc.lowering.pipeline_runtime.model_pipeline` builds it from them)."""
     pre_params = tuple(i.name for i in ends.pre.tensors if i.role == "param")
     post_params = tuple(i.name for i in ends.post.tensors if i.role == "param")
     pre_data = tuple(b.key for b in pre.forward.inputs if b.key not in pre_params)
     post_data = tuple(b.key for b in post.forward.inputs if b.key not in post_params
                       and b.key != _block_output(ends))
     text = "\n\n# ---- the block's ends: the statements before it on stage 0, after it on the last " + "-" * 4
-    text += "\n\n" + _renamed(pre, "PRE") + "\n" + _renamed(post, "POST") + "\n"
+    text += "\n\n" + _renamed(pre, "PRE") + "\n" + _renamed(post, "POST") + reduce + "\n"
     text += constants((("PRE_PARAMS", pre_params, "passed stacked over the stages: [STAGES, ...]"),
                        ("POST_PARAMS", post_params, "so too"),
                        ("PRE_DATA", pre_data, "cut into microbatches, stacked over the stages"),

@@ -14,8 +14,9 @@ and drawn, and lower with GPipe's (every schedule computes the same values).
 
 The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
 with one collective-permute down and one up in its body, each moving one
-microbatch's shard of the block's output; ``shardc verify`` checks that and the
-stages' planned collectives in the compiled HLO (:mod:`shardc.verification.pipeline_hlo`).
+microbatch's shard of the block's output, and the weight gradients' reductions after it
+(:mod:`shardc.lowering.pipeline_grads`); ``shardc verify`` checks that and the stages'
+planned collectives in the compiled HLO (:mod:`shardc.verification.pipeline_hlo`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from shardc.ir.spec import TensorRef
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
 from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_source, pipeline_lines
+from shardc.lowering.pipeline_grads import reduce_source, split_reductions
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, simulate
@@ -93,8 +95,11 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = lowered_sizes(stage_plan, {**sizes, dim: sizes[dim] // microbatches}, stage_mesh)
     assert micro is not None
-    module = generate(stage_plan, stage_mesh, micro, title=" (one stage, one microbatch)", reserved=reserved)
-    head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n"
+    split = split_reductions(stage_plan)  # the weight gradients' reductions: once a step, on the sums
+    module = generate(split.each, stage_mesh, micro, title=" (one stage, one microbatch)", reserved=reserved)
+    reduce, more = reduce_source(split, stage_mesh, micro, "", reserved)
+    module = replace(module, variables=module.variables | more)
+    head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n" + reduce
     params = [i.name for i in plan.tensors if i.role == "param"]
     f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches)
     text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
@@ -137,10 +142,15 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = dict(block.sizes or {})
     dim = microbatch_dim(ends.block)
-    modules = [generate(part, stage_mesh, micro, reserved=reserved) for part in (ends.pre, ends.post)]
+    splits = [split_reductions(part) for part in (ends.pre, ends.post)]
+    modules = [generate(split.each, stage_mesh, micro, reserved=reserved) for split in splits]
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables
-    return ends_source(ends, modules[0], modules[1], data), variables
+    reduce = ""
+    for split, prefix in zip(splits, ("PRE_", "POST_"), strict=True):
+        text, more = reduce_source(split, stage_mesh, micro, prefix, reserved)
+        reduce, variables = reduce + text, variables | more
+    return ends_source(ends, modules[0], modules[1], data, reduce), variables
 
 
 def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int | None = None,
