@@ -3,8 +3,6 @@ costed and lowered from the same steps."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 import shardc
@@ -67,14 +65,16 @@ def test_without_a_block_every_step_is_the_blocks() -> None:
     assert not plan.section("before").forward and not plan.section("after").backward
 
 
-def test_a_step_outside_the_block_among_its_steps_is_a_planner_bug() -> None:
-    plan = _plan()
-    lo, hi = plan.cut.forward
-    forward = list(plan.forward)
-    forward[lo + 1] = replace(forward[lo + 1], once=True)
+def test_a_step_outside_the_block_among_its_steps_does_not_cut() -> None:
+    """A value read before the block and fed to it sums its gradient's parts among the block's steps:
+    that plan plans (and costs unpipelined) as before, but has no sections to cost or lower a pipeline by."""
+    spec = "mesh X=4\nO1[D, S] = X0[S_X, D]\nlayers 3 {\n  O2[D, S] = X0[S_X, D]\n  X1[S_X, D] = tanh(X0[S_X, D])\n}\n"
+    plan = shardc.plan(shardc.parse(spec))
+    assert plan.sections is None and Sections.of(plan.forward, plan.backward, plan.recomputed) is None
     with pytest.raises(InternalError, match="among the block's steps"):
-        Sections.of(tuple(forward), plan.backward, plan.recomputed)
-    assert hi > lo + 2
+        plan.section("block")
+    cut = _plan()
+    assert cut.sections is not None and cut.section("block").forward
 
 
 def test_a_block_input_without_a_gradient_is_refused_plainly() -> None:

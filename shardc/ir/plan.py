@@ -208,9 +208,14 @@ class Sections:
     recomputed: tuple[int, int]
 
     @staticmethod
-    def of(forward: tuple[Step, ...], backward: tuple[Step, ...], recomputed: tuple[Step, ...]) -> Sections:
-        """The cut of phases whose steps outside the block are marked ``once``."""
-        return Sections(_cut(forward, "forward"), _cut(backward, "backward"), _cut(recomputed, "recomputed"))
+    def of(forward: tuple[Step, ...], backward: tuple[Step, ...], recomputed: tuple[Step, ...]) -> Sections | None:
+        """The cut of phases whose steps outside the block are marked ``once``; None where a phase's
+        ``once`` steps sit among the block's, so that it does not cut (an input read both before the block
+        and in it: its gradient's parts are summed among the block's steps)."""
+        cuts = (_cut(forward), _cut(backward), _cut(recomputed))
+        if cuts[0] is None or cuts[1] is None or cuts[2] is None:
+            return None
+        return Sections(cuts[0], cuts[1], cuts[2])
 
     def runs(self, phase: str, items: Sequence[T]) -> tuple[Sequence[T], Sequence[T], Sequence[T]]:
         """``items`` (one a step of ``phase``: the steps, or their costs) in the phase's three runs, in
@@ -224,8 +229,9 @@ class Sections:
         return tuple(self.runs(phase, steps)[order.index(section)])
 
 
-def _cut(steps: tuple[Step, ...], phase: str) -> tuple[int, int]:
-    """The two cut points of a phase: its block's steps are the run of those not marked ``once``.
+def _cut(steps: tuple[Step, ...]) -> tuple[int, int] | None:
+    """The two cut points of a phase: its block's steps are the run of those not marked ``once`` (None
+    when a ``once`` step sits among them).
 
     A phase with no step of the block (no gradient crosses it) runs its ``once`` steps on the side
     nearest its start: a forward's before the block, a backward's after it (the head's, run first).
@@ -235,8 +241,7 @@ def _cut(steps: tuple[Step, ...], phase: str) -> tuple[int, int]:
         return (len(steps), len(steps))
     lo, hi = inside[0], inside[-1] + 1
     if any(s.once for s in steps[lo:hi]):
-        raise InternalError(f"a {phase} step outside the `layers` block sits among the block's steps",
-                            fix="this is a planner bug: report the spec")
+        return None
     return (lo, hi)
 
 
@@ -273,15 +278,19 @@ class Plan:
     # wherever bytes are counted
     element_bytes: tuple[tuple[str, int], ...] = ()
     # a `layers L { ... }` block's sections (:class:`Sections`), cut once by the planner; None: every
-    # step is the block's (a spec without a block, or a Plan built by hand)
+    # step is the block's (a spec without a block, or a Plan built by hand), or a block that does not cut
     sections: Sections | None = None
 
     @property
     def cut(self) -> Sections:
-        """:attr:`sections`, or without them every step the block's."""
+        """:attr:`sections`, or without a block every step the block's."""
         if self.sections is not None:
             return self.sections
-        return Sections(*((0, len(p)) for p in (self.forward, self.backward, self.recomputed)))
+        phases = (self.forward, self.backward, self.recomputed)
+        if any(s.once for p in phases for s in p):  # a block whose phases do not cut (Sections.of)
+            raise InternalError("a step outside the `layers` block sits among the block's steps",
+                                fix="this is a planner bug: report the spec")
+        return Sections(*((0, len(p)) for p in phases))
 
     def section(self, name: str) -> Section:
         """The steps of section ``name`` (:data:`SECTIONS`): the same steps as the phases', cut."""
