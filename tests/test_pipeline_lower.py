@@ -27,7 +27,7 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
     source = capsys.readouterr().out
     compile(source, "pipeline_llama.py", "exec")  # valid Python
     for line in ("STAGES = 4", "LAYERS = 32", "MICROBATCHES = 64", "F_TABLE = (\n    (0, -1, -1, -1),\n",
-                 "def forward_local(", "def backward_local(", "PIPELINE = Pipeline(", "BlockEnds(",
+                 "def forward_local(", "def backward_local(", "PIPELINE = block_pipeline(globals())",
                  "pipeline_forward, pipeline_grad = PIPELINE.outputs, PIPELINE.gradients"):
         assert line in source
     forward, backward = tick_tables("1f1b", 4, 64)
@@ -198,6 +198,6 @@ def test_tensors_named_like_the_pipeline_globals_verify() -> None:
 
     plan = shardc.plan(shardc.parse(SHADOWS))
     source = lower_pipeline(plan, load=False).source
-    assert {"STAGES", "PARAMS", "PIPELINE", "BLOCK", "route_topk"} <= defined_names(source)
+    assert {"STAGES", "PARAMS", "PIPELINE", "block_pipeline", "route_topk"} <= defined_names(source)
     report = verify_pipeline(plan, devices=4)
     assert report.ok and {r.tensor for r in report.values} == {"route_topk", "dPIPELINE", "dPARAMS", "dBLOCK"}

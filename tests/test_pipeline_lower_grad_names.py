@@ -1,9 +1,9 @@
 """A lowered pipeline's gradients carry the plan's names (:meth:`Plan.grad_name`), not ``d`` + name.
 
 The book names ``W``'s gradient ``dW`` only when the spec has no tensor of that name
-(:mod:`shardc.names`). A pipelined ``layers`` block is lowered as three parts planned
-apart; a part that does not read the tensor ``dW`` would otherwise call ``W``'s gradient
-``dW`` where the whole plan (the one costed) calls it ``d_W``.
+(:mod:`shardc.names`). A pipelined ``layers`` block is lowered as three parts, the sections
+of the whole plan (the one costed); each keeps its names, where a part planned alone that
+does not read the tensor ``dW`` would call ``W``'s gradient ``dW`` and the whole plan ``d_W``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.lowering.pipeline_ends import plan_parts
+from shardc.lowering.pipeline_ends import cut_parts
 from shardc.lowering.pipeline_lowering import lower_pipeline
 
 BLOCK = """mesh P=2 pipeline, X=2
@@ -52,7 +52,7 @@ def _weights(plan: shardc.ir.plan.Plan) -> set[str]:  # type: ignore[name-define
 def test_the_parts_keep_the_whole_plans_gradient_names() -> None:
     plan = shardc.plan(shardc.parse(ENDS))
     assert plan.grad_name("W1") == "d_W1" and plan.grad_name("W_out") == "d_W_out"
-    ends = plan_parts(plan)
+    ends = cut_parts(plan)
     for part in (ends.pre, ends.block, ends.post):
         assert part.gradient_names and all(plan.grad_name(t) == g for t, g in part.gradient_names)
 

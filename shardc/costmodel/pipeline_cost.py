@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
 from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
-from shardc.errors import InternalError, ShardcError
+from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network, Statement, TensorRef
-from shardc.pipeline.boundary import boundary_tensor, check_microbatches, microbatch_dim
+from shardc.pipeline.boundary import boundary_tensor, check_microbatches, gradient_reductions, microbatch_dim
 from shardc.pipeline.bubbles import (
     EXACT,
     Bubble,
@@ -260,43 +260,30 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timin
     return worst, max(0.0, exposed)
 
 
-def _runs(rows: list[StepCost]) -> tuple[list[StepCost], list[StepCost], list[StepCost]]:
-    """A phase's rows: the once rows before the block's, the block's, the once rows after them."""
-    inside = [k for k, r in enumerate(rows) if not r.once]
-    if not inside:
-        return rows, [], []
-    lo, hi = inside[0], inside[-1] + 1
-    if any(r.once for r in rows[lo:hi]):
-        raise InternalError("a step outside the `layers` block sits among the block's steps")
-    return rows[:lo], rows[lo:hi], rows[hi:]
+def _runs(plan: Plan, phase: str, rows: list[StepCost]) -> tuple[list[StepCost], list[StepCost], list[StepCost]]:
+    """A phase's rows (one a step) in the plan's three sections, in the order the phase runs them."""
+    first, block, then = plan.cut.runs(phase, rows)
+    return list(first), list(block), list(then)
 
 
 def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
               spans: Layout) -> dict[str, list[_Part]]:
     """(compute, comm) of a microbatch's F, B and W: one layer of the block ("layer"), the statements
     before the block ("first": the first chunk runs them) and those after it ("last")."""
-    fwd = _runs(_rows(plan.forward, plan, micro, hw, spans))
-    again = _runs(_rows(plan.recomputed, plan, micro, hw, spans))  # a recompute runs in the B op
+    fwd = _runs(plan, "forward", _rows(plan.forward, plan, micro, hw, spans))
+    again = _runs(plan, "recomputed", _rows(plan.recomputed, plan, micro, hw, spans))  # a recompute runs in the B op
     rows = _rows(plan.backward, plan, micro, hw, spans)
-    grads = weight_steps(plan)
-    weight = [k in grads for k in range(len(rows))]
-    after, inside, before = _runs(rows)  # the backward runs the statements after the block first
-    offsets = {"first": len(after) + len(inside), "layer": len(after), "last": 0}
+    # the weight gradients' steps (W), and of them the reductions run once a step on the microbatches' sums
+    grads, reduced = weight_steps(plan), gradient_reductions(plan)
+    after, inside, before = _runs(plan, "backward", rows)  # the backward runs the statements after the block first
+    last, layer, first = plan.cut.runs("backward", range(len(rows)))  # each row's step
     out = {}
-    for k, (key, back) in enumerate((("first", before), ("layer", inside), ("last", after))):
-        marks = weight[offsets[key]:offsets[key] + len(back)]
-        w = [r for r, m in zip(back, marks, strict=True) if m]
-        out[key] = [_time(fwd[k], hw), _time(again[k] + [r for r, m in zip(back, marks, strict=True) if not m], hw),
-                    _time([r for r in w if not _accumulated(r)], hw)]
-        out[f"{key} reduce"] = [_time([r for r in w if _accumulated(r)], hw)]
+    for k, (key, back, index) in enumerate((("first", before, first), ("layer", inside, layer), ("last", after, last))):
+        steps = list(zip(back, index, strict=True))
+        out[key] = [_time(fwd[k], hw), _time(again[k] + [r for r, i in steps if i not in grads], hw),
+                    _time([r for r, i in steps if i in grads and i not in reduced], hw)]
+        out[f"{key} reduce"] = [_time([r for r, i in steps if i in reduced], hw)]
     return out
-
-
-def _accumulated(row: StepCost) -> bool:
-    """A weight gradient's reduction (an AllReduce or ReduceScatter of a ``dW``): a sum over the batch, so
-    linear in it. Megatron-LM, DeepSpeed and torchtitan accumulate each microbatch's partial gradient
-    locally and reduce the sum once a step, after the schedule's last backward."""
-    return row.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)
 
 
 def _chunk_times(pipe: Pipeline, timing: Timing, first: Timing, last: Timing) -> tuple[Timing, ...]:

@@ -11,11 +11,13 @@ in :mod:`shardc.costmodel.formulas` and :mod:`shardc.costmodel.thresholds`.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import TypeVar
 
 from shardc.collectives import COLLECTIVES, FACTOR, Op
+from shardc.errors import InternalError
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.localops import DropoutMask, LocalOp
 from shardc.ir.spec import Spec, TensorRef
@@ -23,7 +25,7 @@ from shardc.spec.walk import nbytes_of
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
-    "uses_dropout",
+    "uses_dropout", "Sections", "Section", "SECTIONS",
 ]
 
 
@@ -175,6 +177,74 @@ class TensorInfo:
     is_output: bool = False
 
 
+T = TypeVar("T")
+
+# A `layers L { ... }` block's plan in three: the statements before the block, the block (one layer,
+# run L times), the statements after it.
+SECTIONS = ("before", "block", "after")
+
+
+@dataclass(frozen=True)
+class Section:
+    """One section's steps, each phase's in its order."""
+
+    forward: tuple[Step, ...]
+    backward: tuple[Step, ...]
+    recomputed: tuple[Step, ...]
+
+
+@dataclass(frozen=True)
+class Sections:
+    """Where a plan's sections lie in each phase: two cut points a phase, ``(i, j)``.
+
+    The forward (and what the backward recomputes, a forward run again) runs the statements
+    before the block, the block, those after it: ``steps[:i]``, ``steps[i:j]``, ``steps[j:]``.
+    The backward runs them in reverse: ``steps[:i]`` is after the block's backward, ``steps[i:j]``
+    the block's, ``steps[j:]`` before it.  Without a block every step is the block's.
+    """
+
+    forward: tuple[int, int]
+    backward: tuple[int, int]
+    recomputed: tuple[int, int]
+
+    @staticmethod
+    def of(forward: tuple[Step, ...], backward: tuple[Step, ...], recomputed: tuple[Step, ...]) -> Sections | None:
+        """The cut of phases whose steps outside the block are marked ``once``; None where a phase's
+        ``once`` steps sit among the block's, so that it does not cut (an input read both before the block
+        and in it: its gradient's parts are summed among the block's steps)."""
+        cuts = (_cut(forward), _cut(backward), _cut(recomputed))
+        if cuts[0] is None or cuts[1] is None or cuts[2] is None:
+            return None
+        return Sections(cuts[0], cuts[1], cuts[2])
+
+    def runs(self, phase: str, items: Sequence[T]) -> tuple[Sequence[T], Sequence[T], Sequence[T]]:
+        """``items`` (one a step of ``phase``: the steps, or their costs) in the phase's three runs, in
+        the order it runs them: before, block, after; for the backward after, block, before."""
+        i, j = getattr(self, phase)
+        return items[:i], items[i:j], items[j:]
+
+    def steps(self, phase: str, steps: tuple[Step, ...], section: str) -> tuple[Step, ...]:
+        """The steps of ``section`` (one of :data:`SECTIONS`) among ``phase``'s ``steps``."""
+        order = SECTIONS[::-1] if phase == "backward" else SECTIONS
+        return tuple(self.runs(phase, steps)[order.index(section)])
+
+
+def _cut(steps: tuple[Step, ...]) -> tuple[int, int] | None:
+    """The two cut points of a phase: its block's steps are the run of those not marked ``once`` (None
+    when a ``once`` step sits among them).
+
+    A phase with no step of the block (no gradient crosses it) runs its ``once`` steps on the side
+    nearest its start: a forward's before the block, a backward's after it (the head's, run first).
+    """
+    inside = [k for k, s in enumerate(steps) if not s.once]
+    if not inside:
+        return (len(steps), len(steps))
+    lo, hi = inside[0], inside[-1] + 1
+    if any(s.once for s in steps[lo:hi]):
+        return None
+    return (lo, hi)
+
+
 @dataclass(frozen=True)
 class Plan:
     spec: Spec
@@ -207,6 +277,28 @@ class Plan:
     # keep-mask 1 (shardc.planner.graph.Graph.element_bytes decides); read through :meth:`nbytes`
     # wherever bytes are counted
     element_bytes: tuple[tuple[str, int], ...] = ()
+    # a `layers L { ... }` block's sections (:class:`Sections`), cut once by the planner; None: every
+    # step is the block's (a spec without a block, or a Plan built by hand), or a block that does not cut
+    sections: Sections | None = None
+
+    @property
+    def cut(self) -> Sections:
+        """:attr:`sections`, or without a block every step the block's."""
+        if self.sections is not None:
+            return self.sections
+        phases = (self.forward, self.backward, self.recomputed)
+        if any(s.once for p in phases for s in p):  # a block whose phases do not cut (Sections.of)
+            raise InternalError("a step outside the `layers` block sits among the block's steps",
+                                fix="this is a planner bug: report the spec")
+        return Sections(*((0, len(p)) for p in phases))
+
+    def section(self, name: str) -> Section:
+        """The steps of section ``name`` (:data:`SECTIONS`): the same steps as the phases', cut."""
+        if name not in SECTIONS:
+            raise KeyError(name)
+        cut = self.cut
+        return Section(cut.steps("forward", self.forward, name), cut.steps("backward", self.backward, name),
+                       cut.steps("recomputed", self.recomputed, name))
 
     def nbytes(self, tensor: str) -> int:
         """Bytes an element of ``tensor`` (:func:`shardc.spec.walk.nbytes_of`)."""

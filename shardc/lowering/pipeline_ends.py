@@ -1,11 +1,13 @@
 """Lowering a pipelined ``layers L { ... }`` block with the statements around it.
 
 Megatron-LM places the embedding on the first pipeline stage and the final norm,
-output layer and loss on the last.  The spec is cut in three: the statements before
-the block, the block, and those after it (:func:`split_spec`).  Each is planned as a
-spec of its own on the stage mesh (the block with the pipeline axis, as a block alone
-is pipelined), so each has its own planned forward and backward functions; the
-block's boundaries are its declared shardings, which all three plans keep.
+output layer and loss on the last.  The planner cuts the whole model's plan in three
+sections (:attr:`shardc.ir.plan.Plan.sections`): the steps of the statements before the
+block, the block's (one layer), and those after it.  Each part here is its section's
+steps on its part of the spec (:func:`split_spec`; the ends on the stage mesh, the block
+with the pipeline axis, as a block alone is pipelined), so the program runs the steps
+``shardc cost`` priced, and each part has its own forward and backward functions; the
+block's boundaries are its declared shardings, where the sections meet.
 
 The generated module is the block's pipeline module (:mod:`shardc.lowering.pipeline_lowering`)
 with the two ends' functions (``pre_forward_local``, ``post_backward_local``, ...) as
@@ -27,20 +29,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
-from shardc.ir.plan import Plan, uses_dropout
-from shardc.ir.spec import Call, Mesh, Spec, Statement
+from shardc.ir.plan import SECTIONS, Plan, Step, uses_dropout
+from shardc.ir.spec import Call, Mesh, Spec, Statement, TensorRef
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
 from shardc.pipeline.boundary import boundary_tensor
-from shardc.planner.planner import plan as make_plan
 from shardc.spec.walk import leaves
 
-__all__ = ["Ends", "split_spec", "plan_parts", "ends_source"]
+__all__ = ["Ends", "split_spec", "cut_parts", "ends_source", "constants", "pipeline_lines"]
 
 
 @dataclass(frozen=True)
 class Ends:
-    """The three plans of a pipelined block spec: before the block, the block, after it."""
+    """The three parts of a pipelined block spec, its plan's sections: before the block, the block, after it."""
 
     pre: Plan
     block: Plan
@@ -90,20 +91,58 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
                           "cross_entropy loss (the microbatches' losses are averaged)", last.span, fix=fix)
 
 
-def plan_parts(plan: Plan) -> Ends:
-    """Plan the three parts as ``plan`` was planned (its policy, recompute mode, chip and gradient
-    names: a part alone would name ``W``'s gradient ``dW`` where the whole spec has a tensor ``dW``)."""
-    spans = dict(plan.spans) or None
-    # each part as the whole was planned: the candidate it chose (strategy and compute weights), never a
-    # choice of its own, so the parts' steps are the whole plan's (the costed ones)
-    parts = [make_plan(s, save=plan.save, hardware=plan.chip, spans=spans, recompute=plan.recompute,
-                       gradients=dict(plan.gradient_names), strategy=plan.strategy, weights=plan.weights)
-             for s in split_spec(plan.spec)]
-    for part in (parts[0], parts[2]):
+def cut_parts(plan: Plan) -> Ends:
+    """The three parts of ``plan``, each its section's steps (:meth:`Plan.section`) on its part of the
+    spec (:func:`split_spec`): the steps the cost priced, never planned again."""
+    specs = split_spec(plan.spec)
+    block = _part(plan, "block", specs[1], specs[2])
+    pre = _part(plan, "before", specs[0], specs[1])
+    post = _part(plan, "after", specs[2], None)
+    for part in (pre, post):
         if uses_dropout(part.forward):
             raise ShardcError("a dropout outside the pipelined block does not lower yet",
                               fix="put the dropout inside the `layers` block")
-    return Ends(*parts)
+    return Ends(pre, block, post)
+
+
+def _made(steps: tuple[Step, ...]) -> dict[str, TensorRef]:
+    """Each tensor a run of steps makes, as its last step leaves it."""
+    return {s.dst.name: s.dst for s in steps}
+
+
+def _part(plan: Plan, name: str, spec: Spec, following: Spec | None) -> Plan:
+    """Section ``name`` of ``plan`` as a plan of its own spec: the tensors it makes its activations, those
+    it reads from the section before its inputs; its outputs' cotangents the gradients the section after
+    it hands back (``following``, the spec of that section), its inputs' gradients those it makes."""
+    section = plan.section(name)
+    made = _made(section.forward)
+    names = _names(spec.statements) | set(made)
+    read = {r.name for s in spec.statements for r in leaves(s.expr)}
+    outputs = {s.result.name for s in spec.statements if s.result.name not in read}
+    tensors = tuple(replace(i, role="input" if i.role == "activation" and i.name not in made else i.role,
+                            is_output=i.name in outputs) for i in plan.tensors if i.name in names)
+    entering = {i.name for i in tensors if i.role in ("input", "param")}
+    cotangents = [c for c in plan.cotangents if plan.primal(c.name) in outputs]
+    if following is not None:  # the gradient of what this section hands on, made by the next one's backward
+        after = _made(plan.section(SECTIONS[SECTIONS.index(name) + 1]).backward)
+        for out in sorted(outputs & _names(following.statements)):
+            if plan.grad_name(out) not in after:
+                raise ShardcError(f"the plan takes no gradient of {out}, the block's input, since nothing before "
+                                  "the block has one; a pipeline's layers need it (each feeds the one before)",
+                                  plan.spec.span_of("layers"), fix="make a tensor before the block a param")
+            cotangents.append(after[plan.grad_name(out)])
+    # each input's gradient this section makes: a param's as the plan hands it out, the section
+    # before's output's as this section's backward leaves it
+    made_back, final = _made(section.backward), {g.name: g for g in plan.grads}
+    wanted = [plan.grad_name(i.name) for i in tensors if i.name in entering]
+    grads = tuple(final.get(g, made_back[g]) for g in wanted if g in made_back)
+    reads = {r for s in section.backward for r in (*s.operands, *((s.src,) if s.src else ()))}
+    gone = {a.name for a in plan.spec.mesh.axes} - {a.name for a in spec.mesh.axes}  # an end's: the stage axis
+    return replace(plan, spec=spec, forward=section.forward, backward=section.backward,
+                   recomputed=section.recomputed, optimizer=(), sections=None, choices=(), tensors=tensors,
+                   residuals=tuple(r for r in plan.residuals if r.name in made and r in reads),
+                   cotangents=tuple(cotangents), grads=grads,
+                   sizes=None if plan.sizes is None else tuple((k, v) for k, v in plan.sizes if k not in gone))
 
 
 def _renamed(module: Module, prefix: str) -> str:
@@ -118,36 +157,39 @@ def _renamed(module: Module, prefix: str) -> str:
     return text
 
 
-def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]) -> str:
-    """The ends' section of the pipeline module: their functions and tables, and the pipeline over
-    the whole model (:class:`~shardc.lowering.pipeline_runtime.ModelEnds`)."""
+def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int], reduce: str = "") -> str:
+    """The ends' section of the pipeline module: their functions and tables (``reduce``: their gradients'
+    once-a-step reductions, :mod:`shardc.lowering.pipeline_grads`), and the pipeline over the whole model
+    (:func:`~shardc.lowering.pipeline_runtime.model_pipeline` builds it from them)."""
     pre_params = tuple(i.name for i in ends.pre.tensors if i.role == "param")
     post_params = tuple(i.name for i in ends.post.tensors if i.role == "param")
     pre_data = tuple(b.key for b in pre.forward.inputs if b.key not in pre_params)
     post_data = tuple(b.key for b in post.forward.inputs if b.key not in post_params
                       and b.key != _block_output(ends))
     text = "\n\n# ---- the block's ends: the statements before it on stage 0, after it on the last " + "-" * 4
-    text += "\n\n" + _renamed(pre, "PRE") + "\n" + _renamed(post, "POST")
-    return text + _SECTION.format(pre_params=pre_params, post_params=post_params, pre_data=pre_data,
-                                  post_data=post_data, loss=ends.post.spec.statements[-1].result.name,
-                                  data_dims=data_dims, pre_result=ends.pre.spec.statements[-1].result.name)
+    text += "\n\n" + _renamed(pre, "PRE") + "\n" + _renamed(post, "POST") + reduce + "\n"
+    text += constants((("PRE_PARAMS", pre_params, "passed stacked over the stages: [STAGES, ...]"),
+                       ("POST_PARAMS", post_params, "so too"),
+                       ("PRE_DATA", pre_data, "cut into microbatches, stacked over the stages"),
+                       ("POST_DATA", post_data, "so too"),
+                       ("DATA_DIM", data_dims, "the microbatch dim of each"),
+                       ("PRE_RESULT", ends.pre.spec.statements[-1].result.name, "stage 0's output"),
+                       ("LOSS", ends.post.spec.statements[-1].result.name, "the loss (a mean over the tokens)")))
+    return text + pipeline_lines("model_pipeline", "model")
+
+
+def constants(rows: tuple[tuple[str, object, str], ...]) -> str:
+    """Module constants, one a line: ``NAME = value  # comment`` (a value's ``repr`` is its literal)."""
+    return "".join(f"{name} = {value!r}" + (f"  {template.comment(note)}" if note else "") + "\n"
+                   for name, value, note in rows)
+
+
+def pipeline_lines(builder: str, prefix: str) -> str:
+    """The module's pipeline, built by ``builder`` (:mod:`shardc.lowering.pipeline_runtime`) from the
+    module's tables, and its two entry points (``{prefix}_forward``, ``{prefix}_grad``)."""
+    return (f"\nPIPELINE = {builder}(globals())  # shardc.lowering.pipeline_runtime.{builder}: the tables above\n"
+            f"{prefix}_forward, {prefix}_grad = PIPELINE.outputs, PIPELINE.gradients\n")
 
 
 def _block_output(ends: Ends) -> str:
     return boundary_tensor(ends.block).name
-
-
-_SECTION = '''
-
-PRE_PARAMS, POST_PARAMS = {pre_params!r}, {post_params!r}  # passed stacked over the stages: [STAGES, ...]
-PRE_DATA, POST_DATA = {pre_data!r}, {post_data!r}  # cut into microbatches, stacked over the stages
-DATA_DIM = {data_dims!r}  # the microbatch dim of each
-PRE_RESULT, LOSS = {pre_result!r}, {loss!r}  # stage 0's output; the loss (a mean over the tokens)
-PRE = Part(pre_forward_local, PRE_FORWARD_IN, PRE_FORWARD_OUT, pre_backward_local, PRE_BACKWARD_IN, PRE_BACKWARD_OUT,
-           PRE_COTANGENTS, PRE_GRADS, PRE_RESULT)
-POST = Part(post_forward_local, POST_FORWARD_IN, POST_FORWARD_OUT, post_backward_local, POST_BACKWARD_IN,
-            POST_BACKWARD_OUT, POST_COTANGENTS, POST_GRADS, LOSS)
-PIPELINE = Pipeline(PIPE_MESH_AXES, PIPELINE_AXIS, LAYERS, MICROBATCHES, F_TABLE, B_TABLE, BLOCK, BLOCK_INPUT, PARAMS,
-                    ModelEnds(PRE, POST, PRE_DATA, POST_DATA, PRE_PARAMS, POST_PARAMS, BLOCK_OUTPUT), DATA_DIM)
-model_forward, model_grad = PIPELINE.outputs, PIPELINE.gradients
-'''

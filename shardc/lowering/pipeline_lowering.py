@@ -14,8 +14,9 @@ and drawn, and lower with GPipe's (every schedule computes the same values).
 
 The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
 with one collective-permute down and one up in its body, each moving one
-microbatch's shard of the block's output; ``shardc verify`` checks that and the
-stages' planned collectives in the compiled HLO (:mod:`shardc.verification.pipeline_hlo`).
+microbatch's shard of the block's output, and the weight gradients' reductions after it
+(:mod:`shardc.lowering.pipeline_grads`); ``shardc verify`` checks that and the stages'
+planned collectives in the compiled HLO (:mod:`shardc.verification.pipeline_hlo`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import TensorRef
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
-from shardc.lowering.pipeline_ends import Ends, ends_source, plan_parts
+from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_source, pipeline_lines
+from shardc.lowering.pipeline_grads import reduce_source, split_reductions
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, simulate
@@ -50,7 +52,7 @@ class PipelineLowered:
     sizes: dict[str, int]  # one microbatch's, and the mesh's
     batch: int  # the batch dim's size, all microbatches
     namespace: Any = None
-    ends: Ends | None = None  # a `layers L { ... }` block's three plans (shardc.lowering.pipeline_ends)
+    ends: Ends | None = None  # a `layers` block's three parts, its plan's sections (shardc.lowering.pipeline_ends)
 
 
 def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
@@ -93,14 +95,22 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = lowered_sizes(stage_plan, {**sizes, dim: sizes[dim] // microbatches}, stage_mesh)
     assert micro is not None
-    module = generate(stage_plan, stage_mesh, micro, title=" (one stage, one microbatch)", reserved=reserved)
-    head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n"
+    split = split_reductions(stage_plan)  # the weight gradients' reductions: once a step, on the sums
+    module = generate(split.each, stage_mesh, micro, title=" (one stage, one microbatch)", reserved=reserved)
+    reduce, more = reduce_source(split, stage_mesh, micro, "", reserved)
+    module = replace(module, variables=module.variables | more)
+    head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n" + reduce
     params = [i.name for i in plan.tensors if i.role == "param"]
     f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches)
-    text = _SECTION.format(
-        schedule=pipe.schedule.name, axis=pipe.axis, stages=stages, layers=layers, micro=microbatches,
-        first=first.name, out=out.name, params=tuple(params), mesh={n: s for n, s in mesh}, dim=dim,
-        f_table=_table(f_table), b_table=_table(b_table))
+    text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
+    text += constants((("PIPELINE_AXIS", pipe.axis, ""), ("STAGES", stages, ""),
+                       ("LAYERS", layers, "in all; LAYERS // STAGES on each stage"), ("MICROBATCHES", microbatches, ""),
+                       ("BLOCK_INPUT", first.name, "what a stage receives"), ("BLOCK_OUTPUT", out.name, "and sends"),
+                       ("PARAMS", tuple(params), "each passed stacked: [LAYERS, ...]"),
+                       ("PIPE_MESH_AXES", dict(mesh), ""),
+                       ("MICROBATCH", (dim, microbatches),
+                        "keep_mask: a microbatch draws its slice of the whole batch's mask")))
+    text += f"F_TABLE = {_table(f_table)}\nB_TABLE = {_table(b_table)}\n"
     if pipe.schedule.name not in LOWERED_SCHEDULES:
         # Every schedule computes the same values; only GPipe's and 1F1B's orders are lowered.
         text += (f"# schedule {pipe.schedule.name} lowers as GPipe (same values); `shardc cost` costs and "
@@ -119,7 +129,9 @@ def _block_section(plan: Plan, module: Module) -> str:
     dim = microbatch_dim(plan)
     (cot,) = [name for name, o in module.cotangents.items() if o == out.name]
     dims = {first.name: first.indices.index(dim), out.name: out.indices.index(dim)}
-    return _BLOCK.format(cot=cot, dims=dims)
+    text = constants((("OUTPUT_COTANGENT", cot, "the cotangent of BLOCK_OUTPUT, given to grad"),
+                      ("DATA_DIM", dims, "the batch dim of BLOCK_INPUT and BLOCK_OUTPUT, cut into microbatches")))
+    return "\n" + text + pipeline_lines("block_pipeline", "pipeline")
 
 
 def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
@@ -130,10 +142,15 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = dict(block.sizes or {})
     dim = microbatch_dim(ends.block)
-    modules = [generate(part, stage_mesh, micro, reserved=reserved) for part in (ends.pre, ends.post)]
+    splits = [split_reductions(part) for part in (ends.pre, ends.post)]
+    modules = [generate(split.each, stage_mesh, micro, reserved=reserved) for split in splits]
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables
-    return ends_source(ends, modules[0], modules[1], data), variables
+    reduce = ""
+    for split, prefix in zip(splits, ("PRE_", "POST_"), strict=True):
+        text, more = reduce_source(split, stage_mesh, micro, prefix, reserved)
+        reduce, variables = reduce + text, variables | more
+    return ends_source(ends, modules[0], modules[1], data, reduce), variables
 
 
 def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int | None = None,
@@ -150,7 +167,7 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     microbatches = microbatches or pipe.microbatches
     ends = None
     if plan.spec.block is not None:  # the statements around the block on the first and last stage
-        ends = plan_parts(plan)
+        ends = cut_parts(plan)
     reserved: frozenset[str] = frozenset()
     while True:  # no tensor's variable takes a global of the module: written again if one did
         module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches,
@@ -173,7 +190,7 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     return lowered
 
 
-_SECTION = '''
+_HEAD = '''
 
 # ---- pipeline: {schedule} over {axis} ----------------------------------------------
 # The SPMD pipeline of JAX's shard_map documentation, in the schedule's order: at tick t stage s
@@ -181,26 +198,6 @@ _SECTION = '''
 # layer with the planned forward_local and backward_local, and jax.lax.ppermute hands activations
 # to the next stage and cotangents to the one before (shardc.lowering.pipeline_runtime).
 
-from shardc.lowering.pipeline_runtime import BlockEnds, ModelEnds, Part, Pipeline
+from shardc.lowering.pipeline_runtime import block_pipeline, model_pipeline
 
-PIPELINE_AXIS = {axis!r}
-STAGES = {stages}
-LAYERS = {layers}  # in all; LAYERS // STAGES on each stage
-MICROBATCHES = {micro}
-BLOCK_INPUT, BLOCK_OUTPUT = {first!r}, {out!r}  # what a stage receives and sends
-PARAMS = {params!r}  # each passed stacked: [LAYERS, ...]
-PIPE_MESH_AXES = {mesh!r}
-MICROBATCH = ({dim!r}, MICROBATCHES)  # keep_mask: a microbatch draws its slice of the whole batch's mask
-F_TABLE = {f_table}
-B_TABLE = {b_table}
-BLOCK = Part(forward_local, FORWARD_IN, FORWARD_OUT, backward_local, BACKWARD_IN, BACKWARD_OUT, COTANGENTS, GRADS,
-             BLOCK_OUTPUT, KEYED)
-'''
-
-_BLOCK = '''
-PIPELINE = Pipeline(PIPE_MESH_AXES, PIPELINE_AXIS, LAYERS, MICROBATCHES, F_TABLE, B_TABLE, BLOCK, BLOCK_INPUT, PARAMS,
-                    BlockEnds(BLOCK_INPUT, BLOCK_OUTPUT, FORWARD_IN[BLOCK_INPUT], FORWARD_OUT[BLOCK_OUTPUT],
-                              GRADS[BLOCK_INPUT], {cot!r}),
-                    {dims!r})  # the batch dim of BLOCK_INPUT and BLOCK_OUTPUT, cut into microbatches
-pipeline_forward, pipeline_grad = PIPELINE.outputs, PIPELINE.gradients
 '''

@@ -11,7 +11,9 @@ forward and backward masked by the table (SPMD: one program for all), keeps each
 microbatch's residuals until its backward, and sends with ``jax.lax.ppermute`` its
 activation down and its cotangent up (the receiver keeps what the table says was
 really sent).  Each layer's forward and backward are the stage plan's own, so the
-collectives on the other axes are the planned ones in both directions.
+collectives on the other axes are the planned ones in both directions; a weight
+gradient's reduction runs once, after the loop, on the sum of the microbatches' partial
+gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).
 
 What comes before the block and after it is an :class:`Ends`: for a block alone
 (:class:`BlockEnds`) stage 0 reads the microbatches and the last stage keeps the
@@ -24,7 +26,7 @@ once (the loss's cotangent over M: the batch's loss is the microbatches' mean).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.runtime import make_mesh
 
-__all__ = ["Part", "Ends", "BlockEnds", "ModelEnds", "Pipeline", "forward_only"]
+__all__ = ["Part", "Ends", "BlockEnds", "ModelEnds", "Pipeline", "forward_only", "block_pipeline", "model_pipeline"]
 
 Arrays = dict[str, Any]
 Table = tuple[tuple[int, ...], ...]
@@ -58,6 +60,11 @@ class Part:
     grads: dict[str, str]
     result: str
     keyed: bool = False
+    # the weight gradients' reductions, once a step on the microbatches' summed partial sums (keyed by
+    # gradient name; shardc.lowering.pipeline_grads); None: the backward reduces them itself
+    reduce_local: Callable[..., tuple[Any, ...]] | None = None
+    reduce_in: dict[str, P] | None = None
+    reduce_out: dict[str, P] | None = None
 
     def forward(self, pool: Arrays, key: Any = None) -> tuple[Any, tuple[Arrays, Arrays]]:
         """The result, and the residuals the backward reads."""
@@ -73,6 +80,15 @@ class Part:
         values = {**pool, **saved, **cot}
         got = dict(zip(self.backward_out, self.backward_local(*[values[k] for k in self.backward_in]), strict=True))
         return {k: got[g] for k, g in self.grads.items()}
+
+    def finish(self, grads: Arrays) -> Arrays:
+        """Each input's gradient (keyed by the input) from what :meth:`backward` returned summed over the
+        microbatches: the once-a-step reductions run on the sums, where the part has them."""
+        if self.reduce_local is None or self.reduce_in is None or self.reduce_out is None:
+            return grads
+        by_grad = {self.grads[k]: v for k, v in grads.items()}
+        got = dict(zip(self.reduce_out, self.reduce_local(*[by_grad[k] for k in self.reduce_in]), strict=True))
+        return {k: got.get(self.grads[k], v) for k, v in grads.items()}
 
 
 def forward_only(table: Table) -> Table:
@@ -111,6 +127,8 @@ class Ends(Protocol):
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays: ...
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays: ...
+
+    def finish(self, acc: Any) -> Any: ...  # the accumulator once the schedule is done: gradients reduced
 
 
 @dataclass(frozen=True)
@@ -166,6 +184,9 @@ class BlockEnds:
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
         return {self.input_grad: pipe.join(acc[1][0], pipe.dims[self.block_input])}  # stage 0's
 
+    def finish(self, acc: Any) -> Any:
+        return acc
+
 
 @dataclass(frozen=True)
 class ModelEnds:
@@ -213,8 +234,14 @@ class ModelEnds:
         return self.pre.forward(self._pre_pool(args, j))[0]
 
     def start(self, args: Arrays, x: Any) -> Any:
+        """No losses yet, and zeros of each end param's gradient as its backward hands it on (a partial
+        sum, where its reduction runs once a step)."""
         losses = jnp.zeros((args[self.inputs()[0]].shape[0],), x.dtype)
-        return losses, {k: jnp.zeros_like(args[k]) for k in self.pre_params + self.post_params}
+        pre = jax.eval_shape(lambda d: self.pre.backward(self.pre.forward(self._pre_pool(args, 0))[1], d), x)
+        post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0))[1],
+                                                           args["cotangent"]), x)
+        shapes = {k: pre[k] for k in self.pre_params} | {k: post[k] for k in self.post_params}
+        return losses, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
 
     def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
         losses, dends = acc
@@ -246,6 +273,11 @@ class ModelEnds:
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
         """The batch's loss: the mean of the microbatches' (each a mean over its tokens)."""
         return {self.post.result: jnp.mean(acc[0][-1])}
+
+    def finish(self, acc: Any) -> Any:
+        losses, dends = acc
+        pre = self.pre.finish({k: dends[k] for k in self.pre_params})
+        return losses, pre | self.post.finish({k: dends[k] for k in self.post_params})
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
         dends = acc[1]
@@ -341,10 +373,20 @@ class Pipeline:
             cots = jnp.where((stage < self.stages - 1) & (sent >= 0), cots.at[jnp.maximum(sent, 0)].set(got), cots)
             return kept, acts, cots, acc, dparams
 
-        init = (kept, zeros, zeros, self.ends.start(pool, x), tuple(jnp.zeros_like(w) for w in params))
+        # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
+        partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), zeros[0])[1]
+        init = (kept, zeros, zeros, self.ends.start(pool, x), tuple(jnp.zeros(d.shape, d.dtype) for d in partial))
         _, _, _, acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)
+        if backward:  # the microbatches' sums reduced, once a step
+            acc, dparams = self.ends.finish(acc), self._finish(dparams)
         acc = jax.tree.map(lambda a: a[None], acc)
         return (acc, dparams) if backward else (acc,)
+
+    def _finish(self, dparams: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Each of the stage's layers' params' gradients from their sums over the microbatches."""
+        layers = [self.block.finish({p: d[k] for p, d in zip(self.params, dparams, strict=True)})
+                  for k in range(self.layers // self.stages)]
+        return tuple(jnp.stack([g[p] for g in layers]) for p in self.params)
 
     def specs(self) -> tuple[tuple[P, ...], tuple[Any, tuple[P, ...]]]:
         """The program's in_specs (the key, the cotangent, the ends' inputs, the block's params), and
@@ -413,3 +455,44 @@ class Pipeline:
         grads = dict(self.ends.gradients(self, acc))
         grads.update({self.block.grads[p]: g for p, g in zip(self.params, dparams, strict=True)})
         return dict(self.ends.outputs(self, acc)), grads
+
+
+# A lowered pipeline module's globals are its tables; these build its pipeline from them, so the
+# module holds data and one call, and the code is here.
+
+
+def _part(tables: Mapping[str, Any], prefix: str, result: str) -> Part:
+    """A part's phase functions and tables as a lowered module names them: ``forward_local``,
+    ``FORWARD_IN``, ... for the block, prefixed (``pre_forward_local``, ``PRE_FORWARD_IN``) for an end."""
+    fn, table = (prefix.lower() + "_", prefix + "_") if prefix else ("", "")
+    return Part(tables[fn + "forward_local"], tables[table + "FORWARD_IN"], tables[table + "FORWARD_OUT"],
+                tables[fn + "backward_local"], tables[table + "BACKWARD_IN"], tables[table + "BACKWARD_OUT"],
+                tables[table + "COTANGENTS"], tables[table + "GRADS"], result, tables.get(table + "KEYED", False),
+                tables.get(fn + "reduce_local"), tables.get(table + "REDUCE_IN"), tables.get(table + "REDUCE_OUT"))
+
+
+def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
+    """The block's layers over the stages in the tick tables' order, ``ends`` around it."""
+    block = _part(tables, "", tables["BLOCK_OUTPUT"])
+    return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
+                    tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
+                    tables["DATA_DIM"])
+
+
+def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:
+    """A block alone's pipeline from a lowered module's globals: stage 0 reads the microbatches of
+    ``BLOCK_INPUT``, the last stage keeps ``BLOCK_OUTPUT`` and reads its cotangent ``OUTPUT_COTANGENT``."""
+    first, out = tables["BLOCK_INPUT"], tables["BLOCK_OUTPUT"]
+    ends = BlockEnds(first, out, tables["FORWARD_IN"][first], tables["FORWARD_OUT"][out], tables["GRADS"][first],
+                     tables["OUTPUT_COTANGENT"])
+    return _pipeline(tables, ends)
+
+
+def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
+    """A whole model's pipeline from a lowered module's globals: the statements before the block
+    (``pre_*``, ``PRE_*``, making ``PRE_RESULT``) on stage 0, those after it (``post_*``, ``POST_*``,
+    ending in ``LOSS``) on the last."""
+    pre, post = _part(tables, "PRE", tables["PRE_RESULT"]), _part(tables, "POST", tables["LOSS"])
+    ends = ModelEnds(pre, post, tables["PRE_DATA"], tables["POST_DATA"], tables["PRE_PARAMS"], tables["POST_PARAMS"],
+                     tables["BLOCK_OUTPUT"])
+    return _pipeline(tables, ends)

@@ -7,11 +7,11 @@ both ask these of a plan; they are questions about the pipeline's structure, ans
 from __future__ import annotations
 
 from shardc.errors import ShardcError
-from shardc.ir.plan import Plan
+from shardc.ir.plan import Op, Plan
 from shardc.ir.spec import TensorRef
 from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable"]
+__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable", "gradient_reductions"]
 
 
 def _block_input(plan: Plan) -> TensorRef | None:
@@ -92,3 +92,12 @@ def check_lowerable(plan: Plan) -> None:
                                   "stage's activation (and, around a block, token ids and targets)", ref.span,
                                   fix=f"make {ref.name} a param (declared with `param`), or compute it from the "
                                       "block's input")
+
+
+def gradient_reductions(plan: Plan) -> frozenset[int]:
+    """The backward steps that reduce a param's gradient over the batch (an AllReduce or ReduceScatter of
+    it): a sum over the batch, so linear in it.  Under a pipeline Megatron-LM, DeepSpeed and torchtitan
+    accumulate each microbatch's partial gradient locally and run these once a step, on the sum."""
+    grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
+    return frozenset(k for k, s in enumerate(plan.backward)
+                     if s.tensor in grads and s.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER))

@@ -17,7 +17,7 @@ from shardc.arguments import check_gradients
 from shardc.collectives import share
 from shardc.errors import ShardcError, clip
 from shardc.hardware import Hardware, check_spans, resolve_hardware
-from shardc.ir.plan import Plan, Step, TensorInfo
+from shardc.ir.plan import Plan, Sections, Step, TensorInfo
 from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
@@ -372,6 +372,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         recompute=recompute,
         recomputed=again,
         element_bytes=tuple(graph.element_bytes.items()),
+        sections=Sections.of(fwd, bwd, again),
     )
 
 

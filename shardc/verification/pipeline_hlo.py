@@ -10,7 +10,9 @@ The stages' own collectives run inside that loop (and a stage's layers inside it
 tick), so the HLO text holds each once per loop body that runs it, not once per run:
 their counts are not compared.  Each planned collective must be in the program with
 the same kind, axes and bytes (a microbatch's), and every collective in the HLO must
-be a planned one.
+be a planned one.  The weight gradients' reductions run once a step on the sums of the
+microbatches' partial gradients (:mod:`shardc.lowering.pipeline_grads`), as the cost
+charges them: each must be in the program outside the loop's body.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ import math
 import re
 
 from shardc.ir.plan import Op, Plan
+from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.timing import local_elements
 from shardc.verification.hlo import Collective, collectives
 from shardc.verification.report import CollectiveRow, axes_text, hlo_axes, planned_collective, unplanned_row
 
-__all__ = ["loop_rows", "stage_rows"]
+__all__ = ["loop_rows", "stage_rows", "outside_loop"]
 
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")  # a computation's first line
+_LOOP = re.compile(r"(?:body|condition)=%?([\w.\-]+)")
+_CALLED = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'known_trip_count\\?"?:\{\\?"?n\\?"?:\\?"?(\d+)')
 
 Signature = tuple[Op | None, tuple[str, ...], int | None]
@@ -57,21 +64,49 @@ def stage_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | No
     sizes, nbytes = dict(lowered.sizes), lowered.plan.spec.dtype.nbytes
     found = _signatures(text, mesh, nbytes)
     allowed: set[Signature] = set()
+    after = _signatures("\n".join(outside_loop(text)), mesh, nbytes)
     rows = []
     for plan in parts or (lowered.plan,):
-        for step in (s for s in plan.forward + plan.backward if s.is_collective):
+        split = split_reductions(plan)
+        steps = [(s, found, "") for s in split.each.forward + split.each.backward if s.is_collective]
+        for step, where, when in steps + [(s, after, " (once a step)") for s in split.once if s.is_collective]:
             p = planned_collective("step", step, dict(mesh), sizes, cut)
             if isinstance(p, CollectiveRow):
                 rows.append(p)
                 continue
             signature: Signature = (p.op, p.axes, p.want)  # the loop runs each distinct one once in its body
             allowed.add(signature)
-            hit = found.get(signature)
-            rows.append(CollectiveRow("step", p.label, step.op.title, axes_text(p.axes), p.want,
+            hit = where.get(signature)
+            rows.append(CollectiveRow("step", p.label + when, step.op.title, axes_text(p.axes), p.want,
                                       hit.hlo_op if hit else "-", axes_text(hit.axes) if hit else "-",
                                       p.want if hit else None, hit is not None,
-                                      "" if hit else "no collective of its kind, axes and bytes in the HLO"))
+                                      "" if hit else f"no collective of its kind, axes and bytes in the HLO"
+                                                     f"{' after the loop' if when else ''}"))
     return rows + [unplanned_row("step", c, nbytes) for signature, c in found.items() if signature not in allowed]
+
+
+def outside_loop(text: str) -> list[str]:
+    """The lines of a compiled module's HLO ``text`` outside its while loops' bodies (and conditions, and
+    what they call): what runs once a run."""
+    computations: dict[str, list[str]] = {}
+    name = ""
+    for line in text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            name = head.group(1)
+        computations.setdefault(name, []).append(line)
+    inside: set[str] = set()
+    pending = [n for lines in computations.values() for line in lines if " while(" in line
+               for n in _LOOP.findall(line)]
+    while pending:
+        current = pending.pop()
+        if current in inside:
+            continue
+        inside.add(current)
+        for line in computations.get(current, []):
+            pending += _CALLED.findall(line)
+            pending += [n.strip().lstrip("%") for group in _BRANCHES.findall(line) for n in group.split(",")]
+    return [line for n, lines in computations.items() if n not in inside for line in lines]
 
 
 def _boundary_bytes(lowered: PipelineLowered) -> int:

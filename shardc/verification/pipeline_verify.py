@@ -27,14 +27,14 @@ is checked again in float32 against the unsharded program's own error.
 
 The compiled HLO is checked by :mod:`shardc.verification.pipeline_hlo`: the loop and its
 permutes between stages, and every planned collective by kind, axes and bytes.  With
-statements around the block, the three parts' collectives must also be the collectives
-of the whole model's plan, the one ``shardc cost`` priced, so what ran is what was costed.
+statements around the block, the three parts are the sections of the whole model's plan
+(:attr:`shardc.ir.plan.Plan.sections`), the one ``shardc cost`` priced, so what ran is
+what was costed by construction.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -53,7 +53,7 @@ from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.walk import leaves
 from shardc.verification import power
 from shardc.verification.pipeline_hlo import loop_rows
-from shardc.verification.report import POWER, TOLERANCE, CollectiveRow, Report, ValueRow, compare_values, cut_note
+from shardc.verification.report import POWER, TOLERANCE, Report, ValueRow, compare_values, cut_note
 from shardc.verification.scales import input_scales
 
 __all__ = ["verify_pipeline", "run_sizes", "draw_inputs", "draw_cotangent", "reference", "differential_rows"]
@@ -241,8 +241,6 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -
     if cut:
         report.notes.append(cut_note(cut, devices, plan))
     parts = None if lowered.ends is None else (lowered.ends.pre, lowered.ends.block, lowered.ends.post)
-    if parts is not None:
-        report.collectives += _as_costed(plan, parts)
     with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
         text, runs = _run(lowered, inputs, cotangent, keys)
     wants = {k: reference(lowered, inputs, cotangent, k) for k in keys}
@@ -315,29 +313,4 @@ def differential_rows(lowered: PipelineLowered, inputs: Arrays, cotangent: Array
                  for n, v in want_out.items()]
         rows += [power.differential(power.phase("backward", key), n, got_grads[n], v, plain_grads[n])
                  for n, v in want_grads.items()]
-    return rows
-
-
-def _collectives(plans: tuple[Plan, ...]) -> Counter[tuple[str, str, str, str, str]]:
-    return Counter((phase, s.op.title, ",".join(s.axes), str(s.src), str(s.dst)) for p in plans
-                   for phase, steps in (("forward", p.forward), ("backward", p.backward))
-                   for s in steps if s.is_collective)
-
-
-def _as_costed(plan: Plan, parts: tuple[Plan, ...]) -> list[CollectiveRow]:
-    """The lowered parts' collectives against the whole model's plan (the one costed), step for step.
-
-    The parts are planned apart, each keeping the block's declared boundary shardings;
-    a difference would mean the program runs other collectives than the cost priced.
-    """
-    costed, lowered = _collectives((plan,)), _collectives(parts)
-    if costed == lowered:
-        n = sum(costed.values())
-        return [CollectiveRow("plan", f"the {n} collectives the cost priced, each lowered", "-", "-", None,
-                              f"{n} lowered", "-", None, True)]
-    rows = []
-    for extra, note in ((costed - lowered, "priced but not lowered"), (lowered - costed, "lowered but not priced")):
-        for (phase, op, axes, src, dst), n in extra.items():
-            rows.append(CollectiveRow("plan", f"{op} {src} -> {dst} ({phase}) x {n}", op, axes, None, "-", "-",
-                                      None, False, note))
     return rows

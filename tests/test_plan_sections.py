@@ -1,0 +1,87 @@
+"""A `layers L { ... }` block's plan in three sections (before, block, after), cut once by the planner,
+costed and lowered from the same steps."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardc
+from shardc.errors import InternalError
+from shardc.ir.plan import SECTIONS, Plan, Sections
+from shardc.lowering.pipeline_ends import cut_parts
+
+MODEL = """\
+mesh P=2 pipeline, X=2, Y=2
+dims B=16, S=4, D=8, F=16, V=32
+microbatches 2
+const Tok, Next
+param W_emb, W1, W2, W_out
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V_Y, D_X])
+layers 4 {
+  H[B_X, S, F_Y] = gelu(X0[B_X, S, D] · W1[D_X, F_Y])
+  X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F_Y] · W2[F_Y, D_X]
+}
+Fn[B_X, S, D] = rmsnorm(X1[B_X, S, D] over D)
+Lg[B_X, S, V_Y] = Fn[B_X, S, D] · W_out[D_X, V_Y]
+Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S])
+"""
+
+
+def _plan(recompute: str = "none") -> Plan:
+    return shardc.plan(shardc.parse(MODEL), recompute=recompute)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_sections_cut_every_phase_in_its_order(recompute: str) -> None:
+    plan = _plan(recompute)
+    sections = [plan.section(name) for name in SECTIONS]
+    assert sum((s.forward for s in sections), ()) == plan.forward
+    assert sum((s.recomputed for s in sections), ()) == plan.recomputed
+    assert sum((s.backward for s in reversed(sections)), ()) == plan.backward  # the head's backward first
+    before, block, after = sections
+    assert before.forward and block.forward and after.forward and before.backward and after.backward
+    assert all(s.once for s in before.forward + after.forward + before.backward + after.backward)
+    assert not any(s.once for s in block.forward + block.backward)
+    assert {s.dst.name for s in after.forward} >= {"Fn", "Lg", "Loss"}
+    assert "X0" in {s.dst.name for s in before.forward} and "X1" in {s.dst.name for s in block.forward}
+
+
+def test_the_lowered_parts_are_the_sections_steps() -> None:
+    """Lowering plans nothing again: each part runs its section's steps, the ones the cost priced."""
+    plan = _plan()
+    ends = cut_parts(plan)
+    for part, name in ((ends.pre, "before"), (ends.block, "block"), (ends.post, "after")):
+        section = plan.section(name)
+        assert (part.forward, part.backward) == (section.forward, section.backward)
+    assert [g.name for g in ends.block.grads] == ["dX0", "dW1", "dW2"]
+    assert ends.pre.cotangents == tuple(g for g in ends.block.grads if g.name == "dX0")
+    assert [c.name for c in ends.block.cotangents] == ["dX1"] and [c.name for c in ends.post.cotangents] == ["dLoss"]
+    assert [i.name for i in ends.post.tensors if i.role == "input"] == ["X1", "Next"]
+
+
+def test_without_a_block_every_step_is_the_blocks() -> None:
+    plan = shardc.plan(shardc.parse("mesh X=2\nOut[B_X, F] = In[B_X, D] · W[D, F]\n"))
+    assert plan.section("block").forward == plan.forward and plan.section("block").backward == plan.backward
+    assert not plan.section("before").forward and not plan.section("after").backward
+
+
+def test_a_step_outside_the_block_among_its_steps_does_not_cut() -> None:
+    """A value read before the block and fed to it sums its gradient's parts among the block's steps:
+    that plan plans (and costs unpipelined) as before, but has no sections to cost or lower a pipeline by."""
+    spec = "mesh X=4\nO1[D, S] = X0[S_X, D]\nlayers 3 {\n  O2[D, S] = X0[S_X, D]\n  X1[S_X, D] = tanh(X0[S_X, D])\n}\n"
+    plan = shardc.plan(shardc.parse(spec))
+    assert plan.sections is None and Sections.of(plan.forward, plan.backward, plan.recomputed) is None
+    with pytest.raises(InternalError, match="among the block's steps"):
+        plan.section("block")
+    cut = _plan()
+    assert cut.sections is not None and cut.section("block").forward
+
+
+def test_a_block_input_without_a_gradient_is_refused_plainly() -> None:
+    """Nothing before the block takes a gradient, so the plan makes none of the block's input, which the
+    layers of a pipeline pass back to each other: lowering says so instead of running another backward."""
+    from shardc.errors import ShardcError
+
+    text = MODEL.replace("const Tok, Next\nparam W_emb, W1", "const Tok, Next, W_emb\nparam W1")
+    with pytest.raises(ShardcError, match="no gradient of X0, the block's input"):
+        cut_parts(shardc.plan(shardc.parse(text)))
