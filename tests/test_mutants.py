@@ -203,12 +203,13 @@ MUTANTS = [
       r"Loss_target_1 = jax\.lax\.psum\(Loss_target, 'X'\)", r"Loss_target_1 = jax.lax.psum(Loss_target, ('Y', 'X'))"),
     # ---- routing
     M("route: top-1 for top-2", "moe", r"route_topk\(Gate, k=2,", r"route_topk(Gate, k=1,"),
-    M("route: tokens in reverse order", "moe", r"route_topk\(Gate, (k=2, capacity=\d+, order=1, experts=2)\)",
+    M("route: tokens in reverse order", "moe", r"route_topk\(Gate, (k=2, capacity=[^,]+, order=1, experts=2)\)",
       r"jnp.flip(route_topk(jnp.flip(Gate, 1), \1), 1)"),
-    M("route: capacity one slot short", "moe", r"(Disp = route_topk\(Gate, k=2, capacity=(\d+), order=1, experts=2\))",
+    M("route: capacity one slot short", "moe",
+      r"(Disp = route_topk\(Gate, k=2, capacity=([^,]+), order=1, experts=2\))",
       r"\1 * (jnp.arange(\2) < \2 - 1)"),
     M("route: tokens past capacity wrap to the first slots, not dropped", "moe",
-      r"Disp = route_topk\(Gate, k=2, capacity=(\d+), order=1, experts=2\)",
+      r"Disp = route_topk\(Gate, k=2, capacity=([^,]+), order=1, experts=2\)",
       r"Disp = (lambda r: r[..., :\1] + r[..., \1:])(route_topk(Gate, k=2, capacity=2 * \1, order=1, experts=2))"),
     M("route: slots shifted by one", "moe", r"(Disp = )(route_topk\(Gate, [^()]*\))", r"\1jnp.roll(\2, 1, axis=-1)"),
     # ---- AllReduce (psum, pmax)
