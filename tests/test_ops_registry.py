@@ -12,6 +12,7 @@ from shardc.ir.localops import (
     Add,
     Causal,
     Combine,
+    Dispatch,
     Dropout,
     DropoutMask,
     DropoutVjp,
@@ -24,6 +25,7 @@ from shardc.ir.localops import (
 )
 from shardc.ir.plan import Op
 from shardc.ir.spec import Call, TensorRef
+from shardc.ops.dispatch import DISPATCH
 from shardc.ops.elementwise import MAPS
 from shardc.ops.masks import MASKS
 from shardc.ops.products import PRODUCTS
@@ -58,7 +60,10 @@ def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> 
     assert of_call("softmax") is REDUCTIONS and of_op(Row.SOFTMAX) is REDUCTIONS and of_op(Combine.MAX) is REDUCTIONS
     assert of_call("embed") is VOCABULARY and of_op(Vocab.EMBED) is VOCABULARY
     assert of_call(CONTRACT) is PRODUCTS and PRODUCTS.steps == (Op.EINSUM, Op.COPY)
-    assert set(families()) == {MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS, VOCABULARY} and len(families()) == 7
+    assert of_call("dispatch") is DISPATCH and of_call("combine") is DISPATCH
+    assert of_op(Dispatch("combine_gate_vjp", "S", "E", "C", 2)) is DISPATCH
+    assert set(families()) == {DISPATCH, MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS, VOCABULARY}
+    assert len(families()) == 8
 
 
 def test_every_step_of_a_plan_is_found_by_its_kind_or_its_operation() -> None:

@@ -22,13 +22,21 @@ has a kind, which fixes how its result's indices follow from its arguments:
   of each expert it picked, tokens in order of S (the first index name), the
   capacity index C (the second, not an index of the argument) counting slots; a
   token past an expert's capacity is dropped there.  A mask: no gradient.
+- ``dispatch``: ``dispatch(Gate[G, S, E], X[G, S, D], S, C, k over E)``, the same routing held as
+  indices, not a mask: token s's row of X copied into slot c of expert e, ``[G, E, C, D]`` (the
+  gates' indices less S, then C, then X's indices the gates lack); an empty slot is 0.  X gets the
+  gradient (its rows gathered back); the gates get none.
+- ``combine``: ``combine(Gate[G, S, E], Ex[G, E, C, D], S, C, k over E)``, the inverse: each token's
+  k expert outputs (its slot of each expert it went to) weighted by its gates and summed,
+  ``[G, S, D]`` (the gates' indices less E, then Ex's indices the gates lack, less C).  Both the
+  gates and Ex get gradients.
 
 >>> is_known("gelu"), signature("softmax").kind, signature("embed").tensors
 (True, 'normalize', 2)
 >>> "identity" in FUNCTIONS
 True
 >>> known_list().split(', ')[:3]
-['causal', 'cross_entropy', 'dropout']
+['causal', 'combine', 'cross_entropy']
 >>> signature("route").usage("route")
 'route(Gate[G, S, E], S, C, 2 over E)'
 """
@@ -39,7 +47,7 @@ import zlib
 from dataclasses import dataclass
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES"]
+           "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES", "ROUTINGS"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,9 @@ class Signature:
         examples = {"elementwise": "X[B, D]", "normalize": "X[B, S, D] over D", "reduce": "X[B, D] over D",
                     "mask": "Sc[B, N, S, T], S, T", "dropout": "X[B, S, D], 0.1",
                     "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]",
-                    "route": "Gate[G, S, E], S, C, 2 over E"}
+                    "route": "Gate[G, S, E], S, C, 2 over E",
+                    "dispatch": "Gate[G, S, E], X[G, S, D], S, C, 2 over E",
+                    "combine": "Gate[G, S, E], Ex[G, E, C, D], S, C, 2 over E"}
         return f"{name}({examples[self.kind]})"
 
 
@@ -89,7 +99,15 @@ FUNCTIONS: dict[str, Signature] = {
     "cross_entropy": Signature("loss", "mean over tokens of logsumexp(logits) - logits[target]", tensors=2),
     "route": Signature("route", "0/1 mask: each token (in order of S) to a free slot C of its top k along E",
                        names=2, numbers=1, over=True),
+    "dispatch": Signature("dispatch", "each token's row (in order of S) to a free slot C of its top k along E",
+                          tensors=2, names=2, numbers=1, over=True),
+    "combine": Signature("combine", "each token's top k expert outputs along E, weighted by its gates, summed",
+                         tensors=2, names=2, numbers=1, over=True),
 }
+
+# The functions that route tokens to experts' slots (a capacity index C, new or read): route's
+# mask, and the index-based dispatch and combine.
+ROUTINGS = frozenset({"route", "dispatch", "combine"})
 
 ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")
 

@@ -75,7 +75,7 @@ def module_sizes(plan: Plan, small: dict[str, int]) -> dict[str, int]:
     error when that multiple is too large to run small.
     """
     dims, out = dict(plan.spec.dims), {}
-    for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func == "route"):
+    for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func in ("route", "dispatch")):
         (order, slots) = call.names
         if order not in dims or slots not in dims:
             continue

@@ -34,7 +34,7 @@ def overflowing(plan: Plan, sizes: dict[str, int], fixed: Iterable[str] = ()) ->
     ``fixed`` keeps its size (the module's capacity is its share of it), and gets a note if its experts
     do not overflow."""
     out, notes, spec = dict(sizes), [], plan.spec
-    for call in (c for s in spec.statements for c in calls(s.expr) if c.func == "route"):
+    for call in (c for s in spec.statements for c in calls(s.expr) if c.func in ("route", "dispatch")):
         if len(call.names) != 2 or call.over is None or not call.numbers or not isinstance(call.arg, TensorRef):
             continue
         (order, slots), experts, k = call.names, call.over, int(call.numbers[0])
