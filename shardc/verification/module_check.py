@@ -72,7 +72,8 @@ def module_sizes(plan: Plan, small: dict[str, int]) -> dict[str, int]:
     ``route_topk(..., capacity=...)`` writes the capacity as C/S of the tokens it is given (every other
     size is a shape the module reads at run time), so the module runs with C and S in that ratio: the
     least multiple of it that their shardings divide and that gives verify's small capacity, or an
-    error when that multiple is too large to run small.
+    error when that multiple is too large to run small; the experts few enough that tokens overflow
+    the capacity, so that dropping them is checked.
     """
     dims, out = dict(plan.spec.dims), {}
     for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func in ("route", "dispatch")):
@@ -92,7 +93,19 @@ def module_sizes(plan: Plan, small: dict[str, int]) -> dict[str, int]:
                                   f"--set {order}=...")
         out[slots] = num * times
         out.update(dict.fromkeys(tied(plan.spec, order) & set(dims), den * times))
+        out.update(_overflowing_experts(plan, small, call.over or "", int(call.numbers[0]), num, den))
     return out
+
+
+def _overflowing_experts(plan: Plan, small: dict[str, int], experts: str, k: int, num: int, den: int) \
+        -> dict[str, int]:
+    """The expert count at which the tokens overflow the module's capacity: S*k/E choices an expert on
+    average against C slots (C/S = ``num``/``den``) needs E <= k*den/num; the largest such count of k
+    experts or more that the plan's shardings of E divide and verify's own sizes allow (none: as is)."""
+    shards = _shards(plan, small, experts)
+    most = min(k * den // num, small.get(experts, k * den // num))
+    fits = [e for e in range(most, k - 1, -1) if e % shards == 0]
+    return {experts: fits[0]} if fits and experts in small else {}
 
 
 def _shards(plan: Plan, sizes: dict[str, int], index: str) -> int:
