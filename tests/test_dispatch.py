@@ -159,3 +159,16 @@ def test_combine_needs_the_expert_rows_indexed_by_slot() -> None:
             "Y[G, S, D] = combine(Gate[G, S, E], Ex[G, E, D], S, C, 2 over E)\n")
     with pytest.raises(ShardcError, match="the expert outputs Ex carry every index"):
         shardc.plan(shardc.parse(text))
+
+
+def test_gates_read_by_dispatch_alone_get_no_gradient() -> None:
+    """dispatch's gradient reaches the tokens only (a routing is 0/1): a router read by nothing else is
+    not trained, and no step waits for its gradient."""
+    p = _plan(HEAD.replace(", W_2", "") + ROUTER
+              + "In[G, E_X, C, D] = dispatch(Gate[G_X, S, E], X[G_X, S, D], S, C, 2 over E)\n"
+              "Out[G, E_X, C, F] = In[G, E_X, C, D] · W_1[E_X, D, F]\n")
+    assert {g.name for g in p.grads} == {"dX", "dW_1"}
+    assert not any(s.dst.name.startswith("dGate") for s in p.backward)
+    made = {s.dst.name for s in p.backward}
+    assert not any(s.op is Op.ELEMENTWISE and len(s.operands) == 1 and s.operands[0].name in made
+                   and str(s.fn).startswith("add") for s in _plan(INDEXED).backward)  # no sum of one part

@@ -17,7 +17,7 @@ meaning on whole arrays (the dense mask form, an independent program for the ref
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from shardc.lowering.dispatch_code import canonical, dispatch_code, whole_forwar
 from shardc.ops.registry import Arrays, Builder, Family, Reference, Site, register
 from shardc.planner.dispatch_plans import dispatch_backward, plan_dispatch
 from shardc.spec.walk import chain_indices
+
+if TYPE_CHECKING:
+    from shardc.planner.graph import Node
 
 __all__ = ["DISPATCH"]
 
@@ -106,8 +109,14 @@ def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ..
     return experts if call.func == "dispatch" else tokens
 
 
+def _reaches(node: Node) -> tuple[bool, ...]:
+    """dispatch's gradient reaches the tokens, not the gates (a routing is 0/1, as route's mask);
+    combine's reaches both."""
+    return (node.fn != "dispatch", True)
+
+
 DISPATCH = register(Family(
     name="dispatch", calls=frozenset({"dispatch", "combine"}), ops=(Dispatch,), plan=plan_dispatch,
     backward=dispatch_backward, emit=dispatch_code,
     reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices),
-    operands=_operands, fusible=False))
+    operands=_operands, reaches=_reaches, fusible=False))
