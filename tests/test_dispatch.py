@@ -172,3 +172,29 @@ def test_gates_read_by_dispatch_alone_get_no_gradient() -> None:
     made = {s.dst.name for s in p.backward}
     assert not any(s.op is Op.ELEMENTWISE and len(s.operands) == 1 and s.operands[0].name in made
                    and str(s.fn).startswith("add") for s in _plan(INDEXED).backward)  # no sum of one part
+
+
+PIPELINED = """mesh P=2 pipeline, X=2
+dims B=8, S=8, E=4, C=4, D=6, F=5, V=11
+microbatches 2
+dtype f32
+const Tok, Next
+param W_emb, W_r, W_1, W_2, W_out
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D])
+layers 2 {
+  Gate[B_X, S, E] = softmax(X0[B_X, S, D] · W_r[D, E] over E)
+  In[B, E_X, C, D] = dispatch(Gate[B_X, S, E], X0[B_X, S, D], S, C, 2 over E)
+  H[B, E_X, C, F] = relu(In[B, E_X, C, D] · W_1[E_X, D, F])
+  Ex[B, E_X, C, D] = H[B, E_X, C, F] · W_2[E_X, F, D]
+  Y[B_X, S, D] = combine(Gate[B_X, S, E], Ex[B, E_X, C, D], S, C, 2 over E)
+  X1[B_X, S, D] = X0[B_X, S, D] + Y[B_X, S, D]
+}
+Lg[B_X, S, V] = X1[B_X, S, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])
+"""
+
+
+@pytest.mark.slow
+def test_a_pipelined_stack_of_routed_layers_verifies() -> None:
+    report = verify(_plan(PIPELINED))
+    assert report.ok, render_report(report)
