@@ -174,3 +174,35 @@ def test_verify_runs_a_route_of_more_experts_than_its_small_sizes_would_give() -
     assert small_sizes(shardc.plan(spec))["E"] >= 8
     report = verify(spec)
     assert report.ok, render_report(report)
+
+
+def test_the_lowered_capacity_is_read_from_the_token_count_not_written_as_a_constant() -> None:
+    """examples/moe_transformer.shard: C=1280 of S=4096 tokens; the module keeps that share at any S."""
+    import re
+
+    from shardc.lowering.api import module_source
+
+    path = MOE.parent / "moe_transformer.shard"
+    source, _ = module_source(shardc.plan(shardc.parse(path.read_text(), filename=str(path))))
+    (line,) = [t for t in source.splitlines() if "route_topk(" in t and "=" in t.split("route_topk(")[0]]
+    code = line.split("capacity=")[1].split(", order=")[0]
+    assert "1280" not in code and re.fullmatch(r"-\(-Gate\.shape\[1\] \* 5 // 16\)", code)
+
+    class Gates:
+        def __init__(self, tokens: int) -> None:
+            self.shape = (1, tokens, 8)
+
+    assert [eval(code, {"Gate": Gates(s)}) for s in (4096, 64, 100)] == [1280, 20, 32]
+
+
+@pytest.mark.slow
+def test_a_module_lowered_at_the_spec_sizes_verifies_at_small_ones(tmp_path: Path) -> None:
+    """The module `shardc lower` writes for examples/moe_layer.shard (C=320 of S=1024) runs at verify's
+    small sizes, its capacity the same share of the tokens."""
+    from shardc.lowering.api import module_source
+
+    p = shardc.plan(shardc.parse(MOE.read_text(), filename=str(MOE)))
+    source, _ = module_source(p)
+    report = verify(p, module=source)
+    assert report.ok, render_report(report)
+    assert report.sizes["C"] * 1024 == report.sizes["S"] * 320

@@ -118,6 +118,16 @@ In[G, E_X, C, D] = Disp[G_X, S, E, C] · X[G_X, S, D]
 H[G, E_X, C, F] = relu(In[G, E_X, C, D] · W_1[E_X, D, F])
 Out[G_X, S, F] = Comb[G_X, S, E, C] · H[G, E_X, C, F]
 """,
+    # the same layer, routed by index (dispatch and combine)
+    "dispatch": """mesh X=2
+dims G=4, S=8, E=4, C=6, D=8, F=8
+dtype f32
+param W_r, W_1
+Gate[G_X, S, E] = softmax(X[G_X, S, D] · W_r[D, E] over E)
+In[G, E_X, C, D] = dispatch(Gate[G_X, S, E], X[G_X, S, D], S, C, 2 over E)
+H[G, E_X, C, F] = relu(In[G, E_X, C, D] · W_1[E_X, D, F])
+Out[G_X, S, F] = combine(Gate[G_X, S, E], H[G, E_X, C, F], S, C, 2 over E)
+""",
 }
 
 
@@ -203,14 +213,26 @@ MUTANTS = [
       r"Loss_target_1 = jax\.lax\.psum\(Loss_target, 'X'\)", r"Loss_target_1 = jax.lax.psum(Loss_target, ('Y', 'X'))"),
     # ---- routing
     M("route: top-1 for top-2", "moe", r"route_topk\(Gate, k=2,", r"route_topk(Gate, k=1,"),
-    M("route: tokens in reverse order", "moe", r"route_topk\(Gate, (k=2, capacity=\d+, order=1, experts=2)\)",
+    M("route: tokens in reverse order", "moe", r"route_topk\(Gate, (k=2, capacity=[^,]+, order=1, experts=2)\)",
       r"jnp.flip(route_topk(jnp.flip(Gate, 1), \1), 1)"),
-    M("route: capacity one slot short", "moe", r"(Disp = route_topk\(Gate, k=2, capacity=(\d+), order=1, experts=2\))",
+    M("route: capacity one slot short", "moe",
+      r"(Disp = route_topk\(Gate, k=2, capacity=([^,]+), order=1, experts=2\))",
       r"\1 * (jnp.arange(\2) < \2 - 1)"),
     M("route: tokens past capacity wrap to the first slots, not dropped", "moe",
-      r"Disp = route_topk\(Gate, k=2, capacity=(\d+), order=1, experts=2\)",
+      r"Disp = route_topk\(Gate, k=2, capacity=([^,]+), order=1, experts=2\)",
       r"Disp = (lambda r: r[..., :\1] + r[..., \1:])(route_topk(Gate, k=2, capacity=2 * \1, order=1, experts=2))"),
-    M("route: slots shifted by one", "moe", r"(Disp = )(route_topk\(Gate, [^()]*\))", r"\1jnp.roll(\2, 1, axis=-1)"),
+    M("route: slots shifted by one", "moe", r"(Disp = )(route_topk\(Gate, .*?experts=2\))",
+      r"\1jnp.roll(\2, 1, axis=-1)"),
+    # ---- index-based dispatch and combine
+    M("dispatch: top-1 for top-2", "dispatch", r"(In_1 = expert_dispatch\(Gate, X, k=)2", r"\g<1>1"),
+    M("dispatch: tokens' gradient from their first expert only", "dispatch",
+      r"(dX_1 = expert_dispatch_vjp\(Gate, dIn_1, k=)2", r"\g<1>1"),
+    M("dispatch: combine weighs by the squared gates (the same experts chosen)", "dispatch",
+      r"Out = expert_combine\(Gate,", r"Out = expert_combine(Gate ** 2,"),
+    M("dispatch: the gates' gradient negated", "dispatch", r"dGate_1 = expert_gate_vjp\(",
+      r"dGate_1 = -expert_gate_vjp("),
+    M("dispatch: the expert rows' gradient scaled 10%", "dispatch", r"dH = expert_combine_vjp\(",
+      r"dH = 1.1 * expert_combine_vjp("),
     # ---- AllReduce (psum, pmax)
     # a psum simply dropped, or moved to another axis, leaves a value that varies where the
     # out_specs say it does not: jax's shard_map rejects it while tracing (a killed mutant, but not
@@ -277,7 +299,8 @@ MUTANTS = [
 
 # what the table must cover: every op family and every collective kind of a plain module
 # (collective-permute is only emitted by the pipelined lowering, which --module does not run)
-FAMILIES = ("einsum", "map", "norm", "reduction", "mask", "sum", "rename", "embed", "loss", "route", "optimizer",
+FAMILIES = ("einsum", "map", "norm", "reduction", "mask", "sum", "rename", "embed", "loss", "route", "dispatch",
+            "optimizer",
             "AllReduce", "AllGather", "ReduceScatter", "AllToAll")
 
 

@@ -13,6 +13,7 @@ from shardc.ir.localops import (
     Attention,
     Causal,
     Combine,
+    Dispatch,
     Dropout,
     DropoutMask,
     DropoutVjp,
@@ -26,6 +27,7 @@ from shardc.ir.localops import (
 from shardc.ir.plan import Op
 from shardc.ir.spec import Call, TensorRef
 from shardc.ops.attention import ATTENTION
+from shardc.ops.dispatch import DISPATCH
 from shardc.ops.elementwise import MAPS
 from shardc.ops.masks import MASKS
 from shardc.ops.products import PRODUCTS
@@ -61,8 +63,10 @@ def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> 
     assert of_call("embed") is VOCABULARY and of_op(Vocab.EMBED) is VOCABULARY
     assert of_call(CONTRACT) is PRODUCTS and PRODUCTS.steps == (Op.EINSUM, Op.COPY)
     assert of_call("attention") is ATTENTION and of_op(Attention("out", "T")) is ATTENTION
-    assert set(families()) == {ATTENTION, MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS, VOCABULARY}
-    assert len(families()) == 8
+    assert of_call("dispatch") is DISPATCH and of_call("combine") is DISPATCH
+    assert of_op(Dispatch("combine_gate_vjp", "S", "E", "C", 2)) is DISPATCH
+    assert set(families()) == {ATTENTION, DISPATCH, MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS, VOCABULARY}
+    assert len(families()) == 9
 
 
 def test_every_step_of_a_plan_is_found_by_its_kind_or_its_operation() -> None:

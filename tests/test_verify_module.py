@@ -110,8 +110,11 @@ def test_missing_files_pipelines_and_fixed_capacities_are_usage_errors(
     assert code == 2 and "cannot read module" in err
     code, _, err = _run(capsys, "examples/pipeline_llama.shard", "--module", str(spec))
     assert code == 2 and "without a pipeline axis" in err
-    code, _, err = _run(capsys, "examples/moe_layer.shard", "--module", str(spec))
-    assert code == 2 and "capacity C=320" in err and "--set C=" in err
+    fine = tmp_path / "fine.shard"  # a capacity of 97 slots per 1024 tokens: 97 slots at least
+    fine.write_text(Path("examples/moe_layer.shard").read_text(encoding="utf-8").replace("C=320", "C=97"),
+                    encoding="utf-8")
+    code, _, err = _run(capsys, str(fine), "--module", str(spec))
+    assert code == 2 and "capacity C=97" in err and "--set C=" in err
 
 
 def test_the_python_api_takes_a_path_or_the_source() -> None:

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 __all__ = ["Map", "MapVjp", "Add", "Neg", "Alias", "Update", "Causal", "CausalVjp", "Dropout", "DropoutMask",
-           "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "Row", "Vocab", "Combine", "LocalOp", "NEG",
-           "ALIAS", "UPDATE", "MASK_OPS",
-           "add_op"]
+           "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "Dispatch", "Row", "Vocab", "Combine", "LocalOp",
+           "NEG", "ALIAS", "UPDATE", "MASK_OPS", "add_op"]
 
 
 @dataclass(frozen=True)
@@ -180,6 +179,23 @@ class Attention:
     def __str__(self) -> str:
         causal = f",causal({self.query},{self.key})" if self.query is not None else ""
         return f"attention_{self.part}(over {self.key}{causal})"
+@dataclass(frozen=True)
+class Dispatch:
+    """Index-based expert dispatch (:mod:`shardc.ops.dispatch`): the routing of ``route`` (tokens in
+    order of ``order`` to ``k`` of the experts along ``experts``, a slot each along ``slots``) held as
+    indices, and one of its data movements, ``part``: ``dispatch`` (tokens gathered into their experts'
+    slots), ``combine`` (each token's k expert outputs, gate-weighted, summed), or a gradient of one
+    (``dispatch_vjp``: of the tokens; ``combine_vjp``: of the expert outputs; ``combine_gate_vjp``: of
+    the gates)."""
+
+    part: str
+    order: str
+    experts: str
+    slots: str
+    k: int
+
+    def __str__(self) -> str:
+        return f"{self.part}({self.order},{self.experts},{self.slots},{self.k})"
 
 
 class Row(Enum):
@@ -248,4 +264,4 @@ class Combine(Enum):
 
 
 LocalOp = (Map | MapVjp | Add | Neg | Alias | Update | Causal | CausalVjp | DropoutMask | Dropout | DropoutVjp
-           | Route | Attention | Row | Vocab | Combine)
+           | Route | Attention | Dispatch | Row | Vocab | Combine)

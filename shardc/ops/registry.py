@@ -153,6 +153,8 @@ class Family:
     reference: Reference
     # the indices a call's argument is computed towards, given its result's (by default the result's)
     argument: Callable[[Call, tuple[str, ...]], tuple[str, ...]] = _result_indices
+    # which of a node's operands its gradient reaches (by default every one; dispatch's gates get none)
+    reaches: Callable[[Node], tuple[bool, ...]] | None = None
     # the tensors a node of ``call`` makes besides its result (by default none)
     aux: Callable[[Call, str], tuple[str, ...]] = _no_aux
     # bytes an element of those, where not the spec's dtype (by default all the spec's)

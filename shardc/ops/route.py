@@ -3,8 +3,10 @@
 :mod:`shardc.planner.route_plans` plans its forward (E and S whole on a device); the mask is
 0/1, so it has no backward (no gradient reaches the gates through it, as none reaches
 token ids).  Its step's JAX line calls the module's ``route_topk`` helper and its
-whole-array meaning is :func:`shardc.ops.route_code.route_forward`; the capacity is the
-length of the capacity index C, from the sizes.
+whole-array meaning is :func:`shardc.ops.route_code.route_forward`.  The capacity is the
+length of the capacity index C, from the sizes: the module writes it as a share of the token
+count it runs at (C/S of the gates' S, rounded up), so at the sizes it was lowered for it is C,
+and at any other sizes it keeps the capacity factor rather than a constant.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from shardc.ir.localops import Route
 from shardc.ir.plan import Step
 from shardc.ir.spec import Call
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
-from shardc.ops.route_code import route_code, route_forward
+from shardc.ops.route_code import capacity_code, route_code, route_forward
 from shardc.planner.route_plans import plan_route
 
 __all__ = ["ROUTING", "emit"]
@@ -31,17 +33,12 @@ def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(i for i in indices if i != call.names[1])
 
 
-def _capacity(slots: str, sizes: dict[str, int] | None) -> int:
-    """The length of the capacity index ``slots`` (replicated) at the given sizes."""
-    if not sizes or slots not in sizes:
-        raise ShardcError(f"route's capacity index {slots} has no size here", fix=f"give {slots} a size in dims")
-    return sizes[slots]
-
-
 def emit(step: Step, var: Namer, sizes: dict[str, int] | None) -> str:
-    """One call of ``route_topk``, its capacity at the module's sizes."""
+    """One call of ``route_topk``, its capacity C/S of the tokens it is given."""
     assert isinstance(step.fn, Route)
-    return route_code(step, var, str(_capacity(step.fn.slots, sizes)))
+    (gates,) = step.operands
+    tokens = f"{var(gates)}.shape[{gates.indices.index(step.fn.order)}]"
+    return route_code(step, var, capacity_code(tokens, step.fn.order, step.fn.slots, sizes))
 
 
 def _forward(site: Site, xs: Arrays, xp: Any) -> Array:

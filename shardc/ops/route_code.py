@@ -15,16 +15,29 @@ or past the capacity (C's length) it is dropped there (GShard, Lepikhin et al.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+from shardc.errors import ShardcError
 from shardc.ir.localops import Route
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 
-__all__ = ["route_code", "route_forward"]
+__all__ = ["route_code", "route_forward", "capacity_code"]
 
 Array = Any
+
+def capacity_code(tokens: str, order: str, slots: str, sizes: dict[str, int] | None) -> str:
+    """The capacity as code: ``ceil(tokens * C / S)`` reduced, ``tokens`` the code of the token count
+    (S's length, whole on the device) at run time, C and S at the given sizes: C at those sizes, the
+    same capacity factor at any others."""
+    if not sizes or slots not in sizes or order not in sizes:
+        missing = slots if not sizes or slots not in sizes else order
+        raise ShardcError(f"the routing index {missing} has no size here", fix=f"give {missing} a size in dims")
+    share = math.gcd(sizes[slots], sizes[order])
+    return f"-(-{tokens} * {sizes[slots] // share} // {sizes[order] // share})"
+
 
 def route_code(step: Step, var: Callable[[TensorRef], str], capacity: str) -> str:
     """One route step as one line of Python; ``capacity`` is C's local length, as code."""

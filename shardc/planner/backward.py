@@ -65,8 +65,15 @@ def _needs_grad(graph: Graph) -> set[str]:
     live = set(graph.outputs)
     for node in reversed(graph.nodes):
         if _has_gradient(node) and node.result in live:
-            live.update(node.operands)
+            live.update(_reached(node))
     return needs & live
+
+
+def _reached(node: Node) -> tuple[str, ...]:
+    """The operands a node's gradient reaches (its family says; by default all)."""
+    reaches = node.family.reaches
+    return node.operands if reaches is None else tuple(o for o, r in zip(node.operands, reaches(node), strict=True)
+                                                       if r)
 
 
 def _has_gradient(node: Node) -> bool:
@@ -78,7 +85,7 @@ def _contributors(graph: Graph, needs: set[str]) -> dict[str, int]:
     count: dict[str, int] = {}
     for node in graph.nodes:
         if node.result in needs:
-            for o in node.operands:
+            for o in _reached(node):
                 if o in needs:
                     count[o] = count.get(o, 0) + 1
     return count

@@ -94,9 +94,12 @@ def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
         return
     inner = outer + ((call.over,) if kind == "reduce" and call.over is not None else ())
     arg = chain_indices(call.arg, inner)
-    if kind == "route":
+    if kind in ("route", "dispatch", "combine"):
         _check_route(call, arg, spec)
-    for name in (*call.names[:1 if kind == "route" else None], *((call.over,) if call.over is not None else ())):
+    if kind in ("dispatch", "combine"):
+        _check_dispatch(call, arg)
+    routes = kind in ("route", "dispatch", "combine")
+    for name in (*call.names[:1 if routes else None], *((call.over,) if call.over is not None else ())):
         if name not in arg:
             raise ShardcError(f"`{call.func}`: {name} is not an index of its argument ({', '.join(arg)})",
                               call.span, fix=f"name one of {', '.join(arg)}")
@@ -135,6 +138,22 @@ def _check_route(call: Call, arg: tuple[str, ...], spec: Spec) -> None:
     if not float(k).is_integer() or k < 1 or (experts is not None and k > experts):
         raise ShardcError(f"route: k={k:g} is not a whole number of experts from 1 to {experts or call.over}",
                           call.span, fix=fix)
+
+
+def _check_dispatch(call: Call, gates: tuple[str, ...]) -> None:
+    """dispatch(Gate[G, S, E], X[G, S, D], ...) and combine(Gate[G, S, E], Ex[G, E, C, D], ...): the tokens
+    carry every index of the gates but E, the expert outputs every one but S, and C."""
+    order, slots = call.names
+    other = chain_indices(call.more[0], ())
+    if call.func == "dispatch":
+        want, what = [i for i in gates if i != call.over], "the tokens X carry every index of the gates but E"
+        fix = "write dispatch(Gate[G, S, E], X[G, S, D], S, C, 2 over E)"
+    else:
+        want = [i for i in gates if i != order] + [slots]
+        what = "the expert outputs Ex carry every index of the gates but S, and the capacity index"
+        fix = "write combine(Gate[G, S, E], Ex[G, E, C, D], S, C, 2 over E)"
+    if not set(want) <= set(other) or (call.func == "dispatch" and slots in other):
+        raise ShardcError(f"{call.func}: {what} ({', '.join(want)}), not ({', '.join(other)})", call.span, fix=fix)
 
 
 def _check_lookup(call: Call) -> None:
@@ -205,7 +224,7 @@ def _check_rename(statement: Statement, spec: Spec) -> None:
 
 def _call_outer(call: Call, arg: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
     """The indices a call's argument is computed towards."""
-    if arg is not call.arg or signature(call.func).kind in ("embed", "loss", "attention"):
+    if arg is not call.arg or signature(call.func).kind in ("embed", "loss", "attention", "dispatch", "combine"):
         return chain_indices(arg, ())
     return outer + ((call.over,) if call.over is not None and call.over not in outer else ())
 

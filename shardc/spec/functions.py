@@ -25,13 +25,21 @@ has a kind, which fixes how its result's indices follow from its arguments:
 - ``attention``: ``attention(Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal)``,
   ``softmax(Q·K / sqrt(H) over T) · V`` computed blockwise (no S x T scores held); the flag
   ``causal`` is optional.  Each index's role: :mod:`shardc.spec.attention_call`.
+- ``dispatch``: ``dispatch(Gate[G, S, E], X[G, S, D], S, C, k over E)``, the same routing held as
+  indices, not a mask: token s's row of X copied into slot c of expert e, ``[G, E, C, D]`` (the
+  gates' indices less S, then C, then X's indices the gates lack); an empty slot is 0.  X gets the
+  gradient (its rows gathered back); the gates get none.
+- ``combine``: ``combine(Gate[G, S, E], Ex[G, E, C, D], S, C, k over E)``, the inverse: each token's
+  k expert outputs (its slot of each expert it went to) weighted by its gates and summed,
+  ``[G, S, D]`` (the gates' indices less E, then Ex's indices the gates lack, less C).  Both the
+  gates and Ex get gradients.
 
 >>> is_known("gelu"), signature("softmax").kind, signature("embed").tensors
 (True, 'normalize', 2)
 >>> "identity" in FUNCTIONS
 True
 >>> known_list().split(', ')[:3]
-['attention', 'causal', 'cross_entropy']
+['attention', 'causal', 'combine']
 >>> signature("route").usage("route")
 'route(Gate[G, S, E], S, C, 2 over E)'
 """
@@ -42,7 +50,7 @@ import zlib
 from dataclasses import dataclass
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES"]
+           "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES", "ROUTINGS"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,9 @@ class Signature:
                     "mask": "Sc[B, N, S, T], S, T", "dropout": "X[B, S, D], 0.1",
                     "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]",
                     "route": "Gate[G, S, E], S, C, 2 over E",
-                    "attention": "Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal"}
+                    "attention": "Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal",
+                    "dispatch": "Gate[G, S, E], X[G, S, D], S, C, 2 over E",
+                    "combine": "Gate[G, S, E], Ex[G, E, C, D], S, C, 2 over E"}
         return f"{name}({examples[self.kind]})"
 
 
@@ -96,7 +106,15 @@ FUNCTIONS: dict[str, Signature] = {
     # `causal` is an optional flag (an index-name argument): validation accepts 0 names or that one
     "attention": Signature("attention", "softmax(Q·K / sqrt(H) over T) · V, blockwise (online softmax)",
                            tensors=3, over=True),
+    "dispatch": Signature("dispatch", "each token's row (in order of S) to a free slot C of its top k along E",
+                          tensors=2, names=2, numbers=1, over=True),
+    "combine": Signature("combine", "each token's top k expert outputs along E, weighted by its gates, summed",
+                         tensors=2, names=2, numbers=1, over=True),
 }
+
+# The functions that route tokens to experts' slots (a capacity index C, new or read): route's
+# mask, and the index-based dispatch and combine.
+ROUTINGS = frozenset({"route", "dispatch", "combine"})
 
 ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")
 

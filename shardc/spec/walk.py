@@ -107,7 +107,7 @@ def nbytes_of(tensor: str, element_bytes: Mapping[str, int], dtype: DType) -> in
 
 def route_slots(expr: Expr) -> set[str]:
     """The capacity indices that ``route`` calls in ``expr`` make (no tensor of the spec has them before)."""
-    return {c.names[1] for c in calls(expr) if is_known(c.func) and signature(c.func).kind == "route"
+    return {c.names[1] for c in calls(expr) if is_known(c.func) and signature(c.func).kind in ("route", "dispatch")
             and len(c.names) == 2}
 
 
@@ -174,6 +174,12 @@ def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
         return (*q[:-1], v[-1]) if q and v else q
     if kind == "route" and len(call.names) == 2:
         return chain_indices(call.arg, outer) + (call.names[1],)
+    if kind in ("dispatch", "combine") and call.more and len(call.names) == 2 and call.over is not None:
+        gates, tokens = chain_indices(call.arg, ()), chain_indices(call.more[0], ())
+        order, slots = call.names
+        if kind == "dispatch":
+            return tuple(i for i in gates if i != order) + (slots,) + tuple(i for i in tokens if i not in gates)
+        return tuple(i for i in gates if i != call.over) + tuple(i for i in tokens if i not in gates and i != slots)
     return chain_indices(call.arg, outer)
 
 

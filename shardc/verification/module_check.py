@@ -8,8 +8,9 @@ at the same sizes supplies what the module must agree with: its boundary tables
 entry points.  The module's code is mesh-generic (local shapes come from
 ``jax.lax.axis_size``), so a module written at the spec's mesh runs at verify's
 shrunk one: ``MESH_AXES`` is resized in place before the first compilation.  The one
-size a module's code fixes is a route's capacity, so under ``--module`` capacity dims run
-at the spec's own size (:func:`module_sizes`).
+share a module's code fixes is a route's capacity per token (C/S at the sizes it was written
+for), so under ``--module`` a route's C and S run at a small multiple of that share
+(:func:`module_sizes`).
 
 A module that does not load, lacks an entry point, was written for another plan, or
 raises while it runs fails the check: :class:`ModuleRejected`, a :class:`ShardcError`
@@ -18,6 +19,7 @@ that the command reports with exit status 1.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +30,8 @@ from shardc.errors import ShardcError, clip
 from shardc.files import read_text
 from shardc.ir.plan import Plan
 from shardc.lowering.load import load_module
-from shardc.spec.walk import route_slots
+from shardc.spec.walk import calls
+from shardc.verification.route_load import tied
 
 if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
@@ -43,7 +46,7 @@ _OPTIMIZER_ENTRY_POINTS = ("optimizer_step", "optimizer_program")
 _TABLES = ("FORWARD_IN", "FORWARD_OUT", "BACKWARD_IN", "BACKWARD_OUT", "RESULTS", "STACKED", "STACKED_INPUTS",
            "KEYED", "COTANGENTS", "GRADS")
 _OPTIMIZER_TABLES = ("OPTIMIZER_IN",)
-_MAX_CAPACITY = 64  # a capacity the module fixes, at most: verify fills it with tokens
+_MAX_CAPACITY = 64  # a capacity the module's share gives verify's sizes, at most: verify fills it with tokens
 
 
 class ModuleRejected(ShardcError):
@@ -63,22 +66,57 @@ def given_source(module: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 def module_sizes(plan: Plan, small: dict[str, int]) -> dict[str, int]:
-    """The sizes a lowered module's code fixes, at the spec's values: each route's capacity.
+    """The sizes a lowered module's code ties together, at a small multiple of the spec's share: each
+    route's capacity C and token count S (and the indices renames tie to S).
 
-    ``route_topk(..., capacity=N)`` is the one size written into the code (every other is a
-    shape the module reads at run time), so the module runs with the capacity it was written
-    for; one far above ``small`` (verify's own sizes) is refused: filling it would not run small.
+    ``route_topk(..., capacity=...)`` writes the capacity as C/S of the tokens it is given (every other
+    size is a shape the module reads at run time), so the module runs with C and S in that ratio: the
+    least multiple of it that their shardings divide and that gives verify's small capacity, or an
+    error when that multiple is too large to run small; the experts few enough that tokens overflow
+    the capacity, so that dropping them is checked.
     """
-    slots = {c for s in plan.spec.statements for c in route_slots(s.expr)}
-    dims = dict(plan.spec.dims)
-    sizes = {c: int(dims[c]) for c in slots if c in dims}
-    for name, size in sizes.items():
-        if size > max(_MAX_CAPACITY, small.get(name, 0)):
-            want = small.get(name, 8)
-            raise ShardcError(f"the module's route capacity {name}={size} (the spec's) is fixed in its code, too "
-                              "large for verify's small sizes",
-                              fix=f"lower and verify at a small capacity, both with --set {name}={want}")
-    return sizes
+    dims, out = dict(plan.spec.dims), {}
+    for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func in ("route", "dispatch")):
+        (order, slots) = call.names
+        if order not in dims or slots not in dims:
+            continue
+        share = math.gcd(dims[slots], dims[order])
+        num, den = dims[slots] // share, dims[order] // share
+        step = math.lcm(1, *(n // math.gcd(n, d) for n, d in ((_shards(plan, small, slots), num),
+                                                            (_shards(plan, small, order), den))))
+        times = step * math.ceil(math.ceil(2 / num) / step)  # 2 slots at least, as verify's own sizes
+        if num * times > max(_MAX_CAPACITY, small.get(slots, 0)):
+            raise ShardcError(f"the module's route capacity {slots}={dims[slots]} of {order}={dims[order]} tokens "
+                              f"(the spec's share) needs {slots}={num * times} at least, too large for verify's "
+                              "small sizes",
+                              fix=f"lower and verify at a small capacity, both with --set {slots}=... and "
+                                  f"--set {order}=...")
+        out[slots] = num * times
+        out.update(dict.fromkeys(tied(plan.spec, order) & set(dims), den * times))
+        out.update(_overflowing_experts(plan, small, call.over or "", int(call.numbers[0]), num, den))
+    return out
+
+
+def _overflowing_experts(plan: Plan, small: dict[str, int], experts: str, k: int, num: int, den: int) \
+        -> dict[str, int]:
+    """The expert count at which the tokens overflow the module's capacity: S*k/E choices an expert on
+    average against C slots (C/S = ``num``/``den``) needs E <= k*den/num; the largest such count of k
+    experts or more that the plan's shardings of E divide and verify's own sizes allow (none: as is)."""
+    shards = _shards(plan, small, experts)
+    most = min(k * den // num, small.get(experts, k * den // num))
+    fits = [e for e in range(most, k - 1, -1) if e % shards == 0]
+    return {experts: fits[0]} if fits and experts in small else {}
+
+
+def _shards(plan: Plan, sizes: dict[str, int], index: str) -> int:
+    """How many blocks the plan's steps cut ``index`` into, at ``sizes``' mesh."""
+    shards = 1
+    for step in plan.forward + plan.backward:
+        for ref in (step.dst, *step.operands, *([step.src] if step.src else [])):
+            for d in ref.dims:
+                if d.name == index:
+                    shards = math.lcm(shards, math.prod(sizes.get(a, 1) for a in d.axes))
+    return shards
 
 
 def use_module(lowered: Lowered, source: str, label: str) -> tuple[Lowered, list[str]]:

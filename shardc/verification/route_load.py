@@ -17,11 +17,12 @@ from collections.abc import Iterable
 
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec, TensorRef
+from shardc.ops.dispatch import DISPATCH
 from shardc.ops.registry import of_call
 from shardc.ops.route import ROUTING
 from shardc.spec.walk import calls, renamed_indices
 
-__all__ = ["overflowing"]
+__all__ = ["overflowing", "tied"]
 
 _LOAD = 1  # the average choices an expert, in capacities: about half the experts of a group overflow
 _MAX_MASK = 1 << 20  # elements of a route's mask grown so: more would not run small
@@ -31,10 +32,12 @@ def overflowing(plan: Plan, sizes: dict[str, int], fixed: Iterable[str] = ()) ->
     """``sizes`` with each route's token index grown until its experts overflow their capacity, and a
     note for each route it could not grow within :data:`_MAX_MASK` elements of its mask.
 
-    A capacity not in ``fixed`` (a given module's code fixes it) is first cut to the fewest slots its
-    shardings allow, 2 at least, so that the token index grows least."""
+    A capacity not in ``fixed`` (a given module's code ties it to the token count) is first cut to the
+    fewest slots its shardings allow, 2 at least, so that the token index grows least; a token index in
+    ``fixed`` keeps its size (the module's capacity is its share of it), and gets a note if its experts
+    do not overflow."""
     out, notes, spec = dict(sizes), [], plan.spec
-    for call in (c for s in spec.statements for c in calls(s.expr) if of_call(c.func) is ROUTING):
+    for call in (c for s in spec.statements for c in calls(s.expr) if of_call(c.func) in (ROUTING, DISPATCH)):
         if len(call.names) != 2 or call.over is None or not call.numbers or not isinstance(call.arg, TensorRef):
             continue
         (order, slots), experts, k = call.names, call.over, int(call.numbers[0])
@@ -46,6 +49,11 @@ def overflowing(plan: Plan, sizes: dict[str, int], fixed: Iterable[str] = ()) ->
         need = math.ceil(_LOAD * out[slots] * out[experts] / k)
         if out[order] >= need:
             continue
+        if order in fixed:
+            notes.append(f"route over {order}: the module's capacity {slots}={out[slots]} is its share of "
+                         f"{order}={out[order]} tokens, which its experts do not fill: tokens past the capacity "
+                         "are not checked")
+            continue
         size = out[order] * math.ceil(need / out[order])
         mask = math.prod(out[d] for d in dims if d != order) * size * out[slots]
         if mask > _MAX_MASK:
@@ -53,7 +61,7 @@ def overflowing(plan: Plan, sizes: dict[str, int], fixed: Iterable[str] = ()) ->
                          f"{order}={out[order]} (filling it needs {order}={size}, too large to run): tokens past "
                          "the capacity are not checked")
             continue
-        for name in _tied(spec, order):
+        for name in tied(spec, order):
             if name in out:
                 out[name] = size
     return out, notes
@@ -70,7 +78,7 @@ def _fewest_slots(plan: Plan, sizes: dict[str, int], slots: str) -> int:
     return min(shards * math.ceil(2 / shards), sizes[slots])
 
 
-def _tied(spec: Spec, index: str) -> set[str]:
+def tied(spec: Spec, index: str) -> set[str]:
     """``index`` and every index a chain of renames gives its size."""
     tied, pairs = {index}, renamed_indices(spec)
     grown = True

@@ -1,0 +1,190 @@
+"""``dispatch`` and ``combine``: index-based expert routing, planned forward and backward.
+
+``dispatch(Gate[G, S, E], X[G, S, D], S, C, k over E)`` routes as ``route`` does (each token
+to its k largest gates along E, the next free slot along C of each, tokens in order of S;
+GShard, Lepikhin et al. 2020), but holds the routing as indices: a device reads its gates
+with S and E whole and its tokens with S whole, batch indices (G) sharded as the gates',
+and writes its tokens' rows into their slots, ``In[G, E, C, D]`` with E and C whole.  The
+expert-parallel AllToAll is the move of that result to its declared sharding (E over the
+expert axis), tokens x k x D bytes (times the capacity factor); ``combine`` reads the expert
+outputs back with E and C whole (the inverse AllToAll) and sums each token's k rows, weighted
+by its gates.  Every step is data movement (memory-bound bytes, no FLOPs), and the backward
+keeps the gates, never a one-hot mask.  Features (D) keep their sharding throughout.
+
+Backward: the tokens' gradient gathers each token's k slot rows of ``dIn`` (the transposed
+AllToAll brings ``dIn`` to E and C whole); the expert outputs' gradient scatters each token's
+gate-weighted ``dY`` row into its slots; the gates' gradient is, at each chosen expert, the dot
+product of ``dY`` and that expert's output row: a partial sum over the axes sharding D, which
+the ordinary moves reduce.  Gates read by ``dispatch`` get no gradient through it (as through
+``route``'s mask); they get one through ``combine``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardc.errors import ShardcError
+from shardc.ir.localops import Dispatch
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import Call, TensorRef
+from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.planner.phase import Phase
+from shardc.planner.rows import Layouts, by_index, choose, in_order, record
+from shardc.planner.search import reshard
+
+if TYPE_CHECKING:
+    from shardc.planner.backward import _Backward
+    from shardc.planner.graph import Node
+
+__all__ = ["plan_dispatch", "dispatch_backward", "dispatch_op"]
+
+# (name, value) of each tensor a local step reads
+Reads = tuple[tuple[str, Value], ...]
+
+
+def dispatch_op(call: Call, part: str) -> Dispatch:
+    """The local operation ``part`` of a dispatch or combine ``call``."""
+    assert call.over is not None
+    order, slots = call.names
+    return Dispatch(part, order, call.over, slots, int(call.numbers[0]))
+
+
+def _axes(value: Value) -> set[str]:
+    return {a for axes in value.layout for a in axes}
+
+
+def _gate_values(phase: Phase, gate: str, whole: tuple[str, ...], target_axes: dict[str, tuple[str, ...]]) \
+        -> list[Value]:
+    """The gates' layouts worth costing: each held one, and the one whose batch indices are sharded as
+    the result wants them, with S and E gathered (the routing needs them whole)."""
+    idx = phase.indices[gate]
+    gathered = dict.fromkeys(whole, ())
+    found: dict[Value, None] = {}
+    for held in phase.held[gate]:
+        found[in_order(idx, {**by_index(idx, held.layout), **gathered})] = None
+    if target_axes:
+        found[in_order(idx, {**{i: target_axes.get(i, ()) for i in idx}, **gathered})] = None
+    return list(found)
+
+
+def _like(phase: Phase, name: str, axes: dict[str, tuple[str, ...]]) -> Value:
+    return in_order(phase.indices[name], axes)
+
+
+def _feature_axes(phase: Phase, name: str, gate: Value, gate_idx: tuple[str, ...], whole: tuple[str, ...]) \
+        -> list[dict[str, tuple[str, ...]]]:
+    """Index -> axes for the operands that go with the gates' ``gate``: batch indices sharded as there,
+    ``whole`` gathered, features as ``name`` holds them (less the gates' axes)."""
+    idx, batch, used = phase.indices[name], by_index(gate_idx, gate.layout), _axes(gate)
+    found: dict[tuple[tuple[str, tuple[str, ...]], ...], None] = {}
+    for held in phase.held[name]:
+        axes = {i: tuple(a for a in ax if a not in used) for i, ax in by_index(idx, held.layout).items()}
+        axes.update({i: ax for i, ax in batch.items() if i not in whole})
+        axes.update(dict.fromkeys(whole, ()))
+        found[tuple(sorted(axes.items()))] = None
+    return [dict(f) for f in found]
+
+
+def _fetch(phase: Phase, reads: Reads) -> tuple[Cost, tuple[Move, ...]]:
+    cost: Cost = ZERO
+    moves: tuple[Move, ...] = ()
+    for name, value in reads:
+        moved, path = reshard(phase.ctx, name, phase.indices[name], phase.held[name], value)
+        cost, moves = add_cost(cost, moved), moves + path
+    return cost, moves
+
+
+def _options(phase: Phase, gate: str, others: tuple[str, ...], whole: tuple[str, ...], result: str,
+             indices: tuple[str, ...], target: Value | None, settle: bool) -> list[tuple[Layouts, Reads]]:
+    """Every pairing of a gates' layout with the others' (the first's features; the rest alike), costed
+    with the result's move to ``target`` (``settle`` False: the result is left as made, a contribution to
+    sum later).  Features the result lacks (the gates' gradient's D) leave it a partial sum over their axes."""
+    gate_idx = phase.indices[gate]
+    target_axes = by_index(indices, target.layout) if target is not None else {}
+    options = []
+    for g in _gate_values(phase, gate, whole, target_axes):
+        for axes in _feature_axes(phase, others[0], g, gate_idx, whole):
+            axes = {**by_index(gate_idx, g.layout), **axes}
+            reads: Reads = ((gate, g), *((o, _like(phase, o, axes)) for o in others))
+            cost, moves_in = _fetch(phase, reads)
+            summed = tuple(a for i, ax in axes.items() if i not in indices and i not in gate_idx for a in ax)
+            made = in_order(indices, axes, summed)
+            want = target if target is not None and settle else made
+            if not made.reaches(want):
+                continue
+            moved, moves_out = reshard(phase.ctx, result, indices, (made,), want)
+            options.append((Layouts(g, (), add_cost(cost, moved), moves_in, moves_out, made, want), reads))
+    return options
+
+
+def _whole(call: Call) -> tuple[str, ...]:
+    assert call.over is not None
+    return (call.names[0], call.over, call.names[1])
+
+
+def _emit(phase: Phase, dst: str, made: Value, reads: Reads, op: Dispatch) -> None:
+    phase.emit(Step(Op.ELEMENTWISE, dst, phase.ref(dst, made), operands=tuple(phase.ref(n, v) for n, v in reads),
+                    fn=op), made)
+
+
+def _pick(phase: Phase, options: list[tuple[Layouts, Reads]], label: str, node: Node) -> tuple[Layouts, Reads]:
+    if not options:
+        raise ShardcError(f"no sharding of {', '.join(node.operands)} makes {label}", node.statement.span,
+                          fix="dispatch and combine need the token and expert indices S, E and C whole on a "
+                              "device, and reduced (not partial-sum) operands")
+    best, shown = choose([o for o, _ in options], 0)
+    record(phase, label, best, shown, 0, phase.indices[node.operands[0]], "")
+    return best, next(r for o, r in options if o is best)
+
+
+def plan_dispatch(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None,
+                  label: str) -> None:
+    """A dispatch or combine node: its operands to the layouts it reads, one local step, the result's moves."""
+    call = node.call
+    assert call is not None
+    gate, other = node.operands
+    if target is not None and target.unreduced:
+        raise ShardcError(f"{node.result} is made by {call.func}, which is not a partial sum", node.statement.span,
+                          fix="drop the {U_...} suffix")
+    options = _options(phase, gate, (other,), _whole(call), node.result, node.indices, target, True)
+    best, reads = _pick(phase, options, label, node)
+    for name, value in reads:
+        phase.moves(name, _fetch(phase, ((name, value),))[1])
+    _emit(phase, node.result, best.result, reads, dispatch_op(call, call.func))
+    phase.moves(node.result, best.moves_out)
+    declared.setdefault(node.result, phase.ref(node.result, best.final))
+
+
+def _contribute(bw: _Backward, node: Node, primal: str, reads_of: tuple[str, ...], part: str, label: str) -> None:
+    """One gradient step of ``part`` to ``primal``, reading the gates and ``reads_of``; settled or kept."""
+    call = node.call
+    assert call is not None
+    phase = bw.phase
+    dst = bw.part_name(primal)
+    settle = bw.count.get(primal, 0) <= 1
+    options = _options(phase, node.operands[0], reads_of, _whole(call), dst, phase.indices[primal],
+                       bw.target(primal), settle)
+    best, reads = _pick(phase, options, f"{phase.text(dst, bw.target(primal))} = {label}", node)
+    for name, value in reads:
+        phase.moves(name, _fetch(phase, ((name, value),))[1], note=f"residual for {call.func}'s gradient")
+    _emit(phase, dst, best.result, reads, dispatch_op(call, part))
+    if settle:
+        phase.moves(dst, best.moves_out)
+    else:
+        bw.parts.setdefault(primal, []).append((dst, best.result))
+
+
+def dispatch_backward(bw: _Backward, node: Node, grad: str) -> None:
+    """dispatch: the tokens' rows gathered back from ``dIn``; combine: the expert outputs' gradient (a
+    scatter of gate-weighted ``dY`` rows) and the gates' (``dY`` dotted with each chosen expert's row)."""
+    call = node.call
+    assert call is not None
+    gate, other = node.operands
+    if call.func == "dispatch":
+        if other in bw.needs:
+            _contribute(bw, node, other, (grad,), "dispatch_vjp", f"dispatch_vjp({grad})")
+        return
+    if other in bw.needs:
+        _contribute(bw, node, other, (grad,), "combine_vjp", f"combine_vjp({grad})")
+    if gate in bw.needs:
+        _contribute(bw, node, gate, (grad, other), "combine_gate_vjp", f"combine_gate_vjp({grad}, {other})")
