@@ -35,6 +35,17 @@ def test_arguments_outputs_and_deferred_gradient_reduction() -> None:
     assert phases["backward"] == (y + x + w, x + w, w)
 
 
+def test_the_parts_are_the_training_state_and_activations() -> None:
+    plan = shardc.plan(shardc.parse(DENSE))
+    assert plan.sizes is not None
+    forward, backward = phase_memory(plan, dict(plan.sizes), F32)
+    x, w, y = 8 // 2 * 4 * F32, 4 * 6 * F32, 8 // 2 * 6 * F32
+    assert forward.parts == (("arguments", "params", w), ("arguments", "inputs", x),
+                             ("outputs", "results", y), ("outputs", "residuals", 0))
+    assert backward.parts == (("arguments", "cotangents", y), ("arguments", "residuals", x),
+                              ("arguments", "params", w), ("outputs", "gradients", x + w))
+
+
 def test_a_dot_operand_not_batch_major_is_copied() -> None:
     copied = "mesh X=2\ndims B=8, S=4, T=4, H=2\nSc[B_X, S, T] = Q[S, B_X, H] · K[B_X, T, H]\n"
     plain = copied.replace("Q[S, B_X, H]", "Q[B_X, S, H]")

@@ -302,6 +302,7 @@ class PhaseMemory:
     arguments: float
     outputs: float
     temporaries: float
+    parts: tuple[tuple[str, str, float], ...] = ()  # (arguments or outputs, what, bytes): params, inputs, ...
 
     @property
     def total(self) -> float:
@@ -318,16 +319,26 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None) 
         return float(local_elements(ref, sizes)) * size
 
     declared = {info.ref: info.role for info in plan.tensors}
-    inputs = [ref for ref, role in declared.items() if role != "activation"]
-    kept = [ref for ref, _ in residual_table(plan) if declared.get(ref, "activation") == "activation"]
     results = [ref for ref, role in declared.items() if role == "activation"]
+    kept = [ref for ref, _ in residual_table(plan) if declared.get(ref, "activation") == "activation"]
     made = {s.dst for s in plan.backward}
     read = [ref for s in plan.backward for ref in _reads(s) if ref not in made]
-    phases = (("forward", plan.forward, inputs, [*results, *kept]),
-              ("backward", plan.backward, [*plan.cotangents, *read], list(plan.grads)))
-    return [PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes),
-                        _temporaries(steps, set(args), set(outs), kept_values(plan), nbytes))
-            for name, steps, args, outs in phases]
+    params = {ref for ref, role in declared.items() if role == "param"}
+    forward = {"arguments": {"params": [r for r in declared if r in params],
+                             "inputs": [r for r, role in declared.items() if role == "input"]},
+               "outputs": {"results": results, "residuals": [r for r in kept if r not in results]}}
+    backward = {"arguments": {"cotangents": list(plan.cotangents),
+                              "residuals": [r for r in read if r not in params and r not in plan.cotangents],
+                              "params": [r for r in read if r in params]},
+                "outputs": {"gradients": list(plan.grads)}}
+    out = []
+    for name, steps, groups in (("forward", plan.forward, forward), ("backward", plan.backward, backward)):
+        args, outs = ([r for refs in groups[c].values() for r in refs] for c in ("arguments", "outputs"))
+        parts = tuple((c, label, _total(refs, nbytes)) for c in ("arguments", "outputs")
+                      for label, refs in groups[c].items())
+        out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes),
+                               _temporaries(steps, set(args), set(outs), kept_values(plan), nbytes), parts))
+    return out
 
 
 def _total(refs: list[TensorRef], nbytes: Callable[[TensorRef], float]) -> float:

@@ -61,6 +61,7 @@ class MemoryRow:
     category: str  # arguments, outputs, temporaries, total
     shardc_bytes: float
     xla_bytes: float
+    parts: tuple[tuple[str, float], ...] = ()  # shardc's bytes by what they hold (params, inputs, ...)
 
     @property
     def ratio(self) -> float | None:
@@ -68,7 +69,7 @@ class MemoryRow:
 
     def to_json(self) -> dict[str, object]:
         return {"phase": self.phase, "category": self.category, "shardc_bytes": self.shardc_bytes,
-                "xla_bytes": self.xla_bytes, "ratio": self.ratio}
+                "xla_bytes": self.xla_bytes, "ratio": self.ratio, "shardc_parts": dict(self.parts)}
 
 
 @dataclass
@@ -111,6 +112,8 @@ def check_memory(lowered: Lowered) -> MemoryCheck:
             notes.append(f"{phase}: XLA aliases {fmt_bytes(stats.alias_size_in_bytes)} of outputs to arguments")
     if lowered.namespace.KEYED:
         notes.append("the forward also takes the dropout key (4 bytes), not a value of the plan")
+    notes.append("the lowered step keeps no optimizer state (its update is plain SGD): shardc cost's "
+                 "optimizer_bytes and the accounting's extra bytes a param have no counterpart here")
     if lowered.module.optimizer is not None:
         notes.append("the ZeRO optimizer phase is not compared (shardc models it as state, not as a program)")
     return MemoryCheck(rows, max(totals, key=lambda p: totals[p]), notes)
@@ -129,7 +132,9 @@ def check_plan_memory(plan: Plan, devices: int) -> MemoryCheck:
 
 def _rows(model: PhaseMemory, stats: Any) -> list[MemoryRow]:
     mine = {"arguments": model.arguments, "outputs": model.outputs, "temporaries": model.temporaries}
-    rows = [MemoryRow(model.phase, name, mine[name], float(getattr(stats, attr))) for name, attr in _CATEGORIES]
+    rows = [MemoryRow(model.phase, name, mine[name], float(getattr(stats, attr)),
+                      tuple((what, n) for category, what, n in model.parts if category == name))
+            for name, attr in _CATEGORIES]
     xla_total = sum(r.xla_bytes for r in rows) - float(stats.alias_size_in_bytes)
     return rows + [MemoryRow(model.phase, "total", model.total, xla_total)]
 
@@ -163,8 +168,9 @@ def render_memory(check: MemoryCheck) -> str:
              f"  {'phase':<9} {'category':<12} {'shardc':>10} {'XLA':>10} {'ratio':>6}"]
     for r in check.rows:
         ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
+        parts = ", ".join(f"{what} {fmt_bytes(n)}" for what, n in r.parts if n)
         lines.append(f"  {r.phase:<9} {r.category:<12} {fmt_bytes(r.shardc_bytes):>10} "
-                     f"{fmt_bytes(r.xla_bytes):>10} {ratio:>6}")
+                     f"{fmt_bytes(r.xla_bytes):>10} {ratio:>6}" + (f"  ({parts})" if parts else ""))
     top = check.headline
     verdict = "within" if check.within_target else "outside"
     lines.append(f"  the {check.phase} needs most: shardc {fmt_bytes(top.shardc_bytes)}, XLA "
