@@ -93,3 +93,10 @@ def test_cost_check_memory_json(capsys: pytest.CaptureFixture[str]) -> None:
     check = data["memory_check"]
     assert check["xla_bytes"] > 0 and check["ratio"] == check["shardc_bytes"] / check["xla_bytes"]
     assert {r["phase"] for r in check["rows"]} == {"forward", "backward"}
+
+
+def test_cost_check_memory_refuses_a_sweep_and_a_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost", str(EXAMPLES / "tp.shard"), "--check-memory", "--sweep", "B=1e3:1e4"]) == 2
+    assert "--check-memory" in capsys.readouterr().err
+    assert main(["cost", str(EXAMPLES / "pipeline_llama.shard"), "--check-memory"]) == 2
+    assert "pipeline" in capsys.readouterr().err

@@ -159,6 +159,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.sweep and args.schedule_plot:
         raise ShardcError("--schedule-plot draws the report's pipeline, which --sweep replaces",
                           fix="run the two separately")
+    if args.sweep and args.check_memory:
+        raise ShardcError("--check-memory compiles the report's step, which --sweep replaces",
+                          fix="run the two separately")
     if args.force and not (args.plot or args.schedule_plot):
         raise ShardcError("--force only lets --plot or --schedule-plot replace a file, and neither was given",
                           fix="drop --force")
