@@ -33,7 +33,7 @@ from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import all_traffic, of_op
 
-__all__ = ["memory_traffic", "kept_values", "is_product"]
+__all__ = ["memory_traffic", "kept_values", "is_product", "fusible"]
 
 
 def kept_values(plan: Plan) -> frozenset[TensorRef]:
@@ -52,7 +52,7 @@ def is_product(step: Step) -> bool:
     return all(d.name in kept for ref in step.operands for d in ref.dims)
 
 
-def _fusible(step: Step | None) -> bool:
+def fusible(step: Step | None) -> bool:
     """Whether XLA fuses ``step`` with a neighbouring map: an elementwise map or product, or a reduction."""
     if step is not None and is_product(step):
         return True
@@ -89,9 +89,9 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
         # XLA fuses nothing across that boundary
         before = steps[k - 1] if k > 0 and steps[k - 1].once == step.once else None
         after = steps[k + 1] if k + 1 < len(steps) and steps[k + 1].once == step.once else None
-        if _fusible(step) and before is not None and (before.op is Op.EINSUM or _fusible(before)):
+        if fusible(step) and before is not None and (before.op is Op.EINSUM or fusible(before)):
             reads = tuple(0.0 if ref == before.dst else r for ref, r in zip(step.operands, reads, strict=True))
-        if (_fusible(step) and _fusible(after) and after is not None and step.dst in after.operands
+        if (fusible(step) and fusible(after) and after is not None and step.dst in after.operands
                 and readers.get(step.dst, 0) == 1 and step.dst not in kept):
             write = 0.0
         out.append(math.fsum(reads) + write)

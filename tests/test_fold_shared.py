@@ -41,8 +41,8 @@ def test_the_two_copies_are_gathered_once() -> None:
     plan = shardc.plan(shardc.parse(TWO_COPIES))
     (gather,) = _collectives(plan.forward)
     assert gather.op is Op.ALL_GATHER and str(gather.dst) == "O1[E, S]"
-    alias = next(s for s in plan.forward if s.tensor == "O2" and s.fn == ALIAS)
-    assert alias.operands == (gather.dst,) and str(alias.dst) == "O2[E, S]"
+    alias = next(s for s in plan.forward if s.fn == ALIAS and str(s.dst) == "O2[E, S]")
+    assert alias.operands == (gather.dst,)
     assert check_plan(plan) == []
 
 
@@ -81,7 +81,8 @@ def test_the_fold_shares_a_moved_gradient_in_the_backward_too() -> None:
              Step(Op.COPY, "dA_2", part2, operands=(d_out,)),
              Step(Op.REDUCE_SCATTER, "dA_2", done2, part2, ("X",), dim=0))
     folded = fold_redundant(steps, frozenset({done1, done2}))
-    assert [s.op for s in folded] == [Op.COPY, Op.REDUCE_SCATTER, Op.COPY, Op.ELEMENTWISE]
+    assert [s.op for s in folded] == [Op.COPY, Op.REDUCE_SCATTER, Op.ELEMENTWISE, Op.ELEMENTWISE]
+    assert folded[2].fn == ALIAS and folded[2].operands == (part1,) and folded[2].dst == part2  # copied once
     assert folded[-1].fn == ALIAS and folded[-1].operands == (done1,) and folded[-1].dst == done2
 
 
@@ -94,6 +95,53 @@ def test_verify_passes_the_two_copies(tmp_path: Path, capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert status == 0, out
     assert "MISMATCH" not in out and out.count("AllGather_X") == 1
+
+
+ONE_EINSUM = "mesh X=8\ndims S=64, E=32, F=16\ndtype f32\nO1[E, F] = A[S_X, E] · W[S_X, F]\n"
+TWO_EINSUMS = ONE_EINSUM + "O2[E, F] = A[S_X, E] · W[S_X, F]\n"
+
+
+@pytest.mark.parametrize("text", [TWO_COPIES, TWO_EINSUMS])
+def test_the_repeated_local_step_runs_once(text: str) -> None:
+    """The second copy (or einsum) of the same data is the first's result renamed, as XLA's
+    common-subexpression pass makes it: no FLOPs, no HBM traffic and no memory of its own (the
+    spec without the second statement costs the same)."""
+    plan = shardc.plan(shardc.parse(text))
+    local = [s for s in plan.forward if s.op in (Op.COPY, Op.EINSUM)]
+    assert [s.tensor for s in local] == ["O1"]
+    assert next(s for s in plan.forward if s.tensor == "O2" and s.op is Op.ELEMENTWISE).fn == ALIAS
+    assert check_plan(plan) == []
+    one = shardc.plan(shardc.parse(text.split("O2[")[0]))  # the spec without its second statement
+    report, single = shardc.cost(plan), shardc.cost(one)
+    assert report.forward.compute_flops == single.forward.compute_flops
+    assert report.forward.memory_bytes == single.forward.memory_bytes
+    assert report.memory.total_bytes == single.memory.total_bytes
+
+
+@pytest.mark.slow
+def test_xla_runs_the_repeated_einsum_once_as_the_cost_counts() -> None:
+    """The lowered forward has one einsum, and XLA's FLOPs of the two-einsum step are the one-einsum
+    step's; shardc's forward FLOPs are that einsum's, 2*S/X*E*F."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from shardc.lowering.api import lower
+
+    def xla_flops(text: str) -> float:
+        plan = shardc.plan(shardc.parse(text))
+        lowered = lower(plan, sizes=dict(plan.sizes or {}))
+        mesh, forward, _ = lowered.namespace.programs()
+        args = [jax.ShapeDtypeStruct(lowered.global_shape(b.ref), np.float32,
+                                     sharding=NamedSharding(mesh, lowered.namespace.FORWARD_IN[b.key]))
+                for b in lowered.module.forward.inputs]
+        forward_code = lowered.source.split("def forward_local")[1].split("def backward_local")[0]
+        assert forward_code.count("jnp.einsum(") == 1
+        return float(forward.lower(*args).compile().cost_analysis()["flops"])
+
+    assert xla_flops(TWO_EINSUMS) == xla_flops(ONE_EINSUM)
+    flops = shardc.cost(shardc.plan(shardc.parse(TWO_EINSUMS))).forward.compute_flops
+    assert flops == 2 * 64 // 8 * 32 * 16
 
 
 def test_a_layer_moves_its_own_data_not_a_move_made_once_outside_its_block() -> None:

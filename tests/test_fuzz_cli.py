@@ -99,8 +99,8 @@ def argvs(draw: st.DrawFn) -> list[str]:
 
 
 class _WouldCompile(BaseException):
-    """Raised where ``verify`` or ``compare`` would start XLA, or ``calibrate`` would start measuring: every
-    argument check is behind it."""
+    """Raised where ``verify``, ``compare`` or ``cost --check-memory`` would start XLA, or ``calibrate`` would
+    start measuring: every argument check is behind it."""
 
 
 def _stop(*args: object, **kwargs: object) -> None:
@@ -115,7 +115,8 @@ def run_cli(argv: list[str]) -> tuple[int | str, str, float]:
     with (contextlib.chdir(WORK), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err),
           mock.patch("shardc.cli.lower_cmd.verify", _stop),  # where the commands call them
           mock.patch("shardc.cli.lower_cmd.compare", _stop),
-          mock.patch("shardc.calibrate.run.measure", _stop)):
+          mock.patch("shardc.calibrate.run.measure", _stop),
+          mock.patch("shardc.verification.memory_check.check_plan_memory", _stop)):
         try:
             status: int | str = main(argv)
         except SystemExit as stop:  # argparse: --help, --version, a malformed flag

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -81,6 +82,9 @@ def register(subparsers: Any, name: str) -> None:
                         help="draw the pipeline schedule as a Gantt chart (.png, ...; needs matplotlib)")
     parser.add_argument("--force", action="store_true",
                         help="let --plot or --schedule-plot replace a file that is not an image")
+    parser.add_argument("--check-memory", action="store_true",
+                        help="also compile the step as `shardc verify` lowers it (emulated CPU devices, its small "
+                             "sizes) and set the memory per device beside XLA's buffer assignment")
     parser.set_defaults(func=run_cost)
 
 
@@ -119,18 +123,19 @@ def run_cost(args: argparse.Namespace) -> int:
                     recompute=args.recompute, topology=args.topology)
     if args.sweep:
         return _run_sweep(args, the_plan)
+    memory = _memory_check(the_plan) if args.check_memory else None
     sizes = {a.name: a.size for a in spec.mesh.axes} | dict(spec.sizes)
     if missing_sizes(the_plan, sizes):
         formulas = cost_formulas(the_plan, spans=spans, optimizer=args.optimizer)  # on the plan's chip
         if args.mfu is not None:
             formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
                                                                  "needs the sizes",))
-        print(formulas.json_text() if args.json else formulas.render(), end="\n" if args.json else "")
+        _print(args, formulas.to_json(), formulas.render(), memory)
         return 0
     report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
     if args.schedule_plot:  # drawn before the report is printed: a refusal leaves no half output
         draw_schedule(report, args.schedule_plot, args.force)
-    print(report.json_text() if args.json else report.render(), end="\n" if args.json else "")
+    _print(args, report.to_json(), report.render(), memory)
     if args.schedule_plot and not args.json:
         print(f"wrote {args.schedule_plot}")
     return 0
@@ -147,9 +152,38 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.sweep and args.schedule_plot:
         raise ShardcError("--schedule-plot draws the report's pipeline, which --sweep replaces",
                           fix="run the two separately")
+    if args.sweep and args.check_memory:
+        raise ShardcError("--check-memory compiles the report's step, which --sweep replaces",
+                          fix="run the two separately")
     if args.force and not (args.plot or args.schedule_plot):
         raise ShardcError("--force only lets --plot or --schedule-plot replace a file, and neither was given",
                           fix="drop --force")
+
+
+def _memory_check(plan: Any) -> Any:
+    """The plan's memory against XLA's, compiled on as many emulated devices as ``shardc verify`` uses."""
+    from shardc.cli.lower_cmd import emulate_devices
+    from shardc.lowering.sizes import devices_to_check, shrink_mesh
+
+    devices = devices_to_check(plan)
+    emulate_devices(math.prod(s for _, s in shrink_mesh([(a.name, a.size) for a in plan.spec.mesh.axes], devices)))
+    from shardc.verification.memory_check import check_plan_memory
+
+    return check_plan_memory(plan, devices)
+
+
+def _print(args: argparse.Namespace, data: dict[str, Any], text: str, memory: Any) -> None:
+    """The report as JSON (with ``memory_check`` under --check-memory) or as text, the check's table after."""
+    if args.json:
+        if memory is not None:
+            data = {**data, "memory_check": memory.to_json()}
+        print(json.dumps(data, indent=2, allow_nan=False))
+        return
+    print(text, end="")
+    if memory is not None:
+        from shardc.verification.memory_check import render_memory  # loads jax: only under --check-memory
+
+        print("\n" + render_memory(memory), end="")
 
 
 def _run_sweep(args: argparse.Namespace, first: Any) -> int:

@@ -26,8 +26,10 @@ same operands into the same layout.  XLA's common-subexpression pass merges them
 
     Copy        O1[E, S_X] = A[S_X, E]              Copy        O1[E, S_X] = A[S_X, E]
     AllGather_X O1[E, S_X] -> O1[E, S]         =>   AllGather_X O1[E, S_X] -> O1[E, S]
-    Copy        O2[E, S_X] = A[S_X, E]              Copy        O2[E, S_X] = A[S_X, E]
+    Copy        O2[E, S_X] = A[S_X, E]              alias       O2[E, S_X] is O1[E, S_X]
     AllGather_X O2[E, S_X] -> O2[E, S]              alias       O2[E, S] is O1[E, S]
+
+The repeated einsum (or copy) is the earlier one's result too: no FLOPs, no traffic, no memory.
 """
 
 from __future__ import annotations
@@ -76,7 +78,10 @@ def _share_copied(out: list[Step]) -> None:
                 and len(step.operands) == 1 and _same_data(step.operands[0], step.dst):
             root[step.dst] = root.get(step.operands[0], step.operands[0])
         elif step.op in (Op.COPY, Op.EINSUM):
-            _share_einsum(step, root, made)
+            first = _share_einsum(step, root, made)
+            if first is not None:  # XLA computes it once: the later one is the earlier's result renamed
+                out[k] = Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(first,), fn=ALIAS, once=step.once,
+                              note="the same einsum of the same data as an earlier one")
         if not step.is_collective or step.src is None:
             continue
         key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2, step.once)
@@ -89,8 +94,10 @@ def _share_copied(out: list[Step]) -> None:
         done.setdefault(key, step.dst)
 
 
-def _share_einsum(step: Step, root: dict[TensorRef, TensorRef], made: dict[tuple[object, ...], TensorRef]) -> None:
-    """Root a local einsum's result at an earlier one's of the same data in the same layout.
+def _share_einsum(step: Step, root: dict[TensorRef, TensorRef],
+                  made: dict[tuple[object, ...], TensorRef]) -> TensorRef | None:
+    """Root a local einsum's result at an earlier one's of the same data in the same layout, and
+    return that earlier result (None when it is the first).
 
     A local einsum (a copy too) is the one its indices name (``se->es``), so the data of
     its operands and its result's indices, layout and partial sums fix its result.  A root
@@ -100,8 +107,10 @@ def _share_einsum(step: Step, root: dict[TensorRef, TensorRef], made: dict[tuple
     key = (step.op, tuple(root.get(o, o) for o in step.operands), step.shapes, dst.indices, dst.layout,
            dst.unreduced, step.once)
     first = made.setdefault(key, dst)
-    if first != dst:
-        root[dst] = root.get(first, first)
+    if first == dst:
+        return None
+    root[dst] = root.get(first, first)
+    return first
 
 
 def _same_data(a: TensorRef, b: TensorRef) -> bool:

@@ -17,6 +17,7 @@ from shardc.ir.plan import Op, Plan, Step
 from shardc.lowering.sizes import devices_to_check
 from shardc.planner.plan_text import step_label
 from shardc.verification.hlo import Collective
+from shardc.verification.memory_check import MemoryCheck, render_memory
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text", "compare_values",
            "Planned", "planned_collective", "unplanned_row", "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE",
@@ -79,6 +80,7 @@ class Report:
     input_scale: float = 1.0  # inputs are standard normal times this, times their own scale
     input_scales: dict[str, float] = field(default_factory=dict)  # each input's (shardc.verification.scales)
     notes: list[str] = field(default_factory=list)
+    memory_check: MemoryCheck | None = None  # per-device memory against XLA's (not part of ``ok``)
 
     @property
     def ok(self) -> bool:
@@ -89,6 +91,7 @@ class Report:
         data = _finite(asdict(self))
         for row, value in zip(data["values"], self.values, strict=True):
             row["catches"] = _finite(value.catches)
+        data["memory_check"] = self.memory_check.to_json() if self.memory_check is not None else None
         data["ok"] = self.ok
         return data  # type: ignore[no-any-return]
 
@@ -205,6 +208,8 @@ def render_report(report: Report) -> str:
                     [[r.phase, r.step or "-", r.plan_axes, _num(r.plan_bytes), r.hlo_op, r.hlo_axes,
                       _num(r.hlo_bytes), _status(r.ok, r.note)]
                      for r in report.collectives])
+    if report.memory_check is not None:
+        lines += ["", render_memory(report.memory_check).rstrip("\n")]
     verdict = "verified: values and collectives match" if report.ok else "verification FAILED"
     lines += ["", verdict + ("; the notes above list what was not compared" if report.notes else "")]
     return "\n".join(lines) + "\n"

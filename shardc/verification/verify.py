@@ -15,7 +15,8 @@ unsharded program's own error; a spec with dropout runs under two keys.  A value
 that cannot be compared (out of range, NaN or inf on either side, a wrong shape)
 fails, and so does a collective over an axis the run had to cut to 1: nothing is
 reported verified that was not run.
-HLO volumes are priced in the spec's dtype, as the plan's are.
+HLO volumes are priced in the spec's dtype, as the plan's are.  Each phase's memory per device is
+set beside XLA's buffer assignment (:mod:`shardc.verification.memory_check`), reported, not judged.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check,
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
 from shardc.verification.hlo import collectives
+from shardc.verification.memory_check import check_memory
 from shardc.verification.module_check import given_source, module_sizes, running, use_module
 from shardc.verification.pipeline_verify import verify_pipeline
 from shardc.verification.power import DROPOUT_KEYS
@@ -278,6 +280,7 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     for phase, steps in phases:
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
         report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut)
+    report.memory_check = check_memory(lowered)
     return report
 
 

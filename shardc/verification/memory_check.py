@@ -1,0 +1,180 @@
+"""shardc's memory per device against the compiler's: each phase of the lowered step compiled by
+XLA and its buffer assignment (``compiled.memory_analysis()``) set beside
+:func:`shardc.costmodel.memory.phase_memory`.
+
+XLA reports, per compiled program and per device (the SPMD-partitioned module is one device's),
+the bytes of its entry parameters (``argument_size_in_bytes``), of the buffers it may return
+(``output_size_in_bytes``, with the output tuple's table of one pointer a result), of the
+preallocated temporaries, packed by its heap simulator so that buffers not alive at once share
+bytes (``temp_size_in_bytes``), and of outputs that reuse a donated parameter
+(``alias_size_in_bytes``); the program needs argument + output + temp - alias bytes.  The lowered
+module donates nothing, so alias is 0 and the categories compare one to one: arguments, outputs,
+temporaries, and their sum.
+
+Each phase is compiled in float32 at verify's sizes: XLA's CPU backend has no bf16 or f16 dot and
+converts each such operand to f32 (and the product back), temporaries a TPU or GPU does not make,
+so both sides count a floating-point element at 4 bytes.  Token ids are int32 and dropout masks
+bool, as the forward makes them, on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shardc.costmodel.memory import PhaseMemory, phase_memory
+from shardc.errors import ShardcError
+from shardc.ir.plan import Plan
+from shardc.lowering.api import lower
+from shardc.lowering.replan import unlowered_optimizer
+from shardc.lowering.row_code import id_inputs
+from shardc.lowering.sizes import small_sizes
+from shardc.spec.functions import ID_DTYPE
+from shardc.units import fmt_bytes
+from shardc.verification.route_load import overflowing
+
+if TYPE_CHECKING:
+    from shardc.lowering.api import Lowered
+
+__all__ = ["MemoryRow", "MemoryCheck", "check_memory", "check_plan_memory", "render_memory", "MEMORY_DTYPE",
+           "TARGET"]
+
+MEMORY_DTYPE = "float32"
+TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
+_CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
+               ("temporaries", "temp_size_in_bytes"))
+_WHY = {
+    "arguments": "params and inputs (forward); cotangents, residuals and params (backward)",
+    "outputs": "results and kept residuals (forward); gradients (backward); XLA adds its output "
+               "tuple's table, 8 bytes a result",
+    "temporaries": "values neither taken nor returned, the most alive at one step; XLA also makes "
+                   "layout copies (transposes before a dot, after a collective) and pads each "
+                   "buffer to its alignment, and fuses maps shardc counts apart",
+}
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    phase: str
+    category: str  # arguments, outputs, temporaries, total
+    shardc_bytes: float
+    xla_bytes: float
+    parts: tuple[tuple[str, float], ...] = ()  # shardc's bytes by what they hold (params, inputs, ...)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.shardc_bytes / self.xla_bytes if self.xla_bytes else None
+
+    def to_json(self) -> dict[str, object]:
+        return {"phase": self.phase, "category": self.category, "shardc_bytes": self.shardc_bytes,
+                "xla_bytes": self.xla_bytes, "ratio": self.ratio, "shardc_parts": dict(self.parts)}
+
+
+@dataclass
+class MemoryCheck:
+    """Per phase and category the two figures; the headline is the phase XLA needs most for."""
+
+    rows: list[MemoryRow]
+    phase: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def headline(self) -> MemoryRow:
+        return next(r for r in self.rows if r.phase == self.phase and r.category == "total")
+
+    @property
+    def within_target(self) -> bool:
+        ratio = self.headline.ratio
+        return ratio is not None and abs(ratio - 1.0) <= TARGET
+
+    def to_json(self) -> dict[str, object]:
+        top = self.headline
+        return {"phase": self.phase, "shardc_bytes": top.shardc_bytes, "xla_bytes": top.xla_bytes,
+                "ratio": top.ratio, "target": TARGET, "within_target": self.within_target,
+                "dtype": MEMORY_DTYPE, "rows": [r.to_json() for r in self.rows],
+                "categories": dict(_WHY), "notes": list(self.notes)}
+
+
+def check_memory(lowered: Lowered) -> MemoryCheck:
+    """Compile the forward and the backward of ``lowered`` (float32, its sizes) and compare each
+    category of XLA's memory analysis with shardc's :func:`phase_memory`."""
+    model = {m.phase: m for m in phase_memory(lowered.plan, dict(lowered.sizes or {}), np.dtype(MEMORY_DTYPE).itemsize)}
+    rows: list[MemoryRow] = []
+    totals: dict[str, float] = {}
+    notes: list[str] = []
+    for phase in ("forward", "backward"):
+        stats = _compiled(lowered, phase).memory_analysis()
+        rows += _rows(model[phase], stats)
+        totals[phase] = rows[-1].xla_bytes
+        if stats.alias_size_in_bytes:
+            notes.append(f"{phase}: XLA aliases {fmt_bytes(stats.alias_size_in_bytes)} of outputs to arguments")
+    if lowered.namespace.KEYED:
+        notes.append("the forward also takes the dropout key (4 bytes), not a value of the plan")
+    notes.append("the lowered step keeps no optimizer state (its update is plain SGD): shardc cost's "
+                 "optimizer_bytes and the accounting's extra bytes a param have no counterpart here")
+    if lowered.module.optimizer is not None:
+        notes.append("the ZeRO optimizer phase is not compared (shardc models it as state, not as a program)")
+    return MemoryCheck(rows, max(totals, key=lambda p: totals[p]), notes)
+
+
+def check_plan_memory(plan: Plan, devices: int) -> MemoryCheck:
+    """:func:`check_memory` of ``plan`` lowered as ``shardc verify`` lowers it on ``devices`` devices."""
+    if plan.spec.mesh.pipeline_axis is not None:
+        raise ShardcError("the memory check compiles an unpipelined step; this spec has a pipeline axis",
+                          fix="check the spec without its pipeline axis")
+    zero = plan if plan.optimizer else None
+    plain, _ = unlowered_optimizer(plan)
+    sizes, _ = overflowing(plain, small_sizes(zero or plain, devices), {})
+    return check_memory(lower(zero or plain, sizes=sizes))
+
+
+def _rows(model: PhaseMemory, stats: Any) -> list[MemoryRow]:
+    mine = {"arguments": model.arguments, "outputs": model.outputs, "temporaries": model.temporaries}
+    rows = [MemoryRow(model.phase, name, mine[name], float(getattr(stats, attr)),
+                      tuple((what, n) for category, what, n in model.parts if category == name))
+            for name, attr in _CATEGORIES]
+    xla_total = sum(r.xla_bytes for r in rows) - float(stats.alias_size_in_bytes)
+    return rows + [MemoryRow(model.phase, "total", model.total, xla_total)]
+
+
+def _compiled(lowered: Lowered, phase: str) -> Any:
+    """One phase's ``jit(shard_map)`` compiled for the arrays the step passes it: floats in
+    MEMORY_DTYPE, token ids in ID_DTYPE, one-byte values (dropout masks) as bool."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh, forward, backward = lowered.namespace.programs()
+    ns = lowered.namespace
+    program, boundaries, table = ((forward, lowered.module.forward.inputs, ns.FORWARD_IN) if phase == "forward"
+                                  else (backward, lowered.module.backward.inputs, ns.BACKWARD_IN))
+    ids = id_inputs(lowered.plan.spec)
+    one_byte = {name for name, size in lowered.plan.element_bytes if size == 1}
+
+    def dtype(name: str) -> Any:
+        return ID_DTYPE if name in ids else np.bool_ if name in one_byte else MEMORY_DTYPE
+
+    args = [jax.ShapeDtypeStruct(lowered.global_shape(b.ref), dtype(b.ref.name),
+                                 sharding=NamedSharding(mesh, table[b.key])) for b in boundaries]
+    if phase == "forward" and ns.KEYED:
+        args.append(jax.ShapeDtypeStruct((), np.uint32, sharding=NamedSharding(mesh, PartitionSpec())))
+    return program.lower(*args).compile()
+
+
+def render_memory(check: MemoryCheck) -> str:
+    """The table ``shardc verify`` prints: per phase and category both figures and their ratio."""
+    lines = [f"memory per device ({MEMORY_DTYPE}), shardc against XLA's buffer assignment:",
+             f"  {'phase':<9} {'category':<12} {'shardc':>10} {'XLA':>10} {'ratio':>6}"]
+    for r in check.rows:
+        ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
+        parts = ", ".join(f"{what} {fmt_bytes(n)}" for what, n in r.parts if n)
+        lines.append(f"  {r.phase:<9} {r.category:<12} {fmt_bytes(r.shardc_bytes):>10} "
+                     f"{fmt_bytes(r.xla_bytes):>10} {ratio:>6}" + (f"  ({parts})" if parts else ""))
+    top = check.headline
+    verdict = "within" if check.within_target else "outside"
+    lines.append(f"  the {check.phase} needs most: shardc {fmt_bytes(top.shardc_bytes)}, XLA "
+                 f"{fmt_bytes(top.xla_bytes)} ({verdict} {TARGET:.0%})")
+    lines += [f"  {name}: {why}" for name, why in _WHY.items()]
+    lines += [f"  note: {n}" for n in check.notes]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,102 @@
+"""Memory per device against the compiler: shardc's phase model (arguments, outputs, the most
+temporaries alive at one step) and XLA's buffer assignment of the lowered step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.cli.main import main
+from shardc.costmodel.memory import phase_memory
+from shardc.verification.memory_check import check_plan_memory, render_memory
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+F32 = 4
+
+
+def _phases(text: str) -> dict[str, tuple[float, float, float]]:
+    plan = shardc.plan(shardc.parse(text))
+    assert plan.sizes is not None
+    return {m.phase: (m.arguments, m.outputs, m.temporaries) for m in phase_memory(plan, dict(plan.sizes), F32)}
+
+
+DENSE = "mesh X=2\ndims B=8, D=4, F=6\nparam W\nY[B_X, F] = X[B_X, D] · W[D, F]\n"
+
+
+def test_arguments_outputs_and_deferred_gradient_reduction() -> None:
+    phases = _phases(DENSE)
+    x, w, y = 8 // 2 * 4 * F32, 4 * 6 * F32, 8 // 2 * 6 * F32
+    assert phases["forward"] == (x + w, y, 0)
+    # the backward takes dY, X and W and returns dX and dW; the partial sums of dW wait for the
+    # AllReduce issued off the critical path at the end, and dX's buffer (64 bytes) cannot hold them
+    assert phases["backward"] == (y + x + w, x + w, w)
+
+
+def test_the_parts_are_the_training_state_and_activations() -> None:
+    plan = shardc.plan(shardc.parse(DENSE))
+    assert plan.sizes is not None
+    forward, backward = phase_memory(plan, dict(plan.sizes), F32)
+    x, w, y = 8 // 2 * 4 * F32, 4 * 6 * F32, 8 // 2 * 6 * F32
+    assert forward.parts == (("arguments", "params", w), ("arguments", "inputs", x),
+                             ("outputs", "results", y), ("outputs", "residuals", 0))
+    assert backward.parts == (("arguments", "cotangents", y), ("arguments", "residuals", x),
+                              ("arguments", "params", w), ("outputs", "gradients", x + w))
+
+
+def test_a_dot_operand_not_batch_major_is_copied() -> None:
+    copied = "mesh X=2\ndims B=8, S=4, T=4, H=2\nSc[B_X, S, T] = Q[S, B_X, H] · K[B_X, T, H]\n"
+    plain = copied.replace("Q[S, B_X, H]", "Q[B_X, S, H]")
+    assert _phases(copied)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's local piece, transposed for the dot
+    assert _phases(plain)["forward"][2] == 0
+
+
+def test_a_map_is_fused_into_the_next() -> None:
+    text = "mesh X=2\ndims B=8, D=4, F=6\nparam W\nY[B_X, F] = gelu(X[B_X, D] · W[D, F])\n"
+    # the einsum's result is kept for the gelu's backward: a forward output, no temporary
+    assert _phases(text)["forward"][2] == 0
+
+
+@pytest.mark.slow
+def test_verify_reports_memory_against_xla() -> None:
+    from shardc.verification.verify import verify
+
+    report = verify(shardc.parse((EXAMPLES / "tp.shard").read_text()))
+    check = report.memory_check
+    assert check is not None
+    rows = {(r.phase, r.category): r for r in check.rows}
+    lowered_outputs = {"forward": 3, "backward": 3}  # Out, Tmp and the gathered In; dIn, dW_in, dW_out
+    for phase, count in lowered_outputs.items():
+        assert rows[(phase, "arguments")].ratio == 1.0
+        # XLA's outputs are the arrays and the output tuple's table, a pointer a result
+        assert rows[(phase, "outputs")].xla_bytes - rows[(phase, "outputs")].shardc_bytes == 8 * count
+    data = report.to_json()["memory_check"]
+    assert {"shardc_bytes", "xla_bytes", "ratio"} <= set(data)
+    assert abs(data["ratio"] - 1) <= 0.10
+    assert "memory per device" in render_memory(check)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp"])
+def test_examples_within_ten_percent(name: str) -> None:
+    plan = shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text()))
+    check = check_plan_memory(plan, 8)
+    assert check.within_target, render_memory(check)
+
+
+@pytest.mark.slow
+def test_cost_check_memory_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost", str(EXAMPLES / "fsdp_tp.shard"), "--check-memory", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    check = data["memory_check"]
+    assert check["xla_bytes"] > 0 and check["ratio"] == check["shardc_bytes"] / check["xla_bytes"]
+    assert {r["phase"] for r in check["rows"]} == {"forward", "backward"}
+
+
+def test_cost_check_memory_refuses_a_sweep_and_a_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost", str(EXAMPLES / "tp.shard"), "--check-memory", "--sweep", "B=1e3:1e4"]) == 2
+    assert "--check-memory" in capsys.readouterr().err
+    assert main(["cost", str(EXAMPLES / "pipeline_llama.shard"), "--check-memory"]) == 2
+    assert "pipeline" in capsys.readouterr().err
