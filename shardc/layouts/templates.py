@@ -1,0 +1,148 @@
+"""Large searches: each sharding template planned once, then re-costed at every candidate's sizes and knobs.
+
+A plan's steps are formulas of the dims and the mesh axis sizes (:class:`shardc.ir.plan.Monomial`),
+so the plan made for one candidate costs, at another candidate's sizes, what that plan would take
+there: ``shardc cost`` of it with the sizes replaced gives, to the last digit, the figures of a plan
+made at those sizes whenever the planner chooses the same steps there.  Candidates of one *template*
+(one spec, the same mesh axes above size 1 beside the stage axis, one recompute policy and ZeRO
+line) share the plan of one of them, their *representative*, planned as ``shardc plan`` plans it.
+The stage axis is no part of a template: a stage's plan is the spec's plan without the stage axis,
+whatever the stage count, and so are the microbatch count and the schedule, which only the
+pipeline's cost reads.
+
+A re-costed row is the cost of a real plan at the candidate's sizes, but not necessarily the plan
+the planner would make there; so the best rows are planned at their own sizes, a few at a time,
+until the first :data:`EXACT_TOP` rows are each their candidate's own plan (what ``shardc cost
+--set ...`` reports for it).  The rows left re-costed say so (``planned`` false, and a note).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from shardc.costmodel.cost_report import cost
+from shardc.errors import ShardcError
+from shardc.ir.plan import Plan
+from shardc.ir.spec import Mesh, Spec
+from shardc.layouts.rank import Layout, Options, Skipped, evaluate, layout_of, rank
+from shardc.planner.planner import plan
+
+__all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates"]
+
+EXACT_TOP = 3  # the rows planned at their own sizes, at least: the chosen one and the two behind it
+ROUNDS = 8  # rounds of planning the best re-costed rows, each of EXACT_TOP plans at most
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate: its spec at its sizes and knobs (validated), its row's axes, knobs and recompute."""
+
+    spec: Spec
+    sizes: tuple[tuple[str, int], ...]
+    knobs: tuple[tuple[str, str], ...] = ()
+    recompute: str | None = None  # None: the search's (Options.recompute)
+
+    @property
+    def label(self) -> str:
+        return self.spec.filename or "<spec>"
+
+
+def template_key(c: Candidate, options: Options) -> tuple[object, ...]:
+    """What a candidate's plan is made of beside sizes: the spec (its text with the mesh sizes left out),
+    which of its non-stage axes shard anything (size > 1), the recompute policy and the ZeRO line."""
+    active = tuple(a.name for a in c.spec.mesh.axes if a.size > 1 and not a.pipeline)
+    statements = tuple(str(s) for s in c.spec.statements)
+    return (c.label, statements, c.spec.dims, active, c.recompute or options.recompute, str(c.spec.zero))
+
+
+def recost(template: Plan, c: Candidate, options: Options) -> Layout | str:
+    """``template`` costed at ``c``'s sizes and knobs: a row (``planned`` false), or why cost refuses it."""
+    sizes = tuple(dict(c.spec.dims).items()) + tuple((a.name, a.size) for a in c.spec.mesh.axes)
+    axes = {a.name: a for a in c.spec.mesh.axes}
+    # the plan's own spec (its topology, a ZeRO-3 spec's params sharded), at c's sizes and pipeline lines
+    spec = replace(template.spec, mesh=Mesh(tuple(axes[a.name] for a in template.spec.mesh.axes)), dims=c.spec.dims,
+                   microbatches=c.spec.microbatches, schedule=c.spec.schedule)
+    try:
+        report = cost(replace(template, spec=spec, sizes=sizes), mfu=options.mfu, optimizer=options.optimizer)
+    except ShardcError as err:
+        return err.message.splitlines()[0]
+    row = layout_of(report, c.label, c.sizes)
+    return replace(row, knobs=c.knobs, planned=False)
+
+
+def _plan(c: Candidate, options: Options) -> Plan | str:
+    try:
+        return plan(c.spec, save=options.save, hardware=options.hardware, recompute=c.recompute or options.recompute,
+                    topology=options.topology)
+    except ShardcError as err:
+        return err.message.splitlines()[0]
+
+
+def _exact(c: Candidate, options: Options) -> Layout | str:
+    row = evaluate(c.spec, options, c.recompute)
+    return row if isinstance(row, str) else replace(row, sizes=c.sizes, knobs=c.knobs)
+
+
+def _representative(members: Sequence[Candidate]) -> Candidate:
+    """The template's middle candidate in enumeration order: its sizes are the least extreme."""
+    return members[len(members) // 2]
+
+
+def _note(rep: Candidate) -> str:
+    sizes = " ".join(f"{k}={v}" for k, v in rep.sizes)
+    return f"re-costed: the plan made at {sizes}, costed at this row's sizes (not planned at them)"
+
+
+def search_templates(found: Sequence[Candidate], options: Options,
+                     progress: Callable[[int, int], None] | None = None,
+                     ) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+    """Every candidate costed with its template's plan, the best planned at their own sizes; ranked rows,
+    the candidates refused, and counts."""
+    start = time.perf_counter()
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for i, c in enumerate(found):
+        groups.setdefault(template_key(c, options), []).append(i)
+    rows: dict[int, Layout] = {}
+    refused: dict[int, str] = {}
+    planned = 0
+    for n, members in enumerate(groups.values(), 1):
+        rep = _representative([found[i] for i in members])
+        template = _plan(rep, options)
+        planned += 1
+        for i in members:
+            c = found[i]
+            row = recost(template, c, options) if isinstance(template, Plan) else template
+            if isinstance(row, str):
+                refused[i] = row
+            else:  # the representative's row is its own plan's
+                rows[i] = replace(row, planned=True) if c is rep else replace(row, notes=row.notes + (_note(rep),))
+        if progress is not None:
+            progress(n, len(groups))
+    planned += _refine(found, rows, refused, options)
+    skipped = [Skipped(found[i].label, found[i].sizes, why) for i, why in sorted(refused.items())]
+    ordered = rank([rows[i] for i in sorted(rows)])
+    stats = {"candidates": len(found), "planned": planned, "reused": 0, "recosted": sum(not r.planned for r in ordered),
+             "templates": len(groups), "jobs": 1, "seconds": time.perf_counter() - start}
+    return ordered, skipped, stats
+
+
+def _refine(found: Sequence[Candidate], rows: dict[int, Layout], refused: dict[int, str], options: Options) -> int:
+    """Plan the best re-costed rows at their own sizes until the first EXACT_TOP are all planned; the plans made."""
+    made = 0
+    for _ in range(ROUNDS):
+        order = rank(list(rows.values()))
+        index = {id(r): i for i, r in rows.items()}
+        todo = [index[id(r)] for r in order[:EXACT_TOP] if not r.planned]
+        if not todo:
+            break
+        for i in todo:
+            row = _exact(found[i], options)
+            made += 1
+            if isinstance(row, str):
+                refused[i] = row
+                del rows[i]
+            else:
+                rows[i] = row
+    return made
