@@ -148,6 +148,10 @@ def test_knobs_are_searched_for_the_best_layouts(capsys: pytest.CaptureFixture[s
     assert staged and all(r["axes"]["P"] > 1 for r in staged)
     steps = [r["step_s"] for r in rows if r["fits"]]  # type: ignore[index]
     assert steps == sorted(steps)
+    if rows[0]["axes"] == rows[1]["axes"]:  # type: ignore[index]  # the runner-up only turned a knob: say the next layout
+        other = next(r for r in rows if r["fits"] and r["axes"] != rows[0]["axes"])  # type: ignore[index]
+        axes = " ".join(f"{k}={v}" for k, v in other["axes"].items())
+        assert f"the best other layout: pipeline_llama.shard {axes}" in found["reason"]  # type: ignore[operator]
     # a planned row with knobs is `shardc cost` of the spec with those lines, at those sizes
     row = next(r for r in knobbed if r["planned"] and "schedule" in r["knobs"] and "recompute" not in r["knobs"])
     spec = prepare(load(PIPELINE), row["axes"])
@@ -187,3 +191,13 @@ def test_gpt3_on_its_384_a100_ranks_megatrons_layout_in_its_top_three(capsys: py
     axes = [r["axes"] for r in found["layouts"]]  # type: ignore[index]
     assert {"P": 12, "Z": 4, "Y": 8} in axes[:3]
     assert all(r["planned"] for r in found["layouts"][:EXACT_TOP])  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_the_template_search_chooses_as_planning_every_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 64 chips over P x X x Y: 28 candidates, each planned, against 4 templates planned once
+    exact, fast = _both(monkeypatch, PIPELINE, 64)
+    assert fast.stats["templates"] <= 4 < exact.stats["planned"]
+    assert fast.chosen is not None and exact.chosen is not None and fast.chosen.sizes == exact.chosen.sizes
+    assert [r.sizes for r in fast.layouts[:EXACT_TOP]] == [r.sizes for r in exact.layouts[:EXACT_TOP]]
+    assert [r.step_s for r in fast.layouts[:EXACT_TOP]] == [r.step_s for r in exact.layouts[:EXACT_TOP]]

@@ -21,8 +21,8 @@ from shardc.layouts.book_optimum import BookOptimum, book_optimum
 from shardc.layouts.factor import MAX_CANDIDATES, MAX_WORK, candidates, searched_axes
 from shardc.layouts.knobs import KNOBS, variants
 from shardc.layouts.layouts_text import reason, render, to_json
-from shardc.layouts.rank import RULE, Layout, Options, Skipped, on_cluster, prepare, rank, rank_key, ranked
-from shardc.layouts.templates import Candidate, search_templates
+from shardc.layouts.rank import RULE, Layout, Options, Skipped, on_cluster, prepare, rank_key, ranked
+from shardc.layouts.templates import Candidate, refined, search_templates
 from shardc.planner.planner import plan
 from shardc.spec.overrides import dim_names
 
@@ -107,23 +107,25 @@ def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], optio
                 refused.append(candidate)
             else:
                 found.append(Candidate(candidate, tuple((a.name, sizes[a.name]) for a in spec.mesh.axes)))
-    rows, skipped, stats = search_templates(found, options, progress)
+    rows, skipped, stats = search_templates(found, options, progress, refine=False)
     best = {(r.spec, r.sizes): c for r in rows[:KNOB_LAYOUTS] for c in found if (c.label, c.sizes) == (r.spec, r.sizes)}
+    every = list(found)
     for knob in KNOBS:  # one knob at a time, from the best settings of those before it
         if knob not in options.knobs or not best:
             continue
         more = [v for c in best.values() for v in variants(c, knob, options)]
-        tried, also, extra = search_templates(more, options, progress)
-        rows, skipped = rank(rows + tried), skipped + also
+        tried, also, extra = search_templates(more, options, progress, refine=False)
+        rows, skipped, every = rows + tried, skipped + also, every + more
         stats = {k: v + extra.get(k, 0) if k not in ("jobs", "seconds") else v for k, v in stats.items()}
         for c in more:
             now = best[(c.label, c.sizes)]
             if _key(tried, c) < _key(rows, now):
                 best[(c.label, c.sizes)] = c
+    rows, also, stats["planned"] = refined(rows, every, options, stats["planned"])
     stats["candidates"] += len(refused)
     stats["recosted"] = sum(not r.planned for r in rows)
     stats["seconds"] = time.perf_counter() - start
-    return rows, refused + skipped, stats
+    return rows, refused + skipped + also, stats
 
 
 def _key(rows: Sequence[Layout], c: Candidate) -> tuple[object, ...]:

@@ -111,10 +111,18 @@ def reason(search: LayoutSearch) -> str:
                      + (f", then memory {fmt_bytes(best.memory_bytes)} vs {fmt_bytes(nxt.memory_bytes)}"
                         if nxt.critical_s == best.critical_s else ""))
     elif len(search.layouts) > 1 and search.layouts[1].fits:
-        nxt = search.layouts[1]
-        parts.append(f"next: {_name(nxt)} {nxt.axes_text} at {_fine(nxt.step_s)} vs {_fine(best.step_s)} "
-                     f"({nxt.bound}-bound, communication {_fine(nxt.comm_s)} vs {_fine(best.comm_s)})")
+        parts.append("next: " + _versus(search.layouts[1], best, bool(search.options.knobs)))
+    other = next((r for r in search.layouts[1:] if r.fits and (r.spec, r.sizes) != (best.spec, best.sizes)), None)
+    if other is not None and other is not search.layouts[1] and search.options.knobs:  # the next turned a knob only
+        parts.append("the best other layout: " + _versus(other, best, True))
     return head + "; ".join(parts)
+
+
+def _versus(row: Layout, best: Layout, memory: bool) -> str:
+    """``row`` against the chosen ``best``: step, bound, communication (and ``memory``), in numbers."""
+    return (f"{_name(row)} {row.axes_text} at {_fine(row.step_s)} vs {_fine(best.step_s)} ({row.bound}-bound, "
+            f"communication {_fine(row.comm_s)} vs {_fine(best.comm_s)}"
+            + (f", memory {fmt_bytes(row.memory_bytes)} vs {fmt_bytes(best.memory_bytes)})" if memory else ")"))
 
 
 def to_json(search: LayoutSearch, top: int = 0) -> dict[str, object]:

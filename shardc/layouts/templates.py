@@ -96,53 +96,61 @@ def _note(rep: Candidate) -> str:
 
 
 def search_templates(found: Sequence[Candidate], options: Options,
-                     progress: Callable[[int, int], None] | None = None,
+                     progress: Callable[[int, int], None] | None = None, refine: bool = True,
                      ) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
-    """Every candidate costed with its template's plan, the best planned at their own sizes; ranked rows,
-    the candidates refused, and counts."""
+    """Every candidate costed with its template's plan, the best planned at their own sizes (``refine``:
+    else see :func:`refined`); ranked rows, the candidates refused, and counts."""
     start = time.perf_counter()
-    groups: dict[tuple[object, ...], list[int]] = {}
-    for i, c in enumerate(found):
-        groups.setdefault(template_key(c, options), []).append(i)
-    rows: dict[int, Layout] = {}
-    refused: dict[int, str] = {}
-    planned = 0
+    groups: dict[tuple[object, ...], list[Candidate]] = {}
+    for c in found:
+        groups.setdefault(template_key(c, options), []).append(c)
+    rows: list[Layout] = []
+    skipped: list[Skipped] = []
     for n, members in enumerate(groups.values(), 1):
-        rep = _representative([found[i] for i in members])
+        rep = _representative(members)
         template = _plan(rep, options)
-        planned += 1
-        for i in members:
-            c = found[i]
+        for c in members:
             row = recost(template, c, options) if isinstance(template, Plan) else template
             if isinstance(row, str):
-                refused[i] = row
+                skipped.append(Skipped(c.label, c.sizes, row))
             else:  # the representative's row is its own plan's
-                rows[i] = replace(row, planned=True) if c is rep else replace(row, notes=row.notes + (_note(rep),))
+                rows.append(replace(row, planned=True) if c is rep else replace(row, notes=row.notes + (_note(rep),)))
         if progress is not None:
             progress(n, len(groups))
-    planned += _refine(found, rows, refused, options)
-    skipped = [Skipped(found[i].label, found[i].sizes, why) for i, why in sorted(refused.items())]
-    ordered = rank([rows[i] for i in sorted(rows)])
-    stats = {"candidates": len(found), "planned": planned, "reused": 0, "recosted": sum(not r.planned for r in ordered),
-             "templates": len(groups), "jobs": 1, "seconds": time.perf_counter() - start}
-    return ordered, skipped, stats
+    stats = {"candidates": len(found), "planned": len(groups), "reused": 0, "recosted": 0,
+             "templates": len(groups), "jobs": 1, "seconds": 0.0}
+    if refine:
+        rows, more, stats["planned"] = refined(rows, found, options, stats["planned"])
+        skipped += more
+    rows = rank(rows)
+    stats["recosted"] = sum(not r.planned for r in rows)
+    stats["seconds"] = time.perf_counter() - start
+    return rows, skipped, stats
 
 
-def _refine(found: Sequence[Candidate], rows: dict[int, Layout], refused: dict[int, str], options: Options) -> int:
-    """Plan the best re-costed rows at their own sizes until the first EXACT_TOP are all planned; the plans made."""
-    made = 0
+def _which(row: Layout) -> tuple[str, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
+    return (row.spec, row.sizes, row.knobs)
+
+
+def refined(rows: Sequence[Layout], found: Sequence[Candidate], options: Options,
+            planned: float = 0) -> tuple[list[Layout], list[Skipped], float]:
+    """``rows`` (of candidates among ``found``) with the best re-costed ones planned at their own sizes until
+    the first EXACT_TOP are all planned; the rows, those the planner refuses at their own sizes, and
+    ``planned`` plus the plans made."""
+    by_row = {(c.label, c.sizes, c.knobs): c for c in found}
+    out, refused = list(rows), []
     for _ in range(ROUNDS):
-        order = rank(list(rows.values()))
-        index = {id(r): i for i, r in rows.items()}
-        todo = [index[id(r)] for r in order[:EXACT_TOP] if not r.planned]
+        out = rank(out)
+        todo = [r for r in out[:EXACT_TOP] if not r.planned]
         if not todo:
             break
-        for i in todo:
-            row = _exact(found[i], options)
-            made += 1
+        for r in todo:
+            c = by_row[_which(r)]
+            row = _exact(c, options)
+            planned += 1
+            out.remove(r)
             if isinstance(row, str):
-                refused[i] = row
-                del rows[i]
+                refused.append(Skipped(c.label, c.sizes, row))
             else:
-                rows[i] = row
-    return made
+                out.append(row)
+    return rank(out), refused, planned
