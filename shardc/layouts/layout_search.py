@@ -114,7 +114,7 @@ def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], optio
         if knob not in options.knobs or not best:
             continue
         more = [v for c in best.values() for v in variants(c, knob, options)]
-        tried, also, extra = search_templates(more, options, progress, refine=False)
+        tried, also, extra = search_templates(more, options, progress, refine=False, ranked=True)
         rows, skipped, every = rows + tried, skipped + also, every + more
         stats = {k: v + extra.get(k, 0) if k not in ("jobs", "seconds") else v for k, v in stats.items()}
         for c in more:

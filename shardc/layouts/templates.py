@@ -85,9 +85,10 @@ def _exact(c: Candidate, options: Options) -> Layout | str:
     return row if isinstance(row, str) else replace(row, sizes=c.sizes, knobs=c.knobs)
 
 
-def _representative(members: Sequence[Candidate]) -> Candidate:
-    """The template's middle candidate in enumeration order: its sizes are the least extreme."""
-    return members[len(members) // 2]
+def _representative(members: Sequence[Candidate], first: bool) -> Candidate:
+    """The template's first candidate (``first``: they come best first), else its middle one in enumeration
+    order (its sizes the least extreme)."""
+    return members[0 if first else len(members) // 2]
 
 
 def _note(rep: Candidate) -> str:
@@ -97,9 +98,10 @@ def _note(rep: Candidate) -> str:
 
 def search_templates(found: Sequence[Candidate], options: Options,
                      progress: Callable[[int, int], None] | None = None, refine: bool = True,
-                     ) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+                     ranked: bool = False) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
     """Every candidate costed with its template's plan, the best planned at their own sizes (``refine``:
-    else see :func:`refined`); ranked rows, the candidates refused, and counts."""
+    else see :func:`refined`); ranked rows, the candidates refused, and counts.  ``ranked``: ``found``
+    comes best first (a knob's settings of the best layouts), so each template is planned at its first."""
     start = time.perf_counter()
     groups: dict[tuple[object, ...], list[Candidate]] = {}
     for c in found:
@@ -107,7 +109,7 @@ def search_templates(found: Sequence[Candidate], options: Options,
     rows: list[Layout] = []
     skipped: list[Skipped] = []
     for n, members in enumerate(groups.values(), 1):
-        rep = _representative(members)
+        rep = _representative(members, ranked)
         template = _plan(rep, options)
         for c in members:
             row = recost(template, c, options) if isinstance(template, Plan) else template
