@@ -23,7 +23,7 @@ from shardc.layouts.knobs import KNOBS, variants
 from shardc.layouts.layouts_text import reason, render, to_json
 from shardc.layouts.rank import RULE, Layout, Options, Skipped, on_cluster, prepare, rank_key, ranked
 from shardc.layouts.templates import Candidate, refined, search_templates
-from shardc.planner.planner import plan
+from shardc.planner.planner import plan, shared_search
 from shardc.spec.overrides import dim_names
 
 __all__ = ["EXACT_CANDIDATES", "KNOB_LAYOUTS", "LayoutSearch", "search_layouts"]
@@ -97,7 +97,6 @@ def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], optio
              progress: Callable[[int, int], None] | None) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
     """The template search: every layout at the spec's own knobs, then the knobs (``options.knobs``) of the best
     :data:`KNOB_LAYOUTS` layouts searched too."""
-    start = time.perf_counter()
     found: list[Candidate] = []
     refused: list[Skipped] = []
     for spec, sizes_list in zip(specs, plans, strict=True):
@@ -107,6 +106,15 @@ def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], optio
                 refused.append(candidate)
             else:
                 found.append(Candidate(candidate, tuple((a.name, sizes[a.name]) for a in spec.mesh.axes)))
+    with shared_search():  # a layout planned under several knobs shares its search caches
+        rows, skipped, stats = _templates(found, options, progress)
+    stats["candidates"] += len(refused)
+    return rows, refused + skipped, stats
+
+
+def _templates(found: list[Candidate], options: Options,
+               progress: Callable[[int, int], None] | None) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+    start = time.perf_counter()
     rows, skipped, stats = search_templates(found, options, progress, refine=False)
     best = {(r.spec, r.sizes): c for r in rows[:KNOB_LAYOUTS] for c in found if (c.label, c.sizes) == (r.spec, r.sizes)}
     every = list(found)
@@ -122,10 +130,9 @@ def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], optio
             if _key(tried, c) < _key(rows, now):
                 best[(c.label, c.sizes)] = c
     rows, also, stats["planned"] = refined(rows, every, options, stats["planned"])
-    stats["candidates"] += len(refused)
     stats["recosted"] = sum(not r.planned for r in rows)
     stats["seconds"] = time.perf_counter() - start
-    return rows, refused + skipped + also, stats
+    return rows, skipped + also, stats
 
 
 def _key(rows: Sequence[Layout], c: Candidate) -> tuple[object, ...]:
