@@ -201,3 +201,21 @@ def test_the_template_search_chooses_as_planning_every_candidate(monkeypatch: py
     assert fast.chosen is not None and exact.chosen is not None and fast.chosen.sizes == exact.chosen.sizes
     assert [r.sizes for r in fast.layouts[:EXACT_TOP]] == [r.sizes for r in exact.layouts[:EXACT_TOP]]
     assert [r.step_s for r in fast.layouts[:EXACT_TOP]] == [r.step_s for r in exact.layouts[:EXACT_TOP]]
+
+
+def test_plans_sharing_a_search_are_the_plans_made_apart() -> None:
+    from shardc.planner.planner import shared_search
+    spec = prepare(load(PIPELINE), {"P": 2, "X": 4, "Y": 1})
+    assert not isinstance(spec, shardc.layouts.Skipped)
+    variants = [(r, z) for r in ("none", "selective", "full") for z in (None, shardc.ir.spec.Zero(1, ("X",)))]
+
+    def steps(p: shardc.ir.plan.Plan) -> list[object]:  # type: ignore[name-defined]
+        report = shardc.cost(p)
+        assert report.pipeline is not None
+        return [str(s) for s in p.forward + p.backward + p.optimizer] + [report.pipeline.step_s,
+                                                                          report.memory.total_bytes]
+
+    apart = [steps(shardc.plan(replace(spec, zero=z), recompute=r)) for r, z in variants]
+    with shared_search():
+        together = [steps(shardc.plan(replace(spec, zero=z), recompute=r)) for r, z in variants]
+    assert together == apart and len({s[-1] for s in apart}) > 1  # the policies keep different memory
