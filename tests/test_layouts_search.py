@@ -219,3 +219,12 @@ def test_plans_sharing_a_search_are_the_plans_made_apart() -> None:
     with shared_search():
         together = [steps(shardc.plan(replace(spec, zero=z), recompute=r)) for r, z in variants]
     assert together == apart and len({s[-1] for s in apart}) > 1  # the policies keep different memory
+
+
+def test_templates_over_processes_give_the_rows_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
+    spec, options = load(PIPELINE), Options(get_hardware("tpu-v5p"))
+    alone = search_layouts([spec], options, chips=8, jobs=1)
+    pooled = search_layouts([spec], options, chips=8, jobs=2)
+    assert pooled.stats["jobs"] == 2 and alone.stats["jobs"] == 1
+    assert pooled.layouts == alone.layouts and pooled.skipped == alone.skipped

@@ -88,15 +88,16 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
     if options.exact or (work <= MAX_WORK and total <= EXACT_CANDIDATES and not options.knobs):
         rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
     else:
-        rows, skipped, stats = searched(specs, plans, options, progress)
+        rows, skipped, stats = searched(specs, plans, options, progress, jobs)
     optimum = _optimum(specs, rows, options, fixed) if rows else None
     return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats, optimum=optimum)
 
 
 def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options: Options,
-             progress: Callable[[int, int], None] | None) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
-    """The template search: every layout at the spec's own knobs, then the knobs (``options.knobs``) of the best
-    :data:`KNOB_LAYOUTS` layouts searched too."""
+             progress: Callable[[int, int], None] | None,
+             jobs: int = 1) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+    """The template search: every layout at the spec's own knobs (its templates over ``jobs`` processes), then
+    the knobs (``options.knobs``) of the best :data:`KNOB_LAYOUTS` layouts searched too."""
     found: list[Candidate] = []
     refused: list[Skipped] = []
     for spec, sizes_list in zip(specs, plans, strict=True):
@@ -107,15 +108,15 @@ def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], optio
             else:
                 found.append(Candidate(candidate, tuple((a.name, sizes[a.name]) for a in spec.mesh.axes)))
     with shared_search():  # a layout planned under several knobs shares its search caches
-        rows, skipped, stats = _templates(found, options, progress)
+        rows, skipped, stats = _templates(found, options, progress, jobs)
     stats["candidates"] += len(refused)
     return rows, refused + skipped, stats
 
 
-def _templates(found: list[Candidate], options: Options,
-               progress: Callable[[int, int], None] | None) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+def _templates(found: list[Candidate], options: Options, progress: Callable[[int, int], None] | None,
+               jobs: int) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
     start = time.perf_counter()
-    rows, skipped, stats = search_templates(found, options, progress, refine=False)
+    rows, skipped, stats = search_templates(found, options, progress, refine=False, jobs=jobs)
     best = {(r.spec, r.sizes): c for r in rows[:KNOB_LAYOUTS] for c in found if (c.label, c.sizes) == (r.spec, r.sizes)}
     every = list(found)
     for knob in KNOBS:  # one knob at a time, from the best settings of those before it
@@ -124,7 +125,7 @@ def _templates(found: list[Candidate], options: Options,
         more = [v for c in best.values() for v in variants(c, knob, options)]
         tried, also, extra = search_templates(more, options, progress, refine=False, ranked=True)
         rows, skipped, every = rows + tried, skipped + also, every + more
-        stats = {k: v + extra.get(k, 0) if k not in ("jobs", "seconds") else v for k, v in stats.items()}
+        stats = {k: v + extra[k] if k not in ("jobs", "seconds") else v for k, v in stats.items()}
         for c in more:
             now = best[(c.label, c.sizes)]
             if _key(tried, c) < _key(rows, now):

@@ -67,7 +67,7 @@ def render(search: LayoutSearch, top: int = 0) -> str:
         lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['templates']:.0f} template(s) planned once "
                      f"and re-costed at each candidate's sizes, {s['planned']:.0f} plans in all (the best rows "
                      f"planned at their own sizes), {s['recosted']:.0f} row(s) left re-costed, "
-                     f"{len(search.skipped)} skipped, in {s['seconds']:.1f} s")
+                     f"{len(search.skipped)} skipped, in {s['seconds']:.1f} s over {s['jobs']:.0f} process(es)")
     else:
         lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['planned']:.0f} planned and costed, "
                      f"{s['reused']:.0f} reused (the same spec once size-1 axes are stripped), "

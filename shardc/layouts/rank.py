@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from shardc.costmodel.cost_report import CostReport, cost
 from shardc.errors import ShardcError
@@ -38,8 +39,9 @@ from shardc.spec.overrides import apply_overrides
 from shardc.timing import plan_links
 
 __all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "on_cluster", "prepare", "evaluate", "layout_of",
-           "rank_key", "rank", "ranked"]
+           "rank_key", "rank", "ranked", "processes", "mapped"]
 
+T = TypeVar("T")
 DIGITS = 9
 RULE = ("layouts that fit HBM first, then least step time (equal to 9 significant digits: compute-bound "
         "layouts all take the compute time), then mesh axes on whole physical axes before split ones, then "
@@ -226,30 +228,43 @@ def _jobs(jobs: int, plans: int) -> int:
     return max(1, min(jobs, plans))
 
 
-def _run(candidates: list[Spec], options: Options, jobs: int,
-         progress: Callable[[int, int], None] | None) -> list[Layout | str]:
-    n = _jobs(jobs, len(candidates))
-    out: list[Layout | str] = []
+def processes(jobs: int, tasks: int, worth: int = 8) -> int:
+    """The processes ``jobs`` asks for ``tasks`` (0: one a core, up to 8, when there are ``worth`` tasks or more)."""
+    if jobs == 0 and tasks < worth:
+        return 1
+    return _jobs(jobs, tasks) if jobs else max(1, min(os.cpu_count() or 1, 8, tasks))
+
+
+def mapped(fn: Callable[..., T], items: Sequence[tuple[object, ...]], n: int,
+           progress: Callable[[int, int], None] | None = None) -> list[T]:
+    """``fn(*item)`` for each item, in order, over ``n`` processes (this one when ``n`` is 1);
+    ``progress(done, total)`` after each."""
+    out: list[T] = []
     if n == 1:
-        for c in candidates:
-            out.append(evaluate(c, options))
+        for item in items:
+            out.append(fn(*item))
             if progress is not None:
-                progress(len(out), len(candidates))
+                progress(len(out), len(items))
         return out
 
     # spawn, not fork: a fresh interpreter per worker, whatever threads the caller runs; workers leave
     # Ctrl-C to this process, which cancels what is left rather than waiting for it
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupt)
     try:
-        for row in pool.map(evaluate, candidates, [options] * len(candidates), chunksize=1):
+        for row in pool.map(fn, *zip(*items, strict=True), chunksize=1):
             out.append(row)
             if progress is not None:
-                progress(len(out), len(candidates))
+                progress(len(out), len(items))
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
     return out
+
+
+def _run(candidates: list[Spec], options: Options, jobs: int,
+         progress: Callable[[int, int], None] | None) -> list[Layout | str]:
+    return mapped(evaluate, [(c, options) for c in candidates], _jobs(jobs, len(candidates)), progress)
 
 
 def _ignore_interrupt() -> None:

@@ -26,13 +26,14 @@ from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Mesh, Spec
-from shardc.layouts.rank import Layout, Options, Skipped, evaluate, layout_of, rank
+from shardc.layouts.rank import Layout, Options, Skipped, evaluate, layout_of, mapped, processes, rank
 from shardc.planner.planner import plan
 
-__all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates"]
+__all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates", "template_rows", "refined"]
 
 EXACT_TOP = 3  # the rows planned at their own sizes, at least: the chosen one and the two behind it
 ROUNDS = 8  # rounds of planning the best re-costed rows, each of EXACT_TOP plans at most
+POOLED = 64  # candidates from which the templates are spread over processes (with jobs 0, one a core)
 
 
 @dataclass(frozen=True)
@@ -98,29 +99,22 @@ def _note(rep: Candidate) -> str:
 
 def search_templates(found: Sequence[Candidate], options: Options,
                      progress: Callable[[int, int], None] | None = None, refine: bool = True,
-                     ranked: bool = False) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+                     ranked: bool = False, jobs: int = 1) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
     """Every candidate costed with its template's plan, the best planned at their own sizes (``refine``:
     else see :func:`refined`); ranked rows, the candidates refused, and counts.  ``ranked``: ``found``
-    comes best first (a knob's settings of the best layouts), so each template is planned at its first."""
+    comes best first (a knob's settings of the best layouts), so each template is planned at its first.
+    ``jobs``: processes the templates are spread over (0: one a core, from :data:`POOLED` candidates)."""
     start = time.perf_counter()
     groups: dict[tuple[object, ...], list[Candidate]] = {}
     for c in found:
         groups.setdefault(template_key(c, options), []).append(c)
-    rows: list[Layout] = []
-    skipped: list[Skipped] = []
-    for n, members in enumerate(groups.values(), 1):
-        rep = _representative(members, ranked)
-        template = _plan(rep, options)
-        for c in members:
-            row = recost(template, c, options) if isinstance(template, Plan) else template
-            if isinstance(row, str):
-                skipped.append(Skipped(c.label, c.sizes, row))
-            else:  # the representative's row is its own plan's
-                rows.append(replace(row, planned=True) if c is rep else replace(row, notes=row.notes + (_note(rep),)))
-        if progress is not None:
-            progress(n, len(groups))
+    n = processes(jobs, len(groups), worth=1) if len(found) >= POOLED or jobs > 1 else 1
+    done = mapped(template_rows, [(members, _representative(members, ranked), options) for members in groups.values()],
+                  n, progress)
+    rows = [row for made, _ in done for row in made]
+    skipped = [s for _, refused in done for s in refused]
     stats = {"candidates": len(found), "planned": len(groups), "reused": 0, "recosted": 0,
-             "templates": len(groups), "jobs": 1, "seconds": 0.0}
+             "templates": len(groups), "jobs": n, "seconds": 0.0}
     if refine:
         rows, more, stats["planned"] = refined(rows, found, options, stats["planned"])
         skipped += more
@@ -128,6 +122,21 @@ def search_templates(found: Sequence[Candidate], options: Options,
     stats["recosted"] = sum(not r.planned for r in rows)
     stats["seconds"] = time.perf_counter() - start
     return rows, skipped, stats
+
+
+def template_rows(members: Sequence[Candidate], rep: Candidate,
+                  options: Options) -> tuple[list[Layout], list[Skipped]]:
+    """``rep`` planned, and every member costed with its plan: their rows, and those refused."""
+    template = _plan(rep, options)
+    rows: list[Layout] = []
+    skipped: list[Skipped] = []
+    for c in members:
+        row = recost(template, c, options) if isinstance(template, Plan) else template
+        if isinstance(row, str):
+            skipped.append(Skipped(c.label, c.sizes, row))
+        else:  # the representative's row is its own plan's
+            rows.append(replace(row, planned=True) if c == rep else replace(row, notes=row.notes + (_note(rep),)))
+    return rows, skipped
 
 
 def _which(row: Layout) -> tuple[str, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
