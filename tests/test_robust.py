@@ -206,12 +206,14 @@ def test_a_schedule_chart_has_a_bar_budget(capsys: pytest.CaptureFixture[str], t
 
 
 def test_layouts_past_the_work_budget_are_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    spec = tmp_path / "four.shard"
-    spec.write_text("mesh W=2, X=2, Y=2, Z=2\ndims B=1048576, D=1048576, F=1048576\n"
-                    "A[B_XY, F_Z] = In[B_XY, D_W] · W1[D_W, F_Z]\n")
+    spec = tmp_path / "five.shard"
+    spec.write_text("mesh V=2, W=2, X=2, Y=2, Z=2\ndims B=1048576, D=1048576, F=1048576\n"
+                    "A[B_XY, F_Z] = In[B_XYV, D_W] · W1[D_W, F_Z]\n")
     status, _, err = run(capsys, "layouts", str(spec), "--chips", str(1 << 20))
-    assert status == 2 and "1771 layouts of 1048576 chips over 4 axes, past the budget of 64 plans" in err
+    assert status == 2 and "10626 layouts of 1048576 chips over 5 axes, past the budget of 4096 candidates" in err
     assert "--set AXIS=SIZE" in err
+    status, _, err = run(capsys, "layouts", str(spec), "--chips", str(1 << 20), "--set", "V=1", "--exact")
+    assert status == 2 and "--exact: 1771 layouts on 1048576 chips, past the budget of 1024 plans x 2^axes" in err
 
 
 # messages ------------------------------------------------------------------------------------------

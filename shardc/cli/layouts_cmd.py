@@ -38,6 +38,19 @@ def _chips(text: str) -> int:
     return int(value)
 
 
+def _knobs(text: str) -> tuple[str, ...]:
+    """``--knobs``: names from KNOBS, comma-separated, or ``all``."""
+    from shardc.layouts.knobs import KNOBS
+
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if names == ("all",):
+        return KNOBS
+    wrong = [n for n in names if n not in KNOBS]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"expects knobs among {', '.join(KNOBS)} (or all), got {clip(repr(text))}")
+    return names
+
+
 def _progress() -> Callable[[int, int], None] | None:
     """On a terminal, a ``planned k/n`` line on stderr, rewritten in place and cleared at the end."""
     if not sys.stderr.isatty():
@@ -45,7 +58,7 @@ def _progress() -> Callable[[int, int], None] | None:
 
     def show(done: int, total: int) -> None:
         end = "\r" if done < total else "\r" + " " * 40 + "\r"
-        print(f"planned {done}/{total} layouts", end=end, file=sys.stderr, flush=True)
+        print(f"planned {done}/{total}", end=end, file=sys.stderr, flush=True)
 
     return show
 
@@ -77,6 +90,12 @@ def register(subparsers: Any, name: str) -> None:
                         help="list the best K layouts (20; 0 lists all)")
     parser.add_argument("--jobs", type=int, default=0, metavar="J",
                         help="processes that plan the candidates (0: one a core, up to 8, when 8 or more plans)")
+    parser.add_argument("--knobs", type=_knobs, default=(), metavar="K,K",
+                        help="also search these settings of the step for the best layouts, one at a time: "
+                             "microbatches, schedule, recompute, zero (or all)")
+    parser.add_argument("--exact", action="store_true",
+                        help="plan every candidate at its own sizes (past 64 candidates the search plans each "
+                             "template once and re-costs it, then plans the best rows at their own sizes)")
     parser.add_argument("--json", action="store_true", help="print the search as JSON")
     add_topology(parser)
     parser.set_defaults(func=run_layouts)
@@ -95,7 +114,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     specs = [load_spec(path, args.set) for path in paths]
     fixed = frozenset(parse_sets(args.set))
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, specs[0].hardware), args)
-    options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu, args.topology)
+    options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu, args.topology, args.knobs, args.exact)
     search = search_layouts(specs, options, args.chips, fixed, args.jobs, _progress())
     if args.json:
         print(json.dumps(search.to_json(args.top), indent=2, allow_nan=False))

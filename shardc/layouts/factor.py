@@ -4,8 +4,11 @@ The axes searched are the spec's ICI axes (a ``pipeline`` axis among them: its s
 the stage count, 1 turning pipelining off).  A DCN axis (``over dcn``) keeps its size:
 it counts slices or nodes joined by the data-centre network, a fact of the machine
 rather than a choice of layout, and so does an axis fixed with ``--set``; the ICI axes
-share the chips left, ``chips / (product of the kept axes)``.  An axis of size 1 is
-the parallelism switched off (the planner strips it).
+share the chips left, ``chips / (product of the kept axes)``.  On a GPU cluster given as
+``NODESxGPUS`` (``cluster``) every axis not fixed is searched, DCN ones too: the devices
+are numbered node by node and the mesh laid on them in mesh order, so which axes cross
+nodes follows from the sizes (:func:`shardc.topology.axis_links`), not from the mark.
+An axis of size 1 is the parallelism switched off (the planner strips it).
 
 >>> factorisations(12, 2)
 ((1, 12), (2, 6), (3, 4), (4, 3), (6, 2), (12, 1))
@@ -22,13 +25,16 @@ from functools import cache
 from shardc.errors import ShardcError, clip
 from shardc.ir.spec import Network, Spec
 
-__all__ = ["MAX_CHIPS", "MAX_WORK", "Axes", "searched_axes", "factorisations", "check_chips",
+__all__ = ["MAX_CHIPS", "MAX_WORK", "MAX_CANDIDATES", "Axes", "searched_axes", "factorisations", "check_chips",
            "candidates"]
 
 MAX_CHIPS = 1 << 20  # a million chips: past any machine built, and the enumeration stays small
 # A plan's search grows about twofold with each searched axis (0.1-0.5 s a plan at 2-3 axes), so
 # candidates x 2^axes is the work a search takes: 1024 keeps it within a minute in one process.
 MAX_WORK = 1024
+# Past MAX_WORK a search plans each template once and re-costs it per candidate (a cost report,
+# about 0.05 s for a pipelined LLaMA-2 13B): this many candidates keeps that within minutes.
+MAX_CANDIDATES = 4096
 
 
 @dataclass(frozen=True)
@@ -43,9 +49,11 @@ class Axes:
         return math.prod(size for _, size in self.kept)
 
 
-def searched_axes(spec: Spec, fixed: frozenset[str] = frozenset()) -> Axes:
-    """The ICI axes not in ``fixed`` are searched; DCN axes and ``fixed`` ones keep their size."""
-    searched = tuple(a.name for a in spec.mesh.axes if a.network is Network.ICI and a.name not in fixed)
+def searched_axes(spec: Spec, fixed: frozenset[str] = frozenset(), cluster: bool = False) -> Axes:
+    """The ICI axes not in ``fixed`` are searched (on a GPU ``cluster``, DCN ones too); the others keep
+    their size."""
+    searched = tuple(a.name for a in spec.mesh.axes
+                     if (cluster or a.network is Network.ICI) and a.name not in fixed)
     kept = tuple((a.name, a.size) for a in spec.mesh.axes if a.name not in searched)
     return Axes(searched, kept)
 
@@ -96,16 +104,15 @@ def _is_prime(n: int) -> bool:
     return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
 
 
-def candidates(spec: Spec, chips: int, fixed: frozenset[str] = frozenset()) -> list[dict[str, int]]:
+def candidates(spec: Spec, chips: int, fixed: frozenset[str] = frozenset(),
+               cluster: bool = False) -> list[dict[str, int]]:
     """The searched axes' sizes of every candidate layout, each a ``--set`` mapping of all axes."""
-    axes = searched_axes(spec, fixed)
+    axes = searched_axes(spec, fixed, cluster)
     left = check_chips(chips, axes, spec.filename or "<spec>")
     found = factorisations(left, len(axes.searched))
-    work = len(found) << len(axes.searched)
-    if work > MAX_WORK:
+    if len(found) > MAX_CANDIDATES:
         raise ShardcError(f"{spec.filename or '<spec>'}: {len(found)} layouts of {left} chips over "
-                          f"{len(axes.searched)} axes, past the budget of {MAX_WORK >> len(axes.searched)} plans "
-                          f"for {len(axes.searched)} axes (each axis about doubles a plan's search)",
+                          f"{len(axes.searched)} axes, past the budget of {MAX_CANDIDATES} candidates",
                           fix="fix some axes with --set AXIS=SIZE, or search fewer chips")
     kept = dict(axes.kept)
     out = []

@@ -9,6 +9,8 @@ first: the fastest of those that fit, the reason said in numbers.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,13 +18,20 @@ from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError
 from shardc.ir.spec import Spec
 from shardc.layouts.book_optimum import BookOptimum, book_optimum
-from shardc.layouts.factor import MAX_WORK, candidates, searched_axes
+from shardc.layouts.factor import MAX_CANDIDATES, MAX_WORK, candidates, searched_axes
+from shardc.layouts.knobs import KNOBS, variants
 from shardc.layouts.layouts_text import reason, render, to_json
-from shardc.layouts.rank import RULE, Layout, Options, Skipped, prepare, ranked
-from shardc.planner.planner import plan
+from shardc.layouts.rank import RULE, Layout, Options, Skipped, on_cluster, prepare, rank_key, ranked
+from shardc.layouts.templates import Candidate, refined, search_templates
+from shardc.planner.planner import plan, shared_search
 from shardc.spec.overrides import dim_names
 
-__all__ = ["LayoutSearch", "search_layouts"]
+__all__ = ["EXACT_CANDIDATES", "KNOB_LAYOUTS", "LayoutSearch", "search_layouts"]
+
+# Up to this many candidates (within MAX_WORK) each is planned at its own sizes; past it, each template
+# is planned once and re-costed (shardc.layouts.templates), unless --exact asks otherwise.
+EXACT_CANDIDATES = 64
+KNOB_LAYOUTS = 4  # the best layouts at the spec's own knobs whose knobs are then searched
 
 
 @dataclass(frozen=True)
@@ -65,15 +74,72 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
     n = specs[0].mesh.devices if chips is None else chips
     for spec in specs:
         _check_sized(spec)
-    plans = [candidates(spec, n, fixed & set(spec.mesh.names)) for spec in specs]
-    work = sum(len(found) << len(searched_axes(spec, fixed & set(spec.mesh.names)).searched)
+    plans = [candidates(spec, n, fixed & set(spec.mesh.names), on_cluster(spec, options)) for spec in specs]
+    work = sum(len(found) << len(searched_axes(spec, fixed & set(spec.mesh.names), on_cluster(spec, options)).searched)
                for spec, found in zip(specs, plans, strict=True))
-    if work > MAX_WORK:  # each spec is within it (candidates checks): together they are not
-        raise ShardcError(f"{len(specs)} specs have {sum(map(len, plans))} layouts on {n} chips together, past the "
-                          f"budget of {MAX_WORK} plans x 2^axes", fix="search fewer --with specs at once")
-    rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
+    total = sum(map(len, plans))
+    if total > MAX_CANDIDATES:
+        raise ShardcError(f"{len(specs)} specs have {total} layouts on {n} chips together, past the budget of "
+                          f"{MAX_CANDIDATES} candidates", fix="search fewer --with specs at once")
+    if options.exact and work > MAX_WORK:
+        raise ShardcError(f"--exact: {total} layouts on {n} chips, past the budget of {MAX_WORK} plans x 2^axes "
+                          "for planning each", fix="leave out --exact (each template planned once, re-costed), "
+                                                   "or fix some axes with --set AXIS=SIZE")
+    if options.exact or (work <= MAX_WORK and total <= EXACT_CANDIDATES and not options.knobs):
+        rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
+    else:
+        rows, skipped, stats = searched(specs, plans, options, progress, jobs)
     optimum = _optimum(specs, rows, options, fixed) if rows else None
     return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats, optimum=optimum)
+
+
+def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options: Options,
+             progress: Callable[[int, int], None] | None,
+             jobs: int = 1) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+    """The template search: every layout at the spec's own knobs (its templates over ``jobs`` processes), then
+    the knobs (``options.knobs``) of the best :data:`KNOB_LAYOUTS` layouts searched too."""
+    found: list[Candidate] = []
+    refused: list[Skipped] = []
+    for spec, sizes_list in zip(specs, plans, strict=True):
+        for sizes in sizes_list:
+            candidate = prepare(spec, sizes, on_cluster(spec, options))
+            if isinstance(candidate, Skipped):
+                refused.append(candidate)
+            else:
+                found.append(Candidate(candidate, tuple((a.name, sizes[a.name]) for a in spec.mesh.axes)))
+    with shared_search():  # a layout planned under several knobs shares its search caches
+        rows, skipped, stats = _templates(found, options, progress, jobs)
+    stats["candidates"] += len(refused)
+    return rows, refused + skipped, stats
+
+
+def _templates(found: list[Candidate], options: Options, progress: Callable[[int, int], None] | None,
+               jobs: int) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+    start = time.perf_counter()
+    rows, skipped, stats = search_templates(found, options, progress, refine=False, jobs=jobs)
+    best = {(r.spec, r.sizes): c for r in rows[:KNOB_LAYOUTS] for c in found if (c.label, c.sizes) == (r.spec, r.sizes)}
+    every = list(found)
+    for knob in KNOBS:  # one knob at a time, from the best settings of those before it
+        if knob not in options.knobs or not best:
+            continue
+        more = [v for c in best.values() for v in variants(c, knob, options)]
+        tried, also, extra = search_templates(more, options, progress, refine=False, ranked=True)
+        rows, skipped, every = rows + tried, skipped + also, every + more
+        stats = {k: v + extra[k] if k not in ("jobs", "seconds") else v for k, v in stats.items()}
+        for c in more:
+            now = best[(c.label, c.sizes)]
+            if _key(tried, c) < _key(rows, now):
+                best[(c.label, c.sizes)] = c
+    rows, also, stats["planned"] = refined(rows, every, options, stats["planned"])
+    stats["recosted"] = sum(not r.planned for r in rows)
+    stats["seconds"] = time.perf_counter() - start
+    return rows, skipped + also, stats
+
+
+def _key(rows: Sequence[Layout], c: Candidate) -> tuple[object, ...]:
+    """The rank key of ``c``'s row among ``rows`` (past every row when it has none: refused)."""
+    row = next((r for r in rows if (r.spec, r.sizes, r.knobs) == (c.label, c.sizes, c.knobs)), None)
+    return (True, math.inf) if row is None else rank_key(row)
 
 
 def _optimum(specs: Sequence[Spec], rows: Sequence[Layout], options: Options,
@@ -81,10 +147,10 @@ def _optimum(specs: Sequence[Spec], rows: Sequence[Layout], options: Options,
     """The book's X_opt, when the chosen layout's spec has two searched axes (FSDP, then tensor parallel),
     at the links of the best layout of that spec using both (the chosen one, unless it switches one off)."""
     spec = next(s for s in specs if (s.filename or "<spec>") == rows[0].spec)
-    axes = searched_axes(spec, fixed & set(spec.mesh.names)).searched
+    axes = searched_axes(spec, fixed & set(spec.mesh.names), on_cluster(spec, options)).searched
     best = next((r for r in rows if r.spec == rows[0].spec and all(dict(r.sizes).get(a, 1) > 1 for a in axes)),
                 rows[0])
-    candidate = prepare(spec, dict(best.sizes))
+    candidate = prepare(spec, dict(best.sizes), on_cluster(spec, options))
     if len(axes) != 2 or not isinstance(candidate, Spec):
         return None
     report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute,

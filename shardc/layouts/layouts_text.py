@@ -63,9 +63,15 @@ def render(search: LayoutSearch, top: int = 0) -> str:
     if search.optimum is not None and search.chosen is not None:
         lines.append(search.optimum.text(dict(search.chosen.sizes)[search.optimum.fsdp_axis]))
     s = search.stats
-    lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['planned']:.0f} planned and costed, "
-                 f"{s['reused']:.0f} reused (the same spec once size-1 axes are stripped), "
-                 f"{len(search.skipped)} skipped, in {s['seconds']:.1f} s over {s['jobs']:.0f} process(es)")
+    if "templates" in s:
+        lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['templates']:.0f} template(s) planned once "
+                     f"and re-costed at each candidate's sizes, {s['planned']:.0f} plans in all (the best rows "
+                     f"planned at their own sizes), {s['recosted']:.0f} row(s) left re-costed, "
+                     f"{len(search.skipped)} skipped, in {s['seconds']:.1f} s over {s['jobs']:.0f} process(es)")
+    else:
+        lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['planned']:.0f} planned and costed, "
+                     f"{s['reused']:.0f} reused (the same spec once size-1 axes are stripped), "
+                     f"{len(search.skipped)} skipped, in {s['seconds']:.1f} s over {s['jobs']:.0f} process(es)")
     return "\n".join(lines) + "\n"
 
 
@@ -105,10 +111,18 @@ def reason(search: LayoutSearch) -> str:
                      + (f", then memory {fmt_bytes(best.memory_bytes)} vs {fmt_bytes(nxt.memory_bytes)}"
                         if nxt.critical_s == best.critical_s else ""))
     elif len(search.layouts) > 1 and search.layouts[1].fits:
-        nxt = search.layouts[1]
-        parts.append(f"next: {_name(nxt)} {nxt.axes_text} at {_fine(nxt.step_s)} vs {_fine(best.step_s)} "
-                     f"({nxt.bound}-bound, communication {_fine(nxt.comm_s)} vs {_fine(best.comm_s)})")
+        parts.append("next: " + _versus(search.layouts[1], best, bool(search.options.knobs)))
+    other = next((r for r in search.layouts[1:] if r.fits and (r.spec, r.sizes) != (best.spec, best.sizes)), None)
+    if other is not None and other is not search.layouts[1] and search.options.knobs:  # the next turned a knob only
+        parts.append("the best other layout: " + _versus(other, best, True))
     return head + "; ".join(parts)
+
+
+def _versus(row: Layout, best: Layout, memory: bool) -> str:
+    """``row`` against the chosen ``best``: step, bound, communication (and ``memory``), in numbers."""
+    return (f"{_name(row)} {row.axes_text} at {_fine(row.step_s)} vs {_fine(best.step_s)} ({row.bound}-bound, "
+            f"communication {_fine(row.comm_s)} vs {_fine(best.comm_s)}"
+            + (f", memory {fmt_bytes(row.memory_bytes)} vs {fmt_bytes(best.memory_bytes)})" if memory else ")"))
 
 
 def to_json(search: LayoutSearch, top: int = 0) -> dict[str, object]:

@@ -27,19 +27,21 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from shardc.costmodel.cost_report import CostReport, cost
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
-from shardc.ir.spec import Spec
+from shardc.ir.spec import Mesh, Network, Spec
 from shardc.planner.planner import plan
 from shardc.planner.unit import strip_unit_axes
 from shardc.spec.overrides import apply_overrides
 from shardc.timing import plan_links
 
-__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "prepare", "evaluate", "layout_of", "rank_key", "rank",
-           "ranked"]
+__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "on_cluster", "prepare", "evaluate", "layout_of",
+           "rank_key", "rank", "ranked", "processes", "mapped"]
 
+T = TypeVar("T")
 DIGITS = 9
 RULE = ("layouts that fit HBM first, then least step time (equal to 9 significant digits: compute-bound "
         "layouts all take the compute time), then mesh axes on whole physical axes before split ones, then "
@@ -57,6 +59,15 @@ class Options:
     optimizer: str = "adam10"
     mfu: float | None = None
     topology: str | tuple[int, ...] | None = None  # the slice or cluster (--topology); None: the spec's or usual
+    knobs: tuple[str, ...] = ()  # the step's settings searched too (shardc.layouts.knobs.KNOBS)
+    exact: bool = False  # plan every candidate at its own sizes, however many (shardc.layouts.templates)
+
+
+def on_cluster(spec: Spec, options: Options) -> bool:
+    """Whether ``spec`` is searched on a GPU cluster given as NODESxGPUS (``--topology`` or its ``topology``
+    line): then its DCN axes are searched too (:func:`shardc.layouts.factor.searched_axes`)."""
+    hw = options.hardware
+    return hw.ici_domain is not None and not hw.book and (options.topology or spec.topology) is not None
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,8 @@ class Layout:
     hbm_bytes: float
     notes: tuple[str, ...] = ()  # padding of uneven dims, the pipeline's schedule
     split: bool = False  # a mesh axis lies on part of a physical axis another mesh axis shares
+    knobs: tuple[tuple[str, str], ...] = ()  # the step's settings searched (microbatches, schedule, ...)
+    planned: bool = True  # planned at these sizes; False: another candidate's plan re-costed at them
 
     @property
     def fits(self) -> bool:
@@ -84,13 +97,14 @@ class Layout:
 
     @property
     def axes_text(self) -> str:
-        return " ".join(f"{name}={size}" for name, size in self.sizes)
+        return " ".join([f"{name}={size}" for name, size in self.sizes] + [f"{k}={v}" for k, v in self.knobs])
 
     def to_json(self) -> dict[str, object]:
         return {"spec": self.spec, "axes": dict(self.sizes), "step_s": self.step_s, "compute_s": self.compute_s,
                 "comm_s": self.comm_s, "critical_s": self.critical_s, "bound": self.bound, "mfu": self.mfu,
                 "step_at_mfu_s": self.at_mfu_s, "memory": dict(self.memory), "memory_bytes": self.memory_bytes,
-                "hbm_bytes": self.hbm_bytes, "fits": self.fits, "split": self.split, "notes": list(self.notes)}
+                "hbm_bytes": self.hbm_bytes, "fits": self.fits, "split": self.split, "notes": list(self.notes),
+                "knobs": dict(self.knobs), "planned": self.planned}
 
 
 @dataclass(frozen=True)
@@ -105,23 +119,33 @@ class Skipped:
         return {"spec": self.spec, "axes": dict(self.sizes), "reason": self.reason}
 
 
-def prepare(spec: Spec, sizes: dict[str, int]) -> Spec | Skipped:
-    """``spec`` with its mesh axes at ``sizes``, validated again; or why the spec refuses them."""
+def prepare(spec: Spec, sizes: dict[str, int], cluster: bool = False) -> Spec | Skipped:
+    """``spec`` with its mesh axes at ``sizes``, validated again; or why the spec refuses them.
+
+    On a GPU ``cluster`` its axes lose their ``over dcn`` marks: the devices are numbered node by
+    node and the mesh laid on them in mesh order, so an axis crosses nodes where its size and
+    place make it (a DCN axis of whole nodes is costed the same either way).
+    """
     try:
-        return apply_overrides(spec, sizes)
+        candidate = apply_overrides(spec, sizes)
     except ShardcError as err:
         return Skipped(spec.filename or "<spec>", _pairs(spec, sizes), err.message.splitlines()[0])
+    if not cluster:
+        return candidate
+    return replace(candidate, mesh=Mesh(tuple(replace(a, network=Network.ICI) for a in candidate.mesh.axes)))
 
 
 def _pairs(spec: Spec, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple((name, sizes[name]) for name in spec.mesh.names)
 
 
-def evaluate(candidate: Spec, options: Options) -> Layout | str:
-    """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line)."""
+def evaluate(candidate: Spec, options: Options, recompute: str | None = None) -> Layout | str:
+    """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line).
+    ``recompute``: the policy, over ``options.recompute``."""
     try:
-        report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute,
-                           topology=options.topology), mfu=options.mfu, optimizer=options.optimizer)
+        report = cost(plan(candidate, save=options.save, hardware=options.hardware,
+                           recompute=recompute or options.recompute, topology=options.topology),
+                      mfu=options.mfu, optimizer=options.optimizer)
     except ShardcError as err:
         return err.message.splitlines()[0]
     sizes = {a.name: a.size for a in candidate.mesh.axes}
@@ -172,7 +196,7 @@ def ranked(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options
     unique: dict[str, Spec] = {}
     for spec, sizes_list in zip(specs, plans, strict=True):
         for sizes in sizes_list:
-            candidate = prepare(spec, sizes)
+            candidate = prepare(spec, sizes, on_cluster(spec, options))
             if isinstance(candidate, Skipped):
                 skipped.append(candidate)
                 continue
@@ -204,30 +228,43 @@ def _jobs(jobs: int, plans: int) -> int:
     return max(1, min(jobs, plans))
 
 
-def _run(candidates: list[Spec], options: Options, jobs: int,
-         progress: Callable[[int, int], None] | None) -> list[Layout | str]:
-    n = _jobs(jobs, len(candidates))
-    out: list[Layout | str] = []
+def processes(jobs: int, tasks: int, worth: int = 8) -> int:
+    """The processes ``jobs`` asks for ``tasks`` (0: one a core, up to 8, when there are ``worth`` tasks or more)."""
+    if jobs == 0 and tasks < worth:
+        return 1
+    return _jobs(jobs, tasks) if jobs else max(1, min(os.cpu_count() or 1, 8, tasks))
+
+
+def mapped(fn: Callable[..., T], items: Sequence[tuple[object, ...]], n: int,
+           progress: Callable[[int, int], None] | None = None) -> list[T]:
+    """``fn(*item)`` for each item, in order, over ``n`` processes (this one when ``n`` is 1);
+    ``progress(done, total)`` after each."""
+    out: list[T] = []
     if n == 1:
-        for c in candidates:
-            out.append(evaluate(c, options))
+        for item in items:
+            out.append(fn(*item))
             if progress is not None:
-                progress(len(out), len(candidates))
+                progress(len(out), len(items))
         return out
 
     # spawn, not fork: a fresh interpreter per worker, whatever threads the caller runs; workers leave
     # Ctrl-C to this process, which cancels what is left rather than waiting for it
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupt)
     try:
-        for row in pool.map(evaluate, candidates, [options] * len(candidates), chunksize=1):
+        for row in pool.map(fn, *zip(*items, strict=True), chunksize=1):
             out.append(row)
             if progress is not None:
-                progress(len(out), len(candidates))
+                progress(len(out), len(items))
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
     return out
+
+
+def _run(candidates: list[Spec], options: Options, jobs: int,
+         progress: Callable[[int, int], None] | None) -> list[Layout | str]:
+    return mapped(evaluate, [(c, options) for c in candidates], _jobs(jobs, len(candidates)), progress)
 
 
 def _ignore_interrupt() -> None:

@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 from shardc.collectives import collective_time, einsum_flops, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware
@@ -176,6 +177,9 @@ class CostContext:
     # (name, indices, value) -> its TensorRef and that ref's text: every candidate plan remakes them
     refs: dict[tuple[str, tuple[str, ...], Value], TensorRef] = field(default_factory=dict)
     texts: dict[tuple[str, tuple[str, ...], Value], str] = field(default_factory=dict)
+    # (an einsum problem up to names, the compute weight) -> its solutions: the candidate plans of one
+    # context (and the plans sharing it: shardc.planner.planner.shared_search) solve the same problems again
+    solutions: dict[tuple[object, ...], tuple[Any, list[Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.axis_sizes = {a.name: a.size for a in self.mesh.axes}

@@ -181,7 +181,11 @@ class Phase:
         if len(problem.operands) == 1 and set(problem.indices) >= set(problem.operands[0].indices):
             return self.solve_copy(problem), []
         if self.sized:
-            return solve(self.ctx, problem)
+            key = (self.key(problem, rule_given), self.ctx.compute_weight, self.ctx.explain)
+            hit = self.ctx.solutions.get(key)
+            if hit is None:
+                hit = self.ctx.solutions[key] = solve(self.ctx, problem)
+            return hit
         # the rules read each operand's given (reduced) value, not a partial sum held on the way
         given = rule_given or tuple(next((v for v in op.sources if not v.unreduced), op.sources[0])
                                     for op in problem.operands)

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 
 from shardc.arguments import check_gradients
@@ -43,7 +45,7 @@ from shardc.spec.walk import layer_inputs, leaves
 from shardc.timing import PlanTime, StepCost, plan_time
 from shardc.topology import check_topology
 
-__all__ = ["plan", "plan_candidate", "objective", "SAVE_POLICIES"]
+__all__ = ["plan", "plan_candidate", "objective", "shared_search", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
 # The search work (states settled, configurations tried, moves built: CostContext.tick) the
@@ -146,7 +148,7 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped, gradients)
     units = bonded_axes(stripped)
-    ctx = _context(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
+    ctx = _shared(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
     ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
     if strategy == "auto" and spec.dims:
         return _best_plan(spec, graph, save, ctx, recompute, outer)
@@ -271,6 +273,40 @@ def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | Non
                        graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
                        padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
                        element_bytes=graph.element_bytes)
+
+
+# the search caches shared inside shared_search(): the key of what a context is made of -> (chip, context)
+_SHARED: ContextVar[dict[tuple[object, ...], tuple[Hardware, CostContext]] | None] = ContextVar("shared_search",
+                                                                                                default=None)
+
+
+@contextmanager
+def shared_search() -> Iterator[None]:
+    """Plans made inside share their search caches (a :class:`CostContext`: moves, reshard searches,
+    einsum solutions) with the plans before them whose context is made of the same mesh, sizes, chip,
+    tensors and spans, as the candidate plans of one :func:`plan` share one: ``shardc layouts`` plans
+    a layout under several recompute policies and ZeRO lines."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _shared(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None,
+            units: tuple[tuple[str, ...], ...] | None, places: Placements | None) -> CostContext:
+    """:func:`_context`, or inside :func:`shared_search` the one made before of the same parts."""
+    shared = _SHARED.get()
+    if shared is None:
+        return _context(spec, graph, hw, spans, units, places)
+    key = (str(without_unit_axes(spec.mesh)), spec.dtype, tuple(spec.sizes.items()) if spec.dims else None,
+           graph.params, tuple(sorted(graph.grads.items())), tuple(sorted((spans or {}).items())), spec.topology,
+           tuple(uneven_dims(spec)), units, repr(places), tuple(sorted(graph.element_bytes.items())))
+    hit = shared.get(key)
+    if hit is None or hit[0] is not hw:  # the chip by identity: the search's one Hardware
+        hit = shared[key] = (hw, _context(spec, graph, hw, spans, units, places))
+    hit[1].explored = 0  # the budget counts one plan's search
+    return hit[1]
 
 
 def uneven_dims(spec: Spec) -> list[tuple[str, int]]:

@@ -1,0 +1,230 @@
+"""``shardc layouts`` on a GPU cluster (its DCN axes searched), the template search of large searches
+(each template planned once and re-costed), and the knobs searched beside the layout."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.cli.main import main
+from shardc.hardware import get_hardware
+from shardc.ir.spec import Schedule
+from shardc.layouts import Options, search_layouts
+from shardc.layouts import layout_search as search_module
+from shardc.layouts.knobs import data_axes
+from shardc.layouts.rank import evaluate, prepare
+from shardc.layouts.templates import EXACT_TOP
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_SPEC = """\
+# A transformer MLP block on A100 nodes: data parallel over Z across nodes (`over dcn`), Megatron's
+# tensor parallelism over Y inside a node.  `shardc layouts` keeps Z at its size unless given the
+# cluster (`--topology 2x8`: 2 nodes of 8 GPUs), where it searches both axes.
+mesh Z=2 over dcn, Y=8
+dims B=64, S=2048, D=8192, F=32768
+hardware a100
+
+H[B_Z, S, F_Y] = gelu(X[B_Z, S, D] · W_in[D, F_Y])
+Out[B_Z, S, D] = H[B_Z, S, F_Y] · W_out[F_Y, D]
+"""
+PIPELINE = ROOT / "examples" / "pipeline_llama.shard"
+FSDP_TP = ROOT / "examples" / "fsdp_tp.shard"
+
+
+@pytest.fixture
+def gpu(tmp_path: Path) -> Path:
+    path = tmp_path / "gpu_dp_tp.shard"
+    path.write_text(GPU_SPEC, encoding="utf-8")
+    return path
+
+
+def load(path: Path) -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
+    return shardc.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def layouts(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["layouts", *args, "--json", "--top", "0", "--jobs", "1"]) == 0
+    found: dict[str, object] = json.loads(capsys.readouterr().out)
+    return found
+
+
+# a GPU cluster -------------------------------------------------------------------------------------
+
+
+def test_without_the_cluster_a_dcn_axis_keeps_its_size(capsys: pytest.CaptureFixture[str], gpu: Path) -> None:
+    found = layouts(capsys, str(gpu))
+    assert [r["axes"] for r in found["layouts"]] == [{"Z": 2, "Y": 8}]  # type: ignore[index]
+
+
+def test_on_a_cluster_every_axis_is_searched_and_tp_across_nodes_costs_more(
+        capsys: pytest.CaptureFixture[str], gpu: Path) -> None:
+    found = layouts(capsys, str(gpu), "--topology", "2x8")
+    rows = {(r["axes"]["Z"], r["axes"]["Y"]): r for r in found["layouts"]}  # type: ignore[index, union-attr]
+    assert set(rows) == {(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)}
+    across = rows[(1, 16)]
+    candidate = prepare(load(gpu), {"Z": 1, "Y": 16}, cluster=True)
+    assert not isinstance(candidate, shardc.layouts.Skipped)
+    notes = shardc.cost(shardc.plan(candidate, topology="2x8")).notes
+    assert any("Y (16 GPUs) on 2x8: 8 GPU(s) of a node over 2 node(s)" in n for n in notes), notes
+    # tensor parallelism over 16 GPUs crosses InfiniBand: its exposed collectives outgrow Y=8's in a node
+    assert across["critical_s"] > rows[(2, 8)]["critical_s"] and across["step_s"] > rows[(2, 8)]["step_s"]
+    # the spec's own layout is what `shardc cost` reports for it on that cluster, `over dcn` or not
+    report = shardc.cost(shardc.plan(load(gpu), topology="2x8"))
+    assert rows[(2, 8)]["step_s"] == pytest.approx(report.step.step_s, rel=1e-12)
+    assert found["reason"].startswith("chosen: gpu_dp_tp.shard")  # type: ignore[union-attr]
+
+
+def test_a_tpu_slice_keeps_dcn_axes_at_their_size(capsys: pytest.CaptureFixture[str]) -> None:
+    found = layouts(capsys, str(ROOT / "examples" / "dp_dcn.shard"), "--chips", "2048", "--topology", "8x8x8")
+    assert [r["axes"] for r in found["layouts"]] == [{"P": 4, "X": 512}]  # type: ignore[index]
+
+
+# the template search -------------------------------------------------------------------------------
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, spec: Path, chips: int, **options: object):  # type: ignore[no-untyped-def]
+    """The search planning every candidate, and the template search of the same candidates."""
+    opts = Options(get_hardware("tpu-v5p"), **options)  # type: ignore[arg-type]
+    exact = search_layouts([load(spec)], replace(opts, exact=True), chips=chips)
+    monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
+    return exact, search_layouts([load(spec)], opts, chips=chips)
+
+
+def test_the_template_search_plans_the_best_rows_at_their_own_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    exact, fast = _both(monkeypatch, PIPELINE, 8)
+    assert "templates" in fast.stats and "templates" not in exact.stats
+    assert fast.stats["templates"] < fast.stats["candidates"]
+    every = {r.sizes for r in exact.layouts} | {s.sizes for s in exact.skipped}
+    assert {r.sizes for r in fast.layouts} | {s.sizes for s in fast.skipped} == every
+    by_sizes = {r.sizes: r for r in exact.layouts}
+    for row in fast.layouts[:EXACT_TOP]:  # each its own plan: the exhaustive search's row, figure for figure
+        assert row.planned and row.step_s == by_sizes[row.sizes].step_s
+        assert row.memory_bytes == by_sizes[row.sizes].memory_bytes
+    assert fast.chosen is not None and exact.chosen is not None and fast.chosen.sizes == exact.chosen.sizes
+    recosted = [r for r in fast.layouts if not r.planned]
+    assert recosted and all(any(n.startswith("re-costed: the plan made at") for n in r.notes) for r in recosted)
+
+
+def test_a_re_costed_plan_is_the_plan_made_at_those_sizes_when_the_planner_chooses_it() -> None:
+    # a plan's steps are formulas of the sizes: FSDP over X alone plans the same steps at X=4 and X=16
+    from shardc.layouts.templates import Candidate, recost
+    options = Options(get_hardware("tpu-v5p"))
+    spec = load(FSDP_TP)
+    made = {}
+    for x in (4, 16):
+        candidate = prepare(spec, {"X": x, "Y": 1})
+        assert not isinstance(candidate, shardc.layouts.Skipped)
+        made[x] = (candidate, shardc.plan(candidate))
+    row = recost(made[4][1], Candidate(made[16][0], (("X", 16), ("Y", 1))), options)
+    own = evaluate(made[16][0], options)
+    assert not isinstance(row, str) and not isinstance(own, str)
+    assert [str(s) for s in made[4][1].forward] != [] and not row.planned
+    assert row.step_s == pytest.approx(own.step_s, rel=1e-12) and row.memory_bytes == own.memory_bytes
+
+
+def test_the_text_says_what_the_template_search_did(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
+    assert main(["layouts", str(PIPELINE), "--chips", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "template(s) planned once and re-costed at each candidate's sizes" in out
+    assert "row(s) left re-costed" in out
+
+
+# knobs ---------------------------------------------------------------------------------------------
+
+
+def test_knobs_are_searched_for_the_best_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    found = layouts(capsys, str(PIPELINE), "--chips", "8", "--knobs", "microbatches,schedule,recompute")
+    rows = found["layouts"]
+    knobbed = [r for r in rows if r["knobs"]]  # type: ignore[union-attr]
+    assert knobbed and {k for r in knobbed for k in r["knobs"]} <= {"microbatches", "schedule", "recompute"}
+    assert any("schedule" in r["knobs"] for r in knobbed) and any("recompute" in r["knobs"] for r in knobbed)
+    staged = [r for r in knobbed if "microbatches" in r["knobs"]]
+    assert staged and all(r["axes"]["P"] > 1 for r in staged)
+    steps = [r["step_s"] for r in rows if r["fits"]]  # type: ignore[index]
+    assert steps == sorted(steps)
+    if rows[0]["axes"] == rows[1]["axes"]:  # type: ignore[index]  # the runner-up only turned a knob: say the next layout
+        other = next(r for r in rows if r["fits"] and r["axes"] != rows[0]["axes"])  # type: ignore[index]
+        axes = " ".join(f"{k}={v}" for k, v in other["axes"].items())
+        assert f"the best other layout: pipeline_llama.shard {axes}" in found["reason"]  # type: ignore[operator]
+    # a planned row with knobs is `shardc cost` of the spec with those lines, at those sizes
+    row = next(r for r in knobbed if r["planned"] and "schedule" in r["knobs"] and "recompute" not in r["knobs"])
+    spec = prepare(load(PIPELINE), row["axes"])
+    assert not isinstance(spec, shardc.layouts.Skipped)
+    name, _, virtual = row["knobs"]["schedule"].partition(" ")
+    spec = replace(spec, schedule=Schedule(name, int(virtual or 1)),
+                   microbatches=int(row["knobs"].get("microbatches", spec.microbatches or 0)) or None)
+    report = shardc.cost(shardc.plan(spec))
+    assert report.pipeline is not None and row["step_s"] == pytest.approx(report.pipeline.step_s, rel=1e-12)
+
+
+def test_zero_is_a_knob_over_the_data_parallel_axes(capsys: pytest.CaptureFixture[str], gpu: Path) -> None:
+    assert data_axes(load(ROOT / "benchmarks" / "runs" / "gpt3_175b_megatron.shard")) == ("Z",)
+    assert data_axes(load(FSDP_TP)) == ()  # X shards the weights too: FSDP already
+    found = layouts(capsys, str(gpu), "--topology", "2x8", "--knobs", "zero")
+    zero = [r for r in found["layouts"] if "zero" in r["knobs"]]  # type: ignore[union-attr]
+    assert {r["knobs"]["zero"] for r in zero} >= {"1", "2", "3"}
+    plain = {tuple(r["axes"].items()): r for r in found["layouts"] if not r["knobs"]}  # type: ignore[union-attr]
+    for row in zero:
+        if row["knobs"]["zero"] == "3" and row["axes"]["Z"] > 1:  # params sharded over Z: less memory
+            assert row["memory_bytes"] < plain[tuple(row["axes"].items())]["memory_bytes"]
+
+
+def test_bad_knobs_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["layouts", str(FSDP_TP), "--knobs", "offload"])
+    assert "expects knobs among microbatches, schedule, recompute, zero" in capsys.readouterr().err
+
+
+# the published GPU runs (slow: GPT-3 175B and LLaMA 3 405B plan in seconds each) --------------------
+
+
+@pytest.mark.slow
+def test_gpt3_on_its_384_a100_ranks_megatrons_layout_in_its_top_three(capsys: pytest.CaptureFixture[str]) -> None:
+    found = layouts(capsys, str(ROOT / "benchmarks" / "runs" / "gpt3_175b_megatron.shard"), "--topology", "48x8",
+                    "--recompute", "full")
+    axes = [r["axes"] for r in found["layouts"]]  # type: ignore[index]
+    assert {"P": 12, "Z": 4, "Y": 8} in axes[:3]
+    assert all(r["planned"] for r in found["layouts"][:EXACT_TOP])  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_the_template_search_chooses_as_planning_every_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 64 chips over P x X x Y: 28 candidates, each planned, against 4 templates planned once
+    exact, fast = _both(monkeypatch, PIPELINE, 64)
+    assert fast.stats["templates"] <= 4 < exact.stats["planned"]
+    assert fast.chosen is not None and exact.chosen is not None and fast.chosen.sizes == exact.chosen.sizes
+    assert [r.sizes for r in fast.layouts[:EXACT_TOP]] == [r.sizes for r in exact.layouts[:EXACT_TOP]]
+    assert [r.step_s for r in fast.layouts[:EXACT_TOP]] == [r.step_s for r in exact.layouts[:EXACT_TOP]]
+
+
+def test_plans_sharing_a_search_are_the_plans_made_apart() -> None:
+    from shardc.planner.planner import shared_search
+    spec = prepare(load(PIPELINE), {"P": 2, "X": 4, "Y": 1})
+    assert not isinstance(spec, shardc.layouts.Skipped)
+    variants = [(r, z) for r in ("none", "selective", "full") for z in (None, shardc.ir.spec.Zero(1, ("X",)))]
+
+    def steps(p: shardc.ir.plan.Plan) -> list[object]:  # type: ignore[name-defined]
+        report = shardc.cost(p)
+        assert report.pipeline is not None
+        return [str(s) for s in p.forward + p.backward + p.optimizer] + [report.pipeline.step_s,
+                                                                          report.memory.total_bytes]
+
+    apart = [steps(shardc.plan(replace(spec, zero=z), recompute=r)) for r, z in variants]
+    with shared_search():
+        together = [steps(shardc.plan(replace(spec, zero=z), recompute=r)) for r, z in variants]
+    assert together == apart and len({s[-1] for s in apart}) > 1  # the policies keep different memory
+
+
+def test_templates_over_processes_give_the_rows_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
+    spec, options = load(PIPELINE), Options(get_hardware("tpu-v5p"))
+    alone = search_layouts([spec], options, chips=8, jobs=1)
+    pooled = search_layouts([spec], options, chips=8, jobs=2)
+    assert pooled.stats["jobs"] == 2 and alone.stats["jobs"] == 1
+    assert pooled.layouts == alone.layouts and pooled.skipped == alone.skipped
