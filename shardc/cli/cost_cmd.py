@@ -31,6 +31,7 @@ from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError, clip
 from shardc.hardware import PRESETS, resolve_hardware
 from shardc.images import check_image_path
+from shardc.lowering.sizes import devices_to_check, shrink_mesh
 
 __all__ = ["register", "run_cost", "run_hardware", "MAX_POINTS"]
 
@@ -163,7 +164,6 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _memory_check(plan: Any) -> Any:
     """The plan's memory against XLA's, compiled on as many emulated devices as ``shardc verify`` uses."""
     from shardc.cli.lower_cmd import emulate_devices
-    from shardc.lowering.sizes import devices_to_check, shrink_mesh
 
     devices = devices_to_check(plan)
     emulate_devices(math.prod(s for _, s in shrink_mesh([(a.name, a.size) for a in plan.spec.mesh.axes], devices)))
