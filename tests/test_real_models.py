@@ -17,8 +17,9 @@ EXAMPLES = ROOT / "examples"
 # (example, the parameter count its source gives, its chips, the options it is costed under):
 # Gemma 2 27B: 1.18e9 embedding + 26.05e9 other parameters (Gemma Team 2024, Table 1), less the
 # 0.85e6 norm scales a spec leaves out; Yi-34B: 34.389e9 in its released weights, less 0.87e6
-# norm scales.
-MODELS = [("gemma2_27b", 27.2266e9, 6144, ()), ("yi_34b", 34.3880e9, 1024, ("--recompute", "full"))]
+# norm scales; LLaMA 3 405B: 405.853e9 in its released weights, less 4.1e6 norm scales.
+MODELS = [("gemma2_27b", 27.2266e9, 6144, ()), ("yi_34b", 34.3880e9, 1024, ("--recompute", "full")),
+          ("llama3_405b", 405.8492e9, 8192, ("--recompute", "dots"))]
 
 
 def _mesh(name: str) -> dict[str, int]:
