@@ -157,6 +157,31 @@ def test_a_bias_a_gate_and_a_reduction() -> None:
     assert any(t.startswith("sum(") and t.endswith("over F)") for t in texts), texts
 
 
+def test_self_attention_reads_its_input_twice_through_renames() -> None:
+    """Queries and keys from one x (its S on both sides of Q·K), then the probabilities times values
+    (contracting T with V's S): each is read through a rename, as a spec writes self-attention."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, wq: Any, wk: Any, wv: Any) -> Any:
+        q, k, v = (jnp.einsum("bsd,dnh->bsnh", x, w) for w in (wq, wk, wv))
+        p = jnp.tanh(jnp.einsum("bsnh,btnh->bnst", q, k))
+        return jnp.einsum("bnst,btnh->bsnh", p, v)
+
+    weight = _arg(mesh, (16, 8, 2), None, "model")
+    e = explain(jax.jit(f), _arg(mesh, (4, 8, 16), "data"), weight, weight, weight)
+    spec = shardc.parse(e.spec)
+    renames = [s for s in spec.statements if s.result.name.startswith("C")]
+    assert len(renames) == 2 and all("T" in [d.name for d in s.result.dims] for s in renames), e.spec
+    scores = next(s.result for s in spec.statements if "T" in [d.name for d in s.result.dims]
+                  and "S" in [d.name for d in s.result.dims])
+    assert [d.name for d in scores.dims] == ["B", "N", "S", "T"]
+    assert not e.xla  # heads over `model`, the batch over `data`: XLA needs no collective
+    assert shardc.cost(shardc.plan(spec)).step.step_s > 0
+
+
 def test_an_op_the_language_lacks_is_a_clear_error() -> None:
     import jax
     import jax.numpy as jnp

@@ -47,6 +47,10 @@ class _Statement:
     line: str = ""
 
 
+class _Renamed:
+    """A renamed copy of a tensor the program reads twice along one dim (no jaxpr variable of its own)."""
+
+
 @dataclass
 class ProgramSpec:
     """The spec text, and where each tensor came from."""
@@ -266,10 +270,16 @@ class _Reader:
         out = eqn.outvars[0]
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         left, right, ids = self.dims_of(lhs), self.dims_of(rhs), self.dims_of(out)
-        for a, b in zip(lc, rc, strict=True):
-            self.join(left[a], right[b])
         free_l = [i for i in range(len(left)) if i not in lc and i not in lb]
         free_r = [i for i in range(len(right)) if i not in rc and i not in rb]
+        operands, views = [self.tensor(lhs), self.tensor(rhs)], [left, right]
+        pairs = [*zip(lc, rc, strict=True), *zip(lb, rb, strict=True)]
+        for side, clashes in enumerate(self.clashes(left, right, pairs, free_l, free_r)):
+            if clashes:  # one array read twice along one dim (self-attention's Q·K and P·V): a renamed copy
+                operands[side], views[side] = self.rename(operands[side], views[side], clashes, line)
+        left, right = views
+        for a, b in zip(lc, rc, strict=True):
+            self.join(left[a], right[b])
         order = [(left[a], right[b]) for a, b in zip(lb, rb, strict=True)]
         order += [(left[i], None) for i in free_l] + [(None, right[i]) for i in free_r]
         for position, (a, b) in enumerate(order):
@@ -277,7 +287,43 @@ class _Reader:
                 if d is not None:
                     self.join(d, ids[position])
         self.hint(eqn, (left, right))
-        self.make(out, "dot", (self.tensor(lhs), self.tensor(rhs)), line=line)
+        self.make(out, "dot", (operands[0], operands[1]), line=line)
+
+    def clashes(self, left: list[int], right: list[int], pairs: list[tuple[int, int]], free_l: list[int],
+                free_r: list[int]) -> tuple[set[int], set[int]]:
+        """Each operand's dims a contraction cannot join as they are: a right one the left operand keeps
+        too (``Q[B, S, H] · K[B, S, H]``: S twice in the result), or one of a joined pair whose join would
+        merge two dims a tensor holds apart (``P[B, S, T] · V[B, S, H]`` over T: S is T), renamed on the
+        side that does not hold the other's dim already (V's S, not P's T)."""
+        kept = {self.find(left[i]) for i in free_l}
+        renamed: tuple[set[int], set[int]] = (set(), {right[i] for i in free_r if self.find(right[i]) in kept})
+        for a, b in pairs:
+            ra, rb = self.find(left[a]), self.find(right[b])
+            if ra == rb or not any(ra in held and rb in held for held in self.held()):
+                continue
+            if ra in {self.find(d) for d in right if d != right[b]}:  # the right operand holds a's dim
+                renamed[0].add(left[a])
+            else:
+                renamed[1].add(right[b])
+        return renamed
+
+    def held(self) -> list[set[int]]:
+        """The classes of dims each tensor of the spec holds."""
+        return [{self.find(d) for d in self.dims[var]} for var in self.names if var in self.dims]
+
+    def rename(self, tensor: Any, view: list[int], clashes: set[int], line: str) -> tuple[Any, list[int]]:
+        """A copy of ``tensor`` whose ``clashes`` dims are new ones of the same size and sharding (the
+        language's rename, ``Kx[B, T, D] = L1[B, S, D]``), and the ids of ``view`` (a view of it) in it."""
+        fresh: dict[int, int] = {}
+        for d in clashes:
+            fresh[d] = len(self.parent)
+            self.parent[fresh[d]], self.size[fresh[d]] = fresh[d], self.size[d]
+        copy = _Renamed()
+        self.dims[copy] = [fresh.get(d, d) for d in self.dims_of(tensor)]
+        self.make(copy, "copy", (tensor,), line=line)
+        for d, new in fresh.items():
+            self.axes[copy][new] = self.axes[tensor].get(d, ())
+        return copy, [fresh.get(d, d) for d in view]
 
     def hint(self, eqn: Any, operands: tuple[list[int], ...]) -> None:
         """The letters of a ``jnp.einsum`` equation, where its terms are this dot_general's operands."""
