@@ -61,3 +61,13 @@ def test_layouts_ranks_the_published_layout_in_its_top_three(name: str, params: 
     assert main(["layouts", str(path), "--chips", str(chips), "--jobs", "1", "--json", *options]) == 0
     ranked = [row["axes"] for row in json.loads(capsys.readouterr().out)["layouts"] if row["fits"]]
     assert published in ranked[:3], ranked[:3]
+
+
+def test_a_pipelined_spec_fits_by_its_stages_not_by_the_whole_batch_at_once() -> None:
+    """Yi-34B without recompute: a stage's layers with the whole batch at once hold 283 GB, but the 1F1B
+    pipeline holds only the microbatches in flight (37 GB on the first stage): it fits, and says so."""
+    report = _cost("yi_34b")
+    memory = report["memory"]
+    stages = report["pipeline"]["per_stage"]
+    assert memory["whole_batch_fits"] is False and memory["total_bytes"] > memory["hbm_bytes"]
+    assert memory["fits"] is True and max(s["memory_bytes"] for s in stages) < memory["hbm_bytes"]

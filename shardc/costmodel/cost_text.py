@@ -78,6 +78,13 @@ def _phase(p: PhaseCost, layers: int) -> list[str]:
 def _memory(report: CostReport) -> list[str]:
     m = report.memory
     verdict = "fits" if m.fits else "does NOT fit"
+    total = f"  total      {fmt_bytes(m.total_bytes)}: {verdict} {fmt_bytes(m.hbm_bytes)} of HBM"
+    if report.pipeline is not None:  # these are one stage's layers with the whole batch at once
+        fullest = max(report.pipeline.stages, key=lambda st: st.memory_bytes)
+        held = "fits" if fullest.memory_bytes <= m.hbm_bytes else "does NOT fit"
+        total = (f"  total      {fmt_bytes(m.total_bytes)} with the whole batch at once; the pipeline holds only the "
+                 f"microbatches in flight: {fmt_bytes(fullest.memory_bytes)} on its fullest stage "
+                 f"({fullest.stage}), {held} {fmt_bytes(m.hbm_bytes)} of HBM (the stage table below)")
     zero = ""
     if m.zero:  # `zero N over X`: stage N shards the first N of these
         stage = int(m.zero.split()[1])
@@ -89,8 +96,7 @@ def _memory(report: CostReport) -> list[str]:
              f"  optimizer  {fmt_bytes(m.optimizer_bytes)}",
              f"  residuals  {fmt_bytes(m.residual_bytes)}"
              + (f" ({', '.join(v for v, _ in m.residuals)} a layer)" if m.residuals else ""),
-             f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)",
-             f"  total      {fmt_bytes(m.total_bytes)}: {verdict} {fmt_bytes(m.hbm_bytes)} of HBM"]
+             f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)", total]
     return lines + _residual_table(m)
 
 
