@@ -158,8 +158,9 @@ def test_a_bias_a_gate_and_a_reduction() -> None:
 
 
 def test_self_attention_reads_its_input_twice_through_renames() -> None:
-    """Queries and keys from one x (its S on both sides of Q·K), then the probabilities times values
-    (contracting T with V's S): each is read through a rename, as a spec writes self-attention."""
+    """Queries and keys from one x (its S on both sides of Q·K), a softmax over the keys (traced as a
+    max, an exp, a sum and a division: one `softmax` of the language), then the probabilities times
+    values (contracting T with V's S): each is read through a rename, as a spec writes self-attention."""
     import jax
     import jax.numpy as jnp
 
@@ -167,7 +168,7 @@ def test_self_attention_reads_its_input_twice_through_renames() -> None:
 
     def f(x: Any, wq: Any, wk: Any, wv: Any) -> Any:
         q, k, v = (jnp.einsum("bsd,dnh->bsnh", x, w) for w in (wq, wk, wv))
-        p = jnp.tanh(jnp.einsum("bsnh,btnh->bnst", q, k))
+        p = jax.nn.softmax(jnp.einsum("bsnh,btnh->bnst", q, k), axis=-1)
         return jnp.einsum("bnst,btnh->bsnh", p, v)
 
     weight = _arg(mesh, (16, 8, 2), None, "model")
@@ -178,6 +179,7 @@ def test_self_attention_reads_its_input_twice_through_renames() -> None:
     scores = next(s.result for s in spec.statements if "T" in [d.name for d in s.result.dims]
                   and "S" in [d.name for d in s.result.dims])
     assert [d.name for d in scores.dims] == ["B", "N", "S", "T"]
+    assert any(str(s.expr).startswith("softmax(") and str(s.expr).endswith("over T)") for s in spec.statements)
     assert not e.xla  # heads over `model`, the batch over `data`: XLA needs no collective
     assert shardc.cost(shardc.plan(spec)).step.step_s > 0
 

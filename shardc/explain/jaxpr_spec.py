@@ -21,6 +21,7 @@ from typing import Any
 from jax.extend import core as jex
 
 from shardc.errors import ShardcError
+from shardc.explain.patterns import Softmax, softmaxes
 from shardc.ir.spec import Dim, TensorRef
 
 __all__ = ["ProgramSpec", "read_program", "source_line"]
@@ -38,7 +39,7 @@ _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 @dataclass
 class _Statement:
-    kind: str  # "dot", "mul", "fn", "sum", "reduce"
+    kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy"
     result: Any
     operands: tuple[Any, ...]
     fn: str = ""  # the function (fn) or reduction (reduce)
@@ -122,7 +123,7 @@ class _Reader:
         return var
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
-        prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "copy": "C"}[kind]
+        prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
@@ -147,8 +148,20 @@ class _Reader:
 
     # equations -------------------------------------------------------------------------------------
     def walk(self, jaxpr: Any) -> None:
+        runs = softmaxes(jaxpr)
+        inside = {id(e) for run in runs.values() for e in run.run[:-1]}
         for eqn in jaxpr.eqns:
-            self.equation(eqn)
+            if eqn in runs:
+                self.softmax(eqn.outvars[0], runs[eqn], source_line(eqn))
+            elif id(eqn) not in inside:
+                self.equation(eqn)
+
+    def softmax(self, out: Any, run: Softmax, line: str) -> None:
+        """``out = softmax(source over axis)``: one function over the run that computes it."""
+        source = self.tensor(run.source)
+        for d, e in zip(self.dims_of(run.source), self.dims_of(out), strict=True):
+            self.join(d, e)
+        self.make(out, "norm", (source,), fn="softmax", over=self.dims_of(run.source)[run.axis], line=line)
 
     def equation(self, eqn: Any) -> None:
         name = eqn.primitive.name
@@ -438,7 +451,7 @@ def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
         lines[result.name] = s.line
         for operand in operands:
             lines.setdefault(operand.name, s.line)  # an input: where it is first read
-        over = names[reader.find(s.over)] if s.kind == "reduce" else ""
+        over = names[reader.find(s.over)] if s.kind in ("reduce", "norm") else ""
         body.append(f"{result} = {_expression(s, operands, over)}" + (f"  # {_comment(s.line)}" if s.line else ""))
     if not body:
         raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
