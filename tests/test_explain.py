@@ -184,6 +184,25 @@ def test_self_attention_reads_its_input_twice_through_renames() -> None:
     assert shardc.cost(shardc.plan(spec)).step.step_s > 0
 
 
+def test_an_rmsnorm_in_either_form_is_one_function_and_its_statistic_reduced_over_the_model_axis() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, w: Any) -> Any:
+        y = jnp.einsum("bd,df->bf", x, w)
+        a = y * jax.lax.rsqrt(jnp.mean(y**2, axis=-1, keepdims=True) + 1e-6)
+        b = y / jnp.sqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + 1e-6)
+        return a + b
+
+    e = explain(jax.jit(f), _arg(mesh, (8, 16), "data"), _arg(mesh, (16, 8), None, "model"))
+    norms = [s for s in shardc.parse(e.spec).statements if str(s.expr).startswith("rmsnorm(")]
+    assert len(norms) == 2 and all(str(s.expr).endswith("over F)") for s in norms), e.spec
+    # F over `model`: each norm's mean of squares is a partial sum, AllReduced, in XLA's program and the plan
+    assert [c.kind for c in e.plan] == ["AllReduce_{model}"] * 2 and len(e.xla) == 2
+
+
 def test_an_op_the_language_lacks_is_a_clear_error() -> None:
     import jax
     import jax.numpy as jnp

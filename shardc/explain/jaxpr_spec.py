@@ -21,7 +21,7 @@ from typing import Any
 from jax.extend import core as jex
 
 from shardc.errors import ShardcError
-from shardc.explain.patterns import Softmax, softmaxes
+from shardc.explain.patterns import Run, runs
 from shardc.ir.spec import Dim, TensorRef
 
 __all__ = ["ProgramSpec", "read_program", "source_line"]
@@ -148,20 +148,20 @@ class _Reader:
 
     # equations -------------------------------------------------------------------------------------
     def walk(self, jaxpr: Any) -> None:
-        runs = softmaxes(jaxpr)
-        inside = {id(e) for run in runs.values() for e in run.run[:-1]}
+        found = runs(jaxpr)
+        inside = {id(e) for run in found.values() for e in run.run[:-1]}
         for eqn in jaxpr.eqns:
-            if eqn in runs:
-                self.softmax(eqn.outvars[0], runs[eqn], source_line(eqn))
+            if eqn in found:
+                self.function(eqn.outvars[0], found[eqn], source_line(eqn))
             elif id(eqn) not in inside:
                 self.equation(eqn)
 
-    def softmax(self, out: Any, run: Softmax, line: str) -> None:
-        """``out = softmax(source over axis)``: one function over the run that computes it."""
+    def function(self, out: Any, run: Run, line: str) -> None:
+        """``out = softmax(source over axis)`` (or rmsnorm): one function over the run that computes it."""
         source = self.tensor(run.source)
         for d, e in zip(self.dims_of(run.source), self.dims_of(out), strict=True):
             self.join(d, e)
-        self.make(out, "norm", (source,), fn="softmax", over=self.dims_of(run.source)[run.axis], line=line)
+        self.make(out, "norm", (source,), fn=run.function, over=self.dims_of(run.source)[run.axis], line=line)
 
     def equation(self, eqn: Any) -> None:
         name = eqn.primitive.name

@@ -3,7 +3,9 @@
 ``jax.nn.softmax(x, axis)`` traces to ``exp(x - max(x)) / sum(exp(x - max(x)))`` (a reduce_max, its
 broadcast back, a subtraction, an exp, a reduce_sum, its broadcast, a division); read equation by
 equation it is a division of two arrays, which the language has no form for, but the whole run is
-``softmax(X over I)``.  :func:`softmaxes` finds each such run whose inner values nothing else reads.
+``softmax(X over I)``.  An RMSNorm, ``x * rsqrt(mean(x**2) + eps)`` (or ``x / sqrt(...)``), is a
+product of x with a statistic of itself: the run is ``rmsnorm(X over I)``.  :func:`runs` finds each
+such run whose inner values nothing else reads.
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ from typing import Any
 
 from jax.extend import core as jex
 
-__all__ = ["Softmax", "softmaxes"]
+__all__ = ["Run", "runs"]
 
 _PASS = ("broadcast_in_dim", "stop_gradient", "max")  # what lies between the max and the subtraction
 
 
-@dataclass(frozen=True)
-class Softmax:
-    """``out = softmax(source over axis)``, made by the equations ``run`` (the division last)."""
+_STATISTIC = ("broadcast_in_dim", "div", "add", "mul", "rsqrt", "sqrt")  # mean(x**2) + eps, its root, ...
 
+
+@dataclass(frozen=True)
+class Run:
+    """``out = function(source over axis)``, made by the equations ``run`` (the last makes ``out``)."""
+
+    function: str
     source: Any
     axis: int
     run: tuple[Any, ...]
@@ -56,7 +62,7 @@ def _max_of(var: Any, made: dict[Any, Any], run: list[Any]) -> tuple[Any, int] |
     return eqn.invars[0], eqn.params["axes"][0]
 
 
-def _match(div: Any, made: dict[Any, Any]) -> Softmax | None:
+def _softmax(div: Any, made: dict[Any, Any]) -> Run | None:
     num, den = div.invars
     run: list[Any] = []
     exp, bcast = made.get(num), made.get(den)
@@ -71,18 +77,45 @@ def _match(div: Any, made: dict[Any, Any]) -> Softmax | None:
     found = _max_of(sub.invars[1], made, run)
     if found is None or found[0] is not sub.invars[0] or (found[1],) != tuple(total.params["axes"]):
         return None
-    return Softmax(sub.invars[0], found[1], (*run, sub, exp, total, bcast, div))
+    return Run("softmax", sub.invars[0], found[1], (*run, sub, exp, total, bcast, div))
 
 
-def softmaxes(jaxpr: Any) -> dict[Any, Softmax]:
-    """Each softmax run of ``jaxpr`` by its division equation, where the run's inner values are read by
-    the run alone (a value read elsewhere too keeps its equations, and the run is read equation by
-    equation)."""
+def _rmsnorm(last: Any, made: dict[Any, Any]) -> Run | None:
+    """``x * rsqrt(mean(x**2) + eps)`` or ``x / sqrt(...)``: the statistic's chain back to a sum of squares
+    of x along one axis, each step of it a function of the statistic alone (and literals)."""
+    x, stat = last.invars
+    run: list[Any] = []
+    eqn = made.get(stat)
+    roots = 0
+    while eqn is not None and eqn.primitive.name in _STATISTIC and _array(eqn) is not None:
+        roots += eqn.primitive.name in ("rsqrt", "sqrt")
+        run.append(eqn)
+        eqn = made.get(_array(eqn))
+    wanted = "rsqrt" if last.primitive.name == "mul" else "sqrt"
+    if eqn is None or eqn.primitive.name != "reduce_sum" or len(eqn.params["axes"]) != 1 or roots != 1 \
+            or not any(e.primitive.name == wanted for e in run):
+        return None
+    square = made.get(eqn.invars[0])
+    if square is None or not ((square.primitive.name == "integer_pow" and square.params["y"] == 2)
+                              or square.primitive.name == "square") or square.invars[0] is not x:
+        return None
+    return Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), last))
+
+
+def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
+    if len(eqn.invars) != 2 or any(isinstance(v, jex.Literal) for v in eqn.invars):
+        return None
+    if eqn.primitive.name == "div":
+        return _softmax(eqn, made) or _rmsnorm(eqn, made)
+    return _rmsnorm(eqn, made) if eqn.primitive.name == "mul" else None
+
+
+def runs(jaxpr: Any) -> dict[Any, Run]:
+    """Each run of ``jaxpr`` by its last equation, where the run's inner values are read by the run
+    alone (a value read elsewhere too keeps its equations, and the run is read equation by equation)."""
     made, uses = _producers(jaxpr), _uses(jaxpr)
-    found: dict[Any, Softmax] = {}
+    found: dict[Any, Run] = {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name != "div" or len(eqn.invars) != 2:
-            continue
         match = _match(eqn, made)
         if match is None:
             continue
