@@ -203,6 +203,21 @@ def test_an_rmsnorm_in_either_form_is_one_function_and_its_statistic_reduced_ove
     assert [c.kind for c in e.plan] == ["AllReduce_{model}"] * 2 and len(e.xla) == 2
 
 
+def test_a_reduction_over_two_dims_is_two_reductions() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, w: Any) -> Any:
+        return jnp.sum(jnp.tanh(jnp.einsum("bsd,df->bsf", x, w)), axis=(1, 2))
+
+    e = explain(jax.jit(f), _arg(mesh, (8, 4, 16), "data"), _arg(mesh, (16, 8), None, "model"))
+    sums = [str(s.expr) for s in shardc.parse(e.spec).statements if str(s.expr).startswith("sum(")]
+    assert len(sums) == 2 and sums[0].endswith("over S)") and sums[1].endswith("over F)"), e.spec
+    assert [c.kind for c in e.plan] == ["AllReduce_{model}"] and len(e.xla) == 1  # the sum over F's shards
+
+
 def test_an_op_the_language_lacks_is_a_clear_error() -> None:
     import jax
     import jax.numpy as jnp

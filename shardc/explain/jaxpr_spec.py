@@ -48,8 +48,9 @@ class _Statement:
     line: str = ""
 
 
-class _Renamed:
-    """A renamed copy of a tensor the program reads twice along one dim (no jaxpr variable of its own)."""
+class _Made:
+    """A tensor of the spec with no jaxpr variable of its own: a renamed copy of one the program reads
+    twice along one dim, or a reduction's partial result over the first of several dims."""
 
 
 @dataclass
@@ -331,7 +332,7 @@ class _Reader:
         for d in clashes:
             fresh[d] = len(self.parent)
             self.parent[fresh[d]], self.size[fresh[d]] = fresh[d], self.size[d]
-        copy = _Renamed()
+        copy = _Made()
         self.dims[copy] = [fresh.get(d, d) for d in self.dims_of(tensor)]
         self.make(copy, "copy", (tensor,), line=line)
         for d, new in fresh.items():
@@ -348,17 +349,23 @@ class _Reader:
                     self.hints.setdefault(d, letter.upper())
 
     def reduce(self, eqn: Any, line: str) -> None:
+        """A reduction over one dim, or over several as the language writes it: one dim at a time (a sum
+        of sums, a max of maxes), the partial results tensors of their own."""
         source, out = eqn.invars[0], eqn.outvars[0]
-        axes = eqn.params["axes"]
-        if len(axes) != 1:
-            raise ShardcError(f"a reduction over {len(axes)} dims at {line or 'the program'}: the spec reduces one "
-                              "at a time", fix="reduce one dim at a time in the program")
         ids = self.dims_of(source)
-        kept = [d for i, d in enumerate(ids) if i not in axes]
-        for d, e in zip(kept, self.dims_of(out), strict=True):
-            self.join(d, e)
+        over = [ids[i] for i in eqn.params["axes"]]
         fn = "sum" if eqn.primitive.name == "reduce_sum" else "max"
-        self.make(out, "reduce", (self.tensor(source),), fn=fn, over=ids[axes[0]], line=line)
+        tensor, held = self.tensor(source), list(ids)
+        for k, d in enumerate(over):
+            held = [e for e in held if e != d]
+            target = out if k == len(over) - 1 else _Made()
+            if target is out:
+                for e, f in zip(held, self.dims_of(out), strict=True):
+                    self.join(e, f)
+            else:
+                self.dims[target] = list(held)
+            self.make(target, "reduce", (tensor,), fn=fn, over=d, line=line)
+            tensor = target
 
 
 def _primitives(jaxpr: Any) -> frozenset[str]:
