@@ -142,7 +142,12 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = dict(block.sizes or {})
     dim = microbatch_dim(ends.block)
-    splits = [split_reductions(part) for part in (ends.pre, ends.post)]
+    incoming = frozenset(c for _, c, _ in ends.tied)  # a tied param's contribution from the last stage
+    splits = [split_reductions(ends.pre, incoming), split_reductions(ends.post)]
+    if incoming and not incoming <= {p.name for p in splits[0].partials}:
+        raise ShardcError("a param read on both ends of the pipelined block lowers only where its gradient's "
+                          "sum runs on the sums over the microbatches (its steps are moves and sums)",
+                          ends.block.spec.span_of("layers"), fix="read it once on each side of the block")
     modules = [generate(split.each, stage_mesh, micro, reserved=reserved) for split in splits]
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables

@@ -195,6 +195,7 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         kept.append(values)
         x = numpy_reference.forward(block, values, xp, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
     grads: Arrays = {}
+    tied: Arrays = {}  # a param read on both ends: the contribution to its gradient after the block
     if post is None:
         results = {ns.BLOCK_OUTPUT: x}
         g = xp.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
@@ -203,7 +204,8 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp)[ns.LOSS])}
         d_loss = xp.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
         got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp)
-        grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS})
+        grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS if p not in ns.TIED})
+        tied = {p: got[p] for p in ns.TIED}
         g = got[ns.BLOCK_OUTPUT]
     layers: dict[str, list[np.ndarray]] = {p: [] for p in ns.PARAMS}
     for layer in reversed(range(len(kept))):
@@ -216,7 +218,9 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         grads[ns.GRADS[ns.BLOCK_INPUT]] = g
     else:
         got = numpy_reference.backward(pre, pre_in, {ns.PRE_RESULT: g}, xp)
-        grads.update({ns.PRE_GRADS[p]: got[p] for p in ns.PRE_PARAMS})
+        finals = getattr(ns, "PRE_FINAL_GRADS", {})  # a tied param's gradient: the sum of both ends'
+        grads.update({finals.get(ns.PRE_GRADS[p], ns.PRE_GRADS[p]): got[p] + tied[p] if p in tied else got[p]
+                      for p in ns.PRE_PARAMS})
     grads.update({ns.GRADS[p]: xp.stack(v) for p, v in layers.items()})
     return results, grads
 
