@@ -44,7 +44,7 @@ from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Contract, Mesh, Spec
 from shardc.lowering import reference as numpy_reference
-from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline
+from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline, schedule_note
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
@@ -244,6 +244,9 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -
     cut = collapsed_axes(plan, {**mesh})
     if cut:
         report.notes.append(cut_note(cut, devices, plan))
+    order = schedule_note(lowered.pipeline.schedule.name)
+    if order is not None:
+        report.notes.append(order)
     parts = None if lowered.ends is None else (lowered.ends.pre, lowered.ends.block, lowered.ends.post)
     with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
         text, runs = _run(lowered, inputs, cotangent, keys)
