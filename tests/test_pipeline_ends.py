@@ -191,6 +191,8 @@ def test_a_tied_embedding_is_held_by_both_end_stages() -> None:
     untied = shardc.cost(shardc.plan(shardc.parse(MODEL.replace("mesh X=4, Y=2",
                                                                  "mesh P=4 pipeline, X=4, Y=2")))).pipeline
     assert untied is not None and untied.tied_exchange_s == 0
+    zbv = shardc.cost(shardc.plan(shardc.parse(_tied_text() + "schedule zbv\n"))).pipeline
+    assert zbv is not None and zbv.tied_exchange_s == 0  # its V puts the first and last chunk on device 0
     assert cost.grad_reduce_s > 0
 
 

@@ -246,9 +246,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     name = pipe.schedule.name
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
-    tied_s = math.fsum(collective_time(Op.COLLECTIVE_PERMUTE, float(local_elements(c, sizes)) * plan.nbytes(c.name),
-                                       (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
-                       for _, c in tied_contributions(plan))
+    tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
     reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
@@ -257,6 +255,17 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last,
                         grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s)
+
+
+def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
+    """The first and the last stage swapping their sums of a tied param's gradient contributions, once a
+    step (nothing where one device holds both the first and the last chunk, as ZBV's V places them)."""
+    name, n = pipe.schedule.name, pipe.stages * pipe.chunks
+    if device_of(name, 0, pipe.stages) == device_of(name, n - 1, pipe.stages):
+        return 0.0
+    return math.fsum(collective_time(Op.COLLECTIVE_PERMUTE, float(local_elements(c, sizes)) * plan.nbytes(c.name),
+                                     (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
+                     for _, c in tied_contributions(plan))
 
 
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing,
