@@ -155,22 +155,70 @@ def test_the_loss_is_the_mean_of_the_microbatches() -> None:
 
 TIED = ("W_out[D_X, V_Y]", "W_emb[V_Y, D_X]")  # the output layer reads the embedding's table
 NO_LOSS = ("Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S])", "Out[B_X, S, V_Y] = gelu(Lg[B_X, S, V_Y])")
+SHARED_INPUT = ("Next[B_X, S])", "Tok[B_X, S])")  # a data input read on both ends, not a param
 
 
-@pytest.mark.parametrize(("edit", "message"), [(TIED, "read both before and after"),
-                                               (NO_LOSS, "cross_entropy loss")])
+def _tied_text(mesh: str = "mesh P=4 pipeline, X=4, Y=2") -> str:
+    return MODEL.replace("mesh X=4, Y=2", mesh).replace(*TIED).replace(", W_out\n", "\n")
+
+
+@pytest.mark.parametrize(("edit", "message"), [(NO_LOSS, "cross_entropy loss"),
+                                               (SHARED_INPUT, "only a param may be")])
 def test_what_the_lowering_refuses(edit: tuple[str, str], message: str) -> None:
     from shardc.errors import ShardcError
     from shardc.lowering.pipeline_lowering import lower_pipeline
 
-    text = MODEL.replace("mesh X=4, Y=2", "mesh P=4 pipeline, X=4, Y=2").replace(*edit)
-    if edit is TIED:
-        text = text.replace(", W_out\n", "\n")
-    else:
-        text = text.replace(", Next\n", "\n")
+    text = MODEL.replace("mesh X=4, Y=2", "mesh P=4 pipeline, X=4, Y=2").replace(*edit).replace(", Next\n", "\n")
     plan = shardc.plan(shardc.parse(text))
     with pytest.raises(ShardcError, match=message):
         lower_pipeline(plan, load=False)
+
+
+def test_a_tied_embedding_is_held_by_both_end_stages() -> None:
+    """Megatron-LM's tied embedding: a copy on the first and the last stage, each stage's contribution
+    to the gradient summed over the two once a step (a permute each way), costed on both."""
+    from shardc.lowering.pipeline_lowering import lower_pipeline
+
+    plan = shardc.plan(shardc.parse(_tied_text()))
+    lowered = lower_pipeline(plan, load=False)
+    assert lowered.ends is not None and lowered.ends.tied == (("W_emb", "dW_emb_1", "dW_emb"),)
+    assert "TIED = {'W_emb': 'dW_emb_1'}" in lowered.source
+    assert "PRE_FINAL_GRADS = {'dW_emb_2': 'dW_emb'}" in lowered.source
+    cost = shardc.cost(plan).pipeline
+    assert cost is not None and cost.tied_exchange_s > 0
+    state = [s.state_bytes for s in cost.stages]
+    assert state[0] == pytest.approx(state[3]) and state[0] > state[1]
+    untied = shardc.cost(shardc.plan(shardc.parse(MODEL.replace("mesh X=4, Y=2",
+                                                                 "mesh P=4 pipeline, X=4, Y=2")))).pipeline
+    assert untied is not None and untied.tied_exchange_s == 0
+    zbv = shardc.cost(shardc.plan(shardc.parse(_tied_text() + "schedule zbv\n"))).pipeline
+    assert zbv is not None and zbv.tied_exchange_s == 0  # its V puts the first and last chunk on device 0
+    assert cost.grad_reduce_s > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "mesh"), [("gpipe", "mesh P=2 pipeline, X=2, Y=2"),
+                                                ("1f1b", "mesh P=4 pipeline, X=4, Y=2")])
+def test_a_tied_embedding_verifies_and_both_copies_get_its_gradient(schedule: str, mesh: str) -> None:
+    """Fails if either end's contribution is dropped (the reference sums both), or if the last stage's
+    copy does not get the same gradient as the first's.  On the second mesh the plan gathers the table
+    once before the block and the output layer reads it gathered: the last stage gathers it again."""
+    import numpy as np
+
+    from shardc.lowering.pipeline_lowering import lower_pipeline
+    from shardc.verification.pipeline_verify import draw_cotangent, draw_inputs, run_sizes
+    from shardc.verification.verify import verify
+
+    plan = shardc.plan(shardc.parse(_tied_text(f"{mesh}\nschedule {schedule}\nmicrobatches 4")))
+    report = verify(plan)
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+    assert any("tied W_emb" in r.step and r.ok for r in report.collectives)
+    lowered = lower_pipeline(plan, *run_sizes(plan, 8))
+    pipe, inputs = lowered.namespace.PIPELINE, draw_inputs(lowered, 0, 0)
+    cot = pipe.ends.cotangent(pipe, inputs, draw_cotangent(lowered, inputs, 0))
+    acc, _ = pipe.program()[1](*pipe.arguments(inputs, cot))
+    first, last = np.asarray(acc[1]["W_emb"][0]), np.asarray(acc[1]["W_emb@last"][-1])
+    assert np.abs(first).max() > 0 and np.array_equal(first, last)
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline_llama2_13b.shard"

@@ -35,16 +35,23 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
     assert "jax.lax.all_gather(" in source  # the stage's own plan (FSDP over X) is composed in
 
 
-def test_a_schedule_that_does_not_lower_says_it_lowers_as_gpipe(capsys: pytest.CaptureFixture[str],
-                                                                 tmp_path: Path) -> None:
+@pytest.mark.parametrize(("schedule", "order"), [("gpipe", None), ("1f1b", None), ("interleaved 2", "gpipe"),
+                                               ("zb-h1", "gpipe"), ("zbv", "gpipe")])
+def test_lower_says_which_schedule_the_program_runs(schedule: str, order: str | None,
+                                                    capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Each costed schedule: the tick table the program runs (its own for GPipe and 1F1B, GPipe's for
+    the others), and the note on stderr and in the module saying so."""
     from shardc.cli.main import main
 
-    spec = tmp_path / "interleaved.shard"
-    spec.write_text(EXAMPLE.read_text().replace("schedule 1f1b", "schedule interleaved 2"))
+    name = schedule.split()[0]
+    spec = tmp_path / f"{name}.shard"
+    spec.write_text(EXAMPLE.read_text().replace("schedule 1f1b", f"schedule {schedule}"))
     assert main(["lower", str(spec)]) == 0
-    source = capsys.readouterr().out
-    assert "# schedule interleaved lowers as GPipe (same values)" in source
-    assert tick_tables("interleaved", 4, 64) == tick_tables("gpipe", 4, 64) != tick_tables("1f1b", 4, 64)
+    out, err = capsys.readouterr()
+    said = f"schedule {name} lowers as GPipe: the program runs GPipe's tick table"
+    assert (said in err and said in out) == (order is not None)
+    assert tick_tables(name, 4, 64) == tick_tables(order or name, 4, 64)
+    assert (tick_tables(name, 4, 64) == tick_tables("1f1b", 4, 64)) == (name == "1f1b")
 
 
 @pytest.mark.slow
@@ -77,10 +84,20 @@ def test_verify_runs_gpipe_on_eight_devices_against_numpy() -> None:
     _values_ok(report)
     loop, down, up = report.collectives[:3]  # GPipe's tick table: every forward, then every backward
     assert loop.ok and loop.hlo_op == "while x [22]"  # 2 (m + p - 1) ticks
+    assert not any("lowers as GPipe" in n for n in report.notes)
     assert down.ok and up.ok and down.hlo_op == up.hlo_op == "collective-permute x 1"
     gathers = [r for r in report.collectives if r.kind == "AllGather"]
     assert gathers and all(r.ok and r.hlo_bytes == r.plan_bytes for r in gathers)  # FSDP over X, in the stages
     assert report.ok, [r for r in report.collectives if not r.ok]
+
+
+@pytest.mark.slow
+def test_verify_of_zbv_says_it_ran_gpipes_order() -> None:
+    text = EXAMPLE.read_text().replace("schedule 1f1b", "schedule zbv").replace(*FOUR_STAGES)
+    report = verify_pipeline(shardc.plan(shardc.parse(text, "zbv")), devices=8)
+    _values_ok(report)
+    assert report.collectives[0].ok and report.collectives[0].hlo_op == "while x [22]"  # GPipe's ticks
+    assert any("schedule zbv lowers as GPipe" in n for n in report.notes)
 
 
 @pytest.mark.slow

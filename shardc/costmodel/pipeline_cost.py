@@ -42,7 +42,14 @@ from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network, Statement, TensorRef
-from shardc.pipeline.boundary import boundary_tensor, check_microbatches, gradient_reductions, microbatch_dim
+from shardc.pipeline.boundary import (
+    boundary_tensor,
+    carried_moves,
+    check_microbatches,
+    gradient_reductions,
+    microbatch_dim,
+    tied_contributions,
+)
 from shardc.pipeline.bubbles import (
     EXACT,
     Bubble,
@@ -125,6 +132,9 @@ class PipelineCost:
     update_s: float = 0.0  # the optimizer's update on the busiest stage, after the schedule
     grad_reduce_s: float = 0.0  # the weight gradients' reductions of the busiest stage, once a step
     grad_reduce_exposed_s: float = 0.0  # what of them the last microbatch's backward does not hide
+    # a param held by the first and the last stage (a tied embedding): the two stages swapping their sums
+    # of its gradient's contributions once a step (Megatron-LM's embedding-group AllReduce), in grad_reduce_s
+    tied_exchange_s: float = 0.0
 
     @property
     def mfu(self) -> float:
@@ -174,6 +184,7 @@ class PipelineCost:
             "step_s": self.step_s, "mfu": self.mfu, "step_closed_s": self.step_closed_s,
             "optimizer_s": self.optimizer_s, "update_s": self.update_s, "grad_reduce_s": self.grad_reduce_s,
             "grad_reduce_exposed_s": self.grad_reduce_exposed_s,
+            **({"tied_exchange_s": self.tied_exchange_s} if self.tied_exchange_s else {}),
             "ideal_s": sim.ideal, "first_extra_s": _times(self.first), "last_extra_s": _times(self.last),
             "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
         }
@@ -235,26 +246,39 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     name = pipe.schedule.name
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
-    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing)
+    tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
+    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
     found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0].seconds, p2p_s,
                         "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last,
-                        grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s)
+                        grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s)
+
+
+def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
+    """The first and the last stage swapping their sums of a tied param's gradient contributions, once a
+    step (nothing where one device holds both the first and the last chunk, as ZBV's V places them)."""
+    name, n = pipe.schedule.name, pipe.stages * pipe.chunks
+    if device_of(name, 0, pipe.stages) == device_of(name, n - 1, pipe.stages):
+        return 0.0
+    return math.fsum(collective_time(Op.COLLECTIVE_PERMUTE, float(local_elements(c, sizes)) * plan.nbytes(c.name),
+                                     (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
+                     for _, c in tied_contributions(plan))
 
 
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing,
-                     timing: Timing) -> tuple[float, float]:
+                     timing: Timing, tied_s: float = 0.0) -> tuple[float, float]:
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
-    hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows."""
+    hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows.
+    ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both."""
     layer, slowest, final = parts["layer reduce"][0].seconds, max(pipe.stage_layers), len(pipe.stage_layers) - 1
     worst, exposed = 0.0, 0.0
     for s, layers in enumerate(pipe.stage_layers):
         ends = [(key, t) for key, t, on in (("first", first, s == 0), ("last", last, s == final)) if on]
-        own = layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends)
+        own = layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends)
         backward = (timing.backward + timing.weight) * layers / slowest + sum(t.backward + t.weight for _, t in ends)
         worst, exposed = max(worst, own), max(exposed, own - backward)
     return worst, max(0.0, exposed)
@@ -270,7 +294,9 @@ def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
               spans: Layout) -> dict[str, list[_Part]]:
     """(compute, comm) of a microbatch's F, B and W: one layer of the block ("layer"), the statements
     before the block ("first": the first chunk runs them) and those after it ("last")."""
-    fwd = _runs(plan, "forward", _rows(plan.forward, plan, micro, hw, spans))
+    before, block, after = _runs(plan, "forward", _rows(plan.forward, plan, micro, hw, spans))
+    carried = _rows(carried_moves(plan), plan, micro, hw, spans)  # a tied param's gather, again on the last stage
+    fwd = (before, block, carried + after)
     again = _runs(plan, "recomputed", _rows(plan.recomputed, plan, micro, hw, spans))  # a recompute runs in the B op
     rows = _rows(plan.backward, plan, micro, hw, spans)
     # the weight gradients' steps (W), and of them the reductions run once a step on the microbatches' sums

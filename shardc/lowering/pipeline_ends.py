@@ -19,6 +19,13 @@ index, as JAX's shard_map pipeline example does).  The ends' params are passed s
 over the stage axis, only the first (last) stage's copy non-zero, so their gradients
 need no reduction over it.
 
+A param read both before and after the block (an embedding tied to the output layer) is
+held by both end stages, as Megatron-LM holds it (Shoeybi et al. 2019; Narayanan et al.
+2021): each computes its contribution to the gradient, and once a step the two stages
+swap their sums, so both run the plan's sum of the two and its reduction and hold the
+same gradient (:attr:`Ends.tied`; the swap is the cost model's exchange between the first
+and last stage).
+
 The loss after the block is a ``cross_entropy``: the mean over the tokens, so with
 equal microbatches the batch's loss is the mean of the microbatches' losses, and the
 cotangent of each is the loss's cotangent over M.
@@ -33,7 +40,7 @@ from shardc.ir.plan import SECTIONS, Plan, Step, uses_dropout
 from shardc.ir.spec import Call, Mesh, Spec, Statement, TensorRef
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
-from shardc.pipeline.boundary import boundary_tensor
+from shardc.pipeline.boundary import boundary_tensor, carried_moves, tied_contributions
 from shardc.spec.walk import leaves
 
 __all__ = ["Ends", "split_spec", "cut_parts", "ends_source", "constants", "pipeline_lines"]
@@ -46,6 +53,8 @@ class Ends:
     pre: Plan
     block: Plan
     post: Plan
+    # a param read on both ends: (param, its gradient's contribution made after the block, the gradient)
+    tied: tuple[tuple[str, str, str], ...] = ()
 
 
 def _names(statements: tuple[Statement, ...]) -> set[str]:
@@ -81,10 +90,11 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
     if not pre or not post:
         raise ShardcError("lowering a pipelined block needs statements before and after it", spec.span_of("layers"),
                           fix=fix)
-    shared = _names(pre) & _names(post)
+    shared = (_names(pre) & _names(post)) - set(spec.params or ())
     if shared:
         raise ShardcError(f"{', '.join(sorted(shared))} is read both before and after the pipelined block "
-                          "(on the first and the last stage)", spec.span_of("layers"), fix=fix)
+                          "(on the first and the last stage); only a param may be (held by both)",
+                          spec.span_of("layers"), fix=fix)
     last = post[-1]
     if not (isinstance(last.expr, Call) and last.expr.func == "cross_entropy") or last.result.dims:
         raise ShardcError("lowering a pipelined block needs the statements after it to end in a "
@@ -95,14 +105,15 @@ def cut_parts(plan: Plan) -> Ends:
     """The three parts of ``plan``, each its section's steps (:meth:`Plan.section`) on its part of the
     spec (:func:`split_spec`): the steps the cost priced, never planned again."""
     specs = split_spec(plan.spec)
+    tied = tied_contributions(plan)
     block = _part(plan, "block", specs[1], specs[2])
     pre = _part(plan, "before", specs[0], specs[1])
-    post = _part(plan, "after", specs[2], None)
+    post = _part(plan, "after", specs[2], None, tied)
     for part in (pre, post):
         if uses_dropout(part.forward):
             raise ShardcError("a dropout outside the pipelined block does not lower yet",
                               fix="put the dropout inside the `layers` block")
-    return Ends(pre, block, post)
+    return Ends(pre, block, post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied))
 
 
 def _made(steps: tuple[Step, ...]) -> dict[str, TensorRef]:
@@ -110,11 +121,15 @@ def _made(steps: tuple[Step, ...]) -> dict[str, TensorRef]:
     return {s.dst.name: s.dst for s in steps}
 
 
-def _part(plan: Plan, name: str, spec: Spec, following: Spec | None) -> Plan:
+def _part(plan: Plan, name: str, spec: Spec, following: Spec | None,
+          tied: tuple[tuple[str, TensorRef], ...] = ()) -> Plan:
     """Section ``name`` of ``plan`` as a plan of its own spec: the tensors it makes its activations, those
     it reads from the section before its inputs; its outputs' cotangents the gradients the section after
-    it hands back (``following``, the spec of that section), its inputs' gradients those it makes."""
+    it hands back (``following``, the spec of that section), its inputs' gradients those it makes (and a
+    ``tied`` param's contribution to its gradient, the one this section makes)."""
     section = plan.section(name)
+    if name == "after":  # a param's value the plan moved before the block: the last stage moves it again
+        section = replace(section, forward=carried_moves(plan) + section.forward)
     made = _made(section.forward)
     names = _names(spec.statements) | set(made)
     read = {r.name for s in spec.statements for r in leaves(s.expr)}
@@ -135,13 +150,14 @@ def _part(plan: Plan, name: str, spec: Spec, following: Spec | None) -> Plan:
     # before's output's as this section's backward leaves it
     made_back, final = _made(section.backward), {g.name: g for g in plan.grads}
     wanted = [plan.grad_name(i.name) for i in tensors if i.name in entering]
-    grads = tuple(final.get(g, made_back[g]) for g in wanted if g in made_back)
+    grads = tuple(final.get(g, made_back[g]) for g in wanted if g in made_back) + tuple(c for _, c in tied)
+    names_of = plan.gradient_names + tuple((p, c.name) for p, c in tied)
     reads = {r for s in section.backward for r in (*s.operands, *((s.src,) if s.src else ()))}
     gone = {a.name for a in plan.spec.mesh.axes} - {a.name for a in spec.mesh.axes}  # an end's: the stage axis
     return replace(plan, spec=spec, forward=section.forward, backward=section.backward,
                    recomputed=section.recomputed, optimizer=(), sections=None, choices=(), tensors=tensors,
                    residuals=tuple(r for r in plan.residuals if r.name in made and r in reads),
-                   cotangents=tuple(cotangents), grads=grads,
+                   cotangents=tuple(cotangents), grads=grads, gradient_names=names_of,
                    sizes=None if plan.sizes is None else tuple((k, v) for k, v in plan.sizes if k not in gone))
 
 
@@ -174,7 +190,9 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
                        ("POST_DATA", post_data, "so too"),
                        ("DATA_DIM", data_dims, "the microbatch dim of each"),
                        ("PRE_RESULT", ends.pre.spec.statements[-1].result.name, "stage 0's output"),
-                       ("LOSS", ends.post.spec.statements[-1].result.name, "the loss (a mean over the tokens)")))
+                       ("LOSS", ends.post.spec.statements[-1].result.name, "the loss (a mean over the tokens)"),
+                       ("TIED", {p: c for p, c, _ in ends.tied},
+                        "a param held by both end stages: its contribution made on the last")))
     return text + pipeline_lines("model_pipeline", "model")
 
 

@@ -10,7 +10,8 @@ that runs any table the same way, with the block's plan as each layer
 statements around it adds their two plans as the block's ends (before it on stage
 0, after it on the last stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe and 1F1B
 lower with their own tables; the other schedules (interleaved, zb-h1, zbv) are costed
-and drawn, and lower with GPipe's (every schedule computes the same values).
+and drawn, and lower with GPipe's (every schedule computes the same values), which
+``shardc lower`` and ``verify`` say (:func:`schedule_note`).
 
 The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
 with one collective-permute down and one up in its body, each moving one
@@ -27,6 +28,7 @@ from typing import Any
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import TensorRef
+from shardc.lowering import template
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
 from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_source, pipeline_lines
@@ -36,9 +38,22 @@ from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, simulate
 from shardc.spec.stages import Pipeline, pipeline_of, stage_spec
 
-__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "LOWERED_SCHEDULES"]
+__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "LOWERED_SCHEDULES",
+           "schedule_note"]
 
 LOWERED_SCHEDULES = ("gpipe", "1f1b")  # the others lower with GPipe's table
+
+
+def schedule_note(schedule: str) -> str | None:
+    """What ``shardc lower`` and ``verify`` say of a schedule that does not lower as itself (None for
+    one that does): the program runs GPipe's tick table.  Interleaved needs each device to hold V
+    chunks of layers apart, ZB-H1 and ZBV a backward split into its input and weight parts; the
+    program runs one contiguous run of layers a stage and one whole backward a tick."""
+    if schedule in LOWERED_SCHEDULES:
+        return None
+    return (f"schedule {schedule} lowers as GPipe: the program runs GPipe's tick table (the same values and "
+            f"collectives, GPipe's order and in-flight activations); `shardc cost` costs and draws {schedule}'s "
+            "own order. Only gpipe and 1f1b lower as themselves")
 
 
 @dataclass
@@ -111,10 +126,9 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                        ("MICROBATCH", (dim, microbatches),
                         "keep_mask: a microbatch draws its slice of the whole batch's mask")))
     text += f"F_TABLE = {_table(f_table)}\nB_TABLE = {_table(b_table)}\n"
-    if pipe.schedule.name not in LOWERED_SCHEDULES:
-        # Every schedule computes the same values; only GPipe's and 1F1B's orders are lowered.
-        text += (f"# schedule {pipe.schedule.name} lowers as GPipe (same values); `shardc cost` costs and "
-                 f"draws its own order\n")
+    note = schedule_note(pipe.schedule.name)
+    if note is not None:
+        text += template.comment(note) + "\n"
     return module, head + text, micro[dim] * microbatches
 
 
@@ -142,7 +156,12 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = dict(block.sizes or {})
     dim = microbatch_dim(ends.block)
-    splits = [split_reductions(part) for part in (ends.pre, ends.post)]
+    incoming = frozenset(c for _, c, _ in ends.tied)  # a tied param's contribution from the last stage
+    splits = [split_reductions(ends.pre, incoming), split_reductions(ends.post)]
+    if incoming and not incoming <= {p.name for p in splits[0].partials}:
+        raise ShardcError("a param read on both ends of the pipelined block lowers only where its gradient's "
+                          "sum runs on the sums over the microbatches (its steps are moves and sums)",
+                          ends.block.spec.span_of("layers"), fix="read it once on each side of the block")
     modules = [generate(split.each, stage_mesh, micro, reserved=reserved) for split in splits]
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables

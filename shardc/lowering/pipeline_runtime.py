@@ -65,6 +65,12 @@ class Part:
     reduce_local: Callable[..., tuple[Any, ...]] | None = None
     reduce_in: dict[str, P] | None = None
     reduce_out: dict[str, P] | None = None
+    # a partial sum handed on under another name than the gradient it ends as (a tied param's part)
+    final_grads: dict[str, str] | None = None
+
+    def final(self, name: str) -> str:
+        """The name of input ``name``'s gradient once :meth:`finish` has run."""
+        return (self.final_grads or {}).get(self.grads[name], self.grads[name])
 
     def forward(self, pool: Arrays, key: Any = None) -> tuple[Any, tuple[Arrays, Arrays]]:
         """The result, and the residuals the backward reads."""
@@ -81,14 +87,15 @@ class Part:
         got = dict(zip(self.backward_out, self.backward_local(*[values[k] for k in self.backward_in]), strict=True))
         return {k: got[g] for k, g in self.grads.items()}
 
-    def finish(self, grads: Arrays) -> Arrays:
+    def finish(self, grads: Arrays, incoming: Arrays | None = None) -> Arrays:
         """Each input's gradient (keyed by the input) from what :meth:`backward` returned summed over the
-        microbatches: the once-a-step reductions run on the sums, where the part has them."""
+        microbatches: the once-a-step reductions run on the sums, where the part has them (``incoming``:
+        the other end's sums of a tied param's contribution, keyed by its name)."""
         if self.reduce_local is None or self.reduce_in is None or self.reduce_out is None:
             return grads
-        by_grad = {self.grads[k]: v for k, v in grads.items()}
+        by_grad = {self.grads[k]: v for k, v in grads.items()} | dict(incoming or {})
         got = dict(zip(self.reduce_out, self.reduce_local(*[by_grad[k] for k in self.reduce_in]), strict=True))
-        return {k: got.get(self.grads[k], v) for k, v in grads.items()}
+        return {k: got.get(self.final(k), v) for k, v in grads.items()}
 
 
 def forward_only(table: Table) -> Table:
@@ -99,14 +106,14 @@ def forward_only(table: Table) -> Table:
 class Ends(Protocol):
     """What runs before the block on stage 0 and after it on the last stage, each microbatch.
 
-    Its arguments (``inputs``) arrive on the stage that reads them (``stage_of``: 0 or -1), data
+    Its arguments (``inputs``) arrive on the stages that read them (``stages_of``: 0 and/or -1), data
     cut into microbatches [M, ...]; ``cotangent`` is the cotangent of its result, on the last stage.
     Its accumulator (``start``) is its result and the gradients it makes, returned as ``result_specs``
     lays them out, each stacked over the stages."""
 
     def inputs(self) -> tuple[str, ...]: ...
 
-    def stage_of(self, name: str) -> int: ...
+    def stages_of(self, name: str) -> tuple[int, ...]: ...
 
     def specs(self) -> tuple[P, ...]: ...  # each input's, without the stage axis
 
@@ -146,8 +153,8 @@ class BlockEnds:
     def inputs(self) -> tuple[str, ...]:
         return (self.block_input,)
 
-    def stage_of(self, name: str) -> int:
-        return 0
+    def stages_of(self, name: str) -> tuple[int, ...]:
+        return (0,)
 
     def specs(self) -> tuple[P, ...]:
         return (P(None, *self.input_spec),)
@@ -194,7 +201,12 @@ class ModelEnds:
     ``pre_data`` and its params; ``post`` on the last stage reads the block's output, ``post_data`` and
     its params and makes the loss.  Their params arrive stacked over the stages, only the first
     (last) stage's copy non-zero, so their gradients need no reduction over the stage axis.  The
-    cotangent is each microbatch's loss's; the accumulator the losses and the ends' gradients."""
+    cotangent is each microbatch's loss's; the accumulator the losses and the ends' gradients.
+
+    A ``tied`` param (read by both) has a copy on both end stages and two accumulated contributions,
+    the last stage's keyed ``name@last``; once a step the two stages swap their sums (a
+    collective-permute each way over ``axis``: an AllReduce over the two, as Megatron-LM's embedding
+    group runs it) and both finish the same gradient."""
 
     pre: Part
     post: Part
@@ -203,25 +215,39 @@ class ModelEnds:
     pre_params: tuple[str, ...]
     post_params: tuple[str, ...]
     block_output: str
+    tied: tuple[str, ...] = ()
+    axis: str = ""
+    stages: int = 1
 
     def inputs(self) -> tuple[str, ...]:
-        return self.pre_data + self.post_data + self.pre_params + self.post_params
+        return self.pre_data + self.post_data + self.pre_params + tuple(p for p in self.post_params
+                                                                        if p not in self.tied)
 
-    def stage_of(self, name: str) -> int:
-        return 0 if name in self.pre_data + self.pre_params else -1
+    def stages_of(self, name: str) -> tuple[int, ...]:
+        if name in self.tied:
+            return (0, -1)
+        return (0,) if name in self.pre_data + self.pre_params else (-1,)
 
     def _spec(self, name: str) -> P:
-        return (self.pre if self.stage_of(name) == 0 else self.post).forward_in[name]
+        return (self.pre if name in self.pre_data + self.pre_params else self.post).forward_in[name]
+
+    def _key(self, name: str) -> str:
+        """The accumulator's key of a post param's gradient: a tied one's own, beside stage 0's."""
+        return f"{name}@last" if name in self.tied else name
+
+    def _keys(self) -> dict[str, str]:
+        """Each accumulated gradient's key and the param it is of."""
+        return {k: k for k in self.pre_params} | {self._key(k): k for k in self.post_params}
 
     def specs(self) -> tuple[P, ...]:
         data = tuple(P(None, *self._spec(k)) for k in self.pre_data + self.post_data)
-        return data + tuple(self._spec(k) for k in self.pre_params + self.post_params)
+        return data + tuple(self._spec(k) for k in self.inputs()[len(data):])
 
     def cotangent_spec(self) -> P:
         return P()
 
     def result_specs(self, axis: str) -> Any:
-        return P(axis, None), {k: P(axis, *self._spec(k)) for k in self.pre_params + self.post_params}
+        return P(axis, None), {key: P(axis, *self._spec(k)) for key, k in self._keys().items()}
 
     def _pre_pool(self, args: Arrays, j: Any) -> Arrays:
         return {k: args[k][j] if k in self.pre_data else args[k] for k in self.pre.forward_in}
@@ -240,7 +266,7 @@ class ModelEnds:
         pre = jax.eval_shape(lambda d: self.pre.backward(self.pre.forward(self._pre_pool(args, 0))[1], d), x)
         post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0))[1],
                                                            args["cotangent"]), x)
-        shapes = {k: pre[k] for k in self.pre_params} | {k: post[k] for k in self.post_params}
+        shapes = {k: pre[k] for k in self.pre_params} | {self._key(k): post[k] for k in self.post_params}
         return losses, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
 
     def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
@@ -250,7 +276,8 @@ class ModelEnds:
         if not backward:
             return jnp.zeros_like(y), (losses, dends)
         got = self.post.backward(residuals, args["cotangent"])
-        dends = {k: jnp.where(done, g + got[k], g) if k in self.post_params else g for k, g in dends.items()}
+        keys = {self._key(k): k for k in self.post_params}
+        dends = {k: jnp.where(done, g + got[keys[k]], g) if k in keys else g for k, g in dends.items()}
         return got[self.block_output], (losses, dends)
 
     def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any:
@@ -276,13 +303,25 @@ class ModelEnds:
 
     def finish(self, acc: Any) -> Any:
         losses, dends = acc
-        pre = self.pre.finish({k: dends[k] for k in self.pre_params})
-        return losses, pre | self.post.finish({k: dends[k] for k in self.post_params})
+        pre = {k: dends[k] for k in self.pre_params}
+        incoming = {}
+        for k in self.tied:  # the two ends swap their sums: each then holds both contributions
+            pre[k] = self._swap(pre[k], 0, self.stages - 1)
+            incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.stages - 1, 0)
+        got = self.pre.finish(pre, incoming)
+        got |= self.post.finish({k: dends[k] for k in self.post_params if k not in self.tied})
+        return losses, got | {self._key(k): got[k] for k in self.tied}
+
+    def _swap(self, x: Any, source: int, target: int) -> Any:
+        """``x`` (non-zero on stage ``source`` only) on ``source`` and ``target`` both."""
+        return x + jax.lax.ppermute(x, self.axis, [(source, target)])
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
+        """Each gradient, from the stage that holds it (a tied param's from stage 0; the last stage holds
+        the same)."""
         dends = acc[1]
-        got = {self.pre.grads[k]: dends[k][0] for k in self.pre_params}
-        return got | {self.post.grads[k]: dends[k][-1] for k in self.post_params}
+        got = {self.pre.final(k): dends[k][0] for k in self.pre_params}
+        return got | {self.post.grads[k]: dends[k][-1] for k in self.post_params if k not in self.tied}
 
 
 @dataclass
@@ -416,19 +455,19 @@ class Pipeline:
         """Microbatches [M, ...] back into the batch along ``dim``."""
         return jnp.concatenate(list(xs), axis=dim)
 
-    def _on(self, x: Any, where: int) -> Any:
-        """``x`` stacked over the stages, on stage ``where`` only (zeros elsewhere)."""
+    def _on(self, x: Any, where: tuple[int, ...]) -> Any:
+        """``x`` stacked over the stages, on the stages ``where`` only (zeros elsewhere)."""
         x = jnp.asarray(x)
-        return jnp.zeros((self.stages,) + x.shape, x.dtype).at[where].set(x)
+        return jnp.zeros((self.stages,) + x.shape, x.dtype).at[jnp.asarray(where)].set(x)
 
     def arguments(self, inputs: Arrays, cotangent: Any, key: Any = 0) -> list[Any]:
         """The program's arguments, placed: the dropout key, the cotangent on the last stage, each data
         input cut into microbatches and each end param on the stage that reads it, the block's params."""
         mesh = self.program()[0]
-        args = [jnp.asarray(key, jnp.uint32), self._on(cotangent, -1)]
+        args = [jnp.asarray(key, jnp.uint32), self._on(cotangent, (-1,))]
         for k in self.ends.inputs():
             x = self.split(inputs[k], self.dims[k]) if k in self.dims else inputs[k]
-            args.append(self._on(x, self.ends.stage_of(k)))
+            args.append(self._on(x, self.ends.stages_of(k)))
         args += [jnp.asarray(inputs[p]) for p in self.params]
         return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, self.specs()[0], strict=True)]
 
@@ -468,7 +507,8 @@ def _part(tables: Mapping[str, Any], prefix: str, result: str) -> Part:
     return Part(tables[fn + "forward_local"], tables[table + "FORWARD_IN"], tables[table + "FORWARD_OUT"],
                 tables[fn + "backward_local"], tables[table + "BACKWARD_IN"], tables[table + "BACKWARD_OUT"],
                 tables[table + "COTANGENTS"], tables[table + "GRADS"], result, tables.get(table + "KEYED", False),
-                tables.get(fn + "reduce_local"), tables.get(table + "REDUCE_IN"), tables.get(table + "REDUCE_OUT"))
+                tables.get(fn + "reduce_local"), tables.get(table + "REDUCE_IN"), tables.get(table + "REDUCE_OUT"),
+                tables.get(table + "FINAL_GRADS"))
 
 
 def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
@@ -494,5 +534,6 @@ def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
     ending in ``LOSS``) on the last."""
     pre, post = _part(tables, "PRE", tables["PRE_RESULT"]), _part(tables, "POST", tables["LOSS"])
     ends = ModelEnds(pre, post, tables["PRE_DATA"], tables["POST_DATA"], tables["PRE_PARAMS"], tables["POST_PARAMS"],
-                     tables["BLOCK_OUTPUT"])
+                     tables["BLOCK_OUTPUT"], tuple(tables.get("TIED", {})), tables["PIPELINE_AXIS"],
+                     tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]])
     return _pipeline(tables, ends)

@@ -7,11 +7,12 @@ both ask these of a plan; they are questions about the pipeline's structure, ans
 from __future__ import annotations
 
 from shardc.errors import ShardcError
-from shardc.ir.plan import Op, Plan
+from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable", "gradient_reductions"]
+__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable", "gradient_reductions",
+           "tied_contributions", "carried_moves"]
 
 
 def _block_input(plan: Plan) -> TensorRef | None:
@@ -101,3 +102,57 @@ def gradient_reductions(plan: Plan) -> frozenset[int]:
     grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
     return frozenset(k for k, s in enumerate(plan.backward)
                      if s.tensor in grads and s.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER))
+
+
+def tied_contributions(plan: Plan) -> tuple[tuple[str, TensorRef], ...]:
+    """Each param read both before and after the ``layers`` block (an embedding tied to the output
+    layer), with the contribution to its gradient the backward after the block makes: the value the
+    backward before it reads from there, in the step summing the two.  Megatron-LM holds such a param
+    on the first and the last stage and sums the two contributions over them once a step."""
+    spec = plan.spec
+    if spec.block is None or plan.sections is None:
+        return ()
+    lo, hi = spec.block
+
+    def names(lo: int, hi: int) -> set[str]:
+        return {r.name for s in spec.statements[lo:hi] for r in leaves(s.expr)}
+
+    params = {i.name for i in plan.tensors if i.role == "param"}
+    made = {s.dst.name: s.dst for s in plan.section("after").backward}
+    back = plan.section("before").backward
+    out = []
+    for param in sorted(names(0, lo) & names(hi, len(spec.statements)) & params):
+        found = {r.name for s in back if s.dst.name == plan.grad_name(param) for r in s.operands if r.name in made}
+        if len(found) != 1:
+            raise ShardcError(f"{param} is read on both ends of the pipelined block, but the plan sums its "
+                              "gradient's two contributions in no one step", spec.span_of("layers"),
+                              fix="read it once on each side of the block")
+        out.append((param, made[found.pop()]))
+    return tuple(out)
+
+
+def carried_moves(plan: Plan) -> tuple[Step, ...]:
+    """The moves of a param before the block whose results the statements after it read (a tied
+    embedding's gathered table): the plan makes such a value once, but under a pipeline the first
+    stage makes it and the last stage reads it, so the last stage runs these moves again."""
+    if plan.spec.block is None or plan.sections is None:
+        return ()
+    after = plan.section("after")
+    made: set[TensorRef] = set()
+    wanted: set[TensorRef] = set()  # what a step after the block reads before a step there makes it
+    for s in after.forward + after.recomputed + after.backward:
+        wanted |= {r for r in (*s.operands, *((s.src,) if s.src else ())) if r not in made}
+        made.add(s.dst)
+    have = {i.ref for i in plan.tensors if i.role == "param"}
+    chain: list[tuple[Step, TensorRef]] = []
+    for step in plan.section("before").forward:
+        if step.src is not None and step.src in have and (step.is_collective or step.op is Op.SLICE):
+            chain.append((step, step.src))
+            have.add(step.dst)
+    needed = {r for r in wanted if r in have}
+    out: list[Step] = []
+    for step, src in reversed(chain):  # what the wanted values are made from, in order
+        if step.dst in needed:
+            out.insert(0, step)
+            needed.add(src)
+    return tuple(out)

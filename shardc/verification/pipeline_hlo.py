@@ -13,6 +13,10 @@ the same kind, axes and bytes (a microbatch's), and every collective in the HLO 
 be a planned one.  The weight gradients' reductions run once a step on the sums of the
 microbatches' partial gradients (:mod:`shardc.lowering.pipeline_grads`), as the cost
 charges them: each must be in the program outside the loop's body.
+
+A param read on both ends of the block (a tied embedding) adds one collective-permute
+each way between the first and the last stage, once a step: each end's sum of its
+contribution to the gradient, swapped (:mod:`shardc.lowering.pipeline_ends`).
 """
 
 from __future__ import annotations
@@ -130,7 +134,8 @@ def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
     ticks = len(lowered.namespace.F_TABLE)
     trips = [int(n) for n in _TRIPS.findall(text)]
     found = [c for c in collectives(text, _mesh(lowered)) if c.hlo_op == "collective-permute"]
-    rows = [CollectiveRow("step", f"while loop of {ticks} ticks (the schedule's tick table)", "Loop",
+    tied, found = _tied_permutes(lowered, found)
+    rows = tied + [CollectiveRow("step", f"while loop of {ticks} ticks (the schedule's tick table)", "Loop",
                           pipe.axis, None,
                           f"while x {trips}", pipe.axis, None, ticks in trips,
                           "" if ticks in trips else "no loop of that trip count")]
@@ -144,6 +149,32 @@ def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
         rows.append(CollectiveRow("step", "", "CollectivePermute", "-", None, "collective-permute", "-", None,
                                   False, f"{len(found)} permutes in the HLO, not 2"))
     return rows
+
+
+def _tied_permutes(lowered: PipelineLowered,
+                   found: list[Collective]) -> tuple[list[CollectiveRow], list[Collective]]:
+    """A tied param's two permutes between the end stages (each end's sum of its contribution), and the
+    permutes left."""
+    ends, ns = lowered.ends, lowered.namespace
+    if ends is None or not ends.tied:
+        return [], found
+    nbytes, reach = lowered.plan.spec.dtype.nbytes, _stride(lowered) * (lowered.pipeline.stages - 1)
+    own = {final: partial for partial, final in getattr(ns, "PRE_FINAL_GRADS", {}).items()}
+    made = {s.dst.name: s.dst for s in ends.pre.backward + ends.post.backward}
+    rows, left = [], list(found)
+    for param, contribution, grad in ends.tied:
+        sends = ((own.get(grad, grad), reach, "first -> last"), (contribution, -reach, "last -> first"))
+        for name, step, what in sends:
+            want = int(local_elements(made[name], lowered.sizes)) * nbytes
+            mine = [c for c in left if (pr := _pairs(c.text)) and all(t - s == step for s, t in pr)
+                    and c.bytes(nbytes) == want]
+            ok = len(mine) >= 1
+            left = [c for c in left if c is not (mine[0] if mine else None)]
+            rows.append(CollectiveRow("step", f"ppermute_{lowered.pipeline.axis} once a step: {name} (tied {param}), "
+                                      f"{what}", "CollectivePermute", lowered.pipeline.axis, want,
+                                      f"collective-permute x {len(mine)}", lowered.pipeline.axis,
+                                      mine[0].bytes(nbytes) if mine else 0, ok, "" if ok else "not found"))
+    return rows, left
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:

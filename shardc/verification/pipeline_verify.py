@@ -44,7 +44,7 @@ from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Contract, Mesh, Spec
 from shardc.lowering import reference as numpy_reference
-from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline
+from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline, schedule_note
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
@@ -195,6 +195,7 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         kept.append(values)
         x = numpy_reference.forward(block, values, xp, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
     grads: Arrays = {}
+    tied: Arrays = {}  # a param read on both ends: the contribution to its gradient after the block
     if post is None:
         results = {ns.BLOCK_OUTPUT: x}
         g = xp.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
@@ -203,7 +204,8 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp)[ns.LOSS])}
         d_loss = xp.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
         got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp)
-        grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS})
+        grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS if p not in ns.TIED})
+        tied = {p: got[p] for p in ns.TIED}
         g = got[ns.BLOCK_OUTPUT]
     layers: dict[str, list[np.ndarray]] = {p: [] for p in ns.PARAMS}
     for layer in reversed(range(len(kept))):
@@ -216,7 +218,9 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         grads[ns.GRADS[ns.BLOCK_INPUT]] = g
     else:
         got = numpy_reference.backward(pre, pre_in, {ns.PRE_RESULT: g}, xp)
-        grads.update({ns.PRE_GRADS[p]: got[p] for p in ns.PRE_PARAMS})
+        finals = getattr(ns, "PRE_FINAL_GRADS", {})  # a tied param's gradient: the sum of both ends'
+        grads.update({finals.get(ns.PRE_GRADS[p], ns.PRE_GRADS[p]): got[p] + tied[p] if p in tied else got[p]
+                      for p in ns.PRE_PARAMS})
     grads.update({ns.GRADS[p]: xp.stack(v) for p, v in layers.items()})
     return results, grads
 
@@ -240,6 +244,9 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -
     cut = collapsed_axes(plan, {**mesh})
     if cut:
         report.notes.append(cut_note(cut, devices, plan))
+    order = schedule_note(lowered.pipeline.schedule.name)
+    if order is not None:
+        report.notes.append(order)
     parts = None if lowered.ends is None else (lowered.ends.pre, lowered.ends.block, lowered.ends.post)
     with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
         text, runs = _run(lowered, inputs, cotangent, keys)
