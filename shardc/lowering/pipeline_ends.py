@@ -11,7 +11,7 @@ block's boundaries are its declared shardings, where the sections meet.
 
 The generated module is the block's pipeline module (:mod:`shardc.lowering.pipeline_lowering`)
 with the two ends' functions (``pre_forward_local``, ``post_backward_local``, ...) as
-the ends of its pipeline (:class:`shardc.lowering.pipeline_runtime.ModelEnds`): in the
+the ends of its pipeline (:class:`shardc.lowering.pipeline_parts.ModelEnds`): in the
 tick where stage 0 runs a microbatch's forward it first runs the statements before the
 block on it, and in the tick where the last stage finishes one it runs those after it,
 the loss and their backward (SPMD: every device computes them, masked by its stage

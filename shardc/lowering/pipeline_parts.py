@@ -1,0 +1,306 @@
+"""The parts of a pipelined module's program: a part's forward and backward tables (:class:`Part`), and
+what runs before and after the block (:class:`Ends`): for a block alone (:class:`BlockEnds`) stage 0
+reads the microbatches and the last stage keeps the outputs and reads their cotangents; for a
+``layers L { ... }`` block in a whole model (:class:`ModelEnds`, Megatron-LM's placement) stage 0 runs
+the statements before the block and the last stage those after it, ending in the loss.
+:class:`shardc.lowering.pipeline_runtime.Pipeline` runs them over a schedule's tick table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+if TYPE_CHECKING:  # annotations only: the pipeline runs these parts
+    from shardc.lowering.pipeline_runtime import Pipeline
+
+__all__ = ["Part", "Ends", "BlockEnds", "ModelEnds", "forward_only", "Arrays", "Table"]
+
+Arrays = dict[str, Any]
+Table = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One planned part on one device: its two phase functions and their boundary tables.
+
+    ``result`` is the value the part hands on (the block's output, the loss); ``grads`` maps
+    each input that gets a gradient to its gradient's name."""
+
+    forward_local: Callable[..., tuple[Any, ...]]
+    forward_in: dict[str, P]
+    forward_out: dict[str, P]
+    backward_local: Callable[..., tuple[Any, ...]]
+    backward_in: dict[str, P]
+    backward_out: dict[str, P]
+    cotangents: dict[str, str]
+    grads: dict[str, str]
+    result: str
+    keyed: bool = False
+    # the weight gradients' reductions, once a step on the microbatches' summed partial sums (keyed by
+    # gradient name; shardc.lowering.pipeline_grads); None: the backward reduces them itself
+    reduce_local: Callable[..., tuple[Any, ...]] | None = None
+    reduce_in: dict[str, P] | None = None
+    reduce_out: dict[str, P] | None = None
+    # a partial sum handed on under another name than the gradient it ends as (a tied param's part)
+    final_grads: dict[str, str] | None = None
+
+    def final(self, name: str) -> str:
+        """The name of input ``name``'s gradient once :meth:`finish` has run."""
+        return (self.final_grads or {}).get(self.grads[name], self.grads[name])
+
+    def forward(self, pool: Arrays, key: Any = None) -> tuple[Any, tuple[Arrays, Arrays]]:
+        """The result, and the residuals the backward reads."""
+        args = [pool[k] for k in self.forward_in] + [key] * self.keyed
+        saved = dict(zip(self.forward_out, self.forward_local(*args), strict=True))
+        return saved[self.result], (pool, saved)
+
+    def backward(self, residuals: tuple[Arrays, Arrays], d_out: Any) -> Arrays:
+        """Each input's gradient (keyed by the input) for the result's cotangent ``d_out``; a dropout's
+        keep-mask is a saved forward value, so no key is needed."""
+        pool, saved = residuals
+        cot = {n: d_out if o == self.result else jnp.zeros_like(saved[o]) for n, o in self.cotangents.items()}
+        values = {**pool, **saved, **cot}
+        got = dict(zip(self.backward_out, self.backward_local(*[values[k] for k in self.backward_in]), strict=True))
+        return {k: got[g] for k, g in self.grads.items()}
+
+    def finish(self, grads: Arrays, incoming: Arrays | None = None) -> Arrays:
+        """Each input's gradient (keyed by the input) from what :meth:`backward` returned summed over the
+        microbatches: the once-a-step reductions run on the sums, where the part has them (``incoming``:
+        the other end's sums of a tied param's contribution, keyed by its name)."""
+        if self.reduce_local is None or self.reduce_in is None or self.reduce_out is None:
+            return grads
+        by_grad = {self.grads[k]: v for k, v in grads.items()} | dict(incoming or {})
+        got = dict(zip(self.reduce_out, self.reduce_local(*[by_grad[k] for k in self.reduce_in]), strict=True))
+        return {k: got.get(self.final(k), v) for k, v in grads.items()}
+
+
+def forward_only(table: Table) -> Table:
+    """The ticks of ``table`` that run a forward, in order (a program that computes no gradient)."""
+    return tuple(row for row in table if any(j >= 0 for j in row))
+
+
+class Ends(Protocol):
+    """What runs before the block on stage 0 and after it on the last stage, each microbatch.
+
+    Its arguments (``inputs``) arrive on the stages that read them (``stages_of``: 0 and/or -1), data
+    cut into microbatches [M, ...]; ``cotangent`` is the cotangent of its result, on the last stage.
+    Its accumulator (``start``) is its result and the gradients it makes, returned as ``result_specs``
+    lays them out, each stacked over the stages."""
+
+    def inputs(self) -> tuple[str, ...]: ...
+
+    def stages_of(self, name: str) -> tuple[int, ...]: ...
+
+    def specs(self) -> tuple[P, ...]: ...  # each input's, without the stage axis
+
+    def cotangent_spec(self) -> P: ...
+
+    def result_specs(self, axis: str) -> Any: ...
+
+    def first(self, args: Arrays, j: Any) -> Any: ...  # stage 0's block input for microbatch j
+
+    def start(self, args: Arrays, x: Any) -> Any: ...
+
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]: ...
+
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any: ...
+
+    def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any: ...
+
+    def outputs(self, pipe: Pipeline, acc: Any) -> Arrays: ...
+
+    def gradients(self, pipe: Pipeline, acc: Any) -> Arrays: ...
+
+    def finish(self, acc: Any) -> Any: ...  # the accumulator once the schedule is done: gradients reduced
+
+
+@dataclass(frozen=True)
+class BlockEnds:
+    """A block alone: stage 0 reads microbatch j of ``block_input``; the last stage keeps the block's
+    output and reads its cotangent ([M, ...]); the accumulator is the outputs and the input's gradients."""
+
+    block_input: str
+    block_output: str
+    input_spec: P
+    output_spec: P
+    input_grad: str  # the gradient's name of the block input
+    output_cotangent: str  # the cotangent's name of the block output
+
+    def inputs(self) -> tuple[str, ...]:
+        return (self.block_input,)
+
+    def stages_of(self, name: str) -> tuple[int, ...]:
+        return (0,)
+
+    def specs(self) -> tuple[P, ...]:
+        return (P(None, *self.input_spec),)
+
+    def cotangent_spec(self) -> P:
+        return P(None, *self.output_spec)
+
+    def result_specs(self, axis: str) -> Any:
+        return (P(axis, None, *self.output_spec), P(axis, None, *self.input_spec))
+
+    def first(self, args: Arrays, j: Any) -> Any:
+        return args[self.block_input][j]
+
+    def start(self, args: Arrays, x: Any) -> Any:
+        zeros = jnp.zeros_like(args[self.block_input])
+        return zeros, zeros
+
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
+        outs, dxs = acc
+        return args["cotangent"][j], (jnp.where(done, outs.at[j].set(y), outs), dxs)
+
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any:
+        outs, dxs = acc
+        return outs, jnp.where(done, dxs.at[j].set(dx), dxs)
+
+    def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any:
+        if cotangent is None:  # the output is laid out as the input: zeros of its microbatches
+            return jnp.zeros_like(pipe.split(inputs[self.block_input], pipe.dims[self.block_input]))
+        return pipe.split(cotangent[self.output_cotangent], pipe.dims[self.block_output])
+
+    def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
+        return {self.block_output: pipe.join(acc[0][-1], pipe.dims[self.block_output])}  # the last stage's
+
+    def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
+        return {self.input_grad: pipe.join(acc[1][0], pipe.dims[self.block_input])}  # stage 0's
+
+    def finish(self, acc: Any) -> Any:
+        return acc
+
+
+@dataclass(frozen=True)
+class ModelEnds:
+    """A block in a whole model: ``pre`` on stage 0 makes the block's input from the data inputs
+    ``pre_data`` and its params; ``post`` on the last stage reads the block's output, ``post_data`` and
+    its params and makes the loss.  Their params arrive stacked over the stages, only the first
+    (last) stage's copy non-zero, so their gradients need no reduction over the stage axis.  The
+    cotangent is each microbatch's loss's; the accumulator the losses and the ends' gradients.
+
+    A ``tied`` param (read by both) has a copy on both end stages and two accumulated contributions,
+    the last stage's keyed ``name@last``; once a step the two stages swap their sums (a
+    collective-permute each way over ``axis``: an AllReduce over the two, as Megatron-LM's embedding
+    group runs it) and both finish the same gradient."""
+
+    pre: Part
+    post: Part
+    pre_data: tuple[str, ...]
+    post_data: tuple[str, ...]
+    pre_params: tuple[str, ...]
+    post_params: tuple[str, ...]
+    block_output: str
+    tied: tuple[str, ...] = ()
+    axis: str = ""
+    stages: int = 1
+
+    def inputs(self) -> tuple[str, ...]:
+        return self.pre_data + self.post_data + self.pre_params + tuple(p for p in self.post_params
+                                                                        if p not in self.tied)
+
+    def stages_of(self, name: str) -> tuple[int, ...]:
+        if name in self.tied:
+            return (0, -1)
+        return (0,) if name in self.pre_data + self.pre_params else (-1,)
+
+    def _spec(self, name: str) -> P:
+        return (self.pre if name in self.pre_data + self.pre_params else self.post).forward_in[name]
+
+    def _key(self, name: str) -> str:
+        """The accumulator's key of a post param's gradient: a tied one's own, beside stage 0's."""
+        return f"{name}@last" if name in self.tied else name
+
+    def _keys(self) -> dict[str, str]:
+        """Each accumulated gradient's key and the param it is of."""
+        return {k: k for k in self.pre_params} | {self._key(k): k for k in self.post_params}
+
+    def specs(self) -> tuple[P, ...]:
+        data = tuple(P(None, *self._spec(k)) for k in self.pre_data + self.post_data)
+        return data + tuple(self._spec(k) for k in self.inputs()[len(data):])
+
+    def cotangent_spec(self) -> P:
+        return P()
+
+    def result_specs(self, axis: str) -> Any:
+        return P(axis, None), {key: P(axis, *self._spec(k)) for key, k in self._keys().items()}
+
+    def _pre_pool(self, args: Arrays, j: Any) -> Arrays:
+        return {k: args[k][j] if k in self.pre_data else args[k] for k in self.pre.forward_in}
+
+    def _post_pool(self, args: Arrays, y: Any, j: Any) -> Arrays:
+        return {k: y if k == self.block_output else args[k][j] if k in self.post_data else args[k]
+                for k in self.post.forward_in}
+
+    def first(self, args: Arrays, j: Any) -> Any:
+        return self.pre.forward(self._pre_pool(args, j))[0]
+
+    def start(self, args: Arrays, x: Any) -> Any:
+        """No losses yet, and zeros of each end param's gradient as its backward hands it on (a partial
+        sum, where its reduction runs once a step)."""
+        losses = jnp.zeros((args[self.inputs()[0]].shape[0],), x.dtype)
+        pre = jax.eval_shape(lambda d: self.pre.backward(self.pre.forward(self._pre_pool(args, 0))[1], d), x)
+        post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0))[1],
+                                                           args["cotangent"]), x)
+        shapes = {k: pre[k] for k in self.pre_params} | {self._key(k): post[k] for k in self.post_params}
+        return losses, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
+        losses, dends = acc
+        loss, residuals = self.post.forward(self._post_pool(args, y, j))
+        losses = jnp.where(done, losses.at[j].set(loss), losses)
+        if not backward:
+            return jnp.zeros_like(y), (losses, dends)
+        got = self.post.backward(residuals, args["cotangent"])
+        keys = {self._key(k): k for k in self.post_params}
+        dends = {k: jnp.where(done, g + got[keys[k]], g) if k in keys else g for k, g in dends.items()}
+        return got[self.block_output], (losses, dends)
+
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any:
+        losses, dends = acc  # the forward before the block runs again for its residuals (a cheap lookup)
+        got = self.pre.backward(self.pre.forward(self._pre_pool(args, j))[1], dx)
+        dends = {k: jnp.where(done, g + got[k], g) if k in self.pre_params else g for k, g in dends.items()}
+        return losses, dends
+
+    @property
+    def result_cotangent(self) -> str:
+        """The loss's cotangent's name."""
+        (name,) = self.post.cotangents
+        return name
+
+    def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any:
+        if cotangent is None:
+            return jnp.zeros(())
+        return jnp.asarray(cotangent[self.result_cotangent]) / pipe.microbatches  # a microbatch's share
+
+    def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
+        """The batch's loss: the mean of the microbatches' (each a mean over its tokens)."""
+        return {self.post.result: jnp.mean(acc[0][-1])}
+
+    def finish(self, acc: Any) -> Any:
+        losses, dends = acc
+        pre = {k: dends[k] for k in self.pre_params}
+        incoming = {}
+        for k in self.tied:  # the two ends swap their sums: each then holds both contributions
+            pre[k] = self._swap(pre[k], 0, self.stages - 1)
+            incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.stages - 1, 0)
+        got = self.pre.finish(pre, incoming)
+        got |= self.post.finish({k: dends[k] for k in self.post_params if k not in self.tied})
+        return losses, got | {self._key(k): got[k] for k in self.tied}
+
+    def _swap(self, x: Any, source: int, target: int) -> Any:
+        """``x`` (non-zero on stage ``source`` only) on ``source`` and ``target`` both."""
+        return x + jax.lax.ppermute(x, self.axis, [(source, target)])
+
+    def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
+        """Each gradient, from the stage that holds it (a tied param's from stage 0; the last stage holds
+        the same)."""
+        dends = acc[1]
+        got = {self.pre.final(k): dends[k][0] for k in self.pre_params}
+        return got | {self.post.grads[k]: dends[k][-1] for k in self.post_params if k not in self.tied}
