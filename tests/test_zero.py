@@ -130,6 +130,23 @@ def test_zero_1_reduce_scatters_then_all_gathers_in_a_third_phase(dims: str) -> 
     assert zero.forward == base.forward
 
 
+# DeepSeek-V3's layout (benchmarks/runs/deepseek_v3.shard) in small: a param of a few hundred bytes over
+# 2 nodes x 64 GPUs, where a ring over node-local Z then X beats one ring of 128 on the H800's latency
+HIERARCHICAL = ("mesh X=2 over dcn, Z=64\ndims B=128, S=8, D=128, J=8\nzero 1 over X, Z\ndtype f8\n"
+                "hardware h800\nKr[B_XZ, S, J] = A[B_XZ, S, D] · W_kr[D, J]\n")
+
+
+def test_a_param_gathered_back_in_two_collectives_is_a_sound_plan() -> None:
+    p = shardc.plan(shardc.parse(HIERARCHICAL, "<zero>"))
+    assert collectives(p.optimizer) == [("reduce_scatter", "X", "dW_kr"), ("reduce_scatter", "Z", "dW_kr"),
+                                        ("all_gather", "Z", "W_kr"), ("all_gather", "X", "W_kr")]
+    assert check_plan(p) == []
+    assert str(p.optimizer[-1].dst) == "W_kr[D, J]"
+    # the same gathers stopped one short leave the param on a shard: still caught
+    short = replace(p, optimizer=p.optimizer[:-1])
+    assert check_plan(short) == ["optimizer: W_kr ends as W_kr[D_X, J], declared W_kr[D, J]"]
+
+
 @pytest.mark.parametrize("dims", ["", SIZES])
 def test_zero_2_reduce_scatters_in_the_backward_and_all_gathers_in_the_third_phase(dims: str) -> None:
     base, zero = planned(MLP, "", dims), planned(MLP, "zero 2 over X", dims)

@@ -11,11 +11,14 @@ a shardc bug, reported (as every internal error, by ``shardc.cli.main``) with ex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import pathlib
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from shardc.cli.main import add_common
@@ -27,6 +30,7 @@ from shardc.lowering.sizes import devices_to_check, shrink_mesh
 from shardc.pipeline.boundary import check_lowerable
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan
+from shardc.verification import progress
 from shardc.verification.compare import compare, render_comparison
 from shardc.verification.module_check import ModuleRejected
 from shardc.verification.verify import check_device_count, render_report, verify
@@ -49,6 +53,9 @@ def register(sub: Any, name: str) -> None:
                             help="devices to run on (emulated on a CPU; default: enough for every mesh "
                                  "axis to run at size 2, at least 8 when the mesh has them, at most 256)")
         if name == "verify":
+            parser.add_argument("--progress", action="store_true",
+                                help="say on stderr what verify is doing (planning, compiling, running, "
+                                     "comparing) as it starts each part; the default when stderr is a terminal")
             parser.add_argument("--module", metavar="MOD.py", default=None,
                                 help="verify this lowered module (as `shardc lower -o` wrote it, or edited) "
                                      "instead of lowering the plan again")
@@ -136,7 +143,24 @@ def emulate_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count}".strip()
 
 
+def _say_progress() -> Callable[[str], None]:
+    """Print each part verify starts on stderr, with the seconds since the first."""
+    start = time.monotonic()
+
+    def say(what: str) -> None:
+        print(f"verify: {what} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+
+    return say
+
+
 def run_verify(args: argparse.Namespace) -> int:
+    told = args.progress or sys.stderr.isatty()
+    with progress.shown(_say_progress()) if told else contextlib.nullcontext():
+        return _run_verify(args)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    progress.step("planning")
     plan = _plan(args)
     devices = _devices(args, plan)
 

@@ -16,6 +16,7 @@ for XLA's partitioner.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,7 +27,7 @@ from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Site, family_of, 
 from shardc.spec.functions import dropout_salt, signature
 from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
 
-__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names"]
+__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths"]
 
 Array = Any
 
@@ -258,6 +259,20 @@ def magnitudes(spec: Spec, inputs: dict[str, np.ndarray],
         grads.update(_family_grad_magnitude(node, shape, values, mag, d, grads))
     return {**{s.result.name: mag[s.result.name] for s in spec.statements},
             **{name: grads[name] for name in leaf_names(spec) if name in grads}}
+
+
+def sum_lengths(spec: Spec, sizes: dict[str, int]) -> list[int]:
+    """Per operation of ``spec``, forward and backward, the most terms one of its values sums: an
+    einsum's forward sums over the indices its result lacks, each operand's gradient over the
+    indices that operand lacks; a function adds its reduction's (``over``) length; 1 for a map."""
+    lengths = []
+    for node in _nodes(spec):
+        every = set(node.out).union(*node.labels)
+        over = node.call.over if node.call is not None and node.call.over else None
+        extra = sizes.get(over, 1) if over is not None else 1
+        for kept in (node.out, *node.labels):
+            lengths.append(math.prod(sizes.get(i, 1) for i in every - set(kept)) * extra)
+    return lengths
 
 
 def _family_grad_magnitude(node: _Node, shape: dict[str, int], values: dict[str, np.ndarray],

@@ -9,9 +9,12 @@ stacked param), the statements after it (if any) once; the backward runs them in
 reverse, each part's input gradient the cotangent of the part before.
 
 Values are computed in float64 (a stack of 2P quadratic layers amplifies float32's
-rounding to about 1e-4 relative, as numpy's own float32 shows) and compared within 100
-times the one-block float64 bound (a real mistake is off by order 1); HLO bytes are
-priced in the spec's dtype.  The mesh shrinks to fit the devices as a block's does,
+rounding to about 1e-4 relative, as numpy's own float32 shows) and compared within a bound
+the computation sets (:func:`rounding_bound`, :func:`_float64_rows`): the rounding of every
+sum on the chain, plus how far the chain moves a value when its sums are reordered, as the
+unsharded float64 program's own error measures it (a deep stack of norms and growing residuals
+amplifies it, to 2e-8 of a gradient 32 layers deep; a real mistake is off by order 1); HLO
+bytes are priced in the spec's dtype.  The mesh shrinks to fit the devices as a block's does,
 every axis kept at 2 or more while possible, the stage axis last (P=4, X=64, Y=4 runs as
 P=4, X=2, Y=2 on 16 devices and P=2, X=2, Y=2 on 8); an axis cut to 1 fails the
 collectives over it, which did not run.  The block is stacked 2P layers deep and cut
@@ -53,10 +56,12 @@ from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.walk import leaves
 from shardc.verification import power
 from shardc.verification.pipeline_hlo import loop_rows
-from shardc.verification.report import POWER, TOLERANCE, Report, ValueRow, compare_values, cut_note
+from shardc.verification.progress import step
+from shardc.verification.report import POWER, Report, ValueRow, compare_values, cut_note
 from shardc.verification.scales import input_scales
 
-__all__ = ["verify_pipeline", "run_sizes", "draw_inputs", "draw_cotangent", "reference", "differential_rows"]
+__all__ = ["verify_pipeline", "run_sizes", "draw_inputs", "draw_cotangent", "reference", "rounding_bound",
+           "differential_rows"]
 
 Arrays = dict[str, np.ndarray]
 
@@ -232,12 +237,15 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -
     import jax
 
     sizes, layers, micro = run_sizes(plan, devices)
+    step(f"lowering the pipeline: {layers} layers, {micro} microbatches, "
+         + ", ".join(f"{k}={v}" for k, v in sizes.items()))
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)
-    tol = (100 * TOLERANCE["float64"][0], 100 * TOLERANCE["float64"][1])  # 2P layers deep: rounding x ~10
+    tol = (rounding_bound(lowered), 0.0)
     mesh = dict(lowered.namespace.PIPE_MESH_AXES)
     report = Report(plan.spec.filename or "<spec>", mesh, {**lowered.sizes, "layers": layers,
                                                            "microbatches": micro}, str(plan.spec.dtype),
                     "float64", tol)
+    step("drawing the inputs, each layer's params at their scales")
     inputs = draw_inputs(lowered, seed, key, report.input_scales)
     cotangent = draw_cotangent(lowered, inputs, seed)
     keys = _keys(lowered, key)
@@ -248,22 +256,67 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -
     if order is not None:
         report.notes.append(order)
     parts = None if lowered.ends is None else (lowered.ends.pre, lowered.ends.block, lowered.ends.post)
+    report.notes.append(f"each row's bound adds {power.DIFFERENTIAL:g} times its phase's largest relative error of "
+                        "the unsharded float64 program (the reference's statements in jax, on one device) to the "
+                        "rounding of the chain")
     with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
         text, runs = _run(lowered, inputs, cotangent, keys)
-    wants = {k: reference(lowered, inputs, cotangent, k) for k in keys}
-    for k, ((got_out, got_grads), (want_out, want_grads)) in enumerate(zip(runs, wants.values(), strict=True)):
-        # each value's bound in its own magnitude: the reference runs the pipeline's layers unsharded
-        report.values += compare_values(power.phase("forward", keys[k]),
-                                        [(n, got_out[n], v, np.abs(v)) for n, v in want_out.items()], tol, math.inf)
-        report.values += compare_values(power.phase("backward", keys[k]),
-                                        [(n, got_grads[n], v, np.abs(v)) for n, v in want_grads.items()], tol,
-                                        math.inf)
+        step("running the numpy reference")
+        wants = {k: reference(lowered, inputs, cotangent, k) for k in keys}
+        step("running the unsharded float64 program in jax, comparing values")
+        report.values += _float64_rows(lowered, inputs, cotangent, runs, wants, tol[0])
     if len(keys) > 1 and all(np.array_equal(v, wants[keys[1]][0][n]) for n, v in wants[keys[0]][0].items()):
         report.notes.append(f"dropout keys {keys[0]} and {keys[1]} draw the same masks at these sizes: "
                             "the key is not checked")
     report.values = _recheck_weak(report, lowered, inputs, cotangent, keys)
+    step("comparing the compiled program's collectives")
     report.collectives += loop_rows(lowered, text, parts, cut)
     return report
+
+
+def rounding_bound(lowered: PipelineLowered) -> float:
+    """The float64 rounding of the chain, as a fraction of a value: a sum of n terms rounds to within
+    n units of roundoff of the sum of their magnitudes (Higham, *Accuracy and Stability of Numerical
+    Algorithms*, 2nd ed., section 3.1), and the roundings of the operations on the chain add: the
+    statements before the block, the block once a layer, those after it, forward and backward
+    (:func:`shardc.lowering.reference.sum_lengths`); the pipeline and the reference each err so.
+    Cancellation can amplify it past this (a deep stack of norms and residuals): what the unsharded
+    float64 program's own error measures, which each row's bound adds (:func:`_float64_rows`)."""
+    sizes = dict(lowered.sizes)
+    sizes[microbatch_dim(lowered.plan)] = lowered.batch  # the gradients sum over the whole batch
+    pre, block, post = _parts(lowered)
+    terms = lowered.pipeline.layers * sum(numpy_reference.sum_lengths(block, sizes))
+    terms += sum(sum(numpy_reference.sum_lengths(part, sizes)) for part in (pre, post) if part is not None)
+    return 2 * terms * float(np.finfo(np.float64).eps) / 2
+
+
+def _float64_rows(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, runs: list[tuple[Arrays, Arrays]],
+                  wants: dict[int, tuple[Arrays, Arrays]], rtol: float) -> list[ValueRow]:
+    """Each value against the float64 reference, within ``rtol`` of the value (:func:`rounding_bound`)
+    plus ``DIFFERENTIAL`` times the phase's amplification: the largest error, as a fraction of its value,
+    of the unsharded float64 program's (the reference's statements in jax, on one device) values against
+    numpy's.  A right plan only reorders sums, as XLA reorders numpy's; how much the chain amplifies a
+    reordering is the chain's (its values share it), one value's own error a noisy sample of it."""
+    import jax.numpy as jnp
+
+    rows = []
+    for (key, (want_out, want_grads)), (got_out, got_grads) in zip(wants.items(), runs, strict=True):
+        plain_out, plain_grads = reference(lowered, inputs, cotangent, key, jnp, jnp.float64)
+        for phase, got, want, plain in (("forward", got_out, want_out, plain_out),
+                                        ("backward", got_grads, want_grads, plain_grads)):
+            amplified = power.DIFFERENTIAL * max(_relative(plain[n], v) for n, v in want.items())
+            rows += compare_values(power.phase(phase, key), [(n, got[n], v, np.abs(v)) for n, v in want.items()],
+                                   (rtol + amplified, 0.0), math.inf)
+    return rows
+
+
+def _relative(value: Any, ref: np.ndarray) -> float:
+    """max|value - ref| / max|ref|, a causal mask's -inf aside (0 where the reference is 0)."""
+    finite = ~np.isneginf(ref)
+    ref = np.where(finite, ref, 0.0)
+    err = np.abs(np.where(finite, np.asarray(value, np.float64), 0.0) - ref)
+    peak = float(np.max(np.abs(ref))) if ref.size else 0.0
+    return float(np.max(err)) / peak if peak > 0 and np.all(np.isfinite(err)) else 0.0
 
 
 def _keys(lowered: PipelineLowered, key: int) -> tuple[int, ...]:
@@ -278,8 +331,10 @@ def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
     """The schedule's program compiled once: its HLO text, and the results and gradients under each key."""
     pipeline = lowered.namespace.PIPELINE
     given = pipeline.ends.cotangent(pipeline, inputs, cotangent)
+    step("compiling the schedule's program")
     compiled = pipeline.program()[1].lower(*pipeline.arguments(inputs, given, keys[0])).compile()
     runs = []
+    step("running the schedule")
     for key in keys:
         results, grads = pipeline.read(*compiled(*pipeline.arguments(inputs, given, key)))
         runs.append(({k: np.asarray(v) for k, v in results.items()}, {k: np.asarray(v) for k, v in grads.items()}))
@@ -296,6 +351,7 @@ def _recheck_weak(report: Report, lowered: PipelineLowered, inputs: Arrays, cota
     if not weak:
         return report.values
     names = ", ".join(dict.fromkeys(r.tensor for r in weak))
+    step(f"checking {names} again in float32")
     report.notes.append(f"in float64 the bound of {names} would pass an error of {POWER:.0%} of the value: "
                         "checked again in float32 against the unsharded program's error (rows marked f32)")
     again = {(r.phase, r.tensor): r for r in differential_rows(lowered, inputs, cotangent, keys)}

@@ -33,8 +33,8 @@ STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
 # A check must fail an error of this fraction of a value (a statistic off by a constant, a 10%
 # scale on an activation): a row whose bound passes more is checked again in float32.
 POWER = 0.05
-TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e-3, 1e-4),
-             "float64": (1e-12, 1e-12)}
+TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e-3, 1e-4)}
+# (a pipeline computes in float64, within the bound its computation sets: pipeline_verify.rounding_bound)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from shardc.verification.power import differential as _differential
 from shardc.verification.power import failed as _failed
 from shardc.verification.power import phase as _phase
 from shardc.verification.power import weak as _weak
+from shardc.verification.progress import step
 from shardc.verification.report import (
     POWER,
     STORAGE_DTYPE,
@@ -241,6 +242,7 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     # a route's token index long enough that experts overflow: dropping past capacity is checked
     grown, notes = overflowing(plan, {**base, **fixed}, fixed)
     small = {**grown, **(sizes or {})}
+    step("lowering the plan at " + ", ".join(f"{k}={v}" for k, v in small.items()))
     lowered = lower(zero or plan, sizes=small)
     if given is not None:
         lowered, used = use_module(lowered, *given)
@@ -261,8 +263,10 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     tol = TOLERANCE[dtype.name]
     report = Report(plan.spec.filename or "<spec>", mesh, dict(lowered.sizes or {}),
                     str(plan.spec.dtype), dtype.name, tol)
+    step("running the numpy reference")
     run = _reference_run(lowered, dtype, seed)
     report.input_scale, report.input_scales = run.scale, dict(run.scales)
+    step("compiling and running forward and backward, comparing values")
     for key in _keys(lowered):
         report.values += _value_rows(lowered, _keyed(lowered, run, key) if key else run, tol, dtype)
     report.notes += _same_masks(lowered, run)
@@ -278,8 +282,10 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     phases = [("forward", plan.forward), ("backward", plan.backward)]
     phases += [("optimizer", zero.optimizer)] if zero is not None else []
     for phase, steps in phases:
+        step(f"compiling the {phase} for its HLO, comparing collectives")
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
         report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut)
+    step("comparing memory with XLA's buffer assignment")
     report.memory_check = check_memory(lowered)
     return report
 
