@@ -59,19 +59,11 @@ def test_the_fidelity_benchmark_prints_every_run() -> None:
                                               "DeepSeek-V3 671B"))
 
 
-def test_deepseek_v3_plans_and_costs_in_seconds_with_its_routing_held_as_indices() -> None:
-    """DeepSeek-V3's 256 experts, top-8: the dispatch moves tokens by index (no [B, S, E, C] mask kept),
-    its FLOPs are the experts' matmuls, and plan and cost each take under 3 s."""
-    import time
-
+def test_deepseek_v3_plans_and_costs_with_its_routing_held_as_indices() -> None:
+    """DeepSeek-V3's 256 experts, top-8: the dispatch moves tokens by index (no [B, S, E, C] mask kept)
+    and its FLOPs are the experts' matmuls (`benchmarks/plan_speed.py` times its plan and cost)."""
     spec = _spec("deepseek_v3")
-    times = []
-    for _ in range(2):  # the better of two: the machine is shared
-        start = time.perf_counter()
-        plan = shardc.plan(spec, recompute="selective")
-        planned = time.perf_counter()
-        report = shardc.cost(plan)
-        times.append((planned - start, time.perf_counter() - planned))
-    assert min(p for p, _ in times) < 3 and min(c for _, c in times) < 3, times
+    plan = shardc.plan(spec, recompute="selective")
+    report = shardc.cost(plan)
     assert not any({"S", "E", "C"} <= set(r.indices) for r in plan.residuals)
     assert report.pipeline is not None and report.pipeline.step_s > 0

@@ -229,8 +229,8 @@ MUTANTS = [
       r"(dX_1 = expert_dispatch_vjp\(Gate, dIn_1, k=)2", r"\g<1>1"),
     M("dispatch: combine weighs by the squared gates (the same experts chosen)", "dispatch",
       r"Out = expert_combine\(Gate,", r"Out = expert_combine(Gate ** 2,"),
-    M("dispatch: the gates' gradient negated", "dispatch", r"dGate_1 = expert_gate_vjp\(",
-      r"dGate_1 = -expert_gate_vjp("),
+    M("dispatch: the gates' gradient negated", "dispatch", r"dGate = expert_gate_vjp\(",
+      r"dGate = -expert_gate_vjp("),
     M("dispatch: the expert rows' gradient scaled 10%", "dispatch", r"dH = expert_combine_vjp\(",
       r"dH = 1.1 * expert_combine_vjp("),
     # ---- AllReduce (psum, pmax)
