@@ -57,6 +57,7 @@ from shardc.ops.registry import of_op
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import leaves
+from shardc.steptime import einsum_compute_seconds
 from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["step_count", "bound_of",
@@ -169,7 +170,7 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
                         once=step.once, serial=t.serial)
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
-        seconds = 0.0 if is_product(step) and not hw.book else hw.matmul_seconds(flops, dtype)
+        seconds = einsum_compute_seconds(flops, is_product(step), hw, dtype)
         return StepCost(index, step.op, step.tensor, text, flops=float(flops), model_flops=float(model),
                         compute_s=seconds, once=step.once, memory_bytes=memory_bytes,
                         memory_s=hw.memory_seconds(memory_bytes))

@@ -61,12 +61,18 @@ def move_seconds(ctx: CostContext, tensor: str, idx: tuple[str, ...], op: Op, sr
     return ctx.move_cost(move, tensor, idx)[0]
 
 
-def einsum_seconds(ctx: CostContext, operands: tuple[tuple[tuple[str, ...], State], ...]) -> float:
-    """The planner's price of a local einsum's compute, where its objective has one (else 0)."""
+def einsum_seconds(ctx: CostContext, operands: tuple[tuple[tuple[str, ...], State], ...],
+                   result: tuple[tuple[str, ...], State]) -> float:
+    """The planner's price of a local einsum's compute (an elementwise product's HBM bytes: hence its
+    result), where its objective has one (else 0)."""
     price = getattr(ctx, "einsum_seconds", None)
     if price is None:
         return 0.0
-    return float(price(tuple((idx, Value(s.layout, tuple(sorted(s.partial)))) for idx, s in operands)))
+    return float(price(tuple((idx, _value(s)) for idx, s in operands), (result[0], _value(result[1]))))
+
+
+def _value(s: State) -> Value:
+    return Value(s.layout, tuple(sorted(s.partial)))
 
 
 class Oracle:
@@ -224,7 +230,7 @@ def _einsum_results(oracle: Oracle, refs: list[TensorRef], out: tuple[str, ...],
             r = local_einsum(ra.indices, s, rb.indices, t, out)
             if r is None:
                 continue
-            total = c + d + einsum_seconds(oracle.ctx, ((ra.indices, s), (rb.indices, t)))
+            total = c + d + einsum_seconds(oracle.ctx, ((ra.indices, s), (rb.indices, t)), (out, r))
             if total < results.get(r, float("inf")):
                 results[r] = total
     return results
@@ -238,7 +244,8 @@ def forward_seconds(plan: Plan, ctx: CostContext) -> float:
         if step.is_collective:
             total += _step_seconds(oracle, ctx, step)
         elif step.op is Op.EINSUM and len(step.operands) == 2:
-            total += einsum_seconds(ctx, tuple((r.indices, oracle.state(r)) for r in step.operands))
+            total += einsum_seconds(ctx, tuple((r.indices, oracle.state(r)) for r in step.operands),
+                                    (step.dst.indices, oracle.state(step.dst)))
     return total
 
 

@@ -21,10 +21,7 @@ DEEP = "mesh X=16, Y=4\ndims B=1_048_576, D=8192, F=32768\n" + "".join(
 def _every_candidate_fresh(spec: shardc.Spec) -> shardc.Plan:
     """The plan of least time among every candidate, each planned alone (none skipped)."""
     first = planner.plan_candidate(spec, "search")
-    t = plan_time(first)
-    bound = (0.0 if t.forward_comm_s > t.forward_compute_s else 1.0,
-             0.0 if t.backward_comm_s > t.backward_compute_s else 1.0)
-    weights = [w for w in dict.fromkeys((bound, (0.0, 0.0))) if w != planner.SUM]
+    weights = planner.candidate_weights(plan_time(first))
     candidates = [first, *(planner.plan_candidate(spec, "search", w) for w in weights)]
     candidates.append(planner.plan_candidate(spec, "rules"))
     return min(candidates, key=lambda p: planner.objective(plan_time(p)))

@@ -100,7 +100,7 @@ def _rest_costs(ctx: CostContext, problem: EinsumProblem,
         cost = _operands_cost(ctx, problem, locals_, skip_head)
         if cost is None:
             continue
-        cost = add_cost(cost, compute_cost(ctx, problem, locals_))
+        cost = add_cost(cost, compute_cost(ctx, problem, locals_, local_result))
         key = (locals_[0] if skip_head else None, local_result)
         if cost < rest.get(key, INFINITE):
             rest[key] = cost

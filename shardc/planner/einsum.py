@@ -171,16 +171,34 @@ def partial_axes(ctx: CostContext, problem: EinsumProblem) -> frozenset[str]:
     return frozenset(out)
 
 
+def _charge(ctx: CostContext, tensor: str, cost: Cost) -> Cost:
+    """What a reshard of ``tensor`` costs the objective: its collectives' seconds, those issued ahead
+    (:meth:`CostContext.ahead`) weighted as the phase counts them (:attr:`CostContext.ahead_weight`)."""
+    if not ctx.ahead(tensor) or ctx.ahead_weight == 1.0:
+        return cost
+    return (cost[0] * ctx.ahead_weight, cost[1], cost[2])
+
+
+def _room(ctx: CostContext, tensor: str, bound: Cost | None, spent: Cost) -> Cost | None:
+    """:func:`room` for a reshard of ``tensor``, in its own seconds (before :func:`_charge` weights them)."""
+    left = room(bound, spent)
+    if left is None or not ctx.ahead(tensor) or ctx.ahead_weight == 1.0:
+        return left
+    if ctx.ahead_weight == 0.0:
+        return None  # hidden under the phase's compute: no bound on its own seconds
+    return (left[0] / ctx.ahead_weight, left[1], left[2])
+
+
 def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None,
               partial: frozenset[str] | None = None) -> Solution | None:
     locals_, local_result, roles = config
-    total: Cost = compute_cost(ctx, problem, locals_)
+    total: Cost = compute_cost(ctx, problem, locals_, local_result)
     operand_moves = []
     for op, local in zip(problem.operands, locals_, strict=True):
         if not any(s.reaches(local) for s in op.sources):
             return None
-        cost, moves = reshard(ctx, op.name, op.indices, op.sources, local, room(best, total))
-        total = add_cost(total, cost)
+        cost, moves = reshard(ctx, op.name, op.indices, op.sources, local, _room(ctx, op.name, best, total))
+        total = add_cost(total, _charge(ctx, op.name, cost))
         if best is not None and total > best:
             return None
         operand_moves.append(moves)
@@ -191,16 +209,16 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
     if target is not None:
         if not local_result.reaches(target):
             return None  # partial sums cannot be made from reduced values
+        bound = _room(ctx, problem.result, best, total)
         if problem.target is not None:  # one search back from it answers every configuration
             if partial is not None and not partial.issuperset(local_result.unreduced):
                 partial = None  # a local result the search's roles do not make (the rules')
-            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, room(best, total),
-                               partial)
+            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, bound, partial)
         else:
-            found = reshard(ctx, problem.result, problem.indices, (local_result,), target, room(best, total))
+            found = reshard(ctx, problem.result, problem.indices, (local_result,), target, bound)
         if found is None or found[0] == INFINITE:
             return None
-        total = add_cost(total, found[0])
+        total = add_cost(total, _charge(ctx, problem.result, found[0]))
         result_moves = found[1]
     if best is not None and total > best:
         return None
@@ -208,9 +226,11 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
                     tuple(sorted(roles.items())))
 
 
-def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...]) -> Cost:
-    """The local einsum's compute time on the plan's chip: part of the objective (see layout)."""
-    return (ctx.einsum_seconds(zip((op.indices for op in problem.operands), locals_, strict=True)), 0, 0)
+def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...],
+                 local_result: Value | None = None) -> Cost:
+    """The local einsum's time on the plan's chip, as cost prices it: part of the objective (see layout)."""
+    result = None if local_result is None else (problem.indices, local_result)
+    return (ctx.einsum_seconds(zip((op.indices for op in problem.operands), locals_, strict=True), result), 0, 0)
 
 
 # How many of the cheapest configurations the search keeps for ``--explain`` (it

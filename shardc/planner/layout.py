@@ -22,7 +22,9 @@ fewer collectives, then to moving weights rather than activations.  A move's
 seconds are its time on the plan's chip from the table of collectives
 (:func:`shardc.collectives.collective_time`: links per axis with torus spans, DCN,
 latency), at the padded per-device size where a dim is uneven; the einsum search
-adds each configuration's compute (:meth:`CostContext.einsum_seconds`).
+adds each configuration's compute (:meth:`CostContext.einsum_seconds`, as ``shardc cost``
+times the step), each weighted as the phase counts it (:attr:`CostContext.compute_weight`,
+and :attr:`CostContext.ahead_weight` for the collectives issued ahead, :meth:`CostContext.ahead`).
 
 The moves cut a dim's axes only between *units* (:attr:`CostContext.units`):
 every axis alone, except past four mesh axes, where axes the spec always writes
@@ -44,6 +46,7 @@ from shardc.ir.plan import Monomial, Op
 from shardc.ir.spec import Dim, DType, Mesh, TensorRef
 from shardc.planner.unit import Placements
 from shardc.spec.walk import nbytes_of
+from shardc.steptime import einsum_compute_seconds, product_bytes
 from shardc.topology import resolve_links
 
 __all__ = ["Layout", "Value", "Move", "expand", "neighbours", "spanning", "Cost", "CostContext", "ZERO", "INFINITE",
@@ -145,6 +148,9 @@ class CostContext:
     topology: tuple[int, ...] | None = None  # the slice or cluster given; None: the chip's usual one
     padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
     compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
+    # seconds of the collectives issued ahead (CostContext.ahead) count this much beside the others':
+    # 0 where the phase's compute hides them at the margin (shardc.timing.phase_seconds)
+    ahead_weight: float = 1.0
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
     # forward searches, resumed by each query: see shardc.planner.search.reshard
@@ -224,6 +230,12 @@ class CostContext:
                                                        self.links).seconds
         return hit
 
+    def ahead(self, tensor: str) -> bool:
+        """Whether the program can issue ``tensor``'s collectives ahead of the op that reads them, to
+        overlap compute: a weight's gathers and a gradient's reductions (``Step.ahead``); an activation's
+        the next op waits for."""
+        return tensor in self.weights
+
     def move_cost(self, move: Move, tensor: str, idx: tuple[str, ...] | None = None) -> Cost:
         if move.volume is None:
             return ZERO
@@ -247,21 +259,35 @@ class CostContext:
         elements = volume_elements(move.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))
         return float(elements) * nbytes
 
-    def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value]]) -> float:
-        """Compute time of a local einsum over these (indices, local value) operands; 0 without sizes.
-
-        2 * prod(local index sizes) FLOPs a device (padded pieces), at the rate the chip reaches on a
-        matmul of that size in the spec's dtype (:meth:`Hardware.matmul_seconds`).
+    def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value]],
+                       result: tuple[tuple[str, ...], Value] | None = None) -> float:
+        """Time of a local einsum over these (indices, local value) operands on the chip's cores; 0 without
+        sizes.  Priced as ``shardc cost`` prices the step (:func:`shardc.timing.einsum_compute_seconds`):
+        2 * prod(local index sizes) FLOPs a device (padded pieces) at the rate the chip reaches on a matmul
+        of that size in the spec's dtype; an elementwise product (no index contracted, ``result`` its local
+        result) by its HBM bytes before fusion (:func:`shardc.timing.product_bytes`), which it moves
+        wherever the program puts it.
         """
         if self.sizes is None or not self.compute_weight:
             return 0.0
-        key = tuple(operands)
+        key = (tuple(operands), result)
         hit = self._compute.get(key)
         if hit is None:
-            occurrences = ((i, axes) for idx, value in key for i, axes in zip(idx, value.layout, strict=True))
-            flops, _ = einsum_flops(occurrences, lambda name: self.axis_sizes.get(name) or self.dim_size(name))
-            hit = self._compute[key] = self.hardware.matmul_seconds(float(flops), self.dtype.value)
+            hit = self._compute[key] = self._einsum_seconds(key[0], result)
         return hit * self.compute_weight
+
+    def _einsum_seconds(self, operands: tuple[tuple[tuple[str, ...], Value], ...],
+                        result: tuple[tuple[str, ...], Value] | None) -> float:
+        occurrences = ((i, axes) for idx, value in operands for i, axes in zip(idx, value.layout, strict=True))
+        flops, _ = einsum_flops(occurrences, lambda name: self.axis_sizes.get(name) or self.dim_size(name))
+        product = result is not None and all(i in result[0] for idx, _ in operands for i in idx)
+        seconds = einsum_compute_seconds(float(flops), product, self.hardware, self.dtype.value)
+        if product and not self.hardware.book:
+            assert result is not None
+            nbytes = product_bytes((self.evaluate(self.local_bytes(idx, v)) for idx, v in operands),
+                                   self.evaluate(self.local_bytes(*result)))
+            seconds += self.hardware.memory_seconds(nbytes)
+        return seconds
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:
         """The moves out of value number ``state`` with their costs, built once per context."""

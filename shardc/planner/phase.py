@@ -181,7 +181,7 @@ class Phase:
         if len(problem.operands) == 1 and set(problem.indices) >= set(problem.operands[0].indices):
             return self.solve_copy(problem), []
         if self.sized:
-            key = (self.key(problem, rule_given), self.ctx.compute_weight, self.ctx.explain)
+            key = (self.key(problem, rule_given), self.ctx.compute_weight, self.ctx.ahead_weight, self.ctx.explain)
             hit = self.ctx.solutions.get(key)
             if hit is None:
                 hit = self.ctx.solutions[key] = solve(self.ctx, problem)

@@ -42,10 +42,10 @@ from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_para
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import layer_inputs, leaves
-from shardc.timing import PlanTime, StepCost, plan_time
+from shardc.timing import PhaseTime, PlanTime, StepCost, plan_time
 from shardc.topology import check_topology
 
-__all__ = ["plan", "plan_candidate", "objective", "shared_search", "SAVE_POLICIES"]
+__all__ = ["plan", "plan_candidate", "candidate_weights", "objective", "shared_search", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
 # The search work (states settled, configurations tried, moves built: CostContext.tick) the
@@ -59,13 +59,16 @@ BUDGET = 300_000
 STRATEGIES = ("auto", "search", "rules")
 # How much the search counts a second of compute beside one of communication, per phase
 # (forward, backward): their sum first, which bounds a phase's max(compute, comm) within 2x.
-SUM: tuple[float, float] = (1.0, 1.0)
+# A phase's weight is compute's, or (compute's, the collectives issued ahead's): see candidate_weights.
+PhaseWeight = float | tuple[float, float]
+Weights = tuple[PhaseWeight, PhaseWeight]
+SUM: Weights = (1.0, 1.0)
 
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
          spans: dict[str, int] | None = None, recompute: str = "none", budget: int = BUDGET,
          explain: bool = False, gradients: Mapping[str, str] | None = None,
-         topology: str | tuple[int, ...] | None = None, weights: tuple[float, float] | None = None) -> Plan:
+         topology: str | tuple[int, ...] | None = None, weights: Weights | None = None) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -73,8 +76,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     mesh axis is laid over (:meth:`Hardware.spans`).  The objective is the step time
     ``shardc cost`` reports on that chip (:func:`shardc.timing.plan_time`: compute and
     communication, each phase ``max(compute, comm)``).  That max does not split over
-    einsums, so the search minimises per einsum a weighted sum of the two, under a few
-    weights (:func:`_best_plan`), and the planner returns, of the plans it builds (those
+    einsums, so the search minimises per einsum a weighted sum of compute, the collectives
+    issued ahead and the exposed ones, under a few weights (:func:`candidate_weights`), and
+    the planner returns, of the plans it builds (those
     searches' and the book's rules'), the one of least step time, ties to less
     communication.  ``strategy="rules"`` applies the book's rules even when sizes are
     known (the baseline the search is measured against); ``"search"`` runs the search
@@ -131,7 +135,7 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
                         spans: dict[str, int] | None, recompute: str, search: tuple[int, bool],
                         gradients: Mapping[str, str], outer: Spec | None = None,
-                        weights: tuple[float, float] = SUM) -> Plan:
+                        weights: Weights = SUM) -> Plan:
     """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them; ``outer``: the
     pipelined spec whose stage ``spec`` is (its candidates are timed as that pipeline runs them)."""
     hw = resolve_hardware(hardware, None, spec.hardware)
@@ -170,12 +174,13 @@ def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
 
 def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none",
                outer: Spec | None = None) -> Plan:
-    """The least step time among the rules' plan and searches under a few compute weights.
+    """The least step time among the rules' plan and searches under a few weights.
 
     A phase takes about max(compute, comm): once a phase is communication-bound only its
     communication counts at the margin, so after the sum's plan each phase is searched
-    again with compute weighted 0 if that plan left it communication-bound (1 if not),
-    and once with communication alone in both.  The exact step time picks the winner: for a
+    again under :func:`candidate_weights` (compute weighted 0 if that plan left it
+    communication-bound, the collectives issued ahead 0 where compute hides them).  The exact
+    step time picks the winner: for a
     pipeline's stage (``outer``), the time of the pipeline's plan, a microbatch at a time.
     """
     memo: dict[tuple[object, ...], StepCost] = {}  # step costs, shared by the candidates
@@ -187,9 +192,7 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
     first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
     t = timed(first)
     candidates = [(objective(t), first)]
-    bound = (0.0 if t.forward.comm_s > t.forward.busy_s else 1.0,
-             0.0 if t.backward.comm_s > t.backward.busy_s else 1.0)
-    others = [("search", w) for w in dict.fromkeys((bound, (0.0, 0.0))) if w != SUM] + [("rules", SUM)]
+    others = [("search", w) for w in candidate_weights(t)] + [("rules", SUM)]
     for strategy, weights in others:
         if _same_steps(graph, ctx, trace, strategy, weights):
             continue  # the first's steps, so its time: the tie goes to the first anyway
@@ -199,7 +202,34 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
     return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
 
 
-def plan_candidate(spec: Spec, strategy: str, weights: tuple[float, float] = SUM,
+def candidate_weights(t: PlanTime) -> list[Weights]:
+    """The weights :func:`plan` searches under after the sum's plan, whose times are ``t``.
+
+    Per phase, compute weighted 0 if that plan left it communication-bound (1 if not), and
+    communication alone in both; on the chip's model (:func:`shardc.timing.phase_seconds`: the
+    collectives issued ahead overlap the phase's compute, the others add to it), also the phase's
+    slope there: where its compute hides what is issued ahead, a second of that costs nothing at the
+    margin and a second of compute or of an exposed collective costs one.
+    """
+    bound = (0.0 if t.forward.comm_s > t.forward.busy_s else 1.0,
+             0.0 if t.backward.comm_s > t.backward.busy_s else 1.0)
+    weights: list[Weights] = [bound, (0.0, 0.0)]
+    if not t.forward.book:
+        weights.append((_slope(t.forward, bound[0]), _slope(t.backward, bound[1])))
+    return [w for w in dict.fromkeys(weights) if w != SUM]
+
+
+def _slope(phase: PhaseTime, weight: float) -> PhaseWeight:
+    """(1, 0) where ``phase``'s compute hides its collectives issued ahead, else ``weight``."""
+    return (1.0, 0.0) if phase.ahead_s < phase.busy_s else weight
+
+
+def _weigh(ctx: CostContext, weight: PhaseWeight) -> None:
+    """Set the search's weights for one phase (a float: compute's, the collectives' all 1)."""
+    ctx.compute_weight, ctx.ahead_weight = (float(weight), 1.0) if isinstance(weight, float | int) else weight
+
+
+def plan_candidate(spec: Spec, strategy: str, weights: Weights = SUM,
                    hardware: str | Hardware | None = None) -> Plan:
     """One of the candidates :func:`plan` compares, planned alone, with its own search cache.
 
@@ -221,8 +251,7 @@ def plan_candidate(spec: Spec, strategy: str, weights: tuple[float, float] = SUM
     return _plan(spec, graph, "default", strategy, ctx, weights)
 
 
-def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: str,
-                weights: tuple[float, float]) -> bool:
+def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: str, weights: Weights) -> bool:
     """Whether planning with ``strategy`` and ``weights`` makes the steps the traced plan made.
 
     A phase's steps follow from its einsums' solutions alone (every other move is a
@@ -241,13 +270,13 @@ def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: s
             continue
         done.add(key)
         name = key[4]  # type: ignore[index]  # the phase, see Phase.key
-        ctx.compute_weight = weights[0 if name == "forward" else 1]
+        _weigh(ctx, weights[0 if name == "forward" else 1])
         phase = Phase(name, ctx, {}, strategy == "search", frozenset())  # type: ignore[arg-type]
         again = phase.solve(problem, given)[0]
         if _moves(again) != _moves(solution):
-            ctx.compute_weight = SUM[1]
+            _weigh(ctx, SUM[1])
             return False
-    ctx.compute_weight = SUM[1]
+    _weigh(ctx, SUM[1])
     return True
 
 
@@ -354,23 +383,23 @@ def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
-          weights: tuple[float, float] = SUM, notes: bool = True, trace: list[Traced] | None = None,
+          weights: Weights = SUM, notes: bool = True, trace: list[Traced] | None = None,
           recompute: str = "none") -> Plan:
     sized = bool(spec.dims) and strategy == "search"
     declared = dict(graph.declared)
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params, trace=trace)
     for name in graph.inputs:
         forward.hold(name, Value.of(declared[name]))
-    ctx.compute_weight = weights[0]
+    _weigh(ctx, weights[0])
     _plan_forward(forward, graph, declared, spec)
-    ctx.compute_weight = weights[1]
+    _weigh(ctx, weights[1])
     shards = zero_params(spec, graph.params, declared) if spec.zero is not None and spec.zero.stage < 3 else {}
     stage = spec.zero.stage if spec.zero is not None else 0
     partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
                for p, layout in shards.items()} if stage == 1 else {}
     backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {},
                              once_nodes(spec, graph))
-    ctx.compute_weight = SUM[1]
+    _weigh(ctx, SUM[1])
     optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
     made = {g.name: g for g in backward.grads}
     opt = plan_optimizer(optimizer, shards, declared, {p: made[graph.grads[p]] for p in shards})
