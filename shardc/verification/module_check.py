@@ -31,7 +31,7 @@ from shardc.files import read_text
 from shardc.ir.plan import Plan
 from shardc.lowering.load import load_module
 from shardc.spec.walk import calls
-from shardc.verification.route_load import tied
+from shardc.verification.route_load import shards, tied
 
 if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
@@ -82,8 +82,8 @@ def module_sizes(plan: Plan, small: dict[str, int]) -> dict[str, int]:
             continue
         share = math.gcd(dims[slots], dims[order])
         num, den = dims[slots] // share, dims[order] // share
-        step = math.lcm(1, *(n // math.gcd(n, d) for n, d in ((_shards(plan, small, slots), num),
-                                                            (_shards(plan, small, order), den))))
+        step = math.lcm(1, *(n // math.gcd(n, d) for n, d in ((shards(plan, small, slots), num),
+                                                            (shards(plan, small, order), den))))
         times = step * math.ceil(math.ceil(2 / num) / step)  # 2 slots at least, as verify's own sizes
         if num * times > max(_MAX_CAPACITY, small.get(slots, 0)):
             raise ShardcError(f"the module's route capacity {slots}={dims[slots]} of {order}={dims[order]} tokens "
@@ -102,21 +102,10 @@ def _overflowing_experts(plan: Plan, small: dict[str, int], experts: str, k: int
     """The expert count at which the tokens overflow the module's capacity: S*k/E choices an expert on
     average against C slots (C/S = ``num``/``den``) needs E <= k*den/num; the largest such count of k
     experts or more that the plan's shardings of E divide and verify's own sizes allow (none: as is)."""
-    shards = _shards(plan, small, experts)
+    blocks = shards(plan, small, experts)
     most = min(k * den // num, small.get(experts, k * den // num))
-    fits = [e for e in range(most, k - 1, -1) if e % shards == 0]
+    fits = [e for e in range(most, k - 1, -1) if e % blocks == 0]
     return {experts: fits[0]} if fits and experts in small else {}
-
-
-def _shards(plan: Plan, sizes: dict[str, int], index: str) -> int:
-    """How many blocks the plan's steps cut ``index`` into, at ``sizes``' mesh."""
-    shards = 1
-    for step in plan.forward + plan.backward:
-        for ref in (step.dst, *step.operands, *([step.src] if step.src else [])):
-            for d in ref.dims:
-                if d.name == index:
-                    shards = math.lcm(shards, math.prod(sizes.get(a, 1) for a in d.axes))
-    return shards
 
 
 def use_module(lowered: Lowered, source: str, label: str) -> tuple[Lowered, list[str]]:

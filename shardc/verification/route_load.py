@@ -22,7 +22,7 @@ from shardc.ops.registry import of_call
 from shardc.ops.route import ROUTING
 from shardc.spec.walk import calls, renamed_indices
 
-__all__ = ["overflowing", "tied"]
+__all__ = ["overflowing", "shards", "tied"]
 
 _LOAD = 1  # the average choices an expert, in capacities: about half the experts of a group overflow
 _MAX_MASK = 1 << 20  # elements of a route's mask grown so: more would not run small
@@ -69,13 +69,19 @@ def overflowing(plan: Plan, sizes: dict[str, int], fixed: Iterable[str] = ()) ->
 
 def _fewest_slots(plan: Plan, sizes: dict[str, int], slots: str) -> int:
     """The least capacity of 2 slots or more that every sharding of ``slots`` divides."""
-    shards = 1
+    blocks = shards(plan, sizes, slots)
+    return min(blocks * math.ceil(2 / blocks), sizes[slots])
+
+
+def shards(plan: Plan, sizes: dict[str, int], index: str) -> int:
+    """How many blocks the plan's steps cut ``index`` into, at ``sizes``' mesh (the lcm of its shardings)."""
+    found = 1
     for step in plan.forward + plan.backward:
         for ref in (step.dst, *step.operands, *([step.src] if step.src else [])):
             for d in ref.dims:
-                if d.name == slots:
-                    shards = math.lcm(shards, math.prod(sizes.get(a, 1) for a in d.axes))
-    return min(shards * math.ceil(2 / shards), sizes[slots])
+                if d.name == index:
+                    found = math.lcm(found, math.prod(sizes.get(a, 1) for a in d.axes))
+    return found
 
 
 def tied(spec: Spec, index: str) -> set[str]:
