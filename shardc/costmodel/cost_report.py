@@ -333,10 +333,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
                      fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
                      update_seconds(plan, values, hw, layers, optimizer), step_tokens(plan, values), dtype)
     phases = (fwd, bwd, opt, step) if opt.rows else (fwd, bwd, step)
-    mem = memory(plan, values, layers, hw.hbm_bytes, optimizer)
-    if pipe is not None:  # the tables are one stage's, but the parameter count is the whole model's
-        whole = memory(plan, values, sum(pipe.pipeline.stage_layers), hw.hbm_bytes, optimizer)
-        mem = replace(mem, params_total=whole.params_total)
+    # the tables are one stage's, but the parameter count is the whole model's
+    mem = memory(plan, values, layers, hw.hbm_bytes, optimizer,
+                 model_layers=sum(pipe.pipeline.stage_layers) if pipe is not None else None)
     tokens = token_dims(plan)
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
     notes = _notes(plan, hw, values, links) + renamed_note(names) + link_notes + tuple(

@@ -89,11 +89,14 @@ class Memory:
 
 
 def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
-           accounting: str = "adam10", outside: frozenset[str] | None = None) -> Memory:
+           accounting: str = "adam10", outside: frozenset[str] | None = None,
+           model_layers: int | None = None) -> Memory:
     """The per-device memory of a training step of ``plan`` (see the module docstring).
 
     ``outside`` names the tensors outside a ``layers L { ... }`` block that this device holds
-    (a pipeline stage: the first holds the embedding's, the last the loss's); None: all of them."""
+    (a pipeline stage: the first holds the embedding's, the last the loss's); None: all of them.
+    ``model_layers``: the whole model's layers, for its parameter count, where ``layers`` are one
+    pipeline stage's (None: the same)."""
     if accounting not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {accounting!r}",
                           fix="use " + " or ".join(ACCOUNTINGS))
@@ -108,7 +111,9 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
 
     times = {p.name: count(p.name, p.name not in repeated) for p in params}
     local = sum(float(local_elements(p.ref, sizes)) * times[p.name] for p in params)
-    total = sum(float(_global_elements(p.ref, sizes)) * times[p.name] for p in params)
+    every = layers if model_layers is None else model_layers  # the model's count: each param, all its layers
+    total = sum(float(_global_elements(p.ref, sizes)) * (every if p.name in repeated else times[p.name])
+                for p in params)
     grad_local, opt_local = (sum(float(local_elements(r, sizes)) * times[r.name] for r in refs)
                              for refs in state_refs(plan))
     table = residual_table(plan)
