@@ -257,7 +257,7 @@ class CostReport:
         if self.pipeline is not None:  # the memory above is a stage's with the whole batch; the stages' is what fits
             data["pipeline"] = self.pipeline.to_json()
             data["memory"] = {**self.memory.to_json(), "whole_batch_fits": self.memory.fits,
-                              "fits": all(st.memory_bytes <= self.memory.hbm_bytes for st in self.pipeline.stages)}
+                              "fits": self.pipeline.fullest.fits}
         return data
 
     def json_text(self) -> str:

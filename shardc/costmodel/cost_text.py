@@ -80,8 +80,8 @@ def _memory(report: CostReport) -> list[str]:
     verdict = "fits" if m.fits else "does NOT fit"
     total = f"  total      {fmt_bytes(m.total_bytes)}: {verdict} {fmt_bytes(m.hbm_bytes)} of HBM"
     if report.pipeline is not None:  # these are one stage's layers with the whole batch at once
-        fullest = max(report.pipeline.stages, key=lambda st: st.memory_bytes)
-        held = "fits" if fullest.memory_bytes <= m.hbm_bytes else "does NOT fit"
+        fullest = report.pipeline.fullest
+        held = "fits" if fullest.fits else "does NOT fit"
         total = (f"  total      {fmt_bytes(m.total_bytes)} with the whole batch at once; the pipeline holds only the "
                  f"microbatches in flight: {fmt_bytes(fullest.memory_bytes)} on its fullest stage "
                  f"({fullest.stage}), {held} {fmt_bytes(m.hbm_bytes)} of HBM (the stage table below)")
@@ -186,7 +186,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
         lines.append(f"  {s.stage:>5} {s.layers:>6} {fmt_seconds(s.compute_s):>9} {fmt_seconds(s.comm_s):>9} "
                      f"{s.bound:<13} {s.held:>5.3g} {fmt_bytes(s.state_bytes):>9} "
                      f"{fmt_bytes(s.activation_bytes):>11} {fmt_bytes(s.memory_bytes):>9}"
-                     + ("" if s.memory_bytes <= s.hbm_bytes else "  does NOT fit"))
+                     + ("" if s.fits else "  does NOT fit"))
     return lines + [f"  {t}" for t in cost.thresholds]
 
 

@@ -99,13 +99,17 @@ class StageCost:
     def memory_bytes(self) -> float:
         return self.state_bytes + self.activation_bytes + self.gathered_bytes
 
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.hbm_bytes
+
     def to_json(self) -> dict[str, object]:
         return {"stage": self.stage, "layers": self.layers, "forward_s": self.forward_s,
                 "backward_s": self.backward_s, "weight_s": self.weight_s, "compute_s": self.compute_s,
                 "comm_s": self.comm_s, "bound": self.bound, "inflight_microbatches": self.held,
                 "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
                 "gathered_bytes": self.gathered_bytes, "memory_bytes": self.memory_bytes,
-                "fits": self.memory_bytes <= self.hbm_bytes}
+                "fits": self.fits}
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,11 @@ class PipelineCost:
     # a param held by the first and the last stage (a tied embedding): the two stages swapping their sums
     # of its gradient's contributions once a step (Megatron-LM's embedding-group AllReduce), in grad_reduce_s
     tied_exchange_s: float = 0.0
+
+    @property
+    def fullest(self) -> StageCost:
+        """The stage holding the most memory: whether the model fits is whether it does."""
+        return max(self.stages, key=lambda s: s.memory_bytes)
 
     @property
     def mfu(self) -> float:

@@ -163,7 +163,7 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
     total, step_s = mem.total_bytes, step.step_s
     if report.pipeline is not None:  # the schedule's step, and the stage holding the most
         pipe = report.pipeline
-        fullest = max(pipe.stages, key=lambda s: s.memory_bytes)
+        fullest = pipe.fullest
         memory = (("state", fullest.state_bytes), ("activations", fullest.activation_bytes),
                   ("gathered", fullest.gathered_bytes))
         total, step_s = fullest.memory_bytes, pipe.step_s
