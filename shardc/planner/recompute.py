@@ -75,7 +75,7 @@ def policy(text: object, params: Iterable[str] | None = None) -> tuple[str, froz
 def keeps_layer_inputs(recompute: str) -> bool:
     """Whether the policy reruns each layer from its input, kept once a layer as its checkpoint (``full``,
     and ``dots``, as a remat policy under ``jax.lax.scan`` keeps the carry)."""
-    return recompute == "full" or recompute.startswith("dots")
+    return policy(recompute)[0] in ("full", "dots")
 
 
 def _dot_outputs(forward: tuple[Step, ...], params: frozenset[str], rerun: frozenset[str]) -> set[TensorRef]:
