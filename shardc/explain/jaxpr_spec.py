@@ -311,9 +311,10 @@ class _Reader:
         side that does not hold the other's dim already (V's S, not P's T)."""
         kept = {self.find(left[i]) for i in free_l}
         renamed: tuple[set[int], set[int]] = (set(), {right[i] for i in free_r if self.find(right[i]) in kept})
+        tensors = self.held() if pairs else []
         for a, b in pairs:
             ra, rb = self.find(left[a]), self.find(right[b])
-            if ra == rb or not any(ra in held and rb in held for held in self.held()):
+            if ra == rb or not any(ra in held and rb in held for held in tensors):
                 continue
             if ra in {self.find(d) for d in right if d != right[b]}:  # the right operand holds a's dim
                 renamed[0].add(left[a])
