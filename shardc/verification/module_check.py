@@ -36,7 +36,8 @@ from shardc.verification.route_load import shards, tied
 if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
 
-__all__ = ["ModuleRejected", "given_source", "module_sizes", "use_module", "running", "LOWER_FIX"]
+__all__ = ["ModuleRejected", "given_source", "module_sizes", "use_module", "load_given", "same_table", "running",
+           "LOWER_FIX"]
 
 LOWER_FIX = "write the module with `shardc lower FILE -o MOD.py` for this spec and edit that"
 # what verify calls on every module, and on a ZeRO-1/2 module's optimizer phase
@@ -110,7 +111,7 @@ def _overflowing_experts(plan: Plan, small: dict[str, int], experts: str, k: int
 
 def use_module(lowered: Lowered, source: str, label: str) -> tuple[Lowered, list[str]]:
     """``lowered`` running ``source`` instead of its own module, and the notes for the report."""
-    namespace = _load(source, label)
+    namespace = load_given(source, label)
     expected = lowered.namespace
     optimizer = lowered.module.optimizer is not None
     missing = [n for n in _ENTRY_POINTS + _OPTIMIZER_ENTRY_POINTS * optimizer
@@ -121,7 +122,7 @@ def use_module(lowered: Lowered, source: str, label: str) -> tuple[Lowered, list
                              fix=LOWER_FIX)
     for table in _TABLES + _OPTIMIZER_TABLES * optimizer:
         got, want = getattr(namespace, table), getattr(expected, table)
-        if not _same(got, want):
+        if not same_table(got, want):
             raise ModuleRejected(f"{label} was written for another spec or plan: its {table} is "
                                  f"{clip(repr(got), 240)}, this plan's is {clip(repr(want), 240)}", fix=LOWER_FIX)
     notes = _resize_mesh(namespace, dict(expected.MESH_AXES), label)
@@ -135,14 +136,14 @@ def use_module(lowered: Lowered, source: str, label: str) -> tuple[Lowered, list
     return replace(lowered, module=module, namespace=namespace, _compiled={}), notes
 
 
-def _same(got: Any, want: Any) -> bool:
+def same_table(got: Any, want: Any) -> bool:
     try:
         return bool(type(got) is type(want) and got == want)
     except Exception:  # a value whose comparison raises is not the plan's
         return False
 
 
-def _load(source: str, label: str) -> Any:
+def load_given(source: str, label: str) -> Any:
     """The module executed; any failure to load is a :class:`ModuleRejected` naming its cause."""
     try:
         return load_module(source, os.path.basename(label))

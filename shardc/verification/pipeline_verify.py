@@ -55,7 +55,9 @@ from shardc.spec.functions import ID_DTYPE, layer_key
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.walk import leaves
 from shardc.verification import power
+from shardc.verification.module_check import running
 from shardc.verification.pipeline_hlo import loop_rows
+from shardc.verification.pipeline_module import use_pipeline_module
 from shardc.verification.progress import step
 from shardc.verification.report import POWER, Report, ValueRow, compare_values, cut_note
 from shardc.verification.scales import input_scales
@@ -230,16 +232,31 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
     return results, grads
 
 
-def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0) -> Report:
+def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
+                    module: tuple[str, str] | None = None) -> Report:
     """Lower the pipeline small, run its schedule, check values and the compiled program (see the
     module doc); ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it, and
-    a spec with dropout runs under the next key too (:data:`~shardc.verification.power.DROPOUT_KEYS`)."""
-    import jax
-
+    a spec with dropout runs under the next key too (:data:`~shardc.verification.power.DROPOUT_KEYS`).
+    ``module``: a given module's (text, label), whose functions run instead of verify's own lowering's
+    (:mod:`shardc.verification.pipeline_module`)."""
     sizes, layers, micro = run_sizes(plan, devices)
     step(f"lowering the pipeline: {layers} layers, {micro} microbatches, "
          + ", ".join(f"{k}={v}" for k, v in sizes.items()))
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)
+    notes: list[str] = []
+    if module is not None:
+        lowered, notes = use_pipeline_module(lowered, *module)
+    with running(module[1] if module is not None else None):
+        report = _checked(plan, lowered, devices, seed, key)
+    report.notes[:0] = notes
+    return report
+
+
+def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key: int) -> Report:
+    """The values and the compiled program of ``lowered``, the plan's pipeline at verify's sizes."""
+    import jax
+
+    layers, micro = lowered.pipeline.layers, lowered.pipeline.microbatches
     tol = (rounding_bound(lowered), 0.0)
     mesh = dict(lowered.namespace.PIPE_MESH_AXES)
     report = Report(plan.spec.filename or "<spec>", mesh, {**lowered.sizes, "layers": layers,

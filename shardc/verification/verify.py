@@ -231,12 +231,9 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     plan, zero_note = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     devices = devices_to_check(plan, jax.device_count()) if devices is None else devices
     check_device_count(devices)
-    if plan.spec.mesh.pipeline_axis is not None:  # a pipeline over the stage axis: its own module
-        if module is not None:
-            raise ShardcError("verify --module runs a module of a spec without a pipeline axis",
-                              fix="verify the pipelined spec without --module")
-        return verify_pipeline(plan, devices, seed)
     given = given_source(module) if module is not None else None
+    if plan.spec.mesh.pipeline_axis is not None:  # a pipeline over the stage axis: its own module
+        return verify_pipeline(plan, devices, seed, module=given)
     base = small_sizes(zero or plan, devices)
     fixed = module_sizes(plan, base) if given is not None else {}
     # a route's token index long enough that experts overflow: dropping past capacity is checked
