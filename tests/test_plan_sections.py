@@ -9,6 +9,7 @@ import shardc
 from shardc.errors import InternalError
 from shardc.ir.plan import SECTIONS, Plan, Sections
 from shardc.lowering.pipeline_ends import cut_parts
+from shardc.verification.verify import render_report, verify
 
 MODEL = """\
 mesh P=2 pipeline, X=2, Y=2
@@ -85,3 +86,33 @@ def test_a_block_input_without_a_gradient_is_refused_plainly() -> None:
     text = MODEL.replace("const Tok, Next\nparam W_emb, W1", "const Tok, Next, W_emb\nparam W1")
     with pytest.raises(ShardcError, match="no gradient of X0, the block's input"):
         cut_parts(shardc.plan(shardc.parse(text)))
+
+
+# The block's input is laid out by sequence between layers and moved to the batch inside each: the
+# layer's own layouts of X1 (before its move) and of dX0 (before its move back) are not what the
+# last layer hands on, nor what the first hands back.
+MOVED = MODEL.replace("X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V_Y, D_X])",
+                      "E[B_X, S, D] = embed(Tok[B_X, S], W_emb[V_Y, D_X])\nX0[B, S_X, D] = E[B_X, S, D]").replace(
+    "  H[B_X, S, F_Y] = gelu(X0[B_X, S, D] · W1[D_X, F_Y])\n"
+    "  X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F_Y] · W2[F_Y, D_X]",
+    "  Xs[B_X, S, D] = X0[B, S_X, D]\n  H[B_X, S, F_Y] = gelu(Xs[B_X, S, D] · W1[D_X, F_Y])\n"
+    "  X1[B, S_X, D] = Xs[B_X, S, D] + H[B_X, S, F_Y] · W2[F_Y, D_X]").replace(
+    "rmsnorm(X1[B_X, S, D] over D)", "rmsnorm(X1[B, S_X, D] over D)")
+
+
+def test_what_crosses_the_blocks_edges_is_in_its_declared_sharding() -> None:
+    assert MOVED.count("S_X") == 4
+    plan = shardc.plan(shardc.parse(MOVED))
+    after, block = plan.section("after"), plan.section("block")
+    reads = {str(r) for s in after.forward for r in s.operands if r.name == "X1"}
+    assert reads == {"X1[B, S_X, D]"}  # the last layer's output, not the first layer's before its move
+    handed = [s.dst for s in block.backward if s.dst.name == "dX0"]
+    assert str(handed[-1]) == "dX0[B, S_X, D]"  # each layer hands dX0 back as the layer before made X1
+    before = plan.section("before")
+    assert {str(r) for s in before.backward for r in s.operands if r.name == "dX0"} == {"dX0[B, S_X, D]"}
+
+
+@pytest.mark.slow
+def test_what_crosses_the_blocks_edges_verifies() -> None:
+    report = verify(shardc.parse(MOVED))
+    assert report.ok, render_report(report)

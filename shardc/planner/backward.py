@@ -233,6 +233,18 @@ class _Backward:
             sums.append(total)
         self._add(grad, sums, target)
 
+    def hand_back(self, name: str) -> None:
+        """A ``layers`` block's input ``name``: each layer hands its gradient to the layer before as
+        that layer made its output, in the declared sharding (moved there as the block's last step),
+        and the statements before the block read it so, never as a layer held it on the way."""
+        grad = self.grads[name]
+        held, target = self.phase.held.get(grad), self.target(name)
+        if not held or name in self.partial or name in self.shards:
+            return
+        if target not in held:
+            self._move(grad, held[0], target)
+        self.phase.held[grad] = [target]
+
     def node(self, node: Node) -> None:
         if node.result not in self.needs:
             return
@@ -263,6 +275,7 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     for k in reversed(range(len(graph.nodes))):
         if k in once and graph.nodes[k].result in repeated:
             bw.finish(graph.nodes[k].result)  # a layer's input gradient: summed once a layer
+            bw.hand_back(graph.nodes[k].result)
         start = len(bw.phase.steps)
         bw.node(graph.nodes[k])
         if k in once:

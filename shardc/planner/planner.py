@@ -454,6 +454,8 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef], sp
             choose_chain(phase, nodes[k:end + 1], declared)
         if once and k not in once and (k == 0 or k - 1 in once):
             _enter_block(phase, nodes[k:], once, k, declared)
+        if once and k in once and k > 0 and k - 1 not in once:
+            _leave_block(phase, nodes[:k], nodes[k:], declared)
         start = len(phase.steps)
         _plan_node(phase, node, declared)
         if k in once:
@@ -471,6 +473,18 @@ def _enter_block(phase: Phase, rest: list[Node], once: frozenset[int], k: int,
             ref = declared.get(name)
             if name not in made_inside and ref is not None and name in phase.held:
                 phase.held[name] = [Value.of(ref)]
+
+
+def _leave_block(phase: Phase, before: list[Node], after: list[Node], declared: dict[str, TensorRef]) -> None:
+    """The statements after a ``layers`` block read what the last layer hands on: each value made in
+    the block in its declared sharding, never a layout a layer held on the way (the layer's result
+    before its move into the declared one is the first layer's, not the last's).  Only what they read
+    is forgotten: what a layer holds stays its own backward's to keep."""
+    read = {name for node in after for name in node.operands}
+    for node in before:
+        ref = declared.get(node.result)
+        if node.result in read and ref is not None and node.result in phase.held:
+            phase.held[node.result] = [Value.of(ref)]
 
 
 def once_nodes(spec: Spec, graph: Graph) -> frozenset[int]:
