@@ -9,6 +9,7 @@ import pytest
 import shardc
 from shardc.errors import ShardcError
 from shardc.lowering.pipeline_lowering import lower_pipeline, tick_tables
+from shardc.spec.stages import pipeline_of
 from shardc.verification.pipeline_hlo import loop_rows, stage_rows
 from shardc.verification.pipeline_verify import run_sizes, verify_pipeline
 
@@ -141,9 +142,25 @@ def test_missing_permutes_are_a_mismatch(plan: object) -> None:
     assert down.plan_bytes == up.plan_bytes == 2 * 5 * 6 * 2
 
 
-def test_uneven_stages_do_not_lower(plan: object) -> None:
-    with pytest.raises(ShardcError, match="do not split evenly"):
-        lower_pipeline(plan, layers=10, load=False)  # type: ignore[arg-type]
+def test_uneven_stages_lower_as_the_cost_splits_them(plan: object) -> None:
+    """10 layers over 4 stages run as 3, 3, 2, 2 (the cost's split): 3 slots a stage, the last slot of
+    the last two stages empty (zeros, handing its input on); a param's layers fill the slots in order."""
+    lowered = lower_pipeline(plan, sizes={"X": 2, "Y": 1}, layers=10, microbatches=4)  # type: ignore[arg-type]
+    pipeline = lowered.namespace.PIPELINE
+    costed = pipeline_of(shardc.parse(EXAMPLE.read_text().replace("layers 32", "layers 10")))
+    assert "LAYERS = 10 " in lowered.source and costed is not None
+    assert pipeline.held == costed.stage_layers == (3, 3, 2, 2) and pipeline.slots == 3
+    assert pipeline.slot_layers() == [0, 1, 2, 3, 4, 5, 6, 7, 10, 8, 9, 10]
+    with pytest.raises(ShardcError, match="2 layers cannot fill 4 stages"):
+        lower_pipeline(plan, layers=2, load=False)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_uneven_stages_verify() -> None:
+    """The spec's own uneven split runs in verify (2P - 1 layers: the last stage's second slot empty)."""
+    spec = EXAMPLE.read_text().replace("layers 32", "layers 30")
+    report = verify_pipeline(shardc.plan(shardc.parse(spec)))
+    assert report.sizes["layers"] == 3 and report.ok  # 2 and 1 over P=2 on 8 devices
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -71,3 +71,17 @@ def test_a_pipelined_spec_fits_by_its_stages_not_by_the_whole_batch_at_once() ->
     stages = report["pipeline"]["per_stage"]
     assert memory["whole_batch_fits"] is False and memory["total_bytes"] > memory["hbm_bytes"]
     assert memory["fits"] is True and max(s["memory_bytes"] for s in stages) < memory["hbm_bytes"]
+
+
+@pytest.mark.parametrize("path", [EXAMPLES / "llama3_405b.shard", ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"],
+                         ids=lambda p: p.stem)
+def test_each_pipelined_model_lowers_at_its_own_sizes(path: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """At the spec's own mesh, layers (126 and 58 split unevenly over 16 stages, as the cost splits them)
+    and microbatches: the module is written (its run is verify's, at small sizes)."""
+    out = tmp_path / "module.py"
+    assert main(["lower", str(path), "-o", str(out)]) == 0, capsys.readouterr().err
+    spec = shardc.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    source = out.read_text(encoding="utf-8")
+    compile(source, str(out), "exec")
+    assert f"\nLAYERS = {spec.layers} " in source and "PIPELINE = model_pipeline(globals())" in source

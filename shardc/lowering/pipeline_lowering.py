@@ -98,9 +98,8 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
     stages = dict(mesh)[pipe.axis]
-    if layers % stages:
-        raise ShardcError(f"{layers} layers do not split evenly over {stages} stages, which lowering needs",
-                          fix=f"use a multiple of {stages} layers (costs allow an uneven split)")
+    if layers < stages:
+        raise ShardcError(f"{layers} layers cannot fill {stages} stages", fix=f"use {stages} layers or more")
     first, out = _block(plan)
     dim = microbatch_dim(plan)
     if sizes[dim] % microbatches:
@@ -119,7 +118,8 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches)
     text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
     text += constants((("PIPELINE_AXIS", pipe.axis, ""), ("STAGES", stages, ""),
-                       ("LAYERS", layers, "in all; LAYERS // STAGES on each stage"), ("MICROBATCHES", microbatches, ""),
+                       ("LAYERS", layers, "in all; the first LAYERS % STAGES stages hold one more"),
+                       ("MICROBATCHES", microbatches, ""),
                        ("BLOCK_INPUT", first.name, "what a stage receives"), ("BLOCK_OUTPUT", out.name, "and sends"),
                        ("PARAMS", tuple(params), "each passed stacked: [LAYERS, ...]"),
                        ("PIPE_MESH_AXES", dict(mesh), ""),

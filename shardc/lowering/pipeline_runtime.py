@@ -1,10 +1,12 @@
 """A pipelined module's program, as ordinary Python: any schedule's tick table, the block, its ends.
 
 The SPMD pipeline of JAX's ``shard_map`` documentation: one ``shard_map`` over every
-mesh axis, each device holding its stage's L/P layers (params stacked on a leading
-layer dim sharded over the stage axis).  A schedule is a tick table: at tick t stage s
-runs the forward of microbatch ``forward[t][s]`` and the backward of ``backward[t][s]``
-(-1: none), as the schedule's simulation with unit times places them
+mesh axis, each device holding its stage's layers (params stacked on a leading layer
+dim sharded over the stage axis; under an uneven split, the cost's, every stage runs as
+many slots as the fullest holds, and a slot past its own layers holds zeros and hands
+its input on).  A schedule is a tick table: at tick t stage s runs the forward of
+microbatch ``forward[t][s]`` and the backward of ``backward[t][s]`` (-1: none), as the
+schedule's simulation with unit times places them
 (:mod:`shardc.pipeline.schedules`).  :class:`Pipeline` runs any table the same way: a
 ``fori_loop`` over the ticks (one compiled body), in which every device runs its stage
 forward and backward masked by the table (SPMD: one program for all), keeps each
@@ -37,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Table, forward_only
 from shardc.lowering.runtime import make_mesh
+from shardc.spec.stages import split_layers
 
 __all__ = ["Pipeline", "block_pipeline", "model_pipeline"]
 
@@ -65,26 +68,45 @@ class Pipeline:
     def stages(self) -> int:
         return self.mesh_axes[self.axis]
 
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The layers each stage holds, as the cost splits them (:func:`split_layers`)."""
+        return split_layers(self.layers, self.stages)
+
+    @property
+    def slots(self) -> int:
+        """The layers every stage runs (SPMD: one program): the most any holds.  Under an uneven split
+        a stage's last slot past its own layers holds zeros and hands its input on unchanged."""
+        return max(self.held)
+
+    def slot_layers(self) -> list[int]:
+        """Each stage's slots in order, the layer each holds (``layers`` for an empty one)."""
+        firsts = [sum(self.held[:s]) for s in range(self.stages)]
+        return [firsts[s] + k if k < n else self.layers for s, n in enumerate(self.held) for k in range(self.slots)]
+
     def layer_key(self, key: Any, stage: Any, k: int, j: Any) -> tuple[Any, Any]:
         """The dropout key of layer k of ``stage`` on microbatch j: (key * layers + its layer number, j),
         the masks layer number l of the unpipelined stack draws under key * layers + l."""
-        number = stage * (self.layers // self.stages) + k
+        number = jnp.asarray([sum(self.held[:s]) for s in range(self.stages)])[stage] + k
         return (jnp.asarray(key, jnp.uint32) * jnp.uint32(self.layers) + jnp.asarray(number, jnp.uint32),
                 jnp.asarray(j, jnp.int32))
 
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, stage: Any, j: Any) -> tuple[Any, list[Any]]:
-        kept = []
-        for k in range(self.layers // self.stages):
+        kept, held = [], jnp.asarray(self.held)[stage]
+        for k in range(self.slots):
             pool = {self.block_input: x, **{p: w[k] for p, w in zip(self.params, params, strict=True)}}
-            x, residuals = self.block.forward(pool, self.layer_key(key, stage, k, j))
+            y, residuals = self.block.forward(pool, self.layer_key(key, stage, k, j))
+            x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
             kept.append(residuals)
         return x, kept
 
-    def _stage_bwd(self, kept: list[Any], g: Any) -> tuple[Any, tuple[Any, ...]]:
+    def _stage_bwd(self, kept: list[Any], g: Any, stage: Any) -> tuple[Any, tuple[Any, ...]]:
         grads: list[Arrays] = [{}] * len(kept)
+        held = jnp.asarray(self.held)[stage]
         for k in reversed(range(len(kept))):
             grads[k] = self.block.backward(kept[k], g)
-            g = grads[k][self.block_input]
+            dx = grads[k][self.block_input]
+            g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
         return g, tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
 
     def _local(self, backward: bool, key: Any, cotangent: Any, *args: Any) -> tuple[Any, ...]:
@@ -120,7 +142,7 @@ class Pipeline:
                 return kept, acts, cots, acc, dparams
             jb = btab[t, stage]
             jb0 = jnp.maximum(jb, 0)
-            dx, dw = self._stage_bwd(jax.tree.map(lambda buf: buf[jb0], kept), cots[jb0])
+            dx, dw = self._stage_bwd(jax.tree.map(lambda buf: buf[jb0], kept), cots[jb0], stage)
             dparams = tuple(jnp.where(jb >= 0, a + b, a) for a, b in zip(dparams, dw, strict=True))
             acc = self.ends.first_back(pool, dx, jb0, (jb >= 0) & first, acc)
             got = jax.lax.ppermute(dx, self.axis, back)
@@ -129,7 +151,7 @@ class Pipeline:
             return kept, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
-        partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), zeros[0])[1]
+        partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), zeros[0], stage)[1]
         init = (kept, zeros, zeros, self.ends.start(pool, x), tuple(jnp.zeros(d.shape, d.dtype) for d in partial))
         _, _, _, acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)
         if backward:  # the microbatches' sums reduced, once a step
@@ -140,7 +162,7 @@ class Pipeline:
     def _finish(self, dparams: tuple[Any, ...]) -> tuple[Any, ...]:
         """Each of the stage's layers' params' gradients from their sums over the microbatches."""
         layers = [self.block.finish({p: d[k] for p, d in zip(self.params, dparams, strict=True)})
-                  for k in range(self.layers // self.stages)]
+                  for k in range(self.slots)]
         return tuple(jnp.stack([g[p] for g in layers]) for p in self.params)
 
     def specs(self) -> tuple[tuple[P, ...], tuple[Any, tuple[P, ...]]]:
@@ -171,6 +193,13 @@ class Pipeline:
         """Microbatches [M, ...] back into the batch along ``dim``."""
         return jnp.concatenate(list(xs), axis=dim)
 
+    def _slotted(self, w: Any) -> Any:
+        """A block param stacked [layers, ...] as the stages' slots hold it: [stages x slots, ...], zeros
+        in a slot past its stage's layers."""
+        w = jnp.asarray(w)
+        padded = jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)])
+        return padded[jnp.asarray(self.slot_layers())]
+
     def _on(self, x: Any, where: tuple[int, ...]) -> Any:
         """``x`` stacked over the stages, on the stages ``where`` only (zeros elsewhere)."""
         x = jnp.asarray(x)
@@ -184,7 +213,7 @@ class Pipeline:
         for k in self.ends.inputs():
             x = self.split(inputs[k], self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
-        args += [jnp.asarray(inputs[p]) for p in self.params]
+        args += [self._slotted(inputs[p]) for p in self.params]
         return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, self.specs()[0], strict=True)]
 
     def outputs(self, inputs: Arrays, key: Any = 0) -> Arrays:
@@ -208,7 +237,8 @@ class Pipeline:
     def read(self, acc: Any, dparams: tuple[Any, ...]) -> tuple[Arrays, Arrays]:
         """The program's outputs as global arrays keyed by name: the ends' results, every gradient."""
         grads = dict(self.ends.gradients(self, acc))
-        grads.update({self.block.grads[p]: g for p, g in zip(self.params, dparams, strict=True)})
+        real = jnp.asarray([k for k, layer in enumerate(self.slot_layers()) if layer < self.layers])
+        grads.update({self.block.grads[p]: g[real] for p, g in zip(self.params, dparams, strict=True)})
         return dict(self.ends.outputs(self, acc)), grads
 
 

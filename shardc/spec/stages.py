@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
 
-__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count",
+__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count", "split_layers",
            "DEFAULT_SCHEDULE"]
 
 DEFAULT_SCHEDULE = Schedule("1f1b")
@@ -42,9 +42,8 @@ class Pipeline:
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
-        """Layers on each stage; the first ``layers % stages`` stages hold one more."""
-        base, extra = divmod(self.layers, self.stages)
-        return tuple(base + (s < extra) for s in range(self.stages))
+        """Layers on each stage (:func:`split_layers`)."""
+        return split_layers(self.layers, self.stages)
 
     @property
     def even(self) -> bool:
@@ -56,6 +55,12 @@ class Pipeline:
             return f"{self.layers} layers over {self.stages} stages: {counts[0]} a stage"
         return (f"{self.layers} layers over {self.stages} stages, unevenly: "
                 + ", ".join(str(c) for c in counts) + " (the slowest stage sets the pace)")
+
+
+def split_layers(layers: int, stages: int) -> tuple[int, ...]:
+    """Layers on each of ``stages`` stages: the first ``layers % stages`` stages hold one more."""
+    base, extra = divmod(layers, stages)
+    return tuple(base + (s < extra) for s in range(stages))
 
 
 def layer_count(spec: Spec) -> int:

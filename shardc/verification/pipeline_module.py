@@ -76,9 +76,9 @@ def _written_run(ns: Any, lowered: PipelineLowered, label: str) -> str:
         wrong = f"its PIPE_MESH_AXES is {clip(repr(mesh), 120)}, the spec's axes are {', '.join(want_axes)}"
     elif ns.MESH_AXES != {a: s for a, s in mesh.items() if a != axis}:
         wrong = f"its MESH_AXES {clip(repr(ns.MESH_AXES), 120)} is not PIPE_MESH_AXES without {axis}"
-    elif not (_count(stages) and stages == mesh[axis] and _count(layers) and layers % stages == 0):
+    elif not (_count(stages) and stages == mesh[axis] and _count(layers) and layers >= stages):
         wrong = f"its STAGES={clip(repr(stages), 40)} and LAYERS={clip(repr(layers), 40)} are not {axis}'s " \
-                "stages with a whole number of layers each"
+                "stages with a layer each at least"
     elif not _count(micro) or ns.MICROBATCH != (lowered.namespace.MICROBATCH[0], micro):
         wrong = f"its MICROBATCHES={clip(repr(micro), 40)} and MICROBATCH={clip(repr(ns.MICROBATCH), 60)} disagree"
     elif stages * micro > _MOST_TICKS:

@@ -17,8 +17,9 @@ amplifies it, to 2e-8 of a gradient 32 layers deep; a real mistake is off by ord
 bytes are priced in the spec's dtype.  The mesh shrinks to fit the devices as a block's does,
 every axis kept at 2 or more while possible, the stage axis last (P=4, X=64, Y=4 runs as
 P=4, X=2, Y=2 on 16 devices and P=2, X=2, Y=2 on 8); an axis cut to 1 fails the
-collectives over it, which did not run.  The block is stacked 2P layers deep and cut
-into 2P microbatches (at most the spec's).  Params are scaled by 1/sqrt(their
+collectives over it, which did not run.  The block is stacked 2P layers deep (2P - 1
+where the spec's layers split unevenly over its stages, so that an empty slot runs too)
+and cut into 2P microbatches (at most the spec's).  Params are scaled by 1/sqrt(their
 contracted size), then each part's and each layer's to the scales at which each of its
 ops matters (:mod:`shardc.verification.scales`: a norm's statistic, an activation's
 argument at unit size, a sum's terms of like size), and each layer's last one so that
@@ -81,7 +82,8 @@ def run_sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
     dims = small_sizes(replace(plan, spec=replace(stage_spec(plan.spec), mesh=axes)), None)
     micro = min(pipe.microbatches, 2 * stages)
     dims[microbatch_dim(plan)] *= micro
-    return {**dims, **mesh, pipe.axis: stages}, 2 * stages, micro
+    layers = 2 * stages - (not pipe.even)  # a spec split unevenly runs so too: the last stage's slot empty
+    return {**dims, **mesh, pipe.axis: stages}, layers, micro
 
 
 def _parts(lowered: PipelineLowered) -> tuple[Spec | None, Spec, Spec | None]:
