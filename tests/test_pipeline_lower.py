@@ -36,7 +36,7 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
     assert "jax.lax.all_gather(" in source  # the stage's own plan (FSDP over X) is composed in
 
 
-@pytest.mark.parametrize(("schedule", "order"), [("gpipe", None), ("1f1b", None), ("interleaved 2", "gpipe"),
+@pytest.mark.parametrize(("schedule", "order"), [("gpipe", None), ("1f1b", None), ("interleaved 2", None),
                                                ("zb-h1", "gpipe"), ("zbv", "gpipe")])
 def test_lower_says_which_schedule_the_program_runs(schedule: str, order: str | None,
                                                     capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -51,8 +51,21 @@ def test_lower_says_which_schedule_the_program_runs(schedule: str, order: str | 
     out, err = capsys.readouterr()
     said = f"schedule {name} lowers as GPipe: the program runs GPipe's tick table"
     assert (said in err and said in out) == (order is not None)
-    assert tick_tables(name, 4, 64) == tick_tables(order or name, 4, 64)
-    assert (tick_tables(name, 4, 64) == tick_tables("1f1b", 4, 64)) == (name == "1f1b")
+    virtual = 2 if name == "interleaved" else 1
+    assert tick_tables(name, 4, 64, virtual) == tick_tables(order or name, 4, 64, virtual)
+    assert (tick_tables(name, 4, 64, virtual) == tick_tables("1f1b", 4, 64)) == (name == "1f1b")
+
+
+def test_interleaved_tick_tables_run_each_chunk_of_each_microbatch_once_a_device() -> None:
+    """Megatron-LM's interleaved order: an entry is chunk x M + microbatch; a device holds virtual stages
+    c x P + s, and every (chunk, microbatch) runs forward once and backward once on every device."""
+    forward, backward = tick_tables("interleaved", 2, 4, 2)
+    assert len(forward) == 18  # the simulation's makespan at one tick a chunk
+    for table in (forward, backward):
+        for s in range(2):
+            assert sorted(row[s] for row in table if row[s] >= 0) == list(range(8))
+    assert [row[0] for row in forward[:4]] == [0, 1, 4, 5]  # microbatches 0, 1 through chunk 0, then chunk 1
+    assert forward[1][1] == 0 and backward[4][1] == 4  # stage 1 runs chunk 0 of microbatch 0 after stage 0
 
 
 @pytest.mark.slow
@@ -235,3 +248,23 @@ def test_tensors_named_like_the_pipeline_globals_verify() -> None:
     assert {"STAGES", "PARAMS", "PIPELINE", "block_pipeline", "route_topk"} <= defined_names(source)
     report = verify_pipeline(plan, devices=4)
     assert report.ok and {r.tensor for r in report.values} == {"route_topk", "dPIPELINE", "dPARAMS", "dBLOCK"}
+
+
+@pytest.mark.slow
+def test_interleaved_lowers_as_itself_and_verifies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two chunks a device (virtual stages c x P + s): the activations of chunk 0's last stage wrap around
+    to stage 0's chunk 1, the cotangents back; a ring that does not wrap fails verify."""
+    from shardc.lowering import pipeline_runtime
+    from tests.test_plan_sections import MODEL
+
+    plan = shardc.plan(shardc.parse(MODEL.replace("microbatches 2", "microbatches 2\nschedule interleaved 2")))
+    report = verify_pipeline(plan)
+    assert report.ok and report.sizes["layers"] == 4 and not any("lowers as GPipe" in n for n in report.notes)
+    assert sum(r.hlo_op.startswith("collective-permute") for r in report.collectives) == 2
+
+    def chain(self: pipeline_runtime.Pipeline) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        p = self.stages
+        return [(s, s + 1) for s in range(p - 1)], [(s + 1, s) for s in range(p - 1)]
+
+    monkeypatch.setattr(pipeline_runtime.Pipeline, "_perms", chain)
+    assert not verify_pipeline(plan).ok

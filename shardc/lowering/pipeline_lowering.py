@@ -41,19 +41,18 @@ from shardc.spec.stages import Pipeline, pipeline_of, stage_spec
 __all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "LOWERED_SCHEDULES",
            "schedule_note"]
 
-LOWERED_SCHEDULES = ("gpipe", "1f1b")  # the others lower with GPipe's table
+LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the others lower with GPipe's table
 
 
 def schedule_note(schedule: str) -> str | None:
     """What ``shardc lower`` and ``verify`` say of a schedule that does not lower as itself (None for
-    one that does): the program runs GPipe's tick table.  Interleaved needs each device to hold V
-    chunks of layers apart, ZB-H1 and ZBV a backward split into its input and weight parts; the
-    program runs one contiguous run of layers a stage and one whole backward a tick."""
+    one that does): the program runs GPipe's tick table.  ZB-H1 and ZBV need a backward split into
+    its input and weight parts; the program runs one whole backward a tick."""
     if schedule in LOWERED_SCHEDULES:
         return None
     return (f"schedule {schedule} lowers as GPipe: the program runs GPipe's tick table (the same values and "
             f"collectives, GPipe's order and in-flight activations); `shardc cost` costs and draws {schedule}'s "
-            "own order. Only gpipe and 1f1b lower as themselves")
+            "own order. Only gpipe, 1f1b and interleaved lower as themselves")
 
 
 @dataclass
@@ -79,15 +78,19 @@ def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
     return first, out
 
 
-def tick_tables(schedule: str, stages: int, microbatches: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(forward, backward): the microbatch each stage runs forward / backward at each tick, or -1,
-    in the schedule's simulated order with unit times (GPipe's for a schedule not lowered)."""
+def tick_tables(schedule: str, stages: int, microbatches: int,
+                virtual: int = 1) -> tuple[list[list[int]], list[list[int]]]:
+    """(forward, backward): what each stage runs forward / backward at each tick, or -1, in the
+    schedule's simulated order with unit times a chunk (GPipe's for a schedule not lowered): the
+    microbatch j of the device's chunk c as c x microbatches + j (c is 0 but under interleaved,
+    whose ``virtual`` chunks a device hold virtual stages c x stages + stage)."""
     name = schedule if schedule in LOWERED_SCHEDULES else "gpipe"
-    sim = simulate(name, stages, microbatches, Timing(1.0, 1.0))
+    chunks = virtual if name == "interleaved" else 1
+    sim = simulate(name, stages, microbatches, Timing(float(chunks), float(chunks)), virtual=chunks)
     ticks = int(round(sim.makespan))
     tables = {k: [[-1] * stages for _ in range(ticks)] for k in "FB"}
     for op in sim.ops:
-        tables[op.kind][int(round(op.start))][op.device] = op.microbatch
+        tables[op.kind][int(round(op.start))][op.device] = op.chunk // stages * microbatches + op.microbatch
     return tables["F"], tables["B"]
 
 
@@ -98,8 +101,10 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
     stages = dict(mesh)[pipe.axis]
-    if layers < stages:
-        raise ShardcError(f"{layers} layers cannot fill {stages} stages", fix=f"use {stages} layers or more")
+    chunks = pipe.schedule.virtual if pipe.schedule.name == "interleaved" else 1
+    if layers < stages * chunks:
+        raise ShardcError(f"{layers} layers cannot fill {stages * chunks} stages ({stages} x {chunks} chunks)",
+                          fix=f"use {stages * chunks} layers or more")
     first, out = _block(plan)
     dim = microbatch_dim(plan)
     if sizes[dim] % microbatches:
@@ -115,7 +120,7 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     module = replace(module, variables=module.variables | more)
     head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n" + reduce
     params = [i.name for i in plan.tensors if i.role == "param"]
-    f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches)
+    f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches, chunks)
     text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
     text += constants((("PIPELINE_AXIS", pipe.axis, ""), ("STAGES", stages, ""),
                        ("LAYERS", layers, "in all; the first LAYERS % STAGES stages hold one more"),
@@ -123,6 +128,7 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                        ("BLOCK_INPUT", first.name, "what a stage receives"), ("BLOCK_OUTPUT", out.name, "and sends"),
                        ("PARAMS", tuple(params), "each passed stacked: [LAYERS, ...]"),
                        ("PIPE_MESH_AXES", dict(mesh), ""),
+                       ("CHUNKS", chunks, "model chunks a device holds (the interleaved order's virtual stages)"),
                        ("MICROBATCH", (dim, microbatches),
                         "keep_mask: a microbatch draws its slice of the whole batch's mask")))
     text += f"F_TABLE = {_table(f_table)}\nB_TABLE = {_table(b_table)}\n"

@@ -49,7 +49,9 @@ class Pipeline:
     around it, in the order of the tick tables ``forward_ticks`` and ``backward_ticks``.
 
     ``params``: the block's, each passed stacked [layers, ...]; ``dims``: the microbatch dim of
-    each data input of the whole batch (and of the block's output, keyed so)."""
+    each data input of the whole batch (and of the block's output, keyed so).  ``chunks``: the
+    model chunks a device holds (V of Megatron-LM's interleaved schedule, else 1): virtual stage
+    v = chunk x stages + stage, each a run of layers; a tick table's entry is chunk x M + microbatch."""
 
     mesh_axes: dict[str, int]
     axis: str
@@ -62,6 +64,7 @@ class Pipeline:
     params: tuple[str, ...]
     ends: Ends
     dims: dict[str, int]
+    chunks: int = 1
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -70,44 +73,59 @@ class Pipeline:
 
     @property
     def held(self) -> tuple[int, ...]:
-        """The layers each stage holds, as the cost splits them (:func:`split_layers`)."""
-        return split_layers(self.layers, self.stages)
+        """The layers each virtual stage holds, as the cost splits them (:func:`split_layers`)."""
+        return split_layers(self.layers, self.stages * self.chunks)
 
     @property
     def slots(self) -> int:
-        """The layers every stage runs (SPMD: one program): the most any holds.  Under an uneven split
-        a stage's last slot past its own layers holds zeros and hands its input on unchanged."""
+        """The layers every virtual stage runs (SPMD: one program): the most any holds.  Under an uneven
+        split a slot past a stage's own layers holds zeros and hands its input on unchanged."""
         return max(self.held)
 
-    def slot_layers(self) -> list[int]:
-        """Each stage's slots in order, the layer each holds (``layers`` for an empty one)."""
-        firsts = [sum(self.held[:s]) for s in range(self.stages)]
-        return [firsts[s] + k if k < n else self.layers for s, n in enumerate(self.held) for k in range(self.slots)]
+    def _firsts(self) -> list[int]:
+        return [sum(self.held[:v]) for v in range(len(self.held))]
 
-    def layer_key(self, key: Any, stage: Any, k: int, j: Any) -> tuple[Any, Any]:
-        """The dropout key of layer k of ``stage`` on microbatch j: (key * layers + its layer number, j),
-        the masks layer number l of the unpipelined stack draws under key * layers + l."""
-        number = jnp.asarray([sum(self.held[:s]) for s in range(self.stages)])[stage] + k
+    def slot_layers(self) -> list[int]:
+        """Each device's slots in order (its chunks in turn), the layer each holds (``layers`` for an
+        empty one): the order of a block param's leading dim, sharded over the stages."""
+        firsts, p = self._firsts(), self.stages
+        return [firsts[c * p + s] + k if k < self.held[c * p + s] else self.layers
+                for s in range(p) for c in range(self.chunks) for k in range(self.slots)]
+
+    def layer_key(self, key: Any, virtual: Any, k: int, j: Any) -> tuple[Any, Any]:
+        """The dropout key of layer k of virtual stage ``virtual`` on microbatch j: (key * layers + its
+        layer number, j), the masks layer number l of the unpipelined stack draws under key * layers + l."""
+        number = jnp.asarray(self._firsts())[virtual] + k
         return (jnp.asarray(key, jnp.uint32) * jnp.uint32(self.layers) + jnp.asarray(number, jnp.uint32),
                 jnp.asarray(j, jnp.int32))
 
-    def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, stage: Any, j: Any) -> tuple[Any, list[Any]]:
-        kept, held = [], jnp.asarray(self.held)[stage]
+    def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
+                   j: Any) -> tuple[Any, list[Any]]:
+        kept, held = [], jnp.asarray(self.held)[virtual]
         for k in range(self.slots):
-            pool = {self.block_input: x, **{p: w[k] for p, w in zip(self.params, params, strict=True)}}
-            y, residuals = self.block.forward(pool, self.layer_key(key, stage, k, j))
+            pool = {self.block_input: x, **{p: w[chunk * self.slots + k] for p, w in zip(self.params, params,
+                                                                                        strict=True)}}
+            y, residuals = self.block.forward(pool, self.layer_key(key, virtual, k, j))
             x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
             kept.append(residuals)
         return x, kept
 
-    def _stage_bwd(self, kept: list[Any], g: Any, stage: Any) -> tuple[Any, tuple[Any, ...]]:
+    def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, tuple[Any, ...]]:
         grads: list[Arrays] = [{}] * len(kept)
-        held = jnp.asarray(self.held)[stage]
+        held = jnp.asarray(self.held)[virtual]
         for k in reversed(range(len(kept))):
             grads[k] = self.block.backward(kept[k], g)
             dx = grads[k][self.block_input]
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
         return g, tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
+
+    def _perms(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The stage axis's sends down and up: a chain, or a ring where chunks wrap from the last
+        stage to the first (the interleaved order)."""
+        p, ring = self.stages, self.chunks > 1
+        down = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if ring else [])
+        up = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if ring else [])
+        return down, up
 
     def _local(self, backward: bool, key: Any, cotangent: Any, *args: Any) -> tuple[Any, ...]:
         """The schedule on one device: the ends' accumulator (results and their gradients) and, with
@@ -118,41 +136,52 @@ class Pipeline:
         params = args[len(names):]
         table = self.forward_ticks if backward else forward_only(self.forward_ticks)
         ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
+        m, p, v = self.microbatches, self.stages, self.chunks
         x = jax.eval_shape(self.ends.first, pool, 0)
-        shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0)[1]
-        kept = jax.tree.map(lambda a: jnp.zeros((self.microbatches,) + a.shape, a.dtype), shapes)
-        zeros = jnp.zeros((self.microbatches,) + x.shape, x.dtype)
-        first, last = stage == 0, stage == self.stages - 1
-        sends = [(s, s + 1) for s in range(self.stages - 1)]
-        back = [(s + 1, s) for s in range(self.stages - 1)]
+        shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
+        kept = jax.tree.map(lambda a: jnp.zeros((v * m,) + a.shape, a.dtype), shapes)  # by chunk x M + microbatch
+        zeros = jnp.zeros((v * m,) + x.shape, x.dtype)
+        first, last = stage == 0, stage == p - 1
+        down, up = self._perms()
 
         def tick(t: Any, carry: Any) -> Any:
             kept, acts, cots, acc, dparams = carry
-            jf = ftab[t, stage]
-            jf0 = jnp.maximum(jf, 0)
-            y, res = self._stage_fwd(jnp.where(first, self.ends.first(pool, jf0), acts[jf0]), params, key, stage, jf0)
-            kept = jax.tree.map(lambda buf, r: jnp.where(jf >= 0, buf.at[jf0].set(r), buf), kept, res)
-            cot, acc = self.ends.last(pool, y, jf0, (jf >= 0) & last, acc, backward)
-            cots = jnp.where((jf >= 0) & last, cots.at[jf0].set(cot), cots)
+            ef = ftab[t, stage]
+            e = jnp.maximum(ef, 0)
+            c, j = e // m, e % m
+            start = first & (c == 0)  # the first virtual stage reads the ends' input
+            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[e]), params, key,
+                                     c * p + stage, c, j)
+            kept = jax.tree.map(lambda buf, r: jnp.where(ef >= 0, buf.at[e].set(r), buf), kept, res)
+            end = (ef >= 0) & last & (c == v - 1)  # the last virtual stage hands on to the ends
+            cot, acc = self.ends.last(pool, y, j, end, acc, backward)
+            cots = jnp.where(end, cots.at[e].set(cot), cots)
             # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
-            got = jax.lax.ppermute(y, self.axis, sends)
-            sent = ftab[t, jnp.maximum(stage - 1, 0)]  # the microbatch the stage above ran
-            acts = jnp.where((stage > 0) & (sent >= 0), acts.at[jnp.maximum(sent, 0)].set(got), acts)
+            got = jax.lax.ppermute(y, self.axis, down)
+            sent = ftab[t, (stage - 1) % p]  # what the stage above ran; at stage 0, the last's chunk before
+            into = jnp.maximum(sent, 0) + jnp.where(first, m, 0)  # ... which is this one's next chunk
+            keep = (sent >= 0) & ((stage > 0) | (jnp.maximum(sent, 0) // m < v - 1))
+            acts = jnp.where(keep, acts.at[jnp.minimum(into, v * m - 1)].set(got), acts)
             if not backward:
                 return kept, acts, cots, acc, dparams
-            jb = btab[t, stage]
-            jb0 = jnp.maximum(jb, 0)
-            dx, dw = self._stage_bwd(jax.tree.map(lambda buf: buf[jb0], kept), cots[jb0], stage)
-            dparams = tuple(jnp.where(jb >= 0, a + b, a) for a, b in zip(dparams, dw, strict=True))
-            acc = self.ends.first_back(pool, dx, jb0, (jb >= 0) & first, acc)
-            got = jax.lax.ppermute(dx, self.axis, back)
-            sent = btab[t, jnp.minimum(stage + 1, self.stages - 1)]
-            cots = jnp.where((stage < self.stages - 1) & (sent >= 0), cots.at[jnp.maximum(sent, 0)].set(got), cots)
+            eb = btab[t, stage]
+            e = jnp.maximum(eb, 0)
+            c, j = e // m, e % m
+            dx, dw = self._stage_bwd(jax.tree.map(lambda buf: buf[e], kept), cots[e], c * p + stage)
+            dparams = tuple(_add_slots(a, jnp.where(eb >= 0, b, 0), c * self.slots)
+                            for a, b in zip(dparams, dw, strict=True))
+            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & first & (c == 0), acc)
+            got = jax.lax.ppermute(dx, self.axis, up)
+            sent = btab[t, (stage + 1) % p]
+            into = jnp.maximum(sent, 0) - jnp.where(last, m, 0)
+            keep = (sent >= 0) & ((stage < p - 1) | (jnp.maximum(sent, 0) // m > 0))
+            cots = jnp.where(keep, cots.at[jnp.maximum(into, 0)].set(got), cots)
             return kept, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
         partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), zeros[0], stage)[1]
-        init = (kept, zeros, zeros, self.ends.start(pool, x), tuple(jnp.zeros(d.shape, d.dtype) for d in partial))
+        init = (kept, zeros, zeros, self.ends.start(pool, x),
+                tuple(jnp.zeros((v * d.shape[0], *d.shape[1:]), d.dtype) for d in partial))
         _, _, _, acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)
         if backward:  # the microbatches' sums reduced, once a step
             acc, dparams = self.ends.finish(acc), self._finish(dparams)
@@ -162,7 +191,7 @@ class Pipeline:
     def _finish(self, dparams: tuple[Any, ...]) -> tuple[Any, ...]:
         """Each of the stage's layers' params' gradients from their sums over the microbatches."""
         layers = [self.block.finish({p: d[k] for p, d in zip(self.params, dparams, strict=True)})
-                  for k in range(self.slots)]
+                  for k in range(self.chunks * self.slots)]
         return tuple(jnp.stack([g[p] for g in layers]) for p in self.params)
 
     def specs(self) -> tuple[tuple[P, ...], tuple[Any, tuple[P, ...]]]:
@@ -237,9 +266,16 @@ class Pipeline:
     def read(self, acc: Any, dparams: tuple[Any, ...]) -> tuple[Arrays, Arrays]:
         """The program's outputs as global arrays keyed by name: the ends' results, every gradient."""
         grads = dict(self.ends.gradients(self, acc))
-        real = jnp.asarray([k for k, layer in enumerate(self.slot_layers()) if layer < self.layers])
+        order = sorted((layer, k) for k, layer in enumerate(self.slot_layers()) if layer < self.layers)
+        real = jnp.asarray([k for _, k in order])  # the slots in layer order
         grads.update({self.block.grads[p]: g[real] for p, g in zip(self.params, dparams, strict=True)})
         return dict(self.ends.outputs(self, acc)), grads
+
+
+def _add_slots(total: Any, part: Any, at: Any) -> Any:
+    """``total`` [chunks x slots, ...] with ``part`` [slots, ...] added to the slots from ``at`` on."""
+    here = jax.lax.dynamic_slice_in_dim(total, at, part.shape[0], 0)
+    return jax.lax.dynamic_update_slice_in_dim(total, here + part, at, 0)
 
 
 # A lowered pipeline module's globals are its tables; these build its pipeline from them, so the
@@ -262,7 +298,7 @@ def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
     block = _part(tables, "", tables["BLOCK_OUTPUT"])
     return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
                     tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
-                    tables["DATA_DIM"])
+                    tables["DATA_DIM"], tables.get("CHUNKS", 1))
 
 
 def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:

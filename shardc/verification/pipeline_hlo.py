@@ -21,6 +21,7 @@ contribution to the gradient, swapped (:mod:`shardc.lowering.pipeline_ends`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -128,9 +129,10 @@ def _stride(lowered: PipelineLowered) -> int:
 
 
 def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
-    """The HLO: one permute down and one up, in a while loop of the tick table's ticks."""
+    """The HLO: one permute down and one up (a ring's each may be cut in two), in a while loop of the tick
+    table's ticks."""
     pipe, nbytes = lowered.pipeline, lowered.plan.spec.dtype.nbytes
-    want_bytes, stride = _boundary_bytes(lowered), _stride(lowered)
+    want_bytes = _boundary_bytes(lowered)
     ticks = len(lowered.namespace.F_TABLE)
     trips = [int(n) for n in _TRIPS.findall(text)]
     found = [c for c in collectives(text, _mesh(lowered)) if c.hlo_op == "collective-permute"]
@@ -139,16 +141,49 @@ def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
                           pipe.axis, None,
                           f"while x {trips}", pipe.axis, None, ticks in trips,
                           "" if ticks in trips else "no loop of that trip count")]
-    for step, what in ((stride, "activations s -> s+1"), (-stride, "cotangents s+1 -> s")):
-        mine = [c for c in found if (pr := _pairs(c.text)) and all(t - s == step for s, t in pr)]
-        ok = len(mine) == 1 and mine[0].bytes(nbytes) == want_bytes
+    # interleaved: chunks wrap from the last stage to the first, a ring XLA may cut in two permutes
+    # (its collective-permute cycle decomposer), each moving a microbatch between its own pairs
+    ring = getattr(lowered.namespace, "CHUNKS", 1) > 1
+    most, left = 2 if ring else 1, list(found)
+    for step, what in ((1, "activations s -> s+1"), (-1, "cotangents s+1 -> s")):
+        mine = _take(left, _stage_pairs(lowered, step, ring), most)
+        left = [c for c in left if c not in mine]
+        ok = bool(mine) and all(c.bytes(nbytes) == want_bytes for c in mine)
         rows.append(CollectiveRow("step", f"ppermute_{pipe.axis} a tick: {what}, a microbatch", "CollectivePermute",
                                   pipe.axis, want_bytes, f"collective-permute x {len(mine)}", pipe.axis,
-                                  sum(c.bytes(nbytes) for c in mine), ok, "" if ok else "not one of the bytes"))
-    if len(found) != 2:
+                                  max((c.bytes(nbytes) for c in mine), default=0), ok,
+                                  "" if ok else "not one of the bytes"))
+    if left or not 2 <= len(found) <= 2 * most:
+        want = "2" if most == 1 else "2 to 4"
         rows.append(CollectiveRow("step", "", "CollectivePermute", "-", None, "collective-permute", "-", None,
-                                  False, f"{len(found)} permutes in the HLO, not 2"))
+                                  False, f"{len(found)} permutes in the HLO, not {want}"
+                                  + (f" ({len(left)} not the stages' sends)" if left else "")))
     return rows
+
+
+def _stage_pairs(lowered: PipelineLowered, step: int, ring: bool) -> set[tuple[int, int]]:
+    """Every device's send to the stage ``step`` (1 or -1) away along the stage axis (wrapping around
+    in a ``ring``), as (source, target) device ids."""
+    stride, stages = _stride(lowered), lowered.pipeline.stages
+    devices = math.prod(s for _, s in _mesh(lowered))
+    pairs = set()
+    for d in range(devices):
+        stage = d // stride % stages
+        if ring or 0 <= stage + step < stages:
+            pairs.add((d, d + ((stage + step) % stages - stage) * stride))
+    return pairs
+
+
+def _take(found: list[Collective], pairs: set[tuple[int, int]], most: int) -> list[Collective]:
+    """The permutes (at most ``most``, their pairs apart) that together make exactly ``pairs``; else
+    every permute within them (which fails the row)."""
+    within = [c for c in found if set(_pairs(c.text)) <= pairs]
+    for size in range(1, most + 1):
+        for group in itertools.combinations(within, size):
+            sent = [pair for c in group for pair in _pairs(c.text)]
+            if len(sent) == len(set(sent)) and set(sent) == pairs:
+                return list(group)
+    return within
 
 
 def _tied_permutes(lowered: PipelineLowered,

@@ -83,7 +83,7 @@ def _written_run(ns: Any, lowered: PipelineLowered, label: str) -> str:
         wrong = f"its MICROBATCHES={clip(repr(micro), 40)} and MICROBATCH={clip(repr(ns.MICROBATCH), 60)} disagree"
     elif stages * micro > _MOST_TICKS:
         wrong = f"its {stages} stages x {micro} microbatches are too many to check its tick tables"
-    elif (ns.F_TABLE, ns.B_TABLE) != _ticks(lowered.pipeline.schedule.name, stages, micro):
+    elif (ns.F_TABLE, ns.B_TABLE) != _ticks(lowered.pipeline.schedule.name, stages, micro, ns.CHUNKS):
         wrong = f"its tick tables are not {lowered.pipeline.schedule.name}'s for {stages} stages and {micro} " \
                 "microbatches"
     if wrong is not None:
@@ -95,9 +95,10 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 1
 
 
-def _ticks(schedule: str, stages: int, microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def _ticks(schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The schedule's tick tables as a module writes them (tuples of tuples)."""
-    return tuple(tuple(tuple(row) for row in table) for table in tick_tables(schedule, stages, microbatches))
+    tables = tick_tables(schedule, stages, microbatches, chunks)
+    return tuple(tuple(tuple(row) for row in table) for table in tables)
 
 
 def _run_at(ns: Any, ours: Any) -> None:

@@ -82,7 +82,8 @@ def run_sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
     dims = small_sizes(replace(plan, spec=replace(stage_spec(plan.spec), mesh=axes)), None)
     micro = min(pipe.microbatches, 2 * stages)
     dims[microbatch_dim(plan)] *= micro
-    layers = 2 * stages - (not pipe.even)  # a spec split unevenly runs so too: the last stage's slot empty
+    # two layers a stage (a chunk's under interleaved); a spec split unevenly runs so too: a slot empty
+    layers = max(2, pipe.chunks) * stages - (not pipe.even)
     return {**dims, **mesh, pipe.axis: stages}, layers, micro
 
 
