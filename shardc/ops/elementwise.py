@@ -27,14 +27,14 @@ from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import aligned_text
-from shardc.planner.layout import Value
-from shardc.planner.search import reshard
+from shardc.sharding.layout import Value
+from shardc.sharding.search import reshard
 from shardc.spec.functions import ELEMENTWISE, PASS_THROUGH
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
-    from shardc.planner.phase import Phase
+    from shardc.sharding.phase import Phase
 
 __all__ = ["MAPS", "emit", "Function", "FUNCTIONS", "function"]
 

@@ -32,8 +32,8 @@ from shardc.spec.walk import dropout_number
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
-    from shardc.planner.layout import Value
-    from shardc.planner.phase import Phase
+    from shardc.sharding.layout import Value
+    from shardc.sharding.phase import Phase
 
 __all__ = ["MASKS", "KEY", "keep_mask", "emit"]
 

@@ -1,6 +1,6 @@
 """Einsums: a product of tensors (``A[B, D] · W[D, F]``) and a copy or transpose of one (``O[E, S] = A[S, E]``).
 
-Planned by the sharded-matmul search (:mod:`shardc.planner.einsum`: the book's four cases,
+Planned by the sharded-matmul search (:mod:`shardc.sharding.einsum`: the book's four cases,
 searched exactly when the sizes are known); the backward of ``C = A · B`` is the two
 products ``dA = dC · B`` and ``dB = A · dC``, the right operand first (usually the
 weight, as in the book's listings) so its gradient's reduction can be issued while the
@@ -24,8 +24,8 @@ from shardc.ops.registry import CONTRACT, Array, Arrays, Family, Namer, Referenc
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
-    from shardc.planner.layout import Value
-    from shardc.planner.phase import Phase
+    from shardc.sharding.layout import Value
+    from shardc.sharding.phase import Phase
 
 __all__ = ["PRODUCTS", "emit", "einsum_letters"]
 

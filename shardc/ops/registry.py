@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from shardc.ir.spec import Call, Expr, TensorRef
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
-    from shardc.planner.layout import Value
-    from shardc.planner.phase import Phase
+    from shardc.sharding.layout import Value
+    from shardc.sharding.phase import Phase
 
 __all__ = ["Builder", "Family", "Flops", "Reference", "Site", "Sizer", "Traffic", "all_traffic", "no_traffic",
            "register", "of_call", "family_of", "of_op", "of_step", "families", "SUM", "RENAME", "CONTRACT"]

@@ -43,13 +43,13 @@ from shardc.ops.registry import (
     register,
 )
 from shardc.ops.text import broadcast_text
-from shardc.planner.layout import Value
 from shardc.planner.sum_plans import guard_axes, plan_add, plan_rename
+from shardc.sharding.layout import Value
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
-    from shardc.planner.phase import Phase
+    from shardc.sharding.phase import Phase
 
 __all__ = ["SUMS", "emit"]
 

@@ -34,8 +34,8 @@ from shardc.spec.walk import chain_indices
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
     from shardc.planner.graph import Node
-    from shardc.planner.layout import Value
-    from shardc.planner.phase import Phase
+    from shardc.sharding.layout import Value
+    from shardc.sharding.phase import Phase
 
 __all__ = ["VOCABULARY", "emit", "lookup_forward", "lookup_vjp"]
 

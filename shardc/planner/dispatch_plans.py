@@ -27,10 +27,10 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Dispatch
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, TensorRef
-from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
-from shardc.planner.phase import Phase
 from shardc.planner.rows import Layouts, by_index, choose, in_order, record
-from shardc.planner.search import reshard
+from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.sharding.phase import Phase
+from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from shardc.ir.localops import LocalOp
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
-from shardc.planner.layout import Value
-from shardc.planner.phase import Phase
+from shardc.sharding.layout import Value
+from shardc.sharding.phase import Phase
 from shardc.spec.functions import MASK_BYTES
 
 if TYPE_CHECKING:

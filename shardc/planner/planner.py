@@ -24,13 +24,14 @@ from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
-from shardc.planner.einsum import Solution
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, Node, build_graph
-from shardc.planner.layout import CostContext, SearchTooLong, Value
-from shardc.planner.phase import Phase, Traced
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, policy, recompute_steps
-from shardc.planner.unit import (
+from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
+from shardc.sharding.einsum import Solution
+from shardc.sharding.layout import CostContext, SearchTooLong, Value
+from shardc.sharding.phase import Phase, Traced
+from shardc.sharding.unit import (
     Placements,
     bonded_axes,
     placements,
@@ -38,7 +39,6 @@ from shardc.planner.unit import (
     strip_unit_axes,
     without_unit_axes,
 )
-from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import layer_inputs, leaves

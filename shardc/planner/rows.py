@@ -35,10 +35,10 @@ from shardc.errors import InternalError, ShardcError
 from shardc.ir.localops import Combine, Row, Vocab
 from shardc.ir.plan import Alternative, Choice, Op, Step, sum_formula
 from shardc.ir.spec import TensorRef
-from shardc.planner.layout import ZERO, Cost, Layout, Move, Value, add_cost
-from shardc.planner.phase import Phase
 from shardc.planner.rowstats import BACKWARD_STATS, STATS
-from shardc.planner.search import reshard
+from shardc.sharding.layout import ZERO, Cost, Layout, Move, Value, add_cost
+from shardc.sharding.phase import Phase
+from shardc.sharding.search import reshard
 from shardc.spec.functions import signature
 
 if TYPE_CHECKING:

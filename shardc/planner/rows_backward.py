@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from shardc.ir.localops import Row
 from shardc.names import fresh
-from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.planner.rows import (
     BACKWARD_STATS,
     Layouts,
@@ -39,7 +38,8 @@ from shardc.planner.rows import (
     stats_cost,
 )
 from shardc.planner.rowstats import APPLY, VJP
-from shardc.planner.search import reshard
+from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward

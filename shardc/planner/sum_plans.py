@@ -31,10 +31,10 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS, Add
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
-from shardc.planner.einsum import room
-from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
-from shardc.planner.phase import Phase
-from shardc.planner.search import reshard
+from shardc.sharding.einsum import room
+from shardc.sharding.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
+from shardc.sharding.phase import Phase
+from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
     from shardc.planner.graph import Node

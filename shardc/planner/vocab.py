@@ -29,8 +29,6 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Combine, Row, Vocab
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
-from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
-from shardc.planner.phase import Phase
 from shardc.planner.rows import (
     Layouts,
     all_reduce,
@@ -42,7 +40,9 @@ from shardc.planner.rows import (
     statistic,
     stats_cost,
 )
-from shardc.planner.search import reshard
+from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.sharding.phase import Phase
+from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
