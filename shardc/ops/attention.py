@@ -64,8 +64,8 @@ from shardc.spec.attention_call import CAUSAL, Roles, roles
 from shardc.spec.walk import chain_indices
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass as _Backward
+    from shardc.ops.registry import Node
     from shardc.sharding.phase import Phase
 
 __all__ = ["ATTENTION", "LSE_BYTES", "emit", "attention_forward", "attention_vjp"]

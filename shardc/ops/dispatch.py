@@ -30,7 +30,7 @@ from shardc.planner.dispatch_plans import dispatch_backward, plan_dispatch
 from shardc.spec.walk import chain_indices
 
 if TYPE_CHECKING:
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import Node
 
 __all__ = ["DISPATCH"]
 

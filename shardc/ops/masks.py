@@ -30,8 +30,7 @@ from shardc.spec.functions import MASK_BYTES, dropout_salt
 from shardc.spec.walk import dropout_number
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.layout import Value
     from shardc.sharding.phase import Phase
 
@@ -68,7 +67,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     plan_masked(phase, node, declared, target, _local_ops(node))
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     plan_masked_backward(bw, node, grad, _local_ops(node).vjp)
 
 

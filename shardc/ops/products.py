@@ -22,8 +22,7 @@ from shardc.ops.arrays import contract
 from shardc.ops.registry import CONTRACT, Array, Arrays, Family, Namer, Reference, Site, register
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.layout import Value
     from shardc.sharding.phase import Phase
 
@@ -39,7 +38,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
         declared[node.result] = phase.ref(node.result, final)
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     if len(node.operands) == 1:
         (a,) = node.operands
         if a in bw.needs:

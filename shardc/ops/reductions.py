@@ -31,7 +31,7 @@ from shardc.planner.rowstats import stat_names
 from shardc.spec.functions import signature
 
 if TYPE_CHECKING:
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import Node
 
 __all__ = ["REDUCTIONS", "emit", "row_code", "aligned_to", "local_length", "forward", "vjp", "magnitude",
            "grad_magnitude", "RMS_EPS", "LN_EPS"]

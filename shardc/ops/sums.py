@@ -47,8 +47,7 @@ from shardc.planner.sum_plans import guard_axes, plan_add, plan_rename
 from shardc.sharding.layout import Value
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
 __all__ = ["SUMS", "emit"]
@@ -65,7 +64,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (plan_rename if _is_rename(node) else plan_add)(phase, node, declared, target)
 
 
-def _alias(bw: _Backward, primal: str, grad: str, value: Value) -> None:
+def _alias(bw: BackwardPass, primal: str, grad: str, value: Value) -> None:
     """``grad`` (held as ``value``) is a contribution to ``primal``'s gradient as it is: an alias step."""
     dst = bw.part_name(primal)
     bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, value), operands=(bw.phase.ref(grad, value),),
@@ -73,7 +72,7 @@ def _alias(bw: _Backward, primal: str, grad: str, value: Value) -> None:
     bw.settle(primal, dst, value)
 
 
-def _add_backward(bw: _Backward, node: Node, grad: str) -> None:
+def _add_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """``R = A ± B``: dA = ±dR, summed over the indices A lacks (the einsum ``dR[B, S, D] -> dA[D]``)."""
     for term, sign in zip(node.operands, node.signs, strict=True):
         if term not in bw.needs:
@@ -91,7 +90,7 @@ def _add_backward(bw: _Backward, node: Node, grad: str) -> None:
             bw.contribute(term, (source,), (source,))
 
 
-def _rename_backward(bw: _Backward, node: Node, grad: str) -> None:
+def _rename_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """``Kx[B, T, D] = X[B, S, D]``: each contribution to dKx, as made, is one to dX renamed back."""
     (src,) = node.operands
     parts = bw.parts.pop(node.result, [])
@@ -102,7 +101,7 @@ def _rename_backward(bw: _Backward, node: Node, grad: str) -> None:
             _alias(bw, src, part, value)
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     (_rename_backward if _is_rename(node) else _add_backward)(bw, node, grad)
 
 

@@ -32,8 +32,7 @@ from shardc.planner.vocab import embed_backward, loss_backward, plan_embed, plan
 from shardc.spec.walk import chain_indices
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.layout import Value
     from shardc.sharding.phase import Phase
 
@@ -67,7 +66,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (plan_embed if node.call.func == "embed" else plan_loss)(phase, node, declared, target, label)
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     assert node.call is not None
     (embed_backward if node.call.func == "embed" else loss_backward)(bw, node, grad)
 

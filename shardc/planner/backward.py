@@ -36,7 +36,8 @@ from shardc.ir.localops import add_op
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.names import fresh
-from shardc.planner.graph import Graph, Node
+from shardc.ops.registry import Node
+from shardc.planner.graph import Graph
 from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand
 from shardc.sharding.layout import Layout, Value
 from shardc.sharding.phase import Phase

@@ -25,7 +25,7 @@ import itertools
 from collections.abc import Iterator
 
 from shardc.ir.spec import TensorRef
-from shardc.planner.graph import Node
+from shardc.ops.registry import Node
 from shardc.sharding.einsum import EinsumProblem, Operand, compute_cost, configurations
 from shardc.sharding.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost
 from shardc.sharding.phase import Phase

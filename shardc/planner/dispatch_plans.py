@@ -33,8 +33,7 @@ from shardc.sharding.phase import Phase
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass, Node
 
 __all__ = ["plan_dispatch", "dispatch_backward", "dispatch_op"]
 
@@ -155,7 +154,7 @@ def plan_dispatch(phase: Phase, node: Node, declared: dict[str, TensorRef], targ
     declared.setdefault(node.result, phase.ref(node.result, best.final))
 
 
-def _contribute(bw: _Backward, node: Node, primal: str, reads_of: tuple[str, ...], part: str, label: str) -> None:
+def _contribute(bw: BackwardPass, node: Node, primal: str, reads_of: tuple[str, ...], part: str, label: str) -> None:
     """One gradient step of ``part`` to ``primal``, reading the gates and ``reads_of``; settled or kept."""
     call = node.call
     assert call is not None
@@ -174,7 +173,7 @@ def _contribute(bw: _Backward, node: Node, primal: str, reads_of: tuple[str, ...
         bw.parts.setdefault(primal, []).append((dst, best.result))
 
 
-def dispatch_backward(bw: _Backward, node: Node, grad: str) -> None:
+def dispatch_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """dispatch: the tokens' rows gathered back from ``dIn``; combine: the expert outputs' gradient (a
     scatter of gate-weighted ``dY`` rows) and the gates' (``dY`` dotted with each chosen expert's row)."""
     call = node.call

@@ -28,8 +28,7 @@ from shardc.sharding.phase import Phase
 from shardc.spec.functions import MASK_BYTES
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass, Node
 
 __all__ = ["MaskOps", "plan_masked", "plan_masked_backward", "MASK_BYTES"]
 
@@ -62,7 +61,7 @@ def plan_masked(phase: Phase, node: Node, declared: dict[str, TensorRef], target
     declared.setdefault(arg, phase.ref(arg, want))
 
 
-def plan_masked_backward(bw: _Backward, node: Node, grad: str, vjp: LocalOp) -> None:
+def plan_masked_backward(bw: BackwardPass, node: Node, grad: str, vjp: LocalOp) -> None:
     """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
     (z,) = node.operands
     if z not in bw.needs:

@@ -21,11 +21,12 @@ from shardc.errors import ShardcError, clip
 from shardc.hardware import Hardware, check_spans, resolve_hardware
 from shardc.ir.plan import Plan, Sections, Step, TensorInfo
 from shardc.ir.spec import Spec, TensorRef, parse_topology
+from shardc.ops.registry import Node
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.fold import fold_redundant
-from shardc.planner.graph import Graph, Node, build_graph
+from shardc.planner.graph import Graph, build_graph
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.sharding.einsum import Solution

@@ -27,7 +27,7 @@ from shardc.sharding.phase import Phase
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import Node
 
 __all__ = ["plan_route", "route_op", "check_route_step"]
 

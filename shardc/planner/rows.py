@@ -42,7 +42,7 @@ from shardc.sharding.search import reshard
 from shardc.spec.functions import signature
 
 if TYPE_CHECKING:
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import Node
 
 __all__ = ["over_of", "check_row_step", "STATS", "BACKWARD_STATS", "plan_rows", "by_index",
            "in_order", "frame_of", "Layouts", "stats_cost", "choose", "candidates", "record"]

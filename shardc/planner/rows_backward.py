@@ -42,8 +42,7 @@ from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass, Node
 
 __all__ = ["rows_backward"]
 
@@ -61,11 +60,11 @@ def _reads(node: Node, grad: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (), (grad,)
 
 
-def _layout_of(bw: _Backward, name: str, axes: dict[str, tuple[str, ...]]) -> Value:
+def _layout_of(bw: BackwardPass, name: str, axes: dict[str, tuple[str, ...]]) -> Value:
     return in_order(bw.phase.indices[name], axes)
 
 
-def _option(bw: _Backward, node: Node, grad: str, local: Value, dst: str) -> Layouts | None:
+def _option(bw: BackwardPass, node: Node, grad: str, local: Value, dst: str) -> Layouts | None:
     (x,) = node.operands
     phase = bw.phase
     idx = phase.indices[x]
@@ -92,7 +91,7 @@ def _option(bw: _Backward, node: Node, grad: str, local: Value, dst: str) -> Lay
     return Layouts(local, axes[over], total, tuple(moves_in), moves_out, local, bw.target(x))
 
 
-def _candidates(bw: _Backward, node: Node, grad: str) -> list[Value]:
+def _candidates(bw: BackwardPass, node: Node, grad: str) -> list[Value]:
     (x,) = node.operands
     idx = bw.phase.indices[x]
     over = over_of(node)
@@ -110,7 +109,7 @@ def _candidates(bw: _Backward, node: Node, grad: str) -> list[Value]:
     return list(out)
 
 
-def rows_backward(bw: _Backward, node: Node, grad: str) -> None:
+def rows_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """Plan dX of one reduction: choose the layout, move the reads there, emit the closed form."""
     (x,) = node.operands
     if x not in bw.needs:
@@ -131,7 +130,7 @@ def rows_backward(bw: _Backward, node: Node, grad: str) -> None:
         phase.moves(dst, best.moves_out)
 
 
-def _emit(bw: _Backward, node: Node, grad: str, option: Layouts, dst: str) -> None:
+def _emit(bw: BackwardPass, node: Node, grad: str, option: Layouts, dst: str) -> None:
     phase = bw.phase
     fn = node.fn or ""
     (x,) = node.operands
@@ -168,7 +167,7 @@ def _emit(bw: _Backward, node: Node, grad: str, option: Layouts, dst: str) -> No
         local_map(phase, VJP[fn], dst, option.local, reads, over)
 
 
-def _norm_again(bw: _Backward, node: Node, x: tuple[str, Value], option: Layouts, rows_value: Value,
+def _norm_again(bw: BackwardPass, node: Node, x: tuple[str, Value], option: Layouts, rows_value: Value,
                 row_idx: tuple[str, ...]) -> tuple[tuple[str, Value], tuple[tuple[str, Value], ...]]:
     """A norm's statistics and output made again from its input, in the backward's layout
     (under names of their own: the forward's values are not the backward's to remake)."""
@@ -188,7 +187,7 @@ def _norm_again(bw: _Backward, node: Node, x: tuple[str, Value], option: Layouts
     return (name, y), stats
 
 
-def _stat_name(bw: _Backward, grad: str, suffix: str, rows: tuple[str, ...]) -> str:
+def _stat_name(bw: BackwardPass, grad: str, suffix: str, rows: tuple[str, ...]) -> str:
     name = fresh(f"{grad}_{suffix}", bw.taken)
     bw.phase.indices[name] = rows
     return name
