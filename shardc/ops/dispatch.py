@@ -10,7 +10,7 @@ contracted with the tokens.  Its steps are data movement: no FLOPs, their HBM by
 expert-parallel AllToAll is the move of ``In`` (and of ``Ex``) between the gates' batch sharding and
 the experts' axis, tokens x k x D bytes.  The backward keeps the gates, never a mask.
 
-:mod:`shardc.planner.dispatch_plans` plans both, forward and backward; :mod:`shardc.ops.dispatch_code`
+:mod:`shardc.ops.dispatch_plans` plans both, forward and backward; :mod:`shardc.ops.dispatch_code`
 writes their steps as calls of :mod:`shardc.lowering.runtime`'s ``expert_*`` helpers and gives their
 meaning on whole arrays (the dense mask form, an independent program for the reference).
 """
@@ -25,8 +25,8 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Dispatch
 from shardc.ir.spec import Call, Expr
 from shardc.ops.dispatch_code import canonical, dispatch_code, whole_forward, whole_vjp
+from shardc.ops.dispatch_plans import dispatch_backward, plan_dispatch
 from shardc.ops.registry import Arrays, Builder, Family, Reference, Site, register
-from shardc.planner.dispatch_plans import dispatch_backward, plan_dispatch
 from shardc.spec.walk import chain_indices
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The masks family: ``causal(Sc, S, T)`` and ``dropout(X, rate)``, registered once.
 
-Both are elementwise maps that keep the sharding; :mod:`shardc.planner.mask_plans` plans
+Both are elementwise maps that keep the sharding; :mod:`shardc.ops.mask_plans` plans
 their forward and backward.  Here are the rest: the keep-mask a dropout node makes
 on the way (one byte an element, :data:`shardc.spec.functions.MASK_BYTES`), the
 JAX line of each step, and their meaning on whole arrays for the reference:
@@ -23,9 +23,9 @@ import numpy as np
 from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp
 from shardc.ir.plan import Step
 from shardc.ir.spec import Call, TensorRef
+from shardc.ops.mask_plans import MaskOps, plan_masked, plan_masked_backward
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import broadcast_text
-from shardc.planner.mask_plans import MaskOps, plan_masked, plan_masked_backward
 from shardc.spec.functions import MASK_BYTES, dropout_salt
 from shardc.spec.walk import dropout_number
 

@@ -1,8 +1,8 @@
 """The reductions and norms family: ``softmax``, ``rmsnorm``, ``layernorm`` (the argument's indices)
 and ``sum``, ``mean``, ``max``, ``logsumexp`` (the reduced index dropped), each ``over`` one index.
 
-:mod:`shardc.planner.rows` plans the forward (the reduced index gathered, or per-row
-statistics all-reduced) and :mod:`shardc.planner.rows_backward` the closed-form
+:mod:`shardc.ops.row_plans` plans the forward (the reduced index gathered, or per-row
+statistics all-reduced) and :mod:`shardc.ops.rows_backward` the closed-form
 backward; the node makes its row statistics on the way (:func:`stat_names`, one value
 a row each, of the argument's indices less the reduced one).  Each step carries a
 :class:`~shardc.ir.localops.Row` (a statistic's AllReduce names a
@@ -25,9 +25,8 @@ from shardc.ir.plan import Step
 from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, register
-from shardc.planner.rows import plan_rows
-from shardc.planner.rows_backward import rows_backward
-from shardc.planner.rowstats import stat_names
+from shardc.ops.row_plans import plan_rows, stat_names
+from shardc.ops.rows_backward import rows_backward
 from shardc.spec.functions import signature
 
 if TYPE_CHECKING:
@@ -69,7 +68,7 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
 
 
 # --- one step as one line of JAX -------------------------------------------------------------
-# :func:`row_code` writes one planned row step (:mod:`shardc.planner.rows`) as one line of JAX:
+# :func:`row_code` writes one planned row step (:mod:`shardc.ops.row_plans`) as one line of JAX:
 # ``jax.nn.softmax`` / ``jax.nn.logsumexp`` where the reduced index I is whole on the device, else
 # the local statistic, the finishing map, or the closed-form gradient.  Each step computes in its
 # frame (its result's index order if that has every index, else its first operand's) with I at

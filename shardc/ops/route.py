@@ -1,6 +1,6 @@
 """The routing family: ``route(Gate[G, S, E], S, C, k over E)``, top-k routing with capacity.
 
-:mod:`shardc.planner.route_plans` plans its forward (E and S whole on a device); the mask is
+:mod:`shardc.ops.route_plans` plans its forward (E and S whole on a device); the mask is
 0/1, so it has no backward (no gradient reaches the gates through it, as none reaches
 token ids).  Its step's JAX line calls the module's ``route_topk`` helper and its
 whole-array meaning is :func:`shardc.ops.route_code.route_forward`.  The capacity is the
@@ -21,7 +21,7 @@ from shardc.ir.plan import Step
 from shardc.ir.spec import Call
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.route_code import capacity_code, route_code, route_forward
-from shardc.planner.route_plans import plan_route
+from shardc.ops.route_plans import plan_route
 
 __all__ = ["ROUTING", "emit"]
 

@@ -2,7 +2,7 @@
 
 Neither is a spec function: the graph gives a sum's node the family of the form
 :data:`~shardc.ops.registry.SUM` and a rename's that of :data:`~shardc.ops.registry.RENAME`.
-:mod:`shardc.planner.sum_plans` plans their forward (a sum's local value searched, a rename
+:mod:`shardc.ops.sum_plans` plans their forward (a sum's local value searched, a rename
 an alias of its source's value); their backward is here:
 
 - a sum's term gets ±dR, summed over the indices it lacks (an einsum), or dR itself
@@ -42,8 +42,8 @@ from shardc.ops.registry import (
     no_traffic,
     register,
 )
+from shardc.ops.sum_plans import guard_axes, plan_add, plan_rename
 from shardc.ops.text import broadcast_text
-from shardc.planner.sum_plans import guard_axes, plan_add, plan_rename
 from shardc.sharding.layout import Value
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The vocabulary ops: ``embed(Tok, W_emb)`` and ``cross_entropy(Logits, Tok)``, registered once.
 
-:mod:`shardc.planner.vocab` plans both, forward and backward, with the vocabulary
+:mod:`shardc.ops.vocab_plans` plans both, forward and backward, with the vocabulary
 index sharded as Megatron-LM shards it.  A node reads two tensors, each computed
 towards its own indices; the token ids are integers and get no gradient, so the
 gradient reaches the table (``embed``) or the logits (``cross_entropy``).  A loss
@@ -28,7 +28,7 @@ from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.reductions import aligned_to, forward, local_length, row_code
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, all_traffic, register
-from shardc.planner.vocab import embed_backward, loss_backward, plan_embed, plan_loss
+from shardc.ops.vocab_plans import embed_backward, loss_backward, plan_embed, plan_loss
 from shardc.spec.walk import chain_indices
 
 if TYPE_CHECKING:

@@ -27,9 +27,9 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Dispatch
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, TensorRef
-from shardc.planner.rows import Layouts, by_index, choose, in_order, record
 from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.sharding.phase import Phase
+from shardc.sharding.rowwise import Layouts, by_index, choose, in_order, record
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ order of S within every other index (a group, in GShard's terms: Lepikhin et al.
 2020); a token past an expert's capacity is dropped there (GShard; Switch, Fedus
 et al. 2021).  So a device needs E and S whole: the top-k runs along E, the slot
 of a token is a cumulative count along S.  The candidates are those of a
-reduction (:func:`shardc.planner.rows.candidates`) with E and S gathered, costed
+reduction (:func:`shardc.sharding.rowwise.candidates`) with E and S gathered, costed
 by the same objective; every other index keeps its sharding, and C comes out
 replicated, then moves to the declared sharding.  The step is one local map whose
 ``fn`` says what lowering needs (:class:`shardc.ir.localops.Route`).  The mask is 0/1: it has no
@@ -21,9 +21,9 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Route
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, TensorRef
-from shardc.planner.rows import Layouts, by_index, candidates, choose, in_order, record
 from shardc.sharding.layout import Value, add_cost
 from shardc.sharding.phase import Phase
+from shardc.sharding.rowwise import Layouts, by_index, candidates, choose, in_order, record
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:

@@ -29,7 +29,9 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Combine, Row, Vocab
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
-from shardc.planner.rows import (
+from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.sharding.phase import Phase
+from shardc.sharding.rowwise import (
     Layouts,
     all_reduce,
     by_index,
@@ -40,8 +42,6 @@ from shardc.planner.rows import (
     statistic,
     stats_cost,
 )
-from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
-from shardc.sharding.phase import Phase
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:

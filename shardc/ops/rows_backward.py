@@ -12,7 +12,7 @@ With I the reduced index, rows every other index, and each row on its own:
 Where I is sharded over axes A, the row sums above are local partial sums
 all-reduced over A (one AllReduce of rows x 1 each), or I is gathered first:
 the same candidates and the same objective as the forward
-(:mod:`shardc.planner.rows`).  A norm's backward reads its input X, and makes its
+(:mod:`shardc.ops.row_plans`).  A norm's backward reads its input X, and makes its
 statistics and Y again from it (the same maps and AllReduces as the forward, counted
 in the backward): the layer keeps a norm's input and nothing of its own, as
 Korthikanti et al. 2022 count it (2sbh a layernorm), and the recomputed statistics are
@@ -25,20 +25,9 @@ from typing import TYPE_CHECKING
 
 from shardc.ir.localops import Row
 from shardc.names import fresh
-from shardc.planner.rows import (
-    BACKWARD_STATS,
-    Layouts,
-    by_index,
-    choose,
-    in_order,
-    local_map,
-    over_of,
-    record,
-    statistic,
-    stats_cost,
-)
-from shardc.planner.rowstats import APPLY, VJP
+from shardc.ops.row_plans import APPLY, BACKWARD_STATS, VJP, over_of
 from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.sharding.rowwise import Layouts, by_index, choose, in_order, local_map, record, statistic, stats_cost
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
