@@ -21,15 +21,21 @@ The candidate input layouts are those the phase holds, the requested result's,
 and each of them with I gathered; ``shardc plan --explain`` lists them.  The
 steps are local maps (``Op.ELEMENTWISE`` with a
 :class:`~shardc.ir.localops.Row`; ``dim`` is the position of I in the frame, see
-:func:`frame_of`) and AllReduces (``fn=Combine.MAX`` for a maximum).  Local maps are
+:func:`~shardc.sharding.rowwise.frame_of`) and AllReduces (``fn=Combine.MAX`` for a maximum).  Local maps are
 free in the cost model, as every elementwise step is.
+
+What differs between the functions is a table the family owns (:data:`FORWARD`, one
+:class:`RowFunction` a function: its statistics, whether it is linear, its local maps), never a
+comparison of their names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shardc.errors import InternalError, ShardcError
+from shardc.errors import ShardcError
 from shardc.ir.localops import Combine, Row, Vocab
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
@@ -52,31 +58,109 @@ from shardc.spec.functions import signature
 if TYPE_CHECKING:
     from shardc.ops.registry import Node
 
-__all__ = ["over_of", "check_row_step", "STATS", "BACKWARD_STATS", "VJP", "APPLY", "stat_names", "plan_rows"]
+__all__ = ["over_of", "check_row_step", "RowFunction", "FORWARD", "stat_names", "plan_rows"]
 
-# Per function, the statistics the forward all-reduces when I is sharded (name suffix, combiner).
-STATS: dict[str, tuple[tuple[str, str], ...]] = {
-    "softmax": (("max", "max"), ("sum", "sum")),
-    "logsumexp": (("max", "max"), ("sum", "sum")),
-    "rmsnorm": (("ms", "sum"),),
-    "layernorm": (("mean", "sum"), ("var", "sum")),  # two passes: mean, then mean((x - mean)**2)
-    "max": (("max", "max"),),
-    "sum": (),
-    "mean": (),
+
+@dataclass(frozen=True)
+class _Rows:
+    """One reduction's forward in the layout chosen (``option``): what its function's maps read and make."""
+
+    phase: Phase
+    node: Node
+    option: Layouts
+    over: str
+    rows_value: Value  # a per-row statistic's layout
+
+    @property
+    def x(self) -> tuple[str, Value]:
+        """The input, as the option reads it."""
+        return self.node.operands[0], self.option.local
+
+    def stat(self, k: int, fn: Row, reads: tuple[tuple[str, Value], ...],
+             combine: Combine | None = None) -> tuple[str, Value]:
+        """The node's ``k``-th row statistic (:attr:`Node.aux`), all-reduced over I's axes (``combine`` None sums)."""
+        name = self.node.aux[k]
+        return name, statistic(self.phase, fn, name, self.rows_value, self.option.axes, reads, self.over, combine)
+
+    def finish(self, fn: Row, reads: tuple[tuple[str, Value], ...]) -> None:
+        """The local map that makes the node's result."""
+        local_map(self.phase, fn, self.node.result, self.option.result, reads, self.over)
+
+
+def _sum(r: _Rows) -> None:
+    r.finish(Row.ROW_SUM, (r.x,))
+
+
+def _mean(r: _Rows) -> None:
+    r.finish(Row.ROW_MEAN, (r.x,))
+
+
+def _max(r: _Rows) -> None:
+    # its one statistic is its result
+    value = statistic(r.phase, Row.ROW_MAX, r.node.result, r.option.result, r.option.axes, (r.x,), r.over,
+                      Combine.MAX)
+    assert value == r.option.result or not r.option.axes
+
+
+def _max_and_sumexp(r: _Rows) -> tuple[tuple[str, Value], tuple[str, Value]]:
+    """The row max, then the sum of exponentials after it (Megatron-LM's vocab-parallel cross entropy)."""
+    m = r.stat(0, Row.ROW_MAX, (r.x,), Combine.MAX)
+    return m, r.stat(1, Row.ROW_SUMEXP, (r.x, m))
+
+
+def _softmax(r: _Rows) -> None:
+    if not r.option.axes:
+        r.finish(Row.SOFTMAX, (r.x,))
+        return
+    m, z = _max_and_sumexp(r)
+    r.finish(Row.SOFTMAX_APPLY, (r.x, m, z))
+
+
+def _logsumexp(r: _Rows) -> None:
+    if not r.option.axes:
+        r.finish(Row.LOGSUMEXP, (r.x,))
+        return
+    m, z = _max_and_sumexp(r)
+    r.finish(Row.LSE_APPLY, (m, z))
+
+
+def _rmsnorm(r: _Rows) -> None:
+    q = r.stat(0, Row.ROW_MEANSQ, (r.x,))
+    r.finish(Row.RMSNORM_APPLY, (r.x, q))
+
+
+def _layernorm(r: _Rows) -> None:
+    # two passes: the mean, then mean((x - mean)**2) (one pass of E[x**2] - mean**2 cancels in 16-bit floats)
+    mu = r.stat(0, Row.ROW_MEAN, (r.x,))
+    var = r.stat(1, Row.ROW_MEANDEV, (r.x, mu))
+    r.finish(Row.LAYERNORM_APPLY, (r.x, mu, var))
+
+
+@dataclass(frozen=True)
+class RowFunction:
+    """How one function over an index is planned forward."""
+
+    stats: tuple[str, ...]  # its row statistics, by name suffix, all-reduced where I is sharded
+    emit: Callable[[_Rows], None]  # its local maps and statistic AllReduces, in the layout chosen
+    linear: bool = False  # partial sums in, partial sums out: its local result stays partial over I's axes
+    named: bool = True  # its statistics are tensors of their own (max's one statistic is its result)
+
+
+FORWARD: dict[str, RowFunction] = {
+    "softmax": RowFunction(("max", "sum"), _softmax),
+    "logsumexp": RowFunction(("max", "sum"), _logsumexp),
+    "rmsnorm": RowFunction(("ms",), _rmsnorm),
+    "layernorm": RowFunction(("mean", "var"), _layernorm),
+    "max": RowFunction(("max",), _max, named=False),
+    "sum": RowFunction((), _sum, linear=True),
+    "mean": RowFunction((), _mean, linear=True),
 }
-# Per function, how many row sums its backward all-reduces when I is sharded.
-# (A norm makes its statistics again from its input first: rmsnorm 1 + 1, layernorm 2 + 2.)
-BACKWARD_STATS = {"softmax": 1, "rmsnorm": 2, "layernorm": 4, "logsumexp": 0, "max": 0, "sum": 0, "mean": 0}
-# Per function, the local map of its gradient in closed form (softmax's when its index is whole).
-VJP = {"softmax": Row.SOFTMAX_VJP, "logsumexp": Row.LOGSUMEXP_VJP, "max": Row.MAX_VJP, "sum": Row.SUM_VJP,
-       "mean": Row.MEAN_VJP, "rmsnorm": Row.RMSNORM_VJP, "layernorm": Row.LAYERNORM_VJP}
-# Per norm, the local map that finishes it from its input and its statistics.
-APPLY = {"rmsnorm": Row.RMSNORM_APPLY, "layernorm": Row.LAYERNORM_APPLY}
 
 
 def stat_names(func: str, result: str) -> tuple[str, ...]:
-    """The names the forward statistics of ``func`` take (before making them unique); ``max`` is its own."""
-    return () if func == "max" else tuple(f"{result}_{suffix}" for suffix, _ in STATS[func])
+    """The names the forward statistics of ``func`` take (before making them unique)."""
+    function = FORWARD[func]
+    return tuple(f"{result}_{suffix}" for suffix in function.stats) if function.named else ()
 
 
 def _option(phase: Phase, node: Node, local: Value, target: Value | None, stats: int) -> Layouts | None:
@@ -90,7 +174,7 @@ def _option(phase: Phase, node: Node, local: Value, target: Value | None, stats:
     rows = tuple(i for i in idx if i != over)
     cost = add_cost(cost, stats_cost(phase, rows, in_order(rows, axes), axes[over], stats))
     reduces = signature(node.fn or "").kind == "reduce"
-    extra = axes[over] if reduces and node.fn in ("sum", "mean") else ()
+    extra = axes[over] if reduces and FORWARD[node.fn or ""].linear else ()
     if reduces:
         result = in_order(node.indices, axes, tuple(local.unreduced) + extra)
     else:
@@ -112,13 +196,13 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
               label: str) -> None:
     """Plan a reduction node: cost each candidate, emit the cheapest, record the choice."""
     fn = node.fn or ""
+    function = FORWARD[fn]
     (arg,) = node.operands
-    if target is not None and target.unreduced and fn not in ("sum", "mean"):
+    if target is not None and target.unreduced and not function.linear:
         raise ShardcError(f"{node.result} is {fn} of partial sums, which is not a partial sum",
                           node.statement.span, fix="drop the {U_...} suffix: the function needs reduced values")
-    stats = len(STATS[fn])
-    linear = fn in ("sum", "mean")
-    options = [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, linear)
+    stats = len(function.stats)
+    options = [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, function.linear)
                if (o := _option(phase, node, v, target, stats)) is not None]
     if not options:
         raise ShardcError(f"no sharding of {arg} makes {label.split(' = ')[0]}", node.statement.span,
@@ -135,42 +219,14 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
 
 def emit_forward(phase: Phase, node: Node, option: Layouts) -> None:
     """The local maps and statistic AllReduces of one reduction, in the option's layout."""
-    fn = node.fn or ""
     (arg,) = node.operands
     idx = phase.indices[arg]
     over = over_of(node)
-    x = (arg, option.local)
-    axes = option.axes
     rows = tuple(i for i in idx if i != over)
-    rows_value = in_order(rows, by_index(idx, option.local.layout))
-    names = node.aux
-    for name in names:
+    for name in node.aux:
         phase.indices.setdefault(name, rows)
-    out = (node.result, option.result)
-    if fn in ("sum", "mean"):
-        local_map(phase, Row.ROW_SUM if fn == "sum" else Row.ROW_MEAN, node.result, option.result, (x,), over)
-    elif fn == "max":
-        value = statistic(phase, Row.ROW_MAX, node.result, option.result, axes, (x,), over, Combine.MAX)
-        assert value == option.result or not axes
-    elif fn in ("softmax", "logsumexp") and not axes:
-        local_map(phase, Row.SOFTMAX if fn == "softmax" else Row.LOGSUMEXP, node.result, option.result, (x,), over)
-    elif fn in ("softmax", "logsumexp"):
-        m = statistic(phase, Row.ROW_MAX, names[0], rows_value, axes, (x,), over, Combine.MAX)
-        z = statistic(phase, Row.ROW_SUMEXP, names[1], rows_value, axes, (x, (names[0], m)), over, None)
-        if fn == "softmax":
-            local_map(phase, Row.SOFTMAX_APPLY, *out, (x, (names[0], m), (names[1], z)), over)
-        else:
-            local_map(phase, Row.LSE_APPLY, *out, ((names[0], m), (names[1], z)), over)
-    elif fn == "rmsnorm":
-        q = statistic(phase, Row.ROW_MEANSQ, names[0], rows_value, axes, (x,), over, None)
-        local_map(phase, Row.RMSNORM_APPLY, *out, (x, (names[0], q)), over)
-    elif fn == "layernorm":
-        mu = statistic(phase, Row.ROW_MEAN, names[0], rows_value, axes, (x,), over, None)
-        var = statistic(phase, Row.ROW_MEANDEV, names[1], rows_value, axes, (x, (names[0], mu)), over, None)
-        local_map(phase, Row.LAYERNORM_APPLY, *out, (x, (names[0], mu), (names[1], var)), over)
-    else:
-        raise InternalError(f"`{fn}` is not a reduction over an index",
-                            fix="this is a shardc bug: please report the spec")
+    rows_value = in_order(rows, by_index(idx, option.local.layout))
+    FORWARD[node.fn or ""].emit(_Rows(phase, node, option, over, rows_value))
 
 
 def check_row_step(step: Step) -> list[str]:
