@@ -84,7 +84,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     communication.  ``strategy="rules"`` applies the book's rules even when sizes are
     known (the baseline the search is measured against); ``"search"`` runs the search
     once, compute and communication counted alike (or as ``weights``, (forward, backward), says:
-    how a part of a spec is planned as the whole spec's chosen plan was, :attr:`Plan.weights`).
+    compute's weight, or compute's and the collectives issued ahead's, as :func:`candidate_weights` gives them).
     ``recompute`` (none, selective, full, dots, dots-except:PARAM,...: :mod:`shardc.planner.recompute`)
     is what the backward recomputes instead of keeping; those forward steps are part of every candidate's backward time.
     ``budget`` is how much search the planner may do (:data:`BUDGET`) before it stops
@@ -426,7 +426,6 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         cotangents=backward.cotangents,
         grads=backward.grads,
         strategy="search" if sized else "rules",
-        weights=weights,
         choices=tuple(forward.choices + backward.phase.choices),
         gradient_names=tuple(graph.grads.items()),
         hardware=ctx.hardware.name,
