@@ -36,13 +36,15 @@ HEAVY = ("jax", "jaxlib", "matplotlib", "lark")
 
 # the planning and costing layers: parsing a spec must not reach any of them (the spec's own pipeline
 # lines, its stage axis and layer split, are ``shardc.spec.stages``, which validation reads)
-PLANNING_AND_COSTING = ("shardc.planner", "shardc.ir.plan", "shardc.ir.localops", "shardc.ops", "shardc.costmodel",
-                        "shardc.collectives", "shardc.timing", "shardc.hardware", "shardc.accountings",
-                        "shardc.layouts", "shardc.lowering", "shardc.verification", "shardc.pipeline")
+PLANNING_AND_COSTING = ("shardc.planner", "shardc.sharding", "shardc.ir.plan", "shardc.ir.localops", "shardc.ops",
+                        "shardc.costmodel", "shardc.collectives", "shardc.timing", "shardc.hardware",
+                        "shardc.accountings", "shardc.layouts", "shardc.lowering", "shardc.verification",
+                        "shardc.pipeline")
 
 # the passes that never import jax (so neither may anything they reach)
-NO_JAX = ("shardc.spec", "shardc.ir", "shardc.ops", "shardc.planner", "shardc.costmodel", "shardc.collectives",
-          "shardc.timing", "shardc.hardware", "shardc.pipeline", "shardc.layouts", "shardc.export")
+NO_JAX = ("shardc.spec", "shardc.ir", "shardc.ops", "shardc.sharding", "shardc.planner", "shardc.costmodel",
+          "shardc.collectives", "shardc.timing", "shardc.hardware", "shardc.pipeline", "shardc.layouts",
+          "shardc.export")
 
 
 @dataclass(frozen=True)
