@@ -20,7 +20,7 @@ from shardc.errors import InternalError
 from shardc.ir.localops import Add, Route, Row, Vocab
 from shardc.ir.plan import Monomial, Op, Plan, Step
 from shardc.ir.spec import TensorRef
-from shardc.ops.route_plans import check_route_step
+from shardc.ops.route import check_route_step
 from shardc.ops.row_plans import check_row_step
 from shardc.sharding.layout import Value
 from shardc.timing import plan_time

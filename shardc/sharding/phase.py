@@ -41,7 +41,7 @@ class Phase:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
-    sums: dict[object, object] = field(default_factory=dict)  # the sums searched (shardc.ops.sum_plans)
+    sums: dict[object, object] = field(default_factory=dict)  # the sums searched (by the sums family, shardc.ops.sums)
     # every solve's (key, problem, given values, solution), in order: see planner._same_steps
     trace: list[Traced] | None = None
 

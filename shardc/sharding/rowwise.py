@@ -4,7 +4,7 @@
 A step that reduces or looks up along one index I, each row (every other index) on its own, can run
 where I is whole (gathered first) or where I is sharded over axes A, with per-row statistics
 all-reduced over A.  An op family's rule (:mod:`shardc.ops.row_plans`, :mod:`shardc.ops.vocab_plans`,
-:mod:`shardc.ops.route_plans`, ...) lists its candidates (:class:`Layouts`) with these helpers, costs each with the
+:mod:`shardc.ops.route`, ...) lists its candidates (:class:`Layouts`) with these helpers, costs each with the
 same objective as everything else (:meth:`CostContext.seconds`, the table of collectives), and emits the
 cheapest.  The steps are local maps (``Op.ELEMENTWISE``; ``dim`` is the position of I in the frame, see
 :func:`frame_of`) and AllReduces (``fn=Combine.MAX`` for a maximum).  Local maps are free in the cost
