@@ -5,7 +5,7 @@ AllGathers of one dim or several, AllToAlls, ReduceScatters, AllReduces, in
 any order), every valid local einsum of the values reached, and every sequence
 of moves on its result to the declared value.  Its moves and its rules of a
 valid local einsum are written here from the collectives' semantics, sharing
-no code with ``shardc.planner.layout`` or ``shardc.planner.einsum``; the one
+no code with ``shardc.sharding.layout`` or ``shardc.sharding.einsum``; the one
 things shared are the price of a single move (:func:`move_seconds`) and of a
 local einsum's compute where the objective counts it (:func:`einsum_seconds`), so
 the two compare under one objective.
@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 import shardc
 from shardc.ir.plan import Monomial, Op, Plan, Step
 from shardc.ir.spec import Call, Contract, Expr, Mesh, MeshAxis, Network, Spec, TensorRef
-from shardc.planner.layout import CostContext, Move, Value
+from shardc.sharding.layout import CostContext, Move, Value
 from shardc.testing import specs
 
 SLACK = 1e-9  # relative: sums of the same seconds in another order differ in the last bits

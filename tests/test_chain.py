@@ -8,9 +8,9 @@ import pytest
 
 import shardc
 from shardc.planner.chain import layouts, step_costs
-from shardc.planner.einsum import EinsumProblem, Operand, solve
 from shardc.planner.graph import build_graph
-from shardc.planner.layout import CostContext, Value
+from shardc.sharding.einsum import EinsumProblem, Operand, solve
+from shardc.sharding.layout import CostContext, Value
 
 CHAINS = {
     "fsdp_tp": """

@@ -18,6 +18,9 @@ from shardc.ir.spec import Spec
 from shardc.lowering.api import lower
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
+from shardc.ops.reductions import REDUCTIONS
+from shardc.ops.row_plans import FORWARD
+from shardc.ops.rows_backward import BACKWARD
 from shardc.planner.check import check_plan
 from shardc.planner.plan_text import render_explain
 from shardc.spec.walk import calls
@@ -203,3 +206,10 @@ def test_recomputed_plans_with_reductions_verify() -> None:
         assert check_plan(p) == []
         report = verify(p)
         assert report.ok, render_report(report)
+
+
+def test_every_reduction_is_planned_from_the_family_tables() -> None:
+    # each function the family claims has its row of the forward table and of the backward one, and
+    # neither table plans a function the family does not claim
+    assert set(FORWARD) == set(BACKWARD) == set(REDUCTIONS.calls)
+    assert all(f.linear == (not f.stats) for f in FORWARD.values())  # only a linear reduction needs no statistic

@@ -9,7 +9,7 @@ import shardc
 from shardc.ir.spec import Mesh, MeshAxis
 from shardc.planner import planner
 from shardc.planner.check import check_plan
-from shardc.planner.unit import bonded_axes, placements, strip_unit_axes
+from shardc.sharding.unit import bonded_axes, placements, strip_unit_axes
 from shardc.testing import specs
 from shardc.timing import plan_time
 
@@ -38,7 +38,7 @@ def test_placements_keep_the_spec_s_places_and_orders() -> None:
 def test_a_gather_past_four_axes_may_span_free_axes() -> None:
     """Slicing free axes onto a dim and gathering them with it is one move of the restricted search:
     the gather runs over more links (the book: an AllGather over k axes at k times the bandwidth)."""
-    from shardc.planner.layout import CostContext, Value, neighbours
+    from shardc.sharding.layout import CostContext, Value, neighbours
 
     spec = shardc.parse(SIX_APART)
     ctx = CostContext(spec.mesh, spec.dtype, spec.sizes, places=placements(spec, None))

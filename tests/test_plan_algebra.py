@@ -151,7 +151,7 @@ Out[B_XYZ, D] = T[B_XYZ, F_PQR] · W_out[F_PQR, D_XYZ]
 
 def test_past_four_axes_bonded_axes_move_as_one() -> None:
     """Item 11: 6 axes of size 2 plan (a benchmark times it) with X, Y, Z and P, Q, R each moved as one."""
-    from shardc.planner.unit import bonded_axes
+    from shardc.sharding.unit import bonded_axes
 
     spec = shardc.parse(SIX)
     assert bonded_axes(spec) == (("X", "Y", "Z"), ("P", "Q", "R"))

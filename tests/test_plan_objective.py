@@ -19,8 +19,8 @@ from shardc.hardware import PRESETS
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
 from shardc.planner.check import check_plan, step_time
-from shardc.planner.layout import CostContext, Value
 from shardc.planner.plan_text import render_text, to_json
+from shardc.sharding.layout import CostContext, Value
 from shardc.testing import specs
 from shardc.timing import plan_time
 

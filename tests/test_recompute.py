@@ -18,8 +18,8 @@ from shardc.costmodel.formulas import evaluate, text
 from shardc.costmodel.memory import residual_formula, residual_table
 from shardc.ir.plan import Op, Plan
 from shardc.ir.spec import Call, Statement, TensorRef
-from shardc.ops.registry import CONTRACT, family_of
-from shardc.planner.graph import Graph, Node, build_graph
+from shardc.ops.registry import CONTRACT, Node, family_of
+from shardc.planner.graph import Graph, build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES as RECOMPUTE
 from shardc.planner.recompute import attention_region
 from shardc.testing import specs

@@ -202,7 +202,7 @@ class Row(Enum):
     """The local maps of a reduction over an index: forward, finishing maps and gradients.
 
     Each computes in its step's frame with the reduced index at ``Step.dim``
-    (:func:`shardc.planner.rows.frame_of`).
+    (:func:`shardc.sharding.rowwise.frame_of`).
     """
 
     SOFTMAX = "softmax"
@@ -236,7 +236,7 @@ class Row(Enum):
 
 
 class Vocab(Enum):
-    """The local maps of the vocabulary ops (:mod:`shardc.planner.vocab`)."""
+    """The local maps of the vocabulary ops (:mod:`shardc.ops.vocab_plans`)."""
 
     EMBED = "embed"
     EMBED_VJP = "embed_vjp"

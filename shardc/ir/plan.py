@@ -257,8 +257,6 @@ class Plan:
     cotangents: tuple[TensorRef, ...] = ()  # the gradient of each output, sharded like it
     grads: tuple[TensorRef, ...] = ()  # the gradient of each input not declared `const`
     strategy: str = "rules"  # "search" (least step time) or "rules" (the book's)
-    # the search's weights (forward, backward): compute's, or (compute's, collectives issued ahead)
-    weights: tuple[float | tuple[float, float], float | tuple[float, float]] = (1.0, 1.0)
     choices: tuple[Choice, ...] = field(default=(), compare=False)
     # tensor -> its gradient's name (shardc.names.gradient_names): never a name of the spec
     gradient_names: tuple[tuple[str, str], ...] = ()

@@ -34,7 +34,7 @@ from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.spec import Mesh, Network, Spec
 from shardc.planner.planner import plan
-from shardc.planner.unit import strip_unit_axes
+from shardc.sharding.unit import strip_unit_axes
 from shardc.spec.overrides import apply_overrides
 from shardc.timing import plan_links
 

@@ -4,6 +4,8 @@ Adding an op: write one module here that builds a :class:`~shardc.ops.registry.F
 (its spec functions, its typed local operations, how its forward and backward are
 planned, the bytes of what it makes, its JAX emitter and its numpy reference) and
 calls :func:`~shardc.ops.registry.register`; import it below; add its tests.  Its
+planning rules are written against the layout algebra of :mod:`shardc.sharding` (values, moves,
+reshards, a phase), never against the planner, which looks the families up.  Its
 functions' signatures are declared in :mod:`shardc.spec.functions`, which parsing reads
 without importing anything of planning.
 """

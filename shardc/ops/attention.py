@@ -58,15 +58,15 @@ from shardc.ops.products import einsum_letters
 from shardc.ops.reductions import grad_magnitude as softmax_grad_magnitude
 from shardc.ops.reductions import magnitude as softmax_magnitude
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, register
-from shardc.planner.layout import Value
-from shardc.planner.search import reshard
+from shardc.sharding.layout import Value
+from shardc.sharding.search import reshard
 from shardc.spec.attention_call import CAUSAL, Roles, roles
 from shardc.spec.walk import chain_indices
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
-    from shardc.planner.phase import Phase
+    from shardc.ops.registry import BackwardPass as _Backward
+    from shardc.ops.registry import Node
+    from shardc.sharding.phase import Phase
 
 __all__ = ["ATTENTION", "LSE_BYTES", "emit", "attention_forward", "attention_vjp"]
 

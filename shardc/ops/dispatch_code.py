@@ -1,6 +1,6 @@
 """``dispatch`` and ``combine`` (index-based expert routing), as lowering and the numpy reference see them.
 
-:func:`dispatch_code` writes a planned step (:mod:`shardc.planner.dispatch_plans`: S, E and C
+:func:`dispatch_code` writes a planned step (:mod:`shardc.ops.dispatch`: S, E and C
 whole on the device) as one call of a :mod:`shardc.lowering.runtime` helper
 (``expert_dispatch`` and the rest: ``jax.lax.top_k``, a cumulative count along S, then a
 scatter or gather by those indices), its operands transposed to the helper's order (batch

@@ -27,14 +27,13 @@ from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import aligned_text
-from shardc.planner.layout import Value
-from shardc.planner.search import reshard
+from shardc.sharding.layout import Value
+from shardc.sharding.search import reshard
 from shardc.spec.functions import ELEMENTWISE, PASS_THROUGH
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
-    from shardc.planner.phase import Phase
+    from shardc.ops.registry import BackwardPass, Node
+    from shardc.sharding.phase import Phase
 
 __all__ = ["MAPS", "emit", "Function", "FUNCTIONS", "function"]
 
@@ -121,7 +120,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     declared.setdefault(arg, phase.ref(arg, want))
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """dZ = f'(Z) dY, in the result's layout read index by index (the cotangent alone for a pass-through)."""
     (z,) = node.operands
     if z not in bw.needs:

@@ -1,9 +1,11 @@
 """The masks family: ``causal(Sc, S, T)`` and ``dropout(X, rate)``, registered once.
 
-Both are elementwise maps that keep the sharding; :mod:`shardc.planner.mask_plans` plans
-their forward and backward.  Here are the rest: the keep-mask a dropout node makes
-on the way (one byte an element, :data:`shardc.spec.functions.MASK_BYTES`), the
-JAX line of each step, and their meaning on whole arrays for the reference:
+Both are elementwise maps that keep the sharding, planned as ``gelu`` is: each reads its argument
+reduced, in the result's layout, and its steps carry what the lowering needs in their typed ``fn``
+(:class:`MaskOps`).  A dropout node makes its keep-mask first, a tensor of its own (``<Y>_mask``, one
+byte an element, :data:`shardc.spec.functions.MASK_BYTES`), which its backward reads again (so the
+mask is a residual, whatever the save policy).  Here too are the JAX line of each step and their
+meaning on whole arrays for the reference:
 
 - ``causal``: -inf where the key position T is after the query position S, by global
   position (the lowered ``causal_mask`` offsets each device's block by its index
@@ -16,30 +18,40 @@ JAX line of each step, and their meaning on whole arrays for the reference:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp
-from shardc.ir.plan import Step
+from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
+from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, TensorRef
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import broadcast_text
-from shardc.planner.mask_plans import MaskOps, plan_masked, plan_masked_backward
+from shardc.sharding.layout import Value
 from shardc.spec.functions import MASK_BYTES, dropout_salt
 from shardc.spec.walk import dropout_number
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
-    from shardc.planner.layout import Value
-    from shardc.planner.phase import Phase
+    from shardc.ops.registry import BackwardPass, Node
+    from shardc.sharding.phase import Phase
 
-__all__ = ["MASKS", "KEY", "keep_mask", "emit"]
+__all__ = ["MASKS", "MaskOps", "KEY", "keep_mask", "emit"]
 
 KEY = "dropout_key"  # the lowered functions' dropout-key argument (a local of the module's functions)
 
 Array = Any
+
+
+@dataclass(frozen=True)
+class MaskOps:
+    """The typed local operations of one mask node's steps, as the family builds them for its call:
+    the map (``causal(S,T)``, ``dropout(0.1)``), its gradient, and the keep-mask drawn first (a
+    dropout's; None: the map reads nothing but its argument)."""
+
+    apply: LocalOp
+    vjp: LocalOp
+    draw: LocalOp | None = None
 
 
 def _causal(node: Node, call: Call) -> MaskOps:
@@ -64,12 +76,39 @@ def _local_ops(node: Node) -> MaskOps:
 
 
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
-    """The argument reduced, in the result's layout, then the map (no choice to explain)."""
-    plan_masked(phase, node, declared, target, _local_ops(node))
+    """The argument reduced, in the result's layout (read index by index), then the map (no choice to
+    explain); a dropout draws its keep-mask first."""
+    ops = _local_ops(node)
+    (arg,) = node.operands
+    target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
+                                      f"a {node.fn}", node.statement.span)
+    operands: tuple[TensorRef, ...] = (phase.ref(arg, want),)
+    if ops.draw is not None:
+        (mask,) = node.aux
+        phase.emit(Step(Op.ELEMENTWISE, mask, phase.ref(mask, target), operands=operands, fn=ops.draw), target)
+        operands = (phase.ref(mask, target), *operands)  # (mask, x), as its gradient reads (mask, dY)
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target), operands=operands, fn=ops.apply),
+               target)
+    declared.setdefault(node.result, phase.ref(node.result, target))
+    declared.setdefault(arg, phase.ref(arg, want))
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
-    plan_masked_backward(bw, node, grad, _local_ops(node).vjp)
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
+    """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
+    (z,) = node.operands
+    if z not in bw.needs:
+        return
+    value = bw.target(node.result)
+    by_index = dict(zip(node.indices, value.layout, strict=True))
+    want = Value(tuple(by_index[i] for i in bw.phase.indices[z]), ())
+    operands: tuple[TensorRef, ...] = (bw.phase.ref(grad, value),)
+    for mask in node.aux:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
+        bw.phase.hold(mask, value)
+        operands = (bw.phase.ref(mask, value), *operands)
+    dst = bw.part_name(z)
+    bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, want), operands=operands, fn=_local_ops(node).vjp),
+                  want)
+    bw.settle(z, dst, want)
 
 
 def _aux(call: Call, result: str) -> tuple[str, ...]:

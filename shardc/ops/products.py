@@ -1,6 +1,6 @@
 """Einsums: a product of tensors (``A[B, D] · W[D, F]``) and a copy or transpose of one (``O[E, S] = A[S, E]``).
 
-Planned by the sharded-matmul search (:mod:`shardc.planner.einsum`: the book's four cases,
+Planned by the sharded-matmul search (:mod:`shardc.sharding.einsum`: the book's four cases,
 searched exactly when the sizes are known); the backward of ``C = A · B`` is the two
 products ``dA = dC · B`` and ``dB = A · dC``, the right operand first (usually the
 weight, as in the book's listings) so its gradient's reduction can be issued while the
@@ -22,10 +22,9 @@ from shardc.ops.arrays import contract
 from shardc.ops.registry import CONTRACT, Array, Arrays, Family, Namer, Reference, Site, register
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
-    from shardc.planner.layout import Value
-    from shardc.planner.phase import Phase
+    from shardc.ops.registry import BackwardPass, Node
+    from shardc.sharding.layout import Value
+    from shardc.sharding.phase import Phase
 
 __all__ = ["PRODUCTS", "emit", "einsum_letters"]
 
@@ -39,7 +38,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
         declared[node.result] = phase.ref(node.result, final)
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     if len(node.operands) == 1:
         (a,) = node.operands
         if a in bw.needs:

@@ -1,8 +1,8 @@
 """The reductions and norms family: ``softmax``, ``rmsnorm``, ``layernorm`` (the argument's indices)
 and ``sum``, ``mean``, ``max``, ``logsumexp`` (the reduced index dropped), each ``over`` one index.
 
-:mod:`shardc.planner.rows` plans the forward (the reduced index gathered, or per-row
-statistics all-reduced) and :mod:`shardc.planner.rows_backward` the closed-form
+:mod:`shardc.ops.row_plans` plans the forward (the reduced index gathered, or per-row
+statistics all-reduced) and :mod:`shardc.ops.rows_backward` the closed-form
 backward; the node makes its row statistics on the way (:func:`stat_names`, one value
 a row each, of the argument's indices less the reduced one).  Each step carries a
 :class:`~shardc.ir.localops.Row` (a statistic's AllReduce names a
@@ -15,6 +15,7 @@ gradient (:func:`magnitude`, :func:`grad_magnitude`), are written here along the
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,13 +26,12 @@ from shardc.ir.plan import Step
 from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, register
-from shardc.planner.rows import plan_rows
-from shardc.planner.rows_backward import rows_backward
-from shardc.planner.rowstats import stat_names
+from shardc.ops.row_plans import plan_rows, stat_names
+from shardc.ops.rows_backward import rows_backward
 from shardc.spec.functions import signature
 
 if TYPE_CHECKING:
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import Node
 
 __all__ = ["REDUCTIONS", "emit", "row_code", "aligned_to", "local_length", "forward", "vjp", "magnitude",
            "grad_magnitude", "RMS_EPS", "LN_EPS"]
@@ -69,7 +69,7 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
 
 
 # --- one step as one line of JAX -------------------------------------------------------------
-# :func:`row_code` writes one planned row step (:mod:`shardc.planner.rows`) as one line of JAX:
+# :func:`row_code` writes one planned row step (:mod:`shardc.ops.row_plans`) as one line of JAX:
 # ``jax.nn.softmax`` / ``jax.nn.logsumexp`` where the reduced index I is whole on the device, else
 # the local statistic, the finishing map, or the closed-form gradient.  Each step computes in its
 # frame (its result's index order if that has every index, else its first operand's) with I at
@@ -198,84 +198,172 @@ def _spread(step: Step, row: str, var: Namer, mean: bool) -> str:
 
 
 # --- whole arrays: the reference ---------------------------------------------------------
+# Each function's meaning along ``axis`` (``xp`` numpy or jax.numpy), its closed-form gradient at ``x``
+# (result ``y``) for the cotangent ``dy``, and bounds (numpy) on the terms behind both, for verify's
+# tolerance (see reference.magnitudes).  Every output of a row reads the whole row: a bound is the
+# row's largest input magnitude, scaled by how much the function can amplify it (a norm divides by
+# the row's RMS).  What differs between the functions is the table :data:`_WHOLE`.
+
+def _softmax_value(x: Array, axis: int, xp: Any) -> Array:
+    z = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+    return z / xp.sum(z, axis=axis, keepdims=True)
+
+
+def _logsumexp_value(x: Array, axis: int, xp: Any) -> Array:
+    m = xp.max(x, axis=axis, keepdims=True)
+    return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
+
+
+def _rmsnorm_value(x: Array, axis: int, xp: Any) -> Array:
+    return x / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+
+
+def _layernorm_value(x: Array, axis: int, xp: Any) -> Array:
+    mu = xp.mean(x, axis=axis, keepdims=True)
+    return (x - mu) / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
+
+
+def _sum_value(x: Array, axis: int, xp: Any) -> Array:
+    return xp.sum(x, axis=axis)
+
+
+def _mean_value(x: Array, axis: int, xp: Any) -> Array:
+    return xp.mean(x, axis=axis)
+
+
+def _max_value(x: Array, axis: int, xp: Any) -> Array:
+    return xp.max(x, axis=axis)
+
+
+def _softmax_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    return y * (dy - xp.sum(dy * y, axis=axis, keepdims=True))
+
+
+def _logsumexp_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    return xp.exp(x - xp.expand_dims(y, axis)) * xp.expand_dims(dy, axis)
+
+
+def _rmsnorm_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    r = 1.0 / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+    return r * (dy - y * xp.mean(dy * y, axis=axis, keepdims=True))
+
+
+def _layernorm_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    mu = xp.mean(x, axis=axis, keepdims=True)
+    r = 1.0 / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
+    return r * (dy - xp.mean(dy, axis=axis, keepdims=True) - y * xp.mean(dy * y, axis=axis, keepdims=True))
+
+
+def _sum_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    return xp.broadcast_to(xp.expand_dims(dy, axis), x.shape) + 0.0 * x
+
+
+def _mean_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    return xp.broadcast_to(xp.expand_dims(dy, axis), x.shape) / x.shape[axis] + 0.0 * x
+
+
+def _max_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    return xp.where(x == xp.expand_dims(y, axis), xp.expand_dims(dy, axis), 0.0 * x)
+
+
+def _row_peak(mag: Any, axis: int) -> Any:
+    return np.max(mag, axis=axis, keepdims=True)
+
+
+def _rms_scale(x: Any, axis: int) -> Any:
+    return 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
+
+
+def _softmax_bound(x: Any, y: Any, mag: Any, axis: int) -> Any:
+    return np.abs(y) * (1.0 + 2.0 * _row_peak(mag, axis))
+
+
+def _peak_bound(x: Any, y: Any, mag: Any, axis: int) -> Any:
+    """A max or a logsumexp: the row's peak, plus the value."""
+    return np.squeeze(_row_peak(mag, axis), axis) + np.abs(y)
+
+
+def _norm_bound(x: Any, y: Any, mag: Any, axis: int) -> Any:
+    return np.abs(y) + 2.0 * _row_peak(mag, axis) * _rms_scale(x, axis)
+
+
+def _sum_bound(x: Any, y: Any, mag: Any, axis: int) -> Any:
+    return np.sum(mag, axis=axis)
+
+
+def _mean_bound(x: Any, y: Any, mag: Any, axis: int) -> Any:
+    return np.sum(mag, axis=axis) / x.shape[axis]
+
+
+def _softmax_grad_bound(x: Any, y: Any, mag: Any, d: Any, axis: int) -> Any:
+    total = np.sum(d * np.abs(y), axis=axis, keepdims=True)
+    return np.abs(y) * (d + total) * (1.0 + _row_peak(mag, axis))
+
+
+def _norm_grad_bound(x: Any, y: Any, mag: Any, d: Any, axis: int) -> Any:
+    total = np.sum(d * np.abs(y), axis=axis, keepdims=True)
+    n = x.shape[axis]
+    return 2.0 * _rms_scale(x, axis) * (d + np.abs(y) * total / n + np.sum(d, axis=axis, keepdims=True) / n)
+
+
+def _spread_grad_bound(x: Any, y: Any, mag: Any, d: Any, axis: int) -> Any:
+    """A sum, a max or a logsumexp: the cotangent spread along the row, times its peak."""
+    return np.broadcast_to(np.expand_dims(d, axis), x.shape) * (1.0 + _row_peak(mag, axis))
+
+
+def _mean_grad_bound(x: Any, y: Any, mag: Any, d: Any, axis: int) -> Any:
+    return _spread_grad_bound(x, y, mag, d, axis) / x.shape[axis]
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """One function of the family on whole arrays (see above)."""
+
+    value: Callable[[Array, int, Any], Array]
+    vjp: Callable[[Array, Array, Array, int, Any], Array]
+    bound: Callable[[Any, Any, Any, int], Any]
+    grad_bound: Callable[[Any, Any, Any, Any, int], Any]
+    # its value depends on its argument's size other than linearly (a sum, a mean and a max scale with it),
+    # so verify brings the argument to unit size
+    nonlinear: bool
+
+
+_WHOLE: dict[str, _Whole] = {
+    "softmax": _Whole(_softmax_value, _softmax_vjp, _softmax_bound, _softmax_grad_bound, True),
+    "logsumexp": _Whole(_logsumexp_value, _logsumexp_vjp, _peak_bound, _spread_grad_bound, True),
+    "rmsnorm": _Whole(_rmsnorm_value, _rmsnorm_vjp, _norm_bound, _norm_grad_bound, True),
+    "layernorm": _Whole(_layernorm_value, _layernorm_vjp, _norm_bound, _norm_grad_bound, True),
+    "sum": _Whole(_sum_value, _sum_vjp, _sum_bound, _spread_grad_bound, False),
+    "mean": _Whole(_mean_value, _mean_vjp, _mean_bound, _mean_grad_bound, False),
+    "max": _Whole(_max_value, _max_vjp, _peak_bound, _spread_grad_bound, False),
+}
+
+
+def _whole(fn: str) -> _Whole:
+    if fn not in _WHOLE:
+        raise InternalError(f"the reference does not know the reduction {fn!r}",
+                            fix="this is a shardc bug: please report the spec")
+    return _WHOLE[fn]
+
 
 def forward(fn: str, x: Array, axis: int, xp: Any) -> Array:
     """``fn`` of ``x`` along ``axis`` (reductions drop it)."""
-    if fn == "softmax":
-        z = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
-        return z / xp.sum(z, axis=axis, keepdims=True)
-    if fn == "logsumexp":
-        m = xp.max(x, axis=axis, keepdims=True)
-        return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
-    if fn == "rmsnorm":
-        return x / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    if fn == "layernorm":
-        mu = xp.mean(x, axis=axis, keepdims=True)
-        return (x - mu) / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
-    if fn == "sum":
-        return xp.sum(x, axis=axis)
-    if fn == "mean":
-        return xp.mean(x, axis=axis)
-    if fn == "max":
-        return xp.max(x, axis=axis)
-    raise InternalError(f"the reference does not know the reduction {fn!r}",
-                        fix="this is a shardc bug: please report the spec")
+    return _whole(fn).value(x, axis, xp)
 
 
 def vjp(fn: str, x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
     """The gradient of ``fn`` at ``x`` (result ``y``) for the cotangent ``dy``, in closed form."""
-    if fn in ("sum", "mean", "max", "logsumexp"):
-        dy_, y_ = xp.expand_dims(dy, axis), xp.expand_dims(y, axis)
-        n = x.shape[axis]
-        if fn == "sum":
-            return xp.broadcast_to(dy_, x.shape) + 0.0 * x
-        if fn == "mean":
-            return xp.broadcast_to(dy_, x.shape) / n + 0.0 * x
-        if fn == "max":
-            return xp.where(x == y_, dy_, 0.0 * x)
-        return xp.exp(x - y_) * dy_
-    if fn == "softmax":
-        return y * (dy - xp.sum(dy * y, axis=axis, keepdims=True))
-    if fn == "rmsnorm":
-        r = 1.0 / xp.sqrt(xp.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-        return r * (dy - y * xp.mean(dy * y, axis=axis, keepdims=True))
-    if fn == "layernorm":
-        mu = xp.mean(x, axis=axis, keepdims=True)
-        r = 1.0 / xp.sqrt(xp.mean((x - mu) ** 2, axis=axis, keepdims=True) + LN_EPS)
-        return r * (dy - xp.mean(dy, axis=axis, keepdims=True) - y * xp.mean(dy * y, axis=axis, keepdims=True))
-    raise InternalError(f"the reference does not know the reduction {fn!r}",
-                        fix="this is a shardc bug: please report the spec")
+    return _whole(fn).vjp(x, y, dy, axis, xp)
 
 
 def magnitude(fn: str, x: Any, mag: Any, axis: int) -> Any:
-    """A bound on the terms behind ``fn(x)`` (numpy), for verify's tolerance (see reference.magnitudes).
-
-    Every output of a row reads the whole row: the row's largest input magnitude, scaled by
-    how much the function can amplify it (a norm divides by the row's RMS).
-    """
-    y = forward(fn, x, axis, np)
-    row = np.max(mag, axis=axis, keepdims=True)
-    if fn in ("sum", "mean"):
-        return np.sum(mag, axis=axis) / (x.shape[axis] if fn == "mean" else 1)
-    if fn in ("max", "logsumexp"):
-        return np.squeeze(row, axis) + np.abs(y)
-    if fn == "softmax":
-        return np.abs(y) * (1.0 + 2.0 * row)
-    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    return np.abs(y) + 2.0 * row * scale
+    """A bound on the terms behind ``fn(x)`` (numpy), for verify's tolerance (see reference.magnitudes)."""
+    return _whole(fn).bound(x, forward(fn, x, axis, np), mag, axis)
 
 
 def grad_magnitude(fn: str, x: Any, mag: Any, d: Any, axis: int) -> Any:
     """A bound on the terms behind the gradient of ``fn`` for a cotangent of magnitude ``d`` (numpy)."""
-    y = forward(fn, x, axis, np)
-    if fn in ("sum", "mean", "max", "logsumexp"):
-        spread = np.broadcast_to(np.expand_dims(d, axis), x.shape)
-        return spread * (1.0 + np.max(mag, axis=axis, keepdims=True)) / (x.shape[axis] if fn == "mean" else 1)
-    total = np.sum(d * np.abs(y), axis=axis, keepdims=True)
-    if fn == "softmax":
-        return np.abs(y) * (d + total) * (1.0 + np.max(mag, axis=axis, keepdims=True))
-    scale = 1.0 / np.sqrt(np.mean(x * x, axis=axis, keepdims=True) + RMS_EPS)
-    return 2.0 * scale * (d + np.abs(y) * total / x.shape[axis] + np.sum(d, axis=axis, keepdims=True) / x.shape[axis])
+    return _whole(fn).grad_bound(x, forward(fn, x, axis, np), mag, d, axis)
 
 
 def _axis(site: Site) -> int:
@@ -317,13 +405,9 @@ def _softmax(node: Node) -> bool:
     return node.call is not None and node.call.func == "softmax"
 
 
-# the reductions whose value depends on the size of their argument, not only on it linearly (a sum, a
-# mean and a max scale with it)
-_SIZE_SENSITIVE = frozenset({"softmax", "rmsnorm", "layernorm", "logsumexp"})
-
 REDUCTIONS = register(Family(
-    name="reductions", calls=frozenset({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp"}),
+    name="reductions", calls=frozenset(_WHOLE),
     ops=(Row, Combine), plan=plan_rows, backward=rows_backward, emit=emit,
     reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
-                        indices=_indices, nonlinear=lambda func: func in _SIZE_SENSITIVE),
+                        indices=_indices, nonlinear=lambda func: _WHOLE[func].nonlinear),
     argument=_argument, aux=_aux, operands=_operands, scores=_softmax))

@@ -6,11 +6,10 @@ pass needs of them: how the planner plans the forward and the backward of one of
 its graph nodes, the bytes an element of the tensors those nodes make on the way, the HBM
 bytes a step reads and writes (its cost: every step of a family is memory-bound),
 one line of JAX for each of its steps, and its meaning on whole arrays for the
-numpy reference.  The graph builder puts a node's family on the node
-(:attr:`shardc.planner.graph.Node.family`), so the planner dispatches on that
-object; codegen looks a step's family up by the class of its local operation
-(:func:`of_op`).  Each family registers itself, in its own module, with
-:func:`register`; :mod:`shardc.ops` imports every family module.
+numpy reference.  The graph builder (:mod:`shardc.planner.graph`) puts a node's family on the
+node (:attr:`Node.family`), so the planner dispatches on that object; codegen looks a step's
+family up by the class of its local operation (:func:`of_op`).  Each family registers itself, in its
+own module, with :func:`register`; :mod:`shardc.ops` imports every family module.
 """
 
 from __future__ import annotations
@@ -21,14 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from shardc.ir.plan import Op, Step
-    from shardc.ir.spec import Call, Expr, TensorRef
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
-    from shardc.planner.layout import Value
-    from shardc.planner.phase import Phase
+    from shardc.ir.spec import Call, Expr, Statement, TensorRef
+    from shardc.sharding.layout import Value
+    from shardc.sharding.phase import Phase
 
-__all__ = ["Builder", "Family", "Flops", "Reference", "Site", "Sizer", "Traffic", "all_traffic", "no_traffic",
-           "register", "of_call", "family_of", "of_op", "of_step", "families", "SUM", "RENAME", "CONTRACT"]
+__all__ = ["BackwardPass", "Builder", "Family", "Node", "Flops", "Reference", "Site", "Sizer", "Traffic",
+           "all_traffic", "no_traffic", "register", "of_call", "family_of", "of_op", "of_step", "families",
+           "SUM", "RENAME", "CONTRACT"]
 
 # The forms of the language a family may claim beside its spec functions: a sum of terms
 # (``A + B - C``), a rename (``Kx[B, T, D] = X[B, S, D]``) and a product or copy (``A · B``).
@@ -65,6 +63,59 @@ class Builder(Protocol):
     indices: dict[str, tuple[str, ...]]
 
     def argument(self, e: Expr, name: str, indices: tuple[str, ...], target: TensorRef | None = None) -> str: ...
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operation of an op family: an einsum of 1 or 2 operands, a sum, a call, as the graph builder
+    (:mod:`shardc.planner.graph`) makes it from a statement and a family's rules plan it.
+
+    ``call`` is the spec's call a node comes from (its index names, numbers and ``over``
+    index), ``signs`` a sum's term signs.
+    """
+
+    family: Family = field(compare=False)  # its op family: every pass finds the node's code there
+    result: str
+    indices: tuple[str, ...]
+    operands: tuple[str, ...]
+    target: TensorRef | None  # the requested sharding; None: the planner chooses
+    statement: Statement
+    fn: str | None = None
+    chain: int = 0  # position in a chain of intermediates (0: not in one)
+    call: Call | None = None  # the call this node computes (non-elementwise functions)
+    signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
+    partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
+    aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
+
+
+class BackwardPass(Protocol):
+    """What a family's backward rule may ask of the backward pass (:mod:`shardc.planner.backward`): its
+    phase and the forward's, the declared shardings, which tensors need a gradient, how many contributions
+    each gradient receives and those kept so far (to be summed), the names taken, and its moves."""
+
+    phase: Phase
+    forward: Phase
+    declared: dict[str, TensorRef]
+    needs: set[str]
+    count: dict[str, int]
+    parts: dict[str, list[tuple[str, Value]]]
+    taken: set[str]
+
+    def target(self, name: str) -> Value:
+        """The layout ``name``'s gradient is due in."""
+        ...
+
+    def part_name(self, name: str) -> str:
+        """The gradient's name, or a fresh one for one of several contributions."""
+        ...
+
+    def contribute(self, primal: str, operands: tuple[str, ...], label: tuple[str, ...]) -> None:
+        """One einsum contribution to ``primal``'s gradient."""
+        ...
+
+    def settle(self, primal: str, dst: str, value: Value) -> None:
+        """A contribution ``dst`` made as ``value``: kept to be summed, or moved to the primal's sharding."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -147,7 +198,7 @@ class Family:
     # the forward of a node (``label``: its statement as ``--explain`` names it)
     plan: Callable[[Phase, Node, dict[str, TensorRef], Value | None, str], None]
     # the backward of a node, given its cotangent's name; None: the result has no gradient (a 0/1 mask)
-    backward: Callable[[_Backward, Node, str], None] | None
+    backward: Callable[[BackwardPass, Node, str], None] | None
     # one step as one line of JAX (its right-hand side), at the module's sizes (None: shape-generic)
     emit: Callable[[Step, Namer, dict[str, int] | None], str]
     reference: Reference

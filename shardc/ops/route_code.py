@@ -1,7 +1,7 @@
 """``route`` (top-k routing with capacity), as lowering and the numpy reference see it (for its
 family, :mod:`shardc.ops.route`).
 
-:func:`route_code` writes the planned step (:mod:`shardc.planner.route_plans`: E and S
+:func:`route_code` writes the planned step (:mod:`shardc.ops.route`: E and S
 whole on the device) as one call of
 :func:`shardc.lowering.runtime.route_topk` (``jax.lax.top_k`` along E, an
 exclusive cumulative count along S), then a transpose to the result's index order.  :func:`route_forward` is the

@@ -2,8 +2,22 @@
 
 Neither is a spec function: the graph gives a sum's node the family of the form
 :data:`~shardc.ops.registry.SUM` and a rename's that of :data:`~shardc.ops.registry.RENAME`.
-:mod:`shardc.planner.sum_plans` plans their forward (a sum's local value searched, a rename
-an alias of its source's value); their backward is here:
+A sum adds its terms elementwise on each device; a term whose indices are a subset
+of the result's broadcasts over the others.  Its local configuration is the result's
+local value: a layout, and the axes it stays unreduced over.  Each term is read in
+that layout restricted to its indices (a broadcast term is replicated over the axes of
+indices it lacks, and sliced for free where the result shards one of its own).
+Partial sums add without communication (``{U_X} + {U_X}`` is ``{U_X}``): a term that
+is partial over an axis the result stays unreduced over is added as it is; a reduced
+term there is added on the devices of coordinate 0 along those axes only (zero
+elsewhere), so the partial sums still add up to the sum, and nothing is counted twice.
+So ``A · W1 + C · W2`` (both partial over Y) adds the partial products and reduces the
+sum once.  With sizes every configuration is costed exactly (the reshards of the terms
+into it, plus the result's reshard to its declared sharding); without, the result
+keeps its declared layout (else its first term's) and every partial sum the terms hold.
+A rename is an alias: its source's value read under new index names (by position), no
+copy, no FLOPs; only a declared sharding that differs from the source's moves the alias
+after it.  Their backward:
 
 - a sum's term gets ±dR, summed over the indices it lacks (an einsum), or dR itself
   (an alias step) where it has the result's indices; a ``-`` term negates dR first;
@@ -20,10 +34,13 @@ add up to the sum once.  A rename is the same array under a new name.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS, NEG, Add, Alias, Neg
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
@@ -43,17 +60,168 @@ from shardc.ops.registry import (
     register,
 )
 from shardc.ops.text import broadcast_text
-from shardc.planner.layout import Value
-from shardc.planner.sum_plans import guard_axes, plan_add, plan_rename
+from shardc.sharding.einsum import room
+from shardc.sharding.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
+from shardc.sharding.phase import Phase
+from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
-    from shardc.planner.phase import Phase
+    from shardc.ops.registry import BackwardPass, Node
 
 __all__ = ["SUMS", "emit"]
 
 Array = Any
+
+
+Term = tuple[str, tuple[str, ...], tuple[Value, ...]]  # name, indices, the values the phase holds
+
+
+def guard_axes(operand: TensorRef, result: TensorRef) -> tuple[str, ...]:
+    """Axes a sum's result is unreduced over but this term is not: it is added on coordinate 0 only."""
+    return tuple(a for a in result.unreduced if a not in operand.unreduced)
+
+
+def plan_add(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None) -> None:
+    """Plan one sum into moves of its terms, one local add, and the result's moves."""
+    terms: list[Term] = [(t, phase.indices[t], tuple(phase.held[t])) for t in node.operands]
+    if target is not None and not set(target.unreduced) <= _available(terms):
+        raise ShardcError(f"{node.result} is declared partial sums over {', '.join(target.unreduced)}, "
+                          "but no term of the sum is", node.statement.span,
+                          fix="drop the {U_...} suffix, or make a term partial over those axes")
+    # Layers repeat: the same sum (up to names) is searched once a phase.
+    kind = phase.ctx.kind  # weight or not, element bytes: what a tensor's moves cost
+    key = ("add", tuple((idx, sources, kind(name)) for name, idx, sources in terms), node.indices, target,
+           node.partial, kind(node.result), phase.sized)
+    best = phase.sums.get(key)
+    if best is None:
+        best = phase.sums[key] = _search(phase, node, terms, target)
+    solution: Solution = best  # type: ignore[assignment]
+    _, local, reads, result_moves = solution
+    operands = []
+    for (name, _, _), (value, moves) in zip(terms, reads, strict=True):
+        phase.moves(name, moves)
+        operands.append(phase.ref(name, value))
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, local), operands=tuple(operands),
+                    fn=Add(node.signs)), local)
+    phase.moves(node.result, result_moves)
+    final = result_moves[-1].dst if result_moves else local
+    declared.setdefault(node.result, phase.ref(node.result, final))
+
+
+Solution = tuple[Cost, Value, list[tuple[Value, tuple[Move, ...]]], tuple[Move, ...]]
+
+
+def _search(phase: Phase, node: Node, terms: list[Term], target: Value | None) -> Solution:
+    """The least-cost local result value and the moves around it (one value without sizes)."""
+    candidates = _candidates(phase.ctx, node, terms) if phase.sized else [_rule_local(node, terms, target)]
+    best: Solution | None = None
+    for local in candidates:
+        phase.ctx.tick()
+        found = _evaluate(phase.ctx, node, terms, local, target, best[0] if best is not None else None)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], local, found[1], found[2])
+    if best is None:
+        raise ShardcError(f"no sharding of the terms makes {node.result}", node.statement.span,
+                          fix="declare the result reduced, or shard the terms alike")
+    return best
+
+
+def _available(terms: list[Term]) -> set[str]:
+    """Axes some term holds partial sums over."""
+    return {a for _, _, sources in terms for s in sources for a in s.unreduced}
+
+
+def _evaluate(ctx: CostContext, node: Node, terms: list[Term], local: Value, target: Value | None,
+              bound: Cost | None = None) -> tuple[Cost, list[tuple[Value, tuple[Move, ...]]], tuple[Move, ...]] | None:
+    """The cost of one local result value: each term read into it, the result moved to its target.
+
+    None when it cannot be made, or costs more than ``bound`` (the search stops exploring there).
+    """
+    by_index = dict(zip(node.indices, local.layout, strict=True))
+    total: Cost = ZERO
+    reads = []
+    for name, idx, sources in terms:
+        layout = tuple(by_index[i] for i in idx)
+        partial = tuple(a for a in local.unreduced if any(a in s.unreduced for s in sources))
+        options = [Value(layout, partial)] + ([Value(layout, ())] if partial else [])
+        best: tuple[Cost, Value, tuple[Move, ...]] | None = None
+        for want in options:
+            if not any(s.reaches(want) for s in sources):
+                continue
+            cost, path = reshard(ctx, name, idx, sources, want, room(bound, total))
+            if cost != INFINITE and (best is None or cost < best[0]):
+                best = (cost, want, path)
+        if best is None:
+            return None
+        total = add_cost(total, best[0])
+        if bound is not None and total > bound:
+            return None
+        reads.append((best[1], best[2]))
+    if target is None and local.unreduced and not node.partial:
+        target = Value(local.layout, ())  # an intermediate the caller lays out: reduce the sum in place
+    moves: tuple[Move, ...] = ()
+    if target is not None:
+        if not local.reaches(target):
+            return None
+        cost, moves = reshard(ctx, node.result, node.indices, (local,), target, room(bound, total))
+        if cost == INFINITE:
+            return None
+        total = add_cost(total, cost)
+        if bound is not None and total > bound:
+            return None
+    return total, reads, moves
+
+
+def _rule_local(node: Node, terms: list[Term], target: Value | None) -> Value:
+    """Without sizes: the declared layout (else the first full term's), every partial sum kept."""
+    if target is not None:
+        layout = target.layout
+    else:
+        full = next((t for t in terms if set(t[1]) == set(node.indices)), terms[0])
+        held = dict(zip(full[1], full[2][0].layout, strict=True))
+        layout = tuple(held.get(i, ()) for i in node.indices)
+    used = {a for axes in layout for a in axes}
+    return Value(layout, tuple(sorted(_available(terms) - used)))
+
+
+def _candidates(ctx: CostContext, node: Node, terms: list[Term]) -> Iterator[Value]:
+    """Every local result value: per unit of axes, unused, an index, or kept unreduced."""
+    partial = _available(terms)
+    units = ctx.unit_list()
+    options = []
+    for unit in units:
+        choices: list[str | None] = [None] + [i for i in node.indices if ctx.divides(i, unit)]
+        if unit[0] in partial:
+            choices.append("+")
+        options.append(choices)
+    for combo in itertools.product(*options):
+        by_index: dict[str, list[tuple[str, ...]]] = {}
+        for unit, role in zip(units, combo, strict=True):
+            if role is not None and role != "+":
+                by_index.setdefault(role, []).append(unit)
+        unreduced = tuple(sorted(a for unit, role in zip(units, combo, strict=True) if role == "+" for a in unit))
+        groups = [(i, list(itertools.permutations(us))) for i, us in by_index.items()]
+        for perms in itertools.product(*(p for _, p in groups)):
+            order = {i: tuple(a for u in p for a in u) for (i, _), p in zip(groups, perms, strict=True)}
+            if all(ctx.divides(i, axes) for i, axes in order.items()):
+                yield Value(tuple(order.get(i, ()) for i in node.indices), unreduced)
+
+
+def plan_rename(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None) -> None:
+    """``Kx[B, T, D] = X[B, S, D]``: an alias of a value of X (layouts are by position), then the
+    moves its declared sharding needs, on Kx."""
+    (src,) = node.operands
+    held = tuple(phase.held[src])
+    moves: tuple[Move, ...] = ()
+    start = held[0]
+    if target is not None:
+        _, moves = reshard(phase.ctx, node.result, node.indices, held, target)
+        start = moves[0].src if moves else target
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, start),
+                    operands=(phase.ref(src, start),), fn=ALIAS), start)
+    phase.moves(node.result, moves)
+    phase.link(src, node.result)  # values made later of either are the other's (one gather for Q and K)
+    declared.setdefault(node.result, phase.ref(node.result, moves[-1].dst if moves else start))
 
 
 def _is_rename(node: Node) -> bool:
@@ -65,7 +233,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (plan_rename if _is_rename(node) else plan_add)(phase, node, declared, target)
 
 
-def _alias(bw: _Backward, primal: str, grad: str, value: Value) -> None:
+def _alias(bw: BackwardPass, primal: str, grad: str, value: Value) -> None:
     """``grad`` (held as ``value``) is a contribution to ``primal``'s gradient as it is: an alias step."""
     dst = bw.part_name(primal)
     bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, value), operands=(bw.phase.ref(grad, value),),
@@ -73,7 +241,7 @@ def _alias(bw: _Backward, primal: str, grad: str, value: Value) -> None:
     bw.settle(primal, dst, value)
 
 
-def _add_backward(bw: _Backward, node: Node, grad: str) -> None:
+def _add_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """``R = A ± B``: dA = ±dR, summed over the indices A lacks (the einsum ``dR[B, S, D] -> dA[D]``)."""
     for term, sign in zip(node.operands, node.signs, strict=True):
         if term not in bw.needs:
@@ -91,7 +259,7 @@ def _add_backward(bw: _Backward, node: Node, grad: str) -> None:
             bw.contribute(term, (source,), (source,))
 
 
-def _rename_backward(bw: _Backward, node: Node, grad: str) -> None:
+def _rename_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """``Kx[B, T, D] = X[B, S, D]``: each contribution to dKx, as made, is one to dX renamed back."""
     (src,) = node.operands
     parts = bw.parts.pop(node.result, [])
@@ -102,7 +270,7 @@ def _rename_backward(bw: _Backward, node: Node, grad: str) -> None:
             _alias(bw, src, part, value)
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     (_rename_backward if _is_rename(node) else _add_backward)(bw, node, grad)
 
 

@@ -1,6 +1,6 @@
 """The vocabulary ops: ``embed(Tok, W_emb)`` and ``cross_entropy(Logits, Tok)``, registered once.
 
-:mod:`shardc.planner.vocab` plans both, forward and backward, with the vocabulary
+:mod:`shardc.ops.vocab_plans` plans both, forward and backward, with the vocabulary
 index sharded as Megatron-LM shards it.  A node reads two tensors, each computed
 towards its own indices; the token ids are integers and get no gradient, so the
 gradient reaches the table (``embed``) or the logits (``cross_entropy``).  A loss
@@ -28,14 +28,13 @@ from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.reductions import aligned_to, forward, local_length, row_code
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, all_traffic, register
-from shardc.planner.vocab import embed_backward, loss_backward, plan_embed, plan_loss
+from shardc.ops.vocab_plans import embed_backward, loss_backward, plan_embed, plan_loss
 from shardc.spec.walk import chain_indices
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
-    from shardc.planner.layout import Value
-    from shardc.planner.phase import Phase
+    from shardc.ops.registry import BackwardPass, Node
+    from shardc.sharding.layout import Value
+    from shardc.sharding.phase import Phase
 
 __all__ = ["VOCABULARY", "emit", "lookup_forward", "lookup_vjp"]
 
@@ -67,7 +66,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (plan_embed if node.call.func == "embed" else plan_loss)(phase, node, declared, target, label)
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     assert node.call is not None
     (embed_backward if node.call.func == "embed" else loss_backward)(bw, node, grad)
 

@@ -36,11 +36,12 @@ from shardc.ir.localops import add_op
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.names import fresh
-from shardc.planner.einsum import EinsumProblem, NoPlan, Operand
-from shardc.planner.graph import Graph, Node
-from shardc.planner.layout import Layout, Value
-from shardc.planner.phase import Phase
-from shardc.planner.search import reshard
+from shardc.ops.registry import Node
+from shardc.planner.graph import Graph
+from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand
+from shardc.sharding.layout import Layout, Value
+from shardc.sharding.phase import Phase
+from shardc.sharding.search import reshard
 
 __all__ = ["Backward", "plan_backward"]
 

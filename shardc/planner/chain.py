@@ -15,7 +15,7 @@ splits into three independent parts,
 
 so each configuration is costed once, keyed by its (local first operand, local
 result), and the table is filled from those distinct values.  The minimum is the
-same as the einsum search's (:func:`shardc.planner.einsum.solve`), which stays the
+same as the einsum search's (:func:`shardc.sharding.einsum.solve`), which stays the
 one that plans the step once the layouts are chosen.
 """
 
@@ -25,12 +25,12 @@ import itertools
 from collections.abc import Iterator
 
 from shardc.ir.spec import TensorRef
-from shardc.planner.einsum import EinsumProblem, Operand, compute_cost, configurations
-from shardc.planner.graph import Node
-from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost
-from shardc.planner.phase import Phase
-from shardc.planner.reverse import costs_to
-from shardc.planner.search import least_costs, reshard
+from shardc.ops.registry import Node
+from shardc.sharding.einsum import EinsumProblem, Operand, compute_cost, configurations
+from shardc.sharding.layout import INFINITE, ZERO, Cost, CostContext, Value, add_cost
+from shardc.sharding.phase import Phase
+from shardc.sharding.reverse import costs_to
+from shardc.sharding.search import least_costs, reshard
 
 __all__ = ["choose_chain"]
 
@@ -69,7 +69,7 @@ def step_costs(ctx: CostContext, problem: EinsumProblem, starts: list[State],
 
     Every state after the first is a reduced layout, so the configurations that
     are valid are the same for all of them.  Each entry equals one exact
-    :func:`shardc.planner.einsum.solve` of the pair, which the tests check.
+    :func:`shardc.sharding.einsum.solve` of the pair, which the tests check.
     """
     head = problem.operands[0]
     rest = _rest_costs(ctx, problem, skip_head=starts[0] is not None)

@@ -20,9 +20,9 @@ from shardc.errors import InternalError
 from shardc.ir.localops import Add, Route, Row, Vocab
 from shardc.ir.plan import Monomial, Op, Plan, Step
 from shardc.ir.spec import TensorRef
-from shardc.planner.layout import Value
-from shardc.planner.route_plans import check_route_step
-from shardc.planner.rows import check_row_step
+from shardc.ops.route import check_route_step
+from shardc.ops.row_plans import check_row_step
+from shardc.sharding.layout import Value
 from shardc.timing import plan_time
 
 __all__ = ["check_plan", "require_sound", "replay_step", "comm_time", "step_time"]

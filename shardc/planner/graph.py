@@ -19,32 +19,10 @@ from dataclasses import dataclass, field, replace
 from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.names import gradient_names
-from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, family_of, of_call
+from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Node, family_of, of_call
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
 
-__all__ = ["Node", "Graph", "build_graph"]
-
-
-@dataclass(frozen=True)
-class Node:
-    """One operation of an op family (:mod:`shardc.ops`): an einsum of 1 or 2 operands, a sum, a call.
-
-    ``call`` is the spec's call a node comes from (its index names, numbers and ``over``
-    index), ``signs`` a sum's term signs.
-    """
-
-    family: Family = field(compare=False)  # its op family: every pass finds the node's code there
-    result: str
-    indices: tuple[str, ...]
-    operands: tuple[str, ...]
-    target: TensorRef | None  # the requested sharding; None: the planner chooses
-    statement: Statement
-    fn: str | None = None
-    chain: int = 0  # position in a chain of intermediates (0: not in one)
-    call: Call | None = None  # the call this node computes (non-elementwise functions)
-    signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
-    partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
-    aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
+__all__ = ["Graph", "build_graph"]
 
 
 @dataclass(frozen=True)

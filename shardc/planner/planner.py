@@ -21,16 +21,18 @@ from shardc.errors import ShardcError, clip
 from shardc.hardware import Hardware, check_spans, resolve_hardware
 from shardc.ir.plan import Plan, Sections, Step, TensorInfo
 from shardc.ir.spec import Spec, TensorRef, parse_topology
+from shardc.ops.registry import Node
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
-from shardc.planner.einsum import Solution
 from shardc.planner.fold import fold_redundant
-from shardc.planner.graph import Graph, Node, build_graph
-from shardc.planner.layout import CostContext, SearchTooLong, Value
-from shardc.planner.phase import Phase, Traced
+from shardc.planner.graph import Graph, build_graph
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, policy, recompute_steps
-from shardc.planner.unit import (
+from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
+from shardc.sharding.einsum import Solution
+from shardc.sharding.layout import CostContext, SearchTooLong, Value
+from shardc.sharding.phase import Phase, Traced
+from shardc.sharding.unit import (
     Placements,
     bonded_axes,
     placements,
@@ -38,7 +40,6 @@ from shardc.planner.unit import (
     strip_unit_axes,
     without_unit_axes,
 )
-from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import layer_inputs, leaves
@@ -83,7 +84,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     communication.  ``strategy="rules"`` applies the book's rules even when sizes are
     known (the baseline the search is measured against); ``"search"`` runs the search
     once, compute and communication counted alike (or as ``weights``, (forward, backward), says:
-    how a part of a spec is planned as the whole spec's chosen plan was, :attr:`Plan.weights`).
+    compute's weight, or compute's and the collectives issued ahead's, as :func:`candidate_weights` gives them).
     ``recompute`` (none, selective, full, dots, dots-except:PARAM,...: :mod:`shardc.planner.recompute`)
     is what the backward recomputes instead of keeping; those forward steps are part of every candidate's backward time.
     ``budget`` is how much search the planner may do (:data:`BUDGET`) before it stops
@@ -425,7 +426,6 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         cotangents=backward.cotangents,
         grads=backward.grads,
         strategy="search" if sized else "rules",
-        weights=weights,
         choices=tuple(forward.choices + backward.phase.choices),
         gradient_names=tuple(graph.grads.items()),
         hardware=ctx.hardware.name,

@@ -44,8 +44,8 @@ from shardc.collectives import Op
 from shardc.errors import ShardcError
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
-from shardc.ops.registry import CONTRACT, family_of
-from shardc.planner.graph import Graph, Node
+from shardc.ops.registry import CONTRACT, Node, family_of
+from shardc.planner.graph import Graph
 
 __all__ = ["RECOMPUTE_MODES", "attention_region", "keeps_layer_inputs", "policy", "recompute_steps", "reads"]
 

@@ -32,9 +32,9 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import UPDATE
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, Contract, Dim, Expr, Spec, TensorRef, Zero
-from shardc.planner.layout import Layout, Value
-from shardc.planner.phase import Phase
-from shardc.planner.search import reshard
+from shardc.sharding.layout import Layout, Value
+from shardc.sharding.phase import Phase
+from shardc.sharding.search import reshard
 from shardc.spec.walk import leaves
 
 __all__ = ["zero_axes", "zero_layout", "zero3_spec", "zero_params", "plan_optimizer"]
@@ -121,7 +121,7 @@ def plan_optimizer(phase: Phase, shards: dict[str, Layout], declared: dict[str, 
     ``grads`` maps each param to its gradient as the backward left it: partial over
     the ZeRO axes it was summed over (stage 1: a ReduceScatter here), or on the
     shard already (stage 2: nothing to move).  Each move is the cheapest reshard the
-    planner's search finds (:func:`shardc.planner.search.reshard`).
+    planner's search finds (:func:`shardc.sharding.search.reshard`).
     """
     for param, layout in shards.items():
         grad, full = grads[param], Value.of(declared[param])

@@ -2,10 +2,10 @@
 
 :func:`reshard` searches forward from any of several free sources (values the phase
 already holds) to one target; :func:`least_costs` from sources that have each cost
-something so far.  The states are the values of :mod:`shardc.planner.layout`, the
+something so far.  The states are the values of :mod:`shardc.sharding.layout`, the
 edges its moves with their costs (:meth:`CostContext.edges`); costs are tuples
 compared lexicographically (seconds, collectives, activation collectives).
-:mod:`shardc.planner.reverse` searches the other way, from one target back to many sources.
+:mod:`shardc.sharding.reverse` searches the other way, from one target back to many sources.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import heapq
 import itertools
 from collections.abc import Iterable
 
-from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, expand
+from shardc.sharding.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, expand
 
 __all__ = ["reshard", "least_costs"]
 

@@ -3,7 +3,7 @@
 Forward and backward are planned by the same code: a phase holds, per tensor,
 every value it has made or been given (so a value is collected once and reused,
 as the book gathers dOut once for both dW_out and dTmp), and turns each einsum
-into steps through :func:`shardc.planner.einsum.solve` (with sizes) or the book's
+into steps through :func:`shardc.sharding.einsum.solve` (with sizes) or the book's
 rules (without).
 """
 
@@ -16,9 +16,9 @@ from shardc.errors import ShardcError, Span
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Alternative, Choice, Op, Step, sum_formula
 from shardc.ir.spec import TensorRef
-from shardc.planner.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
-from shardc.planner.layout import ZERO, Cost, CostContext, Move, Value, add_cost
-from shardc.planner.search import reshard
+from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
+from shardc.sharding.layout import ZERO, Cost, CostContext, Move, Value, add_cost
+from shardc.sharding.search import reshard
 
 __all__ = ["Phase", "Traced"]
 
@@ -41,7 +41,7 @@ class Phase:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
-    sums: dict[object, object] = field(default_factory=dict)  # the sums searched (shardc.planner.sum_plans)
+    sums: dict[object, object] = field(default_factory=dict)  # the sums searched (by the sums family, shardc.ops.sums)
     # every solve's (key, problem, given values, solution), in order: see planner._same_steps
     trace: list[Traced] | None = None
 

@@ -25,7 +25,7 @@ spec writes them in more than one order, any order).  A tensor then has a few hu
 layouts, not tens of thousands; what the search gives up is sharding a dim over an axis
 the spec never uses for it (slicing a replicated axis onto another dim only to gather
 it again, say), except on the way to a gather: free axes sliced onto the gathered dim
-and gathered with it are one move (:func:`shardc.planner.layout.spanning`), so a gather
+and gathered with it are one move (:func:`shardc.sharding.layout.spanning`), so a gather
 still spans as many links as it can.  The plan says so in a note (:func:`restriction_note`).  The book's rules
 plan is one of the planner's candidates, so the plan is never worse than it; its reshards
 are searched under the same restriction, so it may be dearer than the rules' plan over

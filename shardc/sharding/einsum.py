@@ -24,9 +24,9 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardc.planner.layout import INFINITE, Cost, CostContext, Move, Value, add_cost
-from shardc.planner.reverse import reshard_to
-from shardc.planner.search import reshard
+from shardc.sharding.layout import INFINITE, Cost, CostContext, Move, Value, add_cost
+from shardc.sharding.reverse import reshard_to
+from shardc.sharding.search import reshard
 
 __all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
            "room", "compute_cost"]

@@ -29,9 +29,9 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Combine, Row, Vocab
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
-from shardc.planner.layout import ZERO, Cost, Move, Value, add_cost
-from shardc.planner.phase import Phase
-from shardc.planner.rows import (
+from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
+from shardc.sharding.phase import Phase
+from shardc.sharding.rowwise import (
     Layouts,
     all_reduce,
     by_index,
@@ -42,11 +42,10 @@ from shardc.planner.rows import (
     statistic,
     stats_cost,
 )
-from shardc.planner.search import reshard
+from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
-    from shardc.planner.backward import _Backward
-    from shardc.planner.graph import Node
+    from shardc.ops.registry import BackwardPass, Node
 
 __all__ = ["plan_embed", "plan_loss", "embed_backward", "loss_backward", "vocab_index"]
 
@@ -177,7 +176,7 @@ def _emit_loss(phase: Phase, node: Node, best: Layouts, rows_value: Value, vocab
     local_map(phase, Vocab.CE_APPLY, node.result, best.result, ((lse_name, rows_value), (tgt_name, rows_value)), vocab)
 
 
-def _hold_kept(bw: _Backward, names: tuple[str, ...]) -> None:
+def _hold_kept(bw: BackwardPass, names: tuple[str, ...]) -> None:
     """The forward's per-row statistics are kept under every residual policy (rows x 1 each)."""
     for name in names:
         for value in bw.forward.held.get(name, []):
@@ -185,7 +184,7 @@ def _hold_kept(bw: _Backward, names: tuple[str, ...]) -> None:
                 bw.phase.hold(name, value)
 
 
-def embed_backward(bw: _Backward, node: Node, grad: str) -> None:
+def embed_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """dW_emb: each device scatter-adds its tokens' cotangent rows into its vocabulary shard."""
     tok, table = node.operands
     if table not in bw.needs:
@@ -224,7 +223,7 @@ def embed_backward(bw: _Backward, node: Node, grad: str) -> None:
         phase.moves(dst, best.moves_out)
 
 
-def loss_backward(bw: _Backward, node: Node, grad: str) -> None:
+def loss_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """dLogits = (softmax - onehot) * dLoss / tokens, local to each vocabulary shard."""
     logits, tok = node.operands
     if logits not in bw.needs:

@@ -1,13 +1,13 @@
 """Costs *to* a target from many sources: one Dijkstra over reversed moves.
 
-:func:`shardc.planner.search.reshard` searches forward from its sources, one search
+:func:`shardc.sharding.search.reshard` searches forward from its sources, one search
 per source set.  An einsum's result needs the opposite: from each of hundreds of
 local results (one per configuration) to one declared value, and a chain's last
 step the same from each candidate layout.  Walking the moves backwards from the
 target answers all of them with one search, resumed by each query.
 
 The moves into a value are the moves out of it read backwards (:func:`predecessors`):
-each is the same :class:`~shardc.planner.layout.Move` the forward search makes, so it
+each is the same :class:`~shardc.sharding.layout.Move` the forward search makes, so it
 costs the same.
 """
 
@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from shardc.ir.plan import Monomial, Op
-from shardc.planner.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, expand, spanning
+from shardc.sharding.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost, expand, spanning
 
 __all__ = ["costs_to", "reshard_to", "predecessors"]
 
@@ -117,7 +117,7 @@ def _replace(layout: tuple[tuple[str, ...], ...], dim: int, axes: tuple[str, ...
 
 def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value,
                  partial: frozenset[str] | None = None, nbytes: int | None = None) -> Iterator[Move]:
-    """Every move that makes ``v``: the forward moves (:func:`shardc.planner.layout.neighbours`) backwards,
+    """Every move that makes ``v``: the forward moves (:func:`shardc.sharding.layout.neighbours`) backwards,
     at ``nbytes`` an element (else the dtype's); with ``partial``, only those from values whose partial
     sums lie within it."""
     lay = v.layout

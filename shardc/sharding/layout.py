@@ -14,8 +14,8 @@ a dim, because that is where a tiled collective adds or removes a factor:
     reduce_scatter  resolve unreduced axes onto a dim's end      (one collective)
     all_reduce      resolve unreduced axes, replicated           (one collective)
 
-:func:`shardc.planner.search.reshard` runs Dijkstra over values from any of several
-free sources (values the phase already holds) to one target (:mod:`shardc.planner.reverse`
+:func:`shardc.sharding.search.reshard` runs Dijkstra over values from any of several
+free sources (values the phase already holds) to one target (:mod:`shardc.sharding.reverse`
 searches back from one target to many sources).  Costs are tuples compared
 lexicographically: (seconds, collectives, activation collectives), so ties go to
 fewer collectives, then to moving weights rather than activations.  A move's
@@ -28,7 +28,7 @@ and :attr:`CostContext.ahead_weight` for the collectives issued ahead, :meth:`Co
 
 The moves cut a dim's axes only between *units* (:attr:`CostContext.units`):
 every axis alone, except past four mesh axes, where axes the spec always writes
-together move as one (:func:`shardc.planner.unit.bonded_axes`).
+together move as one (:func:`shardc.sharding.unit.bonded_axes`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from shardc.collectives import collective_time, einsum_flops, piece, volume_elem
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.plan import Monomial, Op
 from shardc.ir.spec import Dim, DType, Mesh, TensorRef
-from shardc.planner.unit import Placements
+from shardc.sharding.unit import Placements
 from shardc.spec.walk import nbytes_of
 from shardc.steptime import einsum_compute_seconds, product_bytes
 from shardc.topology import resolve_links
@@ -153,13 +153,13 @@ class CostContext:
     ahead_weight: float = 1.0
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
-    # forward searches, resumed by each query: see shardc.planner.search.reshard
+    # forward searches, resumed by each query: see shardc.sharding.search.reshard
     _searches: dict[tuple[object, ...], object] = field(default_factory=dict)
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
     # (kind, indices, value) -> its moves and their costs (CostContext.kind); states recur across searches
     _edges: dict[tuple[object, ...], tuple[Edge, ...]] = field(default_factory=dict)
     _numbers: dict[Value, int] = field(default_factory=dict)
-    # reverse searches (to one target) and the moves into each value: see shardc.planner.reverse
+    # reverse searches (to one target) and the moves into each value: see shardc.sharding.reverse
     _reverse: dict[tuple[object, ...], object] = field(default_factory=dict)
     _into: dict[tuple[object, ...], tuple[tuple[Move, int, Cost], ...]] = field(default_factory=dict)
     # Search work the planner may do before it gives up (see tick); None: no limit.  A count of
@@ -170,10 +170,10 @@ class CostContext:
     # since building them and searching the runners-up costs time the plan itself never needs.
     explain: bool = False
     # Mesh axes the search moves as one (major to minor), each axis in exactly one; None: every
-    # axis alone (exact).  See shardc.planner.unit.bonded_axes.
+    # axis alone (exact).  See shardc.sharding.unit.bonded_axes.
     units: tuple[tuple[str, ...], ...] | None = None
     _heads: frozenset[str] | None = None
-    # Past four axes, where each axis may go (shardc.planner.unit.placements); None: anywhere (exact).
+    # Past four axes, where each axis may go (shardc.sharding.unit.placements); None: anywhere (exact).
     places: Placements | None = None
     _placed: dict[tuple[str, tuple[str, ...], bool], bool] = field(default_factory=dict)
     _seconds: dict[tuple[Op, float, tuple[str, ...]], float] = field(default_factory=dict)
