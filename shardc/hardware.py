@@ -206,7 +206,9 @@ _A100_MATMULS = _points(3.12e14, ((1, 6912, 16384, 2048, 2.679e14),))
 # TPU v5e, bf16: XLA's jnp.matmul in the JAX Pallas TPU matmul guide (docs/pallas/tpu/matmul.ipynb, "XLA
 # matmul": 4096^3 84.33%, 8192^3 92.30% of 197 TFLOPS).  Its 1024^3 point (9.1%) times one Python dispatch
 # per matmul, which a compiled training step does not pay, so it is left out.  No such measurement of
-# v4, v5p or v6e is published; they use v5e's (the same 128x128 MXU design, v6e's 256x256).
+# v4, v5p or v6e is cited (Cloud TPU's pages and the TPU v4 paper give peaks, MaxText and PaLM whole-model
+# MFU); they use v5e's (the same 128x128 MXU design, v6e's 256x256).  benchmarks/fidelity.py's v4 and v5p
+# runs come out 12-15% fast with it, their compute at 92% of peak where the published MFU implies about 78%.
 _TPU_MATMULS = _points(1.97e14, ((1, 4096, 4096, 4096, 1.6613153396399134e14),
                                  (1, 8192, 8192, 8192, 1.8182317539503744e14)))
 
