@@ -232,7 +232,7 @@ def _nvls_share(bus_bandwidth: float, gpus: int, link: float) -> float:
 
 
 # AllReduce with NVLink SHARP (NVLS, NCCL's default on an NVSwitch 3 node): 480 GB/s bus bandwidth on
-# 8 H100 (NVIDIA's GTC 2024 talk S62129, as quoted in NVIDIA/nccl issue 1374; 476 GB/s measured
+# 8 H100 (NVIDIA's GTC talk S62129, as quoted in NVIDIA/nccl issue 1374; 476 GB/s measured
 # "looks to be in the expected range for H100", an NCCL maintainer, NVIDIA/nccl-tests issue 290), so
 # 68.6% of the links; the H200 has the same NVLink 4 and NVSwitch.  The A100's NVSwitch 2 does not
 # reduce (NVLS needs NVSwitch 3, Hopper and later).

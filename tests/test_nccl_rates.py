@@ -32,7 +32,7 @@ def _in_node(op: Op, chip: str, gpus: int) -> float:
 
 
 def test_an_allreduce_in_an_h100_node_runs_at_nvlink_sharps_published_bus_bandwidth() -> None:
-    # 480 GB/s on 8 H100 (NVIDIA GTC 2024 talk S62129), the figure the preset's NVLS rate is taken from
+    # 480 GB/s on 8 H100 (NVIDIA GTC talk S62129), the figure the preset's NVLS rate is taken from
     assert _in_node(Op.ALL_REDUCE, "h100", 8) == pytest.approx(480 * GB, rel=0.01)
     assert _in_node(Op.ALL_REDUCE, "h200", 8) == pytest.approx(480 * GB, rel=0.01)
     # 215 GB/s on 8 H800 (NVIDIA/nccl issue 1374)
