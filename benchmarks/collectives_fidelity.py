@@ -12,8 +12,12 @@ GPU counts: ``algbw * (n-1)/n`` for AllGather and ReduceScatter, ``algbw * 2(n-1
   non-allreduce operations, or when running with NCCL_ALGO=RING" (an NCCL maintainer,
   NVIDIA/nccl-tests issue 212); the book's own 8xH100 AllReduce with SHARP off reaches the same
   ("How To Scale Your Model", the GPU chapter);
-- an AllReduce with NVLink SHARP (NCCL's default on an H100 node) reaches about 480 GB/s bus
-  bandwidth at large sizes (the same answer), which shardc does not model: printed for the record;
+- an AllReduce with NVLink SHARP (NVLS, NCCL's default on an H100 node) reaches about 480 GB/s bus
+  bandwidth at large sizes (the same answer; NVIDIA's GTC talk S62129); shardc's preset takes
+  its NVLS rate from that figure, so the rows of other GPU counts check the model's (n+1)/n traffic:
+  with NCCL_ALGO=NVLS on 2 to 8 GPUs of an H100 node the bus bandwidth at 2-4 GB is 365-370 GB/s up
+  to 4 GPUs (NCCL keeps the ring's rate there), then 420, 440, 460 and 480 GB/s (NVIDIA/nccl issue
+  1455);
 - across two nodes (16 GPUs) a ring's bus bandwidth is bounded by the nodes' 8 InfiniBand NICs, each
   carrying one ring's share: 46-48 GB/s a 400 Gb/s NDR NIC (an NCCL maintainer, NVIDIA/nccl-tests
   issue 290), so about 8 x 47 = 376 GB/s.  That row is derived from the per-NIC figure, not a
@@ -38,7 +42,9 @@ from shardc.topology import resolve_links  # noqa: E402
 
 RING_BUSBW = 370e9  # bytes/s: NCCL's ring collectives in an 8xH100 node (NVIDIA/nccl-tests issue 212)
 TWO_NODE_BUSBW = 8 * 47e9  # bytes/s: 8 NDR NICs a node at 46-48 GB/s each (NVIDIA/nccl-tests issue 290)
-NVLS_ALLREDUCE_BUSBW = 480e9  # bytes/s: AllReduce with NVLink SHARP, the same source (not modelled)
+NVLS_ALLREDUCE_BUSBW = 480e9  # bytes/s: AllReduce with NVLink SHARP on 8 H100 (GTC talk S62129)
+# AllReduce bus bandwidth with NCCL_ALGO=NVLS on 2..8 GPUs of an H100 node, 2-4 GB (NVIDIA/nccl issue 1455)
+NVLS_BY_GPUS = {2: 367e9, 3: 367e9, 4: 367e9, 5: 420e9, 6: 440e9, 7: 460e9, 8: 480e9}
 SIZES = (64 << 20, 256 << 20, 1 << 30, 4 << 30)  # 64 MB and up
 GPUS = 8
 
@@ -73,11 +79,13 @@ def predicted_busbw(op: Op, size: int, chip: str = "h100", gpus: int = GPUS) -> 
 
 def rows() -> list[Row]:
     out = []
-    for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE):
+    for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER):
         for size in SIZES:
             out.append(Row(op, size, RING_BUSBW, predicted_busbw(op, size), "ring"))
-    out += [Row(Op.ALL_REDUCE, size, NVLS_ALLREDUCE_BUSBW, predicted_busbw(Op.ALL_REDUCE, size),
-                "NVLink SHARP, not modelled") for size in SIZES[-1:]]
+    out += [Row(Op.ALL_REDUCE, size, NVLS_ALLREDUCE_BUSBW, predicted_busbw(Op.ALL_REDUCE, size), "NVLink SHARP")
+            for size in SIZES]
+    out += [Row(Op.ALL_REDUCE, 2 << 30, busbw, predicted_busbw(Op.ALL_REDUCE, 2 << 30, gpus=gpus),
+                f"{gpus} GPUs of a node, NVLS or ring") for gpus, busbw in NVLS_BY_GPUS.items()]
     out += [Row(op, 1 << 30, TWO_NODE_BUSBW, predicted_busbw(op, 1 << 30, gpus=2 * GPUS),
                 "2 nodes, 16 GPUs; derived from the per-NIC figure")
             for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)]

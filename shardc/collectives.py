@@ -35,7 +35,9 @@ The time model, with the choices the book leaves open:
 * On a GPU cluster (a topology ``NODESxGPUS``) a collective over ``inner`` GPUs of each of
   ``outer`` nodes runs as NCCL's hierarchical ring: (n-1)/n of V over NVLink, then 1/inner of it
   over each GPU's InfiniBand rail, the phases pipelined, so the slower one sets the time; an
-  AllToAll by the bisection (:func:`_node_terms`).
+  AllToAll by the bisection (:func:`_node_terms`).  An AllReduce inside one node whose NVSwitches
+  reduce (NVLink SHARP) runs as the faster of the ring and NVLS, which moves V (n+1)/n through each
+  GPU's links at the chip's NVLS rate; AllGather and ReduceScatter stay rings.
 * Latency: on a torus about ``hop_latency`` (1 us) a hop, ``ceil(n/2)`` hops around a ring of
   n chips and ``n-1`` along a line, summed over the collective's physical axes; a collective
   takes ``max(bandwidth term, latency)``: latency only bounds small arrays.  On a GPU cluster,
@@ -231,12 +233,13 @@ def hops(axes: tuple[str, ...], sizes: Mapping[str, int], layout: Layout | None)
 
 
 def _nodes(axes: tuple[str, ...], mesh: Mesh, sizes: Mapping[str, int] | None,
-           layout: Layout | None) -> tuple[int, int, float] | None:
-    """(GPUs a node, nodes, W_ici / W_dcn) of a collective on a GPU cluster's layout; None elsewhere."""
+           layout: Layout | None) -> tuple[int, int, float, float] | None:
+    """(GPUs a node, nodes, W_ici / W_dcn, NVLS rate / W_ici) of a collective on a GPU cluster's layout;
+    None elsewhere."""
     found = [axis_links(layout, a, _chips(mesh, sizes, a)) for a in axes]
     if not found or not all(f.nodes for f in found):
         return None
-    return (math.prod(f.inner for f in found), math.prod(f.outer for f in found), found[0].speed)
+    return (math.prod(f.inner for f in found), math.prod(f.outer for f in found), found[0].speed, found[0].nvls)
 
 
 def _torus_all_to_all(rings: list[Ring]) -> Fraction:
@@ -248,7 +251,7 @@ def _torus_all_to_all(rings: list[Ring]) -> Fraction:
     return Fraction(chips / worst).limit_denominator(1 << 20)
 
 
-def _node_terms(op: Op, inner: int, outer: int, speed: float) -> dict[str, Fraction]:
+def _node_terms(op: Op, inner: int, outer: int, speed: float, nvls: float = 0.0) -> dict[str, Fraction]:
     """Per network, the divisor of ``factor * V`` on a GPU cluster, and only the slower phase's.
 
     A collective over ``inner`` GPUs of each of ``outer`` nodes runs as NCCL's hierarchical
@@ -257,7 +260,8 @@ def _node_terms(op: Op, inner: int, outer: int, speed: float) -> dict[str, Fract
     rail, (outer-1)/outer of that at W_dcn.  The phases are pipelined (chunks of one cross nodes while
     the next moves in the node), so the slower one sets the time.  An AllToAll sends each peer
     V / n^2: inside the node (inner-1) of them at W_ici, across nodes (n-inner) at W_dcn (the
-    bisection), at once.
+    bisection), at once.  An AllReduce inside one node takes the faster of the ring and NVLink SHARP
+    (``nvls`` > 0, :func:`_nvls_divisor`).
     """
     n = inner * outer
     if op is Op.ALL_TO_ALL:  # the table's V/4 weighting undone: V * peers / n^2
@@ -266,9 +270,23 @@ def _node_terms(op: Op, inner: int, outer: int, speed: float) -> dict[str, Fract
     else:
         ici = Fraction(inner, inner - 1) if inner > 1 else None
         dcn = Fraction(n, outer - 1) if outer > 1 else None
+    if op is Op.ALL_REDUCE and outer == 1 and ici is not None and nvls > 0:
+        ici = max(ici, _nvls_divisor(inner, nvls))
     if ici is not None and dcn is not None:  # pipelined: the slower phase (W_ici = speed * W_dcn)
         return {"ici": ici} if 1 / (float(ici) * speed) >= 1 / float(dcn) else {"dcn": dcn}
     return {k: v for k, v in (("ici", ici), ("dcn", dcn)) if v is not None}
+
+
+def _nvls_divisor(gpus: int, nvls: float) -> Fraction:
+    """The divisor of an AllReduce's 2V at W_ici when NVLink SHARP runs it on ``gpus`` GPUs of a node.
+
+    NVLS (NCCL 2.17 and later on an NVSwitch 3 node) reduces in the switches: each GPU's share of
+    V is read from every GPU by a reducing load and written back once by a multicast store, so each
+    GPU sends V (its data into every share's load) plus V/n (its share's store), and takes as much in:
+    V (n+1)/n at the chip's NVLS rate, ``nvls`` x W_ici.  NCCL takes the ring where that is slower
+    (up to 4 GPUs of an H100 node, as measured: NVIDIA/nccl issue 1455).
+    """
+    return Fraction(2 * gpus * nvls / (gpus + 1)).limit_denominator(1 << 20)
 
 
 def bandwidth_terms(op: Op, volume: _N, axes: tuple[str, ...], mesh: Mesh, size: Callable[[str], _N],

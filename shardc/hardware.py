@@ -5,9 +5,11 @@ link, as the data sheets give it; on a torus the cost model uses
 the bidirectional figure ``w_ici = 2 * ici_bandwidth`` for one mesh axis, as the
 book does (TPU v5p: 2 * 9e10 = 1.8e11, so C / W_ici = 4.59e14 / 1.8e11 = 2550).  A GPU's
 ``ici_bandwidth`` is its whole NVLink egress, one way (H100: 450 GB/s), used as is, at the
-``ici_efficiency`` NCCL reaches (:attr:`Hardware.w_ici`).
-``dcn_bandwidth`` (DCN on TPU, InfiniBand on GPU) is used as given: the book's
-per-chip 6.25e9 gives C / W_dcn = 73,440 on v5p.
+``ici_efficiency`` NCCL reaches (:attr:`Hardware.w_ici`); where the node's NVSwitches reduce in the
+switch (NVLink SHARP), an in-node AllReduce may run at ``nvls_efficiency`` instead (:attr:`Hardware.w_nvls`).
+``dcn_bandwidth`` (DCN on TPU, InfiniBand on GPU) is the line rate a chip, and collectives reach
+``dcn_efficiency`` of it (:attr:`Hardware.w_dcn`; 1 on TPUs, which have no published figure: the book's
+per-chip 6.25e9 gives C / W_dcn = 73,440 on v5p).
 
 Figures beyond the book's (HBM bandwidth, the DCN figure of TPUs other
 than v5p) are the public data-sheet numbers, each cited beside its preset; a chip
@@ -58,6 +60,10 @@ class Hardware:
     torus_dims: int = 1  # axes of the torus (3 for v4p/v5p, 2 for v5e/v6e)
     # the share of the link figure a large collective reaches (NCCL's bus bandwidth over the data sheet's)
     ici_efficiency: float = 1.0
+    # NVLink SHARP: the share of the link figure an in-node AllReduce reduced in the NVSwitches reaches for the
+    # V (n+1)/n it moves through each GPU's links; None: no in-switch reduction (collectives.py)
+    nvls_efficiency: float | None = None
+    dcn_efficiency: float = 1.0  # the share of dcn_bandwidth (the NIC's line rate) a large collective reaches
     flops_f8: float | None = None  # dense fp8 FLOPs/s; None: fp8 runs at the bf16 rate (no fp8 matrix unit)
     # (FLOPs of one matmul, fraction of peak it reaches) measured on the chip, by FLOPs; () = peak always
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
@@ -92,8 +98,18 @@ class Hardware:
         return 2.0 * self.ici_bandwidth
 
     @property
+    def w_nvls(self) -> float | None:
+        """A GPU's NVLink egress at the share an AllReduce reduced in the NVSwitches reaches (NVLink SHARP);
+        None where the switches do not reduce, or under the book's assumptions (which know only rings)."""
+        if self.book or self.nvls_efficiency is None or self.ici_domain is None:
+            return None
+        return self.ici_bandwidth * self.nvls_efficiency
+
+    @property
     def w_dcn(self) -> float:
-        return self.dcn_bandwidth
+        """A chip's DCN / InfiniBand figure at the share collectives reach (as given under the book's
+        assumptions)."""
+        return self.dcn_bandwidth * (1.0 if self.book else self.dcn_efficiency)
 
     @property
     def intensity_ici(self) -> float:
@@ -190,7 +206,9 @@ _A100_MATMULS = _points(3.12e14, ((1, 6912, 16384, 2048, 2.679e14),))
 # TPU v5e, bf16: XLA's jnp.matmul in the JAX Pallas TPU matmul guide (docs/pallas/tpu/matmul.ipynb, "XLA
 # matmul": 4096^3 84.33%, 8192^3 92.30% of 197 TFLOPS).  Its 1024^3 point (9.1%) times one Python dispatch
 # per matmul, which a compiled training step does not pay, so it is left out.  No such measurement of
-# v4, v5p or v6e is published; they use v5e's (the same 128x128 MXU design, v6e's 256x256).
+# v4, v5p or v6e is cited (Cloud TPU's pages and the TPU v4 paper give peaks, MaxText and PaLM whole-model
+# MFU); they use v5e's (the same 128x128 MXU design, v6e's 256x256).  benchmarks/fidelity.py's v4 and v5p
+# runs come out 12-15% fast with it, their compute at 92% of peak where the published MFU implies about 78%.
 _TPU_MATMULS = _points(1.97e14, ((1, 4096, 4096, 4096, 1.6613153396399134e14),
                                  (1, 8192, 8192, 8192, 1.8182317539503744e14)))
 
@@ -199,6 +217,35 @@ _TPU_MATMULS = _points(1.97e14, ((1, 4096, 4096, 4096, 1.6613153396399134e14),
 # NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
 # figure); the H200 has the same NVLink 4 and NVSwitch
 _NCCL_H100 = 370e9 / 450e9
+
+
+def _nvls_share(bus_bandwidth: float, gpus: int, link: float) -> float:
+    """The share of a GPU's NVLink egress ``link`` that NVLink SHARP reaches, from the AllReduce bus
+    bandwidth nccl-tests reports for it on ``gpus`` GPUs of a node.
+
+    nccl-tests reports busbw = algbw * 2(n-1)/n whatever the algorithm (its PERFORMANCE.md).  With
+    NVLS each GPU sends all V into the switches' reducing loads and its reduced 1/n to their multicast
+    store, and takes as much back: V (n+1)/n each way, so the links run at algbw * (n+1)/n.
+    """
+    algbw = bus_bandwidth * gpus / (2 * (gpus - 1))
+    return algbw * (gpus + 1) / gpus / link
+
+
+# AllReduce with NVLink SHARP (NVLS, NCCL's default on an NVSwitch 3 node): 480 GB/s bus bandwidth on
+# 8 H100 (NVIDIA's GTC talk S62129, as quoted in NVIDIA/nccl issue 1374; 476 GB/s measured
+# "looks to be in the expected range for H100", an NCCL maintainer, NVIDIA/nccl-tests issue 290), so
+# 68.6% of the links; the H200 has the same NVLink 4 and NVSwitch.  The A100's NVSwitch 2 does not
+# reduce (NVLS needs NVSwitch 3, Hopper and later).
+_NVLS_H100 = _nvls_share(480e9, 8, 450e9)
+# 8 H800: 215 GB/s AllReduce bus bandwidth with NVLS (measured, NVIDIA/nccl issue 1374), 69.1% of 200 GB/s
+_NVLS_H800 = _nvls_share(215e9, 8, 200e9)
+# NCCL's share of an InfiniBand NIC's line rate, one rail a GPU: "For NDR @ 400Gbps you should see
+# 46-48GB/s per NIC" (an NCCL maintainer, NVIDIA/nccl-tests issue 290, rings across nodes), 47 of 50 GB/s
+_NCCL_NDR = 47e9 / 50e9
+# 200 Gb/s HDR: 24 GB/s a NIC ("~160GB/s intra-node and 24GB/s inter-node" at 8 GB, an NCCL
+# maintainer, NVIDIA/nccl issue 412; a DGX A100's 8 HDR NICs measure 192 GB/s AllReduce bus bandwidth,
+# NVIDIA/nccl issue 812), 24 of 25 GB/s
+_NCCL_HDR = 24e9 / 25e9
 
 PRESETS: dict[str, Hardware] = {
     h.name: h
@@ -223,27 +270,34 @@ PRESETS: dict[str, Hardware] = {
         # dcn_bandwidth the node's InfiniBand NIC a GPU (DGX H100: 8 ConnectX-7 at 400 Gb/s = 5e10 B/s).
         # H100 SXM data sheet: 989 TFLOPS bf16 and 1,979 fp8 dense (half the sparsity figures), 80 GB, 3.35 TB/s.
         Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+                 nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
                  flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS),
         # H200 data sheet: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+                 nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
         # NVLink efficiency: the H100's measured share of line rate, assumed for NVLink 3 (no nccl-tests
         # figure for A100 is cited here; `shardc calibrate` on the node measures it)
         Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+                 dcn_efficiency=_NCCL_HDR,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=_A100_MATMULS),
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
         # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached)
         Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+                 nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
                  matmul_efficiency=_H100_MATMULS),
-        # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it)
+        # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it); its
+        # NVSwitch reduces too, but no B200 NVLS figure is cited (8 B300: 845 GB/s AllReduce bus bandwidth with
+        # NVLS against 695 without, NVIDIA/nccl issue 2140), so its AllReduce is costed as a ring
         # HGX B200 data sheet, a GPU: FP16/BF16 4.5 PFLOPS and FP8 9 PFLOPS with sparsity (dense half),
         # 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s in all; DGX B200: 8 ConnectX-7 at 400 Gb/s
         Hardware("b200", 2.25e15, 9e11, 180e9, 7.7e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+                 dcn_efficiency=_NCCL_NDR,
                  description="B200 (HGX): NVLink 5 within a node of 8, InfiniBand across", flops_f8=4.5e15,
                  matmul_efficiency=_B200_MATMULS),
     )
@@ -320,7 +374,7 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     values: dict[str, object] = {"name": str(data.get("name", source)),
                                  "description": str(data.get("description", ""))}
     for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency",
-                "ici_efficiency", "flops_f8", "bucket_bytes", "collective_base"):
+                "ici_efficiency", "nvls_efficiency", "dcn_efficiency", "flops_f8", "bucket_bytes", "collective_base"):
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)

@@ -90,6 +90,7 @@ class AxisLinks:
     cluster's layout, ``inner`` GPUs of a node over ``outer`` nodes; without it (the book's
     assumptions, or a GPU chip with no topology) the axis is one ring.  ``speed``: the chip's
     W_ici / W_dcn, which says which phase of a collective that spans nodes is the slower.
+    ``nvls``: the chip's NVLink SHARP rate over W_ici (:attr:`Hardware.w_nvls`), 0 without it.
     ``torus``: laid on a slice (not the book's spans), so an AllToAll over several physical axes
     takes the torus formula (:mod:`shardc.collectives`).
     """
@@ -101,6 +102,7 @@ class AxisLinks:
     outer: int = 1
     speed: float = 1.0
     torus: bool = False
+    nvls: float = 0.0
 
     @property
     def links(self) -> Fraction:
@@ -248,9 +250,11 @@ def axis_links(mesh: Mesh, sizes: Mapping[str, int], hw: Hardware, shape: Shape)
     if hw.ici_domain is not None:
         node, out = shape[1], {}
         stride = 1
+        nvls = (hw.w_nvls or 0.0) / hw.w_ici
         for axis, size in reversed(list(zip(ici, wanted, strict=True))):
             inner = math.gcd(size, node // math.gcd(stride, node)) if stride < node else 1
-            out[axis.name] = AxisLinks(gpu=True, nodes=True, inner=inner, outer=size // inner, speed=speed)
+            out[axis.name] = AxisLinks(gpu=True, nodes=True, inner=inner, outer=size // inner, speed=speed,
+                                       nvls=nvls)
             stride *= size
         for axis in mesh.axes:
             if axis.network is Network.DCN:

@@ -23,6 +23,7 @@ import pytest
 import shardc
 from shardc.export.jax_export import declared, inferred_result, jax_module, out_shardings, pspec_text
 from shardc.export.logical import DEFAULT_NAMES, PHYSICAL, flax_rules, maxtext_yaml, parse_names
+from shardc.hardware import resolve_hardware
 from shardc.ir.plan import Op, Plan
 from shardc.ir.spec import TensorRef
 from tests.test_cli import fails_clearly, run_main
@@ -161,7 +162,9 @@ def test_the_readme_example_is_what_export_prints(capsys: pytest.CaptureFixture[
 # the jax module's text -----------------------------------------------------------------------------
 
 def test_the_jax_module_lists_every_declared_tensor_and_gradient() -> None:
-    plan = planned("gpt_layer_tp")
+    book = resolve_hardware("h100").configured("book")  # Megatron's layer is the book's model's plan
+    plan = shardc.plan(shardc.parse((ROOT / "examples" / "gpt_layer_tp.shard").read_text(encoding="utf-8")),
+                       hardware=book)
     module: dict[str, object] = {}
     exec(compile(jax_module(plan), "<export>", "exec"), module)  # noqa: S102 - imports jax, builds P()s only
     from jax.sharding import PartitionSpec as P

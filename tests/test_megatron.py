@@ -8,13 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import shardc
+from shardc.hardware import resolve_hardware
 from shardc.ir.plan import Plan, Step
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _plan(name: str, save: str = "default") -> Plan:
-    return shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text(encoding="utf-8")), save=save)
+def _plan(name: str, save: str = "default", model: str | None = None) -> Plan:
+    spec = shardc.parse((EXAMPLES / f"{name}.shard").read_text(encoding="utf-8"))
+    return shardc.plan(spec, save=save, hardware=resolve_hardware(None, None, spec.hardware).configured(model))
 
 
 def _moves(steps: tuple[Step, ...]) -> list[tuple[str, tuple[str, ...], str]]:
@@ -22,10 +24,12 @@ def _moves(steps: tuple[Step, ...]) -> list[tuple[str, tuple[str, ...], str]]:
 
 
 def test_tensor_parallel_layer_all_reduces_twice_each_way() -> None:
-    p = _plan("gpt_layer_tp")
+    p = _plan("gpt_layer_tp", model="book")
     twice = [("AllReduce", ("Y",), "2*B*D*S")] * 2
     assert _moves(p.forward) == twice
     assert _moves(p.backward) == twice  # the partial dX of Q, K and V are added before one AllReduce
+    # (the book's model: the chip's hides weight gathers issued ahead under compute, and on an H100 node
+    # its search finds attention's output resharded and W_o gathered ahead 1% faster than this)
 
 
 def test_sequence_parallel_layer_gathers_in_and_scatters_out() -> None:
@@ -40,7 +44,7 @@ def test_sequence_parallel_layer_gathers_in_and_scatters_out() -> None:
     assert sorted(regathered) in (["Kx", "L2"], ["L1", "L2"])
     assert len(_moves(again.backward)) == len(way) + 2
     # the same bytes as tensor parallelism's AllReduces (one AllReduce is a ReduceScatter + AllGather)
-    tp, sp = shardc.cost(_plan("gpt_layer_tp")), shardc.cost(_plan("gpt_layer_tp_sp"))
+    tp, sp = shardc.cost(_plan("gpt_layer_tp", model="book")), shardc.cost(_plan("gpt_layer_tp_sp"))
     assert tp.step.comm_bytes == sp.step.comm_bytes
 
 

@@ -104,12 +104,14 @@ def run_hardware(args: argparse.Namespace) -> int:
               f"{h.intensity_ici:>8.0f} {h.hbm_bytes / 1e9:>4.0f}GB {h.hbm_bandwidth:>8.3g} {h.dcn_bandwidth:>8.3g} "
               f"{h.intensity_dcn:>8.0f} {best:>7.0%}  {h.description}")
     print("W_ici = 2 x the one-way link figure on a torus (bidirectional, per mesh axis); on a GPU its NVLink "
-          "egress, one way, x ici_efficiency; DCN/IB per chip, as is; hop latency 1e-6 s; fp8: the f8 matmul "
+          "egress, one way, x ici_efficiency (an in-node AllReduce at nvls_efficiency where the NVSwitches "
+          "reduce); DCN/IB: the line rate per chip, W_dcn x dcn_efficiency; hop latency 1e-6 s; fp8: the f8 matmul "
           "rate;\nmatmul: the best measured fraction of peak a matmul reaches (smaller matmuls reach less; "
           "--model book: all at peak).\n--hardware-file chip.toml takes the keys: name, flops, flops_f8, "
           "ici_bandwidth, hbm_bytes, hbm_bandwidth, dcn_bandwidth, hop_latency, bucket_bytes, collective_base, "
           "matmul_efficiency "
-          "([[flops, fraction], ...]), ici_domain, torus_side, torus_dims, ici_efficiency, book, description")
+          "([[flops, fraction], ...]), ici_domain, torus_side, torus_dims, ici_efficiency, nvls_efficiency, "
+          "dcn_efficiency, book, description")
     return 0
 
 
