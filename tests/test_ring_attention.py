@@ -131,9 +131,12 @@ def test_the_ring_kernel_matches_the_reference_and_sends_what_the_cost_counts(ca
 def test_ring_attention_verifies_against_the_reference_values_and_hlo(causal: bool) -> None:
     from shardc.verification.verify import verify
 
-    plan = _gqa(131072, causal, x=4, g=2)  # 2 key/value heads: the 4 devices cannot go on them
-    assert all(isinstance(s.fn, Attention) and s.fn.ring == ("X",) for s in plan.forward)
-    report = verify(plan, sizes={"B": 1, "S": 32, "T": 32, "G": 2, "R": 2, "H": 8})
+    plan = _gqa(131072, causal, x=8, g=2)  # 2 key/value heads: the 8 devices cannot go on them
+    assert all(isinstance(s.fn, Attention) and s.fn.ring == ("X",) and s.fn.zigzag is causal for s in plan.forward)
+    report = verify(plan, sizes={"B": 1, "S": 64, "T": 64, "G": 2, "R": 2, "H": 8})
     assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
     rings = [r for r in report.collectives if r.kind == "CollectivePermute"]
     assert rings and all(r.ok for r in rings) and len(rings) == len(report.collectives)
+    counts = {(r.phase, r.hlo_op) for r in rings}  # K and V 7 times; dK and dV 8; zig-zag 2 an array
+    k_and_v = {("forward", "collective-permute x 14"), ("backward", "collective-permute x 30")}
+    assert k_and_v <= counts if not causal else len(counts) == 6

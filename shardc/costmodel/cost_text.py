@@ -44,7 +44,8 @@ def _ring(r: StepCost) -> str:
     hidden = "hidden" if r.transfer_s <= r.compute_s / r.ring_steps else "exposed"
     return (f"\n       ring attention over {','.join(r.ring_axes)}: {r.ring_steps} steps of "
             f"{fmt_seconds(r.compute_s / r.ring_steps)} compute, each sending the next K/V block in "
-            f"{fmt_seconds(r.transfer_s)} ({hidden}; hidden from {r.hidden_from:,.0f} tokens a device); "
+            f"{fmt_seconds(r.transfer_s)}: {hidden} (a step's compute hides it from {r.hidden_from:,.0f} tokens a "
+            "device); "
             f"exposed communication {fmt_seconds(r.exposed_comm_s)}")
 
 

@@ -67,6 +67,7 @@ from shardc.planner.search import reshard
 from shardc.spec.attention_call import CAUSAL, Roles, roles
 from shardc.spec.walk import chain_indices
 from shardc.steptime import ring_time
+from shardc.units import fmt_seconds
 
 if TYPE_CHECKING:
     from shardc.planner.backward import _Backward
@@ -178,10 +179,12 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
     return forms
 
 
-def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -> tuple[float, int]:
+def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -> tuple[float, int, str]:
     """A form's time, forward and backward: its moves twice (the backward moves their transposes: dO in,
     dQ, dK, dV out), its kernel at 3.5 times its forward's FLOPs (the backward's is 2.5 times), and a
-    ring's transfers its compute does not hide, forward and backward; and its forward's collectives."""
+    ring's transfers its compute does not hide, forward and backward; its forward's collectives; and what
+    of its communication stays exposed, for ``--explain``: the moves all (the kernel waits for them), a
+    ring's what its steps do not hide, with the block length from which they do."""
     ctx, axes = phase.ctx, form.axes
     moved, count = 0.0, 0
     moves = [reshard(ctx, name, indices, phase.held[name], _value(indices, axes))
@@ -199,7 +202,7 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -
     size = lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name)  # noqa: E731
     flops, _ = _flops(kernel, size)
     compute = ctx.hardware.matmul_seconds(float(flops), ctx.dtype.value)
-    exposed = 0.0
+    exposed, hidden = 0.0, ""
     if form.ring:  # the forward's ring and the backward's (its kernel reads O, the logsumexp and dO too)
         lse = phase.ref(node.aux[0], _value(r.rows, axes))
         grads = Step(Op.ELEMENTWISE, node.result, kernel.dst, operands=(*refs, kernel.dst, lse, kernel.dst),
@@ -208,8 +211,11 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -
         for step, seconds in ((kernel, compute), (grads, 2.5 * compute)):
             ring = transfers(step, size, ctx.dtype.nbytes)
             assert ring is not None
-            exposed += ring_time(ring, seconds, ctx.mesh, sizes, ctx.hardware, ctx.links).exposed_s
-    return 2 * moved + 3.5 * compute * ctx.compute_weight + exposed, count
+            times = ring_time(ring, seconds, ctx.mesh, sizes, ctx.hardware, ctx.links)
+            exposed += times.exposed_s
+            hidden = hidden or f"; a ring step hides its K/V send from {times.hidden_from:,.0f} tokens a device"
+    note = f"exposed communication {fmt_seconds(2 * moved + exposed)}{hidden}"
+    return 2 * moved + 3.5 * compute * ctx.compute_weight + exposed, count, note
 
 
 def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]], want: Value,
@@ -220,11 +226,11 @@ def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]]
     if len(forms) == 1 or not phase.sized:
         return forms[0]
     figures = [_form_seconds(phase, node, r, f, want) for f in forms]
-    times = [t for t, _ in figures]
+    times = [t for t, _, _ in figures]
     best = min(range(len(forms)), key=lambda k: times[k])
     if phase.ctx.explain:
-        rows = tuple(Alternative(f.text, t, "", n, k == best)
-                     for k, (f, (t, n)) in enumerate(zip(forms, figures, strict=True)))
+        rows = tuple(Alternative(f.text, t, note, n, k == best)
+                     for k, (f, (t, n, note)) in enumerate(zip(forms, figures, strict=True)))
         phase.choices.append(Choice(phase.name, label, rows, f"least time, forward and backward ({times[best]:.3g} s)"))
     return forms[best]
 
