@@ -140,3 +140,18 @@ def test_ring_attention_verifies_against_the_reference_values_and_hlo(causal: bo
     counts = {(r.phase, r.hlo_op) for r in rings}  # K and V 7 times; dK and dV 8; zig-zag 2 an array
     k_and_v = {("forward", "collective-permute x 14"), ("backward", "collective-permute x 30")}
     assert k_and_v <= counts if not causal else len(counts) == 6
+
+
+def test_with_heads_to_spare_the_ring_beats_ulysses_and_all_gather_only_at_long_sequences() -> None:
+    """Multi-head, not causal, 8 H100s: at 128K tokens the ring hides its sends (only the backward's last hop
+    of dK and dV shows) where the AllToAlls and the gather do not; at 8K the ring's sends show and Ulysses wins."""
+    def forms(seq: int) -> dict[str, tuple[float, bool]]:
+        return _forms(shardc.plan(shardc.parse(
+            f"mesh X=8\ndims B=1, S={seq}, T={seq}, N=32, H=128\nhardware h100\nO[B, S_X, N, H] = "
+            "attention(Q[B, S_X, N, H], K[B, T_X, N, H], V[B, T_X, N, H] over T)\n"), explain=True))
+
+    long, short = forms(131072), forms(8192)
+    ulysses = "AllToAll in and out, as Ulysses"
+    assert set(long) == {"all-gather", ulysses, "ring attention"}
+    assert long["ring attention"][1] and long["ring attention"][0] < long[ulysses][0] < long["all-gather"][0]
+    assert short[ulysses][1] and short["ring attention"][0] > short["all-gather"][0] > short[ulysses][0]
