@@ -155,3 +155,18 @@ def test_with_heads_to_spare_the_ring_beats_ulysses_and_all_gather_only_at_long_
     assert set(long) == {"all-gather", ulysses, "ring attention"}
     assert long["ring attention"][1] and long["ring attention"][0] < long[ulysses][0] < long["all-gather"][0]
     assert short[ulysses][1] and short["ring attention"][0] > short["all-gather"][0] > short[ulysses][0]
+
+
+@pytest.mark.slow
+def test_a_ring_over_two_axes_beside_a_batch_axis_verifies() -> None:
+    """S over X and Y (the ring's order: Y minor), the batch over Z: each permute's pairs differ in X and Y."""
+    from shardc.verification.verify import verify
+
+    plan = shardc.plan(shardc.parse(
+        "mesh X=2, Y=2, Z=2\ndims B=2, S=131072, T=131072, G=2, R=16, H=128\nhardware h100\n"
+        "O[B_Z, S_XY, G, R, H] = attention(Q[B_Z, S_XY, G, R, H], K[B_Z, T_XY, G, H], V[B_Z, T_XY, G, H] over T, "
+        "causal)\n"))
+    assert all(isinstance(s.fn, Attention) and s.fn.ring == ("X", "Y") for s in plan.forward)
+    report = verify(plan, sizes={"B": 2, "S": 64, "T": 64, "G": 2, "R": 2, "H": 8})
+    assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
+    assert {r.plan_axes for r in report.collectives} == {"X,Y"}
