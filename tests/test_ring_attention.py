@@ -170,3 +170,13 @@ def test_a_ring_over_two_axes_beside_a_batch_axis_verifies() -> None:
     report = verify(plan, sizes={"B": 2, "S": 64, "T": 64, "G": 2, "R": 2, "H": 8})
     assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
     assert {r.plan_axes for r in report.collectives} == {"X,Y"}
+
+
+def test_the_output_and_logsumexp_steps_call_one_kernel_with_the_same_arguments() -> None:
+    """The two forward steps are one kernel's results: their calls differ only in the result picked, so the
+    module's kernel cache (runtime._kernel_once) runs the ring once, not twice."""
+    from shardc.ops.attention import emit
+
+    out, lse = (emit(step, lambda ref: ref.name) for step in _gqa(131072).forward)
+    assert out.startswith("ring_attention(") and out.endswith("[0]") and lse.endswith("[1]")
+    assert out[:-3] == lse[:-3]

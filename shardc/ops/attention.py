@@ -358,6 +358,8 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     out = step.operands[3] if len(step.operands) > 3 else step.dst
     letters = einsum_letters((q, k, v, out))
     subs = tuple("".join(letters[i] for i in ref.indices) for ref in (q, k, v, out))
+    if step.fn.part == "lse":  # the output's letters (Q's rows, V's head), so the call is the output step's
+        subs = (*subs[:3], subs[0][:-1] + subs[2][-1])
     query = "None"
     if step.fn.query is not None:  # S's letter and the axes sharding it: the causal mask's global positions
         query = repr((letters[step.fn.query], q.dims[q.indices.index(step.fn.query)].axes))
