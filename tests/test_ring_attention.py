@@ -180,3 +180,11 @@ def test_the_output_and_logsumexp_steps_call_one_kernel_with_the_same_arguments(
     out, lse = (emit(step, lambda ref: ref.name) for step in _gqa(131072).forward)
     assert out.startswith("ring_attention(") and out.endswith("[0]") and lse.endswith("[1]")
     assert out[:-3] == lse[:-3]
+
+
+def test_a_sequence_its_devices_do_not_divide_gets_no_ring() -> None:
+    """XLA pads an uneven block; the ring's causal positions are a block's index times its length, so an
+    uneven sequence keeps the gathered form."""
+    plan = _gqa(131000)
+    assert not plan.choices and all(isinstance(s.fn, Attention) and not s.fn.ring for s in plan.forward
+                                    if s.fn is not None)

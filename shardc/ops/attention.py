@@ -172,7 +172,8 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
             forms.append(Form(f"{seq}'s {''.join(axes[seq])} moved to {i} (AllToAll in and out, as Ulysses)",
                               {**axes, seq: (), i: axes[i] + axes[seq]}))
     devices = math.prod(phase.ctx.axis_sizes[a] for a in axes[seq])
-    if devices > 1 and (not phase.sized or phase.ctx.dim_size(r.key) % devices == 0):
+    if devices > 1 and (not phase.sized or phase.ctx.dim_size(r.key) % devices == phase.ctx.dim_size(seq) % devices
+                        == 0):  # even blocks: the ring's causal positions are each block's index times its length
         size = (lambda name: phase.ctx.axis_sizes.get(name) or phase.ctx.dim_size(name)) if phase.sized else None
         forms += [Form(text, kernel, axes[seq], zigzag)
                   for text, kernel, zigzag in ring_layouts(axes, seq, r.key, size, causal)]
