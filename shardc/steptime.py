@@ -10,11 +10,14 @@ which themselves plan through the search.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
+from shardc.collectives import Layout, Op, collective_time
 from shardc.hardware import Hardware
+from shardc.ir.spec import Mesh
 
-__all__ = ["einsum_compute_seconds", "product_bytes"]
+__all__ = ["einsum_compute_seconds", "product_bytes", "Send", "RingTransfer", "RingTime", "ring_time"]
 
 
 def einsum_compute_seconds(flops: float, product: bool, hw: Hardware, dtype: str = "bf16") -> float:
@@ -30,3 +33,62 @@ def product_bytes(operands: Iterable[float], result: float) -> float:
     (the traffic :func:`shardc.fusion.memory_traffic` starts from; what fusion saves depends on its
     neighbours in the program)."""
     return math.fsum((*operands, result))
+
+
+@dataclass(frozen=True)
+class Send:
+    """One array a kernel sends to its neighbour along a ring (``jax.lax.ppermute``): its elements a
+    device, bytes an element, how many times a kernel sends it, and whether a ring step's compute runs
+    meanwhile (``hidden``: K and V on their way to the next step) or nothing does (before or after the
+    ring: a zig-zag reordering, the last hop of dK and dV home)."""
+
+    elements: float
+    nbytes: int
+    count: int
+    hidden: bool = True
+
+
+@dataclass(frozen=True)
+class RingTransfer:
+    """The sends of a kernel whose compute is cut into ``steps`` equal steps around a ring over ``axes``
+    (ring attention): each step but the last sends the ``hidden`` arrays on while it computes; ``tokens``
+    is the length of the block a step computes with, per device (the key block)."""
+
+    axes: tuple[str, ...]
+    steps: int
+    tokens: int
+    sends: tuple[Send, ...]
+
+    @property
+    def step_bytes(self) -> float:
+        """The bytes each ring step sends while it computes."""
+        return math.fsum(s.elements * s.nbytes for s in self.sends if s.hidden)
+
+
+@dataclass(frozen=True)
+class RingTime:
+    """A ring's transfer against its compute: each step's transfer, the part of the transfers no
+    compute hides, and the block length (tokens a device) from which a step's compute hides its transfer."""
+
+    transfer_s: float
+    exposed_s: float
+    hidden_from: float
+
+
+def ring_time(ring: RingTransfer, compute_s: float, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
+              spans: Layout | None = None) -> RingTime:
+    """Ring attention's exposed communication (Liu et al. 2023, section 3): the kernel's ``compute_s`` in
+    ``steps`` equal steps, each but the last overlapping the send of the next step's block to the
+    neighbour, so a step takes max(its compute, its transfer) and the exposed time is ``(steps - 1) *
+    max(0, transfer - compute / steps)``, plus the sends nothing overlaps.  A step's compute grows as the
+    square of the block length and its transfer linearly, so the transfer hides from ``tokens * transfer
+    / step compute`` tokens a device on (the paper's block size c >= F / B, in this chip's rates)."""
+    def seconds(nbytes: float) -> float:
+        return collective_time(Op.COLLECTIVE_PERMUTE, nbytes, ring.axes, mesh, sizes, hw, spans).seconds
+
+    transfer = seconds(ring.step_bytes)
+    step = compute_s / ring.steps
+    exposed = (ring.steps - 1) * max(0.0, transfer - step)
+    exposed += math.fsum(seconds(s.elements * s.nbytes) * s.count for s in ring.sends if not s.hidden)
+    hidden_from = ring.tokens * transfer / step if step > 0 else math.inf
+    return RingTime(transfer, exposed, hidden_from)

@@ -20,7 +20,9 @@ The overlap rule (:func:`phase_seconds`), as the lowered program runs: a
 collective the next op waits for (``Step.ahead`` false: a Megatron AllReduce, a
 sequence-parallel gather) is exposed; those that can be issued ahead (weight
 gathers, gradient reductions) overlap the phase's compute, so a phase takes
-``max(compute + memory, ahead) + critical``.  Gradient reductions are bucketed as
+``max(compute + memory, ahead) + critical``; a kernel that sends blocks around a ring while it
+computes (ring attention) adds the part of its transfers its compute does not hide to the critical
+time (:func:`shardc.steptime.ring_time`).  Gradient reductions are bucketed as
 PyTorch DDP and FSDP bucket them (:attr:`Hardware.bucket_bytes`, 25 MiB): a
 reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`).
 The backward needs the forward's results, so the training step takes ``forward +
@@ -52,12 +54,12 @@ from shardc.fusion import is_product, kept_values, memory_traffic
 from shardc.hardware import Hardware, resolve_hardware
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
-from shardc.ir.spec import Mesh, TensorRef
+from shardc.ir.spec import DType, Mesh, TensorRef
 from shardc.ops.registry import of_op
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import leaves
-from shardc.steptime import einsum_compute_seconds
+from shardc.steptime import einsum_compute_seconds, ring_time
 from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["step_count", "bound_of",
@@ -90,6 +92,14 @@ class StepCost:
     memory_bytes: float = 0.0  # HBM bytes of a memory-bound step (after fusion)
     memory_s: float = 0.0
     recomputed: bool = False  # a forward step the backward runs again: hardware FLOPs, not model FLOPs
+    # a kernel that sends blocks around a ring while it computes (ring attention, steptime.ring_time): its
+    # ring's axes and steps, each step's transfer, what of the transfers stays exposed (critical), and the
+    # block length (tokens a device) from which each step's compute hides its transfer
+    ring_axes: tuple[str, ...] = ()
+    ring_steps: int = 0
+    transfer_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    hidden_from: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -117,6 +127,10 @@ class StepCost:
         elif self.flops:  # a kernel with matmuls (attention): its FLOPs and its HBM traffic
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s,
                        memory_bytes=self.memory_bytes, memory_s=self.memory_s)
+            if self.ring_steps:
+                row.update(ring_axes=list(self.ring_axes), ring_steps=self.ring_steps, transfer_s=self.transfer_s,
+                           exposed_comm_s=self.exposed_comm_s,
+                           hidden_from_tokens=self.hidden_from if math.isfinite(self.hidden_from) else None)
         elif self.memory_bytes:
             row.update(memory_bytes=self.memory_bytes, memory_s=self.memory_s)
         return row
@@ -177,9 +191,15 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
         flops, model = family.flops(step, lambda name: _size(sizes, name))
-        return StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
-                        model_flops=float(model), compute_s=hw.matmul_seconds(flops, dtype) if flops else 0.0,
-                        once=step.once, memory_bytes=memory_bytes, memory_s=hw.memory_seconds(memory_bytes))
+        row = StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
+                       model_flops=float(model), compute_s=hw.matmul_seconds(flops, dtype) if flops else 0.0,
+                       once=step.once, memory_bytes=memory_bytes, memory_s=hw.memory_seconds(memory_bytes))
+        ring = family.ring(step, lambda name: _size(sizes, name), DType(dtype).nbytes) if family.ring else None
+        if ring is None:
+            return row
+        times = ring_time(ring, row.compute_s, mesh, sizes, hw, spans)
+        return replace(row, ring_axes=ring.axes, ring_steps=ring.steps, transfer_s=times.transfer_s,
+                       exposed_comm_s=times.exposed_s, hidden_from=times.hidden_from)
     return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once, memory_bytes=memory_bytes,
                     memory_s=hw.memory_seconds(memory_bytes))
 
@@ -239,6 +259,8 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
     critical: list[float] = []
     groups: dict[tuple[Op, tuple[str, ...]], list[tuple[StepCost, int]]] = {}
     for row, n in rows:
+        if row.exposed_comm_s:  # a ring's transfers its compute does not hide: the next step waits for them
+            critical.append(row.exposed_comm_s * n)
         if not row.is_collective:
             continue
         if row.ahead and row.op in _BUCKETED and not hw.book:

@@ -29,11 +29,24 @@ def _row(r: StepCost) -> str:
                 f"{fmt_seconds(r.comm_s):>9}  {path:<8}  {r.text}{lat}")
     if r.compute_s:
         return (f"  {r.index:>3}  {r.op.title:<13} {'':<6} {fmt_flops(r.flops):>10}  "
-                f"{fmt_seconds(r.compute_s):>9}  {'compute':<8}  {r.text}")
+                f"{fmt_seconds(r.compute_s):>9}  {'compute':<8}  {r.text}") + _ring(r)
     if r.memory_bytes:
         return (f"  {r.index:>3}  {r.op.title:<13} {'':<6} {fmt_bytes(r.memory_bytes):>10}  "
                 f"{fmt_seconds(r.memory_s):>9}  {'memory':<8}  {r.text}")
     return f"  {r.index:>3}  {r.op.title:<13} {','.join(r.axes):<6} {'':>10}  {'':>9}  {'local':<8}  {r.text}"
+
+
+def _ring(r: StepCost) -> str:
+    """A ring kernel's transfers against its compute (ring attention): each step's send, what stays
+    exposed, and the block length from which a step's compute hides its send."""
+    if not r.ring_steps:
+        return ""
+    hidden = "hidden" if r.transfer_s <= r.compute_s / r.ring_steps else "exposed"
+    return (f"\n       ring attention over {','.join(r.ring_axes)}: {r.ring_steps} steps of "
+            f"{fmt_seconds(r.compute_s / r.ring_steps)} compute, each sending the next K/V block in "
+            f"{fmt_seconds(r.transfer_s)}: {hidden} (a step's compute hides it from {r.hidden_from:,.0f} tokens a "
+            "device); "
+            f"exposed communication {fmt_seconds(r.exposed_comm_s)}")
 
 
 def _totals(p: PhaseCost, layers: int) -> list[str]:

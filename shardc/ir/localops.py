@@ -169,16 +169,22 @@ class Attention:
     and dO): ``part`` is what the step makes, the output, the row logsumexp or one of dQ, dK, dV (one
     of :data:`ATTENTION_PARTS`); ``key`` is the key index T; ``query`` the query position a causal
     mask compares it with (None: not causal); ``kernel``: the step that runs the kernel (its FLOPs, its
-    reads), the others being its further results."""
+    reads), the others being its further results; ``ring``: the mesh axes K and V travel around, a block a
+    step, while each device keeps its queries (ring attention; empty: K and V whole on the device);
+    ``zigzag``: the ring's sequence cut into 2n chunks, device i computing chunks i and 2n - 1 - i (causal
+    load balancing)."""
 
     part: str
     key: str
     query: str | None = None
     kernel: bool = True
+    ring: tuple[str, ...] = ()
+    zigzag: bool = False
 
     def __str__(self) -> str:
         causal = f",causal({self.query},{self.key})" if self.query is not None else ""
-        return f"attention_{self.part}(over {self.key}{causal})"
+        ring = f",ring({''.join(self.ring)}{',zigzag' if self.zigzag else ''})" if self.ring else ""
+        return f"attention_{self.part}(over {self.key}{causal}{ring})"
 @dataclass(frozen=True)
 class Dispatch:
     """Index-based expert dispatch (:mod:`shardc.ops.dispatch`): the routing of ``route`` (tokens in

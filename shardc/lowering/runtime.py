@@ -16,9 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardc.lowering.runtime_ring import compute_dtype, key_block, ring_backward, ring_forward, varying_zero
+
 __all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask", "keep_mask", "vocab_lookup",
            "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk", "attention", "attention_grads",
-           "expert_dispatch", "expert_combine", "expert_dispatch_vjp", "expert_combine_vjp", "expert_gate_vjp"]
+           "ring_attention", "ring_attention_grads", "expert_dispatch", "expert_combine", "expert_dispatch_vjp",
+           "expert_combine_vjp", "expert_gate_vjp"]
 
 Array = Any
 Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
@@ -157,12 +160,6 @@ def route_topk(gates: Array, k: int, capacity: int, order: int, experts: int) ->
 
 # --- attention, blockwise with an online softmax (Dao et al. 2022, FlashAttention) ---------------
 
-def _key_block(n: int) -> int:
-    """The keys a step of the loop takes: the largest divisor of ``n`` up to min(512, n / 2) (two blocks
-    or more where ``n`` allows, so the online softmax combines blocks)."""
-    return next(b for b in range(max(min(512, n // 2), 1), 0, -1) if n % b == 0)
-
-
 def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key: str,
                       query: tuple[str, Axes] | None, start: Any) -> Array:
     """One block of scores ``Q·K / sqrt(H)`` (the rows' letters, then the key letter), -inf where a causal
@@ -174,18 +171,6 @@ def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key:
         return s
     letter, axes = query
     return jnp.where(start + jnp.arange(kb.shape[ks.index(key)]) > positions(s, qs.index(letter), axes), -jnp.inf, s)
-
-
-def _varying_zero(dtype: Any, *xs: Array) -> Array:
-    """A zero that varies over every mesh axis any of ``xs`` varies over (inside shard_map): a loop's
-    initial carry must vary as its result does."""
-    return sum((jnp.ravel(x)[0].astype(dtype) * 0 for x in xs), jnp.zeros((), dtype))
-
-
-def _compute_dtype(x: Array) -> Any:
-    """What the kernel computes in: float32 at least (bf16 inputs accumulate in float32, as the kernels
-    do), float64 where the module runs in it."""
-    return jnp.promote_types(x.dtype, jnp.float32)
 
 
 _KERNEL: list[tuple[tuple[Any, ...], tuple[Array, ...]]] = []  # the last kernel run: (its arguments, its results)
@@ -207,7 +192,7 @@ def _same(a: Any, b: Any) -> bool:
     """One jax array (immutable: the same object, the same values), or equal letters and flags."""
     if isinstance(a, jax.Array):
         return a is b
-    return isinstance(a, str | tuple | None) and a == b
+    return isinstance(a, str | tuple | bool | None) and a == b
 
 
 def attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
@@ -222,12 +207,12 @@ def attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key
 def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
                query: tuple[str, Axes] | None) -> tuple[Array, Array]:
     qs, ks, vs, os = subs
-    dtype, wide = q.dtype, _compute_dtype(q)
+    dtype, wide = q.dtype, compute_dtype(q)
     q, k, v = (x.astype(wide) for x in (q, k, v))
     kt, vt, n = ks.index(key), vs.index(key), k.shape[ks.index(key)]
-    b = _key_block(n)
+    b = key_block(n)
     rows = qs[:-1]
-    zero = _varying_zero(wide, q, k, v)
+    zero = varying_zero(wide, q, k, v)
     acc0 = jnp.zeros(q.shape[:-1] + (v.shape[-1],), wide) + zero
     init = (jnp.full(q.shape[:-1], -jnp.inf, wide) + zero, jnp.zeros(q.shape[:-1], wide) + zero, acc0)
 
@@ -257,10 +242,10 @@ def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arra
 def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
                      key: str, query: tuple[str, Axes] | None) -> tuple[Array, Array, Array]:
     qs, ks, vs, os = subs
-    dtypes, wide = (q.dtype, k.dtype, v.dtype), _compute_dtype(q)
+    dtypes, wide = (q.dtype, k.dtype, v.dtype), compute_dtype(q)
     q, k, v, o, lse, do = (x.astype(wide) for x in (q, k, v, o, lse, do))
     kt, vt, n = ks.index(key), vs.index(key), k.shape[ks.index(key)]
-    b = _key_block(n)
+    b = key_block(n)
     rows = qs[:-1]
     delta = jnp.einsum(f"{os},{os}->{rows}", do, o)  # rowsum(dO * O)
     scale = 1 / math.sqrt(q.shape[-1])
@@ -277,10 +262,29 @@ def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arr
         return (dq, jax.lax.dynamic_update_slice_in_dim(dk, dkb, j * b, kt),
                 jax.lax.dynamic_update_slice_in_dim(dv, dvb, j * b, vt))
 
-    zero = _varying_zero(wide, q, k, v, o, lse, do)
+    zero = varying_zero(wide, q, k, v, o, lse, do)
     init = (jnp.zeros_like(q) + zero, jnp.zeros_like(k) + zero, jnp.zeros_like(v) + zero)
     grads = jax.lax.fori_loop(0, n // b, body, init)
     return tuple(g.astype(t) for g, t in zip(grads, dtypes, strict=True))  # type: ignore[return-value]
+
+
+def ring_attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
+                   query: tuple[str, Axes] | None, ring: tuple[str, ...], zigzag: bool) -> tuple[Array, Array]:
+    """:func:`attention` with the keys sharded as the queries over ``ring``: K and V passed around the ring
+    (ring attention, :func:`shardc.lowering.runtime_ring.ring_forward`); ``zigzag``: causal blocks balanced
+    in chunks i and 2n - 1 - i."""
+    return _kernel_once(ring_forward, q, k, v, subs, key, query, ring, zigzag)  # type: ignore[return-value]
+
+
+def ring_attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array,
+                         subs: tuple[str, str, str, str], key: str, query: tuple[str, Axes] | None,
+                         ring: tuple[str, ...], zigzag: bool) -> tuple[Array, Array, Array]:
+    """(dQ, dK, dV) of :func:`ring_attention` (:func:`shardc.lowering.runtime_ring.ring_backward`): dK and
+    dV whole over the ring's axes."""
+    return _kernel_once(ring_backward, q, k, v, o, lse, do, subs, key, query, ring,  # type: ignore[return-value]
+                        zigzag)
+
+
 # --- index-based dispatch and combine (the routing of route_topk, held as indices) ----------
 # Gates come as [*batch, S, E], tokens as [*batch, S, *features], expert rows as
 # [*batch, E, C, *features]; each helper flattens the batch and the features.

@@ -18,11 +18,13 @@ offset by its block's global position.  The blocks are contiguous, not load-bala
 causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time.  Where S is
 sharded the planner also costs S's axes moved onto a head or batch index (an AllToAll of Q, K and
 V in and of the output out, as Ulysses does, Jacobs et al. 2023: whole sequences, balanced) and
-runs the form of least time, forward and backward; ``--explain`` lists them.  Ring attention (K
-and V passed around with ppermute) is not planned; a sharded head dim is an error.  dK and dV sum
+runs the form of least time, forward and backward; ``--explain`` lists them.  The third form is
+ring attention (:mod:`shardc.ops.ring_attention`: K and V passed around the ring of S's axes with
+ppermute, the transfers hidden under each step's block of attention where it is long enough, and,
+causal, zig-zag chunks that balance the load); a sharded head dim is an error.  dK and dV sum
 over the query indices a key/value head serves (a group's query heads R, and S where sharded), so
 where those are sharded they are partial sums, reduced as any gradient is (onto K's and V's
-sharding along T: a ReduceScatter).
+sharding along T: a ReduceScatter); the ring brings them home whole over its axes.
 
 FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` and ``P·V``, ``4 B S T N H``
 (each head dim counted where it is contracted); with ``causal`` the chip runs only the unmasked
@@ -37,14 +39,15 @@ the backward's kernel is the first gradient step's, the others its further resul
 
 HBM traffic (:attr:`Family.traffic`): the forward reads Q, K and V and writes O and the
 logsumexp; the backward reads Q, K, V, O, the logsumexp and dO and writes dQ, dK and dV.
-Lowered as one call of :func:`shardc.lowering.runtime.attention` (or ``attention_grads``) a step.
+Lowered as one call of :func:`shardc.lowering.runtime.attention` (or ``attention_grads``; the ring's
+``ring_attention`` and ``ring_attention_grads``) a step.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -58,20 +61,21 @@ from shardc.ops.products import einsum_letters
 from shardc.ops.reductions import grad_magnitude as softmax_grad_magnitude
 from shardc.ops.reductions import magnitude as softmax_magnitude
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, register
+from shardc.ops.ring_attention import LSE_BYTES, ring_layouts, transfers
 from shardc.sharding.layout import Value
 from shardc.sharding.search import reshard
 from shardc.spec.attention_call import CAUSAL, Roles, roles
 from shardc.spec.walk import chain_indices
+from shardc.steptime import ring_time
+from shardc.units import fmt_seconds
 
 if TYPE_CHECKING:
-    from shardc.ops.registry import BackwardPass as _Backward
-    from shardc.ops.registry import Node
+    from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
 __all__ = ["ATTENTION", "LSE_BYTES", "emit", "attention_forward", "attention_vjp"]
 
 Array = Any
-LSE_BYTES = 4  # the row logsumexp is kept in float32 whatever the spec's dtype, as the kernels keep it
 
 
 def _call_roles(call: Call, q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...]) -> Roles:
@@ -142,28 +146,46 @@ def _value(indices: tuple[str, ...], axes: dict[str, tuple[str, ...]], unreduced
     return Value(tuple(axes[i] for i in indices), unreduced)
 
 
-def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]]) -> list[tuple[str, dict[str, tuple[str, ...]]]]:
+class Form(NamedTuple):
+    """A kernel layout to choose from: its text for ``--explain``, each index's axes, and the ring's axes
+    (ring attention; empty: K and V whole on the device) with whether its chunks are zig-zag."""
+
+    text: str
+    axes: dict[str, tuple[str, ...]]
+    ring: tuple[str, ...] = ()
+    zigzag: bool = False
+
+
+def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: bool) -> list[Form]:
     """The kernel layouts to choose from: ``axes`` (the all-gather form where the queries S are sharded),
     and, where they are, S's axes moved onto one of K's batch or head indices instead (Ulysses, Jacobs et
     al. 2023: an AllToAll of Q, K and V to heads sharded, whole sequences, and of the output back),
-    where that index's length takes them whole."""
+    where that index's length takes them whole, and T sharded as S with K and V around the ring (ring
+    attention), where T's length takes S's axes."""
     seq = r.queries[0]
-    forms = [(f"{seq} over {''.join(axes[seq])}, K and V gathered along {r.key} (all-gather)" if axes[seq]
-              else "local", axes)]
+    forms = [Form(f"{seq} over {''.join(axes[seq])}, K and V gathered along {r.key} (all-gather)" if axes[seq]
+                  else "local", axes)]
     for i in reversed(r.batch) if axes[seq] else ():  # the heads (written after the batch) first
         devices = math.prod(phase.ctx.axis_sizes[a] for a in (*axes[i], *axes[seq]))
         if not phase.sized or phase.ctx.dim_size(i) % devices == 0:
-            forms.append((f"{seq}'s {''.join(axes[seq])} moved to {i} (AllToAll in and out, as Ulysses)",
-                          {**axes, seq: (), i: axes[i] + axes[seq]}))
+            forms.append(Form(f"{seq}'s {''.join(axes[seq])} moved to {i} (AllToAll in and out, as Ulysses)",
+                              {**axes, seq: (), i: axes[i] + axes[seq]}))
+    devices = math.prod(phase.ctx.axis_sizes[a] for a in axes[seq])
+    if devices > 1 and (not phase.sized or phase.ctx.dim_size(r.key) % devices == phase.ctx.dim_size(seq) % devices
+                        == 0):  # even blocks: the ring's causal positions are each block's index times its length
+        size = (lambda name: phase.ctx.axis_sizes.get(name) or phase.ctx.dim_size(name)) if phase.sized else None
+        forms += [Form(text, kernel, axes[seq], zigzag)
+                  for text, kernel, zigzag in ring_layouts(axes, seq, r.key, size, causal)]
     return forms
 
 
-def _form_seconds(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]],
-                  want: Value) -> tuple[float, int]:
+def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -> tuple[float, int, str]:
     """A form's time, forward and backward: its moves twice (the backward moves their transposes: dO in,
-    dQ, dK, dV out), and its kernel at 3.5 times its forward's FLOPs (the backward's is 2.5 times); and
-    its forward's collectives."""
-    ctx = phase.ctx
+    dQ, dK, dV out), its kernel at 3.5 times its forward's FLOPs (the backward's is 2.5 times), and a
+    ring's transfers its compute does not hide, forward and backward; its forward's collectives; and what
+    of its communication stays exposed, for ``--explain``: the moves all (the kernel waits for them), a
+    ring's what its steps do not hide, with the block length from which they do."""
+    ctx, axes = phase.ctx, form.axes
     moved, count = 0.0, 0
     moves = [reshard(ctx, name, indices, phase.held[name], _value(indices, axes))
              for name, indices in zip(node.operands, (r.q, r.k, r.v), strict=True)]
@@ -175,26 +197,42 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str,
     for cost, made in moves:
         moved, count = moved + cost[0], count + len(made)
     assert node.call is not None
-    kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs),
-                  fn=Attention("out", r.key, _query(node.call, r)))
-    flops, _ = _flops(kernel, lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name))
-    return 2 * moved + 3.5 * ctx.hardware.matmul_seconds(float(flops), ctx.dtype.value) * ctx.compute_weight, count
+    fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag)
+    kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs), fn=fn)
+    size = lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name)  # noqa: E731
+    flops, _ = _flops(kernel, size)
+    compute = ctx.hardware.matmul_seconds(float(flops), ctx.dtype.value)
+    exposed, hidden = 0.0, ""
+    if form.ring:  # the forward's ring and the backward's (its kernel reads O, the logsumexp and dO too)
+        lse = phase.ref(node.aux[0], _value(r.rows, axes))
+        grads = Step(Op.ELEMENTWISE, node.result, kernel.dst, operands=(*refs, kernel.dst, lse, kernel.dst),
+                     fn=Attention("dq", r.key, fn.query, ring=form.ring, zigzag=form.zigzag))
+        sizes = {**ctx.axis_sizes, **(ctx.sizes or {})}
+        for step, seconds in ((kernel, compute), (grads, 2.5 * compute)):
+            ring = transfers(step, size, ctx.dtype.nbytes)
+            assert ring is not None
+            times = ring_time(ring, seconds, ctx.mesh, sizes, ctx.hardware, ctx.links)
+            exposed += times.exposed_s
+            hidden = hidden or f"; a ring step hides its K/V send from {times.hidden_from:,.0f} tokens a device"
+    note = f"exposed communication {fmt_seconds(2 * moved + exposed)}{hidden}"
+    return 2 * moved + 3.5 * compute * ctx.compute_weight + exposed, count, note
 
 
 def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]], want: Value,
-            label: str) -> dict[str, tuple[str, ...]]:
+            label: str) -> Form:
     """The form of least time (the first without sizes), listed for ``--explain``."""
-    forms = _forms(phase, r, axes)
+    assert node.call is not None
+    forms = _forms(phase, r, axes, _query(node.call, r) is not None)
     if len(forms) == 1 or not phase.sized:
-        return forms[0][1]
-    figures = [_form_seconds(phase, node, r, f, want) for _, f in forms]
-    times = [t for t, _ in figures]
+        return forms[0]
+    figures = [_form_seconds(phase, node, r, f, want) for f in forms]
+    times = [t for t, _, _ in figures]
     best = min(range(len(forms)), key=lambda k: times[k])
     if phase.ctx.explain:
-        rows = tuple(Alternative(text, t, "", n, k == best) for k, ((text, _), (t, n)) in enumerate(zip(forms, figures,
-                                                                                                       strict=True)))
+        rows = tuple(Alternative(f.text, t, note, n, k == best)
+                     for k, (f, (t, n, note)) in enumerate(zip(forms, figures, strict=True)))
         phase.choices.append(Choice(phase.name, label, rows, f"least time, forward and backward ({times[best]:.3g} s)"))
-    return forms[best][1]
+    return forms[best]
 
 
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
@@ -206,7 +244,8 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
                           fix="drop the {U_...} suffix")
     r, given = _layouts(phase, node, target, declared)
     want = target if target is not None else _value(node.indices, given)
-    axes = _choose(phase, node, r, given, want, label)
+    form = _choose(phase, node, r, given, want, label)
+    axes = form.axes
     assert node.call is not None
     operands = []
     for name, indices in zip(node.operands, (r.q, r.k, r.v), strict=True):
@@ -218,23 +257,23 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     query = _query(node.call, r)
     out, rows = _value(node.indices, axes), _value(r.rows, axes)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(operands),
-                    fn=Attention("out", r.key, query)), out)
+                    fn=Attention("out", r.key, query, ring=form.ring, zigzag=form.zigzag)), out)
     phase.emit(Step(Op.ELEMENTWISE, lse, phase.ref(lse, rows), operands=tuple(operands),
-                    fn=Attention("lse", r.key, query, kernel=False)), rows)
+                    fn=Attention("lse", r.key, query, kernel=False, ring=form.ring, zigzag=form.zigzag)), rows)
     if want != out:
         _, moves = reshard(phase.ctx, node.result, node.indices, (out,), want)
         phase.moves(node.result, moves)
     declared.setdefault(node.result, phase.ref(node.result, want))
 
 
-def _forward_step(bw: _Backward, node: Node, part: str) -> Step:
+def _forward_step(bw: BackwardPass, node: Node, part: str) -> Step:
     """The forward's step of ``node`` making ``part`` (its layouts are the backward's)."""
     tensor = node.result if part == "out" else node.aux[0]
     return next(s for s in reversed(bw.forward.steps) if s.tensor == tensor and isinstance(s.fn, Attention)
                 and s.fn.part == part)
 
 
-def _backward(bw: _Backward, node: Node, grad: str) -> None:
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """dQ, dK and dV from the kernel's residuals (Q, K, V, O and the row logsumexp, kept whatever the save
     policy, as FlashAttention keeps them) and dO in O's layout; dK and dV partial over the axes of the query
     heads a key/value head serves (R), reduced as any gradient's contributions are."""
@@ -250,15 +289,17 @@ def _backward(bw: _Backward, node: Node, grad: str) -> None:
     phase.moves(grad, moves)
     reads = (*out.operands, out.dst, lse.dst, phase.ref(grad, o_value))
     queries = {i for i in phase.indices[node.operands[0]] if i not in phase.indices[node.operands[1]]}
-    spread = tuple(sorted(a for d in out.operands[0].dims if d.name in queries for a in d.axes))
     assert isinstance(out.fn, Attention)
+    spread = tuple(sorted(a for d in out.operands[0].dims if d.name in queries for a in d.axes
+                          if a not in out.fn.ring))  # the ring brings dK and dV home whole over its axes
     for x, ref, part in zip(node.operands, out.operands, ("dq", "dk", "dv"), strict=True):
         if x not in wanted:
             continue
         value = Value(ref.layout, () if part == "dq" else spread)
         dst = bw.part_name(x)
         phase.emit(Step(Op.ELEMENTWISE, dst, phase.ref(dst, value), operands=reads,
-                        fn=Attention(part, out.fn.key, out.fn.query, kernel=x == wanted[0])), value)
+                        fn=Attention(part, out.fn.key, out.fn.query, kernel=x == wanted[0], ring=out.fn.ring,
+                                     zigzag=out.fn.zigzag)), value)
         bw.settle(x, dst, value)
 
 
@@ -277,6 +318,7 @@ def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
     rows = tuple(d for d in q.dims if d.name != r.head)
     values = einsum_flops(((d.name, d.axes) for d in (*rows, *keys, v.dims[-1])), size)  # P·V: rows x T x Hv
     num, den = _unmasked(step, size)
+    num *= math.prod((size(a) for a in step.fn.ring), start=1)  # a ring's n steps each take a block of T
     if part == "out":
         return (scores[0] + values[0]) * num / den, scores[1] + values[1]
     # the backward's kernel: the scores again, dP = dO·V, dQ = dS·K, dK = dS·Q, dV = P·dO
@@ -286,10 +328,13 @@ def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
 def _unmasked(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
     """The share of its S x T blocks the busiest device runs, as (numerator, denominator): all but causal;
     causal, a half with S whole, and with S in n contiguous blocks the last's, (2n - 1) / 2n (its queries
-    see every key but half of its own block's: the all-gather form does not balance the load)."""
+    see every key but half of its own block's: the all-gather form and a contiguous ring do not balance
+    the load); in zig-zag chunks every device's is the average, a half."""
     assert isinstance(step.fn, Attention)
     if step.fn.query is None:
         return 1, 1
+    if step.fn.zigzag:
+        return 1, 2
     q = step.operands[0]
     n = math.prod((size(a) for a in q.dims[q.indices.index(step.fn.query)].axes), start=1)
     return 2 * n - 1, 2 * n  # (numerator, denominator): exact in a formula
@@ -313,15 +358,20 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     out = step.operands[3] if len(step.operands) > 3 else step.dst
     letters = einsum_letters((q, k, v, out))
     subs = tuple("".join(letters[i] for i in ref.indices) for ref in (q, k, v, out))
+    if step.fn.part == "lse":  # the output's letters (Q's rows, V's head), so the call is the output step's
+        subs = (*subs[:3], subs[0][:-1] + subs[2][-1])
     query = "None"
     if step.fn.query is not None:  # S's letter and the axes sharding it: the causal mask's global positions
         query = repr((letters[step.fn.query], q.dims[q.indices.index(step.fn.query)].axes))
     flags = f"{subs!r}, {letters[step.fn.key]!r}, {query}"
+    kernel = "attention"
+    if step.fn.ring:  # the ring's axes (K's along T, as Q's along S) and whether its chunks are zig-zag
+        kernel, flags = "ring_attention", f"{flags}, {step.fn.ring!r}, {step.fn.zigzag!r}"
     if step.fn.part in ("out", "lse"):
         pick = 0 if step.fn.part == "out" else 1
-        return f"attention({var(q)}, {var(k)}, {var(v)}, {flags})[{pick}]"
+        return f"{kernel}({var(q)}, {var(k)}, {var(v)}, {flags})[{pick}]"
     args = ", ".join(var(ref) for ref in step.operands)
-    return f"attention_grads({args}, {flags})[{('dq', 'dk', 'dv').index(step.fn.part)}]"
+    return f"{kernel}_grads({args}, {flags})[{('dq', 'dk', 'dv').index(step.fn.part)}]"
 
 
 # --- whole arrays: the reference ---------------------------------------------------------------
@@ -438,4 +488,4 @@ ATTENTION = register(Family(
     # a softmax of Q·K: verify feeds it unit-size queries, so the softmax is neither flat nor one-hot
     reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices,
                         nonlinear=lambda func: True),
-    operands=_operands, aux_bytes=_aux_bytes, traffic=_traffic, flops=_flops, fusible=False))
+    operands=_operands, aux_bytes=_aux_bytes, traffic=_traffic, flops=_flops, ring=transfers, fusible=False))

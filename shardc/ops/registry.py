@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from shardc.ir.spec import Call, Expr, Statement, TensorRef
     from shardc.sharding.layout import Value
     from shardc.sharding.phase import Phase
+    from shardc.steptime import RingTransfer
 
 __all__ = ["BackwardPass", "Builder", "Family", "Node", "Flops", "Reference", "Site", "Sizer", "Traffic",
            "all_traffic", "no_traffic", "register", "of_call", "family_of", "of_op", "of_step", "families",
@@ -43,6 +44,9 @@ Traffic = Callable[["Step", Sizer], tuple[tuple[float, ...], float]]
 # (per-device FLOPs, model FLOPs) of one step on the matrix units, given a dim's or an axis's size (a
 # number, or a symbol for the cost formulas)
 Flops = Callable[["Step", Callable[[str], Any]], tuple[Any, Any]]
+# the sends to a neighbour a step makes while its compute runs in ring steps (ring attention), given a dim's or
+# an axis's size and the spec's bytes an element (None: it makes none)
+Ring = Callable[["Step", Callable[[str], int], int], "RingTransfer | None"]
 
 
 def all_traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
@@ -228,6 +232,8 @@ class Family:
     # the matmul FLOPs of one of its steps, which the cost model adds at the chip's matmul rate beside its
     # traffic (None: its steps are memory-bound only; attention's are not)
     flops: Flops | None = None
+    # the neighbour sends of one of its steps around a ring, priced against the step's compute (None: none)
+    ring: Ring | None = None
     # whether XLA fuses its steps with their neighbours (elementwise maps and reductions: loop and
     # reduction fusions; a top-k routing sorts, and is a kernel of its own)
     fusible: bool = True

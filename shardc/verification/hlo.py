@@ -20,7 +20,7 @@ import numpy as np
 from shardc.collectives import BY_HLO_OP, TABLE
 from shardc.ir.plan import Op
 
-__all__ = ["Collective", "collectives", "parse_replica_groups"]
+__all__ = ["Collective", "collectives", "parse_replica_groups", "pair_axes"]
 
 _KINDS = BY_HLO_OP
 _HLO_OPS = [i.hlo_op for i in TABLE.values() if i.is_collective and i.hlo_op]  # the pipeline's permute too
@@ -30,6 +30,7 @@ _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[\w\[\],
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _INTEGER = re.compile(r"[su](\d+)")  # HLO's signed and unsigned integer types: s32, u8, ...
 
 
@@ -80,6 +81,20 @@ def group_axes(group: list[int], mesh: tuple[tuple[str, int], ...]) -> tuple[str
     return tuple(mesh[k][0] for k in sorted(varying, key=lambda k: (-stride(k), k)))
 
 
+def pair_axes(line: str, mesh: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    """The mesh axes a collective-permute's sources and targets differ in, in mesh order (() where it has
+    no pairs, or sends each device's block to itself)."""
+    match = _PAIRS.search(line)
+    if not match:
+        return ()
+    shape = [size for _, size in mesh]
+    moved: set[int] = set()
+    for a, b in re.findall(r"\{(\d+),(\d+)\}", match.group(1)):
+        src, dst = np.unravel_index(int(a), shape), np.unravel_index(int(b), shape)
+        moved.update(k for k in range(len(shape)) if src[k] != dst[k])
+    return tuple(mesh[k][0] for k in sorted(moved))
+
+
 def _arrays(shape_text: str) -> list[tuple[str, int]]:
     return [(dt, int(np.prod([int(x) for x in dims.split(",") if x] or [1])))
             for dt, dims in _ARRAY.findall(shape_text)]
@@ -103,6 +118,8 @@ def collectives(hlo_text: str, mesh: tuple[tuple[str, int], ...]) -> list[Collec
             continue
         groups = parse_replica_groups(line, devices)
         axes = group_axes(groups[0], mesh) if groups and groups[0] else ()
+        if op == "collective-permute":  # no replica groups: the axes its sources and targets differ in
+            axes = pair_axes(line, mesh) or axes
         group = len(groups[0]) if groups else 1
         kind = _KINDS.get(op)
         if match.group("start") and kind is Op.ALL_GATHER:

@@ -18,6 +18,7 @@ from shardc.lowering.sizes import devices_to_check
 from shardc.planner.plan_text import step_label
 from shardc.verification.hlo import Collective
 from shardc.verification.memory_check import MemoryCheck, render_memory
+from shardc.verification.ring_hlo import ring_sends
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text", "compare_values",
            "Planned", "planned_collective", "unplanned_row", "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE",
@@ -177,7 +178,26 @@ def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collectiv
         rows.append(CollectiveRow(phase, p.label, step.op.title, axes_text(p.axes), p.want, chosen.hlo_op,
                                   axes_text(chosen.axes), got, got == p.want,
                                   "" if got == p.want else "bytes differ"))
-    return rows + [unplanned_row(phase, c, nbytes) for c in left]
+    return rows + ring_rows(phase, steps, left, sizes, nbytes) + [unplanned_row(phase, c, nbytes) for c in left]
+
+
+def ring_rows(phase: str, steps: tuple[Step, ...], left: list[Collective], sizes: dict[str, int],
+              nbytes: int) -> list[CollectiveRow]:
+    """A ring kernel's collective-permutes (:mod:`shardc.verification.ring_hlo`), each group found by its
+    count of permutes of its elements over the ring's axes; those found leave ``left``."""
+    rows = []
+    for sends in ring_sends(steps, sizes):
+        mine = [c for c in left if c.hlo_op == "collective-permute" and c.elements == sends.elements
+                and c.axes == sends.axes][:sends.count]
+        for c in mine:
+            left.remove(c)
+        ok = len(mine) == sends.count
+        rows.append(CollectiveRow(phase, f"{step_label(sends.step)} {sends.step.dst}: {sends.count} sends around the "
+                                  "ring", "CollectivePermute", axes_text(sends.axes), sends.elements * nbytes,
+                                  f"collective-permute x {len(mine)}", axes_text(sends.axes),
+                                  sends.elements * nbytes if mine else None, ok,
+                                  "" if ok else f"{len(mine)} of {sends.count} permutes of those elements found"))
+    return rows
 
 
 def hlo_axes(c: Collective) -> tuple[str, ...]:

@@ -1,0 +1,87 @@
+"""Ring attention, the attention family's third context-parallel form: its layouts and its sends.
+
+Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context"): the queries S and the keys T are both sharded over the sequence's mesh axes; each device
+keeps its block of queries while the blocks of K and V travel around the ring of those axes, one
+``jax.lax.ppermute`` to the next device a step, and each step's block of attention is folded into the
+online softmax (the running row max and sum of exponentials).  The n steps' compute hides the n - 1
+sends of the next block when a block's attention takes longer than its transfer over one link: the
+block (tokens a device) at least the chip's FLOPs over the link's bytes a second, up to the constants
+(:func:`shardc.steptime.ring_time`).  The backward passes K and V around again, and with them the
+blocks' dK and dV accumulators, which come home after n hops: dK and dV leave the kernel whole over the
+ring, with no ReduceScatter.
+
+Causal load balancing (zig-zag, as the LLaMA 3 paper's context parallelism does, Dubey et al. 2024,
+section 3.3.2: the sequence cut into 2n chunks, device i holding chunks i and 2n - 1 - i): every device and every ring
+step then computes half of its blocks, the average, where the contiguous blocks leave the last device
+(2n - 1) / 2n of them and the others waiting.  The kernel takes its blocks contiguous, as every other
+step of the plan holds them, and reorders them on the way in and out (two sends of half a block an
+array, before and after the ring, exposed); the planner weighs both forms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from shardc.collectives import piece
+from shardc.ir.localops import Attention
+from shardc.ir.plan import Step
+from shardc.ir.spec import TensorRef
+from shardc.steptime import RingTransfer, Send
+
+__all__ = ["LSE_BYTES", "transfers", "ring_layouts"]
+
+LSE_BYTES = 4  # the row logsumexp is kept in float32 whatever the spec's dtype, as the kernels keep it
+
+
+def ring_layouts(axes: dict[str, tuple[str, ...]], seq: str, key: str, sizes: Callable[[str], int] | None,
+                 causal: bool) -> list[tuple[str, dict[str, tuple[str, ...]], bool]]:
+    """The ring forms of a kernel whose queries ``seq`` are sharded: (text, each index's axes with the keys
+    sharded as the queries, zig-zag); the zig-zag form only where causal with S and T of one length that
+    2n chunks divide (``sizes`` None: unsized, no zig-zag)."""
+    ring = axes[seq]
+    where = "".join(ring)
+    kernel = {**axes, key: ring}
+    forms = [(f"{seq} and {key} over {where}, K and V passed around the ring (ring attention)", kernel, False)]
+    if causal and sizes is not None:
+        n = math.prod(sizes(a) for a in ring)
+        if sizes(seq) == sizes(key) and sizes(seq) % (2 * n) == 0:
+            forms.append((f"{seq} and {key} over {where} in 2x{n} zig-zag chunks, K and V around the ring "
+                          "(ring attention, balanced)", kernel, True))
+    return forms
+
+
+def transfers(step: Step, size: Callable[[str], int], nbytes: int) -> RingTransfer | None:
+    """The sends of a ring kernel's step (its kernel's: the output's, or the first gradient's), None for
+    any other: K and V each of the n - 1 steps but the last; in the backward also the dK and dV
+    accumulators (float32 at least), the last of their n hops (home) after the compute; with zig-zag, each
+    array the kernel reads or makes reordered in two halves before and after the ring."""
+    fn = step.fn
+    assert isinstance(fn, Attention)
+    if not fn.ring or not fn.kernel:
+        return None
+    n = math.prod(size(a) for a in fn.ring)
+
+    def elements(ref: TensorRef) -> float:
+        return float(piece((size(d.name), math.prod(size(a) for a in d.axes)) for d in ref.dims))
+
+    q, k, v = step.operands[:3]
+    rows = elements(q) / size(q.dims[-1].name)  # the row logsumexp: Q's elements less its head dim
+    keys = piece([(size(d.name), math.prod(size(a) for a in d.axes)) for d in k.dims if d.name == fn.key])
+    sends = [Send(elements(k), nbytes, n - 1), Send(elements(v), nbytes, n - 1)]
+    reordered: list[tuple[float, int]]
+    if fn.part in ("out", "lse"):
+        reordered = [(elements(q), nbytes), (elements(k), nbytes), (elements(v), nbytes),
+                     (elements(step.dst), nbytes), (rows, LSE_BYTES)]
+    else:
+        wide = max(nbytes, 4)
+        sends += [Send(elements(k), wide, n - 1), Send(elements(v), wide, n - 1),
+                  Send(elements(k), wide, 1, hidden=False), Send(elements(v), wide, 1, hidden=False)]
+        o = step.operands[3]
+        reordered = [(elements(q), nbytes), (elements(k), nbytes), (elements(v), nbytes), (elements(o), nbytes),
+                     (rows, LSE_BYTES), (elements(o), nbytes), (elements(q), nbytes), (elements(k), nbytes),
+                     (elements(v), nbytes)]  # in: Q, K, V, O, lse, dO; out: dQ, dK, dV
+    if fn.zigzag:  # two halves each way (of two devices' first halves, none moves: chunks 0 and 1 stay)
+        sends += [Send(count / 2, width, 1 if n == 2 else 2, hidden=False) for count, width in reordered]
+    return RingTransfer(fn.ring, n, int(keys), tuple(sends))
