@@ -16,7 +16,7 @@ from typing import Any
 
 from jax.extend import core as jex
 
-__all__ = ["Run", "runs"]
+__all__ = ["Run", "function_of", "is_lookup", "primitives", "runs"]
 
 _PASS = ("broadcast_in_dim", "stop_gradient", "max")  # what lies between the max and the subtraction
 
@@ -124,3 +124,41 @@ def runs(jaxpr: Any) -> dict[Any, Run]:
         if all(uses[v] == reads[v] for v in inner):
             found[eqn] = match
     return found
+
+
+def is_lookup(gather: Any) -> bool:
+    """Whether a ``gather`` takes whole rows of a 2-d table at integer ids, one id an index vector
+    (``jnp.take(table, ids, axis=0)`` and ``table[ids]``, ids of any shape): an embedding lookup."""
+    table, indices = gather.invars
+    out = gather.outvars[0]
+    numbers = gather.params["dimension_numbers"]
+    return (len(table.aval.shape) == 2 and tuple(numbers.collapsed_slice_dims) == (0,)
+            and tuple(numbers.start_index_map) == (0,) and not tuple(numbers.operand_batching_dims)
+            and tuple(numbers.offset_dims) == (len(out.aval.shape) - 1,)
+            and tuple(gather.params["slice_sizes"]) == (1, table.aval.shape[1])
+            and indices.aval.shape[-1:] == (1,) and len(out.aval.shape) == len(indices.aval.shape))
+
+
+def primitives(jaxpr: Any) -> frozenset[str]:
+    found: set[str] = set()
+    for eqn in getattr(jaxpr, "eqns", ()):
+        found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if isinstance(inner, jex.Jaxpr):
+                found |= primitives(inner)
+    return frozenset(found)
+
+
+def function_of(ops: frozenset[str]) -> str:
+    """The language's function for a run of elementwise primitives (identity when none fits)."""
+    if "erf" in ops or ("tanh" in ops and ops & {"integer_pow", "pow"}):
+        return "gelu"
+    if "logistic" in ops:
+        return "silu" if "mul" in ops else "sigmoid"
+    if ops & {"max"} and not ops & {"exp", "tanh"}:
+        return "relu"
+    for name in ("tanh", "exp"):
+        if name in ops:
+            return name
+    return "square" if ops <= {"mul", "integer_pow"} and ops else "identity"

@@ -1,0 +1,176 @@
+"""``shardc explain`` on whole programs: multi-head attention written with reshapes, an embedding, a
+training step (its forward read as the spec, its backward's collectives beside shardc's backward),
+a reshard XLA can only make by gathering, and a flax model.
+
+Each program builds its mesh over the 8 emulated CPU devices (conftest) and is compiled, not run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardc
+from shardc.explain.explain_report import explain, render_explanation
+from shardc.spec.walk import leaves
+from tests.test_cli import fails_clearly
+from tests.test_explain import _arg, _line_of, _mesh
+
+pytestmark = pytest.mark.slow
+
+
+def _statements(e: Any) -> dict[str, str]:
+    return {s.result.name: f"{s.result} = {s.expr}" for s in shardc.parse(e.spec).statements}
+
+
+def attention_layer() -> tuple[Any, tuple[Any, ...]]:
+    """A pre-norm transformer layer as jax users write it: the heads split off the projections by
+    reshapes and merged back before the output projection, heads and MLP over `model`."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+    heads = 4
+
+    def rmsnorm(x: Any) -> Any:
+        return x * jax.lax.rsqrt(jnp.mean(x**2, axis=-1, keepdims=True) + 1e-6)
+
+    def layer(x: Any, wq: Any, wk: Any, wv: Any, wo: Any, w1: Any, w2: Any) -> Any:
+        b, s, d = x.shape
+        h = rmsnorm(x)
+        q, k, v = ((h @ w).reshape(b, s, heads, -1) for w in (wq, wk, wv))
+        p = jax.nn.softmax(jnp.einsum("bsnh,btnh->bnst", q, k), axis=-1)
+        o = jnp.einsum("bnst,btnh->bsnh", p, v).reshape(b, s, -1)
+        x = x + o @ wo  # the attention's AllReduce
+        return x + jax.nn.gelu(rmsnorm(x) @ w1) @ w2  # the MLP's AllReduce
+
+    d, f = 16, 32
+    return jax.jit(layer), (_arg(mesh, (4, 8, d), "data"), *[_arg(mesh, (d, d), None, "model")] * 3,
+                            _arg(mesh, (d, d), "model", None), _arg(mesh, (d, f), None, "model"),
+                            _arg(mesh, (f, d), "model", None))
+
+
+def test_multi_head_attention_written_with_reshapes_is_read_with_its_heads() -> None:
+    fn, args = attention_layer()
+    e = explain(fn, *args)
+    spec = shardc.parse(e.spec)
+    weights = {r.name: r for s in spec.statements for r in leaves(s.expr) if r.name.startswith("w")}
+    # wq[16, 16] reshaped after the product is wq[D, N, H] in the spec, its columns' sharding on the heads
+    assert [(d.axes, dict(spec.dims)[d.name]) for d in weights["wq"].dims][1:] == [(("model",), 4), ((), 4)], e.spec
+    assert [(d.axes, dict(spec.dims)[d.name]) for d in weights["wo"].dims][:2] == [(("model",), 4), ((), 4)], e.spec
+    assert sum(str(s.expr).startswith("softmax(") for s in spec.statements) == 1
+    assert sum(str(s.expr).startswith("rmsnorm(") for s in spec.statements) == 2
+    # Megatron's two AllReduces, in XLA's program and in shardc's plan, at the lines that made them
+    assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] * 2
+    assert [c.line for c in e.xla] == [_line_of(attention_layer, "the attention's AllReduce"),
+                                       _line_of(attention_layer, "the MLP's AllReduce")]
+    assert [(c.kind, c.axes) for c in e.plan] == [("AllReduce_{model}", "model")] * 2
+    assert not e.not_needed and not e.differently
+
+
+def embedding_model() -> tuple[Any, tuple[Any, ...]]:
+    """Token ids looked up in a vocabulary-parallel table (rows over `model`), then a projection."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def model(ids: Any, table: Any, w1: Any, w2: Any, head: Any) -> Any:
+        x = jnp.take(table, ids, axis=0)  # the lookup
+        y = x + jax.nn.relu(x @ w1) @ w2
+        return jnp.einsum("bsd,vd->bsv", y, head)
+
+    weights = [_arg(mesh, (64, 16), "model", None), _arg(mesh, (16, 32)), _arg(mesh, (32, 16)),
+               _arg(mesh, (64, 16), "model", None)]
+    return jax.jit(model), (_arg(mesh, (4, 8), "data").update(dtype=jnp.int32),
+                            *[w.update(dtype=jnp.bfloat16) for w in weights])
+
+
+def test_an_embedding_lookup_is_the_languages_embed() -> None:
+    fn, args = embedding_model()
+    e = explain(fn, *args)
+    made = _statements(e)
+    assert made["E1"] == "E1[B_{data}, S, D] = embed(ids[B_{data}, S], table[V_{model}, D])", e.spec
+    assert "dtype bf16" in e.spec.splitlines()  # the table's dtype, not the ids' (the first argument)
+    # the vocabulary-parallel lookup is a partial sum over `model`: XLA and shardc reduce it
+    assert ("AllReduce_{model}", "E1") in [(c.kind, c.tensor) for c in e.plan]
+    assert any("E1" in c.tensor.split("|") and c.line == _line_of(embedding_model, "the lookup") for c in e.xla)
+    assert shardc.cost(shardc.plan(shardc.parse(e.spec))).step.step_s > 0
+
+
+def test_a_reshape_the_language_cannot_write_names_its_equation_and_line(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    program = tmp_path / "regroup.py"
+    program.write_text(
+        "import jax\nimport jax.numpy as jnp\nfrom jax.sharding import AxisType, NamedSharding, PartitionSpec as P\n\n"
+        "def program():\n"
+        "    mesh = jax.make_mesh((4, 2), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)\n"
+        "    arg = jax.ShapeDtypeStruct((16, 6), jnp.float32, sharding=NamedSharding(mesh, P('data')))\n"
+        "    def f(x):\n"
+        "        return jnp.tanh(x).reshape(8, 12)\n"
+        "    return jax.jit(f), (arg,)\n", encoding="utf-8")
+    fails_clearly(capsys, "explain", f"{program}:program",
+                  says=f"`reshape` ([8, 12] = reshape [16, 6]) at {program}:9: [16, 6] to [8, 12] regroups its "
+                  "dims [0, 1] as [0, 1]: neither a split of one dim nor a merge of several")
+
+
+def test_a_split_whose_sharding_is_not_blocks_of_its_parts_is_a_clear_error() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, w: Any) -> Any:
+        return jnp.tanh((x @ w).reshape(16, 2, 8))  # F over 4 devices is 4 rows of each of 2 heads
+
+    line = _line_of(test_a_split_whose_sharding_is_not_blocks_of_its_parts_is_a_clear_error, "reshape(16")
+    with pytest.raises(shardc.ShardcError, match=r"a dim sharded over data is reshaped to 2x8: a device's block of "
+                       r"it is not a block of each of those dims \(`reshape` \[16, 16\] to \[16, 2, 8\] at "
+                       + line):
+        explain(jax.jit(f), _arg(mesh, (16, 8)), _arg(mesh, (8, 16), None, "data"))
+
+
+def mlp_train_step() -> tuple[Any, tuple[Any, ...]]:
+    """A training step as jax users write it: the loss's value and gradients, then SGD on the params
+    (a pytree); the batch over `data`, the hidden dim over `model` (Megatron's MLP under data parallel)."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def loss(params: Any, x: Any, y: Any) -> Any:
+        h = jax.nn.gelu(x @ params["w1"])  # the first matmul
+        return jnp.mean((h @ params["w2"] - y) ** 2)  # the forward's AllReduce
+
+    def step(params: Any, x: Any, y: Any) -> Any:
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
+
+    params = {"w1": _arg(mesh, (8, 32), None, "model"), "w2": _arg(mesh, (32, 8), "model", None)}
+    return jax.jit(step), (params, _arg(mesh, (16, 8), "data"), _arg(mesh, (16, 8), "data"))
+
+
+def test_a_training_step_is_read_as_its_forward_and_both_phases_compared() -> None:
+    fn, args = mlp_train_step()
+    e = explain(fn, *args)
+    lines = e.spec.splitlines()
+    assert "param params_w1, params_w2" in lines and "const x, y" in lines, e.spec
+    spec = shardc.parse(e.spec)
+    # the forward alone: two contractions, gelu, the loss's difference, square and mean (two sums)
+    assert sum(" · " in str(s.expr) for s in spec.statements) == 2, e.spec
+    assert not any(s.result.name.startswith("d") for s in spec.statements)
+    phases = {c.phase for c in e.xla}
+    assert phases == {"forward", "backward"}, render_explanation(e)
+    # the gradients' data-parallel AllReduces: XLA's (named by shardc's gradient names) and the plan's
+    xla_grads = sorted((c.tensor.split("|")[0], c.axes, c.bytes) for c in e.xla if c.phase == "backward")
+    plan_grads = sorted((c.tensor, c.axes, c.bytes) for c in e.plan if c.phase == "backward")
+    assert xla_grads == plan_grads == [("dparams_w1", "data", 8 * 16 * 4), ("dparams_w2", "data", 16 * 8 * 4)]
+    # jax gives a transposed op the source line of the forward op it transposes (XLA's combined
+    # AllReduce of both gradients has its first part's)
+    loss_lines = {_line_of(mlp_train_step, "the first matmul"), _line_of(mlp_train_step, "the forward's AllReduce")}
+    assert {c.line for c in e.xla if c.phase == "backward"} <= loss_lines
+    forward = [c for c in e.xla if c.phase == "forward" and c.axes == "model"]
+    assert [c.line for c in forward] == [_line_of(mlp_train_step, "the forward's AllReduce")]
+    assert e.training and e.plan_comm_s > 0 and "shardc's plan of the forward and backward" in render_explanation(e)
