@@ -174,3 +174,37 @@ def test_a_training_step_is_read_as_its_forward_and_both_phases_compared() -> No
     forward = [c for c in e.xla if c.phase == "forward" and c.axes == "model"]
     assert [c.line for c in forward] == [_line_of(mlp_train_step, "the forward's AllReduce")]
     assert e.training and e.plan_comm_s > 0 and "shardc's plan of the forward and backward" in render_explanation(e)
+
+
+def involuntary_remat() -> tuple[Any, tuple[Any, ...]]:
+    """A sum constrained from (B over `model`, T over `data`) to S over both (xla #15207): XLA's SPMD
+    partitioner logs "Involuntary full rematerialization" and gathers the whole sum onto every device,
+    then slices it; the layouts differ by two AllToAlls."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh((4, 2))
+
+    def f(a: Any, b: Any, c: Any) -> Any:
+        d = jax.lax.with_sharding_constraint(a + b, NamedSharding(mesh, P(None, ("data", "model"))))  # the reshard
+        return c + d
+
+    shape = (32, 128, 128)
+    return jax.jit(f), (_arg(mesh, shape, "model", None, "data"), _arg(mesh, shape, "model", None, "data"),
+                        _arg(mesh, shape, None, ("data", "model")))
+
+
+def test_an_involuntary_full_rematerialization_is_listed_beside_the_cheaper_plan() -> None:
+    fn, args = involuntary_remat()
+    e = explain(fn, *args)
+    assert "R1[B, S_{data,model}, T] = a[B_{model}, S, T_{data}] + b[B_{model}, S, T_{data}]" in e.spec
+    line = _line_of(involuntary_remat, "the reshard")
+    whole = [c for c in e.xla if c.whole]
+    assert [(c.kind, c.bytes, c.line) for c in whole] == [("AllGather", 32 * 128 * 128 * 4, line)]
+    assert "R1" in whole[0].tensor.split("|") and whole[0] in e.not_needed
+    assert "(whole)" in render_explanation(e)
+    # shardc moves the axes with AllToAlls, never holding the whole sum: cheaper on the chip
+    assert e.differently and {c.kind.split("_")[0] for c in e.differently} == {"AllToAll"}
+    assert all(c.tensor == "R1" and c.line == line and c.bytes <= whole[0].bytes for c in e.differently)
+    assert e.plan_comm_s < e.xla_comm_s / 2

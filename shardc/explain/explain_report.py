@@ -29,7 +29,7 @@ from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError, clip
 from shardc.explain.jaxpr_spec import ProgramSpec, read_program
 from shardc.explain.training import phase_of
-from shardc.ir.plan import Plan, Step
+from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
@@ -58,6 +58,7 @@ class Collective:
     seconds: float | None
     line: str = ""
     phase: str = "forward"  # forward, backward or update (a training step's optimizer)
+    whole: bool = False  # an AllGather of a whole sharded tensor onto every device (a full rematerialization)
 
 
 @dataclass
@@ -204,6 +205,12 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
             named = names[phase].setdefault(_local(ref, sizes), [])
             if ref.name not in named:
                 named.append(ref.name)
+    # an AllGather whose result is the whole of a sharded tensor of the spec, on every device: XLA's
+    # "involuntary full rematerialization" (a reshard its partitioner makes by gathering all, then slicing)
+    wholes: dict[tuple[int, ...], list[str]] = {}
+    for ref in program.tensors.values():
+        if any(d.axes for d in ref.dims):
+            wholes.setdefault(tuple(sizes[d.name] for d in ref.dims), []).append(ref.name)
     hlo = compiled.as_text()
     frames = _source_lines(hlo)
     seen: Counter[str] = Counter()
@@ -217,9 +224,11 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
         v = c.bytes(nbytes)
         seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw).seconds if c.kind else None
         frame = _FRAME.search(c.text)
-        tensor = "|".join(names["backward" if phase != "forward" else "forward"].get(shape, ["?"]))
-        found.append(Collective(c.kind.title if c.kind else c.hlo_op, tensor, ",".join(c.axes), v, seconds,
-                                frames.get(frame.group(1), "") if frame else "", phase))
+        tensor = "|".join(names["backward" if phase != "forward" else "forward"].get(shape, []))
+        whole = not tensor and c.kind is Op.ALL_GATHER and shape in wholes
+        found.append(Collective(c.kind.title if c.kind else c.hlo_op, "|".join(wholes[shape]) if whole else tensor
+                                or "?", ",".join(c.axes), v, seconds, frames.get(frame.group(1), "") if frame else "",
+                                phase, whole))
     return found
 
 
@@ -245,7 +254,8 @@ def _same(c: Collective, row: Row) -> bool:
 
 def _row(c: Collective) -> str:
     time = "" if c.seconds is None else f"{c.seconds * 1e6:9.2f} us"
-    return f"    {c.phase:<8} {c.kind:<18} {c.tensor:<14} over {c.axes or '-':<10} {c.bytes:>12,} B {time}  {c.line}"
+    what = f"{c.tensor} (whole)" if c.whole else c.tensor
+    return f"    {c.phase:<8} {c.kind:<18} {what:<14} over {c.axes or '-':<10} {c.bytes:>12,} B {time}  {c.line}"
 
 
 def render_explanation(e: Explanation) -> str:
