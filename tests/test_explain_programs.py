@@ -208,3 +208,50 @@ def test_an_involuntary_full_rematerialization_is_listed_beside_the_cheaper_plan
     assert e.differently and {c.kind.split("_")[0] for c in e.differently} == {"AllToAll"}
     assert all(c.tensor == "R1" and c.line == line and c.bytes <= whole[0].bytes for c in e.differently)
     assert e.plan_comm_s < e.xla_comm_s / 2
+
+
+def flax_block() -> tuple[Any, tuple[Any, ...]]:
+    """A flax.linen pre-norm transformer block (flax's RMSNorm, MultiHeadDotProductAttention, a Dense
+    gelu MLP), its parameters sharded Megatron's way by their names: the module's ``apply``, jitted."""
+    flax = pytest.importorskip("flax")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    nn = flax.linen
+    mesh = _mesh((4, 2))
+
+    class Block(nn.Module):  # type: ignore[misc]
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            x = x + nn.MultiHeadDotProductAttention(num_heads=4, deterministic=True)(nn.RMSNorm()(x))  # attention
+            up, down = nn.Dense(32, name="up"), nn.Dense(16, name="down")
+            return x + down(nn.gelu(up(nn.RMSNorm()(x))))  # the MLP
+
+    def sharding(path: Any, leaf: Any) -> Any:
+        name = jax.tree_util.keystr(path)
+        column = any(k in name for k in ("query", "key", "value", "up"))
+        row = any(k in name for k in ("out", "down")) and "kernel" in name
+        spec = P(None, "model") if column and "kernel" in name else P("model") if column or row else P()
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    x = _arg(mesh, (4, 8, 16), "data")
+    params = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(Block().init, jax.random.key(0), x))
+    assert jnp is not None
+    return jax.jit(Block().apply), (params, x)
+
+
+def test_a_flax_transformer_block_is_explained() -> None:
+    fn, args = flax_block()
+    e = explain(fn, *args)
+    spec = shardc.parse(e.spec)
+    texts = [str(s.expr) for s in spec.statements]
+    assert sum(t.startswith("softmax(") for t in texts) == 1 and any(t.startswith("gelu(") for t in texts)
+    query = next(r for s in spec.statements for r in leaves(s.expr) if r.name.endswith("query_kernel"))
+    assert [d.axes for d in query.dims] == [(), ("model",), ()], e.spec  # DenseGeneral's [D, heads, head dim]
+    # every line is the user's (the block's), not flax's; Megatron's two AllReduces, as the plan's
+    assert all(c.line.startswith(f"{__file__}:") for c in e.xla) and len(e.xla) == 2
+    assert [c.line for c in e.xla] == [_line_of(flax_block, "# attention"), _line_of(flax_block, "# the MLP")]
+    assert [(c.kind, c.axes) for c in e.plan] == [("AllReduce_{model}", "model")] * 2
+    assert not e.not_needed and not e.differently

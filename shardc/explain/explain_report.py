@@ -27,7 +27,7 @@ import jax
 from shardc.collectives import collective_time, share
 from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError, clip
-from shardc.explain.jaxpr_spec import ProgramSpec, read_program
+from shardc.explain.jaxpr_spec import ProgramSpec, installed, read_program
 from shardc.explain.training import phase_of
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef
@@ -113,7 +113,19 @@ def _source_lines(hlo: str) -> dict[str, str]:
     files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
     where = {k: f"{files.get(_field(v, 'file_name_id'), '?')}:{_field(v, 'line')}"
              for k, v in tables.get("FileLocations", {}).items()}
-    return {k: where.get(_field(v, "file_location_id"), "") for k, v in tables.get("StackFrames", {}).items()}
+    frames = tables.get("StackFrames", {})
+    lines = {k: where.get(_field(v, "file_location_id"), "") for k, v in frames.items()}
+    return {k: _own(k, frames, lines) for k in frames}
+
+
+def _own(frame: str, frames: dict[str, str], lines: dict[str, str]) -> str:
+    """The innermost line of a stack frame's chain outside installed packages (else its own line): a
+    frame's parent is ``parent_frame_id`` - 1, 0 for none."""
+    seen, k = set(), frame
+    while k in frames and k not in seen and installed(lines[k]):
+        seen.add(k)
+        k = str(int(_field(frames[k], "parent_frame_id") or 1) - 1)
+    return lines[k] if k in frames else lines[frame]
 
 
 def _field(text: str, key: str) -> str:

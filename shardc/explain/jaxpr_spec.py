@@ -29,7 +29,7 @@ from shardc.explain.patterns import Run, function_of, is_lookup, primitives, run
 from shardc.explain.training import TrainingStep
 from shardc.ir.spec import Dim, TensorRef
 
-__all__ = ["ProgramSpec", "read_program", "source_line"]
+__all__ = ["ProgramSpec", "installed", "read_program", "source_line"]
 
 _LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
 _UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "abs", "neg", "sin", "cos",
@@ -70,11 +70,18 @@ class ProgramSpec:
 
 
 def source_line(eqn: Any) -> str:
-    """``file:line`` of the user's code that made a jaxpr equation ('' when jax kept none)."""
+    """``file:line`` of the user's code that made a jaxpr equation ('' when jax kept none): the innermost
+    frame outside jax and installed packages (a flax layer's caller, not flax), else jax's user frame."""
     from jax._src import source_info_util
 
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+    frame = next((f for f in frames if not installed(f.file_name)), frames[0] if frames else None)
     return f"{frame.file_name}:{frame.start_line}" if frame is not None else ""
+
+
+def installed(path: str) -> bool:
+    """Whether a source file is of an installed package (a library the user's program calls)."""
+    return any(part in path.replace("\\", "/") for part in ("/site-packages/", "/dist-packages/"))
 
 
 class _Reader(DimClasses):
@@ -100,9 +107,10 @@ class _Reader(DimClasses):
         return self.dims[var]
 
     def layout(self, var: Any) -> list[tuple[int, tuple[str, ...]]]:
-        """The tensor's atoms (named dims of the spec), each with the axes sharding it."""
+        """The tensor's atoms (named dims of the spec), each with the axes sharding it; a dim of size 1
+        (``keepdims``, ``b[None, :]``) holds one element and is left out."""
         held = self.axes.get(var, {})
-        return [item for d in self.dims_of(var) for item in self.spread(d, held)]
+        return [item for d in self.dims_of(var) for item in self.spread(d, held) if self.size[item[0]] != 1]
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:

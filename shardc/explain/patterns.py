@@ -161,4 +161,4 @@ def function_of(ops: frozenset[str]) -> str:
     for name in ("tanh", "exp"):
         if name in ops:
             return name
-    return "square" if ops <= {"mul", "integer_pow"} and ops else "identity"
+    return "square" if ops <= {"mul", "integer_pow", "square"} and ops else "identity"
