@@ -255,3 +255,43 @@ def test_a_flax_transformer_block_is_explained() -> None:
     assert [c.line for c in e.xla] == [_line_of(flax_block, "# attention"), _line_of(flax_block, "# the MLP")]
     assert [(c.kind, c.axes) for c in e.plan] == [("AllReduce_{model}", "model")] * 2
     assert not e.not_needed and not e.differently
+
+
+def transformer_train_step() -> tuple[Any, tuple[Any, ...]]:
+    """A one-layer language model's training step: a vocabulary-parallel embedding, the attention
+    layer with reshaped heads, a head over the vocabulary, a mean-square loss, SGD."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+    layer, layer_args = attention_layer()
+
+    def loss(params: Any, ids: Any) -> Any:
+        x = params["embedding"][ids]
+        y = layer.__wrapped__(x, *[params[w] for w in ("wq", "wk", "wv", "wo", "w1", "w2")])
+        return jnp.mean(jnp.einsum("bsd,vd->bsv", y, params["head"]) ** 2)
+
+    def step(params: Any, ids: Any) -> Any:
+        value, grads = jax.value_and_grad(loss)(params, ids)
+        return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
+
+    params = dict(zip(("wq", "wk", "wv", "wo", "w1", "w2"), layer_args[1:], strict=True))
+    params |= {"embedding": _arg(mesh, (64, 16), "model"), "head": _arg(mesh, (64, 16), "model")}
+    return jax.jit(step), (params, _arg(mesh, (4, 8), "data").update(dtype=jnp.int32))
+
+
+def test_a_transformer_training_step_is_read_end_to_end() -> None:
+    """The softmax's and rmsnorm's linearization (a max's `eq` mask, ...) feeds the backward alone:
+    only what the loss needs is read, so the forward is the spec's functions."""
+    fn, args = transformer_train_step()
+    e = explain(fn, *args)
+    spec = shardc.parse(e.spec)
+    texts = [str(s.expr) for s in spec.statements]
+    assert sum(t.startswith("softmax(") for t in texts) == 1 and sum(t.startswith("rmsnorm(") for t in texts) == 2
+    assert any(t.startswith("embed(ids[B_{data}, S], params_embedding[V_{model}") for t in texts), e.spec
+    assert set(spec.params or ()) == {f"params_{w}" for w in ("wq", "wk", "wv", "wo", "w1", "w2", "embedding",
+                                                               "head")}
+    # each weight's gradient AllReduced over `data`, in XLA's program and in shardc's plan, all paired
+    grads = [c for c in e.xla if c.phase == "backward" and c.axes == "data"]
+    assert len(grads) == 8 == len([c for c in e.plan if c.phase == "backward" and c.axes == "data"])
+    assert not [c for c in e.differently if c.phase == "backward" and c.axes == "data"]

@@ -155,11 +155,10 @@ class _Reader(DimClasses):
 
     # equations -------------------------------------------------------------------------------------
     def walk(self, jaxpr: Any) -> None:
-        found = runs(jaxpr)
+        eqns = self.step.forward(jaxpr)
+        found = runs(eqns, list(jaxpr.outvars))
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
-        for eqn in jaxpr.eqns:
-            if self.step.skips(eqn):
-                continue
+        for eqn in eqns:
             try:
                 if eqn in found:
                     self.function(eqn.outvars[0], found[eqn], source_line(eqn))

@@ -34,13 +34,13 @@ class Run:
     run: tuple[Any, ...]
 
 
-def _producers(jaxpr: Any) -> dict[Any, Any]:
-    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+def _producers(eqns: list[Any]) -> dict[Any, Any]:
+    return {v: eqn for eqn in eqns for v in eqn.outvars}
 
 
-def _uses(jaxpr: Any) -> Counter[Any]:
-    uses: Counter[Any] = Counter(v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal))
-    uses.update(v for v in jaxpr.outvars if not isinstance(v, jex.Literal))
+def _uses(eqns: list[Any], outvars: list[Any]) -> Counter[Any]:
+    uses: Counter[Any] = Counter(v for eqn in eqns for v in eqn.invars if not isinstance(v, jex.Literal))
+    uses.update(v for v in outvars if not isinstance(v, jex.Literal))
     return uses
 
 
@@ -110,12 +110,13 @@ def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
     return _rmsnorm(eqn, made) if eqn.primitive.name == "mul" else None
 
 
-def runs(jaxpr: Any) -> dict[Any, Run]:
-    """Each run of ``jaxpr`` by its last equation, where the run's inner values are read by the run
-    alone (a value read elsewhere too keeps its equations, and the run is read equation by equation)."""
-    made, uses = _producers(jaxpr), _uses(jaxpr)
+def runs(eqns: list[Any], outvars: list[Any]) -> dict[Any, Run]:
+    """Each run of the equations ``eqns`` (a jaxpr's, or the part of them read) by its last equation,
+    where the run's inner values are read by the run alone (a value read elsewhere too, by ``eqns`` or
+    as one of ``outvars``, keeps its equations, and the run is read equation by equation)."""
+    made, uses = _producers(eqns), _uses(eqns, outvars)
     found: dict[Any, Run] = {}
-    for eqn in jaxpr.eqns:
+    for eqn in eqns:
         match = _match(eqn, made)
         if match is None:
             continue

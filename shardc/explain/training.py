@@ -41,11 +41,37 @@ class TrainingStep:
         self.params: list[Any] = []  # inputs the update reads beside a gradient, in the order read
         self.backward = False  # whether the program has a backward at all
 
+    def forward(self, jaxpr: Any) -> list[Any]:
+        """The equations of ``jaxpr`` the spec reads: in a jaxpr with a backward, those of the forward
+        that its primal results need (the loss, the values the program returns), not those the
+        linearization adds for the backward alone (a max's ``eq`` mask, ``2 * x`` of a square)."""
+        tainted = set(self.tainted)
+        kept = [eqn for eqn in jaxpr.eqns if not self.skips(eqn)]
+        if self.tainted == tainted:
+            return kept
+        # the primal results: what the program returns of the forward, and the loss (a gradient's
+        # function returns a scalar) where nothing reads it; the linearization's dead ends are arrays
+        read = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
+        live = {v for eqn in kept for v in eqn.outvars if v not in read and not v.aval.shape}
+        live.update(v for v in jaxpr.outvars if not isinstance(v, jex.Literal) and v not in self.tainted)
+        needed = []
+        for eqn in reversed(kept):
+            if any(v in live for v in eqn.outvars):
+                needed.append(eqn)
+                live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+        return needed[::-1]
+
     def skips(self, eqn: Any) -> bool:
-        """Whether ``eqn`` is of the backward or the update (then its results are too)."""
+        """Whether ``eqn`` is of the backward or the update (then its results are too); a call of a
+        jaxpr with a backward inside taints the results its backward makes."""
         arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
         backward = is_backward(eqn)
         if not backward and not any(v in self.tainted for v in arrays):
+            inner = _inner(eqn)
+            if inner is not None:
+                made = _tainted(inner)
+                self.backward |= bool(made)
+                self.tainted.update(v for v, w in zip(eqn.outvars, inner.outvars, strict=True) if w in made)
             return False
         self.backward |= backward
         self.tainted.update(eqn.outvars)
@@ -75,3 +101,20 @@ class TrainingStep:
         const = [names[v] for v in dict.fromkeys(self.inputs.values())
                  if names.get(v) in tensors and names[v] not in params and v not in ids]
         return ([f"param {', '.join(params)}"] if params else []) + ([f"const {', '.join(const)}"] if const else [])
+
+
+def _inner(eqn: Any) -> Any:
+    """The jaxpr a call equation runs (pjit, a custom_jvp's), else None."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = getattr(eqn.params.get(key), "jaxpr", eqn.params.get(key))
+        if isinstance(inner, jex.Jaxpr):
+            return inner
+    return None
+
+
+def _tainted(jaxpr: Any) -> set[Any]:
+    """The values of ``jaxpr`` its own backward (and what reads one) makes."""
+    step = TrainingStep([])
+    for eqn in jaxpr.eqns:
+        step.skips(eqn)
+    return step.tainted
