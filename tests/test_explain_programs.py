@@ -7,6 +7,7 @@ Each program builds its mesh over the 8 emulated CPU devices (conftest) and is c
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -259,25 +260,28 @@ def test_a_flax_transformer_block_is_explained() -> None:
 
 def transformer_train_step() -> tuple[Any, tuple[Any, ...]]:
     """A one-layer language model's training step: a vocabulary-parallel embedding, the attention
-    layer with reshaped heads, a head over the vocabulary, a mean-square loss, SGD."""
+    layer with reshaped heads, a head over the vocabulary, the mean negative log likelihood of the
+    labels (jax.nn.log_softmax, jnp.take_along_axis), SGD."""
     import jax
     import jax.numpy as jnp
 
     mesh = _mesh((4, 2))
     layer, layer_args = attention_layer()
 
-    def loss(params: Any, ids: Any) -> Any:
+    def loss(params: Any, ids: Any, labels: Any) -> Any:
         x = params["embedding"][ids]
         y = layer.__wrapped__(x, *[params[w] for w in ("wq", "wk", "wv", "wo", "w1", "w2")])
-        return jnp.mean(jnp.einsum("bsd,vd->bsv", y, params["head"]) ** 2)
+        logp = jax.nn.log_softmax(jnp.einsum("bsd,vd->bsv", y, params["head"]))
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))  # the loss
 
-    def step(params: Any, ids: Any) -> Any:
-        value, grads = jax.value_and_grad(loss)(params, ids)
+    def step(params: Any, ids: Any, labels: Any) -> Any:
+        value, grads = jax.value_and_grad(loss)(params, ids, labels)
         return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
 
     params = dict(zip(("wq", "wk", "wv", "wo", "w1", "w2"), layer_args[1:], strict=True))
     params |= {"embedding": _arg(mesh, (64, 16), "model"), "head": _arg(mesh, (64, 16), "model")}
-    return jax.jit(step), (params, _arg(mesh, (4, 8), "data").update(dtype=jnp.int32))
+    ids = _arg(mesh, (4, 8), "data").update(dtype=jnp.int32)
+    return jax.jit(step), (params, ids, ids)
 
 
 def test_a_transformer_training_step_is_read_end_to_end() -> None:
@@ -289,6 +293,11 @@ def test_a_transformer_training_step_is_read_end_to_end() -> None:
     texts = [str(s.expr) for s in spec.statements]
     assert sum(t.startswith("softmax(") for t in texts) == 1 and sum(t.startswith("rmsnorm(") for t in texts) == 2
     assert any(t.startswith("embed(ids[B_{data}, S], params_embedding[V_{model}") for t in texts), e.spec
+    loss = spec.statements[-1]
+    # the logits' vocabulary over `model`: shardc's vocabulary-parallel loss, never gathering them
+    assert str(loss.result) == "L1[]" and re.fullmatch(r"cross_entropy\(Y\d+\[B_\{data\}, S, \w+_\{model\}\], "
+                                                       r"labels\[B_\{data\}, S\]\)", str(loss.expr)), e.spec
+    assert _line_of(transformer_train_step, "# the loss") in e.spec
     assert set(spec.params or ()) == {f"params_{w}" for w in ("wq", "wk", "wv", "wo", "w1", "w2", "embedding",
                                                                "head")}
     # each weight's gradient AllReduced over `data`, in XLA's program and in shardc's plan, all paired

@@ -44,7 +44,7 @@ _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 @dataclass
 class _Statement:
-    kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed"
+    kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed", "loss" (cross_entropy)
     result: Any
     operands: tuple[Any, ...]
     fn: str = ""  # the function (fn) or reduction (reduce)
@@ -128,7 +128,7 @@ class _Reader(DimClasses):
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
         prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C",
-                  "embed": "E"}[kind]
+                  "embed": "E", "loss": "L"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
@@ -172,8 +172,16 @@ class _Reader(DimClasses):
                                   + f": {err.message}", fix=err.fix) from None
 
     def function(self, out: Any, run: Run, line: str) -> None:
-        """``out = softmax(source over axis)`` (or rmsnorm): one function over the run that computes it."""
+        """``out = softmax(source over axis)`` (or rmsnorm): one function over the run that computes it;
+        ``out = cross_entropy(source, labels)``: the loss, the labels' dims the logits' others."""
         source = self.tensor(run.source)
+        if run.ids is not None:
+            labels = self.source(run.ids)
+            for d, e in zip(self.dims_of(run.ids), self.dims_of(run.source), strict=False):
+                self.join(d, e)
+            self.ids.add(labels)
+            self.make(out, "loss", (source, labels), line=line)
+            return
         for d, e in zip(self.dims_of(run.source), self.dims_of(out), strict=True):
             self.join(d, e)
         self.make(out, "norm", (source,), fn=run.function, over=self.dims_of(run.source)[run.axis], line=line)
@@ -470,8 +478,8 @@ def _expression(s: _Statement, operands: list[TensorRef], over: str) -> str:
         return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
     if s.kind == "copy":
         return str(operands[0])
-    if s.kind == "embed":
-        return f"embed({operands[0]}, {operands[1]})"
+    if s.kind in ("embed", "loss"):
+        return f"{'embed' if s.kind == 'embed' else 'cross_entropy'}({operands[0]}, {operands[1]})"
     if s.kind == "fn":
         return f"{s.fn}({operands[0]})"
     if s.kind == "sum":

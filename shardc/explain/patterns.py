@@ -4,12 +4,15 @@
 broadcast back, a subtraction, an exp, a reduce_sum, its broadcast, a division); read equation by
 equation it is a division of two arrays, which the language has no form for, but the whole run is
 ``softmax(X over I)``.  An RMSNorm, ``x * rsqrt(mean(x**2) + eps)`` (or ``x / sqrt(...)``), is a
-product of x with a statistic of itself: the run is ``rmsnorm(X over I)``.  :func:`runs` finds each
-such run whose inner values nothing else reads.
+product of x with a statistic of itself: the run is ``rmsnorm(X over I)``.  The mean negative log
+likelihood ``-mean(take_along_axis(log_softmax(logits), labels[..., None], axis=-1))`` (jax's
+``log_softmax`` and ``take_along_axis`` are calls of their own) is ``cross_entropy(Logits, Labels)``.
+:func:`runs` finds each such run whose inner values nothing else reads.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +35,7 @@ class Run:
     source: Any
     axis: int
     run: tuple[Any, ...]
+    ids: Any = None  # cross_entropy's labels
 
 
 def _producers(eqns: list[Any]) -> dict[Any, Any]:
@@ -102,7 +106,36 @@ def _rmsnorm(last: Any, made: dict[Any, Any]) -> Run | None:
     return Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), last))
 
 
+def _call(eqn: Any, name: str) -> bool:
+    return eqn is not None and eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == name
+
+
+def _cross_entropy(neg: Any, made: dict[Any, Any]) -> Run | None:
+    """``-(sum(take_along_axis(log_softmax(x), labels[..., None], -1)) / tokens)``: the run from the
+    log_softmax call to the negation, over x's last axis."""
+    div = made.get(neg.invars[0])
+    if div is None or div.primitive.name != "div" or not isinstance(div.invars[1], jex.Literal):
+        return None
+    total: Any = made.get(div.invars[0])
+    if total is None or total.primitive.name != "reduce_sum":
+        return None
+    take: Any = made.get(total.invars[0])
+    if not _call(take, "take_along_axis") or not _call(made.get(take.invars[0]), "log_softmax"):
+        return None
+    logp, index = made[take.invars[0]], made.get(take.invars[1])
+    if index is None or index.primitive.name != "broadcast_in_dim" or logp.outvars[0] is not take.invars[0]:
+        return None
+    labels, logits = index.invars[0], logp.invars[0]
+    shape = tuple(labels.aval.shape)
+    if tuple(logits.aval.shape[:-1]) != shape or tuple(take.outvars[0].aval.shape) != (*shape, 1) \
+            or float(div.invars[1].val) != math.prod(shape) or len(total.params["axes"]) != len(shape) + 1:
+        return None
+    return Run("cross_entropy", logits, len(shape), (logp, index, take, total, div, neg), labels)
+
+
 def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
+    if eqn.primitive.name == "neg":
+        return _cross_entropy(eqn, made)
     if len(eqn.invars) != 2 or any(isinstance(v, jex.Literal) for v in eqn.invars):
         return None
     if eqn.primitive.name == "div":
