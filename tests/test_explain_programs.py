@@ -304,3 +304,33 @@ def test_a_transformer_training_step_is_read_end_to_end() -> None:
     grads = [c for c in e.xla if c.phase == "backward" and c.axes == "data"]
     assert len(grads) == 8 == len([c for c in e.plan if c.phase == "backward" and c.axes == "data"])
     assert not [c for c in e.differently if c.phase == "backward" and c.axes == "data"]
+
+
+def test_an_optax_step_reads_the_parameters_not_the_optimizer_state() -> None:
+    """jax.grad (the loss returned by nobody) and optax's AdamW: the moments the update reads are no
+    parameters of the spec, and XLA's combined AllReduce of both gradients is read part by part."""
+    optax = pytest.importorskip("optax")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh((4, 2))
+    opt = optax.adamw(1e-3)
+
+    def loss(params: Any, x: Any, y: Any) -> Any:
+        return jnp.mean((jax.nn.relu(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+    def step(params: Any, state: Any, x: Any, y: Any) -> Any:
+        updates, state = opt.update(jax.grad(loss)(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = {"w1": _arg(mesh, (8, 32), None, "model"), "w2": _arg(mesh, (32, 8), "model", None)}
+    specs = {(8, 32): P(None, "model"), (32, 8): P("model", None)}
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+        mesh, specs.get(a.shape, P()))), jax.eval_shape(opt.init, params))
+    e = explain(jax.jit(step), params, state, _arg(mesh, (16, 8), "data"), _arg(mesh, (16, 8), "data"))
+    assert "param params_w1, params_w2" in e.spec.splitlines() and "const x, y" in e.spec.splitlines(), e.spec
+    grads = sorted((c.tensor.split("|")[0], c.axes) for c in e.xla if c.phase == "backward")
+    assert grads == [("dparams_w1", "data"), ("dparams_w2", "data")]
+    assert not [c for c in e.differently if c.phase == "backward"]

@@ -242,7 +242,7 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
         k = seen[c.text]
         seen[c.text] += 1
         shapes, ops = _parts(c.text)
-        shape = c.shape if c.shape or len(shapes) <= k else shapes[k]
+        shape = shapes[k] if len(shapes) > 1 and k < len(shapes) else c.shape  # a tuple's k-th part
         phase = phase_of(ops[min(k, len(ops) - 1)] if ops else "", program.training)
         v = c.bytes(nbytes)
         seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw).seconds if c.kind else None
