@@ -334,3 +334,23 @@ def test_an_optax_step_reads_the_parameters_not_the_optimizer_state() -> None:
     grads = sorted((c.tensor.split("|")[0], c.axes) for c in e.xla if c.phase == "backward")
     assert grads == [("dparams_w1", "data"), ("dparams_w2", "data")]
     assert not [c for c in e.differently if c.phase == "backward"]
+
+
+def test_a_step_returning_only_the_parameters_is_read_through_its_loss() -> None:
+    """No output of the jitted step is of the forward: the loss jax.grad computes and drops is its end."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def loss(params: Any, x: Any) -> Any:
+        return jnp.mean(jnp.tanh(x @ params["w"]) ** 2)
+
+    def step(params: Any, x: Any) -> Any:
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, x))
+
+    e = explain(jax.jit(step), {"w": _arg(mesh, (8, 32), None, "model")}, _arg(mesh, (16, 8), "data"))
+    forward = [str(s.expr).split("(")[0] for s in shardc.parse(e.spec).statements]
+    assert forward == ["x[B_{data}, S] · params_w[S, T_{model}]", "tanh", "sum", "sum"], e.spec  # not gelu
+    assert [(c.phase, c.tensor.split("|")[0], c.axes) for c in e.xla if c.phase == "backward"] == \
+        [("backward", "dparams_w", "data")]

@@ -220,14 +220,16 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
     backward one by the plan's gradients first), its phase from its ``op_name`` (one op of a tuple
     collective XLA combined from several has the name of its own part)."""
     nbytes = plan.spec.dtype.nbytes
-    names: dict[str, dict[tuple[int, ...], list[str]]] = {"forward": {}, "backward": {}}
+    names: dict[str, dict[tuple[Any, ...], list[str]]] = {"forward": {}, "backward": {}}
     for phase in names:
         steps = plan.backward if phase == "backward" else ()
         refs = [r for step in steps for r in (step.dst, step.src) if r is not None]
         for ref in [*refs, *program.tensors.values()]:
-            named = names[phase].setdefault(_local(ref, sizes), [])
-            if ref.name not in named:
-                named.append(ref.name)
+            local = _local(ref, sizes)
+            for key in (local, ("any order", *sorted(local))):  # XLA may hold a gradient transposed
+                named = names[phase].setdefault(key, [])
+                if ref.name not in named:
+                    named.append(ref.name)
     # an AllGather whose result is the whole of a sharded tensor of the spec, on every device: XLA's
     # "involuntary full rematerialization" (a reshard its partitioner makes by gathering all, then slicing)
     wholes: dict[tuple[int, ...], list[str]] = {}
@@ -247,7 +249,8 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
         v = c.bytes(nbytes)
         seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw).seconds if c.kind else None
         frame = _FRAME.search(c.text)
-        tensor = "|".join(names["backward" if phase != "forward" else "forward"].get(shape, []))
+        known = names["backward" if phase != "forward" else "forward"]
+        tensor = "|".join(known.get(shape) or known.get(("any order", *sorted(shape)), []))
         whole = not tensor and c.kind is Op.ALL_GATHER and shape in wholes
         found.append(Collective(c.kind.title if c.kind else c.hlo_op, "|".join(wholes[shape]) if whole else tensor
                                 or "?", ",".join(c.axes), v, seconds, frames.get(frame.group(1), "") if frame else "",

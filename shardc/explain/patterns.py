@@ -186,7 +186,7 @@ def primitives(jaxpr: Any) -> frozenset[str]:
 
 def function_of(ops: frozenset[str]) -> str:
     """The language's function for a run of elementwise primitives (identity when none fits)."""
-    if "erf" in ops or ("tanh" in ops and ops & {"integer_pow", "pow"}):
+    if "erf" in ops or ({"tanh", "mul", "add"} <= ops and ops & {"integer_pow", "pow"}):  # tanh(x) ** 2 is none
         return "gelu"
     if "logistic" in ops:
         return "silu" if "mul" in ops else "sigmoid"

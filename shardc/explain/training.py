@@ -40,6 +40,7 @@ class TrainingStep:
         self.tainted: set[Any] = set()  # values of the backward or the update
         self.params: list[Any] = []  # inputs the update reads beside a gradient, in the order read
         self.backward = False  # whether the program has a backward at all
+        self.mixed: set[int] = set()  # the calls (by id) whose jaxpr holds a forward and its backward
 
     def forward(self, jaxpr: Any) -> list[Any]:
         """The equations of ``jaxpr`` the spec reads: in a jaxpr with a backward, those of the forward
@@ -56,7 +57,7 @@ class TrainingStep:
         live.update(v for v in jaxpr.outvars if not isinstance(v, jex.Literal) and v not in self.tainted)
         needed = []
         for eqn in reversed(kept):
-            if any(v in live for v in eqn.outvars):
+            if id(eqn) in self.mixed or any(v in live for v in eqn.outvars):
                 needed.append(eqn)
                 live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
         return needed[::-1]
@@ -71,6 +72,8 @@ class TrainingStep:
             if inner is not None:
                 made = _tainted(inner)
                 self.backward |= bool(made)
+                if made:  # its forward is read inside it
+                    self.mixed.add(id(eqn))
                 self.tainted.update(v for v, w in zip(eqn.outvars, inner.outvars, strict=True) if w in made)
             return False
         self.backward |= backward
