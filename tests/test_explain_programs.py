@@ -354,3 +354,23 @@ def test_a_step_returning_only_the_parameters_is_read_through_its_loss() -> None
     assert forward == ["x[B_{data}, S] · params_w[S, T_{model}]", "tanh", "sum", "sum"], e.spec  # not gelu
     assert [(c.phase, c.tensor.split("|")[0], c.axes) for c in e.xla if c.phase == "backward"] == \
         [("backward", "dparams_w", "data")]
+
+
+def test_a_layernorm_written_out_is_the_languages_layernorm() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def f(x: Any, w: Any) -> Any:
+        y = jnp.einsum("bd,df->bf", x, w)
+        centered = y - jnp.mean(y, axis=-1, keepdims=True)
+        return centered * jax.lax.rsqrt(jnp.mean(centered**2, axis=-1, keepdims=True) + 1e-5)
+
+    e = explain(jax.jit(f), _arg(mesh, (8, 16), "data"), _arg(mesh, (16, 8), None, "model"))
+    texts = [str(s.expr) for s in shardc.parse(e.spec).statements]
+    assert texts[1:] == ["layernorm(Y1[B_{data}, F_{model}] over F)"], e.spec
+    # F over `model`: XLA AllReduces the mean, then the mean squared deviation; shardc costs that
+    # against gathering the rows (at these sizes, one AllGather's latency is less than two AllReduces')
+    assert [(c.kind, c.bytes) for c in e.xla] == [("AllReduce", 2 * 4)] * 2  # 2 rows a device, 1 value each
+    assert [(c.kind, c.tensor) for c in e.plan] == [("AllGather_{model}", "Y1")]

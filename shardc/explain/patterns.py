@@ -4,7 +4,8 @@
 broadcast back, a subtraction, an exp, a reduce_sum, its broadcast, a division); read equation by
 equation it is a division of two arrays, which the language has no form for, but the whole run is
 ``softmax(X over I)``.  An RMSNorm, ``x * rsqrt(mean(x**2) + eps)`` (or ``x / sqrt(...)``), is a
-product of x with a statistic of itself: the run is ``rmsnorm(X over I)``.  The mean negative log
+product of x with a statistic of itself: the run is ``rmsnorm(X over I)``, and of ``x - mean(x)``
+``layernorm(X over I)``.  The mean negative log
 likelihood ``-mean(take_along_axis(log_softmax(logits), labels[..., None], axis=-1))`` (jax's
 ``log_softmax`` and ``take_along_axis`` are calls of their own) is ``cross_entropy(Logits, Labels)``.
 :func:`runs` finds each such run whose inner values nothing else reads.
@@ -103,7 +104,27 @@ def _rmsnorm(last: Any, made: dict[Any, Any]) -> Run | None:
     if square is None or not ((square.primitive.name == "integer_pow" and square.params["y"] == 2)
                               or square.primitive.name == "square") or square.invars[0] is not x:
         return None
-    return Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), last))
+    norm = Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), last))
+    return _centered(norm, made) or norm
+
+
+def _centered(norm: Run, made: dict[Any, Any]) -> Run | None:
+    """An rmsnorm of ``x - mean(x)`` over its own axis (the mean a sum, a division by a literal, its
+    broadcast back) is ``layernorm(x over axis)``."""
+    sub = made.get(norm.source)
+    if sub is None or sub.primitive.name != "sub" or any(isinstance(v, jex.Literal) for v in sub.invars):
+        return None
+    x, mean = sub.invars
+    chain: list[Any] = []
+    eqn = made.get(mean)
+    while eqn is not None and (eqn.primitive.name == "broadcast_in_dim" or (
+            eqn.primitive.name == "div" and isinstance(eqn.invars[1], jex.Literal))):
+        chain.append(eqn)
+        eqn = made.get(eqn.invars[0])
+    if [e.primitive.name for e in chain].count("div") != 1 or eqn is None or eqn.primitive.name != "reduce_sum" \
+            or eqn.invars[0] is not x or tuple(eqn.params["axes"]) != (norm.axis,):
+        return None
+    return Run("layernorm", x, norm.axis, (eqn, *reversed(chain), sub, *norm.run))
 
 
 def _call(eqn: Any, name: str) -> bool:
