@@ -249,6 +249,9 @@ def test_a_flax_transformer_block_is_explained() -> None:
     spec = shardc.parse(e.spec)
     texts = [str(s.expr) for s in spec.statements]
     assert sum(t.startswith("softmax(") for t in texts) == 1 and any(t.startswith("gelu(") for t in texts)
+    # flax's RMSNorm, x * (rsqrt(mean(x**2) + eps) * scale), is the norm times its scale
+    norms = [t for t in texts if t.startswith("rmsnorm(")]
+    assert len(norms) == 2 and sum(t.endswith("_scale[T]") and " * " in t for t in texts) == 2, e.spec
     query = next(r for s in spec.statements for r in leaves(s.expr) if r.name.endswith("query_kernel"))
     assert [d.axes for d in query.dims] == [(), ("model",), ()], e.spec  # DenseGeneral's [D, heads, head dim]
     # every line is the user's (the block's), not flax's; Megatron's two AllReduces, as the plan's

@@ -184,7 +184,18 @@ class _Reader(DimClasses):
             return
         for d, e in zip(self.dims_of(run.source), self.dims_of(out), strict=True):
             self.join(d, e)
-        self.make(out, "norm", (source,), fn=run.function, over=self.dims_of(run.source)[run.axis], line=line)
+        over = self.dims_of(run.source)[run.axis]
+        if run.scale is None:
+            self.make(out, "norm", (source,), fn=run.function, over=over, line=line)
+            return
+        norm = _Made()  # rmsnorm(x over D), then its product with the scale (an einsum, batch index D)
+        self.dims[norm] = list(self.dims_of(out))
+        self.make(norm, "norm", (source,), fn=run.function, over=over, line=line)
+        for d, e, n, m in zip(self.dims_of(run.scale), self.dims_of(out), run.scale.aval.shape, out.aval.shape,
+                              strict=True):
+            if n == m:
+                self.join(d, e)
+        self.make(out, "mul", (norm, self.tensor(run.scale)), line=line)
 
     def equation(self, eqn: Any) -> None:
         name = eqn.primitive.name

@@ -37,6 +37,7 @@ class Run:
     axis: int
     run: tuple[Any, ...]
     ids: Any = None  # cross_entropy's labels
+    scale: Any = None  # a norm's scale the run multiplies in (flax's RMSNorm): the norm times it
 
 
 def _producers(eqns: list[Any]) -> dict[Any, Any]:
@@ -90,7 +91,8 @@ def _rmsnorm(last: Any, made: dict[Any, Any]) -> Run | None:
     of x along one axis, each step of it a function of the statistic alone (and literals)."""
     x, stat = last.invars
     run: list[Any] = []
-    eqn = made.get(stat)
+    scale, scaled = _scaled(stat, made)
+    eqn = made.get(stat if scaled is None else scaled.invars[0])
     roots = 0
     while eqn is not None and eqn.primitive.name in _STATISTIC and _array(eqn) is not None:
         roots += eqn.primitive.name in ("rsqrt", "sqrt")
@@ -101,11 +103,38 @@ def _rmsnorm(last: Any, made: dict[Any, Any]) -> Run | None:
             or not any(e.primitive.name == wanted for e in run):
         return None
     square = made.get(eqn.invars[0])
+    shifted = made.get(x)  # flax's RMSNorm subtracts a zero mean: x - 0
+    if shifted is not None and shifted.primitive.name == "sub" and _zero(shifted.invars[1], made) \
+            and square is not None and square.invars[0] is shifted.invars[0]:
+        run.insert(0, shifted)
+        x = shifted.invars[0]
     if square is None or not ((square.primitive.name == "integer_pow" and square.params["y"] == 2)
                               or square.primitive.name == "square") or square.invars[0] is not x:
         return None
-    norm = Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), last))
-    return _centered(norm, made) or norm
+    tail = (scaled, last) if scaled is not None else (last,)
+    norm = Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), *tail), scale=scale)
+    return (_centered(norm, made) if scale is None else None) or norm
+
+
+def _scaled(stat: Any, made: dict[Any, Any]) -> tuple[Any, Any]:
+    """(scale, the product) where ``stat`` is ``rsqrt(...) * scale`` (flax's RMSNorm scales the
+    statistic, not the result: ``x * (rsqrt(mean(x**2) + eps) * scale)``), else (None, None)."""
+    product = made.get(stat)
+    if product is None or product.primitive.name != "mul" or any(isinstance(v, jex.Literal) for v in product.invars):
+        return None, None
+    root = made.get(product.invars[0])
+    if root is None or root.primitive.name != "rsqrt":
+        return None, None
+    return product.invars[1], product
+
+
+def _zero(var: Any, made: dict[Any, Any]) -> bool:
+    """Whether ``var`` is the constant 0 broadcast (through broadcasts alone)."""
+    eqn = made.get(var)
+    while eqn is not None and eqn.primitive.name == "broadcast_in_dim" and not isinstance(eqn.invars[0], jex.Literal):
+        eqn = made.get(eqn.invars[0])
+    return eqn is not None and eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], jex.Literal) \
+        and float(eqn.invars[0].val) == 0.0
 
 
 def _centered(norm: Run, made: dict[Any, Any]) -> Run | None:
