@@ -27,7 +27,8 @@ import jax
 from shardc.collectives import collective_time, share
 from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError, clip
-from shardc.explain.jaxpr_spec import ProgramSpec, installed, read_program
+from shardc.explain.jaxpr_spec import ProgramSpec, read_program
+from shardc.explain.sources import installed
 from shardc.explain.training import phase_of
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef

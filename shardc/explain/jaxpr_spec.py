@@ -26,10 +26,11 @@ from jax.extend import core as jex
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, DimClasses, reshape_groups, unwritable
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
+from shardc.explain.sources import comment, equation_text, shape_text, source_line
 from shardc.explain.training import TrainingStep
 from shardc.ir.spec import Dim, TensorRef
 
-__all__ = ["ProgramSpec", "installed", "read_program", "source_line"]
+__all__ = ["ProgramSpec", "read_program"]
 
 _LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
 _UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "abs", "neg", "sin", "cos",
@@ -67,21 +68,6 @@ class ProgramSpec:
     lines: dict[str, str] = field(default_factory=dict)  # tensor -> "file:line" of the op that made it
     notes: list[str] = field(default_factory=list)
     training: bool = False  # the program is a training step: the spec is its forward
-
-
-def source_line(eqn: Any) -> str:
-    """``file:line`` of the user's code that made a jaxpr equation ('' when jax kept none): the innermost
-    frame outside jax and installed packages (a flax layer's caller, not flax), else jax's user frame."""
-    from jax._src import source_info_util
-
-    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
-    frame = next((f for f in frames if not installed(f.file_name)), frames[0] if frames else None)
-    return f"{frame.file_name}:{frame.start_line}" if frame is not None else ""
-
-
-def installed(path: str) -> bool:
-    """Whether a source file is of an installed package (a library the user's program calls)."""
-    return any(part in path.replace("\\", "/") for part in ("/site-packages/", "/dist-packages/"))
 
 
 class _Reader(DimClasses):
@@ -168,7 +154,7 @@ class _Reader(DimClasses):
                 if err.kind != UNWRITABLE:
                     raise
                 line = source_line(eqn)
-                raise ShardcError(f"`{eqn.primitive.name}` ({_text(eqn)})" + (f" at {line}" if line else "")
+                raise ShardcError(f"`{eqn.primitive.name}` ({equation_text(eqn)})" + (f" at {line}" if line else "")
                                   + f": {err.message}", fix=err.fix) from None
 
     def function(self, out: Any, run: Run, line: str) -> None:
@@ -274,9 +260,9 @@ class _Reader(DimClasses):
         """A reshape that splits dims or merges them: the same tensor, its dims written as their parts."""
         groups = reshape_groups(tuple(source.aval.shape), tuple(out.aval.shape))
         if groups is None:
-            raise unwritable(f"{_shape(source)} to {_shape(out)} neither splits nor merges whole dims")
+            raise unwritable(f"{shape_text(source)} to {shape_text(out)} neither splits nor merges whole dims")
         ins, outs = self.dims_of(source), self.dims_of(out)
-        origin = f"`reshape` {_shape(source)} to {_shape(out)}" + (f" at {line}" if line else "")
+        origin = f"`reshape` {shape_text(source)} to {shape_text(out)}" + (f" at {line}" if line else "")
         for i, o in groups:
             if len(i) == 1 and len(o) == 1:
                 self.join(ins[i[0]], outs[o[0]])
@@ -285,8 +271,8 @@ class _Reader(DimClasses):
             elif len(o) == 1:
                 self.split(outs[o[0]], [ins[k] for k in i], origin)
             else:
-                raise unwritable(f"{_shape(source)} to {_shape(out)} regroups its dims {i} as {o}: neither a split "
-                                 "of one dim nor a merge of several")
+                raise unwritable(f"{shape_text(source)} to {shape_text(out)} regroups its dims {i} as {o}: neither "
+                                 "a split of one dim nor a merge of several")
         self.alias[out] = source
 
     def gather(self, eqn: Any, line: str) -> None:
@@ -516,13 +502,13 @@ def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
         for operand in operands:
             lines.setdefault(operand.name, s.line)  # an input: where it is first read
         over = _over(reader, names, s) if s.kind in ("reduce", "norm") else ""
-        body.append(f"{result} = {_expression(s, operands, over)}" + (f"  # {_comment(s.line)}" if s.line else ""))
+        body.append(f"{result} = {_expression(s, operands, over)}" + (f"  # {comment(s.line)}" if s.line else ""))
     if not body:
         raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
                           fix="explain a program with at least one")
     sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
     floats = [str(v.aval.dtype) for v in jaxpr.invars if str(v.aval.dtype) in _DTYPES]
-    head = [f"# {_comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
+    head = [f"# {comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
             "mesh " + ", ".join(f"{a}={n}" for a, n in reader.mesh.items()),
             "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {_DTYPES[(floats or ['float32'])[0]]}"]
     head += reader.step.lines(reader.names, set(tensors), reader.ids)
@@ -536,19 +522,3 @@ def _over(reader: _Reader, names: dict[int, str], s: _Statement) -> str:
                           + (f" at {s.line}" if s.line else "") + " has no form in the spec language",
                           fix="reshape after the reduction, or explain a program without it")
     return names[atoms[0]]
-
-
-def _shape(var: Any) -> str:
-    return "[" + ", ".join(map(str, var.aval.shape)) + "]"
-
-
-def _text(eqn: Any) -> str:
-    """The equation as the jaxpr prints it, its operands' and results' shapes (no sub-jaxprs)."""
-    ins = ", ".join(_shape(v) for v in eqn.invars)
-    outs = ", ".join(_shape(v) for v in eqn.outvars)
-    return f"{outs} = {eqn.primitive.name} {ins}"
-
-
-def _comment(text: str) -> str:
-    return re.sub(r"[\r\n]+", " ", text)[:200]
-
