@@ -174,7 +174,9 @@ def test_a_training_step_is_read_as_its_forward_and_both_phases_compared() -> No
     assert {c.line for c in e.xla if c.phase == "backward"} <= loss_lines
     forward = [c for c in e.xla if c.phase == "forward" and c.axes == "model"]
     assert [c.line for c in forward] == [_line_of(mlp_train_step, "the forward's AllReduce")]
-    assert e.training and e.plan_comm_s > 0 and "shardc's plan of the forward and backward" in render_explanation(e)
+    text = render_explanation(e)
+    assert e.training and e.plan_comm_s > 0 and "shardc's plan of the forward and backward" in text
+    assert "the program's forward as a spec (a training step: shardc derives its backward):" in text
 
 
 def involuntary_remat() -> tuple[Any, tuple[Any, ...]]:

@@ -287,7 +287,9 @@ def _row(c: Collective) -> str:
 
 def render_explanation(e: Explanation) -> str:
     """The spec, XLA's collectives, shardc's plan beside them, and the totals."""
-    lines = [f"# shardc explain {e.origin} (times on {e.hardware})", "", "the program as a spec:", ""]
+    what = "the program's forward as a spec (a training step: shardc derives its backward)" if e.training \
+        else "the program as a spec"
+    lines = [f"# shardc explain {e.origin} (times on {e.hardware})", "", f"{what}:", ""]
     lines += ["    " + line for line in e.spec.splitlines()]
     lines += ["", f"XLA's collectives ({len(e.xla)}):"] + ([_row(c) for c in e.xla] or ["    none"])
     what = "forward and backward" if e.training else "forward"
