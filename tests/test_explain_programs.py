@@ -379,3 +379,60 @@ def test_a_layernorm_written_out_is_the_languages_layernorm() -> None:
     # against gathering the rows (at these sizes, one AllGather's latency is less than two AllReduces')
     assert [(c.kind, c.bytes) for c in e.xla] == [("AllReduce", 2 * 4)] * 2  # 2 rows a device, 1 value each
     assert [(c.kind, c.tensor) for c in e.plan] == [("AllGather_{model}", "Y1")]
+
+
+def scanned_layers(train: bool) -> tuple[Any, tuple[Any, ...]]:
+    """Four residual softmax-MLP layers as `jax.lax.scan` over stacked weights (the layers dim first,
+    whole on each device), the hidden dim over `model`; as a forward, or as a training step."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def forward(params: Any, x: Any) -> Any:
+        def layer(h: Any, w: Any) -> Any:
+            return h + jax.nn.softmax(h @ w[0], axis=-1) @ w[1], None  # the layer
+
+        return jax.lax.scan(layer, x, (params["w1"], params["w2"]))[0]
+
+    def step(params: Any, x: Any) -> Any:
+        value, grads = jax.value_and_grad(lambda p, x: jnp.mean(forward(p, x) ** 2))(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    params = {"w1": _arg(mesh, (4, 8, 32), None, None, "model"), "w2": _arg(mesh, (4, 32, 8), None, "model")}
+    return jax.jit(step if train else forward), (params, _arg(mesh, (16, 8), "data"))
+
+
+def test_a_scan_over_layers_is_a_layers_block() -> None:
+    fn, args = scanned_layers(train=False)
+    e = explain(fn, *args)
+    spec = shardc.parse(e.spec)
+    assert spec.layers == 4 and "layers 4 {" in e.spec.splitlines() and spec.params == ("params_w1", "params_w2")
+    # each layer's weights without the layers dim; the block reads x and hands on its sum
+    assert "params_w1[S, T_{model}]" in e.spec and "params_w2[T_{model}, S]" in e.spec, e.spec
+    # XLA's collectives of the loop body run once a layer: 4 times, as the plan's steps of the block
+    assert e.xla and all(c.runs == 4 for c in e.xla) and all(c.runs == 4 for c in e.plan)
+    assert all(c.line == _line_of(scanned_layers, "# the layer") for c in e.xla)
+    assert "x4" in render_explanation(e)
+
+
+def test_a_scanned_training_step_reads_the_loop_once_and_its_loss_after() -> None:
+    fn, args = scanned_layers(train=True)
+    e = explain(fn, *args)
+    spec = shardc.parse(e.spec)
+    texts = [str(s.expr) for s in spec.statements]
+    assert spec.layers == 4 and sum(t.startswith("softmax(") for t in texts) == 1, e.spec
+    assert texts[-1].startswith("sum(") and "const x" in e.spec.splitlines()  # the loss, after the block
+    assert {c.phase for c in e.xla} == {"forward", "backward"}
+    grads = sorted(c.tensor.split("|")[0] for c in e.xla if c.phase == "backward" and c.axes == "data")
+    assert grads == ["dparams_w1", "dparams_w2"]
+
+
+def test_a_scan_over_layers_sharded_along_the_layers_is_a_clear_error() -> None:
+    import jax
+
+    mesh = _mesh((4, 2))
+    fn, (params, x) = scanned_layers(train=False)
+    params = {"w1": _arg(mesh, (4, 8, 32), "data", None, "model"), "w2": params["w2"]}
+    with pytest.raises(shardc.ShardcError, match=r"`scan` .* sharded along the layers"):
+        explain(fn, params, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))

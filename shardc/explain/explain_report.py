@@ -46,6 +46,7 @@ _RESULT = re.compile(r"=\s*(\(.*?\)|\S+)\s+[a-z-]+\(")
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMBINED = re.compile(r"(.*?/)\((.*)\)")
+_WHILE = re.compile(r"while\(.*?body=%?([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Collective:
     line: str = ""
     phase: str = "forward"  # forward, backward or update (a training step's optimizer)
     whole: bool = False  # an AllGather of a whole sharded tensor onto every device (a full rematerialization)
+    runs: int = 1  # times a step: a loop's trip count (a scan of layers), the spec's layers for the plan's
 
 
 @dataclass
@@ -197,7 +199,8 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
     compute_s = times.forward_compute_s + (times.backward_compute_s if program.training else 0.0)
     memory = compiled.memory_analysis()
     xla_memory = {k: int(getattr(memory, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")}
-    return Explanation(origin, program.text, hw.name, xla, ours, math.fsum(c.seconds or 0.0 for c in xla), comm_s,
+    return Explanation(origin, program.text, hw.name, xla, ours, math.fsum((c.seconds or 0.0) * c.runs for c in xla),
+                       comm_s,
                        compute_s, xla_memory, float(cost(plan).memory.total_bytes), not_needed, differently,
                        program.training)
 
@@ -205,9 +208,10 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
 def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, lines: dict[str, str]
              ) -> Collective:
     v = int(step_volume(step, sizes))
+    layers = plan.spec.layers if isinstance(plan.spec.layers, int) and not step.once else 1
     return Collective(step_label(step), step.tensor, ",".join(step.axes), v,
                       collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw).seconds,
-                      lines.get(step.tensor) or lines.get(_forward_name(step.tensor), ""), phase)
+                      lines.get(step.tensor) or lines.get(_forward_name(step.tensor), ""), phase, runs=layers)
 
 
 def _forward_name(gradient: str) -> str:
@@ -239,6 +243,7 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
             wholes.setdefault(tuple(sizes[d.name] for d in ref.dims), []).append(ref.name)
     hlo = compiled.as_text()
     frames = _source_lines(hlo)
+    trips = _trips(hlo)
     seen: Counter[str] = Counter()
     found = []
     for c in collectives(hlo, tuple(mesh.items())):
@@ -255,8 +260,22 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
         whole = not tensor and c.kind is Op.ALL_GATHER and shape in wholes
         found.append(Collective(c.kind.title if c.kind else c.hlo_op, "|".join(wholes[shape]) if whole else tensor
                                 or "?", ",".join(c.axes), v, seconds, frames.get(frame.group(1), "") if frame else "",
-                                phase, whole))
+                                phase, whole, trips.get(c.text, 1)))
     return found
+
+
+def _trips(hlo: str) -> dict[str, int]:
+    """Each instruction of a loop body with the loop's known trip count (XLA's ``while`` of a scan):
+    instruction text -> the times it runs."""
+    bodies = {m.group(1): int(m.group(2)) for m in _WHILE.finditer(hlo)}
+    trips: dict[str, int] = {}
+    current = 1
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            current = bodies.get(line.split()[0].lstrip("%"), 1)
+        elif line.strip() and current > 1:
+            trips[line.strip()] = current
+    return trips
 
 
 def _parts(text: str) -> tuple[list[tuple[int, ...]], list[str]]:
@@ -282,6 +301,7 @@ def _same(c: Collective, row: Row) -> bool:
 def _row(c: Collective) -> str:
     time = "" if c.seconds is None else f"{c.seconds * 1e6:9.2f} us"
     what = f"{c.tensor} (whole)" if c.whole else c.tensor
+    time += f" x{c.runs}" if c.runs > 1 else ""
     return f"    {c.phase:<8} {c.kind:<18} {what:<14} over {c.axes or '-':<10} {c.bytes:>12,} B {time}  {c.line}"
 
 

@@ -27,7 +27,7 @@ from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, DimClasses, reshape_groups, unwritable
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
 from shardc.explain.sources import comment, equation_text, shape_text, source_line
-from shardc.explain.training import TrainingStep
+from shardc.explain.training import TrainingStep, carried
 from shardc.ir.spec import Dim, TensorRef
 
 __all__ = ["ProgramSpec", "read_program"]
@@ -86,6 +86,10 @@ class _Reader(DimClasses):
         self.ids: set[Any] = set()  # the ids of embedding lookups (no gradient, implied by the language)
         self.step = TrainingStep([])  # a training step's backward and update, which the spec leaves out
         self.caller = ""  # the source line of the call whose inner jaxpr is walked (jnp's own jits have none)
+        self.stacked: set[int] = set()  # a scan's layers dim of its stacked weights (left out of the spec)
+        self.stacked_outputs: set[Any] = set()  # a scan's per-layer outputs
+        self.block: tuple[int, int, int] | None = None  # the scan's statements [start, end) and its length
+        self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:
@@ -96,7 +100,8 @@ class _Reader(DimClasses):
         """The tensor's atoms (named dims of the spec), each with the axes sharding it; a dim of size 1
         (``keepdims``, ``b[None, :]``) holds one element and is left out."""
         held = self.axes.get(var, {})
-        return [item for d in self.dims_of(var) for item in self.spread(d, held) if self.size[item[0]] != 1]
+        return [item for d in self.dims_of(var) if d not in self.stacked for item in self.spread(d, held)
+                if self.size[item[0]] != 1]
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:
@@ -140,9 +145,11 @@ class _Reader(DimClasses):
             for d, p in zip(self.dims_of(var), parts, strict=True)}
 
     # equations -------------------------------------------------------------------------------------
-    def walk(self, jaxpr: Any) -> None:
-        eqns = self.step.forward(jaxpr)
-        found = runs(eqns, list(jaxpr.outvars))
+    def walk(self, jaxpr: Any, needed: set[int] | None = None, results: int | None = None) -> None:
+        """Read ``jaxpr``'s equations (those ``needed``, by id, when given; its first ``results`` results
+        the ones read after it, when given)."""
+        eqns = [e for e in self.step.forward(jaxpr) if needed is None or id(e) in needed]
+        found = runs(eqns, list(jaxpr.outvars)[:results])
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
         for eqn in eqns:
             try:
@@ -186,6 +193,8 @@ class _Reader(DimClasses):
     def equation(self, eqn: Any) -> None:
         name = eqn.primitive.name
         line = source_line(eqn) or self.caller
+        if any(v in self.stacked_outputs for v in eqn.invars if not isinstance(v, jex.Literal)):
+            raise unwritable("it reads a scan's per-layer outputs; a `layers` block hands on its carry alone")
         arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape]
         out: Any = eqn.outvars[0] if eqn.outvars else None
         if name in _CALLS and not self.unary_call(eqn, arrays, line):
@@ -204,6 +213,8 @@ class _Reader(DimClasses):
             self.reshape(eqn.invars[0], out, line)
         elif name == "gather":
             self.gather(eqn, line)
+        elif name == "scan":
+            self.scan(eqn)
         elif name == "sharding_constraint" or (name == "reshard" and arrays):
             sharding = eqn.params["sharding" if name == "sharding_constraint" else "dst_sharding"]
             self.constrain(eqn.invars[0], out, sharding.spec, line)
@@ -293,6 +304,37 @@ class _Reader(DimClasses):
         self.hints.setdefault(self.dims_of(table)[0], "V")  # the vocabulary, as the language's examples name it
         self.ids.add(ids)
         self.make(out, "embed", (ids, self.tensor(table)), line=line)
+
+    def scan(self, eqn: Any) -> None:
+        """``jax.lax.scan`` of a layer over stacked weights: the body once, as a ``layers N { ... }``
+        block (its carry the block's input and output), each stacked weight one layer's (the leading
+        dim left out), read as far as the carry needs it (a training step's residuals are not)."""
+        body, length = eqn.params["jaxpr"].jaxpr, int(eqn.params["length"])
+        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        if self.block is not None:
+            raise unwritable("a second scan: the spec language has one `layers` block")
+        for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars, strict=True)):
+            if isinstance(outer, jex.Literal) or not outer.aval.shape:
+                continue
+            self.step.enter(outer, inner)
+            if k < consts + carry:
+                self.view(inner, outer, list(range(len(outer.aval.shape))))
+                if k < consts:
+                    self.layer_inputs[1].append(self.base(outer))
+                continue
+            self.layer_inputs[0].append(self.base(outer))
+            if any(self.axes.get(self.base(outer), {}).get(self.dims_of(outer)[0], ())):
+                raise unwritable("a scan over stacked weights sharded along the layers (a pipeline)")
+            self.stacked.add(self.dims_of(outer)[0])
+            self.dims[inner], self.alias[inner] = self.dims_of(outer)[1:], outer
+        start = len(self.statements)
+        self.walk(body, carried(body, carry), carry)
+        self.block = (start, len(self.statements), length)
+        for k, (outer, inner) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
+            if k >= carry:
+                self.stacked_outputs.add(outer)
+            elif not isinstance(inner, jex.Literal) and inner.aval.shape:
+                self.view(outer, inner, list(range(len(inner.aval.shape))))
 
     def view(self, out: Any, source: Any, perm: list[int]) -> None:
         ids = self.dims_of(source)
@@ -494,7 +536,9 @@ def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
                               "the spec language cannot write", fix="explain a program without it")
         return TensorRef(reader.names[var], dims)
 
-    body, tensors, lines = [], {}, {}
+    body: list[str] = []
+    tensors: dict[str, TensorRef] = {}
+    lines: dict[str, str] = {}
     for s in reader.statements:
         result, operands = ref(s.result), [ref(o) for o in s.operands]
         tensors.update({r.name: r for r in (result, *operands)})
@@ -502,16 +546,20 @@ def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
         for operand in operands:
             lines.setdefault(operand.name, s.line)  # an input: where it is first read
         over = _over(reader, names, s) if s.kind in ("reduce", "norm") else ""
-        body.append(f"{result} = {_expression(s, operands, over)}" + (f"  # {comment(s.line)}" if s.line else ""))
+        text = f"{result} = {_expression(s, operands, over)}" + (f"  # {comment(s.line)}" if s.line else "")
+        body.append(("  " + text) if reader.block and reader.block[0] <= len(body) < reader.block[1] else text)
     if not body:
         raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
                           fix="explain a program with at least one")
+    if reader.block is not None:
+        start, end, length = reader.block
+        body = [*body[:start], f"layers {length} {{", *body[start:end], "}", *body[end:]]
     sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
     floats = [str(v.aval.dtype) for v in jaxpr.invars if str(v.aval.dtype) in _DTYPES]
     head = [f"# {comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
             "mesh " + ", ".join(f"{a}={n}" for a, n in reader.mesh.items()),
             "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {_DTYPES[(floats or ['float32'])[0]]}"]
-    head += reader.step.lines(reader.names, set(tensors), reader.ids)
+    head += reader.step.lines(reader.names, set(tensors), reader.ids, reader.layer_inputs)
     return ProgramSpec("\n".join([*head, "", *body]) + "\n", tensors, lines, training=reader.step.backward)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from jax.extend import core as jex
 
-__all__ = ["TrainingStep", "is_backward", "phase_of"]
+__all__ = ["TrainingStep", "carried", "is_backward", "phase_of"]
 
 _TRANSPOSE = "transpose("
 
@@ -95,14 +95,16 @@ class TrainingStep:
         if inner in self.tainted:
             self.tainted.add(outer)
 
-    def lines(self, names: dict[Any, str], tensors: set[str], ids: set[Any]) -> list[str]:
-        """The spec's ``param`` line (the inputs the update reads beside a gradient) and ``const`` line
-        (the other inputs the spec reads, which get no gradient; embedding ids are const anyway)."""
-        if not self.backward:
-            return []
-        params = [names[v] for v in self.params if names.get(v) in tensors]
-        const = [names[v] for v in dict.fromkeys(self.inputs.values())
-                 if names.get(v) in tensors and names[v] not in params and v not in ids]
+    def lines(self, names: dict[Any, str], tensors: set[str], ids: set[Any], layers: tuple[list[Any], list[Any]]
+              ) -> list[str]:
+        """The spec's ``param`` line (the inputs the update reads beside a gradient, and a scan's stacked
+        weights) and ``const`` line (the other inputs of a training step, and what every layer of a scan
+        reads alike, which get no gradient; embedding ids are const anyway)."""
+        stacked, shared = layers
+        params = [names[v] for v in dict.fromkeys([*self.params, *stacked]) if names.get(v) in tensors]
+        others = list(self.inputs.values()) if self.backward else shared
+        const = [names[v] for v in dict.fromkeys(others) if names.get(v) in tensors and names[v] not in params
+                 and v not in ids]
         return ([f"param {', '.join(params)}"] if params else []) + ([f"const {', '.join(const)}"] if const else [])
 
 
@@ -121,3 +123,15 @@ def _tainted(jaxpr: Any) -> set[Any]:
     for eqn in jaxpr.eqns:
         step.skips(eqn)
     return step.tainted
+
+
+def carried(body: Any, carry: int) -> set[int]:
+    """The equations (by id) of a scan's body that its carry needs: not those that make its per-layer
+    outputs alone (a linearized scan's residuals for the backward)."""
+    live = {v for v in body.outvars[:carry] if not isinstance(v, jex.Literal)}
+    needed: set[int] = set()
+    for eqn in reversed(body.eqns):
+        if any(v in live for v in eqn.outvars):
+            needed.add(id(eqn))
+            live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+    return needed
