@@ -2,8 +2,8 @@
 
 The program's jaxpr is walked once.  Every array dim gets an id; a ``dot_general`` joins the ids of
 its contracted and batch dims, an elementwise op those of its operands and result, a transpose or
-a broadcast those it carries over, so each class of joined ids is one named dim of the spec (a dim's
-name is a letter of ``_LETTERS`` not taken by a mesh axis).  A run of elementwise ops over one array
+a broadcast those it carries over, so each class of joined ids is one named dim of the spec (named
+and written by :mod:`shardc.explain.spec_text`).  A run of elementwise ops over one array
 (``x * (1 + tanh(c * x**3))``) is one function of the language, named by its primitives (gelu,
 relu, silu, ...; ``identity`` when none fits: its sharding is all the spec needs); two arrays added
 are a sum, multiplied an einsum over shared indices; a reduction over one dim is ``sum``/``max``.
@@ -11,28 +11,27 @@ A tensor's sharding is its argument's, its ``with_sharding_constraint``'s, the c
 for an output, else carried from its operands as explicit sharding mode would (each dim keeps an
 operand's axes, an axis at most once).  A reshape that splits a dim or merges several is the same
 tensor, the dim written as its parts (:mod:`shardc.explain.dim_classes`); a gather of a table's
-rows at ids is ``embed``.  A training step's backward and update are left out
-(:mod:`shardc.explain.training`).  Anything else is a clear error naming the equation and its line.
+rows at ids is ``embed``; a scan of a layer, a ``layers`` block.  A training step's backward and
+update are left out (:mod:`shardc.explain.training`).  Anything else is a clear error naming the
+equation and its line.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from jax.extend import core as jex
 
 from shardc.errors import ShardcError
-from shardc.explain.dim_classes import UNWRITABLE, DimClasses, reshape_groups, unwritable
+from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
-from shardc.explain.sources import comment, equation_text, shape_text, source_line
+from shardc.explain.sources import equation_text, shape_text, source_line
+from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
 from shardc.explain.training import TrainingStep, carried
-from shardc.ir.spec import Dim, TensorRef
 
 __all__ = ["ProgramSpec", "read_program"]
 
-_LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
 _UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "abs", "neg", "sin", "cos",
           "convert_element_type", "copy", "copy_p", "square", "stop_gradient", "max", "min", "add", "sub", "mul",
           "div", "select_n", "ge", "gt", "le", "lt", "eq", "ne", "erf_inv", "sign", "log1p", "expm1", "cbrt"}
@@ -40,18 +39,6 @@ _ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
           "custom_vjp_call_jaxpr"}
 _EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
-_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
-
-
-@dataclass
-class _Statement:
-    kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed", "loss" (cross_entropy)
-    result: Any
-    operands: tuple[Any, ...]
-    fn: str = ""  # the function (fn) or reduction (reduce)
-    signs: tuple[int, ...] = ()
-    over: int = -1  # the reduced dim id
-    line: str = ""
 
 
 class _Made:
@@ -59,49 +46,16 @@ class _Made:
     twice along one dim, or a reduction's partial result over the first of several dims."""
 
 
-@dataclass
-class ProgramSpec:
-    """The spec text, and where each tensor came from."""
-
-    text: str
-    tensors: dict[str, TensorRef]  # name -> declared sharding
-    lines: dict[str, str] = field(default_factory=dict)  # tensor -> "file:line" of the op that made it
-    notes: list[str] = field(default_factory=list)
-    training: bool = False  # the program is a training step: the spec is its forward
-
-
-class _Reader(DimClasses):
+class _Reader(Reading):
     def __init__(self, mesh: dict[str, int]) -> None:
         super().__init__(mesh)
-        self.dims: dict[Any, list[int]] = {}
         self.alias: dict[Any, Any] = {}  # a view (transpose, broadcast, reshape, cast, constraint) -> its array
         self.region: dict[Any, tuple[Any, frozenset[str], str]] = {}  # elementwise run -> (its array, ops, line)
-        self.names: dict[Any, str] = {}
-        self.axes: dict[Any, dict[int, tuple[str, ...]]] = {}  # tensor -> dim id or atom -> axes
-        self.statements: list[_Statement] = []
         self.counts: dict[str, int] = {}
-        self.hints: dict[int, str] = {}  # dim id -> the letter the user's einsum equation gave it
         self.used: set[Any] = set()  # tensors a statement reads
         self.made: set[Any] = set()  # tensors a statement makes
-        self.ids: set[Any] = set()  # the ids of embedding lookups (no gradient, implied by the language)
-        self.step = TrainingStep([])  # a training step's backward and update, which the spec leaves out
         self.caller = ""  # the source line of the call whose inner jaxpr is walked (jnp's own jits have none)
-        self.stacked: set[int] = set()  # a scan's layers dim of its stacked weights (left out of the spec)
         self.stacked_outputs: set[Any] = set()  # a scan's per-layer outputs
-        self.block: tuple[int, int, int] | None = None  # the scan's statements [start, end) and its length
-        self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
-
-    def dims_of(self, var: Any) -> list[int]:
-        if var not in self.dims:
-            self.dims[var] = [self.new(int(n)) for n in var.aval.shape]
-        return self.dims[var]
-
-    def layout(self, var: Any) -> list[tuple[int, tuple[str, ...]]]:
-        """The tensor's atoms (named dims of the spec), each with the axes sharding it; a dim of size 1
-        (``keepdims``, ``b[None, :]``) holds one element and is left out."""
-        held = self.axes.get(var, {})
-        return [item for d in self.dims_of(var) if d not in self.stacked for item in self.spread(d, held)
-                if self.size[item[0]] != 1]
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:
@@ -124,7 +78,7 @@ class _Reader(DimClasses):
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
         self.names[var] = f"{prefix}{self.counts[prefix]}"
-        self.statements.append(_Statement(kind, var, operands, **extra))
+        self.statements.append(Statement(kind, var, operands, **extra))
         carried: dict[int, tuple[str, ...]] = {}
         used: set[str] = set()
         atoms = {a for d in self.dims_of(var) for a in self.atoms(d)}
@@ -492,81 +446,4 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
         if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted:
             continue
         reader.shard(var, spec, into=reader.tensor(var))
-    return _render(reader, jaxpr, origin)
-
-
-def _dim_names(reader: _Reader) -> dict[int, str]:
-    """A name for each class of dims: the user's einsum letter where it has one, else the next free letter."""
-    names: dict[int, str] = {}
-    for d, letter in reader.hints.items():
-        if letter not in reader.mesh and letter not in names.values() and reader.find(d) not in reader.parts:
-            names.setdefault(reader.find(d), letter)
-    letters = iter([c for c in _LETTERS if c not in reader.mesh] + [f"I{k}" for k in range(1000)])
-    for statement in reader.statements:
-        for var in (*statement.operands, statement.result):
-            for atom, _ in reader.layout(var):
-                while atom not in names:
-                    letter = next(letters)
-                    if letter not in names.values():
-                        names[atom] = letter
-    return names
-
-
-def _expression(s: _Statement, operands: list[TensorRef], over: str) -> str:
-    if s.kind in ("dot", "mul"):
-        return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
-    if s.kind == "copy":
-        return str(operands[0])
-    if s.kind in ("embed", "loss"):
-        return f"{'embed' if s.kind == 'embed' else 'cross_entropy'}({operands[0]}, {operands[1]})"
-    if s.kind == "fn":
-        return f"{s.fn}({operands[0]})"
-    if s.kind == "sum":
-        return f"{operands[0]} {'-' if s.signs[1] < 0 else '+'} {operands[1]}"
-    return f"{s.fn}({operands[0]} over {over})"
-
-
-def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
-    names = _dim_names(reader)
-
-    def ref(var: Any) -> TensorRef:
-        dims = tuple(Dim(names[atom], axes) for atom, axes in reader.layout(var))
-        if len({d.name for d in dims}) != len(dims):
-            raise ShardcError(f"{reader.names[var]} reads one dim twice ({', '.join(d.name for d in dims)}), which "
-                              "the spec language cannot write", fix="explain a program without it")
-        return TensorRef(reader.names[var], dims)
-
-    body: list[str] = []
-    tensors: dict[str, TensorRef] = {}
-    lines: dict[str, str] = {}
-    for s in reader.statements:
-        result, operands = ref(s.result), [ref(o) for o in s.operands]
-        tensors.update({r.name: r for r in (result, *operands)})
-        lines[result.name] = s.line
-        for operand in operands:
-            lines.setdefault(operand.name, s.line)  # an input: where it is first read
-        over = _over(reader, names, s) if s.kind in ("reduce", "norm") else ""
-        text = f"{result} = {_expression(s, operands, over)}" + (f"  # {comment(s.line)}" if s.line else "")
-        body.append(("  " + text) if reader.block and reader.block[0] <= len(body) < reader.block[1] else text)
-    if not body:
-        raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
-                          fix="explain a program with at least one")
-    if reader.block is not None:
-        start, end, length = reader.block
-        body = [*body[:start], f"layers {length} {{", *body[start:end], "}", *body[end:]]
-    sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
-    floats = [str(v.aval.dtype) for v in jaxpr.invars if str(v.aval.dtype) in _DTYPES]
-    head = [f"# {comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
-            "mesh " + ", ".join(f"{a}={n}" for a, n in reader.mesh.items()),
-            "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {_DTYPES[(floats or ['float32'])[0]]}"]
-    head += reader.step.lines(reader.names, set(tensors), reader.ids, reader.layer_inputs)
-    return ProgramSpec("\n".join([*head, "", *body]) + "\n", tensors, lines, training=reader.step.backward)
-
-
-def _over(reader: _Reader, names: dict[int, str], s: _Statement) -> str:
-    atoms = reader.atoms(s.over)
-    if len(atoms) != 1:
-        raise ShardcError(f"`{s.fn}` over a dim the program reshapes into {len(atoms)} dims"
-                          + (f" at {s.line}" if s.line else "") + " has no form in the spec language",
-                          fix="reshape after the reduction, or explain a program without it")
-    return names[atoms[0]]
+    return render(reader, jaxpr, origin)
