@@ -78,7 +78,7 @@ def cross_attention_layer() -> tuple[Any, tuple[Any, ...]]:
 
 def _line_of(fn: Any, text: str) -> str:
     lines, start = inspect.getsourcelines(fn)
-    return f"{__file__}:{start + next(i for i, line in enumerate(lines) if text in line)}"
+    return f"{inspect.getsourcefile(fn)}:{start + next(i for i, line in enumerate(lines) if text in line)}"
 
 
 def test_megatrons_mlp_is_read_as_its_spec_and_needs_what_the_plan_needs() -> None:
@@ -223,10 +223,9 @@ def test_an_op_the_language_lacks_is_a_clear_error() -> None:
     import jax.numpy as jnp
 
     mesh = _mesh((4, 2))
-    fn = jax.jit(lambda x, w: (x @ w).reshape(-1))
-    with pytest.raises(shardc.ShardcError, match="the program has `reshape` at"):
+    fn = jax.jit(lambda x, w: jnp.cumsum(x @ w, axis=0))
+    with pytest.raises(shardc.ShardcError, match="the program has `cumsum` at"):
         explain(fn, _arg(mesh, (16, 8), "data", None), _arg(mesh, (8, 4), None, None))
-    assert jnp is not None
 
 
 def test_the_command_writes_json_and_the_spec(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

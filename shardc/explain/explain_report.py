@@ -8,8 +8,9 @@ source line (the HLO's stack frame tables).  shardc then plans the spec's forwar
 are put side by side, paired as ``shardc compare`` pairs them: the collectives shardc would not
 need, those it does otherwise, and the forward's communication time on the chip, compiled
 program's (every collective on the critical path) against the plan's.  The compiled program's
-memory is XLA's own ``memory_analysis()``.  The explained program is the forward: a training
-step's backward is read as any other ops, so explain the forward alone to compare it to shardc's.
+memory is XLA's own ``memory_analysis()``.  A training step (``jax.value_and_grad`` of a loss, then
+an update) is read as its forward; each compiled collective's phase is its ``op_name``'s (jax names
+a backward op ``transpose(jvp(...))``), and both phases are paired with shardc's forward and backward.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,9 +26,11 @@ import jax
 
 from shardc.collectives import collective_time, share
 from shardc.costmodel.cost_report import cost
-from shardc.errors import ShardcError
-from shardc.explain.jaxpr_spec import read_program
-from shardc.ir.plan import Plan
+from shardc.errors import ShardcError, clip
+from shardc.explain.jaxpr_spec import ProgramSpec, read_program
+from shardc.explain.sources import installed
+from shardc.explain.training import phase_of
+from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
@@ -38,6 +42,11 @@ from shardc.verification.hlo import collectives
 __all__ = ["Collective", "Explanation", "explain", "render_explanation"]
 
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
+_RESULT = re.compile(r"=\s*(\(.*?\)|\S+)\s+[a-z-]+\(")
+_SHAPE = re.compile(r"\w+\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMBINED = re.compile(r"(.*?/)\((.*)\)")
+_WHILE = re.compile(r"while\(.*?body=%?([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"")
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,9 @@ class Collective:
     bytes: int
     seconds: float | None
     line: str = ""
+    phase: str = "forward"  # forward, backward or update (a training step's optimizer)
+    whole: bool = False  # an AllGather of a whole sharded tensor onto every device (a full rematerialization)
+    runs: int = 1  # times a step: a loop's trip count (a scan of layers), the spec's layers for the plan's
 
 
 @dataclass
@@ -66,6 +78,7 @@ class Explanation:
     shardc_memory: float = 0.0  # shardc's bytes a device for a training step of the spec (its cost report)
     not_needed: list[Collective] = field(default_factory=list)  # XLA's, with no counterpart in the plan
     differently: list[Collective] = field(default_factory=list)  # the plan's, with none in XLA's
+    training: bool = False  # a training step: its forward read as the spec, both phases compared
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,7 +116,19 @@ def _source_lines(hlo: str) -> dict[str, str]:
     files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
     where = {k: f"{files.get(_field(v, 'file_name_id'), '?')}:{_field(v, 'line')}"
              for k, v in tables.get("FileLocations", {}).items()}
-    return {k: where.get(_field(v, "file_location_id"), "") for k, v in tables.get("StackFrames", {}).items()}
+    frames = tables.get("StackFrames", {})
+    lines = {k: where.get(_field(v, "file_location_id"), "") for k, v in frames.items()}
+    return {k: _own(k, frames, lines) for k in frames}
+
+
+def _own(frame: str, frames: dict[str, str], lines: dict[str, str]) -> str:
+    """The innermost line of a stack frame's chain outside installed packages (else its own line): a
+    frame's parent is ``parent_frame_id`` - 1, 0 for none."""
+    seen, k = set(), frame
+    while k in frames and k not in seen and installed(lines[k]):
+        seen.add(k)
+        k = str(int(_field(frames[k], "parent_frame_id") or 1) - 1)
+    return lines[k] if k in frames else lines[frame]
 
 
 def _field(text: str, key: str) -> str:
@@ -126,56 +151,147 @@ def _mesh_of(shardings: list[Any]) -> dict[str, int]:
 def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None = None) -> Explanation:
     """Explain a jitted function on its arguments (arrays or ``jax.ShapeDtypeStruct``s with shardings)."""
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    compiled = jitted.lower(*args).compile()
+    try:
+        compiled = jitted.lower(*args).compile()
+    except Exception as err:  # the user's program: jax's own error, said in one line
+        raise ShardcError(f"jax cannot compile the program: {type(err).__name__}: {clip(str(err))}",
+                          fix="run the program with jax to see the traceback") from None
     ins = list(jax.tree_util.tree_leaves(compiled.input_shardings[0]))
+    leaves = jax.tree_util.tree_leaves(args)
+    if len(ins) != len(leaves):  # jit leaves out the arguments the program never reads: take each one's own
+        ins = [getattr(leaf, "sharding", None) for leaf in leaves]
     outs = list(jax.tree_util.tree_leaves(compiled.output_shardings))
     mesh = _mesh_of(ins + outs)
     if not mesh:
         raise ShardcError("the program's arguments and results carry no NamedSharding on a mesh",
                           fix="give the arguments shardings (jax.device_put or ShapeDtypeStruct(sharding=...))")
     origin = origin or str(getattr(fn, "__name__", "program"))
-    program = read_program(jax.make_jaxpr(jitted)(*args), [s.spec for s in ins], [s.spec for s in outs],
+    program = read_program(jax.make_jaxpr(jitted)(*args), [getattr(s, "spec", ()) for s in ins], [s.spec for s in outs],
                            _names(fn, args), mesh, origin)
     plan = make_plan(parse(program.text, filename=f"{origin}.shard"), hardware=hardware)
-    return _compare(plan, program.tensors, program.lines, compiled, mesh, origin, program.text)
+    return _compare(plan, program, compiled, mesh, origin)
 
 
-def _compare(plan: Plan, tensors: dict[str, TensorRef], lines: dict[str, str], compiled: Any,
-             mesh: dict[str, int], origin: str, text: str) -> Explanation:
+def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, int], origin: str) -> Explanation:
     sizes = dict(plan.sizes or ())
     hw = plan_chip(plan)
+    phases = ("forward", "backward") if program.training else ("forward",)
+    ours = [_planned(step, phase, plan, sizes, hw, program.lines) for phase in phases
+            for step in getattr(plan, phase) if step.is_collective and step.volume is not None]
+    xla = _compiled(compiled, plan, sizes, hw, mesh, program)
+    not_needed: list[Collective] = []
+    differently: list[Collective] = []
+    for phase in ("forward", "backward", "update"):
+        mine, theirs = [c for c in ours if c.phase == phase], [c for c in xla if c.phase == phase]
+        pairs = pair_rows([_as_row(c) for c in mine], [_as_row(c) for c in theirs])
+        left = [c for c in theirs if any(m is None and t is not None and _same(c, t) for m, t in pairs)]
+        unpaired = [c for c in mine if any(t is None and m is not None and _same(c, m) for m, t in pairs)]
+        for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size
+            match = next((x for x in left if x.tensor == "?" and c.kind.startswith(x.kind)
+                          and (x.axes, x.bytes) == (c.axes, c.bytes)), None)
+            if match is not None:
+                left.remove(match)
+                unpaired.remove(c)
+        not_needed += left
+        differently += unpaired
+    times = plan_time(plan, hw, sizes)
+    comm_s = times.forward_comm_s + (times.backward_comm_s if program.training else 0.0)
+    compute_s = times.forward_compute_s + (times.backward_compute_s if program.training else 0.0)
+    memory = compiled.memory_analysis()
+    xla_memory = {k: int(getattr(memory, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")}
+    return Explanation(origin, program.text, hw.name, xla, ours, math.fsum((c.seconds or 0.0) * c.runs for c in xla),
+                       comm_s,
+                       compute_s, xla_memory, float(cost(plan).memory.total_bytes), not_needed, differently,
+                       program.training)
+
+
+def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, lines: dict[str, str]
+             ) -> Collective:
+    v = int(step_volume(step, sizes))
+    layers = plan.spec.layers if isinstance(plan.spec.layers, int) and not step.once else 1
+    return Collective(step_label(step), step.tensor, ",".join(step.axes), v,
+                      collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw).seconds,
+                      lines.get(step.tensor) or lines.get(_forward_name(step.tensor), ""), phase, runs=layers)
+
+
+def _forward_name(gradient: str) -> str:
+    """The tensor a gradient is of (``dW`` or ``d_W`` is W's), for its source line."""
+    return gradient[2:] if gradient.startswith("d_") else gradient[1:]
+
+
+def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: dict[str, int],
+              program: ProgramSpec) -> list[Collective]:
+    """The compiled module's collectives, each named by the spec's tensors of its per-device shape (a
+    backward one by the plan's gradients first), its phase from its ``op_name`` (one op of a tuple
+    collective XLA combined from several has the name of its own part)."""
     nbytes = plan.spec.dtype.nbytes
-    shapes: dict[tuple[int, ...], list[str]] = {}
-    for name, ref in tensors.items():
-        shapes.setdefault(_local(ref, sizes), []).append(name)
+    names: dict[str, dict[tuple[Any, ...], list[str]]] = {"forward": {}, "backward": {}}
+    for phase in names:
+        steps = plan.backward if phase == "backward" else ()
+        refs = [r for step in steps for r in (step.dst, step.src) if r is not None]
+        for ref in [*refs, *program.tensors.values()]:
+            local = _local(ref, sizes)
+            for key in (local, ("any order", *sorted(local))):  # XLA may hold a gradient transposed
+                named = names[phase].setdefault(key, [])
+                if ref.name not in named:
+                    named.append(ref.name)
+    # an AllGather whose result is the whole of a sharded tensor of the spec, on every device: XLA's
+    # "involuntary full rematerialization" (a reshard its partitioner makes by gathering all, then slicing)
+    wholes: dict[tuple[int, ...], list[str]] = {}
+    for ref in program.tensors.values():
+        if any(d.axes for d in ref.dims):
+            wholes.setdefault(tuple(sizes[d.name] for d in ref.dims), []).append(ref.name)
     hlo = compiled.as_text()
     frames = _source_lines(hlo)
-    xla = []
+    trips = _trips(hlo)
+    seen: Counter[str] = Counter()
+    found = []
     for c in collectives(hlo, tuple(mesh.items())):
+        k = seen[c.text]
+        seen[c.text] += 1
+        shapes, ops = _parts(c.text)
+        shape = shapes[k] if len(shapes) > 1 and k < len(shapes) else c.shape  # a tuple's k-th part
+        phase = phase_of(ops[min(k, len(ops) - 1)] if ops else "", program.training)
         v = c.bytes(nbytes)
         seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw).seconds if c.kind else None
         frame = _FRAME.search(c.text)
-        xla.append(Collective(c.kind.title if c.kind else c.hlo_op, "|".join(shapes.get(c.shape, ["?"])),
-                              ",".join(c.axes), v, seconds, frames.get(frame.group(1), "") if frame else ""))
-    ours = []
-    for step in plan.forward:
-        if step.is_collective and step.volume is not None:
-            v = int(step_volume(step, sizes))
-            ours.append(Collective(step_label(step), step.tensor, ",".join(step.axes), v,
-                                   collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw).seconds,
-                                   lines.get(step.tensor, "")))
-    pairs = pair_rows([Row("forward", c.tensor, c.kind, c.axes, c.bytes) for c in ours],
-                      [Row("forward", c.tensor, c.kind, c.axes, c.bytes) for c in xla])
-    unpaired_xla = [theirs for mine, theirs in pairs if mine is None and theirs is not None]
-    unpaired_plan = [mine for mine, theirs in pairs if theirs is None and mine is not None]
-    times = plan_time(plan, hw, sizes)
-    shardc_memory = float(cost(plan).memory.total_bytes)
-    memory = compiled.memory_analysis()
-    xla_memory = {k: int(getattr(memory, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")}
-    return Explanation(origin, text, hw.name, xla, ours, math.fsum(c.seconds or 0.0 for c in xla),
-                       times.forward_comm_s, times.forward_compute_s, xla_memory, shardc_memory,
-                       [c for c in xla if any(_same(c, r) for r in unpaired_xla)],
-                       [c for c in ours if any(_same(c, r) for r in unpaired_plan)])
+        known = names["backward" if phase != "forward" else "forward"]
+        tensor = "|".join(known.get(shape) or known.get(("any order", *sorted(shape)), []))
+        whole = not tensor and c.kind is Op.ALL_GATHER and shape in wholes
+        found.append(Collective(c.kind.title if c.kind else c.hlo_op, "|".join(wholes[shape]) if whole else tensor
+                                or "?", ",".join(c.axes), v, seconds, frames.get(frame.group(1), "") if frame else "",
+                                phase, whole, trips.get(c.text, 1)))
+    return found
+
+
+def _trips(hlo: str) -> dict[str, int]:
+    """Each instruction of a loop body with the loop's known trip count (XLA's ``while`` of a scan):
+    instruction text -> the times it runs."""
+    bodies = {m.group(1): int(m.group(2)) for m in _WHILE.finditer(hlo)}
+    trips: dict[str, int] = {}
+    current = 1
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            current = bodies.get(line.split()[0].lstrip("%"), 1)
+        elif line.strip() and current > 1:
+            trips[line.strip()] = current
+    return trips
+
+
+def _parts(text: str) -> tuple[list[tuple[int, ...]], list[str]]:
+    """A collective's result shapes (several for a tuple) and the op names of its parts, in order: XLA
+    names a collective it combined from several ``prefix/(name1:name2:...)``."""
+    result = _RESULT.search(text)
+    shapes = [tuple(int(n) for n in dims.split(",") if n) for dims in _SHAPE.findall(result.group(1))] \
+        if result else []
+    found = _OP_NAME.search(text)
+    name = found.group(1) if found else ""
+    combined = _COMBINED.fullmatch(name)
+    return shapes, [combined.group(1) + part for part in combined.group(2).split(":")] if combined else [name]
+
+
+def _as_row(c: Collective) -> Row:
+    return Row(c.phase, c.tensor, c.kind, c.axes, c.bytes)
 
 
 def _same(c: Collective, row: Row) -> bool:
@@ -184,18 +300,23 @@ def _same(c: Collective, row: Row) -> bool:
 
 def _row(c: Collective) -> str:
     time = "" if c.seconds is None else f"{c.seconds * 1e6:9.2f} us"
-    return f"    {c.kind:<18} {c.tensor:<14} over {c.axes or '-':<10} {c.bytes:>12,} B {time}  {c.line}"
+    what = f"{c.tensor} (whole)" if c.whole else c.tensor
+    time += f" x{c.runs}" if c.runs > 1 else ""
+    return f"    {c.phase:<8} {c.kind:<18} {what:<14} over {c.axes or '-':<10} {c.bytes:>12,} B {time}  {c.line}"
 
 
 def render_explanation(e: Explanation) -> str:
     """The spec, XLA's collectives, shardc's plan beside them, and the totals."""
-    lines = [f"# shardc explain {e.origin} (times on {e.hardware})", "", "the program as a spec:", ""]
+    what = "the program's forward as a spec (a training step: shardc derives its backward)" if e.training \
+        else "the program as a spec"
+    lines = [f"# shardc explain {e.origin} (times on {e.hardware})", "", f"{what}:", ""]
     lines += ["    " + line for line in e.spec.splitlines()]
     lines += ["", f"XLA's collectives ({len(e.xla)}):"] + ([_row(c) for c in e.xla] or ["    none"])
-    lines += ["", f"shardc's plan of the forward ({len(e.plan)}):"] + ([_row(c) for c in e.plan] or ["    none"])
+    what = "forward and backward" if e.training else "forward"
+    lines += ["", f"shardc's plan of the {what} ({len(e.plan)}):"] + ([_row(c) for c in e.plan] or ["    none"])
     lines += ["", "collectives shardc would not need:"] + ([_row(c) for c in e.not_needed] or ["    none"])
     lines += ["collectives shardc does otherwise:"] + ([_row(c) for c in e.differently] or ["    none"])
-    lines += ["", f"forward on {e.hardware}: compute {e.compute_s * 1e6:.2f} us; communication: XLA "
+    lines += ["", f"{what} on {e.hardware}: compute {e.compute_s * 1e6:.2f} us; communication: XLA "
               f"{e.xla_comm_s * 1e6:.2f} us, shardc {e.plan_comm_s * 1e6:.2f} us",
               "XLA's memory a device (this program): " + ", ".join(f"{k} {v:,} B" for k, v in e.xla_memory.items()),
               f"shardc's memory a device (a training step of the spec: params, gradients, optimizer state, "

@@ -2,31 +2,36 @@
 
 The program's jaxpr is walked once.  Every array dim gets an id; a ``dot_general`` joins the ids of
 its contracted and batch dims, an elementwise op those of its operands and result, a transpose or
-a broadcast those it carries over, so each class of joined ids is one named dim of the spec (a dim's
-name is a letter of ``_LETTERS`` not taken by a mesh axis).  A run of elementwise ops over one array
+a broadcast those it carries over, so each class of joined ids is one named dim of the spec (named
+and written by :mod:`shardc.explain.spec_text`).  A run of elementwise ops over one array
 (``x * (1 + tanh(c * x**3))``) is one function of the language, named by its primitives (gelu,
 relu, silu, ...; ``identity`` when none fits: its sharding is all the spec needs); two arrays added
 are a sum, multiplied an einsum over shared indices; a reduction over one dim is ``sum``/``max``.
 A tensor's sharding is its argument's, its ``with_sharding_constraint``'s, the compiled program's
 for an output, else carried from its operands as explicit sharding mode would (each dim keeps an
-operand's axes, an axis at most once).  Anything else (a reshape, a gather, ...) is a clear error.
+operand's axes, an axis at most once).  A reshape that splits a dim or merges several is the same
+tensor, the dim written as its parts (:mod:`shardc.explain.dim_classes`); a gather of a table's
+rows at ids is ``embed``; a scan of a layer, a ``layers`` block.  A training step's backward and
+update are left out (:mod:`shardc.explain.training`).  Anything else is a clear error naming the
+equation and its line.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from jax.extend import core as jex
 
 from shardc.errors import ShardcError
-from shardc.explain.patterns import Run, runs
-from shardc.ir.spec import Dim, TensorRef
+from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
+from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
+from shardc.explain.sources import equation_text, shape_text, source_line
+from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
+from shardc.explain.training import TrainingStep, carried
 
-__all__ = ["ProgramSpec", "read_program", "source_line"]
+__all__ = ["ProgramSpec", "read_program"]
 
-_LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
 _UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "abs", "neg", "sin", "cos",
           "convert_element_type", "copy", "copy_p", "square", "stop_gradient", "max", "min", "add", "sub", "mul",
           "div", "select_n", "ge", "gt", "le", "lt", "eq", "ne", "erf_inv", "sign", "log1p", "expm1", "cbrt"}
@@ -34,18 +39,6 @@ _ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
           "custom_vjp_call_jaxpr"}
 _EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
-_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
-
-
-@dataclass
-class _Statement:
-    kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy"
-    result: Any
-    operands: tuple[Any, ...]
-    fn: str = ""  # the function (fn) or reduction (reduce)
-    signs: tuple[int, ...] = ()
-    over: int = -1  # the reduced dim id
-    line: str = ""
 
 
 class _Made:
@@ -53,61 +46,16 @@ class _Made:
     twice along one dim, or a reduction's partial result over the first of several dims."""
 
 
-@dataclass
-class ProgramSpec:
-    """The spec text, and where each tensor came from."""
-
-    text: str
-    tensors: dict[str, TensorRef]  # name -> declared sharding
-    lines: dict[str, str] = field(default_factory=dict)  # tensor -> "file:line" of the op that made it
-    notes: list[str] = field(default_factory=list)
-
-
-def source_line(eqn: Any) -> str:
-    """``file:line`` of the user's code that made a jaxpr equation ('' when jax kept none)."""
-    from jax._src import source_info_util
-
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    return f"{frame.file_name}:{frame.start_line}" if frame is not None else ""
-
-
-class _Reader:
+class _Reader(Reading):
     def __init__(self, mesh: dict[str, int]) -> None:
-        self.mesh = mesh
-        self.parent: dict[int, int] = {}
-        self.size: dict[int, int] = {}
-        self.dims: dict[Any, list[int]] = {}
-        self.alias: dict[Any, Any] = {}  # a view (transpose, broadcast, cast, constraint) -> the array it shows
+        super().__init__(mesh)
+        self.alias: dict[Any, Any] = {}  # a view (transpose, broadcast, reshape, cast, constraint) -> its array
         self.region: dict[Any, tuple[Any, frozenset[str], str]] = {}  # elementwise run -> (its array, ops, line)
-        self.names: dict[Any, str] = {}
-        self.axes: dict[Any, dict[int, tuple[str, ...]]] = {}  # tensor -> dim id -> axes (declared or carried)
-        self.statements: list[_Statement] = []
         self.counts: dict[str, int] = {}
-        self.hints: dict[int, str] = {}  # dim id -> the letter the user's einsum equation gave it
         self.used: set[Any] = set()  # tensors a statement reads
         self.made: set[Any] = set()  # tensors a statement makes
-
-    # dims ------------------------------------------------------------------------------------------
-    def find(self, d: int) -> int:
-        while self.parent[d] != d:
-            self.parent[d] = self.parent[self.parent[d]]
-            d = self.parent[d]
-        return d
-
-    def join(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-    def dims_of(self, var: Any) -> list[int]:
-        if var not in self.dims:
-            ids = []
-            for n in var.aval.shape:
-                d = len(self.parent)
-                self.parent[d], self.size[d] = d, int(n)
-                ids.append(d)
-            self.dims[var] = ids
-        return self.dims[var]
+        self.caller = ""  # the source line of the call whose inner jaxpr is walked (jnp's own jits have none)
+        self.stacked_outputs: set[Any] = set()  # a scan's per-layer outputs
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:
@@ -120,53 +68,87 @@ class _Reader:
         var = self.base(var)
         if var in self.region:
             source, ops, line = self.region.pop(var)
-            self.make(var, "fn", (self.tensor(source),), fn=_function(ops), line=line)
+            self.make(var, "fn", (self.tensor(source),), fn=function_of(ops), line=line)
         return var
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
-        prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C"}[kind]
+        prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C",
+                  "embed": "E", "loss": "L"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
         self.names[var] = f"{prefix}{self.counts[prefix]}"
-        self.statements.append(_Statement(kind, var, operands, **extra))
+        self.statements.append(Statement(kind, var, operands, **extra))
         carried: dict[int, tuple[str, ...]] = {}
         used: set[str] = set()
+        atoms = {a for d in self.dims_of(var) for a in self.atoms(d)}
         for operand in operands:
-            for d in self.dims[operand]:
-                axes = self.axes[operand].get(d, ())
-                if self.find(d) in [self.find(r) for r in self.dims_of(var)] and not used & set(axes):
-                    carried.setdefault(self.find(d), axes)
-                    used |= set(carried[self.find(d)])
-        self.axes[var] = {d: carried.get(self.find(d), ()) for d in self.dims_of(var)}
+            for atom, axes in self.layout(operand):
+                if atom in atoms and atom not in carried and not used & set(axes):
+                    carried[atom] = axes
+                    used |= set(axes)
+        self.axes[var] = {a: carried.get(a, ()) for a in atoms}
 
-    def shard(self, var: Any, spec: Any) -> None:
-        """A declared sharding (an argument's, a constraint's, an output's) on ``var``'s tensor."""
+    def shard(self, var: Any, spec: Any, into: Any = None) -> None:
+        """A declared sharding (an argument's, a constraint's, an output's) of ``var``, on its tensor
+        ``into`` (``var`` itself, or the array ``var`` is a view of)."""
         parts = list(spec.partitions) if hasattr(spec, "partitions") else list(spec)
         parts += [None] * (len(self.dims_of(var)) - len(parts))
-        self.axes[var] = {d: (() if p is None else (p,) if isinstance(p, str) else tuple(p))
-                          for d, p in zip(self.dims_of(var), parts, strict=True)}
+        self.axes[var if into is None else into] = {
+            d: (() if p is None else (p,) if isinstance(p, str) else tuple(p))
+            for d, p in zip(self.dims_of(var), parts, strict=True)}
 
     # equations -------------------------------------------------------------------------------------
-    def walk(self, jaxpr: Any) -> None:
-        found = runs(jaxpr)
+    def walk(self, jaxpr: Any, needed: set[int] | None = None, results: int | None = None) -> None:
+        """Read ``jaxpr``'s equations (those ``needed``, by id, when given; its first ``results`` results
+        the ones read after it, when given)."""
+        eqns = [e for e in self.step.forward(jaxpr) if needed is None or id(e) in needed]
+        found = runs(eqns, list(jaxpr.outvars)[:results])
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
-        for eqn in jaxpr.eqns:
-            if eqn in found:
-                self.function(eqn.outvars[0], found[eqn], source_line(eqn))
-            elif id(eqn) not in inside:
-                self.equation(eqn)
+        for eqn in eqns:
+            try:
+                if eqn in found:
+                    self.function(eqn.outvars[0], found[eqn], source_line(eqn))
+                elif id(eqn) not in inside:
+                    self.equation(eqn)
+            except ShardcError as err:
+                if err.kind != UNWRITABLE:
+                    raise
+                line = source_line(eqn)
+                raise ShardcError(f"`{eqn.primitive.name}` ({equation_text(eqn)})" + (f" at {line}" if line else "")
+                                  + f": {err.message}", fix=err.fix) from None
 
     def function(self, out: Any, run: Run, line: str) -> None:
-        """``out = softmax(source over axis)`` (or rmsnorm): one function over the run that computes it."""
+        """``out = softmax(source over axis)`` (or rmsnorm): one function over the run that computes it;
+        ``out = cross_entropy(source, labels)``: the loss, the labels' dims the logits' others."""
         source = self.tensor(run.source)
+        if run.ids is not None:
+            labels = self.source(run.ids)
+            for d, e in zip(self.dims_of(run.ids), self.dims_of(run.source), strict=False):
+                self.join(d, e)
+            self.ids.add(labels)
+            self.make(out, "loss", (source, labels), line=line)
+            return
         for d, e in zip(self.dims_of(run.source), self.dims_of(out), strict=True):
             self.join(d, e)
-        self.make(out, "norm", (source,), fn=run.function, over=self.dims_of(run.source)[run.axis], line=line)
+        over = self.dims_of(run.source)[run.axis]
+        if run.scale is None:
+            self.make(out, "norm", (source,), fn=run.function, over=over, line=line)
+            return
+        norm = _Made()  # rmsnorm(x over D), then its product with the scale (an einsum, batch index D)
+        self.dims[norm] = list(self.dims_of(out))
+        self.make(norm, "norm", (source,), fn=run.function, over=over, line=line)
+        for d, e, n, m in zip(self.dims_of(run.scale), self.dims_of(out), run.scale.aval.shape, out.aval.shape,
+                              strict=True):
+            if n == m:
+                self.join(d, e)
+        self.make(out, "mul", (norm, self.tensor(run.scale)), line=line)
 
     def equation(self, eqn: Any) -> None:
         name = eqn.primitive.name
-        line = source_line(eqn)
+        line = source_line(eqn) or self.caller
+        if any(v in self.stacked_outputs for v in eqn.invars if not isinstance(v, jex.Literal)):
+            raise unwritable("it reads a scan's per-layer outputs; a `layers` block hands on its carry alone")
         arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape]
         out: Any = eqn.outvars[0] if eqn.outvars else None
         if name in _CALLS and not self.unary_call(eqn, arrays, line):
@@ -181,38 +163,51 @@ class _Reader:
             self.view(out, eqn.invars[0], list(eqn.params["permutation"]))
         elif name == "broadcast_in_dim":
             self.broadcast(eqn)
-        elif name == "sharding_constraint":
-            self.constrain(eqn.invars[0], out, eqn.params["sharding"].spec, line)
+        elif name in ("reshape", "squeeze"):
+            self.reshape(eqn.invars[0], out, line)
+        elif name == "gather":
+            self.gather(eqn, line)
+        elif name == "scan":
+            self.scan(eqn)
+        elif name == "sharding_constraint" or (name == "reshard" and arrays):
+            sharding = eqn.params["sharding" if name == "sharding_constraint" else "dst_sharding"]
+            self.constrain(eqn.invars[0], out, sharding.spec, line)
+        elif name == "reshard":  # of a scalar (jax's jvp reshards the constant 1.0): no tensor of the spec
+            self.elementwise(eqn, name, arrays, line)
         elif name in _ALIASES and arrays:
             self.view(out, arrays[0], list(range(len(out.aval.shape))))
         elif name in _UNARY:
             self.elementwise(eqn, name, arrays, line)
         else:
-            raise ShardcError(f"`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes "
-                              f"and sharding constraints; the program has `{name}`" + (f" at {line}" if line else ""),
+            raise ShardcError(f"`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes, "
+                              f"reshapes, embedding lookups and sharding constraints; the program has `{name}`"
+                              + (f" at {line}" if line else ""),
                               fix="explain a program (or the part of it) made of those, or write its .shard spec")
 
     def constrain(self, source: Any, out: Any, spec: Any, line: str) -> None:
         """A just-made result takes the constraint's sharding; an input, or a tensor already read as it
         is, is copied into one that has it (the language's reshard, ``A2[I, J_X] = A[I_X, J]``)."""
         tensor = self.tensor(source)
+        self.view(out, source, list(range(len(out.aval.shape))))
         if tensor in self.used or tensor not in self.made:
-            self.dims[out] = list(self.dims_of(tensor))
+            del self.alias[out]
             self.make(out, "copy", (tensor,), line=line)
             tensor = out
-        else:
-            self.view(out, source, list(range(len(out.aval.shape))))
-        self.shard(tensor, spec)
+        self.shard(out, spec, into=tensor)
 
     def call(self, eqn: Any) -> None:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
         inner = getattr(inner, "jaxpr", inner)
         for outer_var, inner_var in zip(eqn.invars, inner.invars, strict=False):
             if not isinstance(outer_var, jex.Literal) and outer_var.aval.shape:
+                self.step.enter(outer_var, inner_var)
                 self.view(inner_var, outer_var, list(range(len(outer_var.aval.shape))))
+        caller, self.caller = self.caller, source_line(eqn) or self.caller
         self.walk(inner)
+        self.caller = caller
         for outer_var, inner_var in zip(eqn.outvars, inner.outvars, strict=True):
-            if not isinstance(inner_var, jex.Literal) and inner_var.aval.shape:
+            self.step.leave(outer_var, inner_var)
+            if not isinstance(inner_var, jex.Literal) and inner_var.aval.shape and inner_var not in self.step.tainted:
                 self.view(outer_var, inner_var, list(range(len(inner_var.aval.shape))))
 
     def unary_call(self, eqn: Any, arrays: list[Any], line: str) -> bool:
@@ -223,8 +218,77 @@ class _Reader:
             return False
         inner = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
         # a named function of its own: the run of maps before it ends there (gelu, then relu)
-        self.region_of(eqn.outvars[0], [self.tensor(arrays[0])], _primitives(getattr(inner, "jaxpr", inner)), line)
+        self.region_of(eqn.outvars[0], [self.tensor(arrays[0])], primitives(getattr(inner, "jaxpr", inner)), line)
         return True
+
+    def reshape(self, source: Any, out: Any, line: str) -> None:
+        """A reshape that splits dims or merges them: the same tensor, its dims written as their parts."""
+        groups = reshape_groups(tuple(source.aval.shape), tuple(out.aval.shape))
+        if groups is None:
+            raise unwritable(f"{shape_text(source)} to {shape_text(out)} neither splits nor merges whole dims")
+        ins, outs = self.dims_of(source), self.dims_of(out)
+        origin = f"`reshape` {shape_text(source)} to {shape_text(out)}" + (f" at {line}" if line else "")
+        for i, o in groups:
+            if len(i) == 1 and len(o) == 1:
+                self.join(ins[i[0]], outs[o[0]])
+            elif len(i) == 1:
+                self.split(ins[i[0]], [outs[k] for k in o], origin)
+            elif len(o) == 1:
+                self.split(outs[o[0]], [ins[k] for k in i], origin)
+            else:
+                raise unwritable(f"{shape_text(source)} to {shape_text(out)} regroups its dims {i} as {o}: neither "
+                                 "a split of one dim nor a merge of several")
+        self.alias[out] = source
+
+    def gather(self, eqn: Any, line: str) -> None:
+        """Rows of a table at integer ids (``jnp.take(table, ids, axis=0)``, ``table[ids]``): the
+        language's ``embed(Ids[...], Table[V, D])``; the ids are read through jnp's index clamp."""
+        table, indices = eqn.invars
+        out = eqn.outvars[0]
+        if not is_lookup(eqn):
+            raise unwritable("a gather other than a table's rows at ids (jnp.take(table, ids, axis=0)) has no "
+                             "form in the spec language")
+        ids = self.source(indices)
+        if isinstance(ids, jex.Literal) or tuple(ids.aval.shape) != tuple(indices.aval.shape[:-1]):
+            raise unwritable("the ids of a lookup are not an array of the program")
+        outs = self.dims_of(out)
+        for d, e in zip(self.dims_of(indices)[:-1], outs[:-1], strict=True):
+            self.join(d, e)
+        self.join(self.dims_of(table)[1], outs[-1])
+        self.hints.setdefault(self.dims_of(table)[0], "V")  # the vocabulary, as the language's examples name it
+        self.ids.add(ids)
+        self.make(out, "embed", (ids, self.tensor(table)), line=line)
+
+    def scan(self, eqn: Any) -> None:
+        """``jax.lax.scan`` of a layer over stacked weights: the body once, as a ``layers N { ... }``
+        block (its carry the block's input and output), each stacked weight one layer's (the leading
+        dim left out), read as far as the carry needs it (a training step's residuals are not)."""
+        body, length = eqn.params["jaxpr"].jaxpr, int(eqn.params["length"])
+        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        if self.block is not None:
+            raise unwritable("a second scan: the spec language has one `layers` block")
+        for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars, strict=True)):
+            if isinstance(outer, jex.Literal) or not outer.aval.shape:
+                continue
+            self.step.enter(outer, inner)
+            if k < consts + carry:
+                self.view(inner, outer, list(range(len(outer.aval.shape))))
+                if k < consts:
+                    self.layer_inputs[1].append(self.base(outer))
+                continue
+            self.layer_inputs[0].append(self.base(outer))
+            if any(self.axes.get(self.base(outer), {}).get(self.dims_of(outer)[0], ())):
+                raise unwritable("a scan over stacked weights sharded along the layers (a pipeline)")
+            self.stacked.add(self.dims_of(outer)[0])
+            self.dims[inner], self.alias[inner] = self.dims_of(outer)[1:], outer
+        start = len(self.statements)
+        self.walk(body, carried(body, carry), carry)
+        self.block = (start, len(self.statements), length)
+        for k, (outer, inner) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
+            if k >= carry:
+                self.stacked_outputs.add(outer)
+            elif not isinstance(inner, jex.Literal) and inner.aval.shape:
+                self.view(outer, inner, list(range(len(inner.aval.shape))))
 
     def view(self, out: Any, source: Any, perm: list[int]) -> None:
         ids = self.dims_of(source)
@@ -273,8 +337,8 @@ class _Reader:
     def region_of(self, out: Any, arrays: list[Any], ops: frozenset[str], line: str) -> None:
         source = self.source(arrays[0]) if arrays else out
         ids = self.dims_of(out)
-        if arrays:
-            for d, e in zip(self.dims_of(source), ids, strict=True):
+        if arrays:  # arrays[0] has the result's shape (its source may have another: a reshape's)
+            for d, e in zip(self.dims_of(arrays[0]), ids, strict=True):
                 self.join(d, e)
         prior = self.region.get(self.base(arrays[0]), (None, frozenset(), ""))[2] if arrays else ""
         self.region[out] = (source, ops, line or prior)
@@ -309,35 +373,34 @@ class _Reader:
         too (``Q[B, S, H] · K[B, S, H]``: S twice in the result), or one of a joined pair whose join would
         merge two dims a tensor holds apart (``P[B, S, T] · V[B, S, H]`` over T: S is T), renamed on the
         side that does not hold the other's dim already (V's S, not P's T)."""
-        kept = {self.find(left[i]) for i in free_l}
-        renamed: tuple[set[int], set[int]] = (set(), {right[i] for i in free_r if self.find(right[i]) in kept})
+        kept = {a for i in free_l for a in self.atoms(left[i])}
+        renamed: tuple[set[int], set[int]] = (set(), {right[i] for i in free_r
+                                                      if kept & set(self.atoms(right[i]))})
         tensors = self.held() if pairs else []
         for a, b in pairs:
-            ra, rb = self.find(left[a]), self.find(right[b])
-            if ra == rb or not any(ra in held and rb in held for held in tensors):
+            ra, rb = set(self.atoms(left[a])), set(self.atoms(right[b]))
+            if ra == rb or not any(ra & held and rb & held for held in tensors):
                 continue
-            if ra in {self.find(d) for d in right if d != right[b]}:  # the right operand holds a's dim
+            if ra & {e for d in right if d != right[b] for e in self.atoms(d)}:  # the right operand holds a's dim
                 renamed[0].add(left[a])
             else:
                 renamed[1].add(right[b])
         return renamed
 
     def held(self) -> list[set[int]]:
-        """The classes of dims each tensor of the spec holds."""
-        return [{self.find(d) for d in self.dims[var]} for var in self.names if var in self.dims]
+        """The named dims (atoms) each tensor of the spec holds."""
+        return [{a for d in self.dims[var] for a in self.atoms(d)} for var in self.names if var in self.dims]
 
     def rename(self, tensor: Any, view: list[int], clashes: set[int], line: str) -> tuple[Any, list[int]]:
         """A copy of ``tensor`` whose ``clashes`` dims are new ones of the same size and sharding (the
         language's rename, ``Kx[B, T, D] = L1[B, S, D]``), and the ids of ``view`` (a view of it) in it."""
-        fresh: dict[int, int] = {}
-        for d in clashes:
-            fresh[d] = len(self.parent)
-            self.parent[fresh[d]], self.size[fresh[d]] = fresh[d], self.size[d]
+        fresh = {d: self.fresh(d) for d in clashes}
+        moved = {a: b for d, e in fresh.items() for a, b in zip(self.atoms(d), self.atoms(e), strict=True)}
+        layout = self.layout(tensor)
         copy = _Made()
-        self.dims[copy] = [fresh.get(d, d) for d in self.dims_of(tensor)]
+        self.dims[copy] = [moved.get(a, a) for a, _ in layout]
         self.make(copy, "copy", (tensor,), line=line)
-        for d, new in fresh.items():
-            self.axes[copy][new] = self.axes[tensor].get(d, ())
+        self.axes[copy] = {moved.get(a, a): axes for a, axes in layout}
         return copy, [fresh.get(d, d) for d in view]
 
     def hint(self, eqn: Any, operands: tuple[list[int], ...]) -> None:
@@ -369,31 +432,6 @@ class _Reader:
             tensor = target
 
 
-def _primitives(jaxpr: Any) -> frozenset[str]:
-    found: set[str] = set()
-    for eqn in getattr(jaxpr, "eqns", ()):
-        found.add(eqn.primitive.name)
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if isinstance(inner, jex.Jaxpr):
-                found |= _primitives(inner)
-    return frozenset(found)
-
-
-def _function(ops: frozenset[str]) -> str:
-    """The language's function for a run of elementwise primitives (identity when none fits)."""
-    if "erf" in ops or ("tanh" in ops and ops & {"integer_pow", "pow"}):
-        return "gelu"
-    if "logistic" in ops:
-        return "silu" if "mul" in ops else "sigmoid"
-    if ops & {"max"} and not ops & {"exp", "tanh"}:
-        return "relu"
-    for name in ("tanh", "exp"):
-        if name in ops:
-            return name
-    return "square" if ops <= {"mul", "integer_pow"} and ops else "identity"
-
-
 def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: list[str],
                  mesh: dict[str, int], origin: str) -> ProgramSpec:
     """The spec of a closed jaxpr whose inputs are sharded by ``in_specs`` and outputs by ``out_specs``."""
@@ -402,76 +440,10 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
     for var, spec, name in zip(jaxpr.invars, in_specs, names, strict=True):
         reader.names[var] = name
         reader.shard(var, spec)
+    reader.step = TrainingStep(list(jaxpr.invars))
     reader.walk(jaxpr)
-    outputs = []
     for var, spec in zip(jaxpr.outvars, out_specs, strict=True):
-        if isinstance(var, jex.Literal) or not var.aval.shape:
+        if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted:
             continue
-        tensor = reader.tensor(var)
-        reader.shard(tensor, spec)
-        outputs.append(tensor)
-    return _render(reader, jaxpr, origin)
-
-
-def _dim_names(reader: _Reader) -> dict[int, str]:
-    """A name for each class of dims: the user's einsum letter where it has one, else the next free letter."""
-    names: dict[int, str] = {}
-    for d, letter in reader.hints.items():
-        if letter not in reader.mesh and letter not in names.values():
-            names.setdefault(reader.find(d), letter)
-    letters = iter([c for c in _LETTERS if c not in reader.mesh] + [f"I{k}" for k in range(1000)])
-    for statement in reader.statements:
-        for var in (*statement.operands, statement.result):
-            for d in reader.dims_of(var):
-                while reader.find(d) not in names:
-                    letter = next(letters)
-                    if letter not in names.values():
-                        names[reader.find(d)] = letter
-    return names
-
-
-def _expression(s: _Statement, operands: list[TensorRef], over: str) -> str:
-    if s.kind in ("dot", "mul"):
-        return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
-    if s.kind == "copy":
-        return str(operands[0])
-    if s.kind == "fn":
-        return f"{s.fn}({operands[0]})"
-    if s.kind == "sum":
-        return f"{operands[0]} {'-' if s.signs[1] < 0 else '+'} {operands[1]}"
-    return f"{s.fn}({operands[0]} over {over})"
-
-
-def _render(reader: _Reader, jaxpr: Any, origin: str) -> ProgramSpec:
-    names = _dim_names(reader)
-
-    def ref(var: Any) -> TensorRef:
-        dims = tuple(Dim(names[reader.find(d)], reader.axes.get(var, {}).get(d, ())) for d in reader.dims_of(var))
-        if len({d.name for d in dims}) != len(dims):
-            raise ShardcError(f"{reader.names[var]} reads one dim twice ({', '.join(d.name for d in dims)}), which "
-                              "the spec language cannot write", fix="explain a program without it")
-        return TensorRef(reader.names[var], dims)
-
-    body, tensors, lines = [], {}, {}
-    for s in reader.statements:
-        result, operands = ref(s.result), [ref(o) for o in s.operands]
-        tensors.update({r.name: r for r in (result, *operands)})
-        lines[result.name] = s.line
-        for operand in operands:
-            lines.setdefault(operand.name, s.line)  # an input: where it is first read
-        over = names[reader.find(s.over)] if s.kind in ("reduce", "norm") else ""
-        body.append(f"{result} = {_expression(s, operands, over)}" + (f"  # {_comment(s.line)}" if s.line else ""))
-    if not body:
-        raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
-                          fix="explain a program with at least one")
-    sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
-    dtype = _DTYPES.get(str(jaxpr.invars[0].aval.dtype), "f32") if jaxpr.invars else "f32"
-    head = [f"# {_comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
-            "mesh " + ", ".join(f"{a}={n}" for a, n in reader.mesh.items()),
-            "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {dtype}", ""]
-    return ProgramSpec("\n".join(head + body) + "\n", tensors, lines)
-
-
-def _comment(text: str) -> str:
-    return re.sub(r"[\r\n]+", " ", text)[:200]
-
+        reader.shard(var, spec, into=reader.tensor(var))
+    return render(reader, jaxpr, origin)

@@ -4,19 +4,23 @@
 broadcast back, a subtraction, an exp, a reduce_sum, its broadcast, a division); read equation by
 equation it is a division of two arrays, which the language has no form for, but the whole run is
 ``softmax(X over I)``.  An RMSNorm, ``x * rsqrt(mean(x**2) + eps)`` (or ``x / sqrt(...)``), is a
-product of x with a statistic of itself: the run is ``rmsnorm(X over I)``.  :func:`runs` finds each
-such run whose inner values nothing else reads.
+product of x with a statistic of itself: the run is ``rmsnorm(X over I)``, and of ``x - mean(x)``
+``layernorm(X over I)``.  The mean negative log
+likelihood ``-mean(take_along_axis(log_softmax(logits), labels[..., None], axis=-1))`` (jax's
+``log_softmax`` and ``take_along_axis`` are calls of their own) is ``cross_entropy(Logits, Labels)``.
+:func:`runs` finds each such run whose inner values nothing else reads.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from jax.extend import core as jex
 
-__all__ = ["Run", "runs"]
+__all__ = ["Run", "function_of", "is_lookup", "primitives", "runs"]
 
 _PASS = ("broadcast_in_dim", "stop_gradient", "max")  # what lies between the max and the subtraction
 
@@ -32,15 +36,17 @@ class Run:
     source: Any
     axis: int
     run: tuple[Any, ...]
+    ids: Any = None  # cross_entropy's labels
+    scale: Any = None  # a norm's scale the run multiplies in (flax's RMSNorm): the norm times it
 
 
-def _producers(jaxpr: Any) -> dict[Any, Any]:
-    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+def _producers(eqns: list[Any]) -> dict[Any, Any]:
+    return {v: eqn for eqn in eqns for v in eqn.outvars}
 
 
-def _uses(jaxpr: Any) -> Counter[Any]:
-    uses: Counter[Any] = Counter(v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal))
-    uses.update(v for v in jaxpr.outvars if not isinstance(v, jex.Literal))
+def _uses(eqns: list[Any], outvars: list[Any]) -> Counter[Any]:
+    uses: Counter[Any] = Counter(v for eqn in eqns for v in eqn.invars if not isinstance(v, jex.Literal))
+    uses.update(v for v in outvars if not isinstance(v, jex.Literal))
     return uses
 
 
@@ -85,7 +91,8 @@ def _rmsnorm(last: Any, made: dict[Any, Any]) -> Run | None:
     of x along one axis, each step of it a function of the statistic alone (and literals)."""
     x, stat = last.invars
     run: list[Any] = []
-    eqn = made.get(stat)
+    scale, scaled = _scaled(stat, made)
+    eqn = made.get(stat if scaled is None else scaled.invars[0])
     roots = 0
     while eqn is not None and eqn.primitive.name in _STATISTIC and _array(eqn) is not None:
         roots += eqn.primitive.name in ("rsqrt", "sqrt")
@@ -96,13 +103,89 @@ def _rmsnorm(last: Any, made: dict[Any, Any]) -> Run | None:
             or not any(e.primitive.name == wanted for e in run):
         return None
     square = made.get(eqn.invars[0])
+    shifted = made.get(x)  # flax's RMSNorm subtracts a zero mean: x - 0
+    if shifted is not None and shifted.primitive.name == "sub" and _zero(shifted.invars[1], made) \
+            and square is not None and square.invars[0] is shifted.invars[0]:
+        run.insert(0, shifted)
+        x = shifted.invars[0]
     if square is None or not ((square.primitive.name == "integer_pow" and square.params["y"] == 2)
                               or square.primitive.name == "square") or square.invars[0] is not x:
         return None
-    return Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), last))
+    tail = (scaled, last) if scaled is not None else (last,)
+    norm = Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), *tail), scale=scale)
+    return (_centered(norm, made) if scale is None else None) or norm
+
+
+def _scaled(stat: Any, made: dict[Any, Any]) -> tuple[Any, Any]:
+    """(scale, the product) where ``stat`` is ``rsqrt(...) * scale`` (flax's RMSNorm scales the
+    statistic, not the result: ``x * (rsqrt(mean(x**2) + eps) * scale)``), else (None, None)."""
+    product = made.get(stat)
+    if product is None or product.primitive.name != "mul" or any(isinstance(v, jex.Literal) for v in product.invars):
+        return None, None
+    root = made.get(product.invars[0])
+    if root is None or root.primitive.name != "rsqrt":
+        return None, None
+    return product.invars[1], product
+
+
+def _zero(var: Any, made: dict[Any, Any]) -> bool:
+    """Whether ``var`` is the constant 0 broadcast (through broadcasts alone)."""
+    eqn = made.get(var)
+    while eqn is not None and eqn.primitive.name == "broadcast_in_dim" and not isinstance(eqn.invars[0], jex.Literal):
+        eqn = made.get(eqn.invars[0])
+    return eqn is not None and eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], jex.Literal) \
+        and float(eqn.invars[0].val) == 0.0
+
+
+def _centered(norm: Run, made: dict[Any, Any]) -> Run | None:
+    """An rmsnorm of ``x - mean(x)`` over its own axis (the mean a sum, a division by a literal, its
+    broadcast back) is ``layernorm(x over axis)``."""
+    sub = made.get(norm.source)
+    if sub is None or sub.primitive.name != "sub" or any(isinstance(v, jex.Literal) for v in sub.invars):
+        return None
+    x, mean = sub.invars
+    chain: list[Any] = []
+    eqn = made.get(mean)
+    while eqn is not None and (eqn.primitive.name == "broadcast_in_dim" or (
+            eqn.primitive.name == "div" and isinstance(eqn.invars[1], jex.Literal))):
+        chain.append(eqn)
+        eqn = made.get(eqn.invars[0])
+    if [e.primitive.name for e in chain].count("div") != 1 or eqn is None or eqn.primitive.name != "reduce_sum" \
+            or eqn.invars[0] is not x or tuple(eqn.params["axes"]) != (norm.axis,):
+        return None
+    return Run("layernorm", x, norm.axis, (eqn, *reversed(chain), sub, *norm.run))
+
+
+def _call(eqn: Any, name: str) -> bool:
+    return eqn is not None and eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == name
+
+
+def _cross_entropy(neg: Any, made: dict[Any, Any]) -> Run | None:
+    """``-(sum(take_along_axis(log_softmax(x), labels[..., None], -1)) / tokens)``: the run from the
+    log_softmax call to the negation, over x's last axis."""
+    div = made.get(neg.invars[0])
+    if div is None or div.primitive.name != "div" or not isinstance(div.invars[1], jex.Literal):
+        return None
+    total: Any = made.get(div.invars[0])
+    if total is None or total.primitive.name != "reduce_sum":
+        return None
+    take: Any = made.get(total.invars[0])
+    if not _call(take, "take_along_axis") or not _call(made.get(take.invars[0]), "log_softmax"):
+        return None
+    logp, index = made[take.invars[0]], made.get(take.invars[1])
+    if index is None or index.primitive.name != "broadcast_in_dim" or logp.outvars[0] is not take.invars[0]:
+        return None
+    labels, logits = index.invars[0], logp.invars[0]
+    shape = tuple(labels.aval.shape)
+    if tuple(logits.aval.shape[:-1]) != shape or tuple(take.outvars[0].aval.shape) != (*shape, 1) \
+            or float(div.invars[1].val) != math.prod(shape) or len(total.params["axes"]) != len(shape) + 1:
+        return None
+    return Run("cross_entropy", logits, len(shape), (logp, index, take, total, div, neg), labels)
 
 
 def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
+    if eqn.primitive.name == "neg":
+        return _cross_entropy(eqn, made)
     if len(eqn.invars) != 2 or any(isinstance(v, jex.Literal) for v in eqn.invars):
         return None
     if eqn.primitive.name == "div":
@@ -110,12 +193,13 @@ def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
     return _rmsnorm(eqn, made) if eqn.primitive.name == "mul" else None
 
 
-def runs(jaxpr: Any) -> dict[Any, Run]:
-    """Each run of ``jaxpr`` by its last equation, where the run's inner values are read by the run
-    alone (a value read elsewhere too keeps its equations, and the run is read equation by equation)."""
-    made, uses = _producers(jaxpr), _uses(jaxpr)
+def runs(eqns: list[Any], outvars: list[Any]) -> dict[Any, Run]:
+    """Each run of the equations ``eqns`` (a jaxpr's, or the part of them read) by its last equation,
+    where the run's inner values are read by the run alone (a value read elsewhere too, by ``eqns`` or
+    as one of ``outvars``, keeps its equations, and the run is read equation by equation)."""
+    made, uses = _producers(eqns), _uses(eqns, outvars)
     found: dict[Any, Run] = {}
-    for eqn in jaxpr.eqns:
+    for eqn in eqns:
         match = _match(eqn, made)
         if match is None:
             continue
@@ -124,3 +208,41 @@ def runs(jaxpr: Any) -> dict[Any, Run]:
         if all(uses[v] == reads[v] for v in inner):
             found[eqn] = match
     return found
+
+
+def is_lookup(gather: Any) -> bool:
+    """Whether a ``gather`` takes whole rows of a 2-d table at integer ids, one id an index vector
+    (``jnp.take(table, ids, axis=0)`` and ``table[ids]``, ids of any shape): an embedding lookup."""
+    table, indices = gather.invars
+    out = gather.outvars[0]
+    numbers = gather.params["dimension_numbers"]
+    return (len(table.aval.shape) == 2 and tuple(numbers.collapsed_slice_dims) == (0,)
+            and tuple(numbers.start_index_map) == (0,) and not tuple(numbers.operand_batching_dims)
+            and tuple(numbers.offset_dims) == (len(out.aval.shape) - 1,)
+            and tuple(gather.params["slice_sizes"]) == (1, table.aval.shape[1])
+            and indices.aval.shape[-1:] == (1,) and len(out.aval.shape) == len(indices.aval.shape))
+
+
+def primitives(jaxpr: Any) -> frozenset[str]:
+    found: set[str] = set()
+    for eqn in getattr(jaxpr, "eqns", ()):
+        found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if isinstance(inner, jex.Jaxpr):
+                found |= primitives(inner)
+    return frozenset(found)
+
+
+def function_of(ops: frozenset[str]) -> str:
+    """The language's function for a run of elementwise primitives (identity when none fits)."""
+    if "erf" in ops or ({"tanh", "mul", "add"} <= ops and ops & {"integer_pow", "pow"}):  # tanh(x) ** 2 is none
+        return "gelu"
+    if "logistic" in ops:
+        return "silu" if "mul" in ops else "sigmoid"
+    if ops & {"max"} and not ops & {"exp", "tanh"}:
+        return "relu"
+    for name in ("tanh", "exp"):
+        if name in ops:
+            return name
+    return "square" if ops <= {"mul", "integer_pow", "square"} and ops else "identity"

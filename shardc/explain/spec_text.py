@@ -1,0 +1,151 @@
+"""A program read from its jaxpr, written as a ``.shard`` spec: its dims named, its statements (a scan's
+inside a ``layers`` block), its head (mesh, dims, dtype, params).
+
+:class:`Reading` is what the reader (:mod:`shardc.explain.jaxpr_spec`) finds and this module writes:
+the tensors' dims and shardings, the statements in order.  A dim's name is the user's ``jnp.einsum``
+letter where it has one, else the next letter of ``_LETTERS`` not taken by a mesh axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardc.errors import ShardcError
+from shardc.explain.dim_classes import DimClasses
+from shardc.explain.sources import comment
+from shardc.explain.training import TrainingStep
+from shardc.ir.spec import Dim, TensorRef
+
+__all__ = ["ProgramSpec", "Reading", "Statement", "render"]
+
+_LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
+_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+
+
+@dataclass
+class Statement:
+    kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed", "loss" (cross_entropy)
+    result: Any
+    operands: tuple[Any, ...]
+    fn: str = ""  # the function (fn) or reduction (reduce)
+    signs: tuple[int, ...] = ()
+    over: int = -1  # the reduced dim id
+    line: str = ""
+
+
+@dataclass
+class ProgramSpec:
+    """The spec text, and where each tensor came from."""
+
+    text: str
+    tensors: dict[str, TensorRef]  # name -> declared sharding
+    lines: dict[str, str] = field(default_factory=dict)  # tensor -> "file:line" of the op that made it
+    notes: list[str] = field(default_factory=list)
+    training: bool = False  # the program is a training step: the spec is its forward
+
+
+class Reading(DimClasses):
+    """The tensors, their dims and shardings, and the statements found so far."""
+
+    def __init__(self, mesh: dict[str, int]) -> None:
+        super().__init__(mesh)
+        self.dims: dict[Any, list[int]] = {}
+        self.names: dict[Any, str] = {}
+        self.axes: dict[Any, dict[int, tuple[str, ...]]] = {}  # tensor -> dim id or atom -> axes
+        self.statements: list[Statement] = []
+        self.hints: dict[int, str] = {}  # dim id -> the letter the user's einsum equation gave it
+        self.ids: set[Any] = set()  # token ids of lookups and losses (no gradient, implied by the language)
+        self.step = TrainingStep([])  # a training step's backward and update, which the spec leaves out
+        self.stacked: set[int] = set()  # a scan's layers dim of its stacked weights (left out of the spec)
+        self.block: tuple[int, int, int] | None = None  # the scan's statements [start, end) and its length
+        self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
+
+    def dims_of(self, var: Any) -> list[int]:
+        if var not in self.dims:
+            self.dims[var] = [self.new(int(n)) for n in var.aval.shape]
+        return self.dims[var]
+
+    def layout(self, var: Any) -> list[tuple[int, tuple[str, ...]]]:
+        """The tensor's atoms (named dims of the spec), each with the axes sharding it; a dim of size 1
+        (``keepdims``, ``b[None, :]``) holds one element and is left out."""
+        held = self.axes.get(var, {})
+        return [item for d in self.dims_of(var) if d not in self.stacked for item in self.spread(d, held)
+                if self.size[item[0]] != 1]
+
+
+def _dim_names(reader: Reading) -> dict[int, str]:
+    """A name for each class of dims: the user's einsum letter where it has one, else the next free letter."""
+    names: dict[int, str] = {}
+    for d, letter in reader.hints.items():
+        if letter not in reader.mesh and letter not in names.values() and reader.find(d) not in reader.parts:
+            names.setdefault(reader.find(d), letter)
+    letters = iter([c for c in _LETTERS if c not in reader.mesh] + [f"I{k}" for k in range(1000)])
+    for statement in reader.statements:
+        for var in (*statement.operands, statement.result):
+            for atom, _ in reader.layout(var):
+                while atom not in names:
+                    letter = next(letters)
+                    if letter not in names.values():
+                        names[atom] = letter
+    return names
+
+
+def _expression(s: Statement, operands: list[TensorRef], over: str) -> str:
+    if s.kind in ("dot", "mul"):
+        return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
+    if s.kind == "copy":
+        return str(operands[0])
+    if s.kind in ("embed", "loss"):
+        return f"{'embed' if s.kind == 'embed' else 'cross_entropy'}({operands[0]}, {operands[1]})"
+    if s.kind == "fn":
+        return f"{s.fn}({operands[0]})"
+    if s.kind == "sum":
+        return f"{operands[0]} {'-' if s.signs[1] < 0 else '+'} {operands[1]}"
+    return f"{s.fn}({operands[0]} over {over})"
+
+
+def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
+    names = _dim_names(reader)
+
+    def ref(var: Any) -> TensorRef:
+        dims = tuple(Dim(names[atom], axes) for atom, axes in reader.layout(var))
+        if len({d.name for d in dims}) != len(dims):
+            raise ShardcError(f"{reader.names[var]} reads one dim twice ({', '.join(d.name for d in dims)}), which "
+                              "the spec language cannot write", fix="explain a program without it")
+        return TensorRef(reader.names[var], dims)
+
+    body: list[str] = []
+    tensors: dict[str, TensorRef] = {}
+    lines: dict[str, str] = {}
+    for s in reader.statements:
+        result, operands = ref(s.result), [ref(o) for o in s.operands]
+        tensors.update({r.name: r for r in (result, *operands)})
+        lines[result.name] = s.line
+        for operand in operands:
+            lines.setdefault(operand.name, s.line)  # an input: where it is first read
+        over = _over(reader, names, s) if s.kind in ("reduce", "norm") else ""
+        text = f"{result} = {_expression(s, operands, over)}" + (f"  # {comment(s.line)}" if s.line else "")
+        body.append(("  " + text) if reader.block and reader.block[0] <= len(body) < reader.block[1] else text)
+    if not body:
+        raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
+                          fix="explain a program with at least one")
+    if reader.block is not None:
+        start, end, length = reader.block
+        body = [*body[:start], f"layers {length} {{", *body[start:end], "}", *body[end:]]
+    sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
+    floats = [str(v.aval.dtype) for v in jaxpr.invars if str(v.aval.dtype) in _DTYPES]
+    head = [f"# {comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
+            "mesh " + ", ".join(f"{a}={n}" for a, n in reader.mesh.items()),
+            "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {_DTYPES[(floats or ['float32'])[0]]}"]
+    head += reader.step.lines(reader.names, set(tensors), reader.ids, reader.layer_inputs)
+    return ProgramSpec("\n".join([*head, "", *body]) + "\n", tensors, lines, training=reader.step.backward)
+
+
+def _over(reader: Reading, names: dict[int, str], s: Statement) -> str:
+    atoms = reader.atoms(s.over)
+    if len(atoms) != 1:
+        raise ShardcError(f"`{s.fn}` over a dim the program reshapes into {len(atoms)} dims"
+                          + (f" at {s.line}" if s.line else "") + " has no form in the spec language",
+                          fix="reshape after the reduction, or explain a program without it")
+    return names[atoms[0]]

@@ -1,0 +1,137 @@
+"""A training step's jaxpr cut into its forward, its backward and its update.
+
+``jax.value_and_grad(loss)`` traces the loss as a linearized forward (equations whose name stack
+is ``jvp(...)``) and its transpose (``transpose(jvp(...))``, the backward: jax records each
+transformation in the equation's name stack, and in the compiled HLO's ``op_name`` metadata).
+What reads a backward value (the optimizer's ``p - lr * g``, its moments) is the update.  shardc
+derives the backward of a forward spec itself, so only the forward is read as the spec; an input
+the update reads beside a gradient is a parameter (``param``), every other input of a training
+step gets no gradient (``const``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend import core as jex
+
+__all__ = ["TrainingStep", "carried", "is_backward", "phase_of"]
+
+_TRANSPOSE = "transpose("
+
+
+def is_backward(eqn: Any) -> bool:
+    """Whether jax made ``eqn`` by transposing a linearized function (a gradient's backward)."""
+    return _TRANSPOSE in str(eqn.source_info.name_stack)
+
+
+def phase_of(op_name: str, training: bool) -> str:
+    """A compiled op's phase from its ``op_name`` (the jaxpr's name stack): forward, backward, update."""
+    if not training or "jvp(" in op_name and _TRANSPOSE not in op_name:
+        return "forward"
+    return "backward" if _TRANSPOSE in op_name else "update"
+
+
+class TrainingStep:
+    """The values of the backward and the update, found equation by equation in program order."""
+
+    def __init__(self, inputs: list[Any]) -> None:
+        self.inputs: dict[Any, Any] = {v: v for v in inputs}  # a var (inner ones too) -> the input it is
+        self.tainted: set[Any] = set()  # values of the backward or the update
+        self.params: list[Any] = []  # inputs the update reads beside a gradient, in the order read
+        self.backward = False  # whether the program has a backward at all
+        self.mixed: set[int] = set()  # the calls (by id) whose jaxpr holds a forward and its backward
+
+    def forward(self, jaxpr: Any) -> list[Any]:
+        """The equations of ``jaxpr`` the spec reads: in a jaxpr with a backward, those of the forward
+        that its primal results need (the loss, the values the program returns), not those the
+        linearization adds for the backward alone (a max's ``eq`` mask, ``2 * x`` of a square)."""
+        tainted = set(self.tainted)
+        kept = [eqn for eqn in jaxpr.eqns if not self.skips(eqn)]
+        if self.tainted == tainted:
+            return kept
+        # the primal results: what the program returns of the forward, and the loss (a gradient's
+        # function returns a scalar) where nothing reads it; the linearization's dead ends are arrays
+        read = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
+        live = {v for eqn in kept for v in eqn.outvars if v not in read and not v.aval.shape}
+        live.update(v for v in jaxpr.outvars if not isinstance(v, jex.Literal) and v not in self.tainted)
+        needed = []
+        for eqn in reversed(kept):
+            if id(eqn) in self.mixed or any(v in live for v in eqn.outvars):
+                needed.append(eqn)
+                live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+        return needed[::-1]
+
+    def skips(self, eqn: Any) -> bool:
+        """Whether ``eqn`` is of the backward or the update (then its results are too); a call of a
+        jaxpr with a backward inside taints the results its backward makes."""
+        arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+        backward = is_backward(eqn)
+        if not backward and not any(v in self.tainted for v in arrays):
+            inner = _inner(eqn)
+            if inner is not None:
+                made = _tainted(inner)
+                self.backward |= bool(made)
+                if made:  # its forward is read inside it
+                    self.mixed.add(id(eqn))
+                self.tainted.update(v for v, w in zip(eqn.outvars, inner.outvars, strict=True) if w in made)
+            return False
+        self.backward |= backward
+        self.tainted.update(eqn.outvars)
+        if not backward:
+            for v in arrays:
+                given = self.inputs.get(v)
+                if given is not None and given not in self.params:
+                    self.params.append(given)
+        return True
+
+    def enter(self, outer: Any, inner: Any) -> None:
+        """A call's inner variable ``inner`` is its operand ``outer``."""
+        if outer in self.inputs:
+            self.inputs[inner] = self.inputs[outer]
+
+    def leave(self, outer: Any, inner: Any) -> None:
+        """A call's result ``outer`` is its inner result ``inner``."""
+        if inner in self.tainted:
+            self.tainted.add(outer)
+
+    def lines(self, names: dict[Any, str], tensors: set[str], ids: set[Any], layers: tuple[list[Any], list[Any]]
+              ) -> list[str]:
+        """The spec's ``param`` line (the inputs the update reads beside a gradient, and a scan's stacked
+        weights) and ``const`` line (the other inputs of a training step, and what every layer of a scan
+        reads alike, which get no gradient; embedding ids are const anyway)."""
+        stacked, shared = layers
+        params = [names[v] for v in dict.fromkeys([*self.params, *stacked]) if names.get(v) in tensors]
+        others = list(self.inputs.values()) if self.backward else shared
+        const = [names[v] for v in dict.fromkeys(others) if names.get(v) in tensors and names[v] not in params
+                 and v not in ids]
+        return ([f"param {', '.join(params)}"] if params else []) + ([f"const {', '.join(const)}"] if const else [])
+
+
+def _inner(eqn: Any) -> Any:
+    """The jaxpr a call equation runs (pjit, a custom_jvp's), else None."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = getattr(eqn.params.get(key), "jaxpr", eqn.params.get(key))
+        if isinstance(inner, jex.Jaxpr):
+            return inner
+    return None
+
+
+def _tainted(jaxpr: Any) -> set[Any]:
+    """The values of ``jaxpr`` its own backward (and what reads one) makes."""
+    step = TrainingStep([])
+    for eqn in jaxpr.eqns:
+        step.skips(eqn)
+    return step.tainted
+
+
+def carried(body: Any, carry: int) -> set[int]:
+    """The equations (by id) of a scan's body that its carry needs: not those that make its per-layer
+    outputs alone (a linearized scan's residuals for the backward)."""
+    live = {v for v in body.outvars[:carry] if not isinstance(v, jex.Literal)}
+    needed: set[int] = set()
+    for eqn in reversed(body.eqns):
+        if any(v in live for v in eqn.outvars):
+            needed.add(id(eqn))
+            live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+    return needed
