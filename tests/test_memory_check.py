@@ -35,6 +35,15 @@ def test_arguments_outputs_and_deferred_gradient_reduction() -> None:
     assert phases["backward"] == (y + x + w, x + w, w)
 
 
+def test_temporaries_rounded_to_an_alignment_for_a_compiler_at_tiny_sizes() -> None:
+    plan = shardc.plan(shardc.parse(DENSE))
+    assert plan.sizes is not None
+    exact, aligned = (phase_memory(plan, dict(plan.sizes), F32, align)[1] for align in (1, 64))
+    w = 4 * 6 * F32  # dW's partial sums, 96 bytes, start on 64-byte boundaries: 128 bytes
+    assert (exact.temporaries, aligned.temporaries) == (w, 128)
+    assert (aligned.arguments, aligned.outputs) == (exact.arguments, exact.outputs)
+
+
 def test_the_parts_are_the_training_state_and_activations() -> None:
     plan = shardc.plan(shardc.parse(DENSE))
     assert plan.sizes is not None
