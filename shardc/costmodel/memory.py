@@ -43,7 +43,7 @@ from shardc.timing import describe, local_elements
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "PhaseMemory", "phase_memory",
            "state_refs", "state_formula", "residual_values", "residual_table",
-           "residual_formula", "value_bytes", "kept_once"]
+           "residual_formula", "value_bytes", "kept_once", "Buffers"]
 
 
 @dataclass(frozen=True)
@@ -316,14 +316,33 @@ class PhaseMemory:
         return self.arguments + self.outputs + self.temporaries
 
 
-def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
-                 align: int = 1) -> list[PhaseMemory]:
-    """The forward's and the backward's :class:`PhaseMemory` at ``sizes``; ``element``: the bytes of a
-    floating-point element (None: the spec's dtype's; token ids and masks keep their own).
+@dataclass(frozen=True)
+class Buffers:
+    """What a backend's buffer assignment does beyond the values of the plan, where backends differ.
 
-    ``align``: each temporary buffer rounded up to a multiple of it, the boundary an allocator
-    starts buffers on (1: none).  It matters only for buffers of a few hundred bytes, as a
-    comparison with a compiler at tiny sizes meets them; arguments and outputs are not rounded."""
+    The defaults are a TPU's or GPU's: buffers at their own size, a 2-D dot reads either operand
+    transposed in place (the MXU's and cuBLAS's transposed operands), an AllToAll sends from its
+    operand and receives into its result.  ``align``: each temporary rounded up to a multiple of
+    it, the boundary the allocator starts buffers on (it matters only for buffers of a few hundred
+    bytes).  ``lhs_contracted_last``: a dot without batch dims copies its first operand unless its
+    contracted dims are its last.  ``all_to_all_pieces``: an AllToAll over n devices is run as n
+    slices of its operand, sent, and n pieces received, concatenated into its result: both sets
+    are buffers of their own (each piece aligned) for the step."""
+
+    align: int = 1
+    lhs_contracted_last: bool = False
+    all_to_all_pieces: bool = False
+
+    def rounded(self, n: float) -> float:
+        return float(-(-int(n) // self.align) * self.align)
+
+
+def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
+                 buffers: Buffers = Buffers()) -> list[PhaseMemory]:
+    """The forward's and the backward's :class:`PhaseMemory` at ``sizes``; ``element``: the bytes of a
+    floating-point element (None: the spec's dtype's; token ids and masks keep their own);
+    ``buffers``: the backend's rules (:class:`Buffers`; the default a TPU's or GPU's).  Arguments
+    and outputs are at their own size; the temporaries as ``buffers`` lays them out."""
     own = dict(plan.element_bytes)
 
     def nbytes(ref: TensorRef) -> float:
@@ -331,7 +350,7 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
         return float(local_elements(ref, sizes)) * size
 
     def aligned(ref: TensorRef) -> float:
-        return float(-(-int(nbytes(ref)) // align) * align)
+        return buffers.rounded(nbytes(ref))
 
     declared = {info.ref: info.role for info in plan.tensors}
     results = [ref for ref, role in declared.items() if role == "activation"]
@@ -352,7 +371,8 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
         parts = tuple((c, label, _total(refs, nbytes)) for c in ("arguments", "outputs")
                       for label, refs in groups[c].items())
         out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes),
-                               _temporaries(steps, set(args), set(outs), kept_values(plan), aligned), parts))
+                               _temporaries(steps, set(args), set(outs), kept_values(plan), aligned,
+                                            _Copies(buffers, sizes, nbytes)), parts))
     return out
 
 
@@ -364,7 +384,7 @@ Span = tuple[int, int, float]  # a value's first step, last step and bytes
 
 
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
-                 nbytes: Callable[[TensorRef], float]) -> float:
+                 nbytes: Callable[[TensorRef], float], copies: _Copies) -> float:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the most alive at one
     of ``steps``, an output counted from the step that makes it (before, its buffer holds others, as
     XLA's buffer assignment lets values share an output's buffer before it is written), less the outputs.
@@ -381,7 +401,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     spans: list[Span] = []
     made_outs: dict[TensorRef, int] = {}
     for k, step in enumerate(steps):
-        spans += [(k, k, b) for b in _layout_copies(step, nbytes)]
+        spans += [(k, k, b) for b in copies.of(step)]
         after = steps[k + 1] if k + 1 < len(steps) else None
         read = readers.get(step.dst, [])
         fused = step.dst not in kept and len(read) == 1 and (
@@ -439,10 +459,31 @@ def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], di
     return readers, last
 
 
-def _layout_copies(step: Step, nbytes: Callable[[TensorRef], float]) -> list[float]:
+@dataclass(frozen=True)
+class _Copies:
+    """The buffers a backend (:class:`Buffers`) makes for one step beyond its operands and result."""
+
+    buffers: Buffers
+    sizes: dict[str, int]
+    nbytes: Callable[[TensorRef], float]  # a value's own bytes, unrounded
+
+    def of(self, step: Step) -> list[float]:
+        pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
+        return [self.buffers.rounded(n) for n in _layout_copies(step, self.nbytes, self.buffers)] + pieces
+
+    def _pieces(self, step: Step) -> list[float]:
+        n = 1
+        for axis in step.axes:
+            n *= self.sizes[axis]
+        sent = step.src if step.src is not None else step.dst
+        return [n * self.buffers.rounded(self.nbytes(ref) / n) for ref in (sent, step.dst)]
+
+
+def _layout_copies(step: Step, nbytes: Callable[[TensorRef], float], buffers: Buffers) -> list[float]:
     """Bytes of the copies XLA makes to lay a step's values out for it: a dot's operands ordered
     (batch, free, contracted) or (batch, contracted, free) and its result (batch, free of one
-    operand, free of the other), each transposed into a temporary when stored otherwise; a
+    operand, free of the other), each transposed into a temporary when stored otherwise (with
+    ``buffers.lhs_contracted_last``, a first operand without batch dims only as (free, contracted)); a
     collective's result over a dim that is not its first, gathered (or scattered) along the major
     dim and transposed into place."""
     if step.is_collective:
@@ -452,8 +493,16 @@ def _layout_copies(step: Step, nbytes: Callable[[TensorRef], float]) -> list[flo
     out = [d.name for d in step.dst.dims]
     a, b = ([d.name for d in ref.dims] for ref in step.operands)
     batch = [i for i in out if i in a and i in b]
-    copies = [nbytes(ref) for ref, names, other in ((step.operands[0], a, b), (step.operands[1], b, a))
-              if not _blocked(names, batch, [i for i in names if i in out and i not in other])]
+
+    def laid_out(names: list[str], other: list[str], first: bool) -> bool:
+        group = [i for i in names if i in out and i not in other]
+        if first and not batch and buffers.lhs_contracted_last:
+            return set(names[:len(group)]) == set(group)
+        return _blocked(names, batch, group)
+
+    copies = [nbytes(ref) for ref, names, other, first in ((step.operands[0], a, b, True),
+                                                          (step.operands[1], b, a, False))
+              if not laid_out(names, other, first)]
     free = [i for i in out if i not in batch]
     if not _blocked(out, batch, [i for i in free if i in a]):
         copies.append(nbytes(step.dst))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shardc.costmodel.memory import PhaseMemory, phase_memory
+from shardc.costmodel.memory import Buffers, PhaseMemory, phase_memory
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.lowering.api import lower
@@ -39,15 +39,21 @@ if TYPE_CHECKING:
     from shardc.lowering.api import Lowered
 
 __all__ = ["MemoryRow", "MemoryCheck", "check_memory", "check_plan_memory", "render_memory", "MEMORY_DTYPE",
-           "TARGET"]
+           "TARGET", "XLA_CPU"]
 
 MEMORY_DTYPE = "float32"
 TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
-# XLA's CPU backend starts every preallocated temporary on a 64-byte boundary (its minimum buffer
-# alignment, cpu_function_runtime's Align(): the cache line); at verify's sizes arrays are tens to
-# hundreds of bytes, so shardc's temporaries are rounded so for the comparison only.  A TPU or GPU
-# allocator aligns too, but buffers of megabytes make it nothing; shardc cost does not round.
-CPU_ALIGNMENT = 64
+# What XLA's CPU backend does that a TPU or GPU does not, counted for the comparison only (shardc
+# cost counts none of it), each seen in the buffer assignment of the compiled examples
+# (XLA_FLAGS=--xla_dump_to=DIR writes *-buffer-assignment.txt):
+# - every preallocated temporary starts on a 64-byte boundary (the cache line): at verify's sizes,
+#   arrays of tens to hundreds of bytes, that is up to 3x a buffer; at real sizes nothing;
+# - a dot without batch dims (a weight gradient's, contracting the tokens) takes its first operand
+#   only as (free, contracted) and copies it transposed, where a GPU's or TPU's matmul reads it
+#   transposed in place;
+# - an AllToAll is decomposed into one slice of the operand a device and one received piece a
+#   device, concatenated after: two buffers of the operand's size a TPU or GPU does not make.
+XLA_CPU = Buffers(align=64, lhs_contracted_last=True, all_to_all_pieces=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
@@ -106,7 +112,7 @@ def check_memory(lowered: Lowered) -> MemoryCheck:
     """Compile the forward and the backward of ``lowered`` (float32, its sizes) and compare each
     category of XLA's memory analysis with shardc's :func:`phase_memory`."""
     model = {m.phase: m for m in phase_memory(lowered.plan, dict(lowered.sizes or {}), np.dtype(MEMORY_DTYPE).itemsize,
-                                              CPU_ALIGNMENT)}
+                                              XLA_CPU)}
     rows: list[MemoryRow] = []
     totals: dict[str, float] = {}
     notes: list[str] = []
