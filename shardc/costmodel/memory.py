@@ -327,11 +327,14 @@ class Buffers:
     bytes).  ``lhs_contracted_last``: a dot without batch dims copies its first operand unless its
     contracted dims are its last.  ``all_to_all_pieces``: an AllToAll over n devices is run as n
     slices of its operand, sent, and n pieces received, concatenated into its result: both sets
-    are buffers of their own (each piece aligned) for the step."""
+    are buffers of their own (each piece aligned) for the step.  ``argument_copies_first``: a copy
+    of a value the phase takes (a param, a residual, a cotangent) is made before any other step, as
+    a scheduler that runs first what reads only the arguments does, and lives to its last reader."""
 
     align: int = 1
     lhs_contracted_last: bool = False
     all_to_all_pieces: bool = False
+    argument_copies_first: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -400,8 +403,13 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     buffers: dict[TensorRef, list[float]] = {}  # value -> [first step, last step, bytes]
     spans: list[Span] = []
     made_outs: dict[TensorRef, int] = {}
+    early: dict[TensorRef, Span] = {}
     for k, step in enumerate(steps):
-        spans += [(k, k, b) for b in copies.of(step)]
+        for ref, size in copies.of(step):
+            if ref is not None and ref in args and copies.buffers.argument_copies_first:
+                early[ref] = (0, k, size)  # one copy, shared by the steps that read it so
+            else:
+                spans.append((k, k, size))
         after = steps[k + 1] if k + 1 < len(steps) else None
         read = readers.get(step.dst, [])
         fused = step.dst not in kept and len(read) == 1 and (
@@ -419,7 +427,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[step.dst] = [k, end, 0.0]
         else:
             buffers[step.dst] = [k, end, nbytes(step.dst)]
-    spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n]
+    spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
     heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items()])
     return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
 
@@ -467,9 +475,11 @@ class _Copies:
     sizes: dict[str, int]
     nbytes: Callable[[TensorRef], float]  # a value's own bytes, unrounded
 
-    def of(self, step: Step) -> list[float]:
+    def of(self, step: Step) -> list[tuple[TensorRef | None, float]]:
+        """Each copy: the value it lays out (None: an AllToAll's pieces) and its bytes."""
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
-        return [self.buffers.rounded(n) for n in _layout_copies(step, self.nbytes, self.buffers)] + pieces
+        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in _layout_copies(step, self.buffers)] \
+            + [(None, n) for n in pieces]
 
     def _pieces(self, step: Step) -> list[float]:
         n = 1
@@ -479,15 +489,15 @@ class _Copies:
         return [n * self.buffers.rounded(self.nbytes(ref) / n) for ref in (sent, step.dst)]
 
 
-def _layout_copies(step: Step, nbytes: Callable[[TensorRef], float], buffers: Buffers) -> list[float]:
-    """Bytes of the copies XLA makes to lay a step's values out for it: a dot's operands ordered
+def _layout_copies(step: Step, buffers: Buffers) -> list[TensorRef]:
+    """The values XLA copies to lay them out for a step: a dot's operands ordered
     (batch, free, contracted) or (batch, contracted, free) and its result (batch, free of one
     operand, free of the other), each transposed into a temporary when stored otherwise (with
     ``buffers.lhs_contracted_last``, a first operand without batch dims only as (free, contracted)); a
     collective's result over a dim that is not its first, gathered (or scattered) along the major
     dim and transposed into place."""
     if step.is_collective:
-        return [nbytes(step.dst)] if step.dim and step.op is not Op.ALL_REDUCE else []
+        return [step.dst] if step.dim and step.op is not Op.ALL_REDUCE else []
     if step.op is not Op.EINSUM or len(step.operands) != 2 or is_product(step):
         return []
     out = [d.name for d in step.dst.dims]
@@ -500,12 +510,11 @@ def _layout_copies(step: Step, nbytes: Callable[[TensorRef], float], buffers: Bu
             return set(names[:len(group)]) == set(group)
         return _blocked(names, batch, group)
 
-    copies = [nbytes(ref) for ref, names, other, first in ((step.operands[0], a, b, True),
-                                                          (step.operands[1], b, a, False))
+    copies = [ref for ref, names, other, first in ((step.operands[0], a, b, True), (step.operands[1], b, a, False))
               if not laid_out(names, other, first)]
     free = [i for i in out if i not in batch]
     if not _blocked(out, batch, [i for i in free if i in a]):
-        copies.append(nbytes(step.dst))
+        copies.append(step.dst)
     return copies
 
 
