@@ -32,7 +32,7 @@ from shardc.collectives import Op, piece
 from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS
+from shardc.ir.localops import ALIAS, Route
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import keeps_layer_inputs
@@ -327,9 +327,10 @@ class Buffers:
     bytes).  ``lhs_contracted_last``: a dot without batch dims copies its first operand unless its
     contracted dims are its last.  ``all_to_all_pieces``: an AllToAll over n devices is run as n
     slices of its operand, sent, and n pieces received, concatenated into its result: both sets
-    are buffers of their own (each piece aligned) for the step.  ``argument_copies_first``: a copy
-    of a value the phase takes (a param, a residual, a cotangent) is made before any other step, as
-    a scheduler that runs first what reads only the arguments does, and lives to its last reader."""
+    are buffers of their own (each piece aligned) for the step, the slices in place of the operand.
+    ``argument_copies_first``: a copy of a value the phase takes (a param, a residual, a cotangent)
+    is made before any other step, as a scheduler that runs first what reads only the arguments
+    does, and lives to its last reader."""
 
     align: int = 1
     lhs_contracted_last: bool = False
@@ -476,17 +477,28 @@ class _Copies:
     nbytes: Callable[[TensorRef], float]  # a value's own bytes, unrounded
 
     def of(self, step: Step) -> list[tuple[TensorRef | None, float]]:
-        """Each copy: the value it lays out (None: an AllToAll's pieces) and its bytes."""
+        """Each copy: the value it lays out (None: an AllToAll's pieces, a route's counts) and its bytes."""
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
         return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in _layout_copies(step, self.buffers)] \
-            + [(None, n) for n in pieces]
+            + [(None, n) for n in pieces + self._route_counts(step)]
+
+    def _route_counts(self, step: Step) -> list[float]:
+        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`): per token and
+        expert whether it chose the expert and how many tokens before it did, int32, the gates'
+        shape each; both alive while the mask is made from them."""
+        if not isinstance(step.fn, Route):
+            return []
+        (gates,) = step.operands
+        return [self.buffers.rounded(float(local_elements(gates, self.sizes)) * 4)] * 2
 
     def _pieces(self, step: Step) -> list[float]:
         n = 1
         for axis in step.axes:
             n *= self.sizes[axis]
         sent = step.src if step.src is not None else step.dst
-        return [n * self.buffers.rounded(self.nbytes(ref) / n) for ref in (sent, step.dst)]
+        slices, received = (n * self.buffers.rounded(self.nbytes(ref) / n) for ref in (sent, step.dst))
+        # the operand dies into its slices (it is read by nothing else): only their padding is new
+        return [max(0.0, slices - self.buffers.rounded(self.nbytes(sent))) + received]
 
 
 def _layout_copies(step: Step, buffers: Buffers) -> list[TensorRef]:
