@@ -324,8 +324,7 @@ class Buffers:
     transposed in place (the MXU's and cuBLAS's transposed operands), an AllToAll sends from its
     operand and receives into its result.  ``align``: each temporary rounded up to a multiple of
     it, the boundary the allocator starts buffers on (it matters only for buffers of a few hundred
-    bytes).  ``lhs_contracted_last``: a dot without batch dims copies its first operand unless its
-    contracted dims are its last.  ``all_to_all_pieces``: an AllToAll over n devices is run as n
+    bytes).  ``all_to_all_pieces``: an AllToAll over n devices is run as n
     slices of its operand, sent, and n pieces received, concatenated into its result: both sets
     are buffers of their own (each piece aligned) for the step, the slices in place of the operand.
     ``argument_copies_first``: a copy of a value the phase takes (a param, a residual, a cotangent)
@@ -333,7 +332,6 @@ class Buffers:
     does, and lives to its last reader."""
 
     align: int = 1
-    lhs_contracted_last: bool = False
     all_to_all_pieces: bool = False
     argument_copies_first: bool = False
 
@@ -479,7 +477,7 @@ class _Copies:
     def of(self, step: Step) -> list[tuple[TensorRef | None, float]]:
         """Each copy: the value it lays out (None: an AllToAll's pieces, a route's counts) and its bytes."""
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
-        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in _layout_copies(step, self.buffers)] \
+        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in _layout_copies(step)] \
             + [(None, n) for n in pieces + self._route_counts(step)]
 
     def _route_counts(self, step: Step) -> list[float]:
@@ -501,11 +499,10 @@ class _Copies:
         return [max(0.0, slices - self.buffers.rounded(self.nbytes(sent))) + received]
 
 
-def _layout_copies(step: Step, buffers: Buffers) -> list[TensorRef]:
+def _layout_copies(step: Step) -> list[TensorRef]:
     """The values XLA copies to lay them out for a step: a dot's operands ordered
     (batch, free, contracted) or (batch, contracted, free) and its result (batch, free of one
-    operand, free of the other), each transposed into a temporary when stored otherwise (with
-    ``buffers.lhs_contracted_last``, a first operand without batch dims only as (free, contracted)); a
+    operand, free of the other), each transposed into a temporary when stored otherwise; a
     collective's result over a dim that is not its first, gathered (or scattered) along the major
     dim and transposed into place."""
     if step.is_collective:
@@ -515,15 +512,8 @@ def _layout_copies(step: Step, buffers: Buffers) -> list[TensorRef]:
     out = [d.name for d in step.dst.dims]
     a, b = ([d.name for d in ref.dims] for ref in step.operands)
     batch = [i for i in out if i in a and i in b]
-
-    def laid_out(names: list[str], other: list[str], first: bool) -> bool:
-        group = [i for i in names if i in out and i not in other]
-        if first and not batch and buffers.lhs_contracted_last:
-            return set(names[:len(group)]) == set(group)
-        return _blocked(names, batch, group)
-
-    copies = [ref for ref, names, other, first in ((step.operands[0], a, b, True), (step.operands[1], b, a, False))
-              if not laid_out(names, other, first)]
+    copies = [ref for ref, names, other in ((step.operands[0], a, b), (step.operands[1], b, a))
+              if not _blocked(names, batch, [i for i in names if i in out and i not in other])]
     free = [i for i in out if i not in batch]
     if not _blocked(out, batch, [i for i in free if i in a]):
         copies.append(step.dst)

@@ -48,15 +48,15 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # (XLA_FLAGS=--xla_dump_to=DIR writes *-buffer-assignment.txt):
 # - every preallocated temporary starts on a 64-byte boundary (the cache line): at verify's sizes,
 #   arrays of tens to hundreds of bytes, that is up to 3x a buffer; at real sizes nothing;
-# - a dot without batch dims (a weight gradient's, contracting the tokens) takes its first operand
-#   only as (free, contracted) and copies it transposed, where a GPU's or TPU's matmul reads it
-#   transposed in place;
 # - an AllToAll is decomposed into one slice of the operand a device and one received piece a
 #   device, concatenated after: two buffers of the operand's size a TPU or GPU does not make;
 # - its scheduler runs every copy that reads only the program's parameters (a residual or weight
 #   transposed for a dot) before the first computation, so those copies are alive together from the
 #   start (the live-range dump, *-live-range.txt, lists them first).
-XLA_CPU = Buffers(align=64, lhs_contracted_last=True, all_to_all_pieces=True, argument_copies_first=True)
+# Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
+# and copies a transposed one, where the dots it runs with Eigen read it in place; which library
+# takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
+XLA_CPU = Buffers(align=64, all_to_all_pieces=True, argument_copies_first=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
