@@ -102,7 +102,8 @@ def test_verify_reports_memory_against_xla() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp"])
+@pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp", "alltoall", "dp",
+                                  "gpt_layer_tp"])
 def test_examples_within_ten_percent(name: str) -> None:
     plan = shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text()))
     check = check_plan_memory(plan, 8)
