@@ -10,7 +10,7 @@ import pytest
 
 import shardc
 from shardc.cli.main import main
-from shardc.costmodel.memory import Buffers, _layout_copies, phase_memory
+from shardc.costmodel.phase_memory import Buffers, _layout_copies, phase_memory
 from shardc.verification.memory_check import check_plan_memory, render_memory
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -1,6 +1,6 @@
 """shardc's memory per device against the compiler's: each phase of the lowered step compiled by
 XLA and its buffer assignment (``compiled.memory_analysis()``) set beside
-:func:`shardc.costmodel.memory.phase_memory`.
+:func:`shardc.costmodel.phase_memory.phase_memory`.
 
 XLA reports, per compiled program and per device (the SPMD-partitioned module is one device's),
 the bytes of its entry parameters (``argument_size_in_bytes``), of the buffers it may return
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shardc.costmodel.memory import Buffers, PhaseMemory, phase_memory
+from shardc.costmodel.phase_memory import Buffers, PhaseMemory, phase_memory
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.lowering.api import lower
