@@ -58,6 +58,18 @@ def test_a_weight_gradient_reads_its_operands_in_place_and_xla_cpu_runs_an_allto
     assert pieces - native == 128
 
 
+def test_xla_cpu_makes_a_routing_mask_again_for_each_dot_reading_it() -> None:
+    text = ("mesh X=2\ndims G=4, S=8, E=4, C=4, D=6\nparam W_r\n"
+            "Gate[G_X, S, E] = softmax(X[G_X, S, D] · W_r[D, E] over E)\n"
+            "Disp[G_X, S, E, C] = route(Gate[G_X, S, E], S, C, 2 over E)\n"
+            "In[G_X, E, C, D] = Disp[G_X, S, E, C] · X[G_X, S, D]\n")
+    plan = shardc.plan(shardc.parse(text))
+    assert plan.sizes is not None
+    plain, remade = (phase_memory(plan, dict(plan.sizes), F32, Buffers(masks_per_dot=flag))[0].temporaries
+                     for flag in (False, True))
+    assert remade - plain == 4 // 2 * 8 * 4 * 4 * F32  # Disp's local bytes, once for the one dot
+
+
 def test_the_parts_are_the_training_state_and_activations() -> None:
     plan = shardc.plan(shardc.parse(DENSE))
     assert plan.sizes is not None

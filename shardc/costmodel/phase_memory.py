@@ -58,11 +58,14 @@ class Buffers:
     are buffers of their own (each piece aligned) for the step, the slices in place of the operand.
     ``argument_copies_first``: a copy of a value the phase takes (a param, a residual, a cotangent)
     is made before any other step, as a scheduler that runs first what reads only the arguments
-    does, and lives to its last reader."""
+    does, and lives to its last reader.  ``masks_per_dot``: a routing mask (a route's result, or a
+    product with one) that a dot reads is made again for that dot, in a buffer of its own alive from
+    the route to the dot, as a fusion that recomputes a cheap producer for each consumer does."""
 
     align: int = 1
     all_to_all_pieces: bool = False
     argument_copies_first: bool = False
+    masks_per_dot: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -155,9 +158,21 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[step.dst] = [k, end, 0.0]
         else:
             buffers[step.dst] = [k, end, nbytes(step.dst)]
+    if copies.buffers.masks_per_dot:
+        spans += _remade_masks(steps, copies)
     spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
     heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items()])
     return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
+
+
+def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
+    """Per dot reading a routing mask, the mask made again for it: from the route's step to the dot's."""
+    routes = {s.dst: k for k, s in enumerate(steps) if isinstance(s.fn, Route)}
+    masks = dict(routes) | {s.dst: min(routes[r] for r in s.operands if r in routes)
+                            for s in steps if is_product(s) and any(r in routes for r in s.operands)}
+    return [(masks[ref], k, copies.buffers.rounded(copies.nbytes(ref)))
+            for k, s in enumerate(steps) if s.op is Op.EINSUM and not is_product(s)
+            for ref in s.operands if ref in masks]
 
 
 def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list[Span]:
