@@ -10,7 +10,7 @@ import pytest
 
 import shardc
 from shardc.cli.main import main
-from shardc.costmodel.memory import phase_memory
+from shardc.costmodel.phase_memory import Buffers, _layout_copies, phase_memory
 from shardc.verification.memory_check import check_plan_memory, render_memory
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -33,6 +33,41 @@ def test_arguments_outputs_and_deferred_gradient_reduction() -> None:
     # the backward takes dY, X and W and returns dX and dW; the partial sums of dW wait for the
     # AllReduce issued off the critical path at the end, and dX's buffer (64 bytes) cannot hold them
     assert phases["backward"] == (y + x + w, x + w, w)
+
+
+def test_temporaries_rounded_to_an_alignment_for_a_compiler_at_tiny_sizes() -> None:
+    plan = shardc.plan(shardc.parse(DENSE))
+    assert plan.sizes is not None
+    exact, aligned = (phase_memory(plan, dict(plan.sizes), F32, Buffers(align))[1] for align in (1, 64))
+    w = 4 * 6 * F32  # dW's partial sums, 96 bytes, start on 64-byte boundaries: 128 bytes
+    assert (exact.temporaries, aligned.temporaries) == (w, 128)
+    assert (aligned.arguments, aligned.outputs) == (exact.arguments, exact.outputs)
+
+
+def test_a_weight_gradient_reads_its_operands_in_place_and_xla_cpu_runs_an_alltoall_as_pieces() -> None:
+    plan = shardc.plan(shardc.parse(DENSE))
+    grad = plan.backward[0]  # dW[D, F] = X[B_X, D] . dY[B_X, F]: both contracted over their first dim
+    assert [grad.dst.name, *(r.name for r in grad.operands)] == ["dW", "X", "dY"]
+    assert _layout_copies(grad) == []
+    swap = "mesh X=4\ndims S=16, D=8\nA2[S, D_X] = A[S_X, D]\nOut[S, D_X] = A2[S, D_X] * A2[S, D_X]\n"
+    plan = shardc.plan(shardc.parse(swap))
+    assert plan.sizes is not None
+    native, pieces = (phase_memory(plan, dict(plan.sizes), F32, b)[0].temporaries
+                      for b in (Buffers(), Buffers(all_to_all_pieces=True)))
+    # the 128-byte operand, sliced into 4 pieces of 32 bytes (in its place) and received as 4 more
+    assert pieces - native == 128
+
+
+def test_xla_cpu_makes_a_routing_mask_again_for_each_dot_reading_it() -> None:
+    text = ("mesh X=2\ndims G=4, S=8, E=4, C=4, D=6\nparam W_r\n"
+            "Gate[G_X, S, E] = softmax(X[G_X, S, D] · W_r[D, E] over E)\n"
+            "Disp[G_X, S, E, C] = route(Gate[G_X, S, E], S, C, 2 over E)\n"
+            "In[G_X, E, C, D] = Disp[G_X, S, E, C] · X[G_X, S, D]\n")
+    plan = shardc.plan(shardc.parse(text))
+    assert plan.sizes is not None
+    plain, remade = (phase_memory(plan, dict(plan.sizes), F32, Buffers(masks_per_dot=flag))[0].temporaries
+                     for flag in (False, True))
+    assert remade - plain == 4 // 2 * 8 * 4 * 4 * F32  # Disp's local bytes, once for the one dot
 
 
 def test_the_parts_are_the_training_state_and_activations() -> None:
@@ -79,7 +114,8 @@ def test_verify_reports_memory_against_xla() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp"])
+@pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp", "alltoall", "dp",
+                                  "gpt_layer_tp"])
 def test_examples_within_ten_percent(name: str) -> None:
     plan = shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text()))
     check = check_plan_memory(plan, 8)

@@ -1,4 +1,4 @@
-"""The training-state accountings: adam10, adam16, mixed18, each named in the report and in JSON."""
+"""The training-state accountings: adam10, adam16, mixed18, mixed14, each named in the report and in JSON."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ SPEC = ("mesh X=4, Y=2\ndims B=4096, D=1024, F=4096\n"
         "Tmp[B_X, F_Y] = In[B_X, D] · W_in[D, F_Y]\nOut[B_X, D] = Tmp[B_X, F_Y] · W_out[F_Y, D]\n")
 
 
-def test_the_three_accountings_count_10_16_and_18_bytes() -> None:
+def test_the_accountings_count_10_16_18_and_14_bytes() -> None:
     totals = {name: sum(row[:3]) for name, row in ACCOUNTINGS.items()}
-    assert totals == {"adam10": 10, "adam16": 16, "mixed18": 18}
+    assert totals == {"adam10": 10, "adam16": 16, "mixed18": 18, "mixed14": 14}
+    assert ACCOUNTINGS["mixed14"][:3] == (2, 4, 8)  # DeepSeek-V3's: 2 + 4 + 4 (master) + 2 + 2 (bf16 m, v)
     assert ACCOUNTINGS["mixed18"][:3] == (2, 4, 12)  # fp32 gradient accumulation: 2 + 4 + 4 + 4 + 4
     assert ACCOUNTINGS["adam16"][:3] == (2, 2, 12)  # the ZeRO paper's 2 + 2 + K, K = 12
 
@@ -41,7 +42,7 @@ def test_each_accounting_counts_its_bytes_per_local_param_and_is_named(name: str
     assert report.to_json()["memory"]["accounting"] == name  # type: ignore[index]
 
 
-def test_an_unknown_accounting_is_an_error_naming_the_three() -> None:
+def test_an_unknown_accounting_is_an_error_naming_them() -> None:
     with pytest.raises(shardc.ShardcError) as err:
         shardc.cost(shardc.plan(shardc.parse(SPEC)), optimizer="sgd")
     assert all(name in err.value.fix for name in ACCOUNTINGS)

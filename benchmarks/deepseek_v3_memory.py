@@ -1,0 +1,117 @@
+"""DeepSeek-V3's memory per GPU, stage by stage, as shardc counts it and as the report ran it.
+
+    python benchmarks/deepseek_v3_memory.py [benchmarks/runs/deepseek_v3.shard] [--stages 0,1]
+
+Prints, for the pipeline stages asked, the training state (params, gradients, optimizer state),
+the gathered weights and the activations (one microbatch's times the microbatches the stage holds
+under the spec's schedule), under three accountings:
+
+* ``shardc``: ``shardc cost --recompute selective`` as it is (``adam10``; every kept value at the
+  spec's dtype, f8: 1 byte);
+* ``+ state``: the report's optimizer state (``--optimizer mixed14``: bf16 params, fp32 gradients
+  accumulated over the microbatches, fp32 master weights, bf16 Adam moments);
+* ``+ recompute, precision``: the report's recomputation and cached-activation formats
+  ("DeepSeek-V3 Technical Report", arXiv 2412.19437, sections 3.2.3 and 3.3.4) applied to the values
+  ``--recompute selective`` keeps: the RMSNorm outputs, the MLA up-projections' outputs (the einsums
+  reading ``--up`` params) and the SwiGLU outputs (a silu and the product reading it) recomputed;
+  the inputs of a matmul with a weight (a Linear's input) and of a SwiGLU cached in FP8 (1 byte);
+  every other value in BF16 (2 bytes; token ids int32).  shardc has no recompute policy that drops
+  exactly these (``dots-except`` also drops the dispatched tokens and the attention output), so the
+  third column is computed here from shardc's own table of kept values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import shardc
+from shardc.costmodel.memory import kept_once, memory, residual_table, value_bytes
+from shardc.costmodel.pipeline_cost import _held
+from shardc.ir.plan import Plan, Step
+from shardc.ir.spec import TensorRef
+from shardc.pipeline.boundary import microbatch_dim
+from shardc.spec.stages import pipeline_of
+from shardc.units import fmt_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+GB = 1e9
+
+
+def _params(step: Step, plan: Plan) -> set[str]:
+    declared = {info.name for info in plan.tensors if info.role == "param"}
+    return {r.name for r in step.operands if r.name in declared}
+
+
+def paper_bytes(plan: Plan, up: tuple[str, ...]) -> dict[TensorRef, float]:
+    """Bytes an element of each value the report keeps (0: recomputed), from the plan's forward steps."""
+    made = {s.dst: s for s in plan.forward}
+    silu = {s.dst for s in plan.forward if str(s.fn) == "silu"}
+    recomputed = {s.dst for s in plan.forward
+                  if str(s.fn) == "rmsnorm_apply"
+                  or any(p.startswith(up) for p in _params(s, plan))
+                  or s.dst in silu
+                  or (s.op.value == "einsum" and not _params(s, plan) and any(r in silu for r in s.operands))}
+    fp8 = {r for s in plan.forward if _params(s, plan) or str(s.fn) == "silu" for r in s.operands} \
+        | {r for s in plan.forward if any(o in silu for o in s.operands) for r in s.operands}
+    out = {}
+    for ref, _ in residual_table(plan):
+        source = made.get(ref)
+        if ref in recomputed or (source is not None and str(source.fn) == "alias" and source.operands[0] in recomputed):
+            out[ref] = 0.0
+        elif plan.nbytes(ref.name) == 4:  # token ids
+            out[ref] = 4.0
+        else:
+            out[ref] = 1.0 if ref in fp8 else 2.0
+    return out
+
+
+def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, float] | None) -> dict[str, float]:
+    """A stage's bytes: params, grads, optimizer, gathered, one microbatch's activations, held, total."""
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None and plan.sizes is not None
+    sizes = dict(plan.sizes)
+    dim = microbatch_dim(plan)
+    micro = sizes | {dim: sizes[dim] // pipe.microbatches}
+    held_names = _held(plan, pipe, stage)
+    layers = pipe.stage_layers[stage]
+    mem = memory(plan, micro, layers, 80 * GB, optimizer, held_names)
+    values = [r for r, _ in residual_table(plan)]
+    once = kept_once(plan, values)
+    held = shardc.cost(plan, optimizer=optimizer).pipeline.stages[stage].held  # type: ignore[union-attr]
+    one = 0.0
+    for ref in values:
+        count = (1 if held_names is None or ref.name in held_names else 0) if ref in once else layers
+        size = value_bytes(plan, ref, micro)
+        if element is not None:
+            size = size / plan.nbytes(ref.name) * element[ref]
+        one += size * count * (1.0 if dim in ref.indices else 1.0 / held)
+    return {"params": mem.param_bytes, "grads": mem.grad_bytes, "optimizer": mem.optimizer_bytes,
+            "gathered": mem.gathered_bytes, "activations a microbatch": one, "microbatches held": held,
+            "activations": one * held,
+            "total": mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes + mem.gathered_bytes + one * held}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spec", nargs="?", default=str(ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"))
+    parser.add_argument("--stages", default="0,1", help="pipeline stages to show")
+    parser.add_argument("--up", default="W_uq,W_qr,W_uk,W_uv", help="the MLA up-projections' params (prefixes)")
+    args = parser.parse_args()
+    spec = shardc.parse(Path(args.spec).read_text(), filename=args.spec)
+    plan = shardc.plan(spec, recompute="selective")
+    paper = paper_bytes(plan, tuple(args.up.split(",")))
+    columns = (("shardc", "adam10", None), ("+ state", "mixed14", None), ("+ recompute, precision", "mixed14", paper))
+    for stage in (int(s) for s in args.stages.split(",")):
+        rows = [stage_rows(plan, optimizer, stage, element) for _, optimizer, element in columns]
+        print(f"stage {stage}: " + "  ".join(f"{name:>24}" for name, _, _ in columns))
+        for key in rows[0]:
+            cells = [f"{r[key]:>24g}" if key == "microbatches held" else f"{fmt_bytes(r[key]):>24}" for r in rows]
+            print(f"  {key:<24}" + "  ".join(cells))
+        print()
+    return 0 if math.isfinite(sum(paper.values())) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

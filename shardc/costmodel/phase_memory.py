@@ -1,0 +1,273 @@
+"""The bytes one device holds while each phase of the step runs, as its program sees them.
+
+:func:`phase_memory` sets the forward's and the backward's arguments, outputs and the most
+temporaries alive at one step beside each other, the figures ``shardc verify`` checks against
+XLA's buffer assignment (:mod:`shardc.verification.memory_check`); :class:`Buffers` says what a
+backend's buffer assignment adds beyond the plan's values (a TPU's or GPU's by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardc.collectives import Op
+from shardc.costmodel.memory import residual_table
+from shardc.fusion import fusible, is_product, kept_values
+from shardc.ir.localops import ALIAS, Route
+from shardc.ir.plan import Plan, Step
+from shardc.ir.spec import TensorRef
+from shardc.planner.recompute import reads as _reads
+from shardc.timing import local_elements
+
+__all__ = ["PhaseMemory", "Buffers", "phase_memory"]
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """The bytes one device holds while a phase of the step runs, as its program sees them.
+
+    ``arguments``: what the phase takes (the forward: params and inputs; the backward: the
+    cotangents and every value it reads and does not make: residuals and params).
+    ``outputs``: what it returns (the forward: every statement's result and the residuals it
+    keeps for the backward; the backward: the gradients).  ``temporaries``: the most bytes of
+    the values it makes and neither returns nor fuses away, alive at one step (from the step
+    that makes a value to the last that reads it)."""
+
+    phase: str
+    arguments: float
+    outputs: float
+    temporaries: float
+    parts: tuple[tuple[str, str, float], ...] = ()  # (arguments or outputs, what, bytes): params, inputs, ...
+
+    @property
+    def total(self) -> float:
+        return self.arguments + self.outputs + self.temporaries
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """What a backend's buffer assignment does beyond the values of the plan, where backends differ.
+
+    The defaults are a TPU's or GPU's: buffers at their own size, a 2-D dot reads either operand
+    transposed in place (the MXU's and cuBLAS's transposed operands), an AllToAll sends from its
+    operand and receives into its result.  ``align``: each temporary rounded up to a multiple of
+    it, the boundary the allocator starts buffers on (it matters only for buffers of a few hundred
+    bytes).  ``all_to_all_pieces``: an AllToAll over n devices is run as n
+    slices of its operand, sent, and n pieces received, concatenated into its result: both sets
+    are buffers of their own (each piece aligned) for the step, the slices in place of the operand.
+    ``argument_copies_first``: a copy of a value the phase takes (a param, a residual, a cotangent)
+    is made before any other step, as a scheduler that runs first what reads only the arguments
+    does, and lives to its last reader.  ``masks_per_dot``: a routing mask (a route's result, or a
+    product with one) that a dot reads is made again for that dot, in a buffer of its own alive from
+    the route to the dot, as a fusion that recomputes a cheap producer for each consumer does."""
+
+    align: int = 1
+    all_to_all_pieces: bool = False
+    argument_copies_first: bool = False
+    masks_per_dot: bool = False
+
+    def rounded(self, n: float) -> float:
+        return float(-(-int(n) // self.align) * self.align)
+
+
+def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
+                 buffers: Buffers = Buffers()) -> list[PhaseMemory]:
+    """The forward's and the backward's :class:`PhaseMemory` at ``sizes``; ``element``: the bytes of a
+    floating-point element (None: the spec's dtype's; token ids and masks keep their own);
+    ``buffers``: the backend's rules (:class:`Buffers`; the default a TPU's or GPU's).  Arguments
+    and outputs are at their own size; the temporaries as ``buffers`` lays them out."""
+    own = dict(plan.element_bytes)
+
+    def nbytes(ref: TensorRef) -> float:
+        size = own.get(ref.name, element if element is not None else plan.spec.dtype.nbytes)
+        return float(local_elements(ref, sizes)) * size
+
+    def aligned(ref: TensorRef) -> float:
+        return buffers.rounded(nbytes(ref))
+
+    declared = {info.ref: info.role for info in plan.tensors}
+    results = [ref for ref, role in declared.items() if role == "activation"]
+    kept = [ref for ref, _ in residual_table(plan) if declared.get(ref, "activation") == "activation"]
+    made = {s.dst for s in plan.backward}
+    read = [ref for s in plan.backward for ref in _reads(s) if ref not in made]
+    params = {ref for ref, role in declared.items() if role == "param"}
+    forward = {"arguments": {"params": [r for r in declared if r in params],
+                             "inputs": [r for r, role in declared.items() if role == "input"]},
+               "outputs": {"results": results, "residuals": [r for r in kept if r not in results]}}
+    backward = {"arguments": {"cotangents": list(plan.cotangents),
+                              "residuals": [r for r in read if r not in params and r not in plan.cotangents],
+                              "params": [r for r in read if r in params]},
+                "outputs": {"gradients": list(plan.grads)}}
+    out = []
+    for name, steps, groups in (("forward", plan.forward, forward), ("backward", plan.backward, backward)):
+        args, outs = ([r for refs in groups[c].values() for r in refs] for c in ("arguments", "outputs"))
+        parts = tuple((c, label, _total(refs, nbytes)) for c in ("arguments", "outputs")
+                      for label, refs in groups[c].items())
+        out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes),
+                               _temporaries(steps, set(args), set(outs), kept_values(plan), aligned,
+                                            _Copies(buffers, sizes, nbytes)), parts))
+    return out
+
+
+def _total(refs: list[TensorRef], nbytes: Callable[[TensorRef], float]) -> float:
+    return sum(nbytes(ref) for ref in dict.fromkeys(refs))
+
+
+Span = tuple[int, int, float]  # a value's first step, last step and bytes
+
+
+def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
+                 nbytes: Callable[[TensorRef], float], copies: _Copies) -> float:
+    """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the most alive at one
+    of ``steps``, an output counted from the step that makes it (before, its buffer holds others, as
+    XLA's buffer assignment lets values share an output's buffer before it is written), less the outputs.
+
+    A value lives from the step that makes it to the last that reads it.  A rename makes none; a
+    map or product read only by the map right after it is fused into it (as
+    :func:`shardc.timing.memory_traffic` prices it); a map's result takes the buffer of an operand
+    of its size that no later step reads, as XLA's buffer assignment shares an elementwise
+    operand's buffer with its user.  Copies a step makes for its layout (:func:`_layout_copies`)
+    live for that step only.  A reduction issued off the critical path runs at the end (:func:`_lifetimes`)."""
+    readers, last = _lifetimes(steps)
+    deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
+    buffers: dict[TensorRef, list[float]] = {}  # value -> [first step, last step, bytes]
+    spans: list[Span] = []
+    made_outs: dict[TensorRef, int] = {}
+    early: dict[TensorRef, Span] = {}
+    for k, step in enumerate(steps):
+        for ref, size in copies.of(step):
+            if ref is not None and ref in args and copies.buffers.argument_copies_first:
+                early[ref] = (0, k, size)  # one copy, shared by the steps that read it so
+            else:
+                spans.append((k, k, size))
+        after = steps[k + 1] if k + 1 < len(steps) else None
+        read = readers.get(step.dst, [])
+        fused = step.dst not in kept and len(read) == 1 and (
+            read[0].op is Op.SLICE  # the slice is pushed into the step that makes it: only the slice is made
+            or (after is not None and fusible(step) and fusible(after) and step.dst in after.operands))
+        if step.dst in outs and step.dst not in made_outs:  # a deferred reduction's, at the end
+            made_outs[step.dst] = len(steps) if step.dst in deferred else k
+        if step.fn == ALIAS or step.dst in args or step.dst in outs or fused or step.dst in buffers:
+            continue
+        end = last.get(step.dst, k)
+        dead = [ref for ref in step.operands if ref in buffers and last.get(ref) == k
+                and buffers[ref][2] == nbytes(step.dst)] if fusible(step) else []
+        if dead:
+            buffers[dead[0]][1] = end
+            buffers[step.dst] = [k, end, 0.0]
+        else:
+            buffers[step.dst] = [k, end, nbytes(step.dst)]
+    if copies.buffers.masks_per_dot:
+        spans += _remade_masks(steps, copies)
+    spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
+    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items()])
+    return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
+
+
+def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
+    """Per dot reading a routing mask, the mask made again for it: from the route's step to the dot's."""
+    routes = {s.dst: k for k, s in enumerate(steps) if isinstance(s.fn, Route)}
+    masks = dict(routes) | {s.dst: min(routes[r] for r in s.operands if r in routes)
+                            for s in steps if is_product(s) and any(r in routes for r in s.operands)}
+    return [(masks[ref], k, copies.buffers.rounded(copies.nbytes(ref)))
+            for k, s in enumerate(steps) if s.op is Op.EINSUM and not is_product(s)
+            for ref in s.operands if ref in masks]
+
+
+def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list[Span]:
+    """The ``spans`` (first step, last step, bytes) that find no room in an output's buffer.
+
+    XLA's buffer assignment puts a value, largest first, in an allocation it fits that holds nothing
+    alive at the same time: an output's buffer is free until the step that makes the output."""
+    hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
+    taken: list[list[tuple[int, int]]] = [[] for _ in hosts]
+    rest = []
+    for first, last, size in sorted(spans, key=lambda s: -s[2]):
+        for k, (made, room) in enumerate(hosts):
+            if size <= room and last < made and all(last < a or first > b for a, b in taken[k]):
+                taken[k].append((first, last))
+                break
+        else:
+            rest.append((first, last, size))
+    return rest
+
+
+def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], dict[TensorRef, int]]:
+    """Per value the steps that read it, and the last step it is alive at.
+
+    A reduction the plan issues ahead of time (off the critical path) runs after the phase's last
+    step, as XLA defers such collectives and combines them into one (its all-reduce and
+    reduce-scatter combiners): the partial sums live to the end."""
+    readers: dict[TensorRef, list[Step]] = {}
+    last: dict[TensorRef, int] = {}
+    for k, step in enumerate(steps):
+        for ref in _reads(step):
+            readers.setdefault(ref, []).append(step)
+            last[ref] = k
+        if step.ahead and step.src is not None and step.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
+            last[step.src] = len(steps)
+    return readers, last
+
+
+@dataclass(frozen=True)
+class _Copies:
+    """The buffers a backend (:class:`Buffers`) makes for one step beyond its operands and result."""
+
+    buffers: Buffers
+    sizes: dict[str, int]
+    nbytes: Callable[[TensorRef], float]  # a value's own bytes, unrounded
+
+    def of(self, step: Step) -> list[tuple[TensorRef | None, float]]:
+        """Each copy: the value it lays out (None: an AllToAll's pieces, a route's counts) and its bytes."""
+        pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
+        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in _layout_copies(step)] \
+            + [(None, n) for n in pieces + self._route_counts(step)]
+
+    def _route_counts(self, step: Step) -> list[float]:
+        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`): per token and
+        expert whether it chose the expert and how many tokens before it did, int32, the gates'
+        shape each; both alive while the mask is made from them."""
+        if not isinstance(step.fn, Route):
+            return []
+        (gates,) = step.operands
+        return [self.buffers.rounded(float(local_elements(gates, self.sizes)) * 4)] * 2
+
+    def _pieces(self, step: Step) -> list[float]:
+        n = 1
+        for axis in step.axes:
+            n *= self.sizes[axis]
+        sent = step.src if step.src is not None else step.dst
+        slices, received = (n * self.buffers.rounded(self.nbytes(ref) / n) for ref in (sent, step.dst))
+        # the operand dies into its slices (it is read by nothing else): only their padding is new
+        return [max(0.0, slices - self.buffers.rounded(self.nbytes(sent))) + received]
+
+
+def _layout_copies(step: Step) -> list[TensorRef]:
+    """The values XLA copies to lay them out for a step: a dot's operands ordered
+    (batch, free, contracted) or (batch, contracted, free) and its result (batch, free of one
+    operand, free of the other), each transposed into a temporary when stored otherwise; a
+    collective's result over a dim that is not its first, gathered (or scattered) along the major
+    dim and transposed into place."""
+    if step.is_collective:
+        return [step.dst] if step.dim and step.op is not Op.ALL_REDUCE else []
+    if step.op is not Op.EINSUM or len(step.operands) != 2 or is_product(step):
+        return []
+    out = [d.name for d in step.dst.dims]
+    a, b = ([d.name for d in ref.dims] for ref in step.operands)
+    batch = [i for i in out if i in a and i in b]
+    copies = [ref for ref, names, other in ((step.operands[0], a, b), (step.operands[1], b, a))
+              if not _blocked(names, batch, [i for i in names if i in out and i not in other])]
+    free = [i for i in out if i not in batch]
+    if not _blocked(out, batch, [i for i in free if i in a]):
+        copies.append(step.dst)
+    return copies
+
+
+def _blocked(names: list[str], batch: list[str], group: list[str]) -> bool:
+    """Whether ``names`` is ``batch`` (in that order) then ``group`` and the rest, each in one block."""
+    rest = names[len(batch):]
+    if names[:len(batch)] != batch:
+        return False
+    k = len(group)
+    return set(rest[:k]) == set(group) or set(rest[len(rest) - k:]) == set(group)

@@ -1,0 +1,56 @@
+"""``benchmarks/deepseek_v3_memory.py``: the report's recomputation and cached-activation formats
+applied to the values shardc keeps, on a DeepSeek-V3-shaped layer small enough to plan at once."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import shardc
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYER = """mesh X=2
+dims B=4, S=8, T=8, D=16, N=2, H=4, Q=8, R=4, E=4, C=4, F=8
+param W_dq, W_uq, W_dkv, W_uk, W_uv, W_o, W_r, W_gate, W_up, W_down
+L1[B_X, S, D] = rmsnorm(X[B_X, S, D] over D)
+Cq[B_X, S, Q] = rmsnorm(L1[B_X, S, D] · W_dq[D, Q] over Q)
+Qn[B_X, S, N, H] = Cq[B_X, S, Q] · W_uq[Q, N, H]
+Kx[B_X, T, D] = L1[B_X, S, D]
+Ckv[B_X, T, R] = rmsnorm(Kx[B_X, T, D] · W_dkv[D, R] over R)
+Kn[B_X, T, N, H] = Ckv[B_X, T, R] · W_uk[R, N, H]
+Vl[B_X, T, N, H] = Ckv[B_X, T, R] · W_uv[R, N, H]
+Pr[B_X, N, S, T] = softmax(causal(Qn[B_X, S, N, H] · Kn[B_X, T, N, H], S, T) over T)
+At[B_X, S, N, H] = Pr[B_X, N, S, T] · Vl[B_X, T, N, H]
+R1[B_X, S, D] = X[B_X, S, D] + At[B_X, S, N, H] · W_o[N, H, D]
+L2[B_X, S, D] = rmsnorm(R1[B_X, S, D] over D)
+Gate[B_X, S, E] = sigmoid(L2[B_X, S, D] · W_r[D, E])
+In[B_X, E, C, D] = dispatch(Gate[B_X, S, E], L2[B_X, S, D], S, C, 2 over E)
+Gt[B_X, E, C, F] = silu(In[B_X, E, C, D] · W_gate[E, D, F])
+U[B_X, E, C, F] = In[B_X, E, C, D] · W_up[E, D, F]
+A[B_X, E, C, F] = Gt[B_X, E, C, F] * U[B_X, E, C, F]
+Ex[B_X, E, C, D] = A[B_X, E, C, F] · W_down[E, F, D]
+Out[B_X, S, D] = R1[B_X, S, D] + combine(Gate[B_X, S, E], Ex[B_X, E, C, D], S, C, 2 over E)
+"""
+
+
+def _benchmark():  # type: ignore[no-untyped-def]
+    path = ROOT / "benchmarks" / "deepseek_v3_memory.py"
+    spec = importlib.util.spec_from_file_location("deepseek_v3_memory", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("deepseek_v3_memory", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_norms_up_projections_and_swiglu_outputs_recomputed_linear_inputs_in_fp8() -> None:
+    plan = shardc.plan(shardc.parse(LAYER), recompute="selective")
+    kept = {ref.name: size for ref, size in _benchmark().paper_bytes(plan, ("W_uq", "W_uk", "W_uv")).items()}
+    # recomputed: every RMSNorm's output, the MLA up-projections' outputs, the SwiGLU's silu and product
+    assert {name for name, size in kept.items() if size == 0} >= {"L1", "Cq", "Ckv", "L2", "Qn", "Kn", "Vl",
+                                                                  "Gt", "A"}
+    # a Linear's input (the dispatched tokens, the attention output) and the SwiGLU's inputs in FP8
+    assert {kept[name] for name in ("In", "At", "U")} == {1.0}
+    # the rest in BF16: the residual stream, the experts' outputs the combine reads
+    assert {kept[name] for name in ("R1", "Ex")} == {2.0}
