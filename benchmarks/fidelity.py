@@ -58,6 +58,27 @@ PUBLISHED = (
     # the nearest policy shardc names); DualPipe's overlap of the AllToAlls is not modelled
     Run("DeepSeek-V3 671B, 2048 H800", "benchmarks/runs/deepseek_v3.shard", "selective",
         "DeepSeek-AI 2024, arXiv 2412.19437, sections 1 and 3.2", step_s=180e3 * 3600 / 2048 * 15360 * 4096 / 1e12),
+    # MosaicML's MPT throughput table (mosaicml/llm-foundry): PyTorch FSDP FULL_SHARD on nodes of 8 GPUs, flash
+    # attention, activation checkpointing of every block or none.  Each spec is one microbatch of the step
+    # (FULL_SHARD gathers and reduce-scatters each one), so its measured time is the step's,
+    # GlobalBatchSize(T) / Throughput(T/s), over GradAccum; the MFU counts attention as MPT does (S x T
+    # unmasked), as shardc's model FLOPs do
+    Run("MPT-7B 2K, 8 H100", "benchmarks/runs/mpt_7b_h100.shard", "none",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=98304 / 85144, mfu=0.4644),
+    Run("MPT-13B 2K, 64 H100", "benchmarks/runs/mpt_13b_h100.shard", "none",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=262144 / 307209, mfu=0.3986),
+    Run("MPT-30B 2K, 32 H100", "benchmarks/runs/mpt_30b_h100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=2752512 / 73860 / 3, mfu=0.4392),
+    Run("MPT-70B 2K, 64 H100", "benchmarks/runs/mpt_70b_h100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=4194304 / 66523 / 4, mfu=0.4257),
+    Run("MPT-7B 64K, 8 H100", "benchmarks/runs/mpt_7b_64k_h100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=1048576 / 15654 / 2, mfu=0.2859),
+    Run("MPT-7B 2K, 8 A100", "benchmarks/runs/mpt_7b_a100.shard", "none",
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=196608 / 37130 / 2, mfu=0.6423),
+    Run("MPT-30B 2K, 8 A100", "benchmarks/runs/mpt_30b_a100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=1032192 / 7330 / 21, mfu=0.553),
+    Run("MPT-70B 2K, 64 A100", "benchmarks/runs/mpt_70b_a100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=4194304 / 26274 / 4, mfu=0.5333),
 )
 
 
