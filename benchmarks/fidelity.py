@@ -79,6 +79,18 @@ PUBLISHED = (
         "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=1032192 / 7330 / 21, mfu=0.553),
     Run("MPT-70B 2K, 64 A100", "benchmarks/runs/mpt_70b_a100.shard", "full",
         "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=4194304 / 26274 / 4, mfu=0.5333),
+    # Megatron-LM's weak-scaling table: its TFLOP/s a GPU are equation 3's FLOPs, 96 B s l h^2 (1 + s/6h + V/16lh),
+    # which count activation recomputation's extra forward, so the step is those FLOPs over the GPUs' rate (the MFU
+    # the step implies for shardc's model FLOPs)
+    Run("GPT 1.7B, Megatron-LM, 32 A100", "benchmarks/runs/megatron_1_7b.shard", "full",
+        "Narayanan et al. 2021, Table 1 and equation 3",
+        step_s=96 * 512 * 2048 * 24 * 2304**2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304)) / (32 * 137e12)),
+    Run("GPT 7.5B, Megatron-LM, 128 A100", "benchmarks/runs/megatron_7_5b.shard", "full",
+        "Narayanan et al. 2021, Table 1 and equation 3",
+        step_s=96 * 512 * 2048 * 36 * 4096**2 * (1 + 2048 / (6 * 4096) + 51200 / (16 * 36 * 4096)) / (128 * 142e12)),
+    Run("GPT 18.4B, Megatron-LM, 256 A100", "benchmarks/runs/megatron_18_4b.shard", "full",
+        "Narayanan et al. 2021, Table 1 and equation 3",
+        step_s=96 * 1024 * 2048 * 40 * 6144**2 * (1 + 2048 / (6 * 6144) + 51200 / (16 * 40 * 6144)) / (256 * 135e12)),
 )
 
 
