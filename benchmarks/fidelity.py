@@ -51,8 +51,11 @@ PUBLISHED = (
     # the paper names no recomputation policy: dots, every matmul's output kept, is the least that fits
     Run("LLaMA 3 405B 8K, 8192 H100", "examples/llama3_405b.shard", "dots",
         "Dubey et al. 2024, Table 4", flops_per_chip=430e12, mfu=0.43),
+    # its 153 TFLOP/s a GPU are equation 3's FLOPs, which count the recomputed forward (as the rows below)
     Run("GPT-3 175B, Megatron-LM, 384 A100", "benchmarks/runs/gpt3_175b_megatron.shard", "full",
-        "Narayanan et al. 2021, Table 1", flops_per_chip=153e12),
+        "Narayanan et al. 2021, the 384-GPU PTD-P row beside ZeRO-3, and equation 3",
+        step_s=96 * 1536 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288))
+        / (384 * 153e12)),
     # 180K H800 GPU-hours per trillion tokens on 2048 GPUs, a step of 15360 x 4096 tokens: 19.9 s; the
     # report recomputes RMSNorm and MLA's up-projections and keeps no attention scores (selective is
     # the nearest policy shardc names); DualPipe's overlap of the AllToAlls is not modelled
