@@ -82,6 +82,10 @@ PUBLISHED = (
         "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=1032192 / 7330 / 21, mfu=0.553),
     Run("MPT-70B 2K, 64 A100", "benchmarks/runs/mpt_70b_a100.shard", "full",
         "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=4194304 / 26274 / 4, mfu=0.5333),
+    Run("MPT-1B 2K, 64 H100", "benchmarks/runs/mpt_1b_h100.shard", "none",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=2621440 / 2841754, mfu=0.4085),
+    Run("MPT-13B 32K, 8 A100", "benchmarks/runs/mpt_13b_32k_a100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=786432 / 8134 / 3, mfu=0.5169),
     # Megatron-LM's weak-scaling table: its TFLOP/s a GPU are equation 3's FLOPs, 96 B s l h^2 (1 + s/6h + V/16lh),
     # which count activation recomputation's extra forward, so the step is those FLOPs over the GPUs' rate (the MFU
     # the step implies for shardc's model FLOPs)

@@ -26,13 +26,14 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           # the learned positional embedding grows with the sequence length (the 64K row's)
           "mpt_7b_h100": 6658859008, "mpt_13b_h100": 12853954560, "mpt_30b_h100": 29975214080,
           "mpt_70b_h100": 64862437376, "mpt_7b_64k_h100": 6918905856, "mpt_7b_a100": 6658859008,
-          "mpt_30b_a100": 29975214080, "mpt_70b_a100": 64862437376,
+          "mpt_30b_a100": 29975214080, "mpt_70b_a100": 64862437376, "mpt_1b_h100": 1315950592,
+          "mpt_13b_32k_a100": 13011240960,
           # Narayanan et al. 2021, equation 2 (Table 1 rounds it): 12 l h^2 (1 + 13/12h + (V + s)/12lh)
           "megatron_1_7b": 1.65223e9, "megatron_7_5b": 7.46778e9, "megatron_18_4b": 18.4497e9}
-# each run costed at the recompute policy it ran with where that matters here: at 64K tokens a sequence with
+# each run costed at the recompute policy it ran with where that matters here: at 32K-64K tokens a sequence with
 # nothing recomputed, the model FLOPs (attention's S x T counted unmasked, as MPT counts them) exceed what the
 # chip runs (the causal half) by more than the chip's idle share, so the MFU would pass 1
-RECOMPUTE = {"mpt_7b_64k_h100": "full"}
+RECOMPUTE = {"mpt_7b_64k_h100": "full", "mpt_13b_32k_a100": "full"}
 
 
 def _spec(name: str) -> Spec:
