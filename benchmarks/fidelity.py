@@ -51,13 +51,53 @@ PUBLISHED = (
     # the paper names no recomputation policy: dots, every matmul's output kept, is the least that fits
     Run("LLaMA 3 405B 8K, 8192 H100", "examples/llama3_405b.shard", "dots",
         "Dubey et al. 2024, Table 4", flops_per_chip=430e12, mfu=0.43),
+    # its 153 TFLOP/s a GPU are equation 3's FLOPs, which count the recomputed forward (as the rows below)
     Run("GPT-3 175B, Megatron-LM, 384 A100", "benchmarks/runs/gpt3_175b_megatron.shard", "full",
-        "Narayanan et al. 2021, Table 1", flops_per_chip=153e12),
+        "Narayanan et al. 2021, the 384-GPU PTD-P row beside ZeRO-3, and equation 3",
+        step_s=96 * 1536 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288))
+        / (384 * 153e12)),
     # 180K H800 GPU-hours per trillion tokens on 2048 GPUs, a step of 15360 x 4096 tokens: 19.9 s; the
     # report recomputes RMSNorm and MLA's up-projections and keeps no attention scores (selective is
     # the nearest policy shardc names); DualPipe's overlap of the AllToAlls is not modelled
     Run("DeepSeek-V3 671B, 2048 H800", "benchmarks/runs/deepseek_v3.shard", "selective",
         "DeepSeek-AI 2024, arXiv 2412.19437, sections 1 and 3.2", step_s=180e3 * 3600 / 2048 * 15360 * 4096 / 1e12),
+    # MosaicML's MPT throughput table (mosaicml/llm-foundry): PyTorch FSDP FULL_SHARD on nodes of 8 GPUs, flash
+    # attention, activation checkpointing of every block or none.  Each spec is one microbatch of the step
+    # (FULL_SHARD gathers and reduce-scatters each one), so its measured time is the step's,
+    # GlobalBatchSize(T) / Throughput(T/s), over GradAccum; the MFU counts attention as MPT does (S x T
+    # unmasked), as shardc's model FLOPs do
+    Run("MPT-7B 2K, 8 H100", "benchmarks/runs/mpt_7b_h100.shard", "none",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=98304 / 85144, mfu=0.4644),
+    Run("MPT-13B 2K, 64 H100", "benchmarks/runs/mpt_13b_h100.shard", "none",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=262144 / 307209, mfu=0.3986),
+    Run("MPT-30B 2K, 32 H100", "benchmarks/runs/mpt_30b_h100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=2752512 / 73860 / 3, mfu=0.4392),
+    Run("MPT-70B 2K, 64 H100", "benchmarks/runs/mpt_70b_h100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=4194304 / 66523 / 4, mfu=0.4257),
+    Run("MPT-7B 64K, 8 H100", "benchmarks/runs/mpt_7b_64k_h100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=1048576 / 15654 / 2, mfu=0.2859),
+    Run("MPT-7B 2K, 8 A100", "benchmarks/runs/mpt_7b_a100.shard", "none",
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=196608 / 37130 / 2, mfu=0.6423),
+    Run("MPT-30B 2K, 8 A100", "benchmarks/runs/mpt_30b_a100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=1032192 / 7330 / 21, mfu=0.553),
+    Run("MPT-70B 2K, 64 A100", "benchmarks/runs/mpt_70b_a100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=4194304 / 26274 / 4, mfu=0.5333),
+    Run("MPT-1B 2K, 64 H100", "benchmarks/runs/mpt_1b_h100.shard", "none",
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=2621440 / 2841754, mfu=0.4085),
+    Run("MPT-13B 32K, 8 A100", "benchmarks/runs/mpt_13b_32k_a100.shard", "full",
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=786432 / 8134 / 3, mfu=0.5169),
+    # Megatron-LM's weak-scaling table: its TFLOP/s a GPU are equation 3's FLOPs, 96 B s l h^2 (1 + s/6h + V/16lh),
+    # which count activation recomputation's extra forward, so the step is those FLOPs over the GPUs' rate (the MFU
+    # the step implies for shardc's model FLOPs)
+    Run("GPT 1.7B, Megatron-LM, 32 A100", "benchmarks/runs/megatron_1_7b.shard", "full",
+        "Narayanan et al. 2021, Table 1 and equation 3",
+        step_s=96 * 512 * 2048 * 24 * 2304**2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304)) / (32 * 137e12)),
+    Run("GPT 7.5B, Megatron-LM, 128 A100", "benchmarks/runs/megatron_7_5b.shard", "full",
+        "Narayanan et al. 2021, Table 1 and equation 3",
+        step_s=96 * 512 * 2048 * 36 * 4096**2 * (1 + 2048 / (6 * 4096) + 51200 / (16 * 36 * 4096)) / (128 * 142e12)),
+    Run("GPT 18.4B, Megatron-LM, 256 A100", "benchmarks/runs/megatron_18_4b.shard", "full",
+        "Narayanan et al. 2021, Table 1 and equation 3",
+        step_s=96 * 1024 * 2048 * 40 * 6144**2 * (1 + 2048 / (6 * 6144) + 51200 / (16 * 40 * 6144)) / (256 * 135e12)),
 )
 
 
