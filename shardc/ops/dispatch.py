@@ -38,6 +38,7 @@ from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.ops.dispatch_code import canonical, dispatch_code, whole_forward, whole_vjp
 from shardc.ops.registry import Arrays, Builder, Family, Reference, Site, register
+from shardc.ops.route import capacity
 from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.sharding.phase import Phase
 from shardc.sharding.rowwise import Layouts, by_index, choose, in_order, record
@@ -281,4 +282,4 @@ DISPATCH = register(Family(
     name="dispatch", calls=frozenset({"dispatch", "combine"}), ops=(Dispatch,), plan=plan_dispatch,
     backward=dispatch_backward, emit=dispatch_code,
     reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices),
-    operands=_operands, reaches=_reaches, fusible=False))
+    operands=_operands, reaches=_reaches, capacity=capacity, fusible=False))

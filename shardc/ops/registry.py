@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from shardc.sharding.phase import Phase
     from shardc.steptime import RingTransfer
 
-__all__ = ["BackwardPass", "Builder", "Family", "Node", "Flops", "Reference", "Site", "Sizer", "Traffic",
+__all__ = ["BackwardPass", "Builder", "Capacity", "Family", "Node", "Flops", "Reference", "Site", "Sizer", "Traffic",
            "all_traffic", "no_traffic", "register", "of_call", "family_of", "of_op", "of_step", "families",
            "SUM", "RENAME", "CONTRACT"]
 
@@ -156,6 +156,21 @@ def _no_aux(call: Call, result: str) -> tuple[str, ...]:
     return ()
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What a call's lowered code fixes as a share of its tokens (a routing capacity): its token index,
+    its slot index, the experts index it picks among and how many it picks a token."""
+
+    tokens: str
+    slots: str
+    experts: str
+    picks: int
+
+
+def _no_capacity(call: Call) -> Capacity | None:
+    return None
+
+
 def _spec_dtype(node: Node) -> dict[str, int]:
     return {}
 
@@ -234,6 +249,11 @@ class Family:
     flops: Flops | None = None
     # the neighbour sends of one of its steps around a ring, priced against the step's compute (None: none)
     ring: Ring | None = None
+    # whether its result is a discrete choice of its inputs (a top-k routing mask), which their rounding
+    # can flip: verify judges such a value by the unsharded program's own choices
+    chooses: bool = False
+    # a call's routing capacity, where its lowered code fixes the slots as a share of the tokens (None: none)
+    capacity: Callable[[Call], Capacity | None] = _no_capacity
     # whether XLA fuses its steps with their neighbours (elementwise maps and reductions: loop and
     # reduction fusions; a top-k routing sorts, and is a kernel of its own)
     fusible: bool = True

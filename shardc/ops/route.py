@@ -28,7 +28,7 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Route
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, TensorRef
-from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
+from shardc.ops.registry import Arrays, Capacity, Family, Namer, Reference, Site, register
 from shardc.ops.route_code import capacity_code, route_code, route_forward
 from shardc.sharding.layout import Value, add_cost
 from shardc.sharding.rowwise import Layouts, by_index, candidates, choose, in_order, record
@@ -134,6 +134,12 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     return np.abs(y)
 
 
+def capacity(call: Call) -> Capacity:
+    """``route(Gate, S, C, k over E)`` and ``dispatch``/``combine``'s like arguments: C slots of S tokens."""
+    tokens, slots = call.names
+    return Capacity(tokens, slots, call.over or "", int(call.numbers[0]))
+
+
 ROUTING = register(Family(name="routing", calls=frozenset({"route"}), ops=(Route,), plan=plan_route, backward=None,
                           emit=emit, reference=Reference(_forward, None, _magnitude), argument=_argument,
-                          fusible=False))
+                          chooses=True, capacity=capacity, fusible=False))

@@ -30,6 +30,7 @@ from shardc.errors import ShardcError, clip
 from shardc.files import read_text
 from shardc.ir.plan import Plan
 from shardc.lowering.load import load_module
+from shardc.ops.registry import of_call
 from shardc.spec.walk import calls
 from shardc.verification.route_load import shards, tied
 
@@ -77,8 +78,12 @@ def module_sizes(plan: Plan, small: dict[str, int]) -> dict[str, int]:
     the capacity, so that dropping them is checked.
     """
     dims, out = dict(plan.spec.dims), {}
-    for call in (c for s in plan.spec.statements for c in calls(s.expr) if c.func in ("route", "dispatch")):
-        (order, slots) = call.names
+    for call in (c for s in plan.spec.statements for c in calls(s.expr)):
+        family = of_call(call.func)
+        cap = family.capacity(call) if family is not None else None
+        if cap is None:
+            continue
+        order, slots = cap.tokens, cap.slots
         if order not in dims or slots not in dims:
             continue
         share = math.gcd(dims[slots], dims[order])
@@ -94,7 +99,7 @@ def module_sizes(plan: Plan, small: dict[str, int]) -> dict[str, int]:
                                   f"--set {order}=...")
         out[slots] = num * times
         out.update(dict.fromkeys(tied(plan.spec, order) & set(dims), den * times))
-        out.update(_overflowing_experts(plan, small, call.over or "", int(call.numbers[0]), num, den))
+        out.update(_overflowing_experts(plan, small, cap.experts, cap.picks, num, den))
     return out
 
 

@@ -38,6 +38,7 @@ from shardc.lowering.optimizer import LEARNING_RATE
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check, small_sizes
+from shardc.ops.registry import of_call
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
 from shardc.verification.hlo import collectives
@@ -333,8 +334,9 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
 
 
 def _routed(spec: Spec) -> set[str]:
-    """The tensors a statement computes as a ``route`` mask (a 0/1 choice of the top-k gates)."""
-    return {s.result.name for s in spec.statements if isinstance(s.expr, Call) and s.expr.func == "route"}
+    """The tensors a statement computes as a discrete choice (a route's 0/1 mask of the top-k gates)."""
+    return {s.result.name for s in spec.statements
+            if isinstance(s.expr, Call) and (family := of_call(s.expr.func)) is not None and family.chooses}
 
 
 def differential_rows(lowered: Lowered, seed: int = 0, key: int = 0) -> list[ValueRow]:
