@@ -351,6 +351,7 @@ class Spec:
     block: tuple[int, int] | None = None
     # Pipeline parallelism (with a `pipeline` mesh axis): microbatches a step, and the schedule.
     microbatches: int | None = None
+    stage_layers: tuple[int, ...] | None = None  # the layers each stage holds; None: the even split
     schedule: Schedule | None = None  # None: the default, 1f1b
     zero: Zero | None = None  # ZeRO stage and axes (`zero 1 over X`); None: the state is sharded as the params
     filename: str | None = field(default=None, compare=False, hash=False)
@@ -392,6 +393,8 @@ class Spec:
             lines.append(f"layers {self.layers}")
         if self.microbatches is not None:
             lines.append(f"microbatches {self.microbatches}")
+        if self.stage_layers is not None:
+            lines.append("stage_layers " + ", ".join(map(str, self.stage_layers)))
         if self.schedule is not None:
             lines.append(f"schedule {self.schedule}")
         if self.zero is not None:

@@ -95,16 +95,14 @@ def tick_tables(schedule: str, stages: int, microbatches: int,
 
 
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
-                    layers: int, microbatches: int, reserved: frozenset[str] = frozenset()) -> tuple[Module, str, int]:
+                    layers: int, microbatches: int, reserved: frozenset[str] = frozenset(),
+                    held: tuple[int, ...] | None = None) -> tuple[Module, str, int]:
     """The stage module and the pipeline section's constants for ``plan`` pipelined on ``mesh``
     (``sizes`` are the whole batch's), and the batch size."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
     stages = dict(mesh)[pipe.axis]
-    chunks = pipe.schedule.virtual if pipe.schedule.name == "interleaved" else 1
-    if layers < stages * chunks:
-        raise ShardcError(f"{layers} layers cannot fill {stages * chunks} stages ({stages} x {chunks} chunks)",
-                          fix=f"use {stages * chunks} layers or more")
+    held, chunks = _stage_layers(pipe, stages, layers, held), _chunks(pipe)
     first, out = _block(plan)
     dim = microbatch_dim(plan)
     if sizes[dim] % microbatches:
@@ -129,6 +127,8 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                        ("PARAMS", tuple(params), "each passed stacked: [LAYERS, ...]"),
                        ("PIPE_MESH_AXES", dict(mesh), ""),
                        ("CHUNKS", chunks, "model chunks a device holds (the interleaved order's virtual stages)"),
+                       ("STAGE_LAYERS", held, "the layers each stage holds (None: the first LAYERS % STAGES "
+                                               "one more)"),
                        ("MICROBATCH", (dim, microbatches),
                         "keep_mask: a microbatch draws its slice of the whole batch's mask")))
     text += f"F_TABLE = {_table(f_table)}\nB_TABLE = {_table(b_table)}\n"
@@ -136,6 +136,27 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     if note is not None:
         text += template.comment(note) + "\n"
     return module, head + text, micro[dim] * microbatches
+
+
+def _chunks(pipe: Pipeline) -> int:
+    """Chunks a device holds in the lowered program: the schedule's where it lowers as itself (zbv runs
+    GPipe's table, one chunk a device)."""
+    return pipe.chunks if pipe.schedule.name in LOWERED_SCHEDULES else 1
+
+
+def _stage_layers(pipe: Pipeline, stages: int, layers: int, held: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The layers each stage holds where given (``held``, or the spec's ``stage_layers`` at its own
+    layer and stage counts); None: the even split.  Raises where the layers cannot fill the stages."""
+    chunks = _chunks(pipe)
+    if layers < stages * chunks:
+        raise ShardcError(f"{layers} layers cannot fill {stages * chunks} stages ({stages} x {chunks} chunks)",
+                          fix=f"use {stages * chunks} layers or more")
+    if held is None and pipe.split is not None and layers == pipe.layers and stages == pipe.stages:
+        held = pipe.split
+    if held is not None and (len(held) != stages or sum(held) != layers or min(held) < 1):
+        raise ShardcError(f"the split {held} is not {layers} layers over {stages} stages",
+                          fix="give each stage one layer or more, summing to the layers")
+    return held
 
 
 def _table(rows: list[list[int]]) -> str:
@@ -179,8 +200,11 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
 
 
 def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int | None = None,
-                   microbatches: int | None = None, load: bool = True) -> PipelineLowered:
-    """Lower a pipelined plan (``sizes`` may resize the mesh and dims, as for :func:`shardc.lower`)."""
+                   microbatches: int | None = None, load: bool = True,
+                   split: tuple[int, ...] | None = None) -> PipelineLowered:
+    """Lower a pipelined plan (``sizes`` may resize the mesh and dims, as for :func:`shardc.lower`);
+    ``split``: the layers each stage holds, where ``layers`` is not the spec's (by default the spec's
+    ``stage_layers`` at its own layer count, else the even split)."""
     pipe = pipeline_of(plan.spec)
     if pipe is None:
         raise ShardcError("not a pipelined spec", fix="mark the stage axis, e.g. `mesh P=4 pipeline, X=8`")
@@ -196,7 +220,7 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     reserved: frozenset[str] = frozenset()
     while True:  # no tensor's variable takes a global of the module: written again if one did
         module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches,
-                                                reserved)
+                                                reserved, split)
         variables = module.variables
         if ends is not None:
             text, more = _ends_text(ends, mesh, module, reserved)

@@ -65,6 +65,7 @@ class Pipeline:
     ends: Ends
     dims: dict[str, int]
     chunks: int = 1
+    stage_layers: tuple[int, ...] | None = None  # the layers each stage holds, where not the even split
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -73,8 +74,10 @@ class Pipeline:
 
     @property
     def held(self) -> tuple[int, ...]:
-        """The layers each virtual stage holds, as the cost splits them (:func:`split_layers`)."""
-        return split_layers(self.layers, self.stages * self.chunks)
+        """The layers each virtual stage holds, as the cost splits them (the spec's ``stage_layers``, else
+        :func:`split_layers`)."""
+        given = self.stage_layers
+        return given if given is not None else split_layers(self.layers, self.stages * self.chunks)
 
     @property
     def slots(self) -> int:
@@ -298,7 +301,7 @@ def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
     block = _part(tables, "", tables["BLOCK_OUTPUT"])
     return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
                     tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
-                    tables["DATA_DIM"], tables.get("CHUNKS", 1))
+                    tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"))
 
 
 def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:

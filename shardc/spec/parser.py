@@ -23,8 +23,8 @@ Representation decisions (other passes rely on them):
   ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
   Header lines may come anywhere; statements keep their order.
 - A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
-  ``microbatches``/``schedule``/``zero`` is the keyword, so those ten words cannot name a tensor or
-  function there.
+  ``microbatches``/``stage_layers``/``schedule``/``zero`` is the keyword, so those eleven words cannot
+  name a tensor or function there.
 """
 
 from __future__ import annotations
@@ -366,6 +366,10 @@ class _Builder(Transformer[Token, Any]):
     def microbatches_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("microbatches", _size(children[1], "microbatches"), _span(children[0], children[1]))
 
+    def stage_layers_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        counts = tuple(_size(c, "stage_layers") for c in children[1:] if c.type == "SIZE")
+        return ("stage_layers", counts, _span(children[0], children[-1]))
+
     def schedule_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("schedule", _schedule(children), _span(children[0], children[-1]))
 
@@ -492,6 +496,7 @@ def _build_spec(items: list[Any]) -> Spec:
         layers=header.get("layers"),
         block=block,
         microbatches=header.get("microbatches"),
+        stage_layers=header.get("stage_layers"),
         schedule=header.get("schedule"),
         zero=header.get("zero"),
         filename=_local.filename,

@@ -34,6 +34,7 @@ class Pipeline:
     schedule: Schedule
     layers: int
     microbatches_given: bool = True
+    split: tuple[int, ...] | None = None  # `stage_layers`: the layers of each stage, where given
 
     @property
     def chunks(self) -> int:
@@ -42,18 +43,19 @@ class Pipeline:
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
-        """Layers on each stage (:func:`split_layers`)."""
-        return split_layers(self.layers, self.stages)
+        """Layers on each stage: the spec's ``stage_layers``, else :func:`split_layers`'s."""
+        return self.split if self.split is not None else split_layers(self.layers, self.stages)
 
     @property
     def even(self) -> bool:
-        return self.layers % self.stages == 0
+        return len(set(self.stage_layers)) == 1
 
     def split_text(self) -> str:
         counts = self.stage_layers
         if self.even:
             return f"{self.layers} layers over {self.stages} stages: {counts[0]} a stage"
-        return (f"{self.layers} layers over {self.stages} stages, unevenly: "
+        how = "as `stage_layers` splits them" if self.split is not None else "unevenly"
+        return (f"{self.layers} layers over {self.stages} stages, {how}: "
                 + ", ".join(str(c) for c in counts) + " (the slowest stage sets the pace)")
 
 
@@ -79,7 +81,8 @@ def pipeline_of(spec: Spec) -> Pipeline | None:
         return None
     given = spec.microbatches is not None
     micro = spec.microbatches if spec.microbatches is not None else axis.size  # default: one a stage
-    return Pipeline(axis.name, axis.size, micro, spec.schedule or DEFAULT_SCHEDULE, layer_count(spec), given)
+    return Pipeline(axis.name, axis.size, micro, spec.schedule or DEFAULT_SCHEDULE, layer_count(spec), given,
+                    spec.stage_layers)
 
 
 def pipeline_note(spec: Spec) -> list[str]:
@@ -98,7 +101,7 @@ def pipeline_note(spec: Spec) -> list[str]:
 def stage_spec(spec: Spec) -> Spec:
     """The spec one stage runs: the mesh without the stage axis, no pipeline lines."""
     axes = tuple(a for a in spec.mesh.axes if not a.pipeline)
-    return replace(spec, mesh=Mesh(axes), microbatches=None, schedule=None)
+    return replace(spec, mesh=Mesh(axes), microbatches=None, schedule=None, stage_layers=None)
 
 
 def check_pipeline(spec: Spec) -> None:
@@ -108,7 +111,8 @@ def check_pipeline(spec: Spec) -> None:
         raise ShardcError(f"mesh axes {marked[0].name} and {marked[1].name} are both marked pipeline",
                           marked[1].span, fix="mark one axis `pipeline`: its devices hold the stages")
     if not marked:
-        for key, given in (("microbatches", spec.microbatches is not None), ("schedule", spec.schedule is not None)):
+        for key, given in (("microbatches", spec.microbatches is not None), ("schedule", spec.schedule is not None),
+                           ("stage_layers", spec.stage_layers is not None)):
             if given:
                 raise ShardcError(f"`{key}` needs a pipeline axis", spec.span_of(key),
                                   fix="mark the stage axis of the mesh, e.g. `mesh P=4 pipeline, X=8`")
@@ -128,11 +132,28 @@ def check_pipeline(spec: Spec) -> None:
                           f"not {pipe.microbatches}", spec.span_of("microbatches"),
                           fix=f"use microbatches {pipe.stages * max(1, pipe.microbatches // pipe.stages)} "
                           "(Megatron-LM's interleaved order)")
+    _check_split(spec, pipe)
     needed = pipe.stages * pipe.chunks
     if pipe.layers < needed:
         stages = f"{pipe.stages} stages" + (f" of {pipe.chunks} chunks" if pipe.chunks > 1 else "")
         raise ShardcError(f"{pipe.layers} layer(s) cannot fill {stages}", spec.span_of("layers") or axis.span,
                           fix=f"a `layers` line of at least {needed}, or a smaller pipeline axis")
+
+
+def _check_split(spec: Spec, pipe: Pipeline) -> None:
+    """``stage_layers``: a count for each stage, each one or more, that sum to the layers (one chunk a
+    device: interleaved and zbv place their chunks themselves)."""
+    split = spec.stage_layers
+    if split is None:
+        return
+    where = spec.span_of("stage_layers")
+    if pipe.chunks > 1:
+        raise ShardcError(f"`stage_layers` splits one run of layers a stage; schedule {pipe.schedule} holds "
+                          f"{pipe.chunks} chunks a device", where, fix="drop `stage_layers`, or use gpipe or 1f1b")
+    if len(split) != pipe.stages or min(split) < 1 or sum(split) != pipe.layers:
+        raise ShardcError(f"`stage_layers` gives {len(split)} count(s) summing to {sum(split)}: {pipe.axis} has "
+                          f"{pipe.stages} stages and the spec {pipe.layers} layers", where,
+                          fix=f"give {pipe.stages} counts of 1 or more that sum to {pipe.layers}")
 
 
 def _refs(statement: Statement) -> list[TensorRef]:

@@ -43,6 +43,7 @@ _TERMINAL_WORDS = {
     "OVER": "`over` (`over dcn` in the mesh, `over X` after zero)",
     "PIPELINE": "`pipeline`",
     "MICROBATCHES": "`microbatches`",
+    "STAGE_LAYERS": "`stage_layers`",
     "SCHEDULE": "`schedule`",
     "ZERO": "`zero`",
 }

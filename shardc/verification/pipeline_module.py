@@ -30,7 +30,7 @@ __all__ = ["use_pipeline_module"]
 
 # the sizes of the run a module was written for: verify replaces them with its own
 _SIZES = ("MESH_AXES", "PIPE_MESH_AXES", "STAGES", "LAYERS", "MICROBATCHES", "MICROBATCH", "F_TABLE", "B_TABLE",
-          "DIMS")
+          "DIMS", "STAGE_LAYERS")
 _BUILT = ("PROGRAM", "PIPELINE")  # what the module builds from its tables
 _DATA = (dict, tuple, list, frozenset, set, str, int, float, bool, type(None))
 _MOST_TICKS = 1_000_000  # stages x microbatches past which the schedule is not simulated again to check
@@ -79,6 +79,10 @@ def _written_run(ns: Any, lowered: PipelineLowered, label: str) -> str:
     elif not (_count(stages) and stages == mesh[axis] and _count(layers) and layers >= stages):
         wrong = f"its STAGES={clip(repr(stages), 40)} and LAYERS={clip(repr(layers), 40)} are not {axis}'s " \
                 "stages with a layer each at least"
+    elif ns.STAGE_LAYERS is not None and not (isinstance(ns.STAGE_LAYERS, tuple) and len(ns.STAGE_LAYERS) == stages
+                                             and all(_count(n) for n in ns.STAGE_LAYERS)
+                                             and sum(ns.STAGE_LAYERS) == layers):
+        wrong = f"its STAGE_LAYERS {clip(repr(ns.STAGE_LAYERS), 80)} are not {layers} layers over {stages} stages"
     elif not _count(micro) or ns.MICROBATCH != (lowered.namespace.MICROBATCH[0], micro):
         wrong = f"its MICROBATCHES={clip(repr(micro), 40)} and MICROBATCH={clip(repr(ns.MICROBATCH), 60)} disagree"
     elif stages * micro > _MOST_TICKS:

@@ -84,7 +84,16 @@ def run_sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
     dims[microbatch_dim(plan)] *= micro
     # two layers a stage (a chunk's under interleaved); a spec split unevenly runs so too: a slot empty
     layers = max(2, pipe.chunks) * stages - (not pipe.even)
+    if pipe.split is not None:
+        layers = sum(run_split(plan) or ())
     return {**dims, **mesh, pipe.axis: stages}, layers, micro
+
+
+def run_split(plan: Plan) -> tuple[int, ...] | None:
+    """The layers each stage holds in the run, where the spec gives ``stage_layers``: each stage's, at most
+    two (so a stage of one layer beside stages of more stays uneven)."""
+    pipe = pipeline_of(plan.spec)
+    return None if pipe is None or pipe.split is None else tuple(min(n, 2) for n in pipe.split)
 
 
 def _parts(lowered: PipelineLowered) -> tuple[Spec | None, Spec, Spec | None]:
@@ -245,7 +254,7 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
     sizes, layers, micro = run_sizes(plan, devices)
     step(f"lowering the pipeline: {layers} layers, {micro} microbatches, "
          + ", ".join(f"{k}={v}" for k, v in sizes.items()))
-    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan))
     notes: list[str] = []
     if module is not None:
         lowered, notes = use_pipeline_module(lowered, *module)
