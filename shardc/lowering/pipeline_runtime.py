@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -164,27 +165,32 @@ class Pipeline:
         return self._programs[backward]
 
     def split(self, x: Any, dim: int) -> Any:
-        """The batch cut into microbatches along ``dim``: [M, ...]."""
-        return jnp.stack(jnp.split(jnp.asarray(x), self.microbatches, axis=dim))
+        """The batch cut into microbatches along ``dim``: [M, ...] (in host memory, as :meth:`arguments`
+        places it)."""
+        return np.stack(np.split(np.asarray(x), self.microbatches, axis=dim))
 
     def join(self, xs: Any, dim: int) -> Any:
         """Microbatches [M, ...] back into the batch along ``dim``."""
         return jnp.concatenate(list(xs), axis=dim)
 
     def _on(self, x: Any, where: tuple[int, ...]) -> Any:
-        """``x`` stacked over the stages, on the stages ``where`` only (zeros elsewhere)."""
-        x = jnp.asarray(x)
-        return jnp.zeros((self.stages,) + x.shape, x.dtype).at[jnp.asarray(where)].set(x)
+        """``x`` stacked over the stages, on the stages ``where`` only (zeros elsewhere), in host memory."""
+        x = np.asarray(x)
+        stacked = np.zeros((self.stages,) + x.shape, x.dtype)
+        stacked[list(where)] = x
+        return stacked
 
     def arguments(self, inputs: Arrays, cotangent: Any, key: Any = 0) -> list[Any]:
         """The program's arguments, placed: the dropout key, the cotangent on the last stage, each data
         input cut into microbatches and each end param on the stage that reads it, the block's params."""
         mesh = self.program()[0]
-        args = [jnp.asarray(key, jnp.uint32), self._on(cotangent, (-1,))]
+        args = [np.asarray(key, np.uint32), self._on(cotangent, (-1,))]
         for k in self.ends.inputs():
             x = self.split(inputs[k], self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
-        args += [jnp.asarray(inputs[p]) for p in self.params]
+        args += [np.asarray(inputs[p]) for p in self.params]
+        # built and placed from host memory: jax cuts a host array into its pieces without compiling a
+        # program for each (as it would to move a device array, or to build one op by op)
         return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, self.specs()[0], strict=True)]
 
     def outputs(self, inputs: Arrays, key: Any = 0) -> Arrays:
