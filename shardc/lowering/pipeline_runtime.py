@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -218,8 +219,9 @@ class Pipeline:
         return self._programs[backward]
 
     def split(self, x: Any, dim: int) -> Any:
-        """The batch cut into microbatches along ``dim``: [M, ...]."""
-        return jnp.stack(jnp.split(jnp.asarray(x), self.microbatches, axis=dim))
+        """The batch cut into microbatches along ``dim``: [M, ...] (in host memory, as :meth:`arguments`
+        places it)."""
+        return np.stack(np.split(np.asarray(x), self.microbatches, axis=dim))
 
     def join(self, xs: Any, dim: int) -> Any:
         """Microbatches [M, ...] back into the batch along ``dim``."""
@@ -228,24 +230,28 @@ class Pipeline:
     def _slotted(self, w: Any) -> Any:
         """A block param stacked [layers, ...] as the stages' slots hold it: [stages x slots, ...], zeros
         in a slot past its stage's layers."""
-        w = jnp.asarray(w)
-        padded = jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)])
-        return padded[jnp.asarray(self.slot_layers())]
+        w = np.asarray(w)
+        padded = np.concatenate([w, np.zeros((1, *w.shape[1:]), w.dtype)])
+        return padded[np.asarray(self.slot_layers())]
 
     def _on(self, x: Any, where: tuple[int, ...]) -> Any:
-        """``x`` stacked over the stages, on the stages ``where`` only (zeros elsewhere)."""
-        x = jnp.asarray(x)
-        return jnp.zeros((self.stages,) + x.shape, x.dtype).at[jnp.asarray(where)].set(x)
+        """``x`` stacked over the stages, on the stages ``where`` only (zeros elsewhere), in host memory."""
+        x = np.asarray(x)
+        stacked = np.zeros((self.stages,) + x.shape, x.dtype)
+        stacked[list(where)] = x
+        return stacked
 
     def arguments(self, inputs: Arrays, cotangent: Any, key: Any = 0) -> list[Any]:
         """The program's arguments, placed: the dropout key, the cotangent on the last stage, each data
         input cut into microbatches and each end param on the stage that reads it, the block's params."""
         mesh = self.program()[0]
-        args = [jnp.asarray(key, jnp.uint32), self._on(cotangent, (-1,))]
+        args = [np.asarray(key, np.uint32), self._on(cotangent, (-1,))]
         for k in self.ends.inputs():
             x = self.split(inputs[k], self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
         args += [self._slotted(inputs[p]) for p in self.params]
+        # built and placed from host memory: jax cuts a host array into its pieces without compiling a
+        # program for each (as it would to move a device array, or to build one op by op)
         return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, self.specs()[0], strict=True)]
 
     def outputs(self, inputs: Arrays, key: Any = 0) -> Arrays:
