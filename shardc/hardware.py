@@ -20,6 +20,11 @@ The rate a chip reaches is not its peak: :attr:`Hardware.matmul_efficiency` is
 the fraction of peak a matmul of a given size runs at, points (FLOPs of one
 matmul, fraction) from published kernel measurements of the chip, interpolated
 in log FLOPs and held flat beyond the first and last point (:meth:`Hardware.efficiency`).
+A fused attention kernel (FlashAttention) runs below the chip's matmul rate, and its backward below
+its forward: :attr:`Hardware.attention_forward` and :attr:`Hardware.attention_backward` are the
+fractions of peak the best widely available kernel of the chip reaches, points (keys a kernel call
+attends over, fraction) from published kernel measurements, interpolated alike
+(:meth:`Hardware.attention_seconds`); without them the kernel runs at the matmul rate.
 ``book=True`` is the book's model: every matmul at peak, elementwise work free.
 """
 
@@ -67,6 +72,10 @@ class Hardware:
     flops_f8: float | None = None  # dense fp8 FLOPs/s; None: fp8 runs at the bf16 rate (no fp8 matrix unit)
     # (FLOPs of one matmul, fraction of peak it reaches) measured on the chip, by FLOPs; () = peak always
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    # (keys a fused attention kernel's call attends over, fraction of peak its forward / backward reaches),
+    # by keys; () = the matmul rate (:meth:`attention_seconds`)
+    attention_forward: tuple[tuple[float, float], ...] = ()
+    attention_backward: tuple[tuple[float, float], ...] = ()
     bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
     # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
     collective_base: float | None = None
@@ -135,22 +144,27 @@ class Hardware:
     def efficiency(self, flops: float) -> float:
         """The fraction of peak a matmul of ``flops`` FLOPs reaches: 1 under the book's model or without
         measurements; else the measured points interpolated in log FLOPs, flat beyond the ends."""
-        points = self.matmul_efficiency
-        if self.book or not points:
+        if self.book or not self.matmul_efficiency:
             return 1.0
-        if flops <= points[0][0]:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
-            if flops <= x1:
-                t = (math.log(flops) - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return y0 + t * (y1 - y0)
-        return points[-1][1]
+        return interpolate(self.matmul_efficiency, flops)
 
     def matmul_seconds(self, flops: float, dtype: str = "bf16") -> float:
         """Seconds of one local einsum of ``flops`` FLOPs: over the dtype's peak times the efficiency."""
         if flops <= 0:
             return 0.0
         return flops / (self.peak(dtype) * self.efficiency(flops))
+
+    def attention_seconds(self, flops: float, keys: float, backward: bool, dtype: str = "bf16") -> float:
+        """Seconds of a fused attention kernel's ``flops`` FLOPs (FlashAttention's count: the unmasked
+        blocks, the backward 2.5 times the forward) with ``keys`` keys a call: over the dtype's peak times
+        the fraction the chip's kernel reaches at that length, forward or ``backward``; at the matmul rate
+        where the chip has no attention figures, and under the book's model."""
+        points = self.attention_backward if backward else self.attention_forward
+        if flops <= 0:
+            return 0.0
+        if self.book or not points:
+            return self.matmul_seconds(flops, dtype)
+        return flops / (self.peak(dtype) * interpolate(points, keys))
 
     def memory_seconds(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` through HBM (a memory-bound step); 0 under the book's model."""
@@ -170,6 +184,18 @@ class Hardware:
                                   fix="write e.g. --bucket-mb 25 (PyTorch DDP's default)")
             hw = replace(hw, bucket_bytes=float(bucket_mb) * 2**20)
         return hw
+
+
+def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The fraction of ``points`` (x rising, fraction) at ``x``: linear in log x between two points,
+    flat beyond the first and last."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return points[-1][1]
 
 
 MODELS = ("chip", "book")
@@ -212,6 +238,36 @@ _A100_MATMULS = _points(3.12e14, ((1, 6912, 16384, 2048, 2.679e14),))
 _TPU_MATMULS = _points(1.97e14, ((1, 4096, 4096, 4096, 1.6613153396399134e14),
                                  (1, 8192, 8192, 8192, 1.8182317539503744e14)))
 
+
+def _kernel(peak: float, measured: tuple[tuple[int, float], ...]) -> tuple[tuple[float, float], ...]:
+    """(keys, fraction of ``peak``) of a fused attention kernel measured as (sequence length, FLOPs/s), its
+    FLOPs counted as FlashAttention's benchmarks count them (4 B S^2 N H a forward, halved where causal, the
+    backward 2.5 times the forward): the count :mod:`shardc.ops.attention` prices."""
+    return tuple((float(keys), rate / peak) for keys, rate in measured)
+
+
+# The attention kernel each GPU preset runs: the fastest widely available one for the chip, head dim 128.
+# H100 SXM: FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, section 4.1, the figures "Attention forward
+# speed, head dim 128 (H100 80GB SXM5)", causal, and "Attention backward speed, head dim 128", the paper's
+# backward figures being without the mask), TFLOP/s by sequence length 512..16k, batch x length 16k tokens;
+# at 1k and over it is ahead of cuDNN's, at 512 within 8% of it (cuDNN 315 forward, 305 backward).  The H200 and
+# the H800 run the same die and kernel.
+_H100_ATTENTION_FORWARD = _kernel(9.89e14, ((512, 292e12), (1024, 423e12), (2048, 521e12), (4096, 579e12),
+                                            (8192, 602e12), (16384, 616e12)))
+_H100_ATTENTION_BACKWARD = _kernel(9.89e14, ((512, 316e12), (1024, 424e12), (2048, 501e12), (4096, 542e12),
+                                             (8192, 559e12), (16384, 561e12)))
+# A100: FlashAttention-2 (Dao 2023, arXiv 2307.08691, section 1 and 4.1): "up to 73% of the theoretical max
+# throughput in the forward pass, and up to 63% ... in the backward pass", its best settings (long
+# sequences); one point each, so shorter sequences are priced at that rate too.
+_A100_ATTENTION_FORWARD = ((16384.0, 0.73),)
+_A100_ATTENTION_BACKWARD = ((16384.0, 0.63),)
+# B200 (sm_100): FlashAttention-4, the CuTe DSL kernel of the flash-attention repository (Dao-AILab/
+# flash-attention pull request 2280, its benchmark: head dim 128, causal, sequence length 8192, batch 4):
+# forward 1418.1 TFLOP/s, backward 1208.6 (the 2-CTA path), over the HGX B200's dense bf16 peak.
+_B200_ATTENTION_FORWARD = _kernel(2.25e15, ((8192, 1418.1e12),))
+_B200_ATTENTION_BACKWARD = _kernel(2.25e15, ((8192, 1208.6e12),))
+# TPUs: no published per-chip measurement of the Pallas flash or splash attention kernels is cited, so their
+# attention runs at the matmul rate (no attention points).
 
 # NCCL's measured AllReduce bus bandwidth inside an 8xH100 node, SHARP off, is close to 370 GB/s of
 # NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
@@ -272,11 +328,13 @@ PRESETS: dict[str, Hardware] = {
         Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
-                 flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS),
+                 flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
+                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
         # H200 data sheet: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR,
-                 description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS),
+                 description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
+                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
         # NVLink efficiency: the H100's measured share of line rate, assumed for NVLink 3 (no nccl-tests
@@ -284,13 +342,15 @@ PRESETS: dict[str, Hardware] = {
         Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  dcn_efficiency=_NCCL_HDR,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
-                 matmul_efficiency=_A100_MATMULS),
+                 matmul_efficiency=_A100_MATMULS, attention_forward=_A100_ATTENTION_FORWARD,
+                 attention_backward=_A100_ATTENTION_BACKWARD),
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
         # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached)
         Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
-                 matmul_efficiency=_H100_MATMULS),
+                 matmul_efficiency=_H100_MATMULS, attention_forward=_H100_ATTENTION_FORWARD,
+                 attention_backward=_H100_ATTENTION_BACKWARD),
         # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it); its
         # NVSwitch reduces too, but no B200 NVLS figure is cited (8 B300: 845 GB/s AllReduce bus bandwidth with
         # NVLS against 695 without, NVIDIA/nccl issue 2140), so its AllReduce is costed as a ring
@@ -299,7 +359,8 @@ PRESETS: dict[str, Hardware] = {
         Hardware("b200", 2.25e15, 9e11, 180e9, 7.7e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  dcn_efficiency=_NCCL_NDR,
                  description="B200 (HGX): NVLink 5 within a node of 8, InfiniBand across", flops_f8=4.5e15,
-                 matmul_efficiency=_B200_MATMULS),
+                 matmul_efficiency=_B200_MATMULS, attention_forward=_B200_ATTENTION_FORWARD,
+                 attention_backward=_B200_ATTENTION_BACKWARD),
     )
 }
 
@@ -385,27 +446,30 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
         if not isinstance(data["book"], bool):
             raise ShardcError(f"{source}: book must be true or false, got {data['book']!r}", fix="write `book = true`")
         values["book"] = data["book"]
-    if "matmul_efficiency" in data:
-        values["matmul_efficiency"] = _efficiency_points(data["matmul_efficiency"], source)
+    for key, unit in (("matmul_efficiency", "flops"), ("attention_forward", "keys"), ("attention_backward", "keys")):
+        if key in data:
+            values[key] = _efficiency_points(data[key], source, key, unit)
     return Hardware(**values)  # type: ignore[arg-type]
 
 
-def _efficiency_points(value: object, source: str) -> tuple[tuple[float, float], ...]:
-    """``matmul_efficiency = [[flops, fraction], ...]``: FLOPs of one matmul rising, each fraction in (0, 1]."""
-    fix = "write e.g. `matmul_efficiency = [[1e9, 0.3], [1e12, 0.8]]` (FLOPs of one matmul, fraction of peak)"
+def _efficiency_points(value: object, source: str, key: str = "matmul_efficiency",
+                       unit: str = "flops") -> tuple[tuple[float, float], ...]:
+    """``key = [[x, fraction], ...]``: ``unit`` rising (FLOPs of one matmul; keys of an attention kernel's
+    call), each fraction in (0, 1]."""
+    example = "[[1e9, 0.3], [1e12, 0.8]]" if unit == "flops" else "[[1024, 0.4], [16384, 0.6]]"
+    fix = f"write e.g. `{key} = {example}` ({unit}, fraction of peak)"
     if not isinstance(value, list) or not value:
-        raise ShardcError(f"{source}: matmul_efficiency must be a list of [flops, fraction] pairs", fix=fix)
+        raise ShardcError(f"{source}: {key} must be a list of [{unit}, fraction] pairs", fix=fix)
     points = []
     for pair in value:
         if not (isinstance(pair, list) and len(pair) == 2):
-            raise ShardcError(f"{source}: matmul_efficiency has {clip(repr(pair))}, not a [flops, fraction] pair",
-                              fix=fix)
-        flops, fraction = (_positive(x, "matmul_efficiency", source) for x in pair)
+            raise ShardcError(f"{source}: {key} has {clip(repr(pair))}, not a [{unit}, fraction] pair", fix=fix)
+        x, fraction = (_positive(v, key, source) for v in pair)
         if fraction > 1:
-            raise ShardcError(f"{source}: matmul_efficiency fraction {fraction!r} is above 1 (the peak)", fix=fix)
-        points.append((flops, fraction))
+            raise ShardcError(f"{source}: {key} fraction {fraction!r} is above 1 (the peak)", fix=fix)
+        points.append((x, fraction))
     if any(b[0] <= a[0] for a, b in zip(points, points[1:], strict=False)):
-        raise ShardcError(f"{source}: matmul_efficiency's FLOPs must rise from pair to pair", fix=fix)
+        raise ShardcError(f"{source}: {key}'s {unit} must rise from pair to pair", fix=fix)
     return tuple(points)
 
 

@@ -85,6 +85,7 @@ class StepCost:
     latency_s: float = 0.0
     flops: float = 0.0  # per device
     model_flops: float = 0.0  # the whole einsum, all devices
+    hardware_flops: float = 0.0  # what all devices run of it (a causal kernel's unmasked half; HFU's)
     compute_s: float = 0.0
     ahead: bool = False
     once: bool = False  # outside a `layers` block: counted once, not once a layer
@@ -186,13 +187,15 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         flops, model = einsum_flops(step, sizes)
         seconds = einsum_compute_seconds(flops, is_product(step), hw, dtype)
         return StepCost(index, step.op, step.tensor, text, flops=float(flops), model_flops=float(model),
-                        compute_s=seconds, once=step.once, memory_bytes=memory_bytes,
+                        hardware_flops=float(model), compute_s=seconds, once=step.once, memory_bytes=memory_bytes,
                         memory_s=hw.memory_seconds(memory_bytes))
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
-        flops, model = family.flops(step, lambda name: _size(sizes, name))
+        size = lambda name: _size(sizes, name)  # noqa: E731
+        flops, model, executed = family.flops(step, size)
+        seconds = family.seconds(step, size, hw, dtype) if family.seconds else hw.matmul_seconds(flops, dtype)
         row = StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
-                       model_flops=float(model), compute_s=hw.matmul_seconds(flops, dtype) if flops else 0.0,
+                       model_flops=float(model), hardware_flops=float(executed), compute_s=seconds,
                        once=step.once, memory_bytes=memory_bytes, memory_s=hw.memory_seconds(memory_bytes))
         ring = family.ring(step, lambda name: _size(sizes, name), DType(dtype).nbytes) if family.ring else None
         if ring is None:

@@ -102,8 +102,9 @@ class PhaseCost:
 
     @property
     def hardware_flops(self) -> float:
-        """FLOPs of the whole einsums, all devices, recomputed ones counted again (HFU's)."""
-        return self._sum("model_flops")
+        """FLOPs all devices run, recomputed ones counted again (HFU's): the einsums whole, a causal
+        attention kernel's unmasked half."""
+        return self._sum("hardware_flops")
 
     @property
     def compute_s(self) -> float:

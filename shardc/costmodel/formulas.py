@@ -198,7 +198,7 @@ def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
         return StepFormula(flops, model, zero, zero, zero)
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
-        flops, model = family.flops(step, symbol)
+        flops, model, _ = family.flops(step, symbol)
         return StepFormula(ZERO + flops, ZERO + model, zero, zero, zero)
     if not step.is_collective or step.volume is None:
         return StepFormula(zero, zero, zero, zero, zero)

@@ -33,7 +33,10 @@ makes the scores again and runs four more (``dV = P·dO``, ``dP = dO·V``, ``dQ 
 ``dK = dS·Q``): 2.5 times the forward's FLOPs on the chip.  Model FLOPs (MFU's) count the whole
 S x T, causal or not, and the backward as twice the forward (the recomputation not counted): the
 convention of PaLM's MFU (Chowdhery et al. 2022, appendix B: ``6N + 12 L H Q T`` a token) and of
-Megatron-LM's (Narayanan et al. 2021), which the published MFUs shardc is compared with used.  The
+Megatron-LM's (Narayanan et al. 2021), which the published MFUs shardc is compared with used.  Hardware
+FLOPs (HFU's) are what all the devices run: the unmasked half where causal, and the backward's
+recomputed scores (2.5 times the forward).  The kernel runs below the chip's matmul rate, its backward
+below its forward: :func:`kernel_seconds` prices it at the chip's attention figures.  The
 step making the logsumexp is the same kernel as the output's: no FLOPs of its own, and likewise
 the backward's kernel is the first gradient step's, the others its further results.
 
@@ -51,7 +54,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from shardc.collectives import einsum_flops
+from shardc.collectives import einsum_flops, piece
 from shardc.errors import ShardcError
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Alternative, Choice, Op, Step
@@ -70,10 +73,11 @@ from shardc.steptime import ring_time
 from shardc.units import fmt_seconds
 
 if TYPE_CHECKING:
+    from shardc.hardware import Hardware
     from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
-__all__ = ["ATTENTION", "LSE_BYTES", "emit", "attention_forward", "attention_vjp"]
+__all__ = ["ATTENTION", "LSE_BYTES", "emit", "kernel_seconds", "attention_forward", "attention_vjp"]
 
 Array = Any
 
@@ -181,7 +185,7 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
 
 def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -> tuple[float, int, str]:
     """A form's time, forward and backward: its moves twice (the backward moves their transposes: dO in,
-    dQ, dK, dV out), its kernel at 3.5 times its forward's FLOPs (the backward's is 2.5 times), and a
+    dQ, dK, dV out), its kernel's forward and backward (:func:`kernel_seconds`), and a
     ring's transfers its compute does not hide, forward and backward; its forward's collectives; and what
     of its communication stays exposed, for ``--explain``: the moves all (the kernel waits for them), a
     ring's what its steps do not hide, with the block length from which they do."""
@@ -200,22 +204,22 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -
     fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag)
     kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs), fn=fn)
     size = lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name)  # noqa: E731
-    flops, _ = _flops(kernel, size)
-    compute = ctx.hardware.matmul_seconds(float(flops), ctx.dtype.value)
+    lse = phase.ref(node.aux[0], _value(r.rows, axes))  # the backward's kernel reads O, the logsumexp and dO too
+    grads = Step(Op.ELEMENTWISE, node.result, kernel.dst, operands=(*refs, kernel.dst, lse, kernel.dst),
+                 fn=Attention("dq", r.key, fn.query, ring=form.ring, zigzag=form.zigzag))
+    compute = kernel_seconds(kernel, size, ctx.hardware, ctx.dtype.value)
+    backward = kernel_seconds(grads, size, ctx.hardware, ctx.dtype.value)
     exposed, hidden = 0.0, ""
-    if form.ring:  # the forward's ring and the backward's (its kernel reads O, the logsumexp and dO too)
-        lse = phase.ref(node.aux[0], _value(r.rows, axes))
-        grads = Step(Op.ELEMENTWISE, node.result, kernel.dst, operands=(*refs, kernel.dst, lse, kernel.dst),
-                     fn=Attention("dq", r.key, fn.query, ring=form.ring, zigzag=form.zigzag))
+    if form.ring:  # the forward's ring and the backward's
         sizes = {**ctx.axis_sizes, **(ctx.sizes or {})}
-        for step, seconds in ((kernel, compute), (grads, 2.5 * compute)):
+        for step, seconds in ((kernel, compute), (grads, backward)):
             ring = transfers(step, size, ctx.dtype.nbytes)
             assert ring is not None
             times = ring_time(ring, seconds, ctx.mesh, sizes, ctx.hardware, ctx.links)
             exposed += times.exposed_s
             hidden = hidden or f"; a ring step hides its K/V send from {times.hidden_from:,.0f} tokens a device"
     note = f"exposed communication {fmt_seconds(2 * moved + exposed)}{hidden}"
-    return 2 * moved + 3.5 * compute * ctx.compute_weight + exposed, count, note
+    return 2 * moved + (compute + backward) * ctx.compute_weight + exposed, count, note
 
 
 def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]], want: Value,
@@ -305,12 +309,12 @@ def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
 
 # --- cost: FLOPs and HBM traffic ----------------------------------------------------------------
 
-def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
-    """(per-device FLOPs, model FLOPs) of a step: see the module's docstring."""
+def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any, Any]:
+    """(per-device FLOPs, model FLOPs, hardware FLOPs) of a step: see the module's docstring."""
     assert isinstance(step.fn, Attention)
     part = step.fn.part
     if not step.fn.kernel:
-        return 0, 0  # a further result of the kernel another step runs
+        return 0, 0, 0  # a further result of the kernel another step runs
     q, k, v = step.operands[:3]
     keys = tuple(d for d in k.dims if d.name == step.fn.key)
     scores = einsum_flops(((d.name, d.axes) for d in (*q.dims, *keys)), size)  # Q·K: rows x T x H
@@ -319,10 +323,27 @@ def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
     values = einsum_flops(((d.name, d.axes) for d in (*rows, *keys, v.dims[-1])), size)  # P·V: rows x T x Hv
     num, den = _unmasked(step, size)
     num *= math.prod((size(a) for a in step.fn.ring), start=1)  # a ring's n steps each take a block of T
+    half = 2 if step.fn.query is not None else 1  # all devices together run the causal half of S x T
     if part == "out":
-        return (scores[0] + values[0]) * num / den, scores[1] + values[1]
+        model = scores[1] + values[1]
+        return (scores[0] + values[0]) * num / den, model, model / half
     # the backward's kernel: the scores again, dP = dO·V, dQ = dS·K, dK = dS·Q, dV = P·dO
-    return (3 * scores[0] + 2 * values[0]) * num / den, 2 * scores[1] + 2 * values[1]
+    return (3 * scores[0] + 2 * values[0]) * num / den, 2 * scores[1] + 2 * values[1], \
+        (3 * scores[1] + 2 * values[1]) / half
+
+
+def kernel_seconds(step: Step, size: Callable[[str], int], hw: Hardware, dtype: str) -> float:
+    """The time of a step's kernel on the chip (0 for the kernel's further results): its FLOPs at the fraction
+    of peak the chip's attention kernel reaches, forward or backward, with the keys a call attends over (K's
+    block along T on the device: T whole, or a ring step's block) (:meth:`Hardware.attention_seconds`).  The
+    one time of the kernel: the cost model's, the planner's choice of form, and the ring's overlap use it."""
+    assert isinstance(step.fn, Attention)
+    flops = _flops(step, size)[0]
+    if not flops:
+        return 0.0
+    keys = next(d for d in step.operands[1].dims if d.name == step.fn.key)
+    block = piece(((size(keys.name), math.prod(size(a) for a in keys.axes)),))
+    return hw.attention_seconds(float(flops), float(block), step.fn.part != "out", dtype)
 
 
 def _unmasked(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
@@ -488,4 +509,5 @@ ATTENTION = register(Family(
     # a softmax of Q·K: verify feeds it unit-size queries, so the softmax is neither flat nor one-hot
     reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices,
                         nonlinear=lambda func: True),
-    operands=_operands, aux_bytes=_aux_bytes, traffic=_traffic, flops=_flops, ring=transfers, fusible=False))
+    operands=_operands, aux_bytes=_aux_bytes, traffic=_traffic, flops=_flops, seconds=kernel_seconds, ring=transfers,
+    fusible=False))

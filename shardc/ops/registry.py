@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from shardc.hardware import Hardware
     from shardc.ir.plan import Op, Step
     from shardc.ir.spec import Call, Expr, Statement, TensorRef
     from shardc.sharding.layout import Value
@@ -41,9 +42,12 @@ Namer = Callable[["TensorRef"], str]  # a value's variable in the generated code
 Sizer = Callable[["TensorRef"], float]  # bytes of one device's piece of a value
 # (HBM bytes read of each operand, in order, and bytes written) of one step
 Traffic = Callable[["Step", Sizer], tuple[tuple[float, ...], float]]
-# (per-device FLOPs, model FLOPs) of one step on the matrix units, given a dim's or an axis's size (a
-# number, or a symbol for the cost formulas)
-Flops = Callable[["Step", Callable[[str], Any]], tuple[Any, Any]]
+# (per-device FLOPs, model FLOPs, hardware FLOPs) of one step on the matrix units, given a dim's or an axis's
+# size (a number, or a symbol for the cost formulas): model FLOPs as MFU counts them, hardware FLOPs what all
+# the devices run (HFU's)
+Flops = Callable[["Step", Callable[[str], Any]], tuple[Any, Any, Any]]
+# the seconds of one step's matrix-unit work on a chip, given a dim's or an axis's size and the spec's dtype
+Seconds = Callable[["Step", Callable[[str], int], "Hardware", str], float]
 # the sends to a neighbour a step makes while its compute runs in ring steps (ring attention), given a dim's or
 # an axis's size and the spec's bytes an element (None: it makes none)
 Ring = Callable[["Step", Callable[[str], int], int], "RingTransfer | None"]
@@ -247,6 +251,8 @@ class Family:
     # the matmul FLOPs of one of its steps, which the cost model adds at the chip's matmul rate beside its
     # traffic (None: its steps are memory-bound only; attention's are not)
     flops: Flops | None = None
+    # the time of those FLOPs on the chip, where its kernel does not run at the chip's matmul rate (None: it does)
+    seconds: Seconds | None = None
     # the neighbour sends of one of its steps around a ring, priced against the step's compute (None: none)
     ring: Ring | None = None
     # whether its result is a discrete choice of its inputs (a top-k routing mask), which their rounding
