@@ -64,7 +64,9 @@ def fusible(step: Step | None) -> bool:
 
 def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], float],
                    kept: frozenset[TensorRef]) -> list[float]:
-    """The HBM bytes of each of ``steps`` (one phase, in program order), 0 for einsums and collectives.
+    """The HBM bytes of each of ``steps`` (one phase, in program order), 0 for collectives; a contracting
+    einsum's are its operands read and its result written (its roofline: the time it takes is the larger
+    of its FLOPs at the matmul rate and these bytes over HBM, :func:`shardc.timing.cost_step`).
 
     A memory-bound step moves what its family's traffic says, less what XLA's fusion saves (the rule is
     the module's): an operand the step just before made (an einsum, a map or a reduction) is not read
@@ -76,9 +78,11 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
             readers[ref] = readers.get(ref, 0) + 1
     out = []
     for k, step in enumerate(steps):
-        if step.is_collective or (step.op is Op.EINSUM and not is_product(step)) or step.op is Op.SLICE \
-                or isinstance(step.fn, Update):
-            out.append(0.0)  # compute- or link-bound; a slice is fused into its reader; the update apart
+        if step.op is Op.EINSUM and not is_product(step):
+            out.append(math.fsum(local_bytes(r) for r in (*step.operands, step.dst)))
+            continue
+        if step.is_collective or step.op is Op.SLICE or isinstance(step.fn, Update):
+            out.append(0.0)  # link-bound; a slice is fused into its reader; the update apart
             continue
         if step.op is Op.COPY:
             out.append(local_bytes(step.operands[0]) + local_bytes(step.dst))

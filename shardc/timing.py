@@ -186,9 +186,13 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
         seconds = einsum_compute_seconds(flops, is_product(step), hw, dtype)
+        memory_s = hw.memory_seconds(memory_bytes)
+        if not is_product(step):  # a matmul's roofline: its bytes over HBM count where they outlast its FLOPs
+            memory_s = max(0.0, memory_s - seconds)
+            memory_bytes = memory_bytes if memory_s > 0 else 0.0
         return StepCost(index, step.op, step.tensor, text, flops=float(flops), model_flops=float(model),
                         hardware_flops=float(model), compute_s=seconds, once=step.once, memory_bytes=memory_bytes,
-                        memory_s=hw.memory_seconds(memory_bytes))
+                        memory_s=memory_s)
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
         size = lambda name: _size(sizes, name)  # noqa: E731

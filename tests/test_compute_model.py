@@ -276,3 +276,19 @@ def test_a_collective_step_kind_is_never_memory_bound() -> None:
     for r in report.forward.rows + report.backward.rows:
         assert not (r.is_collective and r.memory_bytes)
         assert r.op is not Op.EINSUM or r.compute_s > 0 or r.memory_bytes > 0
+
+
+def test_a_matmul_takes_the_larger_of_its_flops_and_its_bytes() -> None:
+    """The roofline of one matmul: attention's scores (a head dim of 64 contracted, S x T written) take
+    their bytes over HBM, more than their FLOPs at the matmul rate; a large square matmul its FLOPs."""
+    hw = get_hardware("h100")
+    scores = "mesh X=1\ndims B=8, N=16, S=4096, T=4096, H=64\nSc[B, N, S, T] = Q[B, N, S, H] · K[B, N, T, H]\n"
+    report = shardc.cost(shardc.plan(shardc.parse(scores), hardware="h100"))
+    (row,) = [r for r in report.forward.rows if r.op is Op.EINSUM]
+    nbytes = 2 * (2 * 8 * 16 * 4096 * 64 + 8 * 16 * 4096 * 4096)  # Q, K read; Sc written; bf16
+    flops = 2 * 8 * 16 * 4096 * 4096 * 64
+    assert row.compute_s == pytest.approx(flops / (hw.flops * hw.efficiency(flops)))
+    assert row.compute_s + row.memory_s == pytest.approx(nbytes / hw.hbm_bandwidth)
+    assert nbytes / hw.hbm_bandwidth > row.compute_s > 0
+    large = shardc.cost(shardc.plan(shardc.parse(MATMUL.format(b=65536, d=8192, f=8192)), hardware="h100"))
+    assert all(r.memory_s == 0 for r in large.forward.rows if r.op is Op.EINSUM)
