@@ -54,6 +54,7 @@ def test_mesh_axes_replica_groups(groups: str) -> None:
     "mesh['x'=8] {'y'}",  # an axis the mesh lacks
     "mesh['x'=8] {'x':(3)2}",  # a sub-axis that does not tile x
     "mesh['x'=8] {'x','x'}",
+    "mesh['x'=8] {'x','x':(1)2}",  # the whole of x and a part of it
     "mesh['x'=4], device_ids=(0,1,1,2) {'x'}",  # not a permutation
     "mesh['x'=4], device_ids=(what) {'x'}",
 ])

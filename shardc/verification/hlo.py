@@ -3,9 +3,10 @@
 Axes come from the replica groups: each group lists the devices (flattened
 mesh positions, since the mesh's device order is the executable's device
 assignment) that talk to each other, however XLA spells them (a list of lists,
-an iota tile, or axes of a mesh of its own, which need not be the spec's); the mesh coordinates that vary across a
-group are the collective's axes, ordered major to minor by how slowly they
-change along the group (the order all-gather concatenates in).  Volume is V (bytes a
+an iota tile, or axes of a mesh of XLA's own, which need not be the spec's); the
+mesh coordinates that vary across a group are the collective's axes, ordered
+major to minor by how slowly they change along the group (the order all-gather
+concatenates in).  Volume is V (bytes a
 device would hold unsharded over the group), counted in elements so a caller can price floating ones in
 the spec's dtype (XLA on CPU widens bf16 collectives to f32); integer ones (token ids, ``s32``) are
 priced at the width HLO gives them, which the plan's element bytes must match.
@@ -131,7 +132,8 @@ def _split_axes(axes: list[tuple[str, int]], refs: list[tuple[str, int | None, i
         parts += [b // a for a, b in pairwise(cut)] or [1]  # an axis of size 1 stays a dim
     grouped = [first[index[name]] + (bounds[index[name]].index(pre) if pre is not None else 0)
                for name, pre, _ in refs]
-    if len(set(grouped)) != len(grouped):
+    whole_of_cut = any(pre is None and len(bounds[index[name]]) > 2 for name, pre, _ in refs)
+    if len(set(grouped)) != len(grouped) or whole_of_cut:
         raise ValueError(f"replica groups that list a mesh axis twice: {text}")
     return parts, grouped
 
