@@ -2,9 +2,11 @@
 
 Axes come from the replica groups: each group lists the devices (flattened
 mesh positions, since the mesh's device order is the executable's device
-assignment) that talk to each other; the mesh coordinates that vary across a
-group are the collective's axes, ordered major to minor by how slowly they
-change along the group (the order all-gather concatenates in).  Volume is V (bytes a
+assignment) that talk to each other, however XLA spells them (a list of lists,
+an iota tile, or axes of a mesh of XLA's own, which need not be the spec's); the
+mesh coordinates that vary across a group are the collective's axes, ordered
+major to minor by how slowly they change along the group (the order all-gather
+concatenates in).  Volume is V (bytes a
 device would hold unsharded over the group), counted in elements so a caller can price floating ones in
 the spec's dtype (XLA on CPU widens bf16 collectives to f32); integer ones (token ids, ``s32``) are
 priced at the width HLO gives them, which the plan's element bytes must match.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -30,6 +33,16 @@ _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[\w\[\],
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+# XLA's mesh-axes spelling: the mesh (named axes, and the device ids at its positions where they are not
+# 0..n-1 in row-major order), then the axes a group spans, e.g. ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}``
+_QUOTED = r"'(?:[^'\\]|\\.)*'"
+_MESH = re.compile(rf"replica_groups=(?:mesh\[(?P<axes>(?:{_QUOTED}|[^\]'])*)\]"
+                   r"(?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?"
+                   rf"|@mesh<(?P<old_axes>(?:{_QUOTED}|[^>'])*)>(?:\(devices=(?P<old_ids>[^)]*\)?)\))?)"
+                   rf"\s*\{{(?P<group>(?:{_QUOTED}|[^}}'])*)\}}")
+_AXIS_SIZE = re.compile(rf"({_QUOTED}|[\w.\-]+)=(\d+)")
+_AXIS_REF = re.compile(rf"({_QUOTED}|[\w.\-]+)(?::\((\d+)\)(\d+))?")
+_IDS = re.compile(r"(?:\[([\d,]+)\](?:<=\[([\d,]+)\])?)?(?:T\(([\d,]+)\))?([\d,]*)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _INTEGER = re.compile(r"[su](\d+)")  # HLO's signed and unsigned integer types: s32, u8, ...
 
@@ -51,20 +64,99 @@ class Collective:
 
 
 def parse_replica_groups(line: str, devices: int) -> list[list[int]]:
-    """Both spellings: ``{{0,1},{2,3}}`` and the iota form ``[2,2]<=[4]`` (with ``T(...)``)."""
+    """The replica groups of an HLO instruction as device ids, in any of XLA's spellings: listed
+    ``{{0,1},{2,3}}``, iota ``[2,2]<=[4]`` (with ``T(...)``), and mesh axes
+    ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'b'}``; none at all: every device."""
+    mesh = _MESH.search(line)
+    if mesh:
+        return _mesh_groups(mesh)
     iota = _IOTA.search(line)
     if iota:
-        shape = [int(x) for x in iota.group(1).split(",")]
-        dims = [int(x) for x in iota.group(2).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
-        return ids.reshape(shape).tolist()  # type: ignore[no-any-return]
+        return _iota(iota.group(1), iota.group(2), iota.group(3)).tolist()  # type: ignore[no-any-return]
     listed = _LIST.search(line)
     if listed and listed.group(1).strip():
         return [[int(x) for x in g.split(",") if x.strip()]
                 for g in re.findall(r"\{([\d,\s]*)\}", listed.group(1))]
     return [list(range(devices))]  # no groups: every device
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()] if text else []
+
+
+def _iota(shape: str, dims: str, perm: str | None) -> np.ndarray:
+    """XLA's iota tile: 0..n-1 laid out as ``dims``, transposed by ``perm``, read as ``shape``."""
+    ids = np.arange(int(np.prod(_ints(dims)))).reshape(_ints(dims))
+    if perm:
+        ids = ids.transpose(_ints(perm))
+    return ids.reshape(_ints(shape))
+
+
+def _unquote(name: str) -> str:
+    return re.sub(r"\\(.)", r"\1", name[1:-1]) if name.startswith("'") else name
+
+
+def _mesh_groups(match: re.Match[str]) -> list[list[int]]:
+    """XLA's ``MeshAxesReplicaGroupList`` (openxla/xla, xla/hlo/ir/replica_group.cc): a group is the
+    devices of the mesh's device array that differ only in the listed axes, ordered as listed (the first
+    most major); the other positions, in mesh order, index the groups."""
+    axes = [(_unquote(n), int(k)) for n, k in _AXIS_SIZE.findall(match.group("axes") or match.group("old_axes"))]
+    refs = [(_unquote(n), int(pre) if pre else None, int(size) if size else None)
+            for n, pre, size in _AXIS_REF.findall(match.group("group"))]
+    ids = _mesh_ids(match.group("ids") or match.group("old_ids"), [k for _, k in axes])
+    parts, grouped = _split_axes(axes, refs, match.group(0))
+    rest = [k for k in range(len(parts)) if k not in grouped]
+    members = int(np.prod([parts[k] for k in grouped]))
+    return ids.reshape(parts).transpose(rest + grouped).reshape(-1, members).tolist()  # type: ignore[no-any-return]
+
+
+def _split_axes(axes: list[tuple[str, int]], refs: list[tuple[str, int | None, int | None]],
+                text: str) -> tuple[list[int], list[int]]:
+    """The mesh's dims with each axis cut where its sub-axes begin and end, and the dim of each listed
+    axis.  A sub-axis ``'a':(pre)size`` is the ``size`` positions of ``a`` under its ``pre`` most major
+    ones: ``a`` read as ``[pre, size, rest]`` in row-major order."""
+    index = {name: k for k, (name, _) in enumerate(axes)}
+    if any(name not in index for name, _, _ in refs):
+        raise ValueError(f"replica groups over an axis not in their mesh: {text}")
+    cuts = [{1, size} for _, size in axes]  # per axis: the sizes of its major parts where it is cut
+    for name, pre, size in refs:
+        if pre is not None and size is not None:
+            cuts[index[name]] |= {pre, pre * size}
+    bounds = [sorted(c) for c in cuts]
+    parts: list[int] = []
+    first = []  # where each axis's parts begin
+    for (_, size), cut in zip(axes, bounds, strict=True):
+        if cut[-1] != size or any(b % a for a, b in pairwise(cut)):
+            raise ValueError(f"sub-axes that do not tile their mesh axis: {text}")
+        first.append(len(parts))
+        parts += [b // a for a, b in pairwise(cut)] or [1]  # an axis of size 1 stays a dim
+    grouped = [first[index[name]] + (bounds[index[name]].index(pre) if pre is not None else 0)
+               for name, pre, _ in refs]
+    whole_of_cut = any(pre is None and len(bounds[index[name]]) > 2 for name, pre, _ in refs)
+    if len(set(grouped)) != len(grouped) or whole_of_cut:
+        raise ValueError(f"replica groups that list a mesh axis twice: {text}")
+    return parts, grouped
+
+
+def _mesh_ids(text: str | None, shape: list[int]) -> np.ndarray:
+    """The device id at each mesh position: ``[4,2]T(1,0)`` (an iota tile), ``[8]<=[2,4]T(1,0)`` (the
+    older spelling), listed ids, or, absent, 0..n-1 in row-major order."""
+    n = int(np.prod(shape))
+    if not text:
+        return np.arange(n)
+    spelled = _IDS.fullmatch(text.strip())
+    if spelled is None:
+        raise ValueError(f"mesh device ids XLA spelled in an unknown way: {text}")
+    dims, reshape, perm, listed = spelled.groups()
+    if listed:
+        ids = np.array(_ints(listed))
+    elif dims or reshape:
+        ids = _iota(str(n), reshape or dims, perm)
+    else:
+        raise ValueError(f"mesh device ids XLA spelled in an unknown way: {text}")
+    if sorted(ids.tolist()) != list(range(n)):
+        raise ValueError(f"mesh device ids are not a permutation of 0..{n - 1}: {text}")
+    return ids
 
 
 def group_axes(group: list[int], mesh: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
