@@ -3,6 +3,8 @@ costed and lowered from the same steps."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import shardc
@@ -66,16 +68,19 @@ def test_without_a_block_every_step_is_the_blocks() -> None:
     assert not plan.section("before").forward and not plan.section("after").backward
 
 
-def test_a_step_outside_the_block_among_its_steps_does_not_cut() -> None:
-    """A value read before the block and fed to it sums its gradient's parts among the block's steps:
-    that plan plans (and costs unpipelined) as before, but has no sections to cost or lower a pipeline by."""
+def test_an_input_read_before_the_block_and_in_it_cuts_a_layers_sum_from_the_statements_before() -> None:
+    """A data input read before the block and by the block: each layer sums its own contributions to the
+    input's gradient (``dX0_layer``, the block's last backward step, as a layer hands it back), and the
+    statements before the block add theirs to it once, so the plan cuts into sections."""
     spec = "mesh X=4\nO1[D, S] = X0[S_X, D]\nlayers 3 {\n  O2[D, S] = X0[S_X, D]\n  X1[S_X, D] = tanh(X0[S_X, D])\n}\n"
     plan = shardc.plan(shardc.parse(spec))
-    assert plan.sections is None and Sections.of(plan.forward, plan.backward, plan.recomputed) is None
-    with pytest.raises(InternalError, match="among the block's steps"):
-        plan.section("block")
-    cut = _plan()
-    assert cut.sections is not None and cut.section("block").forward
+    assert plan.sections is not None and Sections.of(plan.forward, plan.backward, plan.recomputed) == plan.sections
+    block, before = plan.section("block"), plan.section("before")
+    assert str(block.backward[-1].dst) == "dX0_layer[S_X, D]" and not block.backward[-1].once
+    last = before.backward[-1]
+    assert last.dst.name == "dX0" and last.once and "dX0_layer" in {o.name for o in last.operands}
+    with pytest.raises(InternalError, match="among the block's steps"):  # a plan whose once steps sit inside
+        replace(plan, sections=None).section("block")
 
 
 def test_a_block_input_without_a_gradient_is_refused_plainly() -> None:
@@ -115,4 +120,12 @@ def test_what_crosses_the_blocks_edges_is_in_its_declared_sharding() -> None:
 @pytest.mark.slow
 def test_what_crosses_the_blocks_edges_verifies() -> None:
     report = verify(shardc.parse(MOVED))
+    assert report.ok, render_report(report)
+
+
+@pytest.mark.slow
+def test_an_input_read_before_the_block_and_in_it_verifies() -> None:
+    spec = "mesh X=4\ndims S=8, D=4\nO1[S_X, D] = gelu(X0[S_X, D])\nlayers 3 {\n  O2[D, S] = X0[S_X, D]\n" \
+           "  X1[S_X, D] = tanh(X0[S_X, D])\n}\n"
+    report = verify(shardc.parse(spec), devices=4)
     assert report.ok, render_report(report)

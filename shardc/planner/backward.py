@@ -205,8 +205,9 @@ class _Backward:
         self.phase.emit(Step(Op.ELEMENTWISE, name, self.phase.ref(name, value), operands=operands,
                              fn=add_op(len(operands))))
 
-    def finish(self, name: str) -> None:
-        """Sum the contributions of ``name``'s gradient, once all have arrived.
+    def finish(self, name: str, into: str | None = None) -> None:
+        """Sum the contributions of ``name``'s gradient, once all have arrived, into its gradient (or
+        ``into``).
 
         Contributions made alike (same layout, same partial sums) are added first and
         moved once; only then do the sums meet in the primal's sharding.
@@ -214,7 +215,7 @@ class _Backward:
         parts = self.parts.pop(name, None)
         if not parts:
             return
-        target, grad = self.left_partial(name, [v for _, v in parts]), self.grads[name]
+        target, grad = self.left_partial(name, [v for _, v in parts]), into or self.grads[name]
         groups: dict[Value, list[str]] = {}
         for part, value in parts:
             groups.setdefault(value, []).append(part)
@@ -233,6 +234,21 @@ class _Backward:
             self._move(total, value, target)
             sums.append(total)
         self._add(grad, sums, target)
+
+    def close_layer(self, name: str, since: int) -> None:
+        """``name``, a ``layers`` block's input that statements before the block read too: the
+        contributions the block's backward made (those after the first ``since``) summed into one, in
+        the input's sharding, as each layer hands its input's gradient back; those of the statements
+        before the block add to it once."""
+        every = self.parts.get(name, [])
+        made = every[since:]
+        if len(made) < 2 and all(v == self.target(name) for _, v in made):
+            return
+        total = fresh(f"{self.grads[name]}_layer", self.taken)
+        self.phase.indices[total] = self.phase.indices[name]
+        self.parts[name] = made
+        self.finish(name, into=total)
+        self.parts[name] = [*every[:since], (total, self.target(name))]
 
     def hand_back(self, name: str) -> None:
         """A ``layers`` block's input ``name``: each layer hands its gradient to the layer before as
@@ -273,7 +289,16 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
             cotangents.append(bw.phase.ref(name, bw.target(out)))
             bw.phase.hold(name, bw.target(out))
     repeated = {o for k, node in enumerate(graph.nodes) if k not in once for o in node.operands}
+    # a data input the block and a statement before it both read: its contributions before the block's
+    # backward began (from statements after the block), counted when it begins
+    inputs = sorted(n for n in repeated & set(graph.inputs) if n not in bw.partial and n not in bw.shards)
+    entered: dict[str, int] | None = None
     for k in reversed(range(len(graph.nodes))):
+        if once and k not in once and entered is None:
+            entered = {n: len(bw.parts.get(n, ())) for n in inputs}
+        if k in once and k + 1 < len(graph.nodes) and k + 1 not in once and entered is not None:
+            for name in inputs:  # the block's backward ends: each layer's sum of its input's gradient
+                bw.close_layer(name, entered[name])
         if k in once and graph.nodes[k].result in repeated:
             bw.finish(graph.nodes[k].result)  # a layer's input gradient: summed once a layer
             bw.hand_back(graph.nodes[k].result)
@@ -285,7 +310,7 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     for name in wanted:
         start = len(bw.phase.steps)
         bw.finish(name)
-        if once and name not in repeated:
+        if once and (name not in repeated or name in inputs):
             bw.phase.mark_once(start)
     grads = tuple(bw.phase.ref(graph.grads[n], bw.final.get(n, bw.target(n))) for n in wanted)
     residuals = _residuals(bw.phase, forward)
