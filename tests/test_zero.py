@@ -269,6 +269,26 @@ def test_shardc_verify_checks_the_optimizer_phase_values_and_hlo(tmp_path: Path)
     assert any("without the zero line" in n for n in json.loads(compared.stdout)["notes"])
 
 
+@pytest.mark.slow
+def test_a_pipelined_zero_plan_verifies_its_optimizer_phase_as_a_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a pipeline the optimizer phase is a stage's: lowered without the stage axis, its update
+    checked against numpy and its ReduceScatters and AllGathers found in the HLO; a wrong update fails."""
+    from shardc.lowering import template
+    from shardc.verification.verify import verify
+    from tests.test_plan_sections import MODEL
+
+    replicated = MODEL.replace("W_emb[V_Y, D_X]", "W_emb[V_Y, D]").replace("W1[D_X, F_Y]", "W1[D, F_Y]") \
+        .replace("W2[F_Y, D_X]", "W2[F_Y, D]").replace("W_out[D_X, V_Y]", "W_out[D, V_Y]")
+    spec = shardc.parse(replicated + "zero 1 over X\n")  # the params replicated over X, their state sharded
+    report = verify(spec)
+    rows = [r for r in report.values if r.phase == "optimizer"]
+    assert report.ok and {r.tensor for r in rows} == {"W_emb", "W1", "W2", "W_out"}
+    kinds = {(r.kind, r.ok) for r in report.collectives if r.phase == "optimizer"}
+    assert kinds == {("ReduceScatter", True), ("AllGather", True)}
+    monkeypatch.setattr(template, "LEARNING_RATE", template.LEARNING_RATE * 2)  # the module steps twice as far
+    assert not verify(spec).ok
+
+
 # --- any spec ---------------------------------------------------------------------------------------
 
 @given(specs(max_statements=3), st.sampled_from([1, 2, 3]), st.data())

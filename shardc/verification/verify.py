@@ -41,6 +41,7 @@ from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check,
 from shardc.ops.registry import of_call
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
+from shardc.spec.stages import stage_spec
 from shardc.verification.hlo import collectives
 from shardc.verification.memory_check import check_memory
 from shardc.verification.module_check import given_source, module_sizes, running, use_module
@@ -234,7 +235,10 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     check_device_count(devices)
     given = given_source(module) if module is not None else None
     if plan.spec.mesh.pipeline_axis is not None:  # a pipeline over the stage axis: its own module
-        return verify_pipeline(plan, devices, seed, module=given)
+        report = verify_pipeline(plan, devices, seed, module=given)
+        if zero is not None and zero_note is not None:
+            _stage_optimizer(report, zero, zero_note, devices, seed)
+        return report
     base = small_sizes(zero or plan, devices)
     fixed = module_sizes(plan, base) if given is not None else {}
     # a route's token index long enough that experts overflow: dropping past capacity is checked
@@ -286,6 +290,22 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     step("comparing memory with XLA's buffer assignment")
     report.memory_check = check_memory(lowered)
     return report
+
+
+def _stage_optimizer(report: Report, zero: Plan, note: str, devices: int, seed: int) -> None:
+    """A pipelined ZeRO-1/2 plan's optimizer phase, checked as an unpipelined one's: a stage's plan
+    (the spec without its stage axis, every stage's optimizer alike on its own layers) lowered small, its
+    ``optimizer_step`` against numpy and its compiled HLO against the plan's optimizer steps."""
+    stage = replace(zero, spec=stage_spec(zero.spec))
+    step("lowering a stage's optimizer phase (ZeRO)")
+    lowered = lower(stage, sizes=small_sizes(stage, devices))
+    dtype = compute_dtype(zero.spec)
+    report.notes.append(note + "; the optimizer phase is a stage's, lowered without the stage axis")
+    report.values += _optimizer_rows(lowered, TOLERANCE[dtype.name], dtype, seed)
+    mesh = dict(lowered.module.mesh)
+    found = collectives(lowered.compiled_text("optimizer", dtype), lowered.module.mesh)
+    report.collectives += match_collectives("optimizer", zero.optimizer, found, dict(lowered.sizes or {}),
+                                            zero.spec.dtype.nbytes, collapsed_axes(stage, mesh))
 
 
 def _keys(lowered: Lowered) -> tuple[int, ...]:
