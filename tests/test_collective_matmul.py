@@ -45,23 +45,28 @@ def _cost(plan: Plan) -> CostReport:
 def test_off_by_default_and_the_plan_is_otherwise_the_same() -> None:
     plain, fused = _plan(), _plan(collective_matmul=True)
     assert not _fused(plain)
-    assert [p for s in fused.forward for p in unfused(s)] == list(plain.forward)
-    assert [p for s in fused.backward for p in unfused(s)] == list(plain.backward)
+    # a gather two einsums read is each one's (dOut's): once in the plain plan
+    assert list(dict.fromkeys(p for s in fused.forward for p in unfused(s))) == list(plain.forward)
+    assert list(dict.fromkeys(p for s in fused.backward for p in unfused(s))) == list(plain.backward)
     assert check_plan(fused) == []
 
 
-def test_the_tp_blocks_reduce_scatter_runs_as_a_ring_and_its_exposed_time_drops() -> None:
-    """The book's chapter-5 layout: the ReduceScatter over Y leaving each tensor-parallel block waits on its
-    einsum (critical path); as a ring of 3 sends under 4 block matmuls it hides.  The AllGather of In
-    entering it stays: its gathered value is also kept for the backward (a residual)."""
+def test_the_tp_blocks_collectives_run_as_rings_and_their_exposed_time_drops() -> None:
+    """The book's chapter-5 layout: the ReduceScatters over Y leaving each tensor-parallel block wait on
+    their einsum (critical path); as rings of 3 sends under 4 block matmuls they hide, and so does the
+    backward's gather of dOut, in each of the two einsums that read it.  The AllGather of In entering the
+    block stays: its gathered value is also kept for the backward (a residual)."""
     plain, fused = _plan(), _plan(collective_matmul=True)
     assert _fused(fused) == [("forward", Op.REDUCE_SCATTER, "Out[B_X, D_Y]"),
+                             ("backward", Op.ALL_GATHER, "dW_out[F_Y, D]{U_X}"),
+                             ("backward", Op.ALL_GATHER, "dTmp[B_X, F_Y]"),
                              ("backward", Op.REDUCE_SCATTER, "dIn[B_X, D_Y]")]
     assert any(s.op is Op.ALL_GATHER and str(s.dst) == "In[B_X, D]" for s in fused.forward)
     before, after = plan_time(plain), plan_time(fused)
     assert after.step_s < before.step_s
     # the ReduceScatter's 273 us were exposed; the ring's sends hide under its block matmuls
     assert before.forward.critical_s == pytest.approx(2 * after.forward.critical_s)
+    assert after.backward.critical_s == 0.0 < before.backward.critical_s
     row = next(r for r in _cost(fused).forward.rows if r.ring_steps)
     assert row.ring_steps == 4 and row.ring_axes == ("Y",) and row.exposed_comm_s == 0.0
 
@@ -86,22 +91,34 @@ def test_the_exposed_time_is_what_the_block_matmuls_do_not_hide() -> None:
 def test_the_gather_of_the_activation_fuses_where_nothing_else_reads_it() -> None:
     """With nothing gathered kept (``--save none``) the AllGather of In over Y feeds one einsum: forward and
     backward run it as a ring (its dim D free in dW_in, contracted in Tmp), and no critical collective is
-    left in the forward."""
+    left."""
     fused = _plan(save="none", collective_matmul=True)
     assert _fused(fused) == [("forward", Op.ALL_GATHER, "Tmp[B_X, F_Y]"),
                              ("forward", Op.REDUCE_SCATTER, "Out[B_X, D_Y]"),
+                             ("backward", Op.ALL_GATHER, "dW_out[F_Y, D]{U_X}"),
+                             ("backward", Op.ALL_GATHER, "dTmp[B_X, F_Y]"),
                              ("backward", Op.ALL_GATHER, "dW_in[D, F_Y]{U_X}"),
                              ("backward", Op.REDUCE_SCATTER, "dIn[B_X, D_Y]")]
-    assert plan_time(fused).forward.critical_s == 0.0
+    t = plan_time(fused)
+    assert t.forward.critical_s == t.backward.critical_s == 0.0
     assert check_plan(fused) == []
 
 
-def test_a_gathered_value_read_twice_is_not_fused() -> None:
-    """The backward's gathered dOut feeds two einsums (dW_out and dTmp): its AllGather stays."""
-    fused = _plan(save="none", collective_matmul=True)
-    gather = next(s for s in fused.backward if s.op is Op.ALL_GATHER and s.axes == ("Y",))
-    assert str(gather.dst) == "dOut[B_X, D]"
-    assert sum(gather.dst in s.operands for s in fused.backward) == 2
+def test_a_gathered_value_read_by_two_einsums_is_sent_around_once_for_each() -> None:
+    """The backward's gathered dOut feeds dW_out's einsum and dTmp's: each runs its own ring from dOut's
+    block, and the gather is gone."""
+    plain, fused = _plan(), _plan(collective_matmul=True)
+    gather = next(s for s in plain.backward if s.op is Op.ALL_GATHER and s.axes == ("Y",))
+    rings = [s for s in fused.backward if s.collective == gather]
+    assert len(rings) == 2 and all(gather.src in s.operands for s in rings)
+    assert gather not in fused.backward
+
+
+def test_a_gathered_value_something_else_reads_stays_gathered() -> None:
+    """The sequence-parallel gather of L1 on Megatron's layer feeds Q's einsum and the alias Kx that K's and
+    V's read: not only einsums, so it stays."""
+    fused = _plan(GPT_SP, collective_matmul=True)
+    assert any(s.op is Op.ALL_GATHER and str(s.dst) == "L1[B, S, D]" for s in fused.forward)
 
 
 def test_kept_apart_where_the_ring_would_be_slower() -> None:
@@ -143,10 +160,12 @@ def test_plan_and_cost_take_the_flag(capsys: pytest.CaptureFixture[str]) -> None
 def test_megatron_gpt_layer_exposed_communication_on_h100() -> None:
     """Megatron's GPT-3 layer (TP and SP over 8 H100s, 2048 tokens, hidden 12288): three of the four
     ReduceScatters leaving the tensor-parallel blocks run as rings (the fourth reduces the sum of the Q, K and
-    V gradients, no one einsum's); the AllGathers entering the blocks feed several einsums and stay."""
+    V gradients, no one einsum's), and the backward's gather of dM into the MLP; the exposed communication
+    falls from 16% of the step to under 10%."""
     plain, fused = _cost(_plan(GPT_SP)), _cost(_plan(GPT_SP, collective_matmul=True))
-    assert fused.step.critical_s < 0.7 * plain.step.critical_s
-    assert fused.step.critical_s / fused.step.step_s < plain.step.critical_s / plain.step.step_s
+    assert plain.step.critical_s / plain.step.step_s > 0.15
+    assert fused.step.critical_s / fused.step.step_s < 0.10
+    assert fused.step.step_s < plain.step.step_s
 
 
 @pytest.mark.slow
@@ -157,7 +176,8 @@ def test_the_lowered_rings_verify_at_8_devices() -> None:
     assert report.ok, [r.tensor for r in report.values if not r.ok] + [r.step for r in report.collectives if not r.ok]
     rings = [r for r in report.collectives if r.kind == "CollectivePermute"]
     n = report.mesh["Y"]
-    assert n > 1 and len(rings) == 4 and all(r.hlo_op == f"collective-permute x {n - 1}" for r in rings)
+    # the two einsums reading the gathered dOut send its blocks alike: XLA keeps one chain of permutes
+    assert n > 1 and len(rings) == 5 and all(r.hlo_op == f"collective-permute x {n - 1}" for r in rings)
     # the forward's only collectives over Y are the rings' permutes (the backward's gathered dOut feeds two)
     assert {r.kind for r in report.collectives if r.phase == "forward" and r.plan_axes == "Y"} == {"CollectivePermute"}
 

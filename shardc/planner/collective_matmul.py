@@ -17,8 +17,10 @@ n matmuls of one block each, n - 1 transfers of one block each: only the part of
 matmul does not hide stays exposed (:func:`shardc.steptime.ring_time`).  The pass fuses such a pair
 where the collective is on the critical path (an ahead-of-time weight gather is hidden already), runs
 over one axis that is the minor-most of its dim's (so a device's block along the dim is its index on
-the axis), on a dim the axis divides, and nothing else reads the gathered operand or the partial
-result; and only where the fused step's time is less than the pair's, on the plan's chip.
+the axis), on a dim the axis divides, and nothing but einsums reads the gathered operand (each of them
+then runs its own ring, the blocks sent once for each: more bytes, each send under a block matmul), or
+nothing but the ReduceScatter the partial result; and only where the fused steps' time is less than the
+steps they replace, on the plan's chip.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from shardc.fusion import is_product
 from shardc.hardware import Hardware
 from shardc.ir.plan import Op, Plan, Sections, Step
 from shardc.ir.spec import TensorRef
-from shardc.timing import StepCost, cost_step, plan_dtype, plan_links, plan_sizes
+from shardc.timing import cost_step, plan_dtype, plan_links, plan_sizes
 
 __all__ = ["fuse_collective_matmuls", "ring_dim"]
 
@@ -52,8 +54,8 @@ def ring_dim(c: Step, sizes: dict[str, int]) -> bool:
 
 
 def fuse_collective_matmuls(plan: Plan) -> Plan:
-    """``plan`` with each critical-path AllGather feeding only an einsum, and each einsum whose partial
-    result only a critical-path ReduceScatter reads, fused into a collective matmul where that is faster
+    """``plan`` with each critical-path AllGather read only by einsums, and each einsum whose partial
+    result only a critical-path ReduceScatter reads, fused into collective matmuls where that is faster
     on the plan's chip; the forward and the backward (what the backward recomputes is left as it is)."""
     if plan.sizes is None or plan.chip.book or plan.spec.mesh.pipeline_axis is not None:
         return plan
@@ -76,64 +78,61 @@ def _fuse(plan: Plan, steps: tuple[Step, ...], kept: set[TensorRef]) -> tuple[St
     out = list(steps)
     k = 0
     while k < len(out):
-        fused = _pair(plan, out, k, kept)
-        if fused is not None:
-            i, j, step = fused
-            out[i] = step
-            del out[j]
-            if j <= k:  # the gather fused into its einsum: the step now at k is the next one
-                continue
-        k += 1
+        change = _gather(plan, out, k, kept) if out[k].op is Op.ALL_GATHER else _scatter(plan, out, k, kept)
+        # each index changed: its fused step, or None where the step is absorbed (a gather: the step now at
+        # k is the next one)
+        k += 1 if not change or change[k] is not None else 0
+        out = [s for i, step in enumerate(out) if (s := change.get(i, step)) is not None]
     return tuple(out)
 
 
-def _pair(plan: Plan, steps: list[Step], k: int, kept: set[TensorRef]) -> tuple[int, int, Step] | None:
-    """(where the fused step goes, the step it absorbs, the fused step) for the collective or einsum at
-    ``k`` and its only reader, or None."""
-    sizes = plan_sizes(plan)
-    reads = _reads(steps)
-    first = steps[k]
-    if first.op is Op.ALL_GATHER and not first.ahead and ring_dim(first, sizes):
-        value = first.dst
-    elif first.op is Op.EINSUM and first.collective is None and first.dst.unreduced:
-        value = first.dst
-    else:
-        return None
-    if value in kept or reads[value] != 1 or value.unreduced and first.op is Op.ALL_GATHER:
-        return None
-    j = next((j for j in range(k + 1, len(steps)) if value in _reads((steps[j],))), None)
+def _gather(plan: Plan, steps: list[Step], k: int, kept: set[TensorRef]) -> dict[int, Step | None]:
+    """The AllGather at ``k`` run as a ring inside each einsum that reads its result, where every reader is
+    such an einsum (each then sends the blocks around itself: more bytes, each send under a block matmul)."""
+    c = steps[k]
+    if c.ahead or c.src is None or c.dst in kept or c.dst.unreduced or not ring_dim(c, plan_sizes(plan)):
+        return {}
+    readers = [j for j in range(k + 1, len(steps)) if c.dst in _reads((steps[j],))]
+    if not readers or len(readers) != _reads(steps)[c.dst]:
+        return {}
+    fused: dict[int, Step | None] = {k: None}
+    for j in readers:
+        e = steps[j]
+        if e.op is not Op.EINSUM or e.collective is not None or c.src in e.operands or c.dst not in e.operands:
+            return {}
+        i = e.operands.index(c.dst)
+        fused[j] = replace(e, operands=e.operands[:i] + (c.src,) + e.operands[i + 1:], axes=c.axes, collective=c)
+    plain = [c] + [steps[j] for j in readers]
+    return fused if _faster(plan, [s for s in fused.values() if s is not None], plain) else {}
+
+
+def _scatter(plan: Plan, steps: list[Step], k: int, kept: set[TensorRef]) -> dict[int, Step | None]:
+    """The einsum at ``k`` and the ReduceScatter of its partial result, its only reader, as one ring."""
+    e = steps[k]
+    if e.op is not Op.EINSUM or e.collective is not None or not e.dst.unreduced or e.dst in kept \
+            or _reads(steps)[e.dst] != 1:
+        return {}
+    j = next((j for j in range(k + 1, len(steps)) if e.dst in _reads((steps[j],))), None)
     if j is None:
-        return None
-    second = steps[j]
-    if first.op is Op.ALL_GATHER:
-        assert first.src is not None
-        if second.op is not Op.EINSUM or second.collective is not None or second.operands.count(value) != 1 \
-                or first.src in second.operands:
-            return None
-        k_op = second.operands.index(value)
-        fused = replace(second, operands=second.operands[:k_op] + (first.src,) + second.operands[k_op + 1:],
-                        axes=first.axes, collective=first)
-        return (j, k, fused) if _faster(plan, fused, (first, second)) else None
-    if second.op is not Op.REDUCE_SCATTER or second.ahead or not ring_dim(second, sizes) or second.src != value:
-        return None
-    fused = replace(first, dst=second.dst, axes=second.axes, collective=second)
-    return (k, j, fused) if _faster(plan, fused, (first, second)) else None
+        return {}
+    c = steps[j]
+    if c.op is not Op.REDUCE_SCATTER or c.ahead or c.src != e.dst or not ring_dim(c, plan_sizes(plan)):
+        return {}
+    fused = replace(e, dst=c.dst, axes=c.axes, collective=c)
+    return {k: fused, j: None} if _faster(plan, [fused], [e, c]) else {}
 
 
-def _faster(plan: Plan, fused: Step, pair: tuple[Step, Step]) -> bool:
-    """Whether the fused step takes less time than the pair it replaces (both on the critical path)."""
-    einsum = next(s for s in pair if s.op is Op.EINSUM)
-    if is_product(einsum):  # an elementwise product is memory-bound: nothing to hide the transfer under
+def _faster(plan: Plan, fused: list[Step], plain: list[Step]) -> bool:
+    """Whether the fused steps take less time than the steps they replace (all on the critical path)."""
+    if any(is_product(s) for s in plain if s.op is Op.EINSUM):  # memory-bound: nothing hides a transfer
         return False
     hw: Hardware = plan.chip
     sizes = plan_sizes(plan)
     links = plan_links(plan, hw, sizes)[0]
     dtype = plan_dtype(plan)
 
-    def seconds(row: StepCost) -> float:
+    def seconds(step: Step) -> float:
+        row = cost_step(0, step, plan.spec.mesh, sizes, hw, links, dtype, text="")
         return row.compute_s + row.memory_s + row.exposed_comm_s + (row.comm_s if row.is_collective else 0.0)
 
-    def cost(step: Step) -> StepCost:
-        return cost_step(0, step, plan.spec.mesh, sizes, hw, links, dtype, text="")
-
-    return seconds(cost(fused)) < math.fsum(seconds(cost(s)) for s in pair)
+    return math.fsum(map(seconds, fused)) < math.fsum(map(seconds, plain))

@@ -1,7 +1,8 @@
 """The collective-permutes a ring kernel's step makes, as the compiled HLO is searched for them.
 
 A collective matmul (:mod:`shardc.planner.collective_matmul`) sends a block of its gathered operand,
-or of its partial result, n - 1 times around its axis.  A ring attention step
+or of its partial result, n - 1 times around its axis (einsums that read one gathered operand send the
+same blocks the same way, and XLA keeps one such chain of sends).  A ring attention step
 (:mod:`shardc.ops.ring_attention`) is one kernel of the plan, not a collective step: its sends are its
 family's :attr:`~shardc.ops.registry.Family.ring` (K and V each ring step but the last, the backward's
 dK and dV accumulators n times, a zig-zag reordering's half blocks).  Each send is one
@@ -35,9 +36,12 @@ class RingSends:
 def ring_sends(steps: tuple[Step, ...], sizes: dict[str, int]) -> list[RingSends]:
     """Every ring kernel step's sends, grouped by their elements (K's and V's alike are one group)."""
     found: list[RingSends] = []
+    gathers: set[Step] = set()
     for step in steps:
         if step.collective is not None:  # a collective matmul: n - 1 sends of one block over its axis
-            found += _collective_matmul_sends(step, sizes)
+            if step.collective not in gathers:  # einsums reading one gather send the same blocks: XLA merges them
+                found += _collective_matmul_sends(step, sizes)
+            gathers.add(step.collective)
             continue
         family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
         ring = family.ring(step, lambda name: sizes[name], 1) if family is not None and family.ring else None
