@@ -53,13 +53,13 @@ from shardc.errors import ShardcError
 from shardc.fusion import is_product, kept_values, memory_traffic
 from shardc.hardware import Hardware, resolve_hardware
 from shardc.ir.localops import Update
-from shardc.ir.plan import Plan, Step
+from shardc.ir.plan import Plan, Step, unfused
 from shardc.ir.spec import DType, Mesh, TensorRef
 from shardc.ops.registry import of_op
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import leaves
-from shardc.steptime import einsum_compute_seconds, ring_time
+from shardc.steptime import RingTransfer, Send, einsum_compute_seconds, ring_time
 from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["step_count", "bound_of",
@@ -125,6 +125,9 @@ class StepCost:
                        path="ahead" if self.ahead else "critical")
         elif self.op is Op.EINSUM:
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s)
+            if self.ring_steps:  # a collective matmul: its ring's transfers, and what of them stays exposed
+                row.update(axes=list(self.axes), volume_bytes=self.volume, ring_axes=list(self.ring_axes),
+                           ring_steps=self.ring_steps, transfer_s=self.transfer_s, exposed_comm_s=self.exposed_comm_s)
         elif self.flops:  # a kernel with matmuls (attention): its FLOPs and its HBM traffic
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s,
                        memory_bytes=self.memory_bytes, memory_s=self.memory_s)
@@ -183,6 +186,8 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         return StepCost(index, step.op, step.tensor, text, step.axes, t.network, volume,
                         volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead,
                         once=step.once, serial=t.serial)
+    if step.op is Op.EINSUM and step.collective is not None:
+        return _collective_matmul(index, step, mesh, sizes, hw, spans, dtype, memory_bytes, text)
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
         seconds = einsum_compute_seconds(flops, is_product(step), hw, dtype)
@@ -209,6 +214,23 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
                        exposed_comm_s=times.exposed_s, hidden_from=times.hidden_from)
     return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once, memory_bytes=memory_bytes,
                     memory_s=hw.memory_seconds(memory_bytes))
+
+
+def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
+                       spans: Layout | None, dtype: str, memory_bytes: float, text: str) -> StepCost:
+    """A collective matmul (:mod:`shardc.planner.collective_matmul`): its einsum in n block matmuls, one
+    block of the collective's n sent on to the next device along the axis while each of the first n - 1
+    runs (:func:`shardc.steptime.ring_time`: the part of the n - 1 transfers no matmul hides is exposed)."""
+    c = step.collective
+    assert c is not None
+    einsum = next(s for s in unfused(step) if s.op is Op.EINSUM)
+    plain = cost_step(index, einsum, mesh, sizes, hw, spans, dtype, memory_bytes, text)
+    n = math.prod(_size(sizes, a) for a in c.axes)
+    compute = n * einsum_compute_seconds(plain.flops / n, False, hw, dtype)
+    volume = step_volume(c, sizes)  # the whole gathered (or partial) piece: n blocks
+    times = ring_time(RingTransfer(c.axes, n, 0, (Send(volume / n, 1, n - 1),)), compute, mesh, sizes, hw, spans)
+    return replace(plain, axes=c.axes, volume=volume, compute_s=compute, ring_axes=c.axes, ring_steps=n,
+                   transfer_s=times.transfer_s, exposed_comm_s=times.exposed_s)
 
 
 def plan_dtype(plan: Plan) -> str:
@@ -409,7 +431,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
 
     def row(step: Step, moved: float) -> StepCost:
         key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
-               step.src.dims if step.src is not None else None, moved, step.ahead)
+               step.src.dims if step.src is not None else None, moved, step.ahead, step.collective)
         hit = seen.get(key)
         if hit is None:
             hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="")

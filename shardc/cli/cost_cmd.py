@@ -16,6 +16,7 @@ from typing import Any
 from shardc import plan
 from shardc.accountings import ACCOUNTINGS
 from shardc.cli.main import (
+    add_collective_matmul,
     add_common,
     add_model_flags,
     add_recompute,
@@ -61,6 +62,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="the plan's residual policy (see `shardc plan --help`)")
     add_recompute(parser)
+    add_collective_matmul(parser)
     parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
                         help="training-state accounting: " + "; ".join(
                             f"{k} {v[3]}" for k, v in ACCOUNTINGS.items()))
@@ -124,7 +126,7 @@ def run_cost(args: argparse.Namespace) -> int:
     if args.schedule_plot:  # before any work: a bad path must not cost a whole run
         check_image_path(args.schedule_plot, "--schedule-plot", args.force)
     the_plan = plan(spec, save=args.save, hardware=hw, spans=spans,  # planned for the chip it is costed on
-                    recompute=args.recompute, topology=args.topology)
+                    recompute=args.recompute, topology=args.topology, collective_matmul=args.collective_matmul)
     if args.sweep:
         return _run_sweep(args, the_plan)
     memory = _memory_check(the_plan) if args.check_memory else None
@@ -199,7 +201,8 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
         check_plot_path(args.plot, args.force)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware), args)
     plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute,
-                            topology=args.topology) for path in args.others]
+                            topology=args.topology, collective_matmul=args.collective_matmul)
+                       for path in args.others]
     spans = parse_spans(args.spans, first.spec)
     sweeps = [sweep(p, hw, dim, low, high, points, spans=spans) for p in plans]
     if args.json:

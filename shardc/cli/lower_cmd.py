@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shardc.cli.main import add_common
+from shardc.cli.main import add_collective_matmul, add_common
 from shardc.cli.spec_args import read_spec
 from shardc.errors import ShardcError, clip
 from shardc.files import write_text
@@ -45,6 +45,8 @@ def register(sub: Any, name: str) -> None:
     add_common(parser)
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="residual policy of the plan (see `shardc plan --help`)")
+    if name != "compare":
+        add_collective_matmul(parser)
     if name == "lower":
         parser.add_argument("-o", "--output", metavar="MODULE.py", help="write here instead of stdout")
     else:
@@ -71,7 +73,7 @@ _HELP = {
 
 def _plan(args: argparse.Namespace) -> Any:
     """The plan ``shardc plan`` prints for the same arguments, checked."""
-    result = plan(read_spec(args), save=args.save)
+    result = plan(read_spec(args), save=args.save, collective_matmul=getattr(args, "collective_matmul", False))
     require_sound(result)
     check_lowerable(result)  # a pipeline reading an input its stages cannot be fed: a clear refusal
     return result

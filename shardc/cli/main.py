@@ -168,6 +168,14 @@ def add_recompute(parser: argparse.ArgumentParser, detail: bool = False) -> None
                         help=f"what the backward recomputes instead of keeping: {more}")
 
 
+def add_collective_matmul(parser: argparse.ArgumentParser) -> None:
+    """--collective-matmul, shared by plan and cost (off by default)."""
+    parser.add_argument("--collective-matmul", action="store_true",
+                        help="run an einsum and the critical-path AllGather before it (or ReduceScatter after it) "
+                             "over one axis as a ring of sends under its block matmuls, where that is faster "
+                             "(collective matmul); `shardc lower` and `verify` run such plans")
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """--model and --bucket-mb, shared by plan, cost and layouts."""
     parser.add_argument("--model", choices=("chip", "book"), default=None,

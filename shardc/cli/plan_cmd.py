@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from shardc.cli.main import (
+    add_collective_matmul,
     add_common,
     add_model_flags,
     add_recompute,
@@ -34,6 +35,7 @@ def register(sub: Any, name: str) -> None:
                         help="residual policy: default keeps gathered activations and gathers weights "
                              "again; none keeps nothing gathered; all keeps everything")
     add_recompute(parser, detail=True)
+    add_collective_matmul(parser)
     parser.add_argument("--hardware", metavar="NAME",
                         help="plan for this chip (see `shardc hardware`; default: the spec's, else tpu-v5p)")
     parser.add_argument("--hardware-file", metavar="TOML", help="plan for a chip of your own")
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     spec = read_spec(args)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)
     result = plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
-                  recompute=args.recompute, explain=args.explain, topology=args.topology)
+                  recompute=args.recompute, explain=args.explain, topology=args.topology,
+                  collective_matmul=args.collective_matmul)
     try:
         require_sound(result)  # a broken plan is a shardc bug: say so (exit 1), never print it as sound
     except InternalError as err:

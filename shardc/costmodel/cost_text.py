@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from shardc.costmodel.formulas import text
 from shardc.costmodel.pipeline_cost import PipelineCost
+from shardc.ir.plan import Op
 from shardc.pipeline.bubbles import EXACT, activation_factor, inflight, sends_per_microbatch
 from shardc.timing import StepCost
 from shardc.units import fmt_bytes, fmt_flops, fmt_seconds
@@ -37,10 +38,16 @@ def _row(r: StepCost) -> str:
 
 
 def _ring(r: StepCost) -> str:
-    """A ring kernel's transfers against its compute (ring attention): each step's send, what stays
-    exposed, and the block length from which a step's compute hides its send."""
+    """A ring kernel's transfers against its compute (ring attention, a collective matmul): each step's
+    send, what stays exposed, and (attention) the block length from which a step's compute hides its send."""
     if not r.ring_steps:
         return ""
+    if r.op is Op.EINSUM:  # a collective matmul
+        block = r.compute_s / r.ring_steps
+        return (f"\n       collective matmul over {','.join(r.ring_axes)}: {r.ring_steps} block matmuls of "
+                f"{fmt_seconds(block)}, {r.ring_steps - 1} sends of a block ({fmt_bytes(r.volume / r.ring_steps)}) "
+                f"in {fmt_seconds(r.transfer_s)} each: {'hidden' if r.transfer_s <= block else 'exposed'}; "
+                f"exposed communication {fmt_seconds(r.exposed_comm_s)}")
     hidden = "hidden" if r.transfer_s <= r.compute_s / r.ring_steps else "exposed"
     return (f"\n       ring attention over {','.join(r.ring_axes)}: {r.ring_steps} steps of "
             f"{fmt_seconds(r.compute_s / r.ring_steps)} compute, each sending the next K/V block in "

@@ -21,7 +21,7 @@ import symengine as se
 from symengine import Basic as Expr  # a formula
 
 from shardc.collectives import FACTOR, Layout, bandwidth_terms, einsum_flops
-from shardc.ir.plan import Monomial, Op, Step
+from shardc.ir.plan import Monomial, Op, Step, unfused
 from shardc.ir.spec import Mesh
 from shardc.ops.registry import of_op
 
@@ -209,6 +209,7 @@ def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
 
 
 def _einsum(step: Step) -> tuple[Expr, Expr]:
+    step = next(s for s in unfused(step) if s.op is Op.EINSUM)  # a collective matmul's FLOPs are its einsum's
     local, model = einsum_flops(((d.name, d.axes) for ref in (*step.operands, step.dst) for d in ref.dims), symbol)
     return ZERO + local, ZERO + model  # a formula even for an einsum of scalars (2)
 

@@ -25,7 +25,7 @@ from shardc.spec.walk import nbytes_of
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
-    "uses_dropout", "Sections", "Section", "SECTIONS",
+    "uses_dropout", "Sections", "Section", "SECTIONS", "unfused",
 ]
 
 
@@ -136,6 +136,11 @@ class Step:
     note: str = ""
     once: bool = False  # outside a `layers L { ... }` block: runs once a step, not once a layer
     shapes: tuple[TensorRef, ...] = ()  # values read for their shape only (see above)
+    # an einsum run as a collective matmul (shardc.planner.collective_matmul): the AllGather of one of its
+    # operands, or the ReduceScatter of its result, over one axis, that it runs as a ring of permutes
+    # interleaved with its block matmuls; its operands are then the gather's source, or its result the
+    # scatter's destination
+    collective: Step | None = None
 
     @property
     def is_collective(self) -> bool:
@@ -331,3 +336,18 @@ class Plan:
 def uses_dropout(steps: Iterable[Step]) -> bool:
     """Whether ``steps`` draw a dropout keep-mask (a lowered module then takes a dropout key)."""
     return any(isinstance(s.fn, DropoutMask) for s in steps)
+
+
+def unfused(step: Step) -> tuple[Step, ...]:
+    """A collective matmul (:attr:`Step.collective`) as the two steps it replaces, in the order they would
+    run: the AllGather then the einsum of the gathered operand, or the einsum of the partial result then its
+    ReduceScatter; any other step alone."""
+    c = step.collective
+    if c is None:
+        return (step,)
+    assert c.src is not None
+    if c.op is Op.ALL_GATHER:
+        k = step.operands.index(c.src)
+        return c, Step(step.op, step.tensor, step.dst, operands=step.operands[:k] + (c.dst,) + step.operands[k + 1:],
+                       once=step.once)
+    return Step(step.op, step.tensor, c.src, operands=step.operands, once=step.once), c

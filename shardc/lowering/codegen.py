@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from shardc.collectives import share
 from shardc.errors import InternalError
 from shardc.ir.localops import Combine, Update
-from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.plan import Op, Plan, Step, unfused
 from shardc.ir.spec import Mesh, TensorRef
 from shardc.lowering import template
 from shardc.lowering.partition_specs import axes_entry
@@ -200,8 +200,9 @@ def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Name
                 raise InternalError(f"{phase} step {number} ({step.op.title} -> {step.dst}) reads "
                                   f"{ref}, which no earlier step makes",
                                   fix="this is a planner bug: report the spec")
-        if step.op in (Op.EINSUM, Op.COPY):
-            _check_einsum(step, number, phase)
+        for part in unfused(step):  # a collective matmul: its einsum as the planner made it
+            if part.op in (Op.EINSUM, Op.COPY):
+                _check_einsum(part, number, phase)
         code = f"{var(step.dst)} = {_step_code(step, var, sizes)}"
         lines.append((code, template.comment(f"{step.dst}  {local_shape_text(step.dst, sizes)}")))
         made.add(_key(step.dst))

@@ -16,12 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardc.lowering.runtime_collective import ring_allgather_einsum, ring_einsum_reducescatter
 from shardc.lowering.runtime_ring import compute_dtype, key_block, ring_backward, ring_forward, varying_zero
 
 __all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask", "keep_mask", "vocab_lookup",
            "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk", "attention", "attention_grads",
            "ring_attention", "ring_attention_grads", "expert_dispatch", "expert_combine", "expert_dispatch_vjp",
-           "expert_combine_vjp", "expert_gate_vjp"]
+           "expert_combine_vjp", "expert_gate_vjp", "allgather_einsum", "einsum_reducescatter"]
 
 Array = Any
 Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
@@ -283,6 +284,18 @@ def ring_attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do:
     dV whole over the ring's axes."""
     return _kernel_once(ring_backward, q, k, v, o, lse, do, subs, key, query, ring,  # type: ignore[return-value]
                         zigzag)
+
+
+def allgather_einsum(subs: str, xs: tuple[Array, ...], k: int, dim: int, axis: str) -> Array:
+    """``jnp.einsum(subs, *xs)`` of operand ``k`` gathered along its dim ``dim`` over ``axis``, as a
+    collective matmul (:func:`shardc.lowering.runtime_collective.ring_allgather_einsum`)."""
+    return ring_allgather_einsum(subs, xs, k, dim, axis)
+
+
+def einsum_reducescatter(subs: str, xs: tuple[Array, ...], dim: int, axis: str) -> Array:
+    """``jnp.einsum(subs, *xs)`` reduce-scattered along the result's dim ``dim`` over ``axis``, as a
+    collective matmul (:func:`shardc.lowering.runtime_collective.ring_einsum_reducescatter`)."""
+    return ring_einsum_reducescatter(subs, xs, dim, axis)
 
 
 # --- index-based dispatch and combine (the routing of route_topk, held as indices) ----------

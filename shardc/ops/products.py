@@ -71,12 +71,19 @@ def einsum_letters(refs: tuple[TensorRef, ...]) -> dict[str, str]:
 
 
 def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
-    """One local ``jnp.einsum`` of the step's blocks (any sizes)."""
+    """One local ``jnp.einsum`` of the step's blocks (any sizes); a collective matmul's ring
+    (:mod:`shardc.lowering.runtime_collective`)."""
     letters = einsum_letters((*step.operands, step.dst))
     ins = ",".join("".join(letters[i] for i in ref.indices) for ref in step.operands)
     out = "".join(letters[i] for i in step.dst.indices)
     args = ", ".join(var(ref) for ref in step.operands)
-    return f"{step.op.info.jax_call}('{ins}->{out}', {args})"
+    c = step.collective
+    if c is None:
+        return f"{step.op.info.jax_call}('{ins}->{out}', {args})"
+    if c.op is Op.ALL_GATHER:  # a collective matmul (shardc.planner.collective_matmul): a ring over one axis
+        assert c.src is not None
+        return f"allgather_einsum('{ins}->{out}', ({args},), {step.operands.index(c.src)}, {c.dim}, {c.axes[0]!r})"
+    return f"einsum_reducescatter('{ins}->{out}', ({args},), {c.dim}, {c.axes[0]!r})"
 
 
 def _forward(site: Site, xs: Arrays, xp: Any) -> Array:

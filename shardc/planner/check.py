@@ -18,7 +18,7 @@ from __future__ import annotations
 from shardc.collectives import volume_elements
 from shardc.errors import InternalError
 from shardc.ir.localops import Add, Route, Row, Vocab
-from shardc.ir.plan import Monomial, Op, Plan, Step
+from shardc.ir.plan import Monomial, Op, Plan, Step, unfused
 from shardc.ir.spec import TensorRef
 from shardc.ops.route import check_route_step
 from shardc.ops.row_plans import check_row_step
@@ -166,8 +166,9 @@ def check_plan(plan: Plan) -> list[str]:
     fwd_held, bwd_held = _held_at_start(plan)
     for phase, steps, held in (("forward", plan.forward, fwd_held), ("backward", plan.backward, bwd_held)):
         for k, step in enumerate(steps, 1):
-            problems += [f"{phase} {k}: {p}" for p in _check_step(plan, step, held)]
-            held.add(_norm(step.dst))
+            for part in unfused(step):  # a collective matmul: its collective and its einsum, each checked
+                problems += [f"{phase} {k}: {p}" for p in _check_step(plan, part, held)]
+                held.add(_norm(part.dst))
         if phase == "forward":
             declared = [i.ref for i in plan.tensors if i.role == "activation"]
             problems += [f"forward never makes {r}" for r in declared if _norm(r) not in held]

@@ -7,7 +7,7 @@ from typing import Any
 
 from shardc.collectives import FACTOR
 from shardc.ir.localops import ALIAS
-from shardc.ir.plan import Monomial, Op, Plan, Step, sum_formula
+from shardc.ir.plan import Monomial, Op, Plan, Step, sum_formula, unfused
 from shardc.names import book_name
 from shardc.spec.stages import pipeline_note
 from shardc.timing import plan_time, step_volume
@@ -18,11 +18,13 @@ __all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_tot
 
 def phase_total(steps: Sequence[Step]) -> tuple[str, float | None, list[Monomial]]:
     """Weighted volume of a phase: the formula and, with sizes, nothing numeric here."""
-    terms = [w for s in steps if (w := s.weighted_volume()) is not None]
+    terms = [w for s in steps for part in unfused(s) if (w := part.weighted_volume()) is not None]
     return sum_formula(terms), None, terms
 
 
 def step_label(step: Step) -> str:
+    if step.collective is not None:  # a collective matmul: the einsum and the collective it runs as a ring
+        return "+".join(step_label(s) for s in unfused(step))
     if step.op in (Op.EINSUM, Op.COPY):
         return step.op.title
     if step.op is Op.ELEMENTWISE:
@@ -44,6 +46,10 @@ def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
         body = f"{step.dst} = " + joiner.join(str(o) for o in step.operands)
         if step.shapes:  # read for the shape only: no data, no residual
             body += f"; the shape of {', '.join(str(o) for o in step.shapes)}"
+        if step.collective is not None:
+            c = step.collective
+            body = f"{body:<44} {c.volume} bytes{_bytes_number(c, sizes)}    (collective matmul over " \
+                   f"{''.join(c.axes)}: a ring of sends under its block matmuls)"
         return f"{k:3d}  {label:<17} {body}"
     body = f"{step.src} -> {step.dst}"
     if step.volume is None:
@@ -72,7 +78,7 @@ def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None
 
 def _phase_bytes(steps: Sequence[Step], sizes: dict[str, int]) -> float:
     """Weighted bytes of a phase at the padded sizes (what ``shardc cost`` counts)."""
-    return sum(step_volume(s, sizes) * float(FACTOR[s.op]) for s in steps if s.volume is not None)
+    return sum(step_volume(p, sizes) * float(FACTOR[p.op]) for s in steps for p in unfused(s) if p.volume is not None)
 
 
 def _time_line(plan: Plan) -> str:
@@ -156,6 +162,8 @@ def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
         data["dim2"] = step.dim2
     if step.fn is not None:
         data["fn"] = str(step.fn)  # as listed: the operation's parameters rendered
+    if step.collective is not None:  # a collective matmul: the collective it runs as a ring of sends
+        data["collective"] = step_json(step.collective, sizes)
     if step.once:
         data["once"] = True  # outside a `layers L { ... }` block: runs once, not once a layer
     return data

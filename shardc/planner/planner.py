@@ -25,6 +25,7 @@ from shardc.ops.registry import Node
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
+from shardc.planner.collective_matmul import fuse_collective_matmuls
 from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, build_graph
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, policy, recompute_steps
@@ -69,7 +70,8 @@ SUM: Weights = (1.0, 1.0)
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
          spans: dict[str, int] | None = None, recompute: str = "none", budget: int = BUDGET,
          explain: bool = False, gradients: Mapping[str, str] | None = None,
-         topology: str | tuple[int, ...] | None = None, weights: Weights | None = None) -> Plan:
+         topology: str | tuple[int, ...] | None = None, weights: Weights | None = None,
+         collective_matmul: bool = False) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -94,6 +96,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     planned apart that must keep the whole spec's names (:func:`shardc.names.gradient_names`).
     ``topology`` (``4x4x4``, ``48x8``, or a tuple) is the slice or cluster the mesh lies on, over
     the spec's ``topology`` line; without either, the chip's usual one (:mod:`shardc.topology`).
+    ``collective_matmul`` runs an einsum and the critical-path AllGather before it (or ReduceScatter after
+    it) as one ring of sends overlapping its block matmuls, where that is faster
+    (:mod:`shardc.planner.collective_matmul`).
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
@@ -106,9 +111,12 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     check_gradients(gradients)
     validate(spec)  # a Spec built in Python has not met the parser's checks
     spec = _with_topology(spec, topology, hardware)
+    if not isinstance(collective_matmul, bool):
+        raise TypeError(f"collective_matmul must be True or False, not {type(collective_matmul).__name__}")
     try:
-        return _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
-                                   gradients or {}, weights=weights or SUM)
+        planned = _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
+                                      gradients or {}, weights=weights or SUM)
+        return fuse_collective_matmuls(planned) if collective_matmul else planned
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "

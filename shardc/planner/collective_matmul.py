@@ -1,0 +1,138 @@
+"""Collective matmul: an einsum and the AllGather before it, or the ReduceScatter after it, as one ring.
+
+An activation gathered over a mesh axis just before an einsum reads it (the sequence-parallel gather
+entering a tensor-parallel block), or an einsum's partial result reduce-scattered just after (the one
+leaving it), waits for the whole collective: it sits on the critical path.  Decomposed into n steps
+around the axis's ring of n devices, the transfers overlap the matmuls (Wang et al. 2023,
+"Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning Models";
+the "Collective matmul" example of JAX's shard_map documentation; the sharded-matmul chapter of "How
+To Scale Your Model"):
+
+- gathered: each device multiplies the block of the operand it holds while it sends that block on to
+  the next device with ``jax.lax.ppermute``; after n - 1 sends every block has been multiplied;
+- reduce-scattered: each device computes the partial result of one block, adds it to the accumulator
+  it received and sends the sum on; after n - 1 sends each device holds its block, summed.
+
+n matmuls of one block each, n - 1 transfers of one block each: only the part of a transfer its block's
+matmul does not hide stays exposed (:func:`shardc.steptime.ring_time`).  The pass fuses such a pair
+where the collective is on the critical path (an ahead-of-time weight gather is hidden already), runs
+over one axis that is the minor-most of its dim's (so a device's block along the dim is its index on
+the axis), on a dim the axis divides, and nothing but einsums reads the gathered operand (each of them
+then runs its own ring, the blocks sent once for each: more bytes, each send under a block matmul), or
+nothing but the ReduceScatter the partial result; and only where the fused steps' time is less than the
+steps they replace, on the plan's chip.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import replace
+
+from shardc.fusion import is_product
+from shardc.hardware import Hardware
+from shardc.ir.plan import Op, Plan, Sections, Step
+from shardc.ir.spec import TensorRef
+from shardc.timing import cost_step, plan_dtype, plan_links, plan_sizes
+
+__all__ = ["fuse_collective_matmuls", "ring_dim"]
+
+
+def ring_dim(c: Step, sizes: dict[str, int]) -> bool:
+    """Whether collective ``c`` can run as a ring over its one axis: an AllGather or ReduceScatter of one
+    dim whose axes gain (or lose) only that axis, the minor-most, and whose size the dim's devices divide."""
+    if c.op not in (Op.ALL_GATHER, Op.REDUCE_SCATTER) or c.src is None or c.dim is None or len(c.axes) != 1:
+        return False
+    (axis,) = c.axes
+    whole, cut = (c.dst, c.src) if c.op is Op.ALL_GATHER else (c.src, c.dst)
+    if [d for d in range(len(whole.dims)) if whole.dims[d] != cut.dims[d]] != [c.dim]:
+        return False
+    dim = cut.dims[c.dim]
+    devices = math.prod(sizes[a] for a in dim.axes)
+    return dim.axes == whole.dims[c.dim].axes + (axis,) and sizes[axis] > 1 and sizes[dim.name] % devices == 0
+
+
+def fuse_collective_matmuls(plan: Plan) -> Plan:
+    """``plan`` with each critical-path AllGather read only by einsums, and each einsum whose partial
+    result only a critical-path ReduceScatter reads, fused into collective matmuls where that is faster
+    on the plan's chip; the forward and the backward (what the backward recomputes is left as it is)."""
+    if plan.sizes is None or plan.chip.book or plan.spec.mesh.pipeline_axis is not None:
+        return plan
+    # what a phase hands on (the values the backward keeps from the forward, the gradients, the declared
+    # tensors): another phase reads only these of a phase's values
+    kept = {*plan.residuals, *plan.grads, *plan.cotangents, *(t.ref for t in plan.tensors)}
+    forward = _fuse(plan, plan.forward, kept)
+    backward = _fuse(plan, plan.backward, kept)
+    if forward == plan.forward and backward == plan.backward:
+        return plan
+    return replace(plan, forward=forward, backward=backward,
+                   sections=None if plan.sections is None else Sections.of(forward, backward, plan.recomputed))
+
+
+def _reads(steps: Iterable[Step]) -> Counter[TensorRef]:
+    return Counter(ref for s in steps for ref in (*s.operands, *s.shapes, *((s.src,) if s.src else ())))
+
+
+def _fuse(plan: Plan, steps: tuple[Step, ...], kept: set[TensorRef]) -> tuple[Step, ...]:
+    out = list(steps)
+    k = 0
+    while k < len(out):
+        change = _gather(plan, out, k, kept) if out[k].op is Op.ALL_GATHER else _scatter(plan, out, k, kept)
+        # each index changed: its fused step, or None where the step is absorbed (a gather: the step now at
+        # k is the next one)
+        k += 1 if not change or change[k] is not None else 0
+        out = [s for i, step in enumerate(out) if (s := change.get(i, step)) is not None]
+    return tuple(out)
+
+
+def _gather(plan: Plan, steps: list[Step], k: int, kept: set[TensorRef]) -> dict[int, Step | None]:
+    """The AllGather at ``k`` run as a ring inside each einsum that reads its result, where every reader is
+    such an einsum (each then sends the blocks around itself: more bytes, each send under a block matmul)."""
+    c = steps[k]
+    if c.ahead or c.src is None or c.dst in kept or c.dst.unreduced or not ring_dim(c, plan_sizes(plan)):
+        return {}
+    readers = [j for j in range(k + 1, len(steps)) if c.dst in _reads((steps[j],))]
+    if not readers or len(readers) != _reads(steps)[c.dst]:
+        return {}
+    fused: dict[int, Step | None] = {k: None}
+    for j in readers:
+        e = steps[j]
+        if e.op is not Op.EINSUM or e.collective is not None or c.src in e.operands or c.dst not in e.operands:
+            return {}
+        i = e.operands.index(c.dst)
+        fused[j] = replace(e, operands=e.operands[:i] + (c.src,) + e.operands[i + 1:], axes=c.axes, collective=c)
+    plain = [c] + [steps[j] for j in readers]
+    return fused if _faster(plan, [s for s in fused.values() if s is not None], plain) else {}
+
+
+def _scatter(plan: Plan, steps: list[Step], k: int, kept: set[TensorRef]) -> dict[int, Step | None]:
+    """The einsum at ``k`` and the ReduceScatter of its partial result, its only reader, as one ring."""
+    e = steps[k]
+    if e.op is not Op.EINSUM or e.collective is not None or not e.dst.unreduced or e.dst in kept \
+            or _reads(steps)[e.dst] != 1:
+        return {}
+    j = next((j for j in range(k + 1, len(steps)) if e.dst in _reads((steps[j],))), None)
+    if j is None:
+        return {}
+    c = steps[j]
+    if c.op is not Op.REDUCE_SCATTER or c.ahead or c.src != e.dst or not ring_dim(c, plan_sizes(plan)):
+        return {}
+    fused = replace(e, dst=c.dst, axes=c.axes, collective=c)
+    return {k: fused, j: None} if _faster(plan, [fused], [e, c]) else {}
+
+
+def _faster(plan: Plan, fused: list[Step], plain: list[Step]) -> bool:
+    """Whether the fused steps take less time than the steps they replace (all on the critical path)."""
+    if any(is_product(s) for s in plain if s.op is Op.EINSUM):  # memory-bound: nothing hides a transfer
+        return False
+    hw: Hardware = plan.chip
+    sizes = plan_sizes(plan)
+    links = plan_links(plan, hw, sizes)[0]
+    dtype = plan_dtype(plan)
+
+    def seconds(step: Step) -> float:
+        row = cost_step(0, step, plan.spec.mesh, sizes, hw, links, dtype, text="")
+        return row.compute_s + row.memory_s + row.exposed_comm_s + (row.comm_s if row.is_collective else 0.0)
+
+    return math.fsum(map(seconds, fused)) < math.fsum(map(seconds, plain))
