@@ -202,3 +202,17 @@ def test_a_module_without_the_ring_fails_verify(tmp_path: Path) -> None:
     failed = [r for r in report.collectives if not r.ok]
     assert failed and any("sends around the ring" in r.step and "0 of" in r.note for r in failed)
     assert not report.ok
+
+
+def test_layouts_search_with_collective_matmuls_where_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """`shardc layouts --collective-matmul` plans every candidate with them: the book's chapter-5 layout
+    X=16, Y=4 exposes less of its tensor-parallel communication than without the flag."""
+    from shardc.cli.main import main
+    from tests.test_topology import BOOK_CH5
+
+    steps = {}
+    for flags in ((), ("--collective-matmul",)):
+        assert main(["layouts", str(BOOK_CH5), "--topology", "4x4x4", "--jobs", "1", "--json", *flags]) == 0
+        rows = json.loads(capsys.readouterr().out)["layouts"]
+        steps[flags] = next(r["step_s"] for r in rows if r["axes"] == {"X": 16, "Y": 4})
+    assert steps[("--collective-matmul",)] < steps[()]

@@ -11,6 +11,7 @@ from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
 from shardc.cli.main import (
+    add_collective_matmul,
     add_common,
     add_model_flags,
     add_recompute,
@@ -84,6 +85,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="the plans' residual policy (see `shardc plan --help`)")
     add_recompute(parser)
+    add_collective_matmul(parser)
     parser.add_argument("--mfu", type=float, metavar="FRACTION",
                         help="also give each step time at this MFU (never under the step time)")
     parser.add_argument("--top", type=int, default=20, metavar="K",
@@ -114,7 +116,8 @@ def run_layouts(args: argparse.Namespace) -> int:
     specs = [load_spec(path, args.set) for path in paths]
     fixed = frozenset(parse_sets(args.set))
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, specs[0].hardware), args)
-    options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu, args.topology, args.knobs, args.exact)
+    options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu, args.topology, args.knobs, args.exact,
+                      args.collective_matmul)
     search = search_layouts(specs, options, args.chips, fixed, args.jobs, _progress())
     if args.json:
         print(json.dumps(search.to_json(args.top), indent=2, allow_nan=False))

@@ -154,7 +154,8 @@ def _optimum(specs: Sequence[Spec], rows: Sequence[Layout], options: Options,
     if len(axes) != 2 or not isinstance(candidate, Spec):
         return None
     report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute,
-                       topology=options.topology), mfu=options.mfu, optimizer=options.optimizer)
+                       topology=options.topology, collective_matmul=options.collective_matmul),
+                  mfu=options.mfu, optimizer=options.optimizer)
     return book_optimum(report, axes)
 
 

@@ -61,6 +61,7 @@ class Options:
     topology: str | tuple[int, ...] | None = None  # the slice or cluster (--topology); None: the spec's or usual
     knobs: tuple[str, ...] = ()  # the step's settings searched too (shardc.layouts.knobs.KNOBS)
     exact: bool = False  # plan every candidate at its own sizes, however many (shardc.layouts.templates)
+    collective_matmul: bool = False  # plan with collective matmuls where faster (--collective-matmul)
 
 
 def on_cluster(spec: Spec, options: Options) -> bool:
@@ -144,7 +145,8 @@ def evaluate(candidate: Spec, options: Options, recompute: str | None = None) ->
     ``recompute``: the policy, over ``options.recompute``."""
     try:
         report = cost(plan(candidate, save=options.save, hardware=options.hardware,
-                           recompute=recompute or options.recompute, topology=options.topology),
+                           recompute=recompute or options.recompute, topology=options.topology,
+                           collective_matmul=options.collective_matmul),
                       mfu=options.mfu, optimizer=options.optimizer)
     except ShardcError as err:
         return err.message.splitlines()[0]

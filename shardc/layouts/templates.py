@@ -76,7 +76,7 @@ def recost(template: Plan, c: Candidate, options: Options) -> Layout | str:
 def _plan(c: Candidate, options: Options) -> Plan | str:
     try:
         return plan(c.spec, save=options.save, hardware=options.hardware, recompute=c.recompute or options.recompute,
-                    topology=options.topology)
+                    topology=options.topology, collective_matmul=options.collective_matmul)
     except ShardcError as err:
         return err.message.splitlines()[0]
 
