@@ -85,3 +85,17 @@ def test_each_pipelined_model_lowers_at_its_own_sizes(path: Path, tmp_path: Path
     source = out.read_text(encoding="utf-8")
     compile(source, str(out), "exec")
     assert f"\nLAYERS = {spec.layers} " in source and "PIPELINE = model_pipeline(globals())" in source
+
+
+def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() -> None:
+    """Its 128K stage: the same parameters, the sequence over C (K and V gathered inside attention,
+    LLaMA 3's context-parallel form), and the fullest stage within 80 GB under `--recompute dots`."""
+    long = _cost("llama3_405b_128k", "--recompute", "dots")
+    short = _cost("llama3_405b", "--recompute", "dots")
+    assert long["memory"]["params_total"] == short["memory"]["params_total"]
+    assert math.prod(_mesh("llama3_405b_128k").values()) == 16384
+    assert long["memory"]["fits"]
+    path = EXAMPLES / "llama3_405b_128k.shard"
+    planned = shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), filename=str(path)), recompute="dots")
+    gathered = {s.tensor for s in planned.forward if s.op.name == "ALL_GATHER" and s.axes == ("C",)}
+    assert {"K", "Vl"} <= gathered

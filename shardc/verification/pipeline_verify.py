@@ -83,7 +83,7 @@ def run_sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
     micro = min(pipe.microbatches, 2 * stages)
     dims[microbatch_dim(plan)] *= micro
     # two layers a stage (a chunk's under interleaved); a spec split unevenly runs so too: a slot empty
-    layers = max(2, pipe.chunks) * stages - (not pipe.even)
+    layers = max(2, pipe.chunks) * stages - (not pipe.even and pipe.chunks == 1)
     if pipe.split is not None:
         layers = sum(run_split(plan) or ())
     return {**dims, **mesh, pipe.axis: stages}, layers, micro
