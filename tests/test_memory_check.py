@@ -104,6 +104,12 @@ def test_a_dot_operand_not_batch_major_is_copied() -> None:
     assert _phases(plain)["forward"][2] == 0
 
 
+def test_only_an_output_a_reduction_makes_hosts_a_value_before_it_is_made() -> None:
+    copied = "mesh X=2\ndims B=8, S=4, T=4, H=2\nSc[B_X, S, T] = Q[S, B_X, H] · K[B_X, T, H]\n"
+    later = copied + "O[B_X, S, T] = gelu(Sc[B_X, S, T])\n"  # O (256 bytes) is written by a map, after the copy
+    assert _phases(later)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's copy has a buffer of its own
+
+
 def test_a_map_is_fused_into_the_next() -> None:
     text = "mesh X=2\ndims B=8, D=4, F=6\nparam W\nY[B_X, F] = gelu(X[B_X, D] · W[D, F])\n"
     # the einsum's result is kept for the gelu's backward: a forward output, no temporary

@@ -126,8 +126,8 @@ Span = tuple[int, int, float]  # a value's first step, last step and bytes
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
                  nbytes: Callable[[TensorRef], float], copies: _Copies) -> float:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the most alive at one
-    of ``steps``, an output counted from the step that makes it (before, its buffer holds others, as
-    XLA's buffer assignment lets values share an output's buffer before it is written), less the outputs.
+    of ``steps``, an output counted from the step that makes it (before, the buffer of one a reduction
+    makes holds others, :func:`_outside_outputs`), less the outputs.
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
@@ -170,7 +170,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     if copies.buffers.attention_loop:
         spans += _remade_outputs(steps, copies)
     spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
-    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items()])
+    reduced = {s.dst for s in steps if s.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)}  # their outputs host others
+    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in reduced])
     return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
 
 
@@ -212,10 +213,14 @@ def _remade_outputs(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
 
 
 def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list[Span]:
-    """The ``spans`` (first step, last step, bytes) that find no room in an output's buffer.
+    """The ``spans`` (first step, last step, bytes) that find no room in the buffer of one of ``outputs``
+    (the step making it, its bytes).
 
     XLA's buffer assignment puts a value, largest first, in an allocation it fits that holds nothing
-    alive at the same time: an output's buffer is free until the step that makes the output."""
+    alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) makes is
+    free until the reduction, which runs in its operand's buffer; an output any other step writes has
+    an allocation of its own, shared with nothing (in the compiled examples' buffer assignment: a
+    vocab-parallel embedding's partial sum, or a remade routing mask, never sits in a later output's)."""
     hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
     taken: list[list[tuple[int, int]]] = [[] for _ in hosts]
     rest = []
