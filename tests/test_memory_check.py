@@ -110,6 +110,17 @@ def test_only_an_output_a_reduction_makes_hosts_a_value_before_it_is_made() -> N
     assert _phases(later)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's copy has a buffer of its own
 
 
+def test_a_dot_result_whose_free_dims_are_permuted_is_copied() -> None:
+    # Q's free dims are (S, R) in Q's order: a result with (R, S) is made as (S, R) and transposed
+    plan = shardc.plan(shardc.parse("mesh X=2\ndims B=4, S=4, R=2, T=4, H=2\n"
+                                    "Sc[B_X, R, S, T] = Q[B_X, S, R, H] · K[B_X, T, H]\n"))
+    (dot,) = (s for s in plan.forward if s.dst.name == "Sc")
+    assert _layout_copies(dot) == [dot.dst]
+    same = shardc.plan(shardc.parse("mesh X=2\ndims B=4, S=4, R=2, T=4, H=2\n"
+                                    "Sc[B_X, S, R, T] = Q[B_X, S, R, H] · K[B_X, T, H]\n"))
+    assert _layout_copies(next(s for s in same.forward if s.dst.name == "Sc")) == []
+
+
 def test_a_map_is_fused_into_the_next() -> None:
     text = "mesh X=2\ndims B=8, D=4, F=6\nparam W\nY[B_X, F] = gelu(X[B_X, D] · W[D, F])\n"
     # the einsum's result is kept for the gelu's backward: a forward output, no temporary

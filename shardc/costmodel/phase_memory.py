@@ -367,8 +367,10 @@ def _loop_state(part: str, rows: int, head: int, block: int, element: float, blo
 
 def _layout_copies(step: Step) -> list[TensorRef]:
     """The values XLA copies to lay them out for a step: a dot's operands ordered
-    (batch, free, contracted) or (batch, contracted, free) and its result (batch, free of one
-    operand, free of the other), each transposed into a temporary when stored otherwise; a
+    (batch, free, contracted) or (batch, contracted, free) and its result (batch, the free indices of
+    one operand in that operand's order, then the other's: the order XLA's dot emits, so a result
+    whose free indices of one operand are permuted is transposed too), each transposed into a
+    temporary when stored otherwise; a
     collective's result over a dim that is not its first, gathered (or scattered) along the major
     dim and transposed into place."""
     if step.is_collective:
@@ -380,8 +382,8 @@ def _layout_copies(step: Step) -> list[TensorRef]:
     batch = [i for i in out if i in a and i in b]
     copies = [ref for ref, names, other in ((step.operands[0], a, b), (step.operands[1], b, a))
               if not _blocked(names, batch, [i for i in names if i in out and i not in other])]
-    free = [i for i in out if i not in batch]
-    if not _blocked(out, batch, [i for i in free if i in a]):
+    a_free, b_free = ([i for i in names if i in out and i not in batch] for names in (a, b))
+    if out not in (batch + a_free + b_free, batch + b_free + a_free):
         copies.append(step.dst)
     return copies
 
