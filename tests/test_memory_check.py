@@ -72,20 +72,6 @@ def test_xla_cpu_makes_a_routing_mask_again_for_each_dot_reading_it() -> None:
     assert remade - plain == 4 // 2 * 8 * 4 * 4 * F32  # Disp's local bytes, once for the one dot
 
 
-def test_an_index_based_dispatch_holds_its_routing_and_padded_rows() -> None:
-    text = ("mesh X=2\ndims G=4, S=8, E=4, C=3, D=6\nparam W_r\ndtype f32\n"
-            "Gate[G_X, S, E] = softmax(X[G_X, S, D] · W_r[D, E] over E)\n"
-            "In[G_X, E, C, D] = dispatch(Gate[G_X, S, E], X[G_X, S, D], S, C, 2 over E)\n")
-    plan = shardc.plan(shardc.parse(text))
-    assert plan.sizes is not None
-    sizes = dict(plan.sizes)
-    step = next(s for s in plan.forward if s.dst.name == "In")
-    copies = _Copies(Buffers(), sizes, lambda ref: float(local_elements(ref, sizes)) * F32)
-    gates, rows = 4 // 2 * 8 * 4 * 4, 4 // 2 * 4 * 3 * 6 * F32  # int32 counts; In's bytes
-    # each token's choice and the count of earlier tokens choosing that expert; rows with a slot C + 1
-    assert [n for ref, n in copies.of(step) if ref is None] == [gates, gates, rows * 4 / 3]
-
-
 def test_the_parts_are_the_training_state_and_activations() -> None:
     plan = shardc.plan(shardc.parse(DENSE))
     assert plan.sizes is not None

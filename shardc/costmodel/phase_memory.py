@@ -15,7 +15,7 @@ from math import prod
 from shardc.collectives import Op
 from shardc.costmodel.memory import residual_table
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
+from shardc.ir.localops import ALIAS, Attention, Route, key_block
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import reads as _reads
@@ -285,21 +285,13 @@ class _Copies:
                                 if group > 1 else 0)
 
     def _route_counts(self, step: Step) -> list[float]:
-        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`, and the index-based
-        dispatch's routing each of its steps runs again, ``_routing``): per token and expert whether it
-        chose the expert and how many tokens before it did, int32, the gates' shape each; both alive
-        while the mask (or the slots) is made from them.  An index-based dispatch step also holds its
-        expert rows (its result or operand, [.., E, C, ..]) with one more slot, where dropped choices
-        land: a dispatch (or a combine's gradient) writes them so and slices the slot off, a combine (or
-        a dispatch's gradient, or the gates') pads them to gather from: (C + 1) / C their bytes."""
-        if not isinstance(step.fn, Route | Dispatch):
+        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`): per token and
+        expert whether it chose the expert and how many tokens before it did, int32, the gates'
+        shape each; both alive while the mask is made from them."""
+        if not isinstance(step.fn, Route):
             return []
-        counts = [self.buffers.rounded(float(local_elements(step.operands[0], self.sizes)) * 4)] * 2
-        if not isinstance(step.fn, Dispatch):
-            return counts
-        rows = next(r for r in (step.dst, *step.operands) if any(d.name == step.fn.slots for d in r.dims))
-        slots = _local(next(d for d in rows.dims if d.name == step.fn.slots), self.sizes)
-        return counts + [self.nbytes(rows) * (slots + 1) / slots]
+        (gates,) = step.operands
+        return [self.buffers.rounded(float(local_elements(gates, self.sizes)) * 4)] * 2
 
     def _pieces(self, step: Step) -> list[float]:
         n = 1
