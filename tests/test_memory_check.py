@@ -10,7 +10,9 @@ import pytest
 
 import shardc
 from shardc.cli.main import main
-from shardc.costmodel.phase_memory import Buffers, _layout_copies, phase_memory
+from shardc.costmodel.phase_memory import Buffers, _Copies, _layout_copies, _made_at, _remade_outputs, phase_memory
+from shardc.ir.plan import Plan
+from shardc.timing import local_elements
 from shardc.verification.memory_check import check_plan_memory, render_memory
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -88,10 +90,81 @@ def test_a_dot_operand_not_batch_major_is_copied() -> None:
     assert _phases(plain)["forward"][2] == 0
 
 
+def test_only_an_output_a_reduction_makes_hosts_a_value_before_it_is_made() -> None:
+    copied = "mesh X=2\ndims B=8, S=4, T=4, H=2\nSc[B_X, S, T] = Q[S, B_X, H] · K[B_X, T, H]\n"
+    later = copied + "O[B_X, S, T] = gelu(Sc[B_X, S, T])\n"  # O (256 bytes) is written by a map, after the copy
+    assert _phases(later)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's copy has a buffer of its own
+
+
+def test_a_dot_result_whose_free_dims_are_permuted_is_copied() -> None:
+    # Q's free dims are (S, R) in Q's order: a result with (R, S) is made as (S, R) and transposed
+    plan = shardc.plan(shardc.parse("mesh X=2\ndims B=4, S=4, R=2, T=4, H=2\n"
+                                    "Sc[B_X, R, S, T] = Q[B_X, S, R, H] · K[B_X, T, H]\n"))
+    (dot,) = (s for s in plan.forward if s.dst.name == "Sc")
+    assert _layout_copies(dot) == [dot.dst]
+    same = shardc.plan(shardc.parse("mesh X=2\ndims B=4, S=4, R=2, T=4, H=2\n"
+                                    "Sc[B_X, S, R, T] = Q[B_X, S, R, H] · K[B_X, T, H]\n"))
+    assert _layout_copies(next(s for s in same.forward if s.dst.name == "Sc")) == []
+
+
 def test_a_map_is_fused_into_the_next() -> None:
     text = "mesh X=2\ndims B=8, D=4, F=6\nparam W\nY[B_X, F] = gelu(X[B_X, D] · W[D, F])\n"
     # the einsum's result is kept for the gelu's backward: a forward output, no temporary
     assert _phases(text)["forward"][2] == 0
+
+
+# grouped-query attention (R = 3 query heads a key/value head), causal, bf16 (the spec's default dtype)
+FLASH = ("mesh X=2\ndims B=4, S=8, T=8, D=6, G=2, R=3, H=4\nparam W_q, W_k, W_v\n"
+         "Q[B_X, S, G, R, H] = X[B_X, S, D] · W_q[D, G, R, H]\n"
+         "K[B_X, T, G, H] = Y[B_X, T, D] · W_k[D, G, H]\nV[B_X, T, G, H] = Y[B_X, T, D] · W_v[D, G, H]\n"
+         "O[B_X, S, G, R, H] = attention(Q[B_X, S, G, R, H], K[B_X, T, G, H], V[B_X, T, G, H] over T, causal)\n")
+ROWS, KEYS = 4 // 2 * 8 * 2 * 3, 4 // 2 * 8 * 2 * 4  # Q's rows (B S G R) on a device; K's elements
+
+
+def _kernel_buffers(plan: Plan, part: str, buffers: Buffers, element: int | None = None) -> list[float]:
+    assert plan.sizes is not None
+    sizes = dict(plan.sizes)
+    step = next(s for s in (*plan.forward, *plan.backward) if getattr(s.fn, "part", None) == part)
+    size = element or plan.spec.dtype.nbytes
+    copies = _Copies(buffers, sizes, lambda ref: float(local_elements(ref, sizes)) * size)
+    return [n for ref, n in copies.of(step) if ref is None]
+
+
+def test_flash_attention_2_holds_d_the_dq_accumulator_and_expanded_dk_dv_in_memory() -> None:
+    plan = shardc.plan(shardc.parse(FLASH))
+    assert _kernel_buffers(plan, "out", Buffers()) == []  # its running state stays on chip
+    bf16 = 2
+    # D = rowsum(dO * O) and dQ's accumulator in float32; dK and dV for each of the R = 3 query heads
+    assert _kernel_buffers(plan, "dq", Buffers()) == [ROWS * F32, ROWS * 4 * F32, KEYS * 3 * bf16, KEYS * 3 * bf16]
+    # in float32 the accumulator is dQ's own buffer
+    assert _kernel_buffers(plan, "dq", Buffers(), F32) == [ROWS * F32, KEYS * 3 * F32, KEYS * 3 * F32]
+    mha = shardc.plan(shardc.parse(FLASH.replace(", R, H", ", H").replace(", R=3", "")))
+    assert _kernel_buffers(mha, "dq", Buffers(), F32) == [4 // 2 * 8 * 2 * F32]  # no group: D only
+
+
+def test_the_lowered_attention_loop_holds_its_on_chip_state_in_memory() -> None:
+    plan = shardc.plan(shardc.parse(FLASH))
+    loop = Buffers(attention_loop=True)
+    block = 4  # key_block(8): two blocks of four keys
+    scores = ROWS * block * F32
+    assert _kernel_buffers(plan, "out", loop, F32) == [ROWS * F32, scores, scores]  # the max, scores, probabilities
+    queries = ROWS * 4 * F32  # Q [B, S, G, R, H] is not batch (B, G) first: Q and dO copied for two dots each
+    assert _kernel_buffers(plan, "dq", loop, F32) == [ROWS * F32, max(4 * queries + scores, 3 * scores + queries)]
+    assert plan.sizes is not None
+    sizes = dict(plan.sizes)
+    copies = _Copies(loop, sizes, lambda ref: float(local_elements(ref, sizes)) * F32)
+    readers = (*plan.forward, *plan.backward)
+    assert not any(s.op.name == "EINSUM" and any(r.name == "O" for r in s.operands) for s in readers)
+    k = next(i for i, s in enumerate(plan.forward) if s.dst.name == "O")
+    # no dot reads O: the accumulator and the sums live for the kernel's step only
+    assert _remade_outputs(plan.forward, copies) == [(k, k, queries + ROWS * F32)]
+
+
+def test_a_kernels_further_results_are_written_at_its_step() -> None:
+    plan = shardc.plan(shardc.parse(FLASH))
+    names = [s.dst.name for s in plan.backward]
+    assert names[:4] == ["dQ", "dK", "dV", "dW_v"]
+    assert _made_at(plan.backward)[:4] == [0, 0, 0, 3]  # dK and dV with dQ; the next step at its own
 
 
 @pytest.mark.slow
@@ -115,7 +188,7 @@ def test_verify_reports_memory_against_xla() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp", "alltoall", "dp",
-                                  "gpt_layer_tp"])
+                                  "gpt_layer_tp", "llama_layer_flash", "llama_layer_fsdp_tp", "tp", "moe_layer"])
 def test_examples_within_ten_percent(name: str) -> None:
     plan = shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text()))
     check = check_plan_memory(plan, 8)

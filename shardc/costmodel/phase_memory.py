@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 
 from shardc.collectives import Op
 from shardc.costmodel.memory import residual_table
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS, Route
+from shardc.ir.localops import ALIAS, Attention, Route, key_block
 from shardc.ir.plan import Plan, Step
-from shardc.ir.spec import TensorRef
+from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import reads as _reads
+from shardc.spec.attention_call import roles
 from shardc.timing import local_elements
 
 __all__ = ["PhaseMemory", "Buffers", "phase_memory"]
@@ -60,12 +62,16 @@ class Buffers:
     is made before any other step, as a scheduler that runs first what reads only the arguments
     does, and lives to its last reader.  ``masks_per_dot``: a routing mask (a route's result, or a
     product with one) that a dot reads is made again for that dot, in a buffer of its own alive from
-    the route to the dot, as a fusion that recomputes a cheap producer for each consumer does."""
+    the route to the dot, as a fusion that recomputes a cheap producer for each consumer does.
+    ``attention_loop``: a fused attention kernel is the lowered module's loop over key blocks, its on-chip
+    state held in memory as a backend with no scratchpad (SRAM, VMEM) runs it (:func:`_loop_state`), not
+    FlashAttention-2 (:func:`_flash_workspace`)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
     argument_copies_first: bool = False
     masks_per_dot: bool = False
+    attention_loop: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -120,8 +126,8 @@ Span = tuple[int, int, float]  # a value's first step, last step and bytes
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
                  nbytes: Callable[[TensorRef], float], copies: _Copies) -> float:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the most alive at one
-    of ``steps``, an output counted from the step that makes it (before, its buffer holds others, as
-    XLA's buffer assignment lets values share an output's buffer before it is written), less the outputs.
+    of ``steps``, an output counted from the step that makes it (before, the buffer of one a reduction
+    makes holds others, :func:`_outside_outputs`), less the outputs.
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
@@ -130,6 +136,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     operand's buffer with its user.  Copies a step makes for its layout (:func:`_layout_copies`)
     live for that step only.  A reduction issued off the critical path runs at the end (:func:`_lifetimes`)."""
     readers, last = _lifetimes(steps)
+    start = _made_at(steps)
     deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
     buffers: dict[TensorRef, list[float]] = {}  # value -> [first step, last step, bytes]
     spans: list[Span] = []
@@ -147,7 +154,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             read[0].op is Op.SLICE  # the slice is pushed into the step that makes it: only the slice is made
             or (after is not None and fusible(step) and fusible(after) and step.dst in after.operands))
         if step.dst in outs and step.dst not in made_outs:  # a deferred reduction's, at the end
-            made_outs[step.dst] = len(steps) if step.dst in deferred else k
+            made_outs[step.dst] = len(steps) if step.dst in deferred else start[k]
         if step.fn == ALIAS or step.dst in args or step.dst in outs or fused or step.dst in buffers:
             continue
         end = last.get(step.dst, k)
@@ -157,12 +164,25 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[dead[0]][1] = end
             buffers[step.dst] = [k, end, 0.0]
         else:
-            buffers[step.dst] = [k, end, nbytes(step.dst)]
+            buffers[step.dst] = [start[k], end, nbytes(step.dst)]
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
+    if copies.buffers.attention_loop:
+        spans += _remade_outputs(steps, copies)
     spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
-    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items()])
+    reduced = {s.dst for s in steps if s.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)}  # their outputs host others
+    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in reduced])
     return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
+
+
+def _made_at(steps: tuple[Step, ...]) -> list[int]:
+    """Per step the step its value is written at: its own, but a kernel's further results (the
+    logsumexp beside the output; dK and dV beside dQ) are written by the kernel, at its step."""
+    out: list[int] = []
+    for k, step in enumerate(steps):
+        further = isinstance(step.fn, Attention) and not step.fn.kernel and k > 0
+        out.append(out[-1] if further else k)
+    return out
 
 
 def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
@@ -175,11 +195,32 @@ def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
             for ref in s.operands if ref in masks]
 
 
+def _remade_outputs(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
+    """The attention output's last division (the accumulator by the row sums), which the lowered kernel
+    runs after its loop and the fusion makes again for each dot that reads the output, in a buffer of
+    its own: the accumulator and the row sums (float32) live from the kernel to the last such dot."""
+    spans: list[Span] = []
+    for k, step in enumerate(steps):
+        if not isinstance(step.fn, Attention) or step.fn.part != "out":
+            continue
+        rows, head, _ = _kernel_dims(step, copies.sizes)
+        dots = [j for j, s in enumerate(steps) if j > k and s.op is Op.EINSUM and not is_product(s)
+                and step.dst in s.operands]
+        spans.append((k, max(dots, default=k), copies.buffers.rounded(float(rows * head) * 4)
+                      + copies.buffers.rounded(float(rows) * 4)))
+        spans += [(j, j, copies.buffers.rounded(copies.nbytes(step.dst))) for j in dots]
+    return spans
+
+
 def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list[Span]:
-    """The ``spans`` (first step, last step, bytes) that find no room in an output's buffer.
+    """The ``spans`` (first step, last step, bytes) that find no room in the buffer of one of ``outputs``
+    (the step making it, its bytes).
 
     XLA's buffer assignment puts a value, largest first, in an allocation it fits that holds nothing
-    alive at the same time: an output's buffer is free until the step that makes the output."""
+    alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) makes is
+    free until the reduction, which runs in its operand's buffer; an output any other step writes has
+    an allocation of its own, shared with nothing (in the compiled examples' buffer assignment: a
+    vocab-parallel embedding's partial sum, or a remade routing mask, never sits in a later output's)."""
     hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
     taken: list[list[tuple[int, int]]] = [[] for _ in hosts]
     rest = []
@@ -222,7 +263,26 @@ class _Copies:
         """Each copy: the value it lays out (None: an AllToAll's pieces, a route's counts) and its bytes."""
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
         return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in _layout_copies(step)] \
-            + [(None, n) for n in pieces + self._route_counts(step)]
+            + [(None, self.buffers.rounded(n)) for n in pieces + self._route_counts(step) + self._kernel(step)]
+
+    def _kernel(self, step: Step) -> list[float]:
+        """An attention kernel's buffers in memory while it runs, beyond its operands and results:
+        FlashAttention-2's (:func:`_flash_workspace`), or the lowered loop's where the backend runs that
+        (:func:`_loop_state`)."""
+        if not isinstance(step.fn, Attention) or not step.fn.kernel:
+            return []
+        rows, head, block = _kernel_dims(step, self.sizes)
+        element = self.nbytes(step.dst) / local_elements(step.dst, self.sizes)
+        q, k, v = step.operands[:3]
+        if self.buffers.attention_loop:
+            batch = [d.name for d in q.dims if d in k.dims]
+            blocked = _blocked([d.name for d in q.dims], batch, [d.name for d in q.dims[:-1] if d not in k.dims])
+            return _loop_state(step.fn.part, rows, head, block, element, blocked)
+        q_, k_, v_ = (tuple(d.name for d in ref.dims) for ref in (q, k, v))
+        r = roles(q_, k_, v_, step.fn.key)
+        group = prod(_local(d, self.sizes) for d in q.dims if d.name in r.queries[1:])
+        return _flash_workspace(step.fn.part, rows, head, element, int(local_elements(k, self.sizes)) * group
+                                if group > 1 else 0)
 
     def _route_counts(self, step: Step) -> list[float]:
         """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`): per token and
@@ -243,10 +303,66 @@ class _Copies:
         return [max(0.0, slices - self.buffers.rounded(self.nbytes(sent))) + received]
 
 
+def _kernel_dims(step: Step, sizes: dict[str, int]) -> tuple[int, int, int]:
+    """An attention step's rows (Q's elements by its head dim), head dim and key block on one device."""
+    assert isinstance(step.fn, Attention)
+    q, k = step.operands[:2]
+    head = _local(q.dims[-1], sizes)
+    key = next(d for d in k.dims if d.name == step.fn.key)
+    return int(local_elements(q, sizes)) // head, head, key_block(_local(key, sizes))
+
+
+def _local(dim: Dim, sizes: dict[str, int]) -> int:
+    return int(local_elements(TensorRef("", (dim,)), sizes))
+
+
+def _flash_workspace(part: str, rows: int, head: int, element: float, expanded: int) -> list[float]:
+    """What FlashAttention-2 (Dao 2023, arXiv 2307.08691; ``mha_bwd`` in its ``flash_api.cpp``) holds in
+    memory (HBM) beyond its operands and results, for the step making ``part``.  The forward (the paper's
+    algorithm 1) keeps a block of queries' running max, sum and output accumulator on chip and writes the
+    output and the logsumexp, values of the plan: nothing more.  The backward (algorithm 2) first writes
+    D = rowsum(dO * O) to HBM (``softmax_d``, float32, a row's each) and adds each key block's part of dQ
+    into an accumulator in HBM (``dq_accum``, float32, atomically; converted to dQ's dtype at the end, so
+    where ``element`` is 4 bytes it is dQ's own buffer), while a block's dK and dV are summed on chip and
+    written once; with grouped-query heads it writes dK and dV for every query head (``dk_expanded``,
+    ``dv_expanded``: ``expanded`` elements each, K's times the group, in the ``element`` dtype) and sums
+    them over the group after.  JAX's Pallas TPU kernel likewise writes D (``di``) to HBM and keeps its
+    accumulators in VMEM."""
+    if part == "out":
+        return []
+    return _gradient_workspace(rows, head, element) + [float(expanded) * element] * (2 if expanded else 0)
+
+
+def _gradient_workspace(rows: int, head: int, element: float) -> list[float]:
+    """D = rowsum(dO * O) (float32, a row's each) and the float32 dQ accumulator unless dQ is float32."""
+    return [float(rows) * 4] + ([float(rows * head) * 4] if element < 4 else [])
+
+
+def _loop_state(part: str, rows: int, head: int, block: int, element: float, blocked: bool) -> list[float]:
+    """The lowered attention kernel's buffers (:func:`shardc.lowering.runtime.attention`'s loop over
+    ``block`` keys a step), as XLA's CPU backend, with no scratchpad (SRAM, VMEM) for a kernel's on-chip
+    state, holds them (its buffer assignment).  The forward: its running max (a row's) and each block's
+    scores and probabilities (the rows by the block), beside its running sum and output accumulator
+    (:func:`_remade_outputs`).  The backward: D and dQ's accumulator as a chip's
+    (:func:`_gradient_workspace`; dK and dV are its results, no group expanded), and its loop body at the
+    larger of two moments: Q and dO each copied transposed for each of the two dots of a block that read
+    it (the scores' and dK's, dV's and dP's), unless Q is ``blocked`` (its indices shared with K first,
+    the dots' batch), all four made at the start of each step beside the block's scores; then, the copies
+    dead, the block's probabilities, dP and dS and dQ's part from the block (the rows by the head dim)
+    before it is added in.  Float32 (the kernel computes in it)."""
+    blocks, queries = float(rows * block) * 4, float(rows * head) * 4
+    if part == "out":
+        return [float(rows) * 4] + [blocks] * 2
+    copies = 0 if blocked else 4
+    return _gradient_workspace(rows, head, element) + [max(copies * queries + blocks, 3 * blocks + queries)]
+
+
 def _layout_copies(step: Step) -> list[TensorRef]:
     """The values XLA copies to lay them out for a step: a dot's operands ordered
-    (batch, free, contracted) or (batch, contracted, free) and its result (batch, free of one
-    operand, free of the other), each transposed into a temporary when stored otherwise; a
+    (batch, free, contracted) or (batch, contracted, free) and its result (batch, the free indices of
+    one operand in that operand's order, then the other's: the order XLA's dot emits, so a result
+    whose free indices of one operand are permuted is transposed too), each transposed into a
+    temporary when stored otherwise; a
     collective's result over a dim that is not its first, gathered (or scattered) along the major
     dim and transposed into place."""
     if step.is_collective:
@@ -258,8 +374,8 @@ def _layout_copies(step: Step) -> list[TensorRef]:
     batch = [i for i in out if i in a and i in b]
     copies = [ref for ref, names, other in ((step.operands[0], a, b), (step.operands[1], b, a))
               if not _blocked(names, batch, [i for i in names if i in out and i not in other])]
-    free = [i for i in out if i not in batch]
-    if not _blocked(out, batch, [i for i in free if i in a]):
+    a_free, b_free = ([i for i in names if i in out and i not in batch] for names in (a, b))
+    if out not in (batch + a_free + b_free, batch + b_free + a_free):
         copies.append(step.dst)
     return copies
 

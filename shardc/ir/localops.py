@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 __all__ = ["Map", "MapVjp", "Add", "Neg", "Alias", "Update", "Causal", "CausalVjp", "Dropout", "DropoutMask",
-           "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "Dispatch", "Row", "Vocab", "Combine", "LocalOp",
-           "NEG", "ALIAS", "UPDATE", "MASK_OPS", "add_op"]
+           "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "key_block", "Dispatch", "Row", "Vocab", "Combine",
+           "LocalOp", "NEG", "ALIAS", "UPDATE", "MASK_OPS", "add_op"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,12 @@ class Route:
 
 
 ATTENTION_PARTS = ("out", "lse", "dq", "dk", "dv")
+
+
+def key_block(n: int) -> int:
+    """The keys a step of an attention kernel's loop takes: the largest divisor of ``n`` up to min(512, n / 2)
+    (two blocks or more where ``n`` allows, so the online softmax combines blocks)."""
+    return next(b for b in range(max(min(512, n // 2), 1), 0, -1) if n % b == 0)
 
 
 @dataclass(frozen=True)

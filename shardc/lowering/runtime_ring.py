@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardc.ir.localops import key_block
+
 __all__ = ["compute_dtype", "varying_zero", "key_block", "ring_forward", "ring_backward", "to_zigzag",
            "from_zigzag"]
 
@@ -33,12 +35,6 @@ Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
 Subs = tuple[str, str, str, str]  # Q's, K's, V's and O's einsum letters
 Mask = tuple[int, Array, Array] | None  # (the query dim, its positions, the keys' positions) or None
 Carry = tuple[Array, Array, Array]
-
-
-def key_block(n: int) -> int:
-    """The keys a step of a kernel's loop takes: the largest divisor of ``n`` up to min(512, n / 2) (two
-    blocks or more where ``n`` allows, so the online softmax combines blocks)."""
-    return next(b for b in range(max(min(512, n // 2), 1), 0, -1) if n % b == 0)
 
 
 def varying_zero(dtype: Any, *xs: Array) -> Array:

@@ -56,11 +56,18 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # - its fusion makes a routing mask again for each dot that reads it (the mask is cheap to make
 #   from the route's counts and large to read), in that dot's layout and a buffer of its own, beside
 #   the mask the forward returns (moe_layer.shard at 16x its sizes: Disp as [G, E*C, S] and Comb as
-#   [G, S, E*C], 604 MB each).
+#   [G, S, E*C], 604 MB each);
+# - the attention kernel is the lowered loop over key blocks (shardc.lowering.runtime.attention), not
+#   FlashAttention-2: with no SRAM or VMEM its running state and each block's scores are buffers in
+#   memory, the output's last division is made again for the dot reading it (the accumulator alive to
+#   that dot), and its backward copies Q and dO transposed for each dot of a block that reads them
+#   (llama_layer_flash.shard at 16x its sizes: four copies of 5.3 GB), where FlashAttention-2 would
+#   write dK and dV for each query head of a group instead.
 # Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
 # and copies a transposed one, where the dots it runs with Eigen read it in place; which library
 # takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
-XLA_CPU = Buffers(align=64, all_to_all_pieces=True, argument_copies_first=True, masks_per_dot=True)
+XLA_CPU = Buffers(align=64, all_to_all_pieces=True, argument_copies_first=True, masks_per_dot=True,
+                  attention_loop=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
