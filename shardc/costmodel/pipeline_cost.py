@@ -435,11 +435,10 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
                 for c in chunks if device_of(name, c, pipe.stages) == s]
         share = 0.5 if name in PAIRED else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
-        # A microbatch's own residuals, for each microbatch held (DualPipe's of either stage: their mean layers);
+        # A microbatch's own residuals, for each microbatch held (DualPipe's, half of them each stage's);
         # saved weights once a layer; a value outside the block once, on the stage that holds it.
-        counts = [(1 if held_names is None or r.name in held_names else 0) if r in once else layers * share
-                  for r in values]
-        residual = math.fsum(value_bytes(plan, r, micro) * k * (held if dim in r.indices else 1.0)
+        counts = [(1 if held_names is None or r.name in held_names else 0) if r in once else layers for r in values]
+        residual = math.fsum(value_bytes(plan, r, micro) * k * (held * share if dim in r.indices else 1.0)
                              for r, k in zip(values, counts, strict=True))
         compute = share * (layers * math.fsum(p.busy for p in parts["layer"])
                            + math.fsum(p.busy for e in ends for p in e))
