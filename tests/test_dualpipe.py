@@ -147,6 +147,50 @@ def test_the_gantt_outlines_the_pairs(tmp_path: Path) -> None:
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_lower_and_verify_say_dualpipe_runs_gpipes_order() -> None:
-    note = schedule_note("dualpipe")
-    assert note is not None and "schedule dualpipe lowers as GPipe" in note
+@pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
+def test_lower_and_verify_say_dualpipe_runs_gpipes_order(name: str) -> None:
+    note = schedule_note(name)
+    assert note is not None and f"schedule {name} lowers as GPipe" in note
+
+
+# --- DualPipeV: the order cut in half, a V of half-stage chunks ------------------------------------
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8), (4, 9), (8, 20)])
+@pytest.mark.parametrize(("t", "w"), [(1.0, 1.0), (1.0, 0.5), (2.0, 0.2)])
+def test_dualpipev_idles_dualpipes_bubble_over_its_2p_ranks(p: int, m: int, t: float, w: float) -> None:
+    """DualPipeV on p devices is the first half of DualPipe on 2p ranks, its chunks half a stage: the
+    README's (PP/2-1)(F&B + B - 3W) with PP = 2p in the chunks' times, at T_F = T_B >= T_W."""
+    timing = Timing(t, t, w)
+    sim = simulate("dualpipev", p, m, timing)
+    half = Timing(t / 2, t / 2, w / 2)
+    want = _readme("DualPipe", 2 * p, t / 2, (t + w) / 2, w / 2, paired_seconds(half, half))
+    for d in range(p):
+        assert sim.makespan - sim.work(d) == pytest.approx(want)
+    assert bubble("dualpipev", p, m, timing).idle_s == pytest.approx(want)
+    # 2p + 1 chunks of half a stage held on every device (the README's PP + 1, PP = 2p chunks)
+    assert [sim.peak_inflight(d) for d in range(p)] == [p + 0.5] * p == [held("dualpipev", p, m)] * p
+
+
+def test_dualpipev_runs_every_microbatch_down_the_v_and_back() -> None:
+    p, m = 4, 10
+    orders = dualpipe_orders(p, m, v=True)
+    ran = Counter(key for order in orders for group in order for key in group)
+    assert len(ran) == 3 * m * 2 * p and set(ran.values()) == {1}
+    for d, order in enumerate(orders):
+        assert {c for group in order for _, _, c in group} == {d, 2 * p - 1 - d}
+    assert sends_per_microbatch("dualpipev", p) == 2 * (p - 1)
+    with pytest.raises(ShardcError, match="at least twice"):
+        simulate("dualpipev", 4, 7, Timing(1.0, 1.0, 1.0))
+
+
+def test_dualpipev_costs_one_copy_of_the_params_and_p_plus_a_half_in_flight() -> None:
+    one, v = _cost("1f1b"), _cost("dualpipev")
+    ones, vs = one["per_stage"], v["per_stage"]
+    assert isinstance(ones, list) and isinstance(vs, list)
+    assert [s["layers"] for s in vs] == [8] * 4 and [s["inflight_microbatches"] for s in vs] == [4.5] * 4
+    for s in vs:
+        assert s["state_bytes"] == pytest.approx(ones[0]["state_bytes"])
+        assert s["activation_bytes"] == pytest.approx(ones[0]["activation_bytes"] * 4.5 / 4)
+    assert v["sends_per_microbatch"] == 6
+    with pytest.raises(ShardcError, match="schedule dualpipev holds 2 chunks a device"):
+        _cost("dualpipev", "\nstage_layers 9, 8, 8, 7")

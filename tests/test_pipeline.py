@@ -107,6 +107,8 @@ def test_bubble_formulas_agree_with_the_simulation(schedule: str, p: int, m: int
         pytest.skip("Megatron's interleaved order needs m a multiple of p")
     if schedule == "dualpipe" and (p % 2 or m % 2 or m < 2 * p):
         pytest.skip("DualPipe needs p even and m even, at least 2p")
+    if schedule == "dualpipev" and m < 2 * p:
+        pytest.skip("DualPipeV needs m at least 2p")
     # The exact schedules at unequal times; zbv and dualpipe at T_F = T_B = T_W, the papers' case.
     timing = Timing(1.0, 1.7, 0.6) if schedule in EXACT else Timing(1.0, 1.0, 1.0)
     virtual = 2 if schedule == "interleaved" else 1
@@ -164,14 +166,16 @@ def test_the_step_never_undercuts_one_microbatch_through_every_stage(
         m = p * max(1, m // p)
     if schedule == "dualpipe":
         p, m = 2 * max(1, p // 2), max(2 * max(1, p // 2) * 2, m + m % 2)
+    if schedule == "dualpipev":
+        m = max(2 * p, m)
     timing = Timing(*times, comm=comm)
     sim = simulate(schedule, p, m, timing, virtual=2)
     sends = sends_per_microbatch(schedule, p, 2)
     # One microbatch's chain: every stage's F, then every stage's B, sends both ways; a separate
     # W (zero-bubble) waits on nothing after it, so only the last one is on the chain.
-    split = ("zb-h1", "zbv", "dualpipe")
+    split, v = ("zb-h1", "zbv", "dualpipe", "dualpipev"), schedule in ("zbv", "dualpipev")
     chain = p * timing.total if schedule not in split else p * (timing.forward + timing.backward)
-    chain += (timing.weight / (2 if schedule == "zbv" else 1)) if schedule in split else 0.0
+    chain += (timing.weight / (2 if v else 1)) if schedule in split else 0.0
     assert sim.makespan >= chain + 2 * sends * comm - 1e-9
     assert sim.makespan >= sim.ideal - 1e-9
     by_device: dict[int, list[tuple[float, float]]] = {}
@@ -181,7 +185,7 @@ def test_the_step_never_undercuts_one_microbatch_through_every_stage(
         spans.sort()
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
     kinds = 3 if schedule in split else 2
-    assert len(sim.ops) == kinds * m * p * (2 if schedule in ("interleaved", "zbv") else 1)
+    assert len(sim.ops) == kinds * m * p * (2 if schedule in ("interleaved", "zbv", "dualpipev") else 1)
 
 
 # --- cost -----------------------------------------------------------------------------------

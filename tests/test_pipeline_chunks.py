@@ -67,6 +67,8 @@ def test_the_bubble_is_the_busiest_devices_idle_time(schedule: str, p: int, m: i
     if schedule == "dualpipe":  # an even number of devices, an even number of microbatches, at least 2p
         p = 2 * max(1, p // 2)
         m = max(2 * p, m + m % 2)
+    if schedule == "dualpipev":
+        m = max(2 * p, m)
     n = chunks_of(schedule, 2) * p
     chunk_times = tuple(Timing(*t) for t in times[:n])
     sim = simulate(schedule, p, m, Timing(1.0, 1.0, comm=comm), virtual=2, chunk_times=chunk_times)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from shardc.costmodel.formulas import text
 from shardc.costmodel.pipeline_cost import PipelineCost
 from shardc.pipeline.bubbles import EXACT, activation_factor, inflight, sends_per_microbatch
-from shardc.pipeline.schedules import PAIRED, paired_seconds
+from shardc.pipeline.schedules import PAIRED, ZERO_BUBBLE, paired_seconds
 from shardc.timing import StepCost
 from shardc.units import fmt_bytes, fmt_flops, fmt_seconds
 
@@ -167,7 +167,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + ", on the whole batch (a microbatch at a time; at once under the book's model)",
              f"  a microbatch through the slowest stage: F {fmt_seconds(cost.timing.forward)}, "
              f"B {fmt_seconds(cost.timing.backward)}, W {fmt_seconds(cost.timing.weight)}"
-             + ("" if name in ("zb-h1", "zbv", "dualpipe") else " (B and W run as one backward)")
+             + ("" if name in ZERO_BUBBLE else " (B and W run as one backward)")
              + (f", an overlapped F&B pair {fmt_seconds(paired_seconds(cost.timing, cost.timing))}"
                 if name == "dualpipe" else ""),
              f"  bubble {closed.of_ideal:.1%} of the ideal time ({closed.formula}), {closed.of_total:.1%} of the "

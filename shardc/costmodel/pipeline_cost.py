@@ -71,7 +71,7 @@ from shardc.pipeline.bubbles import (
     sends_per_microbatch,
 )
 from shardc.pipeline.gantt import draw
-from shardc.pipeline.schedules import PAIRED, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
+from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import leaves
 from shardc.timing import StepCost, bound_of, local_elements, phase_rows, phase_time
@@ -295,7 +295,7 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timin
     hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows.
     ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both."""
     layer, slowest, final = parts["layer reduce"][0].seconds, max(pipe.stage_layers), len(pipe.stage_layers) - 1
-    both = pipe.schedule.name in PAIRED  # DualPipe: devices 0 and p-1 each hold both ends, and two stages each
+    both = pipe.schedule.name in TWO_WAY  # DualPipe: devices 0 and p-1 each hold both ends, and two stages each
     worst, exposed = 0.0, 0.0
     for s, layers in enumerate(_device_layers(pipe)):
         at = (s == 0, s == final) if not both else (s in (0, final),) * 2
@@ -350,7 +350,7 @@ def _end_timing(parts: list[_Part]) -> Timing:
 def _end_chunks(name: str, p: int, n: int) -> tuple[frozenset[int], frozenset[int]]:
     """The chunks that run the statements before the block, and those after it: the first and the
     last; DualPipe's first and last of each direction (chunks 0 and p, p-1 and 2p-1)."""
-    if name in PAIRED:
+    if name in TWO_WAY:
         return frozenset({0, p}), frozenset({p - 1, n - 1})
     return frozenset({0}), frozenset({n - 1})
 
@@ -434,7 +434,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         held = sim.peak_inflight(s)
         ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
                 for c in chunks if device_of(name, c, pipe.stages) == s]
-        share = 0.5 if name in PAIRED else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
+        share = 0.5 if name in TWO_WAY else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
         # A microbatch's own residuals, for each microbatch held (DualPipe's, half of them each stage's);
         # saved weights once a layer; a value outside the block once, on the stage that holds it.
         counts = [(1 if held_names is None or r.name in held_names else 0) if r in once else layers for r in values]
@@ -456,7 +456,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
 def _device_layers(pipe: Pipeline) -> tuple[int, ...]:
     """Layers each device holds: its stage's; under DualPipe its two stages', d and p-1-d."""
     split = pipe.stage_layers
-    if pipe.schedule.name in PAIRED:
+    if pipe.schedule.name in TWO_WAY:
         return tuple(n + split[-1 - d] for d, n in enumerate(split))
     return split
 
@@ -467,7 +467,7 @@ def _thresholds(pipe: Pipeline, timing: Timing, layer_f: float, p2p_s: float,
     here = pipe.microbatches
     if name in ZERO_BUBBLE:  # the idle time depends on the three times, not on p alone
         idle = {"zb-h1": "(p-1)*max(T_F+T_B-T_W, T_F, T_B)", "zbv": "(p-1)*T_F/2",
-                "dualpipe": "(p/2-1)*(T_F&B+T_B-2*T_W)"}[name]
+                "dualpipe": "(p/2-1)*(T_F&B+T_B-2*T_W)", "dualpipev": "(p-1)*(T_F&B+T_B-2*T_W)/2"}[name]
         need = microbatches_for(name, p, timing, BUBBLE_TARGET, pipe.chunks)  # as the bubble line's closed form
         form = f"{idle}/({BUBBLE_TARGET:g}*(T_F+T_B+T_W))"
     else:

@@ -24,6 +24,11 @@ An entry of the order is a group of ops the device runs as one unit: one op; a w
 backward (B then its W, not deferred); or an overlapped pair (an F of one microbatch with the
 whole backward of another), whose outputs are sent when the pair ends, as the repository's
 ``_forward_backward_chunk`` sends them.
+
+DualPipeV (the repository's ``dualpipev.py``) is this order cut in half: on p devices with m
+microbatches each device runs what device d of DualPipe over 2p devices and 2m microbatches
+runs (half rank d, the middle device p-1), its "phase 0" the V's way down (chunk d of 2p) and
+its "phase 1" the way back (chunk 2p-1-d), both for the same microbatches.
 """
 
 from __future__ import annotations
@@ -40,13 +45,15 @@ Key = tuple[str, int, int]  # (kind, microbatch, chunk)
 Group = tuple[Key, ...]
 
 
-def dualpipe_orders(stages: int, microbatches: int) -> list[list[Group]]:
-    """Each device's order of groups (see the module docstring)."""
-    check_dualpipe(stages, microbatches)
+def dualpipe_orders(stages: int, microbatches: int, v: bool = False) -> list[list[Group]]:
+    """Each device's order of groups (see the module docstring); ``v``: DualPipeV's."""
+    check_dualpipe("dualpipev" if v else "dualpipe", stages, microbatches)
+    if v:  # DualPipe over 2p devices and 2m microbatches, its first half
+        return [_device_order(d, 2 * stages, 2 * microbatches, v) for d in range(stages)]
     return [_device_order(d, stages, microbatches) for d in range(stages)]
 
 
-def _device_order(d: int, p: int, m: int) -> list[Group]:
+def _device_order(d: int, p: int, m: int, v: bool = False) -> list[Group]:
     half, n = p // 2, m // 2
     h = min(d, p - 1 - d)
     second = int(d >= half)  # the second half of the devices see the directions swapped
@@ -58,6 +65,8 @@ def _device_order(d: int, p: int, m: int) -> list[Group]:
         direction = phase ^ second
         k = made[kind][direction]
         made[kind][direction] += 1
+        if v:  # the two legs of the V: the same microbatch, chunk d down, chunk p-1-d (of p) back
+            return kind, k, d if direction == 0 else p - 1 - d
         return kind, k + direction * n, d if direction == 0 else 2 * p - 1 - d
 
     def forward(phase: int) -> Group:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from shardc.errors import ShardcError
 from shardc.images import check_image_path, pyplot
-from shardc.pipeline.schedules import PAIRED, Simulation
+from shardc.pipeline.schedules import PAIRED, TWO_WAY, Simulation
 
 __all__ = ["draw", "COLOURS", "MAX_BARS"]
 
@@ -54,7 +54,7 @@ def draw(sim: Simulation, path: str, title: str = "", force: bool = False) -> No
     if paired:
         handles.append(matplotlib.patches.Patch(facecolor="white", edgecolor="black", label="overlapped F&B pair"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize="small")
-    rows = [f"device {s}: stages {s}, {sim.stages - 1 - s}" if paired else f"stage {s}"
+    rows = [f"device {s}: stages {s}, {sim.stages - 1 - s}" if sim.schedule in TWO_WAY else f"stage {s}"
             for s in range(sim.stages)]
     ax.set_yticks(range(sim.stages), rows)
     ax.invert_yaxis()

@@ -33,6 +33,10 @@ point-to-point send).  A device runs one op at a time:
   overlapped with the backward of another as one unit (an F&B pair): the pair takes
   :func:`paired_seconds`, where the computations add up and the collectives of each hide
   under the other's computation.
+* ``dualpipev`` (the same repository's DualPipeV, "cut in half"): zbv's V of 2p half-stage
+  chunks on p devices, every microbatch down the V and back, each device running the order a
+  device of the first half of DualPipe over 2p devices runs with 2m microbatches (its two
+  directions the two legs of the V); one copy of the parameters.
 
 The simulation commits, among all devices, the op that can start first, so it
 never runs an op before its inputs exist.
@@ -55,12 +59,13 @@ from shardc.errors import ShardcError
 from shardc.pipeline.dualpipe import dualpipe_orders
 from shardc.spec.stages import check_dualpipe
 
-__all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "stage_share",
+__all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "TWO_WAY", "stage_share",
            "Op", "Simulation", "simulate", "device_of", "chunks_of", "ZERO_BUBBLE", "operations",
            "check_budget", "MAX_OPS", "MAX_GREEDY"]
 
-ZERO_BUBBLE = frozenset({"zb-h1", "zbv", "dualpipe"})
-PAIRED = frozenset({"dualpipe"})  # the schedules that overlap an F with a B as one unit
+ZERO_BUBBLE = frozenset({"zb-h1", "zbv", "dualpipe", "dualpipev"})
+PAIRED = frozenset({"dualpipe", "dualpipev"})  # the schedules that overlap an F with a B as one unit
+TWO_WAY = frozenset({"dualpipe"})  # microbatches enter at both ends: two whole stages a device
 # Budgets, in work counts: half a million ops is a few hundred MB of ops and seconds of simulation
 # (4096 microbatches over 64 stages of 1F1B); zbv's greedy search weighs each op by the devices.
 MAX_OPS = 500_000
@@ -190,17 +195,17 @@ class Simulation:
 
 
 def chunks_of(schedule: str, virtual: int = 1) -> int:
-    return {"interleaved": virtual, "zbv": 2, "dualpipe": 2}.get(schedule, 1)
+    return {"interleaved": virtual, "zbv": 2, "dualpipe": 2, "dualpipev": 2}.get(schedule, 1)
 
 
 def stage_share(schedule: str, chunks: int) -> float:
     """A chunk's share of a stage's layers: 1/chunks, except DualPipe's, each a whole stage."""
-    return 1.0 if schedule in PAIRED else 1 / chunks
+    return 1.0 if schedule in TWO_WAY else 1 / chunks
 
 
 def device_of(schedule: str, chunk: int, stages: int) -> int:
     """The device that holds model chunk ``chunk`` (DualPipe's direction-1 chunks run back like zbv's V)."""
-    if schedule in ("zbv", "dualpipe") and chunk >= stages:
+    if schedule in ("zbv", "dualpipe", "dualpipev") and chunk >= stages:
         return 2 * stages - 1 - chunk
     return chunk % stages
 
@@ -222,7 +227,7 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     chunks = chunks_of(schedule, virtual)
     zb = schedule in ZERO_BUBBLE
     if schedule in PAIRED:
-        check_dualpipe(p, m)
+        check_dualpipe(schedule, p, m)
     if chunk_times is None:  # a device's chunks share the stage's layers equally (DualPipe's: each a stage)
         k = stage_share(schedule, chunks)
         share = Timing(timing.forward * k, timing.backward * k, timing.weight * k, phases=timing.phases)
@@ -237,7 +242,7 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
         found = _run(schedule, p, m, durations, 0.0, zb)
         orders = [[((o.kind, o.microbatch, o.chunk),) for o in sorted(found) if o.device == d] for d in range(p)]
     elif schedule in PAIRED:
-        orders = dualpipe_orders(p, m)
+        orders = dualpipe_orders(p, m, v=schedule == "dualpipev")
     else:
         orders = [[(key,) for key in _order(schedule, s, p, m, virtual)] for s in range(p)]
     ops = _run_in_order(schedule, p, m, durations, timing.comm, orders, chunk_times)
@@ -247,7 +252,7 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
 def operations(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> int:
     """Ops the simulation of ``schedule`` runs: F and B (and W) for each microbatch and model chunk."""
     kinds = 3 if schedule in ZERO_BUBBLE else 2
-    passes = 1 if schedule in PAIRED else chunks_of(schedule, virtual)  # DualPipe's microbatches: one way
+    passes = 1 if schedule in TWO_WAY else chunks_of(schedule, virtual)  # DualPipe's microbatches: one way
     return kinds * microbatches * passes * stages
 
 
@@ -334,7 +339,7 @@ def _placed(group: tuple[tuple[str, int, int], ...], start: float, d: int, durat
 
 def _span(schedule: str, p: int, m: int, j: int, n: int) -> tuple[int, int]:
     """The first and the last chunk microbatch ``j`` runs through (DualPipe's second half: the way back)."""
-    if schedule in PAIRED:
+    if schedule in TWO_WAY:
         return (p, n - 1) if j >= m // 2 else (0, p - 1)
     return 0, n - 1
 

@@ -39,8 +39,10 @@ class Pipeline:
 
     @property
     def chunks(self) -> int:
-        """Layer chunks a device holds: V for interleaved, 2 for zbv and dualpipe (two whole stages), else 1."""
-        return {"interleaved": self.schedule.virtual, "zbv": 2, "dualpipe": 2}.get(self.schedule.name, 1)
+        """Layer chunks a device holds: V for interleaved, 2 for zbv, dualpipev and dualpipe (two whole stages),
+        else 1."""
+        two = {"zbv", "dualpipe", "dualpipev"}
+        return self.schedule.virtual if self.schedule.name == "interleaved" else 2 if self.schedule.name in two else 1
 
     @property
     def cuts(self) -> int:
@@ -65,10 +67,16 @@ class Pipeline:
                 + ", ".join(str(c) for c in counts) + " (the slowest stage sets the pace)")
 
 
-def check_dualpipe(stages: int, microbatches: int) -> None:
+def check_dualpipe(schedule: str, stages: int, microbatches: int) -> None:
     """DualPipe's own conditions, which the deepseek-ai/DualPipe repository asserts: an even number of
-    devices (device d pairs with p-1-d), an even number of microbatches (half enter at each end), at least 2p."""
+    devices (device d pairs with p-1-d), an even number of microbatches (half enter at each end), at least
+    2p; DualPipeV's: at least 2p microbatches."""
     p, m = stages, microbatches
+    if schedule == "dualpipev":
+        if m < 2 * p:
+            raise ShardcError(f"dualpipev needs at least twice the stages' microbatches, not {m} over {p} stages",
+                              fix=f"use microbatches {2 * p}")
+        return
     if p % 2 or m % 2 or m < 2 * p:
         raise ShardcError(f"dualpipe needs an even number of stages and an even number of microbatches of at "
                           f"least twice the stages, not {p} stages and {m} microbatches",
@@ -149,9 +157,9 @@ def check_pipeline(spec: Spec) -> None:
                           f"not {pipe.microbatches}", spec.span_of("microbatches"),
                           fix=f"use microbatches {pipe.stages * max(1, pipe.microbatches // pipe.stages)} "
                           "(Megatron-LM's interleaved order)")
-    if pipe.schedule.name == "dualpipe":
+    if pipe.schedule.name in ("dualpipe", "dualpipev"):
         try:
-            check_dualpipe(pipe.stages, pipe.microbatches)
+            check_dualpipe(pipe.schedule.name, pipe.stages, pipe.microbatches)
         except ShardcError as err:
             raise ShardcError(err.message, spec.span_of("microbatches") or axis.span, fix=err.fix) from None
     _check_split(spec, pipe)
