@@ -28,11 +28,11 @@ from pathlib import Path
 
 import shardc
 from shardc.costmodel.memory import kept_once, memory, residual_table, value_bytes
-from shardc.costmodel.pipeline_cost import _device_layers, _held
+from shardc.costmodel.pipeline_cost import _held
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.pipeline.boundary import microbatch_dim
-from shardc.pipeline.schedules import PAIRED
+from shardc.pipeline.dualpipe import TWO_WAY, device_layers
 from shardc.spec.stages import pipeline_of
 from shardc.units import fmt_bytes
 
@@ -77,8 +77,8 @@ def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, 
     dim = microbatch_dim(plan)
     micro = sizes | {dim: sizes[dim] // pipe.microbatches}
     held_names = _held(plan, pipe, stage)
-    layers = _device_layers(pipe)[stage]  # under DualPipe the device's two stages, d and p-1-d
-    share = 0.5 if pipe.schedule.name in PAIRED else 1.0  # DualPipe: half the microbatches held are each stage's
+    layers = device_layers(pipe)[stage]  # under DualPipe the device's two stages, d and p-1-d
+    share = 0.5 if pipe.schedule.name in TWO_WAY else 1.0  # DualPipe: half the microbatches held are each stage's
     mem = memory(plan, micro, layers, 80 * GB, optimizer, held_names)
     values = [r for r, _ in residual_table(plan)]
     once = kept_once(plan, values)

@@ -126,6 +126,11 @@ def test_cost_counts_two_stages_of_params_and_p_plus_one_of_activations() -> Non
         assert s["activation_bytes"] == pytest.approx(ones[0]["activation_bytes"] * 5 / 4)
     assert dual["inflight_microbatches"] == 5 and dual["sends_per_microbatch"] == 3
     assert dual["step_s"] < one["step_s"]  # half the fill, and the pairs hide collectives
+    # once a step: each device's two stages' gradient reductions, and the swap with device p-1-d that
+    # sums the two copies of those stages
+    copies = dual["copies_exchange_s"]
+    assert isinstance(copies, float) and copies > 0 and "copies_exchange_s" not in one
+    assert dual["grad_reduce_s"] == pytest.approx(2 * one["grad_reduce_s"] + copies)
 
 
 def test_stage_layers_split_the_two_stages_a_device_holds() -> None:
@@ -191,6 +196,6 @@ def test_dualpipev_costs_one_copy_of_the_params_and_p_plus_a_half_in_flight() ->
     for s in vs:
         assert s["state_bytes"] == pytest.approx(ones[0]["state_bytes"])
         assert s["activation_bytes"] == pytest.approx(ones[0]["activation_bytes"] * 4.5 / 4)
-    assert v["sends_per_microbatch"] == 6
+    assert v["sends_per_microbatch"] == 6 and "copies_exchange_s" not in v  # one copy of each stage
     with pytest.raises(ShardcError, match="schedule dualpipev holds 2 chunks a device"):
         _cost("dualpipev", "\nstage_layers 9, 8, 8, 7")

@@ -37,8 +37,9 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   added and the two phases' collectives added (:func:`~shardc.pipeline.schedules.paired_seconds`):
   since each phase here already overlaps its own collectives with its computation, the pair
   saves only where one phase is bound by its collectives (the AllToAll) and the other by its
-  computation.  The two copies of a stage are the same parameters: summing their gradients
-  across the two devices once a step is not costed.
+  computation.  Devices d and p-1-d hold the same two stages, so once a step each sends the
+  other its gradients (both stages', as the device holds them) to sum the two copies, a swap over
+  the stage axis issued with the other gradient reductions (``copies_exchange_s``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from shardc.pipeline.bubbles import (
     microbatches_for,
     sends_per_microbatch,
 )
+from shardc.pipeline.dualpipe import device_layers, end_chunks
 from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
@@ -150,6 +152,7 @@ class PipelineCost:
     # a param held by the first and the last stage (a tied embedding): the two stages swapping their sums
     # of its gradient's contributions once a step (Megatron-LM's embedding-group AllReduce), in grad_reduce_s
     tied_exchange_s: float = 0.0
+    copies_exchange_s: float = 0.0  # DualPipe: devices d and p-1-d swapping their two stages' gradients, once a step
 
     @property
     def fullest(self) -> StageCost:
@@ -205,6 +208,7 @@ class PipelineCost:
             "optimizer_s": self.optimizer_s, "update_s": self.update_s, "grad_reduce_s": self.grad_reduce_s,
             "grad_reduce_exposed_s": self.grad_reduce_exposed_s,
             **({"tied_exchange_s": self.tied_exchange_s} if self.tied_exchange_s else {}),
+            **({"copies_exchange_s": self.copies_exchange_s} if self.copies_exchange_s else {}),
             "ideal_s": sim.ideal, "first_extra_s": _times(self.first), "last_extra_s": _times(self.last),
             "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
         }
@@ -267,14 +271,16 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
-    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s)
+    copies_s = _copies_exchange(plan, pipe, micro, sizes, hw, spans, optimizer)
+    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s, copies_s)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
     found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0].seconds, p2p_s,
                         "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last,
-                        grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s)
+                        grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
+                        copies_exchange_s=copies_s)
 
 
 def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
@@ -288,19 +294,35 @@ def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardwa
                      for _, c in tied_contributions(plan))
 
 
+def _copies_exchange(plan: Plan, pipe: Pipeline, micro: dict[str, int], sizes: dict[str, int], hw: Hardware,
+                     spans: Layout, optimizer: str) -> float:
+    """DualPipe: the most any device takes to swap its gradients (its two stages', as the optimizer
+    accounting holds them, or in the params' dtype where it holds none) with device p-1-d, which holds
+    the same two stages; 0 for other schedules."""
+    if pipe.schedule.name not in TWO_WAY:
+        return 0.0
+    mems = (memory(plan, micro, layers, hw.hbm_bytes, optimizer, _held(plan, pipe, s))
+            for s, layers in enumerate(device_layers(pipe)))
+    grads = [m.grad_bytes or m.param_bytes for m in mems]
+    return max(collective_time(Op.COLLECTIVE_PERMUTE, g, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
+               for g in grads)
+
+
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing,
-                     timing: Timing, tied_s: float = 0.0) -> tuple[float, float]:
+                     timing: Timing, tied_s: float = 0.0, copies_s: float = 0.0) -> tuple[float, float]:
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
     hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows.
-    ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both."""
+    ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
+    ``copies_s``: DualPipe's swap of the two copies' gradients, on every device."""
     layer, slowest, final = parts["layer reduce"][0].seconds, max(pipe.stage_layers), len(pipe.stage_layers) - 1
     both = pipe.schedule.name in TWO_WAY  # DualPipe: devices 0 and p-1 each hold both ends, and two stages each
     worst, exposed = 0.0, 0.0
-    for s, layers in enumerate(_device_layers(pipe)):
+    for s, layers in enumerate(device_layers(pipe)):
         at = (s == 0, s == final) if not both else (s in (0, final),) * 2
         ends = [(key, t) for key, t, on in (("first", first, at[0]), ("last", last, at[1])) if on]
-        own = layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends)
+        own = (layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends)
+               + copies_s)
         backward = (timing.backward + timing.weight) * layers / slowest + sum(t.backward + t.weight for _, t in ends)
         worst, exposed = max(worst, own), max(exposed, own - backward)
     return worst, max(0.0, exposed)
@@ -347,19 +369,11 @@ def _end_timing(parts: list[_Part]) -> Timing:
     return Timing(forward.seconds, backward.seconds, weight.seconds, phases=_phases(parts))
 
 
-def _end_chunks(name: str, p: int, n: int) -> tuple[frozenset[int], frozenset[int]]:
-    """The chunks that run the statements before the block, and those after it: the first and the
-    last; DualPipe's first and last of each direction (chunks 0 and p, p-1 and 2p-1)."""
-    if name in TWO_WAY:
-        return frozenset({0, p}), frozenset({p - 1, n - 1})
-    return frozenset({0}), frozenset({n - 1})
-
-
 def _chunk_times(pipe: Pipeline, timing: Timing, first: Timing, last: Timing) -> tuple[Timing, ...]:
     """Each model chunk's times: a share of the slowest stage's (DualPipe's: all of it), the first chunk
     also running the statements before the block and the last those after it (Megatron-LM's placement)."""
     n, v = pipe.stages * pipe.chunks, pipe.cuts
-    heads, tails = _end_chunks(pipe.schedule.name, pipe.stages, n)
+    heads, tails = end_chunks(pipe.schedule.name, pipe.stages, n)
     out = []
     for c in range(n):
         ends = [t for t, here in ((first, c in heads), (last, c in tails)) if here]
@@ -398,7 +412,7 @@ def _held(plan: Plan, pipe: Pipeline, stage: int) -> frozenset[str] | None:
         return None
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     before, after = outside_names(plan)
-    heads, tails = _end_chunks(name, pipe.stages, n)
+    heads, tails = end_chunks(name, pipe.stages, n)
     return ((before if any(device_of(name, c, pipe.stages) == stage for c in heads) else frozenset())
             | (after if any(device_of(name, c, pipe.stages) == stage for c in tails) else frozenset()))
 
@@ -413,7 +427,7 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
     repeated = {r.name for k, st in enumerate(plan.spec.statements) if plan.spec.repeats(k) for r in leaves(st.expr)}
     inside = [r for r in rows if primal.get(r.tensor, r.tensor) in repeated]
     worst = 0.0
-    for stage, layers in enumerate(_device_layers(pipe)):
+    for stage, layers in enumerate(device_layers(pipe)):
         held = _held(plan, pipe, stage) or frozenset()
         mine = [r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated]
         worst = max(worst, layers * _time(inside, hw).seconds + _time(mine, hw).seconds)
@@ -427,8 +441,8 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     values = residual_values(plan)
     once = kept_once(plan, values) if plan.spec.block is not None else set()
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
-    heads, tails = _end_chunks(name, pipe.stages, n)
-    for s, layers in enumerate(_device_layers(pipe)):
+    heads, tails = end_chunks(name, pipe.stages, n)
+    for s, layers in enumerate(device_layers(pipe)):
         held_names = _held(plan, pipe, s)
         mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer, held_names)
         held = sim.peak_inflight(s)
@@ -451,14 +465,6 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
                              residual, mem.gathered_bytes, hw.hbm_bytes))
     return tuple(out)
-
-
-def _device_layers(pipe: Pipeline) -> tuple[int, ...]:
-    """Layers each device holds: its stage's; under DualPipe its two stages', d and p-1-d."""
-    split = pipe.stage_layers
-    if pipe.schedule.name in TWO_WAY:
-        return tuple(n + split[-1 - d] for d, n in enumerate(split))
-    return split
 
 
 def _thresholds(pipe: Pipeline, timing: Timing, layer_f: float, p2p_s: float,

@@ -37,9 +37,11 @@ from collections import deque
 from collections.abc import Callable
 
 from shardc.errors import ShardcError
-from shardc.spec.stages import check_dualpipe
+from shardc.spec.stages import Pipeline, check_dualpipe
 
-__all__ = ["dualpipe_orders"]
+__all__ = ["dualpipe_orders", "TWO_WAY", "end_chunks", "device_layers"]
+
+TWO_WAY = frozenset({"dualpipe"})  # microbatches enter at both ends: two whole stages a device
 
 Key = tuple[str, int, int]  # (kind, microbatch, chunk)
 Group = tuple[Key, ...]
@@ -51,6 +53,22 @@ def dualpipe_orders(stages: int, microbatches: int, v: bool = False) -> list[lis
     if v:  # DualPipe over 2p devices and 2m microbatches, its first half
         return [_device_order(d, 2 * stages, 2 * microbatches, v) for d in range(stages)]
     return [_device_order(d, stages, microbatches) for d in range(stages)]
+
+
+def end_chunks(name: str, p: int, n: int) -> tuple[frozenset[int], frozenset[int]]:
+    """The chunks that run the statements before the block, and those after it: the first and the
+    last; DualPipe's first and last of each direction (chunks 0 and p, p-1 and 2p-1)."""
+    if name in TWO_WAY:
+        return frozenset({0, p}), frozenset({p - 1, n - 1})
+    return frozenset({0}), frozenset({n - 1})
+
+
+def device_layers(pipe: Pipeline) -> tuple[int, ...]:
+    """Layers each device holds: its stage's; under DualPipe its two stages', d and p-1-d."""
+    split = pipe.stage_layers
+    if pipe.schedule.name in TWO_WAY:
+        return tuple(n + split[-1 - d] for d, n in enumerate(split))
+    return split
 
 
 def _device_order(d: int, p: int, m: int, v: bool = False) -> list[Group]:

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shardc.errors import ShardcError
-from shardc.pipeline.dualpipe import dualpipe_orders
+from shardc.pipeline.dualpipe import TWO_WAY, dualpipe_orders
 from shardc.spec.stages import check_dualpipe
 
 __all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "TWO_WAY", "stage_share",
@@ -65,7 +65,6 @@ __all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "TWO_WAY", "stage_sha
 
 ZERO_BUBBLE = frozenset({"zb-h1", "zbv", "dualpipe", "dualpipev"})
 PAIRED = frozenset({"dualpipe", "dualpipev"})  # the schedules that overlap an F with a B as one unit
-TWO_WAY = frozenset({"dualpipe"})  # microbatches enter at both ends: two whole stages a device
 # Budgets, in work counts: half a million ops is a few hundred MB of ops and seconds of simulation
 # (4096 microbatches over 64 stages of 1F1B); zbv's greedy search weighs each op by the devices.
 MAX_OPS = 500_000
