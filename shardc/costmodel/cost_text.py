@@ -187,7 +187,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
                 if cost.grad_reduce_exposed_s else "")
              + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
              + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
-             + f"[{fmt_seconds(cost.step_closed_s)} with free sends]; MFU {cost.mfu:.1%}",
+             + f"[{fmt_seconds(cost.step_closed_s)} with free sends"
+             + (", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%}",
              *([f"  gradient reductions: accumulated over the microbatches and reduced once a step, "
                 f"{fmt_seconds(cost.grad_reduce_s)} on the busiest stage, issued under the last microbatch's "
                 f"backward ({fmt_seconds(cost.grad_reduce_exposed_s)} exposed)"
