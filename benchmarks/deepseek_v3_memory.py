@@ -32,6 +32,7 @@ from shardc.costmodel.pipeline_cost import _held
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.pipeline.boundary import microbatch_dim
+from shardc.pipeline.dualpipe import TWO_WAY, device_layers
 from shardc.spec.stages import pipeline_of
 from shardc.units import fmt_bytes
 
@@ -68,14 +69,16 @@ def paper_bytes(plan: Plan, up: tuple[str, ...]) -> dict[TensorRef, float]:
 
 
 def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, float] | None) -> dict[str, float]:
-    """A stage's bytes: params, grads, optimizer, gathered, one microbatch's activations, held, total."""
+    """A stage's (a device's) bytes: params, grads, optimizer, gathered, one microbatch's activations (under
+    DualPipe the mean of its two stages'), held, total."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None and plan.sizes is not None
     sizes = dict(plan.sizes)
     dim = microbatch_dim(plan)
     micro = sizes | {dim: sizes[dim] // pipe.microbatches}
     held_names = _held(plan, pipe, stage)
-    layers = pipe.stage_layers[stage]
+    layers = device_layers(pipe)[stage]  # under DualPipe the device's two stages, d and p-1-d
+    share = 0.5 if pipe.schedule.name in TWO_WAY else 1.0  # DualPipe: half the microbatches held are each stage's
     mem = memory(plan, micro, layers, 80 * GB, optimizer, held_names)
     values = [r for r, _ in residual_table(plan)]
     once = kept_once(plan, values)
@@ -86,7 +89,7 @@ def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, 
         size = value_bytes(plan, ref, micro)
         if element is not None:
             size = size / plan.nbytes(ref.name) * element[ref]
-        one += size * count * (1.0 if dim in ref.indices else 1.0 / held)
+        one += size * count * (share if dim in ref.indices else 1.0 / held)
     return {"params": mem.param_bytes, "grads": mem.grad_bytes, "optimizer": mem.optimizer_bytes,
             "gathered": mem.gathered_bytes, "activations a microbatch": one, "microbatches held": held,
             "activations": one * held,

@@ -46,7 +46,7 @@ def test_pipeline_lines_parse_and_print_back() -> None:
 
 @pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "interleaved"])
 def test_every_schedule_parses(name: str) -> None:
-    s = spec(f"mesh P=2 pipeline, X=2, Y=2\nlayers 4\nschedule {name}")
+    s = spec(f"mesh P=2 pipeline, X=2, Y=2\nlayers 4\nmicrobatches 4\nschedule {name}")
     assert s.schedule == Schedule(name) and shardc.parse(str(s)) == s
 
 
@@ -105,7 +105,11 @@ GRID = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, p, 2 * p, 3 * p + 1, 4 * p)
 def test_bubble_formulas_agree_with_the_simulation(schedule: str, p: int, m: int) -> None:
     if schedule == "interleaved" and m % p:
         pytest.skip("Megatron's interleaved order needs m a multiple of p")
-    # The exact schedules at unequal times; zbv at T_F = T_B = T_W, the paper's case.
+    if schedule == "dualpipe" and (p % 2 or m % 2 or m < 2 * p):
+        pytest.skip("DualPipe needs p even and m even, at least 2p")
+    if schedule == "dualpipev" and m < 2 * p:
+        pytest.skip("DualPipeV needs m at least 2p")
+    # The exact schedules at unequal times; zbv and dualpipe at T_F = T_B = T_W, the papers' case.
     timing = Timing(1.0, 1.7, 0.6) if schedule in EXACT else Timing(1.0, 1.0, 1.0)
     virtual = 2 if schedule == "interleaved" else 1
     sim = simulate(schedule, p, m, timing, virtual)
@@ -160,13 +164,18 @@ def test_the_step_never_undercuts_one_microbatch_through_every_stage(
         schedule: str, p: int, m: int, times: tuple[float, float, float], comm: float) -> None:
     if schedule == "interleaved":
         m = p * max(1, m // p)
+    if schedule == "dualpipe":
+        p, m = 2 * max(1, p // 2), max(2 * max(1, p // 2) * 2, m + m % 2)
+    if schedule == "dualpipev":
+        m = max(2 * p, m)
     timing = Timing(*times, comm=comm)
     sim = simulate(schedule, p, m, timing, virtual=2)
     sends = sends_per_microbatch(schedule, p, 2)
     # One microbatch's chain: every stage's F, then every stage's B, sends both ways; a separate
     # W (zero-bubble) waits on nothing after it, so only the last one is on the chain.
-    chain = p * timing.total if schedule not in ("zb-h1", "zbv") else p * (timing.forward + timing.backward)
-    chain += (timing.weight / (2 if schedule == "zbv" else 1)) if schedule in ("zb-h1", "zbv") else 0.0
+    split, v = ("zb-h1", "zbv", "dualpipe", "dualpipev"), schedule in ("zbv", "dualpipev")
+    chain = p * timing.total if schedule not in split else p * (timing.forward + timing.backward)
+    chain += (timing.weight / (2 if v else 1)) if schedule in split else 0.0
     assert sim.makespan >= chain + 2 * sends * comm - 1e-9
     assert sim.makespan >= sim.ideal - 1e-9
     by_device: dict[int, list[tuple[float, float]]] = {}
@@ -175,8 +184,8 @@ def test_the_step_never_undercuts_one_microbatch_through_every_stage(
     for spans in by_device.values():  # a device runs one op at a time
         spans.sort()
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
-    kinds = 3 if schedule in ("zb-h1", "zbv") else 2
-    assert len(sim.ops) == kinds * m * p * (2 if schedule in ("interleaved", "zbv") else 1)
+    kinds = 3 if schedule in split else 2
+    assert len(sim.ops) == kinds * m * p * (2 if schedule in ("interleaved", "zbv", "dualpipev") else 1)
 
 
 # --- cost -----------------------------------------------------------------------------------

@@ -10,14 +10,15 @@ from hypothesis import strategies as st
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES
 from shardc.pipeline.bubbles import EXACT
-from shardc.pipeline.schedules import Timing, chunks_of, device_of, simulate
+from shardc.pipeline.schedules import Timing, chunks_of, device_of, simulate, stage_share
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_equal_chunk_times_are_the_default(schedule: str) -> None:
     timing = Timing(1.0, 1.5, 0.5, comm=0.25)
     chunks = chunks_of(schedule, 2)
-    share = Timing(1.0 / chunks, 1.5 / chunks, 0.5 / chunks)
+    k = stage_share(schedule, chunks)  # DualPipe's chunks are whole stages
+    share = Timing(1.0 * k, 1.5 * k, 0.5 * k)
     default = simulate(schedule, 4, 8, timing, virtual=2)
     given_ = simulate(schedule, 4, 8, timing, virtual=2, chunk_times=(share,) * (4 * chunks))
     assert default.ops == given_.ops
@@ -63,6 +64,11 @@ def test_the_bubble_is_the_busiest_devices_idle_time(schedule: str, p: int, m: i
                                                       slower: int, by: float) -> None:
     if schedule == "interleaved":
         m = p * max(1, m // p)
+    if schedule == "dualpipe":  # an even number of devices, an even number of microbatches, at least 2p
+        p = 2 * max(1, p // 2)
+        m = max(2 * p, m + m % 2)
+    if schedule == "dualpipev":
+        m = max(2 * p, m)
     n = chunks_of(schedule, 2) * p
     chunk_times = tuple(Timing(*t) for t in times[:n])
     sim = simulate(schedule, p, m, Timing(1.0, 1.0, comm=comm), virtual=2, chunk_times=chunk_times)

@@ -37,7 +37,8 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize(("schedule", "order"), [("gpipe", None), ("1f1b", None), ("interleaved 2", None),
-                                               ("zb-h1", "gpipe"), ("zbv", "gpipe")])
+                                               ("zb-h1", "gpipe"), ("zbv", "gpipe"),
+                                               ("dualpipe", "gpipe"), ("dualpipev", "gpipe")])
 def test_lower_says_which_schedule_the_program_runs(schedule: str, order: str | None,
                                                     capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """Each costed schedule: the tick table the program runs (its own for GPipe and 1F1B, GPipe's for
@@ -106,12 +107,13 @@ def test_verify_runs_gpipe_on_eight_devices_against_numpy() -> None:
 
 
 @pytest.mark.slow
-def test_verify_of_zbv_says_it_ran_gpipes_order() -> None:
-    text = EXAMPLE.read_text().replace("schedule 1f1b", "schedule zbv").replace(*FOUR_STAGES)
-    report = verify_pipeline(shardc.plan(shardc.parse(text, "zbv")), devices=8)
+@pytest.mark.parametrize("name", ["zbv", "dualpipe"])
+def test_verify_of_zbv_says_it_ran_gpipes_order(name: str) -> None:
+    text = EXAMPLE.read_text().replace("schedule 1f1b", f"schedule {name}").replace(*FOUR_STAGES)
+    report = verify_pipeline(shardc.plan(shardc.parse(text, name)), devices=8)
     _values_ok(report)
     assert report.collectives[0].ok and report.collectives[0].hlo_op == "while x [22]"  # GPipe's ticks
-    assert any("schedule zbv lowers as GPipe" in n for n in report.notes)
+    assert any(f"schedule {name} lowers as GPipe" in n for n in report.notes)
 
 
 @pytest.mark.slow

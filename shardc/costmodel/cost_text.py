@@ -9,6 +9,7 @@ from shardc.costmodel.formulas import text
 from shardc.costmodel.pipeline_cost import PipelineCost
 from shardc.ir.plan import Op
 from shardc.pipeline.bubbles import EXACT, activation_factor, inflight, sends_per_microbatch
+from shardc.pipeline.schedules import PAIRED, ZERO_BUBBLE, paired_seconds
 from shardc.timing import StepCost
 from shardc.units import fmt_bytes, fmt_flops, fmt_seconds
 
@@ -173,21 +174,28 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + ", on the whole batch (a microbatch at a time; at once under the book's model)",
              f"  a microbatch through the slowest stage: F {fmt_seconds(cost.timing.forward)}, "
              f"B {fmt_seconds(cost.timing.backward)}, W {fmt_seconds(cost.timing.weight)}"
-             + ("" if name in ("zb-h1", "zbv") else " (B and W run as one backward)"),
+             + ("" if name in ZERO_BUBBLE else " (B and W run as one backward)")
+             + (f", an overlapped F&B pair {fmt_seconds(paired_seconds(cost.timing, cost.timing))}"
+                if name == "dualpipe" else ""),
              f"  bubble {closed.of_ideal:.1%} of the ideal time ({closed.formula}), {closed.of_total:.1%} of the "
              f"step; simulated with the sends {sim.bubble_of_ideal:.1%} / {sim.bubble_of_total:.1%}"
              + ("" if name in EXACT else " (the closed form assumes T_F = T_B = T_W and free sends; the "
-                                         "simulated zbv order is a greedy one, not the paper's hand-made one)"),
+                                         "simulated zbv order is a greedy one, not the paper's hand-made one)"
+                if name == "zbv" else " (DualPipe's closed form, its repository README's, holds for "
+                                      "T_F = T_B >= T_W, F&B = F + B and free sends; the simulation runs the "
+                                      "repository's order with the paired F&B times)"),
              *_ends(cost, fmt_seconds),
              f"  step {fmt_seconds(cost.step_s)} = "
-             + (f"stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) " if not cost.extra else
+             + (f"stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) "
+                if not cost.extra and name not in PAIRED else
                 f"the busiest stage's work {fmt_seconds(sim.ideal)} + its idle time "
                 f"{fmt_seconds(sim.makespan - sim.ideal)} ")
              + (f"+ exposed gradient reductions {fmt_seconds(cost.grad_reduce_exposed_s)} "
                 if cost.grad_reduce_exposed_s else "")
              + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
              + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
-             + f"[{fmt_seconds(cost.step_closed_s)} with free sends]; MFU {cost.mfu:.1%}",
+             + f"[{fmt_seconds(cost.step_closed_s)} with free sends"
+             + (", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%}",
              *([f"  gradient reductions: accumulated over the microbatches and reduced once a step, "
                 f"{fmt_seconds(cost.grad_reduce_s)} on the busiest stage, issued under the last microbatch's "
                 f"backward ({fmt_seconds(cost.grad_reduce_exposed_s)} exposed)"

@@ -27,7 +27,19 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   of one layer, and the residuals the plan's save policy keeps: those with the batch dim
   for one microbatch times the microbatches the stage holds at its peak (simulated; the
   closed forms are gpipe m, 1f1b p - s, interleaved p (1 + (p-1)/(p V)) on the first
-  stage), saved weights once.
+  stage), saved weights once;
+* ``dualpipe`` (DeepSeek-V3's): device d holds two whole stages, d and p-1-d (so its params,
+  gradients and optimizer state are both stages', twice a stage's), and devices 0 and p-1
+  both hold the first chunk's and the last chunk's statements (each direction enters at one
+  of them); its p + 1 microbatches held are of either stage (counted at the mean of the two
+  stages' layers), and its times per microbatch are the mean of its two stages' (each runs
+  half the microbatches).  An overlapped F&B pair takes the larger of the two computations
+  added and the two phases' collectives added (:func:`~shardc.pipeline.schedules.paired_seconds`):
+  since each phase here already overlaps its own collectives with its computation, the pair
+  saves only where one phase is bound by its collectives (the AllToAll) and the other by its
+  computation.  Devices d and p-1-d hold the same two stages, so once a step each sends the
+  other its gradients (both stages', as the device holds them) to sum the two copies, a swap over
+  the stage axis issued with the other gradient reductions (``copies_exchange_s``).
 """
 
 from __future__ import annotations
@@ -59,8 +71,9 @@ from shardc.pipeline.bubbles import (
     microbatches_for,
     sends_per_microbatch,
 )
+from shardc.pipeline.dualpipe import device_layers, end_chunks
 from shardc.pipeline.gantt import draw
-from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of, simulate
+from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import leaves
 from shardc.timing import StepCost, bound_of, local_elements, phase_rows, phase_time
@@ -139,6 +152,7 @@ class PipelineCost:
     # a param held by the first and the last stage (a tied embedding): the two stages swapping their sums
     # of its gradient's contributions once a step (Megatron-LM's embedding-group AllReduce), in grad_reduce_s
     tied_exchange_s: float = 0.0
+    copies_exchange_s: float = 0.0  # DualPipe: devices d and p-1-d swapping their two stages' gradients, once a step
 
     @property
     def fullest(self) -> StageCost:
@@ -194,6 +208,7 @@ class PipelineCost:
             "optimizer_s": self.optimizer_s, "update_s": self.update_s, "grad_reduce_s": self.grad_reduce_s,
             "grad_reduce_exposed_s": self.grad_reduce_exposed_s,
             **({"tied_exchange_s": self.tied_exchange_s} if self.tied_exchange_s else {}),
+            **({"copies_exchange_s": self.copies_exchange_s} if self.copies_exchange_s else {}),
             "ideal_s": sim.ideal, "first_extra_s": _times(self.first), "last_extra_s": _times(self.last),
             "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
         }
@@ -250,20 +265,22 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     p2p_s = collective_time(Op.COLLECTIVE_PERMUTE, p2p, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
     slowest = max(pipe.stage_layers)
     f, b, w = (p.seconds * slowest for p in parts["layer"])
-    timing = Timing(f, b, w, p2p_s)
-    first, last = (Timing(*(p.seconds for p in parts[end])) for end in ("first", "last"))
+    timing = Timing(f, b, w, p2p_s, _phases(parts["layer"], slowest))
+    first, last = (_end_timing(parts[end]) for end in ("first", "last"))
     name = pipe.schedule.name
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
-    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s)
+    copies_s = _copies_exchange(plan, pipe, micro, sizes, hw, spans, optimizer)
+    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s, copies_s)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
     found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0].seconds, p2p_s,
                         "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last,
-                        grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s)
+                        grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
+                        copies_exchange_s=copies_s)
 
 
 def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
@@ -277,17 +294,35 @@ def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardwa
                      for _, c in tied_contributions(plan))
 
 
+def _copies_exchange(plan: Plan, pipe: Pipeline, micro: dict[str, int], sizes: dict[str, int], hw: Hardware,
+                     spans: Layout, optimizer: str) -> float:
+    """DualPipe: the most any device takes to swap its gradients (its two stages', as the optimizer
+    accounting holds them, or in the params' dtype where it holds none) with device p-1-d, which holds
+    the same two stages; 0 for other schedules."""
+    if pipe.schedule.name not in TWO_WAY:
+        return 0.0
+    mems = (memory(plan, micro, layers, hw.hbm_bytes, optimizer, _held(plan, pipe, s))
+            for s, layers in enumerate(device_layers(pipe)))
+    grads = [m.grad_bytes or m.param_bytes for m in mems]
+    return max(collective_time(Op.COLLECTIVE_PERMUTE, g, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
+               for g in grads)
+
+
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing,
-                     timing: Timing, tied_s: float = 0.0) -> tuple[float, float]:
+                     timing: Timing, tied_s: float = 0.0, copies_s: float = 0.0) -> tuple[float, float]:
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
     hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows.
-    ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both."""
+    ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
+    ``copies_s``: DualPipe's swap of the two copies' gradients, on every device."""
     layer, slowest, final = parts["layer reduce"][0].seconds, max(pipe.stage_layers), len(pipe.stage_layers) - 1
+    both = pipe.schedule.name in TWO_WAY  # DualPipe: devices 0 and p-1 each hold both ends, and two stages each
     worst, exposed = 0.0, 0.0
-    for s, layers in enumerate(pipe.stage_layers):
-        ends = [(key, t) for key, t, on in (("first", first, s == 0), ("last", last, s == final)) if on]
-        own = layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends)
+    for s, layers in enumerate(device_layers(pipe)):
+        at = (s == 0, s == final) if not both else (s in (0, final),) * 2
+        ends = [(key, t) for key, t, on in (("first", first, at[0]), ("last", last, at[1])) if on]
+        own = (layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends)
+               + copies_s)
         backward = (timing.backward + timing.weight) * layers / slowest + sum(t.backward + t.weight for _, t in ends)
         worst, exposed = max(worst, own), max(exposed, own - backward)
     return worst, max(0.0, exposed)
@@ -321,17 +356,41 @@ def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
     return out
 
 
+def _phases(parts: list[_Part], layers: float = 1.0) -> Phases:
+    """The computation and collectives of a forward and of a whole backward (B and W), for an F&B pair."""
+    forward, backward, weight = parts[:3]
+    return Phases(forward.busy * layers, forward.comm * layers, (backward.busy + weight.busy) * layers,
+                  (backward.comm + weight.comm) * layers)
+
+
+def _end_timing(parts: list[_Part]) -> Timing:
+    """A microbatch through the statements before (or after) the block: F, B, W and their phases."""
+    forward, backward, weight = parts
+    return Timing(forward.seconds, backward.seconds, weight.seconds, phases=_phases(parts))
+
+
 def _chunk_times(pipe: Pipeline, timing: Timing, first: Timing, last: Timing) -> tuple[Timing, ...]:
-    """Each model chunk's times: a share of the slowest stage's, the first chunk also running the
-    statements before the block and the last those after it (Megatron-LM's placement)."""
-    n, v = pipe.stages * pipe.chunks, pipe.chunks
+    """Each model chunk's times: a share of the slowest stage's (DualPipe's: all of it), the first chunk
+    also running the statements before the block and the last those after it (Megatron-LM's placement)."""
+    n, v = pipe.stages * pipe.chunks, pipe.cuts
+    heads, tails = end_chunks(pipe.schedule.name, pipe.stages, n)
     out = []
     for c in range(n):
-        ends = [t for t, here in ((first, c == 0), (last, c == n - 1)) if here]
+        ends = [t for t, here in ((first, c in heads), (last, c in tails)) if here]
         out.append(Timing(timing.forward / v + math.fsum(t.forward for t in ends),
                           timing.backward / v + math.fsum(t.backward for t in ends),
-                          timing.weight / v + math.fsum(t.weight for t in ends)))
+                          timing.weight / v + math.fsum(t.weight for t in ends),
+                          phases=_added([(timing.phases, 1 / v)] + [(t.phases, 1.0) for t in ends])))
     return tuple(out)
+
+
+def _added(terms: list[tuple[Phases | None, float]]) -> Phases | None:
+    """The sum of some phases, each scaled (None where one is unknown)."""
+    if any(ph is None for ph, _ in terms):
+        return None
+    known = [(ph, k) for ph, k in terms if ph is not None]
+    return Phases(*(math.fsum(getattr(ph, f) * k for ph, k in known)
+                    for f in ("forward_busy", "forward_comm", "backward_busy", "backward_comm")))
 
 
 def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
@@ -353,8 +412,9 @@ def _held(plan: Plan, pipe: Pipeline, stage: int) -> frozenset[str] | None:
         return None
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     before, after = outside_names(plan)
-    return ((before if device_of(name, 0, pipe.stages) == stage else frozenset())
-            | (after if device_of(name, n - 1, pipe.stages) == stage else frozenset()))
+    heads, tails = end_chunks(name, pipe.stages, n)
+    return ((before if any(device_of(name, c, pipe.stages) == stage for c in heads) else frozenset())
+            | (after if any(device_of(name, c, pipe.stages) == stage for c in tails) else frozenset()))
 
 
 def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
@@ -367,7 +427,7 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
     repeated = {r.name for k, st in enumerate(plan.spec.statements) if plan.spec.repeats(k) for r in leaves(st.expr)}
     inside = [r for r in rows if primal.get(r.tensor, r.tensor) in repeated]
     worst = 0.0
-    for stage, layers in enumerate(pipe.stage_layers):
+    for stage, layers in enumerate(device_layers(pipe)):
         held = _held(plan, pipe, stage) or frozenset()
         mine = [r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated]
         worst = max(worst, layers * _time(inside, hw).seconds + _time(mine, hw).seconds)
@@ -381,20 +441,25 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     values = residual_values(plan)
     once = kept_once(plan, values) if plan.spec.block is not None else set()
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
-    for s, layers in enumerate(pipe.stage_layers):
+    heads, tails = end_chunks(name, pipe.stages, n)
+    for s, layers in enumerate(device_layers(pipe)):
         held_names = _held(plan, pipe, s)
         mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer, held_names)
         held = sim.peak_inflight(s)
-        ends = [parts[k] for k, c in (("first", 0), ("last", n - 1)) if device_of(name, c, pipe.stages) == s]
-        # A microbatch's own residuals, for each microbatch held; saved weights once a layer; a value
-        # outside the block once, on the stage that holds it.
+        ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
+                for c in chunks if device_of(name, c, pipe.stages) == s]
+        share = 0.5 if name in TWO_WAY else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
+        # A microbatch's own residuals, for each microbatch held (DualPipe's, half of them each stage's);
+        # saved weights once a layer; a value outside the block once, on the stage that holds it.
         counts = [(1 if held_names is None or r.name in held_names else 0) if r in once else layers for r in values]
-        residual = math.fsum(value_bytes(plan, r, micro) * k * (held if dim in r.indices else 1.0)
+        residual = math.fsum(value_bytes(plan, r, micro) * k * (held * share if dim in r.indices else 1.0)
                              for r, k in zip(values, counts, strict=True))
-        compute = layers * math.fsum(p.busy for p in parts["layer"]) + math.fsum(p.busy for e in ends for p in e)
+        compute = share * (layers * math.fsum(p.busy for p in parts["layer"])
+                           + math.fsum(p.busy for e in ends for p in e))
         sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
-        comm = layers * math.fsum(p.comm for p in parts["layer"]) + math.fsum(p.comm for e in ends for p in e) + sends
-        f, b, w = (p.seconds * layers + math.fsum(e[i].seconds for e in ends)
+        comm = share * (layers * math.fsum(p.comm for p in parts["layer"])
+                        + math.fsum(p.comm for e in ends for p in e)) + sends
+        f, b, w = (share * (p.seconds * layers + math.fsum(e[i].seconds for e in ends))
                    for i, p in enumerate(parts["layer"]))
         out.append(StageCost(s, layers, f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
@@ -407,7 +472,8 @@ def _thresholds(pipe: Pipeline, timing: Timing, layer_f: float, p2p_s: float,
     p, name = pipe.stages, pipe.schedule.name
     here = pipe.microbatches
     if name in ZERO_BUBBLE:  # the idle time depends on the three times, not on p alone
-        idle = {"zb-h1": "(p-1)*max(T_F+T_B-T_W, T_F, T_B)", "zbv": "(p-1)*T_F/2"}[name]
+        idle = {"zb-h1": "(p-1)*max(T_F+T_B-T_W, T_F, T_B)", "zbv": "(p-1)*T_F/2",
+                "dualpipe": "(p/2-1)*(T_F&B+T_B-2*T_W)", "dualpipev": "(p-1)*(T_F&B+T_B-2*T_W)/2"}[name]
         need = microbatches_for(name, p, timing, BUBBLE_TARGET, pipe.chunks)  # as the bubble line's closed form
         form = f"{idle}/({BUBBLE_TARGET:g}*(T_F+T_B+T_W))"
     else:

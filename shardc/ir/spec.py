@@ -287,7 +287,7 @@ def _number(value: float) -> str:
 Expr = TensorRef | Contract | Call | Add
 
 # Pipeline schedules, as the `schedule` line names them (the pipeline package simulates each).
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpipev")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ that runs any table the same way, with the block's plan as each layer
 (:mod:`shardc.lowering.pipeline_runtime`).  A ``layers L { ... }`` block with
 statements around it adds their two plans as the block's ends (before it on stage
 0, after it on the last stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe and 1F1B
-lower with their own tables; the other schedules (interleaved, zb-h1, zbv) are costed
+lower with their own tables; the other schedules (interleaved, zb-h1, zbv, dualpipe) are costed
 and drawn, and lower with GPipe's (every schedule computes the same values), which
 ``shardc lower`` and ``verify`` say (:func:`schedule_note`).
 
@@ -46,8 +46,9 @@ LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the others lower with GP
 
 def schedule_note(schedule: str) -> str | None:
     """What ``shardc lower`` and ``verify`` say of a schedule that does not lower as itself (None for
-    one that does): the program runs GPipe's tick table.  ZB-H1 and ZBV need a backward split into
-    its input and weight parts; the program runs one whole backward a tick."""
+    one that does): the program runs GPipe's tick table.  ZB-H1, ZBV and DualPipe need a backward split
+    into its input and weight parts (the program runs one whole backward a tick); DualPipe also two copies
+    of each stage and microbatches entering from both ends."""
     if schedule in LOWERED_SCHEDULES:
         return None
     return (f"schedule {schedule} lowers as GPipe: the program runs GPipe's tick table (the same values and "

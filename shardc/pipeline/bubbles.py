@@ -17,10 +17,21 @@ schedules that do not split them):
 * zbv (Qi et al. 2024): only the fill of half-stage forwards, (p-1) T_F / 2: (p-1)/(6m)
   of ideal, about 0 for m >> p, at twice the point-to-point traffic (2(p-1) sends a
   microbatch, down the V and back, against p-1).
+* dualpipev (its DualPipeV): the same over DualPipe's 2p ranks of half-stage chunks, (p-1)(F&B + B
+  - 3W) in the chunks' times; p + 1/2 stage-microbatches in flight (2p + 1 chunks), one copy of
+  the parameters.
+* dualpipe (DeepSeek-AI 2024; the deepseek-ai/DualPipe README's table): (p/2-1)(F&B + B - 3W)
+  in the README's notation, B a whole backward (T_B + T_W here) and F&B an overlapped
+  forward-backward pair (:func:`~shardc.pipeline.schedules.paired_seconds`); against 1F1B's
+  (p-1)(F+B) and ZB-H1's (p-1)(F+B-2W).  The simulation of the repository's order gives
+  exactly this when T_F = T_B, T_W <= T_F, the pair saves nothing (F&B = F + B) and sends are
+  free; otherwise it differs (a longer W cannot fill more, as for zb-h1, and with a pair
+  shorter than F + B each device runs its own number of pairs, so each idles its own time).
 
 In flight on the first stage (activations kept for the backward, in microbatches of a
 whole stage): gpipe m; 1f1b, zb-h1 and zbv min(p, m); interleaved p times the
-activation factor 1 + (p-1)/(p V) (Narayanan et al. 2021).
+activation factor 1 + (p-1)/(p V) (Narayanan et al. 2021); dualpipe p + 1 on every device
+(the README's table; with twice the parameters, each device holding two stages).
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardc.pipeline.schedules import Timing, chunks_of, device_of
+from shardc.pipeline.schedules import TWO_WAY, Phases, Timing, chunks_of, device_of, paired_seconds
 
 __all__ = ["Bubble", "bubble", "inflight", "held", "activation_factor", "sends_per_microbatch", "EXACT",
            "microbatches_for"]
@@ -65,7 +76,19 @@ def bubble(schedule: str, p: int, m: int, timing: Timing, virtual: int = 1) -> B
         return Bubble((p - 1) * max(f + b - w, f, b), ideal, "(p-1)*max(T_F+T_B-T_W, T_F, T_B)/(m*(T_F+T_B+T_W))")
     if schedule == "zbv":
         return Bubble((p - 1) * f / 2, ideal, "(p-1)/(6*m)")
+    if schedule == "dualpipe":  # the README's F&B, B (whole) and W, over the device's work m(T_F+T_B+T_W)
+        whole = b + w
+        return Bubble((p / 2 - 1) * (paired_seconds(timing, timing) + whole - 3 * w), ideal,
+                      "(p/2-1)*(T_F&B+T_B-2*T_W)/(m*(T_F+T_B+T_W))")
+    if schedule == "dualpipev":  # the same over DualPipe's 2p ranks, its chunks half a stage here
+        half = Timing(f / 2, b / 2, w / 2, phases=None if timing.phases is None else _halved(timing.phases))
+        return Bubble((p - 1) * (paired_seconds(half, half) + (b + w) / 2 - 3 * w / 2), ideal,
+                      "(p-1)*(T_F&B+T_B-2*T_W)/(2*m*(T_F+T_B+T_W))")
     raise ValueError(schedule)
+
+
+def _halved(phases: Phases) -> Phases:
+    return Phases(phases.forward_busy / 2, phases.forward_comm / 2, phases.backward_busy / 2, phases.backward_comm / 2)
 
 
 def microbatches_for(schedule: str, p: int, timing: Timing, target: float, virtual: int = 1) -> int:
@@ -87,8 +110,12 @@ def activation_factor(schedule: str, p: int, virtual: int = 1) -> float:
     return 1 + (p - 1) / (p * virtual) if schedule == "interleaved" else 1.0
 
 
-def inflight(schedule: str, p: int, m: int) -> int:
+def inflight(schedule: str, p: int, m: int) -> float:
     """Microbatches whose activations the first stage holds at once (before the activation factor)."""
+    if schedule == "dualpipe":  # m >= 2p: p + 1 stage-microbatches on every device
+        return p + 1
+    if schedule == "dualpipev":  # DualPipe's 2p + 1 chunks of half a stage
+        return p + 0.5
     return m if schedule == "gpipe" else min(p, m)
 
 
@@ -100,7 +127,10 @@ def held(schedule: str, p: int, m: int, virtual: int = 1) -> float:
 def sends_per_microbatch(schedule: str, p: int, virtual: int = 1) -> int:
     """Stage boundaries a microbatch's activation crosses forward (its cotangent crosses them back).
 
-    p - 1; interleaved p V - 1; zbv 2(p - 1), down the V and back (the turn stays on device p-1).
+    p - 1; interleaved p V - 1; zbv 2(p - 1), down the V and back (the turn stays on device p-1);
+    dualpipe p - 1, each microbatch one way through the stages.
     """
+    if schedule in TWO_WAY:
+        return p - 1
     n = chunks_of(schedule, virtual) * p
     return sum(device_of(schedule, c, p) != device_of(schedule, c + 1, p) for c in range(n - 1))

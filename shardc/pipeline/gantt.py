@@ -3,14 +3,16 @@
 One row a device (stage 0 on top), one bar an op, coloured by kind (forward,
 backward, and weight gradient for the zero-bubble schedules) and labelled with its
 microbatch, as the schedule figures of the zero-bubble paper and torchtitan's
-visualiser draw them.  matplotlib is imported only here, on use.
+visualiser draw them.  DualPipe's overlapped F&B pairs are outlined in black, as the
+deepseek-ai/DualPipe README's figure encloses them, each op drawn as its share of the pair.
+matplotlib is imported only here, on use.
 """
 
 from __future__ import annotations
 
 from shardc.errors import ShardcError
 from shardc.images import check_image_path, pyplot
-from shardc.pipeline.schedules import Simulation
+from shardc.pipeline.schedules import PAIRED, TWO_WAY, Simulation
 
 __all__ = ["draw", "COLOURS", "MAX_BARS"]
 
@@ -34,20 +36,27 @@ def draw(sim: Simulation, path: str, title: str = "", force: bool = False) -> No
 
     plt = pyplot("--schedule-plot")
     scale, unit = _unit(sim.makespan)
-    fig, ax = plt.subplots(figsize=(min(18.0, 4 + 0.12 * len(sim.ops) / sim.stages), 0.6 * sim.stages + 1.6))
+    paired = sim.schedule in PAIRED  # a fourth legend entry and longer row names: a wider chart
+    wide = 4 + 0.12 * len(sim.ops) / sim.stages + (3 if paired else 0)
+    fig, ax = plt.subplots(figsize=(min(18.0, wide), 0.6 * sim.stages + 1.6))
     for op in sim.ops:
         width = (op.end - op.start) * scale
         light = sim.chunks > 1 and op.chunk >= sim.stages  # a later chunk: paler
         ax.barh(op.device, width, left=op.start * scale, height=0.8, color=COLOURS[op.kind],
-                alpha=0.6 if light else 1.0, edgecolor="white", linewidth=0.5)
+                alpha=0.6 if light else 1.0, edgecolor="black" if op.paired else "white",
+                linewidth=0.8 if op.paired else 0.5)
         if width > sim.makespan * scale / 120:
             ax.text((op.start + op.end) / 2 * scale, op.device, str(op.microbatch), ha="center", va="center",
                     fontsize=6, color="white")
     kinds = [k for k in ("F", "B", "W") if any(op.kind == k for op in sim.ops)]
     handles = [matplotlib.patches.Patch(color=COLOURS[k], label=_NAMES[k] if k != "B" or "W" in kinds
                                         else "backward") for k in kinds]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize="small")
-    ax.set_yticks(range(sim.stages), [f"stage {s}" for s in range(sim.stages)])
+    if paired:
+        handles.append(matplotlib.patches.Patch(facecolor="white", edgecolor="black", label="overlapped F&B pair"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize="small")
+    rows = [f"device {s}: stages {s}, {sim.stages - 1 - s}" if sim.schedule in TWO_WAY else f"stage {s}"
+            for s in range(sim.stages)]
+    ax.set_yticks(range(sim.stages), rows)
     ax.invert_yaxis()
     ax.set_xlabel(unit)
     ax.set_title(title or f"{sim.schedule}: p={sim.stages}, m={sim.microbatches}, "

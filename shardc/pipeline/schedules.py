@@ -26,6 +26,17 @@ point-to-point send).  A device runs one op at a time:
   reads them), else a W; that order is then kept, as a fixed order, when the sends
   take time (so they delay ops but cannot reorder them into more memory).  With
   T_F = T_B = T_W and free sends its bubble is the unavoidable fill, (p-1) T_F / 2.
+* ``dualpipe`` (DeepSeek-AI 2024, DeepSeek-V3's schedule): microbatches enter from both
+  ends, half of them each way, so device d holds model stage d and stage p-1-d (two whole
+  stages, twice the parameters); its fixed order is the public repository's
+  (:mod:`shardc.pipeline.dualpipe`), whose steady state runs a forward of one microbatch
+  overlapped with the backward of another as one unit (an F&B pair): the pair takes
+  :func:`paired_seconds`, where the computations add up and the collectives of each hide
+  under the other's computation.
+* ``dualpipev`` (the same repository's DualPipeV, "cut in half"): zbv's V of 2p half-stage
+  chunks on p devices, every microbatch down the V and back, each device running the order a
+  device of the first half of DualPipe over 2p devices runs with 2m microbatches (its two
+  directions the two legs of the V); one copy of the parameters.
 
 The simulation commits, among all devices, the op that can start first, so it
 never runs an op before its inputs exist.
@@ -45,15 +56,30 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shardc.errors import ShardcError
+from shardc.pipeline.dualpipe import TWO_WAY, dualpipe_orders
+from shardc.spec.stages import check_dualpipe
 
-__all__ = ["Timing", "Op", "Simulation", "simulate", "device_of", "chunks_of", "ZERO_BUBBLE", "operations",
+__all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "TWO_WAY", "stage_share",
+           "Op", "Simulation", "simulate", "device_of", "chunks_of", "ZERO_BUBBLE", "operations",
            "check_budget", "MAX_OPS", "MAX_GREEDY"]
 
-ZERO_BUBBLE = frozenset({"zb-h1", "zbv"})
+ZERO_BUBBLE = frozenset({"zb-h1", "zbv", "dualpipe", "dualpipev"})
+PAIRED = frozenset({"dualpipe", "dualpipev"})  # the schedules that overlap an F with a B as one unit
 # Budgets, in work counts: half a million ops is a few hundred MB of ops and seconds of simulation
 # (4096 microbatches over 64 stages of 1F1B); zbv's greedy search weighs each op by the devices.
 MAX_OPS = 500_000
 MAX_GREEDY = 1_000_000
+
+
+@dataclass(frozen=True)
+class Phases:
+    """A chunk's forward and whole backward (B and W) split into computation (einsums and memory-bound
+    steps) and collectives, for the time of an overlapped F&B pair."""
+
+    forward_busy: float
+    forward_comm: float
+    backward_busy: float
+    backward_comm: float
 
 
 @dataclass(frozen=True)
@@ -64,10 +90,27 @@ class Timing:
     backward: float  # the input-gradient part of the backward (the whole backward when weight is 0)
     weight: float = 0.0
     comm: float = 0.0  # one point-to-point send between devices
+    phases: Phases | None = None  # where known: what an F&B pair can overlap
 
     @property
     def total(self) -> float:
         return self.forward + self.backward + self.weight
+
+
+def paired_seconds(forward: Timing, backward: Timing) -> float:
+    """One chunk's forward overlapped with another chunk's whole backward (DualPipe's F&B).
+
+    DeepSeek-V3 (section 3.2.1) runs the two on one GPU at once, the SMs shared, so that each
+    one's AllToAll and sends run under the other's computation: the pair takes the larger of
+    the two computations added and the two collectives added, never more than the two run one
+    after the other.  Without a split into computation and collectives (``phases``) nothing is
+    known to hide and the pair takes F + B + W.
+    """
+    apart = forward.forward + backward.backward + backward.weight
+    f, b = forward.phases, backward.phases
+    if f is None or b is None:
+        return apart
+    return min(apart, max(f.forward_busy + b.backward_busy, f.forward_comm + b.backward_comm))
 
 
 @dataclass(frozen=True, order=True)
@@ -78,6 +121,7 @@ class Op:
     kind: str  # "F", "B" or "W"
     microbatch: int
     chunk: int
+    paired: bool = False  # run overlapped with another op as one F&B unit (drawn as its share of the pair)
 
 
 @dataclass(frozen=True)
@@ -91,7 +135,10 @@ class Simulation:
     chunk_times: tuple[Timing, ...] = ()  # a microbatch's times through each model chunk, in chunk order
 
     def work(self, device: int) -> float:
-        """Seconds of ops ``device`` runs: every microbatch through each chunk it holds."""
+        """Seconds of ops ``device`` runs: every microbatch through each chunk it holds (DualPipe's
+        overlapped pairs at the pair's time: each chunk sees half the microbatches)."""
+        if self.schedule in PAIRED:
+            return math.fsum(op.end - op.start for op in self.ops if op.device == device)
         return self.microbatches * math.fsum(t.total for c, t in enumerate(self.chunk_times)
                                              if device_of(self.schedule, c, self.stages) == device)
 
@@ -124,7 +171,7 @@ class Simulation:
         backward, or for the zero-bubble schedules the weight gradient (it reads the
         layer inputs too; the paper counts that memory until W).
         """
-        return self._peaks[device] / self.chunks
+        return self._peaks[device] * stage_share(self.schedule, self.chunks)
 
     @cached_property
     def _peaks(self) -> list[int]:
@@ -147,12 +194,17 @@ class Simulation:
 
 
 def chunks_of(schedule: str, virtual: int = 1) -> int:
-    return {"interleaved": virtual, "zbv": 2}.get(schedule, 1)
+    return {"interleaved": virtual, "zbv": 2, "dualpipe": 2, "dualpipev": 2}.get(schedule, 1)
+
+
+def stage_share(schedule: str, chunks: int) -> float:
+    """A chunk's share of a stage's layers: 1/chunks, except DualPipe's, each a whole stage."""
+    return 1.0 if schedule in TWO_WAY else 1 / chunks
 
 
 def device_of(schedule: str, chunk: int, stages: int) -> int:
-    """The device that holds model chunk ``chunk``."""
-    if schedule == "zbv" and chunk >= stages:
+    """The device that holds model chunk ``chunk`` (DualPipe's direction-1 chunks run back like zbv's V)."""
+    if schedule in ("zbv", "dualpipe", "dualpipev") and chunk >= stages:
         return 2 * stages - 1 - chunk
     return chunk % stages
 
@@ -173,27 +225,34 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
                           fix=f"use microbatches {max(p, m - m % p)} (Megatron-LM's interleaved order)")
     chunks = chunks_of(schedule, virtual)
     zb = schedule in ZERO_BUBBLE
-    if chunk_times is None:  # a device's chunks share the stage's layers equally
-        share = Timing(timing.forward / chunks, timing.backward / chunks, timing.weight / chunks)
+    if schedule in PAIRED:
+        check_dualpipe(schedule, p, m)
+    if chunk_times is None:  # a device's chunks share the stage's layers equally (DualPipe's: each a stage)
+        k = stage_share(schedule, chunks)
+        share = Timing(timing.forward * k, timing.backward * k, timing.weight * k, phases=timing.phases)
         chunk_times = (share,) * (chunks * p)
     if len(chunk_times) != chunks * p:
         raise ShardcError(f"schedule {schedule} on {p} stages has {chunks * p} chunks, "
                           f"not the {len(chunk_times)} timed")
     check_budget(schedule, p, m, virtual)
     durations = [_durations(t, zb) for t in chunk_times]
+    orders: list[list[tuple[tuple[str, int, int], ...]]]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
         found = _run(schedule, p, m, durations, 0.0, zb)
-        orders = [[(o.kind, o.microbatch, o.chunk) for o in sorted(found) if o.device == d] for d in range(p)]
+        orders = [[((o.kind, o.microbatch, o.chunk),) for o in sorted(found) if o.device == d] for d in range(p)]
+    elif schedule in PAIRED:
+        orders = dualpipe_orders(p, m, v=schedule == "dualpipev")
     else:
-        orders = [_order(schedule, s, p, m, virtual) for s in range(p)]
-    ops = _run_in_order(schedule, p, m, durations, timing.comm, orders)
+        orders = [[(key,) for key in _order(schedule, s, p, m, virtual)] for s in range(p)]
+    ops = _run_in_order(schedule, p, m, durations, timing.comm, orders, chunk_times)
     return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times))
 
 
 def operations(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> int:
     """Ops the simulation of ``schedule`` runs: F and B (and W) for each microbatch and model chunk."""
     kinds = 3 if schedule in ZERO_BUBBLE else 2
-    return kinds * microbatches * chunks_of(schedule, virtual) * stages
+    passes = 1 if schedule in TWO_WAY else chunks_of(schedule, virtual)  # DualPipe's microbatches: one way
+    return kinds * microbatches * passes * stages
 
 
 def check_budget(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
@@ -214,14 +273,17 @@ def check_budget(schedule: str, stages: int, microbatches: int, virtual: int = 1
 
 
 def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float,
-                  orders: list[list[tuple[str, int, int]]]) -> list[Op]:
-    """Each device runs its ``orders`` in turn, each op as soon as its inputs and the device are free.
+                  orders: list[list[tuple[tuple[str, int, int], ...]]],
+                  chunk_times: tuple[Timing, ...] = ()) -> list[Op]:
+    """Each device runs its ``orders`` in turn, each group as soon as its inputs and the device are free.
 
-    Start times follow from the orders alone (a device's previous op, the ops it reads), so
-    one pass that advances each device until it waits on another's op gives them, in time
-    linear in the ops; a device that waits is resumed when that op is done.
+    A group is one op, or ops run as one unit (DualPipe's whole backward, B then its W; its
+    overlapped F&B pair): the unit starts when every input of its ops is there, its outputs are
+    all sent at its end, and a pair takes :func:`paired_seconds`.  Start times follow from the
+    orders alone (a device's previous group, the ops it reads), so one pass that advances each
+    device until it waits on another's op gives them, in time linear in the ops; a device that
+    waits is resumed when that op is done.
     """
-    last = len(durations) - 1
     ends: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
     position = [0] * p
@@ -232,10 +294,12 @@ def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float
         d = runnable.pop()
         order = orders[d]
         while position[d] < len(order):
-            key = order[position[d]]
+            group = order[position[d]]
             t = free[d]
             missing = None
-            for dep in _deps(*key, last):
+            for dep in (dep for key in group for dep in _deps(*key, *_span(schedule, p, m, key[1], len(durations)))):
+                if dep in group:
+                    continue
                 if dep not in ends:
                     missing = dep
                     break
@@ -243,14 +307,40 @@ def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float
             if missing is not None:
                 blocked.setdefault(missing, []).append(d)
                 break
-            end = t + durations[key[2]][key[0]]
-            ends[key], free[d] = end, end
+            result += _placed(group, t, d, durations, chunk_times)
+            free[d] = result[-1].end
+            for key in group:
+                ends[key] = free[d]
+                runnable.extend(blocked.pop(key, ()))
             position[d] += 1
-            result.append(Op(t, end, d, *key))
-            runnable.extend(blocked.pop(key, ()))
     if len(result) < operations(schedule, p, m, len(durations) // p) or blocked:
         raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
     return result
+
+
+def _placed(group: tuple[tuple[str, int, int], ...], start: float, d: int, durations: list[dict[str, float]],
+            chunk_times: tuple[Timing, ...]) -> list[Op]:
+    """A group's ops from ``start``: one after another, an F&B pair's each drawn as its share of the pair."""
+    own = [durations[c][kind] for kind, _, c in group]
+    kinds = [key[0] for key in group]
+    span = sum(own)
+    paired = "F" in kinds and "B" in kinds
+    if paired:
+        span = paired_seconds(chunk_times[group[0][2]], chunk_times[group[kinds.index("B")][2]])
+    scale = span / sum(own) if sum(own) else 0.0
+    out, t = [], start
+    for key, seconds in zip(group, own, strict=True):
+        end = start + span if key is group[-1] else t + seconds * scale
+        out.append(Op(t, end, d, *key, paired))
+        t = end
+    return out
+
+
+def _span(schedule: str, p: int, m: int, j: int, n: int) -> tuple[int, int]:
+    """The first and the last chunk microbatch ``j`` runs through (DualPipe's second half: the way back)."""
+    if schedule in TWO_WAY:
+        return (p, n - 1) if j >= m // 2 else (0, p - 1)
+    return 0, n - 1
 
 
 def _durations(timing: Timing, zb: bool) -> dict[str, float]:
@@ -307,9 +397,9 @@ def _zb_h1(s: int, p: int, m: int) -> list[tuple[str, int, int]]:
     return order + [("W", j, s) for j in range(done_w, m)]
 
 
-def _deps(kind: str, j: int, c: int, last: int) -> list[tuple[str, int, int]]:
+def _deps(kind: str, j: int, c: int, first: int, last: int) -> list[tuple[str, int, int]]:
     if kind == "F":
-        return [("F", j, c - 1)] if c else []
+        return [("F", j, c - 1)] if c > first else []
     if kind == "B":
         return [("F", j, c)] + ([("B", j, c + 1)] if c < last else [])
     return [("B", j, c)]
@@ -360,7 +450,7 @@ def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm:
         if key[0] == "F" and key[2] == 0 and key[1] + 1 < m:
             pending[d].add(("F", key[1] + 1, 0))
         for after in _dependents(*key, n_chunks - 1, zb):
-            if all(dep in ends for dep in _deps(*after, n_chunks - 1)):
+            if all(dep in ends for dep in _deps(*after, 0, n_chunks - 1)):
                 pending[home[after]].add(after)
                 changed.add(home[after])
         inflight[d] += {"F": 1, "B": 0, "W": -1}[key[0]]
@@ -388,7 +478,7 @@ def _choose(d: int, pending: list[set[tuple[str, int, int]]], home: dict[tuple[s
     """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready."""
     def ready(key: tuple[str, int, int]) -> float | None:
         t = free[d]
-        for dep in _deps(*key, n_chunks - 1):
+        for dep in _deps(*key, 0, n_chunks - 1):
             if dep not in ends:
                 return None
             t = max(t, ends[dep] + (comm if home[dep] != d else 0.0))

@@ -428,7 +428,7 @@ def _schedule(children: list[Token]) -> Schedule:
     word, span = str(children[1]), _span(children[1])
     if word not in SCHEDULES:
         raise ShardcError(f"unknown pipeline schedule `{word}`", span,
-                          fix="use one of gpipe, 1f1b, interleaved V, zb-h1, zbv")
+                          fix="use one of gpipe, 1f1b, interleaved V, zb-h1, zbv, dualpipe, dualpipev")
     if word != "interleaved":
         if len(children) > 2:
             raise ShardcError(f"schedule {word} takes no number", _span(children[2]),

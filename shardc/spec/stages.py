@@ -8,7 +8,8 @@ stated.  Inside a stage the plan uses the other axes only: :func:`stage_spec` is
 spec with the stage axis removed, which the planner plans as it would any spec.
 ``interleaved V`` and ``zbv`` cut each stage into V (zbv: 2) chunks of layers: chunk c
 of the model sits on device c mod P (interleaved) or on device c, then back, for
-c >= P (zbv's V shape).
+c >= P (zbv's V shape).  ``dualpipe`` (DeepSeek-V3's) keeps the P stages whole and puts
+two on each device, stage d and stage P-1-d (microbatches enter from both ends).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from dataclasses import dataclass, replace
 from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
 
-__all__ = ["Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count", "split_layers",
-           "DEFAULT_SCHEDULE"]
+__all__ = ["check_dualpipe", "Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count",
+           "split_layers", "DEFAULT_SCHEDULE"]
 
 DEFAULT_SCHEDULE = Schedule("1f1b")
 
@@ -38,8 +39,15 @@ class Pipeline:
 
     @property
     def chunks(self) -> int:
-        """Layer chunks a device holds: V for interleaved, 2 for zbv, else 1."""
-        return {"interleaved": self.schedule.virtual, "zbv": 2}.get(self.schedule.name, 1)
+        """Layer chunks a device holds: V for interleaved, 2 for zbv, dualpipev and dualpipe (two whole stages),
+        else 1."""
+        two = {"zbv", "dualpipe", "dualpipev"}
+        return self.schedule.virtual if self.schedule.name == "interleaved" else 2 if self.schedule.name in two else 1
+
+    @property
+    def cuts(self) -> int:
+        """Runs of layers a stage is cut into: its chunks, except DualPipe's, which are whole stages."""
+        return 1 if self.schedule.name == "dualpipe" else self.chunks
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
@@ -57,6 +65,23 @@ class Pipeline:
         how = "as `stage_layers` splits them" if self.split is not None else "unevenly"
         return (f"{self.layers} layers over {self.stages} stages, {how}: "
                 + ", ".join(str(c) for c in counts) + " (the slowest stage sets the pace)")
+
+
+def check_dualpipe(schedule: str, stages: int, microbatches: int) -> None:
+    """DualPipe's own conditions, which the deepseek-ai/DualPipe repository asserts: an even number of
+    devices (device d pairs with p-1-d), an even number of microbatches (half enter at each end), at least
+    2p; DualPipeV's: at least 2p microbatches."""
+    p, m = stages, microbatches
+    if schedule == "dualpipev":
+        if m < 2 * p:
+            raise ShardcError(f"dualpipev needs at least twice the stages' microbatches, not {m} over {p} stages",
+                              fix=f"use microbatches {2 * p}")
+        return
+    if p % 2 or m % 2 or m < 2 * p:
+        raise ShardcError(f"dualpipe needs an even number of stages and an even number of microbatches of at "
+                          f"least twice the stages, not {p} stages and {m} microbatches",
+                          fix=f"use microbatches {max(2 * p, m + m % 2)}" if p % 2 == 0 else
+                          "use an even pipeline axis (DualPipe pairs device d with device p-1-d)")
 
 
 def split_layers(layers: int, stages: int) -> tuple[int, ...]:
@@ -132,22 +157,27 @@ def check_pipeline(spec: Spec) -> None:
                           f"not {pipe.microbatches}", spec.span_of("microbatches"),
                           fix=f"use microbatches {pipe.stages * max(1, pipe.microbatches // pipe.stages)} "
                           "(Megatron-LM's interleaved order)")
+    if pipe.schedule.name in ("dualpipe", "dualpipev"):
+        try:
+            check_dualpipe(pipe.schedule.name, pipe.stages, pipe.microbatches)
+        except ShardcError as err:
+            raise ShardcError(err.message, spec.span_of("microbatches") or axis.span, fix=err.fix) from None
     _check_split(spec, pipe)
-    needed = pipe.stages * pipe.chunks
+    needed = pipe.stages * pipe.cuts
     if pipe.layers < needed:
-        stages = f"{pipe.stages} stages" + (f" of {pipe.chunks} chunks" if pipe.chunks > 1 else "")
+        stages = f"{pipe.stages} stages" + (f" of {pipe.cuts} chunks" if pipe.cuts > 1 else "")
         raise ShardcError(f"{pipe.layers} layer(s) cannot fill {stages}", spec.span_of("layers") or axis.span,
                           fix=f"a `layers` line of at least {needed}, or a smaller pipeline axis")
 
 
 def _check_split(spec: Spec, pipe: Pipeline) -> None:
     """``stage_layers``: a count for each stage, each one or more, that sum to the layers (one chunk a
-    device: interleaved and zbv place their chunks themselves)."""
+    device: interleaved and zbv place their chunks themselves; DualPipe's two a device are whole stages)."""
     split = spec.stage_layers
     if split is None:
         return
     where = spec.span_of("stage_layers")
-    if pipe.chunks > 1:
+    if pipe.cuts > 1:
         raise ShardcError(f"`stage_layers` splits one run of layers a stage; schedule {pipe.schedule} holds "
                           f"{pipe.chunks} chunks a device", where, fix="drop `stage_layers`, or use gpipe or 1f1b")
     if len(split) != pipe.stages or min(split) < 1 or sum(split) != pipe.layers:
