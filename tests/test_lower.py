@@ -35,14 +35,19 @@ def report_of(path: Path) -> Report:
     return _reports[path.name]
 
 
-def _needs_more_devices(path: Path) -> bool:
-    """Whether the example's every axis needs more devices at size 2 than the tests emulate (8): shardc
-    verify then emulates its own, in a process of its own."""
+def _within_the_tests_devices(spec: shardc.ir.spec.Spec) -> tuple[shardc.ir.spec.Spec, list[str]]:  # type: ignore[name-defined]
+    """The spec with its major axes beside the stages set to 1, in mesh order, until every other axis runs
+    at 2 or more on the devices the tests emulate (LLaMA 3's 128K stage: P, X, C and Y need 16; its data
+    axis X goes, its context, tensor and pipeline axes stay); the axes dropped."""
     import jax
 
-    from shardc.lowering.sizes import devices_to_check
+    from shardc.spec.overrides import apply_overrides
 
-    return devices_to_check(shardc.plan(spec_of(path))) > jax.device_count()
+    dropped: list[str] = []
+    while 2 ** sum(a.size > 1 for a in spec.mesh.axes) > jax.device_count():  # each axis at 2, stages too
+        axis = next(a.name for a in spec.mesh.axes if a.size > 1 and not a.pipeline)
+        spec, dropped = apply_overrides(spec, {axis: 1}), [*dropped, axis]
+    return spec, dropped
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +67,11 @@ def test_the_required_examples_exist() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_verifies(path: Path) -> None:
-    if _needs_more_devices(path):  # four axes at 2 each beside the stages (LLaMA 3's 128K stage): 16 devices
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-        env = {**os.environ, "XLA_FLAGS": " ".join(flags)}  # the tests' compile flags, verify's own devices
-        done = subprocess.run([sys.executable, "-m", "shardc", "verify", str(path), "--json"], capture_output=True,
-                              text=True, cwd=ROOT, env=env)
-        data = json.loads(done.stdout)
-        assert done.returncode == 0 and data["ok"], done.stdout[-2000:]
-        phases = {r["phase"].split()[0] for r in data["values"]}
-    else:
-        report = report_of(path)
-        assert report.ok, render_report(report)
-        phases = {r.phase.split()[0] for r in report.values}  # "forward f32": a row checked again in float32
+    spec, dropped = _within_the_tests_devices(spec_of(path))
+    report = report_of(path) if not dropped else verify(spec)
+    assert report.ok, render_report(report)
+    assert dropped in ([], ["X"])  # only LLaMA 3's 128K stage needs more than 8 devices, its data axis set to 1
+    phases = {r.phase.split()[0] for r in report.values}  # "forward f32": a row checked again in float32
     assert {"forward", "backward"} <= phases <= {"forward", "backward", "optimizer"}
 
 
