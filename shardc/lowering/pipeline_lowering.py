@@ -36,7 +36,7 @@ from shardc.lowering.pipeline_grads import reduce_source, split_reductions
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, simulate
-from shardc.spec.stages import Pipeline, pipeline_of, stage_spec
+from shardc.spec.stages import Pipeline, pipeline_of, splits, stage_spec
 
 __all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "LOWERED_SCHEDULES",
            "schedule_note"]
@@ -154,7 +154,7 @@ def _stage_layers(pipe: Pipeline, stages: int, layers: int, held: tuple[int, ...
                           fix=f"use {stages * chunks} layers or more")
     if held is None and pipe.split is not None and layers == pipe.layers and stages == pipe.stages:
         held = pipe.split
-    if held is not None and (len(held) != stages or sum(held) != layers or min(held) < 1):
+    if held is not None and not splits(held, stages, layers):
         raise ShardcError(f"the split {held} is not {layers} layers over {stages} stages",
                           fix="give each stage one layer or more, summing to the layers")
     return held

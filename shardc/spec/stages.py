@@ -20,7 +20,7 @@ from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
 
 __all__ = ["check_dualpipe", "Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count",
-           "split_layers", "DEFAULT_SCHEDULE"]
+           "split_layers", "splits", "DEFAULT_SCHEDULE"]
 
 DEFAULT_SCHEDULE = Schedule("1f1b")
 
@@ -88,6 +88,13 @@ def split_layers(layers: int, stages: int) -> tuple[int, ...]:
     """Layers on each of ``stages`` stages: the first ``layers % stages`` stages hold one more."""
     base, extra = divmod(layers, stages)
     return tuple(base + (s < extra) for s in range(stages))
+
+
+def splits(held: object, stages: int, layers: int) -> bool:
+    """Whether ``held`` (a ``stage_layers`` split) gives each of ``stages`` stages one layer or more,
+    ``layers`` in all."""
+    return (isinstance(held, tuple) and len(held) == stages and all(type(n) is int and n >= 1 for n in held)
+            and sum(held) == layers)
 
 
 def layer_count(spec: Spec) -> int:
@@ -180,7 +187,7 @@ def _check_split(spec: Spec, pipe: Pipeline) -> None:
     if pipe.cuts > 1:
         raise ShardcError(f"`stage_layers` splits one run of layers a stage; schedule {pipe.schedule} holds "
                           f"{pipe.chunks} chunks a device", where, fix="drop `stage_layers`, or use gpipe or 1f1b")
-    if len(split) != pipe.stages or min(split) < 1 or sum(split) != pipe.layers:
+    if not splits(split, pipe.stages, pipe.layers):
         raise ShardcError(f"`stage_layers` gives {len(split)} count(s) summing to {sum(split)}: {pipe.axis} has "
                           f"{pipe.stages} stages and the spec {pipe.layers} layers", where,
                           fix=f"give {pipe.stages} counts of 1 or more that sum to {pipe.layers}")

@@ -24,6 +24,7 @@ from typing import Any
 
 from shardc.errors import clip
 from shardc.lowering.pipeline_lowering import PipelineLowered, tick_tables
+from shardc.spec.stages import splits
 from shardc.verification.module_check import LOWER_FIX, ModuleRejected, load_given, running, same_table
 
 __all__ = ["use_pipeline_module"]
@@ -79,9 +80,7 @@ def _written_run(ns: Any, lowered: PipelineLowered, label: str) -> str:
     elif not (_count(stages) and stages == mesh[axis] and _count(layers) and layers >= stages):
         wrong = f"its STAGES={clip(repr(stages), 40)} and LAYERS={clip(repr(layers), 40)} are not {axis}'s " \
                 "stages with a layer each at least"
-    elif ns.STAGE_LAYERS is not None and not (isinstance(ns.STAGE_LAYERS, tuple) and len(ns.STAGE_LAYERS) == stages
-                                             and all(_count(n) for n in ns.STAGE_LAYERS)
-                                             and sum(ns.STAGE_LAYERS) == layers):
+    elif ns.STAGE_LAYERS is not None and not splits(ns.STAGE_LAYERS, stages, layers):
         wrong = f"its STAGE_LAYERS {clip(repr(ns.STAGE_LAYERS), 80)} are not {layers} layers over {stages} stages"
     elif not _count(micro) or ns.MICROBATCH != (lowered.namespace.MICROBATCH[0], micro):
         wrong = f"its MICROBATCHES={clip(repr(micro), 40)} and MICROBATCH={clip(repr(ns.MICROBATCH), 60)} disagree"
