@@ -109,3 +109,17 @@ def test_every_row_would_catch_five_percent_and_says_so() -> None:
     checked = {(r.phase.removesuffix(" f32"), r.tensor) for r in report.values if r.catches <= POWER}
     assert checked >= {(r.phase.removesuffix(" f32"), r.tensor) for r in report.values if r.max_reference > 0}
     assert all("catches" in row for row in report.to_json()["values"])
+
+
+def test_inputs_shrunk_to_fit_float16_are_checked_again_at_their_own_scales() -> None:
+    """Residual blocks in float16 overflow at the inputs' own scales, so the run shrinks them as a
+    whole; there an activation barely curves, so every value is checked again in float32 unshrunk."""
+    text = "dtype f16\n" + open("examples/residual_blocks.shard").read()
+    report = verify(shardc.parse(text))
+    assert report.ok and report.input_scale < 1, render_report(report)
+    plain = {(r.phase, r.tensor): r for r in report.values if not r.phase.endswith("f32")}
+    again = {(r.phase.removesuffix(" f32"), r.tensor): r for r in report.values if r.phase.endswith("f32")}
+    assert set(again) == set(plain)
+    grown = [k for k in plain if again[k].max_reference > plain[k].max_reference]
+    assert len(grown) == len(plain)
+    assert any("checked again in float32 at the inputs' own scales" in n for n in report.notes)

@@ -9,8 +9,9 @@ small distinct factor.  Values are computed in the spec's dtype (inputs rounded
 to it, the reference in float64 from those same rounded inputs) and pass within
 a tolerance per dtype.  Each input has its own scale, at which every op of the
 spec matters (:mod:`shardc.verification.scales`), shrunk as a whole only until every
-reference value fits the dtype with room to spare.  A row whose bound would pass
-an error of ``POWER`` (5%) of its value is checked again in float32 against the
+reference value fits the dtype with room to spare (then, float16's narrow range having moved the
+inputs off those scales, every value is checked again in float32 at them).  A row whose bound would
+pass an error of ``POWER`` (5%) of its value is checked again in float32 against the
 unsharded program's own error; a spec with dropout runs under two keys.  A value
 that cannot be compared (out of range, NaN or inf on either side, a wrong shape)
 fails, and so does a collective over an axis the run had to cut to 1: nothing is
@@ -327,6 +328,9 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
     """Rows whose bound cannot catch a wrong plan, checked again in float32 against the
     unsharded program's own error; a row still that loose fails.
 
+    Inputs shrunk as a whole to fit a narrow dtype (float16's 65504) leave the scales at which every
+    op matters, so then every row is checked again so.
+
     The bound admits the worst rounding of the terms behind a value: for an ill-conditioned
     value (a softmax of large scores, a norm's gradient) it can exceed the value itself, and
     such a pass proves nothing.  The recheck runs the lowered program and the spec's unsharded
@@ -334,12 +338,17 @@ def _recheck_weak(report: Report, lowered: Lowered, dtype: np.dtype[Any], seed: 
     reorders sums, so its error is of the unsharded program's order (``DIFFERENTIAL`` times it,
     plus 64 float32 roundings of the value), while a wrong plan errs by the value's order.
     """
-    weak = [r for r in report.values if _weak(r)]
+    shrunk = report.input_scale < 1.0
+    weak = [r for r in report.values if _weak(r) or (shrunk and r.ok)]
     flipped = [r for r in report.values if not r.ok and r.tensor in _routed(lowered.plan.spec)]
     if not weak and not flipped:
         return report.values
     again = {(r.phase, r.tensor): r for key in _keys(lowered) for r in differential_rows(lowered, seed, key)}
-    if weak:
+    if shrunk:
+        report.notes.append(f"the inputs were shrunk to {report.input_scale:g} of their own scales to fit "
+                            f"{dtype.name}, where a norm's statistic or an activation's curve may barely act: "
+                            "every value is checked again in float32 at the inputs' own scales (rows marked f32)")
+    elif weak:
         names = ", ".join(dict.fromkeys(r.tensor for r in weak))
         report.notes.append(f"in {dtype.name} the bound of {names} would pass an error of {POWER:.0%} of the "
                             "value: checked again in float32 against the unsharded program's error (rows marked f32)")
