@@ -297,10 +297,12 @@ def resolve_links(mesh: Mesh, sizes: Mapping[str, int], hw: Hardware, topology: 
 
     The topology given (the spec's ``topology`` line, ``--topology``), else the chip's usual one
     for the device count (:func:`default_topology`); ``spans`` (``--spans``) override an axis with
-    that many wrapped rings.  The book's assumptions (``Hardware.book``) take no topology: each axis
-    spans ceil(log16 n) torus axes, as :meth:`Hardware.spans` says.
+    that many wrapped rings.  The book's assumptions (``Hardware.book``) take no usual topology: each
+    axis spans ceil(log16 n) torus axes, as :meth:`Hardware.spans` says.  A TPU slice given under them
+    sets each axis's M_X by the physical axes it lies on, as the book's chapter-5 example counts X = 16
+    on a 4x4x4 slice as M_X = 2.
     """
-    if hw.book:
+    if hw.book and (topology is None or hw.ici_domain is not None):
         return book_links(mesh, sizes, hw, spans), ()
     notes: list[str] = []
     ici = math.prod(sizes.get(a.name, a.size) for a in mesh.axes if a.network is not Network.DCN)

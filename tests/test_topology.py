@@ -37,7 +37,8 @@ def _time(op: Op, nbytes: float, sizes: dict[str, int], hw: object, axes: tuple[
 
 @pytest.mark.xfail(strict=True, reason="under the chip's model the tensor-parallel collectives are exposed on the "
                    "critical path and FSDP's gathers overlap compute, so X=64, Y=1 wins (6.03 ms against 7.11 ms "
-                   "for X=16, Y=4); the book's answer assumes every collective overlapped")
+                   "for X=16, Y=4); the book's answer assumes every collective overlapped, and under its model "
+                   "comes out (the test below)")
 def test_the_books_chapter_5_example_picks_x16_y4_on_a_4x4x4_slice(capsys: pytest.CaptureFixture[str]) -> None:
     """N = 64 v5p chips, B = 48,000 tokens, F = 32,768: the book's X = 16, Y = 4, X_opt about 14 printed."""
     assert main(["layouts", str(BOOK_CH5), "--topology", "4x4x4", "--jobs", "1", "--json"]) == 0
@@ -49,6 +50,21 @@ def test_the_books_chapter_5_example_picks_x16_y4_on_a_4x4x4_slice(capsys: pytes
     assert data["x_opt"] == pytest.approx(math.sqrt(48_000 / 32_768 * 2 * 64)) == pytest.approx(13.7, abs=0.05)
     assert main(["layouts", str(BOOK_CH5), "--topology", "4x4x4", "--jobs", "1"]) == 0
     assert "the book's X_opt = sqrt(B/F * M_X/M_Y * N)" in capsys.readouterr().out
+
+
+def test_under_the_books_assumptions_chapter_5_picks_x16_y4_on_a_4x4x4_slice(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Every collective overlapped and matmuls at peak (the book's model), the slice giving M_X = 2 for
+    X = 16: X=16, Y=4 is compute-bound on whole physical axes, with the least critical-path traffic of
+    those, where the chip's model (above) exposes its tensor-parallel collectives."""
+    assert main(["layouts", str(BOOK_CH5), "--topology", "4x4x4", "--model", "book", "--jobs", "1",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["axes"] == {"X": 16, "Y": 4}
+    assert data["book_optimum"]["M_X"] == 2 and data["book_optimum"]["M_Y"] == 1
+    assert data["x_opt"] == pytest.approx(13.7, abs=0.05)
+    pure_fsdp = next(c for c in data["layouts"] if c["axes"] == {"X": 64, "Y": 1})
+    assert pure_fsdp["bound"] == "communication"  # B/N = 750 below the book's 850 for three axes
 
 
 def test_the_books_x_opt_is_printed_beside_the_searched_layout(capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,14 +151,19 @@ def test_a_topology_that_does_not_fit_is_an_error_at_its_line(text: str, message
     assert err.value.span is not None and err.value.span.line == text.count("\n")
 
 
-def test_the_flag_beats_the_spec_line_and_the_book_takes_none() -> None:
+def test_the_flag_beats_the_spec_line_and_the_book_reads_a_given_slice() -> None:
     spec = shardc.parse("mesh X=16, Y=4\ntopology 4x4x4\nOut[B_X, F] = In[B_X, D] · W[D, F]\n", "<t>")
     assert shardc.plan(spec).topology == (4, 4, 4)
     with pytest.raises(ShardcError, match="has 16 chips"):
         shardc.plan(spec, topology="4x4")
     book = dataclasses.replace(V5P, book=True)
+    _, (links, notes) = _links({"X": 1024, "Y": 4}, book)
+    assert len(links["X"].rings) == 3 and notes == ()  # no slice given: ceil(log16 1024) = 3 axes
     _, (links, notes) = _links({"X": 1024, "Y": 4}, book, (16, 16, 16))
-    assert len(links["X"].rings) == 3 and notes == ()  # ceil(log16 1024) = 3 axes, no topology
+    # a slice given: the axes X lies on, one of them split with Y (16x16x16: 4 of 16 chips, 16, 16)
+    assert [r.chips for r in links["X"].rings] == [4, 16, 16] and links["X"].links == 2.25
+    with pytest.raises(ShardcError, match="has 16 chips"):
+        shardc.plan(spec, topology="4x4", model="book")
 
 
 # --- GPUs ---------------------------------------------------------------------------------------

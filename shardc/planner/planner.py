@@ -135,7 +135,7 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
             raise ShardcError(f"topology {topology!r}: expects whole sizes of 1 or more", fix="write e.g. 4x4x4")
         spec = replace(spec, topology=shape)
     hw = resolve_hardware(hardware, None, spec.hardware)
-    if spec.topology is not None and not hw.book:
+    if spec.topology is not None and not (hw.book and hw.ici_domain is not None):
         span = spec.span_of("topology") if topology is None else None
         check_topology(spec.topology, spec.mesh, {}, hw, span)
     return spec
