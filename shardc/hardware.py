@@ -79,7 +79,7 @@ class Hardware:
     bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
     # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
     collective_base: float | None = None
-    book: bool = False  # the book's assumptions: spans by ceil(log16 n), no topology, no efficiency
+    book: bool = False  # the book's assumptions: spans by ceil(log16 n) unless a TPU slice is given, no efficiency
 
     def spans(self, chips: int) -> int:
         """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
