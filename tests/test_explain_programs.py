@@ -381,6 +381,33 @@ def test_a_layernorm_written_out_is_the_languages_layernorm() -> None:
     assert [(c.kind, c.tensor) for c in e.plan] == [("AllGather_{model}", "Y1")]
 
 
+def test_flax_layernorm_with_its_fast_variance_is_the_languages_layernorm() -> None:
+    """flax's LayerNorm computes the variance as mean(x**2) - mean(x)**2 (``use_fast_variance``)."""
+    flax = pytest.importorskip("flax")
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh((4, 2))
+
+    class Block(flax.linen.Module):  # type: ignore[misc]
+        @flax.linen.compact
+        def __call__(self, x: Any) -> Any:
+            return flax.linen.LayerNorm()(flax.linen.Dense(8, use_bias=False)(x))
+
+    def sharding(path: Any, leaf: Any) -> Any:
+        spec = P(None, "model") if "kernel" in jax.tree_util.keystr(path) else P()
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    x = _arg(mesh, (8, 16), "data")
+    params = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(Block().init, jax.random.key(0), x))
+    e = explain(jax.jit(Block().apply), params, x)
+    texts = [str(s.expr) for s in shardc.parse(e.spec).statements]
+    assert texts[1].startswith("layernorm(") and texts[1].endswith(" over T)"), e.spec
+    assert texts[2].endswith("_LayerNorm_0_scale[T]") and texts[3].endswith("_LayerNorm_0_bias[T]"), e.spec
+    assert len(texts) == 4, e.spec
+
+
 def scanned_layers(train: bool) -> tuple[Any, tuple[Any, ...]]:
     """Four residual softmax-MLP layers as `jax.lax.scan` over stacked weights (the layers dim first,
     whole on each device), the hidden dim over `model`; as a forward, or as a training step."""

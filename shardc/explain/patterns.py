@@ -5,7 +5,8 @@ broadcast back, a subtraction, an exp, a reduce_sum, its broadcast, a division);
 equation it is a division of two arrays, which the language has no form for, but the whole run is
 ``softmax(X over I)``.  An RMSNorm, ``x * rsqrt(mean(x**2) + eps)`` (or ``x / sqrt(...)``), is a
 product of x with a statistic of itself: the run is ``rmsnorm(X over I)``, and of ``x - mean(x)``
-``layernorm(X over I)``.  The mean negative log
+``layernorm(X over I)``, as is flax's LayerNorm, ``(x - mean(x)) * rsqrt(mean(x**2) - mean(x)**2 + eps)``.
+The mean negative log
 likelihood ``-mean(take_along_axis(log_softmax(logits), labels[..., None], axis=-1))`` (jax's
 ``log_softmax`` and ``take_along_axis`` are calls of their own) is ``cross_entropy(Logits, Labels)``.
 :func:`runs` finds each such run whose inner values nothing else reads.
@@ -156,6 +157,60 @@ def _centered(norm: Run, made: dict[Any, Any]) -> Run | None:
     return Run("layernorm", x, norm.axis, (eqn, *reversed(chain), sub, *norm.run))
 
 
+def _made_by(var: Any, made: dict[Any, Any], *names: str) -> Any:
+    """The equation making ``var`` where its primitive is one of ``names``, else None."""
+    eqn = made.get(var)
+    return eqn if eqn is not None and eqn.primitive.name in names else None
+
+
+def _mean_of(var: Any, made: dict[Any, Any]) -> tuple[Any, Any, Any] | None:
+    """(x, reduce_sum, div) where ``var`` is ``sum(x over one axis) / n`` with n a literal."""
+    div = _made_by(var, made, "div")
+    if div is None or not isinstance(div.invars[1], jex.Literal):
+        return None
+    total = _made_by(div.invars[0], made, "reduce_sum")
+    if total is None or len(total.params["axes"]) != 1:
+        return None
+    return total.invars[0], total, div
+
+
+def _squared(var: Any, made: dict[Any, Any]) -> Any:
+    eqn = _made_by(var, made, "square", "integer_pow")
+    return eqn if eqn is not None and (eqn.primitive.name == "square" or eqn.params["y"] == 2) else None
+
+
+def _fast_layernorm(last: Any, made: dict[Any, Any]) -> Run | None:
+    """flax's LayerNorm (``use_fast_variance``, its default): ``(x - mean(x)) * rsqrt(max(0, mean(x**2) -
+    mean(x)**2) + eps)``, the root times the scale where it has one, is ``layernorm(x over axis)``."""
+    centered, stat = last.invars
+    scale, scaled = _scaled(stat, made)
+    chain: list[Any] = []
+    var: Any = stat if scaled is None else scaled.invars[0]
+    for name in ("rsqrt", "add", "broadcast_in_dim", "max"):  # the root of eps + max(0, the variance)
+        eqn = _made_by(var, made, name)
+        if eqn is None or _array(eqn) is None:
+            return None
+        chain.append(eqn)
+        var = _array(eqn)
+    diff, sub = _made_by(var, made, "sub"), _made_by(centered, made, "sub")
+    mean_sq = _squared(diff.invars[1], made) if diff is not None else None
+    if diff is None or sub is None or mean_sq is None:
+        return None
+    of_squares, mean = _mean_of(diff.invars[0], made), _mean_of(mean_sq.invars[0], made)
+    back = _made_by(sub.invars[1], made, "broadcast_in_dim")
+    if of_squares is None or mean is None or back is None or back.invars[0] is not mean_sq.invars[0]:
+        return None
+    x, square = mean[0], _squared(of_squares[0], made)
+    axis = tuple(mean[1].params["axes"])
+    if square is None or square.invars[0] is not x or sub.invars[0] is not x \
+            or tuple(of_squares[1].params["axes"]) != axis:
+        return None
+    tail = (scaled, last) if scaled is not None else (last,)
+    run = (square, *mean[1:], *of_squares[1:], mean_sq, diff, *reversed(chain[2:]), back, sub,
+           *reversed(chain[:2]), *tail)
+    return Run("layernorm", x, axis[0], run, scale=scale)
+
+
 def _call(eqn: Any, name: str) -> bool:
     return eqn is not None and eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == name
 
@@ -190,7 +245,7 @@ def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
         return None
     if eqn.primitive.name == "div":
         return _softmax(eqn, made) or _rmsnorm(eqn, made)
-    return _rmsnorm(eqn, made) if eqn.primitive.name == "mul" else None
+    return (_rmsnorm(eqn, made) or _fast_layernorm(eqn, made)) if eqn.primitive.name == "mul" else None
 
 
 def runs(eqns: list[Any], outvars: list[Any]) -> dict[Any, Run]:
