@@ -79,6 +79,8 @@ class Hardware:
     bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
     # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
     collective_base: float | None = None
+    # bytes/s one way between the chip and its host's memory, as pinned copies measure it; None: no figure
+    host_bandwidth: float | None = None
     book: bool = False  # the book's assumptions: spans by ceil(log16 n) unless a TPU slice is given, no efficiency
 
     def spans(self, chips: int) -> int:
@@ -303,6 +305,13 @@ _NCCL_NDR = 47e9 / 50e9
 # NVIDIA/nccl issue 812), 24 of 25 GB/s
 _NCCL_HDR = 24e9 / 25e9
 
+# The host link (PCIe Gen5 x16 on H100, H200 and H800 SXM; Gen4 x16 on A100 SXM), one way, as NVIDIA's
+# nvbandwidth measures pinned copies by the copy engines: 57 GB/s host to device on H100 (NVIDIA/nvbandwidth
+# issue 6), 52.8 GB/s device to host on 8 H100s (issue 24), the slower taken; 25.1 GB/s host to device on
+# A100-SXM4 (issue 42).  TPU hosts and B200 have no figure cited here.
+_HOST_PCIE5 = 5.28e10
+_HOST_PCIE4 = 2.51e10
+
 PRESETS: dict[str, Hardware] = {
     h.name: h
     for h in (
@@ -326,13 +335,13 @@ PRESETS: dict[str, Hardware] = {
         # dcn_bandwidth the node's InfiniBand NIC a GPU (DGX H100: 8 ConnectX-7 at 400 Gb/s = 5e10 B/s).
         # H100 SXM data sheet: 989 TFLOPS bf16 and 1,979 fp8 dense (half the sparsity figures), 80 GB, 3.35 TB/s.
         Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR,
+                 nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
                  flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
                  attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
         # H200 data sheet: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR,
+                 nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
                  attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
@@ -340,14 +349,14 @@ PRESETS: dict[str, Hardware] = {
         # NVLink efficiency: the H100's measured share of line rate, assumed for NVLink 3 (no nccl-tests
         # figure for A100 is cited here; `shardc calibrate` on the node measures it)
         Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 dcn_efficiency=_NCCL_HDR,
+                 dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=_A100_MATMULS, attention_forward=_A100_ATTENTION_FORWARD,
                  attention_backward=_A100_ATTENTION_BACKWARD),
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
         # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached)
         Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR,
+                 nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
                  matmul_efficiency=_H100_MATMULS, attention_forward=_H100_ATTENTION_FORWARD,
                  attention_backward=_H100_ATTENTION_BACKWARD),
@@ -435,7 +444,8 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     values: dict[str, object] = {"name": str(data.get("name", source)),
                                  "description": str(data.get("description", ""))}
     for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency",
-                "ici_efficiency", "nvls_efficiency", "dcn_efficiency", "flops_f8", "bucket_bytes", "collective_base"):
+                "ici_efficiency", "nvls_efficiency", "dcn_efficiency", "flops_f8", "bucket_bytes", "collective_base",
+                "host_bandwidth"):
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)

@@ -26,6 +26,7 @@ from shardc.cli.main import (
 )
 from shardc.cli.spec_args import load_spec, parse_spans, read_spec
 from shardc.costmodel.cost_report import cost, missing_sizes
+from shardc.costmodel.offload import OFFLOADS
 from shardc.costmodel.pipeline_cost import draw_schedule
 from shardc.costmodel.sweep import check_plot_path, parse_sweep, plot, sweep
 from shardc.costmodel.symbolic import cost_formulas
@@ -66,6 +67,9 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
                         help="training-state accounting: " + "; ".join(
                             f"{k} {v[3]}" for k, v in ACCOUNTINGS.items()))
+    parser.add_argument("--offload", choices=OFFLOADS, default="none",
+                        help="hold the kept activations, the optimizer state or both in the host's memory, "
+                             "moved over the chip's host link (hardware host_bandwidth) under the phases")
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
                         help="mesh axis AXIS is laid over K physical ICI axes (the book's M_X; repeatable)")
@@ -114,7 +118,7 @@ def run_hardware(args: argparse.Namespace) -> int:
           "matmul_efficiency "
           "([[flops, fraction], ...]), attention_forward, attention_backward ([[keys, fraction], ...]: a fused "
           "attention kernel's), ici_domain, torus_side, torus_dims, ici_efficiency, nvls_efficiency, "
-          "dcn_efficiency, book, description")
+          "dcn_efficiency, host_bandwidth, book, description")
     return 0
 
 
@@ -136,9 +140,12 @@ def run_cost(args: argparse.Namespace) -> int:
         if args.mfu is not None:
             formulas = replace(formulas, notes=formulas.notes + (f"--mfu {args.mfu}: the step time at an MFU "
                                                                  "needs the sizes",))
+        if args.offload != "none":
+            formulas = replace(formulas, notes=formulas.notes + (f"--offload {args.offload}: the host traffic "
+                                                                 "needs the sizes",))
         _print(args, formulas.to_json(), formulas.render(), memory)
         return 0
-    report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans)
+    report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans, offload=args.offload)
     if args.schedule_plot:  # drawn before the report is printed: a refusal leaves no half output
         draw_schedule(report, args.schedule_plot, args.force)
     _print(args, report.to_json(), report.render(), memory)
@@ -155,6 +162,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     if alone and not args.sweep:
         raise ShardcError(f"{alone[0]} only applies to a sweep, and no --sweep was given",
                           fix=f"add --sweep DIM=LOW:HIGH, or drop {alone[0]}")
+    if args.sweep and args.offload != "none":
+        raise ShardcError("--offload changes the report's memory and step, which --sweep replaces",
+                          fix="run the two separately")
     if args.sweep and args.schedule_plot:
         raise ShardcError("--schedule-plot draws the report's pipeline, which --sweep replaces",
                           fix="run the two separately")

@@ -36,6 +36,7 @@ from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S,
 from shardc.costmodel.cost_text import render
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
+from shardc.costmodel.offload import Offload, check_offload, offload_cost
 from shardc.costmodel.pipeline_cost import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
@@ -78,6 +79,7 @@ class PhaseCost:
     tokens: float = 0.0  # the step: tokens a step processes (all devices)
     dtype: str = "bf16"
     repeats: int = 1  # a pipelined stage: its rows are one microbatch's, run this many times
+    offload_s: float = 0.0  # the step: host copies its phases' compute does not hide (shardc.costmodel.offload)
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
         if self.parts:  # the step: each phase counts its own rows (a pipelined stage's M times)
@@ -162,7 +164,7 @@ class PhaseCost:
     @property
     def step_s(self) -> float:
         if self.parts:
-            return step_seconds(*(p.step_s for p in self.parts), self.update_s)
+            return step_seconds(*(p.step_s for p in self.parts), self.update_s, self.offload_s)
         ahead, critical = self._split()
         return phase_seconds(self.compute_s + self.memory_s, ahead, critical, self.hardware.book)
 
@@ -176,7 +178,7 @@ class PhaseCost:
     @property
     def step_ahead_only_s(self) -> float:
         if self.parts:
-            return step_seconds(*(p.step_ahead_only_s for p in self.parts), self.update_s)
+            return step_seconds(*(p.step_ahead_only_s for p in self.parts), self.update_s, self.offload_s)
         return max(self.compute_s + self.memory_s, self._sum("comm_s", only=True)) + self._sum("comm_s", only=False)
 
     def _utilisation(self, flops: float) -> float:
@@ -213,6 +215,7 @@ class PhaseCost:
             "ahead_s": self.ahead_s, "compute_flops": self.compute_flops,
             "model_flops": self.model_flops, "hardware_flops": self.hardware_flops, "compute_s": self.compute_s,
             "memory_bytes": self.memory_bytes, "memory_s": self.memory_s, "update_s": self.update_s,
+            "offload_s": self.offload_s,
             "step_s": self.step_s, "exposed_comm_s": self.exposed_comm_s,
             "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu, "hfu": self.hfu,
             "tokens": self.tokens, "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
@@ -240,6 +243,7 @@ class CostReport:
     notes: tuple[str, ...] = field(default=())
     pipeline: PipelineCost | None = None  # with a `pipeline` mesh axis (shardc.costmodel.pipeline_cost)
     optimizer: PhaseCost | None = None  # ZeRO-1/2's optimizer phase (no rows without a `zero 1|2` line)
+    offload: Offload | None = None  # what goes to the host's memory (--offload), None without
 
     def to_json(self) -> dict[str, object]:
         data: dict[str, object] = {
@@ -254,6 +258,7 @@ class CostReport:
             "thresholds": [t.sentence for t in self.thresholds],
             "threshold_details": [t.to_json() for t in self.thresholds],
             "notes": list(self.notes),
+            "offload": self.offload.to_json() if self.offload is not None else None,
         }
         if self.pipeline is not None:  # the memory above is a stage's with the whole batch; the stages' is what fits
             data["pipeline"] = self.pipeline.to_json()
@@ -288,18 +293,20 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
          mfu: float | None = None, optimizer: str = "adam10", hardware_file: str | None = None,
          spans: dict[str, int] | None = None, model: str | None = None, bucket_mb: float | None = None,
-         **options: object) -> CostReport:
+         offload: str = "none", **options: object) -> CostReport:
     """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`; default the chip it was planned for).
 
     ``spans`` maps a mesh axis to the physical ICI axes it is laid over (the book's
     M_X; default 1): its collectives get that many times the bandwidth.  ``model``:
     ``"book"`` costs with the book's assumptions (matmuls at peak, memory-bound steps
     free, every collective overlapped), ``"chip"`` at the rates the chip reaches (None:
-    the plan's chip's own); ``bucket_mb`` the gradient buckets' size (25 MiB).
+    the plan's chip's own); ``bucket_mb`` the gradient buckets' size (25 MiB); ``offload`` what the
+    host's memory holds (:data:`~shardc.costmodel.offload.OFFLOADS`).
     """
     if options:
         raise ShardcError(f"unknown cost option(s) {', '.join(sorted(options))}",
-                          fix="use hardware=, sizes=, mfu=, optimizer=, hardware_file=, spans=, model=, bucket_mb=")
+                          fix="use hardware=, sizes=, mfu=, optimizer=, hardware_file=, spans=, model=, bucket_mb=, "
+                          "offload=")
     if mfu is not None and not 0 < mfu <= 1:
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
     if optimizer not in ACCOUNTINGS:
@@ -308,6 +315,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         model = "book"
     hw = plan_chip(plan, hardware, hardware_file).configured(model, bucket_mb)
     check_spans(plan.spec.mesh, spans)
+    offload = check_offload(offload, hw, plan.spec.mesh.pipeline_axis is not None)
     values = resolve_sizes(plan, sizes)
     links, link_notes = plan_links(plan, hw, values, spans)
     layers, layer_symbol = resolve_layers(plan, values)
@@ -337,6 +345,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     # the tables are one stage's, but the parameter count is the whole model's
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer,
                  model_layers=sum(pipe.pipeline.stage_layers) if pipe is not None else None)
+    moved, mem = offload_cost(offload, mem, fwd.step_s, bwd.step_s, hw)
+    if moved is not None:
+        step = replace(step, offload_s=moved.exposed_s)
     tokens = token_dims(plan)
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
     notes = _notes(plan, hw, values, links) + renamed_note(names) + link_notes + tuple(
@@ -348,7 +359,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         block = math.fsum(r.model_flops * n for r, n in counted if not r.once) * sum(pipe.pipeline.stage_layers)
         pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops * n for r, n in counted if r.once),
                        devices=all_devices, peak=hw.peak(dtype), update_s=step.update_s)
-    return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt)
+    return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt, moved)
 
 
 def latency_note(hw: Hardware, links: Layout) -> str:

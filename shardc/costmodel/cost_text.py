@@ -118,7 +118,21 @@ def _memory(report: CostReport) -> list[str]:
              f"  residuals  {fmt_bytes(m.residual_bytes)}"
              + (f" ({', '.join(v for v, _ in m.residuals)} a layer)" if m.residuals else ""),
              f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)", total]
-    return lines + _residual_table(m)
+    return lines + _offload(report) + _residual_table(m)
+
+
+def _offload(report: CostReport) -> list[str]:
+    """What the host's memory holds (--offload), the link time and what of it is exposed."""
+    moved = report.offload
+    if moved is None:
+        return []
+    kept = (f"; the device keeps {fmt_bytes(report.memory.residual_bytes)} of kept values (two layers')"
+            if moved.activation_bytes else "")
+    return [f"  host       {fmt_bytes(report.memory.host_bytes)} (--offload {moved.what}: kept values "
+            f"{fmt_bytes(moved.activation_bytes)}, optimizer state {fmt_bytes(moved.optimizer_bytes)}){kept}",
+            f"  host link  {fmt_seconds(moved.seconds)} each way at {fmt_bytes(moved.host_bandwidth)}/s: out under "
+            f"the forward ({fmt_seconds(moved.forward_busy_s)}), in under the backward "
+            f"({fmt_seconds(moved.backward_busy_s)}); exposed {fmt_seconds(moved.exposed_s)}, in the step"]
 
 
 def _residual_table(m: Memory) -> list[str]:

@@ -62,6 +62,7 @@ class Memory:
     whys: tuple[str, ...] = ()  # why each residual is kept, in the order of ``residuals``
     recomputed: tuple[tuple[str, float], ...] = ()  # forward values made again in the backward, bytes a layer
     residual_bytes_expr: str = ""  # the residuals of one layer as a formula (:func:`residual_formula`)
+    host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
 
     @property
     def total_bytes(self) -> float:
@@ -78,7 +79,7 @@ class Memory:
                 "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "residual_bytes": self.residual_bytes,
                 "gathered_bytes": self.gathered_bytes, "total_bytes": self.total_bytes,
-                "hbm_bytes": self.hbm_bytes, "fits": self.fits,
+                "hbm_bytes": self.hbm_bytes, "fits": self.fits, "host_bytes": self.host_bytes,
                 "recompute": self.recompute, "residual_bytes_per_layer_expr": self.residual_bytes_expr,
                 "residuals": [{"value": v, "bytes_per_layer": b, "why": w}
                               for (v, b), w in zip(self.residuals, self.whys or ("",) * len(self.residuals),
