@@ -32,6 +32,7 @@ from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import all_traffic, of_op
+from shardc.steptime import einsum_bytes
 
 __all__ = ["memory_traffic", "kept_values", "is_product", "fusible"]
 
@@ -66,7 +67,7 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
                    kept: frozenset[TensorRef]) -> list[float]:
     """The HBM bytes of each of ``steps`` (one phase, in program order), 0 for collectives; a contracting
     einsum's are its operands read and its result written (its roofline: the time it takes is the larger
-    of its FLOPs at the matmul rate and these bytes over HBM, :func:`shardc.timing.cost_step`).
+    of its FLOPs at the matmul rate and these bytes over HBM, :func:`shardc.steptime.einsum_time`).
 
     A memory-bound step moves what its family's traffic says, less what XLA's fusion saves (the rule is
     the module's): an operand the step just before made (an einsum, a map or a reduction) is not read
@@ -79,7 +80,7 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
     out = []
     for k, step in enumerate(steps):
         if step.op is Op.EINSUM and not is_product(step):
-            out.append(math.fsum(local_bytes(r) for r in (*step.operands, step.dst)))
+            out.append(einsum_bytes((local_bytes(r) for r in step.operands), local_bytes(step.dst)))
             continue
         if step.is_collective or step.op is Op.SLICE or isinstance(step.fn, Update):
             out.append(0.0)  # link-bound; a slice is fused into its reader; the update apart

@@ -17,21 +17,42 @@ from shardc.collectives import Layout, Op, collective_time
 from shardc.hardware import Hardware
 from shardc.ir.spec import Mesh
 
-__all__ = ["einsum_compute_seconds", "product_bytes", "Send", "RingTransfer", "RingTime", "ring_time"]
+__all__ = ["EinsumTime", "einsum_time", "einsum_bytes", "Send", "RingTransfer", "RingTime", "ring_time"]
 
 
-def einsum_compute_seconds(flops: float, product: bool, hw: Hardware, dtype: str = "bf16") -> float:
-    """The matmul time of a local einsum of ``flops`` FLOPs a device: at the rate the chip reaches on a
-    matmul of that size; an elementwise product (``product``: no index contracted) runs as a multiply,
-    memory-bound (its HBM bytes are its traffic, :func:`shardc.fusion.memory_traffic`), except under the
-    book's model, where every einsum runs at peak."""
-    return 0.0 if product and not hw.book else hw.matmul_seconds(flops, dtype)
+@dataclass(frozen=True)
+class EinsumTime:
+    """A local einsum's time on the chip: ``compute_s`` its FLOPs at the rate the chip reaches, and
+    ``memory_s`` the time its HBM bytes take beyond that (0 where its FLOPs outlast its bytes)."""
+
+    compute_s: float
+    memory_s: float
+
+    @property
+    def seconds(self) -> float:
+        """The einsum's time: the larger of its FLOPs' time and its bytes' time (its roofline)."""
+        return self.compute_s + self.memory_s
 
 
-def product_bytes(operands: Iterable[float], result: float) -> float:
-    """The HBM bytes of an elementwise product before fusion: it reads its operands and writes its result
-    (the traffic :func:`shardc.fusion.memory_traffic` starts from; what fusion saves depends on its
-    neighbours in the program)."""
+def einsum_time(flops: float, nbytes: float, product: bool, hw: Hardware, dtype: str = "bf16") -> EinsumTime:
+    """The time of a local einsum of ``flops`` FLOPs a device that moves ``nbytes`` bytes through HBM.
+
+    A matmul takes the larger of its FLOPs at the rate the chip reaches on a matmul of that size and its
+    bytes at the HBM bandwidth (the roofline, Williams et al. 2009): attention's scores over a small head
+    dim, or a small expert's matmul, are bound by their bytes.  An elementwise product (``product``: no
+    index contracted) runs as a multiply, memory-bound, its bytes alone.  The book's model runs every
+    einsum at peak and moves bytes for free (:meth:`shardc.hardware.Hardware.memory_seconds`).
+    """
+    if product and not hw.book:
+        return EinsumTime(0.0, hw.memory_seconds(nbytes))
+    compute = hw.matmul_seconds(flops, dtype)
+    return EinsumTime(compute, max(0.0, hw.memory_seconds(nbytes) - compute))
+
+
+def einsum_bytes(operands: Iterable[float], result: float) -> float:
+    """The HBM bytes of a local einsum before fusion: it reads its operands and writes its result
+    (a matmul's operands come from HBM; what fusion saves a product depends on its neighbours in the
+    program, :func:`shardc.fusion.memory_traffic`)."""
     return math.fsum((*operands, result))
 
 

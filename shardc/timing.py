@@ -6,7 +6,9 @@ its axes, torus spans, DCN hierarchy, latency bound); an einsum costs
 ``2 * prod(local index sizes)`` FLOPs per device over the chip's peak for the
 spec's dtype times the fraction of peak a matmul of that size reaches
 (:meth:`shardc.hardware.Hardware.matmul_seconds`; its model FLOPs, for MFU, are
-``2 * prod(global index sizes)``).  Every other local step is memory-bound: its HBM
+``2 * prod(global index sizes)``), or its operands' and result's bytes over HBM where
+they take longer (the roofline, :func:`shardc.steptime.einsum_time`, which the
+planner's search prices with too).  Every other local step is memory-bound: its HBM
 bytes (the op family's :attr:`shardc.ops.registry.Family.traffic`) over the chip's
 HBM bandwidth, less what fusion saves (:func:`shardc.fusion.memory_traffic`, the rule
 as XLA fuses).
@@ -59,7 +61,7 @@ from shardc.ops.registry import of_op
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import leaves
-from shardc.steptime import RingTransfer, Send, einsum_compute_seconds, ring_time
+from shardc.steptime import RingTransfer, Send, einsum_time, ring_time
 from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["step_count", "bound_of",
@@ -190,14 +192,13 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         return _collective_matmul(index, step, mesh, sizes, hw, spans, dtype, memory_bytes, text)
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
-        seconds = einsum_compute_seconds(flops, is_product(step), hw, dtype)
-        memory_s = hw.memory_seconds(memory_bytes)
-        if not is_product(step):  # a matmul's roofline: its bytes over HBM count where they outlast its FLOPs
-            memory_s = max(0.0, memory_s - seconds)
-            memory_bytes = memory_bytes if memory_s > 0 else 0.0
+        product = is_product(step)
+        timed = einsum_time(flops, memory_bytes, product, hw, dtype)
+        # a matmul's bytes count where they outlast its FLOPs (its roofline), a product's always
+        memory_bytes = memory_bytes if product or timed.memory_s > 0 else 0.0
         return StepCost(index, step.op, step.tensor, text, flops=float(flops), model_flops=float(model),
-                        hardware_flops=float(model), compute_s=seconds, once=step.once, memory_bytes=memory_bytes,
-                        memory_s=memory_s)
+                        hardware_flops=float(model), compute_s=timed.compute_s, once=step.once,
+                        memory_bytes=memory_bytes, memory_s=timed.memory_s)
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
         size = lambda name: _size(sizes, name)  # noqa: E731
@@ -226,10 +227,12 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
     einsum = next(s for s in unfused(step) if s.op is Op.EINSUM)
     plain = cost_step(index, einsum, mesh, sizes, hw, spans, dtype, memory_bytes, text)
     n = math.prod(_size(sizes, a) for a in c.axes)
-    compute = n * einsum_compute_seconds(plain.flops / n, False, hw, dtype)
+    block = einsum_time(plain.flops / n, memory_bytes / n, False, hw, dtype)  # one of the n block matmuls
+    compute, memory_s = n * block.compute_s, n * block.memory_s
     volume = step_volume(c, sizes)  # the whole gathered (or partial) piece: n blocks
     times = ring_time(RingTransfer(c.axes, n, 0, (Send(volume / n, 1, n - 1),)), compute, mesh, sizes, hw, spans)
-    return replace(plain, axes=c.axes, volume=volume, compute_s=compute, ring_axes=c.axes, ring_steps=n,
+    return replace(plain, axes=c.axes, volume=volume, compute_s=compute, memory_s=memory_s,
+                   memory_bytes=memory_bytes if memory_s > 0 else 0.0, ring_axes=c.axes, ring_steps=n,
                    transfer_s=times.transfer_s, exposed_comm_s=times.exposed_s)
 
 

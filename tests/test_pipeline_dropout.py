@@ -50,7 +50,24 @@ def test_the_pipelines_forward_is_the_unpipelined_programs_layer_after_layer(mic
         want = x
         for layer in range(4):
             layer_inputs = {"In": want, **{p: v[layer] for p, v in params.items()}}
-            want = np.asarray(one.forward(layer_inputs, layer_key(key, layer, 4))["Out"])
+            want = np.asarray(one.forward(layer_inputs, int(layer_key(key, layer, 4, np)))["Out"])
         other = np.asarray(ns.pipeline_forward({"In": x, **params}, (key + 1) % 2**32)["Out"])
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     assert not np.allclose(got, other)  # another key, other masks
+
+
+def test_the_pipelines_traced_layer_keys_are_the_references() -> None:
+    """The key each layer's masks are drawn under: the pipeline's, traced as uint32 on each virtual stage
+    and slot, is the reference's, key * L + l wrapped at 2**32, for keys across the 32-bit range."""
+    import jax
+
+    runtime = lower_pipeline(shardc.plan(shardc.parse(SPEC.format(schedule="gpipe")))).namespace.PIPELINE
+    assert (runtime.layers, runtime.stages, runtime.slots) == (4, 2, 2)
+    traced = {k: jax.jit(lambda key, virtual, j, k=k: runtime.layer_key(key, virtual, k, j)) for k in range(2)}
+    for key in (0, 5, 2**31 + 7, 2**32 - 1):
+        for virtual in range(2):
+            for k, run in traced.items():
+                got, microbatch = run(np.uint32(key), virtual, 3)
+                layer = 2 * virtual + k
+                assert int(got) == int(layer_key(key, layer, 4, np)) == (key * 4 + layer) % 2**32
+                assert int(microbatch) == 3

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Table, forward_only
 from shardc.lowering.runtime import make_mesh
+from shardc.spec.functions import layer_key
 from shardc.spec.stages import split_layers
 
 __all__ = ["Pipeline", "block_pipeline", "model_pipeline"]
@@ -97,11 +98,10 @@ class Pipeline:
                 for s in range(p) for c in range(self.chunks) for k in range(self.slots)]
 
     def layer_key(self, key: Any, virtual: Any, k: int, j: Any) -> tuple[Any, Any]:
-        """The dropout key of layer k of virtual stage ``virtual`` on microbatch j: (key * layers + its
-        layer number, j), the masks layer number l of the unpipelined stack draws under key * layers + l."""
+        """The dropout key of layer k of virtual stage ``virtual`` on microbatch j: (the key its layer
+        number draws under in the unpipelined stack, :func:`shardc.spec.functions.layer_key`; j)."""
         number = jnp.asarray(self._firsts())[virtual] + k
-        return (jnp.asarray(key, jnp.uint32) * jnp.uint32(self.layers) + jnp.asarray(number, jnp.uint32),
-                jnp.asarray(j, jnp.int32))
+        return layer_key(key, number, self.layers, jnp), jnp.asarray(j, jnp.int32)
 
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
                    j: Any) -> tuple[Any, list[Any]]:

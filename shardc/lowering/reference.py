@@ -24,8 +24,7 @@ import numpy as np
 
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Site, family_of, of_call
-from shardc.spec.functions import dropout_salt, signature
-from shardc.spec.walk import chain_indices, dropout_number, fold, leaves
+from shardc.spec.walk import chain_indices, fold, leaves
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths"]
 
@@ -44,7 +43,7 @@ class _Node:
     fn: str | None = None  # the spec function or form ("add", "rename"); None: an einsum
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
     call: Call | None = None  # an op family's call (its indices, its rate, its k)
-    salt: int = 0  # a dropout's (shardc.spec.functions.dropout_salt)
+    salt: int = 0  # a random mask's, as its family draws it (Reference.salt: a dropout's)
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -78,8 +77,6 @@ class _Builder:
             return expr.name
         if isinstance(expr, Call) and (family := of_call(expr.func)) is not None and family.reference.arguments:
             return self.family_node(expr, family, keep)
-        if isinstance(expr, Call) and signature(expr.func).kind == "route":
-            return self.route(expr, keep)
         if isinstance(expr, Add):
             terms = [self.value(t, chain_indices(t, keep)) for t in expr.terms]
             key = self.temp()
@@ -91,12 +88,11 @@ class _Builder:
         if isinstance(expr, Call):
             arg = self.value(expr.arg, keep)
             key = self.temp()
-            salt = 0
-            if expr.func == "dropout":
-                assert self.current is not None
-                salt = dropout_salt(self.current.result.name, dropout_number(self.current, expr))
-            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], family_of(expr.func),
-                                    expr.func, call=expr, salt=salt))
+            family = family_of(expr.func)
+            assert self.current is not None
+            salt = family.reference.salt(self.current, expr) if family.reference.salt is not None else 0
+            self.nodes.append(_Node(key, (arg,), (self.labels[arg],), self.labels[arg], family, expr.func, call=expr,
+                                    salt=salt))
             self.labels[key] = self.labels[arg]
             return key
         assert isinstance(expr, Contract)
@@ -120,18 +116,6 @@ class _Builder:
         key = self.temp()
         self.nodes.append(_Node(key, tuple(keys), labels, out, family, expr.func, call=expr))
         self.labels[key] = out
-        return key
-
-    def route(self, expr: Call, keep: tuple[str, ...]) -> str:
-        """``route(Gate, S, C, k over E)``: the gates' indices, then the capacity index C (a mask)."""
-        assert expr.over is not None
-        _, slots = expr.names
-        arg = self.value(expr.arg, tuple(i for i in keep if i != slots))
-        labels = self.labels[arg]
-        key = self.temp()
-        self.nodes.append(_Node(key, (arg,), (labels,), (*labels, slots), family_of(expr.func), "route",
-                                call=expr))
-        self.labels[key] = (*labels, slots)
         return key
 
     def einsum(self, keys: list[str], out: tuple[str, ...]) -> str:

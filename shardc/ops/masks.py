@@ -25,7 +25,7 @@ import numpy as np
 
 from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
 from shardc.ir.plan import Op, Step
-from shardc.ir.spec import Call, TensorRef
+from shardc.ir.spec import Call, Statement, TensorRef
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import broadcast_text
 from shardc.sharding.layout import Value
@@ -54,25 +54,32 @@ class MaskOps:
     draw: LocalOp | None = None
 
 
-def _causal(node: Node, call: Call) -> MaskOps:
+def _causal(statement: Statement, call: Call) -> MaskOps:
     query, key = call.names
     return MaskOps(Causal(query, key), CausalVjp(query, key))
 
 
-def _dropout(node: Node, call: Call) -> MaskOps:
+def _dropout(statement: Statement, call: Call) -> MaskOps:
     """The map and its gradient at the rate, after the keep-mask drawn under the dropout's salt."""
     rate = call.numbers[0]
-    salt = dropout_salt(node.statement.result.name, dropout_number(node.statement, call))
+    salt = dropout_salt(statement.result.name, dropout_number(statement, call))
     return MaskOps(Dropout(rate), DropoutVjp(rate), DropoutMask(rate, salt))
 
 
-# each spec function of the family, and the local operations of its node's steps
+# each spec function of the family, and the local operations of its node's steps given the statement
+# the call is in
 _LOCAL_OPS = {"causal": _causal, "dropout": _dropout}
 
 
 def _local_ops(node: Node) -> MaskOps:
     assert node.call is not None
-    return _LOCAL_OPS[node.call.func](node, node.call)
+    return _LOCAL_OPS[node.call.func](node.statement, node.call)
+
+
+def _salt(statement: Statement, call: Call) -> int:
+    """The salt the call's keep-mask is drawn under (a dropout's), 0 where it draws none (a causal mask)."""
+    draw = _LOCAL_OPS[call.func](statement, call).draw
+    return draw.salt if isinstance(draw, DropoutMask) else 0
 
 
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
@@ -192,5 +199,5 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
 
 
 MASKS = register(Family(name="masks", calls=frozenset(_LOCAL_OPS), ops=MASK_OPS, plan=_plan,
-                        backward=_backward, emit=emit, reference=Reference(_forward, _vjp, _magnitude),
+                        backward=_backward, emit=emit, reference=Reference(_forward, _vjp, _magnitude, salt=_salt),
                         aux=_aux, aux_bytes=_aux_bytes, scores=lambda node: True))

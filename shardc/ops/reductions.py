@@ -326,10 +326,13 @@ class _Whole:
     # its value depends on its argument's size other than linearly (a sum, a mean and a max scale with it),
     # so verify brings the argument to unit size
     nonlinear: bool
+    # it normalises attention scores (a softmax), so it stays in their region: selective recomputation
+    # reruns it (:attr:`shardc.ops.registry.Family.scores`)
+    scores: bool = False
 
 
 _WHOLE: dict[str, _Whole] = {
-    "softmax": _Whole(_softmax_value, _softmax_vjp, _softmax_bound, _softmax_grad_bound, True),
+    "softmax": _Whole(_softmax_value, _softmax_vjp, _softmax_bound, _softmax_grad_bound, True, scores=True),
     "logsumexp": _Whole(_logsumexp_value, _logsumexp_vjp, _peak_bound, _spread_grad_bound, True),
     "rmsnorm": _Whole(_rmsnorm_value, _rmsnorm_vjp, _norm_bound, _norm_grad_bound, True),
     "layernorm": _Whole(_layernorm_value, _layernorm_vjp, _norm_bound, _norm_grad_bound, True),
@@ -400,9 +403,9 @@ def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ..
     return tuple(i for i in labels if i != call.over) if reduces else labels
 
 
-def _softmax(node: Node) -> bool:
-    """A softmax of attention scores stays in their region (selective recomputation reruns it)."""
-    return node.call is not None and node.call.func == "softmax"
+def _scores(node: Node) -> bool:
+    """Whether the node normalises attention scores and so stays in their region (its function's entry)."""
+    return node.call is not None and _whole(node.call.func).scores
 
 
 REDUCTIONS = register(Family(
@@ -410,4 +413,4 @@ REDUCTIONS = register(Family(
     ops=(Row, Combine), plan=plan_rows, backward=rows_backward, emit=emit,
     reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
                         indices=_indices, nonlinear=lambda func: _WHOLE[func].nonlinear),
-    argument=_argument, aux=_aux, operands=_operands, scores=_softmax))
+    argument=_argument, aux=_aux, operands=_operands, scores=_scores))

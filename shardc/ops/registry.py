@@ -209,6 +209,9 @@ class Reference:
     # activation, a norm, a softmax, a loss): verify brings that argument to unit size
     # (:mod:`shardc.verification.scales`); by default none does
     nonlinear: Callable[[str], bool] = _linear
+    # the salt a call's random mask is drawn under, given the statement it is in (a dropout's, the
+    # node's :attr:`Site.salt`; None: the family draws none)
+    salt: Callable[[Statement, Call], int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

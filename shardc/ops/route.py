@@ -27,7 +27,7 @@ import numpy as np
 from shardc.errors import ShardcError
 from shardc.ir.localops import Route
 from shardc.ir.plan import Op, Step
-from shardc.ir.spec import Call, TensorRef
+from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.ops.registry import Arrays, Capacity, Family, Namer, Reference, Site, register
 from shardc.ops.route_code import capacity_code, route_code, route_forward
 from shardc.sharding.layout import Value, add_cost
@@ -140,6 +140,19 @@ def capacity(call: Call) -> Capacity:
     return Capacity(tokens, slots, call.over or "", int(call.numbers[0]))
 
 
+def _arguments(call: Call, keep: tuple[str, ...]) -> tuple[tuple[Expr, tuple[str, ...]], ...]:
+    """The gates, towards the result's indices but the capacity index C, which the route makes."""
+    _, slots = call.names
+    return ((call.arg, tuple(i for i in keep if i != slots)),)
+
+
+def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    """The gates' indices, then the capacity index C (the mask's slots)."""
+    (gates,) = operands
+    return (*gates, call.names[1])
+
+
 ROUTING = register(Family(name="routing", calls=frozenset({"route"}), ops=(Route,), plan=plan_route, backward=None,
-                          emit=emit, reference=Reference(_forward, None, _magnitude), argument=_argument,
+                          emit=emit, reference=Reference(_forward, None, _magnitude, arguments=_arguments,
+                                                         indices=_indices), argument=_argument,
                           chooses=True, capacity=capacity, fusible=False))

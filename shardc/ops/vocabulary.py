@@ -18,6 +18,8 @@ a row map for the rest (:func:`shardc.ops.reductions.row_code`).  Its meaning on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,7 +50,7 @@ def _argument(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _aux(call: Call, result: str) -> tuple[str, ...]:
-    return tuple(f"{result}_{suffix}" for suffix in _LOSS_VALUES) if call.func == "cross_entropy" else ()
+    return tuple(f"{result}_{suffix}" for suffix in _FUNCTIONS[call.func].kept)
 
 
 def _operands(builder: Builder, call: Call, result: str, indices: tuple[str, ...]) -> tuple[tuple[str, ...],
@@ -63,12 +65,12 @@ def _operands(builder: Builder, call: Call, result: str, indices: tuple[str, ...
 
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
     assert node.call is not None
-    (plan_embed if node.call.func == "embed" else plan_loss)(phase, node, declared, target, label)
+    _FUNCTIONS[node.call.func].plan(phase, node, declared, target, label)
 
 
 def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     assert node.call is not None
-    (embed_backward if node.call.func == "embed" else loss_backward)(bw, node, grad)
+    _FUNCTIONS[node.call.func].backward(bw, node, grad)
 
 
 def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
@@ -101,87 +103,142 @@ def _onehot(ids: Array, n: int, xp: Any) -> Array:
     return (xp.expand_dims(xp.asarray(ids).astype(int), -1) == xp.arange(n)) * 1.0
 
 
-def lookup_forward(fn: str, a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
-    """``embed(Tok=a, W=b)``: rows of b at a (Tok's indices, then b's others); ``cross_entropy(Logits=a,
-    Tok=b)``: the mean over tokens of logsumexp(a along ``vocab_axis``) - a at the target."""
-    if fn == "embed":
-        return xp.take(b, xp.asarray(a).astype(int), axis=0)
+def _embed_value(a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
+    """``embed(Tok=a, W=b)``: rows of b at a (Tok's indices, then b's others)."""
+    return xp.take(b, xp.asarray(a).astype(int), axis=0)
+
+
+def _loss_value(a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
+    """``cross_entropy(Logits=a, Tok=b)``: the mean over tokens of logsumexp(a along ``vocab_axis``) - a at
+    the target."""
     logits = xp.moveaxis(a, vocab_axis, -1)
     lse = forward("logsumexp", logits, -1, xp)
     target = xp.sum(logits * _onehot(b, logits.shape[-1], xp), axis=-1)
     return xp.mean(lse - target)
 
 
-def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
-    """The gradient of the table (embed) or of the logits (cross_entropy); token ids have none."""
-    if fn == "embed":
-        hot = _onehot(a, b.shape[0], xp)
-        flat_hot = xp.reshape(hot, (-1, b.shape[0]))
-        return xp.reshape(xp.einsum("tv,tr->vr", flat_hot, xp.reshape(d, (flat_hot.shape[0], -1))), b.shape)
+def _embed_vjp(a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
+    """The table's gradient: the cotangent's rows scatter-added at the ids."""
+    hot = _onehot(a, b.shape[0], xp)
+    flat_hot = xp.reshape(hot, (-1, b.shape[0]))
+    return xp.reshape(xp.einsum("tv,tr->vr", flat_hot, xp.reshape(d, (flat_hot.shape[0], -1))), b.shape)
+
+
+def _loss_vjp(a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
+    """The logits' gradient: (softmax - onehot) / tokens, times the cotangent."""
     logits = xp.moveaxis(a, vocab_axis, -1)
     p = forward("softmax", logits, -1, xp)
     grad = (p - _onehot(b, logits.shape[-1], xp)) * d / (p.size // p.shape[-1])
     return xp.moveaxis(grad, -1, vocab_axis)
 
 
-def _embeds(site: Site) -> bool:
-    return site.func.func == "embed"
+def lookup_forward(fn: str, a: Array, b: Array, vocab_axis: int, xp: Any) -> Array:
+    """``fn``'s value on whole arrays: ``embed(Tok=a, W=b)``, ``cross_entropy(Logits=a, Tok=b)``."""
+    return _FUNCTIONS[fn].value(a, b, vocab_axis, xp)
 
 
-def _axis(site: Site) -> int:
-    """The vocabulary's position: the table's first index (embed), the logits' index the ids lack."""
-    if _embeds(site):
-        return 0
+def lookup_vjp(fn: str, a: Array, b: Array, d: Array, vocab_axis: int, xp: Any) -> Array:
+    """The gradient of the table (embed) or of the logits (cross_entropy); token ids have none."""
+    return _FUNCTIONS[fn].vjp(a, b, d, vocab_axis, xp)
+
+
+def _vocab_axis(site: Site) -> int:
+    """The vocabulary's position among the logits' indices: the one the ids lack."""
     logits, ids = site.labels
     return logits.index(next(i for i in logits if i not in ids))
 
 
-def _ids(site: Site, xs: Arrays, xp: Any) -> Array:
-    """The ids: as they are (embed), in the order of the logits' other indices (cross_entropy)."""
+def _loss_ids(site: Site, xs: Arrays, xp: Any) -> Array:
+    """The targets, in the order of the logits' other indices."""
     ids = xs[1]
-    if _embeds(site):
-        return ids
     logits, labels = site.labels
-    vocab = logits[_axis(site)]
+    vocab = logits[_vocab_axis(site)]
     order = tuple(i for i in logits if i != vocab)
     return xp.transpose(ids, tuple(labels.index(i) for i in order)) if order != labels else ids
 
 
-def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
-    return lookup_forward(site.func.func, xs[0], _ids(site, xs, xp), _axis(site), xp)
+def _embed_magnitude(site: Site, xs: Arrays, mags: Arrays) -> Array:
+    """The table's magnitudes looked up."""
+    return _embed_value(xs[0], mags[1], 0, np)
 
 
-def _to_operand(site: Site, g: Array) -> tuple[Array | None, ...]:
-    """The gradient at the table (embed's second argument) or the logits (cross_entropy's first):
-    never at the ids."""
-    return (None, g) if _embeds(site) else (g, None)
-
-
-def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> tuple[Array | None, ...]:
-    """The table's gradient (embed) or the logits' (cross_entropy)."""
-    return _to_operand(site, lookup_vjp(site.func.func, xs[0], _ids(site, xs, xp), d, _axis(site), xp))
-
-
-def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
-    """Embed: the table's magnitudes looked up; the loss: each token's row max of magnitudes, twice,
-    plus its logsumexp, averaged."""
-    if _embeds(site):
-        return lookup_forward("embed", xs[0], mags[1], 0, np)
-    axis = _axis(site)
+def _loss_magnitude(site: Site, xs: Arrays, mags: Arrays) -> Array:
+    """Each token's row max of magnitudes, twice, plus its logsumexp, averaged."""
+    axis = _vocab_axis(site)
     row = np.max(np.moveaxis(mags[0], axis, -1), axis=-1)
     lse = forward("logsumexp", np.moveaxis(xs[0], axis, -1), -1, np)
     return np.asarray(np.mean(2.0 * row + np.abs(lse)))
 
 
+def _embed_grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Array:
+    """The cotangent's magnitudes scatter-added as its rows are."""
+    return _embed_vjp(xs[0], xs[1], np.abs(d), 0, np)
+
+
+def _loss_grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> Array:
+    """The terms behind (softmax - onehot) / tokens, times the logits' largest magnitude."""
+    axis, logits = _vocab_axis(site), xs[0]
+    p = forward("softmax", np.moveaxis(logits, axis, -1), -1, np)
+    hot = _loss_vjp(logits, _loss_ids(site, xs, np), np.ones_like(d), axis, np)  # (p - onehot) / tokens
+    spread = np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])
+    return np.abs(d) * spread * (1.0 + np.max(mags[0]))
+
+
+@dataclass(frozen=True)
+class _Function:
+    """One function of the family, what the passes read of it by its name (see the module's docstring):
+    the per-token values a node keeps (name suffixes), its forward's and backward's plans, which argument
+    its gradient reaches (the table, embed's second; the logits, cross_entropy's first), the vocabulary's
+    position and the ids as its value reads them, its value, gradient and their bounds on whole arrays,
+    its result's indices given its arguments', and whether it is nonlinear in its first argument."""
+
+    kept: tuple[str, ...]
+    plan: Callable[[Phase, Node, dict[str, TensorRef], Value | None, str], None]
+    backward: Callable[[BackwardPass, Node, str], None]
+    grad_at: int
+    axis: Callable[[Site], int]
+    ids: Callable[[Site, Arrays, Any], Array]
+    value: Callable[[Array, Array, int, Any], Array]
+    vjp: Callable[[Array, Array, Array, int, Any], Array]
+    magnitude: Callable[[Site, Arrays, Arrays], Array]
+    grad_magnitude: Callable[[Site, Arrays, Arrays, Array], Array]
+    indices: Callable[[tuple[str, ...], tuple[str, ...]], tuple[str, ...]]
+    nonlinear: bool
+
+
+_FUNCTIONS = {
+    "embed": _Function((), plan_embed, embed_backward, 1, lambda site: 0, lambda site, xs, xp: xs[1],
+                       _embed_value, _embed_vjp, _embed_magnitude, _embed_grad_magnitude,
+                       lambda ids, table: ids + table[1:], nonlinear=False),
+    "cross_entropy": _Function(_LOSS_VALUES, plan_loss, loss_backward, 0, _vocab_axis, _loss_ids,
+                               _loss_value, _loss_vjp, _loss_magnitude, _loss_grad_magnitude,
+                               lambda logits, ids: (), nonlinear=True),
+}
+
+
+def _to_operand(site: Site, g: Array) -> tuple[Array | None, ...]:
+    """The gradient at the argument it reaches (the table or the logits): never at the ids."""
+    return tuple(g if k == _FUNCTIONS[site.func.func].grad_at else None for k in range(2))
+
+
+def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
+    f = _FUNCTIONS[site.func.func]
+    return f.value(xs[0], f.ids(site, xs, xp), f.axis(site), xp)
+
+
+def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> tuple[Array | None, ...]:
+    """The table's gradient (embed) or the logits' (cross_entropy)."""
+    f = _FUNCTIONS[site.func.func]
+    return _to_operand(site, f.vjp(xs[0], f.ids(site, xs, xp), d, f.axis(site), xp))
+
+
+def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
+    return _FUNCTIONS[site.func.func].magnitude(site, xs, mags)
+
+
 def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> tuple[Array | None, ...]:
     """A bound on the terms behind the table's or the logits' gradient for a cotangent of magnitude ``d``."""
-    if _embeds(site):
-        return _to_operand(site, lookup_vjp("embed", xs[0], xs[1], np.abs(d), 0, np))
-    axis, logits = _axis(site), xs[0]
-    p = forward("softmax", np.moveaxis(logits, axis, -1), -1, np)
-    hot = lookup_vjp("cross_entropy", logits, _ids(site, xs, np), np.ones_like(d), axis, np)  # (p - onehot) / tokens
-    spread = np.abs(hot) + np.moveaxis(p, -1, axis) / (p.size // p.shape[-1])
-    return _to_operand(site, np.abs(d) * spread * (1.0 + np.max(mags[0])))
+    return _to_operand(site, _FUNCTIONS[site.func.func].grad_magnitude(site, xs, mags, d))
 
 
 def _arguments(call: Call, keep: tuple[str, ...]) -> tuple[tuple[Expr, tuple[str, ...]], ...]:
@@ -191,7 +248,7 @@ def _arguments(call: Call, keep: tuple[str, ...]) -> tuple[tuple[Expr, tuple[str
 def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
     """The ids' indices then the table's others (embed); none, a scalar (cross_entropy)."""
     first, second = operands
-    return first + second[1:] if call.func == "embed" else ()
+    return _FUNCTIONS[call.func].indices(first, second)
 
 
 def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
@@ -206,7 +263,7 @@ def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
 
 
 VOCABULARY = register(Family(
-    name="vocabulary", calls=frozenset({"embed", "cross_entropy"}), ops=(Vocab,), plan=_plan, backward=_backward,
+    name="vocabulary", calls=frozenset(_FUNCTIONS), ops=(Vocab,), plan=_plan, backward=_backward,
     emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices,
-                                   nonlinear=lambda func: func == "cross_entropy"),
+                                   nonlinear=lambda func: _FUNCTIONS[func].nonlinear),
     argument=_argument, aux=_aux, operands=_operands, traffic=_traffic))

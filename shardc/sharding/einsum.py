@@ -226,11 +226,11 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
                     tuple(sorted(roles.items())))
 
 
-def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...],
-                 local_result: Value | None = None) -> Cost:
+def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...], local_result: Value) -> Cost:
     """The local einsum's time on the plan's chip, as cost prices it: part of the objective (see layout)."""
-    result = None if local_result is None else (problem.indices, local_result)
-    return (ctx.einsum_seconds(zip((op.indices for op in problem.operands), locals_, strict=True), result), 0, 0)
+    operands = ((op.indices, local, ctx.nbytes(op.name)) for op, local in zip(problem.operands, locals_, strict=True))
+    result = (problem.indices, local_result, ctx.nbytes(problem.result))
+    return (ctx.einsum_seconds(operands, result), 0, 0)
 
 
 # How many of the cheapest configurations the search keeps for ``--explain`` (it

@@ -46,7 +46,7 @@ from shardc.ir.plan import Monomial, Op
 from shardc.ir.spec import Dim, DType, Mesh, TensorRef
 from shardc.sharding.unit import Placements
 from shardc.spec.walk import nbytes_of
-from shardc.steptime import einsum_compute_seconds, product_bytes
+from shardc.steptime import einsum_bytes, einsum_time
 from shardc.topology import resolve_links
 
 __all__ = ["Layout", "Value", "Move", "expand", "neighbours", "spanning", "Cost", "CostContext", "ZERO", "INFINITE",
@@ -259,13 +259,14 @@ class CostContext:
         elements = volume_elements(move.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))
         return float(elements) * nbytes
 
-    def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value]],
-                       result: tuple[tuple[str, ...], Value] | None = None) -> float:
-        """Time of a local einsum over these (indices, local value) operands on the chip's cores; 0 without
-        sizes.  Priced as ``shardc cost`` prices the step (:func:`shardc.timing.einsum_compute_seconds`):
-        2 * prod(local index sizes) FLOPs a device (padded pieces) at the rate the chip reaches on a matmul
-        of that size in the spec's dtype; an elementwise product (no index contracted, ``result`` its local
-        result) by its HBM bytes before fusion (:func:`shardc.timing.product_bytes`), which it moves
+    def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value, int]],
+                       result: tuple[tuple[str, ...], Value, int]) -> float:
+        """Time of a local einsum over these (indices, local value, element bytes) operands into ``result``
+        on the chip's cores; 0 without sizes.  Priced as ``shardc cost`` prices the step, by the one
+        :func:`shardc.steptime.einsum_time`: 2 * prod(local index sizes) FLOPs a device (padded pieces) at
+        the rate the chip reaches on a matmul of that size in the spec's dtype, or its operands' and
+        result's padded bytes over HBM where they take longer (:func:`shardc.steptime.einsum_bytes`); an
+        elementwise product (no index contracted) by those bytes alone, before fusion, which it moves
         wherever the program puts it.
         """
         if self.sizes is None or not self.compute_weight:
@@ -273,21 +274,17 @@ class CostContext:
         key = (tuple(operands), result)
         hit = self._compute.get(key)
         if hit is None:
-            hit = self._compute[key] = self._einsum_seconds(key[0], result)
+            hit = self._compute[key] = self._einsum_seconds(*key)
         return hit * self.compute_weight
 
-    def _einsum_seconds(self, operands: tuple[tuple[tuple[str, ...], Value], ...],
-                        result: tuple[tuple[str, ...], Value] | None) -> float:
-        occurrences = ((i, axes) for idx, value in operands for i, axes in zip(idx, value.layout, strict=True))
+    def _einsum_seconds(self, operands: tuple[tuple[tuple[str, ...], Value, int], ...],
+                        result: tuple[tuple[str, ...], Value, int]) -> float:
+        occurrences = ((i, axes) for idx, value, _ in operands for i, axes in zip(idx, value.layout, strict=True))
         flops, _ = einsum_flops(occurrences, lambda name: self.axis_sizes.get(name) or self.dim_size(name))
-        product = result is not None and all(i in result[0] for idx, _ in operands for i in idx)
-        seconds = einsum_compute_seconds(float(flops), product, self.hardware, self.dtype.value)
-        if product and not self.hardware.book:
-            assert result is not None
-            nbytes = product_bytes((self.evaluate(self.local_bytes(idx, v)) for idx, v in operands),
-                                   self.evaluate(self.local_bytes(*result)))
-            seconds += self.hardware.memory_seconds(nbytes)
-        return seconds
+        product = all(i in result[0] for idx, _, _ in operands for i in idx)
+        nbytes = einsum_bytes((piece(self._pieces(idx, v)) * size for idx, v, size in operands),
+                              piece(self._pieces(result[0], result[1])) * result[2])
+        return einsum_time(float(flops), nbytes, product, self.hardware, self.dtype.value).seconds
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:
         """The moves out of value number ``state`` with their costs, built once per context."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
            "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES", "ROUTINGS"]
@@ -161,11 +162,14 @@ def dropout_salt(result: str, k: int) -> int:
     return zlib.crc32(f"{result}/{k}".encode())
 
 
-def layer_key(key: int, layer: int, layers: int) -> int:
+def layer_key(key: Any, layer: Any, layers: int, xp: Any) -> Any:
     """The dropout key layer ``layer`` of a stack of ``layers`` draws its masks under, when the
-    step's key is ``key``: key * layers + layer (32-bit wrap), so each (step, layer) has its own
-    key and a one-layer program under key k draws the masks of layer 0 under key k."""
-    return (int(key) * layers + layer) % 2**32
+    step's key is ``key``: key * layers + layer in unsigned 32-bit arithmetic (wrapping at 2**32), so
+    each (step, layer) has its own key and a one-layer program under key k draws the masks of layer 0
+    under key k.  Written over the array module ``xp``: numpy for the reference's integer keys,
+    jax.numpy for the lowered pipeline's traced ones, so both draw under the same key."""
+    u32 = xp.uint32
+    return xp.asarray(key, u32) * xp.asarray(layers, u32) + xp.asarray(layer, u32)
 
 
 def known_list() -> str:

@@ -30,7 +30,14 @@ from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.timing import local_elements
 from shardc.verification.hlo import Collective, collectives
-from shardc.verification.report import CollectiveRow, axes_text, hlo_axes, planned_collective, unplanned_row
+from shardc.verification.report import (
+    CollectiveRow,
+    axes_text,
+    hlo_axes,
+    planned_collective,
+    ring_rows,
+    unplanned_row,
+)
 
 __all__ = ["loop_rows", "stage_rows", "outside_loop"]
 
@@ -48,7 +55,7 @@ def loop_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | Non
               cut: tuple[str, ...] = ()) -> list[CollectiveRow]:
     """The program's loop and permutes, then every planned collective (``parts``: the plans the
     program was lowered from, when not ``lowered.plan`` alone)."""
-    return _loop_permutes(lowered, text) + stage_rows(lowered, text, parts, cut)
+    return _loop_permutes(lowered, text, parts) + stage_rows(lowered, text, parts, cut)
 
 
 def _mesh(lowered: PipelineLowered) -> tuple[tuple[str, int], ...]:
@@ -128,15 +135,17 @@ def _stride(lowered: PipelineLowered) -> int:
     return math.prod(s for _, s in mesh[names.index(lowered.pipeline.axis) + 1:])
 
 
-def _loop_permutes(lowered: PipelineLowered, text: str) -> list[CollectiveRow]:
+def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | None = None) -> list[CollectiveRow]:
     """The HLO: one permute down and one up (a ring's each may be cut in two), in a while loop of the tick
-    table's ticks."""
+    table's ticks; a stage's ring kernels' own permutes (ring attention over another axis) are theirs."""
     pipe, nbytes = lowered.pipeline, lowered.plan.spec.dtype.nbytes
     want_bytes = _boundary_bytes(lowered)
     ticks = len(lowered.namespace.F_TABLE)
     trips = [int(n) for n in _TRIPS.findall(text)]
     found = [c for c in collectives(text, _mesh(lowered)) if c.hlo_op == "collective-permute"]
     tied, found = _tied_permutes(lowered, found)
+    steps = tuple(s for plan in parts or (lowered.plan,) for s in plan.forward + plan.backward)
+    tied += ring_rows("step", steps, found, {**dict(_mesh(lowered)), **lowered.sizes}, nbytes)  # takes them
     rows = tied + [CollectiveRow("step", f"while loop of {ticks} ticks (the schedule's tick table)", "Loop",
                           pipe.axis, None,
                           f"while x {trips}", pipe.axis, None, ticks in trips,

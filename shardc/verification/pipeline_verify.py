@@ -115,7 +115,7 @@ def _contracted(spec: Spec, param: str, sizes: dict[str, int]) -> int:
 
 
 def _key(lowered: PipelineLowered, key: int, layer: int) -> int:
-    return layer_key(key, layer, lowered.pipeline.layers)
+    return int(layer_key(key, layer, lowered.pipeline.layers, np))
 
 
 def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str, float] | None = None) -> Arrays:
