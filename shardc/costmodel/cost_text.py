@@ -45,6 +45,10 @@ def _ring(r: StepCost) -> str:
         return ""
     if r.op is Op.EINSUM:  # a collective matmul
         block = r.compute_s / r.ring_steps
+        if r.ring_shared:
+            return (f"\n       collective matmul over {','.join(r.ring_axes)}: {r.ring_steps} block matmuls of "
+                    f"{fmt_seconds(block)}; its blocks are those an earlier ring of this phase sends (one chain "
+                    "of sends)")
         return (f"\n       collective matmul over {','.join(r.ring_axes)}: {r.ring_steps} block matmuls of "
                 f"{fmt_seconds(block)}, {r.ring_steps - 1} sends of a block ({fmt_bytes(r.volume / r.ring_steps)}) "
                 f"in {fmt_seconds(r.transfer_s)} each: {'hidden' if r.transfer_s <= block else 'exposed'}; "
