@@ -103,6 +103,11 @@ class StepCost:
     exposed_comm_s: float = 0.0
     hidden_from: float = 0.0
     ring_shared: bool = False  # a collective matmul whose blocks an earlier step sends (timing.shared_rings)
+    # an attention kernel of the all-gather or Ulysses form ("all-gather", "Ulysses"): the time of the moves
+    # of the sequence before and after it; hidden_from is then where its compute outlasts them
+    # (shardc.costmodel.context_parallel)
+    context_parallel: str = ""
+    cp_comm_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -137,6 +142,9 @@ class StepCost:
             if self.ring_steps:
                 row.update(ring_axes=list(self.ring_axes), ring_steps=self.ring_steps, transfer_s=self.transfer_s,
                            exposed_comm_s=self.exposed_comm_s,
+                           hidden_from_tokens=self.hidden_from if math.isfinite(self.hidden_from) else None)
+            if self.context_parallel:
+                row.update(context_parallel=self.context_parallel, context_comm_s=self.cp_comm_s,
                            hidden_from_tokens=self.hidden_from if math.isfinite(self.hidden_from) else None)
         elif self.memory_bytes:
             row.update(memory_bytes=self.memory_bytes, memory_s=self.memory_s)

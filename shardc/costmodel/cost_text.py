@@ -40,7 +40,12 @@ def _row(r: StepCost) -> str:
 
 def _ring(r: StepCost) -> str:
     """A ring kernel's transfers against its compute (ring attention, a collective matmul): each step's
-    send, what stays exposed, and (attention) the block length from which a step's compute hides its send."""
+    send, what stays exposed, and (attention) the block length from which a step's compute hides its send;
+    an attention kernel's moves of the sequence in the all-gather or Ulysses form against its compute."""
+    if r.context_parallel:
+        return (f"\n       context parallel ({r.context_parallel}): the sequence's moves take "
+                f"{fmt_seconds(r.cp_comm_s)} against the kernel's {fmt_seconds(r.compute_s)}; its compute "
+                f"outlasts them from {r.hidden_from:,.0f} tokens a device")
     if not r.ring_steps:
         return ""
     if r.op is Op.EINSUM:  # a collective matmul
