@@ -45,6 +45,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
 from shardc.collectives import FACTOR, Layout, Op, collective_time, piece, share, volume_elements
@@ -67,7 +68,7 @@ __all__ = ["step_count", "bound_of",
            "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip", "plan_sizes",
            "plan_links", "resolve_layers", "update_seconds", "comm_split",
            "plan_dtype", "phase_rows", "local_bytes_of", "phase_time", "microbatched", "shared_rings",
-           "matmul_ring"]
+           "matmul_ring", "ring_of"]
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class StepCost:
                        memory_bytes=self.memory_bytes, memory_s=self.memory_s)
             if self.ring_steps:
                 row.update(ring_axes=list(self.ring_axes), ring_steps=self.ring_steps, transfer_s=self.transfer_s,
-                           exposed_comm_s=self.exposed_comm_s,
+                           exposed_comm_s=self.exposed_comm_s, sent_bytes=self.weighted,
                            hidden_from_tokens=self.hidden_from if math.isfinite(self.hidden_from) else None)
             if self.context_parallel:
                 row.update(context_parallel=self.context_parallel, context_comm_s=self.cp_comm_s,
@@ -218,12 +219,13 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         row = StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
                        model_flops=float(model), hardware_flops=float(executed), compute_s=seconds,
                        once=step.once, memory_bytes=memory_bytes, memory_s=hw.memory_seconds(memory_bytes))
-        ring = family.ring(step, lambda name: _size(sizes, name), DType(dtype).nbytes) if family.ring else None
+        ring = ring_of(step, sizes, DType(dtype).nbytes)
         if ring is None:
             return row
         times = ring_time(ring, row.compute_s, mesh, sizes, hw, spans)
         return replace(row, ring_axes=ring.axes, ring_steps=ring.steps, transfer_s=times.transfer_s,
-                       exposed_comm_s=times.exposed_s, hidden_from=times.hidden_from)
+                       exposed_comm_s=times.exposed_s, hidden_from=times.hidden_from, weighted=times.sent_bytes,
+                       bandwidth_s=times.bandwidth_s)
     return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once, memory_bytes=memory_bytes,
                     memory_s=hw.memory_seconds(memory_bytes))
 
@@ -244,15 +246,29 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
     row = replace(plain, axes=c.axes, compute_s=compute, ring_axes=c.axes, ring_steps=n, ring_shared=shared)
     if shared:
         return row
-    volume = step_volume(c, sizes)  # the whole gathered (or partial) piece: n blocks
-    times = ring_time(matmul_ring(c, volume, n), compute, mesh, sizes, hw, spans)
-    return replace(row, volume=volume, transfer_s=times.transfer_s, exposed_comm_s=times.exposed_s,
+    ring = ring_of(step, sizes, DType(dtype).nbytes)
+    assert ring is not None
+    times = ring_time(ring, compute, mesh, sizes, hw, spans)
+    return replace(row, volume=step_volume(c, sizes), transfer_s=times.transfer_s, exposed_comm_s=times.exposed_s,
                    weighted=times.sent_bytes, bandwidth_s=times.bandwidth_s)
 
 
-def matmul_ring(collective: Step, volume: float, n: int) -> RingTransfer:
-    """A collective matmul's sends: n - 1 blocks of its collective's ``volume`` (bytes, n blocks) over
-    its axis, each under one of its n block matmuls."""
+def ring_of(step: Step, sizes: Mapping[str, int], nbytes: int) -> RingTransfer | None:
+    """The sends of a step that sends blocks around a ring while it computes, at ``sizes`` (``nbytes``: the
+    spec's element bytes): a collective matmul's (:func:`matmul_ring`: its collective's whole piece, padded,
+    in n blocks), a ring attention kernel's (its family's); None for any other step."""
+    if step.op is Op.EINSUM and step.collective is not None:
+        c = step.collective
+        return matmul_ring(c, step_volume(c, sizes), math.prod(_size(sizes, a) for a in c.axes))
+    family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+    if family is None or family.ring is None:
+        return None
+    return family.ring(step, lambda name: _size(sizes, name), nbytes)
+
+
+def matmul_ring(collective: Step, volume: Any, n: int) -> RingTransfer:
+    """A collective matmul's sends: n - 1 blocks of its collective's ``volume`` (bytes, n blocks: a number,
+    or a formula in :mod:`shardc.costmodel.formulas`) over its axis, each under one of its n block matmuls."""
     return RingTransfer(collective.axes, n, 0, (Send(volume / n, 1, n - 1),))
 
 

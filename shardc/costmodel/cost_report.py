@@ -329,8 +329,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         at = micro if times > 1 else values
         rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
                                                  again if name == "backward" else frozenset()), at)
-        return PhaseCost(name, rows, layers, devices, hw, phase_formula(steps, mesh, count, links, names, values),
-                         mfu, dtype=dtype, repeats=times)
+        formula = phase_formula(steps, mesh, count, links, names, values, plan.spec.dtype.nbytes)
+        return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times)
 
     fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,

@@ -126,7 +126,9 @@ def _memory(report: CostReport) -> list[str]:
              f"  optimizer  {fmt_bytes(m.optimizer_bytes)}",
              f"  residuals  {fmt_bytes(m.residual_bytes)}"
              + (f" ({', '.join(v for v, _ in m.residuals)} a layer)" if m.residuals else ""),
-             f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)", total]
+             f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)",
+             *([f"  in flight  {fmt_bytes(m.ring_bytes)} (the blocks a ring's sends arrive in, double-buffered, "
+                "one step of one layer)"] if m.ring_bytes else []), total]
     return lines + _residual_table(m)
 
 
