@@ -395,6 +395,7 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     kernel = "attention"
     if step.fn.ring:  # the ring's axes (K's along T, as Q's along S) and whether its chunks are zig-zag
         kernel, flags = "ring_attention", f"{flags}, {step.fn.ring!r}, {step.fn.zigzag!r}"
+        flags += ", held=True" if step.fn.held else ""  # the plan holds the sequence in zig-zag order
     if step.fn.part in ("out", "lse"):
         pick = 0 if step.fn.part == "out" else 1
         return f"{kernel}({var(q)}, {var(k)}, {var(v)}, {flags})[{pick}]"

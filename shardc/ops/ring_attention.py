@@ -57,7 +57,8 @@ def transfers(step: Step, size: Callable[[str], Any], nbytes: int) -> RingTransf
     """The sends of a ring kernel's step (its kernel's: the output's, or the first gradient's), None for
     any other: K and V each of the n - 1 steps but the last; in the backward also the dK and dV
     accumulators (float32 at least), the last of their n hops (home) after the compute; with zig-zag, each
-    array the kernel reads or makes reordered in two halves before and after the ring.  ``size`` gives a
+    array the kernel reads or makes reordered in two halves before and after the ring, unless the plan holds
+    the sequence in zig-zag order (``held``).  ``size`` gives a
     dim's or an axis's size: numbers, or the dims as formulas (:mod:`shardc.costmodel.formulas`; the ring's
     axes then numbers, which the count of the zig-zag's sends depends on)."""
     fn = step.fn
@@ -85,6 +86,6 @@ def transfers(step: Step, size: Callable[[str], Any], nbytes: int) -> RingTransf
         reordered = [(elements(q), nbytes), (elements(k), nbytes), (elements(v), nbytes), (elements(o), nbytes),
                      (rows, LSE_BYTES), (elements(o), nbytes), (elements(q), nbytes), (elements(k), nbytes),
                      (elements(v), nbytes)]  # in: Q, K, V, O, lse, dO; out: dQ, dK, dV
-    if fn.zigzag:  # two halves each way (of two devices' first halves, none moves: chunks 0 and 1 stay)
+    if fn.zigzag and not fn.held:  # two halves each way (of two devices' first halves, none moves: chunks 0, 1 stay)
         sends += [Send(count / 2, width, 1 if n == 2 else 2, hidden=False) for count, width in reordered]
     return RingTransfer(fn.ring, n, keys, tuple(sends))
