@@ -17,7 +17,8 @@ from shardc.collectives import Layout, Op, collective_time
 from shardc.hardware import Hardware
 from shardc.ir.spec import Mesh
 
-__all__ = ["EinsumTime", "einsum_time", "einsum_bytes", "Send", "RingTransfer", "RingTime", "ring_time"]
+__all__ = ["EinsumTime", "einsum_time", "einsum_bytes", "Send", "RingTransfer", "RingTime", "ring_time",
+           "hidden_from"]
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,14 @@ class RingTransfer:
 @dataclass(frozen=True)
 class RingTime:
     """A ring's transfer against its compute: each step's transfer, the part of the transfers no
-    compute hides, and the block length (tokens a device) from which a step's compute hides its transfer."""
+    compute hides, the block length (tokens a device) from which a step's compute hides its transfer, and
+    all its sends together: their bytes and their bandwidth time (what the cost formulas give)."""
 
     transfer_s: float
     exposed_s: float
     hidden_from: float
+    sent_bytes: float = 0.0
+    bandwidth_s: float = 0.0
 
 
 def ring_time(ring: RingTransfer, compute_s: float, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
@@ -107,9 +111,21 @@ def ring_time(ring: RingTransfer, compute_s: float, mesh: Mesh, sizes: Mapping[s
     def seconds(nbytes: float) -> float:
         return collective_time(Op.COLLECTIVE_PERMUTE, nbytes, ring.axes, mesh, sizes, hw, spans).seconds
 
+    def bandwidth(nbytes: float) -> float:
+        return collective_time(Op.COLLECTIVE_PERMUTE, nbytes, ring.axes, mesh, sizes, hw, spans).bandwidth_s
+
     transfer = seconds(ring.step_bytes)
     step = compute_s / ring.steps
     exposed = (ring.steps - 1) * max(0.0, transfer - step)
     exposed += math.fsum(seconds(s.elements * s.nbytes) * s.count for s in ring.sends if not s.hidden)
-    hidden_from = ring.tokens * transfer / step if step > 0 else math.inf
-    return RingTime(transfer, exposed, hidden_from)
+    sent = math.fsum(s.elements * s.nbytes * s.count for s in ring.sends)
+    busy = math.fsum(bandwidth(s.elements * s.nbytes) * s.count for s in ring.sends)
+    return RingTime(transfer, exposed, hidden_from(ring.tokens, transfer, step), sent, busy)
+
+
+def hidden_from(tokens: float, comm_s: float, compute_s: float) -> float:
+    """The block length, in tokens a device, from which ``compute_s`` hides ``comm_s``, both taken at
+    ``tokens`` a device: attention's compute grows as the square of the tokens and a transfer of K and V
+    (or Q, K, V and O) linearly, so they meet at ``tokens * comm / compute`` (the ring attention paper's
+    block size c >= F / B, in this chip's rates); inf where nothing computes."""
+    return tokens * comm_s / compute_s if compute_s > 0 else math.inf

@@ -44,9 +44,10 @@ the planner returns, of the plans it builds, the one it makes least.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
 from shardc.collectives import FACTOR, Layout, Op, collective_time, piece, share, volume_elements
@@ -68,7 +69,8 @@ __all__ = ["step_count", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
            "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip", "plan_sizes",
            "plan_links", "resolve_layers", "update_seconds", "comm_split",
-           "plan_dtype", "phase_rows", "local_bytes_of", "phase_time", "microbatched"]
+           "plan_dtype", "phase_rows", "local_bytes_of", "phase_time", "microbatched", "shared_rings",
+           "matmul_ring", "ring_of"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,12 @@ class StepCost:
     transfer_s: float = 0.0
     exposed_comm_s: float = 0.0
     hidden_from: float = 0.0
+    ring_shared: bool = False  # a collective matmul whose blocks an earlier step sends (timing.shared_rings)
+    # an attention kernel of the all-gather or Ulysses form ("all-gather", "Ulysses"): the time of the moves
+    # of the sequence before and after it; hidden_from is then where its compute outlasts them
+    # (shardc.costmodel.context_parallel)
+    context_parallel: str = ""
+    cp_comm_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -129,13 +137,17 @@ class StepCost:
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s)
             if self.ring_steps:  # a collective matmul: its ring's transfers, and what of them stays exposed
                 row.update(axes=list(self.axes), volume_bytes=self.volume, ring_axes=list(self.ring_axes),
-                           ring_steps=self.ring_steps, transfer_s=self.transfer_s, exposed_comm_s=self.exposed_comm_s)
+                           ring_steps=self.ring_steps, transfer_s=self.transfer_s, exposed_comm_s=self.exposed_comm_s,
+                           sent_bytes=self.weighted, ring_shared=self.ring_shared)
         elif self.flops:  # a kernel with matmuls (attention): its FLOPs and its HBM traffic
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s,
                        memory_bytes=self.memory_bytes, memory_s=self.memory_s)
             if self.ring_steps:
                 row.update(ring_axes=list(self.ring_axes), ring_steps=self.ring_steps, transfer_s=self.transfer_s,
-                           exposed_comm_s=self.exposed_comm_s,
+                           exposed_comm_s=self.exposed_comm_s, sent_bytes=self.weighted,
+                           hidden_from_tokens=self.hidden_from if math.isfinite(self.hidden_from) else None)
+            if self.context_parallel:
+                row.update(context_parallel=self.context_parallel, context_comm_s=self.cp_comm_s,
                            hidden_from_tokens=self.hidden_from if math.isfinite(self.hidden_from) else None)
         elif self.memory_bytes:
             row.update(memory_bytes=self.memory_bytes, memory_s=self.memory_s)
@@ -178,9 +190,10 @@ def einsum_flops(step: Step, sizes: Mapping[str, int]) -> tuple[int, int]:
 
 def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
               spans: Layout | None = None, dtype: str = "bf16", memory_bytes: float = 0.0,
-              text: str | None = None) -> StepCost:
+              text: str | None = None, shared: bool = False) -> StepCost:
     """The :class:`StepCost` of one step of a plan; ``memory_bytes`` its HBM traffic if memory-bound
-    (:func:`shardc.fusion.memory_traffic`), ``dtype`` the spec's (an f8 einsum runs at the chip's fp8 rate)."""
+    (:func:`shardc.fusion.memory_traffic`), ``dtype`` the spec's (an f8 einsum runs at the chip's fp8 rate);
+    ``shared``: a collective matmul whose blocks an earlier step of its phase sends (:func:`shared_rings`)."""
     text = describe(step) if text is None else text
     if step.is_collective:
         volume = step_volume(step, sizes)
@@ -189,7 +202,7 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
                         volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead,
                         once=step.once, serial=t.serial)
     if step.op is Op.EINSUM and step.collective is not None:
-        return _collective_matmul(index, step, mesh, sizes, hw, spans, dtype, memory_bytes, text)
+        return _collective_matmul(index, step, mesh, sizes, hw, spans, dtype, memory_bytes, text, shared)
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
         product = is_product(step)
@@ -207,21 +220,24 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         row = StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
                        model_flops=float(model), hardware_flops=float(executed), compute_s=seconds,
                        once=step.once, memory_bytes=memory_bytes, memory_s=hw.memory_seconds(memory_bytes))
-        ring = family.ring(step, lambda name: _size(sizes, name), DType(dtype).nbytes) if family.ring else None
+        ring = ring_of(step, sizes, DType(dtype).nbytes)
         if ring is None:
             return row
         times = ring_time(ring, row.compute_s, mesh, sizes, hw, spans)
         return replace(row, ring_axes=ring.axes, ring_steps=ring.steps, transfer_s=times.transfer_s,
-                       exposed_comm_s=times.exposed_s, hidden_from=times.hidden_from)
+                       exposed_comm_s=times.exposed_s, hidden_from=times.hidden_from, weighted=times.sent_bytes,
+                       bandwidth_s=times.bandwidth_s)
     return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once, memory_bytes=memory_bytes,
                     memory_s=hw.memory_seconds(memory_bytes))
 
 
 def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
-                       spans: Layout | None, dtype: str, memory_bytes: float, text: str) -> StepCost:
+                       spans: Layout | None, dtype: str, memory_bytes: float, text: str, shared: bool) -> StepCost:
     """A collective matmul (:mod:`shardc.planner.collective_matmul`): its einsum in n block matmuls, one
     block of the collective's n sent on to the next device along the axis while each of the first n - 1
-    runs (:func:`shardc.steptime.ring_time`: the part of the n - 1 transfers no matmul hides is exposed)."""
+    runs (:func:`shardc.steptime.ring_time`: the part of the n - 1 transfers no matmul hides is exposed).
+    ``shared``: an earlier step of the phase sends the same blocks (einsums reading one gathered operand:
+    the lowered program's chains of permutes are one, which XLA keeps once), so this one sends nothing."""
     c = step.collective
     assert c is not None
     einsum = next(s for s in unfused(step) if s.op is Op.EINSUM)
@@ -229,11 +245,49 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
     n = math.prod(_size(sizes, a) for a in c.axes)
     block = einsum_time(plain.flops / n, memory_bytes / n, False, hw, dtype)  # one of the n block matmuls
     compute, memory_s = n * block.compute_s, n * block.memory_s
-    volume = step_volume(c, sizes)  # the whole gathered (or partial) piece: n blocks
-    times = ring_time(RingTransfer(c.axes, n, 0, (Send(volume / n, 1, n - 1),)), compute, mesh, sizes, hw, spans)
-    return replace(plain, axes=c.axes, volume=volume, compute_s=compute, memory_s=memory_s,
-                   memory_bytes=memory_bytes if memory_s > 0 else 0.0, ring_axes=c.axes, ring_steps=n,
-                   transfer_s=times.transfer_s, exposed_comm_s=times.exposed_s)
+    row = replace(plain, axes=c.axes, compute_s=compute, memory_s=memory_s,
+                  memory_bytes=memory_bytes if memory_s > 0 else 0.0, ring_axes=c.axes, ring_steps=n,
+                  ring_shared=shared)
+    if shared:
+        return row
+    ring = ring_of(step, sizes, DType(dtype).nbytes)
+    assert ring is not None
+    times = ring_time(ring, compute, mesh, sizes, hw, spans)
+    return replace(row, volume=step_volume(c, sizes), transfer_s=times.transfer_s, exposed_comm_s=times.exposed_s,
+                   weighted=times.sent_bytes, bandwidth_s=times.bandwidth_s)
+
+
+def ring_of(step: Step, sizes: Mapping[str, int], nbytes: int) -> RingTransfer | None:
+    """The sends of a step that sends blocks around a ring while it computes, at ``sizes`` (``nbytes``: the
+    spec's element bytes): a collective matmul's (:func:`matmul_ring`: its collective's whole piece, padded,
+    in n blocks), a ring attention kernel's (its family's); None for any other step."""
+    if step.op is Op.EINSUM and step.collective is not None:
+        c = step.collective
+        return matmul_ring(c, step_volume(c, sizes), math.prod(_size(sizes, a) for a in c.axes))
+    family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+    if family is None or family.ring is None:
+        return None
+    return family.ring(step, lambda name: _size(sizes, name), nbytes)
+
+
+def matmul_ring(collective: Step, volume: Any, n: int) -> RingTransfer:
+    """A collective matmul's sends: n - 1 blocks of its collective's ``volume`` (bytes, n blocks: a number,
+    or a formula in :mod:`shardc.costmodel.formulas`) over its axis, each under one of its n block matmuls."""
+    return RingTransfer(collective.axes, n, 0, (Send(volume / n, 1, n - 1),))
+
+
+def shared_rings(steps: Sequence[Step]) -> list[bool]:
+    """Per step of a phase, whether it is a collective matmul whose collective an earlier step runs as a
+    ring too (einsums reading one gathered operand): their sends are the same blocks the same way, and the
+    lowered program's chains of permutes are one (XLA keeps one of identical instructions), so only the
+    first sends them."""
+    seen: set[Step] = set()
+    out = []
+    for step in steps:
+        out.append(step.collective is not None and step.collective in seen)
+        if step.collective is not None:
+            seen.add(step.collective)
+    return out
 
 
 def plan_dtype(plan: Plan) -> str:
@@ -432,18 +486,18 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     nbytes = local_bytes_of(plan, values)
     kept = kept_values(plan)
 
-    def row(step: Step, moved: float) -> StepCost:
+    def row(step: Step, moved: float, shared: bool) -> StepCost:
         key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
-               step.src.dims if step.src is not None else None, moved, step.ahead, step.collective)
+               step.src.dims if step.src is not None else None, moved, step.ahead, step.collective, shared)
         hit = seen.get(key)
         if hit is None:
-            hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="")
+            hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="", shared=shared)
         return hit
 
     def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
         moved = memory_traffic(steps, nbytes, kept) if not hw.book else [0.0] * len(steps)
-        return phase_time(((row(s, b), step_count(s, layers) * times) for s, b in zip(steps, moved, strict=True)),
-                          hw)
+        return phase_time(((row(s, b, shared), step_count(s, layers) * times)
+                           for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)), hw)
 
     return PlanTime(phase(plan.forward, repeats), phase(plan.recomputed + plan.backward, repeats),
                     phase(plan.optimizer, 1), update)
@@ -475,8 +529,8 @@ def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: 
     moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan)) if not hw.book else \
         [0.0] * len(steps)
     dtype = plan_dtype(plan)
-    rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b)
-            for i, (s, b) in enumerate(zip(steps, moved, strict=True), 1))
+    rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared)
+            for i, (s, b, shared) in enumerate(zip(steps, moved, shared_rings(steps), strict=True), 1))
     return tuple(replace(r, text=f"(recomputed) {r.text}", recomputed=True) if r.index in again else r for r in rows)
 
 

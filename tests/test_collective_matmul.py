@@ -5,6 +5,7 @@ and verified."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from shardc.costmodel.cost_report import CostReport
 from shardc.ir.plan import Plan, Step, unfused
 from shardc.planner.check import check_plan
 from shardc.timing import cost_step, plan_links, plan_sizes, plan_time
+from shardc.verification.ring_hlo import ring_sends
 
 ROOT = Path(__file__).resolve().parents[1]
 CH5 = ROOT / "tests" / "specs" / "book_ch5_fsdp_tp.shard"  # the book's chapter-5 FSDP x TP layer, 64 v5p
@@ -104,7 +106,7 @@ def test_the_gather_of_the_activation_fuses_where_nothing_else_reads_it() -> Non
     assert check_plan(fused) == []
 
 
-def test_a_gathered_value_read_by_two_einsums_is_sent_around_once_for_each() -> None:
+def test_a_gathered_value_read_by_two_einsums_runs_a_ring_in_each() -> None:
     """The backward's gathered dOut feeds dW_out's einsum and dTmp's: each runs its own ring from dOut's
     block, and the gather is gone."""
     plain, fused = _plan(), _plan(collective_matmul=True)
@@ -112,6 +114,26 @@ def test_a_gathered_value_read_by_two_einsums_is_sent_around_once_for_each() -> 
     rings = [s for s in fused.backward if s.collective == gather]
     assert len(rings) == 2 and all(gather.src in s.operands for s in rings)
     assert gather not in fused.backward
+
+
+def test_einsums_reading_one_gathered_value_send_its_blocks_once() -> None:
+    """The two rings on dOut send the same blocks the same way, and the compiled program keeps one chain
+    of permutes: the cost charges the first ring with the sends and the second with its block matmuls
+    only, and the bytes the cost sends are those of the permutes verify expects in the HLO."""
+    plan = _plan(collective_matmul=True)
+    report = _cost(plan)
+    rows = [r for r in report.backward.rows if r.ring_steps]
+    first, second = (r for r in rows if "dOut" in r.text)
+    assert (first.ring_shared, second.ring_shared) == (False, True)
+    assert first.transfer_s > 0 and first.weighted > 0 and second.compute_s > 0
+    assert second.transfer_s == second.exposed_comm_s == second.weighted == second.bandwidth_s == 0.0
+    expected = ring_sends(plan.backward, plan_sizes(plan))
+    assert len(expected) == sum(not r.ring_shared for r in rows) == 2
+    assert math.fsum(r.weighted for r in rows) == sum(s.elements * s.count * 2 for s in expected)  # bf16
+    # the planner's objective is the report's
+    assert plan_time(plan).backward.critical_s == report.backward.critical_s
+    assert plan_time(plan).step_s == pytest.approx(report.step.step_s)
+    assert "its blocks are those an earlier ring of this phase sends" in str(report)
 
 
 def test_a_gathered_value_something_else_reads_stays_gathered() -> None:

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, Layout
+from shardc.costmodel.context_parallel import with_thresholds
 from shardc.costmodel.cost_text import render
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
@@ -333,9 +334,11 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
 
     def phase(name: str, steps: tuple[Step, ...]) -> PhaseCost:
         times = repeats if name != "optimizer" else 1
-        return PhaseCost(name, phase_rows(plan, steps, micro if times > 1 else values, hw, links,
-                                          again if name == "backward" else frozenset()), layers, devices, hw,
-                         phase_formula(steps, mesh, count, links, names, values), mfu, dtype=dtype, repeats=times)
+        at = micro if times > 1 else values
+        rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
+                                                 again if name == "backward" else frozenset()), at)
+        formula = phase_formula(steps, mesh, count, links, names, values, plan.spec.dtype.nbytes)
+        return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times)
 
     fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,

@@ -40,11 +40,20 @@ def _row(r: StepCost) -> str:
 
 def _ring(r: StepCost) -> str:
     """A ring kernel's transfers against its compute (ring attention, a collective matmul): each step's
-    send, what stays exposed, and (attention) the block length from which a step's compute hides its send."""
+    send, what stays exposed, and (attention) the block length from which a step's compute hides its send;
+    an attention kernel's moves of the sequence in the all-gather or Ulysses form against its compute."""
+    if r.context_parallel:
+        return (f"\n       context parallel ({r.context_parallel}): the sequence's moves take "
+                f"{fmt_seconds(r.cp_comm_s)} against the kernel's {fmt_seconds(r.compute_s)}; its compute "
+                f"outlasts them from {r.hidden_from:,.0f} tokens a device")
     if not r.ring_steps:
         return ""
     if r.op is Op.EINSUM:  # a collective matmul
         block = r.compute_s / r.ring_steps
+        if r.ring_shared:
+            return (f"\n       collective matmul over {','.join(r.ring_axes)}: {r.ring_steps} block matmuls of "
+                    f"{fmt_seconds(block)}; its blocks are those an earlier ring of this phase sends (one chain "
+                    "of sends)")
         return (f"\n       collective matmul over {','.join(r.ring_axes)}: {r.ring_steps} block matmuls of "
                 f"{fmt_seconds(block)}, {r.ring_steps - 1} sends of a block ({fmt_bytes(r.volume / r.ring_steps)}) "
                 f"in {fmt_seconds(r.transfer_s)} each: {'hidden' if r.transfer_s <= block else 'exposed'}; "
@@ -117,7 +126,9 @@ def _memory(report: CostReport) -> list[str]:
              f"  optimizer  {fmt_bytes(m.optimizer_bytes)}",
              f"  residuals  {fmt_bytes(m.residual_bytes)}"
              + (f" ({', '.join(v for v, _ in m.residuals)} a layer)" if m.residuals else ""),
-             f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)", total]
+             f"  gathered   {fmt_bytes(m.gathered_bytes)} (weights gathered at once, one layer)",
+             *([f"  in flight  {fmt_bytes(m.ring_bytes)} (the blocks a ring's sends arrive in, double-buffered, "
+                "one step of one layer)"] if m.ring_bytes else []), total]
     return lines + _offload(report) + _residual_table(m)
 
 

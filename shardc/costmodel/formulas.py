@@ -13,6 +13,7 @@ imports in a fraction of sympy's time, and only the cost pass imports it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -24,6 +25,8 @@ from shardc.collectives import FACTOR, Layout, bandwidth_terms, einsum_flops
 from shardc.ir.plan import Monomial, Op, Step, unfused
 from shardc.ir.spec import Mesh
 from shardc.ops.registry import of_op
+from shardc.steptime import RingTransfer
+from shardc.timing import matmul_ring, shared_rings
 
 __all__ = ["Expr", "HardwareSymbols", "hardware_symbols", "StepFormula", "PhaseFormula", "symbol", "monomial",
            "number", "product", "text", "step_formula", "phase_formula", "evaluate", "over", "ZERO"]
@@ -190,22 +193,55 @@ def over(expr: Expr, name: str) -> str:
 
 
 def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
-                 sizes: Mapping[str, int] | None = None) -> StepFormula:
-    """The formulas of one step (zeros where a step has no such figure)."""
+                 sizes: Mapping[str, int] | None = None, nbytes: int = 2, shared: bool = False) -> StepFormula:
+    """The formulas of one step (zeros where a step has no such figure); a step that sends around a ring
+    while it computes (ring attention, a collective matmul) has its sends' bytes and bandwidth terms
+    (``nbytes``: the spec's element bytes; ``shared``: a collective matmul whose blocks an earlier step
+    sends, :func:`shardc.timing.shared_rings`)."""
     zero = ZERO
     if step.op is Op.EINSUM:
         flops, model = _einsum(step)
-        return StepFormula(flops, model, zero, zero, zero)
+        ring = None
+        if step.collective is not None and not shared:
+            n = math.prod(_mesh_size(mesh, sizes, a) for a in step.collective.axes)
+            assert step.collective.volume is not None
+            ring = matmul_ring(step.collective, monomial(step.collective.volume), n)
+        return _with_ring(StepFormula(flops, model, zero, zero, zero), ring, mesh, spans, sizes)
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
         flops, model, _ = family.flops(step, symbol)
-        return StepFormula(ZERO + flops, ZERO + model, zero, zero, zero)
+        axes = {a.name for a in mesh.axes}
+        size = lambda name: _mesh_size(mesh, sizes, name) if name in axes else symbol(name)  # noqa: E731
+        ring = family.ring(step, size, nbytes) if family.ring else None
+        return _with_ring(StepFormula(ZERO + flops, ZERO + model, zero, zero, zero), ring, mesh, spans, sizes)
     if not step.is_collective or step.volume is None:
         return StepFormula(zero, zero, zero, zero, zero)
     terms = bandwidth_terms(step.op, monomial(step.volume), step.axes, mesh, symbol, spans, number, sizes)
     q = {network: weighted / divisor for network, (weighted, divisor) in terms.items()}
     weighted = number(FACTOR[step.op]) * monomial(step.volume)
     return StepFormula(zero, zero, weighted, q.get("ici", zero), q.get("dcn", zero))
+
+
+def _mesh_size(mesh: Mesh, sizes: Mapping[str, int] | None, axis: str) -> int:
+    """A mesh axis's size (``sizes`` over the mesh's): a number in a ring's formulas, as its steps' count
+    is (a zig-zag ring of two devices reorders less than a longer one)."""
+    return (sizes or {}).get(axis) or next(a.size for a in mesh.axes if a.name == axis)
+
+
+def _with_ring(one: StepFormula, ring: RingTransfer | None, mesh: Mesh, spans: Layout | None,
+               sizes: Mapping[str, int] | None) -> StepFormula:
+    """``one`` with the bytes of a ring's sends (one ``jax.lax.ppermute`` to the neighbour each, as
+    :func:`shardc.steptime.ring_time` times them) and their bandwidth terms."""
+    if ring is None:
+        return one
+    weighted, q = ZERO, {"ici": ZERO, "dcn": ZERO}
+    for send in ring.sends:
+        nbytes = send.elements * send.nbytes
+        weighted += send.count * nbytes
+        terms = bandwidth_terms(Op.COLLECTIVE_PERMUTE, ZERO + nbytes, ring.axes, mesh, symbol, spans, number, sizes)
+        for network, (moved, divisor) in terms.items():
+            q[network] += send.count * moved / divisor
+    return StepFormula(one.flops, one.model_flops, se.expand(weighted), se.expand(q["ici"]), se.expand(q["dcn"]))
 
 
 def _einsum(step: Step) -> tuple[Expr, Expr]:
@@ -216,10 +252,12 @@ def _einsum(step: Step) -> tuple[Expr, Expr]:
 
 def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None,
                   spans: Layout | None = None, hw: HardwareSymbols | None = None,
-                  sizes: Mapping[str, int] | None = None) -> PhaseFormula:
+                  sizes: Mapping[str, int] | None = None, nbytes: int = 2) -> PhaseFormula:
     """The sums of a phase's step formulas, multiplied by the layer count (a number or a symbol); the
-    divisors of the bandwidth terms come from the mesh's sizes (``sizes`` over them)."""
-    parts = [step_formula(s, mesh, spans, sizes) for s in steps]
+    divisors of the bandwidth terms come from the mesh's sizes (``sizes`` over them); ``nbytes``: the spec's
+    element bytes."""
+    parts = [step_formula(s, mesh, spans, sizes, nbytes, shared) for s, shared in zip(steps, shared_rings(steps),
+                                                                                      strict=True)]
     count = symbol(layers) if isinstance(layers, str) else number(layers if isinstance(layers, int) else 1)
 
     counts = [number(1) if s.once else count for s in steps]  # outside a `layers` block: once

@@ -15,7 +15,9 @@ with why), each at its local size and its element bytes (the spec's dtype; 4 for
 ids, int32); a value the backward reads for its shape only (``Step.shapes``) is none.
 ``layers`` multiplies the per-layer state and residuals; the gathered weights (and
 unreduced weight gradients) alive at once are counted for one layer, since layers run
-one at a time.  Transient activations of the running layer are not counted in the step's total;
+one at a time, and so are the buffers a ring's sends arrive in (:func:`ring_buffers`: ring attention's K
+and V blocks in flight, a collective matmul's double buffer).  Other transient activations of the running
+layer are not counted in the step's total;
 :func:`shardc.costmodel.phase_memory.phase_memory` models them per phase of the program (arguments,
 outputs and the most temporaries alive at one step), the figures ``shardc verify`` checks against
 XLA's buffer assignment.
@@ -38,10 +40,10 @@ from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.walk import id_names, layer_inputs, leaves
-from shardc.timing import describe, local_elements
+from shardc.timing import describe, local_elements, ring_of, shared_rings
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
-           "residual_formula", "value_bytes", "kept_once"]
+           "residual_formula", "value_bytes", "kept_once", "ring_buffers"]
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,12 @@ class Memory:
     recomputed: tuple[tuple[str, float], ...] = ()  # forward values made again in the backward, bytes a layer
     residual_bytes_expr: str = ""  # the residuals of one layer as a formula (:func:`residual_formula`)
     host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
+    ring_bytes: float = 0.0  # the ring buffers in flight at once, one step of one layer (:func:`ring_buffers`)
 
     @property
     def total_bytes(self) -> float:
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.residual_bytes
-                + self.gathered_bytes)
+                + self.gathered_bytes + self.ring_bytes)
 
     @property
     def fits(self) -> bool:
@@ -78,7 +81,8 @@ class Memory:
                 "params_per_device": self.params, "params_total": self.params_total,
                 "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "residual_bytes": self.residual_bytes,
-                "gathered_bytes": self.gathered_bytes, "total_bytes": self.total_bytes,
+                "gathered_bytes": self.gathered_bytes, "ring_bytes": self.ring_bytes,
+                "total_bytes": self.total_bytes,
                 "hbm_bytes": self.hbm_bytes, "fits": self.fits, "host_bytes": self.host_bytes,
                 "recompute": self.recompute, "residual_bytes_per_layer_expr": self.residual_bytes_expr,
                 "residuals": [{"value": v, "bytes_per_layer": b, "why": w}
@@ -123,10 +127,31 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params if times[p.name]} | {plan.grad_name(p.name) for p in params if times[p.name]}
     gathered = max(peak_weights(plan, plan.forward, names, sizes), peak_weights(plan, plan.backward, names, sizes))
+    rings = max(ring_buffers(steps, sizes, plan.spec.dtype.nbytes)
+                for steps in (plan.forward, plan.recomputed + plan.backward))
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
-                  tuple(why for _, why in table), again, text(residual_formula(plan)))
+                  tuple(why for _, why in table), again, text(residual_formula(plan)), ring_bytes=rings)
+
+
+def ring_buffers(steps: tuple[Step, ...], sizes: dict[str, int], nbytes: int) -> float:
+    """The most bytes of ring buffers in flight at one step of a phase (``nbytes``: the spec's element
+    bytes): a step sending blocks around a ring while it computes (ring attention's K and V blocks, with dK's
+    and dV's accumulators in the backward; a collective matmul's block) holds the block it computes with
+    and the next one arriving beside what the plan counts (its own block), a double buffer: two of a ring
+    step's sends (:attr:`~shardc.steptime.RingTransfer.step_bytes`), one where the ring has two devices.
+    Collective matmuls reading one gathered operand share one chain of sends (:func:`shardc.timing.shared_rings`),
+    whose n - 1 received blocks stay alive until the last of them has read them."""
+    later = {s.collective for s, shared in zip(steps, shared_rings(steps), strict=True) if shared}
+    peak = 0.0
+    for step in steps:
+        ring = ring_of(step, sizes, nbytes)
+        if ring is None:
+            continue
+        blocks = ring.steps - 1 if step.collective in later else min(2, ring.steps - 1)
+        peak = max(peak, blocks * ring.step_bytes)
+    return peak
 
 
 def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:

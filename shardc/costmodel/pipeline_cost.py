@@ -101,7 +101,7 @@ class StageCost:
     held: float  # microbatches of activations at its peak
     state_bytes: float  # params, grads, optimizer state of its layers
     activation_bytes: float
-    gathered_bytes: float
+    gathered_bytes: float  # weights gathered at once, and the blocks in flight in a ring's buffers
     hbm_bytes: float
 
     @property
@@ -463,7 +463,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
                    for i, p in enumerate(parts["layer"]))
         out.append(StageCost(s, layers, f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
-                             residual, mem.gathered_bytes, hw.hbm_bytes))
+                             residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes))
     return tuple(out)
 
 

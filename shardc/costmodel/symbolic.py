@@ -39,7 +39,7 @@ from shardc.costmodel.thresholds import Threshold, derive
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Mesh
-from shardc.timing import describe, plan_chip, plan_links
+from shardc.timing import describe, plan_chip, plan_links, shared_rings
 
 __all__ = ["FormulaRow", "FormulaPhase", "FormulaReport", "cost_formulas"]
 
@@ -161,8 +161,8 @@ def _totals(f: PhaseFormula) -> list[str]:
 
 
 def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
-                 spans: Layout, sizes: dict[str, int]) -> FormulaRow:
-    one = step_formula(step, mesh, spans, sizes)
+                 spans: Layout, sizes: dict[str, int], nbytes: int, shared: bool) -> FormulaRow:
+    one = step_formula(step, mesh, spans, sizes, nbytes, shared)
     if step.op is Op.EINSUM or one.flops != 0:  # an einsum, or a kernel's matmuls
         return FormulaRow(index, step.op, (), describe(step), text(one.flops), over(one.flops, names.flops),
                           False, compute=True)
@@ -188,9 +188,11 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     names = symbols_of(plan)
     layers = plan.spec.layers
     count: int | str = layers if layers is not None else 1
-    phases = [FormulaPhase(name, tuple(_formula_row(i, s, mesh, names, all_spans, sizes)
-                                       for i, s in enumerate(steps, 1)),
-                           phase_formula(steps, mesh, count, all_spans, names, sizes))
+    nbytes = plan.spec.dtype.nbytes
+    phases = [FormulaPhase(name, tuple(_formula_row(i, s, mesh, names, all_spans, sizes, nbytes, shared)
+                                       for i, (s, shared) in enumerate(zip(steps, shared_rings(steps), strict=True),
+                                                                       1)),
+                           phase_formula(steps, mesh, count, all_spans, names, sizes, nbytes))
               for name, steps in phase_steps(plan) if steps or name != "optimizer"]
     total = phases[0].formula
     for phase in phases[1:]:

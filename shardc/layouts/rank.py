@@ -161,7 +161,7 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
         n for n in report.notes if "a node has" in n or "split with" in n or "usual" in n)
     memory: tuple[tuple[str, float], ...] = (
         ("params", mem.param_bytes), ("grads", mem.grad_bytes), ("optimizer", mem.optimizer_bytes),
-        ("activations", mem.residual_bytes), ("gathered", mem.gathered_bytes))
+        ("activations", mem.residual_bytes), ("gathered", mem.gathered_bytes + mem.ring_bytes))  # and ring buffers
     total, step_s = mem.total_bytes, step.step_s
     if report.pipeline is not None:  # the schedule's step, and the stage holding the most
         pipe = report.pipeline

@@ -65,7 +65,10 @@ class Program:
     ``results``: what ``forward`` returns (the rest of the forward's outputs are residuals);
     ``stacked``: unreduced forward outputs; ``stacked_inputs``: inputs given as partial sums
     (name -> axes); ``keyed``: whether the forward takes a dropout key; ``cotangents``: an
-    output's gradient name -> the output; ``grads``: tensor -> its gradient's name.
+    output's gradient name -> the output; ``grads``: tensor -> its gradient's name; ``zigzag``: the
+    arrays whose sequence axes the phases hold in the zig-zag order of ``chunks`` chunks (name -> axes,
+    :mod:`shardc.planner.zigzag_order`), which each phase permutes them into as they enter and back as
+    they leave, as a data loader hands a context-parallel step its tokens.
     """
 
     mesh_axes: dict[str, int]
@@ -77,6 +80,8 @@ class Program:
     keyed: bool
     cotangents: dict[str, str]
     grads: dict[str, str]
+    zigzag: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    chunks: int = 0
     forward: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,16 +107,29 @@ class Program:
         """Every forward value leaving the shard_map: results and residuals (stacked when unreduced);
         ``key`` draws the dropout masks (a uint32; one per step gives each step its own masks)."""
         mesh, fwd, _ = self.programs()
-        args = [put(inputs[name], spec, mesh) for name, spec in self.forward_phase.inputs.items()]
+        args = [put(self._order(name, inputs[name]), spec, mesh) for name, spec in self.forward_phase.inputs.items()]
         args += [jnp.asarray(key, jnp.uint32)] * self.keyed
-        return dict(zip(self.forward_phase.outputs, fwd(*args), strict=True))
+        return {name: self._order(name, x, back=True) for name, x in zip(self.forward_phase.outputs, fwd(*args),
+                                                                          strict=True)}
 
     def run_backward(self, inputs: Arrays, saved: Arrays, cotangent: Arrays) -> Arrays:
         """The planned backward from the inputs, the forward's values and the cotangents."""
         mesh, _, bwd = self.programs()
         pool = {**inputs, **saved, **cotangent}
-        args = [put(pool[key], spec, mesh) for key, spec in self.backward_phase.inputs.items()]
-        return dict(zip(self.backward_phase.outputs, bwd(*args), strict=True))
+        args = [put(self._order(key, pool[key]), spec, mesh) for key, spec in self.backward_phase.inputs.items()]
+        return {name: self._order(name, x, back=True) for name, x in zip(self.backward_phase.outputs, bwd(*args),
+                                                                          strict=True)}
+
+    def _order(self, name: str, x: Any, back: bool = False) -> Any:
+        """``x`` with its sequence axes in zig-zag chunk order (device i of the ring holding chunks i and
+        2n - 1 - i), or, ``back``, in their own order again; as it is where the plan holds no such order."""
+        for axis in self.zigzag.get(name, ()):
+            n = self.chunks // 2
+            length = x.shape[axis] // self.chunks
+            chunks = [c for i in range(n) for c in (i, self.chunks - 1 - i)]
+            index = np.concatenate([np.arange(c * length, (c + 1) * length) for c in chunks])
+            x = jnp.take(x, np.argsort(index) if back else index, axis=axis)
+        return x
 
     def _results(self, saved: Arrays) -> Arrays:
         # partial sums travel stacked; a result declared unreduced is returned summed

@@ -270,20 +270,21 @@ def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arr
 
 
 def ring_attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
-                   query: tuple[str, Axes] | None, ring: tuple[str, ...], zigzag: bool) -> tuple[Array, Array]:
+                   query: tuple[str, Axes] | None, ring: tuple[str, ...], zigzag: bool,
+                   held: bool = False) -> tuple[Array, Array]:
     """:func:`attention` with the keys sharded as the queries over ``ring``: K and V passed around the ring
     (ring attention, :func:`shardc.lowering.runtime_ring.ring_forward`); ``zigzag``: causal blocks balanced
-    in chunks i and 2n - 1 - i."""
-    return _kernel_once(ring_forward, q, k, v, subs, key, query, ring, zigzag)  # type: ignore[return-value]
+    in chunks i and 2n - 1 - i; ``held``: the blocks held in that order already (not reordered)."""
+    return _kernel_once(ring_forward, q, k, v, subs, key, query, ring, zigzag, held)  # type: ignore[return-value]
 
 
 def ring_attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array,
                          subs: tuple[str, str, str, str], key: str, query: tuple[str, Axes] | None,
-                         ring: tuple[str, ...], zigzag: bool) -> tuple[Array, Array, Array]:
+                         ring: tuple[str, ...], zigzag: bool, held: bool = False) -> tuple[Array, Array, Array]:
     """(dQ, dK, dV) of :func:`ring_attention` (:func:`shardc.lowering.runtime_ring.ring_backward`): dK and
     dV whole over the ring's axes."""
     return _kernel_once(ring_backward, q, k, v, o, lse, do, subs, key, query, ring,  # type: ignore[return-value]
-                        zigzag)
+                        zigzag, held)
 
 
 def allgather_einsum(subs: str, xs: tuple[Array, ...], k: int, dim: int, axis: str) -> Array:

@@ -196,13 +196,14 @@ class _Step:
 
 
 def ring_forward(q: Array, k: Array, v: Array, subs: Subs, key: str, query: tuple[str, Axes] | None,
-                 ring: Axes, zigzag: bool) -> tuple[Array, Array]:
+                 ring: Axes, zigzag: bool, held: bool = False) -> tuple[Array, Array]:
     """(the output, the row logsumexp) of ``softmax(Q·K / sqrt(H) over T) · V`` with K and V around the
-    ring over ``ring``: n steps, each sending the block it holds to the next device while it folds it in."""
+    ring over ``ring``: n steps, each sending the block it holds to the next device while it folds it in;
+    ``held``: the blocks come (and go) in zig-zag order already, not reordered here."""
     qs, ks, vs, os = subs
     dtype, wide = q.dtype, compute_dtype(q)
     letter = query[0] if query is not None else None
-    if zigzag:
+    if zigzag and not held:
         assert letter is not None
         q, k, v = to_zigzag(q, qs.index(letter), ring), to_zigzag(k, ks.index(key), ring), to_zigzag(v, vs.index(key),
                                                                                                       ring)
@@ -223,7 +224,7 @@ def ring_forward(q: Array, k: Array, v: Array, subs: Subs, key: str, query: tupl
     m, total, acc = carry
     out = jnp.einsum(f"{qs[:-1]}{vs[-1]}->{os}", acc / total[..., None])
     lse = m + jnp.log(total)
-    if zigzag:
+    if zigzag and not held:
         assert letter is not None
         out, lse = from_zigzag(out, os.index(letter), ring), from_zigzag(lse, step.qd, ring)
     return out.astype(dtype), lse
@@ -237,15 +238,16 @@ def _late_fold(carry: Carry, q: Array, k: Array, v: Array, subs: Subs, key: str,
 
 
 def ring_backward(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: Subs, key: str,
-                  query: tuple[str, Axes] | None, ring: Axes, zigzag: bool) -> tuple[Array, Array, Array]:
+                  query: tuple[str, Axes] | None, ring: Axes, zigzag: bool,
+                  held: bool = False) -> tuple[Array, Array, Array]:
     """(dQ, dK, dV) of :func:`ring_forward`: K and V around the ring again, each block's dK and dV
     accumulator with it (this device's part added, then sent on), home after n hops, so dK and dV leave
-    whole over the ring's axes."""
+    whole over the ring's axes; ``held`` as there."""
     qs, ks, vs, os = subs
     dtypes, wide = (q.dtype, k.dtype, v.dtype), compute_dtype(q)
     letter = query[0] if query is not None else None
     kt, vt = ks.index(key), vs.index(key)
-    if zigzag:
+    if zigzag and not held:
         assert letter is not None
         qd, od = qs.index(letter), os.index(letter)
         q, k, v = to_zigzag(q, qd, ring), to_zigzag(k, kt, ring), to_zigzag(v, vt, ring)
@@ -255,12 +257,12 @@ def ring_backward(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array,
     delta = jnp.einsum(f"{os},{os}->{qs[:-1]}", dw, ow)  # rowsum(dO * O)
     zero = varying_zero(wide, q, k, v, o, lse, do)
     dq = jnp.zeros(q.shape, wide) + zero
-    held: tuple[Array, Array] = (k, v)
+    blocks: tuple[Array, Array] = (k, v)
     arrived: tuple[Array, Array] | None = None  # the accumulators of the block held, from the device before
     for j in range(step.n):
-        sent = jax.lax.ppermute(held, ring, _shift(step.n)) if j < step.n - 1 else held
+        sent = jax.lax.ppermute(blocks, ring, _shift(step.n)) if j < step.n - 1 else blocks
         src = (step.me - j) % step.n
-        kw, vw = held[0].astype(wide), held[1].astype(wide)
+        kw, vw = blocks[0].astype(wide), blocks[1].astype(wide)
         parts = step.run(j, src, partial(_grads, qw, kw, vw, dw, lw, delta, subs, key),
                          partial(_early_grads, qw, kw, vw, dw, lw, delta, subs, key, step.kt, vt),
                          partial(_late_grads, qw, kw, vw, dw, lw, delta, subs, key, step.qd,
@@ -269,10 +271,10 @@ def ring_backward(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array,
         dq = dq + parts[0]
         acc = (parts[1], parts[2]) if arrived is None else (arrived[0] + parts[1], arrived[1] + parts[2])
         arrived = jax.lax.ppermute(acc, ring, _shift(step.n))  # on with its block; the last hop is home
-        held = sent
+        blocks = sent
     assert arrived is not None
     dk, dv = arrived
-    if zigzag:
+    if zigzag and not held:
         assert letter is not None
         dq, dk, dv = from_zigzag(dq, qs.index(letter), ring), from_zigzag(dk, kt, ring), from_zigzag(dv, vt, ring)
     return tuple(g.astype(t) for g, t in zip((dq, dk, dv), dtypes, strict=True))  # type: ignore[return-value]

@@ -20,6 +20,7 @@ from shardc.lowering.optimizer import LEARNING_RATE
 from shardc.lowering.partition_specs import pspec
 from shardc.lowering.row_code import id_inputs
 from shardc.ops.masks import KEY
+from shardc.planner.zigzag_order import sequence_order
 
 if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase
@@ -86,7 +87,7 @@ _DRIVER = '''
 
 PROGRAM = Program(MESH_AXES, Phase(forward_local, FORWARD_IN, FORWARD_OUT),
                   Phase(backward_local, BACKWARD_IN, BACKWARD_OUT), RESULTS, STACKED, STACKED_INPUTS, KEYED,
-                  COTANGENTS, GRADS)
+                  COTANGENTS, GRADS, ZIGZAG, CHUNKS)
 programs, run_forward, run_backward = PROGRAM.programs, PROGRAM.run_forward, PROGRAM.run_backward
 forward, grad = PROGRAM.forward, PROGRAM.grad
 '''
@@ -177,12 +178,28 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], demo: dict
     text += "\n\n# ---- backward " + "-" * 59 + "\n\n" + specs("BACKWARD_IN", backward.inputs)
     text += specs("BACKWARD_OUT", backward.outputs)
     text += f"COTANGENTS = {cotangents!r}  # an output's gradient name -> the output\n"
-    text += f"GRADS = {grads!r}  # tensor -> its gradient\n\n\n"
+    text += f"GRADS = {grads!r}  # tensor -> its gradient\n"
+    text += _zigzag(plan, mesh, forward, backward) + "\n\n"
     text += function(backward)
     text += "\n\n# ---- driver " + "-" * 61 + "\n" + _DRIVER
     if optimizer is not None:
         text += _optimizer(*optimizer)
     return text + _demo(plan, forward, demo)
+
+
+def _zigzag(plan: Plan, mesh: tuple[tuple[str, int], ...], forward: Phase, backward: Phase) -> str:
+    """``ZIGZAG`` (each array entering or leaving a phase -> its axes in zig-zag order) and ``CHUNKS``
+    (their chunk count): the sequence held in the order of the ring's balanced chunks across the plan
+    (:mod:`shardc.planner.zigzag_order`); none where the plan holds no such order."""
+    order = sequence_order(plan, dict(mesh))
+    if order is None:
+        return "ZIGZAG: dict[str, tuple[int, ...]] = {}\nCHUNKS = 0  # the sequence is held in its own order\n"
+    dims, chunks = order
+    held = {b.key: tuple(i + b.stacked for i, d in enumerate(b.ref.dims) if d.name in dims)
+            for phase in (forward, backward) for b in (*phase.inputs, *phase.outputs)}
+    held = {key: axes for key, axes in held.items() if axes}
+    return (f"ZIGZAG = {held!r}  # arrays whose sequence axes each phase takes in zig-zag chunk order\n"
+            f"CHUNKS = {chunks}  # chunks along them: device i of the ring holds chunks i and {chunks - 1} - i\n")
 
 
 def _demo(plan: Plan, forward: Phase, demo: dict[str, int]) -> str:

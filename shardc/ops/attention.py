@@ -69,7 +69,7 @@ from shardc.sharding.layout import Value
 from shardc.sharding.search import reshard
 from shardc.spec.attention_call import CAUSAL, Roles, roles
 from shardc.spec.walk import chain_indices
-from shardc.steptime import ring_time
+from shardc.steptime import hidden_from, ring_time
 from shardc.units import fmt_seconds
 
 if TYPE_CHECKING:
@@ -183,12 +183,14 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
     return forms
 
 
-def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -> tuple[float, int, str]:
+def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, tokens: float) -> tuple[float, int, str]:
     """A form's time, forward and backward: its moves twice (the backward moves their transposes: dO in,
     dQ, dK, dV out), its kernel's forward and backward (:func:`kernel_seconds`), and a
     ring's transfers its compute does not hide, forward and backward; its forward's collectives; and what
     of its communication stays exposed, for ``--explain``: the moves all (the kernel waits for them), a
-    ring's what its steps do not hide, with the block length from which they do."""
+    ring's what its steps do not hide, with the block length from which they do; the moves' the
+    sequence's length a device (``tokens`` now) from which the kernel's compute outlasts them
+    (:func:`shardc.steptime.hidden_from`)."""
     ctx, axes = phase.ctx, form.axes
     moved, count = 0.0, 0
     moves = [reshard(ctx, name, indices, phase.held[name], _value(indices, axes))
@@ -218,6 +220,9 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value) -
             times = ring_time(ring, seconds, ctx.mesh, sizes, ctx.hardware, ctx.links)
             exposed += times.exposed_s
             hidden = hidden or f"; a ring step hides its K/V send from {times.hidden_from:,.0f} tokens a device"
+    if moved > 0 and not form.ring:
+        hidden = (f"; the kernel's compute outlasts its moves from "
+                  f"{hidden_from(tokens, 2 * moved, compute + backward):,.0f} tokens a device")
     note = f"exposed communication {fmt_seconds(2 * moved + exposed)}{hidden}"
     return 2 * moved + (compute + backward) * ctx.compute_weight + exposed, count, note
 
@@ -229,7 +234,9 @@ def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]]
     forms = _forms(phase, r, axes, _query(node.call, r) is not None)
     if len(forms) == 1 or not phase.sized:
         return forms[0]
-    figures = [_form_seconds(phase, node, r, f, want) for f in forms]
+    ctx = phase.ctx
+    tokens = ctx.dim_size(r.key) / math.prod(ctx.axis_sizes[a] for a in axes[r.query])  # the sequence a device
+    figures = [_form_seconds(phase, node, r, f, want, tokens) for f in forms]
     times = [t for t, _, _ in figures]
     best = min(range(len(forms)), key=lambda k: times[k])
     if phase.ctx.explain:
@@ -388,6 +395,7 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     kernel = "attention"
     if step.fn.ring:  # the ring's axes (K's along T, as Q's along S) and whether its chunks are zig-zag
         kernel, flags = "ring_attention", f"{flags}, {step.fn.ring!r}, {step.fn.zigzag!r}"
+        flags += ", held=True" if step.fn.held else ""  # the plan holds the sequence in zig-zag order
     if step.fn.part in ("out", "lse"):
         pick = 0 if step.fn.part == "out" else 1
         return f"{kernel}({var(q)}, {var(k)}, {var(v)}, {flags})[{pick}]"

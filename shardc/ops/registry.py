@@ -50,7 +50,7 @@ Flops = Callable[["Step", Callable[[str], Any]], tuple[Any, Any, Any]]
 Seconds = Callable[["Step", Callable[[str], int], "Hardware", str], float]
 # the sends to a neighbour a step makes while its compute runs in ring steps (ring attention), given a dim's or
 # an axis's size and the spec's bytes an element (None: it makes none)
-Ring = Callable[["Step", Callable[[str], int], int], "RingTransfer | None"]
+Ring = Callable[["Step", Callable[[str], Any], int], "RingTransfer | None"]
 
 
 def all_traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from shardc.collectives import piece
 from shardc.ir.localops import Attention
@@ -52,25 +53,28 @@ def ring_layouts(axes: dict[str, tuple[str, ...]], seq: str, key: str, sizes: Ca
     return forms
 
 
-def transfers(step: Step, size: Callable[[str], int], nbytes: int) -> RingTransfer | None:
+def transfers(step: Step, size: Callable[[str], Any], nbytes: int) -> RingTransfer | None:
     """The sends of a ring kernel's step (its kernel's: the output's, or the first gradient's), None for
     any other: K and V each of the n - 1 steps but the last; in the backward also the dK and dV
     accumulators (float32 at least), the last of their n hops (home) after the compute; with zig-zag, each
-    array the kernel reads or makes reordered in two halves before and after the ring."""
+    array the kernel reads or makes reordered in two halves before and after the ring, unless the plan holds
+    the sequence in zig-zag order (``held``).  ``size`` gives a
+    dim's or an axis's size: numbers, or the dims as formulas (:mod:`shardc.costmodel.formulas`; the ring's
+    axes then numbers, which the count of the zig-zag's sends depends on)."""
     fn = step.fn
     assert isinstance(fn, Attention)
     if not fn.ring or not fn.kernel:
         return None
     n = math.prod(size(a) for a in fn.ring)
 
-    def elements(ref: TensorRef) -> float:
-        return float(piece((size(d.name), math.prod(size(a) for a in d.axes)) for d in ref.dims))
+    def elements(ref: TensorRef) -> Any:
+        return piece((size(d.name), math.prod((size(a) for a in d.axes), start=1)) for d in ref.dims)
 
     q, k, v = step.operands[:3]
     rows = elements(q) / size(q.dims[-1].name)  # the row logsumexp: Q's elements less its head dim
     keys = piece([(size(d.name), math.prod(size(a) for a in d.axes)) for d in k.dims if d.name == fn.key])
     sends = [Send(elements(k), nbytes, n - 1), Send(elements(v), nbytes, n - 1)]
-    reordered: list[tuple[float, int]]
+    reordered: list[tuple[Any, int]]
     if fn.part in ("out", "lse"):
         reordered = [(elements(q), nbytes), (elements(k), nbytes), (elements(v), nbytes),
                      (elements(step.dst), nbytes), (rows, LSE_BYTES)]
@@ -82,6 +86,6 @@ def transfers(step: Step, size: Callable[[str], int], nbytes: int) -> RingTransf
         reordered = [(elements(q), nbytes), (elements(k), nbytes), (elements(v), nbytes), (elements(o), nbytes),
                      (rows, LSE_BYTES), (elements(o), nbytes), (elements(q), nbytes), (elements(k), nbytes),
                      (elements(v), nbytes)]  # in: Q, K, V, O, lse, dO; out: dQ, dK, dV
-    if fn.zigzag:  # two halves each way (of two devices' first halves, none moves: chunks 0 and 1 stay)
+    if fn.zigzag and not fn.held:  # two halves each way (of two devices' first halves, none moves: chunks 0, 1 stay)
         sends += [Send(count / 2, width, 1 if n == 2 else 2, hidden=False) for count, width in reordered]
-    return RingTransfer(fn.ring, n, int(keys), tuple(sends))
+    return RingTransfer(fn.ring, n, keys, tuple(sends))

@@ -18,9 +18,10 @@ matmul does not hide stays exposed (:func:`shardc.steptime.ring_time`).  The pas
 where the collective is on the critical path (an ahead-of-time weight gather is hidden already), runs
 over one axis that is the minor-most of its dim's (so a device's block along the dim is its index on
 the axis), on a dim the axis divides, and nothing but einsums reads the gathered operand (each of them
-then runs its own ring, the blocks sent once for each: more bytes, each send under a block matmul), or
-nothing but the ReduceScatter the partial result; and only where the fused steps' time is less than the
-steps they replace, on the plan's chip.
+then runs its own ring of block matmuls; their sends are the same blocks the same way, which the compiled
+program makes once: the first ring's sends, under its block matmuls, :func:`shardc.timing.shared_rings`),
+or nothing but the ReduceScatter the partial result; and only where the fused steps' time is less than
+the steps they replace, on the plan's chip.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from shardc.fusion import is_product
 from shardc.hardware import Hardware
 from shardc.ir.plan import Op, Plan, Sections, Step
 from shardc.ir.spec import TensorRef
-from shardc.timing import cost_step, plan_dtype, plan_links, plan_sizes
+from shardc.timing import cost_step, plan_dtype, plan_links, plan_sizes, shared_rings
 
 __all__ = ["fuse_collective_matmuls", "ring_dim"]
 
@@ -88,7 +89,7 @@ def _fuse(plan: Plan, steps: tuple[Step, ...], kept: set[TensorRef]) -> tuple[St
 
 def _gather(plan: Plan, steps: list[Step], k: int, kept: set[TensorRef]) -> dict[int, Step | None]:
     """The AllGather at ``k`` run as a ring inside each einsum that reads its result, where every reader is
-    such an einsum (each then sends the blocks around itself: more bytes, each send under a block matmul)."""
+    such an einsum (each runs its own ring; the first one's sends bring the blocks to all)."""
     c = steps[k]
     if c.ahead or c.src is None or c.dst in kept or c.dst.unreduced or not ring_dim(c, plan_sizes(plan)):
         return {}
@@ -131,8 +132,8 @@ def _faster(plan: Plan, fused: list[Step], plain: list[Step]) -> bool:
     links = plan_links(plan, hw, sizes)[0]
     dtype = plan_dtype(plan)
 
-    def seconds(step: Step) -> float:
-        row = cost_step(0, step, plan.spec.mesh, sizes, hw, links, dtype, text="")
+    def seconds(step: Step, shared: bool) -> float:
+        row = cost_step(0, step, plan.spec.mesh, sizes, hw, links, dtype, text="", shared=shared)
         return row.compute_s + row.memory_s + row.exposed_comm_s + (row.comm_s if row.is_collective else 0.0)
 
-    return math.fsum(map(seconds, fused)) < math.fsum(map(seconds, plain))
+    return math.fsum(map(seconds, fused, shared_rings(fused))) < math.fsum(map(seconds, plain, shared_rings(plain)))

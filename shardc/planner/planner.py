@@ -30,6 +30,7 @@ from shardc.planner.fold import fold_redundant
 from shardc.planner.graph import Graph, build_graph
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
+from shardc.planner.zigzag_order import hold_zigzag
 from shardc.sharding.einsum import Solution
 from shardc.sharding.layout import CostContext, SearchTooLong, Value
 from shardc.sharding.phase import Phase, Traced
@@ -116,6 +117,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     try:
         planned = _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
                                       gradients or {}, weights=weights or SUM)
+        planned = hold_zigzag(planned)
         return fuse_collective_matmuls(planned) if collective_matmul else planned
     except SearchTooLong as e:
         raise ShardcError(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from shardc.ir.plan import Op, Step
 from shardc.ops.registry import of_op
+from shardc.timing import shared_rings
 
 __all__ = ["RingSends", "ring_sends"]
 
@@ -36,12 +37,10 @@ class RingSends:
 def ring_sends(steps: tuple[Step, ...], sizes: dict[str, int]) -> list[RingSends]:
     """Every ring kernel step's sends, grouped by their elements (K's and V's alike are one group)."""
     found: list[RingSends] = []
-    gathers: set[Step] = set()
-    for step in steps:
+    for step, shared in zip(steps, shared_rings(steps), strict=True):
         if step.collective is not None:  # a collective matmul: n - 1 sends of one block over its axis
-            if step.collective not in gathers:  # einsums reading one gather send the same blocks: XLA merges them
+            if not shared:  # einsums reading one gather send the same blocks: XLA keeps one chain
                 found += _collective_matmul_sends(step, sizes)
-            gathers.add(step.collective)
             continue
         family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
         ring = family.ring(step, lambda name: sizes[name], 1) if family is not None and family.ring else None

@@ -1,0 +1,71 @@
+"""The sequence held in zig-zag order across the plan, where no step looks at positions but the ring.
+
+A causal ring attention kernel balances its load in zig-zag chunks (:mod:`shardc.ops.ring_attention`: the
+sequence cut into 2n chunks, device i computing chunks i and 2n - 1 - i).  Taking its blocks contiguous, as
+the other steps hold them, it reorders them to zig-zag and back at every call: two sends of half a block an
+array before and after the ring, exposed, every layer, forward and backward.  Megatron-LM's context
+parallelism and LLaMA 3's (Dubey et al. 2024, section 3.3.2) load the tokens in that order instead: the data
+loader hands device i chunks i and 2n - 1 - i, and every step that does not look at positions (matmuls,
+elementwise maps, norms, the embedding and the loss, the collectives moving blocks) runs on them as they
+are.  :func:`hold_zigzag` does that where it is sound: every zig-zag kernel of the plan runs over one ring,
+and no other step reading or making a value with one of their sequence dims depends on positions (a causal
+mask, a dropout mask drawn by position, attention with a causal mask in any other form, a router whose
+capacity goes by token order).  The lowered program then permutes each array with such a dim into that
+order as it enters a phase and back as it leaves (:func:`sequence_order` says which dims and how many
+chunks), off the device program, as the data loader does; the kernels do not reorder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from shardc.ir.localops import MASK_OPS, Attention, Dispatch, Route
+from shardc.ir.plan import Plan, Step
+
+__all__ = ["hold_zigzag", "sequence_order"]
+
+
+def hold_zigzag(plan: Plan) -> Plan:
+    """``plan`` with its zig-zag ring kernels marked ``held`` where the whole plan can hold the sequence in
+    their order (see the module docstring); else ``plan`` as it is."""
+    if plan.spec.mesh.pipeline_axis is not None:
+        return plan
+    phases = (plan.forward, plan.recomputed, plan.backward, plan.optimizer)
+    kernels = [s.fn for steps in phases for s in steps if isinstance(s.fn, Attention) and s.fn.zigzag]
+    rings = {fn.ring for fn in kernels}
+    if len(rings) != 1:
+        return plan
+    dims = frozenset(name for fn in kernels for name in (fn.key, fn.query) if name is not None)
+    (ring,) = rings
+    if any(_positional(s, dims, ring) for steps in phases for s in steps):
+        return plan
+
+    def held(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+        return tuple(replace(s, fn=replace(s.fn, held=True)) if isinstance(s.fn, Attention) and s.fn.zigzag else s
+                     for s in steps)
+
+    return replace(plan, forward=held(plan.forward), recomputed=held(plan.recomputed), backward=held(plan.backward))
+
+
+def _positional(step: Step, dims: frozenset[str], ring: tuple[str, ...]) -> bool:
+    """Whether ``step`` reads or makes a value with one of ``dims`` and depends on its positions: a mask, a
+    router, or attention with a causal mask other than a zig-zag kernel over ``ring``."""
+    refs = (step.dst, *step.operands, *step.shapes, *((step.src,) if step.src is not None else ()))
+    if not any(d.name in dims for ref in refs for d in ref.dims):
+        return False
+    fn = step.fn
+    if isinstance(fn, (*MASK_OPS, Route, Dispatch)):
+        return True
+    return isinstance(fn, Attention) and fn.query is not None and not (fn.zigzag and fn.ring == ring)
+
+
+def sequence_order(plan: Plan, sizes: dict[str, int]) -> tuple[frozenset[str], int] | None:
+    """The dims ``plan`` holds in zig-zag order and the number of chunks, 2n for a ring of n devices at
+    ``sizes``; None where it holds none."""
+    kernels = [s.fn for steps in (plan.forward, plan.backward) for s in steps
+               if isinstance(s.fn, Attention) and s.fn.held]
+    if not kernels:
+        return None
+    dims = frozenset(name for fn in kernels for name in (fn.key, fn.query) if name is not None)
+    return dims, 2 * math.prod(sizes[a] for a in kernels[0].ring)
