@@ -36,10 +36,10 @@ from dataclasses import dataclass, fields, replace
 
 from shardc.errors import ShardcError, clip
 from shardc.files import read_text
-from shardc.ir.spec import Mesh, Network
+from shardc.ir.spec import FUSIONS, GRAD_REDUCES, Mesh, Network, Spec
 
 __all__ = ["Hardware", "PRESETS", "DEFAULT", "BUCKET_BYTES", "MODELS", "check_model", "get_hardware",
-           "load_hardware_file", "resolve_hardware",
+           "load_hardware_file", "resolve_hardware", "chip_for",
            "hardware_from_mapping", "default_spans", "check_spans", "check_hardware_arg"]
 
 DEFAULT = "tpu-v5p"
@@ -80,6 +80,22 @@ class Hardware:
     # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
     collective_base: float | None = None
     book: bool = False  # the book's assumptions: spans by ceil(log16 n), no topology, no efficiency
+    # how the framework runs the program on it (the spec's `fusion` and `grad_reduce` lines, or --fusion and
+    # --grad-reduce over them; :data:`shardc.ir.spec.FUSIONS`, :data:`shardc.ir.spec.GRAD_REDUCES`); None: the
+    # spec's line, else XLA's fusion and reductions overlapped
+    fusion: str | None = None
+    grad_reduce: str | None = None
+
+    @property
+    def fuses(self) -> bool:
+        """Whether memory-bound steps fuse as XLA fuses them (else one kernel an op: ``fusion none``)."""
+        return self.fusion != "none"
+
+    @property
+    def reduces_after_backward(self) -> bool:
+        """Whether gradient reductions wait for the end of the backward (``grad_reduce after-backward``);
+        the book's model overlaps every collective."""
+        return self.grad_reduce == "after-backward" and not self.book
 
     def spans(self, chips: int) -> int:
         """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
@@ -172,11 +188,18 @@ class Hardware:
             return 0.0
         return nbytes / self.hbm_bandwidth
 
-    def configured(self, model: str | None = None, bucket_mb: float | None = None) -> Hardware:
+    def configured(self, model: str | None = None, bucket_mb: float | None = None, fusion: str | None = None,
+                   grad_reduce: str | None = None) -> Hardware:
         """This chip under a cost model, ``"book"`` (the book's assumptions) or ``"chip"`` (the rates it
-        reaches; None keeps the chip's), with gradient buckets of ``bucket_mb`` MiB (None keeps them)."""
+        reaches; None keeps the chip's), with gradient buckets of ``bucket_mb`` MiB, the framework's
+        ``fusion`` and ``grad_reduce`` (each None keeps the chip's)."""
         check_model(model)
         hw = self if model is None else replace(self, book=model == "book")
+        for flag, value, choices in (("--fusion", fusion, FUSIONS), ("--grad-reduce", grad_reduce, GRAD_REDUCES)):
+            if value is not None and value not in choices:
+                raise ShardcError(f"{flag} {clip(repr(value))}: unknown", fix="use one of " + ", ".join(choices))
+        if fusion is not None or grad_reduce is not None:
+            hw = replace(hw, fusion=fusion or hw.fusion, grad_reduce=grad_reduce or hw.grad_reduce)
         if bucket_mb is not None:
             if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float) or not bucket_mb > 0 \
                     or not math.isfinite(bucket_mb):
@@ -449,6 +472,12 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     for key, unit in (("matmul_efficiency", "flops"), ("attention_forward", "keys"), ("attention_backward", "keys")):
         if key in data:
             values[key] = _efficiency_points(data[key], source, key, unit)
+    for key, choices in (("fusion", FUSIONS), ("grad_reduce", GRAD_REDUCES)):
+        if key in data:
+            if data[key] not in choices:
+                raise ShardcError(f"{source}: {key} must be one of {', '.join(choices)}, got {clip(repr(data[key]))}",
+                                  fix=f'write e.g. `{key} = "{choices[0]}"`')
+            values[key] = data[key]
     return Hardware(**values)  # type: ignore[arg-type]
 
 
@@ -488,6 +517,17 @@ def resolve_hardware(hardware: str | Hardware | None, hardware_file: str | None 
     if isinstance(hardware, Hardware):
         return hardware
     return get_hardware(hardware or spec_hardware or DEFAULT)
+
+
+def chip_for(spec: Spec, hardware: str | Hardware | None = None, hardware_file: str | None = None) -> Hardware:
+    """The chip ``spec`` is planned and costed on (:func:`resolve_hardware`, the spec's ``hardware`` line
+    last), run as the spec's ``fusion`` and ``grad_reduce`` lines say where the chip given sets neither
+    (a flag beats the spec's line)."""
+    hw = resolve_hardware(hardware, hardware_file, spec.hardware)
+    fusion, grad_reduce = hw.fusion or spec.fusion, hw.grad_reduce or spec.grad_reduce
+    if (fusion, grad_reduce) == (hw.fusion, hw.grad_reduce):
+        return hw
+    return replace(hw, fusion=fusion, grad_reduce=grad_reduce)
 
 
 def default_spans(mesh: Mesh, hw: Hardware, sizes: dict[str, int] | None = None) -> dict[str, int]:

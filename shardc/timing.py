@@ -24,7 +24,8 @@ gathers, gradient reductions) overlap the phase's compute, so a phase takes
 computes (ring attention) adds the part of its transfers its compute does not hide to the critical
 time (:func:`shardc.steptime.ring_time`).  Gradient reductions are bucketed as
 PyTorch DDP and FSDP bucket them (:attr:`Hardware.bucket_bytes`, 25 MiB): a
-reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`).
+reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`);
+under ``grad_reduce after-backward`` they run after the backward's compute, exposed.
 The backward needs the forward's results, so the training step takes ``forward +
 backward``, plus the optimizer phase of ZeRO-1/2 (``Plan.optimizer``: its
 reduce-scatters and all-gathers, after the backward), plus the update.  The
@@ -51,7 +52,7 @@ from shardc.collectives import FACTOR, Layout, Op, collective_time, piece, share
 from shardc.collectives import einsum_flops as flops_of  # this module's einsum_flops takes a Step
 from shardc.errors import ShardcError
 from shardc.fusion import is_product, kept_values, memory_traffic
-from shardc.hardware import Hardware, resolve_hardware
+from shardc.hardware import Hardware, chip_for
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step, unfused
 from shardc.ir.spec import DType, Mesh, TensorRef
@@ -282,7 +283,9 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
     each paying the collective's latency once, so a group takes max(its bandwidth terms, buckets x
     latency), or their sum where the latency adds to the transfer (NCCL's model on GPUs,
     :attr:`StepCost.serial`).  Every other collective takes its own time each time.  The book's model
-    has no buckets.
+    has no buckets.  Where the framework reduces gradients once the backward is done
+    (:attr:`Hardware.reduces_after_backward`: Megatron-LM's own DDP of 2021), the buckets are critical:
+    nothing runs under them.
     """
     ahead: list[float] = []
     critical: list[float] = []
@@ -302,7 +305,8 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
         latency = max(r.latency_s for r, _ in members)
         bandwidth = math.fsum(r.bandwidth_s * n for r, n in members)
         serial = any(r.serial for r, _ in members)
-        ahead.append(bandwidth + buckets * latency if serial else max(bandwidth, buckets * latency))
+        seconds = bandwidth + buckets * latency if serial else max(bandwidth, buckets * latency)
+        (critical if hw.reduces_after_backward else ahead).append(seconds)
     return math.fsum(ahead), math.fsum(critical)
 
 
@@ -395,10 +399,11 @@ def plan_sizes(plan: Plan) -> dict[str, int]:
 
 
 def plan_chip(plan: Plan, hardware: str | Hardware | None = None, hardware_file: str | None = None) -> Hardware:
-    """The chip to cost ``plan`` on: a file or chip given here, else the one it was planned for (``Plan.chip``)."""
+    """The chip to cost ``plan`` on: a file or chip given here (run as the spec's ``fusion`` and
+    ``grad_reduce`` lines say, where it sets neither), else the one it was planned for (``Plan.chip``)."""
     if hardware is None and hardware_file is None:
         return plan.chip
-    return resolve_hardware(hardware, hardware_file)
+    return chip_for(plan.spec, hardware, hardware_file)
 
 
 def plan_links(plan: Plan, hw: Hardware, sizes: Mapping[str, int],
@@ -438,7 +443,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
         return hit
 
     def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
-        moved = memory_traffic(steps, nbytes, kept) if not hw.book else [0.0] * len(steps)
+        moved = memory_traffic(steps, nbytes, kept, hw.fuses) if not hw.book else [0.0] * len(steps)
         return phase_time(((row(s, b), step_count(s, layers) * times) for s, b in zip(steps, moved, strict=True)),
                           hw)
 
@@ -469,7 +474,7 @@ def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tu
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,
                spans: Layout, again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
     """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
-    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan)) if not hw.book else \
+    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses) if not hw.book else \
         [0.0] * len(steps)
     dtype = plan_dtype(plan)
     rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b)

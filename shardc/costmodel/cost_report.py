@@ -282,6 +282,8 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
             "hop_latency": hw.hop_latency, "flops_f8": hw.flops_f8,
             "hbm_bandwidth": hw.hbm_bandwidth if math.isfinite(hw.hbm_bandwidth) else None,
             "model": "book" if hw.book else "chip", "bucket_bytes": hw.bucket_bytes,
+            "fusion": "xla" if hw.fuses else "none",
+            "grad_reduce": "after-backward" if hw.reduces_after_backward else "overlapped",
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
 
 
@@ -444,6 +446,12 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
         notes.append(f"the plan was chosen for {plan.hardware}, costed here on {hw.name}: "
                      f"`shardc plan --hardware {hw.name}` may find a faster one")
     notes.append(latency_note(hw, links))
+    if not hw.fuses and not hw.book:
+        notes.append("fusion none: each memory-bound step is its own kernel, reading its operands from HBM and "
+                     "writing its result (PyTorch eager)")
+    if hw.reduces_after_backward:
+        notes.append("grad_reduce after-backward: the gradient reductions run once the backward is done, "
+                     "exposed (no compute hides them)")
     ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
     group = math.prod(sizes[a] for a in ici)
     nodes = any(isinstance(k, AxisLinks) and k.nodes for k in links.values())
