@@ -79,12 +79,25 @@ class Hardware:
     bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
     # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
     collective_base: float | None = None
+    sms: int | None = None  # a GPU's streaming multiprocessors
+    # the SMs a NCCL collective holds while it runs: one CTA a channel, each on an SM no compute kernel shares;
+    # None: overlapped collectives take nothing from the compute (:attr:`overlap_share`)
+    collective_sms: int | None = None
     book: bool = False  # the book's assumptions: spans by ceil(log16 n), no topology, no efficiency
     # how the framework runs the program on it (the spec's `fusion` and `grad_reduce` lines, or --fusion and
     # --grad-reduce over them; :data:`shardc.ir.spec.FUSIONS`, :data:`shardc.ir.spec.GRAD_REDUCES`); None: the
     # spec's line, else XLA's fusion and reductions overlapped
     fusion: str | None = None
     grad_reduce: str | None = None
+
+    @property
+    def overlap_share(self) -> float:
+        """The share of the chip's cores a collective holds while it runs under compute
+        (``collective_sms / sms``): the compute beside it runs that much slower.  0 where either figure is
+        missing, and under the book's model."""
+        if self.book or not self.sms or not self.collective_sms:
+            return 0.0
+        return min(1.0, self.collective_sms / self.sms)
 
     @property
     def fuses(self) -> bool:
@@ -325,6 +338,12 @@ _NCCL_NDR = 47e9 / 50e9
 # maintainer, NVIDIA/nccl issue 412; a DGX A100's 8 HDR NICs measure 192 GB/s AllReduce bus bandwidth,
 # NVIDIA/nccl issue 812), 24 of 25 GB/s
 _NCCL_HDR = 24e9 / 25e9
+# The SMs NCCL holds while a collective runs: one CTA a channel, on an SM no compute kernel shares ("NCCL CTAs
+# won't share an SM with compute kernels", an NCCL maintainer, NVIDIA/nccl issue 689), and a node of 8 GPUs
+# over NVSwitch runs 24 channels: A100 ("Channel 00/24", the NCCL log in NVIDIA/nccl issue 578) and H100 (12
+# rings found for 8 GPUs, duplicated to 24 channels, NCCL 2.19's log in NVIDIA/nccl issue 1367).  Across nodes
+# alone NCCL holds fewer (16 SMs for a DGX's 8 NICs, issue 689); the node's 24 are used for every collective.
+_NCCL_CHANNELS = 24
 
 PRESETS: dict[str, Hardware] = {
     h.name: h
@@ -352,12 +371,14 @@ PRESETS: dict[str, Hardware] = {
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
                  flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
-                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
-        # H200 data sheet: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
+                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
+                 sms=132, collective_sms=_NCCL_CHANNELS),  # 132 SMs: NVIDIA's H100 architecture whitepaper, SXM5
+        # H200 data sheet: the H100's compute (its 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
-                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
+                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
+                 sms=132, collective_sms=_NCCL_CHANNELS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
         # NVLink efficiency: the H100's measured share of line rate, assumed for NVLink 3 (no nccl-tests
@@ -366,9 +387,12 @@ PRESETS: dict[str, Hardware] = {
                  dcn_efficiency=_NCCL_HDR,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=_A100_MATMULS, attention_forward=_A100_ATTENTION_FORWARD,
-                 attention_backward=_A100_ATTENTION_BACKWARD),
+                 attention_backward=_A100_ATTENTION_BACKWARD,
+                 sms=108, collective_sms=_NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
-        # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached)
+        # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached).
+        # NCCL's channels on its fewer NVLinks are not cited (nor the B200's below), so neither sets the SMs
+        # a collective holds
         Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
@@ -434,7 +458,8 @@ def _check_file_values(data: dict[str, object], path: str) -> None:
             # beyond any chip; the ratios of such figures (C / W) would overflow a float
             raise ShardcError(f"{path}: {key} = {value!r} is outside 1e-30..1e30",
                               fix=f"write e.g. `{key} = 1e11`")
-    for key, least, example in (("ici_domain", 1, 8), ("torus_side", 2, 16), ("torus_dims", 1, 3)):
+    for key, least, example in (("ici_domain", 1, 8), ("torus_side", 2, 16), ("torus_dims", 1, 3), ("sms", 1, 132),
+                                ("collective_sms", 1, 24)):
         value = data.get(key)
         if value is None:
             continue
@@ -462,7 +487,7 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)
-    for key in ("ici_domain", "torus_side", "torus_dims"):
+    for key in ("ici_domain", "torus_side", "torus_dims", "sms", "collective_sms"):
         if data.get(key) is not None:
             values[key] = int(_positive(data[key], key, source))
     if "book" in data:

@@ -20,7 +20,9 @@ The overlap rule (:func:`phase_seconds`), as the lowered program runs: a
 collective the next op waits for (``Step.ahead`` false: a Megatron AllReduce, a
 sequence-parallel gather) is exposed; those that can be issued ahead (weight
 gathers, gradient reductions) overlap the phase's compute, so a phase takes
-``max(compute + memory, ahead) + critical``; a kernel that sends blocks around a ring while it
+``max(compute + memory, ahead) + critical`` (on a GPU ``compute + memory`` grows by the share of its
+SMs that NCCL holds while the ahead collectives run, :attr:`Hardware.overlap_share`); a kernel that
+sends blocks around a ring while it
 computes (ring attention) adds the part of its transfers its compute does not hide to the critical
 time (:func:`shardc.steptime.ring_time`).  Gradient reductions are bucketed as
 PyTorch DDP and FSDP bucket them (:attr:`Hardware.bucket_bytes`, 25 MiB): a
@@ -254,12 +256,17 @@ def step_count(step: Step, layers: int) -> int:
     return 1 if step.once else layers
 
 
-def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: bool = True) -> float:
+def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: bool = True,
+                  share: float = 0.0) -> float:
     """A phase's time: its compute and memory-bound time ``busy_s``; the collectives issued ahead overlap
-    it and those the next op waits for add to it.  The book's model overlaps every collective (its max)."""
+    it and those the next op waits for add to it.  The book's model overlaps every collective (its max).
+
+    While an overlapped collective runs it holds ``share`` of the chip's cores (NCCL's channels,
+    :attr:`Hardware.overlap_share`), so the compute under it runs at ``1 - share`` of its rate: the phase
+    takes ``busy + share * ahead`` where the compute outlasts the collectives, else ``ahead``."""
     if book:
         return max(busy_s, ahead_s + critical_s)
-    return max(busy_s, ahead_s) + critical_s
+    return max(busy_s + share * ahead_s, ahead_s) + critical_s
 
 
 def bound_of(compute_s: float, comm_s: float) -> str:
@@ -319,6 +326,7 @@ class PhaseTime:
     ahead_s: float = 0.0
     critical_s: float = 0.0
     book: bool = True
+    share: float = 0.0  # the chip's cores an overlapped collective holds (Hardware.overlap_share)
 
     @property
     def busy_s(self) -> float:
@@ -330,7 +338,7 @@ class PhaseTime:
 
     @property
     def seconds(self) -> float:
-        return phase_seconds(self.busy_s, self.ahead_s, self.critical_s, self.book)
+        return phase_seconds(self.busy_s, self.ahead_s, self.critical_s, self.book, self.share)
 
 
 def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> PhaseTime:
@@ -338,7 +346,7 @@ def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> PhaseTime:
     pairs = list(rows)
     ahead, critical = comm_split(pairs, hw)
     return PhaseTime(math.fsum(r.compute_s * n for r, n in pairs), math.fsum(r.memory_s * n for r, n in pairs),
-                     ahead, critical, hw.book)
+                     ahead, critical, hw.book, hw.overlap_share)
 
 
 @dataclass(frozen=True)

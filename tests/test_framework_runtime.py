@@ -1,5 +1,6 @@
 """How the framework runs the program: `fusion none` (one kernel an op) and `grad_reduce after-backward`
-(gradient reductions once the backward is done), as spec lines, flags and hardware-file keys."""
+(gradient reductions once the backward is done), as spec lines, flags and hardware-file keys; and the SMs
+NCCL takes from the compute an overlapped collective runs under."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 import shardc
 from shardc.errors import ShardcError
-from shardc.hardware import chip_for, get_hardware, load_hardware_file
+from shardc.hardware import PRESETS, chip_for, get_hardware, load_hardware_file
+from shardc.timing import phase_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -77,11 +79,12 @@ def test_after_the_backward_the_gradient_reductions_are_exposed() -> None:
     reductions = over.backward.ahead_s
     assert reductions > 0 and over.backward.critical_s == 0
     busy = over.backward.compute_s + over.backward.memory_s
-    assert reductions < busy  # overlapped, they hide under the backward's compute
-    assert over.backward.step_s == pytest.approx(busy)
+    share = over.hardware.overlap_share
+    assert reductions < busy  # overlapped, they hide under the backward's compute (which NCCL's SMs slow)
+    assert over.backward.step_s == pytest.approx(busy + share * reductions)
     assert (after.backward.ahead_s, after.backward.critical_s) == (0, pytest.approx(reductions))
     assert after.backward.step_s == pytest.approx(busy + reductions)
-    assert after.step.exposed_comm_s == pytest.approx(over.step.exposed_comm_s + reductions)
+    assert after.step.exposed_comm_s == pytest.approx(over.step.exposed_comm_s + (1 - share) * reductions)
     book = shardc.cost(shardc.plan(shardc.parse(_with(DP, "grad_reduce after-backward")), model="book"))
     assert book.backward.critical_s == 0  # the book's model overlaps every collective
 
@@ -126,4 +129,36 @@ def test_a_hardware_file_may_name_how_its_framework_runs(tmp_path: Path) -> None
     chip.write_text('flops = 1e15\nici_bandwidth = 1e11\nhbm_bytes = 8e10\ndcn_bandwidth = 1e10\nfusion = "eager"\n',
                     encoding="utf-8")
     with pytest.raises(ShardcError, match="fusion must be one of"):
+        load_hardware_file(str(chip))
+
+
+# --- NCCL's SMs under an overlapped collective -------------------------------------------------------------
+
+def test_an_overlapped_collective_slows_the_compute_by_the_sms_it_holds() -> None:
+    # 10 s of compute under 4 s of collectives holding a quarter of the cores: 1 s more, then 0.5 s critical
+    assert phase_seconds(10.0, 4.0, 0.5, book=False, share=0.25) == pytest.approx(11.5)
+    # compute done within the collectives at 3/4 speed (2 s of work in 8/3 s < 4 s): the collectives set it
+    assert phase_seconds(2.0, 4.0, 0.5, book=False, share=0.25) == pytest.approx(4.5)
+    assert phase_seconds(10.0, 4.0, 0.5, book=False) == pytest.approx(10.5)  # nothing held: the max
+    assert phase_seconds(10.0, 4.0, 0.5, book=True, share=0.25) == pytest.approx(10.0)  # the book's model
+
+
+def test_the_gpus_say_the_sms_nccl_holds_and_tpus_none() -> None:
+    assert get_hardware("h100").overlap_share == pytest.approx(24 / 132)
+    assert get_hardware("a100").overlap_share == pytest.approx(24 / 108)
+    assert get_hardware("h100").configured("book").overlap_share == 0
+    assert all(PRESETS[name].overlap_share == 0 for name in PRESETS if name.startswith("tpu"))
+
+
+def test_a_phase_of_overlapped_gathers_takes_the_compute_they_slow(tmp_path: Path) -> None:
+    report = shardc.cost(shardc.plan(shardc.parse(DP)))
+    for phase in (report.forward, report.backward):
+        busy = phase.compute_s + phase.memory_s
+        assert phase.step_s == pytest.approx(max(busy + 24 / 132 * phase.ahead_s, phase.ahead_s) + phase.critical_s)
+    chip = tmp_path / "chip.toml"
+    base = 'flops = 1e15\nici_bandwidth = 1e11\nhbm_bytes = 8e10\ndcn_bandwidth = 1e10\n'
+    chip.write_text(base + "sms = 100\ncollective_sms = 20\n", encoding="utf-8")
+    assert load_hardware_file(str(chip)).overlap_share == pytest.approx(0.2)
+    chip.write_text(base + "sms = 100.5\n", encoding="utf-8")
+    with pytest.raises(ShardcError, match="sms must be a whole number"):
         load_hardware_file(str(chip))

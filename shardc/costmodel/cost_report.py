@@ -164,7 +164,8 @@ class PhaseCost:
         if self.parts:
             return step_seconds(*(p.step_s for p in self.parts), self.update_s)
         ahead, critical = self._split()
-        return phase_seconds(self.compute_s + self.memory_s, ahead, critical, self.hardware.book)
+        return phase_seconds(self.compute_s + self.memory_s, ahead, critical, self.hardware.book,
+                             self.hardware.overlap_share)
 
     @property
     def exposed_comm_s(self) -> float:
