@@ -36,9 +36,9 @@ from dataclasses import dataclass, fields, replace
 
 from shardc.errors import ShardcError, clip
 from shardc.files import read_text
-from shardc.ir.spec import FUSIONS, GRAD_REDUCES, Mesh, Network, Spec
+from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, Mesh, Network, Spec
 
-__all__ = ["Hardware", "PRESETS", "DEFAULT", "BUCKET_BYTES", "MODELS", "check_model", "get_hardware",
+__all__ = ["Hardware", "PRESETS", "KERNELS", "DEFAULT", "BUCKET_BYTES", "MODELS", "check_model", "get_hardware",
            "load_hardware_file", "resolve_hardware", "chip_for",
            "hardware_from_mapping", "default_spans", "check_spans", "check_hardware_arg"]
 
@@ -89,6 +89,9 @@ class Hardware:
     # spec's line, else XLA's fusion and reductions overlapped
     fusion: str | None = None
     grad_reduce: str | None = None
+    # the fused attention kernel run (the spec's `attention_kernel` line, --attention-kernel): its measured
+    # rates replace attention_forward and attention_backward (:meth:`with_attention`); None: the chip's own
+    attention_kernel: str | None = None
 
     @property
     def overlap_share(self) -> float:
@@ -201,11 +204,22 @@ class Hardware:
             return 0.0
         return nbytes / self.hbm_bandwidth
 
+    def with_attention(self, kernel: str) -> Hardware:
+        """This chip running the fused attention kernel ``kernel`` (:data:`shardc.ir.spec.ATTENTION_KERNELS`)
+        at the rates measured of it on this chip (a preset's table, :data:`KERNELS`)."""
+        known = KERNELS.get(self.name, {})
+        if kernel not in known:
+            raise ShardcError(f"no measured rates of attention kernel {clip(repr(kernel))} on {clip(self.name)}",
+                              fix=("use one of " + ", ".join(known)) if known else
+                              "give attention_forward and attention_backward in a hardware file")
+        forward, backward = known[kernel]
+        return replace(self, attention_kernel=kernel, attention_forward=forward, attention_backward=backward)
+
     def configured(self, model: str | None = None, bucket_mb: float | None = None, fusion: str | None = None,
-                   grad_reduce: str | None = None) -> Hardware:
+                   grad_reduce: str | None = None, attention_kernel: str | None = None) -> Hardware:
         """This chip under a cost model, ``"book"`` (the book's assumptions) or ``"chip"`` (the rates it
         reaches; None keeps the chip's), with gradient buckets of ``bucket_mb`` MiB, the framework's
-        ``fusion`` and ``grad_reduce`` (each None keeps the chip's)."""
+        ``fusion``, ``grad_reduce`` and ``attention_kernel`` (each None keeps the chip's)."""
         check_model(model)
         hw = self if model is None else replace(self, book=model == "book")
         for flag, value, choices in (("--fusion", fusion, FUSIONS), ("--grad-reduce", grad_reduce, GRAD_REDUCES)):
@@ -213,6 +227,11 @@ class Hardware:
                 raise ShardcError(f"{flag} {clip(repr(value))}: unknown", fix="use one of " + ", ".join(choices))
         if fusion is not None or grad_reduce is not None:
             hw = replace(hw, fusion=fusion or hw.fusion, grad_reduce=grad_reduce or hw.grad_reduce)
+        if attention_kernel is not None:
+            if attention_kernel not in ATTENTION_KERNELS:
+                raise ShardcError(f"--attention-kernel {clip(repr(attention_kernel))}: unknown",
+                                  fix="use one of " + ", ".join(ATTENTION_KERNELS))
+            hw = hw.with_attention(attention_kernel)
         if bucket_mb is not None:
             if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float) or not bucket_mb > 0 \
                     or not math.isfinite(bucket_mb):
@@ -304,6 +323,21 @@ _B200_ATTENTION_FORWARD = _kernel(2.25e15, ((8192, 1418.1e12),))
 _B200_ATTENTION_BACKWARD = _kernel(2.25e15, ((8192, 1208.6e12),))
 # TPUs: no published per-chip measurement of the Pallas flash or splash attention kernels is cited, so their
 # attention runs at the matmul rate (no attention points).
+# FlashAttention-2 on the H100 SXM: the same figures of the FlashAttention-3 paper (its FlashAttention-2 bars,
+# head dim 128, causal forward and backward), TFLOP/s by sequence length 512..16k.
+_H100_FLASH2_FORWARD = _kernel(9.89e14, ((512, 191e12), (1024, 260e12), (2048, 298e12), (4096, 319e12),
+                                         (8192, 333e12), (16384, 335e12)))
+_H100_FLASH2_BACKWARD = _kernel(9.89e14, ((512, 214e12), (1024, 260e12), (2048, 291e12), (4096, 310e12),
+                                          (8192, 318e12), (16384, 322e12)))
+_HOPPER_KERNELS = {"flash3": (_H100_ATTENTION_FORWARD, _H100_ATTENTION_BACKWARD),
+                   "flash2": (_H100_FLASH2_FORWARD, _H100_FLASH2_BACKWARD)}
+# The attention kernels a preset has measured rates of, by the `attention_kernel` line's name: (forward,
+# backward) points as attention_forward and attention_backward take them; the first is the preset's own.
+KERNELS: dict[str, dict[str, tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]]] = {
+    "h100": _HOPPER_KERNELS, "h200": _HOPPER_KERNELS, "h800": _HOPPER_KERNELS,
+    "a100": {"flash2": (_A100_ATTENTION_FORWARD, _A100_ATTENTION_BACKWARD)},
+    "b200": {"flash4": (_B200_ATTENTION_FORWARD, _B200_ATTENTION_BACKWARD)},
+}
 
 # NCCL's measured AllReduce bus bandwidth inside an 8xH100 node, SHARP off, is close to 370 GB/s of
 # NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
@@ -497,6 +531,9 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     for key, unit in (("matmul_efficiency", "flops"), ("attention_forward", "keys"), ("attention_backward", "keys")):
         if key in data:
             values[key] = _efficiency_points(data[key], source, key, unit)
+    if "attention_kernel" in data:
+        raise ShardcError(f"{source}: a hardware file gives its attention kernel's rates, not its name",
+                          fix="write attention_forward = [[keys, fraction], ...] and attention_backward alike")
     for key, choices in (("fusion", FUSIONS), ("grad_reduce", GRAD_REDUCES)):
         if key in data:
             if data[key] not in choices:
@@ -546,13 +583,15 @@ def resolve_hardware(hardware: str | Hardware | None, hardware_file: str | None 
 
 def chip_for(spec: Spec, hardware: str | Hardware | None = None, hardware_file: str | None = None) -> Hardware:
     """The chip ``spec`` is planned and costed on (:func:`resolve_hardware`, the spec's ``hardware`` line
-    last), run as the spec's ``fusion`` and ``grad_reduce`` lines say where the chip given sets neither
-    (a flag beats the spec's line)."""
+    last), run as the spec's ``fusion``, ``grad_reduce`` and ``attention_kernel`` lines say where the chip
+    given does not set them (a flag beats the spec's line)."""
     hw = resolve_hardware(hardware, hardware_file, spec.hardware)
     fusion, grad_reduce = hw.fusion or spec.fusion, hw.grad_reduce or spec.grad_reduce
-    if (fusion, grad_reduce) == (hw.fusion, hw.grad_reduce):
-        return hw
-    return replace(hw, fusion=fusion, grad_reduce=grad_reduce)
+    if (fusion, grad_reduce) != (hw.fusion, hw.grad_reduce):
+        hw = replace(hw, fusion=fusion, grad_reduce=grad_reduce)
+    if hw.attention_kernel is None and spec.attention_kernel is not None:
+        hw = hw.with_attention(spec.attention_kernel)
+    return hw
 
 
 def default_spans(mesh: Mesh, hw: Hardware, sizes: dict[str, int] | None = None) -> dict[str, int]:

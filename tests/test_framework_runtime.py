@@ -162,3 +162,50 @@ def test_a_phase_of_overlapped_gathers_takes_the_compute_they_slow(tmp_path: Pat
     chip.write_text(base + "sms = 100.5\n", encoding="utf-8")
     with pytest.raises(ShardcError, match="sms must be a whole number"):
         load_hardware_file(str(chip))
+
+
+# --- the fused attention kernel the framework runs ---------------------------------------------------------
+
+ATTENTION = ("mesh X=8\ndims B=8, S=4096, T=4096, N=16, H=128\nhardware h100\n"
+             "C[B_X, S, N, H] = attention(Q[B_X, S, N, H], K[B_X, T, N, H], V[B_X, T, N, H] over T, causal)\n")
+
+
+def _kernel_row(text: str) -> tuple[float, float]:
+    """(FLOPs, seconds) of the forward's attention kernel."""
+    rows = shardc.cost(shardc.plan(shardc.parse(text))).forward.rows
+    (row,) = [r for r in rows if r.flops and r.text.startswith("attention")]
+    return row.flops, row.compute_s
+
+
+def test_an_attention_kernel_line_runs_that_kernel_at_its_measured_rate() -> None:
+    spec = shardc.parse(_with(ATTENTION, "attention_kernel flash2"))
+    assert spec.attention_kernel == "flash2" and shardc.parse(str(spec)) == spec
+    flops, best = _kernel_row(ATTENTION)
+    same, flash2 = _kernel_row(_with(ATTENTION, "attention_kernel flash2"))
+    # 4096 keys a call: FlashAttention-3's causal forward 579 TFLOP/s, FlashAttention-2's 319 (the FA3 paper)
+    assert same == flops and best == pytest.approx(flops / 579e12) and flash2 == pytest.approx(flops / 319e12)
+    assert _kernel_row(_with(ATTENTION, "attention_kernel flash3"))[1] == pytest.approx(best)
+    with pytest.raises(ShardcError, match="unknown attention_kernel"):
+        shardc.parse(_with(ATTENTION, "attention_kernel triton"))
+
+
+def test_a_kernel_without_measured_rates_on_the_chip_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ShardcError, match="no measured rates of attention kernel 'flash3' on a100"):
+        shardc.plan(shardc.parse(_with(ATTENTION, "attention_kernel flash3")), hardware="a100")
+    assert get_hardware("a100").with_attention("flash2") == get_hardware("a100").configured(attention_kernel="flash2")
+    chip = tmp_path / "chip.toml"
+    chip.write_text('flops = 1e15\nici_bandwidth = 1e11\nhbm_bytes = 8e10\ndcn_bandwidth = 1e10\n'
+                    'attention_kernel = "flash2"\n', encoding="utf-8")
+    with pytest.raises(ShardcError, match="rates, not its name"):
+        load_hardware_file(str(chip))
+
+
+def test_the_attention_kernel_flag_beats_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "attention.shard"
+    path.write_text(_with(ATTENTION, "attention_kernel flash2"), encoding="utf-8")
+    flag = run("cost", str(path), "--json", "--attention-kernel", "flash3")
+    line = run("cost", str(path), "--json")
+    assert flag.returncode == 0, flag.stderr
+    fast, slow = (json.loads(out.stdout) for out in (flag, line))
+    assert (fast["hardware"]["attention_kernel"], slow["hardware"]["attention_kernel"]) == ("flash3", "flash2")
+    assert fast["step"]["step_s"] < slow["step"]["step_s"]

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from shardc import __version__
 from shardc.errors import InternalError, ShardcError, clip
-from shardc.ir.spec import FUSIONS, GRAD_REDUCES
+from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES
 
 __all__ = ["COMMANDS", "build_parser", "full_parser", "main", "check_hardware_flag", "add_topology",
            "add_model_flags", "configure_chip", "add_common"]
@@ -194,9 +194,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="overlapped (default): gradient reductions issued under the backward as buckets fill "
                              "(PyTorch DDP, FSDP); after-backward: once the backward is done, exposed (Megatron-LM's "
                              "own DDP of 2021); over the spec's `grad_reduce` line")
+    parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None,
+                        help="the fused attention kernel run, at the rates measured of it on the chip (flash2: "
+                             "FlashAttention-2, flash3, flash4); default: the chip's best; over the spec's "
+                             "`attention_kernel` line")
 
 
 def configure_chip(hw: Any, args: argparse.Namespace) -> Any:
-    """The chip of ``hw`` under the command's --model, --bucket-mb, --fusion and --grad-reduce."""
+    """The chip of ``hw`` under the command's --model, --bucket-mb, --fusion, --grad-reduce and
+    --attention-kernel."""
     return hw.configured(getattr(args, "model", None), getattr(args, "bucket_mb", None),
-                         getattr(args, "fusion", None), getattr(args, "grad_reduce", None))
+                         getattr(args, "fusion", None), getattr(args, "grad_reduce", None),
+                         getattr(args, "attention_kernel", None))

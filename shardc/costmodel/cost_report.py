@@ -285,6 +285,7 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
             "model": "book" if hw.book else "chip", "bucket_bytes": hw.bucket_bytes,
             "fusion": "xla" if hw.fuses else "none",
             "grad_reduce": "after-backward" if hw.reduces_after_backward else "overlapped",
+            "attention_kernel": hw.attention_kernel,
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
 
 
@@ -450,6 +451,9 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
     if not hw.fuses and not hw.book:
         notes.append("fusion none: each memory-bound step is its own kernel, reading its operands from HBM and "
                      "writing its result (PyTorch eager)")
+    if hw.attention_kernel is not None and not hw.book:
+        notes.append(f"attention_kernel {hw.attention_kernel}: fused attention at the rates measured of it on "
+                     f"{hw.name}")
     if hw.reduces_after_backward:
         notes.append("grad_reduce after-backward: the gradient reductions run once the backward is done, "
                      "exposed (no compute hides them)")

@@ -36,6 +36,7 @@ __all__ = [
     "SCHEDULES",
     "FUSIONS",
     "GRAD_REDUCES",
+    "ATTENTION_KERNELS",
     "Schedule",
     "Zero",
     "parse_topology",
@@ -298,6 +299,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpi
 # DDP, FSDP); `grad_reduce after-backward`: issued once the backward is done, exposed.
 FUSIONS = ("xla", "none")
 GRAD_REDUCES = ("overlapped", "after-backward")
+# The fused attention kernel the framework runs (`attention_kernel flash2`): FlashAttention-2, -3, -4, each
+# at the rates its paper or benchmark measured on the chip (shardc/hardware.py); default: the chip's best.
+ATTENTION_KERNELS = ("flash2", "flash3", "flash4")
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,7 @@ class Spec:
     zero: Zero | None = None  # ZeRO stage and axes (`zero 1 over X`); None: the state is sharded as the params
     fusion: str | None = None  # `fusion none` (FUSIONS); None: the chip's, by default XLA's fusion
     grad_reduce: str | None = None  # `grad_reduce after-backward` (GRAD_REDUCES); None: overlapped
+    attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
     # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in" and
@@ -415,6 +420,8 @@ class Spec:
             lines.append(f"fusion {self.fusion}")
         if self.grad_reduce is not None:
             lines.append(f"grad_reduce {self.grad_reduce}")
+        if self.attention_kernel is not None:
+            lines.append(f"attention_kernel {self.attention_kernel}")
         for k, statement in enumerate(self.statements):
             if self.block is not None and k == self.block[0]:
                 lines.append(f"layers {self.layers} {{")

@@ -23,8 +23,8 @@ Representation decisions (other passes rely on them):
   ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
   Header lines may come anywhere; statements keep their order.
 - A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
-  ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce`` is the keyword, so
-  those thirteen words cannot name a tensor or function there.
+  ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce``/``attention_kernel`` is
+  the keyword, so those fourteen words cannot name a tensor or function there.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from lark.exceptions import UnexpectedInput, VisitError
 
 from shardc.errors import ShardcError, Span, clip
 from shardc.ir.spec import (
+    ATTENTION_KERNELS,
     FUSIONS,
     GRAD_REDUCES,
     SCHEDULES,
@@ -381,6 +382,10 @@ class _Builder(Transformer[Token, Any]):
     def grad_reduce_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("grad_reduce", _choice(children[1], "grad_reduce", GRAD_REDUCES), _span(children[0], children[1]))
 
+    def attention_kernel_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("attention_kernel", _choice(children[1], "attention_kernel", ATTENTION_KERNELS),
+                _span(children[0], children[1]))
+
     def zero_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         stage = children[1]
         if str(stage) not in ("1", "2", "3"):
@@ -518,6 +523,7 @@ def _build_spec(items: list[Any]) -> Spec:
         zero=header.get("zero"),
         fusion=header.get("fusion"),
         grad_reduce=header.get("grad_reduce"),
+        attention_kernel=header.get("attention_kernel"),
         filename=_local.filename,
         header_spans=tuple(spans),
     )
