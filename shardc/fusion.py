@@ -19,6 +19,10 @@ A memory-bound step (every local step but a matmul) moves the bytes its op famil
 * nothing fuses across the edge of a ``layers`` block: the block runs as a loop
   (a pipeline stage's program), the steps before and after it outside it.
 
+Under ``fusion none`` (:attr:`shardc.hardware.Hardware.fuses` false: PyTorch eager, which launches one
+kernel an operator and fuses nothing across them, no matmul epilogue either) none of the first two
+savings applies: each memory-bound step reads its operands from HBM and writes its result.
+
 :mod:`shardc.timing` turns those bytes into seconds at the chip's HBM bandwidth.
 """
 
@@ -64,14 +68,15 @@ def fusible(step: Step | None) -> bool:
 
 
 def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], float],
-                   kept: frozenset[TensorRef]) -> list[float]:
+                   kept: frozenset[TensorRef], fuse: bool = True) -> list[float]:
     """The HBM bytes of each of ``steps`` (one phase, in program order), 0 for collectives; a contracting
     einsum's are its operands read and its result written (its roofline: the time it takes is the larger
     of its FLOPs at the matmul rate and these bytes over HBM, :func:`shardc.steptime.einsum_time`).
 
     A memory-bound step moves what its family's traffic says, less what XLA's fusion saves (the rule is
     the module's): an operand the step just before made (an einsum, a map or a reduction) is not read
-    back, and a result only the next map or reduction reads, and nothing keeps, is not written.
+    back, and a result only the next map or reduction reads, and nothing keeps, is not written; without
+    ``fuse`` (``fusion none``: one kernel an op) neither saving applies.
     """
     readers: dict[TensorRef, int] = {}
     for step in steps:
@@ -94,6 +99,8 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
         # XLA fuses nothing across that boundary
         before = steps[k - 1] if k > 0 and steps[k - 1].once == step.once else None
         after = steps[k + 1] if k + 1 < len(steps) and steps[k + 1].once == step.once else None
+        if not fuse:  # one kernel an op: it reads every operand and writes its result
+            before = after = None
         if fusible(step) and before is not None and (before.op is Op.EINSUM or fusible(before)):
             reads = tuple(0.0 if ref == before.dst else r for ref, r in zip(step.operands, reads, strict=True))
         if (fusible(step) and fusible(after) and after is not None and step.dst in after.operands

@@ -36,10 +36,10 @@ from dataclasses import dataclass, fields, replace
 
 from shardc.errors import ShardcError, clip
 from shardc.files import read_text
-from shardc.ir.spec import Mesh, Network
+from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, Mesh, Network, Spec
 
-__all__ = ["Hardware", "PRESETS", "DEFAULT", "BUCKET_BYTES", "MODELS", "check_model", "get_hardware",
-           "load_hardware_file", "resolve_hardware",
+__all__ = ["Hardware", "PRESETS", "KERNELS", "DEFAULT", "BUCKET_BYTES", "MODELS", "check_model", "get_hardware",
+           "load_hardware_file", "resolve_hardware", "chip_for",
            "hardware_from_mapping", "default_spans", "check_spans", "check_hardware_arg"]
 
 DEFAULT = "tpu-v5p"
@@ -79,9 +79,41 @@ class Hardware:
     bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
     # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
     collective_base: float | None = None
+    sms: int | None = None  # a GPU's streaming multiprocessors
+    # the SMs a NCCL collective holds while it runs: one CTA a channel, each on an SM no compute kernel shares;
+    # None: overlapped collectives take nothing from the compute (:attr:`overlap_share`)
+    collective_sms: int | None = None
     # bytes/s one way between the chip and its host's memory, as pinned copies measure it; None: no figure
     host_bandwidth: float | None = None
     book: bool = False  # the book's assumptions: spans by ceil(log16 n) unless a TPU slice is given, no efficiency
+    # how the framework runs the program on it (the spec's `fusion` and `grad_reduce` lines, or --fusion and
+    # --grad-reduce over them; :data:`shardc.ir.spec.FUSIONS`, :data:`shardc.ir.spec.GRAD_REDUCES`); None: the
+    # spec's line, else XLA's fusion and reductions overlapped
+    fusion: str | None = None
+    grad_reduce: str | None = None
+    # the fused attention kernel run (the spec's `attention_kernel` line, --attention-kernel): its measured
+    # rates replace attention_forward and attention_backward (:meth:`with_attention`); None: the chip's own
+    attention_kernel: str | None = None
+
+    @property
+    def overlap_share(self) -> float:
+        """The share of the chip's cores a collective holds while it runs under compute
+        (``collective_sms / sms``): the compute beside it runs that much slower.  0 where either figure is
+        missing, and under the book's model."""
+        if self.book or not self.sms or not self.collective_sms:
+            return 0.0
+        return min(1.0, self.collective_sms / self.sms)
+
+    @property
+    def fuses(self) -> bool:
+        """Whether memory-bound steps fuse as XLA fuses them (else one kernel an op: ``fusion none``)."""
+        return self.fusion != "none"
+
+    @property
+    def reduces_after_backward(self) -> bool:
+        """Whether gradient reductions wait for the end of the backward (``grad_reduce after-backward``);
+        the book's model overlaps every collective."""
+        return self.grad_reduce == "after-backward" and not self.book
 
     def spans(self, chips: int) -> int:
         """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
@@ -174,11 +206,34 @@ class Hardware:
             return 0.0
         return nbytes / self.hbm_bandwidth
 
-    def configured(self, model: str | None = None, bucket_mb: float | None = None) -> Hardware:
+    def with_attention(self, kernel: str) -> Hardware:
+        """This chip running the fused attention kernel ``kernel`` (:data:`shardc.ir.spec.ATTENTION_KERNELS`)
+        at the rates measured of it on this chip (a preset's table, :data:`KERNELS`)."""
+        known = KERNELS.get(self.name, {})
+        if kernel not in known:
+            raise ShardcError(f"no measured rates of attention kernel {clip(repr(kernel))} on {clip(self.name)}",
+                              fix=("use one of " + ", ".join(known)) if known else
+                              "give attention_forward and attention_backward in a hardware file")
+        forward, backward = known[kernel]
+        return replace(self, attention_kernel=kernel, attention_forward=forward, attention_backward=backward)
+
+    def configured(self, model: str | None = None, bucket_mb: float | None = None, fusion: str | None = None,
+                   grad_reduce: str | None = None, attention_kernel: str | None = None) -> Hardware:
         """This chip under a cost model, ``"book"`` (the book's assumptions) or ``"chip"`` (the rates it
-        reaches; None keeps the chip's), with gradient buckets of ``bucket_mb`` MiB (None keeps them)."""
+        reaches; None keeps the chip's), with gradient buckets of ``bucket_mb`` MiB, the framework's
+        ``fusion``, ``grad_reduce`` and ``attention_kernel`` (each None keeps the chip's)."""
         check_model(model)
         hw = self if model is None else replace(self, book=model == "book")
+        for flag, value, choices in (("--fusion", fusion, FUSIONS), ("--grad-reduce", grad_reduce, GRAD_REDUCES)):
+            if value is not None and value not in choices:
+                raise ShardcError(f"{flag} {clip(repr(value))}: unknown", fix="use one of " + ", ".join(choices))
+        if fusion is not None or grad_reduce is not None:
+            hw = replace(hw, fusion=fusion or hw.fusion, grad_reduce=grad_reduce or hw.grad_reduce)
+        if attention_kernel is not None:
+            if attention_kernel not in ATTENTION_KERNELS:
+                raise ShardcError(f"--attention-kernel {clip(repr(attention_kernel))}: unknown",
+                                  fix="use one of " + ", ".join(ATTENTION_KERNELS))
+            hw = hw.with_attention(attention_kernel)
         if bucket_mb is not None:
             if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float) or not bucket_mb > 0 \
                     or not math.isfinite(bucket_mb):
@@ -270,6 +325,21 @@ _B200_ATTENTION_FORWARD = _kernel(2.25e15, ((8192, 1418.1e12),))
 _B200_ATTENTION_BACKWARD = _kernel(2.25e15, ((8192, 1208.6e12),))
 # TPUs: no published per-chip measurement of the Pallas flash or splash attention kernels is cited, so their
 # attention runs at the matmul rate (no attention points).
+# FlashAttention-2 on the H100 SXM: the same figures of the FlashAttention-3 paper (its FlashAttention-2 bars,
+# head dim 128, causal forward and backward), TFLOP/s by sequence length 512..16k.
+_H100_FLASH2_FORWARD = _kernel(9.89e14, ((512, 191e12), (1024, 260e12), (2048, 298e12), (4096, 319e12),
+                                         (8192, 333e12), (16384, 335e12)))
+_H100_FLASH2_BACKWARD = _kernel(9.89e14, ((512, 214e12), (1024, 260e12), (2048, 291e12), (4096, 310e12),
+                                          (8192, 318e12), (16384, 322e12)))
+_HOPPER_KERNELS = {"flash3": (_H100_ATTENTION_FORWARD, _H100_ATTENTION_BACKWARD),
+                   "flash2": (_H100_FLASH2_FORWARD, _H100_FLASH2_BACKWARD)}
+# The attention kernels a preset has measured rates of, by the `attention_kernel` line's name: (forward,
+# backward) points as attention_forward and attention_backward take them; the first is the preset's own.
+KERNELS: dict[str, dict[str, tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]]] = {
+    "h100": _HOPPER_KERNELS, "h200": _HOPPER_KERNELS, "h800": _HOPPER_KERNELS,
+    "a100": {"flash2": (_A100_ATTENTION_FORWARD, _A100_ATTENTION_BACKWARD)},
+    "b200": {"flash4": (_B200_ATTENTION_FORWARD, _B200_ATTENTION_BACKWARD)},
+}
 
 # NCCL's measured AllReduce bus bandwidth inside an 8xH100 node, SHARP off, is close to 370 GB/s of
 # NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
@@ -304,6 +374,12 @@ _NCCL_NDR = 47e9 / 50e9
 # maintainer, NVIDIA/nccl issue 412; a DGX A100's 8 HDR NICs measure 192 GB/s AllReduce bus bandwidth,
 # NVIDIA/nccl issue 812), 24 of 25 GB/s
 _NCCL_HDR = 24e9 / 25e9
+# The SMs NCCL holds while a collective runs: one CTA a channel, on an SM no compute kernel shares ("NCCL CTAs
+# won't share an SM with compute kernels", an NCCL maintainer, NVIDIA/nccl issue 689), and a node of 8 GPUs
+# over NVSwitch runs 24 channels: A100 ("Channel 00/24", the NCCL log in NVIDIA/nccl issue 578) and H100 (12
+# rings found for 8 GPUs, duplicated to 24 channels, NCCL 2.19's log in NVIDIA/nccl issue 1367).  Across nodes
+# alone NCCL holds fewer (16 SMs for a DGX's 8 NICs, issue 689); the node's 24 are used for every collective.
+_NCCL_CHANNELS = 24
 
 # The host link (PCIe Gen5 x16 on H100, H200 and H800 SXM; Gen4 x16 on A100 SXM), one way, as NVIDIA's
 # nvbandwidth measures pinned copies by the copy engines: 57 GB/s host to device on H100 (NVIDIA/nvbandwidth
@@ -338,12 +414,14 @@ PRESETS: dict[str, Hardware] = {
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
                  flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
-                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
-        # H200 data sheet: the H100's compute with 141 GB of HBM3e at 4.8 TB/s
+                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
+                 sms=132, collective_sms=_NCCL_CHANNELS),  # 132 SMs: NVIDIA's H100 architecture whitepaper, SXM5
+        # H200 data sheet: the H100's compute (its 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
-                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
+                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
+                 sms=132, collective_sms=_NCCL_CHANNELS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
         # NVLink efficiency: the H100's measured share of line rate, assumed for NVLink 3 (no nccl-tests
@@ -352,9 +430,12 @@ PRESETS: dict[str, Hardware] = {
                  dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=_A100_MATMULS, attention_forward=_A100_ATTENTION_FORWARD,
-                 attention_backward=_A100_ATTENTION_BACKWARD),
+                 attention_backward=_A100_ATTENTION_BACKWARD,
+                 sms=108, collective_sms=_NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
-        # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached)
+        # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached).
+        # NCCL's channels on its fewer NVLinks are not cited (nor the B200's below), so neither sets the SMs
+        # a collective holds
         Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
@@ -420,7 +501,8 @@ def _check_file_values(data: dict[str, object], path: str) -> None:
             # beyond any chip; the ratios of such figures (C / W) would overflow a float
             raise ShardcError(f"{path}: {key} = {value!r} is outside 1e-30..1e30",
                               fix=f"write e.g. `{key} = 1e11`")
-    for key, least, example in (("ici_domain", 1, 8), ("torus_side", 2, 16), ("torus_dims", 1, 3)):
+    for key, least, example in (("ici_domain", 1, 8), ("torus_side", 2, 16), ("torus_dims", 1, 3), ("sms", 1, 132),
+                                ("collective_sms", 1, 24)):
         value = data.get(key)
         if value is None:
             continue
@@ -449,7 +531,7 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)
-    for key in ("ici_domain", "torus_side", "torus_dims"):
+    for key in ("ici_domain", "torus_side", "torus_dims", "sms", "collective_sms"):
         if data.get(key) is not None:
             values[key] = int(_positive(data[key], key, source))
     if "book" in data:
@@ -459,6 +541,15 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     for key, unit in (("matmul_efficiency", "flops"), ("attention_forward", "keys"), ("attention_backward", "keys")):
         if key in data:
             values[key] = _efficiency_points(data[key], source, key, unit)
+    if "attention_kernel" in data:
+        raise ShardcError(f"{source}: a hardware file gives its attention kernel's rates, not its name",
+                          fix="write attention_forward = [[keys, fraction], ...] and attention_backward alike")
+    for key, choices in (("fusion", FUSIONS), ("grad_reduce", GRAD_REDUCES)):
+        if key in data:
+            if data[key] not in choices:
+                raise ShardcError(f"{source}: {key} must be one of {', '.join(choices)}, got {clip(repr(data[key]))}",
+                                  fix=f'write e.g. `{key} = "{choices[0]}"`')
+            values[key] = data[key]
     return Hardware(**values)  # type: ignore[arg-type]
 
 
@@ -498,6 +589,19 @@ def resolve_hardware(hardware: str | Hardware | None, hardware_file: str | None 
     if isinstance(hardware, Hardware):
         return hardware
     return get_hardware(hardware or spec_hardware or DEFAULT)
+
+
+def chip_for(spec: Spec, hardware: str | Hardware | None = None, hardware_file: str | None = None) -> Hardware:
+    """The chip ``spec`` is planned and costed on (:func:`resolve_hardware`, the spec's ``hardware`` line
+    last), run as the spec's ``fusion``, ``grad_reduce`` and ``attention_kernel`` lines say where the chip
+    given does not set them (a flag beats the spec's line)."""
+    hw = resolve_hardware(hardware, hardware_file, spec.hardware)
+    fusion, grad_reduce = hw.fusion or spec.fusion, hw.grad_reduce or spec.grad_reduce
+    if (fusion, grad_reduce) != (hw.fusion, hw.grad_reduce):
+        hw = replace(hw, fusion=fusion, grad_reduce=grad_reduce)
+    if hw.attention_kernel is None and spec.attention_kernel is not None:
+        hw = hw.with_attention(spec.attention_kernel)
+    return hw
 
 
 def default_spans(mesh: Mesh, hw: Hardware, sizes: dict[str, int] | None = None) -> dict[str, int]:

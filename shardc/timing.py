@@ -22,11 +22,14 @@ The overlap rule (:func:`phase_seconds`), as the lowered program runs: a
 collective the next op waits for (``Step.ahead`` false: a Megatron AllReduce, a
 sequence-parallel gather) is exposed; those that can be issued ahead (weight
 gathers, gradient reductions) overlap the phase's compute, so a phase takes
-``max(compute + memory, ahead) + critical``; a kernel that sends blocks around a ring while it
+``max(compute + memory, ahead) + critical`` (on a GPU ``compute + memory`` grows by the share of its
+SMs that NCCL holds while the ahead collectives run, :attr:`Hardware.overlap_share`); a kernel that
+sends blocks around a ring while it
 computes (ring attention) adds the part of its transfers its compute does not hide to the critical
 time (:func:`shardc.steptime.ring_time`).  Gradient reductions are bucketed as
 PyTorch DDP and FSDP bucket them (:attr:`Hardware.bucket_bytes`, 25 MiB): a
-reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`).
+reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`);
+under ``grad_reduce after-backward`` they run after the backward's compute, exposed.
 The backward needs the forward's results, so the training step takes ``forward +
 backward``, plus the optimizer phase of ZeRO-1/2 (``Plan.optimizer``: its
 reduce-scatters and all-gathers, after the backward), plus the update.  The
@@ -54,7 +57,7 @@ from shardc.collectives import FACTOR, Layout, Op, collective_time, piece, share
 from shardc.collectives import einsum_flops as flops_of  # this module's einsum_flops takes a Step
 from shardc.errors import ShardcError
 from shardc.fusion import is_product, kept_values, memory_traffic
-from shardc.hardware import Hardware, resolve_hardware
+from shardc.hardware import Hardware, chip_for
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step, unfused
 from shardc.ir.spec import DType, Mesh, TensorRef
@@ -310,12 +313,17 @@ def step_count(step: Step, layers: int) -> int:
     return 1 if step.once else layers
 
 
-def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: bool = True) -> float:
+def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: bool = True,
+                  share: float = 0.0) -> float:
     """A phase's time: its compute and memory-bound time ``busy_s``; the collectives issued ahead overlap
-    it and those the next op waits for add to it.  The book's model overlaps every collective (its max)."""
+    it and those the next op waits for add to it.  The book's model overlaps every collective (its max).
+
+    While an overlapped collective runs it holds ``share`` of the chip's cores (NCCL's channels,
+    :attr:`Hardware.overlap_share`), so the compute under it runs at ``1 - share`` of its rate: the phase
+    takes ``busy + share * ahead`` where the compute outlasts the collectives, else ``ahead``."""
     if book:
         return max(busy_s, ahead_s + critical_s)
-    return max(busy_s, ahead_s) + critical_s
+    return max(busy_s + share * ahead_s, ahead_s) + critical_s
 
 
 def bound_of(compute_s: float, comm_s: float) -> str:
@@ -339,7 +347,9 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
     each paying the collective's latency once, so a group takes max(its bandwidth terms, buckets x
     latency), or their sum where the latency adds to the transfer (NCCL's model on GPUs,
     :attr:`StepCost.serial`).  Every other collective takes its own time each time.  The book's model
-    has no buckets.
+    has no buckets.  Where the framework reduces gradients once the backward is done
+    (:attr:`Hardware.reduces_after_backward`: Megatron-LM's own DDP of 2021), the buckets are critical:
+    nothing runs under them.
     """
     ahead: list[float] = []
     critical: list[float] = []
@@ -359,7 +369,8 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
         latency = max(r.latency_s for r, _ in members)
         bandwidth = math.fsum(r.bandwidth_s * n for r, n in members)
         serial = any(r.serial for r, _ in members)
-        ahead.append(bandwidth + buckets * latency if serial else max(bandwidth, buckets * latency))
+        seconds = bandwidth + buckets * latency if serial else max(bandwidth, buckets * latency)
+        (critical if hw.reduces_after_backward else ahead).append(seconds)
     return math.fsum(ahead), math.fsum(critical)
 
 
@@ -372,6 +383,7 @@ class PhaseTime:
     ahead_s: float = 0.0
     critical_s: float = 0.0
     book: bool = True
+    share: float = 0.0  # the chip's cores an overlapped collective holds (Hardware.overlap_share)
 
     @property
     def busy_s(self) -> float:
@@ -383,7 +395,7 @@ class PhaseTime:
 
     @property
     def seconds(self) -> float:
-        return phase_seconds(self.busy_s, self.ahead_s, self.critical_s, self.book)
+        return phase_seconds(self.busy_s, self.ahead_s, self.critical_s, self.book, self.share)
 
 
 def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> PhaseTime:
@@ -391,7 +403,7 @@ def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> PhaseTime:
     pairs = list(rows)
     ahead, critical = comm_split(pairs, hw)
     return PhaseTime(math.fsum(r.compute_s * n for r, n in pairs), math.fsum(r.memory_s * n for r, n in pairs),
-                     ahead, critical, hw.book)
+                     ahead, critical, hw.book, hw.overlap_share)
 
 
 @dataclass(frozen=True)
@@ -452,10 +464,11 @@ def plan_sizes(plan: Plan) -> dict[str, int]:
 
 
 def plan_chip(plan: Plan, hardware: str | Hardware | None = None, hardware_file: str | None = None) -> Hardware:
-    """The chip to cost ``plan`` on: a file or chip given here, else the one it was planned for (``Plan.chip``)."""
+    """The chip to cost ``plan`` on: a file or chip given here (run as the spec's ``fusion`` and
+    ``grad_reduce`` lines say, where it sets neither), else the one it was planned for (``Plan.chip``)."""
     if hardware is None and hardware_file is None:
         return plan.chip
-    return resolve_hardware(hardware, hardware_file)
+    return chip_for(plan.spec, hardware, hardware_file)
 
 
 def plan_links(plan: Plan, hw: Hardware, sizes: Mapping[str, int],
@@ -495,7 +508,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
         return hit
 
     def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
-        moved = memory_traffic(steps, nbytes, kept) if not hw.book else [0.0] * len(steps)
+        moved = memory_traffic(steps, nbytes, kept, hw.fuses) if not hw.book else [0.0] * len(steps)
         return phase_time(((row(s, b, shared), step_count(s, layers) * times)
                            for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)), hw)
 
@@ -526,7 +539,7 @@ def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tu
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,
                spans: Layout, again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
     """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
-    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan)) if not hw.book else \
+    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses) if not hw.book else \
         [0.0] * len(steps)
     dtype = plan_dtype(plan)
     rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared)

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from shardc import __version__
 from shardc.errors import InternalError, ShardcError, clip
+from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES
 
 __all__ = ["COMMANDS", "build_parser", "full_parser", "main", "check_hardware_flag", "add_topology",
            "add_model_flags", "configure_chip", "add_common"]
@@ -185,8 +186,23 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=None, metavar="MIB",
                         help="gradient reductions are issued in buckets of this many MiB, one latency a bucket "
                              "(default 25, PyTorch DDP's)")
+    parser.add_argument("--fusion", choices=FUSIONS, default=None,
+                        help="xla (default): elementwise chains and matmul epilogues fused as XLA fuses them; "
+                             "none: one kernel an op, each reading its operands from HBM and writing its result "
+                             "(PyTorch eager); over the spec's `fusion` line")
+    parser.add_argument("--grad-reduce", choices=GRAD_REDUCES, default=None,
+                        help="overlapped (default): gradient reductions issued under the backward as buckets fill "
+                             "(PyTorch DDP, FSDP); after-backward: once the backward is done, exposed (Megatron-LM's "
+                             "own DDP of 2021); over the spec's `grad_reduce` line")
+    parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None,
+                        help="the fused attention kernel run, at the rates measured of it on the chip (flash2: "
+                             "FlashAttention-2, flash3, flash4); default: the chip's best; over the spec's "
+                             "`attention_kernel` line")
 
 
 def configure_chip(hw: Any, args: argparse.Namespace) -> Any:
-    """The chip of ``hw`` under the command's --model and --bucket-mb."""
-    return hw.configured(getattr(args, "model", None), getattr(args, "bucket_mb", None))
+    """The chip of ``hw`` under the command's --model, --bucket-mb, --fusion, --grad-reduce and
+    --attention-kernel."""
+    return hw.configured(getattr(args, "model", None), getattr(args, "bucket_mb", None),
+                         getattr(args, "fusion", None), getattr(args, "grad_reduce", None),
+                         getattr(args, "attention_kernel", None))

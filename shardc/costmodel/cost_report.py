@@ -167,7 +167,8 @@ class PhaseCost:
         if self.parts:
             return step_seconds(*(p.step_s for p in self.parts), self.update_s, self.offload_s)
         ahead, critical = self._split()
-        return phase_seconds(self.compute_s + self.memory_s, ahead, critical, self.hardware.book)
+        return phase_seconds(self.compute_s + self.memory_s, ahead, critical, self.hardware.book,
+                             self.hardware.overlap_share)
 
     @property
     def exposed_comm_s(self) -> float:
@@ -288,6 +289,9 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
             "hop_latency": hw.hop_latency, "flops_f8": hw.flops_f8,
             "hbm_bandwidth": hw.hbm_bandwidth if math.isfinite(hw.hbm_bandwidth) else None,
             "model": "book" if hw.book else "chip", "bucket_bytes": hw.bucket_bytes,
+            "fusion": "xla" if hw.fuses else "none",
+            "grad_reduce": "after-backward" if hw.reduces_after_backward else "overlapped",
+            "attention_kernel": hw.attention_kernel,
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
 
 
@@ -458,6 +462,15 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
         notes.append(f"the plan was chosen for {plan.hardware}, costed here on {hw.name}: "
                      f"`shardc plan --hardware {hw.name}` may find a faster one")
     notes.append(latency_note(hw, links))
+    if not hw.fuses and not hw.book:
+        notes.append("fusion none: each memory-bound step is its own kernel, reading its operands from HBM and "
+                     "writing its result (PyTorch eager)")
+    if hw.attention_kernel is not None and not hw.book:
+        notes.append(f"attention_kernel {hw.attention_kernel}: fused attention at the rates measured of it on "
+                     f"{hw.name}")
+    if hw.reduces_after_backward:
+        notes.append("grad_reduce after-backward: the gradient reductions run once the backward is done, "
+                     "exposed (no compute hides them)")
     ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
     group = math.prod(sizes[a] for a in ici)
     nodes = any(isinstance(k, AxisLinks) and k.nodes for k in links.values())

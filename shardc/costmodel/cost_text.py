@@ -73,7 +73,8 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
     lines = [
         f"  compute {fmt_seconds(p.compute_s)}{per}: {fmt_flops(p.compute_flops)} a device = {text(f.flops)}",
         f"  memory  {fmt_seconds(p.memory_s)}: {fmt_bytes(p.memory_bytes)} of HBM traffic a device "
-        f"(memory-bound steps, fused as XLA fuses){update}",
+        f"(memory-bound steps, {'fused as XLA fuses' if p.hardware.fuses else 'one kernel an op: fusion none'})"
+        f"{update}",
         f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {text(f.comm_bytes)}"
         f"  [critical {fmt_seconds(p.critical_s)}, ahead {fmt_seconds(p.ahead_s)}]",
         f"  time    = {f.compute_s_text()} vs {f.comm_s_text()}",

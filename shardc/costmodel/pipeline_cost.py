@@ -272,7 +272,8 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
     copies_s = _copies_exchange(plan, pipe, micro, sizes, hw, spans, optimizer)
-    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s, copies_s)
+    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s, copies_s,
+                                           hw.reduces_after_backward)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
     found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0].seconds, p2p_s,
@@ -309,10 +310,12 @@ def _copies_exchange(plan: Plan, pipe: Pipeline, micro: dict[str, int], sizes: d
 
 
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing,
-                     timing: Timing, tied_s: float = 0.0, copies_s: float = 0.0) -> tuple[float, float]:
+                     timing: Timing, tied_s: float = 0.0, copies_s: float = 0.0,
+                     after_backward: bool = False) -> tuple[float, float]:
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
-    hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows.
+    hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows;
+    ``after_backward`` (``grad_reduce after-backward``): issued after it, all exposed.
     ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
     ``copies_s``: DualPipe's swap of the two copies' gradients, on every device."""
     layer, slowest, final = parts["layer reduce"][0].seconds, max(pipe.stage_layers), len(pipe.stage_layers) - 1
@@ -324,7 +327,7 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timin
         own = (layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends)
                + copies_s)
         backward = (timing.backward + timing.weight) * layers / slowest + sum(t.backward + t.weight for _, t in ends)
-        worst, exposed = max(worst, own), max(exposed, own - backward)
+        worst, exposed = max(worst, own), max(exposed, own - (0.0 if after_backward else backward))
     return worst, max(0.0, exposed)
 
 

@@ -34,6 +34,9 @@ __all__ = [
     "Spec",
     "format_axes",
     "SCHEDULES",
+    "FUSIONS",
+    "GRAD_REDUCES",
+    "ATTENTION_KERNELS",
     "Schedule",
     "Zero",
     "parse_topology",
@@ -289,6 +292,17 @@ Expr = TensorRef | Contract | Call | Add
 # Pipeline schedules, as the `schedule` line names them (the pipeline package simulates each).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpipev")
 
+# How the framework runs the program, as the `fusion` and `grad_reduce` lines name it (the first is the
+# default).  `fusion xla`: elementwise chains and epilogues fused as XLA fuses them; `fusion none`: one
+# kernel an op, each reading its operands from HBM and writing its result (PyTorch eager).
+# `grad_reduce overlapped`: gradient reductions issued under the backward as each bucket fills (PyTorch
+# DDP, FSDP); `grad_reduce after-backward`: issued once the backward is done, exposed.
+FUSIONS = ("xla", "none")
+GRAD_REDUCES = ("overlapped", "after-backward")
+# The fused attention kernel the framework runs (`attention_kernel flash2`): FlashAttention-2, -3, -4, each
+# at the rates its paper or benchmark measured on the chip (shardc/hardware.py); default: the chip's best.
+ATTENTION_KERNELS = ("flash2", "flash3", "flash4")
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -354,6 +368,9 @@ class Spec:
     stage_layers: tuple[int, ...] | None = None  # the layers each stage holds; None: the even split
     schedule: Schedule | None = None  # None: the default, 1f1b
     zero: Zero | None = None  # ZeRO stage and axes (`zero 1 over X`); None: the state is sharded as the params
+    fusion: str | None = None  # `fusion none` (FUSIONS); None: the chip's, by default XLA's fusion
+    grad_reduce: str | None = None  # `grad_reduce after-backward` (GRAD_REDUCES); None: overlapped
+    attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
     # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in" and
@@ -399,6 +416,12 @@ class Spec:
             lines.append(f"schedule {self.schedule}")
         if self.zero is not None:
             lines.append(str(self.zero))
+        if self.fusion is not None:
+            lines.append(f"fusion {self.fusion}")
+        if self.grad_reduce is not None:
+            lines.append(f"grad_reduce {self.grad_reduce}")
+        if self.attention_kernel is not None:
+            lines.append(f"attention_kernel {self.attention_kernel}")
         for k, statement in enumerate(self.statements):
             if self.block is not None and k == self.block[0]:
                 lines.append(f"layers {self.layers} {{")

@@ -18,7 +18,7 @@ from dataclasses import replace
 from shardc.arguments import check_gradients
 from shardc.collectives import share
 from shardc.errors import ShardcError, clip
-from shardc.hardware import Hardware, check_spans, resolve_hardware
+from shardc.hardware import Hardware, check_spans, chip_for
 from shardc.ir.plan import Plan, Sections, Step, TensorInfo
 from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.ops.registry import Node
@@ -136,7 +136,7 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
         if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
             raise ShardcError(f"topology {topology!r}: expects whole sizes of 1 or more", fix="write e.g. 4x4x4")
         spec = replace(spec, topology=shape)
-    hw = resolve_hardware(hardware, None, spec.hardware)
+    hw = chip_for(spec, hardware)
     if spec.topology is not None and not (hw.book and hw.ici_domain is not None):
         span = spec.span_of("topology") if topology is None else None
         check_topology(spec.topology, spec.mesh, {}, hw, span)
@@ -149,7 +149,7 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
                         weights: Weights = SUM) -> Plan:
     """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them; ``outer``: the
     pipelined spec whose stage ``spec`` is (its candidates are timed as that pipeline runs them)."""
-    hw = resolve_hardware(hardware, None, spec.hardware)
+    hw = chip_for(spec, hardware)
     check_spans(spec.mesh, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
     if zero_notes:
@@ -258,7 +258,7 @@ def plan_candidate(spec: Spec, strategy: str, weights: Weights = SUM,
     validate(spec)
     stripped = strip_unit_axes(spec)
     graph = build_graph(stripped)
-    ctx = _context(spec, graph, resolve_hardware(hardware, None, spec.hardware), None, bonded_axes(stripped))
+    ctx = _context(spec, graph, chip_for(spec, hardware), None, bonded_axes(stripped))
     return _plan(spec, graph, "default", strategy, ctx, weights)
 
 

@@ -23,8 +23,8 @@ Representation decisions (other passes rely on them):
   ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
   Header lines may come anywhere; statements keep their order.
 - A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
-  ``microbatches``/``stage_layers``/``schedule``/``zero`` is the keyword, so those eleven words cannot
-  name a tensor or function there.
+  ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce``/``attention_kernel`` is
+  the keyword, so those fourteen words cannot name a tensor or function there.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ from lark.exceptions import UnexpectedInput, VisitError
 
 from shardc.errors import ShardcError, Span, clip
 from shardc.ir.spec import (
+    ATTENTION_KERNELS,
+    FUSIONS,
+    GRAD_REDUCES,
     SCHEDULES,
     Add,
     Call,
@@ -373,6 +376,16 @@ class _Builder(Transformer[Token, Any]):
     def schedule_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("schedule", _schedule(children), _span(children[0], children[-1]))
 
+    def fusion_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("fusion", _choice(children[1], "fusion", FUSIONS), _span(children[0], children[1]))
+
+    def grad_reduce_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("grad_reduce", _choice(children[1], "grad_reduce", GRAD_REDUCES), _span(children[0], children[1]))
+
+    def attention_kernel_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("attention_kernel", _choice(children[1], "attention_kernel", ATTENTION_KERNELS),
+                _span(children[0], children[1]))
+
     def zero_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         stage = children[1]
         if str(stage) not in ("1", "2", "3"):
@@ -421,6 +434,15 @@ def _sort_args(func: str, args: list[Any]) -> tuple[list[Expr], list[str], list[
     exprs = [a for a in args if rank.get(type(a), 0) == 0]
     return exprs, [a.name for a in args if isinstance(a, _IndexArg)], [a.value for a in args
                                                                        if isinstance(a, _NumberArg)]
+
+
+def _choice(token: Token, keyword: str, known: tuple[str, ...]) -> str:
+    """The word of a ``KEYWORD WORD`` line, one of ``known``."""
+    word = str(token)
+    if word not in known:
+        raise ShardcError(f"unknown {keyword} `{clip(word)}`", _span(token),
+                          fix="use one of " + ", ".join(f"`{keyword} {k}`" for k in known))
+    return word
 
 
 def _schedule(children: list[Token]) -> Schedule:
@@ -499,6 +521,9 @@ def _build_spec(items: list[Any]) -> Spec:
         stage_layers=header.get("stage_layers"),
         schedule=header.get("schedule"),
         zero=header.get("zero"),
+        fusion=header.get("fusion"),
+        grad_reduce=header.get("grad_reduce"),
+        attention_kernel=header.get("attention_kernel"),
         filename=_local.filename,
         header_spans=tuple(spans),
     )
