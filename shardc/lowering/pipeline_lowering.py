@@ -8,10 +8,11 @@ most one forward and one backward a tick) and a :class:`~shardc.lowering.pipelin
 that runs any table the same way, with the block's plan as each layer
 (:mod:`shardc.lowering.pipeline_runtime`).  A ``layers L { ... }`` block with
 statements around it adds their two plans as the block's ends (before it on stage
-0, after it on the last stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe and 1F1B
-lower with their own tables; the other schedules (interleaved, zb-h1, zbv, dualpipe) are costed
-and drawn, and lower with GPipe's (every schedule computes the same values), which
-``shardc lower`` and ``verify`` say (:func:`schedule_note`).
+0, after it on the last stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe, 1F1B,
+interleaved and ZB-H1 lower with their own tables (ZB-H1's three: F, B and W, the block's
+backward cut in two, :mod:`shardc.lowering.pipeline_split`); the other schedules (zbv,
+dualpipe, dualpipev) are costed and drawn, and lower with GPipe's (every schedule computes
+the same values), which ``shardc lower`` and ``verify`` say (:func:`schedule_note`).
 
 The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
 with one collective-permute down and one up in its body, each moving one
@@ -33,15 +34,17 @@ from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
 from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_source, pipeline_lines
 from shardc.lowering.pipeline_grads import reduce_source, split_reductions
+from shardc.lowering.pipeline_split import split_source
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, simulate
 from shardc.spec.stages import Pipeline, pipeline_of, splits, stage_spec
 
-__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "LOWERED_SCHEDULES",
-           "schedule_note"]
+__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "weight_ticks",
+           "LOWERED_SCHEDULES", "SPLIT_SCHEDULES", "schedule_note"]
 
-LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the others lower with GPipe's table
+LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the others lower with GPipe's table
+SPLIT_SCHEDULES = ("zb-h1",)  # lowered with each backward in two: B and W at ticks of their own
 
 
 def schedule_note(schedule: str) -> str | None:
@@ -53,7 +56,7 @@ def schedule_note(schedule: str) -> str | None:
         return None
     return (f"schedule {schedule} lowers as GPipe: the program runs GPipe's tick table (the same values and "
             f"collectives, GPipe's order and in-flight activations); `shardc cost` costs and draws {schedule}'s "
-            "own order. Only gpipe, 1f1b and interleaved lower as themselves")
+            "own order. Only gpipe, 1f1b, interleaved and zb-h1 lower as themselves")
 
 
 @dataclass
@@ -85,14 +88,29 @@ def tick_tables(schedule: str, stages: int, microbatches: int,
     schedule's simulated order with unit times a chunk (GPipe's for a schedule not lowered): the
     microbatch j of the device's chunk c as c x microbatches + j (c is 0 but under interleaved,
     whose ``virtual`` chunks a device hold virtual stages c x stages + stage)."""
+    tables = _tables(schedule, stages, microbatches, virtual)
+    return tables["F"], tables["B"]
+
+
+def weight_ticks(schedule: str, stages: int, microbatches: int) -> list[list[int]] | None:
+    """What each stage runs of the weights' gradient (W) at each tick, or -1, under a schedule that
+    lowers its backward in two (ZB-H1: its B table then runs the input's gradient only); None under
+    the others, whose backward runs whole at its B tick."""
+    return _tables(schedule, stages, microbatches)["W"] if schedule in SPLIT_SCHEDULES else None
+
+
+def _tables(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[str, list[list[int]]]:
+    """The F, B and W tick tables of the simulation with unit times an op (a chunk's, a tick)."""
     name = schedule if schedule in LOWERED_SCHEDULES else "gpipe"
     chunks = virtual if name == "interleaved" else 1
-    sim = simulate(name, stages, microbatches, Timing(float(chunks), float(chunks)), virtual=chunks)
+    unit = float(chunks)
+    timing = Timing(unit, unit, unit) if name in SPLIT_SCHEDULES else Timing(unit, unit)
+    sim = simulate(name, stages, microbatches, timing, virtual=chunks)
     ticks = int(round(sim.makespan))
-    tables = {k: [[-1] * stages for _ in range(ticks)] for k in "FB"}
+    tables = {k: [[-1] * stages for _ in range(ticks)] for k in "FBW"}
     for op in sim.ops:
         tables[op.kind][int(round(op.start))][op.device] = op.chunk // stages * microbatches + op.microbatch
-    return tables["F"], tables["B"]
+    return tables
 
 
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
@@ -118,6 +136,10 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     reduce, more = reduce_source(split, stage_mesh, micro, "", reserved)
     module = replace(module, variables=module.variables | more)
     head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n" + reduce
+    w_table = weight_ticks(pipe.schedule.name, stages, microbatches)
+    if w_table is not None:  # B and W apart: the block's backward cut in two
+        head += split_source(split.each.backward, module.backward, module.grads[first.name],
+                             frozenset(module.cotangents))
     params = [i.name for i in plan.tensors if i.role == "param"]
     f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches, chunks)
     text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
@@ -133,6 +155,8 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                        ("MICROBATCH", (dim, microbatches),
                         "keep_mask: a microbatch draws its slice of the whole batch's mask")))
     text += f"F_TABLE = {_table(f_table)}\nB_TABLE = {_table(b_table)}\n"
+    text += "W_TABLE = " + ("None  # each backward whole, at its B tick\n" if w_table is None else
+                            f"{_table(w_table)}  # the weights' gradients; B_TABLE's run the input's only\n")
     note = schedule_note(pipe.schedule.name)
     if note is not None:
         text += template.comment(note) + "\n"
@@ -246,7 +270,8 @@ _HEAD = '''
 # The SPMD pipeline of JAX's shard_map documentation, in the schedule's order: at tick t stage s
 # runs the forward of microbatch F_TABLE[t][s] and the backward of B_TABLE[t][s] (-1: none), each
 # layer with the planned forward_local and backward_local, and jax.lax.ppermute hands activations
-# to the next stage and cotangents to the one before (shardc.lowering.pipeline_runtime).
+# to the next stage and cotangents to the one before (shardc.lowering.pipeline_runtime).  Where
+# W_TABLE is a table, B_TABLE's ticks run input_backward_local and W_TABLE's weight_backward_local.
 
 from shardc.lowering.pipeline_runtime import block_pipeline, model_pipeline
 

@@ -12,7 +12,10 @@ schedule's simulation with unit times places them
 forward and backward masked by the table (SPMD: one program for all), keeps each
 microbatch's residuals until its backward, and sends with ``jax.lax.ppermute`` its
 activation down and its cotangent up (the receiver keeps what the table says was
-really sent).  Each layer's forward and backward are the stage plan's own, so the
+really sent).  Under ZB-H1 a third table, ``weight_ticks``, places the weight gradients:
+the backward tick then runs the input's gradient only (B) and keeps what the weights'
+gradient (W) reads of it until W's tick (:mod:`shardc.lowering.pipeline_split`).  Each
+layer's forward and backward are the stage plan's own, so the
 collectives on the other axes are the planned ones in both directions; a weight
 gradient's reduction runs once, after the loop, on the sum of the microbatches' partial
 gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).
@@ -38,7 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Table, forward_only
+from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Phase, Table, forward_only
 from shardc.lowering.runtime import make_mesh
 from shardc.spec.stages import split_layers
 
@@ -67,6 +70,9 @@ class Pipeline:
     dims: dict[str, int]
     chunks: int = 1
     stage_layers: tuple[int, ...] | None = None  # the layers each stage holds, where not the even split
+    # the zero-bubble schedules' W ticks: at tick t stage s runs the weight gradient of weight_ticks[t][s]
+    # (B_TABLE's then the input's gradient only); None: each backward whole, at its B tick
+    weight_ticks: Table | None = None
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -123,6 +129,20 @@ class Pipeline:
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
         return g, tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
 
+    def _stage_input_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Arrays]]:
+        """B of the stage's layers, last to first: the input's gradient, and what each layer's W reads."""
+        handed: list[Arrays] = [{}] * len(kept)
+        held = jnp.asarray(self.held)[virtual]
+        for k in reversed(range(len(kept))):
+            dx, handed[k] = self.block.backward_input(kept[k], g, self.block_input)
+            g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
+        return g, handed
+
+    def _stage_weight_bwd(self, kept: list[Any], handed: list[Arrays]) -> tuple[Any, ...]:
+        """W of the stage's layers: their params' gradients from the saved values and what B handed on."""
+        grads = [self.block.backward_weight(r, h) for r, h in zip(kept, handed, strict=True)]
+        return tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
+
     def _perms(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The stage axis's sends down and up: a chain, or a ring where chunks wrap from the last
         stage to the first (the interleaved order)."""
@@ -143,13 +163,17 @@ class Pipeline:
         m, p, v = self.microbatches, self.stages, self.chunks
         x = jax.eval_shape(self.ends.first, pool, 0)
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
-        kept = jax.tree.map(lambda a: jnp.zeros((v * m,) + a.shape, a.dtype), shapes)  # by chunk x M + microbatch
+        kept = _buffers(shapes, v * m)  # by chunk x M + microbatch
         zeros = jnp.zeros((v * m,) + x.shape, x.dtype)
+        split = backward and self.weight_ticks is not None
+        wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
+        handed = _buffers(jax.eval_shape(self._stage_input_bwd, jax.tree.map(lambda b: b[0], kept), zeros[0],
+                                         stage)[1], v * m) if split else ()  # B's values W reads, until W
         first, last = stage == 0, stage == p - 1
         down, up = self._perms()
 
         def tick(t: Any, carry: Any) -> Any:
-            kept, acts, cots, acc, dparams = carry
+            kept, handed, acts, cots, acc, dparams = carry
             ef = ftab[t, stage]
             e = jnp.maximum(ef, 0)
             c, j = e // m, e % m
@@ -167,26 +191,34 @@ class Pipeline:
             keep = (sent >= 0) & ((stage > 0) | (jnp.maximum(sent, 0) // m < v - 1))
             acts = jnp.where(keep, acts.at[jnp.minimum(into, v * m - 1)].set(got), acts)
             if not backward:
-                return kept, acts, cots, acc, dparams
+                return kept, handed, acts, cots, acc, dparams
             eb = btab[t, stage]
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
-            dx, dw = self._stage_bwd(jax.tree.map(lambda buf: buf[e], kept), cots[e], c * p + stage)
-            dparams = tuple(_add_slots(a, jnp.where(eb >= 0, b, 0), c * self.slots)
-                            for a, b in zip(dparams, dw, strict=True))
+            mine = jax.tree.map(lambda buf: buf[e], kept)
+            if split:  # B now, W at its own tick (of this or an earlier microbatch's B)
+                dx, made = self._stage_input_bwd(mine, cots[e], c * p + stage)
+                handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[e].set(h), buf), handed, made)
+                ew = wtab[t, stage]
+                w = jnp.maximum(ew, 0)
+                dw = self._stage_weight_bwd(*jax.tree.map(lambda buf: buf[w], (kept, handed)))
+                dparams = _accumulate(dparams, dw, ew >= 0, w // m * self.slots)
+            else:
+                dx, dw = self._stage_bwd(mine, cots[e], c * p + stage)
+                dparams = _accumulate(dparams, dw, eb >= 0, c * self.slots)
             acc = self.ends.first_back(pool, dx, j, (eb >= 0) & first & (c == 0), acc)
             got = jax.lax.ppermute(dx, self.axis, up)
             sent = btab[t, (stage + 1) % p]
             into = jnp.maximum(sent, 0) - jnp.where(last, m, 0)
             keep = (sent >= 0) & ((stage < p - 1) | (jnp.maximum(sent, 0) // m > 0))
             cots = jnp.where(keep, cots.at[jnp.maximum(into, 0)].set(got), cots)
-            return kept, acts, cots, acc, dparams
+            return kept, handed, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
         partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), zeros[0], stage)[1]
-        init = (kept, zeros, zeros, self.ends.start(pool, x),
+        init = (kept, handed, zeros, zeros, self.ends.start(pool, x),
                 tuple(jnp.zeros((v * d.shape[0], *d.shape[1:]), d.dtype) for d in partial))
-        _, _, _, acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)
+        acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
         if backward:  # the microbatches' sums reduced, once a step
             acc, dparams = self.ends.finish(acc), self._finish(dparams)
         acc = jax.tree.map(lambda a: a[None], acc)
@@ -281,6 +313,16 @@ class Pipeline:
         return dict(self.ends.outputs(self, acc)), grads
 
 
+def _buffers(shapes: Any, n: int) -> Any:
+    """Zeros of ``n`` of each of ``shapes`` (a tree of shapes): a value for each microbatch of each chunk."""
+    return jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)
+
+
+def _accumulate(dparams: tuple[Any, ...], dw: tuple[Any, ...], ran: Any, at: Any) -> tuple[Any, ...]:
+    """The params' gradient sums with this tick's ``dw`` added at slot ``at``, where a backward ``ran``."""
+    return tuple(_add_slots(a, jnp.where(ran, b, 0), at) for a, b in zip(dparams, dw, strict=True))
+
+
 def _add_slots(total: Any, part: Any, at: Any) -> Any:
     """``total`` [chunks x slots, ...] with ``part`` [slots, ...] added to the slots from ``at`` on."""
     here = jax.lax.dynamic_slice_in_dim(total, at, part.shape[0], 0)
@@ -299,7 +341,15 @@ def _part(tables: Mapping[str, Any], prefix: str, result: str) -> Part:
                 tables[fn + "backward_local"], tables[table + "BACKWARD_IN"], tables[table + "BACKWARD_OUT"],
                 tables[table + "COTANGENTS"], tables[table + "GRADS"], result, tables.get(table + "KEYED", False),
                 tables.get(fn + "reduce_local"), tables.get(table + "REDUCE_IN"), tables.get(table + "REDUCE_OUT"),
-                tables.get(table + "FINAL_GRADS"))
+                tables.get(table + "FINAL_GRADS"), _phase(tables, fn + "input_backward"),
+                _phase(tables, fn + "weight_backward"))
+
+
+def _phase(tables: Mapping[str, Any], name: str) -> Phase | None:
+    """A phase function and its in and out tables, where the module has them (``input_backward_local``,
+    ``INPUT_BACKWARD_IN``, ``INPUT_BACKWARD_OUT``)."""
+    fn = tables.get(name + "_local")
+    return None if fn is None else (fn, tables[name.upper() + "_IN"], tables[name.upper() + "_OUT"])
 
 
 def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
@@ -307,7 +357,7 @@ def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
     block = _part(tables, "", tables["BLOCK_OUTPUT"])
     return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
                     tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
-                    tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"))
+                    tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"), tables.get("W_TABLE"))
 
 
 def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:
