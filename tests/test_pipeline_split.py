@@ -1,5 +1,6 @@
-"""ZB-H1 lowered as itself: the block's backward cut into B (the input's gradient) and W (the weights'),
-run at the ticks ZB-H1's tick tables give, and verified against the unsharded reference."""
+"""The zero-bubble schedules lowered as themselves: the block's backward cut into B (the input's
+gradient) and W (the weights'), run at the ticks ZB-H1's, ZBV's and DualPipeV's tick tables give
+(the last two with two chunks a device in a V), and verified against the unsharded reference."""
 
 from __future__ import annotations
 
@@ -24,25 +25,31 @@ def _ticks(table: list[list[int]], stage: int) -> dict[int, int]:
     return {row[stage]: t for t, row in enumerate(table) if row[stage] >= 0}
 
 
-@pytest.mark.parametrize(("p", "m"), [(2, 2), (4, 8), (4, 5), (3, 9)])
-def test_zb_h1_tick_tables_run_b_and_w_apart_in_its_order(p: int, m: int) -> None:
-    """Every stage runs F, B and W of every microbatch once each, one op a tick, W after its B (at another
-    tick), stage s's W of microbatch j once it has run the B of microbatch j + s (the lag that fills its
-    drain): the tables are the simulation's ops, a tick a unit."""
-    forward, backward = tick_tables("zb-h1", p, m)
-    weight = weight_ticks("zb-h1", p, m)
+@pytest.mark.parametrize(("schedule", "p", "m"), [("zb-h1", 2, 2), ("zb-h1", 4, 8), ("zb-h1", 4, 5), ("zb-h1", 3, 9),
+                                                  ("zbv", 2, 4), ("zbv", 4, 8), ("zbv", 3, 5),
+                                                  ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 3, 7)])
+def test_tick_tables_run_b_and_w_apart_in_the_schedules_order(schedule: str, p: int, m: int) -> None:
+    """Every stage runs F, B and W of every microbatch through each of its chunks once each, one op a tick,
+    W after its B (at another tick): the tables are the simulation's ops, a tick a chunk's op (a DualPipeV
+    F&B pair its three ops in turn).  Under ZB-H1 stage s's W of microbatch j waits for the B of microbatch
+    j + s (the lag that fills its drain)."""
+    forward, backward = tick_tables(schedule, p, m)
+    weight = weight_ticks(schedule, p, m)
+    chunks = 1 if schedule == "zb-h1" else 2
     assert weight is not None and len(forward) == len(backward) == len(weight)
-    sim = simulate("zb-h1", p, m, Timing(1.0, 1.0, 1.0))
+    sim = simulate(schedule, p, m, Timing(*[float(chunks)] * 3))
     assert len(forward) == sim.makespan
     for s in range(p):
         f, b, w = (_ticks(table, s) for table in (forward, backward, weight))
-        assert sorted(f) == sorted(b) == sorted(w) == list(range(m))
-        assert all(f[j] < b[j] < w[j] for j in range(m))
-        assert all(w[j] > b[min(j + s, m - 1)] for j in range(m))
+        assert sorted(f) == sorted(b) == sorted(w) == list(range(chunks * m))  # entry: chunk x M + microbatch
+        assert all(f[e] < b[e] < w[e] for e in f)
+        if schedule == "zb-h1":
+            assert all(w[j] > b[min(j + s, m - 1)] for j in range(m))
         ops = [(t, kind) for kind, table in zip("FBW", (f, b, w), strict=True) for t in table.values()]
         assert len({t for t, _ in ops}) == len(ops)  # one op a tick
         assert sorted(ops) == sorted((int(op.start), op.kind) for op in sim.ops if op.device == s)
-    assert weight_ticks("1f1b", p, m) is None and schedule_note("zb-h1") is None
+    assert weight_ticks("1f1b", p, m) is None
+    assert (schedule_note(schedule) is None) == (schedule != "dualpipev")  # its pairs run in turn: a note
 
 
 def test_the_backward_is_cut_into_b_and_w_each_line_once() -> None:
@@ -125,3 +132,36 @@ def test_verify_runs_a_written_zb_h1_module_and_refuses_its_w_table_edited(
         assert main(["verify", str(spec), "--module", str(module)]) == code
         out = "".join(capsys.readouterr())
         assert code == 0 or "its tick tables are not zb-h1's for 2 stages and 4 microbatches" in out, out
+
+
+V_SPEC = EXAMPLE.read_text().replace("mesh P=4 pipeline, X=8, Y=4", "mesh P=4 pipeline, X=8, Y=1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_the_v_schedules_verify_as_themselves(schedule: str) -> None:
+    """ZBV and DualPipeV over 4 stages (8 devices: P=4, X=2): two chunks a device in a V, one layer each,
+    F, B and W at their own tables' ticks; activations and cotangents each go down and up (4 permutes)."""
+    plan = shardc.plan(shardc.parse(V_SPEC.replace("schedule 1f1b", f"schedule {schedule}"), schedule))
+    report = verify_pipeline(plan, devices=8)
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+    assert report.mesh == {"P": 4, "X": 2, "Y": 1} and report.sizes["layers"] == 8
+    assert not any("lowers as GPipe" in n for n in report.notes)
+    loop, *permutes = report.collectives[:5]
+    assert loop.hlo_op == f"while x [{len(tick_tables(schedule, 4, 8)[0])}]"
+    assert [r.step.split(": ")[1] for r in permutes] == [
+        "activations s -> s+1, a microbatch", "activations s+1 -> s, a microbatch",
+        "cotangents s -> s+1, a microbatch", "cotangents s+1 -> s, a microbatch"]
+    assert all(r.ok and r.hlo_op == "collective-permute x 1" for r in permutes)
+    assert ("overlaps no forward with a backward" in " ".join(report.notes)) == (schedule == "dualpipev")
+
+
+@pytest.mark.slow
+def test_zbv_verifies_with_its_ends_on_stage_0_and_fails_placed_as_a_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole model under ZBV: the embedding and the loss both on stage 0 (the V's first and last chunk);
+    the same tables run with the chunks placed as the interleaved ring fail verify."""
+    plan = shardc.plan(shardc.parse(MODEL.replace("microbatches 2", "microbatches 4\nschedule zbv")))
+    report = verify_pipeline(plan)
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+    monkeypatch.setattr(pipeline_lowering, "V_SHAPED", ())
+    assert not verify_pipeline(plan).ok

@@ -158,6 +158,7 @@ class BlockEnds:
     output_spec: P
     input_grad: str  # the gradient's name of the block input
     output_cotangent: str  # the cotangent's name of the block output
+    last_stage: int = -1  # the stage that keeps the outputs: the last virtual stage's (stage 0 in a V)
 
     def inputs(self) -> tuple[str, ...]:
         return (self.block_input,)
@@ -195,7 +196,7 @@ class BlockEnds:
         return pipe.split(cotangent[self.output_cotangent], pipe.dims[self.block_output])
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
-        return {self.block_output: pipe.join(acc[0][-1], pipe.dims[self.block_output])}  # the last stage's
+        return {self.block_output: pipe.join(acc[0][self.last_stage], pipe.dims[self.block_output])}  # the last stage's
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
         return {self.input_grad: pipe.join(acc[1][0], pipe.dims[self.block_input])}  # stage 0's
@@ -227,6 +228,7 @@ class ModelEnds:
     tied: tuple[str, ...] = ()
     axis: str = ""
     stages: int = 1
+    last_stage: int = -1  # the stage that runs ``post``: the last virtual stage's (stage 0 in a V)
 
     def inputs(self) -> tuple[str, ...]:
         return self.pre_data + self.post_data + self.pre_params + tuple(p for p in self.post_params
@@ -234,8 +236,8 @@ class ModelEnds:
 
     def stages_of(self, name: str) -> tuple[int, ...]:
         if name in self.tied:
-            return (0, -1)
-        return (0,) if name in self.pre_data + self.pre_params else (-1,)
+            return (0, self.last_stage)
+        return (0,) if name in self.pre_data + self.pre_params else (self.last_stage,)
 
     def _spec(self, name: str) -> P:
         return (self.pre if name in self.pre_data + self.pre_params else self.post).forward_in[name]
@@ -308,26 +310,27 @@ class ModelEnds:
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
         """The batch's loss: the mean of the microbatches' (each a mean over its tokens)."""
-        return {self.post.result: jnp.mean(acc[0][-1])}
+        return {self.post.result: jnp.mean(acc[0][self.last_stage])}
 
     def finish(self, acc: Any) -> Any:
         losses, dends = acc
         pre = {k: dends[k] for k in self.pre_params}
         incoming = {}
         for k in self.tied:  # the two ends swap their sums: each then holds both contributions
-            pre[k] = self._swap(pre[k], 0, self.stages - 1)
-            incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.stages - 1, 0)
+            pre[k] = self._swap(pre[k], 0, self.last_stage % self.stages)
+            incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.last_stage % self.stages, 0)
         got = self.pre.finish(pre, incoming)
         got |= self.post.finish({k: dends[k] for k in self.post_params if k not in self.tied})
         return losses, got | {self._key(k): got[k] for k in self.tied}
 
     def _swap(self, x: Any, source: int, target: int) -> Any:
-        """``x`` (non-zero on stage ``source`` only) on ``source`` and ``target`` both."""
-        return x + jax.lax.ppermute(x, self.axis, [(source, target)])
+        """``x`` (non-zero on stage ``source`` only) on ``source`` and ``target`` both (no send where the two
+        ends are on one stage, as in a V)."""
+        return x if source == target else x + jax.lax.ppermute(x, self.axis, [(source, target)])
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
         """Each gradient, from the stage that holds it (a tied param's from stage 0; the last stage holds
         the same)."""
         dends = acc[1]
         got = {self.pre.final(k): dends[k][0] for k in self.pre_params}
-        return got | {self.post.grads[k]: dends[k][-1] for k in self.post_params if k not in self.tied}
+        return got | {self.post.grads[k]: dends[k][self.last_stage] for k in self.post_params if k not in self.tied}
