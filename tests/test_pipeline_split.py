@@ -165,3 +165,16 @@ def test_zbv_verifies_with_its_ends_on_stage_0_and_fails_placed_as_a_ring(monkey
     assert report.ok, [r for r in report.values + report.collectives if not r.ok]
     monkeypatch.setattr(pipeline_lowering, "V_SHAPED", ())
     assert not verify_pipeline(plan).ok
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_under_zbv_needs_no_swap() -> None:
+    """ZBV's V puts the embedding and the output layer on stage 0: both contributions to the tied table's
+    gradient are summed there, no permute between the end stages (the cost's exchange is 0 too)."""
+    from shardc.verification.verify import verify
+    from tests.test_pipeline_ends import _tied_text
+
+    plan = shardc.plan(shardc.parse(_tied_text("mesh P=2 pipeline, X=2, Y=2\nschedule zbv\nmicrobatches 4")))
+    report = verify(plan)
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+    assert "dW_emb" in {r.tensor for r in report.values} and not any("tied" in r.step for r in report.collectives)

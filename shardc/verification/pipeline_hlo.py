@@ -17,7 +17,8 @@ charges them: each must be in the program outside the loop's body.
 
 A param read on both ends of the block (a tied embedding) adds one collective-permute
 each way between the first and the last stage, once a step: each end's sum of its
-contribution to the gradient, swapped (:mod:`shardc.lowering.pipeline_ends`).
+contribution to the gradient, swapped (:mod:`shardc.lowering.pipeline_ends`); none in a V,
+whose first and last virtual stage are both on stage 0.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def _tied_permutes(lowered: PipelineLowered,
     """A tied param's two permutes between the end stages (each end's sum of its contribution), and the
     permutes left."""
     ends, ns = lowered.ends, lowered.namespace
-    if ends is None or not ends.tied:
+    if ends is None or not ends.tied or ns.PIPELINE.placement.last_stage == 0:  # in a V both ends are on stage 0
         return [], found
     nbytes, reach = lowered.plan.spec.dtype.nbytes, _stride(lowered) * (lowered.pipeline.stages - 1)
     own = {final: partial for partial, final in getattr(ns, "PRE_FINAL_GRADS", {}).items()}
