@@ -178,3 +178,14 @@ def test_a_tied_embedding_under_zbv_needs_no_swap() -> None:
     report = verify(plan)
     assert report.ok, [r for r in report.values + report.collectives if not r.ok]
     assert "dW_emb" in {r.tensor for r in report.values} and not any("tied" in r.step for r in report.collectives)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_a_dropout_block_verifies_with_b_and_w_apart(schedule: str) -> None:
+    """A block alone with dropout: W reads the keep-masks the forward saved; under zbv the block's output
+    is kept on stage 0 (the V's last chunk) and each chunk draws its layers' masks."""
+    from tests.test_pipeline_dropout import SPEC
+
+    report = verify_pipeline(shardc.plan(shardc.parse(SPEC.format(schedule=schedule))), key=3)
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
