@@ -114,14 +114,15 @@ def test_w_skipped_or_before_its_b_fails_verify(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.slow
-def test_verify_runs_a_written_zb_h1_module_and_refuses_its_w_table_edited(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_verify_runs_a_written_module_and_refuses_its_w_table_edited(
+        schedule: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`verify --module` runs the module's own B and W functions at verify's sizes; a W table that is not
-    ZB-H1's (a W moved to another tick) is refused as written for another run."""
+    the schedule's (a W moved to another tick) is refused as written for another run."""
     from shardc.cli.main import main
 
     spec, module = tmp_path / "zb.shard", tmp_path / "zb.py"
-    spec.write_text(ZB_MODEL.replace("microbatches 2", "microbatches 4"), encoding="utf-8")
+    spec.write_text(ZB_MODEL.replace("microbatches 2", "microbatches 4").replace("zb-h1", schedule), encoding="utf-8")
     assert main(["lower", str(spec), "-o", str(module)]) == 0
     source = module.read_text(encoding="utf-8")
     table = source[source.index("W_TABLE = (\n"):]
@@ -131,7 +132,7 @@ def test_verify_runs_a_written_zb_h1_module_and_refuses_its_w_table_edited(
         capsys.readouterr()
         assert main(["verify", str(spec), "--module", str(module)]) == code
         out = "".join(capsys.readouterr())
-        assert code == 0 or "its tick tables are not zb-h1's for 2 stages and 4 microbatches" in out, out
+        assert code == 0 or f"its tick tables are not {schedule}'s for 2 stages and 4 microbatches" in out, out
 
 
 V_SPEC = EXAMPLE.read_text().replace("mesh P=4 pipeline, X=8, Y=4", "mesh P=4 pipeline, X=8, Y=1")

@@ -55,8 +55,10 @@ class Pipeline:
 
     ``params``: the block's, each passed stacked [layers, ...]; ``dims``: the microbatch dim of
     each data input of the whole batch (and of the block's output, keyed so).  ``chunks``: the
-    model chunks a device holds (V of Megatron-LM's interleaved schedule, else 1): virtual stage
-    v = chunk x stages + stage, each a run of layers; a tick table's entry is chunk x M + microbatch."""
+    model chunks a device holds (V of Megatron-LM's interleaved schedule, 2 in a ``v_shape``, else 1),
+    each a virtual stage, a run of layers (:class:`~shardc.lowering.pipeline_routes.Placement`: chunk x
+    stages + stage, or in a V stage and 2 stages - 1 - stage); a tick table's entry is chunk x M +
+    microbatch."""
 
     mesh_axes: dict[str, int]
     axis: str
