@@ -12,10 +12,12 @@ schedule's simulation with unit times places them
 forward and backward masked by the table (SPMD: one program for all), keeps each
 microbatch's residuals until its backward, and sends with ``jax.lax.ppermute`` its
 activation down and its cotangent up (the receiver keeps what the table says was
-really sent).  Under ZB-H1 a third table, ``weight_ticks``, places the weight gradients:
-the backward tick then runs the input's gradient only (B) and keeps what the weights'
-gradient (W) reads of it until W's tick (:mod:`shardc.lowering.pipeline_split`).  Each
-layer's forward and backward are the stage plan's own, so the
+really sent; where the chunks sit and which sends reach them:
+:mod:`shardc.lowering.pipeline_routes`).  Under the zero-bubble schedules (ZB-H1, ZBV,
+DualPipeV) a third table, ``weight_ticks``, places the weight gradients: the backward tick
+then runs the input's gradient only (B) and keeps what the weights' gradient (W) reads of it
+until W's tick (:mod:`shardc.lowering.pipeline_split`).  Each layer's forward and backward
+are the stage plan's own, so the
 collectives on the other axes are the planned ones in both directions; a weight
 gradient's reduction runs once, after the loop, on the sum of the microbatches' partial
 gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).
