@@ -8,13 +8,17 @@ most one forward and one backward a tick) and a :class:`~shardc.lowering.pipelin
 that runs any table the same way, with the block's plan as each layer
 (:mod:`shardc.lowering.pipeline_runtime`).  A ``layers L { ... }`` block with
 statements around it adds their two plans as the block's ends (before it on stage
-0, after it on the last stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe and 1F1B
-lower with their own tables; the other schedules (interleaved, zb-h1, zbv, dualpipe) are costed
-and drawn, and lower with GPipe's (every schedule computes the same values), which
-``shardc lower`` and ``verify`` say (:func:`schedule_note`).
+0, after it on the last virtual stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe, 1F1B,
+interleaved, ZB-H1, ZBV and DualPipeV lower with their own tables; the zero-bubble ones with
+three, F, B and W, the block's backward cut in two (:mod:`shardc.lowering.pipeline_split`);
+ZBV and DualPipeV with two chunks a device in a V (:mod:`shardc.lowering.pipeline_routes`),
+DualPipeV's F&B pairs as their ops in turn.  DualPipe (two copies of each stage,
+microbatches entering from both ends) is costed and drawn, and lowers with GPipe's table
+(every schedule computes the same values), which ``shardc lower`` and ``verify`` say
+(:func:`schedule_note`).
 
 The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
-with one collective-permute down and one up in its body, each moving one
+with one collective-permute down and one up in its body (two each way in a V), each moving one
 microbatch's shard of the block's output, and the weight gradients' reductions after it
 (:mod:`shardc.lowering.pipeline_grads`); ``shardc verify`` checks that and the stages'
 planned collectives in the compiled HLO (:mod:`shardc.verification.pipeline_hlo`).
@@ -25,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shardc.errors import ShardcError
+from shardc.errors import InternalError, ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import TensorRef
 from shardc.lowering import template
@@ -33,27 +37,35 @@ from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
 from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_source, pipeline_lines
 from shardc.lowering.pipeline_grads import reduce_source, split_reductions
+from shardc.lowering.pipeline_split import split_source
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
-from shardc.pipeline.schedules import Timing, simulate
+from shardc.pipeline.schedules import Timing, chunks_of, simulate, stage_share
 from shardc.spec.stages import Pipeline, pipeline_of, splits, stage_spec
 
-__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "LOWERED_SCHEDULES",
-           "schedule_note"]
+__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "weight_ticks",
+           "LOWERED_SCHEDULES", "SPLIT_SCHEDULES", "schedule_note"]
 
-LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the others lower with GPipe's table
+LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # dualpipe lowers as GPipe
+SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev")  # lowered with each backward in two: B and W at ticks of their own
+V_SHAPED = ("zbv", "dualpipev")  # two chunks a device in a V (shardc.lowering.pipeline_routes)
+PAIRED_IN_TURN = ("dualpipev",)  # F&B pairs lowered as their ops at ticks in turn
 
 
 def schedule_note(schedule: str) -> str | None:
-    """What ``shardc lower`` and ``verify`` say of a schedule that does not lower as itself (None for
-    one that does): the program runs GPipe's tick table.  ZB-H1, ZBV and DualPipe need a backward split
-    into its input and weight parts (the program runs one whole backward a tick); DualPipe also two copies
-    of each stage and microbatches entering from both ends."""
+    """What ``shardc lower`` and ``verify`` say of a schedule whose program is not all of what ``shardc
+    cost`` times (None for one that is): DualPipe runs GPipe's tick table (it needs two copies of each
+    stage and microbatches entering from both ends); DualPipeV runs its own order, but an F&B pair as
+    its ops in turn, where the cost may overlap the two."""
+    if schedule in PAIRED_IN_TURN:
+        return (f"schedule {schedule} lowers as its own order, each F&B pair as its forward, backward and weight "
+                "gradient at three ticks in turn: the program overlaps no forward with a backward, where `shardc "
+                "cost` times a pair with each one's collectives under the other's computation")
     if schedule in LOWERED_SCHEDULES:
         return None
     return (f"schedule {schedule} lowers as GPipe: the program runs GPipe's tick table (the same values and "
             f"collectives, GPipe's order and in-flight activations); `shardc cost` costs and draws {schedule}'s "
-            "own order. Only gpipe, 1f1b and interleaved lower as themselves")
+            "own order. Only gpipe, 1f1b, interleaved, zb-h1, zbv and dualpipev lower as themselves")
 
 
 @dataclass
@@ -83,16 +95,36 @@ def tick_tables(schedule: str, stages: int, microbatches: int,
                 virtual: int = 1) -> tuple[list[list[int]], list[list[int]]]:
     """(forward, backward): what each stage runs forward / backward at each tick, or -1, in the
     schedule's simulated order with unit times a chunk (GPipe's for a schedule not lowered): the
-    microbatch j of the device's chunk c as c x microbatches + j (c is 0 but under interleaved,
-    whose ``virtual`` chunks a device hold virtual stages c x stages + stage)."""
-    name = schedule if schedule in LOWERED_SCHEDULES else "gpipe"
-    chunks = virtual if name == "interleaved" else 1
-    sim = simulate(name, stages, microbatches, Timing(float(chunks), float(chunks)), virtual=chunks)
-    ticks = int(round(sim.makespan))
-    tables = {k: [[-1] * stages for _ in range(ticks)] for k in "FB"}
-    for op in sim.ops:
-        tables[op.kind][int(round(op.start))][op.device] = op.chunk // stages * microbatches + op.microbatch
+    microbatch j of the device's chunk c as c x microbatches + j (c is 0 but under interleaved, whose
+    ``virtual`` chunks a device hold virtual stages c x stages + stage, and zbv and dualpipev, whose two
+    are virtual stages s and 2 stages - 1 - s: :mod:`shardc.lowering.pipeline_routes`)."""
+    tables = _tables(schedule, stages, microbatches, virtual)
     return tables["F"], tables["B"]
+
+
+def weight_ticks(schedule: str, stages: int, microbatches: int) -> list[list[int]] | None:
+    """What each stage runs of the weights' gradient (W) at each tick, or -1, under a schedule that
+    lowers its backward in two (ZB-H1, ZBV, DualPipeV: its B table then runs the input's gradient only); None under
+    the others, whose backward runs whole at its B tick."""
+    return _tables(schedule, stages, microbatches)["W"] if schedule in SPLIT_SCHEDULES else None
+
+
+def _tables(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[str, list[list[int]]]:
+    """The F, B and W tick tables of the simulation with unit times an op (a chunk's, a tick)."""
+    name = schedule if schedule in LOWERED_SCHEDULES else "gpipe"
+    chunks = chunks_of(name, virtual)
+    unit = float(stage_share(name, chunks) ** -1)  # a chunk's op a tick
+    timing = Timing(unit, unit, unit) if name in SPLIT_SCHEDULES else Timing(unit, unit)
+    sim = simulate(name, stages, microbatches, timing, virtual=chunks)
+    ticks = int(round(sim.makespan))
+    tables = {k: [[-1] * stages for _ in range(ticks)] for k in "FBW"}
+    for op in sim.ops:
+        row = tables[op.kind][int(round(op.start))]
+        if row[op.device] >= 0 or op.start != round(op.start):
+            raise InternalError(f"{name}'s ops at unit times do not fall one a tick (stage {op.device}, "
+                                f"{op.start})", fix="this is a shardc bug: report the schedule")
+        row[op.device] = op.chunk // stages * microbatches + op.microbatch
+    return tables
 
 
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
@@ -118,6 +150,10 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     reduce, more = reduce_source(split, stage_mesh, micro, "", reserved)
     module = replace(module, variables=module.variables | more)
     head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n" + reduce
+    w_table = weight_ticks(pipe.schedule.name, stages, microbatches)
+    if w_table is not None:  # B and W apart: the block's backward cut in two
+        head += split_source(split.each.backward, module.backward, module.grads[first.name],
+                             frozenset(module.cotangents))
     params = [i.name for i in plan.tensors if i.role == "param"]
     f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches, chunks)
     text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
@@ -128,11 +164,15 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                        ("PARAMS", tuple(params), "each passed stacked: [LAYERS, ...]"),
                        ("PIPE_MESH_AXES", dict(mesh), ""),
                        ("CHUNKS", chunks, "model chunks a device holds (the interleaved order's virtual stages)"),
+                       ("V_SHAPE", pipe.schedule.name in V_SHAPED,
+                        "chunk 0 of stage s is virtual stage s, chunk 1 is 2 STAGES - 1 - s (else c STAGES + s)"),
                        ("STAGE_LAYERS", held, "the layers each stage holds (None: the first LAYERS % STAGES "
                                                "one more)"),
                        ("MICROBATCH", (dim, microbatches),
                         "keep_mask: a microbatch draws its slice of the whole batch's mask")))
     text += f"F_TABLE = {_table(f_table)}\nB_TABLE = {_table(b_table)}\n"
+    text += "W_TABLE = " + ("None  # each backward whole, at its B tick\n" if w_table is None else
+                            f"{_table(w_table)}  # the weights' gradients; B_TABLE's run the input's only\n")
     note = schedule_note(pipe.schedule.name)
     if note is not None:
         text += template.comment(note) + "\n"
@@ -140,8 +180,8 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
 
 
 def _chunks(pipe: Pipeline) -> int:
-    """Chunks a device holds in the lowered program: the schedule's where it lowers as itself (zbv runs
-    GPipe's table, one chunk a device)."""
+    """Chunks a device holds in the lowered program: the schedule's where it lowers as itself (dualpipe
+    runs GPipe's table, one stage a device)."""
     return pipe.chunks if pipe.schedule.name in LOWERED_SCHEDULES else 1
 
 
@@ -246,7 +286,8 @@ _HEAD = '''
 # The SPMD pipeline of JAX's shard_map documentation, in the schedule's order: at tick t stage s
 # runs the forward of microbatch F_TABLE[t][s] and the backward of B_TABLE[t][s] (-1: none), each
 # layer with the planned forward_local and backward_local, and jax.lax.ppermute hands activations
-# to the next stage and cotangents to the one before (shardc.lowering.pipeline_runtime).
+# to the next stage and cotangents to the one before (shardc.lowering.pipeline_runtime).  Where
+# W_TABLE is a table, B_TABLE's ticks run input_backward_local and W_TABLE's weight_backward_local.
 
 from shardc.lowering.pipeline_runtime import block_pipeline, model_pipeline
 

@@ -19,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 if TYPE_CHECKING:  # annotations only: the pipeline runs these parts
     from shardc.lowering.pipeline_runtime import Pipeline
 
-__all__ = ["Part", "Ends", "BlockEnds", "ModelEnds", "forward_only", "Arrays", "Table"]
+__all__ = ["Part", "Ends", "BlockEnds", "ModelEnds", "forward_only", "Arrays", "Table", "Phase"]
 
 Arrays = dict[str, Any]
 Table = tuple[tuple[int, ...], ...]
+Phase = tuple[Callable[..., tuple[Any, ...]], dict[str, P], dict[str, P]]  # a function, its in and out tables
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class Part:
     reduce_out: dict[str, P] | None = None
     # a partial sum handed on under another name than the gradient it ends as (a tied param's part)
     final_grads: dict[str, str] | None = None
+    # the backward in two for the zero-bubble schedules (shardc.lowering.pipeline_split), each a function
+    # and its in and out tables: B (the input's gradient, and what W reads of it), W (the weights')
+    input_backward: Phase | None = None
+    weight_backward: Phase | None = None
 
     def final(self, name: str) -> str:
         """The name of input ``name``'s gradient once :meth:`finish` has run."""
@@ -60,14 +65,31 @@ class Part:
         saved = dict(zip(self.forward_out, self.forward_local(*args), strict=True))
         return saved[self.result], (pool, saved)
 
+    def _values(self, residuals: tuple[Arrays, Arrays], d_out: Any) -> Arrays:
+        """What a backward reads: the forward's inputs and saved values, and the result's cotangent."""
+        pool, saved = residuals
+        cot = {n: d_out if o == self.result else jnp.zeros_like(saved[o]) for n, o in self.cotangents.items()}
+        return {**pool, **saved, **cot}
+
     def backward(self, residuals: tuple[Arrays, Arrays], d_out: Any) -> Arrays:
         """Each input's gradient (keyed by the input) for the result's cotangent ``d_out``; a dropout's
         keep-mask is a saved forward value, so no key is needed."""
-        pool, saved = residuals
-        cot = {n: d_out if o == self.result else jnp.zeros_like(saved[o]) for n, o in self.cotangents.items()}
-        values = {**pool, **saved, **cot}
-        got = dict(zip(self.backward_out, self.backward_local(*[values[k] for k in self.backward_in]), strict=True))
+        got = _call(self.backward_local, self.backward_in, self.backward_out, self._values(residuals, d_out))
         return {k: got[g] for k, g in self.grads.items()}
+
+    def backward_input(self, residuals: tuple[Arrays, Arrays], d_out: Any, name: str) -> tuple[Any, Arrays]:
+        """B: input ``name``'s gradient, and what W reads of B's values (keyed as W reads them)."""
+        assert self.input_backward is not None and self.weight_backward is not None
+        got = _call(*self.input_backward, self._values(residuals, d_out))
+        return got[self.grads[name]], {k: got[k] for k in self.weight_backward[1] if k in got}
+
+    def backward_weight(self, residuals: tuple[Arrays, Arrays], handed: Arrays) -> Arrays:
+        """W: every other input's gradient (keyed by the input), from the forward's saved values and what B
+        handed on (:meth:`backward_input`); nothing else of the backward."""
+        assert self.weight_backward is not None
+        pool, saved = residuals
+        got = _call(*self.weight_backward, {**pool, **saved, **handed})
+        return {k: got[g] for k, g in self.grads.items() if g in got}
 
     def finish(self, grads: Arrays, incoming: Arrays | None = None) -> Arrays:
         """Each input's gradient (keyed by the input) from what :meth:`backward` returned summed over the
@@ -78,6 +100,11 @@ class Part:
         by_grad = {self.grads[k]: v for k, v in grads.items()} | dict(incoming or {})
         got = dict(zip(self.reduce_out, self.reduce_local(*[by_grad[k] for k in self.reduce_in]), strict=True))
         return {k: got.get(self.final(k), v) for k, v in grads.items()}
+
+
+def _call(fn: Callable[..., tuple[Any, ...]], ins: dict[str, P], outs: dict[str, P], values: Arrays) -> Arrays:
+    """A phase function on the values its in table names, its results keyed by its out table."""
+    return dict(zip(outs, fn(*[values[k] for k in ins]), strict=True))
 
 
 def forward_only(table: Table) -> Table:
@@ -131,6 +158,7 @@ class BlockEnds:
     output_spec: P
     input_grad: str  # the gradient's name of the block input
     output_cotangent: str  # the cotangent's name of the block output
+    last_stage: int = -1  # the stage that keeps the outputs: the last virtual stage's (stage 0 in a V)
 
     def inputs(self) -> tuple[str, ...]:
         return (self.block_input,)
@@ -168,7 +196,7 @@ class BlockEnds:
         return pipe.split(cotangent[self.output_cotangent], pipe.dims[self.block_output])
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
-        return {self.block_output: pipe.join(acc[0][-1], pipe.dims[self.block_output])}  # the last stage's
+        return {self.block_output: pipe.join(acc[0][self.last_stage], pipe.dims[self.block_output])}  # the last stage's
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
         return {self.input_grad: pipe.join(acc[1][0], pipe.dims[self.block_input])}  # stage 0's
@@ -200,6 +228,7 @@ class ModelEnds:
     tied: tuple[str, ...] = ()
     axis: str = ""
     stages: int = 1
+    last_stage: int = -1  # the stage that runs ``post``: the last virtual stage's (stage 0 in a V)
 
     def inputs(self) -> tuple[str, ...]:
         return self.pre_data + self.post_data + self.pre_params + tuple(p for p in self.post_params
@@ -207,8 +236,8 @@ class ModelEnds:
 
     def stages_of(self, name: str) -> tuple[int, ...]:
         if name in self.tied:
-            return (0, -1)
-        return (0,) if name in self.pre_data + self.pre_params else (-1,)
+            return (0, self.last_stage)
+        return (0,) if name in self.pre_data + self.pre_params else (self.last_stage,)
 
     def _spec(self, name: str) -> P:
         return (self.pre if name in self.pre_data + self.pre_params else self.post).forward_in[name]
@@ -281,26 +310,27 @@ class ModelEnds:
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
         """The batch's loss: the mean of the microbatches' (each a mean over its tokens)."""
-        return {self.post.result: jnp.mean(acc[0][-1])}
+        return {self.post.result: jnp.mean(acc[0][self.last_stage])}
 
     def finish(self, acc: Any) -> Any:
         losses, dends = acc
         pre = {k: dends[k] for k in self.pre_params}
         incoming = {}
         for k in self.tied:  # the two ends swap their sums: each then holds both contributions
-            pre[k] = self._swap(pre[k], 0, self.stages - 1)
-            incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.stages - 1, 0)
+            pre[k] = self._swap(pre[k], 0, self.last_stage % self.stages)
+            incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.last_stage % self.stages, 0)
         got = self.pre.finish(pre, incoming)
         got |= self.post.finish({k: dends[k] for k in self.post_params if k not in self.tied})
         return losses, got | {self._key(k): got[k] for k in self.tied}
 
     def _swap(self, x: Any, source: int, target: int) -> Any:
-        """``x`` (non-zero on stage ``source`` only) on ``source`` and ``target`` both."""
-        return x + jax.lax.ppermute(x, self.axis, [(source, target)])
+        """``x`` (non-zero on stage ``source`` only) on ``source`` and ``target`` both (no send where the two
+        ends are on one stage, as in a V)."""
+        return x if source == target else x + jax.lax.ppermute(x, self.axis, [(source, target)])
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
         """Each gradient, from the stage that holds it (a tied param's from stage 0; the last stage holds
         the same)."""
         dends = acc[1]
         got = {self.pre.final(k): dends[k][0] for k in self.pre_params}
-        return got | {self.post.grads[k]: dends[k][-1] for k in self.post_params if k not in self.tied}
+        return got | {self.post.grads[k]: dends[k][self.last_stage] for k in self.post_params if k not in self.tied}

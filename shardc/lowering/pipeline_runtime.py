@@ -12,7 +12,12 @@ schedule's simulation with unit times places them
 forward and backward masked by the table (SPMD: one program for all), keeps each
 microbatch's residuals until its backward, and sends with ``jax.lax.ppermute`` its
 activation down and its cotangent up (the receiver keeps what the table says was
-really sent).  Each layer's forward and backward are the stage plan's own, so the
+really sent; where the chunks sit and which sends reach them:
+:mod:`shardc.lowering.pipeline_routes`).  Under the zero-bubble schedules (ZB-H1, ZBV,
+DualPipeV) a third table, ``weight_ticks``, places the weight gradients: the backward tick
+then runs the input's gradient only (B) and keeps what the weights' gradient (W) reads of it
+until W's tick (:mod:`shardc.lowering.pipeline_split`).  Each layer's forward and backward
+are the stage plan's own, so the
 collectives on the other axes are the planned ones in both directions; a weight
 gradient's reduction runs once, after the loop, on the sum of the microbatches' partial
 gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).
@@ -38,7 +43,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Table, forward_only
+from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Phase, Table, forward_only
+from shardc.lowering.pipeline_routes import Placement
 from shardc.lowering.runtime import make_mesh
 from shardc.spec.functions import layer_key
 from shardc.spec.stages import split_layers
@@ -52,8 +58,10 @@ class Pipeline:
 
     ``params``: the block's, each passed stacked [layers, ...]; ``dims``: the microbatch dim of
     each data input of the whole batch (and of the block's output, keyed so).  ``chunks``: the
-    model chunks a device holds (V of Megatron-LM's interleaved schedule, else 1): virtual stage
-    v = chunk x stages + stage, each a run of layers; a tick table's entry is chunk x M + microbatch."""
+    model chunks a device holds (V of Megatron-LM's interleaved schedule, 2 in a ``v_shape``, else 1),
+    each a virtual stage, a run of layers (:class:`~shardc.lowering.pipeline_routes.Placement`: chunk x
+    stages + stage, or in a V stage and 2 stages - 1 - stage); a tick table's entry is chunk x M +
+    microbatch."""
 
     mesh_axes: dict[str, int]
     axis: str
@@ -68,11 +76,20 @@ class Pipeline:
     dims: dict[str, int]
     chunks: int = 1
     stage_layers: tuple[int, ...] | None = None  # the layers each stage holds, where not the even split
+    # the zero-bubble schedules' W ticks: at tick t stage s runs the weight gradient of weight_ticks[t][s]
+    # (B_TABLE's then the input's gradient only); None: each backward whole, at its B tick
+    weight_ticks: Table | None = None
+    v_shape: bool = False  # the chunks in a V (ZBV, DualPipeV: shardc.lowering.pipeline_routes), else interleaved
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
     def stages(self) -> int:
         return self.mesh_axes[self.axis]
+
+    @property
+    def placement(self) -> Placement:
+        """Which virtual stage each device's chunks are, and the sends between them."""
+        return Placement(self.stages, self.chunks, self.v_shape)
 
     @property
     def held(self) -> tuple[int, ...]:
@@ -93,9 +110,9 @@ class Pipeline:
     def slot_layers(self) -> list[int]:
         """Each device's slots in order (its chunks in turn), the layer each holds (``layers`` for an
         empty one): the order of a block param's leading dim, sharded over the stages."""
-        firsts, p = self._firsts(), self.stages
-        return [firsts[c * p + s] + k if k < self.held[c * p + s] else self.layers
-                for s in range(p) for c in range(self.chunks) for k in range(self.slots)]
+        firsts, place = self._firsts(), self.placement
+        return [firsts[u] + k if k < self.held[u] else self.layers for s in range(self.stages)
+                for u in (place.virtual(c, s) for c in range(self.chunks)) for k in range(self.slots)]
 
     def layer_key(self, key: Any, virtual: Any, k: int, j: Any) -> tuple[Any, Any]:
         """The dropout key of layer k of virtual stage ``virtual`` on microbatch j: (the key its layer
@@ -123,13 +140,19 @@ class Pipeline:
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
         return g, tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
 
-    def _perms(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The stage axis's sends down and up: a chain, or a ring where chunks wrap from the last
-        stage to the first (the interleaved order)."""
-        p, ring = self.stages, self.chunks > 1
-        down = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if ring else [])
-        up = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if ring else [])
-        return down, up
+    def _stage_input_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Arrays]]:
+        """B of the stage's layers, last to first: the input's gradient, and what each layer's W reads."""
+        handed: list[Arrays] = [{}] * len(kept)
+        held = jnp.asarray(self.held)[virtual]
+        for k in reversed(range(len(kept))):
+            dx, handed[k] = self.block.backward_input(kept[k], g, self.block_input)
+            g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
+        return g, handed
+
+    def _stage_weight_bwd(self, kept: list[Any], handed: list[Arrays]) -> tuple[Any, ...]:
+        """W of the stage's layers: their params' gradients from the saved values and what B handed on."""
+        grads = [self.block.backward_weight(r, h) for r, h in zip(kept, handed, strict=True)]
+        return tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
 
     def _local(self, backward: bool, key: Any, cotangent: Any, *args: Any) -> tuple[Any, ...]:
         """The schedule on one device: the ends' accumulator (results and their gradients) and, with
@@ -143,50 +166,55 @@ class Pipeline:
         m, p, v = self.microbatches, self.stages, self.chunks
         x = jax.eval_shape(self.ends.first, pool, 0)
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
-        kept = jax.tree.map(lambda a: jnp.zeros((v * m,) + a.shape, a.dtype), shapes)  # by chunk x M + microbatch
+        kept = _buffers(shapes, v * m)  # by chunk x M + microbatch
         zeros = jnp.zeros((v * m,) + x.shape, x.dtype)
-        first, last = stage == 0, stage == p - 1
-        down, up = self._perms()
+        split = backward and self.weight_ticks is not None
+        wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
+        handed = _buffers(jax.eval_shape(self._stage_input_bwd, jax.tree.map(lambda b: b[0], kept), zeros[0],
+                                         stage)[1], v * m) if split else ()  # B's values W reads, until W
+        place = self.placement
+        virtual = place.table()  # [chunk, stage]
 
         def tick(t: Any, carry: Any) -> Any:
-            kept, acts, cots, acc, dparams = carry
+            kept, handed, acts, cots, acc, dparams = carry
             ef = ftab[t, stage]
             e = jnp.maximum(ef, 0)
             c, j = e // m, e % m
-            start = first & (c == 0)  # the first virtual stage reads the ends' input
-            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[e]), params, key,
-                                     c * p + stage, c, j)
+            u = virtual[c, stage]
+            start = u == 0  # the first virtual stage reads the ends' input
+            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[e]), params, key, u, c, j)
             kept = jax.tree.map(lambda buf, r: jnp.where(ef >= 0, buf.at[e].set(r), buf), kept, res)
-            end = (ef >= 0) & last & (c == v - 1)  # the last virtual stage hands on to the ends
+            end = (ef >= 0) & (u == p * v - 1)  # the last virtual stage hands on to the ends
             cot, acc = self.ends.last(pool, y, j, end, acc, backward)
             cots = jnp.where(end, cots.at[e].set(cot), cots)
             # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
-            got = jax.lax.ppermute(y, self.axis, down)
-            sent = ftab[t, (stage - 1) % p]  # what the stage above ran; at stage 0, the last's chunk before
-            into = jnp.maximum(sent, 0) + jnp.where(first, m, 0)  # ... which is this one's next chunk
-            keep = (sent >= 0) & ((stage > 0) | (jnp.maximum(sent, 0) // m < v - 1))
-            acts = jnp.where(keep, acts.at[jnp.minimum(into, v * m - 1)].set(got), acts)
+            acts = place.hand_on(self.axis, acts, y, ftab[t], stage, m, 1)
             if not backward:
-                return kept, acts, cots, acc, dparams
+                return kept, handed, acts, cots, acc, dparams
             eb = btab[t, stage]
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
-            dx, dw = self._stage_bwd(jax.tree.map(lambda buf: buf[e], kept), cots[e], c * p + stage)
-            dparams = tuple(_add_slots(a, jnp.where(eb >= 0, b, 0), c * self.slots)
-                            for a, b in zip(dparams, dw, strict=True))
-            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & first & (c == 0), acc)
-            got = jax.lax.ppermute(dx, self.axis, up)
-            sent = btab[t, (stage + 1) % p]
-            into = jnp.maximum(sent, 0) - jnp.where(last, m, 0)
-            keep = (sent >= 0) & ((stage < p - 1) | (jnp.maximum(sent, 0) // m > 0))
-            cots = jnp.where(keep, cots.at[jnp.maximum(into, 0)].set(got), cots)
-            return kept, acts, cots, acc, dparams
+            u = virtual[c, stage]
+            mine = jax.tree.map(lambda buf: buf[e], kept)
+            if split:  # B now, W at its own tick (of this or an earlier microbatch's B)
+                dx, made = self._stage_input_bwd(mine, cots[e], u)
+                handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[e].set(h), buf), handed, made)
+                ew = wtab[t, stage]
+                w = jnp.maximum(ew, 0)
+                dw = self._stage_weight_bwd(*jax.tree.map(lambda buf: buf[w], (kept, handed)))
+                dparams = _accumulate(dparams, dw, ew >= 0, w // m * self.slots)
+            else:
+                dx, dw = self._stage_bwd(mine, cots[e], u)
+                dparams = _accumulate(dparams, dw, eb >= 0, c * self.slots)
+            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & (u == 0), acc)
+            cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1)
+            return kept, handed, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
         partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), zeros[0], stage)[1]
-        init = (kept, zeros, zeros, self.ends.start(pool, x),
+        init = (kept, handed, zeros, zeros, self.ends.start(pool, x),
                 tuple(jnp.zeros((v * d.shape[0], *d.shape[1:]), d.dtype) for d in partial))
-        _, _, _, acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)
+        acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
         if backward:  # the microbatches' sums reduced, once a step
             acc, dparams = self.ends.finish(acc), self._finish(dparams)
         acc = jax.tree.map(lambda a: a[None], acc)
@@ -245,7 +273,7 @@ class Pipeline:
         """The program's arguments, placed: the dropout key, the cotangent on the last stage, each data
         input cut into microbatches and each end param on the stage that reads it, the block's params."""
         mesh = self.program()[0]
-        args = [np.asarray(key, np.uint32), self._on(cotangent, (-1,))]
+        args = [np.asarray(key, np.uint32), self._on(cotangent, (self.placement.last_stage,))]
         for k in self.ends.inputs():
             x = self.split(inputs[k], self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
@@ -281,6 +309,16 @@ class Pipeline:
         return dict(self.ends.outputs(self, acc)), grads
 
 
+def _buffers(shapes: Any, n: int) -> Any:
+    """Zeros of ``n`` of each of ``shapes`` (a tree of shapes): a value for each microbatch of each chunk."""
+    return jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)
+
+
+def _accumulate(dparams: tuple[Any, ...], dw: tuple[Any, ...], ran: Any, at: Any) -> tuple[Any, ...]:
+    """The params' gradient sums with this tick's ``dw`` added at slot ``at``, where a backward ``ran``."""
+    return tuple(_add_slots(a, jnp.where(ran, b, 0), at) for a, b in zip(dparams, dw, strict=True))
+
+
 def _add_slots(total: Any, part: Any, at: Any) -> Any:
     """``total`` [chunks x slots, ...] with ``part`` [slots, ...] added to the slots from ``at`` on."""
     here = jax.lax.dynamic_slice_in_dim(total, at, part.shape[0], 0)
@@ -299,7 +337,15 @@ def _part(tables: Mapping[str, Any], prefix: str, result: str) -> Part:
                 tables[fn + "backward_local"], tables[table + "BACKWARD_IN"], tables[table + "BACKWARD_OUT"],
                 tables[table + "COTANGENTS"], tables[table + "GRADS"], result, tables.get(table + "KEYED", False),
                 tables.get(fn + "reduce_local"), tables.get(table + "REDUCE_IN"), tables.get(table + "REDUCE_OUT"),
-                tables.get(table + "FINAL_GRADS"))
+                tables.get(table + "FINAL_GRADS"), _phase(tables, fn + "input_backward"),
+                _phase(tables, fn + "weight_backward"))
+
+
+def _phase(tables: Mapping[str, Any], name: str) -> Phase | None:
+    """A phase function and its in and out tables, where the module has them (``input_backward_local``,
+    ``INPUT_BACKWARD_IN``, ``INPUT_BACKWARD_OUT``)."""
+    fn = tables.get(name + "_local")
+    return None if fn is None else (fn, tables[name.upper() + "_IN"], tables[name.upper() + "_OUT"])
 
 
 def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
@@ -307,7 +353,14 @@ def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
     block = _part(tables, "", tables["BLOCK_OUTPUT"])
     return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
                     tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
-                    tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"))
+                    tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"), tables.get("W_TABLE"),
+                    tables.get("V_SHAPE", False))
+
+
+def _last_stage(tables: Mapping[str, Any]) -> int:
+    """The stage that runs the last virtual stage (and what comes after the block)."""
+    stages = tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]]
+    return Placement(stages, tables.get("CHUNKS", 1), tables.get("V_SHAPE", False)).last_stage
 
 
 def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:
@@ -315,7 +368,7 @@ def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:
     ``BLOCK_INPUT``, the last stage keeps ``BLOCK_OUTPUT`` and reads its cotangent ``OUTPUT_COTANGENT``."""
     first, out = tables["BLOCK_INPUT"], tables["BLOCK_OUTPUT"]
     ends = BlockEnds(first, out, tables["FORWARD_IN"][first], tables["FORWARD_OUT"][out], tables["GRADS"][first],
-                     tables["OUTPUT_COTANGENT"])
+                     tables["OUTPUT_COTANGENT"], _last_stage(tables))
     return _pipeline(tables, ends)
 
 
@@ -326,5 +379,5 @@ def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
     pre, post = _part(tables, "PRE", tables["PRE_RESULT"]), _part(tables, "POST", tables["LOSS"])
     ends = ModelEnds(pre, post, tables["PRE_DATA"], tables["POST_DATA"], tables["PRE_PARAMS"], tables["POST_PARAMS"],
                      tables["BLOCK_OUTPUT"], tuple(tables.get("TIED", {})), tables["PIPELINE_AXIS"],
-                     tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]])
+                     tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]], _last_stage(tables))
     return _pipeline(tables, ends)

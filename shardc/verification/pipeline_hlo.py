@@ -2,9 +2,10 @@
 and every collective of the stages' plans by kind, axes and bytes.
 
 The program is a while loop over its schedule's tick table (2(m + p - 1) ticks for
-GPipe and 1F1B) with one collective-permute down and one up in its body, each moving
-one microbatch's shard of the block output (the cost model's ``p2p_bytes``) between
-neighbouring stages.
+GPipe and 1F1B) with one collective-permute down and one up in its body (a ring's each may
+be cut in two; in a V, two each way: activations and cotangents both go down the stages
+and back up), each moving one microbatch's shard of the block output (the cost model's
+``p2p_bytes``) between neighbouring stages.
 
 The stages' own collectives run inside that loop (and a stage's layers inside its
 tick), so the HLO text holds each once per loop body that runs it, not once per run:
@@ -16,7 +17,8 @@ charges them: each must be in the program outside the loop's body.
 
 A param read on both ends of the block (a tied embedding) adds one collective-permute
 each way between the first and the last stage, once a step: each end's sum of its
-contribution to the gradient, swapped (:mod:`shardc.lowering.pipeline_ends`).
+contribution to the gradient, swapped (:mod:`shardc.lowering.pipeline_ends`); none in a V,
+whose first and last virtual stage are both on stage 0.
 """
 
 from __future__ import annotations
@@ -151,36 +153,35 @@ def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] 
                           f"while x {trips}", pipe.axis, None, ticks in trips,
                           "" if ticks in trips else "no loop of that trip count")]
     # interleaved: chunks wrap from the last stage to the first, a ring XLA may cut in two permutes
-    # (its collective-permute cycle decomposer), each moving a microbatch between its own pairs
-    ring = getattr(lowered.namespace, "CHUNKS", 1) > 1
-    most, left = 2 if ring else 1, list(found)
-    for step, what in ((1, "activations s -> s+1"), (-1, "cotangents s+1 -> s")):
-        mine = _take(left, _stage_pairs(lowered, step, ring), most)
-        left = [c for c in left if c not in mine]
-        ok = bool(mine) and all(c.bytes(nbytes) == want_bytes for c in mine)
-        rows.append(CollectiveRow("step", f"ppermute_{pipe.axis} a tick: {what}, a microbatch", "CollectivePermute",
-                                  pipe.axis, want_bytes, f"collective-permute x {len(mine)}", pipe.axis,
-                                  max((c.bytes(nbytes) for c in mine), default=0), ok,
-                                  "" if ok else "not one of the bytes"))
-    if left or not 2 <= len(found) <= 2 * most:
-        want = "2" if most == 1 else "2 to 4"
+    # (its collective-permute cycle decomposer), each moving a microbatch between its own pairs; in a V
+    # (zbv) activations and cotangents each go down the stages and up (shardc.lowering.pipeline_routes)
+    place = lowered.namespace.PIPELINE.placement
+    ring = place.chunks > 1 and not place.v_shape
+    most, left, links = 2 if ring else 1, list(found), 0
+    for step, what in ((1, "activations"), (-1, "cotangents")):
+        for pairs in place.links(step):
+            mine = _take(left, _device_pairs(lowered, pairs), most)
+            left, links = [c for c in left if c not in mine], links + 1
+            ok = bool(mine) and all(c.bytes(nbytes) == want_bytes for c in mine)
+            way = "s -> s+1" if pairs[0][1] > pairs[0][0] else "s+1 -> s"
+            rows.append(CollectiveRow("step", f"ppermute_{pipe.axis} a tick: {what} {way}, a microbatch",
+                                      "CollectivePermute", pipe.axis, want_bytes, f"collective-permute x {len(mine)}",
+                                      pipe.axis, max((c.bytes(nbytes) for c in mine), default=0), ok,
+                                      "" if ok else "not one of the bytes"))
+    if left or not links <= len(found) <= links * most:
+        want = f"{links}" if most == 1 else f"{links} to {links * most}"
         rows.append(CollectiveRow("step", "", "CollectivePermute", "-", None, "collective-permute", "-", None,
                                   False, f"{len(found)} permutes in the HLO, not {want}"
                                   + (f" ({len(left)} not the stages' sends)" if left else "")))
     return rows
 
 
-def _stage_pairs(lowered: PipelineLowered, step: int, ring: bool) -> set[tuple[int, int]]:
-    """Every device's send to the stage ``step`` (1 or -1) away along the stage axis (wrapping around
-    in a ``ring``), as (source, target) device ids."""
+def _device_pairs(lowered: PipelineLowered, stage_pairs: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Every device's sends of the (source, target) stage pairs, as (source, target) device ids."""
     stride, stages = _stride(lowered), lowered.pipeline.stages
     devices = math.prod(s for _, s in _mesh(lowered))
-    pairs = set()
-    for d in range(devices):
-        stage = d // stride % stages
-        if ring or 0 <= stage + step < stages:
-            pairs.add((d, d + ((stage + step) % stages - stage) * stride))
-    return pairs
+    return {(d, d + (target - source) * stride) for d in range(devices) for source, target in stage_pairs
+            if d // stride % stages == source}
 
 
 def _take(found: list[Collective], pairs: set[tuple[int, int]], most: int) -> list[Collective]:
@@ -200,7 +201,7 @@ def _tied_permutes(lowered: PipelineLowered,
     """A tied param's two permutes between the end stages (each end's sum of its contribution), and the
     permutes left."""
     ends, ns = lowered.ends, lowered.namespace
-    if ends is None or not ends.tied:
+    if ends is None or not ends.tied or ns.PIPELINE.placement.last_stage == 0:  # in a V both ends are on stage 0
         return [], found
     nbytes, reach = lowered.plan.spec.dtype.nbytes, _stride(lowered) * (lowered.pipeline.stages - 1)
     own = {final: partial for partial, final in getattr(ns, "PRE_FINAL_GRADS", {}).items()}

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from shardc.errors import clip
-from shardc.lowering.pipeline_lowering import PipelineLowered, tick_tables
+from shardc.lowering.pipeline_lowering import PipelineLowered, tick_tables, weight_ticks
 from shardc.spec.stages import splits
 from shardc.verification.module_check import LOWER_FIX, ModuleRejected, load_given, running, same_table
 
@@ -31,7 +31,7 @@ __all__ = ["use_pipeline_module"]
 
 # the sizes of the run a module was written for: verify replaces them with its own
 _SIZES = ("MESH_AXES", "PIPE_MESH_AXES", "STAGES", "LAYERS", "MICROBATCHES", "MICROBATCH", "F_TABLE", "B_TABLE",
-          "DIMS", "STAGE_LAYERS")
+          "W_TABLE", "DIMS", "STAGE_LAYERS")
 _BUILT = ("PROGRAM", "PIPELINE")  # what the module builds from its tables
 _DATA = (dict, tuple, list, frozenset, set, str, int, float, bool, type(None))
 _MOST_TICKS = 1_000_000  # stages x microbatches past which the schedule is not simulated again to check
@@ -86,7 +86,7 @@ def _written_run(ns: Any, lowered: PipelineLowered, label: str) -> str:
         wrong = f"its MICROBATCHES={clip(repr(micro), 40)} and MICROBATCH={clip(repr(ns.MICROBATCH), 60)} disagree"
     elif stages * micro > _MOST_TICKS:
         wrong = f"its {stages} stages x {micro} microbatches are too many to check its tick tables"
-    elif (ns.F_TABLE, ns.B_TABLE) != _ticks(lowered.pipeline.schedule.name, stages, micro, ns.CHUNKS):
+    elif (ns.F_TABLE, ns.B_TABLE, ns.W_TABLE) != _ticks(lowered.pipeline.schedule.name, stages, micro, ns.CHUNKS):
         wrong = f"its tick tables are not {lowered.pipeline.schedule.name}'s for {stages} stages and {micro} " \
                 "microbatches"
     if wrong is not None:
@@ -98,10 +98,11 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 1
 
 
-def _ticks(schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """The schedule's tick tables as a module writes them (tuples of tuples)."""
-    tables = tick_tables(schedule, stages, microbatches, chunks)
-    return tuple(tuple(tuple(row) for row in table) for table in tables)
+def _ticks(schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[Any, ...]:
+    """The schedule's tick tables as a module writes them (tuples of tuples; W's None where the backward
+    runs whole)."""
+    tables = (*tick_tables(schedule, stages, microbatches, chunks), weight_ticks(schedule, stages, microbatches))
+    return tuple(None if table is None else tuple(tuple(row) for row in table) for table in tables)
 
 
 def _run_at(ns: Any, ours: Any) -> None:

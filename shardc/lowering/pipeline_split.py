@@ -1,0 +1,94 @@
+"""A pipelined block's backward in two, for the zero-bubble schedules: B (the input's gradient) and W
+(the weights').
+
+Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", section 2) split a layer's backward: B
+computes the gradient of the layer's input, which the previous stage waits for; W the
+gradients of its weights, which nothing waits for, so the schedule runs it at a later tick
+(ZB-H1: stage s's W of a microbatch s microbatches after its B).  Here B is every step of
+the stage plan's backward that the block input's gradient needs, directly or through another
+step; W is the rest (each microbatch's partial weight gradients; their reductions run once a
+step, :mod:`shardc.lowering.pipeline_grads`).
+
+W reads only what the forward saved (its residuals, as the whole backward reads them) and
+what B hands it: the values B made that W reads (the gradient of an intermediate, dH of
+``H = X · W1`` for ``dW1 = X^T · dH``) and the layer output's cotangent, which inside a stage
+of several layers is the next layer's B's result.  So W can run at any tick after B, and
+needs nothing of the ticks between.
+
+The two functions are cut from the stage module's backward phase (one line a step, in the
+plan's order), so they run the very lines the whole backward runs, each line once.
+"""
+
+from __future__ import annotations
+
+from shardc.errors import InternalError
+from shardc.ir.plan import Op, Step
+from shardc.ir.spec import TensorRef
+from shardc.lowering import template
+from shardc.lowering.codegen import Boundary, Phase
+
+__all__ = ["split_backward", "split_source"]
+
+
+def _key(ref: TensorRef) -> TensorRef:
+    """A value's identity, as the generated code names values: partial-sum axes sorted."""
+    return TensorRef(ref.name, ref.dims, tuple(sorted(ref.unreduced)))
+
+
+def _reads(step: Step) -> tuple[TensorRef, ...]:
+    """What a step's line names (as :mod:`shardc.lowering.codegen` writes it): its operands and the
+    values it reads the shape of, or its source."""
+    if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE):
+        return tuple(map(_key, step.operands + step.shapes))
+    return (_key(step.src),) if step.src is not None else ()
+
+
+def _needed(steps: tuple[Step, ...], target: TensorRef) -> set[int]:
+    """The steps ``target`` needs, directly or through another step: B."""
+    need, steps_of_b = {target}, set()
+    for k in reversed(range(len(steps))):
+        if _key(steps[k].dst) in need:
+            steps_of_b.add(k)
+            need.update(_reads(steps[k]))
+    return steps_of_b
+
+
+def split_backward(steps: tuple[Step, ...], backward: Phase, input_grad: str,
+                   cotangents: frozenset[str]) -> tuple[Phase, Phase]:
+    """``backward`` (the phase :mod:`shardc.lowering.codegen` wrote from ``steps``; ``cotangents``: its
+    inputs' keys that are cotangents) as B, which makes the gradient ``input_grad`` and hands W what it
+    reads, and W, which makes every other gradient."""
+    if len(steps) != len(backward.body):
+        raise InternalError("the backward phase does not have one line a step", fix="this is a shardc bug")
+    (target,) = [b for b in backward.outputs if b.key == input_grad]
+    in_b = _needed(steps, target.ref)
+    made_by_b = {_key(steps[k].dst) for k in in_b}
+    boundary = {b.ref: b for b in backward.inputs}
+    for k, step in enumerate(steps):  # a line is `var = ...  # ...`: the variable it binds
+        var = backward.body[k].split(" = ", 1)[0]
+        boundary.setdefault(_key(step.dst), Boundary(var, var, _key(step.dst)))
+    w_lines = [k for k in range(len(steps)) if k not in in_b]
+    w_made = {_key(steps[k].dst) for k in w_lines}
+    outputs = tuple(b for b in backward.outputs if b.key != input_grad)
+    w_reads = [r for k in w_lines for r in _reads(steps[k])] + [b.ref for b in outputs]
+    w_external = [boundary[r] for r in dict.fromkeys(w_reads) if r not in w_made]
+    # what B hands W: the values B made that W reads, and the cotangents W reads (passed on by B)
+    handed = tuple(b for b in w_external if b.ref in made_by_b or b.key in cotangents)
+    saved = tuple(b for b in w_external if b not in handed)
+    b_reads = {r for k in in_b for r in _reads(steps[k])} | {b.ref for b in handed}
+    b_inputs = tuple(b for b in backward.inputs if b.ref in b_reads)
+    b_out = (target,) + tuple(b for b in handed if b.key != target.key)
+    b = Phase("input_backward", b_inputs, b_out, tuple(backward.body[k] for k in sorted(in_b)))
+    w = Phase("weight_backward", saved + handed, outputs, tuple(backward.body[k] for k in w_lines))
+    return b, w
+
+
+def split_source(steps: tuple[Step, ...], backward: Phase, input_grad: str, cotangents: frozenset[str]) -> str:
+    """B's and W's functions (``input_backward_local``, ``weight_backward_local``) and their tables
+    (``INPUT_BACKWARD_IN``, ``..._OUT``, ``WEIGHT_BACKWARD_IN``, ``..._OUT``), as module text."""
+    text = ""
+    for phase in split_backward(steps, backward, input_grad, cotangents):
+        name = phase.name.upper()
+        text += "\n" + template.specs(f"{name}_IN", phase.inputs) + template.specs(f"{name}_OUT", phase.outputs)
+        text += "\n\n" + template.function(phase) + "\n"
+    return text
