@@ -141,6 +141,9 @@ class Step:
     # interleaved with its block matmuls; its operands are then the gather's source, or its result the
     # scatter's destination
     collective: Step | None = None
+    # an AllToAll moving the slots of a node-limited routing: its (k, limit, groups), which bound the
+    # copies of a token that cross nodes (shardc.collectives._routed_terms)
+    routed: tuple[int, int, int] | None = None
 
     @property
     def is_collective(self) -> bool:

@@ -43,7 +43,7 @@ from shardc.sharding.unit import (
 )
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
-from shardc.spec.walk import layer_inputs, leaves
+from shardc.spec.walk import layer_inputs, leaves, node_limits
 from shardc.timing import PhaseTime, PlanTime, StepCost, plan_time
 from shardc.topology import check_topology
 
@@ -310,7 +310,7 @@ def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | Non
     return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
                        graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
                        padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
-                       element_bytes=graph.element_bytes)
+                       element_bytes=graph.element_bytes, routings=node_limits(spec))
 
 
 # the search caches shared inside shared_search(): the key of what a context is made of -> (chip, context)
@@ -339,7 +339,8 @@ def _shared(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None
         return _context(spec, graph, hw, spans, units, places)
     key = (str(without_unit_axes(spec.mesh)), spec.dtype, tuple(spec.sizes.items()) if spec.dims else None,
            graph.params, tuple(sorted(graph.grads.items())), tuple(sorted((spans or {}).items())), spec.topology,
-           tuple(uneven_dims(spec)), units, repr(places), tuple(sorted(graph.element_bytes.items())))
+           tuple(uneven_dims(spec)), units, repr(places), tuple(sorted(graph.element_bytes.items())),
+           tuple(sorted(node_limits(spec).items())))
     hit = shared.get(key)
     if hit is None or hit[0] is not hw:  # the chip by identity: the search's one Hardware
         hit = shared[key] = (hw, _context(spec, graph, hw, spans, units, places))
