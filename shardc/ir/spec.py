@@ -354,10 +354,13 @@ class Spec:
     stage_layers: tuple[int, ...] | None = None  # the layers each stage holds; None: the even split
     schedule: Schedule | None = None  # None: the default, 1f1b
     zero: Zero | None = None  # ZeRO stage and axes (`zero 1 over X`); None: the state is sharded as the params
+    # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
+    # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors
+    recompute: tuple[str, ...] = ()
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
-    # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in" and
-    # "const:Mask" (one entry each).
+    # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in",
+    # "const:Mask" and "recompute:W_uq" (one entry each).
     header_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, hash=False, repr=False)
 
     def span_of(self, key: str) -> Span | None:
@@ -399,6 +402,8 @@ class Spec:
             lines.append(f"schedule {self.schedule}")
         if self.zero is not None:
             lines.append(str(self.zero))
+        if self.recompute:
+            lines.append("recompute " + ", ".join(self.recompute))
         for k, statement in enumerate(self.statements):
             if self.block is not None and k == self.block[0]:
                 lines.append(f"layers {self.layers} {{")

@@ -26,9 +26,9 @@ from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.collective_matmul import fuse_collective_matmuls
-from shardc.planner.fold import fold_redundant
+from shardc.planner.fold import fold_redundant, share_recomputed
 from shardc.planner.graph import Graph, build_graph
-from shardc.planner.recompute import attention_region, keeps_layer_inputs, policy, recompute_steps
+from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.sharding.einsum import Solution
 from shardc.sharding.layout import CostContext, SearchTooLong, Value
@@ -423,7 +423,9 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     if keeps_layer_inputs(recompute):  # each layer's input is its checkpoint: the backward reruns the layer from it
         start += [declared[n] for n in layer_inputs(spec)]
     mode, rerun = policy(recompute, graph.params)
-    again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun)
+    again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun,
+                            named_values(graph, spec.recompute))
+    bwd = share_recomputed(again, bwd)
     return Plan(
         spec=spec,
         forward=fwd,
