@@ -114,6 +114,15 @@ def test_the_infiniband_part_is_bounded_by_the_nodes_a_token_reaches() -> None:
     assert _alltoall_s(limited) < _alltoall_s(plain)
 
 
+def test_verify_s_small_sizes_keep_whole_groups_holding_k_experts() -> None:
+    from shardc.lowering.sizes import small_sizes
+
+    text = _layer("8 over E, 4, 8").replace("dims G=4, S=8, E=8, C=8, D=6, F=5", "dims G=64, S=4096, E=256, C=128, "
+                                            "D=7168, F=2048")
+    sizes = small_sizes(shardc.plan(shardc.parse(text)))
+    assert sizes["E"] % 8 == 0 and sizes["E"] // 8 * 4 >= 8 and sizes["E"] < 256
+
+
 @pytest.mark.parametrize(("route", "message"), [
     ("2 over E, 5, 4", "node limit 5 of 4 groups is not a whole number from 1"),
     ("2 over E, 1, 3", "3 groups of the 8 experts along E do not divide them"),
