@@ -180,9 +180,9 @@ class CostContext:
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
     _compute: dict[tuple[object, ...], float] = field(default_factory=dict)
-    # (name, indices, value) -> its TensorRef and that ref's text: every candidate plan remakes them
     # (expert index, slot index) -> (k, limit, groups) of each node-limited routing (shardc.spec.walk.node_limits)
     routings: dict[tuple[str, str], Routed] = field(default_factory=dict)
+    # (name, indices, value) -> its TensorRef and that ref's text: every candidate plan remakes them
     refs: dict[tuple[str, tuple[str, ...], Value], TensorRef] = field(default_factory=dict)
     texts: dict[tuple[str, tuple[str, ...], Value], str] = field(default_factory=dict)
     # (an einsum problem up to names, the compute weight) -> its solutions: the candidate plans of one
