@@ -1,23 +1,22 @@
 """DeepSeek-V3's memory per GPU, stage by stage, as shardc counts it and as the report ran it.
 
-    python benchmarks/deepseek_v3_memory.py [benchmarks/runs/deepseek_v3.shard] [--stages 0,1]
+    python benchmarks/deepseek_v3_memory.py [benchmarks/runs/deepseek_v3.shard] [--stages 0,1,3]
 
-Prints, for the pipeline stages asked, the training state (params, gradients, optimizer state),
-the gathered weights and the activations (one microbatch's times the microbatches the stage holds
-under the spec's schedule), under three accountings:
+Prints, for the pipeline stages asked (under DualPipe a device: 0 holds stages 0 and 15, 3 holds
+stages 3 and 12, the fullest), the training state (params, gradients, optimizer state), the gathered
+weights and the activations (one microbatch's times the microbatches the stage holds under the spec's
+schedule), under three accountings:
 
 * ``shardc``: ``shardc cost --recompute selective`` as it is (``adam10``; every kept value at the
-  spec's dtype, f8: 1 byte);
+  spec's dtype, f8: 1 byte), the spec's ``recompute`` line recomputing what the report recomputes
+  ("DeepSeek-V3 Technical Report", arXiv 2412.19437, section 3.2.3: every RMSNorm and the MLA
+  up-projections; section 3.3.2: the MoE SwiGLU's output);
 * ``+ state``: the report's optimizer state (``--optimizer mixed14``: bf16 params, fp32 gradients
   accumulated over the microbatches, fp32 master weights, bf16 Adam moments);
-* ``+ recompute, precision``: the report's recomputation and cached-activation formats
-  ("DeepSeek-V3 Technical Report", arXiv 2412.19437, sections 3.2.3 and 3.3.4) applied to the values
-  ``--recompute selective`` keeps: the RMSNorm outputs, the MLA up-projections' outputs (the einsums
-  reading ``--up`` params) and the SwiGLU outputs (a silu and the product reading it) recomputed;
-  the inputs of a matmul with a weight (a Linear's input) and of a SwiGLU cached in FP8 (1 byte);
-  every other value in BF16 (2 bytes; token ids int32).  shardc has no recompute policy that drops
-  exactly these (``dots-except`` also drops the dispatched tokens and the attention output), so the
-  third column is computed here from shardc's own table of kept values.
+* ``+ formats``: the report's cached-activation formats (section 3.3.2) on the values shardc keeps: the
+  inputs of a matmul with a weight (a Linear's input) and of a SwiGLU cached in FP8 (1 byte), every
+  other value in BF16 (2 bytes; token ids int32).  shardc prices a value at the spec's one dtype, so
+  this column is computed here from shardc's own table of kept values.
 """
 
 from __future__ import annotations
@@ -45,23 +44,14 @@ def _params(step: Step, plan: Plan) -> set[str]:
     return {r.name for r in step.operands if r.name in declared}
 
 
-def paper_bytes(plan: Plan, up: tuple[str, ...]) -> dict[TensorRef, float]:
-    """Bytes an element of each value the report keeps (0: recomputed), from the plan's forward steps."""
-    made = {s.dst: s for s in plan.forward}
+def paper_bytes(plan: Plan) -> dict[TensorRef, float]:
+    """Bytes an element of each value the plan keeps, in the report's cached formats."""
     silu = {s.dst for s in plan.forward if str(s.fn) == "silu"}
-    recomputed = {s.dst for s in plan.forward
-                  if str(s.fn) == "rmsnorm_apply"
-                  or any(p.startswith(up) for p in _params(s, plan))
-                  or s.dst in silu
-                  or (s.op.value == "einsum" and not _params(s, plan) and any(r in silu for r in s.operands))}
     fp8 = {r for s in plan.forward if _params(s, plan) or str(s.fn) == "silu" for r in s.operands} \
         | {r for s in plan.forward if any(o in silu for o in s.operands) for r in s.operands}
     out = {}
     for ref, _ in residual_table(plan):
-        source = made.get(ref)
-        if ref in recomputed or (source is not None and str(source.fn) == "alias" and source.operands[0] in recomputed):
-            out[ref] = 0.0
-        elif plan.nbytes(ref.name) == 4:  # token ids
+        if plan.nbytes(ref.name) == 4:  # token ids
             out[ref] = 4.0
         else:
             out[ref] = 1.0 if ref in fp8 else 2.0
@@ -99,13 +89,12 @@ def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", nargs="?", default=str(ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"))
-    parser.add_argument("--stages", default="0,1", help="pipeline stages to show")
-    parser.add_argument("--up", default="W_uq,W_qr,W_uk,W_uv", help="the MLA up-projections' params (prefixes)")
+    parser.add_argument("--stages", default="0,1,3", help="pipeline stages to show")
     args = parser.parse_args()
     spec = shardc.parse(Path(args.spec).read_text(), filename=args.spec)
     plan = shardc.plan(spec, recompute="selective")
-    paper = paper_bytes(plan, tuple(args.up.split(",")))
-    columns = (("shardc", "adam10", None), ("+ state", "mixed14", None), ("+ recompute, precision", "mixed14", paper))
+    paper = paper_bytes(plan)
+    columns = (("shardc", "adam10", None), ("+ state", "mixed14", None), ("+ formats", "mixed14", paper))
     for stage in (int(s) for s in args.stages.split(",")):
         rows = [stage_rows(plan, optimizer, stage, element) for _, optimizer, element in columns]
         print(f"stage {stage}: " + "  ".join(f"{name:>24}" for name, _, _ in columns))

@@ -60,8 +60,8 @@ PUBLISHED = (
         step_s=96 * 1536 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288))
         / (384 * 153e12)),
     # 180K H800 GPU-hours per trillion tokens on 2048 GPUs, a step of 15360 x 4096 tokens: 19.9 s; the
-    # report recomputes RMSNorm and MLA's up-projections and keeps no attention scores (selective is
-    # the nearest policy shardc names); DualPipe's overlap of the AllToAlls is not modelled
+    # report recomputes RMSNorm and MLA's up-projections (the spec's `recompute` line) and keeps no
+    # attention scores (selective); DualPipe pairs each forward with another microbatch's backward
     Run("DeepSeek-V3 671B, 2048 H800", "benchmarks/runs/deepseek_v3.shard", "selective",
         "DeepSeek-AI 2024, arXiv 2412.19437, sections 1 and 3.2", step_s=180e3 * 3600 / 2048 * 15360 * 4096 / 1e12),
     # MosaicML's MPT throughput table (mosaicml/llm-foundry): PyTorch FSDP FULL_SHARD on nodes of 8 GPUs, flash

@@ -70,7 +70,7 @@ from shardc.topology import AxisLinks, Ring
 
 __all__ = ["Op", "OpInfo", "TABLE", "COLLECTIVES", "FACTOR", "BY_HLO_OP", "CollectiveTime", "collective_time",
            "links", "hops", "split_axes", "Layout", "axis_links", "share", "piece", "volume_elements",
-           "bandwidth_terms", "einsum_flops", "NCCL_BASE_S", "NCCL_NVLINK_STEP_S", "NCCL_NET_STEP_S"]
+           "bandwidth_terms", "einsum_flops", "NCCL_BASE_S", "NCCL_NVLINK_STEP_S", "NCCL_NET_STEP_S", "Routed"]
 
 
 class Op(enum.Enum):
@@ -251,7 +251,33 @@ def _torus_all_to_all(rings: list[Ring]) -> Fraction:
     return Fraction(chips / worst).limit_denominator(1 << 20)
 
 
-def _node_terms(op: Op, inner: int, outer: int, speed: float, nvls: float = 0.0) -> dict[str, Fraction]:
+# (k, limit, groups) of a node-limited routing whose slots an AllToAll moves (``k over E, M, G``)
+Routed = tuple[int, int, int]
+
+
+def _routed_terms(inner: int, outer: int, routed: Routed) -> tuple[Fraction | None, Fraction | None]:
+    """(ICI, DCN) divisors of an AllToAll's V/4 that moves the slots of a node-limited routing, run as
+    DeepSeek-V3 runs it ("DeepSeek-V3 Technical Report", arXiv 2412.19437, section 3.2.2).
+
+    A token's row crosses InfiniBand once to each node it routes to (to the GPU of its own index
+    there), then NVLink forwards it to its experts' GPUs.  Its k experts lie in at most ``limit``
+    groups, so on at most ``min(k, outer, limit * ceil(outer / groups))`` nodes (the experts laid on
+    the nodes in order, ``groups`` blocks of them), each another node with probability
+    (outer-1)/outer: that share of a routed row's k copies crosses nodes where the unlimited
+    AllToAll sends every copy to its expert's GPU.  Inside the destination node every copy moves
+    to its expert's GPU but the (1/inner) landing where it arrived.  V is the piece a GPU sends, k
+    copies of each of its tokens, times the group.
+    """
+    k, limit, groups = routed
+    n = inner * outer
+    nodes = min(k, outer, limit * -(-outer // groups))
+    ici = Fraction(n * inner, 4 * (inner - 1)) if inner > 1 else None
+    dcn = Fraction(n * outer * k, 4 * nodes * (outer - 1)) if outer > 1 else None
+    return ici, dcn
+
+
+def _node_terms(op: Op, inner: int, outer: int, speed: float, nvls: float = 0.0,
+                routed: Routed | None = None) -> dict[str, Fraction]:
     """Per network, the divisor of ``factor * V`` on a GPU cluster, and only the slower phase's.
 
     A collective over ``inner`` GPUs of each of ``outer`` nodes runs as NCCL's hierarchical
@@ -260,11 +286,14 @@ def _node_terms(op: Op, inner: int, outer: int, speed: float, nvls: float = 0.0)
     rail, (outer-1)/outer of that at W_dcn.  The phases are pipelined (chunks of one cross nodes while
     the next moves in the node), so the slower one sets the time.  An AllToAll sends each peer
     V / n^2: inside the node (inner-1) of them at W_ici, across nodes (n-inner) at W_dcn (the
-    bisection), at once.  An AllReduce inside one node takes the faster of the ring and NVLink SHARP
-    (``nvls`` > 0, :func:`_nvls_divisor`).
+    bisection), at once; one moving a node-limited routing's slots (``routed``), as
+    :func:`_routed_terms` says.  An AllReduce inside one node takes the faster of the ring and NVLink
+    SHARP (``nvls`` > 0, :func:`_nvls_divisor`).
     """
     n = inner * outer
-    if op is Op.ALL_TO_ALL:  # the table's V/4 weighting undone: V * peers / n^2
+    if op is Op.ALL_TO_ALL and routed is not None and outer > 1:
+        ici, dcn = _routed_terms(inner, outer, routed)
+    elif op is Op.ALL_TO_ALL:  # the table's V/4 weighting undone: V * peers / n^2
         ici = Fraction(n * n, 4 * (inner - 1)) if inner > 1 else None
         dcn = Fraction(n * n, 4 * (n - inner)) if outer > 1 else None
     else:
@@ -291,15 +320,15 @@ def _nvls_divisor(gpus: int, nvls: float) -> Fraction:
 
 def bandwidth_terms(op: Op, volume: _N, axes: tuple[str, ...], mesh: Mesh, size: Callable[[str], _N],
                     layout: Layout | None, number: Callable[[Fraction], _N],
-                    sizes: Mapping[str, int] | None = None) -> dict[str, tuple[_N, _N]]:
+                    sizes: Mapping[str, int] | None = None, routed: Routed | None = None) -> dict[str, tuple[_N, _N]]:
     """Per network a collective crosses (``"ici"``, ``"dcn"``): (weighted bytes, divisor of that W).
 
     Its bandwidth time is the sum of ``weighted / (W * divisor)`` (see the module
     docstring): the ICI part moves ``factor * V`` over the links of its ICI axes, the
     DCN part over the group of its ICI axes; on a GPU cluster's layout, the slower phase
-    (:func:`_node_terms`).  ``number`` makes a table fraction of the volume's kind (``float``,
-    or an exact rational for formulas); the divisors are numbers, from the mesh's sizes
-    (``sizes`` over them).
+    (:func:`_node_terms`; ``routed``: an AllToAll of a node-limited routing's slots).  ``number``
+    makes a table fraction of the volume's kind (``float``, or an exact rational for formulas); the
+    divisors are numbers, from the mesh's sizes (``sizes`` over them).
     """
     info = TABLE[op]
     assert info.factor is not None, f"{op} moves nothing"
@@ -308,7 +337,7 @@ def bandwidth_terms(op: Op, volume: _N, axes: tuple[str, ...], mesh: Mesh, size:
     if nodes is not None and info.neighbour:  # one way at a GPU's egress, or its rail across nodes
         return {"dcn" if nodes[1] > 1 else "ici": (weighted, number(Fraction(1)))}
     if nodes is not None:
-        return {k: (weighted, number(v)) for k, v in _node_terms(op, *nodes).items()}
+        return {k: (weighted, number(v)) for k, v in _node_terms(op, *nodes, routed=routed).items()}
     ici, dcn = split_axes(mesh, axes)
     terms: dict[str, tuple[_N, _N]] = {}
     if ici:
@@ -362,11 +391,13 @@ class CollectiveTime:
 
 
 def collective_time(op: Op, volume_bytes: float, axes: tuple[str, ...], mesh: Mesh, sizes: Mapping[str, int],
-                    hw: Hardware, spans: Layout | None = None) -> CollectiveTime:
-    """The time of one collective moving ``volume_bytes`` (V) over ``axes`` (see the module docstring)."""
+                    hw: Hardware, spans: Layout | None = None, routed: Routed | None = None) -> CollectiveTime:
+    """The time of one collective moving ``volume_bytes`` (V) over ``axes`` (see the module docstring;
+    ``routed``: an AllToAll of a node-limited routing's slots, :func:`_routed_terms`)."""
     if math.prod(sizes[a] for a in axes) == 1:
         return CollectiveTime(0.0, 0.0, "")  # over size-1 axes nothing moves (XLA drops it)
-    terms = bandwidth_terms(op, float(volume_bytes), axes, mesh, lambda a: float(sizes[a]), spans, float, sizes)
+    terms = bandwidth_terms(op, float(volume_bytes), axes, mesh, lambda a: float(sizes[a]), spans, float, sizes,
+                            routed)
     bandwidth = {"ici": hw.w_ici, "dcn": hw.w_dcn}
     seconds = 0.0
     for network, (weighted, divisor) in terms.items():

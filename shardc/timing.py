@@ -200,7 +200,7 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
     text = describe(step) if text is None else text
     if step.is_collective:
         volume = step_volume(step, sizes)
-        t = collective_time(step.op, volume, step.axes, mesh, sizes, hw, spans)
+        t = collective_time(step.op, volume, step.axes, mesh, sizes, hw, spans, step.routed)
         return StepCost(index, step.op, step.tensor, text, step.axes, t.network, volume,
                         volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead,
                         once=step.once, serial=t.serial)

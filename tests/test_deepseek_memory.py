@@ -1,5 +1,6 @@
-"""``benchmarks/deepseek_v3_memory.py``: the report's recomputation and cached-activation formats
-applied to the values shardc keeps, on a DeepSeek-V3-shaped layer small enough to plan at once."""
+"""DeepSeek-V3's recomputation (a spec's ``recompute`` line) and ``benchmarks/deepseek_v3_memory.py``'s
+cached-activation formats on the values shardc keeps, on a DeepSeek-V3-shaped layer small enough to plan
+at once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYER = """mesh X=2
 dims B=4, S=8, T=8, D=16, N=2, H=4, Q=8, R=4, E=4, C=4, F=8
 param W_dq, W_uq, W_dkv, W_uk, W_uv, W_o, W_r, W_gate, W_up, W_down
+recompute rmsnorm, W_uq, W_uk, W_uv, Gt, A
 L1[B_X, S, D] = rmsnorm(X[B_X, S, D] over D)
 Cq[B_X, S, Q] = rmsnorm(L1[B_X, S, D] · W_dq[D, Q] over Q)
 Qn[B_X, S, N, H] = Cq[B_X, S, Q] · W_uq[Q, N, H]
@@ -46,11 +48,25 @@ def _benchmark():  # type: ignore[no-untyped-def]
 
 def test_norms_up_projections_and_swiglu_outputs_recomputed_linear_inputs_in_fp8() -> None:
     plan = shardc.plan(shardc.parse(LAYER), recompute="selective")
-    kept = {ref.name: size for ref, size in _benchmark().paper_bytes(plan, ("W_uq", "W_uk", "W_uv")).items()}
-    # recomputed: every RMSNorm's output, the MLA up-projections' outputs, the SwiGLU's silu and product
-    assert {name for name, size in kept.items() if size == 0} >= {"L1", "Cq", "Ckv", "L2", "Qn", "Kn", "Vl",
-                                                                  "Gt", "A"}
+    kept = {ref.name: size for ref, size in _benchmark().paper_bytes(plan).items()}
+    # recomputed, so not kept: every RMSNorm's output, the MLA up-projections' outputs, the SwiGLU's silu
+    # and product (and the rename of a norm's output)
+    recomputed = {"L1", "Kx", "Cq", "Ckv", "L2", "Qn", "Kn", "Vl", "Gt", "A"}
+    assert not recomputed & set(kept)
+    assert recomputed <= {s.tensor for s in plan.recomputed}
     # a Linear's input (the dispatched tokens, the attention output) and the SwiGLU's inputs in FP8
-    assert {kept[name] for name in ("In", "At", "U")} == {1.0}
+    assert {kept[name] for name in ("In", "At", "U", "Gt_t1")} == {1.0}
     # the rest in BF16: the residual stream, the experts' outputs the combine reads
     assert {kept[name] for name in ("R1", "Ex")} == {2.0}
+
+
+def test_the_recompute_line_costs_its_rerun_in_the_backward() -> None:
+    """What the line names is made again in the backward: its FLOPs count there, its bytes not in memory."""
+    lean = shardc.cost(shardc.plan(shardc.parse(LAYER), recompute="selective"))
+    plain = shardc.cost(shardc.plan(shardc.parse(LAYER.replace("recompute rmsnorm, W_uq, W_uk, W_uv, Gt, A\n", "")),
+                                    recompute="selective"))
+    b, s, t, q, r, n, h, e, c, f = 4, 8, 8, 8, 4, 2, 4, 4, 4, 8
+    up = 2 * (b * s * q * n * h + 2 * b * t * r * n * h)  # Qn, Kn and Vl again, each an einsum of 2 FLOPs a term
+    swiglu = 2 * b * e * c * f  # A = Gt * U again (the norms and silu are no einsums)
+    assert lean.backward.compute_flops - plain.backward.compute_flops == (up + swiglu) / 2  # B over X=2
+    assert lean.memory.residual_bytes < plain.memory.residual_bytes

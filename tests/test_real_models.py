@@ -10,7 +10,6 @@ import pytest
 
 import shardc
 from shardc.cli.main import main
-from shardc.ir.localops import Attention
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -89,10 +88,9 @@ def test_each_pipelined_model_lowers_at_its_own_sizes(path: Path, tmp_path: Path
 
 
 def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() -> None:
-    """Its 128K stage: the same parameters, the sequence over C, and the fullest stage within 80 GB under
-    `--recompute dots`.  Of the context-parallel forms the planner weighs it takes ring attention over C
-    (K and V passed around C a block a step, under the kernel's compute), in its model faster than
-    gathering K and V over C (LLaMA 3's form, the paper's)."""
+    """Its 128K stage: the same parameters, the sequence over C (K and V gathered inside attention,
+    LLaMA 3's context-parallel form, the cheapest of the forms the planner weighs), and the fullest stage
+    within 80 GB under `--recompute dots`."""
     long = _cost("llama3_405b_128k", "--recompute", "dots")
     short = _cost("llama3_405b", "--recompute", "dots")
     assert long["memory"]["params_total"] == short["memory"]["params_total"]
@@ -101,6 +99,4 @@ def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() ->
     path = EXAMPLES / "llama3_405b_128k.shard"
     planned = shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), filename=str(path)), recompute="dots")
     gathered = {s.tensor for s in planned.forward if s.op.name == "ALL_GATHER" and s.axes == ("C",)}
-    assert not {"K", "Vl"} & gathered
-    rings = {s.fn.ring for s in planned.forward + planned.backward if isinstance(s.fn, Attention)}
-    assert rings == {("C",)}
+    assert {"K", "Vl"} <= gathered

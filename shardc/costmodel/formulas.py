@@ -216,7 +216,7 @@ def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
         return _with_ring(StepFormula(ZERO + flops, ZERO + model, zero, zero, zero), ring, mesh, spans, sizes)
     if not step.is_collective or step.volume is None:
         return StepFormula(zero, zero, zero, zero, zero)
-    terms = bandwidth_terms(step.op, monomial(step.volume), step.axes, mesh, symbol, spans, number, sizes)
+    terms = bandwidth_terms(step.op, monomial(step.volume), step.axes, mesh, symbol, spans, number, sizes, step.routed)
     q = {network: weighted / divisor for network, (weighted, divisor) in terms.items()}
     weighted = number(FACTOR[step.op]) * monomial(step.volume)
     return StepFormula(zero, zero, weighted, q.get("ici", zero), q.get("dcn", zero))

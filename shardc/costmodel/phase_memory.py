@@ -16,7 +16,7 @@ from shardc.collectives import Op
 from shardc.costmodel.memory import residual_table
 from shardc.fusion import fusible, is_product, kept_values
 from shardc.ir.localops import ALIAS, Attention, Route, key_block
-from shardc.ir.plan import Plan, Step
+from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import reads as _reads
 from shardc.spec.attention_call import roles
@@ -95,8 +95,9 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
     declared = {info.ref: info.role for info in plan.tensors}
     results = [ref for ref, role in declared.items() if role == "activation"]
     kept = [ref for ref, _ in residual_table(plan) if declared.get(ref, "activation") == "activation"]
-    made = {s.dst for s in plan.backward}
-    read = [ref for s in plan.backward for ref in _reads(s) if ref not in made]
+    program = backward_program(plan)  # the recomputed forward steps, then the backward's
+    made = {s.dst for s in program}
+    read = [ref for s in program for ref in _reads(s) if ref not in made]
     params = {ref for ref, role in declared.items() if role == "param"}
     forward = {"arguments": {"params": [r for r in declared if r in params],
                              "inputs": [r for r, role in declared.items() if role == "input"]},
@@ -106,7 +107,7 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
                               "params": [r for r in read if r in params]},
                 "outputs": {"gradients": list(plan.grads)}}
     out = []
-    for name, steps, groups in (("forward", plan.forward, forward), ("backward", plan.backward, backward)):
+    for name, steps, groups in (("forward", plan.forward, forward), ("backward", program, backward)):
         args, outs = ([r for refs in groups[c].values() for r in refs] for c in ("arguments", "outputs"))
         parts = tuple((c, label, _total(refs, nbytes)) for c in ("arguments", "outputs")
                       for label, refs in groups[c].items())

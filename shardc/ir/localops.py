@@ -201,16 +201,21 @@ class Dispatch:
     indices, and one of its data movements, ``part``: ``dispatch`` (tokens gathered into their experts'
     slots), ``combine`` (each token's k expert outputs, gate-weighted, summed), or a gradient of one
     (``dispatch_vjp``: of the tokens; ``combine_vjp``: of the expert outputs; ``combine_gate_vjp``: of
-    the gates)."""
+    the gates).  ``limit`` of ``groups`` (0: unlimited): node-limited routing (DeepSeek-V3's), the experts
+    in ``groups`` contiguous groups (a node's each) and each token's k taken from the ``limit`` groups of
+    highest score (:func:`shardc.ops.route_code.node_limited`)."""
 
     part: str
     order: str
     experts: str
     slots: str
     k: int
+    limit: int = 0
+    groups: int = 0
 
     def __str__(self) -> str:
-        return f"{self.part}({self.order},{self.experts},{self.slots},{self.k})"
+        nodes = f",{self.limit}of{self.groups}" if self.limit else ""
+        return f"{self.part}({self.order},{self.experts},{self.slots},{self.k}{nodes})"
 
 
 class Row(Enum):

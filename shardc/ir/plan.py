@@ -25,7 +25,7 @@ from shardc.spec.walk import nbytes_of
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
-    "uses_dropout", "Sections", "Section", "SECTIONS", "unfused",
+    "uses_dropout", "Sections", "Section", "SECTIONS", "unfused", "backward_program",
 ]
 
 
@@ -141,6 +141,9 @@ class Step:
     # interleaved with its block matmuls; its operands are then the gather's source, or its result the
     # scatter's destination
     collective: Step | None = None
+    # an AllToAll moving the slots of a node-limited routing: its (k, limit, groups), which bound the
+    # copies of a token that cross nodes (shardc.collectives._routed_terms)
+    routed: tuple[int, int, int] | None = None
 
     @property
     def is_collective(self) -> bool:
@@ -336,6 +339,16 @@ class Plan:
 def uses_dropout(steps: Iterable[Step]) -> bool:
     """Whether ``steps`` draw a dropout keep-mask (a lowered module then takes a dropout key)."""
     return any(isinstance(s.fn, DropoutMask) for s in steps)
+
+
+def backward_program(plan: Plan) -> tuple[Step, ...]:
+    """The backward as the lowered program runs it: the forward steps the recompute policy makes again
+    (``plan.recomputed``), then the backward's own, so the forward hands on only what is kept.  Where a
+    recomputed step draws a dropout keep-mask the backward, which takes no dropout key, reads the forward's
+    values instead (the same values; the module then keeps what the memory count has recomputed)."""
+    if not plan.recomputed or uses_dropout(plan.recomputed):
+        return plan.backward
+    return plan.recomputed + plan.backward
 
 
 def unfused(step: Step) -> tuple[Step, ...]:

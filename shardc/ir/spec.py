@@ -371,10 +371,13 @@ class Spec:
     fusion: str | None = None  # `fusion none` (FUSIONS); None: the chip's, by default XLA's fusion
     grad_reduce: str | None = None  # `grad_reduce after-backward` (GRAD_REDUCES); None: overlapped
     attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
+    # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
+    # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors
+    recompute: tuple[str, ...] = ()
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
-    # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in" and
-    # "const:Mask" (one entry each).
+    # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in",
+    # "const:Mask" and "recompute:W_uq" (one entry each).
     header_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, hash=False, repr=False)
 
     def span_of(self, key: str) -> Span | None:
@@ -422,6 +425,8 @@ class Spec:
             lines.append(f"grad_reduce {self.grad_reduce}")
         if self.attention_kernel is not None:
             lines.append(f"attention_kernel {self.attention_kernel}")
+        if self.recompute:
+            lines.append("recompute " + ", ".join(self.recompute))
         for k, statement in enumerate(self.statements):
             if self.block is not None and k == self.block[0]:
                 lines.append(f"layers {self.layers} {{")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from shardc.collectives import share
 from shardc.errors import InternalError
 from shardc.ir.localops import Combine, Update
-from shardc.ir.plan import Op, Plan, Step, unfused
+from shardc.ir.plan import Op, Plan, Step, backward_program, unfused
 from shardc.ir.spec import Mesh, TensorRef
 from shardc.lowering import template
 from shardc.lowering.partition_specs import axes_entry
@@ -247,6 +247,7 @@ def _forward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
 
 def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
                     forward: Phase, external: list[TensorRef]) -> Phase:
+    """The backward phase: the recomputed forward steps, then the backward's (:func:`backward_program`)."""
     inputs = {b.ref: b for b in forward.inputs}
     inputs.update({b.ref: b for b in forward.outputs})
     inputs.update({_key(c): Boundary(c.name, var(c), _key(c)) for c in plan.cotangents})
@@ -257,7 +258,7 @@ def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
                           fix="this is a planner bug: report the spec")
     used = [inputs[r] for r in external]
     used += [inputs[_key(c)] for c in plan.cotangents if inputs[_key(c)] not in used]
-    lines, made = _body("backward", plan.backward, {b.ref for b in used}, var, sizes)
+    lines, made = _body("backward", backward_program(plan), {b.ref for b in used}, var, sizes)
     for g in plan.grads:
         if _key(g) not in made:
             raise InternalError(f"the backward never makes {g}", fix="this is a planner bug: report the spec")
@@ -275,7 +276,7 @@ def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int
     variable have taken one, the module is written again with them ``reserved`` (its
     globals do not depend on the variables' names, so once is enough)."""
     var = _Namer(_declared(plan), reserved)
-    external = _external_reads(plan.backward)
+    external = _external_reads(backward_program(plan))
     forward, results = _forward_phase(plan, var, sizes, external)
     backward = _backward_phase(plan, var, sizes, forward, external)
     cotangents = {c.name: plan.primal(c.name) for c in plan.cotangents}

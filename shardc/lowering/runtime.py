@@ -303,12 +303,24 @@ def einsum_reducescatter(subs: str, xs: tuple[Array, ...], dim: int, axis: str) 
 # Gates come as [*batch, S, E], tokens as [*batch, S, *features], expert rows as
 # [*batch, E, C, *features]; each helper flattens the batch and the features.
 
-def _routing(gates: Array, k: int, capacity: int) -> tuple[Array, Array, Array, Array]:
+def _node_limited(g: Array, k: int, limit: int, groups: int) -> Array:
+    """Gates [N, S, E] with the experts outside each token's ``limit`` best of ``groups`` groups at -inf: a
+    group's score the sum of its k / limit largest gates (DeepSeek-V3's node-limited routing)."""
+    per = g.shape[-1] // groups
+    grouped = g.reshape(*g.shape[:-1], groups, per)
+    score = jnp.sum(jax.lax.top_k(grouped, max(1, k // limit))[0], axis=-1)
+    _, best = jax.lax.top_k(score, limit)
+    keep = jnp.any(best[..., None] == jnp.arange(groups), axis=-2)
+    return jnp.where(jnp.repeat(keep, per, axis=-1), g, -jnp.inf)
+
+
+def _routing(gates: Array, k: int, capacity: int, limit: int = 0, groups: int = 0) -> tuple[Array, Array, Array,
+                                                                                             Array]:
     """(flat gates [N, S, E], experts [N, S, k], slots [N, S, k] (``capacity`` where dropped), batch rows
-    [N, 1, 1]) of ``gates``: each token's k largest gates (ties: the lower expert), its slot at each the
-    count of earlier tokens that chose that expert."""
+    [N, 1, 1]) of ``gates``: each token's k largest gates (ties: the lower expert; with a ``limit``, among
+    its best groups' experts only), its slot at each the count of earlier tokens that chose that expert."""
     g = gates.reshape(-1, *gates.shape[-2:])
-    _, top = jax.lax.top_k(g, k)
+    _, top = jax.lax.top_k(_node_limited(g, k, limit, groups) if limit else g, k)
     chosen = jnp.sum(jax.nn.one_hot(top, g.shape[-1], dtype=jnp.int32), axis=-2)
     before = jnp.cumsum(chosen, axis=-2) - chosen
     slot = jnp.minimum(jnp.take_along_axis(before, top, axis=-1), capacity)
@@ -325,50 +337,55 @@ def _padded(rows: Array) -> Array:
     return jnp.pad(rows, ((0, 0), (0, 0), (0, 1), (0, 0)))
 
 
-def expert_dispatch(gates: Array, x: Array, k: int, capacity: int) -> Array:
+def expert_dispatch(gates: Array, x: Array, k: int, capacity: int, limit: int = 0,
+                    groups: int = 0) -> Array:
     """Each token's row of ``x`` written into its slot of each of its k experts: [*batch, E, C, *features]
     (an empty slot 0; a token past an expert's capacity is dropped there)."""
     lead = gates.ndim - 2
-    _, top, slot, n = _routing(gates, k, capacity)
+    _, top, slot, n = _routing(gates, k, capacity, limit, groups)
     xs = _rows(x, lead, 1)
     out = jnp.zeros((xs.shape[0], gates.shape[-1], capacity + 1, xs.shape[-1]), x.dtype)
     out = out.at[n, top, slot].set(jnp.broadcast_to(xs[:, :, None], (*top.shape, xs.shape[-1])))
     return out[:, :, :capacity].reshape(*gates.shape[:-2], gates.shape[-1], capacity, *x.shape[lead + 1:])
 
 
-def expert_combine(gates: Array, rows: Array, k: int, capacity: int) -> Array:
+def expert_combine(gates: Array, rows: Array, k: int, capacity: int, limit: int = 0,
+                   groups: int = 0) -> Array:
     """Each token's k expert rows (its slots) weighted by its gates and summed: [*batch, S, *features]."""
     lead = gates.ndim - 2
-    g, top, slot, n = _routing(gates, k, capacity)
+    g, top, slot, n = _routing(gates, k, capacity, limit, groups)
     picked = _padded(_rows(rows, lead, 2))[n, top, slot]
     y = jnp.sum(jnp.take_along_axis(g, top, axis=-1)[..., None] * picked, axis=-2)
     return y.reshape(*gates.shape[:-1], *rows.shape[lead + 2:])
 
 
-def expert_dispatch_vjp(gates: Array, d_rows: Array, k: int, capacity: int) -> Array:
+def expert_dispatch_vjp(gates: Array, d_rows: Array, k: int, capacity: int, limit: int = 0,
+                        groups: int = 0) -> Array:
     """The tokens' gradient of :func:`expert_dispatch`: each token's k slot rows of ``d_rows`` summed."""
     lead = gates.ndim - 2
-    _, top, slot, n = _routing(gates, k, capacity)
+    _, top, slot, n = _routing(gates, k, capacity, limit, groups)
     picked = _padded(_rows(d_rows, lead, 2))[n, top, slot]
     return jnp.sum(picked, axis=-2).reshape(*gates.shape[:-1], *d_rows.shape[lead + 2:])
 
 
-def expert_combine_vjp(gates: Array, d_out: Array, k: int, capacity: int) -> Array:
+def expert_combine_vjp(gates: Array, d_out: Array, k: int, capacity: int, limit: int = 0,
+                       groups: int = 0) -> Array:
     """The expert rows' gradient of :func:`expert_combine`: each token's gate-weighted ``d_out`` row added
     into its slot of each of its experts."""
     lead = gates.ndim - 2
-    g, top, slot, n = _routing(gates, k, capacity)
+    g, top, slot, n = _routing(gates, k, capacity, limit, groups)
     ds = _rows(d_out, lead, 1)
     rows = jnp.take_along_axis(g, top, axis=-1)[..., None] * ds[:, :, None]
     out = jnp.zeros((ds.shape[0], g.shape[-1], capacity + 1, ds.shape[-1]), d_out.dtype).at[n, top, slot].add(rows)
     return out[:, :, :capacity].reshape(*gates.shape[:-2], g.shape[-1], capacity, *d_out.shape[lead + 1:])
 
 
-def expert_gate_vjp(gates: Array, d_out: Array, rows: Array, k: int, capacity: int) -> Array:
+def expert_gate_vjp(gates: Array, d_out: Array, rows: Array, k: int, capacity: int, limit: int = 0,
+                    groups: int = 0) -> Array:
     """The gates' gradient of :func:`expert_combine`: at each chosen expert, ``d_out``'s row dotted with
     that expert's row of the token (0 where the token was dropped); 0 at the experts not chosen."""
     lead = gates.ndim - 2
-    g, top, slot, n = _routing(gates, k, capacity)
+    g, top, slot, n = _routing(gates, k, capacity, limit, groups)
     picked = _padded(_rows(rows, lead, 2))[n, top, slot]
     dots = jnp.sum(picked * _rows(d_out, lead, 1)[:, :, None], axis=-1)
     grad = jnp.sum(jax.nn.one_hot(top, g.shape[-1], dtype=gates.dtype) * dots[..., None], axis=-2)

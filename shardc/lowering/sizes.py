@@ -14,7 +14,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import of_call
 from shardc.ops.route import ROUTING
-from shardc.spec.walk import calls, renamed_indices
+from shardc.spec.walk import calls, node_limits, renamed_indices
 
 __all__ = ["shrink_mesh", "small_sizes", "devices_to_check", "collapsed_axes", "MAX_SMALL_DIM",
            "MAX_DEVICES"]
@@ -82,6 +82,8 @@ def small_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int]:
     for ref in _refs(plan):
         for d in ref.dims:
             need[d.name] = math.lcm(need.get(d.name, 1), math.prod(mesh[a] for a in d.axes))
+    for (experts, _), (_, _, groups) in node_limits(plan.spec).items():  # whole groups of experts
+        need[experts] = math.lcm(need.get(experts, 1), groups)
     same = _same_size(plan, need)
     for name in need:  # a renamed index has its source's size: both divide by every sharding of either
         need[name] = math.lcm(*(need[n] for n in need if same[n] == same[name]))
@@ -104,11 +106,15 @@ def small_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int]:
 
 
 def _least(plan: Plan, same: dict[str, str]) -> dict[str, int]:
-    """The least size of each representative index: a route's expert index has its k at least."""
+    """The least size of each representative index: a route's expert index has its k at least, a
+    node-limited one k in its limit's groups."""
     least: dict[str, int] = {}
     for call in (c for s in plan.spec.statements for c in calls(s.expr) if of_call(c.func) is ROUTING):
         rep = same.get(call.over or "", call.over or "")
         least[rep] = max(least.get(rep, 1), int(call.numbers[0]))
+    for (experts, _), (k, limit, groups) in node_limits(plan.spec).items():  # k experts in the limit's groups
+        rep = same.get(experts, experts)
+        least[rep] = max(least.get(rep, 1), groups * -(-k // limit))
     return least
 
 

@@ -63,7 +63,8 @@ def dispatch_op(call: Call, part: str) -> Dispatch:
     """The local operation ``part`` of a dispatch or combine ``call``."""
     assert call.over is not None
     order, slots = call.names
-    return Dispatch(part, order, call.over, slots, int(call.numbers[0]))
+    limit, groups = (int(n) for n in call.numbers[1:]) if len(call.numbers) == 3 else (0, 0)
+    return Dispatch(part, order, call.over, slots, int(call.numbers[0]), limit, groups)
 
 
 def _orders(site: Site) -> tuple[Dispatch, tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
@@ -87,7 +88,7 @@ def _canonical(site: Site, xs: Arrays, xp: Any) -> tuple[Dispatch, Array, Array,
 
 def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
     fn, gates, other, capacity = _canonical(site, xs, xp)
-    return whole_forward(fn.part, gates, other, fn.k, capacity, xp)
+    return whole_forward(fn.part, gates, other, fn.k, capacity, xp, nodes=(fn.limit, fn.groups))
 
 
 def _back(site: Site, grads: tuple[Array | None, Array], xp: Any) -> tuple[Array | None, ...]:
@@ -100,20 +101,22 @@ def _back(site: Site, grads: tuple[Array | None, Array], xp: Any) -> tuple[Array
 
 def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> tuple[Array | None, ...]:
     fn, gates, other, capacity = _canonical(site, xs, xp)
-    return _back(site, whole_vjp(fn.part, gates, other, d, fn.k, capacity, xp), xp)
+    return _back(site, whole_vjp(fn.part, gates, other, d, fn.k, capacity, xp, nodes=(fn.limit, fn.groups)), xp)
 
 
 def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     """The rows' magnitudes moved (dispatch) or summed with the gates' magnitudes as weights (combine)."""
     fn, gates, other, capacity = _canonical(site, xs, np)
     _, mag_gates, mag_other, _ = _canonical(site, mags, np)
-    return whole_forward(fn.part, gates, mag_other, fn.k, capacity, np, weights=mag_gates)
+    return whole_forward(fn.part, gates, mag_other, fn.k, capacity, np, weights=mag_gates,
+                         nodes=(fn.limit, fn.groups))
 
 
 def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> tuple[Array | None, ...]:
     fn, gates, other, capacity = _canonical(site, xs, np)
     _, mag_gates, mag_other, _ = _canonical(site, mags, np)
-    grads = whole_vjp(fn.part, gates, mag_other, np.abs(d), fn.k, capacity, np, weights=mag_gates)
+    grads = whole_vjp(fn.part, gates, mag_other, np.abs(d), fn.k, capacity, np, weights=mag_gates,
+                      nodes=(fn.limit, fn.groups))
     return _back(site, grads, np)
 
 

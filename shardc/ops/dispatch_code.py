@@ -61,16 +61,17 @@ def dispatch_code(step: Step, var: Callable[[TensorRef], str], sizes: dict[str, 
     made = {"dispatch": experts, "combine": tokens, "dispatch_vjp": tokens, "combine_vjp": experts,
             "combine_gate_vjp": g_order}[fn.part]
     capacity = capacity_code(f"{var(gates)}.shape[{gates.indices.index(fn.order)}]", fn.order, fn.slots, sizes)
-    code = f"{_HELPERS[fn.part]}({', '.join(args)}, k={fn.k}, capacity={capacity})"
+    nodes = f", limit={fn.limit}, groups={fn.groups}" if fn.limit else ""
+    code = f"{_HELPERS[fn.part]}({', '.join(args)}, k={fn.k}, capacity={capacity}{nodes})"
     return _moved(code, made, step.dst.indices)
 
 
 # --- whole arrays: the reference (dense, through route's mask) ------------------------------
 
-def _mask(gates: Array, k: int, capacity: int, xp: Any) -> Array:
-    """Route's 0/1 mask of canonical gates [*batch, S, E]: [*batch, S, E, C]."""
+def _mask(gates: Array, k: int, capacity: int, xp: Any, nodes: tuple[int, int]) -> Array:
+    """Route's 0/1 mask of canonical gates [*batch, S, E]: [*batch, S, E, C] (``nodes``: node-limited)."""
     lead = gates.ndim - 2
-    return route_forward(gates, lead, lead + 1, capacity, k, xp)
+    return route_forward(gates, lead, lead + 1, capacity, k, xp, nodes)
 
 
 def _flat(x: Array, lead: int, inner: int, xp: Any) -> Array:
@@ -85,12 +86,12 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 def whole_forward(part: str, gates: Array, other: Array, k: int, capacity: int, xp: Any,
-                  weights: Array | None = None) -> Array:
+                  weights: Array | None = None, nodes: tuple[int, int] = (0, 0)) -> Array:
     """``dispatch`` (``other``: tokens [*batch, S, *f] -> [*batch, E, C, *f]) or ``combine`` (``other``:
     expert rows [*batch, E, C, *f] -> [*batch, S, *f]), on canonical whole arrays; ``weights`` (the
     gates by default) weigh the combine, routed by ``gates``."""
     lead = gates.ndim - 2
-    mask = xp.reshape(_mask(gates, k, capacity, xp), (-1, *gates.shape[-2:], capacity))
+    mask = xp.reshape(_mask(gates, k, capacity, xp, nodes), (-1, *gates.shape[-2:], capacity))
     gates = gates if weights is None else weights
     if part == "dispatch":
         y = xp.einsum("nsec,nsf->necf", mask, _flat(other, lead, 1, xp))
@@ -101,11 +102,11 @@ def whole_forward(part: str, gates: Array, other: Array, k: int, capacity: int, 
 
 
 def whole_vjp(part: str, gates: Array, other: Array, d: Array, k: int, capacity: int, xp: Any,
-              weights: Array | None = None) -> tuple[Array | None, Array]:
+              weights: Array | None = None, nodes: tuple[int, int] = (0, 0)) -> tuple[Array | None, Array]:
     """(the gates' gradient or None, the other operand's) of :func:`whole_forward` for the cotangent ``d``
     (``weights``: as there)."""
     lead = gates.ndim - 2
-    mask = xp.reshape(_mask(gates, k, capacity, xp), (-1, *gates.shape[-2:], capacity))
+    mask = xp.reshape(_mask(gates, k, capacity, xp, nodes), (-1, *gates.shape[-2:], capacity))
     gates = gates if weights is None else weights
     if part == "dispatch":
         dx = xp.einsum("nsec,necf->nsf", mask, _flat(d, lead, 2, xp))

@@ -24,7 +24,7 @@ from shardc.ir.localops import Route
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 
-__all__ = ["route_code", "route_forward", "capacity_code"]
+__all__ = ["route_code", "route_forward", "capacity_code", "node_limited"]
 
 Array = Any
 
@@ -52,9 +52,29 @@ def route_code(step: Step, var: Callable[[TensorRef], str], capacity: str) -> st
     return f"jnp.transpose({code}, {tuple(made.index(i) for i in step.dst.indices)})"
 
 
-def route_forward(x: Array, order: int, experts: int, capacity: int, k: int, xp: Any) -> Array:
-    """The routing mask of whole gates ``x``: ``x``'s dims, then the capacity dim last."""
+def node_limited(y: Array, k: int, limit: int, groups: int, xp: Any) -> Array:
+    """Gates ``y`` [..., E] with every expert outside each token's ``limit`` best groups at -inf.
+
+    Node-limited routing as DeepSeek-V3 trains ("DeepSeek-V3 Technical Report", arXiv 2412.19437,
+    section 2.1.2): the E experts lie in ``groups`` contiguous groups (a node's each), a group's score is
+    the sum of its k / ``limit`` largest gates (at least one), and a token's top k are taken from the
+    ``limit`` groups of highest score only (ties: the lower group, as ``jax.lax.top_k`` breaks them).
+    """
+    per = y.shape[-1] // groups
+    grouped = xp.reshape(y, (*y.shape[:-1], groups, per))
+    score = xp.sum(xp.sort(grouped, axis=-1)[..., per - max(1, k // limit):], axis=-1)
+    best = xp.argsort(-score, axis=-1, stable=True)[..., :limit]
+    keep = xp.any(best[..., None] == xp.arange(groups), axis=-2)
+    return xp.where(xp.repeat(keep, per, axis=-1), y, -xp.inf)
+
+
+def route_forward(x: Array, order: int, experts: int, capacity: int, k: int, xp: Any,
+                  nodes: tuple[int, int] = (0, 0)) -> Array:
+    """The routing mask of whole gates ``x``: ``x``'s dims, then the capacity dim last; ``nodes``
+    (limit, groups): node-limited (:func:`node_limited`), (0, 0): every expert."""
     y = xp.moveaxis(x, (order, experts), (-2, -1))
+    if nodes[0]:
+        y = node_limited(y, k, *nodes, xp)
     top = xp.argsort(-y, axis=-1, stable=True)[..., :k]  # stable: ties to the lower expert
     chosen = xp.any(top[..., None] == xp.arange(y.shape[-1]), axis=-2)
     slot = xp.cumsum(chosen, axis=-2) - chosen

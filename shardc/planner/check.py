@@ -157,6 +157,7 @@ def _norm(ref: TensorRef) -> TensorRef:
 def _held_at_start(plan: Plan) -> tuple[set[TensorRef], set[TensorRef]]:
     forward = {_norm(i.ref) for i in plan.tensors if i.role in ("param", "input")}
     backward = {_norm(r) for r in [*(i.ref for i in plan.tensors), *plan.residuals, *plan.cotangents]}
+    backward |= {_norm(s.dst) for s in plan.recomputed}  # forward steps (checked there), run again first
     return forward, backward
 
 

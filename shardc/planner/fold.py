@@ -30,6 +30,11 @@ same operands into the same layout.  XLA's common-subexpression pass merges them
     AllGather_X O2[E, S_X] -> O2[E, S]              alias       O2[E, S] is O1[E, S]
 
 The repeated einsum (or copy) is the earlier one's result too: no FLOPs, no traffic, no memory.
+
+Under recomputation the backward runs the recomputed forward steps first
+(:func:`share_recomputed`): a backward step that repeats one of them on the same data (a norm's
+backward makes its row statistics again from the input the recompute has just normalised, and
+all-reduces them again) is that step's result, as XLA merges them.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Dim, TensorRef
 
-__all__ = ["fold_redundant"]
+__all__ = ["fold_redundant", "share_recomputed"]
 
 
 def fold_redundant(steps: tuple[Step, ...], keep: frozenset[TensorRef]) -> tuple[Step, ...]:
@@ -264,3 +269,30 @@ def _slices(tensor: str, big: TensorRef, small: TensorRef, ahead: bool) -> list[
     assert current == small
     return steps
 
+
+
+def share_recomputed(again: tuple[Step, ...], backward: tuple[Step, ...]) -> tuple[Step, ...]:
+    """``backward`` with each step that repeats a recomputed one (``again``, run just before it) on the
+    same data turned into an alias of that step's result (see the module docstring)."""
+    root: dict[TensorRef, TensorRef] = {}
+    seen: dict[tuple[object, ...], TensorRef] = {}
+    for step in again:
+        seen.setdefault(_same_step(step, root), step.dst)
+    out = []
+    for step in backward:
+        first = seen.get(_same_step(step, root))
+        if first is not None and _same_data(first, step.dst) and step.dst != first:
+            root[step.dst] = root.get(first, first)
+            out.append(Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(first,), fn=ALIAS, ahead=step.ahead,
+                            once=step.once, note="the same step on the same data as a recomputed one"))
+        else:
+            out.append(step)
+    return tuple(out)
+
+
+def _same_step(step: Step, root: dict[TensorRef, TensorRef]) -> tuple[object, ...]:
+    """What fixes a step's result: its operation on its operands' (rooted) data, into its result's layout."""
+    data = tuple(root.get(r, r) for r in step.operands)
+    src = None if step.src is None else root.get(step.src, step.src)
+    return (step.op, str(step.fn), data, step.shapes, src, step.axes, step.dim, step.dim2, step.dst.indices,
+            step.dst.layout, step.dst.unreduced, step.once, step.collective)

@@ -110,7 +110,8 @@ def render_text(plan: Plan) -> str:
     if plan.residuals:
         lines.append("       residuals kept from the forward: " + ", ".join(str(r) for r in plan.residuals))
     if plan.recomputed:
-        lines.append(f"       recomputed in the backward (--recompute {plan.recompute}): "
+        line = f", the spec's `recompute {', '.join(plan.spec.recompute)}`" if plan.spec.recompute else ""
+        lines.append(f"       recomputed in the backward (--recompute {plan.recompute}{line}): "
                      + ", ".join(dict.fromkeys(s.tensor for s in plan.recomputed)))
     if plan.optimizer:
         lines.append("")

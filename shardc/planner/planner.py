@@ -26,9 +26,9 @@ from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.collective_matmul import fuse_collective_matmuls
-from shardc.planner.fold import fold_redundant
+from shardc.planner.fold import fold_redundant, share_recomputed
 from shardc.planner.graph import Graph, build_graph
-from shardc.planner.recompute import attention_region, keeps_layer_inputs, policy, recompute_steps
+from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.planner.zigzag_order import hold_zigzag
 from shardc.sharding.einsum import Solution
@@ -44,7 +44,7 @@ from shardc.sharding.unit import (
 )
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
-from shardc.spec.walk import layer_inputs, leaves
+from shardc.spec.walk import layer_inputs, leaves, node_limits
 from shardc.timing import PhaseTime, PlanTime, StepCost, plan_time
 from shardc.topology import check_topology
 
@@ -312,7 +312,7 @@ def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | Non
     return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
                        graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
                        padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
-                       element_bytes=graph.element_bytes)
+                       element_bytes=graph.element_bytes, routings=node_limits(spec))
 
 
 # the search caches shared inside shared_search(): the key of what a context is made of -> (chip, context)
@@ -341,7 +341,8 @@ def _shared(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None
         return _context(spec, graph, hw, spans, units, places)
     key = (str(without_unit_axes(spec.mesh)), spec.dtype, tuple(spec.sizes.items()) if spec.dims else None,
            graph.params, tuple(sorted(graph.grads.items())), tuple(sorted((spans or {}).items())), spec.topology,
-           tuple(uneven_dims(spec)), units, repr(places), tuple(sorted(graph.element_bytes.items())))
+           tuple(uneven_dims(spec)), units, repr(places), tuple(sorted(graph.element_bytes.items())),
+           tuple(sorted(node_limits(spec).items())))
     hit = shared.get(key)
     if hit is None or hit[0] is not hw:  # the chip by identity: the search's one Hardware
         hit = shared[key] = (hw, _context(spec, graph, hw, spans, units, places))
@@ -424,7 +425,9 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     if keeps_layer_inputs(recompute):  # each layer's input is its checkpoint: the backward reruns the layer from it
         start += [declared[n] for n in layer_inputs(spec)]
     mode, rerun = policy(recompute, graph.params)
-    again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun)
+    again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun,
+                            named_values(graph, spec.recompute))
+    bwd = share_recomputed(again, bwd)
     return Plan(
         spec=spec,
         forward=fwd,

@@ -18,6 +18,12 @@
   reading the named params, as MaxText's ``save_dot_except_mlpwi`` does for the
   MLP's input projections.
 
+A spec's ``recompute`` line names more values the backward makes again whatever the policy
+(:func:`named_values`): every result of a function (``rmsnorm``), every product reading a param
+(``W_uq``: an up-projection's output), or a tensor; a rename of one is its array, so it goes too.
+DeepSeek-V3 recomputes its RMSNorms and MLA up-projections so ("DeepSeek-V3 Technical Report",
+arXiv 2412.19437, section 3.2.3).
+
 What is not kept is recomputed (:func:`recompute_steps`): the forward steps that
 make the residuals the backward reads and does not keep, and the steps making
 what those read, back to kept values, in forward order, as ``jax.checkpoint``
@@ -42,12 +48,14 @@ from collections.abc import Iterable
 
 from shardc.collectives import Op
 from shardc.errors import ShardcError
+from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import CONTRACT, Node, family_of
 from shardc.planner.graph import Graph
 
-__all__ = ["RECOMPUTE_MODES", "attention_region", "keeps_layer_inputs", "policy", "recompute_steps", "reads"]
+__all__ = ["RECOMPUTE_MODES", "attention_region", "keeps_layer_inputs", "policy", "recompute_steps", "reads",
+           "named_values"]
 
 RECOMPUTE_MODES = ("none", "selective", "full", "dots")
 _EXCEPT = "dots-except:"
@@ -135,25 +143,54 @@ def attention_region(graph: Graph) -> frozenset[str]:
     return frozenset(found)
 
 
+def named_values(graph: Graph, names: Iterable[str]) -> frozenset[str]:
+    """The tensors a ``recompute`` line names: each function's results, each param's products (the
+    einsums reading it), each tensor itself."""
+    found: set[str] = set()
+    for name in names:
+        if name in graph.params:
+            found |= {n.result for n in graph.nodes if n.family is family_of(CONTRACT) and name in n.operands}
+        else:
+            found |= {n.result for n in graph.nodes if n.fn == name or (n.call is not None and n.call.func == name)}
+            found |= {name} & set(graph.indices)
+    return frozenset(found)
+
+
+def _renamed(forward: tuple[Step, ...], names: frozenset[str]) -> frozenset[str]:
+    """``names`` and every rename of one (an alias step's result: the same array)."""
+    found = set(names)
+    for step in forward:
+        if step.fn == ALIAS and step.operands[0].name in found:
+            found.add(step.tensor)
+    return frozenset(found)
+
+
 def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[TensorRef],
                     start: Iterable[TensorRef], region: frozenset[str],
-                    params: frozenset[str] = frozenset(), rerun: frozenset[str] = frozenset()) -> tuple[Step, ...]:
+                    params: frozenset[str] = frozenset(), rerun: frozenset[str] = frozenset(),
+                    dropped: frozenset[str] = frozenset()) -> tuple[Step, ...]:
     """The forward steps the backward reruns under ``mode``, in forward order.
 
     ``residuals`` are the forward values the backward reads, ``start`` the values the
     forward starts from (declared inputs and params), ``region`` the tensors
     ``selective`` recomputes; ``dots`` keeps the matmuls reading ``params``, but
-    those reading ``rerun``.
+    those reading ``rerun``; ``dropped`` (a ``recompute`` line's :func:`named_values`) are
+    recomputed under any mode.
     """
-    if mode == "none":
+    if mode == "none" and not dropped:
         return ()
-    kept = {_norm(r) for r in start}
+    dropped = _renamed(forward, dropped)
+    starts = {_norm(r) for r in start}
+    kept = set(starts)
     wanted = [_norm(r) for r in residuals]
+    if mode == "none":
+        kept |= set(wanted)
     if mode == "selective":
         kept |= {r for r in wanted if r.name not in region}
         kept |= {_norm(r) for s in forward if s.tensor in region for r in reads(s) if r.name not in region}
     if mode == "dots":
         kept |= _dot_outputs(forward, params, rerun)
+    kept = {r for r in kept if r.name not in dropped} | starts
     producer: dict[TensorRef, int] = {}
     for k, step in enumerate(forward):
         producer.setdefault(_norm(step.dst), k)

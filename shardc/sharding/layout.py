@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from shardc.collectives import collective_time, einsum_flops, piece, volume_elements
+from shardc.collectives import Routed, collective_time, einsum_flops, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.plan import Monomial, Op
 from shardc.ir.spec import Dim, DType, Mesh, TensorRef
@@ -176,10 +176,12 @@ class CostContext:
     # Past four axes, where each axis may go (shardc.sharding.unit.placements); None: anywhere (exact).
     places: Placements | None = None
     _placed: dict[tuple[str, tuple[str, ...], bool], bool] = field(default_factory=dict)
-    _seconds: dict[tuple[Op, float, tuple[str, ...]], float] = field(default_factory=dict)
+    _seconds: dict[tuple[Op, float, tuple[str, ...], Routed | None], float] = field(default_factory=dict)
     values: list[Value] = field(default_factory=list)
     _sizes: dict[str, float] | None = None
     _compute: dict[tuple[object, ...], float] = field(default_factory=dict)
+    # (expert index, slot index) -> (k, limit, groups) of each node-limited routing (shardc.spec.walk.node_limits)
+    routings: dict[tuple[str, str], Routed] = field(default_factory=dict)
     # (name, indices, value) -> its TensorRef and that ref's text: every candidate plan remakes them
     refs: dict[tuple[str, tuple[str, ...], Value], TensorRef] = field(default_factory=dict)
     texts: dict[tuple[str, tuple[str, ...], Value], str] = field(default_factory=dict)
@@ -220,15 +222,27 @@ class CostContext:
                 self._sizes[symbol] = float(self.dim_size(symbol))
         return volume.value(self._sizes)
 
-    def seconds(self, op: Op, volume: Monomial | float, axes: tuple[str, ...]) -> float:
-        """Time of one collective moving ``volume`` (a formula, or bytes) on the plan's chip."""
+    def seconds(self, op: Op, volume: Monomial | float, axes: tuple[str, ...], routed: Routed | None = None) -> float:
+        """Time of one collective moving ``volume`` (a formula, or bytes) on the plan's chip (``routed``: an
+        AllToAll of a node-limited routing's slots)."""
         nbytes = volume if isinstance(volume, float | int) else self.evaluate(volume)
-        key = (op, nbytes, axes)
+        key = (op, nbytes, axes, routed)
         hit = self._seconds.get(key)
         if hit is None:  # layouts of one size recur across searches
             hit = self._seconds[key] = collective_time(op, nbytes, axes, self.mesh, self.axis_sizes, self.hardware,
-                                                       self.links).seconds
+                                                       self.links, routed).seconds
         return hit
+
+    def routed(self, op: Op, idx: tuple[str, ...] | None, dims: tuple[int | None, ...]) -> Routed | None:
+        """The node-limited routing (k, limit, groups) whose slots an AllToAll of a tensor of indices ``idx``
+        moves, splitting or concatenating ``dims``: one holding a routing's expert and slot indices, whose
+        expert index is one of ``dims``; None for any other move."""
+        if op is not Op.ALL_TO_ALL or not self.routings or idx is None:
+            return None
+        for (experts, slots), routing in self.routings.items():
+            if experts in idx and slots in idx and idx.index(experts) in dims:
+                return routing
+        return None
 
     def ahead(self, tensor: str) -> bool:
         """Whether the program can issue ``tensor``'s collectives ahead of the op that reads them, to
@@ -242,7 +256,7 @@ class CostContext:
         volume: Monomial | float = move.volume
         if idx is not None and self.padded and self.sizes is not None:
             volume = self.padded_bytes(move, idx, self.nbytes(tensor))
-        seconds = self.seconds(move.op, volume, move.axes)
+        seconds = self.seconds(move.op, volume, move.axes, self.routed(move.op, idx, (move.dim, move.dim2)))
         return (seconds, 1, 0 if tensor in self.weights else 1)
 
     def _pieces(self, idx: tuple[str, ...], value: Value) -> list[tuple[int, int]]:

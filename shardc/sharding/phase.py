@@ -126,7 +126,8 @@ class Phase:
         for m in moves:
             self.emit(Step(m.op, tensor, self.ref(tensor, m.dst), self.ref(tensor, m.src), m.axes,
                            dim=m.dim, dim2=m.dim2, volume=m.volume, ahead=tensor in self.ahead,
-                           note=note), m.dst)
+                           note=note, routed=self.ctx.routed(m.op, self.indices.get(tensor), (m.dim, m.dim2))),
+                      m.dst)
 
     def einsum(self, result: str, operands: tuple[str, ...], target: Value | None,
                label: str, rule_given: tuple[Value, ...] | None = None, span: Span | None = None,

@@ -48,6 +48,8 @@ def _check_calls(expr: Expr) -> None:
                 raise ShardcError(f"`attention` takes one flag, {CAUSAL}, not {', '.join(call.names)}", call.span,
                                   fix=f"write it as {sig.usage(call.func)}, or without `, {CAUSAL}`")
             given = (given[0], 0, *given[2:])  # the optional flag
+        if sig.kind in ("dispatch", "combine") and len(call.numbers) == 3:
+            given = (given[0], given[1], 1, given[3])  # the optional node limit: `k over E, M, G`
         if given != (sig.tensors, sig.names, sig.numbers, sig.over):
             raise ShardcError(f"`{call.func}` takes {_takes(sig.tensors, sig.names, sig.numbers, sig.over)}",
                               call.span, fix=f"write it as {sig.usage(call.func)}")
@@ -97,7 +99,7 @@ def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
     if kind in ("route", "dispatch", "combine"):
         _check_route(call, arg, spec)
     if kind in ("dispatch", "combine"):
-        _check_dispatch(call, arg)
+        _check_dispatch(call, arg, spec)
     routes = kind in ("route", "dispatch", "combine")
     for name in (*call.names[:1 if routes else None], *((call.over,) if call.over is not None else ())):
         if name not in arg:
@@ -140,7 +142,7 @@ def _check_route(call: Call, arg: tuple[str, ...], spec: Spec) -> None:
                           call.span, fix=fix)
 
 
-def _check_dispatch(call: Call, gates: tuple[str, ...]) -> None:
+def _check_dispatch(call: Call, gates: tuple[str, ...], spec: Spec) -> None:
     """dispatch(Gate[G, S, E], X[G, S, D], ...) and combine(Gate[G, S, E], Ex[G, E, C, D], ...): the tokens
     carry every index of the gates but E, the expert outputs every one but S, and C."""
     order, slots = call.names
@@ -154,6 +156,23 @@ def _check_dispatch(call: Call, gates: tuple[str, ...]) -> None:
         fix = "write combine(Gate[G, S, E], Ex[G, E, C, D], S, C, 2 over E)"
     if not set(want) <= set(other) or (call.func == "dispatch" and slots in other):
         raise ShardcError(f"{call.func}: {what} ({', '.join(want)}), not ({', '.join(other)})", call.span, fix=fix)
+    if len(call.numbers) == 3:
+        _check_node_limit(call, spec)
+
+
+def _check_node_limit(call: Call, spec: Spec) -> None:
+    """``k over E, M, G``: the E experts in G groups of E/G (a node's each), each token's k from at most M."""
+    k, limit, groups = call.numbers
+    experts = (spec.sizes or {}).get(call.over or "")
+    fix = (f"write {call.func}(..., 8 over E, 4, 8): top 8 of E from the experts of at most 4 of its 8 "
+           "groups (nodes), 0 < M <= G, G dividing E, and M groups holding at least k experts")
+    if not (limit.is_integer() and groups.is_integer() and 1 <= limit <= groups):
+        raise ShardcError(f"{call.func}: node limit {limit:g} of {groups:g} groups is not a whole number from 1 "
+                          f"to the groups", call.span, fix=fix)
+    if experts is not None and (experts % groups or limit * experts // groups < k):
+        raise ShardcError(f"{call.func}: {groups:g} groups of the {experts} experts along {call.over} "
+                          f"{'do not divide them' if experts % groups else f'leave fewer than k={k:g} in {limit:g}'}",
+                          call.span, fix=fix)
 
 
 def _check_lookup(call: Call) -> None:

@@ -28,7 +28,10 @@ has a kind, which fixes how its result's indices follow from its arguments:
 - ``dispatch``: ``dispatch(Gate[G, S, E], X[G, S, D], S, C, k over E)``, the same routing held as
   indices, not a mask: token s's row of X copied into slot c of expert e, ``[G, E, C, D]`` (the
   gates' indices less S, then C, then X's indices the gates lack); an empty slot is 0.  X gets the
-  gradient (its rows gathered back); the gates get none.
+  gradient (its rows gathered back); the gates get none.  ``k over E, M, G`` (two more numbers) is
+  node-limited routing (DeepSeek-V3, arXiv 2412.19437, section 2.1.2): the E experts in G groups of
+  E/G, a node's each, and each token's k experts taken from the M groups whose k/M largest gates sum
+  highest.
 - ``combine``: ``combine(Gate[G, S, E], Ex[G, E, C, D], S, C, k over E)``, the inverse: each token's
   k expert outputs (its slot of each expert it went to) weighted by its gates and summed,
   ``[G, S, D]`` (the gates' indices less E, then Ex's indices the gates lack, less C).  Both the

@@ -23,8 +23,8 @@ Representation decisions (other passes rely on them):
   ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
   Header lines may come anywhere; statements keep their order.
 - A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
-  ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce``/``attention_kernel`` is
-  the keyword, so those fourteen words cannot name a tensor or function there.
+  ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce``/``attention_kernel``/
+  ``recompute`` is the keyword, so those fifteen words cannot name a tensor or function there.
 """
 
 from __future__ import annotations
@@ -349,6 +349,10 @@ class _Builder(Transformer[Token, Any]):
         names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
         return ("const", names, _span(children[0]))
 
+    def recompute_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
+        return ("recompute", names, _span(children[0]))
+
     def hardware_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("hardware", str(children[1]), _span(children[0]))
 
@@ -470,7 +474,7 @@ def _build_spec(items: list[Any]) -> Spec:
     """Gather the lines into a Spec: header lines merge or must be unique, statements keep order."""
     statements: list[Statement] = []
     seen: dict[str, Span] = {}
-    header: dict[str, Any] = {"dims": [], "param": None, "const": []}
+    header: dict[str, Any] = {"dims": [], "param": None, "const": [], "recompute": []}
     spans: list[tuple[str, Span]] = []
     block: tuple[int, int] | None = None
     for item in items:
@@ -485,7 +489,7 @@ def _build_spec(items: list[Any]) -> Spec:
             statements.extend(item.statements)
             item = ("layers", item.layers, item.span)
         kind, value, span = item
-        if kind in seen and kind not in ("dims", "param", "const"):
+        if kind in seen and kind not in ("dims", "param", "const", "recompute"):
             raise ShardcError(f"`{kind}` is given twice (first on line {seen[kind].line})", span,
                               fix=f"keep one `{kind}` line")
         seen.setdefault(kind, span)
@@ -496,9 +500,9 @@ def _build_spec(items: list[Any]) -> Spec:
         elif kind == "param":
             header["param"] = (header["param"] or []) + [name for name, _ in value]
             spans.extend((f"param:{name}", s) for name, s in value)
-        elif kind == "const":
-            header["const"] += [name for name, _ in value]
-            spans.extend((f"const:{name}", s) for name, s in value)
+        elif kind in ("const", "recompute"):
+            header[kind] += [name for name, _ in value]
+            spans.extend((f"{kind}:{name}", s) for name, s in value)
         else:
             header[kind] = value
     if "mesh" not in header:
@@ -524,6 +528,7 @@ def _build_spec(items: list[Any]) -> Spec:
         fusion=header.get("fusion"),
         grad_reduce=header.get("grad_reduce"),
         attention_kernel=header.get("attention_kernel"),
+        recompute=tuple(header["recompute"]),
         filename=_local.filename,
         header_spans=tuple(spans),
     )

@@ -15,6 +15,7 @@ order (so the first problem of the file is the one reported):
   `{U_..}` only on a sum (not on a function's result, not without a contraction),
   no index summed away without a partner operand, reshards keeping indices
   (:mod:`shardc.spec.exprs`);
+- `recompute` naming functions the spec calls, params or computed tensors, each once;
 - the data flow: a tensor defined once, never read before its definition, and
   read with one sharding everywhere (an intermediate as it was defined).
 
@@ -40,7 +41,7 @@ from shardc.errors import LAYERS_FEED, ShardcError, Span, clip
 from shardc.ir.spec import Dim, Spec, Statement, TensorRef
 from shardc.spec.exprs import check_expression
 from shardc.spec.stages import check_pipeline
-from shardc.spec.walk import id_names, leaves
+from shardc.spec.walk import calls, id_names, leaves
 
 __all__ = ["validate", "check_name"]
 
@@ -83,6 +84,7 @@ def _check(spec: Spec) -> None:
     _check_const(spec, defined)
     _check_namespaces(spec)
     _check_zero(spec)
+    _check_recompute(spec, defined)
     check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
     _check_feed(spec)  # after the per-reference checks: it compares whole shardings
 
@@ -205,6 +207,23 @@ def _check_listed(spec: Spec, defined: dict[str, int], keyword: str, listed: tup
             inputs = sorted(names - set(defined))
             raise ShardcError(f"{keyword} {name} is not a tensor of the spec", span,
                               fix="list input tensors the statements read: " + (", ".join(inputs) or "none"))
+
+
+def _check_recompute(spec: Spec, defined: dict[str, int]) -> None:
+    """``recompute NAMES``: each a function the spec calls, a param, or a tensor a statement computes; once."""
+    called = {call.func for s in spec.statements for call in calls(s.expr)}
+    params = {ref.name for s in spec.statements for ref in leaves(s.expr) if ref.name not in defined
+              and (ref.name in spec.params if spec.params is not None else ref.name.startswith("W"))}
+    seen: set[str] = set()
+    for name in spec.recompute:
+        span = _nth_span(spec, f"recompute:{name}", 1 if name in seen else 0)
+        if name in seen:
+            raise ShardcError(f"recompute {name} is listed twice", span, fix=f"list {name} once")
+        seen.add(name)
+        if name not in called and name not in params and name not in defined:
+            raise ShardcError(f"recompute {name}: not a function the spec calls, a param or a computed tensor", span,
+                              fix="name a function (every result of its calls is recomputed), a param (the "
+                                  "products reading it), or a tensor a statement computes")
 
 
 def _check_zero(spec: Spec) -> None:

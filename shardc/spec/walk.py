@@ -111,6 +111,14 @@ def route_slots(expr: Expr) -> set[str]:
             and len(c.names) == 2}
 
 
+def node_limits(spec: Spec) -> dict[tuple[str, str], tuple[int, int, int]]:
+    """(expert index, slot index) -> (k, limit, groups) of each node-limited ``dispatch``/``combine``
+    (``k over E, M, G``): what the AllToAll moving its slots costs across nodes."""
+    return {(call.over, call.names[1]): (int(call.numbers[0]), int(call.numbers[1]), int(call.numbers[2]))
+            for statement in spec.statements for call in calls(statement.expr)
+            if call.func in ("dispatch", "combine") and len(call.numbers) == 3 and call.over is not None}
+
+
 def is_rename(statement: Statement) -> bool:
     """``Kx[B, T, D] = X[B, S, D]``: a tensor read under other index names (by position)."""
     expr = statement.expr

@@ -27,7 +27,7 @@ import itertools
 import math
 import re
 
-from shardc.ir.plan import Op, Plan
+from shardc.ir.plan import Op, Plan, backward_program
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.timing import local_elements
@@ -82,7 +82,7 @@ def stage_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | No
     rows = []
     for plan in parts or (lowered.plan,):
         split = split_reductions(plan)
-        steps = [(s, found, "") for s in split.each.forward + split.each.backward if s.is_collective]
+        steps = [(s, found, "") for s in split.each.forward + backward_program(split.each) if s.is_collective]
         for step, where, when in steps + [(s, after, " (once a step)") for s in split.once if s.is_collective]:
             p = planned_collective("step", step, dict(mesh), sizes, cut)
             if isinstance(p, CollectiveRow):

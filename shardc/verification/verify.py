@@ -31,7 +31,7 @@ import numpy as np
 
 from shardc.arguments import check_instance, check_verify_args
 from shardc.errors import ShardcError
-from shardc.ir.plan import Plan
+from shardc.ir.plan import Plan, backward_program
 from shardc.ir.spec import Call, Spec
 from shardc.lowering import reference
 from shardc.lowering.api import lower
@@ -282,7 +282,7 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     if cut:
         report.notes.append(cut_note(cut, devices, plan))
     nbytes = plan.spec.dtype.nbytes
-    phases = [("forward", plan.forward), ("backward", plan.backward)]
+    phases = [("forward", plan.forward), ("backward", backward_program(plan))]
     phases += [("optimizer", zero.optimizer)] if zero is not None else []
     for phase, steps in phases:
         step(f"compiling the {phase} for its HLO, comparing collectives")
