@@ -134,7 +134,11 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     :func:`shardc.timing.memory_traffic` prices it); a map's result takes the buffer of an operand
     of its size that no later step reads, as XLA's buffer assignment shares an elementwise
     operand's buffer with its user.  Copies a step makes for its layout (:func:`_layout_copies`)
-    live for that step only.  A reduction issued off the critical path runs at the end (:func:`_lifetimes`)."""
+    live for that step only.  An AllReduce issued off the critical path runs at the end (:func:`_lifetimes`).
+    An AllGather of an argument (an FSDP param, a sequence-parallel input) is issued at the phase's
+    start, its result alive from there: a latency-hiding scheduler starts a collective as soon as its
+    operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
+    together before the unit runs (Zhao et al. 2023, PyTorch FSDP, prefetching)."""
     readers, last = _lifetimes(steps)
     start = _made_at(steps)
     deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
@@ -164,7 +168,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[dead[0]][1] = end
             buffers[step.dst] = [k, end, 0.0]
         else:
-            buffers[step.dst] = [start[k], end, nbytes(step.dst)]
+            prefetched = step.op is Op.ALL_GATHER and step.src in args
+            buffers[step.dst] = [0 if prefetched else start[k], end, nbytes(step.dst)]
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -237,16 +242,20 @@ def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> lis
 def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], dict[TensorRef, int]]:
     """Per value the steps that read it, and the last step it is alive at.
 
-    A reduction the plan issues ahead of time (off the critical path) runs after the phase's last
-    step, as XLA defers such collectives and combines them into one (its all-reduce and
-    reduce-scatter combiners): the partial sums live to the end."""
+    An AllReduce the plan issues ahead of time (off the critical path) runs after the phase's last
+    step, as XLA defers such collectives and combines them into one (its all-reduce combiner): the
+    partial sums live to the end.  A ReduceScatter runs at its step, as soon as its partial sums are
+    made: its point is to free the unsharded gradient (ZeRO stage 2, Rajbhandari et al. 2020, reduces
+    each bucket as soon as its gradients are ready; PyTorch FSDP reduce-scatters each unit's in its
+    backward), and a chain that gathers its result again (a gradient sliced, reduce-scattered and
+    gathered) runs through at once."""
     readers: dict[TensorRef, list[Step]] = {}
     last: dict[TensorRef, int] = {}
     for k, step in enumerate(steps):
         for ref in _reads(step):
             readers.setdefault(ref, []).append(step)
             last[ref] = k
-        if step.ahead and step.src is not None and step.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
+        if step.ahead and step.src is not None and step.op is Op.ALL_REDUCE:
             last[step.src] = len(steps)
     return readers, last
 
