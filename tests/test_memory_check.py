@@ -242,3 +242,22 @@ def test_cost_check_memory_refuses_a_sweep_and_a_pipeline(capsys: pytest.Capture
     assert "--check-memory" in capsys.readouterr().err
     assert main(["cost", str(EXAMPLES / "pipeline_llama.shard"), "--check-memory"]) == 2
     assert "pipeline" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pipelined_verify_reports_the_fullest_stage_against_xla() -> None:
+    from shardc.verification.pipeline_memory import StageMemoryCheck
+    from shardc.verification.pipeline_verify import verify_pipeline
+    from shardc.verification.report import render_report
+
+    report = verify_pipeline(shardc.plan(shardc.parse((EXAMPLES / "pipeline_llama.shard").read_text())))
+    check = report.memory_check
+    assert isinstance(check, StageMemoryCheck)
+    mine, xla = dict(check.shardc_parts), dict(check.xla_parts)
+    assert check.element == 8  # the run is in float64
+    # the program takes every param of the stage (and the inputs) and returns a gradient for each
+    assert 0 < mine["params"] == mine["gradients"] <= min(xla["arguments"], xla["outputs"])
+    assert check.held < check.microbatches  # 1F1B's first stage holds fewer than the schedule's slots
+    data = report.to_json()["memory_check"]
+    assert data["pipelined"] and data["ratio"] == data["shardc_bytes"] / data["xla_bytes"]
+    assert "shardc's fullest stage" in render_report(report)
