@@ -319,7 +319,10 @@ def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key:
     report.collectives += loop_rows(lowered, text, parts, cut)
     step("comparing memory with XLA's buffer assignment")
     element = max(v.dtype.itemsize for v in inputs.values() if v.dtype.kind == "f")
-    report.memory_check = stage_memory_check(plan, lowered, stats, element)
+    try:  # reported, not judged: a stage shardc cannot cost at the run's sizes leaves the values' verdict
+        report.memory_check = stage_memory_check(plan, lowered, stats, element)
+    except ShardcError as error:
+        report.notes.append(f"memory not compared with XLA's: shardc cannot cost the run's stages ({error.message})")
     return report
 
 
