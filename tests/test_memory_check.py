@@ -256,7 +256,7 @@ def test_pipelined_verify_reports_the_fullest_stage_against_xla() -> None:
     mine, xla = dict(check.shardc_parts), dict(check.xla_parts)
     assert check.element == 8  # the run is in float64
     # the program takes every param of the stage (and the inputs) and returns a gradient for each
-    assert 0 < mine["params"] == mine["gradients"] <= min(xla["arguments"], xla["outputs"])
+    assert 0 < mine["params"] <= xla["arguments"] and 0 < mine["gradients"] <= xla["outputs"]
     assert check.held < check.microbatches  # 1F1B's first stage holds fewer than the schedule's slots
     data = report.to_json()["memory_check"]
     assert data["pipelined"] and data["ratio"] == data["shardc_bytes"] / data["xla_bytes"]

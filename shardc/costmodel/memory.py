@@ -62,6 +62,7 @@ class Memory:
     whys: tuple[str, ...] = ()  # why each residual is kept, in the order of ``residuals``
     recomputed: tuple[tuple[str, float], ...] = ()  # forward values made again in the backward, bytes a layer
     residual_bytes_expr: str = ""  # the residuals of one layer as a formula (:func:`residual_formula`)
+    grads: float = 0.0  # gradient elements on one device (sharded as the param, or on its ZeRO shard), all layers
 
     @property
     def total_bytes(self) -> float:
@@ -125,7 +126,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
-                  tuple(why for _, why in table), again, text(residual_formula(plan)))
+                  tuple(why for _, why in table), again, text(residual_formula(plan)), grad_local)
 
 
 def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:

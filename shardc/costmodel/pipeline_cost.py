@@ -104,6 +104,7 @@ class StageCost:
     gathered_bytes: float
     hbm_bytes: float
     params: float = 0.0  # the parameter count of the stage's layers on one device
+    grads: float = 0.0  # their gradients' elements on one device (a ZeRO shard's where the spec says)
 
     @property
     def bound(self) -> str:
@@ -464,7 +465,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
                    for i, p in enumerate(parts["layer"]))
         out.append(StageCost(s, layers, f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
-                             residual, mem.gathered_bytes, hw.hbm_bytes, mem.params))
+                             residual, mem.gathered_bytes, hw.hbm_bytes, mem.params, mem.grads))
     return tuple(out)
 
 

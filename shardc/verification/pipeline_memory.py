@@ -8,9 +8,10 @@ device's, sized for the fullest stage.  Its categories are not shardc's: the pro
 param of the device's stage (the block's stacked, the ends' on their stage) and the whole batch's
 inputs, returns the gradients and the ends' accumulator, and keeps the activations of the
 microbatches in flight, the gathered weights and its loop's own buffers as temporaries; shardc counts
-the stage's params, their gradients (the program returns one a param; it updates no optimizer state),
-the activations its save policy keeps for the microbatches the stage holds at its peak, and one
-layer's gathered weights.  Both are counted at the run's float element (its inputs' dtype).
+the stage's params, their gradients (the program returns one a param, on its ZeRO shard where the
+spec shards it; it updates no optimizer state), the activations its save policy keeps for the
+microbatches the stage holds at its peak, and one layer's gathered weights.  Both are counted at the
+run's float element (its inputs' dtype).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     assert report.pipeline is not None
     stage = report.pipeline.fullest
     scale = element / plan.spec.dtype.nbytes
-    shardc = (("params", stage.params * element), ("gradients", stage.params * element),
+    shardc = (("params", stage.params * element), ("gradients", stage.grads * element),
               ("activations", stage.activation_bytes * scale), ("gathered weights", stage.gathered_bytes * scale))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
     return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, shardc,
