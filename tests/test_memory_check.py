@@ -128,6 +128,15 @@ def test_only_an_output_a_reduction_makes_hosts_a_value_before_it_is_made() -> N
     assert _phases(later)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's copy has a buffer of its own
 
 
+def test_an_output_a_gather_makes_hosts_a_value_before_it_is_made() -> None:
+    copied = "mesh X=2\ndims B=8, S=4, T=4, H=2\nSc[B_X, S, T] = Q[S, B_X, H] · K[B_X, T, H]\n"
+    local = copied + "O[B_X, S, T] = gelu(Sc[B_X, S, T])\n"
+    gathered = copied + "O[B, S, T] = gelu(Sc[B_X, S, T])\n"  # Sc gathered (an output, 512 bytes), then the gelu
+    assert [s.op for s in shardc.plan(shardc.parse(gathered)).forward][:2] == [Op.EINSUM, Op.ALL_GATHER]
+    assert _phases(local)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's copy, a buffer of its own
+    assert _phases(gathered)["forward"][2] == 0  # Q's copy sits in the gathered Sc's buffer, free until the gather
+
+
 def test_a_dot_result_whose_free_dims_are_permuted_is_copied() -> None:
     # Q's free dims are (S, R) in Q's order: a result with (R, S) is made as (S, R) and transposed
     plan = shardc.plan(shardc.parse("mesh X=2\ndims B=4, S=4, R=2, T=4, H=2\n"

@@ -127,7 +127,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
                  nbytes: Callable[[TensorRef], float], copies: _Copies) -> float:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the most alive at one
     of ``steps``, an output counted from the step that makes it (before, the buffer of one a reduction
-    makes holds others, :func:`_outside_outputs`), less the outputs.
+    or a gather makes holds others, :func:`_outside_outputs`), less the outputs.
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
@@ -175,8 +175,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     if copies.buffers.attention_loop:
         spans += _remade_outputs(steps, copies)
     spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
-    reduced = {s.dst for s in steps if s.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)}  # their outputs host others
-    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in reduced])
+    hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
+    hosting = {s.dst for s in steps if s.op in hosts}
+    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
     return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
 
 
@@ -222,10 +223,13 @@ def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> lis
     (the step making it, its bytes).
 
     XLA's buffer assignment puts a value, largest first, in an allocation it fits that holds nothing
-    alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) makes is
-    free until the reduction, which runs in its operand's buffer; an output any other step writes has
-    an allocation of its own, shared with nothing (in the compiled examples' buffer assignment: a
-    vocab-parallel embedding's partial sum, or a remade routing mask, never sits in a later output's)."""
+    alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) or an
+    AllGather makes is free until the collective, which writes it whole (a reduction runs in its
+    operand's buffer; in ``residual_blocks.shard``'s backward a weight gradient's unsliced dot and its
+    slice sit in the buffer its AllGather fills); an output any other step writes has an allocation of
+    its own, shared with nothing (in the compiled examples' buffer assignment: a vocab-parallel
+    embedding's partial sum, a remade routing mask, or a value before an AllToAll, whose pieces are
+    concatenated into its result, never sits in a later output's)."""
     hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
     taken: list[list[tuple[int, int]]] = [[] for _ in hosts]
     rest = []
