@@ -10,7 +10,16 @@ import pytest
 
 import shardc
 from shardc.cli.main import main
-from shardc.costmodel.phase_memory import Buffers, _Copies, _layout_copies, _made_at, _remade_outputs, phase_memory
+from shardc.collectives import Op
+from shardc.costmodel.phase_memory import (
+    Buffers,
+    _Copies,
+    _layout_copies,
+    _lifetimes,
+    _made_at,
+    _remade_outputs,
+    phase_memory,
+)
 from shardc.ir.plan import Plan
 from shardc.timing import local_elements
 from shardc.verification.memory_check import check_plan_memory, render_memory
@@ -35,6 +44,29 @@ def test_arguments_outputs_and_deferred_gradient_reduction() -> None:
     # the backward takes dY, X and W and returns dX and dW; the partial sums of dW wait for the
     # AllReduce issued off the critical path at the end, and dX's buffer (64 bytes) cannot hold them
     assert phases["backward"] == (y + x + w, x + w, w)
+
+
+# FSDP: both weights sharded over X, gathered for each dot, their gradients reduce-scattered
+FSDP = ("mesh X=2\ndims B=8, D=4, F=6\nparam W, V\n"
+        "H[B_X, F] = X[B_X, D] · W[D_X, F]\nY[B_X, D] = H[B_X, F] · V[F_X, D]\n")
+
+
+def test_a_reduce_scatter_runs_at_its_step_and_an_allreduce_ahead_at_the_end() -> None:
+    backward = shardc.plan(shardc.parse(FSDP)).backward
+    _, last = _lifetimes(backward)
+    scatters = [(k, s) for k, s in enumerate(backward) if s.op is Op.REDUCE_SCATTER]
+    assert scatters and all(s.ahead for _, s in scatters)
+    assert all(last[s.src] == k for k, s in scatters if s.src is not None)  # the partial sums die there
+    dense = shardc.plan(shardc.parse(DENSE)).backward
+    _, last = _lifetimes(dense)
+    (reduce,) = (s for s in dense if s.op is Op.ALL_REDUCE)
+    assert reduce.ahead and reduce.src is not None and last[reduce.src] == len(dense)
+
+
+def test_a_gathered_argument_is_alive_from_the_phase_start() -> None:
+    forward = _phases(FSDP)["forward"]
+    w = v = 4 * 6 * F32  # W[D, F] and V[F, D] gathered: both alive at the first dot, V gathered before it runs
+    assert forward[2] == w + v
 
 
 def test_temporaries_rounded_to_an_alignment_for_a_compiler_at_tiny_sizes() -> None:
@@ -94,6 +126,15 @@ def test_only_an_output_a_reduction_makes_hosts_a_value_before_it_is_made() -> N
     copied = "mesh X=2\ndims B=8, S=4, T=4, H=2\nSc[B_X, S, T] = Q[S, B_X, H] · K[B_X, T, H]\n"
     later = copied + "O[B_X, S, T] = gelu(Sc[B_X, S, T])\n"  # O (256 bytes) is written by a map, after the copy
     assert _phases(later)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's copy has a buffer of its own
+
+
+def test_an_output_a_gather_makes_hosts_a_value_before_it_is_made() -> None:
+    copied = "mesh X=2\ndims B=8, S=4, T=4, H=2\nSc[B_X, S, T] = Q[S, B_X, H] · K[B_X, T, H]\n"
+    local = copied + "O[B_X, S, T] = gelu(Sc[B_X, S, T])\n"
+    gathered = copied + "O[B, S, T] = gelu(Sc[B_X, S, T])\n"  # Sc gathered (an output, 512 bytes), then the gelu
+    assert [s.op for s in shardc.plan(shardc.parse(gathered)).forward][:2] == [Op.EINSUM, Op.ALL_GATHER]
+    assert _phases(local)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's copy, a buffer of its own
+    assert _phases(gathered)["forward"][2] == 0  # Q's copy sits in the gathered Sc's buffer, free until the gather
 
 
 def test_a_dot_result_whose_free_dims_are_permuted_is_copied() -> None:
@@ -188,7 +229,8 @@ def test_verify_reports_memory_against_xla() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp", "alltoall", "dp",
-                                  "gpt_layer_tp", "llama_layer_flash", "llama_layer_fsdp_tp", "tp", "moe_layer"])
+                                  "gpt_layer_tp", "llama_layer_flash", "llama_layer_fsdp_tp", "tp", "moe_layer",
+                                  "fsdp", "residual_blocks", "moe_transformer"])
 def test_examples_within_ten_percent(name: str) -> None:
     plan = shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text()))
     check = check_plan_memory(plan, 8)
@@ -209,3 +251,22 @@ def test_cost_check_memory_refuses_a_sweep_and_a_pipeline(capsys: pytest.Capture
     assert "--check-memory" in capsys.readouterr().err
     assert main(["cost", str(EXAMPLES / "pipeline_llama.shard"), "--check-memory"]) == 2
     assert "pipeline" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pipelined_verify_reports_the_fullest_stage_against_xla() -> None:
+    from shardc.verification.pipeline_memory import StageMemoryCheck
+    from shardc.verification.pipeline_verify import verify_pipeline
+    from shardc.verification.report import render_report
+
+    report = verify_pipeline(shardc.plan(shardc.parse((EXAMPLES / "pipeline_llama.shard").read_text())))
+    check = report.memory_check
+    assert isinstance(check, StageMemoryCheck)
+    mine, xla = dict(check.shardc_parts), dict(check.xla_parts)
+    assert check.element == 8  # the run is in float64
+    # the program takes every param of the stage (and the inputs) and returns a gradient for each
+    assert 0 < mine["params"] <= xla["arguments"] and 0 < mine["gradients"] <= xla["outputs"]
+    assert check.held < check.microbatches  # 1F1B's first stage holds fewer than the schedule's slots
+    data = report.to_json()["memory_check"]
+    assert data["pipelined"] and data["ratio"] == data["shardc_bytes"] / data["xla_bytes"]
+    assert "shardc's fullest stage" in render_report(report)

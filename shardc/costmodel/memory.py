@@ -66,6 +66,7 @@ class Memory:
     residual_bytes_expr: str = ""  # the residuals of one layer as a formula (:func:`residual_formula`)
     host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
     ring_bytes: float = 0.0  # the ring buffers in flight at once, one step of one layer (:func:`ring_buffers`)
+    grads: float = 0.0  # gradient elements on one device (sharded as the param, or on its ZeRO shard), all layers
 
     @property
     def total_bytes(self) -> float:
@@ -132,7 +133,8 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
-                  tuple(why for _, why in table), again, text(residual_formula(plan)), ring_bytes=rings)
+                  tuple(why for _, why in table), again, text(residual_formula(plan)), ring_bytes=rings,
+                  grads=grad_local)
 
 
 def ring_buffers(steps: tuple[Step, ...], sizes: dict[str, int], nbytes: int) -> float:

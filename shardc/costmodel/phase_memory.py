@@ -128,14 +128,18 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
                  nbytes: Callable[[TensorRef], float], copies: _Copies) -> float:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the most alive at one
     of ``steps``, an output counted from the step that makes it (before, the buffer of one a reduction
-    makes holds others, :func:`_outside_outputs`), less the outputs.
+    or a gather makes holds others, :func:`_outside_outputs`), less the outputs.
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
     :func:`shardc.timing.memory_traffic` prices it); a map's result takes the buffer of an operand
     of its size that no later step reads, as XLA's buffer assignment shares an elementwise
     operand's buffer with its user.  Copies a step makes for its layout (:func:`_layout_copies`)
-    live for that step only.  A reduction issued off the critical path runs at the end (:func:`_lifetimes`)."""
+    live for that step only.  An AllReduce issued off the critical path runs at the end (:func:`_lifetimes`).
+    An AllGather of an argument (an FSDP param, a sequence-parallel input) is issued at the phase's
+    start, its result alive from there: a latency-hiding scheduler starts a collective as soon as its
+    operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
+    together before the unit runs (Zhao et al. 2023, PyTorch FSDP, prefetching)."""
     readers, last = _lifetimes(steps)
     start = _made_at(steps)
     deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
@@ -165,14 +169,16 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[dead[0]][1] = end
             buffers[step.dst] = [k, end, 0.0]
         else:
-            buffers[step.dst] = [start[k], end, nbytes(step.dst)]
+            prefetched = step.op is Op.ALL_GATHER and step.src in args
+            buffers[step.dst] = [0 if prefetched else start[k], end, nbytes(step.dst)]
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
         spans += _remade_outputs(steps, copies)
     spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
-    reduced = {s.dst for s in steps if s.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)}  # their outputs host others
-    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in reduced])
+    hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
+    hosting = {s.dst for s in steps if s.op in hosts}
+    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
     return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
 
 
@@ -218,10 +224,13 @@ def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> lis
     (the step making it, its bytes).
 
     XLA's buffer assignment puts a value, largest first, in an allocation it fits that holds nothing
-    alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) makes is
-    free until the reduction, which runs in its operand's buffer; an output any other step writes has
-    an allocation of its own, shared with nothing (in the compiled examples' buffer assignment: a
-    vocab-parallel embedding's partial sum, or a remade routing mask, never sits in a later output's)."""
+    alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) or an
+    AllGather makes is free until the collective, which writes it whole (a reduction runs in its
+    operand's buffer; in ``residual_blocks.shard``'s backward a weight gradient's unsliced dot and its
+    slice sit in the buffer its AllGather fills); an output any other step writes has an allocation of
+    its own, shared with nothing (in the compiled examples' buffer assignment: a vocab-parallel
+    embedding's partial sum, a remade routing mask, or a value before an AllToAll, whose pieces are
+    concatenated into its result, never sits in a later output's)."""
     hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
     taken: list[list[tuple[int, int]]] = [[] for _ in hosts]
     rest = []
@@ -238,16 +247,20 @@ def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> lis
 def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], dict[TensorRef, int]]:
     """Per value the steps that read it, and the last step it is alive at.
 
-    A reduction the plan issues ahead of time (off the critical path) runs after the phase's last
-    step, as XLA defers such collectives and combines them into one (its all-reduce and
-    reduce-scatter combiners): the partial sums live to the end."""
+    An AllReduce the plan issues ahead of time (off the critical path) runs after the phase's last
+    step, as XLA defers such collectives and combines them into one (its all-reduce combiner): the
+    partial sums live to the end.  A ReduceScatter runs at its step, as soon as its partial sums are
+    made: its point is to free the unsharded gradient (ZeRO stage 2, Rajbhandari et al. 2020, reduces
+    each bucket as soon as its gradients are ready; PyTorch FSDP reduce-scatters each unit's in its
+    backward), and a chain that gathers its result again (a gradient sliced, reduce-scattered and
+    gathered) runs through at once."""
     readers: dict[TensorRef, list[Step]] = {}
     last: dict[TensorRef, int] = {}
     for k, step in enumerate(steps):
         for ref in _reads(step):
             readers.setdefault(ref, []).append(step)
             last[ref] = k
-        if step.ahead and step.src is not None and step.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
+        if step.ahead and step.src is not None and step.op is Op.ALL_REDUCE:
             last[step.src] = len(steps)
     return readers, last
 

@@ -103,6 +103,8 @@ class StageCost:
     activation_bytes: float
     gathered_bytes: float  # weights gathered at once, and the blocks in flight in a ring's buffers
     hbm_bytes: float
+    params: float = 0.0  # the parameter count of the stage's layers on one device
+    grads: float = 0.0  # their gradients' elements on one device (a ZeRO shard's where the spec says)
 
     @property
     def bound(self) -> str:
@@ -466,7 +468,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
                    for i, p in enumerate(parts["layer"]))
         out.append(StageCost(s, layers, f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
-                             residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes))
+                             residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes, mem.params, mem.grads))
     return tuple(out)
 
 

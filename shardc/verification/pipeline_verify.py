@@ -33,7 +33,8 @@ The compiled HLO is checked by :mod:`shardc.verification.pipeline_hlo`: the loop
 permutes between stages, and every planned collective by kind, axes and bytes.  With
 statements around the block, the three parts are the sections of the whole model's plan
 (:attr:`shardc.ir.plan.Plan.sections`), the one ``shardc cost`` priced, so what ran is
-what was costed by construction.
+what was costed by construction.  The compiled schedule's memory per device is set beside
+shardc's fullest stage (:mod:`shardc.verification.pipeline_memory`), reported, not judged.
 """
 
 from __future__ import annotations
@@ -56,15 +57,17 @@ from shardc.spec.functions import ID_DTYPE, layer_key
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.walk import leaves
 from shardc.verification import power
+from shardc.verification.memory_check import MEMORY_DTYPE
 from shardc.verification.module_check import running
 from shardc.verification.pipeline_hlo import loop_rows
+from shardc.verification.pipeline_memory import StageMemoryCheck, stage_memory_check
 from shardc.verification.pipeline_module import use_pipeline_module
 from shardc.verification.progress import step
 from shardc.verification.report import POWER, Report, ValueRow, compare_values, cut_note
 from shardc.verification.scales import input_scales
 
-__all__ = ["verify_pipeline", "run_sizes", "draw_inputs", "draw_cotangent", "reference", "rounding_bound",
-           "differential_rows"]
+__all__ = ["verify_pipeline", "check_pipeline_memory", "run_sizes", "draw_inputs", "draw_cotangent", "reference",
+           "rounding_bound", "differential_rows"]
 
 Arrays = dict[str, np.ndarray]
 
@@ -264,6 +267,20 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
     return report
 
 
+def check_pipeline_memory(plan: Plan, devices: int, dtype: str = MEMORY_DTYPE) -> StageMemoryCheck:
+    """The pipeline lowered as :func:`verify_pipeline` lowers it on ``devices`` devices, its schedule
+    compiled for inputs in ``dtype`` (not run), and its memory set beside shardc's fullest stage."""
+    sizes, layers, micro = run_sizes(plan, devices)
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan))
+    drawn = draw_inputs(lowered, 0, 0)
+    inputs = {k: v if v.dtype.kind in "iu" else v.astype(dtype) for k, v in drawn.items()}
+    cotangent = {k: np.asarray(v, dtype) for k, v in draw_cotangent(lowered, drawn, 0).items()}
+    pipeline = lowered.namespace.PIPELINE
+    args = pipeline.arguments(inputs, pipeline.ends.cotangent(pipeline, inputs, cotangent), 0)
+    stats = pipeline.program()[1].lower(*args).compile().memory_analysis()
+    return stage_memory_check(plan, lowered, stats, np.dtype(dtype).itemsize)
+
+
 def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key: int) -> Report:
     """The values and the compiled program of ``lowered``, the plan's pipeline at verify's sizes."""
     import jax
@@ -289,7 +306,7 @@ def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key:
                         "the unsharded float64 program (the reference's statements in jax, on one device) to the "
                         "rounding of the chain")
     with jax.enable_x64(True):  # a deep stack of products: float32's rounding grows past any fair bound
-        text, runs = _run(lowered, inputs, cotangent, keys)
+        text, runs, stats = _run(lowered, inputs, cotangent, keys)
         step("running the numpy reference")
         wants = {k: reference(lowered, inputs, cotangent, k) for k in keys}
         step("running the unsharded float64 program in jax, comparing values")
@@ -300,6 +317,12 @@ def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key:
     report.values = _recheck_weak(report, lowered, inputs, cotangent, keys)
     step("comparing the compiled program's collectives")
     report.collectives += loop_rows(lowered, text, parts, cut)
+    step("comparing memory with XLA's buffer assignment")
+    element = max(v.dtype.itemsize for v in inputs.values() if v.dtype.kind == "f")
+    try:  # reported, not judged: a stage shardc cannot cost at the run's sizes leaves the values' verdict
+        report.memory_check = stage_memory_check(plan, lowered, stats, element)
+    except ShardcError as error:
+        report.notes.append(f"memory not compared with XLA's: shardc cannot cost the run's stages ({error.message})")
     return report
 
 
@@ -356,8 +379,9 @@ def _keys(lowered: PipelineLowered, key: int) -> tuple[int, ...]:
 
 
 def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
-         keys: tuple[int, ...]) -> tuple[str, list[tuple[Arrays, Arrays]]]:
-    """The schedule's program compiled once: its HLO text, and the results and gradients under each key."""
+         keys: tuple[int, ...]) -> tuple[str, list[tuple[Arrays, Arrays]], Any]:
+    """The schedule's program compiled once: its HLO text, the results and gradients under each key, and
+    XLA's memory analysis of it."""
     pipeline = lowered.namespace.PIPELINE
     given = pipeline.ends.cotangent(pipeline, inputs, cotangent)
     step("compiling the schedule's program")
@@ -367,7 +391,7 @@ def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
     for key in keys:
         results, grads = pipeline.read(*compiled(*pipeline.arguments(inputs, given, key)))
         runs.append(({k: np.asarray(v) for k, v in results.items()}, {k: np.asarray(v) for k, v in grads.items()}))
-    return compiled.as_text(), runs
+    return compiled.as_text(), runs, compiled.memory_analysis()
 
 
 def _recheck_weak(report: Report, lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
@@ -396,7 +420,7 @@ def differential_rows(lowered: PipelineLowered, inputs: Arrays, cotangent: Array
 
     narrow = {k: v if v.dtype.kind in "iu" else v.astype(np.float32) for k, v in inputs.items()}
     cot = {k: np.asarray(v, np.float32) for k, v in cotangent.items()}
-    _, runs = _run(lowered, narrow, cot, keys)
+    _, runs, _ = _run(lowered, narrow, cot, keys)
     rows = []
     for key, (got_out, got_grads) in zip(keys, runs, strict=True):
         want_out, want_grads = reference(lowered, narrow, cot, key)

@@ -18,6 +18,7 @@ from shardc.lowering.sizes import devices_to_check
 from shardc.planner.plan_text import step_label
 from shardc.verification.hlo import Collective
 from shardc.verification.memory_check import MemoryCheck, render_memory
+from shardc.verification.pipeline_memory import StageMemoryCheck, render_stage_memory
 from shardc.verification.ring_hlo import ring_sends
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text", "compare_values",
@@ -81,7 +82,7 @@ class Report:
     input_scale: float = 1.0  # inputs are standard normal times this, times their own scale
     input_scales: dict[str, float] = field(default_factory=dict)  # each input's (shardc.verification.scales)
     notes: list[str] = field(default_factory=list)
-    memory_check: MemoryCheck | None = None  # per-device memory against XLA's (not part of ``ok``)
+    memory_check: MemoryCheck | StageMemoryCheck | None = None  # per-device memory against XLA's (not part of ``ok``)
 
     @property
     def ok(self) -> bool:
@@ -228,8 +229,10 @@ def render_report(report: Report) -> str:
                     [[r.phase, r.step or "-", r.plan_axes, _num(r.plan_bytes), r.hlo_op, r.hlo_axes,
                       _num(r.hlo_bytes), _status(r.ok, r.note)]
                      for r in report.collectives])
-    if report.memory_check is not None:
-        lines += ["", render_memory(report.memory_check).rstrip("\n")]
+    check = report.memory_check
+    if check is not None:
+        text = render_memory(check) if isinstance(check, MemoryCheck) else render_stage_memory(check)
+        lines += ["", text.rstrip("\n")]
     verdict = "verified: values and collectives match" if report.ok else "verification FAILED"
     lines += ["", verdict + ("; the notes above list what was not compared" if report.notes else "")]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,104 @@
+"""A pipelined step's memory per device beside the compiler's: shardc's fullest stage
+(:class:`shardc.costmodel.pipeline_cost.StageCost`, costed at the sizes, layers and microbatches the
+pipelined verify runs) set beside XLA's buffer assignment of the schedule's program
+(``compiled.memory_analysis()``), reported, not judged.
+
+The schedule is one SPMD program (every tick, forward and backward), so XLA's figures are one
+device's, sized for the fullest stage.  Its categories are not shardc's: the program takes every
+param of the device's stage (the block's stacked, the ends' on their stage) and the whole batch's
+inputs, returns the gradients and the ends' accumulator, and keeps the activations of the
+microbatches in flight, the gathered weights and its loop's own buffers as temporaries; shardc counts
+the stage's params, their gradients (the program returns one a param, on its ZeRO shard where the
+spec shards it; it updates no optimizer state), the activations its save policy keeps for the
+microbatches the stage holds at its peak, and one layer's gathered weights.  Both are counted at the
+run's float element (its inputs' dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from shardc.costmodel.cost_report import cost
+from shardc.ir.plan import Plan
+from shardc.lowering.pipeline_lowering import PipelineLowered
+from shardc.pipeline.boundary import microbatch_dim
+from shardc.units import fmt_bytes
+
+__all__ = ["StageMemoryCheck", "stage_memory_check", "render_stage_memory"]
+
+_XLA = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
+        ("temporaries", "temp_size_in_bytes"))
+
+
+@dataclass(frozen=True)
+class StageMemoryCheck:
+    """shardc's fullest stage and XLA's schedule program, each by its own parts, in bytes a device."""
+
+    stage: int
+    element: int  # the bytes of a floating-point element in the run
+    held: float  # the microbatches whose activations shardc counts: the stage's peak in flight
+    microbatches: int  # the run's; the lowered schedule keeps a slot for each
+    shardc_parts: tuple[tuple[str, float], ...]  # params, gradients, activations, gathered
+    xla_parts: tuple[tuple[str, float], ...]  # arguments, outputs, temporaries; less the aliased bytes
+
+    @property
+    def shardc_bytes(self) -> float:
+        return sum(n for _, n in self.shardc_parts)
+
+    @property
+    def xla_bytes(self) -> float:
+        return sum(n for _, n in self.xla_parts)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.shardc_bytes / self.xla_bytes if self.xla_bytes else None
+
+    def notes(self) -> list[str]:
+        return [f"shardc counts the activations of the {self.held:g} microbatches the stage holds at its peak; "
+                f"the lowered schedule keeps a slot for each of the {self.microbatches} (its residuals, its "
+                "activation received and its cotangent), alive through the loop",
+                "the program updates no optimizer state (it returns the gradients): shardc cost's optimizer "
+                "bytes have no counterpart here"]
+
+    def to_json(self) -> dict[str, object]:
+        return {"pipelined": True, "stage": self.stage, "element_bytes": self.element, "held": self.held,
+                "microbatches": self.microbatches, "notes": self.notes(),
+                "shardc_bytes": self.shardc_bytes, "xla_bytes": self.xla_bytes, "ratio": self.ratio,
+                "shardc_parts": dict(self.shardc_parts), "xla_parts": dict(self.xla_parts)}
+
+
+def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element: int) -> StageMemoryCheck:
+    """shardc's fullest stage of ``plan`` run as ``lowered`` runs it (its sizes with the whole batch,
+    layers, microbatches, stage split) beside XLA's memory analysis ``stats`` of its compiled schedule;
+    ``element``: the bytes of a float in the run (the spec's dtype's bytes scaled to it)."""
+    pipe = lowered.pipeline
+    spec = plan.spec
+    sizes = {**lowered.sizes, microbatch_dim(plan): lowered.batch}
+    if isinstance(spec.layers, str):
+        sizes[spec.layers] = pipe.layers
+    else:
+        spec = replace(spec, layers=pipe.layers)
+    run = replace(plan, spec=replace(spec, microbatches=pipe.microbatches, stage_layers=pipe.stage_layers))
+    report = cost(run, sizes=sizes)
+    assert report.pipeline is not None
+    stage = report.pipeline.fullest
+    scale = element / plan.spec.dtype.nbytes
+    shardc = (("params", stage.params * element), ("gradients", stage.grads * element),
+              ("activations", stage.activation_bytes * scale), ("gathered weights", stage.gathered_bytes * scale))
+    xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
+    return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, shardc,
+                            xla + (("aliased", -float(stats.alias_size_in_bytes)),))
+
+
+def render_stage_memory(check: StageMemoryCheck) -> str:
+    """The lines ``shardc verify`` prints for a pipelined spec: both sides' parts and totals."""
+    def parts(items: tuple[tuple[str, float], ...]) -> str:
+        return ", ".join(f"{what} {fmt_bytes(n)}" for what, n in items if n)
+
+    ratio = f"{check.ratio:.2f}" if check.ratio is not None else "-"
+    return (f"memory per device ({check.element}-byte floats), shardc's fullest stage (stage {check.stage}) against "
+            f"XLA's buffer assignment of the schedule's program (reported, not judged):\n"
+            f"  shardc {fmt_bytes(check.shardc_bytes)} ({parts(check.shardc_parts)})\n"
+            f"  XLA    {fmt_bytes(check.xla_bytes)} ({parts(check.xla_parts)})\n"
+            f"  ratio  {ratio}\n" + "".join(f"  note: {n}\n" for n in check.notes()))
