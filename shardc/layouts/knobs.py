@@ -1,36 +1,46 @@
 """The knobs that change a step but not a layout, searched beside it: microbatches, schedule, recompute, ZeRO.
 
-For a candidate layout, :func:`variants` gives it under every other setting of one knob, where the
-spec allows it (the search varies the knobs one at a time, each from the best setting of those
-before it):
+For a candidate layout, :func:`combinations` gives it under every combination of the knobs' settings
+(their product), where the spec allows it; the search (:mod:`shardc.layouts.layout_search`) costs
+them, skipping those a bound proves cannot win.  A knob's settings:
 
 * ``microbatches`` (a pipelined candidate): the stage count times 1, 2, 4, 8 and 16, and the spec's
   own, that split the batch (more microbatches shrink the bubble, (p-1)/m of the ideal step under
   GPipe and 1F1B, and each microbatch's matmuls);
 * ``schedule`` (a pipelined candidate): every schedule shardc simulates (``gpipe``, ``1f1b``,
-  ``interleaved 2``, ``zb-h1``, ``zbv``), where the spec's stages and layers allow it;
-* ``recompute``: ``none``, ``selective``, ``full`` (what the backward recomputes instead of keeping);
+  ``interleaved 2``, ``zb-h1``, ``zbv``, ``dualpipe``, ``dualpipev``), where the spec's stages, layers
+  and microbatches allow it;
+* ``recompute``: ``none``, ``selective``, ``full``, ``dots`` (what the backward recomputes instead of keeping);
 * ``zero``: ZeRO 1, 2 and 3 over the candidate's data-parallel axes (those of size > 1 that shard a
   token dim and no parameter), or none; a spec's own ``zero`` line varies its stage over its axes.
 
 Host offload of activations or optimizer state is not a knob here: shardc's cost model has no host link.
+
+:func:`search_knobs` costs the combinations template by template (a recompute policy and a ZeRO
+line: one plan, re-costed at each microbatch count and schedule), and skips, unplanned, those that
+cannot fit while a row fits (a row that fits outranks every one that does not).  The bound is the
+training state: the params, gradients and optimizer state a device (a stage) holds are fixed by the
+params' declared shardings, the ZeRO line and the stages' layers, whatever the recompute policy,
+the microbatch count and the plan; once one combination of a layout, ZeRO line and schedule shows
+that state alone over the HBM, every other recompute policy and microbatch count of them is skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, Schedule, Spec, Zero
-from shardc.layouts.rank import Options
-from shardc.layouts.templates import Candidate
+from shardc.layouts.rank import Layout, Options, Skipped
+from shardc.layouts.templates import Candidate, template_key, template_rows
 from shardc.planner.graph import build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES
 from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
 
-__all__ = ["KNOBS", "variants", "data_axes"]
+__all__ = ["KNOBS", "combinations", "search_knobs", "data_axes"]
 
 KNOBS = ("microbatches", "schedule", "recompute", "zero")
 MICROBATCHES_A_STAGE = (1, 2, 4, 8, 16)
@@ -85,11 +95,61 @@ def _apply(c: Candidate, setting: dict[str, str], options: Options) -> Candidate
     return Candidate(spec, c.sizes, knobs, setting.get("recompute", c.recompute))
 
 
-def variants(c: Candidate, knob: str, options: Options) -> Iterator[Candidate]:
-    """``c`` (at the knob settings it has) under every other setting of ``knob`` its spec allows."""
-    values = _settings(c, knob, options)
-    for value in values[1:]:  # the first is c's own
+def combinations(c: Candidate, knobs: Sequence[str], options: Options) -> list[Candidate]:
+    """``c`` under every combination of the settings of ``knobs`` its spec allows, but its own: the product,
+    not one knob at a time (knobs interact: a recompute policy that fits only beside a ZeRO stage).  A
+    candidate's ``knobs`` name the settings that differ from ``c``'s."""
+    settings = [[(knob, value) for value in _settings(c, knob, options)] for knob in KNOBS if knob in knobs]
+    settings = [s for s in settings if s]
+    own = dict(s[0] for s in settings)  # each knob's first setting is c's own
+    out = []
+    for combo in itertools.product(*settings):
+        changed = {knob: value for knob, value in combo if value != own[knob]}
+        if not changed:
+            continue
         try:
-            yield _apply(c, dict(c.knobs) | {knob: value}, options)
+            out.append(_apply(c, dict(c.knobs) | changed, options))
         except ShardcError:
             continue  # e.g. interleaved with microbatches not a multiple of the stages
+    return out
+
+
+def _state_key(c: Candidate) -> tuple[object, ...]:
+    """What a candidate's training state is made of: its layout, ZeRO line and schedule (not its recompute
+    policy or microbatch count)."""
+    return (c.label, c.sizes, str(c.spec.zero), str(c.spec.schedule))
+
+
+def _over(rows: Sequence[Layout], by_row: dict[tuple[object, ...], Candidate]) -> set[tuple[object, ...]]:
+    """The state keys of ``rows`` whose training state alone passes the chip's HBM."""
+    return {_state_key(by_row[k]) for r in rows if (k := (r.spec, r.sizes, r.knobs)) in by_row
+            and r.state_bytes > r.hbm_bytes}
+
+
+def search_knobs(best: Sequence[Candidate], rows: Sequence[Layout], options: Options,
+                 progress: Callable[[int, int], None] | None = None
+                 ) -> tuple[list[Layout], list[Skipped], list[Candidate], dict[str, float]]:
+    """Every combination of ``options.knobs`` for each of ``best`` (whose rows are among ``rows``), template
+    by template, skipping those the state bound proves cannot fit while a row fits; the rows, the candidates
+    refused, the candidates made, and counts (``planned``, ``pruned``: candidates skipped unplanned)."""
+    made = [v for c in best for v in combinations(c, options.knobs, options)]
+    groups: dict[tuple[object, ...], list[Candidate]] = {}
+    for c in made:  # in product order: a policy's ZeRO lines before the next policy's
+        groups.setdefault(template_key(c, options), []).append(c)
+    by_row: dict[tuple[object, ...], Candidate] = {(c.label, c.sizes, c.knobs): c for c in [*best, *made]}
+    over = _over(rows, by_row)  # state keys whose state alone passes the HBM
+    fits = any(r.fits for r in rows)
+    out: list[Layout] = []
+    refused: list[Skipped] = []
+    planned = pruned = 0
+    for done, members in enumerate(groups.values(), 1):
+        live = [c for c in members if not (fits and _state_key(c) in over)]
+        pruned += len(members) - len(live)
+        if live:
+            found, no = template_rows(live, live[0], options)
+            out, refused, planned = out + found, refused + no, planned + 1
+            over |= _over(found, by_row)
+            fits = fits or any(r.fits for r in found)
+        if progress is not None:
+            progress(done, len(groups))
+    return out, refused, made, {"planned": planned, "pruned": pruned, "combinations": len(made)}
