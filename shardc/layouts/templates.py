@@ -27,6 +27,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from shardc.costmodel.cost_report import cost
+from shardc.costmodel.pipeline_cost import pipeline_cost
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
@@ -86,17 +87,19 @@ def recost(template: Plan, c: Candidate, options: Options) -> Layout | str:
 
 
 def step_of(template: Plan, c: Candidate, options: Options) -> tuple[float, bool, float] | None:
-    """The step, whether a mesh axis splits a physical axis, and the critical-path communication :func:`recost`
-    gives ``c`` (the step ``shardc cost`` reports is the one the planner minimises,
-    :func:`shardc.timing.plan_time`), without the rest of its report; None for a pipelined candidate, whose
-    step is its simulated schedule, or one cost refuses."""
-    if c.spec.mesh.pipeline_axis is not None:
-        return None
+    """The step, whether a mesh axis splits a physical axis, and the critical-path communication of the row
+    :func:`recost` gives ``c``, without the rest of its report: the step ``shardc cost`` reports is the one the
+    planner minimises (:func:`shardc.timing.plan_time`).  A pipelined candidate gets a bound under them
+    instead: its simulated schedule without the optimizer's update after it, no split, no critical path.
+    None where cost refuses it."""
     at = _at(template, c)
     sizes = dict(at.sizes or ())
     try:
-        took = plan_time(at, sizes=sizes, optimizer=options.optimizer)
         links, _ = plan_links(at, at.chip, sizes)
+        if c.spec.mesh.pipeline_axis is not None:
+            pipe = pipeline_cost(at, at.chip, sizes, links, options.optimizer)
+            return (pipe.step_s, False, 0.0) if pipe is not None else None  # its update_s left at 0
+        took = plan_time(at, sizes=sizes, optimizer=options.optimizer)
     except ShardcError:
         return None
     critical = math.fsum(p.critical_s for p in (took.forward, took.backward, took.optimizer))
