@@ -121,10 +121,14 @@ def kept_plans() -> Iterator[None]:
         _KEPT.reset(token)
 
 
+def _kept_key(c: Candidate, options: Options) -> tuple[object, ...]:
+    return (template_key(c, options), c.sizes, c.knobs)
+
+
 def plan_template(c: Candidate, options: Options) -> Plan | str:
     """``c`` planned (kept inside :func:`kept_plans`), or why the planner refuses it."""
     kept = _KEPT.get()
-    key = (template_key(c, options), c.sizes, c.knobs)
+    key = _kept_key(c, options)
     if kept is not None and key in kept:
         return kept[key]
     try:
@@ -176,10 +180,14 @@ def search_templates(found: Sequence[Candidate], options: Options,
     for c in found:
         groups.setdefault(template_key(c, options), []).append(c)
     n = processes(jobs, len(groups), worth=1) if len(found) >= POOLED or jobs > 1 else 1
-    done = mapped(template_rows, [(members, _representative(members, ranked), options) for members in groups.values()],
+    reps = [_representative(members, ranked) for members in groups.values()]
+    done = mapped(_planned_rows, [(members, rep, options) for members, rep in zip(groups.values(), reps, strict=True)],
                   n, progress)
-    rows = [row for made, _ in done for row in made]
-    skipped = [s for _, refused in done for s in refused]
+    rows = [row for made, _, _ in done for row in made]
+    skipped = [s for _, refused, _ in done for s in refused]
+    kept = _KEPT.get()
+    if kept is not None:  # the plans made over processes, kept here too
+        kept.update((_kept_key(rep, options), template) for rep, (_, _, template) in zip(reps, done, strict=True))
     stats = {"candidates": len(found), "planned": len(groups), "reused": 0, "recosted": 0,
              "templates": len(groups), "jobs": n, "seconds": 0.0}
     if refine:
@@ -194,6 +202,13 @@ def search_templates(found: Sequence[Candidate], options: Options,
 def template_rows(members: Sequence[Candidate], rep: Candidate,
                   options: Options) -> tuple[list[Layout], list[Skipped]]:
     """``rep`` planned, and every member costed with its plan: their rows, and those refused."""
+    rows, skipped, _ = _planned_rows(members, rep, options)
+    return rows, skipped
+
+
+def _planned_rows(members: Sequence[Candidate], rep: Candidate,
+                  options: Options) -> tuple[list[Layout], list[Skipped], Plan | str]:
+    """:func:`template_rows`, and the plan (or the planner's refusal)."""
     template = plan_template(rep, options)
     rows: list[Layout] = []
     skipped: list[Skipped] = []
@@ -203,7 +218,7 @@ def template_rows(members: Sequence[Candidate], rep: Candidate,
             skipped.append(Skipped(c.label, c.sizes, row))
         else:  # the representative's row is its own plan's
             rows.append(replace(row, planned=True) if c == rep else replace(row, notes=row.notes + (note(rep),)))
-    return rows, skipped
+    return rows, skipped, template
 
 
 def _which(row: Layout) -> tuple[str, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
