@@ -16,7 +16,7 @@ from shardc.layouts import Options
 from shardc.layouts.factor import candidates
 from shardc.layouts.orders import orders, reorder, search_orders
 from shardc.layouts.rank import Skipped, pairs, prepare, rank
-from shardc.layouts.templates import Candidate, kept_plans, recost, search_templates, step_of
+from shardc.layouts.templates import Candidate, free_step, kept_plans, recost, search_templates, step_of
 
 ROOT = Path(__file__).resolve().parent.parent
 # Megatron's tensor parallelism over Y written first: the devices are numbered node by node and the mesh
@@ -105,7 +105,7 @@ def test_the_order_bounds_skip_only_orders_that_cannot_be_chosen() -> None:
     assert quick[2] == pytest.approx(row.critical_s, rel=1e-12)
 
 
-def test_a_pipelines_quick_step_is_a_bound_under_its_row() -> None:
+def test_a_pipelines_quick_steps_are_bounds_under_its_row() -> None:
     spec = shardc.parse((ROOT / "examples" / "pipeline_llama.shard").read_text(encoding="utf-8"), "pipeline.shard")
     options = Options(get_hardware("tpu-v5p"))
     candidate = prepare(spec, {"P": 4, "X": 2, "Y": 8})  # on 4x4x4: Y splits an axis, P or X the rest of it
@@ -113,8 +113,10 @@ def test_a_pipelines_quick_step_is_a_bound_under_its_row() -> None:
     template = shardc.plan(candidate)
     others = orders(candidate, options)
     assert len(others) > 1
+    free = free_step(template, Candidate(candidate, pairs(candidate)), options)
+    assert free is not None and free > 0
     for other in others:
         c = Candidate(other, pairs(other))
         row, quick = recost(template, c, options), step_of(template, c, options)
         assert not isinstance(row, str) and quick is not None
-        assert quick[0] <= row.step_s and row.step_s >= row.floor_s
+        assert free <= quick[0] <= row.step_s and row.step_s >= row.floor_s

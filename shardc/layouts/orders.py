@@ -26,6 +26,7 @@ from shardc.ir.spec import Mesh, Network, Spec, parse_topology
 from shardc.layouts.rank import DIGITS, Layout, Options, Skipped, pairs, rank_key
 from shardc.layouts.templates import (
     Candidate,
+    free_step,
     note,
     plan_template,
     recost,
@@ -94,9 +95,11 @@ def search_orders(found: Sequence[Candidate], rows: Sequence[Layout], options: O
     with its template's plan, except where it cannot be chosen: while some row fits, an order of a
     layout that does not fit (an order moves no byte of memory), of one whose compute alone
     (``floor_s``: the same plan's compute, which no order changes) passes the fastest fitting row's
-    step, or one whose step alone (:func:`shardc.layouts.templates.step_of`, without the rest of its
-    report) does (``bounded`` false: none skipped).  The rows, the candidates refused, the orders made,
-    and counts (``orders``, and ``pruned``: those skipped)."""
+    step, of a pipelined one whose schedule with its communication free does
+    (:func:`shardc.layouts.templates.free_step`), or one whose step alone does
+    (:func:`shardc.layouts.templates.step_of`, without the rest of its report).  ``bounded`` false:
+    none skipped.  The rows, the candidates refused, the orders made, and counts (``orders``, and
+    ``pruned``: those skipped)."""
     fitting = [r for r in rows if r.fits]
     bar = min(fitting, key=rank_key) if fitting and bounded else None
     made, total = _made(found, rows, options, bar)
@@ -109,7 +112,16 @@ def search_orders(found: Sequence[Candidate], rows: Sequence[Layout], options: O
     skipped = 0
     for done, (key, members) in enumerate(groups.items(), 1):
         template = plan_template(reps[key], options)  # the written order's plan, kept from its rows
+        free: dict[tuple[tuple[str, int], ...], float | None] = {}  # a layout's free_step, whatever its order
         for c in members:
+            if bar is not None and not isinstance(template, str):
+                layout = tuple(sorted(c.sizes))
+                if layout not in free:
+                    free[layout] = free_step(template, c, options)
+                bound = free[layout]
+                if bound is not None and _digits(bound) > _digits(bar.step_s):
+                    skipped += 1  # slower than a row that fits with its communication free
+                    continue
             quick = step_of(template, c, options) if not isinstance(template, str) else None
             if bar is not None and quick is not None and _behind(quick, bar):
                 skipped += 1  # ranked after a row that fits: no row is needed

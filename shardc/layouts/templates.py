@@ -36,7 +36,7 @@ from shardc.planner.planner import plan
 from shardc.timing import plan_links, plan_time
 
 __all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates", "template_rows", "refined",
-           "representatives", "kept_plans", "plan_template", "step_of", "note"]
+           "representatives", "kept_plans", "plan_template", "step_of", "free_step", "note"]
 
 EXACT_TOP = 3  # the rows planned at their own sizes, at least: the chosen one and the two behind it
 ROUNDS = 8  # rounds of planning the best re-costed rows, each of EXACT_TOP plans at most
@@ -104,6 +104,28 @@ def step_of(template: Plan, c: Candidate, options: Options) -> tuple[float, bool
         return None
     critical = math.fsum(p.critical_s for p in (took.forward, took.backward, took.optimizer))
     return took.step_s, any(k.split for k in links.values()), critical
+
+
+# links that take no time: what a step comes to with its communication free, under any order of its axes
+_FREE = {"ici_bandwidth": 1e30, "dcn_bandwidth": 1e30, "hop_latency": 0.0, "collective_base": 0.0}
+
+
+def free_step(template: Plan, c: Candidate, options: Options) -> float | None:
+    """A bound under the step :func:`recost` gives ``c`` in any order of its mesh axes: a pipelined candidate's
+    simulated schedule with every collective and send free (a schedule's ops only start later when
+    they take longer); None without a pipeline (its compute, ``Layout.floor_s``, is that bound) or
+    where cost refuses it."""
+    if c.spec.mesh.pipeline_axis is None:
+        return None
+    at = _at(template, c)
+    free = replace(at.chip, **_FREE)  # type: ignore[arg-type]
+    sizes = dict(at.sizes or ())
+    try:
+        links, _ = plan_links(at, free, sizes)
+        pipe = pipeline_cost(at, free, sizes, links, options.optimizer)
+    except ShardcError:
+        return None
+    return pipe.step_s if pipe is not None else None
 
 
 # the plans made inside kept_plans(): (template key, sizes, knobs) of a representative -> its plan or refusal
