@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from pathlib import Path
 
 import shardc
 from shardc.hardware import Hardware, get_hardware
 from shardc.ir.spec import Spec, Zero
-from shardc.layouts import Layout, Options, search_layouts
-from shardc.layouts.rank import evaluate, rank_key
+from shardc.layouts import Layout, Options, Skipped, search_layouts
+from shardc.layouts.knobs import search_knobs
+from shardc.layouts.rank import evaluate, pairs, prepare, rank, rank_key
+from shardc.layouts.templates import Candidate, kept_plans, search_templates
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Constructed: 16 MLP layers, data parallel over Z (16) and tensor parallel over Y (4) on 64 TPU v5p
 # chips, compute-bound.  Its training state (22 GB a chip) outweighs its activations (7 GB): ZeRO saves
@@ -87,3 +92,21 @@ def test_the_state_bound_skips_only_settings_that_cannot_fit() -> None:
     best = min(table.values(), key=rank_key)
     assert chosen.fits and chosen.step_s == best.step_s
     assert dict(chosen.knobs).get("zero", "none") != "none"
+
+
+def test_the_compute_bound_skips_only_schedules_that_cannot_be_chosen() -> None:
+    # the pipelined LLaMA at its own layout (P=4 X=8 Y=4): each microbatch count and schedule, with the
+    # bounds and without them, choose alike
+    spec = shardc.parse((ROOT / "examples" / "pipeline_llama.shard").read_text(encoding="utf-8"), "pipeline.shard")
+    options = Options(get_hardware("tpu-v5p"), knobs=("microbatches", "schedule"))
+    candidate = prepare(spec, {a.name: a.size for a in spec.mesh.axes})
+    assert not isinstance(candidate, Skipped)
+    best = [Candidate(candidate, pairs(candidate))]
+    with kept_plans():
+        rows, _, _ = search_templates(best, options, refine=False)
+        assert rows[0].fits
+        bounded, _, _, counts = search_knobs(best, rows, options)
+        every, _, _, _ = search_knobs(best, rows, options, bounded=False)
+    assert counts["pruned"] > 0 and len(bounded) == len(every) - counts["pruned"]
+    assert rank([*rows, *bounded])[0] == rank([*rows, *every])[0]
+    assert {(r.knobs, r.step_s) for r in bounded} <= {(r.knobs, r.step_s) for r in every}

@@ -23,6 +23,9 @@ training state: the params, gradients and optimizer state a device (a stage) hol
 params' declared shardings, the ZeRO line and the stages' layers, whatever the recompute policy,
 the microbatch count and the plan; once one combination of a layout, ZeRO line and schedule shows
 that state alone over the HBM, every other recompute policy and microbatch count of them is skipped.
+A pipelined combination whose simulated schedule with every collective and send free is already
+slower than a row that fits is skipped too, unrecosted (a schedule's ops only start later when they
+take longer: :func:`shardc.layouts.templates.free_step`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from dataclasses import replace
 
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, Schedule, Spec, Zero
-from shardc.layouts.rank import Layout, Options, Skipped
-from shardc.layouts.templates import Candidate, template_key, template_rows
+from shardc.layouts.rank import DIGITS, Layout, Options, Skipped, rank_key
+from shardc.layouts.templates import Candidate, free_step, note, plan_template, recost, template_key
 from shardc.planner.graph import build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES
 from shardc.spec.validate import validate
@@ -127,29 +130,63 @@ def _over(rows: Sequence[Layout], by_row: dict[tuple[object, ...], Candidate]) -
 
 
 def search_knobs(best: Sequence[Candidate], rows: Sequence[Layout], options: Options,
-                 progress: Callable[[int, int], None] | None = None
+                 progress: Callable[[int, int], None] | None = None, bounded: bool = True
                  ) -> tuple[list[Layout], list[Skipped], list[Candidate], dict[str, float]]:
     """Every combination of ``options.knobs`` for each of ``best`` (whose rows are among ``rows``), template
-    by template, skipping those the state bound proves cannot fit while a row fits; the rows, the candidates
-    refused, the candidates made, and counts (``planned``, ``pruned``: candidates skipped unplanned)."""
+    by template, skipping, while a row fits, those the state bound proves cannot fit, and the pipelined
+    ones whose schedule with every collective free is slower than it (``bounded`` false: none); the rows,
+    the candidates refused, the candidates made, and counts (``planned``, ``pruned``: candidates skipped)."""
     made = [v for c in best for v in combinations(c, options.knobs, options)]
     groups: dict[tuple[object, ...], list[Candidate]] = {}
     for c in made:  # in product order: a policy's ZeRO lines before the next policy's
         groups.setdefault(template_key(c, options), []).append(c)
     by_row: dict[tuple[object, ...], Candidate] = {(c.label, c.sizes, c.knobs): c for c in [*best, *made]}
-    over = _over(rows, by_row)  # state keys whose state alone passes the HBM
-    fits = any(r.fits for r in rows)
+    over = _over(rows, by_row) if bounded else set()  # state keys whose state alone passes the HBM
+    bar = _best(rows) if bounded else None
     out: list[Layout] = []
     refused: list[Skipped] = []
     planned = pruned = 0
     for done, members in enumerate(groups.values(), 1):
-        live = [c for c in members if not (fits and _state_key(c) in over)]
+        live = [c for c in members if bar is None or _state_key(c) not in over]
         pruned += len(members) - len(live)
         if live:
-            found, no = template_rows(live, live[0], options)
-            out, refused, planned = out + found, refused + no, planned + 1
-            over |= _over(found, by_row)
-            fits = fits or any(r.fits for r in found)
+            found, no, skipped = _costed(live, options, bar)
+            out, refused, planned, pruned = out + found, refused + no, planned + 1, pruned + skipped
+            if bounded:
+                over |= _over(found, by_row)
+                bar = _best([*([bar] if bar is not None else []), *found])
         if progress is not None:
             progress(done, len(groups))
     return out, refused, made, {"planned": planned, "pruned": pruned, "combinations": len(made)}
+
+
+def _best(rows: Sequence[Layout]) -> Layout | None:
+    """The first of ``rows`` that fit, by the ranking; None when none fits."""
+    fitting = [r for r in rows if r.fits]
+    return min(fitting, key=rank_key) if fitting else None
+
+
+def _costed(members: Sequence[Candidate], options: Options,
+            bar: Layout | None) -> tuple[list[Layout], list[Skipped], int]:
+    """The first of ``members`` planned, and each costed with its plan but those whose schedule with every
+    collective free (:func:`shardc.layouts.templates.free_step`) is slower than ``bar``: the rows, those
+    refused, and how many were skipped."""
+    rep = members[0]
+    template = plan_template(rep, options)
+    if isinstance(template, str):
+        return [], [Skipped(c.label, c.sizes, template) for c in members], 0
+    rows: list[Layout] = []
+    refused: list[Skipped] = []
+    skipped = 0
+    for c in members:
+        bound = free_step(template, c, options) if bar is not None and c is not rep else None
+        if bound is not None and bar is not None and float(f"{bound:.{DIGITS - 1}e}") > \
+                float(f"{bar.step_s:.{DIGITS - 1}e}"):
+            skipped += 1
+            continue
+        row = recost(template, c, options)
+        if isinstance(row, str):
+            refused.append(Skipped(c.label, c.sizes, row))
+        else:  # the representative's row is its own plan's
+            rows.append(replace(row, planned=True) if c is rep else replace(row, notes=row.notes + (note(rep),)))
+    return rows, refused, skipped
