@@ -97,7 +97,7 @@ def _orders(stats: dict[str, float]) -> str:
     if stats.get("orders_pruned"):
         parts.append(f"{stats['orders_pruned']:.0f} of them skipped, slower or fuller than a row that fits")
     if stats.get("pruned"):
-        parts.append(f"{stats['pruned']:.0f} knob setting(s) skipped by the state bound")
+        parts.append(f"{stats['pruned']:.0f} knob setting(s) skipped, unable to fit or slower than a row that fits")
     return f" (with {'; '.join(parts)})" if parts else ""
 
 
