@@ -9,8 +9,9 @@ seconds (serial, one process) and the seconds a plan, with its target:
   the number to watch being seconds a plan (the planner's own speed: ``plan_speed.py``);
 - the same with ``--jobs 0`` (a process a core), when the machine has more than one;
 - ``benchmarks/specs/pipeline_llama2_13b_hsdp.shard`` on 4096 chips (4 axes, PP x DP x FSDP x TP:
-  455 candidates, each template planned once and re-costed): < 30 s of CPU, then with the knobs
-  (microbatches, schedule, recompute, ZeRO) searched for the best layouts too, in one process and
+  455 candidates, 251 valid, and 1589 other orders of their mesh axes, each template planned once
+  and re-costed, the orders that cannot be chosen skipped by bounds): < 30 s of CPU, then with the
+  product of the knobs (microbatches, schedule, recompute, ZeRO) searched for the best layouts too, in one process and
   with ``--jobs 0`` (the templates over a process a core: < 30 s of wall clock on two idle cores).
 
 Each line gives candidates a second of CPU time (the process's, not the wall clock's: the

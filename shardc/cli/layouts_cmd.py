@@ -68,8 +68,9 @@ def register(subparsers: Any, name: str) -> None:
     parser = subparsers.add_parser(
         name, help="rank the mesh layouts of a spec on a number of chips",
         description="Rank every layout of FILE (and of each --with spec) on --chips chips: each assignment of "
-                    "sizes to the mesh axes whose product is the chip count, planned for the chip and costed "
-                    "as `shardc cost` costs it.  DCN axes and axes given with --set keep their size.  Layouts "
+                    "sizes to the mesh axes whose product is the chip count, in each order of the axes that "
+                    "lays them on other links, planned for the chip and costed as `shardc cost` costs it.  DCN "
+                    "axes and axes given with --set keep their size.  Layouts "
                     "that fit HBM come first, then by step time, then by critical-path communication, then "
                     "by memory.")
     add_common(parser)
@@ -93,8 +94,8 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--jobs", type=int, default=0, metavar="J",
                         help="processes that plan the candidates (0: one a core, up to 8, when 8 or more plans)")
     parser.add_argument("--knobs", type=_knobs, default=(), metavar="K,K",
-                        help="also search these settings of the step for the best layouts, one at a time: "
-                             "microbatches, schedule, recompute, zero (or all)")
+                        help="also search every combination of these settings of the step for the best "
+                             "layouts: microbatches, schedule, recompute, zero (or all)")
     parser.add_argument("--exact", action="store_true",
                         help="plan every candidate at its own sizes (past 64 candidates the search plans each "
                              "template once and re-costs it, then plans the best rows at their own sizes)")

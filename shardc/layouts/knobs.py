@@ -1,36 +1,49 @@
 """The knobs that change a step but not a layout, searched beside it: microbatches, schedule, recompute, ZeRO.
 
-For a candidate layout, :func:`variants` gives it under every other setting of one knob, where the
-spec allows it (the search varies the knobs one at a time, each from the best setting of those
-before it):
+For a candidate layout, :func:`combinations` gives it under every combination of the knobs' settings
+(their product), where the spec allows it; the search (:mod:`shardc.layouts.layout_search`) costs
+them, skipping those a bound proves cannot win.  A knob's settings:
 
 * ``microbatches`` (a pipelined candidate): the stage count times 1, 2, 4, 8 and 16, and the spec's
   own, that split the batch (more microbatches shrink the bubble, (p-1)/m of the ideal step under
   GPipe and 1F1B, and each microbatch's matmuls);
 * ``schedule`` (a pipelined candidate): every schedule shardc simulates (``gpipe``, ``1f1b``,
-  ``interleaved 2``, ``zb-h1``, ``zbv``), where the spec's stages and layers allow it;
-* ``recompute``: ``none``, ``selective``, ``full`` (what the backward recomputes instead of keeping);
+  ``interleaved 2``, ``zb-h1``, ``zbv``, ``dualpipe``, ``dualpipev``), where the spec's stages, layers
+  and microbatches allow it;
+* ``recompute``: ``none``, ``selective``, ``full``, ``dots`` (what the backward recomputes instead of keeping);
 * ``zero``: ZeRO 1, 2 and 3 over the candidate's data-parallel axes (those of size > 1 that shard a
   token dim and no parameter), or none; a spec's own ``zero`` line varies its stage over its axes.
 
 Host offload of activations or optimizer state is not a knob here: shardc's cost model has no host link.
+
+:func:`search_knobs` costs the combinations template by template (a recompute policy and a ZeRO
+line: one plan, re-costed at each microbatch count and schedule), and skips, unplanned, those that
+cannot fit while a row fits (a row that fits outranks every one that does not).  The bound is the
+training state: the params, gradients and optimizer state a device (a stage) holds are fixed by the
+params' declared shardings, the ZeRO line and the stages' layers, whatever the recompute policy,
+the microbatch count and the plan; once one combination of a layout, ZeRO line and schedule shows
+that state alone over the HBM, every other recompute policy and microbatch count of them is skipped.
+A pipelined combination whose simulated schedule with every collective and send free is already
+slower than a row that fits is skipped too, unrecosted (a schedule's ops only start later when they
+take longer: :func:`shardc.layouts.templates.free_step`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, Schedule, Spec, Zero
-from shardc.layouts.rank import Options
-from shardc.layouts.templates import Candidate
+from shardc.layouts.rank import DIGITS, Layout, Options, Skipped, rank_key
+from shardc.layouts.templates import Candidate, free_step, note, plan_template, recost, template_key
 from shardc.planner.graph import build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES
 from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
 
-__all__ = ["KNOBS", "variants", "data_axes"]
+__all__ = ["KNOBS", "combinations", "search_knobs", "data_axes"]
 
 KNOBS = ("microbatches", "schedule", "recompute", "zero")
 MICROBATCHES_A_STAGE = (1, 2, 4, 8, 16)
@@ -85,11 +98,95 @@ def _apply(c: Candidate, setting: dict[str, str], options: Options) -> Candidate
     return Candidate(spec, c.sizes, knobs, setting.get("recompute", c.recompute))
 
 
-def variants(c: Candidate, knob: str, options: Options) -> Iterator[Candidate]:
-    """``c`` (at the knob settings it has) under every other setting of ``knob`` its spec allows."""
-    values = _settings(c, knob, options)
-    for value in values[1:]:  # the first is c's own
+def combinations(c: Candidate, knobs: Sequence[str], options: Options) -> list[Candidate]:
+    """``c`` under every combination of the settings of ``knobs`` its spec allows, but its own: the product,
+    not one knob at a time (knobs interact: a recompute policy that fits only beside a ZeRO stage).  A
+    candidate's ``knobs`` name the settings that differ from ``c``'s."""
+    settings = [[(knob, value) for value in _settings(c, knob, options)] for knob in KNOBS if knob in knobs]
+    settings = [s for s in settings if s]
+    own = dict(s[0] for s in settings)  # each knob's first setting is c's own
+    out = []
+    for combo in itertools.product(*settings):
+        changed = {knob: value for knob, value in combo if value != own[knob]}
+        if not changed:
+            continue
         try:
-            yield _apply(c, dict(c.knobs) | {knob: value}, options)
+            out.append(_apply(c, dict(c.knobs) | changed, options))
         except ShardcError:
             continue  # e.g. interleaved with microbatches not a multiple of the stages
+    return out
+
+
+def _state_key(c: Candidate) -> tuple[object, ...]:
+    """What a candidate's training state is made of: its layout, ZeRO line and schedule (not its recompute
+    policy or microbatch count)."""
+    return (c.label, c.sizes, str(c.spec.zero), str(c.spec.schedule))
+
+
+def _over(rows: Sequence[Layout], by_row: dict[tuple[object, ...], Candidate]) -> set[tuple[object, ...]]:
+    """The state keys of ``rows`` whose training state alone passes the chip's HBM."""
+    return {_state_key(by_row[k]) for r in rows if (k := (r.spec, r.sizes, r.knobs)) in by_row
+            and r.state_bytes > r.hbm_bytes}
+
+
+def search_knobs(best: Sequence[Candidate], rows: Sequence[Layout], options: Options,
+                 progress: Callable[[int, int], None] | None = None, bounded: bool = True
+                 ) -> tuple[list[Layout], list[Skipped], list[Candidate], dict[str, float]]:
+    """Every combination of ``options.knobs`` for each of ``best`` (whose rows are among ``rows``), template
+    by template, skipping, while a row fits, those the state bound proves cannot fit, and the pipelined
+    ones whose schedule with every collective free is slower than it (``bounded`` false: none); the rows,
+    the candidates refused, the candidates made, and counts (``planned``, ``pruned``: candidates skipped)."""
+    made = [v for c in best for v in combinations(c, options.knobs, options)]
+    groups: dict[tuple[object, ...], list[Candidate]] = {}
+    for c in made:  # in product order: a policy's ZeRO lines before the next policy's
+        groups.setdefault(template_key(c, options), []).append(c)
+    by_row: dict[tuple[object, ...], Candidate] = {(c.label, c.sizes, c.knobs): c for c in [*best, *made]}
+    over = _over(rows, by_row) if bounded else set()  # state keys whose state alone passes the HBM
+    bar = _best(rows) if bounded else None
+    out: list[Layout] = []
+    refused: list[Skipped] = []
+    planned = pruned = 0
+    for done, members in enumerate(groups.values(), 1):
+        live = [c for c in members if bar is None or _state_key(c) not in over]
+        pruned += len(members) - len(live)
+        if live:
+            found, no, skipped = _costed(live, options, bar)
+            out, refused, planned, pruned = out + found, refused + no, planned + 1, pruned + skipped
+            if bounded:
+                over |= _over(found, by_row)
+                bar = _best([*([bar] if bar is not None else []), *found])
+        if progress is not None:
+            progress(done, len(groups))
+    return out, refused, made, {"planned": planned, "pruned": pruned, "combinations": len(made)}
+
+
+def _best(rows: Sequence[Layout]) -> Layout | None:
+    """The first of ``rows`` that fit, by the ranking; None when none fits."""
+    fitting = [r for r in rows if r.fits]
+    return min(fitting, key=rank_key) if fitting else None
+
+
+def _costed(members: Sequence[Candidate], options: Options,
+            bar: Layout | None) -> tuple[list[Layout], list[Skipped], int]:
+    """The first of ``members`` planned, and each costed with its plan but those whose schedule with every
+    collective free (:func:`shardc.layouts.templates.free_step`) is slower than ``bar``: the rows, those
+    refused, and how many were skipped."""
+    rep = members[0]
+    template = plan_template(rep, options)
+    if isinstance(template, str):
+        return [], [Skipped(c.label, c.sizes, template) for c in members], 0
+    rows: list[Layout] = []
+    refused: list[Skipped] = []
+    skipped = 0
+    for c in members:
+        bound = free_step(template, c, options) if bar is not None and c is not rep else None
+        if bound is not None and bar is not None and float(f"{bound:.{DIGITS - 1}e}") > \
+                float(f"{bar.step_s:.{DIGITS - 1}e}"):
+            skipped += 1
+            continue
+        row = recost(template, c, options)
+        if isinstance(row, str):
+            refused.append(Skipped(c.label, c.sizes, row))
+        else:  # the representative's row is its own plan's
+            rows.append(replace(row, planned=True) if c is rep else replace(row, notes=row.notes + (note(rep),)))
+    return rows, refused, skipped

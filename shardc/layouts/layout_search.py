@@ -9,7 +9,6 @@ first: the fastest of those that fit, the reason said in numbers.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,10 +18,11 @@ from shardc.errors import ShardcError
 from shardc.ir.spec import Spec
 from shardc.layouts.book_optimum import BookOptimum, book_optimum
 from shardc.layouts.factor import MAX_CANDIDATES, MAX_WORK, candidates, searched_axes
-from shardc.layouts.knobs import KNOBS, variants
+from shardc.layouts.knobs import search_knobs
 from shardc.layouts.layouts_text import reason, render, to_json
-from shardc.layouts.rank import RULE, Layout, Options, Skipped, on_cluster, prepare, rank_key, ranked
-from shardc.layouts.templates import Candidate, refined, search_templates
+from shardc.layouts.orders import orders, reorder, search_orders
+from shardc.layouts.rank import RULE, Layout, Options, Skipped, on_cluster, pairs, prepare, rank, ranked
+from shardc.layouts.templates import Candidate, kept_plans, refined, search_templates
 from shardc.planner.planner import plan, shared_search
 from shardc.spec.overrides import dim_names
 
@@ -45,6 +45,7 @@ class LayoutSearch:
     stats: dict[str, float]
     rule: str = RULE
     optimum: BookOptimum | None = None  # the book's X_opt for the chosen layout (FSDP x tensor parallel)
+    written: tuple[tuple[str, tuple[str, ...]], ...] = ()  # each spec's mesh axes in its written order
 
     @property
     def chosen(self) -> Layout | None:
@@ -75,29 +76,36 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
     for spec in specs:
         _check_sized(spec)
     plans = [candidates(spec, n, fixed & set(spec.mesh.names), on_cluster(spec, options)) for spec in specs]
-    work = sum(len(found) << len(searched_axes(spec, fixed & set(spec.mesh.names), on_cluster(spec, options)).searched)
-               for spec, found in zip(specs, plans, strict=True))
     total = sum(map(len, plans))
     if total > MAX_CANDIDATES:
         raise ShardcError(f"{len(specs)} specs have {total} layouts on {n} chips together, past the budget of "
                           f"{MAX_CANDIDATES} candidates", fix="search fewer --with specs at once")
+    found, refused = _prepared(specs, plans, options)
+    every = [(spec, pairs(spec)) for c in found for spec in orders(c.spec, options)]
+    searched = {s.filename or "<spec>": len(searched_axes(s, fixed & set(s.mesh.names),
+                                                          on_cluster(s, options)).searched) for s in specs}
+    work = sum(1 << searched[spec.filename or "<spec>"] for spec, _ in every)
     if options.exact and work > MAX_WORK:
-        raise ShardcError(f"--exact: {total} layouts on {n} chips, past the budget of {MAX_WORK} plans x 2^axes "
-                          "for planning each", fix="leave out --exact (each template planned once, re-costed), "
-                                                   "or fix some axes with --set AXIS=SIZE")
-    if options.exact or (work <= MAX_WORK and total <= EXACT_CANDIDATES and not options.knobs):
-        rows, skipped, stats = ranked(specs, plans, options, jobs, progress)
+        raise ShardcError(f"--exact: {total} layouts on {n} chips ({len(every)} with the orders of their mesh axes "
+                          f"that lie on other links), past the budget of {MAX_WORK} plans x 2^axes for planning "
+                          "each", fix="leave out --exact (each template planned once, re-costed), "
+                                      "or fix some axes with --set AXIS=SIZE")
+    if options.exact or (work <= MAX_WORK and len(every) <= EXACT_CANDIDATES and not options.knobs):
+        rows, skipped, stats = ranked(every, refused, options, jobs, progress)
+        stats["orders"] = len(every) - len(found)
     else:
-        rows, skipped, stats = searched(specs, plans, options, progress, jobs)
+        with shared_search(), kept_plans():  # a layout planned under several knobs shares its search caches
+            rows, skipped, stats = _templates(found, options, progress, jobs)
+        stats["candidates"] += len(refused)
+        skipped = refused + skipped
     optimum = _optimum(specs, rows, options, fixed) if rows else None
-    return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats, optimum=optimum)
+    written = tuple((s.filename or "<spec>", s.mesh.names) for s in specs)
+    return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats, optimum=optimum, written=written)
 
 
-def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options: Options,
-             progress: Callable[[int, int], None] | None,
-             jobs: int = 1) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
-    """The template search: every layout at the spec's own knobs (its templates over ``jobs`` processes), then
-    the knobs (``options.knobs``) of the best :data:`KNOB_LAYOUTS` layouts searched too."""
+def _prepared(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]],
+              options: Options) -> tuple[list[Candidate], list[Skipped]]:
+    """Each spec at each of its candidates' sizes, in its written order, and those the spec refuses."""
     found: list[Candidate] = []
     refused: list[Skipped] = []
     for spec, sizes_list in zip(specs, plans, strict=True):
@@ -106,40 +114,33 @@ def searched(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], optio
             if isinstance(candidate, Skipped):
                 refused.append(candidate)
             else:
-                found.append(Candidate(candidate, tuple((a.name, sizes[a.name]) for a in spec.mesh.axes)))
-    with shared_search():  # a layout planned under several knobs shares its search caches
-        rows, skipped, stats = _templates(found, options, progress, jobs)
-    stats["candidates"] += len(refused)
-    return rows, refused + skipped, stats
+                found.append(Candidate(candidate, pairs(candidate)))
+    return found, refused
 
 
 def _templates(found: list[Candidate], options: Options, progress: Callable[[int, int], None] | None,
                jobs: int) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+    """The template search: every layout at the spec's own knobs (its templates over ``jobs`` processes), the
+    other orders of its mesh axes, then the knobs (``options.knobs``) of the best :data:`KNOB_LAYOUTS` rows."""
     start = time.perf_counter()
     rows, skipped, stats = search_templates(found, options, progress, refine=False, jobs=jobs)
-    best = {(r.spec, r.sizes): c for r in rows[:KNOB_LAYOUTS] for c in found if (c.label, c.sizes) == (r.spec, r.sizes)}
-    every = list(found)
-    for knob in KNOBS:  # one knob at a time, from the best settings of those before it
-        if knob not in options.knobs or not best:
-            continue
-        more = [v for c in best.values() for v in variants(c, knob, options)]
-        tried, also, extra = search_templates(more, options, progress, refine=False, ranked=True)
-        rows, skipped, every = rows + tried, skipped + also, every + more
-        stats = {k: v + extra[k] if k not in ("jobs", "seconds") else v for k, v in stats.items()}
-        for c in more:
-            now = best[(c.label, c.sizes)]
-            if _key(tried, c) < _key(rows, now):
-                best[(c.label, c.sizes)] = c
+    tried, also, every, extra = search_orders(found, rows, options, progress)
+    rows, skipped, every = rank([*rows, *tried]), skipped + also, [*found, *every]
+    stats["candidates"] += extra["orders"]
+    stats["orders"], stats["orders_pruned"] = extra["orders"], extra["pruned"]
+    if options.knobs:  # the product of the knobs' settings for the best layouts
+        by = {(c.label, c.sizes): c for c in every}
+        best = [by[r.spec, r.sizes] for r in rows[:KNOB_LAYOUTS]]
+        tried, also, made, extra = search_knobs(best, rows, options, progress)
+        rows, skipped, every = rows + tried, skipped + also, every + made
+        stats["candidates"] += extra["combinations"]
+        stats["templates"] += extra["planned"]
+        stats["planned"] += extra["planned"]
+        stats["pruned"] = extra["pruned"]
     rows, also, stats["planned"] = refined(rows, every, options, stats["planned"])
     stats["recosted"] = sum(not r.planned for r in rows)
     stats["seconds"] = time.perf_counter() - start
     return rows, skipped + also, stats
-
-
-def _key(rows: Sequence[Layout], c: Candidate) -> tuple[object, ...]:
-    """The rank key of ``c``'s row among ``rows`` (past every row when it has none: refused)."""
-    row = next((r for r in rows if (r.spec, r.sizes, r.knobs) == (c.label, c.sizes, c.knobs)), None)
-    return (True, math.inf) if row is None else rank_key(row)
 
 
 def _optimum(specs: Sequence[Spec], rows: Sequence[Layout], options: Options,
@@ -153,6 +154,7 @@ def _optimum(specs: Sequence[Spec], rows: Sequence[Layout], options: Options,
     candidate = prepare(spec, dict(best.sizes), on_cluster(spec, options))
     if len(axes) != 2 or not isinstance(candidate, Spec):
         return None
+    candidate = reorder(candidate, [name for name, _ in best.sizes])  # the row's mesh order
     report = cost(plan(candidate, save=options.save, hardware=options.hardware, recompute=options.recompute,
                        topology=options.topology, collective_matmul=options.collective_matmul),
                   mfu=options.mfu, optimizer=options.optimizer)

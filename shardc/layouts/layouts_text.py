@@ -60,19 +60,45 @@ def render(search: LayoutSearch, top: int = 0) -> str:
         lines.append("notes (of the rows shown):")
         lines += [f"  {n}" for n in notes]
     lines.append(reason(search))
+    lines += _order(search)
     if search.optimum is not None and search.chosen is not None:
         lines.append(search.optimum.text(dict(search.chosen.sizes)[search.optimum.fsdp_axis]))
     s = search.stats
     if "templates" in s:
-        lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['templates']:.0f} template(s) planned once "
-                     f"and re-costed at each candidate's sizes, {s['planned']:.0f} plans in all (the best rows "
-                     f"planned at their own sizes), {s['recosted']:.0f} row(s) left re-costed, "
+        lines.append(f"searched {s['candidates']:.0f} candidate(s){_orders(s)}: {s['templates']:.0f} template(s) "
+                     f"planned once and re-costed at each candidate's sizes, {s['planned']:.0f} plans in all (the "
+                     f"best rows planned at their own sizes), {s['recosted']:.0f} row(s) left re-costed, "
                      f"{len(search.skipped)} skipped, in {s['seconds']:.1f} s over {s['jobs']:.0f} process(es)")
     else:
-        lines.append(f"searched {s['candidates']:.0f} candidate(s): {s['planned']:.0f} planned and costed, "
-                     f"{s['reused']:.0f} reused (the same spec once size-1 axes are stripped), "
+        lines.append(f"searched {s['candidates']:.0f} candidate(s){_orders(s)}: {s['planned']:.0f} planned and "
+                     f"costed, {s['reused']:.0f} reused (the same spec once size-1 axes are stripped), "
                      f"{len(search.skipped)} skipped, in {s['seconds']:.1f} s over {s['jobs']:.0f} process(es)")
     return "\n".join(lines) + "\n"
+
+
+def _order(search: LayoutSearch) -> list[str]:
+    """The chosen layout's mesh line, in the order searched, against the spec's written order, and where each
+    axis lies."""
+    best = search.chosen
+    if best is None:
+        return []
+    order = tuple(name for name, _ in best.sizes)
+    written = dict(search.written).get(best.spec, order)
+    mesh = ", ".join(f"{name}={size}" for name, size in best.sizes)
+    same = "the spec's order" if order == written else f"reordered from the spec's {', '.join(written)}"
+    return [f"chosen mesh order: mesh {mesh} ({same})"] + [f"  {n}" for n in best.placement]
+
+
+def _orders(stats: dict[str, float]) -> str:
+    """What the counts hold of the mesh orders and knob settings searched, and of those a bound skipped."""
+    parts = []
+    if stats.get("orders"):
+        parts.append(f"{stats['orders']:.0f} other mesh order(s)")
+    if stats.get("orders_pruned"):
+        parts.append(f"{stats['orders_pruned']:.0f} of them skipped, slower or fuller than a row that fits")
+    if stats.get("pruned"):
+        parts.append(f"{stats['pruned']:.0f} knob setting(s) skipped, unable to fit or slower than a row that fits")
+    return f" (with {'; '.join(parts)})" if parts else ""
 
 
 def _fine(x: float) -> str:

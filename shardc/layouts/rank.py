@@ -20,6 +20,7 @@ device; then in enumeration order.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import signal
@@ -39,7 +40,7 @@ from shardc.spec.overrides import apply_overrides
 from shardc.timing import plan_links
 
 __all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "on_cluster", "prepare", "evaluate", "layout_of",
-           "rank_key", "rank", "ranked", "processes", "mapped"]
+           "rank_key", "rank", "ranked", "processes", "mapped", "pairs"]
 
 T = TypeVar("T")
 DIGITS = 9
@@ -91,10 +92,19 @@ class Layout:
     split: bool = False  # a mesh axis lies on part of a physical axis another mesh axis shares
     knobs: tuple[tuple[str, str], ...] = ()  # the step's settings searched (microbatches, schedule, ...)
     planned: bool = True  # planned at these sizes; False: another candidate's plan re-costed at them
+    # compute alone, which no order of the mesh axes changes for this plan: its compute, or a pipeline's
+    # microbatches times a device's compute a microbatch (averaged over the devices), under its step
+    floor_s: float = 0.0
+    placement: tuple[str, ...] = ()  # where each mesh axis lies on the topology (cost's notes)
 
     @property
     def fits(self) -> bool:
         return self.memory_bytes <= self.hbm_bytes
+
+    @property
+    def state_bytes(self) -> float:
+        """The training state a device holds (a pipeline's fullest stage's): params, gradients, optimizer."""
+        return sum(b for part, b in self.memory if part in ("params", "grads", "optimizer", "state"))
 
     @property
     def axes_text(self) -> str:
@@ -105,7 +115,8 @@ class Layout:
                 "comm_s": self.comm_s, "critical_s": self.critical_s, "bound": self.bound, "mfu": self.mfu,
                 "step_at_mfu_s": self.at_mfu_s, "memory": dict(self.memory), "memory_bytes": self.memory_bytes,
                 "hbm_bytes": self.hbm_bytes, "fits": self.fits, "split": self.split, "notes": list(self.notes),
-                "knobs": dict(self.knobs), "planned": self.planned}
+                "knobs": dict(self.knobs), "planned": self.planned, "order": [name for name, _ in self.sizes],
+                "placement": list(self.placement)}
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,11 @@ def _pairs(spec: Spec, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple((name, sizes[name]) for name in spec.mesh.names)
 
 
+def pairs(spec: Spec) -> tuple[tuple[str, int], ...]:
+    """A candidate's row axes: its mesh axes and sizes, in its mesh order."""
+    return tuple((a.name, a.size) for a in spec.mesh.axes)
+
+
 def evaluate(candidate: Spec, options: Options, recompute: str | None = None) -> Layout | str:
     """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line).
     ``recompute``: the policy, over ``options.recompute``."""
@@ -162,13 +178,14 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
     memory: tuple[tuple[str, float], ...] = (
         ("params", mem.param_bytes), ("grads", mem.grad_bytes), ("optimizer", mem.optimizer_bytes),
         ("activations", mem.residual_bytes), ("gathered", mem.gathered_bytes + mem.ring_bytes))  # and ring buffers
-    total, step_s = mem.total_bytes, step.step_s
+    total, step_s, floor = mem.total_bytes, step.step_s, step.compute_s
     if report.pipeline is not None:  # the schedule's step, and the stage holding the most
         pipe = report.pipeline
         fullest = pipe.fullest
         memory = (("state", fullest.state_bytes), ("activations", fullest.activation_bytes),
                   ("gathered", fullest.gathered_bytes))
         total, step_s = fullest.memory_bytes, pipe.step_s
+        floor = pipe.pipeline.microbatches * math.fsum(s.compute_s for s in pipe.stages) / len(pipe.stages)
         if pipe.pipeline.stages > 1:
             notes += (f"pipeline: {pipe.pipeline.stages} stages, {pipe.pipeline.microbatches} microbatches, "
                       f"{pipe.pipeline.schedule}; step = the simulated schedule",)
@@ -176,7 +193,8 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
     links, _ = plan_links(report.plan, report.hardware, report.sizes)
     return Layout(label, sizes, step_s, step.compute_s, step.comm_s, step.critical_s, step.bound, step.mfu,
                   None if at_mfu is None else max(at_mfu, step_s), memory, total, mem.hbm_bytes, notes,
-                  any(k.split for k in links.values()))
+                  any(k.split for k in links.values()), floor_s=floor,
+                  placement=tuple(n for n in report.notes if n.startswith("mesh axis ")))
 
 
 def rank_key(row: Layout) -> tuple[bool, float, bool, float, float]:
@@ -185,37 +203,33 @@ def rank_key(row: Layout) -> tuple[bool, float, bool, float, float]:
     return (not row.fits, float(f"{row.step_s:.{DIGITS - 1}e}"), row.split, row.critical_s, row.memory_bytes)
 
 
-def ranked(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]], options: Options, jobs: int = 1,
-           progress: Callable[[int, int], None] | None = None) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
-    """Every candidate of every spec evaluated (over ``jobs`` processes), the layouts ranked; counts, seconds.
+def ranked(found: Sequence[tuple[Spec, tuple[tuple[str, int], ...]]], skipped: Sequence[Skipped], options: Options,
+           jobs: int = 1, progress: Callable[[int, int], None] | None = None
+           ) -> tuple[list[Layout], list[Skipped], dict[str, float]]:
+    """Every candidate (a spec at its sizes, and the sizes of its row) evaluated (over ``jobs`` processes), the
+    layouts ranked; those the spec refused (``skipped``) and the planner refuses; counts, seconds.
 
     A candidate whose spec, stripped of its size-1 axes, is one already met is not planned again.
     ``progress(done, total)`` is called after each plan.
     """
     start = time.perf_counter()
-    skipped: list[Skipped] = []
-    todo: list[tuple[Spec, tuple[tuple[str, int], ...], str]] = []  # candidate, its sizes, its key
     unique: dict[str, Spec] = {}
-    for spec, sizes_list in zip(specs, plans, strict=True):
-        for sizes in sizes_list:
-            candidate = prepare(spec, sizes, on_cluster(spec, options))
-            if isinstance(candidate, Skipped):
-                skipped.append(candidate)
-                continue
-            key = str(strip_unit_axes(candidate))
-            unique.setdefault(key, candidate)
-            todo.append((candidate, _pairs(spec, sizes), key))
+    keys = []
+    for candidate, _ in found:
+        keys.append(key := str(strip_unit_axes(candidate)))
+        unique.setdefault(key, candidate)
     done = dict(zip(unique, _run(list(unique.values()), options, jobs, progress), strict=True))
     rows: list[Layout] = []
-    for candidate, pairs, key in todo:
+    refused = list(skipped)
+    for (candidate, pairs), key in zip(found, keys, strict=True):
         row = done[key]
         if isinstance(row, str):
-            skipped.append(Skipped(candidate.filename or "<spec>", pairs, row))
+            refused.append(Skipped(candidate.filename or "<spec>", pairs, row))
         else:
             rows.append(replace(row, spec=candidate.filename or "<spec>", sizes=pairs))
-    stats = {"candidates": sum(len(p) for p in plans), "planned": len(unique), "reused": len(todo) - len(unique),
+    stats = {"candidates": len(found) + len(skipped), "planned": len(unique), "reused": len(found) - len(unique),
              "jobs": _jobs(jobs, len(unique)), "seconds": time.perf_counter() - start}
-    return rank(rows), skipped, stats
+    return rank(rows), refused, stats
 
 
 def rank(rows: Sequence[Layout]) -> list[Layout]:

@@ -8,7 +8,8 @@ made at those sizes whenever the planner chooses the same steps there.  Candidat
 line) share the plan of one of them, their *representative*, planned as ``shardc plan`` plans it.
 The stage axis is no part of a template: a stage's plan is the spec's plan without the stage axis,
 whatever the stage count, and so are the microbatch count and the schedule, which only the
-pipeline's cost reads.
+pipeline's cost reads, and the order of the mesh axes (which links each lies on,
+:mod:`shardc.layouts.orders`), which only the collectives' times read.
 
 A re-costed row is the cost of a real plan at the candidate's sizes, but not necessarily the plan
 the planner would make there; so the best rows are planned at their own sizes, a few at a time,
@@ -18,18 +19,24 @@ until the first :data:`EXACT_TOP` rows are each their candidate's own plan (what
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from shardc.costmodel.cost_report import cost
+from shardc.costmodel.pipeline_cost import pipeline_cost
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
-from shardc.ir.spec import Mesh, Spec
+from shardc.ir.spec import Spec
 from shardc.layouts.rank import Layout, Options, Skipped, evaluate, layout_of, mapped, processes, rank
 from shardc.planner.planner import plan
+from shardc.timing import plan_links, plan_time
 
-__all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates", "template_rows", "refined"]
+__all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates", "template_rows", "refined",
+           "representatives", "kept_plans", "plan_template", "step_of", "free_step", "note"]
 
 EXACT_TOP = 3  # the rows planned at their own sizes, at least: the chosen one and the two behind it
 ROUNDS = 8  # rounds of planning the best re-costed rows, each of EXACT_TOP plans at most
@@ -52,38 +59,123 @@ class Candidate:
 
 def template_key(c: Candidate, options: Options) -> tuple[object, ...]:
     """What a candidate's plan is made of beside sizes: the spec (its text with the mesh sizes left out),
-    which of its non-stage axes shard anything (size > 1), the recompute policy and the ZeRO line."""
-    active = tuple(a.name for a in c.spec.mesh.axes if a.size > 1 and not a.pipeline)
+    which of its non-stage axes shard anything (size > 1, in any order), the recompute policy and the ZeRO
+    line."""
+    active = tuple(sorted(a.name for a in c.spec.mesh.axes if a.size > 1 and not a.pipeline))
     statements = tuple(str(s) for s in c.spec.statements)
     return (c.label, statements, c.spec.dims, active, c.recompute or options.recompute, str(c.spec.zero))
 
 
-def recost(template: Plan, c: Candidate, options: Options) -> Layout | str:
-    """``template`` costed at ``c``'s sizes and knobs: a row (``planned`` false), or why cost refuses it."""
+def _at(template: Plan, c: Candidate) -> Plan:
+    """``template`` at ``c``'s sizes, mesh order and pipeline lines (its own spec otherwise: its topology, a
+    ZeRO-3 spec's params sharded)."""
     sizes = tuple(dict(c.spec.dims).items()) + tuple((a.name, a.size) for a in c.spec.mesh.axes)
-    axes = {a.name: a for a in c.spec.mesh.axes}
-    # the plan's own spec (its topology, a ZeRO-3 spec's params sharded), at c's sizes and pipeline lines
-    spec = replace(template.spec, mesh=Mesh(tuple(axes[a.name] for a in template.spec.mesh.axes)), dims=c.spec.dims,
-                   microbatches=c.spec.microbatches, schedule=c.spec.schedule)
+    spec = replace(template.spec, mesh=c.spec.mesh, dims=c.spec.dims, microbatches=c.spec.microbatches,
+                   schedule=c.spec.schedule)
+    return replace(template, spec=spec, sizes=sizes)
+
+
+def recost(template: Plan, c: Candidate, options: Options) -> Layout | str:
+    """``template`` costed at ``c``'s sizes, mesh order and knobs: a row (``planned`` false), or why cost refuses
+    it."""
     try:
-        report = cost(replace(template, spec=spec, sizes=sizes), mfu=options.mfu, optimizer=options.optimizer)
+        report = cost(_at(template, c), mfu=options.mfu, optimizer=options.optimizer)
     except ShardcError as err:
         return err.message.splitlines()[0]
     row = layout_of(report, c.label, c.sizes)
     return replace(row, knobs=c.knobs, planned=False)
 
 
-def _plan(c: Candidate, options: Options) -> Plan | str:
+def step_of(template: Plan, c: Candidate, options: Options) -> tuple[float, bool, float] | None:
+    """The step, whether a mesh axis splits a physical axis, and the critical-path communication of the row
+    :func:`recost` gives ``c``, without the rest of its report: the step ``shardc cost`` reports is the one the
+    planner minimises (:func:`shardc.timing.plan_time`).  A pipelined candidate gets a bound under them
+    instead: its simulated schedule without the optimizer's update after it, no split, no critical path.
+    None where cost refuses it."""
+    at = _at(template, c)
+    sizes = dict(at.sizes or ())
     try:
-        return plan(c.spec, save=options.save, hardware=options.hardware, recompute=c.recompute or options.recompute,
-                    topology=options.topology, collective_matmul=options.collective_matmul)
+        links, _ = plan_links(at, at.chip, sizes)
+        if c.spec.mesh.pipeline_axis is not None:
+            pipe = pipeline_cost(at, at.chip, sizes, links, options.optimizer)
+            return (pipe.step_s, False, 0.0) if pipe is not None else None  # its update_s left at 0
+        took = plan_time(at, sizes=sizes, optimizer=options.optimizer)
+    except ShardcError:
+        return None
+    critical = math.fsum(p.critical_s for p in (took.forward, took.backward, took.optimizer))
+    return took.step_s, any(k.split for k in links.values()), critical
+
+
+# links that take no time: what a step comes to with its communication free, under any order of its axes
+_FREE = {"ici_bandwidth": 1e30, "dcn_bandwidth": 1e30, "hop_latency": 0.0, "collective_base": 0.0}
+
+
+def free_step(template: Plan, c: Candidate, options: Options) -> float | None:
+    """A bound under the step :func:`recost` gives ``c`` in any order of its mesh axes: a pipelined candidate's
+    simulated schedule with every collective and send free (a schedule's ops only start later when
+    they take longer); None without a pipeline (its compute, ``Layout.floor_s``, is that bound) or
+    where cost refuses it."""
+    if c.spec.mesh.pipeline_axis is None:
+        return None
+    at = _at(template, c)
+    free = replace(at.chip, **_FREE)  # type: ignore[arg-type]
+    sizes = dict(at.sizes or ())
+    try:
+        links, _ = plan_links(at, free, sizes)
+        pipe = pipeline_cost(at, free, sizes, links, options.optimizer)
+    except ShardcError:
+        return None
+    return pipe.step_s if pipe is not None else None
+
+
+# the plans made inside kept_plans(): (template key, sizes, knobs) of a representative -> its plan or refusal
+_KEPT: ContextVar[dict[tuple[object, ...], Plan | str] | None] = ContextVar("kept_plans", default=None)
+
+
+@contextmanager
+def kept_plans() -> Iterator[None]:
+    """Plans made inside (in this process) are kept, so a template planned once to cost the written order
+    of its layouts is not planned again to cost their other orders."""
+    token = _KEPT.set({})
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
+def _kept_key(c: Candidate, options: Options) -> tuple[object, ...]:
+    return (template_key(c, options), c.sizes, c.knobs)
+
+
+def plan_template(c: Candidate, options: Options) -> Plan | str:
+    """``c`` planned (kept inside :func:`kept_plans`), or why the planner refuses it."""
+    kept = _KEPT.get()
+    key = _kept_key(c, options)
+    if kept is not None and key in kept:
+        return kept[key]
+    try:
+        made: Plan | str = plan(c.spec, save=options.save, hardware=options.hardware,
+                                recompute=c.recompute or options.recompute, topology=options.topology,
+                                collective_matmul=options.collective_matmul)
     except ShardcError as err:
-        return err.message.splitlines()[0]
+        made = err.message.splitlines()[0]
+    if kept is not None:
+        kept[key] = made
+    return made
 
 
 def _exact(c: Candidate, options: Options) -> Layout | str:
     row = evaluate(c.spec, options, c.recompute)
     return row if isinstance(row, str) else replace(row, sizes=c.sizes, knobs=c.knobs)
+
+
+def representatives(found: Sequence[Candidate], options: Options,
+                    ranked: bool = False) -> dict[tuple[object, ...], Candidate]:
+    """Each template's representative among ``found`` (as :func:`search_templates` picks it), by template key."""
+    groups: dict[tuple[object, ...], list[Candidate]] = {}
+    for c in found:
+        groups.setdefault(template_key(c, options), []).append(c)
+    return {key: _representative(members, ranked) for key, members in groups.items()}
 
 
 def _representative(members: Sequence[Candidate], first: bool) -> Candidate:
@@ -92,7 +184,8 @@ def _representative(members: Sequence[Candidate], first: bool) -> Candidate:
     return members[0 if first else len(members) // 2]
 
 
-def _note(rep: Candidate) -> str:
+def note(rep: Candidate) -> str:
+    """What a row re-costed with ``rep``'s plan says of it."""
     sizes = " ".join(f"{k}={v}" for k, v in rep.sizes)
     return f"re-costed: the plan made at {sizes}, costed at this row's sizes (not planned at them)"
 
@@ -109,10 +202,14 @@ def search_templates(found: Sequence[Candidate], options: Options,
     for c in found:
         groups.setdefault(template_key(c, options), []).append(c)
     n = processes(jobs, len(groups), worth=1) if len(found) >= POOLED or jobs > 1 else 1
-    done = mapped(template_rows, [(members, _representative(members, ranked), options) for members in groups.values()],
+    reps = [_representative(members, ranked) for members in groups.values()]
+    done = mapped(_planned_rows, [(members, rep, options) for members, rep in zip(groups.values(), reps, strict=True)],
                   n, progress)
-    rows = [row for made, _ in done for row in made]
-    skipped = [s for _, refused in done for s in refused]
+    rows = [row for made, _, _ in done for row in made]
+    skipped = [s for _, refused, _ in done for s in refused]
+    kept = _KEPT.get()
+    if kept is not None:  # the plans made over processes, kept here too
+        kept.update((_kept_key(rep, options), template) for rep, (_, _, template) in zip(reps, done, strict=True))
     stats = {"candidates": len(found), "planned": len(groups), "reused": 0, "recosted": 0,
              "templates": len(groups), "jobs": n, "seconds": 0.0}
     if refine:
@@ -127,7 +224,14 @@ def search_templates(found: Sequence[Candidate], options: Options,
 def template_rows(members: Sequence[Candidate], rep: Candidate,
                   options: Options) -> tuple[list[Layout], list[Skipped]]:
     """``rep`` planned, and every member costed with its plan: their rows, and those refused."""
-    template = _plan(rep, options)
+    rows, skipped, _ = _planned_rows(members, rep, options)
+    return rows, skipped
+
+
+def _planned_rows(members: Sequence[Candidate], rep: Candidate,
+                  options: Options) -> tuple[list[Layout], list[Skipped], Plan | str]:
+    """:func:`template_rows`, and the plan (or the planner's refusal)."""
+    template = plan_template(rep, options)
     rows: list[Layout] = []
     skipped: list[Skipped] = []
     for c in members:
@@ -135,8 +239,8 @@ def template_rows(members: Sequence[Candidate], rep: Candidate,
         if isinstance(row, str):
             skipped.append(Skipped(c.label, c.sizes, row))
         else:  # the representative's row is its own plan's
-            rows.append(replace(row, planned=True) if c == rep else replace(row, notes=row.notes + (_note(rep),)))
-    return rows, skipped
+            rows.append(replace(row, planned=True) if c == rep else replace(row, notes=row.notes + (note(rep),)))
+    return rows, skipped, template
 
 
 def _which(row: Layout) -> tuple[str, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
