@@ -91,8 +91,8 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
         reads, write = (family.traffic if family is not None else all_traffic)(step, local_bytes)
         # a `layers` block runs as a loop (or a pipeline's stage program) apart from the steps around it:
         # XLA fuses nothing across that boundary
-        before = steps[k - 1] if k > 0 and steps[k - 1].once == step.once else None
-        after = steps[k + 1] if k + 1 < len(steps) and steps[k + 1].once == step.once else None
+        before = steps[k - 1] if k > 0 and steps[k - 1].region == step.region else None
+        after = steps[k + 1] if k + 1 < len(steps) and steps[k + 1].region == step.region else None
         if fusible(step) and before is not None and (before.op is Op.EINSUM or fusible(before)):
             reads = tuple(0.0 if ref == before.dst else r for ref, r in zip(step.operands, reads, strict=True))
         if (fusible(step) and fusible(after) and after is not None and step.dst in after.operands
