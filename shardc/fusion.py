@@ -97,8 +97,8 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
         reads, write = (family.traffic if family is not None else all_traffic)(step, local_bytes)
         # a `layers` block runs as a loop (or a pipeline's stage program) apart from the steps around it:
         # XLA fuses nothing across that boundary
-        before = steps[k - 1] if k > 0 and steps[k - 1].once == step.once else None
-        after = steps[k + 1] if k + 1 < len(steps) and steps[k + 1].once == step.once else None
+        before = steps[k - 1] if k > 0 and steps[k - 1].region == step.region else None
+        after = steps[k + 1] if k + 1 < len(steps) and steps[k + 1].region == step.region else None
         if not fuse:  # one kernel an op: it reads every operand and writes its result
             before = after = None
         if fusible(step) and before is not None and (before.op is Op.EINSUM or fusible(before)):

@@ -64,11 +64,11 @@ from shardc.ir.spec import DType, Mesh, TensorRef
 from shardc.ops.registry import of_op
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of
-from shardc.spec.walk import leaves
+from shardc.spec.walk import block_reads
 from shardc.steptime import RingTransfer, Send, einsum_time, ring_time
 from shardc.topology import AxisLinks, resolve_links
 
-__all__ = ["step_count", "bound_of",
+__all__ = ["step_count", "runs", "block_counts", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
            "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip", "plan_sizes",
            "plan_links", "resolve_layers", "update_seconds", "comm_split",
@@ -96,6 +96,7 @@ class StepCost:
     compute_s: float = 0.0
     ahead: bool = False
     once: bool = False  # outside a `layers` block: counted once, not once a layer
+    block: int = 0  # not once: the `layers` block it repeats in (Step.block), counted that block's layers
     serial: bool = False  # the latency adds to the transfer (NCCL's model, a send) instead of bounding it
     memory_bytes: float = 0.0  # HBM bytes of a memory-bound step (after fusion)
     memory_s: float = 0.0
@@ -203,7 +204,7 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         t = collective_time(step.op, volume, step.axes, mesh, sizes, hw, spans, step.routed)
         return StepCost(index, step.op, step.tensor, text, step.axes, t.network, volume,
                         volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead,
-                        once=step.once, serial=t.serial)
+                        once=step.once, block=step.block, serial=t.serial)
     if step.op is Op.EINSUM and step.collective is not None:
         return _collective_matmul(index, step, mesh, sizes, hw, spans, dtype, memory_bytes, text, shared)
     if step.op is Op.EINSUM:
@@ -213,7 +214,7 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         # a matmul's bytes count where they outlast its FLOPs (its roofline), a product's always
         memory_bytes = memory_bytes if product or timed.memory_s > 0 else 0.0
         return StepCost(index, step.op, step.tensor, text, flops=float(flops), model_flops=float(model),
-                        hardware_flops=float(model), compute_s=timed.compute_s, once=step.once,
+                        hardware_flops=float(model), compute_s=timed.compute_s, once=step.once, block=step.block,
                         memory_bytes=memory_bytes, memory_s=timed.memory_s)
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
@@ -222,7 +223,8 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         seconds = family.seconds(step, size, hw, dtype) if family.seconds else hw.matmul_seconds(flops, dtype)
         row = StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
                        model_flops=float(model), hardware_flops=float(executed), compute_s=seconds,
-                       once=step.once, memory_bytes=memory_bytes, memory_s=hw.memory_seconds(memory_bytes))
+                       once=step.once, block=step.block, memory_bytes=memory_bytes,
+                       memory_s=hw.memory_seconds(memory_bytes))
         ring = ring_of(step, sizes, DType(dtype).nbytes)
         if ring is None:
             return row
@@ -230,7 +232,8 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
         return replace(row, ring_axes=ring.axes, ring_steps=ring.steps, transfer_s=times.transfer_s,
                        exposed_comm_s=times.exposed_s, hidden_from=times.hidden_from, weighted=times.sent_bytes,
                        bandwidth_s=times.bandwidth_s)
-    return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once, memory_bytes=memory_bytes,
+    return StepCost(index, step.op, step.tensor, text, axes=step.axes, once=step.once, block=step.block,
+                    memory_bytes=memory_bytes,
                     memory_s=hw.memory_seconds(memory_bytes))
 
 
@@ -308,9 +311,15 @@ def describe(step: Step) -> str:
     return f"{step.src} -> {step.dst}"
 
 
-def step_count(step: Step, layers: int) -> int:
-    """How often a step runs in a training step: once a layer, or once (outside a ``layers`` block)."""
-    return 1 if step.once else layers
+def runs(once: bool, block: int, counts: Sequence[int]) -> int:
+    """How often a step runs in a training step: once a layer of its block (``counts``: every block's
+    layers, :func:`block_counts`), or once (outside every ``layers`` block)."""
+    return 1 if once else counts[block]
+
+
+def step_count(step: Step, counts: Sequence[int]) -> int:
+    """:func:`runs` of a plan's step."""
+    return runs(step.once, step.block, counts)
 
 
 def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: bool = True,
@@ -490,11 +499,11 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     """
     hw = plan_chip(plan, hardware)
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
-    layers, _ = resolve_layers(plan, values)
+    counts = block_counts(plan, values)
     links = plan_links(plan, hw, values, spans)[0]
     mesh, dtype = plan.spec.mesh, plan_dtype(plan)
     seen = {} if memo is None else memo  # layers repeat the same steps
-    update = update_seconds(plan, values, hw, layers, optimizer)
+    update = update_seconds(plan, values, hw, counts, optimizer)
     values, repeats = microbatched(plan, values, hw.book)
     nbytes = local_bytes_of(plan, values)
     kept = kept_values(plan)
@@ -509,7 +518,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
 
     def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
         moved = memory_traffic(steps, nbytes, kept, hw.fuses) if not hw.book else [0.0] * len(steps)
-        return phase_time(((row(s, b, shared), step_count(s, layers) * times)
+        return phase_time(((row(s, b, shared), step_count(s, counts) * times)
                            for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)), hw)
 
     return PlanTime(phase(plan.forward, repeats), phase(plan.recomputed + plan.backward, repeats),
@@ -560,7 +569,7 @@ def local_bytes_of(plan: Plan, sizes: Mapping[str, int]) -> Callable[[TensorRef]
     return size
 
 
-def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, layers: int,
+def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, counts: Sequence[int],
                    optimizer: str = "adam10") -> float:
     """The optimizer's update, memory-bound: per element of the state a device updates, it reads the
     param, the gradient (in the param's dtype where the accounting keeps none) and the optimizer state,
@@ -572,10 +581,9 @@ def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, layers: i
     per_param, per_grad, per_state, _ = ACCOUNTINGS[optimizer]
     per_element = 2 * per_param + max(per_grad, per_param) + 2 * per_state
     shards = {s.operands[0].name: s.dst for s in plan.optimizer if isinstance(s.fn, Update) and s.operands}
-    spec = plan.spec
-    repeated = {r.name for k, st in enumerate(spec.statements) if spec.repeats(k) for r in leaves(st.expr)}
+    repeated = block_reads(plan.spec)
     elements = math.fsum(float(local_elements(shards.get(info.name, info.ref), sizes))
-                         * (layers if info.name in repeated else 1)
+                         * runs(info.name not in repeated, repeated.get(info.name, 0), counts)
                          for info in plan.tensors if info.role == "param")
     return hw.memory_seconds(elements * per_element)
 
@@ -593,6 +601,22 @@ def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | Non
     return layers, symbol
 
 
+def block_counts(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Every ``layers`` block's count, by :attr:`Step.block`: the first :func:`resolve_layers`'s, the
+    others their own (a pipeline cuts a spec with one block only)."""
+    first, _ = resolve_layers(plan, sizes)
+    return (first, *(_count_of(layers, sizes) for _, _, layers in plan.spec.more_blocks))
+
+
+def _count_of(layers: int | str, sizes: Mapping[str, int]) -> int:
+    if isinstance(layers, int):
+        return layers
+    if layers not in sizes:
+        raise ShardcError(f"`layers {layers}` names no known size",
+                          fix=f"add {layers}=... to the `dims` line, or pass --set {layers}=...")
+    return sizes[layers]
+
+
 def _all_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:
     layers = plan.spec.layers
     if layers is None:
@@ -600,12 +624,7 @@ def _all_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:
         if "L" in sizes and "L" not in indices:  # --set L=40 without a `layers` line
             return sizes["L"], "L"
         return 1, None
-    if isinstance(layers, int):
-        return layers, None
-    if layers not in sizes:
-        raise ShardcError(f"`layers {layers}` names no known size",
-                          fix=f"add {layers}=... to the `dims` line, or pass --set {layers}=...")
-    return sizes[layers], layers
+    return _count_of(layers, sizes), layers if isinstance(layers, str) else None
 
 
 def _size(sizes: Mapping[str, int], name: str) -> int:

@@ -46,6 +46,7 @@ from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network
 from shardc.timing import (
     StepCost,
+    block_counts,
     bound_of,
     comm_split,
     microbatched,
@@ -56,6 +57,7 @@ from shardc.timing import (
     plan_links,
     plan_sizes,
     resolve_layers,
+    runs,
     step_seconds,
     update_seconds,
 )
@@ -80,6 +82,7 @@ class PhaseCost:
     tokens: float = 0.0  # the step: tokens a step processes (all devices)
     dtype: str = "bf16"
     repeats: int = 1  # a pipelined stage: its rows are one microbatch's, run this many times
+    more_layers: tuple[int, ...] = ()  # the later `layers` blocks' counts (timing.block_counts)
     offload_s: float = 0.0  # the step: host copies its phases' compute does not hide (shardc.costmodel.offload)
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
@@ -89,7 +92,7 @@ class PhaseCost:
         return math.fsum(getattr(r, attr) * self._count(r) for r in rows)
 
     def _count(self, row: StepCost) -> int:
-        return (1 if row.once else self.layers) * self.repeats
+        return runs(row.once, row.block, (self.layers, *self.more_layers)) * self.repeats
 
     @property
     def compute_flops(self) -> float:
@@ -331,6 +334,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     if pipe is not None:  # the tables are one stage's: its layers and devices, the whole batch (M microbatches)
         devices //= pipe.pipeline.stages  # (resolve_layers gave the slowest stage's layers)
     count = layer_symbol if layer_symbol is not None else layers
+    counts = block_counts(plan, values)
+    more = counts[1:]  # the later blocks': their symbols in the formulas where a dim names them
+    symbolic = (count, *(c for _, _, c in plan.spec.more_blocks))
     names = symbols_of(plan)
     again = frozenset(range(1, len(plan.recomputed) + 1))
     dtype = plan_dtype(plan)
@@ -341,17 +347,18 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         at = micro if times > 1 else values
         rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
                                                  again if name == "backward" else frozenset()), at)
-        formula = phase_formula(steps, mesh, count, links, names, values, plan.spec.dtype.nbytes)
-        return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times)
+        formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.spec.dtype.nbytes)
+        return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more)
 
     fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
                      fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
-                     update_seconds(plan, values, hw, layers, optimizer), step_tokens(plan, values), dtype)
+                     update_seconds(plan, values, hw, counts, optimizer), step_tokens(plan, values), dtype,
+                     more_layers=more)
     phases = (fwd, bwd, opt, step) if opt.rows else (fwd, bwd, step)
     # the tables are one stage's, but the parameter count is the whole model's
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer,
-                 model_layers=sum(pipe.pipeline.stage_layers) if pipe is not None else None)
+                 model_layers=sum(pipe.pipeline.stage_layers) if pipe is not None else None, more_layers=more)
     moved, mem = offload_cost(offload, mem, fwd.step_s, bwd.step_s, hw)
     if moved is not None:
         step = replace(step, offload_s=moved.exposed_s)

@@ -38,6 +38,11 @@ def _row(r: StepCost) -> str:
     return f"  {r.index:>3}  {r.op.title:<13} {','.join(r.axes):<6} {'':>10}  {'':>9}  {'local':<8}  {r.text}"
 
 
+def _mark(r: StepCost) -> str:
+    """A row of a ``layers`` block after the first says which (its layers count it)."""
+    return f"  [layers block {r.block + 1}]" if r.block and not r.once else ""
+
+
 def _ring(r: StepCost) -> str:
     """A ring kernel's transfers against its compute (ring attention, a collective matmul): each step's
     send, what stays exposed, and (attention) the block length from which a step's compute hides its send;
@@ -66,8 +71,13 @@ def _ring(r: StepCost) -> str:
             f"exposed communication {fmt_seconds(r.exposed_comm_s)}")
 
 
+def _layer_counts(p: PhaseCost) -> str:
+    """The layers each ``layers`` block repeats: ``3`` with one block, ``3 + 58`` with two."""
+    return " + ".join(str(n) for n in (p.layers, *p.more_layers))
+
+
 def _totals(p: PhaseCost, layers: int) -> list[str]:
-    per = f" ({layers} layers)" if layers != 1 else ""
+    per = f" ({_layer_counts(p)} layers)" if layers != 1 or p.more_layers else ""
     f = p.formula
     update = f" (the optimizer's update {fmt_seconds(p.update_s)})" if p.update_s else ""
     lines = [
@@ -95,12 +105,13 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
 
 
 def _phase(p: PhaseCost, layers: int) -> list[str]:
-    title = f"{p.name} (one layer)" if layers != 1 else p.name
+    title = f"{p.name} (one layer{' of each block' if p.more_layers else ''})" if layers != 1 or p.more_layers \
+        else p.name
     if p.repeats > 1:  # a pipelined stage runs a microbatch at a time
         title = f"{p.name} ({'one layer, ' if layers != 1 else ''}one microbatch, run {p.repeats} times a step)"
     lines = [title,
              f"  {'#':>3}  {'op':<13} {'axes':<6} {'V / FLOPs':>10}  {'time':>9}  {'path':<8}  what"]
-    lines.extend(_row(r) for r in p.rows)
+    lines.extend(_row(r) + _mark(r) for r in p.rows)
     if not p.rows:
         lines.append("  (no steps)")
     return lines + _totals(p, layers)
@@ -171,7 +182,7 @@ def render(report: CostReport) -> str:
     hw = report.hardware
     sizes = ", ".join(f"{k}={v:_}" for k, v in report.sizes.items())
     head = [hardware_line(report.plan.spec.filename, hw, report.step.formula.hw),
-            f"sizes: {sizes}; {report.step.devices} devices; layers {report.layers}", ""]
+            f"sizes: {sizes}; {report.step.devices} devices; layers {_layer_counts(report.step)}", ""]
     body: list[str] = []
     phases = [report.forward, report.backward]
     if report.optimizer is not None and report.optimizer.rows:

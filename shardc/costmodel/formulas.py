@@ -250,17 +250,17 @@ def _einsum(step: Step) -> tuple[Expr, Expr]:
     return ZERO + local, ZERO + model  # a formula even for an einsum of scalars (2)
 
 
-def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None,
+def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None | tuple[int | str, ...],
                   spans: Layout | None = None, hw: HardwareSymbols | None = None,
                   sizes: Mapping[str, int] | None = None, nbytes: int = 2) -> PhaseFormula:
-    """The sums of a phase's step formulas, multiplied by the layer count (a number or a symbol); the
-    divisors of the bandwidth terms come from the mesh's sizes (``sizes`` over them); ``nbytes``: the spec's
-    element bytes."""
+    """The sums of a phase's step formulas, each multiplied by its block's layer count (a number or a
+    symbol; ``layers`` one count, or every block's by :attr:`Step.block`); the divisors of the bandwidth
+    terms come from the mesh's sizes (``sizes`` over them); ``nbytes``: the spec's element bytes."""
     parts = [step_formula(s, mesh, spans, sizes, nbytes, shared) for s, shared in zip(steps, shared_rings(steps),
                                                                                       strict=True)]
-    count = symbol(layers) if isinstance(layers, str) else number(layers if isinstance(layers, int) else 1)
-
-    counts = [number(1) if s.once else count for s in steps]  # outside a `layers` block: once
+    each = layers if isinstance(layers, tuple) else (layers if layers is not None else 1,)
+    blocks = [symbol(n) if isinstance(n, str) else number(n) for n in each]
+    counts = [number(1) if s.once else blocks[s.block] for s in steps]  # outside a `layers` block: once
 
     def total(values: list[Expr]) -> Expr:
         # expanded: a sum of monomials, as the book writes them

@@ -39,8 +39,8 @@ from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE
-from shardc.spec.walk import id_names, layer_inputs, leaves
-from shardc.timing import describe, local_elements, ring_of, shared_rings
+from shardc.spec.walk import block_reads, id_names, layer_inputs
+from shardc.timing import describe, local_elements, ring_of, runs, shared_rings
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
            "residual_formula", "value_bytes", "kept_once", "ring_buffers"]
@@ -94,36 +94,40 @@ class Memory:
 
 def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
            accounting: str = "adam10", outside: frozenset[str] | None = None,
-           model_layers: int | None = None) -> Memory:
+           model_layers: int | None = None, more_layers: tuple[int, ...] = ()) -> Memory:
     """The per-device memory of a training step of ``plan`` (see the module docstring).
 
     ``outside`` names the tensors outside a ``layers L { ... }`` block that this device holds
     (a pipeline stage: the first holds the embedding's, the last the loss's); None: all of them.
     ``model_layers``: the whole model's layers, for its parameter count, where ``layers`` are one
-    pipeline stage's (None: the same)."""
+    pipeline stage's (None: the same); ``more_layers`` the later ``layers`` blocks' counts."""
     if accounting not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {accounting!r}",
                           fix="use " + " or ".join(ACCOUNTINGS))
     per_param, per_grad, per_opt, described = ACCOUNTINGS[accounting]
     params = [info for info in plan.tensors if info.role == "param"]
-    repeated = _block_reads(plan)
+    repeated = block_reads(plan.spec)
+    # the block of a value a block's step makes, else of the block reading it
+    blocks = repeated | {s.dst.name: s.block for s in plan.forward if not s.once}
+    counts = (layers, *more_layers)
 
-    def count(name: str, once: bool) -> int:  # a `layers` block's tensors: L; the others once, where held
+    def count(name: str, once: bool) -> int:  # a `layers` block's tensors: its L; the others once, where held
         if not once:
-            return layers
+            return runs(False, blocks.get(name, 0), counts)
         return 1 if outside is None or name in outside else 0
 
     times = {p.name: count(p.name, p.name not in repeated) for p in params}
     local = sum(float(local_elements(p.ref, sizes)) * times[p.name] for p in params)
-    every = layers if model_layers is None else model_layers  # the model's count: each param, all its layers
-    total = sum(float(_global_elements(p.ref, sizes)) * (every if p.name in repeated else times[p.name])
+    every = (layers if model_layers is None else model_layers, *more_layers)  # the model's: all its layers
+    total = sum(float(_global_elements(p.ref, sizes)) * (runs(False, repeated[p.name], every)
+                                                          if p.name in repeated else times[p.name])
                 for p in params)
     grad_local, opt_local = (sum(float(local_elements(r, sizes)) * times[r.name] for r in refs)
                              for refs in state_refs(plan))
     table = residual_table(plan)
     kept = tuple((str(ref), value_bytes(plan, ref, sizes)) for ref, _ in table)
     once = kept_once(plan, [ref for ref, _ in table])
-    counts = [count(ref.name, ref in once) for ref, _ in table]
+    kept_counts = [count(ref.name, ref in once) for ref, _ in table]
     again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params if times[p.name]} | {plan.grad_name(p.name) for p in params if times[p.name]}
@@ -131,7 +135,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     rings = max(ring_buffers(steps, sizes, plan.spec.dtype.nbytes)
                 for steps in (plan.forward, plan.recomputed + plan.backward))
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
-                  sum(b * n for (_, b), n in zip(kept, counts, strict=True)), gathered, kept, hbm_bytes,
+                  sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
                   tuple(why for _, why in table), again, text(residual_formula(plan)), ring_bytes=rings,
                   grads=grad_local)
@@ -161,16 +165,10 @@ def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:
     ``layers L { ... }`` block made, or an input no repeated statement reads.  Under full
     recomputation the block's input stands for every layer's input, each layer's checkpoint,
     so it is kept once a layer."""
-    repeated = _block_reads(plan)
+    repeated = block_reads(plan.spec)
     made = {s.dst: s.once for s in plan.forward}
     checkpoints = set(layer_inputs(plan.spec)) if keeps_layer_inputs(plan.recompute) else set()
     return {ref for ref in refs if ref.name not in checkpoints and made.get(ref, ref.name not in repeated)}
-
-
-def _block_reads(plan: Plan) -> set[str]:
-    """Tensors a repeated statement reads (every one's, without a ``layers L { ... }`` block)."""
-    spec = plan.spec
-    return {r.name for k, s in enumerate(spec.statements) if spec.repeats(k) for r in leaves(s.expr)}
 
 
 def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:
@@ -191,16 +189,22 @@ def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:
     return ([on_shard(r) if stage >= 2 else r for r in params], [on_shard(r) for r in params])
 
 
-def state_formula(plan: Plan, accounting: str = "adam16", layers: int | str = 1) -> tuple[Expr, Expr, Expr]:
-    """(param, gradient, optimizer state) bytes a device as exact formulas in the dims and mesh axes."""
+def state_formula(plan: Plan, accounting: str = "adam16",
+                  layers: int | str | tuple[int | str, ...] = 1) -> tuple[Expr, Expr, Expr]:
+    """(param, gradient, optimizer state) bytes a device as exact formulas in the dims and mesh axes;
+    ``layers`` one count, or every ``layers`` block's."""
     per_param, per_grad, per_opt, _ = ACCOUNTINGS[accounting]
     grads, states = state_refs(plan)
     params = [info.ref for info in plan.tensors if info.role == "param"]
-    count = symbol(layers) if isinstance(layers, str) else number(layers)
-    repeated = _block_reads(plan)  # a `layers` block's params: L times; the others once
+    each = layers if isinstance(layers, tuple) else (layers,)
+    counts = [symbol(n) if isinstance(n, str) else number(n) for n in each]
+    repeated = block_reads(plan.spec)  # a `layers` block's params: its L times; the others once
+
+    def times(name: str) -> Expr:
+        return counts[repeated[name]] if name in repeated else number(1)
 
     def total(refs: list[TensorRef], nbytes: int) -> Expr:
-        return se.expand(nbytes * sum(((count if r.name in repeated else 1) * _elements(r) for r in refs), ZERO))
+        return se.expand(nbytes * sum((times(r.name) * _elements(r) for r in refs), ZERO))
 
     return total(params, per_param), total(grads, per_grad), total(states, per_opt)
 

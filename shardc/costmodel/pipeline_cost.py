@@ -75,7 +75,7 @@ from shardc.pipeline.dualpipe import device_layers, end_chunks
 from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
-from shardc.spec.walk import leaves
+from shardc.spec.walk import block_reads, leaves
 from shardc.timing import StepCost, bound_of, local_elements, phase_rows, phase_time
 
 if TYPE_CHECKING:
@@ -429,7 +429,7 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
         return 0.0
     rows = _rows(plan.optimizer, plan, sizes, hw, spans)
     primal = {g: p for p, g in plan.gradient_names}
-    repeated = {r.name for k, st in enumerate(plan.spec.statements) if plan.spec.repeats(k) for r in leaves(st.expr)}
+    repeated = set(block_reads(plan.spec))
     inside = [r for r in rows if primal.get(r.tensor, r.tensor) in repeated]
     worst = 0.0
     for stage, layers in enumerate(device_layers(pipe)):

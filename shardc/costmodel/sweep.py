@@ -13,13 +13,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardc.costmodel.cost_report import resolve_layers, resolve_sizes
+from shardc.costmodel.cost_report import resolve_sizes
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.images import check_image_path, pyplot
 from shardc.ir.plan import Plan
 from shardc.spec.parser import MAX_SIZE
-from shardc.timing import bound_of, cost_step, plan_dtype, plan_links, shared_rings
+from shardc.timing import block_counts, bound_of, cost_step, plan_dtype, plan_links, runs, shared_rings
 
 __all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot", "check_plot_path"]
 
@@ -90,12 +90,12 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
             value = round(value)
         values = dict(base)
         values[dim] = value  # type: ignore[assignment]  # fractional sizes are fine for costing
-        layers, _ = resolve_layers(plan, values)
+        counts = block_counts(plan, values)
         phases = (plan.forward, plan.recomputed + plan.backward, plan.optimizer)
         shared = [flag for steps in phases for flag in shared_rings(steps)]
         rows = [cost_step(i, s, mesh, values, hw, links, plan_dtype(plan), shared=one) for i, (s, one) in enumerate(
             zip(plan.forward + plan.recomputed + plan.backward + plan.optimizer, shared, strict=True))]
-        times = [1 if r.once else layers for r in rows]  # outside a `layers` block: once
+        times = [runs(r.once, r.block, counts) for r in rows]
         compute = math.fsum(r.compute_s * n for r, n in zip(rows, times, strict=True))
         comm = math.fsum(r.comm_s * n for r, n in zip(rows, times, strict=True))
         critical = math.fsum(r.comm_s * n for r, n in zip(rows, times, strict=True)

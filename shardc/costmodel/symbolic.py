@@ -187,7 +187,7 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     all_spans, link_notes = plan_links(plan, hw, sizes, spans)
     names = symbols_of(plan)
     layers = plan.spec.layers
-    count: int | str = layers if layers is not None else 1
+    count = (layers if layers is not None else 1, *(c for _, _, c in plan.spec.more_blocks))  # every block's
     nbytes = plan.spec.dtype.nbytes
     phases = [FormulaPhase(name, tuple(_formula_row(i, s, mesh, names, all_spans, sizes, nbytes, shared)
                                        for i, (s, shared) in enumerate(zip(steps, shared_rings(steps), strict=True),
@@ -208,5 +208,5 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
              latency_note(hw, all_spans)) + link_notes + renamed_note(names)
     optimizer_phase = phases[2] if len(phases) > 2 else None
     params, grads, states = state_formula(plan, optimizer, count)
-    return FormulaReport(plan, hw, missing, count, phases[0], phases[1], step, found, notes, optimizer_phase,
+    return FormulaReport(plan, hw, missing, count[0], phases[0], phases[1], step, found, notes, optimizer_phase,
                          (optimizer, text(params), text(grads), text(states)), text(residual_formula(plan)))

@@ -208,7 +208,8 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
 def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, lines: dict[str, str]
              ) -> Collective:
     v = int(step_volume(step, sizes))
-    layers = plan.spec.layers if isinstance(plan.spec.layers, int) and not step.once else 1
+    count = plan.spec.block_layers(step.block)
+    layers = count if isinstance(count, int) and not step.once else 1
     return Collective(step_label(step), step.tensor, ",".join(step.axes), v,
                       collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw, routed=step.routed).seconds,
                       lines.get(step.tensor) or lines.get(_forward_name(step.tensor), ""), phase, runs=layers)

@@ -135,6 +135,7 @@ class Step:
     ahead: bool = False  # can be issued ahead of / off the critical path
     note: str = ""
     once: bool = False  # outside a `layers L { ... }` block: runs once a step, not once a layer
+    block: int = 0  # not once: the `layers` block it repeats in (0 the first, 1 the next: Spec.block_of)
     shapes: tuple[TensorRef, ...] = ()  # values read for their shape only (see above)
     # an einsum run as a collective matmul (shardc.planner.collective_matmul): the AllGather of one of its
     # operands, or the ReduceScatter of its result, over one axis, that it runs as a ring of permutes
@@ -144,6 +145,11 @@ class Step:
     # an AllToAll moving the slots of a node-limited routing: its (k, limit, groups), which bound the
     # copies of a token that cross nodes (shardc.collectives._routed_terms)
     routed: tuple[int, int, int] | None = None
+
+    @property
+    def region(self) -> int | None:
+        """The ``layers`` block the step repeats in (:attr:`block`); None where it runs once."""
+        return None if self.once else self.block
 
     @property
     def is_collective(self) -> bool:
@@ -362,5 +368,5 @@ def unfused(step: Step) -> tuple[Step, ...]:
     if c.op is Op.ALL_GATHER:
         k = step.operands.index(c.src)
         return c, Step(step.op, step.tensor, step.dst, operands=step.operands[:k] + (c.dst,) + step.operands[k + 1:],
-                       once=step.once)
-    return Step(step.op, step.tensor, c.src, operands=step.operands, once=step.once), c
+                       once=step.once, block=step.block)
+    return Step(step.op, step.tensor, c.src, operands=step.operands, once=step.once, block=step.block), c

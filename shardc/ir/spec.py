@@ -363,6 +363,9 @@ class Spec:
     # `layers L { ... }`: the statements [first, end) repeat L times, the others run once;
     # None: with `layers`, the whole spec repeats
     block: tuple[int, int] | None = None
+    # further `layers M { ... }` blocks after the first: (first, end, layers) each, in order; a pipeline
+    # cuts only a spec with one
+    more_blocks: tuple[tuple[int, int, int | str], ...] = ()
     # Pipeline parallelism (with a `pipeline` mesh axis): microbatches a step, and the schedule.
     microbatches: int | None = None
     stage_layers: tuple[int, ...] | None = None  # the layers each stage holds; None: the even split
@@ -388,8 +391,27 @@ class Spec:
         return None
 
     def repeats(self, k: int) -> bool:
-        """Whether statement ``k`` runs once a layer (inside the block, or any with no block)."""
-        return self.block is None or self.block[0] <= k < self.block[1]
+        """Whether statement ``k`` runs once a layer (inside a block, or any with no block)."""
+        return self.block_of(k) is not None
+
+    def block_of(self, k: int) -> int | None:
+        """The block statement ``k`` repeats in (0 the first, 1 the next, ...); None: it runs once.
+        With ``layers`` and no block every statement is block 0's."""
+        for i, (first, end, _) in enumerate(self.blocks()):
+            if first <= k < end:
+                return i
+        return 0 if self.block is None else None
+
+    def blocks(self) -> tuple[tuple[int, int, int | str], ...]:
+        """Every ``layers N { ... }`` block as (first statement, end, layers), in order."""
+        if self.block is None or self.layers is None:
+            return ()
+        return ((*self.block, self.layers), *self.more_blocks)
+
+    def block_layers(self, index: int) -> int | str | None:
+        """The layer count of block ``index`` (:meth:`block_of`); ``layers`` where the whole spec repeats."""
+        blocks = self.blocks()
+        return blocks[index][2] if blocks else self.layers
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -428,10 +450,11 @@ class Spec:
         if self.recompute:
             lines.append("recompute " + ", ".join(self.recompute))
         for k, statement in enumerate(self.statements):
-            if self.block is not None and k == self.block[0]:
-                lines.append(f"layers {self.layers} {{")
-            lines.append(("  " if self.block is not None and self.block[0] <= k < self.block[1] else "")
-                         + str(statement))
-            if self.block is not None and k == self.block[1] - 1:
+            for first, _end, layers in self.blocks():
+                if k == first:
+                    lines.append(f"layers {layers} {{")
+            inside = self.block is not None and self.block_of(k) is not None
+            lines.append(("  " if inside else "") + str(statement))
+            if any(k == end - 1 for _, end, _ in self.blocks()):
                 lines.append("}")
         return "\n".join(lines) + "\n"

@@ -277,10 +277,11 @@ class _Backward:
 
 def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
                   partial: dict[str, tuple[tuple[str, ...], Layout]] | None = None,
-                  shards: dict[str, Layout] | None = None, once: frozenset[int] = frozenset()) -> Backward:
+                  shards: dict[str, Layout] | None = None, blocks: tuple[int | None, ...] = ()) -> Backward:
     """The backward; under ZeRO-1 ``partial`` params' gradients may stay partial sums, under ZeRO-2
-    ``shards`` params' gradients are made on their ZeRO shard (:mod:`shardc.planner.zero`); the
-    steps of the ``once`` nodes (outside a ``layers L { ... }`` block) run once, not once a layer."""
+    ``shards`` params' gradients are made on their ZeRO shard (:mod:`shardc.planner.zero`); ``blocks``
+    gives each node's ``layers`` block (None: outside every block, its steps run once, not once a layer;
+    empty: every node repeats alike)."""
     bw = _Backward(graph, forward, declared, save, partial or {}, shards or {})
     cotangents = []
     for out in graph.outputs:
@@ -288,33 +289,50 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
             name = graph.grads[out]
             cotangents.append(bw.phase.ref(name, bw.target(out)))
             bw.phase.hold(name, bw.target(out))
-    repeated = {o for k, node in enumerate(graph.nodes) if k not in once for o in node.operands}
-    # a data input the block and a statement before it both read: its contributions before the block's
+    readers = _readers(graph, blocks)
+    repeated = {n for n, where in readers.items() if where - {None}}
+    # a data input a block and a statement before it both read: its contributions before the block's
     # backward began (from statements after the block), counted when it begins
     inputs = sorted(n for n in repeated & set(graph.inputs) if n not in bw.partial and n not in bw.shards)
-    entered: dict[str, int] | None = None
+    entered: dict[str, int] = {}
+    last = len(graph.nodes) - 1
     for k in reversed(range(len(graph.nodes))):
-        if once and k not in once and entered is None:
+        here, later = (blocks[k], blocks[k + 1] if k < last else None) if blocks else (None, None)
+        if later is not None and here != later:
+            for name in (n for n in inputs if later in readers[n]):  # block `later`'s backward ends: each
+                bw.close_layer(name, entered[name])  # layer's sum of its input's gradient
+        if here is not None and here != later:
             entered = {n: len(bw.parts.get(n, ())) for n in inputs}
-        if k in once and k + 1 < len(graph.nodes) and k + 1 not in once and entered is not None:
-            for name in inputs:  # the block's backward ends: each layer's sum of its input's gradient
-                bw.close_layer(name, entered[name])
-        if k in once and graph.nodes[k].result in repeated:
-            bw.finish(graph.nodes[k].result)  # a layer's input gradient: summed once a layer
+        reading = readers.get(graph.nodes[k].result, set()) - {None, here}
+        if blocks and reading:  # a block's input made outside it: summed once a layer of that block
+            start = len(bw.phase.steps)
+            bw.finish(graph.nodes[k].result)
             bw.hand_back(graph.nodes[k].result)
+            bw.phase.mark_block(start, next(iter(reading)) if len(reading) == 1 else None)
         start = len(bw.phase.steps)
         bw.node(graph.nodes[k])
-        if k in once:
-            bw.phase.mark_once(start)
+        if blocks:
+            bw.phase.mark_block(start, here)
     wanted = [n for n in graph.inputs if n in bw.needs]
     for name in wanted:
         start = len(bw.phase.steps)
         bw.finish(name)
-        if once and (name not in repeated or name in inputs):
-            bw.phase.mark_once(start)
+        inside = readers.get(name, set()) - {None}
+        if blocks:  # a ZeRO param's gradient stays its block's; every other input's is summed once
+            alone = next(iter(inside)) if len(inside) == 1 and name not in inputs else None
+            bw.phase.mark_block(start, alone)
     grads = tuple(bw.phase.ref(graph.grads[n], bw.final.get(n, bw.target(n))) for n in wanted)
     residuals = _residuals(bw.phase, forward)
     return Backward(bw.phase, residuals, tuple(cotangents), grads)
+
+
+def _readers(graph: Graph, blocks: tuple[int | None, ...]) -> dict[str, set[int | None]]:
+    """Each value's readers' blocks (None: a statement outside every block); all 0 without ``blocks``."""
+    out: dict[str, set[int | None]] = {}
+    for k, node in enumerate(graph.nodes):
+        for name in node.operands:
+            out.setdefault(name, set()).add(blocks[k] if blocks else 0)
+    return out
 
 
 def _residuals(backward: Phase, forward: Phase) -> tuple[TensorRef, ...]:

@@ -72,13 +72,13 @@ def _share_copied(out: list[Step]) -> None:
     too (``O1[E, S_X] = A[S_X, E]`` and ``O2[E, S_X] = A[S_X, E]``, each then gathered):
     XLA's common-subexpression pass merges them, then the collectives of their results.
     """
-    # Same data only within a region: outside a `layers` block a step runs once, inside it once a
-    # layer on that layer's data, so a name read in both is two values (and the keys hold `once`).
-    roots: dict[bool, dict[TensorRef, TensorRef]] = {False: {}, True: {}}  # a value -> the first alike
+    # Same data only within a region: outside a `layers` block a step runs once, inside one once a
+    # layer on that layer's data, so a name read in two regions is two values (and the keys hold the region).
+    roots: dict[int | None, dict[TensorRef, TensorRef]] = {}  # a region's values -> the first alike
     made: dict[tuple[object, ...], TensorRef] = {}  # a local einsum's inputs and result layout -> its result
     done: dict[tuple[object, ...], TensorRef] = {}
     for k, step in enumerate(out):
-        root = roots[step.once]
+        root = roots.setdefault(step.region, {})
         if step.op in (Op.COPY, Op.ELEMENTWISE) and (step.op is Op.COPY or step.fn == ALIAS) \
                 and len(step.operands) == 1 and _same_data(step.operands[0], step.dst):
             root[step.dst] = root.get(step.operands[0], step.operands[0])
@@ -86,14 +86,15 @@ def _share_copied(out: list[Step]) -> None:
             first = _share_einsum(step, root, made)
             if first is not None:  # XLA computes it once: the later one is the earlier's result renamed
                 out[k] = Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(first,), fn=ALIAS, once=step.once,
-                              note="the same einsum of the same data as an earlier one")
+                              block=step.block, note="the same einsum of the same data as an earlier one")
         if not step.is_collective or step.src is None:
             continue
-        key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2, step.once)
+        key = (root.get(step.src, step.src), step.op, step.axes, step.dim, step.dim2, step.region)
         earlier = done.get(key)
         if earlier is not None and _same_data(earlier, step.dst):
             out[k] = Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(earlier,), fn=ALIAS, ahead=step.ahead,
-                          once=step.once, note="the same data an earlier collective moved the same way")
+                          once=step.once, block=step.block,
+                          note="the same data an earlier collective moved the same way")
             root[step.dst] = root.get(earlier, earlier)
             continue
         done.setdefault(key, step.dst)
@@ -110,7 +111,7 @@ def _share_einsum(step: Step, root: dict[TensorRef, TensorRef],
     """
     dst = step.dst
     key = (step.op, tuple(root.get(o, o) for o in step.operands), step.shapes, dst.indices, dst.layout,
-           dst.unreduced, step.once)
+           dst.unreduced, step.region)
     first = made.setdefault(key, dst)
     if first == dst:
         return None

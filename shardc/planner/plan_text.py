@@ -59,6 +59,13 @@ def _step_line(k: int, step: Step, sizes: dict[str, int] | None) -> str:
     return f"{k:3d}  {label:<17} {body:<44} {volume:<28} {when}"
 
 
+def _region_mark(step: Step) -> str:
+    """A step outside every ``layers`` block, or in a block after the first, says so."""
+    if step.once:
+        return "   [once: outside the layers block]"
+    return f"   [layers block {step.block + 1}]" if step.block else ""
+
+
 def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None) -> list[str]:
     lines = [title]
     k = 0
@@ -67,7 +74,7 @@ def _phase_lines(title: str, steps: Sequence[Step], sizes: dict[str, int] | None
             lines.append(f"     {'= alias':<17} {step.dst} is {step.operands[0]}   (no data moved)")
             continue
         k += 1
-        lines.append(_step_line(k, step, sizes) + ("   [once: outside the layers block]" if step.once else ""))
+        lines.append(_step_line(k, step, sizes) + _region_mark(step))
     formula, _, terms = phase_total(steps)
     total = f"       total {formula} bytes"
     if sizes is not None:
@@ -167,6 +174,8 @@ def step_json(step: Step, sizes: dict[str, int] | None) -> dict[str, Any]:
         data["collective"] = step_json(step.collective, sizes)
     if step.once:
         data["once"] = True  # outside a `layers L { ... }` block: runs once, not once a layer
+    elif step.block:
+        data["block"] = step.block  # in the `layers` block after the first this many: its layers a step
     return data
 
 

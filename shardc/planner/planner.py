@@ -410,7 +410,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
                for p, layout in shards.items()} if stage == 1 else {}
     backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {},
-                             once_nodes(spec, graph))
+                             node_blocks(spec, graph))
     _weigh(ctx, SUM[1])
     optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
     made = {g.name: g for g in backward.grads}
@@ -456,7 +456,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
 
 def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef], spec: Spec) -> None:
     nodes = list(graph.nodes)
-    once = once_nodes(spec, graph)
+    blocks = node_blocks(spec, graph)
     k = 0
     while k < len(nodes):
         node = nodes[k]
@@ -465,23 +465,24 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef], sp
             while nodes[end].chain:
                 end += 1
             choose_chain(phase, nodes[k:end + 1], declared)
-        if once and k not in once and (k == 0 or k - 1 in once):
-            _enter_block(phase, nodes[k:], once, k, declared)
-        if once and k in once and k > 0 and k - 1 not in once:
+        if blocks and blocks[k] is not None and (k == 0 or blocks[k - 1] != blocks[k]):
+            _enter_block(phase, nodes[k:], blocks[k:], declared)
+        if blocks and k > 0 and blocks[k - 1] is not None and blocks[k] != blocks[k - 1]:
             _leave_block(phase, nodes[:k], nodes[k:], declared)
         start = len(phase.steps)
         _plan_node(phase, node, declared)
-        if k in once:
-            phase.mark_once(start)
+        if blocks:
+            phase.mark_block(start, blocks[k])
         k += 1
 
 
-def _enter_block(phase: Phase, rest: list[Node], once: frozenset[int], k: int,
+def _enter_block(phase: Phase, rest: list[Node], blocks: tuple[int | None, ...],
                  declared: dict[str, TensorRef]) -> None:
     """A ``layers`` block's every layer reads its inputs as the previous layer feeds them: in their
     declared sharding, never a value made before the block (the embedding's partial sums, say)."""
-    made_inside = {n.result for j, n in enumerate(rest, start=k) if j not in once}
-    for node in (n for j, n in enumerate(rest, start=k) if j not in once):
+    inside = [n for n, b in zip(rest, blocks, strict=True) if b == blocks[0]]
+    made_inside = {n.result for n in inside}
+    for node in inside:
         for name in node.operands:
             ref = declared.get(name)
             if name not in made_inside and ref is not None and name in phase.held:
@@ -500,12 +501,14 @@ def _leave_block(phase: Phase, before: list[Node], after: list[Node], declared: 
             phase.held[node.result] = [Value.of(ref)]
 
 
-def once_nodes(spec: Spec, graph: Graph) -> frozenset[int]:
-    """The nodes of statements outside a ``layers L { ... }`` block (none without a block)."""
+def node_blocks(spec: Spec, graph: Graph) -> tuple[int | None, ...]:
+    """Each node's ``layers`` block (:meth:`Spec.block_of`; None: outside every block, run once); empty
+    where every node repeats alike (no block, or one around every statement)."""
     if spec.block is None:
-        return frozenset()
+        return ()
     order = list(dict.fromkeys(id(n.statement) for n in graph.nodes))  # each statement makes a node
-    return frozenset(k for k, n in enumerate(graph.nodes) if not spec.repeats(order.index(id(n.statement))))
+    blocks = tuple(spec.block_of(order.index(id(n.statement))) for n in graph.nodes)
+    return blocks if any(b != 0 for b in blocks) else ()  # a block of every statement: the whole spec
 
 
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:

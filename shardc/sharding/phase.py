@@ -122,6 +122,13 @@ class Phase:
         """The steps from ``start`` on run once, not once a layer (outside a ``layers`` block)."""
         self.steps[start:] = [replace(s, once=True) for s in self.steps[start:]]
 
+    def mark_block(self, start: int, block: int | None) -> None:
+        """The steps from ``start`` on repeat in ``block`` (:meth:`Spec.block_of`); None: they run once."""
+        if block is None:
+            self.mark_once(start)
+        elif block:
+            self.steps[start:] = [replace(s, block=block) for s in self.steps[start:]]
+
     def moves(self, tensor: str, moves: tuple[Move, ...], note: str = "") -> None:
         for m in moves:
             self.emit(Step(m.op, tensor, self.ref(tensor, m.dst), self.ref(tensor, m.src), m.axes,

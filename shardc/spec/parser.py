@@ -477,6 +477,7 @@ def _build_spec(items: list[Any]) -> Spec:
     header: dict[str, Any] = {"dims": [], "param": None, "const": [], "recompute": []}
     spans: list[tuple[str, Span]] = []
     block: tuple[int, int] | None = None
+    more: list[tuple[int, int, int | str]] = []
     for item in items:
         if isinstance(item, Statement):
             statements.append(item)
@@ -485,8 +486,13 @@ def _build_spec(items: list[Any]) -> Spec:
             if not item.statements:
                 raise ShardcError("`layers` block has no statements", item.span,
                                   fix="put the statements of one layer between `{` and `}`")
-            block = (len(statements), len(statements) + len(item.statements))
+            where = (len(statements), len(statements) + len(item.statements))
             statements.extend(item.statements)
+            if block is not None:  # a later block: its own layer count
+                more.append((*where, item.layers))
+                spans.append((f"layers:{len(more)}", item.span))
+                continue
+            block = where
             item = ("layers", item.layers, item.span)
         kind, value, span = item
         if kind in seen and kind not in ("dims", "param", "const", "recompute"):
@@ -521,6 +527,7 @@ def _build_spec(items: list[Any]) -> Spec:
         topology=header.get("topology"),
         layers=header.get("layers"),
         block=block,
+        more_blocks=tuple(more),
         microbatches=header.get("microbatches"),
         stage_layers=header.get("stage_layers"),
         schedule=header.get("schedule"),

@@ -160,15 +160,21 @@ def _check_dims(spec: Spec) -> None:
 
 
 def _check_layers(spec: Spec) -> None:
-    layers = spec.layers
-    span = spec.span_of("layers")
-    if isinstance(layers, int) and layers < 1:
-        raise ShardcError(f"`layers {layers}`: a model has at least one layer", span,
-                          fix="use layers 1 or more")
-    if isinstance(layers, str) and layers not in spec.sizes:
-        raise ShardcError(f"`layers {layers}`: {layers} is not a dim with a size", span,
-                          fix=f"add {layers} to dims (e.g. `dims {layers}=40`) "
-                          "or write the count, `layers 40`")
+    counts = [(spec.layers, spec.span_of("layers"))]
+    counts += [(layers, spec.span_of(f"layers:{i}")) for i, (_, _, layers) in enumerate(spec.more_blocks, start=1)]
+    for layers, span in counts:
+        if isinstance(layers, int) and layers < 1:
+            raise ShardcError(f"`layers {layers}`: a model has at least one layer", span,
+                              fix="use layers 1 or more")
+        if isinstance(layers, str) and layers not in spec.sizes:
+            raise ShardcError(f"`layers {layers}`: {layers} is not a dim with a size", span,
+                              fix=f"add {layers} to dims (e.g. `dims {layers}=40`) "
+                              "or write the count, `layers 40`")
+    if spec.more_blocks and spec.mesh.pipeline_axis is not None:
+        raise ShardcError("a pipeline cuts one `layers` block into stages; this spec has "
+                          f"{len(spec.more_blocks) + 1}", spec.span_of("layers:1"),
+                          fix="write the other blocks' layers out before or after the pipelined block, "
+                          "or drop the pipeline axis")
 
 
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:
@@ -257,7 +263,14 @@ def _check_feed(spec: Spec) -> None:
     """
     if spec.layers is None:
         return
-    block = [st for k, st in enumerate(spec.statements) if spec.repeats(k)]  # the whole spec, or the block
+    blocks = spec.blocks() or ((0, len(spec.statements), spec.layers),)  # the whole spec repeats
+    spans = [spec.span_of("layers"), *(spec.span_of(f"layers:{i}") for i in range(1, len(blocks)))]
+    for (first, end, layers), span in zip(blocks, spans, strict=True):
+        _check_block_feed(spec, spec.statements[first:end], layers, span)
+
+
+def _check_block_feed(spec: Spec, block: tuple[Statement, ...], layers: int | str, span: Span | None) -> None:
+    """One block's outputs feed its inputs (:func:`_check_feed`)."""
     defined = {s.result.name for s in block}
     every = [r for s in spec.statements for r in leaves(s.expr)]
     read = [r for s in block for r in leaves(s.expr)]
@@ -270,8 +283,8 @@ def _check_feed(spec: Spec) -> None:
     for given in inputs:
         made = next((o for o in reversed(outputs) if o.indices == given.indices), None)
         if made is None:
-            raise ShardcError(f"`layers {spec.layers}` repeats the block, but no output has the indices of "
-                              f"its input {given} to feed the next layer", spec.span_of("layers"),
+            raise ShardcError(f"`layers {layers}` repeats the block, but no output has the indices of "
+                              f"its input {given} to feed the next layer", span,
                               fix=f"end the block with an output {given.name}Out{given.sharding_text()}, or "
                               f"declare {given.name} `const` if every layer reads the same value", kind=LAYERS_FEED)
         if made.layout != given.layout or made.unreduced != given.unreduced:

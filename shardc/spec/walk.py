@@ -20,7 +20,7 @@ from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, Te
 from shardc.spec.functions import ID_BYTES, integer_args, is_known, signature
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
-           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "layer_inputs"]
+           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "layer_inputs", "block_reads"]
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
@@ -192,10 +192,22 @@ def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def layer_inputs(spec: Spec) -> tuple[str, ...]:
-    """The activations a ``layers L { ... }`` block reads that a statement before it makes (none
+    """The activations each ``layers L { ... }`` block reads that a statement before it makes (none
     without a block): what a layer starts from, so what full recomputation keeps for each layer."""
-    if spec.block is None:
-        return ()
-    lo, hi = spec.block
-    made = {s.result.name for s in spec.statements[:lo]}
-    return tuple(dict.fromkeys(r.name for s in spec.statements[lo:hi] for r in leaves(s.expr) if r.name in made))
+    found: dict[str, None] = {}
+    for lo, hi, _ in spec.blocks():
+        made = {s.result.name for s in spec.statements[:lo]}
+        found.update((r.name, None) for s in spec.statements[lo:hi] for r in leaves(s.expr) if r.name in made)
+    return tuple(found)
+
+
+def block_reads(spec: Spec) -> dict[str, int]:
+    """Each tensor a repeated statement reads, with the ``layers`` block it repeats in (:meth:`Spec.block_of`;
+    every statement's, in block 0, with ``layers`` and no block): what counts once a layer of that block."""
+    found: dict[str, int] = {}
+    for k, statement in enumerate(spec.statements):
+        block = spec.block_of(k)
+        if block is not None:
+            for ref in leaves(statement.expr):
+                found.setdefault(ref.name, block)
+    return found
