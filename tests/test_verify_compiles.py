@@ -1,12 +1,16 @@
 """verify compiles whole programs, never op by op.
 
 Run op by op, jax compiles each distinct operation apart: the unsharded program a loose row is
-checked against (the reference's statements in jax.numpy) once cost 20 to 100 small compilations a
-verify, most of its time.  It is now traced and compiled as one program, once a dropout key.
+checked against (the reference's statements in jax.numpy) and the slicing of a pipeline's results
+(a microbatch, a stage, a layer's slot) once cost 20 to 100 small compilations a verify, most of its
+time.  The unsharded program is now traced and compiled as one program, once a dropout key, and a
+pipeline's results are read in host memory.
 The counts are upper bounds: a program the session already compiled is not compiled again.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +19,7 @@ from shardc.verification.verify import Report, render_report, verify
 
 pytestmark = pytest.mark.slow  # every test verifies a spec
 
+ROOT = Path(__file__).resolve().parent.parent
 # the norms in bf16: their backward bounds are loose, so every row is checked again in float32
 NORMS = """mesh X=2, Y=2
 dims B=8, D=16
@@ -43,6 +48,12 @@ def _verified(text: str) -> tuple[Report, int]:
     before = _compiles[0]
     report = verify(shardc.parse(text))
     return report, _compiles[0] - before
+
+
+def test_a_pipelines_verify_compiles_its_programs_not_its_operations() -> None:
+    report, compiles = _verified((ROOT / "examples" / "pipeline_llama.shard").read_text(encoding="utf-8"))
+    assert report.ok, render_report(report)
+    assert compiles <= 8  # 4 in a fresh process; 75 with the unsharded program and the slicing op by op
 
 
 def test_a_float32_recheck_compiles_the_unsharded_program_once() -> None:

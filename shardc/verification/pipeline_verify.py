@@ -369,6 +369,8 @@ def _keys(lowered: PipelineLowered, key: int) -> tuple[int, ...]:
 def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
          keys: tuple[int, ...]) -> tuple[str, list[tuple[Arrays, Arrays]]]:
     """The schedule's program compiled once: its HLO text, and the results and gradients under each key."""
+    import jax
+
     pipeline = lowered.namespace.PIPELINE
     given = pipeline.ends.cotangent(pipeline, inputs, cotangent)
     step("compiling the schedule's program")
@@ -376,7 +378,9 @@ def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
     runs = []
     step("running the schedule")
     for key in keys:
-        results, grads = pipeline.read(*compiled(*pipeline.arguments(inputs, given, key)))
+        # read in host memory: a device array sliced op by op (a microbatch, a stage, a slot) compiles
+        # a program for each slice
+        results, grads = pipeline.read(*jax.device_get(compiled(*pipeline.arguments(inputs, given, key))))
         runs.append(({k: np.asarray(v) for k, v in results.items()}, {k: np.asarray(v) for k, v in grads.items()}))
     return compiled.as_text(), runs
 
