@@ -304,7 +304,7 @@ class Pipeline:
         """The program's outputs as global arrays keyed by name: the ends' results, every gradient."""
         grads = dict(self.ends.gradients(self, acc))
         order = sorted((layer, k) for k, layer in enumerate(self.slot_layers()) if layer < self.layers)
-        real = jnp.asarray([k for _, k in order])  # the slots in layer order
+        real = np.asarray([k for _, k in order])  # the slots in layer order
         grads.update({self.block.grads[p]: g[real] for p, g in zip(self.params, dparams, strict=True)})
         return dict(self.ends.outputs(self, acc)), grads
 

@@ -247,6 +247,17 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
     return results, grads
 
 
+def unsharded(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: int,
+              dtype: Any) -> tuple[Arrays, Arrays]:
+    """:func:`reference` in jax.numpy and ``dtype``: the unsharded program, on one device.  Traced and
+    compiled as one program: run op by op, jax compiles each distinct operation apart, about a hundred
+    small compilations a pipeline."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda i, c: reference(lowered, i, c, key, jnp, dtype))(inputs, cotangent)  # type: ignore[no-any-return]
+
+
 def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
                     module: tuple[str, str] | None = None) -> Report:
     """Lower the pipeline small, run its schedule, check values and the compiled program (see the
@@ -353,7 +364,7 @@ def _float64_rows(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, r
 
     rows = []
     for (key, (want_out, want_grads)), (got_out, got_grads) in zip(wants.items(), runs, strict=True):
-        plain_out, plain_grads = reference(lowered, inputs, cotangent, key, jnp, jnp.float64)
+        plain_out, plain_grads = unsharded(lowered, inputs, cotangent, key, jnp.float64)
         for phase, got, want, plain in (("forward", got_out, want_out, plain_out),
                                         ("backward", got_grads, want_grads, plain_grads)):
             amplified = power.DIFFERENTIAL * max(_relative(plain[n], v) for n, v in want.items())
@@ -382,6 +393,8 @@ def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
          keys: tuple[int, ...]) -> tuple[str, list[tuple[Arrays, Arrays]], Any]:
     """The schedule's program compiled once: its HLO text, the results and gradients under each key, and
     XLA's memory analysis of it."""
+    import jax
+
     pipeline = lowered.namespace.PIPELINE
     given = pipeline.ends.cotangent(pipeline, inputs, cotangent)
     step("compiling the schedule's program")
@@ -389,7 +402,9 @@ def _run(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays,
     runs = []
     step("running the schedule")
     for key in keys:
-        results, grads = pipeline.read(*compiled(*pipeline.arguments(inputs, given, key)))
+        # read in host memory: a device array sliced op by op (a microbatch, a stage, a slot) compiles
+        # a program for each slice
+        results, grads = pipeline.read(*jax.device_get(compiled(*pipeline.arguments(inputs, given, key))))
         runs.append(({k: np.asarray(v) for k, v in results.items()}, {k: np.asarray(v) for k, v in grads.items()}))
     return compiled.as_text(), runs, compiled.memory_analysis()
 
@@ -424,7 +439,7 @@ def differential_rows(lowered: PipelineLowered, inputs: Arrays, cotangent: Array
     rows = []
     for key, (got_out, got_grads) in zip(keys, runs, strict=True):
         want_out, want_grads = reference(lowered, narrow, cot, key)
-        plain_out, plain_grads = reference(lowered, narrow, cot, key, jnp, jnp.float32)
+        plain_out, plain_grads = unsharded(lowered, narrow, cot, key, jnp.float32)
         rows += [power.differential(power.phase("forward", key), n, got_out[n], v, plain_out[n])
                  for n, v in want_out.items()]
         rows += [power.differential(power.phase("backward", key), n, got_grads[n], v, plain_grads[n])

@@ -373,6 +373,7 @@ def differential_rows(lowered: Lowered, seed: int = 0, key: int = 0) -> list[Val
     reference, bounded by the error of the unsharded float32 program (the reference's statements
     in jax, on one device): the recheck of a row whose bound is too loose to catch a wrong plan.
     ``key``: the dropout key of both programs and the reference."""
+    import jax
     import jax.numpy as jnp
 
     run = _reference_run(lowered, np.dtype("float32"), seed)
@@ -384,8 +385,10 @@ def differential_rows(lowered: Lowered, seed: int = 0, key: int = 0) -> list[Val
     outs = lowered.module.cotangents
     plain_cot = {outs[n]: jnp.asarray(v.astype(np.float32)) for n, v in run.cotangents.items()}
     sizes = dict(lowered.sizes or {})  # the dims no input has (a route's capacity), as the first run
-    plain_fwd = reference.forward(spec, plain_in, jnp, sizes=sizes, key=key)
-    plain_bwd = reference.backward(spec, plain_in, plain_cot, jnp, sizes=sizes, key=key)
+    # one program, not op by op: jax compiles each distinct operation of an eager run apart
+    plain_fwd, plain_bwd = jax.jit(lambda i, c: (reference.forward(spec, i, jnp, sizes=sizes, key=key),
+                                                 reference.backward(spec, i, c, jnp, sizes=sizes, key=key)))(
+        plain_in, plain_cot)
     got_fwd, got_bwd = lowered.forward(run.inputs, key), lowered.grad(run.inputs, run.cotangents, key)
     rows = []
     routed = _routed(spec)
