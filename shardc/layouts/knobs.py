@@ -14,7 +14,7 @@ them, skipping those a bound proves cannot win.  A knob's settings:
 * ``zero``: ZeRO 1, 2 and 3 over the candidate's data-parallel axes (those of size > 1 that shard a
   token dim and no parameter), or none; a spec's own ``zero`` line varies its stage over its axes.
 
-Host offload of activations or optimizer state is not a knob here: shardc's cost model has no host link.
+Host offload of activations or optimizer state (`shardc cost --offload`) is not searched here.
 
 :func:`search_knobs` costs the combinations template by template (a recompute policy and a ZeRO
 line: one plan, re-costed at each microbatch count and schedule), and skips, unplanned, those that
