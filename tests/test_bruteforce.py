@@ -61,14 +61,17 @@ def move_seconds(ctx: CostContext, tensor: str, idx: tuple[str, ...], op: Op, sr
     return ctx.move_cost(move, tensor, idx)[0]
 
 
-def einsum_seconds(ctx: CostContext, operands: tuple[tuple[tuple[str, ...], State], ...],
-                   result: tuple[tuple[str, ...], State]) -> float:
-    """The planner's price of a local einsum's compute (an elementwise product's HBM bytes: hence its
-    result), where its objective has one (else 0)."""
+def einsum_seconds(ctx: CostContext, operands: tuple[tuple[str, tuple[str, ...], State], ...],
+                   result: tuple[str, tuple[str, ...], State]) -> float:
+    """The planner's price of a local einsum's compute (its FLOPs, or its operands' and result's HBM bytes
+    where they take longer: hence the result and each tensor's element bytes), where its objective has one
+    (else 0)."""
     price = getattr(ctx, "einsum_seconds", None)
     if price is None:
         return 0.0
-    return float(price(tuple((idx, _value(s)) for idx, s in operands), (result[0], _value(result[1]))))
+    name, idx, state = result
+    return float(price(tuple((i, _value(s), ctx.nbytes(n)) for n, i, s in operands),
+                       (idx, _value(state), ctx.nbytes(name))))
 
 
 def _value(s: State) -> Value:
@@ -203,7 +206,8 @@ def oracle_forward(spec: Spec, ctx: CostContext, bound: float) -> float:
             start = State(tuple(by_index[i] for i in out), src.partial)  # a local transpose
             ends = oracle.reach(statement.result.name, out, {start: 0.0}, room)
         else:
-            ends = _einsum_results(oracle, [declared[r.name] for r in refs], out, room)  # type: ignore[union-attr]
+            ends = _einsum_results(oracle, [declared[r.name] for r in refs], statement.result.name,  # type: ignore[union-attr]
+                                   out, room)
             ends = oracle.reach(statement.result.name, out, ends, room)
         if target not in ends:
             return float("inf")  # nothing within the planner's time: the planner is not beaten here
@@ -211,7 +215,8 @@ def oracle_forward(spec: Spec, ctx: CostContext, bound: float) -> float:
     return total
 
 
-def _einsum_results(oracle: Oracle, refs: list[TensorRef], out: tuple[str, ...], room: float) -> dict[State, float]:
+def _einsum_results(oracle: Oracle, refs: list[TensorRef], name: str, out: tuple[str, ...],
+                    room: float) -> dict[State, float]:
     """Every local result reachable within ``room``, at its least cost."""
     (ra, rb) = refs
     a = oracle.reach(ra.name, ra.indices, {oracle.state(ra): 0.0}, room)
@@ -230,7 +235,8 @@ def _einsum_results(oracle: Oracle, refs: list[TensorRef], out: tuple[str, ...],
             r = local_einsum(ra.indices, s, rb.indices, t, out)
             if r is None:
                 continue
-            total = c + d + einsum_seconds(oracle.ctx, ((ra.indices, s), (rb.indices, t)), (out, r))
+            total = c + d + einsum_seconds(oracle.ctx, ((ra.name, ra.indices, s), (rb.name, rb.indices, t)),
+                                           (name, out, r))
             if total < results.get(r, float("inf")):
                 results[r] = total
     return results
@@ -244,8 +250,8 @@ def forward_seconds(plan: Plan, ctx: CostContext) -> float:
         if step.is_collective:
             total += _step_seconds(oracle, ctx, step)
         elif step.op is Op.EINSUM and len(step.operands) == 2:
-            total += einsum_seconds(ctx, tuple((r.indices, oracle.state(r)) for r in step.operands),
-                                    (step.dst.indices, oracle.state(step.dst)))
+            total += einsum_seconds(ctx, tuple((r.name, r.indices, oracle.state(r)) for r in step.operands),
+                                    (step.dst.name, step.dst.indices, oracle.state(step.dst)))
     return total
 
 
