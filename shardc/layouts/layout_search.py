@@ -80,10 +80,15 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
     if total > MAX_CANDIDATES:
         raise ShardcError(f"{len(specs)} specs have {total} layouts on {n} chips together, past the budget of "
                           f"{MAX_CANDIDATES} candidates", fix="search fewer --with specs at once")
-    found, refused = _prepared(specs, plans, options)
-    every = [(spec, pairs(spec)) for c in found for spec in orders(c.spec, options)]
     searched = {s.filename or "<spec>": len(searched_axes(s, fixed & set(s.mesh.names),
                                                           on_cluster(s, options)).searched) for s in specs}
+    as_written = sum(len(p) << searched[s.filename or "<spec>"] for s, p in zip(specs, plans, strict=True))
+    if options.exact and as_written > MAX_WORK:  # before preparing them: their orders only add to it
+        raise ShardcError(f"--exact: {total} layouts on {n} chips, past the budget of {MAX_WORK} plans x 2^axes "
+                          "for planning each", fix="leave out --exact (each template planned once, re-costed), "
+                                                   "or fix some axes with --set AXIS=SIZE")
+    found, refused = _prepared(specs, plans, options)
+    every = [(spec, pairs(spec)) for c in found for spec in orders(c.spec, options)]
     work = sum(1 << searched[spec.filename or "<spec>"] for spec, _ in every)
     if options.exact and work > MAX_WORK:
         raise ShardcError(f"--exact: {total} layouts on {n} chips ({len(every)} with the orders of their mesh axes "
