@@ -443,6 +443,28 @@ def test_a_scan_over_layers_is_a_layers_block() -> None:
     assert "x4" in render_explanation(e)
 
 
+def test_two_scans_are_two_layers_blocks_each_with_its_count() -> None:
+    """Four layers of one width, then two of another: each scan its own block, and the plan's steps of
+    each run as often as its block's layers."""
+    import jax
+
+    mesh = _mesh((4, 2))
+
+    def forward(params: Any, x: Any) -> Any:
+        def layer(h: Any, w: Any) -> Any:
+            return h + jax.nn.softmax(h @ w[0], axis=-1) @ w[1], None
+
+        h = jax.lax.scan(layer, x, (params["w1"], params["w2"]))[0]
+        return jax.lax.scan(layer, h, (params["v1"], params["v2"]))[0]
+
+    params = {"w1": _arg(mesh, (4, 8, 32), None, None, "model"), "w2": _arg(mesh, (4, 32, 8), None, "model"),
+              "v1": _arg(mesh, (2, 8, 16), None, None, "model"), "v2": _arg(mesh, (2, 16, 8), None, "model")}
+    e = explain(jax.jit(forward), params, _arg(mesh, (16, 8), "data"))
+    spec = shardc.parse(e.spec)
+    assert [layers for _, _, layers in spec.blocks()] == [4, 2], e.spec
+    assert sorted(c.runs for c in e.plan) == [2, 2, 4, 4], e.spec
+
+
 def test_a_scanned_training_step_reads_the_loop_once_and_its_loss_after() -> None:
     fn, args = scanned_layers(train=True)
     e = explain(fn, *args)

@@ -262,11 +262,10 @@ class _Reader(Reading):
     def scan(self, eqn: Any) -> None:
         """``jax.lax.scan`` of a layer over stacked weights: the body once, as a ``layers N { ... }``
         block (its carry the block's input and output), each stacked weight one layer's (the leading
-        dim left out), read as far as the carry needs it (a training step's residuals are not)."""
+        dim left out), read as far as the carry needs it (a training step's residuals are not).  Each
+        scan is a block of its own, in the program's order."""
         body, length = eqn.params["jaxpr"].jaxpr, int(eqn.params["length"])
         consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
-        if self.block is not None:
-            raise unwritable("a second scan: the spec language has one `layers` block")
         for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars, strict=True)):
             if isinstance(outer, jex.Literal) or not outer.aval.shape:
                 continue
@@ -283,7 +282,7 @@ class _Reader(Reading):
             self.dims[inner], self.alias[inner] = self.dims_of(outer)[1:], outer
         start = len(self.statements)
         self.walk(body, carried(body, carry), carry)
-        self.block = (start, len(self.statements), length)
+        self.blocks.append((start, len(self.statements), length))
         for k, (outer, inner) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
             if k >= carry:
                 self.stacked_outputs.add(outer)

@@ -58,7 +58,7 @@ class Reading(DimClasses):
         self.ids: set[Any] = set()  # token ids of lookups and losses (no gradient, implied by the language)
         self.step = TrainingStep([])  # a training step's backward and update, which the spec leaves out
         self.stacked: set[int] = set()  # a scan's layers dim of its stacked weights (left out of the spec)
-        self.block: tuple[int, int, int] | None = None  # the scan's statements [start, end) and its length
+        self.blocks: list[tuple[int, int, int]] = []  # each scan's statements [start, end) and its length
         self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
 
     def dims_of(self, var: Any) -> list[int]:
@@ -126,12 +126,12 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
             lines.setdefault(operand.name, s.line)  # an input: where it is first read
         over = _over(reader, names, s) if s.kind in ("reduce", "norm") else ""
         text = f"{result} = {_expression(s, operands, over)}" + (f"  # {comment(s.line)}" if s.line else "")
-        body.append(("  " + text) if reader.block and reader.block[0] <= len(body) < reader.block[1] else text)
+        inside = any(start <= len(body) < end for start, end, _ in reader.blocks)
+        body.append(("  " + text) if inside else text)
     if not body:
         raise ShardcError("the program computes nothing the spec language writes (no contraction, map or sum)",
                           fix="explain a program with at least one")
-    if reader.block is not None:
-        start, end, length = reader.block
+    for start, end, length in reversed(reader.blocks):  # the last first: the earlier ones' places hold
         body = [*body[:start], f"layers {length} {{", *body[start:end], "}", *body[end:]]
     sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
     floats = [str(v.aval.dtype) for v in jaxpr.invars if str(v.aval.dtype) in _DTYPES]
