@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 # LLVM -O0 for XLA's CPU code: compiling dominates the slow tests, and -O0 compiles them in about 60%
 # of the time. The HLO passes (partitioning, collectives, buffer assignment) are the same, so every
@@ -44,7 +44,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # A test that compiles with XLA must be marked slow, so that `-m "not slow"` stays fast: every
 # XLA compilation (jax's backend-compile event, or a hit in the cache above, which another test's
 # compilation filled) during an unmarked test's set-up or call fails it.
-# jax is never imported here; the listeners are added once some test has imported it.
+# jax is imported here only for a test asking for the count (xla_compiles); the listeners are added
+# once some test has imported it.
 _XLA_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _compiles = [0]
@@ -77,6 +78,16 @@ def _unmarked_compiles(item: pytest.Item) -> Generator[None, object, object]:
     if _compiles[0] > before and item.get_closest_marker("slow") is None:
         raise AssertionError(f"{item.nodeid} compiled with XLA {_compiles[0] - before} time(s): mark it slow")
     return result
+
+
+@pytest.fixture
+def xla_compiles() -> Callable[[], int]:
+    """The XLA compilations this process has made so far, counted as the guard above counts them
+    (compilation-cache hits too: a program the session compiled before is still one asked for)."""
+    import jax.monitoring  # noqa: F401  # a test asking for the count compiles: the listeners need jax
+
+    _listen()
+    return lambda: _compiles[0]
 
 
 @pytest.hookimpl(wrapper=True)
