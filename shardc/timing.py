@@ -605,7 +605,7 @@ def block_counts(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, ...]:
     """Every ``layers`` block's count, by :attr:`Step.block`: the first :func:`resolve_layers`'s, the
     others their own (a pipeline cuts a spec with one block only)."""
     first, _ = resolve_layers(plan, sizes)
-    return (first, *(_count_of(layers, sizes) for _, _, layers in plan.spec.more_blocks))
+    return (first, *(_count_of(layers, sizes) for layers in plan.spec.layer_counts()[1:]))
 
 
 def _count_of(layers: int | str, sizes: Mapping[str, int]) -> int:

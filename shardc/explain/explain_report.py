@@ -208,7 +208,7 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
 def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, lines: dict[str, str]
              ) -> Collective:
     v = int(step_volume(step, sizes))
-    count = plan.spec.block_layers(step.block)
+    count = plan.spec.layer_counts()[step.block]
     layers = count if isinstance(count, int) and not step.once else 1
     return Collective(step_label(step), step.tensor, ",".join(step.axes), v,
                       collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw, routed=step.routed).seconds,

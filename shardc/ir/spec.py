@@ -408,10 +408,10 @@ class Spec:
             return ()
         return ((*self.block, self.layers), *self.more_blocks)
 
-    def block_layers(self, index: int) -> int | str | None:
-        """The layer count of block ``index`` (:meth:`block_of`); ``layers`` where the whole spec repeats."""
-        blocks = self.blocks()
-        return blocks[index][2] if blocks else self.layers
+    def layer_counts(self) -> tuple[int | str, ...]:
+        """Every block's layer count as written (a number or a dim), by :meth:`block_of`; without a block
+        the whole spec's ``layers`` (1 without one)."""
+        return tuple(layers for _, _, layers in self.blocks()) or (self.layers if self.layers is not None else 1,)
 
     @property
     def sizes(self) -> dict[str, int]:
