@@ -85,6 +85,9 @@ class Hardware:
     collective_sms: int | None = None
     # bytes/s one way between the chip and its host's memory, as pinned copies measure it; None: no figure
     host_bandwidth: float | None = None
+    # params/s the host's CPU updates with Adam, one chip's share (the host's rate over the chips it serves);
+    # None: no figure (an optimizer offloaded there is refused)
+    host_adam_rate: float | None = None
     book: bool = False  # the book's assumptions: spans by ceil(log16 n) unless a TPU slice is given, no efficiency
     # how the framework runs the program on it (the spec's `fusion` and `grad_reduce` lines, or --fusion and
     # --grad-reduce over them; :data:`shardc.ir.spec.FUSIONS`, :data:`shardc.ir.spec.GRAD_REDUCES`); None: the
@@ -388,6 +391,15 @@ _NCCL_CHANNELS = 24
 _HOST_PCIE5 = 5.28e10
 _HOST_PCIE4 = 2.51e10
 
+# Adam on the host's CPU, as ZeRO-Offload runs it (DeepSpeed's CPU-Adam, AVX-512, fp32): Ren et al. 2021,
+# "ZeRO-Offload: Democratizing Billion-Scale Model Training" (arXiv 2101.06840), section 6's table of Adam
+# latency, CPU-Adam 2.57 s for 10 billion parameters on a DGX-2's host (two 24-core Xeon Platinum 8168): 3.9e9
+# params/s for the whole host.  A node's GPUs share it (each process updates its own shard on its share of the
+# cores), so a GPU of an 8-GPU node gets an eighth; the newer hosts of H100/H200/H800 nodes are taken at the
+# paper's rate (no measured figure cited here).
+_HOST_ADAM = 1e10 / 2.57
+_HOST_ADAM_8 = _HOST_ADAM / 8
+
 PRESETS: dict[str, Hardware] = {
     h.name: h
     for h in (
@@ -412,6 +424,7 @@ PRESETS: dict[str, Hardware] = {
         # H100 SXM data sheet: 989 TFLOPS bf16 and 1,979 fp8 dense (half the sparsity figures), 80 GB, 3.35 TB/s.
         Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
+                 host_adam_rate=_HOST_ADAM_8,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
                  flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
                  attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
@@ -419,6 +432,7 @@ PRESETS: dict[str, Hardware] = {
         # H200 data sheet: the H100's compute (its 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
+                 host_adam_rate=_HOST_ADAM_8,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
                  attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
                  sms=132, collective_sms=_NCCL_CHANNELS),
@@ -427,7 +441,7 @@ PRESETS: dict[str, Hardware] = {
         # NVLink efficiency: the H100's measured share of line rate, assumed for NVLink 3 (no nccl-tests
         # figure for A100 is cited here; `shardc calibrate` on the node measures it)
         Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4,
+                 dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4, host_adam_rate=_HOST_ADAM_8,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=_A100_MATMULS, attention_forward=_A100_ATTENTION_FORWARD,
                  attention_backward=_A100_ATTENTION_BACKWARD,
@@ -438,6 +452,7 @@ PRESETS: dict[str, Hardware] = {
         # a collective holds
         Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
+                 host_adam_rate=_HOST_ADAM_8,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
                  matmul_efficiency=_H100_MATMULS, attention_forward=_H100_ATTENTION_FORWARD,
                  attention_backward=_H100_ATTENTION_BACKWARD),
@@ -527,7 +542,7 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
                                  "description": str(data.get("description", ""))}
     for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency",
                 "ici_efficiency", "nvls_efficiency", "dcn_efficiency", "flops_f8", "bucket_bytes", "collective_base",
-                "host_bandwidth"):
+                "host_bandwidth", "host_adam_rate"):
         if key in data:
             values[key] = _positive(data[key], key, source)
     values.setdefault("hbm_bandwidth", math.inf)

@@ -69,7 +69,11 @@ def register(subparsers: Any, name: str) -> None:
                             f"{k} {v[3]}" for k, v in ACCOUNTINGS.items()))
     parser.add_argument("--offload", choices=OFFLOADS, default="none",
                         help="hold the kept activations, the optimizer state or both in the host's memory, "
-                             "moved over the chip's host link (hardware host_bandwidth) under the phases")
+                             "moved over the chip's host link (hardware host_bandwidth) under the phases; an "
+                             "offloaded optimizer is updated by the host's CPU (ZeRO-Offload, host_adam_rate)")
+    parser.add_argument("--offload-delayed", action="store_true",
+                        help="with the optimizer offloaded, the host's update runs a step late, beside the next "
+                             "step's forward and backward (ZeRO-Offload's one-step delayed parameter update)")
     parser.add_argument("--mfu", type=float, metavar="FRACTION", help="also give the step time at this MFU")
     parser.add_argument("--spans", action="append", default=[], metavar="AXIS=K",
                         help="mesh axis AXIS is laid over K physical ICI axes (the book's M_X; repeatable)")
@@ -118,7 +122,7 @@ def run_hardware(args: argparse.Namespace) -> int:
           "matmul_efficiency "
           "([[flops, fraction], ...]), attention_forward, attention_backward ([[keys, fraction], ...]: a fused "
           "attention kernel's), ici_domain, torus_side, torus_dims, ici_efficiency, nvls_efficiency, "
-          "dcn_efficiency, host_bandwidth, book, description")
+          "dcn_efficiency, host_bandwidth, host_adam_rate, book, description")
     return 0
 
 
@@ -145,7 +149,8 @@ def run_cost(args: argparse.Namespace) -> int:
                                                                  "needs the sizes",))
         _print(args, formulas.to_json(), formulas.render(), memory)
         return 0
-    report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans, offload=args.offload)
+    report = cost(the_plan, mfu=args.mfu, optimizer=args.optimizer, spans=spans, offload=args.offload,
+                  offload_delayed=args.offload_delayed)
     if args.schedule_plot:  # drawn before the report is printed: a refusal leaves no half output
         draw_schedule(report, args.schedule_plot, args.force)
     _print(args, report.to_json(), report.render(), memory)
@@ -165,6 +170,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.sweep and args.offload != "none":
         raise ShardcError("--offload changes the report's memory and step, which --sweep replaces",
                           fix="run the two separately")
+    if args.offload_delayed and args.offload not in ("optimizer", "both"):
+        raise ShardcError("--offload-delayed delays the host's update of an offloaded optimizer, and none is",
+                          fix="add --offload optimizer (or both), or drop --offload-delayed")
     if args.sweep and args.schedule_plot:
         raise ShardcError("--schedule-plot draws the report's pipeline, which --sweep replaces",
                           fix="run the two separately")

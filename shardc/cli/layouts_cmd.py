@@ -95,7 +95,8 @@ def register(subparsers: Any, name: str) -> None:
                         help="processes that plan the candidates (0: one a core, up to 8, when 8 or more plans)")
     parser.add_argument("--knobs", type=_knobs, default=(), metavar="K,K",
                         help="also search every combination of these settings of the step for the best "
-                             "layouts: microbatches, schedule, recompute, zero (or all)")
+                             "layouts: microbatches, schedule, recompute, zero, offload (host offload of the "
+                             "kept activations or the optimizer, on a chip with a host link figure; or all)")
     parser.add_argument("--exact", action="store_true",
                         help="plan every candidate at its own sizes (past 64 candidates the search plans each "
                              "template once and re-costs it, then plans the best rows at their own sizes)")

@@ -37,7 +37,7 @@ from shardc.costmodel.context_parallel import with_thresholds
 from shardc.costmodel.cost_text import render
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.memory import ACCOUNTINGS, Memory, memory
-from shardc.costmodel.offload import Offload, check_offload, offload_cost
+from shardc.costmodel.offload import Offload, check_offload, offload_cost, pipeline_offload
 from shardc.costmodel.pipeline_cost import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
@@ -301,7 +301,7 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
          mfu: float | None = None, optimizer: str = "adam10", hardware_file: str | None = None,
          spans: dict[str, int] | None = None, model: str | None = None, bucket_mb: float | None = None,
-         offload: str = "none", **options: object) -> CostReport:
+         offload: str = "none", offload_delayed: bool = False, **options: object) -> CostReport:
     """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`; default the chip it was planned for).
 
     ``spans`` maps a mesh axis to the physical ICI axes it is laid over (the book's
@@ -309,12 +309,13 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     ``"book"`` costs with the book's assumptions (matmuls at peak, memory-bound steps
     free, every collective overlapped), ``"chip"`` at the rates the chip reaches (None:
     the plan's chip's own); ``bucket_mb`` the gradient buckets' size (25 MiB); ``offload`` what the
-    host's memory holds (:data:`~shardc.costmodel.offload.OFFLOADS`).
+    host's memory holds (:data:`~shardc.costmodel.offload.OFFLOADS`), ``offload_delayed`` whether the host's
+    update of an offloaded optimizer runs a step late, beside the next step (ZeRO-Offload's delayed update).
     """
     if options:
         raise ShardcError(f"unknown cost option(s) {', '.join(sorted(options))}",
                           fix="use hardware=, sizes=, mfu=, optimizer=, hardware_file=, spans=, model=, bucket_mb=, "
-                          "offload=")
+                          "offload=, offload_delayed=")
     if mfu is not None and not 0 < mfu <= 1:
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
     if optimizer not in ACCOUNTINGS:
@@ -323,7 +324,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         model = "book"
     hw = plan_chip(plan, hardware, hardware_file).configured(model, bucket_mb)
     check_spans(plan.spec.mesh, spans)
-    offload = check_offload(offload, hw, plan.spec.mesh.pipeline_axis is not None)
+    offload = check_offload(offload, hw)
     values = resolve_sizes(plan, sizes)
     links, link_notes = plan_links(plan, hw, values, spans)
     layers, layer_symbol = resolve_layers(plan, values)
@@ -359,9 +360,12 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     # the tables are one stage's, but the parameter count is the whole model's
     mem = memory(plan, values, layers, hw.hbm_bytes, optimizer,
                  model_layers=sum(pipe.pipeline.stage_layers) if pipe is not None else None, more_layers=more)
-    moved, mem = offload_cost(offload, mem, fwd.step_s, bwd.step_s, hw)
-    if moved is not None:
-        step = replace(step, offload_s=moved.exposed_s)
+    moved: Offload | None = None
+    if pipe is None:
+        moved, mem = offload_cost(offload, mem, fwd.step_s, bwd.step_s, hw, optimizer, offload_delayed)
+        if moved is not None:  # where the optimizer is offloaded the host updates, not the device
+            step = replace(step, offload_s=moved.exposed_s,
+                           update_s=0.0 if offload in ("optimizer", "both") else step.update_s)
     tokens = token_dims(plan)
     found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
     notes = _notes(plan, hw, values, links) + renamed_note(names) + link_notes + tuple(
@@ -373,6 +377,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         block = math.fsum(r.model_flops * n for r, n in counted if not r.once) * sum(pipe.pipeline.stage_layers)
         pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops * n for r, n in counted if r.once),
                        devices=all_devices, peak=hw.peak(dtype), update_s=step.update_s)
+        pipe, moved = pipeline_offload(offload, pipe, hw, optimizer, offload_delayed)
     return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt, moved)
 
 

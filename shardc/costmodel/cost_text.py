@@ -145,17 +145,28 @@ def _memory(report: CostReport) -> list[str]:
 
 
 def _offload(report: CostReport) -> list[str]:
-    """What the host's memory holds (--offload), the link time and what of it is exposed."""
+    """What the host's memory holds (--offload), the link time, the host's update and what of them is exposed
+    (a pipeline's: its slowest stage's)."""
     moved = report.offload
     if moved is None:
         return []
-    kept = (f"; the device keeps {fmt_bytes(report.memory.residual_bytes)} of kept values (two layers')"
+    pipe = report.pipeline
+    host = max(s.host_bytes for s in pipe.stages) if pipe is not None else report.memory.host_bytes
+    where = "its slowest stage's, a step: " if pipe is not None else ""
+    kept = ("; the device keeps two layers' kept values (a microbatch's under a pipeline)"
             if moved.activation_bytes else "")
-    return [f"  host       {fmt_bytes(report.memory.host_bytes)} (--offload {moved.what}: kept values "
-            f"{fmt_bytes(moved.activation_bytes)}, optimizer state {fmt_bytes(moved.optimizer_bytes)}){kept}",
-            f"  host link  {fmt_seconds(moved.seconds)} each way at {fmt_bytes(moved.host_bandwidth)}/s: out under "
-            f"the forward ({fmt_seconds(moved.forward_busy_s)}), in under the backward "
-            f"({fmt_seconds(moved.backward_busy_s)}); exposed {fmt_seconds(moved.exposed_s)}, in the step"]
+    lines = [f"  host       {fmt_bytes(host)} (--offload {moved.what}: kept values moved "
+             f"{fmt_bytes(moved.activation_bytes)}, optimizer state {fmt_bytes(moved.optimizer_bytes)}, "
+             f"gradients {fmt_bytes(moved.grad_bytes)}){kept}",
+             f"  host link  {where}{fmt_seconds(moved.seconds)} each way at {fmt_bytes(moved.host_bandwidth)}/s: "
+             f"out under the forward ({fmt_seconds(moved.forward_busy_s)}), in under the backward "
+             f"({fmt_seconds(moved.backward_busy_s)}); exposed {fmt_seconds(moved.exposed_s)}, in the step"]
+    if moved.host_update_s:
+        when = ("a step late, beside the next forward and backward" if moved.delayed
+                else "after the backward, exposed")
+        lines.append(f"  host Adam  {fmt_seconds(moved.host_update_s)} on the host's CPU (ZeRO-Offload's CPU-Adam), "
+                     f"then {fmt_bytes(moved.param_bytes)} of params in: {when}")
+    return lines
 
 
 def _residual_table(m: Memory) -> list[str]:

@@ -105,6 +105,9 @@ class StageCost:
     hbm_bytes: float
     params: float = 0.0  # the parameter count of the stage's layers on one device
     grads: float = 0.0  # their gradients' elements on one device (a ZeRO shard's where the spec says)
+    grad_bytes: float = 0.0  # of state_bytes, the gradients'
+    optimizer_bytes: float = 0.0  # and the optimizer state's
+    host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
 
     @property
     def bound(self) -> str:
@@ -124,7 +127,7 @@ class StageCost:
                 "comm_s": self.comm_s, "bound": self.bound, "inflight_microbatches": self.held,
                 "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
                 "gathered_bytes": self.gathered_bytes, "memory_bytes": self.memory_bytes,
-                "fits": self.fits}
+                "fits": self.fits, **({"host_bytes": self.host_bytes} if self.host_bytes else {})}
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class PipelineCost:
     # of its gradient's contributions once a step (Megatron-LM's embedding-group AllReduce), in grad_reduce_s
     tied_exchange_s: float = 0.0
     copies_exchange_s: float = 0.0  # DualPipe: devices d and p-1-d swapping their two stages' gradients, once a step
+    offload_s: float = 0.0  # the slowest stage's host copies and host update no compute hides (--offload)
 
     @property
     def fullest(self) -> StageCost:
@@ -181,7 +185,8 @@ class PipelineCost:
     def step_s(self) -> float:
         """The simulated schedule, the exposed part of the gradient reductions once a step, then the
         optimizer phase (ZeRO-1/2) and the update after it."""
-        return self.simulation.makespan + self.grad_reduce_exposed_s + self.optimizer_s + self.update_s
+        return (self.simulation.makespan + self.grad_reduce_exposed_s + self.optimizer_s + self.update_s
+                + self.offload_s)
 
     @property
     def step_closed_s(self) -> float:
@@ -211,6 +216,7 @@ class PipelineCost:
             "grad_reduce_exposed_s": self.grad_reduce_exposed_s,
             **({"tied_exchange_s": self.tied_exchange_s} if self.tied_exchange_s else {}),
             **({"copies_exchange_s": self.copies_exchange_s} if self.copies_exchange_s else {}),
+            **({"offload_s": self.offload_s} if self.offload_s else {}),
             "ideal_s": sim.ideal, "first_extra_s": _times(self.first), "last_extra_s": _times(self.last),
             "per_stage": [s.to_json() for s in self.stages], "thresholds": list(self.thresholds),
         }
@@ -468,7 +474,8 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
                    for i, p in enumerate(parts["layer"]))
         out.append(StageCost(s, layers, f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
-                             residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes, mem.params, mem.grads))
+                             residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes, mem.params, mem.grads,
+                             mem.grad_bytes, mem.optimizer_bytes))
     return tuple(out)
 
 

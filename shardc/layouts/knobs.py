@@ -1,4 +1,5 @@
-"""The knobs that change a step but not a layout, searched beside it: microbatches, schedule, recompute, ZeRO.
+"""The knobs that change a step but not a layout, searched beside it: microbatches, schedule, recompute, ZeRO,
+host offload.
 
 For a candidate layout, :func:`combinations` gives it under every combination of the knobs' settings
 (their product), where the spec allows it; the search (:mod:`shardc.layouts.layout_search`) costs
@@ -13,8 +14,10 @@ them, skipping those a bound proves cannot win.  A knob's settings:
 * ``recompute``: ``none``, ``selective``, ``full``, ``dots`` (what the backward recomputes instead of keeping);
 * ``zero``: ZeRO 1, 2 and 3 over the candidate's data-parallel axes (those of size > 1 that shard a
   token dim and no parameter), or none; a spec's own ``zero`` line varies its stage over its axes.
-
-Host offload of activations or optimizer state (`shardc cost --offload`) is not searched here.
+* ``offload`` (a chip with a host link figure): ``none``, ``activations``, ``optimizer`` (where the chip
+  has a host Adam rate) and ``both``, as ``shardc cost --offload`` costs them
+  (:mod:`shardc.costmodel.offload`): a layout that fits only with its kept values or its optimizer on the
+  host is found and priced so.  Offload changes the cost, not the plan: the same template re-costed.
 
 :func:`search_knobs` costs the combinations template by template (a recompute policy and a ZeRO
 line: one plan, re-costed at each microbatch count and schedule), and skips, unplanned, those that
@@ -34,6 +37,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from shardc.costmodel.offload import OFFLOADS
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, Schedule, Spec, Zero
 from shardc.layouts.rank import DIGITS, Layout, Options, Skipped, rank_key
@@ -45,7 +49,7 @@ from shardc.spec.walk import leaves
 
 __all__ = ["KNOBS", "combinations", "search_knobs", "data_axes"]
 
-KNOBS = ("microbatches", "schedule", "recompute", "zero")
+KNOBS = ("microbatches", "schedule", "recompute", "zero", "offload")
 MICROBATCHES_A_STAGE = (1, 2, 4, 8, 16)
 INTERLEAVED = 2  # virtual stages a device of the interleaved schedule tried
 
@@ -78,6 +82,9 @@ def _settings(c: Candidate, knob: str, options: Options) -> list[str]:
         axes = spec.zero.axes if spec.zero is not None else data_axes(spec)
         stage = str(spec.zero.stage) if spec.zero is not None else "none"
         return list(dict.fromkeys([stage, "none", "1", "2", "3"])) if axes else []
+    if knob == "offload" and options.hardware.host_bandwidth is not None:
+        host = options.hardware.host_adam_rate is not None
+        return [v for v in OFFLOADS if host or v in ("none", "activations")]
     return []
 
 
@@ -118,9 +125,9 @@ def combinations(c: Candidate, knobs: Sequence[str], options: Options) -> list[C
 
 
 def _state_key(c: Candidate) -> tuple[object, ...]:
-    """What a candidate's training state is made of: its layout, ZeRO line and schedule (not its recompute
-    policy or microbatch count)."""
-    return (c.label, c.sizes, str(c.spec.zero), str(c.spec.schedule))
+    """What a candidate's training state is made of: its layout, ZeRO line, schedule and offload (not its
+    recompute policy or microbatch count)."""
+    return (c.label, c.sizes, str(c.spec.zero), str(c.spec.schedule), c.offload)
 
 
 def _over(rows: Sequence[Layout], by_row: dict[tuple[object, ...], Candidate]) -> set[tuple[object, ...]]:

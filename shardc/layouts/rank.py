@@ -156,14 +156,15 @@ def pairs(spec: Spec) -> tuple[tuple[str, int], ...]:
     return tuple((a.name, a.size) for a in spec.mesh.axes)
 
 
-def evaluate(candidate: Spec, options: Options, recompute: str | None = None) -> Layout | str:
+def evaluate(candidate: Spec, options: Options, recompute: str | None = None, offload: str = "none") -> Layout | str:
     """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line).
-    ``recompute``: the policy, over ``options.recompute``."""
+    ``recompute``: the policy, over ``options.recompute``; ``offload``: what the host holds (``shardc cost
+    --offload``)."""
     try:
         report = cost(plan(candidate, save=options.save, hardware=options.hardware,
                            recompute=recompute or options.recompute, topology=options.topology,
                            collective_matmul=options.collective_matmul),
-                      mfu=options.mfu, optimizer=options.optimizer)
+                      mfu=options.mfu, optimizer=options.optimizer, offload=offload)
     except ShardcError as err:
         return err.message.splitlines()[0]
     sizes = {a.name: a.size for a in candidate.mesh.axes}
@@ -179,16 +180,19 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
         ("params", mem.param_bytes), ("grads", mem.grad_bytes), ("optimizer", mem.optimizer_bytes),
         ("activations", mem.residual_bytes), ("gathered", mem.gathered_bytes + mem.ring_bytes))  # and ring buffers
     total, step_s, floor = mem.total_bytes, step.step_s, step.compute_s
+    host = mem.host_bytes  # --offload: what the host's memory holds instead
     if report.pipeline is not None:  # the schedule's step, and the stage holding the most
         pipe = report.pipeline
         fullest = pipe.fullest
         memory = (("state", fullest.state_bytes), ("activations", fullest.activation_bytes),
                   ("gathered", fullest.gathered_bytes))
+        host = fullest.host_bytes
         total, step_s = fullest.memory_bytes, pipe.step_s
         floor = pipe.pipeline.microbatches * math.fsum(s.compute_s for s in pipe.stages) / len(pipe.stages)
         if pipe.pipeline.stages > 1:
             notes += (f"pipeline: {pipe.pipeline.stages} stages, {pipe.pipeline.microbatches} microbatches, "
                       f"{pipe.pipeline.schedule}; step = the simulated schedule",)
+    memory += (("host", host),) if host else ()
     at_mfu = step.step_at_mfu_s
     links, _ = plan_links(report.plan, report.hardware, report.sizes)
     return Layout(label, sizes, step_s, step.compute_s, step.comm_s, step.critical_s, step.bound, step.mfu,

@@ -56,6 +56,11 @@ class Candidate:
     def label(self) -> str:
         return self.spec.filename or "<spec>"
 
+    @property
+    def offload(self) -> str:
+        """What the host's memory holds (the ``offload`` knob; ``none`` without it)."""
+        return dict(self.knobs).get("offload", "none")
+
 
 def template_key(c: Candidate, options: Options) -> tuple[object, ...]:
     """What a candidate's plan is made of beside sizes: the spec (its text with the mesh sizes left out),
@@ -79,7 +84,7 @@ def recost(template: Plan, c: Candidate, options: Options) -> Layout | str:
     """``template`` costed at ``c``'s sizes, mesh order and knobs: a row (``planned`` false), or why cost refuses
     it."""
     try:
-        report = cost(_at(template, c), mfu=options.mfu, optimizer=options.optimizer)
+        report = cost(_at(template, c), mfu=options.mfu, optimizer=options.optimizer, offload=c.offload)
     except ShardcError as err:
         return err.message.splitlines()[0]
     row = layout_of(report, c.label, c.sizes)
@@ -165,7 +170,7 @@ def plan_template(c: Candidate, options: Options) -> Plan | str:
 
 
 def _exact(c: Candidate, options: Options) -> Layout | str:
-    row = evaluate(c.spec, options, c.recompute)
+    row = evaluate(c.spec, options, c.recompute, c.offload)
     return row if isinstance(row, str) else replace(row, sizes=c.sizes, knobs=c.knobs)
 
 
