@@ -226,3 +226,11 @@ def test_a_chip_without_a_host_link_has_no_offload_to_search() -> None:
     spec = shardc.parse(MLP.replace("hardware h100", "hardware tpu-v5p"), "mlp.shard")
     search = search_layouts([spec], Options(get_hardware("tpu-v5p"), knobs=("offload",)))
     assert all("offload" not in dict(r.knobs) for r in search.layouts)
+
+
+def test_a_layout_whose_step_is_mostly_the_host_says_so() -> None:
+    hw = replace(get_hardware("h100"), hbm_bytes=20e9)
+    search = search_layouts([shardc.parse(MLP, "mlp.shard")], Options(hw, knobs=("offload",)))
+    bounds = {dict(r.knobs).get("offload", "none"): r.bound for r in search.layouts}
+    assert bounds["optimizer"] == bounds["both"] == "host" and bounds["none"] in ("compute", "communication")
+    assert "host-bound" in search.reason()

@@ -160,13 +160,14 @@ def _offload(report: CostReport) -> list[str]:
              f"gradients {fmt_bytes(moved.grad_bytes)}){kept}",
              f"  host link  {where}{fmt_seconds(moved.seconds)} each way at {fmt_bytes(moved.host_bandwidth)}/s: "
              f"out under the forward ({fmt_seconds(moved.forward_busy_s)}), in under the backward "
-             f"({fmt_seconds(moved.backward_busy_s)}); exposed {fmt_seconds(moved.exposed_s)}, in the step"]
+             f"({fmt_seconds(moved.backward_busy_s)})"]
     if moved.host_update_s:
         when = ("a step late, beside the next forward and backward" if moved.delayed
-                else "after the backward, exposed")
+                else "after the backward")
         lines.append(f"  host Adam  {fmt_seconds(moved.host_update_s)} on the host's CPU (ZeRO-Offload's CPU-Adam), "
                      f"then {fmt_bytes(moved.param_bytes)} of params in: {when}")
-    return lines
+    return lines + [f"  exposed    {fmt_seconds(moved.exposed_s)} in the step (copies past their phase's time"
+                    + (", the host's update" if moved.host_update_s else "") + ")"]
 
 
 def _residual_table(m: Memory) -> list[str]:
