@@ -23,6 +23,7 @@ from typing import Any
 
 from shardc.cli.main import add_collective_matmul, add_common
 from shardc.cli.spec_args import read_spec
+from shardc.costmodel.offload import OFFLOADS
 from shardc.errors import ShardcError, clip
 from shardc.files import write_text
 from shardc.lowering.api import module_source
@@ -49,6 +50,10 @@ def register(sub: Any, name: str) -> None:
         add_collective_matmul(parser)
     if name == "lower":
         parser.add_argument("-o", "--output", metavar="MODULE.py", help="write here instead of stdout")
+        parser.add_argument("--offload", choices=OFFLOADS, default="none",
+                            help="place in the host's memory (pinned_host) the forward's residuals (activations), "
+                                 "a ZeRO-1/2 plan's optimizer phase, run on the host (optimizer), or both, as "
+                                 "`shardc cost --offload` costs them")
     else:
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
         parser.add_argument("--devices", type=int, default=None,
@@ -104,7 +109,7 @@ def run_lower(args: argparse.Namespace) -> int:
         print(f"note: `{planned.spec.zero}`: forward and grad run the spec without the zero line (whose "
               "backward reduces each gradient); its optimizer phase is optimizer_step(params, grads)",
               file=sys.stderr)
-    source, note = module_source(planned)
+    source, note = module_source(planned, args.offload)
     if note:
         print(note, file=sys.stderr)
     if args.output:

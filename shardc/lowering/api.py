@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from shardc.costmodel.offload import OFFLOADS
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec, TensorRef
@@ -24,7 +25,7 @@ from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.functions import ID_DTYPE
 
-__all__ = ["Lowered", "lower", "module_source"]
+__all__ = ["Lowered", "lower", "module_source", "check_lowered_offload"]
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Lowered:
     namespace: types.ModuleType
     sizes: dict[str, int] | None
     zero: Plan | None = None  # the ZeRO-1/2 plan whose optimizer phase ``optimizer_step`` runs
+    offload: str = "none"  # what the host's memory holds (check_lowered_offload)
     _compiled: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -97,8 +99,10 @@ class Lowered:
             if phase == "optimizer" and self.module.optimizer is not None:
                 program, boundaries = self.namespace.optimizer_program(), self.module.optimizer.inputs
             ids = id_inputs(self.plan.spec)
+            host = phase == "optimizer" and self.offload in ("optimizer", "both")  # its arguments on the host
+            kind = "pinned_host" if host else None
             args = [jax.ShapeDtypeStruct(self.global_shape(b.ref), ID_DTYPE if b.ref.name in ids else dtype,
-                                         sharding=NamedSharding(mesh, _spec(self, b)))
+                                         sharding=NamedSharding(mesh, _spec(self, b), memory_kind=kind))
                     for b in boundaries]
             if phase == "forward" and self.namespace.KEYED:  # the dropout key, replicated
                 from jax.sharding import PartitionSpec
@@ -117,13 +121,15 @@ def _spec(lowered: Lowered, boundary: Boundary) -> Any:
     return table[boundary.key]
 
 
-def module_source(plan: Plan) -> tuple[str, str | None]:
-    """The module text ``shardc lower`` writes, and a note when the spec's sizes cannot run.
+def module_source(plan: Plan, offload: str = "none") -> tuple[str, str | None]:
+    """The module text ``shardc lower`` writes, and a note when the spec's sizes cannot run (``offload``:
+    what the host's memory holds, :func:`check_lowered_offload`).
 
     The module is shape-generic: its shard_maps run at any sizes the shardings divide.  When
     the spec's own dims do not divide (XLA's partitioner would pad; shard_map does not), it is
     written without them (symbolic local shapes in the comments) and the note says so.
     """
+    check_lowered_offload(plan, offload)
     if plan.spec.mesh.pipeline_axis is not None:  # GPipe (and 1F1B) over the stage axis
         lowered = lower_pipeline(plan, load=False)
         note = schedule_note(lowered.pipeline.schedule.name)
@@ -132,35 +138,53 @@ def module_source(plan: Plan) -> tuple[str, str | None]:
     plan, _ = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     mesh = lowered_mesh(plan, None)
     try:
-        return generate(plan, mesh, lowered_sizes(zero or plan, None, mesh), zero=zero).source, None
+        return generate(plan, mesh, lowered_sizes(zero or plan, None, mesh), zero=zero, offload=offload).source, None
     except ShardcError as err:
         if "not divisible" not in err.message:
             raise
         note = (f"note: {err.message}; the module is written without the spec's sizes and runs at "
                 "sizes that divide (its demo picks some)")
-        return generate(plan, mesh, None, zero=zero).source, note
+        return generate(plan, mesh, None, zero=zero, offload=offload).source, note
 
 
 def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None, save: str = "default",
-          **options: Any) -> Lowered:
+          offload: str = "none", **options: Any) -> Lowered:
     """Lower a plan (or a spec, planned with ``save``) to a module and load it in-process.
 
     A ZeRO-1/2 plan's forward and grad run the spec without its ``zero`` line (a true gradient
     for ``jax.grad``), and its optimizer phase is ``.optimizer_step`` (:mod:`shardc.lowering.optimizer`).
     A spec is planned as written, as ``shardc plan`` plans it; ``sizes`` (dims and mesh
     axes) only set the sizes the module runs at, never the plan.  The plan checker runs
-    first: a broken plan raises :class:`~shardc.errors.InternalError`.
+    first: a broken plan raises :class:`~shardc.errors.InternalError`.  ``offload`` places what
+    ``shardc cost --offload`` moves in the host's memory (:func:`check_lowered_offload`).
     """
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else _plan(plan_or_spec, save, options)
     require_sound(plan)
+    check_lowered_offload(plan, offload)
     zero = plan if plan.optimizer else None
     plan, _ = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     mesh = lowered_mesh(plan, sizes)
     full = lowered_sizes(zero or plan, sizes, mesh)
-    module = generate(plan, mesh, full, zero=zero)
+    module = generate(plan, mesh, full, zero=zero, offload=offload)
     check_devices(mesh)
     namespace = load_module(module.source, plan.spec.filename or "spec")
-    return Lowered(plan, module, namespace, full, zero)
+    return Lowered(plan, module, namespace, full, zero, offload)
+
+
+def check_lowered_offload(plan: Plan, offload: str) -> None:
+    """What the lowered module can place in the host's memory: the forward's residuals (``activations``:
+    its program's outputs in ``pinned_host``, copied back for the backward) and a ZeRO-1/2 plan's optimizer
+    phase (``optimizer``: its arguments and results in ``pinned_host``, run on the host, as ZeRO-Offload
+    does); a pipelined program places nothing there."""
+    if offload not in OFFLOADS:
+        raise ShardcError(f"unknown offload {offload!r}", fix="use one of " + ", ".join(OFFLOADS))
+    if offload != "none" and plan.spec.mesh.pipeline_axis is not None:
+        raise ShardcError(f"--offload {offload}: the pipelined program is lowered without host offload",
+                          fix="`shardc cost --offload` costs it a stage at a time; lower it without --offload")
+    if offload in ("optimizer", "both") and not plan.optimizer:
+        raise ShardcError(f"--offload {offload}: the lowered module updates the params only for a ZeRO-1/2 plan",
+                          fix="add `zero 2 over X` (ZeRO-Offload partitions the state as ZeRO-2 does), or "
+                              "--offload activations")
 
 
 def _plan(spec: Spec, save: str, options: dict[str, Any]) -> Plan:

@@ -267,9 +267,11 @@ def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
 
 
 def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int] | None,
-             title: str = "", zero: Plan | None = None, reserved: frozenset[str] = frozenset()) -> Module:
+             title: str = "", zero: Plan | None = None, reserved: frozenset[str] = frozenset(),
+             offload: str = "none") -> Module:
     """The module for ``plan`` on ``mesh`` (axis sizes may differ from the spec's); with ``zero``, a
-    ZeRO-1/2 plan of the same spec, also its optimizer phase (``optimizer_step``).
+    ZeRO-1/2 plan of the same spec, also its optimizer phase (``optimizer_step``); ``offload``: what the
+    host's memory holds (the residuals, the optimizer phase's arguments and results, or both).
 
     No tensor's variable takes a name the module defines at its top level: those are read
     from the module written (:func:`shardc.lowering.template.defined_names`), and should a
@@ -284,11 +286,12 @@ def generate(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int
     demo = small_sizes(_with_mesh(plan, mesh), devices=None)
     optimizer = _optimizer_phase(zero, var, sizes) if zero is not None and zero.optimizer else None
     section = (str(zero.spec.zero), optimizer) if zero is not None and optimizer is not None else None
-    source = template.render(plan, title, mesh, demo, forward, backward, results, cotangents, grads, section)
+    source = template.render(plan, title, mesh, demo, forward, backward, results, cotangents, grads, section,
+                             offload)
     variables = frozenset(var.names.values())
     defined = template.defined_names(source)
     if variables & defined:
-        return generate(plan, mesh, sizes, title, zero, reserved | defined)
+        return generate(plan, mesh, sizes, title, zero, reserved | defined, offload)
     return Module(source, mesh, sizes, forward, backward, results, cotangents, grads, optimizer, variables)
 
 

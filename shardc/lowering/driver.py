@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
+from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,6 +31,7 @@ from shardc.lowering.runtime import make_mesh
 __all__ = ["Phase", "Program", "put"]
 
 Arrays = dict[str, Any]
+HOST = "pinned_host"  # the host's memory a device copies to and from by DMA (page-locked)
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,11 @@ class Phase:
     outputs: dict[str, P]
 
 
-def put(x: Any, spec: P, mesh: jax.sharding.Mesh) -> Any:
+def put(x: Any, spec: P, mesh: jax.sharding.Mesh, memory_kind: str | None = None) -> Any:
     """A global array laid out as ``spec`` (host arrays are placed piece by piece, which also
-    works when the mesh spans several processes)."""
-    sharding = NamedSharding(mesh, spec)
+    works when the mesh spans several processes), in the devices' memory or ``memory_kind``'s (an
+    array the forward left in the host's memory comes back to the devices so)."""
+    sharding = NamedSharding(mesh, spec, memory_kind=memory_kind)
     if isinstance(x, jax.Array):
         if not isinstance(x, jax.core.Tracer) and x.sharding.is_equivalent_to(sharding, x.ndim):
             return x  # already laid out: no dispatch (the forward's outputs feed the backward so)
@@ -68,7 +71,9 @@ class Program:
     output's gradient name -> the output; ``grads``: tensor -> its gradient's name; ``zigzag``: the
     arrays whose sequence axes the phases hold in the zig-zag order of ``chunks`` chunks (name -> axes,
     :mod:`shardc.planner.zigzag_order`), which each phase permutes them into as they enter and back as
-    they leave, as a data loader hands a context-parallel step its tokens.
+    they leave, as a data loader hands a context-parallel step its tokens.  ``host``: the residuals the
+    forward program leaves in the host's memory (``memory_kind='pinned_host'``, ``--offload activations``),
+    which the backward's arguments bring back to the devices.
     """
 
     mesh_axes: dict[str, int]
@@ -82,6 +87,7 @@ class Program:
     grads: dict[str, str]
     zigzag: dict[str, tuple[int, ...]] = field(default_factory=dict)
     chunks: int = 0
+    host: frozenset[str] = frozenset()
     forward: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,8 +99,11 @@ class Program:
     def _compiled(self) -> tuple[jax.sharding.Mesh, Any, Any]:
         mesh = make_mesh(self.mesh_axes)
         f, b = self.forward_phase, self.backward_phase
-        fwd = jax.jit(jax.shard_map(f.local, mesh=mesh, in_specs=tuple(f.inputs.values()) + (P(),) * self.keyed,
-                                    out_specs=tuple(f.outputs.values())))
+        body = jax.shard_map(f.local, mesh=mesh, in_specs=tuple(f.inputs.values()) + (P(),) * self.keyed,
+                             out_specs=tuple(f.outputs.values()))
+        fwd = jax.jit(body) if not self.host else jax.jit(body, out_shardings=tuple(
+            NamedSharding(mesh, spec, memory_kind=HOST if name in self.host else None)
+            for name, spec in f.outputs.items()))
         bwd = jax.jit(jax.shard_map(b.local, mesh=mesh, in_specs=tuple(b.inputs.values()),
                                     out_specs=tuple(b.outputs.values())))
         return mesh, fwd, bwd
@@ -132,8 +141,14 @@ class Program:
         return x
 
     def _results(self, saved: Arrays) -> Arrays:
-        # partial sums travel stacked; a result declared unreduced is returned summed
-        return {key: saved[key].sum(axis=0) if key in self.stacked else saved[key] for key in self.results}
+        # partial sums travel stacked; a result declared unreduced is returned summed; one the forward left in
+        # the host's memory for the backward is returned from the devices' (the residual stays on the host)
+        out = {key: self._on_devices(saved[key]) if key in self.host else saved[key] for key in self.results}
+        return {key: x.sum(axis=0) if key in self.stacked else x for key, x in out.items()}
+
+    @staticmethod
+    def _on_devices(x: Any) -> Any:
+        return jax.device_put(x, x.sharding.with_memory_kind("device"))
 
     def _forward(self, inputs: Arrays, key: Any = 0) -> Arrays:
         """Every statement's result, as global arrays keyed by tensor name (``key``: the dropout key)."""
@@ -183,19 +198,29 @@ class Program:
                for name, out in self.cotangents.items()}
         return self.run_backward(inputs, self.run_forward(inputs, key), cot)
 
-    def optimizer(self, phase: Phase) -> tuple[Callable[[], Any], Callable[[Arrays, Arrays], Arrays]]:
+    def optimizer(self, phase: Phase, on_host: bool = False) -> tuple[Callable[[], Any],
+                                                                      Callable[[Arrays, Arrays], Arrays]]:
         """ZeRO-1/2's optimizer phase on this mesh: its compiled program, and the step that maps the
         params and the gradients as the ZeRO plan's backward leaves them (keyed by gradient name;
-        stacked where partial sums) to the updated params."""
+        stacked where partial sums) to the updated params.  ``on_host`` (``--offload optimizer``, as
+        ZeRO-Offload runs it): the gradients go to the host's memory, the update runs on the host
+        (``compute_on('device_host')``) and the updated params stay there until a device reads them."""
 
         @functools.cache
         def program() -> Any:
-            return jax.jit(jax.shard_map(phase.local, mesh=self.programs()[0], in_specs=tuple(phase.inputs.values()),
-                                         out_specs=tuple(phase.outputs.values())))
+            mesh = self.programs()[0]
+            body = jax.shard_map(phase.local, mesh=mesh, in_specs=tuple(phase.inputs.values()),
+                                 out_specs=tuple(phase.outputs.values()))
+            if not on_host:
+                return jax.jit(body)
+            return jax.jit(compute_on("device_host")(jax.jit(body)),
+                           in_shardings=tuple(NamedSharding(mesh, s, memory_kind=HOST) for s in phase.inputs.values()),
+                           out_shardings=tuple(NamedSharding(mesh, s, memory_kind=HOST)
+                                               for s in phase.outputs.values()))
 
         def step(params: Arrays, grads: Arrays) -> Arrays:
             mesh, pool = self.programs()[0], {**params, **grads}
-            args = [put(pool[key], spec, mesh) for key, spec in phase.inputs.items()]
+            args = [put(pool[key], spec, mesh, HOST if on_host else None) for key, spec in phase.inputs.items()]
             return dict(zip(phase.outputs, program()(*args), strict=True))
 
         return program, step

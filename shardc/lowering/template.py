@@ -87,7 +87,7 @@ _DRIVER = '''
 
 PROGRAM = Program(MESH_AXES, Phase(forward_local, FORWARD_IN, FORWARD_OUT),
                   Phase(backward_local, BACKWARD_IN, BACKWARD_OUT), RESULTS, STACKED, STACKED_INPUTS, KEYED,
-                  COTANGENTS, GRADS, ZIGZAG, CHUNKS)
+                  COTANGENTS, GRADS, ZIGZAG, CHUNKS{host})
 programs, run_forward, run_backward = PROGRAM.programs, PROGRAM.run_forward, PROGRAM.run_backward
 forward, grad = PROGRAM.forward, PROGRAM.grad
 '''
@@ -151,8 +151,9 @@ def function(phase: Phase, keyed: bool = False) -> str:
 
 def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], demo: dict[str, int], forward: Phase,
            backward: Phase, results: tuple[str, ...], cotangents: dict[str, str], grads: dict[str, str],
-           optimizer: tuple[str, Phase] | None = None) -> str:
-    """The whole module text (``optimizer``: ZeRO-1/2's line and its optimizer phase)."""
+           optimizer: tuple[str, Phase] | None = None, offload: str = "none") -> str:
+    """The whole module text (``optimizer``: ZeRO-1/2's line and its optimizer phase; ``offload``: what
+    the host's memory holds, :data:`shardc.costmodel.offload.OFFLOADS`)."""
     devices = 1
     for _, size in mesh:
         devices *= size
@@ -181,10 +182,21 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], demo: dict
     text += f"GRADS = {grads!r}  # tensor -> its gradient\n"
     text += _zigzag(plan, mesh, forward, backward) + "\n\n"
     text += function(backward)
-    text += "\n\n# ---- driver " + "-" * 61 + "\n" + _DRIVER
+    text += "\n\n# ---- driver " + "-" * 61 + "\n" + _driver(forward, backward, offload)
     if optimizer is not None:
-        text += _optimizer(*optimizer)
+        text += _optimizer(*optimizer, on_host=offload in ("optimizer", "both"))
     return text + _demo(plan, forward, demo)
+
+
+def _driver(forward: Phase, backward: Phase, offload: str) -> str:
+    """The program, and under ``--offload activations`` the residuals its forward leaves in the host's memory:
+    every forward output the backward reads, as MaxText's ``*_offloaded`` remat policies hold them."""
+    if offload not in ("activations", "both"):
+        return _DRIVER.format(host="")
+    read = {b.key for b in backward.inputs}
+    host = sorted(b.key for b in forward.outputs if b.key in read)
+    return ("\n" + f"HOST = frozenset({host!r})  # residuals the forward leaves in the host's memory "
+            "(pinned_host), copied back for the backward\n" + _DRIVER.format(host=", host=HOST"))
 
 
 def _zigzag(plan: Plan, mesh: tuple[tuple[str, int], ...], forward: Phase, backward: Phase) -> str:
@@ -216,13 +228,16 @@ def _demo(plan: Plan, forward: Phase, demo: dict[str, int]) -> str:
     return text + '\n\nif __name__ == "__main__":\n    PROGRAM.demo(DIMS, INPUT_DIMS, ID_INPUTS)\n'
 
 
-def _optimizer(zero: str, phase: Phase) -> str:
-    """The optimizer section (:mod:`shardc.lowering.optimizer`): its tables, its function, its program."""
+def _optimizer(zero: str, phase: Phase, on_host: bool = False) -> str:
+    """The optimizer section (:mod:`shardc.lowering.optimizer`): its tables, its function, its program
+    (``on_host``: run on the host, its arguments and results in the host's memory, as ZeRO-Offload runs it)."""
     text = "\n\n# ---- optimizer " + "-" * 58 + "\n"
     text += comment(f"{_plain(zero)}: the optimizer phase of the ZeRO plan (forward and grad above run the spec "
                     "without the zero line)") + "\n\n"
     text += specs("OPTIMIZER_IN", phase.inputs) + specs("OPTIMIZER_OUT", phase.outputs)
     text += f"LEARNING_RATE = {LEARNING_RATE!r}  # the lowered update is plain SGD: W - LEARNING_RATE * dW\n\n\n"
     text += function(phase)
+    where = (", on_host=True)  " + comment("--offload optimizer: gradients to the host, the update on its CPU")
+             if on_host else ")")
     return text + ("\n\noptimizer_program, optimizer_step = PROGRAM.optimizer(Phase(optimizer_local, OPTIMIZER_IN, "
-                   "OPTIMIZER_OUT))\n")
+                   f"OPTIMIZER_OUT){where}\n")
