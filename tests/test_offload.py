@@ -234,3 +234,17 @@ def test_a_layout_whose_step_is_mostly_the_host_says_so() -> None:
     bounds = {dict(r.knobs).get("offload", "none"): r.bound for r in search.layouts}
     assert bounds["optimizer"] == bounds["both"] == "host" and bounds["none"] in ("compute", "communication")
     assert "host-bound" in search.reason()
+
+
+def test_layouts_price_a_pipelined_layout_with_its_stages_offloaded() -> None:
+    """A 5 GB chip: the pipeline's fullest stage (10.8 GB, its optimizer state 8.6 GB) fits only with the
+    optimizer on the host, each stage's state there; the row is `shardc cost --offload`'s."""
+    hw = replace(get_hardware("h100"), hbm_bytes=5e9)
+    spec = shardc.parse(PIPELINED, "pp.shard")
+    search = search_layouts([spec], Options(hw, knobs=("offload",)), fixed=frozenset({"P", "X"}))
+    chosen = search.chosen
+    assert chosen is not None and chosen.fits and dict(chosen.knobs)["offload"] in ("optimizer", "both")
+    report = shardc.cost(shardc.plan(spec, hardware=hw), offload=dict(chosen.knobs)["offload"])
+    assert report.pipeline is not None and chosen.step_s == pytest.approx(report.pipeline.step_s)
+    assert chosen.memory_bytes == pytest.approx(report.pipeline.fullest.memory_bytes)
+    assert not any(r.fits for r in search.layouts if dict(r.knobs).get("offload", "none") in ("none", "activations"))
