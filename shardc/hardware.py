@@ -392,8 +392,8 @@ _HOST_PCIE5 = 5.28e10
 _HOST_PCIE4 = 2.51e10
 
 # Adam on the host's CPU, as ZeRO-Offload runs it (DeepSpeed's CPU-Adam, AVX-512, fp32): Ren et al. 2021,
-# "ZeRO-Offload: Democratizing Billion-Scale Model Training" (arXiv 2101.06840), section 6's table of Adam
-# latency, CPU-Adam 2.57 s for 10 billion parameters on a DGX-2's host (two 24-core Xeon Platinum 8168): 3.9e9
+# "ZeRO-Offload: Democratizing Billion-Scale Model Training" (arXiv 2101.06840), its evaluation's table of Adam
+# latency: CPU-Adam 2.57 s for 10 billion parameters on a DGX-2's host (two 24-core Xeon Platinum 8168), 3.9e9
 # params/s for the whole host.  A node's GPUs share it (each process updates its own shard on its share of the
 # cores), so a GPU of an 8-GPU node gets an eighth; the newer hosts of H100/H200/H800 nodes are taken at the
 # paper's rate (no measured figure cited here).

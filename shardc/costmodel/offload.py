@@ -9,14 +9,14 @@ overlapped as the program runs them:
   The device holds two layers' worth: one layer's being written out (read back) while the next is
   made (used).  The copies run on the chip's copy engines beside compute and collectives, so a phase's
   copies hide under the phase's time; what exceeds it is exposed.
-* ``optimizer`` (ZeRO-Offload, Ren et al. 2021, arXiv 2101.06840, section 4): the optimizer's state and
+* ``optimizer`` (ZeRO-Offload, Ren et al. 2021, arXiv 2101.06840): the optimizer's state and
   the gradients live on the host, and the update runs there on the CPU (DeepSpeed's CPU-Adam, at
   ``Hardware.host_adam_rate``).  The gradients go out as the backward makes them (under it); the CPU
   updates the state once they are all there, and the updated params (in the params' dtype) come back
   before the next forward: the update and the copy in are exposed, after the backward, and the
-  device's own update is gone.  With the paper's one-step delayed parameter update (``delayed``, its
-  section 4.2), the CPU's update of step i runs beside step i + 1's forward and backward, and only what
-  of it exceeds them is exposed.
+  device's own update is gone.  With the paper's one-step delayed parameter update (``delayed``), the
+  CPU's update of step i runs beside step i + 1's forward and backward, and only what of it exceeds
+  them is exposed.
 
 ``both`` does both, the two sharing the link.  A pipelined spec is costed a stage at a time
 (:func:`pipeline_offload`): a stage's kept values are those of its microbatches in flight, each
@@ -44,7 +44,7 @@ class Offload:
     """What a step moves over the host link, what the host's CPU does, and what of it compute does not hide."""
 
     what: str
-    activation_bytes: float  # kept values on the host, a device (out in the forward, back in the backward)
+    activation_bytes: float  # kept values moved to the host a step, a device (out in the forward, back in the backward)
     optimizer_bytes: float  # optimizer state on the host, a device (it stays there: the host updates it)
     host_bandwidth: float  # bytes/s one way
     forward_busy_s: float  # the forward's time, which the copies out hide under
