@@ -39,7 +39,7 @@ from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_sourc
 from shardc.lowering.pipeline_grads import reduce_source, split_reductions
 from shardc.lowering.pipeline_split import split_source
 from shardc.lowering.template import defined_names
-from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
+from shardc.pipeline.boundary import boundary_tensor, check_one_block, microbatch_dim
 from shardc.pipeline.schedules import Timing, chunks_of, simulate, stage_share
 from shardc.spec.stages import Pipeline, pipeline_of, splits, stage_spec
 
@@ -249,6 +249,7 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     pipe = pipeline_of(plan.spec)
     if pipe is None:
         raise ShardcError("not a pipelined spec", fix="mark the stage axis, e.g. `mesh P=4 pipeline, X=8`")
+    check_one_block(plan)
     mesh = lowered_mesh(plan, sizes)
     full = lowered_sizes(replace(plan, spec=stage_spec(plan.spec)), sizes, mesh) or {}
     if any(d.name not in full for i in plan.tensors for d in i.ref.dims):

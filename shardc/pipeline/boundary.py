@@ -11,8 +11,8 @@ from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable", "gradient_reductions",
-           "tied_contributions", "carried_moves"]
+__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable", "check_one_block",
+           "gradient_reductions", "tied_contributions", "carried_moves"]
 
 
 def _block_input(plan: Plan) -> TensorRef | None:
@@ -68,6 +68,21 @@ def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> 
     return dim
 
 
+def check_one_block(plan: Plan) -> None:
+    """Refuse to lower a pipeline over several ``layers`` blocks (``shardc cost`` and ``shardc plan`` take
+    it).  Every stage runs one program over its layer slots, each slot one layer of the one block; a stage
+    holding layers of two blocks would need each slot to choose its block's steps and parameters, which
+    :mod:`shardc.lowering.pipeline_lowering` does not write."""
+    if len(plan.spec.layer_counts()) < 2 or plan.spec.mesh.pipeline_axis is None:
+        return
+    raise ShardcError(f"lowering a pipeline over {len(plan.spec.layer_counts())} `layers` blocks is not supported: "
+                      "each stage's program runs one block's layer in every layer slot, and a stage holding two "
+                      "blocks' layers needs each slot to switch between their steps and parameters",
+                      plan.spec.span_of("layers:1"),
+                      fix="`shardc plan` and `shardc cost` take this spec; to lower or verify it, drop the pipeline "
+                      "axis (every block then lowers and verifies) or keep one `layers` block")
+
+
 def check_lowerable(plan: Plan) -> None:
     """Refuse a pipelined plan that reads an input its lowered pipeline has no way to feed.
 
@@ -80,6 +95,7 @@ def check_lowerable(plan: Plan) -> None:
     spec = plan.spec
     if spec.mesh.pipeline_axis is None:
         return
+    check_one_block(plan)
     inputs = [i.name for i in plan.tensors if i.role == "input"]
     lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
     ids = {r.name for s in spec.statements for r in id_refs(s.expr)}

@@ -170,11 +170,6 @@ def _check_layers(spec: Spec) -> None:
             raise ShardcError(f"`layers {layers}`: {layers} is not a dim with a size", span,
                               fix=f"add {layers} to dims (e.g. `dims {layers}=40`) "
                               "or write the count, `layers 40`")
-    if spec.more_blocks and spec.mesh.pipeline_axis is not None:
-        raise ShardcError("a pipeline cuts one `layers` block into stages; this spec has "
-                          f"{len(spec.more_blocks) + 1}", spec.span_of("layers:1"),
-                          fix="write the other blocks' layers out before or after the pipelined block, "
-                          "or drop the pipeline axis")
 
 
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:

@@ -52,7 +52,7 @@ from shardc.lowering import reference as numpy_reference
 from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline, schedule_note
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
-from shardc.pipeline.boundary import microbatch_dim
+from shardc.pipeline.boundary import check_one_block, microbatch_dim
 from shardc.spec.functions import ID_DTYPE, layer_key
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.walk import leaves
@@ -76,6 +76,7 @@ def run_sizes(plan: Plan, devices: int) -> tuple[dict[str, int], int, int]:
     """Mesh and dims for the run (the whole batch's), the layer count and the microbatches."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
+    check_one_block(plan)  # before its layer count, which is one block's
     if devices < 2:
         raise ShardcError("a pipeline's stages need 2 devices or more",
                           fix="run with more devices (--devices) or a smaller pipeline axis")
