@@ -4,6 +4,7 @@ of each block, checked here against one-block specs of each block alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -12,9 +13,11 @@ import shardc
 from shardc.costmodel.cost_report import CostReport
 from shardc.errors import ShardcError
 from shardc.ir.spec import Schedule
+from shardc.lowering.api import module_source
 from shardc.pipeline.block_split import chunk_blocks, counted_device, device_blocks, stage_blocks
 from shardc.spec.stages import Pipeline
-from shardc.verification.verify import verify
+from shardc.spec.unroll import unrolled
+from shardc.verification.verify import render_report, verify
 
 # 3 dense-like layers of width F, then M layers twice as wide (K = 2F): the two blocks' layers differ
 TWO = """mesh P=4 pipeline, X=2
@@ -145,9 +148,58 @@ def test_a_schedule_with_chunks_needs_whole_layers_a_chunk() -> None:
     assert err.value.span is not None and err.value.span.line == 11
 
 
-def test_lower_and_verify_refuse_a_pipeline_of_several_blocks_at_the_second() -> None:
-    spec = shardc.parse(TWO)
+def test_lower_and_verify_refuse_a_block_that_lies_across_stages() -> None:
+    spec = shardc.parse(TWO)  # the 3 first-block layers over stages 0 and 1
     for run in (lambda: shardc.lower(spec), lambda: verify(spec)):
-        with pytest.raises(ShardcError, match="lowering a pipeline over 2 `layers` blocks is not supported") as err:
+        with pytest.raises(ShardcError, match="must then lie on the first stage") as err:
             run()
-        assert err.value.span is not None and err.value.span.line == 10
+        assert err.value.span is not None and err.value.span.line == 6
+
+
+# the embedding, 2 layers of one block, 4 of a wider one, the loss: lowerable (its ends read token ids)
+MODEL = """mesh P=2 pipeline, X=2
+dims B=16, S=8, D=16, F=32, K=64, V=64
+microbatches 4
+const Tok, Next
+param W_emb, W1, W2, V1, V2, W_out
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D])
+layers 2 {
+  H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F])
+  X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F] · W2[F, D]
+}
+layers 4 {
+  G[B_X, S, K] = gelu(X1[B_X, S, D] · V1[D, K])
+  X2[B_X, S, D] = X1[B_X, S, D] + G[B_X, S, K] · V2[K, D]
+}
+Fn[B_X, S, D] = rmsnorm(X2[B_X, S, D] over D)
+Lg[B_X, S, V] = Fn[B_X, S, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])
+"""
+
+
+def test_a_block_on_the_first_stage_is_written_out_before_the_longest() -> None:
+    spec = shardc.parse(MODEL)  # 6 layers over 2 stages: stage 0 holds both of the first block's and one more
+    alone = unrolled(spec)
+    assert alone.layers == 4 and alone.more_blocks == () and alone.stage_layers == (1, 3)
+    assert alone.params is not None and alone.params[1:5] == ("W1_b1l0", "W1_b1l1", "W2_b1l0", "W2_b1l1")
+    text = str(alone)
+    assert "X1_b1l0[B_X, S, D] = X0[B_X, S, D] + H_b1l0[B_X, S, F] · W2_b1l0[F, D]" in text
+    assert "X1[B_X, S, D] = X1_b1l0[B_X, S, D] + H_b1l1[B_X, S, F] · W2_b1l1[F, D]" in text  # the last keeps X1
+    assert shardc.parse(text) == alone
+    source, _ = module_source(shardc.plan(spec))
+    assert "\nSTAGE_LAYERS = (1, 3)" in source and "def pre_forward_local(Tok, W_emb, W1_b1l0," in source
+
+
+def test_a_first_block_filling_the_first_stage_is_refused() -> None:
+    spec = shardc.parse(MODEL.replace("P=2", "P=4"))  # stages of 2, 2, 1, 1: stage 0 holds no wide layer
+    with pytest.raises(ShardcError, match="block 1 \\(2 layers\\) does not") as err:
+        shardc.lower(spec)
+    assert err.value.span is not None and err.value.span.line == 7
+    assert unrolled(replace(spec, stage_layers=(3, 1, 1, 1))).stage_layers == (1, 1, 1, 1)
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_two_blocks_verifies_written_out() -> None:
+    report = verify(shardc.parse(MODEL))
+    assert report.ok, render_report(report)
+    assert any("written out layer by layer" in note for note in report.notes)

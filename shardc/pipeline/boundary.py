@@ -9,6 +9,7 @@ from __future__ import annotations
 from shardc.errors import ShardcError
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef
+from shardc.spec.unroll import unrolled
 from shardc.spec.walk import id_refs, leaves
 
 __all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable", "check_one_block",
@@ -69,18 +70,9 @@ def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> 
 
 
 def check_one_block(plan: Plan) -> None:
-    """Refuse to lower a pipeline over several ``layers`` blocks (``shardc cost`` and ``shardc plan`` take
-    it).  Every stage runs one program over its layer slots, each slot one layer of the one block; a stage
-    holding layers of two blocks would need each slot to choose its block's steps and parameters, which
-    :mod:`shardc.lowering.pipeline_lowering` does not write."""
-    if len(plan.spec.layer_counts()) < 2 or plan.spec.mesh.pipeline_axis is None:
-        return
-    raise ShardcError(f"lowering a pipeline over {len(plan.spec.layer_counts())} `layers` blocks is not supported: "
-                      "each stage's program runs one block's layer in every layer slot, and a stage holding two "
-                      "blocks' layers needs each slot to switch between their steps and parameters",
-                      plan.spec.span_of("layers:1"),
-                      fix="`shardc plan` and `shardc cost` take this spec; to lower or verify it, drop the pipeline "
-                      "axis (every block then lowers and verifies) or keep one `layers` block")
+    """Refuse to lower a pipeline of several ``layers`` blocks that cannot be written as one block
+    (:func:`shardc.spec.unroll.unrolled` says why; ``shardc cost`` and ``shardc plan`` take it)."""
+    unrolled(plan.spec)
 
 
 def check_lowerable(plan: Plan) -> None:
