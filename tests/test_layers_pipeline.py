@@ -4,6 +4,7 @@ of each block, checked here against one-block specs of each block alone."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import cache
 
@@ -99,6 +100,22 @@ def test_the_simulation_runs_each_stage_at_its_own_times_and_the_slowest_sets_th
     # the busiest device's m microbatches, then the bubble: more than the work, less than m + p - 1 of its ticks
     assert pipe.simulation.ideal == pytest.approx(8 * max(totals), rel=1e-12)
     assert pipe.simulation.ideal < pipe.simulation.makespan < (8 + 3) * max(totals) + 6 * 3 * pipe.p2p_s
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "interleaved 2", "zbv", "dualpipe", "dualpipev"])
+def test_every_schedule_runs_each_layer_once_at_its_blocks_times(schedule: str) -> None:
+    """Over 2 stages, each schedule's chunks (4 under interleaved, zbv and dualpipev; DualPipe's two
+    directions) and devices together run the 8 layers at their blocks' times, once a direction."""
+    report = _cost(TWO.replace("microbatches 8", f"microbatches 8\nschedule {schedule}"), 2)
+    pipe = report.pipeline
+    assert pipe is not None
+    copies = 2 if schedule == "dualpipe" else 1  # DualPipe runs every stage in both directions
+    whole = copies * (3 * _layer("dense", "forward_s") + 5 * _layer("wide", "forward_s")
+                      + pipe.first.forward + pipe.last.forward)
+    assert math.fsum(t.forward for t in pipe.simulation.chunk_times) == pytest.approx(whole, rel=1e-9)
+    share = 0.5 if schedule == "dualpipe" else 1.0  # a DualPipe device runs each of its two stages half the time
+    assert math.fsum(s.forward_s for s in pipe.stages) / share == pytest.approx(whole, rel=1e-9)
+    assert sum(sum(s.blocks) for s in pipe.stages) == 8 * copies
 
 
 def test_activations_are_each_blocks_layers_for_the_microbatches_held() -> None:
