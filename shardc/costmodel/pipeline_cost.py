@@ -11,11 +11,16 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   output layer, loss) on the last, Megatron-LM's placement, so those chunks' times grow
   by theirs, and the stages that hold them hold their params, gradients, optimizer state
   and residuals (the other stages none of them);
+* several ``layers`` blocks: the stages hold runs of the model's layers in order, the first
+  block's then the next's (:mod:`shardc.pipeline.block_split`), so a stage's times, state and
+  residuals are each block's layer's times its layers of that block; one layer of each block is
+  the block section's steps of that block (:attr:`Step.block`);
 * the bubble: the schedule's closed form (:mod:`shardc.pipeline.bubbles`), over the
   ideal time and over the total step, from the slowest stage's times;
 * the step: the discrete-event simulation of the schedule with those times (each chunk's
-  own) and the point-to-point sends (:mod:`shardc.pipeline.schedules`), i.e. the stage
-  time per microbatch times (m + bubble), plus what the sends add to the fill; its bubble
+  own: its own layers', an uneven split's too) and the point-to-point sends
+  (:mod:`shardc.pipeline.schedules`), i.e. the stage time per microbatch times (m + bubble),
+  plus what the sends add to the fill; its bubble
   is the step minus the busiest device's work;
 * the weight gradients' reductions (AllReduce, ReduceScatter of a ``dW``) are accumulated
   over the microbatches and run once a step, as Megatron-LM, DeepSpeed and torchtitan run
