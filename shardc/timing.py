@@ -62,6 +62,7 @@ from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step, unfused
 from shardc.ir.spec import DType, Mesh, TensorRef
 from shardc.ops.registry import of_op
+from shardc.pipeline.block_split import counted_device
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import block_reads
@@ -592,8 +593,12 @@ def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | Non
     """The layer count, and its symbol when the spec names a dim (``layers L``).
 
     A pipelined plan is one stage's (:mod:`shardc.spec.stages`): its count is the
-    slowest stage's, ceil(L / P), with no symbol.
+    slowest stage's, ceil(L / P), with no symbol; with several blocks, the first block's
+    layers on the device :func:`block_counts` counts.
     """
+    counted = _stage_counts(plan, sizes)
+    if counted is not None:
+        return counted[0], None
     layers, symbol = _all_layers(plan, sizes)
     axis = plan.spec.mesh.pipeline_axis
     if axis is not None:
@@ -603,9 +608,23 @@ def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | Non
 
 def block_counts(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, ...]:
     """Every ``layers`` block's count, by :attr:`Step.block`: the first :func:`resolve_layers`'s, the
-    others their own (a pipeline cuts a spec with one block only)."""
+    others their own; a pipeline with several blocks: each block's layers on one device, the one
+    holding the most layers (:func:`~shardc.pipeline.block_split.counted_device`)."""
+    counted = _stage_counts(plan, sizes)
+    if counted is not None:
+        return counted
     first, _ = resolve_layers(plan, sizes)
     return (first, *(_count_of(layers, sizes) for layers in plan.spec.layer_counts()[1:]))
+
+
+def _stage_counts(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, ...] | None:
+    """A pipeline's counted device's layers of each block, where the spec has several blocks; else None."""
+    axis, written = plan.spec.mesh.pipeline_axis, plan.spec.layer_counts()
+    if axis is None or len(written) < 2:
+        return None
+    pipe = pipeline_of(plan.spec, {str(n): _count_of(n, sizes) for n in written if isinstance(n, str)})
+    assert pipe is not None
+    return counted_device(replace(pipe, stages=sizes.get(axis.name, axis.size)))
 
 
 def _count_of(layers: int | str, sizes: Mapping[str, int]) -> int:

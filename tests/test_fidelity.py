@@ -42,15 +42,16 @@ def _spec(name: str) -> Spec:
 
 
 def _params(spec: Spec) -> float:
-    """Every param's elements, a `layers` block's once a layer (each param counted once)."""
+    """Every param's elements, a `layers` block's once a layer of its block (each param counted once)."""
     sizes = dict(spec.dims)
-    layers = spec.layers if isinstance(spec.layers, int) else sizes.get(str(spec.layers), 1)
+    counts = [n if isinstance(n, int) else sizes.get(n, 1) for n in spec.layer_counts()]  # each block's
     seen: dict[str, float] = {}
     for k, statement in enumerate(spec.statements):
+        block = spec.block_of(k)
         for ref in leaves(statement.expr):
             if spec.params is not None and ref.name in spec.params and ref.name not in seen:
                 count = math.prod(sizes[d.name] for d in ref.dims)
-                seen[ref.name] = count * (layers if spec.block is not None and spec.repeats(k) else 1)
+                seen[ref.name] = count * (counts[block] if spec.block is not None and block is not None else 1)
     return math.fsum(seen.values())
 
 

@@ -1,5 +1,6 @@
 """Several `layers N { ... }` blocks in one spec (DeepSeek-V3's 3 dense layers then 58 MoE layers):
-each repeats its own count, in the plan, the cost, the formulas and memory; a pipeline cuts one."""
+each repeats its own count, in the plan, the cost, the formulas and memory (under a pipeline:
+tests/test_layers_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import shardc
 from shardc.errors import ShardcError
 from shardc.planner.plan_text import render_text
+from shardc.spec.stages import pipeline_of
 from shardc.verification.verify import render_report, verify
 
 TWO = """mesh X=2
@@ -66,10 +68,11 @@ def test_the_listing_marks_the_later_blocks_steps() -> None:
     assert "[layers block 2]" in text and "[once: outside the layers block]" in text
 
 
-def test_a_pipeline_with_several_blocks_is_an_error_at_the_second() -> None:
-    with pytest.raises(ShardcError, match="a pipeline cuts one `layers` block") as err:
-        _spec(TWO.replace("mesh X=2", "mesh P=2 pipeline, X=2"))
-    assert err.value.span is not None and err.value.span.line == 9
+def test_a_pipeline_cuts_several_blocks_as_one_run_of_layers() -> None:
+    spec = _spec(TWO.replace("mesh X=2", "mesh P=2 pipeline, X=2"))  # once an error at the second block
+    pipe = pipeline_of(spec)
+    assert pipe is not None and pipe.layers == 8 and pipe.blocks == (3, 5) and pipe.stage_layers == (4, 4)
+    assert "8 layers (3 + 5, the blocks' in order) over 2 stages" in pipe.split_text()
 
 
 def test_a_later_block_whose_output_does_not_feed_its_input_is_an_error() -> None:

@@ -337,7 +337,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     count = layer_symbol if layer_symbol is not None else layers
     counts = block_counts(plan, values)
     more = counts[1:]  # the later blocks': their symbols in the formulas where a dim names them
-    symbolic = (count, *plan.spec.layer_counts()[1:])
+    # the formulas' counts: a pipelined stage's are numbers (its layers of each block), else as written
+    symbolic = counts if pipe is not None else (count, *plan.spec.layer_counts()[1:])
     names = symbols_of(plan)
     again = frozenset(range(1, len(plan.recomputed) + 1))
     dtype = plan_dtype(plan)
@@ -358,8 +359,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
                      more_layers=more)
     phases = (fwd, bwd, opt, step) if opt.rows else (fwd, bwd, step)
     # the tables are one stage's, but the parameter count is the whole model's
-    mem = memory(plan, values, layers, hw.hbm_bytes, optimizer,
-                 model_layers=sum(pipe.pipeline.stage_layers) if pipe is not None else None, more_layers=more)
+    whole = (pipe.pipeline.blocks or (pipe.pipeline.layers,)) if pipe is not None else None  # each block's, all stages
+    mem = memory(plan, values, layers, hw.hbm_bytes, optimizer, model_layers=whole, more_layers=more)
     moved: Offload | None = None
     if pipe is None:
         moved, mem = offload_cost(offload, mem, fwd.step_s, bwd.step_s, hw, optimizer, offload_delayed)
@@ -372,9 +373,10 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         f"mesh axis {a} ({values[a]} chips) spans {len(k.rings)} physical ICI axes: {len(k.rings)}x the "
         f"bandwidth, the book's M_{a} (--spans {a}=1 to cost it as one)"
         for a, k in links.items() if hw.book and len(k.rings) > 1)
-    if pipe is not None:  # the whole model's FLOPs: the block's a layer times every stage's layers, the ends once
-        counted = [(r, p.repeats) for p in step.parts for r in p.rows if not r.recomputed]
-        block = math.fsum(r.model_flops * n for r, n in counted if not r.once) * sum(pipe.pipeline.stage_layers)
+    if pipe is not None and whole is not None:  # the whole model's FLOPs: each block's a layer times its layers, the
+        counted = [(r, p.repeats) for p in step.parts for r in p.rows if not r.recomputed]  # ends once
+        block = math.fsum(math.fsum(r.model_flops * n for r, n in counted if not r.once and r.block == b) * count
+                          for b, count in enumerate(whole))
         pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops * n for r, n in counted if r.once),
                        devices=all_devices, peak=hw.peak(dtype), update_s=step.update_s)
         pipe, moved = pipeline_offload(offload, pipe, hw, optimizer, offload_delayed)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from shardc.costmodel.formulas import text
 from shardc.costmodel.pipeline_cost import PipelineCost
 from shardc.ir.plan import Op
+from shardc.pipeline.block_split import counted_device
 from shardc.pipeline.bubbles import EXACT, activation_factor, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import PAIRED, ZERO_BUBBLE, paired_seconds
 from shardc.timing import StepCost
@@ -219,6 +220,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
     lines = [f"pipeline over {pipe.axis}: {pipe.stages} stages, schedule {pipe.schedule}, "
              f"{pipe.microbatches} microbatches of {cost.dim}={cost.microbatch_size:_}{given}",
              f"  {pipe.split_text()}; the tables above are one stage's"
+             + (f" (the one holding {' + '.join(map(str, counted_device(pipe)))} layers of the blocks)"
+                if pipe.blocks else "")
              + (" (and the steps outside the block, which run on the first and last stage)" if cost.extra else "")
              + ", on the whole batch (a microbatch at a time; at once under the book's model)",
              f"  a microbatch through the slowest stage: F {fmt_seconds(cost.timing.forward)}, "
@@ -236,7 +239,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              *_ends(cost, fmt_seconds),
              f"  step {fmt_seconds(cost.step_s)} = "
              + (f"stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) "
-                if not cost.extra and name not in PAIRED else
+                if not cost.extra and name not in PAIRED and cost.alike else
                 f"the busiest stage's work {fmt_seconds(sim.ideal)} + its idle time "
                 f"{fmt_seconds(sim.makespan - sim.ideal)} ")
              + (f"+ exposed gradient reductions {fmt_seconds(cost.grad_reduce_exposed_s)} "
@@ -260,7 +263,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              f"  {'stage':>5} {'layers':>6} {'compute':>9} {'comm':>9} {'bound':<13} {'held':>5} "
              f"{'state':>9} {'activations':>11} {'total':>9}"]
     for s in cost.stages:
-        lines.append(f"  {s.stage:>5} {s.layers:>6} {fmt_seconds(s.compute_s):>9} {fmt_seconds(s.comm_s):>9} "
+        layers = "+".join(map(str, s.blocks)) if s.blocks else str(s.layers)  # several blocks: each one's
+        lines.append(f"  {s.stage:>5} {layers:>6} {fmt_seconds(s.compute_s):>9} {fmt_seconds(s.comm_s):>9} "
                      f"{s.bound:<13} {s.held:>5.3g} {fmt_bytes(s.state_bytes):>9} "
                      f"{fmt_bytes(s.activation_bytes):>11} {fmt_bytes(s.memory_bytes):>9}"
                      + ("" if s.fits else "  does NOT fit"))

@@ -43,7 +43,7 @@ from shardc.spec.walk import block_reads, id_names, layer_inputs
 from shardc.timing import describe, local_elements, ring_of, runs, shared_rings
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
-           "residual_formula", "value_bytes", "kept_once", "ring_buffers"]
+           "residual_formula", "value_bytes", "kept_once", "ring_buffers", "value_blocks"]
 
 
 @dataclass(frozen=True)
@@ -94,21 +94,20 @@ class Memory:
 
 def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
            accounting: str = "adam10", outside: frozenset[str] | None = None,
-           model_layers: int | None = None, more_layers: tuple[int, ...] = ()) -> Memory:
+           model_layers: tuple[int, ...] | None = None, more_layers: tuple[int, ...] = ()) -> Memory:
     """The per-device memory of a training step of ``plan`` (see the module docstring).
 
     ``outside`` names the tensors outside a ``layers L { ... }`` block that this device holds
     (a pipeline stage: the first holds the embedding's, the last the loss's); None: all of them.
-    ``model_layers``: the whole model's layers, for its parameter count, where ``layers`` are one
-    pipeline stage's (None: the same); ``more_layers`` the later ``layers`` blocks' counts."""
+    ``more_layers`` the later ``layers`` blocks' counts; ``model_layers``: the whole model's layers of
+    each block, for its parameter count, where those are one pipeline stage's (None: the same)."""
     if accounting not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {accounting!r}",
                           fix="use " + " or ".join(ACCOUNTINGS))
     per_param, per_grad, per_opt, described = ACCOUNTINGS[accounting]
     params = [info for info in plan.tensors if info.role == "param"]
     repeated = block_reads(plan.spec)
-    # the block of a value a block's step makes, else of the block reading it
-    blocks = repeated | {s.dst.name: s.block for s in plan.forward if not s.once}
+    blocks = value_blocks(plan)
     counts = (layers, *more_layers)
 
     def count(name: str, once: bool) -> int:  # a `layers` block's tensors: its L; the others once, where held
@@ -118,7 +117,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
 
     times = {p.name: count(p.name, p.name not in repeated) for p in params}
     local = sum(float(local_elements(p.ref, sizes)) * times[p.name] for p in params)
-    every = (layers if model_layers is None else model_layers, *more_layers)  # the model's: all its layers
+    every = (layers, *more_layers) if model_layers is None else model_layers  # the model's: all its layers
     total = sum(float(_global_elements(p.ref, sizes)) * (runs(False, repeated[p.name], every)
                                                           if p.name in repeated else times[p.name])
                 for p in params)
@@ -158,6 +157,12 @@ def ring_buffers(steps: tuple[Step, ...], sizes: dict[str, int], nbytes: int) ->
         blocks = ring.steps - 1 if step.collective in later else min(2, ring.steps - 1)
         peak = max(peak, blocks * ring.step_bytes)
     return peak
+
+
+def value_blocks(plan: Plan) -> dict[str, int]:
+    """The ``layers`` block of each tensor a block repeats: the block of the step that makes it, else of
+    the block reading it (:func:`shardc.spec.walk.block_reads`)."""
+    return block_reads(plan.spec) | {s.dst.name: s.block for s in plan.forward if not s.once}
 
 
 def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:

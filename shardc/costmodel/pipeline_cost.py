@@ -11,11 +11,16 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   output layer, loss) on the last, Megatron-LM's placement, so those chunks' times grow
   by theirs, and the stages that hold them hold their params, gradients, optimizer state
   and residuals (the other stages none of them);
+* several ``layers`` blocks: the stages hold runs of the model's layers in order, the first
+  block's then the next's (:mod:`shardc.pipeline.block_split`), so a stage's times, state and
+  residuals are each block's layer's times its layers of that block; one layer of each block is
+  the block section's steps of that block (:attr:`Step.block`);
 * the bubble: the schedule's closed form (:mod:`shardc.pipeline.bubbles`), over the
   ideal time and over the total step, from the slowest stage's times;
 * the step: the discrete-event simulation of the schedule with those times (each chunk's
-  own) and the point-to-point sends (:mod:`shardc.pipeline.schedules`), i.e. the stage
-  time per microbatch times (m + bubble), plus what the sends add to the fill; its bubble
+  own: its own layers', an uneven split's too) and the point-to-point sends
+  (:mod:`shardc.pipeline.schedules`), i.e. the stage time per microbatch times (m + bubble),
+  plus what the sends add to the fill; its bubble
   is the step minus the busiest device's work;
 * the weight gradients' reductions (AllReduce, ReduceScatter of a ``dW``) are accumulated
   over the microbatches and run once a step, as Megatron-LM, DeepSpeed and torchtitan run
@@ -45,15 +50,17 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
-from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
+from shardc.costmodel.memory import kept_once, memory, residual_values, value_blocks, value_bytes
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network, Statement, TensorRef
+from shardc.pipeline.block_split import chunk_blocks, device_blocks, stage_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
     carried_moves,
@@ -71,7 +78,7 @@ from shardc.pipeline.bubbles import (
     microbatches_for,
     sends_per_microbatch,
 )
-from shardc.pipeline.dualpipe import device_layers, end_chunks
+from shardc.pipeline.dualpipe import end_chunks
 from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
@@ -108,6 +115,7 @@ class StageCost:
     grad_bytes: float = 0.0  # of state_bytes, the gradients'
     optimizer_bytes: float = 0.0  # and the optimizer state's
     host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
+    blocks: tuple[int, ...] = ()  # with several `layers` blocks: its layers of each block
 
     @property
     def bound(self) -> str:
@@ -122,7 +130,8 @@ class StageCost:
         return self.memory_bytes <= self.hbm_bytes
 
     def to_json(self) -> dict[str, object]:
-        return {"stage": self.stage, "layers": self.layers, "forward_s": self.forward_s,
+        return {"stage": self.stage, "layers": self.layers,
+                **({"block_layers": list(self.blocks)} if self.blocks else {}), "forward_s": self.forward_s,
                 "backward_s": self.backward_s, "weight_s": self.weight_s, "compute_s": self.compute_s,
                 "comm_s": self.comm_s, "bound": self.bound, "inflight_microbatches": self.held,
                 "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
@@ -175,6 +184,11 @@ class PipelineCost:
     def extra(self) -> bool:
         """Whether the first or last chunk does work the others do not (a ``layers L { ... }`` block's ends)."""
         return self.first.total > 0 or self.last.total > 0
+
+    @property
+    def alike(self) -> bool:
+        """Whether every model chunk takes the same times (an even split of one block's layers)."""
+        return len(set(self.simulation.chunk_times)) <= 1
 
     @property
     def stage_time_s(self) -> float:
@@ -254,38 +268,36 @@ def _rows(steps: tuple[Step, ...], plan: Plan, sizes: dict[str, int], hw: Hardwa
 def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout,
                   optimizer: str) -> PipelineCost | None:
     """The pipeline figures of ``plan`` (None when its spec has no pipeline axis)."""
-    pipe = pipeline_of(plan.spec)
+    pipe = pipeline_of(plan.spec, sizes)  # the layers at sizes=, where a dim names them
     if pipe is None:
         return None
     pipe = replace(pipe, stages=sizes.get(pipe.axis, pipe.stages))  # sizes= may resize the mesh
     if pipe.stages == 1:  # pipelining switched off: the one stage is the plan's own step
         return None
-    if isinstance(plan.spec.layers, str):
-        pipe = replace(pipe, layers=sizes[plan.spec.layers])
     dim = check_microbatches(plan, pipe.microbatches, sizes)
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
-    parts = _sections(plan, micro, hw, spans)
+    parts = _sections(plan, micro, hw, spans, len(pipe.blocks) or 1)
     ref = boundary_tensor(plan)
     nbytes = plan.nbytes(ref.name)
     p2p = float(local_elements(ref, micro)) * nbytes
     axis = plan.spec.mesh.axis(pipe.axis)
     dcn = axis.network is Network.DCN
     p2p_s = collective_time(Op.COLLECTIVE_PERMUTE, p2p, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
-    slowest = max(pipe.stage_layers)
-    f, b, w = (p.seconds * slowest for p in parts["layer"])
-    timing = Timing(f, b, w, p2p_s, _phases(parts["layer"], slowest))
+    slowest = max((_run(parts, counts) for counts in stage_blocks(pipe)), key=lambda run: run[0].seconds
+                  + run[1].seconds + run[2].seconds)  # a stage's F, B and W: its layers' of each block
+    timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, _phases(slowest))
     first, last = (_end_timing(parts[end]) for end in ("first", "last"))
     name = pipe.schedule.name
-    sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
+    sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, parts, first, last))
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
     copies_s = _copies_exchange(plan, pipe, micro, sizes, hw, spans, optimizer)
-    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s, copies_s,
-                                           hw.reduces_after_backward)
+    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, tied_s, copies_s, hw.reduces_after_backward)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
-    found = _thresholds(pipe, replace(timing, comm=0.0), parts["layer"][0].seconds, p2p_s,
-                        "DCN" if dcn else "ICI link")
+    found = _thresholds(pipe, replace(timing, comm=0.0), min(parts[f"layer {b}"][0].seconds
+                                                             for b in range(len(pipe.blocks) or 1)),
+                        p2p_s, "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last,
                         grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
@@ -310,31 +322,31 @@ def _copies_exchange(plan: Plan, pipe: Pipeline, micro: dict[str, int], sizes: d
     the same two stages; 0 for other schedules."""
     if pipe.schedule.name not in TWO_WAY:
         return 0.0
-    mems = (memory(plan, micro, layers, hw.hbm_bytes, optimizer, _held(plan, pipe, s))
-            for s, layers in enumerate(device_layers(pipe)))
+    mems = (memory(plan, micro, counts[0], hw.hbm_bytes, optimizer, _held(plan, pipe, s), more_layers=counts[1:])
+            for s, counts in enumerate(device_blocks(pipe)))
     grads = [m.grad_bytes or m.param_bytes for m in mems]
     return max(collective_time(Op.COLLECTIVE_PERMUTE, g, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
                for g in grads)
 
 
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing,
-                     timing: Timing, tied_s: float = 0.0, copies_s: float = 0.0,
-                     after_backward: bool = False) -> tuple[float, float]:
+                     tied_s: float = 0.0, copies_s: float = 0.0, after_backward: bool = False) -> tuple[float, float]:
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
     hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows;
     ``after_backward`` (``grad_reduce after-backward``): issued after it, all exposed.
     ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
     ``copies_s``: DualPipe's swap of the two copies' gradients, on every device."""
-    layer, slowest, final = parts["layer reduce"][0].seconds, max(pipe.stage_layers), len(pipe.stage_layers) - 1
+    final = pipe.stages - 1
     both = pipe.schedule.name in TWO_WAY  # DualPipe: devices 0 and p-1 each hold both ends, and two stages each
     worst, exposed = 0.0, 0.0
-    for s, layers in enumerate(device_layers(pipe)):
+    for s, counts in enumerate(device_blocks(pipe)):
         at = (s == 0, s == final) if not both else (s in (0, final),) * 2
         ends = [(key, t) for key, t, on in (("first", first, at[0]), ("last", last, at[1])) if on]
-        own = (layers * layer + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends)
-               + copies_s)
-        backward = (timing.backward + timing.weight) * layers / slowest + sum(t.backward + t.weight for _, t in ends)
+        layers = _run(parts, counts)
+        own = (math.fsum(n * parts[f"layer {b} reduce"][0].seconds for b, n in enumerate(counts))
+               + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends) + copies_s)
+        backward = layers[1].seconds + layers[2].seconds + sum(t.backward + t.weight for _, t in ends)
         worst, exposed = max(worst, own), max(exposed, own - (0.0 if after_backward else backward))
     return worst, max(0.0, exposed)
 
@@ -345,10 +357,12 @@ def _runs(plan: Plan, phase: str, rows: list[StepCost]) -> tuple[list[StepCost],
     return list(first), list(block), list(then)
 
 
-def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
-              spans: Layout) -> dict[str, list[_Part]]:
-    """(compute, comm) of a microbatch's F, B and W: one layer of the block ("layer"), the statements
-    before the block ("first": the first chunk runs them) and those after it ("last")."""
+def _sections(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout,
+              blocks: int = 1) -> dict[str, list[_Part]]:
+    """(compute, comm) of a microbatch's F, B and W: one layer of each ``layers`` block ("layer 0",
+    "layer 1", ...: the block section's steps of that block), the statements before the blocks ("first":
+    the first chunk runs them) and those after them ("last"); and of each, the gradient reductions run
+    once a step ("... reduce")."""
     before, block, after = _runs(plan, "forward", _rows(plan.forward, plan, micro, hw, spans))
     carried = _rows(carried_moves(plan), plan, micro, hw, spans)  # a tied param's gather, again on the last stage
     fwd = (before, block, carried + after)
@@ -359,12 +373,26 @@ def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
     after, inside, before = _runs(plan, "backward", rows)  # the backward runs the statements after the block first
     last, layer, first = plan.cut.runs("backward", range(len(rows)))  # each row's step
     out = {}
-    for k, (key, back, index) in enumerate((("first", before, first), ("layer", inside, layer), ("last", after, last))):
-        steps = list(zip(back, index, strict=True))
-        out[key] = [_time(fwd[k], hw), _time(again[k] + [r for r, i in steps if i not in grads], hw),
+    runs: list[tuple[str, int, list[StepCost], Sequence[int], int | None]] = [
+        ("first", 0, before, first, None), ("last", 2, after, last, None)]
+    runs += [(f"layer {b}", 1, inside, layer, b) for b in range(blocks)]
+    for key, k, back, index, which in runs:
+        def mine(rows: list[StepCost], which: int | None = which) -> list[StepCost]:  # the block's rows
+            return rows if which is None else [r for r in rows if r.block == which]
+
+        steps = [(r, i) for r, i in zip(back, index, strict=True) if which is None or r.block == which]
+        out[key] = [_time(mine(fwd[k]), hw), _time(mine(again[k]) + [r for r, i in steps if i not in grads], hw),
                     _time([r for r, i in steps if i in grads and i not in reduced], hw)]
         out[f"{key} reduce"] = [_time([r for r, i in steps if i in reduced], hw)]
     return out
+
+
+def _run(parts: dict[str, list[_Part]], counts: tuple[float, ...]) -> list[_Part]:
+    """A microbatch's F, B and W through a run of layers: each block's layers (``counts``) times its layer's."""
+    def part(i: int, field: str) -> float:
+        return math.fsum(n * getattr(parts[f"layer {b}"][i], field) for b, n in enumerate(counts))
+
+    return [_Part(part(i, "busy"), part(i, "comm"), part(i, "seconds")) for i in range(3)]
 
 
 def _phases(parts: list[_Part], layers: float = 1.0) -> Phases:
@@ -380,18 +408,19 @@ def _end_timing(parts: list[_Part]) -> Timing:
     return Timing(forward.seconds, backward.seconds, weight.seconds, phases=_phases(parts))
 
 
-def _chunk_times(pipe: Pipeline, timing: Timing, first: Timing, last: Timing) -> tuple[Timing, ...]:
-    """Each model chunk's times: a share of the slowest stage's (DualPipe's: all of it), the first chunk
-    also running the statements before the block and the last those after it (Megatron-LM's placement)."""
-    n, v = pipe.stages * pipe.chunks, pipe.cuts
+def _chunk_times(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing) -> tuple[Timing, ...]:
+    """Each model chunk's times: its layers' of each block (:func:`chunk_blocks`), the first chunk also
+    running the statements before the block and the last those after it (Megatron-LM's placement)."""
+    n = pipe.stages * pipe.chunks
     heads, tails = end_chunks(pipe.schedule.name, pipe.stages, n)
     out = []
-    for c in range(n):
+    for c, counts in enumerate(chunk_blocks(pipe)):
         ends = [t for t, here in ((first, c in heads), (last, c in tails)) if here]
-        out.append(Timing(timing.forward / v + math.fsum(t.forward for t in ends),
-                          timing.backward / v + math.fsum(t.backward for t in ends),
-                          timing.weight / v + math.fsum(t.weight for t in ends),
-                          phases=_added([(timing.phases, 1 / v)] + [(t.phases, 1.0) for t in ends])))
+        f, b, w = run = _run(parts, counts)
+        out.append(Timing(f.seconds + math.fsum(t.forward for t in ends),
+                          b.seconds + math.fsum(t.backward for t in ends),
+                          w.seconds + math.fsum(t.weight for t in ends),
+                          phases=_added([(_phases(run), 1.0)] + [(t.phases, 1.0) for t in ends])))
     return tuple(out)
 
 
@@ -435,13 +464,15 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
         return 0.0
     rows = _rows(plan.optimizer, plan, sizes, hw, spans)
     primal = {g: p for p, g in plan.gradient_names}
-    repeated = set(block_reads(plan.spec))
-    inside = [r for r in rows if primal.get(r.tensor, r.tensor) in repeated]
+    blocks = block_reads(plan.spec)
+    repeated = set(blocks)
+    inside = [_time([r for r in rows if blocks.get(primal.get(r.tensor, r.tensor)) == b], hw).seconds
+              for b in range(len(pipe.blocks) or 1)]  # one layer of each block
     worst = 0.0
-    for stage, layers in enumerate(device_layers(pipe)):
+    for stage, counts in enumerate(device_blocks(pipe)):
         held = _held(plan, pipe, stage) or frozenset()
         mine = [r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated]
-        worst = max(worst, layers * _time(inside, hw).seconds + _time(mine, hw).seconds)
+        worst = max(worst, math.fsum(n * t for n, t in zip(counts, inside, strict=True)) + _time(mine, hw).seconds)
     return worst
 
 
@@ -451,31 +482,36 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     dim = microbatch_dim(plan)
     values = residual_values(plan)
     once = kept_once(plan, values) if plan.spec.block is not None else set()
+    blocks = value_blocks(plan)
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     heads, tails = end_chunks(name, pipe.stages, n)
-    for s, layers in enumerate(device_layers(pipe)):
+    for s, blocked in enumerate(device_blocks(pipe)):
         held_names = _held(plan, pipe, s)
-        mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer, held_names)
+        mem = memory(plan, micro, blocked[0], hw.hbm_bytes, optimizer, held_names, more_layers=blocked[1:])
         held = sim.peak_inflight(s)
         ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
                 for c in chunks if device_of(name, c, pipe.stages) == s]
         share = 0.5 if name in TWO_WAY else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
         # A microbatch's own residuals, for each microbatch held (DualPipe's, half of them each stage's);
         # saved weights once a layer; a value outside the block once, on the stage that holds it.
-        counts = [(1 if held_names is None or r.name in held_names else 0) if r in once else layers for r in values]
+        counts = [(1 if held_names is None or r.name in held_names else 0) if r in once
+                  else blocked[blocks.get(r.name, 0)] for r in values]
         residual = math.fsum(value_bytes(plan, r, micro) * k * (held * share if dim in r.indices else 1.0)
                              for r, k in zip(values, counts, strict=True))
-        compute = share * (layers * math.fsum(p.busy for p in parts["layer"])
-                           + math.fsum(p.busy for e in ends for p in e))
+
+        def layers_of(field: str, blocked: tuple[int, ...] = blocked) -> float:  # its layers, each block's
+            return math.fsum(k * math.fsum(getattr(p, field) for p in parts[f"layer {b}"])
+                             for b, k in enumerate(blocked))
+
+        compute = share * (layers_of("busy") + math.fsum(p.busy for e in ends for p in e))
         sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
-        comm = share * (layers * math.fsum(p.comm for p in parts["layer"])
-                        + math.fsum(p.comm for e in ends for p in e)) + sends
-        f, b, w = (share * (p.seconds * layers + math.fsum(e[i].seconds for e in ends))
-                   for i, p in enumerate(parts["layer"]))
-        out.append(StageCost(s, layers, f, b, w, compute, comm, held,
+        comm = share * (layers_of("comm") + math.fsum(p.comm for e in ends for p in e)) + sends
+        f, b, w = (share * (p.seconds + math.fsum(e[i].seconds for e in ends))
+                   for i, p in enumerate(_run(parts, tuple(map(float, blocked)))))
+        out.append(StageCost(s, sum(blocked), f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
                              residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes, mem.params, mem.grads,
-                             mem.grad_bytes, mem.optimizer_bytes))
+                             mem.grad_bytes, mem.optimizer_bytes, blocks=blocked if pipe.blocks else ()))
     return tuple(out)
 
 

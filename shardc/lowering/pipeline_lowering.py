@@ -38,6 +38,7 @@ from shardc.lowering.load import check_devices, load_module, lowered_mesh, lower
 from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_source, pipeline_lines
 from shardc.lowering.pipeline_grads import reduce_source, split_reductions
 from shardc.lowering.pipeline_split import split_source
+from shardc.lowering.replan import unrolled_blocks
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, chunks_of, simulate, stage_share
@@ -249,6 +250,9 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     pipe = pipeline_of(plan.spec)
     if pipe is None:
         raise ShardcError("not a pipelined spec", fix="mark the stage axis, e.g. `mesh P=4 pipeline, X=8`")
+    plan, _ = unrolled_blocks(plan)  # several blocks: all but the longest written out on the end stages
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None
     mesh = lowered_mesh(plan, sizes)
     full = lowered_sizes(replace(plan, spec=stage_spec(plan.spec)), sizes, mesh) or {}
     if any(d.name not in full for i in plan.tensors for d in i.ref.dims):

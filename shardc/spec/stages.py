@@ -4,8 +4,12 @@ The block repeated ``layers L`` times is cut into P stages (P the size of the ax
 marked ``pipeline``) of L/P consecutive layers (the statements before a ``layers L
 { ... }`` block run on the first stage, those after it on the last, as Megatron-LM
 places them); an uneven split puts the extra layers on the first stages, and is
-stated.  Inside a stage the plan uses the other axes only: :func:`stage_spec` is the
-spec with the stage axis removed, which the planner plans as it would any spec.
+stated.  A spec with several ``layers`` blocks is cut the same way over its layers in
+order, every layer of the first block, then the next block's (DeepSeek-V3's 3 dense layers
+then its 58 MoE layers, 61 in all): a stage may hold layers of two blocks
+(:mod:`shardc.pipeline.block_split` says which).  Inside a stage the plan uses the other
+axes only: :func:`stage_spec` is the spec with the stage axis removed, which the planner
+plans as it would any spec.
 ``interleaved V`` and ``zbv`` cut each stage into V (zbv: 2) chunks of layers: chunk c
 of the model sits on device c mod P (interleaved) or on device c, then back, for
 c >= P (zbv's V shape).  ``dualpipe`` (DeepSeek-V3's) keeps the P stages whole and puts
@@ -14,13 +18,14 @@ two on each device, stage d and stage P-1-d (microbatches enter from both ends).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
 
 __all__ = ["check_dualpipe", "Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count",
-           "split_layers", "splits", "DEFAULT_SCHEDULE"]
+           "block_layers", "split_layers", "splits", "DEFAULT_SCHEDULE"]
 
 DEFAULT_SCHEDULE = Schedule("1f1b")
 
@@ -33,9 +38,10 @@ class Pipeline:
     stages: int
     microbatches: int
     schedule: Schedule
-    layers: int
+    layers: int  # every block's layers, in all
     microbatches_given: bool = True
     split: tuple[int, ...] | None = None  # `stage_layers`: the layers of each stage, where given
+    blocks: tuple[int, ...] = ()  # each `layers` block's count, in order, where the spec has several
 
     @property
     def chunks(self) -> int:
@@ -60,10 +66,12 @@ class Pipeline:
 
     def split_text(self) -> str:
         counts = self.stage_layers
+        layers = f"{self.layers} layers" + (f" ({' + '.join(map(str, self.blocks))}, the blocks' in order)"
+                                             if self.blocks else "")
         if self.even:
-            return f"{self.layers} layers over {self.stages} stages: {counts[0]} a stage"
+            return f"{layers} over {self.stages} stages: {counts[0]} a stage"
         how = "as `stage_layers` splits them" if self.split is not None else "unevenly"
-        return (f"{self.layers} layers over {self.stages} stages, {how}: "
+        return (f"{layers} over {self.stages} stages, {how}: "
                 + ", ".join(str(c) for c in counts) + " (the slowest stage sets the pace)")
 
 
@@ -97,24 +105,29 @@ def splits(held: object, stages: int, layers: int) -> bool:
             and sum(held) == layers)
 
 
-def layer_count(spec: Spec) -> int:
-    """The spec's layer count (1 without a ``layers`` line)."""
-    if spec.layers is None:
-        return 1
-    if isinstance(spec.layers, int):
-        return spec.layers
-    return spec.sizes[spec.layers]
+def layer_count(spec: Spec, sizes: Mapping[str, int] | None = None) -> int:
+    """The spec's layer count, every ``layers`` block's in all (1 without a ``layers`` line); a count
+    that names a dim takes its size from ``sizes``, else from the spec's dims."""
+    return sum(block_layers(spec, sizes))
 
 
-def pipeline_of(spec: Spec) -> Pipeline | None:
-    """The spec's pipeline, or None when no mesh axis is marked ``pipeline``."""
+def block_layers(spec: Spec, sizes: Mapping[str, int] | None = None) -> tuple[int, ...]:
+    """Each ``layers`` block's count, in order (:meth:`Spec.layer_counts`), dims at ``sizes`` (else the spec's)."""
+    known = spec.sizes if sizes is None else sizes
+    return tuple(n if isinstance(n, int) else known[n] for n in spec.layer_counts())
+
+
+def pipeline_of(spec: Spec, sizes: Mapping[str, int] | None = None) -> Pipeline | None:
+    """The spec's pipeline, or None when no mesh axis is marked ``pipeline``; a ``layers`` count that
+    names a dim is taken at ``sizes`` (else at the spec's dims)."""
     axis = spec.mesh.pipeline_axis
     if axis is None:
         return None
     given = spec.microbatches is not None
     micro = spec.microbatches if spec.microbatches is not None else axis.size  # default: one a stage
-    return Pipeline(axis.name, axis.size, micro, spec.schedule or DEFAULT_SCHEDULE, layer_count(spec), given,
-                    spec.stage_layers)
+    blocks = block_layers(spec, sizes)
+    return Pipeline(axis.name, axis.size, micro, spec.schedule or DEFAULT_SCHEDULE, sum(blocks), given,
+                    spec.stage_layers, blocks if len(blocks) > 1 else ())
 
 
 def pipeline_note(spec: Spec) -> list[str]:
@@ -170,6 +183,7 @@ def check_pipeline(spec: Spec) -> None:
         except ShardcError as err:
             raise ShardcError(err.message, spec.span_of("microbatches") or axis.span, fix=err.fix) from None
     _check_split(spec, pipe)
+    _check_chunks(spec, pipe)
     needed = pipe.stages * pipe.cuts
     if pipe.layers < needed:
         stages = f"{pipe.stages} stages" + (f" of {pipe.cuts} chunks" if pipe.cuts > 1 else "")
@@ -191,6 +205,17 @@ def _check_split(spec: Spec, pipe: Pipeline) -> None:
         raise ShardcError(f"`stage_layers` gives {len(split)} count(s) summing to {sum(split)}: {pipe.axis} has "
                           f"{pipe.stages} stages and the spec {pipe.layers} layers", where,
                           fix=f"give {pipe.stages} counts of 1 or more that sum to {pipe.layers}")
+
+
+def _check_chunks(spec: Spec, pipe: Pipeline) -> None:
+    """Several blocks under a schedule that cuts a stage into chunks: each chunk a run of whole layers, so
+    that each chunk's layers of each block are whole (one block's chunks may share a stage's layers)."""
+    if not pipe.blocks or pipe.cuts == 1 or not any(n % pipe.cuts for n in pipe.stage_layers):
+        return
+    raise ShardcError(f"schedule {pipe.schedule} cuts each stage into {pipe.cuts} chunks of layers, and with several "
+                      f"`layers` blocks each chunk holds whole layers: {pipe.layers} layers over {pipe.stages} "
+                      f"stages give " + ", ".join(map(str, pipe.stage_layers)), spec.span_of("layers:1"),
+                      fix=f"use layers a multiple of {pipe.stages * pipe.cuts} in all, or schedule 1f1b")
 
 
 def _refs(statement: Statement) -> list[TensorRef]:

@@ -41,7 +41,7 @@ from shardc.errors import LAYERS_FEED, ShardcError, Span, clip
 from shardc.ir.spec import Dim, Spec, Statement, TensorRef
 from shardc.spec.exprs import check_expression
 from shardc.spec.stages import check_pipeline
-from shardc.spec.walk import calls, id_names, leaves
+from shardc.spec.walk import block_feeds, calls, leaves
 
 __all__ = ["validate", "check_name"]
 
@@ -170,11 +170,6 @@ def _check_layers(spec: Spec) -> None:
             raise ShardcError(f"`layers {layers}`: {layers} is not a dim with a size", span,
                               fix=f"add {layers} to dims (e.g. `dims {layers}=40`) "
                               "or write the count, `layers 40`")
-    if spec.more_blocks and spec.mesh.pipeline_axis is not None:
-        raise ShardcError("a pipeline cuts one `layers` block into stages; this spec has "
-                          f"{len(spec.more_blocks) + 1}", spec.span_of("layers:1"),
-                          fix="write the other blocks' layers out before or after the pipelined block, "
-                          "or drop the pipeline axis")
 
 
 def _check_params(spec: Spec, defined: dict[str, int]) -> None:
@@ -271,17 +266,7 @@ def _check_feed(spec: Spec) -> None:
 
 def _check_block_feed(spec: Spec, block: tuple[Statement, ...], layers: int | str, span: Span | None) -> None:
     """One block's outputs feed its inputs (:func:`_check_feed`)."""
-    defined = {s.result.name for s in block}
-    every = [r for s in spec.statements for r in leaves(s.expr)]
-    read = [r for s in block for r in leaves(s.expr)]
-    params = set(spec.params) if spec.params is not None else {r.name for r in every if r.name.startswith("W")}
-    ids = id_names(spec)
-    skip = defined | params | set(spec.const) | ids
-    inputs = list({r.name: r for r in read if r.name not in skip}.values())
-    names = {r.name for r in read}
-    outputs = [s.result for s in block if s.result.name not in names]  # read after the block, or never
-    for given in inputs:
-        made = next((o for o in reversed(outputs) if o.indices == given.indices), None)
+    for given, made in block_feeds(spec, block):
         if made is None:
             raise ShardcError(f"`layers {layers}` repeats the block, but no output has the indices of "
                               f"its input {given} to feed the next layer", span,

@@ -20,7 +20,8 @@ from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, Te
 from shardc.spec.functions import ID_BYTES, integer_args, is_known, signature
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
-           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "layer_inputs", "block_reads"]
+           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "layer_inputs", "block_reads",
+           "block_feeds", "spec_params"]
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
@@ -199,6 +200,26 @@ def layer_inputs(spec: Spec) -> tuple[str, ...]:
         made = {s.result.name for s in spec.statements[:lo]}
         found.update((r.name, None) for s in spec.statements[lo:hi] for r in leaves(s.expr) if r.name in made)
     return tuple(found)
+
+
+def spec_params(spec: Spec) -> frozenset[str]:
+    """The params: the ``param`` line's names, else every tensor read whose name starts with W."""
+    if spec.params is not None:
+        return frozenset(spec.params)
+    return frozenset(r.name for s in spec.statements for r in leaves(s.expr) if r.name.startswith("W"))
+
+
+def block_feeds(spec: Spec, block: tuple[Statement, ...]) -> list[tuple[TensorRef, TensorRef | None]]:
+    """Each activation input of a repeated block (read, never made in it, neither a param, nor const, nor
+    token ids) with the output that feeds it in the next layer: the last result no statement of the block
+    reads with the same indices (None where there is none)."""
+    defined = {s.result.name for s in block}
+    read = [r for s in block for r in leaves(s.expr)]
+    skip = defined | spec_params(spec) | set(spec.const) | id_names(spec)
+    inputs = list({r.name: r for r in read if r.name not in skip}.values())
+    names = {r.name for r in read}
+    outputs = [s.result for s in block if s.result.name not in names]  # read after the block, or never
+    return [(given, next((o for o in reversed(outputs) if o.indices == given.indices), None)) for given in inputs]
 
 
 def block_reads(spec: Spec) -> dict[str, int]:

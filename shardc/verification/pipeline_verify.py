@@ -50,6 +50,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import Contract, Mesh, Spec
 from shardc.lowering import reference as numpy_reference
 from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline, schedule_note
+from shardc.lowering.replan import unrolled_blocks
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
@@ -264,14 +265,17 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
     module doc); ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it, and
     a spec with dropout runs under the next key too (:data:`~shardc.verification.power.DROPOUT_KEYS`).
     ``module``: a given module's (text, label), whose functions run instead of verify's own lowering's
-    (:mod:`shardc.verification.pipeline_module`)."""
+    (:mod:`shardc.verification.pipeline_module`).  Several ``layers`` blocks run as the spec with all but
+    the longest written out (:func:`~shardc.lowering.replan.unrolled_blocks`), which the report checks."""
+    plan, unrolled_note = unrolled_blocks(plan)
     sizes, layers, micro = run_sizes(plan, devices)
     step(f"lowering the pipeline: {layers} layers, {micro} microbatches, "
          + ", ".join(f"{k}={v}" for k, v in sizes.items()))
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan))
-    notes: list[str] = []
+    notes: list[str] = [unrolled_note] if unrolled_note is not None else []
     if module is not None:
-        lowered, notes = use_pipeline_module(lowered, *module)
+        lowered, given = use_pipeline_module(lowered, *module)
+        notes += given
     with running(module[1] if module is not None else None):
         report = _checked(plan, lowered, devices, seed, key)
     report.notes[:0] = notes
@@ -281,6 +285,7 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
 def check_pipeline_memory(plan: Plan, devices: int, dtype: str = MEMORY_DTYPE) -> StageMemoryCheck:
     """The pipeline lowered as :func:`verify_pipeline` lowers it on ``devices`` devices, its schedule
     compiled for inputs in ``dtype`` (not run), and its memory set beside shardc's fullest stage."""
+    plan, _ = unrolled_blocks(plan)
     sizes, layers, micro = run_sizes(plan, devices)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan))
     drawn = draw_inputs(lowered, 0, 0)

@@ -1,0 +1,222 @@
+"""Several `layers` blocks under a pipeline: the stages hold runs of the model's layers in order (block 1's
+then block 2's), so a stage may hold layers of two blocks; each stage's times and memory are its layers'
+of each block, checked here against one-block specs of each block alone."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import cache
+
+import pytest
+
+import shardc
+from shardc.costmodel.cost_report import CostReport
+from shardc.errors import ShardcError
+from shardc.ir.spec import Schedule
+from shardc.lowering.api import module_source
+from shardc.pipeline.block_split import chunk_blocks, counted_device, device_blocks, stage_blocks
+from shardc.spec.stages import Pipeline
+from shardc.spec.unroll import unrolled
+from shardc.verification.verify import render_report, verify
+
+# 3 dense-like layers of width F, then M layers twice as wide (K = 2F): the two blocks' layers differ
+TWO = """mesh P=4 pipeline, X=2
+dims B=4096, D=4096, F=16384, K=32768, M=5
+microbatches 8
+param W1, W2, V1, V2
+E0[B_X, D] = In[B_X, D]
+layers 3 {
+  H[B_X, F] = gelu(E0[B_X, D] · W1[D, F])
+  E1[B_X, D] = E0[B_X, D] + H[B_X, F] · W2[F, D]
+}
+layers M {
+  G[B_X, K] = gelu(E1[B_X, D] · V1[D, K])
+  E2[B_X, D] = E1[B_X, D] + G[B_X, K] · V2[K, D]
+}
+Out[B_X, D] = E2[B_X, D]
+"""
+# each block alone, 8 layers, with the same statements around it
+ONE = {"dense": """mesh P=4 pipeline, X=2
+dims B=4096, D=4096, F=16384
+microbatches 8
+param W1, W2
+E0[B_X, D] = In[B_X, D]
+layers 8 {
+  H[B_X, F] = gelu(E0[B_X, D] · W1[D, F])
+  E1[B_X, D] = E0[B_X, D] + H[B_X, F] · W2[F, D]
+}
+Out[B_X, D] = E1[B_X, D]
+""", "wide": """mesh P=4 pipeline, X=2
+dims B=4096, D=4096, K=32768
+microbatches 8
+param V1, V2
+E1[B_X, D] = In[B_X, D]
+layers 8 {
+  G[B_X, K] = gelu(E1[B_X, D] · V1[D, K])
+  E2[B_X, D] = E1[B_X, D] + G[B_X, K] · V2[K, D]
+}
+Out[B_X, D] = E2[B_X, D]
+"""}
+SPLITS = {2: ((3, 1), (0, 4)), 4: ((2, 0), (1, 1), (0, 2), (0, 2))}
+
+
+@cache
+def _cost(text: str, stages: int) -> CostReport:
+    return shardc.cost(shardc.plan(shardc.parse(text.replace("P=4", f"P={stages}"))))
+
+
+def _layer(kind: str, field: str) -> float:
+    """One layer's figure of a block alone: a middle stage of 4 (no statements around the block), of 2 layers."""
+    pipe = _cost(ONE[kind], 4).pipeline
+    assert pipe is not None
+    return float(getattr(pipe.stages[1], field)) / 2
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_each_stage_takes_its_layers_of_each_block(stages: int) -> None:
+    pipe = _cost(TWO, stages).pipeline
+    assert pipe is not None
+    assert [s.blocks for s in pipe.stages] == list(SPLITS[stages])
+    assert _layer("wide", "forward_s") > 1.5 * _layer("dense", "forward_s")  # the blocks' layers do differ
+    for s in pipe.stages:
+        ends = [t for t, here in ((pipe.first, s.stage == 0), (pipe.last, s.stage == stages - 1)) if here]
+        for field, end in (("forward_s", "forward"), ("backward_s", "backward"), ("weight_s", "weight")):
+            alone = s.blocks[0] * _layer("dense", field) + s.blocks[1] * _layer("wide", field)
+            assert getattr(s, field) == pytest.approx(alone + sum(getattr(t, end) for t in ends), rel=1e-9)
+        assert s.state_bytes == pytest.approx(s.blocks[0] * _layer("dense", "state_bytes")
+                                              + s.blocks[1] * _layer("wide", "state_bytes"), rel=1e-12)
+
+
+def test_the_simulation_runs_each_stage_at_its_own_times_and_the_slowest_sets_the_tick() -> None:
+    pipe = _cost(TWO, 4).pipeline
+    assert pipe is not None
+    chunks = pipe.simulation.chunk_times
+    assert [t.forward for t in chunks] == pytest.approx([s.forward_s for s in pipe.stages], rel=1e-12)
+    totals = [s.forward_s + s.backward_s + s.weight_s for s in pipe.stages]
+    # the tick: the slowest run of layers, two wide ones (stage 2's, which runs nothing around the blocks)
+    assert pipe.timing.forward == pytest.approx(pipe.stages[2].forward_s, rel=1e-12)
+    assert pipe.stage_time_s == pytest.approx(totals[2], rel=1e-12)
+    # the busiest device's m microbatches, then the bubble: more than the work, less than m + p - 1 of its ticks
+    assert pipe.simulation.ideal == pytest.approx(8 * max(totals), rel=1e-12)
+    assert pipe.simulation.ideal < pipe.simulation.makespan < (8 + 3) * max(totals) + 6 * 3 * pipe.p2p_s
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "interleaved 2", "zbv", "dualpipe", "dualpipev"])
+def test_every_schedule_runs_each_layer_once_at_its_blocks_times(schedule: str) -> None:
+    """Over 2 stages, each schedule's chunks (4 under interleaved, zbv and dualpipev; DualPipe's two
+    directions) and devices together run the 8 layers at their blocks' times, once a direction."""
+    report = _cost(TWO.replace("microbatches 8", f"microbatches 8\nschedule {schedule}"), 2)
+    pipe = report.pipeline
+    assert pipe is not None
+    copies = 2 if schedule == "dualpipe" else 1  # DualPipe runs every stage in both directions
+    whole = copies * (3 * _layer("dense", "forward_s") + 5 * _layer("wide", "forward_s")
+                      + pipe.first.forward + pipe.last.forward)
+    assert math.fsum(t.forward for t in pipe.simulation.chunk_times) == pytest.approx(whole, rel=1e-9)
+    share = 0.5 if schedule == "dualpipe" else 1.0  # a DualPipe device runs each of its two stages half the time
+    assert math.fsum(s.forward_s for s in pipe.stages) / share == pytest.approx(whole, rel=1e-9)
+    assert sum(sum(s.blocks) for s in pipe.stages) == 8 * copies
+
+
+def test_activations_are_each_blocks_layers_for_the_microbatches_held() -> None:
+    report = _cost(TWO, 4)
+    pipe = report.pipeline
+    assert pipe is not None
+    a_layer = {name: nbytes / 8 for name, nbytes in report.memory.residuals}  # a microbatch's (the tables': 8)
+    dense = a_layer["H[B_X, F]"] + a_layer["H_t1[B_X, F]"] + a_layer["E1[B_X, D]"]  # made by the first block
+    wide = a_layer["G[B_X, K]"] + a_layer["G_t1[B_X, K]"]
+    assert wide == pytest.approx(2 * (dense - a_layer["E1[B_X, D]"]))
+    for s in pipe.stages:
+        assert s.held == 4 - s.stage  # 1F1B holds p - s microbatches, whatever the times
+        once = a_layer["E0[B_X, D]"] if s.stage == 0 else 0.0  # the first stage's input
+        assert s.activation_bytes == pytest.approx(s.held * (s.blocks[0] * dense + s.blocks[1] * wide + once),
+                                                   rel=1e-12)
+    assert pipe.fullest.stage == 2  # two wide layers a microbatch, 2 held: the most state and activations
+
+
+def test_the_whole_model_is_counted_once_and_the_tables_are_the_fullest_devices() -> None:
+    report, flat = _cost(TWO, 4), shardc.cost(shardc.plan(shardc.parse(TWO.replace("P=4 pipeline, ", "")
+                                                                        .replace("microbatches 8\n", ""))))
+    assert report.memory.params_total == 2 * 4096 * (16384 * 3 + 32768 * 5)
+    assert report.pipeline is not None
+    assert report.pipeline.model_flops == pytest.approx(flat.step.model_flops, rel=1e-12)
+    assert (report.step.layers, *report.step.more_layers) == (0, 2)  # a stage of two wide layers
+    assert str(report.forward.formula.flops) == "8*B*D*K/X"  # its layers, as numbers: no M
+
+
+def test_chunks_and_devices_hold_runs_of_the_blocks_layers() -> None:
+    def pipe(schedule: str, virtual: int = 1, stages: int = 2) -> Pipeline:
+        return Pipeline("P", stages, 8, Schedule(schedule, virtual), 8, blocks=(3, 5))
+
+    assert stage_blocks(pipe("1f1b")) == ((3, 1), (0, 4)) and device_blocks(pipe("1f1b")) == ((3, 1), (0, 4))
+    assert chunk_blocks(pipe("interleaved", 2)) == ((2, 0), (1, 1), (0, 2), (0, 2))
+    assert device_blocks(pipe("interleaved", 2)) == ((2, 2), (1, 3))  # chunks 0 and 2, 1 and 3
+    assert device_blocks(pipe("zbv")) == ((2, 2), (1, 3))  # the V: chunks 0 and 3 on device 0
+    assert device_blocks(pipe("dualpipe")) == ((3, 5), (3, 5))  # stages d and p-1-d
+    assert stage_blocks(pipe("dualpipe")) == ((3, 1), (0, 4))
+    assert counted_device(pipe("1f1b", stages=4)) == (0, 2)
+
+
+def test_a_schedule_with_chunks_needs_whole_layers_a_chunk() -> None:
+    text = TWO.replace("P=4", "P=2").replace("microbatches 8", "microbatches 8\nschedule interleaved 2")
+    shardc.parse(text)  # 8 layers: 2 a chunk
+    with pytest.raises(ShardcError, match="each chunk holds whole layers") as err:
+        shardc.parse(text.replace("M=5", "M=4"))  # 7 layers over 2 stages: 4 and 3
+    assert err.value.span is not None and err.value.span.line == 11
+
+
+def test_lower_and_verify_refuse_a_block_that_lies_across_stages() -> None:
+    spec = shardc.parse(TWO)  # the 3 first-block layers over stages 0 and 1
+    for run in (lambda: shardc.lower(spec), lambda: verify(spec)):
+        with pytest.raises(ShardcError, match="must then lie on the first stage") as err:
+            run()
+        assert err.value.span is not None and err.value.span.line == 6
+
+
+# the embedding, 2 layers of one block, 4 of a wider one, the loss: lowerable (its ends read token ids)
+MODEL = """mesh P=2 pipeline, X=2
+dims B=16, S=8, D=16, F=32, K=64, V=64
+microbatches 4
+const Tok, Next
+param W_emb, W1, W2, V1, V2, W_out
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D])
+layers 2 {
+  H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F])
+  X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F] · W2[F, D]
+}
+layers 4 {
+  G[B_X, S, K] = gelu(X1[B_X, S, D] · V1[D, K])
+  X2[B_X, S, D] = X1[B_X, S, D] + G[B_X, S, K] · V2[K, D]
+}
+Fn[B_X, S, D] = rmsnorm(X2[B_X, S, D] over D)
+Lg[B_X, S, V] = Fn[B_X, S, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])
+"""
+
+
+def test_a_block_on_the_first_stage_is_written_out_before_the_longest() -> None:
+    spec = shardc.parse(MODEL)  # 6 layers over 2 stages: stage 0 holds both of the first block's and one more
+    alone = unrolled(spec)
+    assert alone.layers == 4 and alone.more_blocks == () and alone.stage_layers == (1, 3)
+    assert alone.params is not None and alone.params[1:5] == ("W1_b1l0", "W1_b1l1", "W2_b1l0", "W2_b1l1")
+    text = str(alone)
+    assert "X1_b1l0[B_X, S, D] = X0[B_X, S, D] + H_b1l0[B_X, S, F] · W2_b1l0[F, D]" in text
+    assert "X1[B_X, S, D] = X1_b1l0[B_X, S, D] + H_b1l1[B_X, S, F] · W2_b1l1[F, D]" in text  # the last keeps X1
+    assert shardc.parse(text) == alone
+    source, _ = module_source(shardc.plan(spec))
+    assert "\nSTAGE_LAYERS = (1, 3)" in source and "def pre_forward_local(Tok, W_emb, W1_b1l0," in source
+
+
+def test_a_first_block_filling_the_first_stage_is_refused() -> None:
+    spec = shardc.parse(MODEL.replace("P=2", "P=4"))  # stages of 2, 2, 1, 1: stage 0 holds no wide layer
+    with pytest.raises(ShardcError, match="block 1 \\(2 layers\\) does not") as err:
+        shardc.lower(spec)
+    assert err.value.span is not None and err.value.span.line == 7
+    assert unrolled(replace(spec, stage_layers=(3, 1, 1, 1))).stage_layers == (1, 1, 1, 1)
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_two_blocks_verifies_written_out() -> None:
+    report = verify(shardc.parse(MODEL))
+    assert report.ok, render_report(report)
+    assert any("written out layer by layer" in note for note in report.notes)
