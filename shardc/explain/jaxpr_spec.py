@@ -18,6 +18,7 @@ equation and its line.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -276,8 +277,8 @@ class _Reader(Reading):
                     self.layer_inputs[1].append(self.base(outer))
                 continue
             self.layer_inputs[0].append(self.base(outer))
-            if any(self.axes.get(self.base(outer), {}).get(self.dims_of(outer)[0], ())):
-                raise unwritable("a scan over stacked weights sharded along the layers (a pipeline)")
+            if self.axes.get(self.base(outer), {}).get(self.dims_of(outer)[0], ()):
+                self.layer_sharded(outer, length)
             self.stacked.add(self.dims_of(outer)[0])
             self.dims[inner], self.alias[inner] = self.dims_of(outer)[1:], outer
         start = len(self.statements)
@@ -288,6 +289,26 @@ class _Reader(Reading):
                 self.stacked_outputs.add(outer)
             elif not isinstance(inner, jex.Literal) and inner.aval.shape:
                 self.view(outer, inner, list(range(len(inner.aval.shape))))
+
+    def layer_sharded(self, stacked: Any, length: int) -> None:
+        """Stacked weights sharded along the layers (``W[L_X, D, F]``: each device holds L/X whole layers,
+        and XLA gathers each layer's slice as the loop reads it) written as the language's nearest
+        equivalent: each layer's weights sharded over those axes along a dim they divide (FSDP), the
+        same bytes a device and one AllGather of a layer's weights a layer, with a note saying so."""
+        axes = self.axes[self.base(stacked)]
+        layer, *rest = self.dims_of(stacked)
+        moved = axes[layer]
+        devices = math.prod(self.mesh[a] for a in moved)
+        held = [d for d in rest if not axes.get(d, ())] + [d for d in rest if axes.get(d, ())]
+        fits = [d for d in held if self.size[d] % (devices * math.prod(self.mesh[a] for a in axes.get(d, ()))) == 0]
+        if not fits:
+            raise unwritable(f"a scan over stacked weights sharded along the layers over {', '.join(moved)}, whose "
+                             "layers' dims those axes divide none of (the language shards each layer's weights)")
+        axes[layer], axes[fits[0]] = (), (*moved, *axes.get(fits[0], ()))
+        name = self.names.get(self.base(stacked), "a stacked weight")
+        self.notes.append(f"{name}: its {length} layers sharded over {', '.join(moved)} in the program, each "
+                          "layer's weights here (FSDP): the same bytes a device and gathered (XLA may gather the "
+                          "whole stack before its loop, here a layer at a time)")
 
     def view(self, out: Any, source: Any, perm: list[int]) -> None:
         ids = self.dims_of(source)
@@ -316,15 +337,20 @@ class _Reader(Reading):
             self.region_of(out, arrays, frozenset(ops), line)
             return
         if name in ("add", "sub", "mul") and len(arrays) == 2:
-            operands = tuple(self.tensor(a) for a in arrays)
-            for a in arrays:  # a size-1 dim broadcasts (jnp adds a bias as b[None, :]): only equal sizes join
-                if len(a.aval.shape) == len(out.aval.shape):
-                    for d, e, n, m in zip(self.dims_of(a), self.dims_of(out), a.aval.shape, out.aval.shape,
-                                          strict=True):
-                        if n == m:
-                            self.join(d, e)
+            operands = [self.tensor(a) for a in arrays]
+            for k, a in enumerate(arrays):  # a size-1 dim broadcasts (jnp adds a bias as b[None, :]): equal sizes join
+                if len(a.aval.shape) != len(out.aval.shape):
+                    continue
+                pairs = [(d, e) for d, e, n, m in zip(self.dims_of(a), self.dims_of(out), a.aval.shape,
+                                                      out.aval.shape, strict=True) if n == m]
+                clashes = {d for d, e in pairs if self.apart(d, e)}
+                if clashes:  # x + relu(x @ w), w[D, D]: the product's dim read as x's through a rename
+                    operands[k], view = self.rename(operands[k], self.dims_of(a), clashes, line)
+                    pairs = [(view[self.dims_of(a).index(d)], e) for d, e in pairs]
+                for d, e in pairs:
+                    self.join(d, e)
             kind = "mul" if name == "mul" else "sum"
-            self.make(out, kind, operands, signs=(1, -1 if name == "sub" else 1), line=line)
+            self.make(out, kind, tuple(operands), signs=(1, -1 if name == "sub" else 1), line=line)
             return
         raise ShardcError(f"`{name}` of {len(arrays)} different arrays" + (f" at {line}" if line else "")
                           + " has no form in the spec language", fix="explain a program without it")
@@ -385,6 +411,12 @@ class _Reader(Reading):
             else:
                 renamed[1].add(right[b])
         return renamed
+
+    def apart(self, d: int, e: int) -> bool:
+        """Whether joining ``d`` and ``e`` would merge two named dims a tensor holds apart (a square
+        weight's ``w[D, E]`` when ``x @ w`` is added to x)."""
+        ra, rb = set(self.atoms(d)), set(self.atoms(e))
+        return ra != rb and any(ra & held and rb & held for held in self.held())
 
     def held(self) -> list[set[int]]:
         """The named dims (atoms) each tensor of the spec holds."""
