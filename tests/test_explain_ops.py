@@ -13,7 +13,7 @@ import pytest
 
 import shardc
 from shardc.explain.explain_report import explain
-from tests.test_explain import _arg, _mesh
+from tests.test_explain import _arg, _line_of, _mesh
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +42,56 @@ def test_a_square_weight_added_to_its_input_reads_the_product_through_a_rename()
 
     report = verify(spec)  # the rename holds at verify's sizes too: S and T stay one size
     assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
+
+
+def _rotate_half(x: Any) -> Any:
+    import jax.numpy as jnp
+
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)  # rotate-half's line
+
+
+def test_a_rotary_embeddings_rotate_half_is_a_map_of_its_array() -> None:
+    """Rotary embedding on heads reshaped out of the projections, cos and sin given as tables: the halves
+    of the head dim put back together are a map of q (whole heads on a device), times sin, plus q * cos."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def scores(x: Any, wq: Any, wk: Any, cos: Any, sin: Any) -> Any:
+        b, s, _ = x.shape
+        q, k = ((x @ w).reshape(b, s, 4, -1) for w in (wq, wk))
+        q, k = (y * cos[:, None, :] + _rotate_half(y) * sin[:, None, :] for y in (q, k))
+        return jnp.einsum("bsnh,btnh->bnst", q, k)
+
+    e = explain(jax.jit(scores), _arg(mesh, (4, 8, 16), "data"), *[_arg(mesh, (16, 16), None, "model")] * 2,
+                _arg(mesh, (8, 4)), _arg(mesh, (8, 4)))
+    texts = _statements(e)
+    rotated = [t for t in texts if "= identity(" in t]
+    assert rotated == ["H1[B_{data}, S, N_{model}, H] = identity(Y1[B_{data}, S, N_{model}, H])",
+                       "H2[B_{data}, S, N_{model}, H] = identity(Y2[B_{data}, S, N_{model}, H])"], e.spec
+    assert "Y4[B_{data}, S, N_{model}, H] = H1[B_{data}, S, N_{model}, H] * sin[S, H]" in texts, e.spec
+    assert f"# {_line_of(_rotate_half, 'rotate-half')}" in e.spec  # the rotation's line
+    assert not e.xla and not e.plan  # heads over model, head dim whole: no collective either way
+
+
+@pytest.mark.parametrize(("program", "op", "message"), [
+    (lambda x: _rotate_half(x) * 2.0, "concatenate", "sharded over model moves its elements"),
+    (lambda x: x[:, ::2] * 2.0, "slice", "a strided slice picks every k-th element"),
+    (lambda x: (x[:, :4] @ x[:, 4:].T), "dot_general", r"a part of a dim \(a slice, a split\)"),
+    (lambda x: _concat(x) @ x.T, "concatenate", "a concatenation grows a dim"),
+])
+def test_slices_and_concatenations_the_language_cannot_write_name_the_op_and_line(program: Any, op: str,
+                                                                                  message: str) -> None:
+    import jax
+
+    mesh = _mesh((4, 2))
+    with pytest.raises(shardc.ShardcError, match=rf"`{op}` \(.*\) at .*test_explain_ops\.py:\d+: .*{message}"):
+        explain(jax.jit(program), _arg(mesh, (16, 8), None, "model"))
+
+
+def _concat(x: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.concatenate([x, x], axis=0)  # a cache grown by new rows

@@ -11,7 +11,8 @@ A tensor's sharding is its argument's, its ``with_sharding_constraint``'s, the c
 for an output, else carried from its operands as explicit sharding mode would (each dim keeps an
 operand's axes, an axis at most once).  A reshape that splits a dim or merges several is the same
 tensor, the dim written as its parts (:mod:`shardc.explain.dim_classes`); a gather of a table's
-rows at ids is ``embed``; a scan of a layer, a ``layers`` block.  A training step's backward and
+rows at ids is ``embed``; a scan of a layer, a ``layers`` block; the halves of an array put back
+together (rotary embedding's rotate-half) a map of it (:mod:`shardc.explain.slices`).  A training step's backward and
 update are left out (:mod:`shardc.explain.training`).  Anything else is a clear error naming the
 equation and its line.
 """
@@ -27,6 +28,7 @@ from jax.extend import core as jex
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
+from shardc.explain.slices import Piece, concatenate, cut
 from shardc.explain.sources import equation_text, shape_text, source_line
 from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
 from shardc.explain.training import TrainingStep, carried
@@ -57,6 +59,7 @@ class _Reader(Reading):
         self.made: set[Any] = set()  # tensors a statement makes
         self.caller = ""  # the source line of the call whose inner jaxpr is walked (jnp's own jits have none)
         self.stacked_outputs: set[Any] = set()  # a scan's per-layer outputs
+        self.pieces: dict[Any, Piece] = {}  # a slice's result, and maps of it: a part of an array
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:
@@ -67,6 +70,9 @@ class _Reader(Reading):
     def tensor(self, var: Any) -> Any:
         """The spec tensor holding ``var``: its array, an elementwise run made a function statement."""
         var = self.base(var)
+        if var in self.pieces:
+            raise unwritable("a part of a dim (a slice, a split) is read as a tensor of its own: a dim of a size "
+                             "no other tensor has, which no op of the spec language makes")
         if var in self.region:
             source, ops, line = self.region.pop(var)
             self.make(var, "fn", (self.tensor(source),), fn=function_of(ops), line=line)
@@ -170,6 +176,10 @@ class _Reader(Reading):
             self.gather(eqn, line)
         elif name == "scan":
             self.scan(eqn)
+        elif name in ("slice", "split"):
+            cut(self, eqn, line)
+        elif name == "concatenate":
+            concatenate(self, eqn, line)
         elif name == "sharding_constraint" or (name == "reshard" and arrays):
             sharding = eqn.params["sharding" if name == "sharding_constraint" else "dst_sharding"]
             self.constrain(eqn.invars[0], out, sharding.spec, line)
@@ -180,9 +190,9 @@ class _Reader(Reading):
         elif name in _UNARY:
             self.elementwise(eqn, name, arrays, line)
         else:
-            raise ShardcError(f"`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes, "
-                              f"reshapes, embedding lookups and sharding constraints; the program has `{name}`"
-                              + (f" at {line}" if line else ""),
+            raise ShardcError("`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes, "
+                              "reshapes, embedding lookups, an array's halves put back together and sharding "
+                              f"constraints; the program has `{name}`" + (f" at {line}" if line else ""),
                               fix="explain a program (or the part of it) made of those, or write its .shard spec")
 
     def constrain(self, source: Any, out: Any, spec: Any, line: str) -> None:
@@ -365,6 +375,9 @@ class _Reader(Reading):
         if arrays:  # arrays[0] has the result's shape (its source may have another: a reshape's)
             for d, e in zip(self.dims_of(arrays[0]), ids, strict=True):
                 self.join(d, e)
+        parts = {self.pieces[self.base(a)] for a in arrays if self.base(a) in self.pieces}
+        if parts:  # a map of one part of an array (-x2 of rotate-half); of two parts, a part of none
+            self.pieces[out] = parts.pop() if len(parts) == 1 else Piece(None, (), -1, 0, 0)
         prior = self.region.get(self.base(arrays[0]), (None, frozenset(), ""))[2] if arrays else ""
         self.region[out] = (source, ops, line or prior)
 
