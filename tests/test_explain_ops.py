@@ -95,3 +95,63 @@ def _concat(x: Any) -> Any:
     import jax.numpy as jnp
 
     return jnp.concatenate([x, x], axis=0)  # a cache grown by new rows
+
+
+def test_a_sort_is_the_languages_sort_its_sharded_index_gathered() -> None:
+    """``jnp.sort`` over a dim sharded over `model`: ``sort(Y1 over T)``; shardc gathers T for it (a row's
+    order needs all of it), and the sort of a whole dim is local."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def program(x: Any, w: Any, w2: Any) -> Any:
+        return jnp.sort(x @ w, axis=-1) @ w2
+
+    e = explain(jax.jit(program), _arg(mesh, (16, 8), "data"), _arg(mesh, (8, 32), None, "model"),
+                _arg(mesh, (32, 8), "model"))
+    assert "N1[B_{data}, T_{model}] = sort(Y1[B_{data}, T_{model}] over T)" in _statements(e), e.spec
+    assert ("AllGather_{model}", "Y1") in [(c.kind, c.tensor) for c in e.plan]
+    e = explain(jax.jit(lambda x: jnp.sort(x, axis=0) * 2.0), _arg(mesh, (16, 8), None, "model"))
+    assert _statements(e)[0] == "N1[B, S_{model}] = sort(x[B, S_{model}] over B)", e.spec
+    assert not e.plan and not e.xla  # along a whole dim: local
+
+
+@pytest.mark.parametrize(("program", "op"), [
+    (lambda x: jax_top_k(x)[0] * 2.0, "top_k"),
+    (lambda x: _argsort(x) * 2.0, "jit"),
+    (lambda x: _take_along(x) * 2.0, "gather"),
+    (lambda x: _take_columns(x) * 2.0, "gather"),
+])
+def test_top_k_argsort_and_other_gathers_name_the_op_and_line(program: Any, op: str) -> None:
+    """Positions along a dim (a top-k, an argsort) and a gather at them (take_along_axis outside the
+    loss, a take along another axis than a table's rows) have no tensor in the language."""
+    import jax
+
+    mesh = _mesh((4, 2))
+    with pytest.raises(shardc.ShardcError, match=rf"`{op}` \(.*\) at .*test_explain_ops\.py:\d+: "):
+        explain(jax.jit(program), _arg(mesh, (16, 8), None, "model"))
+
+
+def jax_top_k(x: Any) -> Any:
+    import jax
+
+    return jax.lax.top_k(x, 2)  # an MoE router's top-k
+
+
+def _argsort(x: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.argsort(x, axis=-1)
+
+
+def _take_along(x: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.take_along_axis(x, jnp.zeros((x.shape[0], 1), jnp.int32), axis=-1)
+
+
+def _take_columns(x: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.take(x, jnp.array([0, 2, 4]), axis=1)

@@ -121,7 +121,7 @@ class _Reader(Reading):
             except ShardcError as err:
                 if err.kind != UNWRITABLE:
                     raise
-                line = source_line(eqn)
+                line = source_line(eqn) or self.caller
                 raise ShardcError(f"`{eqn.primitive.name}` ({equation_text(eqn)})" + (f" at {line}" if line else "")
                                   + f": {err.message}", fix=err.fix) from None
 
@@ -158,6 +158,10 @@ class _Reader(Reading):
             raise unwritable("it reads a scan's per-layer outputs; a `layers` block hands on its carry alone")
         arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape]
         out: Any = eqn.outvars[0] if eqn.outvars else None
+        if name in ("top_k", "argsort") or eqn.params.get("name") == "argsort":
+            raise unwritable("a top-k or an argsort makes positions along a dim (a dim of k, integer indices), "
+                             "which the language has no tensor for; top-k routing to experts is the language's "
+                             "`route` or `dispatch` (write the routing with them)")
         if name in _CALLS and not self.unary_call(eqn, arrays, line):
             self.call(eqn)
         elif name in _CALLS:
@@ -166,6 +170,8 @@ class _Reader(Reading):
             self.dot(eqn, line)
         elif name in ("reduce_sum", "reduce_max"):
             self.reduce(eqn, line)
+        elif name == "sort":
+            self.sort(eqn, line)
         elif name == "transpose":
             self.view(out, eqn.invars[0], list(eqn.params["permutation"]))
         elif name == "broadcast_in_dim":
@@ -257,8 +263,9 @@ class _Reader(Reading):
         table, indices = eqn.invars
         out = eqn.outvars[0]
         if not is_lookup(eqn):
-            raise unwritable("a gather other than a table's rows at ids (jnp.take(table, ids, axis=0)) has no "
-                             "form in the spec language")
+            raise unwritable("a gather other than a table's rows at ids (jnp.take(table, ids, axis=0)) or the "
+                             "mean cross entropy's take_along_axis picks elements at positions, which no tensor of "
+                             "the spec language holds")
         ids = self.source(indices)
         if isinstance(ids, jex.Literal) or tuple(ids.aval.shape) != tuple(indices.aval.shape[:-1]):
             raise unwritable("the ids of a lookup are not an array of the program")
@@ -455,6 +462,17 @@ class _Reader(Reading):
             for term, ids in zip(terms, operands, strict=True):
                 for letter, d in zip(term, ids, strict=True):
                     self.hints.setdefault(d, letter.upper())
+
+    def sort(self, eqn: Any, line: str) -> None:
+        """``jnp.sort(x, axis)``: ``sort(X over I)``, the language's (I gathered where it is sharded)."""
+        if len(eqn.invars) != 1:
+            raise unwritable("a sort that carries other arrays along (an argsort, a sort by keys) makes "
+                             "positions along a dim, which the language has no tensor for")
+        source, out = eqn.invars[0], eqn.outvars[0]
+        for d, e in zip(self.dims_of(source), self.dims_of(out), strict=True):
+            self.join(d, e)
+        self.make(out, "norm", (self.tensor(source),), fn="sort", over=self.dims_of(source)[eqn.params["dimension"]],
+                  line=line)
 
     def reduce(self, eqn: Any, line: str) -> None:
         """A reduction over one dim, or over several as the language writes it: one dim at a time (a sum
