@@ -166,6 +166,7 @@ VERIFY = [
     "mesh X=4\ndims B=8, D=4096\nM[B] = logsumexp(X[B, D_X] over D)\n",
     "mesh X=2, Y=2\ndims B=8, E=8, D=4\nS1[B_X, E_Y] = sort(In[B_X, D] · W[D, E_Y] over E)\n"
     "Out[B_X, D] = S1[B_X, E_Y] · W2[E_Y, D]\n",
+    "mesh X=4\ndims B=8192, E=65536\nY[B, E_X] = sort(X[B, E_X] over E)\n",  # AllToAlls, E whole between
     # a scale is an einsum with batch index D; reductions nest inside products and reductions
     "mesh X=2, Y=2\ndims B=8, S=64, D=1024\nY[B_Y, S, D_X] = rmsnorm(X[B_Y, S, D_X] over D) * W_g[D_X]\n"
     "M[B_Y] = mean(softmax(Y[B_Y, S, D_X] over D) · W_p[D_X] over S)\n",
@@ -221,12 +222,17 @@ def test_every_reduction_is_planned_from_the_family_tables() -> None:
 
 def test_a_sort_gathers_its_sharded_index_and_is_local_along_a_whole_one() -> None:
     """A row's order needs all of it: no per-row statistic to all-reduce, so a sharded E is gathered
-    (forward, and the cotangent backward); along a whole E both are one local map."""
+    (forward, and the cotangent backward), or its axis moved onto another index; along a whole E both
+    are one local map."""
     spec = shardc.parse("mesh X=4\ndims B=8, E=64\nY[B, E_X] = sort(X[B, E_X] over E)\n")
     assert shardc.parse(str(spec)) == spec
     p = _plan(str(spec))
     assert [(s.op, s.tensor, s.axes) for s in _collectives(p.forward)] == [(Op.ALL_GATHER, "X", ("X",))]
     assert [(s.op, s.tensor, s.axes) for s in _collectives(p.backward)] == [(Op.ALL_GATHER, "dY", ("X",))]
+    # at sizes where bytes outweigh latency, E's axis moves onto B and back (two AllToAlls, half the bytes)
+    big = _plan("mesh X=4\ndims B=8192, E=65536\nY[B, E_X] = sort(X[B, E_X] over E)\n")
+    assert [(s.op, s.tensor) for s in _collectives(big.forward)] == [(Op.ALL_TO_ALL, "X"), (Op.ALL_TO_ALL, "Y")]
+    assert [s.op for s in _collectives(big.backward)] == [Op.ALL_TO_ALL] * 2
     local = _plan("mesh X=4\nY[B_X, E] = sort(X[B_X, E] over E)\n")
     assert not _collectives(local.forward) and not _collectives(local.backward)
     with pytest.raises(shardc.ShardcError, match="`sort` gives B, E"):

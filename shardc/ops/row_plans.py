@@ -210,7 +210,8 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
         raise ShardcError(f"{node.result} is {fn} of partial sums, which is not a partial sum",
                           node.statement.span, fix="drop the {U_...} suffix: the function needs reduced values")
     stats = len(function.stats)
-    options = [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, function.linear)
+    options = [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, function.linear,
+                                     moved=function.whole)
                if (o := _option(phase, node, v, target, stats)) is not None and not (function.whole and o.axes)]
     if not options:
         raise ShardcError(f"no sharding of {arg} makes {label.split(' = ')[0]}", node.statement.span,

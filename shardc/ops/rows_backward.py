@@ -35,7 +35,17 @@ from shardc.ir.localops import Row
 from shardc.names import fresh
 from shardc.ops.row_plans import over_of
 from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
-from shardc.sharding.rowwise import Layouts, by_index, choose, in_order, local_map, record, statistic, stats_cost
+from shardc.sharding.rowwise import (
+    Layouts,
+    by_index,
+    choose,
+    in_order,
+    local_map,
+    moved_onto,
+    record,
+    statistic,
+    stats_cost,
+)
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
@@ -217,6 +227,8 @@ def _candidates(bw: BackwardPass, node: Node, grad: str) -> list[Value]:
         axes = by_index(idx, value.layout)
         if axes.get(over):
             out[in_order(idx, {**axes, over: ()})] = None
+            for moved in (moved_onto(idx, axes, (over,)) if BACKWARD[node.fn or ""].whole else []):
+                out[moved] = None
     return list(out)
 
 
