@@ -155,3 +155,32 @@ def _take_columns(x: Any) -> Any:
     import jax.numpy as jnp
 
     return jnp.take(x, jnp.array([0, 2, 4]), axis=1)
+
+
+@pytest.mark.parametrize("form", ["optax", "squeezed"])
+def test_the_mean_negative_log_likelihood_at_labels_is_the_languages_cross_entropy(form: str) -> None:
+    """optax's ``softmax_cross_entropy_with_integer_labels(logits, labels).mean()`` (logsumexp less the
+    label's logit picked by take_along_axis), and the log-softmax form with the picked values squeezed,
+    in a training step: ``cross_entropy(Logits, labels)``, the vocabulary over `model` never gathered."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def loss(w: Any, x: Any, labels: Any) -> Any:
+        logits = x @ w
+        if form == "optax":
+            optax = pytest.importorskip("optax")
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=-1)
+        return -jnp.mean(picked.squeeze(-1))
+
+    def step(w: Any, x: Any, labels: Any) -> Any:
+        value, grad = jax.value_and_grad(loss)(w, x, labels)
+        return w - 0.1 * grad, value
+
+    labels = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=_arg(mesh, (16,), "data").sharding)
+    e = explain(jax.jit(step), _arg(mesh, (8, 32), None, "model"), _arg(mesh, (16, 8), "data"), labels)
+    assert _statements(e)[-1] == "L1[] = cross_entropy(Y1[B_{data}, T_{model}], labels[B_{data}])", e.spec
+    assert "param w" in e.spec.splitlines()
+    assert not any(c.tensor == "Y1" and c.kind.startswith("AllGather") for c in e.plan)  # the logits stay sharded
