@@ -76,6 +76,33 @@ def test_a_rotary_embeddings_rotate_half_is_a_map_of_its_array() -> None:
     assert not e.xla and not e.plan  # heads over model, head dim whole: no collective either way
 
 
+def test_a_rotary_embedding_computed_in_the_program_is_one_map_of_its_heads() -> None:
+    """cos and sin made in the program from positions (``jnp.arange``: constants, no tensor of the spec):
+    the whole rotary embedding, ``x * cos + rotate_half(x) * sin``, is one map of q and one of k."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+
+    def rope(x: Any) -> Any:
+        s, h = x.shape[1], x.shape[-1]
+        freqs = 1.0 / (10000 ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+        angles = jnp.outer(jnp.arange(s, dtype=jnp.float32), freqs)
+        angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
+        return x * jnp.cos(angles) + _rotate_half(x) * jnp.sin(angles)  # the rotary embedding
+
+    def scores(x: Any, wq: Any, wk: Any) -> Any:
+        b, s, _ = x.shape
+        q, k = (rope((x @ w).reshape(b, s, 4, -1)) for w in (wq, wk))
+        return jnp.einsum("bsnh,btnh->bnst", q, k)
+
+    e = explain(jax.jit(scores), _arg(mesh, (4, 8, 16), "data"), *[_arg(mesh, (16, 16), None, "model")] * 2)
+    texts = _statements(e)
+    assert texts[2:4] == ["H1[B_{data}, S, N_{model}, H] = identity(Y1[B_{data}, S, N_{model}, H])",
+                          "H2[B_{data}, S, N_{model}, H] = identity(Y2[B_{data}, S, N_{model}, H])"], e.spec
+    assert len(texts) == 6 and f"# {_line_of(rope, 'the rotary embedding')}" in e.spec, e.spec
+
+
 @pytest.mark.parametrize(("program", "op", "message"), [
     (lambda x: _rotate_half(x) * 2.0, "concatenate", "sharded over model moves its elements"),
     (lambda x: x[:, ::2] * 2.0, "slice", "a strided slice picks every k-th element"),

@@ -176,6 +176,8 @@ class _Reader(Reading):
             self.view(out, eqn.invars[0], list(eqn.params["permutation"]))
         elif name == "broadcast_in_dim":
             self.broadcast(eqn)
+        elif name == "iota":  # positions (a rotary embedding's): a constant, no tensor of the spec
+            self.constant(out)
         elif name in ("reshape", "squeeze"):
             self.reshape(eqn.invars[0], out, line)
         elif name == "gather":
@@ -184,6 +186,8 @@ class _Reader(Reading):
             self.scan(eqn)
         elif name in ("slice", "split"):
             cut(self, eqn, line)
+        elif name == "concatenate" and all(self.is_constant(v) for v in eqn.invars):
+            self.constant(out)  # a rotary embedding's frequencies, twice
         elif name == "concatenate":
             concatenate(self, eqn, line)
         elif name == "sharding_constraint" or (name == "reshard" and arrays):
@@ -335,8 +339,7 @@ class _Reader(Reading):
     def broadcast(self, eqn: Any) -> None:
         source, out = eqn.invars[0], eqn.outvars[0]
         if isinstance(source, jex.Literal) or not source.aval.shape:
-            self.dims_of(out)
-            self.region[out] = (out, frozenset(), "")  # a constant array: no tensor of the spec
+            self.constant(out)
             return
         ids = self.dims_of(out)
         for i, position in enumerate(eqn.params["broadcast_dimensions"]):
@@ -344,10 +347,17 @@ class _Reader(Reading):
                 self.join(self.dims_of(source)[i], ids[position])
         self.alias[out] = source
 
+    def constant(self, out: Any) -> None:
+        """An array the program makes of literals alone (a broadcast scalar, positions): no tensor of the spec."""
+        self.dims_of(out)
+        self.region[out] = (out, frozenset(), "")
+
+    def is_constant(self, var: Any) -> bool:
+        return self.base(var) in self.region and self.region[self.base(var)][0] is self.base(var)
+
     def elementwise(self, eqn: Any, name: str, arrays: list[Any], line: str) -> None:
         out = eqn.outvars[0]
-        arrays = [a for a in arrays if not (self.base(a) in self.region and self.region[self.base(a)][0] is
-                                            self.base(a))]  # broadcast constants
+        arrays = [a for a in arrays if not self.is_constant(a)]  # broadcast constants
         sources = {self.source(a) for a in arrays}
         if len(sources) <= 1 and all(a.aval.shape == out.aval.shape for a in arrays):
             ops = {name}.union(*(self.region.get(self.base(a), (None, frozenset(), ""))[1] for a in arrays))
