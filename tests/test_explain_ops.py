@@ -108,6 +108,7 @@ def test_a_rotary_embedding_computed_in_the_program_is_one_map_of_its_heads() ->
     (lambda x: x[:, ::2] * 2.0, "slice", "a strided slice picks every k-th element"),
     (lambda x: (x[:, :4] @ x[:, 4:].T), "dot_general", r"a part of a dim \(a slice, a split\)"),
     (lambda x: _concat(x) @ x.T, "concatenate", "a concatenation grows a dim"),
+    (lambda x: x[:, ::-1] * 2.0, "rev", "a reversal of a dim sharded over model"),
 ])
 def test_slices_and_concatenations_the_language_cannot_write_name_the_op_and_line(program: Any, op: str,
                                                                                   message: str) -> None:
@@ -142,6 +143,10 @@ def test_a_sort_is_the_languages_sort_its_sharded_index_gathered() -> None:
     e = explain(jax.jit(lambda x: jnp.sort(x, axis=0) * 2.0), _arg(mesh, (16, 8), None, "model"))
     assert _statements(e)[0] == "N1[B, S_{model}] = sort(x[B, S_{model}] over B)", e.spec
     assert not e.plan and not e.xla  # along a whole dim: local
+    descending = explain(jax.jit(lambda x: jnp.sort(x, axis=-1, descending=True) * 2.0), _arg(mesh, (16, 8), "data"))
+    assert _statements(descending)[0] == "N1[B_{data}, S] = sort(x[B_{data}, S] over S)", descending.spec
+    flipped = explain(jax.jit(lambda x: jnp.flip(x, 0) * 2.0), _arg(mesh, (16, 8), None, "model"))
+    assert _statements(flipped)[0].endswith("= identity(x[B, S_{model}])"), flipped.spec  # B whole: a map
 
 
 @pytest.mark.parametrize(("program", "op"), [

@@ -172,6 +172,8 @@ class _Reader(Reading):
             self.reduce(eqn, line)
         elif name == "sort":
             self.sort(eqn, line)
+        elif name == "rev":
+            self.reverse(eqn, line)
         elif name == "transpose":
             self.view(out, eqn.invars[0], list(eqn.params["permutation"]))
         elif name == "broadcast_in_dim":
@@ -483,6 +485,24 @@ class _Reader(Reading):
             self.join(d, e)
         self.make(out, "norm", (self.tensor(source),), fn="sort", over=self.dims_of(source)[eqn.params["dimension"]],
                   line=line)
+
+    def reverse(self, eqn: Any, line: str) -> None:
+        """``jnp.flip``: a map of the array where the reversed dims are whole on a device.  Right after a
+        sort along the same dim (``jnp.sort(x, descending=True)``) it is that sort's order: the language's
+        ``sort``, ascending, which moves what a descending one does."""
+        source, out = eqn.invars[0], eqn.outvars[0]
+        flipped = {self.find(self.dims_of(source)[k]) for k in eqn.params["dimensions"]}
+        sort = next((s for s in self.statements if s.result is self.base(source) and s.fn == "sort"), None)
+        if sort is not None and flipped == {self.find(sort.over)}:
+            self.view(out, source, list(range(len(out.aval.shape))))
+            return
+        atoms = {a for d in flipped for a in self.atoms(d)}
+        sharded = [axes for atom, axes in self.layout(self.source(source)) if axes and atom in atoms]
+        if sharded:
+            raise unwritable(f"a reversal of a dim sharded over {', '.join(sharded[0])} moves its elements between "
+                             "devices, which a map of the spec language does not")
+        ops = self.region.get(self.base(source), (None, frozenset(), ""))[1]
+        self.region_of(out, [source], frozenset(ops | {"rev"}), line)
 
     def reduce(self, eqn: Any, line: str) -> None:
         """A reduction over one dim, or over several as the language writes it: one dim at a time (a sum
