@@ -28,7 +28,7 @@ from jax.extend import core as jex
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
-from shardc.explain.slices import Piece, concatenate, cut
+from shardc.explain.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explain.sources import equation_text, shape_text, source_line
 from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
 from shardc.explain.training import TrainingStep, carried
@@ -171,9 +171,9 @@ class _Reader(Reading):
         elif name in ("reduce_sum", "reduce_max"):
             self.reduce(eqn, line)
         elif name == "sort":
-            self.sort(eqn, line)
+            sort(self, eqn, line)
         elif name == "rev":
-            self.reverse(eqn, line)
+            reverse(self, eqn, line)
         elif name == "transpose":
             self.view(out, eqn.invars[0], list(eqn.params["permutation"]))
         elif name == "broadcast_in_dim":
@@ -474,35 +474,6 @@ class _Reader(Reading):
             for term, ids in zip(terms, operands, strict=True):
                 for letter, d in zip(term, ids, strict=True):
                     self.hints.setdefault(d, letter.upper())
-
-    def sort(self, eqn: Any, line: str) -> None:
-        """``jnp.sort(x, axis)``: ``sort(X over I)``, the language's (I gathered where it is sharded)."""
-        if len(eqn.invars) != 1:
-            raise unwritable("a sort that carries other arrays along (an argsort, a sort by keys) makes "
-                             "positions along a dim, which the language has no tensor for")
-        source, out = eqn.invars[0], eqn.outvars[0]
-        for d, e in zip(self.dims_of(source), self.dims_of(out), strict=True):
-            self.join(d, e)
-        self.make(out, "norm", (self.tensor(source),), fn="sort", over=self.dims_of(source)[eqn.params["dimension"]],
-                  line=line)
-
-    def reverse(self, eqn: Any, line: str) -> None:
-        """``jnp.flip``: a map of the array where the reversed dims are whole on a device.  Right after a
-        sort along the same dim (``jnp.sort(x, descending=True)``) it is that sort's order: the language's
-        ``sort``, ascending, which moves what a descending one does."""
-        source, out = eqn.invars[0], eqn.outvars[0]
-        flipped = {self.find(self.dims_of(source)[k]) for k in eqn.params["dimensions"]}
-        sort = next((s for s in self.statements if s.result is self.base(source) and s.fn == "sort"), None)
-        if sort is not None and flipped == {self.find(sort.over)}:
-            self.view(out, source, list(range(len(out.aval.shape))))
-            return
-        atoms = {a for d in flipped for a in self.atoms(d)}
-        sharded = [axes for atom, axes in self.layout(self.source(source)) if axes and atom in atoms]
-        if sharded:
-            raise unwritable(f"a reversal of a dim sharded over {', '.join(sharded[0])} moves its elements between "
-                             "devices, which a map of the spec language does not")
-        ops = self.region.get(self.base(source), (None, frozenset(), ""))[1]
-        self.region_of(out, [source], frozenset(ops | {"rev"}), line)
 
     def reduce(self, eqn: Any, line: str) -> None:
         """A reduction over one dim, or over several as the language writes it: one dim at a time (a sum

@@ -1,5 +1,5 @@
-"""Slices of one array put back together along the dim they cut: a map of the array, local where that dim
-is whole on a device.
+"""An array's elements moved along one dim: slices put back together along the dim they cut, a flip
+(maps of the array, local where that dim is whole on a device), a sort (the language's ``sort``).
 
 A rotary position embedding (Su et al. 2021, as GPT-NeoX and LLaMA implementations write it) rotates
 the halves of the head dim, ``rotate_half(x) = concatenate([-x2, x1])`` with ``x1, x2`` the halves of
@@ -17,7 +17,7 @@ from typing import Any
 
 from shardc.explain.dim_classes import unwritable
 
-__all__ = ["Piece", "concatenate", "cut"]
+__all__ = ["Piece", "concatenate", "cut", "reverse", "sort"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +86,34 @@ def concatenate(reader: Any, eqn: Any, line: str) -> None:
         reader.join(d, e)
     ops = frozenset().union(*(reader.region[v][1] for v in ins if v in reader.region))
     reader.region[out] = (first.source, ops | {"concatenate"}, line)
+
+
+def sort(reader: Any, eqn: Any, line: str) -> None:
+    """``jnp.sort(x, axis)``: ``sort(X over I)``, the language's (I gathered where it is sharded)."""
+    if len(eqn.invars) != 1:
+        raise unwritable("a sort that carries other arrays along (an argsort, a sort by keys) makes "
+                         "positions along a dim, which the language has no tensor for")
+    source, out = eqn.invars[0], eqn.outvars[0]
+    for d, e in zip(reader.dims_of(source), reader.dims_of(out), strict=True):
+        reader.join(d, e)
+    over = reader.dims_of(source)[eqn.params["dimension"]]
+    reader.make(out, "norm", (reader.tensor(source),), fn="sort", over=over, line=line)
+
+
+def reverse(reader: Any, eqn: Any, line: str) -> None:
+    """``jnp.flip``: a map of the array where the reversed dims are whole on a device.  Right after a
+    sort along the same dim (``jnp.sort(x, descending=True)``) it is that sort's order: the language's
+    ``sort``, ascending, which moves what a descending one does."""
+    source, out = eqn.invars[0], eqn.outvars[0]
+    flipped = {reader.find(reader.dims_of(source)[k]) for k in eqn.params["dimensions"]}
+    made = next((s for s in reader.statements if s.result is reader.base(source) and s.fn == "sort"), None)
+    if made is not None and flipped == {reader.find(made.over)}:
+        reader.view(out, source, list(range(len(out.aval.shape))))
+        return
+    atoms = {a for d in flipped for a in reader.atoms(d)}
+    sharded = [axes for atom, axes in reader.layout(reader.source(source)) if axes and atom in atoms]
+    if sharded:
+        raise unwritable(f"a reversal of a dim sharded over {', '.join(sharded[0])} moves its elements between "
+                         "devices, which a map of the spec language does not")
+    ops = reader.region.get(reader.base(source), (None, frozenset(), ""))[1]
+    reader.region_of(out, [source], frozenset(ops | {"rev"}), line)
