@@ -362,6 +362,8 @@ class _Reader(Reading):
         arrays = [a for a in arrays if not self.is_constant(a)]  # broadcast constants
         sources = {self.source(a) for a in arrays}
         if len(sources) <= 1 and all(a.aval.shape == out.aval.shape for a in arrays):
+            if name == "mul" and len(arrays) < len(eqn.invars):  # times a constant: a scale, not a square
+                name = "scale"
             ops = {name}.union(*(self.region.get(self.base(a), (None, frozenset(), ""))[1] for a in arrays))
             self.region_of(out, arrays, frozenset(ops), line)
             return
