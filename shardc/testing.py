@@ -53,7 +53,7 @@ from shardc.ir.spec import (
     TensorRef,
 )
 from shardc.names import book_name
-from shardc.spec.functions import ELEMENTWISE
+from shardc.spec.functions import ELEMENTWISE, signature
 from shardc.spec.validate import validate
 from shardc.spec.walk import leaves
 
@@ -222,7 +222,7 @@ def _call(draw: st.DrawFn, func: str, expr: Expr, indices: list[str]) -> Expr:
     return Call(func, expr)
 
 
-REDUCTIONS = ("softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp")
+REDUCTIONS = ("softmax", "rmsnorm", "layernorm", "sort", "sum", "mean", "max", "logsumexp")
 
 
 def _reduction(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]] | None:
@@ -233,7 +233,7 @@ def _reduction(draw: st.DrawFn, state: _State) -> tuple[Expr, list[str]] | None:
         return None
     over = draw(st.sampled_from(indices))
     func = draw(st.sampled_from(REDUCTIONS))
-    kept = indices if func in ("softmax", "rmsnorm", "layernorm") else [i for i in indices if i != over]
+    kept = indices if signature(func).kind == "normalize" else [i for i in indices if i != over]
     return Call(func, inner, over=over), draw(st.permutations(kept))
 
 

@@ -477,11 +477,19 @@ def test_a_scanned_training_step_reads_the_loop_once_and_its_loss_after() -> Non
     assert grads == ["dparams_w1", "dparams_w2"]
 
 
-def test_a_scan_over_layers_sharded_along_the_layers_is_a_clear_error() -> None:
+def test_a_scan_over_layers_sharded_along_the_layers_is_fsdp_over_those_axes() -> None:
+    """W[L_data, D, F]: each device holds L/4 whole layers; the spec, whose weights are each layer's, shards
+    each layer's weights over `data` instead (the same bytes a device), and says so."""
     import jax
 
     mesh = _mesh((4, 2))
     fn, (params, x) = scanned_layers(train=False)
-    params = {"w1": _arg(mesh, (4, 8, 32), "data", None, "model"), "w2": params["w2"]}
-    with pytest.raises(shardc.ShardcError, match=r"`scan` .* sharded along the layers"):
-        explain(fn, params, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
+    params = {"w1": _arg(mesh, (4, 8, 32), "data", None, "model"), "w2": _arg(mesh, (4, 32, 8), "data", "model")}
+    e = explain(fn, params, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
+    assert "params_w1[S_{data}, T_{model}]" in e.spec and "params_w2[T_{model}, S_{data}]" in e.spec, e.spec
+    assert "# params_w1: its 4 layers sharded over data in the program" in e.spec
+    gathers = sorted((c.tensor, c.bytes, c.runs) for c in e.plan if c.axes == "data")
+    assert gathers == [("params_w1", 8 * 32 * 4 // 2, 4), ("params_w2", 32 * 8 * 4 // 2, 4)], e.plan
+    # XLA gathers the stacked weights over data too: as many bytes in all as the plan's gathers
+    xla = sum(c.bytes * c.runs for c in e.xla if c.axes == "data" and c.kind == "AllGather")
+    assert xla == sum(b * runs for _, b, runs in gathers), e.xla

@@ -1,4 +1,4 @@
-"""Reductions over a named index: softmax, rmsnorm, layernorm, sum, mean, max, logsumexp.
+"""Reductions over a named index: softmax, rmsnorm, layernorm, sort, sum, mean, max, logsumexp.
 
 Planned forward and backward (gather the reduced index, or all-reduce per-row
 statistics, whichever the objective says), lowered, and verified against numpy.
@@ -138,8 +138,8 @@ def test_one_readable_line_a_step() -> None:
 def test_reference_matches_finite_differences() -> None:
     """The numpy reference's closed-form gradients are the derivatives of its forward."""
     rng = np.random.default_rng(0)
-    for func in ("softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "logsumexp"):
-        out = "Y[B, D]" if func in ("softmax", "rmsnorm", "layernorm") else "Y[B]"
+    for func in ("softmax", "rmsnorm", "layernorm", "sort", "sum", "mean", "max", "logsumexp"):
+        out = "Y[B, D]" if func in ("softmax", "rmsnorm", "layernorm", "sort") else "Y[B]"
         spec = shardc.parse(f"mesh X=2\n{out} = {func}(X[B, D] over D)\n")
         x = rng.standard_normal((3, 5))
         d = rng.standard_normal((3, 5) if "D" in out else (3,))
@@ -164,6 +164,9 @@ VERIFY = [
     "mesh X=2, Y=2\ndims B=8, D=64\nM[B]{U_XY} = sum(X[B, D_X]{U_Y} over D)\n",
     "mesh X=4\ndims B=8, D=64\nM[B_X] = mean(X[B, D_X] over D)\n",
     "mesh X=4\ndims B=8, D=4096\nM[B] = logsumexp(X[B, D_X] over D)\n",
+    "mesh X=2, Y=2\ndims B=8, E=8, D=4\nS1[B_X, E_Y] = sort(In[B_X, D] · W[D, E_Y] over E)\n"
+    "Out[B_X, D] = S1[B_X, E_Y] · W2[E_Y, D]\n",
+    "mesh X=4\ndims B=8192, E=65536\nY[B, E_X] = sort(X[B, E_X] over E)\n",  # AllToAlls, E whole between
     # a scale is an einsum with batch index D; reductions nest inside products and reductions
     "mesh X=2, Y=2\ndims B=8, S=64, D=1024\nY[B_Y, S, D_X] = rmsnorm(X[B_Y, S, D_X] over D) * W_g[D_X]\n"
     "M[B_Y] = mean(softmax(Y[B_Y, S, D_X] over D) · W_p[D_X] over S)\n",
@@ -212,4 +215,25 @@ def test_every_reduction_is_planned_from_the_family_tables() -> None:
     # each function the family claims has its row of the forward table and of the backward one, and
     # neither table plans a function the family does not claim
     assert set(FORWARD) == set(BACKWARD) == set(REDUCTIONS.calls)
-    assert all(f.linear == (not f.stats) for f in FORWARD.values())  # only a linear reduction needs no statistic
+    # only a linear reduction needs no statistic, or one whose index is whole on a device (a sort)
+    assert all(f.linear == (not f.stats) for f in FORWARD.values() if not f.whole)
+    assert all(FORWARD[fn].whole == BACKWARD[fn].whole for fn in FORWARD)
+
+
+def test_a_sort_gathers_its_sharded_index_and_is_local_along_a_whole_one() -> None:
+    """A row's order needs all of it: no per-row statistic to all-reduce, so a sharded E is gathered
+    (forward, and the cotangent backward), or its axis moved onto another index; along a whole E both
+    are one local map."""
+    spec = shardc.parse("mesh X=4\ndims B=8, E=64\nY[B, E_X] = sort(X[B, E_X] over E)\n")
+    assert shardc.parse(str(spec)) == spec
+    p = _plan(str(spec))
+    assert [(s.op, s.tensor, s.axes) for s in _collectives(p.forward)] == [(Op.ALL_GATHER, "X", ("X",))]
+    assert [(s.op, s.tensor, s.axes) for s in _collectives(p.backward)] == [(Op.ALL_GATHER, "dY", ("X",))]
+    # at sizes where bytes outweigh latency, E's axis moves onto B and back (two AllToAlls, half the bytes)
+    big = _plan("mesh X=4\ndims B=8192, E=65536\nY[B, E_X] = sort(X[B, E_X] over E)\n")
+    assert [(s.op, s.tensor) for s in _collectives(big.forward)] == [(Op.ALL_TO_ALL, "X"), (Op.ALL_TO_ALL, "Y")]
+    assert [s.op for s in _collectives(big.backward)] == [Op.ALL_TO_ALL] * 2
+    local = _plan("mesh X=4\nY[B_X, E] = sort(X[B_X, E] over E)\n")
+    assert not _collectives(local.forward) and not _collectives(local.backward)
+    with pytest.raises(shardc.ShardcError, match="`sort` gives B, E"):
+        shardc.parse("mesh X=4\nY[B_X] = sort(X[B_X, E] over E)\n")

@@ -11,13 +11,15 @@ A tensor's sharding is its argument's, its ``with_sharding_constraint``'s, the c
 for an output, else carried from its operands as explicit sharding mode would (each dim keeps an
 operand's axes, an axis at most once).  A reshape that splits a dim or merges several is the same
 tensor, the dim written as its parts (:mod:`shardc.explain.dim_classes`); a gather of a table's
-rows at ids is ``embed``; a scan of a layer, a ``layers`` block.  A training step's backward and
+rows at ids is ``embed``; a scan of a layer, a ``layers`` block; the halves of an array put back
+together (rotary embedding's rotate-half) a map of it (:mod:`shardc.explain.slices`).  A training step's backward and
 update are left out (:mod:`shardc.explain.training`).  Anything else is a clear error naming the
 equation and its line.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -26,6 +28,7 @@ from jax.extend import core as jex
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
+from shardc.explain.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explain.sources import equation_text, shape_text, source_line
 from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
 from shardc.explain.training import TrainingStep, carried
@@ -56,6 +59,7 @@ class _Reader(Reading):
         self.made: set[Any] = set()  # tensors a statement makes
         self.caller = ""  # the source line of the call whose inner jaxpr is walked (jnp's own jits have none)
         self.stacked_outputs: set[Any] = set()  # a scan's per-layer outputs
+        self.pieces: dict[Any, Piece] = {}  # a slice's result, and maps of it: a part of an array
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:
@@ -66,6 +70,9 @@ class _Reader(Reading):
     def tensor(self, var: Any) -> Any:
         """The spec tensor holding ``var``: its array, an elementwise run made a function statement."""
         var = self.base(var)
+        if var in self.pieces:
+            raise unwritable("a part of a dim (a slice, a split) is read as a tensor of its own: a dim of a size "
+                             "no other tensor has, which no op of the spec language makes")
         if var in self.region:
             source, ops, line = self.region.pop(var)
             self.make(var, "fn", (self.tensor(source),), fn=function_of(ops), line=line)
@@ -114,7 +121,7 @@ class _Reader(Reading):
             except ShardcError as err:
                 if err.kind != UNWRITABLE:
                     raise
-                line = source_line(eqn)
+                line = source_line(eqn) or self.caller
                 raise ShardcError(f"`{eqn.primitive.name}` ({equation_text(eqn)})" + (f" at {line}" if line else "")
                                   + f": {err.message}", fix=err.fix) from None
 
@@ -151,6 +158,10 @@ class _Reader(Reading):
             raise unwritable("it reads a scan's per-layer outputs; a `layers` block hands on its carry alone")
         arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape]
         out: Any = eqn.outvars[0] if eqn.outvars else None
+        if name in ("top_k", "argsort") or eqn.params.get("name") == "argsort":
+            raise unwritable("a top-k or an argsort makes positions along a dim (a dim of k, integer indices), "
+                             "which the language has no tensor for; top-k routing to experts is the language's "
+                             "`route` or `dispatch` (write the routing with them)")
         if name in _CALLS and not self.unary_call(eqn, arrays, line):
             self.call(eqn)
         elif name in _CALLS:
@@ -159,16 +170,28 @@ class _Reader(Reading):
             self.dot(eqn, line)
         elif name in ("reduce_sum", "reduce_max"):
             self.reduce(eqn, line)
+        elif name == "sort":
+            sort(self, eqn, line)
+        elif name == "rev":
+            reverse(self, eqn, line)
         elif name == "transpose":
             self.view(out, eqn.invars[0], list(eqn.params["permutation"]))
         elif name == "broadcast_in_dim":
             self.broadcast(eqn)
+        elif name == "iota":  # positions (a rotary embedding's): a constant, no tensor of the spec
+            self.constant(out)
         elif name in ("reshape", "squeeze"):
             self.reshape(eqn.invars[0], out, line)
         elif name == "gather":
             self.gather(eqn, line)
         elif name == "scan":
             self.scan(eqn)
+        elif name in ("slice", "split"):
+            cut(self, eqn, line)
+        elif name == "concatenate" and all(self.is_constant(v) for v in eqn.invars):
+            self.constant(out)  # a rotary embedding's frequencies, twice
+        elif name == "concatenate":
+            concatenate(self, eqn, line)
         elif name == "sharding_constraint" or (name == "reshard" and arrays):
             sharding = eqn.params["sharding" if name == "sharding_constraint" else "dst_sharding"]
             self.constrain(eqn.invars[0], out, sharding.spec, line)
@@ -179,9 +202,9 @@ class _Reader(Reading):
         elif name in _UNARY:
             self.elementwise(eqn, name, arrays, line)
         else:
-            raise ShardcError(f"`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes, "
-                              f"reshapes, embedding lookups and sharding constraints; the program has `{name}`"
-                              + (f" at {line}" if line else ""),
+            raise ShardcError("`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes, "
+                              "reshapes, embedding lookups, an array's halves put back together and sharding "
+                              f"constraints; the program has `{name}`" + (f" at {line}" if line else ""),
                               fix="explain a program (or the part of it) made of those, or write its .shard spec")
 
     def constrain(self, source: Any, out: Any, spec: Any, line: str) -> None:
@@ -246,8 +269,9 @@ class _Reader(Reading):
         table, indices = eqn.invars
         out = eqn.outvars[0]
         if not is_lookup(eqn):
-            raise unwritable("a gather other than a table's rows at ids (jnp.take(table, ids, axis=0)) has no "
-                             "form in the spec language")
+            raise unwritable("a gather other than a table's rows at ids (jnp.take(table, ids, axis=0)) or the "
+                             "mean cross entropy's take_along_axis picks elements at positions, which no tensor of "
+                             "the spec language holds")
         ids = self.source(indices)
         if isinstance(ids, jex.Literal) or tuple(ids.aval.shape) != tuple(indices.aval.shape[:-1]):
             raise unwritable("the ids of a lookup are not an array of the program")
@@ -276,8 +300,8 @@ class _Reader(Reading):
                     self.layer_inputs[1].append(self.base(outer))
                 continue
             self.layer_inputs[0].append(self.base(outer))
-            if any(self.axes.get(self.base(outer), {}).get(self.dims_of(outer)[0], ())):
-                raise unwritable("a scan over stacked weights sharded along the layers (a pipeline)")
+            if self.axes.get(self.base(outer), {}).get(self.dims_of(outer)[0], ()):
+                self.layer_sharded(outer, length)
             self.stacked.add(self.dims_of(outer)[0])
             self.dims[inner], self.alias[inner] = self.dims_of(outer)[1:], outer
         start = len(self.statements)
@@ -289,6 +313,26 @@ class _Reader(Reading):
             elif not isinstance(inner, jex.Literal) and inner.aval.shape:
                 self.view(outer, inner, list(range(len(inner.aval.shape))))
 
+    def layer_sharded(self, stacked: Any, length: int) -> None:
+        """Stacked weights sharded along the layers (``W[L_X, D, F]``: each device holds L/X whole layers,
+        and XLA gathers each layer's slice as the loop reads it) written as the language's nearest
+        equivalent: each layer's weights sharded over those axes along a dim they divide (FSDP), the
+        same bytes a device and one AllGather of a layer's weights a layer, with a note saying so."""
+        axes = self.axes[self.base(stacked)]
+        layer, *rest = self.dims_of(stacked)
+        moved = axes[layer]
+        devices = math.prod(self.mesh[a] for a in moved)
+        held = [d for d in rest if not axes.get(d, ())] + [d for d in rest if axes.get(d, ())]
+        fits = [d for d in held if self.size[d] % (devices * math.prod(self.mesh[a] for a in axes.get(d, ()))) == 0]
+        if not fits:
+            raise unwritable(f"a scan over stacked weights sharded along the layers over {', '.join(moved)}, whose "
+                             "layers' dims those axes divide none of (the language shards each layer's weights)")
+        axes[layer], axes[fits[0]] = (), (*moved, *axes.get(fits[0], ()))
+        name = self.names.get(self.base(stacked), "a stacked weight")
+        self.notes.append(f"{name}: its {length} layers sharded over {', '.join(moved)} in the program, each "
+                          "layer's weights here (FSDP): the same bytes a device and gathered (XLA may gather the "
+                          "whole stack before its loop, here a layer at a time)")
+
     def view(self, out: Any, source: Any, perm: list[int]) -> None:
         ids = self.dims_of(source)
         self.dims[out] = [ids[p] for p in perm]
@@ -297,8 +341,7 @@ class _Reader(Reading):
     def broadcast(self, eqn: Any) -> None:
         source, out = eqn.invars[0], eqn.outvars[0]
         if isinstance(source, jex.Literal) or not source.aval.shape:
-            self.dims_of(out)
-            self.region[out] = (out, frozenset(), "")  # a constant array: no tensor of the spec
+            self.constant(out)
             return
         ids = self.dims_of(out)
         for i, position in enumerate(eqn.params["broadcast_dimensions"]):
@@ -306,25 +349,39 @@ class _Reader(Reading):
                 self.join(self.dims_of(source)[i], ids[position])
         self.alias[out] = source
 
+    def constant(self, out: Any) -> None:
+        """An array the program makes of literals alone (a broadcast scalar, positions): no tensor of the spec."""
+        self.dims_of(out)
+        self.region[out] = (out, frozenset(), "")
+
+    def is_constant(self, var: Any) -> bool:
+        return self.base(var) in self.region and self.region[self.base(var)][0] is self.base(var)
+
     def elementwise(self, eqn: Any, name: str, arrays: list[Any], line: str) -> None:
         out = eqn.outvars[0]
-        arrays = [a for a in arrays if not (self.base(a) in self.region and self.region[self.base(a)][0] is
-                                            self.base(a))]  # broadcast constants
+        arrays = [a for a in arrays if not self.is_constant(a)]  # broadcast constants
         sources = {self.source(a) for a in arrays}
         if len(sources) <= 1 and all(a.aval.shape == out.aval.shape for a in arrays):
+            if name == "mul" and len(arrays) < len(eqn.invars):  # times a constant: a scale, not a square
+                name = "scale"
             ops = {name}.union(*(self.region.get(self.base(a), (None, frozenset(), ""))[1] for a in arrays))
             self.region_of(out, arrays, frozenset(ops), line)
             return
         if name in ("add", "sub", "mul") and len(arrays) == 2:
-            operands = tuple(self.tensor(a) for a in arrays)
-            for a in arrays:  # a size-1 dim broadcasts (jnp adds a bias as b[None, :]): only equal sizes join
-                if len(a.aval.shape) == len(out.aval.shape):
-                    for d, e, n, m in zip(self.dims_of(a), self.dims_of(out), a.aval.shape, out.aval.shape,
-                                          strict=True):
-                        if n == m:
-                            self.join(d, e)
+            operands = [self.tensor(a) for a in arrays]
+            for k, a in enumerate(arrays):  # a size-1 dim broadcasts (jnp adds a bias as b[None, :]): equal sizes join
+                if len(a.aval.shape) != len(out.aval.shape):
+                    continue
+                pairs = [(d, e) for d, e, n, m in zip(self.dims_of(a), self.dims_of(out), a.aval.shape,
+                                                      out.aval.shape, strict=True) if n == m]
+                clashes = {d for d, e in pairs if self.apart(d, e)}
+                if clashes:  # x + relu(x @ w), w[D, D]: the product's dim read as x's through a rename
+                    operands[k], view = self.rename(operands[k], self.dims_of(a), clashes, line)
+                    pairs = [(view[self.dims_of(a).index(d)], e) for d, e in pairs]
+                for d, e in pairs:
+                    self.join(d, e)
             kind = "mul" if name == "mul" else "sum"
-            self.make(out, kind, operands, signs=(1, -1 if name == "sub" else 1), line=line)
+            self.make(out, kind, tuple(operands), signs=(1, -1 if name == "sub" else 1), line=line)
             return
         raise ShardcError(f"`{name}` of {len(arrays)} different arrays" + (f" at {line}" if line else "")
                           + " has no form in the spec language", fix="explain a program without it")
@@ -339,6 +396,9 @@ class _Reader(Reading):
         if arrays:  # arrays[0] has the result's shape (its source may have another: a reshape's)
             for d, e in zip(self.dims_of(arrays[0]), ids, strict=True):
                 self.join(d, e)
+        parts = {self.pieces[self.base(a)] for a in arrays if self.base(a) in self.pieces}
+        if parts:  # a map of one part of an array (-x2 of rotate-half); of two parts, a part of none
+            self.pieces[out] = parts.pop() if len(parts) == 1 else Piece(None, (), -1, 0, 0)
         prior = self.region.get(self.base(arrays[0]), (None, frozenset(), ""))[2] if arrays else ""
         self.region[out] = (source, ops, line or prior)
 
@@ -385,6 +445,12 @@ class _Reader(Reading):
             else:
                 renamed[1].add(right[b])
         return renamed
+
+    def apart(self, d: int, e: int) -> bool:
+        """Whether joining ``d`` and ``e`` would merge two named dims a tensor holds apart (a square
+        weight's ``w[D, E]`` when ``x @ w`` is added to x)."""
+        ra, rb = set(self.atoms(d)), set(self.atoms(e))
+        return ra != rb and any(ra & held and rb & held for held in self.held())
 
     def held(self) -> list[set[int]]:
         """The named dims (atoms) each tensor of the spec holds."""

@@ -8,7 +8,9 @@ product of x with a statistic of itself: the run is ``rmsnorm(X over I)``, and o
 ``layernorm(X over I)``, as is flax's LayerNorm, ``(x - mean(x)) * rsqrt(mean(x**2) - mean(x)**2 + eps)``.
 The mean negative log
 likelihood ``-mean(take_along_axis(log_softmax(logits), labels[..., None], axis=-1))`` (jax's
-``log_softmax`` and ``take_along_axis`` are calls of their own) is ``cross_entropy(Logits, Labels)``.
+``log_softmax`` and ``take_along_axis`` are calls of their own) is ``cross_entropy(Logits, Labels)``,
+as is optax's ``softmax_cross_entropy_with_integer_labels(logits, labels).mean()``, the mean of
+``logsumexp(logits) - take_along_axis(logits, labels[..., None], axis=-1)[..., 0]``.
 :func:`runs` finds each such run whose inner values nothing else reads.
 """
 
@@ -46,7 +48,12 @@ def _producers(eqns: list[Any]) -> dict[Any, Any]:
 
 
 def _uses(eqns: list[Any], outvars: list[Any]) -> Counter[Any]:
-    uses: Counter[Any] = Counter(v for eqn in eqns for v in eqn.invars if not isinstance(v, jex.Literal))
+    """How often each value is read; an equation whose results nothing reads (jax's ``sign`` of a
+    logsumexp's sum, traced for its gradient) reads nothing."""
+    read = {v for eqn in eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
+    read.update(v for v in outvars if not isinstance(v, jex.Literal))
+    live = [eqn for eqn in eqns if any(v in read for v in eqn.outvars)]
+    uses: Counter[Any] = Counter(v for eqn in live for v in eqn.invars if not isinstance(v, jex.Literal))
     uses.update(v for v in outvars if not isinstance(v, jex.Literal))
     return uses
 
@@ -216,8 +223,8 @@ def _call(eqn: Any, name: str) -> bool:
 
 
 def _cross_entropy(neg: Any, made: dict[Any, Any]) -> Run | None:
-    """``-(sum(take_along_axis(log_softmax(x), labels[..., None], -1)) / tokens)``: the run from the
-    log_softmax call to the negation, over x's last axis."""
+    """``-(sum(take_along_axis(log_softmax(x), labels[..., None], -1)) / tokens)`` (the picked values'
+    last index read first or not): the run from the log_softmax call to the negation, over x's last axis."""
     div = made.get(neg.invars[0])
     if div is None or div.primitive.name != "div" or not isinstance(div.invars[1], jex.Literal):
         return None
@@ -225,6 +232,8 @@ def _cross_entropy(neg: Any, made: dict[Any, Any]) -> Run | None:
     if total is None or total.primitive.name != "reduce_sum":
         return None
     take: Any = made.get(total.invars[0])
+    squeeze = [take] if _squeeze(take) else []
+    take = made.get(take.invars[0]) if squeeze else take
     if not _call(take, "take_along_axis") or not _call(made.get(take.invars[0]), "log_softmax"):
         return None
     logp, index = made[take.invars[0]], made.get(take.invars[1])
@@ -232,15 +241,87 @@ def _cross_entropy(neg: Any, made: dict[Any, Any]) -> Run | None:
         return None
     labels, logits = index.invars[0], logp.invars[0]
     shape = tuple(labels.aval.shape)
+    summed = len(shape) + 1 - len(squeeze)  # the tokens' indices, and the picked one where it is not read first
     if tuple(logits.aval.shape[:-1]) != shape or tuple(take.outvars[0].aval.shape) != (*shape, 1) \
-            or float(div.invars[1].val) != math.prod(shape) or len(total.params["axes"]) != len(shape) + 1:
+            or float(div.invars[1].val) != math.prod(shape) or len(total.params["axes"]) != summed:
         return None
-    return Run("cross_entropy", logits, len(shape), (logp, index, take, total, div, neg), labels)
+    return Run("cross_entropy", logits, len(shape), (logp, index, take, *squeeze, total, div, neg), labels)
+
+
+def _squeeze(eqn: Any) -> bool:
+    """Whether ``eqn`` reads a picked value's last index of one (``[..., 0]``, a ``_take`` call; ``.squeeze(-1)``)."""
+    return eqn is not None and (_call(eqn, "_take") or eqn.primitive.name == "squeeze")
+
+
+_LSE = frozenset({"reduce_max", "max", "is_finite", "broadcast_in_dim", "select_n", "stop_gradient", "sub", "exp",
+                  "reduce_sum", "abs", "log", "add"})  # jax.nn.logsumexp's equations, inlined
+
+
+def _picked(var: Any, made: dict[Any, Any]) -> tuple[Any, Any, list[Any]] | None:
+    """(logits, labels, run) where ``var`` is ``take_along_axis(logits, labels[..., None], axis=-1)[..., 0]``
+    (optax's label logits; the last index read by a ``_take`` call or a squeeze)."""
+    last: Any = made.get(var)
+    if not _squeeze(last):
+        return None
+    take: Any = made.get(last.invars[0])
+    index = made.get(take.invars[1]) if _call(take, "take_along_axis") else None
+    if index is None or index.primitive.name != "broadcast_in_dim":
+        return None
+    logits, labels = take.invars[0], index.invars[0]
+    shape = tuple(labels.aval.shape)
+    if tuple(logits.aval.shape[:-1]) != shape or tuple(var.aval.shape) != shape:
+        return None
+    return logits, labels, [index, take, last]
+
+
+def _logsumexp_of(var: Any, logits: Any, made: dict[Any, Any]) -> list[Any] | None:
+    """The equations of ``jax.nn.logsumexp(logits, axis=-1)`` making ``var`` (inlined: a max, exp of the
+    shift, a sum over the last axis, its log; or a ``logsumexp`` call), reading logits and literals alone."""
+    cone: dict[int, Any] = {}
+    stack, last = [var], len(logits.aval.shape) - 1
+    while stack:
+        v = stack.pop()
+        eqn = made.get(v)
+        if v is logits or (eqn is not None and id(eqn) in cone):
+            continue
+        if eqn is None or not (eqn.primitive.name in _LSE or (_call(eqn, "logsumexp") and eqn.invars[0] is logits)):
+            return None
+        cone[id(eqn)] = eqn
+        if eqn.primitive.name in _LSE:
+            stack += [u for u in eqn.invars if not isinstance(u, jex.Literal)]
+    sums = [e for e in cone.values() if e.primitive.name in ("reduce_sum", "reduce_max")]
+    if any(tuple(e.params["axes"]) != (last,) or e.invars[0] is not logits and e.primitive.name == "reduce_max"
+           for e in sums):
+        return None
+    names = {e.primitive.name for e in cone.values()}
+    if not ({"exp", "log", "reduce_sum"} <= names or any(_call(e, "logsumexp") for e in cone.values())):
+        return None
+    return list(cone.values())
+
+
+def _mean_nll(div: Any, made: dict[Any, Any]) -> Run | None:
+    """optax's ``softmax_cross_entropy_with_integer_labels(logits, labels).mean()``: the mean over tokens
+    of ``logsumexp(logits) - take_along_axis(logits, labels)``, the language's ``cross_entropy``."""
+    total = made.get(div.invars[0])
+    if not isinstance(div.invars[1], jex.Literal) or total is None or total.primitive.name != "reduce_sum":
+        return None
+    sub: Any = made.get(total.invars[0])
+    picked = _picked(sub.invars[1], made) if sub is not None and sub.primitive.name == "sub" else None
+    if picked is None:
+        return None
+    logits, labels, pick = picked
+    lse = _logsumexp_of(sub.invars[0], logits, made)
+    shape = tuple(labels.aval.shape)
+    if lse is None or float(div.invars[1].val) != math.prod(shape) or len(total.params["axes"]) != len(shape):
+        return None
+    return Run("cross_entropy", logits, len(shape), (*lse, *pick, sub, total, div), labels)
 
 
 def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
     if eqn.primitive.name == "neg":
         return _cross_entropy(eqn, made)
+    if eqn.primitive.name == "div" and isinstance(eqn.invars[1], jex.Literal):
+        return _mean_nll(eqn, made)
     if len(eqn.invars) != 2 or any(isinstance(v, jex.Literal) for v in eqn.invars):
         return None
     if eqn.primitive.name == "div":

@@ -60,6 +60,7 @@ class Reading(DimClasses):
         self.stacked: set[int] = set()  # a scan's layers dim of its stacked weights (left out of the spec)
         self.blocks: list[tuple[int, int, int]] = []  # each scan's statements [start, end) and its length
         self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
+        self.notes: list[str] = []  # where the spec is the program's nearest equivalent, what differs
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:
@@ -136,10 +137,12 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
     sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
     floats = [str(v.aval.dtype) for v in jaxpr.invars if str(v.aval.dtype) in _DTYPES]
     head = [f"# {comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
+            *(f"# {note}" for note in reader.notes),
             "mesh " + ", ".join(f"{a}={n}" for a, n in reader.mesh.items()),
             "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {_DTYPES[(floats or ['float32'])[0]]}"]
     head += reader.step.lines(reader.names, set(tensors), reader.ids, reader.layer_inputs)
-    return ProgramSpec("\n".join([*head, "", *body]) + "\n", tensors, lines, training=reader.step.backward)
+    return ProgramSpec("\n".join([*head, "", *body]) + "\n", tensors, lines, list(reader.notes),
+                       training=reader.step.backward)
 
 
 def _over(reader: Reading, names: dict[int, str], s: Statement) -> str:

@@ -247,6 +247,8 @@ class Row(Enum):
     MEAN_VJP = "mean_vjp"
     RMSNORM_VJP = "rmsnorm_vjp"
     LAYERNORM_VJP = "layernorm_vjp"
+    SORT = "sort"
+    SORT_VJP = "sort_vjp"
 
     def __str__(self) -> str:
         return self.value

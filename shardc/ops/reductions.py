@@ -1,4 +1,4 @@
-"""The reductions and norms family: ``softmax``, ``rmsnorm``, ``layernorm`` (the argument's indices)
+"""The reductions and norms family: ``softmax``, ``rmsnorm``, ``layernorm``, ``sort`` (the argument's indices)
 and ``sum``, ``mean``, ``max``, ``logsumexp`` (the reduced index dropped), each ``over`` one index.
 
 :mod:`shardc.ops.row_plans` plans the forward (the reduced index gathered, or per-row
@@ -126,6 +126,9 @@ def _expression(step: Step, a: list[str], e: Callable[[int], str], n: str, d: in
         Row.ROW_DOT: f"jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, axis={d})",
         Row.SOFTMAX_VJP: f"{a[0]} * ({a[1] if len(a) > 1 else ''} - jnp.sum({a[0]} * {a[1] if len(a) > 1 else ''}, "
                          f"axis={d}, keepdims=True))",
+        Row.SORT: f"jnp.sort({a[0]}, axis={d})",
+        Row.SORT_VJP: f"jnp.take_along_axis({a[1] if len(a) > 1 else ''}, jnp.argsort(jnp.argsort({a[0]}, axis={d}), "
+                      f"axis={d}), axis={d})",
     }
     if isinstance(fn, Row) and fn in simple:
         return simple[fn]
@@ -235,6 +238,10 @@ def _max_value(x: Array, axis: int, xp: Any) -> Array:
     return xp.max(x, axis=axis)
 
 
+def _sort_value(x: Array, axis: int, xp: Any) -> Array:
+    return xp.sort(x, axis=axis)
+
+
 def _softmax_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
     return y * (dy - xp.sum(dy * y, axis=axis, keepdims=True))
 
@@ -266,6 +273,13 @@ def _max_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
     return xp.where(x == xp.expand_dims(y, axis), xp.expand_dims(dy, axis), 0.0 * x)
 
 
+def _sort_vjp(x: Array, y: Array, dy: Array, axis: int, xp: Any) -> Array:
+    """Each element's cotangent is that of its place in the sorted row: dY at its rank (ties by position,
+    as a stable sort orders them)."""
+    rank = xp.argsort(xp.argsort(x, axis=axis, stable=True), axis=axis, stable=True)
+    return xp.take_along_axis(dy, rank, axis=axis)
+
+
 def _row_peak(mag: Any, axis: int) -> Any:
     return np.max(mag, axis=axis, keepdims=True)
 
@@ -293,6 +307,15 @@ def _sum_bound(x: Any, y: Any, mag: Any, axis: int) -> Any:
 
 def _mean_bound(x: Any, y: Any, mag: Any, axis: int) -> Any:
     return np.sum(mag, axis=axis) / x.shape[axis]
+
+
+def _sort_bound(x: Any, y: Any, mag: Any, axis: int) -> Any:
+    """A sorted element is one of its row's: the row's peak magnitude bounds it."""
+    return np.broadcast_to(_row_peak(mag, axis), x.shape)
+
+
+def _sort_grad_bound(x: Any, y: Any, mag: Any, d: Any, axis: int) -> Any:
+    return np.broadcast_to(_row_peak(d, axis), x.shape)
 
 
 def _softmax_grad_bound(x: Any, y: Any, mag: Any, d: Any, axis: int) -> Any:
@@ -339,6 +362,7 @@ _WHOLE: dict[str, _Whole] = {
     "sum": _Whole(_sum_value, _sum_vjp, _sum_bound, _spread_grad_bound, False),
     "mean": _Whole(_mean_value, _mean_vjp, _mean_bound, _mean_grad_bound, False),
     "max": _Whole(_max_value, _max_vjp, _peak_bound, _spread_grad_bound, False),
+    "sort": _Whole(_sort_value, _sort_vjp, _sort_bound, _sort_grad_bound, False),
 }
 
 

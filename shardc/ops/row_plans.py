@@ -12,7 +12,8 @@ collectives):
   max (an AllReduce taking the max) and the sum of exponentials after it, as
   Megatron-LM's vocab-parallel cross entropy does; rmsnorm the mean of squares;
   layernorm the mean, then the mean squared deviation from it (two passes:
-  one pass of E[x**2] - mean**2 cancels to nonsense in 16-bit floats); max its maximum.  ``sum`` and
+  one pass of E[x**2] - mean**2 cancels to nonsense in 16-bit floats); max its maximum.  ``sort``
+  has no statistics (a row's order needs every element of it): only the gather plans it.  ``sum`` and
   ``mean`` are linear: their local result is a partial sum over A ({U_A}), which
   the ordinary moves reduce later (AllReduce, ReduceScatter) or never.
 
@@ -129,6 +130,11 @@ def _rmsnorm(r: _Rows) -> None:
     r.finish(Row.RMSNORM_APPLY, (r.x, q))
 
 
+def _sort(r: _Rows) -> None:
+    assert not r.option.axes  # a row's order needs every element of it: I is whole (RowFunction.whole)
+    r.finish(Row.SORT, (r.x,))
+
+
 def _layernorm(r: _Rows) -> None:
     # two passes: the mean, then mean((x - mean)**2) (one pass of E[x**2] - mean**2 cancels in 16-bit floats)
     mu = r.stat(0, Row.ROW_MEAN, (r.x,))
@@ -144,6 +150,7 @@ class RowFunction:
     emit: Callable[[_Rows], None]  # its local maps and statistic AllReduces, in the layout chosen
     linear: bool = False  # partial sums in, partial sums out: its local result stays partial over I's axes
     named: bool = True  # its statistics are tensors of their own (max's one statistic is its result)
+    whole: bool = False  # it has no statistics to all-reduce: I is whole on a device (gathered where sharded)
 
 
 FORWARD: dict[str, RowFunction] = {
@@ -154,6 +161,7 @@ FORWARD: dict[str, RowFunction] = {
     "max": RowFunction(("max",), _max, named=False),
     "sum": RowFunction((), _sum, linear=True),
     "mean": RowFunction((), _mean, linear=True),
+    "sort": RowFunction((), _sort, whole=True),
 }
 
 
@@ -202,8 +210,9 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
         raise ShardcError(f"{node.result} is {fn} of partial sums, which is not a partial sum",
                           node.statement.span, fix="drop the {U_...} suffix: the function needs reduced values")
     stats = len(function.stats)
-    options = [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, function.linear)
-               if (o := _option(phase, node, v, target, stats)) is not None]
+    options = [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, function.linear,
+                                     moved=function.whole)
+               if (o := _option(phase, node, v, target, stats)) is not None and not (function.whole and o.axes)]
     if not options:
         raise ShardcError(f"no sharding of {arg} makes {label.split(' = ')[0]}", node.statement.span,
                           fix="a partial sum {U_..} of a reduction needs its index sharded over those axes")

@@ -8,9 +8,11 @@ With I the reduced index, rows every other index, and each row on its own:
     logsumexp   dX = exp(X - L) * dL
     max         dX = (X == M) * dM
     sum, mean   dX = dS spread along I (over I's size for mean)
+    sort        dX = dY at each element's rank along I (X's stable argsort, inverted)
 
 Where I is sharded over axes A, the row sums above are local partial sums
-all-reduced over A (one AllReduce of rows x 1 each), or I is gathered first:
+all-reduced over A (one AllReduce of rows x 1 each), or I is gathered first (a sort's, which has
+no row sums, always is):
 the same candidates and the same objective as the forward
 (:mod:`shardc.ops.row_plans`).  A norm's backward reads its input X, and makes its
 statistics and Y again from it (the same maps and AllReduces as the forward, counted
@@ -33,7 +35,17 @@ from shardc.ir.localops import Row
 from shardc.names import fresh
 from shardc.ops.row_plans import over_of
 from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
-from shardc.sharding.rowwise import Layouts, by_index, choose, in_order, local_map, record, statistic, stats_cost
+from shardc.sharding.rowwise import (
+    Layouts,
+    by_index,
+    choose,
+    in_order,
+    local_map,
+    moved_onto,
+    record,
+    statistic,
+    stats_cost,
+)
 from shardc.sharding.search import reshard
 
 if TYPE_CHECKING:
@@ -146,6 +158,7 @@ class RowGradient:
     stats: int  # row sums it all-reduces where I is sharded
     vjp: Row  # the local map of the gradient in closed form (softmax's where its index is whole)
     emit: Callable[[_Grad], None] = _closed_form  # its local maps and row-sum AllReduces
+    whole: bool = False  # no row sums to all-reduce: I is whole on a device (gathered where sharded)
 
 
 # A norm makes its statistics again from its input first: rmsnorm 1 + 1 row sums, layernorm 2 + 2.
@@ -157,6 +170,7 @@ BACKWARD: dict[str, RowGradient] = {
     "max": RowGradient(_input_and_row_values, 0, Row.MAX_VJP),
     "sum": RowGradient(_cotangent, 0, Row.SUM_VJP, _spread),
     "mean": RowGradient(_cotangent, 0, Row.MEAN_VJP, _spread),
+    "sort": RowGradient(_input_and_cotangent, 0, Row.SORT_VJP, whole=True),
 }
 
 
@@ -175,6 +189,8 @@ def _option(bw: BackwardPass, node: Node, grad: str, local: Value, dst: str) -> 
     idx = phase.indices[x]
     over = over_of(node)
     axes = by_index(idx, local.layout)
+    if BACKWARD[node.fn or ""].whole and axes[over]:
+        return None
     full, rows = _reads(node, grad)
     total: Cost = ZERO
     moves_in: list[Move] = []
@@ -211,6 +227,8 @@ def _candidates(bw: BackwardPass, node: Node, grad: str) -> list[Value]:
         axes = by_index(idx, value.layout)
         if axes.get(over):
             out[in_order(idx, {**axes, over: ()})] = None
+            for moved in (moved_onto(idx, axes, (over,)) if BACKWARD[node.fn or ""].whole else []):
+                out[moved] = None
     return list(out)
 
 

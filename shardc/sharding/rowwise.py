@@ -20,7 +20,7 @@ from shardc.ir.plan import Alternative, Choice, Op, Step, sum_formula
 from shardc.sharding.layout import ZERO, Cost, Layout, Move, Value
 from shardc.sharding.phase import Phase
 
-__all__ = ["by_index", "in_order", "frame_of", "Layouts", "stats_cost", "choose", "candidates", "record",
+__all__ = ["by_index", "in_order", "frame_of", "Layouts", "stats_cost", "choose", "candidates", "moved_onto", "record",
            "local_map", "all_reduce", "statistic"]
 
 
@@ -118,9 +118,10 @@ def _volume(phase: Phase, o: Layouts, stats: int, idx: tuple[str, ...], over: st
 
 
 def candidates(phase: Phase, arg: str, whole: tuple[str, ...], result_idx: tuple[str, ...], target: Value | None,
-               linear: bool) -> list[Value]:
+               linear: bool, moved: bool = False) -> list[Value]:
     """Input layouts worth costing: held values (reduced first unless linear), the target's, and each of
-    them with the indices ``whole`` gathered (a reduction's I; ``route``'s expert and token indices)."""
+    them with the indices ``whole`` gathered (a reduction's I; ``route``'s expert and token indices), and,
+    where ``moved``, with their axes moved onto another index instead (an AllToAll: a sort's)."""
     idx = phase.indices[arg]
     found: dict[Value, None] = {}
     for source in phase.held[arg]:
@@ -134,7 +135,18 @@ def candidates(phase: Phase, arg: str, whole: tuple[str, ...], result_idx: tuple
         axes = by_index(idx, value.layout)
         if any(axes.get(i) for i in whole):
             out[in_order(idx, {**axes, **dict.fromkeys(whole, ())}, value.unreduced)] = None
+            for other in (moved_onto(idx, axes, whole, value.unreduced) if moved else []):
+                out[other] = None
     return list(out)
+
+
+def moved_onto(idx: tuple[str, ...], axes: dict[str, tuple[str, ...]], whole: tuple[str, ...],
+               unreduced: tuple[str, ...] = ()) -> list[Value]:
+    """``axes`` with the axes of the indices ``whole`` moved onto each other index in turn (minor to its
+    own): the layouts an AllToAll reaches with those indices whole on a device."""
+    spare = tuple(a for i in whole for a in axes.get(i, ()))
+    rest = {**axes, **dict.fromkeys(whole, ())}
+    return [in_order(idx, {**rest, j: (*rest.get(j, ()), *spare)}, unreduced) for j in idx if j not in whole]
 
 
 def local_map(phase: Phase, fn: Row | Vocab, dst: str, value: Value, operands: tuple[tuple[str, Value], ...],

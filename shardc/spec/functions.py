@@ -6,7 +6,7 @@ has a kind, which fixes how its result's indices follow from its arguments:
 
 - ``elementwise``: one tensor, the same indices (``gelu(X)``);
 - ``normalize``: one tensor and ``over I``, the same indices, each row along I
-  normalised (``softmax``, ``rmsnorm``, ``layernorm``);
+  normalised (``softmax``, ``rmsnorm``, ``layernorm``) or sorted (``sort``);
 - ``reduce``: one tensor and ``over I``, I dropped (``sum``, ``mean``, ``max``,
   ``logsumexp``);
 - ``mask``: ``causal(Sc, S, T)``, query index S and key index T; the same indices;
@@ -97,6 +97,7 @@ FUNCTIONS: dict[str, Signature] = {
     "rmsnorm": Signature("normalize", "x / sqrt(mean(x**2) + 1e-6) along the index (no scale)", over=True),
     "layernorm": Signature("normalize", "(x - mean) / sqrt(var + 1e-5) along the index (no scale)",
                            over=True),
+    "sort": Signature("normalize", "the row's elements in ascending order along the index", over=True),
     "sum": Signature("reduce", "the sum along the index", over=True),
     "mean": Signature("reduce", "the mean along the index", over=True),
     "max": Signature("reduce", "the maximum along the index", over=True),
