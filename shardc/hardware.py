@@ -72,6 +72,9 @@ class Hardware:
     flops_f8: float | None = None  # dense fp8 FLOPs/s; None: fp8 runs at the bf16 rate (no fp8 matrix unit)
     # (FLOPs of one matmul, fraction of peak it reaches) measured on the chip, by FLOPs; () = peak always
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    # the same of fp8 matmuls over the fp8 peak (their kernels scale blocks and promote partial sums, so they
+    # reach less of their peak); () = matmul_efficiency's fractions
+    matmul_efficiency_f8: tuple[tuple[float, float], ...] = ()
     # (keys a fused attention kernel's call attends over, fraction of peak its forward / backward reaches),
     # by keys; () = the matmul rate (:meth:`attention_seconds`)
     attention_forward: tuple[tuple[float, float], ...] = ()
@@ -178,18 +181,21 @@ class Hardware:
             return self.flops_f8
         return self.flops
 
-    def efficiency(self, flops: float) -> float:
-        """The fraction of peak a matmul of ``flops`` FLOPs reaches: 1 under the book's model or without
-        measurements; else the measured points interpolated in log FLOPs, flat beyond the ends."""
-        if self.book or not self.matmul_efficiency:
+    def efficiency(self, flops: float, dtype: str = "bf16") -> float:
+        """The fraction of the ``dtype``'s peak a matmul of ``flops`` FLOPs reaches: 1 under the book's model
+        or without measurements; else the measured points (the fp8 ones for f8 where the chip has them)
+        interpolated in log FLOPs, flat beyond the ends."""
+        f8 = dtype == "f8" and self.flops_f8 is not None and bool(self.matmul_efficiency_f8)
+        points = self.matmul_efficiency_f8 if f8 else self.matmul_efficiency
+        if self.book or not points:
             return 1.0
-        return interpolate(self.matmul_efficiency, flops)
+        return interpolate(points, flops)
 
     def matmul_seconds(self, flops: float, dtype: str = "bf16") -> float:
         """Seconds of one local einsum of ``flops`` FLOPs: over the dtype's peak times the efficiency."""
         if flops <= 0:
             return 0.0
-        return flops / (self.peak(dtype) * self.efficiency(flops))
+        return flops / (self.peak(dtype) * self.efficiency(flops, dtype))
 
     def attention_seconds(self, flops: float, keys: float, backward: bool, dtype: str = "bf16") -> float:
         """Seconds of a fused attention kernel's ``flops`` FLOPs (FlashAttention's count: the unmasked
@@ -272,6 +278,19 @@ def _points(peak: float, measured: tuple[tuple[int, int, int, int, float], ...])
     return tuple(sorted((2.0 * b * m * n * k, rate / peak) for b, m, n, k, rate in measured))
 
 
+def _averaged(peak: float, classes: tuple[tuple[tuple[int, int, int, int, float], ...], ...]
+              ) -> tuple[tuple[float, float], ...]:
+    """One point a class of measured matmuls (batch, m, n, k, FLOPs/s): their FLOPs' geometric mean and
+    the mean of their fractions of ``peak``.  A table whose rows at one m span several times the FLOPs
+    with rates tens of percent apart by n and k has no single curve in FLOPs; its mean per m has."""
+    out = []
+    for rows in classes:
+        flops = [2.0 * b * m * n * k for b, m, n, k, _ in rows]
+        out.append((math.exp(math.fsum(map(math.log, flops)) / len(flops)),
+                    math.fsum(rate for *_, rate in rows) / (len(rows) * peak)))
+    return tuple(sorted(out))
+
+
 # H100 SXM (sm_90), bf16, measured by the OpenXLA authors: the default matmul performance table of XLA's
 # GPU cost model (xla/service/gpu/model/matmul_interpolator_data.h, "sm_90", bf16xbf16->bf16 entries).
 # The same die (GH100) runs the H200 and the H800.
@@ -279,6 +298,21 @@ _H100_MATMULS = _points(9.89e14, ((1, 256, 512, 256, 1.1459846994535e13), (1, 10
                                   (4, 1024, 1024, 1024, 4.89845722627737e14), (1, 2048, 2048, 2048, 6.3198459329017e14),
                                   (1, 4096, 4096, 4096, 7.83328793548203e14),
                                   (2, 4096, 4096, 4096, 8.0767101419194e14)))
+# H800 (GH100, the H100's die), fp8 with DeepSeek-V3's fine-grained scaling (1x128 and 128x128 blocks,
+# partial sums promoted on the CUDA cores): DeepGEMM's README (github.com/deepseek-ai/DeepGEMM, "Performance",
+# NVCC 12.8), every shape of DeepSeek-V3's layers: its normal GEMMs at M = 64, 128 and 4096, and its grouped
+# GEMMs for MoE (contiguous layout, as a training forward runs them) with 4096 or 8192 rows a group, averaged
+# by M (:func:`_averaged`) over the 1,979 TFLOPS dense fp8 peak.  Large fp8 matmuls reach 56% of it where
+# bf16 ones reach 80% of theirs.
+_HOPPER_F8_MATMULS = _averaged(1.979e15, (
+    ((1, 64, 2112, 7168, 206e12), (1, 64, 24576, 1536, 289e12), (1, 64, 32768, 512, 219e12),
+     (1, 64, 7168, 16384, 336e12), (1, 64, 4096, 7168, 287e12), (1, 64, 7168, 2048, 295e12)),
+    ((1, 128, 2112, 7168, 352e12), (1, 128, 24576, 1536, 535e12), (1, 128, 32768, 512, 358e12),
+     (1, 128, 7168, 16384, 645e12), (1, 128, 4096, 7168, 533e12), (1, 128, 7168, 2048, 510e12)),
+    ((1, 4096, 2112, 7168, 1058e12), (1, 4096, 24576, 1536, 990e12), (1, 4096, 32768, 512, 590e12),
+     (1, 4096, 7168, 16384, 1358e12), (1, 4096, 4096, 7168, 1304e12), (1, 4096, 7168, 2048, 1025e12),
+     (4, 8192, 4096, 7168, 1297e12), (4, 8192, 7168, 2048, 1099e12), (8, 4096, 4096, 7168, 1288e12),
+     (8, 4096, 7168, 2048, 1093e12))))
 # B200 (sm_100), bf16, the same XLA table ("sm_100" entries of xla/backends/gpu/cost_model/
 # matmul_interpolator_data.h), over the HGX B200's dense bf16 peak.
 _B200_MATMULS = _points(2.25e15, ((1, 256, 256, 256, 6.765006451612e12), (1, 512, 512, 512, 4.8480306303052e13),
@@ -426,7 +460,7 @@ PRESETS: dict[str, Hardware] = {
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
-                 flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
+                 flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS, matmul_efficiency_f8=_HOPPER_F8_MATMULS,
                  attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
                  sms=132, collective_sms=_NCCL_CHANNELS),  # 132 SMs: NVIDIA's H100 architecture whitepaper, SXM5
         # H200 data sheet: the H100's compute (its 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
@@ -434,7 +468,8 @@ PRESETS: dict[str, Hardware] = {
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
-                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
+                 matmul_efficiency_f8=_HOPPER_F8_MATMULS, attention_forward=_H100_ATTENTION_FORWARD,
+                 attention_backward=_H100_ATTENTION_BACKWARD,
                  sms=132, collective_sms=_NCCL_CHANNELS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
@@ -454,8 +489,8 @@ PRESETS: dict[str, Hardware] = {
                  nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
-                 matmul_efficiency=_H100_MATMULS, attention_forward=_H100_ATTENTION_FORWARD,
-                 attention_backward=_H100_ATTENTION_BACKWARD),
+                 matmul_efficiency=_H100_MATMULS, matmul_efficiency_f8=_HOPPER_F8_MATMULS,
+                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
         # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it); its
         # NVSwitch reduces too, but no B200 NVLS figure is cited (8 B300: 845 GB/s AllReduce bus bandwidth with
         # NVLS against 695 without, NVIDIA/nccl issue 2140), so its AllReduce is costed as a ring
@@ -553,7 +588,8 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
         if not isinstance(data["book"], bool):
             raise ShardcError(f"{source}: book must be true or false, got {data['book']!r}", fix="write `book = true`")
         values["book"] = data["book"]
-    for key, unit in (("matmul_efficiency", "flops"), ("attention_forward", "keys"), ("attention_backward", "keys")):
+    for key, unit in (("matmul_efficiency", "flops"), ("matmul_efficiency_f8", "flops"), ("attention_forward", "keys"),
+                      ("attention_backward", "keys")):
         if key in data:
             values[key] = _efficiency_points(data[key], source, key, unit)
     if "attention_kernel" in data:

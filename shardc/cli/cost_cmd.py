@@ -119,9 +119,9 @@ def run_hardware(args: argparse.Namespace) -> int:
           "rate;\nmatmul: the best measured fraction of peak a matmul reaches (smaller matmuls reach less; "
           "--model book: all at peak).\n--hardware-file chip.toml takes the keys: name, flops, flops_f8, "
           "ici_bandwidth, hbm_bytes, hbm_bandwidth, dcn_bandwidth, hop_latency, bucket_bytes, collective_base, "
-          "matmul_efficiency "
-          "([[flops, fraction], ...]), attention_forward, attention_backward ([[keys, fraction], ...]: a fused "
-          "attention kernel's), ici_domain, torus_side, torus_dims, ici_efficiency, nvls_efficiency, "
+          "matmul_efficiency, matmul_efficiency_f8 ([[flops, fraction], ...]), attention_forward, "
+          "attention_backward ([[keys, fraction], ...]: a fused attention kernel's), ici_domain, torus_side, "
+          "torus_dims, ici_efficiency, nvls_efficiency, "
           "dcn_efficiency, host_bandwidth, host_adam_rate, book, description")
     return 0
 
