@@ -27,21 +27,24 @@ def _ticks(table: list[list[int]], stage: int) -> dict[int, int]:
 
 @pytest.mark.parametrize(("schedule", "p", "m"), [("zb-h1", 2, 2), ("zb-h1", 4, 8), ("zb-h1", 4, 5), ("zb-h1", 3, 9),
                                                   ("zbv", 2, 4), ("zbv", 4, 8), ("zbv", 3, 5),
-                                                  ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 3, 7)])
+                                                  ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 3, 7),
+                                                  ("dualpipe", 2, 4), ("dualpipe", 4, 8), ("dualpipe", 4, 10)])
 def test_tick_tables_run_b_and_w_apart_in_the_schedules_order(schedule: str, p: int, m: int) -> None:
     """Every stage runs F, B and W of every microbatch through each of its chunks once each, one op a tick,
-    W after its B (at another tick): the tables are the simulation's ops, a tick a chunk's op (a DualPipeV
-    F&B pair its three ops in turn).  Under ZB-H1 stage s's W of microbatch j waits for the B of microbatch
-    j + s (the lag that fills its drain)."""
+    W after its B (at another tick): the tables are the simulation's ops, a tick a chunk's op (a DualPipe
+    F&B pair its three ops in turn; DualPipe's chunks are whole stages, each microbatch through one of
+    them: the first half chunk 0's, the second chunk 1's).  Under ZB-H1 stage s's W of microbatch j waits
+    for the B of microbatch j + s (the lag that fills its drain)."""
     forward, backward = tick_tables(schedule, p, m)
     weight = weight_ticks(schedule, p, m)
     chunks = 1 if schedule == "zb-h1" else 2
     assert weight is not None and len(forward) == len(backward) == len(weight)
-    sim = simulate(schedule, p, m, Timing(*[float(chunks)] * 3))
+    sim = simulate(schedule, p, m, Timing(*[float(chunks if schedule != "dualpipe" else 1)] * 3))
     assert len(forward) == sim.makespan
+    entries = list(range(chunks * m)) if schedule != "dualpipe" else [*range(m // 2), *range(m + m // 2, 2 * m)]
     for s in range(p):
         f, b, w = (_ticks(table, s) for table in (forward, backward, weight))
-        assert sorted(f) == sorted(b) == sorted(w) == list(range(chunks * m))  # entry: chunk x M + microbatch
+        assert sorted(f) == sorted(b) == sorted(w) == entries  # entry: chunk x M + microbatch
         assert all(f[e] < b[e] < w[e] for e in f)
         if schedule == "zb-h1":
             assert all(w[j] > b[min(j + s, m - 1)] for j in range(m))
@@ -49,7 +52,7 @@ def test_tick_tables_run_b_and_w_apart_in_the_schedules_order(schedule: str, p: 
         assert len({t for t, _ in ops}) == len(ops)  # one op a tick
         assert sorted(ops) == sorted((int(op.start), op.kind) for op in sim.ops if op.device == s)
     assert weight_ticks("1f1b", p, m) is None
-    assert (schedule_note(schedule) is None) == (schedule != "dualpipev")  # its pairs run in turn: a note
+    assert (schedule_note(schedule) is None) == (schedule not in ("dualpipev", "dualpipe"))  # pairs in turn: a note
 
 
 def test_the_backward_is_cut_into_b_and_w_each_line_once() -> None:

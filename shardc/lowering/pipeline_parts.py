@@ -159,12 +159,14 @@ class BlockEnds:
     input_grad: str  # the gradient's name of the block input
     output_cotangent: str  # the cotangent's name of the block output
     last_stage: int = -1  # the stage that keeps the outputs: the last virtual stage's (stage 0 in a V)
+    # DualPipe's: the two devices that each read the input and keep outputs, of one direction each
+    both: tuple[int, ...] = ()
 
     def inputs(self) -> tuple[str, ...]:
         return (self.block_input,)
 
     def stages_of(self, name: str) -> tuple[int, ...]:
-        return (0,)
+        return self.both or (0,)
 
     def specs(self) -> tuple[P, ...]:
         return (P(None, *self.input_spec),)
@@ -196,10 +198,11 @@ class BlockEnds:
         return pipe.split(cotangent[self.output_cotangent], pipe.dims[self.block_output])
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
-        return {self.block_output: pipe.join(acc[0][self.last_stage], pipe.dims[self.block_output])}  # the last stage's
+        outs = _gathered(acc[0], self.both or (self.last_stage,))  # the last stage's (each direction's last)
+        return {self.block_output: pipe.join(outs, pipe.dims[self.block_output])}
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
-        return {self.input_grad: pipe.join(acc[1][0], pipe.dims[self.block_input])}  # stage 0's
+        return {self.input_grad: pipe.join(_gathered(acc[1], self.both or (0,)), pipe.dims[self.block_input])}
 
     def finish(self, acc: Any) -> Any:
         return acc
@@ -229,12 +232,16 @@ class ModelEnds:
     axis: str = ""
     stages: int = 1
     last_stage: int = -1  # the stage that runs ``post``: the last virtual stage's (stage 0 in a V)
+    # DualPipe's two devices that each run both parts (each direction enters at one, leaves at the other)
+    both: tuple[int, ...] = ()
 
     def inputs(self) -> tuple[str, ...]:
         return self.pre_data + self.post_data + self.pre_params + tuple(p for p in self.post_params
                                                                         if p not in self.tied)
 
     def stages_of(self, name: str) -> tuple[int, ...]:
+        if self.both:
+            return self.both
         if name in self.tied:
             return (0, self.last_stage)
         return (0,) if name in self.pre_data + self.pre_params else (self.last_stage,)
@@ -310,13 +317,19 @@ class ModelEnds:
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
         """The batch's loss: the mean of the microbatches' (each a mean over its tokens)."""
-        return {self.post.result: jnp.mean(acc[0][self.last_stage])}
+        return {self.post.result: jnp.mean(_gathered(acc[0], self.both or (self.last_stage,)))}
 
     def finish(self, acc: Any) -> Any:
         losses, dends = acc
+        if self.both:  # DualPipe: the two end devices swap their sums, each then holds every microbatch's
+            first, last = self.both
+            dends = {k: g + jax.lax.ppermute(g, self.axis, [(first, last), (last, first)]) for k, g in dends.items()}
         pre = {k: dends[k] for k in self.pre_params}
         incoming = {}
         for k in self.tied:  # the two ends swap their sums: each then holds both contributions
+            if self.both:  # both ends on each of the two devices: both contributions are there
+                incoming[self.post.grads[k]] = dends[self._key(k)]
+                continue
             pre[k] = self._swap(pre[k], 0, self.last_stage % self.stages)
             incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.last_stage % self.stages, 0)
         got = self.pre.finish(pre, incoming)
@@ -334,3 +347,9 @@ class ModelEnds:
         dends = acc[1]
         got = {self.pre.final(k): dends[k][0] for k in self.pre_params}
         return got | {self.post.grads[k]: dends[k][self.last_stage] for k in self.post_params if k not in self.tied}
+
+
+def _gathered(stacked: Any, stages: tuple[int, ...]) -> Any:
+    """The sum over ``stages`` of a result stacked over the stages, each stage's zeros where another
+    made it (DualPipe's two end devices each keep one direction's microbatches)."""
+    return sum(stacked[s] for s in stages[1:]) + stacked[stages[0]]
