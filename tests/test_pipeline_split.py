@@ -99,8 +99,9 @@ def test_zb_h1_verifies_as_itself() -> None:
 @pytest.mark.slow
 def test_w_skipped_or_before_its_b_fails_verify(monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole model (embedding, block, loss) under ZB-H1 verifies; with its W table emptied (W never
-    runs), or W run at its microbatch's forward tick (before B made what it reads), the block's weight
-    gradients are wrong and verify fails."""
+    runs: the block's and the ends' weight gradients, all at W ticks, are wrong), or W run at its
+    microbatch's forward tick (before B made what it reads: the block's, and the embedding's, whose
+    backward reads the block input's gradient), verify fails."""
     plan = shardc.plan(shardc.parse(ZB_MODEL))
     assert verify_pipeline(plan).ok
 
@@ -110,10 +111,10 @@ def test_w_skipped_or_before_its_b_fails_verify(monkeypatch: pytest.MonkeyPatch)
     def early(schedule: str, stages: int, microbatches: int) -> list[list[int]]:
         return tick_tables(schedule, stages, microbatches)[0]  # each W at its microbatch's F tick
 
-    for mutant in (never, early):
+    for mutant, wrong in ((never, {"dW1", "dW2", "dW_emb", "dW_out"}), (early, {"dW1", "dW2", "dW_emb"})):
         monkeypatch.setattr(pipeline_lowering, "weight_ticks", mutant)
         report = verify_pipeline(plan)
-        assert not report.ok and {r.tensor for r in report.values if not r.ok} == {"dW1", "dW2"}, mutant
+        assert not report.ok and {r.tensor for r in report.values if not r.ok} == wrong, mutant
 
 
 @pytest.mark.slow

@@ -10,7 +10,9 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   steps before it (the embedding) run on the first chunk and those after it (final norm,
   output layer, loss) on the last, Megatron-LM's placement, so those chunks' times grow
   by theirs, and the stages that hold them hold their params, gradients, optimizer state
-  and residuals (the other stages none of them);
+  and residuals (the other stages none of them); under the zero-bubble schedules their
+  backward is cut as the block's, B and W (the embedding's all W: nothing waits for the
+  gradient of its inputs), as the lowered program runs it;
 * the bubble: the schedule's closed form (:mod:`shardc.pipeline.bubbles`), over the
   ideal time and over the total step, from the slowest stage's times;
 * the step: the discrete-event simulation of the schedule with those times (each chunk's
@@ -258,7 +260,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
         pipe = replace(pipe, layers=sizes[plan.spec.layers])
     dim = check_microbatches(plan, pipe.microbatches, sizes)
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
-    parts = _sections(plan, micro, hw, spans)
+    parts = _sections(plan, micro, hw, spans, pipe.schedule.name in ZERO_BUBBLE)
     ref = boundary_tensor(plan)
     nbytes = plan.nbytes(ref.name)
     p2p = float(local_elements(ref, micro)) * nbytes
@@ -339,10 +341,13 @@ def _runs(plan: Plan, phase: str, rows: list[StepCost]) -> tuple[list[StepCost],
     return list(first), list(block), list(then)
 
 
-def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
-              spans: Layout) -> dict[str, list[_Part]]:
+def _sections(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout,
+              zero_bubble: bool = False) -> dict[str, list[_Part]]:
     """(compute, comm) of a microbatch's F, B and W: one layer of the block ("layer"), the statements
-    before the block ("first": the first chunk runs them) and those after it ("last")."""
+    before the block ("first": the first chunk runs them) and those after it ("last").  Under the
+    zero-bubble schedules the backward before the block is all W: nothing waits for the gradient of
+    its inputs (token ids, data), so the lowered program runs it whole at W's tick
+    (:mod:`shardc.lowering.pipeline_split`)."""
     before, block, after = _runs(plan, "forward", _rows(plan.forward, plan, micro, hw, spans))
     carried = _rows(carried_moves(plan), plan, micro, hw, spans)  # a tied param's gather, again on the last stage
     fwd = (before, block, carried + after)
@@ -355,8 +360,12 @@ def _sections(plan: Plan, micro: dict[str, int], hw: Hardware,
     out = {}
     for k, (key, back, index) in enumerate((("first", before, first), ("layer", inside, layer), ("last", after, last))):
         steps = list(zip(back, index, strict=True))
-        out[key] = [_time(fwd[k], hw), _time(again[k] + [r for r, i in steps if i not in grads], hw),
-                    _time([r for r, i in steps if i in grads and i not in reduced], hw)]
+        if zero_bubble and key == "first":  # no B before the block: its whole backward is W
+            b_rows, w_rows = [], again[k] + [r for r, i in steps if i not in reduced]
+        else:
+            b_rows = again[k] + [r for r, i in steps if i not in grads]
+            w_rows = [r for r, i in steps if i in grads and i not in reduced]
+        out[key] = [_time(fwd[k], hw), _time(b_rows, hw), _time(w_rows, hw)]
         out[f"{key} reduce"] = [_time([r for r, i in steps if i in reduced], hw)]
     return out
 

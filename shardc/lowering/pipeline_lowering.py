@@ -228,9 +228,13 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
                           "sum runs on the sums over the microbatches (its steps are moves and sums)",
                           ends.block.spec.span_of("layers"), fix="read it once on each side of the block")
     modules = [generate(split.each, stage_mesh, micro, reserved=reserved) for split in splits]
+    reduce = ""
+    if pipe.schedule.name in SPLIT_SCHEDULES:  # the head's backward in two, as the block's (before it: all W)
+        post, out = modules[1], boundary_tensor(ends.block).name
+        reduce = split_source(splits[1].each.backward, post.backward, post.grads[out], frozenset(post.cotangents),
+                              "POST")
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables
-    reduce = ""
     for split, prefix in zip(splits, ("PRE_", "POST_"), strict=True):
         text, more = reduce_source(split, stage_mesh, micro, prefix, reserved)
         reduce, variables = reduce + text, variables | more

@@ -207,6 +207,8 @@ class Pipeline:
                 w = jnp.maximum(ew, 0)
                 dw = self._stage_weight_bwd(*jax.tree.map(lambda buf: buf[w], (kept, handed)))
                 dparams = _accumulate(dparams, dw, ew >= 0, w // m * self.slots)
+                uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
+                acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
             else:
                 dx, dw = self._stage_bwd(mine, cots[e], u)
                 dparams = _accumulate(dparams, dw, eb >= 0, c * self.slots)
@@ -221,7 +223,7 @@ class Pipeline:
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
         if backward:  # the microbatches' sums reduced, once a step (DualPipe's two copies' summed first)
             acc, dparams = self.ends.finish(acc), self._finish(place.sum_copies(self.axis, dparams, self.slots))
-        acc = jax.tree.map(lambda a: a[None], acc)
+        acc = jax.tree.map(lambda a: a[None], self.ends.results(acc))
         return (acc, dparams) if backward else (acc,)
 
     def _finish(self, dparams: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -391,5 +393,6 @@ def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
     pre, post = _part(tables, "PRE", tables["PRE_RESULT"]), _part(tables, "POST", tables["LOSS"])
     ends = ModelEnds(pre, post, tables["PRE_DATA"], tables["POST_DATA"], tables["PRE_PARAMS"], tables["POST_PARAMS"],
                      tables["BLOCK_OUTPUT"], tuple(tables.get("TIED", {})), tables["PIPELINE_AXIS"],
-                     tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]], _placement(tables).last_stage, _both(tables))
+                     tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]], _placement(tables).last_stage, _both(tables),
+                     tables.get("W_TABLE") is not None)
     return _pipeline(tables, ends)
