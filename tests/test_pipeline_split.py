@@ -27,21 +27,24 @@ def _ticks(table: list[list[int]], stage: int) -> dict[int, int]:
 
 @pytest.mark.parametrize(("schedule", "p", "m"), [("zb-h1", 2, 2), ("zb-h1", 4, 8), ("zb-h1", 4, 5), ("zb-h1", 3, 9),
                                                   ("zbv", 2, 4), ("zbv", 4, 8), ("zbv", 3, 5),
-                                                  ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 3, 7)])
+                                                  ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 3, 7),
+                                                  ("dualpipe", 2, 4), ("dualpipe", 4, 8), ("dualpipe", 4, 10)])
 def test_tick_tables_run_b_and_w_apart_in_the_schedules_order(schedule: str, p: int, m: int) -> None:
     """Every stage runs F, B and W of every microbatch through each of its chunks once each, one op a tick,
-    W after its B (at another tick): the tables are the simulation's ops, a tick a chunk's op (a DualPipeV
-    F&B pair its three ops in turn).  Under ZB-H1 stage s's W of microbatch j waits for the B of microbatch
-    j + s (the lag that fills its drain)."""
+    W after its B (at another tick): the tables are the simulation's ops, a tick a chunk's op (a DualPipe
+    F&B pair its three ops in turn; DualPipe's chunks are whole stages, each microbatch through one of
+    them: the first half chunk 0's, the second chunk 1's).  Under ZB-H1 stage s's W of microbatch j waits
+    for the B of microbatch j + s (the lag that fills its drain)."""
     forward, backward = tick_tables(schedule, p, m)
     weight = weight_ticks(schedule, p, m)
     chunks = 1 if schedule == "zb-h1" else 2
     assert weight is not None and len(forward) == len(backward) == len(weight)
-    sim = simulate(schedule, p, m, Timing(*[float(chunks)] * 3))
+    sim = simulate(schedule, p, m, Timing(*[float(chunks if schedule != "dualpipe" else 1)] * 3))
     assert len(forward) == sim.makespan
+    entries = list(range(chunks * m)) if schedule != "dualpipe" else [*range(m // 2), *range(m + m // 2, 2 * m)]
     for s in range(p):
         f, b, w = (_ticks(table, s) for table in (forward, backward, weight))
-        assert sorted(f) == sorted(b) == sorted(w) == list(range(chunks * m))  # entry: chunk x M + microbatch
+        assert sorted(f) == sorted(b) == sorted(w) == entries  # entry: chunk x M + microbatch
         assert all(f[e] < b[e] < w[e] for e in f)
         if schedule == "zb-h1":
             assert all(w[j] > b[min(j + s, m - 1)] for j in range(m))
@@ -49,7 +52,7 @@ def test_tick_tables_run_b_and_w_apart_in_the_schedules_order(schedule: str, p: 
         assert len({t for t, _ in ops}) == len(ops)  # one op a tick
         assert sorted(ops) == sorted((int(op.start), op.kind) for op in sim.ops if op.device == s)
     assert weight_ticks("1f1b", p, m) is None
-    assert (schedule_note(schedule) is None) == (schedule != "dualpipev")  # its pairs run in turn: a note
+    assert (schedule_note(schedule) is None) == (schedule not in ("dualpipev", "dualpipe"))  # pairs in turn: a note
 
 
 def test_the_backward_is_cut_into_b_and_w_each_line_once() -> None:
@@ -96,8 +99,9 @@ def test_zb_h1_verifies_as_itself() -> None:
 @pytest.mark.slow
 def test_w_skipped_or_before_its_b_fails_verify(monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole model (embedding, block, loss) under ZB-H1 verifies; with its W table emptied (W never
-    runs), or W run at its microbatch's forward tick (before B made what it reads), the block's weight
-    gradients are wrong and verify fails."""
+    runs: the block's and the ends' weight gradients, all at W ticks, are wrong), or W run at its
+    microbatch's forward tick (before B made what it reads: the block's, and the embedding's, whose
+    backward reads the block input's gradient), verify fails."""
     plan = shardc.plan(shardc.parse(ZB_MODEL))
     assert verify_pipeline(plan).ok
 
@@ -107,10 +111,10 @@ def test_w_skipped_or_before_its_b_fails_verify(monkeypatch: pytest.MonkeyPatch)
     def early(schedule: str, stages: int, microbatches: int) -> list[list[int]]:
         return tick_tables(schedule, stages, microbatches)[0]  # each W at its microbatch's F tick
 
-    for mutant in (never, early):
+    for mutant, wrong in ((never, {"dW1", "dW2", "dW_emb", "dW_out"}), (early, {"dW1", "dW2", "dW_emb"})):
         monkeypatch.setattr(pipeline_lowering, "weight_ticks", mutant)
         report = verify_pipeline(plan)
-        assert not report.ok and {r.tensor for r in report.values if not r.ok} == {"dW1", "dW2"}, mutant
+        assert not report.ok and {r.tensor for r in report.values if not r.ok} == wrong, mutant
 
 
 @pytest.mark.slow

@@ -10,7 +10,9 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   steps before it (the embedding) run on the first chunk and those after it (final norm,
   output layer, loss) on the last, Megatron-LM's placement, so those chunks' times grow
   by theirs, and the stages that hold them hold their params, gradients, optimizer state
-  and residuals (the other stages none of them);
+  and residuals (the other stages none of them); under the zero-bubble schedules their
+  backward is cut as the block's, B and W (the embedding's all W: nothing waits for the
+  gradient of its inputs), as the lowered program runs it;
 * several ``layers`` blocks: the stages hold runs of the model's layers in order, the first
   block's then the next's (:mod:`shardc.pipeline.block_split`), so a stage's times, state and
   residuals are each block's layer's times its layers of that block; one layer of each block is
@@ -276,7 +278,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
         return None
     dim = check_microbatches(plan, pipe.microbatches, sizes)
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
-    parts = _sections(plan, micro, hw, spans, len(pipe.blocks) or 1)
+    parts = _sections(plan, micro, hw, spans, len(pipe.blocks) or 1, pipe.schedule.name in ZERO_BUBBLE)
     ref = boundary_tensor(plan)
     nbytes = plan.nbytes(ref.name)
     p2p = float(local_elements(ref, micro)) * nbytes
@@ -358,11 +360,13 @@ def _runs(plan: Plan, phase: str, rows: list[StepCost]) -> tuple[list[StepCost],
 
 
 def _sections(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout,
-              blocks: int = 1) -> dict[str, list[_Part]]:
+              blocks: int = 1, zero_bubble: bool = False) -> dict[str, list[_Part]]:
     """(compute, comm) of a microbatch's F, B and W: one layer of each ``layers`` block ("layer 0",
     "layer 1", ...: the block section's steps of that block), the statements before the blocks ("first":
     the first chunk runs them) and those after them ("last"); and of each, the gradient reductions run
-    once a step ("... reduce")."""
+    once a step ("... reduce").  Under the zero-bubble schedules the backward before the blocks is all W:
+    nothing waits for the gradient of its inputs (token ids, data), so the lowered program runs it whole
+    at W's tick (:mod:`shardc.lowering.pipeline_split`)."""
     before, block, after = _runs(plan, "forward", _rows(plan.forward, plan, micro, hw, spans))
     carried = _rows(carried_moves(plan), plan, micro, hw, spans)  # a tied param's gather, again on the last stage
     fwd = (before, block, carried + after)
@@ -381,8 +385,12 @@ def _sections(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout,
             return rows if which is None else [r for r in rows if r.block == which]
 
         steps = [(r, i) for r, i in zip(back, index, strict=True) if which is None or r.block == which]
-        out[key] = [_time(mine(fwd[k]), hw), _time(mine(again[k]) + [r for r, i in steps if i not in grads], hw),
-                    _time([r for r, i in steps if i in grads and i not in reduced], hw)]
+        if zero_bubble and key == "first":  # no B before the blocks: its whole backward is W
+            b_rows, w_rows = [], mine(again[k]) + [r for r, i in steps if i not in reduced]
+        else:
+            b_rows = mine(again[k]) + [r for r, i in steps if i not in grads]
+            w_rows = [r for r, i in steps if i in grads and i not in reduced]
+        out[key] = [_time(mine(fwd[k]), hw), _time(b_rows, hw), _time(w_rows, hw)]
         out[f"{key} reduce"] = [_time([r for r, i in steps if i in reduced], hw)]
     return out
 

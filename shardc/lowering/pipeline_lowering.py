@@ -9,13 +9,12 @@ that runs any table the same way, with the block's plan as each layer
 (:mod:`shardc.lowering.pipeline_runtime`).  A ``layers L { ... }`` block with
 statements around it adds their two plans as the block's ends (before it on stage
 0, after it on the last virtual stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe, 1F1B,
-interleaved, ZB-H1, ZBV and DualPipeV lower with their own tables; the zero-bubble ones with
-three, F, B and W, the block's backward cut in two (:mod:`shardc.lowering.pipeline_split`);
-ZBV and DualPipeV with two chunks a device in a V (:mod:`shardc.lowering.pipeline_routes`),
-DualPipeV's F&B pairs as their ops in turn.  DualPipe (two copies of each stage,
-microbatches entering from both ends) is costed and drawn, and lowers with GPipe's table
-(every schedule computes the same values), which ``shardc lower`` and ``verify`` say
-(:func:`schedule_note`).
+interleaved, ZB-H1, ZBV, DualPipeV and DualPipe lower with their own tables; the zero-bubble ones
+with three, F, B and W, the block's backward cut in two (:mod:`shardc.lowering.pipeline_split`);
+ZBV and DualPipeV with two chunks a device in a V, DualPipe with two whole stages a device, s and
+P-1-s, microbatches entering from both ends and the two copies' gradients summed once a step
+(:mod:`shardc.lowering.pipeline_routes`); the two DualPipes' F&B pairs as their ops in turn, which
+``shardc lower`` and ``verify`` say (:func:`schedule_note`).
 
 The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
 with one collective-permute down and one up in its body (two each way in a V), each moving one
@@ -47,26 +46,22 @@ from shardc.spec.stages import Pipeline, pipeline_of, splits, stage_spec
 __all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "weight_ticks",
            "LOWERED_SCHEDULES", "SPLIT_SCHEDULES", "schedule_note"]
 
-LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # dualpipe lowers as GPipe
-SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev")  # lowered with each backward in two: B and W at ticks of their own
-V_SHAPED = ("zbv", "dualpipev")  # two chunks a device in a V (shardc.lowering.pipeline_routes)
-PAIRED_IN_TURN = ("dualpipev",)  # F&B pairs lowered as their ops at ticks in turn
+LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "dualpipe")
+SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev", "dualpipe")  # each backward in two: B and W at ticks of their own
+V_SHAPED = ("zbv", "dualpipev", "dualpipe")  # two chunks a device on a V's places (shardc.lowering.pipeline_routes)
+TWO_WAY_LOWERED = ("dualpipe",)  # two directions, each chunk a whole stage held twice
+PAIRED_IN_TURN = ("dualpipev", "dualpipe")  # F&B pairs lowered as their ops at ticks in turn
 
 
 def schedule_note(schedule: str) -> str | None:
     """What ``shardc lower`` and ``verify`` say of a schedule whose program is not all of what ``shardc
-    cost`` times (None for one that is): DualPipe runs GPipe's tick table (it needs two copies of each
-    stage and microbatches entering from both ends); DualPipeV runs its own order, but an F&B pair as
+    cost`` times (None for one that is): DualPipe and DualPipeV run their own orders, but an F&B pair as
     its ops in turn, where the cost may overlap the two."""
     if schedule in PAIRED_IN_TURN:
         return (f"schedule {schedule} lowers as its own order, each F&B pair as its forward, backward and weight "
                 "gradient at three ticks in turn: the program overlaps no forward with a backward, where `shardc "
                 "cost` times a pair with each one's collectives under the other's computation")
-    if schedule in LOWERED_SCHEDULES:
-        return None
-    return (f"schedule {schedule} lowers as GPipe: the program runs GPipe's tick table (the same values and "
-            f"collectives, GPipe's order and in-flight activations); `shardc cost` costs and draws {schedule}'s "
-            "own order. Only gpipe, 1f1b, interleaved, zb-h1, zbv and dualpipev lower as themselves")
+    return None
 
 
 @dataclass
@@ -95,24 +90,24 @@ def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
 def tick_tables(schedule: str, stages: int, microbatches: int,
                 virtual: int = 1) -> tuple[list[list[int]], list[list[int]]]:
     """(forward, backward): what each stage runs forward / backward at each tick, or -1, in the
-    schedule's simulated order with unit times a chunk (GPipe's for a schedule not lowered): the
+    schedule's simulated order with unit times a chunk: the
     microbatch j of the device's chunk c as c x microbatches + j (c is 0 but under interleaved, whose
-    ``virtual`` chunks a device hold virtual stages c x stages + stage, and zbv and dualpipev, whose two
-    are virtual stages s and 2 stages - 1 - s: :mod:`shardc.lowering.pipeline_routes`)."""
+    ``virtual`` chunks a device hold virtual stages c x stages + stage, and zbv, dualpipev and dualpipe,
+    whose two are virtual stages s and 2 stages - 1 - s: :mod:`shardc.lowering.pipeline_routes`)."""
     tables = _tables(schedule, stages, microbatches, virtual)
     return tables["F"], tables["B"]
 
 
 def weight_ticks(schedule: str, stages: int, microbatches: int) -> list[list[int]] | None:
     """What each stage runs of the weights' gradient (W) at each tick, or -1, under a schedule that
-    lowers its backward in two (ZB-H1, ZBV, DualPipeV: its B table then runs the input's gradient only); None under
+    lowers its backward in two (ZB-H1, ZBV, DualPipe(V): its B table then runs the input's gradient only); None under
     the others, whose backward runs whole at its B tick."""
     return _tables(schedule, stages, microbatches)["W"] if schedule in SPLIT_SCHEDULES else None
 
 
 def _tables(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[str, list[list[int]]]:
     """The F, B and W tick tables of the simulation with unit times an op (a chunk's, a tick)."""
-    name = schedule if schedule in LOWERED_SCHEDULES else "gpipe"
+    name = schedule
     chunks = chunks_of(name, virtual)
     unit = float(stage_share(name, chunks) ** -1)  # a chunk's op a tick
     timing = Timing(unit, unit, unit) if name in SPLIT_SCHEDULES else Timing(unit, unit)
@@ -167,6 +162,9 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                        ("CHUNKS", chunks, "model chunks a device holds (the interleaved order's virtual stages)"),
                        ("V_SHAPE", pipe.schedule.name in V_SHAPED,
                         "chunk 0 of stage s is virtual stage s, chunk 1 is 2 STAGES - 1 - s (else c STAGES + s)"),
+                       ("TWO_WAY", pipe.schedule.name in TWO_WAY_LOWERED,
+                        "virtual stage u runs model stage u % STAGES, microbatches j >= MICROBATCHES / 2 the "
+                        "second way; the two copies' gradients summed once a step"),
                        ("STAGE_LAYERS", held, "the layers each stage holds (None: the first LAYERS % STAGES "
                                                "one more)"),
                        ("MICROBATCH", (dim, microbatches),
@@ -181,15 +179,14 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
 
 
 def _chunks(pipe: Pipeline) -> int:
-    """Chunks a device holds in the lowered program: the schedule's where it lowers as itself (dualpipe
-    runs GPipe's table, one stage a device)."""
-    return pipe.chunks if pipe.schedule.name in LOWERED_SCHEDULES else 1
+    """Chunks a device holds in the lowered program: the schedule's."""
+    return pipe.chunks
 
 
 def _stage_layers(pipe: Pipeline, stages: int, layers: int, held: tuple[int, ...] | None) -> tuple[int, ...] | None:
     """The layers each stage holds where given (``held``, or the spec's ``stage_layers`` at its own
     layer and stage counts); None: the even split.  Raises where the layers cannot fill the stages."""
-    chunks = _chunks(pipe)
+    chunks = _chunks(pipe) if pipe.schedule.name not in TWO_WAY_LOWERED else 1  # DualPipe's: whole stages
     if layers < stages * chunks:
         raise ShardcError(f"{layers} layers cannot fill {stages * chunks} stages ({stages} x {chunks} chunks)",
                           fix=f"use {stages * chunks} layers or more")
@@ -232,9 +229,13 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
                           "sum runs on the sums over the microbatches (its steps are moves and sums)",
                           ends.block.spec.span_of("layers"), fix="read it once on each side of the block")
     modules = [generate(split.each, stage_mesh, micro, reserved=reserved) for split in splits]
+    reduce = ""
+    if pipe.schedule.name in SPLIT_SCHEDULES:  # the head's backward in two, as the block's (before it: all W)
+        post, out = modules[1], boundary_tensor(ends.block).name
+        reduce = split_source(splits[1].each.backward, post.backward, post.grads[out], frozenset(post.cotangents),
+                              "POST")
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables
-    reduce = ""
     for split, prefix in zip(splits, ("PRE_", "POST_"), strict=True):
         text, more = reduce_source(split, stage_mesh, micro, prefix, reserved)
         reduce, variables = reduce + text, variables | more

@@ -138,6 +138,12 @@ class Ends(Protocol):
 
     def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any: ...
 
+    # the zero-bubble schedules' W tick of microbatch j: the weight gradients of the ends, where ``first``
+    # (the first virtual stage's W) or ``last`` (the last's) runs there
+    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any) -> Any: ...
+
+    def results(self, acc: Any) -> Any: ...  # what the program returns of the accumulator (``result_specs``)
+
     def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any: ...
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays: ...
@@ -159,12 +165,14 @@ class BlockEnds:
     input_grad: str  # the gradient's name of the block input
     output_cotangent: str  # the cotangent's name of the block output
     last_stage: int = -1  # the stage that keeps the outputs: the last virtual stage's (stage 0 in a V)
+    # DualPipe's: the two devices that each read the input and keep outputs, of one direction each
+    both: tuple[int, ...] = ()
 
     def inputs(self) -> tuple[str, ...]:
         return (self.block_input,)
 
     def stages_of(self, name: str) -> tuple[int, ...]:
-        return (0,)
+        return self.both or (0,)
 
     def specs(self) -> tuple[P, ...]:
         return (P(None, *self.input_spec),)
@@ -190,16 +198,23 @@ class BlockEnds:
         outs, dxs = acc
         return outs, jnp.where(done, dxs.at[j].set(dx), dxs)
 
+    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any) -> Any:
+        return acc  # a block alone's ends have no weights
+
+    def results(self, acc: Any) -> Any:
+        return acc
+
     def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any:
         if cotangent is None:  # the output is laid out as the input: zeros of its microbatches
             return jnp.zeros_like(pipe.split(inputs[self.block_input], pipe.dims[self.block_input]))
         return pipe.split(cotangent[self.output_cotangent], pipe.dims[self.block_output])
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
-        return {self.block_output: pipe.join(acc[0][self.last_stage], pipe.dims[self.block_output])}  # the last stage's
+        outs = _gathered(acc[0], self.both or (self.last_stage,))  # the last stage's (each direction's last)
+        return {self.block_output: pipe.join(outs, pipe.dims[self.block_output])}
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
-        return {self.input_grad: pipe.join(acc[1][0], pipe.dims[self.block_input])}  # stage 0's
+        return {self.input_grad: pipe.join(_gathered(acc[1], self.both or (0,)), pipe.dims[self.block_input])}
 
     def finish(self, acc: Any) -> Any:
         return acc
@@ -229,12 +244,19 @@ class ModelEnds:
     axis: str = ""
     stages: int = 1
     last_stage: int = -1  # the stage that runs ``post``: the last virtual stage's (stage 0 in a V)
+    # DualPipe's two devices that each run both parts (each direction enters at one, leaves at the other)
+    both: tuple[int, ...] = ()
+    # the zero-bubble schedules: the ends' weight gradients at their W ticks (shardc.lowering.pipeline_split),
+    # ``post`` cut into B and W; what W reads kept a microbatch until then (the accumulator's third part)
+    split: bool = False
 
     def inputs(self) -> tuple[str, ...]:
         return self.pre_data + self.post_data + self.pre_params + tuple(p for p in self.post_params
                                                                         if p not in self.tied)
 
     def stages_of(self, name: str) -> tuple[int, ...]:
+        if self.both:
+            return self.both
         if name in self.tied:
             return (0, self.last_stage)
         return (0,) if name in self.pre_data + self.pre_params else (self.last_stage,)
@@ -278,24 +300,69 @@ class ModelEnds:
         post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0))[1],
                                                            args["cotangent"]), x)
         shapes = {k: pre[k] for k in self.pre_params} | {self._key(k): post[k] for k in self.post_params}
-        return losses, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+        dends = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+        if not self.split:
+            return losses, dends
+        kept = jax.eval_shape(lambda y: self._post_input_backward(args, y, 0)[2], x)
+        kept = jax.tree.map(lambda a: jnp.zeros((losses.shape[0], *a.shape), a.dtype), kept)
+        return losses, dends, {"dx": jnp.zeros((losses.shape[0], *x.shape), x.dtype), "post": kept}
+
+    def _post_input_backward(self, args: Arrays, y: Any, j: Any) -> tuple[Any, Any, Arrays]:
+        """The loss, the block output's gradient (post's B) and what post's W reads that this microbatch
+        made (the forward's saved values, B's handed ones; the params W reads are the arguments)."""
+        loss, (pool, saved) = self.post.forward(self._post_pool(args, y, j))
+        dy, handed = self.post.backward_input((pool, saved), args["cotangent"], self.block_output)
+        assert self.post.weight_backward is not None
+        values = {**pool, **saved, **handed}
+        return loss, dy, {k: values[k] for k in self.post.weight_backward[1] if k not in self.post_params}
+
+    def _add(self, dends: Arrays, got: Arrays, post: bool, done: Any) -> Arrays:
+        """The ends' gradient sums with ``got`` (keyed by param) of the params before the block (after it,
+        ``post``) added, where ``done``."""
+        keys = {self._key(k): k for k in self.post_params} if post else {k: k for k in self.pre_params}
+        return {k: jnp.where(done, g + got[keys[k]], g) if k in keys else g for k, g in dends.items()}
 
     def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
-        losses, dends = acc
-        loss, residuals = self.post.forward(self._post_pool(args, y, j))
+        losses, dends, *kept = acc
+        if backward and self.split:  # B now; W at the last virtual stage's W tick of microbatch j
+            loss, dy, made = self._post_input_backward(args, y, j)
+            post = jax.tree.map(lambda buf, v: jnp.where(done, buf.at[j].set(v), buf), kept[0]["post"], made)
+            kept = [{**kept[0], "post": post}]
+        else:
+            loss, residuals = self.post.forward(self._post_pool(args, y, j))
+            dy = jnp.zeros_like(y)
+            if backward:
+                got = self.post.backward(residuals, args["cotangent"])
+                dends, dy = self._add(dends, got, True, done), got[self.block_output]
         losses = jnp.where(done, losses.at[j].set(loss), losses)
-        if not backward:
-            return jnp.zeros_like(y), (losses, dends)
-        got = self.post.backward(residuals, args["cotangent"])
-        keys = {self._key(k): k for k in self.post_params}
-        dends = {k: jnp.where(done, g + got[keys[k]], g) if k in keys else g for k, g in dends.items()}
-        return got[self.block_output], (losses, dends)
+        return dy, (losses, dends, *kept)
 
     def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any:
-        losses, dends = acc  # the forward before the block runs again for its residuals (a cheap lookup)
+        losses, dends, *kept = acc
+        if self.split:  # no B: nothing waits for the gradient of the inputs before the block; all is W
+            dxs = kept[0]["dx"]
+            return losses, dends, {**kept[0], "dx": jnp.where(done, dxs.at[j].set(dx), dxs)}
+        return losses, self._pre_backward(args, dx, j, done, dends)
+
+    def _pre_backward(self, args: Arrays, dx: Any, j: Any, done: Any, dends: Arrays) -> Arrays:
+        """The backward before the block on microbatch j (its forward runs again for its residuals: a
+        cheap lookup), added to the ends' gradient sums where ``done``."""
         got = self.pre.backward(self.pre.forward(self._pre_pool(args, j))[1], dx)
-        dends = {k: jnp.where(done, g + got[k], g) if k in self.pre_params else g for k, g in dends.items()}
-        return losses, dends
+        return self._add(dends, got, False, done)
+
+    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any) -> Any:
+        """W of the ends: before the block its whole backward (from the block input's gradient B kept),
+        after it post's W (from what its B kept), each where its virtual stage's W runs."""
+        if not self.split:
+            return acc
+        losses, dends, kept = acc
+        dends = self._pre_backward(args, kept["dx"][j], j, first, dends)
+        params = {k: args[k] for k in self.post.forward_in if k in self.post_params}
+        got = self.post.backward_weight((params, {}), jax.tree.map(lambda buf: buf[j], kept["post"]))
+        return losses, self._add(dends, got, True, last), kept
+
+    def results(self, acc: Any) -> Any:
+        return acc[:2]  # the losses and the ends' gradients; not what the W ticks kept
 
     @property
     def result_cotangent(self) -> str:
@@ -310,13 +377,19 @@ class ModelEnds:
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
         """The batch's loss: the mean of the microbatches' (each a mean over its tokens)."""
-        return {self.post.result: jnp.mean(acc[0][self.last_stage])}
+        return {self.post.result: jnp.mean(_gathered(acc[0], self.both or (self.last_stage,)))}
 
     def finish(self, acc: Any) -> Any:
-        losses, dends = acc
+        losses, dends = acc[:2]
+        if self.both:  # DualPipe: the two end devices swap their sums, each then holds every microbatch's
+            first, last = self.both
+            dends = {k: g + jax.lax.ppermute(g, self.axis, [(first, last), (last, first)]) for k, g in dends.items()}
         pre = {k: dends[k] for k in self.pre_params}
         incoming = {}
         for k in self.tied:  # the two ends swap their sums: each then holds both contributions
+            if self.both:  # both ends on each of the two devices: both contributions are there
+                incoming[self.post.grads[k]] = dends[self._key(k)]
+                continue
             pre[k] = self._swap(pre[k], 0, self.last_stage % self.stages)
             incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.last_stage % self.stages, 0)
         got = self.pre.finish(pre, incoming)
@@ -334,3 +407,9 @@ class ModelEnds:
         dends = acc[1]
         got = {self.pre.final(k): dends[k][0] for k in self.pre_params}
         return got | {self.post.grads[k]: dends[k][self.last_stage] for k in self.post_params if k not in self.tied}
+
+
+def _gathered(stacked: Any, stages: tuple[int, ...]) -> Any:
+    """The sum over ``stages`` of a result stacked over the stages, each stage's zeros where another
+    made it (DualPipe's two end devices each keep one direction's microbatches)."""
+    return sum(stacked[s] for s in stages[1:]) + stacked[stages[0]]

@@ -14,7 +14,7 @@ microbatch's residuals until its backward, and sends with ``jax.lax.ppermute`` i
 activation down and its cotangent up (the receiver keeps what the table says was
 really sent; where the chunks sit and which sends reach them:
 :mod:`shardc.lowering.pipeline_routes`).  Under the zero-bubble schedules (ZB-H1, ZBV,
-DualPipeV) a third table, ``weight_ticks``, places the weight gradients: the backward tick
+DualPipeV, DualPipe) a third table, ``weight_ticks``, places the weight gradients: the backward tick
 then runs the input's gradient only (B) and keeps what the weights' gradient (W) reads of it
 until W's tick (:mod:`shardc.lowering.pipeline_split`).  Each layer's forward and backward
 are the stage plan's own, so the
@@ -80,6 +80,7 @@ class Pipeline:
     # (B_TABLE's then the input's gradient only); None: each backward whole, at its B tick
     weight_ticks: Table | None = None
     v_shape: bool = False  # the chunks in a V (ZBV, DualPipeV: shardc.lowering.pipeline_routes), else interleaved
+    two_way: bool = False  # DualPipe's two directions on the V's places, each chunk a whole stage held twice
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -89,14 +90,15 @@ class Pipeline:
     @property
     def placement(self) -> Placement:
         """Which virtual stage each device's chunks are, and the sends between them."""
-        return Placement(self.stages, self.chunks, self.v_shape)
+        return Placement(self.stages, self.chunks, self.v_shape, self.two_way)
 
     @property
     def held(self) -> tuple[int, ...]:
         """The layers each virtual stage holds, as the cost splits them (the spec's ``stage_layers``, else
-        :func:`split_layers`)."""
-        given = self.stage_layers
-        return given if given is not None else split_layers(self.layers, self.stages * self.chunks)
+        :func:`split_layers`; DualPipe's virtual stages each a model stage's)."""
+        place, given = self.placement, self.stage_layers
+        split = given if given is not None else split_layers(self.layers, place.model_stages)
+        return tuple(split[place.model(u)] for u in range(place.virtual_stages)) if place.two_way else split
 
     @property
     def slots(self) -> int:
@@ -105,7 +107,9 @@ class Pipeline:
         return max(self.held)
 
     def _firsts(self) -> list[int]:
-        return [sum(self.held[:v]) for v in range(len(self.held))]
+        """Each virtual stage's first layer (DualPipe's: its model stage's)."""
+        place = self.placement
+        return [sum(self.held[:place.model(v)]) for v in range(len(self.held))]
 
     def slot_layers(self) -> list[int]:
         """Each device's slots in order (its chunks in turn), the layer each holds (``layers`` for an
@@ -163,7 +167,7 @@ class Pipeline:
         params = args[len(names):]
         table = self.forward_ticks if backward else forward_only(self.forward_ticks)
         ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
-        m, p, v = self.microbatches, self.stages, self.chunks
+        m, v = self.microbatches, self.chunks
         x = jax.eval_shape(self.ends.first, pool, 0)
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
         kept = _buffers(shapes, v * m)  # by chunk x M + microbatch
@@ -181,10 +185,10 @@ class Pipeline:
             e = jnp.maximum(ef, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
-            start = u == 0  # the first virtual stage reads the ends' input
+            start = place.starts(u)  # the first virtual stage reads the ends' input
             y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[e]), params, key, u, c, j)
             kept = jax.tree.map(lambda buf, r: jnp.where(ef >= 0, buf.at[e].set(r), buf), kept, res)
-            end = (ef >= 0) & (u == p * v - 1)  # the last virtual stage hands on to the ends
+            end = (ef >= 0) & place.ends(u)  # the last virtual stage hands on to the ends
             cot, acc = self.ends.last(pool, y, j, end, acc, backward)
             cots = jnp.where(end, cots.at[e].set(cot), cots)
             # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
@@ -203,10 +207,12 @@ class Pipeline:
                 w = jnp.maximum(ew, 0)
                 dw = self._stage_weight_bwd(*jax.tree.map(lambda buf: buf[w], (kept, handed)))
                 dparams = _accumulate(dparams, dw, ew >= 0, w // m * self.slots)
+                uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
+                acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
             else:
                 dx, dw = self._stage_bwd(mine, cots[e], u)
                 dparams = _accumulate(dparams, dw, eb >= 0, c * self.slots)
-            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & (u == 0), acc)
+            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)
             cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1)
             return kept, handed, acts, cots, acc, dparams
 
@@ -215,9 +221,9 @@ class Pipeline:
         init = (kept, handed, zeros, zeros, self.ends.start(pool, x),
                 tuple(jnp.zeros((v * d.shape[0], *d.shape[1:]), d.dtype) for d in partial))
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
-        if backward:  # the microbatches' sums reduced, once a step
-            acc, dparams = self.ends.finish(acc), self._finish(dparams)
-        acc = jax.tree.map(lambda a: a[None], acc)
+        if backward:  # the microbatches' sums reduced, once a step (DualPipe's two copies' summed first)
+            acc, dparams = self.ends.finish(acc), self._finish(place.sum_copies(self.axis, dparams, self.slots))
+        acc = jax.tree.map(lambda a: a[None], self.ends.results(acc))
         return (acc, dparams) if backward else (acc,)
 
     def _finish(self, dparams: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -273,7 +279,7 @@ class Pipeline:
         """The program's arguments, placed: the dropout key, the cotangent on the last stage, each data
         input cut into microbatches and each end param on the stage that reads it, the block's params."""
         mesh = self.program()[0]
-        args = [np.asarray(key, np.uint32), self._on(cotangent, (self.placement.last_stage,))]
+        args = [np.asarray(key, np.uint32), self._on(cotangent, self.placement.end_stages)]
         for k in self.ends.inputs():
             x = self.split(inputs[k], self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
@@ -303,8 +309,10 @@ class Pipeline:
     def read(self, acc: Any, dparams: tuple[Any, ...]) -> tuple[Arrays, Arrays]:
         """The program's outputs as global arrays keyed by name: the ends' results, every gradient."""
         grads = dict(self.ends.gradients(self, acc))
-        order = sorted((layer, k) for k, layer in enumerate(self.slot_layers()) if layer < self.layers)
-        real = np.asarray([k for _, k in order])  # the slots in layer order
+        slot: dict[int, int] = {}  # each layer's first slot (DualPipe's two copies hold the same summed gradient)
+        for k, layer in enumerate(self.slot_layers()):
+            slot.setdefault(layer, k)
+        real = np.asarray([slot[layer] for layer in range(self.layers)])  # the slots in layer order
         grads.update({self.block.grads[p]: g[real] for p, g in zip(self.params, dparams, strict=True)})
         return dict(self.ends.outputs(self, acc)), grads
 
@@ -354,13 +362,19 @@ def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
     return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
                     tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
                     tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"), tables.get("W_TABLE"),
-                    tables.get("V_SHAPE", False))
+                    tables.get("V_SHAPE", False), tables.get("TWO_WAY", False))
 
 
-def _last_stage(tables: Mapping[str, Any]) -> int:
-    """The stage that runs the last virtual stage (and what comes after the block)."""
+def _placement(tables: Mapping[str, Any]) -> Placement:
+    """Where the module's chunks sit (:mod:`shardc.lowering.pipeline_routes`)."""
     stages = tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]]
-    return Placement(stages, tables.get("CHUNKS", 1), tables.get("V_SHAPE", False)).last_stage
+    return Placement(stages, tables.get("CHUNKS", 1), tables.get("V_SHAPE", False), tables.get("TWO_WAY", False))
+
+
+def _both(tables: Mapping[str, Any]) -> tuple[int, ...]:
+    """DualPipe's two devices that each run both ends; () where one runs each."""
+    place = _placement(tables)
+    return place.end_stages if place.two_way else ()
 
 
 def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:
@@ -368,7 +382,7 @@ def block_pipeline(tables: Mapping[str, Any]) -> Pipeline:
     ``BLOCK_INPUT``, the last stage keeps ``BLOCK_OUTPUT`` and reads its cotangent ``OUTPUT_COTANGENT``."""
     first, out = tables["BLOCK_INPUT"], tables["BLOCK_OUTPUT"]
     ends = BlockEnds(first, out, tables["FORWARD_IN"][first], tables["FORWARD_OUT"][out], tables["GRADS"][first],
-                     tables["OUTPUT_COTANGENT"], _last_stage(tables))
+                     tables["OUTPUT_COTANGENT"], _placement(tables).last_stage, _both(tables))
     return _pipeline(tables, ends)
 
 
@@ -379,5 +393,6 @@ def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
     pre, post = _part(tables, "PRE", tables["PRE_RESULT"]), _part(tables, "POST", tables["LOSS"])
     ends = ModelEnds(pre, post, tables["PRE_DATA"], tables["POST_DATA"], tables["PRE_PARAMS"], tables["POST_PARAMS"],
                      tables["BLOCK_OUTPUT"], tuple(tables.get("TIED", {})), tables["PIPELINE_AXIS"],
-                     tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]], _last_stage(tables))
+                     tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]], _placement(tables).last_stage, _both(tables),
+                     tables.get("W_TABLE") is not None)
     return _pipeline(tables, ends)

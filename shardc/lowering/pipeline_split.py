@@ -17,9 +17,17 @@ needs nothing of the ticks between.
 
 The two functions are cut from the stage module's backward phase (one line a step, in the
 plan's order), so they run the very lines the whole backward runs, each line once.
+
+The statements after the block (the head: final norm, output layer, loss) are cut the same way,
+B making the gradient of the block's output, which the last virtual stage's B waits for, and W
+the head's weights' (:mod:`shardc.lowering.pipeline_ends`).  Those before it (the embedding)
+have no B: nothing waits for the gradient of their inputs (token ids, data), so their whole
+backward is W and runs at W's tick.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from shardc.errors import InternalError
 from shardc.ir.plan import Op, Step
@@ -83,11 +91,15 @@ def split_backward(steps: tuple[Step, ...], backward: Phase, input_grad: str,
     return b, w
 
 
-def split_source(steps: tuple[Step, ...], backward: Phase, input_grad: str, cotangents: frozenset[str]) -> str:
+def split_source(steps: tuple[Step, ...], backward: Phase, input_grad: str, cotangents: frozenset[str],
+                 prefix: str = "") -> str:
     """B's and W's functions (``input_backward_local``, ``weight_backward_local``) and their tables
-    (``INPUT_BACKWARD_IN``, ``..._OUT``, ``WEIGHT_BACKWARD_IN``, ``..._OUT``), as module text."""
+    (``INPUT_BACKWARD_IN``, ``..._OUT``, ``WEIGHT_BACKWARD_IN``, ``..._OUT``), as module text; an end's
+    ``prefix``ed (``post_input_backward_local``, ``POST_INPUT_BACKWARD_IN``)."""
     text = ""
     for phase in split_backward(steps, backward, input_grad, cotangents):
+        if prefix:
+            phase = replace(phase, name=f"{prefix.lower()}_{phase.name}")
         name = phase.name.upper()
         text += "\n" + template.specs(f"{name}_IN", phase.inputs) + template.specs(f"{name}_OUT", phase.outputs)
         text += "\n\n" + template.function(phase) + "\n"

@@ -19,6 +19,11 @@ A param read on both ends of the block (a tied embedding) adds one collective-pe
 each way between the first and the last stage, once a step: each end's sum of its
 contribution to the gradient, swapped (:mod:`shardc.lowering.pipeline_ends`); none in a V,
 whose first and last virtual stage are both on stage 0.
+
+DualPipe holds each stage on two devices, s and P-1-s: once a step, after the loop, the two
+swap their sums of each weight gradient (one collective-permute a param, each device's two
+chunks' partial sums; the ends' between stages 0 and P-1, which both run them), as the cost's
+``copies_exchange_s`` charges.
 """
 
 from __future__ import annotations
@@ -146,6 +151,8 @@ def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] 
     trips = [int(n) for n in _TRIPS.findall(text)]
     found = [c for c in collectives(text, _mesh(lowered)) if c.hlo_op == "collective-permute"]
     tied, found = _tied_permutes(lowered, found)
+    copies, found = _copies_permutes(lowered, text, found)
+    tied += copies
     steps = tuple(s for plan in parts or (lowered.plan,) for s in plan.forward + plan.backward)
     tied += ring_rows("step", steps, found, {**dict(_mesh(lowered)), **lowered.sizes}, nbytes)  # takes them
     rows = tied + [CollectiveRow("step", f"while loop of {ticks} ticks (the schedule's tick table)", "Loop",
@@ -219,6 +226,39 @@ def _tied_permutes(lowered: PipelineLowered,
                                       f"{what}", "CollectivePermute", lowered.pipeline.axis, want,
                                       f"collective-permute x {len(mine)}", lowered.pipeline.axis,
                                       mine[0].bytes(nbytes) if mine else 0, ok, "" if ok else "not found"))
+    return rows, left
+
+
+def _copies_permutes(lowered: PipelineLowered, text: str,
+                     found: list[Collective]) -> tuple[list[CollectiveRow], list[Collective]]:
+    """DualPipe's swaps of the two copies' gradient sums, one a param, outside the loop between mirrored
+    stages (s and P-1-s), each the bytes of the device's partial sums; and the permutes left."""
+    ns = lowered.namespace
+    if not ns.PIPELINE.placement.two_way:
+        return [], found
+    stride, stages, nbytes = _stride(lowered), lowered.pipeline.stages, lowered.plan.spec.dtype.nbytes
+    once = {c.text for c in collectives("\n".join(outside_loop(text)), _mesh(lowered))}
+    wants = []
+    ends = lowered.ends
+    block = ends.block if ends is not None else lowered.plan
+    parts = [(block, ns.PARAMS, ns.GRADS, 2 * ns.PIPELINE.slots, "the block's two chunks")]
+    if ends is not None:
+        parts += [(ends.pre, ns.PRE_PARAMS, ns.PRE_GRADS, 1, "before the block"),
+                  (ends.post, ns.POST_PARAMS, ns.POST_GRADS, 1, "after the block")]
+    for plan, params, grads, slots, what in parts:
+        made = {s.dst.name: s.dst for s in split_reductions(plan).each.backward}
+        wants += [(f"{grads[k]} ({what})", int(local_elements(made[grads[k]], lowered.sizes)) * nbytes * slots)
+                  for k in params]
+    rows, left = [], list(found)
+    for name, want in wants:
+        mine = [c for c in left if c.text in once and (pr := _pairs(c.text)) and c.bytes(nbytes) == want
+                and all((t - s) // stride == stages - 1 - 2 * (s // stride % stages) for s, t in pr)]
+        left = [c for c in left if c is not (mine[0] if mine else None)]
+        rows.append(CollectiveRow("step", f"ppermute_{lowered.pipeline.axis} once a step: {name}, the two copies' "
+                                  "sums swapped (s <-> P-1-s)", "CollectivePermute", lowered.pipeline.axis, want,
+                                  f"collective-permute x {min(len(mine), 1)}", lowered.pipeline.axis,
+                                  mine[0].bytes(nbytes) if mine else 0, bool(mine),
+                                  "" if mine else "not found after the loop"))
     return rows, left
 
 
