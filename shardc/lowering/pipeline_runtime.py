@@ -10,7 +10,8 @@ schedule's simulation with unit times places them
 (:mod:`shardc.pipeline.schedules`).  :class:`Pipeline` runs any table the same way: a
 ``fori_loop`` over the ticks (one compiled body), in which every device runs its stage
 forward and backward masked by the table (SPMD: one program for all), keeps each
-microbatch's residuals until its backward, and sends with ``jax.lax.ppermute`` its
+microbatch's residuals until its backward (in a ring of the microbatches the table keeps in flight:
+:mod:`shardc.lowering.pipeline_slots`), and sends with ``jax.lax.ppermute`` its
 activation down and its cotangent up (the receiver keeps what the table says was
 really sent; where the chunks sit and which sends reach them:
 :mod:`shardc.lowering.pipeline_routes`).  Under the zero-bubble schedules (ZB-H1, ZBV,
@@ -45,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Phase, Table, forward_only
 from shardc.lowering.pipeline_routes import Placement
+from shardc.lowering.pipeline_slots import Rings, rings
 from shardc.lowering.runtime import make_mesh
 from shardc.spec.functions import layer_key
 from shardc.spec.stages import split_layers
@@ -90,6 +92,12 @@ class Pipeline:
     def placement(self) -> Placement:
         """Which virtual stage each device's chunks are, and the sends between them."""
         return Placement(self.stages, self.chunks, self.v_shape)
+
+    @functools.cached_property
+    def rings(self) -> Rings:
+        """The buffers' rings: a slot for each value the tick tables keep in flight at once, not one a
+        microbatch (:mod:`shardc.lowering.pipeline_slots`)."""
+        return rings(self.placement, self.microbatches, self.forward_ticks, self.backward_ticks, self.weight_ticks)
 
     @property
     def held(self) -> tuple[int, ...]:
@@ -166,12 +174,15 @@ class Pipeline:
         m, p, v = self.microbatches, self.stages, self.chunks
         x = jax.eval_shape(self.ends.first, pool, 0)
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
-        kept = _buffers(shapes, v * m)  # by chunk x M + microbatch
-        zeros = jnp.zeros((v * m,) + x.shape, x.dtype)
+        # each buffer a ring of the values in flight at once, a chunk x M + microbatch entry at its slot
+        rings = self.rings
+        ks, hs, xs, gs = (jnp.asarray(r.table)[stage] for r in (rings.kept, rings.handed, rings.acts, rings.cots))
+        kept = _buffers(shapes, rings.kept.count)
+        acts, cots = (jnp.zeros((r.count,) + x.shape, x.dtype) for r in (rings.acts, rings.cots))
         split = backward and self.weight_ticks is not None
         wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
-        handed = _buffers(jax.eval_shape(self._stage_input_bwd, jax.tree.map(lambda b: b[0], kept), zeros[0],
-                                         stage)[1], v * m) if split else ()  # B's values W reads, until W
+        handed = _buffers(jax.eval_shape(self._stage_input_bwd, jax.tree.map(lambda b: b[0], kept), acts[0],
+                                         stage)[1], rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
         virtual = place.table()  # [chunk, stage]
 
@@ -182,37 +193,38 @@ class Pipeline:
             c, j = e // m, e % m
             u = virtual[c, stage]
             start = u == 0  # the first virtual stage reads the ends' input
-            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[e]), params, key, u, c, j)
-            kept = jax.tree.map(lambda buf, r: jnp.where(ef >= 0, buf.at[e].set(r), buf), kept, res)
+            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[xs[e]]), params, key, u, c, j)
+            kept = jax.tree.map(lambda buf, r: jnp.where(ef >= 0, buf.at[ks[e]].set(r), buf), kept, res)
             end = (ef >= 0) & (u == p * v - 1)  # the last virtual stage hands on to the ends
             cot, acc = self.ends.last(pool, y, j, end, acc, backward)
-            cots = jnp.where(end, cots.at[e].set(cot), cots)
+            cots = jnp.where(end, cots.at[gs[e]].set(cot), cots)
             # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
-            acts = place.hand_on(self.axis, acts, y, ftab[t], stage, m, 1)
+            acts = place.hand_on(self.axis, acts, y, ftab[t], stage, m, 1, xs)
             if not backward:
                 return kept, handed, acts, cots, acc, dparams
             eb = btab[t, stage]
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
-            mine = jax.tree.map(lambda buf: buf[e], kept)
+            mine = jax.tree.map(lambda buf: buf[ks[e]], kept)
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B)
-                dx, made = self._stage_input_bwd(mine, cots[e], u)
-                handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[e].set(h), buf), handed, made)
+                dx, made = self._stage_input_bwd(mine, cots[gs[e]], u)
+                handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
-                dw = self._stage_weight_bwd(*jax.tree.map(lambda buf: buf[w], (kept, handed)))
+                dw = self._stage_weight_bwd(jax.tree.map(lambda buf: buf[ks[w]], kept),
+                                            jax.tree.map(lambda buf: buf[hs[w]], handed))
                 dparams = _accumulate(dparams, dw, ew >= 0, w // m * self.slots)
             else:
-                dx, dw = self._stage_bwd(mine, cots[e], u)
+                dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
                 dparams = _accumulate(dparams, dw, eb >= 0, c * self.slots)
             acc = self.ends.first_back(pool, dx, j, (eb >= 0) & (u == 0), acc)
-            cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1)
+            cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
             return kept, handed, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
-        partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), zeros[0], stage)[1]
-        init = (kept, handed, zeros, zeros, self.ends.start(pool, x),
+        partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), x, stage)[1]
+        init = (kept, handed, acts, cots, self.ends.start(pool, x),
                 tuple(jnp.zeros((v * d.shape[0], *d.shape[1:]), d.dtype) for d in partial))
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
         if backward:  # the microbatches' sums reduced, once a step
@@ -310,7 +322,7 @@ class Pipeline:
 
 
 def _buffers(shapes: Any, n: int) -> Any:
-    """Zeros of ``n`` of each of ``shapes`` (a tree of shapes): a value for each microbatch of each chunk."""
+    """Zeros of ``n`` of each of ``shapes`` (a tree of shapes): a ring of ``n`` slots."""
     return jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)
 
 
