@@ -128,16 +128,25 @@ class Pipeline:
         number = jnp.asarray(self._firsts())[virtual] + k
         return layer_key(key, number, self.layers, jnp), jnp.asarray(j, jnp.int32)
 
+    def _layer_params(self, params: tuple[Any, ...], chunk: Any, k: int) -> Arrays:
+        """Slot k of the chunk's params (each stacked over the device's slots)."""
+        return {p: w[chunk * self.slots + k] for p, w in zip(self.params, params, strict=True)}
+
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
                    j: Any) -> tuple[Any, list[Any]]:
+        """The stage's layers forward on ``x``: the output, and each layer's saved values but its params
+        (the backward reads those from the params, once a layer, not a copy a microbatch)."""
         kept, held = [], jnp.asarray(self.held)[virtual]
         for k in range(self.slots):
-            pool = {self.block_input: x, **{p: w[chunk * self.slots + k] for p, w in zip(self.params, params,
-                                                                                        strict=True)}}
-            y, residuals = self.block.forward(pool, self.layer_key(key, virtual, k, j))
+            pool = {self.block_input: x, **self._layer_params(params, chunk, k)}
+            y, (used, saved) = self.block.forward(pool, self.layer_key(key, virtual, k, j))
             x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
-            kept.append(residuals)
+            kept.append(({n: v for n, v in used.items() if n not in self.params}, saved))
         return x, kept
+
+    def _saved(self, kept: list[Any], params: tuple[Any, ...], chunk: Any) -> list[Any]:
+        """Each layer's residuals as its backward reads them: the saved values and the layer's params."""
+        return [({**used, **self._layer_params(params, chunk, k)}, saved) for k, (used, saved) in enumerate(kept)]
 
     def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, tuple[Any, ...]]:
         grads: list[Arrays] = [{}] * len(kept)
@@ -181,8 +190,9 @@ class Pipeline:
         acts, cots = (jnp.zeros((r.count,) + x.shape, x.dtype) for r in (rings.acts, rings.cots))
         split = backward and self.weight_ticks is not None
         wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
-        handed = _buffers(jax.eval_shape(self._stage_input_bwd, jax.tree.map(lambda b: b[0], kept), acts[0],
-                                         stage)[1], rings.handed.count) if split else ()  # B's values W reads
+        first = self._saved(jax.tree.map(lambda b: b[0], kept), params, 0)  # a slot's values, for their shapes
+        handed = _buffers(jax.eval_shape(self._stage_input_bwd, first, acts[0], stage)[1],
+                          rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
         virtual = place.table()  # [chunk, stage]
 
@@ -206,13 +216,13 @@ class Pipeline:
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
-            mine = jax.tree.map(lambda buf: buf[ks[e]], kept)
+            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], kept), params, c)
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B)
                 dx, made = self._stage_input_bwd(mine, cots[gs[e]], u)
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
-                dw = self._stage_weight_bwd(jax.tree.map(lambda buf: buf[ks[w]], kept),
+                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], kept), params, w // m),
                                             jax.tree.map(lambda buf: buf[hs[w]], handed))
                 dparams = _accumulate(dparams, dw, ew >= 0, w // m * self.slots)
             else:
@@ -223,7 +233,7 @@ class Pipeline:
             return kept, handed, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
-        partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), x, stage)[1]
+        partial = jax.eval_shape(self._stage_bwd, first, x, stage)[1]
         init = (kept, handed, acts, cots, self.ends.start(pool, x),
                 tuple(jnp.zeros((v * d.shape[0], *d.shape[1:]), d.dtype) for d in partial))
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
