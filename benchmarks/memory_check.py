@@ -66,14 +66,15 @@ def _pipelined(plans: list[tuple[Path, Any]], devices: int) -> None:
     from shardc.verification.pipeline_verify import check_pipeline_memory
 
     print(f"\n{'pipelined example':<26} {'ratio':>5}  {'shardc':>9} {'params':>9} {'grads':>9} {'activ.':>9} "
-          f"{'gathered':>9}  {'XLA':>9} {'args':>9} {'outs':>9} {'temp':>9}  held/M")
+          f"{'gathered':>9} {'working':>9} {'sums':>9}  {'XLA':>9} {'args':>9} {'outs':>9} {'temp':>9}  held/M")
     for path, plan in plans:
         check = check_pipeline_memory(plan, devices)
         mine, xla = dict(check.shardc_parts), dict(check.xla_parts)
         cells = [check.shardc_bytes, *mine.values(), check.xla_bytes, xla["arguments"], xla["outputs"],
                  xla["temporaries"]]
         text = [f"{fmt_bytes(n):>9}" for n in cells]
-        print(f"{path.name:<26} {check.ratio or 0:>5.2f}  {' '.join(text[:5])}  {' '.join(text[5:])}  "
+        split = 1 + len(mine)
+        print(f"{path.name:<26} {check.ratio or 0:>5.2f}  {' '.join(text[:split])}  {' '.join(text[split:])}  "
               f"{check.held:g}/{check.microbatches}")
 
 

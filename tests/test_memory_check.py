@@ -266,7 +266,10 @@ def test_pipelined_verify_reports_the_fullest_stage_against_xla() -> None:
     assert check.element == 8  # the run is in float64
     # the program takes every param of the stage (and the inputs) and returns a gradient for each
     assert 0 < mine["params"] <= xla["arguments"] and 0 < mine["gradients"] <= xla["outputs"]
-    assert check.held < check.microbatches  # 1F1B's first stage holds fewer than the schedule's slots
+    assert check.held < check.microbatches  # 1F1B's first stage holds fewer than the microbatches
+    assert check.slots == check.held  # and the program's ring keeps as many, as the cost counts them
+    assert mine["working set"] > 0
+    assert check.ratio is not None and 0.75 <= check.ratio <= 1.0  # 0.80; 0.29 before the ring and working set
     data = report.to_json()["memory_check"]
     assert data["pipelined"] and data["ratio"] == data["shardc_bytes"] / data["xla_bytes"]
     assert "shardc's fullest stage" in render_report(report)

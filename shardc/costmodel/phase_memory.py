@@ -41,6 +41,8 @@ class PhaseMemory:
     outputs: float
     temporaries: float
     parts: tuple[tuple[str, str, float], ...] = ()  # (arguments or outputs, what, bytes): params, inputs, ...
+    # of the temporaries: the copies of arguments made before any other step (Buffers.argument_copies_first)
+    argument_copies: float = 0.0
 
     @property
     def total(self) -> float:
@@ -78,11 +80,13 @@ class Buffers:
 
 
 def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
-                 buffers: Buffers = Buffers()) -> list[PhaseMemory]:
+                 buffers: Buffers = Buffers(), section: str | None = None) -> list[PhaseMemory]:
     """The forward's and the backward's :class:`PhaseMemory` at ``sizes``; ``element``: the bytes of a
     floating-point element (None: the spec's dtype's; token ids and masks keep their own);
     ``buffers``: the backend's rules (:class:`Buffers`; the default a TPU's or GPU's).  Arguments
-    and outputs are at their own size; the temporaries as ``buffers`` lays them out."""
+    and outputs are at their own size; the temporaries as ``buffers`` lays them out, of the whole
+    phase or, with ``section`` (``before``, ``block``, ``after``), of that section's steps run alone
+    (one stage's part of a pipelined step)."""
     own = dict(plan.element_bytes)
 
     def nbytes(ref: TensorRef) -> float:
@@ -111,10 +115,21 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
         args, outs = ([r for refs in groups[c].values() for r in refs] for c in ("arguments", "outputs"))
         parts = tuple((c, label, _total(refs, nbytes)) for c in ("arguments", "outputs")
                       for label, refs in groups[c].items())
-        out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes),
-                               _temporaries(steps, set(args), set(outs), kept_values(plan), aligned,
-                                            _Copies(buffers, sizes, nbytes)), parts))
+        run = steps if section is None else _section(plan, name, section)
+        temporaries, early = _temporaries(run, set(args), set(outs), kept_values(plan), aligned,
+                                          _Copies(buffers, sizes, nbytes))
+        out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes), temporaries, parts, early))
     return out
+
+
+def _section(plan: Plan, phase: str, section: str) -> tuple[Step, ...]:
+    """The steps of one section (``before``, ``block`` or ``after`` a ``layers`` block) of a phase as the
+    program runs it: the backward's recomputed forward steps of the section, then its own."""
+    cut = plan.cut
+    if phase == "forward":
+        return cut.steps("forward", plan.forward, section)
+    again = cut.steps("recomputed", plan.recomputed, section) if backward_program(plan) != plan.backward else ()
+    return again + cut.steps("backward", plan.backward, section)
 
 
 def _total(refs: list[TensorRef], nbytes: Callable[[TensorRef], float]) -> float:
@@ -125,8 +140,9 @@ Span = tuple[int, int, float]  # a value's first step, last step and bytes
 
 
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
-                 nbytes: Callable[[TensorRef], float], copies: _Copies) -> float:
-    """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the most alive at one
+                 nbytes: Callable[[TensorRef], float], copies: _Copies) -> tuple[float, float]:
+    """The bytes of made values the phase needs beyond its ``args`` and ``outs``, and of them the copies
+    of arguments made first (:attr:`Buffers.argument_copies_first`): the most alive at one
     of ``steps``, an output counted from the step that makes it (before, the buffer of one a reduction
     or a gather makes holds others, :func:`_outside_outputs`), less the outputs.
 
@@ -179,7 +195,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
     heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
-    return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
+    peak = max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
+    return peak, sum(n for _, _, n in early.values())
 
 
 def _made_at(steps: tuple[Step, ...]) -> list[int]:

@@ -34,7 +34,10 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
   of one layer, and the residuals the plan's save policy keeps: those with the batch dim
   for one microbatch times the microbatches the stage holds at its peak (simulated; the
   closed forms are gpipe m, 1f1b p - s, interleaved p (1 + (p-1)/(p V)) on the first
-  stage), saved weights once;
+  stage), saved weights once; a tick's working set (the temporaries of one microbatch's
+  largest phase through a layer or an end the stage runs,
+  :func:`~shardc.costmodel.phase_memory.phase_memory`'s); and the microbatches' sums of the
+  gradients a ReduceScatter reduces once a step (unsharded, beside the shard);
 * ``dualpipe`` (DeepSeek-V3's): device d holds two whole stages, d and p-1-d (so its params,
   gradients and optimizer state are both stages', twice a stage's), and devices 0 and p-1
   both hold the first chunk's and the last chunk's statements (each direction enters at one
@@ -58,9 +61,10 @@ from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
 from shardc.costmodel.memory import kept_once, memory, residual_values, value_blocks, value_bytes
+from shardc.costmodel.phase_memory import phase_memory
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
-from shardc.ir.plan import Plan, Step
+from shardc.ir.plan import SECTIONS, Plan, Step
 from shardc.ir.spec import Network, Statement, TensorRef
 from shardc.pipeline.block_split import chunk_blocks, device_blocks, stage_blocks
 from shardc.pipeline.boundary import (
@@ -118,6 +122,13 @@ class StageCost:
     optimizer_bytes: float = 0.0  # and the optimizer state's
     host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
     blocks: tuple[int, ...] = ()  # with several `layers` blocks: its layers of each block
+    # a tick's working set: the temporaries of the largest forward or backward of one microbatch through a
+    # layer (or an end the stage runs), beside the activations kept (phase_memory's, one section)
+    working_bytes: float = 0.0
+    # the microbatches' sums of the gradients reduced once a step, where the reduction does not run in
+    # their buffer (a ReduceScatter: the unsharded sums beside the shard), held through the schedule
+    accumulator_bytes: float = 0.0
+    sections: tuple[str, ...] = ("block",)  # the spec's sections the stage runs: its working set's
 
     @property
     def bound(self) -> str:
@@ -125,7 +136,8 @@ class StageCost:
 
     @property
     def memory_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes + self.gathered_bytes
+        return (self.state_bytes + self.activation_bytes + self.gathered_bytes + self.working_bytes
+                + self.accumulator_bytes)
 
     @property
     def fits(self) -> bool:
@@ -137,7 +149,8 @@ class StageCost:
                 "backward_s": self.backward_s, "weight_s": self.weight_s, "compute_s": self.compute_s,
                 "comm_s": self.comm_s, "bound": self.bound, "inflight_microbatches": self.held,
                 "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
-                "gathered_bytes": self.gathered_bytes, "memory_bytes": self.memory_bytes,
+                "gathered_bytes": self.gathered_bytes, "working_bytes": self.working_bytes,
+                "accumulator_bytes": self.accumulator_bytes, "memory_bytes": self.memory_bytes,
                 "fits": self.fits, **({"host_bytes": self.host_bytes} if self.host_bytes else {})}
 
 
@@ -493,6 +506,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     blocks = value_blocks(plan)
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     heads, tails = end_chunks(name, pipe.stages, n)
+    working = _working_sets(plan, micro)
     for s, blocked in enumerate(device_blocks(pipe)):
         held_names = _held(plan, pipe, s)
         mem = memory(plan, micro, blocked[0], hw.hbm_bytes, optimizer, held_names, more_layers=blocked[1:])
@@ -516,11 +530,38 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         comm = share * (layers_of("comm") + math.fsum(p.comm for e in ends for p in e)) + sends
         f, b, w = (share * (p.seconds + math.fsum(e[i].seconds for e in ends))
                    for i, p in enumerate(_run(parts, tuple(map(float, blocked)))))
+        runs = ["block"] + [k for k, chunks in (("before", heads), ("after", tails))
+                            if any(device_of(name, c, pipe.stages) == s for c in chunks)]
         out.append(StageCost(s, sum(blocked), f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
                              residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes, mem.params, mem.grads,
-                             mem.grad_bytes, mem.optimizer_bytes, blocks=blocked if pipe.blocks else ()))
+                             mem.grad_bytes, mem.optimizer_bytes, blocks=blocked if pipe.blocks else (),
+                             working_bytes=max(working.get(k, 0.0) for k in runs),
+                             accumulator_bytes=_accumulator(plan, micro, blocked, held_names), sections=tuple(runs)))
     return tuple(out)
+
+
+def _working_sets(plan: Plan, micro: dict[str, int]) -> dict[str, float]:
+    """The temporaries of one microbatch's largest phase through each section a stage runs (the block's
+    one layer, the statements before it, those after it): what a tick holds beside the kept values."""
+    sections = SECTIONS if plan.spec.block is not None else ("block",)
+    return {k: max(p.temporaries for p in phase_memory(plan, micro, section=k)) for k in sections}
+
+
+def _accumulator(plan: Plan, sizes: dict[str, int], layers: tuple[int, ...], held: frozenset[str] | None) -> float:
+    """The bytes of the microbatches' gradient sums a stage holds through the schedule beyond its
+    gradients: a ReduceScatter run once a step reads the unsharded sums (as Megatron-LM's distributed
+    optimizer keeps its full gradient buffer); an AllReduce runs in its sums' buffer (NCCL in place)."""
+    total = 0.0
+    for k in gradient_reductions(plan):
+        step = plan.backward[k]
+        if step.op is not Op.REDUCE_SCATTER or step.src is None:
+            continue
+        if step.once and held is not None and plan.primal(step.tensor) not in held:
+            continue
+        count = 1 if step.once else layers[step.block]  # the stage's layers of the step's block
+        total += float(local_elements(step.src, sizes)) * plan.nbytes(step.src.name) * count
+    return total
 
 
 def _thresholds(pipe: Pipeline, timing: Timing, layer_f: float, p2p_s: float,

@@ -106,9 +106,11 @@ class Placement:
             return [down + [(p - 1, 0)]] if step > 0 else [up + [(0, p - 1)]]
         return [down if step > 0 else up]
 
-    def hand_on(self, axis: str, buf: Any, x: Any, row: Any, stage: Any, microbatches: int, step: int) -> Any:
-        """``buf`` (by chunk x M + microbatch) with what this tick's ops of ``row`` (the table's row: each
-        stage's entry, or -1) made, ``x`` on each device, received where it is read next."""
+    def hand_on(self, axis: str, buf: Any, x: Any, row: Any, stage: Any, microbatches: int, step: int,
+                slots: Any) -> Any:
+        """``buf`` with what this tick's ops of ``row`` (the table's row: each stage's entry, or -1) made,
+        ``x`` on each device, received where it is read next: the entry chunk x M + microbatch at its slot
+        ``slots[entry]`` of this stage."""
         n, m, virtual = self.virtual_stages, microbatches, self.table()
         to = jnp.asarray([self.place(u) for u in range(n)])
 
@@ -120,7 +122,7 @@ class Placement:
             if self.two_way:  # a microbatch keeps to its direction: no turn from one to the other
                 ok = ok & (u // self.stages == virtual[e // m, q] // self.stages)
             u = jnp.clip(u, 0, n - 1)
-            return ok & (to[u, 0] == stage), to[u, 1] * m + e % m
+            return ok & (to[u, 0] == stage), slots[to[u, 1] * m + e % m]
 
         for pairs in self.links(step):
             got = jax.lax.ppermute(x, axis, pairs)

@@ -10,7 +10,8 @@ schedule's simulation with unit times places them
 (:mod:`shardc.pipeline.schedules`).  :class:`Pipeline` runs any table the same way: a
 ``fori_loop`` over the ticks (one compiled body), in which every device runs its stage
 forward and backward masked by the table (SPMD: one program for all), keeps each
-microbatch's residuals until its backward, and sends with ``jax.lax.ppermute`` its
+microbatch's residuals until its backward (in a ring of the microbatches the table keeps in flight:
+:mod:`shardc.lowering.pipeline_slots`), and sends with ``jax.lax.ppermute`` its
 activation down and its cotangent up (the receiver keeps what the table says was
 really sent; where the chunks sit and which sends reach them:
 :mod:`shardc.lowering.pipeline_routes`).  Under the zero-bubble schedules (ZB-H1, ZBV,
@@ -45,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Phase, Table, forward_only
 from shardc.lowering.pipeline_routes import Placement
+from shardc.lowering.pipeline_slots import Rings, rings
 from shardc.lowering.runtime import make_mesh
 from shardc.spec.functions import layer_key
 from shardc.spec.stages import split_layers
@@ -92,6 +94,12 @@ class Pipeline:
         """Which virtual stage each device's chunks are, and the sends between them."""
         return Placement(self.stages, self.chunks, self.v_shape, self.two_way)
 
+    @functools.cached_property
+    def rings(self) -> Rings:
+        """The buffers' rings: a slot for each value the tick tables keep in flight at once, not one a
+        microbatch (:mod:`shardc.lowering.pipeline_slots`)."""
+        return rings(self.placement, self.microbatches, self.forward_ticks, self.backward_ticks, self.weight_ticks)
+
     @property
     def held(self) -> tuple[int, ...]:
         """The layers each virtual stage holds, as the cost splits them (the spec's ``stage_layers``, else
@@ -124,16 +132,25 @@ class Pipeline:
         number = jnp.asarray(self._firsts())[virtual] + k
         return layer_key(key, number, self.layers, jnp), jnp.asarray(j, jnp.int32)
 
+    def _layer_params(self, params: tuple[Any, ...], chunk: Any, k: int) -> Arrays:
+        """Slot k of the chunk's params (each stacked over the device's slots)."""
+        return {p: w[chunk * self.slots + k] for p, w in zip(self.params, params, strict=True)}
+
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
                    j: Any) -> tuple[Any, list[Any]]:
+        """The stage's layers forward on ``x``: the output, and each layer's saved values but its params
+        (the backward reads those from the params, once a layer, not a copy a microbatch)."""
         kept, held = [], jnp.asarray(self.held)[virtual]
         for k in range(self.slots):
-            pool = {self.block_input: x, **{p: w[chunk * self.slots + k] for p, w in zip(self.params, params,
-                                                                                        strict=True)}}
-            y, residuals = self.block.forward(pool, self.layer_key(key, virtual, k, j))
+            pool = {self.block_input: x, **self._layer_params(params, chunk, k)}
+            y, (used, saved) = self.block.forward(pool, self.layer_key(key, virtual, k, j))
             x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
-            kept.append(residuals)
+            kept.append(({n: v for n, v in used.items() if n not in self.params}, saved))
         return x, kept
+
+    def _saved(self, kept: list[Any], params: tuple[Any, ...], chunk: Any) -> list[Any]:
+        """Each layer's residuals as its backward reads them: the saved values and the layer's params."""
+        return [({**used, **self._layer_params(params, chunk, k)}, saved) for k, (used, saved) in enumerate(kept)]
 
     def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, tuple[Any, ...]]:
         grads: list[Arrays] = [{}] * len(kept)
@@ -170,12 +187,16 @@ class Pipeline:
         m, v = self.microbatches, self.chunks
         x = jax.eval_shape(self.ends.first, pool, 0)
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
-        kept = _buffers(shapes, v * m)  # by chunk x M + microbatch
-        zeros = jnp.zeros((v * m,) + x.shape, x.dtype)
+        # each buffer a ring of the values in flight at once, a chunk x M + microbatch entry at its slot
+        rings = self.rings
+        ks, hs, xs, gs = (jnp.asarray(r.table)[stage] for r in (rings.kept, rings.handed, rings.acts, rings.cots))
+        kept = _buffers(shapes, rings.kept.count)
+        acts, cots = (jnp.zeros((r.count,) + x.shape, x.dtype) for r in (rings.acts, rings.cots))
         split = backward and self.weight_ticks is not None
         wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
-        handed = _buffers(jax.eval_shape(self._stage_input_bwd, jax.tree.map(lambda b: b[0], kept), zeros[0],
-                                         stage)[1], v * m) if split else ()  # B's values W reads, until W
+        first = self._saved(jax.tree.map(lambda b: b[0], kept), params, 0)  # a slot's values, for their shapes
+        handed = _buffers(jax.eval_shape(self._stage_input_bwd, first, acts[0], stage)[1],
+                          rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
         virtual = place.table()  # [chunk, stage]
 
@@ -186,39 +207,40 @@ class Pipeline:
             c, j = e // m, e % m
             u = virtual[c, stage]
             start = place.starts(u)  # the first virtual stage reads the ends' input
-            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[e]), params, key, u, c, j)
-            kept = jax.tree.map(lambda buf, r: jnp.where(ef >= 0, buf.at[e].set(r), buf), kept, res)
+            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[xs[e]]), params, key, u, c, j)
+            kept = jax.tree.map(lambda buf, r: jnp.where(ef >= 0, buf.at[ks[e]].set(r), buf), kept, res)
             end = (ef >= 0) & place.ends(u)  # the last virtual stage hands on to the ends
             cot, acc = self.ends.last(pool, y, j, end, acc, backward)
-            cots = jnp.where(end, cots.at[e].set(cot), cots)
+            cots = jnp.where(end, cots.at[gs[e]].set(cot), cots)
             # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
-            acts = place.hand_on(self.axis, acts, y, ftab[t], stage, m, 1)
+            acts = place.hand_on(self.axis, acts, y, ftab[t], stage, m, 1, xs)
             if not backward:
                 return kept, handed, acts, cots, acc, dparams
             eb = btab[t, stage]
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
-            mine = jax.tree.map(lambda buf: buf[e], kept)
+            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], kept), params, c)
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B)
-                dx, made = self._stage_input_bwd(mine, cots[e], u)
-                handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[e].set(h), buf), handed, made)
+                dx, made = self._stage_input_bwd(mine, cots[gs[e]], u)
+                handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
-                dw = self._stage_weight_bwd(*jax.tree.map(lambda buf: buf[w], (kept, handed)))
+                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], kept), params, w // m),
+                                            jax.tree.map(lambda buf: buf[hs[w]], handed))
                 dparams = _accumulate(dparams, dw, ew >= 0, w // m * self.slots)
                 uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
             else:
-                dx, dw = self._stage_bwd(mine, cots[e], u)
+                dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
                 dparams = _accumulate(dparams, dw, eb >= 0, c * self.slots)
             acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)
-            cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1)
+            cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
             return kept, handed, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
-        partial = jax.eval_shape(self._stage_bwd, jax.tree.map(lambda buf: buf[0], kept), zeros[0], stage)[1]
-        init = (kept, handed, zeros, zeros, self.ends.start(pool, x),
+        partial = jax.eval_shape(self._stage_bwd, first, x, stage)[1]
+        init = (kept, handed, acts, cots, self.ends.start(pool, x),
                 tuple(jnp.zeros((v * d.shape[0], *d.shape[1:]), d.dtype) for d in partial))
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
         if backward:  # the microbatches' sums reduced, once a step (DualPipe's two copies' summed first)
@@ -318,7 +340,7 @@ class Pipeline:
 
 
 def _buffers(shapes: Any, n: int) -> Any:
-    """Zeros of ``n`` of each of ``shapes`` (a tree of shapes): a value for each microbatch of each chunk."""
+    """Zeros of ``n`` of each of ``shapes`` (a tree of shapes): a ring of ``n`` slots."""
     return jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)
 
 

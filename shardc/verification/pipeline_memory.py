@@ -10,7 +10,10 @@ inputs, returns the gradients and the ends' accumulator, and keeps the activatio
 microbatches in flight, the gathered weights and its loop's own buffers as temporaries; shardc counts
 the stage's params, their gradients (the program returns one a param, on its ZeRO shard where the
 spec shards it; it updates no optimizer state), the activations its save policy keeps for the
-microbatches the stage holds at its peak, and one layer's gathered weights.  Both are counted at the
+microbatches the stage holds at its peak (the program's ring holds as many:
+:mod:`shardc.lowering.pipeline_slots`), one layer's gathered weights, a tick's working set (one
+microbatch's largest phase, laid out as XLA's CPU backend lays it) and the microbatches' gradient
+sums a once-a-step ReduceScatter reads.  Both are counted at the
 run's float element (its inputs' dtype).
 """
 
@@ -20,10 +23,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardc.costmodel.cost_report import cost
+from shardc.costmodel.phase_memory import phase_memory
+from shardc.costmodel.pipeline_cost import StageCost
 from shardc.ir.plan import Plan
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.units import fmt_bytes
+from shardc.verification.memory_check import XLA_CPU
 
 __all__ = ["StageMemoryCheck", "stage_memory_check", "render_stage_memory"]
 
@@ -38,7 +44,8 @@ class StageMemoryCheck:
     stage: int
     element: int  # the bytes of a floating-point element in the run
     held: float  # the microbatches whose activations shardc counts: the stage's peak in flight
-    microbatches: int  # the run's; the lowered schedule keeps a slot for each
+    microbatches: int  # the run's
+    slots: int  # the microbatches whose residuals the lowered schedule keeps at once: its ring's slots
     shardc_parts: tuple[tuple[str, float], ...]  # params, gradients, activations, gathered
     xla_parts: tuple[tuple[str, float], ...]  # arguments, outputs, temporaries; less the aliased bytes
 
@@ -56,14 +63,18 @@ class StageMemoryCheck:
 
     def notes(self) -> list[str]:
         return [f"shardc counts the activations of the {self.held:g} microbatches the stage holds at its peak; "
-                f"the lowered schedule keeps a slot for each of the {self.microbatches} (its residuals, its "
-                "activation received and its cotangent), alive through the loop",
+                f"the lowered schedule keeps its residuals in a ring of {self.slots} slots (of "
+                f"{self.microbatches} microbatches), alive through the loop",
+                "a tick's working set is one microbatch's largest phase through a layer (or an end) of the "
+                "stage, the block's copies of its arguments once for each layer a tick runs (XLA's CPU "
+                "backend makes them all at the start of the backward); XLA also packs the loop's buffers "
+                "with gaps, temporaries beyond the most alive at once",
                 "the program updates no optimizer state (it returns the gradients): shardc cost's optimizer "
                 "bytes have no counterpart here"]
 
     def to_json(self) -> dict[str, object]:
         return {"pipelined": True, "stage": self.stage, "element_bytes": self.element, "held": self.held,
-                "microbatches": self.microbatches, "notes": self.notes(),
+                "microbatches": self.microbatches, "slots": self.slots, "notes": self.notes(),
                 "shardc_bytes": self.shardc_bytes, "xla_bytes": self.xla_bytes, "ratio": self.ratio,
                 "shardc_parts": dict(self.shardc_parts), "xla_parts": dict(self.xla_parts)}
 
@@ -85,10 +96,25 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     stage = report.pipeline.fullest
     scale = element / plan.spec.dtype.nbytes
     shardc = (("params", stage.params * element), ("gradients", stage.grads * element),
-              ("activations", stage.activation_bytes * scale), ("gathered weights", stage.gathered_bytes * scale))
+              ("activations", stage.activation_bytes * scale), ("gathered weights", stage.gathered_bytes * scale),
+              ("working set", _working_set(run, sizes | {report.pipeline.dim: report.pipeline.microbatch_size},
+                                           stage, element, lowered.namespace.PIPELINE.slots)),
+              ("gradient sums", stage.accumulator_bytes * scale))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
-    return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, shardc,
+    slots = lowered.namespace.PIPELINE.rings.kept.count
+    return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, slots, shardc,
                             xla + (("aliased", -float(stats.alias_size_in_bytes)),))
+
+
+def _working_set(plan: Plan, micro: dict[str, int], stage: StageCost, element: int, layers: int) -> float:
+    """The stage's working set at the microbatch's sizes ``micro`` as XLA's CPU backend lays it out
+    (:data:`~shardc.verification.memory_check.XLA_CPU`, as the unpipelined check counts it): the largest
+    phase of one microbatch through the sections the stage runs, the block's with the copies of its
+    arguments (params, saved values) made first for each of the ``layers`` a tick runs, not one: the
+    loop body's scheduler makes them all before the first layer runs."""
+    sets = {k: max(p.temporaries + (layers - 1) * p.argument_copies * (k == "block")
+                   for p in phase_memory(plan, micro, element, XLA_CPU, k)) for k in stage.sections}
+    return max(sets.values())
 
 
 def render_stage_memory(check: StageMemoryCheck) -> str:
