@@ -12,6 +12,7 @@ import pytest
 
 import shardc
 from shardc.costmodel.pipeline_cost import weight_steps
+from shardc.ir.plan import backward_program
 from shardc.lowering.codegen import generate
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import lower_pipeline
@@ -62,7 +63,7 @@ def test_the_program_cuts_the_head_where_the_cost_does(path: str) -> None:
     each = split_reductions(ends.post).each
     module = generate(each, tuple((a.name, a.size) for a in ends.post.spec.mesh.axes), None)
     output = ends.block.spec.statements[-1].result.name  # the block's output, the head's input
-    _, w = split_backward(each.backward, module.backward, module.grads[output], frozenset(module.cotangents))
+    _, w = split_backward(backward_program(each), module.backward, module.grads[output], frozenset(module.cotangents))
     program_w = sorted(str(each.backward[k].dst) for k, line in enumerate(module.backward.body) if line in w.body)
     assert program_w == cost_w and cost_w
 
@@ -79,3 +80,15 @@ def test_the_cost_runs_the_backward_before_the_block_at_w() -> None:
     assert one.first.backward > 0 and zb.first.backward == 0
     assert zb.first.weight == pytest.approx(one.first.backward + one.first.weight)
     assert zb.last == one.last
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "dualpipe"])
+def test_a_recompute_line_under_a_zero_bubble_schedule_lowers_with_its_lines_cut_too(schedule: str) -> None:
+    """The backward a `recompute` line makes runs the recomputed forward steps first: B and W are cut from
+    those lines and the backward's (DeepSeek-V3's spec under DualPipe failed with "one line a step")."""
+    text = MODEL.replace("microbatches 2", f"microbatches 4\nschedule {schedule}") + "recompute gelu, rmsnorm\n"
+    plan = shardc.plan(shardc.parse(text))
+    assert plan.recomputed
+    source = lower_pipeline(plan, load=False).source
+    for name in ("input_backward_local", "weight_backward_local", "post_input_backward_local"):
+        assert f"def {name}(" in source

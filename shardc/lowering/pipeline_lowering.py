@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardc.errors import InternalError, ShardcError
-from shardc.ir.plan import Plan
+from shardc.ir.plan import Plan, backward_program
 from shardc.ir.spec import TensorRef
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, generate
@@ -148,7 +148,7 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n" + reduce
     w_table = weight_ticks(pipe.schedule.name, stages, microbatches)
     if w_table is not None:  # B and W apart: the block's backward cut in two
-        head += split_source(split.each.backward, module.backward, module.grads[first.name],
+        head += split_source(backward_program(split.each), module.backward, module.grads[first.name],
                              frozenset(module.cotangents))
     params = [i.name for i in plan.tensors if i.role == "param"]
     f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches, chunks)
@@ -232,8 +232,8 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     reduce = ""
     if pipe.schedule.name in SPLIT_SCHEDULES:  # the head's backward in two, as the block's (before it: all W)
         post, out = modules[1], boundary_tensor(ends.block).name
-        reduce = split_source(splits[1].each.backward, post.backward, post.grads[out], frozenset(post.cotangents),
-                              "POST")
+        reduce = split_source(backward_program(splits[1].each), post.backward, post.grads[out],
+                              frozenset(post.cotangents), "POST")
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables
     for split, prefix in zip(splits, ("PRE_", "POST_"), strict=True):
