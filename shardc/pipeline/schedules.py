@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from shardc.errors import ShardcError
 from shardc.pipeline.dualpipe import TWO_WAY, dualpipe_orders
@@ -113,8 +114,10 @@ def paired_seconds(forward: Timing, backward: Timing) -> float:
     return min(apart, max(f.forward_busy + b.backward_busy, f.forward_comm + b.backward_comm))
 
 
-@dataclass(frozen=True, order=True)
-class Op:
+class Op(NamedTuple):
+    """One op run: ops sort by start, then end, device, ... (a named tuple: a simulation makes one an op, and
+    a tuple is made and compared several times faster than a frozen dataclass)."""
+
     start: float
     end: float
     device: int
@@ -239,7 +242,8 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     orders: list[list[tuple[tuple[str, int, int], ...]]]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
         found = _run(schedule, p, m, durations, 0.0, zb)
-        orders = [[((o.kind, o.microbatch, o.chunk),) for o in sorted(found) if o.device == d] for d in range(p)]
+        found.sort()
+        orders = [[((o.kind, o.microbatch, o.chunk),) for o in found if o.device == d] for d in range(p)]
     elif schedule in PAIRED:
         orders = dualpipe_orders(p, m, v=schedule == "dualpipev")
     else:
@@ -290,29 +294,39 @@ def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float
     blocked: dict[tuple[str, int, int], list[int]] = {}  # an op not yet run -> the devices waiting on it
     runnable = list(range(p - 1, -1, -1))
     result: list[Op] = []
+    home = [device_of(schedule, c, p) for c in range(len(durations))]
+    spans = [_span(schedule, p, m, j, len(durations)) for j in range(m)]
     while runnable:
         d = runnable.pop()
-        order = orders[d]
-        while position[d] < len(order):
-            group = order[position[d]]
-            t = free[d]
-            missing = None
-            for dep in (dep for key in group for dep in _deps(*key, *_span(schedule, p, m, key[1], len(durations)))):
-                if dep in group:
-                    continue
-                if dep not in ends:
-                    missing = dep
+        order, i, t = orders[d], position[d], free[d]
+        while i < len(order):
+            group = order[i]
+            start, missing = t, None
+            for kind, j, c in group:
+                for dep in _deps(kind, j, c, *spans[j]):
+                    if (end := ends.get(dep)) is not None:
+                        start = max(start, end + comm if home[dep[2]] != d else end)
+                    elif dep not in group:
+                        missing = dep
+                        break
+                if missing is not None:
                     break
-                t = max(t, ends[dep] + (comm if device_of(schedule, dep[2], p) != d else 0.0))
             if missing is not None:
                 blocked.setdefault(missing, []).append(d)
                 break
-            result += _placed(group, t, d, durations, chunk_times)
-            free[d] = result[-1].end
+            if len(group) == 1:  # one op: it runs its own time (what _placed gives it, without the scaling)
+                kind, j, c = group[0]
+                t = start + durations[c][kind]
+                result.append(Op(start, t, d, kind, j, c))
+            else:
+                result += _placed(group, start, d, durations, chunk_times)
+                t = result[-1].end
             for key in group:
-                ends[key] = free[d]
-                runnable.extend(blocked.pop(key, ()))
-            position[d] += 1
+                ends[key] = t
+                if key in blocked:
+                    runnable += blocked.pop(key)
+            i += 1
+        position[d], free[d] = i, t
     if len(result) < operations(schedule, p, m, len(durations) // p) or blocked:
         raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
     return result
