@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
-from shardc.costmodel.memory import kept_once, memory, residual_values, value_bytes
+from shardc.costmodel.memory import Memory, kept_once, memory, residual_values, value_bytes
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
@@ -447,9 +447,13 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     once = kept_once(plan, values) if plan.spec.block is not None else set()
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     heads, tails = end_chunks(name, pipe.stages, n)
+    value_sizes = [value_bytes(plan, r, micro) for r in values]
+    mems: dict[tuple[int, frozenset[str] | None], Memory] = {}  # what a stage's memory depends on -> it
     for s, layers in enumerate(device_layers(pipe)):
         held_names = _held(plan, pipe, s)
-        mem = memory(plan, micro, layers, hw.hbm_bytes, optimizer, held_names)
+        if (layers, held_names) not in mems:  # the middle stages are alike
+            mems[layers, held_names] = memory(plan, micro, layers, hw.hbm_bytes, optimizer, held_names)
+        mem = mems[layers, held_names]
         held = sim.peak_inflight(s)
         ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
                 for c in chunks if device_of(name, c, pipe.stages) == s]
@@ -457,8 +461,8 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         # A microbatch's own residuals, for each microbatch held (DualPipe's, half of them each stage's);
         # saved weights once a layer; a value outside the block once, on the stage that holds it.
         counts = [(1 if held_names is None or r.name in held_names else 0) if r in once else layers for r in values]
-        residual = math.fsum(value_bytes(plan, r, micro) * k * (held * share if dim in r.indices else 1.0)
-                             for r, k in zip(values, counts, strict=True))
+        residual = math.fsum(v * k * (held * share if dim in r.indices else 1.0)
+                             for r, v, k in zip(values, value_sizes, counts, strict=True))
         compute = share * (layers * math.fsum(p.busy for p in parts["layer"])
                            + math.fsum(p.busy for e in ends for p in e))
         sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
