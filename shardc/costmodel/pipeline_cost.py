@@ -271,9 +271,10 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     first, last = (_end_timing(parts[end]) for end in ("first", "last"))
     name = pipe.schedule.name
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, timing, first, last))
-    stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
+    mems = _memories(plan, pipe, micro, hw, optimizer)
+    stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
-    copies_s = _copies_exchange(plan, pipe, micro, sizes, hw, spans, optimizer)
+    copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
     reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, timing, tied_s, copies_s,
                                            hw.reduces_after_backward)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
@@ -297,15 +298,25 @@ def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardwa
                      for _, c in tied_contributions(plan))
 
 
-def _copies_exchange(plan: Plan, pipe: Pipeline, micro: dict[str, int], sizes: dict[str, int], hw: Hardware,
-                     spans: Layout, optimizer: str) -> float:
+def _memories(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, optimizer: str) -> list[Memory]:
+    """Each device's memory report; devices alike (their layers and the end tensors they hold) share one."""
+    made: dict[tuple[int, frozenset[str] | None], Memory] = {}
+    out = []
+    for s, layers in enumerate(device_layers(pipe)):
+        held = _held(plan, pipe, s)
+        if (layers, held) not in made:  # the middle stages are alike
+            made[layers, held] = memory(plan, micro, layers, hw.hbm_bytes, optimizer, held)
+        out.append(made[layers, held])
+    return out
+
+
+def _copies_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout,
+                     mems: list[Memory]) -> float:
     """DualPipe: the most any device takes to swap its gradients (its two stages', as the optimizer
-    accounting holds them, or in the params' dtype where it holds none) with device p-1-d, which holds
-    the same two stages; 0 for other schedules."""
+    accounting holds them, or in the params' dtype where it holds none; ``mems``: each device's memory)
+    with device p-1-d, which holds the same two stages; 0 for other schedules."""
     if pipe.schedule.name not in TWO_WAY:
         return 0.0
-    mems = (memory(plan, micro, layers, hw.hbm_bytes, optimizer, _held(plan, pipe, s))
-            for s, layers in enumerate(device_layers(pipe)))
     grads = [m.grad_bytes or m.param_bytes for m in mems]
     return max(collective_time(Op.COLLECTIVE_PERMUTE, g, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
                for g in grads)
@@ -440,7 +451,7 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
 
 
 def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: dict[str, int],
-            p2p_s: float, sim: Simulation, hw: Hardware, optimizer: str) -> tuple[StageCost, ...]:
+            p2p_s: float, sim: Simulation, hw: Hardware, mems: list[Memory]) -> tuple[StageCost, ...]:
     out = []
     dim = microbatch_dim(plan)
     values = residual_values(plan)
@@ -448,12 +459,9 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     heads, tails = end_chunks(name, pipe.stages, n)
     value_sizes = [value_bytes(plan, r, micro) for r in values]
-    mems: dict[tuple[int, frozenset[str] | None], Memory] = {}  # what a stage's memory depends on -> it
     for s, layers in enumerate(device_layers(pipe)):
         held_names = _held(plan, pipe, s)
-        if (layers, held_names) not in mems:  # the middle stages are alike
-            mems[layers, held_names] = memory(plan, micro, layers, hw.hbm_bytes, optimizer, held_names)
-        mem = mems[layers, held_names]
+        mem = mems[s]
         held = sim.peak_inflight(s)
         ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
                 for c in chunks if device_of(name, c, pipe.stages) == s]
