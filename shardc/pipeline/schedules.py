@@ -445,15 +445,17 @@ def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm:
     # The first chunk's forwards need nothing and are ready at once; of those, the lowest
     # microbatch is always the one chosen, so only it is pending (the next joins as it runs).
     pending: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
+    # when each pending op's inputs are all on its device (its start, but for the device being free)
+    arrival: dict[tuple[str, int, int], float] = {("F", 0, 0): 0.0}
     pending[home[("F", 0, 0)]].add(("F", 0, 0))
     result: list[Op] = []
     # A device's choice depends on its own state only (its pending ops' inputs are all made),
     # so it is kept until that state changes: the device that ran, and those that got an op.
-    choices = [_choose(d, pending, home, ends, comm, free, inflight, limit, n_chunks) for d in range(p)]
+    choices = [_choose(d, pending, arrival, comm, free, inflight, limit) for d in range(p)]
     while len(result) < len(todo):
         best = min((c for c in choices if c is not None), key=lambda c: c[:3], default=None)
         if best is None:  # every device waits on memory (sends delayed a B): one F goes over the limit
-            best = _next(p, pending, home, ends, comm, free, inflight, None, n_chunks)
+            best = _next(p, pending, arrival, comm, free, inflight)
         if best is None:
             raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
         start, _, d, key = best
@@ -463,56 +465,55 @@ def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm:
         changed = {d}
         if key[0] == "F" and key[2] == 0 and key[1] + 1 < m:
             pending[d].add(("F", key[1] + 1, 0))
+            arrival["F", key[1] + 1, 0] = 0.0
         for after in _dependents(*key, n_chunks - 1, zb):
-            if all(dep in ends for dep in _deps(*after, 0, n_chunks - 1)):
-                pending[home[after]].add(after)
-                changed.add(home[after])
+            deps = _deps(*after, 0, n_chunks - 1)
+            if all(dep in ends for dep in deps):
+                e = home[after]
+                arrival[after] = max(ends[dep] + comm if home[dep] != e else ends[dep] for dep in deps)
+                pending[e].add(after)
+                changed.add(e)
         inflight[d] += {"F": 1, "B": 0, "W": -1}[key[0]]
         for e in changed:
-            choices[e] = _choose(e, pending, home, ends, comm, free, inflight, limit, n_chunks)
+            choices[e] = _choose(e, pending, arrival, comm, free, inflight, limit)
         result.append(Op(start, end, d, *key))
     return result
 
 
-def _next(p: int, pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
-          ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
-          limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
-    """The op that can start first on any device (ties: the lowest device)."""
+def _next(p: int, pending: list[set[tuple[str, int, int]]], arrival: dict[tuple[str, int, int], float],
+          comm: float, free: list[float], inflight: list[int]) -> tuple[float, int, int, tuple[str, int, int]] | None:
+    """The op that can start first on any device, over the memory limit (ties: the lowest device)."""
     best: tuple[float, int, int, tuple[str, int, int]] | None = None
     for d in range(p):
-        choice = _choose(d, pending, home, ends, comm, free, inflight, limit, n_chunks)
+        choice = _choose(d, pending, arrival, comm, free, inflight, None)
         if choice is not None and (best is None or choice[:3] < best[:3]):
             best = choice
     return best
 
 
-def _choose(d: int, pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
-            ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
-            limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
-    """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready."""
-    def ready(key: tuple[str, int, int]) -> float | None:
-        t = free[d]
-        for dep in _deps(*key, 0, n_chunks - 1):
-            if dep not in ends:
-                return None
-            t = max(t, ends[dep] + (comm if home[dep] != d else 0.0))
-        return t
-
-    mine = [(t, key) for key in pending[d] if (t := ready(key)) is not None]
-    if not mine:
+def _choose(d: int, pending: list[set[tuple[str, int, int]]], arrival: dict[tuple[str, int, int], float],
+            comm: float, free: list[float], inflight: list[int],
+            limit: int | None) -> tuple[float, int, int, tuple[str, int, int]] | None:
+    """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready.
+    A pending op can start once the device is free and its inputs are there (``arrival``)."""
+    times = {key: max(free[d], arrival[key]) for key in pending[d]}
+    if not times:
         return None
-    start = min(t for t, _ in mine)
-    now = [key for t, key in mine if t <= start + comm]  # worth idling one send for a higher priority
-    # Zero-bubble priorities: B unblocks the previous stage; F only under the memory limit; W fills.
-    rank = {"B": 0, "F": 1, "W": 2}
+    start = min(times.values())
+    now = [key for key, t in times.items() if t <= start + comm]  # worth idling one send for a higher priority
     allowed = [k for k in now if k[0] != "F" or limit is None or inflight[d] < limit]
     if not allowed:  # only forwards are ready and memory is full: wait for anything else
-        later = [(t, key) for t, key in mine if key[0] != "F"]
+        later = {key: t for key, t in times.items() if key[0] != "F"}
         if not later:
             return None
-        start = min(t for t, _ in later)
-        allowed = [key for t, key in later if t <= start]
-    key = min(allowed, key=lambda k: (rank[k[0]], -k[2] if k[0] == "F" else k[1], k[1] if k[0] == "F" else -k[2]))
-    return (max(start, dict((k, t) for t, k in mine)[key]), 0, d, key)
+        start = min(later.values())
+        allowed = [key for key, t in later.items() if t <= start]
+    key = min(allowed, key=_priority)
+    return (max(start, times[key]), 0, d, key)
 
 
+def _priority(key: tuple[str, int, int]) -> tuple[int, int, int]:
+    """Zero-bubble priorities: B unblocks the previous stage (the oldest microbatch, then the latest chunk);
+    F, only under the memory limit, the latest chunk first; W fills (the oldest microbatch first)."""
+    kind, j, c = key
+    return ({"B": 0, "F": 1, "W": 2}[kind], -c if kind == "F" else j, j if kind == "F" else -c)
