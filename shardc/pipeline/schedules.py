@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
 from typing import NamedTuple
 
 from shardc.errors import ShardcError
@@ -181,19 +182,12 @@ class Simulation:
         """Each device's most activations held at once (in chunks), from one pass over the ops."""
         free = "W" if any(op.kind == "W" for op in self.ops) else "B"
         events: list[list[tuple[float, int]]] = [[] for _ in range(self.stages)]
-        for op in self.ops:
-            if op.kind == "F":
-                events[op.device].append((op.start, 1))
-            elif op.kind == free:
-                events[op.device].append((op.end, -1))
-        peaks = []
-        for device_events in events:
-            held = peak = 0
-            for _, step in sorted(device_events):
-                held += step
-                peak = max(peak, held)
-            peaks.append(peak)
-        return peaks
+        for start, end, device, kind, *_ in self.ops:
+            if kind == "F":
+                events[device].append((start, 1))
+            elif kind == free:
+                events[device].append((end, -1))
+        return [max(accumulate((step for _, step in sorted(device_events)), initial=0)) for device_events in events]
 
 
 def chunks_of(schedule: str, virtual: int = 1) -> int:
@@ -411,12 +405,13 @@ def _zb_h1(s: int, p: int, m: int) -> list[tuple[str, int, int]]:
     return order + [("W", j, s) for j in range(done_w, m)]
 
 
-def _deps(kind: str, j: int, c: int, first: int, last: int) -> list[tuple[str, int, int]]:
+def _deps(kind: str, j: int, c: int, first: int, last: int) -> tuple[tuple[str, int, int], ...]:
+    """The ops whose outputs (kind, j, c) reads, microbatch j running through chunks ``first`` to ``last``."""
     if kind == "F":
-        return [("F", j, c - 1)] if c > first else []
+        return (("F", j, c - 1),) if c > first else ()
     if kind == "B":
-        return [("F", j, c)] + ([("B", j, c + 1)] if c < last else [])
-    return [("B", j, c)]
+        return (("F", j, c), ("B", j, c + 1)) if c < last else (("F", j, c),)
+    return (("B", j, c),)
 
 
 def _dependents(kind: str, j: int, c: int, last: int, zb: bool) -> list[tuple[str, int, int]]:
