@@ -3,6 +3,7 @@ that skips settings which cannot fit."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,7 @@ def _spec() -> Spec:
     return shardc.parse(TIGHT, "tight.shard")
 
 
+@functools.cache  # the tests read the chip's own table alike: planned once a process
 def _table(hw: Hardware) -> dict[tuple[str, str], Layout]:
     """Every recompute policy and ZeRO stage of the spec, each planned and costed on its own."""
     spec, out = _spec(), {}

@@ -136,7 +136,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
-                  tuple(why for _, why in table), again, text(residual_formula(plan)), ring_bytes=rings,
+                  tuple(why for _, why in table), again, text(residual_formula(plan, table)), ring_bytes=rings,
                   grads=grad_local)
 
 
@@ -220,13 +220,15 @@ def value_bytes(plan: Plan, ref: TensorRef, sizes: dict[str, int]) -> float:
     return float(local_elements(ref, sizes)) * plan.nbytes(ref.name)
 
 
-def residual_formula(plan: Plan) -> Expr:
-    """The bytes the backward keeps for one layer (:func:`residual_table`), as an exact formula.
+def residual_formula(plan: Plan, table: list[tuple[TensorRef, str]] | None = None) -> Expr:
+    """The bytes the backward keeps for one layer (:func:`residual_table`, or ``table`` where it is made
+    already), as an exact formula.
 
     Per value its local elements (each dim over its axes' product, unpadded) times its
     element bytes (:meth:`Plan.nbytes`): the form Korthikanti et al. (2022) write, e.g. ``34*B*D*S/Y``.
     """
-    return se.expand(sum((plan.nbytes(ref.name) * _elements(ref) for ref, _ in residual_table(plan)), ZERO))
+    kept = residual_table(plan) if table is None else table
+    return se.expand(sum((plan.nbytes(ref.name) * _elements(ref) for ref, _ in kept), ZERO))
 
 
 def _elements(ref: TensorRef) -> Expr:
@@ -311,9 +313,10 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
         if step.tensor in weights and (step.is_collective or step.dst.unreduced):
             born.setdefault(step.dst, i)
             last.setdefault(step.dst, i)
+    nbytes = {r: value_bytes(plan, r, sizes) for r in born}  # once a value, not once a step it is alive at
     peak = 0.0
     for i in range(len(steps)):
-        alive = sum(value_bytes(plan, r, sizes) for r in born if born[r] <= i <= last[r])
+        alive = sum(nbytes[r] for r in born if born[r] <= i <= last[r])
         peak = max(peak, alive)
     return peak
 

@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
-from shardc.costmodel.memory import kept_once, memory, residual_values, value_blocks, value_bytes
+from shardc.costmodel.memory import Memory, kept_once, memory, residual_values, value_blocks, value_bytes
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
@@ -304,9 +304,10 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     first, last = (_end_timing(parts[end]) for end in ("first", "last"))
     name = pipe.schedule.name
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, parts, first, last))
-    stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, optimizer)
+    mems = _memories(plan, pipe, micro, hw, optimizer)
+    stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
-    copies_s = _copies_exchange(plan, pipe, micro, sizes, hw, spans, optimizer)
+    copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
     reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, tied_s, copies_s, hw.reduces_after_backward)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
@@ -330,15 +331,26 @@ def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardwa
                      for _, c in tied_contributions(plan))
 
 
-def _copies_exchange(plan: Plan, pipe: Pipeline, micro: dict[str, int], sizes: dict[str, int], hw: Hardware,
-                     spans: Layout, optimizer: str) -> float:
+def _memories(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, optimizer: str) -> list[Memory]:
+    """Each device's memory report; devices alike (their layers and the end tensors they hold) share one."""
+    made: dict[tuple[tuple[int, ...], frozenset[str] | None], Memory] = {}
+    out = []
+    for s, counts in enumerate(device_blocks(pipe)):  # its layers of each block
+        held = _held(plan, pipe, s)
+        if (counts, held) not in made:  # the middle stages are alike
+            made[counts, held] = memory(plan, micro, counts[0], hw.hbm_bytes, optimizer, held,
+                                        more_layers=counts[1:])
+        out.append(made[counts, held])
+    return out
+
+
+def _copies_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout,
+                     mems: list[Memory]) -> float:
     """DualPipe: the most any device takes to swap its gradients (its two stages', as the optimizer
-    accounting holds them, or in the params' dtype where it holds none) with device p-1-d, which holds
-    the same two stages; 0 for other schedules."""
+    accounting holds them, or in the params' dtype where it holds none; ``mems``: each device's memory)
+    with device p-1-d, which holds the same two stages; 0 for other schedules."""
     if pipe.schedule.name not in TWO_WAY:
         return 0.0
-    mems = (memory(plan, micro, counts[0], hw.hbm_bytes, optimizer, _held(plan, pipe, s), more_layers=counts[1:])
-            for s, counts in enumerate(device_blocks(pipe)))
     grads = [m.grad_bytes or m.param_bytes for m in mems]
     return max(collective_time(Op.COLLECTIVE_PERMUTE, g, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
                for g in grads)
@@ -498,7 +510,7 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
 
 
 def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: dict[str, int],
-            p2p_s: float, sim: Simulation, hw: Hardware, optimizer: str) -> tuple[StageCost, ...]:
+            p2p_s: float, sim: Simulation, hw: Hardware, mems: list[Memory]) -> tuple[StageCost, ...]:
     out = []
     dim = microbatch_dim(plan)
     values = residual_values(plan)
@@ -507,9 +519,10 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     heads, tails = end_chunks(name, pipe.stages, n)
     working = _working_sets(plan, micro)
+    value_sizes = [value_bytes(plan, r, micro) for r in values]
     for s, blocked in enumerate(device_blocks(pipe)):
         held_names = _held(plan, pipe, s)
-        mem = memory(plan, micro, blocked[0], hw.hbm_bytes, optimizer, held_names, more_layers=blocked[1:])
+        mem = mems[s]
         held = sim.peak_inflight(s)
         ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
                 for c in chunks if device_of(name, c, pipe.stages) == s]
@@ -518,8 +531,8 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         # saved weights once a layer; a value outside the block once, on the stage that holds it.
         counts = [(1 if held_names is None or r.name in held_names else 0) if r in once
                   else blocked[blocks.get(r.name, 0)] for r in values]
-        residual = math.fsum(value_bytes(plan, r, micro) * k * (held * share if dim in r.indices else 1.0)
-                             for r, k in zip(values, counts, strict=True))
+        residual = math.fsum(v * k * (held * share if dim in r.indices else 1.0)
+                             for r, v, k in zip(values, value_sizes, counts, strict=True))
 
         def layers_of(field: str, blocked: tuple[int, ...] = blocked) -> float:  # its layers, each block's
             return math.fsum(k * math.fsum(getattr(p, field) for p in parts[f"layer {b}"])

@@ -18,6 +18,7 @@ meaning on whole arrays for the reference:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,19 +67,46 @@ def _dropout(statement: Statement, call: Call) -> MaskOps:
     return MaskOps(Dropout(rate), DropoutVjp(rate), DropoutMask(rate, salt))
 
 
-# each spec function of the family, and the local operations of its node's steps given the statement
-# the call is in
-_LOCAL_OPS = {"causal": _causal, "dropout": _dropout}
+def _causal_keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
+    """Keys at or before the query, by position along the whole dims; no scale."""
+    query, key = (np.arange(shape[labels.index(i)]).reshape(
+        [-1 if j == labels.index(i) else 1 for j in range(len(labels))]) for i in call.names)
+    return np.broadcast_to(key <= query, shape), 1.0
+
+
+def _dropout_keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
+    """The keep-mask drawn under the salt, scaled by 1 / (1 - r)."""
+    rate = call.numbers[0]
+    return keep_mask(shape, labels, salt, rate), 1.0 / (1.0 - rate)
+
+
+@dataclass(frozen=True)
+class _Function:
+    """One spec function of the family, what the passes read of it by its name: the local operations of
+    its node's steps given the statement the call is in, the tensors its node makes beside its result
+    (suffixes of the result's name), where it keeps a whole array's elements and their scale, and what
+    an element it does not keep becomes."""
+
+    local_ops: Callable[[Statement, Call], MaskOps]
+    aux: tuple[str, ...]
+    keep: Callable[[Call, tuple[str, ...], tuple[int, ...], int], tuple[np.ndarray, float]]
+    fill: float
+
+
+_FUNCTIONS = {
+    "causal": _Function(_causal, (), _causal_keep, -np.inf),  # a score masked out weighs nothing in a softmax
+    "dropout": _Function(_dropout, ("_mask",), _dropout_keep, 0.0),
+}
 
 
 def _local_ops(node: Node) -> MaskOps:
     assert node.call is not None
-    return _LOCAL_OPS[node.call.func](node.statement, node.call)
+    return _FUNCTIONS[node.call.func].local_ops(node.statement, node.call)
 
 
 def _salt(statement: Statement, call: Call) -> int:
     """The salt the call's keep-mask is drawn under (a dropout's), 0 where it draws none (a causal mask)."""
-    draw = _LOCAL_OPS[call.func](statement, call).draw
+    draw = _FUNCTIONS[call.func].local_ops(statement, call).draw
     return draw.salt if isinstance(draw, DropoutMask) else 0
 
 
@@ -120,7 +148,7 @@ def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
 
 def _aux(call: Call, result: str) -> tuple[str, ...]:
     """A dropout makes its keep-mask, ``<result>_mask``; a causal mask makes nothing."""
-    return (f"{result}_mask",) if call.func == "dropout" else ()
+    return tuple(result + suffix for suffix in _FUNCTIONS[call.func].aux)
 
 
 def _aux_bytes(node: Node) -> dict[str, int]:
@@ -170,17 +198,12 @@ def keep_mask(shape: tuple[int, ...], labels: tuple[str, ...], salt: int, rate: 
 
 def _keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
     """(where the value passes, its scale): causal keeps key <= query, dropout its keep-mask / (1 - r)."""
-    if call.func == "causal":
-        query, key = (np.arange(shape[labels.index(i)]).reshape(
-            [-1 if j == labels.index(i) else 1 for j in range(len(labels))]) for i in call.names)
-        return np.broadcast_to(key <= query, shape), 1.0
-    rate = call.numbers[0]
-    return keep_mask(shape, labels, salt, rate), 1.0 / (1.0 - rate)
+    return _FUNCTIONS[call.func].keep(call, labels, shape, salt)
 
 
 def _apply(site: Site, x: Array, xp: Any, absolute: bool = False) -> Array:
     keep, scale = _keep(site.func, site.labels[0], tuple(x.shape), site.salt)
-    fill = 0.0 if absolute or site.func.func == "dropout" else -np.inf  # causal masks to -inf (magnitude 0)
+    fill = 0.0 if absolute else _FUNCTIONS[site.func.func].fill  # a magnitude masked out is 0
     return xp.where(keep, x * scale, fill)
 
 
@@ -198,6 +221,6 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     return _apply(site, mags[0], np, absolute=True)
 
 
-MASKS = register(Family(name="masks", calls=frozenset(_LOCAL_OPS), ops=MASK_OPS, plan=_plan,
+MASKS = register(Family(name="masks", calls=frozenset(_FUNCTIONS), ops=MASK_OPS, plan=_plan,
                         backward=_backward, emit=emit, reference=Reference(_forward, _vjp, _magnitude, salt=_salt),
                         aux=_aux, aux_bytes=_aux_bytes, scores=lambda node: True))

@@ -54,6 +54,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
+from typing import NamedTuple
 
 from shardc.errors import ShardcError
 from shardc.pipeline.dualpipe import TWO_WAY, dualpipe_orders
@@ -113,8 +115,10 @@ def paired_seconds(forward: Timing, backward: Timing) -> float:
     return min(apart, max(f.forward_busy + b.backward_busy, f.forward_comm + b.backward_comm))
 
 
-@dataclass(frozen=True, order=True)
-class Op:
+class Op(NamedTuple):
+    """One op run: ops sort by start, then end, device, ... (a named tuple: a simulation makes one an op, and
+    a tuple is made and compared several times faster than a frozen dataclass)."""
+
     start: float
     end: float
     device: int
@@ -178,19 +182,12 @@ class Simulation:
         """Each device's most activations held at once (in chunks), from one pass over the ops."""
         free = "W" if any(op.kind == "W" for op in self.ops) else "B"
         events: list[list[tuple[float, int]]] = [[] for _ in range(self.stages)]
-        for op in self.ops:
-            if op.kind == "F":
-                events[op.device].append((op.start, 1))
-            elif op.kind == free:
-                events[op.device].append((op.end, -1))
-        peaks = []
-        for device_events in events:
-            held = peak = 0
-            for _, step in sorted(device_events):
-                held += step
-                peak = max(peak, held)
-            peaks.append(peak)
-        return peaks
+        for start, end, device, kind, *_ in self.ops:
+            if kind == "F":
+                events[device].append((start, 1))
+            elif kind == free:
+                events[device].append((end, -1))
+        return [max(accumulate((step for _, step in sorted(device_events)), initial=0)) for device_events in events]
 
 
 def chunks_of(schedule: str, virtual: int = 1) -> int:
@@ -239,7 +236,8 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     orders: list[list[tuple[tuple[str, int, int], ...]]]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
         found = _run(schedule, p, m, durations, 0.0, zb)
-        orders = [[((o.kind, o.microbatch, o.chunk),) for o in sorted(found) if o.device == d] for d in range(p)]
+        found.sort()
+        orders = [[((o.kind, o.microbatch, o.chunk),) for o in found if o.device == d] for d in range(p)]
     elif schedule in PAIRED:
         orders = dualpipe_orders(p, m, v=schedule == "dualpipev")
     else:
@@ -290,29 +288,39 @@ def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float
     blocked: dict[tuple[str, int, int], list[int]] = {}  # an op not yet run -> the devices waiting on it
     runnable = list(range(p - 1, -1, -1))
     result: list[Op] = []
+    home = [device_of(schedule, c, p) for c in range(len(durations))]
+    spans = [_span(schedule, p, m, j, len(durations)) for j in range(m)]
     while runnable:
         d = runnable.pop()
-        order = orders[d]
-        while position[d] < len(order):
-            group = order[position[d]]
-            t = free[d]
-            missing = None
-            for dep in (dep for key in group for dep in _deps(*key, *_span(schedule, p, m, key[1], len(durations)))):
-                if dep in group:
-                    continue
-                if dep not in ends:
-                    missing = dep
+        order, i, t = orders[d], position[d], free[d]
+        while i < len(order):
+            group = order[i]
+            start, missing = t, None
+            for kind, j, c in group:
+                for dep in _deps(kind, j, c, *spans[j]):
+                    if (end := ends.get(dep)) is not None:
+                        start = max(start, end + comm if home[dep[2]] != d else end)
+                    elif dep not in group:
+                        missing = dep
+                        break
+                if missing is not None:
                     break
-                t = max(t, ends[dep] + (comm if device_of(schedule, dep[2], p) != d else 0.0))
             if missing is not None:
                 blocked.setdefault(missing, []).append(d)
                 break
-            result += _placed(group, t, d, durations, chunk_times)
-            free[d] = result[-1].end
+            if len(group) == 1:  # one op: it runs its own time (what _placed gives it, without the scaling)
+                kind, j, c = group[0]
+                t = start + durations[c][kind]
+                result.append(Op(start, t, d, kind, j, c))
+            else:
+                result += _placed(group, start, d, durations, chunk_times)
+                t = result[-1].end
             for key in group:
-                ends[key] = free[d]
-                runnable.extend(blocked.pop(key, ()))
-            position[d] += 1
+                ends[key] = t
+                if key in blocked:
+                    runnable += blocked.pop(key)
+            i += 1
+        position[d], free[d] = i, t
     if len(result) < operations(schedule, p, m, len(durations) // p) or blocked:
         raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
     return result
@@ -397,12 +405,13 @@ def _zb_h1(s: int, p: int, m: int) -> list[tuple[str, int, int]]:
     return order + [("W", j, s) for j in range(done_w, m)]
 
 
-def _deps(kind: str, j: int, c: int, first: int, last: int) -> list[tuple[str, int, int]]:
+def _deps(kind: str, j: int, c: int, first: int, last: int) -> tuple[tuple[str, int, int], ...]:
+    """The ops whose outputs (kind, j, c) reads, microbatch j running through chunks ``first`` to ``last``."""
     if kind == "F":
-        return [("F", j, c - 1)] if c > first else []
+        return (("F", j, c - 1),) if c > first else ()
     if kind == "B":
-        return [("F", j, c)] + ([("B", j, c + 1)] if c < last else [])
-    return [("B", j, c)]
+        return (("F", j, c), ("B", j, c + 1)) if c < last else (("F", j, c),)
+    return (("B", j, c),)
 
 
 def _dependents(kind: str, j: int, c: int, last: int, zb: bool) -> list[tuple[str, int, int]]:
@@ -431,15 +440,17 @@ def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm:
     # The first chunk's forwards need nothing and are ready at once; of those, the lowest
     # microbatch is always the one chosen, so only it is pending (the next joins as it runs).
     pending: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
+    # when each pending op's inputs are all on its device (its start, but for the device being free)
+    arrival: dict[tuple[str, int, int], float] = {("F", 0, 0): 0.0}
     pending[home[("F", 0, 0)]].add(("F", 0, 0))
     result: list[Op] = []
     # A device's choice depends on its own state only (its pending ops' inputs are all made),
     # so it is kept until that state changes: the device that ran, and those that got an op.
-    choices = [_choose(d, pending, home, ends, comm, free, inflight, limit, n_chunks) for d in range(p)]
+    choices = [_choose(d, pending, arrival, comm, free, inflight, limit) for d in range(p)]
     while len(result) < len(todo):
         best = min((c for c in choices if c is not None), key=lambda c: c[:3], default=None)
         if best is None:  # every device waits on memory (sends delayed a B): one F goes over the limit
-            best = _next(p, pending, home, ends, comm, free, inflight, None, n_chunks)
+            best = _next(p, pending, arrival, comm, free, inflight)
         if best is None:
             raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
         start, _, d, key = best
@@ -449,56 +460,55 @@ def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm:
         changed = {d}
         if key[0] == "F" and key[2] == 0 and key[1] + 1 < m:
             pending[d].add(("F", key[1] + 1, 0))
+            arrival["F", key[1] + 1, 0] = 0.0
         for after in _dependents(*key, n_chunks - 1, zb):
-            if all(dep in ends for dep in _deps(*after, 0, n_chunks - 1)):
-                pending[home[after]].add(after)
-                changed.add(home[after])
+            deps = _deps(*after, 0, n_chunks - 1)
+            if all(dep in ends for dep in deps):
+                e = home[after]
+                arrival[after] = max(ends[dep] + comm if home[dep] != e else ends[dep] for dep in deps)
+                pending[e].add(after)
+                changed.add(e)
         inflight[d] += {"F": 1, "B": 0, "W": -1}[key[0]]
         for e in changed:
-            choices[e] = _choose(e, pending, home, ends, comm, free, inflight, limit, n_chunks)
+            choices[e] = _choose(e, pending, arrival, comm, free, inflight, limit)
         result.append(Op(start, end, d, *key))
     return result
 
 
-def _next(p: int, pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
-          ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
-          limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
-    """The op that can start first on any device (ties: the lowest device)."""
+def _next(p: int, pending: list[set[tuple[str, int, int]]], arrival: dict[tuple[str, int, int], float],
+          comm: float, free: list[float], inflight: list[int]) -> tuple[float, int, int, tuple[str, int, int]] | None:
+    """The op that can start first on any device, over the memory limit (ties: the lowest device)."""
     best: tuple[float, int, int, tuple[str, int, int]] | None = None
     for d in range(p):
-        choice = _choose(d, pending, home, ends, comm, free, inflight, limit, n_chunks)
+        choice = _choose(d, pending, arrival, comm, free, inflight, None)
         if choice is not None and (best is None or choice[:3] < best[:3]):
             best = choice
     return best
 
 
-def _choose(d: int, pending: list[set[tuple[str, int, int]]], home: dict[tuple[str, int, int], int],
-            ends: dict[tuple[str, int, int], float], comm: float, free: list[float], inflight: list[int],
-            limit: int | None, n_chunks: int) -> tuple[float, int, int, tuple[str, int, int]] | None:
-    """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready."""
-    def ready(key: tuple[str, int, int]) -> float | None:
-        t = free[d]
-        for dep in _deps(*key, 0, n_chunks - 1):
-            if dep not in ends:
-                return None
-            t = max(t, ends[dep] + (comm if home[dep] != d else 0.0))
-        return t
-
-    mine = [(t, key) for key in pending[d] if (t := ready(key)) is not None]
-    if not mine:
+def _choose(d: int, pending: list[set[tuple[str, int, int]]], arrival: dict[tuple[str, int, int], float],
+            comm: float, free: list[float], inflight: list[int],
+            limit: int | None) -> tuple[float, int, int, tuple[str, int, int]] | None:
+    """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready.
+    A pending op can start once the device is free and its inputs are there (``arrival``)."""
+    times = {key: max(free[d], arrival[key]) for key in pending[d]}
+    if not times:
         return None
-    start = min(t for t, _ in mine)
-    now = [key for t, key in mine if t <= start + comm]  # worth idling one send for a higher priority
-    # Zero-bubble priorities: B unblocks the previous stage; F only under the memory limit; W fills.
-    rank = {"B": 0, "F": 1, "W": 2}
+    start = min(times.values())
+    now = [key for key, t in times.items() if t <= start + comm]  # worth idling one send for a higher priority
     allowed = [k for k in now if k[0] != "F" or limit is None or inflight[d] < limit]
     if not allowed:  # only forwards are ready and memory is full: wait for anything else
-        later = [(t, key) for t, key in mine if key[0] != "F"]
+        later = {key: t for key, t in times.items() if key[0] != "F"}
         if not later:
             return None
-        start = min(t for t, _ in later)
-        allowed = [key for t, key in later if t <= start]
-    key = min(allowed, key=lambda k: (rank[k[0]], -k[2] if k[0] == "F" else k[1], k[1] if k[0] == "F" else -k[2]))
-    return (max(start, dict((k, t) for t, k in mine)[key]), 0, d, key)
+        start = min(later.values())
+        allowed = [key for key, t in later.items() if t <= start]
+    key = min(allowed, key=_priority)
+    return (max(start, times[key]), 0, d, key)
 
 
+def _priority(key: tuple[str, int, int]) -> tuple[int, int, int]:
+    """Zero-bubble priorities: B unblocks the previous stage (the oldest microbatch, then the latest chunk);
+    F, only under the memory limit, the latest chunk first; W fills (the oldest microbatch first)."""
+    kind, j, c = key
+    return ({"B": 0, "F": 1, "W": 2}[kind], -c if kind == "F" else j, j if kind == "F" else -c)
