@@ -1,6 +1,6 @@
 """Collective matmul: an einsum with the AllGather before it or the ReduceScatter after it run as a ring of
-sends under its block matmuls, planned (``collective_matmul=True``, ``--collective-matmul``), costed, lowered
-and verified."""
+sends under its block matmuls, planned (the default; ``collective_matmul=False``, ``--no-collective-matmul``:
+none), costed, lowered and verified."""
 
 from __future__ import annotations
 
@@ -44,9 +44,10 @@ def _cost(plan: Plan) -> CostReport:
     return report
 
 
-def test_off_by_default_and_the_plan_is_otherwise_the_same() -> None:
-    plain, fused = _plan(), _plan(collective_matmul=True)
+def test_on_by_default_and_the_plan_is_otherwise_the_same() -> None:
+    plain, fused = _plan(collective_matmul=False), _plan(collective_matmul=True)
     assert not _fused(plain)
+    assert _plan() == fused
     # a gather two einsums read is each one's (dOut's): once in the plain plan
     assert list(dict.fromkeys(p for s in fused.forward for p in unfused(s))) == list(plain.forward)
     assert list(dict.fromkeys(p for s in fused.backward for p in unfused(s))) == list(plain.backward)
@@ -58,7 +59,7 @@ def test_the_tp_blocks_collectives_run_as_rings_and_their_exposed_time_drops() -
     their einsum (critical path); as rings of 3 sends under 4 block matmuls they hide, and so does the
     backward's gather of dOut, in each of the two einsums that read it.  The AllGather of In entering the
     block stays: its gathered value is also kept for the backward (a residual)."""
-    plain, fused = _plan(), _plan(collective_matmul=True)
+    plain, fused = _plan(collective_matmul=False), _plan(collective_matmul=True)
     assert _fused(fused) == [("forward", Op.REDUCE_SCATTER, "Out[B_X, D_Y]"),
                              ("backward", Op.ALL_GATHER, "dW_out[F_Y, D]{U_X}"),
                              ("backward", Op.ALL_GATHER, "dTmp[B_X, F_Y]"),
@@ -109,7 +110,7 @@ def test_the_gather_of_the_activation_fuses_where_nothing_else_reads_it() -> Non
 def test_a_gathered_value_read_by_two_einsums_runs_a_ring_in_each() -> None:
     """The backward's gathered dOut feeds dW_out's einsum and dTmp's: each runs its own ring from dOut's
     block, and the gather is gone."""
-    plain, fused = _plan(), _plan(collective_matmul=True)
+    plain, fused = _plan(collective_matmul=False), _plan(collective_matmul=True)
     gather = next(s for s in plain.backward if s.op is Op.ALL_GATHER and s.axes == ("Y",))
     rings = [s for s in fused.backward if s.collective == gather]
     assert len(rings) == 2 and all(gather.src in s.operands for s in rings)
@@ -177,6 +178,11 @@ def test_plan_and_cost_take_the_flag(capsys: pytest.CaptureFixture[str]) -> None
     assert len(rows) == 1 and rows[0]["ring_axes"] == ["Y"] and rows[0]["exposed_comm_s"] == 0.0
     assert main(["cost", str(CH5), "--collective-matmul"]) == 0
     assert "collective matmul over Y: 4 block matmuls" in capsys.readouterr().out
+    # on by default; --no-collective-matmul keeps every collective whole
+    assert main(["plan", str(CH5)]) == 0
+    assert "(collective matmul over Y" in capsys.readouterr().out
+    assert main(["plan", str(CH5), "--no-collective-matmul"]) == 0
+    assert "collective matmul" not in capsys.readouterr().out
 
 
 def test_megatron_gpt_layer_exposed_communication_on_h100() -> None:
@@ -184,7 +190,7 @@ def test_megatron_gpt_layer_exposed_communication_on_h100() -> None:
     ReduceScatters leaving the tensor-parallel blocks run as rings (the fourth reduces the sum of the Q, K and
     V gradients, no one einsum's), and the backward's gather of dM into the MLP; the exposed communication
     falls from 16% of the step to under 10%."""
-    plain, fused = _cost(_plan(GPT_SP)), _cost(_plan(GPT_SP, collective_matmul=True))
+    plain, fused = _cost(_plan(GPT_SP, collective_matmul=False)), _cost(_plan(GPT_SP, collective_matmul=True))
     assert plain.step.critical_s / plain.step.step_s > 0.15
     assert fused.step.critical_s / fused.step.step_s < 0.10
     assert fused.step.step_s < plain.step.step_s
@@ -227,14 +233,27 @@ def test_a_module_without_the_ring_fails_verify(tmp_path: Path) -> None:
 
 
 def test_layouts_search_with_collective_matmuls_where_asked(capsys: pytest.CaptureFixture[str]) -> None:
-    """`shardc layouts --collective-matmul` plans every candidate with them: the book's chapter-5 layout
-    X=16, Y=4 exposes less of its tensor-parallel communication than without the flag."""
+    """`shardc layouts` plans every candidate with them (`--no-collective-matmul`: without): the book's
+    chapter-5 layout X=16, Y=4 exposes less of its tensor-parallel communication than without them."""
     from shardc.cli.main import main
     from tests.test_topology import BOOK_CH5
 
     steps = {}
-    for flags in ((), ("--collective-matmul",)):
+    for flags in (("--no-collective-matmul",), ()):
         assert main(["layouts", str(BOOK_CH5), "--topology", "4x4x4", "--jobs", "1", "--json", *flags]) == 0
         rows = json.loads(capsys.readouterr().out)["layouts"]
         steps[flags] = next(r["step_s"] for r in rows if r["axes"] == {"X": 16, "Y": 4})
-    assert steps[("--collective-matmul",)] < steps[()]
+    assert steps[()] < steps[("--no-collective-matmul",)]
+
+
+def test_compare_counts_each_rings_collective_once() -> None:
+    """`shardc compare` sets the plan's collectives beside XLA's partitioner's: a ring moves its collective's
+    bytes, and the gather two rings share counts once, so the plan's side is the same with or without rings."""
+    from shardc.verification.compare import _plan_side
+
+    fused, plain = _plan(), _plan(collective_matmul=False)
+    sizes = plan_sizes(plain)
+    assert _fused(fused)
+    rings, whole = _plan_side(fused, sizes), _plan_side(plain, sizes)
+    assert rings.weighted == whole.weighted
+    assert sorted((r.phase, r.kind) for r in rings.rows) == sorted((r.phase, r.kind) for r in whole.rows)

@@ -18,9 +18,11 @@ from shardc.costmodel.phase_memory import (
     _lifetimes,
     _made_at,
     _remade_outputs,
+    _ring_buffers,
     phase_memory,
 )
 from shardc.ir.plan import Plan
+from shardc.ir.spec import TensorRef
 from shardc.timing import local_elements
 from shardc.verification.memory_check import check_plan_memory, render_memory
 
@@ -206,6 +208,48 @@ def test_a_kernels_further_results_are_written_at_its_step() -> None:
     names = [s.dst.name for s in plan.backward]
     assert names[:4] == ["dQ", "dK", "dV", "dW_v"]
     assert _made_at(plan.backward)[:4] == [0, 0, 0, 3]  # dK and dV with dQ; the next step at its own
+
+
+def test_a_collective_matmul_holds_its_ring_blocks() -> None:
+    """tp.shard's backward with collective matmuls over Y=4, float32, at B=64, D=128, F=192: dW_out's ring
+    gathers dOut's blocks (64x32, 8 kB) into a result that keeps D (each block's product 48x32, 6 kB), dTmp's
+    sums them over D (products 64x48, 12 kB, and W_out's blocks 48x32), dIn's passes partial sums of its
+    block on (64x32) while W_in is sliced along D (blocks 32x48)."""
+    plan = shardc.plan(shardc.parse((EXAMPLES / "tp.shard").read_text()), collective_matmul=True)
+    sizes = {"B": 64, "D": 128, "F": 192, "Y": 4}
+
+    def nbytes(ref: TensorRef) -> float:
+        return float(local_elements(ref, sizes)) * F32
+
+    rings = {s.dst.name: (k, s) for k, s in enumerate(plan.backward) if s.collective is not None}
+    assert sorted(rings) == ["dIn", "dTmp", "dW_out"]
+    kb = 1024.0
+    # a TPU or GPU: the block computed with and the next arriving, and one block's product
+    chip = _Copies(Buffers(), sizes, nbytes)
+    assert [_ring_buffers(*rings[name], {}, set(), chip)[0][2] for name in ("dW_out", "dTmp", "dIn")] == \
+        [16 * kb + 6 * kb, 16 * kb + 12 * kb, 16 * kb + 8 * kb]
+    # XLA's CPU backend: the four block products alive at the last (two where they are the result's blocks),
+    # beside the last block of the sliced operand and the received block; an argument sliced from the start
+    cpu = _Copies(Buffers(ring_blocks_first=True), sizes, nbytes)
+    k, step = rings["dW_out"]
+    assert _ring_buffers(k, step, {}, set(), cpu) == [(k, k, 2 * 6 * kb + 8 * kb)]
+    k, step = rings["dTmp"]
+    w_out = next(r for r in step.operands if r.name == "W_out")
+    assert _ring_buffers(k, step, {w_out: 0}, set(), cpu) == \
+        [(0, k - 1, 24 * kb), (k, k, 4 * 12 * kb + 6 * kb + 8 * kb)]
+    k, step = rings["dIn"]
+    w_in = next(r for r in step.operands if r.name == "W_in")
+    assert _ring_buffers(k, step, {w_in: 0}, set(), cpu) == [(0, k - 1, 24 * kb), (k, k, 4 * 8 * kb + 6 * kb + 8 * kb)]
+    # a value the ring reads last (a gathered weight, made at step 1) dies into its blocks: only their padding
+    # is new, and at the last block only that block of it is left
+    padded = _Copies(Buffers(align=5000, ring_blocks_first=True), sizes, nbytes)
+    block, whole = 10000.0, 25000.0  # 6 kB rounded up to 10 kB; 24 kB to 25 kB
+    assert _ring_buffers(k, step, {w_in: 1}, {w_in}, padded) == \
+        [(1, k - 1, 4 * block - whole), (k, k, 4 * 10000.0 + block - whole + 10000.0)]
+    # the whole phase: the rings' buffers are its largest temporaries
+    with_rings = phase_memory(plan, sizes, F32, Buffers(ring_blocks_first=True, argument_copies_first=True))[1]
+    assert with_rings.temporaries >= 4 * 12 * kb + 6 * kb + 8 * kb + 24 * kb
+
 
 
 @pytest.mark.slow

@@ -67,3 +67,33 @@ def test_a_step_that_looks_at_positions_keeps_the_kernels_reordering() -> None:
 def test_the_pass_leaves_a_plan_without_a_zigzag_ring_as_it_is() -> None:
     for plan in (_gqa(16384), _gqa(131072, causal=False)):  # all-gather; a ring in its own order
         assert hold_zigzag(plan) is plan and sequence_order(plan, {"X": 16}) is None
+
+
+def _explained(plan: Plan) -> float:
+    (choice,) = plan.choices
+    (chosen,) = [a for a in choice.alternatives if a.chosen]
+    assert chosen.time is not None and "zig-zag" in chosen.description
+    return chosen.time
+
+
+def _kernels_cost(plan: Plan) -> float:
+    """The ring kernels' time in the cost report, forward and backward: their compute and the part of their
+    sends that stays exposed (Q, K and V come in the kernel's layout: no other move)."""
+    report = _cost(plan)
+    return sum(r.compute_s + r.exposed_comm_s for r in report.forward.rows + report.backward.rows if r.ring_steps)
+
+
+def test_explain_prices_the_chosen_zigzag_ring_as_the_plan_runs_it() -> None:
+    """--explain lists each attention form's time; the zig-zag ring's is the one the plan will have: without
+    its reordering where the plan holds the sequence in zig-zag order (37 ms less at 128K tokens), with it
+    where a step looks at positions, and either equals what the cost report charges the chosen kernels."""
+    held = _gqa(131072)
+    assert _explained(held) == pytest.approx(_kernels_cost(held), rel=1e-12)
+    (choice,) = held.choices
+    assert "the plan holds the sequence in zig-zag order" in choice.reason
+    dropped = shardc.plan(shardc.parse(GQA + "P[B, S_X, G, R, H] = dropout(O[B, S_X, G, R, H], 0.1)\n"), explain=True)
+    assert not any(fn.held for fn in _kernels(dropped))
+    assert _explained(dropped) == pytest.approx(_kernels_cost(dropped), rel=1e-12)
+    assert _explained(dropped) - _explained(held) > 0.030
+    (choice,) = dropped.choices
+    assert "held" not in choice.reason

@@ -78,7 +78,7 @@ _HELP = {
 
 def _plan(args: argparse.Namespace) -> Any:
     """The plan ``shardc plan`` prints for the same arguments, checked."""
-    result = plan(read_spec(args), save=args.save, collective_matmul=getattr(args, "collective_matmul", False))
+    result = plan(read_spec(args), save=args.save, collective_matmul=getattr(args, "collective_matmul", True))
     require_sound(result)
     check_lowerable(result)  # a pipeline reading an input its stages cannot be fed: a clear refusal
     return result

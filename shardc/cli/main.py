@@ -170,11 +170,13 @@ def add_recompute(parser: argparse.ArgumentParser, detail: bool = False) -> None
 
 
 def add_collective_matmul(parser: argparse.ArgumentParser) -> None:
-    """--collective-matmul, shared by plan and cost (off by default)."""
-    parser.add_argument("--collective-matmul", action="store_true",
+    """--collective-matmul / --no-collective-matmul, shared by plan, cost, layouts, lower and verify (on by
+    default: the planner chooses the ring where the cost model says it is faster)."""
+    parser.add_argument("--collective-matmul", action=argparse.BooleanOptionalAction, default=True,
                         help="run an einsum and the critical-path AllGather before it (or ReduceScatter after it) "
                              "over one axis as a ring of sends under its block matmuls, where that is faster "
-                             "(collective matmul); `shardc lower` and `verify` run such plans")
+                             "on the chip (collective matmul; the default); --no-collective-matmul keeps every "
+                             "collective whole")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

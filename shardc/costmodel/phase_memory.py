@@ -67,13 +67,16 @@ class Buffers:
     the route to the dot, as a fusion that recomputes a cheap producer for each consumer does.
     ``attention_loop``: a fused attention kernel is the lowered module's loop over key blocks, its on-chip
     state held in memory as a backend with no scratchpad (SRAM, VMEM) runs it (:func:`_loop_state`), not
-    FlashAttention-2 (:func:`_flash_workspace`)."""
+    FlashAttention-2 (:func:`_flash_workspace`).  ``ring_blocks_first``: a collective matmul's ring, unrolled,
+    has its block matmuls made before they are combined and its operands' blocks sliced into buffers of their
+    own, as a scheduler with no latency to hide runs them (:func:`_ring_buffers`)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
     argument_copies_first: bool = False
     masks_per_dot: bool = False
     attention_loop: bool = False
+    ring_blocks_first: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -169,6 +172,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
                 early[ref] = (0, k, size)  # one copy, shared by the steps that read it so
             else:
                 spans.append((k, k, size))
+        if step.collective is not None:
+            since = {ref: 0 for ref in args} | {ref: int(b[0]) for ref, b in buffers.items()}
+            spans += _ring_buffers(k, step, since, {ref for ref in buffers if last.get(ref) == k}, copies)
         after = steps[k + 1] if k + 1 < len(steps) else None
         read = readers.get(step.dst, [])
         fused = step.dst not in kept and len(read) == 1 and (
@@ -197,6 +203,59 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
     peak = max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
     return peak, sum(n for _, _, n in early.values())
+
+
+def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[TensorRef],
+                  copies: _Copies) -> list[Span]:
+    """The buffers a collective matmul at step ``k`` (:mod:`shardc.planner.collective_matmul`) holds beyond
+    its operands and result, as :func:`shardc.lowering.runtime_collective` runs its ring of n blocks: the
+    blocks it receives (the gathered operand's, or the partial sums passed on), the block matmuls'
+    products, and the blocks of the other operands along the ring's index.
+
+    A TPU or GPU (a latency-hiding scheduler issuing each send under the block matmul before it) holds the
+    block it computes with and the next one arriving, a double buffer (one where the ring has two devices,
+    as :func:`shardc.costmodel.memory.ring_buffers` counts them), and one block's product; a block of
+    another operand is read in place.  With ``ring_blocks_first`` (XLA's CPU backend, nothing to hide)
+    every block of the other operands is sliced into a buffer of its own as soon as the operand is there
+    (``since``: the step a value is made at, or the phase's start) and lives to its block matmul; an
+    operand ``dying`` at the ring dies into its blocks (they add their padding to its own bytes, and at
+    the ring's last block only that block is left of it).  The n block matmuls run before their products
+    are added up or sent around: all n products are alive at the last (where the result keeps the gathered
+    index, each block's product is written into it as the next is made: two alive), beside the last
+    block's slices and the received block it reads."""
+    c = step.collective
+    assert c is not None and c.src is not None
+    n = prod(copies.sizes[a] for a in c.axes)
+    gathered = c.op is Op.ALL_GATHER
+    keeps = gathered and _ring_index(step) in [d.name for d in step.dst.dims]  # a block's product: the result's
+    product = copies.nbytes(step.dst) / (n if keeps else 1)
+    rounded = copies.buffers.rounded
+    received_block = rounded(copies.nbytes(c.src if gathered else step.dst))
+    if not copies.buffers.ring_blocks_first:
+        return [(k, k, min(2, n - 1) * received_block + rounded(product))]
+    blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in _ring_sliced(step)}
+    # a value the ring reads last dies into its blocks: they add only their padding to its own bytes
+    freed = {ref: rounded(copies.nbytes(ref)) if ref in dying else 0.0 for ref in blocks}
+    spans: list[Span] = [(since[ref], k - 1, n * blocks[ref] - freed[ref]) for ref in blocks if since.get(ref, k) < k]
+    at_start = sum(n * blocks[ref] - freed[ref] for ref in blocks) + min(2, n - 1) * received_block
+    at_last = (2 if keeps else n) * rounded(product) + sum(blocks[ref] - freed[ref] for ref in blocks) + received_block
+    return spans + [(k, k, max(at_start, at_last))]
+
+
+def _ring_index(step: Step) -> str:
+    """The index a collective matmul's ring runs along: its collective's dim."""
+    c = step.collective
+    assert c is not None and c.src is not None and c.dim is not None
+    return (c.src if c.op is Op.ALL_GATHER else c.dst).dims[c.dim].name
+
+
+def _ring_sliced(step: Step) -> list[TensorRef]:
+    """A collective matmul's operands its ring slices into blocks: those with its index but the one gathered."""
+    c = step.collective
+    assert c is not None
+    index = _ring_index(step)
+    return [ref for ref in step.operands
+            if not (c.op is Op.ALL_GATHER and ref == c.src) and index in [d.name for d in ref.dims]]
 
 
 def _made_at(steps: tuple[Step, ...]) -> list[int]:

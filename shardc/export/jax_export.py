@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from shardc.collectives import Op
-from shardc.ir.plan import Plan, Step
+from shardc.ir.plan import Plan, Step, unfused
 from shardc.ir.spec import Dim, TensorRef
 
 __all__ = ["jax_module", "pspec_text", "inferred_result", "declared", "out_shardings"]
@@ -76,7 +76,9 @@ def out_shardings(steps: Iterable[Step]) -> list[tuple[str, Step]]:
     """The einsum steps whose result the plan shards otherwise than explicit mode infers, keyed by result."""
     found: list[tuple[str, Step]] = []
     seen: dict[str, int] = {}
-    for step in steps:
+    # a collective matmul as its einsum and its collective: jax's explicit mode runs them so (the ring is
+    # shardc's lowering's), and the einsum's result is the one a user's program makes
+    for step in dict.fromkeys(part for s in steps for part in unfused(s)):
         if step.op is not Op.EINSUM:
             continue
         guess = inferred_result(step)

@@ -179,6 +179,10 @@ class Choice:
     statement: str
     alternatives: tuple[Alternative, ...]
     reason: str
+    # the choice as its alternatives are priced where the plan holds the sequence in zig-zag order (a zig-zag
+    # ring attention form then does not reorder its blocks: shardc.planner.zigzag_order), None where no
+    # alternative's price depends on it
+    held: Choice | None = None
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class Options:
     topology: str | tuple[int, ...] | None = None  # the slice or cluster (--topology); None: the spec's or usual
     knobs: tuple[str, ...] = ()  # the step's settings searched too (shardc.layouts.knobs.KNOBS)
     exact: bool = False  # plan every candidate at its own sizes, however many (shardc.layouts.templates)
-    collective_matmul: bool = False  # plan with collective matmuls where faster (--collective-matmul)
+    collective_matmul: bool = True  # plan with collective matmuls where faster (--no-collective-matmul: none)
 
 
 def on_cluster(spec: Spec, options: Options) -> bool:

@@ -183,14 +183,16 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
     return forms
 
 
-def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, tokens: float) -> tuple[float, int, str]:
+def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, tokens: float,
+                  held: bool = False) -> tuple[float, int, str]:
     """A form's time, forward and backward: its moves twice (the backward moves their transposes: dO in,
     dQ, dK, dV out), its kernel's forward and backward (:func:`kernel_seconds`), and a
     ring's transfers its compute does not hide, forward and backward; its forward's collectives; and what
     of its communication stays exposed, for ``--explain``: the moves all (the kernel waits for them), a
     ring's what its steps do not hide, with the block length from which they do; the moves' the
     sequence's length a device (``tokens`` now) from which the kernel's compute outlasts them
-    (:func:`shardc.steptime.hidden_from`)."""
+    (:func:`shardc.steptime.hidden_from`).  ``held``: a zig-zag ring priced as the plan holding the sequence in
+    its order runs it, without reordering its blocks (:mod:`shardc.planner.zigzag_order`)."""
     ctx, axes = phase.ctx, form.axes
     moved, count = 0.0, 0
     moves = [reshard(ctx, name, indices, phase.held[name], _value(indices, axes))
@@ -203,12 +205,12 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, t
     for cost, made in moves:
         moved, count = moved + cost[0], count + len(made)
     assert node.call is not None
-    fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag)
+    fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag, held=held and form.zigzag)
     kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs), fn=fn)
     size = lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name)  # noqa: E731
     lse = phase.ref(node.aux[0], _value(r.rows, axes))  # the backward's kernel reads O, the logsumexp and dO too
     grads = Step(Op.ELEMENTWISE, node.result, kernel.dst, operands=(*refs, kernel.dst, lse, kernel.dst),
-                 fn=Attention("dq", r.key, fn.query, ring=form.ring, zigzag=form.zigzag))
+                 fn=Attention("dq", r.key, fn.query, ring=form.ring, zigzag=form.zigzag, held=fn.held))
     compute = kernel_seconds(kernel, size, ctx.hardware, ctx.dtype.value)
     backward = kernel_seconds(grads, size, ctx.hardware, ctx.dtype.value)
     exposed, hidden = 0.0, ""
@@ -240,10 +242,21 @@ def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]]
     times = [t for t, _, _ in figures]
     best = min(range(len(forms)), key=lambda k: times[k])
     if phase.ctx.explain:
-        rows = tuple(Alternative(f.text, t, note, n, k == best)
-                     for k, (f, (t, n, note)) in enumerate(zip(forms, figures, strict=True)))
-        phase.choices.append(Choice(phase.name, label, rows, f"least time, forward and backward ({times[best]:.3g} s)"))
+        reason = f"least time, forward and backward ({times[best]:.3g} s)"
+        held = None
+        if any(f.zigzag for f in forms):  # the plan may hold the sequence in zig-zag order: priced so too
+            again = [_form_seconds(phase, node, r, f, want, tokens, held=True) for f in forms]
+            held = Choice(phase.name, label, _alternatives(forms, again, best),
+                          f"least time, forward and backward, with zig-zag blocks reordered at each call "
+                          f"({times[best]:.3g} s); the plan holds the sequence in zig-zag order, so "
+                          f"{again[best][0]:.3g} s")
+        phase.choices.append(Choice(phase.name, label, _alternatives(forms, figures, best), reason, held))
     return forms[best]
+
+
+def _alternatives(forms: list[Form], figures: list[tuple[float, int, str]], best: int) -> tuple[Alternative, ...]:
+    return tuple(Alternative(f.text, t, note, n, k == best)
+                 for k, (f, (t, n, note)) in enumerate(zip(forms, figures, strict=True)))
 
 
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:

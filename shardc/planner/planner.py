@@ -72,7 +72,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
          spans: dict[str, int] | None = None, recompute: str = "none", budget: int = BUDGET,
          explain: bool = False, gradients: Mapping[str, str] | None = None,
          topology: str | tuple[int, ...] | None = None, weights: Weights | None = None,
-         collective_matmul: bool = False) -> Plan:
+         collective_matmul: bool = True) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -97,9 +97,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     planned apart that must keep the whole spec's names (:func:`shardc.names.gradient_names`).
     ``topology`` (``4x4x4``, ``48x8``, or a tuple) is the slice or cluster the mesh lies on, over
     the spec's ``topology`` line; without either, the chip's usual one (:mod:`shardc.topology`).
-    ``collective_matmul`` runs an einsum and the critical-path AllGather before it (or ReduceScatter after
-    it) as one ring of sends overlapping its block matmuls, where that is faster
-    (:mod:`shardc.planner.collective_matmul`).
+    ``collective_matmul`` (the default) runs an einsum and the critical-path AllGather before it (or
+    ReduceScatter after it) as one ring of sends overlapping its block matmuls, where that is faster on the
+    chip (:mod:`shardc.planner.collective_matmul`); False keeps every collective whole.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))

@@ -28,7 +28,7 @@ __all__ = ["hold_zigzag", "sequence_order"]
 
 def hold_zigzag(plan: Plan) -> Plan:
     """``plan`` with its zig-zag ring kernels marked ``held`` where the whole plan can hold the sequence in
-    their order (see the module docstring); else ``plan`` as it is."""
+    their order (see the module docstring), and its choices (``--explain``) priced so; else ``plan`` as it is."""
     if plan.spec.mesh.pipeline_axis is not None:
         return plan
     phases = (plan.forward, plan.recomputed, plan.backward, plan.optimizer)
@@ -45,7 +45,9 @@ def hold_zigzag(plan: Plan) -> Plan:
         return tuple(replace(s, fn=replace(s.fn, held=True)) if isinstance(s.fn, Attention) and s.fn.zigzag else s
                      for s in steps)
 
-    return replace(plan, forward=held(plan.forward), recomputed=held(plan.recomputed), backward=held(plan.backward))
+    # --explain's prices of the attention forms as this plan runs them: a zig-zag ring without its reordering
+    return replace(plan, forward=held(plan.forward), recomputed=held(plan.recomputed), backward=held(plan.backward),
+                   choices=tuple(c.held or c for c in plan.choices))
 
 
 def _positional(step: Step, dims: frozenset[str], ring: tuple[str, ...]) -> bool:

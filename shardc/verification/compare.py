@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardc.collectives import FACTOR, share
-from shardc.ir.plan import Plan
+from shardc.ir.plan import Plan, unfused
 from shardc.ir.spec import Spec, TensorRef
 from shardc.lowering import reference
 from shardc.lowering.api import lower
@@ -90,7 +90,8 @@ def _plan_side(plan: Plan, sizes: dict[str, int]) -> Side:
     side = Side()
     for phase, steps in (("forward", plan.forward), ("backward", plan.backward)):
         side.weighted[phase] = 0.0
-        for step in steps:
+        # a collective matmul moves its collective's bytes as a ring: the collective counted once a phase
+        for step in dict.fromkeys(part for s in steps for part in unfused(s)):
             if step.volume is None or all(sizes[a] == 1 for a in step.axes):
                 continue  # local steps, and nothing moves over size-1 axes (XLA drops them too)
             v = int(step.volume.evaluate(sizes))

@@ -63,11 +63,15 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 #   that dot), and its backward copies Q and dO transposed for each dot of a block that reads them
 #   (llama_layer_flash.shard at 16x its sizes: four copies of 5.3 GB), where FlashAttention-2 would
 #   write dK and dV for each query head of a group instead.
+# - it runs a collective matmul's unrolled ring with nothing to hide: the other operands' blocks are
+#   sliced into buffers as soon as the operand is there, and every block matmul runs before the products
+#   are added up or sent around (tp.shard's backward at 16x its sizes: 86 kB of temporaries, four 12 kB
+#   products of dTmp's ring beside W_in's four 6 kB blocks);
 # Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
 # and copies a transposed one, where the dots it runs with Eigen read it in place; which library
 # takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, argument_copies_first=True, masks_per_dot=True,
-                  attention_loop=True)
+                  attention_loop=True, ring_blocks_first=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
