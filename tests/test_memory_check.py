@@ -17,6 +17,7 @@ from shardc.costmodel.phase_memory import (
     _layout_copies,
     _lifetimes,
     _made_at,
+    _packed,
     _remade_outputs,
     phase_memory,
 )
@@ -113,6 +114,17 @@ def test_the_parts_are_the_training_state_and_activations() -> None:
                              ("outputs", "results", y), ("outputs", "residuals", 0))
     assert backward.parts == (("arguments", "cotangents", y), ("arguments", "residuals", x),
                               ("arguments", "params", w), ("outputs", "gradients", x + w))
+
+
+def test_temporaries_are_the_heap_they_pack_into_not_the_peak_of_their_sum() -> None:
+    # (first step, last step, bytes): at most 6 bytes are alive at once (step 2), but placed largest
+    # and longest-lived first at the smallest gap they fit, as XLA's heap simulator places them, the
+    # third 2-byte value finds only a 1-byte gap below the others and goes on top: a 7-byte heap
+    spans = [(0, 2, 2.0), (3, 3, 3.0), (1, 3, 2.0), (2, 2, 2.0)]
+    assert max(sum(n for a, b, n in spans if a <= t <= b) for t in range(4)) == 6
+    assert _packed(spans) == 7
+    assert _packed([(0, 1, 4.0), (2, 3, 4.0)]) == 4  # values alive apart share their bytes
+    assert _packed([]) == 0
 
 
 def test_a_dot_operand_not_batch_major_is_copied() -> None:

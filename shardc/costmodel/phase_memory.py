@@ -60,9 +60,10 @@ class Buffers:
     are buffers of their own (each piece aligned) for the step, the slices in place of the operand.
     ``argument_copies_first``: a copy of a value the phase takes (a param, a residual, a cotangent)
     is made before any other step, as a scheduler that runs first what reads only the arguments
-    does, and lives to its last reader.  ``masks_per_dot``: a routing mask (a route's result, or a
-    product with one) that a dot reads is made again for that dot, in a buffer of its own alive from
-    the route to the dot, as a fusion that recomputes a cheap producer for each consumer does.
+    does, and lives to its last reader.
+    ``masks_per_dot``: a routing mask (a route's result, or a product with one) that a dot reads is
+    made again for that dot, in a buffer of its own alive from the route to the dot, as a fusion
+    that recomputes a cheap producer for each consumer does.
     ``attention_loop``: a fused attention kernel is the lowered module's loop over key blocks, its on-chip
     state held in memory as a backend with no scratchpad (SRAM, VMEM) runs it (:func:`_loop_state`), not
     FlashAttention-2 (:func:`_flash_workspace`)."""
@@ -126,9 +127,10 @@ Span = tuple[int, int, float]  # a value's first step, last step and bytes
 
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
                  nbytes: Callable[[TensorRef], float], copies: _Copies) -> float:
-    """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the most alive at one
-    of ``steps``, an output counted from the step that makes it (before, the buffer of one a reduction
-    or a gather makes holds others, :func:`_outside_outputs`), less the outputs.
+    """The bytes of made values the phase needs beyond its ``args`` and ``outs``: the heap they pack
+    into, each at an offset of its own among those alive with it (:func:`_packed`; at least the most
+    alive at one of ``steps``), an output counted from the step that makes it (before, the buffer of
+    one a reduction or a gather makes holds others, :func:`_outside_outputs`), less the outputs.
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
@@ -179,7 +181,32 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
     heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
-    return max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
+    return _packed(heap)
+
+
+def _packed(spans: list[Span]) -> float:
+    """The bytes of one heap holding every span (first step, last step, bytes) at an offset of its own
+    among those alive with it, as XLA's heap simulator packs a program's temporaries: largest first
+    (or longest-lived first, whichever packs smaller), each in the smallest gap left free by those
+    already placed and alive with it that fits it (best fit), else above them (Wilson et al. 1995's
+    best fit; XLA's ``GlobalDecreasingSizeBestFitHeap``, spatial and temporal orders)."""
+    def size(order: list[Span]) -> float:
+        placed: list[tuple[int, int, float, float]] = []  # first, last, offset, bytes
+        top = 0.0
+        for a, b, n in order:
+            busy = sorted((o, o + m) for c, d, o, m in placed if not (d < a or c > b))
+            gaps, at = [], 0.0
+            for lo, hi in busy:
+                if lo - at >= n:
+                    gaps.append((lo - at, at))
+                at = max(at, hi)
+            offset = min(gaps)[1] if gaps else at
+            placed.append((a, b, offset, n))
+            top = max(top, offset + n)
+        return top
+    spatial = sorted(spans, key=lambda s: (-s[2], s[0] - s[1]))
+    temporal = sorted(spans, key=lambda s: (s[0] - s[1], -s[2]))
+    return min(size(spatial), size(temporal))
 
 
 def _made_at(steps: tuple[Step, ...]) -> list[int]:
