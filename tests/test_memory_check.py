@@ -70,6 +70,19 @@ def test_a_gathered_argument_is_alive_from_the_phase_start() -> None:
     assert forward[2] == w + v
 
 
+def test_a_step_reading_only_arguments_runs_first_where_the_backend_schedules_so() -> None:
+    # two outputs, so both cotangents are arguments: dW = X . dH reads only arguments and is made
+    # at the start beside dV's partial sums and both gathered weights, not after dV's scatter
+    two = ("mesh X=2\ndims B=8, D=4, F=6\nparam W, V\n"
+           "H[B_X, F] = X[B_X, D] · W[D_X, F]\nY[B_X, F] = X[B_X, D] · V[D_X, F]\n")
+    plan = shardc.plan(shardc.parse(two))
+    assert plan.sizes is not None
+    assert [s.dst.name for s in plan.backward].index("dW") > 0
+    plain, first = (phase_memory(plan, dict(plan.sizes), F32, Buffers(arguments_first=flag))[1].temporaries
+                    for flag in (False, True))
+    assert (plain, first) == (3 * 4 * 6 * F32, 4 * 4 * 6 * F32)  # dW's partial sums [D, F] alive too
+
+
 def test_temporaries_rounded_to_an_alignment_for_a_compiler_at_tiny_sizes() -> None:
     plan = shardc.plan(shardc.parse(DENSE))
     assert plan.sizes is not None

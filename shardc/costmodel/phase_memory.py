@@ -58,9 +58,10 @@ class Buffers:
     bytes).  ``all_to_all_pieces``: an AllToAll over n devices is run as n
     slices of its operand, sent, and n pieces received, concatenated into its result: both sets
     are buffers of their own (each piece aligned) for the step, the slices in place of the operand.
-    ``argument_copies_first``: a copy of a value the phase takes (a param, a residual, a cotangent)
+    ``arguments_first``: a copy of a value the phase takes (a param, a residual, a cotangent), and
+    any step that reads only such values (a weight gradient of a saved activation and a cotangent),
     is made before any other step, as a scheduler that runs first what reads only the arguments
-    does, and lives to its last reader.
+    does; the copy lives to its last reader, the step's result from the start to its own.
     ``masks_per_dot``: a routing mask (a route's result, or a product with one) that a dot reads is
     made again for that dot, in a buffer of its own alive from the route to the dot, as a fusion
     that recomputes a cheap producer for each consumer does.
@@ -70,7 +71,7 @@ class Buffers:
 
     align: int = 1
     all_to_all_pieces: bool = False
-    argument_copies_first: bool = False
+    arguments_first: bool = False
     masks_per_dot: bool = False
     attention_loop: bool = False
 
@@ -151,7 +152,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     early: dict[TensorRef, Span] = {}
     for k, step in enumerate(steps):
         for ref, size in copies.of(step):
-            if ref is not None and ref in args and copies.buffers.argument_copies_first:
+            if ref is not None and ref in args and copies.buffers.arguments_first:
                 early[ref] = (0, k, size)  # one copy, shared by the steps that read it so
             else:
                 spans.append((k, k, size))
@@ -172,7 +173,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[step.dst] = [k, end, 0.0]
         else:
             prefetched = step.op is Op.ALL_GATHER and step.src in args
-            buffers[step.dst] = [0 if prefetched else start[k], end, nbytes(step.dst)]
+            first = copies.buffers.arguments_first and all(ref in args for ref in _reads(step))
+            buffers[step.dst] = [0 if prefetched or first else start[k], end, nbytes(step.dst)]
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:

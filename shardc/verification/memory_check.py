@@ -51,8 +51,10 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # - an AllToAll is decomposed into one slice of the operand a device and one received piece a
 #   device, concatenated after: two buffers of the operand's size a TPU or GPU does not make;
 # - its scheduler runs every copy that reads only the program's parameters (a residual or weight
-#   transposed for a dot) before the first computation, so those copies are alive together from the
-#   start (the live-range dump, *-live-range.txt, lists them first);
+#   transposed for a dot), and every computation that does (a weight gradient's dot of a saved
+#   activation and a cotangent), before the others, so their results are alive together from the
+#   start (the live-range dump, *-live-range.txt, lists them first: fsdp.shard's dW_out,
+#   tests/specs/llama2_13b_fsdp.shard's dW_k and dW_v, alive with the gathered weights);
 # - its fusion makes a routing mask again for each dot that reads it (the mask is cheap to make
 #   from the route's counts and large to read), in that dot's layout and a buffer of its own, beside
 #   the mask the forward returns (moe_layer.shard at 16x its sizes: Disp as [G, E*C, S] and Comb as
@@ -66,7 +68,7 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
 # and copies a transposed one, where the dots it runs with Eigen read it in place; which library
 # takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
-XLA_CPU = Buffers(align=64, all_to_all_pieces=True, argument_copies_first=True, masks_per_dot=True,
+XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
