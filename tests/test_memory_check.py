@@ -22,6 +22,7 @@ from shardc.costmodel.phase_memory import (
     phase_memory,
 )
 from shardc.ir.plan import Plan
+from shardc.ir.spec import TensorRef
 from shardc.timing import local_elements
 from shardc.verification.memory_check import check_plan_memory, render_memory
 
@@ -100,10 +101,19 @@ def test_a_weight_gradient_reads_its_operands_in_place_and_xla_cpu_runs_an_allto
     swap = "mesh X=4\ndims S=16, D=8\nA2[S, D_X] = A[S_X, D]\nOut[S, D_X] = A2[S, D_X] * A2[S, D_X]\n"
     plan = shardc.plan(shardc.parse(swap))
     assert plan.sizes is not None
-    native, pieces = (phase_memory(plan, dict(plan.sizes), F32, b)[0].temporaries
-                      for b in (Buffers(), Buffers(all_to_all_pieces=True)))
-    # the 128-byte operand, sliced into 4 pieces of 32 bytes (in its place) and received as 4 more
-    assert pieces - native == 128
+    (swap_step,) = (s for s in plan.forward if s.op is Op.ALL_TO_ALL)
+    sizes = dict(plan.sizes)
+
+    def nbytes(ref: TensorRef) -> float:
+        return float(local_elements(ref, sizes)) * F32
+
+    native, pieces = (_Copies(b, sizes, nbytes).of(swap_step) for b in (Buffers(), Buffers(all_to_all_pieces=True)))
+    # split along D, its second dim: a native AllToAll sends along the major dim and transposes its
+    # 128-byte result into place; run as pieces, the operand is sliced into 4 pieces of 32 bytes (in
+    # its place) and 4 more are received, concatenated along S into the result as it is laid out
+    assert native == [(swap_step.dst, 128)]
+    assert pieces == [(None, 128)]
+    assert phase_memory(plan, sizes, F32, Buffers(all_to_all_pieces=True))[0].temporaries == 128 + 128
 
 
 def test_xla_cpu_makes_a_routing_mask_again_for_each_dot_reading_it() -> None:

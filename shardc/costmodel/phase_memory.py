@@ -57,11 +57,14 @@ class Buffers:
     it, the boundary the allocator starts buffers on (it matters only for buffers of a few hundred
     bytes).  ``all_to_all_pieces``: an AllToAll over n devices is run as n
     slices of its operand, sent, and n pieces received, concatenated into its result: both sets
-    are buffers of their own (each piece aligned) for the step, the slices in place of the operand.
+    are buffers of their own (each piece aligned) for the step, the slices in place of the operand;
+    the slices are cut along the split dim and the pieces concatenated along the other, so the
+    result is written as it is laid out, with no transpose of its own (a native AllToAll over a dim
+    other than the first sends along the major one and transposes its result into place).
     ``arguments_first``: a copy of a value the phase takes (a param, a residual, a cotangent), and
     any step that reads only such values (a weight gradient of a saved activation and a cotangent),
     is made before any other step, as a scheduler that runs first what reads only the arguments
-    does; the copy lives to its last reader, the step's result from the start to its own.
+    does; each lives from the start to its last reader.
     ``masks_per_dot``: a routing mask (a route's result, or a product with one) that a dot reads is
     made again for that dot, in a buffer of its own alive from the route to the dot, as a fusion
     that recomputes a cheap producer for each consumer does.
@@ -305,7 +308,9 @@ class _Copies:
     def of(self, step: Step) -> list[tuple[TensorRef | None, float]]:
         """Each copy: the value it lays out (None: an AllToAll's pieces, a route's counts) and its bytes."""
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
-        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in _layout_copies(step)] \
+        # the pieces are sliced along the split dim and concatenated along the other: no transpose
+        laid = [] if pieces else _layout_copies(step)
+        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in laid] \
             + [(None, self.buffers.rounded(n)) for n in pieces + self._route_counts(step) + self._kernel(step)]
 
     def _kernel(self, step: Step) -> list[float]:

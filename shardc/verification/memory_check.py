@@ -49,7 +49,9 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # - every preallocated temporary starts on a 64-byte boundary (the cache line): at verify's sizes,
 #   arrays of tens to hundreds of bytes, that is up to 3x a buffer; at real sizes nothing;
 # - an AllToAll is decomposed into one slice of the operand a device and one received piece a
-#   device, concatenated after: two buffers of the operand's size a TPU or GPU does not make;
+#   device, concatenated after: two buffers of the operand's size a TPU or GPU does not make; the
+#   concatenation writes the result as it is laid out, so a result split along a dim other than its
+#   first is not transposed after (moe_dispatch.shard's In: 8 slices, 8 pieces, concatenated);
 # - its scheduler runs every copy that reads only the program's parameters (a residual or weight
 #   transposed for a dot), and every computation that does (a weight gradient's dot of a saved
 #   activation and a cotangent), before the others, so their results are alive together from the
