@@ -172,6 +172,17 @@ def test_an_output_a_gather_makes_hosts_a_value_before_it_is_made() -> None:
     assert _phases(gathered)["forward"][2] == 0  # Q's copy sits in the gathered Sc's buffer, free until the gather
 
 
+def test_a_gather_of_several_dims_at_once_is_copied_into_place() -> None:
+    # W[D_X, F_Z] gathered over X and Z in one AllGather: its 4 pieces land along a new major dim
+    # and are transposed into W[D, F] (96 bytes), beside the gathered pieces
+    both = "mesh X=2, Z=2\ndims B=8, D=4, F=6\nparam W\nH[B_XZ, F] = In[B_XZ, D] · W[D_X, F_Z]\n"
+    (gather,) = (s for s in shardc.plan(shardc.parse(both)).forward if s.op is Op.ALL_GATHER)
+    assert gather.dim is None and _layout_copies(gather) == [gather.dst]
+    assert _phases(both)["forward"][2] == 2 * 4 * 6 * F32
+    one = both.replace("F_Z]", "F]").replace("B_XZ", "B_X")  # one dim gathered, the first: no copy
+    assert _phases(one)["forward"][2] == 4 * 6 * F32
+
+
 def test_a_dot_result_whose_free_dims_are_permuted_is_copied() -> None:
     # Q's free dims are (S, R) in Q's order: a result with (R, S) is made as (S, R) and transposed
     plan = shardc.plan(shardc.parse("mesh X=2\ndims B=4, S=4, R=2, T=4, H=2\n"

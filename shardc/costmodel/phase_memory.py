@@ -412,9 +412,11 @@ def _layout_copies(step: Step) -> list[TensorRef]:
     whose free indices of one operand are permuted is transposed too), each transposed into a
     temporary when stored otherwise; a
     collective's result over a dim that is not its first, gathered (or scattered) along the major
-    dim and transposed into place."""
+    dim and transposed into place, and an AllGather's of several dims at once (``dim`` None), whose
+    pieces land along a new major dim and are transposed into place."""
     if step.is_collective:
-        return [step.dst] if step.dim and step.op is not Op.ALL_REDUCE else []
+        several = step.op is Op.ALL_GATHER and step.dim is None
+        return [step.dst] if (step.dim or several) and step.op is not Op.ALL_REDUCE else []
     if step.op is not Op.EINSUM or len(step.operands) != 2 or is_product(step):
         return []
     out = [d.name for d in step.dst.dims]
