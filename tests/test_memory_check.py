@@ -19,6 +19,7 @@ from shardc.costmodel.phase_memory import (
     _made_at,
     _packed,
     _remade_outputs,
+    _slot_rows,
     phase_memory,
 )
 from shardc.ir.plan import Plan
@@ -126,6 +127,25 @@ def test_xla_cpu_makes_a_routing_mask_again_for_each_dot_reading_it() -> None:
     plain, remade = (phase_memory(plan, dict(plan.sizes), F32, Buffers(masks_per_dot=flag))[0].temporaries
                      for flag in (False, True))
     assert remade - plain == 4 // 2 * 8 * 4 * 4 * F32  # Disp's local bytes, once for the one dot
+
+
+def test_an_index_based_dispatch_holds_its_routing_and_rows_with_one_more_slot() -> None:
+    text = ("mesh X=2\ndims G=4, S=8, E=4, C=4, D=6\ndtype f32\nparam W_r\n"
+            "Gate[G_X, S, E] = softmax(X[G_X, S, D] · W_r[D, E] over E)\n"
+            "In[G_X, E, C, D] = dispatch(Gate[G_X, S, E], X[G_X, S, D], S, C, 2 over E)\n")
+    plan = shardc.plan(shardc.parse(text))
+    assert plan.sizes is not None
+    sizes = dict(plan.sizes)
+
+    def nbytes(ref: TensorRef) -> float:
+        return float(local_elements(ref, sizes)) * F32
+
+    k, step = next((k, s) for k, s in enumerate(plan.forward) if s.dst.name == "In")
+    gates = 4 // 2 * 8 * 4 * 4  # int32 per token and expert: whether it chose it, how many before it did
+    assert _Copies(Buffers(), sizes, nbytes).of(step) == [(None, gates), (None, gates)]
+    rows = 4 // 2 * 4 * (4 + 1) * 6 * F32  # In's rows with a fifth slot, the dropped choices'
+    assert _slot_rows(plan.forward, _Copies(Buffers(), sizes, nbytes)) == [(k, k, rows)]
+    assert _slot_rows(plan.forward, _Copies(Buffers(arguments_first=True), sizes, nbytes)) == [(0, k, rows)]
 
 
 def test_the_parts_are_the_training_state_and_activations() -> None:

@@ -15,7 +15,7 @@ from math import prod
 from shardc.collectives import Op
 from shardc.costmodel.memory import residual_table
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS, Attention, Route, key_block
+from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
 from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import reads as _reads
@@ -178,6 +178,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             prefetched = step.op is Op.ALL_GATHER and step.src in args
             first = copies.buffers.arguments_first and all(ref in args for ref in _reads(step))
             buffers[step.dst] = [0 if prefetched or first else start[k], end, nbytes(step.dst)]
+    spans += _slot_rows(steps, copies)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -222,6 +223,23 @@ def _made_at(steps: tuple[Step, ...]) -> list[int]:
         further = isinstance(step.fn, Attention) and not step.fn.kernel and k > 0
         out.append(out[-1] if further else k)
     return out
+
+
+def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
+    """Per index-based step writing expert rows (a dispatch, the expert outputs' gradient), the zeroed
+    rows it scatters into, with one more slot where dropped choices land, before it slices off that
+    slot (:func:`shardc.lowering.runtime.expert_dispatch`): its result's bytes by (C + 1) / C, from
+    the step, or from the phase's start where the backend runs first what reads no value made in the
+    phase (the zeros read none)."""
+    spans: list[Span] = []
+    for k, step in enumerate(steps):
+        if not isinstance(step.fn, Dispatch) or step.fn.part not in ("dispatch", "combine_vjp"):
+            continue
+        (slots,) = (d for d in step.dst.dims if d.name == step.fn.slots)
+        c = _local(slots, copies.sizes)
+        rows = copies.buffers.rounded(copies.nbytes(step.dst) * (c + 1) / c)
+        spans.append((0 if copies.buffers.arguments_first else k, k, rows))
+    return spans
 
 
 def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
@@ -333,12 +351,14 @@ class _Copies:
                                 if group > 1 else 0)
 
     def _route_counts(self, step: Step) -> list[float]:
-        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`): per token and
-        expert whether it chose the expert and how many tokens before it did, int32, the gates'
-        shape each; both alive while the mask is made from them."""
-        if not isinstance(step.fn, Route):
+        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`), and those of the
+        routing an index-based dispatch step runs again from its gates (its first operand;
+        :func:`shardc.lowering.runtime.expert_dispatch` and the others): per token and expert whether
+        it chose the expert and how many tokens before it did, int32, the gates' shape each; both
+        alive while the mask, or the slots, are made from them."""
+        if not isinstance(step.fn, Route | Dispatch):
             return []
-        (gates,) = step.operands
+        gates = step.operands[0]
         return [self.buffers.rounded(float(local_elements(gates, self.sizes)) * 4)] * 2
 
     def _pieces(self, step: Step) -> list[float]:
