@@ -70,13 +70,17 @@ class Buffers:
     that recomputes a cheap producer for each consumer does.
     ``attention_loop``: a fused attention kernel is the lowered module's loop over key blocks, its on-chip
     state held in memory as a backend with no scratchpad (SRAM, VMEM) runs it (:func:`_loop_state`), not
-    FlashAttention-2 (:func:`_flash_workspace`)."""
+    FlashAttention-2 (:func:`_flash_workspace`).  ``scan_block``: a cumulative sum (a routing's slots)
+    runs as a scan in blocks of this many elements along its dim, padded up to a multiple of it: the
+    counts copied into the blocks and each block's running sums, two arrays of the padded shape beside
+    the counts, where a chip's scan holds the counts and the sums (0)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
     arguments_first: bool = False
     masks_per_dot: bool = False
     attention_loop: bool = False
+    scan_block: int = 0
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -359,7 +363,14 @@ class _Copies:
         if not isinstance(step.fn, Route | Dispatch):
             return []
         gates = step.operands[0]
-        return [self.buffers.rounded(float(local_elements(gates, self.sizes)) * 4)] * 2
+        counts = float(local_elements(gates, self.sizes)) * 4
+        block = self.buffers.scan_block
+        if not block:
+            return [self.buffers.rounded(counts)] * 2
+        (order,) = (d for d in gates.dims if d.name == step.fn.order)
+        tokens = _local(order, self.sizes)
+        padded = counts / tokens * (-(-tokens // block) * block)
+        return [self.buffers.rounded(n) for n in (counts, padded, padded)]
 
     def _pieces(self, step: Step) -> list[float]:
         n = 1

@@ -67,11 +67,15 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 #   that dot), and its backward copies Q and dO transposed for each dot of a block that reads them
 #   (llama_layer_flash.shard at 16x its sizes: four copies of 5.3 GB), where FlashAttention-2 would
 #   write dK and dV for each query head of a group instead.
+# - a cumulative sum (a routing's slots, counted along the tokens) is a reduce-window its reduce-window
+#   rewriter runs as a scan in blocks of 16 elements, the dim padded up to a multiple of 16: the counts
+#   copied into the blocks and the blocks' running sums, beside the counts (moe_dispatch.shard at
+#   verify's sizes: 24 tokens padded to 32; at 16x its sizes, 384 tokens in 24 blocks);
 # Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
 # and copies a transposed one, where the dots it runs with Eigen read it in place; which library
 # takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
-                  attention_loop=True)
+                  attention_loop=True, scan_block=16)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
