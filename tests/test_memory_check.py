@@ -17,8 +17,10 @@ from shardc.costmodel.phase_memory import (
     _layout_copies,
     _lifetimes,
     _made_at,
+    _packed,
     _remade_outputs,
     _ring_buffers,
+    _slot_rows,
     phase_memory,
 )
 from shardc.ir.plan import Plan
@@ -71,6 +73,19 @@ def test_a_gathered_argument_is_alive_from_the_phase_start() -> None:
     assert forward[2] == w + v
 
 
+def test_a_step_reading_only_arguments_runs_first_where_the_backend_schedules_so() -> None:
+    # two outputs, so both cotangents are arguments: dW = X . dH reads only arguments and is made
+    # at the start beside dV's partial sums and both gathered weights, not after dV's scatter
+    two = ("mesh X=2\ndims B=8, D=4, F=6\nparam W, V\n"
+           "H[B_X, F] = X[B_X, D] · W[D_X, F]\nY[B_X, F] = X[B_X, D] · V[D_X, F]\n")
+    plan = shardc.plan(shardc.parse(two))
+    assert plan.sizes is not None
+    assert [s.dst.name for s in plan.backward].index("dW") > 0
+    plain, first = (phase_memory(plan, dict(plan.sizes), F32, Buffers(arguments_first=flag))[1].temporaries
+                    for flag in (False, True))
+    assert (plain, first) == (3 * 4 * 6 * F32, 4 * 4 * 6 * F32)  # dW's partial sums [D, F] alive too
+
+
 def test_temporaries_rounded_to_an_alignment_for_a_compiler_at_tiny_sizes() -> None:
     plan = shardc.plan(shardc.parse(DENSE))
     assert plan.sizes is not None
@@ -88,10 +103,19 @@ def test_a_weight_gradient_reads_its_operands_in_place_and_xla_cpu_runs_an_allto
     swap = "mesh X=4\ndims S=16, D=8\nA2[S, D_X] = A[S_X, D]\nOut[S, D_X] = A2[S, D_X] * A2[S, D_X]\n"
     plan = shardc.plan(shardc.parse(swap))
     assert plan.sizes is not None
-    native, pieces = (phase_memory(plan, dict(plan.sizes), F32, b)[0].temporaries
-                      for b in (Buffers(), Buffers(all_to_all_pieces=True)))
-    # the 128-byte operand, sliced into 4 pieces of 32 bytes (in its place) and received as 4 more
-    assert pieces - native == 128
+    (swap_step,) = (s for s in plan.forward if s.op is Op.ALL_TO_ALL)
+    sizes = dict(plan.sizes)
+
+    def nbytes(ref: TensorRef) -> float:
+        return float(local_elements(ref, sizes)) * F32
+
+    native, pieces = (_Copies(b, sizes, nbytes).of(swap_step) for b in (Buffers(), Buffers(all_to_all_pieces=True)))
+    # split along D, its second dim: a native AllToAll sends along the major dim and transposes its
+    # 128-byte result into place; run as pieces, the operand is sliced into 4 pieces of 32 bytes (in
+    # its place) and 4 more are received, concatenated along S into the result as it is laid out
+    assert native == [(swap_step.dst, 128)]
+    assert pieces == [(None, 128)]
+    assert phase_memory(plan, sizes, F32, Buffers(all_to_all_pieces=True))[0].temporaries == 128 + 128
 
 
 def test_xla_cpu_makes_a_routing_mask_again_for_each_dot_reading_it() -> None:
@@ -106,6 +130,29 @@ def test_xla_cpu_makes_a_routing_mask_again_for_each_dot_reading_it() -> None:
     assert remade - plain == 4 // 2 * 8 * 4 * 4 * F32  # Disp's local bytes, once for the one dot
 
 
+def test_an_index_based_dispatch_holds_its_routing_and_rows_with_one_more_slot() -> None:
+    text = ("mesh X=2\ndims G=4, S=8, E=4, C=4, D=6\ndtype f32\nparam W_r\n"
+            "Gate[G_X, S, E] = softmax(X[G_X, S, D] · W_r[D, E] over E)\n"
+            "In[G_X, E, C, D] = dispatch(Gate[G_X, S, E], X[G_X, S, D], S, C, 2 over E)\n")
+    plan = shardc.plan(shardc.parse(text))
+    assert plan.sizes is not None
+    sizes = dict(plan.sizes)
+
+    def nbytes(ref: TensorRef) -> float:
+        return float(local_elements(ref, sizes)) * F32
+
+    k, step = next((k, s) for k, s in enumerate(plan.forward) if s.dst.name == "In")
+    gates = 4 // 2 * 8 * 4 * 4  # int32 per token and expert: whether it chose it, how many before it did
+    assert _Copies(Buffers(), sizes, nbytes).of(step) == [(None, gates), (None, gates)]
+    # XLA CPU scans in blocks of 16 tokens: the 8 tokens padded to 16, counts copied into the block
+    # and the block's running sums, beside the counts
+    blocked = _Copies(Buffers(scan_block=16), sizes, nbytes).of(step)
+    assert blocked == [(None, gates), (None, gates * 16 // 8), (None, gates * 16 // 8)]
+    rows = 4 // 2 * 4 * (4 + 1) * 6 * F32  # In's rows with a fifth slot, the dropped choices'
+    assert _slot_rows(plan.forward, _Copies(Buffers(), sizes, nbytes)) == [(k, k, rows)]
+    assert _slot_rows(plan.forward, _Copies(Buffers(arguments_first=True), sizes, nbytes)) == [(0, k, rows)]
+
+
 def test_the_parts_are_the_training_state_and_activations() -> None:
     plan = shardc.plan(shardc.parse(DENSE))
     assert plan.sizes is not None
@@ -115,6 +162,17 @@ def test_the_parts_are_the_training_state_and_activations() -> None:
                              ("outputs", "results", y), ("outputs", "residuals", 0))
     assert backward.parts == (("arguments", "cotangents", y), ("arguments", "residuals", x),
                               ("arguments", "params", w), ("outputs", "gradients", x + w))
+
+
+def test_temporaries_are_the_heap_they_pack_into_not_the_peak_of_their_sum() -> None:
+    # (first step, last step, bytes): at most 6 bytes are alive at once (step 2), but placed largest
+    # and longest-lived first at the smallest gap they fit, as XLA's heap simulator places them, the
+    # third 2-byte value finds only a 1-byte gap below the others and goes on top: a 7-byte heap
+    spans = [(0, 2, 2.0), (3, 3, 3.0), (1, 3, 2.0), (2, 2, 2.0)]
+    assert max(sum(n for a, b, n in spans if a <= t <= b) for t in range(4)) == 6
+    assert _packed(spans) == 7
+    assert _packed([(0, 1, 4.0), (2, 3, 4.0)]) == 4  # values alive apart share their bytes
+    assert _packed([]) == 0
 
 
 def test_a_dot_operand_not_batch_major_is_copied() -> None:
@@ -137,6 +195,17 @@ def test_an_output_a_gather_makes_hosts_a_value_before_it_is_made() -> None:
     assert [s.op for s in shardc.plan(shardc.parse(gathered)).forward][:2] == [Op.EINSUM, Op.ALL_GATHER]
     assert _phases(local)["forward"][2] == 4 * 8 // 2 * 2 * F32  # Q's copy, a buffer of its own
     assert _phases(gathered)["forward"][2] == 0  # Q's copy sits in the gathered Sc's buffer, free until the gather
+
+
+def test_a_gather_of_several_dims_at_once_is_copied_into_place() -> None:
+    # W[D_X, F_Z] gathered over X and Z in one AllGather: its 4 pieces land along a new major dim
+    # and are transposed into W[D, F] (96 bytes), beside the gathered pieces
+    both = "mesh X=2, Z=2\ndims B=8, D=4, F=6\nparam W\nH[B_XZ, F] = In[B_XZ, D] · W[D_X, F_Z]\n"
+    (gather,) = (s for s in shardc.plan(shardc.parse(both)).forward if s.op is Op.ALL_GATHER)
+    assert gather.dim is None and _layout_copies(gather) == [gather.dst]
+    assert _phases(both)["forward"][2] == 2 * 4 * 6 * F32
+    one = both.replace("F_Z]", "F]").replace("B_XZ", "B_X")  # one dim gathered, the first: no copy
+    assert _phases(one)["forward"][2] == 4 * 6 * F32
 
 
 def test_a_dot_result_whose_free_dims_are_permuted_is_copied() -> None:
@@ -247,9 +316,8 @@ def test_a_collective_matmul_holds_its_ring_blocks() -> None:
     assert _ring_buffers(k, step, {w_in: 1}, {w_in}, padded) == \
         [(1, k - 1, 4 * block - whole), (k, k, 4 * 10000.0 + block - whole + 10000.0)]
     # the whole phase: the rings' buffers are its largest temporaries
-    with_rings = phase_memory(plan, sizes, F32, Buffers(ring_blocks_first=True, argument_copies_first=True))[1]
+    with_rings = phase_memory(plan, sizes, F32, Buffers(ring_blocks_first=True, arguments_first=True))[1]
     assert with_rings.temporaries >= 4 * 12 * kb + 6 * kb + 8 * kb + 24 * kb
-
 
 
 @pytest.mark.slow
@@ -274,7 +342,7 @@ def test_verify_reports_memory_against_xla() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp", "alltoall", "dp",
                                   "gpt_layer_tp", "llama_layer_flash", "llama_layer_fsdp_tp", "tp", "moe_layer",
-                                  "fsdp", "residual_blocks", "moe_transformer"])
+                                  "fsdp", "residual_blocks", "moe_transformer", "moe_dispatch", "vocab_parallel"])
 def test_examples_within_ten_percent(name: str) -> None:
     plan = shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text()))
     check = check_plan_memory(plan, 8)

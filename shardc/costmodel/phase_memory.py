@@ -15,7 +15,7 @@ from math import prod
 from shardc.collectives import Op
 from shardc.costmodel.memory import residual_table
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS, Attention, Route, key_block
+from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
 from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import reads as _reads
@@ -41,7 +41,7 @@ class PhaseMemory:
     outputs: float
     temporaries: float
     parts: tuple[tuple[str, str, float], ...] = ()  # (arguments or outputs, what, bytes): params, inputs, ...
-    # of the temporaries: the copies of arguments made before any other step (Buffers.argument_copies_first)
+    # of the temporaries: the copies of arguments made before any other step (Buffers.arguments_first)
     argument_copies: float = 0.0
 
     @property
@@ -59,24 +59,33 @@ class Buffers:
     it, the boundary the allocator starts buffers on (it matters only for buffers of a few hundred
     bytes).  ``all_to_all_pieces``: an AllToAll over n devices is run as n
     slices of its operand, sent, and n pieces received, concatenated into its result: both sets
-    are buffers of their own (each piece aligned) for the step, the slices in place of the operand.
-    ``argument_copies_first``: a copy of a value the phase takes (a param, a residual, a cotangent)
+    are buffers of their own (each piece aligned) for the step, the slices in place of the operand;
+    the slices are cut along the split dim and the pieces concatenated along the other, so the
+    result is written as it is laid out, with no transpose of its own (a native AllToAll over a dim
+    other than the first sends along the major one and transposes its result into place).
+    ``arguments_first``: a copy of a value the phase takes (a param, a residual, a cotangent), and
+    any step that reads only such values (a weight gradient of a saved activation and a cotangent),
     is made before any other step, as a scheduler that runs first what reads only the arguments
-    does, and lives to its last reader.  ``masks_per_dot``: a routing mask (a route's result, or a
-    product with one) that a dot reads is made again for that dot, in a buffer of its own alive from
-    the route to the dot, as a fusion that recomputes a cheap producer for each consumer does.
+    does; each lives from the start to its last reader.
+    ``masks_per_dot``: a routing mask (a route's result, or a product with one) that a dot reads is
+    made again for that dot, in a buffer of its own alive from the route to the dot, as a fusion
+    that recomputes a cheap producer for each consumer does.
     ``attention_loop``: a fused attention kernel is the lowered module's loop over key blocks, its on-chip
     state held in memory as a backend with no scratchpad (SRAM, VMEM) runs it (:func:`_loop_state`), not
     FlashAttention-2 (:func:`_flash_workspace`).  ``ring_blocks_first``: a collective matmul's ring, unrolled,
     has its block matmuls made before they are combined and its operands' blocks sliced into buffers of their
-    own, as a scheduler with no latency to hide runs them (:func:`_ring_buffers`)."""
+    own, as a scheduler with no latency to hide runs them (:func:`_ring_buffers`).  ``scan_block``: a
+    cumulative sum (a routing's slots) runs as a scan in blocks of this many elements along its dim, padded
+    up to a multiple of it: the counts copied into the blocks and each block's running sums, two arrays of
+    the padded shape beside the counts, where a chip's scan holds the counts and the sums (0)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
-    argument_copies_first: bool = False
+    arguments_first: bool = False
     masks_per_dot: bool = False
     attention_loop: bool = False
     ring_blocks_first: bool = False
+    scan_block: int = 0
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -145,9 +154,10 @@ Span = tuple[int, int, float]  # a value's first step, last step and bytes
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
                  nbytes: Callable[[TensorRef], float], copies: _Copies) -> tuple[float, float]:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``, and of them the copies
-    of arguments made first (:attr:`Buffers.argument_copies_first`): the most alive at one
-    of ``steps``, an output counted from the step that makes it (before, the buffer of one a reduction
-    or a gather makes holds others, :func:`_outside_outputs`), less the outputs.
+    of arguments made first (:attr:`Buffers.arguments_first`): the heap they pack into, each at an offset
+    of its own among those alive with it (:func:`_packed`; at least the most alive at one of ``steps``),
+    an output counted from the step that makes it (before, the buffer of one a reduction or a gather makes
+    holds others, :func:`_outside_outputs`), less the outputs.
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
@@ -168,7 +178,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     early: dict[TensorRef, Span] = {}
     for k, step in enumerate(steps):
         for ref, size in copies.of(step):
-            if ref is not None and ref in args and copies.buffers.argument_copies_first:
+            if ref is not None and ref in args and copies.buffers.arguments_first:
                 early[ref] = (0, k, size)  # one copy, shared by the steps that read it so
             else:
                 spans.append((k, k, size))
@@ -192,7 +202,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[step.dst] = [k, end, 0.0]
         else:
             prefetched = step.op is Op.ALL_GATHER and step.src in args
-            buffers[step.dst] = [0 if prefetched else start[k], end, nbytes(step.dst)]
+            first = copies.buffers.arguments_first and all(ref in args for ref in _reads(step))
+            buffers[step.dst] = [0 if prefetched or first else start[k], end, nbytes(step.dst)]
+    spans += _slot_rows(steps, copies)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -201,8 +213,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
     heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
-    peak = max((sum(n for a, b, n in heap if a <= at <= b) for at in range(len(steps) + 1)), default=0.0)
-    return peak, sum(n for _, _, n in early.values())
+    return _packed(heap), sum(n for _, _, n in early.values())
 
 
 def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[TensorRef],
@@ -258,6 +269,31 @@ def _ring_sliced(step: Step) -> list[TensorRef]:
             if not (c.op is Op.ALL_GATHER and ref == c.src) and index in [d.name for d in ref.dims]]
 
 
+def _packed(spans: list[Span]) -> float:
+    """The bytes of one heap holding every span (first step, last step, bytes) at an offset of its own
+    among those alive with it, as XLA's heap simulator packs a program's temporaries: largest first
+    (or longest-lived first, whichever packs smaller), each in the smallest gap left free by those
+    already placed and alive with it that fits it (best fit), else above them (Wilson et al. 1995's
+    best fit; XLA's ``GlobalDecreasingSizeBestFitHeap``, spatial and temporal orders)."""
+    def size(order: list[Span]) -> float:
+        placed: list[tuple[int, int, float, float]] = []  # first, last, offset, bytes
+        top = 0.0
+        for a, b, n in order:
+            busy = sorted((o, o + m) for c, d, o, m in placed if not (d < a or c > b))
+            gaps, at = [], 0.0
+            for lo, hi in busy:
+                if lo - at >= n:
+                    gaps.append((lo - at, at))
+                at = max(at, hi)
+            offset = min(gaps)[1] if gaps else at
+            placed.append((a, b, offset, n))
+            top = max(top, offset + n)
+        return top
+    spatial = sorted(spans, key=lambda s: (-s[2], s[0] - s[1]))
+    temporal = sorted(spans, key=lambda s: (s[0] - s[1], -s[2]))
+    return min(size(spatial), size(temporal))
+
+
 def _made_at(steps: tuple[Step, ...]) -> list[int]:
     """Per step the step its value is written at: its own, but a kernel's further results (the
     logsumexp beside the output; dK and dV beside dQ) are written by the kernel, at its step."""
@@ -266,6 +302,23 @@ def _made_at(steps: tuple[Step, ...]) -> list[int]:
         further = isinstance(step.fn, Attention) and not step.fn.kernel and k > 0
         out.append(out[-1] if further else k)
     return out
+
+
+def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
+    """Per index-based step writing expert rows (a dispatch, the expert outputs' gradient), the zeroed
+    rows it scatters into, with one more slot where dropped choices land, before it slices off that
+    slot (:func:`shardc.lowering.runtime.expert_dispatch`): its result's bytes by (C + 1) / C, from
+    the step, or from the phase's start where the backend runs first what reads no value made in the
+    phase (the zeros read none)."""
+    spans: list[Span] = []
+    for k, step in enumerate(steps):
+        if not isinstance(step.fn, Dispatch) or step.fn.part not in ("dispatch", "combine_vjp"):
+            continue
+        (slots,) = (d for d in step.dst.dims if d.name == step.fn.slots)
+        c = _local(slots, copies.sizes)
+        rows = copies.buffers.rounded(copies.nbytes(step.dst) * (c + 1) / c)
+        spans.append((0 if copies.buffers.arguments_first else k, k, rows))
+    return spans
 
 
 def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
@@ -352,7 +405,9 @@ class _Copies:
     def of(self, step: Step) -> list[tuple[TensorRef | None, float]]:
         """Each copy: the value it lays out (None: an AllToAll's pieces, a route's counts) and its bytes."""
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
-        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in _layout_copies(step)] \
+        # the pieces are sliced along the split dim and concatenated along the other: no transpose
+        laid = [] if pieces else _layout_copies(step)
+        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in laid] \
             + [(None, self.buffers.rounded(n)) for n in pieces + self._route_counts(step) + self._kernel(step)]
 
     def _kernel(self, step: Step) -> list[float]:
@@ -375,13 +430,22 @@ class _Copies:
                                 if group > 1 else 0)
 
     def _route_counts(self, step: Step) -> list[float]:
-        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`): per token and
-        expert whether it chose the expert and how many tokens before it did, int32, the gates'
-        shape each; both alive while the mask is made from them."""
-        if not isinstance(step.fn, Route):
+        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`), and those of the
+        routing an index-based dispatch step runs again from its gates (its first operand;
+        :func:`shardc.lowering.runtime.expert_dispatch` and the others): per token and expert whether
+        it chose the expert and how many tokens before it did, int32, the gates' shape each; both
+        alive while the mask, or the slots, are made from them."""
+        if not isinstance(step.fn, Route | Dispatch):
             return []
-        (gates,) = step.operands
-        return [self.buffers.rounded(float(local_elements(gates, self.sizes)) * 4)] * 2
+        gates = step.operands[0]
+        counts = float(local_elements(gates, self.sizes)) * 4
+        block = self.buffers.scan_block
+        if not block:
+            return [self.buffers.rounded(counts)] * 2
+        (order,) = (d for d in gates.dims if d.name == step.fn.order)
+        tokens = _local(order, self.sizes)
+        padded = counts / tokens * (-(-tokens // block) * block)
+        return [self.buffers.rounded(n) for n in (counts, padded, padded)]
 
     def _pieces(self, step: Step) -> list[float]:
         n = 1
@@ -454,9 +518,11 @@ def _layout_copies(step: Step) -> list[TensorRef]:
     whose free indices of one operand are permuted is transposed too), each transposed into a
     temporary when stored otherwise; a
     collective's result over a dim that is not its first, gathered (or scattered) along the major
-    dim and transposed into place."""
+    dim and transposed into place, and an AllGather's of several dims at once (``dim`` None), whose
+    pieces land along a new major dim and are transposed into place."""
     if step.is_collective:
-        return [step.dst] if step.dim and step.op is not Op.ALL_REDUCE else []
+        several = step.op is Op.ALL_GATHER and step.dim is None
+        return [step.dst] if (step.dim or several) and step.op is not Op.ALL_REDUCE else []
     if step.op is not Op.EINSUM or len(step.operands) != 2 or is_product(step):
         return []
     out = [d.name for d in step.dst.dims]

@@ -49,10 +49,14 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # - every preallocated temporary starts on a 64-byte boundary (the cache line): at verify's sizes,
 #   arrays of tens to hundreds of bytes, that is up to 3x a buffer; at real sizes nothing;
 # - an AllToAll is decomposed into one slice of the operand a device and one received piece a
-#   device, concatenated after: two buffers of the operand's size a TPU or GPU does not make;
+#   device, concatenated after: two buffers of the operand's size a TPU or GPU does not make; the
+#   concatenation writes the result as it is laid out, so a result split along a dim other than its
+#   first is not transposed after (moe_dispatch.shard's In: 8 slices, 8 pieces, concatenated);
 # - its scheduler runs every copy that reads only the program's parameters (a residual or weight
-#   transposed for a dot) before the first computation, so those copies are alive together from the
-#   start (the live-range dump, *-live-range.txt, lists them first);
+#   transposed for a dot), and every computation that does (a weight gradient's dot of a saved
+#   activation and a cotangent), before the others, so their results are alive together from the
+#   start (the live-range dump, *-live-range.txt, lists them first: fsdp.shard's dW_out,
+#   tests/specs/llama2_13b_fsdp.shard's dW_k and dW_v, alive with the gathered weights);
 # - its fusion makes a routing mask again for each dot that reads it (the mask is cheap to make
 #   from the route's counts and large to read), in that dot's layout and a buffer of its own, beside
 #   the mask the forward returns (moe_layer.shard at 16x its sizes: Disp as [G, E*C, S] and Comb as
@@ -67,11 +71,15 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 #   sliced into buffers as soon as the operand is there, and every block matmul runs before the products
 #   are added up or sent around (tp.shard's backward at 16x its sizes: 86 kB of temporaries, four 12 kB
 #   products of dTmp's ring beside W_in's four 6 kB blocks);
+# - a cumulative sum (a routing's slots, counted along the tokens) is a reduce-window its reduce-window
+#   rewriter runs as a scan in blocks of 16 elements, the dim padded up to a multiple of 16: the counts
+#   copied into the blocks and the blocks' running sums, beside the counts (moe_dispatch.shard at
+#   verify's sizes: 24 tokens padded to 32; at 16x its sizes, 384 tokens in 24 blocks);
 # Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
 # and copies a transposed one, where the dots it runs with Eigen read it in place; which library
 # takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
-XLA_CPU = Buffers(align=64, all_to_all_pieces=True, argument_copies_first=True, masks_per_dot=True,
-                  attention_loop=True, ring_blocks_first=True)
+XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
+                  attention_loop=True, ring_blocks_first=True, scan_block=16)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
