@@ -27,7 +27,7 @@ from pathlib import Path
 
 import shardc
 from shardc.costmodel.memory import kept_once, memory, residual_table, value_blocks, value_bytes
-from shardc.costmodel.pipeline_cost import _held
+from shardc.costmodel.stage_memory import held_names
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.pipeline.block_split import device_blocks
@@ -67,17 +67,17 @@ def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, 
     sizes = dict(plan.sizes)
     dim = microbatch_dim(plan)
     micro = sizes | {dim: sizes[dim] // pipe.microbatches}
-    held_names = _held(plan, pipe, stage)
+    outside = held_names(plan, pipe, stage)
     counts = device_blocks(pipe)[stage]  # each block's layers; under DualPipe the device's two stages, d and p-1-d
     share = 0.5 if pipe.schedule.name in TWO_WAY else 1.0  # DualPipe: half the microbatches held are each stage's
-    mem = memory(plan, micro, counts[0], 80 * GB, optimizer, held_names, more_layers=counts[1:])
+    mem = memory(plan, micro, counts[0], 80 * GB, optimizer, outside, more_layers=counts[1:])
     values = [r for r, _ in residual_table(plan)]
     once = kept_once(plan, values)
     blocks = value_blocks(plan)
     held = shardc.cost(plan, optimizer=optimizer).pipeline.stages[stage].held  # type: ignore[union-attr]
     one = 0.0
     for ref in values:
-        count = (1 if held_names is None or ref.name in held_names else 0) if ref in once \
+        count = (1 if outside is None or ref.name in outside else 0) if ref in once \
             else counts[blocks.get(ref.name, 0)]
         size = value_bytes(plan, ref, micro)
         if element is not None:

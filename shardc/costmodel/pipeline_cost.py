@@ -60,12 +60,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
-from shardc.costmodel.memory import Memory, kept_once, memory, residual_values, value_blocks, value_bytes
-from shardc.costmodel.phase_memory import phase_memory
+from shardc.costmodel.memory import Memory, kept_once, residual_values, value_blocks, value_bytes
+from shardc.costmodel.stage_memory import accumulator_bytes, held_names, stage_memories, working_sets
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
-from shardc.ir.plan import SECTIONS, Plan, Step
-from shardc.ir.spec import Network, Statement, TensorRef
+from shardc.ir.plan import Plan, Step
+from shardc.ir.spec import Network, TensorRef
 from shardc.pipeline.block_split import chunk_blocks, device_blocks, stage_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
@@ -88,7 +88,7 @@ from shardc.pipeline.dualpipe import end_chunks
 from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
-from shardc.spec.walk import block_reads, leaves
+from shardc.spec.walk import block_reads
 from shardc.timing import StepCost, bound_of, local_elements, phase_rows, phase_time
 
 if TYPE_CHECKING:
@@ -304,7 +304,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     first, last = (_end_timing(parts[end]) for end in ("first", "last"))
     name = pipe.schedule.name
     sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, parts, first, last))
-    mems = _memories(plan, pipe, micro, hw, optimizer)
+    mems = stage_memories(plan, pipe, micro, hw, optimizer)
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
     copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
@@ -329,19 +329,6 @@ def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardwa
     return math.fsum(collective_time(Op.COLLECTIVE_PERMUTE, float(local_elements(c, sizes)) * plan.nbytes(c.name),
                                      (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
                      for _, c in tied_contributions(plan))
-
-
-def _memories(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, optimizer: str) -> list[Memory]:
-    """Each device's memory report; devices alike (their layers and the end tensors they hold) share one."""
-    made: dict[tuple[tuple[int, ...], frozenset[str] | None], Memory] = {}
-    out = []
-    for s, counts in enumerate(device_blocks(pipe)):  # its layers of each block
-        held = _held(plan, pipe, s)
-        if (counts, held) not in made:  # the middle stages are alike
-            made[counts, held] = memory(plan, micro, counts[0], hw.hbm_bytes, optimizer, held,
-                                        more_layers=counts[1:])
-        out.append(made[counts, held])
-    return out
 
 
 def _copies_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout,
@@ -466,30 +453,6 @@ def _added(terms: list[tuple[Phases | None, float]]) -> Phases | None:
                     for f in ("forward_busy", "forward_comm", "backward_busy", "backward_comm")))
 
 
-def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
-    """The tensors the statements before the ``layers`` block name, and those after it (none without one)."""
-    spec = plan.spec
-    if spec.block is None:
-        return frozenset(), frozenset()
-    lo, hi = spec.block
-
-    def names(statements: tuple[Statement, ...]) -> frozenset[str]:
-        return frozenset({s.result.name for s in statements} | {r.name for s in statements for r in leaves(s.expr)})
-
-    return names(spec.statements[:lo]), names(spec.statements[hi:])
-
-
-def _held(plan: Plan, pipe: Pipeline, stage: int) -> frozenset[str] | None:
-    """The tensors outside the block that ``stage`` holds: the first chunk's and the last's, where they sit."""
-    if plan.spec.block is None:
-        return None
-    name, n = pipe.schedule.name, pipe.stages * pipe.chunks
-    before, after = outside_names(plan)
-    heads, tails = end_chunks(name, pipe.stages, n)
-    return ((before if any(device_of(name, c, pipe.stages) == stage for c in heads) else frozenset())
-            | (after if any(device_of(name, c, pipe.stages) == stage for c in tails) else frozenset()))
-
-
 def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
     """ZeRO-1/2's optimizer phase, once a step, on the busiest stage: its layers' params and the
     params outside the block it holds."""
@@ -503,7 +466,7 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
               for b in range(len(pipe.blocks) or 1)]  # one layer of each block
     worst = 0.0
     for stage, counts in enumerate(device_blocks(pipe)):
-        held = _held(plan, pipe, stage) or frozenset()
+        held = held_names(plan, pipe, stage) or frozenset()
         mine = [r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated]
         worst = max(worst, math.fsum(n * t for n, t in zip(counts, inside, strict=True)) + _time(mine, hw).seconds)
     return worst
@@ -518,10 +481,10 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     blocks = value_blocks(plan)
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     heads, tails = end_chunks(name, pipe.stages, n)
-    working = _working_sets(plan, micro)
+    working = working_sets(plan, micro)
     value_sizes = [value_bytes(plan, r, micro) for r in values]
     for s, blocked in enumerate(device_blocks(pipe)):
-        held_names = _held(plan, pipe, s)
+        outside = held_names(plan, pipe, s)
         mem = mems[s]
         held = sim.peak_inflight(s)
         ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
@@ -529,7 +492,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         share = 0.5 if name in TWO_WAY else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
         # A microbatch's own residuals, for each microbatch held (DualPipe's, half of them each stage's);
         # saved weights once a layer; a value outside the block once, on the stage that holds it.
-        counts = [(1 if held_names is None or r.name in held_names else 0) if r in once
+        counts = [(1 if outside is None or r.name in outside else 0) if r in once
                   else blocked[blocks.get(r.name, 0)] for r in values]
         residual = math.fsum(v * k * (held * share if dim in r.indices else 1.0)
                              for r, v, k in zip(values, value_sizes, counts, strict=True))
@@ -550,31 +513,9 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
                              residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes, mem.params, mem.grads,
                              mem.grad_bytes, mem.optimizer_bytes, blocks=blocked if pipe.blocks else (),
                              working_bytes=max(working.get(k, 0.0) for k in runs),
-                             accumulator_bytes=_accumulator(plan, micro, blocked, held_names), sections=tuple(runs)))
+                             accumulator_bytes=accumulator_bytes(plan, micro, blocked, outside),
+                             sections=tuple(runs)))
     return tuple(out)
-
-
-def _working_sets(plan: Plan, micro: dict[str, int]) -> dict[str, float]:
-    """The temporaries of one microbatch's largest phase through each section a stage runs (the block's
-    one layer, the statements before it, those after it): what a tick holds beside the kept values."""
-    sections = SECTIONS if plan.spec.block is not None else ("block",)
-    return {k: max(p.temporaries for p in phase_memory(plan, micro, section=k)) for k in sections}
-
-
-def _accumulator(plan: Plan, sizes: dict[str, int], layers: tuple[int, ...], held: frozenset[str] | None) -> float:
-    """The bytes of the microbatches' gradient sums a stage holds through the schedule beyond its
-    gradients: a ReduceScatter run once a step reads the unsharded sums (as Megatron-LM's distributed
-    optimizer keeps its full gradient buffer); an AllReduce runs in its sums' buffer (NCCL in place)."""
-    total = 0.0
-    for k in gradient_reductions(plan):
-        step = plan.backward[k]
-        if step.op is not Op.REDUCE_SCATTER or step.src is None:
-            continue
-        if step.once and held is not None and plan.primal(step.tensor) not in held:
-            continue
-        count = 1 if step.once else layers[step.block]  # the stage's layers of the step's block
-        total += float(local_elements(step.src, sizes)) * plan.nbytes(step.src.name) * count
-    return total
 
 
 def _thresholds(pipe: Pipeline, timing: Timing, layer_f: float, p2p_s: float,

@@ -1,0 +1,82 @@
+"""A pipeline stage's memory beyond its times: which tensors outside the ``layers`` block a device holds,
+each device's memory report (devices alike share one), a tick's working set (the temporaries of one
+microbatch through a layer or an end, :func:`shardc.costmodel.phase_memory.phase_memory`'s of that
+section), and the microbatches' gradient sums a once-a-step ReduceScatter reads."""
+
+from __future__ import annotations
+
+from shardc.collectives import Op
+from shardc.costmodel.memory import Memory, memory
+from shardc.costmodel.phase_memory import phase_memory
+from shardc.hardware import Hardware
+from shardc.ir.plan import SECTIONS, Plan
+from shardc.ir.spec import Statement
+from shardc.pipeline.block_split import device_blocks
+from shardc.pipeline.boundary import gradient_reductions
+from shardc.pipeline.dualpipe import end_chunks
+from shardc.pipeline.schedules import device_of
+from shardc.spec.stages import Pipeline
+from shardc.spec.walk import leaves
+from shardc.timing import local_elements
+
+__all__ = ["accumulator_bytes", "held_names", "outside_names", "stage_memories", "working_sets"]
+
+
+def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
+    """The tensors the statements before the ``layers`` block name, and those after it (none without one)."""
+    spec = plan.spec
+    if spec.block is None:
+        return frozenset(), frozenset()
+    lo, hi = spec.block
+
+    def names(statements: tuple[Statement, ...]) -> frozenset[str]:
+        return frozenset({s.result.name for s in statements} | {r.name for s in statements for r in leaves(s.expr)})
+
+    return names(spec.statements[:lo]), names(spec.statements[hi:])
+
+
+def held_names(plan: Plan, pipe: Pipeline, stage: int) -> frozenset[str] | None:
+    """The tensors outside the block that ``stage`` holds: the first chunk's and the last's, where they sit."""
+    if plan.spec.block is None:
+        return None
+    name, n = pipe.schedule.name, pipe.stages * pipe.chunks
+    before, after = outside_names(plan)
+    heads, tails = end_chunks(name, pipe.stages, n)
+    return ((before if any(device_of(name, c, pipe.stages) == stage for c in heads) else frozenset())
+            | (after if any(device_of(name, c, pipe.stages) == stage for c in tails) else frozenset()))
+
+
+def stage_memories(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, optimizer: str) -> list[Memory]:
+    """Each device's memory report; devices alike (their layers and the end tensors they hold) share one."""
+    made: dict[tuple[tuple[int, ...], frozenset[str] | None], Memory] = {}
+    out = []
+    for s, counts in enumerate(device_blocks(pipe)):  # its layers of each block
+        held = held_names(plan, pipe, s)
+        if (counts, held) not in made:  # the middle stages are alike
+            made[counts, held] = memory(plan, micro, counts[0], hw.hbm_bytes, optimizer, held,
+                                        more_layers=counts[1:])
+        out.append(made[counts, held])
+    return out
+
+
+def working_sets(plan: Plan, micro: dict[str, int]) -> dict[str, float]:
+    """The temporaries of one microbatch's largest phase through each section a stage runs (the block's
+    one layer, the statements before it, those after it): what a tick holds beside the kept values."""
+    sections = SECTIONS if plan.spec.block is not None else ("block",)
+    return {k: max(p.temporaries for p in phase_memory(plan, micro, section=k)) for k in sections}
+
+
+def accumulator_bytes(plan: Plan, sizes: dict[str, int], layers: tuple[int, ...], held: frozenset[str] | None) -> float:
+    """The bytes of the microbatches' gradient sums a stage holds through the schedule beyond its
+    gradients: a ReduceScatter run once a step reads the unsharded sums (as Megatron-LM's distributed
+    optimizer keeps its full gradient buffer); an AllReduce runs in its sums' buffer (NCCL in place)."""
+    total = 0.0
+    for k in gradient_reductions(plan):
+        step = plan.backward[k]
+        if step.op is not Op.REDUCE_SCATTER or step.src is None:
+            continue
+        if step.once and held is not None and plan.primal(step.tensor) not in held:
+            continue
+        count = 1 if step.once else layers[step.block]  # the stage's layers of the step's block
+        total += float(local_elements(step.src, sizes)) * plan.nbytes(step.src.name) * count
+    return total
