@@ -13,6 +13,7 @@ from shardc.hardware import PRESETS, Hardware
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
 from shardc.ops.attention import attention_forward, attention_vjp
+from shardc.planner.zigzag_order import holds
 from shardc.spec.attention_call import roles
 
 
@@ -47,11 +48,30 @@ def _cost(plan: Plan, **sizes: int) -> CostReport:
 
 def test_the_ring_wins_at_a_long_sequence_and_loses_at_a_short_one() -> None:
     """At 128K tokens the zig-zag ring's balanced blocks (each device half of its S x T share) beat gathering
-    K and V (the last device's 31/32 of them); at 16K its transfers and reordering show and all-gather wins."""
-    long, short = _forms(_gqa(131072)), _forms(_gqa(16384))
+    K and V (the last device's 31/32 of them); at 4K its transfers show and all-gather wins."""
+    long, short = _forms(_gqa(131072)), _forms(_gqa(4096))
     assert set(long) == {"all-gather", "ring attention", "ring attention, balanced"}
     assert long["ring attention, balanced"][1] and long["ring attention, balanced"][0] < 0.7 * long["all-gather"][0]
     assert short["all-gather"][1] and short["all-gather"][0] < short["ring attention, balanced"][0]
+
+
+def test_the_form_is_chosen_at_the_price_the_plan_runs_it() -> None:
+    """At 16K tokens the zig-zag ring, its blocks reordered at every call, loses to all-gather, but held in
+    zig-zag order by the whole plan it wins (6.11 ms against 6.85): the planner tries the held pricing where
+    the order may be held and keeps the faster plan.  A dropout drawing its mask by position after the
+    attention forbids holding the order: there all-gather stays."""
+    held = _gqa(16384)
+    forms = _forms(held)
+    assert holds(held) and forms["ring attention, balanced"][1]
+    assert forms["ring attention, balanced"][0] < forms["all-gather"][0]
+    assert _cost(held).step.step_s == pytest.approx(forms["ring attention, balanced"][0], rel=0.05)
+    text = ("mesh X=16\ndims B=1, S=16384, T=16384, G=8, R=16, H=128\nhardware h100\n"
+            "O[B, S_X, G, R, H] = attention(Q[B, S_X, G, R, H], K[B, T_X, G, H], V[B, T_X, G, H] over T, causal)\n"
+            "D[B, S_X, G, R, H] = dropout(O[B, S_X, G, R, H], 0.1)\n")
+    reordered = shardc.plan(shardc.parse(text), explain=True)
+    kept = _forms(reordered)
+    assert not holds(reordered) and kept["all-gather"][1]
+    assert kept["all-gather"][0] < kept["ring attention, balanced"][0]
 
 
 def test_the_plan_and_explain_name_the_ring() -> None:

@@ -65,7 +65,7 @@ def test_a_step_that_looks_at_positions_keeps_the_kernels_reordering() -> None:
 
 
 def test_the_pass_leaves_a_plan_without_a_zigzag_ring_as_it_is() -> None:
-    for plan in (_gqa(16384), _gqa(131072, causal=False)):  # all-gather; a ring in its own order
+    for plan in (_gqa(4096), _gqa(131072, causal=False)):  # all-gather; a ring in its own order
         assert hold_zigzag(plan) is plan and sequence_order(plan, {"X": 16}) is None
 
 

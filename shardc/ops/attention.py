@@ -238,13 +238,15 @@ def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]]
         return forms[0]
     ctx = phase.ctx
     tokens = ctx.dim_size(r.key) / math.prod(ctx.axis_sizes[a] for a in axes[r.query])  # the sequence a device
-    figures = [_form_seconds(phase, node, r, f, want, tokens) for f in forms]
+    figures = [_form_seconds(phase, node, r, f, want, tokens, held=ctx.zigzag_held) for f in forms]
     times = [t for t, _, _ in figures]
     best = min(range(len(forms)), key=lambda k: times[k])
     if phase.ctx.explain:
         reason = f"least time, forward and backward ({times[best]:.3g} s)"
+        if ctx.zigzag_held and any(f.zigzag for f in forms):
+            reason += ", a zig-zag ring as the plan holding the sequence in its order runs it"
         held = None
-        if any(f.zigzag for f in forms):  # the plan may hold the sequence in zig-zag order: priced so too
+        if any(f.zigzag for f in forms) and not ctx.zigzag_held:  # the plan may hold the zig-zag order: priced so too
             again = [_form_seconds(phase, node, r, f, want, tokens, held=True) for f in forms]
             held = Choice(phase.name, label, _alternatives(forms, again, best),
                           f"least time, forward and backward, with zig-zag blocks reordered at each call "

@@ -30,7 +30,7 @@ from shardc.planner.fold import fold_redundant, share_recomputed
 from shardc.planner.graph import Graph, build_graph
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
-from shardc.planner.zigzag_order import hold_zigzag
+from shardc.planner.zigzag_order import hold_zigzag, holds, may_hold
 from shardc.sharding.einsum import Solution
 from shardc.sharding.layout import CostContext, SearchTooLong, Value
 from shardc.sharding.phase import Phase, Traced
@@ -115,9 +115,14 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     if not isinstance(collective_matmul, bool):
         raise TypeError(f"collective_matmul must be True or False, not {type(collective_matmul).__name__}")
     try:
-        planned = _plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
-                                      gradients or {}, weights=weights or SUM)
-        planned = hold_zigzag(planned)
+        planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
+                                                  gradients or {}, weights=weights or SUM))
+        if may_hold(planned):  # its forms chosen with the zig-zag ring reordering: try it held, keep the faster
+            again = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
+                                                    (budget, explain), gradients or {}, weights=weights or SUM,
+                                                    zigzag_held=True))
+            if holds(again) and objective(plan_time(again)) < objective(plan_time(planned)):
+                planned = again
         return fuse_collective_matmuls(planned) if collective_matmul else planned
     except SearchTooLong as e:
         raise ShardcError(
@@ -146,15 +151,16 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
                         spans: dict[str, int] | None, recompute: str, search: tuple[int, bool],
                         gradients: Mapping[str, str], outer: Spec | None = None,
-                        weights: Weights = SUM) -> Plan:
+                        weights: Weights = SUM, zigzag_held: bool = False) -> Plan:
     """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them; ``outer``: the
-    pipelined spec whose stage ``spec`` is (its candidates are timed as that pipeline runs them)."""
+    pipelined spec whose stage ``spec`` is (its candidates are timed as that pipeline runs them);
+    ``zigzag_held``: zig-zag rings priced as a plan holding the sequence in their order runs them."""
     hw = chip_for(spec, hardware)
     check_spans(spec.mesh, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
     if zero_notes:
         planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute, search,
-                                      gradients, outer, weights)
+                                      gradients, outer, weights, zigzag_held)
         return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
@@ -165,6 +171,7 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
     units = bonded_axes(stripped)
     ctx = _shared(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
     ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
+    ctx.zigzag_held = zigzag_held
     if strategy == "auto" and spec.dims:
         return _best_plan(spec, graph, save, ctx, recompute, outer)
     return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx, weights,

@@ -23,7 +23,7 @@ from dataclasses import replace
 from shardc.ir.localops import MASK_OPS, Attention, Dispatch, Route
 from shardc.ir.plan import Plan, Step
 
-__all__ = ["hold_zigzag", "sequence_order"]
+__all__ = ["hold_zigzag", "holds", "may_hold", "sequence_order"]
 
 
 def hold_zigzag(plan: Plan) -> Plan:
@@ -48,6 +48,28 @@ def hold_zigzag(plan: Plan) -> Plan:
     # --explain's prices of the attention forms as this plan runs them: a zig-zag ring without its reordering
     return replace(plan, forward=held(plan.forward), recomputed=held(plan.recomputed), backward=held(plan.backward),
                    choices=tuple(c.held or c for c in plan.choices))
+
+
+def holds(plan: Plan) -> bool:
+    """Whether ``plan`` holds the sequence in zig-zag order (its zig-zag kernels marked ``held``)."""
+    return any(isinstance(s.fn, Attention) and s.fn.held for s in plan.forward)
+
+
+def may_hold(plan: Plan) -> bool:
+    """Whether a plan of ``plan``'s spec might hold the sequence in zig-zag order though ``plan`` does not:
+    not pipelined, and a causal attention kernel whose query or key positions are sharded (context
+    parallelism, where a zig-zag ring is one of the forms), so its forms were weighed with the ring's
+    reordering priced at every call."""
+    if plan.spec.mesh.pipeline_axis is not None or holds(plan) or not plan.spec.dims:
+        return False
+    declared = {info.name: info.ref for info in plan.tensors}  # as the spec shards them, whatever form ran
+    for s in plan.forward:
+        fn = s.fn
+        if isinstance(fn, Attention) and fn.query is not None and fn.part == "out":
+            refs = [declared[r.name] for r in (*s.operands, s.dst) if r.name in declared]
+            if any(d.axes for ref in refs for d in ref.dims if d.name in (fn.query, fn.key)):
+                return True
+    return False
 
 
 def _positional(step: Step, dims: frozenset[str], ring: tuple[str, ...]) -> bool:

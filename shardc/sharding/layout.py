@@ -169,6 +169,9 @@ class CostContext:
     # Whether to keep the alternatives `shardc plan --explain` lists (Plan.choices): only when asked,
     # since building them and searching the runners-up costs time the plan itself never needs.
     explain: bool = False
+    # Whether a zig-zag ring is priced as a plan holding the sequence in its order runs it, without the
+    # reordering at each call (shardc.planner.zigzag_order); the planner tries it where that may hold.
+    zigzag_held: bool = False
     # Mesh axes the search moves as one (major to minor), each axis in exactly one; None: every
     # axis alone (exact).  See shardc.sharding.unit.bonded_axes.
     units: tuple[tuple[str, ...], ...] | None = None
