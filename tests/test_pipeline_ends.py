@@ -259,3 +259,35 @@ def test_tensor_parallel_stages_with_a_vocabulary_parallel_loss_verify(schedule:
     report = verify(shardc.plan(shardc.parse(text)))
     assert report.mesh == {"P": 2, "X": 2, "Y": 2}
     assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+
+
+VOCAB_HEAVY = """mesh P=2 pipeline, X=4
+dims B=64, S=128, D=1024, F=256, V=65536
+microbatches 8
+schedule {schedule}
+hardware h100
+const Tok, Next
+param W_emb, W1, W2, W_out
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D])
+layers 4 {{
+  H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F])
+  X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F] · W2[F, D]
+}}
+Lg[B_X, S, V] = X1[B_X, S, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])
+"""
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_on_a_v_both_ends_gradient_reductions_are_the_first_devices(schedule: str) -> None:
+    """Under 1F1B the embedding's gradient is reduced on device 0 and the output layer's on the last; on a V
+    both ends sit on device 0 (its chunks 0 and 1), so both reductions are its.  The two V x D weights' reductions
+    are alike and the layers' small beside them, so the busiest device's reductions come near twice 1F1B's (they
+    were 1F1B's when the output layer's was placed on the last device)."""
+    def reductions(name: str) -> float:
+        report = shardc.cost(shardc.plan(shardc.parse(VOCAB_HEAVY.format(schedule=name))))
+        assert report.pipeline is not None
+        return report.pipeline.grad_reduce_s
+
+    apart, together = reductions("1f1b"), reductions(schedule)
+    assert 1.8 * apart < together < 2 * apart

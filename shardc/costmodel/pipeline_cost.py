@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
 from shardc.costmodel.memory import Memory, kept_once, residual_values, value_blocks, value_bytes
-from shardc.costmodel.stage_memory import accumulator_bytes, held_names, stage_memories, working_sets
+from shardc.costmodel.stage_memory import accumulator_bytes, end_chunks_on, held_names, stage_memories, working_sets
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
@@ -351,11 +351,9 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timin
     ``after_backward`` (``grad_reduce after-backward``): issued after it, all exposed.
     ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
     ``copies_s``: DualPipe's swap of the two copies' gradients, on every device."""
-    final = pipe.stages - 1
-    both = pipe.schedule.name in TWO_WAY  # DualPipe: devices 0 and p-1 each hold both ends, and two stages each
     worst, exposed = 0.0, 0.0
     for s, counts in enumerate(device_blocks(pipe)):
-        at = (s == 0, s == final) if not both else (s in (0, final),) * 2
+        at = end_chunks_on(pipe, s)  # the ends it runs: each reduced once, whatever chunks hold it
         ends = [(key, t) for key, t, on in (("first", first, at[0]), ("last", last, at[1])) if on]
         layers = _run(parts, counts)
         own = (math.fsum(n * parts[f"layer {b} reduce"][0].seconds for b, n in enumerate(counts))
@@ -479,16 +477,15 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
     values = residual_values(plan)
     once = kept_once(plan, values) if plan.spec.block is not None else set()
     blocks = value_blocks(plan)
-    name, n = pipe.schedule.name, pipe.stages * pipe.chunks
-    heads, tails = end_chunks(name, pipe.stages, n)
+    name = pipe.schedule.name
     working = working_sets(plan, micro)
     value_sizes = [value_bytes(plan, r, micro) for r in values]
     for s, blocked in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, s)
         mem = mems[s]
         held = sim.peak_inflight(s)
-        ends = [parts[k] for k, chunks in (("first", heads), ("last", tails))
-                for c in chunks if device_of(name, c, pipe.stages) == s]
+        firsts, lasts = end_chunks_on(pipe, s)
+        ends = [parts["first"]] * firsts + [parts["last"]] * lasts  # each end chunk it holds runs them
         share = 0.5 if name in TWO_WAY else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
         # A microbatch's own residuals, for each microbatch held (DualPipe's, half of them each stage's);
         # saved weights once a layer; a value outside the block once, on the stage that holds it.
@@ -506,8 +503,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         comm = share * (layers_of("comm") + math.fsum(p.comm for e in ends for p in e)) + sends
         f, b, w = (share * (p.seconds + math.fsum(e[i].seconds for e in ends))
                    for i, p in enumerate(_run(parts, tuple(map(float, blocked)))))
-        runs = ["block"] + [k for k, chunks in (("before", heads), ("after", tails))
-                            if any(device_of(name, c, pipe.stages) == s for c in chunks)]
+        runs = ["block"] + ["before"] * bool(firsts) + ["after"] * bool(lasts)
         out.append(StageCost(s, sum(blocked), f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
                              residual, mem.gathered_bytes + mem.ring_bytes, hw.hbm_bytes, mem.params, mem.grads,

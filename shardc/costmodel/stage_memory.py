@@ -19,7 +19,7 @@ from shardc.spec.stages import Pipeline
 from shardc.spec.walk import leaves
 from shardc.timing import local_elements
 
-__all__ = ["accumulator_bytes", "held_names", "outside_names", "stage_memories", "working_sets"]
+__all__ = ["accumulator_bytes", "end_chunks_on", "held_names", "outside_names", "stage_memories", "working_sets"]
 
 
 def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
@@ -35,15 +35,23 @@ def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
     return names(spec.statements[:lo]), names(spec.statements[hi:])
 
 
+def end_chunks_on(pipe: Pipeline, stage: int) -> tuple[int, int]:
+    """How many of the chunks that run the statements before the block (the first virtual stage's, or each
+    of DualPipe's directions') and after it device ``stage`` holds: Megatron-LM's placement, the V's
+    (both ends on device 0) or DualPipe's (both on devices 0 and p-1)."""
+    name = pipe.schedule.name
+    heads, tails = end_chunks(name, pipe.stages, pipe.stages * pipe.chunks)
+    return (sum(device_of(name, c, pipe.stages) == stage for c in heads),
+            sum(device_of(name, c, pipe.stages) == stage for c in tails))
+
+
 def held_names(plan: Plan, pipe: Pipeline, stage: int) -> frozenset[str] | None:
     """The tensors outside the block that ``stage`` holds: the first chunk's and the last's, where they sit."""
     if plan.spec.block is None:
         return None
-    name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     before, after = outside_names(plan)
-    heads, tails = end_chunks(name, pipe.stages, n)
-    return ((before if any(device_of(name, c, pipe.stages) == stage for c in heads) else frozenset())
-            | (after if any(device_of(name, c, pipe.stages) == stage for c in tails) else frozenset()))
+    first, last = end_chunks_on(pipe, stage)
+    return (before if first else frozenset()) | (after if last else frozenset())
 
 
 def stage_memories(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, optimizer: str) -> list[Memory]:
