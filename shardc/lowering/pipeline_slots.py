@@ -19,7 +19,7 @@ so that a slot read and written in the same tick is reused only where the read c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from shardc.lowering.pipeline_routes import Placement
@@ -64,37 +64,37 @@ def rings(placement: Placement, microbatches: int, forward: Table, backward: Tab
     def mark(buf: str, stage: int, entry: int, at: Moment) -> None:
         live[buf][stage].setdefault(entry, []).append(at)
 
-    for t, row in enumerate(forward):
-        for s, e in enumerate(row):
-            if e < 0:
-                continue
-            u = placement.virtual(e // microbatches, s)
-            mark("kept", s, e, (t, WRITE_KEPT))
-            if not placement.starts(u):  # (the first virtual stage, or either of DualPipe's, reads the ends')
-                mark("acts", s, e, (t, READ_ACT))
-            if not placement.ends(u):
-                to, chunk = placement.place(u + 1)
-                mark("acts", to, chunk * microbatches + e % microbatches, (t, SEND_ACT))
-            else:
-                mark("cots", s, e, (t, WRITE_END_COT))
-    for t, row in enumerate(backward):
-        for s, e in enumerate(row):
-            if e < 0:
-                continue
-            u = placement.virtual(e // microbatches, s)
-            mark("cots", s, e, (t, READ_B))
-            mark("kept", s, e, (t, READ_B))
-            if weight is not None:
-                mark("handed", s, e, (t, WRITE_HANDED))
-            if not placement.starts(u):
-                to, chunk = placement.place(u - 1)
-                mark("cots", to, chunk * microbatches + e % microbatches, (t, SEND_COT))
-    for t, row in enumerate(weight or ()):
+    def entry_of(virtual: int, e: int) -> tuple[int, int]:  # the device holding ``virtual`` and e's entry there
+        to, chunk = placement.place(virtual)
+        return to, chunk * microbatches + e % microbatches
+
+    for t, s, e, u in _ops(forward, placement, microbatches):
+        mark("kept", s, e, (t, WRITE_KEPT))
+        if not placement.starts(u):  # (the first virtual stage, or either of DualPipe's, reads the ends')
+            mark("acts", s, e, (t, READ_ACT))
+        if not placement.ends(u):
+            mark("acts", *entry_of(u + 1, e), (t, SEND_ACT))
+        else:
+            mark("cots", s, e, (t, WRITE_END_COT))
+    for t, s, e, u in _ops(backward, placement, microbatches):
+        mark("cots", s, e, (t, READ_B))
+        mark("kept", s, e, (t, READ_B))
+        if weight is not None:
+            mark("handed", s, e, (t, WRITE_HANDED))
+        if not placement.starts(u):
+            mark("cots", *entry_of(u - 1, e), (t, SEND_COT))
+    for t, s, e, _ in _ops(weight or (), placement, microbatches):
+        mark("kept", s, e, (t, READ_W))
+        mark("handed", s, e, (t, READ_W))
+    return Rings(*(_ring(live[k], entries) for k in ("kept", "handed", "acts", "cots")))
+
+
+def _ops(table: Table, placement: Placement, microbatches: int) -> Iterator[tuple[int, int, int, int]]:
+    """(tick, stage, chunk x M + microbatch entry, its virtual stage) of each op of a tick table."""
+    for t, row in enumerate(table):
         for s, e in enumerate(row):
             if e >= 0:
-                mark("kept", s, e, (t, READ_W))
-                mark("handed", s, e, (t, READ_W))
-    return Rings(*(_ring(live[k], entries) for k in ("kept", "handed", "acts", "cots")))
+                yield t, s, e, placement.virtual(e // microbatches, s)
 
 
 def _ring(stages: list[dict[int, list[Moment]]], entries: int) -> Ring:
