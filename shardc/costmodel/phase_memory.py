@@ -458,12 +458,14 @@ class _Copies:
 
 
 def _kernel_dims(step: Step, sizes: dict[str, int]) -> tuple[int, int, int]:
-    """An attention step's rows (Q's elements by its head dim), head dim and key block on one device."""
+    """An attention step's rows (Q's elements by its head dim), head dim (with a second pair, the concatenated
+    heads' H + J) and key block on one device."""
     assert isinstance(step.fn, Attention)
     q, k = step.operands[:2]
     head = _local(q.dims[-1], sizes)
     key = next(d for d in k.dims if d.name == step.fn.key)
-    return int(local_elements(q, sizes)) // head, head, key_block(_local(key, sizes))
+    joined = head + (_local(step.operands[3].dims[-1], sizes) if step.fn.rope else 0)
+    return int(local_elements(q, sizes)) // head, joined, key_block(_local(key, sizes))
 
 
 def _local(dim: Dim, sizes: dict[str, int]) -> int:
