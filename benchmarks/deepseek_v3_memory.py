@@ -26,18 +26,15 @@ import math
 from pathlib import Path
 
 import shardc
-from shardc.costmodel.memory import kept_once, memory, residual_table, value_blocks, value_bytes
-from shardc.costmodel.stage_memory import held_names
+from shardc.costmodel.memory import residual_table, value_bytes
+from shardc.costmodel.stage_memory import kept_copies
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
-from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import microbatch_dim
-from shardc.pipeline.dualpipe import TWO_WAY
 from shardc.spec.stages import pipeline_of
 from shardc.units import fmt_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-GB = 1e9
 
 
 def _params(step: Step, plan: Plan) -> set[str]:
@@ -61,32 +58,27 @@ def paper_bytes(plan: Plan) -> dict[TensorRef, float]:
 
 def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, float] | None) -> dict[str, float]:
     """A stage's (a device's) bytes: params, grads, optimizer, gathered, one microbatch's activations (under
-    DualPipe the mean of its two stages'), held, total."""
+    DualPipe the mean of its two stages'), held, total.  All but the cached formats are shardc's stage table
+    (``shardc cost``'s), the copies of each value a device keeps its
+    :func:`shardc.costmodel.stage_memory.kept_copies`; ``element`` prices each value's elements anew."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None and plan.sizes is not None
     sizes = dict(plan.sizes)
     dim = microbatch_dim(plan)
     micro = sizes | {dim: sizes[dim] // pipe.microbatches}
-    outside = held_names(plan, pipe, stage)
-    counts = device_blocks(pipe)[stage]  # each block's layers; under DualPipe the device's two stages, d and p-1-d
-    share = 0.5 if pipe.schedule.name in TWO_WAY else 1.0  # DualPipe: half the microbatches held are each stage's
-    mem = memory(plan, micro, counts[0], 80 * GB, optimizer, outside, more_layers=counts[1:])
-    values = [r for r, _ in residual_table(plan)]
-    once = kept_once(plan, values)
-    blocks = value_blocks(plan)
-    held = shardc.cost(plan, optimizer=optimizer).pipeline.stages[stage].held  # type: ignore[union-attr]
-    one = 0.0
-    for ref in values:
-        count = (1 if outside is None or ref.name in outside else 0) if ref in once \
-            else counts[blocks.get(ref.name, 0)]
-        size = value_bytes(plan, ref, micro)
-        if element is not None:
-            size = size / plan.nbytes(ref.name) * element[ref]
-        one += size * count * (share if dim in ref.indices else 1.0 / held)
-    return {"params": mem.param_bytes, "grads": mem.grad_bytes, "optimizer": mem.optimizer_bytes,
-            "gathered": mem.gathered_bytes, "activations a microbatch": one, "microbatches held": held,
-            "activations": one * held,
-            "total": mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes + mem.gathered_bytes + one * held}
+    report = shardc.cost(plan, optimizer=optimizer).pipeline
+    assert report is not None
+    row = report.stages[stage]
+    kept = row.activation_bytes
+    if element is not None:
+        copies = kept_copies(plan, pipe, [s.held for s in report.stages])[stage]
+        kept = math.fsum(value_bytes(plan, ref, micro) / plan.nbytes(ref.name) * element[ref] * count
+                         for ref, count in copies.items())
+    params = row.state_bytes - row.grad_bytes - row.optimizer_bytes
+    return {"params": params, "grads": row.grad_bytes, "optimizer": row.optimizer_bytes,
+            "gathered": row.gathered_bytes, "activations a microbatch": kept / row.held,
+            "microbatches held": row.held, "activations": kept,
+            "total": row.state_bytes + row.gathered_bytes + kept}
 
 
 def main() -> int:

@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 import shardc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,3 +72,21 @@ def test_the_recompute_line_costs_its_rerun_in_the_backward() -> None:
     swiglu = 2 * b * e * c * f  # A = Gt * U again (the norms and silu are no einsums)
     assert lean.backward.compute_flops - plain.backward.compute_flops == (up + swiglu) / 2  # B over X=2
     assert lean.memory.residual_bytes < plain.memory.residual_bytes
+
+
+def test_the_benchmark_reprices_the_values_the_cost_stage_table_keeps() -> None:
+    """The script's cached formats reprice the values a device keeps as shardc counts them (its copies of each,
+    the microbatches held): at the spec's own element sizes they are the stage table's activations, device 0
+    (the ends and the dense layers) and device 3 alike, and at the report's formats they are more."""
+    path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
+    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
+    report = shardc.cost(plan, optimizer="mixed14").pipeline
+    assert report is not None
+    benchmark = _benchmark()
+    own = {ref: float(plan.nbytes(ref.name)) for ref in benchmark.paper_bytes(plan)}
+    for stage in (0, 3):
+        row = benchmark.stage_rows(plan, "mixed14", stage, own)
+        assert row["microbatches held"] == report.stages[stage].held
+        assert row["activations"] == pytest.approx(report.stages[stage].activation_bytes, rel=1e-12)
+        assert benchmark.stage_rows(plan, "mixed14", stage, benchmark.paper_bytes(plan))["activations"] \
+            > row["activations"]

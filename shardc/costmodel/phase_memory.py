@@ -422,12 +422,20 @@ class _Copies:
         if self.buffers.attention_loop:
             batch = [d.name for d in q.dims if d in k.dims]
             blocked = _blocked([d.name for d in q.dims], batch, [d.name for d in q.dims[:-1] if d not in k.dims])
-            return _loop_state(step.fn.part, rows, head, block, element, blocked)
+            joined = self._joined(k, step.fn.part, rows, head, element) if step.fn.rope else []
+            return _loop_state(step.fn.part, rows, head, block, element, blocked) + joined
         q_, k_, v_ = (tuple(d.name for d in ref.dims) for ref in (q, k, v))
         r = roles(q_, k_, v_, step.fn.key)
         group = prod(_local(d, self.sizes) for d in q.dims if d.name in r.queries[1:])
         return _flash_workspace(step.fn.part, rows, head, element, int(local_elements(k, self.sizes)) * group
                                 if group > 1 else 0)
+
+    def _joined(self, k: TensorRef, part: str, rows: int, head: int, element: float) -> list[float]:
+        """With a second (query, key) pair, the lowered kernel's concatenated heads
+        (:func:`shardc.lowering.runtime.attention_rope`): ``[Q, Qr]`` and ``[K, Kr]`` (Kr broadcast over K's
+        heads), and in the backward also their gradients, made whole before they are split."""
+        keys = float(local_elements(k, self.sizes)) / _local(k.dims[-1], self.sizes) * head
+        return [float(rows * head) * element, keys * element] * (1 if part == "out" else 2)
 
     def _route_counts(self, step: Step) -> list[float]:
         """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`), and those of the
@@ -458,12 +466,14 @@ class _Copies:
 
 
 def _kernel_dims(step: Step, sizes: dict[str, int]) -> tuple[int, int, int]:
-    """An attention step's rows (Q's elements by its head dim), head dim and key block on one device."""
+    """An attention step's rows (Q's elements by its head dim), head dim (with a second pair, the concatenated
+    heads' H + J) and key block on one device."""
     assert isinstance(step.fn, Attention)
     q, k = step.operands[:2]
     head = _local(q.dims[-1], sizes)
     key = next(d for d in k.dims if d.name == step.fn.key)
-    return int(local_elements(q, sizes)) // head, head, key_block(_local(key, sizes))
+    joined = head + (_local(step.operands[3].dims[-1], sizes) if step.fn.rope else 0)
+    return int(local_elements(q, sizes)) // head, joined, key_block(_local(key, sizes))
 
 
 def _local(dim: Dim, sizes: dict[str, int]) -> int:

@@ -60,8 +60,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
-from shardc.costmodel.memory import Memory, kept_once, residual_values, value_blocks, value_bytes
-from shardc.costmodel.stage_memory import accumulator_bytes, end_chunks_on, held_names, stage_memories, working_sets
+from shardc.costmodel.memory import Memory, residual_values, value_bytes
+from shardc.costmodel.stage_memory import (
+    accumulator_bytes,
+    end_chunks_on,
+    held_names,
+    kept_copies,
+    stage_memories,
+    working_sets,
+)
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
@@ -72,7 +79,6 @@ from shardc.pipeline.boundary import (
     carried_moves,
     check_microbatches,
     gradient_reductions,
-    microbatch_dim,
     tied_contributions,
 )
 from shardc.pipeline.bubbles import (
@@ -473,13 +479,11 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
 def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: dict[str, int],
             p2p_s: float, sim: Simulation, hw: Hardware, mems: list[Memory]) -> tuple[StageCost, ...]:
     out = []
-    dim = microbatch_dim(plan)
     values = residual_values(plan)
-    once = kept_once(plan, values) if plan.spec.block is not None else set()
-    blocks = value_blocks(plan)
     name = pipe.schedule.name
     working = working_sets(plan, micro)
     value_sizes = [value_bytes(plan, r, micro) for r in values]
+    kept = kept_copies(plan, pipe, [sim.peak_inflight(s) for s in range(len(device_blocks(pipe)))])
     for s, blocked in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, s)
         mem = mems[s]
@@ -487,12 +491,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         firsts, lasts = end_chunks_on(pipe, s)
         ends = [parts["first"]] * firsts + [parts["last"]] * lasts  # each end chunk it holds runs them
         share = 0.5 if name in TWO_WAY else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
-        # A microbatch's own residuals, for each microbatch held (DualPipe's, half of them each stage's);
-        # saved weights once a layer; a value outside the block once, on the stage that holds it.
-        counts = [(1 if outside is None or r.name in outside else 0) if r in once
-                  else blocked[blocks.get(r.name, 0)] for r in values]
-        residual = math.fsum(v * k * (held * share if dim in r.indices else 1.0)
-                             for r, v, k in zip(values, value_sizes, counts, strict=True))
+        residual = math.fsum(v * kept[s][r] for r, v in zip(values, value_sizes, strict=True))
 
         def layers_of(field: str, blocked: tuple[int, ...] = blocked) -> float:  # its layers, each block's
             return math.fsum(k * math.fsum(getattr(p, field) for p in parts[f"layer {b}"])

@@ -5,21 +5,24 @@ section), and the microbatches' gradient sums a once-a-step ReduceScatter reads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shardc.collectives import Op
-from shardc.costmodel.memory import Memory, memory
+from shardc.costmodel.memory import Memory, kept_once, memory, residual_values, value_blocks
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.hardware import Hardware
 from shardc.ir.plan import SECTIONS, Plan
-from shardc.ir.spec import Statement
+from shardc.ir.spec import Statement, TensorRef
 from shardc.pipeline.block_split import device_blocks
-from shardc.pipeline.boundary import gradient_reductions
+from shardc.pipeline.boundary import gradient_reductions, microbatch_dim
 from shardc.pipeline.dualpipe import end_chunks
-from shardc.pipeline.schedules import device_of
+from shardc.pipeline.schedules import TWO_WAY, device_of
 from shardc.spec.stages import Pipeline
 from shardc.spec.walk import leaves
 from shardc.timing import local_elements
 
-__all__ = ["accumulator_bytes", "end_chunks_on", "held_names", "outside_names", "stage_memories", "working_sets"]
+__all__ = ["accumulator_bytes", "end_chunks_on", "held_names", "kept_copies", "outside_names", "stage_memories",
+           "working_sets"]
 
 
 def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
@@ -64,6 +67,26 @@ def stage_memories(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardwa
             made[counts, held] = memory(plan, micro, counts[0], hw.hbm_bytes, optimizer, held,
                                         more_layers=counts[1:])
         out.append(made[counts, held])
+    return out
+
+
+def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float]) -> list[dict[TensorRef, float]]:
+    """For each device, how many copies of each value the backward reads (:func:`residual_values`) it keeps
+    with ``held[d]`` microbatches in flight on device d: a microbatch's value once a layer of its block the
+    device runs, for each microbatch held (under DualPipe, half of them each of the device's two stages'); a
+    value without the microbatch index (a saved weight) once a layer; a value outside the block once, on a
+    device holding it."""
+    dim = microbatch_dim(plan)
+    values = residual_values(plan)
+    once = kept_once(plan, values) if plan.spec.block is not None else set()
+    blocks = value_blocks(plan)
+    share = 0.5 if pipe.schedule.name in TWO_WAY else 1.0  # DualPipe: each of the two stages runs half the microbatches
+    out = []
+    for stage, layers in enumerate(device_blocks(pipe)):
+        outside = held_names(plan, pipe, stage)
+        counts = {r: (1 if outside is None or r.name in outside else 0) if r in once
+                  else layers[blocks.get(r.name, 0)] for r in values}
+        out.append({r: k * (held[stage] * share if dim in r.indices else 1.0) for r, k in counts.items()})
     return out
 
 

@@ -160,7 +160,7 @@ class Route:
         return f"route({self.order},{self.experts},{self.slots},{self.k})"
 
 
-ATTENTION_PARTS = ("out", "lse", "dq", "dk", "dv")
+ATTENTION_PARTS = ("out", "lse", "dq", "dk", "dv", "dqr", "dkr")
 
 
 def key_block(n: int) -> int:
@@ -171,9 +171,10 @@ def key_block(n: int) -> int:
 
 @dataclass(frozen=True)
 class Attention:
-    """Blockwise attention on local blocks (operands Q, K, V; a gradient's also O, the row logsumexp
-    and dO): ``part`` is what the step makes, the output, the row logsumexp or one of dQ, dK, dV (one
-    of :data:`ATTENTION_PARTS`); ``key`` is the key index T; ``query`` the query position a causal
+    """Blockwise attention on local blocks (operands Q, K, V, and with ``rope`` a second (query, key) pair
+    Qr, Kr whose scores add to Q·K; a gradient's also O, the row logsumexp and dO): ``part`` is what the
+    step makes, the output, the row logsumexp or one of dQ, dK, dV, dQr, dKr (one of
+    :data:`ATTENTION_PARTS`); ``key`` is the key index T; ``query`` the query position a causal
     mask compares it with (None: not causal); ``kernel``: the step that runs the kernel (its FLOPs, its
     reads), the others being its further results; ``ring``: the mesh axes K and V travel around, a block a
     step, while each device keeps its queries (ring attention; empty: K and V whole on the device);
@@ -188,9 +189,16 @@ class Attention:
     ring: tuple[str, ...] = ()
     zigzag: bool = False
     held: bool = False
+    rope: bool = False
+
+    @property
+    def inputs(self) -> int:
+        """How many of a step's operands are the call's tensors (Q, K, V, and Qr, Kr with ``rope``)."""
+        return 5 if self.rope else 3
 
     def __str__(self) -> str:
         causal = f",causal({self.query},{self.key})" if self.query is not None else ""
+        causal += ",rope" if self.rope else ""
         order = (",zigzag" if self.zigzag else "") + (",held" if self.held else "")
         ring = f",ring({''.join(self.ring)}{order})" if self.ring else ""
         return f"attention_{self.part}(over {self.key}{causal}{ring})"

@@ -21,6 +21,7 @@ from shardc.lowering.runtime_ring import compute_dtype, key_block, ring_backward
 
 __all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask", "keep_mask", "vocab_lookup",
            "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk", "attention", "attention_grads",
+           "attention_rope", "attention_rope_grads",
            "ring_attention", "ring_attention_grads", "expert_dispatch", "expert_combine", "expert_dispatch_vjp",
            "expert_combine_vjp", "expert_gate_vjp", "allgather_einsum", "einsum_reducescatter"]
 
@@ -267,6 +268,54 @@ def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arr
     init = (jnp.zeros_like(q) + zero, jnp.zeros_like(k) + zero, jnp.zeros_like(v) + zero)
     grads = jax.lax.fori_loop(0, n // b, body, init)
     return tuple(g.astype(t) for g, t in zip(grads, dtypes, strict=True))  # type: ignore[return-value]
+
+
+def attention_rope(q: Array, k: Array, v: Array, qr: Array, kr: Array, subs: tuple[str, ...], key: str,
+                   query: tuple[str, Axes] | None = None) -> tuple[Array, Array]:
+    """:func:`attention` with a second (query, key) pair whose scores add to Q·K (MLA's decoupled rotary part):
+    the kernel run on the concatenated heads ``[Q, Qr]`` and ``[K, Kr]``, Kr broadcast over the heads it
+    lacks, so the scale is ``1 / sqrt(H + J)``.  ``subs``: Q's, K's, V's, O's, Qr's and Kr's letters."""
+    return _kernel_once(_attention_rope, q, k, v, qr, kr, subs, key, query)  # type: ignore[return-value]
+
+
+def _attention_rope(q: Array, k: Array, v: Array, qr: Array, kr: Array, subs: tuple[str, ...], key: str,
+                    query: tuple[str, Axes] | None) -> tuple[Array, Array]:
+    qs, ks, vs, os = subs[:4]
+    return _attention(*_joined(q, k, qr, kr, subs), v, (qs, ks, vs, os), key, query)
+
+
+def attention_rope_grads(q: Array, k: Array, v: Array, qr: Array, kr: Array, o: Array, lse: Array, do: Array,
+                         subs: tuple[str, ...], key: str,
+                         query: tuple[str, Axes] | None = None) -> tuple[Array, Array, Array, Array, Array]:
+    """(dQ, dK, dV, dQr, dKr) of :func:`attention_rope`: :func:`attention_grads` of the concatenated heads,
+    split again, dKr summed over the heads Kr was broadcast to."""
+    return _kernel_once(_attention_rope_grads, q, k, v, qr, kr, o, lse, do, subs,  # type: ignore[return-value]
+                        key, query)
+
+
+def _attention_rope_grads(q: Array, k: Array, v: Array, qr: Array, kr: Array, o: Array, lse: Array, do: Array,
+                          subs: tuple[str, ...], key: str,
+                          query: tuple[str, Axes] | None) -> tuple[Array, Array, Array, Array, Array]:
+    qj, kj = _joined(q, k, qr, kr, subs)
+    qs, ks, vs, os = subs[:4]
+    dq, dk, dv = _attention_grads(qj, kj, v, o, lse, do, (qs, ks, vs, os), key, query)
+    h, krs = q.shape[-1], subs[5]
+    dkr = jnp.einsum(f"{ks[:-1]}{krs[-1]}->{krs}", dk[..., h:].astype(compute_dtype(kr)))
+    return (dq[..., :h].astype(q.dtype), dk[..., :h].astype(k.dtype), dv, dq[..., h:].astype(qr.dtype),
+            dkr.astype(kr.dtype))
+
+
+def _joined(q: Array, k: Array, qr: Array, kr: Array, subs: tuple[str, ...]) -> tuple[Array, Array]:
+    """``[Q, Qr]`` and ``[K, Kr]`` along the head dim (their letters Q's and K's), Kr broadcast to K's other
+    indices."""
+    ks, krs = subs[1], subs[5]
+    shape = dict(zip(ks, k.shape, strict=True)) | dict(zip(krs, kr.shape, strict=True))
+    wide = jnp.einsum(f"{krs}->{''.join(c for c in ks[:-1] if c in krs)}{krs[-1]}", kr)
+    wide = jnp.expand_dims(wide, [j for j, c in enumerate(ks[:-1]) if c not in krs])
+    wide = jnp.broadcast_to(wide, tuple(shape[c] for c in ks[:-1]) + (kr.shape[-1],))
+    dtype = jnp.result_type(q, qr)
+    return (jnp.concatenate([q.astype(dtype), qr.astype(dtype)], axis=-1),
+            jnp.concatenate([k.astype(dtype), wide.astype(dtype)], axis=-1))
 
 
 def ring_attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,

@@ -7,7 +7,12 @@ tensor is ever held.  The forward keeps the output and each row's logsumexp (flo
 element, as the kernels keep it); the backward makes each block's probabilities again from Q, K
 and that logsumexp, so the residuals are Q, K, V, O and the logsumexp.  Each index's role
 (batch, heads, a group's query heads, the key index) is :mod:`shardc.spec.attention_call`'s:
-grouped-query and multi-query attention are K and V with fewer head indices than Q.
+grouped-query and multi-query attention are K and V with fewer head indices than Q.  A second (query,
+key) pair, ``attention(Qn, Kn, V, Qr, Kr over T, causal)``, adds ``Qr·Kr`` to every score (Multi-head
+Latent Attention's decoupled rotary part, DeepSeek-V2, arXiv 2405.04434, section 2.1.3: the key Kr
+shared by the heads it lacks) and scales by ``1 / sqrt(H + J)``: the kernel of the concatenated heads
+``[Qn, Qr]`` and ``[Kn, Kr]``, as the implementations run it; Qr and Kr are further operands, kept as
+residuals, their gradients further results of the backward's kernel (dKr summed over the heads).
 
 Planned in the result's layout on the batch, head and query indices, K and V whole along T:
 where only batch and head indices are sharded, each device runs the kernel on its heads of its
@@ -21,14 +26,16 @@ V in and of the output out, as Ulysses does, Jacobs et al. 2023: whole sequences
 runs the form of least time, forward and backward; ``--explain`` lists them.  The third form is
 ring attention (:mod:`shardc.ops.ring_attention`: K and V passed around the ring of S's axes with
 ppermute, the transfers hidden under each step's block of attention where it is long enough, and,
-causal, zig-zag chunks that balance the load); a sharded head dim is an error.  dK and dV sum
+causal, zig-zag chunks that balance the load; not with a second pair, whose Kr it does not pass); a
+sharded head dim is an error.  dK and dV sum
 over the query indices a key/value head serves (a group's query heads R, and S where sharded), so
 where those are sharded they are partial sums, reduced as any gradient is (onto K's and V's
 sharding along T: a ReduceScatter); the ring brings them home whole over its axes.
 
 FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` and ``P·V``, ``4 B S T N H``
-(each head dim counted where it is contracted); with ``causal`` the chip runs only the unmasked
-half of the S x T blocks, ``2 B S T N H`` (the count FlashAttention's benchmarks use).  The backward
+(each head dim counted where it is contracted; a second pair's ``Qr·Kr`` adds ``2 B S T N J``); with
+``causal`` the chip runs only the unmasked half of the S x T blocks, ``2 B S T N H`` (the count
+FlashAttention's benchmarks use).  The backward
 makes the scores again and runs four more (``dV = P·dO``, ``dP = dO·V``, ``dQ = dS·K``,
 ``dK = dS·Q``): 2.5 times the forward's FLOPs on the chip.  Model FLOPs (MFU's) count the whole
 S x T, causal or not, and the backward as twice the forward (the recomputation not counted): the
@@ -50,20 +57,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
-
-import numpy as np
 
 from shardc.collectives import einsum_flops, piece
 from shardc.errors import ShardcError
-from shardc.ir.localops import Attention
+from shardc.ir.localops import ATTENTION_PARTS, Attention
 from shardc.ir.plan import Alternative, Choice, Op, Step
 from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
+from shardc.ops.attention_reference import attention_forward, attention_vjp, forward, grad_magnitude, magnitude, vjp
 from shardc.ops.products import einsum_letters
-from shardc.ops.reductions import grad_magnitude as softmax_grad_magnitude
-from shardc.ops.reductions import magnitude as softmax_magnitude
-from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, register
+from shardc.ops.registry import Builder, Family, Namer, Reference, Sizer, register
 from shardc.ops.ring_attention import LSE_BYTES, ring_layouts, transfers
 from shardc.sharding.layout import Value
 from shardc.sharding.search import reshard
@@ -80,10 +85,13 @@ if TYPE_CHECKING:
 __all__ = ["ATTENTION", "LSE_BYTES", "emit", "kernel_seconds", "attention_forward", "attention_vjp"]
 
 Array = Any
+GRADIENTS = ATTENTION_PARTS[2:]  # dQ, dK, dV, and dQr, dKr: a gradient of each operand in order
 
 
-def _call_roles(call: Call, q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...]) -> Roles:
-    return roles(q, k, v, call.over, call.span)
+def _call_roles(call: Call, operands: tuple[tuple[str, ...], ...]) -> Roles:
+    """The roles of a call's operands' indices (Q, K, V, and Qr, Kr where given)."""
+    q, k, v, *pair = operands
+    return roles(q, k, v, call.over, call.span, *pair)
 
 
 def _query(call: Call, r: Roles) -> str | None:
@@ -95,11 +103,11 @@ def _query(call: Call, r: Roles) -> str | None:
 
 def _operands(builder: Builder, call: Call, result: str, indices: tuple[str, ...]) -> tuple[tuple[str, ...],
                                                                                         tuple[str, ...]]:
-    """Q, K and V, each computed towards its own indices, and the row logsumexp (Q's indices less H)."""
+    """Q, K and V (and Qr, Kr), each computed towards its own indices, and the row logsumexp (Q's indices
+    less H)."""
     args = tuple(builder.argument(arg, result, chain_indices(arg, ())) for arg in call.args)
     lse = fresh(f"{result}_lse", builder.names)
-    q, k, v = (builder.indices[a] for a in args)
-    builder.indices[lse] = _call_roles(call, q, k, v).rows
+    builder.indices[lse] = _call_roles(call, tuple(builder.indices[a] for a in args)).rows
     return args, (lse,)
 
 
@@ -111,7 +119,7 @@ def _aux_bytes(node: Node) -> dict[str, int]:
 
 def _refuse(r: Roles, axes: dict[str, tuple[str, ...]], span: Any) -> None:
     """A sharded head dim is contracted whole by the kernel, so it is not planned: say so."""
-    for index in (r.head, r.value_head):
+    for index in (r.head, r.value_head, *r.qr[-1:]):
         if axes.get(index):
             raise ShardcError(f"attention with its head dim {index} sharded: the kernel contracts it whole",
                               span, fix=f"keep {index} whole inside attention; shard the heads (N or G) instead")
@@ -133,16 +141,16 @@ def _layouts(phase: Phase, node: Node, target: Value | None,
              declared: dict[str, TensorRef]) -> tuple[Roles, dict[str, tuple[str, ...]]]:
     """The roles, and the axes of each index inside the kernel: the result's (else Q's as held) on the
     batch, head and query indices, none on the keys T and the head dims (K and V gathered along T)."""
-    q, k, v = node.operands
+    q = node.operands[0]
     assert node.call is not None
-    r = _call_roles(node.call, phase.indices[q], phase.indices[k], phase.indices[v])
+    r = _call_roles(node.call, tuple(phase.indices[x] for x in node.operands))
     _refuse(r, _declared_axes(node, target), node.statement.span)
     if target is not None:
         by_index = dict(zip(node.indices, target.layout, strict=True))
     else:
         by_index = dict(zip(r.q, phase.natural(q, declared.get(q)).layout, strict=True))
-    whole = {r.head, r.value_head, r.key}
-    axes = {i: () if i in whole else by_index.get(i, ()) for i in (*r.q, r.key, r.value_head)}
+    whole = {r.head, r.value_head, r.key, *r.qr[-1:]}
+    axes = {i: () if i in whole else by_index.get(i, ()) for i in (*r.q, r.key, r.value_head, *r.qr[-1:])}
     return r, axes
 
 
@@ -175,6 +183,8 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
             forms.append(Form(f"{seq}'s {''.join(axes[seq])} moved to {i} (AllToAll in and out, as Ulysses)",
                               {**axes, seq: (), i: axes[i] + axes[seq]}))
     devices = math.prod(phase.ctx.axis_sizes[a] for a in axes[seq])
+    if r.qr:  # the ring passes K and V only: with a second pair, the all-gather and Ulysses forms
+        return forms
     if devices > 1 and (not phase.sized or phase.ctx.dim_size(r.key) % devices == phase.ctx.dim_size(seq) % devices
                         == 0):  # even blocks: the ring's causal positions are each block's index times its length
         size = (lambda name: phase.ctx.axis_sizes.get(name) or phase.ctx.dim_size(name)) if phase.sized else None
@@ -196,21 +206,21 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, t
     ctx, axes = phase.ctx, form.axes
     moved, count = 0.0, 0
     moves = [reshard(ctx, name, indices, phase.held[name], _value(indices, axes))
-             for name, indices in zip(node.operands, (r.q, r.k, r.v), strict=True)]
-    refs = [phase.ref(name, _value(indices, axes)) for name, indices in zip(node.operands, (r.q, r.k, r.v),
-                                                                            strict=True)]
+             for name, indices in zip(node.operands, r.operands, strict=True)]
+    refs = [phase.ref(name, _value(indices, axes)) for name, indices in zip(node.operands, r.operands, strict=True)]
     out = _value(node.indices, axes)
     if want != out:
         moves.append(reshard(ctx, node.result, node.indices, (out,), want))
     for cost, made in moves:
         moved, count = moved + cost[0], count + len(made)
     assert node.call is not None
-    fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag, held=held and form.zigzag)
+    fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag, held=held and form.zigzag,
+                   rope=bool(r.qr))
     kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs), fn=fn)
     size = lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name)  # noqa: E731
     lse = phase.ref(node.aux[0], _value(r.rows, axes))  # the backward's kernel reads O, the logsumexp and dO too
     grads = Step(Op.ELEMENTWISE, node.result, kernel.dst, operands=(*refs, kernel.dst, lse, kernel.dst),
-                 fn=Attention("dq", r.key, fn.query, ring=form.ring, zigzag=form.zigzag, held=fn.held))
+                 fn=replace(fn, part="dq"))
     compute = kernel_seconds(kernel, size, ctx.hardware, ctx.dtype.value)
     backward = kernel_seconds(grads, size, ctx.hardware, ctx.dtype.value)
     exposed, hidden = 0.0, ""
@@ -274,7 +284,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     axes = form.axes
     assert node.call is not None
     operands = []
-    for name, indices in zip(node.operands, (r.q, r.k, r.v), strict=True):
+    for name, indices in zip(node.operands, r.operands, strict=True):
         value = _value(indices, axes)
         _, moves = reshard(phase.ctx, name, indices, phase.held[name], value)
         phase.moves(name, moves)
@@ -282,10 +292,10 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (lse,) = node.aux
     query = _query(node.call, r)
     out, rows = _value(node.indices, axes), _value(r.rows, axes)
-    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(operands),
-                    fn=Attention("out", r.key, query, ring=form.ring, zigzag=form.zigzag)), out)
+    fn = Attention("out", r.key, query, ring=form.ring, zigzag=form.zigzag, rope=bool(r.qr))
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(operands), fn=fn), out)
     phase.emit(Step(Op.ELEMENTWISE, lse, phase.ref(lse, rows), operands=tuple(operands),
-                    fn=Attention("lse", r.key, query, kernel=False, ring=form.ring, zigzag=form.zigzag)), rows)
+                    fn=replace(fn, part="lse", kernel=False)), rows)
     if want != out:
         _, moves = reshard(phase.ctx, node.result, node.indices, (out,), want)
         phase.moves(node.result, moves)
@@ -314,18 +324,18 @@ def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     _, moves = reshard(phase.ctx, grad, node.indices, phase.held[grad], o_value)
     phase.moves(grad, moves)
     reads = (*out.operands, out.dst, lse.dst, phase.ref(grad, o_value))
-    queries = {i for i in phase.indices[node.operands[0]] if i not in phase.indices[node.operands[1]]}
     assert isinstance(out.fn, Attention)
-    spread = tuple(sorted(a for d in out.operands[0].dims if d.name in queries for a in d.axes
-                          if a not in out.fn.ring))  # the ring brings dK and dV home whole over its axes
-    for x, ref, part in zip(node.operands, out.operands, ("dq", "dk", "dv"), strict=True):
+    rows = out.operands[0].dims[:-1]
+    for x, ref, part in zip(node.operands, out.operands, GRADIENTS, strict=False):
         if x not in wanted:
             continue
-        value = Value(ref.layout, () if part == "dq" else spread)
+        # a gradient sums over Q's row indices its operand lacks (K's and V's the query heads R, S where
+        # sharded; Kr's the heads too): partial over their axes, but a ring's, which brings dK and dV home whole
+        spread = tuple(sorted(a for d in rows if d.name not in ref.indices for a in d.axes if a not in out.fn.ring))
+        value = Value(ref.layout, spread)
         dst = bw.part_name(x)
         phase.emit(Step(Op.ELEMENTWISE, dst, phase.ref(dst, value), operands=reads,
-                        fn=Attention(part, out.fn.key, out.fn.query, kernel=x == wanted[0], ring=out.fn.ring,
-                                     zigzag=out.fn.zigzag)), value)
+                        fn=replace(out.fn, part=part, kernel=x == wanted[0], held=False)), value)
         bw.settle(x, dst, value)
 
 
@@ -339,7 +349,9 @@ def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any, Any]:
         return 0, 0, 0  # a further result of the kernel another step runs
     q, k, v = step.operands[:3]
     keys = tuple(d for d in k.dims if d.name == step.fn.key)
-    scores = einsum_flops(((d.name, d.axes) for d in (*q.dims, *keys)), size)  # Q·K: rows x T x H
+    queries = (q, step.operands[3]) if step.fn.rope else (q,)  # Q·K: rows x T x H; the second pair's: x J
+    terms = [einsum_flops(((d.name, d.axes) for d in (*x.dims, *keys)), size) for x in queries]
+    scores = (sum(t[0] for t in terms), sum(t[1] for t in terms))
     r = roles(q.indices, k.indices, v.indices, step.fn.key)
     rows = tuple(d for d in q.dims if d.name != r.head)
     values = einsum_flops(((d.name, d.axes) for d in (*rows, *keys, v.dims[-1])), size)  # P·V: rows x T x Hv
@@ -397,140 +409,43 @@ def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
 def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     """One call of the runtime's blockwise kernel, its result picked (any sizes)."""
     assert isinstance(step.fn, Attention)
+    n = step.fn.inputs
     q, k, v = step.operands[:3]
-    out = step.operands[3] if len(step.operands) > 3 else step.dst
-    letters = einsum_letters((q, k, v, out))
-    subs = tuple("".join(letters[i] for i in ref.indices) for ref in (q, k, v, out))
+    pair = step.operands[3:n]  # Qr and Kr: their letters after O's
+    out = step.operands[n] if len(step.operands) > n else step.dst
+    letters = einsum_letters((q, k, v, out, *pair))
+    subs = tuple("".join(letters[i] for i in ref.indices) for ref in (q, k, v, out, *pair))
     if step.fn.part == "lse":  # the output's letters (Q's rows, V's head), so the call is the output step's
-        subs = (*subs[:3], subs[0][:-1] + subs[2][-1])
+        subs = (*subs[:3], subs[0][:-1] + subs[2][-1], *subs[4:])
     query = "None"
     if step.fn.query is not None:  # S's letter and the axes sharding it: the causal mask's global positions
         query = repr((letters[step.fn.query], q.dims[q.indices.index(step.fn.query)].axes))
     flags = f"{subs!r}, {letters[step.fn.key]!r}, {query}"
-    kernel = "attention"
+    kernel = "attention_rope" if step.fn.rope else "attention"
     if step.fn.ring:  # the ring's axes (K's along T, as Q's along S) and whether its chunks are zig-zag
         kernel, flags = "ring_attention", f"{flags}, {step.fn.ring!r}, {step.fn.zigzag!r}"
         flags += ", held=True" if step.fn.held else ""  # the plan holds the sequence in zig-zag order
     if step.fn.part in ("out", "lse"):
         pick = 0 if step.fn.part == "out" else 1
-        return f"{kernel}({var(q)}, {var(k)}, {var(v)}, {flags})[{pick}]"
+        return f"{kernel}({', '.join(var(ref) for ref in step.operands[:n])}, {flags})[{pick}]"
     args = ", ".join(var(ref) for ref in step.operands)
-    return f"{kernel}_grads({args}, {flags})[{('dq', 'dk', 'dv').index(step.fn.part)}]"
+    return f"{kernel}_grads({args}, {flags})[{GRADIENTS.index(step.fn.part)}]"
 
 
-# --- whole arrays: the reference ---------------------------------------------------------------
-
-def _subscripts(r: Roles) -> tuple[dict[str, str], str, str, str, str, str]:
-    """Einsum letters: (the map, Q's, K's, V's, the rows', the result's)."""
-    names = list(dict.fromkeys((*r.q, *r.k, *r.v)))
-    letters = {n: "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[j] for j, n in enumerate(names)}
-
-    def word(indices: tuple[str, ...]) -> str:
-        return "".join(letters[i] for i in indices)
-
-    return letters, word(r.q), word(r.k), word(r.v), word(r.rows), word(r.out)
-
-
-def _probabilities(r: Roles, causal: bool, q: Array, k: Array, xp: Any) -> tuple[Array, Array]:
-    """(scores Q·K / sqrt(H), -inf where masked; their softmax along T, the last axis)."""
-    letters, qs, ks, _, rows, _ = _subscripts(r)
-    t = letters[r.key]
-    s = xp.einsum(f"{qs},{ks}->{rows}{t}", q, k) / math.sqrt(q.shape[-1])
-    if causal:
-        s = xp.where(_masked(r, s.shape), -np.inf, s)
-    z = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
-    return s, z / xp.sum(z, axis=-1, keepdims=True)
-
-
-def _masked(r: Roles, shape: tuple[int, ...]) -> np.ndarray:
-    """Where the key position (the last axis) is after the query position."""
-    d = r.rows.index(r.query)
-    qpos = np.arange(shape[d]).reshape([-1 if j == d else 1 for j in range(len(shape))])
-    return np.arange(shape[-1]) > qpos  # type: ignore[no-any-return]
-
-
-def attention_forward(r: Roles, causal: bool, q: Array, k: Array, v: Array, xp: Any) -> Array:
-    """``softmax(Q·K / sqrt(H) over T) · V`` on whole arrays, the result in :attr:`Roles.out`'s order."""
-    letters, _, _, vs, rows, outs = _subscripts(r)
-    _, p = _probabilities(r, causal, q, k, xp)
-    return xp.einsum(f"{rows}{letters[r.key]},{vs}->{outs}", p, v)
-
-
-def attention_vjp(r: Roles, causal: bool, q: Array, k: Array, v: Array, d: Array, xp: Any) -> tuple[Array, ...]:
-    """(dQ, dK, dV) for the cotangent ``d`` of the result, in closed form: dS = P * (dP - rowsum(dP * P))."""
-    letters, qs, ks, vs, rows, outs = _subscripts(r)
-    t = letters[r.key]
-    _, p = _probabilities(r, causal, q, k, xp)
-    dp = xp.einsum(f"{outs},{vs}->{rows}{t}", d, v)
-    ds = p * (dp - xp.sum(dp * p, axis=-1, keepdims=True)) / math.sqrt(q.shape[-1])
-    return (xp.einsum(f"{rows}{t},{ks}->{qs}", ds, k), xp.einsum(f"{rows}{t},{qs}->{ks}", ds, q),
-            xp.einsum(f"{rows}{t},{outs}->{vs}", p, d))
-
-
-def _site_roles(site: Site) -> Roles:
-    q, k, v = site.labels
-    return _call_roles(site.func, q, k, v)
-
-
-def _causal(site: Site) -> bool:
-    return CAUSAL in site.func.names
-
-
-def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
-    q, k, v = xs
-    return attention_forward(_site_roles(site), _causal(site), q, k, v, xp)
-
-
-def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> tuple[Array | None, ...]:
-    q, k, v = xs
-    return attention_vjp(_site_roles(site), _causal(site), q, k, v, d, xp)
-
-
-def _score_bounds(site: Site, xs: Arrays, mags: Arrays) -> tuple[Roles, Array, Array, Array]:
-    """(roles, the scores, their magnitudes (masked: 0), the softmax's magnitudes) for verify's bounds."""
-    r = _site_roles(site)
-    letters, qs, ks, _, rows, _ = _subscripts(r)
-    s, _ = _probabilities(r, _causal(site), xs[0], xs[1], np)
-    mag_s = np.einsum(f"{qs},{ks}->{rows}{letters[r.key]}", mags[0], mags[1]) / math.sqrt(xs[0].shape[-1])
-    if _causal(site):
-        mag_s = np.where(np.isinf(s), 0.0, mag_s)
-    return r, s, mag_s, softmax_magnitude("softmax", s, mag_s, -1)
-
-
-def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
-    """The softmax's bound times |V|, plus the probabilities times V's magnitudes."""
-    r, s, _, mag_p = _score_bounds(site, xs, mags)
-    letters, _, _, vs, rows, outs = _subscripts(r)
-    p = np.exp(s - np.max(s, axis=-1, keepdims=True))
-    p = p / np.sum(p, axis=-1, keepdims=True)
-    spec = f"{rows}{letters[r.key]},{vs}->{outs}"
-    return np.einsum(spec, mag_p, np.abs(xs[2])) + np.einsum(spec, p, mags[2])
-
-
-def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> tuple[Array | None, ...]:
-    """Each gradient's matmuls over magnitudes, through the softmax's gradient bound."""
-    r, s, mag_s, mag_p = _score_bounds(site, xs, mags)
-    letters, qs, ks, vs, rows, outs = _subscripts(r)
-    t = letters[r.key]
-    mag_dp = np.einsum(f"{outs},{vs}->{rows}{t}", np.abs(d), mags[2])
-    mag_ds = softmax_grad_magnitude("softmax", s, mag_s, mag_dp, -1) / math.sqrt(xs[0].shape[-1])
-    return (np.einsum(f"{rows}{t},{ks}->{qs}", mag_ds, mags[1]), np.einsum(f"{rows}{t},{qs}->{ks}", mag_ds, mags[0]),
-            np.einsum(f"{rows}{t},{outs}->{vs}", mag_p, np.abs(d)))
-
+# --- whole arrays: the reference (:mod:`shardc.ops.attention_reference`) ------------------------
 
 def _arguments(call: Call, keep: tuple[str, ...]) -> tuple[tuple[Expr, tuple[str, ...]], ...]:
     return tuple((arg, chain_indices(arg, ())) for arg in call.args)
 
 
 def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
-    q, k, v = operands
-    return _call_roles(call, q, k, v).out
+    return _call_roles(call, operands).out
 
 
 ATTENTION = register(Family(
     name="attention", calls=frozenset({"attention"}), ops=(Attention,), plan=_plan, backward=_backward, emit=emit,
     # a softmax of Q·K: verify feeds it unit-size queries, so the softmax is neither flat nor one-hot
-    reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices,
+    reference=Reference(forward, vjp, magnitude, grad_magnitude, _arguments, _indices,
                         nonlinear=lambda func: True),
     operands=_operands, aux_bytes=_aux_bytes, traffic=_traffic, flops=_flops, seconds=kernel_seconds, ring=transfers,
     fusible=False))

@@ -15,6 +15,14 @@ index appears:
   the query position is the first of them (S in ``Q[B, S, N, H]`` and ``Q[B, S, G, R, H]``), masked
   where the key position T is after it, by global position.
 
+A second (query, key) pair adds a term to every score, ``Q·K + Qr·Kr``, as Multi-head Latent
+Attention's decoupled rotary part does (DeepSeek-V2, arXiv 2405.04434, section 2.1.3):
+``attention(Qn[B, S, N, H], Kn[B, T, N, H], V[B, T, N, H], Qr[B, S, N, J], Kr[B, T, J] over T, causal)``
+is ``softmax((Qn·Kn + Qr·Kr) / sqrt(H + J) over T) · V``, the scale of the concatenated head
+``[Qn, Qr]`` (H + J wide) that the implementations run, each head's key ``[Kn, Kr]`` with ``Kr``
+broadcast over the heads.  Qr has Q's indices with the rotary head dim J last; Kr has the key T,
+J last, and batch or head indices of K's (fewer: a key shared by the heads it lacks).
+
 The result's indices are Q's with the head dim replaced by V's.  Parsing and validation read
 this module; the op family (:mod:`shardc.ops.attention`) plans, costs and lowers by it.
 
@@ -29,10 +37,12 @@ from dataclasses import dataclass
 
 from shardc.errors import ShardcError, Span
 
-__all__ = ["CAUSAL", "USAGE", "Roles", "roles"]
+__all__ = ["CAUSAL", "USAGE", "ROPE_USAGE", "Roles", "roles"]
 
 CAUSAL = "causal"  # the one flag an attention call takes
 USAGE = "O[B, S, N, H] = attention(Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal)"
+ROPE_USAGE = ("O[B, S, N, H] = attention(Qn[B, S, N, H], Kn[B, T, N, H], V[B, T, N, H], Qr[B, S, N, J], Kr[B, T, J] "
+              "over T, causal)")
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,18 @@ class Roles:
     value_head: str  # V's last: the result's last
     batch: tuple[str, ...]  # in Q, K and V, in K's order
     queries: tuple[str, ...]  # Q's own, in Q's order
+    qr: tuple[str, ...] = ()  # the second pair's query, Q's indices with the rotary head dim last (none: ())
+    kr: tuple[str, ...] = ()  # its key: T, some of K's batch indices, the rotary head dim last
+
+    @property
+    def operands(self) -> tuple[tuple[str, ...], ...]:
+        """The indices of the call's tensors in order: Q, K, V, and Qr, Kr where given."""
+        return (self.q, self.k, self.v, *((self.qr, self.kr) if self.qr else ()))
+
+    @property
+    def rope_head(self) -> str | None:
+        """The second pair's head dim J, contracted in Qr·Kr (None without the pair)."""
+        return self.qr[-1] if self.qr else None
 
     @property
     def query(self) -> str:
@@ -65,8 +87,40 @@ class Roles:
 
 
 def roles(q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...], over: str | None,
-          span: Span | None = None) -> Roles:
-    """The roles of Q's, K's and V's indices; a :class:`ShardcError` says what does not fit."""
+          span: Span | None = None, *pair: tuple[str, ...]) -> Roles:
+    """The roles of Q's, K's and V's indices (and the second pair's, Qr's and Kr's, where given); a
+    :class:`ShardcError` says what does not fit."""
+    r = _roles(q, k, v, over, span)
+    return _with_pair(r, pair, span) if pair else r
+
+
+def _with_pair(r: Roles, pair: tuple[tuple[str, ...], ...], span: Span | None) -> Roles:
+    """``r`` with the second (query, key) pair: Qr is Q with its head dim replaced by one of its own (J),
+    Kr is T, batch or head indices of K's, and J last."""
+
+    def fail(what: str) -> ShardcError:
+        return ShardcError(f"attention: {what}", span, fix=f"write it as {ROPE_USAGE}")
+
+    if len(pair) != 2:
+        raise fail("a second pair is a query and a key (Qr, Kr)")
+    qr, kr = pair
+    if len(qr) < 2 or len(kr) < 2 or qr[-1] != kr[-1]:
+        raise fail("Qr and Kr end with the same head dim (J), contracted in Qr·Kr")
+    rope = qr[-1]
+    if rope in (*r.q, *r.k, *r.v):
+        raise fail(f"the second pair's head dim {rope} is an index of Q, K or V")
+    if qr[:-1] != r.q[:-1]:
+        raise fail(f"Qr's indices are Q's with its head dim {r.head} replaced ({', '.join((*r.q[:-1], rope))})")
+    if r.key not in kr:
+        raise fail(f"Kr runs along the key index {r.key}")
+    extra = [i for i in kr[:-1] if i not in (*r.batch, r.key)]
+    if extra:
+        raise fail(f"Kr's index {extra[0]} is not one of K's batch or head indices")
+    return Roles(r.q, r.k, r.v, r.key, r.head, r.value_head, r.batch, r.queries, qr, kr)
+
+
+def _roles(q: tuple[str, ...], k: tuple[str, ...], v: tuple[str, ...], over: str | None,
+           span: Span | None) -> Roles:
 
     def fail(what: str) -> ShardcError:
         return ShardcError(f"attention: {what}", span, fix=f"write it as {USAGE}")

@@ -48,6 +48,8 @@ def _check_calls(expr: Expr) -> None:
                 raise ShardcError(f"`attention` takes one flag, {CAUSAL}, not {', '.join(call.names)}", call.span,
                                   fix=f"write it as {sig.usage(call.func)}, or without `, {CAUSAL}`")
             given = (given[0], 0, *given[2:])  # the optional flag
+        if sig.kind == "attention" and len(call.args) == 5:
+            given = (3, *given[1:])  # the optional second (query, key) pair
         if sig.kind in ("dispatch", "combine") and len(call.numbers) == 3:
             given = (given[0], given[1], 1, given[3])  # the optional node limit: `k over E, M, G`
         if given != (sig.tensors, sig.names, sig.numbers, sig.over):
@@ -118,10 +120,10 @@ def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
 
 
 def _check_attention(call: Call, spec: Spec) -> None:
-    """attention(Q, K, V over T[, causal]): each index's role fits (:func:`roles`), each argument checked
-    towards its own indices."""
-    q, k, v = (chain_indices(a, ()) for a in call.args)
-    roles(q, k, v, call.over, call.span)
+    """attention(Q, K, V[, Qr, Kr] over T[, causal]): each index's role fits (:func:`roles`), each argument
+    checked towards its own indices."""
+    q, k, v, *pair = (chain_indices(a, ()) for a in call.args)
+    roles(q, k, v, call.over, call.span, *pair)
     for a in call.args:
         _check_expr(a, chain_indices(a, ()), spec)
 

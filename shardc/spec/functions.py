@@ -24,7 +24,9 @@ has a kind, which fixes how its result's indices follow from its arguments:
   token past an expert's capacity is dropped there.  A mask: no gradient.
 - ``attention``: ``attention(Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal)``,
   ``softmax(Q·K / sqrt(H) over T) · V`` computed blockwise (no S x T scores held); the flag
-  ``causal`` is optional.  Each index's role: :mod:`shardc.spec.attention_call`.
+  ``causal`` is optional, and so is a second (query, key) pair whose scores add to Q·K
+  (``attention(Qn, Kn, V, Qr, Kr over T)``, MLA's decoupled rotary part).  Each index's role:
+  :mod:`shardc.spec.attention_call`.
 - ``dispatch``: ``dispatch(Gate[G, S, E], X[G, S, D], S, C, k over E)``, the same routing held as
   indices, not a mask: token s's row of X copied into slot c of expert e, ``[G, E, C, D]`` (the
   gates' indices less S, then C, then X's indices the gates lack); an empty slot is 0.  X gets the
@@ -109,7 +111,9 @@ FUNCTIONS: dict[str, Signature] = {
     "route": Signature("route", "0/1 mask: each token (in order of S) to a free slot C of its top k along E",
                        names=2, numbers=1, over=True),
     # `causal` is an optional flag (an index-name argument): validation accepts 0 names or that one
-    "attention": Signature("attention", "softmax(Q·K / sqrt(H) over T) · V, blockwise (online softmax)",
+    # a second (query, key) pair, `attention(Q, K, V, Qr, Kr over T)`, is optional: validation accepts 5 tensors
+    "attention": Signature("attention", "softmax(Q·K / sqrt(H) over T) · V, blockwise (online softmax); "
+                           "with Qr, Kr: softmax((Q·K + Qr·Kr) / sqrt(H + J) over T) · V",
                            tensors=3, over=True),
     "dispatch": Signature("dispatch", "each token's row (in order of S) to a free slot C of its top k along E",
                           tensors=2, names=2, numbers=1, over=True),
