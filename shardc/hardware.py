@@ -319,10 +319,14 @@ _B200_MATMULS = _points(2.25e15, ((1, 256, 256, 256, 6.765006451612e12), (1, 512
                                   (1, 1024, 1024, 4096, 6.75256237088279e14),
                                   (1, 2048, 2048, 2048, 9.85762519164562e14),
                                   (1, 4096, 4096, 4096, 1.416867213789406e15)))
-# A100 SXM: one measured figure, the maximum achievable matmul FLOPs of Stas Bekman's ml-engineering
-# (compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table": 267.9 of 312
-# TFLOPS, 85.9%, best shape 6912x16384x2048, CUDA 12.1).
-_A100_MATMULS = _points(3.12e14, ((1, 6912, 16384, 2048, 2.679e14),))
+# A100 SXM: two measurements of large matmuls, averaged as one class (:func:`_averaged`): the maximum achievable
+# matmul FLOPs of Stas Bekman's ml-engineering (compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+# comparison table": 267.9 TFLOPS, the best shape of a search, 6912x16384x2048, the fastest of 100 runs, CUDA
+# 12.1), and cuBLAS on 8192^3 with normally distributed inputs, 257 TFLOPS (Horace He, "Strangely, Matrix
+# Multiplications on GPUs Run Faster When Given 'Predictable' Data", thonking.ai, 2024: the A100 holds its
+# 400 W limit by lowering its clock, more so on random data than on the zeros or integers benchmarks often
+# use, as a training step's data is).  Their mean is 84.2% of 312 TFLOPS.
+_A100_MATMULS = _averaged(3.12e14, (((1, 6912, 16384, 2048, 2.679e14), (1, 8192, 8192, 8192, 2.57e14)),))
 # TPU v5e, bf16: XLA's jnp.matmul in the JAX Pallas TPU matmul guide (docs/pallas/tpu/matmul.ipynb, "XLA
 # matmul": 4096^3 84.33%, 8192^3 92.30% of 197 TFLOPS).  Its 1024^3 point (9.1%) times one Python dispatch
 # per matmul, which a compiled training step does not pay, so it is left out.  No such measurement of
@@ -350,11 +354,15 @@ _H100_ATTENTION_FORWARD = _kernel(9.89e14, ((512, 292e12), (1024, 423e12), (2048
                                             (8192, 602e12), (16384, 616e12)))
 _H100_ATTENTION_BACKWARD = _kernel(9.89e14, ((512, 316e12), (1024, 424e12), (2048, 501e12), (4096, 542e12),
                                              (8192, 559e12), (16384, 561e12)))
-# A100: FlashAttention-2 (Dao 2023, arXiv 2307.08691, section 1 and 4.1): "up to 73% of the theoretical max
-# throughput in the forward pass, and up to 63% ... in the backward pass", its best settings (long
-# sequences); one point each, so shorter sequences are priced at that rate too.
-_A100_ATTENTION_FORWARD = ((16384.0, 0.73),)
-_A100_ATTENTION_BACKWARD = ((16384.0, 0.63),)
+# A100 SXM: FlashAttention-2 with the causal mask a training step runs, head dim 128, 32 heads, 16K tokens at
+# 1K and 4K at 4K: 143.70 and 156.27 TFLOP/s forward (liangan1/GPU_travel, performance/flash-attn/README.md,
+# flash-attention's CUDA kernels on SM80; the same repository measures the A100's clock falling from 1410 to
+# about 1200 MHz under its power limit as the kernel runs, as it does through a training step).  FlashAttention-2's
+# paper (Dao 2023, arXiv 2307.08691, sections 1 and 4.1) gives its best settings only ("up to 73% of the
+# theoretical max throughput in the forward pass, and up to 63% ... in the backward pass": long sequences, no
+# mask), so the backward is the measured forward times that ratio, 63/73, as no causal backward on A100 is cited.
+_A100_ATTENTION_FORWARD = _kernel(3.12e14, ((1024, 143.70e12), (4096, 156.27e12)))
+_A100_ATTENTION_BACKWARD = tuple((keys, fraction * 63 / 73) for keys, fraction in _A100_ATTENTION_FORWARD)
 # B200 (sm_100): FlashAttention-4, the CuTe DSL kernel of the flash-attention repository (Dao-AILab/
 # flash-attention pull request 2280, its benchmark: head dim 128, causal, sequence length 8192, batch 4):
 # forward 1418.1 TFLOP/s, backward 1208.6 (the 2-CTA path), over the HGX B200's dense bf16 peak.
