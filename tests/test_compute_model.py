@@ -29,6 +29,11 @@ MATMUL = "mesh X=8\ndims B={b}, D={d}, F={f}\nOut[B_X, F] = In[B_X, D] · W[D, F
 NORM = "mesh X=8\ndims B=65536, D=4096\nY[B_X, D] = rmsnorm(X[B_X, D] over D)\n"
 
 
+def run_script(path: str) -> str:
+    done = subprocess.run([sys.executable, path], capture_output=True, text=True, check=True, cwd=ROOT, timeout=120)
+    return done.stdout
+
+
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "shardc", *args], capture_output=True, text=True, check=False,
                           cwd=ROOT)
@@ -110,6 +115,17 @@ def test_an_a100_large_matmul_runs_at_the_mean_of_its_two_measurements() -> None
     a100 = get_hardware("a100")
     assert a100.efficiency(2 * 8192**3) == pytest.approx((267.9e12 + 257e12) / 2 / 3.12e14)
     assert a100.efficiency(1e9) == a100.efficiency(1e14)  # one class: flat at both ends
+
+
+def test_the_compute_benchmark_weighs_the_curve_against_wave_quantization() -> None:
+    """benchmarks/compute_fidelity.py: the curve in FLOPs predicts the held-out published matmuls better than
+    the same curve with whole waves of tiles over the SMs, the shape effect a training step's thin matmuls
+    would need."""
+    done = run_script("benchmarks/compute_fidelity.py")
+    lines = [line for line in done.splitlines() if "mean |ratio - 1|" in line]
+    assert len(lines) == 2, done
+    plain, waves = (float(line.split("mean |ratio - 1| ")[1].split("%")[0]) for line in lines)
+    assert plain < 12 < 20 < waves
 
 
 def test_the_curve_holds_its_ends_and_interpolates_in_log_flops() -> None:
