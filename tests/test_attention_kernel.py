@@ -13,7 +13,7 @@ import shardc
 from shardc.cli.main import main
 from shardc.costmodel.cost_report import CostReport
 from shardc.errors import ShardcError
-from shardc.hardware import PRESETS, Hardware, interpolate, load_hardware_file
+from shardc.hardware import KERNELS, PRESETS, Hardware, interpolate, load_hardware_file
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
 from shardc.ops.attention import kernel_seconds
@@ -46,6 +46,18 @@ def test_the_presets_are_the_cited_kernel_measurements() -> None:
     assert _flat(PRESETS["b200"].attention_backward) == pytest.approx([8192, 1208.6e12 / 2.25e15])
     for name in ("tpu-v4p", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         assert PRESETS[name].attention_forward == PRESETS[name].attention_backward == ()
+
+
+def test_hoppers_flashattention2_runs_its_causal_backward_below_its_forward() -> None:
+    """cudnn-frontend's measurement of PyTorch's SDPA flash backend, causal, head dim 128: forward 314-345
+    TFLOP/s and backward 249-323 from 4K to 64K tokens; below 4K the FlashAttention-3 paper's FlashAttention-2
+    bars, its no-mask backward at the causal share measured at 4K (248.76 of 287.36)."""
+    forward, backward = KERNELS["h100"]["flash2"]
+    assert dict(forward)[65536.0] == pytest.approx(342.65e12 / H100)
+    assert dict(backward)[4096.0] == pytest.approx(248.76e12 / H100)
+    assert dict(backward)[2048.0] == pytest.approx(291e12 * 248.76 / 287.36 / H100)
+    assert all(b < f for (_, f), (_, b) in zip(forward, backward, strict=True))  # at every length measured
+    assert KERNELS["h200"]["flash2"] == KERNELS["h800"]["flash2"] == (forward, backward)
 
 
 def test_attention_seconds_interpolates_in_keys_and_falls_back_to_the_matmul_rate() -> None:
