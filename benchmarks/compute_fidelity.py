@@ -5,7 +5,7 @@
 Each row is one published matmul measurement: the chip, the shape (batch x m x n x k), the FLOP/s
 measured and the FLOP/s the model gives the same matmul (the chip's peak times
 :meth:`shardc.hardware.Hardware.efficiency` of its FLOPs).  "fit" rows are the points the chip's
-curve is made of (``shardc/hardware.py`` cites them), so their ratio is 1 by construction, or within
+curve is made of (``shardc/kernel_rates.py`` cites them), so their ratio is 1 by construction, or within
 the class's spread where the curve is a class's mean (the A100's two large-matmul figures); "held
 out" rows are measurements of other shapes, from the same tables or other sources, that the curve
 never saw: their ratio is the model's error.
