@@ -60,21 +60,6 @@ def test_hoppers_flashattention2_runs_its_causal_backward_below_its_forward() ->
     assert KERNELS["h200"]["flash2"] == KERNELS["h800"]["flash2"] == (forward, backward)
 
 
-def test_under_fp8_the_fused_kernel_runs_at_its_bf16_rate() -> None:
-    """FP8 training runs attention in BF16 (Transformer Engine's fp8_autocast without FP8 attention; DeepSeek-V3's
-    recipe): a `dtype f8` spec's kernel takes its FLOPs over the bf16 peak at the kernel's measured fraction."""
-    text = ("mesh X=8\ndims B=8, S=4096, T=4096, D=1024, N=8, H=128\nhardware h100\ndtype f8\nparam W_q\n"
-            "Q[B_X, S, N, H] = L[B_X, S, D] · W_q[D, N, H]\n"
-            "C[B_X, S, N, H] = attention(Q[B_X, S, N, H], K[B_X, T, N, H], V[B_X, T, N, H] over T, causal)\n")
-    report = _report(shardc.plan(shardc.parse(text)))
-    h100 = PRESETS["h100"]
-    kernels = _kernels(report.forward.rows) + _kernels(report.backward.rows)
-    assert len(kernels) == 2
-    for row, backward in zip(kernels, (False, True), strict=True):
-        assert row.compute_s == pytest.approx(h100.attention_seconds(row.flops, 4096, backward))
-        assert row.compute_s > h100.attention_seconds(row.flops, 4096, backward, "f8")
-
-
 def test_attention_seconds_interpolates_in_keys_and_falls_back_to_the_matmul_rate() -> None:
     h100 = PRESETS["h100"]
     flops = 1e12
