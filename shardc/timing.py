@@ -65,7 +65,7 @@ from shardc.ops.registry import of_op
 from shardc.pipeline.block_split import counted_device
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of
-from shardc.spec.walk import block_reads, spec_params
+from shardc.spec.walk import block_reads
 from shardc.steptime import RingTransfer, Send, einsum_time, ring_time
 from shardc.topology import AxisLinks, resolve_links
 
@@ -195,13 +195,11 @@ def einsum_flops(step: Step, sizes: Mapping[str, int]) -> tuple[int, int]:
 
 def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
               spans: Layout | None = None, dtype: str = "bf16", memory_bytes: float = 0.0,
-              text: str | None = None, shared: bool = False, linear: frozenset[str] | None = None) -> StepCost:
+              text: str | None = None, shared: bool = False) -> StepCost:
     """The :class:`StepCost` of one step of a plan; ``memory_bytes`` its HBM traffic if memory-bound
     (:func:`shardc.fusion.memory_traffic`), ``dtype`` the spec's (an f8 einsum runs at the chip's fp8 rate);
-    ``shared``: a collective matmul whose blocks an earlier step of its phase sends (:func:`shared_rings`);
-    ``linear``: the plan's :func:`linear_names`, which say the rate its matmuls run at (:func:`compute_dtype`)."""
+    ``shared``: a collective matmul whose blocks an earlier step of its phase sends (:func:`shared_rings`)."""
     text = describe(step) if text is None else text
-    rate = compute_dtype(step, dtype, linear)
     if step.is_collective:
         volume = step_volume(step, sizes)
         t = collective_time(step.op, volume, step.axes, mesh, sizes, hw, spans, step.routed)
@@ -209,11 +207,11 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
                         volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead,
                         once=step.once, block=step.block, serial=t.serial)
     if step.op is Op.EINSUM and step.collective is not None:
-        return _collective_matmul(index, step, mesh, sizes, hw, spans, dtype, memory_bytes, text, shared, linear)
+        return _collective_matmul(index, step, mesh, sizes, hw, spans, dtype, memory_bytes, text, shared)
     if step.op is Op.EINSUM:
         flops, model = einsum_flops(step, sizes)
         product = is_product(step)
-        timed = einsum_time(flops, memory_bytes, product, hw, rate)
+        timed = einsum_time(flops, memory_bytes, product, hw, dtype)
         # a matmul's bytes count where they outlast its FLOPs (its roofline), a product's always
         memory_bytes = memory_bytes if product or timed.memory_s > 0 else 0.0
         return StepCost(index, step.op, step.tensor, text, flops=float(flops), model_flops=float(model),
@@ -223,7 +221,7 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
         size = lambda name: _size(sizes, name)  # noqa: E731
         flops, model, executed = family.flops(step, size)
-        seconds = family.seconds(step, size, hw, rate) if family.seconds else hw.matmul_seconds(flops, rate)
+        seconds = family.seconds(step, size, hw, dtype) if family.seconds else hw.matmul_seconds(flops, dtype)
         row = StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
                        model_flops=float(model), hardware_flops=float(executed), compute_s=seconds,
                        once=step.once, block=step.block, memory_bytes=memory_bytes,
@@ -241,8 +239,7 @@ def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: 
 
 
 def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
-                       spans: Layout | None, dtype: str, memory_bytes: float, text: str, shared: bool,
-                       linear: frozenset[str] | None = None) -> StepCost:
+                       spans: Layout | None, dtype: str, memory_bytes: float, text: str, shared: bool) -> StepCost:
     """A collective matmul (:mod:`shardc.planner.collective_matmul`): its einsum in n block matmuls, one
     block of the collective's n sent on to the next device along the axis while each of the first n - 1
     runs (:func:`shardc.steptime.ring_time`: the part of the n - 1 transfers no matmul hides is exposed).
@@ -251,10 +248,9 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
     c = step.collective
     assert c is not None
     einsum = next(s for s in unfused(step) if s.op is Op.EINSUM)
-    plain = cost_step(index, einsum, mesh, sizes, hw, spans, dtype, memory_bytes, text, linear=linear)
+    plain = cost_step(index, einsum, mesh, sizes, hw, spans, dtype, memory_bytes, text)
     n = math.prod(_size(sizes, a) for a in c.axes)
-    rate = compute_dtype(einsum, dtype, linear)
-    block = einsum_time(plain.flops / n, memory_bytes / n, False, hw, rate)  # one of the n block matmuls
+    block = einsum_time(plain.flops / n, memory_bytes / n, False, hw, dtype)  # one of the n block matmuls
     compute, memory_s = n * block.compute_s, n * block.memory_s
     row = replace(plain, axes=c.axes, compute_s=compute, memory_s=memory_s,
                   memory_bytes=memory_bytes if memory_s > 0 else 0.0, ring_axes=c.axes, ring_steps=n,
@@ -302,35 +298,8 @@ def shared_rings(steps: Sequence[Step]) -> list[bool]:
 
 
 def plan_dtype(plan: Plan) -> str:
-    """The spec's element type by name (``"bf16"``, ``"f8"``): what its linear layers' einsums run at
-    (:func:`compute_dtype`)."""
+    """The spec's element type by name (``"bf16"``, ``"f8"``): what its einsums run at."""
     return plan.spec.dtype.value
-
-
-def linear_names(plan: Plan) -> frozenset[str]:
-    """The params and their gradients' names: an einsum that reads one or makes one is a linear layer's
-    (its forward, its input gradient, its weight gradient)."""
-    params = spec_params(plan.spec)
-    return params | {grad for primal, grad in plan.gradient_names if primal in params}
-
-
-def compute_dtype(step: Step, dtype: str, linear: frozenset[str] | None) -> str:
-    """The element type ``step``'s matmuls run at under the spec's ``dtype``, ``linear`` the plan's
-    :func:`linear_names` (None: every einsum at ``dtype``).
-
-    FP8 training runs only the linear layers' GEMMs in FP8: Transformer Engine's ``fp8_autocast`` casts
-    the GEMMs of its Linear modules (forward, input and weight gradients) and leaves dot-product attention
-    in BF16 unless FP8 attention is asked for, and DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3.1)
-    keeps the attention operators in BF16.  So under ``f8`` an einsum of two activations (attention's
-    scores and their product with the values, forward and backward) and a fused attention kernel run at
-    the bf16 rate; the bytes they move stay the spec's."""
-    if dtype != "f8" or linear is None:
-        return dtype
-    if step.op is Op.EINSUM:
-        names = (*(r.name for r in step.operands), step.dst.name)
-        if any(name in linear or name.rsplit("_", 1)[0] in linear for name in names):
-            return dtype
-    return "bf16"
 
 
 def describe(step: Step) -> str:
@@ -533,7 +502,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
     counts = block_counts(plan, values)
     links = plan_links(plan, hw, values, spans)[0]
-    mesh, dtype, linear = plan.spec.mesh, plan_dtype(plan), linear_names(plan)
+    mesh, dtype = plan.spec.mesh, plan_dtype(plan)
     seen = {} if memo is None else memo  # layers repeat the same steps
     update = update_seconds(plan, values, hw, counts, optimizer)
     values, repeats = microbatched(plan, values, hw.book)
@@ -542,12 +511,10 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
 
     def row(step: Step, moved: float, shared: bool) -> StepCost:
         key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
-               step.src.dims if step.src is not None else None, moved, step.ahead, step.collective, shared,
-               compute_dtype(step, dtype, linear))
+               step.src.dims if step.src is not None else None, moved, step.ahead, step.collective, shared)
         hit = seen.get(key)
         if hit is None:
-            hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="", shared=shared,
-                                        linear=linear)
+            hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="", shared=shared)
         return hit
 
     def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
@@ -584,8 +551,8 @@ def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: 
     """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
     moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses) if not hw.book else \
         [0.0] * len(steps)
-    dtype, linear = plan_dtype(plan), linear_names(plan)
-    rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared, linear=linear)
+    dtype = plan_dtype(plan)
+    rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared)
             for i, (s, b, shared) in enumerate(zip(steps, moved, shared_rings(steps), strict=True), 1))
     return tuple(replace(r, text=f"(recomputed) {r.text}", recomputed=True) if r.index in again else r for r in rows)
 

@@ -152,28 +152,6 @@ def test_an_fp8_spec_is_faster_than_bf16_on_h100_and_alike_on_a_tpu() -> None:
     assert 1.2 < hopper < 1.6  # fp8 kernels reach less of their doubled peak than bf16 ones of theirs
 
 
-ATTENTION_F8 = ("mesh X=8\ndims B=64, S=2048, T=2048, D=4096, N=32, H=128\nhardware h100\ndtype f8\n"
-                "Q[B_X, S, N, H] = In[B_X, S, D] · W_q[D, N, H]\n"
-                "Sc[B_X, N, S, T] = Q[B_X, S, N, H] · K[B_X, T, N, H]\n"
-                "O[B_X, S, N, H] = Sc[B_X, N, S, T] · V[B_X, T, N, H]\n")
-
-
-def test_under_fp8_only_the_linear_layers_run_at_the_fp8_rate() -> None:
-    """Transformer Engine's fp8_autocast and DeepSeek-V3's recipe run the linear layers' GEMMs in FP8 and
-    attention's in BF16: the scores and their product with V (two activations) at the bf16 rate, the
-    projection, its input gradient and its weight gradient at the fp8 rate."""
-    hw = get_hardware("h100")
-    report = shardc.cost(shardc.plan(shardc.parse(ATTENTION_F8)))
-    rows = [r for r in report.forward.rows + report.backward.rows if r.op is Op.EINSUM and r.flops > 0]
-    linear = [r for r in rows if "W_q" in r.text]
-    scores = [r for r in rows if "W_q" not in r.text]
-    assert len(linear) == 3 and len(scores) == 6  # forward, dIn, dW_q; QK, PV and their four gradients
-    for r in rows:
-        dtype = "f8" if r in linear else "bf16"
-        assert r.compute_s == pytest.approx(hw.matmul_seconds(r.flops, dtype)), r.text
-    assert hw.matmul_seconds(1e12, "bf16") > 1.2 * hw.matmul_seconds(1e12, "f8")  # so the two rates differ
-
-
 def test_hopper_fp8_matmuls_reach_deepgemms_measured_share_of_their_peak() -> None:
     """DeepGEMM's H800 table: its ten training-size rows (M=4096, and the grouped GEMMs) average 1,110
     TFLOPS, 56% of 1,979; its M=64 rows 272 TFLOPS, 14%."""

@@ -19,7 +19,7 @@ from shardc.hardware import Hardware
 from shardc.images import check_image_path, pyplot
 from shardc.ir.plan import Plan
 from shardc.spec.parser import MAX_SIZE
-from shardc.timing import block_counts, bound_of, cost_step, linear_names, plan_dtype, plan_links, runs, shared_rings
+from shardc.timing import block_counts, bound_of, cost_step, plan_dtype, plan_links, runs, shared_rings
 
 __all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot", "check_plot_path"]
 
@@ -84,7 +84,6 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
     out: list[SweepPoint] = []
     mesh = plan.spec.mesh
     links = plan_links(plan, hw, base, spans)[0]
-    linear = linear_names(plan)
     for k in range(points):
         value = math.exp(math.log(low) + math.log(high / low) * k / (points - 1))
         if dim in mesh.names:  # devices come whole: a mesh axis takes the nearest count, padding as XLA pads
@@ -94,8 +93,7 @@ def sweep(plan: Plan, hw: Hardware, dim: str, low: float, high: float, points: i
         counts = block_counts(plan, values)
         phases = (plan.forward, plan.recomputed + plan.backward, plan.optimizer)
         shared = [flag for steps in phases for flag in shared_rings(steps)]
-        rows = [cost_step(i, s, mesh, values, hw, links, plan_dtype(plan), shared=one, linear=linear)
-                for i, (s, one) in enumerate(
+        rows = [cost_step(i, s, mesh, values, hw, links, plan_dtype(plan), shared=one) for i, (s, one) in enumerate(
             zip(plan.forward + plan.recomputed + plan.backward + plan.optimizer, shared, strict=True))]
         times = [runs(r.once, r.block, counts) for r in rows]
         compute = math.fsum(r.compute_s * n for r, n in zip(rows, times, strict=True))

@@ -35,7 +35,7 @@ from shardc.fusion import is_product
 from shardc.hardware import Hardware
 from shardc.ir.plan import Op, Plan, Sections, Step
 from shardc.ir.spec import TensorRef
-from shardc.timing import cost_step, linear_names, plan_dtype, plan_links, plan_sizes, shared_rings
+from shardc.timing import cost_step, plan_dtype, plan_links, plan_sizes, shared_rings
 
 __all__ = ["fuse_collective_matmuls", "ring_dim"]
 
@@ -130,10 +130,10 @@ def _faster(plan: Plan, fused: list[Step], plain: list[Step]) -> bool:
     hw: Hardware = plan.chip
     sizes = plan_sizes(plan)
     links = plan_links(plan, hw, sizes)[0]
-    dtype, linear = plan_dtype(plan), linear_names(plan)
+    dtype = plan_dtype(plan)
 
     def seconds(step: Step, shared: bool) -> float:
-        row = cost_step(0, step, plan.spec.mesh, sizes, hw, links, dtype, text="", shared=shared, linear=linear)
+        row = cost_step(0, step, plan.spec.mesh, sizes, hw, links, dtype, text="", shared=shared)
         return row.compute_s + row.memory_s + row.exposed_comm_s + (row.comm_s if row.is_collective else 0.0)
 
     return math.fsum(map(seconds, fused, shared_rings(fused))) < math.fsum(map(seconds, plain, shared_rings(plain)))
