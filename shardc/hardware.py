@@ -37,6 +37,20 @@ from dataclasses import dataclass, fields, replace
 from shardc.errors import ShardcError, clip
 from shardc.files import read_text
 from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, Mesh, Network, Spec
+from shardc.kernel_rates import (
+    A100_ATTENTION_BACKWARD,
+    A100_ATTENTION_FORWARD,
+    A100_MATMULS,
+    B200_ATTENTION_BACKWARD,
+    B200_ATTENTION_FORWARD,
+    B200_MATMULS,
+    H100_ATTENTION_BACKWARD,
+    H100_ATTENTION_FORWARD,
+    H100_MATMULS,
+    HOPPER_F8_MATMULS,
+    KERNELS,
+    TPU_MATMULS,
+)
 
 __all__ = ["Hardware", "PRESETS", "KERNELS", "DEFAULT", "BUCKET_BYTES", "MODELS", "check_model", "get_hardware",
            "load_hardware_file", "resolve_hardware", "chip_for",
@@ -273,111 +287,6 @@ def check_model(model: object) -> None:
         raise ShardcError(f"unknown cost model {clip(repr(model))}", fix="use model='chip' or model='book'")
 
 
-def _points(peak: float, measured: tuple[tuple[int, int, int, int, float], ...]) -> tuple[tuple[float, float], ...]:
-    """(FLOPs, fraction of ``peak``) of measured matmuls given as (batch, m, n, k, achieved FLOPs/s)."""
-    return tuple(sorted((2.0 * b * m * n * k, rate / peak) for b, m, n, k, rate in measured))
-
-
-def _averaged(peak: float, classes: tuple[tuple[tuple[int, int, int, int, float], ...], ...]
-              ) -> tuple[tuple[float, float], ...]:
-    """One point a class of measured matmuls (batch, m, n, k, FLOPs/s): their FLOPs' geometric mean and
-    the mean of their fractions of ``peak``.  A table whose rows at one m span several times the FLOPs
-    with rates tens of percent apart by n and k has no single curve in FLOPs; its mean per m has."""
-    out = []
-    for rows in classes:
-        flops = [2.0 * b * m * n * k for b, m, n, k, _ in rows]
-        out.append((math.exp(math.fsum(map(math.log, flops)) / len(flops)),
-                    math.fsum(rate for *_, rate in rows) / (len(rows) * peak)))
-    return tuple(sorted(out))
-
-
-# H100 SXM (sm_90), bf16, measured by the OpenXLA authors: the default matmul performance table of XLA's
-# GPU cost model (xla/service/gpu/model/matmul_interpolator_data.h, "sm_90", bf16xbf16->bf16 entries).
-# The same die (GH100) runs the H200 and the H800.
-_H100_MATMULS = _points(9.89e14, ((1, 256, 512, 256, 1.1459846994535e13), (1, 1024, 1024, 512, 1.45572373101952e14),
-                                  (4, 1024, 1024, 1024, 4.89845722627737e14), (1, 2048, 2048, 2048, 6.3198459329017e14),
-                                  (1, 4096, 4096, 4096, 7.83328793548203e14),
-                                  (2, 4096, 4096, 4096, 8.0767101419194e14)))
-# H800 (GH100, the H100's die), fp8 with DeepSeek-V3's fine-grained scaling (1x128 and 128x128 blocks,
-# partial sums promoted on the CUDA cores): DeepGEMM's README (github.com/deepseek-ai/DeepGEMM, "Performance",
-# NVCC 12.8), every shape of DeepSeek-V3's layers: its normal GEMMs at M = 64, 128 and 4096, and its grouped
-# GEMMs for MoE (contiguous layout, as a training forward runs them) with 4096 or 8192 rows a group, averaged
-# by M (:func:`_averaged`) over the 1,979 TFLOPS dense fp8 peak.  Large fp8 matmuls reach 56% of it where
-# bf16 ones reach 80% of theirs.
-_HOPPER_F8_MATMULS = _averaged(1.979e15, (
-    ((1, 64, 2112, 7168, 206e12), (1, 64, 24576, 1536, 289e12), (1, 64, 32768, 512, 219e12),
-     (1, 64, 7168, 16384, 336e12), (1, 64, 4096, 7168, 287e12), (1, 64, 7168, 2048, 295e12)),
-    ((1, 128, 2112, 7168, 352e12), (1, 128, 24576, 1536, 535e12), (1, 128, 32768, 512, 358e12),
-     (1, 128, 7168, 16384, 645e12), (1, 128, 4096, 7168, 533e12), (1, 128, 7168, 2048, 510e12)),
-    ((1, 4096, 2112, 7168, 1058e12), (1, 4096, 24576, 1536, 990e12), (1, 4096, 32768, 512, 590e12),
-     (1, 4096, 7168, 16384, 1358e12), (1, 4096, 4096, 7168, 1304e12), (1, 4096, 7168, 2048, 1025e12),
-     (4, 8192, 4096, 7168, 1297e12), (4, 8192, 7168, 2048, 1099e12), (8, 4096, 4096, 7168, 1288e12),
-     (8, 4096, 7168, 2048, 1093e12))))
-# B200 (sm_100), bf16, the same XLA table ("sm_100" entries of xla/backends/gpu/cost_model/
-# matmul_interpolator_data.h), over the HGX B200's dense bf16 peak.
-_B200_MATMULS = _points(2.25e15, ((1, 256, 256, 256, 6.765006451612e12), (1, 512, 512, 512, 4.8480306303052e13),
-                                  (1, 1024, 1024, 4096, 6.75256237088279e14),
-                                  (1, 2048, 2048, 2048, 9.85762519164562e14),
-                                  (1, 4096, 4096, 4096, 1.416867213789406e15)))
-# A100 SXM: one measured figure, the maximum achievable matmul FLOPs of Stas Bekman's ml-engineering
-# (compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table": 267.9 of 312
-# TFLOPS, 85.9%, best shape 6912x16384x2048, CUDA 12.1).
-_A100_MATMULS = _points(3.12e14, ((1, 6912, 16384, 2048, 2.679e14),))
-# TPU v5e, bf16: XLA's jnp.matmul in the JAX Pallas TPU matmul guide (docs/pallas/tpu/matmul.ipynb, "XLA
-# matmul": 4096^3 84.33%, 8192^3 92.30% of 197 TFLOPS).  Its 1024^3 point (9.1%) times one Python dispatch
-# per matmul, which a compiled training step does not pay, so it is left out.  No such measurement of
-# v4, v5p or v6e is cited (Cloud TPU's pages and the TPU v4 paper give peaks, MaxText and PaLM whole-model
-# MFU); they use v5e's (the same 128x128 MXU design, v6e's 256x256).  benchmarks/fidelity.py's v4 and v5p
-# runs come out 12-15% fast with it, their compute at 92% of peak where the published MFU implies about 78%.
-_TPU_MATMULS = _points(1.97e14, ((1, 4096, 4096, 4096, 1.6613153396399134e14),
-                                 (1, 8192, 8192, 8192, 1.8182317539503744e14)))
-
-
-def _kernel(peak: float, measured: tuple[tuple[int, float], ...]) -> tuple[tuple[float, float], ...]:
-    """(keys, fraction of ``peak``) of a fused attention kernel measured as (sequence length, FLOPs/s), its
-    FLOPs counted as FlashAttention's benchmarks count them (4 B S^2 N H a forward, halved where causal, the
-    backward 2.5 times the forward): the count :mod:`shardc.ops.attention` prices."""
-    return tuple((float(keys), rate / peak) for keys, rate in measured)
-
-
-# The attention kernel each GPU preset runs: the fastest widely available one for the chip, head dim 128.
-# H100 SXM: FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, section 4.1, the figures "Attention forward
-# speed, head dim 128 (H100 80GB SXM5)", causal, and "Attention backward speed, head dim 128", the paper's
-# backward figures being without the mask), TFLOP/s by sequence length 512..16k, batch x length 16k tokens;
-# at 1k and over it is ahead of cuDNN's, at 512 within 8% of it (cuDNN 315 forward, 305 backward).  The H200 and
-# the H800 run the same die and kernel.
-_H100_ATTENTION_FORWARD = _kernel(9.89e14, ((512, 292e12), (1024, 423e12), (2048, 521e12), (4096, 579e12),
-                                            (8192, 602e12), (16384, 616e12)))
-_H100_ATTENTION_BACKWARD = _kernel(9.89e14, ((512, 316e12), (1024, 424e12), (2048, 501e12), (4096, 542e12),
-                                             (8192, 559e12), (16384, 561e12)))
-# A100: FlashAttention-2 (Dao 2023, arXiv 2307.08691, section 1 and 4.1): "up to 73% of the theoretical max
-# throughput in the forward pass, and up to 63% ... in the backward pass", its best settings (long
-# sequences); one point each, so shorter sequences are priced at that rate too.
-_A100_ATTENTION_FORWARD = ((16384.0, 0.73),)
-_A100_ATTENTION_BACKWARD = ((16384.0, 0.63),)
-# B200 (sm_100): FlashAttention-4, the CuTe DSL kernel of the flash-attention repository (Dao-AILab/
-# flash-attention pull request 2280, its benchmark: head dim 128, causal, sequence length 8192, batch 4):
-# forward 1418.1 TFLOP/s, backward 1208.6 (the 2-CTA path), over the HGX B200's dense bf16 peak.
-_B200_ATTENTION_FORWARD = _kernel(2.25e15, ((8192, 1418.1e12),))
-_B200_ATTENTION_BACKWARD = _kernel(2.25e15, ((8192, 1208.6e12),))
-# TPUs: no published per-chip measurement of the Pallas flash or splash attention kernels is cited, so their
-# attention runs at the matmul rate (no attention points).
-# FlashAttention-2 on the H100 SXM: the same figures of the FlashAttention-3 paper (its FlashAttention-2 bars,
-# head dim 128, causal forward and backward), TFLOP/s by sequence length 512..16k.
-_H100_FLASH2_FORWARD = _kernel(9.89e14, ((512, 191e12), (1024, 260e12), (2048, 298e12), (4096, 319e12),
-                                         (8192, 333e12), (16384, 335e12)))
-_H100_FLASH2_BACKWARD = _kernel(9.89e14, ((512, 214e12), (1024, 260e12), (2048, 291e12), (4096, 310e12),
-                                          (8192, 318e12), (16384, 322e12)))
-_HOPPER_KERNELS = {"flash3": (_H100_ATTENTION_FORWARD, _H100_ATTENTION_BACKWARD),
-                   "flash2": (_H100_FLASH2_FORWARD, _H100_FLASH2_BACKWARD)}
-# The attention kernels a preset has measured rates of, by the `attention_kernel` line's name: (forward,
-# backward) points as attention_forward and attention_backward take them; the first is the preset's own.
-KERNELS: dict[str, dict[str, tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]]] = {
-    "h100": _HOPPER_KERNELS, "h200": _HOPPER_KERNELS, "h800": _HOPPER_KERNELS,
-    "a100": {"flash2": (_A100_ATTENTION_FORWARD, _A100_ATTENTION_BACKWARD)},
-    "b200": {"flash4": (_B200_ATTENTION_FORWARD, _B200_ATTENTION_BACKWARD)},
-}
-
 # NCCL's measured AllReduce bus bandwidth inside an 8xH100 node, SHARP off, is close to 370 GB/s of
 # NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
 # figure); the H200 has the same NVLink 4 and NVSwitch
@@ -442,17 +351,17 @@ PRESETS: dict[str, Hardware] = {
         # jax/_src/pallas/mosaic/tpu_info.py: fp8 "Not Available" on v4, v5e and v5p, v6e's fp8 rate
         # equal to its bf16 rate), so f8 runs at C.
         Hardware("tpu-v4p", 2.75e14, 4.5e10, 32e9, 1.2e12, 6.25e9, description="TPU v4p, 3D torus",
-                 torus_side=16, torus_dims=3, matmul_efficiency=_TPU_MATMULS),
+                 torus_side=16, torus_dims=3, matmul_efficiency=TPU_MATMULS),
         # DCN: Cloud TPU's v5e page, 6.4 Tbps of data-center network a 256-chip pod (2 x 100 Gbps NICs a
         # host of 8 chips): 25 Gbps = 3.125e9 bytes/s a chip
         Hardware("tpu-v5e", 1.97e14, 4.5e10, 16e9, 8.1e11, 3.125e9, description="TPU v5e, 2D torus",
-                 torus_side=16, torus_dims=2, matmul_efficiency=_TPU_MATMULS),
+                 torus_side=16, torus_dims=2, matmul_efficiency=TPU_MATMULS),
         Hardware("tpu-v5p", 4.59e14, 9e10, 96e9, 2.8e12, 6.25e9, description="TPU v5p, 3D torus",
-                 torus_side=16, torus_dims=3, matmul_efficiency=_TPU_MATMULS),
+                 torus_side=16, torus_dims=3, matmul_efficiency=TPU_MATMULS),
         # DCN: Cloud TPU's v6e page, 25.6 Tbps a 256-chip pod (4 x 200 Gbps NICs a host of 8 chips):
         # 100 Gbps = 1.25e10 bytes/s a chip
         Hardware("tpu-v6e", 9.2e14, 9e10, 32e9, 1.64e12, 1.25e10, description="TPU v6e, 2D torus",
-                 torus_side=16, torus_dims=2, matmul_efficiency=_TPU_MATMULS),
+                 torus_side=16, torus_dims=2, matmul_efficiency=TPU_MATMULS),
         # GPUs: ici_bandwidth is half the data sheet's total bidirectional NVLink figure (H100 900 GB/s),
         # dcn_bandwidth the node's InfiniBand NIC a GPU (DGX H100: 8 ConnectX-7 at 400 Gb/s = 5e10 B/s).
         # H100 SXM data sheet: 989 TFLOPS bf16 and 1,979 fp8 dense (half the sparsity figures), 80 GB, 3.35 TB/s.
@@ -460,16 +369,16 @@ PRESETS: dict[str, Hardware] = {
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
-                 flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS, matmul_efficiency_f8=_HOPPER_F8_MATMULS,
-                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD,
+                 flops_f8=1.979e15, matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
+                 attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD,
                  sms=132, collective_sms=_NCCL_CHANNELS),  # 132 SMs: NVIDIA's H100 architecture whitepaper, SXM5
         # H200 data sheet: the H100's compute (its 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
-                 description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=_H100_MATMULS,
-                 matmul_efficiency_f8=_HOPPER_F8_MATMULS, attention_forward=_H100_ATTENTION_FORWARD,
-                 attention_backward=_H100_ATTENTION_BACKWARD,
+                 description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=H100_MATMULS,
+                 matmul_efficiency_f8=HOPPER_F8_MATMULS, attention_forward=H100_ATTENTION_FORWARD,
+                 attention_backward=H100_ATTENTION_BACKWARD,
                  sms=132, collective_sms=_NCCL_CHANNELS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
@@ -478,8 +387,8 @@ PRESETS: dict[str, Hardware] = {
         Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4, host_adam_rate=_HOST_ADAM_8,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
-                 matmul_efficiency=_A100_MATMULS, attention_forward=_A100_ATTENTION_FORWARD,
-                 attention_backward=_A100_ATTENTION_BACKWARD,
+                 matmul_efficiency=A100_MATMULS, attention_forward=A100_ATTENTION_FORWARD,
+                 attention_backward=A100_ATTENTION_BACKWARD,
                  sms=108, collective_sms=_NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
         # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached).
@@ -489,8 +398,8 @@ PRESETS: dict[str, Hardware] = {
                  nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
-                 matmul_efficiency=_H100_MATMULS, matmul_efficiency_f8=_HOPPER_F8_MATMULS,
-                 attention_forward=_H100_ATTENTION_FORWARD, attention_backward=_H100_ATTENTION_BACKWARD),
+                 matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
+                 attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD),
         # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it); its
         # NVSwitch reduces too, but no B200 NVLS figure is cited (8 B300: 845 GB/s AllReduce bus bandwidth with
         # NVLS against 695 without, NVIDIA/nccl issue 2140), so its AllReduce is costed as a ring
@@ -499,8 +408,8 @@ PRESETS: dict[str, Hardware] = {
         Hardware("b200", 2.25e15, 9e11, 180e9, 7.7e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  dcn_efficiency=_NCCL_NDR,
                  description="B200 (HGX): NVLink 5 within a node of 8, InfiniBand across", flops_f8=4.5e15,
-                 matmul_efficiency=_B200_MATMULS, attention_forward=_B200_ATTENTION_FORWARD,
-                 attention_backward=_B200_ATTENTION_BACKWARD),
+                 matmul_efficiency=B200_MATMULS, attention_forward=B200_ATTENTION_FORWARD,
+                 attention_backward=B200_ATTENTION_BACKWARD),
     )
 }
 

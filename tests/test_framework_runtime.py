@@ -182,8 +182,9 @@ def test_an_attention_kernel_line_runs_that_kernel_at_its_measured_rate() -> Non
     assert spec.attention_kernel == "flash2" and shardc.parse(str(spec)) == spec
     flops, best = _kernel_row(ATTENTION)
     same, flash2 = _kernel_row(_with(ATTENTION, "attention_kernel flash2"))
-    # 4096 keys a call: FlashAttention-3's causal forward 579 TFLOP/s, FlashAttention-2's 319 (the FA3 paper)
-    assert same == flops and best == pytest.approx(flops / 579e12) and flash2 == pytest.approx(flops / 319e12)
+    # 4096 keys a call: FlashAttention-3's causal forward 579 TFLOP/s (its paper), FlashAttention-2's 314.06
+    # (PyTorch's SDPA flash backend, causal, as cudnn-frontend's benchmark measured it)
+    assert same == flops and best == pytest.approx(flops / 579e12) and flash2 == pytest.approx(flops / 314.06e12)
     assert _kernel_row(_with(ATTENTION, "attention_kernel flash3"))[1] == pytest.approx(best)
     with pytest.raises(ShardcError, match="unknown attention_kernel"):
         shardc.parse(_with(ATTENTION, "attention_kernel triton"))
