@@ -11,13 +11,13 @@ import pytest
 import shardc
 from shardc.cli.main import main
 from shardc.collectives import Op
+from shardc.costmodel.heap import packed
 from shardc.costmodel.phase_memory import (
     Buffers,
     _Copies,
     _layout_copies,
     _lifetimes,
     _made_at,
-    _packed,
     _remade_outputs,
     _ring_buffers,
     _slot_rows,
@@ -170,9 +170,9 @@ def test_temporaries_are_the_heap_they_pack_into_not_the_peak_of_their_sum() -> 
     # third 2-byte value finds only a 1-byte gap below the others and goes on top: a 7-byte heap
     spans = [(0, 2, 2.0), (3, 3, 3.0), (1, 3, 2.0), (2, 2, 2.0)]
     assert max(sum(n for a, b, n in spans if a <= t <= b) for t in range(4)) == 6
-    assert _packed(spans) == 7
-    assert _packed([(0, 1, 4.0), (2, 3, 4.0)]) == 4  # values alive apart share their bytes
-    assert _packed([]) == 0
+    assert packed(spans) == 7
+    assert packed([(0, 1, 4.0), (2, 3, 4.0)]) == 4  # values alive apart share their bytes
+    assert packed([]) == 0
 
 
 def test_a_dot_operand_not_batch_major_is_copied() -> None:
