@@ -231,8 +231,11 @@ def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[Te
     another operand is read in place.  With ``ring_blocks_first`` (XLA's CPU backend, nothing to hide)
     every block of the other operands is sliced into a buffer of its own as soon as the operand is there
     (``since``: the step a value is made at, or the phase's start) and lives to its block matmul; an
-    operand ``dying`` at the ring dies into its blocks (they add their padding to its own bytes, and at
-    the ring's last block only that block is left of it).  The n block matmuls run before their products
+    operand ``dying`` at the ring dies into its blocks: they add their padding to its own bytes, and at
+    the ring's last block only that block is left of it, but it dies only when the last is sliced, each
+    block a fusion's result in a buffer of its own (a slice is never made in its operand's place), so it
+    is alive beside all n at the step before the ring (``fsdp_tp.shard``'s backward at 16x its sizes:
+    the gathered W_in beside its four blocks for dIn's ring, XLA's peak).  The n block matmuls run before their products
     are added up or sent around: all n products are alive at the last (where the result keeps the gathered
     index, each block's product is written into it as the next is made: two alive), beside the last
     block's slices and the received block it reads."""
@@ -247,9 +250,10 @@ def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[Te
     if not copies.buffers.ring_blocks_first:
         return [(k, k, min(2, n - 1) * received_block + rounded(product))]
     blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in _ring_sliced(step)}
-    # a value the ring reads last dies into its blocks: they add only their padding to its own bytes
+    # a value the ring reads last dies into its blocks: beyond the last slice they add only their padding
     freed = {ref: rounded(copies.nbytes(ref)) if ref in dying else 0.0 for ref in blocks}
     spans: list[Span] = [(since[ref], k - 1, n * blocks[ref] - freed[ref]) for ref in blocks if since.get(ref, k) < k]
+    spans += [(k - 1, k - 1, freed[ref]) for ref in blocks if since.get(ref, k) < k and freed[ref]]  # the last slice
     at_start = sum(n * blocks[ref] - freed[ref] for ref in blocks) + min(2, n - 1) * received_block
     at_last = (2 if keeps else n) * rounded(product) + sum(blocks[ref] - freed[ref] for ref in blocks) + received_block
     return spans + [(k, k, max(at_start, at_last))]

@@ -70,7 +70,10 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # - it runs a collective matmul's unrolled ring with nothing to hide: the other operands' blocks are
 #   sliced into buffers as soon as the operand is there, and every block matmul runs before the products
 #   are added up or sent around (tp.shard's backward at 16x its sizes: 86 kB of temporaries, four 12 kB
-#   products of dTmp's ring beside W_in's four 6 kB blocks);
+#   products of dTmp's ring beside W_in's four 6 kB blocks); each block is a dynamic-slice fusion's result
+#   in a buffer of its own, sliced one after another, so an operand the ring reads last (a gathered weight)
+#   is alive beside all its blocks at the last slice (fsdp_tp.shard's backward at 16x its sizes: the
+#   gathered W_in, 24 kB, beside its four 6 kB blocks at XLA's peak);
 # - a cumulative sum (a routing's slots, counted along the tokens) is a reduce-window its reduce-window
 #   rewriter runs as a scan in blocks of 16 elements, the dim padded up to a multiple of 16: the counts
 #   copied into the blocks and the blocks' running sums, beside the counts (moe_dispatch.shard at
