@@ -23,7 +23,7 @@ from shardc.costmodel.phase_memory import (
     _slot_rows,
     phase_memory,
 )
-from shardc.ir.plan import Plan
+from shardc.ir.plan import Plan, backward_program
 from shardc.ir.spec import TensorRef
 from shardc.timing import local_elements
 from shardc.verification.memory_check import check_plan_memory, render_memory
@@ -65,6 +65,23 @@ def test_a_reduce_scatter_runs_at_its_step_and_an_allreduce_ahead_at_the_end() -
     _, last = _lifetimes(dense)
     (reduce,) = (s for s in dense if s.op is Op.ALL_REDUCE)
     assert reduce.ahead and reduce.src is not None and last[reduce.src] == len(dense)
+
+
+def test_a_product_read_twice_keeps_its_operands_to_its_last_reader_where_fusion_makes_it_again() -> None:
+    """vocab_parallel.shard's backward: dN_t1 = dN · W_norm is read by dN_t1_dot and by dE; XLA's fusion
+    makes it again inside dE's, so dN lives to dE, in a buffer of its own beside dN_t1."""
+    plan = shardc.plan(shardc.parse((EXAMPLES / "vocab_parallel.shard").read_text()))
+    steps = backward_program(plan)
+    names = [s.dst.name for s in steps]
+    product = steps[names.index("dN_t1")]
+    dn = next(r for r in product.operands if r.name == "dN")
+    _, once = _lifetimes(steps)
+    _, again = _lifetimes(steps, products_again=True)
+    assert (once[dn], again[dn]) == (names.index("dN_t1"), names.index("dE"))
+    sizes = {"B": 8, "S": 16, "V": 64, "D": 32, "Y": 4, "X": 8}
+    plain, remade = (phase_memory(plan, sizes, F32, Buffers(products_again=flag))[1].temporaries
+                     for flag in (False, True))
+    assert remade - plain == 8 // 4 * 16 * 32 * F32  # dN[B_Y, S, D], no longer dN_t1's buffer
 
 
 def test_a_gathered_argument_is_alive_from_the_phase_start() -> None:

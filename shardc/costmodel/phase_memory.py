@@ -81,7 +81,9 @@ class Buffers:
     (:func:`_ring_buffers`).  ``scan_block``: a cumulative sum (a routing's slots) runs as a scan in
     blocks of this many elements along its dim, padded up to a multiple of it: the counts copied into
     the blocks and each block's running sums, two arrays of the padded shape beside the counts, where a
-    chip's scan holds the counts and the sums (0)."""
+    chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps
+    is made again by each later reader's fusion, so its operands live to its last reader
+    (:func:`_lifetimes`)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -90,6 +92,7 @@ class Buffers:
     attention_loop: bool = False
     ring_blocks_first: bool = False
     scan_block: int = 0
+    products_again: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -171,7 +174,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     start, its result alive from there: a latency-hiding scheduler starts a collective as soon as its
     operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
     together before the unit runs (Zhao et al. 2023, PyTorch FSDP, prefetching)."""
-    readers, last = _lifetimes(steps)
+    readers, last = _lifetimes(steps, copies.buffers.products_again)
     start = _made_at(steps)
     deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
     buffers: dict[TensorRef, list[float]] = {}  # value -> [first step, last step, bytes]
@@ -329,7 +332,8 @@ def _remade_outputs(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     return spans
 
 
-def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], dict[TensorRef, int]]:
+def _lifetimes(steps: tuple[Step, ...], products_again: bool = False
+               ) -> tuple[dict[TensorRef, list[Step]], dict[TensorRef, int]]:
     """Per value the steps that read it, and the last step it is alive at.
 
     An AllReduce the plan issues ahead of time (off the critical path) runs after the phase's last
@@ -338,7 +342,11 @@ def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], di
     made: its point is to free the unsharded gradient (ZeRO stage 2, Rajbhandari et al. 2020, reduces
     each bucket as soon as its gradients are ready; PyTorch FSDP reduce-scatters each unit's in its
     backward), and a chain that gathers its result again (a gradient sliced, reduce-scattered and
-    gathered) runs through at once."""
+    gathered) runs through at once.  With ``products_again``, a product (one multiply an element) read
+    by several steps is made once for its first reader and again inside the fusion of each later one,
+    as XLA's instruction fusion duplicates a cheap producer into its consumers: its operands live to its
+    last reader (``vocab_parallel.shard``'s backward at 16x its sizes: dN, all-reduced, alive to the
+    fusion making dE, which multiplies it by W_norm again, beside dN · W_norm and the normalised E)."""
     readers: dict[TensorRef, list[Step]] = {}
     last: dict[TensorRef, int] = {}
     for k, step in enumerate(steps):
@@ -347,6 +355,10 @@ def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], di
             last[ref] = k
         if step.ahead and step.src is not None and step.op is Op.ALL_REDUCE:
             last[step.src] = len(steps)
+    for step in steps if products_again else ():
+        if is_product(step) and len(readers.get(step.dst, [])) > 1:
+            for ref in _reads(step):  # each reader's fusion multiplies them again
+                last[ref] = max(last.get(ref, 0), last[step.dst])
     return readers, last
 
 
