@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from math import prod
 
 from shardc.collectives import Op
+from shardc.costmodel.heap import Span, outside_outputs, packed
+from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.memory import residual_table
 from shardc.fusion import fusible, is_product, kept_values
 from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
@@ -70,14 +72,18 @@ class Buffers:
     ``masks_per_dot``: a routing mask (a route's result, or a product with one) that a dot reads is
     made again for that dot, in a buffer of its own alive from the route to the dot, as a fusion
     that recomputes a cheap producer for each consumer does.
-    ``attention_loop``: a fused attention kernel is the lowered module's loop over key blocks, its on-chip
-    state held in memory as a backend with no scratchpad (SRAM, VMEM) runs it (:func:`_loop_state`), not
-    FlashAttention-2 (:func:`_flash_workspace`).  ``ring_blocks_first``: a collective matmul's ring, unrolled,
-    has its block matmuls made before they are combined and its operands' blocks sliced into buffers of their
-    own, as a scheduler with no latency to hide runs them (:func:`_ring_buffers`).  ``scan_block``: a
-    cumulative sum (a routing's slots) runs as a scan in blocks of this many elements along its dim, padded
-    up to a multiple of it: the counts copied into the blocks and each block's running sums, two arrays of
-    the padded shape beside the counts, where a chip's scan holds the counts and the sums (0)."""
+    ``attention_loop``: a fused attention kernel is the lowered module's loop over key blocks, its
+    on-chip state held in memory as a backend with no scratchpad (SRAM, VMEM) runs it
+    (:func:`shardc.costmodel.kernel_memory.loop_state`), not FlashAttention-2
+    (:func:`shardc.costmodel.kernel_memory.flash_workspace`).  ``ring_blocks_first``: a collective
+    matmul's ring, unrolled, has its block matmuls made before they are combined and its operands'
+    blocks sliced into buffers of their own, as a scheduler with no latency to hide runs them
+    (:func:`_ring_buffers`).  ``scan_block``: a cumulative sum (a routing's slots) runs as a scan in
+    blocks of this many elements along its dim, padded up to a multiple of it: the counts copied into
+    the blocks and each block's running sums, two arrays of the padded shape beside the counts, where a
+    chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps
+    is made again by each later reader's fusion, so its operands live to its last reader
+    (:func:`_lifetimes`)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -86,6 +92,7 @@ class Buffers:
     attention_loop: bool = False
     ring_blocks_first: bool = False
     scan_block: int = 0
+    products_again: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -148,16 +155,14 @@ def _total(refs: list[TensorRef], nbytes: Callable[[TensorRef], float]) -> float
     return sum(nbytes(ref) for ref in dict.fromkeys(refs))
 
 
-Span = tuple[int, int, float]  # a value's first step, last step and bytes
-
-
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
                  nbytes: Callable[[TensorRef], float], copies: _Copies) -> tuple[float, float]:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``, and of them the copies
     of arguments made first (:attr:`Buffers.arguments_first`): the heap they pack into, each at an offset
-    of its own among those alive with it (:func:`_packed`; at least the most alive at one of ``steps``),
-    an output counted from the step that makes it (before, the buffer of one a reduction or a gather makes
-    holds others, :func:`_outside_outputs`), less the outputs.
+    of its own among those alive with it (:func:`shardc.costmodel.heap.packed`; at least the most alive
+    at one of ``steps``), an output counted from the step that makes it (before, the buffer of one a
+    reduction or a gather makes holds others, :func:`shardc.costmodel.heap.outside_outputs`), less the
+    outputs.
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
@@ -169,7 +174,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     start, its result alive from there: a latency-hiding scheduler starts a collective as soon as its
     operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
     together before the unit runs (Zhao et al. 2023, PyTorch FSDP, prefetching)."""
-    readers, last = _lifetimes(steps)
+    readers, last = _lifetimes(steps, copies.buffers.products_again)
     start = _made_at(steps)
     deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
     buffers: dict[TensorRef, list[float]] = {}  # value -> [first step, last step, bytes]
@@ -212,8 +217,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
-    heap = _outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
-    return _packed(heap), sum(n for _, _, n in early.values())
+    heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
+    return packed(heap), sum(n for _, _, n in early.values())
 
 
 def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[TensorRef],
@@ -229,8 +234,11 @@ def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[Te
     another operand is read in place.  With ``ring_blocks_first`` (XLA's CPU backend, nothing to hide)
     every block of the other operands is sliced into a buffer of its own as soon as the operand is there
     (``since``: the step a value is made at, or the phase's start) and lives to its block matmul; an
-    operand ``dying`` at the ring dies into its blocks (they add their padding to its own bytes, and at
-    the ring's last block only that block is left of it).  The n block matmuls run before their products
+    operand ``dying`` at the ring dies into its blocks: they add their padding to its own bytes, and at
+    the ring's last block only that block is left of it, but it dies only when the last is sliced, each
+    block a fusion's result in a buffer of its own (a slice is never made in its operand's place), so it
+    is alive beside all n at the step before the ring (``fsdp_tp.shard``'s backward at 16x its sizes:
+    the gathered W_in beside its four blocks for dIn's ring, XLA's peak).  The n block matmuls run before their products
     are added up or sent around: all n products are alive at the last (where the result keeps the gathered
     index, each block's product is written into it as the next is made: two alive), beside the last
     block's slices and the received block it reads."""
@@ -245,9 +253,10 @@ def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[Te
     if not copies.buffers.ring_blocks_first:
         return [(k, k, min(2, n - 1) * received_block + rounded(product))]
     blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in _ring_sliced(step)}
-    # a value the ring reads last dies into its blocks: they add only their padding to its own bytes
+    # a value the ring reads last dies into its blocks: beyond the last slice they add only their padding
     freed = {ref: rounded(copies.nbytes(ref)) if ref in dying else 0.0 for ref in blocks}
     spans: list[Span] = [(since[ref], k - 1, n * blocks[ref] - freed[ref]) for ref in blocks if since.get(ref, k) < k]
+    spans += [(k - 1, k - 1, freed[ref]) for ref in blocks if since.get(ref, k) < k and freed[ref]]  # the last slice
     at_start = sum(n * blocks[ref] - freed[ref] for ref in blocks) + min(2, n - 1) * received_block
     at_last = (2 if keeps else n) * rounded(product) + sum(blocks[ref] - freed[ref] for ref in blocks) + received_block
     return spans + [(k, k, max(at_start, at_last))]
@@ -267,31 +276,6 @@ def _ring_sliced(step: Step) -> list[TensorRef]:
     index = _ring_index(step)
     return [ref for ref in step.operands
             if not (c.op is Op.ALL_GATHER and ref == c.src) and index in [d.name for d in ref.dims]]
-
-
-def _packed(spans: list[Span]) -> float:
-    """The bytes of one heap holding every span (first step, last step, bytes) at an offset of its own
-    among those alive with it, as XLA's heap simulator packs a program's temporaries: largest first
-    (or longest-lived first, whichever packs smaller), each in the smallest gap left free by those
-    already placed and alive with it that fits it (best fit), else above them (Wilson et al. 1995's
-    best fit; XLA's ``GlobalDecreasingSizeBestFitHeap``, spatial and temporal orders)."""
-    def size(order: list[Span]) -> float:
-        placed: list[tuple[int, int, float, float]] = []  # first, last, offset, bytes
-        top = 0.0
-        for a, b, n in order:
-            busy = sorted((o, o + m) for c, d, o, m in placed if not (d < a or c > b))
-            gaps, at = [], 0.0
-            for lo, hi in busy:
-                if lo - at >= n:
-                    gaps.append((lo - at, at))
-                at = max(at, hi)
-            offset = min(gaps)[1] if gaps else at
-            placed.append((a, b, offset, n))
-            top = max(top, offset + n)
-        return top
-    spatial = sorted(spans, key=lambda s: (-s[2], s[0] - s[1]))
-    temporal = sorted(spans, key=lambda s: (s[0] - s[1], -s[2]))
-    return min(size(spatial), size(temporal))
 
 
 def _made_at(steps: tuple[Step, ...]) -> list[int]:
@@ -348,32 +332,8 @@ def _remade_outputs(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     return spans
 
 
-def _outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list[Span]:
-    """The ``spans`` (first step, last step, bytes) that find no room in the buffer of one of ``outputs``
-    (the step making it, its bytes).
-
-    XLA's buffer assignment puts a value, largest first, in an allocation it fits that holds nothing
-    alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) or an
-    AllGather makes is free until the collective, which writes it whole (a reduction runs in its
-    operand's buffer; in ``residual_blocks.shard``'s backward a weight gradient's unsliced dot and its
-    slice sit in the buffer its AllGather fills); an output any other step writes has an allocation of
-    its own, shared with nothing (in the compiled examples' buffer assignment: a vocab-parallel
-    embedding's partial sum, a remade routing mask, or a value before an AllToAll, whose pieces are
-    concatenated into its result, never sits in a later output's)."""
-    hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
-    taken: list[list[tuple[int, int]]] = [[] for _ in hosts]
-    rest = []
-    for first, last, size in sorted(spans, key=lambda s: -s[2]):
-        for k, (made, room) in enumerate(hosts):
-            if size <= room and last < made and all(last < a or first > b for a, b in taken[k]):
-                taken[k].append((first, last))
-                break
-        else:
-            rest.append((first, last, size))
-    return rest
-
-
-def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], dict[TensorRef, int]]:
+def _lifetimes(steps: tuple[Step, ...], products_again: bool = False
+               ) -> tuple[dict[TensorRef, list[Step]], dict[TensorRef, int]]:
     """Per value the steps that read it, and the last step it is alive at.
 
     An AllReduce the plan issues ahead of time (off the critical path) runs after the phase's last
@@ -382,7 +342,11 @@ def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], di
     made: its point is to free the unsharded gradient (ZeRO stage 2, Rajbhandari et al. 2020, reduces
     each bucket as soon as its gradients are ready; PyTorch FSDP reduce-scatters each unit's in its
     backward), and a chain that gathers its result again (a gradient sliced, reduce-scattered and
-    gathered) runs through at once."""
+    gathered) runs through at once.  With ``products_again``, a product (one multiply an element) read
+    by several steps is made once for its first reader and again inside the fusion of each later one,
+    as XLA's instruction fusion duplicates a cheap producer into its consumers: its operands live to its
+    last reader (``vocab_parallel.shard``'s backward at 16x its sizes: dN, all-reduced, alive to the
+    fusion making dE, which multiplies it by W_norm again, beside dN · W_norm and the normalised E)."""
     readers: dict[TensorRef, list[Step]] = {}
     last: dict[TensorRef, int] = {}
     for k, step in enumerate(steps):
@@ -391,6 +355,10 @@ def _lifetimes(steps: tuple[Step, ...]) -> tuple[dict[TensorRef, list[Step]], di
             last[ref] = k
         if step.ahead and step.src is not None and step.op is Op.ALL_REDUCE:
             last[step.src] = len(steps)
+    for step in steps if products_again else ():
+        if is_product(step) and len(readers.get(step.dst, [])) > 1:
+            for ref in _reads(step):  # each reader's fusion multiplies them again
+                last[ref] = max(last.get(ref, 0), last[step.dst])
     return readers, last
 
 
@@ -412,8 +380,8 @@ class _Copies:
 
     def _kernel(self, step: Step) -> list[float]:
         """An attention kernel's buffers in memory while it runs, beyond its operands and results:
-        FlashAttention-2's (:func:`_flash_workspace`), or the lowered loop's where the backend runs that
-        (:func:`_loop_state`)."""
+        FlashAttention-2's (:func:`shardc.costmodel.kernel_memory.flash_workspace`), or the lowered loop's
+        where the backend runs that (:func:`shardc.costmodel.kernel_memory.loop_state`)."""
         if not isinstance(step.fn, Attention) or not step.fn.kernel:
             return []
         rows, head, block = _kernel_dims(step, self.sizes)
@@ -423,11 +391,11 @@ class _Copies:
             batch = [d.name for d in q.dims if d in k.dims]
             blocked = _blocked([d.name for d in q.dims], batch, [d.name for d in q.dims[:-1] if d not in k.dims])
             joined = self._joined(k, step.fn.part, rows, head, element) if step.fn.rope else []
-            return _loop_state(step.fn.part, rows, head, block, element, blocked) + joined
+            return loop_state(step.fn.part, rows, head, block, element, blocked) + joined
         q_, k_, v_ = (tuple(d.name for d in ref.dims) for ref in (q, k, v))
         r = roles(q_, k_, v_, step.fn.key)
         group = prod(_local(d, self.sizes) for d in q.dims if d.name in r.queries[1:])
-        return _flash_workspace(step.fn.part, rows, head, element, int(local_elements(k, self.sizes)) * group
+        return flash_workspace(step.fn.part, rows, head, element, int(local_elements(k, self.sizes)) * group
                                 if group > 1 else 0)
 
     def _joined(self, k: TensorRef, part: str, rows: int, head: int, element: float) -> list[float]:
@@ -478,47 +446,6 @@ def _kernel_dims(step: Step, sizes: dict[str, int]) -> tuple[int, int, int]:
 
 def _local(dim: Dim, sizes: dict[str, int]) -> int:
     return int(local_elements(TensorRef("", (dim,)), sizes))
-
-
-def _flash_workspace(part: str, rows: int, head: int, element: float, expanded: int) -> list[float]:
-    """What FlashAttention-2 (Dao 2023, arXiv 2307.08691; ``mha_bwd`` in its ``flash_api.cpp``) holds in
-    memory (HBM) beyond its operands and results, for the step making ``part``.  The forward (the paper's
-    algorithm 1) keeps a block of queries' running max, sum and output accumulator on chip and writes the
-    output and the logsumexp, values of the plan: nothing more.  The backward (algorithm 2) first writes
-    D = rowsum(dO * O) to HBM (``softmax_d``, float32, a row's each) and adds each key block's part of dQ
-    into an accumulator in HBM (``dq_accum``, float32, atomically; converted to dQ's dtype at the end, so
-    where ``element`` is 4 bytes it is dQ's own buffer), while a block's dK and dV are summed on chip and
-    written once; with grouped-query heads it writes dK and dV for every query head (``dk_expanded``,
-    ``dv_expanded``: ``expanded`` elements each, K's times the group, in the ``element`` dtype) and sums
-    them over the group after.  JAX's Pallas TPU kernel likewise writes D (``di``) to HBM and keeps its
-    accumulators in VMEM."""
-    if part == "out":
-        return []
-    return _gradient_workspace(rows, head, element) + [float(expanded) * element] * (2 if expanded else 0)
-
-
-def _gradient_workspace(rows: int, head: int, element: float) -> list[float]:
-    """D = rowsum(dO * O) (float32, a row's each) and the float32 dQ accumulator unless dQ is float32."""
-    return [float(rows) * 4] + ([float(rows * head) * 4] if element < 4 else [])
-
-
-def _loop_state(part: str, rows: int, head: int, block: int, element: float, blocked: bool) -> list[float]:
-    """The lowered attention kernel's buffers (:func:`shardc.lowering.runtime.attention`'s loop over
-    ``block`` keys a step), as XLA's CPU backend, with no scratchpad (SRAM, VMEM) for a kernel's on-chip
-    state, holds them (its buffer assignment).  The forward: its running max (a row's) and each block's
-    scores and probabilities (the rows by the block), beside its running sum and output accumulator
-    (:func:`_remade_outputs`).  The backward: D and dQ's accumulator as a chip's
-    (:func:`_gradient_workspace`; dK and dV are its results, no group expanded), and its loop body at the
-    larger of two moments: Q and dO each copied transposed for each of the two dots of a block that read
-    it (the scores' and dK's, dV's and dP's), unless Q is ``blocked`` (its indices shared with K first,
-    the dots' batch), all four made at the start of each step beside the block's scores; then, the copies
-    dead, the block's probabilities, dP and dS and dQ's part from the block (the rows by the head dim)
-    before it is added in.  Float32 (the kernel computes in it)."""
-    blocks, queries = float(rows * block) * 4, float(rows * head) * 4
-    if part == "out":
-        return [float(rows) * 4] + [blocks] * 2
-    copies = 0 if blocked else 4
-    return _gradient_workspace(rows, head, element) + [max(copies * queries + blocks, 3 * blocks + queries)]
 
 
 def _layout_copies(step: Step) -> list[TensorRef]:

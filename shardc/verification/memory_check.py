@@ -70,16 +70,22 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # - it runs a collective matmul's unrolled ring with nothing to hide: the other operands' blocks are
 #   sliced into buffers as soon as the operand is there, and every block matmul runs before the products
 #   are added up or sent around (tp.shard's backward at 16x its sizes: 86 kB of temporaries, four 12 kB
-#   products of dTmp's ring beside W_in's four 6 kB blocks);
+#   products of dTmp's ring beside W_in's four 6 kB blocks); each block is a dynamic-slice fusion's result
+#   in a buffer of its own, sliced one after another, so an operand the ring reads last (a gathered weight)
+#   is alive beside all its blocks at the last slice (fsdp_tp.shard's backward at 16x its sizes: the
+#   gathered W_in, 24 kB, beside its four 6 kB blocks at XLA's peak);
 # - a cumulative sum (a routing's slots, counted along the tokens) is a reduce-window its reduce-window
 #   rewriter runs as a scan in blocks of 16 elements, the dim padded up to a multiple of 16: the counts
 #   copied into the blocks and the blocks' running sums, beside the counts (moe_dispatch.shard at
 #   verify's sizes: 24 tokens padded to 32; at 16x its sizes, 384 tokens in 24 blocks);
+# - its fusion makes a product (one multiply an element) read by several steps once for the first and
+#   again inside each later reader's fusion, so the product's operands live to its last reader
+#   (vocab_parallel.shard's backward at 16x its sizes: dN to the fusion making dE, beside dN * W_norm);
 # Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
 # and copies a transposed one, where the dots it runs with Eigen read it in place; which library
 # takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
-                  attention_loop=True, ring_blocks_first=True, scan_block=16)
+                  attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {

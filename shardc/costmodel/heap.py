@@ -1,0 +1,59 @@
+"""How a compiler's buffer assignment packs the temporaries of a phase: spans of steps, each a value's
+bytes from the step that makes it to the last that reads it, placed in one heap and in the buffers of
+the phase's outputs (:func:`shardc.costmodel.phase_memory.phase_memory`'s last step)."""
+
+from __future__ import annotations
+
+__all__ = ["Span", "packed", "outside_outputs"]
+
+Span = tuple[int, int, float]  # a value's first step, last step and bytes
+
+
+def packed(spans: list[Span]) -> float:
+    """The bytes of one heap holding every span (first step, last step, bytes) at an offset of its own
+    among those alive with it, as XLA's heap simulator packs a program's temporaries: largest first
+    (or longest-lived first, whichever packs smaller), each in the smallest gap left free by those
+    already placed and alive with it that fits it (best fit), else above them (Wilson et al. 1995's
+    best fit; XLA's ``GlobalDecreasingSizeBestFitHeap``, spatial and temporal orders)."""
+    def size(order: list[Span]) -> float:
+        placed: list[tuple[int, int, float, float]] = []  # first, last, offset, bytes
+        top = 0.0
+        for a, b, n in order:
+            busy = sorted((o, o + m) for c, d, o, m in placed if not (d < a or c > b))
+            gaps, at = [], 0.0
+            for lo, hi in busy:
+                if lo - at >= n:
+                    gaps.append((lo - at, at))
+                at = max(at, hi)
+            offset = min(gaps)[1] if gaps else at
+            placed.append((a, b, offset, n))
+            top = max(top, offset + n)
+        return top
+    spatial = sorted(spans, key=lambda s: (-s[2], s[0] - s[1]))
+    temporal = sorted(spans, key=lambda s: (s[0] - s[1], -s[2]))
+    return min(size(spatial), size(temporal))
+
+
+def outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list[Span]:
+    """The ``spans`` (first step, last step, bytes) that find no room in the buffer of one of ``outputs``
+    (the step making it, its bytes).
+
+    XLA's buffer assignment puts a value, largest first, in an allocation it fits that holds nothing
+    alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) or an
+    AllGather makes is free until the collective, which writes it whole (a reduction runs in its
+    operand's buffer; in ``residual_blocks.shard``'s backward a weight gradient's unsliced dot and its
+    slice sit in the buffer its AllGather fills); an output any other step writes has an allocation of
+    its own, shared with nothing (in the compiled examples' buffer assignment: a vocab-parallel
+    embedding's partial sum, a remade routing mask, or a value before an AllToAll, whose pieces are
+    concatenated into its result, never sits in a later output's)."""
+    hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
+    taken: list[list[tuple[int, int]]] = [[] for _ in hosts]
+    rest = []
+    for first, last, size in sorted(spans, key=lambda s: -s[2]):
+        for k, (made, room) in enumerate(hosts):
+            if size <= room and last < made and all(last < a or first > b for a, b in taken[k]):
+                taken[k].append((first, last))
+                break
+        else:
+            rest.append((first, last, size))
+    return rest
