@@ -15,12 +15,15 @@ True
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from shardc.errors import ShardcError, Span
 
 __all__ = [
     "DType",
+    "matmul_dtype",
+    "Precision",
     "Network",
     "MeshAxis",
     "Mesh",
@@ -57,6 +60,39 @@ class DType(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def matmul_dtype(operands: Iterable[DType]) -> DType:
+    """The element type an einsum of these operands runs in: f8 only when every operand is f8 (a chip's
+    FP8 matrix unit takes two FP8 operands), else the widest of them (f32 over bf16 and f16; of two
+    2-byte types the first), as a framework casts the narrower operand up.
+
+    >>> matmul_dtype([DType.F8, DType.F8]), matmul_dtype([DType.F8, DType.BF16])
+    (<DType.F8: 'f8'>, <DType.BF16: 'bf16'>)
+    """
+    kinds = list(operands)
+    if not kinds:
+        raise ValueError("an einsum has operands")
+    if all(k is DType.F8 for k in kinds):
+        return DType.F8
+    return max((k for k in kinds if k is not DType.F8), key=lambda k: k.nbytes)
+
+
+@dataclass(frozen=True, eq=False)
+class Precision:
+    """The element types of a plan's tensors: ``default`` (the spec's ``dtype``) but where ``tensors`` says
+    (:attr:`shardc.planner.graph.Graph.dtypes`)."""
+
+    default: DType = DType.BF16
+    tensors: Mapping[str, DType] = field(default_factory=dict)
+
+    def of(self, tensor: str) -> DType:
+        return self.tensors.get(tensor, self.default)
+
+    def matmul(self, operands: Iterable[str]) -> str:
+        """The type an einsum (or a kernel's matmuls) reading ``operands`` runs in, by name (:func:`matmul_dtype`)."""
+        kinds = [self.of(o) for o in operands] if self.tensors else []
+        return matmul_dtype(kinds).value if kinds else self.default.value
 
 
 class Network(enum.Enum):
@@ -377,11 +413,20 @@ class Spec:
     # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
     # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors
     recompute: tuple[str, ...] = ()
+    # `dtype bf16 Sc, Pr`: tensors whose elements are not of ``dtype`` (each once, kept sorted by name);
+    # :meth:`dtype_of` reads them, and the planner gives a tensor's gradient and the intermediates of its
+    # statement its type (shardc.planner.graph.Graph.dtypes)
+    tensor_dtypes: tuple[tuple[str, DType], ...] = ()
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
     # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in",
-    # "const:Mask" and "recompute:W_uq" (one entry each).
+    # "const:Mask", "recompute:W_uq" and "dtype:Sc" (one entry each).
     header_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        normal = tuple(sorted(self.tensor_dtypes, key=lambda item: item[0]))
+        if normal != self.tensor_dtypes:  # a set of declarations: the order written means nothing
+            object.__setattr__(self, "tensor_dtypes", normal)
 
     def span_of(self, key: str) -> Span | None:
         """The span recorded for a header item (see ``header_spans``), if any."""
@@ -417,12 +462,24 @@ class Spec:
     def sizes(self) -> dict[str, int]:
         return dict(self.dims)
 
+    def dtype_of(self, tensor: str) -> DType:
+        """The element type ``tensor`` is declared in: its ``dtype T tensor`` line's, else ``dtype``."""
+        return dict(self.tensor_dtypes).get(tensor, self.dtype)
+
+    def dtype_lines(self) -> list[str]:
+        """``dtype T a, b`` for each type some tensor is declared in, in the order first written."""
+        grouped: dict[DType, list[str]] = {}
+        for name, kind in self.tensor_dtypes:
+            grouped.setdefault(kind, []).append(name)
+        return [f"dtype {kind} " + ", ".join(names) for kind, names in grouped.items()]
+
     def __str__(self) -> str:
         lines = [str(self.mesh)]
         if self.dims:
             lines.append("dims " + ", ".join(f"{k}={v}" for k, v in self.dims))
         if self.dtype is not DType.BF16:
             lines.append(f"dtype {self.dtype}")
+        lines += self.dtype_lines()
         if self.params is not None:
             lines.append("param " + ", ".join(self.params))
         if self.const:

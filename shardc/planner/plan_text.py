@@ -206,4 +206,4 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "grads": [str(g) for g in plan.grads],
         "cotangents": [str(c) for c in plan.cotangents],
         "gradient_names": {plan.primal(g.name): g.name for g in plan.cotangents + plan.grads},
-    }
+    } | ({"dtypes": {t: str(kind) for t, kind in plan.dtypes}} if plan.dtypes else {})

@@ -1,0 +1,124 @@
+"""Per-tensor element types: `dtype bf16 Sc, Pr` beside the spec's `dtype f8`, read by every pass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shardc
+from shardc.collectives import Op
+from shardc.errors import ShardcError
+from shardc.ir.spec import DType, Precision, Spec, matmul_dtype
+from shardc.spec.parser import parse
+from shardc.spec.walk import leaves
+from shardc.testing import specs
+
+MLP = """\
+mesh X=8
+dims B=65536, D=8192, F=32768
+dtype f8
+dtype bf16 W_out, Out
+hardware h100
+Tmp[B_X, F] = In[B_X, D] · W_in[D, F]
+Out[B_X, D] = Tmp[B_X, F] · W_out[F, D]
+"""
+
+
+def test_a_dtype_line_names_tensors_of_another_type() -> None:
+    spec = parse(MLP)
+    assert spec.dtype is DType.F8 and spec.tensor_dtypes == (("Out", DType.BF16), ("W_out", DType.BF16))
+    assert [spec.dtype_of(t) for t in ("In", "W_in", "Tmp", "W_out", "Out")] == [DType.F8] * 3 + [DType.BF16] * 2
+    assert "dtype f8\ndtype bf16 Out, W_out\n" in str(spec) and parse(str(spec)) == spec
+
+
+def test_lines_of_one_type_merge_and_without_a_default_the_spec_is_bf16() -> None:
+    spec = parse("mesh X=2\ndtype f8 W\ndtype f32 I\ndtype f8 O\nO[B, F] = I[B, D] · W[D, F]\n")
+    assert spec.dtype is DType.BF16
+    assert dict(spec.tensor_dtypes) == {"W": DType.F8, "I": DType.F32, "O": DType.F8}
+    assert spec.dtype_lines() == ["dtype f32 I", "dtype f8 O, W"] and parse(str(spec)) == spec
+
+
+@pytest.mark.parametrize(("line", "message", "column"), [
+    ("dtype q8 W", "unknown dtype `q8`", 7),
+    ("dtype bf16 Z", "no tensor of the spec is named Z", 12),
+    ("dtype f8 W, E, W", "tensor W is given a dtype twice", 16),
+    ("dtype bf16 W", "the spec's dtype already", 12),
+    ("dtype f8 Tok", "token ids, which are int32", 10),
+])
+def test_mistakes_in_a_dtype_line_point_at_the_word(line: str, message: str, column: int) -> None:
+    text = f"mesh X=2\n{line}\nE[B, D] = embed(Tok[B], W_e[V, D])\nO[B, F] = E[B, D] · W[D, F]\n"
+    with pytest.raises(ShardcError, match=message) as err:
+        parse(text)
+    assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (2, column)
+
+
+@given(specs(), st.data())
+def test_declared_types_print_back(spec: Spec, data: st.DataObject) -> None:
+    tensors = sorted({r.name for s in spec.statements for r in (s.result, *leaves(s.expr))})
+    named = data.draw(st.lists(st.sampled_from(tensors), unique=True, max_size=3))
+    other = [d for d in DType if d is not spec.dtype]
+    declared = tuple((name, data.draw(st.sampled_from(other))) for name in named)
+    mixed = dataclasses.replace(spec, tensor_dtypes=declared)
+    assert parse(str(mixed)) == mixed and str(parse(str(mixed))) == str(mixed)
+
+
+def test_an_einsum_runs_in_fp8_only_when_both_operands_are_fp8() -> None:
+    assert matmul_dtype([DType.F8, DType.F8]) is DType.F8
+    assert matmul_dtype([DType.F8, DType.BF16]) is DType.BF16 and matmul_dtype([DType.F32, DType.F8]) is DType.F32
+    kinds = Precision(DType.F8, {"W": DType.BF16})
+    assert (kinds.matmul(["X", "W"]), kinds.matmul(["X", "Y"]), kinds.matmul([])) == ("bf16", "f8", "f8")
+
+
+def _einsums(text: str) -> list[tuple[str, float, float]]:
+    p = shardc.plan(shardc.parse(text))
+    report = shardc.cost(p)
+    return [(r.text, r.flops, r.compute_s) for r in report.forward.rows + report.backward.rows if r.op is Op.EINSUM]
+
+
+def test_an_f8_by_bf16_einsum_runs_at_the_bf16_rate() -> None:
+    h100 = shardc.hardware.PRESETS["h100"]
+    rows = _einsums(MLP)
+    assert len(rows) == 6
+    for text, flops, seconds in rows:
+        wide = "W_out" in text or "dOut" in text  # W_out, Out and Out's gradient are bf16, the rest f8
+        assert seconds == pytest.approx(h100.matmul_seconds(flops, "bf16" if wide else "f8"), rel=1e-12)
+    assert sum(("W_out" in t or "dOut" in t) for t, _, _ in rows) == 3
+    all_f8 = _einsums(MLP.replace("dtype bf16 W_out, Out\n", ""))
+    assert all(s == pytest.approx(h100.matmul_seconds(f, "f8"), rel=1e-12) for _, f, s in all_f8)
+    assert sum(s for *_, s in rows) > sum(s for *_, s in all_f8)
+
+
+def test_bytes_are_each_tensors_own() -> None:
+    p = shardc.plan(shardc.parse(MLP))
+    assert [p.nbytes(t) for t in ("In", "W_in", "Tmp", "W_out", "Out", "dW_out", "dOut", "dW_in")] == \
+        [1, 1, 1, 2, 2, 2, 2, 1]
+    report = shardc.cost(p)
+    volumes = {r.tensor: r.volume for r in report.backward.rows if r.op is Op.ALL_REDUCE}
+    assert volumes == {"dW_out": 2 * 8192 * 32768, "dW_in": 8192 * 32768}  # each gradient at its type's bytes
+    wider = shardc.cost(shardc.plan(shardc.parse(MLP.replace("W_out, Out", "W_out, Out, Tmp"))))
+    kept, widened = dict(report.memory.residuals), dict(wider.memory.residuals)
+    tmp, x = "Tmp[B_X, F]", "In[B_X, D]"
+    assert kept[tmp] == 65536 // 8 * 32768 and widened[tmp] == 2 * kept[tmp]  # kept at its type's bytes
+    assert widened[x] == kept[x] == 65536 // 8 * 8192
+
+
+def test_the_search_prices_a_mixed_einsum_as_cost_reports_it() -> None:
+    p = shardc.plan(shardc.parse(MLP), explain=True)
+    report = shardc.cost(p)
+    rows = [r for r in report.forward.rows if r.op is Op.EINSUM]
+    chosen = [a for c in p.choices for a in c.alternatives if a.chosen][:len(rows)]
+    assert [r.dtype for r in rows] == ["", "bf16"]
+    for row, alternative in zip(rows, chosen, strict=True):
+        assert alternative.time == pytest.approx(row.compute_s + row.memory_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("module", ["shardc.spec.dtypes", "shardc.spec.lexicon"])
+def test_docstring_examples(module: str) -> None:
+    import doctest
+    import importlib
+
+    failures, _ = doctest.testmod(importlib.import_module(module))
+    assert failures == 0
