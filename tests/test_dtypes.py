@@ -122,3 +122,36 @@ def test_docstring_examples(module: str) -> None:
 
     failures, _ = doctest.testmod(importlib.import_module(module))
     assert failures == 0
+
+
+def test_a_run_computes_in_the_type_all_its_tensors_compute_in() -> None:
+    from shardc.verification.verify import compute_dtype
+
+    text = "mesh X=2\n{}O[B, F] = I[B, D] · W[D, F]\n"
+    assert compute_dtype(parse(text.format("dtype f8\ndtype bf16 W\n"))).name == "bfloat16"  # f8 computes in bf16
+    assert compute_dtype(parse(text.format("dtype f16 W\n"))).name == "float32"  # bf16 beside f16
+    assert compute_dtype(parse(text.format("dtype f8\ndtype f32 O\n"))).name == "float32"
+
+
+FSDP_TP = """\
+mesh X=2, Y=2
+dims B=8, D=4, F=6
+dtype f8
+dtype bf16 W_out, Out
+Tmp[B_X, F_Y] = In[B_X, D] · W_in[D_X, F_Y]
+Out[B_X, D] = Tmp[B_X, F_Y] · W_out[F_Y, D_X]
+"""
+
+
+@pytest.mark.slow
+def test_verify_prices_each_collective_at_its_tensors_type() -> None:
+    from shardc.verification.verify import render_report, verify
+
+    report = verify(shardc.parse(FSDP_TP))
+    assert report.ok, render_report(report)
+    assert report.compute_dtype == "bfloat16"
+    gathers = {r.step.split()[1]: r for r in report.collectives if r.phase == "forward" and r.kind == "AllGather"}
+    assert set(gathers) == {"W_in[D_X,", "W_out[F_Y,"}
+    assert all(r.ok and r.plan_bytes == r.hlo_bytes for r in gathers.values())
+    # one shape, W_out in bf16 and W_in in f8: the HLO's elements priced at each tensor's bytes
+    assert gathers["W_out[F_Y,"].plan_bytes == 2 * gathers["W_in[D_X,"].plan_bytes  # type: ignore[operator]
