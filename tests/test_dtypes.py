@@ -155,3 +155,39 @@ def test_verify_prices_each_collective_at_its_tensors_type() -> None:
     assert all(r.ok and r.plan_bytes == r.hlo_bytes for r in gathers.values())
     # one shape, W_out in bf16 and W_in in f8: the HLO's elements priced at each tensor's bytes
     assert gathers["W_out[F_Y,"].plan_bytes == 2 * gathers["W_in[D_X,"].plan_bytes  # type: ignore[operator]
+
+
+PIPELINED = """mesh P=2 pipeline, X=2
+dims B=4096, D=4096, F=16384, M=1, V=32000
+dtype f8
+dtype bf16 E0, H, V2, W_out, Lg
+param W_emb, W1, W2, V1, V2, W_out
+E0[B_X, D] = embed(Tok[B_X], W_emb[V, D])
+layers 3 {
+  H[B_X, F] = gelu(E0[B_X, D] · W1[D, F])
+  E1[B_X, D] = E0[B_X, D] + H[B_X, F] · W2[F, D]
+}
+layers M {
+  G[B_X, F] = gelu(E1[B_X, D] · V1[D, F])
+  E2[B_X, D] = E1[B_X, D] + G[B_X, F] · V2[F, D]
+}
+Lg[B_X, V] = E2[B_X, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, V], Next[B_X])
+"""
+
+
+def test_a_pipelines_parts_keep_their_tensors_types() -> None:
+    """Lowering writes a block out layer by layer (each layer's tensors named apart) and cuts the spec
+    into the statements before, in and after the block: each part names its own tensors' types."""
+    from shardc.lowering.pipeline_ends import split_spec
+    from shardc.spec.dtypes import check_dtypes
+    from shardc.spec.unroll import unrolled
+    from shardc.spec.validate import validate
+
+    spec = unrolled(shardc.parse(PIPELINED))  # 3 + 1 layers: the second block written out after the first
+    validate(spec)
+    assert {t for t, _ in spec.tensor_dtypes} == {"E0", "H", "V2_b2l0", "W_out", "Lg"}
+    parts = split_spec(spec)
+    for part in parts:
+        check_dtypes(part)  # every tensor a part's `dtype` lines name is the part's
+    assert [{t for t, _ in p.tensor_dtypes} for p in parts] == [{"E0"}, {"E0", "H"}, {"V2_b2l0", "W_out", "Lg"}]
