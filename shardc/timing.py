@@ -73,7 +73,8 @@ __all__ = ["step_count", "runs", "block_counts", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
            "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip", "plan_sizes",
            "plan_links", "resolve_layers", "update_seconds", "comm_split",
-           "plan_dtype", "step_dtype", "phase_rows", "local_bytes_of", "phase_time", "microbatched", "shared_rings",
+           "plan_dtype", "step_dtype", "ring_bytes", "phase_rows", "local_bytes_of", "phase_time", "microbatched",
+           "shared_rings",
            "matmul_ring", "ring_of"]
 
 
@@ -277,17 +278,23 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
                    weighted=times.sent_bytes, bandwidth_s=times.bandwidth_s)
 
 
-def ring_of(step: Step, sizes: Mapping[str, int], nbytes: int) -> RingTransfer | None:
-    """The sends of a step that sends blocks around a ring while it computes, at ``sizes`` (``nbytes``: the
-    spec's element bytes): a collective matmul's (:func:`matmul_ring`: its collective's whole piece, padded,
-    in n blocks), a ring attention kernel's (its family's); None for any other step."""
+def ring_bytes(step: Step, nbytes: int | Precision) -> int:
+    """Bytes an element of what a ring kernel sends: ``nbytes``, or with the tensors' types given, the
+    bytes of the type its matmuls run in (:func:`step_dtype`: ring attention's Q, K and V)."""
+    return nbytes if isinstance(nbytes, int) else DType(step_dtype(step, nbytes)).nbytes
+
+
+def ring_of(step: Step, sizes: Mapping[str, int], nbytes: int | Precision) -> RingTransfer | None:
+    """The sends of a step that sends blocks around a ring while it computes, at ``sizes`` (``nbytes``: an
+    element's bytes, :func:`ring_bytes`): a collective matmul's (:func:`matmul_ring`: its collective's whole
+    piece, padded, in n blocks), a ring attention kernel's (its family's); None for any other step."""
     if step.op is Op.EINSUM and step.collective is not None:
         c = step.collective
         return matmul_ring(c, step_volume(c, sizes), math.prod(_size(sizes, a) for a in c.axes))
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is None or family.ring is None:
         return None
-    return family.ring(step, lambda name: _size(sizes, name), nbytes)
+    return family.ring(step, lambda name: _size(sizes, name), ring_bytes(step, nbytes))
 
 
 def matmul_ring(collective: Step, volume: Any, n: int) -> RingTransfer:

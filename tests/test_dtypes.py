@@ -191,3 +191,22 @@ def test_a_pipelines_parts_keep_their_tensors_types() -> None:
     for part in parts:
         check_dtypes(part)  # every tensor a part's `dtype` lines name is the part's
     assert [{t for t, _ in p.tensor_dtypes} for p in parts] == [{"E0"}, {"E0", "H"}, {"V2_b2l0", "W_out", "Lg"}]
+
+
+def test_a_ring_kernel_sends_its_keys_and_values_at_their_type() -> None:
+    """Ring attention over 16 devices with Q, K and V in f32: its forward sends twice the bf16 ones, in the
+    cost formulas as in the numbers, and the report says its kernel's type."""
+    from shardc.costmodel.formulas import evaluate
+    from tests.test_ring_attention import _FLAT_H100
+
+    text = ("mesh X=16\ndims B=1, S=131072, T=131072, G=8, R=16, H=128\nhardware h100\n{}"
+            "O[B, S_X, G, R, H] = attention(Q[B, S_X, G, R, H], K[B, T_X, G, H], V[B, T_X, G, H] over T)\n")
+    narrow, wide = (shardc.cost(shardc.plan(shardc.parse(text.format(line)), hardware=_FLAT_H100))
+                    for line in ("", "dtype f32 Q, K, V\n"))
+    (kernel,) = [r for r in wide.forward.rows if r.ring_steps]
+    assert kernel.dtype == "f32" and kernel.weighted > 0
+    assert wide.forward.comm_bytes == pytest.approx(2 * narrow.forward.comm_bytes, rel=1e-12)
+    hw = wide.hardware
+    values = {k: float(v) for k, v in wide.sizes.items()} | {"C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn}
+    for phase in (wide.forward, wide.backward):
+        assert evaluate(phase.formula.comm_bytes, values) == pytest.approx(phase.comm_bytes, rel=1e-12)

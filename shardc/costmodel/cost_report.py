@@ -348,7 +348,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         at = micro if times > 1 else values
         rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
                                                  again if name == "backward" else frozenset()), at)
-        formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.spec.dtype.nbytes)
+        formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.precision)
         return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more)
 
     fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
