@@ -210,3 +210,16 @@ def test_a_ring_kernel_sends_its_keys_and_values_at_their_type() -> None:
     values = {k: float(v) for k, v in wide.sizes.items()} | {"C": hw.flops, "W_ici": hw.w_ici, "W_dcn": hw.w_dcn}
     for phase in (wide.forward, wide.backward):
         assert evaluate(phase.formula.comm_bytes, values) == pytest.approx(phase.comm_bytes, rel=1e-12)
+
+
+def test_the_listings_say_which_tensors_and_matmuls_are_of_another_type() -> None:
+    from shardc.costmodel.cost_text import render
+    from shardc.planner.plan_text import render_text
+
+    p = shardc.plan(shardc.parse(MLP))
+    assert "# dtype f8; dtype bf16 Out, W_out (each with its gradient" in render_text(p)
+    report = shardc.cost(p)
+    marked = [line for line in render(report).splitlines() if line.endswith("(in bf16)")]
+    assert len(marked) == 3 and all("W_out" in line or "dOut" in line for line in marked)
+    forward = report.to_json()["forward"]
+    assert [r.get("dtype") for r in forward["rows"] if r["op"] == "einsum"] == [None, "bf16"]  # type: ignore[index]
