@@ -150,6 +150,7 @@ def test_verify_prices_each_collective_at_its_tensors_type() -> None:
     report = verify(shardc.parse(FSDP_TP))
     assert report.ok, render_report(report)
     assert report.compute_dtype == "bfloat16"
+    assert any(n.startswith("dtype bf16 Out, W_out: those inputs") for n in report.notes)
     gathers = {r.step.split()[1]: r for r in report.collectives if r.phase == "forward" and r.kind == "AllGather"}
     assert set(gathers) == {"W_in[D_X,", "W_out[F_Y,"}
     assert all(r.ok and r.plan_bytes == r.hlo_bytes for r in gathers.values())

@@ -271,6 +271,10 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     tol = TOLERANCE[dtype.name]
     report = Report(plan.spec.filename or "<spec>", mesh, dict(lowered.sizes or {}),
                     str(plan.spec.dtype), dtype.name, tol)
+    if plan.spec.tensor_dtypes:
+        report.notes.append(f"{'; '.join(plan.spec.dtype_lines())}: those inputs and cotangents rounded to their own "
+                            f"type, every value computed in {dtype.name}; values computed on the way are not "
+                            "rounded to their declared type (an f8 one would err by as much as a wrong plan)")
     step("running the numpy reference")
     run = _reference_run(lowered, dtype, seed)
     report.input_scale, report.input_scales = run.scale, dict(run.scales)
