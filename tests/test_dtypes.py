@@ -55,6 +55,14 @@ def test_mistakes_in_a_dtype_line_point_at_the_word(line: str, message: str, col
     assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (2, column)
 
 
+def test_a_spec_built_in_python_names_a_dtype_by_the_enum() -> None:
+    from shardc.spec.validate import validate
+
+    spec = dataclasses.replace(parse(MLP), tensor_dtypes=(("W_out", "bf16"),))  # type: ignore[arg-type]
+    with pytest.raises(ShardcError, match="'bf16' is not a dtype"):
+        validate(spec)
+
+
 @given(specs(), st.data())
 def test_declared_types_print_back(spec: Spec, data: st.DataObject) -> None:
     tensors = sorted({r.name for s in spec.statements for r in (s.result, *leaves(s.expr))})

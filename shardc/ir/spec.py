@@ -467,7 +467,7 @@ class Spec:
         return dict(self.tensor_dtypes).get(tensor, self.dtype)
 
     def dtype_lines(self) -> list[str]:
-        """``dtype T a, b`` for each type some tensor is declared in, in the order first written."""
+        """``dtype T a, b`` for each type some tensor is declared in (the names in order, as kept)."""
         grouped: dict[DType, list[str]] = {}
         for name, kind in self.tensor_dtypes:
             grouped.setdefault(kind, []).append(name)

@@ -68,6 +68,9 @@ def check_dtypes(spec: Spec) -> None:
             raise ShardcError(f"tensor {name} is given a dtype twice", twice[0] if twice else span,
                               fix=f"name {name} on one `dtype` line")
         seen.add(name)
+        if not isinstance(kind, DType):  # a Spec built in Python
+            raise ShardcError(f"{name}: {kind!r} is not a dtype", span,
+                              fix="use one of " + ", ".join(f"DType.{d.name}" for d in DType))
         if name not in tensors:
             raise ShardcError(f"`dtype {kind} {name}`: no tensor of the spec is named {name}", span,
                               fix="name a tensor a statement reads or computes")
