@@ -60,7 +60,8 @@ from shardc.fusion import is_product, kept_values, memory_traffic
 from shardc.hardware import Hardware, chip_for
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step, unfused
-from shardc.ir.spec import DType, Mesh, Precision, TensorRef
+from shardc.ir.precision import Precision
+from shardc.ir.spec import DType, Mesh, TensorRef
 from shardc.ops.registry import of_op
 from shardc.pipeline.block_split import counted_device
 from shardc.pipeline.boundary import microbatch_dim
@@ -325,7 +326,7 @@ def plan_dtype(plan: Plan) -> Precision:
 
 def step_dtype(step: Step, dtype: Precision | str) -> str:
     """The element type by name (``"bf16"``, ``"f8"``) a step's matmuls run in: its operands'
-    (:func:`shardc.ir.spec.matmul_dtype`), or ``dtype`` where one type is given for all."""
+    (:func:`shardc.ir.precision.matmul_dtype`), or ``dtype`` where one type is given for all."""
     return dtype if isinstance(dtype, str) else dtype.matmul(r.name for r in step.operands)
 
 

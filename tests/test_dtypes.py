@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import shardc
 from shardc.collectives import Op
 from shardc.errors import ShardcError
-from shardc.ir.spec import DType, Precision, Spec, matmul_dtype
+from shardc.ir.precision import Precision, matmul_dtype
+from shardc.ir.spec import DType, Spec
 from shardc.spec.parser import parse
 from shardc.spec.walk import leaves
 from shardc.testing import specs
@@ -123,7 +124,7 @@ def test_the_search_prices_a_mixed_einsum_as_cost_reports_it() -> None:
         assert alternative.time == pytest.approx(row.compute_s + row.memory_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("module", ["shardc.spec.dtypes", "shardc.spec.lexicon"])
+@pytest.mark.parametrize("module", ["shardc.spec.dtypes", "shardc.spec.lexicon", "shardc.ir.precision"])
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib

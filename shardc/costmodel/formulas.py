@@ -23,7 +23,8 @@ from symengine import Basic as Expr  # a formula
 
 from shardc.collectives import FACTOR, Layout, bandwidth_terms, einsum_flops
 from shardc.ir.plan import Monomial, Op, Step, unfused
-from shardc.ir.spec import Mesh, Precision
+from shardc.ir.precision import Precision
+from shardc.ir.spec import Mesh
 from shardc.ops.registry import of_op
 from shardc.steptime import RingTransfer
 from shardc.timing import matmul_ring, ring_bytes, shared_rings

@@ -35,7 +35,8 @@ from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Plan, Step
-from shardc.ir.spec import Dim, Precision, TensorRef
+from shardc.ir.precision import Precision
+from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
 from shardc.spec.functions import ID_DTYPE

@@ -38,7 +38,8 @@ from shardc.costmodel.memory import residual_formula, state_formula
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Op, Plan, Step
-from shardc.ir.spec import Mesh, Precision
+from shardc.ir.precision import Precision
+from shardc.ir.spec import Mesh
 from shardc.timing import describe, plan_chip, plan_links, shared_rings
 
 __all__ = ["FormulaRow", "FormulaPhase", "FormulaReport", "cost_formulas"]

@@ -20,7 +20,8 @@ from shardc.collectives import COLLECTIVES, FACTOR, Op
 from shardc.errors import InternalError
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.localops import DropoutMask, LocalOp
-from shardc.ir.spec import DType, Precision, Spec, TensorRef
+from shardc.ir.precision import Precision
+from shardc.ir.spec import DType, Spec, TensorRef
 from shardc.spec.walk import nbytes_of
 
 __all__ = [

@@ -43,7 +43,8 @@ from typing import Any
 from shardc.collectives import Routed, collective_time, einsum_flops, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.plan import Monomial, Op
-from shardc.ir.spec import Dim, DType, Mesh, Precision, TensorRef
+from shardc.ir.precision import Precision
+from shardc.ir.spec import Dim, DType, Mesh, TensorRef
 from shardc.sharding.unit import Placements
 from shardc.spec.walk import nbytes_of
 from shardc.steptime import einsum_bytes, einsum_time
@@ -207,7 +208,7 @@ class CostContext:
 
     def matmul_dtype(self, operands: Iterable[str]) -> str:
         """The element type an einsum (or a kernel's matmuls) of these operands runs in
-        (:meth:`shardc.ir.spec.Precision.matmul`)."""
+        (:meth:`shardc.ir.precision.Precision.matmul`)."""
         return Precision(self.dtype, self.dtypes).matmul(operands)
 
     def kind(self, tensor: str) -> tuple[bool, int]:
