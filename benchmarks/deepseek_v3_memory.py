@@ -7,16 +7,18 @@ stages 3 and 12, the fullest), the training state (params, gradients, optimizer 
 weights and the activations (one microbatch's times the microbatches the stage holds under the spec's
 schedule), under three accountings:
 
-* ``shardc``: ``shardc cost --recompute selective`` as it is (``adam10``; every kept value at the
-  spec's dtype, f8: 1 byte), the spec's ``recompute`` line recomputing what the report recomputes
+* ``shardc``: ``shardc cost --recompute selective`` as it is (``adam10``; every kept value at its
+  declared type: the spec's ``dtype f8``, 1 byte, 2 bytes what its ``dtype bf16`` lines name), the
+  spec's ``recompute`` line recomputing what the report recomputes
   ("DeepSeek-V3 Technical Report", arXiv 2412.19437, section 3.2.3: every RMSNorm and the MLA
   up-projections; section 3.3.2: the MoE SwiGLU's output);
 * ``+ state``: the report's optimizer state (``--optimizer mixed14``: bf16 params, fp32 gradients
   accumulated over the microbatches, fp32 master weights, bf16 Adam moments);
 * ``+ formats``: the report's cached-activation formats (section 3.3.2) on the values shardc keeps: the
   inputs of a matmul with a weight (a Linear's input) and of a SwiGLU cached in FP8 (1 byte), every
-  other value in BF16 (2 bytes; token ids int32).  shardc prices a value at the spec's one dtype, so
-  this column is computed here from shardc's own table of kept values.
+  other value in BF16 (2 bytes; token ids int32).  The spec declares types by tensor, not by what reads
+  them (its residual stream stays at 1 byte: see its header), so this column is computed here from
+  shardc's own table of kept values.
 """
 
 from __future__ import annotations

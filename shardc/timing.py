@@ -60,6 +60,7 @@ from shardc.fusion import is_product, kept_values, memory_traffic
 from shardc.hardware import Hardware, chip_for
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step, unfused
+from shardc.ir.precision import Precision
 from shardc.ir.spec import DType, Mesh, TensorRef
 from shardc.ops.registry import of_op
 from shardc.pipeline.block_split import counted_device
@@ -73,7 +74,8 @@ __all__ = ["step_count", "runs", "block_counts", "bound_of",
            "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
            "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip", "plan_sizes",
            "plan_links", "resolve_layers", "update_seconds", "comm_split",
-           "plan_dtype", "phase_rows", "local_bytes_of", "phase_time", "microbatched", "shared_rings",
+           "plan_dtype", "step_dtype", "ring_bytes", "phase_rows", "local_bytes_of", "phase_time", "microbatched",
+           "shared_rings",
            "matmul_ring", "ring_of"]
 
 
@@ -116,6 +118,7 @@ class StepCost:
     # (shardc.costmodel.context_parallel)
     context_parallel: str = ""
     cp_comm_s: float = 0.0
+    dtype: str = ""  # the type its matmuls run in, where not the spec's (a `dtype T` line: timing.step_dtype)
 
     @property
     def comm_s(self) -> float:
@@ -140,6 +143,7 @@ class StepCost:
                        path="ahead" if self.ahead else "critical")
         elif self.op is Op.EINSUM:
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s)
+            row.update({"dtype": self.dtype} if self.dtype else {})
             if self.ring_steps:  # a collective matmul: its ring's transfers, and what of them stays exposed
                 row.update(axes=list(self.axes), volume_bytes=self.volume, ring_axes=list(self.ring_axes),
                            ring_steps=self.ring_steps, transfer_s=self.transfer_s, exposed_comm_s=self.exposed_comm_s,
@@ -147,6 +151,7 @@ class StepCost:
         elif self.flops:  # a kernel with matmuls (attention): its FLOPs and its HBM traffic
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s,
                        memory_bytes=self.memory_bytes, memory_s=self.memory_s)
+            row.update({"dtype": self.dtype} if self.dtype else {})
             if self.ring_steps:
                 row.update(ring_axes=list(self.ring_axes), ring_steps=self.ring_steps, transfer_s=self.transfer_s,
                            exposed_comm_s=self.exposed_comm_s, sent_bytes=self.weighted,
@@ -194,11 +199,21 @@ def einsum_flops(step: Step, sizes: Mapping[str, int]) -> tuple[int, int]:
 
 
 def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
-              spans: Layout | None = None, dtype: str = "bf16", memory_bytes: float = 0.0,
+              spans: Layout | None = None, dtype: Precision | str = "bf16", memory_bytes: float = 0.0,
               text: str | None = None, shared: bool = False) -> StepCost:
     """The :class:`StepCost` of one step of a plan; ``memory_bytes`` its HBM traffic if memory-bound
-    (:func:`shardc.fusion.memory_traffic`), ``dtype`` the spec's (an f8 einsum runs at the chip's fp8 rate);
+    (:func:`shardc.fusion.memory_traffic`), ``dtype`` the tensors' types (:func:`step_dtype`: an einsum of
+    two f8 operands runs at the chip's fp8 rate);
     ``shared``: a collective matmul whose blocks an earlier step of its phase sends (:func:`shared_rings`)."""
+    kind = step_dtype(step, dtype)
+    row = _step_cost(index, step, mesh, sizes, hw, spans, kind, memory_bytes, text, shared)
+    if isinstance(dtype, str) or kind == dtype.default.value or not row.flops:
+        return row
+    return replace(row, dtype=kind)  # a matmul in another type than the spec's: the report says which
+
+
+def _step_cost(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware, spans: Layout | None,
+               dtype: str, memory_bytes: float, text: str | None, shared: bool) -> StepCost:
     text = describe(step) if text is None else text
     if step.is_collective:
         volume = step_volume(step, sizes)
@@ -264,17 +279,23 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
                    weighted=times.sent_bytes, bandwidth_s=times.bandwidth_s)
 
 
-def ring_of(step: Step, sizes: Mapping[str, int], nbytes: int) -> RingTransfer | None:
-    """The sends of a step that sends blocks around a ring while it computes, at ``sizes`` (``nbytes``: the
-    spec's element bytes): a collective matmul's (:func:`matmul_ring`: its collective's whole piece, padded,
-    in n blocks), a ring attention kernel's (its family's); None for any other step."""
+def ring_bytes(step: Step, nbytes: int | Precision) -> int:
+    """Bytes an element of what a ring kernel sends: ``nbytes``, or with the tensors' types given, the
+    bytes of the type its matmuls run in (:func:`step_dtype`: ring attention's Q, K and V)."""
+    return nbytes if isinstance(nbytes, int) else DType(step_dtype(step, nbytes)).nbytes
+
+
+def ring_of(step: Step, sizes: Mapping[str, int], nbytes: int | Precision) -> RingTransfer | None:
+    """The sends of a step that sends blocks around a ring while it computes, at ``sizes`` (``nbytes``: an
+    element's bytes, :func:`ring_bytes`): a collective matmul's (:func:`matmul_ring`: its collective's whole
+    piece, padded, in n blocks), a ring attention kernel's (its family's); None for any other step."""
     if step.op is Op.EINSUM and step.collective is not None:
         c = step.collective
         return matmul_ring(c, step_volume(c, sizes), math.prod(_size(sizes, a) for a in c.axes))
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is None or family.ring is None:
         return None
-    return family.ring(step, lambda name: _size(sizes, name), nbytes)
+    return family.ring(step, lambda name: _size(sizes, name), ring_bytes(step, nbytes))
 
 
 def matmul_ring(collective: Step, volume: Any, n: int) -> RingTransfer:
@@ -297,9 +318,16 @@ def shared_rings(steps: Sequence[Step]) -> list[bool]:
     return out
 
 
-def plan_dtype(plan: Plan) -> str:
-    """The spec's element type by name (``"bf16"``, ``"f8"``): what its einsums run at."""
-    return plan.spec.dtype.value
+def plan_dtype(plan: Plan) -> Precision:
+    """Every tensor's element type (:attr:`shardc.ir.plan.Plan.precision`): an einsum runs in its operands'
+    (:func:`step_dtype`)."""
+    return plan.precision
+
+
+def step_dtype(step: Step, dtype: Precision | str) -> str:
+    """The element type by name (``"bf16"``, ``"f8"``) a step's matmuls run in: its operands'
+    (:func:`shardc.ir.precision.matmul_dtype`), or ``dtype`` where one type is given for all."""
+    return dtype if isinstance(dtype, str) else dtype.matmul(r.name for r in step.operands)
 
 
 def describe(step: Step) -> str:
@@ -511,7 +539,8 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
 
     def row(step: Step, moved: float, shared: bool) -> StepCost:
         key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
-               step.src.dims if step.src is not None else None, moved, step.ahead, step.collective, shared)
+               step.src.dims if step.src is not None else None, moved, step.ahead, step.collective, shared,
+               step_dtype(step, dtype))
         hit = seen.get(key)
         if hit is None:
             hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="", shared=shared)

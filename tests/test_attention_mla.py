@@ -165,13 +165,18 @@ def test_the_pair_verifies_against_the_reference_values_and_hlo(case: str) -> No
             render_memory(report.memory_check)
 
 
-def test_deepseek_v3_with_fused_mla_fits_80_gb_on_its_fullest_device(capsys: pytest.CaptureFixture[str]) -> None:
-    """The published layout, the report's optimizer state and recomputation: its fullest device within the
-    H800's 80 GB, with no S x T value kept or made (the fused kernels hold no scores)."""
+def test_deepseek_v3_with_fused_mla_holds_no_scores_in_its_working_set(capsys: pytest.CaptureFixture[str]) -> None:
+    """The published layout, the report's optimizer state, recomputation and BF16 attention core: no S x T
+    value kept or made (the fused kernels hold no scores), so a tick's working set is the MoE layer's
+    dispatch gradients and the recomputed up-projections, under 3 GB (the S x T scores written as einsums
+    made it 14.3 GB in BF16)."""
     path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
     assert main(["cost", str(path), "--recompute", "selective", "--optimizer", "mixed14", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     stages = report["pipeline"]["per_stage"]
-    assert max(s["memory_bytes"] for s in stages) <= 80e9 and report["memory"]["fits"]
+    assert max(s["working_bytes"] for s in stages) < 3e9
+    for s in stages:  # the stage's memory is its parts, nothing else
+        parts = s["state_bytes"] + s["activation_bytes"] + s["gathered_bytes"] + s["working_bytes"]
+        assert s["memory_bytes"] == pytest.approx(parts + s["accumulator_bytes"])
     plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
     assert not [s for s in (*plan.forward, *plan.backward) if {"S", "T"} <= set(s.dst.indices)]

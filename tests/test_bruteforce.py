@@ -64,14 +64,14 @@ def move_seconds(ctx: CostContext, tensor: str, idx: tuple[str, ...], op: Op, sr
 def einsum_seconds(ctx: CostContext, operands: tuple[tuple[str, tuple[str, ...], State], ...],
                    result: tuple[str, tuple[str, ...], State]) -> float:
     """The planner's price of a local einsum's compute (its FLOPs, or its operands' and result's HBM bytes
-    where they take longer: hence the result and each tensor's element bytes), where its objective has one
-    (else 0)."""
+    where they take longer: hence the result and each tensor's element bytes; at its operands' type), where
+    its objective has one (else 0)."""
     price = getattr(ctx, "einsum_seconds", None)
     if price is None:
         return 0.0
     name, idx, state = result
     return float(price(tuple((i, _value(s), ctx.nbytes(n)) for n, i, s in operands),
-                       (idx, _value(state), ctx.nbytes(name))))
+                       (idx, _value(state), ctx.nbytes(name)), ctx.matmul_dtype(n for n, _, _ in operands)))
 
 
 def _value(s: State) -> Value:

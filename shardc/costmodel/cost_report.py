@@ -53,7 +53,6 @@ from shardc.timing import (
     phase_rows,
     phase_seconds,
     plan_chip,
-    plan_dtype,
     plan_links,
     plan_sizes,
     resolve_layers,
@@ -341,7 +340,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     symbolic = counts if pipe is not None else (count, *plan.spec.layer_counts()[1:])
     names = symbols_of(plan)
     again = frozenset(range(1, len(plan.recomputed) + 1))
-    dtype = plan_dtype(plan)
+    dtype = plan.spec.dtype.value  # MFU's peak: the spec's dtype's (an f8 spec's at the fp8 rate)
     micro, repeats = microbatched(plan, values, hw.book)  # a pipelined stage's rows: a microbatch's, M times
 
     def phase(name: str, steps: tuple[Step, ...]) -> PhaseCost:
@@ -349,7 +348,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         at = micro if times > 1 else values
         rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
                                                  again if name == "backward" else frozenset()), at)
-        formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.spec.dtype.nbytes)
+        formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.precision)
         return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more)
 
     fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))

@@ -32,11 +32,16 @@ def _row(r: StepCost) -> str:
                 f"{fmt_seconds(r.comm_s):>9}  {path:<8}  {r.text}{lat}")
     if r.compute_s:
         return (f"  {r.index:>3}  {r.op.title:<13} {'':<6} {fmt_flops(r.flops):>10}  "
-                f"{fmt_seconds(r.compute_s):>9}  {'compute':<8}  {r.text}") + _ring(r)
+                f"{fmt_seconds(r.compute_s):>9}  {'compute':<8}  {r.text}") + _in(r) + _ring(r)
     if r.memory_bytes:
         return (f"  {r.index:>3}  {r.op.title:<13} {'':<6} {fmt_bytes(r.memory_bytes):>10}  "
                 f"{fmt_seconds(r.memory_s):>9}  {'memory':<8}  {r.text}")
     return f"  {r.index:>3}  {r.op.title:<13} {','.join(r.axes):<6} {'':>10}  {'':>9}  {'local':<8}  {r.text}"
+
+
+def _in(r: StepCost) -> str:
+    """A matmul run in another type than the spec's (its operands': a `dtype T` line) says which."""
+    return f"  (in {r.dtype})" if r.dtype else ""
 
 
 def _mark(r: StepCost) -> str:

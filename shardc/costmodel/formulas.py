@@ -23,10 +23,11 @@ from symengine import Basic as Expr  # a formula
 
 from shardc.collectives import FACTOR, Layout, bandwidth_terms, einsum_flops
 from shardc.ir.plan import Monomial, Op, Step, unfused
+from shardc.ir.precision import Precision
 from shardc.ir.spec import Mesh
 from shardc.ops.registry import of_op
 from shardc.steptime import RingTransfer
-from shardc.timing import matmul_ring, shared_rings
+from shardc.timing import matmul_ring, ring_bytes, shared_rings
 
 __all__ = ["Expr", "HardwareSymbols", "hardware_symbols", "StepFormula", "PhaseFormula", "symbol", "monomial",
            "number", "product", "text", "step_formula", "phase_formula", "evaluate", "over", "ZERO"]
@@ -193,11 +194,12 @@ def over(expr: Expr, name: str) -> str:
 
 
 def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
-                 sizes: Mapping[str, int] | None = None, nbytes: int = 2, shared: bool = False) -> StepFormula:
+                 sizes: Mapping[str, int] | None = None, nbytes: int | Precision = 2,
+                 shared: bool = False) -> StepFormula:
     """The formulas of one step (zeros where a step has no such figure); a step that sends around a ring
     while it computes (ring attention, a collective matmul) has its sends' bytes and bandwidth terms
-    (``nbytes``: the spec's element bytes; ``shared``: a collective matmul whose blocks an earlier step
-    sends, :func:`shardc.timing.shared_rings`)."""
+    (``nbytes``: an element's bytes, :func:`shardc.timing.ring_bytes`; ``shared``: a collective matmul
+    whose blocks an earlier step sends, :func:`shardc.timing.shared_rings`)."""
     zero = ZERO
     if step.op is Op.EINSUM:
         flops, model = _einsum(step)
@@ -212,7 +214,7 @@ def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
         flops, model, _ = family.flops(step, symbol)
         axes = {a.name for a in mesh.axes}
         size = lambda name: _mesh_size(mesh, sizes, name) if name in axes else symbol(name)  # noqa: E731
-        ring = family.ring(step, size, nbytes) if family.ring else None
+        ring = family.ring(step, size, ring_bytes(step, nbytes)) if family.ring else None
         return _with_ring(StepFormula(ZERO + flops, ZERO + model, zero, zero, zero), ring, mesh, spans, sizes)
     if not step.is_collective or step.volume is None:
         return StepFormula(zero, zero, zero, zero, zero)
@@ -252,10 +254,10 @@ def _einsum(step: Step) -> tuple[Expr, Expr]:
 
 def phase_formula(steps: tuple[Step, ...], mesh: Mesh, layers: int | str | None | tuple[int | str, ...],
                   spans: Layout | None = None, hw: HardwareSymbols | None = None,
-                  sizes: Mapping[str, int] | None = None, nbytes: int = 2) -> PhaseFormula:
+                  sizes: Mapping[str, int] | None = None, nbytes: int | Precision = 2) -> PhaseFormula:
     """The sums of a phase's step formulas, each multiplied by its block's layer count (a number or a
     symbol; ``layers`` one count, or every block's by :attr:`Step.block`); the divisors of the bandwidth
-    terms come from the mesh's sizes (``sizes`` over them); ``nbytes``: the spec's element bytes."""
+    terms come from the mesh's sizes (``sizes`` over them); ``nbytes``: an element's bytes (or the tensors' types)."""
     parts = [step_formula(s, mesh, spans, sizes, nbytes, shared) for s, shared in zip(steps, shared_rings(steps),
                                                                                       strict=True)]
     each = layers if isinstance(layers, tuple) else (layers if layers is not None else 1,)

@@ -35,6 +35,7 @@ from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Plan, Step
+from shardc.ir.precision import Precision
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
@@ -131,7 +132,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params if times[p.name]} | {plan.grad_name(p.name) for p in params if times[p.name]}
     gathered = max(peak_weights(plan, plan.forward, names, sizes), peak_weights(plan, plan.backward, names, sizes))
-    rings = max(ring_buffers(steps, sizes, plan.spec.dtype.nbytes)
+    rings = max(ring_buffers(steps, sizes, plan.precision)
                 for steps in (plan.forward, plan.recomputed + plan.backward))
     return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
@@ -140,10 +141,11 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   grads=grad_local)
 
 
-def ring_buffers(steps: tuple[Step, ...], sizes: dict[str, int], nbytes: int) -> float:
-    """The most bytes of ring buffers in flight at one step of a phase (``nbytes``: the spec's element
-    bytes): a step sending blocks around a ring while it computes (ring attention's K and V blocks, with dK's
-    and dV's accumulators in the backward; a collective matmul's block) holds the block it computes with
+def ring_buffers(steps: tuple[Step, ...], sizes: dict[str, int], nbytes: int | Precision) -> float:
+    """The most bytes of ring buffers in flight at one step of a phase (``nbytes``: an element's bytes, or
+    the tensors' types, :func:`shardc.timing.ring_bytes`): a step sending blocks around a ring while it
+    computes (ring attention's K and V blocks, with dK's and dV's accumulators in the backward; a
+    collective matmul's block) holds the block it computes with
     and the next one arriving beside what the plan counts (its own block), a double buffer: two of a ring
     step's sends (:attr:`~shardc.steptime.RingTransfer.step_bytes`), one where the ring has two devices.
     Collective matmuls reading one gathered operand share one chain of sends (:func:`shardc.timing.shared_rings`),

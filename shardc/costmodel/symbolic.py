@@ -38,6 +38,7 @@ from shardc.costmodel.memory import residual_formula, state_formula
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.precision import Precision
 from shardc.ir.spec import Mesh
 from shardc.timing import describe, plan_chip, plan_links, shared_rings
 
@@ -161,7 +162,7 @@ def _totals(f: PhaseFormula) -> list[str]:
 
 
 def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
-                 spans: Layout, sizes: dict[str, int], nbytes: int, shared: bool) -> FormulaRow:
+                 spans: Layout, sizes: dict[str, int], nbytes: Precision, shared: bool) -> FormulaRow:
     one = step_formula(step, mesh, spans, sizes, nbytes, shared)
     if step.op is Op.EINSUM or one.flops != 0:  # an einsum, or a kernel's matmuls
         return FormulaRow(index, step.op, (), describe(step), text(one.flops), over(one.flops, names.flops),
@@ -187,7 +188,7 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     all_spans, link_notes = plan_links(plan, hw, sizes, spans)
     names = symbols_of(plan)
     count = plan.spec.layer_counts()
-    nbytes = plan.spec.dtype.nbytes
+    nbytes = plan.precision  # each ring kernel's sends at its type's bytes
     phases = [FormulaPhase(name, tuple(_formula_row(i, s, mesh, names, all_spans, sizes, nbytes, shared)
                                        for i, (s, shared) in enumerate(zip(steps, shared_rings(steps), strict=True),
                                                                        1)),

@@ -20,7 +20,8 @@ from shardc.collectives import COLLECTIVES, FACTOR, Op
 from shardc.errors import InternalError
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.localops import DropoutMask, LocalOp
-from shardc.ir.spec import Spec, TensorRef
+from shardc.ir.precision import Precision
+from shardc.ir.spec import DType, Spec, TensorRef
 from shardc.spec.walk import nbytes_of
 
 __all__ = [
@@ -294,6 +295,9 @@ class Plan:
     # keep-mask 1 (shardc.planner.graph.Graph.element_bytes decides); read through :meth:`nbytes`
     # wherever bytes are counted
     element_bytes: tuple[tuple[str, int], ...] = ()
+    # tensor -> its element type, where a `dtype T` line makes it other than the spec's
+    # (shardc.planner.graph.Graph.dtypes); an einsum's rate is its operands' (:attr:`precision`)
+    dtypes: tuple[tuple[str, DType], ...] = ()
     # a `layers L { ... }` block's sections (:class:`Sections`), cut once by the planner; None: every
     # step is the block's (a spec without a block, or a Plan built by hand), or a block that does not cut
     sections: Sections | None = None
@@ -320,6 +324,11 @@ class Plan:
     def nbytes(self, tensor: str) -> int:
         """Bytes an element of ``tensor`` (:func:`shardc.spec.walk.nbytes_of`)."""
         return nbytes_of(tensor, dict(self.element_bytes), self.spec.dtype)
+
+    @property
+    def precision(self) -> Precision:
+        """Every tensor's element type: the spec's dtype but where :attr:`dtypes` says."""
+        return Precision(self.spec.dtype, dict(self.dtypes))
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

@@ -377,11 +377,20 @@ class Spec:
     # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
     # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors
     recompute: tuple[str, ...] = ()
+    # `dtype bf16 Sc, Pr`: tensors whose elements are not of ``dtype`` (each once, kept sorted by name);
+    # :meth:`dtype_of` reads them, and the planner gives a tensor's gradient and the intermediates of its
+    # statement its type (shardc.planner.graph.Graph.dtypes)
+    tensor_dtypes: tuple[tuple[str, DType], ...] = ()
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
     # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in",
-    # "const:Mask" and "recompute:W_uq" (one entry each).
+    # "const:Mask", "recompute:W_uq" and "dtype:Sc" (one entry each).
     header_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        normal = tuple(sorted(self.tensor_dtypes, key=lambda item: item[0]))
+        if normal != self.tensor_dtypes:  # a set of declarations: the order written means nothing
+            object.__setattr__(self, "tensor_dtypes", normal)
 
     def span_of(self, key: str) -> Span | None:
         """The span recorded for a header item (see ``header_spans``), if any."""
@@ -417,12 +426,24 @@ class Spec:
     def sizes(self) -> dict[str, int]:
         return dict(self.dims)
 
+    def dtype_of(self, tensor: str) -> DType:
+        """The element type ``tensor`` is declared in: its ``dtype T tensor`` line's, else ``dtype``."""
+        return dict(self.tensor_dtypes).get(tensor, self.dtype)
+
+    def dtype_lines(self) -> list[str]:
+        """``dtype T a, b`` for each type some tensor is declared in (the names in order, as kept)."""
+        grouped: dict[DType, list[str]] = {}
+        for name, kind in self.tensor_dtypes:
+            grouped.setdefault(kind, []).append(name)
+        return [f"dtype {kind} " + ", ".join(names) for kind, names in grouped.items()]
+
     def __str__(self) -> str:
         lines = [str(self.mesh)]
         if self.dims:
             lines.append("dims " + ", ".join(f"{k}={v}" for k, v in self.dims))
         if self.dtype is not DType.BF16:
             lines.append(f"dtype {self.dtype}")
+        lines += self.dtype_lines()
         if self.params is not None:
             lines.append("param " + ", ".join(self.params))
         if self.const:

@@ -73,6 +73,7 @@ def split_spec(spec: Spec) -> tuple[Spec, Spec, Spec]:
         params = None if spec.params is None else tuple(p for p in spec.params if p in names)
         return replace(spec, statements=statements, block=None, header_spans=(),
                        params=params, const=tuple(c for c in spec.const if c in names),
+                       tensor_dtypes=tuple((t, kind) for t, kind in spec.tensor_dtypes if t in names),
                        layers=spec.layers if pipelined else None, mesh=spec.mesh if pipelined else stage_mesh,
                        microbatches=spec.microbatches if pipelined else None,
                        schedule=spec.schedule if pipelined else None,

@@ -64,7 +64,7 @@ from shardc.collectives import einsum_flops, piece
 from shardc.errors import ShardcError
 from shardc.ir.localops import ATTENTION_PARTS, Attention
 from shardc.ir.plan import Alternative, Choice, Op, Step
-from shardc.ir.spec import Call, Expr, TensorRef
+from shardc.ir.spec import Call, DType, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.attention_reference import attention_forward, attention_vjp, forward, grad_magnitude, magnitude, vjp
 from shardc.ops.products import einsum_letters
@@ -221,13 +221,14 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, t
     lse = phase.ref(node.aux[0], _value(r.rows, axes))  # the backward's kernel reads O, the logsumexp and dO too
     grads = Step(Op.ELEMENTWISE, node.result, kernel.dst, operands=(*refs, kernel.dst, lse, kernel.dst),
                  fn=replace(fn, part="dq"))
-    compute = kernel_seconds(kernel, size, ctx.hardware, ctx.dtype.value)
-    backward = kernel_seconds(grads, size, ctx.hardware, ctx.dtype.value)
+    dtypes = {s: ctx.matmul_dtype(r.name for r in s.operands) for s in (kernel, grads)}  # as cost prices them
+    compute = kernel_seconds(kernel, size, ctx.hardware, dtypes[kernel])
+    backward = kernel_seconds(grads, size, ctx.hardware, dtypes[grads])
     exposed, hidden = 0.0, ""
     if form.ring:  # the forward's ring and the backward's
         sizes = {**ctx.axis_sizes, **(ctx.sizes or {})}
         for step, seconds in ((kernel, compute), (grads, backward)):
-            ring = transfers(step, size, ctx.dtype.nbytes)
+            ring = transfers(step, size, DType(dtypes[step]).nbytes)
             assert ring is not None
             times = ring_time(ring, seconds, ctx.mesh, sizes, ctx.hardware, ctx.links)
             exposed += times.exposed_s

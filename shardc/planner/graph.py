@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
-from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
+from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
 from shardc.names import gradient_names
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Node, family_of, of_call
 from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
@@ -38,6 +38,8 @@ class Graph:
     # tensor -> bytes an element, where not the spec's dtype: token ids 4 (int32,
     # shardc.spec.walk.element_bytes), a dropout's keep-mask 1; read through shardc.spec.walk.nbytes_of
     element_bytes: dict[str, int] = field(default_factory=dict)
+    # tensor -> its element type, where not the spec's dtype (:meth:`_Builder.dtypes`)
+    dtypes: dict[str, DType] = field(default_factory=dict)
 
     @property
     def names(self) -> frozenset[str]:
@@ -190,10 +192,24 @@ class _Builder:
             left, left_idx = out, out_idx
         return name
 
-    def element_bytes(self) -> dict[str, int]:
-        """Bytes an element of each tensor not of the spec's dtype: the token ids, the keep-masks."""
+    def dtypes(self, grads: Mapping[str, str]) -> dict[str, DType]:
+        """Each tensor's element type where a ``dtype T`` line makes it other than the spec's: the tensors
+        it names, what their statements make on the way (``sigmoid(L · W)``'s product is of the result's
+        type), and their gradients (a cotangent is of its value's type)."""
+        declared = dict(self.spec.tensor_dtypes)
+        found = dict(declared)
+        for node in self.nodes:
+            kind = declared.get(node.statement.result.name)
+            if kind is not None:
+                for made in (node.result, *node.aux):
+                    found.setdefault(made, kind)
+        return found | {grads[t]: kind for t, kind in found.items() if t in grads}
+
+    def element_bytes(self, dtypes: Mapping[str, DType]) -> dict[str, int]:
+        """Bytes an element of each tensor not of the spec's dtype: the token ids, the keep-masks, the
+        tensors of another type (``dtypes``)."""
         made = {k: v for node in self.nodes for k, v in node.family.aux_bytes(node).items()}
-        return element_bytes(self.spec) | made
+        return {t: kind.nbytes for t, kind in dtypes.items()} | element_bytes(self.spec) | made
 
     def finish(self, given: Mapping[str, str]) -> Graph:
         const = frozenset(self.spec.const) | id_names(self.spec)  # token ids: integers, no gradient
@@ -204,7 +220,8 @@ class _Builder:
         taken = self.names | set(self.indices)
         grads = gradient_names(self.indices, taken=taken | set(given.values()))
         grads |= {t: g for t, g in given.items() if t in grads and g not in taken}
+        dtypes = self.dtypes(grads)
         return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params),
-                     tuple(self.inputs), outputs, const, grads, self.element_bytes())
+                     tuple(self.inputs), outputs, const, grads, self.element_bytes(dtypes), dtypes)
 
 

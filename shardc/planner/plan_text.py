@@ -111,6 +111,9 @@ def render_text(plan: Plan) -> str:
     if sizes is not None and not note:  # a pipeline's step is the schedule's: `shardc cost` gives it
         lines.append(_time_line(plan))
     lines += [f"# note: {n}" for n in plan.notes]
+    if plan.spec.tensor_dtypes:  # mixed precision: say which tensors are not of the spec's type
+        lines.append(f"# dtype {plan.spec.dtype}; " + "; ".join(plan.spec.dtype_lines()) + " (each with its "
+                     "gradient; an einsum runs at the fp8 rate only where both operands are f8)")
     lines += _phase_lines("forward", plan.forward, sizes)
     lines.append("")
     lines += _phase_lines(f"backward (save={plan.save})", plan.backward, sizes)
@@ -206,4 +209,4 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "grads": [str(g) for g in plan.grads],
         "cotangents": [str(c) for c in plan.cotangents],
         "gradient_names": {plan.primal(g.name): g.name for g in plan.cotangents + plan.grads},
-    }
+    } | ({"dtypes": {t: str(kind) for t, kind in plan.dtypes}} if plan.dtypes else {})

@@ -319,7 +319,7 @@ def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | Non
     return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
                        graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
                        padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
-                       element_bytes=graph.element_bytes, routings=node_limits(spec))
+                       element_bytes=graph.element_bytes, routings=node_limits(spec), dtypes=graph.dtypes)
 
 
 # the search caches shared inside shared_search(): the key of what a context is made of -> (chip, context)
@@ -349,7 +349,7 @@ def _shared(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None
     key = (str(without_unit_axes(spec.mesh)), spec.dtype, tuple(spec.sizes.items()) if spec.dims else None,
            graph.params, tuple(sorted(graph.grads.items())), tuple(sorted((spans or {}).items())), spec.topology,
            tuple(uneven_dims(spec)), units, repr(places), tuple(sorted(graph.element_bytes.items())),
-           tuple(sorted(node_limits(spec).items())))
+           tuple(sorted(node_limits(spec).items())), tuple(sorted(graph.dtypes.items())))
     hit = shared.get(key)
     if hit is None or hit[0] is not hw:  # the chip by identity: the search's one Hardware
         hit = shared[key] = (hw, _context(spec, graph, hw, spans, units, places))
@@ -457,6 +457,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         recompute=recompute,
         recomputed=again,
         element_bytes=tuple(graph.element_bytes.items()),
+        dtypes=tuple(graph.dtypes.items()),
         sections=Sections.of(fwd, bwd, again),
     )
 

@@ -43,6 +43,7 @@ from typing import Any
 from shardc.collectives import Routed, collective_time, einsum_flops, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.plan import Monomial, Op
+from shardc.ir.precision import Precision
 from shardc.ir.spec import Dim, DType, Mesh, TensorRef
 from shardc.sharding.unit import Placements
 from shardc.spec.walk import nbytes_of
@@ -153,6 +154,8 @@ class CostContext:
     ahead_weight: float = 1.0
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
+    # tensor -> its element type where not the dtype (shardc.planner.graph.Graph.dtypes): an einsum's rate
+    dtypes: dict[str, DType] = field(default_factory=dict)
     # forward searches, resumed by each query: see shardc.sharding.search.reshard
     _searches: dict[tuple[object, ...], object] = field(default_factory=dict)
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
@@ -202,6 +205,11 @@ class CostContext:
     def nbytes(self, tensor: str) -> int:
         """Bytes an element of ``tensor``: 4 for token ids (int32), else the dtype's."""
         return nbytes_of(tensor, self.element_bytes, self.dtype)
+
+    def matmul_dtype(self, operands: Iterable[str]) -> str:
+        """The element type an einsum (or a kernel's matmuls) of these operands runs in
+        (:meth:`shardc.ir.precision.Precision.matmul`)."""
+        return Precision(self.dtype, self.dtypes).matmul(operands)
 
     def kind(self, tensor: str) -> tuple[bool, int]:
         """What a tensor's moves and their costs depend on beside its indices: weight or not, element bytes."""
@@ -277,31 +285,32 @@ class CostContext:
         return float(elements) * nbytes
 
     def einsum_seconds(self, operands: Iterable[tuple[tuple[str, ...], Value, int]],
-                       result: tuple[tuple[str, ...], Value, int]) -> float:
+                       result: tuple[tuple[str, ...], Value, int], dtype: str | None = None) -> float:
         """Time of a local einsum over these (indices, local value, element bytes) operands into ``result``
         on the chip's cores; 0 without sizes.  Priced as ``shardc cost`` prices the step, by the one
         :func:`shardc.steptime.einsum_time`: 2 * prod(local index sizes) FLOPs a device (padded pieces) at
-        the rate the chip reaches on a matmul of that size in the spec's dtype, or its operands' and
+        the rate the chip reaches on a matmul of that size in ``dtype`` (its operands': :meth:`matmul_dtype`;
+        None: the spec's dtype), or its operands' and
         result's padded bytes over HBM where they take longer (:func:`shardc.steptime.einsum_bytes`); an
         elementwise product (no index contracted) by those bytes alone, before fusion, which it moves
         wherever the program puts it.
         """
         if self.sizes is None or not self.compute_weight:
             return 0.0
-        key = (tuple(operands), result)
+        key = (tuple(operands), result, dtype or self.dtype.value)
         hit = self._compute.get(key)
         if hit is None:
             hit = self._compute[key] = self._einsum_seconds(*key)
         return hit * self.compute_weight
 
     def _einsum_seconds(self, operands: tuple[tuple[tuple[str, ...], Value, int], ...],
-                        result: tuple[tuple[str, ...], Value, int]) -> float:
+                        result: tuple[tuple[str, ...], Value, int], dtype: str) -> float:
         occurrences = ((i, axes) for idx, value, _ in operands for i, axes in zip(idx, value.layout, strict=True))
         flops, _ = einsum_flops(occurrences, lambda name: self.axis_sizes.get(name) or self.dim_size(name))
         product = all(i in result[0] for idx, _, _ in operands for i in idx)
         nbytes = einsum_bytes((piece(self._pieces(idx, v)) * size for idx, v, size in operands),
                               piece(self._pieces(result[0], result[1])) * result[2])
-        return einsum_time(float(flops), nbytes, product, self.hardware, self.dtype.value).seconds
+        return einsum_time(float(flops), nbytes, product, self.hardware, dtype).seconds
 
     def edges(self, tensor: str, idx: tuple[str, ...], state: int) -> tuple[Edge, ...]:
         """The moves out of value number ``state`` with their costs, built once per context."""

@@ -20,7 +20,8 @@ Representation decisions (other passes rely on them):
   list or a single operand is dropped (``(A)`` is ``A``).
 - The chain form ``A · B -> R`` is ``Statement(arrow=True)``; meaning is the same.
 - Several ``dims`` lines (and several ``param`` or ``const`` lines) merge, in order;
-  ``mesh``, ``dtype``, ``hardware`` and ``layers`` may appear once each.
+  ``mesh``, ``dtype`` (the spec's type), ``hardware`` and ``layers`` may appear once each; ``dtype T a, b``
+  lines (some tensors' type: :mod:`shardc.spec.dtypes`) merge.
   Header lines may come anywhere; statements keep their order.
 - A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
   ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce``/``attention_kernel``/
@@ -29,15 +30,10 @@ Representation decisions (other passes rely on them):
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 import threading
-from decimal import Decimal, InvalidOperation
-from pathlib import Path
 from typing import Any
 
-import lark
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedInput, VisitError
 
@@ -63,53 +59,20 @@ from shardc.ir.spec import (
     Zero,
     parse_topology,
 )
+from shardc.spec.dtypes import dtype_line, merge_dtypes
+from shardc.spec.lexicon import MAX_SIZE, cache_file, grammar_text, parse_size
 from shardc.spec.syntax_errors import syntax_error
 from shardc.spec.validate import validate
 
-__all__ = ["parse", "parse_size", "grammar_text"]
+__all__ = ["parse", "parse_size", "grammar_text", "MAX_SIZE"]
 
 MAX_NESTING = 48  # parentheses deeper than this are an error: keeps every pass far from the recursion limit
-MAX_SIZE = 10**18  # sizes beyond this are typos; they would also overflow int64 shapes
-
-_SIZE_RE = re.compile(r"[0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9]{1,4})?")
 _AXIS_RUN_RE = re.compile(r"[A-Za-z]+")
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
 _local = threading.local()  # the text being parsed: the inline transformer is shared by threads
 _parser_lock = threading.Lock()
 _parser: Lark | None = None
-
-
-def grammar_text() -> str:
-    """The lark grammar: the copy inside the wheel, else the source checkout's ``grammar/``."""
-    for path in (Path(__file__).parents[1] / "grammar" / "shard.lark",  # the wheel's copy, read directly
-                 Path(__file__).parents[2] / "grammar" / "shard.lark"):  # a source checkout
-        try:
-            return path.read_text(encoding="utf-8")
-        except OSError:
-            continue
-    from importlib import resources  # a zipped install: the slow but general route
-
-    return (resources.files("shardc") / "grammar" / "shard.lark").read_text(encoding="utf-8")
-
-
-def _cache_file() -> str | bool:
-    """Where lark keeps its grammar analysis between runs (a third of ``shardc plan``'s time without it).
-
-    A private per-user directory (lark's default is the shared temp dir, and the cache
-    is a pickle); lark checks the grammar's hash in the file, so a stale cache is rebuilt.
-    False (no cache) when the directory cannot be made.
-    """
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "shardc")
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-    except OSError:
-        return False
-    if not os.access(folder, os.W_OK | os.R_OK):
-        return False
-    version = f"{sys.version_info[0]}{sys.version_info[1]}"
-    return os.path.join(folder, f"grammar-lark{lark.__version__}-py{version}.cache")
 
 
 def _get_parser() -> Lark:
@@ -119,7 +82,7 @@ def _get_parser() -> Lark:
     with _parser_lock:
         if _parser is None:
             _parser = Lark(grammar_text(), parser="lalr", lexer="contextual",
-                           propagate_positions=True, transformer=_Builder(), cache=_cache_file())
+                           propagate_positions=True, transformer=_Builder(), cache=cache_file())
         return _parser
 
 
@@ -150,33 +113,6 @@ def parse_unchecked(text: str, filename: str | None = None) -> Spec:
         _local.lines, _local.filename = None, None
     assert isinstance(spec, Spec)
     return spec
-
-
-def parse_size(text: str, what: str) -> int:
-    """A positive integer written ``5120``, ``3_000_000``, ``1e6`` or ``2.5e3``.
-
-    >>> parse_size("1e6", "B")
-    1000000
-    """
-    t = text.strip()
-    shown = clip(text)
-    if not _SIZE_RE.fullmatch(t):
-        raise ShardcError(f"{what}: `{shown}` is not a size",
-                          fix="write a positive integer such as 5120, 3_000_000, 1e6 or 2.5e3")
-    mantissa, _, exponent = t.replace("_", "").lower().partition("e")
-    try:
-        value = Decimal(mantissa).scaleb(int(exponent or "0"))
-    except (InvalidOperation, ValueError):
-        raise ShardcError(f"{what}: `{shown}` is not a size",
-                          fix="write a positive integer such as 5120") from None
-    if value > MAX_SIZE:
-        raise ShardcError(f"{what}: {shown} is too large (more than 1e18)", fix="check the number for a typo")
-    if value != value.to_integral_value():
-        raise ShardcError(f"{what}: {shown} is not a whole number", fix="sizes count elements or devices: "
-                          f"use a whole number such as {max(1, int(value))}")
-    if value <= 0:
-        raise ShardcError(f"{what}: size must be positive, not {shown}", fix="use a size of at least 1")
-    return int(value)
 
 
 def _check_nesting(lines: list[str], filename: str | None) -> None:
@@ -333,13 +269,7 @@ class _Builder(Transformer[Token, Any]):
         return ("dims", [c for c in children if isinstance(c, tuple)], _span(children[0]))
 
     def dtype_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        word = children[1]
-        try:
-            dtype = DType(str(word))
-        except ValueError:
-            known = ", ".join(d.value for d in DType)
-            raise ShardcError(f"unknown dtype `{word}`", _span(word), fix=f"use one of {known}") from None
-        return ("dtype", dtype, _span(children[0]))
+        return dtype_line(children, _span)
 
     def param_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
@@ -474,7 +404,7 @@ def _build_spec(items: list[Any]) -> Spec:
     """Gather the lines into a Spec: header lines merge or must be unique, statements keep order."""
     statements: list[Statement] = []
     seen: dict[str, Span] = {}
-    header: dict[str, Any] = {"dims": [], "param": None, "const": [], "recompute": []}
+    header: dict[str, Any] = {"dims": [], "param": None, "const": [], "recompute": [], "dtype_tensors": []}
     spans: list[tuple[str, Span]] = []
     block: tuple[int, int] | None = None
     more: list[tuple[int, int, int | str]] = []
@@ -495,7 +425,7 @@ def _build_spec(items: list[Any]) -> Spec:
             block = where
             item = ("layers", item.layers, item.span)
         kind, value, span = item
-        if kind in seen and kind not in ("dims", "param", "const", "recompute"):
+        if kind in seen and kind not in ("dims", "param", "const", "recompute", "dtype_tensors"):
             raise ShardcError(f"`{kind}` is given twice (first on line {seen[kind].line})", span,
                               fix=f"keep one `{kind}` line")
         seen.setdefault(kind, span)
@@ -506,6 +436,8 @@ def _build_spec(items: list[Any]) -> Spec:
         elif kind == "param":
             header["param"] = (header["param"] or []) + [name for name, _ in value]
             spans.extend((f"param:{name}", s) for name, s in value)
+        elif kind == "dtype_tensors":
+            merge_dtypes(value, header[kind], spans)
         elif kind in ("const", "recompute"):
             header[kind] += [name for name, _ in value]
             spans.extend((f"{kind}:{name}", s) for name, s in value)
@@ -536,6 +468,7 @@ def _build_spec(items: list[Any]) -> Spec:
         grad_reduce=header.get("grad_reduce"),
         attention_kernel=header.get("attention_kernel"),
         recompute=tuple(header["recompute"]),
+        tensor_dtypes=tuple(header["dtype_tensors"]),
         filename=_local.filename,
         header_spans=tuple(spans),
     )

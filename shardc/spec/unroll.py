@@ -47,7 +47,7 @@ def unrolled(spec: Spec) -> Spec:
 
 
 def _written_out(spec: Spec, kept: int, counts: tuple[int, ...], split: tuple[int, ...]) -> Spec:
-    """The statements, params and ``recompute`` names with every block but ``kept`` written out."""
+    """The statements, params, ``recompute`` and ``dtype`` names with every block but ``kept`` written out."""
     blocks = spec.blocks()
     statements: list[Statement] = list(spec.statements[:blocks[0][0]])
     copies: dict[str, list[str]] = {}  # a param or tensor of a block written out: its names, layer by layer
@@ -73,7 +73,9 @@ def _written_out(spec: Spec, kept: int, counts: tuple[int, ...], split: tuple[in
 
     return replace(spec, statements=tuple(statements), layers=spec.layer_counts()[kept], block=span, more_blocks=(),
                    stage_layers=split, params=None if spec.params is None else expand(spec.params),
-                   recompute=expand(spec.recompute))
+                   recompute=expand(spec.recompute),
+                   tensor_dtypes=tuple((n, kind) for name, kind in spec.tensor_dtypes
+                                       for n in copies.get(name, [name])))
 
 
 def _layers(spec: Spec, block: tuple[Statement, ...], layers: int, suffix: str,

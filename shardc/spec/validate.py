@@ -16,6 +16,7 @@ order (so the first problem of the file is the one reported):
   no index summed away without a partner operand, reshards keeping indices
   (:mod:`shardc.spec.exprs`);
 - `recompute` naming functions the spec calls, params or computed tensors, each once;
+- `dtype T tensors` naming the spec's float tensors, each once (:mod:`shardc.spec.dtypes`);
 - the data flow: a tensor defined once, never read before its definition, and
   read with one sharding everywhere (an intermediate as it was defined).
 
@@ -39,6 +40,7 @@ from collections.abc import Callable
 
 from shardc.errors import LAYERS_FEED, ShardcError, Span, clip
 from shardc.ir.spec import Dim, Spec, Statement, TensorRef
+from shardc.spec.dtypes import check_dtypes
 from shardc.spec.exprs import check_expression
 from shardc.spec.stages import check_pipeline
 from shardc.spec.walk import block_feeds, calls, leaves
@@ -85,6 +87,7 @@ def _check(spec: Spec) -> None:
     _check_namespaces(spec)
     _check_zero(spec)
     _check_recompute(spec, defined)
+    check_dtypes(spec)  # the `dtype T tensors` lines
     check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
     _check_feed(spec)  # after the per-reference checks: it compares whole shardings
 

@@ -94,11 +94,14 @@ def id_names(spec: Spec) -> frozenset[str]:
 
 
 def element_bytes(spec: Spec) -> dict[str, int]:
-    """The spec's tensors whose elements are not of its dtype: the token ids (int32), 4 bytes.
+    """The spec's tensors whose elements are not of its dtype: those a ``dtype T`` line names, at T's
+    bytes, and the token ids (int32), 4 bytes.
 
     Part of the map :meth:`shardc.planner.graph.Graph.element_bytes` builds (which adds the
-    keep-masks a dropout makes); every pass reads an element's bytes through :func:`nbytes_of`."""
-    return dict.fromkeys(sorted(id_names(spec)), ID_BYTES)
+    keep-masks a dropout makes, and the gradients and intermediates of the tensors a ``dtype`` line
+    names); every pass reads an element's bytes through :func:`nbytes_of`."""
+    declared = {name: kind.nbytes for name, kind in spec.tensor_dtypes}
+    return declared | dict.fromkeys(sorted(id_names(spec)), ID_BYTES)
 
 
 def nbytes_of(tensor: str, element_bytes: Mapping[str, int], dtype: DType) -> int:

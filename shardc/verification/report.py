@@ -8,6 +8,7 @@ mismatch row, so the report lists every difference rather than the first.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -153,8 +154,12 @@ def unplanned_row(phase: str, c: Collective, nbytes: int) -> CollectiveRow:
 
 
 def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collective],
-                      sizes: dict[str, int], nbytes: int, cut: tuple[str, ...] = ()) -> list[CollectiveRow]:
+                      sizes: dict[str, int], nbytes: int, cut: tuple[str, ...] = (),
+                      element: Callable[[str], int] | None = None) -> list[CollectiveRow]:
     """Pair each planned collective with an HLO one of the same kind, axes and bytes.
+
+    A floating HLO element is priced at ``nbytes`` (the spec's dtype's), or where ``element`` is given
+    at the bytes of the planned step's tensor (:meth:`shardc.ir.plan.Plan.nbytes`: a `dtype T` line's).
 
     ``cut`` lists axes the run shrank to 1 though the spec's are larger: a step over
     one of them was not (or only partly) run, so its row fails.
@@ -168,14 +173,15 @@ def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collectiv
             rows.append(p)
             continue
         same = [c for c in left if c.kind is p.op and hlo_axes(c) == p.axes]
-        exact = [c for c in same if c.bytes(nbytes) == p.want]
+        size = nbytes if element is None else element(step.tensor)
+        exact = [c for c in same if c.bytes(size) == p.want]
         if not same:
             rows.append(CollectiveRow(phase, p.label, step.op.title, axes_text(p.axes), p.want, "-", "-",
                                       None, False, "not in the compiled HLO: XLA found it unneeded"))
             continue
         chosen = (exact or same)[0]
         left.remove(chosen)
-        got = chosen.bytes(nbytes)
+        got = chosen.bytes(size)
         rows.append(CollectiveRow(phase, p.label, step.op.title, axes_text(p.axes), p.want, chosen.hlo_op,
                                   axes_text(chosen.axes), got, got == p.want,
                                   "" if got == p.want else "bytes differ"))

@@ -105,13 +105,17 @@ def _dtype(name: str) -> np.dtype[Any]:
 
 
 def compute_dtype(spec: Spec) -> np.dtype[Any]:
-    """The dtype the run computes in: the spec's own, bfloat16 for f8 (see STORAGE_DTYPE)."""
-    return _dtype(COMPUTE_DTYPE[str(spec.dtype)])
+    """The dtype the run computes in: the spec's own, bfloat16 for f8 (see STORAGE_DTYPE); with tensors
+    of other types (`dtype bf16 Sc`) the one all of them compute in, else float32 (bf16 beside f16)."""
+    kinds = {COMPUTE_DTYPE[str(kind)] for kind in (spec.dtype, *(k for _, k in spec.tensor_dtypes))}
+    return _dtype(kinds.pop() if len(kinds) == 1 else "float32")
 
 
-def _rounded(x: np.ndarray, spec: Spec, dtype: np.dtype[Any]) -> np.ndarray:
-    storage = STORAGE_DTYPE.get(str(spec.dtype))
-    return (x.astype(_dtype(storage)) if storage else x).astype(dtype)
+def _rounded(x: np.ndarray, spec: Spec, dtype: np.dtype[Any], name: str) -> np.ndarray:
+    """``x`` rounded to the type tensor ``name`` is declared in (f8: float8_e4m3fn), then in the run's
+    ``dtype``: the lowered program and the reference read the same rounded values."""
+    kind = str(spec.dtype_of(name))
+    return x.astype(_dtype(STORAGE_DTYPE.get(kind) or COMPUTE_DTYPE[kind])).astype(dtype)
 
 
 @dataclass
@@ -142,12 +146,13 @@ def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
     raw = lowered.random_inputs(seed, np.float64)
     ids = id_inputs(spec)  # token ids stay integers
     raw_cot = lowered.random_cotangents(seed + 1, np.float64)
+    outs = lowered.module.cotangents  # cotangent name -> output name: a cotangent is of its output's type
     own = input_scales(spec, reference_inputs(lowered, raw), set(ids), dict(lowered.sizes or {}))
     run: _Run | None = None
     for k in range(_SCALE_TRIES):
         scale = 4.0 ** -k
-        inputs = {n: v if n in ids else _rounded(v * own[n] * scale, spec, dtype) for n, v in raw.items()}
-        cot = {n: _rounded(v * scale, spec, dtype) for n, v in raw_cot.items()}
+        inputs = {n: v if n in ids else _rounded(v * own[n] * scale, spec, dtype, n) for n, v in raw.items()}
+        cot = {n: _rounded(v * scale, spec, dtype, outs[n]) for n, v in raw_cot.items()}
         run = _keyed(lowered, _Run(inputs, cot, {}, {}, {}, scale, False, own), 0)
         run.fits = all(_fits(v, limit) for v in [*run.forward.values(), *run.grads.values(),
                                                   *run.magnitude.values()])
@@ -266,6 +271,10 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     tol = TOLERANCE[dtype.name]
     report = Report(plan.spec.filename or "<spec>", mesh, dict(lowered.sizes or {}),
                     str(plan.spec.dtype), dtype.name, tol)
+    if plan.spec.tensor_dtypes:
+        report.notes.append(f"{'; '.join(plan.spec.dtype_lines())}: those inputs and cotangents rounded to their own "
+                            f"type, every value computed in {dtype.name}; values computed on the way are not "
+                            "rounded to their declared type (an f8 one would err by as much as a wrong plan)")
     step("running the numpy reference")
     run = _reference_run(lowered, dtype, seed)
     report.input_scale, report.input_scales = run.scale, dict(run.scales)
@@ -287,7 +296,7 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     for phase, steps in phases:
         step(f"compiling the {phase} for its HLO, comparing collectives")
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
-        report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut)
+        report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut, plan.nbytes)
     step("comparing memory with XLA's buffer assignment")
     report.memory_check = check_memory(lowered)
     return report
