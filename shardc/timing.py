@@ -49,34 +49,30 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from fractions import Fraction
-from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
-from shardc.collectives import FACTOR, Layout, Op, collective_time, piece, share, volume_elements
-from shardc.collectives import einsum_flops as flops_of  # this module's einsum_flops takes a Step
-from shardc.errors import ShardcError
+from shardc.collectives import FACTOR, Layout, Op, collective_time
+from shardc.device_pieces import einsum_flops, local_elements, size_of, step_volume
 from shardc.fusion import is_product, kept_values, memory_traffic
 from shardc.hardware import Hardware, chip_for
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step, unfused
 from shardc.ir.precision import Precision
 from shardc.ir.spec import DType, Mesh, TensorRef
+from shardc.layer_counts import block_counts, runs, step_count
 from shardc.ops.registry import of_op
-from shardc.pipeline.block_split import counted_device
 from shardc.pipeline.boundary import microbatch_dim
+from shardc.ring_sends import ring_of, shared_rings
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import block_reads
-from shardc.steptime import RingTransfer, Send, einsum_time, ring_time
+from shardc.steptime import einsum_time, ring_time
 from shardc.topology import AxisLinks, resolve_links
 
-__all__ = ["step_count", "runs", "block_counts", "bound_of",
-           "StepCost", "cost_step", "einsum_flops", "local_elements", "step_volume", "describe",
+__all__ = ["bound_of",
+           "StepCost", "cost_step", "describe",
            "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip", "plan_sizes",
-           "plan_links", "resolve_layers", "update_seconds", "comm_split",
-           "plan_dtype", "step_dtype", "ring_bytes", "phase_rows", "local_bytes_of", "phase_time", "microbatched",
-           "shared_rings",
-           "matmul_ring", "ring_of"]
+           "plan_links", "update_seconds", "comm_split",
+           "plan_dtype", "step_dtype", "phase_rows", "local_bytes_of", "phase_time", "microbatched"]
 
 
 @dataclass(frozen=True)
@@ -112,7 +108,7 @@ class StepCost:
     transfer_s: float = 0.0
     exposed_comm_s: float = 0.0
     hidden_from: float = 0.0
-    ring_shared: bool = False  # a collective matmul whose blocks an earlier step sends (timing.shared_rings)
+    ring_shared: bool = False  # a collective matmul whose blocks an earlier step sends (ring_sends.shared_rings)
     # an attention kernel of the all-gather or Ulysses form ("all-gather", "Ulysses"): the time of the moves
     # of the sequence before and after it; hidden_from is then where its compute outlasts them
     # (shardc.costmodel.context_parallel)
@@ -164,47 +160,14 @@ class StepCost:
         return row
 
 
-def _pieces(ref: TensorRef, sizes: Mapping[str, int]) -> list[tuple[int, int]]:
-    return [(_size(sizes, d.name), math.prod(_size(sizes, a) for a in d.axes)) for d in ref.dims]
-
-
-def local_elements(ref: TensorRef, sizes: Mapping[str, int]) -> Fraction:
-    """Elements of one device's piece of ``ref``: per dim ``ceil(size / devices)`` (XLA's padding)."""
-    return Fraction(piece(_pieces(ref, sizes)))
-
-
-def step_volume(step: Step, sizes: Mapping[str, int]) -> float:
-    """V of a collective in bytes: its volume formula, padded where a dim does not divide its devices."""
-    if step.volume is None or step.src is None:
-        raise ShardcError(f"collective step on {step.tensor} has no volume",
-                          fix="this is a planner bug: report it with the spec")
-    exact = float(step.volume.evaluate(dict(sizes)))
-    src, dst = _pieces(step.src, sizes), _pieces(step.dst, sizes)
-    if all(n % k == 0 or not isinstance(n, int) for n, k in src + dst):
-        return exact  # even (or a fractional sweep point): the formula is the volume
-    group = math.prod(_size(sizes, a) for a in step.axes)
-    unpadded = volume_elements(step.op, _exact(src), _exact(dst), Fraction(group))
-    padded = volume_elements(step.op, Fraction(piece(src)), Fraction(piece(dst)), Fraction(group))
-    return exact * float(padded / unpadded)
-
-
-def _exact(pieces: list[tuple[int, int]]) -> Fraction:
-    return math.prod((Fraction(n, k) for n, k in pieces), start=Fraction(1))
-
-
-def einsum_flops(step: Step, sizes: Mapping[str, int]) -> tuple[int, int]:
-    """(per-device FLOPs, model FLOPs) of an einsum step (:func:`shardc.collectives.einsum_flops`)."""
-    occurrences = ((d.name, d.axes) for ref in (*step.operands, step.dst) for d in ref.dims)
-    return flops_of(occurrences, lambda name: _size(sizes, name))
-
-
 def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
               spans: Layout | None = None, dtype: Precision | str = "bf16", memory_bytes: float = 0.0,
               text: str | None = None, shared: bool = False) -> StepCost:
     """The :class:`StepCost` of one step of a plan; ``memory_bytes`` its HBM traffic if memory-bound
     (:func:`shardc.fusion.memory_traffic`), ``dtype`` the tensors' types (:func:`step_dtype`: an einsum of
     two f8 operands runs at the chip's fp8 rate);
-    ``shared``: a collective matmul whose blocks an earlier step of its phase sends (:func:`shared_rings`)."""
+    ``shared``: a collective matmul whose blocks an earlier step of its phase sends
+    (:func:`shardc.ring_sends.shared_rings`)."""
     kind = step_dtype(step, dtype)
     row = _step_cost(index, step, mesh, sizes, hw, spans, kind, memory_bytes, text, shared)
     if isinstance(dtype, str) or kind == dtype.default.value or not row.flops:
@@ -234,7 +197,7 @@ def _step_cost(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw:
                         memory_bytes=memory_bytes, memory_s=timed.memory_s)
     family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
     if family is not None and family.flops is not None:  # a kernel with matmuls (attention)
-        size = lambda name: _size(sizes, name)  # noqa: E731
+        size = lambda name: size_of(sizes, name)  # noqa: E731
         flops, model, executed = family.flops(step, size)
         seconds = family.seconds(step, size, hw, dtype) if family.seconds else hw.matmul_seconds(flops, dtype)
         row = StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
@@ -264,7 +227,7 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
     assert c is not None
     einsum = next(s for s in unfused(step) if s.op is Op.EINSUM)
     plain = cost_step(index, einsum, mesh, sizes, hw, spans, dtype, memory_bytes, text)
-    n = math.prod(_size(sizes, a) for a in c.axes)
+    n = math.prod(size_of(sizes, a) for a in c.axes)
     block = einsum_time(plain.flops / n, memory_bytes / n, False, hw, dtype)  # one of the n block matmuls
     compute, memory_s = n * block.compute_s, n * block.memory_s
     row = replace(plain, axes=c.axes, compute_s=compute, memory_s=memory_s,
@@ -277,45 +240,6 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
     times = ring_time(ring, compute, mesh, sizes, hw, spans)
     return replace(row, volume=step_volume(c, sizes), transfer_s=times.transfer_s, exposed_comm_s=times.exposed_s,
                    weighted=times.sent_bytes, bandwidth_s=times.bandwidth_s)
-
-
-def ring_bytes(step: Step, nbytes: int | Precision) -> int:
-    """Bytes an element of what a ring kernel sends: ``nbytes``, or with the tensors' types given, the
-    bytes of the type its matmuls run in (:func:`step_dtype`: ring attention's Q, K and V)."""
-    return nbytes if isinstance(nbytes, int) else DType(step_dtype(step, nbytes)).nbytes
-
-
-def ring_of(step: Step, sizes: Mapping[str, int], nbytes: int | Precision) -> RingTransfer | None:
-    """The sends of a step that sends blocks around a ring while it computes, at ``sizes`` (``nbytes``: an
-    element's bytes, :func:`ring_bytes`): a collective matmul's (:func:`matmul_ring`: its collective's whole
-    piece, padded, in n blocks), a ring attention kernel's (its family's); None for any other step."""
-    if step.op is Op.EINSUM and step.collective is not None:
-        c = step.collective
-        return matmul_ring(c, step_volume(c, sizes), math.prod(_size(sizes, a) for a in c.axes))
-    family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
-    if family is None or family.ring is None:
-        return None
-    return family.ring(step, lambda name: _size(sizes, name), ring_bytes(step, nbytes))
-
-
-def matmul_ring(collective: Step, volume: Any, n: int) -> RingTransfer:
-    """A collective matmul's sends: n - 1 blocks of its collective's ``volume`` (bytes, n blocks: a number,
-    or a formula in :mod:`shardc.costmodel.formulas`) over its axis, each under one of its n block matmuls."""
-    return RingTransfer(collective.axes, n, 0, (Send(volume / n, 1, n - 1),))
-
-
-def shared_rings(steps: Sequence[Step]) -> list[bool]:
-    """Per step of a phase, whether it is a collective matmul whose collective an earlier step runs as a
-    ring too (einsums reading one gathered operand): their sends are the same blocks the same way, and the
-    lowered program's chains of permutes are one (XLA keeps one of identical instructions), so only the
-    first sends them."""
-    seen: set[Step] = set()
-    out = []
-    for step in steps:
-        out.append(step.collective is not None and step.collective in seen)
-        if step.collective is not None:
-            seen.add(step.collective)
-    return out
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -338,17 +262,6 @@ def describe(step: Step) -> str:
         args = ", ".join(str(o) for o in step.operands)
         return f"{step.fn}({args}) -> {step.dst}"
     return f"{step.src} -> {step.dst}"
-
-
-def runs(once: bool, block: int, counts: Sequence[int]) -> int:
-    """How often a step runs in a training step: once a layer of its block (``counts``: every block's
-    layers, :func:`block_counts`), or once (outside every ``layers`` block)."""
-    return 1 if once else counts[block]
-
-
-def step_count(step: Step, counts: Sequence[int]) -> int:
-    """:func:`runs` of a plan's step."""
-    return runs(step.once, step.block, counts)
 
 
 def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: bool = True,
@@ -616,68 +529,3 @@ def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, counts: S
                          * runs(info.name not in repeated, repeated.get(info.name, 0), counts)
                          for info in plan.tensors if info.role == "param")
     return hw.memory_seconds(elements * per_element)
-
-
-def resolve_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:
-    """The layer count, and its symbol when the spec names a dim (``layers L``).
-
-    A pipelined plan is one stage's (:mod:`shardc.spec.stages`): its count is the
-    slowest stage's, ceil(L / P), with no symbol; with several blocks, the first block's
-    layers on the device :func:`block_counts` counts.
-    """
-    counted = _stage_counts(plan, sizes)
-    if counted is not None:
-        return counted[0], None
-    layers, symbol = _all_layers(plan, sizes)
-    axis = plan.spec.mesh.pipeline_axis
-    if axis is not None:
-        return share(layers, sizes.get(axis.name, axis.size)), None
-    return layers, symbol
-
-
-def block_counts(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    """Every ``layers`` block's count, by :attr:`Step.block`: the first :func:`resolve_layers`'s, the
-    others their own; a pipeline with several blocks: each block's layers on one device, the one
-    holding the most layers (:func:`~shardc.pipeline.block_split.counted_device`)."""
-    counted = _stage_counts(plan, sizes)
-    if counted is not None:
-        return counted
-    first, _ = resolve_layers(plan, sizes)
-    return (first, *(_count_of(layers, sizes) for layers in plan.spec.layer_counts()[1:]))
-
-
-def _stage_counts(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, ...] | None:
-    """A pipeline's counted device's layers of each block, where the spec has several blocks; else None."""
-    axis, written = plan.spec.mesh.pipeline_axis, plan.spec.layer_counts()
-    if axis is None or len(written) < 2:
-        return None
-    pipe = pipeline_of(plan.spec, {str(n): _count_of(n, sizes) for n in written if isinstance(n, str)})
-    assert pipe is not None
-    return counted_device(replace(pipe, stages=sizes.get(axis.name, axis.size)))
-
-
-def _count_of(layers: int | str, sizes: Mapping[str, int]) -> int:
-    if isinstance(layers, int):
-        return layers
-    if layers not in sizes:
-        raise ShardcError(f"`layers {layers}` names no known size",
-                          fix=f"add {layers}=... to the `dims` line, or pass --set {layers}=...")
-    return sizes[layers]
-
-
-def _all_layers(plan: Plan, sizes: Mapping[str, int]) -> tuple[int, str | None]:
-    layers = plan.spec.layers
-    if layers is None:
-        indices = {d.name for info in plan.tensors for d in info.ref.dims}
-        if "L" in sizes and "L" not in indices:  # --set L=40 without a `layers` line
-            return sizes["L"], "L"
-        return 1, None
-    return _count_of(layers, sizes), layers if isinstance(layers, str) else None
-
-
-def _size(sizes: Mapping[str, int], name: str) -> int:
-    try:
-        return sizes[name]
-    except KeyError:
-        raise ShardcError(f"no size for {name!r}: costs need every dim and mesh axis size",
-                          fix=f"add {name}=... to the `dims` line, or pass --set {name}=...") from None

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardc
+from shardc.device_pieces import step_volume
 from shardc.ir.localops import Combine
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Spec
@@ -25,7 +26,7 @@ from shardc.planner.check import check_plan
 from shardc.planner.plan_text import render_explain
 from shardc.spec.walk import calls
 from shardc.testing import specs
-from shardc.timing import plan_time, step_volume
+from shardc.timing import plan_time
 from shardc.verification.verify import render_report, verify
 
 BIG = "mesh X=4\ndims B=8, N=32, S=2048, T=2048\nP[B, N, S, T_X] = softmax(Sc[B, N, S, T_X] over T)\n"

@@ -7,13 +7,14 @@ import pytest
 
 import shardc
 from shardc.costmodel.memory import memory
+from shardc.device_pieces import step_volume
 from shardc.ir.localops import Combine, Vocab
 from shardc.ir.plan import Op, Plan, Step
 from shardc.lowering.api import lower
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
 from shardc.planner.check import check_plan
-from shardc.timing import plan_sizes, step_volume
+from shardc.timing import plan_sizes
 from shardc.verification.verify import render_report, verify
 
 EMBED = "mesh X=4\ndims B=8, S=1024, V=32768, D=4096\nE[B, S, D] = embed(Tok[B, S], W_emb[V_X, D])\n"

@@ -23,9 +23,9 @@ from shardc.costmodel.phase_memory import (
     _slot_rows,
     phase_memory,
 )
+from shardc.device_pieces import local_elements
 from shardc.ir.plan import Plan, backward_program
 from shardc.ir.spec import TensorRef
-from shardc.timing import local_elements
 from shardc.verification.memory_check import check_plan_memory, render_memory
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 import shardc
 from shardc.costmodel.formulas import text
 from shardc.costmodel.memory import kept_once, memory, residual_formula, residual_table
+from shardc.device_pieces import step_volume
 from shardc.ir.localops import ALIAS, Row, Vocab
 from shardc.ir.plan import Op, Plan
 from shardc.ir.spec import Spec, TensorRef
@@ -22,7 +23,7 @@ from shardc.planner.plan_text import render_text, to_json
 from shardc.spec.functions import ID_BYTES, ID_DTYPE
 from shardc.spec.walk import element_bytes, id_names, id_vocabulary
 from shardc.testing import specs
-from shardc.timing import plan_sizes, step_volume
+from shardc.timing import plan_sizes
 from shardc.verification.hlo import Collective
 from shardc.verification.verify import render_report, verify
 

@@ -8,6 +8,7 @@ import pytest
 
 import shardc
 from shardc.collectives import Op, collective_time
+from shardc.device_pieces import step_volume
 from shardc.errors import ShardcError
 from shardc.hardware import PRESETS
 from shardc.ir.localops import Dispatch
@@ -15,7 +16,6 @@ from shardc.ir.plan import Plan
 from shardc.ops.dispatch_code import whole_forward, whole_vjp
 from shardc.ops.route_code import route_forward
 from shardc.planner.check import check_plan
-from shardc.timing import step_volume
 from shardc.topology import resolve_links
 from shardc.verification.verify import render_report, verify
 

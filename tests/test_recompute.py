@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import shardc
 from shardc.costmodel.formulas import evaluate, text
 from shardc.costmodel.memory import residual_formula, residual_table
+from shardc.device_pieces import einsum_flops
 from shardc.ir.plan import Op, Plan
 from shardc.ir.spec import Call, Statement, TensorRef
 from shardc.ops.registry import CONTRACT, Node, family_of
@@ -23,7 +24,7 @@ from shardc.planner.graph import Graph, build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES as RECOMPUTE
 from shardc.planner.recompute import attention_region
 from shardc.testing import specs
-from shardc.timing import einsum_flops, plan_sizes, plan_time
+from shardc.timing import plan_sizes, plan_time
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION = """mesh X=2, Y=2

@@ -44,9 +44,9 @@ from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network
+from shardc.layer_counts import block_counts, resolve_layers, runs
 from shardc.timing import (
     StepCost,
-    block_counts,
     bound_of,
     comm_split,
     microbatched,
@@ -55,8 +55,6 @@ from shardc.timing import (
     plan_chip,
     plan_links,
     plan_sizes,
-    resolve_layers,
-    runs,
     step_seconds,
     update_seconds,
 )
@@ -81,7 +79,7 @@ class PhaseCost:
     tokens: float = 0.0  # the step: tokens a step processes (all devices)
     dtype: str = "bf16"
     repeats: int = 1  # a pipelined stage: its rows are one microbatch's, run this many times
-    more_layers: tuple[int, ...] = ()  # the later `layers` blocks' counts (timing.block_counts)
+    more_layers: tuple[int, ...] = ()  # the later `layers` blocks' counts (layer_counts.block_counts)
     offload_s: float = 0.0  # the step: host copies its phases' compute does not hide (shardc.costmodel.offload)
 
     def _sum(self, attr: str, only: bool | None = None) -> float:

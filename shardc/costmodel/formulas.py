@@ -26,8 +26,8 @@ from shardc.ir.plan import Monomial, Op, Step, unfused
 from shardc.ir.precision import Precision
 from shardc.ir.spec import Mesh
 from shardc.ops.registry import of_op
+from shardc.ring_sends import matmul_ring, ring_bytes, shared_rings
 from shardc.steptime import RingTransfer
-from shardc.timing import matmul_ring, ring_bytes, shared_rings
 
 __all__ = ["Expr", "HardwareSymbols", "hardware_symbols", "StepFormula", "PhaseFormula", "symbol", "monomial",
            "number", "product", "text", "step_formula", "phase_formula", "evaluate", "over", "ZERO"]
@@ -198,8 +198,8 @@ def step_formula(step: Step, mesh: Mesh, spans: Layout | None = None,
                  shared: bool = False) -> StepFormula:
     """The formulas of one step (zeros where a step has no such figure); a step that sends around a ring
     while it computes (ring attention, a collective matmul) has its sends' bytes and bandwidth terms
-    (``nbytes``: an element's bytes, :func:`shardc.timing.ring_bytes`; ``shared``: a collective matmul
-    whose blocks an earlier step sends, :func:`shardc.timing.shared_rings`)."""
+    (``nbytes``: an element's bytes, :func:`shardc.ring_sends.ring_bytes`; ``shared``: a collective matmul
+    whose blocks an earlier step sends, :func:`shardc.ring_sends.shared_rings`)."""
     zero = ZERO
     if step.op is Op.EINSUM:
         flops, model = _einsum(step)

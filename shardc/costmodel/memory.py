@@ -32,16 +32,19 @@ import symengine as se
 from shardc.accountings import ACCOUNTINGS
 from shardc.collectives import piece
 from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
+from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Plan, Step
 from shardc.ir.precision import Precision
 from shardc.ir.spec import Dim, TensorRef
+from shardc.layer_counts import runs
 from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
+from shardc.ring_sends import ring_of, shared_rings
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.walk import block_reads, id_names, layer_inputs
-from shardc.timing import describe, local_elements, ring_of, runs, shared_rings
+from shardc.timing import describe
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
            "residual_formula", "value_bytes", "kept_once", "ring_buffers", "value_blocks"]
@@ -143,12 +146,12 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
 
 def ring_buffers(steps: tuple[Step, ...], sizes: dict[str, int], nbytes: int | Precision) -> float:
     """The most bytes of ring buffers in flight at one step of a phase (``nbytes``: an element's bytes, or
-    the tensors' types, :func:`shardc.timing.ring_bytes`): a step sending blocks around a ring while it
+    the tensors' types, :func:`shardc.ring_sends.ring_bytes`): a step sending blocks around a ring while it
     computes (ring attention's K and V blocks, with dK's and dV's accumulators in the backward; a
     collective matmul's block) holds the block it computes with
     and the next one arriving beside what the plan counts (its own block), a double buffer: two of a ring
     step's sends (:attr:`~shardc.steptime.RingTransfer.step_bytes`), one where the ring has two devices.
-    Collective matmuls reading one gathered operand share one chain of sends (:func:`shardc.timing.shared_rings`),
+    Collective matmuls reading one gathered operand share one chain of sends (:func:`shardc.ring_sends.shared_rings`),
     whose n - 1 received blocks stay alive until the last of them has read them."""
     later = {s.collective for s, shared in zip(steps, shared_rings(steps), strict=True) if shared}
     peak = 0.0

@@ -16,13 +16,13 @@ from shardc.collectives import Op
 from shardc.costmodel.heap import Span, outside_outputs, packed
 from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.memory import residual_table
+from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product, kept_values
 from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
 from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.recompute import reads as _reads
 from shardc.spec.attention_call import roles
-from shardc.timing import local_elements
 
 __all__ = ["PhaseMemory", "Buffers", "phase_memory"]
 

@@ -69,6 +69,7 @@ from shardc.costmodel.stage_memory import (
     stage_memories,
     working_sets,
 )
+from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
@@ -95,7 +96,7 @@ from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import block_reads
-from shardc.timing import StepCost, bound_of, local_elements, phase_rows, phase_time
+from shardc.timing import StepCost, bound_of, phase_rows, phase_time
 
 if TYPE_CHECKING:
     from shardc.costmodel.cost_report import CostReport

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from shardc.collectives import Op
 from shardc.costmodel.memory import Memory, kept_once, memory, residual_values, value_blocks
 from shardc.costmodel.phase_memory import phase_memory
+from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
 from shardc.ir.plan import SECTIONS, Plan
 from shardc.ir.spec import Statement, TensorRef
@@ -19,7 +20,6 @@ from shardc.pipeline.dualpipe import end_chunks
 from shardc.pipeline.schedules import TWO_WAY, device_of
 from shardc.spec.stages import Pipeline
 from shardc.spec.walk import leaves
-from shardc.timing import local_elements
 
 __all__ = ["accumulator_bytes", "end_chunks_on", "held_names", "kept_copies", "outside_names", "stage_memories",
            "working_sets"]

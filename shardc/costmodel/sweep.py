@@ -18,8 +18,10 @@ from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.images import check_image_path, pyplot
 from shardc.ir.plan import Plan
+from shardc.layer_counts import block_counts, runs
+from shardc.ring_sends import shared_rings
 from shardc.spec.parser import MAX_SIZE
-from shardc.timing import block_counts, bound_of, cost_step, plan_dtype, plan_links, runs, shared_rings
+from shardc.timing import bound_of, cost_step, plan_dtype, plan_links
 
 __all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot", "check_plot_path"]
 

@@ -40,7 +40,8 @@ from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.precision import Precision
 from shardc.ir.spec import Mesh
-from shardc.timing import describe, plan_chip, plan_links, shared_rings
+from shardc.ring_sends import shared_rings
+from shardc.timing import describe, plan_chip, plan_links
 
 __all__ = ["FormulaRow", "FormulaPhase", "FormulaReport", "cost_formulas"]
 

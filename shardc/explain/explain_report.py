@@ -26,6 +26,7 @@ import jax
 
 from shardc.collectives import collective_time, share
 from shardc.costmodel.cost_report import cost
+from shardc.device_pieces import step_volume
 from shardc.errors import ShardcError, clip
 from shardc.explain.jaxpr_spec import ProgramSpec, read_program
 from shardc.explain.sources import installed
@@ -35,7 +36,7 @@ from shardc.ir.spec import TensorRef
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.parser import parse
-from shardc.timing import plan_chip, plan_time, step_volume
+from shardc.timing import plan_chip, plan_time
 from shardc.verification.compare import Row, pair_rows
 from shardc.verification.hlo import collectives
 

@@ -19,7 +19,7 @@ where the collective is on the critical path (an ahead-of-time weight gather is 
 over one axis that is the minor-most of its dim's (so a device's block along the dim is its index on
 the axis), on a dim the axis divides, and nothing but einsums reads the gathered operand (each of them
 then runs its own ring of block matmuls; their sends are the same blocks the same way, which the compiled
-program makes once: the first ring's sends, under its block matmuls, :func:`shardc.timing.shared_rings`),
+program makes once: the first ring's sends, under its block matmuls, :func:`shardc.ring_sends.shared_rings`),
 or nothing but the ReduceScatter the partial result; and only where the fused steps' time is less than
 the steps they replace, on the plan's chip.
 """
@@ -35,7 +35,8 @@ from shardc.fusion import is_product
 from shardc.hardware import Hardware
 from shardc.ir.plan import Op, Plan, Sections, Step
 from shardc.ir.spec import TensorRef
-from shardc.timing import cost_step, plan_dtype, plan_links, plan_sizes, shared_rings
+from shardc.ring_sends import shared_rings
+from shardc.timing import cost_step, plan_dtype, plan_links, plan_sizes
 
 __all__ = ["fuse_collective_matmuls", "ring_dim"]
 

@@ -6,11 +6,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardc.collectives import FACTOR
+from shardc.device_pieces import step_volume
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Monomial, Op, Plan, Step, sum_formula, unfused
 from shardc.names import book_name
 from shardc.spec.stages import pipeline_note
-from shardc.timing import plan_time, step_volume
+from shardc.timing import plan_time
 from shardc.units import fmt_bytes, fmt_seconds
 
 __all__ = ["render_text", "render_explain", "to_json", "sum_formula", "phase_total", "step_label"]

@@ -32,10 +32,10 @@ import itertools
 import math
 import re
 
+from shardc.device_pieces import local_elements
 from shardc.ir.plan import Op, Plan, backward_program
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
-from shardc.timing import local_elements
 from shardc.verification.hlo import Collective, collectives
 from shardc.verification.report import (
     CollectiveRow,

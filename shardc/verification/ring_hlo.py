@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from shardc.ir.plan import Op, Step
 from shardc.ops.registry import of_op
-from shardc.timing import shared_rings
+from shardc.ring_sends import shared_rings
 
 __all__ = ["RingSends", "ring_sends"]
 
