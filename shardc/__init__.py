@@ -49,7 +49,7 @@ def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
     _check_plan_args(spec, save, options)
     model, bucket_mb = options.pop("model", None), options.pop("bucket_mb", None)
     if model is not None or bucket_mb is not None:
-        from shardc.hardware import resolve_hardware
+        from shardc.chip_choice import resolve_hardware
 
         chip = resolve_hardware(options.get("hardware"), None, spec.hardware)
         options["hardware"] = chip.configured(model, bucket_mb)

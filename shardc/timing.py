@@ -51,10 +51,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from shardc.accountings import ACCOUNTINGS
+from shardc.chip_choice import chip_for
 from shardc.collectives import FACTOR, Layout, Op, collective_time
 from shardc.device_pieces import einsum_flops, local_elements, size_of, step_volume
 from shardc.fusion import is_product, kept_values, memory_traffic
-from shardc.hardware import Hardware, chip_for
+from shardc.hardware import Hardware
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step, unfused
 from shardc.ir.precision import Precision

@@ -12,8 +12,9 @@ import pytest
 
 from shardc.calibrate.chip import Measurements, base_chip, calibrated, chip_toml, predicted_seconds
 from shardc.calibrate.fit import Line, efficiency_points, fit_line
+from shardc.chip_choice import load_hardware_file
 from shardc.collectives import NCCL_NVLINK_STEP_S, Op
-from shardc.hardware import PRESETS, Hardware, load_hardware_file
+from shardc.hardware import PRESETS, Hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 VOLUMES = [2.0**k for k in range(12, 31, 2)]

@@ -74,7 +74,7 @@ def test_hardware_json_lists_every_field_of_every_preset() -> None:
 
 
 def test_a_hardware_file_gives_its_own_matmul_curve(tmp_path: Path) -> None:
-    from shardc.hardware import load_hardware_file
+    from shardc.chip_choice import load_hardware_file
 
     chip = tmp_path / "chip.toml"
     base = 'flops = 1e15\nici_bandwidth = 1e11\nhbm_bytes = 8e10\ndcn_bandwidth = 5e10\nflops_f8 = 2e15\n'
@@ -167,7 +167,7 @@ def test_hopper_fp8_matmuls_reach_deepgemms_measured_share_of_their_peak() -> No
 
 
 def test_a_hardware_file_gives_its_own_fp8_curve(tmp_path: Path) -> None:
-    from shardc.hardware import load_hardware_file
+    from shardc.chip_choice import load_hardware_file
 
     chip = tmp_path / "chip.toml"
     base = 'flops = 1e15\nici_bandwidth = 1e11\nhbm_bytes = 8e10\ndcn_bandwidth = 5e10\nflops_f8 = 2e15\n'

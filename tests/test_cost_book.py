@@ -10,8 +10,9 @@ import pytest
 import sympy
 
 import shardc
+from shardc.chip_choice import resolve_hardware
 from shardc.costmodel.cost_report import CostReport
-from shardc.hardware import Hardware, resolve_hardware
+from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
 

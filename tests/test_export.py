@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 import shardc
+from shardc.chip_choice import resolve_hardware
 from shardc.export.jax_export import declared, inferred_result, jax_module, out_shardings, pspec_text
 from shardc.export.logical import DEFAULT_NAMES, PHYSICAL, flax_rules, maxtext_yaml, parse_names
-from shardc.hardware import resolve_hardware
 from shardc.ir.plan import Op, Plan, unfused
 from shardc.ir.spec import TensorRef
 from tests.test_cli import fails_clearly, run_main

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 import shardc
+from shardc.chip_choice import chip_for, load_hardware_file
 from shardc.errors import ShardcError
-from shardc.hardware import PRESETS, chip_for, get_hardware, load_hardware_file
+from shardc.hardware import PRESETS, get_hardware
 from shardc.timing import phase_seconds
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import shardc
-from shardc.hardware import resolve_hardware
+from shardc.chip_choice import resolve_hardware
 from shardc.ir.plan import Plan, Step
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from shardc.chip_choice import load_hardware_file
 from shardc.collectives import Op, collective_time
-from shardc.hardware import Hardware, get_hardware, load_hardware_file
+from shardc.hardware import Hardware, get_hardware
 from shardc.ir.spec import Mesh, MeshAxis
 from shardc.topology import resolve_links
 

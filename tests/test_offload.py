@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 
 import shardc
+from shardc.chip_choice import hardware_from_mapping
 from shardc.cli.main import main
 from shardc.costmodel.offload import IN_FLIGHT_LAYERS
 from shardc.errors import ShardcError
-from shardc.hardware import get_hardware, hardware_from_mapping
+from shardc.hardware import get_hardware
 from shardc.layouts import Options, search_layouts
 
 MLP = """mesh X=8

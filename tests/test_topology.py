@@ -225,7 +225,7 @@ def test_scaled_keeps_every_field() -> None:
 
 
 def test_a_hardware_file_takes_book_and_efficiency(tmp_path: Path) -> None:
-    from shardc.hardware import load_hardware_file
+    from shardc.chip_choice import load_hardware_file
 
     chip = tmp_path / "chip.toml"
     chip.write_text('flops = 9.89e14\nici_bandwidth = 4.5e11\nhbm_bytes = 80e9\ndcn_bandwidth = 5e10\n'

@@ -15,6 +15,7 @@ from typing import Any
 
 from shardc import plan
 from shardc.accountings import ACCOUNTINGS
+from shardc.chip_choice import resolve_hardware
 from shardc.cli.main import (
     add_collective_matmul,
     add_common,
@@ -31,7 +32,7 @@ from shardc.costmodel.pipeline_cost import draw_schedule
 from shardc.costmodel.sweep import check_plot_path, parse_sweep, plot, sweep
 from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError, clip
-from shardc.hardware import PRESETS, resolve_hardware
+from shardc.hardware import PRESETS
 from shardc.images import check_image_path
 from shardc.lowering.sizes import devices_to_check, shrink_mesh
 

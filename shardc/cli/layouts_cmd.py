@@ -10,6 +10,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from shardc.accountings import ACCOUNTINGS
+from shardc.chip_choice import resolve_hardware
 from shardc.cli.main import (
     add_collective_matmul,
     add_common,
@@ -21,7 +22,6 @@ from shardc.cli.main import (
 )
 from shardc.cli.spec_args import load_spec, parse_sets
 from shardc.errors import ShardcError, clip
-from shardc.hardware import resolve_hardware
 from shardc.layouts import Options, search_layouts
 
 __all__ = ["register", "run_layouts"]

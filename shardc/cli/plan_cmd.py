@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from shardc.chip_choice import resolve_hardware
 from shardc.cli.main import (
     add_collective_matmul,
     add_common,
@@ -18,7 +19,6 @@ from shardc.cli.main import (
 )
 from shardc.cli.spec_args import parse_spans, read_spec
 from shardc.errors import InternalError
-from shardc.hardware import resolve_hardware
 from shardc.planner.check import require_sound
 from shardc.planner.plan_text import render_explain, render_text, to_json
 from shardc.planner.planner import plan

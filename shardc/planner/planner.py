@@ -16,9 +16,10 @@ from contextvars import ContextVar
 from dataclasses import replace
 
 from shardc.arguments import check_gradients
+from shardc.chip_choice import chip_for
 from shardc.collectives import share
 from shardc.errors import ShardcError, clip
-from shardc.hardware import Hardware, check_spans, chip_for
+from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Sections, Step, TensorInfo
 from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.ops.registry import Node
