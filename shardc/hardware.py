@@ -324,6 +324,10 @@ _NCCL_HDR = 24e9 / 25e9
 # rings found for 8 GPUs, duplicated to 24 channels, NCCL 2.19's log in NVIDIA/nccl issue 1367).  Across nodes
 # alone NCCL holds fewer (16 SMs for a DGX's 8 NICs, issue 689); the node's 24 are used for every collective.
 _NCCL_CHANNELS = 24
+# On the H800 (the H100's die, its 132 SMs) the one published figure: DeepSeek-V3's all-to-all kernels "only
+# 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink" (DeepSeek-V3 technical report,
+# arXiv 2412.19437, section 3.2.2); no NCCL log of an H800 node is cited
+_DEEPEP_SMS = 20
 
 # The host link (PCIe Gen5 x16 on H100, H200 and H800 SXM; Gen4 x16 on A100 SXM), one way, as NVIDIA's
 # nvbandwidth measures pinned copies by the copy engines: 57 GB/s host to device on H100 (NVIDIA/nvbandwidth
@@ -390,14 +394,15 @@ PRESETS: dict[str, Hardware] = {
                  sms=108, collective_sms=_NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
         # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached).
-        # NCCL's channels on its fewer NVLinks are not cited (nor the B200's below), so neither sets the SMs
-        # a collective holds
+        # NCCL's channels on its fewer NVLinks are not cited, so the SMs a collective holds are DeepSeek's
+        # all-to-all kernels' (_DEEPEP_SMS); the B200's below are not cited either and set none
         Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
                  nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
                  matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
-                 attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD),
+                 attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD,
+                 sms=132, collective_sms=_DEEPEP_SMS),
         # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it); its
         # NVSwitch reduces too, but no B200 NVLS figure is cited (8 B300: 845 GB/s AllReduce bus bandwidth with
         # NVLS against 695 without, NVIDIA/nccl issue 2140), so its AllReduce is costed as a ring

@@ -3,6 +3,7 @@ deepseek-ai/DualPipe README's table, the overlapped F&B pairs, its costing, draw
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 import shardc
 from shardc.errors import ShardcError
+from shardc.hardware import get_hardware
 from shardc.lowering.pipeline_lowering import schedule_note
 from shardc.pipeline.bubbles import bubble, held, inflight, sends_per_microbatch
 from shardc.pipeline.dualpipe import dualpipe_orders
@@ -199,3 +201,23 @@ def test_dualpipev_costs_one_copy_of_the_params_and_p_plus_a_half_in_flight() ->
     assert v["sends_per_microbatch"] == 6 and "copies_exchange_s" not in v  # one copy of each stage
     with pytest.raises(ShardcError, match="schedule dualpipev holds 2 chunks a device"):
         _cost("dualpipev", "\nstage_layers 9, 8, 8, 7")
+
+
+def test_a_pairs_computation_runs_on_the_cores_its_collectives_leave() -> None:
+    """An F&B pair runs each op's collectives under the other's computation, and those collectives hold
+    SMs (DeepSeek-V3's all-to-all kernels 20 of the H800's 132): the pair's computation runs that much
+    slower, as a phase's beside its ahead collectives does; a chip whose collectives hold no cores pairs
+    as before, and the slowdown is at most the share of the collectives' time."""
+    text = EXAMPLE.read_text().replace("schedule 1f1b", "schedule dualpipe").replace(
+        "hardware tpu-v5p", "hardware h800")
+    h800 = get_hardware("h800")
+    assert h800.overlap_share == pytest.approx(20 / 132)
+    steps = []
+    for hw in (h800, dataclasses.replace(h800, collective_sms=None)):
+        report = json.loads(shardc.cost(shardc.plan(shardc.parse(text, str(EXAMPLE)), hardware=hw)).json_text())
+        steps.append((report["pipeline"]["step_s"], report["step"]["comm_s"]))
+    (shared, comm), (free, _) = steps
+    assert shared <= free + h800.overlap_share * comm
+    # most of the steady state is pairs, whose every collective runs beside the other op's computation: over
+    # half the bound (the lone ops' ahead collectives alone slow the step by 0.4% of it)
+    assert shared - free > 0.5 * h800.overlap_share * comm

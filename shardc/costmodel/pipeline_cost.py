@@ -270,16 +270,19 @@ def weight_steps(plan: Plan) -> frozenset[int]:
 
 @dataclass(frozen=True)
 class _Part:
-    """A run of rows: compute and memory-bound time, collective time, and its time overlapped."""
+    """A run of rows: compute and memory-bound time, collective time, and its time overlapped; ``paired``:
+    its compute and memory-bound time beside collectives running all along (an F&B pair's other op's),
+    which hold the chip's share of cores NCCL holds (:func:`shardc.timing.phase_seconds`'s rule)."""
 
     busy: float
     comm: float
     seconds: float
+    paired: float
 
 
 def _time(rows: list[StepCost], hw: Hardware) -> _Part:
     t = phase_time(((r, 1) for r in rows), hw)
-    return _Part(t.busy_s, t.comm_s, t.seconds)
+    return _Part(t.busy_s, t.comm_s, t.seconds, t.busy_s + hw.overlap_share * t.comm_s)
 
 
 def _rows(steps: tuple[Step, ...], plan: Plan, sizes: dict[str, int], hw: Hardware,
@@ -417,13 +420,13 @@ def _run(parts: dict[str, list[_Part]], counts: tuple[float, ...]) -> list[_Part
     def part(i: int, field: str) -> float:
         return math.fsum(n * getattr(parts[f"layer {b}"][i], field) for b, n in enumerate(counts))
 
-    return [_Part(part(i, "busy"), part(i, "comm"), part(i, "seconds")) for i in range(3)]
+    return [_Part(part(i, "busy"), part(i, "comm"), part(i, "seconds"), part(i, "paired")) for i in range(3)]
 
 
 def _phases(parts: list[_Part], layers: float = 1.0) -> Phases:
     """The computation and collectives of a forward and of a whole backward (B and W), for an F&B pair."""
     forward, backward, weight = parts[:3]
-    return Phases(forward.busy * layers, forward.comm * layers, (backward.busy + weight.busy) * layers,
+    return Phases(forward.paired * layers, forward.comm * layers, (backward.paired + weight.paired) * layers,
                   (backward.comm + weight.comm) * layers)
 
 

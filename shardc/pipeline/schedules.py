@@ -76,7 +76,8 @@ MAX_GREEDY = 1_000_000
 @dataclass(frozen=True)
 class Phases:
     """A chunk's forward and whole backward (B and W) split into computation (einsums and memory-bound
-    steps) and collectives, for the time of an overlapped F&B pair."""
+    steps, as they run beside collectives: slower by the share of the GPU's cores a collective holds,
+    :attr:`shardc.hardware.Hardware.overlap_share`) and collectives, for the time of an overlapped F&B pair."""
 
     forward_busy: float
     forward_comm: float
