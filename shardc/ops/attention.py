@@ -243,8 +243,11 @@ def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]]
     best = min(range(len(forms)), key=lambda k: times[k])
     if phase.ctx.explain:
         reason = f"least time, forward and backward ({times[best]:.3g} s)"
-        if ctx.zigzag_held and any(f.zigzag for f in forms):
-            reason += ", a zig-zag ring as the plan holding the sequence in its order runs it"
+        zigzag = [k for k, f in enumerate(forms) if f.zigzag]
+        if ctx.zigzag_held and zigzag:  # the permuted price beside the held one
+            permuted = _form_seconds(phase, node, r, forms[zigzag[0]], want, tokens)[0]
+            reason += (f", a zig-zag ring as the plan holding the sequence in its order runs it: "
+                       f"{times[zigzag[0]]:.3g} s held, {permuted:.3g} s with its blocks reordered at each call")
         held = None
         if any(f.zigzag for f in forms) and not ctx.zigzag_held:  # the plan may hold the zig-zag order: priced so too
             again = [_form_seconds(phase, node, r, f, want, tokens, held=True) for f in forms]

@@ -165,7 +165,7 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
         return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
-                                                   recompute, search, gradients, spec, weights))
+                                                   recompute, search, gradients, spec, weights, zigzag_held))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped, gradients)
     units = bonded_axes(stripped)

@@ -13,6 +13,13 @@ mask, a dropout mask drawn by position, attention with a causal mask in any othe
 capacity goes by token order).  The lowered program then permutes each array with such a dim into that
 order as it enters a phase and back as it leaves (:func:`sequence_order` says which dims and how many
 chunks), off the device program, as the data loader does; the kernels do not reorder.
+
+A pipelined plan holds the order across its stages the same way, where every stage's steps allow it: the
+data its first stage reads (the tokens) and its last (the targets) enter permuted, once a step, the sends
+between stages carry the activations and their cotangents in that order, and what leaves the pipeline
+(a block alone's outputs, its input's gradient) is put back (:mod:`shardc.lowering.pipeline_runtime`).  A
+param with one of the sequence dims (a learned position embedding) keeps a pipeline in its own order: the
+program takes its params stacked by layer and stage as they are.
 """
 
 from __future__ import annotations
@@ -29,8 +36,6 @@ __all__ = ["hold_zigzag", "holds", "may_hold", "sequence_order"]
 def hold_zigzag(plan: Plan) -> Plan:
     """``plan`` with its zig-zag ring kernels marked ``held`` where the whole plan can hold the sequence in
     their order (see the module docstring), and its choices (``--explain``) priced so; else ``plan`` as it is."""
-    if plan.spec.mesh.pipeline_axis is not None:
-        return plan
     phases = (plan.forward, plan.recomputed, plan.backward, plan.optimizer)
     kernels = [s.fn for steps in phases for s in steps if isinstance(s.fn, Attention) and s.fn.zigzag]
     rings = {fn.ring for fn in kernels}
@@ -40,6 +45,9 @@ def hold_zigzag(plan: Plan) -> Plan:
     (ring,) = rings
     if any(_positional(s, dims, ring) for steps in phases for s in steps):
         return plan
+    if plan.spec.mesh.pipeline_axis is not None and any(
+            d.name in dims for info in plan.tensors if info.role == "param" for d in info.ref.dims):
+        return plan  # a pipeline's params enter as they are (see the module docstring)
 
     def held(steps: tuple[Step, ...]) -> tuple[Step, ...]:
         return tuple(replace(s, fn=replace(s.fn, held=True)) if isinstance(s.fn, Attention) and s.fn.zigzag else s
@@ -57,10 +65,10 @@ def holds(plan: Plan) -> bool:
 
 def may_hold(plan: Plan) -> bool:
     """Whether a plan of ``plan``'s spec might hold the sequence in zig-zag order though ``plan`` does not:
-    not pipelined, and a causal attention kernel whose query or key positions are sharded (context
-    parallelism, where a zig-zag ring is one of the forms), so its forms were weighed with the ring's
-    reordering priced at every call."""
-    if plan.spec.mesh.pipeline_axis is not None or holds(plan) or not plan.spec.dims:
+    a causal attention kernel whose query or key positions are sharded (context parallelism, where a
+    zig-zag ring is one of the forms), so its forms were weighed with the ring's reordering priced at
+    every call; pipelined or not."""
+    if holds(plan) or not plan.spec.dims:
         return False
     declared = {info.name: info.ref for info in plan.tensors}  # as the spec shards them, whatever form ran
     for s in plan.forward:
