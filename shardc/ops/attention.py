@@ -15,7 +15,8 @@ sequences, without communication.  The queries S sharded is context parallelism:
 form (the LLaMA 3 paper's, Dubey et al. 2024): K and V are gathered along T (they may be held
 sharded along it) and each device runs its block of queries against every key, its causal mask
 offset by its block's global position.  The blocks are contiguous, not load-balanced, so under a
-causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time.  Where S is
+causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time; where the plan
+holds the sequence in zig-zag chunks it runs balanced (:mod:`shardc.ops.balanced_gather`).  Where S is
 sharded the planner also costs S's axes moved onto a head or batch index (an AllToAll of Q, K and
 V in and of the output out, as Ulysses does, Jacobs et al. 2023: whole sequences, balanced) and
 runs the form of least time, forward and backward; ``--explain`` lists them.  The third form is
@@ -60,6 +61,7 @@ from shardc.ir.localops import Attention
 from shardc.ir.plan import Alternative, Choice, Op, Step
 from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
+from shardc.ops.balanced_gather import balanced_gather
 from shardc.ops.products import einsum_letters
 from shardc.ops.reductions import grad_magnitude as softmax_grad_magnitude
 from shardc.ops.reductions import magnitude as softmax_magnitude
@@ -180,6 +182,9 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
         size = (lambda name: phase.ctx.axis_sizes.get(name) or phase.ctx.dim_size(name)) if phase.sized else None
         forms += [Form(text, kernel, axes[seq], zigzag)
                   for text, kernel, zigzag in ring_layouts(axes, seq, r.key, size, causal)]
+        if phase.ctx.zigzag_held:  # the sequence held in zig-zag chunks: the all-gather form balanced (LLaMA 3's)
+            forms += [Form(text, kernel, zigzag=True)
+                      for text, kernel in balanced_gather(axes, seq, r.key, size, causal)]
     return forms
 
 
@@ -414,6 +419,8 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     if step.fn.ring:  # the ring's axes (K's along T, as Q's along S) and whether its chunks are zig-zag
         kernel, flags = "ring_attention", f"{flags}, {step.fn.ring!r}, {step.fn.zigzag!r}"
         flags += ", held=True" if step.fn.held else ""  # the plan holds the sequence in zig-zag order
+    elif step.fn.zigzag:  # all-gather over the sequence held in zig-zag chunks: the mask's true positions
+        flags += ", zigzag=True"
     if step.fn.part in ("out", "lse"):
         pick = 0 if step.fn.part == "out" else 1
         return f"{kernel}({var(q)}, {var(k)}, {var(v)}, {flags})[{pick}]"

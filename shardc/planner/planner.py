@@ -117,11 +117,11 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     try:
         planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
                                                   gradients or {}, weights=weights or SUM))
-        if may_hold(planned):  # its forms chosen with the zig-zag ring reordering: try it held, keep the faster
+        if may_hold(planned):  # planned again held (no reordering, all-gather balanced); the faster, held on a tie
             again = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
                                                     (budget, explain), gradients or {}, weights=weights or SUM,
                                                     zigzag_held=True))
-            if holds(again) and objective(plan_time(again)) < objective(plan_time(planned)):
+            if holds(again) and objective(plan_time(again)) <= objective(plan_time(planned)):
                 planned = again
         return fuse_collective_matmuls(planned) if collective_matmul else planned
     except SearchTooLong as e:
