@@ -114,10 +114,11 @@ def test_the_attention_steps_run_at_the_chip_kernel_rate_and_nothing_else_change
 
 
 def test_the_planner_and_the_ring_price_the_kernel_with_the_same_function() -> None:
-    """A ring kernel's row: its compute is :func:`kernel_seconds` of its step at the ring's block of keys."""
+    """A ring kernel's row (X across nodes, where the ring wins): its compute is :func:`kernel_seconds` of its
+    step at the ring's block of keys."""
     seq = 131072
     plan = shardc.plan(shardc.parse(
-        f"mesh X=16\ndims B=1, S={seq}, T={seq}, G=8, R=16, H=128\nhardware h100\nO[B, S_X, G, R, H] = "
+        f"mesh X=16 over dcn\ndims B=1, S={seq}, T={seq}, G=8, R=16, H=128\nhardware h100\nO[B, S_X, G, R, H] = "
         "attention(Q[B, S_X, G, R, H], K[B, T_X, G, H], V[B, T_X, G, H] over T, causal)\n"))
     report = _report(plan)
     sizes = {"X": 16, "B": 1, "S": seq, "T": seq, "G": 8, "R": 16, "H": 128}

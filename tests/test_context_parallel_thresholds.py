@@ -73,9 +73,9 @@ def test_explain_gives_each_forms_threshold() -> None:
 
 
 def test_the_all_gather_forms_row_says_its_threshold() -> None:
-    """The 4K-token GQA sequence over 16 H100s runs the all-gather form: K's and V's gathers (the backward's
-    dK, dV scatters) against the kernel, at 256 tokens a device; the threshold, in tokens a device, is the
-    form's (its moves and compute both grow with the sequence)."""
+    """The 4K-token GQA sequence over 16 H100s runs the all-gather form (balanced: the plan holds the sequence in
+    zig-zag chunks): K's and V's gathers (the backward's dK, dV scatters) against the kernel, at 256 tokens a
+    device; the threshold, in tokens a device, is the form's (its moves and compute both grow with the sequence)."""
     from tests.test_ring_attention import _gqa
 
     report = shardc.cost(_gqa(4096))
@@ -83,7 +83,7 @@ def test_the_all_gather_forms_row_says_its_threshold() -> None:
     for phase in (report.forward, report.backward):
         (k,) = [i for i, r in enumerate(phase.rows) if r.context_parallel]
         moves = [r for r in phase.rows if r.is_collective]
-        assert len(moves) == 2 and phase.rows[k].context_parallel == "all-gather"
+        assert len(moves) == 2 and phase.rows[k].context_parallel == "all-gather, balanced"
         comm = sum(r.comm_s for r in moves)
         assert phase.rows[k].hidden_from == pytest.approx(4096 / 16 * comm / phase.rows[k].compute_s)
         assert phase.rows[k].hidden_from < 1024  # compute-bound at 1024 tokens a device

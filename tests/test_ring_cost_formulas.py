@@ -29,7 +29,7 @@ def _ch5(save: str = "default") -> Plan:
 
 
 RING = _gqa(131072, causal=False, chip=_FLAT_H100)  # 16 devices, K and V around the ring
-ZIGZAG = _gqa(131072)  # causal: zig-zag chunks, reordered before and after the ring
+ZIGZAG = _gqa(131072, dcn=True)  # causal, across nodes: the ring in zig-zag chunks
 PAIR = _gqa(65536, x=2, causal=False, chip=_FLAT_H100)  # a ring of two devices
 
 

@@ -16,7 +16,7 @@ from shardc.lowering.api import module_source
 from shardc.planner.zigzag_order import hold_zigzag, sequence_order
 from tests.test_ring_attention import _gqa
 
-GQA = ("mesh X=16\ndims B=1, S=131072, T=131072, G=8, R=16, H=128\nhardware h100\n"
+GQA = ("mesh X=16 over dcn\ndims B=1, S=131072, T=131072, G=8, R=16, H=128\nhardware h100\n"
        "O[B, S_X, G, R, H] = attention(Q[B, S_X, G, R, H], K[B, T_X, G, H], V[B, T_X, G, H] over T, causal)\n")
 
 
@@ -38,11 +38,11 @@ def _cost(plan: Plan) -> CostReport:
 
 
 def test_the_128k_gqa_ring_holds_its_zigzag_order_and_its_reordering_leaves_the_step() -> None:
-    """128K tokens of GQA over 16 H100s, causal: the zig-zag ring's reordering (two sends of half a block
-    for each of Q, K, V, O and the logsumexp in the forward, and of the backward's nine arrays) was 37 ms of
-    exposed communication a step; held across the plan it is gone, and what stays exposed is the ring's."""
-    plan = _gqa(131072)
-    assert _kernels(plan) and all(fn.zigzag and fn.held for fn in _kernels(plan))
+    """128K tokens of GQA over 16 H100s across nodes, causal: the zig-zag ring's reordering (two sends of half
+    a block for each of Q, K, V, O and the logsumexp in the forward, and of the backward's nine arrays) was 37 ms
+    of exposed communication a step; held across the plan it is gone, and what stays exposed is the ring's."""
+    plan = _gqa(131072, dcn=True)
+    assert _kernels(plan) and all(fn.ring and fn.zigzag and fn.held for fn in _kernels(plan))
     held, reordered = _cost(plan), _cost(_unheld(plan))
     saved = reordered.step.exposed_comm_s - held.step.exposed_comm_s
     assert saved > 0.030 and held.step.exposed_comm_s < 0.002
@@ -65,7 +65,7 @@ def test_a_step_that_looks_at_positions_keeps_the_kernels_reordering() -> None:
 
 
 def test_the_pass_leaves_a_plan_without_a_zigzag_ring_as_it_is() -> None:
-    for plan in (_gqa(4096), _gqa(131072, causal=False)):  # all-gather; a ring in its own order
+    for plan in (_gqa(4096, causal=False), _gqa(131072, causal=False)):  # all-gather; a ring in its own order
         assert hold_zigzag(plan) is plan and sequence_order(plan, {"X": 16}) is None
 
 
@@ -87,10 +87,10 @@ def test_explain_prices_the_chosen_zigzag_ring_as_the_plan_runs_it() -> None:
     """--explain lists each attention form's time; the zig-zag ring's is the one the plan will have: without
     its reordering where the plan holds the sequence in zig-zag order (37 ms less at 128K tokens), with it
     where a step looks at positions, and either equals what the cost report charges the chosen kernels."""
-    held = _gqa(131072)
+    held = _gqa(131072, dcn=True)
     assert _explained(held) == pytest.approx(_kernels_cost(held), rel=1e-12)
     (choice,) = held.choices
-    assert "the plan holds the sequence in zig-zag order" in choice.reason
+    assert "as the plan holding the sequence in its order runs it" in choice.reason
     dropped = shardc.plan(shardc.parse(GQA + "P[B, S_X, G, R, H] = dropout(O[B, S_X, G, R, H], 0.1)\n"), explain=True)
     assert not any(fn.held for fn in _kernels(dropped))
     assert _explained(dropped) == pytest.approx(_kernels_cost(dropped), rel=1e-12)

@@ -40,7 +40,8 @@ def with_thresholds(steps: Sequence[Step], rows: Sequence[StepCost], sizes: Mapp
         assert isinstance(fn, Attention)
         devices = math.prod(sizes[a] for a in dict.fromkeys(a for j in moves for a in steps[j].axes))
         comm = math.fsum(rows[j].comm_s for j in moves)
-        form = "Ulysses" if any(steps[j].op is Op.ALL_TO_ALL for j in moves) else "all-gather"
+        form = "all-gather, balanced" if fn.zigzag else "all-gather"  # zig-zag chunks: shardc.ops.balanced_gather
+        form = "Ulysses" if any(steps[j].op is Op.ALL_TO_ALL for j in moves) else form
         out[k] = replace(rows[k], context_parallel=form, cp_comm_s=comm,
                          hidden_from=hidden_from(sizes[fn.key] / devices, comm, rows[k].compute_s))
     return tuple(out)

@@ -179,8 +179,9 @@ class Attention:
     reads), the others being its further results; ``ring``: the mesh axes K and V travel around, a block a
     step, while each device keeps its queries (ring attention; empty: K and V whole on the device);
     ``zigzag``: the ring's sequence cut into 2n chunks, device i computing chunks i and 2n - 1 - i (causal
-    load balancing); ``held``: the plan holds the sequence in that order throughout
-    (:mod:`shardc.planner.zigzag_order`), so the kernel does not reorder its blocks."""
+    load balancing; without a ring, the all-gather form's queries in those chunks over S's axes, K and V
+    gathered in that order, :mod:`shardc.ops.balanced_gather`); ``held``: the plan holds the sequence in that
+    order throughout (:mod:`shardc.planner.zigzag_order`), so the kernel does not reorder its blocks."""
 
     part: str
     key: str
@@ -200,7 +201,7 @@ class Attention:
         causal = f",causal({self.query},{self.key})" if self.query is not None else ""
         causal += ",rope" if self.rope else ""
         order = (",zigzag" if self.zigzag else "") + (",held" if self.held else "")
-        ring = f",ring({''.join(self.ring)}{order})" if self.ring else ""
+        ring = f",ring({''.join(self.ring)}{order})" if self.ring else order
         return f"attention_{self.part}(over {self.key}{causal}{ring})"
 @dataclass(frozen=True)
 class Dispatch:

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.runtime import make_mesh
+from shardc.lowering.runtime_ring import zigzag_order
 
 __all__ = ["Phase", "Program", "put"]
 
@@ -132,13 +133,7 @@ class Program:
     def _order(self, name: str, x: Any, back: bool = False) -> Any:
         """``x`` with its sequence axes in zig-zag chunk order (device i of the ring holding chunks i and
         2n - 1 - i), or, ``back``, in their own order again; as it is where the plan holds no such order."""
-        for axis in self.zigzag.get(name, ()):
-            n = self.chunks // 2
-            length = x.shape[axis] // self.chunks
-            chunks = [c for i in range(n) for c in (i, self.chunks - 1 - i)]
-            index = np.concatenate([np.arange(c * length, (c + 1) * length) for c in chunks])
-            x = jnp.take(x, np.argsort(index) if back else index, axis=axis)
-        return x
+        return zigzag_order(x, self.zigzag.get(name, ()), self.chunks, back)
 
     def _results(self, saved: Arrays) -> Arrays:
         # partial sums travel stacked; a result declared unreduced is returned summed; one the forward left in

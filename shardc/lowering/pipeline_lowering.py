@@ -41,6 +41,7 @@ from shardc.lowering.replan import unrolled_blocks
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, chunks_of, simulate, stage_share
+from shardc.planner.zigzag_order import sequence_order
 from shardc.spec.stages import Pipeline, pipeline_of, splits, stage_spec
 
 __all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "weight_ticks",
@@ -214,6 +215,29 @@ def _block_section(plan: Plan, module: Module) -> str:
     return "\n" + text + pipeline_lines("block_pipeline", "pipeline")
 
 
+def _zigzag_section(plan: Plan, mesh: tuple[tuple[str, int], ...]) -> str:
+    """``SEQUENCE_ZIGZAG`` (each array entering or leaving the pipeline with a sequence dim the plan holds in
+    zig-zag order -> its axes) and ``SEQUENCE_CHUNKS`` (2n, a ring of n devices): the order is taken once
+    as the data enters, kept through every stage and send, and undone once as the results leave
+    (:mod:`shardc.planner.zigzag_order`); empty where the plan holds none."""
+    order = sequence_order(plan, dict(mesh))
+    if order is None:
+        return ("SEQUENCE_ZIGZAG: dict[str, tuple[int, ...]] = {}\n"
+                "SEQUENCE_CHUNKS = 0  # the sequence in its own order\n")
+    dims, chunks = order
+    held: dict[str, tuple[int, ...]] = {}
+    made = {g.name for g in plan.grads} | {c.name for c in plan.cotangents}
+    grads = {name: grad for name, grad in plan.gradient_names if grad in made}
+    for info in plan.tensors:
+        axes = tuple(i for i, d in enumerate(info.ref.dims) if d.name in dims)
+        if axes and info.role != "param" and (info.role == "input" or info.is_output):
+            held[info.name] = axes  # data entering, or a block alone's output
+            if info.name in grads:  # an input's gradient, an output's cotangent
+                held[grads[info.name]] = axes
+    return constants((("SEQUENCE_ZIGZAG", held, "arrays whose sequence axes the pipeline holds in zig-zag order"),
+                      ("SEQUENCE_CHUNKS", chunks, f"device i of the ring holds chunks i and {chunks - 1} - i")))
+
+
 def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
                reserved: frozenset[str]) -> tuple[str, frozenset[str]]:
     """The ends' functions and the whole model's pipeline, at one microbatch's sizes."""
@@ -268,6 +292,7 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
         module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches,
                                                 reserved, split)
         variables = module.variables
+        source += _zigzag_section(plan, mesh)  # before the ends' text, which builds the pipeline from the tables
         if ends is not None:
             text, more = _ends_text(ends, mesh, module, reserved)
             source, variables = source + text, variables | more

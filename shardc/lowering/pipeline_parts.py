@@ -207,14 +207,16 @@ class BlockEnds:
     def cotangent(self, pipe: Pipeline, inputs: Arrays, cotangent: Arrays | None) -> Any:
         if cotangent is None:  # the output is laid out as the input: zeros of its microbatches
             return jnp.zeros_like(pipe.split(inputs[self.block_input], pipe.dims[self.block_input]))
-        return pipe.split(cotangent[self.output_cotangent], pipe.dims[self.block_output])
+        given = pipe.order(self.output_cotangent, cotangent[self.output_cotangent])
+        return pipe.split(given, pipe.dims[self.block_output])
 
     def outputs(self, pipe: Pipeline, acc: Any) -> Arrays:
         outs = _gathered(acc[0], self.both or (self.last_stage,))  # the last stage's (each direction's last)
-        return {self.block_output: pipe.join(outs, pipe.dims[self.block_output])}
+        return {self.block_output: pipe.order(self.block_output, pipe.join(outs, pipe.dims[self.block_output]), True)}
 
     def gradients(self, pipe: Pipeline, acc: Any) -> Arrays:
-        return {self.input_grad: pipe.join(_gathered(acc[1], self.both or (0,)), pipe.dims[self.block_input])}
+        grad = pipe.join(_gathered(acc[1], self.both or (0,)), pipe.dims[self.block_input])
+        return {self.input_grad: pipe.order(self.input_grad, grad, True)}
 
     def finish(self, acc: Any) -> Any:
         return acc

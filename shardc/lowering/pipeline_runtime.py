@@ -48,6 +48,7 @@ from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, P
 from shardc.lowering.pipeline_routes import Placement
 from shardc.lowering.pipeline_slots import Rings, rings
 from shardc.lowering.runtime import make_mesh
+from shardc.lowering.runtime_ring import zigzag_order
 from shardc.spec.functions import layer_key
 from shardc.spec.stages import split_layers
 
@@ -83,6 +84,11 @@ class Pipeline:
     weight_ticks: Table | None = None
     v_shape: bool = False  # the chunks in a V (ZBV, DualPipeV: shardc.lowering.pipeline_routes), else interleaved
     two_way: bool = False  # DualPipe's two directions on the V's places, each chunk a whole stage held twice
+    # the arrays entering or leaving the pipeline whose sequence axes it holds in zig-zag order (name -> axes
+    # of the whole array; shardc.planner.zigzag_order), and their chunk count: permuted once as they enter
+    # stage 0 or the last stage, so every stage's sends carry that order, and put back as they leave
+    zigzag: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    zigzag_chunks: int = 0
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -274,6 +280,11 @@ class Pipeline:
             self._programs[backward] = (mesh, jax.jit(step))
         return self._programs[backward]
 
+    def order(self, name: str, x: Any, back: bool = False) -> Any:
+        """``x`` (array ``name``, whole) with its sequence axes in the zig-zag order the pipeline holds, or,
+        ``back``, in their own order again; as it is where the pipeline holds none."""
+        return zigzag_order(x, self.zigzag.get(name, ()), self.zigzag_chunks, back)
+
     def split(self, x: Any, dim: int) -> Any:
         """The batch cut into microbatches along ``dim``: [M, ...] (in host memory, as :meth:`arguments`
         places it)."""
@@ -303,7 +314,7 @@ class Pipeline:
         mesh = self.program()[0]
         args = [np.asarray(key, np.uint32), self._on(cotangent, self.placement.end_stages)]
         for k in self.ends.inputs():
-            x = self.split(inputs[k], self.dims[k]) if k in self.dims else inputs[k]
+            x = self.split(self.order(k, inputs[k]), self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
         args += [self._slotted(inputs[p]) for p in self.params]
         # built and placed from host memory: jax cuts a host array into its pieces without compiling a
@@ -384,7 +395,8 @@ def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
     return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
                     tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
                     tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"), tables.get("W_TABLE"),
-                    tables.get("V_SHAPE", False), tables.get("TWO_WAY", False))
+                    tables.get("V_SHAPE", False), tables.get("TWO_WAY", False), tables.get("SEQUENCE_ZIGZAG", {}),
+                    tables.get("SEQUENCE_CHUNKS", 0))
 
 
 def _placement(tables: Mapping[str, Any]) -> Placement:

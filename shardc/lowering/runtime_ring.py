@@ -24,11 +24,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from shardc.ir.localops import key_block
 
 __all__ = ["compute_dtype", "varying_zero", "key_block", "ring_forward", "ring_backward", "to_zigzag",
-           "from_zigzag"]
+           "from_zigzag", "zigzag_order", "zigzag_positions"]
 
 Array = Any
 Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
@@ -82,6 +83,26 @@ def from_zigzag(x: Array, dim: int, axes: Axes) -> Array:
     a = _send(jnp.where(even, first, second), axes, [(t, s) for s, t in evens])
     b = _send(jnp.where(even, second, first), axes, [(t, s) for s, t in odds])
     return jnp.concatenate([a, b], dim)
+
+
+def zigzag_order(x: Any, axes: tuple[int, ...], chunks: int, back: bool = False) -> Any:
+    """A global array (numpy's or jax's) with each of ``axes`` in zig-zag order of ``chunks`` chunks (device i
+    of the ring holding chunks i and ``chunks`` - 1 - i, contiguous), or, ``back``, in its own order again:
+    what a context-parallel data loader hands a step, off the device program."""
+    for axis in axes:
+        length = x.shape[axis] // chunks
+        order = [c for i in range(chunks // 2) for c in (i, chunks - 1 - i)]
+        index = np.concatenate([np.arange(c * length, (c + 1) * length) for c in order])
+        x = x.take(np.argsort(index) if back else index, axis=axis)
+    return x
+
+
+def zigzag_positions(held: Array, length: int, chunks: int) -> Array:
+    """The true positions of the elements at positions ``held`` of a sequence of ``length`` held in zig-zag
+    order of ``chunks`` chunks (:func:`zigzag_order`: slot 2i holds chunk i, slot 2i + 1 chunk chunks - 1 - i)."""
+    c = length // chunks
+    slot = held // c
+    return jnp.where(slot % 2 == 0, slot // 2, chunks - 1 - slot // 2) * c + held % c
 
 
 def _positions(length: int, index: Any, n: int, zigzag: bool) -> Array:

@@ -20,7 +20,8 @@ sequences, without communication.  The queries S sharded is context parallelism:
 form (the LLaMA 3 paper's, Dubey et al. 2024): K and V are gathered along T (they may be held
 sharded along it) and each device runs its block of queries against every key, its causal mask
 offset by its block's global position.  The blocks are contiguous, not load-balanced, so under a
-causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time.  Where S is
+causal mask the last of n devices runs (2n - 1) / 2n of its blocks and sets the time; where the plan
+holds the sequence in zig-zag chunks it runs balanced (:mod:`shardc.ops.balanced_gather`).  Where S is
 sharded the planner also costs S's axes moved onto a head or batch index (an AllToAll of Q, K and
 V in and of the output out, as Ulysses does, Jacobs et al. 2023: whole sequences, balanced) and
 runs the form of least time, forward and backward; ``--explain`` lists them.  The third form is
@@ -67,6 +68,7 @@ from shardc.ir.plan import Alternative, Choice, Op, Step
 from shardc.ir.spec import Call, DType, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.attention_reference import attention_forward, attention_vjp, forward, grad_magnitude, magnitude, vjp
+from shardc.ops.balanced_gather import balanced_gather
 from shardc.ops.products import einsum_letters
 from shardc.ops.registry import Builder, Family, Namer, Reference, Sizer, register
 from shardc.ops.ring_attention import LSE_BYTES, ring_layouts, transfers
@@ -190,6 +192,9 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
         size = (lambda name: phase.ctx.axis_sizes.get(name) or phase.ctx.dim_size(name)) if phase.sized else None
         forms += [Form(text, kernel, axes[seq], zigzag)
                   for text, kernel, zigzag in ring_layouts(axes, seq, r.key, size, causal)]
+        if phase.ctx.zigzag_held:  # the sequence held in zig-zag chunks: the all-gather form balanced (LLaMA 3's)
+            forms += [Form(text, kernel, zigzag=True)
+                      for text, kernel in balanced_gather(axes, seq, r.key, size, causal)]
     return forms
 
 
@@ -254,8 +259,11 @@ def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]]
     best = min(range(len(forms)), key=lambda k: times[k])
     if phase.ctx.explain:
         reason = f"least time, forward and backward ({times[best]:.3g} s)"
-        if ctx.zigzag_held and any(f.zigzag for f in forms):
-            reason += ", a zig-zag ring as the plan holding the sequence in its order runs it"
+        zigzag = [k for k, f in enumerate(forms) if f.zigzag]
+        if ctx.zigzag_held and zigzag:  # the permuted price beside the held one
+            permuted = _form_seconds(phase, node, r, forms[zigzag[0]], want, tokens)[0]
+            reason += (f", a zig-zag ring as the plan holding the sequence in its order runs it: "
+                       f"{times[zigzag[0]]:.3g} s held, {permuted:.3g} s with its blocks reordered at each call")
         held = None
         if any(f.zigzag for f in forms) and not ctx.zigzag_held:  # the plan may hold the zig-zag order: priced so too
             again = [_form_seconds(phase, node, r, f, want, tokens, held=True) for f in forms]
@@ -426,6 +434,8 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     if step.fn.ring:  # the ring's axes (K's along T, as Q's along S) and whether its chunks are zig-zag
         kernel, flags = "ring_attention", f"{flags}, {step.fn.ring!r}, {step.fn.zigzag!r}"
         flags += ", held=True" if step.fn.held else ""  # the plan holds the sequence in zig-zag order
+    elif step.fn.zigzag:  # all-gather over the sequence held in zig-zag chunks: the mask's true positions
+        flags += ", zigzag=True"
     if step.fn.part in ("out", "lse"):
         pick = 0 if step.fn.part == "out" else 1
         return f"{kernel}({', '.join(var(ref) for ref in step.operands[:n])}, {flags})[{pick}]"

@@ -118,11 +118,11 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     try:
         planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
                                                   gradients or {}, weights=weights or SUM))
-        if may_hold(planned):  # its forms chosen with the zig-zag ring reordering: try it held, keep the faster
+        if may_hold(planned):  # planned again held (no reordering, all-gather balanced); the faster, held on a tie
             again = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
                                                     (budget, explain), gradients or {}, weights=weights or SUM,
                                                     zigzag_held=True))
-            if holds(again) and objective(plan_time(again)) < objective(plan_time(planned)):
+            if holds(again) and objective(plan_time(again)) <= objective(plan_time(planned)):
                 planned = again
         return fuse_collective_matmuls(planned) if collective_matmul else planned
     except SearchTooLong as e:
@@ -166,7 +166,7 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
         return pipelined(spec, _plan_within_budget(stage_spec(spec), save, strategy, hw, stage_spans or None,
-                                                   recompute, search, gradients, spec, weights))
+                                                   recompute, search, gradients, spec, weights, zigzag_held))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped, gradients)
     units = bonded_axes(stripped)

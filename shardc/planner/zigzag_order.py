@@ -1,18 +1,27 @@
-"""The sequence held in zig-zag order across the plan, where no step looks at positions but the ring.
+"""The sequence held in zig-zag order across the plan, where no step looks at positions but attention's.
 
 A causal ring attention kernel balances its load in zig-zag chunks (:mod:`shardc.ops.ring_attention`: the
 sequence cut into 2n chunks, device i computing chunks i and 2n - 1 - i).  Taking its blocks contiguous, as
 the other steps hold them, it reorders them to zig-zag and back at every call: two sends of half a block an
-array before and after the ring, exposed, every layer, forward and backward.  Megatron-LM's context
-parallelism and LLaMA 3's (Dubey et al. 2024, section 3.3.2) load the tokens in that order instead: the data
-loader hands device i chunks i and 2n - 1 - i, and every step that does not look at positions (matmuls,
-elementwise maps, norms, the embedding and the loss, the collectives moving blocks) runs on them as they
-are.  :func:`hold_zigzag` does that where it is sound: every zig-zag kernel of the plan runs over one ring,
-and no other step reading or making a value with one of their sequence dims depends on positions (a causal
-mask, a dropout mask drawn by position, attention with a causal mask in any other form, a router whose
-capacity goes by token order).  The lowered program then permutes each array with such a dim into that
-order as it enters a phase and back as it leaves (:func:`sequence_order` says which dims and how many
-chunks), off the device program, as the data loader does; the kernels do not reorder.
+array before and after the ring, exposed, every layer, forward and backward.  The all-gather form balances
+only in that order (:mod:`shardc.ops.balanced_gather`: each device's queries its two chunks, K and V gathered
+as held), so it is weighed only where the plan holds it.  Megatron-LM's context parallelism and LLaMA 3's
+(Dubey et al. 2024, section 3.3.2) load the tokens in that order instead: the data loader hands device i
+chunks i and 2n - 1 - i, and every step that does not look at positions (matmuls, elementwise maps, norms,
+the embedding and the loss, the collectives moving blocks) runs on them as they are.  :func:`hold_zigzag`
+does that where it is sound: every zig-zag kernel of the plan balances over one set of mesh axes (a ring's;
+the all-gather form's, its queries'), and no other step reading or making a value with one of their sequence
+dims depends on positions (a causal mask, a dropout mask drawn by position, attention with a causal mask in
+any other form, a router whose capacity goes by token order).  The lowered program then permutes each array
+with such a dim into that order as it enters a phase and back as it leaves (:func:`sequence_order` says which
+dims and how many chunks), off the device program, as the data loader does; the kernels do not reorder.
+
+A pipelined plan holds the order across its stages the same way, where every stage's steps allow it: the
+data its first stage reads (the tokens) and its last (the targets) enter permuted, once a step, the sends
+between stages carry the activations and their cotangents in that order, and what leaves the pipeline
+(a block alone's outputs, its input's gradient) is put back (:mod:`shardc.lowering.pipeline_runtime`).  A
+param with one of the sequence dims (a learned position embedding) keeps a pipeline in its own order: the
+program takes its params stacked by layer and stage as they are.
 """
 
 from __future__ import annotations
@@ -23,23 +32,24 @@ from dataclasses import replace
 from shardc.ir.localops import MASK_OPS, Attention, Dispatch, Route
 from shardc.ir.plan import Plan, Step
 
-__all__ = ["hold_zigzag", "holds", "may_hold", "sequence_order"]
+__all__ = ["hold_zigzag", "holds", "may_hold", "order_axes", "sequence_order"]
 
 
 def hold_zigzag(plan: Plan) -> Plan:
-    """``plan`` with its zig-zag ring kernels marked ``held`` where the whole plan can hold the sequence in
-    their order (see the module docstring), and its choices (``--explain``) priced so; else ``plan`` as it is."""
-    if plan.spec.mesh.pipeline_axis is not None:
-        return plan
+    """``plan`` with its zig-zag kernels marked ``held`` where the whole plan can hold the sequence in their
+    order (see the module docstring), and its choices (``--explain``) priced so; else ``plan`` as it is."""
     phases = (plan.forward, plan.recomputed, plan.backward, plan.optimizer)
-    kernels = [s.fn for steps in phases for s in steps if isinstance(s.fn, Attention) and s.fn.zigzag]
-    rings = {fn.ring for fn in kernels}
-    if len(rings) != 1:
+    kernels = [s for steps in phases for s in steps if isinstance(s.fn, Attention) and s.fn.zigzag]
+    orders = {order_axes(s) for s in kernels}
+    if len(orders) != 1:
         return plan
-    dims = frozenset(name for fn in kernels for name in (fn.key, fn.query) if name is not None)
-    (ring,) = rings
-    if any(_positional(s, dims, ring) for steps in phases for s in steps):
+    dims = _sequence_dims(kernels)
+    (order,) = orders
+    if any(_positional(s, dims, order) for steps in phases for s in steps):
         return plan
+    if plan.spec.mesh.pipeline_axis is not None and any(
+            d.name in dims for info in plan.tensors if info.role == "param" for d in info.ref.dims):
+        return plan  # a pipeline's params enter as they are (see the module docstring)
 
     def held(steps: tuple[Step, ...]) -> tuple[Step, ...]:
         return tuple(replace(s, fn=replace(s.fn, held=True)) if isinstance(s.fn, Attention) and s.fn.zigzag else s
@@ -50,17 +60,29 @@ def hold_zigzag(plan: Plan) -> Plan:
                    choices=tuple(c.held or c for c in plan.choices))
 
 
+def order_axes(step: Step) -> tuple[str, ...]:
+    """The mesh axes an attention kernel balances its zig-zag chunks over: a ring's, else (the all-gather
+    form) those sharding its queries' positions."""
+    fn = step.fn
+    assert isinstance(fn, Attention)
+    if fn.ring or fn.query is None:
+        return fn.ring
+    q = step.operands[0]
+    return q.dims[q.indices.index(fn.query)].axes
+
+
 def holds(plan: Plan) -> bool:
     """Whether ``plan`` holds the sequence in zig-zag order (its zig-zag kernels marked ``held``)."""
     return any(isinstance(s.fn, Attention) and s.fn.held for s in plan.forward)
 
 
 def may_hold(plan: Plan) -> bool:
-    """Whether a plan of ``plan``'s spec might hold the sequence in zig-zag order though ``plan`` does not:
-    not pipelined, and a causal attention kernel whose query or key positions are sharded (context
-    parallelism, where a zig-zag ring is one of the forms), so its forms were weighed with the ring's
-    reordering priced at every call."""
-    if plan.spec.mesh.pipeline_axis is not None or holds(plan) or not plan.spec.dims:
+    """Whether a plan of ``plan``'s spec might hold the sequence in zig-zag order, its attention forms priced
+    so: a causal attention kernel whose query or key positions are sharded (context parallelism, where a
+    zig-zag ring is one of the forms); pipelined or not.  ``plan``'s forms were weighed with the ring's
+    reordering priced at every call and without the all-gather form balanced, which only that order allows,
+    even where it came to hold the order."""
+    if not plan.spec.dims:
         return False
     declared = {info.name: info.ref for info in plan.tensors}  # as the spec shards them, whatever form ran
     for s in plan.forward:
@@ -72,24 +94,29 @@ def may_hold(plan: Plan) -> bool:
     return False
 
 
-def _positional(step: Step, dims: frozenset[str], ring: tuple[str, ...]) -> bool:
+def _sequence_dims(kernels: list[Step]) -> frozenset[str]:
+    """The key and query dims of attention kernels."""
+    fns = [s.fn for s in kernels if isinstance(s.fn, Attention)]
+    return frozenset(name for fn in fns for name in (fn.key, fn.query) if name is not None)
+
+
+def _positional(step: Step, dims: frozenset[str], order: tuple[str, ...]) -> bool:
     """Whether ``step`` reads or makes a value with one of ``dims`` and depends on its positions: a mask, a
-    router, or attention with a causal mask other than a zig-zag kernel over ``ring``."""
+    router, or attention with a causal mask other than a zig-zag kernel balanced over ``order``."""
     refs = (step.dst, *step.operands, *step.shapes, *((step.src,) if step.src is not None else ()))
     if not any(d.name in dims for ref in refs for d in ref.dims):
         return False
     fn = step.fn
     if isinstance(fn, (*MASK_OPS, Route, Dispatch)):
         return True
-    return isinstance(fn, Attention) and fn.query is not None and not (fn.zigzag and fn.ring == ring)
+    return isinstance(fn, Attention) and fn.query is not None and not (fn.zigzag and order_axes(step) == order)
 
 
 def sequence_order(plan: Plan, sizes: dict[str, int]) -> tuple[frozenset[str], int] | None:
-    """The dims ``plan`` holds in zig-zag order and the number of chunks, 2n for a ring of n devices at
-    ``sizes``; None where it holds none."""
-    kernels = [s.fn for steps in (plan.forward, plan.backward) for s in steps
+    """The dims ``plan`` holds in zig-zag order and the number of chunks, 2n for n devices balanced (a ring's,
+    the all-gather form's queries') at ``sizes``; None where it holds none."""
+    kernels = [s for steps in (plan.forward, plan.backward) for s in steps
                if isinstance(s.fn, Attention) and s.fn.held]
     if not kernels:
         return None
-    dims = frozenset(name for fn in kernels for name in (fn.key, fn.query) if name is not None)
-    return dims, 2 * math.prod(sizes[a] for a in kernels[0].ring)
+    return _sequence_dims(kernels), 2 * math.prod(sizes[a] for a in order_axes(kernels[0]))

@@ -31,9 +31,10 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections import Counter
 
 from shardc.device_pieces import local_elements
-from shardc.ir.plan import Op, Plan, backward_program
+from shardc.ir.plan import Op, Plan, Step, backward_program
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.verification.hlo import Collective, collectives
@@ -45,6 +46,7 @@ from shardc.verification.report import (
     ring_rows,
     unplanned_row,
 )
+from shardc.verification.ring_hlo import ring_sends
 
 __all__ = ["loop_rows", "stage_rows", "outside_loop"]
 
@@ -154,7 +156,9 @@ def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] 
     copies, found = _copies_permutes(lowered, text, found)
     tied += copies
     steps = tuple(s for plan in parts or (lowered.plan,) for s in plan.forward + plan.backward)
-    tied += ring_rows("step", steps, found, {**dict(_mesh(lowered)), **lowered.sizes}, nbytes)  # takes them
+    sizes = {**dict(_mesh(lowered)), **lowered.sizes}
+    tied += ring_rows("step", steps, found, sizes, nbytes)  # takes them, one copy
+    tied += _ring_copies(steps, found, sizes, nbytes)
     rows = tied + [CollectiveRow("step", f"while loop of {ticks} ticks (the schedule's tick table)", "Loop",
                           pipe.axis, None,
                           f"while x {trips}", pipe.axis, None, ticks in trips,
@@ -180,6 +184,29 @@ def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] 
         rows.append(CollectiveRow("step", "", "CollectivePermute", "-", None, "collective-permute", "-", None,
                                   False, f"{len(found)} permutes in the HLO, not {want}"
                                   + (f" ({len(left)} not the stages' sends)" if left else "")))
+    return rows
+
+
+def _ring_copies(steps: tuple[Step, ...], found: list[Collective], sizes: dict[str, int],
+                 nbytes: int) -> list[CollectiveRow]:
+    """The ring kernels' permutes again in each further layer a tick runs (the loop's body holds a stage's
+    layers one after another): every other permute of a ring's elements over its axes leaves ``found``,
+    and must make whole copies of those kernels' sends."""
+    per_copy: Counter[tuple[int, tuple[str, ...]]] = Counter()
+    for sends in ring_sends(steps, sizes):
+        per_copy[(sends.elements, sends.axes)] += sends.count
+    rows = []
+    for (elements, axes), count in per_copy.items():
+        more = [c for c in found if c.hlo_op == "collective-permute" and c.elements == elements and c.axes == axes]
+        if not more:
+            continue
+        for c in more:
+            found.remove(c)
+        ok = len(more) % count == 0
+        rows.append(CollectiveRow("step", f"the ring kernels' sends again, each further layer of a tick: "
+                                  f"{count} a layer", "CollectivePermute", axes_text(axes), elements * nbytes,
+                                  f"collective-permute x {len(more)}", axes_text(axes), elements * nbytes, ok,
+                                  "" if ok else f"{len(more)} is not a multiple of {count}"))
     return rows
 
 
