@@ -16,7 +16,8 @@ from shardc.ir.spec import Schedule
 from shardc.lowering.pipeline_bodies import block_slot_layers, body_tables
 from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.pipeline.block_split import chunk_blocks, counted_device, device_blocks, stage_blocks
-from shardc.spec.stages import Pipeline
+from shardc.spec.stages import Pipeline, pipeline_of
+from shardc.verification.pipeline_layers import at_run_blocks
 from shardc.verification.verify import render_report, verify
 
 # 3 dense-like layers of width F, then M layers twice as wide (K = 2F): the two blocks' layers differ
@@ -253,3 +254,13 @@ Out[B_X, D] = E2[B_X, D]
 """
     aliases = [s for s in shardc.plan(shardc.parse(text)).backward if "recomputed one" in s.note]
     assert {s.dst.name for s in aliases} == {"N_ms_2", "N_again"} and {s.block for s in aliases} == {1}
+
+
+def test_the_run_costs_each_block_at_its_layers_in_the_run() -> None:
+    """verify's memory check costs the spec at the run's layers of each block (DeepSeek-V3's 3 + 58 run as
+    1 + 3), a count written as a dim given that size."""
+    spec = shardc.parse(STRADDLED.replace("layers 5 {", "layers M {").replace("V=64", "V=64, M=5"))
+    sizes: dict[str, int] = {}
+    run = at_run_blocks(spec, sizes, (1, 3))
+    pipe = pipeline_of(run, sizes)
+    assert pipe is not None and pipe.blocks == (1, 3) and sizes == {"M": 3} and run.layers == 1

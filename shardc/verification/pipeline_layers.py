@@ -15,7 +15,7 @@ from shardc.ir.spec import Spec
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.spec.stages import pipeline_of, stage_spec
 
-__all__ = ["Layer", "layer_specs", "model_layers", "block_grads", "run_blocks"]
+__all__ = ["Layer", "layer_specs", "model_layers", "block_grads", "run_blocks", "at_run_blocks"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,15 @@ def run_blocks(plan: Plan, layers: int) -> tuple[int, ...] | None:
         raise ShardcError(f"{layers} layers cannot hold one of each of {len(counts)} `layers` blocks",
                           fix="run on more devices")
     return tuple(counts)
+
+
+def at_run_blocks(spec: Spec, sizes: dict[str, int], counts: tuple[int, ...]) -> Spec:
+    """``spec`` with each ``layers`` block at its layers in the run (``counts``, in order): a count written as
+    a number replaced, one written as a dim given that size in ``sizes``."""
+    written = [spec.layers, *(n for _, _, n in spec.more_blocks)]
+    for given, n in zip(written, counts, strict=True):
+        if isinstance(given, str):
+            sizes[given] = n
+    kept = [given if isinstance(given, str) else n for given, n in zip(written, counts, strict=True)]
+    return replace(spec, layers=kept[0], more_blocks=tuple((first, end, n) for (first, end, _), n
+                                                           in zip(spec.more_blocks, kept[1:], strict=True)))
