@@ -5,7 +5,6 @@ of each block, checked here against one-block specs of each block alone."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -14,10 +13,11 @@ import shardc
 from shardc.costmodel.cost_report import CostReport
 from shardc.errors import ShardcError
 from shardc.ir.spec import Schedule
-from shardc.lowering.api import module_source
+from shardc.lowering.pipeline_bodies import block_slot_layers, body_tables
+from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.pipeline.block_split import chunk_blocks, counted_device, device_blocks, stage_blocks
-from shardc.spec.stages import Pipeline
-from shardc.spec.unroll import unrolled
+from shardc.spec.stages import Pipeline, pipeline_of
+from shardc.verification.pipeline_layers import at_run_blocks
 from shardc.verification.verify import render_report, verify
 
 # 3 dense-like layers of width F, then M layers twice as wide (K = 2F): the two blocks' layers differ
@@ -165,14 +165,6 @@ def test_a_schedule_with_chunks_needs_whole_layers_a_chunk() -> None:
     assert err.value.span is not None and err.value.span.line == 11
 
 
-def test_lower_and_verify_refuse_a_block_that_lies_across_stages() -> None:
-    spec = shardc.parse(TWO)  # the 3 first-block layers over stages 0 and 1
-    for run in (lambda: shardc.lower(spec), lambda: verify(spec)):
-        with pytest.raises(ShardcError, match="must then lie on the first stage") as err:
-            run()
-        assert err.value.span is not None and err.value.span.line == 6
-
-
 # the embedding, 2 layers of one block, 4 of a wider one, the loss: lowerable (its ends read token ids)
 MODEL = """mesh P=2 pipeline, X=2
 dims B=16, S=8, D=16, F=32, K=64, V=64
@@ -181,7 +173,7 @@ const Tok, Next
 param W_emb, W1, W2, V1, V2, W_out
 X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D])
 layers 2 {
-  H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F])
+  H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F_X])
   X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F] · W2[F, D]
 }
 layers 4 {
@@ -194,29 +186,81 @@ Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])
 """
 
 
-def test_a_block_on_the_first_stage_is_written_out_before_the_longest() -> None:
-    spec = shardc.parse(MODEL)  # 6 layers over 2 stages: stage 0 holds both of the first block's and one more
-    alone = unrolled(spec)
-    assert alone.layers == 4 and alone.more_blocks == () and alone.stage_layers == (1, 3)
-    assert alone.params is not None and alone.params[1:5] == ("W1_b1l0", "W1_b1l1", "W2_b1l0", "W2_b1l1")
-    text = str(alone)
-    assert "X1_b1l0[B_X, S, D] = X0[B_X, S, D] + H_b1l0[B_X, S, F] · W2_b1l0[F, D]" in text
-    assert "X1[B_X, S, D] = X1_b1l0[B_X, S, D] + H_b1l1[B_X, S, F] · W2_b1l1[F, D]" in text  # the last keeps X1
-    assert shardc.parse(text) == alone
-    source, _ = module_source(shardc.plan(spec))
-    assert "\nSTAGE_LAYERS = (1, 3)" in source and "def pre_forward_local(Tok, W_emb, W1_b1l0," in source
+# 3 + 5 layers over 4 stages of 2: stage 1 holds the first block's last layer and the second's first
+STRADDLED = MODEL.replace("P=2", "P=4").replace("microbatches 4", "microbatches 8").replace(
+    "layers 2 {", "layers 3 {").replace("layers 4 {", "layers 5 {").replace("V1[D, K]", "V1[D, K_X]")
 
 
-def test_a_first_block_filling_the_first_stage_is_refused() -> None:
-    spec = shardc.parse(MODEL.replace("P=2", "P=4"))  # stages of 2, 2, 1, 1: stage 0 holds no wide layer
-    with pytest.raises(ShardcError, match="block 1 \\(2 layers\\) does not") as err:
-        shardc.lower(spec)
-    assert err.value.span is not None and err.value.span.line == 7
-    assert unrolled(replace(spec, stage_layers=(3, 1, 1, 1))).stage_layers == (1, 1, 1, 1)
+def test_each_slot_runs_the_block_of_its_layer() -> None:
+    """Stage s's slot k runs the block of layer 2s + k, its params at that block's own slots."""
+    tables = body_tables([0, 2, 4, 6], [2, 2, 2, 2], [3, 5])
+    assert tables.which == ((0, 0), (0, 1), (1, 1), (1, 1)) and tables.slots == (2, 2)
+    assert tables.index == ((0, 1), (0, 0), (0, 1), (0, 1)) and tables.possible == ((0, 1), (0, 1))
+    assert tables.static_index(0) == 0 and tables.static_index(1) is None
+    order = [0, 1, 2, 3]
+    assert block_slot_layers([0, 2, 4, 6], [2, 2, 2, 2], [3, 5], 0, order) == [0, 1, 2, 3, 3, 3, 3, 3]
+    assert block_slot_layers([0, 2, 4, 6], [2, 2, 2, 2], [3, 5], 1, order) == [5, 5, 0, 5, 1, 2, 3, 4]
+    one = body_tables([0, 3], [3, 2], [5])  # one block: slot k is slot k everywhere, an uneven split padded
+    assert one.possible == ((0,), (0,), (0,)) and all(one.static_index(k) == k for k in range(3))
+
+
+def test_a_stage_holding_two_blocks_lowers_with_each_blocks_functions() -> None:
+    source = lower_pipeline(shardc.plan(shardc.parse(STRADDLED)), load=False).source
+    compile(source, "straddled.py", "exec")
+    for line in ("\nLAYERS = 8 ", "\nBLOCK_LAYERS = (3, 5)", "def forward_local(X0, W1, W2",
+                 "def b2_forward_local(X1, V1, V2", "def b2_backward_local(", "PIPELINE = model_pipeline(globals())",
+                 "MORE_BLOCKS = ({'prefix': 'B2', 'input': 'X1', 'output': 'X2', 'params': ('V1', 'V2')},)"):
+        assert line in source, line
+    assert "_b1l0" not in source  # no block written out
+
+
+def test_a_statement_between_two_blocks_is_refused_with_its_place() -> None:
+    between = STRADDLED.replace("layers 5 {", "Y1[B_X, S, D] = X1[B_X, S, D]\nlayers 5 {").replace(
+        "gelu(X1[B_X, S, D] · V1", "gelu(Y1[B_X, S, D] · V1").replace("X2[B_X, S, D] = X1[B_X, S, D] +",
+                                                                      "X2[B_X, S, D] = Y1[B_X, S, D] +")
+    with pytest.raises(ShardcError, match="no statement between them") as err:
+        lower_pipeline(shardc.plan(shardc.parse(between)), load=False)
+    assert err.value.span is not None and err.value.span.line == 11
 
 
 @pytest.mark.slow
-def test_a_pipeline_of_two_blocks_verifies_written_out() -> None:
-    report = verify(shardc.parse(MODEL))
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved 2"])
+def test_a_stage_holding_two_blocks_verifies(schedule: str) -> None:
+    """Values, gradients and the HLO's collectives against the plan (block 2's all-gather of V1 inside its
+    branch of the switch), stage 1 (and under interleaved devices 1 and 2's chunks) holding both blocks."""
+    report = verify(shardc.parse(STRADDLED.replace("microbatches 8", f"microbatches 8\nschedule {schedule}")))
     assert report.ok, render_report(report)
-    assert any("written out layer by layer" in note for note in report.notes)
+    assert report.sizes["layers"] == 8
+    planned = {r.step for r in report.collectives if r.ok}
+    assert any("V1[D, K_X] -> V1[D, K]" in p for p in planned) and any("W1[D, F_X]" in p for p in planned)
+
+
+def test_a_step_sharing_a_recomputed_one_stays_in_its_block() -> None:
+    """A backward step that repeats a recomputed one becomes its alias, in the same block: each block's
+    lowered functions hold that block's steps (the norm's statistic of block 2 is not block 1's)."""
+    text = """mesh X=2
+dims B=64, D=32, F=64
+param W1, V1, V2
+recompute rmsnorm
+E0[B_X, D] = In[B_X, D]
+layers 2 {
+  E1[B_X, D] = E0[B_X, D] + gelu(E0[B_X, D] · W1[D, F]) · W1[D, F]
+}
+layers 3 {
+  N[B_X, D] = rmsnorm(E1[B_X, D] over D)
+  E2[B_X, D] = E1[B_X, D] + gelu(N[B_X, D] · V1[D, F]) · V2[F, D]
+}
+Out[B_X, D] = E2[B_X, D]
+"""
+    aliases = [s for s in shardc.plan(shardc.parse(text)).backward if "recomputed one" in s.note]
+    assert {s.dst.name for s in aliases} == {"N_ms_2", "N_again"} and {s.block for s in aliases} == {1}
+
+
+def test_the_run_costs_each_block_at_its_layers_in_the_run() -> None:
+    """verify's memory check costs the spec at the run's layers of each block (DeepSeek-V3's 3 + 58 run as
+    1 + 3), a count written as a dim given that size."""
+    spec = shardc.parse(STRADDLED.replace("layers 5 {", "layers M {").replace("V=64", "V=64, M=5"))
+    sizes: dict[str, int] = {}
+    run = at_run_blocks(spec, sizes, (1, 3))
+    pipe = pipeline_of(run, sizes)
+    assert pipe is not None and pipe.blocks == (1, 3) and sizes == {"M": 3} and run.layers == 1

@@ -249,3 +249,34 @@ def test_layouts_price_a_pipelined_layout_with_its_stages_offloaded() -> None:
     assert report.pipeline is not None and chosen.step_s == pytest.approx(report.pipeline.step_s)
     assert chosen.memory_bytes == pytest.approx(report.pipeline.fullest.memory_bytes)
     assert not any(r.fits for r in search.layouts if dict(r.knobs).get("offload", "none") in ("none", "activations"))
+
+
+def test_the_bound_says_host_where_the_copies_outlast_the_compute_beside_them(
+        capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    """At D = 4096 a layer's kept values take longer over PCIe than its forward's matmuls (not than its
+    backward's, twice the FLOPs): the forward, and the step, are bound by the host link; wide layers hide
+    the copies and keep their roofline verdicts."""
+    plain, moved = _costs(MLP, "activations")
+    assert moved.offload is not None and moved.offload.forward_host and not moved.offload.backward_host
+    assert moved.forward.bound == moved.step.bound == "host" and moved.backward.bound == plain.backward.bound
+    assert plain.step.bound != "host" and moved.step.to_json(rows=False)["bound"] == "host"
+    _, hidden = _costs(MLP, "activations", D=16384, F=65536)
+    assert hidden.step.bound != "host" and hidden.offload is not None and not hidden.offload.host_bound
+    path = f"{tmp_path}/mlp.shard"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(MLP)
+    assert main(["cost", path, "--offload", "activations"]) == 0
+    assert "  bound: host; step" in capsys.readouterr().out
+
+
+def test_a_pipeline_stage_is_host_bound_by_its_own_copies() -> None:
+    """Narrow layers (D = F = 256): each stage's kept values outlast its matmuls over PCIe, so the stage
+    table's bound column says host; the same stages with wide layers hide them."""
+    narrow = PIPELINED.replace("D=4096, F=16384", "D=256, F=256")
+    plain, moved = _costs(narrow, "activations")
+    assert moved.pipeline is not None and plain.pipeline is not None and moved.offload is not None
+    assert moved.pipeline.offload_s > 0 and moved.offload.host_bound
+    assert {s.bound for s in moved.pipeline.stages} == {"host"} and moved.step.bound == "host"
+    assert "host" not in {s.bound for s in plain.pipeline.stages}
+    _, wide = _costs(PIPELINED, "activations")
+    assert wide.pipeline is not None and "host" not in {s.bound for s in wide.pipeline.stages}

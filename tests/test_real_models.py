@@ -11,7 +11,7 @@ import pytest
 import shardc
 from shardc.cli.main import main
 from shardc.ir.localops import Attention
-from shardc.spec.unroll import unrolled
+from shardc.spec.stages import pipeline_of
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -86,8 +86,10 @@ def test_each_pipelined_model_lowers_at_its_own_sizes(path: Path, tmp_path: Path
     spec = shardc.parse(path.read_text(encoding="utf-8"), filename=str(path))
     source = out.read_text(encoding="utf-8")
     compile(source, str(out), "exec")
-    layers = unrolled(spec).layers  # DeepSeek-V3's 3 dense layers written out on the first stage, 58 MoE repeated
-    assert f"\nLAYERS = {layers} " in source and "PIPELINE = model_pipeline(globals())" in source
+    pipe = pipeline_of(spec)
+    assert pipe is not None  # DeepSeek-V3's 3 dense layers and 58 MoE layers, each block's own functions
+    assert f"\nLAYERS = {pipe.layers} " in source and "PIPELINE = model_pipeline(globals())" in source
+    assert ("\nBLOCK_LAYERS = (3, 58)" in source) == (pipe.blocks == (3, 58))
 
 
 def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() -> None:

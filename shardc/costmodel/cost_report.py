@@ -15,7 +15,10 @@ Per phase (forward, backward) and for the whole training step (``step``, both):
   model (``model="book"``) ``max(compute, comm)`` a phase.  ``exposed_comm_s`` is
   the step less its compute and memory-bound time: the communication nothing hides.
   ``step_ahead_only_s`` is the same rule with no buckets.
-* ``bound``: ``"communication"`` iff comm_s > compute_s + memory_s.
+* ``bound``: ``"communication"`` iff comm_s > compute_s + memory_s; under ``--offload``, ``"host"`` where
+  the host link's copies outlast the compute they run beside (the forward's copies out, the backward's
+  in), or the step holds host time nothing hides (:attr:`~shardc.costmodel.offload.Offload.host_bound`;
+  a pipeline's stages each by their own copies).
 * ``mfu``: model FLOPs (the einsums once, recomputed ones not counted, as PaLM
   counts them) / (devices * C * step_s); ``hfu`` counts the recomputed FLOPs too.
   With ``mfu=0.4``, ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the
@@ -81,6 +84,7 @@ class PhaseCost:
     repeats: int = 1  # a pipelined stage: its rows are one microbatch's, run this many times
     more_layers: tuple[int, ...] = ()  # the later `layers` blocks' counts (layer_counts.block_counts)
     offload_s: float = 0.0  # the step: host copies its phases' compute does not hide (shardc.costmodel.offload)
+    host: bool = False  # --offload: the phase's host copies (or the host's update) outlast the compute beside them
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
         if self.parts:  # the step: each phase counts its own rows (a pipelined stage's M times)
@@ -160,7 +164,7 @@ class PhaseCost:
 
     @property
     def bound(self) -> str:
-        return bound_of(self.compute_s + self.memory_s, self.comm_s)
+        return "host" if self.host else bound_of(self.compute_s + self.memory_s, self.comm_s)
 
     @property
     def step_s(self) -> float:
@@ -362,6 +366,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     if pipe is None:
         moved, mem = offload_cost(offload, mem, fwd.step_s, bwd.step_s, hw, optimizer, offload_delayed)
         if moved is not None:  # where the optimizer is offloaded the host updates, not the device
+            fwd, bwd, step = _host_bound(moved, fwd, bwd, step)
             step = replace(step, offload_s=moved.exposed_s,
                            update_s=0.0 if offload in ("optimizer", "both") else step.update_s)
     tokens = token_dims(plan)
@@ -377,7 +382,18 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops * n for r, n in counted if r.once),
                        devices=all_devices, peak=hw.peak(dtype), update_s=step.update_s)
         pipe, moved = pipeline_offload(offload, pipe, hw, optimizer, offload_delayed)
+        if moved is not None:  # the phases' verdicts: the slowest stage's copies
+            fwd, bwd, step = _host_bound(moved, fwd, bwd, step)
     return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt, moved)
+
+
+def _host_bound(moved: Offload, fwd: PhaseCost, bwd: PhaseCost,
+                step: PhaseCost) -> tuple[PhaseCost, PhaseCost, PhaseCost]:
+    """The forward, backward and step marked ``host`` where the host link (or the host's update) outlasts the
+    compute beside it: the copies out past the forward, in past the backward, any exposed in the step."""
+    fwd, bwd = replace(fwd, host=moved.forward_host), replace(bwd, host=moved.backward_host)
+    parts = tuple(fwd if p.name == "forward" else bwd if p.name == "backward" else p for p in step.parts)
+    return fwd, bwd, replace(step, parts=parts, host=moved.host_bound)
 
 
 def latency_note(hw: Hardware, links: Layout) -> str:

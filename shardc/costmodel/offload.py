@@ -70,6 +70,22 @@ class Offload:
         return self.host_update_s + self.param_bytes / self.host_bandwidth
 
     @property
+    def forward_host(self) -> bool:
+        """Whether the copies out take longer than the forward they run beside: the host link sets its time."""
+        return self.activation_bytes / self.host_bandwidth > self.forward_busy_s
+
+    @property
+    def backward_host(self) -> bool:
+        """Whether the copies in (and the gradients out) take longer than the backward they run beside."""
+        return max(self.activation_bytes, self.grad_bytes) / self.host_bandwidth > self.backward_busy_s
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the host sets part of the step: copies past the compute they run beside, or a host update
+        that nothing hides (the bound ``shardc cost`` then gives the step, and a pipeline's stage)."""
+        return self.exposed_s > 0
+
+    @property
     def exposed_s(self) -> float:
         """Copies out past the forward's time, copies in (and gradients out) past the backward's, and the
         host's update with its copy in (past the next forward and backward when delayed)."""
@@ -155,7 +171,7 @@ def pipeline_offload(what: str, pipe: PipelineCost, hw: Hardware, accounting: st
         moved.append(Offload(what, out, state, hw.host_bandwidth, m * s.forward_s, m * (s.backward_s + s.weight_s),
                              grads_out, params_in, update_s, delayed))
         stages.append(replace(s, activation_bytes=kept, state_bytes=s.state_bytes - state - grads,
-                              host_bytes=s.activation_bytes - kept + state + grads))
+                              host_bytes=s.activation_bytes - kept + state + grads, host=moved[-1].host_bound))
     worst = max(moved, key=lambda o: o.exposed_s)
     host = what in ("optimizer", "both")
     return replace(pipe, stages=tuple(stages), offload_s=worst.exposed_s,

@@ -136,10 +136,11 @@ class StageCost:
     # their buffer (a ReduceScatter: the unsharded sums beside the shard), held through the schedule
     accumulator_bytes: float = 0.0
     sections: tuple[str, ...] = ("block",)  # the spec's sections the stage runs: its working set's
+    host: bool = False  # --offload: its host copies (or the host's update) outlast what they run beside
 
     @property
     def bound(self) -> str:
-        return bound_of(self.compute_s, self.comm_s)
+        return "host" if self.host else bound_of(self.compute_s, self.comm_s)
 
     @property
     def memory_bytes(self) -> float:

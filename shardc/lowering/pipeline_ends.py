@@ -36,14 +36,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
-from shardc.ir.plan import SECTIONS, Plan, Step, uses_dropout
+from shardc.ir.plan import Plan, Section, Step, uses_dropout
 from shardc.ir.spec import Call, Mesh, Spec, Statement, TensorRef
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
 from shardc.pipeline.boundary import boundary_tensor, carried_moves, tied_contributions
+from shardc.spec.stages import block_layers
 from shardc.spec.walk import leaves
 
-__all__ = ["Ends", "split_spec", "cut_parts", "ends_source", "constants", "pipeline_lines"]
+__all__ = ["Ends", "split_spec", "cut_parts", "ends_source", "constants", "pipeline_lines", "prefixed"]
 
 
 @dataclass(frozen=True)
@@ -55,17 +56,31 @@ class Ends:
     post: Plan
     # a param read on both ends: (param, its gradient's contribution made after the block, the gradient)
     tied: tuple[tuple[str, str, str], ...] = ()
+    more: tuple[Plan, ...] = ()  # each later `layers` block's part (one layer), in order: the block is the first's
+
+    @property
+    def blocks(self) -> tuple[Plan, ...]:
+        """Every ``layers`` block's part, in order."""
+        return (self.block, *self.more)
 
 
 def _names(statements: tuple[Statement, ...]) -> set[str]:
     return {s.result.name for s in statements} | {r.name for s in statements for r in leaves(s.expr)}
 
 
-def split_spec(spec: Spec) -> tuple[Spec, Spec, Spec]:
-    """The statements before the block, the block (pipelined) and those after it, each a spec."""
+def split_spec(spec: Spec) -> tuple[Spec, tuple[Spec, ...], Spec]:
+    """The statements before the blocks, each ``layers`` block (pipelined: one layer of it, the pipeline's
+    layers all the blocks') and those after them, each a spec."""
     if spec.block is None:
         raise ShardcError("not a `layers L { ... }` spec", fix="write the repeated statements in a block")
-    lo, hi = spec.block
+    blocks = spec.blocks()
+    lo, hi = blocks[0][0], blocks[-1][1]
+    for (_, end, _), (first, _, _) in zip(blocks, blocks[1:], strict=False):
+        if end != first:  # a statement between two blocks would run once, on whichever stage the cut falls
+            raise ShardcError("lowering a pipeline of several `layers` blocks needs each block to follow the one "
+                              "before it, with no statement between them", spec.statements[end].span,
+                              fix="move the statement into a block, or before the first or after the last")
+    layers = sum(block_layers(spec))
     stage_mesh = Mesh(tuple(a for a in spec.mesh.axes if not a.pipeline))
 
     def part(statements: tuple[Statement, ...], pipelined: bool) -> Spec:
@@ -74,14 +89,15 @@ def split_spec(spec: Spec) -> tuple[Spec, Spec, Spec]:
         return replace(spec, statements=statements, block=None, header_spans=(),
                        params=params, const=tuple(c for c in spec.const if c in names),
                        tensor_dtypes=tuple((t, kind) for t, kind in spec.tensor_dtypes if t in names),
-                       layers=spec.layers if pipelined else None, mesh=spec.mesh if pipelined else stage_mesh,
+                       layers=layers if pipelined else None, more_blocks=(),
+                       mesh=spec.mesh if pipelined else stage_mesh,
                        microbatches=spec.microbatches if pipelined else None,
                        schedule=spec.schedule if pipelined else None,
                        topology=spec.topology if pipelined else None)  # one stage's chips: its usual slice
 
-    pre, block, post = spec.statements[:lo], spec.statements[lo:hi], spec.statements[hi:]
+    pre, post = spec.statements[:lo], spec.statements[hi:]
     _check_ends(spec, pre, post)
-    return part(pre, False), part(block, True), part(post, False)
+    return part(pre, False), tuple(part(spec.statements[a:b], True) for a, b, _ in blocks), part(post, False)
 
 
 def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, ...]) -> None:
@@ -105,16 +121,27 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
 def cut_parts(plan: Plan) -> Ends:
     """The three parts of ``plan``, each its section's steps (:meth:`Plan.section`) on its part of the
     spec (:func:`split_spec`): the steps the cost priced, never planned again."""
-    specs = split_spec(plan.spec)
+    pre_spec, block_specs, post_spec = split_spec(plan.spec)
     tied = tied_contributions(plan)
-    block = _part(plan, "block", specs[1], specs[2])
-    pre = _part(plan, "before", specs[0], specs[1])
-    post = _part(plan, "after", specs[2], None, tied)
+    whole = plan.section("block")
+    sections = [_own(whole, b) for b in range(len(block_specs))] if len(block_specs) > 1 else [whole]
+    sections.append(plan.section("after"))
+    # each block's outputs' cotangents: made by the backward of the part after it
+    blocks = [_part(plan, "block", sections[b], spec, (block_specs + (post_spec,))[b + 1], sections[b + 1].backward)
+              for b, spec in enumerate(block_specs)]
+    pre = _part(plan, "before", plan.section("before"), pre_spec, block_specs[0], whole.backward)
+    post = _part(plan, "after", sections[-1], post_spec, None, (), tied)
     for part in (pre, post):
         if uses_dropout(part.forward):
             raise ShardcError("a dropout outside the pipelined block does not lower yet",
                               fix="put the dropout inside the `layers` block")
-    return Ends(pre, block, post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied))
+    return Ends(pre, blocks[0], post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied), tuple(blocks[1:]))
+
+
+def _own(section: Section, block: int) -> Section:
+    """The steps of ``section`` that repeat in ``layers`` block ``block`` (:attr:`Step.block`)."""
+    return Section(*(tuple(s for s in steps if s.block == block)
+                     for steps in (section.forward, section.backward, section.recomputed)))
 
 
 def _made(steps: tuple[Step, ...]) -> dict[str, TensorRef]:
@@ -122,13 +149,13 @@ def _made(steps: tuple[Step, ...]) -> dict[str, TensorRef]:
     return {s.dst.name: s.dst for s in steps}
 
 
-def _part(plan: Plan, name: str, spec: Spec, following: Spec | None,
-          tied: tuple[tuple[str, TensorRef], ...] = ()) -> Plan:
-    """Section ``name`` of ``plan`` as a plan of its own spec: the tensors it makes its activations, those
-    it reads from the section before its inputs; its outputs' cotangents the gradients the section after
-    it hands back (``following``, the spec of that section), its inputs' gradients those it makes (and a
-    ``tied`` param's contribution to its gradient, the one this section makes)."""
-    section = plan.section(name)
+def _part(plan: Plan, name: str, section: Section, spec: Spec, following: Spec | None,
+          following_backward: tuple[Step, ...], tied: tuple[tuple[str, TensorRef], ...] = ()) -> Plan:
+    """``section`` of ``plan`` (section ``name``'s steps, or one block's of them) as a plan of its own spec:
+    the tensors it makes its activations, those it reads from the part before its inputs; its outputs'
+    cotangents the gradients the part after it hands back (``following``, the spec of that part, whose
+    backward is ``following_backward``), its inputs' gradients those it makes (and a ``tied`` param's
+    contribution to its gradient, the one this section makes)."""
     if name == "after":  # a param's value the plan moved before the block: the last stage moves it again
         section = replace(section, forward=carried_moves(plan) + section.forward)
     made = _made(section.forward)
@@ -140,7 +167,7 @@ def _part(plan: Plan, name: str, spec: Spec, following: Spec | None,
     entering = {i.name for i in tensors if i.role in ("input", "param")}
     cotangents = [c for c in plan.cotangents if plan.primal(c.name) in outputs]
     if following is not None:  # the gradient of what this section hands on, made by the next one's backward
-        after = _made(plan.section(SECTIONS[SECTIONS.index(name) + 1]).backward)
+        after = _made(following_backward)
         for out in sorted(outputs & _names(following.statements)):
             if plan.grad_name(out) not in after:
                 raise ShardcError(f"the plan takes no gradient of {out}, the block's input, since nothing before "
@@ -162,7 +189,7 @@ def _part(plan: Plan, name: str, spec: Spec, following: Spec | None,
                    sizes=None if plan.sizes is None else tuple((k, v) for k, v in plan.sizes if k not in gone))
 
 
-def _renamed(module: Module, prefix: str) -> str:
+def prefixed(module: Module, prefix: str) -> str:
     """One end's boundary tables and functions, each name prefixed (``PRE_FORWARD_IN``, ``pre_forward_local``)."""
     text = ""
     for phase, key in ((module.forward, "FORWARD"), (module.backward, "BACKWARD")):
@@ -184,7 +211,7 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
     post_data = tuple(b.key for b in post.forward.inputs if b.key not in post_params
                       and b.key != _block_output(ends))
     text = "\n\n# ---- the block's ends: the statements before it on stage 0, after it on the last " + "-" * 4
-    text += "\n\n" + _renamed(pre, "PRE") + "\n" + _renamed(post, "POST") + reduce + "\n"
+    text += "\n\n" + prefixed(pre, "PRE") + "\n" + prefixed(post, "POST") + reduce + "\n"
     text += constants((("PRE_PARAMS", pre_params, "passed stacked over the stages: [STAGES, ...]"),
                        ("POST_PARAMS", post_params, "so too"),
                        ("PRE_DATA", pre_data, "cut into microbatches, stacked over the stages"),
@@ -211,4 +238,4 @@ def pipeline_lines(builder: str, prefix: str) -> str:
 
 
 def _block_output(ends: Ends) -> str:
-    return boundary_tensor(ends.block).name
+    return boundary_tensor(ends.blocks[-1]).name  # the last block's output: what the statements after read

@@ -8,7 +8,8 @@ most one forward and one backward a tick) and a :class:`~shardc.lowering.pipelin
 that runs any table the same way, with the block's plan as each layer
 (:mod:`shardc.lowering.pipeline_runtime`).  A ``layers L { ... }`` block with
 statements around it adds their two plans as the block's ends (before it on stage
-0, after it on the last virtual stage: :mod:`shardc.lowering.pipeline_ends`).  GPipe, 1F1B,
+0, after it on the last virtual stage: :mod:`shardc.lowering.pipeline_ends`); several blocks add each
+later block's functions (:mod:`shardc.lowering.pipeline_more`).  GPipe, 1F1B,
 interleaved, ZB-H1, ZBV, DualPipeV and DualPipe lower with their own tables; the zero-bubble ones
 with three, F, B and W, the block's backward cut in two (:mod:`shardc.lowering.pipeline_split`);
 ZBV and DualPipeV with two chunks a device in a V, DualPipe with two whole stages a device, s and
@@ -36,8 +37,8 @@ from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
 from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_source, pipeline_lines
 from shardc.lowering.pipeline_grads import reduce_source, split_reductions
+from shardc.lowering.pipeline_more import more_blocks_source
 from shardc.lowering.pipeline_split import split_source
-from shardc.lowering.replan import unrolled_blocks
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.pipeline.schedules import Timing, chunks_of, simulate, stage_share
@@ -77,6 +78,7 @@ class PipelineLowered:
     batch: int  # the batch dim's size, all microbatches
     namespace: Any = None
     ends: Ends | None = None  # a `layers` block's three parts, its plan's sections (shardc.lowering.pipeline_ends)
+    blocks: tuple[int, ...] = ()  # each `layers` block's layers in the program (its layers with one block)
 
 
 def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
@@ -126,9 +128,11 @@ def _tables(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> 
 
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
                     layers: int, microbatches: int, reserved: frozenset[str] = frozenset(),
-                    held: tuple[int, ...] | None = None) -> tuple[Module, str, int]:
+                    held: tuple[int, ...] | None = None,
+                    blocks: tuple[int, ...] | None = None) -> tuple[Module, str, int]:
     """The stage module and the pipeline section's constants for ``plan`` pipelined on ``mesh``
-    (``sizes`` are the whole batch's), and the batch size."""
+    (``sizes`` are the whole batch's; ``blocks``: each ``layers`` block's layers, the first's ``plan``'s), and
+    the batch size."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
     stages = dict(mesh)[pipe.axis]
@@ -156,9 +160,10 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
     text += constants((("PIPELINE_AXIS", pipe.axis, ""), ("STAGES", stages, ""),
                        ("LAYERS", layers, "in all; the first LAYERS % STAGES stages hold one more"),
+                       ("BLOCK_LAYERS", blocks or (layers,), "each `layers` block's, in the model's order"),
                        ("MICROBATCHES", microbatches, ""),
                        ("BLOCK_INPUT", first.name, "what a stage receives"), ("BLOCK_OUTPUT", out.name, "and sends"),
-                       ("PARAMS", tuple(params), "each passed stacked: [LAYERS, ...]"),
+                       ("PARAMS", tuple(params), "each passed stacked: [BLOCK_LAYERS[0], ...]"),
                        ("PIPE_MESH_AXES", dict(mesh), ""),
                        ("CHUNKS", chunks, "model chunks a device holds (the interleaved order's virtual stages)"),
                        ("V_SHAPE", pipe.schedule.name in V_SHAPED,
@@ -202,6 +207,17 @@ def _stage_layers(pipe: Pipeline, stages: int, layers: int, held: tuple[int, ...
 def _table(rows: list[list[int]]) -> str:
     """A tick table as a tuple literal, one tick a line."""
     return "(\n" + "".join(f"    {tuple(row)!r},\n" for row in rows) + ")"
+
+
+def _run_blocks(pipe: Pipeline, layers: int, given: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Each ``layers`` block's layers in the program: ``given``, else the spec's at its own layer count."""
+    counts = given if given is not None else pipe.blocks if layers == pipe.layers else None
+    if not pipe.blocks:
+        return (layers,)
+    if counts is None or len(counts) != len(pipe.blocks) or sum(counts) != layers or min(counts) < 1:
+        raise ShardcError(f"{layers} layers do not split into the spec's {len(pipe.blocks)} `layers` blocks as "
+                          f"{counts}", fix="give each block one layer or more, summing to the layers")
+    return counts
 
 
 def _block_section(plan: Plan, module: Module) -> str:
@@ -255,7 +271,7 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     modules = [generate(split.each, stage_mesh, micro, reserved=reserved) for split in splits]
     reduce = ""
     if pipe.schedule.name in SPLIT_SCHEDULES:  # the head's backward in two, as the block's (before it: all W)
-        post, out = modules[1], boundary_tensor(ends.block).name
+        post, out = modules[1], boundary_tensor(ends.blocks[-1]).name
         reduce = split_source(backward_program(splits[1].each), post.backward, post.grads[out],
                               frozenset(post.cotangents), "POST")
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
@@ -268,16 +284,14 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
 
 def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int | None = None,
                    microbatches: int | None = None, load: bool = True,
-                   split: tuple[int, ...] | None = None) -> PipelineLowered:
+                   split: tuple[int, ...] | None = None, blocks: tuple[int, ...] | None = None) -> PipelineLowered:
     """Lower a pipelined plan (``sizes`` may resize the mesh and dims, as for :func:`shardc.lower`);
     ``split``: the layers each stage holds, where ``layers`` is not the spec's (by default the spec's
-    ``stage_layers`` at its own layer count, else the even split)."""
+    ``stage_layers`` at its own layer count, else the even split); ``blocks``: each ``layers`` block's
+    layers, where the spec has several and ``layers`` is not theirs."""
     pipe = pipeline_of(plan.spec)
     if pipe is None:
         raise ShardcError("not a pipelined spec", fix="mark the stage axis, e.g. `mesh P=4 pipeline, X=8`")
-    plan, _ = unrolled_blocks(plan)  # several blocks: all but the longest written out on the end stages
-    pipe = pipeline_of(plan.spec)
-    assert pipe is not None
     mesh = lowered_mesh(plan, sizes)
     full = lowered_sizes(replace(plan, spec=stage_spec(plan.spec)), sizes, mesh) or {}
     if any(d.name not in full for i in plan.tensors for d in i.ref.dims):
@@ -287,12 +301,16 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     ends = None
     if plan.spec.block is not None:  # the statements around the block on the first and last stage
         ends = cut_parts(plan)
+    counts = _run_blocks(pipe, layers, blocks)
     reserved: frozenset[str] = frozenset()
     while True:  # no tensor's variable takes a global of the module: written again if one did
         module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches,
-                                                reserved, split)
+                                                reserved, split, counts)
         variables = module.variables
         source += _zigzag_section(plan, mesh)  # before the ends' text, which builds the pipeline from the tables
+        if ends is not None and ends.more:  # each later block's layer, its functions prefixed B2_, B3_, ...
+            text, more = more_blocks_source(ends, mesh, full, microbatches, reserved)
+            source, variables = source + text, variables | more
         if ends is not None:
             text, more = _ends_text(ends, mesh, module, reserved)
             source, variables = source + text, variables | more
@@ -303,7 +321,8 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
             break
         reserved |= defined
     pipe = replace(pipe, layers=layers, microbatches=microbatches, stages=dict(mesh)[pipe.axis])
-    lowered = PipelineLowered(plan, pipe, module, source, dict(module.sizes or {}) | dict(mesh), batch, ends=ends)
+    lowered = PipelineLowered(plan, pipe, module, source, dict(module.sizes or {}) | dict(mesh), batch, ends=ends,
+                              blocks=counts)
     if load:
         check_devices(mesh)
         lowered.namespace = load_module(source, plan.spec.filename or "spec")

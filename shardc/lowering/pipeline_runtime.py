@@ -21,7 +21,9 @@ until W's tick (:mod:`shardc.lowering.pipeline_split`).  Each layer's forward an
 are the stage plan's own, so the
 collectives on the other axes are the planned ones in both directions; a weight
 gradient's reduction runs once, after the loop, on the sum of the microbatches' partial
-gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).
+gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).  With several ``layers``
+blocks each slot runs its layer's block, each block's params stacked over its own slots
+(:mod:`shardc.lowering.pipeline_bodies`).
 
 What comes before the block and after it is an :class:`Ends`: for a block alone
 (:class:`BlockEnds`) stage 0 reads the microbatches and the last stage keeps the
@@ -34,7 +36,7 @@ once (the loss's cotangent over M: the batch's loss is the microbatches' mean).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardc.lowering.pipeline_bodies import Body, BodyTables, block_slot_layers, body_tables, switch
 from shardc.lowering.pipeline_parts import Arrays, BlockEnds, Ends, ModelEnds, Part, Phase, Table, forward_only
 from shardc.lowering.pipeline_routes import Placement
 from shardc.lowering.pipeline_slots import Rings, rings
@@ -59,7 +62,7 @@ class Pipeline:
     """The block's ``layers`` layers over the stages of ``axis`` of the mesh ``mesh_axes``, ``ends``
     around it, in the order of the tick tables ``forward_ticks`` and ``backward_ticks``.
 
-    ``params``: the block's, each passed stacked [layers, ...]; ``dims``: the microbatch dim of
+    ``params``: the (first) block's, each passed stacked [its layers, ...]; ``dims``: the microbatch dim of
     each data input of the whole batch (and of the block's output, keyed so).  ``chunks``: the
     model chunks a device holds (V of Megatron-LM's interleaved schedule, 2 in a ``v_shape``, else 1),
     each a virtual stage, a run of layers (:class:`~shardc.lowering.pipeline_routes.Placement`: chunk x
@@ -89,6 +92,10 @@ class Pipeline:
     # stage 0 or the last stage, so every stage's sends carry that order, and put back as they leave
     zigzag: dict[str, tuple[int, ...]] = field(default_factory=dict)
     zigzag_chunks: int = 0
+    # several `layers` blocks: each later block's body (its part, input and params), and every block's layers
+    # (the first's the block above); a slot runs its layer's block's body (shardc.lowering.pipeline_bodies)
+    more: tuple[Body, ...] = ()
+    block_layers: tuple[int, ...] | None = None
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -120,17 +127,29 @@ class Pipeline:
         split a slot past a stage's own layers holds zeros and hands its input on unchanged."""
         return max(self.held)
 
+    @property
+    def bodies(self) -> tuple[Body, ...]:
+        """Every block's layer body, in the model's order."""
+        counts = self.block_layers or (self.layers,)
+        return (Body(self.block, self.block_input, self.params, counts[0]), *self.more)
+
+    @functools.cached_property
+    def tables(self) -> BodyTables:
+        """Which body each virtual stage's slot runs, and where its params lie."""
+        return body_tables(self._firsts(), self.held, [b.layers for b in self.bodies])
+
     def _firsts(self) -> list[int]:
         """Each virtual stage's first layer (DualPipe's: its model stage's)."""
         place = self.placement
         return [sum(self.held[:place.model(v)]) for v in range(len(self.held))]
 
-    def slot_layers(self) -> list[int]:
-        """Each device's slots in order (its chunks in turn), the layer each holds (``layers`` for an
-        empty one): the order of a block param's leading dim, sharded over the stages."""
-        firsts, place = self._firsts(), self.placement
-        return [firsts[u] + k if k < self.held[u] else self.layers for s in range(self.stages)
-                for u in (place.virtual(c, s) for c in range(self.chunks)) for k in range(self.slots)]
+    def slot_layers(self, block: int = 0) -> list[int]:
+        """Each device's slots of ``block`` in order (its chunks in turn), the layer of the block each holds
+        (the block's layer count for an empty one): the order of the block's params' leading dim, sharded
+        over the stages."""
+        place = self.placement
+        order = [place.virtual(c, s) for s in range(self.stages) for c in range(self.chunks)]
+        return block_slot_layers(self._firsts(), self.held, [b.layers for b in self.bodies], block, order)
 
     def layer_key(self, key: Any, virtual: Any, k: int, j: Any) -> tuple[Any, Any]:
         """The dropout key of layer k of virtual stage ``virtual`` on microbatch j: (the key its layer
@@ -138,48 +157,103 @@ class Pipeline:
         number = jnp.asarray(self._firsts())[virtual] + k
         return layer_key(key, number, self.layers, jnp), jnp.asarray(j, jnp.int32)
 
-    def _layer_params(self, params: tuple[Any, ...], chunk: Any, k: int) -> Arrays:
-        """Slot k of the chunk's params (each stacked over the device's slots)."""
-        return {p: w[chunk * self.slots + k] for p, w in zip(self.params, params, strict=True)}
+    def _params_of(self, params: tuple[Any, ...], b: int) -> tuple[Any, ...]:
+        """Block ``b``'s params among every block's (:attr:`all_params`)."""
+        start = sum(len(body.params) for body in self.bodies[:b])
+        return params[start:start + len(self.bodies[b].params)]
+
+    def _where(self, virtual: Any, k: int) -> Any:
+        """Slot k's position among its block's slots: static where every virtual stage agrees (one block)."""
+        fixed = self.tables.static_index(k)
+        return fixed if fixed is not None else jnp.asarray(self.tables.index)[virtual, k]
+
+    def _layer_params(self, params: tuple[Any, ...], b: int, chunk: Any, at: Any) -> Arrays:
+        """Block ``b``'s params at position ``at`` of the chunk's slots of it (each stacked over the device's)."""
+        body, slots = self.bodies[b], self.tables.slots[b]
+        return {p: w[chunk * slots + at] for p, w in zip(body.params, self._params_of(params, b), strict=True)}
 
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
                    j: Any) -> tuple[Any, list[Any]]:
         """The stage's layers forward on ``x``: the output, and each layer's saved values but its params
-        (the backward reads those from the params, once a layer, not a copy a microbatch)."""
+        (the backward reads those from the params, once a layer, not a copy a microbatch), keyed by block."""
         kept, held = [], jnp.asarray(self.held)[virtual]
         for k in range(self.slots):
-            pool = {self.block_input: x, **self._layer_params(params, chunk, k)}
-            y, (used, saved) = self.block.forward(pool, self.layer_key(key, virtual, k, j))
+            def run(b: int, k: int = k) -> Callable[[Any], Any]:
+                def go(given: Any) -> Any:
+                    body = self.bodies[b]
+                    pool = {body.input: given, **self._layer_params(params, b, chunk, self._where(virtual, k))}
+                    y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
+                    return y, {b: ({n: v for n, v in used.items() if n not in body.params}, saved)}
+                return go
+            y, mine = switch(self.tables, k, virtual, run, x)
             x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
-            kept.append(({n: v for n, v in used.items() if n not in self.params}, saved))
+            kept.append(mine)
         return x, kept
 
-    def _saved(self, kept: list[Any], params: tuple[Any, ...], chunk: Any) -> list[Any]:
-        """Each layer's residuals as its backward reads them: the saved values and the layer's params."""
-        return [({**used, **self._layer_params(params, chunk, k)}, saved) for k, (used, saved) in enumerate(kept)]
+    def _saved(self, kept: list[Any], params: tuple[Any, ...], chunk: Any, virtual: Any) -> list[Any]:
+        """Each layer's residuals as its backward reads them (each block's that can run there): the saved
+        values and the layer's params."""
+        return [{b: ({**used, **self._layer_params(params, b, chunk, self._where(virtual, k))}, saved)
+                 for b, (used, saved) in mine.items()} for k, mine in enumerate(kept)]
 
-    def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, tuple[Any, ...]]:
-        grads: list[Arrays] = [{}] * len(kept)
+    def _grads_of(self, b: int, got: Arrays) -> Arrays:
+        return {p: got[p] for p in self.bodies[b].params}
+
+    def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Any]]:
+        """The stage's layers backward, last to first: the input's gradient, each slot's params' gradients
+        (keyed by block)."""
+        grads: list[Any] = [{}] * len(kept)
         held = jnp.asarray(self.held)[virtual]
         for k in reversed(range(len(kept))):
-            grads[k] = self.block.backward(kept[k], g)
-            dx = grads[k][self.block_input]
+            def run(b: int, k: int = k) -> Callable[[Any], Any]:
+                def go(d_out: Any) -> Any:
+                    got = self.bodies[b].part.backward(kept[k][b], d_out)
+                    return got[self.bodies[b].input], {b: self._grads_of(b, got)}
+                return go
+            dx, grads[k] = switch(self.tables, k, virtual, run, g)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
-        return g, tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
+        return g, grads
 
-    def _stage_input_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Arrays]]:
+    def _stage_input_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Any]]:
         """B of the stage's layers, last to first: the input's gradient, and what each layer's W reads."""
-        handed: list[Arrays] = [{}] * len(kept)
+        handed: list[Any] = [{}] * len(kept)
         held = jnp.asarray(self.held)[virtual]
         for k in reversed(range(len(kept))):
-            dx, handed[k] = self.block.backward_input(kept[k], g, self.block_input)
+            def run(b: int, k: int = k) -> Callable[[Any], Any]:
+                def go(d_out: Any) -> Any:
+                    dx, made = self.bodies[b].part.backward_input(kept[k][b], d_out, self.bodies[b].input)
+                    return dx, {b: made}
+                return go
+            dx, handed[k] = switch(self.tables, k, virtual, run, g)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
         return g, handed
 
-    def _stage_weight_bwd(self, kept: list[Any], handed: list[Arrays]) -> tuple[Any, ...]:
+    def _stage_weight_bwd(self, kept: list[Any], handed: list[Any], virtual: Any) -> list[Any]:
         """W of the stage's layers: their params' gradients from the saved values and what B handed on."""
-        grads = [self.block.backward_weight(r, h) for r, h in zip(kept, handed, strict=True)]
-        return tuple(jnp.stack([d[p] for d in grads]) for p in self.params)
+        out = []
+        for k in range(len(kept)):
+            def run(b: int, k: int = k) -> Callable[[Any], Any]:
+                def go(_: Any) -> Any:
+                    return 0.0, {b: self._grads_of(b, self.bodies[b].part.backward_weight(kept[k][b], handed[k][b]))}
+                return go
+            out.append(switch(self.tables, k, virtual, run, 0.0)[1])
+        return out
+
+    def _accumulate(self, dparams: tuple[Any, ...], grads: list[Any], ran: Any, chunk: Any,
+                    virtual: Any) -> tuple[Any, ...]:
+        """The params' gradient sums (each block's [chunks x its slots, ...]) with each slot's ``grads`` added
+        at its block's position, where a backward ``ran`` and the slot holds a layer."""
+        total = list(dparams)
+        held = jnp.asarray(self.held)[virtual]
+        which = jnp.asarray(self.tables.which)
+        for k, mine in enumerate(grads):
+            for b, got in mine.items():
+                live = ran & (k < held) & (which[virtual, k] == b)
+                start = sum(len(body.params) for body in self.bodies[:b])
+                at = chunk * self.tables.slots[b] + self._where(virtual, k)
+                for i, p in enumerate(self.bodies[b].params):
+                    total[start + i] = _add_slot(total[start + i], jnp.where(live, got[p], 0), at)
+        return tuple(total)
 
     def _local(self, backward: bool, key: Any, cotangent: Any, *args: Any) -> tuple[Any, ...]:
         """The schedule on one device: the ends' accumulator (results and their gradients) and, with
@@ -200,7 +274,7 @@ class Pipeline:
         acts, cots = (jnp.zeros((r.count,) + x.shape, x.dtype) for r in (rings.acts, rings.cots))
         split = backward and self.weight_ticks is not None
         wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
-        first = self._saved(jax.tree.map(lambda b: b[0], kept), params, 0)  # a slot's values, for their shapes
+        first = self._saved(jax.tree.map(lambda b: b[0], kept), params, 0, stage)  # a slot's values, their shapes
         handed = _buffers(jax.eval_shape(self._stage_input_bwd, first, acts[0], stage)[1],
                           rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
@@ -226,45 +300,52 @@ class Pipeline:
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
-            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], kept), params, c)
+            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], kept), params, c, u)
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B)
                 dx, made = self._stage_input_bwd(mine, cots[gs[e]], u)
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
-                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], kept), params, w // m),
-                                            jax.tree.map(lambda buf: buf[hs[w]], handed))
-                dparams = _accumulate(dparams, dw, ew >= 0, w // m * self.slots)
                 uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
+                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], kept), params, w // m,
+                                                        uw), jax.tree.map(lambda buf: buf[hs[w]], handed), uw)
+                dparams = self._accumulate(dparams, dw, ew >= 0, w // m, uw)
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
             else:
                 dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
-                dparams = _accumulate(dparams, dw, eb >= 0, c * self.slots)
+                dparams = self._accumulate(dparams, dw, eb >= 0, c, u)
             acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)
             cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
             return kept, handed, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
-        partial = jax.eval_shape(self._stage_bwd, first, x, stage)[1]
+        partial = {b: g for mine in jax.eval_shape(self._stage_bwd, first, x, stage)[1] for b, g in mine.items()}
         init = (kept, handed, acts, cots, self.ends.start(pool, x),
-                tuple(jnp.zeros((v * d.shape[0], *d.shape[1:]), d.dtype) for d in partial))
+                tuple(jnp.zeros((v * self.tables.slots[b], *partial[b][p].shape), partial[b][p].dtype)
+                      for b, body in enumerate(self.bodies) for p in body.params))
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
         if backward:  # the microbatches' sums reduced, once a step (DualPipe's two copies' summed first)
-            acc, dparams = self.ends.finish(acc), self._finish(place.sum_copies(self.axis, dparams, self.slots))
+            acc, dparams = self.ends.finish(acc), self._finish(dparams)
         acc = jax.tree.map(lambda a: a[None], self.ends.results(acc))
         return (acc, dparams) if backward else (acc,)
 
     def _finish(self, dparams: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Each of the stage's layers' params' gradients from their sums over the microbatches."""
-        layers = [self.block.finish({p: d[k] for p, d in zip(self.params, dparams, strict=True)})
-                  for k in range(self.chunks * self.slots)]
-        return tuple(jnp.stack([g[p] for g in layers]) for p in self.params)
+        """Each of the stage's layers' params' gradients from their sums over the microbatches (DualPipe's
+        two copies' summed first), block by block."""
+        out: list[Any] = []
+        for b, body in enumerate(self.bodies):
+            slots, mine = self.tables.slots[b], self.placement.sum_copies(self.axis, self._params_of(dparams, b),
+                                                                          self.tables.slots[b])
+            layers = [body.part.finish({p: d[k] for p, d in zip(body.params, mine, strict=True)})
+                      for k in range(self.chunks * slots)]
+            out += [jnp.stack([g[p] for g in layers]) for p in body.params]
+        return tuple(out)
 
     def specs(self) -> tuple[tuple[P, ...], tuple[Any, tuple[P, ...]]]:
         """The program's in_specs (the key, the cotangent, the ends' inputs, the block's params), and
         its outputs' (the ends' accumulator, the params' gradients), the stage axis leading."""
         a = self.axis
-        params = tuple(P(a, *self.block.forward_in[p]) for p in self.params)
+        params = tuple(P(a, *body.part.forward_in[p]) for body in self.bodies for p in body.params)
         ins = (P(), P(a, *self.ends.cotangent_spec()), *[P(a, *s) for s in self.ends.specs()], *params)
         return ins, (self.ends.result_specs(a), params)
 
@@ -294,12 +375,12 @@ class Pipeline:
         """Microbatches [M, ...] back into the batch along ``dim``."""
         return jnp.concatenate(list(xs), axis=dim)
 
-    def _slotted(self, w: Any) -> Any:
-        """A block param stacked [layers, ...] as the stages' slots hold it: [stages x slots, ...], zeros
-        in a slot past its stage's layers."""
+    def _slotted(self, w: Any, block: int) -> Any:
+        """A param of ``block`` stacked [its layers, ...] as the stages' slots hold it: [stages x chunks x
+        its slots, ...], zeros in a slot past its stage's layers of the block."""
         w = np.asarray(w)
         padded = np.concatenate([w, np.zeros((1, *w.shape[1:]), w.dtype)])
-        return padded[np.asarray(self.slot_layers())]
+        return padded[np.asarray(self.slot_layers(block))]
 
     def _on(self, x: Any, where: tuple[int, ...]) -> Any:
         """``x`` stacked over the stages, on the stages ``where`` only (zeros elsewhere), in host memory."""
@@ -316,7 +397,7 @@ class Pipeline:
         for k in self.ends.inputs():
             x = self.split(self.order(k, inputs[k]), self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
-        args += [self._slotted(inputs[p]) for p in self.params]
+        args += [self._slotted(inputs[p], b) for b, body in enumerate(self.bodies) for p in body.params]
         # built and placed from host memory: jax cuts a host array into its pieces without compiling a
         # program for each (as it would to move a device array, or to build one op by op)
         return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, self.specs()[0], strict=True)]
@@ -342,11 +423,13 @@ class Pipeline:
     def read(self, acc: Any, dparams: tuple[Any, ...]) -> tuple[Arrays, Arrays]:
         """The program's outputs as global arrays keyed by name: the ends' results, every gradient."""
         grads = dict(self.ends.gradients(self, acc))
-        slot: dict[int, int] = {}  # each layer's first slot (DualPipe's two copies hold the same summed gradient)
-        for k, layer in enumerate(self.slot_layers()):
-            slot.setdefault(layer, k)
-        real = np.asarray([slot[layer] for layer in range(self.layers)])  # the slots in layer order
-        grads.update({self.block.grads[p]: g[real] for p, g in zip(self.params, dparams, strict=True)})
+        for b, body in enumerate(self.bodies):
+            slot: dict[int, int] = {}  # each layer's first slot (DualPipe's two copies hold the same summed gradient)
+            for k, layer in enumerate(self.slot_layers(b)):
+                slot.setdefault(layer, k)
+            real = np.asarray([slot[layer] for layer in range(body.layers)])  # the slots in layer order
+            grads.update({body.part.grads[p]: g[real] for p, g in zip(body.params, self._params_of(dparams, b),
+                                                                       strict=True)})
         return dict(self.ends.outputs(self, acc)), grads
 
 
@@ -355,15 +438,9 @@ def _buffers(shapes: Any, n: int) -> Any:
     return jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)
 
 
-def _accumulate(dparams: tuple[Any, ...], dw: tuple[Any, ...], ran: Any, at: Any) -> tuple[Any, ...]:
-    """The params' gradient sums with this tick's ``dw`` added at slot ``at``, where a backward ``ran``."""
-    return tuple(_add_slots(a, jnp.where(ran, b, 0), at) for a, b in zip(dparams, dw, strict=True))
-
-
-def _add_slots(total: Any, part: Any, at: Any) -> Any:
-    """``total`` [chunks x slots, ...] with ``part`` [slots, ...] added to the slots from ``at`` on."""
-    here = jax.lax.dynamic_slice_in_dim(total, at, part.shape[0], 0)
-    return jax.lax.dynamic_update_slice_in_dim(total, here + part, at, 0)
+def _add_slot(total: Any, part: Any, at: Any) -> Any:
+    """``total`` [chunks x slots, ...] with ``part`` (one slot's) added at slot ``at``."""
+    return total.at[at].add(part)
 
 
 # A lowered pipeline module's globals are its tables; these build its pipeline from them, so the
@@ -392,11 +469,14 @@ def _phase(tables: Mapping[str, Any], name: str) -> Phase | None:
 def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
     """The block's layers over the stages in the tick tables' order, ``ends`` around it."""
     block = _part(tables, "", tables["BLOCK_OUTPUT"])
+    counts = tables.get("BLOCK_LAYERS", (tables["LAYERS"],))
+    more = tuple(Body(_part(tables, b["prefix"], b["output"]), b["input"], b["params"], n)
+                 for b, n in zip(tables.get("MORE_BLOCKS", ()), counts[1:], strict=True))
     return Pipeline(tables["PIPE_MESH_AXES"], tables["PIPELINE_AXIS"], tables["LAYERS"], tables["MICROBATCHES"],
                     tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
                     tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"), tables.get("W_TABLE"),
                     tables.get("V_SHAPE", False), tables.get("TWO_WAY", False), tables.get("SEQUENCE_ZIGZAG", {}),
-                    tables.get("SEQUENCE_CHUNKS", 0))
+                    tables.get("SEQUENCE_CHUNKS", 0), more, counts)
 
 
 def _placement(tables: Mapping[str, Any]) -> Placement:
@@ -426,7 +506,8 @@ def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
     ending in ``LOSS``) on the last."""
     pre, post = _part(tables, "PRE", tables["PRE_RESULT"]), _part(tables, "POST", tables["LOSS"])
     ends = ModelEnds(pre, post, tables["PRE_DATA"], tables["POST_DATA"], tables["PRE_PARAMS"], tables["POST_PARAMS"],
-                     tables["BLOCK_OUTPUT"], tuple(tables.get("TIED", {})), tables["PIPELINE_AXIS"],
+                     ({"output": tables["BLOCK_OUTPUT"]}, *tables.get("MORE_BLOCKS", ()))[-1]["output"],
+                     tuple(tables.get("TIED", {})), tables["PIPELINE_AXIS"],
                      tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]], _placement(tables).last_stage, _both(tables),
                      tables.get("W_TABLE") is not None)
     return _pipeline(tables, ends)

@@ -9,10 +9,9 @@ from __future__ import annotations
 from shardc.errors import ShardcError
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef
-from shardc.spec.unroll import unrolled
 from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable", "check_one_block",
+__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable",
            "gradient_reductions", "tied_contributions", "carried_moves"]
 
 
@@ -69,12 +68,6 @@ def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> 
     return dim
 
 
-def check_one_block(plan: Plan) -> None:
-    """Refuse to lower a pipeline of several ``layers`` blocks that cannot be written as one block
-    (:func:`shardc.spec.unroll.unrolled` says why; ``shardc cost`` and ``shardc plan`` take it)."""
-    unrolled(plan.spec)
-
-
 def check_lowerable(plan: Plan) -> None:
     """Refuse a pipelined plan that reads an input its lowered pipeline has no way to feed.
 
@@ -87,7 +80,6 @@ def check_lowerable(plan: Plan) -> None:
     spec = plan.spec
     if spec.mesh.pipeline_axis is None:
         return
-    check_one_block(plan)
     inputs = [i.name for i in plan.tensors if i.role == "input"]
     lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
     ids = {r.name for s in spec.statements for r in id_refs(s.expr)}

@@ -285,7 +285,8 @@ def share_recomputed(again: tuple[Step, ...], backward: tuple[Step, ...]) -> tup
         if first is not None and _same_data(first, step.dst) and step.dst != first:
             root[step.dst] = root.get(first, first)
             out.append(Step(Op.ELEMENTWISE, step.tensor, step.dst, operands=(first,), fn=ALIAS, ahead=step.ahead,
-                            once=step.once, note="the same step on the same data as a recomputed one"))
+                            once=step.once, block=step.block,
+                            note="the same step on the same data as a recomputed one"))
         else:
             out.append(step)
     return tuple(out)

@@ -268,8 +268,13 @@ def _copies_permutes(lowered: PipelineLowered, text: str,
     wants = []
     ends = lowered.ends
     block = ends.block if ends is not None else lowered.plan
-    parts = [(block, ns.PARAMS, ns.GRADS, 2 * ns.PIPELINE.slots, "the block's two chunks")]
+    slots = ns.PIPELINE.tables.slots  # each block's slots a virtual stage holds
+    parts = [(block, ns.PARAMS, ns.GRADS, 2 * slots[0], "the block's two chunks")]
     if ends is not None:
+        parts += [(plan, more["params"], getattr(ns, more["prefix"] + "_GRADS"), 2 * n,
+                   f"`layers` block {number}'s two chunks")
+                  for number, (plan, more, n) in enumerate(zip(ends.more, getattr(ns, "MORE_BLOCKS", ()), slots[1:],
+                                                               strict=True), start=2)]
         parts += [(ends.pre, ns.PRE_PARAMS, ns.PRE_GRADS, 1, "before the block"),
                   (ends.post, ns.POST_PARAMS, ns.POST_GRADS, 1, "after the block")]
     for plan, params, grads, slots, what in parts:

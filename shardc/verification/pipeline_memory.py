@@ -30,6 +30,7 @@ from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.units import fmt_bytes
 from shardc.verification.memory_check import XLA_CPU
+from shardc.verification.pipeline_layers import at_run_blocks
 
 __all__ = ["StageMemoryCheck", "stage_memory_check", "render_stage_memory"]
 
@@ -86,10 +87,7 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     pipe = lowered.pipeline
     spec = plan.spec
     sizes = {**lowered.sizes, microbatch_dim(plan): lowered.batch}
-    if isinstance(spec.layers, str):
-        sizes[spec.layers] = pipe.layers
-    else:
-        spec = replace(spec, layers=pipe.layers)
+    spec = at_run_blocks(spec, sizes, lowered.blocks)
     run = replace(plan, spec=replace(spec, microbatches=pipe.microbatches, stage_layers=pipe.stage_layers))
     report = cost(run, sizes=sizes)
     assert report.pipeline is not None

@@ -31,7 +31,7 @@ __all__ = ["use_pipeline_module"]
 
 # the sizes of the run a module was written for: verify replaces them with its own
 _SIZES = ("MESH_AXES", "PIPE_MESH_AXES", "STAGES", "LAYERS", "MICROBATCHES", "MICROBATCH", "F_TABLE", "B_TABLE",
-          "W_TABLE", "DIMS", "STAGE_LAYERS")
+          "W_TABLE", "DIMS", "STAGE_LAYERS", "BLOCK_LAYERS")
 _BUILT = ("PROGRAM", "PIPELINE")  # what the module builds from its tables
 _DATA = (dict, tuple, list, frozenset, set, str, int, float, bool, type(None))
 _MOST_TICKS = 1_000_000  # stages x microbatches past which the schedule is not simulated again to check
@@ -82,6 +82,10 @@ def _written_run(ns: Any, lowered: PipelineLowered, label: str) -> str:
                 "stages with a layer each at least"
     elif ns.STAGE_LAYERS is not None and not splits(ns.STAGE_LAYERS, stages, layers):
         wrong = f"its STAGE_LAYERS {clip(repr(ns.STAGE_LAYERS), 80)} are not {layers} layers over {stages} stages"
+    elif not (isinstance(ns.BLOCK_LAYERS, tuple) and all(_count(n) for n in ns.BLOCK_LAYERS)
+              and sum(ns.BLOCK_LAYERS) == layers
+              and len(ns.BLOCK_LAYERS) == len(lowered.namespace.BLOCK_LAYERS)):
+        wrong = f"its BLOCK_LAYERS {clip(repr(ns.BLOCK_LAYERS), 80)} are not {layers} layers of the spec's blocks"
     elif not _count(micro) or ns.MICROBATCH != (lowered.namespace.MICROBATCH[0], micro):
         wrong = f"its MICROBATCHES={clip(repr(micro), 40)} and MICROBATCH={clip(repr(ns.MICROBATCH), 60)} disagree"
     elif stages * micro > _MOST_TICKS:

@@ -5,7 +5,8 @@ module's :class:`~shardc.lowering.pipeline_runtime.Pipeline` runs the tick table
 (forward and backward in one program), and its results and gradients are compared with
 a float64 numpy reference of the spec's meaning: the statements before the block (if
 any) once on the whole batch, the block L times (layer l with the l-th slice of each
-stacked param), the statements after it (if any) once; the backward runs them in
+stacked param; with several blocks each block's layers in turn, :mod:`shardc.verification.pipeline_layers`),
+the statements after it (if any) once; the backward runs them in
 reverse, each part's input gradient the cotangent of the part before.
 
 Values are computed in float64 (a stack of 2P quadratic layers amplifies float32's
@@ -50,7 +51,6 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import Contract, Mesh, Spec
 from shardc.lowering import reference as numpy_reference
 from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline, schedule_note
-from shardc.lowering.replan import unrolled_blocks
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
@@ -61,6 +61,7 @@ from shardc.verification import power
 from shardc.verification.memory_check import MEMORY_DTYPE
 from shardc.verification.module_check import running
 from shardc.verification.pipeline_hlo import loop_rows
+from shardc.verification.pipeline_layers import block_grads, layer_specs, model_layers, run_blocks
 from shardc.verification.pipeline_memory import StageMemoryCheck, stage_memory_check
 from shardc.verification.pipeline_module import use_pipeline_module
 from shardc.verification.progress import step
@@ -68,7 +69,7 @@ from shardc.verification.report import POWER, Report, ValueRow, compare_values, 
 from shardc.verification.scales import input_scales
 
 __all__ = ["verify_pipeline", "check_pipeline_memory", "run_sizes", "draw_inputs", "draw_cotangent", "reference",
-           "rounding_bound", "differential_rows"]
+           "rounding_bound", "differential_rows", "run_blocks"]
 
 Arrays = dict[str, np.ndarray]
 
@@ -101,7 +102,7 @@ def run_split(plan: Plan) -> tuple[int, ...] | None:
 
 
 def _parts(lowered: PipelineLowered) -> tuple[Spec | None, Spec, Spec | None]:
-    """The specs before the block, of the block (one layer), after it."""
+    """The specs before the block, of the (first) block (one layer), after it."""
     ends = lowered.ends
     if ends is None:
         return None, stage_spec(lowered.plan.spec), None
@@ -118,7 +119,7 @@ def _contracted(spec: Spec, param: str, sizes: dict[str, int]) -> int:
     return 1
 
 
-def _key(lowered: PipelineLowered, key: int, layer: int) -> int:
+def _key(lowered: PipelineLowered, key: int, layer: int) -> int:  # layer: the model's, counted over every block
     return int(layer_key(key, layer, lowered.pipeline.layers, np))
 
 
@@ -127,9 +128,12 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
     their vocabulary), params scaled as the module doc says, the block's stacked [layers, ...];
     ``scales``, when given, gets each input's own scale."""
     ns, sizes = lowered.namespace, dict(lowered.sizes)
-    pre, block, post = _parts(lowered)
+    pre, _, post = _parts(lowered)
     sizes[microbatch_dim(lowered.plan)] = lowered.batch
     vocab = {name: v for part in (pre, post) if part is not None for name, v in id_inputs(part).items()}
+    layers = model_layers(lowered)
+    stacked = {p: layer for layer in layers for p in layer.params}  # a pipelined param: a layer of its block
+    held = {p: sum(1 for layer in layers if p in layer.params) for p in stacked}
     rng = np.random.default_rng(seed)
     values: Arrays = {}
     for info in lowered.plan.tensors:
@@ -138,9 +142,9 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
             values[info.name] = rng.integers(0, sizes[vocab[info.name]], shape).astype(ID_DTYPE)
         elif info.name == ns.BLOCK_INPUT and pre is None:
             values[info.name] = rng.standard_normal(shape)
-        elif info.role == "param" and info.name in ns.PARAMS:
-            scale = 1 / math.sqrt(_contracted(block, info.name, sizes))
-            values[info.name] = rng.standard_normal([lowered.pipeline.layers, *shape]) * scale
+        elif info.role == "param" and info.name in stacked:
+            scale = 1 / math.sqrt(_contracted(stacked[info.name].spec, info.name, sizes))
+            values[info.name] = rng.standard_normal([held[info.name], *shape]) * scale
         elif info.role == "param":
             part = pre if pre is not None and info.name in ns.PRE_PARAMS else post
             assert part is not None
@@ -149,9 +153,10 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
     if pre is not None:
         _rescale(pre, values, list(ns.PRE_FORWARD_IN), set(), sizes, own)
     x = values[ns.BLOCK_INPUT] if pre is None else numpy_reference.forward(pre, values)[ns.PRE_RESULT]
-    x = _calibrate(lowered, block, values, x, key, own)
+    x = _calibrate(lowered, values, x, key, own)
     if post is not None:
-        _rescale(post, {**values, ns.BLOCK_OUTPUT: x}, list(ns.POST_FORWARD_IN), {ns.BLOCK_OUTPUT}, sizes, own)
+        out = layers[-1].output  # the last block's output, which the statements after the blocks read
+        _rescale(post, {**values, out: x}, list(ns.POST_FORWARD_IN), {out}, sizes, own)
     return values
 
 
@@ -169,25 +174,25 @@ def _rescale(spec: Spec, values: Arrays, names: list[str], fixed: set[str], size
         scales[name if layer is None else f"{name}[{layer}]"] = factor
 
 
-def _calibrate(lowered: PipelineLowered, spec: Spec, values: Arrays, x: np.ndarray, key: int,
+def _calibrate(lowered: PipelineLowered, values: Arrays, x: np.ndarray, key: int,
                scales: dict[str, float]) -> np.ndarray:
     """Each layer's params at the scales where its ops matter, then its last param scaled so that its
     output has unit RMS (a deep product of einsums otherwise vanishes or overflows; layer norms do
     this in a real model); the last layer's output."""
-    ns = lowered.namespace
-    last = next((s for s in spec.statements if s.result.name == ns.BLOCK_OUTPUT), None)
-    linear: list[str] = []
-    if last is not None and isinstance(last.expr, Contract):  # the output is linear in its operands
-        linear = [r.name for r in leaves(last.expr) if r.name in ns.PARAMS]
     sizes = dict(lowered.sizes)
-    for layer in range(lowered.pipeline.layers):
-        pool = {ns.BLOCK_INPUT: x, **{p: values[p] for p in ns.PARAMS}}
-        _rescale(spec, pool, [ns.BLOCK_INPUT, *ns.PARAMS], {ns.BLOCK_INPUT}, sizes, scales, layer)
-        layer_values = {ns.BLOCK_INPUT: x, **{p: values[p][layer] for p in ns.PARAMS}}
-        out = numpy_reference.forward(spec, layer_values, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
+    for number, layer in enumerate(model_layers(lowered)):
+        spec, k = layer.spec, layer.index
+        last = next((s for s in spec.statements if s.result.name == layer.output), None)
+        linear: list[str] = []
+        if last is not None and isinstance(last.expr, Contract):  # the output is linear in its operands
+            linear = [r.name for r in leaves(last.expr) if r.name in layer.params]
+        pool = {layer.input: x, **{p: values[p] for p in layer.params}}
+        _rescale(spec, pool, [layer.input, *layer.params], {layer.input}, sizes, scales, k)
+        layer_values = {layer.input: x, **{p: values[p][k] for p in layer.params}}
+        out = numpy_reference.forward(spec, layer_values, sizes=sizes, key=_key(lowered, key, number))[layer.output]
         if linear:
             rms = float(np.sqrt(np.mean(out ** 2))) or 1.0
-            values[linear[0]][layer] /= rms
+            values[linear[0]][k] /= rms
             out = out / rms
         x = out
     return x
@@ -207,36 +212,39 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
     """The spec's meaning in float64: the pipeline's results and every gradient, keyed as the module
     keys them.  With ``xp`` jax.numpy and ``dtype`` float32 it is the unsharded float32 program."""
     ns = lowered.namespace
-    pre, block, post = _parts(lowered)
+    pre, _, post = _parts(lowered)
     wide = {k: v if v.dtype.kind in "iu" else xp.asarray(v, dtype) for k, v in inputs.items()}
     sizes = dict(lowered.sizes)  # the dims no input has (a route's capacity); the inputs' shapes win
     pre_in = {k: wide[k] for k in ns.PRE_FORWARD_IN} if pre is not None else {}
     x = numpy_reference.forward(pre, pre_in, xp)[ns.PRE_RESULT] if pre is not None else wide[ns.BLOCK_INPUT]
     kept = []
-    for layer in range(lowered.pipeline.layers):
-        values = {ns.BLOCK_INPUT: x, **{p: wide[p][layer] for p in ns.PARAMS}}
+    layers = model_layers(lowered)
+    for number, layer in enumerate(layers):
+        values = {layer.input: x, **{p: wide[p][layer.index] for p in layer.params}}
         kept.append(values)
-        x = numpy_reference.forward(block, values, xp, sizes=sizes, key=_key(lowered, key, layer))[ns.BLOCK_OUTPUT]
+        x = numpy_reference.forward(layer.spec, values, xp, sizes=sizes,
+                                    key=_key(lowered, key, number))[layer.output]
     grads: Arrays = {}
     tied: Arrays = {}  # a param read on both ends: the contribution to its gradient after the block
     if post is None:
         results = {ns.BLOCK_OUTPUT: x}
         g = xp.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
     else:
-        post_in = {k: x if k == ns.BLOCK_OUTPUT else wide[k] for k in ns.POST_FORWARD_IN}
+        post_in = {k: x if k == layers[-1].output else wide[k] for k in ns.POST_FORWARD_IN}
         results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp)[ns.LOSS])}
         d_loss = xp.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
         got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp)
         grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS if p not in ns.TIED})
         tied = {p: got[p] for p in ns.TIED}
-        g = got[ns.BLOCK_OUTPUT]
-    layers: dict[str, list[np.ndarray]] = {p: [] for p in ns.PARAMS}
-    for layer in reversed(range(len(kept))):
-        back = numpy_reference.backward(block, kept[layer], {ns.BLOCK_OUTPUT: g}, xp, sizes=sizes,
-                                        key=_key(lowered, key, layer))
-        for p in ns.PARAMS:
-            layers[p].insert(0, back[p])
-        g = back[ns.BLOCK_INPUT]
+        g = got[layers[-1].output]
+    stacks: dict[str, list[np.ndarray]] = {p: [] for layer in layers for p in layer.params}
+    for number in reversed(range(len(kept))):
+        layer = layers[number]
+        back = numpy_reference.backward(layer.spec, kept[number], {layer.output: g}, xp, sizes=sizes,
+                                        key=_key(lowered, key, number))
+        for p in layer.params:
+            stacks[p].insert(0, back[p])
+        g = back[layer.input]
     if pre is None:
         grads[ns.GRADS[ns.BLOCK_INPUT]] = g
     else:
@@ -244,7 +252,8 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         finals = getattr(ns, "PRE_FINAL_GRADS", {})  # a tied param's gradient: the sum of both ends'
         grads.update({finals.get(ns.PRE_GRADS[p], ns.PRE_GRADS[p]): got[p] + tied[p] if p in tied else got[p]
                       for p in ns.PRE_PARAMS})
-    grads.update({ns.GRADS[p]: xp.stack(v) for p, v in layers.items()})
+    names = block_grads(lowered)
+    grads.update({names[p]: xp.stack(v) for p, v in stacks.items()})
     return results, grads
 
 
@@ -265,14 +274,15 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
     module doc); ``key`` is the dropout key, layer l's masks drawn under :func:`layer_key` of it, and
     a spec with dropout runs under the next key too (:data:`~shardc.verification.power.DROPOUT_KEYS`).
     ``module``: a given module's (text, label), whose functions run instead of verify's own lowering's
-    (:mod:`shardc.verification.pipeline_module`).  Several ``layers`` blocks run as the spec with all but
-    the longest written out (:func:`~shardc.lowering.replan.unrolled_blocks`), which the report checks."""
-    plan, unrolled_note = unrolled_blocks(plan)
+    (:mod:`shardc.verification.pipeline_module`).  Several ``layers`` blocks run each layer with its own
+    block's functions (:mod:`shardc.lowering.pipeline_more`), :func:`run_blocks` of each."""
     sizes, layers, micro = run_sizes(plan, devices)
-    step(f"lowering the pipeline: {layers} layers, {micro} microbatches, "
-         + ", ".join(f"{k}={v}" for k, v in sizes.items()))
-    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan))
-    notes: list[str] = [unrolled_note] if unrolled_note is not None else []
+    blocks = run_blocks(plan, layers)
+    step(f"lowering the pipeline: {layers} layers" + (f" ({' + '.join(map(str, blocks))})" if blocks else "")
+         + f", {micro} microbatches, " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan),
+                             blocks=blocks)
+    notes: list[str] = []
     if module is not None:
         lowered, given = use_pipeline_module(lowered, *module)
         notes += given
@@ -285,9 +295,9 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
 def check_pipeline_memory(plan: Plan, devices: int, dtype: str = MEMORY_DTYPE) -> StageMemoryCheck:
     """The pipeline lowered as :func:`verify_pipeline` lowers it on ``devices`` devices, its schedule
     compiled for inputs in ``dtype`` (not run), and its memory set beside shardc's fullest stage."""
-    plan, _ = unrolled_blocks(plan)
     sizes, layers, micro = run_sizes(plan, devices)
-    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan))
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan),
+                             blocks=run_blocks(plan, layers))
     drawn = draw_inputs(lowered, 0, 0)
     inputs = {k: v if v.dtype.kind in "iu" else v.astype(dtype) for k, v in drawn.items()}
     cotangent = {k: np.asarray(v, dtype) for k, v in draw_cotangent(lowered, drawn, 0).items()}
@@ -317,7 +327,7 @@ def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key:
     order = schedule_note(lowered.pipeline.schedule.name)
     if order is not None:
         report.notes.append(order)
-    parts = None if lowered.ends is None else (lowered.ends.pre, lowered.ends.block, lowered.ends.post)
+    parts = None if lowered.ends is None else (lowered.ends.pre, *lowered.ends.blocks, lowered.ends.post)
     report.notes.append(f"each row's bound adds {power.DIFFERENTIAL:g} times its phase's largest relative error of "
                         "the unsharded float64 program (the reference's statements in jax, on one device) to the "
                         "rounding of the chain")
@@ -352,8 +362,8 @@ def rounding_bound(lowered: PipelineLowered) -> float:
     float64 program's own error measures, which each row's bound adds (:func:`_float64_rows`)."""
     sizes = dict(lowered.sizes)
     sizes[microbatch_dim(lowered.plan)] = lowered.batch  # the gradients sum over the whole batch
-    pre, block, post = _parts(lowered)
-    terms = lowered.pipeline.layers * sum(numpy_reference.sum_lengths(block, sizes))
+    pre, _, post = _parts(lowered)
+    terms = sum(sum(numpy_reference.sum_lengths(spec, sizes)) for spec in layer_specs(lowered))
     terms += sum(sum(numpy_reference.sum_lengths(part, sizes)) for part in (pre, post) if part is not None)
     return 2 * terms * float(np.finfo(np.float64).eps) / 2
 

@@ -1,0 +1,130 @@
+"""Which layer body each slot of a pipelined program runs, where the spec has several ``layers`` blocks.
+
+The model's layers are every layer of the first block, then the next block's (DeepSeek-V3: 3 dense
+layers, then 58 MoE layers), and a stage holds a run of them, so a stage at a boundary between blocks
+runs layers of two bodies (:mod:`shardc.pipeline.block_split`).  Every device runs one program (SPMD),
+each virtual stage's slot k holding layer ``first + k`` of its run; slot k runs the body of that
+layer's block, chosen by ``jax.lax.switch`` on a per-(virtual stage, slot) index where the virtual
+stages differ there, called directly where they agree (always, with one block).  Each block's params
+are stacked over the slots of that block alone: a virtual stage holds ``slots[b]`` of block b, the
+most any virtual stage holds, so a device holds each block's params for its own layers of it, padded
+as an uneven split pads (SPMD: one shape on every device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardc.lowering.pipeline_parts import Part
+
+__all__ = ["Body", "BodyTables", "body_tables", "block_slot_layers", "own_run", "switch"]
+
+
+@dataclass(frozen=True)
+class Body:
+    """One ``layers`` block's layer: its part (forward and backward), its input and params, its layers."""
+
+    part: Part
+    input: str
+    params: tuple[str, ...]
+    layers: int
+
+
+@dataclass(frozen=True)
+class BodyTables:
+    """Each block's slots a virtual stage holds (``slots[b]``), and for virtual stage u's slot k: the block
+    it runs (``which[u][k]``), its position among u's slots of that block (``index[u][k]``), its position in
+    ``possible[k]`` (``branch[u][k]``); ``possible[k]``: the blocks some virtual stage runs at slot k."""
+
+    slots: tuple[int, ...]
+    which: tuple[tuple[int, ...], ...]
+    index: tuple[tuple[int, ...], ...]
+    branch: tuple[tuple[int, ...], ...]
+    possible: tuple[tuple[int, ...], ...]
+
+    def static_index(self, k: int) -> int | None:
+        """Slot k's position among its block's slots where every virtual stage has the same one, else None."""
+        column = {row[k] for row in self.index}
+        return column.pop() if len(column) == 1 else None
+
+
+def _bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Each block's run of the model's layers, [first, end)."""
+    out, at = [], 0
+    for n in counts:
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+def _block_of(layer: int, bounds: list[tuple[int, int]]) -> int:
+    return next((b for b, (lo, hi) in enumerate(bounds) if lo <= layer < hi), len(bounds) - 1)
+
+
+def own_run(first: int, held: int, bound: tuple[int, int]) -> tuple[int, int]:
+    """A virtual stage's layers of one block: its run [first, first + held) within the block's [lo, hi)."""
+    return max(first, bound[0]), min(first + held, bound[1])
+
+
+def body_tables(firsts: Sequence[int], held: Sequence[int], counts: Sequence[int]) -> BodyTables:
+    """The tables of virtual stages whose runs start at ``firsts`` and hold ``held`` layers, the model's
+    layers ``counts`` of each block in order.  An empty slot (past a stage's layers) runs the block of its
+    stage's last layer at the position after it: its output and gradients are masked away."""
+    bounds = _bounds(counts)
+    slots = tuple(max(max(0, hi - lo) for lo, hi in (own_run(f, n, bound) for f, n in zip(firsts, held, strict=True)))
+                  for bound in bounds)
+    width = max(held)
+    which, index = [], []
+    for first, n in zip(firsts, held, strict=True):
+        row_which, row_index = [], []
+        for k in range(width):
+            b = _block_of(first + min(k, n - 1), bounds)
+            row_which.append(b)
+            row_index.append(first + k - own_run(first, n, bounds[b])[0])
+        which.append(tuple(row_which))
+        index.append(tuple(row_index))
+    possible = tuple(tuple(sorted({row[k] for row in which})) for k in range(width))
+    branch = tuple(tuple(possible[k].index(b) for k, b in enumerate(row)) for row in which)
+    return BodyTables(slots, tuple(which), tuple(index), branch, possible)
+
+
+def block_slot_layers(firsts: Sequence[int], held: Sequence[int], counts: Sequence[int], block: int,
+                      order: Sequence[int]) -> list[int]:
+    """Block ``block``'s params as the devices hold them: for each virtual stage of ``order`` (each device's
+    chunks in turn) its ``slots[block]`` slots, the layer of the block each holds (counted within the block;
+    the block's layer count for a slot past the stage's own)."""
+    bound = _bounds(counts)[block]
+    slots = body_tables(firsts, held, counts).slots[block]
+    out = []
+    for u in order:
+        lo, hi = own_run(firsts[u], held[u], bound)
+        out += [lo + k - bound[0] if lo + k < hi else counts[block] for k in range(slots)]
+    return out
+
+
+def switch(tables: BodyTables, k: int, virtual: Any, run: Callable[[int], Callable[..., Any]], *args: Any) -> Any:
+    """``run(b)(*args)`` for the block b that slot k of virtual stage ``virtual`` runs, each ``run(b)``
+    returning (a value, {b: its block's values}): called directly where one block can run there, else by
+    ``jax.lax.switch`` over those that can, each branch returning the others' values as zeros (every
+    branch returns one structure: a slot keeps a buffer of each block that can run there)."""
+    possible = tables.possible[k]
+    if len(possible) == 1:
+        return run(possible[0])(*args)
+    shapes = {b: jax.eval_shape(run(b), *args)[1][b] for b in possible}
+
+    def branch(b: int) -> Callable[..., Any]:
+        def go(*xs: Any) -> Any:
+            got = run(b)(*xs)
+            return got[0], {c: got[1][c] if c == b else _zeros(shapes[c]) for c in possible}
+        return go
+    return jax.lax.switch(jnp.asarray(tables.branch)[virtual, k], [branch(b) for b in possible], *args)
+
+
+def _zeros(shapes: Any) -> Any:
+    """Zeros of each of ``shapes`` (a tree of shapes)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
