@@ -117,7 +117,10 @@ class Program:
         ``key`` draws the dropout masks (a uint32; one per step gives each step its own masks)."""
         mesh, fwd, _ = self.programs()
         args = [put(self._order(name, inputs[name]), spec, mesh) for name, spec in self.forward_phase.inputs.items()]
-        args += [jnp.asarray(key, jnp.uint32)] * self.keyed
+        # a key given as a number is laid out as the program declares it (replicated): the program run is then
+        # the one compiled for its HLO (Lowered.compiled_text), and the compilation cache answers the second
+        args += [put(np.asarray(key, np.uint32), P(), mesh) if isinstance(key, int | np.integer)
+                 else jnp.asarray(key, jnp.uint32)] * self.keyed
         return {name: self._order(name, x, back=True) for name, x in zip(self.forward_phase.outputs, fwd(*args),
                                                                           strict=True)}
 
@@ -137,7 +140,10 @@ class Program:
             length = x.shape[axis] // self.chunks
             chunks = [c for i in range(n) for c in (i, self.chunks - 1 - i)]
             index = np.concatenate([np.arange(c * length, (c + 1) * length) for c in chunks])
-            x = jnp.take(x, np.argsort(index) if back else index, axis=axis)
+            # an input still in the host's memory is reordered there: jnp.take would compile a program for it,
+            # and another to split its one-device result over the mesh
+            take = np.take if isinstance(x, np.ndarray) else jnp.take
+            x = take(x, np.argsort(index) if back else index, axis=axis)
         return x
 
     def _results(self, saved: Arrays) -> Arrays:
