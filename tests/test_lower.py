@@ -18,10 +18,10 @@ from shardc.cli.main import main
 from shardc.errors import ShardcError
 from shardc.ir.plan import Monomial
 from shardc.verification.verify import Report, render_report, verify
+from tests.example_reports import example_report
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.shard"))
-_reports: dict[str, Report] = {}
 
 
 def spec_of(path: Path) -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
@@ -29,10 +29,7 @@ def spec_of(path: Path) -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
 
 
 def report_of(path: Path) -> Report:
-    # one verification per example for the whole session: compiling is the slow part
-    if path.name not in _reports:
-        _reports[path.name] = verify(spec_of(path))
-    return _reports[path.name]
+    return example_report(path.stem)  # one verification an example a test process: compiling is the slow part
 
 
 def _within_the_tests_devices(spec: shardc.ir.spec.Spec) -> tuple[shardc.ir.spec.Spec, list[str]]:  # type: ignore[name-defined]

@@ -27,6 +27,7 @@ from shardc.device_pieces import local_elements
 from shardc.ir.plan import Plan, backward_program
 from shardc.ir.spec import TensorRef
 from shardc.verification.memory_check import check_plan_memory, render_memory
+from tests.example_reports import example_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 F32 = 4
@@ -340,9 +341,7 @@ def test_a_collective_matmul_holds_its_ring_blocks() -> None:
 
 @pytest.mark.slow
 def test_verify_reports_memory_against_xla() -> None:
-    from shardc.verification.verify import verify
-
-    report = verify(shardc.parse((EXAMPLES / "tp.shard").read_text()))
+    report = example_report("tp")  # shared with test_lower's verification of the example
     check = report.memory_check
     assert check is not None
     rows = {(r.phase, r.category): r for r in check.rows}
@@ -401,10 +400,9 @@ def test_cost_check_memory_refuses_a_sweep_and_a_pipeline(capsys: pytest.Capture
 @pytest.mark.slow
 def test_pipelined_verify_reports_the_fullest_stage_against_xla() -> None:
     from shardc.verification.pipeline_memory import StageMemoryCheck
-    from shardc.verification.pipeline_verify import verify_pipeline
     from shardc.verification.report import render_report
 
-    report = verify_pipeline(shardc.plan(shardc.parse((EXAMPLES / "pipeline_llama.shard").read_text())))
+    report = example_report("pipeline_llama")  # verify_pipeline on 8 devices, shared with test_lower's
     check = report.memory_check
     assert isinstance(check, StageMemoryCheck)
     mine, xla = dict(check.shardc_parts), dict(check.xla_parts)

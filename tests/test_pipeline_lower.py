@@ -12,6 +12,7 @@ from shardc.lowering.pipeline_lowering import lower_pipeline, tick_tables
 from shardc.spec.stages import pipeline_of
 from shardc.verification.pipeline_hlo import loop_rows, stage_rows
 from shardc.verification.pipeline_verify import run_sizes, verify_pipeline
+from tests.example_reports import example_report
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
 
@@ -106,9 +107,9 @@ def test_verify_runs_gpipe_on_eight_devices_against_numpy() -> None:
 
 
 @pytest.mark.slow
-def test_verify_runs_the_examples_1f1b(plan: object) -> None:
+def test_verify_runs_the_examples_1f1b() -> None:
     """8 devices run the example's P=4, X=8, Y=4 as P=2, X=2, Y=2: every axis moves something."""
-    report = verify_pipeline(plan, devices=8)  # type: ignore[arg-type]
+    report = example_report("pipeline_llama")  # verify_pipeline(plan, devices=8), shared with test_lower's
     assert report.mesh == {"P": 2, "X": 2, "Y": 2}
     _values_ok(report)
     loop, down, up = report.collectives[:3]

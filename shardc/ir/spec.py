@@ -185,7 +185,7 @@ class TensorRef:
 
     def __getstate__(self) -> dict[str, object]:
         # The caches stay behind: a string's hash differs between processes.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_layout")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_layout", "_str")}
 
     @property
     def indices(self) -> tuple[str, ...]:
@@ -208,7 +208,12 @@ class TensorRef:
         return text
 
     def __str__(self) -> str:
-        return self.name + self.sharding_text()
+        # The cost model and the planner's labels write refs many thousand times a search: write each once.
+        cached: str | None = self.__dict__.get("_str")
+        if cached is None:
+            cached = self.name + self.sharding_text()
+            object.__setattr__(self, "_str", cached)
+        return cached
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,10 @@ class Program:
         ``key`` draws the dropout masks (a uint32; one per step gives each step its own masks)."""
         mesh, fwd, _ = self.programs()
         args = [put(self._order(name, inputs[name]), spec, mesh) for name, spec in self.forward_phase.inputs.items()]
-        args += [jnp.asarray(key, jnp.uint32)] * self.keyed
+        # a key given as a number is laid out as the program declares it (replicated): the program run is then
+        # the one compiled for its HLO (Lowered.compiled_text), and the compilation cache answers the second
+        args += [put(np.asarray(key, np.uint32), P(), mesh) if isinstance(key, int | np.integer)
+                 else jnp.asarray(key, jnp.uint32)] * self.keyed
         return {name: self._order(name, x, back=True) for name, x in zip(self.forward_phase.outputs, fwd(*args),
                                                                           strict=True)}
 

@@ -59,6 +59,7 @@ from typing import NamedTuple
 
 from shardc.errors import ShardcError
 from shardc.pipeline.dualpipe import TWO_WAY, dualpipe_orders
+from shardc.pipeline.fixed_orders import fixed_order
 from shardc.spec.stages import check_dualpipe
 
 __all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "TWO_WAY", "stage_share",
@@ -242,7 +243,7 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     elif schedule in PAIRED:
         orders = dualpipe_orders(p, m, v=schedule == "dualpipev")
     else:
-        orders = [[(key,) for key in _order(schedule, s, p, m, virtual)] for s in range(p)]
+        orders = [[(key,) for key in fixed_order(schedule, s, p, m, virtual)] for s in range(p)]
     ops = _run_in_order(schedule, p, m, durations, timing.comm, orders, chunk_times)
     return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times))
 
@@ -357,53 +358,6 @@ def _durations(timing: Timing, zb: bool) -> dict[str, float]:
     if zb:
         return {"F": timing.forward, "B": timing.backward, "W": timing.weight}
     return {"F": timing.forward, "B": timing.backward + timing.weight, "W": 0.0}
-
-
-def _order(schedule: str, s: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
-    """A device's fixed order of (kind, microbatch, chunk) for gpipe, 1f1b, interleaved and zb-h1."""
-    if schedule == "zb-h1":
-        return _zb_h1(s, p, m)
-    if schedule == "gpipe":
-        return [("F", j, s) for j in range(m)] + [("B", j, s) for j in range(m)]
-    if schedule == "1f1b":
-        forwards = [("F", j, s) for j in range(m)]
-        backwards = [("B", j, s) for j in range(m)]
-        warmup = min(p - 1 - s, m)
-    elif schedule == "interleaved":
-        def virtual(k: int, back: bool) -> tuple[int, int]:
-            group, r = divmod(k, p * v)
-            local = r // p
-            return group * p + r % p, (v - 1 - local if back else local) * p + s
-
-        forwards = [("F", *virtual(k, False)) for k in range(m * v)]
-        backwards = [("B", *virtual(k, True)) for k in range(m * v)]
-        warmup = min(2 * (p - 1 - s) + (v - 1) * p, m * v)
-    else:
-        raise ShardcError(f"unknown pipeline schedule {schedule!r}", fix="use gpipe, 1f1b, interleaved, zb-h1, zbv")
-    order = forwards[:warmup]
-    for k in range(len(forwards) - warmup):
-        order += [forwards[warmup + k], backwards[k]]
-    return order + backwards[len(forwards) - warmup:]
-
-
-def _zb_h1(s: int, p: int, m: int) -> list[tuple[str, int, int]]:
-    """1F1B's order with W split off and stage s's W lagging s microbatches behind its B.
-
-    The lag fills stage s's drain bubbles with weight gradients, and stage s then holds
-    (p-1-s) + 1 + s = p microbatches: 1F1B's first-stage peak on every stage, the
-    paper's ZB-H1 (Qi et al. 2023, fig. 3).
-    """
-    warmup = min(p - 1 - s, m)
-    order = [("F", j, s) for j in range(warmup)]
-    done_w = 0
-    for k in range(m):
-        if warmup + k < m:
-            order.append(("F", warmup + k, s))
-        order.append(("B", k, s))
-        if k >= s:
-            order.append(("W", done_w, s))
-            done_w += 1
-    return order + [("W", j, s) for j in range(done_w, m)]
 
 
 def _deps(kind: str, j: int, c: int, first: int, last: int) -> tuple[tuple[str, int, int], ...]:

@@ -17,7 +17,6 @@ from dataclasses import replace
 
 from shardc.arguments import check_gradients
 from shardc.chip_choice import chip_for
-from shardc.collectives import share
 from shardc.errors import ShardcError, clip
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Sections, Step, TensorInfo
@@ -29,6 +28,8 @@ from shardc.planner.chain import choose_chain
 from shardc.planner.collective_matmul import fuse_collective_matmuls
 from shardc.planner.fold import fold_redundant, share_recomputed
 from shardc.planner.graph import Graph, build_graph
+from shardc.planner.layer_blocks import enter_block, leave_block, node_blocks
+from shardc.planner.padding import padding_notes, uneven_dims
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.planner.zigzag_order import hold_zigzag, holds, may_hold
@@ -45,7 +46,7 @@ from shardc.sharding.unit import (
 )
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
-from shardc.spec.walk import layer_inputs, leaves, node_limits
+from shardc.spec.walk import layer_inputs, node_limits
 from shardc.timing import PhaseTime, PlanTime, StepCost, plan_time
 from shardc.topology import check_topology
 
@@ -358,48 +359,10 @@ def _shared(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None
     return hit[1]
 
 
-def uneven_dims(spec: Spec) -> list[tuple[str, int]]:
-    """(dim, devices) for every declared sharding whose devices do not divide the dim, in order."""
-    if not spec.dims:
-        return []
-    sizes = spec.sizes
-    found: dict[tuple[str, int], None] = {}
-    for statement in spec.statements:
-        for ref in (statement.result, *leaves(statement.expr)):
-            for dim in ref.dims:
-                devices = math.prod(spec.mesh.size(a) for a in dim.axes)
-                if dim.name in sizes and sizes[dim.name] % devices:
-                    found[(dim.name, devices)] = None
-    return list(found)
-
-
 def _notes(spec: Spec, steps: tuple[Step, ...], ctx: CostContext) -> tuple[str, ...]:
     """The plan's notes: padded dims, and the search's restriction on a mesh of many axes."""
     padded = padding_notes(spec, steps) if spec.dims else ()
     return padded + ((restriction_note(strip_unit_axes(spec)),) if ctx.places is not None else ())
-
-
-def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
-    """One note per uneven (dim, devices) the plan holds: XLA pads each device's piece to the ceiling."""
-    sizes = spec.sizes
-    found: dict[tuple[str, int], None] = {}
-    seen: set[object] = set()  # dims recur in every layer's steps
-    for step in steps:
-        for ref in (step.dst, *step.operands, *((step.src,) if step.src else ())):
-            for dim in ref.dims:
-                if dim in seen:
-                    continue
-                seen.add(dim)
-                devices = math.prod(spec.mesh.size(a) for a in dim.axes)
-                if sizes.get(dim.name, 0) % devices:
-                    found[(dim.name, devices)] = None
-    notes = []
-    for name, devices in found:
-        n = sizes[name]
-        each = share(n, devices)
-        notes.append(f"{name}={n} over {devices} devices is padded to {each * devices} ({each} a device, "
-                     f"as XLA pads uneven shards): plan and cost use the padded size")
-    return tuple(notes)
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
@@ -475,49 +438,14 @@ def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef], sp
                 end += 1
             choose_chain(phase, nodes[k:end + 1], declared)
         if blocks and blocks[k] is not None and (k == 0 or blocks[k - 1] != blocks[k]):
-            _enter_block(phase, nodes[k:], blocks[k:], declared)
+            enter_block(phase, nodes[k:], blocks[k:], declared)
         if blocks and k > 0 and blocks[k - 1] is not None and blocks[k] != blocks[k - 1]:
-            _leave_block(phase, nodes[:k], nodes[k:], declared)
+            leave_block(phase, nodes[:k], nodes[k:], declared)
         start = len(phase.steps)
         _plan_node(phase, node, declared)
         if blocks:
             phase.mark_block(start, blocks[k])
         k += 1
-
-
-def _enter_block(phase: Phase, rest: list[Node], blocks: tuple[int | None, ...],
-                 declared: dict[str, TensorRef]) -> None:
-    """A ``layers`` block's every layer reads its inputs as the previous layer feeds them: in their
-    declared sharding, never a value made before the block (the embedding's partial sums, say)."""
-    inside = [n for n, b in zip(rest, blocks, strict=True) if b == blocks[0]]
-    made_inside = {n.result for n in inside}
-    for node in inside:
-        for name in node.operands:
-            ref = declared.get(name)
-            if name not in made_inside and ref is not None and name in phase.held:
-                phase.held[name] = [Value.of(ref)]
-
-
-def _leave_block(phase: Phase, before: list[Node], after: list[Node], declared: dict[str, TensorRef]) -> None:
-    """The statements after a ``layers`` block read what the last layer hands on: each value made in
-    the block in its declared sharding, never a layout a layer held on the way (the layer's result
-    before its move into the declared one is the first layer's, not the last's).  Only what they read
-    is forgotten: what a layer holds stays its own backward's to keep."""
-    read = {name for node in after for name in node.operands}
-    for node in before:
-        ref = declared.get(node.result)
-        if node.result in read and ref is not None and node.result in phase.held:
-            phase.held[node.result] = [Value.of(ref)]
-
-
-def node_blocks(spec: Spec, graph: Graph) -> tuple[int | None, ...]:
-    """Each node's ``layers`` block (:meth:`Spec.block_of`; None: outside every block, run once); empty
-    where every node repeats alike (no block, or one around every statement)."""
-    if spec.block is None:
-        return ()
-    order = list(dict.fromkeys(id(n.statement) for n in graph.nodes))  # each statement makes a node
-    blocks = tuple(spec.block_of(order.index(id(n.statement))) for n in graph.nodes)
-    return blocks if any(b != 0 for b in blocks) else ()  # a block of every statement: the whole spec
 
 
 def _plan_node(phase: Phase, node: Node, declared: dict[str, TensorRef]) -> None:

@@ -1,0 +1,54 @@
+"""Uneven shards: the declared dims whose devices do not divide them, which XLA pads to the ceiling.
+
+The planner's search prices a padded dim's pieces at the ceiling, and each one a plan holds is noted,
+so that plan and cost say they use the padded size.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardc.collectives import share
+from shardc.ir.plan import Step
+from shardc.ir.spec import Spec
+from shardc.spec.walk import leaves
+
+__all__ = ["uneven_dims", "padding_notes"]
+
+
+def uneven_dims(spec: Spec) -> list[tuple[str, int]]:
+    """(dim, devices) for every declared sharding whose devices do not divide the dim, in order."""
+    if not spec.dims:
+        return []
+    sizes = spec.sizes
+    found: dict[tuple[str, int], None] = {}
+    for statement in spec.statements:
+        for ref in (statement.result, *leaves(statement.expr)):
+            for dim in ref.dims:
+                devices = math.prod(spec.mesh.size(a) for a in dim.axes)
+                if dim.name in sizes and sizes[dim.name] % devices:
+                    found[(dim.name, devices)] = None
+    return list(found)
+
+
+def padding_notes(spec: Spec, steps: tuple[Step, ...]) -> tuple[str, ...]:
+    """One note per uneven (dim, devices) the plan holds: XLA pads each device's piece to the ceiling."""
+    sizes = spec.sizes
+    found: dict[tuple[str, int], None] = {}
+    seen: set[object] = set()  # dims recur in every layer's steps
+    for step in steps:
+        for ref in (step.dst, *step.operands, *((step.src,) if step.src else ())):
+            for dim in ref.dims:
+                if dim in seen:
+                    continue
+                seen.add(dim)
+                devices = math.prod(spec.mesh.size(a) for a in dim.axes)
+                if sizes.get(dim.name, 0) % devices:
+                    found[(dim.name, devices)] = None
+    notes = []
+    for name, devices in found:
+        n = sizes[name]
+        each = share(n, devices)
+        notes.append(f"{name}={n} over {devices} devices is padded to {each * devices} ({each} a device, "
+                     f"as XLA pads uneven shards): plan and cost use the padded size")
+    return tuple(notes)
