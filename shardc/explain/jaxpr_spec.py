@@ -19,7 +19,6 @@ equation and its line.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -27,11 +26,12 @@ from jax.extend import core as jex
 
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
+from shardc.explain.layers import read_scan
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
 from shardc.explain.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explain.sources import equation_text, shape_text, source_line
 from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
-from shardc.explain.training import TrainingStep, carried
+from shardc.explain.training import TrainingStep
 
 __all__ = ["ProgramSpec", "read_program"]
 
@@ -185,7 +185,7 @@ class _Reader(Reading):
         elif name == "gather":
             self.gather(eqn, line)
         elif name == "scan":
-            self.scan(eqn)
+            read_scan(self, eqn)
         elif name in ("slice", "split"):
             cut(self, eqn, line)
         elif name == "concatenate" and all(self.is_constant(v) for v in eqn.invars):
@@ -282,56 +282,6 @@ class _Reader(Reading):
         self.hints.setdefault(self.dims_of(table)[0], "V")  # the vocabulary, as the language's examples name it
         self.ids.add(ids)
         self.make(out, "embed", (ids, self.tensor(table)), line=line)
-
-    def scan(self, eqn: Any) -> None:
-        """``jax.lax.scan`` of a layer over stacked weights: the body once, as a ``layers N { ... }``
-        block (its carry the block's input and output), each stacked weight one layer's (the leading
-        dim left out), read as far as the carry needs it (a training step's residuals are not).  Each
-        scan is a block of its own, in the program's order."""
-        body, length = eqn.params["jaxpr"].jaxpr, int(eqn.params["length"])
-        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
-        for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars, strict=True)):
-            if isinstance(outer, jex.Literal) or not outer.aval.shape:
-                continue
-            self.step.enter(outer, inner)
-            if k < consts + carry:
-                self.view(inner, outer, list(range(len(outer.aval.shape))))
-                if k < consts:
-                    self.layer_inputs[1].append(self.base(outer))
-                continue
-            self.layer_inputs[0].append(self.base(outer))
-            if self.axes.get(self.base(outer), {}).get(self.dims_of(outer)[0], ()):
-                self.layer_sharded(outer, length)
-            self.stacked.add(self.dims_of(outer)[0])
-            self.dims[inner], self.alias[inner] = self.dims_of(outer)[1:], outer
-        start = len(self.statements)
-        self.walk(body, carried(body, carry), carry)
-        self.blocks.append((start, len(self.statements), length))
-        for k, (outer, inner) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
-            if k >= carry:
-                self.stacked_outputs.add(outer)
-            elif not isinstance(inner, jex.Literal) and inner.aval.shape:
-                self.view(outer, inner, list(range(len(inner.aval.shape))))
-
-    def layer_sharded(self, stacked: Any, length: int) -> None:
-        """Stacked weights sharded along the layers (``W[L_X, D, F]``: each device holds L/X whole layers,
-        and XLA gathers each layer's slice as the loop reads it) written as the language's nearest
-        equivalent: each layer's weights sharded over those axes along a dim they divide (FSDP), the
-        same bytes a device and one AllGather of a layer's weights a layer, with a note saying so."""
-        axes = self.axes[self.base(stacked)]
-        layer, *rest = self.dims_of(stacked)
-        moved = axes[layer]
-        devices = math.prod(self.mesh[a] for a in moved)
-        held = [d for d in rest if not axes.get(d, ())] + [d for d in rest if axes.get(d, ())]
-        fits = [d for d in held if self.size[d] % (devices * math.prod(self.mesh[a] for a in axes.get(d, ()))) == 0]
-        if not fits:
-            raise unwritable(f"a scan over stacked weights sharded along the layers over {', '.join(moved)}, whose "
-                             "layers' dims those axes divide none of (the language shards each layer's weights)")
-        axes[layer], axes[fits[0]] = (), (*moved, *axes.get(fits[0], ()))
-        name = self.names.get(self.base(stacked), "a stacked weight")
-        self.notes.append(f"{name}: its {length} layers sharded over {', '.join(moved)} in the program, each "
-                          "layer's weights here (FSDP): the same bytes a device and gathered (XLA may gather the "
-                          "whole stack before its loop, here a layer at a time)")
 
     def view(self, out: Any, source: Any, perm: list[int]) -> None:
         ids = self.dims_of(source)
