@@ -28,6 +28,7 @@ from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explain.layers import read_scan
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
+from shardc.explain.routing import read_routing, regions
 from shardc.explain.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explain.sources import equation_text, shape_text, source_line
 from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
@@ -80,7 +81,7 @@ class _Reader(Reading):
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
         prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C",
-                  "embed": "E", "loss": "L"}[kind]
+                  "embed": "E", "loss": "L", "route": "Disp"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
@@ -111,10 +112,16 @@ class _Reader(Reading):
         the ones read after it, when given)."""
         eqns = [e for e in self.step.forward(jaxpr) if needed is None or id(e) in needed]
         found = runs(eqns, list(jaxpr.outvars)[:results])
+        routings = regions(eqns, list(jaxpr.outvars)[:results])
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
+        routed = {i for r in routings.values() for i in r.skipped}
         for eqn in eqns:
             try:
-                if eqn in found:
+                if id(eqn) in routings:
+                    read_routing(self, routings[id(eqn)], source_line(eqn) or self.caller)
+                elif id(eqn) in routed:
+                    continue
+                elif eqn in found:
                     self.function(eqn.outvars[0], found[eqn], source_line(eqn))
                 elif id(eqn) not in inside:
                     self.equation(eqn)
@@ -160,8 +167,9 @@ class _Reader(Reading):
         out: Any = eqn.outvars[0] if eqn.outvars else None
         if name in ("top_k", "argsort") or eqn.params.get("name") == "argsort":
             raise unwritable("a top-k or an argsort makes positions along a dim (a dim of k, integer indices), "
-                             "which the language has no tensor for; top-k routing to experts is the language's "
-                             "`route` or `dispatch` (write the routing with them)")
+                             "which the language has no tensor for; an MoE router's top-k is read where its "
+                             "one-hot mask is the language's `route` (else write the routing with `route`, "
+                             "`dispatch` and `combine` in a .shard spec)")
         if name in _CALLS and not self.unary_call(eqn, arrays, line):
             self.call(eqn)
         elif name in _CALLS:
@@ -271,7 +279,10 @@ class _Reader(Reading):
         if not is_lookup(eqn):
             raise unwritable("a gather other than a table's rows at ids (jnp.take(table, ids, axis=0)) or the "
                              "mean cross entropy's take_along_axis picks elements at positions, which no tensor of "
-                             "the spec language holds")
+                             "the spec language holds",
+                             fix="take_along_axis is read in the mean cross entropy and in an MoE router's routing "
+                                 "(the gates at its top-k); elsewhere write the .shard spec, its routing with "
+                                 "`route`, `dispatch` and `combine`")
         ids = self.source(indices)
         if isinstance(ids, jex.Literal) or tuple(ids.aval.shape) != tuple(indices.aval.shape[:-1]):
             raise unwritable("the ids of a lookup are not an array of the program")

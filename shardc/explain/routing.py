@@ -1,0 +1,252 @@
+"""A mixture-of-experts layer's top-k routing, written with one-hot masks, read as the language's ``route``.
+
+GShard (Lepikhin et al. 2020) and Switch (Fedus et al. 2021) route a token to the k largest of its
+gates along the experts, and give it the next free slot (of C) of each expert it picked; their
+layers, and flax ones written after them, hold the routing as a 0/1 mask ``[G, S, E, C]`` built from
+``jax.lax.top_k`` (or ``argmax``), ``jax.nn.one_hot`` and a cumulative count along the tokens, then
+contract it with the tokens (the dispatch) and, times the gates, with the experts' outputs (the
+combine).  That mask is the language's ``route(Gate[G, S, E], S, C, k over E)`` and the gates times
+it ``Gate * Disp``, as ``examples/moe_layer.shard`` writes them; the contractions are einsums.
+
+The routing's equations are found before the walk: the top-k and what is computed from its results,
+the gates and constants alone (its *region*).  The values of the region the rest of the program
+reads are its results; each must be the mask or the gates times it.  The many ways to write the
+slot count (an exclusive ``cumsum``, flaxformer's ``cumsum(mask) * mask - 1`` and a max over the k
+choices) are not matched equation by equation: the region is evaluated on gates with no ties and
+compared with the language's meaning (:func:`shardc.ops.route_code.route_forward`), so a routing
+that fills slots otherwise (all tokens' first choices before any second one, as flaxformer's top-2
+does) is an error rather than a wrong spec.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex
+
+from shardc.explain.dim_classes import unwritable
+from shardc.explain.sources import shape_text, source_line
+from shardc.ops.route_code import route_forward
+
+__all__ = ["Region", "regions", "Match", "match"]
+
+_LIMIT = 1 << 24  # the most mask elements the region is evaluated at to check its meaning
+
+
+@dataclass
+class Region:
+    """A top-k's routing: its equations (``eqns``, in order, with the gates' views and constants it
+    reads), those the walk leaves out (``skipped``, by id), and the values the program reads of it."""
+
+    seed: Any
+    gates: Any
+    eqns: list[Any] = field(default_factory=list)
+    skipped: set[int] = field(default_factory=set)
+    results: list[Any] = field(default_factory=list)
+    readers: dict[Any, Any] = field(default_factory=dict)  # a result -> an equation reading it
+
+
+def _is_seed(eqn: Any) -> bool:
+    name = eqn.primitive.name
+    return name in ("top_k", "argmax") or (name in ("pjit", "jit") and eqn.params.get("name") in ("argmax", "top_k"))
+
+
+def _arrays(eqn: Any) -> list[Any]:
+    return [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+
+
+def regions(eqns: list[Any], outvars: list[Any]) -> dict[int, Region]:
+    """Each top-k's (or argmax's) region among ``eqns``, by the seed equation's id."""
+    constants: set[Any] = set()
+    for eqn in eqns:
+        if all(v in constants for v in _arrays(eqn)):
+            constants.update(eqn.outvars)
+    found: dict[int, Region] = {}
+    taken: set[int] = set()
+    for seed in eqns:
+        if _is_seed(seed) and id(seed) not in taken:
+            region = _grow(seed, eqns, constants, outvars)
+            taken |= region.skipped
+            found[id(seed)] = region
+    return found
+
+
+def _grow(seed: Any, eqns: list[Any], constants: set[Any], outvars: list[Any]) -> Region:
+    """The seed and what follows it reading its values, the gates' views and constants alone; the views
+    and constants those read are evaluated with them, and left out of the walk where nothing else reads them."""
+    gates = seed.invars[0]
+    routed, viewed = set(seed.outvars), {gates}
+    members, views = [seed], set()
+    for eqn in eqns[next(k for k, e in enumerate(eqns) if e is seed) + 1:]:
+        ins = _arrays(eqn)
+        if any(v in routed for v in ins) and all(v in routed or v in viewed or v in constants for v in ins):
+            members.append(eqn)
+            routed.update(eqn.outvars)
+        elif any(v in viewed for v in ins) and all(v in viewed or v in constants for v in ins):
+            views.add(id(eqn))
+            viewed.update(eqn.outvars)
+    made = {v: e for e in eqns for v in e.outvars}
+    wanted, stack = {id(e) for e in members}, [v for e in members for v in _arrays(e)]
+    while stack:  # the views and constants the routing reads, and theirs
+        eqn = made.get(stack.pop())
+        if eqn is not None and id(eqn) not in wanted and (id(eqn) in views or eqn.outvars[0] in constants):
+            wanted.add(id(eqn))
+            stack += _arrays(eqn)
+    inside = [e for e in eqns if id(e) in wanted]
+    outside = [e for e in eqns if id(e) not in wanted]
+    read_out = {v: e for e in reversed(outside) for v in _arrays(e)}
+    read_out.update({v: None for v in outvars if not isinstance(v, jex.Literal) and v not in read_out})
+    ours = {id(e) for e in members} | {id(e) for e in inside if id(e) in views
+                                        and not any(v in read_out for v in e.outvars)}
+    region = Region(seed, gates, inside, ours)
+    region.results = [v for e in members for v in e.outvars if v in read_out]
+    region.readers = {v: read_out[v] for v in region.results}
+    return region
+
+
+@dataclass(frozen=True)
+class Match:
+    """How each result of a region is the language's routing: ``order`` and ``experts`` the gates'
+    token and expert axes, ``k`` the choices, ``capacity`` C; each result's kind ("mask" or
+    "weights", the gates times the mask) and the axes of it in the gates' order, then C's."""
+
+    order: int
+    experts: int
+    k: int
+    capacity: int
+    kinds: tuple[tuple[Any, str, tuple[int, ...]], ...]
+
+
+def _experts_and_k(seed: Any) -> tuple[int, int]:
+    eqn = seed
+    if eqn.primitive.name in ("pjit", "jit"):
+        inner = eqn.params["jaxpr"].jaxpr
+        eqn = next(e for e in inner.eqns if e.primitive.name in ("top_k", "argmax"))
+    ndim = len(eqn.invars[0].aval.shape)
+    if eqn.primitive.name == "argmax":
+        return int(eqn.params["axes"][0]), 1
+    return int(eqn.params.get("axis", ndim - 1)), int(eqn.params["k"])
+
+
+def _evaluate(region: Region, gates: np.ndarray) -> list[np.ndarray]:
+    """The region's results where its gates are ``gates`` (run eagerly on the host)."""
+    with warnings.catch_warnings():  # a jaxpr made of a program's equations has no debug info of its own
+        warnings.simplefilter("ignore", DeprecationWarning)
+        jaxpr = jex.Jaxpr([], [region.gates], region.results, region.eqns)
+    with jax.default_device(jax.devices("cpu")[0]):
+        values = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, []))(gates)
+    return [np.asarray(v, dtype=np.float64) for v in values]
+
+
+def _draw(region: Region, seed: int) -> np.ndarray:
+    """Gates with no two equal along any axis: a random order of 1..n, scaled below 1."""
+    shape = tuple(region.gates.aval.shape)
+    n = math.prod(shape)
+    values = (np.random.default_rng(seed).permutation(n) + 1) / (n + 1)
+    return values.reshape(shape).astype(str(region.gates.aval.dtype))
+
+
+def match(region: Region) -> Match:
+    """The region's meaning as the language's routing, or an error saying how it is not."""
+    seed, shape = region.seed, tuple(region.gates.aval.shape)
+    experts, k = _experts_and_k(seed)
+    if not region.results:
+        raise unwritable("the top-k's result is read by nothing the spec language writes")
+    for result in region.results:
+        if len(result.aval.shape) != len(shape) + 1:
+            raise unwritable(_not_a_mask(region, result, "it is not a mask of the gates' dims and a capacity"))
+        if math.prod(result.aval.shape) > _LIMIT:
+            raise unwritable(f"its routing mask {shape_text(result)} has more than {_LIMIT} elements, more than "
+                             "explain evaluates to check that it is the language's `route`; explain the program "
+                             "at smaller sizes (fewer tokens a group)")
+    draws = [_draw(region, s) for s in (0, 1)]
+    values = [_evaluate(region, g) for g in draws]
+    found: list[tuple[Any, str, tuple[int, ...]]] = []
+    orders: set[tuple[int, int]] = set()
+    for j, result in enumerate(region.results):
+        kind = _kind(result, [v[j] for v in values], draws, experts, k)
+        if kind is None:
+            raise unwritable(_not_a_mask(region, result, "it is neither the 0/1 mask of the language's `route` "
+                                         "(each token to the next free slot of each of its k experts, tokens in "
+                                         "order: all of a token's choices before the next token's) nor the gates "
+                                         "times it"))
+        name, axes, order, capacity = kind
+        orders.add((order, capacity))
+        found.append((result, name, axes))
+    if len(orders) != 1:
+        raise unwritable("the routing's masks count their slots along different dims or capacities")
+    order, capacity = orders.pop()
+    return Match(order, experts, k, capacity, tuple(found))
+
+
+def _not_a_mask(region: Region, result: Any, why: str) -> str:
+    reader = region.readers.get(result)
+    at = f" by `{reader.primitive.name}`" + (f" at {source_line(reader)}" if source_line(reader) else "") \
+        if reader is not None else " as the program's result"
+    return (f"the routing's value {shape_text(result)} read{at}: {why}; a top-k or an argmax is read as an "
+            "MoE router's one-hot routing (GShard, Switch) alone, and any other top-k or argsort makes positions "
+            "along a dim, which the language has no tensor for (write such a program's routing with `route`, "
+            "`dispatch` and `combine` in a .shard spec)")
+
+
+def _kind(result: Any, values: list[np.ndarray], draws: list[np.ndarray], experts: int,
+          k: int) -> tuple[str, tuple[int, ...], int, int] | None:
+    """("mask" or "weights", the result's axes in the gates' order then C's, the order axis, C) where
+    every draw's value is the routing of its gates, else None."""
+    shape = tuple(draws[0].shape)
+    rank = len(shape)
+    for axes in itertools.permutations(range(rank + 1)):
+        if tuple(result.aval.shape[a] for a in axes[:rank]) != shape:
+            continue
+        capacity = int(result.aval.shape[axes[rank]])
+        for order in (o for o in range(rank) if o != experts):
+            masks = [route_forward(g.astype(np.float64), order, experts, capacity, k, np) for g in draws]
+            moved = [np.transpose(v, axes) for v in values]
+            if all(np.array_equal(v, m) for v, m in zip(moved, masks, strict=True)):
+                return "mask", axes, order, capacity
+            weighted = [m * g.astype(np.float64)[..., None] for m, g in zip(masks, draws, strict=True)]
+            if all(np.allclose(v, w, rtol=1e-6, atol=0) for v, w in zip(moved, weighted, strict=True)):
+                return "weights", axes, order, capacity
+    return None
+
+
+class _Mask:
+    """The routing mask where the program holds only the gates times it: a tensor of the spec of its own."""
+
+
+def read_routing(reader: Any, region: Region, line: str) -> None:
+    """The region's results as the language writes them: ``Disp = route(Gate, S, C, k over E)``, and
+    ``Comb = Gate * Disp`` for the gates times the mask."""
+    found = match(region)
+    gates = reader.tensor(region.gates)
+    ids = reader.dims_of(region.gates)
+    for d, letter in ((ids[found.order], "S"), (ids[found.experts], "E")):
+        reader.hints.setdefault(d, letter)
+    made_by = {v: e for e in region.eqns for v in e.outvars}
+    mask: Any = None
+    mask_slots = -1
+    for result, kind, axes in sorted(found.kinds, key=lambda item: item[1] != "mask"):
+        dims, at = reader.dims_of(result), source_line(made_by[result]) or line
+        for k, a in enumerate(axes[:-1]):
+            reader.join(ids[k], dims[a])
+        slots = dims[axes[-1]]
+        if mask is not None:
+            reader.join(mask_slots, slots)
+        reader.hints.setdefault(slots, "C")
+        if kind == "weights" and mask is not None:
+            reader.make(result, "mul", (gates, mask), line=at)
+            continue
+        made = result if kind == "mask" else _Mask()
+        if made is not result:
+            reader.dims[made] = [*ids, slots]
+        reader.make(made, "route", (gates,), over=ids[found.experts], names=(ids[found.order], slots),
+                    number=found.k, line=line if made is not result else at)
+        mask, mask_slots = made, slots
+        if made is not result:
+            reader.make(result, "mul", (gates, mask), line=at)
