@@ -175,6 +175,58 @@ def test_a_routing_that_fills_slots_by_choice_is_an_error_naming_the_top_k() -> 
         explain(_moe("flaxformer", 2, 3), *_moe_args(mesh))
 
 
+def _index_moe(weighted: bool) -> Any:
+    """An MoE MLP routed by indices (as MegaBlocks and DeepSeek-V3 move tokens): each token's row scattered
+    into its slot of each of its 2 experts, the experts' outputs gathered back at those indices and summed
+    weighted by the top-k's gates (or, ``weighted`` false, unweighted: no combine of the language)."""
+    import jax
+    import jax.numpy as jnp
+
+    def layer(x: Any, wr: Any, w1: Any) -> Any:
+        gates = jax.nn.softmax(jnp.einsum("gsd,de->gse", x, wr), axis=-1)
+        values, index = jax.lax.top_k(gates, 2)
+        chosen = jax.nn.one_hot(index, E, dtype=jnp.int32).sum(axis=2)
+        slot = jnp.take_along_axis(jnp.cumsum(chosen, axis=1) - chosen, index, axis=-1)
+        group = jnp.arange(G)[:, None, None]
+        rows = jnp.broadcast_to(x[:, :, None, :], (G, S, 2, D))
+        expert_in = jnp.zeros((G, E, 4, D), x.dtype).at[group, index, slot].set(rows, mode="drop")  # the scatter
+        out = jnp.einsum("gecd,edf->gecf", expert_in, w1)
+        picked = out.at[group, index, slot].get(mode="fill", fill_value=0)
+        return jnp.einsum("gsk,gskf->gsf", values if weighted else jnp.ones_like(values), picked)  # the weighted sum
+
+    return jax.jit(layer)
+
+
+def test_an_index_based_moe_is_dispatch_and_combine() -> None:
+    """The scatter of the tokens into ``[G, E, C, D]`` is ``dispatch(N1, x, S, C, 2 over E)`` and the
+    gate-weighted sum of the rows gathered back ``combine(N1, Y2, S, C, 2 over E)``; shardc plans them
+    (data movement, no FLOPs) and the compiled program's collectives are listed."""
+    mesh = _mesh((4, 2))
+    e = explain(_index_moe(True), _arg(mesh, (G, S, D), "data"), _arg(mesh, (D, E)), _arg(mesh, (E, D, F), "model"))
+    texts = _statements(e)
+    assert texts[2] == "In1[G_{data}, E, C, D] = dispatch(N1[G_{data}, S, E], x[G_{data}, S, D], S, C, 2 over E)", \
+        e.spec
+    found = re.match(r"Comb1\[G_\{data\}, S, (\w+)\]", texts[-1])
+    f = found.group(1) if found else "?"  # the experts' output dim, named by the walk
+    assert texts[3:] == [f"Y2[E_{{model}}, {f}, G_{{data}}, C] = w1[E_{{model}}, D, {f}] · In1[G_{{data}}, E, C, D]",
+                         f"Comb1[G_{{data}}, S, {f}] = combine(N1[G_{{data}}, S, E], Y2[E_{{model}}, {f}, G_{{data}}, "
+                         "C], S, C, 2 over E)"], e.spec
+    assert f"# {_line_of(_index_moe, 'the scatter')}" in e.spec, e.spec
+    assert f"# {_line_of(_index_moe, 'the weighted sum')}" in e.spec, e.spec
+    assert shardc.parse(e.spec).sizes["C"] == 4
+    shardc.plan(shardc.parse(e.spec))
+    _check_listing(e)
+
+
+def test_an_unweighted_gather_back_is_an_error_naming_it() -> None:
+    """The experts' rows gathered back and summed without the gates: no op of the language (combine
+    weighs by the gates), an error naming the gather rather than a wrong spec."""
+    mesh = _mesh((4, 2))
+    with pytest.raises(shardc.ShardcError, match=r"the `gather` of \[4, 32, 8, 4\] by the router's indices .* "
+                                                 r"is neither the language's `dispatch`"):
+        explain(_index_moe(False), _arg(mesh, (G, S, D), "data"), _arg(mesh, (D, E)), _arg(mesh, (E, D, F), "model"))
+
+
 def test_a_concatenation_of_an_arrays_two_halves_in_order_is_a_map_and_planned() -> None:
     """``concatenate([x[:, :4], x[:, 4:]])``: each element once, in place; with the cut dim whole on a
     device, a map of x (no data moves), and shardc plans the spec."""

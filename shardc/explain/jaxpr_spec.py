@@ -26,6 +26,7 @@ from jax.extend import core as jex
 
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
+from shardc.explain.expert_moves import moves, read_move
 from shardc.explain.layers import read_scan
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
 from shardc.explain.routing import read_routing, regions
@@ -81,7 +82,8 @@ class _Reader(Reading):
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
         prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C",
-                  "embed": "E", "loss": "L", "route": "Disp"}[kind]
+                  "embed": "E", "loss": "L", "route": "Disp", "dispatch": "In",
+                  "combine": "Comb"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
@@ -113,12 +115,15 @@ class _Reader(Reading):
         eqns = [e for e in self.step.forward(jaxpr) if needed is None or id(e) in needed]
         found = runs(eqns, list(jaxpr.outvars)[:results])
         routings = regions(eqns, list(jaxpr.outvars)[:results])
+        moved = {id(m.eqns[-1]): m for r in routings.values() for m in moves(r, eqns, list(jaxpr.outvars)[:results])}
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
         routed = {i for r in routings.values() for i in r.skipped}
         for eqn in eqns:
             try:
                 if id(eqn) in routings:
                     read_routing(self, routings[id(eqn)], source_line(eqn) or self.caller)
+                elif id(eqn) in moved:
+                    read_move(self, moved[id(eqn)], eqns, source_line(eqn) or self.caller)
                 elif id(eqn) in routed:
                     continue
                 elif eqn in found:

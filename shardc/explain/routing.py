@@ -34,7 +34,8 @@ from shardc.explain.dim_classes import unwritable
 from shardc.explain.sources import shape_text, source_line
 from shardc.ops.route_code import route_forward
 
-__all__ = ["Region", "regions", "Match", "match"]
+__all__ = ["Region", "regions", "Match", "match", "read_routing", "run", "draw", "experts_and_k", "arrays",
+           "constants_of"]
 
 _LIMIT = 1 << 24  # the most mask elements the region is evaluated at to check its meaning
 
@@ -50,6 +51,7 @@ class Region:
     skipped: set[int] = field(default_factory=set)
     results: list[Any] = field(default_factory=list)
     readers: dict[Any, Any] = field(default_factory=dict)  # a result -> an equation reading it
+    moved: int = 0  # how many index-based dispatches and combines read the routing
 
 
 def _is_seed(eqn: Any) -> bool:
@@ -57,16 +59,22 @@ def _is_seed(eqn: Any) -> bool:
     return name in ("top_k", "argmax") or (name in ("pjit", "jit") and eqn.params.get("name") in ("argmax", "top_k"))
 
 
-def _arrays(eqn: Any) -> list[Any]:
+def arrays(eqn: Any) -> list[Any]:
     return [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+
+
+def constants_of(eqns: list[Any]) -> set[Any]:
+    """The values ``eqns`` make of literals alone (positions, a broadcast scalar)."""
+    constants: set[Any] = set()
+    for eqn in eqns:
+        if all(v in constants for v in arrays(eqn)):
+            constants.update(eqn.outvars)
+    return constants
 
 
 def regions(eqns: list[Any], outvars: list[Any]) -> dict[int, Region]:
     """Each top-k's (or argmax's) region among ``eqns``, by the seed equation's id."""
-    constants: set[Any] = set()
-    for eqn in eqns:
-        if all(v in constants for v in _arrays(eqn)):
-            constants.update(eqn.outvars)
+    constants = constants_of(eqns)
     found: dict[int, Region] = {}
     taken: set[int] = set()
     for seed in eqns:
@@ -84,7 +92,7 @@ def _grow(seed: Any, eqns: list[Any], constants: set[Any], outvars: list[Any]) -
     routed, viewed = set(seed.outvars), {gates}
     members, views = [seed], set()
     for eqn in eqns[next(k for k, e in enumerate(eqns) if e is seed) + 1:]:
-        ins = _arrays(eqn)
+        ins = arrays(eqn)
         if any(v in routed for v in ins) and all(v in routed or v in viewed or v in constants for v in ins):
             members.append(eqn)
             routed.update(eqn.outvars)
@@ -92,15 +100,15 @@ def _grow(seed: Any, eqns: list[Any], constants: set[Any], outvars: list[Any]) -
             views.add(id(eqn))
             viewed.update(eqn.outvars)
     made = {v: e for e in eqns for v in e.outvars}
-    wanted, stack = {id(e) for e in members}, [v for e in members for v in _arrays(e)]
+    wanted, stack = {id(e) for e in members}, [v for e in members for v in arrays(e)]
     while stack:  # the views and constants the routing reads, and theirs
         eqn = made.get(stack.pop())
         if eqn is not None and id(eqn) not in wanted and (id(eqn) in views or eqn.outvars[0] in constants):
             wanted.add(id(eqn))
-            stack += _arrays(eqn)
+            stack += arrays(eqn)
     inside = [e for e in eqns if id(e) in wanted]
     outside = [e for e in eqns if id(e) not in wanted]
-    read_out = {v: e for e in reversed(outside) for v in _arrays(e)}
+    read_out = {v: e for e in reversed(outside) for v in arrays(e)}
     read_out.update({v: None for v in outvars if not isinstance(v, jex.Literal) and v not in read_out})
     ours = {id(e) for e in members} | {id(e) for e in inside if id(e) in views
                                         and not any(v in read_out for v in e.outvars)}
@@ -123,7 +131,7 @@ class Match:
     kinds: tuple[tuple[Any, str, tuple[int, ...]], ...]
 
 
-def _experts_and_k(seed: Any) -> tuple[int, int]:
+def experts_and_k(seed: Any) -> tuple[int, int]:
     eqn = seed
     if eqn.primitive.name in ("pjit", "jit"):
         inner = eqn.params["jaxpr"].jaxpr
@@ -134,28 +142,34 @@ def _experts_and_k(seed: Any) -> tuple[int, int]:
     return int(eqn.params.get("axis", ndim - 1)), int(eqn.params["k"])
 
 
-def _evaluate(region: Region, gates: np.ndarray) -> list[np.ndarray]:
-    """The region's results where its gates are ``gates`` (run eagerly on the host)."""
+def run(eqns: list[Any], invars: list[Any], outvars: list[Any], inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """The values ``outvars`` of the equations ``eqns`` where ``invars`` are ``inputs`` (run eagerly on the host)."""
     with warnings.catch_warnings():  # a jaxpr made of a program's equations has no debug info of its own
         warnings.simplefilter("ignore", DeprecationWarning)
-        jaxpr = jex.Jaxpr([], [region.gates], region.results, region.eqns)
-    with jax.default_device(jax.devices("cpu")[0]):
-        values = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, []))(gates)
+        jaxpr = jex.Jaxpr([], invars, outvars, eqns)
+    try:
+        with jax.default_device(jax.devices("cpu")[0]):
+            values = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, []))(*inputs)
+    except (KeyError, TypeError, ValueError) as err:  # it reads a value it does not make (not its own part)
+        raise unwritable("the routing reads values of the program other than its gates, so explain cannot run it "
+                         f"on its own to check its meaning ({type(err).__name__}: {err})",
+                         fix="write the layer's routing with `route`, `dispatch` and `combine` in a .shard "
+                             "spec") from None
     return [np.asarray(v, dtype=np.float64) for v in values]
 
 
-def _draw(region: Region, seed: int) -> np.ndarray:
-    """Gates with no two equal along any axis: a random order of 1..n, scaled below 1."""
-    shape = tuple(region.gates.aval.shape)
+def draw(var: Any, seed: int) -> np.ndarray:
+    """Values for ``var`` with no two equal: a random order of 1..n, scaled below 1 (gates with no ties)."""
+    shape = tuple(var.aval.shape)
     n = math.prod(shape)
     values = (np.random.default_rng(seed).permutation(n) + 1) / (n + 1)
-    return values.reshape(shape).astype(str(region.gates.aval.dtype))
+    return values.reshape(shape).astype(var.aval.dtype)
 
 
 def match(region: Region) -> Match:
     """The region's meaning as the language's routing, or an error saying how it is not."""
     seed, shape = region.seed, tuple(region.gates.aval.shape)
-    experts, k = _experts_and_k(seed)
+    experts, k = experts_and_k(seed)
     if not region.results:
         raise unwritable("the top-k's result is read by nothing the spec language writes")
     for result in region.results:
@@ -165,8 +179,8 @@ def match(region: Region) -> Match:
             raise unwritable(f"its routing mask {shape_text(result)} has more than {_LIMIT} elements, more than "
                              "explain evaluates to check that it is the language's `route`; explain the program "
                              "at smaller sizes (fewer tokens a group)")
-    draws = [_draw(region, s) for s in (0, 1)]
-    values = [_evaluate(region, g) for g in draws]
+    draws = [draw(region.gates, s) for s in (0, 1)]
+    values = [run(region.eqns, [region.gates], region.results, [g]) for g in draws]
     found: list[tuple[Any, str, tuple[int, ...]]] = []
     orders: set[tuple[int, int]] = set()
     for j, result in enumerate(region.results):
@@ -223,6 +237,8 @@ class _Mask:
 def read_routing(reader: Any, region: Region, line: str) -> None:
     """The region's results as the language writes them: ``Disp = route(Gate, S, C, k over E)``, and
     ``Comb = Gate * Disp`` for the gates times the mask."""
+    if region.moved and not region.results:  # index-based routing alone: its dispatches and combines say it
+        return
     found = match(region)
     gates = reader.tensor(region.gates)
     ids = reader.dims_of(region.gates)

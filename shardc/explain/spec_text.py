@@ -26,15 +26,15 @@ _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 @dataclass
 class Statement:
     kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed", "loss" (cross_entropy),
-    # "route" (an MoE router's one-hot mask)
+    # "route" (an MoE router's one-hot mask), "dispatch" and "combine" (its index-based moves)
     result: Any
     operands: tuple[Any, ...]
     fn: str = ""  # the function (fn) or reduction (reduce)
     signs: tuple[int, ...] = ()
     over: int = -1  # the reduced dim id
     line: str = ""
-    names: tuple[int, ...] = ()  # route's token and capacity dim ids
-    number: int = 0  # route's k
+    names: tuple[int, ...] = ()  # a routing's token and capacity dim ids
+    number: int = 0  # a routing's k
 
 
 @dataclass
@@ -96,8 +96,8 @@ def _dim_names(reader: Reading) -> dict[int, str]:
 
 
 def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple[str, ...] = ()) -> str:
-    if s.kind == "route":
-        return f"route({operands[0]}, {names[0]}, {names[1]}, {s.number} over {over})"
+    if s.kind in ("route", "dispatch", "combine"):
+        return f"{s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
     if s.kind in ("dot", "mul"):
         return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
     if s.kind == "copy":
@@ -130,7 +130,7 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
         lines[result.name] = s.line
         for operand in operands:
             lines.setdefault(operand.name, s.line)  # an input: where it is first read
-        over = _over(reader, names, s, s.over) if s.kind in ("reduce", "norm", "route") else ""
+        over = _over(reader, names, s, s.over) if s.kind in ("reduce", "norm", "route", "dispatch", "combine") else ""
         named = tuple(_over(reader, names, s, d) for d in s.names)
         text = f"{result} = {_expression(s, operands, over, named)}" + (f"  # {comment(s.line)}" if s.line else "")
         inside = any(start <= len(body) < end for start, end, _ in reader.blocks)
