@@ -54,7 +54,13 @@ def _flaxformer_route(gates: Any, k: int, capacity: int) -> tuple[Any, Any]:
 
 
 def _moe(route: str, k: int, capacity: int) -> Any:
-    """A GShard-style MoE MLP: router, dispatch einsum, each expert's MLP, combine einsum."""
+    """A GShard-style MoE MLP, jitted: router, dispatch einsum, each expert's MLP, combine einsum."""
+    import jax
+
+    return jax.jit(_moe_layer(route, k, capacity))
+
+
+def _moe_layer(route: str, k: int, capacity: int) -> Any:
     import jax
     import jax.numpy as jnp
 
@@ -69,7 +75,7 @@ def _moe(route: str, k: int, capacity: int) -> Any:
         h = jax.nn.gelu(jnp.einsum("gecd,edf->gecf", expert_in, w1))
         return jnp.einsum("gsec,gecd->gsd", combine, jnp.einsum("gecf,efd->gecd", h, w2))
 
-    return jax.jit(layer)
+    return layer
 
 
 def _moe_args(mesh: Any) -> tuple[Any, ...]:
@@ -78,8 +84,10 @@ def _moe_args(mesh: Any) -> tuple[Any, ...]:
 
 
 def _check_listing(e: Any) -> None:
-    """The compiled program's collectives are listed, each with its line and the spec tensors it moves."""
+    """The compiled program's collectives are listed, each with its line and the spec tensors it moves (a
+    backward one by shardc's gradient names: d and the tensor's)."""
     names = set(re.findall(r"(\w+)\[", e.spec))
+    names |= {f"d{name}" for name in names}
     assert e.xla and all(c.line for c in e.xla), e.xla
     assert {t for c in e.xla for t in c.tensor.split("|") if t != "?"} <= names, e.xla
 
@@ -103,6 +111,28 @@ def test_a_top2_moe_layers_one_hot_masks_are_route_and_the_gates_times_it() -> N
     plan = shardc.plan(shardc.parse(e.spec))
     assert any(getattr(s.fn, "k", None) == 2 for s in plan.forward)  # the route step, planned
     assert not any(c.tensor in ("N1", "Disp1") for c in e.plan)  # routed where the gates lie
+    _check_listing(e)
+
+
+def test_a_training_step_of_an_moe_layer_reads_its_forward_with_route() -> None:
+    """``value_and_grad`` of a loss of the layer, then an SGD update: the forward with its routing (the
+    loss of the output a sum, as the language writes a mean's), the router and experts params."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((4, 2))
+    layer = _moe_layer("token order", 2, 4)
+
+    def step(wr: Any, w1: Any, w2: Any, x: Any) -> Any:
+        loss, grads = jax.value_and_grad(lambda *w: jnp.mean(layer(x, *w) ** 2), argnums=(0, 1, 2))(wr, w1, w2)
+        return [w - 0.1 * g for w, g in zip((wr, w1, w2), grads, strict=True)], loss
+
+    x, wr, w1, w2 = _moe_args(mesh)
+    e = explain(jax.jit(step), wr, w1, w2, x)
+    texts = _statements(e)
+    assert "Disp1[G_{data}, S, E, C] = route(N1[G_{data}, S, E], S, C, 2 over E)" in texts, e.spec
+    assert "param wr, w1, w2" in e.spec.splitlines(), e.spec
+    assert e.training and any(c.phase == "backward" for c in e.plan), e.plan
     _check_listing(e)
 
 

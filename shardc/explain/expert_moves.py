@@ -63,7 +63,7 @@ def moves(region: Region, eqns: list[Any], outvars: list[Any]) -> list[Move]:
     """The index-based dispatches and combines reading ``region``'s indices; the region's results are
     then what else reads it, and the walk leaves the moves' equations out."""
     constants = constants_of(eqns)
-    routed = {v for e in region.eqns if id(e) in region.skipped for v in e.outvars} | {region.gates}
+    routed = {v for e in region.eqns if id(e) in region.members for v in e.outvars} | {region.gates}
     made = {v: e for e in eqns for v in e.outvars}
     found: list[Move] = []
     for k, eqn in enumerate(eqns):
@@ -86,13 +86,9 @@ def moves(region: Region, eqns: list[Any], outvars: list[Any]) -> list[Move]:
             last, result = results[0]
             cut = next(i for i, e in enumerate(body) if e is last)
             found.append(Move(region, roots.pop(), body[:cut + 1], result))
-    taken = {id(e) for m in found for e in m.eqns}
-    region.skipped |= taken
-    read = {v: e for e in reversed(eqns) if id(e) not in region.skipped for v in arrays(e)}
-    read.update({v: None for v in outvars if v not in read})
-    region.results = [v for v in region.results if v in read]
-    region.readers = {v: read[v] for v in region.results}
-    region.moved = len(found)
+    region.moved |= {id(e) for m in found for e in m.eqns}
+    region.pinned |= {v for m in found for e in m.eqns for v in arrays(e) if v in routed}
+    region.settle()
     return found
 
 

@@ -117,14 +117,13 @@ class _Reader(Reading):
         routings = regions(eqns, list(jaxpr.outvars)[:results])
         moved = {id(m.eqns[-1]): m for r in routings.values() for m in moves(r, eqns, list(jaxpr.outvars)[:results])}
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
-        routed = {i for r in routings.values() for i in r.skipped}
         for eqn in eqns:
             try:
                 if id(eqn) in routings:
                     read_routing(self, routings[id(eqn)], source_line(eqn) or self.caller)
                 elif id(eqn) in moved:
                     read_move(self, moved[id(eqn)], eqns, source_line(eqn) or self.caller)
-                elif id(eqn) in routed:
+                elif any(id(eqn) in r.skipped for r in routings.values()):  # settled at its top-k
                     continue
                 elif eqn in found:
                     self.function(eqn.outvars[0], found[eqn], source_line(eqn))

@@ -42,16 +42,40 @@ _LIMIT = 1 << 24  # the most mask elements the region is evaluated at to check i
 
 @dataclass
 class Region:
-    """A top-k's routing: its equations (``eqns``, in order, with the gates' views and constants it
-    reads), those the walk leaves out (``skipped``, by id), and the values the program reads of it."""
+    """A top-k's routing in the walked equations ``program``: the equations evaluated to check it
+    (``eqns``, in order: those reading the routing, ``members``, with the gates' views, ``views``, and
+    the constants they read), those the walk leaves out (``skipped``, by id), and the values of the
+    routing the rest of the program reads (``results``, each with an equation reading it)."""
 
     seed: Any
     gates: Any
-    eqns: list[Any] = field(default_factory=list)
+    program: list[Any]
+    outvars: list[Any]
+    eqns: list[Any]
+    members: set[int]
+    views: set[int]
+    moved: set[int] = field(default_factory=set)  # the index-based dispatches' and combines' equations
+    pinned: set[Any] = field(default_factory=set)  # the routing's values they read
     skipped: set[int] = field(default_factory=set)
     results: list[Any] = field(default_factory=list)
-    readers: dict[Any, Any] = field(default_factory=dict)  # a result -> an equation reading it
-    moved: int = 0  # how many index-based dispatches and combines read the routing
+    readers: dict[Any, Any] = field(default_factory=dict)
+
+    def settle(self) -> None:
+        """The equations the walk leaves out (the routing's, the moves', the views only they read) and
+        the routing's values the others read."""
+        uses: dict[Any, list[Any]] = {}
+        for eqn in self.program:
+            for v in arrays(eqn):
+                uses.setdefault(v, []).append(eqn)
+        out = {v for v in self.outvars if not isinstance(v, jex.Literal)}
+        self.skipped = self.members | self.moved
+        for eqn in reversed(self.eqns):
+            if id(eqn) in self.views and not any(v in out or any(id(e) not in self.skipped for e in uses.get(v, []))
+                                                 for v in eqn.outvars):
+                self.skipped.add(id(eqn))
+        made = [v for e in self.eqns if id(e) in self.members for v in e.outvars]
+        self.readers = {v: next((e for e in uses.get(v, []) if id(e) not in self.skipped), None) for v in made}
+        self.results = [v for v in made if self.readers[v] is not None or v in out]
 
 
 def _is_seed(eqn: Any) -> bool:
@@ -87,35 +111,49 @@ def regions(eqns: list[Any], outvars: list[Any]) -> dict[int, Region]:
 
 def _grow(seed: Any, eqns: list[Any], constants: set[Any], outvars: list[Any]) -> Region:
     """The seed and what follows it reading its values, the gates' views and constants alone; the views
-    and constants those read are evaluated with them, and left out of the walk where nothing else reads them."""
+    and constants those read are evaluated with them."""
     gates = seed.invars[0]
     routed, viewed = set(seed.outvars), {gates}
-    members, views = [seed], set()
+    members, views = {id(seed)}, set()
     for eqn in eqns[next(k for k, e in enumerate(eqns) if e is seed) + 1:]:
         ins = arrays(eqn)
         if any(v in routed for v in ins) and all(v in routed or v in viewed or v in constants for v in ins):
-            members.append(eqn)
+            members.add(id(eqn))
             routed.update(eqn.outvars)
         elif any(v in viewed for v in ins) and all(v in viewed or v in constants for v in ins):
             views.add(id(eqn))
             viewed.update(eqn.outvars)
     made = {v: e for e in eqns for v in e.outvars}
-    wanted, stack = {id(e) for e in members}, [v for e in members for v in arrays(e)]
+    wanted = set(members)
+    stack = [v for e in eqns if id(e) in members for v in arrays(e)]
     while stack:  # the views and constants the routing reads, and theirs
         eqn = made.get(stack.pop())
         if eqn is not None and id(eqn) not in wanted and (id(eqn) in views or eqn.outvars[0] in constants):
             wanted.add(id(eqn))
             stack += arrays(eqn)
     inside = [e for e in eqns if id(e) in wanted]
-    outside = [e for e in eqns if id(e) not in wanted]
-    read_out = {v: e for e in reversed(outside) for v in arrays(e)}
-    read_out.update({v: None for v in outvars if not isinstance(v, jex.Literal) and v not in read_out})
-    ours = {id(e) for e in members} | {id(e) for e in inside if id(e) in views
-                                        and not any(v in read_out for v in e.outvars)}
-    region = Region(seed, gates, inside, ours)
-    region.results = [v for e in members for v in e.outvars if v in read_out]
-    region.readers = {v: read_out[v] for v in region.results}
+    region = Region(seed, gates, eqns, list(outvars), inside, members, views & wanted)
+    region.settle()
     return region
+
+
+def _cut(region: Region, matched: set[Any]) -> None:
+    """Give the walk back what the program computes from the routing's masks (a loss of the combine
+    weights, ...): the equations making a read value that is no mask, back to the masks they read."""
+    made = {v: e for e in region.eqns for v in e.outvars}
+    freed: set[int] = set()
+    stack = [v for v in region.results if v not in matched]
+    while stack:
+        v = stack.pop()
+        eqn = made.get(v)
+        if eqn is None or id(eqn) not in region.members or id(eqn) in freed or v in matched or v in region.pinned:
+            continue
+        freed.add(id(eqn))
+        stack += arrays(eqn)
+    if id(region.seed) in freed:
+        return  # the top-k's own results are read beyond the masks: the results say which
+    region.members -= freed
+    region.settle()
 
 
 @dataclass(frozen=True)
@@ -167,36 +205,40 @@ def draw(var: Any, seed: int) -> np.ndarray:
 
 
 def match(region: Region) -> Match:
-    """The region's meaning as the language's routing, or an error saying how it is not."""
-    seed, shape = region.seed, tuple(region.gates.aval.shape)
-    experts, k = experts_and_k(seed)
-    if not region.results:
+    """The region's meaning as the language's routing, or an error saying how it is not: each value of
+    it shaped as a mask is run on gates with no ties, and those that are the mask (or the gates times
+    it) are what the rest of the program may read."""
+    shape = tuple(region.gates.aval.shape)
+    experts, k = experts_and_k(region.seed)
+    masks = [v for e in region.eqns if id(e) in region.members for v in e.outvars
+             if len(v.aval.shape) == len(shape) + 1 and math.prod(v.aval.shape) <= _LIMIT]
+    draws = [draw(region.gates, s) for s in (0, 1)]
+    values = [run(region.eqns, [region.gates], masks, [g]) for g in draws] if masks else []
+    kinds = {v: _kind(v, [vs[j] for vs in values], draws, experts, k) for j, v in enumerate(masks)}
+    matched = {v: kind for v, kind in kinds.items() if kind is not None}
+    _cut(region, set(matched))
+    if not region.results and not region.moved:
         raise unwritable("the top-k's result is read by nothing the spec language writes")
     for result in region.results:
-        if len(result.aval.shape) != len(shape) + 1:
-            raise unwritable(_not_a_mask(region, result, "it is not a mask of the gates' dims and a capacity"))
-        if math.prod(result.aval.shape) > _LIMIT:
-            raise unwritable(f"its routing mask {shape_text(result)} has more than {_LIMIT} elements, more than "
-                             "explain evaluates to check that it is the language's `route`; explain the program "
-                             "at smaller sizes (fewer tokens a group)")
-    draws = [draw(region.gates, s) for s in (0, 1)]
-    values = [run(region.eqns, [region.gates], region.results, [g]) for g in draws]
-    found: list[tuple[Any, str, tuple[int, ...]]] = []
-    orders: set[tuple[int, int]] = set()
-    for j, result in enumerate(region.results):
-        kind = _kind(result, [v[j] for v in values], draws, experts, k)
-        if kind is None:
-            raise unwritable(_not_a_mask(region, result, "it is neither the 0/1 mask of the language's `route` "
-                                         "(each token to the next free slot of each of its k experts, tokens in "
-                                         "order: all of a token's choices before the next token's) nor the gates "
-                                         "times it"))
-        name, axes, order, capacity = kind
-        orders.add((order, capacity))
-        found.append((result, name, axes))
-    if len(orders) != 1:
+        if result not in matched:
+            raise unwritable(_not_a_mask(region, result, _why(result, shape)))
+    found = [(v, matched[v][0], matched[v][1]) for v in region.results]
+    orders = {matched[v][2:] for v in region.results}
+    if len(orders) > 1:
         raise unwritable("the routing's masks count their slots along different dims or capacities")
-    order, capacity = orders.pop()
+    order, capacity = orders.pop() if orders else (-1, 0)
     return Match(order, experts, k, capacity, tuple(found))
+
+
+def _why(result: Any, shape: tuple[int, ...]) -> str:
+    if len(result.aval.shape) != len(shape) + 1:
+        return "it is not a mask of the gates' dims and a capacity"
+    if math.prod(result.aval.shape) > _LIMIT:
+        return (f"a routing mask of more than {_LIMIT} elements, more than explain runs to check that it is the "
+                "language's `route` (explain the program at smaller sizes: fewer tokens a group)")
+    return ("it is neither the 0/1 mask of the language's `route` (each token to the next free slot of each of "
+            "its k experts, tokens in order: all of a token's choices before the next token's) nor the gates "
+            "times it")
 
 
 def _not_a_mask(region: Region, result: Any, why: str) -> str:
@@ -237,9 +279,9 @@ class _Mask:
 def read_routing(reader: Any, region: Region, line: str) -> None:
     """The region's results as the language writes them: ``Disp = route(Gate, S, C, k over E)``, and
     ``Comb = Gate * Disp`` for the gates times the mask."""
-    if region.moved and not region.results:  # index-based routing alone: its dispatches and combines say it
-        return
     found = match(region)
+    if not found.kinds:  # index-based routing alone: its dispatches and combines say it
+        return
     gates = reader.tensor(region.gates)
     ids = reader.dims_of(region.gates)
     for d, letter in ((ids[found.order], "S"), (ids[found.experts], "E")):
