@@ -194,15 +194,37 @@ def test_the_gates_picked_by_take_along_axis_weigh_the_combine(pick: str) -> Non
     shardc.plan(shardc.parse(e.spec))
 
 
-def test_a_routing_that_fills_slots_by_choice_is_an_error_naming_the_top_k() -> None:
-    """flaxformer's top-2 gives all tokens' first choices their slots before any second choice; shardc's
-    route takes a token's two choices at once, tokens in order: with the capacity binding the masks
-    differ, and the error names the top-k and its line rather than writing a wrong spec."""
+def test_flaxformers_top2_routing_is_route_by_choice() -> None:
+    """flaxformer's top-2 gives all tokens' first choices their slots before any second choice (as GShard
+    counts its second experts' slots after the first ones): the language's ``route_by_choice``, its bool
+    mask converted for the dispatch einsum, the combine weights the gates times it; planned as route."""
     mesh = _mesh((4, 2))
-    line = _line_of(_flaxformer_route, "the router")
-    with pytest.raises(shardc.ShardcError, match=rf"`top_k` \(.*\) at {line}: the routing's value \[8, 8, 4, 3\] "
-                                                 r"read by `.*` at .*: it is neither the 0/1 mask"):
-        explain(_moe("flaxformer", 2, 3), *_moe_args(mesh))
+    e = explain(_moe("flaxformer", 2, 3), *_moe_args(mesh))
+    texts = _statements(e)
+    assert "Disp1[G_{data}, S, E, C] = route_by_choice(N1[G_{data}, S, E], S, C, 2 over E)" in texts, e.spec
+    assert "Y2[G_{data}, S, E, C] = N1[G_{data}, S, E] * Disp1[G_{data}, S, E, C]" in texts, e.spec
+    shardc.plan(shardc.parse(e.spec))
+    _check_listing(e)
+
+
+def test_a_routing_that_is_no_routing_of_the_language_is_an_error_naming_the_top_k() -> None:
+    """Slots counted from 1 (an inclusive count: each expert's first slot left empty, its last token
+    dropped): neither route nor route_by_choice, an error naming the top-k and its line, not a wrong spec."""
+    import jax
+    import jax.numpy as jnp
+
+    def layer(x: Any, wr: Any) -> Any:
+        gates = jax.nn.softmax(x @ wr, axis=-1)
+        _, index = jax.lax.top_k(gates, 2)  # the router's top-k
+        chosen = jax.nn.one_hot(index, E, dtype=gates.dtype).sum(axis=2)
+        mask = chosen[..., None] * jax.nn.one_hot(jnp.cumsum(chosen, axis=1).astype(jnp.int32), 4)
+        return jnp.einsum("gsec,gsd->gecd", mask, x)
+
+    mesh = _mesh((4, 2))
+    line = _line_of(layer, "the router")
+    with pytest.raises(shardc.ShardcError, match=rf"`top_k` \(.*\) at {line}: the routing's value \[8, 8, 4, 4\] "
+                                                 r"read by `dot_general` at .*: it is neither the 0/1 mask"):
+        explain(jax.jit(layer), _arg(mesh, (G, S, D), "data"), _arg(mesh, (D, E)))
 
 
 def _index_moe(weighted: bool) -> Any:

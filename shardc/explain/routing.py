@@ -5,17 +5,18 @@ gates along the experts, and give it the next free slot (of C) of each expert it
 layers, and flax ones written after them, hold the routing as a 0/1 mask ``[G, S, E, C]`` built from
 ``jax.lax.top_k`` (or ``argmax``), ``jax.nn.one_hot`` and a cumulative count along the tokens, then
 contract it with the tokens (the dispatch) and, times the gates, with the experts' outputs (the
-combine).  That mask is the language's ``route(Gate[G, S, E], S, C, k over E)`` and the gates times
-it ``Gate * Disp``, as ``examples/moe_layer.shard`` writes them; the contractions are einsums.
+combine).  That mask is the language's ``route(Gate[G, S, E], S, C, k over E)`` (``route_by_choice``
+where every token's first choice takes its slot before any second one, as flaxformer's top-2 and
+GShard's second expert count them) and the gates times it ``Gate * Disp``, as
+``examples/moe_layer.shard`` writes them; the contractions are einsums.
 
 The routing's equations are found before the walk: the top-k and what is computed from its results,
-the gates and constants alone (its *region*).  The values of the region the rest of the program
-reads are its results; each must be the mask or the gates times it.  The many ways to write the
-slot count (an exclusive ``cumsum``, flaxformer's ``cumsum(mask) * mask - 1`` and a max over the k
-choices) are not matched equation by equation: the region is evaluated on gates with no ties and
-compared with the language's meaning (:func:`shardc.ops.route_code.route_forward`), so a routing
-that fills slots otherwise (all tokens' first choices before any second one, as flaxformer's top-2
-does) is an error rather than a wrong spec.
+the gates and constants alone (its *region*).  The many ways to write the slot count (an exclusive
+``cumsum``, flaxformer's ``cumsum(mask) * mask - 1`` and a max over the k choices) are not matched
+equation by equation: each value of the region shaped as a mask is run on gates with no ties and
+compared with the language's meanings (:func:`shardc.ops.route_code.route_forward`).  What the rest
+of the program computes from those that match (a loss of the combine weights) is given back to the
+walk; any other value of the region it reads is an error naming the top-k, not a wrong spec.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = ["Region", "regions", "Match", "match", "read_routing", "run", "draw",
            "constants_of"]
 
 _LIMIT = 1 << 24  # the most mask elements the region is evaluated at to check its meaning
+_FUNCTIONS = ("route", "route_by_choice")  # the language's routings by one-hot mask, the plainer first
 
 
 @dataclass
@@ -167,6 +169,7 @@ class Match:
     k: int
     capacity: int
     kinds: tuple[tuple[Any, str, tuple[int, ...]], ...]
+    fn: str = "route"
 
 
 def experts_and_k(seed: Any) -> tuple[int, int]:
@@ -226,8 +229,8 @@ def match(region: Region) -> Match:
     orders = {matched[v][2:] for v in region.results}
     if len(orders) > 1:
         raise unwritable("the routing's masks count their slots along different dims or capacities")
-    order, capacity = orders.pop() if orders else (-1, 0)
-    return Match(order, experts, k, capacity, tuple(found))
+    order, capacity, fn = orders.pop() if orders else (-1, 0, "route")
+    return Match(order, experts, k, capacity, tuple(found), fn)
 
 
 def _why(result: Any, shape: tuple[int, ...]) -> str:
@@ -237,8 +240,8 @@ def _why(result: Any, shape: tuple[int, ...]) -> str:
         return (f"a routing mask of more than {_LIMIT} elements, more than explain runs to check that it is the "
                 "language's `route` (explain the program at smaller sizes: fewer tokens a group)")
     return ("it is neither the 0/1 mask of the language's `route` (each token to the next free slot of each of "
-            "its k experts, tokens in order: all of a token's choices before the next token's) nor the gates "
-            "times it")
+            "its k experts, tokens in order) or `route_by_choice` (the slots taken choice by choice: every "
+            "token's first choice before any second one) nor the gates times it")
 
 
 def _not_a_mask(region: Region, result: Any, why: str) -> str:
@@ -252,23 +255,25 @@ def _not_a_mask(region: Region, result: Any, why: str) -> str:
 
 
 def _kind(result: Any, values: list[np.ndarray], draws: list[np.ndarray], experts: int,
-          k: int) -> tuple[str, tuple[int, ...], int, int] | None:
-    """("mask" or "weights", the result's axes in the gates' order then C's, the order axis, C) where
-    every draw's value is the routing of its gates, else None."""
+          k: int) -> tuple[str, tuple[int, ...], int, int, str] | None:
+    """("mask" or "weights", the result's axes in the gates' order then C's, the order axis, C, the
+    language's function: ``route``, or ``route_by_choice`` where the slots are taken choice by choice)
+    where every draw's value is that routing of its gates, else None."""
     shape = tuple(draws[0].shape)
     rank = len(shape)
-    for axes in itertools.permutations(range(rank + 1)):
+    for axes, fn in itertools.product(itertools.permutations(range(rank + 1)), _FUNCTIONS[:1 + (k > 1)]):
         if tuple(result.aval.shape[a] for a in axes[:rank]) != shape:
             continue
         capacity = int(result.aval.shape[axes[rank]])
         for order in (o for o in range(rank) if o != experts):
-            masks = [route_forward(g.astype(np.float64), order, experts, capacity, k, np) for g in draws]
+            masks = [route_forward(g.astype(np.float64), order, experts, capacity, k, np,
+                                   by_choice=fn == "route_by_choice") for g in draws]
             moved = [np.transpose(v, axes) for v in values]
             if all(np.array_equal(v, m) for v, m in zip(moved, masks, strict=True)):
-                return "mask", axes, order, capacity
+                return "mask", axes, order, capacity, fn
             weighted = [m * g.astype(np.float64)[..., None] for m, g in zip(masks, draws, strict=True)]
             if all(np.allclose(v, w, rtol=1e-6, atol=0) for v, w in zip(moved, weighted, strict=True)):
-                return "weights", axes, order, capacity
+                return "weights", axes, order, capacity, fn
     return None
 
 
@@ -303,7 +308,7 @@ def read_routing(reader: Any, region: Region, line: str) -> None:
         made = result if kind == "mask" else _Mask()
         if made is not result:
             reader.dims[made] = [*ids, slots]
-        reader.make(made, "route", (gates,), over=ids[found.experts], names=(ids[found.order], slots),
+        reader.make(made, "route", (gates,), fn=found.fn, over=ids[found.experts], names=(ids[found.order], slots),
                     number=found.k, line=line if made is not result else at)
         mask, mask_slots = made, slots
         if made is not result:

@@ -97,7 +97,7 @@ def _dim_names(reader: Reading) -> dict[int, str]:
 
 def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple[str, ...] = ()) -> str:
     if s.kind in ("route", "dispatch", "combine"):
-        return f"{s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
+        return f"{s.fn or s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
     if s.kind in ("dot", "mul"):
         return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
     if s.kind == "copy":
