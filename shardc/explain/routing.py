@@ -261,14 +261,17 @@ def _kind(result: Any, values: list[np.ndarray], draws: list[np.ndarray], expert
     where every draw's value is that routing of its gates, else None."""
     shape = tuple(draws[0].shape)
     rank = len(shape)
+    known: dict[tuple[int, int, str], list[np.ndarray]] = {}  # each routing's masks, made once
     for axes, fn in itertools.product(itertools.permutations(range(rank + 1)), _FUNCTIONS[:1 + (k > 1)]):
         if tuple(result.aval.shape[a] for a in axes[:rank]) != shape:
             continue
         capacity = int(result.aval.shape[axes[rank]])
+        moved = [np.transpose(v, axes) for v in values]
         for order in (o for o in range(rank) if o != experts):
-            masks = [route_forward(g.astype(np.float64), order, experts, capacity, k, np,
-                                   by_choice=fn == "route_by_choice") for g in draws]
-            moved = [np.transpose(v, axes) for v in values]
+            if (order, capacity, fn) not in known:
+                known[order, capacity, fn] = [route_forward(g.astype(np.float64), order, experts, capacity, k, np,
+                                                            by_choice=fn == "route_by_choice") for g in draws]
+            masks = known[order, capacity, fn]
             if all(np.array_equal(v, m) for v, m in zip(moved, masks, strict=True)):
                 return "mask", axes, order, capacity, fn
             weighted = [m * g.astype(np.float64)[..., None] for m, g in zip(masks, draws, strict=True)]
