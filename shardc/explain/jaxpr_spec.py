@@ -12,7 +12,9 @@ for an output, else carried from its operands as explicit sharding mode would (e
 operand's axes, an axis at most once).  A reshape that splits a dim or merges several is the same
 tensor, the dim written as its parts (:mod:`shardc.explain.dim_classes`); a gather of a table's
 rows at ids is ``embed``; a scan of a layer, a ``layers`` block; the halves of an array put back
-together (rotary embedding's rotate-half) a map of it (:mod:`shardc.explain.slices`).  A training step's backward and
+together (rotary embedding's rotate-half) a map of it (:mod:`shardc.explain.slices`); an MoE router's top-k
+routing its ``route`` mask (:mod:`shardc.explain.routing`), or, held as indices, its ``dispatch`` and
+``combine`` (:mod:`shardc.explain.expert_moves`).  A training step's backward and
 update are left out (:mod:`shardc.explain.training`).  Anything else is a clear error naming the
 equation and its line.
 """
