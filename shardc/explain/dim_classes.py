@@ -21,8 +21,10 @@ __all__ = ["DimClasses", "UNWRITABLE"]
 UNWRITABLE = "EXPLAIN_UNWRITABLE"  # the kind of an error the reader reports with its equation and line
 
 
-def unwritable(message: str) -> ShardcError:
-    return ShardcError(message, fix="explain a program without it, or write its .shard spec", kind=UNWRITABLE)
+def unwritable(message: str, fix: str = "") -> ShardcError:
+    """An error of the reader, which the walk prefixes with the equation and its line; ``fix`` says what
+    to do where more can be said than to leave the op out."""
+    return ShardcError(message, fix=fix or "explain a program without it, or write its .shard spec", kind=UNWRITABLE)
 
 
 class DimClasses:

@@ -12,14 +12,15 @@ for an output, else carried from its operands as explicit sharding mode would (e
 operand's axes, an axis at most once).  A reshape that splits a dim or merges several is the same
 tensor, the dim written as its parts (:mod:`shardc.explain.dim_classes`); a gather of a table's
 rows at ids is ``embed``; a scan of a layer, a ``layers`` block; the halves of an array put back
-together (rotary embedding's rotate-half) a map of it (:mod:`shardc.explain.slices`).  A training step's backward and
+together (rotary embedding's rotate-half) a map of it (:mod:`shardc.explain.slices`); an MoE router's top-k
+routing its ``route`` mask (:mod:`shardc.explain.routing`), or, held as indices, its ``dispatch`` and
+``combine`` (:mod:`shardc.explain.expert_moves`).  A training step's backward and
 update are left out (:mod:`shardc.explain.training`).  Anything else is a clear error naming the
 equation and its line.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -27,11 +28,14 @@ from jax.extend import core as jex
 
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
+from shardc.explain.expert_moves import moves, read_move
+from shardc.explain.layers import read_scan
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
+from shardc.explain.routing import read_routing, regions
 from shardc.explain.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explain.sources import equation_text, shape_text, source_line
 from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
-from shardc.explain.training import TrainingStep, carried
+from shardc.explain.training import TrainingStep
 
 __all__ = ["ProgramSpec", "read_program"]
 
@@ -80,7 +84,8 @@ class _Reader(Reading):
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
         prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C",
-                  "embed": "E", "loss": "L"}[kind]
+                  "embed": "E", "loss": "L", "route": "Disp", "dispatch": "In",
+                  "combine": "Comb"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
@@ -111,10 +116,18 @@ class _Reader(Reading):
         the ones read after it, when given)."""
         eqns = [e for e in self.step.forward(jaxpr) if needed is None or id(e) in needed]
         found = runs(eqns, list(jaxpr.outvars)[:results])
+        routings = regions(eqns, list(jaxpr.outvars)[:results])
+        moved = {id(m.eqns[-1]): m for r in routings.values() for m in moves(r, eqns, list(jaxpr.outvars)[:results])}
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
         for eqn in eqns:
             try:
-                if eqn in found:
+                if id(eqn) in routings:
+                    read_routing(self, routings[id(eqn)], source_line(eqn) or self.caller)
+                elif id(eqn) in moved:
+                    read_move(self, moved[id(eqn)], eqns, source_line(eqn) or self.caller)
+                elif any(id(eqn) in r.skipped for r in routings.values()):  # settled at its top-k
+                    continue
+                elif eqn in found:
                     self.function(eqn.outvars[0], found[eqn], source_line(eqn))
                 elif id(eqn) not in inside:
                     self.equation(eqn)
@@ -160,8 +173,9 @@ class _Reader(Reading):
         out: Any = eqn.outvars[0] if eqn.outvars else None
         if name in ("top_k", "argsort") or eqn.params.get("name") == "argsort":
             raise unwritable("a top-k or an argsort makes positions along a dim (a dim of k, integer indices), "
-                             "which the language has no tensor for; top-k routing to experts is the language's "
-                             "`route` or `dispatch` (write the routing with them)")
+                             "which the language has no tensor for; an MoE router's top-k is read where its "
+                             "one-hot mask is the language's `route` (else write the routing with `route`, "
+                             "`dispatch` and `combine` in a .shard spec)")
         if name in _CALLS and not self.unary_call(eqn, arrays, line):
             self.call(eqn)
         elif name in _CALLS:
@@ -185,7 +199,7 @@ class _Reader(Reading):
         elif name == "gather":
             self.gather(eqn, line)
         elif name == "scan":
-            self.scan(eqn)
+            read_scan(self, eqn)
         elif name in ("slice", "split"):
             cut(self, eqn, line)
         elif name == "concatenate" and all(self.is_constant(v) for v in eqn.invars):
@@ -271,7 +285,10 @@ class _Reader(Reading):
         if not is_lookup(eqn):
             raise unwritable("a gather other than a table's rows at ids (jnp.take(table, ids, axis=0)) or the "
                              "mean cross entropy's take_along_axis picks elements at positions, which no tensor of "
-                             "the spec language holds")
+                             "the spec language holds",
+                             fix="take_along_axis is read in the mean cross entropy and in an MoE router's routing "
+                                 "(the gates at its top-k); elsewhere write the .shard spec, its routing with "
+                                 "`route`, `dispatch` and `combine`")
         ids = self.source(indices)
         if isinstance(ids, jex.Literal) or tuple(ids.aval.shape) != tuple(indices.aval.shape[:-1]):
             raise unwritable("the ids of a lookup are not an array of the program")
@@ -282,56 +299,6 @@ class _Reader(Reading):
         self.hints.setdefault(self.dims_of(table)[0], "V")  # the vocabulary, as the language's examples name it
         self.ids.add(ids)
         self.make(out, "embed", (ids, self.tensor(table)), line=line)
-
-    def scan(self, eqn: Any) -> None:
-        """``jax.lax.scan`` of a layer over stacked weights: the body once, as a ``layers N { ... }``
-        block (its carry the block's input and output), each stacked weight one layer's (the leading
-        dim left out), read as far as the carry needs it (a training step's residuals are not).  Each
-        scan is a block of its own, in the program's order."""
-        body, length = eqn.params["jaxpr"].jaxpr, int(eqn.params["length"])
-        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
-        for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars, strict=True)):
-            if isinstance(outer, jex.Literal) or not outer.aval.shape:
-                continue
-            self.step.enter(outer, inner)
-            if k < consts + carry:
-                self.view(inner, outer, list(range(len(outer.aval.shape))))
-                if k < consts:
-                    self.layer_inputs[1].append(self.base(outer))
-                continue
-            self.layer_inputs[0].append(self.base(outer))
-            if self.axes.get(self.base(outer), {}).get(self.dims_of(outer)[0], ()):
-                self.layer_sharded(outer, length)
-            self.stacked.add(self.dims_of(outer)[0])
-            self.dims[inner], self.alias[inner] = self.dims_of(outer)[1:], outer
-        start = len(self.statements)
-        self.walk(body, carried(body, carry), carry)
-        self.blocks.append((start, len(self.statements), length))
-        for k, (outer, inner) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
-            if k >= carry:
-                self.stacked_outputs.add(outer)
-            elif not isinstance(inner, jex.Literal) and inner.aval.shape:
-                self.view(outer, inner, list(range(len(inner.aval.shape))))
-
-    def layer_sharded(self, stacked: Any, length: int) -> None:
-        """Stacked weights sharded along the layers (``W[L_X, D, F]``: each device holds L/X whole layers,
-        and XLA gathers each layer's slice as the loop reads it) written as the language's nearest
-        equivalent: each layer's weights sharded over those axes along a dim they divide (FSDP), the
-        same bytes a device and one AllGather of a layer's weights a layer, with a note saying so."""
-        axes = self.axes[self.base(stacked)]
-        layer, *rest = self.dims_of(stacked)
-        moved = axes[layer]
-        devices = math.prod(self.mesh[a] for a in moved)
-        held = [d for d in rest if not axes.get(d, ())] + [d for d in rest if axes.get(d, ())]
-        fits = [d for d in held if self.size[d] % (devices * math.prod(self.mesh[a] for a in axes.get(d, ()))) == 0]
-        if not fits:
-            raise unwritable(f"a scan over stacked weights sharded along the layers over {', '.join(moved)}, whose "
-                             "layers' dims those axes divide none of (the language shards each layer's weights)")
-        axes[layer], axes[fits[0]] = (), (*moved, *axes.get(fits[0], ()))
-        name = self.names.get(self.base(stacked), "a stacked weight")
-        self.notes.append(f"{name}: its {length} layers sharded over {', '.join(moved)} in the program, each "
-                          "layer's weights here (FSDP): the same bytes a device and gathered (XLA may gather the "
-                          "whole stack before its loop, here a layer at a time)")
 
     def view(self, out: Any, source: Any, perm: list[int]) -> None:
         ids = self.dims_of(source)

@@ -41,7 +41,9 @@ def _bounds(eqn: Any) -> list[tuple[int, int, int]]:
         return [(axis, a, b) for a, b in zip(starts, starts[1:], strict=False)]
     if any(s not in (None, 1) for s in eqn.params["strides"] or ()):
         raise unwritable("a strided slice picks every k-th element of a dim, which no op of the spec language "
-                         "does (a dim's elements a device holds are one block)")
+                         "does (a dim's elements a device holds are one block)",
+                         fix="pass the strided slice to the program as an argument (an input of its size in the "
+                             "spec), or write the .shard spec")
     narrowed = [k for k, (a, b, n) in enumerate(zip(eqn.params["start_indices"], eqn.params["limit_indices"], shape,
                                                     strict=True)) if (a, b) != (0, n)]
     if len(narrowed) != 1:
@@ -73,8 +75,11 @@ def concatenate(reader: Any, eqn: Any, line: str) -> None:
     first = parts[0]
     if first is None or any(p is None or (p.source, p.ids, p.axis) != (first.source, first.ids, axis) for p in parts):
         raise unwritable("a concatenation grows a dim (a cache's length, a stack of arrays), which no op of the "
-                         "spec language does; only the halves of one array put back together (rotary "
-                         "embedding's rotate-half) are read, as a map of the array")
+                         "spec language does; only the parts of one array put back together (rotary "
+                         "embedding's rotate-half) are read, as a map of the array",
+                         fix="concatenate the inputs before the program: two products with one array, x @ w1 and "
+                             "x @ w2, side by side are one contraction with the weights concatenated; a cache "
+                             "grown by a step is the spec of one step at the grown length")
     spans = sorted((p.start, p.stop) for p in parts if p is not None)
     if [a for a, _ in spans] != [0, *(b for _, b in spans[:-1])] or spans[-1][1] != reader.size[first.ids[axis]]:
         raise unwritable("a concatenation of parts of an array that are not each of its elements once")

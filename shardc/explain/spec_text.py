@@ -25,13 +25,16 @@ _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 @dataclass
 class Statement:
-    kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed", "loss" (cross_entropy)
+    kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed", "loss" (cross_entropy),
+    # "route" (an MoE router's one-hot mask), "dispatch" and "combine" (its index-based moves)
     result: Any
     operands: tuple[Any, ...]
     fn: str = ""  # the function (fn) or reduction (reduce)
     signs: tuple[int, ...] = ()
     over: int = -1  # the reduced dim id
     line: str = ""
+    names: tuple[int, ...] = ()  # a routing's token and capacity dim ids
+    number: int = 0  # a routing's k
 
 
 @dataclass
@@ -92,7 +95,9 @@ def _dim_names(reader: Reading) -> dict[int, str]:
     return names
 
 
-def _expression(s: Statement, operands: list[TensorRef], over: str) -> str:
+def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple[str, ...] = ()) -> str:
+    if s.kind in ("route", "dispatch", "combine"):
+        return f"{s.fn or s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
     if s.kind in ("dot", "mul"):
         return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
     if s.kind == "copy":
@@ -125,8 +130,9 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
         lines[result.name] = s.line
         for operand in operands:
             lines.setdefault(operand.name, s.line)  # an input: where it is first read
-        over = _over(reader, names, s) if s.kind in ("reduce", "norm") else ""
-        text = f"{result} = {_expression(s, operands, over)}" + (f"  # {comment(s.line)}" if s.line else "")
+        over = _over(reader, names, s, s.over) if s.kind in ("reduce", "norm", "route", "dispatch", "combine") else ""
+        named = tuple(_over(reader, names, s, d) for d in s.names)
+        text = f"{result} = {_expression(s, operands, over, named)}" + (f"  # {comment(s.line)}" if s.line else "")
         inside = any(start <= len(body) < end for start, end, _ in reader.blocks)
         body.append(("  " + text) if inside else text)
     if not body:
@@ -145,10 +151,11 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
                        training=reader.step.backward)
 
 
-def _over(reader: Reading, names: dict[int, str], s: Statement) -> str:
-    atoms = reader.atoms(s.over)
+def _over(reader: Reading, names: dict[int, str], s: Statement, dim: int) -> str:
+    """The name of the dim ``dim`` a statement names (its reduced one, route's tokens and capacity)."""
+    atoms = reader.atoms(dim)
     if len(atoms) != 1:
-        raise ShardcError(f"`{s.fn}` over a dim the program reshapes into {len(atoms)} dims"
+        raise ShardcError(f"`{s.fn or s.kind}` over a dim the program reshapes into {len(atoms)} dims"
                           + (f" at {s.line}" if s.line else "") + " has no form in the spec language",
                           fix="reshape after the reduction, or explain a program without it")
     return names[atoms[0]]

@@ -149,15 +149,18 @@ MASK_OPS = (Causal, CausalVjp, DropoutMask, Dropout, DropoutVjp)
 @dataclass(frozen=True)
 class Route:
     """Top-k routing with capacity: tokens in order of index ``order`` to ``k`` of the experts along
-    ``experts``, a slot each along the new capacity index ``slots``."""
+    ``experts``, a slot each along the new capacity index ``slots`` (``by_choice``: all tokens' first
+    choices take their slots before any second choice, ``route_by_choice``)."""
 
     order: str
     experts: str
     slots: str
     k: int
+    by_choice: bool = False
 
     def __str__(self) -> str:
-        return f"route({self.order},{self.experts},{self.slots},{self.k})"
+        name = "route_by_choice" if self.by_choice else "route"
+        return f"{name}({self.order},{self.experts},{self.slots},{self.k})"
 
 
 ATTENTION_PARTS = ("out", "lse", "dq", "dk", "dv", "dqr", "dkr")

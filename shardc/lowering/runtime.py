@@ -155,14 +155,21 @@ def vocab_ce_grad(logits: Array, lse: Array, ids: Array, dloss: Array, axis: int
 
 # --- routing (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021) ---------------------
 
-def route_topk(gates: Array, k: int, capacity: int, order: int, experts: int) -> Array:
+def route_topk(gates: Array, k: int, capacity: int, order: int, experts: int, by_choice: bool = False) -> Array:
     """Top-k routing with capacity: the 0/1 mask [..., capacity] (a new last dim) of each token's
     slot at each of its k largest gates along ``experts`` (ties: the lower expert), slots counted
-    in token order along ``order``; a token past an expert's capacity is dropped there."""
+    in token order along ``order`` (``by_choice``: choice by choice, every token's first choice before
+    any second one); a token past an expert's capacity is dropped there."""
     x = jnp.moveaxis(gates, (order, experts), (-2, -1))
     _, top = jax.lax.top_k(x, k)
-    chosen = jnp.sum(jax.nn.one_hot(top, x.shape[-1], dtype=jnp.int32), axis=-2)
-    slot = jnp.cumsum(chosen, axis=-2) - chosen  # tokens before this one that chose the expert
+    picks = jax.nn.one_hot(top, x.shape[-1], dtype=jnp.int32)  # [..., S, k, E]
+    chosen = jnp.sum(picks, axis=-2)
+    if by_choice:  # the choices before this one: all tokens' earlier choices, then earlier tokens' same one
+        ranked = jnp.swapaxes(picks, -3, -2)
+        flat = jnp.reshape(ranked, (*ranked.shape[:-3], -1, ranked.shape[-1]))
+        slot = jnp.sum(jnp.reshape(jnp.cumsum(flat, axis=-2) - flat, ranked.shape) * ranked, axis=-3)
+    else:
+        slot = jnp.cumsum(chosen, axis=-2) - chosen  # tokens before this one that chose the expert
     mask = chosen[..., None] * jax.nn.one_hot(slot, capacity, dtype=gates.dtype)  # 0 past the capacity
     return jnp.moveaxis(mask, (-3, -2), (order, experts))
 

@@ -7,7 +7,8 @@ order of S within every other index (a group, in GShard's terms: Lepikhin et al.
 et al. 2021).  So a device needs E and S whole: the top-k runs along E, the slot
 of a token is a cumulative count along S.  The forward's candidates are those of a
 reduction (:func:`shardc.sharding.rowwise.candidates`) with E and S gathered, costed
-by the same objective; every other index keeps its sharding, and C comes out
+by the same objective (``route_by_choice``, the slots taken choice by choice as GShard's top-2
+and flaxformer's masked router take them, is planned alike); every other index keeps its sharding, and C comes out
 replicated, then moves to the declared sharding.  The step is one local map whose
 ``fn`` says what lowering needs (:class:`shardc.ir.localops.Route`).  The mask is 0/1,
 so it has no backward (no gradient reaches the gates through it, as none reaches
@@ -52,7 +53,7 @@ def route_op(call: Call) -> Route:
     """The route step's local operation for ``call``."""
     assert call.over is not None
     order, slots = call.names
-    return Route(order, call.over, slots, int(call.numbers[0]))
+    return Route(order, call.over, slots, int(call.numbers[0]), call.func == "route_by_choice")
 
 
 def _option(phase: Phase, node: Node, local: Value, target: Value | None, whole: tuple[str, ...]) -> Layouts | None:
@@ -126,7 +127,8 @@ def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
     (order, slots), experts, k = call.names, call.over, int(call.numbers[0])
     if slots not in site.shape:
         raise ShardcError(f"route's capacity index {slots} has no size", fix=f"give {slots} a size in dims")
-    return route_forward(gates, labels.index(order), labels.index(experts), site.shape[slots], k, xp)
+    return route_forward(gates, labels.index(order), labels.index(experts), site.shape[slots], k, xp,
+                         by_choice=call.func == "route_by_choice")
 
 
 def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
@@ -152,7 +154,8 @@ def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ..
     return (*gates, call.names[1])
 
 
-ROUTING = register(Family(name="routing", calls=frozenset({"route"}), ops=(Route,), plan=plan_route, backward=None,
-                          emit=emit, reference=Reference(_forward, None, _magnitude, arguments=_arguments,
-                                                         indices=_indices), argument=_argument,
+ROUTING = register(Family(name="routing", calls=frozenset({"route", "route_by_choice"}), ops=(Route,), plan=plan_route,
+                          backward=None, emit=emit,
+                          reference=Reference(_forward, None, _magnitude, arguments=_arguments, indices=_indices),
+                          argument=_argument,
                           chooses=True, capacity=capacity, fusible=False))

@@ -46,7 +46,7 @@ def route_code(step: Step, var: Callable[[TensorRef], str], capacity: str) -> st
     (gates,) = step.operands
     made = (*gates.indices, slots)
     code = (f"route_topk({var(gates)}, k={k}, capacity={capacity}, order={gates.indices.index(order)}, "
-            f"experts={gates.indices.index(experts)})")
+            f"experts={gates.indices.index(experts)}{', by_choice=True' if step.fn.by_choice else ''})")
     if made == step.dst.indices:
         return code
     return f"jnp.transpose({code}, {tuple(made.index(i) for i in step.dst.indices)})"
@@ -69,14 +69,22 @@ def node_limited(y: Array, k: int, limit: int, groups: int, xp: Any) -> Array:
 
 
 def route_forward(x: Array, order: int, experts: int, capacity: int, k: int, xp: Any,
-                  nodes: tuple[int, int] = (0, 0)) -> Array:
+                  nodes: tuple[int, int] = (0, 0), by_choice: bool = False) -> Array:
     """The routing mask of whole gates ``x``: ``x``'s dims, then the capacity dim last; ``nodes``
-    (limit, groups): node-limited (:func:`node_limited`), (0, 0): every expert."""
+    (limit, groups): node-limited (:func:`node_limited`), (0, 0): every expert; ``by_choice``: slots
+    taken choice by choice (all tokens' first choices, then their second ones), else token by token."""
     y = xp.moveaxis(x, (order, experts), (-2, -1))
     if nodes[0]:
         y = node_limited(y, k, *nodes, xp)
     top = xp.argsort(-y, axis=-1, stable=True)[..., :k]  # stable: ties to the lower expert
-    chosen = xp.any(top[..., None] == xp.arange(y.shape[-1]), axis=-2)
-    slot = xp.cumsum(chosen, axis=-2) - chosen
+    picks = top[..., None] == xp.arange(y.shape[-1])  # [..., S, k, E]
+    chosen = xp.any(picks, axis=-2)
+    if by_choice:  # a choice's slot: the same expert's picks before it, choice-major then token order
+        ranked = xp.swapaxes(picks, -3, -2).astype(xp.int64)
+        flat = xp.reshape(ranked, (*ranked.shape[:-3], -1, ranked.shape[-1]))
+        before = xp.reshape(xp.cumsum(flat, axis=-2) - flat, ranked.shape)
+        slot = xp.sum(before * ranked, axis=-3)
+    else:
+        slot = xp.cumsum(chosen, axis=-2) - chosen
     hit = chosen[..., None] & (slot[..., None] == xp.arange(capacity))
     return xp.moveaxis(hit.astype(x.dtype), (-3, -2), (order, experts))

@@ -22,6 +22,10 @@ has a kind, which fixes how its result's indices follow from its arguments:
   of each expert it picked, tokens in order of S (the first index name), the
   capacity index C (the second, not an index of the argument) counting slots; a
   token past an expert's capacity is dropped there.  A mask: no gradient.
+- ``route_by_choice``: ``route``'s arguments and mask, the slots taken choice by choice: every
+  token's first choice (in order of S) before any token's second one, and so on, as GShard's top-2
+  (its second expert's slots counted after all first ones) and flaxformer's masked router take
+  them; with k = 1 it is ``route``.
 - ``attention``: ``attention(Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal)``,
   ``softmax(Q·K / sqrt(H) over T) · V`` computed blockwise (no S x T scores held); the flag
   ``causal`` is optional, and so is a second (query, key) pair whose scores add to Q·K
@@ -110,6 +114,8 @@ FUNCTIONS: dict[str, Signature] = {
     "cross_entropy": Signature("loss", "mean over tokens of logsumexp(logits) - logits[target]", tensors=2),
     "route": Signature("route", "0/1 mask: each token (in order of S) to a free slot C of its top k along E",
                        names=2, numbers=1, over=True),
+    "route_by_choice": Signature("route", "0/1 mask: route's, the slots taken choice by choice (all first "
+                                 "choices, in order of S, before any second one)", names=2, numbers=1, over=True),
     # `causal` is an optional flag (an index-name argument): validation accepts 0 names or that one
     # a second (query, key) pair, `attention(Q, K, V, Qr, Kr over T)`, is optional: validation accepts 5 tensors
     "attention": Signature("attention", "softmax(Q·K / sqrt(H) over T) · V, blockwise (online softmax); "
@@ -123,7 +129,7 @@ FUNCTIONS: dict[str, Signature] = {
 
 # The functions that route tokens to experts' slots (a capacity index C, new or read): route's
 # mask, and the index-based dispatch and combine.
-ROUTINGS = frozenset({"route", "dispatch", "combine"})
+ROUTINGS = frozenset({"route", "route_by_choice", "dispatch", "combine"})
 
 ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")
 

@@ -1,0 +1,65 @@
+"""A ``jax.lax.scan`` of a layer over stacked weights read as a ``layers N { ... }`` block of the spec."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jax.extend import core as jex
+
+from shardc.explain.dim_classes import unwritable
+from shardc.explain.training import carried
+
+__all__ = ["read_scan"]
+
+
+def read_scan(reader: Any, eqn: Any) -> None:
+    """``jax.lax.scan`` of a layer over stacked weights: the body once, as a ``layers N { ... }``
+    block (its carry the block's input and output), each stacked weight one layer's (the leading
+    dim left out), read as far as the carry needs it (a training step's residuals are not).  Each
+    scan is a block of its own, in the program's order."""
+    body, length = eqn.params["jaxpr"].jaxpr, int(eqn.params["length"])
+    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars, strict=True)):
+        if isinstance(outer, jex.Literal) or not outer.aval.shape:
+            continue
+        reader.step.enter(outer, inner)
+        if k < consts + carry:
+            reader.view(inner, outer, list(range(len(outer.aval.shape))))
+            if k < consts:
+                reader.layer_inputs[1].append(reader.base(outer))
+            continue
+        reader.layer_inputs[0].append(reader.base(outer))
+        if reader.axes.get(reader.base(outer), {}).get(reader.dims_of(outer)[0], ()):
+            _layer_sharded(reader, outer, length)
+        reader.stacked.add(reader.dims_of(outer)[0])
+        reader.dims[inner], reader.alias[inner] = reader.dims_of(outer)[1:], outer
+    start = len(reader.statements)
+    reader.walk(body, carried(body, carry), carry)
+    reader.blocks.append((start, len(reader.statements), length))
+    for k, (outer, inner) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
+        if k >= carry:
+            reader.stacked_outputs.add(outer)
+        elif not isinstance(inner, jex.Literal) and inner.aval.shape:
+            reader.view(outer, inner, list(range(len(inner.aval.shape))))
+
+
+def _layer_sharded(reader: Any, stacked: Any, length: int) -> None:
+    """Stacked weights sharded along the layers (``W[L_X, D, F]``: each device holds L/X whole layers,
+    and XLA gathers each layer's slice as the loop reads it) written as the language's nearest
+    equivalent: each layer's weights sharded over those axes along a dim they divide (FSDP), the
+    same bytes a device and one AllGather of a layer's weights a layer, with a note saying so."""
+    axes = reader.axes[reader.base(stacked)]
+    layer, *rest = reader.dims_of(stacked)
+    moved = axes[layer]
+    devices = math.prod(reader.mesh[a] for a in moved)
+    held = [d for d in rest if not axes.get(d, ())] + [d for d in rest if axes.get(d, ())]
+    fits = [d for d in held if reader.size[d] % (devices * math.prod(reader.mesh[a] for a in axes.get(d, ()))) == 0]
+    if not fits:
+        raise unwritable(f"a scan over stacked weights sharded along the layers over {', '.join(moved)}, whose "
+                         "layers' dims those axes divide none of (the language shards each layer's weights)")
+    axes[layer], axes[fits[0]] = (), (*moved, *axes.get(fits[0], ()))
+    name = reader.names.get(reader.base(stacked), "a stacked weight")
+    reader.notes.append(f"{name}: its {length} layers sharded over {', '.join(moved)} in the program, each "
+                      "layer's weights here (FSDP): the same bytes a device and gathered (XLA may gather the "
+                      "whole stack before its loop, here a layer at a time)")
