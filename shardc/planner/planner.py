@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import replace
 
@@ -117,14 +117,16 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     if not isinstance(collective_matmul, bool):
         raise TypeError(f"collective_matmul must be True or False, not {type(collective_matmul).__name__}")
     try:
-        planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute, (budget, explain),
-                                                  gradients or {}, weights=weights or SUM))
-        if may_hold(planned):  # planned again held (no reordering, all-gather balanced); the faster, held on a tie
-            again = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
-                                                    (budget, explain), gradients or {}, weights=weights or SUM,
-                                                    zigzag_held=True))
-            if holds(again) and objective(plan_time(again)) <= objective(plan_time(planned)):
-                planned = again
+        # the plan held in zig-zag order solves the same einsums: both share one search cache
+        with shared_search() if _SHARED.get() is None else nullcontext():
+            planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
+                                                      (budget, explain), gradients or {}, weights=weights or SUM))
+            if may_hold(planned):  # planned again held (no reordering, all-gather balanced); the faster, held on a tie
+                again = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
+                                                        (budget, explain), gradients or {}, weights=weights or SUM,
+                                                        zigzag_held=True))
+                if holds(again) and objective(plan_time(again)) <= objective(plan_time(planned)):
+                    planned = again
         return fuse_collective_matmuls(planned) if collective_matmul else planned
     except SearchTooLong as e:
         raise ShardcError(
