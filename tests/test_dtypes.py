@@ -199,6 +199,20 @@ def test_a_pipelines_parts_keep_their_tensors_types() -> None:
     assert [{t for t, _ in p.tensor_dtypes} for p in parts] == [{"E0"}, {"E0", "H"}, {"V2"}, {"W_out", "Lg"}]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["", "zero 1 over X\n"])
+def test_a_pipeline_verifies_each_collective_at_its_tensors_type(zero: str) -> None:
+    """A pipelined spec of two types verifies: the stage program's collectives, those once a step after its
+    loop and a ZeRO stage's optimizer phase are each priced at the bytes of their tensor's type (dW_emb's
+    AllReduce in bf16, dW1's in f8), not all at the spec's (both failed so on DeepSeek-V3's spec)."""
+    from shardc.verification.verify import render_report, verify
+
+    report = verify(shardc.parse(PIPELINED.replace("dtype f8\n", "dtype f8\n" + zero)))
+    assert report.ok, render_report(report)
+    rows = {r.step.split()[1]: r for r in report.collectives if r.kind == "AllReduce"}
+    assert rows["dW_emb[V,"].ok and rows["dW1[D,"].ok  # a bf16 and an f8 gradient, each matched at its bytes
+
+
 def test_a_ring_kernel_sends_its_keys_and_values_at_their_type() -> None:
     """Ring attention over 16 devices with Q, K and V in f32: its forward sends twice the bf16 ones, in the
     cost formulas as in the numbers, and the report says its kernel's type."""

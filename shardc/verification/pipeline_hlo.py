@@ -72,38 +72,46 @@ def _mesh(lowered: PipelineLowered) -> tuple[tuple[str, int], ...]:
 
 
 def _signatures(text: str, mesh: tuple[tuple[str, int], ...], nbytes: int) -> dict[Signature, Collective]:
-    """The HLO's collectives (permutes aside, checked on their own) by kind, axes and bytes."""
+    """The HLO's collectives (permutes aside, checked on their own) by kind, axes and bytes, a floating
+    element at ``nbytes``."""
     return {(c.kind, hlo_axes(c), c.bytes(nbytes)): c for c in collectives(text, mesh)
             if c.kind is not None and c.axes}
 
 
 def stage_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | None,
                cut: tuple[str, ...]) -> list[CollectiveRow]:
-    """Each planned collective against the program's HLO ``text``, and each of its collectives
-    against the plan."""
+    """Each planned collective against the program's HLO ``text`` (its floating elements at the bytes of the
+    step's tensor, a `dtype T` line's), and each of its collectives against the plan."""
     mesh = _mesh(lowered)
     sizes, nbytes = dict(lowered.sizes), lowered.plan.spec.dtype.nbytes
-    found = _signatures(text, mesh, nbytes)
-    allowed: set[Signature] = set()
-    after = _signatures("\n".join(outside_loop(text)), mesh, nbytes)
+    outside = "\n".join(outside_loop(text))
+    priced: dict[tuple[bool, int], dict[Signature, Collective]] = {}
+
+    def found(once: bool, size: int) -> dict[Signature, Collective]:
+        if (once, size) not in priced:
+            priced[once, size] = _signatures(outside if once else text, mesh, size)
+        return priced[once, size]
+
+    matched: set[tuple[object, ...]] = set()  # the HLO collectives a planned one found: kind, axes, elements
     rows = []
     for plan in parts or (lowered.plan,):
         split = split_reductions(plan)
-        steps = [(s, found, "") for s in split.each.forward + backward_program(split.each) if s.is_collective]
-        for step, where, when in steps + [(s, after, " (once a step)") for s in split.once if s.is_collective]:
+        steps = [(s, False, "") for s in split.each.forward + backward_program(split.each) if s.is_collective]
+        for step, once, when in steps + [(s, True, " (once a step)") for s in split.once if s.is_collective]:
             p = planned_collective("step", step, dict(mesh), sizes, cut)
             if isinstance(p, CollectiveRow):
                 rows.append(p)
                 continue
-            signature: Signature = (p.op, p.axes, p.want)  # the loop runs each distinct one once in its body
-            allowed.add(signature)
-            hit = where.get(signature)
+            hit = found(once, plan.nbytes(step.tensor)).get((p.op, p.axes, p.want))  # the loop runs each once
+            if hit is not None:
+                matched.add((hit.kind, hlo_axes(hit), hit.elements))
             rows.append(CollectiveRow("step", p.label + when, step.op.title, axes_text(p.axes), p.want,
                                       hit.hlo_op if hit else "-", axes_text(hit.axes) if hit else "-",
                                       p.want if hit else None, hit is not None,
                                       "" if hit else f"no collective of its kind, axes and bytes in the HLO"
                                                      f"{' after the loop' if when else ''}"))
-    return rows + [unplanned_row("step", c, nbytes) for signature, c in found.items() if signature not in allowed]
+    return rows + [unplanned_row("step", c, nbytes) for c in found(False, nbytes).values()
+                   if (c.kind, hlo_axes(c), c.elements) not in matched]
 
 
 def outside_loop(text: str) -> list[str]:

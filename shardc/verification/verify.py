@@ -315,7 +315,7 @@ def _stage_optimizer(report: Report, zero: Plan, note: str, devices: int, seed: 
     mesh = dict(lowered.module.mesh)
     found = collectives(lowered.compiled_text("optimizer", dtype), lowered.module.mesh)
     report.collectives += match_collectives("optimizer", zero.optimizer, found, dict(lowered.sizes or {}),
-                                            zero.spec.dtype.nbytes, collapsed_axes(stage, mesh))
+                                            zero.spec.dtype.nbytes, collapsed_axes(stage, mesh), zero.nbytes)
 
 
 def _keys(lowered: Lowered) -> tuple[int, ...]:
