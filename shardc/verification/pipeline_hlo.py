@@ -92,7 +92,7 @@ def stage_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | No
             priced[once, size] = _signatures(outside if once else text, mesh, size)
         return priced[once, size]
 
-    matched: set[tuple[object, ...]] = set()  # the HLO collectives a planned one found: kind, axes, elements
+    allowed: set[tuple[int, Signature]] = set()  # each planned collective's signature, at its tensor's bytes
     rows = []
     for plan in parts or (lowered.plan,):
         split = split_reductions(plan)
@@ -102,16 +102,17 @@ def stage_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | No
             if isinstance(p, CollectiveRow):
                 rows.append(p)
                 continue
-            hit = found(once, plan.nbytes(step.tensor)).get((p.op, p.axes, p.want))  # the loop runs each once
-            if hit is not None:
-                matched.add((hit.kind, hlo_axes(hit), hit.elements))
+            size = plan.nbytes(step.tensor)
+            allowed.add((size, (p.op, p.axes, p.want)))
+            hit = found(once, size).get((p.op, p.axes, p.want))  # the loop runs each distinct one once in its body
             rows.append(CollectiveRow("step", p.label + when, step.op.title, axes_text(p.axes), p.want,
                                       hit.hlo_op if hit else "-", axes_text(hit.axes) if hit else "-",
                                       p.want if hit else None, hit is not None,
                                       "" if hit else f"no collective of its kind, axes and bytes in the HLO"
                                                      f"{' after the loop' if when else ''}"))
+    sizes_planned = {size for size, _ in allowed}
     return rows + [unplanned_row("step", c, nbytes) for c in found(False, nbytes).values()
-                   if (c.kind, hlo_axes(c), c.elements) not in matched]
+                   if not any((size, (c.kind, hlo_axes(c), c.bytes(size))) in allowed for size in sizes_planned)]
 
 
 def outside_loop(text: str) -> list[str]:
