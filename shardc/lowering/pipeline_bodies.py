@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from shardc.lowering.pipeline_parts import Part
+from shardc.pipeline.block_split import block_bounds
 
 __all__ = ["Body", "BodyTables", "body_tables", "block_slot_layers", "own_run", "switch"]
 
@@ -53,15 +54,6 @@ class BodyTables:
         return column.pop() if len(column) == 1 else None
 
 
-def _bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
-    """Each block's run of the model's layers, [first, end)."""
-    out, at = [], 0
-    for n in counts:
-        out.append((at, at + n))
-        at += n
-    return out
-
-
 def _block_of(layer: int, bounds: list[tuple[int, int]]) -> int:
     return next((b for b, (lo, hi) in enumerate(bounds) if lo <= layer < hi), len(bounds) - 1)
 
@@ -75,7 +67,7 @@ def body_tables(firsts: Sequence[int], held: Sequence[int], counts: Sequence[int
     """The tables of virtual stages whose runs start at ``firsts`` and hold ``held`` layers, the model's
     layers ``counts`` of each block in order.  An empty slot (past a stage's layers) runs the block of its
     stage's last layer at the position after it: its output and gradients are masked away."""
-    bounds = _bounds(counts)
+    bounds = block_bounds(counts)
     slots = tuple(max(max(0, hi - lo) for lo, hi in (own_run(f, n, bound) for f, n in zip(firsts, held, strict=True)))
                   for bound in bounds)
     width = max(held)
@@ -98,7 +90,7 @@ def block_slot_layers(firsts: Sequence[int], held: Sequence[int], counts: Sequen
     """Block ``block``'s params as the devices hold them: for each virtual stage of ``order`` (each device's
     chunks in turn) its ``slots[block]`` slots, the layer of the block each holds (counted within the block;
     the block's layer count for a slot past the stage's own)."""
-    bound = _bounds(counts)[block]
+    bound = block_bounds(counts)[block]
     slots = body_tables(firsts, held, counts).slots[block]
     out = []
     for u in order:

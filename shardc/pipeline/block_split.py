@@ -11,22 +11,28 @@ run in the two directions.  With one block every count is the chunk's or the dev
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shardc.pipeline.dualpipe import TWO_WAY
 from shardc.pipeline.schedules import device_of
 from shardc.spec.stages import Pipeline
 
-__all__ = ["chunk_blocks", "device_blocks", "stage_blocks", "counted_device"]
+__all__ = ["block_bounds", "chunk_blocks", "device_blocks", "stage_blocks", "counted_device"]
 
 Counts = tuple[float, ...]  # layers of each block
 
 
-def _bounds(pipe: Pipeline) -> list[tuple[int, int]]:
-    """Each block's run of the model's layers, [first, end)."""
+def block_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Each block's run of the model's layers, [first, end), the blocks holding ``counts`` layers in order."""
     out, at = [], 0
-    for n in pipe.blocks or (pipe.layers,):
+    for n in counts:
         out.append((at, at + n))
         at += n
     return out
+
+
+def _bounds(pipe: Pipeline) -> list[tuple[int, int]]:
+    return block_bounds(pipe.blocks or (pipe.layers,))
 
 
 def _runs(pipe: Pipeline) -> list[tuple[float, float]]:
