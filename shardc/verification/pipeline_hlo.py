@@ -71,11 +71,9 @@ def _mesh(lowered: PipelineLowered) -> tuple[tuple[str, int], ...]:
     return tuple(lowered.namespace.PIPE_MESH_AXES.items())
 
 
-def _signatures(text: str, mesh: tuple[tuple[str, int], ...], nbytes: int) -> dict[Signature, Collective]:
-    """The HLO's collectives (permutes aside, checked on their own) by kind, axes and bytes, a floating
-    element at ``nbytes``."""
-    return {(c.kind, hlo_axes(c), c.bytes(nbytes)): c for c in collectives(text, mesh)
-            if c.kind is not None and c.axes}
+def _by_signature(found: list[Collective], nbytes: int) -> dict[Signature, Collective]:
+    """``found`` by kind, axes and bytes, a floating element at ``nbytes``."""
+    return {(c.kind, hlo_axes(c), c.bytes(nbytes)): c for c in found}
 
 
 def stage_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | None,
@@ -84,12 +82,14 @@ def stage_rows(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] | No
     step's tensor, a `dtype T` line's), and each of its collectives against the plan."""
     mesh = _mesh(lowered)
     sizes, nbytes = dict(lowered.sizes), lowered.plan.spec.dtype.nbytes
-    outside = "\n".join(outside_loop(text))
+    # the HLO's collectives (permutes aside, checked on their own), in the program and after its loop
+    regions = {once: [c for c in collectives(part, mesh) if c.kind is not None and c.axes]
+               for once, part in ((False, text), (True, "\n".join(outside_loop(text))))}
     priced: dict[tuple[bool, int], dict[Signature, Collective]] = {}
 
     def found(once: bool, size: int) -> dict[Signature, Collective]:
         if (once, size) not in priced:
-            priced[once, size] = _signatures(outside if once else text, mesh, size)
+            priced[once, size] = _by_signature(regions[once], size)
         return priced[once, size]
 
     allowed: set[tuple[int, Signature]] = set()  # each planned collective's signature, at its tensor's bytes
