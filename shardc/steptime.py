@@ -1,9 +1,9 @@
-"""How one local einsum is timed, beneath :mod:`shardc.timing` and the planner's search.
+"""How one local einsum is timed, beneath :mod:`shardc.step_cost` and the planner's search.
 
-:mod:`shardc.timing` times a plan's einsums with these; the planner's einsum search
+:mod:`shardc.step_cost` times a plan's einsums with these; the planner's einsum search
 (:meth:`shardc.sharding.layout.CostContext.einsum_seconds`) prices each configuration it
 weighs with the same functions, so the search and ``shardc cost`` share one model.  They live apart from
-:mod:`shardc.timing` because that module reads the op families (their HBM traffic),
+:mod:`shardc.step_cost` because that module reads the op families (their HBM traffic),
 which themselves plan through the search.
 """
 

@@ -38,15 +38,16 @@ HEAVY = ("jax", "jaxlib", "matplotlib", "lark")
 # the planning and costing layers: parsing a spec must not reach any of them (the spec's own pipeline
 # lines, its stage axis and layer split, are ``shardc.spec.stages``, which validation reads)
 PLANNING_AND_COSTING = ("shardc.planner", "shardc.sharding", "shardc.ir.plan", "shardc.ir.localops", "shardc.ops",
-                        "shardc.costmodel", "shardc.collectives", "shardc.timing", "shardc.hardware",
-                        "shardc.device_pieces", "shardc.layer_counts", "shardc.ring_sends", "shardc.chip_choice",
-                        "shardc.accountings",
+                        "shardc.costmodel", "shardc.collectives", "shardc.timing", "shardc.step_cost",
+                        "shardc.hardware", "shardc.device_pieces", "shardc.layer_counts", "shardc.ring_sends",
+                        "shardc.chip_choice", "shardc.accountings",
                         "shardc.layouts", "shardc.lowering", "shardc.verification", "shardc.pipeline")
 
 # the passes that never import jax (so neither may anything they reach)
 NO_JAX = ("shardc.spec", "shardc.ir", "shardc.ops", "shardc.sharding", "shardc.planner", "shardc.costmodel",
-          "shardc.collectives", "shardc.timing", "shardc.device_pieces", "shardc.layer_counts", "shardc.ring_sends",
-          "shardc.chip_choice", "shardc.hardware", "shardc.pipeline", "shardc.layouts", "shardc.export")
+          "shardc.collectives", "shardc.timing", "shardc.step_cost", "shardc.device_pieces", "shardc.layer_counts",
+          "shardc.ring_sends", "shardc.chip_choice", "shardc.hardware", "shardc.pipeline", "shardc.layouts",
+          "shardc.export")
 
 
 @dataclass(frozen=True)

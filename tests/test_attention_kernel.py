@@ -18,7 +18,7 @@ from shardc.hardware import KERNELS, PRESETS, Hardware, interpolate
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
 from shardc.ops.attention import kernel_seconds
-from shardc.timing import StepCost
+from shardc.step_cost import StepCost
 
 H100 = 9.89e14
 

@@ -17,7 +17,8 @@ from shardc.collectives import Op, collective_time
 from shardc.costmodel.cost_report import CostReport
 from shardc.ir.plan import Plan, Step, unfused
 from shardc.planner.check import check_plan
-from shardc.timing import cost_step, plan_links, plan_sizes, plan_time
+from shardc.step_cost import cost_step
+from shardc.timing import plan_links, plan_sizes, plan_time
 from shardc.verification.ring_hlo import ring_sends
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ from dataclasses import replace
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Op, Step
 from shardc.spec.attention_call import roles
+from shardc.step_cost import StepCost
 from shardc.steptime import hidden_from
-from shardc.timing import StepCost
 
 __all__ = ["with_thresholds", "context_moves"]
 

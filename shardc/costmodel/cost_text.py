@@ -11,7 +11,7 @@ from shardc.ir.plan import Op
 from shardc.pipeline.block_split import counted_device
 from shardc.pipeline.bubbles import EXACT, activation_factor, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import PAIRED, ZERO_BUBBLE, paired_seconds
-from shardc.timing import StepCost
+from shardc.step_cost import StepCost
 from shardc.units import fmt_bytes, fmt_flops, fmt_seconds
 
 if TYPE_CHECKING:

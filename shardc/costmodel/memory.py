@@ -44,7 +44,7 @@ from shardc.planner.zero import zero_params
 from shardc.ring_sends import ring_of, shared_rings
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.walk import block_reads, id_names, layer_inputs
-from shardc.timing import describe
+from shardc.step_cost import describe
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
            "residual_formula", "value_bytes", "kept_once", "ring_buffers", "value_blocks"]

@@ -96,7 +96,8 @@ from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import block_reads
-from shardc.timing import StepCost, bound_of, phase_rows, phase_time
+from shardc.step_cost import StepCost
+from shardc.timing import bound_of, phase_rows, phase_time
 
 if TYPE_CHECKING:
     from shardc.costmodel.cost_report import CostReport

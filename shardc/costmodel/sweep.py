@@ -21,7 +21,8 @@ from shardc.ir.plan import Plan
 from shardc.layer_counts import block_counts, runs
 from shardc.ring_sends import shared_rings
 from shardc.spec.parser import MAX_SIZE
-from shardc.timing import bound_of, cost_step, plan_dtype, plan_links
+from shardc.step_cost import cost_step
+from shardc.timing import bound_of, plan_dtype, plan_links
 
 __all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot", "check_plot_path"]
 

@@ -41,7 +41,8 @@ from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.precision import Precision
 from shardc.ir.spec import Mesh
 from shardc.ring_sends import shared_rings
-from shardc.timing import describe, plan_chip, plan_links
+from shardc.step_cost import describe
+from shardc.timing import plan_chip, plan_links
 
 __all__ = ["FormulaRow", "FormulaPhase", "FormulaReport", "cost_formulas"]
 

@@ -36,7 +36,8 @@ from shardc.hardware import Hardware
 from shardc.ir.plan import Op, Plan, Sections, Step
 from shardc.ir.spec import TensorRef
 from shardc.ring_sends import shared_rings
-from shardc.timing import cost_step, plan_dtype, plan_links, plan_sizes
+from shardc.step_cost import cost_step
+from shardc.timing import plan_dtype, plan_links, plan_sizes
 
 __all__ = ["fuse_collective_matmuls", "ring_dim"]
 

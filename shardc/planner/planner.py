@@ -47,7 +47,8 @@ from shardc.sharding.unit import (
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.spec.walk import layer_inputs, node_limits
-from shardc.timing import PhaseTime, PlanTime, StepCost, plan_time
+from shardc.step_cost import StepCost
+from shardc.timing import PhaseTime, PlanTime, plan_time
 from shardc.topology import check_topology
 
 __all__ = ["plan", "plan_candidate", "candidate_weights", "objective", "shared_search", "SAVE_POLICIES"]
