@@ -15,9 +15,10 @@ from shardc.step_cost import StepCost
 from shardc.units import fmt_bytes, fmt_flops, fmt_seconds
 
 if TYPE_CHECKING:
-    from shardc.costmodel.cost_report import CostReport, PhaseCost
+    from shardc.costmodel.cost_report import CostReport
     from shardc.costmodel.formulas import HardwareSymbols
     from shardc.costmodel.memory import Memory
+    from shardc.costmodel.phase_cost import PhaseCost
     from shardc.hardware import Hardware
 
 __all__ = ["render", "render_pipeline", "hardware_line"]
