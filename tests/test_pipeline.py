@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardc
-from shardc.costmodel.pipeline_cost import weight_steps
+from shardc.costmodel.section_times import weight_steps
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, MeshAxis, Schedule
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.costmodel.pipeline_cost import weight_steps
+from shardc.costmodel.section_times import weight_steps
 from shardc.ir.plan import backward_program
 from shardc.lowering.codegen import generate
 from shardc.lowering.pipeline_grads import split_reductions

@@ -4,7 +4,8 @@ A stage runs its layers of the plan (which never uses the stage axis) on one
 microbatch at a time, the batch dim cut M ways, so each stage-time is the plan's
 costed at the microbatch's sizes times the stage's layers: forward, the backward's
 input-gradient part (B) and its weight-gradient part (W: the steps on ``dW...``),
-each ``max(compute, collectives)`` as the report's own step is.  Then:
+each ``max(compute, collectives)`` as the report's own step is
+(:mod:`shardc.costmodel.section_times`).  Then:
 
 * a ``layers L { ... }`` block's ends: only the block's steps are costed a layer; the
   steps before it (the embedding) run on the first chunk and those after it (final norm,
@@ -55,12 +56,20 @@ each ``max(compute, collectives)`` as the report's own step is.  Then:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
 from shardc.costmodel.memory import Memory, residual_values, value_bytes
+from shardc.costmodel.section_times import (
+    PartTime,
+    chunk_times,
+    end_timing,
+    part_time,
+    phases_of,
+    run_times,
+    section_times,
+)
 from shardc.costmodel.stage_memory import (
     accumulator_bytes,
     end_chunks_on,
@@ -72,14 +81,12 @@ from shardc.costmodel.stage_memory import (
 from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
-from shardc.ir.plan import Plan, Step
+from shardc.ir.plan import Plan
 from shardc.ir.spec import Network, TensorRef
-from shardc.pipeline.block_split import chunk_blocks, device_blocks, stage_blocks
+from shardc.pipeline.block_split import device_blocks, stage_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
-    carried_moves,
     check_microbatches,
-    gradient_reductions,
     tied_contributions,
 )
 from shardc.pipeline.bubbles import (
@@ -91,19 +98,16 @@ from shardc.pipeline.bubbles import (
     microbatches_for,
     sends_per_microbatch,
 )
-from shardc.pipeline.dualpipe import end_chunks
 from shardc.pipeline.gantt import draw
-from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Phases, Simulation, Timing, device_of, simulate
+from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import block_reads
-from shardc.step_cost import StepCost
-from shardc.timing import bound_of, phase_rows, phase_time
+from shardc.timing import bound_of, phase_rows
 
 if TYPE_CHECKING:
     from shardc.costmodel.cost_report import CostReport
 
-__all__ = ["StageCost", "PipelineCost", "pipeline_cost", "weight_steps",
-           "draw_schedule"]
+__all__ = ["StageCost", "PipelineCost", "pipeline_cost", "draw_schedule"]
 
 BUBBLE_TARGET = 0.05  # the bubble the threshold sentence solves m for
 
@@ -264,34 +268,6 @@ def _times(t: Timing) -> dict[str, float]:
     return {"forward_s": t.forward, "backward_s": t.backward, "weight_s": t.weight}
 
 
-def weight_steps(plan: Plan) -> frozenset[int]:
-    """Indices of the backward steps that make weight gradients (the zero-bubble W op)."""
-    grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
-    return frozenset(k for k, s in enumerate(plan.backward) if s.tensor in grads)
-
-
-@dataclass(frozen=True)
-class _Part:
-    """A run of rows: compute and memory-bound time, collective time, and its time overlapped; ``paired``:
-    its compute and memory-bound time beside collectives running all along (an F&B pair's other op's),
-    which hold the chip's share of cores NCCL holds (:func:`shardc.timing.phase_seconds`'s rule)."""
-
-    busy: float
-    comm: float
-    seconds: float
-    paired: float
-
-
-def _time(rows: list[StepCost], hw: Hardware) -> _Part:
-    t = phase_time(((r, 1) for r in rows), hw)
-    return _Part(t.busy_s, t.comm_s, t.seconds, t.busy_s + hw.overlap_share * t.comm_s)
-
-
-def _rows(steps: tuple[Step, ...], plan: Plan, sizes: dict[str, int], hw: Hardware,
-          spans: Layout) -> list[StepCost]:
-    return list(phase_rows(plan, steps, sizes, hw, spans))
-
-
 def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout,
                   optimizer: str) -> PipelineCost | None:
     """The pipeline figures of ``plan`` (None when its spec has no pipeline axis)."""
@@ -303,19 +279,19 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
         return None
     dim = check_microbatches(plan, pipe.microbatches, sizes)
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
-    parts = _sections(plan, micro, hw, spans, len(pipe.blocks) or 1, pipe.schedule.name in ZERO_BUBBLE)
+    parts = section_times(plan, micro, hw, spans, len(pipe.blocks) or 1, pipe.schedule.name in ZERO_BUBBLE)
     ref = boundary_tensor(plan)
     nbytes = plan.nbytes(ref.name)
     p2p = float(local_elements(ref, micro)) * nbytes
     axis = plan.spec.mesh.axis(pipe.axis)
     dcn = axis.network is Network.DCN
     p2p_s = collective_time(Op.COLLECTIVE_PERMUTE, p2p, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
-    slowest = max((_run(parts, counts) for counts in stage_blocks(pipe)), key=lambda run: run[0].seconds
+    slowest = max((run_times(parts, counts) for counts in stage_blocks(pipe)), key=lambda run: run[0].seconds
                   + run[1].seconds + run[2].seconds)  # a stage's F, B and W: its layers' of each block
-    timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, _phases(slowest))
-    first, last = (_end_timing(parts[end]) for end in ("first", "last"))
+    timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, phases_of(slowest))
+    first, last = (end_timing(parts[end]) for end in ("first", "last"))
     name = pipe.schedule.name
-    sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, _chunk_times(pipe, parts, first, last))
+    sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, chunk_times(pipe, parts, first, last))
     mems = stage_memories(plan, pipe, micro, hw, optimizer)
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
@@ -355,7 +331,7 @@ def _copies_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hard
                for g in grads)
 
 
-def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing,
+def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Timing, last: Timing,
                      tied_s: float = 0.0, copies_s: float = 0.0, after_backward: bool = False) -> tuple[float, float]:
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
@@ -367,7 +343,7 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timin
     for s, counts in enumerate(device_blocks(pipe)):
         at = end_chunks_on(pipe, s)  # the ends it runs: each reduced once, whatever chunks hold it
         ends = [(key, t) for key, t, on in (("first", first, at[0]), ("last", last, at[1])) if on]
-        layers = _run(parts, counts)
+        layers = run_times(parts, counts)
         own = (math.fsum(n * parts[f"layer {b} reduce"][0].seconds for b, n in enumerate(counts))
                + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends) + copies_s)
         backward = layers[1].seconds + layers[2].seconds + sum(t.backward + t.weight for _, t in ends)
@@ -375,114 +351,26 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timin
     return worst, max(0.0, exposed)
 
 
-def _runs(plan: Plan, phase: str, rows: list[StepCost]) -> tuple[list[StepCost], list[StepCost], list[StepCost]]:
-    """A phase's rows (one a step) in the plan's three sections, in the order the phase runs them."""
-    first, block, then = plan.cut.runs(phase, rows)
-    return list(first), list(block), list(then)
-
-
-def _sections(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout,
-              blocks: int = 1, zero_bubble: bool = False) -> dict[str, list[_Part]]:
-    """(compute, comm) of a microbatch's F, B and W: one layer of each ``layers`` block ("layer 0",
-    "layer 1", ...: the block section's steps of that block), the statements before the blocks ("first":
-    the first chunk runs them) and those after them ("last"); and of each, the gradient reductions run
-    once a step ("... reduce").  Under the zero-bubble schedules the backward before the blocks is all W:
-    nothing waits for the gradient of its inputs (token ids, data), so the lowered program runs it whole
-    at W's tick (:mod:`shardc.lowering.pipeline_split`)."""
-    before, block, after = _runs(plan, "forward", _rows(plan.forward, plan, micro, hw, spans))
-    carried = _rows(carried_moves(plan), plan, micro, hw, spans)  # a tied param's gather, again on the last stage
-    fwd = (before, block, carried + after)
-    again = _runs(plan, "recomputed", _rows(plan.recomputed, plan, micro, hw, spans))  # a recompute runs in the B op
-    rows = _rows(plan.backward, plan, micro, hw, spans)
-    # the weight gradients' steps (W), and of them the reductions run once a step on the microbatches' sums
-    grads, reduced = weight_steps(plan), gradient_reductions(plan)
-    after, inside, before = _runs(plan, "backward", rows)  # the backward runs the statements after the block first
-    last, layer, first = plan.cut.runs("backward", range(len(rows)))  # each row's step
-    out = {}
-    runs: list[tuple[str, int, list[StepCost], Sequence[int], int | None]] = [
-        ("first", 0, before, first, None), ("last", 2, after, last, None)]
-    runs += [(f"layer {b}", 1, inside, layer, b) for b in range(blocks)]
-    for key, k, back, index, which in runs:
-        def mine(rows: list[StepCost], which: int | None = which) -> list[StepCost]:  # the block's rows
-            return rows if which is None else [r for r in rows if r.block == which]
-
-        steps = [(r, i) for r, i in zip(back, index, strict=True) if which is None or r.block == which]
-        if zero_bubble and key == "first":  # no B before the blocks: its whole backward is W
-            b_rows, w_rows = [], mine(again[k]) + [r for r, i in steps if i not in reduced]
-        else:
-            b_rows = mine(again[k]) + [r for r, i in steps if i not in grads]
-            w_rows = [r for r, i in steps if i in grads and i not in reduced]
-        out[key] = [_time(mine(fwd[k]), hw), _time(b_rows, hw), _time(w_rows, hw)]
-        out[f"{key} reduce"] = [_time([r for r, i in steps if i in reduced], hw)]
-    return out
-
-
-def _run(parts: dict[str, list[_Part]], counts: tuple[float, ...]) -> list[_Part]:
-    """A microbatch's F, B and W through a run of layers: each block's layers (``counts``) times its layer's."""
-    def part(i: int, field: str) -> float:
-        return math.fsum(n * getattr(parts[f"layer {b}"][i], field) for b, n in enumerate(counts))
-
-    return [_Part(part(i, "busy"), part(i, "comm"), part(i, "seconds"), part(i, "paired")) for i in range(3)]
-
-
-def _phases(parts: list[_Part], layers: float = 1.0) -> Phases:
-    """The computation and collectives of a forward and of a whole backward (B and W), for an F&B pair."""
-    forward, backward, weight = parts[:3]
-    return Phases(forward.paired * layers, forward.comm * layers, (backward.paired + weight.paired) * layers,
-                  (backward.comm + weight.comm) * layers)
-
-
-def _end_timing(parts: list[_Part]) -> Timing:
-    """A microbatch through the statements before (or after) the block: F, B, W and their phases."""
-    forward, backward, weight = parts
-    return Timing(forward.seconds, backward.seconds, weight.seconds, phases=_phases(parts))
-
-
-def _chunk_times(pipe: Pipeline, parts: dict[str, list[_Part]], first: Timing, last: Timing) -> tuple[Timing, ...]:
-    """Each model chunk's times: its layers' of each block (:func:`chunk_blocks`), the first chunk also
-    running the statements before the block and the last those after it (Megatron-LM's placement)."""
-    n = pipe.stages * pipe.chunks
-    heads, tails = end_chunks(pipe.schedule.name, pipe.stages, n)
-    out = []
-    for c, counts in enumerate(chunk_blocks(pipe)):
-        ends = [t for t, here in ((first, c in heads), (last, c in tails)) if here]
-        f, b, w = run = _run(parts, counts)
-        out.append(Timing(f.seconds + math.fsum(t.forward for t in ends),
-                          b.seconds + math.fsum(t.backward for t in ends),
-                          w.seconds + math.fsum(t.weight for t in ends),
-                          phases=_added([(_phases(run), 1.0)] + [(t.phases, 1.0) for t in ends])))
-    return tuple(out)
-
-
-def _added(terms: list[tuple[Phases | None, float]]) -> Phases | None:
-    """The sum of some phases, each scaled (None where one is unknown)."""
-    if any(ph is None for ph, _ in terms):
-        return None
-    known = [(ph, k) for ph, k in terms if ph is not None]
-    return Phases(*(math.fsum(getattr(ph, f) * k for ph, k in known)
-                    for f in ("forward_busy", "forward_comm", "backward_busy", "backward_comm")))
-
-
 def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
     """ZeRO-1/2's optimizer phase, once a step, on the busiest stage: its layers' params and the
     params outside the block it holds."""
     if not plan.optimizer:
         return 0.0
-    rows = _rows(plan.optimizer, plan, sizes, hw, spans)
+    rows = list(phase_rows(plan, plan.optimizer, sizes, hw, spans))
     primal = {g: p for p, g in plan.gradient_names}
     blocks = block_reads(plan.spec)
     repeated = set(blocks)
-    inside = [_time([r for r in rows if blocks.get(primal.get(r.tensor, r.tensor)) == b], hw).seconds
+    inside = [part_time([r for r in rows if blocks.get(primal.get(r.tensor, r.tensor)) == b], hw).seconds
               for b in range(len(pipe.blocks) or 1)]  # one layer of each block
     worst = 0.0
     for stage, counts in enumerate(device_blocks(pipe)):
         held = held_names(plan, pipe, stage) or frozenset()
         mine = [r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated]
-        worst = max(worst, math.fsum(n * t for n, t in zip(counts, inside, strict=True)) + _time(mine, hw).seconds)
+        worst = max(worst, math.fsum(n * t for n, t in zip(counts, inside, strict=True)) + part_time(mine, hw).seconds)
     return worst
 
 
-def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: dict[str, int],
+def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro: dict[str, int],
             p2p_s: float, sim: Simulation, hw: Hardware, mems: list[Memory]) -> tuple[StageCost, ...]:
     out = []
     values = residual_values(plan)
@@ -507,7 +395,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[_Part]], micro: di
         sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
         comm = share * (layers_of("comm") + math.fsum(p.comm for e in ends for p in e)) + sends
         f, b, w = (share * (p.seconds + math.fsum(e[i].seconds for e in ends))
-                   for i, p in enumerate(_run(parts, tuple(map(float, blocked)))))
+                   for i, p in enumerate(run_times(parts, tuple(map(float, blocked)))))
         runs = ["block"] + ["before"] * bool(firsts) + ["after"] * bool(lasts)
         out.append(StageCost(s, sum(blocked), f, b, w, compute, comm, held,
                              mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes,
