@@ -204,7 +204,7 @@ def prefixed(module: Module, prefix: str) -> str:
 def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int], reduce: str = "") -> str:
     """The ends' section of the pipeline module: their functions and tables (``reduce``: their gradients'
     once-a-step reductions, :mod:`shardc.lowering.pipeline_grads`), and the pipeline over the whole model
-    (:func:`~shardc.lowering.pipeline_runtime.model_pipeline` builds it from them)."""
+    (:func:`~shardc.lowering.pipeline_build.model_pipeline` builds it from them)."""
     pre_params = tuple(i.name for i in ends.pre.tensors if i.role == "param")
     post_params = tuple(i.name for i in ends.post.tensors if i.role == "param")
     pre_data = tuple(b.key for b in pre.forward.inputs if b.key not in pre_params)
@@ -231,9 +231,9 @@ def constants(rows: tuple[tuple[str, object, str], ...]) -> str:
 
 
 def pipeline_lines(builder: str, prefix: str) -> str:
-    """The module's pipeline, built by ``builder`` (:mod:`shardc.lowering.pipeline_runtime`) from the
+    """The module's pipeline, built by ``builder`` (:mod:`shardc.lowering.pipeline_build`) from the
     module's tables, and its two entry points (``{prefix}_forward``, ``{prefix}_grad``)."""
-    return (f"\nPIPELINE = {builder}(globals())  # shardc.lowering.pipeline_runtime.{builder}: the tables above\n"
+    return (f"\nPIPELINE = {builder}(globals())  # shardc.lowering.pipeline_build.{builder}: the tables above\n"
             f"{prefix}_forward, {prefix}_grad = PIPELINE.outputs, PIPELINE.gradients\n")
 
 

@@ -338,6 +338,6 @@ _HEAD = '''
 # to the next stage and cotangents to the one before (shardc.lowering.pipeline_runtime).  Where
 # W_TABLE is a table, B_TABLE's ticks run input_backward_local and W_TABLE's weight_backward_local.
 
-from shardc.lowering.pipeline_runtime import block_pipeline, model_pipeline
+from shardc.lowering.pipeline_build import block_pipeline, model_pipeline
 
 '''
