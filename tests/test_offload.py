@@ -11,10 +11,11 @@ import pytest
 import shardc
 from shardc.chip_choice import hardware_from_mapping
 from shardc.cli.main import main
-from shardc.costmodel.offload import IN_FLIGHT_LAYERS
+from shardc.costmodel.offload import IN_FLIGHT_LAYERS, OFFLOADS
 from shardc.errors import ShardcError
 from shardc.hardware import get_hardware
 from shardc.layouts import Options, search_layouts
+from shardc.layouts.rank import evaluate
 
 MLP = """mesh X=8
 dims B=4096, D=4096, F=16384, L=32
@@ -280,3 +281,22 @@ def test_a_pipeline_stage_is_host_bound_by_its_own_copies() -> None:
     assert "host" not in {s.bound for s in plain.pipeline.stages}
     _, wide = _costs(PIPELINED, "activations")
     assert wide.pipeline is not None and "host" not in {s.bound for s in wide.pipeline.stages}
+
+
+@pytest.mark.parametrize("text", [MLP, MLP.replace("D=4096, F=16384", "D=16384, F=65536"),
+                                  PIPELINED.replace("D=4096, F=16384", "D=256, F=256"), PIPELINED],
+                         ids=["mlp", "mlp-wide", "pipeline-narrow", "pipeline"])
+def test_layouts_and_cost_say_the_same_bound(text: str) -> None:
+    """One rule says a step is bound by the host (the cost's, Offload.host_bound): a layout's row gives the
+    bound `shardc cost --offload` gives the same spec, for every setting, a pipeline's too."""
+    hw = get_hardware("h100")
+    spec = shardc.parse(text, "spec.shard")
+    bounds = []
+    for what in OFFLOADS:
+        row = evaluate(spec, Options(hw), offload=what)
+        assert not isinstance(row, str), row
+        report = shardc.cost(shardc.plan(spec, hardware=hw), offload=what)
+        assert row.bound == report.step.bound == report.step.to_json(rows=False)["bound"], what
+        assert (row.bound == "host") == (report.offload is not None and report.offload.host_bound), what
+        bounds.append(row.bound)
+    assert bounds[0] != "host"  # no offload: the roofline's verdict

@@ -19,7 +19,7 @@ as it runs (its layers, :func:`shardc.layer_counts.runs`; a pipelined stage's mi
 * ``bound``: ``"communication"`` iff comm_s > compute_s + memory_s; under ``--offload``, ``"host"`` where
   the host link's copies outlast the compute they run beside (the forward's copies out, the backward's
   in), or the step holds host time nothing hides (:attr:`~shardc.costmodel.offload.Offload.host_bound`;
-  a pipeline's stages each by their own copies).
+  a pipeline's stages each by their own copies); ``shardc layouts`` gives each row this verdict.
 * ``mfu``: model FLOPs (the einsums once, recomputed ones not counted, as PaLM
   counts them) / (devices * C * step_s); ``hfu`` counts the recomputed FLOPs too.
   With ``mfu=0.4``, ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the

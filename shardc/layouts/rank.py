@@ -82,7 +82,8 @@ class Layout:
     compute_s: float
     comm_s: float
     critical_s: float
-    bound: str
+    bound: str  # the cost's verdict on the step (PhaseCost.bound: "host" under --offload where the host
+    # link or the host's update outlasts what hides it, Offload.host_bound), never a rule of its own
     mfu: float  # model FLOPs / (chips * C * step_s)
     at_mfu_s: float | None  # the step at --mfu: cost's compute at that MFU, or step_s when longer
     memory: tuple[tuple[str, float], ...]  # (part, bytes) per device
@@ -193,11 +194,9 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
             notes += (f"pipeline: {pipe.pipeline.stages} stages, {pipe.pipeline.microbatches} microbatches, "
                       f"{pipe.pipeline.schedule}; step = the simulated schedule",)
     memory += (("host", host),) if host else ()
-    # a step whose exposed host copies and host update are most of it is bound by the host, whatever its roofline
-    bound = "host" if report.offload is not None and report.offload.exposed_s > step_s / 2 else step.bound
     at_mfu = step.step_at_mfu_s
     links, _ = plan_links(report.plan, report.hardware, report.sizes)
-    return Layout(label, sizes, step_s, step.compute_s, step.comm_s, step.critical_s, bound, step.mfu,
+    return Layout(label, sizes, step_s, step.compute_s, step.comm_s, step.critical_s, step.bound, step.mfu,
                   None if at_mfu is None else max(at_mfu, step_s), memory, total, mem.hbm_bytes, notes,
                   any(k.split for k in links.values()), floor_s=floor,
                   placement=tuple(n for n in report.notes if n.startswith("mesh axis ")))
