@@ -7,7 +7,7 @@ annotations) and are no edge.  The graph must have no cycle, and read folder to 
 ``ops/`` imports one way with ``lowering/`` and with ``planner/``, and the layout algebra (``sharding/``)
 reaches neither ``ops/`` nor ``planner/``; a function may import only the heavy
 libraries whose import is deferred for start-up time; parsing a spec reaches nothing of
-planning or costing; and parsing, planning and costing never reach jax.
+planning or costing; parsing, planning and costing never reach jax; and no module passes 500 lines.
 """
 
 from __future__ import annotations
@@ -403,3 +403,12 @@ def test_no_two_modules_share_a_base_name() -> None:
             names.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE.parent)))
     shared = {name: paths for name, paths in names.items() if len(paths) > 1}
     assert not shared, f"base names used twice: {shared}"
+
+
+MODULE_LINES = 500  # the developers' guide: a module that grows past it is split along a seam of its own
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {name: n for name, path in MODULES.items()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES}
+    assert not long, f"modules over {MODULE_LINES} lines (split each along a concept of its own): {long}"
