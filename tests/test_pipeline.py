@@ -237,6 +237,7 @@ def test_a_dcn_stage_axis_pays_dcn_for_its_sends() -> None:
 def test_weight_gradient_steps_and_the_boundary() -> None:
     plan = shardc.plan(spec("mesh P=2 pipeline, X=2, Y=2\nlayers 2"))
     assert microbatch_dim(plan) == "B" and str(boundary_tensor(plan)) == "Out[B_X, D_Y]"
+    assert plan.model_dims == {"D", "F"}  # the params' dims: B, which none has, is the one microbatches cut
     assert {plan.backward[k].tensor for k in weight_steps(plan)} == {"dW_in", "dW_out"}
 
 

@@ -220,7 +220,7 @@ def phase_steps(plan: Plan) -> tuple[tuple[str, tuple[Step, ...]], ...]:
 def step_tokens(plan: Plan, sizes: dict[str, int]) -> float:
     """Tokens a step processes: the product of the model input's dims that no param has (B and S of
     ``Tok[B, S]``); the first input that has such dims is the model's input."""
-    model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
+    model = plan.model_dims
     for info in plan.tensors:
         if info.role == "input":
             dims = [d.name for d in info.ref.dims if d.name not in model]
@@ -278,7 +278,7 @@ def resolve_sizes(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int]:
 
 def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
     """Indices no param has (the batch/token dims, B), each with the axes sharding it where declared."""
-    model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
+    model = plan.model_dims
     out: dict[str, tuple[str, ...]] = {}
     for info in sorted(plan.tensors, key=lambda i: i.role != "input"):  # inputs first
         for dim in info.ref.dims:

@@ -330,6 +330,12 @@ class Plan:
         """Every tensor's element type: the spec's dtype but where :attr:`dtypes` says."""
         return Precision(self.spec.dtype, dict(self.dtypes))
 
+    @property
+    def model_dims(self) -> frozenset[str]:
+        """The dims some param has (the model's: D, F, V); a dim no param has is a batch or token dim (the one
+        microbatches cut, the step's tokens)."""
+        return frozenset(d.name for info in self.tensors if info.role == "param" for d in info.ref.dims)
+
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:
             if info.name == name:

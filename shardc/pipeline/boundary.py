@@ -29,7 +29,7 @@ def _block_input(plan: Plan) -> TensorRef | None:
 
 def microbatch_dim(plan: Plan) -> str:
     """The dim microbatches cut: the first dim of the block's first input that no param has."""
-    model = {d.name for info in plan.tensors if info.role == "param" for d in info.ref.dims}
+    model = plan.model_dims
     first = _block_input(plan)
     for ref in [first] if first is not None else []:
         for dim in ref.dims:

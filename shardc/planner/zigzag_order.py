@@ -47,8 +47,7 @@ def hold_zigzag(plan: Plan) -> Plan:
     (order,) = orders
     if any(_positional(s, dims, order) for steps in phases for s in steps):
         return plan
-    if plan.spec.mesh.pipeline_axis is not None and any(
-            d.name in dims for info in plan.tensors if info.role == "param" for d in info.ref.dims):
+    if plan.spec.mesh.pipeline_axis is not None and dims & plan.model_dims:
         return plan  # a pipeline's params enter as they are (see the module docstring)
 
     def held(steps: tuple[Step, ...]) -> tuple[Step, ...]:
