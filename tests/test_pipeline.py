@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardc
-from shardc.costmodel.section_times import weight_steps
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, MeshAxis, Schedule
-from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
+from shardc.pipeline.boundary import boundary_tensor, gradient_reductions, microbatch_dim, weight_steps
 from shardc.pipeline.bubbles import EXACT, bubble, held, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import Timing, device_of, simulate
 from shardc.spec.stages import pipeline_of, stage_spec
@@ -239,6 +238,12 @@ def test_weight_gradient_steps_and_the_boundary() -> None:
     assert microbatch_dim(plan) == "B" and str(boundary_tensor(plan)) == "Out[B_X, D_Y]"
     assert plan.model_dims == {"D", "F"}  # the params' dims: B, which none has, is the one microbatches cut
     assert {plan.backward[k].tensor for k in weight_steps(plan)} == {"dW_in", "dW_out"}
+    # data parallel over X: of the weight-gradient steps, the AllReduces over X are run once a step
+    dp = shardc.plan(spec("mesh P=2 pipeline, X=2\nlayers 2", BLOCK.replace("_Y", "").replace("D_X", "D")))
+    reduced = gradient_reductions(dp)
+    assert reduced and reduced < weight_steps(dp)
+    assert {(dp.backward[k].op.value, dp.backward[k].tensor) for k in reduced} == {
+        ("all_reduce", "dW_in"), ("all_reduce", "dW_out")}
 
 
 def test_microbatches_must_divide_the_batch() -> None:

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.costmodel.section_times import weight_steps
 from shardc.ir.plan import backward_program
 from shardc.lowering.codegen import generate
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.lowering.pipeline_split import split_backward
-from shardc.pipeline.boundary import gradient_reductions
+from shardc.pipeline.boundary import gradient_reductions, weight_steps
 from tests.test_plan_sections import MODEL
 
 ZB_MODEL = MODEL.replace("microbatches 2", "microbatches 4\nschedule zb-h1")

@@ -20,21 +20,14 @@ from shardc.collectives import Layout
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
 from shardc.pipeline.block_split import chunk_blocks
-from shardc.pipeline.boundary import carried_moves, gradient_reductions
+from shardc.pipeline.boundary import carried_moves, gradient_reductions, weight_steps
 from shardc.pipeline.dualpipe import end_chunks
 from shardc.pipeline.schedules import Phases, Timing
 from shardc.spec.stages import Pipeline
 from shardc.step_cost import StepCost
 from shardc.timing import phase_rows, phase_time
 
-__all__ = ["PartTime", "part_time", "section_times", "run_times", "phases_of", "end_timing", "chunk_times",
-           "weight_steps"]
-
-
-def weight_steps(plan: Plan) -> frozenset[int]:
-    """Indices of the backward steps that make weight gradients (the zero-bubble W op)."""
-    grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
-    return frozenset(k for k, s in enumerate(plan.backward) if s.tensor in grads)
+__all__ = ["PartTime", "part_time", "section_times", "run_times", "phases_of", "end_timing", "chunk_times"]
 
 
 @dataclass(frozen=True)
