@@ -83,8 +83,12 @@ def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: 
     return max(busy_s + share * ahead_s, ahead_s) + critical_s
 
 
-def bound_of(compute_s: float, comm_s: float) -> str:
-    """The verdict beside :func:`phase_seconds`: which of the two sets the time."""
+def bound_of(compute_s: float, comm_s: float, host: bool = False) -> str:
+    """The verdict beside :func:`phase_seconds`: which of the two sets the time; ``"host"`` over both where the
+    host link or the host's update outlasts what runs beside it (``--offload``:
+    :attr:`shardc.costmodel.offload.Offload.host_bound`, a phase's or a stage's own copies)."""
+    if host:
+        return "host"
     return "communication" if comm_s > compute_s else "compute"
 
 

@@ -139,7 +139,7 @@ class PhaseCost:
 
     @property
     def bound(self) -> str:
-        return "host" if self.host else bound_of(self.compute_s + self.memory_s, self.comm_s)
+        return bound_of(self.compute_s + self.memory_s, self.comm_s, self.host)
 
     @property
     def step_s(self) -> float:

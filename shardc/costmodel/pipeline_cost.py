@@ -145,7 +145,7 @@ class StageCost:
 
     @property
     def bound(self) -> str:
-        return "host" if self.host else bound_of(self.compute_s, self.comm_s)
+        return bound_of(self.compute_s, self.comm_s, self.host)
 
     @property
     def memory_bytes(self) -> float:
