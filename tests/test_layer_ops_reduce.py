@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import shardc
 from shardc.device_pieces import step_volume
-from shardc.ir.localops import Combine
+from shardc.ir.localops import Combine, Row, Vocab
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Spec
 from shardc.lowering.api import lower
@@ -238,3 +238,10 @@ def test_a_sort_gathers_its_sharded_index_and_is_local_along_a_whole_one() -> No
     assert not _collectives(local.forward) and not _collectives(local.backward)
     with pytest.raises(shardc.ShardcError, match="`sort` gives B, E"):
         shardc.parse("mesh X=4\nY[B_X] = sort(X[B_X, E] over E)\n")
+
+
+def test_a_local_map_is_written_by_its_value() -> None:
+    # the plan's listing, its JSON and the generated code name a reduction's, a vocabulary op's and a combiner's
+    # local map by its value, through str() and f-strings alike (padded too)
+    for named in (*Row, *Vocab, *Combine):
+        assert str(named) == f"{named}" == named.value and f"{named:>24}" == f"{named.value:>24}"

@@ -230,7 +230,15 @@ class Dispatch:
         return f"{self.part}({self.order},{self.experts},{self.slots},{self.k}{nodes})"
 
 
-class Row(Enum):
+class _Named(Enum):
+    """A local map named by its value, as a plan's listing and the generated code write it (``softmax``),
+    in ``str()`` and in an f-string alike."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Row(_Named):
     """The local maps of a reduction over an index: forward, finishing maps and gradients.
 
     Each computes in its step's frame with the reduced index at ``Step.dim``
@@ -262,14 +270,8 @@ class Row(Enum):
     SORT = "sort"
     SORT_VJP = "sort_vjp"
 
-    def __str__(self) -> str:
-        return self.value
 
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-class Vocab(Enum):
+class Vocab(_Named):
     """The local maps of the vocabulary ops (:mod:`shardc.ops.vocab_plans`)."""
 
     EMBED = "embed"
@@ -278,23 +280,11 @@ class Vocab(Enum):
     CE_APPLY = "ce_apply"
     CE_VJP = "ce_vjp"
 
-    def __str__(self) -> str:
-        return self.value
 
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-class Combine(Enum):
+class Combine(_Named):
     """An AllReduce's combiner where it is not a sum (a sum's step names none)."""
 
     MAX = "max"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 LocalOp = (Map | MapVjp | Add | Neg | Alias | Update | Causal | CausalVjp | DropoutMask | Dropout | DropoutVjp
