@@ -17,7 +17,7 @@ from typing import Any
 
 from shardc.errors import ShardcError
 
-__all__ = ["check_image_path", "pyplot", "is_image"]
+__all__ = ["check_image_path", "pyplot", "is_image", "save_figure"]
 
 _PEEK = 8192  # matplotlib names itself in the header (png, svg, ps, pgf) or the trailer (pdf)
 # First bytes of the formats matplotlib writes without naming itself (via Pillow, or gzip for svgz).
@@ -67,6 +67,20 @@ def check_image_path(path: str, flag: str, force: bool = False) -> None:
     if not force and not is_image(path):
         raise ShardcError(f"{flag} {path}: the file exists and is not an image; it would be replaced",
                           fix="write the image elsewhere, or add --force to replace the file")
+
+
+def save_figure(plt: Any, fig: Any, path: str, flag: str, dpi: float | None = None) -> None:
+    """Write ``fig`` to ``path`` (checked first by :func:`check_image_path`) and close it; what matplotlib
+    or the system still refuses (a full disk, a format it cannot write after all) is a ShardcError naming
+    ``flag``."""
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as err:
+        raise ShardcError(f"cannot write {path}: {err.strerror}", fix=f"check the {flag} path") from None
+    except ValueError as err:  # matplotlib's refusals of a path or a format
+        raise ShardcError(f"cannot write {path}: {err}", fix=f"check the {flag} path") from None
+    finally:
+        plt.close(fig)
 
 
 def is_image(path: str) -> bool:

@@ -8,6 +8,7 @@ stderr with exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -278,6 +279,27 @@ def test_sweep_plot_writes_svg(capsys: pytest.CaptureFixture[str], tmp_path: Pat
                                  "--points", "3", "--plot", str(out))
     assert status == 0, err
     assert out.read_bytes().lstrip().startswith(b"<?xml") and f"wrote {out}" in text
+
+
+@pytest.mark.parametrize(("spec", "flags", "flag"), [
+    ("fsdp_tp.shard", ["--sweep", "B=1e3:1e7", "--points", "3", "--plot"], "--plot"),
+    ("pipeline_llama.shard", ["--schedule-plot"], "--schedule-plot")])
+def test_a_plot_the_disk_refuses_is_a_diagnostic_naming_its_flag(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str,
+        flags: list[str], flag: str) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib import pyplot as plt
+    from matplotlib.figure import Figure
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    out = tmp_path / "out.svg"
+    err = fails_clearly(capsys, "cost", str(EXAMPLES / spec), *flags, str(out),
+                        says=f"cannot write {out}: {os.strerror(errno.ENOSPC)}")
+    assert f"check the {flag} path" in err
+    assert not plt.get_fignums()  # the figure is closed all the same
 
 
 # the exits of last resort ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from shardc.costmodel.cost_report import resolve_sizes
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
-from shardc.images import check_image_path, pyplot
+from shardc.images import check_image_path, pyplot, save_figure
 from shardc.ir.plan import Plan
 from shardc.layer_counts import block_counts, runs
 from shardc.ring_sends import shared_rings
@@ -132,11 +132,4 @@ def plot(sweeps: Sequence[Sweep], path: str, hw: Hardware, force: bool = False) 
     ax.set_title(f"{hw.name}: communication (solid) vs compute (dashed) per step")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as err:
-        raise ShardcError(f"cannot write {path}: {err.strerror}", fix="check the --plot path") from None
-    except ValueError as err:  # matplotlib's refusals of a path or a format
-        raise ShardcError(f"cannot write {path}: {err}", fix="check the --plot path") from None
-    finally:
-        plt.close(fig)
+    save_figure(plt, fig, path, "--plot")

@@ -11,7 +11,7 @@ matplotlib is imported only here, on use.
 from __future__ import annotations
 
 from shardc.errors import ShardcError
-from shardc.images import check_image_path, pyplot
+from shardc.images import check_image_path, pyplot, save_figure
 from shardc.pipeline.schedules import PAIRED, TWO_WAY, Simulation
 
 __all__ = ["draw", "COLOURS", "MAX_BARS"]
@@ -62,14 +62,7 @@ def draw(sim: Simulation, path: str, title: str = "", force: bool = False) -> No
     ax.set_title(title or f"{sim.schedule}: p={sim.stages}, m={sim.microbatches}, "
                  f"bubble {sim.bubble_of_ideal:.1%} of ideal")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as err:
-        raise ShardcError(f"cannot write {path}: {err.strerror}", fix="check the --schedule-plot path") from None
-    except ValueError as err:  # matplotlib's refusals of a path or a format
-        raise ShardcError(f"cannot write {path}: {err}", fix="check the --schedule-plot path") from None
-    finally:
-        plt.close(fig)
+    save_figure(plt, fig, path, "--schedule-plot", dpi=120)
 
 
 def _unit(span: float) -> tuple[float, str]:
