@@ -102,7 +102,9 @@ def microbatches_for(schedule: str, p: int, timing: Timing, target: float, virtu
     if one.idle_s <= 0 or one.ideal_s <= 0:
         return 1
     need = max(1, math.ceil(one.idle_s / (target * one.ideal_s) - 1e-9))
-    return need if bubble(schedule, p, need, timing, virtual).of_ideal <= target else need + 1
+    # the bubble at exactly the target (1f1b's (p-1)/m at m = (p-1)/target) meets it: a rounding error of
+    # the times' sums must not ask for one microbatch more
+    return need if bubble(schedule, p, need, timing, virtual).of_ideal <= target * (1 + 1e-9) else need + 1
 
 
 def activation_factor(schedule: str, p: int, virtual: int = 1) -> float:
