@@ -411,15 +411,13 @@ def _thresholds(pipe: Pipeline, timing: Timing, layer_f: float, p2p_s: float,
                 link: str) -> tuple[str, ...]:
     p, name = pipe.stages, pipe.schedule.name
     here = pipe.microbatches
+    need = microbatches_for(name, p, timing, BUBBLE_TARGET, pipe.chunks)  # as the bubble line's closed form
     if name in ZERO_BUBBLE:  # the idle time depends on the three times, not on p alone
         idle = {"zb-h1": "(p-1)*max(T_F+T_B-T_W, T_F, T_B)", "zbv": "(p-1)*T_F/2",
                 "dualpipe": "(p/2-1)*(T_F&B+T_B-2*T_W)", "dualpipev": "(p-1)*(T_F&B+T_B-2*T_W)/2"}[name]
-        need = microbatches_for(name, p, timing, BUBBLE_TARGET, pipe.chunks)  # as the bubble line's closed form
         form = f"{idle}/({BUBBLE_TARGET:g}*(T_F+T_B+T_W))"
     else:
-        k = pipe.chunks if name == "interleaved" else 1
-        need = math.ceil((p - 1) / (k * BUBBLE_TARGET) - 1e-9)
-        form = f"(p-1)/({k}*{BUBBLE_TARGET:g})"
+        form = f"(p-1)/({pipe.chunks if name == 'interleaved' else 1}*{BUBBLE_TARGET:g})"
     lines = [f"bubble <= {BUBBLE_TARGET:.0%} of ideal iff m >= {form} = {need} "
              f"({name}; here m = {here}: {'holds' if here >= need else 'does not hold'})"]
     if layer_f > 0:
