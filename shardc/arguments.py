@@ -14,7 +14,7 @@ from types import UnionType
 
 from shardc.errors import ShardcError, clip
 from shardc.files import MAX_BYTES
-from shardc.spec.parser import MAX_SIZE
+from shardc.spec.lexicon import MAX_SIZE
 from shardc.spec.validate import check_name
 
 __all__ = ["check_text", "check_instance", "check_sizes", "check_spans_arg", "check_choice",

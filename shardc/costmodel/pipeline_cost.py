@@ -98,8 +98,9 @@ from shardc.pipeline.bubbles import (
     microbatches_for,
     sends_per_microbatch,
 )
+from shardc.pipeline.dualpipe import TWO_WAY
 from shardc.pipeline.gantt import draw
-from shardc.pipeline.schedules import TWO_WAY, ZERO_BUBBLE, Simulation, Timing, device_of, simulate
+from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of, simulate
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import block_reads
 from shardc.timing import bound_of, phase_rows

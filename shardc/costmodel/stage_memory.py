@@ -16,8 +16,8 @@ from shardc.ir.plan import SECTIONS, Plan
 from shardc.ir.spec import Statement, TensorRef
 from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import gradient_reductions, microbatch_dim
-from shardc.pipeline.dualpipe import end_chunks
-from shardc.pipeline.schedules import TWO_WAY, device_of
+from shardc.pipeline.dualpipe import TWO_WAY, end_chunks
+from shardc.pipeline.schedules import device_of
 from shardc.spec.stages import Pipeline
 from shardc.spec.walk import leaves
 

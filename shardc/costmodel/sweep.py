@@ -20,7 +20,7 @@ from shardc.images import check_image_path, pyplot, save_figure
 from shardc.ir.plan import Plan
 from shardc.layer_counts import block_counts, runs
 from shardc.ring_sends import shared_rings
-from shardc.spec.parser import MAX_SIZE
+from shardc.spec.lexicon import MAX_SIZE
 from shardc.step_cost import cost_step
 from shardc.timing import bound_of, plan_dtype, plan_links
 

@@ -39,7 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardc.pipeline.schedules import TWO_WAY, Phases, Timing, chunks_of, device_of, paired_seconds
+from shardc.pipeline.dualpipe import TWO_WAY
+from shardc.pipeline.schedules import Phases, Timing, chunks_of, device_of, paired_seconds
 
 __all__ = ["Bubble", "bubble", "inflight", "held", "activation_factor", "sends_per_microbatch", "EXACT",
            "microbatches_for"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from shardc.errors import ShardcError
 from shardc.images import check_image_path, pyplot, save_figure
-from shardc.pipeline.schedules import PAIRED, TWO_WAY, Simulation
+from shardc.pipeline.dualpipe import TWO_WAY
+from shardc.pipeline.schedules import PAIRED, Simulation
 
 __all__ = ["draw", "COLOURS", "MAX_BARS"]
 
