@@ -184,7 +184,9 @@ class Attention:
     ``zigzag``: the ring's sequence cut into 2n chunks, device i computing chunks i and 2n - 1 - i (causal
     load balancing; without a ring, the all-gather form's queries in those chunks over S's axes, K and V
     gathered in that order, :mod:`shardc.ops.balanced_gather`); ``held``: the plan holds the sequence in that
-    order throughout (:mod:`shardc.planner.zigzag_order`), so the kernel does not reorder its blocks."""
+    order throughout (:mod:`shardc.planner.zigzag_order`), so the kernel does not reorder its blocks;
+    ``order``: the mesh axes of that order's chunks where the kernel's queries are whole (Ulysses moved S's
+    axes onto the heads: its causal mask compares the true positions of the sequence as held)."""
 
     part: str
     key: str
@@ -194,6 +196,7 @@ class Attention:
     zigzag: bool = False
     held: bool = False
     rope: bool = False
+    order: tuple[str, ...] = ()
 
     @property
     def inputs(self) -> int:
@@ -203,7 +206,8 @@ class Attention:
     def __str__(self) -> str:
         causal = f",causal({self.query},{self.key})" if self.query is not None else ""
         causal += ",rope" if self.rope else ""
-        order = (",zigzag" if self.zigzag else "") + (",held" if self.held else "")
+        order = (f",zigzag({''.join(self.order)})" if self.order else ",zigzag" if self.zigzag else "")
+        order += ",held" if self.held else ""
         ring = f",ring({''.join(self.ring)}{order})" if self.ring else order
         return f"attention_{self.part}(over {self.key}{causal}{ring})"
 @dataclass(frozen=True)
