@@ -249,11 +249,11 @@ def test_layouts_search_with_collective_matmuls_where_asked(capsys: pytest.Captu
 def test_compare_counts_each_rings_collective_once() -> None:
     """`shardc compare` sets the plan's collectives beside XLA's partitioner's: a ring moves its collective's
     bytes, and the gather two rings share counts once, so the plan's side is the same with or without rings."""
-    from shardc.verification.compare import _plan_side
+    from shardc.verification.compare import plan_side
 
     fused, plain = _plan(), _plan(collective_matmul=False)
     sizes = plan_sizes(plain)
     assert _fused(fused)
-    rings, whole = _plan_side(fused, sizes), _plan_side(plain, sizes)
+    rings, whole = plan_side(fused, sizes), plan_side(plain, sizes)
     assert rings.weighted == whole.weighted
     assert sorted((r.phase, r.kind) for r in rings.rows) == sorted((r.phase, r.kind) for r in whole.rows)
