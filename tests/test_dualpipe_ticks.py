@@ -5,6 +5,8 @@ iteration of the lowered loop, and the loop runs as many ticks as the cost's ord
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -13,6 +15,7 @@ from shardc.lowering.pipeline_lowering import lower_pipeline, tick_tables, weigh
 from shardc.pipeline.schedules import Phases, Timing, simulate
 from shardc.pipeline.ticks import tick_table, unit_ticks
 from tests.test_pipeline_split import V_SPEC
+from tests.test_pipeline_two_way import WHOLE
 
 CASES = [("dualpipe", 2, 4), ("dualpipe", 4, 8), ("dualpipe", 4, 10), ("dualpipe", 8, 20),
          ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 3, 7)]
@@ -78,3 +81,62 @@ def test_the_lowered_loop_runs_the_costs_ticks() -> None:
     both = sum(f >= 0 and b >= 0 for f_row, b_row in zip(tables["F_TABLE"], tables["B_TABLE"], strict=True)
                for f, b in zip(f_row, b_row, strict=True))
     assert both == sum(op.paired and op.kind == "F" for op in pipe.simulation.ops)
+    # the README's figures: over 4 stages and 8 microbatches 16 ticks, where each op at a tick of its own took 26
+    assert len(unit_ticks("dualpipe", 4, 8).rows) == 16
+    assert simulate("dualpipe", 4, 8, Timing(1.0, 1.0, 1.0)).makespan == 26
+
+
+def _inner(eqn: Any) -> Iterator[Any]:
+    """The jaxprs an equation holds (a shard_map's, a scan's body, a cond's branches)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+
+def _loop_body(jaxpr: Any) -> Any:
+    """The body of the program's loop over the ticks (the fori_loop's scan)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            return next(_inner(eqn))
+        for inner in _inner(eqn):
+            if (found := _loop_body(inner)) is not None:
+                return found
+    return None
+
+
+@pytest.mark.slow  # traced only, not run; placing its arguments on the devices compiles
+def test_a_ticks_backward_reads_nothing_its_forward_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the loop's body of a whole model under DualPipe, no equation of the stage's B or W reads a value the
+    stage's F made at that tick (directly or through the buffers): a pair's forward and backward are free
+    for XLA to overlap.  (Reading the residuals after the forward's write, as the body did, made 15 such.)"""
+    import jax
+
+    from shardc.lowering.pipeline_runtime import Pipeline
+    from shardc.verification.pipeline_verify import draw_cotangent, draw_inputs
+
+    def scoped(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Pipeline, *args: Any) -> Any:
+            with jax.named_scope(name):
+                return method(self, *args)
+        return run
+
+    for name in ("_stage_fwd", "_stage_input_bwd", "_stage_weight_bwd"):
+        monkeypatch.setattr(Pipeline, name, scoped(f"tick{name}", getattr(Pipeline, name)))
+    lowered = lower_pipeline(shardc.plan(shardc.parse(WHOLE)))
+    pipe = lowered.namespace.PIPELINE
+    inputs = draw_inputs(lowered, 0, 0)
+    args = pipe.arguments(inputs, pipe.ends.cotangent(pipe, inputs, draw_cotangent(lowered, inputs, 0)))
+    body = _loop_body(jax.make_jaxpr(pipe.program()[1])(*args).jaxpr)
+    made: set[Any] = set()  # values of the tick's forward, or computed from them
+    read = []
+    for eqn in body.eqns:
+        where = str(eqn.source_info.name_stack)
+        ins = {v for v in eqn.invars if not hasattr(v, "val")}
+        if "bwd" in where:
+            read.append(bool(ins & made))
+        elif "tick_stage_fwd" in where or ins & made:
+            made |= set(eqn.outvars)
+    assert made and len(read) > 10 and not any(read)
