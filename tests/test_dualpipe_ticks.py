@@ -12,7 +12,7 @@ import pytest
 
 import shardc
 from shardc.lowering.pipeline_lowering import lower_pipeline, tick_tables, weight_ticks
-from shardc.pipeline.schedules import Phases, Timing, simulate
+from shardc.pipeline.schedules import Phases, Timing, run_orders, simulate
 from shardc.pipeline.ticks import tick_table, unit_ticks
 from tests.test_pipeline_split import V_SPEC
 from tests.test_pipeline_two_way import WHOLE
@@ -140,3 +140,16 @@ def test_a_ticks_backward_reads_nothing_its_forward_makes(monkeypatch: pytest.Mo
         elif "tick_stage_fwd" in where or ins & made:
             made |= set(eqn.outvars)
     assert made and len(read) > 10 and not any(read)
+
+
+def test_zbv_lowers_its_order_at_equal_times_not_the_costs() -> None:
+    """The README's ZBV caveat: its greedy order depends on the times; the program's table is the one found
+    at equal times, which at T_B = 2 T_F = 2 T_W runs slower than the order the cost finds at them."""
+    timing = Timing(1.0, 2.0, 1.0)
+    costed, lowered = simulate("zbv", 4, 8, timing), unit_ticks("zbv", 4, 8)
+    assert costed.orders != lowered.orders and tick_table(simulate("zbv", 4, 8, Timing(1.0, 1.0, 1.0))) == lowered
+    chunk = {"F": 0.5, "B": 1.0, "W": 0.5}  # each of a device's two chunks half its stage
+    ran = run_orders("zbv", 4, 8, [chunk] * 8, 0.0, lowered.orders)
+    assert (costed.makespan, max(op.end for op in ran)) == (37.5, 46.5)
+    for name in ("1f1b", "interleaved", "zb-h1", "dualpipev"):  # fixed orders: the same at any times
+        assert tick_table(simulate(name, 4, 8, timing, 2)) == unit_ticks(name, 4, 8, 2)
