@@ -45,10 +45,10 @@ def test_a_pairs_forward_and_backward_sit_in_one_tick(schedule: str, p: int, m: 
 
 @pytest.mark.parametrize(("schedule", "p", "m"), CASES)
 def test_the_tick_count_is_the_walk_of_the_orders_a_group_a_tick(schedule: str, p: int, m: int) -> None:
-    """The table is as short as the orders allow: every row runs something, and each group's tick is
-    the first after its device's previous group and every op it reads; the busiest device runs a group
-    every tick, so the loop is shorter than its ops one a tick (what the program ran before: the
-    simulation's makespan with a chunk's op a unit)."""
+    """The table is as short as any placement of the orders a group a tick can be: the busiest device
+    runs a group every tick, so the loop is shorter than its ops one a tick (what the program ran
+    before: the simulation's makespan with a chunk's op a unit).  Each device's groups keep their order,
+    each B comes after its F, and each W after its B or in its B's tick (a whole backward)."""
     ticks = unit_ticks(schedule, p, m)
     assert all(any(row) for row in ticks.rows)
     when = {key: t for t, row in enumerate(ticks.rows) for group in row for key in group}
