@@ -50,7 +50,7 @@ from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Contract, Mesh, Spec
 from shardc.lowering import reference as numpy_reference
-from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline, schedule_note
+from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
@@ -324,9 +324,6 @@ def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key:
     cut = collapsed_axes(plan, {**mesh})
     if cut:
         report.notes.append(cut_note(cut, devices, plan))
-    order = schedule_note(lowered.pipeline.schedule.name)
-    if order is not None:
-        report.notes.append(order)
     parts = None if lowered.ends is None else (lowered.ends.pre, *lowered.ends.blocks, lowered.ends.post)
     report.notes.append(f"each row's bound adds {power.DIFFERENTIAL:g} times its phase's largest relative error of "
                         "the unsharded float64 program (the reference's statements in jax, on one device) to the "
