@@ -24,7 +24,9 @@ A fused attention kernel (FlashAttention) runs below the chip's matmul rate, and
 its forward: :attr:`Hardware.attention_forward` and :attr:`Hardware.attention_backward` are the
 fractions of peak the best widely available kernel of the chip reaches, points (keys a kernel call
 attends over, fraction) from published kernel measurements, interpolated alike
-(:meth:`Hardware.attention_seconds`); without them the kernel runs at the matmul rate.
+(:meth:`Hardware.attention_seconds`); without them the kernel runs at the matmul rate.  A memory-bound
+kernel moves its bytes at :attr:`Hardware.hbm_efficiency` of the HBM bandwidth, and a matmul bound by its bytes
+(a batched matmul over a head dim) at :attr:`Hardware.matmul_hbm_efficiency` of it, where measured (1 without).
 ``book=True`` is the book's model: every matmul at peak, elementwise work free.
 """
 
@@ -39,6 +41,8 @@ from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, Mesh, Netwo
 from shardc.kernel_rates import (
     A100_ATTENTION_BACKWARD,
     A100_ATTENTION_FORWARD,
+    A100_HBM_SHARE,
+    A100_MATMUL_HBM_SHARE,
     A100_MATMULS,
     B200_ATTENTION_BACKWARD,
     B200_ATTENTION_FORWARD,
@@ -91,6 +95,11 @@ class Hardware:
     # by keys; () = the matmul rate (:meth:`attention_seconds`)
     attention_forward: tuple[tuple[float, float], ...] = ()
     attention_backward: tuple[tuple[float, float], ...] = ()
+    # the share of hbm_bandwidth a memory-bound kernel reaches, measured: an elementwise pass (a norm, a softmax,
+    # a dropout: :meth:`memory_seconds`) and a matmul whose bytes outlast its FLOPs (a batched matmul over a
+    # head dim: :meth:`matmul_memory_seconds`; None: hbm_efficiency's)
+    hbm_efficiency: float = 1.0
+    matmul_hbm_efficiency: float | None = None
     bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
     # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
     collective_base: float | None = None
@@ -124,8 +133,15 @@ class Hardware:
 
     @property
     def fuses(self) -> bool:
-        """Whether memory-bound steps fuse as XLA fuses them (else one kernel an op: ``fusion none``)."""
+        """Whether memory-bound steps fuse as XLA fuses them (else one kernel an op: ``fusion none``); under
+        ``fusion statement`` only inside a statement (:attr:`fuses_statements`)."""
         return self.fusion != "none"
+
+    @property
+    def fuses_statements(self) -> bool:
+        """Whether a kernel is one statement's memory-bound steps (``fusion statement``: hand-fused kernels,
+        nothing fused into a matmul; :func:`shardc.fusion.memory_traffic`)."""
+        return self.fusion == "statement"
 
     @property
     def reduces_after_backward(self) -> bool:
@@ -222,10 +238,20 @@ class Hardware:
         return flops / (self.peak(dtype) * interpolate(points, keys))
 
     def memory_seconds(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` through HBM (a memory-bound step); 0 under the book's model."""
+        """Seconds to move ``nbytes`` through HBM in an elementwise kernel (a memory-bound step), at the share
+        of the bandwidth such a kernel reaches; 0 under the book's model."""
         if self.book or nbytes <= 0:
             return 0.0
-        return nbytes / self.hbm_bandwidth
+        return nbytes / (self.hbm_bandwidth * self.hbm_efficiency)
+
+    def matmul_memory_seconds(self, nbytes: float) -> float:
+        """Seconds a matmul takes to read its operands and write its result, ``nbytes``, through HBM (the
+        memory side of its roofline, :func:`shardc.steptime.einsum_time`), at the share of the bandwidth a
+        matmul bound by its bytes reaches; 0 under the book's model."""
+        if self.book or nbytes <= 0:
+            return 0.0
+        share = self.hbm_efficiency if self.matmul_hbm_efficiency is None else self.matmul_hbm_efficiency
+        return nbytes / (self.hbm_bandwidth * share)
 
     def with_attention(self, kernel: str) -> Hardware:
         """This chip running the fused attention kernel ``kernel`` (:data:`shardc.ir.spec.ATTENTION_KERNELS`)
@@ -390,7 +416,8 @@ PRESETS: dict[str, Hardware] = {
                  dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4, host_adam_rate=_HOST_ADAM_8,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=A100_MATMULS, attention_forward=A100_ATTENTION_FORWARD,
-                 attention_backward=A100_ATTENTION_BACKWARD,
+                 attention_backward=A100_ATTENTION_BACKWARD, hbm_efficiency=A100_HBM_SHARE,
+                 matmul_hbm_efficiency=A100_MATMUL_HBM_SHARE,
                  sms=108, collective_sms=_NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
         # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached).
