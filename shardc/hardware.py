@@ -41,12 +41,12 @@ from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, Mesh, Netwo
 from shardc.kernel_rates import (
     A100_ATTENTION_BACKWARD,
     A100_ATTENTION_FORWARD,
-    A100_HBM_SHARE,
-    A100_MATMUL_HBM_SHARE,
     A100_MATMULS,
     B200_ATTENTION_BACKWARD,
     B200_ATTENTION_FORWARD,
     B200_MATMULS,
+    GPU_HBM_SHARE,
+    GPU_MATMUL_HBM_SHARE,
     H100_ATTENTION_BACKWARD,
     H100_ATTENTION_FORWARD,
     H100_MATMULS,
@@ -399,6 +399,7 @@ PRESETS: dict[str, Hardware] = {
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
                  flops_f8=1.979e15, matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
                  attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD,
+                 hbm_efficiency=GPU_HBM_SHARE, matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
                  sms=132, collective_sms=_NCCL_CHANNELS),  # 132 SMs: NVIDIA's H100 architecture whitepaper, SXM5
         # H200 data sheet: the H100's compute (its 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
@@ -406,7 +407,8 @@ PRESETS: dict[str, Hardware] = {
                  host_adam_rate=_HOST_ADAM_8,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=H100_MATMULS,
                  matmul_efficiency_f8=HOPPER_F8_MATMULS, attention_forward=H100_ATTENTION_FORWARD,
-                 attention_backward=H100_ATTENTION_BACKWARD,
+                 attention_backward=H100_ATTENTION_BACKWARD, hbm_efficiency=GPU_HBM_SHARE,
+                 matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
                  sms=132, collective_sms=_NCCL_CHANNELS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
@@ -416,8 +418,8 @@ PRESETS: dict[str, Hardware] = {
                  dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4, host_adam_rate=_HOST_ADAM_8,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=A100_MATMULS, attention_forward=A100_ATTENTION_FORWARD,
-                 attention_backward=A100_ATTENTION_BACKWARD, hbm_efficiency=A100_HBM_SHARE,
-                 matmul_hbm_efficiency=A100_MATMUL_HBM_SHARE,
+                 attention_backward=A100_ATTENTION_BACKWARD, hbm_efficiency=GPU_HBM_SHARE,
+                 matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
                  sms=108, collective_sms=_NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
         # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached).
@@ -429,6 +431,7 @@ PRESETS: dict[str, Hardware] = {
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
                  matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
                  attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD,
+                 hbm_efficiency=GPU_HBM_SHARE, matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
                  sms=132, collective_sms=_DEEPEP_SMS),
         # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it); its
         # NVSwitch reduces too, but no B200 NVLS figure is cited (8 B300: 845 GB/s AllReduce bus bandwidth with

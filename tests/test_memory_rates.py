@@ -15,7 +15,7 @@ from shardc.chip_choice import load_hardware_file
 from shardc.errors import ShardcError
 from shardc.fusion import named_values
 from shardc.hardware import PRESETS, Hardware, get_hardware
-from shardc.kernel_rates import A100_HBM_SHARE, A100_MATMUL_HBM_SHARE
+from shardc.kernel_rates import GPU_HBM_SHARE, GPU_MATMUL_HBM_SHARE
 from shardc.steptime import einsum_time
 
 # The FlashAttention paper's benchmark (Dao et al. 2022, appendix E.6): standard attention on one A100 40GB,
@@ -40,12 +40,15 @@ def _phases_ms(text: str, hw: Hardware = A100_40GB) -> tuple[float, float]:
 
 def test_the_a100_shares_are_the_papers_figures() -> None:
     # the dropout alone (Tables 15 and 18: 6.56 - 4.32 ms) moves 5 bytes an element of the scores
-    assert A100_HBM_SHARE == pytest.approx(5 * SCORES / 2 / 2.24e-3 / 1.555e12)
-    assert A100_HBM_SHARE == pytest.approx(0.771, abs=5e-4)
-    assert A100_MATMUL_HBM_SHARE == pytest.approx(0.580, abs=5e-4)
-    assert get_hardware("a100").hbm_efficiency == A100_HBM_SHARE
-    assert get_hardware("a100").matmul_hbm_efficiency == A100_MATMUL_HBM_SHARE
-    assert get_hardware("h100").hbm_efficiency == 1.0 and get_hardware("h100").matmul_hbm_efficiency is None
+    assert GPU_HBM_SHARE == pytest.approx(5 * SCORES / 2 / 2.24e-3 / 1.555e12)
+    assert GPU_HBM_SHARE == pytest.approx(0.771, abs=5e-4)
+    assert GPU_MATMUL_HBM_SHARE == pytest.approx(0.580, abs=5e-4)
+    assert get_hardware("a100").hbm_efficiency == GPU_HBM_SHARE
+    assert get_hardware("a100").matmul_hbm_efficiency == GPU_MATMUL_HBM_SHARE
+    for chip in ("h100", "h200", "h800"):  # checked on H100 (the test below)
+        assert (get_hardware(chip).hbm_efficiency, get_hardware(chip).matmul_hbm_efficiency) == (
+            GPU_HBM_SHARE, GPU_MATMUL_HBM_SHARE)
+    assert get_hardware("b200").hbm_efficiency == 1.0 and get_hardware("b200").matmul_hbm_efficiency is None
 
 
 def test_the_attention_benchmark_forward_is_reproduced_and_its_backward_held_out() -> None:
@@ -57,16 +60,41 @@ def test_the_attention_benchmark_forward_is_reproduced_and_its_backward_held_out
     assert 0.9 < backward / 10.77 < 1.0  # Table 16 (not fitted): 9.98 ms, 7% fast
 
 
+# The FlashAttention-3 paper's standard attention forward on H100 SXM5 (section 4.1, no mask, 16K tokens a call,
+# 2048 hidden): TFLOP/s by (head dim, sequence length), not fitted
+H100_STANDARD = {(64, 512): 52, (64, 1024): 63, (64, 2048): 67, (64, 4096): 72, (64, 8192): 73,
+                 (128, 512): 74, (128, 1024): 100, (128, 2048): 119, (128, 4096): 133, (128, 8192): 139}
+
+
+def _h100_ratios(hw: Hardware) -> dict[tuple[int, int], float]:
+    """Predicted over measured time of each H100 standard attention forward."""
+    out = {}
+    for (head, seq), rate in H100_STANDARD.items():
+        batch, heads = 16384 // seq, 2048 // head
+        text = ATTENTION.replace("dims B=16, N=8, S=2048, T=2048, H=64",
+                                 f"dims B={batch}, N={heads}, S={seq}, T={seq}, H={head}")
+        out[head, seq] = _phases_ms(text, hw)[0] / (1e3 * 4 * batch * seq * seq * heads * head / (rate * 1e12))
+    return out
+
+
+def test_the_shares_measured_on_a100_predict_standard_attention_on_h100() -> None:
+    ratios = _h100_ratios(get_hardware("h100"))
+    assert all(0.8 < r < 1.05 for (_, seq), r in ratios.items() if seq >= 1024)
+    assert sum(abs(r - 1) for r in ratios.values()) / len(ratios) < 0.1  # 9.6% (512 tokens: 0.84, 0.67)
+    bare = _h100_ratios(replace(get_hardware("h100"), hbm_efficiency=1.0, matmul_hbm_efficiency=None))
+    assert max(bare.values()) < 0.7  # the data sheet's bandwidth: every one 31-57% fast
+
+
 def test_a_matmul_bound_by_its_bytes_runs_at_the_matmul_share_and_a_softmax_at_the_elementwise_one() -> None:
     rows = {r.text.split(" -> ")[1].split("[")[0]: r
             for r in shardc.cost(shardc.plan(shardc.parse(ATTENTION), hardware=A100_40GB),
                                  hardware=A100_40GB).forward.rows}
     scores = rows["Sc"]  # Q and K read, the scores written: bound by its bytes, not its FLOPs
     nbytes = SCORES + 2 * (16 * 2048 * 8 * 64 * 2)
-    assert scores.compute_s + scores.memory_s == pytest.approx(nbytes / (1.555e12 * A100_MATMUL_HBM_SHARE))
+    assert scores.compute_s + scores.memory_s == pytest.approx(nbytes / (1.555e12 * GPU_MATMUL_HBM_SHARE))
     softmax = rows["Pr"]  # its own kernel: reads the scores back and writes the probabilities
     assert softmax.memory_bytes == 2 * SCORES
-    assert softmax.memory_s == pytest.approx(2 * SCORES / (1.555e12 * A100_HBM_SHARE))
+    assert softmax.memory_s == pytest.approx(2 * SCORES / (1.555e12 * GPU_HBM_SHARE))
     big = einsum_time(2 * 8192.0**3, 3 * 8192**2 * 2, False, A100_40GB)  # a large matmul: its FLOPs bind
     assert big.memory_s == 0 and big.compute_s == pytest.approx(2 * 8192**3 / (3.12e14 * 0.842), rel=1e-3)
 
@@ -74,10 +102,10 @@ def test_a_matmul_bound_by_its_bytes_runs_at_the_matmul_share_and_a_softmax_at_t
 def test_the_book_and_a_chip_without_a_figure_move_bytes_as_before() -> None:
     book = replace(A100_40GB, book=True)
     assert book.memory_seconds(1e9) == 0 and book.matmul_memory_seconds(1e9) == 0
-    h100 = get_hardware("h100")
-    assert h100.memory_seconds(1e9) == h100.matmul_memory_seconds(1e9) == 1e9 / h100.hbm_bandwidth
-    only = replace(h100, hbm_efficiency=0.5)  # no matmul figure: a matmul takes the elementwise share
-    assert only.matmul_memory_seconds(1e9) == only.memory_seconds(1e9) == 2e9 / h100.hbm_bandwidth
+    b200 = get_hardware("b200")
+    assert b200.memory_seconds(1e9) == b200.matmul_memory_seconds(1e9) == 1e9 / b200.hbm_bandwidth
+    only = replace(b200, hbm_efficiency=0.5)  # no matmul figure: a matmul takes the elementwise share
+    assert only.matmul_memory_seconds(1e9) == only.memory_seconds(1e9) == 2e9 / b200.hbm_bandwidth
 
 
 def test_a_hardware_file_takes_the_shares_and_a_calibrated_chip_keeps_their_ratio(tmp_path: Path) -> None:
@@ -94,7 +122,7 @@ def test_a_hardware_file_takes_the_shares_and_a_calibrated_chip_keeps_their_rati
     assert base_chip("NVIDIA A100-SXM4-80GB") is PRESETS["a100"]  # it was not recognised: a generic chip
     measured = calibrated(Measurements("NVIDIA A100-SXM4-80GB", 1, "bfloat16", ((2e12, 2.6e14),), 1.6e12, (), 80e9))
     assert measured.hbm_bandwidth == 1.6e12 and measured.hbm_efficiency == 1.0
-    assert measured.matmul_hbm_efficiency == pytest.approx(A100_MATMUL_HBM_SHARE / A100_HBM_SHARE)
+    assert measured.matmul_hbm_efficiency == pytest.approx(GPU_MATMUL_HBM_SHARE / GPU_HBM_SHARE)
 
 
 def test_fusion_statement_writes_what_the_spec_names_and_fuses_nothing_into_a_matmul() -> None:
