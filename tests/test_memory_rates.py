@@ -149,3 +149,17 @@ def test_the_megatron_runs_say_how_megatron_runs_them() -> None:
     root = Path(__file__).resolve().parent.parent / "benchmarks" / "runs"
     for name in ("gpt3_175b_megatron", "megatron_1_7b", "megatron_7_5b", "megatron_18_4b"):
         assert shardc.parse((root / f"{name}.shard").read_text(encoding="utf-8")).fusion == "statement"
+
+
+def test_fusion_statement_is_a_line_a_flag_and_a_hardware_file_key(tmp_path: Path) -> None:
+    spec = shardc.parse(ATTENTION)
+    assert spec.fusion == "statement" and shardc.parse(str(spec)) == spec
+    assert get_hardware("a100").configured(fusion="statement").fuses_statements
+    assert not get_hardware("a100").fuses_statements and get_hardware("a100").configured(fusion="none").fuses is False
+    chip = tmp_path / "chip.toml"
+    chip.write_text('flops = 1e15\nici_bandwidth = 1e11\nhbm_bytes = 8e10\ndcn_bandwidth = 1e10\n'
+                    'fusion = "statement"\n', encoding="utf-8")
+    assert load_hardware_file(str(chip)).fuses_statements
+    report = shardc.cost(shardc.plan(spec, hardware=A100_40GB), hardware=A100_40GB)
+    assert report.to_json()["hardware"]["fusion"] == "statement"
+    assert any(n.startswith("fusion statement:") for n in report.notes)
