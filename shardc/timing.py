@@ -54,7 +54,7 @@ from shardc.accountings import ACCOUNTINGS
 from shardc.chip_choice import chip_for
 from shardc.collectives import FACTOR, Layout, Op, collective_time
 from shardc.device_pieces import einsum_flops, local_elements, size_of, step_volume
-from shardc.fusion import is_product, kept_values, memory_traffic
+from shardc.fusion import is_product, kept_values, memory_traffic, named_values
 from shardc.hardware import Hardware
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step, unfused
@@ -450,6 +450,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     values, repeats = microbatched(plan, values, hw.book)
     nbytes = local_bytes_of(plan, values)
     kept = kept_values(plan)
+    named = named_values(plan) if hw.fuses_statements else None
 
     def row(step: Step, moved: float, shared: bool) -> StepCost:
         key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
@@ -461,7 +462,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
         return hit
 
     def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
-        moved = memory_traffic(steps, nbytes, kept, hw.fuses) if not hw.book else [0.0] * len(steps)
+        moved = memory_traffic(steps, nbytes, kept, hw.fuses, named) if not hw.book else [0.0] * len(steps)
         return phase_time(((row(s, b, shared), step_count(s, counts) * times)
                            for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)), hw)
 
@@ -492,8 +493,9 @@ def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tu
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,
                spans: Layout, again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
     """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
-    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses) if not hw.book else \
-        [0.0] * len(steps)
+    named = named_values(plan) if hw.fuses_statements else None
+    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses, named) \
+        if not hw.book else [0.0] * len(steps)
     dtype = plan_dtype(plan)
     rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared)
             for i, (s, b, shared) in enumerate(zip(steps, moved, shared_rings(steps), strict=True), 1))

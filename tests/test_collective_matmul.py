@@ -189,9 +189,9 @@ def test_megatron_gpt_layer_exposed_communication_on_h100() -> None:
     """Megatron's GPT-3 layer (TP and SP over 8 H100s, 2048 tokens, hidden 12288): three of the four
     ReduceScatters leaving the tensor-parallel blocks run as rings (the fourth reduces the sum of the Q, K and
     V gradients, no one einsum's), and the backward's gather of dM into the MLP; the exposed communication
-    falls from 16% of the step to under 10%."""
+    falls from 14% of the step to under 10%."""
     plain, fused = _cost(_plan(GPT_SP, collective_matmul=False)), _cost(_plan(GPT_SP, collective_matmul=True))
-    assert plain.step.critical_s / plain.step.step_s > 0.15
+    assert plain.step.critical_s / plain.step.step_s > 0.14
     assert fused.step.critical_s / fused.step.step_s < 0.10
     assert fused.step.step_s < plain.step.step_s
 

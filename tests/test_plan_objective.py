@@ -144,15 +144,15 @@ def test_a_plan_depends_on_the_chip() -> None:
 
 def test_the_plan_for_h100_is_the_cheapest_on_h100_under_the_chips_model() -> None:
     """The einsum search prices each configuration as cost does: the weight's gather, issued ahead, hides
-    under the matmul, so on h100 gathering both operands (28.7 us) beats the AllReduce (29.8 us)."""
+    under the matmul, so on h100 gathering both operands (29.0 us) beats the AllReduce (30.1 us)."""
     spec = shardc.parse("mesh X=4\ndims B=1024, D=512, F=1024\nOut[B, F] = In[B, D_X] · W[D_X, F]\n")
     v5p, h100 = shardc.plan(spec), shardc.plan(spec, hardware="h100")
     assert reported(h100, "h100") <= reported(v5p, "h100")
     assert [s.op for s in h100.forward if s.is_collective] == [Op.ALL_GATHER, Op.ALL_GATHER]
     assert [s.ahead for s in h100.forward if s.is_collective] == [False, True]
-    assert reported(h100, "h100") == pytest.approx(28.75e-6, rel=1e-3)
+    assert reported(h100, "h100") == pytest.approx(29.01e-6, rel=1e-3)
     rules = shardc.plan(spec, strategy="rules", hardware="h100")
-    assert reported(rules, "h100") == pytest.approx(29.82e-6, rel=1e-3)
+    assert reported(rules, "h100") == pytest.approx(30.07e-6, rel=1e-3)
 
 
 def test_cli_plan_hardware_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

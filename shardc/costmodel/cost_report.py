@@ -293,7 +293,7 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
             "hop_latency": hw.hop_latency, "flops_f8": hw.flops_f8,
             "hbm_bandwidth": hw.hbm_bandwidth if math.isfinite(hw.hbm_bandwidth) else None,
             "model": "book" if hw.book else "chip", "bucket_bytes": hw.bucket_bytes,
-            "fusion": "xla" if hw.fuses else "none",
+            "fusion": "statement" if hw.fuses_statements else "xla" if hw.fuses else "none",
             "grad_reduce": "after-backward" if hw.reduces_after_backward else "overlapped",
             "attention_kernel": hw.attention_kernel,
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
@@ -492,6 +492,10 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
     if not hw.fuses and not hw.book:
         notes.append("fusion none: each memory-bound step is its own kernel, reading its operands from HBM and "
                      "writing its result (PyTorch eager)")
+    if hw.fuses_statements and not hw.book:
+        notes.append("fusion statement: each statement's memory-bound steps are one kernel (hand-fused, as "
+                     "Megatron-LM's), which reads what the spec names from HBM and writes its result; no matmul "
+                     "epilogue")
     if hw.attention_kernel is not None and not hw.book:
         notes.append(f"attention_kernel {hw.attention_kernel}: fused attention at the rates measured of it on "
                      f"{hw.name}")

@@ -82,6 +82,13 @@ def _layer_counts(p: PhaseCost) -> str:
     return " + ".join(str(n) for n in (p.layers, *p.more_layers))
 
 
+def _fusion_words(hw: Hardware) -> str:
+    """How the memory-bound steps' kernels are fused, as the chip's framework runs them."""
+    if hw.fuses_statements:
+        return "one hand-fused kernel a statement: fusion statement"
+    return "fused as XLA fuses" if hw.fuses else "one kernel an op: fusion none"
+
+
 def _totals(p: PhaseCost, layers: int) -> list[str]:
     per = f" ({_layer_counts(p)} layers)" if layers != 1 or p.more_layers else ""
     f = p.formula
@@ -89,7 +96,7 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
     lines = [
         f"  compute {fmt_seconds(p.compute_s)}{per}: {fmt_flops(p.compute_flops)} a device = {text(f.flops)}",
         f"  memory  {fmt_seconds(p.memory_s)}: {fmt_bytes(p.memory_bytes)} of HBM traffic a device "
-        f"(memory-bound steps, {'fused as XLA fuses' if p.hardware.fuses else 'one kernel an op: fusion none'})"
+        f"(memory-bound steps, {_fusion_words(p.hardware)})"
         f"{update}",
         f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {text(f.comm_bytes)}"
         f"  [critical {fmt_seconds(p.critical_s)}, ahead {fmt_seconds(p.ahead_s)}]",
