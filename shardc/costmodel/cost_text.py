@@ -106,8 +106,10 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
         lines.append(f"  bound: {p.bound}; step {fmt_seconds(p.step_s)} with all collectives overlapped (the book's "
                      f"model), {fmt_seconds(p.step_ahead_only_s)} with only ahead-of-time ones; MFU {p.mfu:.1%}")
     else:
+        ends = (f" ({fmt_seconds(p.exposed_ends_s)} of them at the phase's ends, with no compute beside them: "
+                f"the gathers its first step waits on, the reductions after its last)") if p.exposed_ends_s else ""
         lines.append(f"  bound: {p.bound}; step {fmt_seconds(p.step_s)}: compute and memory, ahead-of-time "
-                     f"collectives overlapped, critical ones exposed; exposed communication "
+                     f"collectives overlapped{ends}, critical ones exposed; exposed communication "
                      f"{fmt_seconds(p.exposed_comm_s)}")
     lines.append(f"  MFU {p.mfu:.1%} (model FLOPs {fmt_flops(p.model_flops)}, recomputation not counted), "
                  f"HFU {p.hfu:.1%}" + (f"; {p.tokens_per_s_per_chip:,.0f} tokens/s a chip" if p.tokens else ""))
