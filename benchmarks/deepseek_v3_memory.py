@@ -14,11 +14,13 @@ schedule), under three accountings:
   up-projections; section 3.3.2: the MoE SwiGLU's output);
 * ``+ state``: the report's optimizer state (``--optimizer mixed14``: bf16 params, fp32 gradients
   accumulated over the microbatches, fp32 master weights, bf16 Adam moments);
-* ``+ formats``: the report's cached-activation formats (section 3.3.2) on the values shardc keeps: the
-  inputs of a matmul with a weight (a Linear's input) and of a SwiGLU cached in FP8 (1 byte), every
-  other value in BF16 (2 bytes; token ids int32).  The spec declares types by tensor, not by what reads
-  them (its residual stream stays at 1 byte: see its header), so this column is computed here from
-  shardc's own table of kept values.
+* ``+ formats``: the report's cached-activation formats (section 3.3.3, "Low-Precision Activation") on the
+  values shardc keeps: the inputs of a matmul with a weight (a Linear's input) and of a SwiGLU cached in
+  FP8 (1 byte), but the attention output (the input of the Linear after attention) in E5M6 (12 bits, 1.5
+  bytes); each FP8 or E5M6 value with its tile's FP32 scale (section 3.3.1: a scale a 1x128 tile, 4 bytes a
+  128 elements); every other value in BF16 (2 bytes; token ids int32).  The spec declares types by tensor,
+  not by what reads them (its residual stream stays at 1 byte: see its header), so this column is
+  computed here from shardc's own table of kept values.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 import shardc
 from shardc.costmodel.memory import residual_table, value_bytes
 from shardc.costmodel.stage_memory import kept_copies
+from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.pipeline.boundary import microbatch_dim
@@ -44,17 +47,24 @@ def _params(step: Step, plan: Plan) -> set[str]:
     return {r.name for r in step.operands if r.name in declared}
 
 
+SCALE = 4 / 128  # an FP32 scale a 1x128 tile (section 3.3.1), bytes an element
+E5M6 = 12 / 8  # the attention output's format (section 3.3.3), bytes an element
+
+
 def paper_bytes(plan: Plan) -> dict[TensorRef, float]:
     """Bytes an element of each value the plan keeps, in the report's cached formats."""
     silu = {s.dst for s in plan.forward if str(s.fn) == "silu"}
     fp8 = {r for s in plan.forward if _params(s, plan) or str(s.fn) == "silu" for r in s.operands} \
         | {r for s in plan.forward if any(o in silu for o in s.operands) for r in s.operands}
+    attended = {s.dst.name for s in plan.forward if isinstance(s.fn, Attention) and s.fn.part == "out"}
     out = {}
     for ref, _ in residual_table(plan):
         if plan.nbytes(ref.name) == 4:  # token ids
             out[ref] = 4.0
+        elif ref in fp8:
+            out[ref] = (E5M6 if ref.name in attended else 1.0) + SCALE
         else:
-            out[ref] = 1.0 if ref in fp8 else 2.0
+            out[ref] = 2.0
     return out
 
 
