@@ -31,7 +31,7 @@ from pathlib import Path
 
 import shardc
 from shardc.costmodel.memory import residual_table, value_bytes
-from shardc.costmodel.stage_memory import kept_copies
+from shardc.costmodel.stage_memory import dualpipe_held, kept_copies
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
@@ -69,8 +69,8 @@ def paper_bytes(plan: Plan) -> dict[TensorRef, float]:
 
 
 def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, float] | None) -> dict[str, float]:
-    """A stage's (a device's) bytes: params, grads, optimizer, gathered, one microbatch's activations (under
-    DualPipe the mean of its two stages'), held, total.  All but the cached formats are shardc's stage table
+    """A stage's (a device's) bytes: params, grads, optimizer, gathered, one microbatch's activations (the mean
+    over the microbatches held), held, total.  All but the cached formats are shardc's stage table
     (``shardc cost``'s), the copies of each value a device keeps its
     :func:`shardc.costmodel.stage_memory.kept_copies`; ``element`` prices each value's elements anew."""
     pipe = pipeline_of(plan.spec)
@@ -83,7 +83,8 @@ def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, 
     row = report.stages[stage]
     kept = row.activation_bytes
     if element is not None:
-        copies = kept_copies(plan, pipe, [s.held for s in report.stages])[stage]
+        chunks = dualpipe_held(plan, pipe, report.simulation, micro)
+        copies = kept_copies(plan, pipe, [s.held for s in report.stages], chunks)[stage]
         kept = math.fsum(value_bytes(plan, ref, micro) / plan.nbytes(ref.name) * element[ref] * count
                          for ref, count in copies.items())
     params = row.state_bytes - row.grad_bytes - row.optimizer_bytes
