@@ -5,12 +5,16 @@ at once."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
 import shardc
+from shardc.costmodel.memory import value_bytes
+from shardc.costmodel.stage_memory import chunk_copies, dualpipe_held
+from shardc.spec.stages import pipeline_of
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYER = """mesh X=2
@@ -106,3 +110,20 @@ def test_the_published_layout_fits_80_gb_keeping_no_expert_output() -> None:
     report = shardc.cost(plan, optimizer="mixed14").pipeline
     assert report is not None
     assert all(stage.memory_bytes < 80e9 for stage in report.stages)
+
+
+def test_device_0_keeps_16_microbatches_of_its_first_stage_and_1_of_its_last() -> None:
+    """Under DualPipe device 0 holds, at its peak, 16 microbatches of stage 0 (the embedding and the dense
+    layers) and 1 of stage 15 (the heads' logits, the MTP layer): its activations are those counts of each
+    stage's values, not 8.5 of each (which counted 8.5 microbatches of both heads' BF16 logits)."""
+    path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
+    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
+    report = shardc.cost(plan, optimizer="mixed14").pipeline
+    assert report is not None and report.stages[0].held == 17
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None and plan.sizes is not None
+    micro = dict(plan.sizes) | {"B": 15360 // 120}
+    assert dualpipe_held(plan, pipe, report.simulation, micro)[0] == {0: 16, 31: 1}
+    chunk = [math.fsum(value_bytes(plan, r, micro) * k for r, k in c.items()) for c in chunk_copies(plan, pipe)]
+    assert report.stages[0].activation_bytes == pytest.approx(16 * chunk[0] + chunk[31], rel=1e-9)
+    assert report.stages[0].activation_bytes < 8.5 * (chunk[0] + chunk[31])
