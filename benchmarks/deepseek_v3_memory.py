@@ -2,10 +2,10 @@
 
     python benchmarks/deepseek_v3_memory.py [benchmarks/runs/deepseek_v3.shard] [--stages 0,1,3]
 
-Prints, for the pipeline stages asked (under DualPipe a device: 0 holds stages 0 and 15, 3 holds
-stages 3 and 12, the fullest), the training state (params, gradients, optimizer state), the gathered
-weights and the activations (one microbatch's times the microbatches the stage holds under the spec's
-schedule), under three accountings:
+Prints, for the pipeline stages asked (under DualPipe a device: 0 holds stages 0 and 15, the ends, 3
+holds stages 3 and 12, 8 MoE layers as devices 1 to 14 do), the training state (params, gradients,
+optimizer state), the gathered weights and the activations (each of its stages' values times the
+microbatches of that stage it holds at its peak under the spec's schedule), under three accountings:
 
 * ``shardc``: ``shardc cost --recompute selective`` as it is (``adam10``; every kept value at its
   declared type: the spec's ``dtype f8``, 1 byte, 2 bytes what its ``dtype bf16`` lines name), the
