@@ -217,7 +217,10 @@ class Dispatch:
     indices, and one of its data movements, ``part``: ``dispatch`` (tokens gathered into their experts'
     slots), ``combine`` (each token's k expert outputs, gate-weighted, summed), or a gradient of one
     (``dispatch_vjp``: of the tokens; ``combine_vjp``: of the expert outputs; ``combine_gate_vjp``: of
-    the gates).  ``limit`` of ``groups`` (0: unlimited): node-limited routing (DeepSeek-V3's), the experts
+    the gates), or ``collect`` (each token's k expert outputs summed, unweighted) and its gradient
+    ``collect_vjp`` (``dY``'s rows into the slots).  ``each``: the dispatched tensor carries the expert
+    index too, a value per token and expert (the gates themselves), and each slot gets its own expert's.
+    ``limit`` of ``groups`` (0: unlimited): node-limited routing (DeepSeek-V3's), the experts
     in ``groups`` contiguous groups (a node's each) and each token's k taken from the ``limit`` groups of
     highest score (:func:`shardc.ops.route_code.node_limited`)."""
 
@@ -228,10 +231,12 @@ class Dispatch:
     k: int
     limit: int = 0
     groups: int = 0
+    each: bool = False
 
     def __str__(self) -> str:
         nodes = f",{self.limit}of{self.groups}" if self.limit else ""
-        return f"{self.part}({self.order},{self.experts},{self.slots},{self.k}{nodes})"
+        each = ",each" if self.each else ""
+        return f"{self.part}({self.order},{self.experts},{self.slots},{self.k}{nodes}{each})"
 
 
 class Row(Enum):

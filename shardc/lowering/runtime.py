@@ -414,15 +414,18 @@ def _padded(rows: Array) -> Array:
 
 
 def expert_dispatch(gates: Array, x: Array, k: int, capacity: int, limit: int = 0,
-                    groups: int = 0) -> Array:
+                    groups: int = 0, each: bool = False) -> Array:
     """Each token's row of ``x`` written into its slot of each of its k experts: [*batch, E, C, *features]
-    (an empty slot 0; a token past an expert's capacity is dropped there)."""
-    lead = gates.ndim - 2
+    (an empty slot 0; a token past an expert's capacity is dropped there); ``each``: ``x`` is
+    [*batch, S, E, *features] and a slot gets the row of its own expert."""
+    lead, inner = gates.ndim - 2, 2 if each else 1
     _, top, slot, n = _routing(gates, k, capacity, limit, groups)
-    xs = _rows(x, lead, 1)
+    xs = _rows(x, lead, inner)
+    rows = (jnp.take_along_axis(xs, top[..., None], axis=2) if each
+            else jnp.broadcast_to(xs[:, :, None], (*top.shape, xs.shape[-1])))
     out = jnp.zeros((xs.shape[0], gates.shape[-1], capacity + 1, xs.shape[-1]), x.dtype)
-    out = out.at[n, top, slot].set(jnp.broadcast_to(xs[:, :, None], (*top.shape, xs.shape[-1])))
-    return out[:, :, :capacity].reshape(*gates.shape[:-2], gates.shape[-1], capacity, *x.shape[lead + 1:])
+    out = out.at[n, top, slot].set(rows)
+    return out[:, :, :capacity].reshape(*gates.shape[:-2], gates.shape[-1], capacity, *x.shape[lead + inner:])
 
 
 def expert_combine(gates: Array, rows: Array, k: int, capacity: int, limit: int = 0,
@@ -436,11 +439,16 @@ def expert_combine(gates: Array, rows: Array, k: int, capacity: int, limit: int 
 
 
 def expert_dispatch_vjp(gates: Array, d_rows: Array, k: int, capacity: int, limit: int = 0,
-                        groups: int = 0) -> Array:
-    """The tokens' gradient of :func:`expert_dispatch`: each token's k slot rows of ``d_rows`` summed."""
+                        groups: int = 0, each: bool = False) -> Array:
+    """The tokens' gradient of :func:`expert_dispatch`: each token's k slot rows of ``d_rows`` summed
+    (``each``: each at its expert, [*batch, S, E, *features], 0 at the experts not chosen)."""
     lead = gates.ndim - 2
     _, top, slot, n = _routing(gates, k, capacity, limit, groups)
     picked = _padded(_rows(d_rows, lead, 2))[n, top, slot]
+    if each:
+        picked = jnp.sum(jax.nn.one_hot(top, gates.shape[-1], dtype=d_rows.dtype)[..., None] * picked[..., None, :],
+                         axis=-3)
+        return picked.reshape(*gates.shape, *d_rows.shape[lead + 2:])
     return jnp.sum(picked, axis=-2).reshape(*gates.shape[:-1], *d_rows.shape[lead + 2:])
 
 

@@ -182,6 +182,23 @@ class Simulation:
         """
         return self._peaks[device] * stage_share(self.schedule, self.chunks)
 
+    def peak_chunks(self, device: int, weights: dict[int, float]) -> dict[int, int]:
+        """The microbatches of each chunk ``device`` holds when what it holds peaks, a microbatch of chunk
+        c weighing ``weights[c]`` (its bytes): under DualPipe the device's own direction's stage holds most
+        of them (device 0: 16 of its first stage, 1 of its last), not half each."""
+        free = "W" if any(op.kind == "W" for op in self.ops) else "B"
+        events = sorted((op.start, 1, op.chunk) if op.kind == "F" else (op.end, -1, op.chunk)
+                        for op in self.ops if op.device == device and op.kind in ("F", free))
+        held: dict[int, int] = {}
+        best: dict[int, int] = {}
+        total, peak = 0.0, -1.0
+        for _, step, chunk in events:
+            held[chunk] = held.get(chunk, 0) + step
+            total += step * weights.get(chunk, 0.0)
+            if total > peak:
+                peak, best = total, dict(held)
+        return best
+
     @cached_property
     def _peaks(self) -> list[int]:
         """Each device's most activations held at once (in chunks), from one pass over the ops."""

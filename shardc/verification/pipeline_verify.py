@@ -231,9 +231,9 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         g = xp.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
     else:
         post_in = {k: x if k == layers[-1].output else wide[k] for k in ns.POST_FORWARD_IN}
-        results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp)[ns.LOSS])}
+        results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp, sizes=sizes)[ns.LOSS])}
         d_loss = xp.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
-        got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp)
+        got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp, sizes=sizes)  # a routed head's C
         grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS if p not in ns.TIED})
         tied = {p: got[p] for p in ns.TIED}
         g = got[layers[-1].output]
