@@ -2,10 +2,10 @@
 
     python benchmarks/deepseek_v3_memory.py [benchmarks/runs/deepseek_v3.shard] [--stages 0,1,3]
 
-Prints, for the pipeline stages asked (under DualPipe a device: 0 holds stages 0 and 15, 3 holds
-stages 3 and 12, the fullest), the training state (params, gradients, optimizer state), the gathered
-weights and the activations (one microbatch's times the microbatches the stage holds under the spec's
-schedule), under three accountings:
+Prints, for the pipeline stages asked (under DualPipe a device: 0 holds stages 0 and 15, the ends, 3
+holds stages 3 and 12, 8 MoE layers as devices 1 to 14 do), the training state (params, gradients,
+optimizer state), the gathered weights and the activations (each of its stages' values times the
+microbatches of that stage it holds at its peak under the spec's schedule), under three accountings:
 
 * ``shardc``: ``shardc cost --recompute selective`` as it is (``adam10``; every kept value at its
   declared type: the spec's ``dtype f8``, 1 byte, 2 bytes what its ``dtype bf16`` lines name), the
@@ -14,11 +14,13 @@ schedule), under three accountings:
   up-projections; section 3.3.2: the MoE SwiGLU's output);
 * ``+ state``: the report's optimizer state (``--optimizer mixed14``: bf16 params, fp32 gradients
   accumulated over the microbatches, fp32 master weights, bf16 Adam moments);
-* ``+ formats``: the report's cached-activation formats (section 3.3.2) on the values shardc keeps: the
-  inputs of a matmul with a weight (a Linear's input) and of a SwiGLU cached in FP8 (1 byte), every
-  other value in BF16 (2 bytes; token ids int32).  The spec declares types by tensor, not by what reads
-  them (its residual stream stays at 1 byte: see its header), so this column is computed here from
-  shardc's own table of kept values.
+* ``+ formats``: the report's cached-activation formats (section 3.3.3, "Low-Precision Activation") on the
+  values shardc keeps: the inputs of a matmul with a weight (a Linear's input) and of a SwiGLU cached in
+  FP8 (1 byte), but the attention output (the input of the Linear after attention) in E5M6 (12 bits, 1.5
+  bytes); each FP8 or E5M6 value with its tile's FP32 scale (section 3.3.1: a scale a 1x128 tile, 4 bytes a
+  128 elements); every other value in BF16 (2 bytes; token ids int32).  The spec declares types by tensor,
+  not by what reads them (its residual stream stays at 1 byte: see its header), so this column is
+  computed here from shardc's own table of kept values.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import shardc
 from shardc.costmodel.memory import residual_table, value_bytes
-from shardc.costmodel.stage_memory import kept_copies
+from shardc.costmodel.stage_memory import dualpipe_held, kept_copies
+from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.pipeline.boundary import microbatch_dim
@@ -44,23 +47,30 @@ def _params(step: Step, plan: Plan) -> set[str]:
     return {r.name for r in step.operands if r.name in declared}
 
 
+SCALE = 4 / 128  # an FP32 scale a 1x128 tile (section 3.3.1), bytes an element
+E5M6 = 12 / 8  # the attention output's format (section 3.3.3), bytes an element
+
+
 def paper_bytes(plan: Plan) -> dict[TensorRef, float]:
     """Bytes an element of each value the plan keeps, in the report's cached formats."""
     silu = {s.dst for s in plan.forward if str(s.fn) == "silu"}
     fp8 = {r for s in plan.forward if _params(s, plan) or str(s.fn) == "silu" for r in s.operands} \
         | {r for s in plan.forward if any(o in silu for o in s.operands) for r in s.operands}
+    attended = {s.dst.name for s in plan.forward if isinstance(s.fn, Attention) and s.fn.part == "out"}
     out = {}
     for ref, _ in residual_table(plan):
         if plan.nbytes(ref.name) == 4:  # token ids
             out[ref] = 4.0
+        elif ref in fp8:
+            out[ref] = (E5M6 if ref.name in attended else 1.0) + SCALE
         else:
-            out[ref] = 1.0 if ref in fp8 else 2.0
+            out[ref] = 2.0
     return out
 
 
 def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, float] | None) -> dict[str, float]:
-    """A stage's (a device's) bytes: params, grads, optimizer, gathered, one microbatch's activations (under
-    DualPipe the mean of its two stages'), held, total.  All but the cached formats are shardc's stage table
+    """A stage's (a device's) bytes: params, grads, optimizer, gathered, one microbatch's activations (the mean
+    over the microbatches held), held, total.  All but the cached formats are shardc's stage table
     (``shardc cost``'s), the copies of each value a device keeps its
     :func:`shardc.costmodel.stage_memory.kept_copies`; ``element`` prices each value's elements anew."""
     pipe = pipeline_of(plan.spec)
@@ -73,7 +83,8 @@ def stage_rows(plan: Plan, optimizer: str, stage: int, element: dict[TensorRef, 
     row = report.stages[stage]
     kept = row.activation_bytes
     if element is not None:
-        copies = kept_copies(plan, pipe, [s.held for s in report.stages])[stage]
+        chunks = dualpipe_held(plan, pipe, report.simulation, micro)
+        copies = kept_copies(plan, pipe, [s.held for s in report.stages], chunks)[stage]
         kept = math.fsum(value_bytes(plan, ref, micro) / plan.nbytes(ref.name) * element[ref] * count
                          for ref, count in copies.items())
     params = row.state_bytes - row.grad_bytes - row.optimizer_bytes

@@ -78,7 +78,8 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
     values: dict[str, object] = {"name": str(data.get("name", source)),
                                  "description": str(data.get("description", ""))}
     for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency",
-                "ici_efficiency", "nvls_efficiency", "dcn_efficiency", "flops_f8", "bucket_bytes", "collective_base",
+                "ici_efficiency", "nvls_efficiency", "dcn_efficiency", "hbm_efficiency", "matmul_hbm_efficiency",
+                "flops_f8", "bucket_bytes", "collective_base",
                 "host_bandwidth", "host_adam_rate"):
         if key in data:
             values[key] = _positive(data[key], key, source)

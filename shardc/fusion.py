@@ -23,6 +23,13 @@ Under ``fusion none`` (:attr:`shardc.hardware.Hardware.fuses` false: PyTorch eag
 kernel an operator and fuses nothing across them, no matmul epilogue either) none of the first two
 savings applies: each memory-bound step reads its operands from HBM and writes its result.
 
+Under ``fusion statement`` (PyTorch eager with a hand-fused kernel a statement, as Megatron-LM runs its
+layers: apex's fused LayerNorm, the fused scale-mask-softmax, bias-GeLU and bias-dropout-add, each with its
+fused backward) the two savings apply only inside a statement: a value the spec names (a statement's
+result, an input, or the gradient of one: :func:`named_values`) is a kernel's output, written to HBM and
+read back by the next kernel, and nothing fuses into a matmul (no epilogue: the kernel after it reads its
+result).
+
 :mod:`shardc.timing` turns those bytes into seconds at the chip's HBM bandwidth.
 """
 
@@ -38,7 +45,7 @@ from shardc.ir.spec import TensorRef
 from shardc.ops.registry import all_traffic, of_op
 from shardc.steptime import einsum_bytes
 
-__all__ = ["memory_traffic", "kept_values", "is_product", "fusible"]
+__all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "fusible"]
 
 
 def kept_values(plan: Plan) -> frozenset[TensorRef]:
@@ -47,6 +54,15 @@ def kept_values(plan: Plan) -> frozenset[TensorRef]:
     outputs = {info.name for info in plan.tensors if info.is_output}
     made = [s.dst for phase in (plan.forward, plan.backward) for s in phase if s.dst.name in outputs]
     return frozenset((*plan.residuals, *plan.grads, *made))
+
+
+def named_values(plan: Plan) -> frozenset[str]:
+    """The values ``fusion statement`` writes to HBM between kernels: each statement's result, each input
+    of the spec, and their gradients (a statement's intermediates, a partial gradient, a row statistic or a
+    dropout's mask are not named: they fuse as XLA fuses them)."""
+    names = {st.result.name for st in plan.spec.statements} | {i.name for i in plan.tensors if i.role != "activation"}
+    grads = dict(plan.gradient_names)
+    return frozenset(names | {grads[n] for n in names if n in grads})
 
 
 def is_product(step: Step) -> bool:
@@ -68,7 +84,7 @@ def fusible(step: Step | None) -> bool:
 
 
 def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], float],
-                   kept: frozenset[TensorRef], fuse: bool = True) -> list[float]:
+                   kept: frozenset[TensorRef], fuse: bool = True, named: frozenset[str] | None = None) -> list[float]:
     """The HBM bytes of each of ``steps`` (one phase, in program order), 0 for collectives; a contracting
     einsum's are its operands read and its result written (its roofline: the time it takes is the larger
     of its FLOPs at the matmul rate and these bytes over HBM, :func:`shardc.steptime.einsum_time`).
@@ -76,7 +92,8 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
     A memory-bound step moves what its family's traffic says, less what XLA's fusion saves (the rule is
     the module's): an operand the step just before made (an einsum, a map or a reduction) is not read
     back, and a result only the next map or reduction reads, and nothing keeps, is not written; without
-    ``fuse`` (``fusion none``: one kernel an op) neither saving applies.
+    ``fuse`` (``fusion none``: one kernel an op) neither saving applies; with ``named`` (``fusion
+    statement``: :func:`named_values`) neither applies to a value of those names nor to a matmul's result.
     """
     readers: dict[TensorRef, int] = {}
     for step in steps:
@@ -101,6 +118,9 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
         after = steps[k + 1] if k + 1 < len(steps) and steps[k + 1].region == step.region else None
         if not fuse:  # one kernel an op: it reads every operand and writes its result
             before = after = None
+        if named is not None:  # a kernel a statement: its output is written, a matmul's result read back
+            before = None if before is None or before.op is Op.EINSUM or before.dst.name in named else before
+            after = None if step.dst.name in named else after
         if fusible(step) and before is not None and (before.op is Op.EINSUM or fusible(before)):
             reads = tuple(0.0 if ref == before.dst else r for ref, r in zip(step.operands, reads, strict=True))
         if (fusible(step) and fusible(after) and after is not None and step.dst in after.operands

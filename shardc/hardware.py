@@ -24,7 +24,9 @@ A fused attention kernel (FlashAttention) runs below the chip's matmul rate, and
 its forward: :attr:`Hardware.attention_forward` and :attr:`Hardware.attention_backward` are the
 fractions of peak the best widely available kernel of the chip reaches, points (keys a kernel call
 attends over, fraction) from published kernel measurements, interpolated alike
-(:meth:`Hardware.attention_seconds`); without them the kernel runs at the matmul rate.
+(:meth:`Hardware.attention_seconds`); without them the kernel runs at the matmul rate.  A memory-bound
+kernel moves its bytes at :attr:`Hardware.hbm_efficiency` of the HBM bandwidth, and a matmul bound by its bytes
+(a batched matmul over a head dim) at :attr:`Hardware.matmul_hbm_efficiency` of it, where measured (1 without).
 ``book=True`` is the book's model: every matmul at peak, elementwise work free.
 """
 
@@ -43,6 +45,8 @@ from shardc.kernel_rates import (
     B200_ATTENTION_BACKWARD,
     B200_ATTENTION_FORWARD,
     B200_MATMULS,
+    GPU_HBM_SHARE,
+    GPU_MATMUL_HBM_SHARE,
     H100_ATTENTION_BACKWARD,
     H100_ATTENTION_FORWARD,
     H100_MATMULS,
@@ -91,6 +95,11 @@ class Hardware:
     # by keys; () = the matmul rate (:meth:`attention_seconds`)
     attention_forward: tuple[tuple[float, float], ...] = ()
     attention_backward: tuple[tuple[float, float], ...] = ()
+    # the share of hbm_bandwidth a memory-bound kernel reaches, measured: an elementwise pass (a norm, a softmax,
+    # a dropout: :meth:`memory_seconds`) and a matmul whose bytes outlast its FLOPs (a batched matmul over a
+    # head dim: :meth:`matmul_memory_seconds`; None: hbm_efficiency's)
+    hbm_efficiency: float = 1.0
+    matmul_hbm_efficiency: float | None = None
     bucket_bytes: float = BUCKET_BYTES  # gradient reductions are issued a bucket of this many bytes at a time
     # a GPU collective's base latency, as `shardc calibrate` measured it; None: NCCL's own (collectives.py)
     collective_base: float | None = None
@@ -124,8 +133,15 @@ class Hardware:
 
     @property
     def fuses(self) -> bool:
-        """Whether memory-bound steps fuse as XLA fuses them (else one kernel an op: ``fusion none``)."""
+        """Whether memory-bound steps fuse as XLA fuses them (else one kernel an op: ``fusion none``); under
+        ``fusion statement`` only inside a statement (:attr:`fuses_statements`)."""
         return self.fusion != "none"
+
+    @property
+    def fuses_statements(self) -> bool:
+        """Whether a kernel is one statement's memory-bound steps (``fusion statement``: hand-fused kernels,
+        nothing fused into a matmul; :func:`shardc.fusion.memory_traffic`)."""
+        return self.fusion == "statement"
 
     @property
     def reduces_after_backward(self) -> bool:
@@ -222,10 +238,20 @@ class Hardware:
         return flops / (self.peak(dtype) * interpolate(points, keys))
 
     def memory_seconds(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` through HBM (a memory-bound step); 0 under the book's model."""
+        """Seconds to move ``nbytes`` through HBM in an elementwise kernel (a memory-bound step), at the share
+        of the bandwidth such a kernel reaches; 0 under the book's model."""
         if self.book or nbytes <= 0:
             return 0.0
-        return nbytes / self.hbm_bandwidth
+        return nbytes / (self.hbm_bandwidth * self.hbm_efficiency)
+
+    def matmul_memory_seconds(self, nbytes: float) -> float:
+        """Seconds a matmul takes to read its operands and write its result, ``nbytes``, through HBM (the
+        memory side of its roofline, :func:`shardc.steptime.einsum_time`), at the share of the bandwidth a
+        matmul bound by its bytes reaches; 0 under the book's model."""
+        if self.book or nbytes <= 0:
+            return 0.0
+        share = self.hbm_efficiency if self.matmul_hbm_efficiency is None else self.matmul_hbm_efficiency
+        return nbytes / (self.hbm_bandwidth * share)
 
     def with_attention(self, kernel: str) -> Hardware:
         """This chip running the fused attention kernel ``kernel`` (:data:`shardc.ir.spec.ATTENTION_KERNELS`)
@@ -373,6 +399,7 @@ PRESETS: dict[str, Hardware] = {
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
                  flops_f8=1.979e15, matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
                  attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD,
+                 hbm_efficiency=GPU_HBM_SHARE, matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
                  sms=132, collective_sms=_NCCL_CHANNELS),  # 132 SMs: NVIDIA's H100 architecture whitepaper, SXM5
         # H200 data sheet: the H100's compute (its 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
         Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
@@ -380,7 +407,8 @@ PRESETS: dict[str, Hardware] = {
                  host_adam_rate=_HOST_ADAM_8,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=H100_MATMULS,
                  matmul_efficiency_f8=HOPPER_F8_MATMULS, attention_forward=H100_ATTENTION_FORWARD,
-                 attention_backward=H100_ATTENTION_BACKWARD,
+                 attention_backward=H100_ATTENTION_BACKWARD, hbm_efficiency=GPU_HBM_SHARE,
+                 matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
                  sms=132, collective_sms=_NCCL_CHANNELS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
@@ -390,7 +418,8 @@ PRESETS: dict[str, Hardware] = {
                  dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4, host_adam_rate=_HOST_ADAM_8,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=A100_MATMULS, attention_forward=A100_ATTENTION_FORWARD,
-                 attention_backward=A100_ATTENTION_BACKWARD,
+                 attention_backward=A100_ATTENTION_BACKWARD, hbm_efficiency=GPU_HBM_SHARE,
+                 matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
                  sms=108, collective_sms=_NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
         # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
         # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached).
@@ -402,6 +431,7 @@ PRESETS: dict[str, Hardware] = {
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
                  matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
                  attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD,
+                 hbm_efficiency=GPU_HBM_SHARE, matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
                  sms=132, collective_sms=_DEEPEP_SMS),
         # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it); its
         # NVSwitch reduces too, but no B200 NVLS figure is cited (8 B300: 845 GB/s AllReduce bus bandwidth with

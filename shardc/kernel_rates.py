@@ -1,15 +1,17 @@
 """The measured rates of the chips' kernels: each preset's matmul curve (fraction of peak by a matmul's
-FLOPs) and its fused attention kernels' forward and backward (fraction of peak by the keys a call
-attends over), each from a cited published measurement.  :mod:`shardc.hardware` builds its presets on
-them; :meth:`shardc.hardware.Hardware.efficiency` and :meth:`shardc.hardware.Hardware.attention_seconds`
-interpolate them.
+FLOPs), its fused attention kernels' forward and backward (fraction of peak by the keys a call
+attends over), and the share of its HBM bandwidth its memory-bound kernels reach (elementwise kernels, and
+matmuls whose bytes outlast their FLOPs), each from a cited published measurement.  :mod:`shardc.hardware`
+builds its presets on them; :meth:`shardc.hardware.Hardware.efficiency` and
+:meth:`shardc.hardware.Hardware.attention_seconds` interpolate them.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["H100_MATMULS", "HOPPER_F8_MATMULS", "B200_MATMULS", "A100_MATMULS", "TPU_MATMULS",
+__all__ = ["GPU_HBM_SHARE", "GPU_MATMUL_HBM_SHARE",
+           "H100_MATMULS", "HOPPER_F8_MATMULS", "B200_MATMULS", "A100_MATMULS", "TPU_MATMULS",
            "H100_ATTENTION_FORWARD", "H100_ATTENTION_BACKWARD", "A100_ATTENTION_FORWARD", "A100_ATTENTION_BACKWARD",
            "B200_ATTENTION_FORWARD", "B200_ATTENTION_BACKWARD", "KERNELS"]
 
@@ -135,3 +137,30 @@ KERNELS: dict[str, dict[str, tuple[tuple[tuple[float, float], ...], tuple[tuple[
     "a100": {"flash2": (A100_ATTENTION_FORWARD, A100_ATTENTION_BACKWARD)},
     "b200": {"flash4": (B200_ATTENTION_FORWARD, B200_ATTENTION_BACKWARD)},
 }
+
+
+# GPUs, memory-bound kernels, as measured on A100: the FlashAttention paper's benchmark of standard attention (Dao et
+# al. 2022, arXiv 2205.14135, appendix E.6: one A100 40GB, FP16, batch 16, 8 heads of dim 64, random Q, K and V;
+# Tables 15 and 18, "PyTorch Attention", no mask, at sequence length 2048: 6.56 ms forward with dropout 0.1, 4.32 ms
+# without). The run is eager PyTorch: a batched matmul writes the 16 x 8 x 2048 x 2048 scores, a softmax reads them
+# and writes the probabilities, a dropout reads those and writes its output and a mask of bools, a batched matmul
+# reads them with V.  The two forwards differ by the dropout alone (5 bytes an element of the scores: FP16 in, FP16
+# out, a 1-byte mask) over 2.24 ms, which gives the share of the HBM bandwidth (1,555 GB/s, the A100 40GB data sheet)
+# an elementwise pass reaches; the softmax (4 bytes an element) at that share leaves the two batched matmuls the rest
+# of 4.32 ms for their bytes (each reads or writes the scores' 2 bytes an element, and Q and K, or V and the output:
+# 33.6 MB each), which gives the share a matmul reaches whose bytes outlast its FLOPs (at the large-matmul rate each
+# would take 0.26 ms, not 1.26): a head dim of 64 or 128 against 2048 keys is such a matmul.  The A100 80GB's HBM2e
+# (2,039 GB/s) is taken to reach the same shares, no such measurement of it being cited.  The same tables' backward
+# (Tables 16 and 19: softmax's backward, a dropout's, four batched matmuls) is a held-out check of both shares
+# (tests/test_memory_rates.py).  Hopper (H100, H200, H800) takes the same shares: they predict the FlashAttention-3
+# paper's standard attention forward on H100 SXM5 (Shah et al. 2024, arXiv 2407.08608, section 4.1, its figures
+# "Attention forward speed, head dim 64" and "head dim 128", without the mask: 16K tokens a call, 2048 hidden, 52-73
+# and 74-139 TFLOP/s from 512 to 8K tokens) at 0.80-1.04 of the measured time from 1K tokens on (0.84 and 0.67 at
+# 512), where the data sheet's 3.35 TB/s gives 0.43-0.69; the H200's HBM3e is taken to reach them too, unmeasured.
+# No such measurement of the B200 is cited.
+_FA_SCORES = 16 * 8 * 2048 * 2048  # elements of the scores
+_FA_QKV = 16 * 8 * 2048 * 64 * 2  # bytes of Q, K, V or the output
+_A100_40GB_HBM = 1.555e12
+GPU_HBM_SHARE = 5 * _FA_SCORES / ((6.56e-3 - 4.32e-3) * _A100_40GB_HBM)
+_FA_SOFTMAX_S = 4 * _FA_SCORES / (GPU_HBM_SHARE * _A100_40GB_HBM)
+GPU_MATMUL_HBM_SHARE = 2 * (2 * _FA_SCORES + 2 * _FA_QKV) / ((4.32e-3 - _FA_SOFTMAX_S) * _A100_40GB_HBM)

@@ -39,7 +39,8 @@ def einsum_time(flops: float, nbytes: float, product: bool, hw: Hardware, dtype:
     """The time of a local einsum of ``flops`` FLOPs a device that moves ``nbytes`` bytes through HBM.
 
     A matmul takes the larger of its FLOPs at the rate the chip reaches on a matmul of that size and its
-    bytes at the HBM bandwidth (the roofline, Williams et al. 2009): attention's scores over a small head
+    bytes at the share of the HBM bandwidth a matmul bound by its bytes reaches (the roofline, Williams et al.
+    2009; :meth:`shardc.hardware.Hardware.matmul_memory_seconds`): attention's scores over a small head
     dim, or a small expert's matmul, are bound by their bytes.  An elementwise product (``product``: no
     index contracted) runs as a multiply, memory-bound, its bytes alone.  The book's model runs every
     einsum at peak and moves bytes for free (:meth:`shardc.hardware.Hardware.memory_seconds`).
@@ -47,7 +48,7 @@ def einsum_time(flops: float, nbytes: float, product: bool, hw: Hardware, dtype:
     if product and not hw.book:
         return EinsumTime(0.0, hw.memory_seconds(nbytes))
     compute = hw.matmul_seconds(flops, dtype)
-    return EinsumTime(compute, max(0.0, hw.memory_seconds(nbytes) - compute))
+    return EinsumTime(compute, max(0.0, hw.matmul_memory_seconds(nbytes) - compute))
 
 
 def einsum_bytes(operands: Iterable[float], result: float) -> float:

@@ -12,8 +12,10 @@ XLA pads them.
 The overlap rule (:func:`phase_seconds`), as the lowered program runs: a
 collective the next op waits for (``Step.ahead`` false: a Megatron AllReduce, a
 sequence-parallel gather) is exposed; those that can be issued ahead (weight
-gathers, gradient reductions) overlap the phase's compute, so a phase takes
-``max(compute + memory, ahead) + critical`` (on a GPU ``compute + memory`` grows by the share of its
+gathers, gradient reductions) overlap the phase's compute, but for those at its ends, which nothing
+runs beside (the gathers its first step waits on, the reductions after its last: ``ends``, once a phase,
+:mod:`shardc.phase_ends`), so a phase takes
+``max(compute + memory, ahead - ends) + ends + critical`` (on a GPU ``compute + memory`` grows by the share of its
 SMs that NCCL holds while the ahead collectives run, :attr:`Hardware.overlap_share`); a kernel that
 sends blocks around a ring while it
 computes (ring attention) adds the part of its transfers its compute does not hide to the critical
@@ -45,13 +47,14 @@ from shardc.accountings import ACCOUNTINGS
 from shardc.chip_choice import chip_for
 from shardc.collectives import Layout, Op
 from shardc.device_pieces import local_elements
-from shardc.fusion import kept_values, memory_traffic
+from shardc.fusion import kept_values, memory_traffic, named_values
 from shardc.hardware import Hardware
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
 from shardc.ir.precision import Precision
 from shardc.ir.spec import TensorRef
 from shardc.layer_counts import block_counts, runs, step_count
+from shardc.phase_ends import exposed_ends
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.ring_sends import shared_rings
 from shardc.spec.stages import pipeline_of
@@ -61,7 +64,7 @@ from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["bound_of", "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip",
            "plan_sizes", "plan_links", "update_seconds", "comm_split", "plan_dtype", "phase_rows",
-           "local_bytes_of", "phase_time", "microbatched"]
+           "local_bytes_of", "phase_time", "phase_ends", "microbatched"]
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -71,16 +74,20 @@ def plan_dtype(plan: Plan) -> Precision:
 
 
 def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: bool = True,
-                  share: float = 0.0) -> float:
+                  share: float = 0.0, ends_s: float = 0.0) -> float:
     """A phase's time: its compute and memory-bound time ``busy_s``; the collectives issued ahead overlap
     it and those the next op waits for add to it.  The book's model overlaps every collective (its max).
 
     While an overlapped collective runs it holds ``share`` of the chip's cores (NCCL's channels,
     :attr:`Hardware.overlap_share`), so the compute under it runs at ``1 - share`` of its rate: the phase
-    takes ``busy + share * ahead`` where the compute outlasts the collectives, else ``ahead``."""
+    takes ``busy + share * ahead`` where the compute outlasts the collectives, else ``ahead``.
+    ``ends_s`` of the ahead ones have no compute beside them (the gathers the phase's first step waits on,
+    the reductions after its last: :func:`shardc.phase_ends.exposed_ends`): they add to it too."""
     if book:
         return max(busy_s, ahead_s + critical_s)
-    return max(busy_s + share * ahead_s, ahead_s) + critical_s
+    ends_s = min(ends_s, ahead_s)
+    hidden = ahead_s - ends_s
+    return max(busy_s + share * hidden, hidden) + ends_s + critical_s
 
 
 def bound_of(compute_s: float, comm_s: float, host: bool = False) -> str:
@@ -145,6 +152,7 @@ class PhaseTime:
     critical_s: float = 0.0
     book: bool = True
     share: float = 0.0  # the chip's cores an overlapped collective holds (Hardware.overlap_share)
+    ends_s: float = 0.0  # of ahead_s, what no compute hides (shardc.phase_ends.exposed_ends), once a phase
 
     @property
     def busy_s(self) -> float:
@@ -156,15 +164,26 @@ class PhaseTime:
 
     @property
     def seconds(self) -> float:
-        return phase_seconds(self.busy_s, self.ahead_s, self.critical_s, self.book, self.share)
+        return phase_seconds(self.busy_s, self.ahead_s, self.critical_s, self.book, self.share, self.ends_s)
 
 
-def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> PhaseTime:
-    """The :class:`PhaseTime` of a phase's rows, each with how often it runs (layers, or once)."""
+def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware, ends_s: float = 0.0) -> PhaseTime:
+    """The :class:`PhaseTime` of a phase's rows, each with how often it runs (layers, or once); ``ends_s``
+    the ahead collectives' seconds at its ends (:func:`phase_ends`)."""
     pairs = list(rows)
     ahead, critical = comm_split(pairs, hw)
     return PhaseTime(math.fsum(r.compute_s * n for r, n in pairs), math.fsum(r.memory_s * n for r, n in pairs),
-                     ahead, critical, hw.book, hw.overlap_share)
+                     ahead, critical, hw.book, hw.overlap_share, ends_s)
+
+
+def phase_ends(plan: Plan, hw: Hardware, steps: Sequence[Step], rows: Sequence[StepCost]) -> float:
+    """The seconds of the collectives issued ahead at the ends of a phase of ``plan`` (its ``steps``, costed
+    as ``rows`` on ``hw``) that no compute hides (:func:`shardc.phase_ends.exposed_ends`); 0 under the book's
+    model (every collective overlapped) and for a pipeline's stage, whose microbatches' phases run beside
+    each other (:mod:`shardc.costmodel.pipeline_cost`)."""
+    if hw.book or plan.spec.mesh.pipeline_axis is not None:
+        return 0.0
+    return exposed_ends(steps, [r.busy_s for r in rows], [r.comm_s if r.is_collective else 0.0 for r in rows])
 
 
 @dataclass(frozen=True)
@@ -259,6 +278,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     values, repeats = microbatched(plan, values, hw.book)
     nbytes = local_bytes_of(plan, values)
     kept = kept_values(plan)
+    named = named_values(plan) if hw.fuses_statements else None
 
     def row(step: Step, moved: float, shared: bool) -> StepCost:
         key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
@@ -270,9 +290,10 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
         return hit
 
     def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
-        moved = memory_traffic(steps, nbytes, kept, hw.fuses) if not hw.book else [0.0] * len(steps)
-        return phase_time(((row(s, b, shared), step_count(s, counts) * times)
-                           for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)), hw)
+        moved = memory_traffic(steps, nbytes, kept, hw.fuses, named) if not hw.book else [0.0] * len(steps)
+        rows = [row(s, b, shared) for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)]
+        return phase_time(((r, step_count(s, counts) * times) for s, r in zip(steps, rows, strict=True)), hw,
+                          phase_ends(plan, hw, steps, rows))
 
     return PlanTime(phase(plan.forward, repeats), phase(plan.recomputed + plan.backward, repeats),
                     phase(plan.optimizer, 1), update)
@@ -301,8 +322,9 @@ def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tu
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,
                spans: Layout, again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
     """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
-    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses) if not hw.book else \
-        [0.0] * len(steps)
+    named = named_values(plan) if hw.fuses_statements else None
+    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses, named) \
+        if not hw.book else [0.0] * len(steps)
     dtype = plan_dtype(plan)
     rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared)
             for i, (s, b, shared) in enumerate(zip(steps, moved, shared_rings(steps), strict=True), 1))

@@ -190,9 +190,9 @@ def test_megatron_gpt_layer_exposed_communication_on_h100() -> None:
     """Megatron's GPT-3 layer (TP and SP over 8 H100s, 2048 tokens, hidden 12288): three of the four
     ReduceScatters leaving the tensor-parallel blocks run as rings (the fourth reduces the sum of the Q, K and
     V gradients, no one einsum's), and the backward's gather of dM into the MLP; the exposed communication
-    falls from 16% of the step to under 10%."""
+    falls from 14% of the step to under 10%."""
     plain, fused = _cost(_plan(GPT_SP, collective_matmul=False)), _cost(_plan(GPT_SP, collective_matmul=True))
-    assert plain.step.critical_s / plain.step.step_s > 0.15
+    assert plain.step.critical_s / plain.step.step_s > 0.14
     assert fused.step.critical_s / fused.step.step_s < 0.10
     assert fused.step.step_s < plain.step.step_s
 
@@ -250,11 +250,11 @@ def test_layouts_search_with_collective_matmuls_where_asked(capsys: pytest.Captu
 def test_compare_counts_each_rings_collective_once() -> None:
     """`shardc compare` sets the plan's collectives beside XLA's partitioner's: a ring moves its collective's
     bytes, and the gather two rings share counts once, so the plan's side is the same with or without rings."""
-    from shardc.verification.compare import _plan_side
+    from shardc.verification.compare import plan_side
 
     fused, plain = _plan(), _plan(collective_matmul=False)
     sizes = plan_sizes(plain)
     assert _fused(fused)
-    rings, whole = _plan_side(fused, sizes), _plan_side(plain, sizes)
+    rings, whole = plan_side(fused, sizes), plan_side(plain, sizes)
     assert rings.weighted == whole.weighted
     assert sorted((r.phase, r.kind) for r in rings.rows) == sorted((r.phase, r.kind) for r in whole.rows)

@@ -5,18 +5,22 @@ at once."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
 import shardc
+from shardc.costmodel.memory import value_bytes
+from shardc.costmodel.stage_memory import chunk_copies, dualpipe_held
+from shardc.spec.stages import pipeline_of
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYER = """mesh X=2
 dims B=4, S=8, T=8, D=16, N=2, H=4, Q=8, R=4, E=4, C=4, F=8
 param W_dq, W_uq, W_dkv, W_uk, W_uv, W_o, W_r, W_gate, W_up, W_down
-recompute rmsnorm, W_uq, W_uk, W_uv, Gt, A
+recompute rmsnorm, W_uq, W_uk, W_uv, Gt, Ag, A
 L1[B_X, S, D] = rmsnorm(X[B_X, S, D] over D)
 Cq[B_X, S, Q] = rmsnorm(L1[B_X, S, D] · W_dq[D, Q] over Q)
 Qn[B_X, S, N, H] = Cq[B_X, S, Q] · W_uq[Q, N, H]
@@ -24,17 +28,18 @@ Kx[B_X, T, D] = L1[B_X, S, D]
 Ckv[B_X, T, R] = rmsnorm(Kx[B_X, T, D] · W_dkv[D, R] over R)
 Kn[B_X, T, N, H] = Ckv[B_X, T, R] · W_uk[R, N, H]
 Vl[B_X, T, N, H] = Ckv[B_X, T, R] · W_uv[R, N, H]
-Pr[B_X, N, S, T] = softmax(causal(Qn[B_X, S, N, H] · Kn[B_X, T, N, H], S, T) over T)
-At[B_X, S, N, H] = Pr[B_X, N, S, T] · Vl[B_X, T, N, H]
+At[B_X, S, N, H] = attention(Qn[B_X, S, N, H], Kn[B_X, T, N, H], Vl[B_X, T, N, H] over T, causal)
 R1[B_X, S, D] = X[B_X, S, D] + At[B_X, S, N, H] · W_o[N, H, D]
 L2[B_X, S, D] = rmsnorm(R1[B_X, S, D] over D)
 Gate[B_X, S, E] = sigmoid(L2[B_X, S, D] · W_r[D, E])
 In[B_X, E, C, D] = dispatch(Gate[B_X, S, E], L2[B_X, S, D], S, C, 2 over E)
+Gw[B_X, E, C] = dispatch(Gate[B_X, S, E], Gate[B_X, S, E], S, C, 2 over E)
 Gt[B_X, E, C, F] = silu(In[B_X, E, C, D] · W_gate[E, D, F])
 U[B_X, E, C, F] = In[B_X, E, C, D] · W_up[E, D, F]
-A[B_X, E, C, F] = Gt[B_X, E, C, F] * U[B_X, E, C, F]
+Ag[B_X, E, C, F] = Gt[B_X, E, C, F] * U[B_X, E, C, F]
+A[B_X, E, C, F] = Ag[B_X, E, C, F] * Gw[B_X, E, C]
 Ex[B_X, E, C, D] = A[B_X, E, C, F] · W_down[E, F, D]
-Out[B_X, S, D] = R1[B_X, S, D] + combine(Gate[B_X, S, E], Ex[B_X, E, C, D], S, C, 2 over E)
+Out[B_X, S, D] = R1[B_X, S, D] + collect(Gate[B_X, S, E], Ex[B_X, E, C, D], S, C, 2 over E)
 """
 
 
@@ -52,24 +57,26 @@ def test_norms_up_projections_and_swiglu_outputs_recomputed_linear_inputs_in_fp8
     plan = shardc.plan(shardc.parse(LAYER), recompute="selective")
     kept = {ref.name: size for ref, size in _benchmark().paper_bytes(plan).items()}
     # recomputed, so not kept: every RMSNorm's output, the MLA up-projections' outputs, the SwiGLU's silu
-    # and product (and the rename of a norm's output)
-    recomputed = {"L1", "Kx", "Cq", "Ckv", "L2", "Qn", "Kn", "Vl", "Gt", "A"}
+    # and product, weighed by the gates (and the rename of a norm's output)
+    recomputed = {"L1", "Kx", "Cq", "Ckv", "L2", "Qn", "Kn", "Vl", "Gt", "Ag", "A"}
     assert not recomputed & set(kept)
     assert recomputed <= {s.tensor for s in plan.recomputed}
-    # a Linear's input (the dispatched tokens, the attention output) and the SwiGLU's inputs in FP8
-    assert {kept[name] for name in ("In", "At", "U", "Gt_t1")} == {1.0}
-    # the rest in BF16: the residual stream, the experts' outputs the combine reads
-    assert {kept[name] for name in ("R1", "Ex")} == {2.0}
+    # a Linear's input (the dispatched tokens) and the SwiGLU's inputs in FP8, each with its tile's scale
+    assert {kept[name] for name in ("In", "U", "Gt_t1")} == {1 + 4 / 128}
+    assert kept["At"] == 1.5 + 4 / 128  # the input of the Linear after attention: E5M6
+    # the rest in BF16: the residual stream, the gates; the experts' outputs are not kept (the gates weigh
+    # the SwiGLU's output at the experts, so their gradient reads the recomputed A, not Ex)
+    assert {kept[name] for name in ("R1", "Gw")} == {2.0} and "Ex" not in kept
 
 
 def test_the_recompute_line_costs_its_rerun_in_the_backward() -> None:
     """What the line names is made again in the backward: its FLOPs count there, its bytes not in memory."""
     lean = shardc.cost(shardc.plan(shardc.parse(LAYER), recompute="selective"))
-    plain = shardc.cost(shardc.plan(shardc.parse(LAYER.replace("recompute rmsnorm, W_uq, W_uk, W_uv, Gt, A\n", "")),
-                                    recompute="selective"))
+    plain = shardc.cost(shardc.plan(shardc.parse(LAYER.replace("recompute rmsnorm, W_uq, W_uk, W_uv, Gt, Ag, A\n",
+                                                               "")), recompute="selective"))
     b, s, t, q, r, n, h, e, c, f = 4, 8, 8, 8, 4, 2, 4, 4, 4, 8
     up = 2 * (b * s * q * n * h + 2 * b * t * r * n * h)  # Qn, Kn and Vl again, each an einsum of 2 FLOPs a term
-    swiglu = 2 * b * e * c * f  # A = Gt * U again (the norms and silu are no einsums)
+    swiglu = 2 * 2 * b * e * c * f  # Ag = Gt * U and A = Ag * Gw again (the norms and silu are no einsums)
     assert lean.backward.compute_flops - plain.backward.compute_flops == (up + swiglu) / 2  # B over X=2
     assert lean.memory.residual_bytes < plain.memory.residual_bytes
 
@@ -90,3 +97,33 @@ def test_the_benchmark_reprices_the_values_the_cost_stage_table_keeps() -> None:
         assert row["activations"] == pytest.approx(report.stages[stage].activation_bytes, rel=1e-12)
         assert benchmark.stage_rows(plan, "mixed14", stage, benchmark.paper_bytes(plan))["activations"] \
             > row["activations"]
+
+
+def test_the_published_layout_fits_80_gb_keeping_no_expert_output() -> None:
+    """The report's layout (its optimizer state, its recomputation) fits each H800's 80 GB once the gates
+    weigh the experts' SwiGLU outputs at the experts (DeepEP's dispatch carries them there) and the rows
+    come back summed: the backward keeps no expert output Ex (470 MB a layer and microbatch in BF16, which
+    put every device over 80 GB)."""
+    path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
+    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
+    assert "Ex" not in {r.name for r in plan.residuals}
+    report = shardc.cost(plan, optimizer="mixed14").pipeline
+    assert report is not None
+    assert all(stage.memory_bytes < 80e9 for stage in report.stages)
+
+
+def test_device_0_keeps_16_microbatches_of_its_first_stage_and_1_of_its_last() -> None:
+    """Under DualPipe device 0 holds, at its peak, 16 microbatches of stage 0 (the embedding and the dense
+    layers) and 1 of stage 15 (the heads' logits, the MTP layer): its activations are those counts of each
+    stage's values, not 8.5 of each (which counted 8.5 microbatches of both heads' BF16 logits)."""
+    path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
+    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
+    report = shardc.cost(plan, optimizer="mixed14").pipeline
+    assert report is not None and report.stages[0].held == 17
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None and plan.sizes is not None
+    micro = dict(plan.sizes) | {"B": 15360 // 120}
+    assert dualpipe_held(plan, pipe, report.simulation, micro)[0] == {0: 16, 31: 1}
+    chunk = [math.fsum(value_bytes(plan, r, micro) * k for r, k in c.items()) for c in chunk_copies(plan, pipe)]
+    assert report.stages[0].activation_bytes == pytest.approx(16 * chunk[0] + chunk[31], rel=1e-9)
+    assert report.stages[0].activation_bytes < 8.5 * (chunk[0] + chunk[31])

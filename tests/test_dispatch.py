@@ -73,6 +73,13 @@ def test_dispatch_and_combine_cost_no_flops_and_the_dense_mask_does() -> None:
     assert flops["indexed"] == pytest.approx(experts + router, rel=1e-9)
     assert flops["dense"] > 2 * flops["indexed"]  # the one-hot einsums: G*S*E*C*D each, more than the experts
 
+# the gates applied at the experts (DeepEP's way): each slot's gate dispatched with the tokens, the SwiGLU-like
+# output weighed by it, the rows summed back unweighted; the same function as INDEXED
+AT_EXPERTS = (HEAD + ROUTER + "In[G, E_X, C, D] = dispatch(Gate[G_X, S, E], X[G_X, S, D], S, C, 2 over E)\n"
+              "Gw[G, E_X, C] = dispatch(Gate[G_X, S, E], Gate[G_X, S, E], S, C, 2 over E)\n"
+              "H[G, E_X, C, F] = relu(In[G, E_X, C, D] · W_1[E_X, D, F]) * Gw[G, E_X, C]\n"
+              "Ex[G, E_X, C, D] = H[G, E_X, C, F] · W_2[E_X, F, D]\n"
+              "Out[G_X, S, D] = collect(Gate[G_X, S, E], Ex[G, E_X, C, D], S, C, 2 over E)\n")
 
 def test_the_values_are_route_s_dense_ones() -> None:
     """The reference of dispatch/combine (the mask form, written again) against route's spec, forward and
@@ -89,6 +96,40 @@ def test_the_values_are_route_s_dense_ones() -> None:
     for name in ("X", "W_r", "W_1", "W_2"):
         np.testing.assert_allclose(g_got[name], g_want[name], rtol=1e-9, atol=1e-12)
 
+
+
+def test_gates_weighed_at_the_experts_are_the_combine_s_values_and_keep_no_expert_output() -> None:
+    """dispatch of the gates (a value per token and expert) and collect (combine unweighted): the same
+    output and gradients as combine's, and the backward keeps no expert output Ex for the gates' gradient
+    (it is the weighed rows' gradient dotted with the unweighed rows, on the experts' side)."""
+    inputs, d_out = _inputs(0), {"Out": np.random.default_rng(1).normal(size=(4, 8, 6))}
+    got = ref_forward(shardc.parse(AT_EXPERTS), inputs, sizes={"C": 3})
+    np.testing.assert_allclose(got["Out"], ref_forward(shardc.parse(INDEXED), inputs, sizes={"C": 3})["Out"],
+                               rtol=1e-12)
+    g_got = ref_backward(shardc.parse(AT_EXPERTS), inputs, d_out, sizes={"C": 3})
+    g_want = ref_backward(shardc.parse(INDEXED), inputs, d_out, sizes={"C": 3})
+    for name in ("X", "W_r", "W_1", "W_2"):
+        np.testing.assert_allclose(g_got[name], g_want[name], rtol=1e-9, atol=1e-12)
+    p = _plan(AT_EXPERTS)
+    assert "Ex" in {r.name for r in _plan(INDEXED).residuals} and "Ex" not in {r.name for r in p.residuals}
+    parts = [str(s.fn) for s in p.forward + p.backward if isinstance(s.fn, Dispatch)]
+    assert parts == ["dispatch(S,E,C,2)", "dispatch(S,E,C,2,each)", "collect(S,E,C,2)", "collect_vjp(S,E,C,2)",
+                     "dispatch_vjp(S,E,C,2,each)", "dispatch_vjp(S,E,C,2)"]
+
+
+@pytest.mark.slow
+def test_gates_weighed_at_the_experts_verify() -> None:
+    report = verify(_plan(AT_EXPERTS))
+    assert report.ok, render_report(report)
+
+
+def test_collect_round_trips_and_takes_combine_s_arguments() -> None:
+    line = "Out[G_X, S, D] = collect(Gate[G_X, S, E], Ex[G, E_X, C, D], S, C, 2 over E, 1, 2)"
+    spec = shardc.parse(AT_EXPERTS.replace(AT_EXPERTS.splitlines()[-1], line))
+    assert str(spec.statements[-1]).startswith("Out[G_X, S, D] = collect(") and shardc.parse(str(spec)) == spec
+    with pytest.raises(ShardcError, match="the expert outputs Ex carry every index") as err:
+        shardc.plan(shardc.parse(AT_EXPERTS.replace("Ex[G, E_X, C, D], S, C", "Ex[G, E_X, D], S, C")))
+    assert err.value.span is not None and "collect" in err.value.span.source_line
 
 @pytest.mark.slow
 @settings(max_examples=20, deadline=None)
@@ -116,6 +157,15 @@ def test_the_runtime_helpers_match_the_dense_meaning(k: int, capacity: int, seed
     close(runtime.expert_combine_vjp(j["g"], j["d"], k, capacity), d_rows)
     assert d_gates is not None
     close(runtime.expert_gate_vjp(j["g"], j["d"], j["rows"], k, capacity), d_gates)
+    each = rng.normal(size=(2, 5, 3, 4)).astype(np.float32)  # a row per token and expert
+    close(runtime.expert_dispatch(j["g"], jnp.asarray(each), k, capacity, each=True),
+          whole_forward("dispatch", gates, each, k, capacity, np, each=True))
+    close(runtime.expert_dispatch_vjp(j["g"], j["rows"], k, capacity, each=True),
+          whole_vjp("dispatch", gates, each, rows, k, capacity, np, each=True)[1])
+    close(runtime.expert_dispatch_vjp(j["g"], j["rows"], k, capacity), whole_forward("collect", gates, rows, k,
+                                                                                      capacity, np))
+    close(runtime.expert_dispatch(j["g"], j["d"], k, capacity), whole_vjp("collect", gates, rows, d, k, capacity,
+                                                                         np)[1])
 
 
 def test_the_lowered_capacity_is_the_share_of_the_tokens() -> None:

@@ -28,8 +28,12 @@ def test_an_einsum_takes_the_larger_of_its_flops_and_its_bytes() -> None:
     assert einsum_time(flops, few, False, H100).seconds == compute
     assert einsum_time(flops, few, False, H100).memory_s == 0
     bound = einsum_time(flops, many, False, H100)
-    assert bound.compute_s == compute and bound.seconds == pytest.approx(many / H100.hbm_bandwidth, rel=1e-12)
-    assert einsum_time(flops, many, True, H100) == einsum_time(0.0, many, False, H100)  # a product: bytes alone
+    assert H100.matmul_hbm_efficiency is not None  # a matmul bound by its bytes moves them at its share
+    assert bound.compute_s == compute and bound.seconds == pytest.approx(
+        many / (H100.hbm_bandwidth * H100.matmul_hbm_efficiency), rel=1e-12)
+    # a product (a multiply, elementwise): its bytes alone, at an elementwise pass's share
+    assert einsum_time(flops, many, True, H100).seconds == pytest.approx(
+        many / (H100.hbm_bandwidth * H100.hbm_efficiency), rel=1e-12)
     book = dataclasses.replace(H100, book=True)
     assert einsum_time(flops, many, False, book).seconds == flops / H100.flops  # at peak, bytes free
 

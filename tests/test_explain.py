@@ -94,6 +94,30 @@ def test_megatrons_mlp_is_read_as_its_spec_and_needs_what_the_plan_needs() -> No
     json.dumps(e.to_json())
 
 
+def test_tensors_held_in_another_type_get_dtype_lines_and_their_bytes() -> None:
+    """A bf16 program with an f32 output matmul: the spec says `dtype bf16` and names the f32 tensors, and
+    the plan prices the AllReduce of the f32 product at 4 bytes an element (2 under the spec's type)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh((4, 2))
+
+    def arg(shape: tuple[int, ...], dtype: Any, *spec: Any) -> Any:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+    def mlp(x: Any, w1: Any, w2: Any) -> Any:
+        h = jax.nn.gelu(jnp.einsum("bd,df->bf", x, w1))
+        return h.astype(jnp.float32) @ w2
+
+    e = explain(jax.jit(mlp), arg((16, 8), jnp.bfloat16, "data", None), arg((8, 32), jnp.bfloat16, None, "model"),
+                arg((32, 8), jnp.float32, "model", None))
+    assert "dtype bf16\ndtype f32 Y2, w2\n" in e.spec
+    assert [(c.kind, c.bytes) for c in e.xla] == [("AllReduce", 4 * 8 * 4)]
+    assert [(c.kind, c.bytes) for c in e.plan] == [("AllReduce_{model}", 4 * 8 * 4)]
+
+
 def test_a_transformer_layer_with_a_constraint() -> None:
     fn, args = cross_attention_layer()
     e = explain(fn, *args)

@@ -18,10 +18,11 @@ RUNS = (ROOT / "benchmarks" / "runs", ROOT / "examples")  # the runs small enoug
 
 # parameter counts the papers give: Touvron et al. 2023 (LLaMA-2 70B: 68.98e9 as counted by its
 # released weights' shapes), Chowdhery et al. 2022 Table 1 (540.35e9), Dubey et al. 2024 (405e9),
-# Brown et al. 2020 Table 2.1 (175.0e9), DeepSeek-AI 2024 (arXiv 2412.19437) section 4.2 (671e9, the
-# multi-token-prediction module left out)
+# Brown et al. 2020 Table 2.1 (175.0e9), DeepSeek-AI 2024 (arXiv 2412.19437) section 4.2 (671e9) and its
+# released checkpoint's 685e9 with the multi-token-prediction module, less that module's copies of the
+# embedding and the output head (V x D each), which training shares with the main model (section 3.2.3)
 PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 405e9, "gpt3_175b_megatron": 175.0e9,
-          "deepseek_v3": 671e9,
+          "deepseek_v3": 685e9 - 2 * 129280 * 7168,
           # MosaicML's MPT benchmark table (llm-foundry, scripts/train/benchmarking/README.md), its NumParams column:
           # the learned positional embedding grows with the sequence length (the 64K row's)
           "mpt_7b_h100": 6658859008, "mpt_13b_h100": 12853954560, "mpt_30b_h100": 29975214080,

@@ -291,3 +291,36 @@ def test_on_a_v_both_ends_gradient_reductions_are_the_first_devices(schedule: st
 
     apart, together = reductions("1f1b"), reductions(schedule)
     assert 1.8 * apart < together < 2 * apart
+
+
+# a second head after the block (DeepSeek-V3's multi-token-prediction module), its loss added to the first's:
+# the block's output and the output layer each read by both heads
+TWO_HEADS = MODEL.replace("mesh X=4, Y=2", "mesh P=2 pipeline, X=2, Y=2\nmicrobatches 2").replace(
+    "const Tok, Next", "const Tok, Next, Next2").replace(
+    "Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S])\n", "") + (
+    "Fm[B_X, S, D] = gelu(X1[B_X, S, D])\n"
+    "Lm[B_X, S, V_Y] = Fm[B_X, S, D] · W_out[D_X, V_Y]\n"
+    "Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S]) + cross_entropy(Lm[B_X, S, V_Y], Next2[B_X, S])\n")
+
+
+def test_two_heads_after_the_block_sum_their_gradients_on_the_last_stage() -> None:
+    """The contributions of the two heads to the block output's gradient and to the shared output layer's are
+    summed after the block (on the last stage, which makes them), not in the block's or the first stage's
+    backward, which the lowering refused; and the lowering takes a sum of losses as the spec's loss."""
+    from shardc.lowering.pipeline_lowering import lower_pipeline
+
+    plan = shardc.plan(shardc.parse(TWO_HEADS))
+    sums = {s.dst.name: s for s in plan.backward if s.dst.name in ("dX1", "dW_out") and str(s.fn).startswith("add")}
+    assert set(sums) == {"dX1", "dW_out"} and all(s.once for s in sums.values())
+    assert plan.sections is not None
+    after = {s.dst.name for s in plan.sections.steps("backward", plan.backward, "after")}
+    assert {"dX1", "dW_out"} <= after
+    lower_pipeline(plan, load=False)
+
+
+@pytest.mark.slow
+def test_two_heads_after_the_block_verify() -> None:
+    from shardc.verification.verify import render_report, verify
+
+    report = verify(shardc.plan(shardc.parse(TWO_HEADS)))
+    assert report.ok, render_report(report)

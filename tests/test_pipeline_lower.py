@@ -40,8 +40,8 @@ def test_lower_writes_a_gpipe_module(plan: object, capsys: pytest.CaptureFixture
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved 2", "zb-h1", "zbv", "dualpipe", "dualpipev"])
 def test_lower_says_which_schedule_the_program_runs(schedule: str, capsys: pytest.CaptureFixture[str],
                                                     tmp_path: Path) -> None:
-    """Each costed schedule lowers with its own tick table (none as GPipe's); the two DualPipes say on
-    stderr and in the module that their F&B pairs run as their ops in turn."""
+    """Each costed schedule lowers with its own tick table (none as GPipe's), and none says it runs other
+    than it is costed (the two DualPipes' F&B pairs run at one tick each, as the cost pairs them)."""
     from shardc.cli.main import main
 
     name = schedule.split()[0]
@@ -50,8 +50,7 @@ def test_lower_says_which_schedule_the_program_runs(schedule: str, capsys: pytes
     assert main(["lower", str(spec)]) == 0
     out, err = capsys.readouterr()
     assert "lowers as GPipe" not in err + out
-    said = f"schedule {name} lowers as its own order, each F&B pair"
-    assert (said in err and said in out) == name.startswith("dualpipe")
+    assert "note:" not in err and "in turn" not in err + out
     virtual = 2 if name == "interleaved" else 1  # zbv and the dualpipes place their two chunks themselves
     assert (tick_tables(name, 4, 64, virtual) == tick_tables("gpipe", 4, 64)) == (name == "gpipe")
     assert (tick_tables(name, 4, 64, virtual) == tick_tables("1f1b", 4, 64)) == (name == "1f1b")

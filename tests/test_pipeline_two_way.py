@@ -52,6 +52,7 @@ def test_dualpipe_verifies_as_itself() -> None:
     loop = next(r for r in report.collectives if r.kind == "Loop")
     ticks = len(tick_tables("dualpipe", 4, 8)[0])
     assert loop.ok and loop.hlo_op == f"while x [{ticks}]" and ticks != len(tick_tables("dualpipev", 4, 8)[0])
+    assert ticks == 16  # an F&B pair a tick: the compiled loop's trip count (its ops one a tick took 26)
     sends = [r for r in report.collectives if "a tick:" in r.step]
     assert len(sends) == 4 and all(r.ok and r.hlo_op == "collective-permute x 1" for r in sends)
 

@@ -10,7 +10,7 @@ import pytest
 import shardc
 from shardc.errors import ShardcError
 from shardc.lowering.pipeline_lowering import lower_pipeline
-from shardc.pipeline.block_split import stage_blocks
+from shardc.pipeline.block_split import device_blocks, stage_blocks
 from shardc.spec.stages import pipeline_of
 from shardc.verification.pipeline_verify import run_sizes, run_split, verify_pipeline
 
@@ -50,12 +50,15 @@ def test_the_module_holds_the_split_and_verify_runs_one_like_it() -> None:
     assert run_split(plan) == (1, 2, 2, 2) and run_sizes(plan, 8)[1] == 7  # uneven still: stage 0 holds one
 
 
-def test_deepseek_v3_holds_one_moe_layer_beside_the_dense_ones() -> None:
+def test_deepseek_v3_balances_its_ends_against_eight_moe_layers() -> None:
+    """The dense layers alone beside the embedding, 2 MoE layers beside the head and the MTP module: under
+    DualPipe GPUs 0 and 15 hold both ends, the others 8 MoE layers."""
     path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
     spec = shardc.parse(path.read_text(encoding="utf-8"), filename=str(path))
     pipe = pipeline_of(spec)
-    assert pipe is not None and pipe.blocks == (3, 58) and pipe.stage_layers[0] == 4
-    assert stage_blocks(pipe)[0] == (3, 1)
+    assert pipe is not None and pipe.blocks == (3, 58) and pipe.stage_layers[0] == 3
+    assert stage_blocks(pipe)[0] == (3, 0) and stage_blocks(pipe)[-1] == (0, 2)
+    assert device_blocks(pipe) == ((3, 2),) + ((0, 8),) * 14 + ((3, 2),)
 
 
 @pytest.mark.slow

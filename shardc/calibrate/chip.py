@@ -48,7 +48,8 @@ class Measurements:
 
 
 # jax's device_kind strings and the preset each is (substrings, lower case; the first match wins)
-_KINDS = (("h200", "h200"), ("h100", "h100"), ("v5p", "tpu-v5p"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
+_KINDS = (("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("a100", "a100"), ("b200", "b200"),
+          ("v5p", "tpu-v5p"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
           ("v6 lite", "tpu-v6e"), ("v6e", "tpu-v6e"), ("v4", "tpu-v4p"))
 
 
@@ -93,8 +94,13 @@ def calibrated(m: Measurements, name: str | None = None) -> Hardware:
     """The chip with the measured figures in place of the data sheet's (see the module docstring)."""
     known = base_chip(m.device_kind)
     base = known or _generic(m)
+    # the measured stream is what an elementwise pass reaches (so at a share of 1); a matmul bound by its bytes
+    # keeps the base chip's measured share beside it
+    share = base.matmul_hbm_efficiency
     hw = replace(base, name=name or f"{base.name}-measured", description=f"measured on {m.devices} x {m.device_kind}",
-                 hbm_bandwidth=m.stream_bandwidth, matmul_efficiency=efficiency_points(m.matmul, base.flops))
+                 hbm_bandwidth=m.stream_bandwidth, hbm_efficiency=1.0,
+                 matmul_hbm_efficiency=None if share is None else min(1.0, share / base.hbm_efficiency),
+                 matmul_efficiency=efficiency_points(m.matmul, base.flops))
     if m.memory_bytes:
         hw = replace(hw, hbm_bytes=m.memory_bytes)
     if m.devices < 2 or not m.collectives:

@@ -123,7 +123,7 @@ def run_hardware(args: argparse.Namespace) -> int:
           "matmul_efficiency, matmul_efficiency_f8 ([[flops, fraction], ...]), attention_forward, "
           "attention_backward ([[keys, fraction], ...]: a fused attention kernel's), ici_domain, torus_side, "
           "torus_dims, ici_efficiency, nvls_efficiency, "
-          "dcn_efficiency, host_bandwidth, host_adam_rate, book, description")
+          "dcn_efficiency, hbm_efficiency, matmul_hbm_efficiency, host_bandwidth, host_adam_rate, book, description")
     return 0
 
 

@@ -191,7 +191,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fusion", choices=FUSIONS, default=None,
                         help="xla (default): elementwise chains and matmul epilogues fused as XLA fuses them; "
                              "none: one kernel an op, each reading its operands from HBM and writing its result "
-                             "(PyTorch eager); over the spec's `fusion` line")
+                             "(PyTorch eager); statement: one hand-fused kernel a statement, no matmul epilogue "
+                             "(PyTorch eager with fused kernels, as Megatron-LM's); over the spec's `fusion` line")
     parser.add_argument("--grad-reduce", choices=GRAD_REDUCES, default=None,
                         help="overlapped (default): gradient reductions issued under the backward as buckets fill "
                              "(PyTorch DDP, FSDP); after-backward: once the backward is done, exposed (Megatron-LM's "

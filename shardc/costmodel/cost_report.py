@@ -32,7 +32,7 @@ from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network
 from shardc.layer_counts import block_counts, resolve_layers
-from shardc.timing import microbatched, phase_rows, plan_chip, plan_links, plan_sizes, update_seconds
+from shardc.timing import microbatched, phase_ends, phase_rows, plan_chip, plan_links, plan_sizes, update_seconds
 from shardc.topology import AxisLinks
 
 __all__ = ["CostReport", "cost", "resolve_sizes", "missing_sizes", "step_tokens"]
@@ -98,7 +98,7 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
             "hop_latency": hw.hop_latency, "flops_f8": hw.flops_f8,
             "hbm_bandwidth": hw.hbm_bandwidth if math.isfinite(hw.hbm_bandwidth) else None,
             "model": "book" if hw.book else "chip", "bucket_bytes": hw.bucket_bytes,
-            "fusion": "xla" if hw.fuses else "none",
+            "fusion": "statement" if hw.fuses_statements else "xla" if hw.fuses else "none",
             "grad_reduce": "after-backward" if hw.reduces_after_backward else "overlapped",
             "attention_kernel": hw.attention_kernel,
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
@@ -156,7 +156,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
                                                  again if name == "backward" else frozenset()), at)
         formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.precision)
-        return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more)
+        return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more,
+                         ends_s=phase_ends(plan, hw, steps, rows))
 
     fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
@@ -297,6 +298,10 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
     if not hw.fuses and not hw.book:
         notes.append("fusion none: each memory-bound step is its own kernel, reading its operands from HBM and "
                      "writing its result (PyTorch eager)")
+    if hw.fuses_statements and not hw.book:
+        notes.append("fusion statement: each statement's memory-bound steps are one kernel (hand-fused, as "
+                     "Megatron-LM's), which reads what the spec names from HBM and writes its result; no matmul "
+                     "epilogue")
     if hw.attention_kernel is not None and not hw.book:
         notes.append(f"attention_kernel {hw.attention_kernel}: fused attention at the rates measured of it on "
                      f"{hw.name}")

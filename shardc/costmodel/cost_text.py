@@ -83,6 +83,13 @@ def _layer_counts(p: PhaseCost) -> str:
     return " + ".join(str(n) for n in (p.layers, *p.more_layers))
 
 
+def _fusion_words(hw: Hardware) -> str:
+    """How the memory-bound steps' kernels are fused, as the chip's framework runs them."""
+    if hw.fuses_statements:
+        return "one hand-fused kernel a statement: fusion statement"
+    return "fused as XLA fuses" if hw.fuses else "one kernel an op: fusion none"
+
+
 def _totals(p: PhaseCost, layers: int) -> list[str]:
     per = f" ({_layer_counts(p)} layers)" if layers != 1 or p.more_layers else ""
     f = p.formula
@@ -90,7 +97,7 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
     lines = [
         f"  compute {fmt_seconds(p.compute_s)}{per}: {fmt_flops(p.compute_flops)} a device = {text(f.flops)}",
         f"  memory  {fmt_seconds(p.memory_s)}: {fmt_bytes(p.memory_bytes)} of HBM traffic a device "
-        f"(memory-bound steps, {'fused as XLA fuses' if p.hardware.fuses else 'one kernel an op: fusion none'})"
+        f"(memory-bound steps, {_fusion_words(p.hardware)})"
         f"{update}",
         f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {text(f.comm_bytes)}"
         f"  [critical {fmt_seconds(p.critical_s)}, ahead {fmt_seconds(p.ahead_s)}]",
@@ -100,8 +107,10 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
         lines.append(f"  bound: {p.bound}; step {fmt_seconds(p.step_s)} with all collectives overlapped (the book's "
                      f"model), {fmt_seconds(p.step_ahead_only_s)} with only ahead-of-time ones; MFU {p.mfu:.1%}")
     else:
+        ends = (f" ({fmt_seconds(p.exposed_ends_s)} of them at the phase's ends, with no compute beside them: "
+                f"the gathers its first step waits on, the reductions after its last)") if p.exposed_ends_s else ""
         lines.append(f"  bound: {p.bound}; step {fmt_seconds(p.step_s)}: compute and memory, ahead-of-time "
-                     f"collectives overlapped, critical ones exposed; exposed communication "
+                     f"collectives overlapped{ends}, critical ones exposed; exposed communication "
                      f"{fmt_seconds(p.exposed_comm_s)}")
     lines.append(f"  MFU {p.mfu:.1%} (model FLOPs {fmt_flops(p.model_flops)}, recomputation not counted), "
                  f"HFU {p.hfu:.1%}" + (f"; {p.tokens_per_s_per_chip:,.0f} tokens/s a chip" if p.tokens else ""))

@@ -10,7 +10,9 @@ as it runs (its layers, :func:`shardc.layer_counts.runs`; a pipelined stage's mi
   split into ``critical_s`` and ``ahead_s`` (``Step.ahead``: weight gathers and
   weight-gradient reductions can be issued off the critical path; gradient
   reductions bucketed, :func:`shardc.timing.comm_split`).
-* ``step_s``: ``max(compute + memory, ahead) + critical`` a phase, forward plus
+* ``step_s``: ``max(compute + memory, ahead - ends) + ends + critical`` a phase, ``ends`` the
+  collectives issued ahead that no compute hides, once a phase (``exposed_ends_s``: the gathers its
+  first step waits on, the reductions after its last, :mod:`shardc.phase_ends`), forward plus
   backward (plus ZeRO's optimizer phase and the update) for the step
   (:mod:`shardc.timing`; the planner minimises exactly this figure); under the book's
   model (``model="book"``) ``max(compute, comm)`` a phase.  ``exposed_comm_s`` is
@@ -60,6 +62,7 @@ class PhaseCost:
     more_layers: tuple[int, ...] = ()  # the later `layers` blocks' counts (layer_counts.block_counts)
     offload_s: float = 0.0  # the step: host copies its phases' compute does not hide (shardc.costmodel.offload)
     host: bool = False  # --offload: the phase's host copies (or the host's update) outlast the compute beside them
+    ends_s: float = 0.0  # the ahead collectives at the phase's ends no compute hides (timing.phase_ends)
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
         if self.parts:  # the step: each phase counts its own rows (a pipelined stage's M times)
@@ -147,7 +150,15 @@ class PhaseCost:
             return step_seconds(*(p.step_s for p in self.parts), self.update_s, self.offload_s)
         ahead, critical = self._split()
         return phase_seconds(self.compute_s + self.memory_s, ahead, critical, self.hardware.book,
-                             self.hardware.overlap_share)
+                             self.hardware.overlap_share, self.ends_s)
+
+    @property
+    def exposed_ends_s(self) -> float:
+        """Of the collectives issued ahead, those at the phase's ends, which no compute hides (the gathers
+        its first step waits on, the reductions after its last: :func:`shardc.timing.phase_ends`)."""
+        if self.parts:
+            return math.fsum(p.exposed_ends_s for p in self.parts)
+        return min(self.ends_s, self.ahead_s) if not self.hardware.book else 0.0
 
     @property
     def exposed_comm_s(self) -> float:
@@ -197,7 +208,7 @@ class PhaseCost:
             "model_flops": self.model_flops, "hardware_flops": self.hardware_flops, "compute_s": self.compute_s,
             "memory_bytes": self.memory_bytes, "memory_s": self.memory_s, "update_s": self.update_s,
             "offload_s": self.offload_s,
-            "step_s": self.step_s, "exposed_comm_s": self.exposed_comm_s,
+            "step_s": self.step_s, "exposed_comm_s": self.exposed_comm_s, "exposed_ends_s": self.exposed_ends_s,
             "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu, "hfu": self.hfu,
             "tokens": self.tokens, "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
             "step_at_mfu_s": self.step_at_mfu_s,

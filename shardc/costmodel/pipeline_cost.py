@@ -72,6 +72,7 @@ from shardc.costmodel.section_times import (
 )
 from shardc.costmodel.stage_memory import (
     accumulator_bytes,
+    dualpipe_held,
     end_chunks_on,
     held_names,
     kept_copies,
@@ -378,7 +379,8 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
     name = pipe.schedule.name
     working = working_sets(plan, micro)
     value_sizes = [value_bytes(plan, r, micro) for r in values]
-    kept = kept_copies(plan, pipe, [sim.peak_inflight(s) for s in range(len(device_blocks(pipe)))])
+    kept = kept_copies(plan, pipe, [sim.peak_inflight(s) for s in range(len(device_blocks(pipe)))],
+                       dualpipe_held(plan, pipe, sim, micro))
     for s, blocked in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, s)
         mem = mems[s]

@@ -5,24 +5,25 @@ section), and the microbatches' gradient sums a once-a-step ReduceScatter reads.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from shardc.collectives import Op
-from shardc.costmodel.memory import Memory, kept_once, memory, residual_values, value_blocks
+from shardc.costmodel.memory import Memory, kept_once, memory, residual_values, value_blocks, value_bytes
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
 from shardc.ir.plan import SECTIONS, Plan
 from shardc.ir.spec import Statement, TensorRef
-from shardc.pipeline.block_split import device_blocks
+from shardc.pipeline.block_split import chunk_blocks, device_blocks
 from shardc.pipeline.boundary import gradient_reductions, microbatch_dim
 from shardc.pipeline.dualpipe import TWO_WAY, end_chunks
-from shardc.pipeline.schedules import device_of
+from shardc.pipeline.schedules import Simulation, device_of
 from shardc.spec.stages import Pipeline
 from shardc.spec.walk import leaves
 
-__all__ = ["accumulator_bytes", "end_chunks_on", "held_names", "kept_copies", "outside_names", "stage_memories",
-           "working_sets"]
+__all__ = ["accumulator_bytes", "chunk_copies", "dualpipe_held", "end_chunks_on", "held_names", "kept_copies",
+           "outside_names", "stage_memories", "working_sets"]
 
 
 def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
@@ -70,24 +71,55 @@ def stage_memories(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardwa
     return out
 
 
-def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float]) -> list[dict[TensorRef, float]]:
+def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float],
+                chunks: Sequence[dict[int, int]] | None = None) -> list[dict[TensorRef, float]]:
     """For each device, how many copies of each value the backward reads (:func:`residual_values`) it keeps
     with ``held[d]`` microbatches in flight on device d: a microbatch's value once a layer of its block the
-    device runs, for each microbatch held (under DualPipe, half of them each of the device's two stages'); a
-    value without the microbatch index (a saved weight) once a layer; a value outside the block once, on a
-    device holding it."""
+    device runs, for each microbatch held (under DualPipe, ``chunks[d]``'s of each of the device's two
+    stages, :func:`dualpipe_held`); a value without the microbatch index (a saved weight) once a layer; a
+    value outside the block once, on a device holding it."""
     dim = microbatch_dim(plan)
     values = residual_values(plan)
     once = kept_once(plan, values) if plan.spec.block is not None else set()
     blocks = value_blocks(plan)
-    share = 0.5 if pipe.schedule.name in TWO_WAY else 1.0  # DualPipe: each of the two stages runs half the microbatches
+    per_chunk = chunk_copies(plan, pipe) if chunks is not None else []
     out = []
     for stage, layers in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, stage)
         counts = {r: (1 if outside is None or r.name in outside else 0) if r in once
                   else layers[blocks.get(r.name, 0)] for r in values}
-        out.append({r: k * (held[stage] * share if dim in r.indices else 1.0) for r, k in counts.items()})
+        mine = {} if chunks is None else chunks[stage]
+        out.append({r: (math.fsum(n * per_chunk[c][r] for c, n in mine.items()) if chunks is not None
+                        else k * held[stage]) if dim in r.indices else float(k) for r, k in counts.items()})
     return out
+
+
+def chunk_copies(plan: Plan, pipe: Pipeline) -> list[dict[TensorRef, float]]:
+    """Each model chunk's copies of each value one microbatch through it keeps: once a layer of the chunk's
+    of each block, a value outside the block once where the chunk runs those statements."""
+    dim = microbatch_dim(plan)
+    values = [r for r in residual_values(plan) if dim in r.indices]
+    once = kept_once(plan, values) if plan.spec.block is not None else set()
+    blocks = value_blocks(plan)
+    before, after = outside_names(plan)
+    heads, tails = end_chunks(pipe.schedule.name, pipe.stages, pipe.stages * pipe.chunks)
+    out = []
+    for c, layers in enumerate(chunk_blocks(pipe)):
+        ends = (before if c in heads else frozenset()) | (after if c in tails else frozenset())
+        out.append({r: (1.0 if plan.spec.block is None or r.name in ends else 0.0) if r in once
+                    else layers[blocks.get(r.name, 0)] for r in values})
+    return out
+
+
+def dualpipe_held(plan: Plan, pipe: Pipeline, sim: Simulation, micro: dict[str, int]) -> list[dict[int, int]] | None:
+    """Under DualPipe, the microbatches each device holds of each of its two chunks when its kept bytes peak
+    (:meth:`Simulation.peak_chunks`, a chunk's microbatch weighing its values' bytes); None elsewhere, where a
+    device's chunks keep alike (a stage's equal shares) and :meth:`Simulation.peak_inflight` counts them."""
+    if pipe.schedule.name not in TWO_WAY:
+        return None
+    weights = [math.fsum(value_bytes(plan, r, micro) * k for r, k in copies.items())
+               for copies in chunk_copies(plan, pipe)]
+    return [sim.peak_chunks(d, dict(enumerate(weights))) for d in range(pipe.stages)]
 
 
 def working_sets(plan: Plan, micro: dict[str, int]) -> dict[str, float]:

@@ -226,7 +226,6 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
     """The compiled module's collectives, each named by the spec's tensors of its per-device shape (a
     backward one by the plan's gradients first), its phase from its ``op_name`` (one op of a tuple
     collective XLA combined from several has the name of its own part)."""
-    nbytes = plan.spec.dtype.nbytes
     names: dict[str, dict[tuple[Any, ...], list[str]]] = {"forward": {}, "backward": {}}
     for phase in names:
         steps = plan.backward if phase == "backward" else ()
@@ -254,7 +253,7 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
         shapes, ops = _parts(c.text)
         shape = shapes[k] if len(shapes) > 1 and k < len(shapes) else c.shape  # a tuple's k-th part
         phase = phase_of(ops[min(k, len(ops) - 1)] if ops else "", program.training)
-        v = c.bytes(nbytes)
+        v = c.bytes()  # at the program's own types
         seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw).seconds if c.kind else None
         frame = _FRAME.search(c.text)
         known = names["backward" if phase != "forward" else "forward"]

@@ -20,7 +20,8 @@ from shardc.ir.spec import Dim, TensorRef
 __all__ = ["ProgramSpec", "Reading", "Statement", "render"]
 
 _LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
-_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+# JAX's float types as a spec writes them; both FP8 formats are one byte, the spec's `f8`
+_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float8_e4m3fn": "f8", "float8_e5m2": "f8"}
 
 
 @dataclass
@@ -119,8 +120,11 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
         if len({d.name for d in dims}) != len(dims):
             raise ShardcError(f"{reader.names[var]} reads one dim twice ({', '.join(d.name for d in dims)}), which "
                               "the spec language cannot write", fix="explain a program without it")
+        if hasattr(var, "aval"):  # a tensor explain makes (a renamed copy) has no type of its own
+            types[reader.names[var]] = str(var.aval.dtype)
         return TensorRef(reader.names[var], dims)
 
+    types: dict[str, str] = {}
     body: list[str] = []
     tensors: dict[str, TensorRef] = {}
     lines: dict[str, str] = {}
@@ -142,13 +146,27 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
         body = [*body[:start], f"layers {length} {{", *body[start:end], "}", *body[end:]]
     sizes = {names[reader.find(d)]: reader.size[d] for d in reader.size if reader.find(d) in names}
     floats = [str(v.aval.dtype) for v in jaxpr.invars if str(v.aval.dtype) in _DTYPES]
+    dtype = _DTYPES[(floats or ["float32"])[0]]
     head = [f"# {comment(origin)}: read by `shardc explain` from its jaxpr and shardings",
             *(f"# {note}" for note in reader.notes),
             "mesh " + ", ".join(f"{a}={n}" for a, n in reader.mesh.items()),
-            "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {_DTYPES[(floats or ['float32'])[0]]}"]
+            "dims " + ", ".join(f"{k}={v}" for k, v in sizes.items()), f"dtype {dtype}",
+            *_dtype_lines(types, dtype)]
     head += reader.step.lines(reader.names, set(tensors), reader.ids, reader.layer_inputs)
     return ProgramSpec("\n".join([*head, "", *body]) + "\n", tensors, lines, list(reader.notes),
                        training=reader.step.backward)
+
+
+def _dtype_lines(types: dict[str, str], dtype: str) -> list[str]:
+    """A ``dtype T a, b`` line for each float type other than the spec's, naming the tensors the program
+    holds in it (a bf16 activation in an f32 program, an FP8 weight in a bf16 one); integer tensors (token
+    ids) keep their own type and are never named."""
+    by_type: dict[str, list[str]] = {}
+    for name, jax_type in types.items():
+        kind = _DTYPES.get(jax_type)
+        if kind is not None and kind != dtype:
+            by_type.setdefault(kind, []).append(name)
+    return [f"dtype {kind} {', '.join(names)}" for kind, names in sorted(by_type.items())]
 
 
 def _over(reader: Reading, names: dict[int, str], s: Statement, dim: int) -> str:

@@ -184,7 +184,9 @@ class Attention:
     ``zigzag``: the ring's sequence cut into 2n chunks, device i computing chunks i and 2n - 1 - i (causal
     load balancing; without a ring, the all-gather form's queries in those chunks over S's axes, K and V
     gathered in that order, :mod:`shardc.ops.balanced_gather`); ``held``: the plan holds the sequence in that
-    order throughout (:mod:`shardc.planner.zigzag_order`), so the kernel does not reorder its blocks."""
+    order throughout (:mod:`shardc.planner.zigzag_order`), so the kernel does not reorder its blocks;
+    ``order``: the mesh axes of that order's chunks where the kernel's queries are whole (Ulysses moved S's
+    axes onto the heads: its causal mask compares the true positions of the sequence as held)."""
 
     part: str
     key: str
@@ -194,6 +196,7 @@ class Attention:
     zigzag: bool = False
     held: bool = False
     rope: bool = False
+    order: tuple[str, ...] = ()
 
     @property
     def inputs(self) -> int:
@@ -203,7 +206,8 @@ class Attention:
     def __str__(self) -> str:
         causal = f",causal({self.query},{self.key})" if self.query is not None else ""
         causal += ",rope" if self.rope else ""
-        order = (",zigzag" if self.zigzag else "") + (",held" if self.held else "")
+        order = (f",zigzag({''.join(self.order)})" if self.order else ",zigzag" if self.zigzag else "")
+        order += ",held" if self.held else ""
         ring = f",ring({''.join(self.ring)}{order})" if self.ring else order
         return f"attention_{self.part}(over {self.key}{causal}{ring})"
 @dataclass(frozen=True)
@@ -213,7 +217,10 @@ class Dispatch:
     indices, and one of its data movements, ``part``: ``dispatch`` (tokens gathered into their experts'
     slots), ``combine`` (each token's k expert outputs, gate-weighted, summed), or a gradient of one
     (``dispatch_vjp``: of the tokens; ``combine_vjp``: of the expert outputs; ``combine_gate_vjp``: of
-    the gates).  ``limit`` of ``groups`` (0: unlimited): node-limited routing (DeepSeek-V3's), the experts
+    the gates), or ``collect`` (each token's k expert outputs summed, unweighted) and its gradient
+    ``collect_vjp`` (``dY``'s rows into the slots).  ``each``: the dispatched tensor carries the expert
+    index too, a value per token and expert (the gates themselves), and each slot gets its own expert's.
+    ``limit`` of ``groups`` (0: unlimited): node-limited routing (DeepSeek-V3's), the experts
     in ``groups`` contiguous groups (a node's each) and each token's k taken from the ``limit`` groups of
     highest score (:func:`shardc.ops.route_code.node_limited`)."""
 
@@ -224,10 +231,12 @@ class Dispatch:
     k: int
     limit: int = 0
     groups: int = 0
+    each: bool = False
 
     def __str__(self) -> str:
         nodes = f",{self.limit}of{self.groups}" if self.limit else ""
-        return f"{self.part}({self.order},{self.experts},{self.slots},{self.k}{nodes})"
+        each = ",each" if self.each else ""
+        return f"{self.part}({self.order},{self.experts},{self.slots},{self.k}{nodes}{each})"
 
 
 class _Named(Enum):

@@ -299,10 +299,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpi
 
 # How the framework runs the program, as the `fusion` and `grad_reduce` lines name it (the first is the
 # default).  `fusion xla`: elementwise chains and epilogues fused as XLA fuses them; `fusion none`: one
-# kernel an op, each reading its operands from HBM and writing its result (PyTorch eager).
+# kernel an op, each reading its operands from HBM and writing its result (PyTorch eager); `fusion
+# statement`: one hand-fused kernel a statement, no epilogue (PyTorch eager with fused kernels, as
+# Megatron-LM's; shardc/fusion.py says the rule).
 # `grad_reduce overlapped`: gradient reductions issued under the backward as each bucket fills (PyTorch
 # DDP, FSDP); `grad_reduce after-backward`: issued once the backward is done, exposed.
-FUSIONS = ("xla", "none")
+FUSIONS = ("xla", "none", "statement")
 GRAD_REDUCES = ("overlapped", "after-backward")
 # The fused attention kernel the framework runs (`attention_kernel flash2`): FlashAttention-2, -3, -4, each
 # at the rates its paper or benchmark measured on the chip (shardc/hardware.py); default: the chip's best.

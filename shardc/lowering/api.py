@@ -18,7 +18,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec, TensorRef
 from shardc.lowering.codegen import Boundary, Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
-from shardc.lowering.pipeline_lowering import lower_pipeline, schedule_note
+from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.row_code import id_inputs
 from shardc.planner.check import require_sound
@@ -130,10 +130,8 @@ def module_source(plan: Plan, offload: str = "none") -> tuple[str, str | None]:
     written without them (symbolic local shapes in the comments) and the note says so.
     """
     check_lowered_offload(plan, offload)
-    if plan.spec.mesh.pipeline_axis is not None:  # GPipe (and 1F1B) over the stage axis
-        lowered = lower_pipeline(plan, load=False)
-        note = schedule_note(lowered.pipeline.schedule.name)
-        return lowered.source, None if note is None else f"note: {note}"
+    if plan.spec.mesh.pipeline_axis is not None:  # its schedule over the stage axis
+        return lower_pipeline(plan, load=False).source, None
     zero = plan if plan.optimizer else None
     plan, _ = unlowered_optimizer(plan)  # ZeRO-1/2: forward and grad without the zero line
     mesh = lowered_mesh(plan, None)

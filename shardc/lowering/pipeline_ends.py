@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan, Section, Step, uses_dropout
-from shardc.ir.spec import Call, Mesh, Spec, Statement, TensorRef
+from shardc.ir.spec import Add, Call, Mesh, Spec, Statement, TensorRef
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
 from shardc.pipeline.boundary import boundary_tensor, carried_moves, tied_contributions
@@ -101,7 +101,8 @@ def split_spec(spec: Spec) -> tuple[Spec, tuple[Spec, ...], Spec]:
 
 
 def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, ...]) -> None:
-    """The parts meet only at the block's input and output, and the spec ends in one loss."""
+    """The parts meet only at the block's input and output, and the spec ends in one loss (or a sum of
+    losses: a second head's, as DeepSeek-V3's multi-token prediction adds)."""
     fix = ("write the model as an embedding, a `layers` block and a head ending in `Loss[] = "
            "cross_entropy(...)`, each reading only its own params")
     if not pre or not post:
@@ -113,7 +114,8 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
                           "(on the first and the last stage); only a param may be (held by both)",
                           spec.span_of("layers"), fix=fix)
     last = post[-1]
-    if not (isinstance(last.expr, Call) and last.expr.func == "cross_entropy") or last.result.dims:
+    terms = last.expr.terms if isinstance(last.expr, Add) else (last.expr,)  # several heads' losses summed
+    if not all(isinstance(t, Call) and t.func == "cross_entropy" for t in terms) or last.result.dims:
         raise ShardcError("lowering a pipelined block needs the statements after it to end in a "
                           "cross_entropy loss (the microbatches' losses are averaged)", last.span, fix=fix)
 

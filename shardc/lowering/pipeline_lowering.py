@@ -3,8 +3,8 @@ the other axes.
 
 The generated module is the stage plan's module (``forward_local``/``backward_local``
 on one microbatch) followed by a pipeline section: the schedule as a tick table
-(:func:`tick_tables`: the simulated order with unit times, where each device runs at
-most one forward and one backward a tick) and a :class:`~shardc.lowering.pipeline_runtime.Pipeline`
+(:func:`tick_tables`: the simulated order a group a tick, where each device runs at
+most one forward, one backward and one weight gradient a tick) and a :class:`~shardc.lowering.pipeline_runtime.Pipeline`
 that runs any table the same way, with the block's plan as each layer
 (:mod:`shardc.lowering.pipeline_runtime`).  A ``layers L { ... }`` block with
 statements around it adds their two plans as the block's ends (before it on stage
@@ -14,8 +14,8 @@ interleaved, ZB-H1, ZBV, DualPipeV and DualPipe lower with their own tables; the
 with three, F, B and W, the block's backward cut in two (:mod:`shardc.lowering.pipeline_split`);
 ZBV and DualPipeV with two chunks a device in a V, DualPipe with two whole stages a device, s and
 P-1-s, microbatches entering from both ends and the two copies' gradients summed once a step
-(:mod:`shardc.lowering.pipeline_routes`); the two DualPipes' F&B pairs as their ops in turn, which
-``shardc lower`` and ``verify`` say (:func:`schedule_note`).
+(:mod:`shardc.lowering.pipeline_routes`); the two DualPipes' F&B pairs each at one tick, the pair's
+forward and whole backward in the same loop iteration (:mod:`shardc.pipeline.ticks`).
 
 The program is a ``fori_loop`` of the table's ticks (2(m+p-1) for GPipe and 1F1B),
 with one collective-permute down and one up in its body (two each way in a V), each moving one
@@ -29,10 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shardc.errors import InternalError, ShardcError
+from shardc.errors import ShardcError
 from shardc.ir.plan import Plan, backward_program
 from shardc.ir.spec import TensorRef
-from shardc.lowering import template
 from shardc.lowering.codegen import Module, generate
 from shardc.lowering.load import check_devices, load_module, lowered_mesh, lowered_sizes
 from shardc.lowering.pipeline_ends import Ends, constants, cut_parts, ends_source, pipeline_lines
@@ -41,29 +40,17 @@ from shardc.lowering.pipeline_more import more_blocks_source
 from shardc.lowering.pipeline_split import split_source
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
-from shardc.pipeline.schedules import Timing, chunks_of, simulate, stage_share
+from shardc.pipeline.ticks import unit_ticks
 from shardc.planner.zigzag_order import sequence_order
 from shardc.spec.stages import Pipeline, pipeline_of, splits, stage_spec
 
 __all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "weight_ticks",
-           "LOWERED_SCHEDULES", "SPLIT_SCHEDULES", "schedule_note"]
+           "LOWERED_SCHEDULES", "SPLIT_SCHEDULES"]
 
 LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "dualpipe")
-SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev", "dualpipe")  # each backward in two: B and W at ticks of their own
+SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev", "dualpipe")  # each backward in two: B and W in tables of their own
 V_SHAPED = ("zbv", "dualpipev", "dualpipe")  # two chunks a device on a V's places (shardc.lowering.pipeline_routes)
 TWO_WAY_LOWERED = ("dualpipe",)  # two directions, each chunk a whole stage held twice
-PAIRED_IN_TURN = ("dualpipev", "dualpipe")  # F&B pairs lowered as their ops at ticks in turn
-
-
-def schedule_note(schedule: str) -> str | None:
-    """What ``shardc lower`` and ``verify`` say of a schedule whose program is not all of what ``shardc
-    cost`` times (None for one that is): DualPipe and DualPipeV run their own orders, but an F&B pair as
-    its ops in turn, where the cost may overlap the two."""
-    if schedule in PAIRED_IN_TURN:
-        return (f"schedule {schedule} lowers as its own order, each F&B pair as its forward, backward and weight "
-                "gradient at three ticks in turn: the program overlaps no forward with a backward, where `shardc "
-                "cost` times a pair with each one's collectives under the other's computation")
-    return None
 
 
 @dataclass
@@ -93,37 +80,26 @@ def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
 def tick_tables(schedule: str, stages: int, microbatches: int,
                 virtual: int = 1) -> tuple[list[list[int]], list[list[int]]]:
     """(forward, backward): what each stage runs forward / backward at each tick, or -1, in the
-    schedule's simulated order with unit times a chunk: the
-    microbatch j of the device's chunk c as c x microbatches + j (c is 0 but under interleaved, whose
-    ``virtual`` chunks a device hold virtual stages c x stages + stage, and zbv, dualpipev and dualpipe,
-    whose two are virtual stages s and 2 stages - 1 - s: :mod:`shardc.lowering.pipeline_routes`)."""
+    schedule's simulated order, a group of it a tick (:mod:`shardc.pipeline.ticks`: a DualPipe F&B pair's
+    F and B in one row): the microbatch j of the device's chunk c as c x microbatches + j (c is 0 but under
+    interleaved, whose ``virtual`` chunks a device hold virtual stages c x stages + stage, and zbv, dualpipev and
+    dualpipe, whose two are virtual stages s and 2 stages - 1 - s: :mod:`shardc.lowering.pipeline_routes`)."""
     tables = _tables(schedule, stages, microbatches, virtual)
     return tables["F"], tables["B"]
 
 
 def weight_ticks(schedule: str, stages: int, microbatches: int) -> list[list[int]] | None:
     """What each stage runs of the weights' gradient (W) at each tick, or -1, under a schedule that
-    lowers its backward in two (ZB-H1, ZBV, DualPipe(V): its B table then runs the input's gradient only); None under
-    the others, whose backward runs whole at its B tick."""
+    lowers its backward in two (ZB-H1, ZBV, DualPipe(V): its B table then runs the input's gradient only, and a
+    DualPipe whole backward's W sits at its B's tick); None under the others, whose backward runs whole at its B
+    tick."""
     return _tables(schedule, stages, microbatches)["W"] if schedule in SPLIT_SCHEDULES else None
 
 
 def _tables(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[str, list[list[int]]]:
-    """The F, B and W tick tables of the simulation with unit times an op (a chunk's, a tick)."""
-    name = schedule
-    chunks = chunks_of(name, virtual)
-    unit = float(stage_share(name, chunks) ** -1)  # a chunk's op a tick
-    timing = Timing(unit, unit, unit) if name in SPLIT_SCHEDULES else Timing(unit, unit)
-    sim = simulate(name, stages, microbatches, timing, virtual=chunks)
-    ticks = int(round(sim.makespan))
-    tables = {k: [[-1] * stages for _ in range(ticks)] for k in "FBW"}
-    for op in sim.ops:
-        row = tables[op.kind][int(round(op.start))]
-        if row[op.device] >= 0 or op.start != round(op.start):
-            raise InternalError(f"{name}'s ops at unit times do not fall one a tick (stage {op.device}, "
-                                f"{op.start})", fix="this is a shardc bug: report the schedule")
-        row[op.device] = op.chunk // stages * microbatches + op.microbatch
-    return tables
+    """The F, B and W tick tables: the simulation's orders, a group a tick (:mod:`shardc.pipeline.ticks`)."""
+    ticks = unit_ticks(schedule, stages, microbatches, virtual)
+    return {kind: ticks.table(kind) for kind in "FBW"}
 
 
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
@@ -178,9 +154,6 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     text += f"F_TABLE = {_table(f_table)}\nB_TABLE = {_table(b_table)}\n"
     text += "W_TABLE = " + ("None  # each backward whole, at its B tick\n" if w_table is None else
                             f"{_table(w_table)}  # the weights' gradients; B_TABLE's run the input's only\n")
-    note = schedule_note(pipe.schedule.name)
-    if note is not None:
-        text += template.comment(note) + "\n"
     return module, head + text, micro[dim] * microbatches
 
 

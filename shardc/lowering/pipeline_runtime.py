@@ -6,8 +6,8 @@ dim sharded over the stage axis; under an uneven split, the cost's, every stage 
 many slots as the fullest holds, and a slot past its own layers holds zeros and hands
 its input on).  A schedule is a tick table: at tick t stage s runs the forward of
 microbatch ``forward[t][s]`` and the backward of ``backward[t][s]`` (-1: none), as the
-schedule's simulation with unit times places them
-(:mod:`shardc.pipeline.schedules`).  :class:`Pipeline` runs any table the same way: a
+simulated order places them, a unit of it a tick (a DualPipe F&B pair's F and B in one)
+(:mod:`shardc.pipeline.ticks`).  :class:`Pipeline` runs any table the same way: a
 ``fori_loop`` over the ticks (one compiled body), in which every device runs its stage
 forward and backward masked by the table (SPMD: one program for all), keeps each
 microbatch's residuals until its backward (in a ring of the microbatches the table keeps in flight:
@@ -301,21 +301,23 @@ class Pipeline:
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
-            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], kept), params, c, u)
-            if split:  # B now, W at its own tick (of this or an earlier microbatch's B)
-                dx, made = self._stage_input_bwd(mine, cots[gs[e]], u)
+            # B and W read the buffers as the tick found them (carry): nothing of its F, which may overlap them
+            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], carry[0]), params, c, u)
+            if split:  # B now, W at its own tick (of this or an earlier microbatch's B, or after its B in this one)
+                dx, made = self._stage_input_bwd(mine, carry[3][gs[e]], u)
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
+            else:
+                dx, dw = self._stage_bwd(mine, carry[3][gs[e]], u)
+                dparams = self._accumulate(dparams, dw, eb >= 0, c, u)
+            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)  # before W, which reads it
+            if split:
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
                 uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
-                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], kept), params, w // m,
-                                                        uw), jax.tree.map(lambda buf: buf[hs[w]], handed), uw)
+                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], carry[0]), params, w // m,
+                                                             uw), jax.tree.map(lambda buf: buf[hs[w]], handed), uw)
                 dparams = self._accumulate(dparams, dw, ew >= 0, w // m, uw)
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
-            else:
-                dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
-                dparams = self._accumulate(dparams, dw, eb >= 0, c, u)
-            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)
             cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
             return kept, handed, acts, cots, acc, dparams
 

@@ -14,7 +14,8 @@ exactly the most intervals alive at once).  Under 1F1B that is the microbatch mo
 count; under GPipe every microbatch; under the interleaved and V schedules what the table keeps.
 
 Within a tick the body runs in this order (:meth:`shardc.lowering.pipeline_runtime.Pipeline._local`),
-so that a slot read and written in the same tick is reused only where the read comes first.
+so that a slot read and written in the same tick is reused only where the read comes first (B and W
+read the residuals and cotangents the tick began with: a slot F writes at a tick is never one they read).
 """
 
 from __future__ import annotations

@@ -177,12 +177,13 @@ def route_topk(gates: Array, k: int, capacity: int, order: int, experts: int, by
 # --- attention, blockwise with an online softmax (Dao et al. 2022, FlashAttention) ---------------
 
 def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key: str,
-                      query: tuple[str, Axes] | None, start: Any, zigzag: int = 0) -> Array:
+                      query: tuple[str, Axes] | None, start: Any, zigzag: tuple[int, Axes] = (0, ())) -> Array:
     """One block of scores ``Q·K / sqrt(H)`` (the rows' letters, then the key letter), -inf where a causal
     mask hides the key: its global position (``start`` on, T whole on the device) past the query's
     (``query``: S's letter and the axes sharding it, each device's block offset by its index along them);
-    ``zigzag`` (the keys' length): the sequence held in zig-zag order of 2n chunks, n the devices along S's
-    axes, so the mask compares the true positions of the places held."""
+    ``zigzag`` (the keys' length and the mesh axes the order is over): the sequence held in zig-zag order of
+    2n chunks, n the devices along those axes (S's in the all-gather form; the axes Ulysses moved off S, its
+    queries whole), so the mask compares the true positions of the places held."""
     qs, ks, _, _ = subs
     s = jnp.einsum(f"{qs},{ks}->{qs[:-1]}{key}", q, kb) / math.sqrt(q.shape[-1])
     if query is None:
@@ -190,9 +191,10 @@ def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key:
     letter, axes = query
     qd = qs.index(letter)
     kpos, qpos = start + jnp.arange(kb.shape[ks.index(key)]), positions(s, qd, axes)
-    if zigzag:
-        chunks = 2 * jax.lax.axis_size(axes)
-        kpos, qpos = zigzag_positions(kpos, zigzag, chunks), zigzag_positions(qpos, s.shape[qd] * chunks // 2, chunks)
+    length, order = zigzag
+    if length:
+        chunks, shards = 2 * jax.lax.axis_size(order), jax.lax.axis_size(axes) if axes else 1
+        kpos, qpos = zigzag_positions(kpos, length, chunks), zigzag_positions(qpos, s.shape[qd] * shards, chunks)
     return jnp.where(kpos > qpos, -jnp.inf, s)
 
 
@@ -219,17 +221,18 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
-              query: tuple[str, Axes] | None = None, zigzag: bool = False) -> tuple[Array, Array]:
+              query: tuple[str, Axes] | None = None, zigzag: Axes = ()) -> tuple[Array, Array]:
     """(the output, the row logsumexp in float32 or wider) of ``softmax(Q·K / sqrt(H) over T) · V`` on local blocks:
     a loop over blocks of keys keeping each row's running max, sum of exponentials and weighted sum of
     values, so no S x T array is made.  ``subs`` are Q's, K's, V's and O's einsum letters, ``key`` T's, and
-    ``query`` S's with the axes sharding it, for a causal mask (None: none); ``zigzag``: the sequence held in
-    zig-zag chunks over those axes (each device's queries its two chunks, K and V gathered in that order)."""
+    ``query`` S's with the axes sharding it, for a causal mask (None: none); ``zigzag``: the mesh axes of the
+    zig-zag chunks the plan holds the sequence in (the all-gather form: S's, each device's queries its two
+    chunks, K and V gathered in that order; Ulysses: those moved onto the heads, the sequence whole)."""
     return _kernel_once(_attention, q, k, v, subs, key, query, zigzag)  # type: ignore[return-value]
 
 
 def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
-               query: tuple[str, Axes] | None, zigzag: bool) -> tuple[Array, Array]:
+               query: tuple[str, Axes] | None, zigzag: Axes) -> tuple[Array, Array]:
     qs, ks, vs, os = subs
     dtype, wide = q.dtype, compute_dtype(q)
     q, k, v = (x.astype(wide) for x in (q, k, v))
@@ -243,7 +246,7 @@ def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], ke
     def body(j: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         m, total, acc = carry
         kb, vb = (jax.lax.dynamic_slice_in_dim(x, j * b, b, axis) for x, axis in ((k, kt), (v, vt)))
-        s = _attention_scores(q, kb, subs, key, query, j * b, n if zigzag else 0)
+        s = _attention_scores(q, kb, subs, key, query, j * b, (n if zigzag else 0, zigzag))
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         scale = jnp.exp(m - m_new)
@@ -257,7 +260,7 @@ def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], ke
 
 def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
                     key: str, query: tuple[str, Axes] | None = None,
-                    zigzag: bool = False) -> tuple[Array, Array, Array]:
+                    zigzag: Axes = ()) -> tuple[Array, Array, Array]:
     """(dQ, dK, dV) of :func:`attention` from the forward's output and row logsumexp: FlashAttention's
     backward, a loop over blocks of keys that makes each block's probabilities again from the logsumexp.
     dK and dV sum over the query indices this device holds (partial sums where those are sharded)."""
@@ -265,7 +268,7 @@ def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arra
 
 
 def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
-                     key: str, query: tuple[str, Axes] | None, zigzag: bool) -> tuple[Array, Array, Array]:
+                     key: str, query: tuple[str, Axes] | None, zigzag: Axes) -> tuple[Array, Array, Array]:
     qs, ks, vs, os = subs
     dtypes, wide = (q.dtype, k.dtype, v.dtype), compute_dtype(q)
     q, k, v, o, lse, do = (x.astype(wide) for x in (q, k, v, o, lse, do))
@@ -278,7 +281,7 @@ def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arr
     def body(j: Any, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         dq, dk, dv = carry
         kb, vb = (jax.lax.dynamic_slice_in_dim(x, j * b, b, axis) for x, axis in ((k, kt), (v, vt)))
-        p = jnp.exp(_attention_scores(q, kb, subs, key, query, j * b, n if zigzag else 0) - lse[..., None])
+        p = jnp.exp(_attention_scores(q, kb, subs, key, query, j * b, (n if zigzag else 0, zigzag)) - lse[..., None])
         dvb = jnp.einsum(f"{rows}{key},{os}->{vs}", p, do)
         dp = jnp.einsum(f"{os},{vs}->{rows}{key}", do, vb)
         ds = p * (dp - delta[..., None]) * scale
@@ -305,7 +308,7 @@ def _attention_rope(q: Array, k: Array, v: Array, qr: Array, kr: Array, subs: tu
                     query: tuple[str, Axes] | None) -> tuple[Array, Array]:
     qs, ks, vs, os = subs[:4]
     qj, kj = _joined(q, k, qr, kr, subs)
-    return _attention(qj, kj, v, (qs, ks, vs, os), key, query, False)  # no zig-zag order with a second pair
+    return _attention(qj, kj, v, (qs, ks, vs, os), key, query, ())  # no zig-zag order with a second pair
 
 
 def attention_rope_grads(q: Array, k: Array, v: Array, qr: Array, kr: Array, o: Array, lse: Array, do: Array,
@@ -322,7 +325,7 @@ def _attention_rope_grads(q: Array, k: Array, v: Array, qr: Array, kr: Array, o:
                           query: tuple[str, Axes] | None) -> tuple[Array, Array, Array, Array, Array]:
     qj, kj = _joined(q, k, qr, kr, subs)
     qs, ks, vs, os = subs[:4]
-    dq, dk, dv = _attention_grads(qj, kj, v, o, lse, do, (qs, ks, vs, os), key, query, False)
+    dq, dk, dv = _attention_grads(qj, kj, v, o, lse, do, (qs, ks, vs, os), key, query, ())
     h, krs = q.shape[-1], subs[5]
     dkr = jnp.einsum(f"{ks[:-1]}{krs[-1]}->{krs}", dk[..., h:].astype(compute_dtype(kr)))
     return (dq[..., :h].astype(q.dtype), dk[..., :h].astype(k.dtype), dv, dq[..., h:].astype(qr.dtype),
@@ -411,15 +414,18 @@ def _padded(rows: Array) -> Array:
 
 
 def expert_dispatch(gates: Array, x: Array, k: int, capacity: int, limit: int = 0,
-                    groups: int = 0) -> Array:
+                    groups: int = 0, each: bool = False) -> Array:
     """Each token's row of ``x`` written into its slot of each of its k experts: [*batch, E, C, *features]
-    (an empty slot 0; a token past an expert's capacity is dropped there)."""
-    lead = gates.ndim - 2
+    (an empty slot 0; a token past an expert's capacity is dropped there); ``each``: ``x`` is
+    [*batch, S, E, *features] and a slot gets the row of its own expert."""
+    lead, inner = gates.ndim - 2, 2 if each else 1
     _, top, slot, n = _routing(gates, k, capacity, limit, groups)
-    xs = _rows(x, lead, 1)
+    xs = _rows(x, lead, inner)
+    rows = (jnp.take_along_axis(xs, top[..., None], axis=2) if each
+            else jnp.broadcast_to(xs[:, :, None], (*top.shape, xs.shape[-1])))
     out = jnp.zeros((xs.shape[0], gates.shape[-1], capacity + 1, xs.shape[-1]), x.dtype)
-    out = out.at[n, top, slot].set(jnp.broadcast_to(xs[:, :, None], (*top.shape, xs.shape[-1])))
-    return out[:, :, :capacity].reshape(*gates.shape[:-2], gates.shape[-1], capacity, *x.shape[lead + 1:])
+    out = out.at[n, top, slot].set(rows)
+    return out[:, :, :capacity].reshape(*gates.shape[:-2], gates.shape[-1], capacity, *x.shape[lead + inner:])
 
 
 def expert_combine(gates: Array, rows: Array, k: int, capacity: int, limit: int = 0,
@@ -433,11 +439,16 @@ def expert_combine(gates: Array, rows: Array, k: int, capacity: int, limit: int 
 
 
 def expert_dispatch_vjp(gates: Array, d_rows: Array, k: int, capacity: int, limit: int = 0,
-                        groups: int = 0) -> Array:
-    """The tokens' gradient of :func:`expert_dispatch`: each token's k slot rows of ``d_rows`` summed."""
+                        groups: int = 0, each: bool = False) -> Array:
+    """The tokens' gradient of :func:`expert_dispatch`: each token's k slot rows of ``d_rows`` summed
+    (``each``: each at its expert, [*batch, S, E, *features], 0 at the experts not chosen)."""
     lead = gates.ndim - 2
     _, top, slot, n = _routing(gates, k, capacity, limit, groups)
     picked = _padded(_rows(d_rows, lead, 2))[n, top, slot]
+    if each:
+        picked = jnp.sum(jax.nn.one_hot(top, gates.shape[-1], dtype=d_rows.dtype)[..., None] * picked[..., None, :],
+                         axis=-3)
+        return picked.reshape(*gates.shape, *d_rows.shape[lead + 2:])
     return jnp.sum(picked, axis=-2).reshape(*gates.shape[:-1], *d_rows.shape[lead + 2:])
 
 

@@ -162,12 +162,14 @@ def _value(indices: tuple[str, ...], axes: dict[str, tuple[str, ...]], unreduced
 
 class Form(NamedTuple):
     """A kernel layout to choose from: its text for ``--explain``, each index's axes, and the ring's axes
-    (ring attention; empty: K and V whole on the device) with whether its chunks are zig-zag."""
+    (ring attention; empty: K and V whole on the device) with whether its chunks are zig-zag, and the axes
+    of the zig-zag order a Ulysses form's whole sequence is held in."""
 
     text: str
     axes: dict[str, tuple[str, ...]]
     ring: tuple[str, ...] = ()
     zigzag: bool = False
+    order: tuple[str, ...] = ()
 
 
 def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: bool) -> list[Form]:
@@ -179,11 +181,14 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
     seq = r.queries[0]
     forms = [Form(f"{seq} over {''.join(axes[seq])}, K and V gathered along {r.key} (all-gather)" if axes[seq]
                   else "local", axes)]
+    # the sequence held in zig-zag chunks (and causal): Ulysses gathers it so, its mask on the true positions
+    order = axes[seq] if phase.ctx.zigzag_held and causal else ()
     for i in reversed(r.batch) if axes[seq] else ():  # the heads (written after the batch) first
         devices = math.prod(phase.ctx.axis_sizes[a] for a in (*axes[i], *axes[seq]))
         if not phase.sized or phase.ctx.dim_size(i) % devices == 0:
-            forms.append(Form(f"{seq}'s {''.join(axes[seq])} moved to {i} (AllToAll in and out, as Ulysses)",
-                              {**axes, seq: (), i: axes[i] + axes[seq]}))
+            forms.append(Form(f"{seq}'s {''.join(axes[seq])} moved to {i} (AllToAll in and out, as Ulysses"
+                              + (", in the held zig-zag order)" if order else ")"),
+                              {**axes, seq: (), i: axes[i] + axes[seq]}, zigzag=bool(order), order=order))
     devices = math.prod(phase.ctx.axis_sizes[a] for a in axes[seq])
     if r.qr:  # the ring passes K and V only: with a second pair, the all-gather and Ulysses forms
         return forms
@@ -220,7 +225,7 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, t
         moved, count = moved + cost[0], count + len(made)
     assert node.call is not None
     fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag, held=held and form.zigzag,
-                   rope=bool(r.qr))
+                   rope=bool(r.qr), order=form.order)
     kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs), fn=fn)
     size = lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name)  # noqa: E731
     lse = phase.ref(node.aux[0], _value(r.rows, axes))  # the backward's kernel reads O, the logsumexp and dO too
@@ -259,7 +264,7 @@ def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]]
     best = min(range(len(forms)), key=lambda k: times[k])
     if phase.ctx.explain:
         reason = f"least time, forward and backward ({times[best]:.3g} s)"
-        zigzag = [k for k, f in enumerate(forms) if f.zigzag]
+        zigzag = [k for k, f in enumerate(forms) if f.zigzag and f.ring]
         if ctx.zigzag_held and zigzag:  # the permuted price beside the held one
             permuted = _form_seconds(phase, node, r, forms[zigzag[0]], want, tokens)[0]
             reason += (f", a zig-zag ring as the plan holding the sequence in its order runs it: "
@@ -301,7 +306,7 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (lse,) = node.aux
     query = _query(node.call, r)
     out, rows = _value(node.indices, axes), _value(r.rows, axes)
-    fn = Attention("out", r.key, query, ring=form.ring, zigzag=form.zigzag, rope=bool(r.qr))
+    fn = Attention("out", r.key, query, ring=form.ring, zigzag=form.zigzag, rope=bool(r.qr), order=form.order)
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(operands), fn=fn), out)
     phase.emit(Step(Op.ELEMENTWISE, lse, phase.ref(lse, rows), operands=tuple(operands),
                     fn=replace(fn, part="lse", kernel=False)), rows)
@@ -434,8 +439,8 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     if step.fn.ring:  # the ring's axes (K's along T, as Q's along S) and whether its chunks are zig-zag
         kernel, flags = "ring_attention", f"{flags}, {step.fn.ring!r}, {step.fn.zigzag!r}"
         flags += ", held=True" if step.fn.held else ""  # the plan holds the sequence in zig-zag order
-    elif step.fn.zigzag:  # all-gather over the sequence held in zig-zag chunks: the mask's true positions
-        flags += ", zigzag=True"
+    elif step.fn.zigzag:  # the sequence held in zig-zag chunks over these axes: the mask's true positions
+        flags += f", zigzag={step.fn.order or q.dims[q.indices.index(step.fn.query)].axes!r}"
     if step.fn.part in ("out", "lse"):
         pick = 0 if step.fn.part == "out" else 1
         return f"{kernel}({', '.join(var(ref) for ref in step.operands[:n])}, {flags})[{pick}]"

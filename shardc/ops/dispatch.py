@@ -1,4 +1,4 @@
-"""The index-based expert routing family: ``dispatch`` and ``combine``, registered once.
+"""The index-based expert routing family: ``dispatch``, ``combine`` and ``collect``, registered once.
 
 ``In[G, E, C, D] = dispatch(Gate[G, S, E], X[G, S, D], S, C, k over E)`` writes each token's row into
 its slot of each of its k experts, and ``Y[G, S, D] = combine(Gate[G, S, E], Ex[G, E, C, D], S, C, k
@@ -20,6 +20,13 @@ gate-weighted ``dY`` row into its slots; the gates' gradient is, at each chosen 
 product of ``dY`` and that expert's output row: a partial sum over the axes sharding D, which the
 ordinary moves reduce.  Gates read by ``dispatch`` get no gradient through it (as through
 ``route``'s mask); they get one through ``combine``.
+
+``collect`` is ``combine`` unweighted (the same routing, each token's k rows summed; its gradient
+writes ``dY``'s rows into the slots, the gates none), and a ``dispatch`` of a tensor carrying the
+expert index too (``dispatch(Gate, Gate, ...)``, ``each``) gives each slot its own expert's value:
+with them a spec weighs the experts' rows at the experts, as DeepEP carries each token's top-k
+weights with its dispatch and sums the rows in its combine, and the gates' gradient needs no
+expert output kept.
 
 :mod:`shardc.ops.dispatch_code` writes their steps as calls of :mod:`shardc.lowering.runtime`'s
 ``expert_*`` helpers and gives their meaning on whole arrays (the dense mask form, an independent
@@ -43,6 +50,7 @@ from shardc.sharding.layout import ZERO, Cost, Move, Value, add_cost
 from shardc.sharding.phase import Phase
 from shardc.sharding.rowwise import Layouts, by_index, choose, in_order, record
 from shardc.sharding.search import reshard
+from shardc.spec.functions import INDEXED
 from shardc.spec.walk import chain_indices
 
 if TYPE_CHECKING:
@@ -64,7 +72,8 @@ def dispatch_op(call: Call, part: str) -> Dispatch:
     assert call.over is not None
     order, slots = call.names
     limit, groups = (int(n) for n in call.numbers[1:]) if len(call.numbers) == 3 else (0, 0)
-    return Dispatch(part, order, call.over, slots, int(call.numbers[0]), limit, groups)
+    each = call.func == "dispatch" and call.over in chain_indices(call.more[0], ())  # a value per expert
+    return Dispatch(part, order, call.over, slots, int(call.numbers[0]), limit, groups, each)
 
 
 def _orders(site: Site) -> tuple[Dispatch, tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
@@ -88,7 +97,7 @@ def _canonical(site: Site, xs: Arrays, xp: Any) -> tuple[Dispatch, Array, Array,
 
 def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
     fn, gates, other, capacity = _canonical(site, xs, xp)
-    return whole_forward(fn.part, gates, other, fn.k, capacity, xp, nodes=(fn.limit, fn.groups))
+    return whole_forward(fn.part, gates, other, fn.k, capacity, xp, nodes=(fn.limit, fn.groups), each=fn.each)
 
 
 def _back(site: Site, grads: tuple[Array | None, Array], xp: Any) -> tuple[Array | None, ...]:
@@ -101,7 +110,8 @@ def _back(site: Site, grads: tuple[Array | None, Array], xp: Any) -> tuple[Array
 
 def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> tuple[Array | None, ...]:
     fn, gates, other, capacity = _canonical(site, xs, xp)
-    return _back(site, whole_vjp(fn.part, gates, other, d, fn.k, capacity, xp, nodes=(fn.limit, fn.groups)), xp)
+    return _back(site, whole_vjp(fn.part, gates, other, d, fn.k, capacity, xp, nodes=(fn.limit, fn.groups),
+                                 each=fn.each), xp)
 
 
 def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
@@ -109,14 +119,14 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     fn, gates, other, capacity = _canonical(site, xs, np)
     _, mag_gates, mag_other, _ = _canonical(site, mags, np)
     return whole_forward(fn.part, gates, mag_other, fn.k, capacity, np, weights=mag_gates,
-                         nodes=(fn.limit, fn.groups))
+                         nodes=(fn.limit, fn.groups), each=fn.each)
 
 
 def _grad_magnitude(site: Site, xs: Arrays, mags: Arrays, d: Array) -> tuple[Array | None, ...]:
     fn, gates, other, capacity = _canonical(site, xs, np)
     _, mag_gates, mag_other, _ = _canonical(site, mags, np)
     grads = whole_vjp(fn.part, gates, mag_other, np.abs(d), fn.k, capacity, np, weights=mag_gates,
-                      nodes=(fn.limit, fn.groups))
+                      nodes=(fn.limit, fn.groups), each=fn.each)
     return _back(site, grads, np)
 
 
@@ -131,9 +141,9 @@ def _indices(call: Call, operands: tuple[tuple[str, ...], ...]) -> tuple[str, ..
 
 
 def _reaches(node: Node) -> tuple[bool, ...]:
-    """dispatch's gradient reaches the tokens, not the gates (a routing is 0/1, as route's mask);
-    combine's reaches both."""
-    return (node.fn != "dispatch", True)
+    """dispatch's and collect's gradient reaches the tokens (expert rows), not the gates (a routing is 0/1,
+    as route's mask); combine's reaches both."""
+    return (node.fn == "combine", True)
 
 
 # (name, value) of each tensor a local step reads
@@ -271,9 +281,10 @@ def dispatch_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     call = node.call
     assert call is not None
     gate, other = node.operands
-    if call.func == "dispatch":
+    if call.func != "combine":  # dispatch, collect: the gates get no gradient
         if other in bw.needs:
-            _contribute(bw, node, other, (grad,), "dispatch_vjp", f"dispatch_vjp({grad})")
+            part = f"{call.func}_vjp"
+            _contribute(bw, node, other, (grad,), part, f"{part}({grad})")
         return
     if other in bw.needs:
         _contribute(bw, node, other, (grad,), "combine_vjp", f"combine_vjp({grad})")
@@ -282,7 +293,7 @@ def dispatch_backward(bw: BackwardPass, node: Node, grad: str) -> None:
 
 
 DISPATCH = register(Family(
-    name="dispatch", calls=frozenset({"dispatch", "combine"}), ops=(Dispatch,), plan=plan_dispatch,
+    name="dispatch", calls=INDEXED, ops=(Dispatch,), plan=plan_dispatch,
     backward=dispatch_backward, emit=dispatch_code,
     reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices),
     operands=_operands, reaches=_reaches, capacity=capacity, fusible=False))

@@ -27,7 +27,7 @@ import numpy as np
 from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, Statement, TensorRef
-from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
+from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, all_traffic, register
 from shardc.ops.text import broadcast_text
 from shardc.sharding.layout import Value
 from shardc.spec.functions import MASK_BYTES, dropout_salt
@@ -221,6 +221,14 @@ def _magnitude(site: Site, xs: Arrays, mags: Arrays, y: Array) -> Array:
     return _apply(site, mags[0], np, absolute=True)
 
 
+def _traffic(step: Step, nbytes: Callable[[TensorRef], float]) -> tuple[tuple[float, ...], float]:
+    """A keep-mask is a hash of each element's position (:func:`keep_mask`): it reads none of its argument's
+    data and writes the mask; every other step reads its operands and writes its result."""
+    if isinstance(step.fn, DropoutMask):
+        return tuple(0.0 for _ in step.operands), nbytes(step.dst)
+    return all_traffic(step, nbytes)
+
+
 MASKS = register(Family(name="masks", calls=frozenset(_FUNCTIONS), ops=MASK_OPS, plan=_plan,
                         backward=_backward, emit=emit, reference=Reference(_forward, _vjp, _magnitude, salt=_salt),
-                        aux=_aux, aux_bytes=_aux_bytes, scores=lambda node: True))
+                        aux=_aux, aux_bytes=_aux_bytes, scores=lambda node: True, traffic=_traffic))

@@ -39,12 +39,12 @@ from collections.abc import Callable
 from shardc.errors import ShardcError
 from shardc.spec.stages import Pipeline, check_dualpipe
 
-__all__ = ["dualpipe_orders", "TWO_WAY", "end_chunks", "device_layers"]
+__all__ = ["dualpipe_orders", "TWO_WAY", "end_chunks", "device_layers", "Group"]
 
 TWO_WAY = frozenset({"dualpipe"})  # microbatches enter at both ends: two whole stages a device
 
 Key = tuple[str, int, int]  # (kind, microbatch, chunk)
-Group = tuple[Key, ...]
+Group = tuple[Key, ...]  # ops a device runs as one unit: one op, a whole backward (B, W), an F&B pair
 
 
 def dualpipe_orders(stages: int, microbatches: int, v: bool = False) -> list[list[Group]]:

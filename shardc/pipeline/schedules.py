@@ -58,13 +58,13 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from shardc.errors import ShardcError
-from shardc.pipeline.dualpipe import TWO_WAY, dualpipe_orders
+from shardc.pipeline.dualpipe import TWO_WAY, Group, dualpipe_orders
 from shardc.pipeline.fixed_orders import fixed_order
 from shardc.spec.stages import check_dualpipe
 
 __all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "TWO_WAY", "stage_share",
            "Op", "Simulation", "simulate", "device_of", "chunks_of", "ZERO_BUBBLE", "operations",
-           "check_budget", "MAX_OPS", "MAX_GREEDY"]
+           "check_budget", "MAX_OPS", "MAX_GREEDY", "run_orders"]
 
 ZERO_BUBBLE = frozenset({"zb-h1", "zbv", "dualpipe", "dualpipev"})
 PAIRED = frozenset({"dualpipe", "dualpipev"})  # the schedules that overlap an F with a B as one unit
@@ -139,6 +139,9 @@ class Simulation:
     timing: Timing
     ops: tuple[Op, ...] = field(repr=False)
     chunk_times: tuple[Timing, ...] = ()  # a microbatch's times through each model chunk, in chunk order
+    # each device's groups in the order it ran them: what the lowered program's tick table places
+    # (shardc.pipeline.ticks), so the cost and the program run one order
+    orders: tuple[tuple[Group, ...], ...] = field(default=(), repr=False, compare=False)
 
     def work(self, device: int) -> float:
         """Seconds of ops ``device`` runs: every microbatch through each chunk it holds (DualPipe's
@@ -178,6 +181,23 @@ class Simulation:
         layer inputs too; the paper counts that memory until W).
         """
         return self._peaks[device] * stage_share(self.schedule, self.chunks)
+
+    def peak_chunks(self, device: int, weights: dict[int, float]) -> dict[int, int]:
+        """The microbatches of each chunk ``device`` holds when what it holds peaks, a microbatch of chunk
+        c weighing ``weights[c]`` (its bytes): under DualPipe the device's own direction's stage holds most
+        of them (device 0: 16 of its first stage, 1 of its last), not half each."""
+        free = "W" if any(op.kind == "W" for op in self.ops) else "B"
+        events = sorted((op.start, 1, op.chunk) if op.kind == "F" else (op.end, -1, op.chunk)
+                        for op in self.ops if op.device == device and op.kind in ("F", free))
+        held: dict[int, int] = {}
+        best: dict[int, int] = {}
+        total, peak = 0.0, -1.0
+        for _, step, chunk in events:
+            held[chunk] = held.get(chunk, 0) + step
+            total += step * weights.get(chunk, 0.0)
+            if total > peak:
+                peak, best = total, dict(held)
+        return best
 
     @cached_property
     def _peaks(self) -> list[int]:
@@ -235,7 +255,7 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
                           f"not the {len(chunk_times)} timed")
     check_budget(schedule, p, m, virtual)
     durations = [_durations(t, zb) for t in chunk_times]
-    orders: list[list[tuple[tuple[str, int, int], ...]]]
+    orders: list[list[Group]]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
         found = _run(schedule, p, m, durations, 0.0, zb)
         found.sort()
@@ -244,8 +264,9 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
         orders = dualpipe_orders(p, m, v=schedule == "dualpipev")
     else:
         orders = [[(key,) for key in fixed_order(schedule, s, p, m, virtual)] for s in range(p)]
-    ops = _run_in_order(schedule, p, m, durations, timing.comm, orders, chunk_times)
-    return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times))
+    ops = run_orders(schedule, p, m, durations, timing.comm, orders, chunk_times)
+    return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times),
+                      tuple(tuple(order) for order in orders))
 
 
 def operations(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> int:
@@ -272,9 +293,9 @@ def check_budget(schedule: str, stages: int, microbatches: int, virtual: int = 1
                               "(p-1)/m for 1F1B)" + (", or another schedule than zbv" if greedy else ""))
 
 
-def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float,
-                  orders: list[list[tuple[tuple[str, int, int], ...]]],
-                  chunk_times: tuple[Timing, ...] = ()) -> list[Op]:
+def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float,
+               orders: list[list[Group]] | tuple[tuple[Group, ...], ...], chunk_times: tuple[Timing, ...] = (),
+               tick: bool = False) -> list[Op]:
     """Each device runs its ``orders`` in turn, each group as soon as its inputs and the device are free.
 
     A group is one op, or ops run as one unit (DualPipe's whole backward, B then its W; its
@@ -282,7 +303,9 @@ def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float
     all sent at its end, and a pair takes :func:`paired_seconds`.  Start times follow from the
     orders alone (a device's previous group, the ops it reads), so one pass that advances each
     device until it waits on another's op gives them, in time linear in the ops; a device that
-    waits is resumed when that op is done.
+    waits is resumed when that op is done.  With ``tick`` every group takes one unit, all its ops
+    spanning it (a lowered program's tick: :mod:`shardc.pipeline.ticks`), and no op of a group may read
+    its forward (the program's body runs a tick's backward on what the tick found, not on its forward).
     """
     ends: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
@@ -305,12 +328,17 @@ def _run_in_order(schedule: str, p: int, m: int, durations: list[dict[str, float
                     elif dep not in group:
                         missing = dep
                         break
+                    elif tick and dep[0] == "F":
+                        raise ShardcError(f"{schedule}'s group {group} reads its own forward (a bug in its order)")
                 if missing is not None:
                     break
             if missing is not None:
                 blocked.setdefault(missing, []).append(d)
                 break
-            if len(group) == 1:  # one op: it runs its own time (what _placed gives it, without the scaling)
+            if tick:
+                t = start + 1
+                result += [Op(start, t, d, *key) for key in group]
+            elif len(group) == 1:  # one op: it runs its own time (what _placed gives it, without the scaling)
                 kind, j, c = group[0]
                 t = start + durations[c][kind]
                 result.append(Op(start, t, d, kind, j, c))

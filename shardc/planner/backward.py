@@ -296,8 +296,15 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     inputs = sorted(n for n in repeated & set(graph.inputs) if n not in bw.partial and n not in bw.shards)
     entered: dict[str, int] = {}
     last = len(graph.nodes) - 1
+    after = _read_after(graph, blocks)
     for k in reversed(range(len(graph.nodes))):
         here, later = (blocks[k], blocks[k + 1] if k < last else None) if blocks else (None, None)
+        if here is not None and after:  # leaving the statements after the block: the gradients only
+            start = len(bw.phase.steps)  # they contribute to (a head two losses share) summed there
+            for name in after:
+                bw.finish(name)
+            bw.phase.mark_block(start, None)
+            after = []
         if later is not None and here != later:
             for name in (n for n in inputs if later in readers[n]):  # block `later`'s backward ends: each
                 bw.close_layer(name, entered[name])  # layer's sum of its input's gradient
@@ -309,6 +316,10 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
             bw.finish(graph.nodes[k].result)
             bw.hand_back(graph.nodes[k].result)
             bw.phase.mark_block(start, next(iter(reading)) if len(reading) == 1 else None)
+        if here is not None and None in readers.get(graph.nodes[k].result, set()):
+            start = len(bw.phase.steps)  # the block's output read after it: the contributions of the
+            bw.finish(graph.nodes[k].result)  # statements after the block summed there, once
+            bw.phase.mark_block(start, None)
         start = len(bw.phase.steps)
         bw.node(graph.nodes[k])
         if blocks:
@@ -324,6 +335,18 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     grads = tuple(bw.phase.ref(graph.grads[n], bw.final.get(n, bw.target(n))) for n in wanted)
     residuals = _residuals(bw.phase, forward)
     return Backward(bw.phase, residuals, tuple(cotangents), grads)
+
+
+def _read_after(graph: Graph, blocks: tuple[int | None, ...]) -> list[str]:
+    """The inputs only statements after the ``layers`` blocks read (none without a block)."""
+    inside = [k for k, b in enumerate(blocks) if b is not None]
+    if not inside:
+        return []
+    first: dict[str, int] = {}
+    for k, node in enumerate(graph.nodes):
+        for name in node.operands:
+            first.setdefault(name, k)
+    return [n for n in graph.inputs if first.get(n, -1) > inside[-1]]
 
 
 def _readers(graph: Graph, blocks: tuple[int | None, ...]) -> dict[str, set[int | None]]:

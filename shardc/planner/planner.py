@@ -32,7 +32,7 @@ from shardc.planner.layer_blocks import enter_block, leave_block, node_blocks
 from shardc.planner.padding import padding_notes, uneven_dims
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
-from shardc.planner.zigzag_order import hold_zigzag, holds, may_hold
+from shardc.planner.zigzag_order import balances, hold_zigzag, holds, may_hold
 from shardc.sharding.einsum import Solution
 from shardc.sharding.layout import CostContext, SearchTooLong, Value
 from shardc.sharding.phase import Phase, Traced
@@ -122,11 +122,13 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         with shared_search() if _SHARED.get() is None else nullcontext():
             planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
                                                       (budget, explain), gradients or {}, weights=weights or SUM))
-            if may_hold(planned):  # planned again held (no reordering, all-gather balanced); the faster, held on a tie
+            if may_hold(planned):  # planned again held (no reordering, all-gather balanced); the faster
                 again = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
                                                         (budget, explain), gradients or {}, weights=weights or SUM,
                                                         zigzag_held=True))
-                if holds(again) and objective(plan_time(again)) <= objective(plan_time(planned)):
+                held_s, planned_s = objective(plan_time(again)), objective(plan_time(planned))
+                # on a tie, held where a kernel balances its load by the order (Ulysses runs as fast without)
+                if holds(again) and (held_s < planned_s or held_s == planned_s and balances(again)):
                     planned = again
         return fuse_collective_matmuls(planned) if collective_matmul else planned
     except SearchTooLong as e:

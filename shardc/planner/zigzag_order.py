@@ -32,7 +32,7 @@ from dataclasses import replace
 from shardc.ir.localops import MASK_OPS, Attention, Dispatch, Route
 from shardc.ir.plan import Plan, Step
 
-__all__ = ["hold_zigzag", "holds", "may_hold", "order_axes", "sequence_order"]
+__all__ = ["balances", "hold_zigzag", "holds", "may_hold", "order_axes", "sequence_order"]
 
 
 def hold_zigzag(plan: Plan) -> Plan:
@@ -60,10 +60,12 @@ def hold_zigzag(plan: Plan) -> Plan:
 
 
 def order_axes(step: Step) -> tuple[str, ...]:
-    """The mesh axes an attention kernel balances its zig-zag chunks over: a ring's, else (the all-gather
-    form) those sharding its queries' positions."""
+    """The mesh axes an attention kernel balances its zig-zag chunks over: Ulysses' those it moved off the
+    sequence, a ring's, else (the all-gather form) those sharding its queries' positions."""
     fn = step.fn
     assert isinstance(fn, Attention)
+    if fn.order:  # Ulysses: the axes it moved off the sequence
+        return fn.order
     if fn.ring or fn.query is None:
         return fn.ring
     q = step.operands[0]
@@ -73,6 +75,12 @@ def order_axes(step: Step) -> tuple[str, ...]:
 def holds(plan: Plan) -> bool:
     """Whether ``plan`` holds the sequence in zig-zag order (its zig-zag kernels marked ``held``)."""
     return any(isinstance(s.fn, Attention) and s.fn.held for s in plan.forward)
+
+
+def balances(plan: Plan) -> bool:
+    """Whether a held ``plan`` has a kernel that balances its causal load by the order (a zig-zag ring, the
+    all-gather form balanced); a Ulysses kernel holds whole sequences, as fast in either order."""
+    return any(isinstance(s.fn, Attention) and s.fn.held and not s.fn.order for s in plan.forward)
 
 
 def may_hold(plan: Plan) -> bool:

@@ -42,13 +42,20 @@ has a kind, which fixes how its result's indices follow from its arguments:
   k expert outputs (its slot of each expert it went to) weighted by its gates and summed,
   ``[G, S, D]`` (the gates' indices less E, then Ex's indices the gates lack, less C).  Both the
   gates and Ex get gradients.
+- ``dispatch`` of a tensor that carries E too, ``dispatch(Gate[G, S, E], W[G, S, E], S, C, k over E)``:
+  a value per token and expert (the gates themselves), each slot given its own expert's, ``[G, E, C]``
+  (W gets the gradient); with ``collect``, the gates applied at the experts, as DeepEP (the expert-parallel
+  library DeepSeek-V3 was trained with) sends each token's top-k weights with it and sums the rows back.
+- ``collect``: ``collect(Gate[G, S, E], Ex[G, E, C, D], S, C, k over E)``, combine unweighted: each token's
+  k expert outputs summed, ``[G, S, D]``; Ex gets the gradient (``dY``'s rows into the slots), the gates
+  none, so nothing is kept for them (the experts weighed their rows).
 
 >>> is_known("gelu"), signature("softmax").kind, signature("embed").tensors
 (True, 'normalize', 2)
 >>> "identity" in FUNCTIONS
 True
 >>> known_list().split(', ')[:3]
-['attention', 'causal', 'combine']
+['attention', 'causal', 'collect']
 >>> signature("route").usage("route")
 'route(Gate[G, S, E], S, C, 2 over E)'
 """
@@ -59,7 +66,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FUNCTIONS", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
+__all__ = ["FUNCTIONS", "INDEXED", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
            "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES", "ROUTINGS"]
 
 
@@ -125,11 +132,15 @@ FUNCTIONS: dict[str, Signature] = {
                           tensors=2, names=2, numbers=1, over=True),
     "combine": Signature("combine", "each token's top k expert outputs along E, weighted by its gates, summed",
                          tensors=2, names=2, numbers=1, over=True),
+    "collect": Signature("combine", "each token's top k expert outputs along E, summed (unweighted: the "
+                         "experts weighed their rows)", tensors=2, names=2, numbers=1, over=True),
 }
 
 # The functions that route tokens to experts' slots (a capacity index C, new or read): route's
 # mask, and the index-based dispatch and combine.
-ROUTINGS = frozenset({"route", "route_by_choice", "dispatch", "combine"})
+ROUTINGS = frozenset({"route", "route_by_choice", "dispatch", "combine", "collect"})
+# the index-based ones (the family of shardc.ops.dispatch)
+INDEXED = frozenset({"dispatch", "combine", "collect"})
 
 ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")
 

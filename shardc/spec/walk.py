@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
-from shardc.spec.functions import ID_BYTES, integer_args, is_known, signature
+from shardc.spec.functions import ID_BYTES, INDEXED, integer_args, is_known, signature
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
            "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "layer_inputs", "block_reads",
@@ -120,7 +120,7 @@ def node_limits(spec: Spec) -> dict[tuple[str, str], tuple[int, int, int]]:
     (``k over E, M, G``): what the AllToAll moving its slots costs across nodes."""
     return {(call.over, call.names[1]): (int(call.numbers[0]), int(call.numbers[1]), int(call.numbers[2]))
             for statement in spec.statements for call in calls(statement.expr)
-            if call.func in ("dispatch", "combine") and len(call.numbers) == 3 and call.over is not None}
+            if call.func in INDEXED and len(call.numbers) == 3 and call.over is not None}
 
 
 def is_rename(statement: Statement) -> bool:

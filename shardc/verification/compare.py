@@ -30,7 +30,7 @@ from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
 from shardc.verification.hlo import Collective, collectives
 
-__all__ = ["Row", "Side", "Comparison", "compare", "render_comparison", "pair_rows"]
+__all__ = ["Row", "Side", "Comparison", "compare", "render_comparison", "pair_rows", "plan_side"]
 
 _WEIGHT = {op: float(f) for op, f in FACTOR.items()}  # the book's weighting, from the table
 
@@ -86,7 +86,9 @@ class Comparison:
         return data
 
 
-def _plan_side(plan: Plan, sizes: dict[str, int]) -> Side:
+def plan_side(plan: Plan, sizes: dict[str, int]) -> Side:
+    """The plan's collectives at ``sizes``, each phase's bytes weighted as :class:`Side` keeps them: the side
+    :func:`compare` sets beside XLA's partitioner's."""
     side = Side()
     for phase, steps in (("forward", plan.forward), ("backward", plan.backward)):
         side.weighted[phase] = 0.0
@@ -233,7 +235,7 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
              "backward": collectives(str(xla.backward.lower(*bwd_args).compile().as_text()),
                                      lowered.module.mesh)}
     same = lowered.sizes or sizes  # one set of sizes for both sides
-    ours = _plan_side(plan, same)
+    ours = plan_side(plan, same)
     theirs = _xla_side(found, plan.spec.dtype.nbytes, _shapes(plan, same))
     if repeats:
         ns = lowered.namespace  # time the programs on arrays already laid out, as for XLA

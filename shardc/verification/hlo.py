@@ -57,10 +57,19 @@ class Collective:
     text: str
     shape: tuple[int, ...] = ()  # the result array's dims (per device)
 
-    def bytes(self, nbytes: int) -> int:
-        """V in bytes: a floating element at ``nbytes`` (the spec's dtype), an integer one at its own width."""
+    def bytes(self, nbytes: int | None = None) -> int:
+        """V in bytes: a floating element at ``nbytes`` (the spec's dtype: a lowered module computes every
+        float in one type) or, without it, at the HLO type's own width (a user's program holds each
+        tensor in its own type); an integer one at its own width."""
         integer = _INTEGER.fullmatch(self.dtype)
-        return self.elements * (int(integer.group(1)) // 8 if integer else 1 if self.dtype == "pred" else nbytes)
+        if integer or self.dtype == "pred":
+            return self.elements * (int(integer.group(1)) // 8 if integer else 1)
+        return self.elements * (nbytes if nbytes is not None else _float_bytes(self.dtype))
+
+
+def _float_bytes(hlo_type: str) -> int:
+    """An HLO float type's width: ``f32`` 4, ``bf16`` and ``f16`` 2, every ``f8e...`` format 1."""
+    return 1 if hlo_type.startswith("f8") else int(hlo_type.removeprefix("b")[1:]) // 8
 
 
 def parse_replica_groups(line: str, devices: int) -> list[list[int]]:

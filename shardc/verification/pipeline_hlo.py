@@ -2,7 +2,8 @@
 and every collective of the stages' plans by kind, axes and bytes.
 
 The program is a while loop over its schedule's tick table (2(m + p - 1) ticks for
-GPipe and 1F1B) with one collective-permute down and one up in its body (a ring's each may
+GPipe and 1F1B; a DualPipe F&B pair one tick: :mod:`shardc.pipeline.ticks`), its trip count
+the table's length, with one collective-permute down and one up in its body (a ring's each may
 be cut in two; in a V, two each way: activations and cotangents both go down the stages
 and back up), each moving one microbatch's shard of the block output (the cost model's
 ``p2p_bytes``) between neighbouring stages.

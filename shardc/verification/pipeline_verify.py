@@ -50,7 +50,7 @@ from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Contract, Mesh, Spec
 from shardc.lowering import reference as numpy_reference
-from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline, schedule_note
+from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
@@ -231,9 +231,9 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         g = xp.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
     else:
         post_in = {k: x if k == layers[-1].output else wide[k] for k in ns.POST_FORWARD_IN}
-        results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp)[ns.LOSS])}
+        results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp, sizes=sizes)[ns.LOSS])}
         d_loss = xp.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
-        got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp)
+        got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp, sizes=sizes)  # a routed head's C
         grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS if p not in ns.TIED})
         tied = {p: got[p] for p in ns.TIED}
         g = got[layers[-1].output]
@@ -324,9 +324,6 @@ def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key:
     cut = collapsed_axes(plan, {**mesh})
     if cut:
         report.notes.append(cut_note(cut, devices, plan))
-    order = schedule_note(lowered.pipeline.schedule.name)
-    if order is not None:
-        report.notes.append(order)
     parts = None if lowered.ends is None else (lowered.ends.pre, *lowered.ends.blocks, lowered.ends.post)
     report.notes.append(f"each row's bound adds {power.DIFFERENTIAL:g} times its phase's largest relative error of "
                         "the unsharded float64 program (the reference's statements in jax, on one device) to the "
