@@ -135,7 +135,8 @@ def run_cost(args: argparse.Namespace) -> int:
     if args.schedule_plot:  # before any work: a bad path must not cost a whole run
         check_image_path(args.schedule_plot, "--schedule-plot", args.force)
     the_plan = plan(spec, save=args.save, hardware=hw, spans=spans,  # planned for the chip it is costed on
-                    recompute=args.recompute, topology=args.topology, collective_matmul=args.collective_matmul)
+                    recompute=args.recompute, topology=args.topology, collective_matmul=args.collective_matmul,
+                    optimizer=args.optimizer, offload=args.offload)  # to fit the memory as costed here
     if args.sweep:
         return _run_sweep(args, the_plan)
     memory = _memory_check(the_plan) if args.check_memory else None

@@ -18,10 +18,10 @@ from shardc.cli.main import (
     configure_chip,
 )
 from shardc.cli.spec_args import parse_spans, read_spec
+from shardc.costmodel.fitting import fitting_plan
 from shardc.errors import InternalError
 from shardc.planner.check import require_sound
 from shardc.planner.plan_text import render_explain, render_text, to_json
-from shardc.planner.planner import plan
 
 __all__ = ["register"]
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     check_hardware_flag(args)
     spec = read_spec(args)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)
-    result = plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
+    result = fitting_plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
                   recompute=args.recompute, explain=args.explain, topology=args.topology,
                   collective_matmul=args.collective_matmul)
     try:
@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         data = to_json(result)
         if args.explain:
             data["choices"] = [_choice_json(c) for c in result.choices]
+            data["memory_choices"] = [{"plan": c.label, "step_s": c.step_s, "memory_bytes": c.memory_bytes,
+                                       "chosen": c.chosen} for c in result.memory_choices]
         print(json.dumps(data, indent=2, allow_nan=False))  # strict JSON: a NaN would be a bug
         return 0
     text = render_text(result)
