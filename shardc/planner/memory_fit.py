@@ -153,8 +153,8 @@ def fit(first: Plan, first_memory: float, make: Callable[[Variant], Plan], space
     least = min(held, key=lambda i: (held[i], i))
     note = (f"memory: no plan fits the {fmt_bytes(limit)} a device may hold: this, the fastest, needs "
             f"{fmt_bytes(first_memory)}; the least any plan of the planner's choices needs is "
-            f"{fmt_bytes(held[least])} ({space[least].label()}): recompute more (--recompute full), shard "
-            "more, or a ZeRO stage")
+            f"{fmt_bytes(held[least])} ({space[least].label()}): recompute more (--recompute), shard more "
+            "or a ZeRO stage may fit")
     lean = MemoryChoice("the least memory (" + space[least].label() + ")",
                         next(k[0] for k, i, _ in plans if i == least), held[least], False)
     return replace(first, notes=first.notes + (note,), memory_choices=(replace(fastest, chosen=True), lean))
