@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardc.costmodel.cost_report import CostReport, cost, missing_sizes
+from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
 from shardc.planner.planner import plan
@@ -30,10 +31,14 @@ def device_memory(report: CostReport) -> float:
 def plan_memory(planned: Plan, optimizer: str = "adam10", offload: str = "none",
                 spans: dict[str, int] | None = None) -> float:
     """``planned``'s bytes a device, as ``shardc cost --optimizer OPTIMIZER --offload OFFLOAD`` costs it;
-    0 where it cannot be costed (a dim without a size: nothing to weigh)."""
+    0 where it cannot be costed (a dim without a size, or a plan ``shardc cost`` refuses, which says why
+    itself): nothing to weigh, so the planner keeps its fastest plan."""
     if planned.sizes is None or missing_sizes(planned, planned.size_map or {}):
         return 0.0
-    return device_memory(cost(planned, optimizer=optimizer, offload=offload, spans=spans))
+    try:
+        return device_memory(cost(planned, optimizer=optimizer, offload=offload, spans=spans))
+    except ShardcError:
+        return 0.0
 
 
 def fitting_plan(spec: Spec, optimizer: str = "adam10", offload: str = "none", **options: Any) -> Plan:

@@ -33,7 +33,7 @@ from shardc.ir.plan import MemoryChoice, Plan
 from shardc.units import fmt_bytes, fmt_seconds
 
 __all__ = ["MemoryOf", "Variant", "variants", "fit", "fastest_fitting", "check_limit", "ranked", "candidate_rank",
-           "current_rank"]
+           "current_rank", "remembered"]
 
 MemoryOf = Callable[[Plan], float]  # bytes a device as `shardc cost` counts them (its fullest stage's)
 
@@ -41,6 +41,9 @@ MemoryOf = Callable[[Plan], float]  # bytes a device as `shardc cost` counts the
 # compared: set by :func:`ranked` around one plan, read by the planner where it picks its candidate
 _RANK: ContextVar[int] = ContextVar("memory_fit_rank", default=0)
 _SEEN: ContextVar[list[int] | None] = ContextVar("memory_fit_seen", default=None)
+# inside :func:`fastest_fitting`: each search's candidates (fastest first) by what they were searched for, so
+# that asking for another of them plans nothing again
+_MEMO: ContextVar[dict[object, list[Plan]] | None] = ContextVar("memory_fit_memo", default=None)
 
 
 @dataclass(frozen=True, order=True)
@@ -95,6 +98,16 @@ def candidates_seen(seen: list[int]) -> int:
     return max(seen, default=1)
 
 
+def remembered(key: object, search: Callable[[], list[Plan]]) -> list[Plan]:
+    """``search()``'s candidates, searched once for each ``key`` inside :func:`fastest_fitting`."""
+    memo = _MEMO.get()
+    if memo is None:
+        return search()
+    if key not in memo:
+        memo[key] = search()
+    return memo[key]
+
+
 def check_limit(limit: object) -> None:
     """A memory limit is bytes above 0 (or None: the chip's HBM)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0):
@@ -107,6 +120,16 @@ def fastest_fitting(make: Callable[[str], Plan], fuse: Callable[[Plan], Plan], s
     """The planner's plan: ``make(save)`` (the step-time search's, before collective matmuls are fused by
     ``fuse``), or where ``weigh`` gives a memory function and it holds more than the limit (the chip's HBM
     where the limit is None), the fastest by ``time`` of the :func:`variants` that fits (:func:`fit`)."""
+    token = _MEMO.set({}) if _MEMO.get() is None else None
+    try:
+        return _fastest_fitting(make, fuse, save, collective_matmul, weigh, time)
+    finally:
+        if token is not None:
+            _MEMO.reset(token)
+
+
+def _fastest_fitting(make: Callable[[str], Plan], fuse: Callable[[Plan], Plan], save: str, collective_matmul: bool,
+                     weigh: tuple[MemoryOf | None, float | None], time: Callable[[Plan], tuple[float, float]]) -> Plan:
     rank = current_rank()
     with ranked(rank) as seen:
         unfused = {(save, rank): make(save)}

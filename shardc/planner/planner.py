@@ -29,7 +29,7 @@ from shardc.planner.collective_matmul import fuse_collective_matmuls
 from shardc.planner.fold import fold_redundant, share_recomputed
 from shardc.planner.graph import Graph, build_graph
 from shardc.planner.layer_blocks import enter_block, leave_block, node_blocks
-from shardc.planner.memory_fit import MemoryOf, candidate_rank, check_limit, fastest_fitting
+from shardc.planner.memory_fit import MemoryOf, candidate_rank, check_limit, fastest_fitting, remembered
 from shardc.planner.padding import padding_notes, uneven_dims
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
@@ -225,18 +225,20 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
     def timed(p: Plan) -> PlanTime:
         return plan_time(p if outer is None else pipelined(outer, p), ctx.hardware, memo=memo)
 
-    trace: list[Traced] = []
-    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
-    t = timed(first)
-    candidates = [(objective(t), first)]
-    others = [("search", w) for w in candidate_weights(t)] + [("rules", SUM)]
-    for strategy, weights in others:
-        if _same_steps(graph, ctx, trace, strategy, weights):
-            continue  # the first's steps, so its time: the tie goes to the first anyway
-        p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
-        candidates.append((objective(timed(p)), p))
-    ordered = sorted(candidates, key=lambda c: c[0])  # ties: the first; memory may ask for a slower one
-    best = ordered[candidate_rank(len(ordered))][1]
+    def search() -> list[Plan]:  # the candidates, fastest first (ties: the first); memory may ask for a slower one
+        trace: list[Traced] = []
+        first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
+        t = timed(first)
+        candidates = [(objective(t), first)]
+        for strategy, weights in [("search", w) for w in candidate_weights(t)] + [("rules", SUM)]:
+            if _same_steps(graph, ctx, trace, strategy, weights):
+                continue  # the first's steps, so its time: the tie goes to the first anyway
+            p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
+            candidates.append((objective(timed(p)), p))
+        return [p for _, p in sorted(candidates, key=lambda c: c[0])]
+
+    ordered = remembered((spec, save, recompute, outer, ctx.zigzag_held, id(ctx)), search)
+    best = ordered[candidate_rank(len(ordered))]
     return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
 
 
