@@ -158,10 +158,19 @@ def fit(first: Plan, first_memory: float, make: Callable[[Variant], Plan], space
     plans = [(time(first), 0, first)] + [(time(p), i, p) for i, p in ((i, make(v)) for i, v in
                                                                        enumerate(space) if i > 0)]
     plans.sort(key=lambda t: (t[0], t[1]))
-    held: dict[int, float] = {0: first_memory}
+    known: list[tuple[Plan, float]] = [(first, first_memory)]  # two choices often make one plan: costed once
+
+    def weighed(p: Plan) -> float:
+        found = next((m for q, m in known if q is p or q == p), None)
+        if found is None:
+            found = memory(p)
+            known.append((p, found))
+        return found
+
+    held: dict[int, float] = {}
     fastest = MemoryChoice("the fastest plan (" + space[0].label() + ")", time(first)[0], first_memory, False)
     for key, i, p in plans:  # memory counted in order of step time: the first that fits is the answer
-        held[i] = held[i] if i in held else memory(p)
+        held[i] = weighed(p)
         if held[i] <= limit:
             if i == 0:
                 return first
@@ -171,8 +180,6 @@ def fit(first: Plan, first_memory: float, make: Callable[[Variant], Plan], space
                     f"{fmt_seconds(key[0])} a step against {fmt_seconds(fastest.step_s)} as the planner times "
                     "them (`shardc plan --explain`)")
             return replace(p, notes=p.notes + (note,), memory_choices=(fastest, chosen))
-    for _, i, p in plans:
-        held.setdefault(i, memory(p))
     least = min(held, key=lambda i: (held[i], i))
     note = (f"memory: no plan fits the {fmt_bytes(limit)} a device may hold: this, the fastest, needs "
             f"{fmt_bytes(first_memory)}; the least any plan of the planner's choices needs is "
