@@ -360,6 +360,7 @@ def every_fitting_choice(spec: Spec, save: str = "default") -> list[tuple[tuple[
                         p = planner_plan(spec, save=policy, collective_matmul=fused)
                     report = shardc.cost(p)
                     held = report.pipeline.fullest.memory_bytes if report.pipeline else report.memory.total_bytes
+                    assert plan_memory(p) == held  # the planner's count of memory is the report's
                     rows.append((objective(plan_time(p)), held, p))
     return rows
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardc.costmodel.cost_report import CostReport, cost, missing_sizes
+from shardc.costmodel.cost_report import CostReport, cost, missing_sizes, resolve_sizes
+from shardc.costmodel.memory import step_memory
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
@@ -36,6 +37,8 @@ def plan_memory(planned: Plan, optimizer: str = "adam10", offload: str = "none",
     if planned.sizes is None or missing_sizes(planned, planned.size_map or {}):
         return 0.0
     try:
+        if planned.spec.mesh.pipeline_axis is None and offload == "none":  # the memory section's total itself
+            return step_memory(planned, resolve_sizes(planned, None), planned.chip.hbm_bytes, optimizer).total_bytes
         return device_memory(cost(planned, optimizer=optimizer, offload=offload, spans=spans))
     except ShardcError:
         return 0.0
