@@ -328,7 +328,7 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
             last.setdefault(step.dst, i)
     nbytes = {r: value_bytes(plan, r, sizes) for r in born}  # once a value, not once a step it is alive at
     peak = 0.0
-    for i in range(len(steps)):
+    for i in sorted(set(born.values())):  # what is alive at a step is alive at the latest birth before it
         alive = sum(nbytes[r] for r in born if born[r] <= i <= last[r])
         peak = max(peak, alive)
     return peak

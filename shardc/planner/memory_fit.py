@@ -134,11 +134,18 @@ def _fastest_fitting(make: Callable[[str], Plan], fuse: Callable[[Plan], Plan], 
     with ranked(rank) as seen:
         unfused = {(save, rank): make(save)}
 
+    fused: dict[tuple[str, int], Plan] = {}
+
     def made(v: Variant) -> Plan:  # collective matmul on and off share the plan they fuse
-        if (v.save, v.rank) not in unfused:
+        key = (v.save, v.rank)
+        if key not in unfused:
             with ranked(v.rank):
-                unfused[v.save, v.rank] = make(v.save)
-        return fuse(unfused[v.save, v.rank]) if v.collective_matmul else unfused[v.save, v.rank]
+                unfused[key] = make(v.save)
+        if not v.collective_matmul:
+            return unfused[key]
+        if key not in fused:
+            fused[key] = fuse(unfused[key])
+        return fused[key]
 
     planned = made(Variant(save, collective_matmul, rank))
     memory, limit = weigh
