@@ -18,7 +18,7 @@ from shardc.cli.main import (
     configure_chip,
 )
 from shardc.cli.spec_args import parse_spans, read_spec
-from shardc.costmodel.fitting import fitting_plan
+from shardc.costmodel.fitting import fitting_plan as plan  # the fastest plan that fits the chip's memory
 from shardc.errors import InternalError
 from shardc.planner.check import require_sound
 from shardc.planner.plan_text import render_explain, render_text, to_json
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     check_hardware_flag(args)
     spec = read_spec(args)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)
-    result = fitting_plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
+    result = plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
                   recompute=args.recompute, explain=args.explain, topology=args.topology,
                   collective_matmul=args.collective_matmul)
     try:
