@@ -423,6 +423,8 @@ def test_memory_moves_the_choice_as_the_oracle_does() -> None:
     fastest, chosen = got.memory_choices
     assert chosen.chosen and not fastest.chosen and fastest.memory_bytes > limit >= chosen.memory_bytes
     assert "the fastest plan needs" in got.notes[-1]
+    assert _same_plan(shardc.plan(spec, memory_limit=limit), got)  # the API's, asked for a limit
+    assert _same_plan(shardc.plan(spec), every_fitting_choice(spec)[0][2])  # and without: the fastest
     text = render_explain(got)
     assert "[memory]" in text and fmt_bytes(fastest.memory_bytes) in text and fmt_bytes(chosen.memory_bytes) in text
 

@@ -136,7 +136,7 @@ def run_cost(args: argparse.Namespace) -> int:
         check_image_path(args.schedule_plot, "--schedule-plot", args.force)
     the_plan = plan(spec, save=args.save, hardware=hw, spans=spans,  # planned for the chip it is costed on
                     recompute=args.recompute, topology=args.topology, collective_matmul=args.collective_matmul,
-                    optimizer=args.optimizer, offload=args.offload)  # to fit the memory as costed here
+                    fit_memory=True, optimizer=args.optimizer, offload=args.offload)  # fits the memory costed here
     if args.sweep:
         return _run_sweep(args, the_plan)
     memory = _memory_check(the_plan) if args.check_memory else None
