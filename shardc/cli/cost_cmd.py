@@ -221,7 +221,8 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
         check_plot_path(args.plot, args.force)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware), args)
     plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute,
-                            topology=args.topology, collective_matmul=args.collective_matmul)
+                            topology=args.topology, collective_matmul=args.collective_matmul, fit_memory=True,
+                            optimizer=args.optimizer, offload=args.offload)
                        for path in args.others]
     spans = parse_spans(args.spans, first.spec)
     sweeps = [sweep(p, hw, dim, low, high, points, spans=spans) for p in plans]
