@@ -42,10 +42,16 @@ def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
     """Infer every collective of the forward and backward pass of ``spec``.
 
     ``model="book"`` plans under the book's assumptions (matmuls at peak, memory-bound steps free,
-    every collective overlapped); ``bucket_mb`` sizes the gradient buckets (25 MiB).
+    every collective overlapped); ``bucket_mb`` sizes the gradient buckets (25 MiB).  ``fit_memory=True``
+    (as ``shardc plan`` and ``shardc cost`` plan) or a ``memory_limit`` in bytes makes the plan the fastest
+    whose memory a device (as :func:`cost` counts it, with ``optimizer`` and ``offload`` as there) fits the
+    limit, the chip's HBM by default (``shardc.planner.memory_fit``); without, the fastest.
     """
-    from shardc.planner.planner import plan as _plan
+    from shardc.costmodel.fitting import fitting_plan
+    from shardc.planner.planner import plan as _planner
 
+    fit = options.pop("fit_memory", False) or options.get("memory_limit") is not None
+    _plan = fitting_plan if fit else _planner
     _check_plan_args(spec, save, options)
     model, bucket_mb = options.pop("model", None), options.pop("bucket_mb", None)
     if model is not None or bucket_mb is not None:

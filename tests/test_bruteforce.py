@@ -28,17 +28,26 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import shardc
+from shardc.costmodel.fitting import plan_memory
 from shardc.ir.plan import Monomial, Op, Plan, Step, unfused
 from shardc.ir.spec import Call, Contract, Expr, Mesh, MeshAxis, Network, Spec, TensorRef
+from shardc.planner.memory_fit import ranked
+from shardc.planner.plan_text import render_explain
+from shardc.planner.planner import objective, shared_search
+from shardc.planner.planner import plan as planner_plan
 from shardc.sharding.layout import CostContext, Move, Value
 from shardc.testing import specs
+from shardc.timing import plan_time
+from shardc.units import fmt_bytes
 
+ROOT = Path(__file__).resolve().parent.parent
 SLACK = 1e-9  # relative: sums of the same seconds in another order differ in the last bits
 
 
@@ -328,3 +337,109 @@ def test_the_oracle_finds_the_two_axis_gather() -> None:
     first = dict(oracle.moves("A2", ("B", "D"), State((("X",), ("Y",)), frozenset())))[half]
     second = dict(oracle.moves("A2", ("B", "D"), half))[State(((), ()), frozenset())]
     assert best == planned and best < first + second  # one collective over both axes beats two
+
+
+# The constrained problem: the fastest plan whose memory a device fits a limit.  The oracle plans every
+# plan of the planner's memory choices (residual policy, collective matmul, each of the search's
+# candidates: :mod:`shardc.planner.memory_fit`) through the public planner, one by one, counts each one's
+# memory from its whole `shardc cost` report, and takes the fastest that fits: the unconstrained plan where
+# it fits, else the least step time (ties: the earlier of the enumeration below), the fastest with a note
+# where nothing fits.  The planner, which counts memory only in order of step time, must pick the same.
+
+MOST_CANDIDATES = 5  # the sum's search, up to 3 other weights (candidate_weights), the book's rules
+
+
+def every_fitting_choice(spec: Spec, save: str = "default") -> list[tuple[tuple[float, float], float, Plan]]:
+    """Each plan of the space, in the planner's order of preference on a tie: (its objective, its memory, it)."""
+    rows = []
+    with shared_search():
+        for policy in (save,) + (("none",) if save == "default" else ()):
+            for fused in (True, False):
+                for rank in range(MOST_CANDIDATES):  # past the last candidate: the last again (no other plan)
+                    with ranked(rank):
+                        p = planner_plan(spec, save=policy, collective_matmul=fused)
+                    report = shardc.cost(p)
+                    held = report.pipeline.fullest.memory_bytes if report.pipeline else report.memory.total_bytes
+                    assert plan_memory(p) == held  # the planner's count of memory is the report's
+                    rows.append((objective(plan_time(p)), held, p))
+    return rows
+
+
+def oracle_fit(rows: list[tuple[tuple[float, float], float, Plan]], limit: float) -> tuple[Plan, bool]:
+    """The plan the constrained problem asks for, and whether it fits."""
+    if rows[0][1] <= limit:
+        return rows[0][2], True
+    fitting = [(t, i) for i, (t, held, _) in enumerate(rows) if held <= limit]
+    return (rows[min(fitting)[1]][2], True) if fitting else (rows[0][2], False)
+
+
+def _fitted(spec: Spec, limit: float) -> Plan:
+    return planner_plan(spec, memory=plan_memory, memory_limit=limit)
+
+
+def _same_plan(a: Plan, b: Plan) -> bool:
+    return (a.forward, a.backward, a.recomputed, a.save) == (b.forward, b.backward, b.recomputed, b.save)
+
+
+def _check_fit(spec: Spec) -> int:
+    """The planner against the oracle under each limit between the plans' memories (and below all of them);
+    returns how many limits made the planner leave its fastest plan."""
+    rows = every_fitting_choice(spec)
+    held = sorted({h for _, h, _ in rows})
+    moved = 0
+    for limit in [held[0] * 0.5] + held:
+        want, fits = oracle_fit(rows, limit)
+        got = _fitted(spec, limit)
+        assert _same_plan(got, want), (limit, got.save, want.save)
+        assert plan_memory(got) == plan_memory(want) and objective(plan_time(got)) == objective(plan_time(want))
+        if not fits:
+            assert got.memory_choices and f"least any plan of the planner's choices needs is {fmt_bytes(held[0])}" \
+                in got.notes[-1], got.notes
+        moved += fits and not _same_plan(got, rows[0][2])
+    return moved
+
+
+FIT_RUN: list[int] = []
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(small_meshes().flatmap(lambda m: specs(max_statements=3, dims=True, chains=False, headers=False, mesh=m,
+                                              masks=False)))
+def test_the_fastest_plan_that_fits_is_the_exhaustive_searchs(spec: Spec) -> None:
+    note(str(spec))
+    FIT_RUN.append(_check_fit(spec))
+
+
+def test_memory_moves_the_choice_as_the_oracle_does() -> None:
+    """The book's chapter-5 layer (FSDP x TP): under a limit between its plans' memories the planner leaves
+    its fastest plan for the fastest that fits, says so, and shows both in --explain."""
+    spec = shardc.parse((ROOT / "tests/specs/book_ch5_fsdp_tp.shard").read_text())
+    assert _check_fit(spec) >= 1
+    rows = every_fitting_choice(spec)
+    limit = min(h for _, h, _ in rows)
+    got = _fitted(spec, limit)
+    fastest, chosen = got.memory_choices
+    assert chosen.chosen and not fastest.chosen and fastest.memory_bytes > limit >= chosen.memory_bytes
+    assert "the fastest plan needs" in got.notes[-1]
+    assert _same_plan(shardc.plan(spec, memory_limit=limit), got)  # the API's, asked for a limit
+    assert _same_plan(shardc.plan(spec), every_fitting_choice(spec)[0][2])  # and without: the fastest
+    text = render_explain(got)
+    assert "[memory]" in text and fmt_bytes(fastest.memory_bytes) in text and fmt_bytes(chosen.memory_bytes) in text
+
+
+def test_a_plan_that_fits_is_left_alone() -> None:
+    """Memory weighed, a plan that fits is the step-time plan itself (no note, no other plan)."""
+    spec = shardc.parse((ROOT / "tests/specs/book_ch5_fsdp_tp.shard").read_text())
+    plain = planner_plan(spec)
+    got = _fitted(spec, plan_memory(plain))
+    assert _same_plan(got, plain) and got.notes == plain.notes and not got.memory_choices
+
+
+@pytest.mark.slow
+def test_the_fit_oracle_saw_memory_move_the_choice() -> None:
+    """The limits asked of the drawn specs did make the planner leave its fastest plan, several times."""
+    if not FIT_RUN:
+        test_the_fastest_plan_that_fits_is_the_exhaustive_searchs()
+    assert len(FIT_RUN) == 25 and sum(FIT_RUN) >= 5, FIT_RUN

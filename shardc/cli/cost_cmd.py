@@ -135,7 +135,8 @@ def run_cost(args: argparse.Namespace) -> int:
     if args.schedule_plot:  # before any work: a bad path must not cost a whole run
         check_image_path(args.schedule_plot, "--schedule-plot", args.force)
     the_plan = plan(spec, save=args.save, hardware=hw, spans=spans,  # planned for the chip it is costed on
-                    recompute=args.recompute, topology=args.topology, collective_matmul=args.collective_matmul)
+                    recompute=args.recompute, topology=args.topology, collective_matmul=args.collective_matmul,
+                    fit_memory=True, optimizer=args.optimizer, offload=args.offload)  # fits the memory costed here
     if args.sweep:
         return _run_sweep(args, the_plan)
     memory = _memory_check(the_plan) if args.check_memory else None
@@ -220,7 +221,8 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
         check_plot_path(args.plot, args.force)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware), args)
     plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute,
-                            topology=args.topology, collective_matmul=args.collective_matmul)
+                            topology=args.topology, collective_matmul=args.collective_matmul, fit_memory=True,
+                            optimizer=args.optimizer, offload=args.offload)
                        for path in args.others]
     spans = parse_spans(args.spans, first.spec)
     sweeps = [sweep(p, hw, dim, low, high, points, spans=spans) for p in plans]

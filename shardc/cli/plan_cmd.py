@@ -18,10 +18,10 @@ from shardc.cli.main import (
     configure_chip,
 )
 from shardc.cli.spec_args import parse_spans, read_spec
+from shardc.costmodel.fitting import fitting_plan as plan  # the fastest plan that fits the chip's memory
 from shardc.errors import InternalError
 from shardc.planner.check import require_sound
 from shardc.planner.plan_text import render_explain, render_text, to_json
-from shardc.planner.planner import plan
 
 __all__ = ["register"]
 
@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         data = to_json(result)
         if args.explain:
             data["choices"] = [_choice_json(c) for c in result.choices]
+            data["memory_choices"] = [{"plan": c.label, "step_s": c.step_s, "memory_bytes": c.memory_bytes,
+                                       "chosen": c.chosen} for c in result.memory_choices]
         print(json.dumps(data, indent=2, allow_nan=False))  # strict JSON: a NaN would be a bug
         return 0
     text = render_text(result)

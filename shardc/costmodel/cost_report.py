@@ -22,7 +22,7 @@ from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S,
 from shardc.costmodel.context_parallel import with_thresholds
 from shardc.costmodel.cost_text import render
 from shardc.costmodel.formulas import HardwareSymbols, hardware_symbols, phase_formula
-from shardc.costmodel.memory import Memory, memory
+from shardc.costmodel.memory import Memory, step_memory
 from shardc.costmodel.offload import Offload, check_offload, offload_cost, pipeline_offload
 from shardc.costmodel.phase_cost import PhaseCost
 from shardc.costmodel.pipeline_cost import PipelineCost, pipeline_cost
@@ -167,7 +167,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     phases = (fwd, bwd, opt, step) if opt.rows else (fwd, bwd, step)
     # the tables are one stage's, but the parameter count is the whole model's
     whole = (pipe.pipeline.blocks or (pipe.pipeline.layers,)) if pipe is not None else None  # each block's, all stages
-    mem = memory(plan, values, layers, hw.hbm_bytes, optimizer, model_layers=whole, more_layers=more)
+    mem = step_memory(plan, values, hw.hbm_bytes, optimizer, whole)
     moved: Offload | None = None
     if pipe is None:
         moved, mem = offload_cost(offload, mem, fwd.step_s, bwd.step_s, hw, optimizer, offload_delayed)

@@ -38,7 +38,7 @@ from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Plan, Step
 from shardc.ir.precision import Precision
 from shardc.ir.spec import Dim, TensorRef
-from shardc.layer_counts import runs
+from shardc.layer_counts import block_counts, resolve_layers, runs
 from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
 from shardc.ring_sends import ring_of, shared_rings
@@ -46,8 +46,8 @@ from shardc.spec.functions import ID_DTYPE
 from shardc.spec.walk import block_reads, id_names, layer_inputs
 from shardc.step_cost import describe
 
-__all__ = ["ACCOUNTINGS", "Memory", "memory", "state_refs", "state_formula", "residual_values", "residual_table",
-           "residual_formula", "value_bytes", "kept_once", "ring_buffers", "value_blocks"]
+__all__ = ["ACCOUNTINGS", "Memory", "memory", "step_memory", "state_refs", "state_formula", "residual_values",
+           "residual_table", "residual_formula", "value_bytes", "kept_once", "ring_buffers", "value_blocks"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,14 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
                   tuple(why for _, why in table), again, text(residual_formula(plan, table)), ring_bytes=rings,
                   grads=grad_local)
+
+
+def step_memory(plan: Plan, sizes: dict[str, int], hbm_bytes: float, accounting: str = "adam10",
+                model_layers: tuple[int, ...] | None = None) -> Memory:
+    """:func:`memory` of the step as ``shardc cost``'s memory section counts it: the plan's layers of each
+    block at ``sizes`` (a pipeline's: one stage's, the whole batch at once; ``model_layers`` the model's)."""
+    return memory(plan, sizes, resolve_layers(plan, sizes)[0], hbm_bytes, accounting, model_layers=model_layers,
+                  more_layers=block_counts(plan, sizes)[1:])
 
 
 def ring_buffers(steps: tuple[Step, ...], sizes: dict[str, int], nbytes: int | Precision) -> float:
@@ -320,7 +328,7 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
             last.setdefault(step.dst, i)
     nbytes = {r: value_bytes(plan, r, sizes) for r in born}  # once a value, not once a step it is alive at
     peak = 0.0
-    for i in range(len(steps)):
+    for i in sorted(set(born.values())):  # what is alive at a step is alive at the latest birth before it
         alive = sum(nbytes[r] for r in born if born[r] <= i <= last[r])
         peak = max(peak, alive)
     return peak

@@ -25,8 +25,8 @@ from shardc.ir.spec import DType, Spec, TensorRef
 from shardc.spec.walk import nbytes_of
 
 __all__ = [
-    "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "TensorInfo", "Plan", "COLLECTIVES",
-    "uses_dropout", "Sections", "Section", "SECTIONS", "unfused", "backward_program",
+    "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "MemoryChoice", "TensorInfo", "Plan",
+    "COLLECTIVES", "uses_dropout", "Sections", "Section", "SECTIONS", "unfused", "backward_program",
 ]
 
 
@@ -187,6 +187,17 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class MemoryChoice:
+    """A plan the planner weighed by its memory (:mod:`shardc.planner.memory_fit`): what it is, its
+    step time as the planner times it, its bytes a device as ``shardc cost`` counts them."""
+
+    label: str
+    step_s: float
+    memory_bytes: float
+    chosen: bool
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """A tensor of the spec: its declared (or chosen) sharding and its role."""
 
@@ -285,6 +296,9 @@ class Plan:
     spans: tuple[tuple[str, int], ...] = ()  # spans given to the planner over the chip's defaults
     topology: tuple[int, ...] | None = None  # the slice or cluster given (spec line or flag); None: the usual one
     notes: tuple[str, ...] = ()  # facts the listing states (e.g. padded uneven dims)
+    # where memory changed the planner's choice (or nothing fits): the fastest plan and the one chosen
+    # (or the least memory), for `shardc plan --explain` (shardc.planner.memory_fit)
+    memory_choices: tuple[MemoryChoice, ...] = field(default=(), compare=False)
     # ZeRO-1/2 (`zero 1 over X`): the third phase, after the backward: gradients reduce-scattered onto
     # the optimizer state's shard, the update, the updated params all-gathered (shardc.planner.zero)
     optimizer: tuple[Step, ...] = ()

@@ -141,6 +141,11 @@ def render_text(plan: Plan) -> str:
 
 def render_explain(plan: Plan) -> str:
     lines = ["", "choices"]
+    if plan.memory_choices:  # memory changed the choice, or nothing fits: the fastest beside the other
+        lines += ["  [memory] the step time as the planner times it, the memory a device as `shardc cost` "
+                  "counts it"]
+        lines += [f"    {'*' if c.chosen else ' '} {fmt_seconds(c.step_s):>10}  {fmt_bytes(c.memory_bytes):>9}  "
+                  f"{c.label}" for c in plan.memory_choices]
     for choice in plan.choices:
         lines.append(f"  [{choice.phase}] {choice.statement}")
         for alt in choice.alternatives:

@@ -29,6 +29,7 @@ from shardc.planner.collective_matmul import fuse_collective_matmuls
 from shardc.planner.fold import fold_redundant, share_recomputed
 from shardc.planner.graph import Graph, build_graph
 from shardc.planner.layer_blocks import enter_block, leave_block, node_blocks
+from shardc.planner.memory_fit import MemoryOf, candidate_rank, check_limit, fastest_fitting, remembered
 from shardc.planner.padding import padding_notes, uneven_dims
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
@@ -75,7 +76,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
          spans: dict[str, int] | None = None, recompute: str = "none", budget: int = BUDGET,
          explain: bool = False, gradients: Mapping[str, str] | None = None,
          topology: str | tuple[int, ...] | None = None, weights: Weights | None = None,
-         collective_matmul: bool = True) -> Plan:
+         collective_matmul: bool = True, memory: MemoryOf | None = None,
+         memory_limit: float | None = None) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -103,6 +105,9 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     ``collective_matmul`` (the default) runs an einsum and the critical-path AllGather before it (or
     ReduceScatter after it) as one ring of sends overlapping its block matmuls, where that is faster on the
     chip (:mod:`shardc.planner.collective_matmul`); False keeps every collective whole.
+    ``memory`` (a plan's bytes a device as ``shardc cost`` counts them: :func:`shardc.costmodel.fitting.plan_memory`)
+    makes the plan the fastest whose memory is at most ``memory_limit`` (the chip's HBM by default), over the
+    choices that change what a plan holds (:mod:`shardc.planner.memory_fit`); without it, the fastest.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
@@ -117,26 +122,36 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     spec = _with_topology(spec, topology, hardware)
     if not isinstance(collective_matmul, bool):
         raise TypeError(f"collective_matmul must be True or False, not {type(collective_matmul).__name__}")
+    check_limit(memory_limit)
+    args = (spec, strategy, hardware, spans, recompute, (budget, explain), gradients or {}, weights or SUM)
     try:
         # the plan held in zig-zag order solves the same einsums: both share one search cache
         with shared_search() if _SHARED.get() is None else nullcontext():
-            planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
-                                                      (budget, explain), gradients or {}, weights=weights or SUM))
-            if may_hold(planned):  # planned again held (no reordering, all-gather balanced); the faster
-                again = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute,
-                                                        (budget, explain), gradients or {}, weights=weights or SUM,
-                                                        zigzag_held=True))
-                held_s, planned_s = objective(plan_time(again)), objective(plan_time(planned))
-                # on a tie, held where a kernel balances its load by the order (Ulysses runs as fast without)
-                if holds(again) and (held_s < planned_s or held_s == planned_s and balances(again)):
-                    planned = again
-        return fuse_collective_matmuls(planned) if collective_matmul else planned
+            return fastest_fitting(lambda policy: _planned(policy, *args), fuse_collective_matmuls, save,
+                                   collective_matmul, (memory, memory_limit), lambda p: objective(plan_time(p)))
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "
             f"over layouts grows with every mesh axis (this mesh has {e.axes} of size > 1)",
             fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
                 "one axis XY=4), or drop the dims line to plan by the book's rules") from None
+
+
+def _planned(save: str, spec: Spec, strategy: str, hardware: str | Hardware | None,
+             spans: dict[str, int] | None, recompute: str, search: tuple[int, bool], gradients: Mapping[str, str],
+             weights: Weights) -> Plan:
+    """The fastest plan under the step-time search (:func:`plan`'s, before memory is weighed and collective
+    matmuls fused)."""
+    planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute, search, gradients,
+                                              weights=weights))
+    if may_hold(planned):  # planned again held (no reordering, all-gather balanced); the faster
+        again = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute, search,
+                                                gradients, weights=weights, zigzag_held=True))
+        held_s, planned_s = objective(plan_time(again)), objective(plan_time(planned))
+        # on a tie, held where a kernel balances its load by the order (Ulysses runs as fast without)
+        if holds(again) and (held_s < planned_s or held_s == planned_s and balances(again)):
+            planned = again
+    return planned
 
 
 def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware: str | Hardware | None) -> Spec:
@@ -213,17 +228,20 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
     def timed(p: Plan) -> PlanTime:
         return plan_time(p if outer is None else pipelined(outer, p), ctx.hardware, memo=memo)
 
-    trace: list[Traced] = []
-    first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
-    t = timed(first)
-    candidates = [(objective(t), first)]
-    others = [("search", w) for w in candidate_weights(t)] + [("rules", SUM)]
-    for strategy, weights in others:
-        if _same_steps(graph, ctx, trace, strategy, weights):
-            continue  # the first's steps, so its time: the tie goes to the first anyway
-        p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
-        candidates.append((objective(timed(p)), p))
-    best = min(candidates, key=lambda c: c[0])[1]  # ties: the first
+    def search() -> list[Plan]:  # the candidates, fastest first (ties: the first); memory may ask for a slower one
+        trace: list[Traced] = []
+        first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
+        t = timed(first)
+        candidates = [(objective(t), first)]
+        for strategy, weights in [("search", w) for w in candidate_weights(t)] + [("rules", SUM)]:
+            if _same_steps(graph, ctx, trace, strategy, weights):
+                continue  # the first's steps, so its time: the tie goes to the first anyway
+            p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
+            candidates.append((objective(timed(p)), p))
+        return [p for _, p in sorted(candidates, key=lambda c: c[0])]
+
+    ordered = remembered((spec, save, recompute, outer, ctx.zigzag_held, id(ctx)), search)
+    best = ordered[candidate_rank(len(ordered))]
     return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
 
 
