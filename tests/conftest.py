@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Generator
 
 # LLVM -O0 for XLA's CPU code: compiling dominates the slow tests, and -O0 compiles them in about 60%
@@ -98,3 +99,30 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     return (yield from _unmarked_compiles(item))
+
+
+# The long tests first in each worker's share.  pytest-xdist's worksteal (pyproject's addopts) hands
+# each worker a contiguous share of the collection, in order, and a worker that runs out takes the
+# end of another's share: the tests left for last decide how long one worker waits for the other, so
+# they should be short ones.  The slow marker is the measure of long: in each share the modules that
+# hold the most slow tests run first, each module kept whole (its module-scoped fixtures made once)
+# and in its own order.  Without workers (-n 0) the order is the collection's.
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected, so the shares are xdist's
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return
+    ordered, start = [], 0
+    for share in range(workers):  # the shares worksteal makes: what is left, over the workers left
+        end = start + (len(items) - start) // (workers - share)
+        ordered += _slowest_modules_first(items[start:end])
+        start = end
+    items[:] = ordered
+
+
+def _slowest_modules_first(share: list[pytest.Item]) -> list[pytest.Item]:
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow = Counter(module(item) for item in share if item.get_closest_marker("slow") is not None)
+    return sorted(share, key=lambda item: -slow[module(item)])  # stable: each module whole, in its order

@@ -65,6 +65,7 @@ def test_each_run_is_its_papers_model_and_costs(name: str) -> None:
     assert step["step_s"] > 0 and 0 < step["mfu"] <= 1
 
 
+@pytest.mark.slow  # an interpreter planning every run (each run is tested apart above)
 def test_the_fidelity_benchmark_prints_every_run() -> None:
     done = subprocess.run([sys.executable, "benchmarks/fidelity.py"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)

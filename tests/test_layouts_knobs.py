@@ -8,6 +8,8 @@ import itertools
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 import shardc
 from shardc.hardware import Hardware, get_hardware
 from shardc.ir.spec import Spec, Zero
@@ -17,6 +19,8 @@ from shardc.layouts.rank import evaluate, pairs, prepare, rank, rank_key
 from shardc.layouts.templates import Candidate, kept_plans, search_templates
 
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow  # every test plans and costs each setting of the knobs it searches
 
 # Constructed: 16 MLP layers, data parallel over Z (16) and tensor parallel over Y (4) on 64 TPU v5p
 # chips, compute-bound.  Its training state (22 GB a chip) outweighs its activations (7 GB): ZeRO saves

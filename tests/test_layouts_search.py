@@ -95,6 +95,7 @@ def _both(monkeypatch: pytest.MonkeyPatch, spec: Path, chips: int, **options: ob
     return exact, search_layouts([load(spec)], opts, chips=chips)
 
 
+@pytest.mark.slow  # every candidate planned, beside the template search
 def test_the_template_search_plans_the_best_rows_at_their_own_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     exact, fast = _both(monkeypatch, PIPELINE, 8)
     assert "templates" in fast.stats and "templates" not in exact.stats
@@ -139,6 +140,7 @@ def test_the_text_says_what_the_template_search_did(monkeypatch: pytest.MonkeyPa
 # knobs ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # every setting of three knobs planned and costed
 def test_knobs_are_searched_for_the_best_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     found = layouts(capsys, str(PIPELINE), "--chips", "8", "--knobs", "microbatches,schedule,recompute")
     rows = found["layouts"]
@@ -222,6 +224,7 @@ def test_plans_sharing_a_search_are_the_plans_made_apart() -> None:
     assert together == apart and len({s[-1] for s in apart}) > 1  # the policies keep different memory
 
 
+@pytest.mark.slow  # the template search run twice, once over a pool of processes
 def test_templates_over_processes_give_the_rows_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
     spec, options = load(PIPELINE), Options(get_hardware("tpu-v5p"))

@@ -176,6 +176,10 @@ def test_each_why_says_what_the_value_is_and_who_reads_it() -> None:
             assert whys["P"].startswith("read by backward step")
         if mode == "selective":
             assert whys["Q"].startswith("kept (outside the attention-score region), read by the recomputed forward")
+
+
+@pytest.mark.slow  # every example planned
+def test_each_why_of_every_example_names_its_reader_and_its_maker() -> None:
     for path in (ROOT / "examples").glob("*.shard"):
         _check_whys(shardc.plan(shardc.parse(path.read_text())))
 

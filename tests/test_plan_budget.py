@@ -38,6 +38,7 @@ def _gives_up(text: str, budget: int) -> str | None:
     return None
 
 
+@pytest.mark.slow  # the spec planned again at each budget of a bisection (about 20 plans)
 def test_the_budget_is_a_count_of_work_with_one_exact_threshold() -> None:
     """Just enough budget plans, one less stops, every time: no clock decides."""
     lo, hi = 1, BUDGET  # lo gives up, hi plans

@@ -54,6 +54,7 @@ def test_a_pipelined_models_parameter_count_is_the_whole_models_not_one_stages()
     assert report["memory"]["params_total"] == pytest.approx(34.3880e9, rel=1e-4)
 
 
+@pytest.mark.slow  # every layout of a real model searched
 @pytest.mark.parametrize(("name", "params", "chips", "options"), MODELS, ids=[m[0] for m in MODELS])
 def test_layouts_ranks_the_published_layout_in_its_top_three(name: str, params: float, chips: int,
                                                             options: tuple[str, ...],
