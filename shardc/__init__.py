@@ -14,6 +14,7 @@ version is written (the wheel's metadata reads it from here).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from shardc.errors import ShardcError
@@ -47,11 +48,14 @@ def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
     whose memory a device (as :func:`cost` counts it, with ``optimizer`` and ``offload`` as there) fits the
     limit, the chip's HBM by default (``shardc.planner.memory_fit``); without, the fastest.
     """
-    from shardc.costmodel.fitting import fitting_plan
     from shardc.planner.planner import plan as _planner
 
     fit = options.pop("fit_memory", False) or options.get("memory_limit") is not None
-    _plan = fitting_plan if fit else _planner
+    _plan: Callable[..., Plan] = _planner
+    if fit:  # the memory is the cost layer's count: imported only when weighed
+        from shardc.costmodel.fitting import fitting_plan
+
+        _plan = fitting_plan
     _check_plan_args(spec, save, options)
     model, bucket_mb = options.pop("model", None), options.pop("bucket_mb", None)
     if model is not None or bucket_mb is not None:
