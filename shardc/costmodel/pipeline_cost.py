@@ -3,7 +3,8 @@
 A stage runs its layers of the plan (which never uses the stage axis) on one
 microbatch at a time, the batch dim cut M ways, so each stage-time is the plan's
 costed at the microbatch's sizes times the stage's layers: forward, the backward's
-input-gradient part (B) and its weight-gradient part (W: the steps on ``dW...``),
+input-gradient part (B) and its weight-gradient part (W: the steps no gradient a part hands on needs,
+:mod:`shardc.pipeline.backward_split`, the lowered program's cut),
 each ``max(compute, collectives)`` as the report's own step is
 (:mod:`shardc.costmodel.section_times`).  Then:
 
