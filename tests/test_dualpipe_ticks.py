@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 import shardc
-from shardc.lowering.pipeline_lowering import lower_pipeline, tick_tables, weight_ticks
+from shardc.lowering.pipeline_lowering import SPLIT_SCHEDULES, lower_pipeline, tick_tables, weight_ticks
 from shardc.pipeline.schedules import Phases, Timing, run_orders, simulate
-from shardc.pipeline.ticks import tick_table, unit_ticks
+from shardc.pipeline.ticks import is_one_op_a_tick_run, tick_table, unit_ticks
 from tests.test_pipeline_split import V_SPEC
 from tests.test_pipeline_two_way import WHOLE
 
@@ -142,14 +142,57 @@ def test_a_ticks_backward_reads_nothing_its_forward_makes(monkeypatch: pytest.Mo
     assert made and len(read) > 10 and not any(read)
 
 
-def test_zbv_lowers_its_order_at_equal_times_not_the_costs() -> None:
-    """The README's ZBV caveat: its greedy order depends on the times; the program's table is the one found
-    at equal times, which at T_B = 2 T_F = 2 T_W runs slower than the order the cost finds at them."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved 2", "zb-h1", "zbv", "dualpipev", "dualpipe"])
+def test_every_schedule_lowers_the_order_the_cost_simulates(schedule: str) -> None:
+    """The module `shardc lower` writes runs the tick table of the simulation `shardc cost` steps, at the
+    spec's own times: for zbv too, whose greedy order depends on them (here it is not the order found at
+    equal times, which the program ran before)."""
+    plan = shardc.plan(shardc.parse(V_SPEC.replace("schedule 1f1b", f"schedule {schedule}")))
+    report = shardc.cost(plan)
+    assert report.pipeline is not None
+    sim = report.pipeline.simulation
+    tables = _tables(lower_pipeline(plan, load=False).source)
+    ticks = tick_table(sim)
+    name = schedule.split()[0]
+    assert tables[:2] == tuple(tuple(map(tuple, ticks.table(kind))) for kind in "FB")
+    assert tables[2] == (tuple(map(tuple, ticks.table("W"))) if name in SPLIT_SCHEDULES else None)
+    assert (ticks == unit_ticks(name, sim.stages, sim.microbatches, sim.chunks)) == (name != "zbv")
+
+
+def test_zbvs_order_at_equal_times_runs_slower_at_the_costs() -> None:
+    """Why the program takes zbv's order from the cost's simulation: at T_B = 2 T_F = 2 T_W over 4 stages
+    and 8 microbatches the greedy order found at those times takes 37.5 T_F, the one found at equal times
+    46.5 T_F run at them; the fixed orders are the same at any times."""
     timing = Timing(1.0, 2.0, 1.0)
-    costed, lowered = simulate("zbv", 4, 8, timing), unit_ticks("zbv", 4, 8)
-    assert costed.orders != lowered.orders and tick_table(simulate("zbv", 4, 8, Timing(1.0, 1.0, 1.0))) == lowered
+    costed, equal = simulate("zbv", 4, 8, timing), unit_ticks("zbv", 4, 8)
+    assert costed.orders != equal.orders and tick_table(costed).orders == costed.orders
     chunk = {"F": 0.5, "B": 1.0, "W": 0.5}  # each of a device's two chunks half its stage
-    ran = run_orders("zbv", 4, 8, [chunk] * 8, 0.0, lowered.orders)
+    ran = run_orders("zbv", 4, 8, [chunk] * 8, 0.0, equal.orders)
     assert (costed.makespan, max(op.end for op in ran)) == (37.5, 46.5)
     for name in ("1f1b", "interleaved", "zb-h1", "dualpipev"):  # fixed orders: the same at any times
         assert tick_table(simulate(name, 4, 8, timing, 2)) == unit_ticks(name, 4, 8, 2)
+
+
+def test_a_zbv_modules_tables_are_checked_as_a_run_of_every_op_once() -> None:
+    """`shardc verify --module` cannot find a zbv module's order again (it was found at its run's op times,
+    which the module does not record), so it takes any tick table of an order running every op once, a
+    device one op a tick, and refuses one with an op left out, run twice, or run before what it reads."""
+    costed = tick_table(simulate("zbv", 4, 8, Timing(1.0, 2.0, 1.0)))
+    for ticks in (costed, unit_ticks("zbv", 4, 8)):
+        assert is_one_op_a_tick_run("zbv", 4, 8, 2, {kind: ticks.table(kind) for kind in "FBW"})
+    tables = {kind: costed.table(kind) for kind in "FBW"}
+    t, d = next((t, d) for t, row in enumerate(tables["W"]) for d, e in enumerate(row) if e >= 0)
+    dropped = {**tables, "W": [[-1 if (u, s) == (t, d) else e for s, e in enumerate(row)]
+                               for u, row in enumerate(tables["W"])]}
+    early = {**tables, "W": [tables["W"][t]] + [row for u, row in enumerate(tables["W"]) if u != t]}
+    twice = {**tables, "F": tables["F"] + [tables["F"][0]]}
+    for bad in (dropped, early, twice):
+        assert not is_one_op_a_tick_run("zbv", 4, 8, 2, bad)
+
+
+def _tables(source: str) -> tuple[Any, ...]:
+    """F_TABLE, B_TABLE and W_TABLE as a lowered module writes them."""
+    found = {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(source).body
+             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+             and node.targets[0].id in ("F_TABLE", "B_TABLE", "W_TABLE")}
+    return found["F_TABLE"], found["B_TABLE"], found["W_TABLE"]

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import shardc
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, MeshAxis, Schedule
-from shardc.pipeline.boundary import boundary_tensor, gradient_reductions, microbatch_dim, weight_steps
+from shardc.pipeline.backward_split import weight_steps
+from shardc.pipeline.boundary import boundary_tensor, gradient_reductions, microbatch_dim
 from shardc.pipeline.bubbles import EXACT, bubble, held, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import Timing, device_of, simulate
 from shardc.spec.stages import pipeline_of, stage_spec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.lowering.pipeline_lowering import SPLIT_SCHEDULES, _tables
+from shardc.lowering.pipeline_lowering import SPLIT_SCHEDULES, schedule_tables
 from shardc.lowering.pipeline_routes import Placement
 from shardc.lowering.pipeline_slots import Rings, rings
 from shardc.pipeline.schedules import chunks_of
@@ -13,7 +13,7 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv"
 
 
 def _rings(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[Rings, dict[str, list[list[int]]]]:
-    tables = _tables(schedule, stages, microbatches, virtual)
+    tables = schedule_tables(schedule, stages, microbatches, virtual)
     place = Placement(stages, chunks_of(schedule, virtual), schedule in ("zbv", "dualpipev"))
     weight = tables["W"] if schedule in SPLIT_SCHEDULES else None
     return rings(place, microbatches, tables["F"], tables["B"], weight), tables

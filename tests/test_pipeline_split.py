@@ -5,7 +5,10 @@ gradient) and W (the weights'), run at the ticks ZB-H1's, ZBV's and DualPipeV's 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,8 +16,8 @@ import shardc
 from shardc.lowering import pipeline_lowering
 from shardc.lowering.pipeline_lowering import lower_pipeline, tick_tables, weight_ticks
 from shardc.pipeline.schedules import Timing, simulate
-from shardc.pipeline.ticks import tick_table
-from shardc.verification.pipeline_verify import verify_pipeline
+from shardc.pipeline.ticks import TickTable, tick_table
+from shardc.verification.pipeline_verify import run_sizes, verify_pipeline
 from tests.test_plan_sections import MODEL
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
@@ -108,14 +111,28 @@ def test_w_skipped_or_before_its_b_fails_verify(monkeypatch: pytest.MonkeyPatch)
     plan = shardc.plan(shardc.parse(ZB_MODEL))
     assert verify_pipeline(plan).ok
 
-    def never(schedule: str, stages: int, microbatches: int) -> list[list[int]]:
-        return [[-1] * stages for _ in tick_tables(schedule, stages, microbatches)[0]]
+    run_ticks = pipeline_lowering.run_ticks
+    Key = tuple[str, int, int]  # an op: kind, microbatch, chunk
 
-    def early(schedule: str, stages: int, microbatches: int) -> list[list[int]]:
-        return tick_tables(schedule, stages, microbatches)[0]  # each W at its microbatch's F tick
+    def moved(w_at: Callable[[dict[Key, tuple[int, int]], Key], tuple[int, int] | None],
+              *args: Any) -> TickTable:
+        """The lowered tick table with each W op at ``w_at``'s (tick, device), or nowhere for None."""
+        ticks = run_ticks(*args)
+        at = {op: (t, d) for t, row in enumerate(ticks.rows) for d, group in enumerate(row) for op in group}
+        cells = [[[op for op in group if op[0] != "W"] for group in row] for row in ticks.rows]
+        for op in (op for op in at if op[0] == "W"):
+            if (where := w_at(at, op)) is not None:
+                cells[where[0]][where[1]].append(op)
+        return replace(ticks, rows=tuple(tuple(tuple(cell) for cell in row) for row in cells))
+
+    def never(*args: Any) -> TickTable:
+        return moved(lambda at, op: None, *args)
+
+    def early(*args: Any) -> TickTable:  # each W at its microbatch's F tick
+        return moved(lambda at, op: at[("F", op[1], op[2])], *args)
 
     for mutant, wrong in ((never, {"dW1", "dW2", "dW_emb", "dW_out"}), (early, {"dW1", "dW2", "dW_emb"})):
-        monkeypatch.setattr(pipeline_lowering, "weight_ticks", mutant)
+        monkeypatch.setattr(pipeline_lowering, "run_ticks", mutant)
         report = verify_pipeline(plan)
         assert not report.ok and {r.tensor for r in report.values if not r.ok} == wrong, mutant
 
@@ -156,7 +173,9 @@ def test_the_v_schedules_verify_as_themselves(schedule: str) -> None:
     assert report.mesh == {"P": 4, "X": 2, "Y": 1} and report.sizes["layers"] == 8
     assert not any("lowers as GPipe" in n for n in report.notes)
     loop, *permutes = report.collectives[:5]
-    assert loop.hlo_op == f"while x [{len(tick_tables(schedule, 4, 8)[0])}]"
+    sizes, layers, micro = run_sizes(plan, 8)  # zbv's table: the cost's order at verify's sizes
+    ticks = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, load=False).ticks
+    assert ticks is not None and loop.hlo_op == f"while x [{len(ticks.rows)}]"
     assert [r.step.split(": ")[1] for r in permutes] == [
         "activations s -> s+1, a microbatch", "activations s+1 -> s, a microbatch",
         "cotangents s -> s+1, a microbatch", "cotangents s+1 -> s, a microbatch"]

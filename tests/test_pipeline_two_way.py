@@ -4,12 +4,16 @@ against the unsharded reference, and its mutants fail."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 
 import shardc
 from shardc.lowering import pipeline_lowering, pipeline_routes
 from shardc.lowering.pipeline_lowering import lower_pipeline, tick_tables
 from shardc.pipeline.dualpipe import device_layers
+from shardc.pipeline.ticks import TickTable
 from shardc.spec.stages import pipeline_of
 from shardc.verification.pipeline_verify import verify_pipeline
 from tests.test_pipeline_split import V_SPEC
@@ -57,13 +61,14 @@ def test_dualpipe_verifies_as_itself() -> None:
     assert len(sends) == 4 and all(r.ok and r.hlo_op == "collective-permute x 1" for r in sends)
 
 
-def _one_way(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[str, list[list[int]]]:
-    """DualPipe's tables with the second direction's microbatches (chunk 1's entries) left out."""
-    tables = _TABLES(schedule, stages, microbatches, virtual)
-    return {k: [[e if e < microbatches else -1 for e in row] for row in rows] for k, rows in tables.items()}
+def _one_way(*args: Any) -> TickTable:
+    """DualPipe's tick table with the second direction's microbatches (chunks P and up) left out."""
+    ticks = _RUN_TICKS(*args)
+    return replace(ticks, rows=tuple(tuple(tuple(op for op in group if op[2] < ticks.stages) for group in row)
+                                     for row in ticks.rows))
 
 
-_TABLES = pipeline_lowering._tables
+_RUN_TICKS = pipeline_lowering.run_ticks
 
 
 @pytest.mark.slow
@@ -76,7 +81,7 @@ def test_a_whole_model_verifies_and_its_mutants_fail(monkeypatch: pytest.MonkeyP
     assert report.ok, [r for r in report.values + report.collectives if not r.ok]
     copies = {r.step.split()[4] for r in report.collectives if "two copies' sums swapped" in r.step and r.ok}
     assert copies == {"dW1", "dW2", "dW_emb", "dW_out"}
-    mutants = (("_tables", _one_way, {"Loss", "dW1", "dW2", "dW_emb", "dW_out"}),
+    mutants = (("run_ticks", _one_way, {"Loss", "dW1", "dW2", "dW_emb", "dW_out"}),
                ("TWO_WAY_LOWERED", (), None),
                ("sum_copies", lambda self, axis, grads, slots: grads, {"dW1", "dW2"}))
     for name, mutant, wrong in mutants:

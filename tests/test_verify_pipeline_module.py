@@ -80,3 +80,20 @@ def test_an_edit_of_its_tables_is_refused(written: tuple[Path, str], capsys: pyt
     assert edit[0] in source, f"the module no longer has {edit[0]!r}"
     code, out = _verify(capsys, spec, source.replace(edit[0], edit[1], 1))
     assert code == 1 and message in out, out
+
+
+def test_a_zbv_module_runs_its_costed_order_and_a_tick_table_broken_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A zbv module, whose tick tables hold the greedy order the cost found at the spec's times (not one
+    verify can find again at its own sizes), runs; its tables with a W moved before its B are refused."""
+    spec, module = tmp_path / "zbv.shard", tmp_path / "zbv.py"
+    spec.write_text(SPEC + "\nschedule zbv", encoding="utf-8")
+    assert main(["lower", str(spec), "-o", str(module)]) == 0
+    source = module.read_text(encoding="utf-8")
+    code, out = _verify(capsys, spec, source)
+    assert code == 0, out
+    head, rows = source.split("W_TABLE = (\n", 1)
+    _, rest = rows.split("\n", 1)
+    broken = head + "W_TABLE = (\n" + "    (0, -1),\n" + rest  # a W at tick 0, before any B
+    code, out = _verify(capsys, spec, broken)
+    assert code == 1 and "its tick tables are not zbv's for 2 stages and 8 microbatches" in out, out

@@ -3,7 +3,8 @@
 A stage runs its layers of the plan (which never uses the stage axis) on one
 microbatch at a time, the batch dim cut M ways, so each stage-time is the plan's
 costed at the microbatch's sizes times the stage's layers: forward, the backward's
-input-gradient part (B) and its weight-gradient part (W: the steps on ``dW...``),
+input-gradient part (B) and its weight-gradient part (W: the steps no gradient a part hands on needs,
+:mod:`shardc.pipeline.backward_split`, the lowered program's cut),
 each ``max(compute, collectives)`` as the report's own step is
 (:mod:`shardc.costmodel.section_times`).  Then:
 
@@ -61,14 +62,11 @@ from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
 from shardc.costmodel.memory import Memory, residual_values, value_bytes
+from shardc.costmodel.pipeline_times import simulated
 from shardc.costmodel.section_times import (
     PartTime,
-    chunk_times,
-    end_timing,
     part_time,
-    phases_of,
     run_times,
-    section_times,
 )
 from shardc.costmodel.stage_memory import (
     accumulator_bytes,
@@ -84,7 +82,7 @@ from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Network, TensorRef
-from shardc.pipeline.block_split import device_blocks, stage_blocks
+from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
     check_microbatches,
@@ -101,7 +99,7 @@ from shardc.pipeline.bubbles import (
 )
 from shardc.pipeline.dualpipe import TWO_WAY
 from shardc.pipeline.gantt import draw
-from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of, simulate
+from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import block_reads
 from shardc.timing import bound_of, phase_rows
@@ -281,19 +279,12 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
         return None
     dim = check_microbatches(plan, pipe.microbatches, sizes)
     micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
-    parts = section_times(plan, micro, hw, spans, len(pipe.blocks) or 1, pipe.schedule.name in ZERO_BUBBLE)
-    ref = boundary_tensor(plan)
+    times = simulated(plan, pipe, micro, hw, spans)
+    parts, timing, first, last, sim = times.parts, times.timing, times.first, times.last, times.sim
+    ref, p2p, p2p_s = boundary_tensor(plan), times.p2p_bytes, times.timing.comm
     nbytes = plan.nbytes(ref.name)
-    p2p = float(local_elements(ref, micro)) * nbytes
-    axis = plan.spec.mesh.axis(pipe.axis)
-    dcn = axis.network is Network.DCN
-    p2p_s = collective_time(Op.COLLECTIVE_PERMUTE, p2p, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
-    slowest = max((run_times(parts, counts) for counts in stage_blocks(pipe)), key=lambda run: run[0].seconds
-                  + run[1].seconds + run[2].seconds)  # a stage's F, B and W: its layers' of each block
-    timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, phases_of(slowest))
-    first, last = (end_timing(parts[end]) for end in ("first", "last"))
+    dcn = plan.spec.mesh.axis(pipe.axis).network is Network.DCN
     name = pipe.schedule.name
-    sim = simulate(name, pipe.stages, pipe.microbatches, timing, pipe.chunks, chunk_times(pipe, parts, first, last))
     mems = stage_memories(plan, pipe, micro, hw, optimizer)
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from shardc.collectives import Layout
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
+from shardc.pipeline.backward_split import weight_steps
 from shardc.pipeline.block_split import chunk_blocks
-from shardc.pipeline.boundary import carried_moves, gradient_reductions, weight_steps
+from shardc.pipeline.boundary import carried_moves, gradient_reductions
 from shardc.pipeline.dualpipe import end_chunks
 from shardc.pipeline.schedules import Phases, Timing
 from shardc.spec.stages import Pipeline
@@ -71,7 +72,7 @@ def section_times(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout
     fwd = (before, block, carried + after)
     again = _runs(plan, "recomputed", _rows(plan.recomputed, plan, micro, hw, spans))  # a recompute runs in the B op
     rows = _rows(plan.backward, plan, micro, hw, spans)
-    # the weight gradients' steps (W), and of them the reductions run once a step on the microbatches' sums
+    # W (shardc.pipeline.backward_split, the lowered program's cut), and the reductions run once a step on the sums
     grads, reduced = weight_steps(plan), gradient_reductions(plan)
     after, inside, before = _runs(plan, "backward", rows)  # the backward runs the statements after the block first
     last, layer, first = plan.cut.runs("backward", range(len(rows)))  # each row's step

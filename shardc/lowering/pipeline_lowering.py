@@ -3,9 +3,10 @@ the other axes.
 
 The generated module is the stage plan's module (``forward_local``/``backward_local``
 on one microbatch) followed by a pipeline section: the schedule as a tick table
-(:func:`tick_tables`: the simulated order a group a tick, where each device runs at
-most one forward, one backward and one weight gradient a tick) and a :class:`~shardc.lowering.pipeline_runtime.Pipeline`
-that runs any table the same way, with the block's plan as each layer
+(:func:`run_ticks`: the order of the simulation ``shardc cost`` steps at the plan's own times, a group
+a tick, where each device runs at most one forward, one backward and one weight gradient a tick) and a
+:class:`~shardc.lowering.pipeline_runtime.Pipeline` that runs any table the same way,
+with the block's plan as each layer
 (:mod:`shardc.lowering.pipeline_runtime`).  A ``layers L { ... }`` block with
 statements around it adds their two plans as the block's ends (before it on stage
 0, after it on the last virtual stage: :mod:`shardc.lowering.pipeline_ends`); several blocks add each
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from shardc.costmodel.pipeline_times import plan_simulation
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan, backward_program
 from shardc.ir.spec import TensorRef
@@ -40,17 +42,18 @@ from shardc.lowering.pipeline_more import more_blocks_source
 from shardc.lowering.pipeline_split import split_source
 from shardc.lowering.template import defined_names
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
-from shardc.pipeline.ticks import unit_ticks
+from shardc.pipeline.ticks import TickTable, tick_table, unit_ticks
 from shardc.planner.zigzag_order import sequence_order
 from shardc.spec.stages import Pipeline, pipeline_of, splits, stage_spec
 
-__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "weight_ticks",
-           "LOWERED_SCHEDULES", "SPLIT_SCHEDULES"]
+__all__ = ["PipelineLowered", "lower_pipeline", "pipeline_source", "tick_tables", "weight_ticks", "schedule_tables",
+           "run_ticks", "LOWERED_SCHEDULES", "TIMED_ORDERS", "SPLIT_SCHEDULES"]
 
 LOWERED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "dualpipe")
 SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev", "dualpipe")  # each backward in two: B and W in tables of their own
 V_SHAPED = ("zbv", "dualpipev", "dualpipe")  # two chunks a device on a V's places (shardc.lowering.pipeline_routes)
 TWO_WAY_LOWERED = ("dualpipe",)  # two directions, each chunk a whole stage held twice
+TIMED_ORDERS = ("zbv",)  # its greedy order is found at the op times: the plan's, from the cost (run_ticks)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class PipelineLowered:
     namespace: Any = None
     ends: Ends | None = None  # a `layers` block's three parts, its plan's sections (shardc.lowering.pipeline_ends)
     blocks: tuple[int, ...] = ()  # each `layers` block's layers in the program (its layers with one block)
+    ticks: TickTable | None = None  # the schedule's tick table: the cost's simulation at these sizes (run_ticks)
 
 
 def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
@@ -80,11 +84,12 @@ def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
 def tick_tables(schedule: str, stages: int, microbatches: int,
                 virtual: int = 1) -> tuple[list[list[int]], list[list[int]]]:
     """(forward, backward): what each stage runs forward / backward at each tick, or -1, in the
-    schedule's simulated order, a group of it a tick (:mod:`shardc.pipeline.ticks`: a DualPipe F&B pair's
+    schedule's simulated order at equal op times (:func:`schedule_tables`: a lowered program's but zbv's), a
+    group of it a tick (:mod:`shardc.pipeline.ticks`: a DualPipe F&B pair's
     F and B in one row): the microbatch j of the device's chunk c as c x microbatches + j (c is 0 but under
     interleaved, whose ``virtual`` chunks a device hold virtual stages c x stages + stage, and zbv, dualpipev and
     dualpipe, whose two are virtual stages s and 2 stages - 1 - s: :mod:`shardc.lowering.pipeline_routes`)."""
-    tables = _tables(schedule, stages, microbatches, virtual)
+    tables = schedule_tables(schedule, stages, microbatches, virtual)
     return tables["F"], tables["B"]
 
 
@@ -93,31 +98,49 @@ def weight_ticks(schedule: str, stages: int, microbatches: int) -> list[list[int
     lowers its backward in two (ZB-H1, ZBV, DualPipe(V): its B table then runs the input's gradient only, and a
     DualPipe whole backward's W sits at its B's tick); None under the others, whose backward runs whole at its B
     tick."""
-    return _tables(schedule, stages, microbatches)["W"] if schedule in SPLIT_SCHEDULES else None
+    return schedule_tables(schedule, stages, microbatches)["W"] if schedule in SPLIT_SCHEDULES else None
 
 
-def _tables(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[str, list[list[int]]]:
-    """The F, B and W tick tables: the simulation's orders, a group a tick (:mod:`shardc.pipeline.ticks`)."""
+def schedule_tables(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[str, list[list[int]]]:
+    """The F, B and W tick tables of ``schedule``'s orders found with a chunk's F, B and W one unit each
+    (:func:`~shardc.pipeline.ticks.unit_ticks`): a lowered program's for every schedule but zbv, whose
+    greedy order the program takes from the cost's simulation at the plan's own times (:func:`run_ticks`)."""
     ticks = unit_ticks(schedule, stages, microbatches, virtual)
     return {kind: ticks.table(kind) for kind in "FBW"}
+
+
+def run_ticks(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int], layers: int,
+              microbatches: int, split: tuple[int, ...] | None = None, blocks: tuple[int, ...] = ()) -> TickTable:
+    """The tick table of the pipelined ``plan`` lowered on ``mesh`` at the whole batch's ``sizes``: the
+    simulation ``shardc cost`` steps at those sizes and the plan's chip (:func:`plan_simulation`), so the
+    program runs the order the cost times (zbv's greedy order is found at the op times)."""
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None
+    stages = dict(mesh)[pipe.axis]
+    dim = microbatch_dim(plan)
+    if sizes[dim] % microbatches:
+        raise ShardcError(f"{dim}={sizes[dim]} does not split into {microbatches} microbatches",
+                          fix=f"make {dim} a multiple of {microbatches}")
+    run = replace(pipe, stages=stages, layers=layers, microbatches=microbatches,
+                  split=_stage_layers(pipe, stages, layers, split), blocks=blocks if pipe.blocks else ())
+    return tick_table(plan_simulation(plan, run, sizes))
 
 
 def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[str, int],
                     layers: int, microbatches: int, reserved: frozenset[str] = frozenset(),
                     held: tuple[int, ...] | None = None,
-                    blocks: tuple[int, ...] | None = None) -> tuple[Module, str, int]:
+                    blocks: tuple[int, ...] | None = None,
+                    ticks: TickTable | None = None) -> tuple[Module, str, int]:
     """The stage module and the pipeline section's constants for ``plan`` pipelined on ``mesh``
-    (``sizes`` are the whole batch's; ``blocks``: each ``layers`` block's layers, the first's ``plan``'s), and
-    the batch size."""
+    (``sizes`` are the whole batch's; ``blocks``: each ``layers`` block's layers, the first's ``plan``'s;
+    ``ticks``: the schedule's tick table, by default :func:`run_ticks`'s for ``plan``), and the batch size."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
     stages = dict(mesh)[pipe.axis]
     held, chunks = _stage_layers(pipe, stages, layers, held), _chunks(pipe)
     first, out = _block(plan)
     dim = microbatch_dim(plan)
-    if sizes[dim] % microbatches:
-        raise ShardcError(f"{dim}={sizes[dim]} does not split into {microbatches} microbatches",
-                          fix=f"make {dim} a multiple of {microbatches}")
+    ticks = ticks or run_ticks(plan, mesh, sizes, layers, microbatches, held, blocks or ())
     stage_plan = replace(plan, spec=stage_spec(plan.spec))
     stage_mesh = tuple((n, s) for n, s in mesh if n != pipe.axis)
     micro = lowered_sizes(stage_plan, {**sizes, dim: sizes[dim] // microbatches}, stage_mesh)
@@ -127,12 +150,12 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     reduce, more = reduce_source(split, stage_mesh, micro, "", reserved)
     module = replace(module, variables=module.variables | more)
     head = module.source.split('\nif __name__ == "__main__":')[0].rstrip() + "\n" + reduce
-    w_table = weight_ticks(pipe.schedule.name, stages, microbatches)
+    w_table = ticks.table("W") if pipe.schedule.name in SPLIT_SCHEDULES else None
     if w_table is not None:  # B and W apart: the block's backward cut in two
         head += split_source(backward_program(split.each), module.backward, module.grads[first.name],
                              frozenset(module.cotangents))
     params = [i.name for i in plan.tensors if i.role == "param"]
-    f_table, b_table = tick_tables(pipe.schedule.name, stages, microbatches, chunks)
+    f_table, b_table = ticks.table("F"), ticks.table("B")
     text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
     text += constants((("PIPELINE_AXIS", pipe.axis, ""), ("STAGES", stages, ""),
                        ("LAYERS", layers, "in all; the first LAYERS % STAGES stages hold one more"),
@@ -275,10 +298,11 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     if plan.spec.block is not None:  # the statements around the block on the first and last stage
         ends = cut_parts(plan)
     counts = _run_blocks(pipe, layers, blocks)
+    ticks = run_ticks(plan, mesh, full, layers, microbatches, split, counts)  # the cost's order, at these sizes
     reserved: frozenset[str] = frozenset()
     while True:  # no tensor's variable takes a global of the module: written again if one did
         module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches,
-                                                reserved, split, counts)
+                                                reserved, split, counts, ticks)
         variables = module.variables
         source += _zigzag_section(plan, mesh)  # before the ends' text, which builds the pipeline from the tables
         if ends is not None and ends.more:  # each later block's layer, its functions prefixed B2_, B3_, ...
@@ -295,7 +319,7 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
         reserved |= defined
     pipe = replace(pipe, layers=layers, microbatches=microbatches, stages=dict(mesh)[pipe.axis])
     lowered = PipelineLowered(plan, pipe, module, source, dict(module.sizes or {}) | dict(mesh), batch, ends=ends,
-                              blocks=counts)
+                              blocks=counts, ticks=ticks)
     if load:
         check_devices(mesh)
         lowered.namespace = load_module(source, plan.spec.filename or "spec")

@@ -6,8 +6,9 @@ computes the gradient of the layer's input, which the previous stage waits for; 
 gradients of its weights, which nothing waits for, so the schedule runs it at a later tick
 (ZB-H1: stage s's W of a microbatch s microbatches after its B).  Here B is every step of
 the stage plan's backward that the block input's gradient needs, directly or through another
-step; W is the rest (each microbatch's partial weight gradients; their reductions run once a
-step, :mod:`shardc.lowering.pipeline_grads`).
+step (:func:`shardc.pipeline.backward_split.needed`, the rule the cost times too); W is the rest
+(each microbatch's partial weight gradients; their reductions run once a step,
+:mod:`shardc.lowering.pipeline_grads`).
 
 W reads only what the forward saved (its residuals, as the whole backward reads them) and
 what B hands it: the values B made that W reads (the gradient of an intermediate, dH of
@@ -30,35 +31,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardc.errors import InternalError
-from shardc.ir.plan import Op, Step
-from shardc.ir.spec import TensorRef
+from shardc.ir.plan import Step
 from shardc.lowering import template
 from shardc.lowering.codegen import Boundary, Phase
+from shardc.pipeline.backward_split import needed, step_reads, value_key
 
 __all__ = ["split_backward", "split_source"]
-
-
-def _key(ref: TensorRef) -> TensorRef:
-    """A value's identity, as the generated code names values: partial-sum axes sorted."""
-    return TensorRef(ref.name, ref.dims, tuple(sorted(ref.unreduced)))
-
-
-def _reads(step: Step) -> tuple[TensorRef, ...]:
-    """What a step's line names (as :mod:`shardc.lowering.codegen` writes it): its operands and the
-    values it reads the shape of, or its source."""
-    if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE):
-        return tuple(map(_key, step.operands + step.shapes))
-    return (_key(step.src),) if step.src is not None else ()
-
-
-def _needed(steps: tuple[Step, ...], target: TensorRef) -> set[int]:
-    """The steps ``target`` needs, directly or through another step: B."""
-    need, steps_of_b = {target}, set()
-    for k in reversed(range(len(steps))):
-        if _key(steps[k].dst) in need:
-            steps_of_b.add(k)
-            need.update(_reads(steps[k]))
-    return steps_of_b
 
 
 def split_backward(steps: tuple[Step, ...], backward: Phase, input_grad: str,
@@ -69,21 +47,21 @@ def split_backward(steps: tuple[Step, ...], backward: Phase, input_grad: str,
     if len(steps) != len(backward.body):
         raise InternalError("the backward phase does not have one line a step", fix="this is a shardc bug")
     (target,) = [b for b in backward.outputs if b.key == input_grad]
-    in_b = _needed(steps, target.ref)
-    made_by_b = {_key(steps[k].dst) for k in in_b}
+    in_b = needed(steps, [target.ref])
+    made_by_b = {value_key(steps[k].dst) for k in in_b}
     boundary = {b.ref: b for b in backward.inputs}
     for k, step in enumerate(steps):  # a line is `var = ...  # ...`: the variable it binds
         var = backward.body[k].split(" = ", 1)[0]
-        boundary.setdefault(_key(step.dst), Boundary(var, var, _key(step.dst)))
+        boundary.setdefault(value_key(step.dst), Boundary(var, var, value_key(step.dst)))
     w_lines = [k for k in range(len(steps)) if k not in in_b]
-    w_made = {_key(steps[k].dst) for k in w_lines}
+    w_made = {value_key(steps[k].dst) for k in w_lines}
     outputs = tuple(b for b in backward.outputs if b.key != input_grad)
-    w_reads = [r for k in w_lines for r in _reads(steps[k])] + [b.ref for b in outputs]
+    w_reads = [r for k in w_lines for r in step_reads(steps[k])] + [b.ref for b in outputs]
     w_external = [boundary[r] for r in dict.fromkeys(w_reads) if r not in w_made]
     # what B hands W: the values B made that W reads, and the cotangents W reads (passed on by B)
     handed = tuple(b for b in w_external if b.ref in made_by_b or b.key in cotangents)
     saved = tuple(b for b in w_external if b not in handed)
-    b_reads = {r for k in in_b for r in _reads(steps[k])} | {b.ref for b in handed}
+    b_reads = {r for k in in_b for r in step_reads(steps[k])} | {b.ref for b in handed}
     b_inputs = tuple(b for b in backward.inputs if b.ref in b_reads)
     b_out = (target,) + tuple(b for b in handed if b.key != target.key)
     b = Phase("input_backward", b_inputs, b_out, tuple(backward.body[k] for k in sorted(in_b)))

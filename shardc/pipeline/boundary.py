@@ -11,7 +11,7 @@ from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import TensorRef
 from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable", "weight_steps",
+__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable",
            "gradient_reductions", "tied_contributions", "carried_moves"]
 
 
@@ -95,17 +95,13 @@ def check_lowerable(plan: Plan) -> None:
                                       "block's input")
 
 
-def weight_steps(plan: Plan) -> frozenset[int]:
-    """Indices of the backward steps that make weight gradients (the zero-bubble W op)."""
-    grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
-    return frozenset(k for k, s in enumerate(plan.backward) if s.tensor in grads)
-
-
 def gradient_reductions(plan: Plan) -> frozenset[int]:
     """The backward steps that reduce a param's gradient over the batch (an AllReduce or ReduceScatter of
     it): a sum over the batch, so linear in it.  Under a pipeline Megatron-LM, DeepSpeed and torchtitan
     accumulate each microbatch's partial gradient locally and run these once a step, on the sum."""
-    return frozenset(k for k in weight_steps(plan) if plan.backward[k].op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER))
+    grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
+    return frozenset(k for k, s in enumerate(plan.backward)
+                     if s.tensor in grads and s.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER))
 
 
 def tied_contributions(plan: Plan) -> tuple[tuple[str, TensorRef], ...]:
