@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from shardc.cli.main import main
 from shardc.errors import ShardcError
 from shardc.hardware import get_hardware
 from shardc.layouts import LayoutSearch, Options, factorisations, search_layouts
+from shardc.layouts import layout_search as search_module
 from shardc.layouts.factor import MAX_CHIPS
 from shardc.layouts.rank import rank, rank_key
 from shardc.testing import specs
@@ -199,6 +201,30 @@ def test_a_zero_line_keeps_its_meaning() -> None:
     assert row.memory_bytes == pytest.approx(report.memory.total_bytes)
 
 
+# memory: each layout as `shardc cost` plans it, the fastest plan that fits -----------------------
+
+
+@pytest.mark.parametrize("templates", [False, True])
+def test_a_layout_whose_fastest_plan_does_not_fit_ranks_with_a_plan_that_does(monkeypatch: pytest.MonkeyPatch,
+                                                                              templates: bool) -> None:
+    """The book's chapter-5 layer at its own X=16 Y=4 on a chip whose HBM is under its fastest plan's memory
+    but over a leaner plan's: the row fits, with that plan's step and memory, `shardc cost`'s figures."""
+    if templates:  # each template planned once and re-costed, the best rows planned at their sizes
+        monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
+    spec = load(ROOT / "tests" / "specs" / "book_ch5_fsdp_tp.shard")
+    fastest = shardc.cost(shardc.plan(spec, hardware="tpu-v5p"))
+    chip = replace(get_hardware("tpu-v5p"), hbm_bytes=0.95 * fastest.memory.total_bytes)  # a test chip's HBM
+    report = shardc.cost(shardc.plan(spec, hardware=chip, fit_memory=True))  # what `shardc cost` reports
+    assert report.memory.fits and report.memory.total_bytes < chip.hbm_bytes < fastest.memory.total_bytes
+    assert report.plan.memory_choices  # another plan than the fastest
+    search = search_layouts([spec], Options(chip), jobs=1)
+    row = next(r for r in search.layouts if r.sizes == (("X", 16), ("Y", 4)))
+    assert row.fits and row.planned
+    assert row.step_s == report.step.step_s and row.memory_bytes == report.memory.total_bytes
+    assert row.critical_s == report.step.critical_s
+    assert search.chosen is not None and search.chosen.fits and search.chosen.step_s <= row.step_s
+
+
 def test_a_spec_met_again_is_not_planned_again() -> None:
     spec = load(ROOT / "examples" / "fsdp_tp.shard")
     search = search_layouts([spec, spec], Options(get_hardware("tpu-v5p")), chips=16)
@@ -281,7 +307,7 @@ def test_every_row_is_shardc_costs_figures_and_the_rows_are_ranked(spec: shardc.
     assert keys == sorted(keys)
     own = next((r for r in written if dict(r.sizes) == {a.name: a.size for a in spec.mesh.axes}), None)
     if own is not None:  # the spec's own mesh: the row is what `shardc cost` reports for it
-        report = shardc.cost(shardc.plan(spec, hardware="tpu-v5p"), hardware="tpu-v5p")
+        report = shardc.cost(shardc.plan(spec, hardware="tpu-v5p", fit_memory=True), hardware="tpu-v5p")
         if report.pipeline is None:
             assert own.step_s == report.step.step_s and own.memory_bytes == report.memory.total_bytes
             assert own.critical_s == report.step.critical_s and own.bound == report.step.bound

@@ -87,9 +87,12 @@ def test_a_tpu_slice_keeps_dcn_axes_at_their_size(capsys: pytest.CaptureFixture[
 # the template search -------------------------------------------------------------------------------
 
 
-def _both(monkeypatch: pytest.MonkeyPatch, spec: Path, chips: int, **options: object):  # type: ignore[no-untyped-def]
-    """The search planning every candidate, and the template search of the same candidates."""
-    opts = Options(get_hardware("tpu-v5p"), **options)  # type: ignore[arg-type]
+def _both(monkeypatch: pytest.MonkeyPatch, spec: Path, chips: int, hbm: float | None = None,  # type: ignore[no-untyped-def]
+          **options: object):
+    """The search planning every candidate, and the template search of the same candidates (``hbm``: on a
+    test chip of that HBM)."""
+    chip = get_hardware("tpu-v5p")
+    opts = Options(chip if hbm is None else replace(chip, hbm_bytes=hbm), **options)  # type: ignore[arg-type]
     exact = search_layouts([load(spec)], replace(opts, exact=True), chips=chips)
     monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
     return exact, search_layouts([load(spec)], opts, chips=chips)
@@ -97,7 +100,10 @@ def _both(monkeypatch: pytest.MonkeyPatch, spec: Path, chips: int, **options: ob
 
 @pytest.mark.slow  # every candidate planned, beside the template search
 def test_the_template_search_plans_the_best_rows_at_their_own_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
-    exact, fast = _both(monkeypatch, PIPELINE, 8)
+    # 8 chips of a 300 GB HBM: the two-stage layouts fit, the others hold more (a layout that does not fit is
+    # planned to fit only where it could rank among the first)
+    exact, fast = _both(monkeypatch, PIPELINE, 8, hbm=300e9)
+    assert any(r.fits for r in exact.layouts) and not all(r.fits for r in exact.layouts)
     assert "templates" in fast.stats and "templates" not in exact.stats
     assert fast.stats["templates"] < fast.stats["candidates"]
     every = {r.sizes for r in exact.layouts} | {s.sizes for s in exact.skipped}
@@ -162,7 +168,7 @@ def test_knobs_are_searched_for_the_best_layouts(capsys: pytest.CaptureFixture[s
     name, _, virtual = row["knobs"]["schedule"].partition(" ")
     spec = replace(spec, schedule=Schedule(name, int(virtual or 1)),
                    microbatches=int(row["knobs"].get("microbatches", spec.microbatches or 0)) or None)
-    report = shardc.cost(shardc.plan(spec))
+    report = shardc.cost(shardc.plan(spec, fit_memory=True))
     assert report.pipeline is not None and row["step_s"] == pytest.approx(report.pipeline.step_s, rel=1e-12)
 
 
@@ -227,7 +233,8 @@ def test_plans_sharing_a_search_are_the_plans_made_apart() -> None:
 @pytest.mark.slow  # the template search run twice, once over a pool of processes
 def test_templates_over_processes_give_the_rows_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
-    spec, options = load(PIPELINE), Options(get_hardware("tpu-v5p"))
+    # a test chip of 300 GB HBM: the two-stage layouts fit, so few others are planned to fit
+    spec, options = load(PIPELINE), Options(replace(get_hardware("tpu-v5p"), hbm_bytes=300e9))
     alone = search_layouts([spec], options, chips=8, jobs=1)
     pooled = search_layouts([spec], options, chips=8, jobs=2)
     assert pooled.stats["jobs"] == 2 and alone.stats["jobs"] == 1

@@ -6,7 +6,9 @@ the step time ``shardc cost`` reports) and costed (``shardc cost``); every figur
 row is the cost report's.  A candidate the spec refuses (a dim smaller than its devices,
 more stages than layers) is skipped with the reason.  Candidates whose spec, once its
 size-1 axes are stripped, is one already planned (the same spec under ``--with``, or two
-specs equal but for an axis switched off) reuse that plan's figures.
+specs equal but for an axis switched off) reuse that plan's figures.  A candidate is planned as
+``shardc cost`` plans it: the fastest plan that fits the chip's HBM (the planner's memory-fitting
+search, :func:`shardc.costmodel.fitting.fitting_plan`), asked for only where the fastest holds more.
 
 The ranking: layouts that fit the chip's HBM first; then by step time, compared to
 :data:`DIGITS` significant digits (compute-bound layouts all take the compute time, up to
@@ -28,19 +30,20 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shardc.costmodel.cost_report import CostReport, cost
+from shardc.costmodel.fitting import device_memory, fitting_plan
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.spec import Mesh, Network, Spec
-from shardc.planner.planner import plan
+from shardc.planner.planner import plan, shared_search
 from shardc.sharding.unit import strip_unit_axes
 from shardc.spec.overrides import apply_overrides
 from shardc.timing import plan_links
 
-__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "on_cluster", "prepare", "evaluate", "layout_of",
-           "rank_key", "rank", "ranked", "processes", "mapped", "pairs"]
+__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "on_cluster", "prepare", "evaluate", "fitted_report",
+           "layout_of", "rank_key", "rank", "ranked", "processes", "mapped", "pairs"]
 
 T = TypeVar("T")
 DIGITS = 9
@@ -160,16 +163,26 @@ def pairs(spec: Spec) -> tuple[tuple[str, int], ...]:
 def evaluate(candidate: Spec, options: Options, recompute: str | None = None, offload: str = "none") -> Layout | str:
     """Plan ``candidate`` for the chip and cost it: its row, or the planner's refusal (one line).
     ``recompute``: the policy, over ``options.recompute``; ``offload``: what the host holds (``shardc cost
-    --offload``)."""
+    --offload``).  The plan is ``shardc cost``'s: the fastest that fits the chip's memory."""
     try:
-        report = cost(plan(candidate, save=options.save, hardware=options.hardware,
-                           recompute=recompute or options.recompute, topology=options.topology,
-                           collective_matmul=options.collective_matmul),
-                      mfu=options.mfu, optimizer=options.optimizer, offload=offload)
+        report = fitted_report(candidate, options, recompute or options.recompute, offload)
     except ShardcError as err:
         return err.message.splitlines()[0]
     sizes = {a.name: a.size for a in candidate.mesh.axes}
     return layout_of(report, candidate.filename or "<spec>", _pairs(candidate, sizes))
+
+
+def fitted_report(candidate: Spec, options: Options, recompute: str, offload: str) -> CostReport:
+    """``shardc cost`` of ``candidate``: its fastest plan's report where that fits the chip's memory, else the
+    report of the planner's fastest plan that fits (:func:`shardc.costmodel.fitting.fitting_plan`, which plans
+    the fastest again: planned for memory only where it is needed, as the fastest mostly fits)."""
+    how: dict[str, Any] = {"save": options.save, "hardware": options.hardware, "recompute": recompute,
+                           "topology": options.topology, "collective_matmul": options.collective_matmul}
+    report = cost(plan(candidate, **how), mfu=options.mfu, optimizer=options.optimizer, offload=offload)
+    if device_memory(report) <= report.memory.hbm_bytes:
+        return report
+    return cost(fitting_plan(candidate, options.optimizer, offload, **how), mfu=options.mfu,
+                optimizer=options.optimizer, offload=offload)
 
 
 def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]) -> Layout:
@@ -285,7 +298,13 @@ def mapped(fn: Callable[..., T], items: Sequence[tuple[object, ...]], n: int,
 
 def _run(candidates: list[Spec], options: Options, jobs: int,
          progress: Callable[[int, int], None] | None) -> list[Layout | str]:
-    return mapped(evaluate, [(c, options) for c in candidates], _jobs(jobs, len(candidates)), progress)
+    return mapped(_evaluated, [(c, options) for c in candidates], _jobs(jobs, len(candidates)), progress)
+
+
+def _evaluated(candidate: Spec, options: Options) -> Layout | str:
+    """:func:`evaluate`, its plans sharing one search: planned again to fit, the fastest reuses its einsums."""
+    with shared_search():
+        return evaluate(candidate, options)
 
 
 def _ignore_interrupt() -> None:

@@ -15,6 +15,9 @@ A re-costed row is the cost of a real plan at the candidate's sizes, but not nec
 the planner would make there; so the best rows are planned at their own sizes, a few at a time,
 until the first :data:`EXACT_TOP` rows are each their candidate's own plan (what ``shardc cost
 --set ...`` reports for it).  The rows left re-costed say so (``planned`` false, and a note).
+A row whose plan holds more than the HBM is planned at its own sizes as ``shardc cost`` plans it (the
+fastest plan that fits, :func:`shardc.layouts.rank.fitted_report`) where it could rank among those
+first rows once it fits; a row over the HBM left so says that too.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ __all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates
 
 EXACT_TOP = 3  # the rows planned at their own sizes, at least: the chosen one and the two behind it
 ROUNDS = 8  # rounds of planning the best re-costed rows, each of EXACT_TOP plans at most
+UNWEIGHED = (f"memory: over the HBM, not planned to fit here (slower than {EXACT_TOP} rows that fit, or past the "
+             "search's rounds): `shardc cost` at its sizes plans the fastest plan that fits")
 POOLED = 64  # candidates from which the templates are spread over processes (with jobs 0, one a core)
 
 
@@ -255,22 +260,44 @@ def _which(row: Layout) -> tuple[str, tuple[tuple[str, int], ...], tuple[tuple[s
 def refined(rows: Sequence[Layout], found: Sequence[Candidate], options: Options,
             planned: float = 0) -> tuple[list[Layout], list[Skipped], float]:
     """``rows`` (of candidates among ``found``) with the best re-costed ones planned at their own sizes until
-    the first EXACT_TOP are all planned; the rows, those the planner refuses at their own sizes, and
+    the first EXACT_TOP are all planned, and those that do not fit but could rank among them
+    (:func:`_unfitted`) planned to fit; the rows, those the planner refuses at their own sizes, and
     ``planned`` plus the plans made."""
     by_row = {(c.label, c.sizes, c.knobs): c for c in found}
     out, refused = list(rows), []
+    weighed: set[tuple[object, ...]] = set()  # planned at their own sizes as `shardc cost` plans: to fit
     for _ in range(ROUNDS):
         out = rank(out)
-        todo = [r for r in out[:EXACT_TOP] if not r.planned]
+        todo = {_which(r): r for r in [r for r in out[:EXACT_TOP] if not r.planned] + _unfitted(out, weighed)}
         if not todo:
             break
-        for r in todo:
-            c = by_row[_which(r)]
+        for which, r in todo.items():
+            c = by_row[which]
             row = _exact(c, options)
             planned += 1
+            weighed.add(which)
             out.remove(r)
             if isinstance(row, str):
                 refused.append(Skipped(c.label, c.sizes, row))
             else:
                 out.append(row)
-    return rank(out), refused, planned
+    return rank([_unweighed(r) if _which(r) not in weighed and not r.fits and r.state_bytes <= r.hbm_bytes
+                 else r for r in out]), refused, planned
+
+
+def _unweighed(row: Layout) -> Layout:
+    """A row over the HBM whose layout was not planned to fit, saying so (`shardc cost` would plan it to)."""
+    return replace(row, notes=row.notes + (UNWEIGHED,))
+
+
+def _unfitted(ranked: Sequence[Layout], weighed: set[tuple[object, ...]]) -> list[Layout]:
+    """The first EXACT_TOP rows of ``ranked`` that do not fit, are not yet planned to fit (``weighed``), could fit
+    and are faster than the EXACT_TOP-th row that fits: their plan (the fastest at their sizes, or re-costed)
+    holds too much, but a slower plan of theirs may fit and still rank among the first (a plan that fits is no
+    faster than the fastest).  A row whose training state alone passes the HBM cannot fit under any plan: the
+    params, gradients and optimizer state are the declared shardings' and the ZeRO line's, whatever the plan
+    (:func:`shardc.costmodel.memory.state_refs`)."""
+    fitting = [r.step_s for r in ranked if r.fits]
+    bar = fitting[EXACT_TOP - 1] if len(fitting) >= EXACT_TOP else math.inf
+    return [r for r in ranked if not r.fits and r.state_bytes <= r.hbm_bytes and _which(r) not in weighed
+            and r.step_s < bar][:EXACT_TOP]
