@@ -5,8 +5,8 @@ Prints, each with its target:
 - the 96-layer spec (two einsums a layer, FSDP + TP MLP blocks): parse + plan, < 0.2 s, and the
   plan checker on its plan;
 - a LLaMA decoder layer (RMSNorm, causal attention, SwiGLU) written out 96 times, every layer
-  its own tensors and params: parse + plan, and the plan checker (``shardc plan`` runs it on
-  every plan), which does work linear in the plan's steps;
+  its own tensors and params: parse + plan, the plan checker (``shardc plan`` runs it on
+  every plan) and the collective-matmul fusion on its plan, each doing work linear in the plan's steps;
 - the 8-axis MaxText-style mesh (``data=16, stage=1, fsdp=1, seq=1, tensor=4, expert=1,
   ctx=1, tt=1``): plan, < 1 s (size-1 axes are stripped before the search);
 - an MLP block on 4, 5 and 6 mesh axes of size 2, and two specs on 6 and 5 axes of size 2
@@ -34,7 +34,9 @@ sys.path.insert(0, str(ROOT))  # this checkout's shardc, not an installed one
 import shardc  # noqa: E402
 from shardc.errors import ShardcError  # noqa: E402
 from shardc.ir.plan import Plan  # noqa: E402
+from shardc.ir.spec import Spec  # noqa: E402
 from shardc.planner.check import check_plan  # noqa: E402
+from shardc.planner.collective_matmul import fuse_collective_matmuls  # noqa: E402
 
 
 def deep_spec(layers: int, sized: bool = True) -> str:
@@ -159,16 +161,31 @@ def checked(plan: Plan) -> float:
     return took
 
 
+def fused(spec: Spec, planned: Plan) -> float:
+    """Seconds the collective-matmul fusion takes on ``spec``'s plan before it (which must give ``planned``),
+    the best of three runs."""
+    plain = shardc.plan(spec, collective_matmul=False)
+    took = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        result = fuse_collective_matmuls(plain)
+        took = min(took, time.perf_counter() - t0)
+    assert result == planned
+    return took
+
+
 def llama(layers: int) -> None:
-    """Parse + plan of ``layers`` LLaMA layers written out, then the checker on the plan; twice the
-    layers should take about twice the checker's time (it is linear in the steps)."""
+    """Parse + plan of ``layers`` LLaMA layers written out, then the checker and the collective-matmul
+    fusion on the plan; twice the layers should take about twice the time of each (they are linear in the
+    steps)."""
     for n in (layers // 2, layers):
         t0 = time.perf_counter()
-        result = shardc.plan(shardc.parse(llama_spec(n), filename="llama.shard"))
+        spec = shardc.parse(llama_spec(n), filename="llama.shard")
+        result = shardc.plan(spec)
         planned = time.perf_counter() - t0
         steps = len(result.forward) + len(result.backward)
         print(f"LLaMA layer written out {n} times: parse + plan {planned:.3f} s ({steps} steps), "
-              f"check {checked(result):.3f} s")
+              f"check {checked(result):.3f} s, collective-matmul fusion {fused(spec, result):.3f} s")
 
 
 def cli(command: str, example: str, target: float) -> None:

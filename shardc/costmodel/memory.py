@@ -326,11 +326,23 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
         if step.tensor in weights and (step.is_collective or step.dst.unreduced):
             born.setdefault(step.dst, i)
             last.setdefault(step.dst, i)
+    # one sweep over the births and last reads: at each birth (what is alive at a step is alive at the latest
+    # birth before it), the values born by then and read at or after it; each value's bytes are a whole number
+    # of elements times its element's bytes, so the running sum is exact in any order
     nbytes = {r: value_bytes(plan, r, sizes) for r in born}  # once a value, not once a step it is alive at
-    peak = 0.0
-    for i in sorted(set(born.values())):  # what is alive at a step is alive at the latest birth before it
-        alive = sum(nbytes[r] for r in born if born[r] <= i <= last[r])
-        peak = max(peak, alive)
+    events: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
+    for ref in born:
+        events.setdefault(born[ref], ([], []))[0].append(ref)
+        events.setdefault(last[ref], ([], []))[1].append(ref)
+    alive, peak = 0.0, 0.0
+    for i in sorted(events):
+        starts, ends = events[i]
+        for ref in starts:
+            alive += nbytes[ref]
+        if starts:
+            peak = max(peak, alive)
+        for ref in ends:
+            alive -= nbytes[ref]
     return peak
 
 

@@ -27,7 +27,7 @@ the steps they replace, on the plan's chip.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -73,53 +73,96 @@ def fuse_collective_matmuls(plan: Plan) -> Plan:
                    sections=None if plan.sections is None else Sections.of(forward, backward, plan.recomputed))
 
 
-def _reads(steps: Iterable[Step]) -> Counter[TensorRef]:
-    return Counter(ref for s in steps for ref in (*s.operands, *s.shapes, *((s.src,) if s.src else ())))
+def _reads(step: Step) -> Iterable[TensorRef]:
+    """The values ``step`` reads, once for each time it reads them (its data's and its shapes')."""
+    return (*step.operands, *step.shapes, *((step.src,) if step.src else ()))
+
+
+class _Readers:
+    """Who reads each value of a phase: value -> {step's index: how many times it reads it}, kept as steps
+    are fused, so that each question costs the readers it has, not a scan of the phase (which made the pass
+    grow with the square of the steps)."""
+
+    def __init__(self, steps: list[Step | None]) -> None:
+        self.of: dict[TensorRef, dict[int, int]] = defaultdict(dict)
+        for i, step in enumerate(steps):
+            if step is not None:
+                self.add(i, step)
+
+    def add(self, i: int, step: Step) -> None:
+        for ref in _reads(step):
+            self.of[ref][i] = self.of[ref].get(i, 0) + 1
+
+    def drop(self, i: int, step: Step) -> None:
+        for ref in _reads(step):
+            self.of[ref].pop(i, None)
+
+    def sole(self, ref: TensorRef, after: int) -> list[int] | None:
+        """The steps after ``after`` that read ``ref``, in order, where they read it once each and nothing
+        else (``after`` included) reads it; else None."""
+        where = self.of.get(ref, {})
+        if any(i <= after or n != 1 for i, n in where.items()):
+            return None
+        return sorted(where)
 
 
 def _fuse(plan: Plan, steps: tuple[Step, ...], kept: set[TensorRef]) -> tuple[Step, ...]:
-    out = list(steps)
-    k = 0
-    while k < len(out):
-        change = _gather(plan, out, k, kept) if out[k].op is Op.ALL_GATHER else _scatter(plan, out, k, kept)
-        # each index changed: its fused step, or None where the step is absorbed (a gather: the step now at
-        # k is the next one)
-        k += 1 if not change or change[k] is not None else 0
-        out = [s for i, step in enumerate(out) if (s := change.get(i, step)) is not None]
-    return tuple(out)
+    out: list[Step | None] = list(steps)  # None: a step fused into another; indices stay the steps'
+    readers = _Readers(out)
+    sizes = plan_sizes(plan)
+    for k in range(len(out)):
+        step = out[k]
+        if step is None:
+            continue
+        find = _gather if step.op is Op.ALL_GATHER else _scatter
+        # each index changed: its fused step, or None where the step is absorbed
+        for i, fused in find(plan, sizes, out, k, kept, readers).items():
+            if (old := out[i]) is not None:
+                readers.drop(i, old)
+            out[i] = fused
+            if fused is not None:
+                readers.add(i, fused)
+    return tuple(s for s in out if s is not None)
 
 
-def _gather(plan: Plan, steps: list[Step], k: int, kept: set[TensorRef]) -> dict[int, Step | None]:
+def _gather(plan: Plan, sizes: dict[str, int], steps: list[Step | None], k: int, kept: set[TensorRef],
+            index: _Readers) -> dict[int, Step | None]:
     """The AllGather at ``k`` run as a ring inside each einsum that reads its result, where every reader is
     such an einsum (each runs its own ring; the first one's sends bring the blocks to all)."""
     c = steps[k]
-    if c.ahead or c.src is None or c.dst in kept or c.dst.unreduced or not ring_dim(c, plan_sizes(plan)):
+    assert c is not None
+    if c.ahead or c.src is None or c.dst in kept or c.dst.unreduced or not ring_dim(c, sizes):
         return {}
-    readers = [j for j in range(k + 1, len(steps)) if c.dst in _reads((steps[j],))]
-    if not readers or len(readers) != _reads(steps)[c.dst]:
+    readers = index.sole(c.dst, k)
+    if not readers:
         return {}
     fused: dict[int, Step | None] = {k: None}
+    plain = [c]
     for j in readers:
         e = steps[j]
+        assert e is not None
         if e.op is not Op.EINSUM or e.collective is not None or c.src in e.operands or c.dst not in e.operands:
             return {}
         i = e.operands.index(c.dst)
         fused[j] = replace(e, operands=e.operands[:i] + (c.src,) + e.operands[i + 1:], axes=c.axes, collective=c)
-    plain = [c] + [steps[j] for j in readers]
+        plain.append(e)
     return fused if _faster(plan, [s for s in fused.values() if s is not None], plain) else {}
 
 
-def _scatter(plan: Plan, steps: list[Step], k: int, kept: set[TensorRef]) -> dict[int, Step | None]:
+def _scatter(plan: Plan, sizes: dict[str, int], steps: list[Step | None], k: int, kept: set[TensorRef],
+             index: _Readers) -> dict[int, Step | None]:
     """The einsum at ``k`` and the ReduceScatter of its partial result, its only reader, as one ring."""
     e = steps[k]
-    if e.op is not Op.EINSUM or e.collective is not None or not e.dst.unreduced or e.dst in kept \
-            or _reads(steps)[e.dst] != 1:
+    assert e is not None
+    if e.op is not Op.EINSUM or e.collective is not None or not e.dst.unreduced or e.dst in kept:
         return {}
-    j = next((j for j in range(k + 1, len(steps)) if e.dst in _reads((steps[j],))), None)
-    if j is None:
+    reader = index.sole(e.dst, k)
+    if reader is None or len(reader) != 1:
         return {}
+    (j,) = reader
     c = steps[j]
-    if c.op is not Op.REDUCE_SCATTER or c.ahead or c.src != e.dst or not ring_dim(c, plan_sizes(plan)):
+    assert c is not None
+    if c.op is not Op.REDUCE_SCATTER or c.ahead or c.src != e.dst or not ring_dim(c, sizes):
         return {}
     fused = replace(e, dst=c.dst, axes=c.axes, collective=c)
     return {k: fused, j: None} if _faster(plan, [fused], [e, c]) else {}

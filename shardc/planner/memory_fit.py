@@ -162,9 +162,7 @@ def fit(first: Plan, first_memory: float, make: Callable[[Variant], Plan], space
     """The fastest plan of ``space`` (each made by ``make``; ``first`` is ``space[0]``'s, holding
     ``first_memory``) whose ``memory`` is at most ``limit``, by ``time`` (ties: the earlier in ``space``);
     where none fits, ``first`` with a note of the least memory any needs."""
-    plans = [(time(first), 0, first)] + [(time(p), i, p) for i, p in ((i, make(v)) for i, v in
-                                                                       enumerate(space) if i > 0)]
-    plans.sort(key=lambda t: (t[0], t[1]))
+    plans = _by_time(first, make, space, time)
     known: list[tuple[Plan, float]] = [(first, first_memory)]  # two choices often make one plan: costed once
 
     def weighed(p: Plan) -> float:
@@ -175,7 +173,8 @@ def fit(first: Plan, first_memory: float, make: Callable[[Variant], Plan], space
         return found
 
     held: dict[int, float] = {}
-    fastest = MemoryChoice("the fastest plan (" + space[0].label() + ")", time(first)[0], first_memory, False)
+    fastest = MemoryChoice("the fastest plan (" + space[0].label() + ")", next(k[0] for k, i, _ in plans if i == 0),
+                           first_memory, False)
     for key, i, p in plans:  # memory counted in order of step time: the first that fits is the answer
         held[i] = weighed(p)
         if held[i] <= limit:
@@ -195,3 +194,17 @@ def fit(first: Plan, first_memory: float, make: Callable[[Variant], Plan], space
     lean = MemoryChoice("the least memory (" + space[least].label() + ")",
                         next(k[0] for k, i, _ in plans if i == least), held[least], False)
     return replace(first, notes=first.notes + (note,), memory_choices=(replace(fastest, chosen=True), lean))
+
+
+def _by_time(first: Plan, make: Callable[[Variant], Plan], space: list[Variant],
+             time: Callable[[Plan], tuple[float, float]]) -> list[tuple[tuple[float, float], int, Plan]]:
+    """Each plan of ``space`` (``first``, then each made by ``make``) with its time and index, fastest first
+    (ties: the earlier in ``space``)."""
+    timed: dict[int, tuple[float, float]] = {}  # by identity: two choices often make one plan (nothing fused)
+    plans = []
+    for i, v in enumerate(space):
+        p = first if i == 0 else make(v)
+        if id(p) not in timed:  # each plan timed stays in ``plans``: its id stays its own
+            timed[id(p)] = time(p)
+        plans.append((timed[id(p)], i, p))
+    return sorted(plans, key=lambda t: (t[0], t[1]))

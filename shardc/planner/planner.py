@@ -376,7 +376,7 @@ def _shared(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None
            tuple(uneven_dims(spec)), units, repr(places), tuple(sorted(graph.element_bytes.items())),
            tuple(sorted(node_limits(spec).items())), tuple(sorted(graph.dtypes.items())))
     hit = shared.get(key)
-    if hit is None or hit[0] is not hw:  # the chip by identity: the search's one Hardware
+    if hit is None or hit[0] != hw:  # an equal chip: chip_for makes a new one where the spec sets its fusion
         hit = shared[key] = (hw, _context(spec, graph, hw, spans, units, places))
     hit[1].explored = 0  # the budget counts one plan's search
     return hit[1]
