@@ -280,6 +280,11 @@ class Pipeline:
                           rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
         virtual = place.table()  # [chunk, stage]
+        # a tick where a device runs an F and a B (DualPipe's pairs): its B and W read the buffers as the tick
+        # found them, so nothing of its F comes before them and a GPU may overlap the two; elsewhere they read
+        # what F left (the same values), so XLA keeps one copy of each buffer, not the old and the new
+        paired = backward and any(f >= 0 and b >= 0 for fs, bs in zip(table, self.backward_ticks, strict=True)
+                                  for f, b in zip(fs, bs, strict=True))
 
         def tick(t: Any, carry: Any) -> Any:
             kept, handed, acts, cots, acc, dparams = carry
@@ -301,20 +306,20 @@ class Pipeline:
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
-            # B and W read the buffers as the tick found them (carry): nothing of its F, which may overlap them
-            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], carry[0]), params, c, u)
+            held, cot_in = (carry[0], carry[3]) if paired else (kept, cots)
+            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], held), params, c, u)
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B, or after its B in this one)
-                dx, made = self._stage_input_bwd(mine, carry[3][gs[e]], u)
+                dx, made = self._stage_input_bwd(mine, cot_in[gs[e]], u)
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
             else:
-                dx, dw = self._stage_bwd(mine, carry[3][gs[e]], u)
+                dx, dw = self._stage_bwd(mine, cot_in[gs[e]], u)
                 dparams = self._accumulate(dparams, dw, eb >= 0, c, u)
             acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)  # before W, which reads it
             if split:
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
                 uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
-                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], carry[0]), params, w // m,
+                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], held), params, w // m,
                                                              uw), jax.tree.map(lambda buf: buf[hs[w]], handed), uw)
                 dparams = self._accumulate(dparams, dw, ew >= 0, w // m, uw)
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
