@@ -6,13 +6,14 @@ priced so by ``--explain`` and ``shardc layouts``, lowered and verified under 1F
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
 import shardc
 from shardc.hardware import get_hardware
 from shardc.ir.localops import Attention
-from shardc.ir.plan import Plan
+from shardc.ir.plan import Plan, Step
 from shardc.layouts import Options, search_layouts
 from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.planner.zigzag_order import sequence_order
@@ -162,3 +163,27 @@ def test_a_pipelined_ring_held_in_zigzag_order_verifies(text: str) -> None:
     elements = {r.plan_bytes for r in rings}
     permutes = [r for r in report.collectives if r.kind == "CollectivePermute" and r.plan_axes == "C"]
     assert {r.plan_bytes for r in permutes} == elements  # no other permute over C: no reordering's halves
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", [MODEL, BLOCK], ids=["model", "block"])
+def test_a_pipelined_balanced_all_gather_held_in_zigzag_order_verifies(text: str) -> None:
+    """At 4K tokens the all-gather form balanced in zig-zag chunks wins: each stage gathers K and V along T in
+    the held order and masks by the chunks' true positions; values, gradients and the HLO's gathers and
+    scatters over C verify, and the same plan masking the held places as if contiguous fails the values."""
+    from shardc.verification.verify import verify
+
+    plan = shardc.plan(shardc.parse(text.replace("131072", "4096")))
+    kernels = _kernels(plan)
+    assert kernels and all(fn.held and fn.zigzag and not fn.ring for fn in kernels)
+    report = verify(plan)
+    assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
+    assert {"all-gather", "reduce-scatter"} <= {r.hlo_op for r in report.collectives if r.plan_axes == "C"}
+
+    def contiguous(steps: tuple[Step, ...]) -> tuple[Step, ...]:  # still held: the data enters permuted
+        return tuple(replace(s, fn=replace(s.fn, zigzag=False)) if isinstance(s.fn, Attention) else s
+                     for s in steps)
+
+    wrong = replace(plan, forward=contiguous(plan.forward), backward=contiguous(plan.backward),
+                    recomputed=contiguous(plan.recomputed))
+    assert not verify(wrong).ok
