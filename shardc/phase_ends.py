@@ -42,7 +42,7 @@ def _head(steps: Sequence[Step], busy_s: Sequence[float], comm_s: Sequence[float
     done: dict[object, float] = {}  # a value -> when the gathers it is read through are done
     issued = busy = wait = 0.0
     for step, b, c in zip(steps, busy_s, comm_s, strict=True):
-        reads = _reads(step)
+        reads = step.reads
         ready = max((done.get(r, 0.0) for r in reads), default=0.0)
         if step.is_collective and step.ahead and not any(r in made for r in reads):
             issued += c
@@ -63,7 +63,7 @@ def _tail(steps: Sequence[Step], busy_s: Sequence[float], comm_s: Sequence[float
     made: dict[object, float] = {}  # a value the phase computes -> when it is there
     busy = links = 0.0
     for step, b, c in zip(steps, busy_s, comm_s, strict=True):
-        reads = _reads(step)
+        reads = step.reads
         ready = max((made[r] for r in reads if r in made), default=None)
         if step.is_collective and step.ahead:
             if ready is not None:
@@ -74,7 +74,3 @@ def _tail(steps: Sequence[Step], busy_s: Sequence[float], comm_s: Sequence[float
         elif ready is not None:
             made[step.dst] = ready
     return max(0.0, links - busy)
-
-
-def _reads(step: Step) -> tuple[object, ...]:
-    return (*step.operands, *((step.src,) if step.src is not None else ()))

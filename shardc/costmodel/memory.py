@@ -280,7 +280,7 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
     skip = made | set(plan.cotangents) | {r for r, role in declared.items() if role == "param"}
     first: dict[TensorRef, str] = {}
     for where, step in steps:
-        for ref in _reads(step):
+        for ref in step.reads:
             if ref not in skip and root(ref) not in first:
                 first[root(ref)] = f"read by {where}: {describe(step)}"
     residuals = [root(r) for r in plan.residuals]
@@ -320,7 +320,7 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
     born: dict[TensorRef, int] = {}
     last: dict[TensorRef, int] = {}
     for i, step in enumerate(steps):
-        for ref in _reads(step):
+        for ref in step.reads:
             if ref in born:
                 last[ref] = i
         if step.tensor in weights and (step.is_collective or step.dst.unreduced):
@@ -344,10 +344,6 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
         for ref in ends:
             alive -= nbytes[ref]
     return peak
-
-
-def _reads(step: Step) -> tuple[TensorRef, ...]:
-    return (*step.operands, *((step.src,) if step.src is not None else ()))
 
 
 def _global_elements(ref: TensorRef, sizes: dict[str, int]) -> int:

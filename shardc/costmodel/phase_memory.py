@@ -21,7 +21,6 @@ from shardc.fusion import fusible, is_product, kept_values
 from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
 from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
-from shardc.planner.recompute import reads as _reads
 from shardc.spec.attention_call import roles
 
 __all__ = ["PhaseMemory", "Buffers", "phase_memory"]
@@ -120,7 +119,7 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
     kept = [ref for ref, _ in residual_table(plan) if declared.get(ref, "activation") == "activation"]
     program = backward_program(plan)  # the recomputed forward steps, then the backward's
     made = {s.dst for s in program}
-    read = [ref for s in program for ref in _reads(s) if ref not in made]
+    read = [ref for s in program for ref in s.reads if ref not in made]
     params = {ref for ref, role in declared.items() if role == "param"}
     forward = {"arguments": {"params": [r for r in declared if r in params],
                              "inputs": [r for r, role in declared.items() if role == "input"]},
@@ -207,7 +206,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[step.dst] = [k, end, 0.0]
         else:
             prefetched = step.op is Op.ALL_GATHER and step.src in args
-            first = copies.buffers.arguments_first and all(ref in args for ref in _reads(step))
+            first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
             buffers[step.dst] = [0 if prefetched or first else start[k], end, nbytes(step.dst)]
     spans += _slot_rows(steps, copies)
     if copies.buffers.masks_per_dot:
@@ -350,14 +349,14 @@ def _lifetimes(steps: tuple[Step, ...], products_again: bool = False
     readers: dict[TensorRef, list[Step]] = {}
     last: dict[TensorRef, int] = {}
     for k, step in enumerate(steps):
-        for ref in _reads(step):
+        for ref in step.reads:
             readers.setdefault(ref, []).append(step)
             last[ref] = k
         if step.ahead and step.src is not None and step.op is Op.ALL_REDUCE:
             last[step.src] = len(steps)
     for step in steps if products_again else ():
         if is_product(step) and len(readers.get(step.dst, [])) > 1:
-            for ref in _reads(step):  # each reader's fusion multiplies them again
+            for ref in step.reads:  # each reader's fusion multiplies them again
                 last[ref] = max(last.get(ref, 0), last[step.dst])
     return readers, last
 

@@ -156,6 +156,17 @@ class Step:
     def is_collective(self) -> bool:
         return self.op in COLLECTIVES
 
+    @property
+    def reads(self) -> tuple[TensorRef, ...]:
+        """The values the step reads the data of: its operands, and a collective's source."""
+        return (*self.operands, *((self.src,) if self.src is not None else ()))
+
+    @property
+    def reads_with_shapes(self) -> tuple[TensorRef, ...]:
+        """:attr:`reads` and the values it reads only the shape of (``shapes``), in the order operands,
+        shapes, source."""
+        return (*self.operands, *self.shapes, *((self.src,) if self.src is not None else ()))
+
     def weighted_volume(self) -> Monomial | None:
         """V with AllReduce counted twice and AllToAll a quarter (the book's "bytes")."""
         if self.volume is None:

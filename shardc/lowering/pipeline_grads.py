@@ -52,10 +52,6 @@ def _key(ref: TensorRef) -> TensorRef:
     return TensorRef(ref.name, ref.dims, tuple(sorted(ref.unreduced)))
 
 
-def _reads(step: Step) -> tuple[TensorRef, ...]:
-    return step.operands + step.shapes + ((step.src,) if step.src is not None else ())
-
-
 def _linear(step: Step) -> bool:
     """A step that may run on sums of partial gradients: a move, a reduction, or a sum."""
     return step.op in _LINEAR or (step.op is Op.ELEMENTWISE and isinstance(step.fn, Add)
@@ -70,12 +66,12 @@ def split_reductions(plan: Plan, incoming: frozenset[str] = frozenset()) -> Spli
     once: list[int] = []
     made: set[TensorRef] = set()
     for k, step in enumerate(plan.backward):
-        if k in marked or any(_key(r) in made or r.name in incoming for r in _reads(step)):
+        if k in marked or any(_key(r) in made or r.name in incoming for r in step.reads_with_shapes):
             once.append(k)
             made.add(_key(step.dst))
     kept = tuple(s for k, s in enumerate(plan.backward) if k not in once)
     late = tuple(plan.backward[k] for k in once)
-    partials = list(dict.fromkeys(_key(r) for s in late for r in _reads(s) if _key(r) not in made))
+    partials = list(dict.fromkeys(_key(r) for s in late for r in s.reads_with_shapes if _key(r) not in made))
     kept_made = {_key(s.dst) for s in kept}
     finals = tuple(g for g in plan.grads if _key(g) in made)
     own = _own_partials(late, [p for p in partials if p in kept_made], finals)
@@ -96,7 +92,7 @@ def _own_partials(late: tuple[Step, ...], own: list[TensorRef],
     several): what the once-a-step steps that make it read, traced back."""
     feeds: dict[TensorRef, set[TensorRef]] = {}
     for step in late:
-        feeds[_key(step.dst)] = set().union(*({_key(r)} | feeds.get(_key(r), set()) for r in _reads(step)))
+        feeds[_key(step.dst)] = set().union(*({_key(r)} | feeds.get(_key(r), set()) for r in step.reads_with_shapes))
     out = {}
     for g in finals:
         mine = [p for p in own if p in feeds.get(_key(g), set())]

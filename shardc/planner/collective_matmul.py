@@ -75,7 +75,7 @@ def fuse_collective_matmuls(plan: Plan) -> Plan:
 
 def _reads(step: Step) -> Iterable[TensorRef]:
     """The values ``step`` reads, once for each time it reads them (its data's and its shapes')."""
-    return (*step.operands, *step.shapes, *((step.src,) if step.src else ()))
+    return step.reads_with_shapes
 
 
 class _Readers:

@@ -147,15 +147,11 @@ def _readers(steps: list[Step]) -> dict[TensorRef, list[int]]:
     """Each value -> the steps that read it, in order: one pass, so a fold is linear in the steps."""
     readers: dict[TensorRef, list[int]] = {}
     for j, step in enumerate(steps):
-        for ref in _reads(step):
+        for ref in step.reads_with_shapes:
             at = readers.setdefault(ref, [])
             if not at or at[-1] != j:  # a step reading a value twice reads it once
                 at.append(j)
     return readers
-
-
-def _reads(step: Step) -> tuple[TensorRef, ...]:
-    return step.operands + step.shapes + ((step.src,) if step.src is not None else ())
 
 
 def _gather(tensor: str, src: TensorRef, late: Step) -> Step | None:

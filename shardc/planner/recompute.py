@@ -54,7 +54,7 @@ from shardc.ir.spec import TensorRef
 from shardc.ops.registry import CONTRACT, Node, family_of
 from shardc.planner.graph import Graph
 
-__all__ = ["RECOMPUTE_MODES", "attention_region", "keeps_layer_inputs", "policy", "recompute_steps", "reads",
+__all__ = ["RECOMPUTE_MODES", "attention_region", "keeps_layer_inputs", "policy", "recompute_steps",
            "named_values"]
 
 RECOMPUTE_MODES = ("none", "selective", "full", "dots")
@@ -96,11 +96,6 @@ def _dot_outputs(forward: tuple[Step, ...], params: frozenset[str], rerun: froze
         elif step.is_collective and step.src is not None and _norm(step.src) in found:
             found.add(_norm(step.dst))
     return found
-
-
-def reads(step: Step) -> tuple[TensorRef, ...]:
-    """The values a step reads: its operands, and a collective's source."""
-    return (*step.operands, *((step.src,) if step.src is not None else ()))
 
 
 def _norm(ref: TensorRef) -> TensorRef:
@@ -187,7 +182,7 @@ def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[Te
         kept |= set(wanted)
     if mode == "selective":
         kept |= {r for r in wanted if r.name not in region}
-        kept |= {_norm(r) for s in forward if s.tensor in region for r in reads(s) if r.name not in region}
+        kept |= {_norm(r) for s in forward if s.tensor in region for r in s.reads if r.name not in region}
     if mode == "dots":
         kept |= _dot_outputs(forward, params, rerun)
     kept = {r for r in kept if r.name not in dropped} | starts
@@ -201,5 +196,5 @@ def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[Te
         if found is None or found in chosen:
             continue
         chosen.add(found)
-        todo += [r for r in map(_norm, reads(forward[found])) if r not in kept]
+        todo += [r for r in map(_norm, forward[found].reads) if r not in kept]
     return tuple(forward[k] for k in sorted(chosen))
