@@ -32,6 +32,7 @@ from shardc.lowering.partition_specs import axes_entry
 from shardc.lowering.sizes import small_sizes
 from shardc.ops.registry import of_step
 from shardc.ops.text import aligned_text
+from shardc.pipeline.backward_split import step_reads, value_key
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
 
@@ -100,11 +101,11 @@ class _Namer:
         self.counts: dict[str, int] = {}
 
     def __call__(self, ref: TensorRef) -> str:
-        key = _key(ref)
+        key = value_key(ref)
         if key in self.names:
             return self.names[key]
         # a tensor's own name goes to its declared value, or to its first value if none is declared
-        own = _key(self.declared.get(ref.name, key)) == key
+        own = value_key(self.declared.get(ref.name, key)) == key
         base = _identifier(ref.name)
         name = base if own and base not in self.used and not base.startswith("__") else ""
         while not name or name in self.used:
@@ -177,26 +178,14 @@ def _elementwise_code(step: Step, var: _Namer) -> str:
                         fix="this is a shardc bug: please report the spec")
 
 
-def _reads(step: Step) -> tuple[TensorRef, ...]:
-    """What a step's line names: its operands (and the values it reads the shape of), or its source."""
-    if step.op in (Op.EINSUM, Op.COPY, Op.ELEMENTWISE):
-        return step.operands + step.shapes
-    return (step.src,) if step.src else ()
-
-
-def _key(ref: TensorRef) -> TensorRef:
-    """A value's identity: spans dropped, partial-sum axes sorted (``{U_YX}`` is ``{U_XY}``)."""
-    return TensorRef(ref.name, ref.dims, tuple(sorted(ref.unreduced)))
-
-
 def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Namer,
           sizes: dict[str, int] | None) -> tuple[list[str], set[TensorRef]]:
     """The lines of one phase; ``ready`` holds the values available at its start."""
     lines: list[tuple[str, str]] = []
     made = set(ready)
     for number, step in enumerate(steps, 1):
-        for ref in _reads(step):
-            if _key(ref) not in made:
+        for ref in step_reads(step):
+            if ref not in made:
                 raise InternalError(f"{phase} step {number} ({step.op.title} -> {step.dst}) reads "
                                   f"{ref}, which no earlier step makes",
                                   fix="this is a planner bug: report the spec")
@@ -205,7 +194,7 @@ def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Name
                 _check_einsum(part, number, phase)
         code = f"{var(step.dst)} = {_step_code(step, var, sizes)}"
         lines.append((code, template.comment(f"{step.dst}  {local_shape_text(step.dst, sizes)}")))
-        made.add(_key(step.dst))
+        made.add(value_key(step.dst))
     width = min(max((len(code) for code, _ in lines), default=0), _COMMENT_COLUMN)
     return [f"{code.ljust(width)}  {comment}" for code, comment in lines], made
 
@@ -215,33 +204,33 @@ def _external_reads(steps: tuple[Step, ...]) -> list[TensorRef]:
     made: set[TensorRef] = set()
     external: list[TensorRef] = []
     for step in steps:
-        for ref in map(_key, _reads(step)):
+        for ref in step_reads(step):
             if ref not in made and ref not in external:
                 external.append(ref)
-        made.add(_key(step.dst))
+        made.add(value_key(step.dst))
     return external
 
 
 def _declared(plan: Plan) -> dict[str, TensorRef]:
-    refs = {info.name: _key(info.ref) for info in plan.tensors}
-    refs.update({r.name: _key(r) for r in plan.cotangents + plan.grads})
+    refs = {info.name: value_key(info.ref) for info in plan.tensors}
+    refs.update({r.name: value_key(r) for r in plan.cotangents + plan.grads})
     return refs
 
 
 def _forward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
                    needed: list[TensorRef]) -> tuple[Phase, tuple[str, ...]]:
     entry = [info for info in plan.tensors if info.role in ("input", "param")]
-    ready = {_key(info.ref) for info in entry}
+    ready = {value_key(info.ref) for info in entry}
     lines, made = _body("forward", plan.forward, ready, var, sizes)
     results = [info for info in plan.tensors if info.role not in ("input", "param")]
-    outputs = [Boundary(info.name, var(info.ref), _key(info.ref)) for info in results]
+    outputs = [Boundary(info.name, var(info.ref), value_key(info.ref)) for info in results]
     for info in results:
-        if _key(info.ref) not in made:
+        if value_key(info.ref) not in made:
             raise InternalError(f"the forward never makes {info.ref}, the result the spec declares",
                               fix="this is a planner bug: report the spec")
     kept = {b.ref for b in outputs} | ready
     outputs += [Boundary(var(r), var(r), r) for r in needed if r not in kept and r in made]
-    inputs = tuple(Boundary(info.name, var(info.ref), _key(info.ref)) for info in entry)
+    inputs = tuple(Boundary(info.name, var(info.ref), value_key(info.ref)) for info in entry)
     return Phase("forward", inputs, tuple(outputs), tuple(lines)), tuple(info.name for info in results)
 
 
@@ -250,19 +239,19 @@ def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
     """The backward phase: the recomputed forward steps, then the backward's (:func:`backward_program`)."""
     inputs = {b.ref: b for b in forward.inputs}
     inputs.update({b.ref: b for b in forward.outputs})
-    inputs.update({_key(c): Boundary(c.name, var(c), _key(c)) for c in plan.cotangents})
+    inputs.update({value_key(c): Boundary(c.name, var(c), value_key(c)) for c in plan.cotangents})
     missing = [r for r in external if r not in inputs]
     if missing:
         raise InternalError(f"the backward reads {missing[0]}, which neither the forward nor the "
                           "inputs, residuals or cotangents provide",
                           fix="this is a planner bug: report the spec")
     used = [inputs[r] for r in external]
-    used += [inputs[_key(c)] for c in plan.cotangents if inputs[_key(c)] not in used]
+    used += [inputs[value_key(c)] for c in plan.cotangents if inputs[value_key(c)] not in used]
     lines, made = _body("backward", backward_program(plan), {b.ref for b in used}, var, sizes)
     for g in plan.grads:
-        if _key(g) not in made:
+        if value_key(g) not in made:
             raise InternalError(f"the backward never makes {g}", fix="this is a planner bug: report the spec")
-    outputs = tuple(Boundary(g.name, var(g), _key(g)) for g in plan.grads)
+    outputs = tuple(Boundary(g.name, var(g), value_key(g)) for g in plan.grads)
     return Phase("backward", tuple(used), outputs, tuple(lines))
 
 
@@ -303,7 +292,7 @@ def _optimizer_phase(zero: Plan, var: _Namer, sizes: dict[str, int] | None) -> P
     updated = dict.fromkeys(s.tensor for s in zero.optimizer if s.op is Op.ELEMENTWISE)
     outputs = []
     for name in updated:
-        ref = _key(zero.tensor(name).ref)
+        ref = value_key(zero.tensor(name).ref)
         if ref not in made:
             raise InternalError(f"the optimizer phase never gathers {ref} back",
                                 fix="this is a planner bug: report the spec")
