@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
 from shardc.costmodel.memory import Memory, residual_values, value_bytes
-from shardc.costmodel.pipeline_times import simulated
+from shardc.costmodel.pipeline_times import microbatch_sizes, simulated
 from shardc.costmodel.section_times import (
     PartTime,
     part_time,
@@ -85,7 +85,6 @@ from shardc.ir.spec import Network, TensorRef
 from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
-    check_microbatches,
     tied_contributions,
 )
 from shardc.pipeline.bubbles import (
@@ -277,8 +276,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     pipe = replace(pipe, stages=sizes.get(pipe.axis, pipe.stages))  # sizes= may resize the mesh
     if pipe.stages == 1:  # pipelining switched off: the one stage is the plan's own step
         return None
-    dim = check_microbatches(plan, pipe.microbatches, sizes)
-    micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
+    dim, micro = microbatch_sizes(plan, pipe, sizes)
     times = simulated(plan, pipe, micro, hw, spans)
     parts, timing, first, last, sim = times.parts, times.timing, times.first, times.last, times.sim
     ref, p2p, p2p_s = boundary_tensor(plan), times.p2p_bytes, times.timing.comm

@@ -20,12 +20,12 @@ from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
 from shardc.pipeline.block_split import stage_blocks
-from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
+from shardc.pipeline.boundary import boundary_tensor, check_microbatches
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, simulate
 from shardc.spec.stages import Pipeline
 from shardc.timing import plan_links
 
-__all__ = ["PipelineTimes", "simulated", "plan_simulation"]
+__all__ = ["PipelineTimes", "microbatch_sizes", "simulated", "plan_simulation"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,12 @@ class PipelineTimes:
     last: Timing  # and through those after it (the last chunk's)
     p2p_bytes: float  # one send: a microbatch's shard of the block's output
     sim: Simulation
+
+
+def microbatch_sizes(plan: Plan, pipe: Pipeline, sizes: dict[str, int]) -> tuple[str, dict[str, int]]:
+    """The dim microbatches cut and one microbatch's sizes of the whole batch's ``sizes`` (checked to split)."""
+    dim = check_microbatches(plan, pipe.microbatches, sizes)
+    return dim, dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
 
 
 def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, spans: Layout) -> PipelineTimes:
@@ -60,6 +66,5 @@ def plan_simulation(plan: Plan, pipe: Pipeline, sizes: dict[str, int]) -> Simula
     spans) for the pipeline ``pipe`` at the whole batch's ``sizes`` (with the mesh's): the order the lowered
     program runs."""
     hw = plan.chip.configured("book" if plan.chip.book else None, None)
-    dim = microbatch_dim(plan)
-    micro = dict(sizes) | {dim: sizes[dim] // pipe.microbatches}
+    _, micro = microbatch_sizes(plan, pipe, sizes)
     return simulated(plan, pipe, micro, hw, plan_links(plan, hw, micro)[0]).sim
