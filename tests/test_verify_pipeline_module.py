@@ -4,11 +4,13 @@ edit of its tables or tick tables is refused as written for another run, never a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from shardc.cli.main import main
+from shardc.pipeline.ticks import unit_ticks
 from tests.test_plan_sections import MODEL
 
 pytestmark = pytest.mark.slow  # every test here lowers, compiles and runs a pipelined module
@@ -96,4 +98,15 @@ def test_a_zbv_module_runs_its_costed_order_and_a_tick_table_broken_is_refused(
     _, rest = rows.split("\n", 1)
     broken = head + "W_TABLE = (\n" + "    (0, -1),\n" + rest  # a W at tick 0, before any B
     code, out = _verify(capsys, spec, broken)
-    assert code == 1 and "its tick tables are not zbv's for 2 stages and 8 microbatches" in out, out
+    assert code == 1 and "its tick tables are not zbv's for 2 stages and 8 microbatches at its RUN_SIZES" in out, out
+    # every op once in an order its reads allow, but not the order the cost found at the module's sizes
+    unit = unit_ticks("zbv", 2, 8)
+    other = source
+    for kind in "FBW":
+        rows = "".join(f"    {tuple(row)!r},\n" for row in unit.table(kind))
+        other = re.sub(rf"{kind}_TABLE = \(\n(    .*\n)*\)", f"{kind}_TABLE = (\n{rows})", other, count=1)
+    assert other != source
+    code, out = _verify(capsys, spec, other)
+    assert code == 1 and "its tick tables are not zbv's for 2 stages and 8 microbatches at its RUN_SIZES" in out, out
+    code, out = _verify(capsys, spec, source.replace("RUN_SIZES = {'B': 16,", "RUN_SIZES = {'B': 0,", 1))
+    assert code == 1 and "its RUN_SIZES {'B': 0," in out and "are not sizes of the spec's dims" in out, out

@@ -161,6 +161,8 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                        ("LAYERS", layers, "in all; the first LAYERS % STAGES stages hold one more"),
                        ("BLOCK_LAYERS", blocks or (layers,), "each `layers` block's, in the model's order"),
                        ("MICROBATCHES", microbatches, ""),
+                       ("RUN_SIZES", dict(sizes), "the whole batch's dims this run was written for: the tick "
+                                                   "tables are the cost's simulation at them"),
                        ("BLOCK_INPUT", first.name, "what a stage receives"), ("BLOCK_OUTPUT", out.name, "and sends"),
                        ("PARAMS", tuple(params), "each passed stacked: [BLOCK_LAYERS[0], ...]"),
                        ("PIPE_MESH_AXES", dict(mesh), ""),

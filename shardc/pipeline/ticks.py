@@ -17,24 +17,21 @@ the pair (:func:`~shardc.pipeline.schedules.paired_seconds`); on one CPU device 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardc.errors import InternalError, ShardcError
+from shardc.errors import InternalError
 from shardc.pipeline.dualpipe import Group
 from shardc.pipeline.schedules import (
     ZERO_BUBBLE,
     Simulation,
     Timing,
     chunks_of,
-    device_of,
-    operations,
     run_orders,
     simulate,
     stage_share,
 )
 
-__all__ = ["TickTable", "tick_table", "ticks_of", "unit_ticks", "is_one_op_a_tick_run"]
+__all__ = ["TickTable", "tick_table", "ticks_of", "unit_ticks"]
 
 
 @dataclass(frozen=True)
@@ -84,32 +81,6 @@ def ticks_of(schedule: str, stages: int, microbatches: int, chunks: int,
                                 f"{op.device}", fix="this is a shardc bug: report the schedule")
         cell.append((op.kind, op.microbatch, op.chunk))
     return TickTable(schedule, stages, microbatches, tuple(tuple(tuple(cell) for cell in row) for row in rows))
-
-
-def is_one_op_a_tick_run(schedule: str, stages: int, microbatches: int, chunks: int,
-                         tables: dict[str, Sequence[Sequence[int]]]) -> bool:
-    """Whether ``tables`` (F, B and W, as :meth:`TickTable.table` writes them, each device one op a tick) are
-    the tick table of some order of every op of ``schedule`` once: what a zbv module's tables must be, its
-    greedy order found at op times the module does not record."""
-    p, m = stages, microbatches
-    held = [sorted(c for c in range(chunks * p) if device_of(schedule, c, p) == d) for d in range(p)]
-    placed: list[list[tuple[int, Group]]] = [[] for _ in range(p)]
-    for kind, table in tables.items():
-        for t, row in enumerate(table):
-            for d, entry in enumerate(row):
-                if entry >= 0:
-                    if entry // m >= len(held[d]):
-                        return False
-                    placed[d].append((t, ((kind, entry % m, held[d][entry // m]),)))
-    ordered = [[group for _, group in sorted(order)] for order in placed]
-    keys = [key for order in ordered for group in order for key in group]
-    if len(set(keys)) != len(keys) or len(keys) != operations(schedule, p, m, chunks):
-        return False
-    try:
-        ticks = ticks_of(schedule, p, m, chunks, ordered)
-    except ShardcError:
-        return False
-    return all(ticks.table(kind) == [list(row) for row in tables[kind]] for kind in tables)
 
 
 def unit_ticks(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> TickTable:

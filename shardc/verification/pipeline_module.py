@@ -10,7 +10,7 @@ pipeline from them.  Verify runs it as it runs its own lowering of the plan:
   constant that module defines, but the sizes);
 - its sizes must be a run of the spec's schedule: the spec's mesh axes with the stage axis
   ``STAGES`` wide, a whole number of layers a stage, and the tick tables the schedule gives for
-  those stages and microbatches;
+  those stages and microbatches (zbv's: the cost's simulation again at the module's ``RUN_SIZES``);
 - then its sizes are replaced by verify's small ones and its pipeline is built again from its own
   tables and functions, so what runs, and is judged, is the module's code.
 
@@ -23,8 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from shardc.errors import clip
-from shardc.lowering.pipeline_lowering import TIMED_ORDERS, PipelineLowered, tick_tables, weight_ticks
-from shardc.pipeline.ticks import is_one_op_a_tick_run
+from shardc.lowering.pipeline_lowering import TIMED_ORDERS, PipelineLowered, run_ticks, tick_tables, weight_ticks
 from shardc.spec.stages import splits
 from shardc.verification.module_check import LOWER_FIX, ModuleRejected, load_given, running, same_table
 
@@ -32,7 +31,7 @@ __all__ = ["use_pipeline_module"]
 
 # the sizes of the run a module was written for: verify replaces them with its own
 _SIZES = ("MESH_AXES", "PIPE_MESH_AXES", "STAGES", "LAYERS", "MICROBATCHES", "MICROBATCH", "F_TABLE", "B_TABLE",
-          "W_TABLE", "DIMS", "STAGE_LAYERS", "BLOCK_LAYERS")
+          "W_TABLE", "DIMS", "STAGE_LAYERS", "BLOCK_LAYERS", "RUN_SIZES")
 _BUILT = ("PROGRAM", "PIPELINE")  # what the module builds from its tables
 _DATA = (dict, tuple, list, frozenset, set, str, int, float, bool, type(None))
 _MOST_TICKS = 1_000_000  # stages x microbatches past which the schedule is not simulated again to check
@@ -91,9 +90,11 @@ def _written_run(ns: Any, lowered: PipelineLowered, label: str) -> str:
         wrong = f"its MICROBATCHES={clip(repr(micro), 40)} and MICROBATCH={clip(repr(ns.MICROBATCH), 60)} disagree"
     elif stages * micro > _MOST_TICKS:
         wrong = f"its {stages} stages x {micro} microbatches are too many to check its tick tables"
-    elif not _ticks_are_a_run(ns, lowered.pipeline.schedule.name, stages, micro):
+    elif not _sizes_of(ns.RUN_SIZES, lowered.namespace.RUN_SIZES):
+        wrong = f"its RUN_SIZES {clip(repr(ns.RUN_SIZES), 120)} are not sizes of the spec's dims"
+    elif not _ticks_are_a_run(ns, lowered, stages, micro):
         wrong = f"its tick tables are not {lowered.pipeline.schedule.name}'s for {stages} stages and {micro} " \
-                "microbatches"
+                "microbatches" + (" at its RUN_SIZES" if lowered.pipeline.schedule.name in TIMED_ORDERS else "")
     if wrong is not None:
         raise ModuleRejected(f"{label} was written for another run: {wrong}", fix=LOWER_FIX)
     return _describe(ns)
@@ -103,15 +104,24 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 1
 
 
-def _ticks_are_a_run(ns: Any, schedule: str, stages: int, microbatches: int) -> bool:
-    """Whether the module's tick tables are ``schedule``'s for those stages and microbatches: a fixed order's
-    own; for zbv, whose greedy order the module found at the op times of its run (not recorded in it), the
-    tick table of some order running every op once."""
+def _sizes_of(given: Any, ours: dict[str, int]) -> bool:
+    """Whether ``given`` names the dims verify's own module does, each a whole size."""
+    return isinstance(given, dict) and list(given) == list(ours) and all(_count(s) for s in given.values())
+
+
+def _ticks_are_a_run(ns: Any, lowered: PipelineLowered, stages: int, microbatches: int) -> bool:
+    """Whether the module's tick tables are its schedule's for those stages and microbatches: a fixed order's
+    own; zbv's greedy order the cost's simulation found at the op times of the module's run, simulated again
+    here at its ``RUN_SIZES`` (the plan's chip and spans, as ``shardc lower`` simulated it)."""
+    schedule = lowered.pipeline.schedule.name
     tables = (ns.F_TABLE, ns.B_TABLE, ns.W_TABLE)
     if schedule in TIMED_ORDERS:
-        return tables[2] is not None and is_one_op_a_tick_run(schedule, stages, microbatches, ns.CHUNKS,
-                                                             dict(zip("FBW", tables, strict=True)))
-    want = (*tick_tables(schedule, stages, microbatches, ns.CHUNKS), weight_ticks(schedule, stages, microbatches))
+        mesh = tuple(ns.PIPE_MESH_AXES.items())
+        ticks = run_ticks(lowered.plan, mesh, dict(ns.RUN_SIZES), ns.LAYERS, microbatches, ns.STAGE_LAYERS,
+                          ns.BLOCK_LAYERS)
+        want: tuple[Any, ...] = (ticks.table("F"), ticks.table("B"), ticks.table("W"))
+    else:
+        want = (*tick_tables(schedule, stages, microbatches, ns.CHUNKS), weight_ticks(schedule, stages, microbatches))
     return tables == tuple(None if table is None else tuple(tuple(row) for row in table) for table in want)
 
 
