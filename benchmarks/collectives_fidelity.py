@@ -21,7 +21,10 @@ GPU counts: ``algbw * (n-1)/n`` for AllGather and ReduceScatter, ``algbw * 2(n-1
 - across two nodes (16 GPUs) a ring's bus bandwidth is bounded by the nodes' 8 InfiniBand NICs, each
   carrying one ring's share: 46-48 GB/s a 400 Gb/s NDR NIC (an NCCL maintainer, NVIDIA/nccl-tests
   issue 290), so about 8 x 47 = 376 GB/s.  That row is derived from the per-NIC figure, not a
-  published run.
+  published run;
+- inside an 8xA100 node (NVLink 3, 300 GB/s each way, no NVLink SHARP) NCCL reaches about 230 GB/s
+  bus bandwidth at large sizes (an NCCL maintainer, NVIDIA/nccl-tests issue 149; 232.5 GB/s measured
+  in NVIDIA/nccl-tests issue 175), for every collective as all run as rings there.
 
 Run with ``python benchmarks/collectives_fidelity.py`` from the repository root.
 """
@@ -42,6 +45,7 @@ from shardc.topology import resolve_links  # noqa: E402
 
 RING_BUSBW = 370e9  # bytes/s: NCCL's ring collectives in an 8xH100 node (NVIDIA/nccl-tests issue 212)
 TWO_NODE_BUSBW = 8 * 47e9  # bytes/s: 8 NDR NICs a node at 46-48 GB/s each (NVIDIA/nccl-tests issue 290)
+A100_BUSBW = 230e9  # bytes/s: NCCL in an 8xA100 node (NVIDIA/nccl-tests issue 149)
 NVLS_ALLREDUCE_BUSBW = 480e9  # bytes/s: AllReduce with NVLink SHARP on 8 H100 (GTC talk S62129)
 # AllReduce bus bandwidth with NCCL_ALGO=NVLS on 2..8 GPUs of an H100 node, 2-4 GB (NVIDIA/nccl issue 1455)
 NVLS_BY_GPUS = {2: 367e9, 3: 367e9, 4: 367e9, 5: 420e9, 6: 440e9, 7: 460e9, 8: 480e9}
@@ -89,6 +93,8 @@ def rows() -> list[Row]:
     out += [Row(op, 1 << 30, TWO_NODE_BUSBW, predicted_busbw(op, 1 << 30, gpus=2 * GPUS),
                 "2 nodes, 16 GPUs; derived from the per-NIC figure")
             for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)]
+    out += [Row(op, size, A100_BUSBW, predicted_busbw(op, size, chip="a100"), "8 A100 in a node, ring")
+            for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE) for size in (1 << 30, 4 << 30)]
     return out
 
 

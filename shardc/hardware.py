@@ -315,6 +315,11 @@ def check_model(model: object) -> None:
 # NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
 # figure); the H200 has the same NVLink 4 and NVSwitch
 _NCCL_H100 = 370e9 / 450e9
+# 8 A100 SXM over NVSwitch 2 (NVLink 3, 300 GB/s each way): AllReduce bus bandwidth "should reach 230 GB/s"
+# at 8 GB, 12 links at 25 GB/s line rate each carrying about 20 GB/s of 128-byte payloads, 240 GB/s, less
+# other bottlenecks (an NCCL maintainer, NVIDIA/nccl-tests issue 149); 232.5 GB/s measured on one node
+# (NVIDIA/nccl-tests issue 175).  No NVLS on A100, so every in-node collective runs at this ring rate
+_NCCL_A100 = 230e9 / 300e9
 
 
 def _nvls_share(bus_bandwidth: float, gpus: int, link: float) -> float:
@@ -412,9 +417,7 @@ PRESETS: dict[str, Hardware] = {
                  sms=132, collective_sms=_NCCL_CHANNELS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
-        # NVLink efficiency: the H100's measured share of line rate, assumed for NVLink 3 (no nccl-tests
-        # figure for A100 is cited here; `shardc calibrate` on the node measures it)
-        Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
+        Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_A100,
                  dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4, host_adam_rate=_HOST_ADAM_8,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=A100_MATMULS, attention_forward=A100_ATTENTION_FORWARD,

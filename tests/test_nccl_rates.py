@@ -43,6 +43,16 @@ def test_an_allreduce_in_an_h100_node_runs_at_nvlink_sharps_published_bus_bandwi
         assert _in_node(op, "h100", 8) == pytest.approx(370 * GB, rel=0.01)
 
 
+def test_collectives_in_an_a100_node_run_at_the_bus_bandwidth_nccl_reaches_there() -> None:
+    """8 A100 SXM over NVLink 3 (300 GB/s each way): about 230 GB/s AllReduce bus bandwidth at large sizes
+    (an NCCL maintainer, NVIDIA/nccl-tests issue 149), the A100's own figure, not the H100's 370 of 450."""
+    a100 = get_hardware("a100")
+    assert a100.ici_efficiency == pytest.approx(230 / 300) and a100.w_ici == pytest.approx(230 * GB)
+    assert a100.ici_efficiency != get_hardware("h100").ici_efficiency
+    for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE):
+        assert _in_node(op, "a100", 8) == pytest.approx(230 * GB, rel=0.01)
+
+
 @pytest.mark.parametrize(("gpus", "busbw"), [(2, 367), (3, 367), (4, 367), (5, 420), (6, 440), (7, 460)])
 def test_nvls_on_fewer_gpus_follows_its_n_plus_1_over_n_traffic(gpus: int, busbw: float) -> None:
     """Held out: the preset's NVLS rate is from 8 GPUs; NCCL_ALGO=NVLS on 2..7 GPUs of an H100 node
