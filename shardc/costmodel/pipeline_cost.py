@@ -45,13 +45,15 @@ each ``max(compute, collectives)`` as the report's own step is
   both hold the first chunk's and the last chunk's statements (each direction enters at one
   of them); its p + 1 microbatches held are of either stage (counted at the mean of the two
   stages' layers), and its times per microbatch are the mean of its two stages' (each runs
-  half the microbatches).  An overlapped F&B pair takes the larger of the two computations
-  added and the two phases' collectives added (:func:`~shardc.pipeline.schedules.paired_seconds`):
-  since each phase here already overlaps its own collectives with its computation, the pair
-  saves only where one phase is bound by its collectives (the AllToAll) and the other by its
-  computation.  Devices d and p-1-d hold the same two stages, so once a step each sends the
-  other its gradients (both stages', as the device holds them) to sum the two copies, a swap over
-  the stage axis issued with the other gradient reductions (``copies_exchange_s``).
+  half the microbatches).  An overlapped F&B pair runs the two chunks' computations one after the
+  other, interleaved as DeepSeek-V3's Figure 4 interleaves attention, dispatch, MLP and combine, so
+  each one's collectives run under the other's computation, which runs on the cores they leave
+  (:func:`~shardc.pipeline.schedules.paired_seconds`, :mod:`shardc.pipeline.pairing`): the pair takes
+  the computations added, the share of the cores the collectives held while they ran beside them,
+  and what of the collectives nothing was left to hide.  Devices d and p-1-d hold the same two
+  stages, so once a step each sends the other its gradients (both stages', as the device holds
+  them) to sum the two copies, a swap over the stage axis issued with the other gradient
+  reductions (``copies_exchange_s``).
 """
 
 from __future__ import annotations
