@@ -3,9 +3,15 @@
 A collective's kernels hold some of the chip's cores while they run (NCCL's channels, one CTA an SM that
 no compute kernel shares; DeepSeek-V3's all-to-all kernels, 20 of the H800's 132 SMs:
 :attr:`shardc.hardware.Hardware.overlap_share`), so computation overlapped with it runs on the rest, at
-``1 - share`` of its rate, and at its whole rate once the collective is done.  A phase's ahead collectives
-under its compute (:func:`shardc.timing.phase_seconds`) and the collectives of DualPipe's F&B pair under
-the other chunk's computation (:mod:`shardc.pipeline.pairing`) both advance time with :func:`beside`.
+``1 - share`` of its rate, and at its whole rate once the collective is done: :func:`beside` gives the
+time until the first of the two ends, :func:`beside_seconds` until both have.  Where the cost overlaps a
+collective with computation it runs by them: a phase's ahead collectives under its compute
+(:func:`shardc.timing.phase_seconds`), the collectives of DualPipe's F&B pair under the other chunk's
+computation (:mod:`shardc.pipeline.pairing`), and a pipeline's gradient reductions under the last
+microbatch's backward (:mod:`shardc.costmodel.pipeline_cost`).  Point-to-point sends (a pipeline's
+between stages, a ring kernel's to its neighbour: NCCL send/recv to one peer) hold SMs too, but how many
+is not measured (the chip's ``collective_sms`` are a node's collective channels), so they take none here;
+host copies run on the copy engines, not the SMs.
 """
 
 from __future__ import annotations
