@@ -272,3 +272,13 @@ def test_a_pairs_backward_issues_its_alltoall_before_the_weight_gradients() -> N
     part = part_time([dx, a2a, rest], h800, rows)
     assert part.segments == ((1.0, 0.5), (3.5, 0.0)) and part.share == pytest.approx(20 / 132)
     assert part_time([dx, dw, a2a, rest], h800).segments == ((3.0, 0.5), (1.5, 0.0))
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+                                                   ("zbv", 1)])
+def test_only_the_paired_schedules_read_the_chains(schedule: str, virtual: int) -> None:
+    """The schedules that run one op at a time take each op's own time: the chains an F&B pair interleaves
+    change nothing there (a phase's collectives beside its compute are already in its F, B and W)."""
+    chains = Phases(((0.4, 1.0), (0.2, 0.0)), ((2.0, 0.5), (0.1, 0.0)), 0.1, 0.2, 0.25)
+    plain, chained = Timing(1.0, 1.4, 0.6), Timing(1.0, 1.4, 0.6, phases=chains)
+    assert simulate(schedule, 4, 8, chained, virtual).ops == simulate(schedule, 4, 8, plain, virtual).ops
