@@ -117,6 +117,8 @@ def ring_time(ring: RingTransfer, compute_s: float, mesh: Mesh, sizes: Mapping[s
 
     transfer = seconds(ring.step_bytes)
     step = compute_s / ring.steps
+    # the sends are point-to-point (NCCL send/recv to one neighbour): the SMs they hold beside the compute are
+    # not measured (the chip's collective_sms are a node's collective channels, shardc.overlap), none charged
     exposed = (ring.steps - 1) * max(0.0, transfer - step)
     exposed += math.fsum(seconds(s.elements * s.nbytes) * s.count for s in ring.sends if not s.hidden)
     sent = math.fsum(s.elements * s.nbytes * s.count for s in ring.sends)

@@ -54,6 +54,7 @@ from shardc.ir.plan import Plan, Step
 from shardc.ir.precision import Precision
 from shardc.ir.spec import TensorRef
 from shardc.layer_counts import block_counts, runs, step_count
+from shardc.overlap import beside_seconds
 from shardc.phase_ends import exposed_ends
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.ring_sends import shared_rings
@@ -80,14 +81,15 @@ def phase_seconds(busy_s: float, ahead_s: float, critical_s: float = 0.0, book: 
 
     While an overlapped collective runs it holds ``share`` of the chip's cores (NCCL's channels,
     :attr:`Hardware.overlap_share`), so the compute under it runs at ``1 - share`` of its rate: the phase
-    takes ``busy + share * ahead`` where the compute outlasts the collectives, else ``ahead``.
+    takes ``busy + share * ahead`` where the compute outlasts the collectives, else ``ahead``
+    (:func:`shardc.overlap.beside_seconds`, the rule DualPipe's F&B pairs run by too).
     ``ends_s`` of the ahead ones have no compute beside them (the gathers the phase's first step waits on,
     the reductions after its last: :func:`shardc.phase_ends.exposed_ends`): they add to it too."""
     if book:
         return max(busy_s, ahead_s + critical_s)
     ends_s = min(ends_s, ahead_s)
     hidden = ahead_s - ends_s
-    return max(busy_s + share * hidden, hidden) + ends_s + critical_s
+    return beside_seconds(busy_s, hidden, share) + ends_s + critical_s
 
 
 def bound_of(compute_s: float, comm_s: float, host: bool = False) -> str:

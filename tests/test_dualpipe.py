@@ -12,11 +12,16 @@ from pathlib import Path
 import pytest
 
 import shardc
+from shardc.collectives import Op
+from shardc.costmodel.section_times import pair_order, part_time
 from shardc.errors import ShardcError
 from shardc.hardware import get_hardware
 from shardc.pipeline.bubbles import bubble, held, inflight, sends_per_microbatch
 from shardc.pipeline.dualpipe import dualpipe_orders
+from shardc.pipeline.pairing import pair_seconds
 from shardc.pipeline.schedules import Phases, Timing, device_of, paired_seconds, simulate
+from shardc.step_cost import StepCost
+from shardc.timing import phase_seconds
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
 
@@ -83,17 +88,40 @@ def test_the_steady_state_overlaps_forward_backward_pairs() -> None:
 
 
 def test_a_pair_hides_each_ones_collectives_under_the_others_computation() -> None:
-    """F bound by its AllToAll (0.4 computation, 1.0 collectives), the backward by its computation
-    (2.0, 0.5): apart 1.0 + 2.0; paired max(0.4 + 2.0, 1.0 + 0.5) = 2.4, so the step shrinks."""
-    phases = Phases(0.4, 1.0, 2.0, 0.5)
+    """F bound by its AllToAll (0.4 computation, then 1.0 of collective), the backward by its computation
+    (2.0, then 0.5): apart 1.4 + 2.5 = 3.0 with F's own phase split this way; paired, F computes first, its
+    AllToAll runs under the backward's 2.0 and only the backward's last collective, after everything else
+    computed, shows: 0.4 + 2.0 + 0.5 = 2.9, so the step shrinks."""
+    phases = Phases(((0.4, 1.0),), ((2.0, 0.5),))
     timing = Timing(1.0, 1.4, 0.6, phases=phases)
-    assert paired_seconds(timing, timing) == pytest.approx(2.4)
+    assert paired_seconds(timing, timing) == pytest.approx(2.9)
     assert paired_seconds(timing, Timing(1.0, 1.4, 0.6)) == pytest.approx(3.0)  # split unknown: apart
-    both = Timing(1.0, 1.4, 0.6, phases=Phases(1.0, 0.1, 2.0, 0.1))  # all computation: nothing to hide
+    both = Timing(1.0, 1.4, 0.6, phases=Phases(((1.0, 0.1),), ((2.0, 0.1),)))  # all computation: little to hide
     assert paired_seconds(both, both) == pytest.approx(3.0)
     plain, paired = simulate("dualpipe", 4, 16, Timing(1.0, 1.4, 0.6)), simulate("dualpipe", 4, 16, timing)
     assert paired.makespan < plain.makespan
     assert any(op.paired for op in paired.ops) and paired.ideal < plain.ideal
+
+
+def test_a_paired_tick_by_hand_with_and_without_the_cores_a_collective_holds() -> None:
+    """Figure 4 of DeepSeek-V3's report: the two chunks' computations run one after the other, each one's
+    collective under the other's computation.  F: 1.0 of computation, a collective of 0.5, then 0.4;
+    the backward: 2.0, a collective of 0.6, then 0.3 (3.7 of computation, apart 4.8).
+
+    Free cores: either chunk first, F's collective hides under the backward's 2.0 and the backward's under
+    F's 0.4, 0.2 of it showing: 3.9.  With a collective holding a quarter of the cores (the H800's 20 of 132
+    SMs is 0.15): F first, the backward's 2.0 runs 0.5 s beside F's collective, 0.125 s longer (ends at
+    3.125); F's 0.4 beside the backward's collective takes 0.4 / 0.75 and ends before it (3.725); the
+    backward's 0.3 then: 4.025.  The backward first ends later (4.05), so the pair takes 4.025."""
+    forward = Phases(((1.0, 0.5), (0.4, 0.0)), ())
+    backward = Phases((), ((2.0, 0.6), (0.3, 0.0)))
+    assert pair_seconds(forward, backward) == pytest.approx(3.9)
+    held = dataclasses.replace(forward, share=0.25)
+    assert pair_seconds(held, backward) == pytest.approx(4.025)
+    # F's 1.0 then the backward's 2.0 beside F's 0.5 collective: one phase's rule (shardc.overlap.beside)
+    assert phase_seconds(2.0, 0.5, book=False, share=0.25) == pytest.approx(2.125)
+    f, b = Timing(1.9, 0.0, phases=held), Timing(0.0, 2.0, 0.9, phases=backward)
+    assert paired_seconds(f, b) == pytest.approx(4.025) and paired_seconds(f, b) < 1.9 + 2.9
 
 
 @pytest.mark.parametrize(("p", "m", "message"), [(3, 12, "even number of stages"), (4, 6, "at least twice"),
@@ -229,3 +257,28 @@ def test_a_device_holds_mostly_its_own_directions_stage() -> None:
         assert sum(got.values()) == 17 and got[own] == 16 - h
     big_head = sim.peak_chunks(0, {0: 1.0, 31: 100.0})  # a heavy last stage: its bytes' peak, not the count's
     assert big_head[31] >= 1 and 100 * big_head[31] + big_head[0] >= 100 + 16
+
+
+def test_a_pairs_backward_issues_its_alltoall_before_the_weight_gradients() -> None:
+    """Figure 4 runs an MLP's weight gradient after its input gradient, once the AllToAll that gradient
+    feeds is issued: the chain of a backward (input gradient 1.0, weight gradient 2.0, an AllToAll of
+    0.5, then 1.5 of attention's) computes 1.0 before the AllToAll and the 2.0 of the weight gradient
+    beside it, where the plan's order would compute 3.0 first."""
+    h800 = get_hardware("h800")
+    dx, dw, rest = (StepCost(i, Op.EINSUM, "t", "t", compute_s=s) for i, s in ((0, 1.0), (1, 2.0), (3, 1.5)))
+    a2a = StepCost(2, Op.ALL_TO_ALL, "t", "t", axes=("Z",), bandwidth_s=0.5)
+    rows = pair_order([(dx, False), (dw, True), (a2a, False), (rest, False)])
+    assert rows == [dx, a2a, dw, rest]
+    part = part_time([dx, a2a, rest], h800, rows)
+    assert part.segments == ((1.0, 0.5), (3.5, 0.0)) and part.share == pytest.approx(20 / 132)
+    assert part_time([dx, dw, a2a, rest], h800).segments == ((3.0, 0.5), (1.5, 0.0))
+
+
+@pytest.mark.parametrize(("schedule", "virtual"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+                                                   ("zbv", 1)])
+def test_only_the_paired_schedules_read_the_chains(schedule: str, virtual: int) -> None:
+    """The schedules that run one op at a time take each op's own time: the chains an F&B pair interleaves
+    change nothing there (a phase's collectives beside its compute are already in its F, B and W)."""
+    chains = Phases(((0.4, 1.0), (0.2, 0.0)), ((2.0, 0.5), (0.1, 0.0)), 0.1, 0.2, 0.25)
+    plain, chained = Timing(1.0, 1.4, 0.6), Timing(1.0, 1.4, 0.6, phases=chains)
+    assert simulate(schedule, 4, 8, chained, virtual).ops == simulate(schedule, 4, 8, plain, virtual).ops

@@ -20,7 +20,7 @@ from tests.test_pipeline_two_way import WHOLE
 CASES = [("dualpipe", 2, 4), ("dualpipe", 4, 8), ("dualpipe", 4, 10), ("dualpipe", 8, 20),
          ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 3, 7)]
 # a pair shorter than its ops one after the other: each one's collectives under the other's computation
-OVERLAPPED = Timing(1.0, 1.4, 0.6, phases=Phases(0.4, 1.0, 2.0, 0.5))
+OVERLAPPED = Timing(1.0, 1.4, 0.6, phases=Phases(((0.4, 1.0),), ((2.0, 0.5),)))
 
 
 @pytest.mark.parametrize(("schedule", "p", "m"), CASES)

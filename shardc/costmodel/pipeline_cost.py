@@ -45,13 +45,15 @@ each ``max(compute, collectives)`` as the report's own step is
   both hold the first chunk's and the last chunk's statements (each direction enters at one
   of them); its p + 1 microbatches held are of either stage (counted at the mean of the two
   stages' layers), and its times per microbatch are the mean of its two stages' (each runs
-  half the microbatches).  An overlapped F&B pair takes the larger of the two computations
-  added and the two phases' collectives added (:func:`~shardc.pipeline.schedules.paired_seconds`):
-  since each phase here already overlaps its own collectives with its computation, the pair
-  saves only where one phase is bound by its collectives (the AllToAll) and the other by its
-  computation.  Devices d and p-1-d hold the same two stages, so once a step each sends the
-  other its gradients (both stages', as the device holds them) to sum the two copies, a swap over
-  the stage axis issued with the other gradient reductions (``copies_exchange_s``).
+  half the microbatches).  An overlapped F&B pair runs the two chunks' computations one after the
+  other, interleaved as DeepSeek-V3's Figure 4 interleaves attention, dispatch, MLP and combine, so
+  each one's collectives run under the other's computation, which runs on the cores they leave
+  (:func:`~shardc.pipeline.schedules.paired_seconds`, :mod:`shardc.pipeline.pairing`): the pair takes
+  the computations added, the share of the cores the collectives held while they ran beside them,
+  and what of the collectives nothing was left to hide.  Devices d and p-1-d hold the same two
+  stages, so once a step each sends the other its gradients (both stages', as the device holds
+  them) to sum the two copies, a swap over the stage axis issued with the other gradient
+  reductions (``copies_exchange_s``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Network, TensorRef
+from shardc.overlap import beside_seconds
 from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
@@ -287,7 +290,8 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
     copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
-    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, tied_s, copies_s, hw.reduces_after_backward)
+    reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, tied_s, copies_s, hw.reduces_after_backward,
+                                           hw.overlap_share)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
     found = _thresholds(pipe, replace(timing, comm=0.0), min(parts[f"layer {b}"][0].seconds
@@ -323,10 +327,12 @@ def _copies_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hard
 
 
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Timing, last: Timing,
-                     tied_s: float = 0.0, copies_s: float = 0.0, after_backward: bool = False) -> tuple[float, float]:
+                     tied_s: float = 0.0, copies_s: float = 0.0, after_backward: bool = False,
+                     share: float = 0.0) -> tuple[float, float]:
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
-    hide under that backward (Megatron-LM's overlapped gradient reduction) and what is longer shows;
+    hide under that backward (Megatron-LM's overlapped gradient reduction), which runs beside them on the
+    ``share`` of the cores they leave (:func:`shardc.overlap.beside_seconds`), and what is longer shows;
     ``after_backward`` (``grad_reduce after-backward``): issued after it, all exposed.
     ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
     ``copies_s``: DualPipe's swap of the two copies' gradients, on every device."""
@@ -338,7 +344,8 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Ti
         own = (math.fsum(n * parts[f"layer {b} reduce"][0].seconds for b, n in enumerate(counts))
                + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends) + copies_s)
         backward = layers[1].seconds + layers[2].seconds + sum(t.backward + t.weight for _, t in ends)
-        worst, exposed = max(worst, own), max(exposed, own - (0.0 if after_backward else backward))
+        beside = own if after_backward else beside_seconds(backward, own, share) - backward
+        worst, exposed = max(worst, own), max(exposed, beside)
     return worst, max(0.0, exposed)
 
 

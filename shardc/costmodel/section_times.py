@@ -7,7 +7,10 @@ section's forward, the backward's input-gradient part (B) and its weight-gradien
 ``dW...``), each ``max(compute, collectives)`` as the report's own step is, and apart the gradient
 reductions run once a step on the microbatches' sums.  :func:`run_times` gives a run of layers (a stage's,
 a chunk's) from them, :func:`chunk_times` each model chunk's as the schedule's simulation reads them
-(:mod:`shardc.costmodel.pipeline_cost` sums them into the pipeline's figures).
+(:mod:`shardc.costmodel.pipeline_cost` sums them into the pipeline's figures).  Each part also keeps its
+steps' chain of computations and the collectives each next one waits for (:attr:`PartTime.segments`),
+which DualPipe's F&B pairs interleave (:mod:`shardc.pipeline.pairing`); a backward's chain is the whole
+backward in the order a pair runs it (:func:`pair_order`).
 """
 
 from __future__ import annotations
@@ -23,29 +26,55 @@ from shardc.pipeline.backward_split import weight_steps
 from shardc.pipeline.block_split import chunk_blocks
 from shardc.pipeline.boundary import carried_moves, gradient_reductions
 from shardc.pipeline.dualpipe import end_chunks
-from shardc.pipeline.schedules import Phases, Timing
+from shardc.pipeline.pairing import Phases, Segment, joined
+from shardc.pipeline.schedules import Timing
 from shardc.spec.stages import Pipeline
 from shardc.step_cost import StepCost
-from shardc.timing import phase_rows, phase_time
+from shardc.timing import comm_split, phase_rows, phase_time
 
-__all__ = ["PartTime", "part_time", "section_times", "run_times", "phases_of", "end_timing", "chunk_times"]
+__all__ = ["PartTime", "part_time", "pair_order", "section_times", "run_times", "phases_of", "end_timing",
+           "chunk_times"]
 
 
 @dataclass(frozen=True)
 class PartTime:
-    """A run of rows: compute and memory-bound time, collective time, and its time overlapped; ``paired``:
-    its compute and memory-bound time beside collectives running all along (an F&B pair's other op's),
-    which hold the chip's share of cores NCCL holds (:func:`shardc.timing.phase_seconds`'s rule)."""
+    """A run of rows: compute and memory-bound time, collective time, and its time overlapped; ``segments``:
+    its computations and the collectives each next one waits for, in the order they run (a backward's B
+    holds its whole backward's, W's among them, as an F&B pair runs it: :class:`Phases`), ``ahead`` its
+    collectives nothing waits for, ``share`` the cores a collective holds (:attr:`Hardware.overlap_share`)."""
 
     busy: float
     comm: float
     seconds: float
-    paired: float
+    segments: tuple[Segment, ...] = ()
+    ahead: float = 0.0
+    share: float = 0.0
 
 
-def part_time(rows: list[StepCost], hw: Hardware) -> PartTime:
+def part_time(rows: list[StepCost], hw: Hardware, chain: list[StepCost] | None = None) -> PartTime:
+    """``rows``' times, and as its segments ``chain``'s (by default the rows'), one row at a time in order."""
     t = phase_time(((r, 1) for r in rows), hw)
-    return PartTime(t.busy_s, t.comm_s, t.seconds, t.busy_s + hw.overlap_share * t.comm_s)
+    segments, ahead = _segments(rows if chain is None else chain, hw)
+    return PartTime(t.busy_s, t.comm_s, t.seconds, segments, ahead, hw.overlap_share)
+
+
+def _segments(rows: list[StepCost], hw: Hardware) -> tuple[tuple[Segment, ...], float]:
+    """The rows' computations, each with the collective the next one waits for (a critical one: the
+    collectives' rule, :func:`shardc.timing.comm_split`, with its bucketing), and the seconds of the ones
+    issued ahead."""
+    ahead, critical = comm_split(((r, 1) for r in rows), hw)
+    out: list[Segment] = []
+    busy, waited = 0.0, 0.0
+    for r in rows:
+        busy += r.busy_s
+        wait = r.exposed_comm_s + (r.comm_s if r.is_collective and not r.ahead else 0.0)
+        if wait > 0.0:
+            out.append((busy, wait))
+            busy, waited = 0.0, waited + wait
+    extra = max(0.0, critical - waited)  # bucketed reductions the framework runs after the backward
+    if busy > 0.0 or extra > 0.0:
+        out.append((busy, extra))
+    return tuple(out), ahead
 
 
 def _rows(steps: tuple[Step, ...], plan: Plan, sizes: dict[str, int], hw: Hardware,
@@ -90,24 +119,63 @@ def section_times(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout
         else:
             b_rows = mine(again[k]) + [r for r, i in steps if i not in grads]
             w_rows = [r for r, i in steps if i in grads and i not in reduced]
-        out[key] = [part_time(mine(fwd[k]), hw), part_time(b_rows, hw), part_time(w_rows, hw)]
+        whole = mine(again[k]) + pair_order([(r, i in grads) for r, i in steps if i not in reduced])
+        out[key] = [part_time(mine(fwd[k]), hw), part_time(b_rows, hw, whole), part_time(w_rows, hw, [])]
         out[f"{key} reduce"] = [part_time([r for r, i in steps if i in reduced], hw)]
     return out
 
 
+def pair_order(rows: list[tuple[StepCost, bool]]) -> list[StepCost]:
+    """A backward's rows (each with whether it is a weight gradient) as an F&B pair runs them: a weight
+    gradient after the next collective a later step waits for, which does not wait for it (DeepSeek-V3's
+    Figure 4 runs the MLP's weight gradient after issuing the AllToAll its input gradient feeds)."""
+    out: list[StepCost] = []
+    held: list[StepCost] = []
+    for row, weight in rows:
+        if weight:
+            held.append(row)
+            continue
+        out.append(row)
+        if row.exposed_comm_s > 0.0 or (row.is_collective and not row.ahead):
+            out, held = out + held, []
+    return out + held
+
+
 def run_times(parts: dict[str, list[PartTime]], counts: tuple[float, ...]) -> list[PartTime]:
-    """A microbatch's F, B and W through a run of layers: each block's layers (``counts``) times its layer's."""
+    """A microbatch's F, B and W through a run of layers: each block's layers (``counts``) times its layer's,
+    their segments the layers' one after another."""
     def part(i: int, field: str) -> float:
         return math.fsum(n * getattr(parts[f"layer {b}"][i], field) for b, n in enumerate(counts))
 
-    return [PartTime(part(i, "busy"), part(i, "comm"), part(i, "seconds"), part(i, "paired")) for i in range(3)]
+    out = []
+    for i in range(3):
+        chains = [_repeated(parts[f"layer {b}"][i].segments, n) for b, n in enumerate(counts)]
+        if i > 0:  # the backward runs the last block's layers first
+            chains.reverse()
+        segments: tuple[Segment, ...] = ()
+        for chain in chains:
+            segments = joined(segments, chain)
+        out.append(PartTime(part(i, "busy"), part(i, "comm"), part(i, "seconds"), segments, part(i, "ahead"),
+                            max((parts[f"layer {b}"][i].share for b in range(len(counts))), default=0.0)))
+    return out
 
 
-def phases_of(parts: list[PartTime], layers: float = 1.0) -> Phases:
-    """The computation and collectives of a forward and of a whole backward (B and W), for an F&B pair."""
+def _repeated(segments: tuple[Segment, ...], n: float) -> tuple[Segment, ...]:
+    """A layer's segments ``n`` times over (a part of a layer: its times scaled)."""
+    whole = int(n)
+    out: tuple[Segment, ...] = ()
+    for _ in range(whole):
+        out = joined(out, segments)
+    if n > whole:
+        out = joined(out, tuple((c * (n - whole), m * (n - whole)) for c, m in segments))
+    return out
+
+
+def phases_of(parts: list[PartTime]) -> Phases:
+    """The chains of a forward and of a whole backward (B's segments hold W's), for an F&B pair."""
     forward, backward, weight = parts[:3]
-    return Phases(forward.paired * layers, forward.comm * layers, (backward.paired + weight.paired) * layers,
-                  (backward.comm + weight.comm) * layers)
+    return Phases(forward.segments, backward.segments, forward.ahead, backward.ahead + weight.ahead,
+                  max(p.share for p in parts[:3]))
 
 
 def end_timing(parts: list[PartTime]) -> Timing:
@@ -125,17 +193,17 @@ def chunk_times(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Timing,
     for c, counts in enumerate(chunk_blocks(pipe)):
         ends = [t for t, here in ((first, c in heads), (last, c in tails)) if here]
         f, b, w = run = run_times(parts, counts)
+        phases: Phases | None = phases_of(run)
+        if c in heads:
+            phases = _then(first.phases, phases)
+        if c in tails:
+            phases = _then(phases, last.phases)
         out.append(Timing(f.seconds + math.fsum(t.forward for t in ends),
                           b.seconds + math.fsum(t.backward for t in ends),
-                          w.seconds + math.fsum(t.weight for t in ends),
-                          phases=_added([(phases_of(run), 1.0)] + [(t.phases, 1.0) for t in ends])))
+                          w.seconds + math.fsum(t.weight for t in ends), phases=phases))
     return tuple(out)
 
 
-def _added(terms: list[tuple[Phases | None, float]]) -> Phases | None:
-    """The sum of some phases, each scaled (None where one is unknown)."""
-    if any(ph is None for ph, _ in terms):
-        return None
-    known = [(ph, k) for ph, k in terms if ph is not None]
-    return Phases(*(math.fsum(getattr(ph, f) * k for ph, k in known)
-                    for f in ("forward_busy", "forward_comm", "backward_busy", "backward_comm")))
+def _then(first: Phases | None, then: Phases | None) -> Phases | None:
+    """A run of layers, then another (None where either's phases are unknown)."""
+    return None if first is None or then is None else first.then(then)

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from shardc.pipeline.dualpipe import TWO_WAY
-from shardc.pipeline.schedules import Phases, Timing, chunks_of, device_of, paired_seconds
+from shardc.pipeline.schedules import Timing, chunks_of, device_of, paired_seconds
 
 __all__ = ["Bubble", "bubble", "inflight", "held", "activation_factor", "sends_per_microbatch", "EXACT",
            "microbatches_for"]
@@ -82,14 +82,10 @@ def bubble(schedule: str, p: int, m: int, timing: Timing, virtual: int = 1) -> B
         return Bubble((p / 2 - 1) * (paired_seconds(timing, timing) + whole - 3 * w), ideal,
                       "(p/2-1)*(T_F&B+T_B-2*T_W)/(m*(T_F+T_B+T_W))")
     if schedule == "dualpipev":  # the same over DualPipe's 2p ranks, its chunks half a stage here
-        half = Timing(f / 2, b / 2, w / 2, phases=None if timing.phases is None else _halved(timing.phases))
+        half = Timing(f / 2, b / 2, w / 2, phases=None if timing.phases is None else timing.phases.scaled(0.5))
         return Bubble((p - 1) * (paired_seconds(half, half) + (b + w) / 2 - 3 * w / 2), ideal,
                       "(p-1)*(T_F&B+T_B-2*T_W)/(2*m*(T_F+T_B+T_W))")
     raise ValueError(schedule)
-
-
-def _halved(phases: Phases) -> Phases:
-    return Phases(phases.forward_busy / 2, phases.forward_comm / 2, phases.backward_busy / 2, phases.backward_comm / 2)
 
 
 def microbatches_for(schedule: str, p: int, timing: Timing, target: float, virtual: int = 1) -> int:

@@ -31,8 +31,8 @@ point-to-point send).  A device runs one op at a time:
   stages, twice the parameters); its fixed order is the public repository's
   (:mod:`shardc.pipeline.dualpipe`), whose steady state runs a forward of one microbatch
   overlapped with the backward of another as one unit (an F&B pair): the pair takes
-  :func:`paired_seconds`, where the computations add up and the collectives of each hide
-  under the other's computation.
+  :func:`paired_seconds`, the two chunks' computations one after the other, interleaved so that
+  each one's collectives run under the other's computation (:mod:`shardc.pipeline.pairing`).
 * ``dualpipev`` (the same repository's DualPipeV, "cut in half"): zbv's V of 2p half-stage
   chunks on p devices, every microbatch down the V and back, each device running the order a
   device of the first half of DualPipe over 2p devices runs with 2m microbatches (its two
@@ -60,6 +60,7 @@ from typing import NamedTuple
 from shardc.errors import ShardcError
 from shardc.pipeline.dualpipe import TWO_WAY, Group, dualpipe_orders
 from shardc.pipeline.fixed_orders import fixed_order
+from shardc.pipeline.pairing import Phases, pair_seconds
 from shardc.spec.stages import check_dualpipe
 
 __all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "TWO_WAY", "stage_share",
@@ -72,18 +73,6 @@ PAIRED = frozenset({"dualpipe", "dualpipev"})  # the schedules that overlap an F
 # (4096 microbatches over 64 stages of 1F1B); zbv's greedy search weighs each op by the devices.
 MAX_OPS = 500_000
 MAX_GREEDY = 1_000_000
-
-
-@dataclass(frozen=True)
-class Phases:
-    """A chunk's forward and whole backward (B and W) split into computation (einsums and memory-bound
-    steps, as they run beside collectives: slower by the share of the GPU's cores a collective holds,
-    :attr:`shardc.hardware.Hardware.overlap_share`) and collectives, for the time of an overlapped F&B pair."""
-
-    forward_busy: float
-    forward_comm: float
-    backward_busy: float
-    backward_comm: float
 
 
 @dataclass(frozen=True)
@@ -104,17 +93,17 @@ class Timing:
 def paired_seconds(forward: Timing, backward: Timing) -> float:
     """One chunk's forward overlapped with another chunk's whole backward (DualPipe's F&B).
 
-    DeepSeek-V3 (section 3.2.1) runs the two on one GPU at once, the SMs shared, so that each
-    one's AllToAll and sends run under the other's computation: the pair takes the larger of
-    the two computations added and the two collectives added, never more than the two run one
-    after the other.  Without a split into computation and collectives (``phases``) nothing is
-    known to hide and the pair takes F + B + W.
+    DeepSeek-V3 (section 3.2.1, Figure 4) interleaves the two chunks' attention, dispatch, MLP and
+    combine so that each one's AllToAll runs under the other's computation, the computations one after
+    the other on the cores the collectives leave (:func:`shardc.pipeline.pairing.pair_seconds`), never
+    more than the two run one after the other.  Without their chains of computation and collectives
+    (``phases``) nothing is known to hide and the pair takes F + B + W.
     """
     apart = forward.forward + backward.backward + backward.weight
     f, b = forward.phases, backward.phases
     if f is None or b is None:
         return apart
-    return min(apart, max(f.forward_busy + b.backward_busy, f.forward_comm + b.backward_comm))
+    return min(apart, pair_seconds(f, b))
 
 
 class Op(NamedTuple):
@@ -248,7 +237,8 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
         check_dualpipe(schedule, p, m)
     if chunk_times is None:  # a device's chunks share the stage's layers equally (DualPipe's: each a stage)
         k = stage_share(schedule, chunks)
-        share = Timing(timing.forward * k, timing.backward * k, timing.weight * k, phases=timing.phases)
+        share = Timing(timing.forward * k, timing.backward * k, timing.weight * k,
+                       phases=None if timing.phases is None else timing.phases.scaled(k))
         chunk_times = (share,) * (chunks * p)
     if len(chunk_times) != chunks * p:
         raise ShardcError(f"schedule {schedule} on {p} stages has {chunks * p} chunks, "

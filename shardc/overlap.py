@@ -1,0 +1,39 @@
+"""Computation beside a collective on a GPU: the one rule every overlap in the cost model uses.
+
+A collective's kernels hold some of the chip's cores while they run (NCCL's channels, one CTA an SM that
+no compute kernel shares; DeepSeek-V3's all-to-all kernels, 20 of the H800's 132 SMs:
+:attr:`shardc.hardware.Hardware.overlap_share`), so computation overlapped with it runs on the rest, at
+``1 - share`` of its rate, and at its whole rate once the collective is done: :func:`beside` gives the
+time until the first of the two ends, :func:`beside_seconds` until both have.  Where the cost overlaps a
+collective with computation it runs by them: a phase's ahead collectives under its compute
+(:func:`shardc.timing.phase_seconds`), the collectives of DualPipe's F&B pair under the other chunk's
+computation (:mod:`shardc.pipeline.pairing`), and a pipeline's gradient reductions under the last
+microbatch's backward (:mod:`shardc.costmodel.pipeline_cost`).  Point-to-point sends (a pipeline's
+between stages, a ring kernel's to its neighbour: NCCL send/recv to one peer) hold SMs too, but how many
+is not measured (the chip's ``collective_sms`` are a node's collective channels), so they take none here;
+host copies run on the copy engines, not the SMs.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["beside", "beside_seconds"]
+
+
+def beside(work_s: float, comm_s: float, share: float) -> tuple[float, float]:
+    """Computation of ``work_s`` seconds (at the whole chip's rate) and a collective of ``comm_s`` seconds
+    started together, the collective holding ``share`` of the cores: (the seconds until the first of the
+    two ends, the computation's seconds of work left then)."""
+    rate = 1.0 - share
+    done_s = work_s / rate if rate > 0 else math.inf  # the computation alone on the cores left
+    if done_s <= comm_s:
+        return done_s, 0.0
+    return comm_s, max(0.0, work_s - rate * comm_s)
+
+
+def beside_seconds(work_s: float, comm_s: float, share: float) -> float:
+    """Computation of ``work_s`` seconds and a collective of ``comm_s`` seconds started together: the seconds
+    until both are done (:func:`beside`'s, then the work left at the whole rate).  The computation loses
+    ``share`` of the collective's time where it outlasts it, else the collective sets the time."""
+    return max(work_s + share * comm_s, comm_s)
