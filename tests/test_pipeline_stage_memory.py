@@ -6,9 +6,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import shardc
-from shardc.costmodel.phase_memory import phase_memory
+from shardc.costmodel.phase_memory import Buffers, phase_memory
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Schedule
+from shardc.planner.zigzag_order import sequence_order
+from shardc.verification.pipeline_verify import run_sizes
+from tests.test_zigzag_pipeline import MODEL as ZIGZAG
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -54,3 +57,28 @@ def test_an_all_reduce_sums_in_place_and_gpipe_holds_every_microbatch() -> None:
     gpipe = shardc.cost(_plan("yi_34b", "gpipe"))
     assert gpipe.pipeline is not None
     assert gpipe.pipeline.stages[0].held == gpipe.pipeline.pipeline.microbatches
+
+
+def test_a_pipelined_backward_slices_each_residual_a_dot_reads_out_of_its_ring() -> None:
+    """The lowered schedule keeps the residuals in rings (:mod:`shardc.lowering.pipeline_slots`): a tick's
+    backward slices its microbatch's out, each into a buffer of its own where a dot reads it (X, 4 x 4 floats
+    on a device), none where only a map does (H, read by gelu's derivative: the slice fused into it); XLA's
+    CPU backend makes the slices first, as they read only the loop's state (llama3_405b's backward at
+    verify's sizes: Q, K and V's slices, 20 kB each, alive from the tick's start to their layer's dots)."""
+    text = "mesh X=2\ndims B=8, D=4, F=6\nparam W\nH[B_X, F] = X[B_X, D] · W[D, F]\nY[B_X, F] = gelu(H[B_X, F])\n"
+    plan = shardc.plan(shardc.parse(text))
+    assert plan.sizes is not None and [r.name for r in plan.residuals] == ["H"]
+    plain, sliced = (phase_memory(plan, dict(plan.sizes), 4, Buffers(arguments_first=True, ring_slices=flag))[1]
+                     for flag in (False, True))
+    assert (plain.argument_copies, sliced.argument_copies) == (0, 4 * 4 * 4)
+    assert sliced.temporaries == plain.temporaries + 4 * 4 * 4  # alive beside dH at dW's dot
+
+
+def test_verify_cuts_a_zigzag_sequence_into_whole_chunks() -> None:
+    """A sequence held in zig-zag order is cut into 2n chunks over a ring of n devices: verify's sizes make
+    it whole chunks (over C = 2 it ran S = 6, four chunks of one token: the program held 4 of its 6 tokens;
+    llama3_405b_128k's memory was costed at 6, 1.24 of XLA's bytes)."""
+    plan = shardc.plan(shardc.parse(ZIGZAG.replace("C=4", "C=2")))
+    assert sequence_order(plan, {"C": 2}) == (frozenset({"S", "T"}), 4)
+    sizes, _, _ = run_sizes(plan, 8)
+    assert sizes["C"] == 2 and sizes["S"] % 4 == 0 and sizes["T"] % 4 == 0

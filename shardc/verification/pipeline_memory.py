@@ -109,9 +109,12 @@ def _working_set(plan: Plan, micro: dict[str, int], stage: StageCost, element: i
     (:data:`~shardc.verification.memory_check.XLA_CPU`, as the unpipelined check counts it): the largest
     phase of one microbatch through the sections the stage runs, the block's with the copies of its
     arguments (params, saved values) made first for each of the ``layers`` a tick runs, not one: the
-    loop body's scheduler makes them all before the first layer runs."""
+    loop body's scheduler makes them all before the first layer runs.  The saved values are the
+    microbatch's slots of the schedule's rings, each a dot reads sliced out into a buffer of its own
+    (:attr:`~shardc.costmodel.phase_memory.Buffers.ring_slices`)."""
+    sliced = replace(XLA_CPU, ring_slices=True)
     sets = {k: max(p.temporaries + (layers - 1) * p.argument_copies * (k == "block")
-                   for p in phase_memory(plan, micro, element, XLA_CPU, k)) for k in stage.sections}
+                   for p in phase_memory(plan, micro, element, sliced, k)) for k in stage.sections}
     return max(sets.values())
 
 
