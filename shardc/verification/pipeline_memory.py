@@ -67,9 +67,10 @@ class StageMemoryCheck:
                 f"the lowered schedule keeps its residuals in a ring of {self.slots} slots (of "
                 f"{self.microbatches} microbatches), alive through the loop",
                 "a tick's working set is one microbatch's largest phase through a layer (or an end) of the "
-                "stage, the block's copies of its arguments once for each layer a tick runs (XLA's CPU "
-                "backend makes them all at the start of the backward); XLA also packs the loop's buffers "
-                "with gaps, temporaries beyond the most alive at once",
+                "stage, the block's copies of its arguments (with the slices of the rings' slots a dot reads) "
+                "once for each layer a tick runs (XLA's CPU backend makes them all at the start of the "
+                "backward); XLA also keeps the loop's control scalars, each on a 64-byte line, and packs its "
+                "buffers with a few per cent of gaps",
                 "the program updates no optimizer state (it returns the gradients): shardc cost's optimizer "
                 "bytes have no counterpart here"]
 
