@@ -13,6 +13,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import Schedule
 from shardc.lowering.pipeline_runtime import _once
 from shardc.planner.zigzag_order import sequence_order
+from shardc.verification.pipeline_memory import _data
 from shardc.verification.pipeline_verify import run_sizes
 from tests.test_zigzag_pipeline import MODEL as ZIGZAG
 
@@ -93,3 +94,14 @@ def test_the_rings_keep_a_value_saved_under_two_names_once() -> None:
     pipeline_llama's run, XLA's temporaries 61.4 kB where 59.7 kB now), and the backward reads it by both."""
     l1, q = np.zeros((2, 3)), np.zeros((2, 3))  # equal values, two arrays: kept apart
     assert _once({"L1": l1, "Kx": l1, "Q": q}) == {("L1", "Kx"): l1, ("Q",): q}
+
+
+def test_the_check_counts_the_data_the_schedules_program_takes_and_returns() -> None:
+    """The pipelined program takes the whole batch's inputs and the outputs' cotangents and returns the
+    outputs and the inputs' gradients (pipeline_llama's X, dOut, Out and dX: XLA's arguments and outputs
+    beyond the params and their gradients, 1.92 and 1.99 kB); a stage of shardc cost holds its
+    microbatches' activations, not the data, so the check counts it beside the stage (0.85 -> 0.91)."""
+    plan = _plan("pipeline_llama")
+    sizes, _, _ = run_sizes(plan, 8)
+    x = sizes["B"] // sizes["X"] * sizes["S"] * sizes["D"] * 4  # X[B_X, S, D] in float32, on a device
+    assert _data(plan, sizes, 4) == 4 * x
