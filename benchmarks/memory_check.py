@@ -65,8 +65,9 @@ def _pipelined(plans: list[tuple[Path, Any]], devices: int) -> None:
     from shardc.units import fmt_bytes
     from shardc.verification.pipeline_verify import check_pipeline_memory
 
-    print(f"\n{'pipelined example':<26} {'ratio':>5}  {'shardc':>9} {'params':>9} {'grads':>9} {'activ.':>9} "
-          f"{'gathered':>9} {'working':>9} {'sums':>9}  {'XLA':>9} {'args':>9} {'outs':>9} {'temp':>9}  held/M")
+    heads = ("shardc", "params", "grads", "activ.", "gathered", "working", "sums", "data")
+    print(f"\n{'pipelined example':<26} {'ratio':>5}  {' '.join(f'{c:>9}' for c in heads)}  "
+          f"{'XLA':>9} {'args':>9} {'outs':>9} {'temp':>9}  held/M")
     for path, plan in plans:
         check = check_pipeline_memory(plan, devices)
         mine, xla = dict(check.shardc_parts), dict(check.xla_parts)

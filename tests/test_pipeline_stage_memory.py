@@ -5,10 +5,17 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 import shardc
-from shardc.costmodel.phase_memory import phase_memory
+from shardc.costmodel.phase_memory import Buffers, phase_memory
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Schedule
+from shardc.lowering.pipeline_runtime import _once
+from shardc.planner.zigzag_order import sequence_order
+from shardc.verification.pipeline_memory import _data
+from shardc.verification.pipeline_verify import run_sizes
+from tests.test_zigzag_pipeline import MODEL as ZIGZAG
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -54,3 +61,47 @@ def test_an_all_reduce_sums_in_place_and_gpipe_holds_every_microbatch() -> None:
     gpipe = shardc.cost(_plan("yi_34b", "gpipe"))
     assert gpipe.pipeline is not None
     assert gpipe.pipeline.stages[0].held == gpipe.pipeline.pipeline.microbatches
+
+
+def test_a_pipelined_backward_slices_each_residual_a_dot_reads_out_of_its_ring() -> None:
+    """The lowered schedule keeps the residuals in rings (:mod:`shardc.lowering.pipeline_slots`): a tick's
+    backward slices its microbatch's out, each into a buffer of its own where a dot reads it (X, 4 x 4 floats
+    on a device), none where only a map does (H, read by gelu's derivative: the slice fused into it); XLA's
+    CPU backend makes the slices first, as they read only the loop's state (llama3_405b's backward at
+    verify's sizes: Q, K and V's slices, 20 kB each, alive from the tick's start to their layer's dots)."""
+    text = "mesh X=2\ndims B=8, D=4, F=6\nparam W\nH[B_X, F] = X[B_X, D] · W[D, F]\nY[B_X, F] = gelu(H[B_X, F])\n"
+    plan = shardc.plan(shardc.parse(text))
+    assert plan.sizes is not None and [r.name for r in plan.residuals] == ["H"]
+    plain, sliced = (phase_memory(plan, dict(plan.sizes), 4, Buffers(arguments_first=True, ring_slices=flag))[1]
+                     for flag in (False, True))
+    assert (plain.argument_copies, sliced.argument_copies) == (0, 4 * 4 * 4)
+    assert sliced.temporaries == plain.temporaries + 4 * 4 * 4  # alive beside dH at dW's dot
+
+
+def test_verify_cuts_a_zigzag_sequence_into_whole_chunks() -> None:
+    """A sequence held in zig-zag order is cut into 2n chunks over a ring of n devices: verify's sizes make
+    it whole chunks (over C = 2 it ran S = 6, four chunks of one token: the program held 4 of its 6 tokens;
+    llama3_405b_128k's memory was costed at 6, 1.24 of XLA's bytes)."""
+    plan = shardc.plan(shardc.parse(ZIGZAG.replace("C=4", "C=2")))
+    assert sequence_order(plan, {"C": 2}) == (frozenset({"S", "T"}), 4)
+    sizes, _, _ = run_sizes(plan, 8)
+    assert sizes["C"] == 2 and sizes["S"] % 4 == 0 and sizes["T"] % 4 == 0
+
+
+def test_the_rings_keep_a_value_saved_under_two_names_once() -> None:
+    """``Kx = L1`` (a rename) is one array the forward returns under two names: the lowered pipeline's rings
+    keep it once, as ``shardc cost`` counts it (they kept both: 240 B a layer and microbatch more in
+    pipeline_llama's run, XLA's temporaries 61.4 kB where 59.7 kB now), and the backward reads it by both."""
+    l1, q = np.zeros((2, 3)), np.zeros((2, 3))  # equal values, two arrays: kept apart
+    assert _once({"L1": l1, "Kx": l1, "Q": q}) == {("L1", "Kx"): l1, ("Q",): q}
+
+
+def test_the_check_counts_the_data_the_schedules_program_takes_and_returns() -> None:
+    """The pipelined program takes the whole batch's inputs and the outputs' cotangents and returns the
+    outputs and the inputs' gradients (pipeline_llama's X, dOut, Out and dX: XLA's arguments and outputs
+    beyond the params and their gradients, 1.92 and 1.99 kB); a stage of shardc cost holds its
+    microbatches' activations, not the data, so the check counts it beside the stage (0.85 -> 0.91)."""
+    plan = _plan("pipeline_llama")
+    sizes, _, _ = run_sizes(plan, 8)
+    x = sizes["B"] // sizes["X"] * sizes["S"] * sizes["D"] * 4  # X[B_X, S, D] in float32, on a device
+    assert _data(plan, sizes, 4) == 4 * x

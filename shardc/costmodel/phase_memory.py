@@ -92,6 +92,7 @@ class Buffers:
     ring_blocks_first: bool = False
     scan_block: int = 0
     products_again: bool = False
+    ring_slices: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -134,8 +135,9 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
         parts = tuple((c, label, _total(refs, nbytes)) for c in ("arguments", "outputs")
                       for label, refs in groups[c].items())
         run = steps if section is None else _section(plan, name, section)
+        sliced = set(groups["arguments"].get("residuals", ())) if buffers.ring_slices else set()
         temporaries, early = _temporaries(run, set(args), set(outs), kept_values(plan), aligned,
-                                          _Copies(buffers, sizes, nbytes))
+                                          _Copies(buffers, sizes, nbytes), sliced)
         out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes), temporaries, parts, early))
     return out
 
@@ -155,13 +157,14 @@ def _total(refs: list[TensorRef], nbytes: Callable[[TensorRef], float]) -> float
 
 
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
-                 nbytes: Callable[[TensorRef], float], copies: _Copies) -> tuple[float, float]:
+                 nbytes: Callable[[TensorRef], float], copies: _Copies,
+                 sliced: set[TensorRef] | None = None) -> tuple[float, float]:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``, and of them the copies
     of arguments made first (:attr:`Buffers.arguments_first`): the heap they pack into, each at an offset
     of its own among those alive with it (:func:`shardc.costmodel.heap.packed`; at least the most alive
     at one of ``steps``), an output counted from the step that makes it (before, the buffer of one a
     reduction or a gather makes holds others, :func:`shardc.costmodel.heap.outside_outputs`), less the
-    outputs.
+    outputs; ``sliced``: the residuals read out of a ring's slot (:attr:`Buffers.ring_slices`).
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
@@ -208,6 +211,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             prefetched = step.op is Op.ALL_GATHER and step.src in args
             first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
             buffers[step.dst] = [0 if prefetched or first else start[k], end, nbytes(step.dst)]
+    early |= _ring_slices(steps, sliced or set(), last, early, copies)
     spans += _slot_rows(steps, copies)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
@@ -218,6 +222,16 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     hosting = {s.dst for s in steps if s.op in hosts}
     heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
     return packed(heap), sum(n for _, _, n in early.values())
+
+
+def _ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[TensorRef, int],
+                 early: dict[TensorRef, Span], copies: _Copies) -> dict[TensorRef, Span]:
+    """The ``residuals`` sliced out of their rings (:attr:`Buffers.ring_slices`): each a step other than a map
+    reads (a dot, a collective, a kernel) and no layout copy in ``early`` holds, alive to its last reader from
+    its first, or from the phase's start where the backend runs first what reads only the loop's state."""
+    first = {ref: k for k in reversed(range(len(steps))) for ref in steps[k].reads if not fusible(steps[k])}
+    return {ref: (0 if copies.buffers.arguments_first else first[ref], last[ref],
+                  copies.buffers.rounded(copies.nbytes(ref))) for ref in residuals - early.keys() if ref in first}
 
 
 def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[TensorRef],

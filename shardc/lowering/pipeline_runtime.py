@@ -184,7 +184,7 @@ class Pipeline:
                     body = self.bodies[b]
                     pool = {body.input: given, **self._layer_params(params, b, chunk, self._where(virtual, k))}
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
-                    return y, {b: ({n: v for n, v in used.items() if n not in body.params}, saved)}
+                    return y, {b: ({n: v for n, v in used.items() if n not in body.params}, _once(saved))}
                 return go
             y, mine = switch(self.tables, k, virtual, run, x)
             x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
@@ -194,7 +194,8 @@ class Pipeline:
     def _saved(self, kept: list[Any], params: tuple[Any, ...], chunk: Any, virtual: Any) -> list[Any]:
         """Each layer's residuals as its backward reads them (each block's that can run there): the saved
         values and the layer's params."""
-        return [{b: ({**used, **self._layer_params(params, b, chunk, self._where(virtual, k))}, saved)
+        return [{b: ({**used, **self._layer_params(params, b, chunk, self._where(virtual, k))},
+                     {n: v for names, v in saved.items() for n in names})
                  for b, (used, saved) in mine.items()} for k, mine in enumerate(kept)]
 
     def _grads_of(self, b: int, got: Arrays) -> Arrays:
@@ -439,6 +440,16 @@ class Pipeline:
             grads.update({body.part.grads[p]: g[real] for p, g in zip(body.params, self._params_of(dparams, b),
                                                                        strict=True)})
         return dict(self.ends.outputs(self, acc)), grads
+
+
+def _once(saved: Arrays) -> dict[tuple[str, ...], Any]:
+    """The saved values keyed by the names each goes by, so that a value saved under two names (a rename:
+    ``Kx = L1``) takes one slot of the ring, not two (the lowered pipeline kept both, 240 B a layer and
+    microbatch more than ``shardc cost`` counts in ``pipeline_llama``'s run)."""
+    names: dict[int, tuple[str, ...]] = {}
+    for n, v in saved.items():
+        names[id(v)] = names.get(id(v), ()) + (n,)
+    return {names[id(v)]: v for v in saved.values()}
 
 
 def _buffers(shapes: Any, n: int) -> Any:

@@ -14,6 +14,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import of_call
 from shardc.ops.route import ROUTING
+from shardc.planner.zigzag_order import sequence_order
 from shardc.spec.walk import calls, node_limits, renamed_indices
 
 __all__ = ["shrink_mesh", "small_sizes", "devices_to_check", "collapsed_axes", "MAX_SMALL_DIM",
@@ -84,6 +85,9 @@ def small_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int]:
             need[d.name] = math.lcm(need.get(d.name, 1), math.prod(mesh[a] for a in d.axes))
     for (experts, _), (_, _, groups) in node_limits(plan.spec).items():  # whole groups of experts
         need[experts] = math.lcm(need.get(experts, 1), groups)
+    zigzag, chunks = sequence_order(plan, mesh) or (frozenset(), 1)
+    for name in zigzag:  # whole zig-zag chunks: 2n of them over a ring of n (runtime_ring.zigzag_order)
+        need[name] = math.lcm(need.get(name, 1), chunks)
     same = _same_size(plan, need)
     for name in need:  # a renamed index has its source's size: both divide by every sharding of either
         need[name] = math.lcm(*(need[n] for n in need if same[n] == same[name]))

@@ -13,8 +13,9 @@ spec shards it; it updates no optimizer state), the activations its save policy 
 microbatches the stage holds at its peak (the program's ring holds as many:
 :mod:`shardc.lowering.pipeline_slots`), one layer's gathered weights, a tick's working set (one
 microbatch's largest phase, laid out as XLA's CPU backend lays it) and the microbatches' gradient
-sums a once-a-step ReduceScatter reads.  Both are counted at the
-run's float element (its inputs' dtype).
+sums a once-a-step ReduceScatter reads, and beside the stage the run's data the program takes and
+returns (the whole batch's inputs and outputs, their cotangents and gradients).  Both are counted at
+the run's float element (its inputs' dtype).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from shardc.costmodel.cost_report import cost
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.costmodel.pipeline_cost import StageCost
+from shardc.device_pieces import local_elements
 from shardc.ir.plan import Plan
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.pipeline.boundary import microbatch_dim
@@ -67,9 +69,10 @@ class StageMemoryCheck:
                 f"the lowered schedule keeps its residuals in a ring of {self.slots} slots (of "
                 f"{self.microbatches} microbatches), alive through the loop",
                 "a tick's working set is one microbatch's largest phase through a layer (or an end) of the "
-                "stage, the block's copies of its arguments once for each layer a tick runs (XLA's CPU "
-                "backend makes them all at the start of the backward); XLA also packs the loop's buffers "
-                "with gaps, temporaries beyond the most alive at once",
+                "stage, the block's copies of its arguments (with the slices of the rings' slots a dot reads) "
+                "once for each layer a tick runs (XLA's CPU backend makes them all at the start of the "
+                "backward); XLA also keeps the loop's control scalars, each on a 64-byte line, and packs its "
+                "buffers with a few per cent of gaps",
                 "the program updates no optimizer state (it returns the gradients): shardc cost's optimizer "
                 "bytes have no counterpart here"]
 
@@ -97,11 +100,23 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
               ("activations", stage.activation_bytes * scale), ("gathered weights", stage.gathered_bytes * scale),
               ("working set", _working_set(run, sizes | {report.pipeline.dim: report.pipeline.microbatch_size},
                                            stage, element, lowered.namespace.PIPELINE.slots)),
-              ("gradient sums", stage.accumulator_bytes * scale))
+              ("gradient sums", stage.accumulator_bytes * scale), ("data", _data(plan, sizes, element)))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
     slots = lowered.namespace.PIPELINE.rings.kept.count
     return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, slots, shardc,
                             xla + (("aliased", -float(stats.alias_size_in_bytes)),))
+
+
+def _data(plan: Plan, sizes: dict[str, int], element: int) -> float:
+    """The run's data as the schedule's program holds it, at the whole batch's ``sizes``: it takes the
+    inputs and the outputs' cotangents and returns the outputs and the inputs' gradients (a stage of
+    ``shardc cost`` holds its microbatches' activations, not the step's data: a data loader's)."""
+    own = dict(plan.element_bytes)
+    inputs = {info.name for info in plan.tensors if info.role == "input"}
+    grads = {grad for primal, grad in plan.gradient_names if primal in inputs}
+    refs = [info.ref for info in plan.tensors if info.role == "input" or info.is_output]
+    refs += [*plan.cotangents, *(g for g in plan.grads if g.name in grads)]
+    return sum(float(local_elements(ref, sizes)) * own.get(ref.name, element) for ref in dict.fromkeys(refs))
 
 
 def _working_set(plan: Plan, micro: dict[str, int], stage: StageCost, element: int, layers: int) -> float:
@@ -109,9 +124,12 @@ def _working_set(plan: Plan, micro: dict[str, int], stage: StageCost, element: i
     (:data:`~shardc.verification.memory_check.XLA_CPU`, as the unpipelined check counts it): the largest
     phase of one microbatch through the sections the stage runs, the block's with the copies of its
     arguments (params, saved values) made first for each of the ``layers`` a tick runs, not one: the
-    loop body's scheduler makes them all before the first layer runs."""
+    loop body's scheduler makes them all before the first layer runs.  The saved values are the
+    microbatch's slots of the schedule's rings, each a dot reads sliced out into a buffer of its own
+    (:attr:`~shardc.costmodel.phase_memory.Buffers.ring_slices`)."""
+    sliced = replace(XLA_CPU, ring_slices=True)
     sets = {k: max(p.temporaries + (layers - 1) * p.argument_copies * (k == "block")
-                   for p in phase_memory(plan, micro, element, XLA_CPU, k)) for k in stage.sections}
+                   for p in phase_memory(plan, micro, element, sliced, k)) for k in stage.sections}
     return max(sets.values())
 
 
