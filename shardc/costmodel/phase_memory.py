@@ -16,9 +16,10 @@ from shardc.collectives import Op
 from shardc.costmodel.heap import Span, outside_outputs, packed
 from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.memory import residual_table
+from shardc.costmodel.route_memory import route_arrays
 from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
+from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, Row, key_block
 from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
 from shardc.spec.attention_call import roles
@@ -82,7 +83,11 @@ class Buffers:
     the blocks and each block's running sums, two arrays of the padded shape beside the counts, where a
     chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps
     is made again by each later reader's fusion, so its operands live to its last reader
-    (:func:`_lifetimes`)."""
+    (:func:`_lifetimes`), and a softmax a product reads after another reader keeps its exponentials to
+    that product (:func:`_exponentials`).  ``scan_in_outputs``: a route's arrays that die before its mask is
+    written (the scan's blocks; by choice the running sums too, the slot being what the mask reads) sit in
+    the buffer of an output made then or after, as XLA's buffer assignment puts a temporary in an output's
+    allocation it fits when their lives do not overlap (``BufferAssigner::MaybeAssignBuffer``)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -92,6 +97,7 @@ class Buffers:
     ring_blocks_first: bool = False
     scan_block: int = 0
     products_again: bool = False
+    scan_in_outputs: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -180,7 +186,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     spans: list[Span] = []
     made_outs: dict[TensorRef, int] = {}
     early: dict[TensorRef, Span] = {}
+    hosted: list[Span] = []
     for k, step in enumerate(steps):
+        hosted += [(k, k, n) for n in copies.routing(step)[1]]
         for ref, size in copies.of(step):
             if ref is not None and ref in args and copies.buffers.arguments_first:
                 early[ref] = (0, k, size)  # one copy, shared by the steps that read it so
@@ -209,6 +217,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
             buffers[step.dst] = [0 if prefetched or first else start[k], end, nbytes(step.dst)]
     spans += _slot_rows(steps, copies)
+    if copies.buffers.products_again:
+        spans += _exponentials(steps, readers, last, nbytes)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -216,6 +226,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
+    # a routing's arrays that die before its mask is written fit the buffer of any output made after them,
+    # the mask's own included (Buffers.scan_in_outputs): an output made at the route's step counts as made after
+    spans += outside_outputs(hosted, [(k + 1, nbytes(ref)) for ref, k in made_outs.items()])
     heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
     return packed(heap), sum(n for _, _, n in early.values())
 
@@ -304,6 +317,17 @@ def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     return spans
 
 
+def _exponentials(steps: tuple[Step, ...], readers: dict[TensorRef, list[Step]], last: dict[TensorRef, int],
+                  nbytes: Callable[[TensorRef], float]) -> list[Span]:
+    """Per softmax that a product reads after another step does, its exponentials (its result's bytes),
+    alive from the softmax to its last reader: the softmax's last division, a multiply an element, is
+    made again inside the product's fusion (as :attr:`Buffers.products_again` makes a product again), so
+    the exponentials it divides live to it (``moe_layer.shard``'s forward: the gates' exponentials alive
+    to the combine weights, Gate · Disp, and the copy of them XLA makes for the combine's dot)."""
+    return [(k, last[s.dst], nbytes(s.dst)) for k, s in enumerate(steps)
+            if s.fn is Row.SOFTMAX and any(is_product(r) for r in readers.get(s.dst, [])[1:])]
+
+
 def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     """Per dot reading a routing mask, the mask made again for it: from the route's step to the dot's."""
     routes = {s.dst: k for k, s in enumerate(steps) if isinstance(s.fn, Route)}
@@ -375,7 +399,7 @@ class _Copies:
         # the pieces are sliced along the split dim and concatenated along the other: no transpose
         laid = [] if pieces else _layout_copies(step)
         return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in laid] \
-            + [(None, self.buffers.rounded(n)) for n in pieces + self._route_counts(step) + self._kernel(step)]
+            + [(None, self.buffers.rounded(n)) for n in pieces + self.routing(step)[0] + self._kernel(step)]
 
     def _kernel(self, step: Step) -> list[float]:
         """An attention kernel's buffers in memory while it runs, beyond its operands and results:
@@ -404,23 +428,12 @@ class _Copies:
         keys = float(local_elements(k, self.sizes)) / _local(k.dims[-1], self.sizes) * head
         return [float(rows * head) * element, keys * element] * (1 if part == "out" else 2)
 
-    def _route_counts(self, step: Step) -> list[float]:
-        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`), and those of the
-        routing an index-based dispatch step runs again from its gates (its first operand;
-        :func:`shardc.lowering.runtime.expert_dispatch` and the others): per token and expert whether
-        it chose the expert and how many tokens before it did, int32, the gates' shape each; both
-        alive while the mask, or the slots, are made from them."""
-        if not isinstance(step.fn, Route | Dispatch):
-            return []
-        gates = step.operands[0]
-        counts = float(local_elements(gates, self.sizes)) * 4
-        block = self.buffers.scan_block
-        if not block:
-            return [self.buffers.rounded(counts)] * 2
-        (order,) = (d for d in gates.dims if d.name == step.fn.order)
-        tokens = _local(order, self.sizes)
-        padded = counts / tokens * (-(-tokens // block) * block)
-        return [self.buffers.rounded(n) for n in (counts, padded, padded)]
+    def routing(self, step: Step) -> tuple[list[float], list[float]]:
+        """A routing's arrays (:func:`shardc.costmodel.route_memory.route_arrays`), each rounded: those in the
+        heap, and those in the buffer of an output made after them (:attr:`Buffers.scan_in_outputs`)."""
+        hosting = self.buffers.scan_in_outputs and isinstance(step.fn, Route)
+        held, hosted = route_arrays(step, self.sizes, self.buffers.scan_block, hosting)
+        return [self.buffers.rounded(n) for n in held], [self.buffers.rounded(n) for n in hosted]
 
     def _pieces(self, step: Step) -> list[float]:
         n = 1
