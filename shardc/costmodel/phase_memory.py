@@ -15,10 +15,13 @@ from math import prod
 from shardc.collectives import Op
 from shardc.costmodel.heap import Span, outside_outputs, packed
 from shardc.costmodel.kernel_memory import flash_workspace, loop_state
+from shardc.costmodel.layout_copies import blocked as _blocked
+from shardc.costmodel.layout_copies import layout_copies as _layout_copies
 from shardc.costmodel.memory import residual_table
+from shardc.costmodel.route_memory import route_arrays
 from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
+from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, Row, key_block
 from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
 from shardc.spec.attention_call import roles
@@ -67,7 +70,9 @@ class Buffers:
     ``arguments_first``: a copy of a value the phase takes (a param, a residual, a cotangent), and
     any step that reads only such values (a weight gradient of a saved activation and a cotangent),
     is made before any other step, as a scheduler that runs first what reads only the arguments
-    does; each lives from the start to its last reader.
+    does; each lives from the start to its last reader.  So is the copy into place of a value gathered over
+    several dims at once from an argument (it reads only the gathered argument): the copies are made one
+    after another right after the gathers, each value dying into its copy, one beside its source at once.
     ``masks_per_dot``: a routing mask (a route's result, or a product with one) that a dot reads is
     made again for that dot, in a buffer of its own alive from the route to the dot, as a fusion
     that recomputes a cheap producer for each consumer does.
@@ -82,7 +87,14 @@ class Buffers:
     the blocks and each block's running sums, two arrays of the padded shape beside the counts, where a
     chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps
     is made again by each later reader's fusion, so its operands live to its last reader
-    (:func:`_lifetimes`)."""
+    (:func:`_lifetimes`), and a softmax a product reads after another reader keeps its exponentials to
+    that product (:func:`_exponentials`).  ``scan_in_outputs``: a route's arrays that die before its mask is
+    written (the scan's blocks; by choice the running sums too, the slot being what the mask reads) sit in
+    the buffer of an output made then or after, as XLA's buffer assignment puts a temporary in an output's
+    allocation it fits when their lives do not overlap (``BufferAssigner::MaybeAssignBuffer``).
+    ``gathers_reversed``: a value gathered over several dims at once is copied into place with its dims
+    reversed (the layout its dot reads as (contracted, free)), so a dot contracting two or more of its dims
+    copies its other operand with those dims in that order (:meth:`_Copies.matching`)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -93,6 +105,8 @@ class Buffers:
     scan_block: int = 0
     products_again: bool = False
     ring_slices: bool = False
+    scan_in_outputs: bool = False
+    gathers_reversed: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -183,10 +197,16 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     spans: list[Span] = []
     made_outs: dict[TensorRef, int] = {}
     early: dict[TensorRef, Span] = {}
+    hosted: list[Span] = []
+    laid: list[float] = []
+    laid_out = {s.dst for s in steps if s.op is Op.ALL_GATHER and s.dim is None}  # gathered, copied into place
     for k, step in enumerate(steps):
-        for ref, size in copies.of(step):
+        hosted += [(k, k, n) for n in copies.routing(step)[1]]
+        for ref, size in copies.of(step) + copies.matching(step, laid_out):
             if ref is not None and ref in args and copies.buffers.arguments_first:
                 early[ref] = (0, k, size)  # one copy, shared by the steps that read it so
+            elif ref in laid_out and step.src in args and copies.buffers.arguments_first:
+                laid.append(size)  # a prefetched gather laid out at the start, dying into its copy
             else:
                 spans.append((k, k, size))
         if step.collective is not None:
@@ -212,7 +232,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
             buffers[step.dst] = [0 if prefetched or first else start[k], end, nbytes(step.dst)]
     early |= _ring_slices(steps, sliced or set(), last, early, copies)
-    spans += _slot_rows(steps, copies)
+    spans += _slot_rows(steps, copies) + ([(0, 0, max(laid))] if laid else [])
+    if copies.buffers.products_again:
+        spans += _exponentials(steps, readers, last, nbytes)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -220,6 +242,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
+    # a routing's arrays that die before its mask is written fit the buffer of any output made after them,
+    # the mask's own included (Buffers.scan_in_outputs): an output made at the route's step counts as made after
+    spans += outside_outputs(hosted, [(k + 1, nbytes(ref)) for ref, k in made_outs.items()])
     heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
     return packed(heap), sum(n for _, _, n in early.values())
 
@@ -318,6 +343,17 @@ def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     return spans
 
 
+def _exponentials(steps: tuple[Step, ...], readers: dict[TensorRef, list[Step]], last: dict[TensorRef, int],
+                  nbytes: Callable[[TensorRef], float]) -> list[Span]:
+    """Per softmax that a product reads after another step does, its exponentials (its result's bytes),
+    alive from the softmax to its last reader: the softmax's last division, a multiply an element, is
+    made again inside the product's fusion (as :attr:`Buffers.products_again` makes a product again), so
+    the exponentials it divides live to it (``moe_layer.shard``'s forward: the gates' exponentials alive
+    to the combine weights, Gate · Disp, and the copy of them XLA makes for the combine's dot)."""
+    return [(k, last[s.dst], nbytes(s.dst)) for k, s in enumerate(steps)
+            if s.fn is Row.SOFTMAX and any(is_product(r) for r in readers.get(s.dst, [])[1:])]
+
+
 def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     """Per dot reading a routing mask, the mask made again for it: from the route's step to the dot's."""
     routes = {s.dst: k for k, s in enumerate(steps) if isinstance(s.fn, Route)}
@@ -389,7 +425,7 @@ class _Copies:
         # the pieces are sliced along the split dim and concatenated along the other: no transpose
         laid = [] if pieces else _layout_copies(step)
         return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in laid] \
-            + [(None, self.buffers.rounded(n)) for n in pieces + self._route_counts(step) + self._kernel(step)]
+            + [(None, self.buffers.rounded(n)) for n in pieces + self.routing(step)[0] + self._kernel(step)]
 
     def _kernel(self, step: Step) -> list[float]:
         """An attention kernel's buffers in memory while it runs, beyond its operands and results:
@@ -418,23 +454,26 @@ class _Copies:
         keys = float(local_elements(k, self.sizes)) / _local(k.dims[-1], self.sizes) * head
         return [float(rows * head) * element, keys * element] * (1 if part == "out" else 2)
 
-    def _route_counts(self, step: Step) -> list[float]:
-        """A top-k route's own arrays (:func:`shardc.lowering.runtime.route_topk`), and those of the
-        routing an index-based dispatch step runs again from its gates (its first operand;
-        :func:`shardc.lowering.runtime.expert_dispatch` and the others): per token and expert whether
-        it chose the expert and how many tokens before it did, int32, the gates' shape each; both
-        alive while the mask, or the slots, are made from them."""
-        if not isinstance(step.fn, Route | Dispatch):
+    def matching(self, step: Step, laid_out: set[TensorRef]) -> list[tuple[TensorRef | None, float]]:
+        """With :attr:`Buffers.gathers_reversed`, the copy of a dot's other operand where it reads a value
+        gathered over several dims at once over two or more contracted dims: that value's copy into place
+        has its dims reversed, so the other operand's contracted dims are copied into that order too."""
+        if not self.buffers.gathers_reversed or step.op is not Op.EINSUM or len(step.operands) != 2 \
+                or is_product(step):
             return []
-        gates = step.operands[0]
-        counts = float(local_elements(gates, self.sizes)) * 4
-        block = self.buffers.scan_block
-        if not block:
-            return [self.buffers.rounded(counts)] * 2
-        (order,) = (d for d in gates.dims if d.name == step.fn.order)
-        tokens = _local(order, self.sizes)
-        padded = counts / tokens * (-(-tokens // block) * block)
-        return [self.buffers.rounded(n) for n in (counts, padded, padded)]
+        out = {d.name for d in step.dst.dims}
+        own = _layout_copies(step)
+        return [(other, self.buffers.rounded(self.nbytes(other)))
+                for ref, other in zip(step.operands, step.operands[::-1], strict=True)
+                if ref in laid_out and other not in own and other not in laid_out
+                and len([d for d in ref.dims if d.name not in out and d in other.dims]) > 1]
+
+    def routing(self, step: Step) -> tuple[list[float], list[float]]:
+        """A routing's arrays (:func:`shardc.costmodel.route_memory.route_arrays`), each rounded: those in the
+        heap, and those in the buffer of an output made after them (:attr:`Buffers.scan_in_outputs`)."""
+        hosting = self.buffers.scan_in_outputs and isinstance(step.fn, Route)
+        held, hosted = route_arrays(step, self.sizes, self.buffers.scan_block, hosting)
+        return [self.buffers.rounded(n) for n in held], [self.buffers.rounded(n) for n in hosted]
 
     def _pieces(self, step: Step) -> list[float]:
         n = 1
@@ -459,37 +498,3 @@ def _kernel_dims(step: Step, sizes: dict[str, int]) -> tuple[int, int, int]:
 
 def _local(dim: Dim, sizes: dict[str, int]) -> int:
     return int(local_elements(TensorRef("", (dim,)), sizes))
-
-
-def _layout_copies(step: Step) -> list[TensorRef]:
-    """The values XLA copies to lay them out for a step: a dot's operands ordered
-    (batch, free, contracted) or (batch, contracted, free) and its result (batch, the free indices of
-    one operand in that operand's order, then the other's: the order XLA's dot emits, so a result
-    whose free indices of one operand are permuted is transposed too), each transposed into a
-    temporary when stored otherwise; a
-    collective's result over a dim that is not its first, gathered (or scattered) along the major
-    dim and transposed into place, and an AllGather's of several dims at once (``dim`` None), whose
-    pieces land along a new major dim and are transposed into place."""
-    if step.is_collective:
-        several = step.op is Op.ALL_GATHER and step.dim is None
-        return [step.dst] if (step.dim or several) and step.op is not Op.ALL_REDUCE else []
-    if step.op is not Op.EINSUM or len(step.operands) != 2 or is_product(step):
-        return []
-    out = [d.name for d in step.dst.dims]
-    a, b = ([d.name for d in ref.dims] for ref in step.operands)
-    batch = [i for i in out if i in a and i in b]
-    copies = [ref for ref, names, other in ((step.operands[0], a, b), (step.operands[1], b, a))
-              if not _blocked(names, batch, [i for i in names if i in out and i not in other])]
-    a_free, b_free = ([i for i in names if i in out and i not in batch] for names in (a, b))
-    if out not in (batch + a_free + b_free, batch + b_free + a_free):
-        copies.append(step.dst)
-    return copies
-
-
-def _blocked(names: list[str], batch: list[str], group: list[str]) -> bool:
-    """Whether ``names`` is ``batch`` (in that order) then ``group`` and the rest, each in one block."""
-    rest = names[len(batch):]
-    if names[:len(batch)] != batch:
-        return False
-    k = len(group)
-    return set(rest[:k]) == set(group) or set(rest[len(rest) - k:]) == set(group)

@@ -81,11 +81,25 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # - its fusion makes a product (one multiply an element) read by several steps once for the first and
 #   again inside each later reader's fusion, so the product's operands live to its last reader
 #   (vocab_parallel.shard's backward at 16x its sizes: dN to the fusion making dE, beside dN * W_norm);
+# - its fusion makes a softmax's last division again inside a product reading it after another step, so
+#   the exponentials live to that product (moe_layer.shard's forward at verify's sizes: the gates'
+#   exponentials, 4.6 kB, alive to the combine weights Gate * Disp and their copy for the combine's dot);
+# - its buffer assignment puts a route's arrays that die before the mask is written (the scan's blocks;
+#   route_by_choice's running sums too, the mask being made from the slot they add up to) in the buffer of
+#   an output made after them (moe_layer.shard's forward: the blocks in Comb's; route_by_choice's blocks
+#   and sums, k times the gates' int32 each, in Disp's and Comb's);
+# - its scheduler makes the copy into place of a weight gathered over several dims at once (the pieces land
+#   along a new major dim) right after the gathers, each gathered weight dying into its copy, and lays the
+#   copy out with its dims reversed, so a dot contracting two or more of its dims copies the other
+#   operand's contracted dims into that order (tests/specs/llama2_13b_fsdp.shard's backward at verify's
+#   sizes: W_q, W_k, W_v gathered over X and Z copied as [H, N, D], and dQ, dK and dVal as [B, H, N], the
+#   cotangents' copies from the start, W_o's copy beside its gather);
 # Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
 # and copies a transposed one, where the dots it runs with Eigen read it in place; which library
 # takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
-                  attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True)
+                  attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
+                  scan_in_outputs=True, gathers_reversed=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
