@@ -50,12 +50,12 @@ from shardc.device_pieces import local_elements
 from shardc.fusion import kept_values, memory_traffic, named_values
 from shardc.hardware import Hardware
 from shardc.ir.localops import Update
-from shardc.ir.plan import Plan, Step
+from shardc.ir.plan import Plan, Step, TensorInfo
 from shardc.ir.precision import Precision
-from shardc.ir.spec import TensorRef
+from shardc.ir.spec import Spec, TensorRef
 from shardc.layer_counts import block_counts, runs, step_count
 from shardc.phase_ends import exposed_ends
-from shardc.pipeline.boundary import microbatch_dim
+from shardc.pipeline.boundary import batch_dim, gradient_reductions
 from shardc.ring_sends import shared_rings
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import block_reads
@@ -64,7 +64,7 @@ from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["bound_of", "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip",
            "plan_sizes", "plan_links", "update_seconds", "comm_split", "plan_dtype", "phase_rows",
-           "local_bytes_of", "phase_time", "phase_ends", "microbatched"]
+           "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "backward_runs"]
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -289,14 +289,15 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
             hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="", shared=shared)
         return hit
 
-    def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
+    def phase(steps: tuple[Step, ...], times: Sequence[int]) -> PhaseTime:
         moved = memory_traffic(steps, nbytes, kept, hw.fuses, named) if not hw.book else [0.0] * len(steps)
         rows = [row(s, b, shared) for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)]
-        return phase_time(((r, step_count(s, counts) * times) for s, r in zip(steps, rows, strict=True)), hw,
+        return phase_time(((r, step_count(s, counts) * n) for s, r, n in zip(steps, rows, times, strict=True)), hw,
                           phase_ends(plan, hw, steps, rows))
 
-    return PlanTime(phase(plan.forward, repeats), phase(plan.recomputed + plan.backward, repeats),
-                    phase(plan.optimizer, 1), update)
+    return PlanTime(phase(plan.forward, [repeats] * len(plan.forward)),
+                    phase(plan.recomputed + plan.backward, backward_runs(plan, repeats)),
+                    phase(plan.optimizer, [1] * len(plan.optimizer)), update)
 
 
 def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tuple[dict[str, int], int]:
@@ -307,16 +308,31 @@ def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tu
     einsums' efficiency, its memory-bound steps and a dim's padding are a microbatch's.  The book's model
     costs the whole batch at once.
     """
-    pipe = pipeline_of(plan.spec)
+    return stage_run(plan.spec, plan.tensors, sizes, book)
+
+
+def stage_run(spec: Spec, tensors: tuple[TensorInfo, ...], sizes: Mapping[str, int],
+              book: bool = False) -> tuple[dict[str, int], int]:
+    """:func:`microbatched` of a pipelined ``spec`` whose tensors are ``tensors``, before it is planned: the
+    sizes and the count its stage's plan is searched at (:func:`shardc.planner.planner.plan`)."""
+    pipe = pipeline_of(spec)
     values = dict(sizes)
     if pipe is None or book:
         return values, 1
-    dim = microbatch_dim(plan)
+    dim = batch_dim(spec, tensors)
     m = pipe.microbatches
     if dim not in values or values[dim] % m or m == 1:
         return values, 1
     values[dim] = values[dim] // m
     return values, m
+
+
+def backward_runs(plan: Plan, repeats: int) -> list[int]:
+    """How often a stage runs each step of its backward (``plan.recomputed + plan.backward``) a training
+    step, ``repeats`` microbatches: each one per microbatch, but the gradient reductions, which run once
+    on the microbatches' sums (:func:`shardc.pipeline.boundary.gradient_reductions`)."""
+    once = gradient_reductions(plan) if repeats > 1 else frozenset()
+    return [repeats] * len(plan.recomputed) + [1 if k in once else repeats for k in range(len(plan.backward))]
 
 
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,

@@ -32,7 +32,16 @@ from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network
 from shardc.layer_counts import block_counts, resolve_layers
-from shardc.timing import microbatched, phase_ends, phase_rows, plan_chip, plan_links, plan_sizes, update_seconds
+from shardc.timing import (
+    backward_runs,
+    microbatched,
+    phase_ends,
+    phase_rows,
+    plan_chip,
+    plan_links,
+    plan_sizes,
+    update_seconds,
+)
 from shardc.topology import AxisLinks
 
 __all__ = ["CostReport", "cost", "resolve_sizes", "missing_sizes", "step_tokens"]
@@ -156,8 +165,10 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
                                                  again if name == "backward" else frozenset()), at)
         formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.precision)
+        once = frozenset(k for k, n in enumerate(backward_runs(plan, times), 1) if n < times) \
+            if name == "backward" else frozenset()  # the gradient reductions, once a step
         return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more,
-                         ends_s=phase_ends(plan, hw, steps, rows))
+                         ends_s=phase_ends(plan, hw, steps, rows), accumulated=once)
 
     fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
