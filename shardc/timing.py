@@ -25,7 +25,9 @@ reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`
 under ``grad_reduce after-backward`` they run after the backward's compute, exposed.
 The backward needs the forward's results, so the training step takes ``forward +
 backward``, plus the optimizer phase of ZeRO-1/2 (``Plan.optimizer``: its
-reduce-scatters and all-gathers, after the backward), plus the update.  The
+reduce-scatters and all-gathers, after the backward), plus the update.  A pipeline's stage runs its
+forward and backward once a microbatch (:func:`microbatched`) and its gradient reductions once a step
+on the microbatches' sums, after the backward, with the optimizer phase (:func:`stage_phases`).  The
 forward steps a ``--recompute`` mode runs again (``Plan.recomputed``) are part of
 the backward phase.  All are multiplied by the layer count.
 
@@ -64,7 +66,7 @@ from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["bound_of", "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip",
            "plan_sizes", "plan_links", "update_seconds", "comm_split", "plan_dtype", "phase_rows",
-           "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "backward_runs"]
+           "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "stage_phases"]
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -289,15 +291,14 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
             hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="", shared=shared)
         return hit
 
-    def phase(steps: tuple[Step, ...], times: Sequence[int]) -> PhaseTime:
+    def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
         moved = memory_traffic(steps, nbytes, kept, hw.fuses, named) if not hw.book else [0.0] * len(steps)
         rows = [row(s, b, shared) for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)]
-        return phase_time(((r, step_count(s, counts) * n) for s, r, n in zip(steps, rows, times, strict=True)), hw,
+        return phase_time(((r, step_count(s, counts) * times) for s, r in zip(steps, rows, strict=True)), hw,
                           phase_ends(plan, hw, steps, rows))
 
-    return PlanTime(phase(plan.forward, [repeats] * len(plan.forward)),
-                    phase(plan.recomputed + plan.backward, backward_runs(plan, repeats)),
-                    phase(plan.optimizer, [1] * len(plan.optimizer)), update)
+    forward, backward, after = stage_phases(plan, repeats)
+    return PlanTime(phase(forward, repeats), phase(backward, repeats), phase(after, 1), update)
 
 
 def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tuple[dict[str, int], int]:
@@ -327,12 +328,14 @@ def stage_run(spec: Spec, tensors: tuple[TensorInfo, ...], sizes: Mapping[str, i
     return values, m
 
 
-def backward_runs(plan: Plan, repeats: int) -> list[int]:
-    """How often a stage runs each step of its backward (``plan.recomputed + plan.backward``) a training
-    step, ``repeats`` microbatches: each one per microbatch, but the gradient reductions, which run once
-    on the microbatches' sums (:func:`shardc.pipeline.boundary.gradient_reductions`)."""
+def stage_phases(plan: Plan, repeats: int) -> tuple[tuple[Step, ...], tuple[Step, ...], tuple[Step, ...]]:
+    """A training step's steps in the phases it runs them: the forward and the backward (the forward steps
+    it recomputes first), each ``repeats`` times, once a microbatch under a pipeline; then once a step the
+    gradient reductions, which a pipeline runs on the microbatches' sums after its backward
+    (:func:`shardc.pipeline.boundary.gradient_reductions`), and the optimizer phase (ZeRO-1/2)."""
     once = gradient_reductions(plan) if repeats > 1 else frozenset()
-    return [repeats] * len(plan.recomputed) + [1 if k in once else repeats for k in range(len(plan.backward))]
+    backward = plan.recomputed + tuple(s for k, s in enumerate(plan.backward) if k not in once)
+    return plan.forward, backward, tuple(plan.backward[k] for k in sorted(once)) + plan.optimizer
 
 
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,

@@ -64,17 +64,23 @@ def test_the_search_charges_each_step_as_often_as_the_stage_runs_it() -> None:
 
 
 def test_the_stage_objective_is_the_cost_of_the_stage_the_reductions_once() -> None:
-    """Data parallel under a pipeline: the weights' gradients reduced once a step, every other step once a
-    microbatch, in the planner's objective and in the report's stage tables alike."""
+    """Data parallel under a pipeline: the weights' gradients reduced once a step, after the backward, every
+    other step once a microbatch, in the planner's objective and in the report's stage tables alike."""
     text = fsdp(4096, 4096, 8).replace("W1[D_X, E]", "W1[D, E]").replace("W2[E_X, D]", "W2[E, D]")
     p = shardc.plan(shardc.parse(text))
     report = shardc.cost(p)
-    assert plan_time(p).step_s == pytest.approx(report.step.step_s, rel=1e-12)  # the planner's objective
-    rows = {r.index: r for r in report.backward.rows}
-    reduced = {k for k, r in rows.items() if r.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER) and r.tensor in ("dW1", "dW2")}
-    assert reduced and report.backward.accumulated == reduced  # run once a step, on the microbatches' sums
-    for k, r in rows.items():  # each of a stage's 2 layers: each step a microbatch, 8 of them; the reductions once
-        assert report.backward._count(r) == 2 * (1 if k in reduced else 8)
+    t = plan_time(p)
+    assert t.step_s == pytest.approx(report.step.step_s, rel=1e-12)  # the planner's objective
+    assert t.optimizer.seconds == pytest.approx(report.optimizer.step_s, rel=1e-12)
+    reduced = [r for r in report.optimizer.rows if r.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)]
+    assert {r.tensor for r in reduced} == {"dW1", "dW2"}  # once a step, on the microbatches' sums
+    assert not [r for r in report.backward.rows if r.tensor in ("dW1", "dW2") and r.is_collective]
+    for r in report.backward.rows:  # each of a stage's 2 layers: each step once a microbatch, 8 of them
+        assert report.backward._count(r) == 2 * 8
+    assert all(report.optimizer._count(r) == 2 for r in reduced)
+    one = shardc.cost(shardc.plan(shardc.parse(text.replace("microbatches 8", "microbatches 1"))))
+    assert [r.comm_s for r in reduced] == pytest.approx([r.comm_s for r in one.backward.rows if r in reduced or (
+        r.tensor in ("dW1", "dW2") and r.is_collective)])  # the reduction a step is the whole batch's
 
 
 @pytest.mark.parametrize(("batch", "d", "m"), [(4096, 4096, 8), (1024, 1024, 32), (16384, 4096, 32)])
@@ -109,3 +115,23 @@ def test_the_128k_stage_offers_no_ulysses_over_a_microbatch_too_small() -> None:
     forms = [a.description for c in p.choices if "Vl[" in c.statement and c.statement.startswith("C[")
              for a in c.alternatives]
     assert forms and not [f for f in forms if "moved to B" in f]
+
+
+MAXTEXT = """mesh data=16, stage=4 pipeline, fsdp=1, seq=1, tensor=4, expert=1, ctx=1, tt=1
+dims B=1024, D=4096, F=16384
+layers 32
+microbatches 16
+H[B_{data,fsdp}, F_{tensor,expert}] = In[B_{data,fsdp}, D_{seq}] · W_in[D_{fsdp}, F_{tensor,expert}]
+Out[B_{data,fsdp}, D_{seq}] = H[B_{data,fsdp}, F_{tensor,expert}] · W_out[F_{tensor,tt}, D_{fsdp}]
+"""
+
+
+def test_the_reductions_once_a_step_run_after_the_backward_in_the_objective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 8-axis MaxText-style mesh pipelined: its data-parallel gradient AllReduces run once a step, after
+    the backward, where nothing hides them.  Timed as if the m microbatches' backward hid them, a plan that
+    reduced its gradients won, the pipeline's step 18.1 ms against 16.8 ms before (where every microbatch
+    reduced them); timed where they run, the stage's plan takes 13.9 ms."""
+    spec = shardc.parse(MAXTEXT)
+    chosen, before = shardc.plan(spec), whole_batch(spec, monkeypatch)
+    steps = [shardc.cost(p).pipeline.step_s for p in (chosen, before)]  # type: ignore[union-attr]
+    assert steps[0] < steps[1]

@@ -59,8 +59,6 @@ class PhaseCost:
     tokens: float = 0.0  # the step: tokens a step processes (all devices)
     dtype: str = "bf16"
     repeats: int = 1  # a pipelined stage: its rows are one microbatch's, run this many times
-    # of those, the rows (by index) run once a step: the gradient reductions, on the microbatches' sums
-    accumulated: frozenset[int] = frozenset()
     more_layers: tuple[int, ...] = ()  # the later `layers` blocks' counts (layer_counts.block_counts)
     offload_s: float = 0.0  # the step: host copies its phases' compute does not hide (shardc.costmodel.offload)
     host: bool = False  # --offload: the phase's host copies (or the host's update) outlast the compute beside them
@@ -73,8 +71,7 @@ class PhaseCost:
         return math.fsum(getattr(r, attr) * self._count(r) for r in rows)
 
     def _count(self, row: StepCost) -> int:
-        return runs(row.once, row.block, (self.layers, *self.more_layers)) * (
-            1 if row.index in self.accumulated else self.repeats)
+        return runs(row.once, row.block, (self.layers, *self.more_layers)) * self.repeats
 
     @property
     def compute_flops(self) -> float:
