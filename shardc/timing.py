@@ -25,7 +25,9 @@ reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`
 under ``grad_reduce after-backward`` they run after the backward's compute, exposed.
 The backward needs the forward's results, so the training step takes ``forward +
 backward``, plus the optimizer phase of ZeRO-1/2 (``Plan.optimizer``: its
-reduce-scatters and all-gathers, after the backward), plus the update.  The
+reduce-scatters and all-gathers, after the backward), plus the update.  A pipeline's stage runs its
+forward and backward once a microbatch (:func:`microbatched`) and its gradient reductions once a step
+on the microbatches' sums, after the backward, with the optimizer phase (:func:`stage_phases`).  The
 forward steps a ``--recompute`` mode runs again (``Plan.recomputed``) are part of
 the backward phase.  All are multiplied by the layer count.
 
@@ -50,13 +52,13 @@ from shardc.device_pieces import local_elements
 from shardc.fusion import kept_values, memory_traffic, named_values
 from shardc.hardware import Hardware
 from shardc.ir.localops import Update
-from shardc.ir.plan import Plan, Step
+from shardc.ir.plan import Plan, Step, TensorInfo
 from shardc.ir.precision import Precision
-from shardc.ir.spec import TensorRef
+from shardc.ir.spec import Spec, TensorRef
 from shardc.layer_counts import block_counts, runs, step_count
 from shardc.overlap import beside_seconds
 from shardc.phase_ends import exposed_ends
-from shardc.pipeline.boundary import microbatch_dim
+from shardc.pipeline.boundary import batch_dim, gradient_reductions
 from shardc.ring_sends import shared_rings
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import block_reads
@@ -65,7 +67,7 @@ from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["bound_of", "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip",
            "plan_sizes", "plan_links", "update_seconds", "comm_split", "plan_dtype", "phase_rows",
-           "local_bytes_of", "phase_time", "phase_ends", "microbatched"]
+           "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "stage_phases"]
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -297,8 +299,8 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
         return phase_time(((r, step_count(s, counts) * times) for s, r in zip(steps, rows, strict=True)), hw,
                           phase_ends(plan, hw, steps, rows))
 
-    return PlanTime(phase(plan.forward, repeats), phase(plan.recomputed + plan.backward, repeats),
-                    phase(plan.optimizer, 1), update)
+    forward, backward, after = stage_phases(plan, repeats)
+    return PlanTime(phase(forward, repeats), phase(backward, repeats), phase(after, 1), update)
 
 
 def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tuple[dict[str, int], int]:
@@ -309,16 +311,33 @@ def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tu
     einsums' efficiency, its memory-bound steps and a dim's padding are a microbatch's.  The book's model
     costs the whole batch at once.
     """
-    pipe = pipeline_of(plan.spec)
+    return stage_run(plan.spec, plan.tensors, sizes, book)
+
+
+def stage_run(spec: Spec, tensors: tuple[TensorInfo, ...], sizes: Mapping[str, int],
+              book: bool = False) -> tuple[dict[str, int], int]:
+    """:func:`microbatched` of a pipelined ``spec`` whose tensors are ``tensors``, before it is planned: the
+    sizes and the count its stage's plan is searched at (:func:`shardc.planner.planner.plan`)."""
+    pipe = pipeline_of(spec)
     values = dict(sizes)
     if pipe is None or book:
         return values, 1
-    dim = microbatch_dim(plan)
+    dim = batch_dim(spec, tensors)
     m = pipe.microbatches
     if dim not in values or values[dim] % m or m == 1:
         return values, 1
     values[dim] = values[dim] // m
     return values, m
+
+
+def stage_phases(plan: Plan, repeats: int) -> tuple[tuple[Step, ...], tuple[Step, ...], tuple[Step, ...]]:
+    """A training step's steps in the phases it runs them: the forward and the backward (the forward steps
+    it recomputes first), each ``repeats`` times, once a microbatch under a pipeline; then once a step the
+    gradient reductions, which a pipeline runs on the microbatches' sums after its backward
+    (:func:`shardc.pipeline.boundary.gradient_reductions`), and the optimizer phase (ZeRO-1/2)."""
+    once = gradient_reductions(plan) if repeats > 1 else frozenset()
+    backward = plan.recomputed + tuple(s for k, s in enumerate(plan.backward) if k not in once)
+    return plan.forward, backward, tuple(plan.backward[k] for k in sorted(once)) + plan.optimizer
 
 
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,

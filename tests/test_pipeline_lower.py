@@ -114,19 +114,21 @@ def test_verify_runs_the_examples_1f1b() -> None:
     loop, down, up = report.collectives[:3]
     assert loop.ok and loop.hlo_op == "while x [10]"  # 2 (m + p - 1) ticks
     assert down.ok and up.ok and down.hlo_op == up.hlo_op == "collective-permute x 1"
-    reduces = [r for r in report.collectives if r.kind == "AllReduce"]
-    assert len(reduces) == 4 and all(r.ok and r.plan_axes == "Y" for r in reduces)  # Megatron: 2 forward, 2 back
+    reduces = [r for r in report.collectives if r.kind == "AllReduce" and r.phase == "step"]
+    assert len(reduces) >= 2 and all(r.ok and r.plan_axes == "Y" for r in reduces)  # Megatron's, 2 a layer forward
+    assert any(r.plan_axes == "X" for r in report.collectives)  # the FSDP gathers and gradient reductions
     assert report.ok, [r for r in report.collectives if not r.ok]
 
 
 @pytest.mark.slow
 def test_an_axis_cut_to_one_fails_its_collectives(plan: object) -> None:
-    """4 devices: P=2, X=2 and Y cut to 1, so the tensor-parallel AllReduces did not run."""
+    """4 devices: P=2, X=2 and Y cut to 1, so the tensor-parallel collectives over Y did not run."""
     report = verify_pipeline(plan, devices=4)  # type: ignore[arg-type]
     assert report.mesh == {"P": 2, "X": 2, "Y": 1}
     _values_ok(report)
     failed = [r for r in report.collectives if not r.ok]
-    assert failed and all(r.kind == "AllReduce" and "cut to 1" in r.note for r in failed)
+    assert failed and all("Y" in r.plan_axes and "cut to 1" in r.note for r in failed)
+    assert any(r.kind == "AllReduce" for r in failed)  # Megatron's, forward
     assert not report.ok and any("Y cut to 1" in n for n in report.notes)
 
 
@@ -142,8 +144,8 @@ def test_missing_permutes_are_a_mismatch(plan: object) -> None:
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro)  # type: ignore[arg-type]
     loop, down, up, count = loop_rows(lowered, "")[:4]
     assert not any(r.ok for r in (loop, down, up, count)) and count.note == "0 permutes in the HLO, not 2"
-    # Out[B_X, S, D] of a microbatch: B/X=2 x S=5 x D=6, bf16.
-    assert down.plan_bytes == up.plan_bytes == 2 * 5 * 6 * 2
+    # Out[B_X, S, D] of a microbatch, bf16 (verify's sizes: every sharding of the plan divides them)
+    assert down.plan_bytes == up.plan_bytes == sizes["B"] // micro // sizes["X"] * sizes["S"] * sizes["D"] * 2
 
 
 def test_uneven_stages_lower_as_the_cost_splits_them(plan: object) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 import shardc
 from shardc.costmodel.fitting import fitting_plan
-from shardc.planner import planner
+from shardc.planner import contexts
 
 ROOT = Path(__file__).resolve().parents[1]
 # MPT-7B at 64k on 8 H100s, eager PyTorch (`fusion none`): at its defaults it fits no plan, so the memory fit
@@ -22,13 +22,13 @@ MPT = ROOT / "benchmarks" / "runs" / "mpt_7b_64k_h100.shard"
 def test_the_memory_fit_searches_once_for_a_chip_made_anew(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = shardc.parse(MPT.read_text(), filename=str(MPT))
     made = []
-    real = planner._context
+    real = contexts.search_context
 
     def counted(*args: Any) -> Any:
         made.append(args)
         return real(*args)
 
-    monkeypatch.setattr(planner, "_context", counted)
+    monkeypatch.setattr(contexts, "search_context", counted)
     planned = fitting_plan(spec)
     assert "memory: no plan fits" in planned.notes[-1]  # every variant was planned
     assert len(made) == 1

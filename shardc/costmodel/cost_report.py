@@ -32,7 +32,16 @@ from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network
 from shardc.layer_counts import block_counts, resolve_layers
-from shardc.timing import microbatched, phase_ends, phase_rows, plan_chip, plan_links, plan_sizes, update_seconds
+from shardc.timing import (
+    microbatched,
+    phase_ends,
+    phase_rows,
+    plan_chip,
+    plan_links,
+    plan_sizes,
+    stage_phases,
+    update_seconds,
+)
 from shardc.topology import AxisLinks
 
 __all__ = ["CostReport", "cost", "resolve_sizes", "missing_sizes", "step_tokens"]
@@ -159,7 +168,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more,
                          ends_s=phase_ends(plan, hw, steps, rows))
 
-    fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan))
+    fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan, repeats))
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
                      fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
                      update_seconds(plan, values, hw, counts, optimizer), step_tokens(plan, values), dtype,
@@ -212,10 +221,11 @@ def latency_note(hw: Hardware, links: Layout) -> str:
             f"below by latency ({hw.hop_latency:g} s a hop)")
 
 
-def phase_steps(plan: Plan) -> tuple[tuple[str, tuple[Step, ...]], ...]:
-    """The phases as costed: forward; backward with the forward steps it recomputes first; optimizer."""
-    return (("forward", plan.forward), ("backward", plan.recomputed + plan.backward),
-            ("optimizer", plan.optimizer))
+def phase_steps(plan: Plan, repeats: int = 1) -> tuple[tuple[str, tuple[Step, ...]], ...]:
+    """The phases as costed: forward; backward with the forward steps it recomputes first; optimizer, with,
+    under a pipeline of ``repeats`` microbatches, the gradient reductions run once a step before it
+    (:func:`shardc.timing.stage_phases`)."""
+    return tuple(zip(("forward", "backward", "optimizer"), stage_phases(plan, repeats), strict=True))
 
 
 def step_tokens(plan: Plan, sizes: dict[str, int]) -> float:

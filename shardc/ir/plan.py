@@ -26,7 +26,7 @@ from shardc.spec.walk import nbytes_of
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "MemoryChoice", "TensorInfo", "Plan",
-    "COLLECTIVES", "uses_dropout", "Sections", "Section", "SECTIONS", "unfused", "backward_program",
+    "model_dims", "COLLECTIVES", "uses_dropout", "Sections", "Section", "SECTIONS", "unfused", "backward_program",
 ]
 
 
@@ -218,6 +218,11 @@ class TensorInfo:
     is_output: bool = False
 
 
+def model_dims(tensors: tuple[TensorInfo, ...]) -> frozenset[str]:
+    """:attr:`Plan.model_dims` of these tensors (a spec's, before it is planned)."""
+    return frozenset(d.name for info in tensors if info.role == "param" for d in info.ref.dims)
+
+
 T = TypeVar("T")
 
 # A `layers L { ... }` block's plan in three: the statements before the block, the block (one layer,
@@ -359,7 +364,7 @@ class Plan:
     def model_dims(self) -> frozenset[str]:
         """The dims some param has (the model's: D, F, V); a dim no param has is a batch or token dim (the one
         microbatches cut, the step's tokens)."""
-        return frozenset(d.name for info in self.tensors if info.role == "param" for d in info.ref.dims)
+        return model_dims(self.tensors)
 
     def tensor(self, name: str) -> TensorInfo:
         for info in self.tensors:

@@ -221,8 +221,8 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, t
     out = _value(node.indices, axes)
     if want != out:
         moves.append(reshard(ctx, node.result, node.indices, (out,), want))
-    for cost, made in moves:
-        moved, count = moved + cost[0], count + len(made)
+    for cost, made in moves:  # a microbatch's: reshard charges a training step's (CostContext.repeats)
+        moved, count = moved + cost[0] / ctx.repeats, count + len(made)
     assert node.call is not None
     fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag, held=held and form.zigzag,
                    rope=bool(r.qr), order=form.order)
@@ -247,7 +247,7 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, t
         hidden = (f"; the kernel's compute outlasts its moves from "
                   f"{hidden_from(tokens, 2 * moved, compute + backward):,.0f} tokens a device")
     note = f"exposed communication {fmt_seconds(2 * moved + exposed)}{hidden}"
-    return 2 * moved + (compute + backward) * ctx.compute_weight + exposed, count, note
+    return (2 * moved + (compute + backward) * ctx.compute_weight + exposed) * ctx.repeats, count, note
 
 
 def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]], want: Value,

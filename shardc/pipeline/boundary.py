@@ -7,30 +7,34 @@ both ask these of a plan; they are questions about the pipeline's structure, ans
 from __future__ import annotations
 
 from shardc.errors import ShardcError
-from shardc.ir.plan import Op, Plan, Step
-from shardc.ir.spec import TensorRef
+from shardc.ir.plan import Op, Plan, Step, TensorInfo, model_dims
+from shardc.ir.spec import Spec, TensorRef
 from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["microbatch_dim", "boundary_tensor", "check_microbatches", "check_lowerable",
+__all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "check_microbatches", "check_lowerable",
            "gradient_reductions", "tied_contributions", "carried_moves"]
 
 
-def _block_input(plan: Plan) -> TensorRef | None:
+def _block_input(spec: Spec, tensors: tuple[TensorInfo, ...]) -> TensorRef | None:
     """What a stage receives: the ``layers`` block's first activation input (the first input without one)."""
-    spec = plan.spec
     if spec.block is None:
-        return next((i.ref for i in plan.tensors if i.role == "input"), None)
+        return next((i.ref for i in tensors if i.role == "input"), None)
     lo, hi = spec.block
     made = {s.result.name for s in spec.statements[lo:hi]}
-    kinds = {i.name: i.role for i in plan.tensors}
+    kinds = {i.name: i.role for i in tensors}
     reads = (r for s in spec.statements[lo:hi] for r in leaves(s.expr))
     return next((r for r in reads if r.name not in made and kinds.get(r.name) == "activation"), None)
 
 
 def microbatch_dim(plan: Plan) -> str:
     """The dim microbatches cut: the first dim of the block's first input that no param has."""
-    model = plan.model_dims
-    first = _block_input(plan)
+    return batch_dim(plan.spec, plan.tensors)
+
+
+def batch_dim(spec: Spec, tensors: tuple[TensorInfo, ...]) -> str:
+    """:func:`microbatch_dim` of a spec whose tensors (their roles) are ``tensors``, before it is planned."""
+    model = model_dims(tensors)
+    first = _block_input(spec, tensors)
     for ref in [first] if first is not None else []:
         for dim in ref.dims:
             if dim.name not in model:
@@ -41,7 +45,7 @@ def microbatch_dim(plan: Plan) -> str:
 
 def boundary_tensor(plan: Plan) -> TensorRef:
     """The activation a stage sends the next: the block's output shaped like its first input."""
-    first = _block_input(plan)
+    first = _block_input(plan.spec, plan.tensors)
     spec = plan.spec
     if spec.block is not None:
         lo, hi = spec.block

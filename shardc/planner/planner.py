@@ -10,27 +10,27 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
+from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import replace
 
 from shardc.arguments import check_gradients
 from shardc.chip_choice import chip_for
 from shardc.errors import ShardcError, clip
 from shardc.hardware import Hardware, check_spans
-from shardc.ir.plan import Plan, Sections, Step, TensorInfo
+from shardc.ir.plan import Plan, Sections, Step
 from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.ops.registry import Node
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.collective_matmul import fuse_collective_matmuls
+from shardc.planner.contexts import search_context, shared_context, shared_search, sharing, stage_run_of, tensor_infos
 from shardc.planner.fold import fold_redundant, share_recomputed
 from shardc.planner.graph import Graph, build_graph
 from shardc.planner.layer_blocks import enter_block, leave_block, node_blocks
 from shardc.planner.memory_fit import MemoryOf, candidate_rank, check_limit, fastest_fitting, remembered
-from shardc.planner.padding import padding_notes, uneven_dims
+from shardc.planner.padding import padding_notes
 from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.planner.zigzag_order import balances, hold_zigzag, holds, may_hold
@@ -38,16 +38,14 @@ from shardc.sharding.einsum import Solution
 from shardc.sharding.layout import CostContext, SearchTooLong, Value
 from shardc.sharding.phase import Phase, Traced
 from shardc.sharding.unit import (
-    Placements,
     bonded_axes,
     placements,
     restriction_note,
     strip_unit_axes,
-    without_unit_axes,
 )
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
-from shardc.spec.walk import layer_inputs, node_limits
+from shardc.spec.walk import layer_inputs
 from shardc.step_cost import StepCost
 from shardc.timing import PhaseTime, PlanTime, plan_time
 from shardc.topology import check_topology
@@ -126,7 +124,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     args = (spec, strategy, hardware, spans, recompute, (budget, explain), gradients or {}, weights or SUM)
     try:
         # the plan held in zig-zag order solves the same einsums: both share one search cache
-        with shared_search() if _SHARED.get() is None else nullcontext():
+        with shared_search() if not sharing() else nullcontext():
             return fastest_fitting(lambda policy: _planned(policy, *args), fuse_collective_matmuls, save,
                                    collective_matmul, (memory, memory_limit), lambda p: objective(plan_time(p)))
     except SearchTooLong as e:
@@ -191,12 +189,17 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped, gradients)
     units = bonded_axes(stripped)
-    ctx = _shared(spec, graph, hw, spans, units, placements(stripped, units))  # one search cache for every candidate
-    ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
-    ctx.zigzag_held = zigzag_held
+    run = stage_run_of(spec, graph, outer, hw)  # a stage: searched at a microbatch's sizes, each step as often as run
+    # a stage is searched at the whole batch too: the search solves einsum by einsum, so its objective made true
+    # can still lead it to a worse whole plan; the true objective (plan_time) then picks among both's candidates
+    ctxs = [shared_context(spec, graph, hw, spans, units, placements(stripped, units), r)  # one for every candidate
+            for r in ([run, (spec, 1)] if run[1] > 1 else [run])]
+    for ctx in ctxs:
+        ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
+        ctx.zigzag_held = zigzag_held
     if strategy == "auto" and spec.dims:
-        return _best_plan(spec, graph, save, ctx, recompute, outer)
-    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctx, weights,
+        return _best_plan(spec, graph, save, tuple(ctxs), recompute, outer)
+    return _plan(spec, graph, save, "search" if strategy == "auto" and spec.dims else strategy, ctxs[0], weights,
                  recompute=recompute)
 
 
@@ -212,9 +215,9 @@ def pipelined(spec: Spec, stage_plan: Plan) -> Plan:
     return planned
 
 
-def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute: str = "none",
+def _best_plan(spec: Spec, graph: Graph, save: str, ctxs: tuple[CostContext, ...], recompute: str = "none",
                outer: Spec | None = None) -> Plan:
-    """The least step time among the rules' plan and searches under a few weights.
+    """The least step time among the rules' plan and searches under a few weights, in each context.
 
     A phase takes about max(compute, comm): once a phase is communication-bound only its
     communication counts at the margin, so after the sum's plan each phase is searched
@@ -226,23 +229,27 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctx: CostContext, recompute:
     memo: dict[tuple[object, ...], StepCost] = {}  # step costs, shared by the candidates
 
     def timed(p: Plan) -> PlanTime:
-        return plan_time(p if outer is None else pipelined(outer, p), ctx.hardware, memo=memo)
+        return plan_time(p if outer is None else pipelined(outer, p), ctxs[0].hardware, memo=memo)
 
-    def search() -> list[Plan]:  # the candidates, fastest first (ties: the first); memory may ask for a slower one
+    def searched(ctx: CostContext, rules: bool) -> list[tuple[tuple[float, float], Plan]]:
         trace: list[Traced] = []
         first = _plan(spec, graph, save, "search", ctx, SUM, notes=False, trace=trace, recompute=recompute)
         t = timed(first)
         candidates = [(objective(t), first)]
-        for strategy, weights in [("search", w) for w in candidate_weights(t)] + [("rules", SUM)]:
+        for strategy, weights in [("search", w) for w in candidate_weights(t)] + [("rules", SUM)] * rules:
             if _same_steps(graph, ctx, trace, strategy, weights):
                 continue  # the first's steps, so its time: the tie goes to the first anyway
             p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
             candidates.append((objective(timed(p)), p))
+        return candidates
+
+    def search() -> list[Plan]:  # the candidates, fastest first (ties: the first); memory may ask for a slower one
+        candidates = [c for k, ctx in enumerate(ctxs) for c in searched(ctx, k == 0)]  # the rules' plan once
         return [p for _, p in sorted(candidates, key=lambda c: c[0])]
 
-    ordered = remembered((spec, save, recompute, outer, ctx.zigzag_held, id(ctx)), search)
+    ordered = remembered((spec, save, recompute, outer, ctxs[0].zigzag_held, tuple(map(id, ctxs))), search)
     best = ordered[candidate_rank(len(ordered))]
-    return replace(best, notes=_notes(spec, best.forward + best.backward, ctx))
+    return replace(best, notes=_notes(spec, best.forward + best.backward, ctxs[0]))
 
 
 def candidate_weights(t: PlanTime) -> list[Weights]:
@@ -290,7 +297,7 @@ def plan_candidate(spec: Spec, strategy: str, weights: Weights = SUM,
     validate(spec)
     stripped = strip_unit_axes(spec)
     graph = build_graph(stripped)
-    ctx = _context(spec, graph, chip_for(spec, hardware), None, bonded_axes(stripped))
+    ctx = search_context(spec, graph, chip_for(spec, hardware), None, bonded_axes(stripped))
     return _plan(spec, graph, "default", strategy, ctx, weights)
 
 
@@ -336,50 +343,6 @@ def objective(t: PlanTime) -> tuple[float, float]:
 
 def _rounded(x: float) -> float:
     return 0.0 if x == 0 else round(x, 9 - int(math.floor(math.log10(abs(x)))))
-
-
-def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None,
-             units: tuple[tuple[str, ...], ...] | None = None, places: Placements | None = None) -> CostContext:
-    grads = frozenset(graph.grads[p] for p in graph.params)
-    return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
-                       graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
-                       padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
-                       element_bytes=graph.element_bytes, routings=node_limits(spec), dtypes=graph.dtypes)
-
-
-# the search caches shared inside shared_search(): the key of what a context is made of -> (chip, context)
-_SHARED: ContextVar[dict[tuple[object, ...], tuple[Hardware, CostContext]] | None] = ContextVar("shared_search",
-                                                                                                default=None)
-
-
-@contextmanager
-def shared_search() -> Iterator[None]:
-    """Plans made inside share their search caches (a :class:`CostContext`: moves, reshard searches,
-    einsum solutions) with the plans before them whose context is made of the same mesh, sizes, chip,
-    tensors and spans, as the candidate plans of one :func:`plan` share one: ``shardc layouts`` plans
-    a layout under several recompute policies and ZeRO lines."""
-    token = _SHARED.set({})
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
-
-
-def _shared(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | None,
-            units: tuple[tuple[str, ...], ...] | None, places: Placements | None) -> CostContext:
-    """:func:`_context`, or inside :func:`shared_search` the one made before of the same parts."""
-    shared = _SHARED.get()
-    if shared is None:
-        return _context(spec, graph, hw, spans, units, places)
-    key = (str(without_unit_axes(spec.mesh)), spec.dtype, tuple(spec.sizes.items()) if spec.dims else None,
-           graph.params, tuple(sorted(graph.grads.items())), tuple(sorted((spans or {}).items())), spec.topology,
-           tuple(uneven_dims(spec)), units, repr(places), tuple(sorted(graph.element_bytes.items())),
-           tuple(sorted(node_limits(spec).items())), tuple(sorted(graph.dtypes.items())))
-    hit = shared.get(key)
-    if hit is None or hit[0] != hw:  # an equal chip: chip_for makes a new one where the spec sets its fusion
-        hit = shared[key] = (hw, _context(spec, graph, hw, spans, units, places))
-    hit[1].explored = 0  # the budget counts one plan's search
-    return hit[1]
 
 
 def _notes(spec: Spec, steps: tuple[Step, ...], ctx: CostContext) -> tuple[str, ...]:
@@ -428,7 +391,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         backward=bwd,
         save=save,
         sizes=sizes,
-        tensors=_tensor_infos(graph, declared),
+        tensors=tensor_infos(graph, declared),
         residuals=backward.residuals,
         cotangents=backward.cotangents,
         grads=backward.grads,
@@ -489,11 +452,3 @@ def _label(node: Node, phase: Phase, declared: dict[str, TensorRef]) -> str:
     target = declared.get(node.result)
     head = str(target) if target is not None else f"{node.result}[{', '.join(node.indices)}]"
     return f"{head} = {' · '.join(parts)}"
-
-
-def _tensor_infos(graph: Graph, declared: dict[str, TensorRef]) -> tuple[TensorInfo, ...]:
-    infos = []
-    for name, ref in declared.items():
-        role = "param" if name in graph.params else "input" if name in graph.inputs else "activation"
-        infos.append(TensorInfo(name, ref, role, name in graph.outputs))
-    return tuple(infos)

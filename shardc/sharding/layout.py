@@ -152,6 +152,9 @@ class CostContext:
     # seconds of the collectives issued ahead (CostContext.ahead) count this much beside the others':
     # 0 where the phase's compute hides them at the margin (shardc.timing.phase_seconds)
     ahead_weight: float = 1.0
+    # a pipeline's stage: sizes a microbatch's, run this often a step but accumulated tensors' reductions (move_cost)
+    repeats: int = 1
+    accumulated: frozenset[str] = frozenset()
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
     # tensor -> its element type where not the dtype (shardc.planner.graph.Graph.dtypes): an einsum's rate
@@ -211,9 +214,9 @@ class CostContext:
         (:meth:`shardc.ir.precision.Precision.matmul`)."""
         return Precision(self.dtype, self.dtypes).matmul(operands)
 
-    def kind(self, tensor: str) -> tuple[bool, int]:
-        """What a tensor's moves and their costs depend on beside its indices: weight or not, element bytes."""
-        return tensor in self.weights, self.nbytes(tensor)
+    def kind(self, tensor: str) -> tuple[bool, int, bool]:
+        """What a tensor's moves' costs depend on beside its indices: weight, element bytes, reduced once a step."""
+        return tensor in self.weights, self.nbytes(tensor), self.repeats > 1 and tensor in self.accumulated
 
     def local_bytes(self, indices: tuple[str, ...], value: Value, nbytes: int | None = None) -> Monomial:
         """Per-device bytes of ``value`` as a formula: element bytes (``nbytes``, else the dtype's) * dims / axes."""
@@ -268,7 +271,9 @@ class CostContext:
         if idx is not None and self.padded and self.sizes is not None:
             volume = self.padded_bytes(move, idx, self.nbytes(tensor))
         seconds = self.seconds(move.op, volume, move.axes, self.routed(move.op, idx, (move.dim, move.dim2)))
-        return (seconds, 1, 0 if tensor in self.weights else 1)
+        # as often as run a step: a gradient's reduction once, on the microbatches' sums (gradient_reductions)
+        once = tensor in self.accumulated and move.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)
+        return (seconds * (1 if once else self.repeats), 1, 0 if tensor in self.weights else 1)
 
     def _pieces(self, idx: tuple[str, ...], value: Value) -> list[tuple[int, int]]:
         return [(self.dim_size(i), math.prod(self.axis_sizes[a] for a in axes))
@@ -301,7 +306,7 @@ class CostContext:
         hit = self._compute.get(key)
         if hit is None:
             hit = self._compute[key] = self._einsum_seconds(*key)
-        return hit * self.compute_weight
+        return hit * self.compute_weight * self.repeats  # once a microbatch
 
     def _einsum_seconds(self, operands: tuple[tuple[tuple[str, ...], Value, int], ...],
                         result: tuple[tuple[str, ...], Value, int], dtype: str) -> float:

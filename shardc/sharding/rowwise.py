@@ -64,7 +64,7 @@ def stats_cost(phase: Phase, rows: tuple[str, ...], value: Value, axes: tuple[st
     if not axes or not count:
         return ZERO
     volume = phase.ctx.local_bytes(rows, value)
-    seconds = phase.ctx.seconds(Op.ALL_REDUCE, volume, axes)
+    seconds = phase.ctx.seconds(Op.ALL_REDUCE, volume, axes) * phase.ctx.repeats  # an activation's: once a microbatch
     return (seconds * count, count, count)
 
 
