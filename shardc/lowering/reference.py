@@ -11,6 +11,10 @@ are read, so a wrong plan (a wrong collective, a wrong local einsum, a wrong
 planned backward) shows up as a wrong value.  ``xp`` is numpy by default;
 :mod:`shardc.verification.compare` passes jax.numpy to build the same computation
 for XLA's partitioner.
+
+A GEMM a ``gemm T`` line names (an einsum that sums an index) reads its operands rounded to T and back, in
+the forward and in both backward GEMMs, as the lowered module's ``gemm_input`` does: the reference computes
+what the module computes, from the spec (:meth:`shardc.ir.spec.Spec.gemm_of`), not from the plan.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from shardc.ir.precision import ARRAY_DTYPE
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Site, family_of, of_call
 from shardc.spec.walk import chain_indices, fold, leaves
@@ -44,6 +49,7 @@ class _Node:
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
     call: Call | None = None  # an op family's call (its indices, its rate, its k)
     salt: int = 0  # a random mask's, as its family draws it (Reference.salt: a dropout's)
+    gemm: str | None = None  # a GEMM's `gemm T` type (its array type): its operands and cotangent rounded to it
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -62,7 +68,8 @@ def outputs(spec: Spec) -> list[str]:
 class _Builder:
     """Turns statements into a list of nodes (temporaries are ``#k``, never a tensor name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
         self.current: Statement | None = None
         self.nodes: list[_Node] = []
         self.labels: dict[str, tuple[str, ...]] = {}
@@ -120,7 +127,11 @@ class _Builder:
 
     def einsum(self, keys: list[str], out: tuple[str, ...]) -> str:
         key = self.temp()
-        self.nodes.append(_Node(key, tuple(keys), tuple(self.labels[k] for k in keys), out, family_of(CONTRACT)))
+        labels = tuple(self.labels[k] for k in keys)
+        kind = self.spec.gemm_of(self.current.result.name) if self.current is not None else None
+        sums = len(keys) > 1 and bool(set().union(*labels) - set(out))  # a GEMM, not a product or a copy
+        gemm = ARRAY_DTYPE[kind] if kind is not None and sums else None
+        self.nodes.append(_Node(key, tuple(keys), labels, out, family_of(CONTRACT), gemm=gemm))
         self.labels[key] = out
         return key
 
@@ -141,7 +152,7 @@ class _Builder:
 
 
 def _nodes(spec: Spec, key: int = 0) -> list[_Node]:
-    builder = _Builder()
+    builder = _Builder(spec)
     for s in spec.statements:
         builder.current = s
         builder.statement(s.result, s.expr)
@@ -155,6 +166,16 @@ def keyed_salt(salt: int, key: int) -> int:
     return (salt + int(key) * 0x9E3779B9) % 2**32
 
 
+def _gemm_input(x: Array, kind: str | None) -> Array:
+    """A GEMM's operand as it reads it: rounded to its ``gemm`` type (``kind``) and back, as the lowered
+    module's ``gemm_input`` (numpy's and jax's float8 types are ml_dtypes')."""
+    if kind is None:
+        return x
+    import ml_dtypes  # a jax dependency: numpy's float8 types
+
+    return x.astype(getattr(ml_dtypes, kind)).astype(x.dtype)
+
+
 def _site(node: _Node, shape: dict[str, int], result: Array = None) -> Site:
     """Where a family's node applies, for its reference (:class:`shardc.ops.registry.Site`); ``result``:
     its value, once known (in the backward)."""
@@ -166,7 +187,7 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
     values = dict(inputs)
     shape: dict[str, int] = dict(sizes or {})  # the inputs' shapes win; sizes give the rest (a capacity)
     for node in nodes:
-        args = [values[o] for o in node.operands]
+        args = [_gemm_input(values[o], node.gemm) for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
         values[node.result] = node.family.reference.forward(_site(node, shape), tuple(args), xp)
@@ -210,8 +231,9 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         vjp = node.family.reference.vjp
         if vjp is None:  # a 0/1 mask: no gradient
             continue
-        xs = tuple(values[o] for o in node.operands)
-        for name, g in zip(node.operands, vjp(_site(node, shape, values[node.result]), xs, d, xp), strict=True):
+        xs = tuple(_gemm_input(values[o], node.gemm) for o in node.operands)
+        site = _site(node, shape, values[node.result])
+        for name, g in zip(node.operands, vjp(site, xs, _gemm_input(d, node.gemm), xp), strict=True):
             if g is not None:  # None: no gradient there (token ids)
                 add(name, g)
     return {name: grads[name] for name in leaf_names(spec) if name in grads}

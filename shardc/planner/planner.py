@@ -342,9 +342,9 @@ def _context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int] | Non
              units: tuple[tuple[str, ...], ...] | None = None, places: Placements | None = None) -> CostContext:
     grads = frozenset(graph.grads[p] for p in graph.params)
     return CostContext(without_unit_axes(spec.mesh), spec.dtype, spec.sizes if spec.dims else None,
-                       graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
-                       padded=frozenset(d for d, _ in uneven_dims(spec)), units=units, places=places,
-                       element_bytes=graph.element_bytes, routings=node_limits(spec), dtypes=graph.dtypes)
+                       graph.params | grads, hardware=hw, spans=spans, topology=spec.topology, units=units,
+                       padded=frozenset(d for d, _ in uneven_dims(spec)), places=places, routings=node_limits(spec),
+                       element_bytes=graph.element_bytes, precision=graph.precision(spec.dtype))
 
 
 # the search caches shared inside shared_search(): the key of what a context is made of -> (chip, context)
@@ -445,6 +445,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         recomputed=again,
         element_bytes=tuple(graph.element_bytes.items()),
         dtypes=tuple(graph.dtypes.items()),
+        gemms=tuple(graph.gemms.items()),
         sections=Sections.of(fwd, bwd, again),
     )
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -154,8 +154,8 @@ class CostContext:
     ahead_weight: float = 1.0
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
-    # tensor -> its element type where not the dtype (shardc.planner.graph.Graph.dtypes): an einsum's rate
-    dtypes: dict[str, DType] = field(default_factory=dict)
+    # the tensors' types where not the dtype, and the GEMMs' (`gemm f8`): an einsum's rate; None: all of dtype
+    precision: Precision | None = None
     # forward searches, resumed by each query: see shardc.sharding.search.reshard
     _searches: dict[tuple[object, ...], object] = field(default_factory=dict)
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
@@ -209,7 +209,12 @@ class CostContext:
     def matmul_dtype(self, operands: Iterable[str]) -> str:
         """The element type an einsum (or a kernel's matmuls) of these operands runs in
         (:meth:`shardc.ir.precision.Precision.matmul`)."""
-        return Precision(self.dtype, self.dtypes).matmul(operands)
+        return (self.precision or Precision(self.dtype)).matmul(operands)
+
+    def einsum_dtype(self, result: str, operands: Sequence[str], contracts: bool) -> str:
+        """An einsum's type, as cost prices it: a GEMM's (it ``contracts``) ``gemm`` type, else :meth:`matmul_dtype`."""
+        kind = self.precision.gemm(result, operands) if contracts and self.precision is not None else None
+        return kind.value if kind is not None else self.matmul_dtype(operands)
 
     def kind(self, tensor: str) -> tuple[bool, int]:
         """What a tensor's moves and their costs depend on beside its indices: weight or not, element bytes."""
