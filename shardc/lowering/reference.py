@@ -31,7 +31,7 @@ from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Site, family_of, of_call
 from shardc.spec.walk import chain_indices, fold, leaves
 
-__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths"]
+__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths", "gemm_rounded"]
 
 Array = Any
 
@@ -166,14 +166,20 @@ def keyed_salt(salt: int, key: int) -> int:
     return (salt + int(key) * 0x9E3779B9) % 2**32
 
 
-def _gemm_input(x: Array, kind: str | None) -> Array:
-    """A GEMM's operand as it reads it: rounded to its ``gemm`` type (``kind``) and back, as the lowered
-    module's ``gemm_input`` (numpy's and jax's float8 types are ml_dtypes')."""
+def gemm_rounded(x: Array, kind: str | None, xp: Any = np) -> Array:
+    """A GEMM's operand as it reads it under ``gemm T`` (``kind`` T's array type, ``float8_e4m3fn``; None: as
+    it is): each element cast to T and back at a power-of-two scale of its own (``frexp``: its mantissa
+    in [1, 2) cast, its exponent kept), so it keeps T's mantissa bits (E4M3's 3) and never leaves T's
+    range: the fine-grained scaling of FP8 recipes (DeepSeek-V3 section 3.3.2 scales a 1x128 tile)
+    taken to the element, as no scale shared by a tile could be computed alike on a device's block and on
+    the whole array.  The lowered module's ``gemm_input`` and the reference both call it (numpy's and
+    jax's float8 types are ml_dtypes')."""
     if kind is None:
         return x
     import ml_dtypes  # a jax dependency: numpy's float8 types
 
-    return x.astype(getattr(ml_dtypes, kind)).astype(x.dtype)
+    mantissa, exponent = xp.frexp(x)
+    return xp.ldexp((2 * mantissa).astype(getattr(ml_dtypes, kind)).astype(x.dtype), exponent - 1)
 
 
 def _site(node: _Node, shape: dict[str, int], result: Array = None) -> Site:
@@ -187,7 +193,7 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
     values = dict(inputs)
     shape: dict[str, int] = dict(sizes or {})  # the inputs' shapes win; sizes give the rest (a capacity)
     for node in nodes:
-        args = [_gemm_input(values[o], node.gemm) for o in node.operands]
+        args = [gemm_rounded(values[o], node.gemm, xp) for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
         values[node.result] = node.family.reference.forward(_site(node, shape), tuple(args), xp)
@@ -231,9 +237,9 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         vjp = node.family.reference.vjp
         if vjp is None:  # a 0/1 mask: no gradient
             continue
-        xs = tuple(_gemm_input(values[o], node.gemm) for o in node.operands)
+        xs = tuple(gemm_rounded(values[o], node.gemm, xp) for o in node.operands)
         site = _site(node, shape, values[node.result])
-        for name, g in zip(node.operands, vjp(site, xs, _gemm_input(d, node.gemm), xp), strict=True):
+        for name, g in zip(node.operands, vjp(site, xs, gemm_rounded(d, node.gemm, xp), xp), strict=True):
             if g is not None:  # None: no gradient there (token ids)
                 add(name, g)
     return {name: grads[name] for name in leaf_names(spec) if name in grads}
