@@ -59,17 +59,22 @@ def test_verify_checks_the_fp8_casts_it_runs() -> None:
     assert not verify(spec, module=uncast).ok
 
 
-def test_a_gemm_operand_keeps_e4m3s_mantissa_at_any_magnitude() -> None:
-    """Each element is rounded to E4M3's 3 mantissa bits at a power-of-two scale of its own: far past
-    E4M3's range (448) or below its smallest normal (2**-6) it neither overflows to NaN nor flushes."""
+def test_a_gemm_operand_keeps_e4m3s_mantissa_and_small_ones_its_subnormal_grid() -> None:
+    """Each element is rounded to E4M3's 3 mantissa bits at a power-of-two scale of its own, none below
+    2**-11: far past E4M3's range (448) it does not overflow to NaN; under 2**-17 it lies on E4M3's
+    subnormal grid at that scale (2**-20 apart), as a tile scaled to its largest element flushes it."""
     import numpy as np
 
-    from shardc.lowering.reference import gemm_rounded
+    from shardc.lowering.reference import SCALE_FLOOR, gemm_rounded
 
-    x = np.array([0.0, 1.0, 1.0625, 1.1875, -3.3, 1e6, 3e-9, -7e-30])
+    x = np.array([0.0, 1.0, 1.0625, 1.1875, -3.3, 1e6, 2.0**-12 * 1.0625, 3e-7, 3e-9, -7e-30])
     got = gemm_rounded(x, "float8_e4m3fn")
     assert got[0] == 0 and got[1] == 1 and got[2] == 1.0 and got[3] == 1.25  # ties to even, steps of 1/8
-    assert np.all(np.isfinite(got)) and np.all(np.abs(got - x) <= np.abs(x) / 16)
-    mantissa, _ = np.frexp(got[1:])
+    assert np.all(np.isfinite(got))
+    normal = np.abs(x) >= 2.0 ** (SCALE_FLOOR - 6)
+    assert np.all(np.abs(got - x)[normal] <= np.abs(x[normal]) / 16)
+    mantissa, _ = np.frexp(got[normal])
     assert np.all((mantissa * 16) % 1 == 0)  # 4 significant bits: the implicit one and E4M3's 3
-    assert gemm_rounded(x, None) is x
+    grid = 2.0 ** (SCALE_FLOOR - 9)
+    assert np.all(got[~normal] % grid == 0) and np.all(np.abs(got - x)[~normal] <= grid / 2)
+    assert got[-1] == 0 and got[-2] == 0 and gemm_rounded(x, None) is x

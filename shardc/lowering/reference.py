@@ -34,6 +34,7 @@ from shardc.spec.walk import chain_indices, fold, leaves
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths", "gemm_rounded"]
 
 Array = Any
+SCALE_FLOOR = -11  # the least power-of-two scale gemm_rounded gives an element (2**-11 x E4M3's 2**-9 grid)
 
 
 @dataclass(frozen=True)
@@ -169,17 +170,21 @@ def keyed_salt(salt: int, key: int) -> int:
 def gemm_rounded(x: Array, kind: str | None, xp: Any = np) -> Array:
     """A GEMM's operand as it reads it under ``gemm T`` (``kind`` T's array type, ``float8_e4m3fn``; None: as
     it is): each element cast to T and back at a power-of-two scale of its own (``frexp``: its mantissa
-    in [1, 2) cast, its exponent kept), so it keeps T's mantissa bits (E4M3's 3) and never leaves T's
-    range: the fine-grained scaling of FP8 recipes (DeepSeek-V3 section 3.3.2 scales a 1x128 tile)
-    taken to the element, as no scale shared by a tile could be computed alike on a device's block and on
-    the whole array.  The lowered module's ``gemm_input`` and the reference both call it (numpy's and
-    jax's float8 types are ml_dtypes')."""
+    in [1, 2) cast, its exponent kept), so it keeps T's mantissa bits (E4M3's 3) and never overflows: the
+    fine-grained scaling of FP8 recipes (DeepSeek-V3 section 3.3.2 scales a 1x128 tile) taken to the
+    element, as no scale shared by a tile could be computed alike on a device's block and on the whole
+    array.  No scale is below ``2**SCALE_FLOOR``: smaller elements are E4M3's subnormals there (a grid of
+    2**-20), as a tile scaled to its largest element flushes what lies 17 binades under it; at its own
+    scale an element left small by cancellation would turn its last-place error into a whole E4M3 step,
+    which the module and the reference, summing in other orders, would not round alike.  The lowered
+    module's ``gemm_input`` and the reference both call it (numpy's and jax's float8 types are ml_dtypes')."""
     if kind is None:
         return x
     import ml_dtypes  # a jax dependency: numpy's float8 types
 
-    mantissa, exponent = xp.frexp(x)
-    return xp.ldexp((2 * mantissa).astype(getattr(ml_dtypes, kind)).astype(x.dtype), exponent - 1)
+    _, exponent = xp.frexp(x)
+    shift = xp.maximum(exponent, SCALE_FLOOR + 1) - 1
+    return xp.ldexp(xp.ldexp(x, -shift).astype(getattr(ml_dtypes, kind)).astype(x.dtype), shift)
 
 
 def _site(node: _Node, shape: dict[str, int], result: Array = None) -> Site:

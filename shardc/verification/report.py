@@ -46,11 +46,12 @@ def gemm_note(spec: Spec) -> list[str]:
     if not spec.gemm_lines():
         return []
     return [f"{'; '.join(spec.gemm_lines())}: each of those GEMMs (forward, Dgrad, Wgrad) reads its operands rounded "
-            "to its type (f8: E4M3's 3 mantissa bits, each element at a power-of-two scale of its own; XLA:CPU runs "
-            "an FP8 dot by converting up, so the module casts to FP8 and back) in the module and in the reference "
-            "alike, so values pass at the compute type's tolerance; a GEMM that skipped its rounding errs by up "
-            "to 2**-4 of each operand, E4M3's half step, and an operand the module and the reference round to "
-            "neighbouring E4M3 values (their inputs differ by the compute type's rounding) errs by one step there"]
+            "to its type (f8: E4M3's 3 mantissa bits, each element at a power-of-two scale of its own, none under "
+            "2**-11; XLA:CPU runs an FP8 dot by converting up, so the module casts to FP8 and back) in the module "
+            "and in the reference alike, so values pass at the compute type's tolerance; a GEMM that skipped its "
+            "rounding errs by up to 2**-4 of each operand, E4M3's half step, and an operand the module and the "
+            "reference round to neighbouring E4M3 values (their inputs differ by the compute type's rounding) "
+            "errs by one step there"]
 
 
 @dataclass(frozen=True)
