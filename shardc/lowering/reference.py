@@ -176,15 +176,19 @@ def gemm_rounded(x: Array, kind: str | None, xp: Any = np) -> Array:
     array.  No scale is below ``2**SCALE_FLOOR``: smaller elements are E4M3's subnormals there (a grid of
     2**-20), as a tile scaled to its largest element flushes what lies 17 binades under it; at its own
     scale an element left small by cancellation would turn its last-place error into a whole E4M3 step,
-    which the module and the reference, summing in other orders, would not round alike.  The lowered
-    module's ``gemm_input`` and the reference both call it (numpy's and jax's float8 types are ml_dtypes')."""
+    which the module and the reference, summing in other orders, would not round alike.  A float64 value
+    is rounded to float32 first: FP8 products sum exactly in float64, so many operands sit exactly on an
+    E4M3 tie, and a last-place difference (XLA's exp beside numpy's) would round one a whole step apart;
+    float32 holds such a value exactly, and the two sides' values alike.  The lowered module's
+    ``gemm_input`` and the reference both call it (numpy's and jax's float8 types are ml_dtypes')."""
     if kind is None:
         return x
     import ml_dtypes  # a jax dependency: numpy's float8 types
 
-    _, exponent = xp.frexp(x)
+    narrow = x.astype("float32")  # the last places of a wider value round off first (see above)
+    _, exponent = xp.frexp(narrow)
     shift = xp.maximum(exponent, SCALE_FLOOR + 1) - 1
-    return xp.ldexp(xp.ldexp(x, -shift).astype(getattr(ml_dtypes, kind)).astype(x.dtype), shift)
+    return xp.ldexp(xp.ldexp(narrow, -shift).astype(getattr(ml_dtypes, kind)).astype(x.dtype), shift)
 
 
 def _site(node: _Node, shape: dict[str, int], result: Array = None) -> Site:
