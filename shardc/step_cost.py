@@ -30,6 +30,7 @@ from shardc.ir.plan import Step, unfused
 from shardc.ir.precision import Precision
 from shardc.ir.spec import DType, Mesh
 from shardc.ops.registry import of_op
+from shardc.quantize import step_gemm
 from shardc.ring_sends import ring_of
 from shardc.steptime import einsum_time, ring_time
 
@@ -76,6 +77,8 @@ class StepCost:
     context_parallel: str = ""
     cp_comm_s: float = 0.0
     dtype: str = ""  # the type its matmuls run in, where not the spec's (a `dtype T` line: step_dtype)
+    # a GEMM's quantize passes (shardc.quantize.quantize_traffic): HBM bytes, in memory_bytes and memory_s too
+    quantize_bytes: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -101,6 +104,8 @@ class StepCost:
         elif self.op is Op.EINSUM:
             row.update(flops=self.flops, model_flops=self.model_flops, compute_s=self.compute_s)
             row.update({"dtype": self.dtype} if self.dtype else {})
+            row.update({"quantize_bytes": self.quantize_bytes, "memory_bytes": self.memory_bytes,
+                        "memory_s": self.memory_s} if self.quantize_bytes else {})
             if self.ring_steps:  # a collective matmul: its ring's transfers, and what of them stays exposed
                 row.update(axes=list(self.axes), volume_bytes=self.volume, ring_axes=list(self.ring_axes),
                            ring_steps=self.ring_steps, transfer_s=self.transfer_s, exposed_comm_s=self.exposed_comm_s,
@@ -123,14 +128,18 @@ class StepCost:
 
 def cost_step(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
               spans: Layout | None = None, dtype: Precision | str = "bf16", memory_bytes: float = 0.0,
-              text: str | None = None, shared: bool = False) -> StepCost:
+              text: str | None = None, shared: bool = False, quantize_bytes: float = 0.0) -> StepCost:
     """The :class:`StepCost` of one step of a plan; ``memory_bytes`` its HBM traffic if memory-bound
     (:func:`shardc.fusion.memory_traffic`), ``dtype`` the tensors' types (:func:`step_dtype`: an einsum of
-    two f8 operands runs at the chip's fp8 rate);
+    two f8 operands, or a GEMM a ``gemm f8`` line names, runs at the chip's fp8 rate); ``quantize_bytes``
+    its quantize passes' (:func:`shardc.quantize.quantize_traffic`), memory-bound beside its matmul;
     ``shared``: a collective matmul whose blocks an earlier step of its phase sends
     (:func:`shardc.ring_sends.shared_rings`)."""
     kind = step_dtype(step, dtype)
     row = _step_cost(index, step, mesh, sizes, hw, spans, kind, memory_bytes, text, shared)
+    if quantize_bytes:  # its own kernels before the matmul: their time adds to the matmul's
+        row = replace(row, quantize_bytes=quantize_bytes, memory_bytes=row.memory_bytes + quantize_bytes,
+                      memory_s=row.memory_s + hw.memory_seconds(quantize_bytes))
     if isinstance(dtype, str) or kind == dtype.default.value or not row.flops:
         return row
     return replace(row, dtype=kind)  # a matmul in another type than the spec's: the report says which
@@ -204,9 +213,13 @@ def _collective_matmul(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, i
 
 
 def step_dtype(step: Step, dtype: Precision | str) -> str:
-    """The element type by name (``"bf16"``, ``"f8"``) a step's matmuls run in: its operands'
+    """The element type by name (``"bf16"``, ``"f8"``) a step's matmuls run in: a GEMM's ``gemm`` type
+    (:meth:`shardc.ir.precision.Precision.gemm`: forward, Dgrad and Wgrad alike), else its operands'
     (:func:`shardc.ir.precision.matmul_dtype`), or ``dtype`` where one type is given for all."""
-    return dtype if isinstance(dtype, str) else dtype.matmul(r.name for r in step.operands)
+    if isinstance(dtype, str):
+        return dtype
+    gemm = step_gemm(step, dtype)
+    return gemm.value if gemm is not None else dtype.matmul(r.name for r in step.operands)
 
 
 def describe(step: Step) -> str:

@@ -59,6 +59,7 @@ from shardc.layer_counts import block_counts, runs, step_count
 from shardc.overlap import beside_seconds
 from shardc.phase_ends import exposed_ends
 from shardc.pipeline.boundary import batch_dim, gradient_reductions
+from shardc.quantize import quantize_traffic, weight_quantize_bytes
 from shardc.ring_sends import shared_rings
 from shardc.spec.stages import pipeline_of
 from shardc.spec.walk import block_reads
@@ -284,18 +285,21 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     kept = kept_values(plan)
     named = named_values(plan) if hw.fuses_statements else None
 
-    def row(step: Step, moved: float, shared: bool) -> StepCost:
+    def row(step: Step, moved: float, shared: bool, quantized: float) -> StepCost:
         key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
                step.src.dims if step.src is not None else None, moved, step.ahead, step.collective, shared,
-               step_dtype(step, dtype))
+               step_dtype(step, dtype), quantized)
         hit = seen.get(key)
         if hit is None:
-            hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="", shared=shared)
+            hit = seen[key] = cost_step(0, step, mesh, values, hw, links, dtype, moved, text="", shared=shared,
+                                        quantize_bytes=quantized)
         return hit
 
     def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
         moved = memory_traffic(steps, nbytes, kept, hw.fuses, named) if not hw.book else [0.0] * len(steps)
-        rows = [row(s, b, shared) for s, b, shared in zip(steps, moved, shared_rings(steps), strict=True)]
+        quantized = quantize_traffic(plan, steps, values, hw.fuses) if not hw.book else [0.0] * len(steps)
+        rows = [row(s, b, shared, q) for s, b, shared, q in zip(steps, moved, shared_rings(steps), quantized,
+                                                                strict=True)]
         return phase_time(((r, step_count(s, counts) * times) for s, r in zip(steps, rows, strict=True)), hw,
                           phase_ends(plan, hw, steps, rows))
 
@@ -347,8 +351,9 @@ def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: 
     moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses, named) \
         if not hw.book else [0.0] * len(steps)
     dtype = plan_dtype(plan)
-    rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared)
-            for i, (s, b, shared) in enumerate(zip(steps, moved, shared_rings(steps), strict=True), 1))
+    quantized = quantize_traffic(plan, steps, values, hw.fuses) if not hw.book else [0.0] * len(steps)
+    rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared, quantize_bytes=q)
+            for i, (s, b, shared, q) in enumerate(zip(steps, moved, shared_rings(steps), quantized, strict=True), 1))
     return tuple(replace(r, text=f"(recomputed) {r.text}", recomputed=True) if r.index in again else r for r in rows)
 
 
@@ -371,7 +376,8 @@ def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, counts: S
     param, the gradient (in the param's dtype where the accounting keeps none) and the optimizer state,
     and writes the param and the state (``optimizer`` names the accounting, :mod:`shardc.accountings`).
     The elements are the ZeRO shard's where the plan updates a shard (its ``update`` steps), else the
-    param's piece; a block's params count once a layer.  0 under the book's model."""
+    param's piece; a block's params count once a layer.  Then the weights ``gemm f8`` GEMMs read as held
+    are quantized, once a step (:func:`shardc.quantize.weight_quantize_bytes`).  0 under the book's model."""
     if hw.book or optimizer not in ACCOUNTINGS:
         return 0.0
     per_param, per_grad, per_state, _ = ACCOUNTINGS[optimizer]
@@ -381,4 +387,5 @@ def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, counts: S
     elements = math.fsum(float(local_elements(shards.get(info.name, info.ref), sizes))
                          * runs(info.name not in repeated, repeated.get(info.name, 0), counts)
                          for info in plan.tensors if info.role == "param")
-    return hw.memory_seconds(elements * per_element)
+    quantized = weight_quantize_bytes(plan, sizes, counts, per_param)
+    return hw.memory_seconds(elements * per_element + quantized)

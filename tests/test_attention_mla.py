@@ -168,16 +168,17 @@ def test_the_pair_verifies_against_the_reference_values_and_hlo(case: str) -> No
 def test_deepseek_v3_with_fused_mla_holds_no_scores_in_its_working_set(capsys: pytest.CaptureFixture[str]) -> None:
     """The published layout, the report's optimizer state, recomputation and BF16 attention core: no S x T
     value kept or made (the fused kernels hold no scores), so a tick's working set is the MoE layer's
-    dispatch gradients and the recomputed up-projections, under 3 GB (the S x T scores written as einsums
-    made it 14.3 GB in BF16); on the GPUs holding the ends it is the two heads' (the main one's and the
-    MTP module's), whose BF16 logits are 1.06 GB a microbatch each, and their gradients."""
+    dispatch gradients and the recomputed up-projections, under 3.5 GB with the values in BF16 (the S x T
+    scores written as einsums made it 14.3 GB in BF16); on the GPUs holding the ends it is the two heads'
+    (the main one's and the MTP module's), whose BF16 logits are 1.06 GB a microbatch each, and their
+    gradients."""
     path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
     assert main(["cost", str(path), "--recompute", "selective", "--optimizer", "mixed14", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     stages = report["pipeline"]["per_stage"]
-    assert max(s["working_bytes"] for s in stages[1:-1]) < 3e9
+    assert max(s["working_bytes"] for s in stages[1:-1]) < 3.5e9
     ends = (stages[0]["working_bytes"], stages[-1]["working_bytes"])
-    assert ends[0] == ends[1] < 5 * 4096 * 129280 * 2  # a few of the heads' [S, V] BF16 arrays
+    assert ends[0] == ends[1] < 6 * 4096 * 129280 * 2  # a few of the heads' [S, V] BF16 arrays
     for s in stages:  # the stage's memory is its parts, nothing else
         parts = s["state_bytes"] + s["activation_bytes"] + s["gathered_bytes"] + s["working_bytes"]
         assert s["memory_bytes"] == pytest.approx(parts + s["accumulator_bytes"])

@@ -84,7 +84,9 @@ def test_the_recompute_line_costs_its_rerun_in_the_backward() -> None:
 def test_the_benchmark_reprices_the_values_the_cost_stage_table_keeps() -> None:
     """The script's cached formats reprice the values a device keeps as shardc counts them (its copies of each,
     the microbatches held): at the spec's own element sizes they are the stage table's activations, device 0
-    (the ends and the dense layers) and device 3 alike, and at the report's formats they are more."""
+    (the ends and the dense layers) and device 3 alike; the spec's types (BF16, FP8 where section 3.3.4 caches a
+    Linear's or a SwiGLU's input) come within 5% of the report's formats, which hold the attention output in
+    E5M6 (1.5 bytes, the spec 2) and a scale a 128 FP8 elements (the spec none)."""
     path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
     plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
     report = shardc.cost(plan, optimizer="mixed14").pipeline
@@ -95,8 +97,8 @@ def test_the_benchmark_reprices_the_values_the_cost_stage_table_keeps() -> None:
         row = benchmark.stage_rows(plan, "mixed14", stage, own)
         assert row["microbatches held"] == report.stages[stage].held
         assert row["activations"] == pytest.approx(report.stages[stage].activation_bytes, rel=1e-12)
-        assert benchmark.stage_rows(plan, "mixed14", stage, benchmark.paper_bytes(plan))["activations"] \
-            > row["activations"]
+        paper = benchmark.stage_rows(plan, "mixed14", stage, benchmark.paper_bytes(plan))["activations"]
+        assert paper == pytest.approx(row["activations"], rel=0.05) and paper != row["activations"]
 
 
 def test_the_published_layout_fits_80_gb_keeping_no_expert_output() -> None:

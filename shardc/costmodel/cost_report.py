@@ -156,7 +156,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     symbolic = counts if pipe is not None else (count, *plan.spec.layer_counts()[1:])
     names = symbols_of(plan)
     again = frozenset(range(1, len(plan.recomputed) + 1))
-    dtype = plan.spec.dtype.value  # MFU's peak: the spec's dtype's (an f8 spec's at the fp8 rate)
+    dtype = plan.spec.mfu_dtype.value  # MFU's peak: the GEMMs' type (`gemm f8`), else the spec's dtype
     micro, repeats = microbatched(plan, values, hw.book)  # a pipelined stage's rows: a microbatch's, M times
 
     def phase(name: str, steps: tuple[Step, ...]) -> PhaseCost:
@@ -195,7 +195,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         block = math.fsum(math.fsum(r.model_flops * n for r, n in counted if not r.once and r.block == b) * count
                           for b, count in enumerate(whole))
         pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops * n for r, n in counted if r.once),
-                       devices=all_devices, peak=hw.peak(dtype), update_s=step.update_s)
+                       devices=all_devices, peak=hw.peak(dtype), peak_dtype=dtype,
+                       update_s=step.update_s)
         pipe, moved = pipeline_offload(offload, pipe, hw, optimizer, offload_delayed)
         if moved is not None:  # the phases' verdicts: the slowest stage's copies
             fwd, bwd, step = _host_bound(moved, fwd, bwd, step)

@@ -40,9 +40,18 @@ def _row(r: StepCost) -> str:
     return f"  {r.index:>3}  {r.op.title:<13} {','.join(r.axes):<6} {'':>10}  {'':>9}  {'local':<8}  {r.text}"
 
 
+def _copies(m: Memory) -> str:
+    """Of the weights, the copies ``gemm f8`` GEMMs read (:attr:`Memory.quantized_weight_bytes`)."""
+    if not m.quantized_weight_bytes:
+        return ""
+    return (f" (of them {fmt_bytes(m.quantized_weight_bytes)}: the copies the GEMMs read in their `gemm` type, "
+            "quantized once a step)")
+
+
 def _in(r: StepCost) -> str:
     """A matmul run in another type than the spec's (its operands': a `dtype T` line) says which."""
-    return f"  (in {r.dtype})" if r.dtype else ""
+    quantized = f", its inputs quantized: {fmt_bytes(r.quantize_bytes)}" if r.quantize_bytes else ""
+    return f"  (in {r.dtype}{quantized})" if r.dtype else ""
 
 
 def _mark(r: StepCost) -> str:
@@ -112,7 +121,8 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
         lines.append(f"  bound: {p.bound}; step {fmt_seconds(p.step_s)}: compute and memory, ahead-of-time "
                      f"collectives overlapped{ends}, critical ones exposed; exposed communication "
                      f"{fmt_seconds(p.exposed_comm_s)}")
-    lines.append(f"  MFU {p.mfu:.1%} (model FLOPs {fmt_flops(p.model_flops)}, recomputation not counted), "
+    lines.append(f"  MFU {p.mfu:.1%} (model FLOPs {fmt_flops(p.model_flops)}, recomputation not counted, over the "
+                 f"{p.dtype} peak {fmt_flops(p.hardware.peak(p.dtype))}/s), "
                  f"HFU {p.hfu:.1%}" + (f"; {p.tokens_per_s_per_chip:,.0f} tokens/s a chip" if p.tokens else ""))
     if p.step_at_mfu_s is not None and p.mfu_assumed is not None:
         lines.append(f"  at {p.mfu_assumed:.0%} MFU: {fmt_seconds(p.step_at_mfu_s)} "
@@ -149,7 +159,7 @@ def _memory(report: CostReport) -> list[str]:
         zero = f"; {m.zero}: {', '.join(('optimizer state', 'gradients', 'params')[:stage])} sharded"
     lines = [f"memory per device ({m.accounting}: {m.accounting_text}{zero})",
              f"  params     {m.params:.4g} of {m.params_total:.4g} on this device",
-             f"  weights    {fmt_bytes(m.param_bytes)}",
+             f"  weights    {fmt_bytes(m.param_bytes)}" + _copies(m),
              f"  grads      {fmt_bytes(m.grad_bytes)}",
              f"  optimizer  {fmt_bytes(m.optimizer_bytes)}",
              f"  residuals  {fmt_bytes(m.residual_bytes)}"
@@ -262,7 +272,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
              + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
              + f"[{fmt_seconds(cost.step_closed_s)} with free sends"
-             + (", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%}",
+             + (", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%} "
+             f"(over the {cost.peak_dtype} peak)",
              *([f"  gradient reductions: accumulated over the microbatches and reduced once a step, "
                 f"{fmt_seconds(cost.grad_reduce_s)} on the busiest stage, issued under the last microbatch's "
                 f"backward ({fmt_seconds(cost.grad_reduce_exposed_s)} exposed)"

@@ -25,6 +25,7 @@ XLA's buffer assignment.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import symengine as se
@@ -41,6 +42,7 @@ from shardc.ir.spec import Dim, TensorRef
 from shardc.layer_counts import block_counts, resolve_layers, runs
 from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
+from shardc.quantize import TILE, quantized_bytes, quantized_weights
 from shardc.ring_sends import ring_of, shared_rings
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.walk import block_reads, id_names, layer_inputs
@@ -71,6 +73,9 @@ class Memory:
     host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
     ring_bytes: float = 0.0  # the ring buffers in flight at once, one step of one layer (:func:`ring_buffers`)
     grads: float = 0.0  # gradient elements on one device (sharded as the param, or on its ZeRO shard), all layers
+    # of param_bytes, the held weights' copies in their GEMMs' narrower type (`gemm f8`), kept all step
+    # (shardc.quantize.quantized_weights)
+    quantized_weight_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -93,7 +98,8 @@ class Memory:
                 "residuals": [{"value": v, "bytes_per_layer": b, "why": w}
                               for (v, b), w in zip(self.residuals, self.whys or ("",) * len(self.residuals),
                                                    strict=True)],
-                "recomputed": [{"value": v, "bytes_per_layer": b} for v, b in self.recomputed]}
+                "recomputed": [{"value": v, "bytes_per_layer": b} for v, b in self.recomputed],
+                **({"quantized_weight_bytes": self.quantized_weight_bytes} if self.quantized_weight_bytes else {})}
 
 
 def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
@@ -137,11 +143,15 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     gathered = max(peak_weights(plan, plan.forward, names, sizes), peak_weights(plan, plan.backward, names, sizes))
     rings = max(ring_buffers(steps, sizes, plan.precision)
                 for steps in (plan.forward, plan.recomputed + plan.backward))
-    return Memory(accounting, described, local, total, local * per_param, grad_local * per_grad, opt_local * per_opt,
+    copies = math.fsum(quantized_bytes(float(local_elements(plan.tensor(name).ref, sizes)), kind, TILE * TILE)
+                       * times[name] for name, kind in quantized_weights(plan).items())
+    weights = local * per_param + copies if copies else local * per_param  # (an int where it was one)
+    return Memory(accounting, described, local, total, weights, grad_local * per_grad,
+                  opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
                   tuple(why for _, why in table), again, text(residual_formula(plan, table)), ring_bytes=rings,
-                  grads=grad_local)
+                  grads=grad_local, quantized_weight_bytes=copies)
 
 
 def step_memory(plan: Plan, sizes: dict[str, int], hbm_bytes: float, accounting: str = "adam10",

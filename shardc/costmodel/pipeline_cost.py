@@ -189,7 +189,8 @@ class PipelineCost:
     last: Timing = Timing(0.0, 0.0)  # and through those after it (the last chunk's)
     model_flops: float = 0.0  # the whole step's model FLOPs, every stage (recomputed ones not counted)
     devices: int = 0  # every chip, stages included
-    peak: float = 0.0  # a chip's peak FLOPs/s in the spec's dtype
+    peak: float = 0.0  # a chip's peak FLOPs/s in MFU's type (shardc.ir.spec.Spec.mfu_dtype)
+    peak_dtype: str = "bf16"  # that type
     update_s: float = 0.0  # the optimizer's update on the busiest stage, after the schedule
     grad_reduce_s: float = 0.0  # the weight gradients' reductions of the busiest stage, once a step
     grad_reduce_exposed_s: float = 0.0  # what of them the last microbatch's backward does not hide

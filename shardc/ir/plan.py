@@ -328,6 +328,9 @@ class Plan:
     # tensor -> its element type, where a `dtype T` line makes it other than the spec's
     # (shardc.planner.graph.Graph.dtypes); an einsum's rate is its operands' (:attr:`precision`)
     dtypes: tuple[tuple[str, DType], ...] = ()
+    # a contraction's result -> the type its GEMMs (forward and backward) quantize their inputs to, where a
+    # `gemm T` line says (shardc.planner.graph.Graph.gemms; :meth:`shardc.ir.precision.Precision.step`)
+    gemms: tuple[tuple[str, DType], ...] = ()
     # a `layers L { ... }` block's sections (:class:`Sections`), cut once by the planner; None: every
     # step is the block's (a spec without a block, or a Plan built by hand), or a block that does not cut
     sections: Sections | None = None
@@ -358,7 +361,8 @@ class Plan:
     @property
     def precision(self) -> Precision:
         """Every tensor's element type: the spec's dtype but where :attr:`dtypes` says."""
-        return Precision(self.spec.dtype, dict(self.dtypes))
+        return Precision(self.spec.dtype, dict(self.dtypes), dict(self.gemms),
+                         {grad: primal for primal, grad in self.gradient_names} if self.gemms else {})
 
     @property
     def model_dims(self) -> frozenset[str]:

@@ -3,17 +3,24 @@
 A spec gives every tensor its ``dtype`` and some tensors another (``dtype bf16 Sc, Pr``:
 :attr:`shardc.ir.spec.Spec.tensor_dtypes`); the planner extends them to gradients and intermediates
 (:attr:`shardc.planner.graph.Graph.dtypes`).  An einsum runs at the fp8 rate only where both operands
-are f8, as FP8 training runs a GEMM (DeepSeek-V3, arXiv 2412.19437, section 3.3).
+are f8, unless a ``gemm T`` line gives its GEMMs a compute type apart from storage
+(:meth:`shardc.ir.spec.Spec.gemm_of`): then the forward GEMM and the backward's two (Dgrad, Wgrad) quantize
+their inputs to T, as FP8 training runs a GEMM (DeepSeek-V3, arXiv 2412.19437, section 3.3, Figure 6).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shardc.ir.spec import DType
 
-__all__ = ["matmul_dtype", "Precision"]
+__all__ = ["matmul_dtype", "Precision", "ARRAY_DTYPE"]
+
+# The array type (numpy's via ml_dtypes, jax's) each element type is held in: f8 is E4M3, the format
+# DeepSeek-V3 uses for every FP8 tensor, activations, weights and gradients alike (arXiv 2412.19437,
+# section 3.3.2), and NVIDIA Transformer Engine's for the forward.
+ARRAY_DTYPE = {DType.F32: "float32", DType.BF16: "bfloat16", DType.F16: "float16", DType.F8: "float8_e4m3fn"}
 
 
 def matmul_dtype(operands: Iterable[DType]) -> DType:
@@ -35,13 +42,27 @@ def matmul_dtype(operands: Iterable[DType]) -> DType:
 @dataclass(frozen=True, eq=False)
 class Precision:
     """The element types of a plan's tensors: ``default`` (the spec's ``dtype``) but where ``tensors`` says
-    (:attr:`shardc.planner.graph.Graph.dtypes`)."""
+    (:attr:`shardc.planner.graph.Graph.dtypes`); ``gemms``: a contraction's result -> the type its GEMMs
+    quantize their inputs to (:attr:`shardc.planner.graph.Graph.gemms`), ``primals``: a gradient's name ->
+    its tensor's, by which a backward GEMM finds its forward one."""
 
     default: DType = DType.BF16
     tensors: Mapping[str, DType] = field(default_factory=dict)
+    gemms: Mapping[str, DType] = field(default_factory=dict)
+    primals: Mapping[str, str] = field(default_factory=dict)
 
     def of(self, tensor: str) -> DType:
         return self.tensors.get(tensor, self.default)
+
+    def gemm(self, tensor: str, operands: Sequence[str]) -> DType | None:
+        """The type a contraction's GEMM computing ``tensor`` from ``operands`` quantizes its inputs to: the
+        forward's (``tensor`` a contraction's result), or a backward GEMM's, which reads the cotangent of
+        the forward's result (Dgrad ``dX = dY · W``, Wgrad ``dW = X · dY``: both run in Y's type); None
+        where no ``gemm`` line names it (the operands' type then, :meth:`matmul`)."""
+        if tensor in self.gemms:
+            return self.gemms[tensor]
+        primals = (self.primals.get(o, "") for o in operands)
+        return next((self.gemms[p] for p in primals if p in self.gemms), None)
 
     def matmul(self, operands: Iterable[str]) -> str:
         """The type an einsum (or a kernel's matmuls) reading ``operands`` runs in, by name (:func:`matmul_dtype`)."""

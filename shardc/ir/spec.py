@@ -19,28 +19,9 @@ from dataclasses import dataclass, field
 
 from shardc.errors import ShardcError, Span
 
-__all__ = [
-    "DType",
-    "Network",
-    "MeshAxis",
-    "Mesh",
-    "Dim",
-    "TensorRef",
-    "Contract",
-    "Add",
-    "Call",
-    "Expr",
-    "Statement",
-    "Spec",
-    "format_axes",
-    "SCHEDULES",
-    "FUSIONS",
-    "GRAD_REDUCES",
-    "ATTENTION_KERNELS",
-    "Schedule",
-    "Zero",
-    "parse_topology",
-]
+__all__ = ["DType", "Network", "MeshAxis", "Mesh", "Dim", "TensorRef", "Contract", "Add", "Call", "Expr", "Statement",
+           "Spec", "format_axes", "SCHEDULES", "FUSIONS", "GRAD_REDUCES", "ATTENTION_KERNELS", "Schedule", "Zero",
+           "parse_topology"]
 
 
 class DType(enum.Enum):
@@ -388,16 +369,25 @@ class Spec:
     # :meth:`dtype_of` reads them, and the planner gives a tensor's gradient and the intermediates of its
     # statement its type (shardc.planner.graph.Graph.dtypes)
     tensor_dtypes: tuple[tuple[str, DType], ...] = ()
+    # `gemm f8`: the type every contraction's GEMMs (forward, and the backward's two) quantize their inputs
+    # to, whatever the operands are stored in; None: an einsum runs in its operands' type
+    # (shardc.ir.precision.matmul_dtype).  `gemm bf16 Lg, Gate`: the statements whose GEMMs run in another
+    # (each once, kept sorted by name).  :meth:`gemm_of` reads both.
+    gemm: DType | None = None
+    gemm_tensors: tuple[tuple[str, DType], ...] = ()
     filename: str | None = field(default=None, compare=False, hash=False)
     # Where header items were written, for error messages: keys "mesh", "dims", "dtype",
     # "param", "const", "hardware", "layers", "zero" (the keyword), "dim:B", "param:W_in",
-    # "const:Mask", "recompute:W_uq" and "dtype:Sc" (one entry each).
+    # "const:Mask", "recompute:W_uq", "dtype:Sc" and "gemm:Lg" (one entry each).
     header_spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         normal = tuple(sorted(self.tensor_dtypes, key=lambda item: item[0]))
         if normal != self.tensor_dtypes:  # a set of declarations: the order written means nothing
             object.__setattr__(self, "tensor_dtypes", normal)
+        gemms = tuple(sorted(self.gemm_tensors, key=lambda item: item[0]))
+        if gemms != self.gemm_tensors:
+            object.__setattr__(self, "gemm_tensors", gemms)
 
     def span_of(self, key: str) -> Span | None:
         """The span recorded for a header item (see ``header_spans``), if any."""
@@ -439,10 +429,22 @@ class Spec:
 
     def dtype_lines(self) -> list[str]:
         """``dtype T a, b`` for each type some tensor is declared in (the names in order, as kept)."""
-        grouped: dict[DType, list[str]] = {}
-        for name, kind in self.tensor_dtypes:
-            grouped.setdefault(kind, []).append(name)
-        return [f"dtype {kind} " + ", ".join(names) for kind, names in grouped.items()]
+        return _grouped("dtype", self.tensor_dtypes)
+
+    def gemm_of(self, result: str) -> DType | None:
+        """The type the GEMMs of the statement computing ``result`` quantize their inputs to: its ``gemm T
+        result`` line's, else the spec's ``gemm T``; None: its operands' (no ``gemm`` line names it)."""
+        return dict(self.gemm_tensors).get(result, self.gemm)
+
+    @property
+    def mfu_dtype(self) -> DType:
+        """The type whose peak MFU is reported against: the ``gemm T`` line's (the type the GEMMs, nearly all
+        of a step's FLOPs, run in) where one is given, else ``dtype``."""
+        return self.dtype if self.gemm is None else self.gemm
+
+    def gemm_lines(self) -> list[str]:
+        """``gemm T`` and ``gemm T a, b`` as written (the names in order, as kept)."""
+        return ([f"gemm {self.gemm}"] if self.gemm is not None else []) + _grouped("gemm", self.gemm_tensors)
 
     def __str__(self) -> str:
         lines = [str(self.mesh)]
@@ -450,7 +452,7 @@ class Spec:
             lines.append("dims " + ", ".join(f"{k}={v}" for k, v in self.dims))
         if self.dtype is not DType.BF16:
             lines.append(f"dtype {self.dtype}")
-        lines += self.dtype_lines()
+        lines += self.dtype_lines() + self.gemm_lines()
         if self.params is not None:
             lines.append("param " + ", ".join(self.params))
         if self.const:
@@ -486,3 +488,11 @@ class Spec:
             if any(k == end - 1 for _, end, _ in self.blocks()):
                 lines.append("}")
         return "\n".join(lines) + "\n"
+
+
+def _grouped(keyword: str, declared: tuple[tuple[str, DType], ...]) -> list[str]:
+    """``keyword T a, b`` for each type the names are declared in, in the order kept."""
+    grouped: dict[DType, list[str]] = {}
+    for name, kind in declared:
+        grouped.setdefault(kind, []).append(name)
+    return [f"{keyword} {kind} " + ", ".join(names) for kind, names in grouped.items()]

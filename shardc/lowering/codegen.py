@@ -26,13 +26,15 @@ from shardc.collectives import share
 from shardc.errors import InternalError
 from shardc.ir.localops import Combine, Update
 from shardc.ir.plan import Op, Plan, Step, backward_program, unfused
+from shardc.ir.precision import ARRAY_DTYPE, Precision
 from shardc.ir.spec import Mesh, TensorRef
 from shardc.lowering import template
 from shardc.lowering.partition_specs import axes_entry
 from shardc.lowering.sizes import small_sizes
-from shardc.ops.registry import of_step
+from shardc.ops.registry import Namer, of_step
 from shardc.ops.text import aligned_text
 from shardc.pipeline.backward_split import step_reads, value_key
+from shardc.quantize import step_gemm
 
 __all__ = ["Boundary", "Phase", "Module", "generate", "local_shape_text"]
 
@@ -137,7 +139,24 @@ def _check_einsum(step: Step, number: int, phase: str) -> None:
                               f"sharded like its operands", fix="this is a planner bug: report the spec")
 
 
-def _step_code(step: Step, var: _Namer, sizes: dict[str, int] | None = None) -> str:
+class _Quantized:
+    """The names of a GEMM's operands cast to its ``gemm`` type as it reads them (``gemm_input``)."""
+
+    def __init__(self, var: _Namer, kind: str) -> None:
+        self.var, self.kind = var, kind
+
+    def __call__(self, ref: TensorRef) -> str:
+        return f"gemm_input({self.var(ref)}, {self.kind!r})"
+
+
+def _operand_names(step: Step, var: _Namer, precision: Precision) -> Namer:
+    """How a step names its operands: a GEMM a ``gemm`` line names reads them cast to its type
+    (:func:`shardc.quantize.step_gemm`, the type cost prices it in), forward, Dgrad and Wgrad alike."""
+    kind = step_gemm(step, precision)
+    return var if kind is None else _Quantized(var, ARRAY_DTYPE[kind])
+
+
+def _step_code(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     """One step as one line of Python (without the comment)."""
     src = var(step.src) if step.src is not None else ""
     axes = axes_entry(step.axes) if step.axes else ""
@@ -169,7 +188,7 @@ def _gathered_groups(step: Step) -> str:
     return "(" + ", ".join(f"({d}, {axes!r})" for d, axes in groups) + ",)"
 
 
-def _elementwise_code(step: Step, var: _Namer) -> str:
+def _elementwise_code(step: Step, var: Namer) -> str:
     fn = step.fn
     args = [aligned_text(var(ref), ref.indices, step.dst.indices) for ref in step.operands]
     if isinstance(fn, Update):  # the optimizer's step, lowered as plain SGD (shardc.lowering.optimizer)
@@ -179,8 +198,9 @@ def _elementwise_code(step: Step, var: _Namer) -> str:
 
 
 def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Namer,
-          sizes: dict[str, int] | None) -> tuple[list[str], set[TensorRef]]:
-    """The lines of one phase; ``ready`` holds the values available at its start."""
+          sizes: dict[str, int] | None, precision: Precision) -> tuple[list[str], set[TensorRef]]:
+    """The lines of one phase; ``ready`` holds the values available at its start; ``precision`` the
+    plan's types (a ``gemm`` line's GEMMs cast their operands)."""
     lines: list[tuple[str, str]] = []
     made = set(ready)
     for number, step in enumerate(steps, 1):
@@ -192,7 +212,7 @@ def _body(phase: str, steps: tuple[Step, ...], ready: set[TensorRef], var: _Name
         for part in unfused(step):  # a collective matmul: its einsum as the planner made it
             if part.op in (Op.EINSUM, Op.COPY):
                 _check_einsum(part, number, phase)
-        code = f"{var(step.dst)} = {_step_code(step, var, sizes)}"
+        code = f"{var(step.dst)} = {_step_code(step, _operand_names(step, var, precision), sizes)}"
         lines.append((code, template.comment(f"{step.dst}  {local_shape_text(step.dst, sizes)}")))
         made.add(value_key(step.dst))
     width = min(max((len(code) for code, _ in lines), default=0), _COMMENT_COLUMN)
@@ -221,7 +241,7 @@ def _forward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
                    needed: list[TensorRef]) -> tuple[Phase, tuple[str, ...]]:
     entry = [info for info in plan.tensors if info.role in ("input", "param")]
     ready = {value_key(info.ref) for info in entry}
-    lines, made = _body("forward", plan.forward, ready, var, sizes)
+    lines, made = _body("forward", plan.forward, ready, var, sizes, plan.precision)
     results = [info for info in plan.tensors if info.role not in ("input", "param")]
     outputs = [Boundary(info.name, var(info.ref), value_key(info.ref)) for info in results]
     for info in results:
@@ -247,7 +267,7 @@ def _backward_phase(plan: Plan, var: _Namer, sizes: dict[str, int] | None,
                           fix="this is a planner bug: report the spec")
     used = [inputs[r] for r in external]
     used += [inputs[value_key(c)] for c in plan.cotangents if inputs[value_key(c)] not in used]
-    lines, made = _body("backward", backward_program(plan), {b.ref for b in used}, var, sizes)
+    lines, made = _body("backward", backward_program(plan), {b.ref for b in used}, var, sizes, plan.precision)
     for g in plan.grads:
         if value_key(g) not in made:
             raise InternalError(f"the backward never makes {g}", fix="this is a planner bug: report the spec")
@@ -288,7 +308,7 @@ def _optimizer_phase(zero: Plan, var: _Namer, sizes: dict[str, int] | None) -> P
     """The ZeRO plan's optimizer phase: params and gradients in, the updated params out."""
     external = _external_reads(zero.optimizer)
     inputs = tuple(Boundary(ref.name, var(ref), ref) for ref in external)
-    lines, made = _body("optimizer", zero.optimizer, set(external), var, sizes)
+    lines, made = _body("optimizer", zero.optimizer, set(external), var, sizes, zero.precision)
     updated = dict.fromkeys(s.tensor for s in zero.optimizer if s.op is Op.ELEMENTWISE)
     outputs = []
     for name in updated:

@@ -89,6 +89,7 @@ def split_spec(spec: Spec) -> tuple[Spec, tuple[Spec, ...], Spec]:
         return replace(spec, statements=statements, block=None, header_spans=(),
                        params=params, const=tuple(c for c in spec.const if c in names),
                        tensor_dtypes=tuple((t, kind) for t, kind in spec.tensor_dtypes if t in names),
+                       gemm_tensors=tuple((t, kind) for t, kind in spec.gemm_tensors if t in names),
                        layers=layers if pipelined else None, more_blocks=(),
                        mesh=spec.mesh if pipelined else stage_mesh,
                        microbatches=spec.microbatches if pipelined else None,

@@ -11,6 +11,10 @@ are read, so a wrong plan (a wrong collective, a wrong local einsum, a wrong
 planned backward) shows up as a wrong value.  ``xp`` is numpy by default;
 :mod:`shardc.verification.compare` passes jax.numpy to build the same computation
 for XLA's partitioner.
+
+A GEMM a ``gemm T`` line names (an einsum that sums an index) reads its operands rounded to T and back, in
+the forward and in both backward GEMMs, as the lowered module's ``gemm_input`` does: the reference computes
+what the module computes, from the spec (:meth:`shardc.ir.spec.Spec.gemm_of`), not from the plan.
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ from typing import Any
 
 import numpy as np
 
+from shardc.ir.precision import ARRAY_DTYPE
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Site, family_of, of_call
 from shardc.spec.walk import chain_indices, fold, leaves
 
-__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths"]
+__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths", "gemm_rounded"]
 
 Array = Any
+SCALE_FLOOR = -11  # the least power-of-two scale gemm_rounded gives an element (2**-11 x E4M3's 2**-9 grid)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class _Node:
     signs: tuple[int, ...] = ()  # a sum's (fn "add"): +1 or -1 per operand
     call: Call | None = None  # an op family's call (its indices, its rate, its k)
     salt: int = 0  # a random mask's, as its family draws it (Reference.salt: a dropout's)
+    gemm: str | None = None  # a GEMM's `gemm T` type (its array type): its operands and cotangent rounded to it
 
 
 def leaf_names(spec: Spec) -> list[str]:
@@ -62,7 +69,8 @@ def outputs(spec: Spec) -> list[str]:
 class _Builder:
     """Turns statements into a list of nodes (temporaries are ``#k``, never a tensor name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
         self.current: Statement | None = None
         self.nodes: list[_Node] = []
         self.labels: dict[str, tuple[str, ...]] = {}
@@ -120,7 +128,11 @@ class _Builder:
 
     def einsum(self, keys: list[str], out: tuple[str, ...]) -> str:
         key = self.temp()
-        self.nodes.append(_Node(key, tuple(keys), tuple(self.labels[k] for k in keys), out, family_of(CONTRACT)))
+        labels = tuple(self.labels[k] for k in keys)
+        kind = self.spec.gemm_of(self.current.result.name) if self.current is not None else None
+        sums = len(keys) > 1 and bool(set().union(*labels) - set(out))  # a GEMM, not a product or a copy
+        gemm = ARRAY_DTYPE[kind] if kind is not None and sums else None
+        self.nodes.append(_Node(key, tuple(keys), labels, out, family_of(CONTRACT), gemm=gemm))
         self.labels[key] = out
         return key
 
@@ -141,7 +153,7 @@ class _Builder:
 
 
 def _nodes(spec: Spec, key: int = 0) -> list[_Node]:
-    builder = _Builder()
+    builder = _Builder(spec)
     for s in spec.statements:
         builder.current = s
         builder.statement(s.result, s.expr)
@@ -155,6 +167,30 @@ def keyed_salt(salt: int, key: int) -> int:
     return (salt + int(key) * 0x9E3779B9) % 2**32
 
 
+def gemm_rounded(x: Array, kind: str | None, xp: Any = np) -> Array:
+    """A GEMM's operand as it reads it under ``gemm T`` (``kind`` T's array type, ``float8_e4m3fn``; None: as
+    it is): each element cast to T and back at a power-of-two scale of its own (``frexp``: its mantissa
+    in [1, 2) cast, its exponent kept), so it keeps T's mantissa bits (E4M3's 3) and never overflows: the
+    fine-grained scaling of FP8 recipes (DeepSeek-V3 section 3.3.2 scales a 1x128 tile) taken to the
+    element, as no scale shared by a tile could be computed alike on a device's block and on the whole
+    array.  No scale is below ``2**SCALE_FLOOR``: smaller elements are E4M3's subnormals there (a grid of
+    2**-20), as a tile scaled to its largest element flushes what lies 17 binades under it; at its own
+    scale an element left small by cancellation would turn its last-place error into a whole E4M3 step,
+    which the module and the reference, summing in other orders, would not round alike.  A float64 value
+    is rounded to float32 first: FP8 products sum exactly in float64, so many operands sit exactly on an
+    E4M3 tie, and a last-place difference (XLA's exp beside numpy's) would round one a whole step apart;
+    float32 holds such a value exactly, and the two sides' values alike.  The lowered module's
+    ``gemm_input`` and the reference both call it (numpy's and jax's float8 types are ml_dtypes')."""
+    if kind is None:
+        return x
+    import ml_dtypes  # a jax dependency: numpy's float8 types
+
+    narrow = x.astype("float32")  # the last places of a wider value round off first (see above)
+    _, exponent = xp.frexp(narrow)
+    shift = xp.maximum(exponent, SCALE_FLOOR + 1) - 1
+    return xp.ldexp(xp.ldexp(narrow, -shift).astype(getattr(ml_dtypes, kind)).astype(x.dtype), shift)
+
+
 def _site(node: _Node, shape: dict[str, int], result: Array = None) -> Site:
     """Where a family's node applies, for its reference (:class:`shardc.ops.registry.Site`); ``result``:
     its value, once known (in the backward)."""
@@ -166,7 +202,7 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
     values = dict(inputs)
     shape: dict[str, int] = dict(sizes or {})  # the inputs' shapes win; sizes give the rest (a capacity)
     for node in nodes:
-        args = [values[o] for o in node.operands]
+        args = [gemm_rounded(values[o], node.gemm, xp) for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
         values[node.result] = node.family.reference.forward(_site(node, shape), tuple(args), xp)
@@ -210,8 +246,9 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         vjp = node.family.reference.vjp
         if vjp is None:  # a 0/1 mask: no gradient
             continue
-        xs = tuple(values[o] for o in node.operands)
-        for name, g in zip(node.operands, vjp(_site(node, shape, values[node.result]), xs, d, xp), strict=True):
+        xs = tuple(gemm_rounded(values[o], node.gemm, xp) for o in node.operands)
+        site = _site(node, shape, values[node.result])
+        for name, g in zip(node.operands, vjp(site, xs, gemm_rounded(d, node.gemm, xp), xp), strict=True):
             if g is not None:  # None: no gradient there (token ids)
                 add(name, g)
     return {name: grads[name] for name in leaf_names(spec) if name in grads}

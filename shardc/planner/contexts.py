@@ -55,8 +55,9 @@ def search_context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int]
     return CostContext(without_unit_axes(spec.mesh), spec.dtype, sized.sizes if spec.dims else None,
                        graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
                        padded=frozenset(d for d, _ in uneven_dims(sized)), units=units, places=places,
-                       element_bytes=graph.element_bytes, routings=node_limits(spec), dtypes=graph.dtypes,
-                       repeats=repeats, accumulated=grads if repeats > 1 else frozenset())
+                       element_bytes=graph.element_bytes, routings=node_limits(spec),
+                       precision=graph.precision(spec.dtype), repeats=repeats,
+                       accumulated=grads if repeats > 1 else frozenset())
 
 
 # the search caches shared inside shared_search(): the key of what a context is made of -> (chip, context)
@@ -92,7 +93,8 @@ def shared_context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int]
     key = (str(without_unit_axes(spec.mesh)), spec.dtype, tuple(run[0].sizes.items()) if spec.dims else None, run[1],
            graph.params, tuple(sorted(graph.grads.items())), tuple(sorted((spans or {}).items())), spec.topology,
            tuple(uneven_dims(run[0])), units, repr(places), tuple(sorted(graph.element_bytes.items())),
-           tuple(sorted(node_limits(spec).items())), tuple(sorted(graph.dtypes.items())))
+           tuple(sorted(node_limits(spec).items())), tuple(sorted(graph.dtypes.items())),
+           tuple(sorted(graph.gemms.items())))
     hit = shared.get(key)
     if hit is None or hit[0] != hw:  # an equal chip: chip_for makes a new one where the spec sets its fusion
         hit = shared[key] = (hw, search_context(spec, graph, hw, spans, units, places, run))

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
+from shardc.ir.precision import Precision
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
 from shardc.names import gradient_names
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Node, family_of, of_call
@@ -40,6 +41,12 @@ class Graph:
     element_bytes: dict[str, int] = field(default_factory=dict)
     # tensor -> its element type, where not the spec's dtype (:meth:`_Builder.dtypes`)
     dtypes: dict[str, DType] = field(default_factory=dict)
+    # a contraction's result -> the type its GEMMs quantize their inputs to (:meth:`_Builder.gemms`)
+    gemms: dict[str, DType] = field(default_factory=dict)
+
+    def precision(self, default: DType) -> Precision:
+        """Every tensor's type (``default`` the spec's) and every GEMM's (:class:`shardc.ir.precision.Precision`)."""
+        return Precision(default, self.dtypes, self.gemms, {g: t for t, g in self.grads.items()})
 
     @property
     def names(self) -> frozenset[str]:
@@ -205,6 +212,19 @@ class _Builder:
                     found.setdefault(made, kind)
         return found | {grads[t]: kind for t, kind in found.items() if t in grads}
 
+    def gemms(self) -> dict[str, DType]:
+        """The type each contraction that sums an index (a GEMM, not an elementwise product) quantizes its
+        inputs to, by its result (a chain's intermediates too), where a ``gemm T`` line gives its
+        statement one (:meth:`shardc.ir.spec.Spec.gemm_of`)."""
+        found = {}
+        for node in self.nodes:
+            kind = self.spec.gemm_of(node.statement.result.name)
+            if kind is None or node.family is not family_of(CONTRACT) or len(node.operands) < 2:
+                continue
+            if {i for o in node.operands for i in self.indices[o]} - set(node.indices):
+                found[node.result] = kind
+        return found
+
     def element_bytes(self, dtypes: Mapping[str, DType]) -> dict[str, int]:
         """Bytes an element of each tensor not of the spec's dtype: the token ids, the keep-masks, the
         tensors of another type (``dtypes``)."""
@@ -222,6 +242,6 @@ class _Builder:
         grads |= {t: g for t, g in given.items() if t in grads and g not in taken}
         dtypes = self.dtypes(grads)
         return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params),
-                     tuple(self.inputs), outputs, const, grads, self.element_bytes(dtypes), dtypes)
+                     tuple(self.inputs), outputs, const, grads, self.element_bytes(dtypes), dtypes, self.gemms())
 
 

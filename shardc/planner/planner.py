@@ -408,6 +408,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         recomputed=again,
         element_bytes=tuple(graph.element_bytes.items()),
         dtypes=tuple(graph.dtypes.items()),
+        gemms=tuple(graph.gemms.items()),
         sections=Sections.of(fwd, bwd, again),
     )
 

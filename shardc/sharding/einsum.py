@@ -230,7 +230,8 @@ def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value,
     """The local einsum's time on the plan's chip, as cost prices it: part of the objective (see layout)."""
     operands = ((op.indices, local, ctx.nbytes(op.name)) for op, local in zip(problem.operands, locals_, strict=True))
     result = (problem.indices, local_result, ctx.nbytes(problem.result))
-    dtype = ctx.matmul_dtype(op.name for op in problem.operands)
+    contracts = bool({i for op in problem.operands for i in op.indices} - set(problem.indices))
+    dtype = ctx.einsum_dtype(problem.result, [op.name for op in problem.operands], contracts)
     return (ctx.einsum_seconds(operands, result, dtype), 0, 0)
 
 

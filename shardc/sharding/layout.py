@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -44,7 +44,8 @@ from shardc.collectives import Routed, collective_time, einsum_flops, piece, vol
 from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.plan import Monomial, Op
 from shardc.ir.precision import Precision
-from shardc.ir.spec import Dim, DType, Mesh, TensorRef
+from shardc.ir.spec import DType, Mesh, TensorRef
+from shardc.sharding.moves import INFINITE, ZERO, Cost, Edge, Layout, Move, SearchTooLong, Value, add_cost, expand
 from shardc.sharding.unit import Placements
 from shardc.spec.walk import nbytes_of
 from shardc.steptime import einsum_bytes, einsum_time
@@ -53,88 +54,8 @@ from shardc.topology import resolve_links
 __all__ = ["Layout", "Value", "Move", "expand", "neighbours", "spanning", "Cost", "CostContext", "ZERO", "INFINITE",
            "add_cost", "SearchTooLong"]
 
-Layout = tuple[tuple[str, ...], ...]
-
 # Without dims, every dim is taken to be this large (and the book's rules decide).
 PROXY_DIM = 1 << 20
-
-class SearchTooLong(Exception):
-    """The search did more work than its budget allows (the planner turns this into a ShardcError)."""
-
-    def __init__(self, axes: int, work: int) -> None:
-        super().__init__(axes, work)
-        self.axes = axes
-        self.work = work
-
-
-Cost = tuple[float, int, int]
-ZERO: Cost = (0.0, 0, 0)
-INFINITE: Cost = (float("inf"), 0, 0)
-
-
-def add_cost(a: Cost, b: Cost) -> Cost:
-    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
-
-
-@dataclass(frozen=True, order=True)
-class Value:
-    """A layout and unreduced axes (sorted): a planner state for one tensor."""
-
-    layout: Layout
-    unreduced: tuple[str, ...] = ()
-
-    def reaches(self, other: Value) -> bool:
-        """Whether moves can take this value to ``other``'s partial sums: they resolve
-        partial sums (its unreduced axes may only shrink), they never make them."""
-        return set(other.unreduced) <= set(self.unreduced)
-
-    def used(self) -> frozenset[str]:
-        return frozenset(a for axes in self.layout for a in axes) | frozenset(self.unreduced)
-
-    def ref(self, name: str, indices: tuple[str, ...]) -> TensorRef:
-        dims = tuple(Dim(i, axes) for i, axes in zip(indices, self.layout, strict=True))
-        return TensorRef(name, dims, self.unreduced)
-
-    @staticmethod
-    def of(ref: TensorRef) -> Value:
-        """A sharded value without its name: TensorRef, which sorts its unreduced axes when
-        made, is the one normal form; Value only ever copies it (and :meth:`ref` goes back)."""
-        return Value(ref.layout, ref.unreduced)
-
-
-@dataclass(frozen=True)
-class Move:
-    """One edge of the search: ``op`` over ``axes`` taking ``src`` to ``dst``."""
-
-    op: Op
-    src: Value
-    dst: Value
-    axes: tuple[str, ...]
-    dim: int | None = None
-    dim2: int | None = None
-    volume: Monomial | None = None
-    # The moves this one stands for, when it is several (free slices, then the collective):
-    # past four axes the search keeps axes in place, and a gather may still span more links.
-    via: tuple[Move, ...] = ()
-
-
-def expand(moves: Iterable[Move]) -> tuple[Move, ...]:
-    """``moves`` with each move that stands for several replaced by them."""
-    out = tuple(moves)
-    for move in out:
-        if move.via:
-            return tuple(m for move in out for m in (move.via or (move,)))
-    return out
-
-
-@dataclass(frozen=True)
-class Edge:
-    """A move out of a search state: its cost and the value number it reaches."""
-
-    move: Move
-    cost: Cost
-    dst: int
-
 
 @dataclass
 class CostContext:
@@ -157,8 +78,8 @@ class CostContext:
     accumulated: frozenset[str] = frozenset()
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
-    # tensor -> its element type where not the dtype (shardc.planner.graph.Graph.dtypes): an einsum's rate
-    dtypes: dict[str, DType] = field(default_factory=dict)
+    # the tensors' types where not the dtype, and the GEMMs' (`gemm f8`): an einsum's rate; None: all of dtype
+    precision: Precision | None = None
     # forward searches, resumed by each query: see shardc.sharding.search.reshard
     _searches: dict[tuple[object, ...], object] = field(default_factory=dict)
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
@@ -212,7 +133,12 @@ class CostContext:
     def matmul_dtype(self, operands: Iterable[str]) -> str:
         """The element type an einsum (or a kernel's matmuls) of these operands runs in
         (:meth:`shardc.ir.precision.Precision.matmul`)."""
-        return Precision(self.dtype, self.dtypes).matmul(operands)
+        return (self.precision or Precision(self.dtype)).matmul(operands)
+
+    def einsum_dtype(self, result: str, operands: Sequence[str], contracts: bool) -> str:
+        """An einsum's type, as cost prices it: a GEMM's (it ``contracts``) ``gemm`` type, else :meth:`matmul_dtype`."""
+        kind = self.precision.gemm(result, operands) if contracts and self.precision is not None else None
+        return kind.value if kind is not None else self.matmul_dtype(operands)
 
     def kind(self, tensor: str) -> tuple[bool, int, bool]:
         """What a tensor's moves' costs depend on beside its indices: weight, element bytes, reduced once a step."""

@@ -20,12 +20,12 @@ Representation decisions (other passes rely on them):
   list or a single operand is dropped (``(A)`` is ``A``).
 - The chain form ``A · B -> R`` is ``Statement(arrow=True)``; meaning is the same.
 - Several ``dims`` lines (and several ``param`` or ``const`` lines) merge, in order;
-  ``mesh``, ``dtype`` (the spec's type), ``hardware`` and ``layers`` may appear once each; ``dtype T a, b``
-  lines (some tensors' type: :mod:`shardc.spec.dtypes`) merge.
+  ``mesh``, ``dtype`` (the spec's type), ``gemm T``, ``hardware`` and ``layers`` may appear once each;
+  ``dtype T a, b`` and ``gemm T a, b`` lines (some tensors' type: :mod:`shardc.spec.dtypes`) merge.
   Header lines may come anywhere; statements keep their order.
-- A line's first word ``mesh``/``dims``/``dtype``/``param``/``const``/``hardware``/``layers``/
+- A line's first word ``mesh``/``dims``/``dtype``/``gemm``/``param``/``const``/``hardware``/``layers``/
   ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce``/``attention_kernel``/
-  ``recompute`` is the keyword, so those fifteen words cannot name a tensor or function there.
+  ``recompute`` is the keyword, so those sixteen words cannot name a tensor or function there.
 """
 
 from __future__ import annotations
@@ -271,6 +271,9 @@ class _Builder(Transformer[Token, Any]):
     def dtype_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return dtype_line(children, _span)
 
+    def gemm_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return dtype_line(children, _span)
+
     def param_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
         return ("param", names, _span(children[0]))
@@ -404,7 +407,8 @@ def _build_spec(items: list[Any]) -> Spec:
     """Gather the lines into a Spec: header lines merge or must be unique, statements keep order."""
     statements: list[Statement] = []
     seen: dict[str, Span] = {}
-    header: dict[str, Any] = {"dims": [], "param": None, "const": [], "recompute": [], "dtype_tensors": []}
+    header: dict[str, Any] = {"dims": [], "param": None, "const": [], "recompute": [], "dtype_tensors": [],
+                              "gemm_tensors": []}
     spans: list[tuple[str, Span]] = []
     block: tuple[int, int] | None = None
     more: list[tuple[int, int, int | str]] = []
@@ -425,7 +429,7 @@ def _build_spec(items: list[Any]) -> Spec:
             block = where
             item = ("layers", item.layers, item.span)
         kind, value, span = item
-        if kind in seen and kind not in ("dims", "param", "const", "recompute", "dtype_tensors"):
+        if kind in seen and kind not in ("dims", "param", "const", "recompute", "dtype_tensors", "gemm_tensors"):
             raise ShardcError(f"`{kind}` is given twice (first on line {seen[kind].line})", span,
                               fix=f"keep one `{kind}` line")
         seen.setdefault(kind, span)
@@ -436,8 +440,8 @@ def _build_spec(items: list[Any]) -> Spec:
         elif kind == "param":
             header["param"] = (header["param"] or []) + [name for name, _ in value]
             spans.extend((f"param:{name}", s) for name, s in value)
-        elif kind == "dtype_tensors":
-            merge_dtypes(value, header[kind], spans)
+        elif kind in ("dtype_tensors", "gemm_tensors"):
+            merge_dtypes(value, header[kind], spans, kind.removesuffix("_tensors"))
         elif kind in ("const", "recompute"):
             header[kind] += [name for name, _ in value]
             spans.extend((f"{kind}:{name}", s) for name, s in value)
@@ -469,6 +473,8 @@ def _build_spec(items: list[Any]) -> Spec:
         attention_kernel=header.get("attention_kernel"),
         recompute=tuple(header["recompute"]),
         tensor_dtypes=tuple(header["dtype_tensors"]),
+        gemm=header.get("gemm"),
+        gemm_tensors=tuple(header["gemm_tensors"]),
         filename=_local.filename,
         header_spans=tuple(spans),
     )

@@ -16,7 +16,8 @@ order (so the first problem of the file is the one reported):
   no index summed away without a partner operand, reshards keeping indices
   (:mod:`shardc.spec.exprs`);
 - `recompute` naming functions the spec calls, params or computed tensors, each once;
-- `dtype T tensors` naming the spec's float tensors, each once (:mod:`shardc.spec.dtypes`);
+- `dtype T tensors` naming the spec's float tensors, each once, and `gemm T results` naming statements
+  that contract an index, each once (:mod:`shardc.spec.dtypes`);
 - the data flow: a tensor defined once, never read before its definition, and
   read with one sharding everywhere (an intermediate as it was defined).
 
@@ -40,7 +41,7 @@ from collections.abc import Callable
 
 from shardc.errors import LAYERS_FEED, ShardcError, Span, clip
 from shardc.ir.spec import Dim, Spec, Statement, TensorRef
-from shardc.spec.dtypes import check_dtypes
+from shardc.spec.dtypes import check_dtypes, check_gemms
 from shardc.spec.exprs import check_expression
 from shardc.spec.stages import check_pipeline
 from shardc.spec.walk import block_feeds, calls, leaves
@@ -88,6 +89,7 @@ def _check(spec: Spec) -> None:
     _check_zero(spec)
     _check_recompute(spec, defined)
     check_dtypes(spec)  # the `dtype T tensors` lines
+    check_gemms(spec)  # the `gemm T statements` lines
     check_pipeline(spec)  # the pipeline axis, microbatches and schedule lines
     _check_feed(spec)  # after the per-reference checks: it compares whole shardings
 

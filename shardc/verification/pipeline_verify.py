@@ -65,7 +65,7 @@ from shardc.verification.pipeline_layers import block_grads, layer_specs, model_
 from shardc.verification.pipeline_memory import StageMemoryCheck, stage_memory_check
 from shardc.verification.pipeline_module import use_pipeline_module
 from shardc.verification.progress import step
-from shardc.verification.report import POWER, Report, ValueRow, compare_values, cut_note
+from shardc.verification.report import POWER, Report, ValueRow, compare_values, cut_note, gemm_note
 from shardc.verification.scales import input_scales
 
 __all__ = ["verify_pipeline", "check_pipeline_memory", "run_sizes", "draw_inputs", "draw_cotangent", "reference",
@@ -324,6 +324,7 @@ def _checked(plan: Plan, lowered: PipelineLowered, devices: int, seed: int, key:
     cut = collapsed_axes(plan, {**mesh})
     if cut:
         report.notes.append(cut_note(cut, devices, plan))
+    report.notes += gemm_note(plan.spec)
     parts = None if lowered.ends is None else (lowered.ends.pre, *lowered.ends.blocks, lowered.ends.post)
     report.notes.append(f"each row's bound adds {power.DIFFERENTIAL:g} times its phase's largest relative error of "
                         "the unsharded float64 program (the reference's statements in jax, on one device) to the "

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from shardc.ir.plan import Op, Plan, Step
+from shardc.ir.precision import ARRAY_DTYPE
+from shardc.ir.spec import DType, Spec
 from shardc.lowering.sizes import devices_to_check
 from shardc.planner.plan_text import step_label
 from shardc.verification.hlo import Collective
@@ -24,9 +26,9 @@ from shardc.verification.ring_hlo import ring_sends
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text", "compare_values",
            "Planned", "planned_collective", "unplanned_row", "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE",
-           "POWER", "cut_note"]
+           "POWER", "cut_note", "gemm_note"]
 
-STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
+STORAGE_DTYPE = {"f8": ARRAY_DTYPE[DType.F8]}  # inputs are rounded to this first
 # (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
 # where the magnitude (reference.magnitudes) sums the absolute values of the terms behind each
 # value, so cancellation does not shrink the bound below the rounding it must admit.  Over every
@@ -37,7 +39,19 @@ STORAGE_DTYPE = {"f8": "float8_e4m3fn"}  # inputs are rounded to this first
 # scale on an activation): a row whose bound passes more is checked again in float32.
 POWER = 0.05
 TOLERANCE = {"float32": (2e-5, 1e-5), "bfloat16": (2.5e-2, 1e-3), "float16": (4e-3, 1e-4)}
-# (a pipeline computes in float64, within the bound its computation sets: pipeline_verify.rounding_bound)
+
+
+def gemm_note(spec: Spec) -> list[str]:
+    """What verify checks of a spec's ``gemm T`` lines (:meth:`shardc.ir.spec.Spec.gemm_lines`)."""
+    if not spec.gemm_lines():
+        return []
+    return [f"{'; '.join(spec.gemm_lines())}: each of those GEMMs (forward, Dgrad, Wgrad) reads its operands rounded "
+            "to its type (f8: E4M3's 3 mantissa bits, each element at a power-of-two scale of its own, none under "
+            "2**-11; XLA:CPU runs an FP8 dot by converting up, so the module casts to FP8 and back) in the module "
+            "and in the reference alike, so values pass at the compute type's tolerance; a GEMM that skipped its "
+            "rounding errs by up to 2**-4 of each operand, E4M3's half step, and an operand the module and the "
+            "reference round to neighbouring E4M3 values (their inputs differ by the compute type's rounding) "
+            "errs by one step there"]
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from shardc.verification.report import (
     ValueRow,
     compare_values,
     cut_note,
+    gemm_note,
     match_collectives,
     render_report,
 )
@@ -275,6 +276,7 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
         report.notes.append(f"{'; '.join(plan.spec.dtype_lines())}: those inputs and cotangents rounded to their own "
                             f"type, every value computed in {dtype.name}; values computed on the way are not "
                             "rounded to their declared type (an f8 one would err by as much as a wrong plan)")
+    report.notes += gemm_note(plan.spec)
     step("running the numpy reference")
     run = _reference_run(lowered, dtype, seed)
     report.input_scale, report.input_scales = run.scale, dict(run.scales)

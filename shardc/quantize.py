@@ -1,0 +1,114 @@
+"""The quantize passes of GEMMs that run in a narrower type than their operands are stored in (``gemm f8``).
+
+FP8 training keeps activations and weights in BF16 (or FP32) and quantizes each GEMM's inputs just
+before it (DeepSeek-V3, arXiv 2412.19437, section 3.3.2 and Figure 6; NVIDIA Transformer Engine's
+``fp8_autocast``): a memory-bound pass that reads the stored operand and writes its FP8 copy and one
+FP32 scale a tile (1 x 128 elements for activations and gradients, 128 x 128 for weights: section
+3.3.2's fine-grained quantization).  The rule priced here:
+
+* an operand already stored in the GEMM's type (``dtype f8 A``, an activation the report caches in FP8,
+  section 3.3.4) needs no pass;
+* a weight the GEMM reads as it is held (not gathered) is quantized once a step, after the update, and
+  the one 128 x 128-block copy serves the forward and the Dgrad (a block's scale holds for its transpose):
+  :func:`weight_quantize_bytes`, beside the optimizer's update; a gathered weight (FSDP, ZeRO-3) is
+  quantized at each use, like an activation;
+* an activation or gradient is quantized once a phase for each way GEMMs contract it (its 1 x 128 tiles
+  run along the contracted index: the forward's and Dgrad's along the features, Wgrad's along the tokens,
+  so a cotangent read by both its GEMMs is quantized twice, as the report's kernels do);
+* the pass fuses into its producer where :mod:`shardc.fusion`'s rule fuses a map there (the step just
+  before made it: a matmul's epilogue, or a map or reduction in the same loop): it then does not read
+  the operand back, and writes only the FP8 copy and its scales.
+
+:mod:`shardc.timing` adds these bytes, over HBM, to each GEMM's row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from shardc.collectives import Op
+from shardc.device_pieces import local_elements
+from shardc.fusion import fusible, is_product
+from shardc.ir.plan import Plan, Step
+from shardc.ir.precision import Precision
+from shardc.ir.spec import DType, TensorRef
+from shardc.layer_counts import runs
+from shardc.spec.walk import block_reads
+
+__all__ = ["SCALE_BYTES", "TILE", "quantized_bytes", "quantize_traffic", "quantized_weights",
+           "weight_quantize_bytes", "step_gemm"]
+
+SCALE_BYTES = 4  # one FP32 scale a tile (DeepSeek-V3, section 3.3.2)
+TILE = 128  # an activation tile 1 x 128, a weight block 128 x 128 (section 3.3.2)
+
+
+def quantized_bytes(elements: float, kind: DType, block: int = TILE) -> float:
+    """Bytes of the quantized copy of ``elements`` values in ``kind``, one scale a ``block`` of them."""
+    return elements * (kind.nbytes + SCALE_BYTES / block)
+
+
+def step_gemm(step: Step, precision: Precision) -> DType | None:
+    """The type a GEMM step (an einsum that sums an index) quantizes its inputs to
+    (:meth:`shardc.ir.precision.Precision.gemm`); None for any other step, and for a GEMM no ``gemm`` line
+    names.  Cost's rate (:func:`shardc.step_cost.step_dtype`), these passes and the lowered module's casts
+    all read it."""
+    if step.op is not Op.EINSUM or not precision.gemms or is_product(step):
+        return None
+    return precision.gemm(step.tensor, [r.name for r in step.operands])
+
+
+def _held(plan: Plan, ref: TensorRef) -> bool:
+    """Whether ``ref`` is a param as the device holds it (not gathered for this GEMM)."""
+    params = {info.name: info.ref for info in plan.tensors if info.role == "param"}
+    return ref.name in params and ref.dims == params[ref.name].dims
+
+
+def quantize_traffic(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int], fuse: bool = True) -> list[float]:
+    """The HBM bytes of the quantize passes each of ``steps`` (one phase, in program order) runs before its
+    GEMM (the module's rule); 0 for every other step."""
+    done: set[tuple[TensorRef, frozenset[str]]] = set()
+    out = []
+    for k, step in enumerate(steps):
+        kind = step_gemm(step, plan.precision)
+        total = 0.0
+        for ref in step.operands if kind is not None else ():
+            assert kind is not None
+            kept = {i for i in step.dst.indices}
+            along = frozenset(i for i in ref.indices if i not in kept)
+            if plan.precision.of(ref.name) is kind or _held(plan, ref) or (ref, along) in done:
+                continue
+            done.add((ref, along))
+            elements = float(local_elements(ref, sizes))
+            before = steps[k - 1] if k > 0 and steps[k - 1].region == step.region else None
+            fused = fuse and before is not None and before.dst == ref and (before.op is Op.EINSUM or fusible(before))
+            total += (0.0 if fused else elements * plan.nbytes(ref.name)) + quantized_bytes(elements, kind)
+        out.append(total)
+    return out
+
+
+def quantized_weights(plan: Plan) -> dict[str, DType]:
+    """The params a GEMM reads as held (not gathered) in a narrower type than they are stored in: each
+    quantized once a step, its copy kept all step (:func:`weight_quantize_bytes`)."""
+    found: dict[str, DType] = {}
+    for step in plan.forward:
+        kind = step_gemm(step, plan.precision)
+        for ref in step.operands if kind is not None else ():
+            if kind is not None and _held(plan, ref) and plan.precision.of(ref.name) is not kind:
+                found[ref.name] = kind
+    return found
+
+
+def weight_quantize_bytes(plan: Plan, sizes: Mapping[str, int], counts: Sequence[int],
+                          param_bytes: int | None = None) -> float:
+    """HBM bytes of quantizing the held weights once a step (:func:`quantized_weights`): each read at
+    ``param_bytes`` (the optimizer accounting's param bytes; None: its stored type's) and written in its
+    GEMMs' type with a scale a 128 x 128 block; a block's params count once a layer."""
+    repeated = block_reads(plan.spec)
+    total = []
+    for name, kind in quantized_weights(plan).items():
+        elements = float(local_elements(plan.tensor(name).ref, sizes))
+        read = plan.nbytes(name) if param_bytes is None else param_bytes
+        layers = runs(name not in repeated, repeated.get(name, 0), counts)
+        total.append(layers * (elements * read + quantized_bytes(elements, kind, TILE * TILE)))
+    return math.fsum(total)

@@ -1,0 +1,80 @@
+"""`gemm f8` lowered: each GEMM reads its operands cast to FP8 (forward, Dgrad and Wgrad), the reference
+rounds them alike, and verify checks what runs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import shardc
+from shardc.lowering.api import lower
+
+SPEC = """\
+mesh X=2, Y=2
+dims B=64, D=256, F=512
+gemm f8
+param W1, W2
+H[B_X, F_Y] = relu(I[B_X, D] · W1[D, F_Y])
+O[B_X, D] = H[B_X, F_Y] · W2[F_Y, D]
+Loss[] = cross_entropy(O[B_X, D], Tok[B_X])
+"""
+
+FP8 = re.compile(r"new_dtype=float8_e4m3fn")
+
+
+def test_each_gemm_operand_is_cast_to_fp8_in_the_module_and_its_jaxpr() -> None:
+    import jax
+
+    low = lower(shardc.parse(SPEC), sizes={"B": 4, "D": 8, "F": 8})
+    einsums = [line for line in low.source.splitlines() if "jnp.einsum(" in line]
+    assert len(einsums) == 6 and all(line.count("gemm_input(") == 2 for line in einsums)
+    inputs, cotangents = low.random_inputs(), low.random_cotangents()
+    forward = str(jax.make_jaxpr(lambda x: low.forward(x))(inputs))
+    backward = str(jax.make_jaxpr(lambda x, c: low.grad(x, c))(inputs, cotangents))
+    assert len(FP8.findall(forward)) == 4  # 2 GEMMs x 2 operands
+    assert len(FP8.findall(backward)) == 4 + 8  # grad runs the forward, then Dgrad and Wgrad of each GEMM
+    plain = lower(shardc.parse(SPEC.replace("gemm f8\n", "")), sizes={"B": 4, "D": 8, "F": 8})
+    assert "gemm_input(" not in plain.source.split("def ", 1)[1]
+
+
+def test_a_bf16_exception_keeps_its_gemms_uncast_in_a_bf16_module() -> None:
+    low = lower(shardc.parse(SPEC.replace("gemm f8\n", "gemm f8\ngemm bf16 O\n")), sizes={"B": 4, "D": 8, "F": 8})
+    casts = [line.count("float8_e4m3fn") for line in low.source.splitlines() if "jnp.einsum(" in line]
+    assert sorted(casts) == [0, 0, 0, 2, 2, 2]  # O's forward, Dgrad, Wgrad read bfloat16 (a no-op cast)
+
+
+@pytest.mark.slow
+def test_verify_checks_the_fp8_casts_it_runs() -> None:
+    """The reference rounds each GEMM's operands as the module does, so the module verifies within the
+    compute type's tolerance; a module without the casts errs by the FP8 rounding, and fails."""
+    from shardc.verification.verify import render_report, verify
+
+    spec = shardc.parse(SPEC)
+    report = verify(spec)
+    assert report.ok and any("gemm f8" in note for note in report.notes), render_report(report)
+    source = lower(spec, sizes=report.sizes).source
+    uncast = re.sub(r"gemm_input\((\w+), 'float8_e4m3fn'\)", r"\1", source)
+    assert uncast != source
+    assert not verify(spec, module=uncast).ok
+
+
+def test_a_gemm_operand_keeps_e4m3s_mantissa_and_small_ones_its_subnormal_grid() -> None:
+    """Each element is rounded to E4M3's 3 mantissa bits at a power-of-two scale of its own, none below
+    2**-11: far past E4M3's range (448) it does not overflow to NaN; under 2**-17 it lies on E4M3's
+    subnormal grid at that scale (2**-20 apart), as a tile scaled to its largest element flushes it."""
+    import numpy as np
+
+    from shardc.lowering.reference import SCALE_FLOOR, gemm_rounded
+
+    x = np.array([0.0, 1.0, 1.0625, 1.1875, -3.3, 1e6, 2.0**-12 * 1.0625, 3e-7, 3e-9, -7e-30])
+    got = gemm_rounded(x, "float8_e4m3fn")
+    assert got[0] == 0 and got[1] == 1 and got[2] == 1.0 and got[3] == 1.25  # ties to even, steps of 1/8
+    assert np.all(np.isfinite(got))
+    normal = np.abs(x) >= 2.0 ** (SCALE_FLOOR - 6)
+    assert np.all(np.abs(got - x)[normal] <= np.abs(x[normal]) / 16)
+    mantissa, _ = np.frexp(got[normal])
+    assert np.all((mantissa * 16) % 1 == 0)  # 4 significant bits: the implicit one and E4M3's 3
+    grid = 2.0 ** (SCALE_FLOOR - 9)
+    assert np.all(got[~normal] % grid == 0) and np.all(np.abs(got - x)[~normal] <= grid / 2)
+    assert got[-1] == 0 and got[-2] == 0 and gemm_rounded(x, None) is x
