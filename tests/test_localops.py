@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import shardc
 from shardc.ir import localops
 from shardc.ir.localops import Add, DropoutMask, Route
+from tests.example_reports import example_plan
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 TYPES = typing.get_args(localops.LocalOp)
@@ -23,7 +23,7 @@ def test_docstring_examples() -> None:
 
 @pytest.mark.parametrize("name", ["attention", "gpt_layer_tp_sp", "moe_transformer", "vocab_parallel", "zero2_dp"])
 def test_every_step_of_an_example_carries_a_typed_operation(name: str) -> None:
-    plan = shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text()))
+    plan = example_plan(name)  # shardc.plan of the example, made once a test process
     ops = [s.fn for s in (*plan.forward, *plan.backward, *plan.optimizer) if s.fn is not None]
     assert ops and all(isinstance(op, TYPES) for op in ops)
 
