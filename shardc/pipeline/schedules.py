@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -217,6 +217,7 @@ def device_of(schedule: str, chunk: int, stages: int) -> int:
     return chunk % stages
 
 
+@lru_cache(maxsize=64)  # a pure function of frozen values: a layouts search asks for the same run again
 def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virtual: int = 1,
              chunk_times: tuple[Timing, ...] | None = None) -> Simulation:
     """Run ``schedule`` on ``stages`` devices for ``microbatches`` microbatches (see the module docstring).
