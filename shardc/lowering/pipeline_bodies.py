@@ -111,17 +111,20 @@ def switch(tables: BodyTables, k: int, virtual: Any, run: Callable[[int], Callab
     """``run(b)(*args)`` for the block b that slot k of virtual stage ``virtual`` runs, each ``run(b)``
     returning (a value, {b: its block's values}): called directly where one block can run there, else by
     ``jax.lax.switch`` over those that can (every branch returns one structure): with ``pack`` the
-    block's values in the slot's :class:`Union` (what a ring keeps), else the others' values as zeros."""
+    block's values in the slot's :class:`Union` (what a ring keeps; where only one block can run too),
+    else the others' values as zeros."""
     possible = tables.possible[k]
+    shapes = {b: jax.eval_shape(run(b), *args)[1][b] for b in possible} if pack else {}
+    union = Union.of(shapes) if pack else None
     if len(possible) == 1:
-        return run(possible[0])(*args)
-    shapes = {b: jax.eval_shape(run(b), *args)[1][b] for b in possible}
-    union = Union.of(shapes)
+        got = run(possible[0])(*args)
+        return (got[0], union.pack(possible[0], got[1][possible[0]])) if union is not None else got
+    shapes = shapes or {b: jax.eval_shape(run(b), *args)[1][b] for b in possible}
 
     def branch(b: int) -> Callable[..., Any]:
         def go(*xs: Any) -> Any:
             got = run(b)(*xs)
-            if pack:
+            if union is not None:
                 return got[0], union.pack(b, got[1][b])
             return got[0], {c: got[1][c] if c == b else _zeros(shapes[c]) for c in possible}
         return go
@@ -150,6 +153,10 @@ class Union:
                 need[d] = max(need.get(d, 0), sum(math.prod(s) for s, e in mine if e == d))
         return Union(tuple(shapes), tuple(jax.tree.structure(s) for s in shapes.values()), leaves,
                      tuple(sorted(need.items())))
+
+    def size(self, b: int, dtype: str) -> int:
+        """The elements of block b's values of ``dtype``."""
+        return sum(math.prod(s) for s, d in self.leaves[self.blocks.index(b)] if d == dtype)
 
     def pack(self, b: int, values: Any) -> Packed:
         """Block b's ``values`` in the buffers (zeros past them)."""
