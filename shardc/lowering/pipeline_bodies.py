@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from shardc.lowering.pipeline_parts import Part
 from shardc.pipeline.block_split import block_bounds
 
-__all__ = ["Body", "BodyTables", "Packed", "Union", "body_tables", "block_slot_layers", "own_run", "switch",
+__all__ = ["Body", "BodyTables", "Packed", "Placed", "Union", "body_tables", "block_slot_layers", "own_run", "switch",
            "unpacked"]
 
 
@@ -168,17 +168,29 @@ class Union:
             out.append(jnp.concatenate([*mine, jnp.zeros((n - used,), d)]) if mine else jnp.zeros((n,), d))
         return Packed(tuple(out), self)
 
-    def unpack(self, b: int, buffers: tuple[Any, ...]) -> Any:
-        """Block b's values read back out of ``buffers``."""
+    def unpack(self, b: int, buffers: dict[str, Any], start: dict[str, Any] | None = None) -> Any:
+        """Block b's values read back out of ``buffers`` (by dtype), from ``start`` in each (0: the union's
+        own buffers; a flat ring's offset, traced, where it keeps the slot: its block's length read only)."""
         i = self.blocks.index(b)
         at = {d: 0 for d, _ in self.sizes}
-        where = {d: k for k, (d, _) in enumerate(self.sizes)}
         out = []
         for shape, d in self.leaves[i]:
             n = math.prod(shape)
-            out.append(buffers[where[d]][at[d]:at[d] + n].reshape(shape))
+            piece = (buffers[d][at[d]:at[d] + n] if start is None
+                     else jax.lax.dynamic_slice(buffers[d], (start[d] + at[d],), (n,)))
+            out.append(piece.reshape(shape))
             at[d] += n
         return jax.tree.unflatten(self.trees[i], out)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A slot's values where a flat ring keeps them (:class:`shardc.lowering.pipeline_keep.FlatRing`): its
+    buffers and the slot's offset in each, by dtype; a backward reads its block's values out of them."""
+
+    buffers: dict[str, Any]
+    start: dict[str, Any]
+    union: Union
 
 
 @jax.tree_util.register_pytree_node_class
@@ -199,7 +211,9 @@ class Packed:
 
 def unpacked(stored: Any, b: int) -> Any:
     """Block b's values of what a slot keeps: read out of its union where several blocks can run there."""
-    return stored.union.unpack(b, stored.buffers) if isinstance(stored, Packed) else stored[b]
+    if isinstance(stored, Packed):
+        return stored.union.unpack(b, {d: x for (d, _), x in zip(stored.union.sizes, stored.buffers, strict=True)})
+    return stored.union.unpack(b, stored.buffers, stored.start) if isinstance(stored, Placed) else stored[b]
 
 
 def _zeros(shapes: Any) -> Any:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardc.lowering.pipeline_bodies import Packed, Union
+from shardc.lowering.pipeline_bodies import Packed, Placed, Union
 
 __all__ = ["FlatRing", "TreeRing"]
 
@@ -95,12 +95,12 @@ class FlatRing:
                 out[i] = jax.lax.dynamic_update_slice(out[i], new, (at[i],))
         return tuple(out)
 
-    def read(self, bufs: tuple[Any, ...], stage: Any, chunk: Any, slot: Any) -> list[Packed]:
-        """Each layer's values kept at ring slot ``slot`` of the device's chunk, as its union lays them out."""
+    def read(self, bufs: tuple[Any, ...], stage: Any, chunk: Any, slot: Any) -> list[Placed]:
+        """Where each layer's values lie at ring slot ``slot`` of the device's chunk: a backward reads its
+        block's values out of them (its own length, not the union's)."""
         out = []
         for k, union in enumerate(self.unions):
             at = self._at(stage, chunk, slot, k)
-            got = tuple(jax.lax.dynamic_slice(bufs[self.dtypes.index(d)], (at[self.dtypes.index(d)],), (n,))
-                        for d, n in union.sizes)
-            out.append(Packed(got, union))
+            out.append(Placed(dict(zip(self.dtypes, bufs, strict=True)),
+                              {d: at[i] for i, d in enumerate(self.dtypes)}, union))
         return out
