@@ -9,10 +9,16 @@ stages differ there, called directly where they agree (always, with one block). 
 are stacked over the slots of that block alone: a virtual stage holds ``slots[b]`` of block b, the
 most any virtual stage holds, so a device holds each block's params for its own layers of it, padded
 as an uneven split pads (SPMD: one shape on every device).
+
+What a slot keeps for its backward (the residuals, and what B hands W) is one set of flat buffers, one
+a dtype, sized to the largest of the blocks that can run there (:class:`Union`), not a buffer of each
+block: a device runs one block at a slot, so its ring holds that block's values, as a stage on a real
+cluster (Megatron-LM, DeepSpeed) allocates its own layers' only.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +29,8 @@ import jax.numpy as jnp
 from shardc.lowering.pipeline_parts import Part
 from shardc.pipeline.block_split import block_bounds
 
-__all__ = ["Body", "BodyTables", "body_tables", "block_slot_layers", "own_run", "switch"]
+__all__ = ["Body", "BodyTables", "Packed", "Union", "body_tables", "block_slot_layers", "own_run", "switch",
+           "unpacked"]
 
 
 @dataclass(frozen=True)
@@ -99,22 +106,93 @@ def block_slot_layers(firsts: Sequence[int], held: Sequence[int], counts: Sequen
     return out
 
 
-def switch(tables: BodyTables, k: int, virtual: Any, run: Callable[[int], Callable[..., Any]], *args: Any) -> Any:
+def switch(tables: BodyTables, k: int, virtual: Any, run: Callable[[int], Callable[..., Any]], *args: Any,
+           pack: bool = False) -> Any:
     """``run(b)(*args)`` for the block b that slot k of virtual stage ``virtual`` runs, each ``run(b)``
     returning (a value, {b: its block's values}): called directly where one block can run there, else by
-    ``jax.lax.switch`` over those that can, each branch returning the others' values as zeros (every
-    branch returns one structure: a slot keeps a buffer of each block that can run there)."""
+    ``jax.lax.switch`` over those that can (every branch returns one structure): with ``pack`` the
+    block's values in the slot's :class:`Union` (what a ring keeps), else the others' values as zeros."""
     possible = tables.possible[k]
     if len(possible) == 1:
         return run(possible[0])(*args)
     shapes = {b: jax.eval_shape(run(b), *args)[1][b] for b in possible}
+    union = Union.of(shapes)
 
     def branch(b: int) -> Callable[..., Any]:
         def go(*xs: Any) -> Any:
             got = run(b)(*xs)
+            if pack:
+                return got[0], union.pack(b, got[1][b])
             return got[0], {c: got[1][c] if c == b else _zeros(shapes[c]) for c in possible}
         return go
     return jax.lax.switch(jnp.asarray(tables.branch)[virtual, k], [branch(b) for b in possible], *args)
+
+
+@dataclass(frozen=True)
+class Union:
+    """The values several blocks keep at a slot, one block's at a time, in one flat buffer a dtype: each
+    block's values (``trees[i]``, the leaves ``leaves[i]``: shape and dtype) laid end to end in the buffer
+    of their dtype, each buffer (``sizes``: dtype and length) as long as the longest block's."""
+
+    blocks: tuple[int, ...]
+    trees: tuple[Any, ...]
+    leaves: tuple[tuple[tuple[tuple[int, ...], str], ...], ...]
+    sizes: tuple[tuple[str, int], ...]
+
+    @staticmethod
+    def of(shapes: dict[int, Any]) -> Union:
+        """The union of each block's values of ``shapes`` (block -> a tree of shapes)."""
+        leaves = tuple(tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in jax.tree.leaves(s))
+                       for s in shapes.values())
+        need: dict[str, int] = {}
+        for mine in leaves:
+            for d in {d for _, d in mine}:
+                need[d] = max(need.get(d, 0), sum(math.prod(s) for s, e in mine if e == d))
+        return Union(tuple(shapes), tuple(jax.tree.structure(s) for s in shapes.values()), leaves,
+                     tuple(sorted(need.items())))
+
+    def pack(self, b: int, values: Any) -> Packed:
+        """Block b's ``values`` in the buffers (zeros past them)."""
+        flat = jax.tree.leaves(values)
+        out = []
+        for d, n in self.sizes:
+            mine = [jnp.ravel(v) for v in flat if jnp.dtype(v.dtype).name == d]
+            used = sum(v.size for v in mine)
+            out.append(jnp.concatenate([*mine, jnp.zeros((n - used,), d)]) if mine else jnp.zeros((n,), d))
+        return Packed(tuple(out), self)
+
+    def unpack(self, b: int, buffers: tuple[Any, ...]) -> Any:
+        """Block b's values read back out of ``buffers``."""
+        i = self.blocks.index(b)
+        at = {d: 0 for d, _ in self.sizes}
+        where = {d: k for k, (d, _) in enumerate(self.sizes)}
+        out = []
+        for shape, d in self.leaves[i]:
+            n = math.prod(shape)
+            out.append(buffers[where[d]][at[d]:at[d] + n].reshape(shape))
+            at[d] += n
+        return jax.tree.unflatten(self.trees[i], out)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclass(frozen=True)
+class Packed:
+    """A slot's values as its :class:`Union` lays them out: a pytree of the buffers (the union static)."""
+
+    buffers: tuple[Any, ...]
+    union: Union
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], Union]:
+        return self.buffers, self.union
+
+    @classmethod
+    def tree_unflatten(cls, union: Union, buffers: Any) -> Packed:
+        return cls(tuple(buffers), union)
+
+
+def unpacked(stored: Any, b: int) -> Any:
+    """Block b's values of what a slot keeps: read out of its union where several blocks can run there."""
+    return stored.union.unpack(b, stored.buffers) if isinstance(stored, Packed) else stored[b]
 
 
 def _zeros(shapes: Any) -> Any:

@@ -22,7 +22,8 @@ are the stage plan's own, so the
 collectives on the other axes are the planned ones in both directions; a weight
 gradient's reduction runs once, after the loop, on the sum of the microbatches' partial
 gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).  With several ``layers``
-blocks each slot runs its layer's block, each block's params stacked over its own slots
+blocks each slot runs its layer's block, each block's params stacked over its own slots, and a slot's
+ring keeps one block's residuals at a time, in buffers as long as the larger's
 (:mod:`shardc.lowering.pipeline_bodies`).
 
 What comes before the block and after it is an :class:`Ends`: for a block alone
@@ -47,7 +48,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardc.lowering.pipeline_bodies import Body, BodyTables, block_slot_layers, body_tables, switch
+from shardc.lowering.pipeline_bodies import Body, BodyTables, block_slot_layers, body_tables, switch, unpacked
 from shardc.lowering.pipeline_parts import Arrays, Ends, Part, Table, forward_only
 from shardc.lowering.pipeline_routes import Placement
 from shardc.lowering.pipeline_slots import Rings, rings
@@ -186,17 +187,19 @@ class Pipeline:
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
                     return y, {b: ({n: v for n, v in used.items() if n not in body.params}, _once(saved))}
                 return go
-            y, mine = switch(self.tables, k, virtual, run, x)
+            y, mine = switch(self.tables, k, virtual, run, x, pack=True)
             x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
             kept.append(mine)
         return x, kept
 
-    def _saved(self, kept: list[Any], params: tuple[Any, ...], chunk: Any, virtual: Any) -> list[Any]:
-        """Each layer's residuals as its backward reads them (each block's that can run there): the saved
-        values and the layer's params."""
-        return [{b: ({**used, **self._layer_params(params, b, chunk, self._where(virtual, k))},
-                     {n: v for names, v in saved.items() for n in names})
-                 for b, (used, saved) in mine.items()} for k, mine in enumerate(kept)]
+    def _saved(self, kept: list[Any], params: tuple[Any, ...], chunk: Any, virtual: Any) -> list[Callable[[int], Any]]:
+        """Each slot's residuals as its backward reads them, for the block b it runs (read inside b's branch,
+        out of the slot's union where several blocks can run there): the saved values and the layer's params."""
+        def of(k: int, b: int) -> Any:
+            used, saved = unpacked(kept[k], b)
+            return ({**used, **self._layer_params(params, b, chunk, self._where(virtual, k))},
+                    {n: v for names, v in saved.items() for n in names})
+        return [functools.partial(of, k) for k in range(len(kept))]
 
     def _grads_of(self, b: int, got: Arrays) -> Arrays:
         return {p: got[p] for p in self.bodies[b].params}
@@ -209,7 +212,7 @@ class Pipeline:
         for k in reversed(range(len(kept))):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(d_out: Any) -> Any:
-                    got = self.bodies[b].part.backward(kept[k][b], d_out)
+                    got = self.bodies[b].part.backward(kept[k](b), d_out)
                     return got[self.bodies[b].input], {b: self._grads_of(b, got)}
                 return go
             dx, grads[k] = switch(self.tables, k, virtual, run, g)
@@ -223,10 +226,10 @@ class Pipeline:
         for k in reversed(range(len(kept))):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(d_out: Any) -> Any:
-                    dx, made = self.bodies[b].part.backward_input(kept[k][b], d_out, self.bodies[b].input)
+                    dx, made = self.bodies[b].part.backward_input(kept[k](b), d_out, self.bodies[b].input)
                     return dx, {b: made}
                 return go
-            dx, handed[k] = switch(self.tables, k, virtual, run, g)
+            dx, handed[k] = switch(self.tables, k, virtual, run, g, pack=True)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
         return g, handed
 
@@ -236,7 +239,8 @@ class Pipeline:
         for k in range(len(kept)):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(_: Any) -> Any:
-                    return 0.0, {b: self._grads_of(b, self.bodies[b].part.backward_weight(kept[k][b], handed[k][b]))}
+                    made = self.bodies[b].part.backward_weight(kept[k](b), unpacked(handed[k], b))
+                    return 0.0, {b: self._grads_of(b, made)}
                 return go
             out.append(switch(self.tables, k, virtual, run, 0.0)[1])
         return out
@@ -277,7 +281,7 @@ class Pipeline:
         split = backward and self.weight_ticks is not None
         wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
         first = self._saved(jax.tree.map(lambda b: b[0], kept), params, 0, stage)  # a slot's values, their shapes
-        handed = _buffers(jax.eval_shape(self._stage_input_bwd, first, acts[0], stage)[1],
+        handed = _buffers(jax.eval_shape(lambda g: self._stage_input_bwd(first, g, stage), acts[0])[1],
                           rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
         virtual = place.table()  # [chunk, stage]
@@ -328,7 +332,8 @@ class Pipeline:
             return kept, handed, acts, cots, acc, dparams
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
-        partial = {b: g for mine in jax.eval_shape(self._stage_bwd, first, x, stage)[1] for b, g in mine.items()}
+        grads = jax.eval_shape(lambda d: self._stage_bwd(first, d, stage), x)[1]
+        partial = {b: g for mine in grads for b, g in mine.items()}
         init = (kept, handed, acts, cots, self.ends.start(pool, x),
                 tuple(jnp.zeros((v * self.tables.slots[b], *partial[b][p].shape), partial[b][p].dtype)
                       for b, body in enumerate(self.bodies) for p in body.params))
