@@ -95,8 +95,9 @@ def test_each_pipelined_model_lowers_at_its_own_sizes(path: Path, tmp_path: Path
 
 def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() -> None:
     """Its 128K stage: the same parameters, the sequence over C, and the fullest stage within 80 GB under
-    `--recompute dots`, the least recomputation that fits (`selective` does not).  Of the context-parallel forms the planner weighs, the zig-zag ring held in its
-    order across the pipeline's stages is the cheapest: the all-gather form, LLaMA 3's, balanced in the same
+    `--recompute dots`, the least recomputation that fits (`selective` does not).  Of the context-parallel
+    forms the planner weighs, the zig-zag ring held in its order across the pipeline's stages is the
+    cheapest: the all-gather form, LLaMA 3's, balanced in the same
     zig-zag chunks, runs as few blocks, but its gathers of K and V (scatters of dK and dV) across nodes stay
     exposed, and in contiguous blocks the last device runs 31/32 of its share."""
     long = _cost("llama3_405b_128k", "--recompute", "dots")
