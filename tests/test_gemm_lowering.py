@@ -78,3 +78,29 @@ def test_a_gemm_operand_keeps_e4m3s_mantissa_and_small_ones_its_subnormal_grid()
     grid = 2.0 ** (SCALE_FLOOR - 9)
     assert np.all(got[~normal] % grid == 0) and np.all(np.abs(got - x)[~normal] <= grid / 2)
     assert got[-1] == 0 and got[-2] == 0 and gemm_rounded(x, None) is x
+
+
+@pytest.mark.slow  # jax compiles each rounding
+def test_the_references_rounding_is_the_modules_cast_bit_for_bit() -> None:
+    """The reference rounds on the float's bits (reference_rounded), the module casts to FP8 at a scale of each
+    element's own (gemm_rounded): the same values, in numpy and in jax, float64 and float32, across 24
+    decades, at ties to even between two 3-bit mantissas, on E4M3's subnormal grid and at its edge."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from shardc.lowering.reference import gemm_rounded, reference_rounded
+
+    rng = np.random.default_rng(0)
+    mantissas, exponents = rng.integers(0, 8, 4000), rng.integers(-30, 30, 4000)
+    values = [rng.standard_normal(20000) * 10.0 ** rng.uniform(-12, 12, 20000),
+              ((8 + mantissas) + 0.5) / 8 * 2.0 ** exponents * rng.choice([-1, 1], 4000),  # ties
+              rng.integers(-2**20, 2**20, 4000) * 2.0**-24,  # around the subnormal grid and its edge
+              np.array([0.0, -0.0, 2.0**-17, 2.0**-17 * 0.999, 2.0**-21, 3 * 2.0**-21, 5 * 2.0**-21, 1e-40, 3e38])]
+    with jax.enable_x64(True):
+        for dtype in (np.float64, np.float32):
+            for value in values:
+                x = value.astype(dtype)
+                want = gemm_rounded(x, "float8_e4m3fn")
+                assert np.array_equal(reference_rounded(x, "float8_e4m3fn"), want)
+                assert np.array_equal(np.asarray(reference_rounded(jnp.asarray(x), "float8_e4m3fn", jnp)), want)

@@ -31,7 +31,8 @@ from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Site, family_of, of_call
 from shardc.spec.walk import chain_indices, fold, leaves
 
-__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths", "gemm_rounded"]
+__all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths", "gemm_rounded",
+           "reference_rounded"]
 
 Array = Any
 SCALE_FLOOR = -11  # the least power-of-two scale gemm_rounded gives an element (2**-11 x E4M3's 2**-9 grid)
@@ -180,7 +181,8 @@ def gemm_rounded(x: Array, kind: str | None, xp: Any = np) -> Array:
     is rounded to float32 first: FP8 products sum exactly in float64, so many operands sit exactly on an
     E4M3 tie, and a last-place difference (XLA's exp beside numpy's) would round one a whole step apart;
     float32 holds such a value exactly, and the two sides' values alike.  The lowered module's
-    ``gemm_input`` and the reference both call it (numpy's and jax's float8 types are ml_dtypes')."""
+    ``gemm_input`` calls it (numpy's and jax's float8 types are ml_dtypes'); the reference computes the same
+    values by :func:`reference_rounded`."""
     if kind is None:
         return x
     import ml_dtypes  # a jax dependency: numpy's float8 types
@@ -189,6 +191,52 @@ def gemm_rounded(x: Array, kind: str | None, xp: Any = np) -> Array:
     _, exponent = xp.frexp(narrow)
     shift = xp.maximum(exponent, SCALE_FLOOR + 1) - 1
     return xp.ldexp(xp.ldexp(narrow, -shift).astype(getattr(ml_dtypes, kind)).astype(x.dtype), shift)
+
+
+def reference_rounded(x: Array, kind: str | None, xp: Any = np) -> Array:
+    """:func:`gemm_rounded`'s values, bit for bit, as the reference computes them: the same rounding written
+    on the float's bits (:func:`_e4m3_scaled`), with no cast at a computed scale, which made each operand a
+    dozen operations that the unsharded program of a verify (thousands of GEMMs' operands) compiled slowly.
+    The lowered module casts (:func:`shardc.lowering.runtime.gemm_input`: the FP8 type in its program); a
+    GEMM of another type (`gemm bf16`, a few) is cast here too."""
+    if kind != "float8_e4m3fn":  # another type (`gemm bf16`): rare, cast as the module does
+        return gemm_rounded(x, kind, xp)
+    return _e4m3_scaled(x.astype("float32"), xp).astype(x.dtype)
+
+
+def _e4m3_scaled(narrow: Array, xp: Any) -> Array:
+    """float32 ``narrow`` cast to E4M3 and back at each element's own power-of-two scale, floored at
+    ``2**SCALE_FLOOR``, written as the rounding it is: at or above ``2**(SCALE_FLOOR - 6)`` (E4M3's least
+    normal, 2**-6, at the least scale) the float32 mantissa rounded to E4M3's 3 bits, to nearest, ties to
+    even, as the cast rounds; below, the multiples of ``2**(SCALE_FLOOR - 9)`` (E4M3's subnormal step at
+    that scale).  Integer operations on the float's bits, where a cast at a computed scale (frexp, ldexp)
+    made each operand a dozen operations."""
+    drop = 23 - 3  # float32's mantissa bits E4M3 does not keep
+    bits = _as_bits(narrow, xp)
+    def word(n: int) -> Array:  # a uint32 constant (jax's weak Python ints are int32)
+        return xp.asarray(n, dtype=xp.uint32)
+
+    half, lsb = word((1 << (drop - 1)) - 1), (bits >> word(drop)) & word(1)
+    kept = (bits + half + lsb) & word(0xFFFFFFFF ^ ((1 << drop) - 1))
+    step, small = 2.0 ** (SCALE_FLOOR - 9), xp.abs(narrow) < 2.0 ** (SCALE_FLOOR - 6)
+    tiny = xp.round(xp.where(small, narrow, 0.0) / step) * step  # exact: a power of two's multiples; half to even
+    return xp.where(small, tiny.astype("float32"), _from_bits(kept, xp))
+
+
+def _as_bits(narrow: Array, xp: Any) -> Array:
+    if xp is np:
+        return np.asarray(narrow, np.float32).view(np.uint32)
+    import jax
+
+    return jax.lax.bitcast_convert_type(narrow, xp.uint32)
+
+
+def _from_bits(bits: Array, xp: Any) -> Array:
+    if xp is np:
+        return np.asarray(bits, np.uint32).view(np.float32)
+    import jax
+
+    return jax.lax.bitcast_convert_type(bits.astype(xp.uint32), xp.float32)
 
 
 def _site(node: _Node, shape: dict[str, int], result: Array = None) -> Site:
@@ -202,7 +250,7 @@ def _run(nodes: list[_Node], inputs: dict[str, Array], xp: Any, given: dict[str,
     values = dict(inputs)
     shape: dict[str, int] = dict(sizes or {})  # the inputs' shapes win; sizes give the rest (a capacity)
     for node in nodes:
-        args = [gemm_rounded(values[o], node.gemm, xp) for o in node.operands]
+        args = [reference_rounded(values[o], node.gemm, xp) for o in node.operands]
         for group, arg in zip(node.labels, args, strict=True):
             shape.update(zip(group, arg.shape, strict=True))
         values[node.result] = node.family.reference.forward(_site(node, shape), tuple(args), xp)
@@ -246,9 +294,9 @@ def backward(spec: Spec, inputs: dict[str, Array], cotangents: dict[str, Array],
         vjp = node.family.reference.vjp
         if vjp is None:  # a 0/1 mask: no gradient
             continue
-        xs = tuple(gemm_rounded(values[o], node.gemm, xp) for o in node.operands)
+        xs = tuple(reference_rounded(values[o], node.gemm, xp) for o in node.operands)
         site = _site(node, shape, values[node.result])
-        for name, g in zip(node.operands, vjp(site, xs, gemm_rounded(d, node.gemm, xp), xp), strict=True):
+        for name, g in zip(node.operands, vjp(site, xs, reference_rounded(d, node.gemm, xp), xp), strict=True):
             if g is not None:  # None: no gradient there (token ids)
                 add(name, g)
     return {name: grads[name] for name in leaf_names(spec) if name in grads}

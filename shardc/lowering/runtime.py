@@ -40,7 +40,7 @@ Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
 def gemm_input(x: Array, kind: str) -> Array:
     """A GEMM's operand as the GEMM reads it under ``gemm T`` (``kind`` the array type: ``float8_e4m3fn``):
     cast to T and back to its own type, each element at a power-of-two scale of its own
-    (:func:`shardc.lowering.reference.gemm_rounded`, which the reference runs too).  XLA:CPU runs an FP8
+    (:func:`shardc.lowering.reference.gemm_rounded`; the reference rounds alike, bit for bit).  XLA:CPU runs an FP8
     dot by converting its operands up (its HLO shows the converts), so this is the same product: the FP8
     values, multiplied and summed in the operand's type."""
     return gemm_rounded(x, kind, jnp)
