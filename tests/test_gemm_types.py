@@ -144,6 +144,9 @@ def test_mfu_is_over_the_gemm_types_peak() -> None:
     mfu = report.step.model_flops / (report.step.devices * h100.peak("f8") * report.step.step_s)
     assert report.step.mfu == pytest.approx(mfu, rel=1e-12) and report.step.dtype == "f8"
     assert "over the f8 peak" in render(report)
+    assert report.to_json()["step"]["mfu_peak_dtype"] == "f8"  # type: ignore[index]
+    plain = shardc.cost(shardc.plan(shardc.parse(MLP.replace("gemm f8\n", ""))))
+    assert plain.to_json()["step"]["mfu_peak_dtype"] == "bf16"  # type: ignore[index]
 
 
 def test_the_search_prices_a_gemm_at_the_rate_cost_reports() -> None:

@@ -209,7 +209,8 @@ class PhaseCost:
             "memory_bytes": self.memory_bytes, "memory_s": self.memory_s, "update_s": self.update_s,
             "offload_s": self.offload_s,
             "step_s": self.step_s, "exposed_comm_s": self.exposed_comm_s, "exposed_ends_s": self.exposed_ends_s,
-            "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu, "hfu": self.hfu,
+            "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu,
+            "mfu_peak_dtype": self.dtype, "hfu": self.hfu,
             "tokens": self.tokens, "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
             "step_at_mfu_s": self.step_at_mfu_s,
         }
