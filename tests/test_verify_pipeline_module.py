@@ -110,3 +110,5 @@ def test_a_zbv_module_runs_its_costed_order_and_a_tick_table_broken_is_refused(
     assert code == 1 and "its tick tables are not zbv's for 2 stages and 8 microbatches at its RUN_SIZES" in out, out
     code, out = _verify(capsys, spec, source.replace("RUN_SIZES = {'B': 16,", "RUN_SIZES = {'B': 0,", 1))
     assert code == 1 and "its RUN_SIZES {'B': 0," in out and "are not sizes of the spec's dims" in out, out
+    code, out = _verify(capsys, spec, source.replace("RUN_SIZES = {'B': 16,", "RUN_SIZES = {'B': 12,", 1))
+    assert code == 1 and "its tick tables are not zbv's for 2 stages and 8 microbatches at its RUN_SIZES" in out, out

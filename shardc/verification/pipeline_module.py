@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from shardc.errors import clip
+from shardc.errors import ShardcError, clip
 from shardc.lowering.pipeline_lowering import TIMED_ORDERS, PipelineLowered, run_ticks, tick_tables, weight_ticks
 from shardc.spec.stages import splits
 from shardc.verification.module_check import LOWER_FIX, ModuleRejected, load_given, running, same_table
@@ -117,8 +117,11 @@ def _ticks_are_a_run(ns: Any, lowered: PipelineLowered, stages: int, microbatche
     tables = (ns.F_TABLE, ns.B_TABLE, ns.W_TABLE)
     if schedule in TIMED_ORDERS:
         mesh = tuple(ns.PIPE_MESH_AXES.items())
-        ticks = run_ticks(lowered.plan, mesh, dict(ns.RUN_SIZES), ns.LAYERS, microbatches, ns.STAGE_LAYERS,
-                          ns.BLOCK_LAYERS)
+        try:  # sizes no run could have (a batch the microbatches do not split): not this schedule's run
+            ticks = run_ticks(lowered.plan, mesh, dict(ns.RUN_SIZES), ns.LAYERS, microbatches, ns.STAGE_LAYERS,
+                              ns.BLOCK_LAYERS)
+        except ShardcError:
+            return False
         want: tuple[Any, ...] = (ticks.table("F"), ticks.table("B"), ticks.table("W"))
     else:
         want = (*tick_tables(schedule, stages, microbatches, ns.CHUNKS), weight_ticks(schedule, stages, microbatches))
