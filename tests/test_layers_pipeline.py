@@ -217,9 +217,9 @@ def test_a_slot_keeps_one_blocks_values_in_buffers_sized_to_the_larger() -> None
     union = Union.of({0: jax.eval_shape(lambda: small), 1: jax.eval_shape(lambda: large)})
     assert dict(union.sizes) == {"float32": 16, "uint32": 2}  # the larger's floats, the smaller's keys
     for b, values in ((0, small), (1, large)):
-        packed = jax.eval_shape(lambda v, b=b: union.pack(b, v), values)
+        packed = jax.eval_shape(union.pack, values)
         assert [x.shape for x in packed.buffers] == [(16,), (2,)]
-        got = jax.jit(lambda v, b=b: unpacked(union.pack(b, v), b))(values)
+        got = jax.jit(lambda v, b=b: unpacked(union.pack(v), b))(values)
         assert all(np.array_equal(got[n], v) and got[n].dtype == v.dtype for n, v in values.items())
     assert unpacked({0: small}, 0) is small  # a slot only one block runs keeps its values as they are
 

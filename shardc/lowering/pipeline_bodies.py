@@ -122,7 +122,7 @@ def switch(tables: BodyTables, k: int, virtual: Any, run: Callable[[int], Callab
         def go(*xs: Any) -> Any:
             got = run(b)(*xs)
             if pack:
-                return got[0], union.pack(b, got[1][b])
+                return got[0], union.pack(got[1][b])
             return got[0], {c: got[1][c] if c == b else _zeros(shapes[c]) for c in possible}
         return go
     return jax.lax.switch(jnp.asarray(tables.branch)[virtual, k], [branch(b) for b in possible], *args)
@@ -151,8 +151,8 @@ class Union:
         return Union(tuple(shapes), tuple(jax.tree.structure(s) for s in shapes.values()), leaves,
                      tuple(sorted(need.items())))
 
-    def pack(self, b: int, values: Any) -> Packed:
-        """Block b's ``values`` in the buffers (zeros past them)."""
+    def pack(self, values: Any) -> Packed:
+        """One block's ``values`` in the buffers (zeros past them)."""
         flat = jax.tree.leaves(values)
         out = []
         for d, n in self.sizes:
