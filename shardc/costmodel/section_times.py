@@ -26,7 +26,7 @@ from shardc.pipeline.backward_split import weight_steps
 from shardc.pipeline.block_split import chunk_blocks
 from shardc.pipeline.boundary import carried_moves, gradient_reductions
 from shardc.pipeline.dualpipe import end_chunks
-from shardc.pipeline.pairing import Phases, Segment, joined
+from shardc.pipeline.pairing import Phases, Segment, joined, scaled
 from shardc.pipeline.schedules import Timing
 from shardc.spec.stages import Pipeline
 from shardc.step_cost import StepCost
@@ -167,7 +167,7 @@ def _repeated(segments: tuple[Segment, ...], n: float) -> tuple[Segment, ...]:
     for _ in range(whole):
         out = joined(out, segments)
     if n > whole:
-        out = joined(out, tuple((c * (n - whole), m * (n - whole)) for c, m in segments))
+        out = joined(out, scaled(segments, n - whole))
     return out
 
 

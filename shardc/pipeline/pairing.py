@@ -25,7 +25,7 @@ from functools import lru_cache
 
 from shardc.overlap import beside
 
-__all__ = ["Segment", "Phases", "joined", "pair_seconds"]
+__all__ = ["Segment", "Phases", "scaled", "joined", "pair_seconds"]
 
 Segment = tuple[float, float]  # (computation's seconds, then the collective's the next computation waits for)
 
@@ -44,17 +44,19 @@ class Phases:
 
     def scaled(self, k: float) -> Phases:
         """Every time times ``k`` (a part of a stage's layers)."""
-        def chain(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
-            return tuple((c * k, m * k) for c, m in segments)
-
-        return Phases(chain(self.forward), chain(self.backward), self.forward_ahead * k, self.backward_ahead * k,
-                      self.share)
+        return Phases(scaled(self.forward, k), scaled(self.backward, k), self.forward_ahead * k,
+                      self.backward_ahead * k, self.share)
 
     def then(self, other: Phases) -> Phases:
         """This run of layers, then ``other``'s: its forward after this one's, its backward before."""
         return Phases(joined(self.forward, other.forward), joined(other.backward, self.backward),
                       self.forward_ahead + other.forward_ahead, self.backward_ahead + other.backward_ahead,
                       max(self.share, other.share))
+
+
+def scaled(segments: tuple[Segment, ...], k: float) -> tuple[Segment, ...]:
+    """A chain with every time times ``k``."""
+    return tuple((c * k, m * k) for c, m in segments)
 
 
 def joined(first: tuple[Segment, ...], then: tuple[Segment, ...]) -> tuple[Segment, ...]:
