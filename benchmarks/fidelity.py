@@ -51,7 +51,7 @@ PUBLISHED = (
     # the paper names no recomputation policy: dots, every matmul's output kept, is the least that fits
     Run("LLaMA 3 405B 8K, 8192 H100", "examples/llama3_405b.shard", "dots",
         "Dubey et al. 2024, Table 4", flops_per_chip=430e12, mfu=0.43),
-    # its 128K stage: context parallel 16 (the zig-zag ring, held in its order across the stages), interleaved
+    # its 128K stage: context parallel 16 (K and V gathered, queries in zig-zag chunks held across stages), interleaved
     # with an assumed 4 chunks a device; the paper names no recomputation policy: dots is the least that fits
     Run("LLaMA 3 405B 128K, 16384 H100", "examples/llama3_405b_128k.shard", "dots",
         "Dubey et al. 2024, Table 4", flops_per_chip=380e12, mfu=0.38),
