@@ -24,13 +24,28 @@ GPU counts: ``algbw * (n-1)/n`` for AllGather and ReduceScatter, ``algbw * 2(n-1
   published run;
 - inside an 8xA100 node (NVLink 3, 300 GB/s each way, no NVLink SHARP) NCCL reaches about 230 GB/s
   bus bandwidth at large sizes (an NCCL maintainer, NVIDIA/nccl-tests issue 149; 232.5 GB/s measured
-  in NVIDIA/nccl-tests issue 175), for every collective as all run as rings there.
+  in NVIDIA/nccl-tests issue 175), for every collective as all run as rings there;
+- 8 H800 (NVLink cut to 200 GB/s each way): AllReduce with NVLS 215 GB/s (NVIDIA/nccl issue 1374), the figure
+  the preset's NVLS rate is taken from; and DeepEP's MoE dispatch and combine (deepseek-ai/DeepEP's README,
+  "Normal kernels with NVLink and RDMA forwarding", H800 with a 400 Gb/s CX7 NIC a GPU: DeepSeek-V3's setting,
+  4096 tokens of 7168, top-8 of 256 experts in at most 4 node groups, FP8 dispatch, BF16 combine).  DeepEP
+  reports a "bottleneck bandwidth": the bytes its test counts over the time, a token once for each GPU
+  (inside a node) or node (across, over RDMA) it goes to, its own GPU's or node's included (tests/
+  test_intranode.py and test_internode.py); the rows take that count's expectation under its uniform routing
+  over shardc's time for the same dispatch, as shardc prices an MoE dispatch (an AllToAll of k copies of each
+  token, node-limited across nodes).  Across nodes (EP 16-64) they agree; inside one node shardc moves all 8
+  copies a token where DeepEP sends one to each of the 5.3 GPUs it reaches, 1.5 times the bytes, at 160 GB/s
+  where DeepEP's NVLink traffic runs at 134-138 (7/8 of its count: the rest stays on its GPU), so about 0.8;
+- 8 B200 (NVLink 5): AllReduce with NVLS "830+" GB/s (NVIDIA/nccl issue 1807), the preset's NVLS figure; held
+  out, 8 B300 on the same NVLink 5 and NVSwitch: 695 GB/s with rings, 845 with NVLS (NVIDIA/nccl issue 2140),
+  beside the B200 preset's ring (NCCL's own 40.1 GB/s a link) and NVLS.
 
 Run with ``python benchmarks/collectives_fidelity.py`` from the repository root.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +64,13 @@ A100_BUSBW = 230e9  # bytes/s: NCCL in an 8xA100 node (NVIDIA/nccl-tests issue 1
 NVLS_ALLREDUCE_BUSBW = 480e9  # bytes/s: AllReduce with NVLink SHARP on 8 H100 (GTC talk S62129)
 # AllReduce bus bandwidth with NCCL_ALGO=NVLS on 2..8 GPUs of an H100 node, 2-4 GB (NVIDIA/nccl issue 1455)
 NVLS_BY_GPUS = {2: 367e9, 3: 367e9, 4: 367e9, 5: 420e9, 6: 440e9, 7: 460e9, 8: 480e9}
+H800_NVLS_BUSBW = 215e9  # bytes/s: AllReduce with NVLink SHARP on 8 H800 (NVIDIA/nccl issue 1374)
+B200_NVLS_BUSBW = 830e9  # bytes/s: AllReduce on 8 B200, NCCL 2.27 (NVIDIA/nccl issue 1807)
+B300_RING_BUSBW, B300_NVLS_BUSBW = 695e9, 845e9  # 8 B300, NVLS off and on (NVIDIA/nccl issue 2140)
+# DeepEP's normal kernels on H800 (its README): GPUs, dispatch and combine bottleneck bandwidth, bytes/s
+DEEPEP = ((8, 153e9, 158e9), (16, 43e9, 43e9), (32, 58e9, 57e9), (64, 51e9, 50e9))
+TOKENS, HIDDEN, TOPK, EXPERTS, GROUPS_LIMIT = 4096, 7168, 8, 256, 4
+FP8_BYTES = 1 + 4 / 128  # an FP8 element with its share of a 1x128 block's float scale, as DeepEP counts it
 SIZES = (64 << 20, 256 << 20, 1 << 30, 4 << 30)  # 64 MB and up
 GPUS = 8
 
@@ -81,6 +103,36 @@ def predicted_busbw(op: Op, size: int, chip: str = "h100", gpus: int = GPUS) -> 
     return size / seconds * bus_factor(op, gpus)
 
 
+def _reached(groups: int, per_group: int) -> float:
+    """Expected groups (GPUs or nodes) of ``per_group`` experts each that TOPK distinct experts drawn uniformly
+    from ``groups`` of them reach."""
+    total = groups * per_group
+    return groups * (1 - math.comb(total - per_group, TOPK) / math.comb(total, TOPK))
+
+
+def deepep_rows() -> list[Row]:
+    """DeepEP's dispatch (FP8) and combine (BF16) on 8 to 64 H800s beside shardc's time for the same MoE
+    dispatch, as DeepEP counts bandwidth: its bytes a GPU (a token once for each GPU it reaches inside one
+    node, else once for each node, over RDMA) over the time."""
+    hw = get_hardware("h800")
+    out = []
+    for gpus, *published in DEEPEP:
+        nodes = gpus // 8
+        limit = min(nodes, GROUPS_LIMIT)  # DeepEP's test: one expert group a node, min(nodes, 4) of them
+        reached = _reached(8, EXPERTS // 8) if nodes == 1 else _reached(limit, EXPERTS // nodes)
+        mesh = Mesh((MeshAxis("X", gpus),))
+        links, _ = resolve_links(mesh, {"X": gpus}, hw)
+        for (name, element), busbw in zip((("dispatch", FP8_BYTES), ("combine", 2.0)), published, strict=True):
+            volume = gpus * TOPK * TOKENS * HIDDEN * element  # each GPU's k copies of its tokens, times the group
+            routed = (TOPK, limit, nodes) if nodes > 1 else None
+            seconds = collective_time(Op.ALL_TO_ALL, volume, ("X",), mesh, {"X": gpus}, hw, links, routed).seconds
+            counted = TOKENS * reached * HIDDEN * element
+            where = "NVLink" if nodes == 1 else "RDMA"
+            out.append(Row(Op.ALL_TO_ALL, int(counted), busbw, counted / seconds,
+                           f"DeepEP {name}, {gpus} H800 ({where}; its count, not bus bandwidth)"))
+    return out
+
+
 def rows() -> list[Row]:
     out = []
     for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER):
@@ -95,6 +147,14 @@ def rows() -> list[Row]:
             for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)]
     out += [Row(op, size, A100_BUSBW, predicted_busbw(op, size, chip="a100"), "8 A100 in a node, ring")
             for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE) for size in (1 << 30, 4 << 30)]
+    out.append(Row(Op.ALL_REDUCE, 4 << 30, H800_NVLS_BUSBW, predicted_busbw(Op.ALL_REDUCE, 4 << 30, chip="h800"),
+                   "8 H800 in a node, NVLink SHARP"))
+    out += deepep_rows()
+    out.append(Row(Op.ALL_REDUCE, 4 << 30, B200_NVLS_BUSBW, predicted_busbw(Op.ALL_REDUCE, 4 << 30, chip="b200"),
+                   "8 B200 in a node, NVLink SHARP"))
+    out += [Row(op, 4 << 30, busbw, predicted_busbw(op, 4 << 30, chip="b200"), f"held out: 8 B300's {how}")
+            for op, busbw, how in ((Op.ALL_GATHER, B300_RING_BUSBW, "ring AllReduce beside B200's ring"),
+                                   (Op.ALL_REDUCE, B300_NVLS_BUSBW, "NVLS AllReduce beside B200's"))]
     return out
 
 

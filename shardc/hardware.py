@@ -45,6 +45,7 @@ from shardc.kernel_rates import (
     B200_ATTENTION_BACKWARD,
     B200_ATTENTION_FORWARD,
     B200_MATMULS,
+    DEEPEP_SMS,
     GPU_HBM_SHARE,
     GPU_MATMUL_HBM_SHARE,
     H100_ATTENTION_BACKWARD,
@@ -52,6 +53,16 @@ from shardc.kernel_rates import (
     H100_MATMULS,
     HOPPER_F8_MATMULS,
     KERNELS,
+    NCCL_A100,
+    NCCL_B200,
+    NCCL_CHANNELS,
+    NCCL_H100,
+    NCCL_HDR,
+    NCCL_NDR,
+    NVLINK_H800,
+    NVLS_B200,
+    NVLS_H100,
+    NVLS_H800,
     TPU_MATMULS,
 )
 
@@ -311,55 +322,6 @@ def check_model(model: object) -> None:
         raise ShardcError(f"unknown cost model {clip(repr(model))}", fix="use model='chip' or model='book'")
 
 
-# NCCL's measured AllReduce bus bandwidth inside an 8xH100 node, SHARP off, is close to 370 GB/s of
-# NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
-# figure); the H200 has the same NVLink 4 and NVSwitch
-_NCCL_H100 = 370e9 / 450e9
-# 8 A100 SXM over NVSwitch 2 (NVLink 3, 300 GB/s each way): AllReduce bus bandwidth "should reach 230 GB/s"
-# at 8 GB, 12 links at 25 GB/s line rate each carrying about 20 GB/s of 128-byte payloads, 240 GB/s, less
-# other bottlenecks (an NCCL maintainer, NVIDIA/nccl-tests issue 149); 232.5 GB/s measured on one node
-# (NVIDIA/nccl-tests issue 175).  No NVLS on A100, so every in-node collective runs at this ring rate
-_NCCL_A100 = 230e9 / 300e9
-
-
-def _nvls_share(bus_bandwidth: float, gpus: int, link: float) -> float:
-    """The share of a GPU's NVLink egress ``link`` that NVLink SHARP reaches, from the AllReduce bus
-    bandwidth nccl-tests reports for it on ``gpus`` GPUs of a node.
-
-    nccl-tests reports busbw = algbw * 2(n-1)/n whatever the algorithm (its PERFORMANCE.md).  With
-    NVLS each GPU sends all V into the switches' reducing loads and its reduced 1/n to their multicast
-    store, and takes as much back: V (n+1)/n each way, so the links run at algbw * (n+1)/n.
-    """
-    algbw = bus_bandwidth * gpus / (2 * (gpus - 1))
-    return algbw * (gpus + 1) / gpus / link
-
-
-# AllReduce with NVLink SHARP (NVLS, NCCL's default on an NVSwitch 3 node): 480 GB/s bus bandwidth on
-# 8 H100 (NVIDIA's GTC talk S62129, as quoted in NVIDIA/nccl issue 1374; 476 GB/s measured
-# "looks to be in the expected range for H100", an NCCL maintainer, NVIDIA/nccl-tests issue 290), so
-# 68.6% of the links; the H200 has the same NVLink 4 and NVSwitch.  The A100's NVSwitch 2 does not
-# reduce (NVLS needs NVSwitch 3, Hopper and later).
-_NVLS_H100 = _nvls_share(480e9, 8, 450e9)
-# 8 H800: 215 GB/s AllReduce bus bandwidth with NVLS (measured, NVIDIA/nccl issue 1374), 69.1% of 200 GB/s
-_NVLS_H800 = _nvls_share(215e9, 8, 200e9)
-# NCCL's share of an InfiniBand NIC's line rate, one rail a GPU: "For NDR @ 400Gbps you should see
-# 46-48GB/s per NIC" (an NCCL maintainer, NVIDIA/nccl-tests issue 290, rings across nodes), 47 of 50 GB/s
-_NCCL_NDR = 47e9 / 50e9
-# 200 Gb/s HDR: 24 GB/s a NIC ("~160GB/s intra-node and 24GB/s inter-node" at 8 GB, an NCCL
-# maintainer, NVIDIA/nccl issue 412; a DGX A100's 8 HDR NICs measure 192 GB/s AllReduce bus bandwidth,
-# NVIDIA/nccl issue 812), 24 of 25 GB/s
-_NCCL_HDR = 24e9 / 25e9
-# The SMs NCCL holds while a collective runs: one CTA a channel, on an SM no compute kernel shares ("NCCL CTAs
-# won't share an SM with compute kernels", an NCCL maintainer, NVIDIA/nccl issue 689), and a node of 8 GPUs
-# over NVSwitch runs 24 channels: A100 ("Channel 00/24", the NCCL log in NVIDIA/nccl issue 578) and H100 (12
-# rings found for 8 GPUs, duplicated to 24 channels, NCCL 2.19's log in NVIDIA/nccl issue 1367).  Across nodes
-# alone NCCL holds fewer (16 SMs for a DGX's 8 NICs, issue 689); the node's 24 are used for every collective.
-_NCCL_CHANNELS = 24
-# On the H800 (the H100's die, its 132 SMs) the one published figure: DeepSeek-V3's all-to-all kernels "only
-# 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink" (DeepSeek-V3 technical report,
-# arXiv 2412.19437, section 3.2.2); no NCCL log of an H800 node is cited
-_DEEPEP_SMS = 20
-
 # The host link (PCIe Gen5 x16 on H100, H200 and H800 SXM; Gen4 x16 on A100 SXM), one way, as NVIDIA's
 # nvbandwidth measures pinned copies by the copy engines: 57 GB/s host to device on H100 (NVIDIA/nvbandwidth
 # issue 6), 52.8 GB/s device to host on 8 H100s (issue 24), the slower taken; 25.1 GB/s host to device on
@@ -398,51 +360,51 @@ PRESETS: dict[str, Hardware] = {
         # GPUs: ici_bandwidth is half the data sheet's total bidirectional NVLink figure (H100 900 GB/s),
         # dcn_bandwidth the node's InfiniBand NIC a GPU (DGX H100: 8 ConnectX-7 at 400 Gb/s = 5e10 B/s).
         # H100 SXM data sheet: 989 TFLOPS bf16 and 1,979 fp8 dense (half the sparsity figures), 80 GB, 3.35 TB/s.
-        Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
+        Hardware("h100", 9.89e14, 4.5e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=NCCL_H100,
+                 nvls_efficiency=NVLS_H100, dcn_efficiency=NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H100 SXM: NVLink within a node of 8, InfiniBand across",
                  flops_f8=1.979e15, matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
                  attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD,
                  hbm_efficiency=GPU_HBM_SHARE, matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
-                 sms=132, collective_sms=_NCCL_CHANNELS),  # 132 SMs: NVIDIA's H100 architecture whitepaper, SXM5
+                 sms=132, collective_sms=NCCL_CHANNELS),  # 132 SMs: NVIDIA's H100 architecture whitepaper, SXM5
         # H200 data sheet: the H100's compute (its 132 SMs) with 141 GB of HBM3e at 4.8 TB/s
-        Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 nvls_efficiency=_NVLS_H100, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
+        Hardware("h200", 9.89e14, 4.5e11, 141e9, 4.8e12, 5e10, ici_domain=8, ici_efficiency=NCCL_H100,
+                 nvls_efficiency=NVLS_H100, dcn_efficiency=NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H200: an H100 with 141 GB HBM3e", flops_f8=1.979e15, matmul_efficiency=H100_MATMULS,
                  matmul_efficiency_f8=HOPPER_F8_MATMULS, attention_forward=H100_ATTENTION_FORWARD,
                  attention_backward=H100_ATTENTION_BACKWARD, hbm_efficiency=GPU_HBM_SHARE,
                  matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
-                 sms=132, collective_sms=_NCCL_CHANNELS),
+                 sms=132, collective_sms=NCCL_CHANNELS),
         # A100 80GB SXM data sheet: 312 TFLOPS bf16 dense, no fp8, 2,039 GB/s HBM2e, NVLink 600 GB/s in all;
         # DGX A100: 8 ConnectX-6 HDR InfiniBand at 200 Gb/s, one a GPU (2.5e10 B/s)
-        Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=_NCCL_A100,
-                 dcn_efficiency=_NCCL_HDR, host_bandwidth=_HOST_PCIE4, host_adam_rate=_HOST_ADAM_8,
+        Hardware("a100", 3.12e14, 3e11, 80e9, 2.039e12, 2.5e10, ici_domain=8, ici_efficiency=NCCL_A100,
+                 dcn_efficiency=NCCL_HDR, host_bandwidth=_HOST_PCIE4, host_adam_rate=_HOST_ADAM_8,
                  description="A100 SXM 80 GB: NVLink within a node of 8, HDR InfiniBand across",
                  matmul_efficiency=A100_MATMULS, attention_forward=A100_ATTENTION_FORWARD,
                  attention_backward=A100_ATTENTION_BACKWARD, hbm_efficiency=GPU_HBM_SHARE,
                  matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
-                 sms=108, collective_sms=_NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
-        # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all; InfiniBand 50 GB/s a GPU
-        # (DeepSeek-V3 technical report, section 3.2.2: "IB (50 GB/s)" beside NVLink's 160 GB/s reached).
-        # NCCL's channels on its fewer NVLinks are not cited, so the SMs a collective holds are DeepSeek's
-        # all-to-all kernels' (_DEEPEP_SMS); the B200's below are not cited either and set none
-        Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 nvls_efficiency=_NVLS_H800, dcn_efficiency=_NCCL_NDR, host_bandwidth=_HOST_PCIE5,
+                 sms=108, collective_sms=NCCL_CHANNELS),  # 108 SMs: NVIDIA's A100 architecture whitepaper
+        # H800 SXM: the H100's die and HBM with NVLink cut to 400 GB/s in all, at the 160 GB/s one way DeepSeek
+        # measured (NVLINK_H800); InfiniBand 50 GB/s a GPU (DeepSeek-V3 technical report, section 3.2.2: "IB
+        # (50 GB/s)"), a 400 Gb/s NDR NIC at NCCL's share.  DeepEP's dispatch and combine on 8 to 64 H800s are
+        # benchmarks/collectives_fidelity.py's check of both.  NCCL's channels on its fewer NVLinks are not cited,
+        # so the SMs a collective holds are DeepSeek's all-to-all kernels' (DEEPEP_SMS); the B200's are not cited
+        Hardware("h800", 9.89e14, 2e11, 80e9, 3.35e12, 5e10, ici_domain=8, ici_efficiency=NVLINK_H800,
+                 nvls_efficiency=NVLS_H800, dcn_efficiency=NCCL_NDR, host_bandwidth=_HOST_PCIE5,
                  host_adam_rate=_HOST_ADAM_8,
                  description="H800 SXM: an H100 with 400 GB/s NVLink", flops_f8=1.979e15,
                  matmul_efficiency=H100_MATMULS, matmul_efficiency_f8=HOPPER_F8_MATMULS,
                  attention_forward=H100_ATTENTION_FORWARD, attention_backward=H100_ATTENTION_BACKWARD,
                  hbm_efficiency=GPU_HBM_SHARE, matmul_hbm_efficiency=GPU_MATMUL_HBM_SHARE,
-                 sms=132, collective_sms=_DEEPEP_SMS),
-        # NVLink 5 at the H100's measured share of line rate (assumed; `shardc calibrate` measures it); its
-        # NVSwitch reduces too, but no B200 NVLS figure is cited (8 B300: 845 GB/s AllReduce bus bandwidth with
-        # NVLS against 695 without, NVIDIA/nccl issue 2140), so its AllReduce is costed as a ring
+                 sms=132, collective_sms=DEEPEP_SMS),
+        # NVLink 5 at NCCL's own effective figure a link (NCCL_B200), AllReduce with NVLS at the rate measured on
+        # 8 B200 (NVLS_B200)
         # HGX B200 data sheet, a GPU: FP16/BF16 4.5 PFLOPS and FP8 9 PFLOPS with sparsity (dense half),
         # 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s in all; DGX B200: 8 ConnectX-7 at 400 Gb/s
-        Hardware("b200", 2.25e15, 9e11, 180e9, 7.7e12, 5e10, ici_domain=8, ici_efficiency=_NCCL_H100,
-                 dcn_efficiency=_NCCL_NDR,
+        Hardware("b200", 2.25e15, 9e11, 180e9, 7.7e12, 5e10, ici_domain=8, ici_efficiency=NCCL_B200,
+                 nvls_efficiency=NVLS_B200, dcn_efficiency=NCCL_NDR,
                  description="B200 (HGX): NVLink 5 within a node of 8, InfiniBand across", flops_f8=4.5e15,
                  matmul_efficiency=B200_MATMULS, attention_forward=B200_ATTENTION_FORWARD,
                  attention_backward=B200_ATTENTION_BACKWARD),

@@ -1,9 +1,10 @@
 """The measured rates of the chips' kernels: each preset's matmul curve (fraction of peak by a matmul's
 FLOPs), its fused attention kernels' forward and backward (fraction of peak by the keys a call
-attends over), and the share of its HBM bandwidth its memory-bound kernels reach (elementwise kernels, and
-matmuls whose bytes outlast their FLOPs), each from a cited published measurement.  :mod:`shardc.hardware`
-builds its presets on them; :meth:`shardc.hardware.Hardware.efficiency` and
-:meth:`shardc.hardware.Hardware.attention_seconds` interpolate them.
+attends over), the share of its HBM bandwidth its memory-bound kernels reach (elementwise kernels, and
+matmuls whose bytes outlast their FLOPs), and the share of its links' figures its collectives reach (NCCL's
+rings and NVLink SHARP inside a node, an InfiniBand rail across) with the cores they hold, each from a cited
+published measurement.  :mod:`shardc.hardware` builds its presets on them;
+:meth:`shardc.hardware.Hardware.efficiency` and :meth:`shardc.hardware.Hardware.attention_seconds` interpolate them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import math
 __all__ = ["GPU_HBM_SHARE", "GPU_MATMUL_HBM_SHARE",
            "H100_MATMULS", "HOPPER_F8_MATMULS", "B200_MATMULS", "A100_MATMULS", "TPU_MATMULS",
            "H100_ATTENTION_FORWARD", "H100_ATTENTION_BACKWARD", "A100_ATTENTION_FORWARD", "A100_ATTENTION_BACKWARD",
-           "B200_ATTENTION_FORWARD", "B200_ATTENTION_BACKWARD", "KERNELS"]
+           "B200_ATTENTION_FORWARD", "B200_ATTENTION_BACKWARD", "KERNELS", "NCCL_H100", "NCCL_A100", "NCCL_B200",
+           "NVLINK_H800", "NVLS_H100", "NVLS_H800", "NVLS_B200", "NCCL_NDR", "NCCL_HDR", "NCCL_CHANNELS", "DEEPEP_SMS"]
 
 
 def _points(peak: float, measured: tuple[tuple[int, int, int, int, float], ...]) -> tuple[tuple[float, float], ...]:
@@ -164,3 +166,68 @@ _A100_40GB_HBM = 1.555e12
 GPU_HBM_SHARE = 5 * _FA_SCORES / ((6.56e-3 - 4.32e-3) * _A100_40GB_HBM)
 _FA_SOFTMAX_S = 4 * _FA_SCORES / (GPU_HBM_SHARE * _A100_40GB_HBM)
 GPU_MATMUL_HBM_SHARE = 2 * (2 * _FA_SCORES + 2 * _FA_QKV) / ((4.32e-3 - _FA_SOFTMAX_S) * _A100_40GB_HBM)
+
+
+# --- Collectives: the share of a link figure each reaches, and the cores it holds ---
+
+# NCCL's measured AllReduce bus bandwidth inside an 8xH100 node, SHARP off, is close to 370 GB/s of
+# NVLink's 450 GB/s each way ("How To Scale Your Model", the GPU chapter, its empirical AllReduce
+# figure); the H200 has the same NVLink 4 and NVSwitch
+NCCL_H100 = 370e9 / 450e9
+# 8 A100 SXM over NVSwitch 2 (NVLink 3, 300 GB/s each way): AllReduce bus bandwidth "should reach 230 GB/s"
+# at 8 GB, 12 links at 25 GB/s line rate each carrying about 20 GB/s of 128-byte payloads, 240 GB/s, less
+# other bottlenecks (an NCCL maintainer, NVIDIA/nccl-tests issue 149); 232.5 GB/s measured on one node
+# (NVIDIA/nccl-tests issue 175).  No NVLS on A100, so every in-node collective runs at this ring rate
+NCCL_A100 = 230e9 / 300e9
+
+
+def _nvls_share(bus_bandwidth: float, gpus: int, link: float) -> float:
+    """The share of a GPU's NVLink egress ``link`` that NVLink SHARP reaches, from the AllReduce bus
+    bandwidth nccl-tests reports for it on ``gpus`` GPUs of a node.
+
+    nccl-tests reports busbw = algbw * 2(n-1)/n whatever the algorithm (its PERFORMANCE.md).  With
+    NVLS each GPU sends all V into the switches' reducing loads and its reduced 1/n to their multicast
+    store, and takes as much back: V (n+1)/n each way, so the links run at algbw * (n+1)/n.
+    """
+    algbw = bus_bandwidth * gpus / (2 * (gpus - 1))
+    return algbw * (gpus + 1) / gpus / link
+
+
+# AllReduce with NVLink SHARP (NVLS, NCCL's default on an NVSwitch 3 node): 480 GB/s bus bandwidth on
+# 8 H100 (NVIDIA's GTC talk S62129, as quoted in NVIDIA/nccl issue 1374; 476 GB/s measured
+# "looks to be in the expected range for H100", an NCCL maintainer, NVIDIA/nccl-tests issue 290), so
+# 68.6% of the links; the H200 has the same NVLink 4 and NVSwitch.  The A100's NVSwitch 2 does not
+# reduce (NVLS needs NVSwitch 3, Hopper and later).
+NVLS_H100 = _nvls_share(480e9, 8, 450e9)
+# 8 H800: 215 GB/s AllReduce bus bandwidth with NVLS (measured, NVIDIA/nccl issue 1374), 69.1% of 200 GB/s
+NVLS_H800 = _nvls_share(215e9, 8, 200e9)
+# H800 (8 NVLinks, 200 GB/s each way): DeepSeek's own measurement, 160 GB/s one way ("NVLink offers a bandwidth of
+# 160 GB/s", DeepSeek-V3 technical report, arXiv 2412.19437, section 3.2.2; "400GB/s is the two-way theoretical
+# figure, 160GB/s our one-way measurement", a DeepSeek author in deepseek-ai/DeepSeek-V3 issue 28; "the actual
+# achievable bandwidth peaks at approximately 160GB/s", a DeepEP author in deepseek-ai/DeepEP issue 16), 80% of it
+NVLINK_H800 = 160e9 / 200e9
+# B200 (NVLink 5: 18 links, 50 GB/s each way): NCCL's own effective figure a link, 40.1 GB/s (NVIDIA/nccl
+# src/graph/topo.h, SM100_NVLINK_BW: its Hopper figure, 20.6 of 25 GB/s a link over 18 links, is the 370 GB/s
+# measured on H100; "maxBw 721.8" in the log of 8 B200, NVIDIA/nccl issue 1807); 8 B300 on the same NVLink 5
+# measured 695 GB/s ring AllReduce bus bandwidth (NVIDIA/nccl issue 2140, benchmarks/collectives_fidelity.py)
+NCCL_B200 = 40.1e9 / 50e9
+# 8 B200 with NCCL 2.27: AllReduce "830+" GB/s bus bandwidth (NVIDIA/nccl issue 1807), above the 722 a ring can
+# reach there, so NVLS, NCCL's default on an NVSwitch node; 8 B300 measured 845 with NVLS (issue 2140)
+NVLS_B200 = _nvls_share(830e9, 8, 900e9)
+# NCCL's share of an InfiniBand NIC's line rate, one rail a GPU: "For NDR @ 400Gbps you should see
+# 46-48GB/s per NIC" (an NCCL maintainer, NVIDIA/nccl-tests issue 290, rings across nodes), 47 of 50 GB/s
+NCCL_NDR = 47e9 / 50e9
+# 200 Gb/s HDR: 24 GB/s a NIC ("~160GB/s intra-node and 24GB/s inter-node" at 8 GB, an NCCL
+# maintainer, NVIDIA/nccl issue 412; a DGX A100's 8 HDR NICs measure 192 GB/s AllReduce bus bandwidth,
+# NVIDIA/nccl issue 812), 24 of 25 GB/s
+NCCL_HDR = 24e9 / 25e9
+# The SMs NCCL holds while a collective runs: one CTA a channel, on an SM no compute kernel shares ("NCCL CTAs
+# won't share an SM with compute kernels", an NCCL maintainer, NVIDIA/nccl issue 689), and a node of 8 GPUs
+# over NVSwitch runs 24 channels: A100 ("Channel 00/24", the NCCL log in NVIDIA/nccl issue 578) and H100 (12
+# rings found for 8 GPUs, duplicated to 24 channels, NCCL 2.19's log in NVIDIA/nccl issue 1367).  Across nodes
+# alone NCCL holds fewer (16 SMs for a DGX's 8 NICs, issue 689); the node's 24 are used for every collective.
+NCCL_CHANNELS = 24
+# On the H800 (the H100's die, its 132 SMs) the one published figure: DeepSeek-V3's all-to-all kernels "only
+# 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink" (DeepSeek-V3 technical report,
+# arXiv 2412.19437, section 3.2.2); no NCCL log of an H800 node is cited
+DEEPEP_SMS = 20

@@ -43,6 +43,17 @@ def test_an_allreduce_in_an_h100_node_runs_at_nvlink_sharps_published_bus_bandwi
         assert _in_node(op, "h100", 8) == pytest.approx(370 * GB, rel=0.01)
 
 
+def test_h800_and_b200_links_run_at_their_own_measured_shares() -> None:
+    """H800: the 160 GB/s one way DeepSeek measured of its 200 (deepseek-ai/DeepSeek-V3 issue 28, DeepEP issue
+    16), not the H100's 370 of 450; B200: NCCL's own 40.1 GB/s a link of 50 (its src/graph/topo.h), and NVLS at
+    the 830 GB/s AllReduce bus bandwidth measured on 8 B200 (NVIDIA/nccl issue 1807)."""
+    for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER):
+        assert _in_node(op, "h800", 8) == pytest.approx(160 * GB, rel=0.01)
+        assert _in_node(op, "b200", 8) == pytest.approx(18 * 40.1 * GB, rel=0.01)
+    assert _in_node(Op.ALL_REDUCE, "b200", 8) == pytest.approx(830 * GB, rel=0.01)
+    assert get_hardware("h800").ici_efficiency != get_hardware("h100").ici_efficiency
+
+
 def test_collectives_in_an_a100_node_run_at_the_bus_bandwidth_nccl_reaches_there() -> None:
     """8 A100 SXM over NVLink 3 (300 GB/s each way): about 230 GB/s AllReduce bus bandwidth at large sizes
     (an NCCL maintainer, NVIDIA/nccl-tests issue 149), the A100's own figure, not the H100's 370 of 450."""
