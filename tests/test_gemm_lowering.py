@@ -104,3 +104,15 @@ def test_the_references_rounding_is_the_modules_cast_bit_for_bit() -> None:
                 want = gemm_rounded(x, "float8_e4m3fn")
                 assert np.array_equal(reference_rounded(x, "float8_e4m3fn"), want)
                 assert np.array_equal(np.asarray(reference_rounded(jnp.asarray(x), "float8_e4m3fn", jnp)), want)
+
+
+@pytest.mark.slow
+def test_verify_passes_with_a_value_cached_in_fp8() -> None:
+    """`dtype f8 H` beside `gemm f8`: H's gradient is BF16 (the spec's), the inputs rounded as declared, and
+    the memory check compiles H as a float (it read every one-byte value as a dropout mask, a bool whose
+    gradient JAX refuses)."""
+    from shardc.verification.verify import render_report, verify
+
+    spec = shardc.parse(SPEC.replace("gemm f8\n", "gemm f8\ndtype f8 H\n"))
+    report = verify(spec)
+    assert report.ok, render_report(report)
