@@ -21,7 +21,6 @@ Without sizes the book's rules pick the one configuration (:func:`rule_config`).
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -254,17 +253,30 @@ def quantize_bytes(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Valu
     :mod:`shardc.quantize`'s rule as ``shardc cost`` prices it (:func:`shardc.ir.precision.pass_bytes`): none
     for a param read as held, nor for a value and contraction the phase quantized already; a pass fuses
     into the step just before where that made the operand (``Operand.fresh``) and no operand moves."""
-    unmoved = all(local in op.sources for op, local in zip(problem.operands, locals_, strict=True))
-    total = []
+    total = 0.0
     for op, local in zip(problem.operands, locals_, strict=True):
-        along = frozenset(i for i in op.indices if i not in problem.indices)
         held = ctx.held.get(op.name)
-        if held is not None and held.layout == local.layout or (local, along, kind) in op.quantized:
+        if held is not None and held.layout == local.layout:
             continue
-        fused = unmoved and op.fresh == local
-        total.append(pass_bytes(ctx.local_elements(op.indices, local), ctx.dtype_of(op.name), ctx.nbytes(op.name),
-                                kind, tiled_along(op.indices, along, held is not None), fused))
-    return math.fsum(total)
+        key = (op.name, op.indices, problem.indices, local, kind)
+        hit = ctx.passes.get(key)
+        if hit is None:  # configurations and candidate plans read the same operand values again and again
+            along = frozenset(i for i in op.indices if i not in problem.indices)
+            elements, stored, tiled = ctx.local_elements(op.indices, local), ctx.dtype_of(op.name), \
+                tiled_along(op.indices, along, held is not None)
+            hit = ctx.passes[key] = (along, pass_bytes(elements, stored, ctx.nbytes(op.name), kind, tiled, False),
+                                     pass_bytes(elements, stored, ctx.nbytes(op.name), kind, tiled, True))
+        along, unfused, fused = hit
+        if op.quantized and (local, along, kind) in op.quantized:
+            continue
+        total += fused if op.fresh == local and _unmoved(problem, locals_) else unfused
+    return total
+
+
+def _unmoved(problem: EinsumProblem, locals_: tuple[Value, ...]) -> bool:
+    """Whether the einsum reads every operand as the phase holds it (no move runs between it and the step
+    before it)."""
+    return all(local in op.sources for op, local in zip(problem.operands, locals_, strict=True))
 
 
 # How many of the cheapest configurations the search keeps for ``--explain`` (it
