@@ -50,14 +50,14 @@ def passes(role: str) -> int | None:
 class Operand:
     """An operand: its tensor name, indices, and the values of it the phase holds; of a GEMM's operand that
     a ``gemm`` line quantizes (:mod:`shardc.quantize`), the value the phase's last step made, where a
-    quantize pass fuses into it (``fresh``), and the values, contractions and types the phase's GEMMs have
-    quantized it for already (``quantized``)."""
+    quantize pass fuses into it (``fresh``), and the values of it the phase's GEMMs have quantized already
+    for the same contraction and type (``quantized``)."""
 
     name: str
     indices: tuple[str, ...]
     sources: tuple[Value, ...]
     fresh: Value | None = None
-    quantized: frozenset[tuple[Value, frozenset[str], DType]] = frozenset()
+    quantized: frozenset[Value] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def quantize_bytes(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Valu
     total = 0.0
     for op, local in zip(problem.operands, locals_, strict=True):
         held = ctx.held.get(op.name)
-        if held is not None and held.layout == local.layout:
+        if held is not None and held.layout == local.layout or local in op.quantized:
             continue
         key = (op.name, op.indices, problem.indices, local, kind)
         hit = ctx.passes.get(key)
@@ -264,11 +264,9 @@ def quantize_bytes(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Valu
             along = frozenset(i for i in op.indices if i not in problem.indices)
             elements, stored, tiled = ctx.local_elements(op.indices, local), ctx.dtype_of(op.name), \
                 tiled_along(op.indices, along, held is not None)
-            hit = ctx.passes[key] = (along, pass_bytes(elements, stored, ctx.nbytes(op.name), kind, tiled, False),
+            hit = ctx.passes[key] = (pass_bytes(elements, stored, ctx.nbytes(op.name), kind, tiled, False),
                                      pass_bytes(elements, stored, ctx.nbytes(op.name), kind, tiled, True))
-        along, unfused, fused = hit
-        if op.quantized and (local, along, kind) in op.quantized:
-            continue
+        unfused, fused = hit
         total += fused if op.fresh == local and _unmoved(problem, locals_) else unfused
     return total
 

@@ -85,9 +85,9 @@ class CostContext:
     # whether a quantize pass fuses into the step that made its operand (shardc.fusion's rule, where the
     # chip fuses); None: it never does
     fusible: Callable[[Step], bool] | None = None
-    # (operand, its indices, the result's, its local value, the GEMM's type) -> (the indices it is contracted
-    # along, its quantize pass's bytes unfused, fused): shardc.sharding.einsum.quantize_bytes
-    passes: dict[tuple[object, ...], tuple[frozenset[str], float, float]] = field(default_factory=dict)
+    # (operand, its indices, the result's, its local value, the GEMM's type) -> its quantize pass's bytes,
+    # unfused and fused: shardc.sharding.einsum.quantize_bytes
+    passes: dict[tuple[object, ...], tuple[float, float]] = field(default_factory=dict)
     # forward searches, resumed by each query: see shardc.sharding.search.reshard
     _searches: dict[tuple[object, ...], object] = field(default_factory=dict)
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)

@@ -192,15 +192,18 @@ class Phase:
 
     def operand(self, name: str, gemm: tuple[frozenset[str], DType] | None) -> Operand:
         """``name`` as an einsum reads it; of a quantizing GEMM (``gemm``: :meth:`gemm`), also the value the
-        last step made of it where a quantize pass fuses into that step, and what the phase's GEMMs quantized
-        of it already (:func:`shardc.sharding.einsum.quantize_bytes`)."""
+        last step made of it where a quantize pass fuses into that step, and the values of it the phase's
+        GEMMs quantized already as this one does (the same contraction and type: those alone share a pass,
+        :func:`shardc.sharding.einsum.quantize_bytes`)."""
         sources = tuple(self.held[name])
         if gemm is None:
             return Operand(name, self.indices[name], sources)
         last = self.steps[-1] if self.steps else None
         fusible = self.ctx.fusible
         fresh = Value.of(last.dst) if last is not None and last.tensor == name and fusible and fusible(last) else None
-        return Operand(name, self.indices[name], sources, fresh, frozenset(self.quantized.get(name, ())))
+        along = frozenset(i for i in self.indices[name] if i not in gemm[0])
+        done = frozenset(v for v, a, kind in self.quantized.get(name, ()) if (a, kind) == (along, gemm[1]))
+        return Operand(name, self.indices[name], sources, fresh, done)
 
     def key(self, problem: EinsumProblem, rule_given: tuple[Value, ...] | None) -> object:
         """``problem`` up to names: what its solution depends on."""
