@@ -276,8 +276,9 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     report = Report(plan.spec.filename or "<spec>", mesh, dict(lowered.sizes or {}),
                     str(plan.spec.dtype), dtype.name, tol)
     if plan.spec.tensor_dtypes:
-        report.notes.append(f"{'; '.join(plan.spec.dtype_lines())}: those inputs and cotangents rounded to their own "
-                            f"type, every value computed in {dtype.name}; values computed on the way are not "
+        report.notes.append(f"{'; '.join(plan.spec.dtype_lines())}: those inputs rounded to their own type and "
+                            f"cotangents to their gradients' (an f8 value's gradient is {plan.spec.dtype}), every "
+                            f"value computed in {dtype.name}; values computed on the way are not "
                             "rounded to their declared type (an f8 one would err by as much as a wrong plan)")
     report.notes += gemm_note(plan.spec)
     step("running the numpy reference")
