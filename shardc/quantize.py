@@ -25,6 +25,7 @@ FP32 scale a tile (1 x 128 elements for activations and gradients, 128 x 128 for
 Each pass's bytes are :func:`shardc.ir.precision.pass_bytes`, which the planner's search prices too
 (:meth:`shardc.sharding.layout.CostContext.quantize_seconds`).  Their transient FP8 copies are not counted
 in memory, as no quantize pass's is.
+
 :mod:`shardc.timing` adds these bytes, over HBM, to each GEMM's row.
 """
 
