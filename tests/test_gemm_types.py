@@ -151,7 +151,9 @@ def test_mfu_is_over_the_gemm_types_peak() -> None:
 
 def test_the_search_prices_a_gemm_and_its_quantize_passes_as_cost_reports() -> None:
     """The planner's search runs each GEMM at its `gemm` type's rate and adds its quantize passes by the one
-    rule cost prices them with (the forward's: I read from HBM, H fused into relu's kernel, the weights held)."""
+    rule cost prices them with (the forward's: I read from HBM, H fused into relu's kernel, the weights held;
+    the backward's: dO and dH_t1 fused into the vjps that made them or read back after a collective), so
+    each GEMM's searched time is the time cost reports for it."""
     p = shardc.plan(shardc.parse(MLP), explain=True)
     rows = [r for r in shardc.cost(p).forward.rows if r.op is Op.EINSUM]
     chosen = [a for c in p.choices for a in c.alternatives if a.chosen][:len(rows)]
@@ -160,6 +162,16 @@ def test_the_search_prices_a_gemm_and_its_quantize_passes_as_cost_reports() -> N
     assert [r.quantize_bytes for r in rows] == pytest.approx([b * d * (2 + q), b * f * q], rel=1e-12)
     for row, alternative in zip(rows, chosen, strict=True):
         assert alternative.time == pytest.approx(row.compute_s + row.memory_s, rel=1e-9)
+    # the backward's too: each GEMM with its passes, and the AllReduce after each Wgrad
+    spent: dict[str, float] = {}
+    for r in shardc.cost(p).backward.rows:
+        if r.op in (Op.EINSUM, Op.ALL_REDUCE):
+            name = r.text.split(" -> ")[1].split("[")[0]
+            spent[name] = spent.get(name, 0.0) + r.compute_s + r.memory_s + r.comm_s
+    searched = {c.statement.split("[")[0]: a.time for c in p.choices if c.phase == "backward"
+                for a in c.alternatives if a.chosen and " · " in c.statement}
+    assert set(searched) == {"dW2", "dH", "dW1", "dI"}
+    assert searched == pytest.approx({name: spent[name] for name in searched}, rel=1e-9)
 
 
 BLIND_SPEC = """\
