@@ -7,17 +7,24 @@ FP32 scale a tile (1 x 128 elements for activations and gradients, 128 x 128 for
 3.3.2's fine-grained quantization).  The rule priced here:
 
 * an operand already stored in the GEMM's type (``dtype f8 A``, an activation the report caches in FP8,
-  section 3.3.4) needs no pass;
+  section 3.3.4) needs no pass where its tiles run along the index the GEMM contracts (1 x 128 along its
+  last index, the features: the forward's and Dgrad's); a GEMM contracting it the other way (Wgrad, along
+  the tokens) dequantizes, transposes and requantizes it first (section 3.3.4 and Figure 6): a pass that
+  reads its FP8 values and scales and writes them again;
 * a weight the GEMM reads as it is held (not gathered) is quantized once a step, after the update, and
   the one 128 x 128-block copy serves the forward and the Dgrad (a block's scale holds for its transpose):
   :func:`weight_quantize_bytes`, beside the optimizer's update; a gathered weight (FSDP, ZeRO-3) is
   quantized at each use, like an activation;
-* an activation or gradient is quantized once a phase for each way GEMMs contract it (its 1 x 128 tiles
-  run along the contracted index: the forward's and Dgrad's along the features, Wgrad's along the tokens,
-  so a cotangent read by both its GEMMs is quantized twice, as the report's kernels do);
+* an activation or gradient is quantized (or transposed) once a phase for each way GEMMs contract it (its
+  1 x 128 tiles run along the contracted index: the forward's and Dgrad's along the features, Wgrad's
+  along the tokens, so a cotangent read by both its GEMMs is quantized twice, as the report's kernels do);
 * the pass fuses into its producer where :mod:`shardc.fusion`'s rule fuses a map there (the step just
   before made it: a matmul's epilogue, or a map or reduction in the same loop): it then does not read
   the operand back, and writes only the FP8 copy and its scales.
+
+Each pass's bytes are :func:`shardc.ir.precision.pass_bytes`, which the planner's search prices too
+(:meth:`shardc.sharding.layout.CostContext.quantize_seconds`).  Their transient FP8 copies are not counted
+in memory, as no quantize pass's is.
 
 :mod:`shardc.timing` adds these bytes, over HBM, to each GEMM's row.
 """
@@ -31,21 +38,12 @@ from shardc.collectives import Op
 from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product
 from shardc.ir.plan import Plan, Step
-from shardc.ir.precision import Precision
+from shardc.ir.precision import TILE, Precision, pass_bytes, quantized_bytes, tiled_along
 from shardc.ir.spec import DType, TensorRef
 from shardc.layer_counts import runs
 from shardc.spec.walk import block_reads
 
-__all__ = ["SCALE_BYTES", "TILE", "quantized_bytes", "quantize_traffic", "quantized_weights",
-           "weight_quantize_bytes", "step_gemm"]
-
-SCALE_BYTES = 4  # one FP32 scale a tile (DeepSeek-V3, section 3.3.2)
-TILE = 128  # an activation tile 1 x 128, a weight block 128 x 128 (section 3.3.2)
-
-
-def quantized_bytes(elements: float, kind: DType, block: int = TILE) -> float:
-    """Bytes of the quantized copy of ``elements`` values in ``kind``, one scale a ``block`` of them."""
-    return elements * (kind.nbytes + SCALE_BYTES / block)
+__all__ = ["fuses_into", "quantize_traffic", "quantized_weights", "weight_quantize_bytes", "step_gemm"]
 
 
 def step_gemm(step: Step, precision: Precision) -> DType | None:
@@ -58,6 +56,12 @@ def step_gemm(step: Step, precision: Precision) -> DType | None:
     return precision.gemm(step.tensor, [r.name for r in step.operands])
 
 
+def fuses_into(step: Step) -> bool:
+    """Whether a quantize pass of the value ``step`` makes fuses into it, run right after it: a matmul's
+    epilogue, or a map or reduction (:func:`shardc.fusion.fusible`)."""
+    return step.op is Op.EINSUM or fusible(step)
+
+
 def _held(plan: Plan, ref: TensorRef) -> bool:
     """Whether ``ref`` is a param as the device holds it (not gathered for this GEMM)."""
     params = {info.name: info.ref for info in plan.tensors if info.role == "param"}
@@ -67,22 +71,22 @@ def _held(plan: Plan, ref: TensorRef) -> bool:
 def quantize_traffic(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int], fuse: bool = True) -> list[float]:
     """The HBM bytes of the quantize passes each of ``steps`` (one phase, in program order) runs before its
     GEMM (the module's rule); 0 for every other step."""
-    done: set[tuple[TensorRef, frozenset[str]]] = set()
+    done: set[tuple[TensorRef, frozenset[str], DType]] = set()
+    params = {info.name for info in plan.tensors if info.role == "param"}
     out = []
     for k, step in enumerate(steps):
         kind = step_gemm(step, plan.precision)
         total = 0.0
         for ref in step.operands if kind is not None else ():
             assert kind is not None
-            kept = {i for i in step.dst.indices}
-            along = frozenset(i for i in ref.indices if i not in kept)
-            if plan.precision.of(ref.name) is kind or _held(plan, ref) or (ref, along) in done:
+            along = frozenset(i for i in ref.indices if i not in step.dst.indices)
+            if _held(plan, ref) or (ref, along, kind) in done:
                 continue
-            done.add((ref, along))
-            elements = float(local_elements(ref, sizes))
+            done.add((ref, along, kind))
             before = steps[k - 1] if k > 0 and steps[k - 1].region == step.region else None
-            fused = fuse and before is not None and before.dst == ref and (before.op is Op.EINSUM or fusible(before))
-            total += (0.0 if fused else elements * plan.nbytes(ref.name)) + quantized_bytes(elements, kind)
+            fused = fuse and before is not None and before.dst == ref and fuses_into(before)
+            total += pass_bytes(float(local_elements(ref, sizes)), plan.precision.of(ref.name), plan.nbytes(ref.name),
+                                kind, tiled_along(ref.indices, along, ref.name in params), fused)
         out.append(total)
     return out
 

@@ -104,3 +104,28 @@ def test_the_references_rounding_is_the_modules_cast_bit_for_bit() -> None:
                 want = gemm_rounded(x, "float8_e4m3fn")
                 assert np.array_equal(reference_rounded(x, "float8_e4m3fn"), want)
                 assert np.array_equal(np.asarray(reference_rounded(jnp.asarray(x), "float8_e4m3fn", jnp)), want)
+
+
+@pytest.mark.slow
+def test_verify_passes_with_a_value_cached_in_fp8() -> None:
+    """`dtype f8 H` beside `gemm f8`: H's gradient is BF16 (the spec's), the inputs rounded as declared, and
+    the memory check compiles H as a float (it read every one-byte value as a dropout mask, a bool whose
+    gradient JAX refuses)."""
+    from shardc.verification.verify import render_report, verify
+
+    spec = shardc.parse(SPEC.replace("gemm f8\n", "gemm f8\ndtype f8 H\n"))
+    report = verify(spec)
+    assert report.ok, render_report(report)
+
+
+def test_verify_rounds_an_fp8_outputs_cotangent_to_the_storage_type() -> None:
+    """A cotangent is of its output's gradient's type: an f8 output's is BF16 (the spec's), so verify rounds
+    it to bfloat16, not to E4M3, as it rounds the f8 output's value."""
+    import numpy as np
+
+    from shardc.verification.verify import _rounded
+
+    spec = shardc.parse(SPEC.replace("gemm f8\n", "gemm f8\ndtype f8 H\n"))
+    x = np.array([1.0 + 2.0**-6, 3.3])
+    assert list(_rounded(x, spec, np.dtype(np.float64), "H")) == [1.0, 3.25]  # E4M3: 3 mantissa bits
+    assert list(_rounded(x, spec, np.dtype(np.float64), "H", gradient=True)) == [1.0 + 2.0**-6, 3.296875]

@@ -14,8 +14,8 @@ import shardc
 from shardc.collectives import Op
 from shardc.costmodel.cost_text import render
 from shardc.errors import ShardcError
+from shardc.ir.precision import SCALE_BYTES, TILE
 from shardc.ir.spec import DType, Spec
-from shardc.quantize import SCALE_BYTES, TILE
 from shardc.spec.dtypes import contracts
 from shardc.spec.parser import parse
 from shardc.step_cost import StepCost
@@ -149,14 +149,99 @@ def test_mfu_is_over_the_gemm_types_peak() -> None:
     assert plain.to_json()["step"]["mfu_peak_dtype"] == "bf16"  # type: ignore[index]
 
 
-def test_the_search_prices_a_gemm_at_the_rate_cost_reports() -> None:
-    """The planner's search runs each GEMM at its `gemm` type's rate, as cost does (the quantize passes,
-    memory-bound beside it, are cost's alone)."""
-    p = shardc.plan(shardc.parse(MLP.replace("gemm f8\n", "gemm f8\ngemm bf16 O\n")), explain=True)
+def test_the_search_prices_a_gemm_and_its_quantize_passes_as_cost_reports() -> None:
+    """The planner's search runs each GEMM at its `gemm` type's rate and adds its quantize passes by the one
+    rule cost prices them with (the forward's: I read from HBM, H fused into relu's kernel, the weights held;
+    the backward's: dO and dH_t1 fused into the vjps that made them or read back after a collective), so
+    each GEMM's searched time is the time cost reports for it."""
+    p = shardc.plan(shardc.parse(MLP), explain=True)
     rows = [r for r in shardc.cost(p).forward.rows if r.op is Op.EINSUM]
     chosen = [a for c in p.choices for a in c.alternatives if a.chosen][:len(rows)]
-    h100 = shardc.hardware.PRESETS["h100"]
-    assert [r.dtype for r in rows] == ["f8", ""]
+    b, d, f = 4096, 4096, 16384
+    q = 1 + SCALE_BYTES / TILE
+    assert [r.quantize_bytes for r in rows] == pytest.approx([b * d * (2 + q), b * f * q], rel=1e-12)
     for row, alternative in zip(rows, chosen, strict=True):
-        alone = row.compute_s + row.memory_s - h100.memory_seconds(row.quantize_bytes)
-        assert alternative.time == pytest.approx(alone, rel=1e-9)
+        assert alternative.time == pytest.approx(row.compute_s + row.memory_s, rel=1e-9)
+    # the backward's too: each GEMM with its passes, and the AllReduce after each Wgrad
+    spent: dict[str, float] = {}
+    for r in shardc.cost(p).backward.rows:
+        if r.op in (Op.EINSUM, Op.ALL_REDUCE):
+            name = r.text.split(" -> ")[1].split("[")[0]
+            spent[name] = spent.get(name, 0.0) + r.compute_s + r.memory_s + r.comm_s
+    searched = {c.statement.split("[")[0]: a.time for c in p.choices if c.phase == "backward"
+                for a in c.alternatives if a.chosen and " · " in c.statement}
+    assert set(searched) == {"dW2", "dH", "dW1", "dI"}
+    assert searched == pytest.approx({name: spent[name] for name in searched}, rel=1e-9)
+
+
+BLIND_SPEC = """\
+mesh X=4
+dims B=4096, D=8192, F=8192
+hardware h100
+gemm f8
+param W
+O[F, B] = W[F, D] · I[D, B]
+Loss[] = cross_entropy(O[F, B], Tok[B])
+"""
+
+
+def test_the_quantize_passes_change_the_layout_the_planner_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharding F or B costs the same FLOPs and moves O alike, but sharded F the GEMM quantizes all of I and
+    its quarter of W (not as held) each step; sharded B, its quarter of I and no weight.  A search blind to
+    the passes (as it was) takes F, the first in its order, and a slower step."""
+    def forward_gemm(p: shardc.Plan) -> str:
+        (step,) = [s for s in p.forward if s.op is Op.EINSUM]
+        return str(step.dst)
+
+    picked = shardc.plan(shardc.parse(BLIND_SPEC))
+    monkeypatch.setattr("shardc.sharding.layout.CostContext.quantize_seconds", lambda self, nbytes: 0.0)
+    blind = shardc.plan(shardc.parse(BLIND_SPEC))
+    assert (forward_gemm(picked), forward_gemm(blind)) == ("O[F, B_X]", "O[F_X, B]")
+    assert shardc.cost(picked).step.step_s < shardc.cost(blind).step.step_s
+
+
+def test_a_cached_fp8_value_is_transposed_for_its_wgrad() -> None:
+    """H cached in FP8 (1 x 128 tiles along F, its last index): the forward's GEMM reads it as it is, the
+    Wgrad contracting the tokens dequantizes, transposes and requantizes it (read and write its FP8 values
+    and scales), beside quantizing dO (fused into ce_vjp)."""
+    b, d, f = 4096, 4096, 16384
+    q = 1 + SCALE_BYTES / TILE
+    rows = _rows(MLP.replace("gemm f8\n", "gemm f8\ndtype f8 H\n"))
+    assert [r.text.split(" -> ")[1].split("[")[0] for r in rows[1:3]] == ["O", "dW2"]
+    assert rows[1].quantize_bytes == 0
+    assert rows[2].quantize_bytes == pytest.approx(2 * b * f * q + b * d * q, rel=1e-12)
+
+
+def test_an_fp8_values_gradient_is_of_the_storage_type() -> None:
+    """`dtype f8 H` caches H (and its pre-activation) in FP8; their gradients flow back in the spec's BF16
+    (DeepSeek-V3, section 3.3.4), so the Dgrad reading dH_t1 quantizes it from BF16."""
+    b, f = 4096, 16384
+    plan = shardc.plan(shardc.parse(MLP.replace("gemm f8\n", "gemm f8\ndtype f8 H\n")))
+    assert dict(plan.dtypes) == {"H": DType.F8, "H_t1": DType.F8}
+    assert (plan.nbytes("H"), plan.nbytes("dH"), plan.nbytes("dH_t1")) == (1, 2, 2)
+    dgrad = [r for r in _rows(MLP.replace("gemm f8\n", "gemm f8\ndtype f8 H\n")) if "-> dI[" in r.text]
+    assert dgrad[0].quantize_bytes == pytest.approx(b * f * (2 + 1 + SCALE_BYTES / TILE), rel=1e-12)
+    everything = shardc.plan(shardc.parse(MLP.replace("gemm f8\n", "dtype f8\ngemm f8\n")))
+    assert everything.nbytes("dH") == 1  # a spec stored in FP8 keeps its gradients in FP8
+
+
+def test_a_bf16_gemm_reading_a_value_first_spares_no_fp8_gemm_its_pass() -> None:
+    """G's GEMM (`gemm bf16 G`) reads I as stored; H's then quantizes I to FP8 all the same, in cost and in
+    the search (a pass is shared only by GEMMs of one type contracting the value alike)."""
+    text = MLP.replace("param W1, W2\n", "gemm bf16 G\nparam W0, W1, W2\nG[B_X, F] = I[B_X, D] · W0[D, F]\n")
+    text = text.replace("relu(I[B_X, D] · W1[D, F])", "relu(I[B_X, D] · W1[D, F]) + G[B_X, F]")
+    p = shardc.plan(shardc.parse(text), explain=True)
+    rows = [r for r in shardc.cost(p).forward.rows if r.op is Op.EINSUM]
+    chosen = [a for c in p.choices for a in c.alternatives if a.chosen][:len(rows)]
+    q = 1 + SCALE_BYTES / TILE
+    assert rows[0].quantize_bytes == 0 and rows[1].quantize_bytes == pytest.approx(4096 * 4096 * (2 + q), rel=1e-12)
+    for row, alternative in zip(rows, chosen, strict=True):
+        assert alternative.time == pytest.approx(row.compute_s + row.memory_s, rel=1e-9)
+
+
+def test_a_bf16_gemm_transposes_nothing() -> None:
+    """Only FP8 values carry tiles of scales: O's Wgrad in BF16 (`gemm bf16 O`) reads H as stored, along the
+    tokens, at no cost beside its matmul."""
+    rows = _rows(MLP.replace("gemm f8\n", "gemm f8\ngemm bf16 O\n"))
+    wgrad = [r for r in rows if "-> dW2[" in r.text]
+    assert len(wgrad) == 1 and wgrad[0].quantize_bytes == 0

@@ -37,12 +37,12 @@ from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Plan, Step
-from shardc.ir.precision import Precision
+from shardc.ir.precision import TILE, Precision, quantized_bytes
 from shardc.ir.spec import Dim, TensorRef
 from shardc.layer_counts import block_counts, resolve_layers, runs
 from shardc.planner.recompute import keeps_layer_inputs
 from shardc.planner.zero import zero_params
-from shardc.quantize import TILE, quantized_bytes, quantized_weights
+from shardc.quantize import quantized_weights
 from shardc.ring_sends import ring_of, shared_rings
 from shardc.spec.functions import ID_DTYPE
 from shardc.spec.walk import block_reads, id_names, layer_inputs

@@ -15,12 +15,58 @@ from dataclasses import dataclass, field
 
 from shardc.ir.spec import DType
 
-__all__ = ["matmul_dtype", "Precision", "ARRAY_DTYPE"]
+__all__ = ["matmul_dtype", "Precision", "ARRAY_DTYPE", "SCALE_BYTES", "TILE", "quantized_bytes", "pass_bytes",
+           "gradient_dtype", "tiled_along"]
 
 # The array type (numpy's via ml_dtypes, jax's) each element type is held in: f8 is E4M3, the format
 # DeepSeek-V3 uses for every FP8 tensor, activations, weights and gradients alike (arXiv 2412.19437,
 # section 3.3.2), and NVIDIA Transformer Engine's for the forward.
 ARRAY_DTYPE = {DType.F32: "float32", DType.BF16: "bfloat16", DType.F16: "float16", DType.F8: "float8_e4m3fn"}
+
+SCALE_BYTES = 4  # one FP32 scale a tile (DeepSeek-V3, arXiv 2412.19437, section 3.3.2)
+TILE = 128  # an activation tile 1 x 128, a weight block 128 x 128 (section 3.3.2)
+
+
+def gradient_dtype(kind: DType, storage: DType) -> DType:
+    """The type the gradient of a tensor of type ``kind`` is held in, ``storage`` the spec's ``dtype``: its
+    tensor's, but for FP8, the format a value is cached in for its GEMMs, whose gradient flows back in the
+    storage type (DeepSeek-V3, arXiv 2412.19437, section 3.3.4: activations cached in FP8, the gradients
+    in BF16, as its combine backward moves them).
+
+    >>> gradient_dtype(DType.F8, DType.BF16), gradient_dtype(DType.F32, DType.BF16)
+    (<DType.BF16: 'bf16'>, <DType.F32: 'f32'>)
+    """
+    return storage if kind is DType.F8 else kind
+
+
+def quantized_bytes(elements: float, kind: DType, block: int = TILE) -> float:
+    """Bytes of the quantized copy of ``elements`` values in ``kind``, one scale a ``block`` of them."""
+    return elements * (kind.nbytes + SCALE_BYTES / block)
+
+
+def pass_bytes(elements: float, stored: DType, nbytes: float, kind: DType, tiled: bool, fused: bool) -> float:
+    """The HBM bytes a GEMM quantizing its inputs to ``kind`` spends on one operand of ``elements`` values
+    stored in ``stored`` (``nbytes`` an element) before it (:mod:`shardc.quantize` says when a GEMM runs one;
+    ``shardc cost`` and the planner's search both price it here):
+
+    * stored in ``kind`` and ``tiled`` along the index the GEMM contracts, or in a type without tiles of
+      scales (BF16, F16, F32: only FP8 values carry them): nothing;
+    * stored in FP8 but tiled the other way (a cached FP8 activation's 1 x 128 tiles run along its
+      features, Wgrad contracts its tokens): dequantized, transposed and quantized again, reading its FP8
+      values and scales and writing them again (DeepSeek-V3, section 3.3.4 and Figure 6);
+    * else its ``kind`` copy and a scale a 1 x 128 tile written, the operand read unless the pass is
+      ``fused`` into the kernel that made it.
+    """
+    if stored is kind:
+        return 0.0 if tiled or kind is not DType.F8 else 2 * quantized_bytes(elements, kind)
+    return (0.0 if fused else elements * nbytes) + quantized_bytes(elements, kind)
+
+
+def tiled_along(indices: Sequence[str], along: Iterable[str], weight: bool) -> bool:
+    """Whether a value of ``indices`` held in a GEMM's type has its tiles along the indices ``along`` the
+    GEMM contracts: a weight's 128 x 128 blocks serve either direction (section 3.3.2); another value's
+    1 x 128 tiles run along its last index, the features of a row (section 3.3.2's per-token groups)."""
+    return weight or not indices or indices[-1] in set(along)
 
 
 def matmul_dtype(operands: Iterable[DType]) -> DType:

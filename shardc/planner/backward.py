@@ -38,7 +38,7 @@ from shardc.ir.spec import TensorRef
 from shardc.names import fresh
 from shardc.ops.registry import Node
 from shardc.planner.graph import Graph
-from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand
+from shardc.sharding.einsum import EinsumProblem, NoPlan
 from shardc.sharding.layout import Layout, Value
 from shardc.sharding.phase import Phase
 from shardc.sharding.search import reshard
@@ -176,9 +176,11 @@ class _Backward:
             self.parts.setdefault(primal, []).append((dst, made))
 
     def _local_result(self, dst: str, operands: tuple[str, ...], target: Value) -> Value:
-        """What the einsum planned for ``target`` computes before moving its result there."""
-        problem = EinsumProblem(tuple(Operand(n, self.phase.indices[n], tuple(self.phase.held[n])) for n in operands),
-                                dst, self.phase.indices[dst], target)
+        """What the einsum planned for ``target`` computes before moving its result there (its operands as
+        :meth:`shardc.sharding.phase.Phase.einsum` reads them, so the solution is the one it makes)."""
+        gemm = self.phase.gemm(dst, operands)
+        problem = EinsumProblem(tuple(self.phase.operand(n, gemm) for n in operands), dst, self.phase.indices[dst],
+                                target)
         try:
             solution, _ = self.phase.solve(problem, None)
         except NoPlan:

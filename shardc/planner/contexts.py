@@ -18,7 +18,8 @@ from shardc.ir.plan import TensorInfo
 from shardc.ir.spec import Spec, TensorRef
 from shardc.planner.graph import Graph
 from shardc.planner.padding import uneven_dims
-from shardc.sharding.layout import CostContext
+from shardc.quantize import fuses_into
+from shardc.sharding.layout import CostContext, Value
 from shardc.sharding.unit import Placements, without_unit_axes
 from shardc.spec.walk import node_limits
 from shardc.timing import stage_run
@@ -57,7 +58,14 @@ def search_context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int]
                        padded=frozenset(d for d, _ in uneven_dims(sized)), units=units, places=places,
                        element_bytes=graph.element_bytes, routings=node_limits(spec),
                        precision=graph.precision(spec.dtype), repeats=repeats,
-                       accumulated=grads if repeats > 1 else frozenset())
+                       accumulated=grads if repeats > 1 else frozenset(), held=_held(graph),
+                       fusible=fuses_into if hw.fuses else None)
+
+
+def _held(graph: Graph) -> dict[str, Value]:
+    """Each param's value as the device holds it, where a ``gemm`` line quantizes GEMMs (a GEMM reading a
+    param so quantizes nothing: :mod:`shardc.quantize`)."""
+    return {p: Value.of(graph.declared[p]) for p in graph.params} if graph.gemms else {}
 
 
 # the search caches shared inside shared_search(): the key of what a context is made of -> (chip, context)
@@ -94,7 +102,7 @@ def shared_context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int]
            graph.params, tuple(sorted(graph.grads.items())), tuple(sorted((spans or {}).items())), spec.topology,
            tuple(uneven_dims(run[0])), units, repr(places), tuple(sorted(graph.element_bytes.items())),
            tuple(sorted(node_limits(spec).items())), tuple(sorted(graph.dtypes.items())),
-           tuple(sorted(graph.gemms.items())))
+           tuple(sorted(graph.gemms.items())), tuple(sorted(_held(graph).items())))
     hit = shared.get(key)
     if hit is None or hit[0] != hw:  # an equal chip: chip_for makes a new one where the spec sets its fusion
         hit = shared[key] = (hw, search_context(spec, graph, hw, spans, units, places, run))

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from shardc.errors import ShardcError
-from shardc.ir.precision import Precision
+from shardc.ir.precision import Precision, gradient_dtype
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
 from shardc.names import gradient_names
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Node, family_of, of_call
@@ -202,7 +202,8 @@ class _Builder:
     def dtypes(self, grads: Mapping[str, str]) -> dict[str, DType]:
         """Each tensor's element type where a ``dtype T`` line makes it other than the spec's: the tensors
         it names, what their statements make on the way (``sigmoid(L · W)``'s product is of the result's
-        type), and their gradients (a cotangent is of its value's type)."""
+        type), and their gradients (a cotangent is of its value's type, but an FP8 value's is of the spec's:
+        :func:`shardc.ir.precision.gradient_dtype`)."""
         declared = dict(self.spec.tensor_dtypes)
         found = dict(declared)
         for node in self.nodes:
@@ -210,7 +211,9 @@ class _Builder:
             if kind is not None:
                 for made in (node.result, *node.aux):
                     found.setdefault(made, kind)
-        return found | {grads[t]: kind for t, kind in found.items() if t in grads}
+        storage = self.spec.dtype
+        graded = {grads[t]: gradient_dtype(kind, storage) for t, kind in found.items() if t in grads}
+        return found | {g: kind for g, kind in graded.items() if kind is not storage}
 
     def gemms(self) -> dict[str, DType]:
         """The type each contraction that sums an index (a GEMM, not an elementwise product) quantizes its

@@ -24,12 +24,14 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shardc.ir.precision import pass_bytes, tiled_along
+from shardc.ir.spec import DType
 from shardc.sharding.layout import INFINITE, Cost, CostContext, Move, Value, add_cost
 from shardc.sharding.reverse import reshard_to
 from shardc.sharding.search import reshard
 
 __all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
-           "room", "compute_cost"]
+           "room", "compute_cost", "quantize_bytes"]
 
 
 class NoPlan(Exception):
@@ -46,11 +48,16 @@ def passes(role: str) -> int | None:
 
 @dataclass(frozen=True)
 class Operand:
-    """An operand: its tensor name, indices, and the values of it the phase holds."""
+    """An operand: its tensor name, indices, and the values of it the phase holds; of a GEMM's operand that
+    a ``gemm`` line quantizes (:mod:`shardc.quantize`), the value the phase's last step made, where a
+    quantize pass fuses into it (``fresh``), and the values of it the phase's GEMMs have quantized already
+    for the same contraction and type (``quantized``)."""
 
     name: str
     indices: tuple[str, ...]
     sources: tuple[Value, ...]
+    fresh: Value | None = None
+    quantized: frozenset[Value] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -227,12 +234,47 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
 
 
 def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...], local_result: Value) -> Cost:
-    """The local einsum's time on the plan's chip, as cost prices it: part of the objective (see layout)."""
+    """The local einsum's time on the plan's chip, as cost prices it: part of the objective (see layout);
+    a GEMM's quantize passes beside it (:func:`quantize_bytes`)."""
     operands = ((op.indices, local, ctx.nbytes(op.name)) for op, local in zip(problem.operands, locals_, strict=True))
     result = (problem.indices, local_result, ctx.nbytes(problem.result))
+    names = [op.name for op in problem.operands]
     contracts = bool({i for op in problem.operands for i in op.indices} - set(problem.indices))
-    dtype = ctx.einsum_dtype(problem.result, [op.name for op in problem.operands], contracts)
-    return (ctx.einsum_seconds(operands, result, dtype), 0, 0)
+    dtype = ctx.einsum_dtype(problem.result, names, contracts)
+    seconds = ctx.einsum_seconds(operands, result, dtype)
+    kind = ctx.gemm_kind(problem.result, names) if contracts else None
+    if kind is not None:
+        seconds += ctx.quantize_seconds(quantize_bytes(ctx, problem, locals_, kind))
+    return (seconds, 0, 0)
+
+
+def quantize_bytes(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...], kind: DType) -> float:
+    """The HBM bytes of the quantize passes a GEMM in ``kind`` runs on its operands read as ``locals_``, by
+    :mod:`shardc.quantize`'s rule as ``shardc cost`` prices it (:func:`shardc.ir.precision.pass_bytes`): none
+    for a param read as held, nor for a value and contraction the phase quantized already; a pass fuses
+    into the step just before where that made the operand (``Operand.fresh``) and no operand moves."""
+    total = 0.0
+    for op, local in zip(problem.operands, locals_, strict=True):
+        held = ctx.held.get(op.name)
+        if held is not None and held.layout == local.layout or local in op.quantized:
+            continue
+        key = (op.name, op.indices, problem.indices, local, kind)
+        hit = ctx.passes.get(key)
+        if hit is None:  # configurations and candidate plans read the same operand values again and again
+            along = frozenset(i for i in op.indices if i not in problem.indices)
+            elements, stored, tiled = ctx.local_elements(op.indices, local), ctx.dtype_of(op.name), \
+                tiled_along(op.indices, along, held is not None)
+            hit = ctx.passes[key] = (pass_bytes(elements, stored, ctx.nbytes(op.name), kind, tiled, False),
+                                     pass_bytes(elements, stored, ctx.nbytes(op.name), kind, tiled, True))
+        unfused, fused = hit
+        total += fused if op.fresh == local and _unmoved(problem, locals_) else unfused
+    return total
+
+
+def _unmoved(problem: EinsumProblem, locals_: tuple[Value, ...]) -> bool:
+    """Whether the einsum reads every operand as the phase holds it (no move runs between it and the step
+    before it)."""
+    return all(local in op.sources for op, local in zip(problem.operands, locals_, strict=True))
 
 
 # How many of the cheapest configurations the search keeps for ``--explain`` (it

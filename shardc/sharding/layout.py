@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 from shardc.collectives import Routed, collective_time, einsum_flops, piece, volume_elements
 from shardc.hardware import DEFAULT, PRESETS, Hardware
-from shardc.ir.plan import Monomial, Op
+from shardc.ir.plan import Monomial, Op, Step
 from shardc.ir.precision import Precision
 from shardc.ir.spec import DType, Mesh, TensorRef
 from shardc.sharding.moves import INFINITE, ZERO, Cost, Edge, Layout, Move, SearchTooLong, Value, add_cost, expand
@@ -80,6 +80,14 @@ class CostContext:
     element_bytes: dict[str, int] = field(default_factory=dict)
     # the tensors' types where not the dtype, and the GEMMs' (`gemm f8`): an einsum's rate; None: all of dtype
     precision: Precision | None = None
+    # each param's value as the device holds it: a GEMM reading it so quantizes nothing (shardc.quantize)
+    held: dict[str, Value] = field(default_factory=dict)
+    # whether a quantize pass fuses into the step that made its operand (shardc.fusion's rule, where the
+    # chip fuses); None: it never does
+    fusible: Callable[[Step], bool] | None = None
+    # (operand, its indices, the result's, its local value, the GEMM's type) -> its quantize pass's bytes,
+    # unfused and fused: shardc.sharding.einsum.quantize_bytes
+    passes: dict[tuple[object, ...], tuple[float, float]] = field(default_factory=dict)
     # forward searches, resumed by each query: see shardc.sharding.search.reshard
     _searches: dict[tuple[object, ...], object] = field(default_factory=dict)
     _bytes: dict[tuple[object, ...], Monomial] = field(default_factory=dict)
@@ -139,6 +147,24 @@ class CostContext:
         """An einsum's type, as cost prices it: a GEMM's (it ``contracts``) ``gemm`` type, else :meth:`matmul_dtype`."""
         kind = self.precision.gemm(result, operands) if contracts and self.precision is not None else None
         return kind.value if kind is not None else self.matmul_dtype(operands)
+
+    def gemm_kind(self, result: str, operands: Sequence[str]) -> DType | None:
+        """The type a GEMM making ``result`` quantizes its inputs to (:meth:`Precision.gemm`); None: no such line."""
+        return self.precision.gemm(result, operands) if self.precision is not None and self.precision.gemms else None
+
+    def dtype_of(self, tensor: str) -> DType:
+        return (self.precision or Precision(self.dtype)).of(tensor)
+
+    def local_elements(self, indices: tuple[str, ...], value: Value) -> float:
+        """Elements of a device's piece of ``value`` (padded: each dim's ``ceil(size / devices)``)."""
+        return float(piece(self._pieces(indices, value)))
+
+    def quantize_seconds(self, nbytes: float) -> float:
+        """Time of a GEMM's quantize passes moving ``nbytes`` through HBM, weighted as its compute
+        (:meth:`einsum_seconds`); 0 without sizes."""
+        if self.sizes is None or not self.compute_weight:
+            return 0.0
+        return self.hardware.memory_seconds(nbytes) * self.compute_weight * self.repeats
 
     def kind(self, tensor: str) -> tuple[bool, int, bool]:
         """What a tensor's moves' costs depend on beside its indices: weight, element bytes, reduced once a step."""

@@ -15,7 +15,7 @@ from shardc.collectives import FACTOR
 from shardc.errors import ShardcError, Span
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Alternative, Choice, Op, Step, sum_formula
-from shardc.ir.spec import TensorRef
+from shardc.ir.spec import DType, TensorRef
 from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
 from shardc.sharding.layout import ZERO, Cost, CostContext, Move, Value, add_cost
 from shardc.sharding.search import reshard
@@ -44,6 +44,8 @@ class Phase:
     sums: dict[object, object] = field(default_factory=dict)  # the sums searched (by the sums family, shardc.ops.sums)
     # every solve's (key, problem, given values, solution), in order: see planner._same_steps
     trace: list[Traced] | None = None
+    # tensor -> the (value, contracted indices, type) its GEMMs of a `gemm` type quantized it for (Operand.quantized)
+    quantized: dict[str, set[tuple[Value, frozenset[str], DType]]] = field(default_factory=dict)
 
     def hold(self, name: str, value: Value) -> None:
         values = self.held.setdefault(name, [])
@@ -143,9 +145,9 @@ class Phase:
 
         ``partial``: without a target, the result may stay partial sums (a term of a sum).
         """
-        problem = EinsumProblem(
-            tuple(Operand(n, self.indices[n], tuple(self.held[n])) for n in operands),
-            result, self.indices[result], target, partial)
+        gemm = self.gemm(result, operands)
+        problem = EinsumProblem(tuple(self.operand(n, gemm) for n in operands), result, self.indices[result],
+                                target, partial)
         # Layers repeat: the same problem (up to names) is solved and explained once.
         key = self.key(problem, rule_given)
         hit = self.solved.get(key)
@@ -166,16 +168,49 @@ class Phase:
         copy = len(operands) == 1 and set(self.indices[operands[0]]) == set(self.indices[result])
         self.emit(Step(Op.COPY if copy else Op.EINSUM, result, self.ref(result, sol.local_result), operands=local),
                   sol.local_result)
+        if gemm is not None:
+            self.record(operands, sol.locals, *gemm)
         self.moves(result, sol.result_moves)
         if self.ctx.explain:
             self.choices.append(Choice(self.name, label, rows, reason))
         return sol.final
 
+    def gemm(self, result: str, operands: tuple[str, ...]) -> tuple[frozenset[str], DType] | None:
+        """The indices of ``result`` and the type its einsum quantizes its inputs to, where that is a GEMM a
+        ``gemm`` line names (:meth:`CostContext.gemm_kind`); None for any other einsum."""
+        kept = frozenset(self.indices[result])
+        if {i for n in operands for i in self.indices[n]} <= kept:
+            return None
+        kind = self.ctx.gemm_kind(result, operands)
+        return None if kind is None else (kept, kind)
+
+    def record(self, operands: tuple[str, ...], locals_: tuple[Value, ...], kept: frozenset[str], kind: DType) -> None:
+        """A GEMM into ``kept`` quantized ``operands`` read as ``locals_`` to ``kind`` (:attr:`quantized`)."""
+        for name, value in zip(operands, locals_, strict=True):
+            along = frozenset(i for i in self.indices[name] if i not in kept)
+            self.quantized.setdefault(name, set()).add((value, along, kind))
+
+    def operand(self, name: str, gemm: tuple[frozenset[str], DType] | None) -> Operand:
+        """``name`` as an einsum reads it; of a quantizing GEMM (``gemm``: :meth:`gemm`), also the value the
+        last step made of it where a quantize pass fuses into that step, and the values of it the phase's
+        GEMMs quantized already as this one does (the same contraction and type: those alone share a pass,
+        :func:`shardc.sharding.einsum.quantize_bytes`)."""
+        sources = tuple(self.held[name])
+        if gemm is None:
+            return Operand(name, self.indices[name], sources)
+        last = self.steps[-1] if self.steps else None
+        fusible = self.ctx.fusible
+        fresh = Value.of(last.dst) if last is not None and last.tensor == name and fusible and fusible(last) else None
+        along = frozenset(i for i in self.indices[name] if i not in gemm[0])
+        done = frozenset(v for v, a, kind in self.quantized.get(name, ()) if (a, kind) == (along, gemm[1]))
+        return Operand(name, self.indices[name], sources, fresh, done)
+
     def key(self, problem: EinsumProblem, rule_given: tuple[Value, ...] | None) -> object:
         """``problem`` up to names: what its solution depends on."""
         kind = self.ctx.kind
-        return (tuple((o.indices, o.sources, kind(o.name)) for o in problem.operands),
-                problem.indices, problem.target, kind(problem.result), self.name, rule_given, problem.partial)
+        return (tuple((o.indices, o.sources, kind(o.name), o.fresh, o.quantized) for o in problem.operands),
+                problem.indices, problem.target, kind(problem.result), self.name, rule_given, problem.partial,
+                self.ctx.gemm_kind(problem.result, [o.name for o in problem.operands]))
 
     def solve(self, problem: EinsumProblem,
               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:

@@ -199,7 +199,7 @@ def _rows(model: PhaseMemory, stats: Any) -> list[MemoryRow]:
 
 def _compiled(lowered: Lowered, phase: str) -> Any:
     """One phase's ``jit(shard_map)`` compiled for the arrays the step passes it: floats in
-    MEMORY_DTYPE, token ids in ID_DTYPE, one-byte values (dropout masks) as bool."""
+    MEMORY_DTYPE (those declared f8 too), token ids in ID_DTYPE, one-byte values (dropout masks) as bool."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -208,7 +208,8 @@ def _compiled(lowered: Lowered, phase: str) -> Any:
     program, boundaries, table = ((forward, lowered.module.forward.inputs, ns.FORWARD_IN) if phase == "forward"
                                   else (backward, lowered.module.backward.inputs, ns.BACKWARD_IN))
     ids = id_inputs(lowered.plan.spec)
-    one_byte = {name for name, size in lowered.plan.element_bytes if size == 1}
+    typed = dict(lowered.plan.dtypes)  # a value declared f8 is a float, not a mask
+    one_byte = {name for name, size in lowered.plan.element_bytes if size == 1 and name not in typed}
 
     def dtype(name: str) -> Any:
         return ID_DTYPE if name in ids else np.bool_ if name in one_byte else MEMORY_DTYPE

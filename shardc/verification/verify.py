@@ -32,6 +32,7 @@ import numpy as np
 from shardc.arguments import check_instance, check_verify_args
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan, backward_program
+from shardc.ir.precision import gradient_dtype
 from shardc.ir.spec import Call, Spec
 from shardc.lowering import reference
 from shardc.lowering.api import lower
@@ -112,10 +113,12 @@ def compute_dtype(spec: Spec) -> np.dtype[Any]:
     return _dtype(kinds.pop() if len(kinds) == 1 else "float32")
 
 
-def _rounded(x: np.ndarray, spec: Spec, dtype: np.dtype[Any], name: str) -> np.ndarray:
-    """``x`` rounded to the type tensor ``name`` is declared in (f8: float8_e4m3fn), then in the run's
-    ``dtype``: the lowered program and the reference read the same rounded values."""
-    kind = str(spec.dtype_of(name))
+def _rounded(x: np.ndarray, spec: Spec, dtype: np.dtype[Any], name: str, gradient: bool = False) -> np.ndarray:
+    """``x`` rounded to the type tensor ``name`` is declared in (f8: float8_e4m3fn), or its gradient's
+    (``gradient``: :func:`shardc.ir.precision.gradient_dtype`), then in the run's ``dtype``: the lowered
+    program and the reference read the same rounded values."""
+    declared = spec.dtype_of(name)
+    kind = str(gradient_dtype(declared, spec.dtype) if gradient else declared)
     return x.astype(_dtype(STORAGE_DTYPE.get(kind) or COMPUTE_DTYPE[kind])).astype(dtype)
 
 
@@ -147,13 +150,13 @@ def _reference_run(lowered: Lowered, dtype: np.dtype[Any], seed: int) -> _Run:
     raw = lowered.random_inputs(seed, np.float64)
     ids = id_inputs(spec)  # token ids stay integers
     raw_cot = lowered.random_cotangents(seed + 1, np.float64)
-    outs = lowered.module.cotangents  # cotangent name -> output name: a cotangent is of its output's type
+    outs = lowered.module.cotangents  # cotangent name -> output name: a cotangent is of its output's gradient's type
     own = input_scales(spec, reference_inputs(lowered, raw), set(ids), dict(lowered.sizes or {}))
     run: _Run | None = None
     for k in range(_SCALE_TRIES):
         scale = 4.0 ** -k
         inputs = {n: v if n in ids else _rounded(v * own[n] * scale, spec, dtype, n) for n, v in raw.items()}
-        cot = {n: _rounded(v * scale, spec, dtype, outs[n]) for n, v in raw_cot.items()}
+        cot = {n: _rounded(v * scale, spec, dtype, outs[n], gradient=True) for n, v in raw_cot.items()}
         run = _keyed(lowered, _Run(inputs, cot, {}, {}, {}, scale, False, own), 0)
         run.fits = all(_fits(v, limit) for v in [*run.forward.values(), *run.grads.values(),
                                                   *run.magnitude.values()])
@@ -273,8 +276,9 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     report = Report(plan.spec.filename or "<spec>", mesh, dict(lowered.sizes or {}),
                     str(plan.spec.dtype), dtype.name, tol)
     if plan.spec.tensor_dtypes:
-        report.notes.append(f"{'; '.join(plan.spec.dtype_lines())}: those inputs and cotangents rounded to their own "
-                            f"type, every value computed in {dtype.name}; values computed on the way are not "
+        report.notes.append(f"{'; '.join(plan.spec.dtype_lines())}: those inputs rounded to their own type and "
+                            f"cotangents to their gradients' (an f8 value's gradient is {plan.spec.dtype}), every "
+                            f"value computed in {dtype.name}; values computed on the way are not "
                             "rounded to their declared type (an f8 one would err by as much as a wrong plan)")
     report.notes += gemm_note(plan.spec)
     step("running the numpy reference")
