@@ -115,12 +115,12 @@ class Buffers:
 def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
                  buffers: Buffers = Buffers(), section: str | None = None) -> list[PhaseMemory]:
     """The forward's and the backward's :class:`PhaseMemory` at ``sizes``; ``element``: the bytes of a
-    floating-point element (None: the spec's dtype's; token ids and masks keep their own);
+    float, a ``dtype`` line's too (None: their own; ids and masks keep theirs, :meth:`Plan.fixed_bytes`);
     ``buffers``: the backend's rules (:class:`Buffers`; the default a TPU's or GPU's).  Arguments
     and outputs are at their own size; the temporaries as ``buffers`` lays them out, of the whole
     phase or, with ``section`` (``before``, ``block``, ``after``), of that section's steps run alone
     (one stage's part of a pipelined step)."""
-    own = dict(plan.element_bytes)
+    own = dict(plan.element_bytes) if element is None else plan.fixed_bytes()
 
     def nbytes(ref: TensorRef) -> float:
         size = own.get(ref.name, element if element is not None else plan.spec.dtype.nbytes)

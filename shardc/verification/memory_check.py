@@ -208,7 +208,7 @@ def _compiled(lowered: Lowered, phase: str) -> Any:
     program, boundaries, table = ((forward, lowered.module.forward.inputs, ns.FORWARD_IN) if phase == "forward"
                                   else (backward, lowered.module.backward.inputs, ns.BACKWARD_IN))
     ids = id_inputs(lowered.plan.spec)
-    one_byte = {name for name, size in lowered.plan.element_bytes if size == 1}
+    one_byte = {name for name, size in lowered.plan.fixed_bytes().items() if size == 1}  # an f8 tensor is a float
 
     def dtype(name: str) -> Any:
         return ID_DTYPE if name in ids else np.bool_ if name in one_byte else MEMORY_DTYPE
