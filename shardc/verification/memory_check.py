@@ -43,6 +43,9 @@ __all__ = ["MemoryRow", "MemoryCheck", "check_memory", "check_plan_memory", "ren
 
 MEMORY_DTYPE = "float32"
 TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
+# the fewest elements an elementwise op or reduction needs to join a YNNPACK fusion on XLA's CPU backend
+# (kMinElements in IsInstructionPreferredByYnn, xla/backends/cpu/ynn_support.cc)
+YNN_MIN_ELEMENTS = 4096
 # What XLA's CPU backend does that a TPU or GPU does not, counted for the comparison only (shardc
 # cost counts none of it), each seen in the buffer assignment of the compiled examples
 # (XLA_FLAGS=--xla_dump_to=DIR writes *-buffer-assignment.txt):
@@ -99,7 +102,7 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 # takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
-                  scan_in_outputs=True, gathers_reversed=True)
+                  scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
