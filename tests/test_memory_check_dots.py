@@ -4,12 +4,13 @@ makes a large dot read only by a dot with no free index inside that reader, with
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import shardc
-from shardc.costmodel.dot_fusion import summed_into
+from shardc.costmodel.fusion_buffers import derivatives, summed_into
 from shardc.costmodel.layout_copies import layout_copies
 from shardc.costmodel.phase_memory import Buffers, phase_memory
 from shardc.ir.plan import Step, backward_program
@@ -79,3 +80,41 @@ def test_moe_layer_within_ten_percent_at_sixteen_times_the_sizes() -> None:
     check = check_memory(lower(plan, sizes=sizes))
     assert check.phase == "backward" and check.within_target, render_memory(check)
     assert XLA_CPU.dots_canonical and XLA_CPU.dot_sums == 4096
+
+
+# an expert MLP: dH_t1 = gelu_vjp(H_t1, dH) is read by dW_1's and dIn's dots, each copying it (E, the batch,
+# is not its first index)
+EXPERTS = ("mesh X=2\ndims G=4, E=2, C=2, D=4, F=6\ndtype f32\nparam W_1, W_2\n"
+           "H[G, E_X, C, F] = gelu(In[G, E_X, C, D] · W_1[E_X, D, F])\n"
+           "Ex[G, E_X, C, D] = H[G, E_X, C, F] · W_2[E_X, F, D]\n")
+
+
+def test_a_transcendental_derivative_two_copies_read_is_made_once_from_the_start() -> None:
+    for function, expected in (("gelu", 1), ("relu", 0)):
+        plan = shardc.plan(shardc.parse(EXPERTS.replace("gelu", function)))
+        assert plan.sizes is not None
+        steps = backward_program(plan)
+        (k,) = (k for k, s in enumerate(steps) if s.dst.name == "dH_t1")
+        h = steps[k].operands[0]
+        assert h.name == "H_t1" and sum(steps[k].dst in layout_copies(s, True) for s in steps) == 2
+        spans = derivatives(steps, lambda s: layout_copies(s, True), {h}, lambda ref: 96.0)
+        assert spans == [(0, k, 96.0)] * expected  # relu's derivative is a compare, made inside each fusion
+        assert derivatives(steps, lambda s: [], {h}, lambda ref: 96.0) == []  # read in place: fused once
+
+
+def test_a_value_made_for_the_dot_in_its_layout_is_not_copied_again() -> None:
+    """The attention output divided again for the dot reading it, and a weight gathered along a dim other than
+    its first, copied into place, are written in the order the dot decomposer wants: no second copy."""
+    attention = ("mesh X=2\ndims B=4, S=8, T=8, G=2, R=2, H=4, D=6\ndtype f32\nparam W\n"
+                 "C[B_X, S, G, R, H] = attention(Q[B_X, S, G, R, H], K[B_X, T, G, H], V[B_X, T, G, H] over T, causal)\n"
+                 "Y[B_X, S, D] = C[B_X, S, G, R, H] · W[G, H, R, D]\n")
+    gathered = ("mesh X=2\ndims B=4, S=8, G=2, R=2, H=4, D=6\ndtype f32\nparam W\n"
+                "Y[B_X, S, D] = C[B_X, S, G, H, R] · W[G, R, H, D_X]\n")
+    for text, copied in ((attention, "C"), (gathered, "W")):
+        plan = shardc.plan(shardc.parse(text))
+        assert plan.sizes is not None
+        (y,) = (s for s in plan.forward if s.dst.name == "Y")
+        assert [r.name for r in layout_copies(y, canonical=True)] == [copied]
+        heaps = {phase_memory(plan, dict(plan.sizes), 4, replace(XLA_CPU, dots_canonical=c))[0].temporaries
+                 for c in (True, False)}
+        assert len(heaps) == 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from math import prod
 
 from shardc.collectives import Op
-from shardc.costmodel.dot_fusion import summed_into
+from shardc.costmodel.fusion_buffers import derivatives, exponentials, summed_into
 from shardc.costmodel.heap import Span, outside_outputs, packed
 from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.layout_copies import blocked as _blocked
@@ -22,7 +22,7 @@ from shardc.costmodel.memory import residual_table
 from shardc.costmodel.route_memory import route_arrays
 from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, Row, key_block
+from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
 from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
 from shardc.spec.attention_call import roles
@@ -85,11 +85,12 @@ class Buffers:
     (:func:`_ring_buffers`).  ``scan_block``: a cumulative sum (a routing's slots) runs as a scan in
     blocks of this many elements along its dim, padded up to a multiple of it: the counts copied into
     the blocks and each block's running sums, two arrays of the padded shape beside the counts, where a
-    chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps
-    is made again by each later reader's fusion, so its operands live to its last reader
-    (:func:`_lifetimes`), and a softmax a product reads after another reader keeps its exponentials to
-    that product (:func:`_exponentials`).  ``scan_in_outputs``: a route's arrays that die before its mask is
-    written (the scan's blocks; by choice the running sums too, the slot being what the mask reads) sit in
+    chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps is
+    made again by each later reader's fusion, so its operands live to its last reader (:func:`_lifetimes`),
+    a softmax a product reads after another reader keeps its exponentials to that product, and a
+    transcendental derivative, which the fusion makes once, has a buffer of its own
+    (:mod:`shardc.costmodel.fusion_buffers`).  ``scan_in_outputs``: a route's arrays that die before its
+    mask is written (the scan's blocks; by choice the running sums too, the slot being what the mask reads) sit in
     the buffer of an output made then or after, as XLA's buffer assignment puts a temporary in an output's
     allocation it fits when their lives do not overlap (``BufferAssigner::MaybeAssignBuffer``).
     ``dots_canonical``: a dot whose operands are not one contracted and at most one free index after the
@@ -97,7 +98,7 @@ class Buffers:
     decomposer rewrites it (:func:`shardc.costmodel.layout_copies.decomposed`), where a TPU's or GPU's reads
     them in place; the copy into place of a value gathered over several dims at once is written so.
     ``dot_sums``: a dot of at least this many elements read only by a dot with no free index is made inside
-    that reader's fusion, with no buffer (:func:`shardc.costmodel.dot_fusion.summed_into`)."""
+    that reader's fusion, with no buffer (:func:`shardc.costmodel.fusion_buffers.summed_into`)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -204,14 +205,18 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     hosted: list[Span] = []
     laid: list[float] = []
     laid_out = {s.dst for s in steps if s.op is Op.ALL_GATHER and s.dim is None}  # gathered, copied into place
-    remade = _masks(steps) if copies.buffers.masks_per_dot else {}
+    # a dot reads these as they are made for it: a mask made again for it, an attention output divided again
+    # for it (_remade_masks, _remade_outputs), a gather copied into place (dots_canonical)
+    remade = set(_masks(steps) if copies.buffers.masks_per_dot else ()) | {
+        s.dst for s in steps if copies.buffers.attention_loop and isinstance(s.fn, Attention) and s.fn.part == "out"
+        or copies.buffers.dots_canonical and s.op is Op.ALL_GATHER and s.dim != 0}
     into = summed_into(steps, copies.sizes, copies.buffers.dot_sums)  # a dot made inside its reader's fusion
     last |= {ref: max(last[ref], k) for j, k in into.items() for ref in steps[j].reads}
     for k, step in enumerate(steps):
         hosted += [(k, k, n) for n in copies.routing(step)[1]]
         for ref, size in copies.of(step):
-            if step.op is Op.EINSUM and (ref in remade or ref in laid_out and copies.buffers.dots_canonical):
-                continue  # a mask made again for the dot (_remade_masks), a gather copied into place as it reads it
+            if step.op is Op.EINSUM and ref in remade:
+                continue
             if ref is not None and ref in args and copies.buffers.arguments_first:
                 early[ref] = (0, into.get(k, k), size)  # one copy, shared by the steps that read it so
             elif ref in laid_out and step.src in args and copies.buffers.arguments_first:
@@ -243,7 +248,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     early |= _ring_slices(steps, sliced or set(), last, early, copies)
     spans += _slot_rows(steps, copies) + ([(0, 0, max(laid))] if laid else [])
     if copies.buffers.products_again:
-        spans += _exponentials(steps, readers, last, nbytes)
+        early_args = args if copies.buffers.arguments_first else set()
+        spans += exponentials(steps, readers, last, nbytes) + derivatives(
+            steps, lambda s: _layout_copies(s, copies.buffers.dots_canonical), early_args, nbytes)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -350,17 +357,6 @@ def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
         rows = copies.buffers.rounded(copies.nbytes(step.dst) * (c + 1) / c)
         spans.append((0 if copies.buffers.arguments_first else k, k, rows))
     return spans
-
-
-def _exponentials(steps: tuple[Step, ...], readers: dict[TensorRef, list[Step]], last: dict[TensorRef, int],
-                  nbytes: Callable[[TensorRef], float]) -> list[Span]:
-    """Per softmax that a product reads after another step does, its exponentials (its result's bytes),
-    alive from the softmax to its last reader: the softmax's last division, a multiply an element, is
-    made again inside the product's fusion (as :attr:`Buffers.products_again` makes a product again), so
-    the exponentials it divides live to it (``moe_layer.shard``'s forward: the gates' exponentials alive
-    to the combine weights, Gate · Disp, and the copy of them XLA makes for the combine's dot)."""
-    return [(k, last[s.dst], nbytes(s.dst)) for k, s in enumerate(steps)
-            if s.fn is Row.SOFTMAX and any(is_product(r) for r in readers.get(s.dst, [])[1:])]
 
 
 def _masks(steps: tuple[Step, ...]) -> dict[TensorRef, int]:
