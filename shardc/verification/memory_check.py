@@ -92,14 +92,20 @@ YNN_MIN_ELEMENTS = 4096
 #   an output made after them (moe_layer.shard's forward: the blocks in Comb's; route_by_choice's blocks
 #   and sums, k times the gates' int32 each, in Disp's and Comb's);
 # - its scheduler makes the copy into place of a weight gathered over several dims at once (the pieces land
-#   along a new major dim) right after the gathers, each gathered weight dying into its copy, and lays the
-#   copy out with its dims reversed, so a dot contracting two or more of its dims copies the other
-#   operand's contracted dims into that order (tests/specs/llama2_13b_fsdp.shard's backward at verify's
-#   sizes: W_q, W_k, W_v gathered over X and Z copied as [H, N, D], and dQ, dK and dVal as [B, H, N], the
-#   cotangents' copies from the start, W_o's copy beside its gather);
-# Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
-# and copies a transposed one, where the dots it runs with Eigen read it in place; which library
-# takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
+#   along a new major dim) right after the gathers, each gathered weight dying into its copy, in the order
+#   its dot reads it (tests/specs/llama2_13b_fsdp.shard's backward at verify's sizes: W_q, W_k, W_v
+#   gathered over X and Z copied as [H, N, D], the cotangents' copies from the start, W_o's beside its
+#   gather);
+# - its dot decomposer rewrites a dot one of whose operands has other than one contracted dim, more than
+#   one free dim or its batch dims not first: the operands copied into (batch, free, contracted) and
+#   (batch, contracted, free), the contracted dims in their einsum letters' order (moe_layer.shard's
+#   backward at 16x its sizes: Comb as [G, E*C, S] and Disp as [G, S, C*E], 604 MB each; dQ, dK and dVal
+#   of tests/specs/llama2_13b_fsdp.shard as [B, H, N]), whichever library (YNNPACK, Eigen) runs it;
+# - its YNNPACK fusion makes a dot read only by a dot with no free dims (a multiply and a reduce) inside
+#   that reader, never written, from 4096 elements (moe_layer.shard's dComb at 16x its sizes, 604 MB);
+# - its fusion makes a transcendental derivative (gelu's tanh) once, in a buffer of its own from the
+#   start, where the gradient it is in is made again inside the copies two dots make of it
+#   (moe_dispatch.shard's backward at 16x its sizes: gelu's derivative of H_t1, 176 MB).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
                   scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS)
