@@ -375,7 +375,8 @@ def test_verify_reports_memory_against_xla() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention", "multiaxis", "gpt_layer_tp_sp", "zero2_dp", "alltoall", "dp",
                                   "gpt_layer_tp", "llama_layer_flash", "llama_layer_fsdp_tp", "tp", "moe_layer",
-                                  "fsdp", "residual_blocks", "moe_transformer", "moe_dispatch", "vocab_parallel"])
+                                  "fsdp", "residual_blocks", "moe_transformer", "moe_dispatch", "vocab_parallel",
+                                  "gemma2_27b"])
 def test_examples_within_ten_percent(name: str) -> None:
     plan = shardc.plan(shardc.parse((EXAMPLES / f"{name}.shard").read_text()))
     check = check_plan_memory(plan, 8)
