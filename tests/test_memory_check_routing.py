@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.costmodel.phase_memory import Buffers, _Copies, _exponentials, _lifetimes
+from shardc.costmodel.fusion_buffers import exponentials as _exponentials
+from shardc.costmodel.phase_memory import Buffers, _Copies, _lifetimes
 from shardc.device_pieces import local_elements
 from shardc.ir.localops import Route
 from shardc.ir.spec import TensorRef

@@ -7,11 +7,12 @@ from shardc.collectives import Op
 from shardc.fusion import is_product
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
+from shardc.ops.products import einsum_letters
 
 __all__ = ["layout_copies", "blocked"]
 
 
-def layout_copies(step: Step) -> list[TensorRef]:
+def layout_copies(step: Step, canonical: bool = False) -> list[TensorRef]:
     """The values XLA copies to lay them out for a step: a dot's operands ordered
     (batch, free, contracted) or (batch, contracted, free) and its result (batch, the free indices of
     one operand in that operand's order, then the other's: the order XLA's dot emits, so a result
@@ -19,7 +20,8 @@ def layout_copies(step: Step) -> list[TensorRef]:
     temporary when stored otherwise; a
     collective's result over a dim that is not its first, gathered (or scattered) along the major
     dim and transposed into place, and an AllGather's of several dims at once (``dim`` None), whose
-    pieces land along a new major dim and are transposed into place."""
+    pieces land along a new major dim and are transposed into place.  With ``canonical``, a dot XLA's
+    dot decomposer rewrites copies its operands into that form instead (:func:`decomposed`)."""
     if step.is_collective:
         several = step.op is Op.ALL_GATHER and step.dim is None
         return [step.dst] if (step.dim or several) and step.op is not Op.ALL_REDUCE else []
@@ -28,8 +30,10 @@ def layout_copies(step: Step) -> list[TensorRef]:
     out = [d.name for d in step.dst.dims]
     a, b = ([d.name for d in ref.dims] for ref in step.operands)
     batch = [i for i in out if i in a and i in b]
-    copies = [ref for ref, names, other in ((step.operands[0], a, b), (step.operands[1], b, a))
-              if not blocked(names, batch, [i for i in names if i in out and i not in other])]
+    rewritten = decomposed(step, batch) if canonical else None
+    copies = rewritten if rewritten is not None else [
+        ref for ref, names, other in ((step.operands[0], a, b), (step.operands[1], b, a))
+        if not blocked(names, batch, [i for i in names if i in out and i not in other])]
     a_free, b_free = ([i for i in names if i in out and i not in batch] for names in (a, b))
     if out not in (batch + a_free + b_free, batch + b_free + a_free):
         copies.append(step.dst)
@@ -43,3 +47,33 @@ def blocked(names: list[str], batch: list[str], group: list[str]) -> bool:
         return False
     k = len(group)
     return set(rest[:k]) == set(group) or set(rest[len(rest) - k:]) == set(group)
+
+
+def decomposed(step: Step, batch: list[str]) -> list[TensorRef] | None:
+    """The operands of a dot (of ``batch`` indices) that XLA's dot decomposer copies, or None where it
+    leaves the dot alone.
+
+    ``jnp.einsum`` runs a dot as ``dot_general`` of its operands (swapped where the result is then
+    (batch, second's free, first's free)), the contracted indices in the order of their letters.  XLA's
+    ``DotDecomposer`` rewrites every dot one of whose operands has other than one contracted index, more
+    than one free index or its batch indices not first: the first operand transposed to (batch, free,
+    contracted), the second to (batch, contracted, free), each free block in its own order, then both
+    reshaped to 3-D; a transpose that changes the order is a copy (``moe_layer.shard``'s backward at 16x
+    its sizes: the combine weights [G, S, E, C] copied as [G, E, C, S] for dEx's dot, 604 MB)."""
+    a, b = step.operands
+    out = [d.name for d in step.dst.dims]
+    names = {ref: [d.name for d in ref.dims if d.name in out or d in other.dims]  # an index only one
+             for ref, other in ((a, b), (b, a))}  # operand sums is summed out before the dot
+    letters = einsum_letters((*step.operands, step.dst))
+    contracted = sorted((i for i in names[a] if i not in out and i in names[b]), key=lambda i: letters[i])
+    free = {ref: [i for i in names[ref] if i in out and i not in batch] for ref in (a, b)}
+    lhs, rhs = (b, a) if batch + free[b] + free[a] == out else (a, b)
+    if all(len(contracted) == 1 and len(names[ref]) <= len(batch) + 2 and names[ref][:len(batch)] == batch
+           for ref in (lhs, rhs)):
+        return None
+    wanted = {lhs: batch + free[lhs] + contracted, rhs: batch + contracted + free[rhs]}
+    # a transpose the reshape after it keeps as it is (one free and one contracted index after the batch) is
+    # folded into the dot, which reads the operand in place (XLA's transpose folding)
+    folded = {ref: names[ref][:len(batch)] == batch and len(free[ref]) <= 1 and len(contracted) == 1
+              for ref in (a, b)}
+    return [ref for ref in (a, b) if names[ref] != wanted[ref] and not folded[ref]]

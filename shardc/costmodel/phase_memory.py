@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from math import prod
 
 from shardc.collectives import Op
+from shardc.costmodel.fusion_buffers import derivatives, exponentials, summed_into
 from shardc.costmodel.heap import Span, outside_outputs, packed
 from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.layout_copies import blocked as _blocked
@@ -21,7 +22,7 @@ from shardc.costmodel.memory import residual_table
 from shardc.costmodel.route_memory import route_arrays
 from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product, kept_values
-from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, Row, key_block
+from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
 from shardc.ir.plan import Plan, Step, backward_program
 from shardc.ir.spec import Dim, TensorRef
 from shardc.spec.attention_call import roles
@@ -58,15 +59,14 @@ class Buffers:
     """What a backend's buffer assignment does beyond the values of the plan, where backends differ.
 
     The defaults are a TPU's or GPU's: buffers at their own size, a 2-D dot reads either operand
-    transposed in place (the MXU's and cuBLAS's transposed operands), an AllToAll sends from its
-    operand and receives into its result.  ``align``: each temporary rounded up to a multiple of
-    it, the boundary the allocator starts buffers on (it matters only for buffers of a few hundred
-    bytes).  ``all_to_all_pieces``: an AllToAll over n devices is run as n
-    slices of its operand, sent, and n pieces received, concatenated into its result: both sets
-    are buffers of their own (each piece aligned) for the step, the slices in place of the operand;
-    the slices are cut along the split dim and the pieces concatenated along the other, so the
-    result is written as it is laid out, with no transpose of its own (a native AllToAll over a dim
-    other than the first sends along the major one and transposes its result into place).
+    transposed in place (the MXU's and cuBLAS's transposed operands), an AllToAll sends from its operand and
+    receives into its result.  ``align``: each temporary rounded up to a multiple of it, the boundary the
+    allocator starts buffers on (it matters only for buffers of a few hundred bytes).  ``all_to_all_pieces``:
+    an AllToAll over n devices is run as n slices of its operand, sent, and n pieces received, concatenated
+    into its result: both sets are buffers of their own (each piece aligned) for the step, the slices in
+    place of the operand; the slices are cut along the split dim and the pieces concatenated along the
+    other, so the result is written as it is laid out, with no transpose of its own (a native AllToAll over
+    a dim other than the first sends along the major one and transposes its result into place).
     ``arguments_first``: a copy of a value the phase takes (a param, a residual, a cotangent), and
     any step that reads only such values (a weight gradient of a saved activation and a cotangent),
     is made before any other step, as a scheduler that runs first what reads only the arguments
@@ -85,16 +85,20 @@ class Buffers:
     (:func:`_ring_buffers`).  ``scan_block``: a cumulative sum (a routing's slots) runs as a scan in
     blocks of this many elements along its dim, padded up to a multiple of it: the counts copied into
     the blocks and each block's running sums, two arrays of the padded shape beside the counts, where a
-    chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps
-    is made again by each later reader's fusion, so its operands live to its last reader
-    (:func:`_lifetimes`), and a softmax a product reads after another reader keeps its exponentials to
-    that product (:func:`_exponentials`).  ``scan_in_outputs``: a route's arrays that die before its mask is
-    written (the scan's blocks; by choice the running sums too, the slot being what the mask reads) sit in
+    chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps is
+    made again by each later reader's fusion, so its operands live to its last reader (:func:`_lifetimes`),
+    a softmax a product reads after another reader keeps its exponentials to that product, and a
+    transcendental derivative, which the fusion makes once, has a buffer of its own
+    (:mod:`shardc.costmodel.fusion_buffers`).  ``scan_in_outputs``: a route's arrays that die before its
+    mask is written (the scan's blocks; by choice the running sums too, the slot being what the mask reads) sit in
     the buffer of an output made then or after, as XLA's buffer assignment puts a temporary in an output's
     allocation it fits when their lives do not overlap (``BufferAssigner::MaybeAssignBuffer``).
-    ``gathers_reversed``: a value gathered over several dims at once is copied into place with its dims
-    reversed (the layout its dot reads as (contracted, free)), so a dot contracting two or more of its dims
-    copies its other operand with those dims in that order (:meth:`_Copies.matching`)."""
+    ``dots_canonical``: a dot whose operands are not one contracted and at most one free index after the
+    batch copies them into (batch, free, contracted) and (batch, contracted, free) first, as XLA's dot
+    decomposer rewrites it (:func:`shardc.costmodel.layout_copies.decomposed`), where a TPU's or GPU's reads
+    them in place; the copy into place of a value gathered over several dims at once is written so.
+    ``dot_sums``: a dot of at least this many elements read only by a dot with no free index is made inside
+    that reader's fusion, with no buffer (:func:`shardc.costmodel.fusion_buffers.summed_into`)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -106,7 +110,8 @@ class Buffers:
     products_again: bool = False
     ring_slices: bool = False
     scan_in_outputs: bool = False
-    gathers_reversed: bool = False
+    dots_canonical: bool = False
+    dot_sums: int = 0
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -115,12 +120,12 @@ class Buffers:
 def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
                  buffers: Buffers = Buffers(), section: str | None = None) -> list[PhaseMemory]:
     """The forward's and the backward's :class:`PhaseMemory` at ``sizes``; ``element``: the bytes of a
-    floating-point element (None: the spec's dtype's; token ids and masks keep their own);
+    float, a ``dtype`` line's too (None: their own; ids and masks keep theirs, :meth:`Plan.fixed_bytes`);
     ``buffers``: the backend's rules (:class:`Buffers`; the default a TPU's or GPU's).  Arguments
     and outputs are at their own size; the temporaries as ``buffers`` lays them out, of the whole
     phase or, with ``section`` (``before``, ``block``, ``after``), of that section's steps run alone
     (one stage's part of a pipelined step)."""
-    own = dict(plan.element_bytes)
+    own = dict(plan.element_bytes) if element is None else plan.fixed_bytes()
 
     def nbytes(ref: TensorRef) -> float:
         size = own.get(ref.name, element if element is not None else plan.spec.dtype.nbytes)
@@ -200,22 +205,31 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     hosted: list[Span] = []
     laid: list[float] = []
     laid_out = {s.dst for s in steps if s.op is Op.ALL_GATHER and s.dim is None}  # gathered, copied into place
+    # a dot reads these as they are made for it: a mask made again for it, an attention output divided again
+    # for it (_remade_masks, _remade_outputs), a gather copied into place (dots_canonical)
+    remade = set(_masks(steps) if copies.buffers.masks_per_dot else ()) | {
+        s.dst for s in steps if copies.buffers.attention_loop and isinstance(s.fn, Attention) and s.fn.part == "out"
+        or copies.buffers.dots_canonical and s.op is Op.ALL_GATHER and s.dim != 0}
+    into = summed_into(steps, copies.sizes, copies.buffers.dot_sums)  # a dot made inside its reader's fusion
+    last |= {ref: max(last[ref], k) for j, k in into.items() for ref in steps[j].reads}
     for k, step in enumerate(steps):
         hosted += [(k, k, n) for n in copies.routing(step)[1]]
-        for ref, size in copies.of(step) + copies.matching(step, laid_out):
+        for ref, size in copies.of(step):
+            if step.op is Op.EINSUM and ref in remade:
+                continue
             if ref is not None and ref in args and copies.buffers.arguments_first:
-                early[ref] = (0, k, size)  # one copy, shared by the steps that read it so
+                early[ref] = (0, into.get(k, k), size)  # one copy, shared by the steps that read it so
             elif ref in laid_out and step.src in args and copies.buffers.arguments_first:
                 laid.append(size)  # a prefetched gather laid out at the start, dying into its copy
             else:
-                spans.append((k, k, size))
+                spans.append((into.get(k, k), into.get(k, k), size))
         if step.collective is not None:
             since = {ref: 0 for ref in args} | {ref: int(b[0]) for ref, b in buffers.items()}
             spans += _ring_buffers(k, step, since, {ref for ref in buffers if last.get(ref) == k}, copies)
         after = steps[k + 1] if k + 1 < len(steps) else None
         read = readers.get(step.dst, [])
         fused = step.dst not in kept and len(read) == 1 and (
-            read[0].op is Op.SLICE  # the slice is pushed into the step that makes it: only the slice is made
+            k in into or read[0].op is Op.SLICE  # a slice is pushed into the step making its operand
             or (after is not None and fusible(step) and fusible(after) and step.dst in after.operands))
         if step.dst in outs and step.dst not in made_outs:  # a deferred reduction's, at the end
             made_outs[step.dst] = len(steps) if step.dst in deferred else start[k]
@@ -234,7 +248,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     early |= _ring_slices(steps, sliced or set(), last, early, copies)
     spans += _slot_rows(steps, copies) + ([(0, 0, max(laid))] if laid else [])
     if copies.buffers.products_again:
-        spans += _exponentials(steps, readers, last, nbytes)
+        early_args = args if copies.buffers.arguments_first else set()
+        spans += exponentials(steps, readers, last, nbytes) + derivatives(
+            steps, lambda s: _layout_copies(s, copies.buffers.dots_canonical), early_args, nbytes)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -343,22 +359,16 @@ def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     return spans
 
 
-def _exponentials(steps: tuple[Step, ...], readers: dict[TensorRef, list[Step]], last: dict[TensorRef, int],
-                  nbytes: Callable[[TensorRef], float]) -> list[Span]:
-    """Per softmax that a product reads after another step does, its exponentials (its result's bytes),
-    alive from the softmax to its last reader: the softmax's last division, a multiply an element, is
-    made again inside the product's fusion (as :attr:`Buffers.products_again` makes a product again), so
-    the exponentials it divides live to it (``moe_layer.shard``'s forward: the gates' exponentials alive
-    to the combine weights, Gate · Disp, and the copy of them XLA makes for the combine's dot)."""
-    return [(k, last[s.dst], nbytes(s.dst)) for k, s in enumerate(steps)
-            if s.fn is Row.SOFTMAX and any(is_product(r) for r in readers.get(s.dst, [])[1:])]
+def _masks(steps: tuple[Step, ...]) -> dict[TensorRef, int]:
+    """Each routing mask (a route's result, or a product with one) and the step of its route."""
+    routes = {s.dst: k for k, s in enumerate(steps) if isinstance(s.fn, Route)}
+    return dict(routes) | {s.dst: min(routes[r] for r in s.operands if r in routes)
+                           for s in steps if is_product(s) and any(r in routes for r in s.operands)}
 
 
 def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
-    """Per dot reading a routing mask, the mask made again for it: from the route's step to the dot's."""
-    routes = {s.dst: k for k, s in enumerate(steps) if isinstance(s.fn, Route)}
-    masks = dict(routes) | {s.dst: min(routes[r] for r in s.operands if r in routes)
-                            for s in steps if is_product(s) and any(r in routes for r in s.operands)}
+    """Per dot reading a routing mask, the mask made again for it (laid out for it), from the route's step."""
+    masks = _masks(steps)
     return [(masks[ref], k, copies.buffers.rounded(copies.nbytes(ref)))
             for k, s in enumerate(steps) if s.op is Op.EINSUM and not is_product(s)
             for ref in s.operands if ref in masks]
@@ -423,7 +433,7 @@ class _Copies:
         """Each copy: the value it lays out (None: an AllToAll's pieces, a route's counts) and its bytes."""
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
         # the pieces are sliced along the split dim and concatenated along the other: no transpose
-        laid = [] if pieces else _layout_copies(step)
+        laid = [] if pieces else _layout_copies(step, self.buffers.dots_canonical)
         return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in laid] \
             + [(None, self.buffers.rounded(n)) for n in pieces + self.routing(step)[0] + self._kernel(step)]
 
@@ -453,20 +463,6 @@ class _Copies:
         heads), and in the backward also their gradients, made whole before they are split."""
         keys = float(local_elements(k, self.sizes)) / _local(k.dims[-1], self.sizes) * head
         return [float(rows * head) * element, keys * element] * (1 if part == "out" else 2)
-
-    def matching(self, step: Step, laid_out: set[TensorRef]) -> list[tuple[TensorRef | None, float]]:
-        """With :attr:`Buffers.gathers_reversed`, the copy of a dot's other operand where it reads a value
-        gathered over several dims at once over two or more contracted dims: that value's copy into place
-        has its dims reversed, so the other operand's contracted dims are copied into that order too."""
-        if not self.buffers.gathers_reversed or step.op is not Op.EINSUM or len(step.operands) != 2 \
-                or is_product(step):
-            return []
-        out = {d.name for d in step.dst.dims}
-        own = _layout_copies(step)
-        return [(other, self.buffers.rounded(self.nbytes(other)))
-                for ref, other in zip(step.operands, step.operands[::-1], strict=True)
-                if ref in laid_out and other not in own and other not in laid_out
-                and len([d for d in ref.dims if d.name not in out and d in other.dims]) > 1]
 
     def routing(self, step: Step) -> tuple[list[float], list[float]]:
         """A routing's arrays (:func:`shardc.costmodel.route_memory.route_arrays`), each rounded: those in the

@@ -358,6 +358,13 @@ class Plan:
         """Bytes an element of ``tensor`` (:func:`shardc.spec.walk.nbytes_of`)."""
         return nbytes_of(tensor, dict(self.element_bytes), self.spec.dtype)
 
+    def fixed_bytes(self) -> dict[str, int]:
+        """:attr:`element_bytes` of the tensors whose elements are not floating-point (token ids, keep-masks):
+        the sizes that stay where every float is counted at one width (the memory check's float32), as a
+        tensor a ``dtype`` line names (:attr:`dtypes`, every one a float type) does not."""
+        floats = dict(self.dtypes)
+        return {t: n for t, n in self.element_bytes if t not in floats}
+
     @property
     def precision(self) -> Precision:
         """Every tensor's element type: the spec's dtype but where :attr:`dtypes` says."""

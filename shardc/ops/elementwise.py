@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
-__all__ = ["MAPS", "emit", "Function", "FUNCTIONS", "function"]
+__all__ = ["MAPS", "emit", "Function", "FUNCTIONS", "function", "TRANSCENDENTAL"]
 
 Array = Any
 _C = 0.7978845608028654  # sqrt(2 / pi)
@@ -96,6 +96,12 @@ FUNCTIONS: dict[str, Function] = {f.name: f for f in (
     Function("identity", "(lambda x: x)", lambda x, xp: x, lambda x, xp: x * 0.0 + 1.0,
              lambda x: np.ones_like(x)),
 )}
+
+
+# the maps whose derivative evaluates a transcendental function (tanh, exp): what XLA's fusion counts as
+# expensive and makes once, never again inside each of several consumers (``IsExpensive``,
+# xla/service/instruction_fusion.cc)
+TRANSCENDENTAL = frozenset({"gelu", "silu", "swish", "sigmoid", "tanh", "exp"})
 
 
 def function(name: str) -> Function:

@@ -43,6 +43,9 @@ __all__ = ["MemoryRow", "MemoryCheck", "check_memory", "check_plan_memory", "ren
 
 MEMORY_DTYPE = "float32"
 TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
+# the fewest elements an elementwise op or reduction needs to join a YNNPACK fusion on XLA's CPU backend
+# (kMinElements in IsInstructionPreferredByYnn, xla/backends/cpu/ynn_support.cc)
+YNN_MIN_ELEMENTS = 4096
 # What XLA's CPU backend does that a TPU or GPU does not, counted for the comparison only (shardc
 # cost counts none of it), each seen in the buffer assignment of the compiled examples
 # (XLA_FLAGS=--xla_dump_to=DIR writes *-buffer-assignment.txt):
@@ -89,17 +92,23 @@ TARGET = 0.10  # the model is meant to be within 10% of the compiler's total
 #   an output made after them (moe_layer.shard's forward: the blocks in Comb's; route_by_choice's blocks
 #   and sums, k times the gates' int32 each, in Disp's and Comb's);
 # - its scheduler makes the copy into place of a weight gathered over several dims at once (the pieces land
-#   along a new major dim) right after the gathers, each gathered weight dying into its copy, and lays the
-#   copy out with its dims reversed, so a dot contracting two or more of its dims copies the other
-#   operand's contracted dims into that order (tests/specs/llama2_13b_fsdp.shard's backward at verify's
-#   sizes: W_q, W_k, W_v gathered over X and Z copied as [H, N, D], and dQ, dK and dVal as [B, H, N], the
-#   cotangents' copies from the start, W_o's copy beside its gather);
-# Not counted: a 2-D dot XLA CPU hands to YNNPACK takes its first operand only as (free, contracted)
-# and copies a transposed one, where the dots it runs with Eigen read it in place; which library
-# takes a dot is its choice (tiny dots went to YNNPACK, those of tp.shard at 16x its sizes to Eigen).
+#   along a new major dim) right after the gathers, each gathered weight dying into its copy, in the order
+#   its dot reads it (tests/specs/llama2_13b_fsdp.shard's backward at verify's sizes: W_q, W_k, W_v
+#   gathered over X and Z copied as [H, N, D], the cotangents' copies from the start, W_o's beside its
+#   gather);
+# - its dot decomposer rewrites a dot one of whose operands has other than one contracted dim, more than
+#   one free dim or its batch dims not first: the operands copied into (batch, free, contracted) and
+#   (batch, contracted, free), the contracted dims in their einsum letters' order (moe_layer.shard's
+#   backward at 16x its sizes: Comb as [G, E*C, S] and Disp as [G, S, C*E], 604 MB each; dQ, dK and dVal
+#   of tests/specs/llama2_13b_fsdp.shard as [B, H, N]), whichever library (YNNPACK, Eigen) runs it;
+# - its YNNPACK fusion makes a dot read only by a dot with no free dims (a multiply and a reduce) inside
+#   that reader, never written, from 4096 elements (moe_layer.shard's dComb at 16x its sizes, 604 MB);
+# - its fusion makes a transcendental derivative (gelu's tanh) once, in a buffer of its own from the
+#   start, where the gradient it is in is made again inside the copies two dots make of it
+#   (moe_dispatch.shard's backward at 16x its sizes: gelu's derivative of H_t1, 176 MB).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
-                  scan_in_outputs=True, gathers_reversed=True)
+                  scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
@@ -208,8 +217,7 @@ def _compiled(lowered: Lowered, phase: str) -> Any:
     program, boundaries, table = ((forward, lowered.module.forward.inputs, ns.FORWARD_IN) if phase == "forward"
                                   else (backward, lowered.module.backward.inputs, ns.BACKWARD_IN))
     ids = id_inputs(lowered.plan.spec)
-    typed = dict(lowered.plan.dtypes)  # a value declared f8 is a float, not a mask
-    one_byte = {name for name, size in lowered.plan.element_bytes if size == 1 and name not in typed}
+    one_byte = {name for name, size in lowered.plan.fixed_bytes().items() if size == 1}  # an f8 tensor is a float
 
     def dtype(name: str) -> Any:
         return ID_DTYPE if name in ids else np.bool_ if name in one_byte else MEMORY_DTYPE
