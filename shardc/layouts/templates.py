@@ -14,7 +14,7 @@ a stage is searched at a microbatch's sizes (:func:`shardc.planner.contexts.stag
 count a candidate uses has its stage planned at its own microbatch size.  The plans made in one
 search share their einsum solutions wherever their stages' sizes are the same
 (:func:`shardc.planner.contexts.shared_search`): a recompute policy or a ZeRO line planned at a
-microbatch size another template was planned at solves none of its einsums again.
+microbatch size another template was planned at solves again only the einsum problems it holds apart.
 
 A re-costed row is the cost of a real plan at the candidate's sizes, but not necessarily the plan
 the planner would make there; so the best rows are planned at their own sizes, a few at a time,
