@@ -8,7 +8,8 @@ time until the first of the two ends, :func:`beside_seconds` until both have.  W
 collective with computation it runs by them: a phase's ahead collectives under its compute
 (:func:`shardc.timing.phase_seconds`), the collectives of DualPipe's F&B pair under the other chunk's
 computation (:mod:`shardc.pipeline.pairing`), and a pipeline's gradient reductions under the last
-microbatch's backward (:mod:`shardc.costmodel.pipeline_cost`).  Point-to-point sends (a pipeline's
+microbatch's backward (:func:`reduced_after`: :mod:`shardc.costmodel.pipeline_cost` costs them by it and
+:func:`shardc.timing.plan_time`, the planner's objective, weighs them by it).  Point-to-point sends (a pipeline's
 between stages, a ring kernel's to its neighbour: NCCL send/recv to one peer) hold SMs too, but how many
 is not measured (the chip's ``collective_sms`` are a node's collective channels), so they take none here;
 host copies run on the copy engines, not the SMs.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["beside", "beside_seconds"]
+__all__ = ["beside", "beside_seconds", "reduced_after"]
 
 
 def beside(work_s: float, comm_s: float, share: float) -> tuple[float, float]:
@@ -37,3 +38,14 @@ def beside_seconds(work_s: float, comm_s: float, share: float) -> float:
     until both are done (:func:`beside`'s, then the work left at the whole rate).  The computation loses
     ``share`` of the collective's time where it outlasts it, else the collective sets the time."""
     return max(work_s + share * comm_s, comm_s)
+
+
+def reduced_after(backward_s: float, reduce_s: float, share: float, after_backward: bool = False) -> float:
+    """The seconds a pipeline's once-a-step gradient reductions (``reduce_s``) add to the step: issued as the
+    last microbatch's backward (``backward_s``) makes each layer's gradient, they run beside it
+    (:func:`beside_seconds`; Megatron-LM's overlapped gradient reduction), so what they add is the
+    ``share`` of them that backward loses, or what of them outlasts it; ``after_backward`` (the framework
+    reduces once the backward is done, ``grad_reduce after-backward``): all of them."""
+    if after_backward:
+        return reduce_s
+    return max(0.0, beside_seconds(backward_s, reduce_s, share) - backward_s)

@@ -27,7 +27,8 @@ The backward needs the forward's results, so the training step takes ``forward +
 backward``, plus the optimizer phase of ZeRO-1/2 (``Plan.optimizer``: its
 reduce-scatters and all-gathers, after the backward), plus the update.  A pipeline's stage runs its
 forward and backward once a microbatch (:func:`microbatched`) and its gradient reductions once a step
-on the microbatches' sums, after the backward, with the optimizer phase (:func:`stage_phases`).  The
+on the microbatches' sums (:func:`stage_phases`), issued under the last microbatch's backward, which hides
+them as the pipeline's cost hides them (:func:`shardc.overlap.reduced_after`), then the optimizer phase.  The
 forward steps a ``--recompute`` mode runs again (``Plan.recomputed``) are part of
 the backward phase.  All are multiplied by the layer count.
 
@@ -56,7 +57,7 @@ from shardc.ir.plan import Plan, Step, TensorInfo
 from shardc.ir.precision import Precision
 from shardc.ir.spec import Spec, TensorRef
 from shardc.layer_counts import block_counts, runs, step_count
-from shardc.overlap import beside_seconds
+from shardc.overlap import beside_seconds, reduced_after
 from shardc.phase_ends import exposed_ends
 from shardc.pipeline.boundary import batch_dim, gradient_reductions
 from shardc.quantize import quantize_traffic, weight_quantize_bytes
@@ -68,7 +69,8 @@ from shardc.topology import AxisLinks, resolve_links
 
 __all__ = ["bound_of", "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip",
            "plan_sizes", "plan_links", "update_seconds", "comm_split", "plan_dtype", "phase_rows",
-           "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "stage_phases"]
+           "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "stage_phases",
+           "reductions_exposed"]
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -199,6 +201,10 @@ class PlanTime:
     backward: PhaseTime  # with the recomputed forward steps
     optimizer: PhaseTime = PhaseTime()
     update_s: float = 0.0  # the optimizer's update of the params (memory-bound), once a step
+    # a pipeline's stage: its gradient reductions, once a step on the microbatches' sums, and what of them
+    # the last microbatch's backward does not hide (shardc.overlap.reduced_after, as the pipeline's cost)
+    reduce: PhaseTime = PhaseTime()
+    reduce_exposed_s: float = 0.0
 
     @property
     def forward_compute_s(self) -> float:
@@ -230,11 +236,11 @@ class PlanTime:
 
     @property
     def step_s(self) -> float:
-        return step_seconds(self.forward_s, self.backward_s, self.optimizer_s, self.update_s)
+        return step_seconds(self.forward_s, self.backward_s, self.reduce_exposed_s, self.optimizer_s, self.update_s)
 
     @property
     def comm_s(self) -> float:
-        return self.forward.comm_s + self.backward.comm_s + self.optimizer.comm_s
+        return self.forward.comm_s + self.backward.comm_s + self.reduce.comm_s + self.optimizer.comm_s
 
     def key(self) -> tuple[float, float]:
         """What the planner compares: the step time, then less communication."""
@@ -295,16 +301,33 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
                                         quantize_bytes=quantized)
         return hit
 
-    def phase(steps: tuple[Step, ...], times: int) -> PhaseTime:
+    def rows_of(steps: tuple[Step, ...]) -> list[StepCost]:
         moved = memory_traffic(steps, nbytes, kept, hw.fuses, named) if not hw.book else [0.0] * len(steps)
         quantized = quantize_traffic(plan, steps, values, hw.fuses) if not hw.book else [0.0] * len(steps)
-        rows = [row(s, b, shared, q) for s, b, shared, q in zip(steps, moved, shared_rings(steps), quantized,
+        return [row(s, b, shared, q) for s, b, shared, q in zip(steps, moved, shared_rings(steps), quantized,
                                                                 strict=True)]
+
+    def phase(steps: tuple[Step, ...], times: int, rows: list[StepCost] | None = None) -> PhaseTime:
+        rows = rows_of(steps) if rows is None else rows
         return phase_time(((r, step_count(s, counts) * times) for s, r in zip(steps, rows, strict=True)), hw,
                           phase_ends(plan, hw, steps, rows))
 
     forward, backward, after = stage_phases(plan, repeats)
-    return PlanTime(phase(forward, repeats), phase(backward, repeats), phase(after, 1), update)
+    once, opt = after[:len(after) - len(plan.optimizer)], after[len(after) - len(plan.optimizer):]
+    back_rows = rows_of(backward)
+    reduce = phase(once, 1)
+    exposed = reductions_exposed(reduce, phase(backward, 1, back_rows).seconds, hw)
+    return PlanTime(phase(forward, repeats), phase(backward, repeats, back_rows), phase(opt, 1), update, reduce,
+                    exposed)
+
+
+def reductions_exposed(reduce: PhaseTime, backward_s: float, hw: Hardware) -> float:
+    """What a pipelined stage's gradient reductions, once a step (``reduce``), add to its step: issued under
+    the last microbatch's backward (``backward_s``, one microbatch's), on the cores they leave it, or after it
+    where the framework reduces then (:func:`shardc.overlap.reduced_after`, as the pipeline's cost adds them)."""
+    if not reduce.comm_s:
+        return 0.0
+    return reduced_after(backward_s, reduce.seconds, hw.overlap_share, hw.reduces_after_backward)
 
 
 def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tuple[dict[str, int], int]:

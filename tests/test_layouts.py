@@ -311,3 +311,41 @@ def test_every_row_is_shardc_costs_figures_and_the_rows_are_ranked(spec: shardc.
         if report.pipeline is None:
             assert own.step_s == report.step.step_s and own.memory_bytes == report.memory.total_bytes
             assert own.critical_s == report.step.critical_s and own.bound == report.step.bound
+
+
+# where few layouts fit -----------------------------------------------------------------------------
+
+
+def test_a_layout_over_the_hbm_is_planned_once_to_fit_as_cost_plans_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row of a layout whose fastest plan holds too much is `shardc cost`'s (the fastest plan that fits,
+    or the fastest where none does), the fastest planned once: it was planned, costed, then planned again
+    with the memory search.  A two-stage FSDP stage on a 150 MB chip: its fastest plan holds 186 MB."""
+    from shardc.costmodel.fitting import fitting_plan
+    from shardc.layouts.rank import fitted_report
+    from shardc.planner import planner
+    text = ("mesh P=2 pipeline, X=4\nlayers 4\nmicrobatches 8\ndims B=4096, D=4096, E=4096\nparam W1, W2\n"
+            "H[B_X, E] = In[B_X, D] · W1[D_X, E]\nOut[B_X, D] = H[B_X, E] · W2[E_X, D]\n")
+    spec, options = shardc.parse(text, "fsdp.shard"), Options(replace(get_hardware("tpu-v5p"), hbm_bytes=1.5e8))
+    made: list[str] = []
+    searched = planner._best_plan
+    monkeypatch.setattr(planner, "_best_plan", lambda *a, **k: made.append("search") or searched(*a, **k))
+    report = fitted_report(spec, options, "none", "none")
+    searches = len(made)
+    expected = shardc.cost(fitting_plan(spec, hardware=options.hardware))
+    assert report.pipeline is not None and expected.pipeline is not None
+    assert (report.pipeline.step_s, report.pipeline.fullest.memory_bytes) == \
+        (expected.pipeline.step_s, expected.pipeline.fullest.memory_bytes)
+    assert report.plan.notes == expected.plan.notes and any(n.startswith("memory: ") for n in report.plan.notes)
+    assert searches == len(made) - searches  # the fastest searched once, as `shardc cost` searches it
+
+
+def test_where_no_layout_fits_the_reason_names_the_leanest_and_what_fills_it() -> None:
+    options = Options(replace(get_hardware("tpu-v5p"), hbm_bytes=2e6))
+    found = search_layouts([load(ROOT / "examples" / "fsdp_tp.shard")], options).to_json()
+    lean = min(found["layouts"], key=lambda r: r["memory_bytes"])
+    assert not any(r["fits"] for r in found["layouts"])
+    largest = max(("activations", "training state"), key=lambda k: sum(
+        b for p, b in lean["memory"].items() if (p == "activations") == (k == "activations") and p != "gathered"))
+    text = found["reason"]
+    assert "the leanest" in text and " ".join(f"{k}={v}" for k, v in lean["axes"].items()) in text
+    assert f"most of it {largest}" in text and "fix: more chips" in text

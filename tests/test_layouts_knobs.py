@@ -116,3 +116,26 @@ def test_the_compute_bound_skips_only_schedules_that_cannot_be_chosen() -> None:
     assert counts["pruned"] > 0 and len(bounded) == len(every) - counts["pruned"]
     assert rank([*rows, *bounded])[0] == rank([*rows, *every])[0]
     assert {(r.knobs, r.step_s) for r in bounded} <= {(r.knobs, r.step_s) for r in every}
+
+
+def test_each_microbatch_count_has_its_stage_planned_at_its_microbatch_size() -> None:
+    """A stage is searched at a microbatch's sizes, so the microbatch knob plans each count's stage at its
+    own: two FSDP layers pipelined over 2 stages gather W1 and W2 at 2 microbatches of 2048 but move the
+    activations at 16 of 256.  Re-costed from one count's plan, the other counts gathered the weights each
+    microbatch (the plan made at 2)."""
+    text = ("mesh P=2 pipeline, X=4\nlayers 4\nmicrobatches 8\ndims B=4096, D=4096, E=4096\nparam W1, W2\n"
+            "H[B_X, E] = In[B_X, D] · W1[D_X, E]\nOut[B_X, D] = H[B_X, E] · W2[E_X, D]\n")
+    spec = shardc.parse(text, "fsdp.shard")
+    options = Options(get_hardware("tpu-v5p"), knobs=("microbatches",))
+    candidate = prepare(spec, {a.name: a.size for a in spec.mesh.axes})
+    assert not isinstance(candidate, Skipped)
+    with kept_plans():
+        rows, _, _, _ = search_knobs([Candidate(candidate, pairs(candidate))], [], options, bounded=False)
+    counts = {int(dict(r.knobs)["microbatches"]): r for r in rows}
+    assert sorted(counts) == [2, 4, 16, 32]
+    gathered = set()
+    for m, row in counts.items():
+        own = shardc.plan(replace(spec, microbatches=m))
+        assert row.planned and row.step_s == pytest.approx(shardc.cost(own).pipeline.step_s, rel=1e-12)  # type: ignore[union-attr]
+        gathered |= {m} if any(s.tensor == "W1" for s in own.forward if s.is_collective) else set()
+    assert gathered == {2}

@@ -12,6 +12,7 @@ import pytest
 import shardc
 from shardc.hardware import get_hardware
 from shardc.overlap import beside, beside_seconds
+from shardc.timing import plan_time
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
 
@@ -40,3 +41,23 @@ def test_a_pipelines_gradient_reductions_slow_the_backward_they_hide_under() -> 
     (reduce_s, exposed_s), (free_reduce_s, free_exposed_s) = got
     assert reduce_s == pytest.approx(free_reduce_s) and reduce_s > 0 and free_exposed_s == 0
     assert exposed_s == pytest.approx(h100.overlap_share * reduce_s)
+
+
+@pytest.mark.parametrize(("chip", "line"), [("tpu-v5p", ""), ("h100", ""), ("h100", "grad_reduce after-backward")])
+def test_the_planner_weighs_a_pipelines_reductions_as_the_cost_hides_them(chip: str, line: str) -> None:
+    """plan_time (the planner's objective) and the pipeline's cost time the once-a-step gradient reductions
+    by one rule (overlap.reduced_after), where plan_time once added them whole: on TPU v5p (its collectives
+    hold no cores) the last microbatch's backward hides them whole, on H100 all but NCCL's share of them;
+    issued after the backward, they show whole.  (On H100 the reductions' own time differs by bucket
+    latencies: the cost buckets a stage's reductions layer by layer, plan_time across its layers.)"""
+    text = EXAMPLE.read_text().replace("hardware tpu-v5p", f"hardware {chip}\n{line}")
+    planned = shardc.plan(shardc.parse(text, str(EXAMPLE)))
+    took, pipe = plan_time(planned), shardc.cost(planned).pipeline
+    assert pipe is not None and pipe.grad_reduce_s > 0
+    rel = 1e-9 if chip == "tpu-v5p" else 1e-2
+    assert took.reduce.seconds == pytest.approx(pipe.grad_reduce_s, rel=rel)
+    assert took.reduce_exposed_s == pytest.approx(pipe.grad_reduce_exposed_s, rel=rel, abs=1e-15)
+    share = 1.0 if line else get_hardware(chip).overlap_share
+    assert took.reduce_exposed_s == pytest.approx(share * took.reduce.seconds, abs=1e-15)
+    assert took.step_s == pytest.approx(took.forward_s + took.backward_s + took.reduce_exposed_s + took.optimizer_s
+                                        + took.update_s)

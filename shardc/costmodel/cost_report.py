@@ -159,16 +159,20 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     dtype = plan.spec.mfu_dtype.value  # MFU's peak: the GEMMs' type (`gemm f8`), else the spec's dtype
     micro, repeats = microbatched(plan, values, hw.book)  # a pipelined stage's rows: a microbatch's, M times
 
-    def phase(name: str, steps: tuple[Step, ...]) -> PhaseCost:
+    def phase(name: str, steps: tuple[Step, ...], under: PhaseCost | None = None) -> PhaseCost:
         times = repeats if name != "optimizer" else 1
         at = micro if times > 1 else values
         rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
                                                  again if name == "backward" else frozenset()), at)
         formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.precision)
+        reduced = len(steps) - len(plan.optimizer) if under is not None and repeats > 1 else 0
+        under_s = replace(under, repeats=1).step_s if under is not None and reduced else 0.0  # one microbatch's
         return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more,
-                         ends_s=phase_ends(plan, hw, steps, rows))
+                         ends_s=phase_ends(plan, hw, steps, rows), reduced=reduced, under_s=under_s)
 
-    fwd, bwd, opt = (phase(name, steps) for name, steps in phase_steps(plan, repeats))
+    (_, forward), (_, backward), (_, after) = phase_steps(plan, repeats)
+    fwd, bwd = phase("forward", forward), phase("backward", backward)
+    opt = phase("optimizer", after, bwd)  # a pipeline's reductions once a step, under the last microbatch's backward
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
                      fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
                      update_seconds(plan, values, hw, counts, optimizer), step_tokens(plan, values), dtype,

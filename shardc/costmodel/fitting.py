@@ -14,12 +14,14 @@ from typing import Any
 
 from shardc.costmodel.cost_report import CostReport, cost, missing_sizes, resolve_sizes
 from shardc.costmodel.memory import step_memory
+from shardc.costmodel.pipeline_cost import pipeline_cost
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
 from shardc.planner.planner import plan
+from shardc.timing import plan_links
 
-__all__ = ["device_memory", "plan_memory", "fitting_plan"]
+__all__ = ["device_memory", "plan_memory", "fitting_plan", "fitting_report"]
 
 
 def device_memory(report: CostReport) -> float:
@@ -37,8 +39,15 @@ def plan_memory(planned: Plan, optimizer: str = "adam10", offload: str = "none",
     if planned.sizes is None or missing_sizes(planned, planned.size_map or {}):
         return 0.0
     try:
-        if planned.spec.mesh.pipeline_axis is None and offload == "none":  # the memory section's total itself
-            return step_memory(planned, resolve_sizes(planned, None), planned.chip.hbm_bytes, optimizer).total_bytes
+        if offload == "none":  # the report's figure, without the rest of the report
+            values = resolve_sizes(planned, None)
+            pipe = None
+            if planned.spec.mesh.pipeline_axis is not None:  # the fullest stage's (None: the pipeline switched off)
+                links, _ = plan_links(planned, planned.chip, values, spans)
+                pipe = pipeline_cost(planned, planned.chip, values, links, optimizer)
+            if pipe is not None:
+                return pipe.fullest.memory_bytes
+            return step_memory(planned, values, planned.chip.hbm_bytes, optimizer).total_bytes
         return device_memory(cost(planned, optimizer=optimizer, offload=offload, spans=spans))
     except ShardcError:
         return 0.0
@@ -49,3 +58,28 @@ def fitting_plan(spec: Spec, optimizer: str = "adam10", offload: str = "none", *
     plan that fits the chip's memory as ``shardc cost`` with ``optimizer`` and ``offload`` counts it."""
     spans = options.get("spans")
     return plan(spec, memory=lambda p: plan_memory(p, optimizer, offload, spans), **options)
+
+
+def fitting_report(spec: Spec, optimizer: str = "adam10", offload: str = "none", mfu: float | None = None,
+                   **options: Any) -> CostReport:
+    """``shardc cost`` of :func:`fitting_plan`'s plan, each plan costed once: the report that weighed a plan's
+    memory (a pipeline's, or under ``offload``) is the one returned for it, and the fastest plan is planned
+    once, where it fits and where the memory search plans the others beside it."""
+    spans = options.get("spans")
+    reports: dict[int, tuple[Plan, CostReport]] = {}
+
+    def report_of(p: Plan) -> CostReport:
+        hit = reports.get(id(p))
+        if hit is None or hit[0] is not p:
+            hit = reports[id(p)] = (p, cost(p, mfu=mfu, optimizer=optimizer, offload=offload, spans=spans))
+        return hit[1]
+
+    def memory(p: Plan) -> float:  # plan_memory's; the fastest plan's from its report, kept for it
+        if reports or p.sizes is None or missing_sizes(p, p.size_map or {}):
+            return plan_memory(p, optimizer, offload, spans)
+        try:
+            return device_memory(report_of(p))
+        except ShardcError:
+            return 0.0
+
+    return report_of(plan(spec, memory=memory, **options))

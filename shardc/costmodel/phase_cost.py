@@ -38,7 +38,7 @@ from shardc.costmodel.formulas import PhaseFormula
 from shardc.hardware import Hardware
 from shardc.layer_counts import runs
 from shardc.step_cost import StepCost
-from shardc.timing import bound_of, comm_split, phase_seconds, step_seconds
+from shardc.timing import bound_of, comm_split, phase_seconds, phase_time, reductions_exposed, step_seconds
 
 __all__ = ["PhaseCost"]
 
@@ -63,6 +63,10 @@ class PhaseCost:
     offload_s: float = 0.0  # the step: host copies its phases' compute does not hide (shardc.costmodel.offload)
     host: bool = False  # --offload: the phase's host copies (or the host's update) outlast the compute beside them
     ends_s: float = 0.0  # the ahead collectives at the phase's ends no compute hides (timing.phase_ends)
+    # a pipelined stage's optimizer phase: its first ``reduced`` rows are the gradient reductions run once a step,
+    # under the last microbatch's backward of ``under_s`` (timing.reductions_exposed, as plan_time weighs them)
+    reduced: int = 0
+    under_s: float = 0.0
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
         if self.parts:  # the step: each phase counts its own rows (a pipelined stage's M times)
@@ -148,6 +152,11 @@ class PhaseCost:
     def step_s(self) -> float:
         if self.parts:
             return step_seconds(*(p.step_s for p in self.parts), self.update_s, self.offload_s)
+        if self.reduced:
+            counted = [(r, self._count(r)) for r in self.rows]
+            once = phase_time(counted[:self.reduced], self.hardware)
+            rest = phase_time(counted[self.reduced:], self.hardware, self.ends_s)
+            return reductions_exposed(once, self.under_s, self.hardware) + rest.seconds
         ahead, critical = self._split()
         return phase_seconds(self.compute_s + self.memory_s, ahead, critical, self.hardware.book,
                              self.hardware.overlap_share, self.ends_s)

@@ -84,7 +84,7 @@ from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Network, TensorRef
-from shardc.overlap import beside_seconds
+from shardc.overlap import reduced_after
 from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
@@ -334,7 +334,7 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Ti
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
     hide under that backward (Megatron-LM's overlapped gradient reduction), which runs beside them on the
-    ``share`` of the cores they leave (:func:`shardc.overlap.beside_seconds`), and what is longer shows;
+    ``share`` of the cores they leave, and what is longer shows (:func:`shardc.overlap.reduced_after`);
     ``after_backward`` (``grad_reduce after-backward``): issued after it, all exposed.
     ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
     ``copies_s``: DualPipe's swap of the two copies' gradients, on every device."""
@@ -346,8 +346,7 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Ti
         own = (math.fsum(n * parts[f"layer {b} reduce"][0].seconds for b, n in enumerate(counts))
                + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends) + copies_s)
         backward = layers[1].seconds + layers[2].seconds + sum(t.backward + t.weight for _, t in ends)
-        beside = own if after_backward else beside_seconds(backward, own, share) - backward
-        worst, exposed = max(worst, own), max(exposed, beside)
+        worst, exposed = max(worst, own), max(exposed, reduced_after(backward, own, share, after_backward))
     return worst, max(0.0, exposed)
 
 

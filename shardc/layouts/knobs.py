@@ -19,8 +19,9 @@ them, skipping those a bound proves cannot win.  A knob's settings:
   (:mod:`shardc.costmodel.offload`): a layout that fits only with its kept values or its optimizer on the
   host is found and priced so.  Offload changes the cost, not the plan: the same template re-costed.
 
-:func:`search_knobs` costs the combinations template by template (a recompute policy and a ZeRO
-line: one plan, re-costed at each microbatch count and schedule), and skips, unplanned, those that
+:func:`search_knobs` costs the combinations template by template (a recompute policy, a ZeRO line and
+a microbatch count, whose size the stage is searched at: one plan, re-costed at each schedule, its
+einsums' solutions shared with the plans made at the same microbatch size), and skips, unplanned, those that
 cannot fit while a row fits (a row that fits outranks every one that does not).  The bound is the
 training state: the params, gradients and optimizer state a device (a stage) holds are fixed by the
 params' declared shardings, the ZeRO line and the stages' layers, whatever the recompute policy,

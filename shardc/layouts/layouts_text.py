@@ -114,8 +114,8 @@ def reason(search: LayoutSearch) -> str:
     head = f"chosen: {_name(best)} {best.axes_text}: "
     if not best.fits:
         return head + (f"no layout fits {fmt_bytes(best.hbm_bytes)} of HBM (this one needs "
-                       f"{fmt_bytes(best.memory_bytes)}); it is the fastest of those that do not "
-                       "(fix: more chips, a `zero` line, --recompute, or a sharded variant under --with)")
+                       f"{fmt_bytes(best.memory_bytes)}); it is the fastest of those that do not; "
+                       + _none_fits(search.layouts))
     parts = [f"fits ({fmt_bytes(best.memory_bytes)} of {fmt_bytes(best.hbm_bytes)}) and takes "
              f"{_fine(best.step_s)} a step, {best.bound}-bound"]
     if best.at_mfu_s is not None:
@@ -142,6 +142,36 @@ def reason(search: LayoutSearch) -> str:
     if other is not None and other is not search.layouts[1] and search.options.knobs:  # the next turned a knob only
         parts.append("the best other layout: " + _versus(other, best, True))
     return head + "; ".join(parts)
+
+
+# what to change where a part of a device's memory keeps the leanest layout over the HBM
+_FIXES = {"activations": "recompute (--recompute, --knobs recompute)",
+          "training state": "a `zero` line (--knobs zero) or host offload (--knobs offload)",
+          "gathered weights": "fewer weights kept gathered (--save none) or a variant sharding them (--with)",
+          "working buffers": "smaller microbatches (--knobs microbatches) or a variant sharding more (--with)"}
+
+
+def _none_fits(rows: tuple[Layout, ...]) -> str:
+    """Why no layout fits: the leanest layout's memory and its largest part (the kept activations, the
+    training state, the weights gathered), and what would shrink that part."""
+    lean = min(rows, key=lambda r: (r.memory_bytes, rank_key(r)))
+    parts: dict[str, float] = {}
+    for part, size in lean.memory:
+        name = {"activations": "activations", "gathered": "gathered weights"}.get(part, "training state")
+        if part != "host":
+            parts[name] = parts.get(name, 0.0) + size
+    rest = lean.memory_bytes - sum(parts.values())  # a pipeline's tick working set and gradient sums
+    if rest > 0.005 * lean.memory_bytes:
+        parts["working buffers"] = rest
+    largest = max(parts, key=lambda k: parts[k])
+    shown = ", ".join(f"{fmt_bytes(size)} {name}" for name, size in sorted(parts.items(), key=lambda kv: -kv[1]))
+    fix = _FIXES[largest]
+    if largest == "activations" and any(part == "state" for part, _ in lean.memory):  # a pipeline's stage
+        fix += ", or smaller microbatches (--knobs microbatches)"
+    over = lean.memory_bytes / lean.hbm_bytes
+    times = f"{over:.2g}" if over < 10 else f"{over:.0f}"
+    return (f"the leanest, {_name(lean)} {lean.axes_text}, needs {fmt_bytes(lean.memory_bytes)} ({shown}), "
+            f"{times}x the HBM, most of it {largest} (fix: more chips, or {fix})")
 
 
 def _versus(row: Layout, best: Layout, memory: bool) -> str:

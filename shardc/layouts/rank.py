@@ -32,12 +32,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from shardc.costmodel.cost_report import CostReport, cost
-from shardc.costmodel.fitting import device_memory, fitting_plan
+from shardc.costmodel.cost_report import CostReport
+from shardc.costmodel.fitting import fitting_report
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.spec import Mesh, Network, Spec
-from shardc.planner.planner import plan, shared_search
+from shardc.planner.planner import shared_search
 from shardc.sharding.unit import strip_unit_axes
 from shardc.spec.overrides import apply_overrides
 from shardc.timing import plan_links
@@ -174,15 +174,11 @@ def evaluate(candidate: Spec, options: Options, recompute: str | None = None, of
 
 def fitted_report(candidate: Spec, options: Options, recompute: str, offload: str) -> CostReport:
     """``shardc cost`` of ``candidate``: its fastest plan's report where that fits the chip's memory, else the
-    report of the planner's fastest plan that fits (:func:`shardc.costmodel.fitting.fitting_plan`, which plans
-    the fastest again: planned for memory only where it is needed, as the fastest mostly fits)."""
+    report of the planner's fastest plan that fits (:func:`shardc.costmodel.fitting.fitting_report`: the fastest
+    planned and costed once, the others planned only where it does not fit)."""
     how: dict[str, Any] = {"save": options.save, "hardware": options.hardware, "recompute": recompute,
                            "topology": options.topology, "collective_matmul": options.collective_matmul}
-    report = cost(plan(candidate, **how), mfu=options.mfu, optimizer=options.optimizer, offload=offload)
-    if device_memory(report) <= report.memory.hbm_bytes:
-        return report
-    return cost(fitting_plan(candidate, options.optimizer, offload, **how), mfu=options.mfu,
-                optimizer=options.optimizer, offload=offload)
+    return fitting_report(candidate, options.optimizer, offload, options.mfu, **how)
 
 
 def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]) -> Layout:

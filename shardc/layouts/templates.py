@@ -5,11 +5,16 @@ so the plan made for one candidate costs, at another candidate's sizes, what tha
 there: ``shardc cost`` of it with the sizes replaced gives, to the last digit, the figures of a plan
 made at those sizes whenever the planner chooses the same steps there.  Candidates of one *template*
 (one spec, the same mesh axes above size 1 beside the stage axis, one recompute policy and ZeRO
-line) share the plan of one of them, their *representative*, planned as ``shardc plan`` plans it.
-The stage axis is no part of a template: a stage's plan is the spec's plan without the stage axis,
-whatever the stage count, and so are the microbatch count and the schedule, which only the
-pipeline's cost reads, and the order of the mesh axes (which links each lies on,
-:mod:`shardc.layouts.orders`), which only the collectives' times read.
+line, and under a pipeline one microbatch count) share the plan of one of them, their
+*representative*, planned as ``shardc plan`` plans it.  The stage axis is no part of a template: a
+stage's plan is the spec's plan without the stage axis, whatever the stage count, and so are the
+schedule, which only the pipeline's cost reads, and the order of the mesh axes (which links each lies
+on, :mod:`shardc.layouts.orders`), which only the collectives' times read.  The microbatch count is:
+a stage is searched at a microbatch's sizes (:func:`shardc.planner.contexts.stage_run_of`), so each
+count a candidate uses has its stage planned at its own microbatch size.  The plans made in one
+search share their einsum solutions wherever their stages' sizes are the same
+(:func:`shardc.planner.contexts.shared_search`): a recompute policy or a ZeRO line planned at a
+microbatch size another template was planned at solves again only the einsum problems it holds apart.
 
 A re-costed row is the cost of a real plan at the candidate's sizes, but not necessarily the plan
 the planner would make there; so the best rows are planned at their own sizes, a few at a time,
@@ -36,6 +41,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
 from shardc.layouts.rank import Layout, Options, Skipped, evaluate, layout_of, mapped, processes, rank
 from shardc.planner.planner import plan
+from shardc.spec.stages import pipeline_of
 from shardc.timing import plan_links, plan_time
 
 __all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates", "template_rows", "refined",
@@ -70,10 +76,13 @@ class Candidate:
 def template_key(c: Candidate, options: Options) -> tuple[object, ...]:
     """What a candidate's plan is made of beside sizes: the spec (its text with the mesh sizes left out),
     which of its non-stage axes shard anything (size > 1, in any order), the recompute policy and the ZeRO
-    line."""
+    line, and a pipelined spec's microbatch count (with the dims, the microbatch size its stage is planned
+    at)."""
     active = tuple(sorted(a.name for a in c.spec.mesh.axes if a.size > 1 and not a.pipeline))
     statements = tuple(str(s) for s in c.spec.statements)
-    return (c.label, statements, c.spec.dims, active, c.recompute or options.recompute, str(c.spec.zero))
+    pipe = pipeline_of(c.spec)
+    return (c.label, statements, c.spec.dims, active, c.recompute or options.recompute, str(c.spec.zero),
+            pipe.microbatches if pipe is not None else None)
 
 
 def _at(template: Plan, c: Candidate) -> Plan:

@@ -201,6 +201,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         t = plan_time(plan)
         timing.update(step_s=t.step_s, forward_s=t.forward_s, backward_s=t.backward_s, optimizer_s=t.optimizer_s,
                       comm_s=t.comm_s)
+        if t.reduce.comm_s:  # a pipeline's, once a step: what of them the last microbatch's backward leaves
+            timing.update(grad_reduce_s=t.reduce.seconds, grad_reduce_exposed_s=t.reduce_exposed_s)
     return timing | {
         "forward": [step_json(s, sizes) for s in plan.forward],
         "backward": [step_json(s, sizes) for s in plan.backward],
