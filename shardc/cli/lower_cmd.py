@@ -157,12 +157,13 @@ _WAITING_COLLECTIVES = 8
 
 
 def emulate_devices(count: int) -> None:
-    """Ask XLA for ``count`` CPU devices, unless jax is already up or the flag is set, and for an intra-op
-    pool with room for each device's collectives waiting at once (NPROC, unless set)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "jax" not in sys.modules and _DEVICE_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count}".strip()
-        os.environ.setdefault("NPROC", str(_WAITING_COLLECTIVES * count))
+    """Ask XLA for ``count`` CPU devices (unless the flag is set) and for an intra-op pool with room for each
+    device's collectives waiting at once (NPROC, unless set), before jax is up."""
+    if "jax" in sys.modules:
+        return
+    if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={count}".strip()
+    os.environ.setdefault("NPROC", str(_WAITING_COLLECTIVES * (_flag_devices() or count)))
 
 
 def _say_progress() -> Callable[[str], None]:
