@@ -149,10 +149,10 @@ def _devices(args: argparse.Namespace, plan: Any) -> int:
 # blocks its worker in its rendezvous until every participant has arrived (in_process_communicator.cc); XLA
 # orders when a device's collectives start, not where they wait.  DeepSeek-V3's verify (64 devices) aborted so
 # twice after XLA's 40 s: all 64 workers waiting, 54 at a send (a collective-permute of every device) and 10 at
-# an all-to-all whose partner's all-to-all sat queued behind them.  Its pipeline's tick has 7 collectives with
-# no data path between them (a forward's and a backward's layers, the ends' MoE layer and reductions, the
-# sends both ways), so up to 7 a device can wait at together: a worker for each, and one more, leaves one
-# free for each queued collective.
+# an all-to-all whose partner's all-to-all sat queued behind them.  One device's run takes at most 4 of the
+# pool's workers beside its own thread (thunk.h, ExecuteSession::kMaxWorkers; best effort, it may pass it for
+# a moment), each of which can wait at a collective (its pipeline's tick has 7 no data path orders,
+# benchmarks/collective_width.py): 8 workers a device leave one free for each queued collective.
 _WAITING_COLLECTIVES = 8
 
 
