@@ -28,6 +28,11 @@ os.environ.setdefault("XLA_FLAGS", " ".join((
     "--xla_cpu_use_fusion_emitters=false", "--xla_llvm_disable_expensive_passes=true",
     "--xla_cpu_parallel_codegen_split_count=1")))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU intra-op pool with room for the collectives each device can wait at, as `shardc verify` asks
+# (shardc.cli.lower_cmd): a DualPipe tick's collectives on 8 devices could otherwise wedge its 8 workers.
+from shardc.cli.lower_cmd import emulate_devices  # noqa: E402
+
+emulate_devices(8)
 # One compilation cache for the session, which the xdist workers and the shardc processes tests start
 # inherit: tests that lower the same module (an example verified by several files, a plan verified
 # again beside a wrong one) compile it once.  It starts empty and is removed at the end, so no run

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from shardc.lowering.pipeline_parts import Part
 from shardc.pipeline.block_split import block_bounds
 
-__all__ = ["Body", "BodyTables", "Packed", "Union", "body_tables", "block_slot_layers", "own_run", "switch",
+__all__ = ["Body", "BodyTables", "Packed", "Placed", "Union", "body_tables", "block_slot_layers", "own_run", "switch",
            "unpacked"]
 
 
@@ -111,17 +111,20 @@ def switch(tables: BodyTables, k: int, virtual: Any, run: Callable[[int], Callab
     """``run(b)(*args)`` for the block b that slot k of virtual stage ``virtual`` runs, each ``run(b)``
     returning (a value, {b: its block's values}): called directly where one block can run there, else by
     ``jax.lax.switch`` over those that can (every branch returns one structure): with ``pack`` the
-    block's values in the slot's :class:`Union` (what a ring keeps), else the others' values as zeros."""
+    block's values in the slot's :class:`Union` (what a ring keeps; where only one block can run too),
+    else the others' values as zeros."""
     possible = tables.possible[k]
+    shapes = {b: jax.eval_shape(run(b), *args)[1][b] for b in possible} if pack else {}
+    union = Union.of(shapes) if pack else None
     if len(possible) == 1:
-        return run(possible[0])(*args)
-    shapes = {b: jax.eval_shape(run(b), *args)[1][b] for b in possible}
-    union = Union.of(shapes)
+        got = run(possible[0])(*args)
+        return (got[0], union.pack(got[1][possible[0]])) if union is not None else got
+    shapes = shapes or {b: jax.eval_shape(run(b), *args)[1][b] for b in possible}
 
     def branch(b: int) -> Callable[..., Any]:
         def go(*xs: Any) -> Any:
             got = run(b)(*xs)
-            if pack:
+            if union is not None:
                 return got[0], union.pack(got[1][b])
             return got[0], {c: got[1][c] if c == b else _zeros(shapes[c]) for c in possible}
         return go
@@ -151,6 +154,10 @@ class Union:
         return Union(tuple(shapes), tuple(jax.tree.structure(s) for s in shapes.values()), leaves,
                      tuple(sorted(need.items())))
 
+    def size(self, b: int, dtype: str) -> int:
+        """The elements of block b's values of ``dtype``."""
+        return sum(math.prod(s) for s, d in self.leaves[self.blocks.index(b)] if d == dtype)
+
     def pack(self, values: Any) -> Packed:
         """One block's ``values`` in the buffers (zeros past them)."""
         flat = jax.tree.leaves(values)
@@ -161,17 +168,29 @@ class Union:
             out.append(jnp.concatenate([*mine, jnp.zeros((n - used,), d)]) if mine else jnp.zeros((n,), d))
         return Packed(tuple(out), self)
 
-    def unpack(self, b: int, buffers: tuple[Any, ...]) -> Any:
-        """Block b's values read back out of ``buffers``."""
+    def unpack(self, b: int, buffers: dict[str, Any], start: dict[str, Any] | None = None) -> Any:
+        """Block b's values read back out of ``buffers`` (by dtype), from ``start`` in each (0: the union's
+        own buffers; a flat ring's offset, traced, where it keeps the slot: its block's length read only)."""
         i = self.blocks.index(b)
         at = {d: 0 for d, _ in self.sizes}
-        where = {d: k for k, (d, _) in enumerate(self.sizes)}
         out = []
         for shape, d in self.leaves[i]:
             n = math.prod(shape)
-            out.append(buffers[where[d]][at[d]:at[d] + n].reshape(shape))
+            piece = (buffers[d][at[d]:at[d] + n] if start is None
+                     else jax.lax.dynamic_slice(buffers[d], (start[d] + at[d],), (n,)))
+            out.append(piece.reshape(shape))
             at[d] += n
         return jax.tree.unflatten(self.trees[i], out)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A slot's values where a flat ring keeps them (:class:`shardc.lowering.pipeline_keep.FlatRing`): its
+    buffers and the slot's offset in each, by dtype; a backward reads its block's values out of them."""
+
+    buffers: dict[str, Any]
+    start: dict[str, Any]
+    union: Union
 
 
 @jax.tree_util.register_pytree_node_class
@@ -192,7 +211,9 @@ class Packed:
 
 def unpacked(stored: Any, b: int) -> Any:
     """Block b's values of what a slot keeps: read out of its union where several blocks can run there."""
-    return stored.union.unpack(b, stored.buffers) if isinstance(stored, Packed) else stored[b]
+    if isinstance(stored, Packed):
+        return stored.union.unpack(b, {d: x for (d, _), x in zip(stored.union.sizes, stored.buffers, strict=True)})
+    return stored.union.unpack(b, stored.buffers, stored.start) if isinstance(stored, Placed) else stored[b]
 
 
 def _zeros(shapes: Any) -> Any:

@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.pipeline_bodies import Body, BodyTables, block_slot_layers, body_tables, switch, unpacked
+from shardc.lowering.pipeline_keep import FlatRing, TreeRing
 from shardc.lowering.pipeline_parts import Arrays, Ends, Part, Table, forward_only
 from shardc.lowering.pipeline_routes import Placement
 from shardc.lowering.pipeline_slots import Rings, rings
@@ -187,7 +188,7 @@ class Pipeline:
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
                     return y, {b: ({n: v for n, v in used.items() if n not in body.params}, _once(saved))}
                 return go
-            y, mine = switch(self.tables, k, virtual, run, x, pack=True)
+            y, mine = switch(self.tables, k, virtual, run, x, pack=len(self.bodies) > 1)
             x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
             kept.append(mine)
         return x, kept
@@ -229,7 +230,7 @@ class Pipeline:
                     dx, made = self.bodies[b].part.backward_input(kept[k](b), d_out, self.bodies[b].input)
                     return dx, {b: made}
                 return go
-            dx, handed[k] = switch(self.tables, k, virtual, run, g, pack=True)
+            dx, handed[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
         return g, handed
 
@@ -276,11 +277,12 @@ class Pipeline:
         # each buffer a ring of the values in flight at once, a chunk x M + microbatch entry at its slot
         rings = self.rings
         ks, hs, xs, gs = (jnp.asarray(r.table)[stage] for r in (rings.kept, rings.handed, rings.acts, rings.cots))
-        kept = _buffers(shapes, rings.kept.count)
+        keep = self._keep(shapes)
+        kept = keep.empty()
         acts, cots = (jnp.zeros((r.count,) + x.shape, x.dtype) for r in (rings.acts, rings.cots))
         split = backward and self.weight_ticks is not None
         wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
-        first = self._saved(jax.tree.map(lambda b: b[0], kept), params, 0, stage)  # a slot's values, their shapes
+        first = self._saved(keep.read(kept, stage, 0, 0), params, 0, stage)  # a slot's values, their shapes
         handed = _buffers(jax.eval_shape(lambda g: self._stage_input_bwd(first, g, stage), acts[0])[1],
                           rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
@@ -299,7 +301,7 @@ class Pipeline:
             u = virtual[c, stage]
             start = place.starts(u)  # the first virtual stage reads the ends' input
             y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[xs[e]]), params, key, u, c, j)
-            kept = jax.tree.map(lambda buf, r: jnp.where(ef >= 0, buf.at[ks[e]].set(r), buf), kept, res)
+            kept = keep.write(kept, res, stage, c, u, ks[e], ef >= 0)
             end = (ef >= 0) & place.ends(u)  # the last virtual stage hands on to the ends
             cot, acc = self.ends.last(pool, y, j, end, acc, backward)
             cots = jnp.where(end, cots.at[gs[e]].set(cot), cots)
@@ -312,7 +314,7 @@ class Pipeline:
             c, j = e // m, e % m
             u = virtual[c, stage]
             held, cot_in = (carry[0], carry[3]) if paired else (kept, cots)
-            mine = self._saved(jax.tree.map(lambda buf: buf[ks[e]], held), params, c, u)
+            mine = self._saved(keep.read(held, stage, c, ks[e]), params, c, u)
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B, or after its B in this one)
                 dx, made = self._stage_input_bwd(mine, cot_in[gs[e]], u)
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
@@ -324,7 +326,7 @@ class Pipeline:
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
                 uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
-                dw = self._stage_weight_bwd(self._saved(jax.tree.map(lambda buf: buf[ks[w]], held), params, w // m,
+                dw = self._stage_weight_bwd(self._saved(keep.read(held, stage, w // m, ks[w]), params, w // m,
                                                              uw), jax.tree.map(lambda buf: buf[hs[w]], handed), uw)
                 dparams = self._accumulate(dparams, dw, ew >= 0, w // m, uw)
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
@@ -342,6 +344,15 @@ class Pipeline:
             acc, dparams = self.ends.finish(acc), self._finish(dparams)
         acc = jax.tree.map(lambda a: a[None], self.ends.results(acc))
         return (acc, dparams) if backward else (acc,)
+
+    def _keep(self, shapes: Any) -> TreeRing | FlatRing:
+        """Where the residuals of the microbatches in flight lie (:mod:`shardc.lowering.pipeline_keep`):
+        ``shapes`` a microbatch's, each device's own layers' where several blocks differ."""
+        if len(self.bodies) == 1:
+            return TreeRing(shapes, self.rings.kept.count)
+        place = self.placement
+        virtual = np.array([[place.virtual(c, s) for s in range(self.stages)] for c in range(self.chunks)])
+        return FlatRing.of([p.union for p in shapes], self.tables.which, virtual, self.rings.kept.table)
 
     def _finish(self, dparams: tuple[Any, ...]) -> tuple[Any, ...]:
         """Each of the stage's layers' params' gradients from their sums over the microbatches (DualPipe's
