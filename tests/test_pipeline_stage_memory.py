@@ -105,3 +105,16 @@ def test_the_check_counts_the_data_the_schedules_program_takes_and_returns() -> 
     sizes, _, _ = run_sizes(plan, 8)
     x = sizes["B"] // sizes["X"] * sizes["S"] * sizes["D"] * 4  # X[B_X, S, D] in float32, on a device
     assert _data(plan, sizes, 4) == 4 * x
+
+
+def test_the_data_counts_a_dtype_lines_floats_at_the_runs_width() -> None:
+    """The schedule's program is compiled with every float at the run's width (float32), a ``dtype`` line's
+    bf16 tensors too: X and Out named bf16 are still 4 bytes an element in its data (they were counted at
+    2, as the unpipelined check counted them before :meth:`Plan.fixed_bytes`)."""
+    text = (EXAMPLES / "pipeline_llama.shard").read_text().replace("hardware tpu-v5p\n",
+                                                                   "hardware tpu-v5p\ndtype f32\ndtype bf16 X, Out\n")
+    plan = shardc.plan(shardc.parse(text))
+    assert dict(plan.element_bytes)["X"] == 2
+    sizes, _, _ = run_sizes(plan, 8)
+    x = sizes["B"] // sizes["X"] * sizes["S"] * sizes["D"] * 4
+    assert _data(plan, sizes, 4) == 4 * x

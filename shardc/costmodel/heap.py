@@ -14,11 +14,12 @@ def packed(spans: list[Span]) -> float:
     among those alive with it, as XLA's heap simulator packs a program's temporaries: largest first
     (or longest-lived first, whichever packs smaller), each in the smallest gap left free by those
     already placed and alive with it that fits it (best fit), else above them (Wilson et al. 1995's
-    best fit; XLA's ``GlobalDecreasingSizeBestFitHeap``, spatial and temporal orders)."""
-    def size(order: list[Span]) -> float:
+    best fit; XLA's ``GlobalDecreasingSizeBestFitHeap``, spatial and temporal orders).  A span's life
+    is measured, for those orders, in the heap's own clock (:func:`_event_lives`)."""
+    def size(order: list[int]) -> float:
         placed: list[tuple[int, int, float, float]] = []  # first, last, offset, bytes
         top = 0.0
-        for a, b, n in order:
+        for a, b, n in (spans[k] for k in order):
             busy = sorted((o, o + m) for c, d, o, m in placed if not (d < a or c > b))
             gaps, at = [], 0.0
             for lo, hi in busy:
@@ -29,9 +30,25 @@ def packed(spans: list[Span]) -> float:
             placed.append((a, b, offset, n))
             top = max(top, offset + n)
         return top
-    spatial = sorted(spans, key=lambda s: (-s[2], s[0] - s[1]))
-    temporal = sorted(spans, key=lambda s: (s[0] - s[1], -s[2]))
+    life = _event_lives(spans)
+    spatial = sorted(range(len(spans)), key=lambda k: (-spans[k][2], -life[k]))
+    temporal = sorted(range(len(spans)), key=lambda k: (-life[k], -spans[k][2]))
     return min(size(spatial), size(temporal))
+
+
+def _event_lives(spans: list[Span]) -> list[int]:
+    """Each span's life in the heap's clock, which ticks once for each buffer made or freed, not once a
+    step: at each step the buffers made then (in order of their last step), then those freed.  XLA's heap
+    simulator counts so (``GlobalDecreasingSizeBestFitHeap::Alloc`` and ``Free`` each advance
+    ``current_time_``), so of two buffers as long in steps the one alive across more buffers' lives
+    sorts first (``tests/specs/llama2_13b_fsdp_tp.shard``'s backward: with its own live ranges, best fit
+    in step time packs 9.5 kB where XLA's heap is 11.2 kB, in its clock 11.0 kB, the offsets XLA's)."""
+    events = sorted([(a, 0, b, k) for k, (a, b, _) in enumerate(spans)]
+                    + [(b, 1, a, k) for k, (a, b, _) in enumerate(spans)])
+    made, freed = [0] * len(spans), [0] * len(spans)
+    for tick, (_, kind, _, k) in enumerate(events):
+        (freed if kind else made)[k] = tick
+    return [f - m for m, f in zip(made, freed, strict=True)]
 
 
 def outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list[Span]:

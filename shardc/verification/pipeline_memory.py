@@ -110,8 +110,10 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
 def _data(plan: Plan, sizes: dict[str, int], element: int) -> float:
     """The run's data as the schedule's program holds it, at the whole batch's ``sizes``: it takes the
     inputs and the outputs' cotangents and returns the outputs and the inputs' gradients (a stage of
-    ``shardc cost`` holds its microbatches' activations, not the step's data: a data loader's)."""
-    own = dict(plan.element_bytes)
+    ``shardc cost`` holds its microbatches' activations, not the step's data: a data loader's).  Every
+    float at ``element``, a ``dtype`` line's too, as the program is compiled: only ids and masks keep
+    their own (:meth:`~shardc.ir.plan.Plan.fixed_bytes`, as the unpipelined check counts them)."""
+    own = plan.fixed_bytes()
     inputs = {info.name for info in plan.tensors if info.role == "input"}
     grads = {grad for primal, grad in plan.gradient_names if primal in inputs}
     refs = [info.ref for info in plan.tensors if info.role == "input" or info.is_output]
