@@ -211,6 +211,11 @@ class PipelineCost:
         return self.model_flops / (self.devices * self.peak * self.step_s) if self.devices * self.peak * \
             self.step_s else 0.0
 
+    def step_at_mfu_s(self, mfu: float) -> float:
+        """The step at model FLOPs utilisation ``mfu``: the whole step's model FLOPs over every chip at that
+        share of the peak (``PhaseCost.step_at_mfu_s``'s, for the pipelined step)."""
+        return self.model_flops / (self.devices * self.peak * mfu) if self.devices * self.peak else 0.0
+
     @property
     def extra(self) -> bool:
         """Whether the first or last chunk does work the others do not (a ``layers L { ... }`` block's ends)."""
