@@ -272,6 +272,40 @@ def test_weight_gradient_steps_and_the_boundary() -> None:
         ("all_reduce", "dW_in"), ("all_reduce", "dW_out")}
 
 
+# A layer's dead end (O0, read by nothing) shaped like its input, before the output that feeds the next layer
+DEAD_END = """mesh P=2 pipeline, X=2
+dims B=16, D=8, E=8, V=16
+microbatches 2
+const Tok, Next
+param W1, W2, W_emb, W_out
+X0[B_X, D] = embed(Tok[B_X], W_emb[V, D])
+layers 2 {
+  O0[B_X, D] = silu(X0[B_X, D])
+  X1[B_X, D] = X0[B_X, D] + X0[B_X, D] · W1[D, E] · W2[E, D]
+}
+Lg[B_X, V] = X1[B_X, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, V], Next[B_X])
+"""
+
+
+def test_a_stage_sends_the_output_that_feeds_the_next_layer_not_a_dead_end() -> None:
+    """The block's part alone has no block of its own: its boundary was its first output of the input's
+    shape (O0), where the whole plan's is the last (X1, the one that feeds the next layer, as validate's
+    block_feeds reads it): `shardc lower` raised KeyError 'X1' (1f1b) or 'O0' (zb-h1).  Found by the search
+    of chains in layers blocks (issue 20, point 3)."""
+    from shardc.lowering.pipeline_ends import cut_parts
+    plan = shardc.plan(shardc.parse(DEAD_END))
+    assert boundary_tensor(plan).name == boundary_tensor(cut_parts(plan).block).name == "X1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_layer_with_a_dead_end_verifies(schedule: str) -> None:
+    from shardc.verification.verify import render_report, verify
+    report = verify(shardc.parse(DEAD_END.replace("microbatches 2", f"microbatches 2\nschedule {schedule}")))
+    assert report.ok, render_report(report)
+
+
 def test_microbatches_must_divide_the_batch() -> None:
     s = spec("mesh P=2 pipeline, X=2, Y=2\nlayers 2\nmicrobatches 3")
     with pytest.raises(ShardcError, match="does not split into 3 microbatches"):
