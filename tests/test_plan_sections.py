@@ -165,3 +165,22 @@ def test_a_param_a_layer_reads_twice_sums_its_gradient_in_the_layer() -> None:
 def test_a_param_a_layer_reads_twice_verifies() -> None:
     report = verify(shardc.parse(TWICE))
     assert report.ok, render_report(report)
+
+
+FIRST = "layers 2 {\n  X9[B_X, D] = X0[B_X, D] + silu(X0[B_X, D])\n}\n"  # a block before the one reading W1 twice
+LATER = TWICE.replace("layers 2 {\n  P0", FIRST + "layers 2 {\n  P0").replace(
+    "W1[D, E] · W1[D, E] · X0", "W1[D, E] · W1[D, E] · X9").replace("X0[B_X, D] + P0", "X9[B_X, D] + P0")
+
+
+def test_a_later_blocks_param_read_twice_sums_its_gradient_in_that_block() -> None:
+    """The same in the second of two blocks: the sum is that block's step, not the first's (block 0, where the
+    lowering of block 1's layer found no dW1_1)."""
+    plan = shardc.plan(shardc.parse(LATER))
+    (made,) = [s for s in plan.backward if s.dst.name == "dW1"]
+    assert made.block == 1 and not made.once
+
+
+@pytest.mark.slow
+def test_a_later_blocks_param_read_twice_verifies() -> None:
+    report = verify(shardc.parse(LATER))
+    assert report.ok, render_report(report)

@@ -310,10 +310,12 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
             bw.phase.mark_block(start, None)
             after = []
         if later is not None and here != later:
+            start = len(bw.phase.steps)
             for name in (n for n in inputs if later in readers[n]):  # block `later`'s backward ends: each
                 bw.close_layer(name, entered[name])  # layer's sum of its input's gradient
             for name in (n for n in own if later in readers[n]):  # and of its own params' (W · W · X)
                 bw.finish(name)
+            bw.phase.mark_block(start, later)  # each layer of that block runs them
         if here is not None and here != later:
             entered = {n: len(bw.parts.get(n, ())) for n in inputs}
         reading = readers.get(graph.nodes[k].result, set()) - {None, here}
