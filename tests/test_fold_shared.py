@@ -149,3 +149,18 @@ def test_a_layer_moves_its_own_data_not_a_move_made_once_outside_its_block() -> 
     spec = "mesh X=4\nO1[D, S] = X0[S_X, D]\nlayers 3 {\n  O2[D, S] = X0[S_X, D]\n  X1[S_X, D] = tanh(X0[S_X, D])\n}\n"
     plan = shardc.plan(shardc.parse(spec))
     assert [(s.op, s.once) for s in _collectives(plan.forward)] == [(Op.ALL_GATHER, True), (Op.ALL_GATHER, False)]
+
+
+def test_a_free_slice_keeps_its_place_outside_the_block() -> None:
+    """A slice that replaces a collective after a ``layers`` block (Lg's AllReduce holds the V_X shard the loss
+    reads) runs once, as the collective it replaces: the slice was made a block step, the plan's sections did
+    not cut and ``shardc lower`` of the pipelined spec raised "a step outside the `layers` block sits among the
+    block's steps" (found by a search of chains in blocks, issue 20's point 3)."""
+    spec = ("mesh X=2, Y=2\ndims B=16, D=8, F=8, V=16\nconst Tok, Next\nparam W1, W2, W_emb, W_out\n"
+            "X0[B_Y, D_X] = embed(Tok[B_Y], W_emb[V_X, D])\nlayers 2 {\n  G[B_Y, F] = X0[B_Y, D_X] · W1[D_X, F]\n"
+            "  X1[B_Y, D_X] = X0[B_Y, D_X] + G[B_Y, F] · W2[F, D_X]\n}\nLg[B_Y, V_X] = X1[B_Y, D_X] · W_out[D_X, V]\n"
+            "Loss[] = cross_entropy(Lg[B_Y, V_X], Next[B_Y])\n")
+    plan = shardc.plan(shardc.parse(spec), collective_matmul=False)
+    slices = [s for s in plan.forward if s.op is Op.SLICE]
+    assert slices and all(s.once for s in slices)
+    assert plan.sections is not None and plan.section("after").forward

@@ -313,6 +313,27 @@ def test_every_row_is_shardc_costs_figures_and_the_rows_are_ranked(spec: shardc.
             assert own.critical_s == report.step.critical_s and own.bound == report.step.bound
 
 
+def test_a_pipelined_row_reports_one_step_shardc_costs_pipeline_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 21: a pipelined row's MFU came from the stage tables' step (no bubble, no sends) while its step
+    was the simulated schedule's; now its step, MFU, step at --mfu and memory are all `shardc cost`'s pipeline
+    figures for that layout, in the table and in --json."""
+    from shardc.layouts.rank import evaluate
+    text = ("mesh P=2 pipeline, X=4\nlayers 4\nmicrobatches 4\nschedule gpipe\nhardware tpu-v5p\n"
+            "dims B=4096, D=4096, E=4096\nparam W1, W2\n"
+            "H[B_X, E] = In[B_X, D] · W1[D_X, E]\nOut[B_X, D] = H[B_X, E] · W2[E_X, D]\n")
+    spec = shardc.parse(text, "pipe.shard")
+    row = evaluate(spec, Options(get_hardware("tpu-v5p"), mfu=0.4))
+    assert not isinstance(row, str), row
+    report = shardc.cost(shardc.plan(spec, hardware="tpu-v5p", fit_memory=True), hardware="tpu-v5p", mfu=0.4)
+    pipe = report.pipeline
+    assert pipe is not None and pipe.mfu < report.step.mfu  # the bubble: the tables' MFU is not the step's
+    at = pipe.model_flops / (pipe.devices * report.hardware.peak(pipe.peak_dtype) * 0.4)
+    assert (row.step_s, row.mfu, row.at_mfu_s, row.memory_bytes) == \
+        (pipe.step_s, pipe.mfu, max(at, pipe.step_s), pipe.fullest.memory_bytes)
+    assert json.loads(json.dumps(row.to_json()))["mfu"] == pipe.mfu
+    assert math.isclose(row.mfu * row.step_s, report.step.mfu * report.step.step_s, rel_tol=0.05)  # one model
+
+
 # where few layouts fit -----------------------------------------------------------------------------
 
 

@@ -159,16 +159,16 @@ def test_zbv_is_a_v_and_sends_twice_as_much() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(schedule=st.sampled_from(SCHEDULES), p=st.integers(1, 6), m=st.integers(1, 12),
-       times=st.tuples(*[st.floats(0.01, 5.0)] * 3), comm=st.floats(0.0, 0.5))
+       times=st.tuples(*[st.floats(0.01, 5.0)] * 3), comm=st.floats(0.0, 0.5), back=st.floats(0.0, 0.5))
 def test_the_step_never_undercuts_one_microbatch_through_every_stage(
-        schedule: str, p: int, m: int, times: tuple[float, float, float], comm: float) -> None:
+        schedule: str, p: int, m: int, times: tuple[float, float, float], comm: float, back: float) -> None:
     if schedule == "interleaved":
         m = p * max(1, m // p)
     if schedule == "dualpipe":
         p, m = 2 * max(1, p // 2), max(2 * max(1, p // 2) * 2, m + m % 2)
     if schedule == "dualpipev":
         m = max(2 * p, m)
-    timing = Timing(*times, comm=comm)
+    timing = Timing(*times, comm=comm, comm_back=back)  # the gradient's send back may take longer
     sim = simulate(schedule, p, m, timing, virtual=2)
     sends = sends_per_microbatch(schedule, p, 2)
     # One microbatch's chain: every stage's F, then every stage's B, sends both ways; a separate
@@ -176,7 +176,7 @@ def test_the_step_never_undercuts_one_microbatch_through_every_stage(
     split, v = ("zb-h1", "zbv", "dualpipe", "dualpipev"), schedule in ("zbv", "dualpipev")
     chain = p * timing.total if schedule not in split else p * (timing.forward + timing.backward)
     chain += (timing.weight / (2 if v else 1)) if schedule in split else 0.0
-    assert sim.makespan >= chain + 2 * sends * comm - 1e-9
+    assert sim.makespan >= chain + sends * (comm + back) - 1e-9
     assert sim.makespan >= sim.ideal - 1e-9
     by_device: dict[int, list[tuple[float, float]]] = {}
     for op in sim.ops:
@@ -186,6 +186,31 @@ def test_the_step_never_undercuts_one_microbatch_through_every_stage(
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
     kinds = 3 if schedule in split else 2
     assert len(sim.ops) == kinds * m * p * (2 if schedule in ("interleaved", "zbv", "dualpipev") else 1)
+
+
+def test_a_gradient_goes_back_at_its_own_send_time() -> None:
+    """Issue 20: the backward's send is the gradient's, not the activation's.  GPipe, 2 stages, 1 microbatch:
+    F, send on, F, B, send back, B."""
+    sim = simulate("gpipe", 2, 1, Timing(1.0, 1.0, comm=0.5, comm_back=2.0))
+    assert sim.makespan == pytest.approx(1 + 0.5 + 1 + 1 + 2.0 + 1)
+    assert simulate("gpipe", 2, 1, Timing(1.0, 1.0, comm=0.5)).makespan == pytest.approx(5.0)  # None: comm both ways
+
+
+def test_an_fp8_boundary_sends_its_gradient_back_in_the_storage_type() -> None:
+    """Issue 20: an FP8 block output's gradient is BF16 (shardc.ir.precision.gradient_dtype), twice its bytes:
+    the simulation and each stage's communication price the send back at them; a BF16 boundary's are unchanged."""
+    text = ("mesh P=4 pipeline, X=4\nlayers 8\nmicrobatches 8\nschedule 1f1b\nhardware h100\n"
+            "dims B=4096, D=4096, E=4096\n{}param W1, W2\n"
+            "H[B_X, E] = In[B_X, D] · W1[D_X, E]\nOut[B_X, D] = H[B_X, E] · W2[E_X, D]\n")
+    f8, bf16 = (shardc.cost(shardc.plan(shardc.parse(text.format(line), "f8.shard"))).pipeline
+                for line in ("dtype f8 Out\n", ""))
+    assert f8 is not None and bf16 is not None
+    assert f8.p2p_bytes * 2 == bf16.p2p_bytes and f8.p2p_s < bf16.p2p_s
+    assert f8.timing.send_back == pytest.approx(bf16.p2p_s)  # the gradient's bytes: BF16's
+    assert bf16.timing.comm_back is None and "p2p_back_s" not in bf16.to_json()
+    assert f8.to_json()["p2p_back_s"] == f8.timing.send_back
+    inner = [s for s in f8.stages if 0 < s.stage < 3]  # two boundaries: each sends on and back
+    assert all(s.comm_s - f8.stages[0].comm_s == pytest.approx(f8.p2p_s + bf16.p2p_s) for s in inner)
 
 
 # --- cost -----------------------------------------------------------------------------------
@@ -245,6 +270,40 @@ def test_weight_gradient_steps_and_the_boundary() -> None:
     assert reduced and reduced < weight_steps(dp)
     assert {(dp.backward[k].op.value, dp.backward[k].tensor) for k in reduced} == {
         ("all_reduce", "dW_in"), ("all_reduce", "dW_out")}
+
+
+# A layer's dead end (O0, read by nothing) shaped like its input, before the output that feeds the next layer
+DEAD_END = """mesh P=2 pipeline, X=2
+dims B=16, D=8, E=8, V=16
+microbatches 2
+const Tok, Next
+param W1, W2, W_emb, W_out
+X0[B_X, D] = embed(Tok[B_X], W_emb[V, D])
+layers 2 {
+  O0[B_X, D] = silu(X0[B_X, D])
+  X1[B_X, D] = X0[B_X, D] + X0[B_X, D] · W1[D, E] · W2[E, D]
+}
+Lg[B_X, V] = X1[B_X, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, V], Next[B_X])
+"""
+
+
+def test_a_stage_sends_the_output_that_feeds_the_next_layer_not_a_dead_end() -> None:
+    """The block's part alone has no block of its own: its boundary was its first output of the input's
+    shape (O0), where the whole plan's is the last (X1, the one that feeds the next layer, as validate's
+    block_feeds reads it): `shardc lower` raised KeyError 'X1' (1f1b) or 'O0' (zb-h1).  Found by the search
+    of chains in layers blocks (issue 20, point 3)."""
+    from shardc.lowering.pipeline_ends import cut_parts
+    plan = shardc.plan(shardc.parse(DEAD_END))
+    assert boundary_tensor(plan).name == boundary_tensor(cut_parts(plan).block).name == "X1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_layer_with_a_dead_end_verifies(schedule: str) -> None:
+    from shardc.verification.verify import render_report, verify
+    report = verify(shardc.parse(DEAD_END.replace("microbatches 2", f"microbatches 2\nschedule {schedule}")))
+    assert report.ok, render_report(report)
 
 
 def test_microbatches_must_divide_the_batch() -> None:

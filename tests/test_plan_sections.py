@@ -129,3 +129,58 @@ def test_an_input_read_before_the_block_and_in_it_verifies() -> None:
            "  X1[S_X, D] = tanh(X0[S_X, D])\n}\n"
     report = verify(shardc.parse(spec), devices=4)
     assert report.ok, render_report(report)
+
+
+# A param a layer reads twice (the `G · G · I`-like chain of issue 20's point 3, found by a search of chains
+# in blocks): its gradient's two contributions are the layer's own, summed in the block.
+TWICE = """mesh P=2 pipeline, X=2
+dims B=16, D=8, E=8, V=16
+microbatches 2
+const Tok, Next
+param W1, W_emb, W_out
+X0[B_X, D] = embed(Tok[B_X], W_emb[V, D])
+layers 2 {
+  P0[B_X, D] = W1[D, E] · W1[D, E] · X0[B_X, D]
+  X1[B_X, D] = X0[B_X, D] + P0[B_X, D]
+}
+Lg[B_X, V] = X1[B_X, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, V], Next[B_X])
+"""
+
+
+def test_a_param_a_layer_reads_twice_sums_its_gradient_in_the_layer() -> None:
+    """``W1 · W1 · X0``: dW1 = dW1_1 + dW1_2 is the block's step, each layer's own weights' gradient.  It was
+    summed into ``dW1_layer`` and aliased to dW1 once, after the block, in the statements before it, so the
+    first stage's end read a sum only the block makes: ``shardc lower`` raised "the backward reads
+    dW1_layer[D, E], which neither the forward nor the inputs, residuals or cotangents provide"."""
+    plan = shardc.plan(shardc.parse(TWICE))
+    block, before = plan.section("block"), plan.section("before")
+    made = [s for s in block.backward if s.dst.name == "dW1"]
+    assert len(made) == 1 and {o.name for o in made[0].operands} == {"dW1_1", "dW1_2"}
+    assert not any(s.dst.name.startswith("dW1") for s in before.backward)
+    assert [g.name for g in cut_parts(plan).block.grads].count("dW1") == 1
+
+
+@pytest.mark.slow
+def test_a_param_a_layer_reads_twice_verifies() -> None:
+    report = verify(shardc.parse(TWICE))
+    assert report.ok, render_report(report)
+
+
+FIRST = "layers 2 {\n  X9[B_X, D] = X0[B_X, D] + silu(X0[B_X, D])\n}\n"  # a block before the one reading W1 twice
+LATER = TWICE.replace("layers 2 {\n  P0", FIRST + "layers 2 {\n  P0").replace(
+    "W1[D, E] · W1[D, E] · X0", "W1[D, E] · W1[D, E] · X9").replace("X0[B_X, D] + P0", "X9[B_X, D] + P0")
+
+
+def test_a_later_blocks_param_read_twice_sums_its_gradient_in_that_block() -> None:
+    """The same in the second of two blocks: the sum is that block's step, not the first's (block 0, where the
+    lowering of block 1's layer found no dW1_1)."""
+    plan = shardc.plan(shardc.parse(LATER))
+    (made,) = [s for s in plan.backward if s.dst.name == "dW1"]
+    assert made.block == 1 and not made.once
+
+
+@pytest.mark.slow
+def test_a_later_blocks_param_read_twice_verifies() -> None:
+    report = verify(shardc.parse(LATER))
+    assert report.ok, render_report(report)

@@ -211,6 +211,11 @@ class PipelineCost:
         return self.model_flops / (self.devices * self.peak * self.step_s) if self.devices * self.peak * \
             self.step_s else 0.0
 
+    def step_at_mfu_s(self, mfu: float) -> float:
+        """The step at model FLOPs utilisation ``mfu``: the whole step's model FLOPs over every chip at that
+        share of the peak (``PhaseCost.step_at_mfu_s``'s, for the pipelined step)."""
+        return self.model_flops / (self.devices * self.peak * mfu) if self.devices * self.peak else 0.0
+
     @property
     def extra(self) -> bool:
         """Whether the first or last chunk does work the others do not (a ``layers L { ... }`` block's ends)."""
@@ -253,6 +258,7 @@ class PipelineCost:
             "activation_factor": activation_factor(pipe.schedule.name, pipe.stages, pipe.chunks),
             "boundary": str(self.boundary), "network": self.network, "p2p_bytes": self.p2p_bytes,
             "p2p_bytes_global": self.p2p_bytes_global, "p2p_s": self.p2p_s,
+            **({"p2p_back_s": self.timing.send_back} if self.timing.comm_back is not None else {}),
             "sends_per_microbatch": sends_per_microbatch(pipe.schedule.name, pipe.stages, pipe.chunks),
             "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,
             "backward_s": self.timing.backward, "weight_s": self.timing.weight,
@@ -289,14 +295,15 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     dcn = plan.spec.mesh.axis(pipe.axis).network is Network.DCN
     name = pipe.schedule.name
     mems = stage_memories(plan, pipe, micro, hw, optimizer)
-    stages = _stages(plan, pipe, parts, micro, p2p_s, sim, hw, mems)
+    stages = _stages(plan, pipe, parts, micro, p2p_s + timing.send_back, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
     copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
     reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, tied_s, copies_s, hw.reduces_after_backward,
                                            hw.overlap_share)
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
-    closed = bubble(name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0), pipe.chunks)
-    found = _thresholds(pipe, replace(timing, comm=0.0), min(parts[f"layer {b}"][0].seconds
+    free = replace(timing, comm=0.0, comm_back=None)  # sends free
+    closed = bubble(name, pipe.stages, pipe.microbatches, free, pipe.chunks)
+    found = _thresholds(pipe, free, min(parts[f"layer {b}"][0].seconds
                                                              for b in range(len(pipe.blocks) or 1)),
                         p2p_s, "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
@@ -370,7 +377,8 @@ def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware
 
 
 def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro: dict[str, int],
-            p2p_s: float, sim: Simulation, hw: Hardware, mems: list[Memory]) -> tuple[StageCost, ...]:
+            sends_s: float, sim: Simulation, hw: Hardware, mems: list[Memory]) -> tuple[StageCost, ...]:
+    """Each stage's figures; ``sends_s``: a boundary's two sends a microbatch, the activation and its gradient."""
     out = []
     values = residual_values(plan)
     name = pipe.schedule.name
@@ -392,7 +400,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
                              for b, k in enumerate(blocked))
 
         compute = share * (layers_of("busy") + math.fsum(p.busy for e in ends for p in e))
-        sends = 2 * p2p_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
+        sends = sends_s * ((s > 0) + (s < pipe.stages - 1))  # activation in and out, cotangent back
         comm = share * (layers_of("comm") + math.fsum(p.comm for e in ends for p in e)) + sends
         f, b, w = (share * (p.seconds + math.fsum(e[i].seconds for e in ends))
                    for i, p in enumerate(run_times(parts, tuple(map(float, blocked)))))

@@ -1,13 +1,13 @@
 """The simulation of a plan's pipeline at its own times: the one run ``shardc cost`` steps and ``shardc lower``'s
 tick table places (:func:`~shardc.pipeline.ticks.tick_table`).
 
-A microbatch's forward, input gradient (B) and weight gradient (W) through each model chunk are its
-layers' times on the chip (:func:`~shardc.costmodel.section_times.section_times`, the ends on the first
-and the last chunk), the sends one collective-permute of the block's output; the schedule is simulated
-with them.  The cost and the lowering both read :func:`simulated`, so the program runs the order the cost
-times: the fixed orders are the same at any times, but ZBV's greedy order is found at the op times (over
-4 stages and 8 microbatches at T_B = 2 T_F = 2 T_W the order found at equal times takes 46.5 T_F where the
-order found at those times takes 37.5).
+A microbatch's forward, input gradient (B) and weight gradient (W) through each model chunk are its layers'
+times on the chip (:func:`~shardc.costmodel.section_times.section_times`, the ends on the first and the last
+chunk), the sends one collective-permute of the block's output (and back, of its gradient, in the gradient's
+type); the schedule is simulated with them. The cost and the lowering both read :func:`simulated`, so the
+program runs the order the cost times: the fixed orders are the same at any times, but ZBV's greedy order is
+found at the op times (over 4 stages and 8 microbatches at T_B = 2 T_F = 2 T_W the order found at equal times
+takes 46.5 T_F where the order found at those times takes 37.5).
 """
 
 from __future__ import annotations
@@ -50,11 +50,14 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     """``plan``'s pipeline ``pipe`` at one microbatch's sizes ``micro`` (with the mesh's) on ``hw``."""
     parts = section_times(plan, micro, hw, spans, len(pipe.blocks) or 1, pipe.schedule.name in ZERO_BUBBLE)
     ref = boundary_tensor(plan)
-    p2p = float(local_elements(ref, micro)) * plan.nbytes(ref.name)
-    p2p_s = collective_time(Op.COLLECTIVE_PERMUTE, p2p, (pipe.axis,), plan.spec.mesh, micro, hw, spans).seconds
+    elements = float(local_elements(ref, micro))
+    p2p, back = (elements * plan.nbytes(name) for name in (ref.name, dict(plan.gradient_names).get(ref.name, ref.name)))
+    p2p_s, back_s = (collective_time(Op.COLLECTIVE_PERMUTE, size, (pipe.axis,), plan.spec.mesh, micro, hw,
+                                     spans).seconds for size in (p2p, back))  # the activation on, its gradient back
     slowest = max((run_times(parts, counts) for counts in stage_blocks(pipe)), key=lambda run: run[0].seconds
                   + run[1].seconds + run[2].seconds)  # a stage's F, B and W: its layers' of each block
-    timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, phases_of(slowest))
+    timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, phases_of(slowest),
+                    None if back == p2p else back_s)
     first, last = (end_timing(parts[end]) for end in ("first", "last"))
     sim = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, timing, pipe.chunks,
                    chunk_times(pipe, parts, first, last))

@@ -44,7 +44,9 @@ def batch_dim(spec: Spec, tensors: tuple[TensorInfo, ...]) -> str:
 
 
 def boundary_tensor(plan: Plan) -> TensorRef:
-    """The activation a stage sends the next: the block's output shaped like its first input."""
+    """The activation a stage sends the next: the block's last output shaped like its first input (the one that
+    feeds it, :func:`shardc.spec.walk.block_feeds`; a result no statement reads before it, a layer's dead end,
+    is not sent)."""
     first = _block_input(plan.spec, plan.tensors)
     spec = plan.spec
     if spec.block is not None:
@@ -52,7 +54,7 @@ def boundary_tensor(plan: Plan) -> TensorRef:
         outputs = [s.result for s in spec.statements[lo:hi]]
     else:
         outputs = [i.ref for i in plan.tensors if i.is_output]
-    for ref in reversed(outputs) if spec.block is not None else outputs:
+    for ref in reversed(outputs):
         if first is not None and sorted(ref.indices) == sorted(first.indices):
             return ref
     if not outputs:

@@ -8,8 +8,9 @@ gradient, which the previous stage waits for; W the weights', which nobody
 waits for, so it can fill the bubbles).  Elsewhere W is part of B.
 
 Dependencies: F(j, c) needs F(j, c-1); B(j, c) needs F(j, c) and B(j, c+1); W(j, c)
-needs B(j, c); a dependency across devices also waits ``comm`` seconds (the
-point-to-point send).  A device runs one op at a time:
+needs B(j, c); a dependency across devices also waits for the point-to-point send
+(``comm`` seconds for a forward's activation, ``send_back`` for a backward's gradient,
+whose type may be wider).  A device runs one op at a time:
 
 * ``gpipe`` (Huang et al. 2019): every forward, then every backward.
 * ``1f1b`` (PipeDream-flush, Narayanan et al. 2021): stage s runs p-1-s forwards,
@@ -82,8 +83,16 @@ class Timing:
     forward: float
     backward: float  # the input-gradient part of the backward (the whole backward when weight is 0)
     weight: float = 0.0
-    comm: float = 0.0  # one point-to-point send between devices
+    comm: float = 0.0  # one point-to-point send between devices: a forward's activation
     phases: Phases | None = None  # where known: what an F&B pair can overlap
+    # the backward's send of the activation's gradient, where its bytes differ from the activation's (an FP8
+    # activation's gradient is in the storage type: shardc.ir.precision.gradient_dtype); None: ``comm``
+    comm_back: float | None = None
+
+    @property
+    def send_back(self) -> float:
+        """One point-to-point send of a backward's gradient between devices."""
+        return self.comm if self.comm_back is None else self.comm_back
 
     @property
     def total(self) -> float:
@@ -224,7 +233,7 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
 
     ``chunk_times`` gives each model chunk's own times (``stages`` x chunks a device of them);
     by default each chunk is an equal share of ``timing``, a whole stage's.  ``timing.comm``
-    is the send in both cases.
+    and ``timing.send_back`` are the sends in both cases.
     """
     p, m = stages, microbatches
     if p < 1 or m < 1:
@@ -255,7 +264,7 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
         orders = dualpipe_orders(p, m, v=schedule == "dualpipev")
     else:
         orders = [[(key,) for key in fixed_order(schedule, s, p, m, virtual)] for s in range(p)]
-    ops = run_orders(schedule, p, m, durations, timing.comm, orders, chunk_times)
+    ops = run_orders(schedule, p, m, durations, timing.comm, orders, chunk_times, back=timing.send_back)
     return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times),
                       tuple(tuple(order) for order in orders))
 
@@ -286,7 +295,7 @@ def check_budget(schedule: str, stages: int, microbatches: int, virtual: int = 1
 
 def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float,
                orders: list[list[Group]] | tuple[tuple[Group, ...], ...], chunk_times: tuple[Timing, ...] = (),
-               tick: bool = False) -> list[Op]:
+               tick: bool = False, back: float | None = None) -> list[Op]:
     """Each device runs its ``orders`` in turn, each group as soon as its inputs and the device are free.
 
     A group is one op, or ops run as one unit (DualPipe's whole backward, B then its W; its
@@ -297,7 +306,9 @@ def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]],
     waits is resumed when that op is done.  With ``tick`` every group takes one unit, all its ops
     spanning it (a lowered program's tick: :mod:`shardc.pipeline.ticks`), and no op of a group may read
     its forward (the program's body runs a tick's backward on what the tick found, not on its forward).
+    An input from another device arrives ``comm`` after its op ends, a backward's gradient ``back`` (or ``comm``).
     """
+    sends = {"F": comm, "B": comm if back is None else back, "W": comm}  # by the kind of op that made the input
     ends: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
     position = [0] * p
@@ -315,7 +326,7 @@ def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]],
             for kind, j, c in group:
                 for dep in _deps(kind, j, c, *spans[j]):
                     if (end := ends.get(dep)) is not None:
-                        start = max(start, end + comm if home[dep[2]] != d else end)
+                        start = max(start, end + sends[dep[0]] if home[dep[2]] != d else end)
                     elif dep not in group:
                         missing = dep
                         break

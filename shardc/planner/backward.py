@@ -294,8 +294,10 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     readers = _readers(graph, blocks)
     repeated = {n for n, where in readers.items() if where - {None}}
     # a data input a block and a statement before it both read: its contributions before the block's
-    # backward began (from statements after the block), counted when it begins
-    inputs = sorted(n for n in repeated & set(graph.inputs) if n not in bw.partial and n not in bw.shards)
+    # backward began (from statements after the block), counted when it begins; a param only one block
+    # reads is each layer's own, its gradient summed in that layer (read twice there: W · W · X)
+    own = {n for n in graph.params if len(readers.get(n, ())) == 1 and None not in readers[n]}
+    inputs = sorted(n for n in repeated & set(graph.inputs) - own if n not in bw.partial and n not in bw.shards)
     entered: dict[str, int] = {}
     last = len(graph.nodes) - 1
     after = _read_after(graph, blocks)
@@ -308,8 +310,12 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
             bw.phase.mark_block(start, None)
             after = []
         if later is not None and here != later:
+            start = len(bw.phase.steps)
             for name in (n for n in inputs if later in readers[n]):  # block `later`'s backward ends: each
                 bw.close_layer(name, entered[name])  # layer's sum of its input's gradient
+            for name in (n for n in own if later in readers[n]):  # and of its own params' (W · W · X)
+                bw.finish(name)
+            bw.phase.mark_block(start, later)  # each layer of that block runs them
         if here is not None and here != later:
             entered = {n: len(bw.parts.get(n, ())) for n in inputs}
         reading = readers.get(graph.nodes[k].result, set()) - {None, here}

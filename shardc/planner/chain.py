@@ -3,7 +3,8 @@
 A chain ``A · B · C -> R`` is planned left to right and its intermediates'
 layouts are the planner's to choose.  The state is the accumulated
 intermediate's layout; each step costs the exact einsum search from each state
-to each candidate next layout (the last step to the declared result).
+to each candidate next layout (the last step to the declared result, where a
+statement declares it).
 
 Done naively that is one einsum search per (state, target) pair, hundreds of
 thousands of configurations on a three-axis mesh.  But a configuration's cost
@@ -39,12 +40,16 @@ Path = tuple[float, tuple[Value, ...]]
 
 
 def choose_chain(phase: Phase, chain: list[Node], declared: dict[str, TensorRef]) -> None:
-    """Declare each intermediate of ``chain`` with the layouts of least total forward time."""
+    """Declare each intermediate of ``chain`` with the layouts of least total forward time.
+
+    The last step's result is the statement's, in its declared layout; a chain inside an expression
+    (``X + A · B · C``, ``silu(A · B · C)``) ends in one of the expression's own intermediates, which no
+    statement declares: it ends in any layout, as a product there does."""
     ctx = phase.ctx
     states: dict[State, Path] = {None: (0.0, ())}
     for k, node in enumerate(chain):
-        last = k == len(chain) - 1
-        targets = [Value.of(declared[node.result])] if last else list(layouts(ctx, node.indices))
+        result = declared.get(node.result) if k == len(chain) - 1 else None
+        targets = [Value.of(result)] if result is not None else list(layouts(ctx, node.indices))
         starts = list(states)
         first = starts[0]
         operands = tuple(

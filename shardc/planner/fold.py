@@ -193,12 +193,12 @@ def _fold_once(out: list[Step]) -> bool:
             continue
         held = index.held(i)
         if held is not None:  # already made earlier: slice it
-            out[i:i + 1] = _slices(step.tensor, held, step.dst, ahead=step.ahead)
+            out[i:i + 1] = _slices(step, held)
             return True
         j = index.container(i)
         if j is not None:  # made later from a value ready now: make it now, slice it
             late = out.pop(j)
-            out[i:i + 1] = [late, *_slices(step.tensor, late.dst, step.dst, ahead=step.ahead)]
+            out[i:i + 1] = [late, *_slices(step, late.dst)]
             return True
     return False
 
@@ -251,8 +251,10 @@ def _slices_to(big: TensorRef, small: TensorRef) -> bool:
     return not extra & {a for d in big.dims for a in d.axes}
 
 
-def _slices(tensor: str, big: TensorRef, small: TensorRef, ahead: bool) -> list[Step]:
-    """Free slices from ``big`` to ``small``, one axis at a time at the minor end of a dim."""
+def _slices(step: Step, big: TensorRef) -> list[Step]:
+    """Free slices from ``big`` to ``step``'s result, one axis at a time at the minor end of a dim, in its place:
+    ahead, once (outside a ``layers`` block) and in its block as it was."""
+    tensor, small = step.tensor, step.dst
     steps = []
     current = big
     for d, (b, s) in enumerate(zip(big.dims, small.dims, strict=True)):
@@ -260,8 +262,8 @@ def _slices(tensor: str, big: TensorRef, small: TensorRef, ahead: bool) -> list[
             dims = list(current.dims)
             dims[d] = Dim(dims[d].name, dims[d].axes + (axis,))
             nxt = TensorRef(current.name, tuple(dims), current.unreduced)
-            steps.append(Step(Op.SLICE, tensor, nxt, current, (axis,), dim=d, ahead=ahead,
-                              note="free: another collective's result holds it"))
+            steps.append(Step(Op.SLICE, tensor, nxt, current, (axis,), dim=d, ahead=step.ahead, once=step.once,
+                              block=step.block, note="free: another collective's result holds it"))
             current = nxt
     assert current == small
     return steps
