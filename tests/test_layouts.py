@@ -24,6 +24,7 @@ from shardc.layouts import layout_search as search_module
 from shardc.layouts.factor import MAX_CHIPS
 from shardc.layouts.rank import rank, rank_key
 from shardc.testing import specs
+from shardc.units import fmt_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "examples" / "llama2_13b.shard"
@@ -332,6 +333,56 @@ def test_a_pipelined_row_reports_one_step_shardc_costs_pipeline_step(capsys: pyt
         (pipe.step_s, pipe.mfu, max(at, pipe.step_s), pipe.fullest.memory_bytes)
     assert json.loads(json.dumps(row.to_json()))["mfu"] == pipe.mfu
     assert math.isclose(row.mfu * row.step_s, report.step.mfu * report.step.step_s, rel_tol=0.05)  # one model
+
+
+UNEVEN = ("mesh P=2 pipeline, X=4\nlayers 3\nmicrobatches 4\nschedule gpipe\nhardware tpu-v5p\n"
+          "dims B=4096, D=4096, E=4096\nparam W1, W2\n"
+          "H[B_X, E] = In[B_X, D] · W1[D_X, E]\nOut[B_X, D] = H[B_X, E] · W2[E_X, D]\n")  # 2 + 1 layers
+
+
+def test_every_column_of_a_pipelined_row_is_the_simulated_steps(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    """Issues 20/21: a pipelined row's compute, comm, critical and bound came from the tables (the slowest stage
+    over the whole batch) while its step was the simulated schedule's; now they are `shardc cost --json`'s
+    pipeline figures: the busiest device's compute and communication a step, the communication nothing hides."""
+    from shardc.layouts.rank import evaluate
+    path = tmp_path / "uneven.shard"
+    path.write_text(UNEVEN)
+    row = evaluate(shardc.parse(UNEVEN, str(path)), Options(get_hardware("tpu-v5p"), mfu=0.4))
+    assert not isinstance(row, str), row
+    status, out, _ = run(capsys, "cost", str(path), "--mfu", "0.4", "--json")
+    assert status == 0
+    pipe = json.loads(out)["pipeline"]
+    assert (row.compute_s, row.comm_s, row.critical_s, row.bound) == \
+        (pipe["compute_s"], pipe["comm_s"], pipe["exposed_comm_s"], pipe["bound"])
+    report = shardc.cost(shardc.plan(shardc.parse(UNEVEN), hardware="tpu-v5p"), hardware="tpu-v5p")
+    cost = report.pipeline
+    assert cost is not None
+    busiest = max(cost.stages, key=lambda s: s.layers)  # the stage of two layers
+    assert row.compute_s == pytest.approx(4 * busiest.compute_s + cost.update_s)
+    assert row.comm_s == pytest.approx(4 * busiest.comm_s + cost.grad_reduce_s)
+    # the step: the busiest device's compute, the schedule's idle time, and the communication left exposed
+    assert row.compute_s + cost.simulation.bubble + row.critical_s == pytest.approx(row.step_s)
+    assert 0 < row.critical_s <= row.comm_s
+
+
+def test_costs_step_at_mfu_of_a_pipelined_spec_is_the_pipelines(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    """Issue 21: `shardc cost --mfu`'s step line gave the tables' step at that MFU (one stage's model FLOPs over
+    its devices: the slowest stage's 2 of 3 layers as if every stage ran 2); now the whole pipelined step's."""
+    path = tmp_path / "uneven.shard"
+    path.write_text(UNEVEN)
+    status, out, _ = run(capsys, "cost", str(path), "--mfu", "0.4", "--json")
+    data = json.loads(out)
+    pipe = data["pipeline"]
+    whole = sum(p["model_flops"] for p in (data["forward"], data["backward"])) * 3 / 2  # 3 layers, not 2 a stage
+    at = whole / (8 * 459e12 * 0.4)  # 8 chips at v5p's bf16 peak, 459 TFLOP/s (shardc.hardware)
+    assert status == 0 and pipe["step_at_mfu_s"] == data["step"]["step_at_mfu_s"] == pytest.approx(at, rel=1e-3)
+    tables = data["forward"]["step_at_mfu_s"] + data["backward"]["step_at_mfu_s"]  # 2 layers on 4 chips
+    assert pipe["step_at_mfu_s"] == pytest.approx(0.75 * tables)  # 3 layers on 8 chips
+    status, text, _ = run(capsys, "cost", str(path), "--mfu", "0.4")
+    step = text[text.index("\nstep ("):]
+    assert f"at 40% MFU: {fmt_seconds(at)} " in step.split("\n\n")[0]
 
 
 # where few layouts fit -----------------------------------------------------------------------------

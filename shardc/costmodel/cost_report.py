@@ -74,7 +74,8 @@ class CostReport:
             "zero": _zero_json(self.plan),
             "forward": self.forward.to_json(), "backward": self.backward.to_json(),
             **({"optimizer": self.optimizer.to_json()} if self.optimizer is not None else {}),
-            "step": self.step.to_json(rows=False), "memory": self.memory.to_json(),
+            "step": {**self.step.to_json(rows=False), "step_at_mfu_s": self.step_at_mfu_s},
+            "memory": self.memory.to_json(),
             "thresholds": [t.sentence for t in self.thresholds],
             "threshold_details": [t.to_json() for t in self.thresholds],
             "notes": list(self.notes),
@@ -85,6 +86,11 @@ class CostReport:
             data["memory"] = {**self.memory.to_json(), "whole_batch_fits": self.memory.fits,
                               "fits": self.pipeline.fullest.fits}
         return data
+
+    @property
+    def step_at_mfu_s(self) -> float | None:
+        """The step at ``--mfu``'s MFU: a pipeline's over the whole pipelined step's chips, else the tables'."""
+        return self.pipeline.at_mfu_s if self.pipeline is not None else self.step.step_at_mfu_s
 
     def json_text(self) -> str:
         return json.dumps(self.to_json(), indent=2, allow_nan=False)  # strict JSON: a NaN is a bug
@@ -200,7 +206,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
                           for b, count in enumerate(whole))
         pipe = replace(pipe, model_flops=block + math.fsum(r.model_flops * n for r, n in counted if r.once),
                        devices=all_devices, peak=hw.peak(dtype), peak_dtype=dtype,
-                       update_s=step.update_s)
+                       update_s=step.update_s, mfu_assumed=mfu)
         pipe, moved = pipeline_offload(offload, pipe, hw, optimizer, offload_delayed)
         if moved is not None:  # the phases' verdicts: the slowest stage's copies
             fwd, bwd, step = _host_bound(moved, fwd, bwd, step)

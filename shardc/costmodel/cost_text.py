@@ -99,7 +99,9 @@ def _fusion_words(hw: Hardware) -> str:
     return "fused as XLA fuses" if hw.fuses else "one kernel an op: fusion none"
 
 
-def _totals(p: PhaseCost, layers: int) -> list[str]:
+def _totals(p: PhaseCost, layers: int, at_mfu: tuple[float | None, float] | None = None) -> list[str]:
+    """A phase's totals; ``at_mfu``: the step at ``--mfu`` and the model FLOPs it is of (the report's: a
+    pipeline's own, the whole pipelined step's, where pipelined)."""
     per = f" ({_layer_counts(p)} layers)" if layers != 1 or p.more_layers else ""
     f = p.formula
     update = f" (the optimizer's update {fmt_seconds(p.update_s)})" if p.update_s else ""
@@ -124,9 +126,9 @@ def _totals(p: PhaseCost, layers: int) -> list[str]:
     lines.append(f"  MFU {p.mfu:.1%} (model FLOPs {fmt_flops(p.model_flops)}, recomputation not counted, over the "
                  f"{p.dtype} peak {fmt_flops(p.hardware.peak(p.dtype))}/s), "
                  f"HFU {p.hfu:.1%}" + (f"; {p.tokens_per_s_per_chip:,.0f} tokens/s a chip" if p.tokens else ""))
-    if p.step_at_mfu_s is not None and p.mfu_assumed is not None:
-        lines.append(f"  at {p.mfu_assumed:.0%} MFU: {fmt_seconds(p.step_at_mfu_s)} "
-                     f"(model FLOPs {fmt_flops(p.model_flops)} / (devices * C * MFU))")
+    if at_mfu is not None and at_mfu[0] is not None and p.mfu_assumed is not None:
+        lines.append(f"  at {p.mfu_assumed:.0%} MFU: {fmt_seconds(at_mfu[0])} "
+                     f"(model FLOPs {fmt_flops(at_mfu[1])} / (devices * C * MFU))")
     return lines
 
 
@@ -140,7 +142,7 @@ def _phase(p: PhaseCost, layers: int) -> list[str]:
     lines.extend(_row(r) + _mark(r) for r in p.rows)
     if not p.rows:
         lines.append("  (no steps)")
-    return lines + _totals(p, layers)
+    return lines + _totals(p, layers, (p.step_at_mfu_s, p.model_flops))
 
 
 def _memory(report: CostReport) -> list[str]:
@@ -228,7 +230,8 @@ def render(report: CostReport) -> str:
     for phase in phases:
         body += _phase(phase, report.layers) + [""]
     title = " + ".join(p.name for p in phases)
-    body += [f"step ({title})"] + _totals(report.step, report.layers) + [""]
+    flops = report.pipeline.model_flops if report.pipeline is not None else report.step.model_flops
+    body += [f"step ({title})"] + _totals(report.step, report.layers, (report.step_at_mfu_s, flops)) + [""]
     body += _memory(report) + ["", "thresholds"]
     body += [f"  {t.sentence}" for t in report.thresholds] or ["  (no communication)"]
     if report.pipeline is not None:

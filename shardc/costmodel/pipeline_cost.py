@@ -199,6 +199,9 @@ class PipelineCost:
     tied_exchange_s: float = 0.0
     copies_exchange_s: float = 0.0  # DualPipe: devices d and p-1-d swapping their two stages' gradients, once a step
     offload_s: float = 0.0  # the slowest stage's host copies and host update no compute hides (--offload)
+    mfu_assumed: float | None = None  # --mfu: the MFU the step at MFU is given at
+    optimizer_busy_s: float = 0.0  # of optimizer_s, the compute and memory-bound steps' time
+    optimizer_comm_s: float = 0.0  # and the collectives'
 
     @property
     def fullest(self) -> StageCost:
@@ -215,6 +218,41 @@ class PipelineCost:
         """The step at model FLOPs utilisation ``mfu``: the whole step's model FLOPs over every chip at that
         share of the peak (``PhaseCost.step_at_mfu_s``'s, for the pipelined step)."""
         return self.model_flops / (self.devices * self.peak * mfu) if self.devices * self.peak else 0.0
+
+    @property
+    def busiest(self) -> StageCost:
+        """The device whose work sets the schedule's ideal time (the simulation's busiest)."""
+        return self.stages[max(range(len(self.stages)), key=self.simulation.work)]
+
+    @property
+    def compute_s(self) -> float:
+        """The busiest device's compute and memory-bound time a step, as the simulation runs it: every
+        microbatch through its stages, ZeRO-1/2's optimizer phase's and the optimizer's update after the
+        schedule."""
+        return self.pipeline.microbatches * self.busiest.compute_s + self.optimizer_busy_s + self.update_s
+
+    @property
+    def comm_s(self) -> float:
+        """The busiest device's communication a step: every microbatch's collectives and sends, and the
+        gradient reductions once a step (the two ends' tied swap and DualPipe's copies' swap among them),
+        ZeRO-1/2's optimizer phase's."""
+        return self.pipeline.microbatches * self.busiest.comm_s + self.grad_reduce_s + self.optimizer_comm_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """The communication nothing hides (``PhaseCost.exposed_comm_s``'s: the step less its compute), the
+        schedule's idle time not counted: a send the next stage waits on is counted in that idle time."""
+        return max(0.0, self.step_s - self.compute_s - self.simulation.bubble)
+
+    @property
+    def bound(self) -> str:
+        """The verdict on the pipelined step, from the busiest device's figures a step."""
+        return bound_of(self.compute_s, self.comm_s, any(s.host for s in self.stages))
+
+    @property
+    def at_mfu_s(self) -> float | None:
+        """The step at ``--mfu``'s MFU (:meth:`step_at_mfu_s`), None without it."""
+        return None if self.mfu_assumed is None else self.step_at_mfu_s(self.mfu_assumed)
 
     @property
     def extra(self) -> bool:
@@ -263,6 +301,8 @@ class PipelineCost:
             "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,
             "backward_s": self.timing.backward, "weight_s": self.timing.weight,
             "step_s": self.step_s, "mfu": self.mfu, "mfu_peak_dtype": self.peak_dtype,
+            "step_at_mfu_s": self.at_mfu_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s, "bound": self.bound,
             "step_closed_s": self.step_closed_s,
             "optimizer_s": self.optimizer_s, "update_s": self.update_s, "grad_reduce_s": self.grad_reduce_s,
             "grad_reduce_exposed_s": self.grad_reduce_exposed_s,
@@ -295,6 +335,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     dcn = plan.spec.mesh.axis(pipe.axis).network is Network.DCN
     name = pipe.schedule.name
     mems = stage_memories(plan, pipe, micro, hw, optimizer)
+    zero = _optimizer(plan, pipe, sizes, hw, spans)
     stages = _stages(plan, pipe, parts, micro, p2p_s + timing.send_back, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
     copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
@@ -307,7 +348,8 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
                                                              for b in range(len(pipe.blocks) or 1)),
                         p2p_s, "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
-                        sim, stages, found, _optimizer_s(plan, pipe, sizes, hw, spans), first, last,
+                        sim, stages, found, zero.seconds, first, last, optimizer_busy_s=zero.busy,
+                        optimizer_comm_s=zero.comm,
                         grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
                         copies_exchange_s=copies_s)
 
@@ -357,22 +399,24 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Ti
     return worst, max(0.0, exposed)
 
 
-def _optimizer_s(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
+def _optimizer(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> PartTime:
     """ZeRO-1/2's optimizer phase, once a step, on the busiest stage: its layers' params and the
-    params outside the block it holds."""
+    params outside the block it holds; its seconds, and of them its compute and its collectives."""
     if not plan.optimizer:
-        return 0.0
+        return PartTime(0.0, 0.0, 0.0)
     rows = list(phase_rows(plan, plan.optimizer, sizes, hw, spans))
     primal = {g: p for p, g in plan.gradient_names}
     blocks = block_reads(plan.spec)
     repeated = set(blocks)
-    inside = [part_time([r for r in rows if blocks.get(primal.get(r.tensor, r.tensor)) == b], hw).seconds
+    inside = [part_time([r for r in rows if blocks.get(primal.get(r.tensor, r.tensor)) == b], hw)
               for b in range(len(pipe.blocks) or 1)]  # one layer of each block
-    worst = 0.0
+    worst = PartTime(0.0, 0.0, 0.0)
     for stage, counts in enumerate(device_blocks(pipe)):
         held = held_names(plan, pipe, stage) or frozenset()
-        mine = [r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated]
-        worst = max(worst, math.fsum(n * t for n, t in zip(counts, inside, strict=True)) + part_time(mine, hw).seconds)
+        own = part_time([r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated], hw)
+        busy, comm, seconds = (math.fsum(n * getattr(t, f) for n, t in zip(counts, inside, strict=True))
+                               + getattr(own, f) for f in ("busy", "comm", "seconds"))
+        worst = max(worst, PartTime(busy, comm, seconds), key=lambda t: t.seconds)
     return worst
 
 

@@ -184,11 +184,12 @@ def fitted_report(candidate: Spec, options: Options, recompute: str, offload: st
 def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]) -> Layout:
     """A row from a cost report: the step's times, and memory (a pipeline's: its fullest stage's).
 
-    A pipelined row's step, MFU and step at ``--mfu`` are the simulated schedule's (``shardc cost``'s pipeline
-    section), its compute, communication and verdict the cost tables' (the slowest stage over the whole batch,
-    the work that schedule lays out): the tables' own step and MFU leave the bubble and the sends out."""
+    A pipelined row's every figure is the simulated schedule's (``shardc cost``'s pipeline section): its step,
+    MFU and step at ``--mfu``, and the busiest device's compute, communication, exposed communication and
+    verdict a step (the tables are the slowest stage over the whole batch, no bubble nor sends)."""
     step, mem = report.step, report.memory
-    mfu, at_mfu = step.mfu, step.step_at_mfu_s
+    mfu, at_mfu = step.mfu, report.step_at_mfu_s
+    compute, comm, critical, bound = step.compute_s, step.comm_s, step.critical_s, step.bound
     notes = tuple(n for n in report.plan.notes if "padded" in n) + tuple(
         n for n in report.notes if "a node has" in n or "split with" in n or "usual" in n)
     memory: tuple[tuple[str, float], ...] = (
@@ -203,14 +204,14 @@ def layout_of(report: CostReport, label: str, sizes: tuple[tuple[str, int], ...]
                   ("gathered", fullest.gathered_bytes))
         host = fullest.host_bytes
         total, step_s, mfu = fullest.memory_bytes, pipe.step_s, pipe.mfu
-        at_mfu = None if step.mfu_assumed is None else pipe.step_at_mfu_s(step.mfu_assumed)
+        compute, comm, critical, bound = pipe.compute_s, pipe.comm_s, pipe.exposed_comm_s, pipe.bound
         floor = pipe.pipeline.microbatches * math.fsum(s.compute_s for s in pipe.stages) / len(pipe.stages)
         if pipe.pipeline.stages > 1:
             notes += (f"pipeline: {pipe.pipeline.stages} stages, {pipe.pipeline.microbatches} microbatches, "
                       f"{pipe.pipeline.schedule}; step = the simulated schedule",)
     memory += (("host", host),) if host else ()
     links, _ = plan_links(report.plan, report.hardware, report.sizes)
-    return Layout(label, sizes, step_s, step.compute_s, step.comm_s, step.critical_s, step.bound, mfu,
+    return Layout(label, sizes, step_s, compute, comm, critical, bound, mfu,
                   None if at_mfu is None else max(at_mfu, step_s), memory, total, mem.hbm_bytes, notes,
                   any(k.split for k in links.values()), floor_s=floor,
                   placement=tuple(n for n in report.notes if n.startswith("mesh axis ")))
