@@ -261,3 +261,26 @@ def test_interleaved_lowers_as_itself_and_verifies(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(pipeline_routes.Placement, "links", chain)
     assert not verify_pipeline(plan).ok
+
+
+F8_BOUNDARY = """mesh P=2 pipeline, X=2
+dims B=8, D=6, F=4
+layers 2
+microbatches 2
+dtype f8 X1
+param W_1, W_2
+H[B_X, F] = gelu(X0[B_X, D] · W_1[D, F])
+X1[B_X, D] = X0[B_X, D] + H[B_X, F] · W_2[F, D]
+"""
+
+
+@pytest.mark.slow
+def test_an_f8_boundarys_permutes_are_checked_in_each_directions_type() -> None:
+    """Issue 20: verify priced both permutes of a `dtype f8` boundary at the activation's byte a float against
+    the HLO's at the spec's, and failed both; the activation goes on in FP8, its gradient back in the storage
+    type (shardc.ir.precision.gradient_dtype), as the cost prices the two sends."""
+    report = verify_pipeline(shardc.plan(shardc.parse(F8_BOUNDARY)), devices=4)
+    sends = {r.step.split(": ")[1].split(" ")[0]: r for r in report.collectives if r.kind == "CollectivePermute"}
+    on, back = sends["activations"], sends["cotangents"]
+    assert on.ok and back.ok and back.plan_bytes == 2 * on.plan_bytes == back.hlo_bytes  # BF16 back, FP8 on
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]

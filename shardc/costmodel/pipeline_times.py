@@ -20,7 +20,7 @@ from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
 from shardc.pipeline.block_split import stage_blocks
-from shardc.pipeline.boundary import boundary_tensor, check_microbatches
+from shardc.pipeline.boundary import boundary_tensor, check_microbatches, send_bytes
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, simulate
 from shardc.spec.stages import Pipeline
 from shardc.timing import plan_links
@@ -51,7 +51,7 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     parts = section_times(plan, micro, hw, spans, len(pipe.blocks) or 1, pipe.schedule.name in ZERO_BUBBLE)
     ref = boundary_tensor(plan)
     elements = float(local_elements(ref, micro))
-    p2p, back = (elements * plan.nbytes(name) for name in (ref.name, dict(plan.gradient_names).get(ref.name, ref.name)))
+    p2p, back = (elements * n for n in send_bytes(plan, ref.name))
     p2p_s, back_s = (collective_time(Op.COLLECTIVE_PERMUTE, size, (pipe.axis,), plan.spec.mesh, micro, hw,
                                      spans).seconds for size in (p2p, back))  # the activation on, its gradient back
     slowest = max((run_times(parts, counts) for counts in stage_blocks(pipe)), key=lambda run: run[0].seconds

@@ -11,7 +11,7 @@ from shardc.ir.plan import Op, Plan, Step, TensorInfo, model_dims
 from shardc.ir.spec import Spec, TensorRef
 from shardc.spec.walk import id_refs, leaves
 
-__all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "check_microbatches", "check_lowerable",
+__all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "send_bytes", "check_microbatches", "check_lowerable",
            "gradient_reductions", "tied_contributions", "carried_moves"]
 
 
@@ -60,6 +60,13 @@ def boundary_tensor(plan: Plan) -> TensorRef:
     if not outputs:
         raise ShardcError("the pipelined block has no output to send to the next stage")
     return outputs[-1]
+
+
+def send_bytes(plan: Plan, name: str) -> tuple[int, int]:
+    """Bytes an element of the boundary ``name`` takes each way: the activation on in its own type, its
+    gradient back in the gradient's (a ``dtype f8`` boundary's in the storage type:
+    :func:`shardc.ir.precision.gradient_dtype`)."""
+    return plan.nbytes(name), plan.nbytes(dict(plan.gradient_names).get(name, name))
 
 
 def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> str:

@@ -38,6 +38,7 @@ from shardc.device_pieces import local_elements
 from shardc.ir.plan import Op, Plan, Step, backward_program
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
+from shardc.pipeline.boundary import send_bytes
 from shardc.verification.hlo import Collective, collectives
 from shardc.verification.report import (
     CollectiveRow,
@@ -140,11 +141,15 @@ def outside_loop(text: str) -> list[str]:
     return [line for n, lines in computations.items() if n not in inside for line in lines]
 
 
-def _boundary_bytes(lowered: PipelineLowered) -> int:
-    """One microbatch's shard of the block output: what a permute moves (the cost model's ``p2p_bytes``)."""
+def _boundary_bytes(lowered: PipelineLowered) -> tuple[tuple[int, int], tuple[int, int]]:
+    """One microbatch's shard of the block output: what a permute moves each way, its elements and the bytes
+    of one (the activation's type on, its gradient's back: :func:`shardc.pipeline.boundary.send_bytes`, the cost
+    model's ``p2p_bytes`` and its gradient's)."""
     plan, ns = lowered.plan, lowered.namespace
     boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
-    return int(local_elements(boundary, lowered.sizes)) * plan.nbytes(boundary.name)
+    elements = int(local_elements(boundary, lowered.sizes))
+    on, back = send_bytes(plan, boundary.name)
+    return (elements, on), (elements, back)
 
 
 def _stride(lowered: PipelineLowered) -> int:
@@ -158,7 +163,7 @@ def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] 
     """The HLO: one permute down and one up (a ring's each may be cut in two), in a while loop of the tick
     table's ticks; a stage's ring kernels' own permutes (ring attention over another axis) are theirs."""
     pipe, nbytes = lowered.pipeline, lowered.plan.spec.dtype.nbytes
-    want_bytes = _boundary_bytes(lowered)
+    ways = _boundary_bytes(lowered)
     ticks = len(lowered.namespace.F_TABLE)
     trips = [int(n) for n in _TRIPS.findall(text)]
     found = [c for c in collectives(text, _mesh(lowered)) if c.hlo_op == "collective-permute"]
@@ -179,15 +184,16 @@ def _loop_permutes(lowered: PipelineLowered, text: str, parts: tuple[Plan, ...] 
     place = lowered.namespace.PIPELINE.placement
     ring = place.chunks > 1 and not place.v_shape
     most, left, links = 2 if ring else 1, list(found), 0
-    for step, what in ((1, "activations"), (-1, "cotangents")):
+    for step, what, (elements, per) in ((1, "activations", ways[0]), (-1, "cotangents", ways[1])):
+        want_bytes = elements * per  # the HLO's floats priced in this direction's type, as the cost prices them
         for pairs in place.links(step):
             mine = _take(left, _device_pairs(lowered, pairs), most)
             left, links = [c for c in left if c not in mine], links + 1
-            ok = bool(mine) and all(c.bytes(nbytes) == want_bytes for c in mine)
+            ok = bool(mine) and all(c.bytes(per) == want_bytes for c in mine)
             way = "s -> s+1" if pairs[0][1] > pairs[0][0] else "s+1 -> s"
             rows.append(CollectiveRow("step", f"ppermute_{pipe.axis} a tick: {what} {way}, a microbatch",
                                       "CollectivePermute", pipe.axis, want_bytes, f"collective-permute x {len(mine)}",
-                                      pipe.axis, max((c.bytes(nbytes) for c in mine), default=0), ok,
+                                      pipe.axis, max((c.bytes(per) for c in mine), default=0), ok,
                                       "" if ok else "not one of the bytes"))
     if left or not links <= len(found) <= links * most:
         want = f"{links}" if most == 1 else f"{links} to {links * most}"
