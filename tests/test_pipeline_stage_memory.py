@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -11,10 +12,12 @@ import shardc
 from shardc.costmodel.phase_memory import Buffers, phase_memory
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Schedule
+from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.lowering.pipeline_runtime import _once
 from shardc.planner.zigzag_order import sequence_order
-from shardc.verification.pipeline_memory import _data
-from shardc.verification.pipeline_verify import run_sizes
+from shardc.verification.pipeline_layers import run_blocks
+from shardc.verification.pipeline_memory import _data, _gradient_shapes, control_scalars
+from shardc.verification.pipeline_verify import run_sizes, run_split
 from tests.test_zigzag_pipeline import MODEL as ZIGZAG
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -118,3 +121,28 @@ def test_the_data_counts_a_dtype_lines_floats_at_the_runs_width() -> None:
     sizes, _, _ = run_sizes(plan, 8)
     x = sizes["B"] // sizes["X"] * sizes["S"] * sizes["D"] * 4
     assert _data(plan, sizes, 4) == 4 * x
+
+
+
+def _program(plan: Plan) -> tuple[Any, dict[str, int]]:
+    sizes, layers, micro = run_sizes(plan, 8)
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan),
+                             blocks=run_blocks(plan, layers))
+    return lowered.namespace.PIPELINE, lowered.sizes
+
+
+def test_the_check_counts_the_schedule_loops_control_scalars() -> None:
+    """XLA's CPU backend keeps the scalars the schedule's loop body reads of its tick tables (entries, slots,
+    predicates), each a buffer on its own 64-byte line, through the tick (pipeline_llama's and
+    pipeline_llama2_13b's buffer assignments: 35 and 34 pred[] and s32[] values in the body's temporaries, 28
+    of them the tables' and the gradient sums' writes, the rest the layer's own and the residual ring's
+    writes); the check counted none.  The counter (3), F's and B's hand-ons, 7 each, F's and B's params
+    slot, the rings' row and the cotangent's write (4), three stage predicates and a write's test for each
+    of the 4 shapes of the block's params (W_q, W_k, W_v one; W_o; W_gate, W_up one; W_down)."""
+    plan = _plan("pipeline_llama")
+    program, sizes = _program(plan)
+    assert [len(program.placement.links(s)) for s in (1, -1)] == [1, 1] and program.weight_ticks is None
+    assert _gradient_shapes(plan, sizes, program) == 4
+    assert control_scalars(program, 4) == 3 + 2 * 7 + 4 + 3 + 4
+    # a zero-bubble schedule's W reads its own table: one more params slot and two more stage predicates
+    assert control_scalars(replace(program, weight_ticks=program.backward_ticks), 4) == 28 + 3
