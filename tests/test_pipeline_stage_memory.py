@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 import shardc
 from shardc.costmodel.phase_memory import Buffers, phase_memory
@@ -17,7 +19,7 @@ from shardc.lowering.pipeline_runtime import _once
 from shardc.planner.zigzag_order import sequence_order
 from shardc.verification.pipeline_layers import run_blocks
 from shardc.verification.pipeline_memory import _data, _gradient_shapes, control_scalars
-from shardc.verification.pipeline_verify import run_sizes, run_split
+from shardc.verification.pipeline_verify import check_pipeline_memory, run_sizes, run_split
 from tests.test_zigzag_pipeline import MODEL as ZIGZAG
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -146,3 +148,18 @@ def test_the_check_counts_the_schedule_loops_control_scalars() -> None:
     assert control_scalars(program, 4) == 3 + 2 * 7 + 4 + 3 + 4
     # a zero-bubble schedule's W reads its own table: one more params slot and two more stage predicates
     assert control_scalars(replace(program, weight_ticks=program.backward_ticks), 4) == 28 + 3
+
+
+@pytest.mark.slow
+def test_xla_keeps_at_least_the_control_scalars_the_check_counts(tmp_path: Path) -> None:
+    """pipeline_llama's schedule compiled, its buffer assignment read: the pred[] and s32[] values of the
+    loop body's temporaries are the 28 the check counts and 7 it does not (the residual ring's writes'
+    tests, 3, and the layer's params slots, 4), each on a 64-byte line of its own."""
+    check = check_pipeline_memory(_plan("pipeline_llama"), 8, options={"xla_dump_to": str(tmp_path)})
+    text = next(tmp_path.glob("*_local*buffer-assignment.txt")).read_text()
+    temps = re.search(r"preallocated-temp:\n((?: value:.*\n)+)", text)
+    assert temps is not None
+    # a value each (the loop's phis are its counter's buffer again, not counted)
+    scalars = re.findall(r"<\d+ \S+ @\d+> \(size=[1-8],offset=(\d+)\): (?:pred|s32)\[\]", temps[1])
+    assert check.scalars == 28 and len(scalars) == check.scalars + 7
+    assert all(int(offset) % 64 == 0 for offset in scalars)
