@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -148,6 +149,10 @@ def test_the_check_counts_the_schedule_loops_control_scalars() -> None:
     assert control_scalars(program, 4) == 3 + 2 * 7 + 4 + 3 + 4
     # a zero-bubble schedule's W reads its own table: one more params slot and two more stage predicates
     assert control_scalars(replace(program, weight_ticks=program.backward_ticks), 4) == 28 + 3
+    # with two chunks a device (interleaved 2: XLA keeps 23) the range and receiver tests and the stage
+    # predicates are fused into the writes: 3 a hand-on
+    chunked = SimpleNamespace(weight_ticks=None, placement=SimpleNamespace(chunks=2))
+    assert control_scalars(chunked, 4) == 3 + 2 * 3 + 4 + 4
 
 
 @pytest.mark.slow

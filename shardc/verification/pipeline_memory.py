@@ -120,22 +120,26 @@ def control_scalars(program: Any, gradient_shapes: int) -> int:
     ``gradient_shapes``: the block params' distinct shapes on a device.  Counted for the comparison only
     (shardc cost counts none), read off the buffer assignments (``*-buffer-assignment.txt``, each scalar's
     source line through the HLO's stack frames) of pipeline_llama, pipeline_llama2_13b and yi_34b and of
-    pipeline_llama run as zb-h1 and as zbv: 35, 34, 40, 38 and 35 pred[] and s32[] values in the loop
-    body's temporaries, of which this counts 28, 28, 29, 31 and 31; not counted: the residual ring's
-    writes' tests (3 or 4) and the layer's own scalars (its params' slots, a dropout key's)."""
+    pipeline_llama run as gpipe, zb-h1, interleaved 2, zbv, dualpipe and dualpipev: 35, 34, 40, 37, 38,
+    23, 35, 32 and 36 pred[] and s32[] values in the loop body's temporaries, of which this counts 28, 28,
+    29, 28, 31, 17, 18, 18 and 18; not counted: the residual ring's writes' tests (3 or 4), the layer's own
+    scalars (its params' slots, a dropout key's) and, with several chunks, the rest of the hand-ons'."""
     split = program.weight_ticks is not None
     counter = 3  # the tick t, the body's copy of it and t + 1
     # a phase's hand-on (pipeline_routes.Placement.hand_on; F's and B's): the sender's entry clamped and
-    # whether it sent, its next virtual stage in range (two compares), whether it lands here, its slot's
-    # offset, and the write's in-bounds test (XLA turns a scatter at a traced index into a dynamic-update-
-    # slice behind one); one set a phase whatever its links (the buffer assignments: 1f1b's one link a
-    # direction keeps 14, zbv's two links and the V's turn 16, the rest fused into the writes)
-    hand_ons = 2 * 7
+    # whether it sent, and the write's in-bounds test (XLA turns a scatter at a traced index into a dynamic-
+    # update-slice behind one); where a device holds one chunk (1f1b, gpipe, zb-h1) also its next virtual
+    # stage in range (two compares), whether it lands here and its slot's offset, and the predicates below:
+    # with several chunks (interleaved, the V schedules) XLA fuses those into the writes (the buffer
+    # assignments: 14 scalars of the hand-ons under 1f1b, 6 under interleaved 2, 16 under zbv, 10 under
+    # dualpipe, none of the stage predicates but under 1f1b, gpipe and zb-h1)
+    one_chunk = program.placement.chunks == 1
+    hand_ons = 2 * (7 if one_chunk else 3)
     phases = 3 if split else 2  # F, B and the zero-bubble schedules' W, each its own table's entry
     # each phase's slot of the layer params, the device's row of the rings' slot tables, the ends' cotangent
     # write; the predicates: F's first and last virtual stage, B's first (W's first and last where split)
     lookups = phases + 2
-    predicates = 3 + 2 * split
+    predicates = (3 + 2 * split) * one_chunk
     # each gradient sum written at its layer's slot: one in-bounds test a distinct shape (XLA's CSE folds
     # the tests of equal shapes at the same index)
     return counter + hand_ons + lookups + predicates + gradient_shapes
