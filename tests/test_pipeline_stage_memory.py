@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
+import pytest
 
 import shardc
 from shardc.costmodel.phase_memory import Buffers, phase_memory
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Schedule
+from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.lowering.pipeline_runtime import _once
 from shardc.planner.zigzag_order import sequence_order
-from shardc.verification.pipeline_memory import _data
-from shardc.verification.pipeline_verify import run_sizes
+from shardc.verification.pipeline_layers import run_blocks
+from shardc.verification.pipeline_memory import _data, _gradient_shapes, control_scalars
+from shardc.verification.pipeline_verify import check_pipeline_memory, run_sizes, run_split
 from tests.test_zigzag_pipeline import MODEL as ZIGZAG
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -118,3 +124,47 @@ def test_the_data_counts_a_dtype_lines_floats_at_the_runs_width() -> None:
     sizes, _, _ = run_sizes(plan, 8)
     x = sizes["B"] // sizes["X"] * sizes["S"] * sizes["D"] * 4
     assert _data(plan, sizes, 4) == 4 * x
+
+
+
+def _program(plan: Plan) -> tuple[Any, dict[str, int]]:
+    sizes, layers, micro = run_sizes(plan, 8)
+    lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan),
+                             blocks=run_blocks(plan, layers))
+    return lowered.namespace.PIPELINE, lowered.sizes
+
+
+def test_the_check_counts_the_schedule_loops_control_scalars() -> None:
+    """XLA's CPU backend keeps the scalars the schedule's loop body reads of its tick tables (entries, slots,
+    predicates), each a buffer on its own 64-byte line, through the tick (pipeline_llama's and
+    pipeline_llama2_13b's buffer assignments: 35 and 34 pred[] and s32[] values in the body's temporaries, 28
+    of them the tables' and the gradient sums' writes, the rest the layer's own and the residual ring's
+    writes); the check counted none.  The counter (3), F's and B's hand-ons, 7 each, F's and B's params
+    slot, the rings' row and the cotangent's write (4), three stage predicates and a write's test for each
+    of the 4 shapes of the block's params (W_q, W_k, W_v one; W_o; W_gate, W_up one; W_down)."""
+    plan = _plan("pipeline_llama")
+    program, sizes = _program(plan)
+    assert [len(program.placement.links(s)) for s in (1, -1)] == [1, 1] and program.weight_ticks is None
+    assert _gradient_shapes(plan, sizes, program) == 4
+    assert control_scalars(program, 4) == 3 + 2 * 7 + 4 + 3 + 4
+    # a zero-bubble schedule's W reads its own table: one more params slot and two more stage predicates
+    assert control_scalars(replace(program, weight_ticks=program.backward_ticks), 4) == 28 + 3
+    # with two chunks a device (interleaved 2: XLA keeps 23) the range and receiver tests and the stage
+    # predicates are fused into the writes: 3 a hand-on
+    chunked = SimpleNamespace(weight_ticks=None, placement=SimpleNamespace(chunks=2))
+    assert control_scalars(chunked, 4) == 3 + 2 * 3 + 4 + 4
+
+
+@pytest.mark.slow
+def test_xla_keeps_at_least_the_control_scalars_the_check_counts(tmp_path: Path) -> None:
+    """pipeline_llama's schedule compiled, its buffer assignment read: the pred[] and s32[] values of the
+    loop body's temporaries are the 28 the check counts and 7 it does not (the residual ring's writes'
+    tests, 3, and the layer's params slots, 4), each on a 64-byte line of its own."""
+    check = check_pipeline_memory(_plan("pipeline_llama"), 8, options={"xla_dump_to": str(tmp_path)})
+    text = next(tmp_path.glob("*_local*buffer-assignment.txt")).read_text()
+    temps = re.search(r"preallocated-temp:\n((?: value:.*\n)+)", text)
+    assert temps is not None
+    # a value each (the loop's phis are its counter's buffer again, not counted)
+    scalars = re.findall(r"<\d+ \S+ @\d+> \(size=[1-8],offset=(\d+)\): (?:pred|s32)\[\]", temps[1])
+    assert check.scalars == 28 and len(scalars) == check.scalars + 7
+    assert all(int(offset) % 64 == 0 for offset in scalars)

@@ -12,21 +12,22 @@ the stage's params, their gradients (the program returns one a param, on its ZeR
 spec shards it; it updates no optimizer state), the activations its save policy keeps for the
 microbatches the stage holds at its peak (the program's ring holds as many:
 :mod:`shardc.lowering.pipeline_slots`), one layer's gathered weights, a tick's working set (one
-microbatch's largest phase, laid out as XLA's CPU backend lays it) and the microbatches' gradient
-sums a once-a-step ReduceScatter reads, and beside the stage the run's data the program takes and
-returns (the whole batch's inputs and outputs, their cotangents and gradients).  Both are counted at
-the run's float element (its inputs' dtype).
+microbatch's largest phase, laid out as XLA's CPU backend lays it, with the schedule loop's control
+scalars) and the microbatches' gradient sums a once-a-step ReduceScatter reads, and beside the stage
+the run's data the program takes and returns (the whole batch's inputs and outputs, their cotangents
+and gradients).  Both are counted at the run's float element (its inputs' dtype).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from shardc.costmodel.cost_report import cost
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.costmodel.pipeline_cost import StageCost
-from shardc.device_pieces import local_elements
+from shardc.device_pieces import local_elements, size_of
 from shardc.ir.plan import Plan
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.pipeline.boundary import microbatch_dim
@@ -34,7 +35,7 @@ from shardc.units import fmt_bytes
 from shardc.verification.memory_check import XLA_CPU
 from shardc.verification.pipeline_layers import at_run_blocks
 
-__all__ = ["StageMemoryCheck", "stage_memory_check", "render_stage_memory"]
+__all__ = ["StageMemoryCheck", "stage_memory_check", "control_scalars", "render_stage_memory"]
 
 _XLA = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
         ("temporaries", "temp_size_in_bytes"))
@@ -51,6 +52,7 @@ class StageMemoryCheck:
     slots: int  # the microbatches whose residuals the lowered schedule keeps at once: its ring's slots
     shardc_parts: tuple[tuple[str, float], ...]  # params, gradients, activations, gathered
     xla_parts: tuple[tuple[str, float], ...]  # arguments, outputs, temporaries; less the aliased bytes
+    scalars: int = 0  # the schedule loop's control scalars counted in the working set (control_scalars)
 
     @property
     def shardc_bytes(self) -> float:
@@ -71,14 +73,15 @@ class StageMemoryCheck:
                 "a tick's working set is one microbatch's largest phase through a layer (or an end) of the "
                 "stage, the block's copies of its arguments (with the slices of the rings' slots a dot reads) "
                 "once for each layer a tick runs (XLA's CPU backend makes them all at the start of the "
-                "backward); XLA also keeps the loop's control scalars, each on a 64-byte line, and packs its "
-                "buffers with a few per cent of gaps",
+                f"backward), with the schedule loop's {self.scalars} control scalars (the tick tables' lookups "
+                "and predicates), each on a 64-byte line; XLA also packs its buffers with a few per cent of gaps",
                 "the program updates no optimizer state (it returns the gradients): shardc cost's optimizer "
                 "bytes have no counterpart here"]
 
     def to_json(self) -> dict[str, object]:
         return {"pipelined": True, "stage": self.stage, "element_bytes": self.element, "held": self.held,
-                "microbatches": self.microbatches, "slots": self.slots, "notes": self.notes(),
+                "microbatches": self.microbatches, "slots": self.slots, "control_scalars": self.scalars,
+                "notes": self.notes(),
                 "shardc_bytes": self.shardc_bytes, "xla_bytes": self.xla_bytes, "ratio": self.ratio,
                 "shardc_parts": dict(self.shardc_parts), "xla_parts": dict(self.xla_parts)}
 
@@ -96,15 +99,58 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     assert report.pipeline is not None
     stage = report.pipeline.fullest
     scale = element / plan.spec.dtype.nbytes
+    program = lowered.namespace.PIPELINE
+    scalars = control_scalars(program, _gradient_shapes(plan, lowered.sizes, program))
     shardc = (("params", stage.params * element), ("gradients", stage.grads * element),
               ("activations", stage.activation_bytes * scale), ("gathered weights", stage.gathered_bytes * scale),
               ("working set", _working_set(run, sizes | {report.pipeline.dim: report.pipeline.microbatch_size},
-                                           stage, element, lowered.namespace.PIPELINE.slots)),
+                                           stage, element, program.slots) + scalars * XLA_CPU.align),
               ("gradient sums", stage.accumulator_bytes * scale), ("data", _data(plan, sizes, element)))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
-    slots = lowered.namespace.PIPELINE.rings.kept.count
+    slots = program.rings.kept.count
     return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, slots, shardc,
-                            xla + (("aliased", -float(stats.alias_size_in_bytes)),))
+                            xla + (("aliased", -float(stats.alias_size_in_bytes)),), scalars)
+
+
+def control_scalars(program: Any, gradient_shapes: int) -> int:
+    """The scalars the schedule's loop body keeps through a tick on XLA's CPU backend, from what it reads
+    of the tick tables (:meth:`shardc.lowering.pipeline_runtime.Pipeline._local`), for the backward program
+    (the one the check compiles): each a buffer of its own on a 64-byte line, alive from the tick's start
+    (they read only the loop's state, so its scheduler makes them first) to the phase that reads them.
+    ``gradient_shapes``: the block params' distinct shapes on a device.  Counted for the comparison only
+    (shardc cost counts none), read off the buffer assignments (``*-buffer-assignment.txt``, each scalar's
+    source line through the HLO's stack frames) of pipeline_llama, pipeline_llama2_13b and yi_34b and of
+    pipeline_llama run as gpipe, zb-h1, interleaved 2, zbv, dualpipe and dualpipev: 35, 34, 40, 37, 38,
+    23, 35, 32 and 36 pred[] and s32[] values in the loop body's temporaries, of which this counts 28, 28,
+    29, 28, 31, 17, 18, 18 and 18; not counted: the residual ring's writes' tests (3 or 4), the layer's own
+    scalars (its params' slots, a dropout key's) and, with several chunks, the rest of the hand-ons'."""
+    split = program.weight_ticks is not None
+    counter = 3  # the tick t, the body's copy of it and t + 1
+    # a phase's hand-on (pipeline_routes.Placement.hand_on; F's and B's): the sender's entry clamped and
+    # whether it sent, and the write's in-bounds test (XLA turns a scatter at a traced index into a dynamic-
+    # update-slice behind one); where a device holds one chunk (1f1b, gpipe, zb-h1) also its next virtual
+    # stage in range (two compares), whether it lands here and its slot's offset, and the predicates below:
+    # with several chunks (interleaved, the V schedules) XLA fuses those into the writes (the buffer
+    # assignments: 14 scalars of the hand-ons under 1f1b, 6 under interleaved 2, 16 under zbv, 10 under
+    # dualpipe, none of the stage predicates but under 1f1b, gpipe and zb-h1)
+    one_chunk = program.placement.chunks == 1
+    hand_ons = 2 * (7 if one_chunk else 3)
+    phases = 3 if split else 2  # F, B and the zero-bubble schedules' W, each its own table's entry
+    # each phase's slot of the layer params, the device's row of the rings' slot tables, the ends' cotangent
+    # write; the predicates: F's first and last virtual stage, B's first (W's first and last where split)
+    lookups = phases + 2
+    predicates = (3 + 2 * split) * one_chunk
+    # each gradient sum written at its layer's slot: one in-bounds test a distinct shape (XLA's CSE folds
+    # the tests of equal shapes at the same index)
+    return counter + hand_ons + lookups + predicates + gradient_shapes
+
+
+def _gradient_shapes(plan: Plan, sizes: dict[str, int], program: Any) -> int:
+    """The distinct shapes of the pipelined blocks' params on a device at the microbatch's ``sizes``."""
+    refs = {info.name: info.ref for info in plan.tensors}
+    names = {p for body in program.bodies for p in body.params}
+    return len({tuple(-(-size_of(sizes, d.name) // math.prod(size_of(sizes, a) for a in d.axes))
+                      for d in refs[n].dims) for n in names})
 
 
 def _data(plan: Plan, sizes: dict[str, int], element: int) -> float:

@@ -292,9 +292,11 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
     return report
 
 
-def check_pipeline_memory(plan: Plan, devices: int, dtype: str = MEMORY_DTYPE) -> StageMemoryCheck:
+def check_pipeline_memory(plan: Plan, devices: int, dtype: str = MEMORY_DTYPE,
+                          options: dict[str, str] | None = None) -> StageMemoryCheck:
     """The pipeline lowered as :func:`verify_pipeline` lowers it on ``devices`` devices, its schedule
-    compiled for inputs in ``dtype`` (not run), and its memory set beside shardc's fullest stage."""
+    compiled for inputs in ``dtype`` (not run; ``options``: XLA's, as ``{"xla_dump_to": DIR}``), and its
+    memory set beside shardc's fullest stage."""
     sizes, layers, micro = run_sizes(plan, devices)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan),
                              blocks=run_blocks(plan, layers))
@@ -303,7 +305,7 @@ def check_pipeline_memory(plan: Plan, devices: int, dtype: str = MEMORY_DTYPE) -
     cotangent = {k: np.asarray(v, dtype) for k, v in draw_cotangent(lowered, drawn, 0).items()}
     pipeline = lowered.namespace.PIPELINE
     args = pipeline.arguments(inputs, pipeline.ends.cotangent(pipeline, inputs, cotangent), 0)
-    stats = pipeline.program()[1].lower(*args).compile().memory_analysis()
+    stats = pipeline.program()[1].lower(*args).compile(compiler_options=options).memory_analysis()
     return stage_memory_check(plan, lowered, stats, np.dtype(dtype).itemsize)
 
 
