@@ -207,65 +207,101 @@ def draw_cotangent(lowered: PipelineLowered, inputs: Arrays, seed: int) -> Array
     return {ends.result_cotangent: np.asarray(rng.standard_normal())}
 
 
-def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: int, xp: Any = np,
+def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: int, xp: Any = None,
               dtype: Any = np.float64) -> tuple[Arrays, Arrays]:
     """The spec's meaning in float64: the pipeline's results and every gradient, keyed as the module
-    keys them.  With ``xp`` jax.numpy and ``dtype`` float32 it is the unsharded float32 program."""
+    keys them.  ``xp`` runs each part (numpy's by default); with :class:`_Compiled` and ``dtype``
+    float32 it is the unsharded float32 program (:func:`unsharded`)."""
     ns = lowered.namespace
     pre, _, post = _parts(lowered)
-    wide = {k: v if v.dtype.kind in "iu" else xp.asarray(v, dtype) for k, v in inputs.items()}
+    xp = xp if xp is not None else _Direct(np)
+    wide = {k: v if v.dtype.kind in "iu" else np.asarray(v, dtype) for k, v in inputs.items()}
     sizes = dict(lowered.sizes)  # the dims no input has (a route's capacity); the inputs' shapes win
     pre_in = {k: wide[k] for k in ns.PRE_FORWARD_IN} if pre is not None else {}
-    x = numpy_reference.forward(pre, pre_in, xp)[ns.PRE_RESULT] if pre is not None else wide[ns.BLOCK_INPUT]
+    x = xp.forward(pre, pre_in)[ns.PRE_RESULT] if pre is not None else wide[ns.BLOCK_INPUT]
     kept = []
     layers = model_layers(lowered)
     for number, layer in enumerate(layers):
         values = {layer.input: x, **{p: wide[p][layer.index] for p in layer.params}}
         kept.append(values)
-        x = numpy_reference.forward(layer.spec, values, xp, sizes=sizes,
-                                    key=_key(lowered, key, number))[layer.output]
+        x = xp.forward(layer.spec, values, sizes, _key(lowered, key, number))[layer.output]
     grads: Arrays = {}
     tied: Arrays = {}  # a param read on both ends: the contribution to its gradient after the block
     if post is None:
         results = {ns.BLOCK_OUTPUT: x}
-        g = xp.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
+        g = np.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
     else:
         post_in = {k: x if k == layers[-1].output else wide[k] for k in ns.POST_FORWARD_IN}
-        results = {ns.LOSS: xp.asarray(numpy_reference.forward(post, post_in, xp, sizes=sizes)[ns.LOSS])}
-        d_loss = xp.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
-        got = numpy_reference.backward(post, post_in, {ns.LOSS: d_loss}, xp, sizes=sizes)  # a routed head's C
+        results = {ns.LOSS: np.asarray(xp.forward(post, post_in, sizes)[ns.LOSS])}
+        d_loss = np.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
+        got = xp.backward(post, post_in, {ns.LOSS: d_loss}, sizes)  # a routed head's C
         grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS if p not in ns.TIED})
         tied = {p: got[p] for p in ns.TIED}
         g = got[layers[-1].output]
     stacks: dict[str, list[np.ndarray]] = {p: [] for layer in layers for p in layer.params}
     for number in reversed(range(len(kept))):
         layer = layers[number]
-        back = numpy_reference.backward(layer.spec, kept[number], {layer.output: g}, xp, sizes=sizes,
-                                        key=_key(lowered, key, number))
+        back = xp.backward(layer.spec, kept[number], {layer.output: g}, sizes, _key(lowered, key, number))
         for p in layer.params:
             stacks[p].insert(0, back[p])
         g = back[layer.input]
     if pre is None:
         grads[ns.GRADS[ns.BLOCK_INPUT]] = g
     else:
-        got = numpy_reference.backward(pre, pre_in, {ns.PRE_RESULT: g}, xp)
+        got = xp.backward(pre, pre_in, {ns.PRE_RESULT: g})
         finals = getattr(ns, "PRE_FINAL_GRADS", {})  # a tied param's gradient: the sum of both ends'
         grads.update({finals.get(ns.PRE_GRADS[p], ns.PRE_GRADS[p]): got[p] + tied[p] if p in tied else got[p]
                       for p in ns.PRE_PARAMS})
     names = block_grads(lowered)
-    grads.update({names[p]: xp.stack(v) for p, v in stacks.items()})
+    grads.update({names[p]: np.stack(v) for p, v in stacks.items()})
     return results, grads
 
 
 def unsharded(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: int,
               dtype: Any) -> tuple[Arrays, Arrays]:
-    """:func:`reference` in jax.numpy and ``dtype``: the unsharded program, on one device.  Traced and
-    compiled as one program: run op by op, jax compiles each distinct operation apart, about a hundred
-    small compilations a pipeline."""
-    import jax
-    import jax.numpy as jnp
+    """:func:`reference` in jax.numpy and ``dtype``: the unsharded program, on one device, each part
+    compiled apart (:class:`_Compiled`)."""
+    return reference(lowered, inputs, cotangent, key, _Compiled(bool(lowered.namespace.KEYED)), dtype)
 
-    return jax.jit(lambda i, c: reference(lowered, i, c, key, jnp, dtype))(inputs, cotangent)  # type: ignore[no-any-return]
+
+class _Direct:
+    """The parts of the model (the statements before the blocks, a layer, those after) run op by op in
+    ``xp`` (numpy, or jax.numpy)."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+
+    def forward(self, spec: Spec, inputs: Arrays, sizes: dict[str, int] | None = None, key: int = 0) -> Arrays:
+        return self._part(numpy_reference.forward, spec, sizes, key)(inputs)
+
+    def backward(self, spec: Spec, inputs: Arrays, cotangents: Arrays, sizes: dict[str, int] | None = None,
+                 key: int = 0) -> Arrays:
+        return self._part(numpy_reference.backward, spec, sizes, key)(inputs, cotangents)
+
+    def _part(self, run: Any, spec: Spec, sizes: dict[str, int] | None, key: int) -> Any:
+        return lambda *arrays: run(spec, *arrays, self.xp, sizes=sizes, key=key)
+
+
+class _Compiled(_Direct):
+    """Each part compiled by jax apart, once for each spec (a block's layers share one program) and
+    dropout key: op by op, jax compiles each distinct operation apart (about a hundred small programs a
+    pipeline); traced whole, DeepSeek-V3's 32 layers were one program of 130,000 HLO lines whose XLA
+    compile took 48 s of verify's CPU.  Each part's own sums XLA still orders as it likes."""
+
+    def __init__(self, keyed: bool) -> None:
+        import jax.numpy as jnp
+
+        super().__init__(jnp)
+        self.keyed = keyed  # unkeyed, no op draws a mask: the key changes nothing (reference.keyed_salt)
+        self.programs: dict[tuple[Any, ...], Any] = {}
+
+    def _part(self, run: Any, spec: Spec, sizes: dict[str, int] | None, key: int) -> Any:
+        import jax
+
+        name = (run, id(spec), sizes is None, key if self.keyed else 0)  # sizes: one dict, the run's
+        if name not in self.programs:
+            self.programs[name] = jax.jit(super()._part(run, spec, sizes, key))
+        return self.programs[name]
 
 
 def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
