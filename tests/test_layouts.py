@@ -421,3 +421,14 @@ def test_where_no_layout_fits_the_reason_names_the_leanest_and_what_fills_it() -
     text = found["reason"]
     assert "the leanest" in text and " ".join(f"{k}={v}" for k, v in lean["axes"].items()) in text
     assert f"most of it {largest}" in text and "fix: more chips" in text
+
+
+def test_cost_text_says_the_pipelines_bound_a_pipelined_row_gives(capsys: pytest.CaptureFixture[str]) -> None:
+    """`shardc cost` of a pipelined spec prints the busiest device's compute, communication and bound a step,
+    the simulated schedule's figures a layouts row of it reports (`pipeline` in --json)."""
+    path = str(Path(__file__).resolve().parent.parent / "examples" / "pipeline_llama.shard")
+    assert main(["cost", path, "--json"]) == 0
+    pipe = json.loads(capsys.readouterr().out)["pipeline"]
+    assert main(["cost", path]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  the busiest device a step")]
+    assert line.endswith(f"bound by {pipe['bound']}") and pipe["exposed_comm_s"] <= pipe["comm_s"]

@@ -277,6 +277,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + f"[{fmt_seconds(cost.step_closed_s)} with free sends"
              + (", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%} "
              f"(over the {cost.peak_dtype} peak)",
+             f"  the busiest device a step: compute {fmt_seconds(cost.compute_s)}, communication "
+             f"{fmt_seconds(cost.comm_s)} ({fmt_seconds(cost.exposed_comm_s)} of it exposed): bound by {cost.bound}",
              *([f"  gradient reductions: accumulated over the microbatches and reduced once a step, "
                 f"{fmt_seconds(cost.grad_reduce_s)} on the busiest stage, issued under the last microbatch's "
                 f"backward ({fmt_seconds(cost.grad_reduce_exposed_s)} exposed)"
