@@ -106,6 +106,12 @@ def bound_of(compute_s: float, comm_s: float, host: bool = False) -> str:
     return "communication" if comm_s > compute_s else "compute"
 
 
+def seconds_at_mfu(model_flops: float, devices: int, peak: float, mfu: float) -> float:
+    """A step's time at model FLOPs utilisation ``mfu``: its model FLOPs over every chip at that share of the
+    peak (``--mfu``; a phase's and a pipelined step's alike)."""
+    return model_flops / (devices * peak * mfu) if devices * peak else 0.0
+
+
 def step_seconds(*phases_s: float) -> float:
     """A training step's time: its phases run one after the other (forward, backward, optimizer)."""
     return math.fsum(phases_s)

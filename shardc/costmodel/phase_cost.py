@@ -38,7 +38,15 @@ from shardc.costmodel.formulas import PhaseFormula
 from shardc.hardware import Hardware
 from shardc.layer_counts import runs
 from shardc.step_cost import StepCost
-from shardc.timing import bound_of, comm_split, phase_seconds, phase_time, reductions_exposed, step_seconds
+from shardc.timing import (
+    bound_of,
+    comm_split,
+    phase_seconds,
+    phase_time,
+    reductions_exposed,
+    seconds_at_mfu,
+    step_seconds,
+)
 
 __all__ = ["PhaseCost"]
 
@@ -204,7 +212,7 @@ class PhaseCost:
     def step_at_mfu_s(self) -> float | None:
         if self.mfu_assumed is None:
             return None
-        return self.model_flops / (self.devices * self.hardware.peak(self.dtype) * self.mfu_assumed)
+        return seconds_at_mfu(self.model_flops, self.devices, self.hardware.peak(self.dtype), self.mfu_assumed)
 
     def exprs(self) -> dict[str, str]:
         return self.formula.exprs()

@@ -104,7 +104,7 @@ from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of
 from shardc.spec.stages import Pipeline, pipeline_of
 from shardc.spec.walk import block_reads
-from shardc.timing import bound_of, phase_rows
+from shardc.timing import bound_of, phase_rows, seconds_at_mfu
 
 if TYPE_CHECKING:
     from shardc.costmodel.cost_report import CostReport
@@ -214,11 +214,6 @@ class PipelineCost:
         return self.model_flops / (self.devices * self.peak * self.step_s) if self.devices * self.peak * \
             self.step_s else 0.0
 
-    def step_at_mfu_s(self, mfu: float) -> float:
-        """The step at model FLOPs utilisation ``mfu``: the whole step's model FLOPs over every chip at that
-        share of the peak (``PhaseCost.step_at_mfu_s``'s, for the pipelined step)."""
-        return self.model_flops / (self.devices * self.peak * mfu) if self.devices * self.peak else 0.0
-
     @property
     def busiest(self) -> StageCost:
         """The device whose work sets the schedule's ideal time (the simulation's busiest)."""
@@ -251,8 +246,9 @@ class PipelineCost:
 
     @property
     def at_mfu_s(self) -> float | None:
-        """The step at ``--mfu``'s MFU (:meth:`step_at_mfu_s`), None without it."""
-        return None if self.mfu_assumed is None else self.step_at_mfu_s(self.mfu_assumed)
+        """The step at ``--mfu``'s MFU (``PhaseCost.step_at_mfu_s``'s, for the pipelined step), None without it."""
+        return None if self.mfu_assumed is None else seconds_at_mfu(self.model_flops, self.devices, self.peak,
+                                                                    self.mfu_assumed)
 
     @property
     def extra(self) -> bool:
