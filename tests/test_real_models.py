@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import shardc
 from shardc.cli.main import main
 from shardc.ir.localops import Attention
+from shardc.ir.plan import Plan
 from shardc.spec.stages import pipeline_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +32,7 @@ def _mesh(name: str) -> dict[str, int]:
     return {axis.name: axis.size for axis in spec.mesh.axes}
 
 
+@functools.cache  # the reports are read, never changed: tests of one process share each model's costing
 def _cost(name: str, *options: str) -> dict:  # type: ignore[type-arg]
     path = EXAMPLES / f"{name}.shard"
     spec = shardc.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -93,12 +96,13 @@ def test_each_pipelined_model_lowers_at_its_own_sizes(path: Path, tmp_path: Path
     assert ("\nBLOCK_LAYERS = (3, 58)" in source) == (pipe.blocks == (3, 58))
 
 
-def _context_forms(text: str, path: Path) -> tuple[list[Attention], dict[str, float]]:
-    """The attention kernels the plan runs and the time of each context-parallel form it weighed."""
+def _context_forms(text: str, path: Path) -> tuple[Plan, list[Attention], dict[str, float]]:
+    """The plan (``--explain``'s, the same as without), the attention kernels it runs and the time of each
+    context-parallel form it weighed."""
     planned = shardc.plan(shardc.parse(text, filename=str(path)), recompute="dots", explain=True)
     kernels = [s.fn for s in planned.forward if isinstance(s.fn, Attention)]
     (choice,) = [c for c in planned.choices if any("all-gather, balanced" in a.description for a in c.alternatives)]
-    return kernels, {a.description.split(" (")[-1].rstrip(")"): a.time or 0.0 for a in choice.alternatives}
+    return planned, kernels, {a.description.split(" (")[-1].rstrip(")"): a.time or 0.0 for a in choice.alternatives}
 
 
 def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() -> None:
@@ -109,18 +113,18 @@ def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() ->
     gathered sequence, where the ring's steps call it on a block's keys, at which FlashAttention-2 runs
     slower; under FlashAttention-3, whose rate falls less at shorter calls, the held zig-zag ring wins.  In
     contiguous blocks the last device runs 31/32 of its share."""
-    long = _cost("llama3_405b_128k", "--recompute", "dots")
+    path = EXAMPLES / "llama3_405b_128k.shard"
+    text = path.read_text(encoding="utf-8")
+    planned, kernels, times = _context_forms(text, path)
+    long = shardc.cost(planned).to_json()
     short = _cost("llama3_405b", "--recompute", "dots")
     assert not _cost("llama3_405b_128k", "--recompute", "selective")["memory"]["fits"]
     assert long["memory"]["params_total"] == short["memory"]["params_total"]
     assert math.prod(_mesh("llama3_405b_128k").values()) == 16384
     assert long["memory"]["fits"]
-    path = EXAMPLES / "llama3_405b_128k.shard"
-    text = path.read_text(encoding="utf-8")
-    kernels, times = _context_forms(text, path)
     assert kernels and all(fn.ring == () and fn.zigzag and fn.held for fn in kernels)
     assert times["all-gather, balanced"] < times["ring attention, balanced"] < 0.6 * times["all-gather"]
     assert "\nattention_kernel flash2\n" in text
-    kernels, times = _context_forms(text.replace("\nattention_kernel flash2\n", "\n"), path)
+    _, kernels, times = _context_forms(text.replace("\nattention_kernel flash2\n", "\n"), path)
     assert kernels and all(fn.ring == ("C",) and fn.zigzag and fn.held for fn in kernels)
     assert times["ring attention, balanced"] < times["all-gather, balanced"] < 0.6 * times["all-gather"]
