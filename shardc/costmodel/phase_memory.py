@@ -157,7 +157,7 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
                       for label, refs in groups[c].items())
         run = steps if section is None else _section(plan, name, section)
         sliced = set(groups["arguments"].get("residuals", ())) if buffers.ring_slices else set()
-        heap, first = gemm_buffers(plan, run, sizes, buffers.gemm_casts, buffers.arguments_first, outs, args, aligned)
+        heap, first = gemm_buffers(plan, run, sizes, buffers, outs, args, aligned)
         temporaries, early = _temporaries(run, set(args), set(outs), kept_values(plan), aligned,
                                           _Copies(buffers, sizes, nbytes), sliced, heap)
         out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes), temporaries, parts, early + first))
