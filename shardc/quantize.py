@@ -23,8 +23,10 @@ FP32 scale a tile (1 x 128 elements for activations and gradients, 128 x 128 for
   the operand back, and writes only the FP8 copy and its scales.
 
 Each pass's bytes are :func:`shardc.ir.precision.pass_bytes`, which the planner's search prices too
-(:meth:`shardc.sharding.layout.CostContext.quantize_seconds`).  Their transient FP8 copies are not counted
-in memory, as no quantize pass's is.
+(:meth:`shardc.sharding.layout.CostContext.quantize_seconds`).  Each pass's copy (its FP8 values and
+scales, :func:`shardc.ir.precision.copy_bytes`) is a transient buffer from the pass to the last GEMM reading
+it (:func:`quantized_copies`), counted in the temporaries of the phase
+(:func:`shardc.costmodel.phase_memory.phase_memory`).
 
 :mod:`shardc.timing` adds these bytes, over HBM, to each GEMM's row.
 """
@@ -33,17 +35,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from shardc.collectives import Op
 from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product
 from shardc.ir.plan import Plan, Step
-from shardc.ir.precision import TILE, Precision, pass_bytes, quantized_bytes, tiled_along
+from shardc.ir.precision import TILE, Precision, copy_bytes, pass_bytes, quantized_bytes, tiled_along
 from shardc.ir.spec import DType, TensorRef
 from shardc.layer_counts import runs
 from shardc.spec.walk import block_reads
 
-__all__ = ["fuses_into", "quantize_traffic", "quantized_weights", "weight_quantize_bytes", "step_gemm"]
+__all__ = ["fuses_into", "quantize_traffic", "quantized_weights", "weight_quantize_bytes", "step_gemm", "QuantizePass",
+           "gemm_reads", "quantize_passes", "quantized_copies"]
 
 
 def step_gemm(step: Step, precision: Precision) -> DType | None:
@@ -68,27 +72,69 @@ def _held(plan: Plan, ref: TensorRef) -> bool:
     return ref.name in params and ref.dims == params[ref.name].dims
 
 
-def quantize_traffic(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int], fuse: bool = True) -> list[float]:
-    """The HBM bytes of the quantize passes each of ``steps`` (one phase, in program order) runs before its
-    GEMM (the module's rule); 0 for every other step."""
-    done: set[tuple[TensorRef, frozenset[str], DType]] = set()
-    params = {info.name for info in plan.tensors if info.role == "param"}
-    out = []
+@dataclass(frozen=True)
+class QuantizePass:
+    """One quantize pass of a phase: before its GEMM at ``step`` (in the epilogue of the step before, which
+    made ``ref``, where ``fused``), ``ref`` quantized to ``kind`` with its tiles along ``along``, the indices
+    the GEMM contracts; ``tiled``: whether ``ref`` is held so already (:func:`shardc.ir.precision.tiled_along`);
+    ``last``: the last GEMM of the phase reading that copy."""
+
+    step: int
+    ref: TensorRef
+    along: frozenset[str]
+    kind: DType
+    fused: bool
+    tiled: bool
+    last: int
+
+
+def gemm_reads(plan: Plan, steps: Sequence[Step]) -> list[tuple[int, TensorRef, frozenset[str], DType]]:
+    """Per GEMM step of ``steps`` (:func:`step_gemm`) and operand: (the step, the operand, the indices it
+    contracts, the type it quantizes to)."""
+    reads = []
     for k, step in enumerate(steps):
         kind = step_gemm(step, plan.precision)
-        total = 0.0
-        for ref in step.operands if kind is not None else ():
-            assert kind is not None
-            along = frozenset(i for i in ref.indices if i not in step.dst.indices)
-            if _held(plan, ref) or (ref, along, kind) in done:
-                continue
-            done.add((ref, along, kind))
-            before = steps[k - 1] if k > 0 and steps[k - 1].region == step.region else None
-            fused = fuse and before is not None and before.dst == ref and fuses_into(before)
-            total += pass_bytes(float(local_elements(ref, sizes)), plan.precision.of(ref.name), plan.nbytes(ref.name),
-                                kind, tiled_along(ref.indices, along, ref.name in params), fused)
-        out.append(total)
+        reads += [(k, ref, frozenset(i for i in ref.indices if i not in step.dst.indices), kind)
+                  for ref in step.operands if kind is not None]
+    return reads
+
+
+def quantize_passes(plan: Plan, steps: Sequence[Step], fuse: bool = True) -> list[QuantizePass]:
+    """The quantize passes ``steps`` (one phase, in program order) run by the module's rule: one per operand,
+    contraction and type, none for a param read as held."""
+    params = {info.name for info in plan.tensors if info.role == "param"}
+    reads = [(k, ref, along, kind) for k, ref, along, kind in gemm_reads(plan, steps) if not _held(plan, ref)]
+    last = {(ref, along, kind): k for k, ref, along, kind in reads}
+    out: dict[tuple[TensorRef, frozenset[str], DType], QuantizePass] = {}
+    for k, ref, along, kind in reads:
+        if (ref, along, kind) in out:
+            continue
+        before = steps[k - 1] if k > 0 and steps[k - 1].region == steps[k].region else None
+        fused = fuse and before is not None and before.dst == ref and fuses_into(before)
+        out[(ref, along, kind)] = QuantizePass(k, ref, along, kind, fused,
+                                               tiled_along(ref.indices, along, ref.name in params),
+                                               last[(ref, along, kind)])
+    return list(out.values())
+
+
+def quantize_traffic(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int], fuse: bool = True) -> list[float]:
+    """The HBM bytes of the quantize passes each of ``steps`` (one phase, in program order) runs before its
+    GEMM (:func:`quantize_passes`, each :func:`shardc.ir.precision.pass_bytes`); 0 for every other step."""
+    out = [0.0] * len(steps)
+    for p in quantize_passes(plan, steps, fuse):
+        out[p.step] += pass_bytes(float(local_elements(p.ref, sizes)), plan.precision.of(p.ref.name),
+                                  plan.nbytes(p.ref.name), p.kind, p.tiled, p.fused)
     return out
+
+
+def quantized_copies(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int]) -> list[tuple[int, int, float]]:
+    """The copies the quantize passes of ``steps`` write, as a chip holds them: (the step the pass runs at,
+    the last GEMM reading the copy, its bytes, :func:`shardc.ir.precision.copy_bytes`), each alive while the
+    GEMMs reading it run; none where a GEMM reads its operand as held."""
+    spans = [(p.step - 1 if p.fused else p.step, p.last, copy_bytes(float(local_elements(p.ref, sizes)),
+                                                   plan.precision.of(p.ref.name), p.kind, p.tiled))
+             for p in quantize_passes(plan, steps)]
+    return [span for span in spans if span[2]]
 
 
 def quantized_weights(plan: Plan) -> dict[str, DType]:

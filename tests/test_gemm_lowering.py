@@ -129,3 +129,19 @@ def test_verify_rounds_an_fp8_outputs_cotangent_to_the_storage_type() -> None:
     x = np.array([1.0 + 2.0**-6, 3.3])
     assert list(_rounded(x, spec, np.dtype(np.float64), "H")) == [1.0, 3.25]  # E4M3: 3 mantissa bits
     assert list(_rounded(x, spec, np.dtype(np.float64), "H", gradient=True)) == [1.0 + 2.0**-6, 3.296875]
+
+
+def test_the_memory_check_counts_the_casts_the_module_makes() -> None:
+    """At verify's float width each GEMM operand is cast in its own type: XLA's CPU backend makes the weights'
+    casts first, alive together from the forward's start (W1's and W2's, 32 kB each at 16x verify's sizes:
+    its buffer assignment's 64 kB of the forward's 65.5 kB of temporaries), I's and H's in the buffer of O,
+    an AllReduce's output made after them; without them shardc counted 16.4 kB.  The backward's cotangents
+    die into their casts, no buffer beside their own."""
+    from shardc.costmodel.phase_memory import phase_memory
+    from shardc.verification.memory_check import XLA_CPU
+
+    sizes = {"X": 2, "Y": 2, "B": 64, "D": 128, "F": 128}
+    forward, backward = phase_memory(shardc.plan(shardc.parse(SPEC)), sizes, 4, XLA_CPU)
+    plain = phase_memory(shardc.plan(shardc.parse(SPEC.replace("gemm f8\n", ""))), sizes, 4, XLA_CPU)[1]
+    assert forward.temporaries == 65536
+    assert backward.argument_copies - plain.argument_copies == 4 * (32 * 64 + 64 * 128 + 32 * 128 + 128 * 64)

@@ -245,3 +245,32 @@ def test_a_bf16_gemm_transposes_nothing() -> None:
     rows = _rows(MLP.replace("gemm f8\n", "gemm f8\ngemm bf16 O\n"))
     wgrad = [r for r in rows if "-> dW2[" in r.text]
     assert len(wgrad) == 1 and wgrad[0].quantize_bytes == 0
+
+
+ONE_GEMM = """\
+mesh X=2
+dims B=256, D=512, F=1024
+gemm f8
+param W
+O[B_X, F] = I[B_X, D] · W[D, F]
+Loss[] = cross_entropy(O[B_X, F], Tok[B_X])
+"""
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_gemms_quantized_inputs_are_temporaries_while_it_runs(cached: bool) -> None:
+    """Each quantize pass's copy (its FP8 values and a 4-byte scale a 1 x 128 tile) is a temporary of its
+    phase while its GEMM runs.  The forward: I's copy (W read as held: its copy is state); I cached in FP8
+    along D, the GEMM reads it as it is.  The backward's Wgrad dW = I · dO over the gathered I and dO: their
+    copies (I's transposed where cached) beside the gathered values and dO, its peak."""
+    from shardc.costmodel.phase_memory import phase_memory
+
+    sizes = {"X": 2, "B": 256, "D": 512, "F": 1024}
+    spec = ONE_GEMM.replace("gemm f8\n", "gemm f8\ndtype f8 I\n") if cached else ONE_GEMM
+    plan = shardc.plan(shardc.parse(spec))
+    assert [str(s.dst) for s in plan.backward] == ["dO[B_X, F]", "I[B, D]", "dO[B, F]", "dW[D, F]", "dI[B_X, D]"]
+    forward, backward = phase_memory(plan, sizes)
+    plain_forward, plain_backward = phase_memory(shardc.plan(shardc.parse(spec.replace("gemm f8\n", ""))), sizes)
+    q = 1 + SCALE_BYTES / TILE
+    assert forward.temporaries == (plain_forward.temporaries if cached else 128 * 512 * q)
+    assert backward.temporaries - plain_backward.temporaries == (256 * 512 + 256 * 1024) * q

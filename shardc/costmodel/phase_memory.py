@@ -14,6 +14,7 @@ from math import prod
 
 from shardc.collectives import Op
 from shardc.costmodel.fusion_buffers import derivatives, exponentials, summed_into
+from shardc.costmodel.gemm_buffers import gemm_buffers
 from shardc.costmodel.heap import Span, outside_outputs, packed
 from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.layout_copies import blocked as _blocked
@@ -112,6 +113,7 @@ class Buffers:
     scan_in_outputs: bool = False
     dots_canonical: bool = False
     dot_sums: int = 0
+    gemm_casts: bool = False  # GEMMs read casts of their operands, not FP8 copies (shardc.costmodel.gemm_buffers)
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -155,9 +157,10 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
                       for label, refs in groups[c].items())
         run = steps if section is None else _section(plan, name, section)
         sliced = set(groups["arguments"].get("residuals", ())) if buffers.ring_slices else set()
+        heap, first = gemm_buffers(plan, run, sizes, buffers, outs, args, aligned)
         temporaries, early = _temporaries(run, set(args), set(outs), kept_values(plan), aligned,
-                                          _Copies(buffers, sizes, nbytes), sliced)
-        out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes), temporaries, parts, early))
+                                          _Copies(buffers, sizes, nbytes), sliced, heap)
+        out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes), temporaries, parts, early + first))
     return out
 
 
@@ -176,14 +179,14 @@ def _total(refs: list[TensorRef], nbytes: Callable[[TensorRef], float]) -> float
 
 
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
-                 nbytes: Callable[[TensorRef], float], copies: _Copies,
-                 sliced: set[TensorRef] | None = None) -> tuple[float, float]:
+                 nbytes: Callable[[TensorRef], float], copies: _Copies, sliced: set[TensorRef] | None = None,
+                 more: list[Span] | None = None) -> tuple[float, float]:
     """The bytes of made values the phase needs beyond its ``args`` and ``outs``, and of them the copies
     of arguments made first (:attr:`Buffers.arguments_first`): the heap they pack into, each at an offset
     of its own among those alive with it (:func:`shardc.costmodel.heap.packed`; at least the most alive
     at one of ``steps``), an output counted from the step that makes it (before, the buffer of one a
     reduction or a gather makes holds others, :func:`shardc.costmodel.heap.outside_outputs`), less the
-    outputs; ``sliced``: the residuals read out of a ring's slot (:attr:`Buffers.ring_slices`).
+    outputs; ``sliced``: the residuals read out of a ring's slot (:attr:`Buffers.ring_slices`); ``more``: others.
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
@@ -255,7 +258,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
         spans += _remade_outputs(steps, copies)
-    spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values())
+    spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values()) + (more or [])
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
     # a routing's arrays that die before its mask is written fit the buffer of any output made after them,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from shardc.ir.spec import DType
 
 __all__ = ["matmul_dtype", "Precision", "ARRAY_DTYPE", "SCALE_BYTES", "TILE", "quantized_bytes", "pass_bytes",
-           "gradient_dtype", "tiled_along"]
+           "copy_bytes", "gradient_dtype", "tiled_along"]
 
 # The array type (numpy's via ml_dtypes, jax's) each element type is held in: f8 is E4M3, the format
 # DeepSeek-V3 uses for every FP8 tensor, activations, weights and gradients alike (arXiv 2412.19437,
@@ -44,22 +44,31 @@ def quantized_bytes(elements: float, kind: DType, block: int = TILE) -> float:
     return elements * (kind.nbytes + SCALE_BYTES / block)
 
 
+def copy_bytes(elements: float, stored: DType, kind: DType, tiled: bool) -> float:
+    """Bytes of the copy a GEMM quantizing its inputs to ``kind`` reads of an operand of ``elements`` values
+    stored in ``stored`` (:func:`pass_bytes` writes it): none where the GEMM reads the operand as it is held
+    (stored in ``kind`` and ``tiled`` along the index the GEMM contracts, or in a type without tiles of
+    scales: BF16, F16, F32), else its ``kind`` values and a scale a 1 x 128 tile (a cached FP8 value tiled the
+    other way: its transposed copy, DeepSeek-V3, arXiv 2412.19437, section 3.3.4 and Figure 6)."""
+    if stored is kind and (tiled or kind is not DType.F8):
+        return 0.0
+    return quantized_bytes(elements, kind)
+
+
 def pass_bytes(elements: float, stored: DType, nbytes: float, kind: DType, tiled: bool, fused: bool) -> float:
     """The HBM bytes a GEMM quantizing its inputs to ``kind`` spends on one operand of ``elements`` values
     stored in ``stored`` (``nbytes`` an element) before it (:mod:`shardc.quantize` says when a GEMM runs one;
-    ``shardc cost`` and the planner's search both price it here):
+    ``shardc cost`` and the planner's search both price it here): its copy written (:func:`copy_bytes`; none,
+    no pass), and read
 
-    * stored in ``kind`` and ``tiled`` along the index the GEMM contracts, or in a type without tiles of
-      scales (BF16, F16, F32: only FP8 values carry them): nothing;
-    * stored in FP8 but tiled the other way (a cached FP8 activation's 1 x 128 tiles run along its
-      features, Wgrad contracts its tokens): dequantized, transposed and quantized again, reading its FP8
-      values and scales and writing them again (DeepSeek-V3, section 3.3.4 and Figure 6);
-    * else its ``kind`` copy and a scale a 1 x 128 tile written, the operand read unless the pass is
-      ``fused`` into the kernel that made it.
+    * a cached FP8 value tiled the other way: its FP8 values and scales, dequantized, transposed and
+      quantized again (DeepSeek-V3, section 3.3.4 and Figure 6);
+    * else the operand, unless the pass is ``fused`` into the kernel that made it.
     """
-    if stored is kind:
-        return 0.0 if tiled or kind is not DType.F8 else 2 * quantized_bytes(elements, kind)
-    return (0.0 if fused else elements * nbytes) + quantized_bytes(elements, kind)
+    written = copy_bytes(elements, stored, kind, tiled)
+    if not written:
+        return 0.0
+    return (written if stored is kind else 0.0 if fused else elements * nbytes) + written
 
 
 def tiled_along(indices: Sequence[str], along: Iterable[str], weight: bool) -> bool:

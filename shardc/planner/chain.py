@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import Node
@@ -39,48 +40,87 @@ State = Value | None  # None: before the first step, the operands as the phase h
 Path = tuple[float, tuple[Value, ...]]
 
 
-def choose_chain(phase: Phase, chain: list[Node], declared: dict[str, TensorRef]) -> None:
-    """Declare each intermediate of ``chain`` with the layouts of least total forward time.
+def choose_chain(phase: Phase, chain: list[Node], declared: dict[str, TensorRef]) -> float:
+    """Declare each intermediate of ``chain`` with the layouts of least total forward time; returns that time
+    (the search's estimate of the chain's steps).
 
     The last step's result is the statement's, in its declared layout; a chain inside an expression
     (``X + A · B · C``, ``silu(A · B · C)``) ends in one of the expression's own intermediates, which no
-    statement declares: it ends in any layout, as a product there does."""
+    statement declares: it ends in any layout, as a product there does.  Each step's operands are as a
+    two-operand einsum's (:meth:`shardc.sharding.phase.Phase.operand`: of a quantizing GEMM, the value a
+    pass fuses into and those the phase quantized already), and an intermediate the step before made where
+    it stands (no move after it) is one its quantize pass fuses into: ``made`` keeps those states apart."""
     ctx = phase.ctx
     states: dict[State, Path] = {None: (0.0, ())}
+    made: dict[State, Path] = {}
     for k, node in enumerate(chain):
         result = declared.get(node.result) if k == len(chain) - 1 else None
         targets = [Value.of(result)] if result is not None else list(layouts(ctx, node.indices))
         starts = list(states)
-        first = starts[0]
-        operands = tuple(
-            Operand(name, phase.indices[name], (first,) if first is not None and j == 0 else tuple(phase.held[name]))
-            for j, name in enumerate(node.operands))
-        table = step_costs(ctx, EinsumProblem(operands, node.result, node.indices, None), starts, targets)
+        problem = EinsumProblem(_operands(phase, node, starts[0]), node.result, node.indices, None)
+        table = step_costs(ctx, problem, starts, targets, fuse=bool(made) and _fuses(phase, node))
         new_states: dict[State, Path] = {}
-        for (state, target), step in table.items():
-            cost, path = states[state]
-            total = cost + step[0] + 1e-30 * step[1]
-            if target not in new_states or total < new_states[target][0]:
-                new_states[target] = (total, path + (target,))
-        states = new_states
-    _, best = min(states.values(), key=lambda t: t[0])
+        new_made: dict[State, Path] = {}
+        for into, entries in ((new_states, table.costs), (new_made, table.direct)):
+            for (state, target), (step, fused) in entries.items():
+                _relax(into, states[state], step, target)
+                if fused is not None and state in made:
+                    _relax(into, made[state], fused, target)
+        states, made = new_states, new_made
+    total, best = min(states.values(), key=lambda t: t[0])
     for node, value in zip(chain[:-1], best, strict=False):
         declared[node.result] = value.ref(node.result, node.indices)
+    return total
+
+
+def _relax(states: dict[State, Path], start: Path, step: Cost, target: Value) -> None:
+    cost, path = start
+    total = cost + step[0] + 1e-30 * step[1]
+    if target not in states or total < states[target][0]:
+        states[target] = (total, path + (target,))
+
+
+def _operands(phase: Phase, node: Node, first: State) -> tuple[Operand, ...]:
+    """The step's operands as a two-operand einsum's (:meth:`~shardc.sharding.phase.Phase.operand`); after the
+    chain's first step its head is the intermediate, held in ``first`` (the others as :func:`step_costs` reads
+    them), with no pass done, and the step before the others is the chain's own."""
+    gemm = phase.gemm(node.result, node.operands)
+    if first is None:
+        return tuple(phase.operand(name, gemm) for name in node.operands)
+    head = Operand(node.operands[0], phase.indices[node.operands[0]], (first,))
+    return (head, *(replace(phase.operand(name, gemm), fresh=None) for name in node.operands[1:]))
+
+
+def _fuses(phase: Phase, node: Node) -> bool:
+    """Whether a quantize pass of the step's head fuses into the einsum that made it (:mod:`shardc.quantize`)."""
+    return phase.ctx.fusible is not None and phase.gemm(node.result, node.operands) is not None
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """A step's least costs per (state, target): ``costs`` to the target; ``direct``, into it with no move after
+    the einsum.  Each with the cost where the state is one the step before made where it stands (its head's
+    quantize pass fused into that einsum), or None where that changes nothing."""
+
+    costs: dict[tuple[State, Value], tuple[Cost, Cost | None]]
+    direct: dict[tuple[State, Value], tuple[Cost, Cost | None]]
 
 
 def step_costs(ctx: CostContext, problem: EinsumProblem, starts: list[State],
-               targets: list[Value]) -> dict[tuple[State, Value], Cost]:
-    """The least cost of this einsum from each start (its first operand's source) to each target.
+               targets: list[Value], fuse: bool = False) -> StepTable:
+    """The least cost of this einsum from each start (its first operand's source) to each target; with ``fuse``,
+    also where the start is the value the step before made, its head's quantize pass fused into it.
 
     Every state after the first is a reduced layout, so the configurations that
     are valid are the same for all of them.  Each entry equals one exact
     :func:`shardc.sharding.einsum.solve` of the pair, which the tests check.
     """
     head = problem.operands[0]
-    rest = _rest_costs(ctx, problem, skip_head=starts[0] is not None)
+    rest, fused = _rest_costs(ctx, problem, skip_head=starts[0] is not None, fuse=fuse)
     if len(targets) == 1:
-        return _to_one(ctx, problem, rest, starts, targets[0])
-    table: dict[tuple[State, Value], Cost] = {}
+        return _to_one(ctx, problem, rest, fused, starts, targets[0])
+    costs: dict[tuple[State, Value], tuple[Cost, Cost | None]] = {}
+    direct: dict[tuple[State, Value], tuple[Cost, Cost | None]] = {}
     for state in starts:
         ctx.tick()
         by_result: dict[Value, Cost] = {}
@@ -91,29 +131,42 @@ def step_costs(ctx: CostContext, problem: EinsumProblem, starts: list[State],
                 cost = add_cost(moved, cost)
             if cost < by_result.get(local_result, INFINITE):
                 by_result[local_result] = cost
-        for target, best in _least_to(ctx, problem, by_result, targets).items():
-            table[(state, target)] = best
-    return table
+        in_place = {r: c for (h, r), c in fused.items() if h == state}  # the head read where it was made
+        least = _least_to(ctx, problem, by_result, targets)
+        least_fused = _least_to(ctx, problem, in_place, targets) if in_place else {}
+        for target, best in least.items():
+            costs[(state, target)] = (best, least_fused.get(target))
+            if target in by_result:
+                direct[(state, target)] = (by_result[target], in_place.get(target))
+    return StepTable(costs, direct)
 
 
-def _rest_costs(ctx: CostContext, problem: EinsumProblem,
-                skip_head: bool) -> dict[tuple[Value | None, Value], Cost]:
-    """Per (local first operand, or None without ``skip_head``; local result): the least operand cost."""
+def _rest_costs(ctx: CostContext, problem: EinsumProblem, skip_head: bool, fuse: bool = False
+                ) -> tuple[dict[tuple[Value | None, Value], Cost], dict[tuple[Value | None, Value], Cost]]:
+    """Per (local first operand, or None without ``skip_head``; local result): the least operand cost; and with
+    ``fuse``, where the first operand is read where the step before made it (its quantize pass fused)."""
     rest: dict[tuple[Value | None, Value], Cost] = {}
+    fused: dict[tuple[Value | None, Value], Cost] = {}
     for locals_, local_result, _ in configurations(ctx, problem):
         ctx.tick()
         cost = _operands_cost(ctx, problem, locals_, skip_head)
         if cost is None:
             continue
-        cost = add_cost(cost, compute_cost(ctx, problem, locals_, local_result))
         key = (locals_[0] if skip_head else None, local_result)
-        if cost < rest.get(key, INFINITE):
-            rest[key] = cost
-    return rest
+        plain = add_cost(cost, compute_cost(ctx, problem, locals_, local_result))
+        if plain < rest.get(key, INFINITE):
+            rest[key] = plain
+        if fuse and skip_head:
+            made = replace(problem.operands[0], sources=(locals_[0],), fresh=locals_[0])
+            again = EinsumProblem((made, *problem.operands[1:]), problem.result, problem.indices, problem.target)
+            cost = add_cost(cost, compute_cost(ctx, again, locals_, local_result))
+            if cost < plain and cost < fused.get(key, INFINITE):
+                fused[key] = cost
+    return rest, fused
 
 
 def _to_one(ctx: CostContext, problem: EinsumProblem, rest: dict[tuple[Value | None, Value], Cost],
-            starts: list[State], target: Value) -> dict[tuple[State, Value], Cost]:
+            fused: dict[tuple[Value | None, Value], Cost], starts: list[State], target: Value) -> StepTable:
     """One target (a chain's last step): two searches over reversed moves answer every state.
 
     The first costs each local result to the target; the second, from the local
@@ -127,12 +180,20 @@ def _to_one(ctx: CostContext, problem: EinsumProblem, rest: dict[tuple[Value | N
             total = add_cost(cost, to_target[local_result])
             if total < after.get(local_head, INFINITE):
                 after[local_head] = total
+    in_place: dict[Value | None, Cost] = {}  # the head read where the step before made it
+    for (local_head, local_result), cost in fused.items():
+        if local_result in to_target:
+            in_place[local_head] = min(in_place.get(local_head, INFINITE), add_cost(cost, to_target[local_result]))
     if starts == [None]:
-        return {(None, target): after[None]} if None in after else {}
+        return StepTable({(None, target): (after[None], None)} if None in after else {},
+                         {(None, target): (rest[(None, target)], None)} if (None, target) in rest else {})
     head = problem.operands[0]
     heads = {v: c for v, c in after.items() if v is not None}
     reached = costs_to(ctx, head.name, head.indices, [s for s in starts if s is not None], heads)
-    return {(state, target): cost for state, cost in reached.items()}
+    made = {v: c for (v, r), c in rest.items() if r == target and v is not None}  # the einsum makes the target
+    into = costs_to(ctx, head.name, head.indices, [s for s in starts if s is not None], made) if made else {}
+    return StepTable({(state, target): (cost, in_place.get(state)) for state, cost in reached.items()},
+                     {(state, target): (cost, fused.get((state, target))) for state, cost in into.items()})
 
 
 def _least_to(ctx: CostContext, problem: EinsumProblem, by_result: dict[Value, Cost],

@@ -105,10 +105,12 @@ YNN_MIN_ELEMENTS = 4096
 #   that reader, never written, from 4096 elements (moe_layer.shard's dComb at 16x its sizes, 604 MB);
 # - its fusion makes a transcendental derivative (gelu's tanh) once, in a buffer of its own from the
 #   start, where the gradient it is in is made again inside the copies two dots make of it
-#   (moe_dispatch.shard's backward at 16x its sizes: gelu's derivative of H_t1, 176 MB).
+#   (moe_dispatch.shard's backward at 16x its sizes: gelu's derivative of H_t1, 176 MB);
+# - a GEMM under a `gemm` line reads its operands cast elementwise (the module's gemm_input) at the float's
+#   width, where a chip holds FP8 copies with their scales (shardc.costmodel.gemm_buffers).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
-                  scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS)
+                  scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS, gemm_casts=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
