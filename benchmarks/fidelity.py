@@ -39,6 +39,9 @@ class Run:
     step_s: float | None = None  # seconds a step, where published
     flops_per_chip: float | None = None  # model FLOP/s a chip, where published
     mfu: float | None = None
+    # microbatches a step accumulates where the spec is one of them (FSDP's gathers and reductions run each one):
+    # the step runs the optimizer's update once, so a microbatch's share of it is 1 / accumulated
+    accumulated: int = 1
 
 
 PUBLISHED = (
@@ -68,28 +71,36 @@ PUBLISHED = (
     # MosaicML's MPT throughput table (mosaicml/llm-foundry): PyTorch FSDP FULL_SHARD on nodes of 8 GPUs, flash
     # attention, activation checkpointing of every block or none.  Each spec is one microbatch of the step
     # (FULL_SHARD gathers and reduce-scatters each one), so its measured time is the step's,
-    # GlobalBatchSize(T) / Throughput(T/s), over GradAccum; the MFU counts attention as MPT does (S x T
-    # unmasked), as shardc's model FLOPs do
+    # GlobalBatchSize(T) / Throughput(T/s), over GradAccum, and its share of the step's one optimizer update is
+    # 1 / GradAccum (`accumulated`); the MFU counts attention as MPT does (S x T unmasked), as shardc's model
+    # FLOPs do
     Run("MPT-7B 2K, 8 H100", "benchmarks/runs/mpt_7b_h100.shard", "none",
         "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=98304 / 85144, mfu=0.4644),
     Run("MPT-13B 2K, 64 H100", "benchmarks/runs/mpt_13b_h100.shard", "none",
         "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=262144 / 307209, mfu=0.3986),
     Run("MPT-30B 2K, 32 H100", "benchmarks/runs/mpt_30b_h100.shard", "full",
-        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=2752512 / 73860 / 3, mfu=0.4392),
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16",
+        step_s=2752512 / 73860 / 3, mfu=0.4392, accumulated=3),
     Run("MPT-70B 2K, 64 H100", "benchmarks/runs/mpt_70b_h100.shard", "full",
-        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=4194304 / 66523 / 4, mfu=0.4257),
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16",
+        step_s=4194304 / 66523 / 4, mfu=0.4257, accumulated=4),
     Run("MPT-7B 64K, 8 H100", "benchmarks/runs/mpt_7b_64k_h100.shard", "full",
-        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=1048576 / 15654 / 2, mfu=0.2859),
+        "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16",
+        step_s=1048576 / 15654 / 2, mfu=0.2859, accumulated=2),
     Run("MPT-7B 2K, 8 A100", "benchmarks/runs/mpt_7b_a100.shard", "none",
-        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=196608 / 37130 / 2, mfu=0.6423),
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB",
+        step_s=196608 / 37130 / 2, mfu=0.6423, accumulated=2),
     Run("MPT-30B 2K, 8 A100", "benchmarks/runs/mpt_30b_a100.shard", "full",
-        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=1032192 / 7330 / 21, mfu=0.553),
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB",
+        step_s=1032192 / 7330 / 21, mfu=0.553, accumulated=21),
     Run("MPT-70B 2K, 64 A100", "benchmarks/runs/mpt_70b_a100.shard", "full",
-        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=4194304 / 26274 / 4, mfu=0.5333),
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB",
+        step_s=4194304 / 26274 / 4, mfu=0.5333, accumulated=4),
     Run("MPT-1B 2K, 64 H100", "benchmarks/runs/mpt_1b_h100.shard", "none",
         "llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16", step_s=2621440 / 2841754, mfu=0.4085),
     Run("MPT-13B 32K, 8 A100", "benchmarks/runs/mpt_13b_32k_a100.shard", "full",
-        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB", step_s=786432 / 8134 / 3, mfu=0.5169),
+        "llm-foundry scripts/train/benchmarking/README.md, A100 80GB",
+        step_s=786432 / 8134 / 3, mfu=0.5169, accumulated=3),
     # Megatron-LM's weak-scaling table: its TFLOP/s a GPU are equation 3's FLOPs, 96 B s l h^2 (1 + s/6h + V/16lh),
     # which count activation recomputation's extra forward, so the step is those FLOPs over the GPUs' rate (the MFU
     # the step implies for shardc's model FLOPs)
@@ -110,8 +121,11 @@ def predict(run: Run) -> dict[str, Any]:
     spec = shardc.parse((ROOT / run.spec).read_text(encoding="utf-8"), filename=run.spec)
     report = shardc.cost(shardc.plan(spec, recompute=run.recompute)).to_json()
     step, pipeline = report["step"], report.get("pipeline") or {}
-    return {"step_s": pipeline.get("step_s", step["step_s"]), "mfu": pipeline.get("mfu", step["mfu"]),
-            "peak": float(report["hardware"]["C"])}
+    if pipeline:
+        return {"step_s": pipeline["step_s"], "mfu": pipeline["mfu"], "peak": float(report["hardware"]["C"])}
+    # one microbatch of ``run.accumulated``: its share of the step's one update
+    step_s = step["step_s"] - step["update_s"] * (1 - 1 / run.accumulated)
+    return {"step_s": step_s, "mfu": step["mfu"] * step["step_s"] / step_s, "peak": float(report["hardware"]["C"])}
 
 
 def measured_step(run: Run, predicted: dict[str, Any]) -> float:

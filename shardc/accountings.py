@@ -19,7 +19,7 @@ cost pass; :mod:`shardc.costmodel.memory` counts with it.
 
 from __future__ import annotations
 
-__all__ = ["ACCOUNTINGS"]
+__all__ = ["ACCOUNTINGS", "MASTER", "update_bytes"]
 
 # name -> (param bytes, grad bytes, optimizer-state bytes, description)
 ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
@@ -28,3 +28,31 @@ ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
     "mixed18": (2, 4, 12, "18 bytes/param: bf16 param + fp32 grad + fp32 master, m, v"),
     "mixed14": (2, 4, 8, "14 bytes/param: bf16 param + fp32 grad + fp32 master + bf16 m, v"),
 }
+
+# Of the optimizer state above, the bytes of an fp32 master copy of the param (the rest is Adam's m and v, two
+# moments of equal size): the copy the update acts on where there is one, written back to the param after it.
+MASTER: dict[str, int] = {"adam10": 0, "adam16": 4, "mixed18": 4, "mixed14": 4}
+
+
+def update_bytes(accounting: str, fused: bool) -> int:
+    """HBM bytes the optimizer's update moves per element of the training state it updates.
+
+    Fused (one kernel, as XLA fuses the update's elementwise chain, or a hand-fused Adam kernel): it reads the
+    param, the gradient (in the param's dtype where the accounting keeps none) and the state, and writes the
+    param and the state.  Unfused (``fusion none``, PyTorch eager): the passes of ``torch.optim.AdamW``'s
+    multi-tensor update, each kernel reading its operands and writing its result (pytorch/pytorch,
+    torch/optim/adamw.py, ``_multi_tensor_adamw``): ``_foreach_lerp_`` of m toward the gradient, ``_foreach_mul_``
+    and ``_foreach_addcmul_`` of v, ``_foreach_sqrt`` of v into a temporary of v's size, ``_foreach_div_`` and
+    ``_foreach_add_`` on it (the bias correction, eps), and ``_foreach_addcdiv_`` of the updated tensor (the
+    master where there is one) by m over it: 14 moment-sizes, the gradient twice, the updated tensor read and
+    written; a master is then copied to the param (read, write).  Weight decay's pass is left out (none where
+    the decay is 0)."""
+    param, grad, state, _ = ACCOUNTINGS[accounting]
+    grad = max(grad, param)
+    if fused:
+        return 2 * param + grad + 2 * state
+    master = MASTER[accounting]
+    moment = (state - master) // 2
+    updated = master or param
+    copy = master + param if master else 0
+    return 14 * moment + 2 * grad + 2 * updated + copy

@@ -170,10 +170,12 @@ def _step_cost(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw:
         size = lambda name: size_of(sizes, name)  # noqa: E731
         flops, model, executed = family.flops(step, size)
         seconds = family.seconds(step, size, hw, dtype) if family.seconds else hw.matmul_seconds(flops, dtype)
+        # its rate is measured on whole calls, its own reads and writes inside them: its bytes count only
+        # where they outlast its FLOPs' time (its roofline, as a matmul's)
         row = StepCost(index, step.op, step.tensor, text, axes=step.axes, flops=float(flops),
                        model_flops=float(model), hardware_flops=float(executed), compute_s=seconds,
                        once=step.once, block=step.block, memory_bytes=memory_bytes,
-                       memory_s=hw.memory_seconds(memory_bytes))
+                       memory_s=max(0.0, hw.memory_seconds(memory_bytes) - seconds))
         ring = ring_of(step, sizes, DType(dtype).nbytes)
         if ring is None:
             return row

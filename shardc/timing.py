@@ -46,7 +46,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from shardc.accountings import ACCOUNTINGS
+from shardc.accountings import ACCOUNTINGS, update_bytes
 from shardc.chip_choice import chip_for
 from shardc.collectives import Layout, Op
 from shardc.device_pieces import local_elements
@@ -403,14 +403,16 @@ def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, counts: S
                    optimizer: str = "adam10") -> float:
     """The optimizer's update, memory-bound: per element of the state a device updates, it reads the
     param, the gradient (in the param's dtype where the accounting keeps none) and the optimizer state,
-    and writes the param and the state (``optimizer`` names the accounting, :mod:`shardc.accountings`).
+    and writes the param and the state (``optimizer`` names the accounting, :mod:`shardc.accountings`), in
+    one kernel; under ``fusion none`` in PyTorch AdamW's kernels, one a pass
+    (:func:`shardc.accountings.update_bytes`).
     The elements are the ZeRO shard's where the plan updates a shard (its ``update`` steps), else the
     param's piece; a block's params count once a layer.  Then the weights ``gemm f8`` GEMMs read as held
     are quantized, once a step (:func:`shardc.quantize.weight_quantize_bytes`).  0 under the book's model."""
     if hw.book or optimizer not in ACCOUNTINGS:
         return 0.0
-    per_param, per_grad, per_state, _ = ACCOUNTINGS[optimizer]
-    per_element = 2 * per_param + max(per_grad, per_param) + 2 * per_state
+    per_param = ACCOUNTINGS[optimizer][0]
+    per_element = update_bytes(optimizer, hw.fuses)
     shards = {s.operands[0].name: s.dst for s in plan.optimizer if isinstance(s.fn, Update) and s.operands}
     repeated = block_reads(plan.spec)
     elements = math.fsum(float(local_elements(shards.get(info.name, info.ref), sizes))

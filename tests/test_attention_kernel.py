@@ -113,6 +113,19 @@ def test_the_attention_steps_run_at_the_chip_kernel_rate_and_nothing_else_change
             assert (mine.compute_s, mine.memory_s, mine.comm_s) == (theirs.compute_s, theirs.memory_s, theirs.comm_s)
 
 
+def test_the_kernels_own_reads_and_writes_take_time_only_past_its_flops() -> None:
+    """Its rate is measured on whole calls, which read Q, K and V and write O: at 4096 keys its bytes take
+    less than its FLOPs, so its time is its FLOPs' (it was the two added, its bytes counted twice); at 128
+    keys its bytes outlast its FLOPs, and the time is theirs (its roofline)."""
+    hw = PRESETS["h100"]
+    for s, bound in ((4096, False), (128, True)):
+        report = _report(_causal(s))
+        for row in _kernels(report.forward.rows) + _kernels(report.backward.rows):
+            moved = hw.memory_seconds(row.memory_bytes)
+            assert row.memory_bytes > 0 and (moved > row.compute_s) is bound
+            assert row.busy_s == pytest.approx(max(row.compute_s, moved), rel=1e-12)
+
+
 def test_the_planner_and_the_ring_price_the_kernel_with_the_same_function() -> None:
     """A ring kernel's row (X across nodes, where the ring wins): its compute is :func:`kernel_seconds` of its
     step at the ring's block of keys."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import shardc
+from shardc.accountings import update_bytes
 from shardc.chip_choice import chip_for, load_hardware_file
 from shardc.errors import ShardcError
 from shardc.hardware import PRESETS, get_hardware
@@ -61,6 +62,19 @@ def test_without_fusion_a_map_after_a_matmul_reads_its_input_back() -> None:
     assert eager.hardware.fusion == "none" and "fusion none" in " ".join(eager.notes)
     book = shardc.cost(shardc.plan(shardc.parse(_with(MLP, "fusion none")), model="book"))
     assert book.step.memory_s == 0  # the book's model has no memory-bound time, fused or not
+
+
+def test_without_fusion_the_update_runs_as_pytorch_adamws_passes() -> None:
+    # adam10 (bf16 param and gradient, fp32 m and v): lerp m 10, mul v 8, addcmul v 10, sqrt 8, div 8, add 8,
+    # addcdiv of the param 12 bytes an element; one fused kernel reads param, grad, m, v and writes param, m, v: 22
+    assert (update_bytes("adam10", True), update_bytes("adam10", False)) == (22, 64)
+    # a master copy (mixed18: fp32 master, m, v; fp32 gradient): the passes update the master, then copy it
+    assert update_bytes("mixed18", False) == 14 * 4 + 2 * 4 + 2 * 4 + (4 + 2)
+    fused = shardc.cost(shardc.plan(shardc.parse(MLP)))
+    eager = shardc.cost(shardc.plan(shardc.parse(_with(MLP, "fusion none"))))
+    assert eager.step.update_s == pytest.approx(fused.step.update_s * 64 / 22, rel=1e-12) and fused.step.update_s > 0
+    statement = shardc.cost(shardc.plan(shardc.parse(_with(MLP, "fusion statement"))))
+    assert statement.step.update_s == fused.step.update_s  # a hand-fused Adam kernel (apex's, Megatron-LM's)
 
 
 def test_without_fusion_a_map_after_a_map_reads_its_input_back() -> None:

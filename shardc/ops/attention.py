@@ -49,7 +49,9 @@ step making the logsumexp is the same kernel as the output's: no FLOPs of its ow
 the backward's kernel is the first gradient step's, the others its further results.
 
 HBM traffic (:attr:`Family.traffic`): the forward reads Q, K and V and writes O and the
-logsumexp; the backward reads Q, K, V, O, the logsumexp and dO and writes dQ, dK and dV.
+logsumexp; the backward reads Q, K, V, O, the logsumexp and dO and writes dQ, dK and dV.  The kernel's
+measured rate times whole calls, these reads and writes inside them: its step's bytes take time only where
+they outlast its FLOPs (:func:`shardc.step_cost.cost_step`, the roofline a matmul has).
 Lowered as one call of :func:`shardc.lowering.runtime.attention` (or ``attention_grads``; the ring's
 ``ring_attention`` and ``ring_attention_grads``) a step.
 """
