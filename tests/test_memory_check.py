@@ -16,13 +16,13 @@ from shardc.costmodel.phase_memory import (
     Buffers,
     _Copies,
     _layout_copies,
-    _lifetimes,
-    _made_at,
     _remade_outputs,
     _ring_buffers,
     _slot_rows,
     phase_memory,
 )
+from shardc.costmodel.step_order import lifetimes as _lifetimes
+from shardc.costmodel.step_order import made_at as _made_at
 from shardc.device_pieces import local_elements
 from shardc.ir.plan import Plan, backward_program
 from shardc.ir.spec import TensorRef
@@ -161,11 +161,11 @@ def test_an_index_based_dispatch_holds_its_routing_and_rows_with_one_more_slot()
 
     k, step = next((k, s) for k, s in enumerate(plan.forward) if s.dst.name == "In")
     gates = 4 // 2 * 8 * 4 * 4  # int32 per token and expert: whether it chose it, how many before it did
-    assert _Copies(Buffers(), sizes, nbytes).of(step) == [(None, gates), (None, gates)]
+    assert _Copies(Buffers(), sizes, nbytes).routing(step) == ([gates, gates], [])
     # XLA CPU scans in blocks of 16 tokens: the 8 tokens padded to 16, counts copied into the block
     # and the block's running sums, beside the counts
-    blocked = _Copies(Buffers(scan_block=16), sizes, nbytes).of(step)
-    assert blocked == [(None, gates), (None, gates * 16 // 8), (None, gates * 16 // 8)]
+    blocked = _Copies(Buffers(scan_block=16), sizes, nbytes).routing(step)
+    assert blocked == ([gates, gates * 16 // 8, gates * 16 // 8], [])
     rows = 4 // 2 * 4 * (4 + 1) * 6 * F32  # In's rows with a fifth slot, the dropped choices'
     assert _slot_rows(plan.forward, _Copies(Buffers(), sizes, nbytes)) == [(k, k, rows)]
     assert _slot_rows(plan.forward, _Copies(Buffers(arguments_first=True), sizes, nbytes)) == [(0, k, rows)]

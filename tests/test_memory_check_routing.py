@@ -10,7 +10,8 @@ import pytest
 
 import shardc
 from shardc.costmodel.fusion_buffers import exponentials as _exponentials
-from shardc.costmodel.phase_memory import Buffers, _Copies, _lifetimes
+from shardc.costmodel.phase_memory import Buffers, _Copies
+from shardc.costmodel.step_order import lifetimes as _lifetimes
 from shardc.device_pieces import local_elements
 from shardc.ir.localops import Route
 from shardc.ir.spec import TensorRef

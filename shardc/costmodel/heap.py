@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["Span", "packed", "outside_outputs"]
 
-Span = tuple[int, int, float]  # a value's first step, last step and bytes
+Span = tuple[float, float, float]  # a value's first step, last step (a step, or a moment between two) and bytes
 
 
 def packed(spans: list[Span]) -> float:
@@ -17,7 +17,7 @@ def packed(spans: list[Span]) -> float:
     best fit; XLA's ``GlobalDecreasingSizeBestFitHeap``, spatial and temporal orders).  A span's life
     is measured, for those orders, in the heap's own clock (:func:`_event_lives`)."""
     def size(order: list[int]) -> float:
-        placed: list[tuple[int, int, float, float]] = []  # first, last, offset, bytes
+        placed: list[tuple[float, float, float, float]] = []  # first, last, offset, bytes
         top = 0.0
         for a, b, n in (spans[k] for k in order):
             busy = sorted((o, o + m) for c, d, o, m in placed if not (d < a or c > b))
@@ -64,7 +64,7 @@ def outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list
     embedding's partial sum, a remade routing mask, or a value before an AllToAll, whose pieces are
     concatenated into its result, never sits in a later output's)."""
     hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
-    taken: list[list[tuple[int, int]]] = [[] for _ in hosts]
+    taken: list[list[tuple[float, float]]] = [[] for _ in hosts]
     rest = []
     for first, last, size in sorted(spans, key=lambda s: -s[2]):
         for k, (made, room) in enumerate(hosts):

@@ -20,7 +20,8 @@ from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.layout_copies import blocked as _blocked
 from shardc.costmodel.layout_copies import layout_copies as _layout_copies
 from shardc.costmodel.memory import residual_table
-from shardc.costmodel.route_memory import route_arrays
+from shardc.costmodel.route_memory import route_arrays, routed_once
+from shardc.costmodel.step_order import lifetimes, made_at, prelude
 from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product, kept_values
 from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
@@ -71,9 +72,10 @@ class Buffers:
     ``arguments_first``: a copy of a value the phase takes (a param, a residual, a cotangent), and
     any step that reads only such values (a weight gradient of a saved activation and a cotangent),
     is made before any other step, as a scheduler that runs first what reads only the arguments
-    does; each lives from the start to its last reader.  So is the copy into place of a value gathered over
+    does: the copies at the start, each alive to its last reader, then those steps one after another
+    (:func:`shardc.costmodel.step_order.prelude`).  So is the copy into place of a value gathered over
     several dims at once from an argument (it reads only the gathered argument): the copies are made one
-    after another right after the gathers, each value dying into its copy, one beside its source at once.
+    after another after those steps, each value dying into its copy, one beside its source at once.
     ``masks_per_dot``: a routing mask (a route's result, or a product with one) that a dot reads is
     made again for that dot, in a buffer of its own alive from the route to the dot, as a fusion
     that recomputes a cheap producer for each consumer does.
@@ -87,7 +89,8 @@ class Buffers:
     blocks of this many elements along its dim, padded up to a multiple of it: the counts copied into
     the blocks and each block's running sums, two arrays of the padded shape beside the counts, where a
     chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps is
-    made again by each later reader's fusion, so its operands live to its last reader (:func:`_lifetimes`),
+    made again by each later reader's fusion, so its operands live to its last reader
+    (:func:`shardc.costmodel.step_order.lifetimes`),
     a softmax a product reads after another reader keeps its exponentials to that product, and a
     transcendental derivative, which the fusion makes once, has a buffer of its own
     (:mod:`shardc.costmodel.fusion_buffers`).  ``scan_in_outputs``: a route's arrays that die before its
@@ -99,7 +102,9 @@ class Buffers:
     decomposer rewrites it (:func:`shardc.costmodel.layout_copies.decomposed`), where a TPU's or GPU's reads
     them in place; the copy into place of a value gathered over several dims at once is written so.
     ``dot_sums``: a dot of at least this many elements read only by a dot with no free index is made inside
-    that reader's fusion, with no buffer (:func:`shardc.costmodel.fusion_buffers.summed_into`)."""
+    that reader's fusion, with no buffer (:func:`shardc.costmodel.fusion_buffers.summed_into`).  ``routing_once``: the
+    index-based dispatch steps routing the same gates run the routing once, at the first, its indices kept to
+    the last (:func:`shardc.costmodel.route_memory.routed_once`), where each step runs it again."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -114,6 +119,7 @@ class Buffers:
     dots_canonical: bool = False
     dot_sums: int = 0
     gemm_casts: bool = False  # GEMMs read casts of their operands, not FP8 copies (shardc.costmodel.gemm_buffers)
+    routing_once: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -193,13 +199,14 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     :func:`shardc.timing.memory_traffic` prices it); a map's result takes the buffer of an operand
     of its size that no later step reads, as XLA's buffer assignment shares an elementwise
     operand's buffer with its user.  Copies a step makes for its layout (:func:`_layout_copies`)
-    live for that step only.  An AllReduce issued off the critical path runs at the end (:func:`_lifetimes`).
+    live for that step only.  An AllReduce issued off the critical path runs at the end
+    (:func:`shardc.costmodel.step_order.lifetimes`).
     An AllGather of an argument (an FSDP param, a sequence-parallel input) is issued at the phase's
     start, its result alive from there: a latency-hiding scheduler starts a collective as soon as its
     operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
     together before the unit runs (Zhao et al. 2023, PyTorch FSDP, prefetching)."""
-    readers, last = _lifetimes(steps, copies.buffers.products_again)
-    start = _made_at(steps)
+    readers, last = lifetimes(steps, copies.buffers.products_again)
+    start = made_at(steps)
     deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
     buffers: dict[TensorRef, list[float]] = {}  # value -> [first step, last step, bytes]
     spans: list[Span] = []
@@ -215,13 +222,20 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         or copies.buffers.dots_canonical and s.op is Op.ALL_GATHER and s.dim != 0}
     into = summed_into(steps, copies.sizes, copies.buffers.dot_sums)  # a dot made inside its reader's fusion
     last |= {ref: max(last[ref], k) for j, k in into.items() for ref in steps[j].reads}
+    ahead = prelude(steps, args) if copies.buffers.arguments_first else {}  # run first, in this order
+    again, routings = routed_once(steps, copies.sizes) if copies.buffers.routing_once else (set(), [])
+    spans += [(a, b, copies.buffers.rounded(n)) for a, b, n in routings]
     for k, step in enumerate(steps):
-        hosted += [(k, k, n) for n in copies.routing(step)[1]]
+        held, aside = copies.routing(step) if k not in again else ([], [])
+        hosted += [(k, k, n) for n in aside]
+        # an index-based dispatch routes before it moves a row: its routing's arrays are freed before its result
+        spans += [(k - 0.5 if isinstance(step.fn, Dispatch) else k,) * 2 + (n,) for n in held]
         for ref, size in copies.of(step):
             if step.op is Op.EINSUM and ref in remade:
                 continue
             if ref is not None and ref in args and copies.buffers.arguments_first:
-                early[ref] = (0, into.get(k, k), size)  # one copy, shared by the steps that read it so
+                # one copy, shared by the steps that read it so, dying at the last (before step 1 where it runs first)
+                early[ref] = (0, ahead.get(into.get(k, k), into.get(k, k)), size)
             elif ref in laid_out and step.src in args and copies.buffers.arguments_first:
                 laid.append(size)  # a prefetched gather laid out at the start, dying into its copy
             else:
@@ -247,9 +261,12 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         else:
             prefetched = step.op is Op.ALL_GATHER and step.src in args
             first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
-            buffers[step.dst] = [0 if prefetched or first else start[k], end, nbytes(step.dst)]
+            when = ahead.get(k, 0 if prefetched or first else start[k])
+            buffers[step.dst] = [when, max(end, when), nbytes(step.dst)]
     early |= _ring_slices(steps, sliced or set(), last, early, copies)
-    spans += _slot_rows(steps, copies) + ([(0, 0, max(laid))] if laid else [])
+    # the gathers' copies into place are made after the computations run first, beside all of them
+    laid_at = max(ahead.values(), default=0.0)
+    spans += _slot_rows(steps, copies) + ([(laid_at, laid_at, max(laid))] if laid else [])
     if copies.buffers.products_again:
         early_args = args if copies.buffers.arguments_first else set()
         spans += exponentials(steps, readers, last, nbytes) + derivatives(
@@ -258,7 +275,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
         spans += _remade_outputs(steps, copies)
-    spans += [(int(a), int(b), n) for a, b, n in buffers.values() if n] + list(early.values()) + (more or [])
+    spans += [(a, b, n) for a, b, n in buffers.values() if n] + list(early.values()) + (more or [])
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
     # a routing's arrays that die before its mask is written fit the buffer of any output made after them,
@@ -335,16 +352,6 @@ def _ring_sliced(step: Step) -> list[TensorRef]:
             if not (c.op is Op.ALL_GATHER and ref == c.src) and index in [d.name for d in ref.dims]]
 
 
-def _made_at(steps: tuple[Step, ...]) -> list[int]:
-    """Per step the step its value is written at: its own, but a kernel's further results (the
-    logsumexp beside the output; dK and dV beside dQ) are written by the kernel, at its step."""
-    out: list[int] = []
-    for k, step in enumerate(steps):
-        further = isinstance(step.fn, Attention) and not step.fn.kernel and k > 0
-        out.append(out[-1] if further else k)
-    return out
-
-
 def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     """Per index-based step writing expert rows (a dispatch, the expert outputs' gradient), the zeroed
     rows it scatters into, with one more slot where dropped choices land, before it slices off that
@@ -394,36 +401,6 @@ def _remade_outputs(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     return spans
 
 
-def _lifetimes(steps: tuple[Step, ...], products_again: bool = False
-               ) -> tuple[dict[TensorRef, list[Step]], dict[TensorRef, int]]:
-    """Per value the steps that read it, and the last step it is alive at.
-
-    An AllReduce the plan issues ahead of time (off the critical path) runs after the phase's last
-    step, as XLA defers such collectives and combines them into one (its all-reduce combiner): the
-    partial sums live to the end.  A ReduceScatter runs at its step, as soon as its partial sums are
-    made: its point is to free the unsharded gradient (ZeRO stage 2, Rajbhandari et al. 2020, reduces
-    each bucket as soon as its gradients are ready; PyTorch FSDP reduce-scatters each unit's in its
-    backward), and a chain that gathers its result again (a gradient sliced, reduce-scattered and
-    gathered) runs through at once.  With ``products_again``, a product (one multiply an element) read
-    by several steps is made once for its first reader and again inside the fusion of each later one,
-    as XLA's instruction fusion duplicates a cheap producer into its consumers: its operands live to its
-    last reader (``vocab_parallel.shard``'s backward at 16x its sizes: dN, all-reduced, alive to the
-    fusion making dE, which multiplies it by W_norm again, beside dN · W_norm and the normalised E)."""
-    readers: dict[TensorRef, list[Step]] = {}
-    last: dict[TensorRef, int] = {}
-    for k, step in enumerate(steps):
-        for ref in step.reads:
-            readers.setdefault(ref, []).append(step)
-            last[ref] = k
-        if step.ahead and step.src is not None and step.op is Op.ALL_REDUCE:
-            last[step.src] = len(steps)
-    for step in steps if products_again else ():
-        if is_product(step) and len(readers.get(step.dst, [])) > 1:
-            for ref in step.reads:  # each reader's fusion multiplies them again
-                last[ref] = max(last.get(ref, 0), last[step.dst])
-    return readers, last
-
-
 @dataclass(frozen=True)
 class _Copies:
     """The buffers a backend (:class:`Buffers`) makes for one step beyond its operands and result."""
@@ -433,12 +410,12 @@ class _Copies:
     nbytes: Callable[[TensorRef], float]  # a value's own bytes, unrounded
 
     def of(self, step: Step) -> list[tuple[TensorRef | None, float]]:
-        """Each copy: the value it lays out (None: an AllToAll's pieces, a route's counts) and its bytes."""
+        """Each copy: the value it lays out (None: an AllToAll's pieces, a kernel's workspace) and its bytes."""
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
         # the pieces are sliced along the split dim and concatenated along the other: no transpose
         laid = [] if pieces else _layout_copies(step, self.buffers.dots_canonical)
         return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in laid] \
-            + [(None, self.buffers.rounded(n)) for n in pieces + self.routing(step)[0] + self._kernel(step)]
+            + [(None, self.buffers.rounded(n)) for n in pieces + self._kernel(step)]
 
     def _kernel(self, step: Step) -> list[float]:
         """An attention kernel's buffers in memory while it runs, beyond its operands and results:

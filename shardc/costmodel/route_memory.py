@@ -4,12 +4,13 @@ chose the expert and how many before it did, int32, as the lowered module's rout
 
 from __future__ import annotations
 
+from shardc.costmodel.heap import Span
 from shardc.device_pieces import local_elements
 from shardc.ir.localops import Dispatch, Route
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 
-__all__ = ["route_arrays"]
+__all__ = ["route_arrays", "routed_once"]
 
 ID_BYTES = 4  # int32 counts, slots and top-k indices, as the lowered routing makes them
 
@@ -46,3 +47,27 @@ def _local(ref: TensorRef, name: str, sizes: dict[str, int]) -> int:
     """The length on one device of ``ref``'s index ``name``."""
     (dim,) = (d for d in ref.dims if d.name == name)
     return int(local_elements(TensorRef("", (dim,)), sizes))
+
+
+def routed_once(steps: tuple[Step, ...], sizes: dict[str, int]) -> tuple[set[int], list[Span]]:
+    """The index-based dispatch steps whose routing an earlier one of ``steps`` already ran (the same gates,
+    routed the same way), and per routing run for several, its indices kept from the first to the last:
+    each choice's batch row, expert and slot, int32, 3 k a token (the gather's and the scatter's indices).
+
+    The lowered steps each run :func:`shardc.lowering.runtime._routing` from their gates; XLA's
+    common-subexpression elimination (``HloCSE``) merges the identical computations into one, run before
+    the first (``moe_dispatch.shard``'s backward at verify's sizes: one top-k and one scan for dEx, dGate
+    and dX_2, the s32[2, 24, 2, 3] indices alive from dEx's scatter to dX_2's gather)."""
+    runs: dict[tuple[object, ...], list[int]] = {}
+    for j, step in enumerate(steps):
+        if isinstance(step.fn, Dispatch):
+            f = step.fn
+            runs.setdefault((step.operands[0], f.order, f.experts, f.slots, f.k, f.limit, f.groups), []).append(j)
+    again = {j for js in runs.values() for j in js[1:]}
+    kept = []
+    for js in (js for js in runs.values() if len(js) > 1):
+        gates, fn = steps[js[0]].operands[0], steps[js[0]].fn
+        assert isinstance(fn, Dispatch)
+        tokens = float(local_elements(gates, sizes)) / _local(gates, fn.experts, sizes)
+        kept.append((js[0] - 0.5, float(js[-1]), tokens * fn.k * 3 * ID_BYTES))  # made before the first moves a row
+    return again, kept

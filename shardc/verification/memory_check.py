@@ -56,10 +56,11 @@ YNN_MIN_ELEMENTS = 4096
 #   concatenation writes the result as it is laid out, so a result split along a dim other than its
 #   first is not transposed after (moe_dispatch.shard's In: 8 slices, 8 pieces, concatenated);
 # - its scheduler runs every copy that reads only the program's parameters (a residual or weight
-#   transposed for a dot), and every computation that does (a weight gradient's dot of a saved
-#   activation and a cotangent), before the others, so their results are alive together from the
-#   start (the live-range dump, *-live-range.txt, lists them first: fsdp.shard's dW_out,
-#   tests/specs/llama2_13b_fsdp.shard's dW_k and dW_v, alive with the gathered weights);
+#   transposed for a dot) before the others, then every computation that reads only them (a weight
+#   gradient's dot of a saved activation and a cotangent) one after another, so a copy only those read
+#   dies before the next is made (the live-range dump, *-live-range.txt, lists them first: fsdp.shard's
+#   dW_out, tests/specs/llama2_13b_fsdp.shard's dW_k and dW_v, alive with the gathered weights;
+#   moe_layer.shard's backward: Comb's copy for dEx's dot freed before dComb = dOut * Ex is made);
 # - its fusion makes a routing mask again for each dot that reads it (the mask is cheap to make
 #   from the route's counts and large to read), in that dot's layout and a buffer of its own, beside
 #   the mask the forward returns (moe_layer.shard at 16x its sizes: Disp as [G, E*C, S] and Comb as
@@ -106,11 +107,15 @@ YNN_MIN_ELEMENTS = 4096
 # - its fusion makes a transcendental derivative (gelu's tanh) once, in a buffer of its own from the
 #   start, where the gradient it is in is made again inside the copies two dots make of it
 #   (moe_dispatch.shard's backward at 16x its sizes: gelu's derivative of H_t1, 176 MB);
+# - its common-subexpression elimination merges the routings the index-based dispatch steps each run from the
+#   same gates into one, run before the first, its indices (a choice's batch row, expert and slot) kept to
+#   the last (moe_dispatch.shard's backward at verify's sizes: one top-k and one scan for dEx, dGate, dX_2);
 # - a GEMM under a `gemm` line reads its operands cast elementwise (the module's gemm_input) at the float's
 #   width, where a chip holds FP8 copies with their scales (shardc.costmodel.gemm_buffers).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
-                  scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS, gemm_casts=True)
+                  scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS, gemm_casts=True,
+                  routing_once=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
