@@ -53,6 +53,7 @@ from shardc.lowering.pipeline_keep import FlatRing, TreeRing
 from shardc.lowering.pipeline_parts import Arrays, Ends, Part, Table, forward_only
 from shardc.lowering.pipeline_routes import Placement
 from shardc.lowering.pipeline_slots import Rings, rings
+from shardc.lowering.pipeline_slots import paired as pairs
 from shardc.lowering.runtime import make_mesh
 from shardc.lowering.runtime_ring import zigzag_order
 from shardc.spec.functions import layer_key
@@ -289,57 +290,68 @@ class Pipeline:
         virtual = place.table()  # [chunk, stage]
         # a tick where a device runs an F and a B (DualPipe's pairs): its B and W read the buffers as the tick
         # found them, so nothing of its F comes before them and a GPU may overlap the two; elsewhere they read
-        # what F left (the same values), so XLA keeps one copy of each buffer, not the old and the new
-        paired = backward and any(f >= 0 and b >= 0 for fs, bs in zip(table, self.backward_ticks, strict=True)
-                                  for f, b in zip(fs, bs, strict=True))
+        # what F left (the same values: a slot F writes in a tick is never one they read there)
+        paired = backward and pairs(table, self.backward_ticks)
+
+        def write(kept: Any, cots: Any, res: Any, c: Any, u: Any, e: Any, live: Any, end: Any, cot: Any) -> Any:
+            """F's residuals and its end's cotangent, each at its entry's slot."""
+            return keep.write(kept, res, stage, c, u, ks[e], live), jnp.where(end, cots.at[gs[e]].set(cot), cots)
 
         def tick(t: Any, carry: Any) -> Any:
-            kept, handed, acts, cots, acc, dparams = carry
+            kept, handed, acts, cots, acc, dparams, pending = carry
+            if paired:  # the last tick's F's writes first, B's reads after them (XLA updates the rings in place)
+                kept, cots = write(kept, cots, *pending)
             ef = ftab[t, stage]
             e = jnp.maximum(ef, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
             start = place.starts(u)  # the first virtual stage reads the ends' input
             y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[xs[e]]), params, key, u, c, j)
-            kept = keep.write(kept, res, stage, c, u, ks[e], ef >= 0)
             end = (ef >= 0) & place.ends(u)  # the last virtual stage hands on to the ends
             cot, acc = self.ends.last(pool, y, j, end, acc, backward)
-            cots = jnp.where(end, cots.at[gs[e]].set(cot), cots)
+            # paired, F's writes wait for the next tick (none reads them before): B reading the rings F had
+            # written kept the old and the new, XLA copying a whole ring a tick (DeepSeek-V3's run: 11.9 MB)
+            if paired:
+                pending = (res, c, u, e, ef >= 0, end, cot)
+            else:
+                kept, cots = write(kept, cots, res, c, u, e, ef >= 0, end, cot)
             # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
             acts = place.hand_on(self.axis, acts, y, ftab[t], stage, m, 1, xs)
             if not backward:
-                return kept, handed, acts, cots, acc, dparams
+                return kept, handed, acts, cots, acc, dparams, pending
             eb = btab[t, stage]
             e = jnp.maximum(eb, 0)
             c, j = e // m, e % m
             u = virtual[c, stage]
-            held, cot_in = (carry[0], carry[3]) if paired else (kept, cots)
-            mine = self._saved(keep.read(held, stage, c, ks[e]), params, c, u)
+            mine = self._saved(keep.read(kept, stage, c, ks[e]), params, c, u)
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B, or after its B in this one)
-                dx, made = self._stage_input_bwd(mine, cot_in[gs[e]], u)
+                dx, made = self._stage_input_bwd(mine, cots[gs[e]], u)
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
             else:
-                dx, dw = self._stage_bwd(mine, cot_in[gs[e]], u)
+                dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
                 dparams = self._accumulate(dparams, dw, eb >= 0, c, u)
             acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)  # before W, which reads it
             if split:
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
                 uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
-                dw = self._stage_weight_bwd(self._saved(keep.read(held, stage, w // m, ks[w]), params, w // m,
+                dw = self._stage_weight_bwd(self._saved(keep.read(kept, stage, w // m, ks[w]), params, w // m,
                                                              uw), jax.tree.map(lambda buf: buf[hs[w]], handed), uw)
                 dparams = self._accumulate(dparams, dw, ew >= 0, w // m, uw)
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
             cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
-            return kept, handed, acts, cots, acc, dparams
+            return kept, handed, acts, cots, acc, dparams, pending
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
         grads = jax.eval_shape(lambda d: self._stage_bwd(first, d, stage), x)[1]
         partial = {b: g for mine in grads for b, g in mine.items()}
+        none = jnp.zeros((), ftab.dtype)  # paired, the writes of an F before the first: none
+        pending = (jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), none, virtual[0, stage], none,
+                   *jnp.zeros(2, bool), jnp.zeros(x.shape, x.dtype)) if paired else ()
         init = (kept, handed, acts, cots, self.ends.start(pool, x),
                 tuple(jnp.zeros((v * self.tables.slots[b], *partial[b][p].shape), partial[b][p].dtype)
-                      for b, body in enumerate(self.bodies) for p in body.params))
-        acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[-2:]
+                      for b, body in enumerate(self.bodies) for p in body.params), pending)
+        acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[4:6]
         if backward:  # the microbatches' sums reduced, once a step (DualPipe's two copies' summed first)
             acc, dparams = self.ends.finish(acc), self._finish(dparams)
         acc = jax.tree.map(lambda a: a[None], self.ends.results(acc))
