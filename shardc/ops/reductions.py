@@ -438,18 +438,23 @@ def _scores(node: Node) -> bool:
 # input, normalized_shape, result1, result2, weight, bias, ...)``); the backward kernel reads dY, X and those
 # two and writes dX, making neither the statistics nor Y again.  Its steps here (the statistics, the apply;
 # in the backward the statistics and Y made again, dY's row sums and the closed form) are that one kernel.
-# The others are not one kernel there: softmax already plans as one step each way (``_softmax`` and
-# ``_softmax_backward_data``); rmsnorm is composite in eager PyTorch (pow, mean, rsqrt, mul: one kernel an
-# op, as priced); cross entropy is ``log_softmax`` then ``nll_loss`` (two kernels, the vocabulary family's).
-_LAYER_NORM = frozenset({Row.ROW_MEAN, Row.ROW_MEANDEV, Row.LAYERNORM_APPLY, Row.ROW_MEANDOT, Row.LAYERNORM_VJP})
+# An rmsnorm likewise, as ``F.rms_norm`` / ``nn.RMSNorm`` run it on CUDA since the fused kernel landed
+# (``_fused_rms_norm``, pytorch/pytorch#153666; its backward ``_fused_rms_norm_backward(grad_out, input,
+# normalized_shape, rstd, weight, output_mask)``, in PyTorch 2.9); a hand-written RMSNorm (pow, mean, rsqrt,
+# mul: HF's LlamaRMSNorm) is several kernels, and more passes than priced here.  The others are not one
+# kernel more than planned: softmax already plans as one step each way (``_softmax`` and
+# ``_softmax_backward_data``) where its index is whole; cross entropy is ``log_softmax`` then ``nll_loss``
+# (two kernels; the vocabulary family's steps, as priced).
+_NATIVE = frozenset({Row.ROW_MEAN, Row.ROW_MEANDEV, Row.LAYERNORM_APPLY, Row.ROW_MEANDOT, Row.LAYERNORM_VJP,
+                     Row.ROW_MEANSQ, Row.RMSNORM_APPLY, Row.RMSNORM_VJP})
 
 
 def _native(step: Step) -> bool:
-    return step.fn in _LAYER_NORM
+    return step.fn in _NATIVE
 
 
 def _native_last(step: Step) -> bool:
-    return step.fn is Row.LAYERNORM_VJP
+    return step.fn in (Row.LAYERNORM_VJP, Row.RMSNORM_VJP)
 
 
 REDUCTIONS = register(Family(
