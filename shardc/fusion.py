@@ -21,7 +21,13 @@ A memory-bound step (every local step but a matmul) moves the bytes its op famil
 
 Under ``fusion none`` (:attr:`shardc.hardware.Hardware.fuses` false: PyTorch eager, which launches one
 kernel an operator and fuses nothing across them, no matmul epilogue either) none of the first two
-savings applies: each memory-bound step reads its operands from HBM and writes its result.
+savings applies: each memory-bound step reads its operands from HBM and writes its result, except the steps
+of an op PyTorch runs as one native kernel (:attr:`shardc.ops.registry.Family.native`: its layer norm),
+which are priced by that kernel's reads and writes: each operand from outside it read once, a result written
+only where something outside the kernel reads it.
+
+A fused kernel's further results (:attr:`shardc.ops.registry.Family.further`: attention's logsumexp, dK and
+dV) are written inside the kernel's calls: their bytes are the kernel's step's, priced with its FLOPs.
 
 Under ``fusion statement`` (PyTorch eager with a hand-fused kernel a statement, as Megatron-LM runs its
 layers: apex's fused LayerNorm, the fused scale-mask-softmax, bias-GeLU and bias-dropout-add, each with its
@@ -42,7 +48,7 @@ from shardc.collectives import Op
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
-from shardc.ops.registry import all_traffic, of_op
+from shardc.ops.registry import Family, all_traffic, of_op
 from shardc.steptime import einsum_bytes
 
 __all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "fusible"]
@@ -127,4 +133,69 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
                 and readers.get(step.dst, 0) == 1 and step.dst not in kept):
             write = 0.0
         out.append(math.fsum(reads) + write)
+    if not fuse:
+        for start, end in _native_runs(steps):
+            out[start:end] = _native_traffic(steps[start:end], local_bytes, kept, readers)
+    return _to_kernels(steps, out)
+
+
+def _family_of(step: Step) -> Family | None:
+    return of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+
+
+def _native_runs(steps: tuple[Step, ...]) -> list[tuple[int, int]]:
+    """The runs ``[start, end)`` of two or more steps that are one native kernel of the framework
+    (:attr:`shardc.ops.registry.Family.native`: PyTorch's layer norm, forward or backward), each ending at
+    a step that is not part of one, or after its kernel's last step."""
+    runs: list[tuple[int, int]] = []
+    start: int | None = None
+    for k, step in enumerate(steps):
+        family = _family_of(step)
+        part = family is not None and family.native(step)
+        if start is not None and not part:
+            runs.append((start, k))
+            start = None
+        if part:
+            start = k if start is None else start
+            if family is not None and family.native_last(step):
+                runs.append((start, k + 1))
+                start = None
+    if start is not None:
+        runs.append((start, len(steps)))
+    return [(a, b) for a, b in runs if b - a > 1]
+
+
+def _native_traffic(run: tuple[Step, ...], local_bytes: Callable[[TensorRef], float], kept: frozenset[TensorRef],
+                    readers: dict[TensorRef, int]) -> list[float]:
+    """The HBM bytes of each step of one native kernel: it reads each operand from outside the kernel once
+    (the step that first reads it), and writes a result only where a step outside it reads it or the backward
+    keeps it (PyTorch's layer norm reads X once and writes Y; its backward reads dY and X, writes dX)."""
+    made: set[TensorRef] = set()
+    read: set[TensorRef] = set()
+    out = []
+    for step in run:
+        family = _family_of(step)
+        reads, write = (family.traffic if family is not None else all_traffic)(step, local_bytes)
+        moved = [r for ref, r in zip(step.operands, reads, strict=True) if ref not in made and ref not in read]
+        read.update(step.operands)
+        made.add(step.dst)
+        inside = sum(step.dst in set(s.operands) for s in run)
+        out.append(math.fsum(moved) + (write if readers.get(step.dst, 0) > inside or step.dst in kept else 0.0))
+    return out
+
+
+def _to_kernels(steps: tuple[Step, ...], out: list[float]) -> list[float]:
+    """``out`` with each further result's bytes (:attr:`shardc.ops.registry.Family.further`: a fused attention
+    kernel's logsumexp, dK and dV) moved onto the step that runs its kernel (the nearest earlier one of the
+    same operands): its writes are inside the kernel's calls, priced with the kernel's FLOPs."""
+    out = list(out)
+    for k, step in enumerate(steps):
+        family = _family_of(step)
+        if family is None or not family.further(step) or not out[k]:
+            continue
+        owner = next((j for j in range(k - 1, -1, -1) if steps[j].operands == step.operands
+                      and _family_of(steps[j]) is family and not family.further(steps[j])), None)
+        if owner is not None:
+            out[owner] += out[k]
+            out[k] = 0.0
     return out

@@ -192,3 +192,22 @@ def test_a_hardware_file_takes_attention_points_and_the_hardware_json_lists_them
     listed = json.loads(capsys.readouterr().out)
     assert listed["h100"]["attention_backward"][3] == [4096, pytest.approx(542e12 / H100)]
     assert listed["tpu-v5p"]["attention_forward"] == [] and math.isfinite(listed["a100"]["attention_forward"][0][1])
+
+
+def test_the_kernels_further_results_are_written_inside_its_calls() -> None:
+    """The logsumexp, dK and dV are the kernel's own writes, inside the calls its rate is measured on: their
+    bytes join the kernel's step, priced against its FLOPs, and take no time of their own (they did: ~2.5 ms
+    a step of MPT-7B on H100).  At 4096 keys the FLOPs cover them all; at 128 keys the bytes outlast them."""
+    hw = PRESETS["h100"]
+    for s, bound in ((4096, False), (128, True)):
+        report = _report(_causal(s))
+        for rows in (report.forward.rows, report.backward.rows):
+            (kernel,) = _kernels(rows)
+            further = [r for r in rows if "attention_" in r.text and not r.flops]
+            assert len(further) == (1 if rows is report.forward.rows else 2)
+            assert all(r.memory_bytes == 0 and r.memory_s == 0 for r in further)
+            assert (hw.memory_seconds(kernel.memory_bytes) > kernel.compute_s) is bound
+            assert kernel.busy_s == pytest.approx(max(kernel.compute_s, hw.memory_seconds(kernel.memory_bytes)))
+    q = 8 // 8 * 128 * 8 * 128 * 2  # Q, K, V, O or dQ at 128 keys on a device, bf16; the logsumexp fp32
+    (fwd,) = _kernels(report.forward.rows)
+    assert fwd.memory_bytes == 4 * q + 8 // 8 * 128 * 8 * 4  # reads Q, K, V; writes O and the logsumexp

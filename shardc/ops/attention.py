@@ -50,8 +50,9 @@ the backward's kernel is the first gradient step's, the others its further resul
 
 HBM traffic (:attr:`Family.traffic`): the forward reads Q, K and V and writes O and the
 logsumexp; the backward reads Q, K, V, O, the logsumexp and dO and writes dQ, dK and dV.  The kernel's
-measured rate times whole calls, these reads and writes inside them: its step's bytes take time only where
-they outlast its FLOPs (:func:`shardc.step_cost.cost_step`, the roofline a matmul has).
+measured rate times whole calls, these reads and writes inside them: its step's bytes, its further results'
+writes with them, take time only where they outlast its FLOPs (:func:`shardc.step_cost.cost_step`, the
+roofline a matmul has).
 Lowered as one call of :func:`shardc.lowering.runtime.attention` (or ``attention_grads``; the ring's
 ``ring_attention`` and ``ring_attention_grads``) a step.
 """
@@ -420,6 +421,14 @@ def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
     return tuple(0.0 for _ in step.operands), nbytes(step.dst)
 
 
+def _further(step: Step) -> bool:
+    """A further result of the kernel (the logsumexp, dK, dV): its write is the kernel's, inside the calls its
+    measured rate times, so it counts with the kernel's bytes against its FLOPs
+    (:func:`shardc.fusion.memory_traffic`)."""
+    assert isinstance(step.fn, Attention)
+    return not step.fn.kernel
+
+
 # --- lowering ----------------------------------------------------------------------------------
 
 def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
@@ -466,4 +475,4 @@ ATTENTION = register(Family(
     reference=Reference(forward, vjp, magnitude, grad_magnitude, _arguments, _indices,
                         nonlinear=lambda func: True),
     operands=_operands, aux_bytes=_aux_bytes, traffic=_traffic, flops=_flops, seconds=kernel_seconds, ring=transfers,
-    fusible=False))
+    fusible=False, further=_further))

@@ -432,9 +432,35 @@ def _scores(node: Node) -> bool:
     return node.call is not None and _whole(node.call.func).scores
 
 
+# Under ``fusion none`` (PyTorch eager) a layernorm is one ATen kernel each way: ``native_layer_norm``
+# (aten/src/ATen/native/layer_norm.cpp, cuda/layer_norm_kernel.cu) reads X once and writes Y with each row's
+# mean and rstd, which autograd saves (tools/autograd/derivatives.yaml: ``native_layer_norm_backward(grad,
+# input, normalized_shape, result1, result2, weight, bias, ...)``); the backward kernel reads dY, X and those
+# two and writes dX, making neither the statistics nor Y again.  Its steps here (the statistics, the apply;
+# in the backward the statistics and Y made again, dY's row sums and the closed form) are that one kernel.
+# An rmsnorm likewise, as ``F.rms_norm`` / ``nn.RMSNorm`` run it on CUDA since the fused kernel landed
+# (``_fused_rms_norm``, pytorch/pytorch#153666; its backward ``_fused_rms_norm_backward(grad_out, input,
+# normalized_shape, rstd, weight, output_mask)``, in PyTorch 2.9); a hand-written RMSNorm (pow, mean, rsqrt,
+# mul: HF's LlamaRMSNorm) is several kernels, and more passes than priced here.  The others are not one
+# kernel more than planned: softmax already plans as one step each way (``_softmax`` and
+# ``_softmax_backward_data``) where its index is whole; cross entropy is ``log_softmax`` then ``nll_loss``,
+# whose kernels (the log-probabilities written; back, ``nll_loss_backward``'s zeroed gradient, then
+# ``_log_softmax_backward_data``) move no fewer bytes than the vocabulary family's steps price.
+_NATIVE = frozenset({Row.ROW_MEAN, Row.ROW_MEANDEV, Row.LAYERNORM_APPLY, Row.ROW_MEANDOT, Row.LAYERNORM_VJP,
+                     Row.ROW_MEANSQ, Row.RMSNORM_APPLY, Row.RMSNORM_VJP})
+
+
+def _native(step: Step) -> bool:
+    return step.fn in _NATIVE
+
+
+def _native_last(step: Step) -> bool:
+    return step.fn in (Row.LAYERNORM_VJP, Row.RMSNORM_VJP)
+
+
 REDUCTIONS = register(Family(
     name="reductions", calls=frozenset(_WHOLE),
     ops=(Row, Combine), plan=plan_rows, backward=rows_backward, emit=emit,
     reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
                         indices=_indices, nonlinear=lambda func: _WHOLE[func].nonlinear),
-    argument=_argument, aux=_aux, operands=_operands, scores=_scores))
+    argument=_argument, aux=_aux, operands=_operands, scores=_scores, native=_native, native_last=_native_last))

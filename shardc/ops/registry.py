@@ -156,6 +156,10 @@ def _result_indices(call: Call, indices: tuple[str, ...]) -> tuple[str, ...]:
     return indices
 
 
+def no_step(step: Step) -> bool:
+    return False
+
+
 def _no_aux(call: Call, result: str) -> tuple[str, ...]:
     return ()
 
@@ -266,6 +270,14 @@ class Family:
     # whether XLA fuses its steps with their neighbours (elementwise maps and reductions: loop and
     # reduction fusions; a top-k routing sorts, and is a kernel of its own)
     fusible: bool = True
+    # under ``fusion none`` (one kernel an op): whether a step is part of the one native kernel the framework
+    # runs its op as (PyTorch's layer norm), and whether it is that kernel's last step
+    # (:func:`shardc.fusion.memory_traffic` prices such a run of steps by the kernel's own reads and writes)
+    native: Callable[[Step], bool] = no_step
+    native_last: Callable[[Step], bool] = no_step
+    # whether a step is a further result of the kernel an earlier step of the same operands runs (attention's
+    # logsumexp, dK, dV): its writes are that kernel's, priced with the kernel's FLOPs (its roofline)
+    further: Callable[[Step], bool] = no_step
 
 
 _BY_CALL: dict[str, Family] = {}
