@@ -16,7 +16,7 @@ from shardc.ir.spec import Schedule
 from shardc.layouts import Options, search_layouts
 from shardc.layouts import layout_search as search_module
 from shardc.layouts.knobs import data_axes
-from shardc.layouts.rank import evaluate, prepare
+from shardc.layouts.rank import evaluate, pairs, prepare
 from shardc.layouts.templates import EXACT_TOP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,3 +240,55 @@ def test_templates_over_processes_give_the_rows_of_one(monkeypatch: pytest.Monke
     pooled = search_layouts([spec], options, chips=8, jobs=2)
     assert pooled.stats["jobs"] == 2 and alone.stats["jobs"] == 1
     assert pooled.layouts == alone.layouts and pooled.skipped == alone.skipped
+
+
+# bounds: the memory floor and a pipelined order's quick key -------------------------------------------
+
+
+def _candidates(path: Path, chips: int) -> list[shardc.ir.spec.Spec]:  # type: ignore[name-defined]
+    from shardc.layouts.factor import candidates
+    spec = load(path)
+    found = [prepare(spec, sizes) for sizes in candidates(spec, chips, frozenset(), False)]
+    return [c for c in found if not isinstance(c, shardc.layouts.Skipped)]
+
+
+def test_the_memory_floor_is_under_every_plan_the_memory_search_weighs() -> None:
+    from shardc.costmodel.fitting import least_memory
+    dp = load(ROOT / "tests" / "specs" / "llama2_13b_dp.shard")
+    zeroed = [replace(prepare(dp, {"X": 8}), zero=shardc.ir.spec.Zero(z, ("X",))) for z in (3,)]  # type: ignore[arg-type]
+    staged = [c for c in _candidates(PIPELINE, 8) if pairs(c) == (("P", 4), ("X", 2), ("Y", 1))]
+    for candidate in _candidates(FSDP_TP, 16) + zeroed + staged:
+        floor = least_memory(shardc.cost(shardc.plan(candidate)))
+        # a 1-byte limit: nothing fits, so the search weighs every plan and names the leanest
+        leanest = min(c.memory_bytes for c in shardc.plan(candidate, memory_limit=1.0).memory_choices)
+        assert 0 < floor <= leanest, (candidate.mesh, floor, leanest)
+
+
+def test_a_floor_over_the_hbm_skips_the_memory_search_and_changes_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardc.planner import memory_fit
+    candidate = _candidates(FSDP_TP, 16)[0]
+    options = Options(replace(get_hardware("tpu-v5p"), hbm_bytes=1e6))  # under the training state
+    searched = evaluate(candidate, options)  # the floor left out: every plan of the search weighed
+    monkeypatch.setattr(memory_fit, "beyond", lambda first, *_: first)
+    planned = []
+    monkeypatch.setattr(memory_fit, "fit", lambda first, *a: planned.append(first) or first)
+    skipped = evaluate(candidate, options)
+    assert not planned and not isinstance(skipped, str) and not isinstance(searched, str)
+    assert skipped == searched and not skipped.fits
+
+
+def test_a_pipelined_orders_quick_key_ranks_no_later_than_its_row() -> None:
+    from shardc.layouts.orders import _digits, orders
+    from shardc.layouts.templates import Candidate, recost, step_of
+    options = Options(get_hardware("tpu-v5p"))
+    (rep,) = [c for c in _candidates(PIPELINE, 16) if pairs(c) == (("P", 4), ("X", 2), ("Y", 2))]
+    template = shardc.plan(rep)
+    found = [Candidate(s, tuple((a.name, a.size) for a in s.mesh.axes)) for s in orders(rep, options)]
+    assert len(found) > 1
+    for c in found:
+        quick, row = step_of(template, c, options), recost(template, c, options)
+        assert quick is not None and not isinstance(row, str)
+        step, split, critical = quick
+        assert (_digits(step), split) <= (_digits(row.step_s), row.split)
+        assert split == row.split and critical == pytest.approx(row.critical_s, rel=1e-12)
+        assert critical > 0  # a true figure, not 0: an order no faster than a row that fits is skipped on it
