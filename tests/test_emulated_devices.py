@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardc.cli.lower_cmd import _WAITING_COLLECTIVES
+from shardc.lowering.template import WAITING_COLLECTIVES
 
 _COUNT_WORKERS = (
     "from shardc.cli.lower_cmd import emulate_devices\n"
@@ -28,4 +28,13 @@ def test_the_emulated_devices_pool_has_a_worker_for_each_collective_a_device_can
     run = subprocess.run([sys.executable, "-c", "from pathlib import Path\n" + _COUNT_WORKERS], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert int(run.stdout) == _WAITING_COLLECTIVES * 16  # XLA's own: one a device (16), which all waited
+    assert int(run.stdout) == WAITING_COLLECTIVES * 16  # XLA's own: one a device (16), which all waited
+
+
+def test_a_lowered_modules_header_says_the_pool_it_needs_on_emulated_devices() -> None:
+    import shardc
+    from shardc.lowering.api import module_source
+    spec = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "fsdp_tp.shard").read_text(), "f")
+    source, _ = module_source(shardc.plan(spec))  # mesh X=16, Y=4: 64 devices
+    header = source.split('"""')[1]
+    assert "xla_force_host_platform_device_count=64" in header and f"NPROC={WAITING_COLLECTIVES * 64}" in header

@@ -16,7 +16,7 @@ from shardc.ir.spec import Schedule
 from shardc.layouts import Options, search_layouts
 from shardc.layouts import layout_search as search_module
 from shardc.layouts.knobs import data_axes
-from shardc.layouts.rank import evaluate, prepare
+from shardc.layouts.rank import evaluate, pairs, prepare
 from shardc.layouts.templates import EXACT_TOP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +32,7 @@ H[B_Z, S, F_Y] = gelu(X[B_Z, S, D] · W_in[D, F_Y])
 Out[B_Z, S, D] = H[B_Z, S, F_Y] · W_out[F_Y, D]
 """
 PIPELINE = ROOT / "examples" / "pipeline_llama.shard"
+PIPELINE_MLP = ROOT / "tests" / "specs" / "pipeline_mlp.shard"
 FSDP_TP = ROOT / "examples" / "fsdp_tp.shard"
 
 
@@ -137,7 +138,7 @@ def test_a_re_costed_plan_is_the_plan_made_at_those_sizes_when_the_planner_choos
 def test_the_text_says_what_the_template_search_did(monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
-    assert main(["layouts", str(PIPELINE), "--chips", "8", "--top", "3"]) == 0
+    assert main(["layouts", str(PIPELINE_MLP), "--chips", "8", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "template(s) planned once and re-costed at each candidate's sizes" in out
     assert "row(s) left re-costed" in out
@@ -146,9 +147,9 @@ def test_the_text_says_what_the_template_search_did(monkeypatch: pytest.MonkeyPa
 # knobs ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # every setting of three knobs planned and costed
+@pytest.mark.slow  # every setting of three knobs planned and costed (a pipelined MLP: planned quickly)
 def test_knobs_are_searched_for_the_best_layouts(capsys: pytest.CaptureFixture[str]) -> None:
-    found = layouts(capsys, str(PIPELINE), "--chips", "8", "--knobs", "microbatches,schedule,recompute")
+    found = layouts(capsys, str(PIPELINE_MLP), "--chips", "8", "--knobs", "microbatches,schedule,recompute")
     rows = found["layouts"]
     knobbed = [r for r in rows if r["knobs"]]  # type: ignore[union-attr]
     assert knobbed and {k for r in knobbed for k in r["knobs"]} <= {"microbatches", "schedule", "recompute"}
@@ -160,10 +161,10 @@ def test_knobs_are_searched_for_the_best_layouts(capsys: pytest.CaptureFixture[s
     if rows[0]["axes"] == rows[1]["axes"]:  # type: ignore[index]  # the runner-up only turned a knob: say the next layout
         other = next(r for r in rows if r["fits"] and r["axes"] != rows[0]["axes"])  # type: ignore[index]
         axes = " ".join(f"{k}={v}" for k, v in other["axes"].items())
-        assert f"the best other layout: pipeline_llama.shard {axes}" in found["reason"]  # type: ignore[operator]
+        assert f"the best other layout: pipeline_mlp.shard {axes}" in found["reason"]  # type: ignore[operator]
     # a planned row with knobs is `shardc cost` of the spec with those lines, at those sizes
     row = next(r for r in knobbed if r["planned"] and "schedule" in r["knobs"] and "recompute" not in r["knobs"])
-    spec = prepare(load(PIPELINE), row["axes"])
+    spec = prepare(load(PIPELINE_MLP), row["axes"])
     assert not isinstance(spec, shardc.layouts.Skipped)
     name, _, virtual = row["knobs"]["schedule"].partition(" ")
     spec = replace(spec, schedule=Schedule(name, int(virtual or 1)),
@@ -202,15 +203,21 @@ def test_gpt3_on_its_384_a100_ranks_megatrons_layout_in_its_top_three(capsys: py
     assert all(r["planned"] for r in found["layouts"][:EXACT_TOP])  # type: ignore[index]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # every candidate planned, beside the template search
 def test_the_template_search_chooses_as_planning_every_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 64 chips over P x X x Y: 28 candidates, each planned, against 5 templates planned once (3 pipelined, each
-    # stage planned at its microbatch's sizes; 2 with the pipeline switched off, planned at the whole batch)
-    exact, fast = _both(monkeypatch, PIPELINE, 64)
-    assert fast.stats["templates"] <= 5 < exact.stats["planned"]
+    # 64 chips over P x X x Y: 28 candidates and 18 other orders of their mesh axes, each planned, against 6
+    # templates planned once (3 pipelined, each stage planned at its microbatch's sizes; 3 with the pipeline
+    # switched off, planned at the whole batch: X and Y sharding, or one of them alone); some fit, some do not
+    exact, fast = _both(monkeypatch, PIPELINE_MLP, 64)
+    assert fast.stats["templates"] == 6 and exact.stats["planned"] == 45
+    assert any(r.fits for r in exact.layouts) and not all(r.fits for r in exact.layouts)
     assert fast.chosen is not None and exact.chosen is not None and fast.chosen.sizes == exact.chosen.sizes
-    assert [r.sizes for r in fast.layouts[:EXACT_TOP]] == [r.sizes for r in exact.layouts[:EXACT_TOP]]
-    assert [r.step_s for r in fast.layouts[:EXACT_TOP]] == [r.step_s for r in exact.layouts[:EXACT_TOP]]
+    # the first three layouts, each with its step: an order of one that ties it (the same links' figures) is
+    # left uncosted by the template search, which costs only the orders that can be chosen
+    def firsts(rows: tuple[shardc.layouts.Layout, ...]) -> list[tuple[float, tuple[tuple[str, int], ...]]]:
+        return list(dict.fromkeys((r.step_s, tuple(sorted(r.sizes))) for r in rows))[:EXACT_TOP]
+
+    assert firsts(fast.layouts) == firsts(exact.layouts)
 
 
 def test_plans_sharing_a_search_are_the_plans_made_apart() -> None:
@@ -234,9 +241,62 @@ def test_plans_sharing_a_search_are_the_plans_made_apart() -> None:
 @pytest.mark.slow  # the template search run twice, once over a pool of processes
 def test_templates_over_processes_give_the_rows_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(search_module, "EXACT_CANDIDATES", 0)
-    # a test chip of 300 GB HBM: the two-stage layouts fit, so few others are planned to fit
-    spec, options = load(PIPELINE), Options(replace(get_hardware("tpu-v5p"), hbm_bytes=300e9))
+    # some of the layouts fit, so few others are planned to fit
+    spec, options = load(PIPELINE_MLP), Options(get_hardware("tpu-v5p"))
     alone = search_layouts([spec], options, chips=8, jobs=1)
     pooled = search_layouts([spec], options, chips=8, jobs=2)
     assert pooled.stats["jobs"] == 2 and alone.stats["jobs"] == 1
+    assert any(r.fits for r in alone.layouts) and not all(r.fits for r in alone.layouts)
     assert pooled.layouts == alone.layouts and pooled.skipped == alone.skipped
+
+
+# bounds: the memory floor and a pipelined order's quick key -------------------------------------------
+
+
+def _candidates(path: Path, chips: int) -> list[shardc.ir.spec.Spec]:  # type: ignore[name-defined]
+    from shardc.layouts.factor import candidates
+    spec = load(path)
+    found = [prepare(spec, sizes) for sizes in candidates(spec, chips, frozenset(), False)]
+    return [c for c in found if not isinstance(c, shardc.layouts.Skipped)]
+
+
+def test_the_memory_floor_is_under_every_plan_the_memory_search_weighs() -> None:
+    from shardc.costmodel.fitting import least_memory
+    dp = load(ROOT / "tests" / "specs" / "llama2_13b_dp.shard")
+    zeroed = [replace(prepare(dp, {"X": 8}), zero=shardc.ir.spec.Zero(z, ("X",))) for z in (3,)]  # type: ignore[arg-type]
+    staged = [c for c in _candidates(PIPELINE, 8) if pairs(c) == (("P", 4), ("X", 2), ("Y", 1))]
+    for candidate in _candidates(FSDP_TP, 16) + zeroed + staged:
+        floor = least_memory(shardc.cost(shardc.plan(candidate)))
+        # a 1-byte limit: nothing fits, so the search weighs every plan and names the leanest
+        leanest = min(c.memory_bytes for c in shardc.plan(candidate, memory_limit=1.0).memory_choices)
+        assert 0 < floor <= leanest, (candidate.mesh, floor, leanest)
+
+
+def test_a_floor_over_the_hbm_skips_the_memory_search_and_changes_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardc.planner import memory_fit
+    candidate = _candidates(FSDP_TP, 16)[0]
+    options = Options(replace(get_hardware("tpu-v5p"), hbm_bytes=1e6))  # under the training state
+    searched = evaluate(candidate, options)  # the floor left out: every plan of the search weighed
+    monkeypatch.setattr(memory_fit, "beyond", lambda first, *_: first)
+    planned = []
+    monkeypatch.setattr(memory_fit, "fit", lambda first, *a: planned.append(first) or first)
+    skipped = evaluate(candidate, options)
+    assert not planned and not isinstance(skipped, str) and not isinstance(searched, str)
+    assert skipped == searched and not skipped.fits
+
+
+def test_a_pipelined_orders_quick_key_ranks_no_later_than_its_row() -> None:
+    from shardc.layouts.orders import _digits, orders
+    from shardc.layouts.templates import Candidate, recost, step_of
+    options = Options(get_hardware("tpu-v5p"))
+    (rep,) = [c for c in _candidates(PIPELINE, 16) if pairs(c) == (("P", 4), ("X", 2), ("Y", 2))]
+    template = shardc.plan(rep)
+    found = [Candidate(s, tuple((a.name, a.size) for a in s.mesh.axes)) for s in orders(rep, options)]
+    assert len(found) > 1
+    for c in found:
+        quick, row = step_of(template, c, options), recost(template, c, options)
+        assert quick is not None and not isinstance(row, str)
+        step, split, critical = quick
+        assert (_digits(step), split) <= (_digits(row.step_s), row.split)
+        assert split == row.split and critical == pytest.approx(row.critical_s, rel=1e-12)
+        assert critical > 0  # a true figure, not 0: an order no faster than a row that fits is skipped on it

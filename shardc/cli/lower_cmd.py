@@ -28,6 +28,7 @@ from shardc.errors import ShardcError, clip
 from shardc.files import write_text
 from shardc.lowering.api import module_source
 from shardc.lowering.sizes import devices_to_check, shrink_mesh
+from shardc.lowering.template import WAITING_COLLECTIVES
 from shardc.pipeline.boundary import check_lowerable
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan
@@ -143,19 +144,6 @@ def _devices(args: argparse.Namespace, plan: Any) -> int:
     return int(devices)
 
 
-# XLA:CPU runs every emulated device in one process.  A device's thunks that are ready at once are split, half
-# of them run on the intra-op pool (xla/backends/cpu/runtime/thunk_executor.cc, SplitReadyQueue), whose workers
-# are max(NPROC, else the cores; the devices) (xla/pjrt/utils.cc, DefaultThreadPoolSize), and a collective
-# blocks its worker in its rendezvous until every participant has arrived (in_process_communicator.cc); XLA
-# orders when a device's collectives start, not where they wait.  DeepSeek-V3's verify (64 devices) aborted so
-# twice after XLA's 40 s: all 64 workers waiting, 54 at a send (a collective-permute of every device) and 10 at
-# an all-to-all whose partner's all-to-all sat queued behind them.  One device's run takes at most 4 of the
-# pool's workers beside its own thread (thunk.h, ExecuteSession::kMaxWorkers; best effort, it may pass it for
-# a moment), each of which can wait at a collective (its pipeline's tick has 7 no data path orders,
-# benchmarks/collective_width.py): 8 workers a device leave one free for each queued collective.
-_WAITING_COLLECTIVES = 8
-
-
 def emulate_devices(count: int) -> None:
     """Ask XLA for ``count`` CPU devices (unless the flag is set) and for an intra-op pool with room for each
     device's collectives waiting at once (NPROC, unless set), before jax is up."""
@@ -163,7 +151,7 @@ def emulate_devices(count: int) -> None:
         return
     if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={count}".strip()
-    os.environ.setdefault("NPROC", str(_WAITING_COLLECTIVES * (_flag_devices() or count)))
+    os.environ.setdefault("NPROC", str(WAITING_COLLECTIVES * (_flag_devices() or count)))
 
 
 def _say_progress() -> Callable[[str], None]:

@@ -19,9 +19,10 @@ from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
 from shardc.planner.planner import plan
+from shardc.quantize import quantized_weights
 from shardc.timing import plan_links
 
-__all__ = ["device_memory", "plan_memory", "fitting_plan", "fitting_report"]
+__all__ = ["device_memory", "plan_memory", "least_memory", "fitting_plan", "fitting_report"]
 
 
 def device_memory(report: CostReport) -> float:
@@ -53,6 +54,23 @@ def plan_memory(planned: Plan, optimizer: str = "adam10", offload: str = "none",
         return 0.0
 
 
+def least_memory(report: CostReport) -> float:
+    """Bytes a device holds under every plan the planner's memory search weighs for this report's spec
+    (:mod:`shardc.planner.memory_fit`), as :func:`device_memory` counts them: its training state, the params,
+    gradients and optimizer state of the declared shardings and the ZeRO line, which no plan changes (a
+    pipeline's: its fullest stage's in state).  The plans differ in what they keep gathered and recompute, not
+    in what they own; a held weight's narrower copy (``gemm f8``) is the plan's, so it is left out (a pipeline's
+    stages do not say it apart: 0 there), and so is what ``--offload`` moves to the host (0 under it)."""
+    if report.offload is not None:
+        return 0.0
+    if report.pipeline is not None:
+        if quantized_weights(report.plan):
+            return 0.0
+        return max(s.state_bytes for s in report.pipeline.stages)
+    mem = report.memory
+    return mem.param_bytes - mem.quantized_weight_bytes + mem.grad_bytes + mem.optimizer_bytes
+
+
 def fitting_plan(spec: Spec, optimizer: str = "adam10", offload: str = "none", **options: Any) -> Plan:
     """:func:`shardc.planner.planner.plan` (``options``: its own, ``memory_limit`` among them): the fastest
     plan that fits the chip's memory as ``shardc cost`` with ``optimizer`` and ``offload`` counts it."""
@@ -64,7 +82,9 @@ def fitting_report(spec: Spec, optimizer: str = "adam10", offload: str = "none",
                    **options: Any) -> CostReport:
     """``shardc cost`` of :func:`fitting_plan`'s plan, each plan costed once: the report that weighed a plan's
     memory (a pipeline's, or under ``offload``) is the one returned for it, and the fastest plan is planned
-    once, where it fits and where the memory search plans the others beside it."""
+    once, where it fits and where the memory search plans the others beside it.  Where the fastest plan's
+    :func:`least_memory` passes the limit, nothing else is planned: no plan fits, and the fastest is the
+    one the search would return (its note aside)."""
     spans = options.get("spans")
     reports: dict[int, tuple[Plan, CostReport]] = {}
 
@@ -82,4 +102,10 @@ def fitting_report(spec: Spec, optimizer: str = "adam10", offload: str = "none",
         except ShardcError:
             return 0.0
 
-    return report_of(plan(spec, memory=memory, **options))
+    def floor(p: Plan) -> float:  # the fastest plan's floor, from its report
+        try:
+            return least_memory(report_of(p))
+        except ShardcError:
+            return 0.0
+
+    return report_of(plan(spec, memory=memory, memory_floor=floor, **options))

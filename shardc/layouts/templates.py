@@ -109,20 +109,23 @@ def step_of(template: Plan, c: Candidate, options: Options) -> tuple[float, bool
     """The step, whether a mesh axis splits a physical axis, and the critical-path communication of the row
     :func:`recost` gives ``c``, without the rest of its report: the step ``shardc cost`` reports is the one the
     planner minimises (:func:`shardc.timing.plan_time`).  A pipelined candidate gets a bound under them
-    instead: its simulated schedule without the optimizer's update after it, no split, no critical path.
-    None where cost refuses it."""
+    instead, the row's at most in the ranking's order: its simulated schedule without the optimizer's update
+    after it (and the host's copies under ``--offload``), its split, and its exposed communication, which
+    neither changes (the update is in the busiest device's compute as in its step; the host's copies only add
+    to it).  None where cost refuses it."""
     at = _at(template, c)
     sizes = dict(at.sizes or ())
     try:
         links, _ = plan_links(at, at.chip, sizes)
-        if c.spec.mesh.pipeline_axis is not None:
-            pipe = pipeline_cost(at, at.chip, sizes, links, options.optimizer)
-            return (pipe.step_s, False, 0.0) if pipe is not None else None  # its update_s left at 0
+        split = any(k.split for k in links.values())
+        pipe = pipeline_cost(at, at.chip, sizes, links, options.optimizer) if c.spec.mesh.pipeline_axis else None
+        if pipe is not None:  # its update_s left at 0 (None: the pipeline switched off, the plan's own step)
+            return pipe.step_s, split, pipe.exposed_comm_s
         took = plan_time(at, sizes=sizes, optimizer=options.optimizer)
     except ShardcError:
         return None
     critical = math.fsum(p.critical_s for p in (took.forward, took.backward, took.optimizer))
-    return took.step_s, any(k.split for k in links.values()), critical
+    return took.step_s, split, critical
 
 
 # links that take no time: what a step comes to with its communication free, under any order of its axes

@@ -25,7 +25,7 @@ from shardc.planner.zigzag_order import sequence_order
 if TYPE_CHECKING:
     from shardc.lowering.codegen import Phase
 
-__all__ = ["render", "comment", "specs", "function", "defined_names", "runtime_names", "LOCALS"]
+__all__ = ["render", "comment", "specs", "function", "defined_names", "runtime_names", "LOCALS", "WAITING_COLLECTIVES"]
 
 
 def _plain(text: str) -> str:
@@ -41,6 +41,18 @@ def comment(text: str) -> str:
     """``# text`` on one line, whatever ``text`` holds."""
     return "# " + _plain(text)
 
+
+# XLA:CPU runs every emulated device in one process.  A device's thunks that are ready at once are split, half
+# of them run on the intra-op pool (xla/backends/cpu/runtime/thunk_executor.cc, SplitReadyQueue), whose workers
+# are max(NPROC, else the cores; the devices) (xla/pjrt/utils.cc, DefaultThreadPoolSize), and a collective
+# blocks its worker in its rendezvous until every participant has arrived (in_process_communicator.cc); XLA
+# orders when a device's collectives start, not where they wait.  DeepSeek-V3's verify (64 devices) aborted so
+# twice after XLA's 40 s: all 64 workers waiting, 54 at a send (a collective-permute of every device) and 10 at
+# an all-to-all whose partner's all-to-all sat queued behind them.  One device's run takes at most 4 of the
+# pool's workers beside its own thread (thunk.h, ExecuteSession::kMaxWorkers; best effort, it may pass it for
+# a moment), each of which can wait at a collective (its pipeline's tick has 7 no data path orders,
+# benchmarks/collective_width.py): 8 workers a device leave one free for each queued collective.
+WAITING_COLLECTIVES = 8
 
 _HEADER = '''\
 """{title}
@@ -66,7 +78,10 @@ are shardc's own (``shardc.lowering.runtime``, ``shardc.lowering.driver``): this
 module runs where jax, numpy and shardc are installed.
 
 On a CPU, emulate the devices with
-XLA_FLAGS=--xla_force_host_platform_device_count={devices} set before jax is imported.
+XLA_FLAGS=--xla_force_host_platform_device_count={devices} set before jax is imported, and
+NPROC={nproc} ({waiting} a device, as ``shardc verify`` sets it): XLA's CPU intra-op pool then has
+more workers than the devices' collectives can hold waiting at once; with fewer (the cores, by
+default) the collectives can take every worker and wedge the pool.
 On several hosts, call ``jax.distributed.initialize()`` first; the code is unchanged.
 """
 
@@ -162,6 +177,7 @@ def render(plan: Plan, title: str, mesh: tuple[tuple[str, int], ...], demo: dict
         title=_plain(title or "A sharded einsum chain, lowered to JAX shard_map."),
         filename=_plain(spec.filename or "<spec>"), save=_plain(plan.save),
         mesh_text=_plain(", ".join(f"{n}={s}" for n, s in mesh)), devices=devices,
+        nproc=WAITING_COLLECTIVES * devices, waiting=WAITING_COLLECTIVES,
         results=_plain(", ".join(results)), grads=_plain(", ".join(grads.values())),
         inputs=_plain(", ".join(b.key for b in forward.inputs)), cotangents=_plain(", ".join(cotangents)),
         mesh_dict="{" + ", ".join(f"{n!r}: {s}" for n, s in mesh) + "}",

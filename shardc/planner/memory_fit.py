@@ -18,7 +18,10 @@ fastest of those that fit:
 The space is a few dozen plans at most (2 policies x 2 x the candidates); the search plans each,
 orders them by step time and counts memory in that order until one fits, so it is exact over that
 space (``tests/test_bruteforce.py`` counts every plan of it and checks the planner's pick).  Where
-nothing fits, the plan is the fastest, and a note gives the least memory any of them needs.
+nothing fits, the plan is the fastest, and a note gives the least memory any of them needs.  A caller
+that knows a floor under every plan of the space (the training state, which no choice above changes:
+:func:`shardc.costmodel.fitting.least_memory`) skips the search where the floor alone passes the limit:
+the search would plan every variant to return the fastest.
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from shardc.errors import ShardcError, clip
 from shardc.ir.plan import MemoryChoice, Plan
 from shardc.units import fmt_bytes, fmt_seconds
 
-__all__ = ["MemoryOf", "Variant", "variants", "fit", "fastest_fitting", "check_limit", "ranked", "candidate_rank",
-           "current_rank", "remembered"]
+__all__ = ["MemoryOf", "Weigh", "Variant", "beyond", "variants", "fit", "fastest_fitting", "check_limit", "ranked",
+           "candidate_rank", "current_rank", "remembered"]
 
 MemoryOf = Callable[[Plan], float]  # bytes a device as `shardc cost` counts them (its fullest stage's)
+# the memory function, the limit (None: the chip's HBM), and a floor: of a plan, bytes a device that no plan
+# of the search (:func:`variants`) holds less than, as the memory function counts them (None: 0)
+Weigh = tuple[MemoryOf | None, float | None, MemoryOf | None]
 
 # which of the search's candidates, fastest first, the planner returns (0: the fastest), and how many it
 # compared: set by :func:`ranked` around one plan, read by the planner where it picks its candidate
@@ -116,10 +122,11 @@ def check_limit(limit: object) -> None:
 
 
 def fastest_fitting(make: Callable[[str], Plan], fuse: Callable[[Plan], Plan], save: str, collective_matmul: bool,
-                    weigh: tuple[MemoryOf | None, float | None], time: Callable[[Plan], tuple[float, float]]) -> Plan:
+                    weigh: Weigh, time: Callable[[Plan], tuple[float, float]]) -> Plan:
     """The planner's plan: ``make(save)`` (the step-time search's, before collective matmuls are fused by
     ``fuse``), or where ``weigh`` gives a memory function and it holds more than the limit (the chip's HBM
-    where the limit is None), the fastest by ``time`` of the :func:`variants` that fits (:func:`fit`)."""
+    where the limit is None), the fastest by ``time`` of the :func:`variants` that fits (:func:`fit`); where
+    ``weigh``'s floor (bytes no plan of the search holds less than) passes the limit, the fastest, unsearched."""
     token = _MEMO.set({}) if _MEMO.get() is None else None
     try:
         return _fastest_fitting(make, fuse, save, collective_matmul, weigh, time)
@@ -129,7 +136,7 @@ def fastest_fitting(make: Callable[[str], Plan], fuse: Callable[[Plan], Plan], s
 
 
 def _fastest_fitting(make: Callable[[str], Plan], fuse: Callable[[Plan], Plan], save: str, collective_matmul: bool,
-                     weigh: tuple[MemoryOf | None, float | None], time: Callable[[Plan], tuple[float, float]]) -> Plan:
+                     weigh: Weigh, time: Callable[[Plan], tuple[float, float]]) -> Plan:
     rank = current_rank()
     with ranked(rank) as seen:
         unfused = {(save, rank): make(save)}
@@ -148,12 +155,15 @@ def _fastest_fitting(make: Callable[[str], Plan], fuse: Callable[[Plan], Plan], 
         return fused[key]
 
     planned = made(Variant(save, collective_matmul, rank))
-    memory, limit = weigh
+    memory, limit, floor = weigh
     if memory is None:
         return planned
     held, limit = memory(planned), limit or planned.chip.hbm_bytes
     if held <= limit:
         return planned
+    least = floor(planned) if floor is not None else 0.0
+    if least > limit:  # every plan of the search holds at least that: none fits, so none is planned
+        return beyond(planned, held, least, limit)
     return fit(planned, held, made, variants(save, collective_matmul, candidates_seen(seen)), memory, limit, time)
 
 
@@ -194,6 +204,15 @@ def fit(first: Plan, first_memory: float, make: Callable[[Variant], Plan], space
     lean = MemoryChoice("the least memory (" + space[least].label() + ")",
                         next(k[0] for k, i, _ in plans if i == least), held[least], False)
     return replace(first, notes=first.notes + (note,), memory_choices=(replace(fastest, chosen=True), lean))
+
+
+def beyond(first: Plan, first_memory: float, least: float, limit: float) -> Plan:
+    """``first``, the fastest, where no plan of the search can fit: every one holds ``least`` or more (a floor
+    :func:`fit` would only confirm, planning each variant), over the ``limit``."""
+    note = (f"memory: no plan fits the {fmt_bytes(limit)} a device may hold: this, the fastest, needs "
+            f"{fmt_bytes(first_memory)}; every plan of the planner's choices needs {fmt_bytes(least)} or more "
+            "(its training state): shard more, a ZeRO stage or offload may fit")
+    return replace(first, notes=first.notes + (note,))
 
 
 def _by_time(first: Plan, make: Callable[[Variant], Plan], space: list[Variant],

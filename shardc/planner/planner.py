@@ -75,7 +75,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
          explain: bool = False, gradients: Mapping[str, str] | None = None,
          topology: str | tuple[int, ...] | None = None, weights: Weights | None = None,
          collective_matmul: bool = True, memory: MemoryOf | None = None,
-         memory_limit: float | None = None) -> Plan:
+         memory_limit: float | None = None, memory_floor: MemoryOf | None = None) -> Plan:
     """Plan ``spec``: by least step time on the chip with ``dims``, by the book's rules without.
 
     The chip is ``hardware`` (a preset name or a :class:`Hardware`), else the spec's
@@ -106,6 +106,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     ``memory`` (a plan's bytes a device as ``shardc cost`` counts them: :func:`shardc.costmodel.fitting.plan_memory`)
     makes the plan the fastest whose memory is at most ``memory_limit`` (the chip's HBM by default), over the
     choices that change what a plan holds (:mod:`shardc.planner.memory_fit`); without it, the fastest.
+    ``memory_floor`` (of the fastest plan, bytes that no plan of those choices holds less than) skips that
+    search where it passes the limit: none would fit, and the plan is the fastest.
     """
     if save not in SAVE_POLICIES:
         raise ShardcError(f"unknown residual policy {save!r}", fix="use one of: " + ", ".join(SAVE_POLICIES))
@@ -126,7 +128,8 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         # the plan held in zig-zag order solves the same einsums: both share one search cache
         with shared_search() if not sharing() else nullcontext():
             return fastest_fitting(lambda policy: _planned(policy, *args), fuse_collective_matmuls, save,
-                                   collective_matmul, (memory, memory_limit), lambda p: objective(plan_time(p)))
+                                   collective_matmul, (memory, memory_limit, memory_floor),
+                                   lambda p: objective(plan_time(p)))
     except SearchTooLong as e:
         raise ShardcError(
             f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "
