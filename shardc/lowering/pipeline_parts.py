@@ -55,6 +55,16 @@ class Part:
     input_backward: Phase | None = None
     weight_backward: Phase | None = None
 
+    @property
+    def backward_reads(self) -> frozenset[str]:
+        """The forward's values its backward reads (B's and W's where it is split), and the outputs whose
+        zero cotangent takes their shape: what a pipeline keeps of a microbatch's forward, as autograd
+        saves only what the backward reads (PyTorch's ``save_for_backward``).  The rest is not kept: a
+        layer's output is the next layer's input, kept there once; a sum's branch no backward reads."""
+        tables = [self.backward_in] + [p[1] for p in (self.input_backward, self.weight_backward) if p is not None]
+        zeros = {o for o in self.cotangents.values() if o != self.result}
+        return frozenset(n for t in tables for n in t) | zeros
+
     def final(self, name: str) -> str:
         """The name of input ``name``'s gradient once :meth:`finish` has run."""
         return (self.final_grads or {}).get(self.grads[name], self.grads[name])

@@ -187,7 +187,9 @@ class Pipeline:
                     body = self.bodies[b]
                     pool = {body.input: given, **self._layer_params(params, b, chunk, self._where(virtual, k))}
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
-                    return y, {b: ({n: v for n, v in used.items() if n not in body.params}, _once(saved))}
+                    reads = body.part.backward_reads
+                    return y, {b: ({n: v for n, v in used.items() if n in reads and n not in body.params},
+                                   _once({n: v for n, v in saved.items() if n in reads}))}
                 return go
             y, mine = switch(self.tables, k, virtual, run, x, pack=len(self.bodies) > 1)
             x = y if k < min(self.held) else jnp.where(k < held, y, x)  # an empty slot hands x on
