@@ -130,18 +130,29 @@ def _assignments(ctx: CostContext, problem: EinsumProblem) -> Iterator[dict[str,
         yield {a: role for unit, role in zip(units, combo, strict=True) for a in unit}
 
 
-def _orders(ctx: CostContext, roles: dict[str, str]) -> Iterator[dict[str, tuple[str, ...]]]:
-    """Every major-to-minor order of the axes that share an index."""
+def _orders(ctx: CostContext, roles: dict[str, str], units: tuple[tuple[str, ...], ...] | None = None,
+            divides: dict[tuple[str, tuple[str, ...]], bool] | None = None) -> Iterator[dict[str, tuple[str, ...]]]:
+    """Every major-to-minor order of the axes that share an index (``units``: the context's;
+    ``divides``: :meth:`CostContext.divides` answers kept across one solve's roles)."""
     by_index: dict[str, list[tuple[str, ...]]] = {}
-    for unit in ctx.unit_list():
+    for unit in ctx.unit_list() if units is None else units:
         role = roles[unit[0]]
-        if role != UNUSED and passes(role) is None:
+        if role != UNUSED and role[:1] != PASS:  # a pass role is "+k", never an index name
             by_index.setdefault(role, []).append(unit)
-    groups = [(i, list(itertools.permutations(units))) for i, units in by_index.items()]
+    known = {} if divides is None else divides
+    groups = [(i, list(itertools.permutations(group))) for i, group in by_index.items()]
     for combo in itertools.product(*(perms for _, perms in groups)):
         order = {i: tuple(a for u in p for a in u) for (i, _), p in zip(groups, combo, strict=True)}
-        if all(ctx.divides(i, axes) for i, axes in order.items()):
+        if all(_divides(ctx, i, axes, known) for i, axes in order.items()):
             yield order
+
+
+def _divides(ctx: CostContext, index: str, axes: tuple[str, ...], known: dict[tuple[str, tuple[str, ...]], bool]
+             ) -> bool:
+    hit = known.get((index, axes))
+    if hit is None:
+        hit = known[(index, axes)] = ctx.divides(index, axes)
+    return hit
 
 
 Config = tuple[tuple[Value, ...], Value, dict[str, str]]  # local operands, local result, roles
@@ -149,9 +160,10 @@ Config = tuple[tuple[Value, ...], Value, dict[str, str]]  # local operands, loca
 
 def configurations(ctx: CostContext, problem: EinsumProblem) -> Iterator[Config]:
     """Every valid local configuration, in a fixed order (ties go to the first)."""
-    classes = classify(problem)
+    classes, units = classify(problem), ctx.unit_list()
+    divides: dict[tuple[str, tuple[str, ...]], bool] = {}
     for roles in _assignments(ctx, problem):
-        for order in _orders(ctx, roles):
+        for order in _orders(ctx, roles, units, divides):
             config = _configuration(problem, roles, order, classes)
             if config is not None:
                 yield config
