@@ -102,18 +102,17 @@ def classify(problem: EinsumProblem) -> dict[str, str]:
 def _local_values(problem: EinsumProblem, roles: dict[str, str], orders: dict[str, tuple[str, ...]],
                   classes: dict[str, str] | None = None) -> tuple[tuple[Value, ...], Value]:
     """The operands' and result's local values for one assignment of axes (``classes``: the problem's)."""
-    passing = tuple(sorted(a for a, r in roles.items() if passes(r) is not None))
     if classes is None:
         classes = classify(problem)
-    locals_: list[Value] = []
-    for k, op in enumerate(problem.operands):
-        layout = tuple(orders.get(i, ()) for i in op.indices)
-        pass_here = tuple(a for a in passing if passes(roles[a]) == k)
-        locals_.append(Value(layout, pass_here))
-    contracted = tuple(a for a, r in roles.items() if r in classes and classes[r] == "contracted")
+    # a pass role is "+k", never an index name: its first character tells it apart
+    passing = sorted(a for a, r in roles.items() if r[:1] == PASS)
+    locals_ = tuple(Value(tuple(orders.get(i, ()) for i in op.indices),
+                          tuple(a for a in passing if roles[a] == f"{PASS}{k}"))
+                    for k, op in enumerate(problem.operands))
+    contracted = tuple(a for a, r in roles.items() if classes.get(r) == "contracted")
     result = Value(tuple(orders.get(i, ()) for i in problem.indices),
-                   tuple(sorted(contracted + passing)))
-    return tuple(locals_), result
+                   tuple(sorted(contracted + tuple(passing))))
+    return locals_, result
 
 
 def _assignments(ctx: CostContext, problem: EinsumProblem) -> Iterator[dict[str, str]]:
@@ -131,18 +130,29 @@ def _assignments(ctx: CostContext, problem: EinsumProblem) -> Iterator[dict[str,
         yield {a: role for unit, role in zip(units, combo, strict=True) for a in unit}
 
 
-def _orders(ctx: CostContext, roles: dict[str, str]) -> Iterator[dict[str, tuple[str, ...]]]:
-    """Every major-to-minor order of the axes that share an index."""
+def _orders(ctx: CostContext, roles: dict[str, str], units: tuple[tuple[str, ...], ...] | None = None,
+            divides: dict[tuple[str, tuple[str, ...]], bool] | None = None) -> Iterator[dict[str, tuple[str, ...]]]:
+    """Every major-to-minor order of the axes that share an index (``units``: the context's;
+    ``divides``: :meth:`CostContext.divides` answers kept across one solve's roles)."""
     by_index: dict[str, list[tuple[str, ...]]] = {}
-    for unit in ctx.unit_list():
+    for unit in ctx.unit_list() if units is None else units:
         role = roles[unit[0]]
-        if role != UNUSED and passes(role) is None:
+        if role != UNUSED and role[:1] != PASS:  # a pass role is "+k", never an index name
             by_index.setdefault(role, []).append(unit)
-    groups = [(i, list(itertools.permutations(units))) for i, units in by_index.items()]
+    known = {} if divides is None else divides
+    groups = [(i, list(itertools.permutations(group))) for i, group in by_index.items()]
     for combo in itertools.product(*(perms for _, perms in groups)):
         order = {i: tuple(a for u in p for a in u) for (i, _), p in zip(groups, combo, strict=True)}
-        if all(ctx.divides(i, axes) for i, axes in order.items()):
+        if all(_divides(ctx, i, axes, known) for i, axes in order.items()):
             yield order
+
+
+def _divides(ctx: CostContext, index: str, axes: tuple[str, ...], known: dict[tuple[str, tuple[str, ...]], bool]
+             ) -> bool:
+    hit = known.get((index, axes))
+    if hit is None:
+        hit = known[(index, axes)] = ctx.divides(index, axes)
+    return hit
 
 
 Config = tuple[tuple[Value, ...], Value, dict[str, str]]  # local operands, local result, roles
@@ -150,9 +160,10 @@ Config = tuple[tuple[Value, ...], Value, dict[str, str]]  # local operands, loca
 
 def configurations(ctx: CostContext, problem: EinsumProblem) -> Iterator[Config]:
     """Every valid local configuration, in a fixed order (ties go to the first)."""
-    classes = classify(problem)
+    classes, units = classify(problem), ctx.unit_list()
+    divides: dict[tuple[str, tuple[str, ...]], bool] = {}
     for roles in _assignments(ctx, problem):
-        for order in _orders(ctx, roles):
+        for order in _orders(ctx, roles, units, divides):
             config = _configuration(problem, roles, order, classes)
             if config is not None:
                 yield config
@@ -196,19 +207,24 @@ def _room(ctx: CostContext, tensor: str, bound: Cost | None, spent: Cost) -> Cos
     return (left[0] / ctx.ahead_weight, left[1], left[2])
 
 
+# per (operand, local value): (cost, moves) found; (bound, None) dearer than bound; None unreachable
+Reached = dict[tuple[int, Value], tuple[Cost, tuple[Move, ...] | None] | None]
+
+
 def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Cost | None,
-              partial: frozenset[str] | None = None) -> Solution | None:
+              partial: frozenset[str] | None = None, terms: Terms | None = None,
+              reached: Reached | None = None) -> Solution | None:
     locals_, local_result, roles = config
-    total: Cost = compute_cost(ctx, problem, locals_, local_result)
+    total: Cost = compute_cost(ctx, problem, locals_, local_result, terms)
     operand_moves = []
-    for op, local in zip(problem.operands, locals_, strict=True):
-        if not any(s.reaches(local) for s in op.sources):
+    for k, (op, local) in enumerate(zip(problem.operands, locals_, strict=True)):
+        found = _operand(ctx, k, op, local, _room(ctx, op.name, best, total), {} if reached is None else reached)
+        if found is None:
             return None
-        cost, moves = reshard(ctx, op.name, op.indices, op.sources, local, _room(ctx, op.name, best, total))
-        total = add_cost(total, _charge(ctx, op.name, cost))
+        total = add_cost(total, _charge(ctx, op.name, found[0]))
         if best is not None and total > best:
             return None
-        operand_moves.append(moves)
+        operand_moves.append(found[1])
     result_moves: tuple[Move, ...] = ()
     target = problem.target
     if target is None and local_result.unreduced and not problem.partial:
@@ -220,29 +236,66 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
         if problem.target is not None:  # one search back from it answers every configuration
             if partial is not None and not partial.issuperset(local_result.unreduced):
                 partial = None  # a local result the search's roles do not make (the rules')
-            found = reshard_to(ctx, problem.result, problem.indices, local_result, target, bound, partial)
+            result = reshard_to(ctx, problem.result, problem.indices, local_result, target, bound, partial)
         else:
-            found = reshard(ctx, problem.result, problem.indices, (local_result,), target, bound)
-        if found is None or found[0] == INFINITE:
+            result = reshard(ctx, problem.result, problem.indices, (local_result,), target, bound)
+        if result is None or result[0] == INFINITE:
             return None
-        total = add_cost(total, _charge(ctx, problem.result, found[0]))
-        result_moves = found[1]
+        total = add_cost(total, _charge(ctx, problem.result, result[0]))
+        result_moves = result[1]
     if best is not None and total > best:
         return None
     return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,
                     tuple(sorted(roles.items())))
 
 
-def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...], local_result: Value) -> Cost:
-    """The local einsum's time on the plan's chip, as cost prices it: part of the objective (see layout);
-    a GEMM's quantize passes beside it (:func:`quantize_bytes`)."""
-    operands = ((op.indices, local, ctx.nbytes(op.name)) for op, local in zip(problem.operands, locals_, strict=True))
-    result = (problem.indices, local_result, ctx.nbytes(problem.result))
+def _operand(ctx: CostContext, k: int, op: Operand, local: Value, bound: Cost | None,
+             reached: Reached) -> tuple[Cost, tuple[Move, ...]] | None:
+    """The cheapest reshard of operand ``k`` to ``local`` (:data:`INFINITE` above ``bound``); None: its
+    sources cannot reach it.  Many configurations read the same local value: ``reached`` keeps, per
+    (operand, local), what the search answered (its cost and moves) or the bound it lay above, so a
+    query whose answer that settles asks nothing (a search asked again would step no further)."""
+    key = (k, local)
+    if key not in reached:
+        if not any(s.reaches(local) for s in op.sources):
+            reached[key] = None
+            return None
+    else:
+        hit = reached[key]
+        if hit is None:
+            return None
+        cost, moves = hit
+        if moves is not None:  # found: the search settled it, at this cost
+            return (INFINITE, ()) if bound is not None and cost > bound else (cost, moves)
+        if bound is not None and bound <= cost:  # dearer than a bound at least as large
+            return INFINITE, ()
+    found = reshard(ctx, op.name, op.indices, op.sources, local, bound)
+    if found[0] != INFINITE:
+        reached[key] = found
+    elif bound is not None:
+        reached[key] = (bound, None)
+    return found
+
+
+Terms = tuple[tuple[int, ...], int, str, DType | None]  # operands' and result's element bytes, dtype, GEMM type
+
+
+def einsum_terms(ctx: CostContext, problem: EinsumProblem) -> Terms:
+    """What :func:`compute_cost` reads of ``problem`` beside its local values: the same for every configuration."""
     names = [op.name for op in problem.operands]
     contracts = bool({i for op in problem.operands for i in op.indices} - set(problem.indices))
     dtype = ctx.einsum_dtype(problem.result, names, contracts)
-    seconds = ctx.einsum_seconds(operands, result, dtype)
     kind = ctx.gemm_kind(problem.result, names) if contracts else None
+    return tuple(ctx.nbytes(name) for name in names), ctx.nbytes(problem.result), dtype, kind
+
+
+def compute_cost(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Value, ...], local_result: Value,
+                 terms: Terms | None = None) -> Cost:
+    """The local einsum's time on the plan's chip, as cost prices it: part of the objective (see layout);
+    a GEMM's quantize passes beside it (:func:`quantize_bytes`).  ``terms``: :func:`einsum_terms` of it."""
+    nbytes, result_bytes, dtype, kind = terms or einsum_terms(ctx, problem)
+    operands = ((op.indices, local, size) for op, local, size in zip(problem.operands, locals_, nbytes, strict=True))
+    seconds = ctx.einsum_seconds(operands, (problem.indices, local_result, result_bytes), dtype)
     if kind is not None:
         seconds += ctx.quantize_seconds(quantize_bytes(ctx, problem, locals_, kind))
     return (seconds, 0, 0)
@@ -302,10 +355,11 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
     best: Solution | None = None
     seen: list[Solution] = []
     bound: Cost | None = None
-    partial = partial_axes(ctx, problem)
+    partial, terms = partial_axes(ctx, problem), einsum_terms(ctx, problem)
+    reached: Reached = {}
     for config in configurations(ctx, problem):
         ctx.tick()
-        sol = _evaluate(ctx, problem, config, bound, partial)
+        sol = _evaluate(ctx, problem, config, bound, partial, terms, reached)
         if sol is None:
             continue
         seen.append(sol)
