@@ -53,14 +53,15 @@ idle time of that device, which with equal chunks is every device's.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from itertools import accumulate
 from typing import NamedTuple
 
 from shardc.errors import ShardcError
 from shardc.pipeline.dualpipe import TWO_WAY, Group, dualpipe_orders
 from shardc.pipeline.fixed_orders import fixed_order
+from shardc.pipeline.greedy import greedy_order, op_inputs
 from shardc.pipeline.pairing import Phases, pair_seconds
 from shardc.spec.stages import check_dualpipe
 
@@ -201,13 +202,23 @@ class Simulation:
     def _peaks(self) -> list[int]:
         """Each device's most activations held at once (in chunks), from one pass over the ops."""
         free = "W" if any(op.kind == "W" for op in self.ops) else "B"
-        events: list[list[tuple[float, int]]] = [[] for _ in range(self.stages)]
+        starts: list[list[float]] = [[] for _ in range(self.stages)]
+        ends: list[list[float]] = [[] for _ in range(self.stages)]
         for start, end, device, kind, *_ in self.ops:
             if kind == "F":
-                events[device].append((start, 1))
+                starts[device].append(start)
             elif kind == free:
-                events[device].append((end, -1))
-        return [max(accumulate((step for _, step in sorted(device_events)), initial=0)) for device_events in events]
+                ends[device].append(end)
+        return [_most_held(s, e) for s, e in zip(starts, ends, strict=True)]
+
+
+def _most_held(starts: list[float], ends: list[float]) -> int:
+    """The most held at once, one more at each of ``starts`` and one fewer at each of ``ends`` (an end before
+    a start at the same time; both sorted in place): the most is right after a start, the k-th, when k less the
+    ends up to it are held."""
+    starts.sort()
+    ends.sort()
+    return max(0, max((k - bisect_right(ends, t) for k, t in enumerate(starts, 1)), default=0))
 
 
 def chunks_of(schedule: str, virtual: int = 1) -> int:
@@ -255,18 +266,17 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
                           f"not the {len(chunk_times)} timed")
     check_budget(schedule, p, m, virtual)
     durations = [_durations(t, zb) for t in chunk_times]
-    orders: list[list[Group]]
+    orders: tuple[tuple[Group, ...], ...]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
-        found = _run(schedule, p, m, durations, 0.0, zb)
-        found.sort()
-        orders = [[((o.kind, o.microbatch, o.chunk),) for o in found if o.device == d] for d in range(p)]
-    elif schedule in PAIRED:
-        orders = dualpipe_orders(p, m, v=schedule == "dualpipev")
-    else:
-        orders = [[(key,) for key in fixed_order(schedule, s, p, m, virtual)] for s in range(p)]
-    ops = run_orders(schedule, p, m, durations, timing.comm, orders, chunk_times, back=timing.send_back)
-    return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times),
-                      tuple(tuple(order) for order in orders))
+        found = greedy_order(schedule, p, m, durations, [device_of(schedule, c, p) for c in range(len(durations))])
+        orders = tuple(tuple(((kind, j, c),) for *_, e, kind, j, c in sorted(found) if e == d) for d in range(p))
+        steps = _walk(schedule, p, m, len(durations), orders)
+        ones = _ones(steps)
+    else:  # a fixed order: its walk depends on the schedule's shape alone, so a re-cost reuses it
+        orders, steps, ones = _fixed_walk(schedule, p, m, virtual)
+    ops = (_timeline(p, steps, durations, timing.comm, chunk_times, back=timing.send_back) if ones is None
+           else _one_timeline(p, ones, durations, _sends(timing.comm, timing.send_back)))
+    return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times), orders)
 
 
 def operations(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> int:
@@ -302,31 +312,71 @@ def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]],
     overlapped F&B pair): the unit starts when every input of its ops is there, its outputs are
     all sent at its end, and a pair takes :func:`paired_seconds`.  Start times follow from the
     orders alone (a device's previous group, the ops it reads), so one pass that advances each
-    device until it waits on another's op gives them, in time linear in the ops; a device that
-    waits is resumed when that op is done.  With ``tick`` every group takes one unit, all its ops
+    device until it waits on another's op gives them, in time linear in the ops (:func:`_walk`); a
+    device that waits is resumed when that op is done.  With ``tick`` every group takes one unit, all its ops
     spanning it (a lowered program's tick: :mod:`shardc.pipeline.ticks`), and no op of a group may read
     its forward (the program's body runs a tick's backward on what the tick found, not on its forward).
     An input from another device arrives ``comm`` after its op ends, a backward's gradient ``back`` (or ``comm``).
     """
-    sends = {"F": comm, "B": comm if back is None else back, "W": comm}  # by the kind of op that made the input
-    ends: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * p
+    steps = _walk(schedule, p, m, len(durations), orders, tick)
+    return _timeline(p, steps, durations, comm, chunk_times, tick, back)
+
+
+# A step of a walk: the device, the group it runs, and what the group reads: (the step that made the
+# input, how it comes: 0 on the device, 1 a forward's send, 2 a backward's gradient's)
+Step = tuple[int, Group, tuple[tuple[int, int], ...]]
+
+
+@lru_cache(maxsize=16)  # a layouts search re-costs many layouts of one schedule, stages and microbatches
+def _fixed_walk(schedule: str, p: int, m: int, virtual: int) -> tuple[tuple[tuple[Group, ...], ...],
+                                                                      tuple[Step, ...], tuple[One, ...] | None]:
+    """The fixed orders of ``schedule`` (all but zbv's), their walk, and it as :func:`_ones` gives it."""
+    if schedule in PAIRED:
+        orders = tuple(map(tuple, dualpipe_orders(p, m, v=schedule == "dualpipev")))
+    else:
+        orders = tuple(tuple((key,) for key in fixed_order(schedule, s, p, m, virtual)) for s in range(p))
+    steps = _walk(schedule, p, m, chunks_of(schedule, virtual) * p, orders)
+    return orders, steps, _ones(steps)
+
+
+# A step whose group is one op, flat: device, kind, microbatch, chunk, reads (the most common walk's)
+One = tuple[int, str, int, int, tuple[tuple[int, int], ...]]
+
+
+def _ones(steps: tuple[Step, ...]) -> tuple[One, ...] | None:
+    """``steps`` flat, where every group is one op (None where not)."""
+    if any(len(group) != 1 for _, group, _ in steps):
+        return None
+    return tuple((d, *group[0], reads) for d, group, reads in steps)
+
+
+def _sends(comm: float, back: float | None) -> tuple[float, float, float]:
+    """The time an input takes to come, by how it comes (a :data:`Step`'s reads)."""
+    return 0.0, comm, comm if back is None else back
+
+
+def _walk(schedule: str, p: int, m: int, n: int, orders: list[list[Group]] | tuple[tuple[Group, ...], ...],
+          tick: bool = False) -> tuple[Step, ...]:
+    """The groups of ``orders`` in the order :func:`run_orders` runs them, ``n`` model chunks: which group
+    runs next and what it waits on depend on the orders alone, never on the times."""
+    made: dict[tuple[str, int, int], int] = {}  # an op run -> its step
     position = [0] * p
     blocked: dict[tuple[str, int, int], list[int]] = {}  # an op not yet run -> the devices waiting on it
     runnable = list(range(p - 1, -1, -1))
-    result: list[Op] = []
-    home = [device_of(schedule, c, p) for c in range(len(durations))]
-    spans = [_span(schedule, p, m, j, len(durations)) for j in range(m)]
+    steps: list[Step] = []
+    home = [device_of(schedule, c, p) for c in range(n)]
+    spans = [_span(schedule, p, m, j, n) for j in range(m)]
     while runnable:
         d = runnable.pop()
-        order, i, t = orders[d], position[d], free[d]
+        order, i = orders[d], position[d]
         while i < len(order):
             group = order[i]
-            start, missing = t, None
+            reads: list[tuple[int, int]] = []
+            missing = None
             for kind, j, c in group:
-                for dep in _deps(kind, j, c, *spans[j]):
-                    if (end := ends.get(dep)) is not None:
-                        start = max(start, end + sends[dep[0]] if home[dep[2]] != d else end)
+                for dep in op_inputs(kind, j, c, *spans[j]):
+                    if (at := made.get(dep)) is not None:
+                        reads.append((at, 0 if home[dep[2]] == d else 2 if dep[0] == "B" else 1))
                     elif dep not in group:
                         missing = dep
                         break
@@ -337,24 +387,64 @@ def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]],
             if missing is not None:
                 blocked.setdefault(missing, []).append(d)
                 break
-            if tick:
-                t = start + 1
-                result += [Op(start, t, d, *key) for key in group]
-            elif len(group) == 1:  # one op: it runs its own time (what _placed gives it, without the scaling)
-                kind, j, c = group[0]
-                t = start + durations[c][kind]
-                result.append(Op(start, t, d, kind, j, c))
-            else:
-                result += _placed(group, start, d, durations, chunk_times)
-                t = result[-1].end
             for key in group:
-                ends[key] = t
+                made[key] = len(steps)
                 if key in blocked:
                     runnable += blocked.pop(key)
+            steps.append((d, group, tuple(reads)))
             i += 1
-        position[d], free[d] = i, t
-    if len(result) < operations(schedule, p, m, len(durations) // p) or blocked:
+        position[d] = i
+    if sum(len(group) for _, group, _ in steps) < operations(schedule, p, m, n // p) or blocked:
         raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
+    return tuple(steps)
+
+
+def _timeline(p: int, steps: tuple[Step, ...], durations: list[dict[str, float]], comm: float,
+              chunk_times: tuple[Timing, ...] = (), tick: bool = False, back: float | None = None) -> list[Op]:
+    """The ops of a walk's ``steps``, in its order: each group starts when its device is free and its
+    inputs are there (a send's time after the op that made them, where it ran on another device)."""
+    sends = _sends(comm, back)
+    ends: list[float] = []  # each step's end
+    free = [0.0] * p
+    result: list[Op] = []
+    for d, group, reads in steps:
+        start = free[d]
+        for at, how in reads:
+            end = ends[at] + sends[how] if how else ends[at]
+            if end > start:  # max(start, end), the same float
+                start = end
+        if tick:
+            t = start + 1
+            result += [Op(start, t, d, *key) for key in group]
+        elif len(group) == 1:  # one op: it runs its own time (what _placed gives it, without the scaling)
+            kind, j, c = group[0]
+            t = start + durations[c][kind]
+            result.append(Op(start, t, d, kind, j, c))
+        else:
+            result += _placed(group, start, d, durations, chunk_times)
+            t = result[-1].end
+        ends.append(t)
+        free[d] = t
+    return result
+
+
+def _one_timeline(p: int, steps: tuple[One, ...], durations: list[dict[str, float]],
+                  sends: tuple[float, float, float]) -> list[Op]:
+    """:func:`_timeline` of a walk whose groups are each one op, without its cases: a re-cost's hot loop."""
+    ends: list[float] = []
+    free = [0.0] * p
+    result: list[Op] = []
+    new = tuple.__new__  # Op's own __new__ without its call: a third of this loop's time
+    for d, kind, j, c, reads in steps:
+        start = free[d]
+        for at, how in reads:
+            end = ends[at] + sends[how] if how else ends[at]
+            if end > start:  # max(start, end), the same float
+                start = end
+        t = start + durations[c][kind]
+        result.append(new(Op, (start, t, d, kind, j, c, False)))
+        ends.append(t)
+        free[d] = t
     return result
 
 
@@ -388,112 +478,3 @@ def _durations(timing: Timing, zb: bool) -> dict[str, float]:
     if zb:
         return {"F": timing.forward, "B": timing.backward, "W": timing.weight}
     return {"F": timing.forward, "B": timing.backward + timing.weight, "W": 0.0}
-
-
-def _deps(kind: str, j: int, c: int, first: int, last: int) -> tuple[tuple[str, int, int], ...]:
-    """The ops whose outputs (kind, j, c) reads, microbatch j running through chunks ``first`` to ``last``."""
-    if kind == "F":
-        return (("F", j, c - 1),) if c > first else ()
-    if kind == "B":
-        return (("F", j, c), ("B", j, c + 1)) if c < last else (("F", j, c),)
-    return (("B", j, c),)
-
-
-def _dependents(kind: str, j: int, c: int, last: int, zb: bool) -> list[tuple[str, int, int]]:
-    """The ops that read what (kind, j, c) makes (the inverse of :func:`_deps`)."""
-    if kind == "F":
-        return ([("F", j, c + 1)] if c < last else []) + [("B", j, c)]
-    if kind == "B":
-        return ([("B", j, c - 1)] if c else []) + ([("W", j, c)] if zb else [])
-    return []
-
-
-def _run(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float, zb: bool) -> list[Op]:
-    """zbv's greedy order: each step commits, among all devices, the op that can start first."""
-    n_chunks = len(durations)
-    kinds = ("F", "B", "W") if zb else ("F", "B")
-    todo = [(k, j, c) for k in kinds for j in range(m) for c in range(n_chunks)]
-    home = {key: device_of(schedule, key[2], p) for key in todo}
-    ends: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * p
-    inflight = [0] * p
-    # Activations a device may hold (forward started, weight gradient not done: W reads them too)
-    # before it must run a B or a W instead of an F: p stage-microbatches, 1F1B's peak, as in the
-    # paper.  zb-h1 has a fixed order; this limit is zbv's, in chunks of half a stage.
-    limit = 2 * p  # chunks
-    # Ops whose inputs are all made, per device (the greedy order picks among them).
-    # The first chunk's forwards need nothing and are ready at once; of those, the lowest
-    # microbatch is always the one chosen, so only it is pending (the next joins as it runs).
-    pending: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
-    # when each pending op's inputs are all on its device (its start, but for the device being free)
-    arrival: dict[tuple[str, int, int], float] = {("F", 0, 0): 0.0}
-    pending[home[("F", 0, 0)]].add(("F", 0, 0))
-    result: list[Op] = []
-    # A device's choice depends on its own state only (its pending ops' inputs are all made),
-    # so it is kept until that state changes: the device that ran, and those that got an op.
-    choices = [_choose(d, pending, arrival, comm, free, inflight, limit) for d in range(p)]
-    while len(result) < len(todo):
-        best = min((c for c in choices if c is not None), key=lambda c: c[:3], default=None)
-        if best is None:  # every device waits on memory (sends delayed a B): one F goes over the limit
-            best = _next(p, pending, arrival, comm, free, inflight)
-        if best is None:
-            raise ShardcError(f"schedule {schedule} deadlocked (a bug in its order)")
-        start, _, d, key = best
-        end = start + durations[key[2]][key[0]]
-        ends[key], free[d] = end, end
-        pending[d].discard(key)
-        changed = {d}
-        if key[0] == "F" and key[2] == 0 and key[1] + 1 < m:
-            pending[d].add(("F", key[1] + 1, 0))
-            arrival["F", key[1] + 1, 0] = 0.0
-        for after in _dependents(*key, n_chunks - 1, zb):
-            deps = _deps(*after, 0, n_chunks - 1)
-            if all(dep in ends for dep in deps):
-                e = home[after]
-                arrival[after] = max(ends[dep] + comm if home[dep] != e else ends[dep] for dep in deps)
-                pending[e].add(after)
-                changed.add(e)
-        inflight[d] += {"F": 1, "B": 0, "W": -1}[key[0]]
-        for e in changed:
-            choices[e] = _choose(e, pending, arrival, comm, free, inflight, limit)
-        result.append(Op(start, end, d, *key))
-    return result
-
-
-def _next(p: int, pending: list[set[tuple[str, int, int]]], arrival: dict[tuple[str, int, int], float],
-          comm: float, free: list[float], inflight: list[int]) -> tuple[float, int, int, tuple[str, int, int]] | None:
-    """The op that can start first on any device, over the memory limit (ties: the lowest device)."""
-    best: tuple[float, int, int, tuple[str, int, int]] | None = None
-    for d in range(p):
-        choice = _choose(d, pending, arrival, comm, free, inflight, None)
-        if choice is not None and (best is None or choice[:3] < best[:3]):
-            best = choice
-    return best
-
-
-def _choose(d: int, pending: list[set[tuple[str, int, int]]], arrival: dict[tuple[str, int, int], float],
-            comm: float, free: list[float], inflight: list[int],
-            limit: int | None) -> tuple[float, int, int, tuple[str, int, int]] | None:
-    """The op device ``d`` would run next and when: (start, priority, d, op), or None if none is ready.
-    A pending op can start once the device is free and its inputs are there (``arrival``)."""
-    times = {key: max(free[d], arrival[key]) for key in pending[d]}
-    if not times:
-        return None
-    start = min(times.values())
-    now = [key for key, t in times.items() if t <= start + comm]  # worth idling one send for a higher priority
-    allowed = [k for k in now if k[0] != "F" or limit is None or inflight[d] < limit]
-    if not allowed:  # only forwards are ready and memory is full: wait for anything else
-        later = {key: t for key, t in times.items() if key[0] != "F"}
-        if not later:
-            return None
-        start = min(later.values())
-        allowed = [key for key, t in later.items() if t <= start]
-    key = min(allowed, key=_priority)
-    return (max(start, times[key]), 0, d, key)
-
-
-def _priority(key: tuple[str, int, int]) -> tuple[int, int, int]:
-    """Zero-bubble priorities: B unblocks the previous stage (the oldest microbatch, then the latest chunk);
-    F, only under the memory limit, the latest chunk first; W fills (the oldest microbatch first)."""
-    kind, j, c = key
-    return ({"B": 0, "F": 1, "W": 2}[kind], -c if kind == "F" else j, j if kind == "F" else -c)

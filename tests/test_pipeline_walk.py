@@ -1,0 +1,70 @@
+"""A re-cost's fast simulation is the general one: the walk kept across timings, the one-op loop, the peak count.
+
+``simulate`` reuses a fixed order's walk (which group runs next and what it reads, never the times) for
+every timing, and times a walk of one-op groups with a loop of its own; both must give the very floats the
+general walk gives with its own orders (:func:`run_orders`), ties and sends of either kind included.
+"""
+
+from __future__ import annotations
+
+import random
+from itertools import accumulate
+
+import pytest
+
+from shardc.pipeline.schedules import (
+    ZERO_BUBBLE,
+    Timing,
+    _durations,
+    _most_held,
+    chunks_of,
+    run_orders,
+    simulate,
+)
+
+# small times that tie often (quarters add exactly) and sends that make the devices wait
+TIMES = (0.0, 0.25, 0.5, 1.0, 1.75)
+
+
+def _case(rng: random.Random, schedule: str) -> tuple[int, int, int, Timing, tuple[Timing, ...] | None]:
+    times = TIMES[1:] if schedule == "zbv" else TIMES  # zbv's greedy order of 0 s ops deadlocks (already before)
+    p = rng.choice((1, 2, 3, 4, 6))
+    virtual = rng.choice((2, 3)) if schedule == "interleaved" else 1
+    m = p * rng.randint(1, 4) if schedule == "interleaved" else rng.randint(1, 13)
+    timing = Timing(*(rng.choice(times) for _ in range(3)), comm=rng.choice((0.0, 0.25, 0.3)),
+                    comm_back=rng.choice((None, 0.5, 0.1)))
+    uneven = tuple(Timing(*(rng.choice(times) for _ in range(3))) for _ in range(p * chunks_of(schedule, virtual)))
+    return p, m, virtual, timing, uneven if rng.random() < 0.5 else None
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
+def test_the_kept_walk_and_its_one_op_loop_give_the_general_walks_floats(schedule: str) -> None:
+    rng = random.Random(schedule)
+    for _ in range(25):
+        p, m, virtual, timing, uneven = _case(rng, schedule)
+        sim = simulate(schedule, p, m, timing, virtual, uneven)  # a walk of this shape already kept, or kept now
+        durations = [_durations(t, schedule in ZERO_BUBBLE) for t in sim.chunk_times]
+        general = run_orders(schedule, p, m, durations, timing.comm, sim.orders, sim.chunk_times,
+                             back=timing.send_back)
+        assert [tuple(op) for op in sim.ops] == sorted(tuple(op) for op in general), (p, m, virtual, timing)
+
+
+def test_a_kept_walk_gives_each_timing_its_own_ops() -> None:
+    """The walk kept from one timing's simulation gives another timing what a fresh walk gives it."""
+    a, b = Timing(1.0, 2.0, comm=0.5), Timing(0.25, 1.75, comm=0.0)
+    simulate.cache_clear()
+    kept = simulate("1f1b", 4, 9, a).ops, simulate("1f1b", 4, 9, b).ops
+    simulate.cache_clear()
+    _ = simulate("1f1b", 4, 9, a)  # the walk kept from a's run (or from the tests before: never b's ops)
+    assert simulate("1f1b", 4, 9, b).ops == kept[1] != kept[0]
+
+
+def test_the_most_held_is_the_running_count_of_the_sorted_events() -> None:
+    """The counting of :func:`_most_held` is the running count's peak over (time, +1 or -1) sorted, an end
+    before a start at one time (the count it replaced), ties included."""
+    rng = random.Random(5)
+    for _ in range(300):
+        starts = [float(rng.randint(0, 8)) for _ in range(rng.randint(0, 9))]
+        ends = [float(rng.randint(0, 8)) for _ in range(rng.randint(0, 9))]
+        events = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends])
+        assert _most_held(starts, ends) == max(accumulate((step for _, step in events), initial=0))
