@@ -269,7 +269,9 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     orders: tuple[tuple[Group, ...], ...]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
         found = greedy_order(schedule, p, m, durations, [device_of(schedule, c, p) for c in range(len(durations))])
-        orders = tuple(tuple(((kind, j, c),) for *_, e, kind, j, c in sorted(found) if e == d) for d in range(p))
+        # each device's ops as the greedy committed them, which is by start time and, among ops of 0 s that
+        # start together, puts an op after those it reads (sorting by start, device and chunk would not)
+        orders = tuple(tuple(((kind, j, c),) for *_, e, kind, j, c in found if e == d) for d in range(p))
         steps = _walk(schedule, p, m, len(durations), orders)
         ones = _ones(steps)
     else:  # a fixed order: its walk depends on the schedule's shape alone, so a re-cost reuses it
