@@ -51,7 +51,7 @@ from shardc.ir.spec import TensorRef
 from shardc.ops.registry import Family, all_traffic, of_op
 from shardc.steptime import einsum_bytes
 
-__all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "fusible"]
+__all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "is_further", "fusible"]
 
 
 def kept_values(plan: Plan) -> frozenset[TensorRef]:
@@ -141,6 +141,13 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
 
 def _family_of(step: Step) -> Family | None:
     return of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+
+
+def is_further(step: Step) -> bool:
+    """Whether ``step`` is a further result of the kernel an earlier step of the same operands runs
+    (:attr:`shardc.ops.registry.Family.further`: attention's logsumexp, dK and dV), written by that kernel."""
+    family = _family_of(step)
+    return family is not None and family.further(step)
 
 
 def _native_runs(steps: tuple[Step, ...]) -> list[tuple[int, int]]:

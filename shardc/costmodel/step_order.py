@@ -4,8 +4,8 @@ runs the steps that read only the phase's arguments in (:func:`shardc.costmodel.
 from __future__ import annotations
 
 from shardc.collectives import Op
-from shardc.fusion import is_product
-from shardc.ir.localops import ALIAS, Attention
+from shardc.fusion import is_further, is_product
+from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 
@@ -44,11 +44,11 @@ def lifetimes(steps: tuple[Step, ...], products_again: bool = False
 
 def made_at(steps: tuple[Step, ...]) -> list[int]:
     """Per step the step its value is written at: its own, but a kernel's further results (the
-    logsumexp beside the output; dK and dV beside dQ) are written by the kernel, at its step."""
+    logsumexp beside the output; dK and dV beside dQ: :func:`shardc.fusion.is_further`) are written by the
+    kernel, at its step."""
     out: list[int] = []
     for k, step in enumerate(steps):
-        further = isinstance(step.fn, Attention) and not step.fn.kernel and k > 0
-        out.append(out[-1] if further else k)
+        out.append(out[-1] if k > 0 and is_further(step) else k)
     return out
 
 
