@@ -41,9 +41,14 @@ UNUSED = "-"
 PASS = "+"  # "+k": the axis stays unreduced in operand k and in the result
 
 
+def is_pass(role: str) -> bool:
+    """Whether a role passes an operand's partial sums through ("+k"; an index's role is its name)."""
+    return role.startswith(PASS)
+
+
 def passes(role: str) -> int | None:
     """The operand whose partial sums a role passes through, or None."""
-    return int(role[1:]) if role.startswith(PASS) else None
+    return int(role[1:]) if is_pass(role) else None
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,9 @@ def _local_values(problem: EinsumProblem, roles: dict[str, str], orders: dict[st
     """The operands' and result's local values for one assignment of axes (``classes``: the problem's)."""
     if classes is None:
         classes = classify(problem)
-    # a pass role is "+k", never an index name: its first character tells it apart
-    passing = sorted(a for a, r in roles.items() if r[:1] == PASS)
+    passing = sorted(a for a, r in roles.items() if is_pass(r))
     locals_ = tuple(Value(tuple(orders.get(i, ()) for i in op.indices),
-                          tuple(a for a in passing if roles[a] == f"{PASS}{k}"))
+                          tuple(a for a in passing if passes(roles[a]) == k))
                     for k, op in enumerate(problem.operands))
     contracted = tuple(a for a, r in roles.items() if classes.get(r) == "contracted")
     result = Value(tuple(orders.get(i, ()) for i in problem.indices),
@@ -137,7 +141,7 @@ def _orders(ctx: CostContext, roles: dict[str, str], units: tuple[tuple[str, ...
     by_index: dict[str, list[tuple[str, ...]]] = {}
     for unit in ctx.unit_list() if units is None else units:
         role = roles[unit[0]]
-        if role != UNUSED and role[:1] != PASS:  # a pass role is "+k", never an index name
+        if role != UNUSED and not is_pass(role):
             by_index.setdefault(role, []).append(unit)
     known = {} if divides is None else divides
     groups = [(i, list(itertools.permutations(group))) for i, group in by_index.items()]
@@ -468,6 +472,6 @@ def _rule_order(problem: EinsumProblem, roles: dict[str, str],
             if picked and i not in order:
                 order[i] = picked
     for axis, role in roles.items():
-        if role != UNUSED and passes(role) is None and axis not in order.get(role, ()):
+        if role != UNUSED and not is_pass(role) and axis not in order.get(role, ()):
             order[role] = order.get(role, ()) + (axis,)
     return order
