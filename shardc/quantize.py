@@ -127,7 +127,7 @@ def quantize_traffic(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int]
     return out
 
 
-def quantized_copies(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int]) -> list[tuple[int, int, float]]:
+def quantized_copies(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int]) -> list[tuple[float, float, float]]:
     """The copies the quantize passes of ``steps`` write, as a chip holds them: (the step the pass runs at,
     the last GEMM reading the copy, its bytes, :func:`shardc.ir.precision.copy_bytes`), each alive while the
     GEMMs reading it run; none where a GEMM reads its operand as held."""

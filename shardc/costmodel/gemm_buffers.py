@@ -56,8 +56,7 @@ def gemm_buffers(plan: Plan, steps: Sequence[Step], sizes: dict[str, int], backe
     if not plan.precision.gemms:
         return [], 0.0
     if not backend.gemm_casts:
-        copies: list[Span] = [*quantized_copies(plan, steps, sizes)]
-        return copies, 0.0
+        return quantized_copies(plan, steps, sizes), 0.0
     by_value: dict[tuple[TensorRef, DType], list[int]] = {}
     for k, ref, _, kind in gemm_reads(plan, steps):
         if ref not in layout_copies(steps[k], backend.dots_canonical):
