@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
@@ -214,7 +215,7 @@ class PipelineCost:
         return self.model_flops / (self.devices * self.peak * self.step_s) if self.devices * self.peak * \
             self.step_s else 0.0
 
-    @property
+    @cached_property  # read by compute_s, comm_s, exposed_comm_s and bound; DualPipe's work sums every op
     def busiest(self) -> StageCost:
         """The device whose work sets the schedule's ideal time (the simulation's busiest)."""
         return self.stages[max(range(len(self.stages)), key=self.simulation.work)]
