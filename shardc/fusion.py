@@ -24,7 +24,9 @@ kernel an operator and fuses nothing across them, no matmul epilogue either) non
 savings applies: each memory-bound step reads its operands from HBM and writes its result, except the steps
 of an op PyTorch runs as one native kernel (:attr:`shardc.ops.registry.Family.native`: its layer norm),
 which are priced by that kernel's reads and writes: each operand from outside it read once, a result written
-only where something outside the kernel reads it.
+only where something outside the kernel reads it; and a step PyTorch runs as more kernels than one moves those
+kernels' bytes (:attr:`shardc.ops.registry.Family.eager`: cross entropy's backward, ``nll_loss_backward`` then
+``_log_softmax_backward_data``).
 
 A fused kernel's further results (:attr:`shardc.ops.registry.Family.further`: attention's logsumexp, dK and
 dV) are written inside the kernel's calls: their bytes are the kernel's step's, priced with its FLOPs.
@@ -48,7 +50,7 @@ from shardc.collectives import Op
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
-from shardc.ops.registry import Family, all_traffic, of_op
+from shardc.ops.registry import Family, Traffic, all_traffic, of_op
 from shardc.steptime import einsum_bytes
 
 __all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "is_further", "fusible"]
@@ -98,8 +100,9 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
     A memory-bound step moves what its family's traffic says, less what XLA's fusion saves (the rule is
     the module's): an operand the step just before made (an einsum, a map or a reduction) is not read
     back, and a result only the next map or reduction reads, and nothing keeps, is not written; without
-    ``fuse`` (``fusion none``: one kernel an op) neither saving applies; with ``named`` (``fusion
-    statement``: :func:`named_values`) neither applies to a value of those names nor to a matmul's result.
+    ``fuse`` (``fusion none``: one kernel an op) neither saving applies, and a family's ``eager`` traffic
+    replaces its ``traffic``; with ``named`` (``fusion statement``: :func:`named_values`) neither applies to a
+    value of those names nor to a matmul's result.
     """
     readers: dict[TensorRef, int] = {}
     for step in steps:
@@ -117,7 +120,7 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
             out.append(local_bytes(step.operands[0]) + local_bytes(step.dst))
             continue
         family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
-        reads, write = (family.traffic if family is not None else all_traffic)(step, local_bytes)
+        reads, write = _traffic(family, fuse)(step, local_bytes)
         # a `layers` block runs as a loop (or a pipeline's stage program) apart from the steps around it:
         # XLA fuses nothing across that boundary
         before = steps[k - 1] if k > 0 and steps[k - 1].region == step.region else None
@@ -141,6 +144,14 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
 
 def _family_of(step: Step) -> Family | None:
     return of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+
+
+def _traffic(family: Family | None, fuse: bool) -> Traffic:
+    """How a step of ``family`` moves its bytes: as its eager kernels do under ``fusion none`` where the family
+    says (:attr:`shardc.ops.registry.Family.eager`), else its own traffic (every operand and result, without one)."""
+    if family is None:
+        return all_traffic
+    return family.eager if not fuse and family.eager is not None else family.traffic
 
 
 def is_further(step: Step) -> bool:

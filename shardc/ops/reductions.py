@@ -443,9 +443,8 @@ def _scores(node: Node) -> bool:
 # normalized_shape, rstd, weight, output_mask)``, in PyTorch 2.9); a hand-written RMSNorm (pow, mean, rsqrt,
 # mul: HF's LlamaRMSNorm) is several kernels, and more passes than priced here.  The others are not one
 # kernel more than planned: softmax already plans as one step each way (``_softmax`` and
-# ``_softmax_backward_data``) where its index is whole; cross entropy is ``log_softmax`` then ``nll_loss``,
-# whose kernels (the log-probabilities written; back, ``nll_loss_backward``'s zeroed gradient, then
-# ``_log_softmax_backward_data``) move no fewer bytes than the vocabulary family's steps price.
+# ``_softmax_backward_data``) where its index is whole; cross entropy's backward is two kernels, which the
+# vocabulary family prices (its ``eager`` traffic).
 _NATIVE = frozenset({Row.ROW_MEAN, Row.ROW_MEANDEV, Row.LAYERNORM_APPLY, Row.ROW_MEANDOT, Row.LAYERNORM_VJP,
                      Row.ROW_MEANSQ, Row.RMSNORM_APPLY, Row.RMSNORM_VJP})
 

@@ -278,6 +278,9 @@ class Family:
     # whether a step is a further result of the kernel an earlier step of the same operands runs (attention's
     # logsumexp, dK, dV): its writes are that kernel's, priced with the kernel's FLOPs (its roofline)
     further: Callable[[Step], bool] = no_step
+    # under ``fusion none``: the HBM traffic of one of its steps as the framework's eager kernels run it, where
+    # that is not ``traffic`` (PyTorch's cross-entropy backward, two kernels); None: ``traffic``
+    eager: Traffic | None = None
 
 
 _BY_CALL: dict[str, Family] = {}

@@ -1,0 +1,50 @@
+"""The framework's own kernels, priced as they run: PyTorch's cross-entropy backward, two kernels.  Every figure
+is summed by hand on a tiny spec: 16 rows a device (B=8 over X=2, S=4), D=16, V=64, bf16."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardc
+from shardc.costmodel.cost_report import CostReport
+
+SPEC = ("mesh X=2\ndims B=8, S=4, D=16, V=64\nhardware h100\n{line}const Tok, Next\nparam W_emb, W_out\n"
+        "X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D])\n"
+        "L1[B_X, S, D] = layernorm(X0[B_X, S, D] over D)\n"
+        "Lg[B_X, S, V] = L1[B_X, S, D] · W_out[D, V]\n"
+        "Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])\n")
+ROWS = 8 // 2 * 4
+LOGITS = ROWS * 64 * 2  # Lg or dLg
+IDS = ROWS * 4  # Next, int32
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, CostReport]:
+    lines = {"xla": "", "none": "fusion none\n", "statement": "fusion statement\n"}
+    return {k: shardc.cost(shardc.plan(shardc.parse(SPEC.format(line=line)))) for k, line in lines.items()}
+
+
+def _bytes(report: CostReport, start: str) -> tuple[float, float]:
+    return tuple(sum(r.memory_bytes for r in rows if r.text.startswith(start))  # type: ignore[return-value]
+                 for rows in (report.forward.rows, report.backward.rows))
+
+
+def test_pytorchs_cross_entropy_backward_is_two_kernels(reports: dict[str, CostReport]) -> None:
+    """``nll_loss_backward`` zeroes the log-probabilities' gradient and writes each row's target element,
+    ``_log_softmax_backward_data`` reads it back with the saved log-probabilities and writes dLogits: the
+    logits read once, dLogits' bytes written, read and written again (the ids and the cotangent read beside).
+    XLA runs the plan's one step: the logits and the logsumexp read, dLogits written."""
+    assert _bytes(reports["none"], "ce_vjp")[1] == LOGITS + IDS + 2 + 3 * LOGITS
+    assert _bytes(reports["xla"], "ce_vjp")[1] == LOGITS + ROWS * 2 + IDS + 2 + LOGITS
+    assert _bytes(reports["statement"], "ce_vjp") == _bytes(reports["xla"], "ce_vjp")  # Megatron's own loss
+
+
+def test_a_vocabulary_parallel_loss_is_not_pytorchs_two_kernels() -> None:
+    """With the vocabulary sharded, the loss is a vocabulary-parallel one (Megatron-LM's), not
+    ``F.cross_entropy``: its gradient step reads and writes as the plan's."""
+    text = SPEC.format(line="fusion none\n").replace("mesh X=2", "mesh X=2, Y=2").replace(
+        "Lg[B_X, S, V] = L1[B_X, S, D] · W_out[D, V]", "Lg[B_X, S, V_Y] = L1[B_X, S, D] · W_out[D, V_Y]").replace(
+        "cross_entropy(Lg[B_X, S, V]", "cross_entropy(Lg[B_X, S, V_Y]")
+    (row,) = [r for r in shardc.cost(shardc.plan(shardc.parse(text))).backward.rows if r.text.startswith("ce_vjp")]
+    assert "V_Y" in row.text
+    assert row.memory_bytes == LOGITS // 2 + ROWS * 2 + IDS + 2 + LOGITS // 2
