@@ -1,5 +1,7 @@
-"""The framework's own kernels, priced as they run: PyTorch's cross-entropy backward, two kernels.  Every figure
-is summed by hand on a tiny spec: 16 rows a device (B=8 over X=2, S=4), D=16, V=64, bf16."""
+"""The framework's own kernels, priced as they run: a norm's saved statistics (written forward, read back, held
+between as residuals) under `fusion none` (PyTorch's ``native_layer_norm``) and `fusion statement` (apex's
+``FusedLayerNorm``), and PyTorch's cross-entropy backward, two kernels.  Every figure is summed by hand on a
+tiny spec: 16 rows a device (B=8 over X=2, S=4), D=16, V=64, bf16."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ SPEC = ("mesh X=2\ndims B=8, S=4, D=16, V=64\nhardware h100\n{line}const Tok, Ne
         "Lg[B_X, S, V] = L1[B_X, S, D] · W_out[D, V]\n"
         "Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])\n")
 ROWS = 8 // 2 * 4
+ACT = ROWS * 16 * 2  # X0, L1, dL1 or dX0 on a device
 LOGITS = ROWS * 64 * 2  # Lg or dLg
 IDS = ROWS * 4  # Next, int32
+STAT = ROWS * 4  # a row statistic, float32
+NORM = ("row_mean", "row_meandev", "layernorm_apply", "row_meandot", "layernorm_vjp")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +32,16 @@ def reports() -> dict[str, CostReport]:
 def _bytes(report: CostReport, start: str) -> tuple[float, float]:
     return tuple(sum(r.memory_bytes for r in rows if r.text.startswith(start))  # type: ignore[return-value]
                  for rows in (report.forward.rows, report.backward.rows))
+
+
+def test_a_layer_norm_kernel_reads_x_once_and_passes_its_statistics_to_its_backward(
+        reports: dict[str, CostReport]) -> None:
+    """PyTorch's ``native_layer_norm`` and apex's ``FusedLayerNorm`` read X once and write Y, the mean and the
+    rstd; the backward reads dY, X, the mean and the rstd and writes dX.  Apex's kernel was priced as the
+    spec's steps, X read three times forward (2112 bytes) and six back (5344)."""
+    for fusion in ("none", "statement"):
+        assert _bytes(reports[fusion], NORM) == (ACT + ACT + 2 * STAT, ACT + ACT + 2 * STAT + ACT), fusion
+    assert _bytes(reports["xla"], NORM) != _bytes(reports["none"], NORM)  # XLA fuses the plan's own steps
 
 
 def test_pytorchs_cross_entropy_backward_is_two_kernels(reports: dict[str, CostReport]) -> None:
