@@ -56,7 +56,8 @@ from shardc.ir.spec import TensorRef
 from shardc.ops.registry import Family, Traffic, all_traffic, of_op
 from shardc.steptime import einsum_bytes
 
-__all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "is_further", "fusible"]
+__all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "is_further", "fusible",
+           "saved_statistics"]
 
 
 def kept_values(plan: Plan) -> frozenset[TensorRef]:
@@ -216,6 +217,16 @@ def _native_traffic(run: tuple[Step, ...], local_bytes: Callable[[TensorRef], fl
 def _saved(step: Step) -> tuple[tuple[TensorRef, int], ...]:
     family = _family_of(step)
     return family.saved(step) if family is not None else ()
+
+
+def saved_statistics(plan: Plan) -> tuple[tuple[TensorRef, int], ...]:
+    """The row statistics the framework's native kernels of ``plan``'s forward save for the backward
+    (:attr:`shardc.ops.registry.Family.saved`), each with its bytes an element: residuals beside the plan's
+    under ``fusion none`` and ``statement`` (autograd keeps what the kernel's backward reads), which XLA, running
+    the plan, makes again; none of a step the backward recomputes (its kernel runs again there)."""
+    again = {s.dst for s in plan.recomputed}
+    found = {ref: n for step in plan.forward if step.dst not in again for ref, n in _saved(step)}
+    return tuple(found.items())
 
 
 def _to_kernels(steps: tuple[Step, ...], out: list[float]) -> list[float]:

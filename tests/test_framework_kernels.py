@@ -44,6 +44,19 @@ def test_a_layer_norm_kernel_reads_x_once_and_passes_its_statistics_to_its_backw
     assert _bytes(reports["xla"], NORM) != _bytes(reports["none"], NORM)  # XLA fuses the plan's own steps
 
 
+def test_the_statistics_a_norm_kernel_saves_are_residuals_where_the_framework_keeps_them(
+        reports: dict[str, CostReport]) -> None:
+    """Autograd keeps the kernel's mean and rstd (float32, a row each) for its backward; the lowered program
+    XLA runs makes them again from X in the backward, so under XLA they are not kept."""
+    stats = {"L1_mean[B_X, S]", "L1_var[B_X, S]"}
+    for fusion in ("none", "statement"):
+        kept = dict(reports[fusion].memory.residuals)
+        assert {k: kept[k] for k in stats} == {k: STAT for k in stats}, fusion
+        assert reports[fusion].memory.residual_bytes == reports["xla"].memory.residual_bytes + 2 * STAT
+        assert reports[fusion].memory.residual_bytes_expr.endswith("+ 18*B*S/X")  # 2 bf16 (lse) + 2 float32 + 4 ids
+    assert not stats & dict(reports["xla"].memory.residuals).keys()
+
+
 def test_pytorchs_cross_entropy_backward_is_two_kernels(reports: dict[str, CostReport]) -> None:
     """``nll_loss_backward`` zeroes the log-probabilities' gradient and writes each row's target element,
     ``_log_softmax_backward_data`` reads it back with the saved log-probabilities and writes dLogits: the
@@ -63,3 +76,16 @@ def test_a_vocabulary_parallel_loss_is_not_pytorchs_two_kernels() -> None:
     (row,) = [r for r in shardc.cost(shardc.plan(shardc.parse(text))).backward.rows if r.text.startswith("ce_vjp")]
     assert "V_Y" in row.text
     assert row.memory_bytes == LOGITS // 2 + ROWS * 2 + IDS + 2 + LOGITS // 2
+
+
+def test_a_pipeline_stage_keeps_the_saved_statistics_of_each_microbatch_in_flight() -> None:
+    """A stage's kept activations count the kernels' statistics too: under GPipe a stage of 2 layers holds 4
+    microbatches, each 2 rows a device (B=16 / 4 microbatches / X=2), a layer's mean and rstd a row (float32)."""
+    text = ("mesh P=2 pipeline, X=2\ndims B=16, D=8, F=8\nlayers 4\nmicrobatches 4\nschedule gpipe\nhardware h100\n"
+            "{line}param W_in, W_out\nH[B_X, D] = layernorm(In[B_X, D] over D)\nU[B_X, F] = H[B_X, D] · W_in[D, F]\n"
+            "Out[B_X, D] = In[B_X, D] + U[B_X, F] · W_out[F, D]\n")
+    stages = {line: shardc.cost(shardc.plan(shardc.parse(text.format(line=line)))).pipeline.stages  # type: ignore[union-attr]
+              for line in ("", "fusion none\n")}
+    for xla, eager in zip(stages[""], stages["fusion none\n"], strict=True):
+        assert (eager.layers, eager.held) == (2, 4)
+        assert eager.activation_bytes == xla.activation_bytes + 2 * 4 * (2 * 2 * 4)
