@@ -24,7 +24,11 @@ kernel an operator and fuses nothing across them, no matmul epilogue either) non
 savings applies: each memory-bound step reads its operands from HBM and writes its result, except the steps
 of an op PyTorch runs as one native kernel (:attr:`shardc.ops.registry.Family.native`: its layer norm),
 which are priced by that kernel's reads and writes: each operand from outside it read once, a result written
-only where something outside the kernel reads it.
+only where something outside the kernel reads it, and the row statistics it saves for its backward
+(:attr:`shardc.ops.registry.Family.saved`: the mean and rstd, float32) written by the forward's kernel and
+read by the backward's; and a step PyTorch runs as more kernels than one moves those kernels' bytes
+(:attr:`shardc.ops.registry.Family.eager`: cross entropy's backward, ``nll_loss_backward`` then
+``_log_softmax_backward_data``).
 
 A fused kernel's further results (:attr:`shardc.ops.registry.Family.further`: attention's logsumexp, dK and
 dV) are written inside the kernel's calls: their bytes are the kernel's step's, priced with its FLOPs.
@@ -34,7 +38,8 @@ layers: apex's fused LayerNorm, the fused scale-mask-softmax, bias-GeLU and bias
 fused backward) the two savings apply only inside a statement: a value the spec names (a statement's
 result, an input, or the gradient of one: :func:`named_values`) is a kernel's output, written to HBM and
 read back by the next kernel, and nothing fuses into a matmul (no epilogue: the kernel after it reads its
-result).
+result).  A norm is apex's kernel, priced as PyTorch's native one above (``FusedLayerNorm`` reads X once and
+writes Y and the statistics; its backward reads dY, X and the statistics once and writes dX).
 
 :mod:`shardc.timing` turns those bytes into seconds at the chip's HBM bandwidth.
 """
@@ -48,10 +53,11 @@ from shardc.collectives import Op
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import TensorRef
-from shardc.ops.registry import Family, all_traffic, of_op
+from shardc.ops.registry import Family, Traffic, all_traffic, of_op
 from shardc.steptime import einsum_bytes
 
-__all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "is_further", "fusible"]
+__all__ = ["memory_traffic", "kept_values", "named_values", "is_product", "is_further", "fusible",
+           "saved_statistics"]
 
 
 def kept_values(plan: Plan) -> frozenset[TensorRef]:
@@ -90,7 +96,8 @@ def fusible(step: Step | None) -> bool:
 
 
 def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], float],
-                   kept: frozenset[TensorRef], fuse: bool = True, named: frozenset[str] | None = None) -> list[float]:
+                   kept: frozenset[TensorRef], fuse: bool = True, named: frozenset[str] | None = None,
+                   elements: Callable[[TensorRef], float] | None = None) -> list[float]:
     """The HBM bytes of each of ``steps`` (one phase, in program order), 0 for collectives; a contracting
     einsum's are its operands read and its result written (its roofline: the time it takes is the larger
     of its FLOPs at the matmul rate and these bytes over HBM, :func:`shardc.steptime.einsum_time`).
@@ -98,8 +105,10 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
     A memory-bound step moves what its family's traffic says, less what XLA's fusion saves (the rule is
     the module's): an operand the step just before made (an einsum, a map or a reduction) is not read
     back, and a result only the next map or reduction reads, and nothing keeps, is not written; without
-    ``fuse`` (``fusion none``: one kernel an op) neither saving applies; with ``named`` (``fusion
-    statement``: :func:`named_values`) neither applies to a value of those names nor to a matmul's result.
+    ``fuse`` (``fusion none``: one kernel an op) neither saving applies, and a family's ``eager`` traffic
+    replaces its ``traffic``; with ``named`` (``fusion statement``: :func:`named_values`) neither applies to a
+    value of those names nor to a matmul's result.  Under either, a native kernel's steps are priced as that
+    kernel (:func:`_native_traffic`; ``elements``: a value's local elements, for the statistics it saves).
     """
     readers: dict[TensorRef, int] = {}
     for step in steps:
@@ -117,7 +126,7 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
             out.append(local_bytes(step.operands[0]) + local_bytes(step.dst))
             continue
         family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
-        reads, write = (family.traffic if family is not None else all_traffic)(step, local_bytes)
+        reads, write = _traffic(family, fuse)(step, local_bytes)
         # a `layers` block runs as a loop (or a pipeline's stage program) apart from the steps around it:
         # XLA fuses nothing across that boundary
         before = steps[k - 1] if k > 0 and steps[k - 1].region == step.region else None
@@ -133,14 +142,23 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
                 and readers.get(step.dst, 0) == 1 and step.dst not in kept):
             write = 0.0
         out.append(math.fsum(reads) + write)
-    if not fuse:
+    if not fuse or named is not None:  # the framework's own kernels: PyTorch's, apex's
+        assert elements is not None, "a native kernel's saved statistics are priced by their elements"
         for start, end in _native_runs(steps):
-            out[start:end] = _native_traffic(steps[start:end], local_bytes, kept, readers)
+            out[start:end] = _native_traffic(steps[start:end], local_bytes, kept, readers, elements)
     return _to_kernels(steps, out)
 
 
 def _family_of(step: Step) -> Family | None:
     return of_op(step.fn) if step.op is Op.ELEMENTWISE else None
+
+
+def _traffic(family: Family | None, fuse: bool) -> Traffic:
+    """How a step of ``family`` moves its bytes: as its eager kernels do under ``fusion none`` where the family
+    says (:attr:`shardc.ops.registry.Family.eager`), else its own traffic (every operand and result, without one)."""
+    if family is None:
+        return all_traffic
+    return family.eager if not fuse and family.eager is not None else family.traffic
 
 
 def is_further(step: Step) -> bool:
@@ -173,22 +191,42 @@ def _native_runs(steps: tuple[Step, ...]) -> list[tuple[int, int]]:
 
 
 def _native_traffic(run: tuple[Step, ...], local_bytes: Callable[[TensorRef], float], kept: frozenset[TensorRef],
-                    readers: dict[TensorRef, int]) -> list[float]:
+                    readers: dict[TensorRef, int], elements: Callable[[TensorRef], float]) -> list[float]:
     """The HBM bytes of each step of one native kernel: it reads each operand from outside the kernel once
     (the step that first reads it), and writes a result only where a step outside it reads it or the backward
-    keeps it (PyTorch's layer norm reads X once and writes Y; its backward reads dY and X, writes dX)."""
+    keeps it; the statistics it saves (:attr:`shardc.ops.registry.Family.saved`, at their own bytes) the forward's
+    kernel writes and the backward's reads, where its step reads them (PyTorch's layer norm, and apex's, reads X
+    once and writes Y, the mean and the rstd; its backward reads dY, X, the mean and the rstd, writes dX)."""
+    saved = {ref: n for step in run for ref, n in _saved(step)}
     made: set[TensorRef] = set()
     read: set[TensorRef] = set()
     out = []
     for step in run:
-        family = _family_of(step)
-        reads, write = (family.traffic if family is not None else all_traffic)(step, local_bytes)
-        moved = [r for ref, r in zip(step.operands, reads, strict=True) if ref not in made and ref not in read]
+        reads, write = _traffic(_family_of(step), True)(step, local_bytes)
+        moved = [r for ref, r in zip(step.operands, reads, strict=True)
+                 if ref not in made and ref not in read and ref not in saved]
         read.update(step.operands)
         made.add(step.dst)
         inside = sum(step.dst in set(s.operands) for s in run)
-        out.append(math.fsum(moved) + (write if readers.get(step.dst, 0) > inside or step.dst in kept else 0.0))
+        writes = step.dst not in saved and (readers.get(step.dst, 0) > inside or step.dst in kept)
+        stats = math.fsum(elements(ref) * n for ref, n in _saved(step))
+        out.append(math.fsum(moved) + (write if writes else 0.0) + stats)
     return out
+
+
+def _saved(step: Step) -> tuple[tuple[TensorRef, int], ...]:
+    family = _family_of(step)
+    return family.saved(step) if family is not None else ()
+
+
+def saved_statistics(plan: Plan) -> tuple[tuple[TensorRef, int], ...]:
+    """The row statistics the framework's native kernels of ``plan``'s forward save for the backward
+    (:attr:`shardc.ops.registry.Family.saved`), each with its bytes an element: residuals beside the plan's
+    under ``fusion none`` and ``statement`` (autograd keeps what the kernel's backward reads), which XLA, running
+    the plan, makes again; none of a step the backward recomputes (its kernel runs again there)."""
+    again = {s.dst for s in plan.recomputed}
+    found = {ref: n for step in plan.forward if step.dst not in again for ref, n in _saved(step)}
+    return tuple(found.items())
 
 
 def _to_kernels(steps: tuple[Step, ...], out: list[float]) -> list[float]:

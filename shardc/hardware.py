@@ -149,6 +149,13 @@ class Hardware:
         return self.fusion != "none"
 
     @property
+    def native_kernels(self) -> bool:
+        """Whether the framework runs its own kernels (``fusion none``: PyTorch's; ``statement``: apex's beside
+        them), whose backward reads what autograd saved (a norm's statistics) rather than the plan's values made
+        again (:func:`shardc.fusion.saved_statistics`)."""
+        return self.fusion in ("none", "statement")
+
+    @property
     def fuses_statements(self) -> bool:
         """Whether a kernel is one statement's memory-bound steps (``fusion statement``: hand-fused kernels,
         nothing fused into a matmul; :func:`shardc.fusion.memory_traffic`)."""

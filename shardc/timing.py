@@ -293,9 +293,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     seen = {} if memo is None else memo  # layers repeat the same steps
     update = update_seconds(plan, values, hw, counts, optimizer)
     values, repeats = microbatched(plan, values, hw.book)
-    nbytes = local_bytes_of(plan, values)
-    kept = kept_values(plan)
-    named = named_values(plan) if hw.fuses_statements else None
+    traffic = phase_traffic(plan, values, hw)
 
     def row(step: Step, moved: float, shared: bool, quantized: float) -> StepCost:
         key = (step.op, step.fn, step.axes, step.volume, tuple(r.dims for r in (step.dst, *step.operands)),
@@ -308,7 +306,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
         return hit
 
     def rows_of(steps: tuple[Step, ...]) -> list[StepCost]:
-        moved = memory_traffic(steps, nbytes, kept, hw.fuses, named) if not hw.book else [0.0] * len(steps)
+        moved = traffic(steps)
         quantized = quantize_traffic(plan, steps, values, hw.fuses) if not hw.book else [0.0] * len(steps)
         return [row(s, b, shared, q) for s, b, shared, q in zip(steps, moved, shared_rings(steps), quantized,
                                                                 strict=True)]
@@ -376,14 +374,26 @@ def stage_phases(plan: Plan, repeats: int) -> tuple[tuple[Step, ...], tuple[Step
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,
                spans: Layout, again: frozenset[int] = frozenset()) -> tuple[StepCost, ...]:
     """The rows of a phase; the steps numbered in ``again`` are recomputed forward steps, and say so."""
-    named = named_values(plan) if hw.fuses_statements else None
-    moved = memory_traffic(steps, local_bytes_of(plan, values), kept_values(plan), hw.fuses, named) \
-        if not hw.book else [0.0] * len(steps)
+    moved = phase_traffic(plan, values, hw)(steps)
     dtype = plan_dtype(plan)
     quantized = quantize_traffic(plan, steps, values, hw.fuses) if not hw.book else [0.0] * len(steps)
     rows = (cost_step(i, s, plan.spec.mesh, values, hw, spans, dtype, b, shared=shared, quantize_bytes=q)
             for i, (s, b, shared, q) in enumerate(zip(steps, moved, shared_rings(steps), quantized, strict=True), 1))
     return tuple(replace(r, text=f"(recomputed) {r.text}", recomputed=True) if r.index in again else r for r in rows)
+
+
+def phase_traffic(plan: Plan, sizes: Mapping[str, int], hw: Hardware) -> Callable[[tuple[Step, ...]], list[float]]:
+    """The HBM bytes of each step of a phase of ``plan`` at ``sizes`` as ``hw``'s framework runs them
+    (:func:`shardc.fusion.memory_traffic`); none under the book's model."""
+    nbytes, kept = local_bytes_of(plan, sizes), kept_values(plan)
+    named = named_values(plan) if hw.fuses_statements else None
+
+    def traffic(steps: tuple[Step, ...]) -> list[float]:
+        if hw.book:
+            return [0.0] * len(steps)
+        return memory_traffic(steps, nbytes, kept, hw.fuses, named, lambda ref: float(local_elements(ref, sizes)))
+
+    return traffic
 
 
 def local_bytes_of(plan: Plan, sizes: Mapping[str, int]) -> Callable[[TensorRef], float]:

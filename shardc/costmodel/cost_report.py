@@ -186,7 +186,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     phases = (fwd, bwd, opt, step) if opt.rows else (fwd, bwd, step)
     # the tables are one stage's, but the parameter count is the whole model's
     whole = (pipe.pipeline.blocks or (pipe.pipeline.layers,)) if pipe is not None else None  # each block's, all stages
-    mem = step_memory(plan, values, hw.hbm_bytes, optimizer, whole)
+    mem = step_memory(plan, values, hw.hbm_bytes, optimizer, whole, hw.native_kernels)
     moved: Offload | None = None
     if pipe is None:
         moved, mem = offload_cost(offload, mem, fwd.step_s, bwd.step_s, hw, optimizer, offload_delayed)

@@ -48,7 +48,8 @@ def plan_memory(planned: Plan, optimizer: str = "adam10", offload: str = "none",
                 pipe = pipeline_cost(planned, planned.chip, values, links, optimizer)
             if pipe is not None:
                 return pipe.fullest.memory_bytes
-            return step_memory(planned, values, planned.chip.hbm_bytes, optimizer).total_bytes
+            return step_memory(planned, values, planned.chip.hbm_bytes, optimizer,
+                               native=planned.chip.native_kernels).total_bytes
         return device_memory(cost(planned, optimizer=optimizer, offload=offload, spans=spans))
     except ShardcError:
         return 0.0

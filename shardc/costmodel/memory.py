@@ -12,7 +12,10 @@ gives them as formulas).  Residuals are the forward values the backward reads
 from memory under the plan's save policy and recompute mode (:func:`residual_table`:
 ``plan.residuals`` the backward does not recompute, and the block's inputs, each
 with why), each at its local size and its element bytes (the spec's dtype; 4 for token
-ids, int32); a value the backward reads for its shape only (``Step.shapes``) is none.
+ids, int32); a value the backward reads for its shape only (``Step.shapes``) is none.  Where the framework
+runs its own kernels (``fusion none``, ``statement``) autograd keeps what their backward reads besides: the
+row statistics a norm's kernel saves (:func:`shardc.fusion.saved_statistics`; float32), which the program
+XLA runs makes again from X.
 ``layers`` multiplies the per-layer state and residuals; the gathered weights (and
 unreduced weight gradients) alive at once are counted for one layer, since layers run
 one at a time, and so are the buffers a ring's sends arrive in (:func:`ring_buffers`: ring attention's K
@@ -35,6 +38,7 @@ from shardc.collectives import piece
 from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
+from shardc.fusion import saved_statistics
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Plan, Step
 from shardc.ir.precision import TILE, Precision, quantized_bytes
@@ -49,7 +53,8 @@ from shardc.spec.walk import block_reads, id_names, layer_inputs
 from shardc.step_cost import describe
 
 __all__ = ["ACCOUNTINGS", "Memory", "memory", "step_memory", "state_refs", "state_formula", "residual_values",
-           "residual_table", "residual_formula", "value_bytes", "kept_once", "ring_buffers", "value_blocks"]
+           "residual_sizes", "residual_table", "residual_formula", "value_bytes", "kept_once", "ring_buffers",
+           "value_blocks"]
 
 
 @dataclass(frozen=True)
@@ -104,13 +109,16 @@ class Memory:
 
 def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
            accounting: str = "adam10", outside: frozenset[str] | None = None,
-           model_layers: tuple[int, ...] | None = None, more_layers: tuple[int, ...] = ()) -> Memory:
+           model_layers: tuple[int, ...] | None = None, more_layers: tuple[int, ...] = (),
+           native: bool = False) -> Memory:
     """The per-device memory of a training step of ``plan`` (see the module docstring).
 
     ``outside`` names the tensors outside a ``layers L { ... }`` block that this device holds
     (a pipeline stage: the first holds the embedding's, the last the loss's); None: all of them.
     ``more_layers`` the later ``layers`` blocks' counts; ``model_layers``: the whole model's layers of
-    each block, for its parameter count, where those are one pipeline stage's (None: the same)."""
+    each block, for its parameter count, where those are one pipeline stage's (None: the same); ``native``: the
+    framework runs its own kernels (``fusion none``, ``statement``), whose saved statistics are residuals too
+    (:func:`shardc.fusion.saved_statistics`)."""
     if accounting not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {accounting!r}",
                           fix="use " + " or ".join(ACCOUNTINGS))
@@ -134,7 +142,13 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     grad_local, opt_local = (sum(float(local_elements(r, sizes)) * times[r.name] for r in refs)
                              for refs in state_refs(plan))
     table = residual_table(plan)
-    kept = tuple((str(ref), value_bytes(plan, ref, sizes)) for ref, _ in table)
+    stats = saved_statistics(plan) if native else ()
+    outer = kept_once(plan, [ref for ref, _ in stats]) if plan.spec.block is not None else set()
+    table += [(ref, f"a row statistic the framework's kernel saves for its backward, {n} bytes an element"
+                    + (", outside the layers block, kept once (not once a layer)" if ref in outer else ""))
+              for ref, n in stats]
+    widths = dict(stats)
+    kept = tuple((str(ref), _kept_bytes(plan, ref, sizes, widths)) for ref, _ in table)
     once = kept_once(plan, [ref for ref, _ in table])
     kept_counts = [count(ref.name, ref in once) for ref, _ in table]
     again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
@@ -150,16 +164,17 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
-                  tuple(why for _, why in table), again, text(residual_formula(plan, table)), ring_bytes=rings,
+                  tuple(why for _, why in table), again, text(residual_formula(plan, table, widths)), ring_bytes=rings,
                   grads=grad_local, quantized_weight_bytes=copies)
 
 
 def step_memory(plan: Plan, sizes: dict[str, int], hbm_bytes: float, accounting: str = "adam10",
-                model_layers: tuple[int, ...] | None = None) -> Memory:
+                model_layers: tuple[int, ...] | None = None, native: bool = False) -> Memory:
     """:func:`memory` of the step as ``shardc cost``'s memory section counts it: the plan's layers of each
-    block at ``sizes`` (a pipeline's: one stage's, the whole batch at once; ``model_layers`` the model's)."""
+    block at ``sizes`` (a pipeline's: one stage's, the whole batch at once; ``model_layers`` the model's;
+    ``native``: the framework's own kernels run it)."""
     return memory(plan, sizes, resolve_layers(plan, sizes)[0], hbm_bytes, accounting, model_layers=model_layers,
-                  more_layers=block_counts(plan, sizes)[1:])
+                  more_layers=block_counts(plan, sizes)[1:], native=native)
 
 
 def ring_buffers(steps: tuple[Step, ...], sizes: dict[str, int], nbytes: int | Precision) -> float:
@@ -243,15 +258,17 @@ def value_bytes(plan: Plan, ref: TensorRef, sizes: dict[str, int]) -> float:
     return float(local_elements(ref, sizes)) * plan.nbytes(ref.name)
 
 
-def residual_formula(plan: Plan, table: list[tuple[TensorRef, str]] | None = None) -> Expr:
+def residual_formula(plan: Plan, table: list[tuple[TensorRef, str]] | None = None,
+                     widths: dict[TensorRef, int] | None = None) -> Expr:
     """The bytes the backward keeps for one layer (:func:`residual_table`, or ``table`` where it is made
-    already), as an exact formula.
+    already, ``widths`` the element bytes of those not of the plan's), as an exact formula.
 
     Per value its local elements (each dim over its axes' product, unpadded) times its
     element bytes (:meth:`Plan.nbytes`): the form Korthikanti et al. (2022) write, e.g. ``34*B*D*S/Y``.
     """
     kept = residual_table(plan) if table is None else table
-    return se.expand(sum((plan.nbytes(ref.name) * _elements(ref) for ref, _ in kept), ZERO))
+    width = widths or {}
+    return se.expand(sum((width.get(ref, plan.nbytes(ref.name)) * _elements(ref) for ref, _ in kept), ZERO))
 
 
 def _elements(ref: TensorRef) -> Expr:
@@ -259,9 +276,22 @@ def _elements(ref: TensorRef) -> Expr:
     return piece((symbol(d.name), product(d.axes)) for d in ref.dims)
 
 
-def residual_values(plan: Plan) -> list[TensorRef]:
-    """Forward values the backward reads from memory, each once, in the order first read."""
-    return [ref for ref, _ in residual_table(plan)]
+def residual_values(plan: Plan, native: bool = False) -> list[TensorRef]:
+    """Forward values the backward reads from memory, each once, in the order first read; with ``native``, the
+    statistics the framework's kernels save after them (:func:`shardc.fusion.saved_statistics`)."""
+    return [ref for ref, _ in residual_table(plan)] + [ref for ref, _ in saved_statistics(plan) if native]
+
+
+def residual_sizes(plan: Plan, sizes: dict[str, int], native: bool = False) -> dict[TensorRef, float]:
+    """Each of :func:`residual_values` with the bytes of one device's piece: :func:`value_bytes`, a saved
+    statistic's at its own element bytes."""
+    widths = dict(saved_statistics(plan)) if native else {}
+    return {ref: _kept_bytes(plan, ref, sizes, widths) for ref in residual_values(plan, native)}
+
+
+def _kept_bytes(plan: Plan, ref: TensorRef, sizes: dict[str, int], widths: dict[TensorRef, int]) -> float:
+    """:func:`value_bytes`, or ``ref``'s local elements at its width in ``widths`` (a saved statistic's)."""
+    return float(local_elements(ref, sizes)) * widths[ref] if ref in widths else value_bytes(plan, ref, sizes)
 
 
 def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:

@@ -64,7 +64,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
-from shardc.costmodel.memory import Memory, residual_values, value_bytes
+from shardc.costmodel.memory import Memory, residual_sizes
 from shardc.costmodel.pipeline_times import microbatch_sizes, simulated
 from shardc.costmodel.section_times import (
     PartTime,
@@ -421,12 +421,13 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
             sends_s: float, sim: Simulation, hw: Hardware, mems: list[Memory]) -> tuple[StageCost, ...]:
     """Each stage's figures; ``sends_s``: a boundary's two sends a microbatch, the activation and its gradient."""
     out = []
-    values = residual_values(plan)
+    sizes = residual_sizes(plan, micro, hw.native_kernels)  # what the backward keeps, the kernels' statistics too
+    values = list(sizes)
     name = pipe.schedule.name
     working = working_sets(plan, micro)
-    value_sizes = [value_bytes(plan, r, micro) for r in values]
+    value_sizes = list(sizes.values())
     kept = kept_copies(plan, pipe, [sim.peak_inflight(s) for s in range(len(device_blocks(pipe)))],
-                       dualpipe_held(plan, pipe, sim, micro))
+                       dualpipe_held(plan, pipe, sim, micro, hw.native_kernels), hw.native_kernels)
     for s, blocked in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, s)
         mem = mems[s]

@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from shardc.collectives import Op
-from shardc.costmodel.memory import Memory, kept_once, memory, residual_values, value_blocks, value_bytes
+from shardc.costmodel.memory import Memory, kept_once, memory, residual_sizes, residual_values, value_blocks
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
@@ -66,23 +66,24 @@ def stage_memories(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardwa
         held = held_names(plan, pipe, s)
         if (counts, held) not in made:  # the middle stages are alike
             made[counts, held] = memory(plan, micro, counts[0], hw.hbm_bytes, optimizer, held,
-                                        more_layers=counts[1:])
+                                        more_layers=counts[1:], native=hw.native_kernels)
         out.append(made[counts, held])
     return out
 
 
-def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float],
-                chunks: Sequence[dict[int, int]] | None = None) -> list[dict[TensorRef, float]]:
+def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float], chunks: Sequence[dict[int, int]] | None = None,
+                native: bool = False) -> list[dict[TensorRef, float]]:
     """For each device, how many copies of each value the backward reads (:func:`residual_values`) it keeps
     with ``held[d]`` microbatches in flight on device d: a microbatch's value once a layer of its block the
     device runs, for each microbatch held (under DualPipe, ``chunks[d]``'s of each of the device's two
     stages, :func:`dualpipe_held`); a value without the microbatch index (a saved weight) once a layer; a
-    value outside the block once, on a device holding it."""
+    value outside the block once, on a device holding it; ``native``: the framework's kernels' saved statistics
+    among the values (:func:`shardc.costmodel.memory.residual_values`)."""
     dim = microbatch_dim(plan)
-    values = residual_values(plan)
+    values = residual_values(plan, native)
     once = kept_once(plan, values) if plan.spec.block is not None else set()
     blocks = value_blocks(plan)
-    per_chunk = chunk_copies(plan, pipe) if chunks is not None else []
+    per_chunk = chunk_copies(plan, pipe, native) if chunks is not None else []
     out = []
     for stage, layers in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, stage)
@@ -94,11 +95,11 @@ def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float],
     return out
 
 
-def chunk_copies(plan: Plan, pipe: Pipeline) -> list[dict[TensorRef, float]]:
+def chunk_copies(plan: Plan, pipe: Pipeline, native: bool = False) -> list[dict[TensorRef, float]]:
     """Each model chunk's copies of each value one microbatch through it keeps: once a layer of the chunk's
     of each block, a value outside the block once where the chunk runs those statements."""
     dim = microbatch_dim(plan)
-    values = [r for r in residual_values(plan) if dim in r.indices]
+    values = [r for r in residual_values(plan, native) if dim in r.indices]
     once = kept_once(plan, values) if plan.spec.block is not None else set()
     blocks = value_blocks(plan)
     before, after = outside_names(plan)
@@ -111,14 +112,15 @@ def chunk_copies(plan: Plan, pipe: Pipeline) -> list[dict[TensorRef, float]]:
     return out
 
 
-def dualpipe_held(plan: Plan, pipe: Pipeline, sim: Simulation, micro: dict[str, int]) -> list[dict[int, int]] | None:
+def dualpipe_held(plan: Plan, pipe: Pipeline, sim: Simulation, micro: dict[str, int],
+                  native: bool = False) -> list[dict[int, int]] | None:
     """Under DualPipe, the microbatches each device holds of each of its two chunks when its kept bytes peak
     (:meth:`Simulation.peak_chunks`, a chunk's microbatch weighing its values' bytes); None elsewhere, where a
     device's chunks keep alike (a stage's equal shares) and :meth:`Simulation.peak_inflight` counts them."""
     if pipe.schedule.name not in TWO_WAY:
         return None
-    weights = [math.fsum(value_bytes(plan, r, micro) * k for r, k in copies.items())
-               for copies in chunk_copies(plan, pipe)]
+    sizes = residual_sizes(plan, micro, native)
+    weights = [math.fsum(sizes[r] * k for r, k in copies.items()) for copies in chunk_copies(plan, pipe, native)]
     return [sim.peak_chunks(d, dict(enumerate(weights))) for d in range(pipe.stages)]
 
 

@@ -443,9 +443,13 @@ def _scores(node: Node) -> bool:
 # normalized_shape, rstd, weight, output_mask)``, in PyTorch 2.9); a hand-written RMSNorm (pow, mean, rsqrt,
 # mul: HF's LlamaRMSNorm) is several kernels, and more passes than priced here.  The others are not one
 # kernel more than planned: softmax already plans as one step each way (``_softmax`` and
-# ``_softmax_backward_data``) where its index is whole; cross entropy is ``log_softmax`` then ``nll_loss``,
-# whose kernels (the log-probabilities written; back, ``nll_loss_backward``'s zeroed gradient, then
-# ``_log_softmax_backward_data``) move no fewer bytes than the vocabulary family's steps price.
+# ``_softmax_backward_data``) where its index is whole; cross entropy's backward is two kernels, which the
+# vocabulary family prices (its ``eager`` traffic).
+# The statistics both kernels of a norm pass between them (its apply step's operands but X) are float32 for a
+# 16-bit X: ``at::toAccumulateType`` in layer_norm_kernel.cu's ``layer_norm_cuda``, apex's
+# ``fused_layer_norm_cuda`` (mean and invvar float for half and bfloat16; ``FusedLayerNormAffineFunction`` and
+# ``FusedRMSNormAffineFunction`` ``save_for_backward`` them beside the input), as under ``fusion statement``.
+_STAT_BYTES = 4
 _NATIVE = frozenset({Row.ROW_MEAN, Row.ROW_MEANDEV, Row.LAYERNORM_APPLY, Row.ROW_MEANDOT, Row.LAYERNORM_VJP,
                      Row.ROW_MEANSQ, Row.RMSNORM_APPLY, Row.RMSNORM_VJP})
 
@@ -458,9 +462,17 @@ def _native_last(step: Step) -> bool:
     return step.fn in (Row.LAYERNORM_VJP, Row.RMSNORM_VJP)
 
 
+def _saved(step: Step) -> tuple[tuple[TensorRef, int], ...]:
+    """The statistics a norm's apply step reads (its operands but X): what the native kernel keeps."""
+    if step.fn not in (Row.LAYERNORM_APPLY, Row.RMSNORM_APPLY):
+        return ()
+    return tuple((ref, _STAT_BYTES) for ref in step.operands[1:])
+
+
 REDUCTIONS = register(Family(
     name="reductions", calls=frozenset(_WHOLE),
     ops=(Row, Combine), plan=plan_rows, backward=rows_backward, emit=emit,
     reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
                         indices=_indices, nonlinear=lambda func: _WHOLE[func].nonlinear),
-    argument=_argument, aux=_aux, operands=_operands, scores=_scores, native=_native, native_last=_native_last))
+    argument=_argument, aux=_aux, operands=_operands, scores=_scores, native=_native, native_last=_native_last,
+    saved=_saved))

@@ -164,6 +164,10 @@ def _no_aux(call: Call, result: str) -> tuple[str, ...]:
     return ()
 
 
+def no_saved(step: Step) -> tuple[tuple[TensorRef, int], ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class Capacity:
     """What a call's lowered code fixes as a share of its tokens (a routing capacity): its token index,
@@ -270,14 +274,22 @@ class Family:
     # whether XLA fuses its steps with their neighbours (elementwise maps and reductions: loop and
     # reduction fusions; a top-k routing sorts, and is a kernel of its own)
     fusible: bool = True
-    # under ``fusion none`` (one kernel an op): whether a step is part of the one native kernel the framework
-    # runs its op as (PyTorch's layer norm), and whether it is that kernel's last step
+    # under a framework's own kernels (``fusion none``: one kernel an op; ``statement``): whether a step is part
+    # of the one native kernel the framework runs its op as (PyTorch's layer norm, apex's), and whether it is
+    # that kernel's last step
     # (:func:`shardc.fusion.memory_traffic` prices such a run of steps by the kernel's own reads and writes)
     native: Callable[[Step], bool] = no_step
     native_last: Callable[[Step], bool] = no_step
     # whether a step is a further result of the kernel an earlier step of the same operands runs (attention's
     # logsumexp, dK, dV): its writes are that kernel's, priced with the kernel's FLOPs (its roofline)
     further: Callable[[Step], bool] = no_step
+    # under a framework's own kernels (``fusion none``, ``statement``): the row statistics the native kernel a step
+    # is part of keeps for its backward (a layer norm's mean and rstd), each with its bytes an element: the
+    # forward's kernel writes them, the backward's reads them, and they are held between the two
+    saved: Callable[[Step], tuple[tuple[TensorRef, int], ...]] = no_saved
+    # under ``fusion none``: the HBM traffic of one of its steps as the framework's eager kernels run it, where
+    # that is not ``traffic`` (PyTorch's cross-entropy backward, two kernels); None: ``traffic``
+    eager: Traffic | None = None
 
 
 _BY_CALL: dict[str, Family] = {}

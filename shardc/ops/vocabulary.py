@@ -262,8 +262,27 @@ def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
     return all_traffic(step, nbytes)
 
 
+def _eager(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
+    """A step as PyTorch eager runs it (``fusion none``): the loss's gradient, where the vocabulary is whole on
+    the device (``F.cross_entropy``), is two kernels.  ``nll_loss_backward`` zeroes the log-probabilities'
+    gradient, [rows, V], and writes each row's target element (LossNLL.cu: ``grad_input.zero_()``, then a
+    kernel reading the ids and the cotangent); ``_log_softmax_backward_data`` reads that gradient and the
+    log-probabilities the forward saved (the logits' shape and type, read here as the logits) and writes
+    dLogits.  So the logits' bytes are read once and dLogits' written three times (the zeroed gradient written
+    and read back, dLogits written; the target elements, one a row, left out); the logsumexp is not read, the
+    log-probabilities hold it.  The forward's ``log_softmax`` and ``nll_loss`` (the logits read, the
+    log-probabilities written, one a row picked) move the bytes its steps price already."""
+    if step.fn is not Vocab.CE_VJP:
+        return _traffic(step, nbytes)
+    logits, _, ids, cotangent = step.operands
+    whole = {d.name for d in ids.dims}
+    if any(d.axes for d in logits.dims if d.name not in whole):  # a vocabulary-parallel loss: not PyTorch's
+        return _traffic(step, nbytes)
+    return (nbytes(logits), 0.0, nbytes(ids), nbytes(cotangent)), 3 * nbytes(step.dst)
+
+
 VOCABULARY = register(Family(
     name="vocabulary", calls=frozenset(_FUNCTIONS), ops=(Vocab,), plan=_plan, backward=_backward,
     emit=emit, reference=Reference(_forward, _vjp, _magnitude, _grad_magnitude, _arguments, _indices,
                                    nonlinear=lambda func: _FUNCTIONS[func].nonlinear),
-    argument=_argument, aux=_aux, operands=_operands, traffic=_traffic))
+    argument=_argument, aux=_aux, operands=_operands, traffic=_traffic, eager=_eager))
