@@ -162,6 +162,13 @@ class Hardware:
         return self.fusion == "statement"
 
     @property
+    def reruns_layers(self) -> bool:
+        """Whether full recomputation reruns each layer whole: a PyTorch program (``fusion none``, ``fusion
+        statement``), whose ``torch.utils.checkpoint`` calls the layer's function again; under XLA (a JAX
+        program) ``jax.checkpoint`` reruns only what the backward reads (:mod:`shardc.planner.recompute`)."""
+        return self.fusion in ("none", "statement")
+
+    @property
     def reduces_after_backward(self) -> bool:
         """Whether gradient reductions wait for the end of the backward (``grad_reduce after-backward``);
         the book's model overlaps every collective."""

@@ -281,3 +281,38 @@ def test_full_recomputation_keeps_each_layers_input_once_a_layer() -> None:
     assert memory["residual_bytes"] == pytest.approx(40 * layer_input + tokens)
     assert "X0" not in {s.dst.name for s in plan.recomputed}  # the embedding before the block is not rerun
     assert "L1" in {s.dst.name for s in plan.recomputed}  # the block is
+
+
+# --- what full recomputation reruns of a layered model -------------------------------------------------
+
+LAYERED = """mesh X=2
+dims B=64, D=32, F=128, V=48, L=3
+param W_in, W_out, W_head
+layers L {
+  H[B_X, F] = gelu(X0[B_X, D] · W_in[D, F])
+  X1[B_X, D] = X0[B_X, D] + H[B_X, F] · W_out[F, D]
+}
+Out[B_X, V] = X1[B_X, D] · W_head[D, V]
+"""
+
+
+def _flops(text: str, mode: str) -> float:
+    return float(shardc.cost(planned(text, mode)).to_json()["step"]["compute_flops"])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("fusion, rerun", [("xla", ["H_t1"]), ("statement", ["H_t1", "X1_t1"]),
+                                           ("none", ["H_t1", "X1_t1"])])
+def test_full_reruns_a_layer_as_its_framework_does(fusion: str, rerun: list[str]) -> None:
+    """Full recomputation checkpoints the layers; the head after the block keeps what its backward reads
+    (the last layer's output X1 among it), so no layer is rerun to remake it.  Under XLA (a JAX program)
+    a layer reruns what its backward reads: jax.checkpoint drops the output projection W_out, whose result
+    only the residual add reads; PyTorch's checkpoint (fusion statement, fusion none) calls the layer's
+    function again, W_out's matmul included.  Each device holds B/X = 32 rows: the rerun adds 2*32*D*F
+    FLOPs a layer for W_in, and as much again for W_out where the layer reruns whole."""
+    text = f"fusion {fusion}\n" + LAYERED
+    p = planned(text, "full")
+    assert [s.tensor for s in p.recomputed if s.op is Op.EINSUM] == rerun
+    assert not any(s.once for s in p.recomputed)  # neither the head nor the last layer's output is rerun
+    assert "X1" in kept(p) and "X0" in kept(p)
+    extra = _flops(text, "full") - _flops(text, "none")
+    assert extra == 3 * len(rerun) * 2 * 32 * 32 * 128  # L=3 layers, each einsum 2 * (B/X) * D * F

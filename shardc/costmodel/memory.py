@@ -44,7 +44,7 @@ from shardc.ir.plan import Plan, Step
 from shardc.ir.precision import TILE, Precision, quantized_bytes
 from shardc.ir.spec import Dim, TensorRef
 from shardc.layer_counts import block_counts, resolve_layers, runs
-from shardc.planner.recompute import keeps_layer_inputs
+from shardc.planner.recompute import block_outputs, keeps_layer_inputs
 from shardc.planner.zero import zero_params
 from shardc.quantize import quantized_weights
 from shardc.ring_sends import ring_of, shared_rings
@@ -207,11 +207,14 @@ def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:
     """The residuals among ``refs`` kept once a step, not once a layer: a value a step outside the
     ``layers L { ... }`` block made, or an input no repeated statement reads.  Under full
     recomputation the block's input stands for every layer's input, each layer's checkpoint,
-    so it is kept once a layer."""
+    so it is kept once a layer; the last layer's output, which the statements after the block
+    read (:func:`shardc.planner.recompute.block_outputs`), is kept once."""
     repeated = block_reads(plan.spec)
     made = {s.dst: s.once for s in plan.forward}
     checkpoints = set(layer_inputs(plan.spec)) if keeps_layer_inputs(plan.recompute) else set()
-    return {ref for ref in refs if ref.name not in checkpoints and made.get(ref, ref.name not in repeated)}
+    last = block_outputs(plan.forward) if keeps_layer_inputs(plan.recompute) else set()
+    return {ref for ref in refs if ref.name not in checkpoints
+            and (ref in last or made.get(ref, ref.name not in repeated))}
 
 
 def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:

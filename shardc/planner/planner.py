@@ -386,7 +386,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         start += [declared[n] for n in layer_inputs(spec)]
     mode, rerun = policy(recompute, graph.params)
     again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun,
-                            named_values(graph, spec.recompute))
+                            named_values(graph, spec.recompute), ctx.hardware.reruns_layers)
     bwd = share_recomputed(again, bwd)
     return Plan(
         spec=spec,

@@ -28,8 +28,22 @@ What is not kept is recomputed (:func:`recompute_steps`): the forward steps that
 make the residuals the backward reads and does not keep, and the steps making
 what those read, back to kept values, in forward order, as ``jax.checkpoint``
 reruns them (a step whose result the backward never needs, even through another,
-is not rerun).  Their FLOPs and collectives run in the backward phase
+is not rerun: JAX partial-evaluates the checkpointed function and drops what no
+residual needs, so a layer's output projection and its residual add are not rerun).
+Their FLOPs and collectives run in the backward phase
 (:mod:`shardc.timing`), so the planner's objective and ``shardc cost`` count them.
+
+Under ``full`` and ``dots`` in a spec with a ``layers`` block, the policy checkpoints the layers:
+the statements before and after the block (the embedding, the final norm, the logits and
+the loss) keep what their backward reads, as the frameworks wrap only the layers (MaxText's
+remat of its decoder layer, PaLM's rematerialized layers, Chowdhery et al. 2022 section 4:
+"one fully sharded activation tensor is saved from each layer"; Megatron-LM's checkpointed
+transformer layers), so the backward never reruns a layer to remake the last layer's output.
+Where the framework is PyTorch (``fusion none``, ``fusion statement``), ``full`` reruns each
+layer whole (``whole_layers``): ``torch.utils.checkpoint`` calls the layer's function again
+and backpropagates from its outputs (Megatron-LM's CheckpointFunction), its output projection
+and its collectives included (the layer's output itself is held as the next layer's input, so
+its last residual add, one memory-bound pass, is not priced again).
 
 The attention-score region is found structurally (:func:`attention_region`): it
 starts at an einsum of two activations (no param) whose result keeps a free index
@@ -54,8 +68,8 @@ from shardc.ir.spec import TensorRef
 from shardc.ops.registry import CONTRACT, Node, family_of
 from shardc.planner.graph import Graph
 
-__all__ = ["RECOMPUTE_MODES", "attention_region", "keeps_layer_inputs", "policy", "recompute_steps",
-           "named_values"]
+__all__ = ["RECOMPUTE_MODES", "attention_region", "block_outputs", "keeps_layer_inputs", "policy",
+           "recompute_steps", "named_values"]
 
 RECOMPUTE_MODES = ("none", "selective", "full", "dots")
 _EXCEPT = "dots-except:"
@@ -96,6 +110,13 @@ def _dot_outputs(forward: tuple[Step, ...], params: frozenset[str], rerun: froze
         elif step.is_collective and step.src is not None and _norm(step.src) in found:
             found.add(_norm(step.dst))
     return found
+
+
+def block_outputs(forward: tuple[Step, ...]) -> set[TensorRef]:
+    """The values a ``layers`` block makes that a step outside it reads: the last layer's output, which the
+    statements after the block start from (each other layer's is the next one's input, its checkpoint)."""
+    inside = {_norm(s.dst) for s in forward if not s.once}
+    return {r for s in forward if s.once for r in map(_norm, s.reads) if r in inside}
 
 
 def _norm(ref: TensorRef) -> TensorRef:
@@ -163,14 +184,16 @@ def _renamed(forward: tuple[Step, ...], names: frozenset[str]) -> frozenset[str]
 def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[TensorRef],
                     start: Iterable[TensorRef], region: frozenset[str],
                     params: frozenset[str] = frozenset(), rerun: frozenset[str] = frozenset(),
-                    dropped: frozenset[str] = frozenset()) -> tuple[Step, ...]:
+                    dropped: frozenset[str] = frozenset(), whole_layers: bool = False) -> tuple[Step, ...]:
     """The forward steps the backward reruns under ``mode``, in forward order.
 
     ``residuals`` are the forward values the backward reads, ``start`` the values the
     forward starts from (declared inputs and params), ``region`` the tensors
     ``selective`` recomputes; ``dots`` keeps the matmuls reading ``params``, but
     those reading ``rerun``; ``dropped`` (a ``recompute`` line's :func:`named_values`) are
-    recomputed under any mode.
+    recomputed under any mode.  Under ``full`` and ``dots`` what the steps outside the
+    ``layers`` block make is kept; ``whole_layers`` (PyTorch's checkpoint) reruns every step of
+    the block under ``full``.
     """
     if mode == "none" and not dropped:
         return ()
@@ -185,12 +208,16 @@ def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[Te
         kept |= {_norm(r) for s in forward if s.tensor in region for r in s.reads if r.name not in region}
     if mode == "dots":
         kept |= _dot_outputs(forward, params, rerun)
+    if mode in ("full", "dots"):  # only the layers are checkpointed: what the steps around the block make is kept
+        kept |= {_norm(s.dst) for s in forward if s.once} | block_outputs(forward)
     kept = {r for r in kept if r.name not in dropped} | starts
     producer: dict[TensorRef, int] = {}
     for k, step in enumerate(forward):
         producer.setdefault(_norm(step.dst), k)
     chosen: set[int] = set()
     todo = [r for r in wanted if r not in kept]
+    if whole_layers and mode == "full":  # torch.utils.checkpoint calls each layer's function again
+        todo += [_norm(s.dst) for s in forward if not s.once and _norm(s.dst) not in kept]
     while todo:
         found = producer.get(todo.pop())
         if found is None or found in chosen:
