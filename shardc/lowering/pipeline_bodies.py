@@ -5,10 +5,9 @@ layers, then 58 MoE layers), and a stage holds a run of them, so a stage at a bo
 runs layers of two bodies (:mod:`shardc.pipeline.block_split`).  Every device runs one program (SPMD),
 each virtual stage's slot k holding layer ``first + k`` of its run; slot k runs the body of that
 layer's block, chosen by ``jax.lax.switch`` on a per-(virtual stage, slot) index where the virtual
-stages differ there, called directly where they agree (always, with one block).  Each block's params
-are stacked over the slots of that block alone: a virtual stage holds ``slots[b]`` of block b, the
-most any virtual stage holds, so a device holds each block's params for its own layers of it, padded
-as an uneven split pads (SPMD: one shape on every device).
+stages differ there, called directly where they agree (always, with one block).  A device holds the
+params of its own layers only, each slot's as long as the wider layer that can run there
+(:mod:`shardc.lowering.pipeline_params`).
 
 What a slot keeps for its backward (the residuals, and what B hands W) is one set of flat buffers, one
 a dtype, sized to the largest of the blocks that can run there (:class:`Union`), not a buffer of each

@@ -22,9 +22,9 @@ are the stage plan's own, so the
 collectives on the other axes are the planned ones in both directions; a weight
 gradient's reduction runs once, after the loop, on the sum of the microbatches' partial
 gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).  With several ``layers``
-blocks each slot runs its layer's block, each block's params stacked over its own slots, and a slot's
-ring keeps one block's residuals at a time, in buffers as long as the larger's
-(:mod:`shardc.lowering.pipeline_bodies`).
+blocks each slot runs its layer's block, a device holds its own layers' params in flat buffers
+(:mod:`shardc.lowering.pipeline_params`), and a slot's ring keeps one block's residuals at a time, in
+buffers as long as the larger's (:mod:`shardc.lowering.pipeline_bodies`).
 
 What comes before the block and after it is an :class:`Ends`: for a block alone
 (:class:`BlockEnds`) stage 0 reads the microbatches and the last stage keeps the
