@@ -5,10 +5,9 @@ layers, then 58 MoE layers), and a stage holds a run of them, so a stage at a bo
 runs layers of two bodies (:mod:`shardc.pipeline.block_split`).  Every device runs one program (SPMD),
 each virtual stage's slot k holding layer ``first + k`` of its run; slot k runs the body of that
 layer's block, chosen by ``jax.lax.switch`` on a per-(virtual stage, slot) index where the virtual
-stages differ there, called directly where they agree (always, with one block).  Each block's params
-are stacked over the slots of that block alone: a virtual stage holds ``slots[b]`` of block b, the
-most any virtual stage holds, so a device holds each block's params for its own layers of it, padded
-as an uneven split pads (SPMD: one shape on every device).
+stages differ there, called directly where they agree (always, with one block).  A device holds the
+params of its own layers only, each slot's as long as the wider layer that can run there
+(:mod:`shardc.lowering.pipeline_params`).
 
 What a slot keeps for its backward (the residuals, and what B hands W) is one set of flat buffers, one
 a dtype, sized to the largest of the blocks that can run there (:class:`Union`), not a buffer of each
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 from shardc.lowering.pipeline_parts import Part
 from shardc.pipeline.block_split import block_bounds
 
-__all__ = ["Body", "BodyTables", "Packed", "Placed", "Union", "body_tables", "block_slot_layers", "own_run", "switch",
+__all__ = ["Body", "BodyTables", "Packed", "Placed", "Union", "body_tables", "own_run", "switch",
            "unpacked"]
 
 
@@ -45,20 +44,14 @@ class Body:
 
 @dataclass(frozen=True)
 class BodyTables:
-    """Each block's slots a virtual stage holds (``slots[b]``), and for virtual stage u's slot k: the block
-    it runs (``which[u][k]``), its position among u's slots of that block (``index[u][k]``), its position in
-    ``possible[k]`` (``branch[u][k]``); ``possible[k]``: the blocks some virtual stage runs at slot k."""
+    """Each block's slots a virtual stage holds (``slots[b]``, the most any holds), and for virtual stage u's
+    slot k: the block it runs (``which[u][k]``), its position in ``possible[k]`` (``branch[u][k]``);
+    ``possible[k]``: the blocks some virtual stage runs at slot k."""
 
     slots: tuple[int, ...]
     which: tuple[tuple[int, ...], ...]
-    index: tuple[tuple[int, ...], ...]
     branch: tuple[tuple[int, ...], ...]
     possible: tuple[tuple[int, ...], ...]
-
-    def static_index(self, k: int) -> int | None:
-        """Slot k's position among its block's slots where every virtual stage has the same one, else None."""
-        column = {row[k] for row in self.index}
-        return column.pop() if len(column) == 1 else None
 
 
 def _block_of(layer: int, bounds: list[tuple[int, int]]) -> int:
@@ -78,32 +71,11 @@ def body_tables(firsts: Sequence[int], held: Sequence[int], counts: Sequence[int
     slots = tuple(max(max(0, hi - lo) for lo, hi in (own_run(f, n, bound) for f, n in zip(firsts, held, strict=True)))
                   for bound in bounds)
     width = max(held)
-    which, index = [], []
-    for first, n in zip(firsts, held, strict=True):
-        row_which, row_index = [], []
-        for k in range(width):
-            b = _block_of(first + min(k, n - 1), bounds)
-            row_which.append(b)
-            row_index.append(first + k - own_run(first, n, bounds[b])[0])
-        which.append(tuple(row_which))
-        index.append(tuple(row_index))
+    which = [tuple(_block_of(first + min(k, n - 1), bounds) for k in range(width))
+             for first, n in zip(firsts, held, strict=True)]
     possible = tuple(tuple(sorted({row[k] for row in which})) for k in range(width))
     branch = tuple(tuple(possible[k].index(b) for k, b in enumerate(row)) for row in which)
-    return BodyTables(slots, tuple(which), tuple(index), branch, possible)
-
-
-def block_slot_layers(firsts: Sequence[int], held: Sequence[int], counts: Sequence[int], block: int,
-                      order: Sequence[int]) -> list[int]:
-    """Block ``block``'s params as the devices hold them: for each virtual stage of ``order`` (each device's
-    chunks in turn) its ``slots[block]`` slots, the layer of the block each holds (counted within the block;
-    the block's layer count for a slot past the stage's own)."""
-    bound = block_bounds(counts)[block]
-    slots = body_tables(firsts, held, counts).slots[block]
-    out = []
-    for u in order:
-        lo, hi = own_run(firsts[u], held[u], bound)
-        out += [lo + k - bound[0] if lo + k < hi else counts[block] for k in range(slots)]
-    return out
+    return BodyTables(slots, tuple(which), branch, possible)
 
 
 def switch(tables: BodyTables, k: int, virtual: Any, run: Callable[[int], Callable[..., Any]], *args: Any,

@@ -22,9 +22,9 @@ are the stage plan's own, so the
 collectives on the other axes are the planned ones in both directions; a weight
 gradient's reduction runs once, after the loop, on the sum of the microbatches' partial
 gradients (:meth:`Part.finish`, :mod:`shardc.lowering.pipeline_grads`).  With several ``layers``
-blocks each slot runs its layer's block, each block's params stacked over its own slots, and a slot's
-ring keeps one block's residuals at a time, in buffers as long as the larger's
-(:mod:`shardc.lowering.pipeline_bodies`).
+blocks each slot runs its layer's block, a device holds its own layers' params in flat buffers
+(:mod:`shardc.lowering.pipeline_params`), and a slot's ring keeps one block's residuals at a time, in
+buffers as long as the larger's (:mod:`shardc.lowering.pipeline_bodies`).
 
 What comes before the block and after it is an :class:`Ends`: for a block alone
 (:class:`BlockEnds`) stage 0 reads the microbatches and the last stage keeps the
@@ -48,8 +48,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardc.lowering.pipeline_bodies import Body, BodyTables, block_slot_layers, body_tables, switch, unpacked
+from shardc.lowering.pipeline_bodies import Body, BodyTables, body_tables, switch, unpacked
 from shardc.lowering.pipeline_keep import FlatRing, TreeRing
+from shardc.lowering.pipeline_params import Flat, Slots, Stacked
 from shardc.lowering.pipeline_parts import Arrays, Ends, Part, Table, forward_only
 from shardc.lowering.pipeline_routes import Placement
 from shardc.lowering.pipeline_slots import Rings, rings
@@ -142,39 +143,31 @@ class Pipeline:
         """Which body each virtual stage's slot runs, and where its params lie."""
         return body_tables(self._firsts(), self.held, [b.layers for b in self.bodies])
 
+    @functools.cached_property
+    def holding(self) -> Stacked | Flat:
+        """Where a device holds its layers' params and their gradient sums (:mod:`shardc.lowering.pipeline_params`):
+        each param stacked over the stages' slots with one block, each device's own in flat buffers with several."""
+        slots = Slots(self.bodies, self.tables, self.held, tuple(self._firsts()), self.placement, self.axis,
+                      tuple(self.mesh_axes.items()))
+        return Flat(slots) if len(self.bodies) > 1 else Stacked(slots, tuple(self.slot_layers()))
+
     def _firsts(self) -> list[int]:
         """Each virtual stage's first layer (DualPipe's: its model stage's)."""
         place = self.placement
         return [sum(self.held[:place.model(v)]) for v in range(len(self.held))]
 
-    def slot_layers(self, block: int = 0) -> list[int]:
-        """Each device's slots of ``block`` in order (its chunks in turn), the layer of the block each holds
-        (the block's layer count for an empty one): the order of the block's params' leading dim, sharded
-        over the stages."""
-        place = self.placement
+    def slot_layers(self) -> list[int]:
+        """Each device's slots in order (its chunks in turn), the layer each holds (the layer count for an
+        empty one): the order of a one-block pipeline's params' leading dim, sharded over the stages."""
+        place, firsts = self.placement, self._firsts()
         order = [place.virtual(c, s) for s in range(self.stages) for c in range(self.chunks)]
-        return block_slot_layers(self._firsts(), self.held, [b.layers for b in self.bodies], block, order)
+        return [firsts[u] + k if k < self.held[u] else self.layers for u in order for k in range(self.slots)]
 
     def layer_key(self, key: Any, virtual: Any, k: int, j: Any) -> tuple[Any, Any]:
         """The dropout key of layer k of virtual stage ``virtual`` on microbatch j: (the key its layer
         number draws under in the unpipelined stack, :func:`shardc.spec.functions.layer_key`; j)."""
         number = jnp.asarray(self._firsts())[virtual] + k
         return layer_key(key, number, self.layers, jnp), jnp.asarray(j, jnp.int32)
-
-    def _params_of(self, params: tuple[Any, ...], b: int) -> tuple[Any, ...]:
-        """Block ``b``'s params among every block's (:attr:`all_params`)."""
-        start = sum(len(body.params) for body in self.bodies[:b])
-        return params[start:start + len(self.bodies[b].params)]
-
-    def _where(self, virtual: Any, k: int) -> Any:
-        """Slot k's position among its block's slots: static where every virtual stage agrees (one block)."""
-        fixed = self.tables.static_index(k)
-        return fixed if fixed is not None else jnp.asarray(self.tables.index)[virtual, k]
-
-    def _layer_params(self, params: tuple[Any, ...], b: int, chunk: Any, at: Any) -> Arrays:
-        """Block ``b``'s params at position ``at`` of the chunk's slots of it (each stacked over the device's)."""
-        body, slots = self.bodies[b], self.tables.slots[b]
-        return {p: w[chunk * slots + at] for p, w in zip(body.params, self._params_of(params, b), strict=True)}
 
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
                    j: Any) -> tuple[Any, list[Any]]:
@@ -185,7 +178,7 @@ class Pipeline:
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(given: Any) -> Any:
                     body = self.bodies[b]
-                    pool = {body.input: given, **self._layer_params(params, b, chunk, self._where(virtual, k))}
+                    pool = {body.input: given, **self.holding.layer(params, b, chunk, virtual, k)}
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
                     reads = body.part.backward_reads
                     return y, {b: ({n: v for n, v in used.items() if n in reads and n not in body.params},
@@ -201,7 +194,7 @@ class Pipeline:
         out of the slot's union where several blocks can run there): the saved values and the layer's params."""
         def of(k: int, b: int) -> Any:
             used, saved = unpacked(kept[k], b)
-            return ({**used, **self._layer_params(params, b, chunk, self._where(virtual, k))},
+            return ({**used, **self.holding.layer(params, b, chunk, virtual, k)},
                     {n: v for names, v in saved.items() for n in names})
         return [functools.partial(of, k) for k in range(len(kept))]
 
@@ -219,7 +212,7 @@ class Pipeline:
                     got = self.bodies[b].part.backward(kept[k](b), d_out)
                     return got[self.bodies[b].input], {b: self._grads_of(b, got)}
                 return go
-            dx, grads[k] = switch(self.tables, k, virtual, run, g)
+            dx, grads[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
         return g, grads
 
@@ -246,24 +239,8 @@ class Pipeline:
                     made = self.bodies[b].part.backward_weight(kept[k](b), unpacked(handed[k], b))
                     return 0.0, {b: self._grads_of(b, made)}
                 return go
-            out.append(switch(self.tables, k, virtual, run, 0.0)[1])
+            out.append(switch(self.tables, k, virtual, run, 0.0, pack=len(self.bodies) > 1)[1])
         return out
-
-    def _accumulate(self, dparams: tuple[Any, ...], grads: list[Any], ran: Any, chunk: Any,
-                    virtual: Any) -> tuple[Any, ...]:
-        """The params' gradient sums (each block's [chunks x its slots, ...]) with each slot's ``grads`` added
-        at its block's position, where a backward ``ran`` and the slot holds a layer."""
-        total = list(dparams)
-        held = jnp.asarray(self.held)[virtual]
-        which = jnp.asarray(self.tables.which)
-        for k, mine in enumerate(grads):
-            for b, got in mine.items():
-                live = ran & (k < held) & (which[virtual, k] == b)
-                start = sum(len(body.params) for body in self.bodies[:b])
-                at = chunk * self.tables.slots[b] + self._where(virtual, k)
-                for i, p in enumerate(self.bodies[b].params):
-                    total[start + i] = _add_slot(total[start + i], jnp.where(live, got[p], 0), at)
-        return tuple(total)
 
     def _local(self, backward: bool, key: Any, cotangent: Any, *args: Any) -> tuple[Any, ...]:
         """The schedule on one device: the ends' accumulator (results and their gradients) and, with
@@ -274,7 +251,7 @@ class Pipeline:
         params = args[len(names):]
         table = self.forward_ticks if backward else forward_only(self.forward_ticks)
         ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
-        m, v = self.microbatches, self.chunks
+        m = self.microbatches
         x = jax.eval_shape(self.ends.first, pool, 0)
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
         # each buffer a ring of the values in flight at once, a chunk x M + microbatch entry at its slot
@@ -331,7 +308,7 @@ class Pipeline:
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
             else:
                 dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
-                dparams = self._accumulate(dparams, dw, eb >= 0, c, u)
+                dparams = self.holding.accumulate(dparams, dw, eb >= 0, c, u)
             acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)  # before W, which reads it
             if split:
                 ew = wtab[t, stage]
@@ -339,23 +316,21 @@ class Pipeline:
                 uw = virtual[w // m, stage]  # the ends' W where this W's virtual stage runs them
                 dw = self._stage_weight_bwd(self._saved(keep.read(kept, stage, w // m, ks[w]), params, w // m,
                                                              uw), jax.tree.map(lambda buf: buf[hs[w]], handed), uw)
-                dparams = self._accumulate(dparams, dw, ew >= 0, w // m, uw)
+                dparams = self.holding.accumulate(dparams, dw, ew >= 0, w // m, uw)
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
             cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
             return kept, handed, acts, cots, acc, dparams, pending
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
         grads = jax.eval_shape(lambda d: self._stage_bwd(first, d, stage), x)[1]
-        partial = {b: g for mine in grads for b, g in mine.items()}
         none = jnp.zeros((), ftab.dtype)  # paired, the writes of an F before the first: none
         pending = (jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), none, virtual[0, stage], none,
                    *jnp.zeros(2, bool), jnp.zeros(x.shape, x.dtype)) if paired else ()
         init = (kept, handed, acts, cots, self.ends.start(pool, x),
-                tuple(jnp.zeros((v * self.tables.slots[b], *partial[b][p].shape), partial[b][p].dtype)
-                      for b, body in enumerate(self.bodies) for p in body.params), pending)
+                self.holding.zeros(grads), pending)
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[4:6]
         if backward:  # the microbatches' sums reduced, once a step (DualPipe's two copies' summed first)
-            acc, dparams = self.ends.finish(acc), self._finish(dparams)
+            acc, dparams = self.ends.finish(acc), self.holding.finish(dparams)
         acc = jax.tree.map(lambda a: a[None], self.ends.results(acc))
         return (acc, dparams) if backward else (acc,)
 
@@ -368,23 +343,11 @@ class Pipeline:
         virtual = np.array([[place.virtual(c, s) for s in range(self.stages)] for c in range(self.chunks)])
         return FlatRing.of([p.union for p in shapes], self.tables.which, virtual, self.rings.kept.table)
 
-    def _finish(self, dparams: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Each of the stage's layers' params' gradients from their sums over the microbatches (DualPipe's
-        two copies' summed first), block by block."""
-        out: list[Any] = []
-        for b, body in enumerate(self.bodies):
-            slots, mine = self.tables.slots[b], self.placement.sum_copies(self.axis, self._params_of(dparams, b),
-                                                                          self.tables.slots[b])
-            layers = [body.part.finish({p: d[k] for p, d in zip(body.params, mine, strict=True)})
-                      for k in range(self.chunks * slots)]
-            out += [jnp.stack([g[p] for g in layers]) for p in body.params]
-        return tuple(out)
-
     def specs(self) -> tuple[tuple[P, ...], tuple[Any, tuple[P, ...]]]:
         """The program's in_specs (the key, the cotangent, the ends' inputs, the block's params), and
         its outputs' (the ends' accumulator, the params' gradients), the stage axis leading."""
         a = self.axis
-        params = tuple(P(a, *body.part.forward_in[p]) for body in self.bodies for p in body.params)
+        params = self.holding.specs()
         ins = (P(), P(a, *self.ends.cotangent_spec()), *[P(a, *s) for s in self.ends.specs()], *params)
         return ins, (self.ends.result_specs(a), params)
 
@@ -414,13 +377,6 @@ class Pipeline:
         """Microbatches [M, ...] back into the batch along ``dim``."""
         return jnp.concatenate(list(xs), axis=dim)
 
-    def _slotted(self, w: Any, block: int) -> Any:
-        """A param of ``block`` stacked [its layers, ...] as the stages' slots hold it: [stages x chunks x
-        its slots, ...], zeros in a slot past its stage's layers of the block."""
-        w = np.asarray(w)
-        padded = np.concatenate([w, np.zeros((1, *w.shape[1:]), w.dtype)])
-        return padded[np.asarray(self.slot_layers(block))]
-
     def _on(self, x: Any, where: tuple[int, ...]) -> Any:
         """``x`` stacked over the stages, on the stages ``where`` only (zeros elsewhere), in host memory."""
         x = np.asarray(x)
@@ -436,7 +392,7 @@ class Pipeline:
         for k in self.ends.inputs():
             x = self.split(self.order(k, inputs[k]), self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
-        args += [self._slotted(inputs[p], b) for b, body in enumerate(self.bodies) for p in body.params]
+        args += self.holding.host(inputs)
         # built and placed from host memory: jax cuts a host array into its pieces without compiling a
         # program for each (as it would to move a device array, or to build one op by op)
         return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, self.specs()[0], strict=True)]
@@ -461,14 +417,7 @@ class Pipeline:
 
     def read(self, acc: Any, dparams: tuple[Any, ...]) -> tuple[Arrays, Arrays]:
         """The program's outputs as global arrays keyed by name: the ends' results, every gradient."""
-        grads = dict(self.ends.gradients(self, acc))
-        for b, body in enumerate(self.bodies):
-            slot: dict[int, int] = {}  # each layer's first slot (DualPipe's two copies hold the same summed gradient)
-            for k, layer in enumerate(self.slot_layers(b)):
-                slot.setdefault(layer, k)
-            real = np.asarray([slot[layer] for layer in range(body.layers)])  # the slots in layer order
-            grads.update({body.part.grads[p]: g[real] for p, g in zip(body.params, self._params_of(dparams, b),
-                                                                       strict=True)})
+        grads = dict(self.ends.gradients(self, acc)) | dict(self.holding.gradients(dparams))
         return dict(self.ends.outputs(self, acc)), grads
 
 
@@ -485,8 +434,3 @@ def _once(saved: Arrays) -> dict[tuple[str, ...], Any]:
 def _buffers(shapes: Any, n: int) -> Any:
     """Zeros of ``n`` of each of ``shapes`` (a tree of shapes): a ring of ``n`` slots."""
     return jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), shapes)
-
-
-def _add_slot(total: Any, part: Any, at: Any) -> Any:
-    """``total`` [chunks x slots, ...] with ``part`` (one slot's) added at slot ``at``."""
-    return total.at[at].add(part)

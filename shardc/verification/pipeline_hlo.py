@@ -23,8 +23,9 @@ whose first and last virtual stage are both on stage 0.
 
 DualPipe holds each stage on two devices, s and P-1-s: once a step, after the loop, the two
 swap their sums of each weight gradient (one collective-permute a param, each device's two
-chunks' partial sums; the ends' between stages 0 and P-1, which both run them), as the cost's
-``copies_exchange_s`` charges.
+chunks' partial sums; with several ``layers`` blocks one of the buffer of the device's own
+layers' sums, :mod:`shardc.lowering.pipeline_params`; the ends' between stages 0 and P-1,
+which both run them), as the cost's ``copies_exchange_s`` charges.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ import itertools
 import math
 import re
 from collections import Counter
+from typing import Any
 
 from shardc.device_pieces import local_elements
 from shardc.ir.plan import Op, Plan, Step, backward_program
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
+from shardc.lowering.pipeline_params import Flat
 from shardc.pipeline.boundary import send_bytes
 from shardc.verification.hlo import Collective, collectives
 from shardc.verification.report import (
@@ -281,22 +284,7 @@ def _copies_permutes(lowered: PipelineLowered, text: str,
         return [], found
     stride, stages, nbytes = _stride(lowered), lowered.pipeline.stages, lowered.plan.spec.dtype.nbytes
     once = {c.text for c in collectives("\n".join(outside_loop(text)), _mesh(lowered))}
-    wants = []
-    ends = lowered.ends
-    block = ends.block if ends is not None else lowered.plan
-    slots = ns.PIPELINE.tables.slots  # each block's slots a virtual stage holds
-    parts = [(block, ns.PARAMS, ns.GRADS, 2 * slots[0], "the block's two chunks")]
-    if ends is not None:
-        parts += [(plan, more["params"], getattr(ns, more["prefix"] + "_GRADS"), 2 * n,
-                   f"`layers` block {number}'s two chunks")
-                  for number, (plan, more, n) in enumerate(zip(ends.more, getattr(ns, "MORE_BLOCKS", ()), slots[1:],
-                                                               strict=True), start=2)]
-        parts += [(ends.pre, ns.PRE_PARAMS, ns.PRE_GRADS, 1, "before the block"),
-                  (ends.post, ns.POST_PARAMS, ns.POST_GRADS, 1, "after the block")]
-    for plan, params, grads, slots, what in parts:
-        made = {s.dst.name: s.dst for s in split_reductions(plan).each.backward}
-        wants += [(f"{grads[k]} ({what})", int(local_elements(made[grads[k]], lowered.sizes)) * nbytes * slots)
-                  for k in params]
+    wants = _copies_wants(lowered)
     rows, left = [], list(found)
     for name, want in wants:
         mine = [c for c in left if c.text in once and (pr := _pairs(c.text)) and c.bytes(nbytes) == want
@@ -308,6 +296,38 @@ def _copies_permutes(lowered: PipelineLowered, text: str,
                                   mine[0].bytes(nbytes) if mine else 0, bool(mine),
                                   "" if mine else "not found after the loop"))
     return rows, left
+
+
+def _copies_wants(lowered: PipelineLowered) -> list[tuple[str, int]]:
+    """What DualPipe's two copies swap once a step, each swap's bytes: with one block its each param's sums
+    of the device's two chunks; with several the device's own layers' sums, one buffer
+    (:class:`~shardc.lowering.pipeline_params.Flat`); each end's params' sums."""
+    ns, nbytes = lowered.namespace, lowered.plan.spec.dtype.nbytes
+    ends = lowered.ends
+    block = ends.block if ends is not None else lowered.plan
+    blocks = [(block, ns.PARAMS, ns.GRADS)] + ([(plan, more["params"], getattr(ns, more["prefix"] + "_GRADS"))
+                                                for plan, more in zip(ends.more, getattr(ns, "MORE_BLOCKS", ()),
+                                                                      strict=True)] if ends is not None else [])
+    sums = [{k: int(local_elements(_made(plan)[grads[k]], lowered.sizes)) for k in params}
+            for plan, params, grads in blocks]
+    holding = ns.PIPELINE.holding
+    if isinstance(holding, Flat):  # several blocks: each device's own layers' sums in one buffer, swapped once
+        wants = [("every block's gradient sums (one buffer: the device's own layers', as long as the fullest "
+                  "device's)", holding.elements([sum(mine.values()) for mine in sums]) * nbytes)]
+    else:
+        wants = [(f"{grads[k]} (the block's two chunks)", n * nbytes * 2 * holding.slots.tables.slots[0])
+                 for (_, _, grads), mine in zip(blocks, sums, strict=True) for k, n in mine.items()]
+    if ends is not None:
+        wants += [(f"{grads[k]} ({what})", int(local_elements(_made(plan)[grads[k]], lowered.sizes)) * nbytes)
+                  for plan, params, grads, what in ((ends.pre, ns.PRE_PARAMS, ns.PRE_GRADS, "before the block"),
+                                                    (ends.post, ns.POST_PARAMS, ns.POST_GRADS, "after the block"))
+                  for k in params]
+    return wants
+
+
+def _made(plan: Plan) -> dict[str, Any]:
+    """The gradients a plan's backward makes, by name, as each microbatch's backward hands them on."""
+    return {s.dst.name: s.dst for s in split_reductions(plan).each.backward}
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:

@@ -25,12 +25,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardc.costmodel.cost_report import cost
+from shardc.costmodel.memory import kept_once, residual_values, value_bytes
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.costmodel.pipeline_cost import StageCost
+from shardc.costmodel.stage_memory import outside_names
 from shardc.device_pieces import local_elements, size_of
 from shardc.ir.plan import Plan
 from shardc.lowering.pipeline_lowering import PipelineLowered
-from shardc.pipeline.boundary import microbatch_dim
+from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
 from shardc.units import fmt_bytes
 from shardc.verification.memory_check import XLA_CPU
 from shardc.verification.pipeline_layers import at_run_blocks
@@ -53,6 +55,7 @@ class StageMemoryCheck:
     shardc_parts: tuple[tuple[str, float], ...]  # params, gradients, activations, gathered
     xla_parts: tuple[tuple[str, float], ...]  # arguments, outputs, temporaries; less the aliased bytes
     scalars: int = 0  # the schedule loop's control scalars counted in the working set (control_scalars)
+    loss_graph: float = 0.0  # what the program keeps of the statements after the block less shardc's (loss_graph)
 
     @property
     def shardc_bytes(self) -> float:
@@ -76,7 +79,11 @@ class StageMemoryCheck:
                 f"backward), with the schedule loop's {self.scalars} control scalars (the tick tables' lookups "
                 "and predicates), each on a 64-byte line; XLA also packs its buffers with a few per cent of gaps",
                 "the program updates no optimizer state (it returns the gradients): shardc cost's optimizer "
-                "bytes have no counterpart here"]
+                "bytes have no counterpart here"] + ([
+                f"the program runs the loss's backward at each microbatch's forward tick, keeping the block output's "
+                f"cotangent where a framework keeps the loss's graph to the microbatch's backward (shardc cost "
+                f"counts that): its activations are counted as the program keeps them ({fmt_bytes(self.loss_graph)})"]
+                if self.loss_graph else [])
 
     def to_json(self) -> dict[str, object]:
         return {"pipelined": True, "stage": self.stage, "element_bytes": self.element, "held": self.held,
@@ -97,19 +104,43 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     run = replace(plan, spec=replace(spec, microbatches=pipe.microbatches, stage_layers=pipe.stage_layers))
     report = cost(run, sizes=sizes)
     assert report.pipeline is not None
-    stage = report.pipeline.fullest
     scale = element / plan.spec.dtype.nbytes
     program = lowered.namespace.PIPELINE
+    micro = sizes | {report.pipeline.dim: report.pipeline.microbatch_size}
+    graph = {s.stage: loss_graph(run, s, micro, program.weight_ticks is not None) for s in report.pipeline.stages}
+    stage = max(report.pipeline.stages, key=lambda s: s.memory_bytes + graph[s.stage])  # as the program holds it
     scalars = control_scalars(program, _gradient_shapes(plan, lowered.sizes, program))
     shardc = (("params", stage.params * element), ("gradients", stage.grads * element),
-              ("activations", stage.activation_bytes * scale), ("gathered weights", stage.gathered_bytes * scale),
-              ("working set", _working_set(run, sizes | {report.pipeline.dim: report.pipeline.microbatch_size},
-                                           stage, element, program.slots) + scalars * XLA_CPU.align),
+              ("activations", (stage.activation_bytes + graph[stage.stage]) * scale),
+              ("gathered weights", stage.gathered_bytes * scale),
+              ("working set", _working_set(run, micro, stage, element, program.slots) + scalars * XLA_CPU.align),
               ("gradient sums", stage.accumulator_bytes * scale), ("data", _data(plan, sizes, element)))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
     slots = program.rings.kept.count
     return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, slots, shardc,
-                            xla + (("aliased", -float(stats.alias_size_in_bytes)),), scalars)
+                            xla + (("aliased", -float(stats.alias_size_in_bytes)),), scalars,
+                            graph[stage.stage] * scale)
+
+
+def loss_graph(plan: Plan, stage: StageCost, micro: dict[str, int], split: bool) -> float:
+    """What the lowered program keeps of the statements after the block on ``stage``, less what ``shardc
+    cost`` counts (bytes at the spec's dtype, at the microbatch's sizes ``micro``), for the comparison
+    only.  A framework computes the loss at a microbatch's forward and runs its backward at the
+    microbatch's backward (``torch.distributed.pipelining``'s ScheduleGPipe and Schedule1F1B, which
+    torchtitan runs: ``_maybe_compute_loss`` in the forward, ``backward_one_chunk(loss=...)`` later),
+    keeping the loss's graph (its residuals: the final norm's input, the logits) for every microbatch
+    the stage holds, as shardc counts it (GPipe's last stage: all M).  The lowered program, whose
+    loss's backward reads nothing a later tick makes, runs it at the forward's tick
+    (:meth:`~shardc.lowering.pipeline_parts.ModelEnds.last`) and keeps the block output's cotangent
+    instead.  The zero-bubble schedules' program (``split``) keeps what the loss's W reads: not changed."""
+    if split or "after" not in stage.sections:
+        return 0.0
+    values = residual_values(plan)
+    _, after = outside_names(plan)
+    dim = microbatch_dim(plan)
+    graph = sum(value_bytes(plan, r, micro) for r in kept_once(plan, values) if r.name in after and dim in r.indices)
+    cotangent = float(local_elements(boundary_tensor(plan), micro)) * plan.spec.dtype.nbytes
+    return stage.held * (cotangent - graph)
 
 
 def control_scalars(program: Any, gradient_shapes: int) -> int:
