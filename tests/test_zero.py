@@ -324,3 +324,16 @@ def test_zero_over_124_nodes_pads_the_dim_that_wastes_least() -> None:
     p = shardc.plan(spec)
     assert str(p.spec.statements[0].expr.operands[1]) == "W_o[N, H, D_X]"  # type: ignore[attr-defined]
     assert any("D=12288 over 124 devices is padded to 12400" in n for n in shardc.cost(p).notes)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_padded_zero_1_or_2_shard_is_planned_not_a_crash(stage: int) -> None:
+    """BLOOM's spec on 4 stages x 96-way ZeRO-1 (`shardc layouts --chips 384`): its 250880 x 14336 embedding
+    divides over neither, so the optimizer's shard is padded, and the search, which knew only the spec's
+    own uneven dims, found no move onto it (ValueError: no moves reach ...)."""
+    spec = shardc.parse(f"mesh X=3\ndims B=6, D=8, F=10\nzero {stage} over X\n"
+                        "O[B_X, F] = A[B_X, D] · W[D, F]\n")
+    p = shardc.plan(spec)
+    kinds = [s.op.name for s in p.optimizer if s.op.name in ("REDUCE_SCATTER", "ALL_GATHER")]
+    assert kinds in (["REDUCE_SCATTER", "ALL_GATHER"], ["ALL_GATHER"])  # stage 2 reduce-scatters in the backward
+    assert any("D=8 over 3 devices is padded to 9" in n for n in shardc.cost(p).notes)
