@@ -101,6 +101,15 @@ PUBLISHED = (
     Run("MPT-13B 32K, 8 A100", "benchmarks/runs/mpt_13b_32k_a100.shard", "full",
         "llm-foundry scripts/train/benchmarking/README.md, A100 80GB",
         step_s=786432 / 8134 / 3, mfu=0.5169, accumulated=3),
+    # Megatron-Turing NLG 530B on 280 DGX A100 nodes (TP 8 x PP 35 x DP 8, DeepSpeed's 1F1B pipeline, every layer
+    # checkpointed): the paper's 60.1 s an iteration (its 126 TFLOP/s a GPU are equation 3's FLOPs, the recomputed
+    # forward counted, over that time)
+    Run("MT-NLG 530B, 2240 A100", "benchmarks/runs/mtnlg_530b.shard", "full",
+        "Smith et al. 2022, arXiv 2201.11990, section 2.4", step_s=60.1),
+    # BLOOM 176B on Jean Zay (TP 4 x PP 12 x DP 8, ZeRO-1, every layer checkpointed, Omni-Path across nodes): the
+    # training log's 104.70 s an iteration at the full batch (its 149.77 TFLOP/s count the recomputed forward)
+    Run("BLOOM 176B, 384 A100", "benchmarks/runs/bloom_176b.shard", "full",
+        "Le Scao et al. 2022; bigscience train/tr11-176B-ml/README.md, iteration 85376", step_s=104.70),
     # Megatron-LM's weak-scaling table: its TFLOP/s a GPU are equation 3's FLOPs, 96 B s l h^2 (1 + s/6h + V/16lh),
     # which count activation recomputation's extra forward, so the step is those FLOPs over the GPUs' rate (the MFU
     # the step implies for shardc's model FLOPs)

@@ -61,7 +61,7 @@ def plan(spec: Spec, save: str = "default", **options: Any) -> Plan:
     if model is not None or bucket_mb is not None:
         from shardc.chip_choice import resolve_hardware
 
-        chip = resolve_hardware(options.get("hardware"), None, spec.hardware)
+        chip = resolve_hardware(options.get("hardware"), None, spec)
         options["hardware"] = chip.configured(model, bucket_mb)
     return _plan(spec, save=save, **options)
 

@@ -5,6 +5,7 @@ calibrate`` writes it), or the spec's ``hardware`` line, run as the spec's ``fus
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import fields, replace
 
 from shardc.errors import ShardcError, clip
@@ -65,25 +66,30 @@ def _check_file_values(data: dict[str, object], path: str) -> None:
 
 
 def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -> Hardware:
-    """Validate keys and values: unknown keys, missing ones and non-positive figures are errors."""
-    known = {f.name for f in fields(Hardware)}
+    """Validate keys and values: unknown keys, missing ones and non-positive figures are errors.
+
+    ``base = "a100"`` starts from that preset, the file's keys replacing its figures (a cluster whose
+    network differs from the preset's, say), so a chip's measured curves are never copied by hand."""
+    known = {f.name for f in fields(Hardware)} | {"base"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ShardcError(f"{source}: unknown key(s) {', '.join(unknown)}",
                           fix="use the keys " + ", ".join(sorted(known)))
-    missing = [k for k in _REQUIRED if k not in data]
+    base = _base_preset(data, source)
+    missing = [k for k in _REQUIRED if k not in data] if base is None else []
     if missing:
         raise ShardcError(f"{source}: missing key(s) {', '.join(missing)}",
-                          fix="give at least " + ", ".join(_REQUIRED))
+                          fix="give at least " + ", ".join(_REQUIRED) + ', or `base = "a100"` (a preset to start from)')
     values: dict[str, object] = {"name": str(data.get("name", source)),
-                                 "description": str(data.get("description", ""))}
+                                 "description": str(data.get("description", "" if base is None else base.description))}
     for key in ("flops", "ici_bandwidth", "hbm_bytes", "hbm_bandwidth", "dcn_bandwidth", "hop_latency",
                 "ici_efficiency", "nvls_efficiency", "dcn_efficiency", "hbm_efficiency", "matmul_hbm_efficiency",
                 "flops_f8", "bucket_bytes", "collective_base",
                 "host_bandwidth", "host_adam_rate"):
         if key in data:
             values[key] = _positive(data[key], key, source)
-    values.setdefault("hbm_bandwidth", math.inf)
+    if base is None:
+        values.setdefault("hbm_bandwidth", math.inf)
     for key in ("ici_domain", "torus_side", "torus_dims", "sms", "collective_sms"):
         if data.get(key) is not None:
             values[key] = int(_positive(data[key], key, source))
@@ -104,7 +110,19 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
                 raise ShardcError(f"{source}: {key} must be one of {', '.join(choices)}, got {clip(repr(data[key]))}",
                                   fix=f'write e.g. `{key} = "{choices[0]}"`')
             values[key] = data[key]
+    if base is not None:
+        return replace(base, **values)  # type: ignore[arg-type]
     return Hardware(**values)  # type: ignore[arg-type]
+
+
+def _base_preset(data: dict[str, object], source: str) -> Hardware | None:
+    """The preset a file's ``base`` key names, or None where it has none."""
+    if "base" not in data:
+        return None
+    if not isinstance(data["base"], str):
+        raise ShardcError(f"{source}: base must be a preset's name, got {clip(repr(data['base']))}",
+                          fix='write e.g. `base = "a100"`')
+    return get_hardware(data["base"])
 
 
 def _efficiency_points(value: object, source: str, key: str = "matmul_efficiency",
@@ -136,20 +154,38 @@ def _positive(value: object, key: str, source: str) -> float:
 
 
 def resolve_hardware(hardware: str | Hardware | None, hardware_file: str | None = None,
-                     spec_hardware: str | None = None) -> Hardware:
-    """The chip to cost on: a file beats a name given here, which beats the spec's, then tpu-v5p."""
+                     spec: Spec | str | None = None) -> Hardware:
+    """The chip to cost on: a file beats a name given here, which beats the spec's (or a preset's name given
+    for it), then tpu-v5p.
+
+    The spec's ``hardware`` line names a preset or a hardware file (``hardware a100_jean_zay.toml``), a
+    relative path read beside the spec's own file; an error in that file points at the line."""
     if hardware_file is not None:
         return load_hardware_file(hardware_file)
     if isinstance(hardware, Hardware):
         return hardware
-    return get_hardware(hardware or spec_hardware or DEFAULT)
+    named = spec.hardware if isinstance(spec, Spec) else spec
+    if hardware is None and isinstance(spec, Spec) and named is not None and named.endswith(".toml"):
+        try:
+            return load_hardware_file(beside(named, spec.filename))
+        except ShardcError as err:
+            raise ShardcError(err.message, err.span or spec.span_of("hardware"), fix=err.fix) from None
+    return get_hardware(hardware or named or DEFAULT)
+
+
+def beside(path: str, spec_file: str | None) -> str:
+    """``path`` as the spec at ``spec_file`` means it: relative to the spec's folder (as written where the
+    spec has no file)."""
+    if os.path.isabs(path) or spec_file is None or spec_file.startswith("<"):
+        return path
+    return os.path.join(os.path.dirname(spec_file), path)
 
 
 def chip_for(spec: Spec, hardware: str | Hardware | None = None, hardware_file: str | None = None) -> Hardware:
     """The chip ``spec`` is planned and costed on (:func:`resolve_hardware`, the spec's ``hardware`` line
     last), run as the spec's ``fusion``, ``grad_reduce`` and ``attention_kernel`` lines say where the chip
     given does not set them (a flag beats the spec's line)."""
-    hw = resolve_hardware(hardware, hardware_file, spec.hardware)
+    hw = resolve_hardware(hardware, hardware_file, spec)
     fusion, grad_reduce = hw.fusion or spec.fusion, hw.grad_reduce or spec.grad_reduce
     if (fusion, grad_reduce) != (hw.fusion, hw.grad_reduce):
         hw = replace(hw, fusion=fusion, grad_reduce=grad_reduce)

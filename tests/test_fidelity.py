@@ -31,7 +31,10 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           "mpt_30b_a100": 29975214080, "mpt_70b_a100": 64862437376, "mpt_1b_h100": 1315950592,
           "mpt_13b_32k_a100": 13011240960,
           # Narayanan et al. 2021, equation 2 (Table 1 rounds it): 12 l h^2 (1 + 13/12h + (V + s)/12lh)
-          "megatron_1_7b": 1.65223e9, "megatron_7_5b": 7.46778e9, "megatron_18_4b": 18.4497e9}
+          "megatron_1_7b": 1.65223e9, "megatron_7_5b": 7.46778e9, "megatron_18_4b": 18.4497e9,
+          # Smith et al. 2022 (MT-NLG, 530e9), Le Scao et al. 2022 (BLOOM, 176,247M), Zhang et al. 2022 Table 1 (OPT,
+          # 175e9), Touvron et al. 2023 Table 2 (LLaMA 65.2e9)
+          "mtnlg_530b": 530e9, "bloom_176b": 176.247e9, "opt_175b": 175e9, "llama_65b": 65.2e9}
 
 
 def _spec(name: str) -> Spec:
@@ -80,7 +83,8 @@ def test_the_fidelity_benchmark_costs_and_prints_every_run(monkeypatch: pytest.M
     assert fidelity.main() == 0
     out = capsys.readouterr().out
     assert all(run in out for run in ("LLaMA-2 70B", "PaLM 540B", "LLaMA 3 405B", "GPT-3 175B",
-                                      "DeepSeek-V3 671B", "MPT-7B 2K", "MPT-70B 2K, 64 A100", "GPT 18.4B"))
+                                      "DeepSeek-V3 671B", "MPT-7B 2K", "MPT-70B 2K, 64 A100", "GPT 18.4B",
+                                      "MT-NLG 530B", "BLOOM 176B"))
 
 
 def test_deepseek_v3_plans_and_costs_with_its_routing_held_as_indices() -> None:

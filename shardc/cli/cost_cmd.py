@@ -123,14 +123,16 @@ def run_hardware(args: argparse.Namespace) -> int:
           "matmul_efficiency, matmul_efficiency_f8 ([[flops, fraction], ...]), attention_forward, "
           "attention_backward ([[keys, fraction], ...]: a fused attention kernel's), ici_domain, torus_side, "
           "torus_dims, ici_efficiency, nvls_efficiency, "
-          "dcn_efficiency, hbm_efficiency, matmul_hbm_efficiency, host_bandwidth, host_adam_rate, book, description")
+          "dcn_efficiency, hbm_efficiency, matmul_hbm_efficiency, host_bandwidth, host_adam_rate, book, description; "
+          "or base = \"a100\" (a preset) and only the keys that differ from it; a spec's `hardware` line may name "
+          "such a file (`hardware chip.toml`, beside the spec)")
     return 0
 
 
 def run_cost(args: argparse.Namespace) -> int:
     _check_flags(args)
     spec = read_spec(args)
-    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)
+    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec), args)
     spans = parse_spans(args.spans, spec)
     if args.schedule_plot:  # before any work: a bad path must not cost a whole run
         check_image_path(args.schedule_plot, "--schedule-plot", args.force)
@@ -219,7 +221,7 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
                           fix="write e.g. --points 13")
     if args.plot:
         check_plot_path(args.plot, args.force)
-    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, first.spec.hardware), args)
+    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, first.spec), args)
     plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute,
                             topology=args.topology, collective_matmul=args.collective_matmul, fit_memory=True,
                             optimizer=args.optimizer, offload=args.offload)

@@ -117,7 +117,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     paths = list(dict.fromkeys([args.file, *args.others]))  # a file given twice is searched once
     specs = [load_spec(path, args.set) for path in paths]
     fixed = frozenset(parse_sets(args.set))
-    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, specs[0].hardware), args)
+    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, specs[0]), args)
     options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu, args.topology, args.knobs, args.exact,
                       args.collective_matmul)
     search = search_layouts(specs, options, args.chips, fixed, args.jobs, _progress())

@@ -52,7 +52,7 @@ def register(sub: Any, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     check_hardware_flag(args)
     spec = read_spec(args)
-    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec.hardware), args)
+    hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, spec), args)
     result = plan(spec, save=args.save, hardware=hw, spans=parse_spans(args.spans, spec),
                   recompute=args.recompute, explain=args.explain, topology=args.topology,
                   collective_matmul=args.collective_matmul)

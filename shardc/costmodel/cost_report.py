@@ -32,6 +32,7 @@ from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network
 from shardc.layer_counts import block_counts, resolve_layers
+from shardc.spec.walk import id_names
 from shardc.timing import (
     microbatched,
     phase_ends,
@@ -240,8 +241,13 @@ def phase_steps(plan: Plan, repeats: int = 1) -> tuple[tuple[str, tuple[Step, ..
 
 
 def step_tokens(plan: Plan, sizes: dict[str, int]) -> float:
-    """Tokens a step processes: the product of the model input's dims that no param has (B and S of
-    ``Tok[B, S]``); the first input that has such dims is the model's input."""
+    """Tokens a step processes: every dim of the token ids the model reads (``Tok[B, S]``: B x S, even where
+    a param has S too, as a learned positional table ``W_pos[S, D]`` does); without token ids, the product of
+    the model input's dims that no param has (the first input that has such dims is the model's input)."""
+    ids = id_names(plan.spec)
+    for info in plan.tensors:
+        if info.role == "input" and info.name in ids:
+            return float(math.prod(sizes[d.name] for d in info.ref.dims))
     model = plan.model_dims
     for info in plan.tensors:
         if info.role == "input":

@@ -143,12 +143,22 @@ def prepare(spec: Spec, sizes: dict[str, int], cluster: bool = False) -> Spec | 
     place make it (a DCN axis of whole nodes is costed the same either way).
     """
     try:
-        candidate = apply_overrides(spec, sizes)
+        candidate = apply_overrides(_own_split(spec, sizes), sizes)
     except ShardcError as err:
         return Skipped(spec.filename or "<spec>", _pairs(spec, sizes), err.message.splitlines()[0])
     if not cluster:
         return candidate
     return replace(candidate, mesh=Mesh(tuple(replace(a, network=Network.ICI) for a in candidate.mesh.axes)))
+
+
+def _own_split(spec: Spec, sizes: dict[str, int]) -> Spec:
+    """``spec`` without its ``stage_layers`` where a candidate has another number of stages: the split was
+    written for the spec's own stages (BLOOM's 5, 6 x 10, 5 on 12), so another count splits the layers evenly,
+    as a spec without the line does, rather than refusing every other pipeline depth."""
+    pipe = next((a for a in spec.mesh.axes if a.pipeline), None)
+    if spec.stage_layers is None or pipe is None or sizes.get(pipe.name, pipe.size) == len(spec.stage_layers):
+        return spec
+    return replace(spec, stage_layers=None)
 
 
 def _pairs(spec: Spec, sizes: dict[str, int]) -> tuple[tuple[str, int], ...]:

@@ -86,11 +86,11 @@ def template_key(c: Candidate, options: Options) -> tuple[object, ...]:
 
 
 def _at(template: Plan, c: Candidate) -> Plan:
-    """``template`` at ``c``'s sizes, mesh order and pipeline lines (its own spec otherwise: its topology, a
-    ZeRO-3 spec's params sharded)."""
+    """``template`` at ``c``'s sizes, mesh order and pipeline lines, its stages' split among them (its own spec
+    otherwise: its topology, a ZeRO-3 spec's params sharded)."""
     sizes = tuple(dict(c.spec.dims).items()) + tuple((a.name, a.size) for a in c.spec.mesh.axes)
     spec = replace(template.spec, mesh=c.spec.mesh, dims=c.spec.dims, microbatches=c.spec.microbatches,
-                   schedule=c.spec.schedule)
+                   schedule=c.spec.schedule, stage_layers=c.spec.stage_layers)
     return replace(template, spec=spec, sizes=sizes)
 
 

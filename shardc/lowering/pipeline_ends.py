@@ -42,7 +42,7 @@ from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
 from shardc.pipeline.boundary import boundary_tensor, carried_moves, tied_contributions
 from shardc.spec.stages import block_layers
-from shardc.spec.walk import leaves
+from shardc.spec.walk import calls, leaves
 
 __all__ = ["Ends", "split_spec", "cut_parts", "ends_source", "constants", "pipeline_lines", "prefixed"]
 
@@ -134,9 +134,10 @@ def cut_parts(plan: Plan) -> Ends:
               for b, spec in enumerate(block_specs)]
     pre = _part(plan, "before", plan.section("before"), pre_spec, block_specs[0], whole.backward)
     post = _part(plan, "after", sections[-1], post_spec, None, (), tied)
-    for part in (pre, post):
+    for part, part_spec in ((pre, pre_spec), (post, post_spec)):
         if uses_dropout(part.forward):
-            raise ShardcError("a dropout outside the pipelined block does not lower yet",
+            where = next((s.span for s in part_spec.statements for c in calls(s.expr) if c.func == "dropout"), None)
+            raise ShardcError("a dropout outside the pipelined block does not lower yet", where,
                               fix="put the dropout inside the `layers` block")
     return Ends(pre, blocks[0], post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied), tuple(blocks[1:]))
 

@@ -1,4 +1,5 @@
-"""Uneven shards: the declared dims whose devices do not divide them, which XLA pads to the ceiling.
+"""Uneven shards: the declared dims whose devices do not divide them, which XLA pads to the ceiling,
+and the ZeRO-1/2 shards of the optimizer state that are padded so (:func:`shardc.planner.zero.zero_layout`).
 
 The planner's search prices a padded dim's pieces at the ceiling, and each one a plan holds is noted,
 so that plan and cost say they use the padded size.
@@ -11,23 +12,33 @@ import math
 from shardc.collectives import share
 from shardc.ir.plan import Step
 from shardc.ir.spec import Spec
-from shardc.spec.walk import leaves
+from shardc.planner.zero import zero_axes, zero_layout
+from shardc.spec.walk import leaves, spec_params
 
 __all__ = ["uneven_dims", "padding_notes"]
 
 
 def uneven_dims(spec: Spec) -> list[tuple[str, int]]:
-    """(dim, devices) for every declared sharding whose devices do not divide the dim, in order."""
+    """(dim, devices) for every declared sharding whose devices do not divide the dim, in order; then those
+    of the ZeRO-1/2 shards the optimizer phase moves gradients and params onto (stage 3's are declared)."""
     if not spec.dims:
         return []
     sizes = spec.sizes
     found: dict[tuple[str, int], None] = {}
+    shards = spec.zero is not None and spec.zero.stage < 3 and zero_axes(spec)
+    params = spec_params(spec) if shards else frozenset()
+    seen: set[str] = set()
     for statement in spec.statements:
         for ref in (statement.result, *leaves(statement.expr)):
-            for dim in ref.dims:
-                devices = math.prod(spec.mesh.size(a) for a in dim.axes)
-                if dim.name in sizes and sizes[dim.name] % devices:
-                    found[(dim.name, devices)] = None
+            layouts = [tuple(d.axes for d in ref.dims)]
+            if ref.name in params and ref.name not in seen:
+                seen.add(ref.name)
+                layouts.append(zero_layout(ref, zero_axes(spec), spec) or layouts[0])
+            for layout in layouts:
+                for dim, axes in zip(ref.dims, layout, strict=True):
+                    devices = math.prod(spec.mesh.size(a) for a in axes)
+                    if dim.name in sizes and sizes[dim.name] % devices:
+                        found[(dim.name, devices)] = None
     return list(found)
 
 

@@ -252,7 +252,7 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctxs: tuple[CostContext, ...
 
     ordered = remembered((spec, save, recompute, outer, ctxs[0].zigzag_held, tuple(map(id, ctxs))), search)
     best = ordered[candidate_rank(len(ordered))]
-    return replace(best, notes=_notes(spec, best.forward + best.backward, ctxs[0]))
+    return replace(best, notes=_notes(spec, best.forward + best.backward + best.optimizer, ctxs[0]))
 
 
 def candidate_weights(t: PlanTime) -> list[Weights]:
@@ -405,7 +405,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         chip=ctx.hardware,
         spans=tuple(sorted((ctx.spans or {}).items())),
         topology=ctx.topology,
-        notes=_notes(spec, fwd + bwd, ctx) if notes else (),
+        notes=_notes(spec, fwd + bwd + opt, ctx) if notes else (),
         optimizer=opt,
         recompute=recompute,
         recomputed=again,

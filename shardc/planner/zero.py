@@ -4,7 +4,8 @@
 sharded over X, the optimizer state (stage 1), and the gradient (stage 2), and
 the param itself (stage 3) over X.  Where a param goes (:func:`zero_layout`): X
 is appended to its first dim no axis shards yet, else to the first sharded dim
-(with sizes, the first such dim its devices divide: ZeRO shards evenly); a param a spec already
+(with sizes, the first such dim its devices divide, else the first at least as large, padded as any
+uneven dim is, as FSDP and DeepSpeed pad their flat shards); a param a spec already
 declares sharded over X is left as it is (its state is sharded with it).
 
 * Stage 3 is FSDP: :func:`zero3_spec` rewrites each param's declared sharding
@@ -57,16 +58,26 @@ def zero_layout(ref: TensorRef, axes: tuple[str, ...], spec: Spec) -> Layout | N
     devices = math.prod(spec.mesh.size(a) for a in extra)
     sizes = spec.sizes
 
+    def share(dim: Dim) -> int:  # the devices ``dim`` would be cut over, its own axes' and the ZeRO axes'
+        return devices * math.prod(spec.mesh.size(a) for a in dim.axes)
+
     def fits(dim: Dim) -> bool:
-        if dim.name not in sizes:
-            return True
-        return sizes[dim.name] % (devices * math.prod(spec.mesh.size(a) for a in dim.axes)) == 0
+        return dim.name not in sizes or sizes[dim.name] % share(dim) == 0
+
+    def pads(dim: Dim) -> bool:  # uneven, padded as any uneven dim is (ceil(size / devices) a device)
+        return dim.name not in sizes or sizes[dim.name] >= share(dim)
+
+    def waste(dim: Dim) -> float:  # the share of the padded dim that is padding (the least wins, first on a tie)
+        return -sizes[dim.name] % share(dim) / sizes[dim.name] if dim.name in sizes else 0.0
 
     order = [d for d in ref.dims if not d.axes] + [d for d in ref.dims if d.axes]
-    chosen = next((d for d in order if fits(d)), None)
+    # an even shard where a dim allows it; else a padded one, as FSDP and DeepSpeed pad their flat
+    # shards to a multiple of the ranks (FSDP on 124 nodes shards a 12288-wide weight so)
+    padded = [d for d in order if pads(d)]
+    chosen = next((d for d in order if fits(d)), None) or (min(padded, key=waste) if padded else None)
     if chosen is None:
         span = spec.zero.span if spec.zero is not None else None
-        raise ShardcError(f"`{spec.zero}`: no dim of {ref} divides evenly over "
+        raise ShardcError(f"`{spec.zero}`: every dim of {ref} is smaller than its devices over "
                           f"{', '.join(extra)} ({devices} devices)", span,
                           fix=f"shard {ref.name} over those axes yourself, or use fewer ZeRO axes")
     return tuple(d.axes + extra if d is chosen else d.axes for d in ref.dims)

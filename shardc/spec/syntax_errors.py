@@ -18,6 +18,7 @@ _TERMINAL_WORDS = {
     "NAME": "a name",
     "SIZE": "a number",
     "HWNAME": "a hardware name such as tpu-v5p",
+    "HWPATH": "a hardware file such as chip.toml",
     "BRACED_DIM": "a dim with braced axes such as B_{data,model}",
     "OP": "a contraction operator (· @ * ×)",
     "ADDOP": "`+` or `-`",
