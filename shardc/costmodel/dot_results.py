@@ -10,10 +10,12 @@ buffer assignment and live ranges (``XLA_FLAGS=--xla_dump_to=DIR``: ``*-buffer-a
   dP's product transposed into dP's layout);
 - layout assignment gives the transpose the product's own layout (a bitcast of it), so every later dot
   reading the value takes a copy of its own, in the order it reads the operand in, made from the product
-  at once (one a distinct order: copies alike are merged by CSE) and alive to its dot
+  at once (one a distinct order: copies alike are merged by CSE) and alive to its dot; the value in its
+  own layout is made only where something other than a dot reads it or the phase returns it
   (``llama_layer_fsdp_tp.shard``'s forward: C's product copied as [B*S, G*R*H] for W_o's dot beside C's
   transpose, both alive at the forward's peak; ``gpt_layer_tp_sp.shard``'s backward: dV's product copied
-  as [B*T, N*H] for dW_v's dot and as [B*T, H*N] for dKx's);
+  as [B*T, N*H] for dW_v's dot and as [B*T, H*N] for dKx's, no dV of its own); the product dies into
+  those copies, which shardc does not count yet: it keeps the value to its last reader;
 - its breadth-first scheduler runs such a dot as soon as its copy is made where its other operands are
   there already (the phase's arguments, a gathered param, a value made before), not where the program
   puts it (``gpt_layer_tp_sp.shard``'s backward: dW_v's and dKx's dots right after dV's copies, before
@@ -42,20 +44,27 @@ def turned(steps: tuple[Step, ...]) -> dict[TensorRef, int]:
 
 
 class DotResult:
-    """Where a phase's transposed dot results are copied and read (the module's rules), for its ``steps`` and
-    the values it takes (``args``)."""
+    """Where a phase's transposed dot results are copied and read (the module's rules), for its ``steps``, the
+    values it takes (``args``) and those it returns (``outs``)."""
 
-    def __init__(self, steps: tuple[Step, ...], args: set[TensorRef]) -> None:
+    def __init__(self, steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef]) -> None:
         self.steps = steps
         self.turned = turned(steps)
         self.made = {s.dst: k for k, s in enumerate(steps)}
         self.args = args
+        self.outs = outs
         self.ready = {s.dst for s in steps if s.op is Op.ALL_GATHER and s.src in args}  # gathered at the start
 
     def readers(self, ref: TensorRef) -> list[int]:
         """The later dots reading ``ref``, in program order."""
         k = self.turned[ref]
         return [j for j in range(k + 1, len(self.steps)) if is_dot(self.steps[j]) and ref in self.steps[j].operands]
+
+    def only_dots(self, ref: TensorRef) -> bool:
+        """Whether only dots read ``ref`` and the phase does not return it: its own layout is never made."""
+        k = self.turned[ref]
+        reads = [s for s in self.steps[k + 1:] if ref in s.reads]
+        return ref not in self.outs and bool(reads) and all(is_dot(s) for s in reads)
 
     def run_soon(self, ref: TensorRef) -> list[int]:
         """The later dots reading ``ref`` whose other operands are there before its dot: the breadth-first

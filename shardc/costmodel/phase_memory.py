@@ -229,7 +229,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     last |= {ref: max(last[ref], k) for j, k in into.items() for ref in steps[j].reads}
     run_first = prelude(steps, args) if copies.buffers.arguments_first else {}  # run first, in this order
     ahead = dict(run_first)  # and the dots run right after a transposed result's copy (dot_results)
-    dots = DotResult(steps, args) if copies.buffers.results_turned else None
+    dots = DotResult(steps, args, outs) if copies.buffers.results_turned else None
     again, routings = routed_once(steps, copies.sizes) if copies.buffers.routing_once else (set(), [])
     spans += [(a, b, copies.buffers.rounded(n)) for a, b, n in routings]
     for k, step in enumerate(steps):
@@ -280,8 +280,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     if copies.buffers.products_again:
         early_args = args if copies.buffers.arguments_first else set()
         copied = lambda s: _layout_copies(s, copies.buffers.dots_canonical)  # noqa: E731
-        spans += exponentials(steps, readers, last, nbytes, copied, outs) + derivatives(
-            steps, copied, early_args, nbytes)
+        spans += exponentials(steps, readers, last, nbytes, copied, outs, copies.sizes, copies.buffers.dot_sums) \
+            + derivatives(steps, copied, early_args, nbytes)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -298,13 +298,13 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
 
 def _turned(k: int, ref: TensorRef, size: float, dots: DotResult, ahead: dict[int, float]) -> list[Span]:
     """The buffers of a dot's result ``ref`` transposed after its dot at step ``k``
-    (:mod:`shardc.costmodel.dot_results`): the transpose beside the product (``ref``'s own buffer, from the
-    dot), after the dot's operands are freed, and each later dot's copy of the product, alive to the last
-    dot reading it (those ready at once run right after, ``ahead``)."""
+    (:mod:`shardc.costmodel.dot_results`), after the dot's operands are freed, beside the product (``ref``'s
+    own buffer, from the dot): the transpose, unless only dots read it, and each later dot's copy of the
+    product, alive to the last dot reading it (those ready at once run right after, ``ahead``)."""
     for j in dots.run_soon(ref):
         ahead[j] = k + 0.75
-    return [(k + 0.5, k + 0.5, size)] + [(k + 0.5, max(ahead.get(j, j) for j in group), size)
-                                         for group in dots.copies(ref)]
+    own = [] if dots.only_dots(ref) else [(k + 0.5, k + 0.5, size)]
+    return own + [(k + 0.5, max(ahead.get(j, j) for j in group), size) for group in dots.copies(ref)]
 
 
 def _ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[TensorRef, int],

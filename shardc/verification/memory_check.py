@@ -114,10 +114,11 @@ YNN_MIN_ELEMENTS = 4096
 #   puts its second operand on the left unless the product is then in order, so moe_transformer.shard's
 #   At = P · Vl copies P as [B, G, T, R, S]) is transposed when the dot is done and the operands' copies it
 #   read last are freed (moe_transformer.shard's backward: dAt's copies freed at dP's dot before dP's
-#   transpose, 1.17 -> 0.95 of XLA's temporaries), and each later dot takes a copy of its own of the
+#   transpose, 1.17 -> 0.95 of XLA's temporaries), each later dot takes a copy of its own of the
 #   product, one a distinct order, made at once and alive to that dot, run right after where its other
 #   operands are there (llama_layer_fsdp_tp.shard's forward: C's copy for W_o's dot beside C's transpose,
-#   0.90 -> 1.01) (shardc.costmodel.dot_results);
+#   0.90 -> 1.01), and the value is made in its own layout only where other than a dot reads it or the
+#   phase returns it (gpt_layer_tp_sp.shard's backward: dV's two copies, no dV) (shardc.costmodel.dot_results);
 # - its fusion makes a softmax's last division again inside the copy a dot takes of the softmax for its
 #   layout, where the softmax is written too (returned or read elsewhere): the exponentials live to that
 #   dot (moe_transformer.shard's forward: P's exponentials beside P's copy for At's dot, XLA's peak; 0.77
