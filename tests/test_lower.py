@@ -62,6 +62,12 @@ def test_the_required_examples_exist() -> None:
             "moe_transformer"} <= names
 
 
+# the examples with a category of the memory check still outside 10% of XLA's at verify's sizes (issue 22):
+# outputs (XLA's tuple table on a few hundred bytes), or temporaries not yet read off XLA's buffer assignment
+OUTSIDE = {"dp", "fsdp_tp", "gemma2_27b", "gpt_layer_tp", "gpt_layer_tp_sp", "partial_input", "residual_blocks",
+           "tp", "vocab_parallel"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_verifies(path: Path) -> None:
@@ -77,6 +83,8 @@ def test_example_verifies(path: Path) -> None:
     assert check is not None
     if isinstance(check, MemoryCheck):
         assert check.within_target, render_memory(check)
+        if path.stem not in OUTSIDE:  # every category too, where XLA reports it
+            assert all(r.ratio is None or abs(r.ratio - 1) <= TARGET for r in check.rows), render_memory(check)
     else:
         assert check.ratio is not None and abs(check.ratio - 1) <= TARGET, check.notes
 

@@ -63,10 +63,11 @@ def test_a_softmax_a_later_product_reads_keeps_its_exponentials_to_it() -> None:
     names = [s.dst.name for s in steps]
     gate = steps[names.index("Gate")].dst
     nbytes = float(local_elements(gate, dict(plan.sizes))) * F32
-    assert _exponentials(steps, readers, last, lambda ref: nbytes) == [(names.index("Gate"), names.index("Comb"),
-                                                                       nbytes)]
+    assert _exponentials(steps, readers, last, lambda ref: nbytes, lambda s: [], set(), {}, 0) == [
+        (names.index("Gate"), names.index("Comb"), nbytes)]
     before = steps[:names.index("Comb")]
-    assert _exponentials(before, *_lifetimes(before), lambda ref: nbytes) == []  # no product reads it
+    no_product = _exponentials(before, *_lifetimes(before), lambda ref: nbytes, lambda s: [], set(), {}, 0)
+    assert no_product == []  # no product reads it
 
 
 @pytest.mark.slow

@@ -75,12 +75,36 @@ def derivatives(steps: tuple[Step, ...], copied: Callable[[Step], list[TensorRef
 
 
 def exponentials(steps: tuple[Step, ...], readers: dict[TensorRef, list[Step]], last: dict[TensorRef, int],
-                 nbytes: Callable[[TensorRef], float]) -> list[Span]:
+                 nbytes: Callable[[TensorRef], float], copied: Callable[[Step], list[TensorRef]],
+                 outs: set[TensorRef], sizes: dict[str, int], least: int) -> list[Span]:
     """Per softmax that a product reads after another step does, its exponentials (its result's bytes),
     alive from the softmax to its last reader: the softmax's last division, a multiply an element, is
     made again inside the product's fusion (as :attr:`~shardc.costmodel.phase_memory.Buffers.products_again`
     makes a product again), so the exponentials it divides live to it (``moe_layer.shard``'s forward: the
     gates' exponentials alive to the combine weights, Gate · Disp, and the copy of them XLA makes for the
-    combine's dot)."""
-    return [(k, last[s.dst], nbytes(s.dst)) for k, s in enumerate(steps)
-            if s.fn is Row.SOFTMAX and any(is_product(r) for r in readers.get(s.dst, [])[1:])]
+    combine's dot).  So is the division made again inside the copy a dot takes of the softmax for its layout
+    (``copied``: a step's layout copies) where the softmax is also written for another reader or returned
+    (``outs``) and its rows (one reciprocal of their sum each) are fewer than ``least`` (YNNPACK's
+    fewest elements, :attr:`~shardc.costmodel.phase_memory.Buffers.dot_sums`): the exponentials live to
+    that dot (``moe_transformer.shard``'s forward at verify's sizes: P's exponentials, 51 kB, alive beside
+    P's copy for At's dot, XLA's peak).  From ``least`` rows the reciprocal joins YNNPACK's fusion of the
+    exponentials and their sums, which writes the softmax whole, and the copy reads it (the same at 16x
+    its sizes: P made in one fusion, 54 GB, its copy made from it)."""
+    spans: list[Span] = []
+    for k, s in enumerate(steps):
+        if s.fn is not Row.SOFTMAX:
+            continue
+        reads = readers.get(s.dst, [])
+        copying = [j for j in range(k + 1, len(steps)) if s.dst in steps[j].operands and s.dst in copied(steps[j])]
+        if any(is_product(r) for r in reads[1:]):
+            spans.append((k, last[s.dst], nbytes(s.dst)))
+        elif copying and (s.dst in outs or len(reads) > 1) and _rows(s, sizes) < least:
+            spans.append((k, max(copying), nbytes(s.dst)))
+    return spans
+
+
+def _rows(step: Step, sizes: dict[str, int]) -> float:
+    """A row reduction's rows on one device: its result's elements over those of the dim it reduces."""
+    assert step.dim is not None
+    reduced = TensorRef("", (step.dst.dims[step.dim],))
+    return float(local_elements(step.dst, sizes)) / float(local_elements(reduced, sizes))

@@ -9,7 +9,7 @@ from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.products import einsum_letters
 
-__all__ = ["layout_copies", "blocked"]
+__all__ = ["layout_copies", "blocked", "read_order"]
 
 
 def layout_copies(step: Step, canonical: bool = False) -> list[TensorRef]:
@@ -53,13 +53,45 @@ def decomposed(step: Step, batch: list[str]) -> list[TensorRef] | None:
     """The operands of a dot (of ``batch`` indices) that XLA's dot decomposer copies, or None where it
     leaves the dot alone.
 
-    ``jnp.einsum`` runs a dot as ``dot_general`` of its operands (swapped where the result is then
-    (batch, second's free, first's free)), the contracted indices in the order of their letters.  XLA's
+    ``jnp.einsum`` runs a dot as ``dot_general`` of its operands (the second on the left unless the result
+    is then (batch, first's free, second's free): :func:`_dot_form`), the contracted indices in the order
+    of their letters.  XLA's
     ``DotDecomposer`` rewrites every dot one of whose operands has other than one contracted index, more
     than one free index or its batch indices not first: the first operand transposed to (batch, free,
     contracted), the second to (batch, contracted, free), each free block in its own order, then both
     reshaped to 3-D; a transpose that changes the order is a copy (``moe_layer.shard``'s backward at 16x
     its sizes: the combine weights [G, S, E, C] copied as [G, E, C, S] for dEx's dot, 604 MB)."""
+    form = _dot_form(step, batch)
+    if form is None:
+        return None
+    names, wanted, folded = form
+    return [ref for ref in step.operands if names[ref] != wanted[ref] and not folded[ref]]
+
+
+def read_order(step: Step, ref: TensorRef) -> tuple[str, ...]:
+    """The order of ``ref``'s indices as a dot reads it after XLA's dot decomposer (:func:`decomposed`): the
+    form it copies the operand into, or its own order where it reads it in place."""
+    out = [d.name for d in step.dst.dims]
+    a, b = step.operands
+    batch = [i for i in out if any(d.name == i for d in a.dims) and any(d.name == i for d in b.dims)]
+    form = _dot_form(step, batch)
+    if form is None:
+        return tuple(d.name for d in ref.dims)
+    names, wanted, folded = form
+    return tuple(names[ref] if folded[ref] else wanted[ref])
+
+
+def _dot_form(step: Step, batch: list[str]) -> tuple[dict[TensorRef, list[str]], dict[TensorRef, list[str]],
+                                                     dict[TensorRef, bool]] | None:
+    """A dot's operands' indices (less those summed out first), the (batch, free, contracted) and (batch,
+    contracted, free) orders the dot decomposer wants them in, and whether a transpose of one folds into the
+    dot; None where the decomposer leaves the dot alone (:func:`decomposed`).
+
+    ``jnp.einsum`` contracts two operands as ``opt_einsum`` orders them, the second first
+    (``contract_inds`` sorted in reverse), and runs ``dot_general(first, second)`` only where the result
+    is (batch, first's free, second's free); otherwise ``dot_general(second, first)`` and a transpose
+    (``jax._src.numpy.einsum._einsum``): the second is the dot's left-hand operand
+    (``moe_transformer.shard``'s At = P · Vl: Vl left, P copied as [B, G, T, R, S])."""
     a, b = step.operands
     out = [d.name for d in step.dst.dims]
     names = {ref: [d.name for d in ref.dims if d.name in out or d in other.dims]  # an index only one
@@ -67,7 +99,7 @@ def decomposed(step: Step, batch: list[str]) -> list[TensorRef] | None:
     letters = einsum_letters((*step.operands, step.dst))
     contracted = sorted((i for i in names[a] if i not in out and i in names[b]), key=lambda i: letters[i])
     free = {ref: [i for i in names[ref] if i in out and i not in batch] for ref in (a, b)}
-    lhs, rhs = (b, a) if batch + free[b] + free[a] == out else (a, b)
+    lhs, rhs = (a, b) if batch + free[a] + free[b] == out else (b, a)
     if all(len(contracted) == 1 and len(names[ref]) <= len(batch) + 2 and names[ref][:len(batch)] == batch
            for ref in (lhs, rhs)):
         return None
@@ -76,4 +108,4 @@ def decomposed(step: Step, batch: list[str]) -> list[TensorRef] | None:
     # folded into the dot, which reads the operand in place (XLA's transpose folding)
     folded = {ref: names[ref][:len(batch)] == batch and len(free[ref]) <= 1 and len(contracted) == 1
               for ref in (a, b)}
-    return [ref for ref in (a, b) if names[ref] != wanted[ref] and not folded[ref]]
+    return names, wanted, folded

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from math import prod
 
 from shardc.collectives import Op
+from shardc.costmodel.dot_results import DotResult, is_dot
 from shardc.costmodel.fusion_buffers import derivatives, exponentials, summed_into
 from shardc.costmodel.gemm_buffers import gemm_buffers
 from shardc.costmodel.heap import Span, outside_outputs, packed
@@ -104,7 +105,10 @@ class Buffers:
     ``dot_sums``: a dot of at least this many elements read only by a dot with no free index is made inside
     that reader's fusion, with no buffer (:func:`shardc.costmodel.fusion_buffers.summed_into`).  ``routing_once``: the
     index-based dispatch steps routing the same gates run the routing once, at the first, its indices kept to
-    the last (:func:`shardc.costmodel.route_memory.routed_once`), where each step runs it again."""
+    the last (:func:`shardc.costmodel.route_memory.routed_once`), where each step runs it again.
+    ``results_turned``: a dot's result transposed after the dot is made after it, from its product, and each
+    later dot takes a copy of the product (:mod:`shardc.costmodel.dot_results`), where a TPU's or GPU's
+    dot writes the result in its layout."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -120,6 +124,7 @@ class Buffers:
     dot_sums: int = 0
     gemm_casts: bool = False  # GEMMs read casts of their operands, not FP8 copies (shardc.costmodel.gemm_buffers)
     routing_once: bool = False
+    results_turned: bool = False
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -222,7 +227,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         or copies.buffers.dots_canonical and s.op is Op.ALL_GATHER and s.dim != 0}
     into = summed_into(steps, copies.sizes, copies.buffers.dot_sums)  # a dot made inside its reader's fusion
     last |= {ref: max(last[ref], k) for j, k in into.items() for ref in steps[j].reads}
-    ahead = prelude(steps, args) if copies.buffers.arguments_first else {}  # run first, in this order
+    run_first = prelude(steps, args) if copies.buffers.arguments_first else {}  # run first, in this order
+    ahead = dict(run_first)  # and the dots run right after a transposed result's copy (dot_results)
+    dots = DotResult(steps, args, outs) if copies.buffers.results_turned else None
     again, routings = routed_once(steps, copies.sizes) if copies.buffers.routing_once else (set(), [])
     spans += [(a, b, copies.buffers.rounded(n)) for a, b, n in routings]
     for k, step in enumerate(steps):
@@ -232,6 +239,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         spans += [(k - 0.5 if isinstance(step.fn, Dispatch) else k,) * 2 + (n,) for n in held]
         for ref, size in copies.of(step):
             if step.op is Op.EINSUM and ref in remade:
+                continue
+            if dots is not None and is_dot(step) and ref in dots.turned:  # a later dot's copy: made at the dot
+                spans += _turned(k, ref, size, dots, ahead) if ref == step.dst else []
                 continue
             if ref is not None and ref in args and copies.buffers.arguments_first:
                 # one copy, shared by the steps that read it so, dying at the last (before step 1 where it runs first)
@@ -265,12 +275,13 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             buffers[step.dst] = [when, max(end, when), nbytes(step.dst)]
     early |= _ring_slices(steps, sliced or set(), last, early, copies)
     # the gathers' copies into place are made after the computations run first, beside all of them
-    laid_at = max(ahead.values(), default=0.0)
+    laid_at = max(run_first.values(), default=0.0)
     spans += _slot_rows(steps, copies) + ([(laid_at, laid_at, max(laid))] if laid else [])
     if copies.buffers.products_again:
         early_args = args if copies.buffers.arguments_first else set()
-        spans += exponentials(steps, readers, last, nbytes) + derivatives(
-            steps, lambda s: _layout_copies(s, copies.buffers.dots_canonical), early_args, nbytes)
+        copied = lambda s: _layout_copies(s, copies.buffers.dots_canonical)  # noqa: E731
+        spans += exponentials(steps, readers, last, nbytes, copied, outs, copies.sizes, copies.buffers.dot_sums) \
+            + derivatives(steps, copied, early_args, nbytes)
     if copies.buffers.masks_per_dot:
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
@@ -283,6 +294,17 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     spans += outside_outputs(hosted, [(k + 1, nbytes(ref)) for ref, k in made_outs.items()])
     heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
     return packed(heap), sum(n for _, _, n in early.values())
+
+
+def _turned(k: int, ref: TensorRef, size: float, dots: DotResult, ahead: dict[int, float]) -> list[Span]:
+    """The buffers of a dot's result ``ref`` transposed after its dot at step ``k``
+    (:mod:`shardc.costmodel.dot_results`), after the dot's operands are freed, beside the product (``ref``'s
+    own buffer, from the dot): the transpose, unless only dots read it, and each later dot's copy of the
+    product, alive to the last dot reading it (those ready at once run right after, ``ahead``)."""
+    for j in dots.run_soon(ref):
+        ahead[j] = k + 0.75
+    own = [] if dots.only_dots(ref) else [(k + 0.5, k + 0.5, size)]
+    return own + [(k + 0.5, max(ahead.get(j, j) for j in group), size) for group in dots.copies(ref)]
 
 
 def _ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[TensorRef, int],

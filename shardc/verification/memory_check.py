@@ -110,12 +110,25 @@ YNN_MIN_ELEMENTS = 4096
 # - its common-subexpression elimination merges the routings the index-based dispatch steps each run from the
 #   same gates into one, run before the first, its indices (a choice's batch row, expert and slot) kept to
 #   the last (moe_dispatch.shard's backward at verify's sizes: one top-k and one scan for dEx, dGate, dX_2);
+# - a dot's result jnp.einsum transposes after the dot (its product not in the result's order; jnp.einsum
+#   puts its second operand on the left unless the product is then in order, so moe_transformer.shard's
+#   At = P · Vl copies P as [B, G, T, R, S]) is transposed when the dot is done and the operands' copies it
+#   read last are freed (moe_transformer.shard's backward: dAt's copies freed at dP's dot before dP's
+#   transpose, 1.17 -> 0.95 of XLA's temporaries), each later dot takes a copy of its own of the
+#   product, one a distinct order, made at once and alive to that dot, run right after where its other
+#   operands are there (llama_layer_fsdp_tp.shard's forward: C's copy for W_o's dot beside C's transpose,
+#   0.90 -> 1.01), and the value is made in its own layout only where other than a dot reads it or the
+#   phase returns it (gpt_layer_tp_sp.shard's backward: dV's two copies, no dV) (shardc.costmodel.dot_results);
+# - its fusion makes a softmax's last division again inside the copy a dot takes of the softmax for its
+#   layout, where the softmax is written too (returned or read elsewhere): the exponentials live to that
+#   dot (moe_transformer.shard's forward: P's exponentials beside P's copy for At's dot, XLA's peak; 0.77
+#   -> 1.00 of its temporaries with the rule above);
 # - a GEMM under a `gemm` line reads its operands cast elementwise (the module's gemm_input) at the float's
 #   width, where a chip holds FP8 copies with their scales (shardc.costmodel.gemm_buffers).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
                   scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS, gemm_casts=True,
-                  routing_once=True)
+                  routing_once=True, results_turned=True)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
