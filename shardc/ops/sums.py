@@ -12,7 +12,9 @@ is partial over an axis the result stays unreduced over is added as it is; a red
 term there is added on the devices of coordinate 0 along those axes only (zero
 elsewhere), so the partial sums still add up to the sum, and nothing is counted twice.
 So ``A · W1 + C · W2`` (both partial over Y) adds the partial products and reduces the
-sum once.  With sizes every configuration is costed exactly (the reshards of the terms
+sum once; with a reduced term beside them (``X + A · W1 + C · W2``, X sharded as the result)
+the partial products may be added first and X added after their one reduction, where cheaper.
+With sizes every configuration is costed exactly (the reshards of the terms
 into it, plus the result's reshard to its declared sharding); without, the result
 keeps its declared layout (else its first term's) and every partial sum the terms hold.
 A rename is an alias: its source's value read under new index names (by position), no

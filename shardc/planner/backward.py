@@ -14,7 +14,10 @@ before moving them: each contribution stays as its einsum made it (partial sums
 over the contracted axes, say), contributions made alike are added, and only the
 sum is reduced to the primal's sharding.  Every collective is linear, so one
 AllReduce of ``dX_1 + dX_2`` is the two AllReduces of the parts, at half the
-bytes (a SwiGLU's gate and up projections both give partial ``dX``).
+bytes (a SwiGLU's gate and up projections both give partial ``dX``).  A tensor whose
+node's backward reads its cotangent as held (``Family.held_cotangent``: a norm's) gets
+it unreduced instead, and that rule's search chooses the reduction: a ReduceScatter
+where the norm's backward runs sharded, not an AllReduce to its declared layout.
 
 What the backward may read of the forward (the residual policy):
 ``default`` keeps every value the forward made of activations (so a gathered
