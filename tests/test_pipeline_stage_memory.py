@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import shardc
+from shardc.collectives import Op
 from shardc.costmodel.phase_memory import Buffers, phase_memory
+from shardc.costmodel.stage_memory import gradient_reductions
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Schedule
 from shardc.lowering.pipeline_lowering import lower_pipeline
@@ -61,9 +63,14 @@ def test_the_working_set_is_a_microbatch_through_the_sections_a_stage_runs() -> 
 
 
 def test_an_all_reduce_sums_in_place_and_gpipe_holds_every_microbatch() -> None:
-    report = shardc.cost(_plan("yi_34b"))
+    plan = _plan("yi_34b")
+    report = shardc.cost(plan)
     assert report.pipeline is not None
-    assert all(s.accumulator_bytes == 0 for s in report.pipeline.stages)  # zero 1: no ReduceScatter
+    reductions = {plan.backward[k].tensor: plan.backward[k].op for k in gradient_reductions(plan)}
+    assert reductions == {"dW_emb": Op.ALL_REDUCE, "dW_k": Op.REDUCE_SCATTER, "dW_v": Op.REDUCE_SCATTER}
+    # zero 1: dW_emb all-reduced in place, nothing held for it; dW_k and dW_v reduce-scattered over Y once a
+    # step from their sums unsharded (D x G x H in bf16), 15 layers a stage
+    assert all(s.accumulator_bytes == 2 * 7168 * 8 * 128 * 2 * 15 for s in report.pipeline.stages)
     gpipe = shardc.cost(_plan("yi_34b", "gpipe"))
     assert gpipe.pipeline is not None
     assert gpipe.pipeline.stages[0].held == gpipe.pipeline.pipeline.microbatches

@@ -475,4 +475,4 @@ REDUCTIONS = register(Family(
     reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
                         indices=_indices, nonlinear=lambda func: _WHOLE[func].nonlinear),
     argument=_argument, aux=_aux, operands=_operands, scores=_scores, native=_native, native_last=_native_last,
-    saved=_saved))
+    saved=_saved, held_cotangent=True))

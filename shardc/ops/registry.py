@@ -290,6 +290,11 @@ class Family:
     # under ``fusion none``: the HBM traffic of one of its steps as the framework's eager kernels run it, where
     # that is not ``traffic`` (PyTorch's cross-entropy backward, two kernels); None: ``traffic``
     eager: Traffic | None = None
+    # whether its backward reads its result's cotangent from any value the backward holds (moving it there
+    # itself, as a reduction's gradient does): the cotangent is then handed over as its contributions made it,
+    # partial sums kept, and its rule's search chooses where it is reduced (a ReduceScatter where the rule runs
+    # sharded, not an AllReduce to the result's layout and a slice)
+    held_cotangent: bool = False
 
 
 _BY_CALL: dict[str, Family] = {}

@@ -12,7 +12,9 @@ is partial over an axis the result stays unreduced over is added as it is; a red
 term there is added on the devices of coordinate 0 along those axes only (zero
 elsewhere), so the partial sums still add up to the sum, and nothing is counted twice.
 So ``A · W1 + C · W2`` (both partial over Y) adds the partial products and reduces the
-sum once.  With sizes every configuration is costed exactly (the reshards of the terms
+sum once; with a reduced term beside them (``X + A · W1 + C · W2``, X sharded as the result)
+the partial products may be added first and X added after their one reduction, where cheaper.
+With sizes every configuration is costed exactly (the reshards of the terms
 into it, plus the result's reshard to its declared sharding); without, the result
 keeps its declared layout (else its first term's) and every partial sum the terms hold.
 A rename is an alias: its source's value read under new index names (by position), no
@@ -35,7 +37,7 @@ add up to the sum once.  A rename is the same array under a new name.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -96,34 +98,88 @@ def plan_add(phase: Phase, node: Node, declared: dict[str, TensorRef], target: V
     if best is None:
         best = phase.sums[key] = _search(phase, node, terms, target)
     solution: Solution = best  # type: ignore[assignment]
-    _, local, reads, result_moves = solution
+    _, local, reads, result_moves, first = solution
+    signs = node.signs
+    if first is not None:  # the terms held alike as partial sums, added first into one term
+        terms, signs = _add_first(phase, node, terms, first)
     operands = []
     for (name, _, _), (value, moves) in zip(terms, reads, strict=True):
         phase.moves(name, moves)
         operands.append(phase.ref(name, value))
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, local), operands=tuple(operands),
-                    fn=Add(node.signs)), local)
+                    fn=Add(signs)), local)
     phase.moves(node.result, result_moves)
     final = result_moves[-1].dst if result_moves else local
     declared.setdefault(node.result, phase.ref(node.result, final))
 
 
-Solution = tuple[Cost, Value, list[tuple[Value, tuple[Move, ...]]], tuple[Move, ...]]
+def _add_first(phase: Phase, node: Node, terms: list[Term], first: First) -> tuple[list[Term], tuple[int, ...]]:
+    """Emit the first sum (``first``'s terms, as held) into a fresh tensor: it and the other terms are
+    the terms left, with their signs."""
+    group, value = first
+    idx = terms[group[0]][1]
+    name = fresh(f"{node.result}_part", set(phase.indices))
+    phase.indices[name] = idx
+    phase.emit(Step(Op.ELEMENTWISE, name, phase.ref(name, value),
+                    operands=tuple(phase.ref(terms[k][0], value) for k in group),
+                    fn=Add(tuple(node.signs[k] for k in group))), value)
+    rest = [k for k in range(len(terms)) if k not in group]
+    return ([(name, idx, (value,))] + [terms[k] for k in rest], (1,) + tuple(node.signs[k] for k in rest))
+
+
+First = tuple[tuple[int, ...], Value]  # terms added first, as they are held alike, into one term
+Solution = tuple[Cost, Value, list[tuple[Value, tuple[Move, ...]]], tuple[Move, ...], First | None]
 
 
 def _search(phase: Phase, node: Node, terms: list[Term], target: Value | None) -> Solution:
-    """The least-cost local result value and the moves around it (one value without sizes)."""
-    candidates = _candidates(phase.ctx, node, terms) if phase.sized else [_rule_local(node, terms, target)]
+    """The least-cost local result value and the moves around it (one value without sizes).
+
+    With sizes, also the sums whose terms held alike as partial sums are added first, without
+    communication, and the other terms added to that sum after its reduction: PaLM's parallel layer
+    ``X + C · W_o + A · W_down`` with X sharded reduce-scatters the two partial products once, where one
+    sum reads X as partial sums (gathered) or reduces each product apart.  Taken only where cheaper."""
+    def among(terms: list[Term]) -> Iterable[Value]:
+        return _candidates(phase.ctx, node, terms) if phase.sized else [_rule_local(node, terms, target)]
+
+    best = _best(phase, node, terms, target, among(terms))
+    if best is None:
+        raise ShardcError(f"no sharding of the terms makes {node.result}", node.statement.span,
+                          fix="declare the result reduced, or shard the terms alike")
+    for first in _alike(phase.ctx, node, terms):
+        group, value = first
+        rest = [terms[k] for k in range(len(terms)) if k not in group]
+        inner = [(node.result, terms[group[0]][1], (value,))] + rest  # the first sum priced as the result
+        found = _best(phase, node, inner, target, among(inner))
+        if found is not None and found[0][0] < best[0][0]:
+            best = (found[0], found[1], found[2], found[3], first)
+    return best
+
+
+def _best(phase: Phase, node: Node, terms: list[Term], target: Value | None,
+          candidates: Iterable[Value]) -> Solution | None:
+    """The least-cost of ``candidates`` as the sum's local value, the terms read in as they are."""
     best: Solution | None = None
     for local in candidates:
         phase.ctx.tick()
         found = _evaluate(phase.ctx, node, terms, local, target, best[0] if best is not None else None)
         if found is not None and (best is None or found[0] < best[0]):
-            best = (found[0], local, found[1], found[2])
-    if best is None:
-        raise ShardcError(f"no sharding of the terms makes {node.result}", node.statement.span,
-                          fix="declare the result reduced, or shard the terms alike")
+            best = (found[0], local, found[1], found[2], None)
     return best
+
+
+def _alike(ctx: CostContext, node: Node, terms: list[Term]) -> Iterator[First]:
+    """Groups of two or more terms (not all of them) with the same indices holding the same partial sums;
+    none where a term or the sum has an element type of its own (the first sum is a tensor of the spec's)."""
+    if any(ctx.nbytes(name) != ctx.dtype.nbytes for name in (node.result, *(t[0] for t in terms))):
+        return
+    groups: dict[tuple[tuple[str, ...], Value], list[int]] = {}
+    for k, (_, idx, sources) in enumerate(terms):
+        for value in sources:
+            if value.unreduced:
+                groups.setdefault((idx, value), []).append(k)
+    for (_, value), group in groups.items():
+        if 1 < len(group) < len(terms):
+            yield tuple(group), value
 
 
 def _available(terms: list[Term]) -> set[str]:
@@ -233,16 +289,18 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (plan_rename if _is_rename(node) else plan_add)(phase, node, declared, target)
 
 
-def _alias(bw: BackwardPass, primal: str, grad: str, value: Value) -> None:
+def _alias(bw: BackwardPass, primal: str, grad: str, value: Value) -> str:
     """``grad`` (held as ``value``) is a contribution to ``primal``'s gradient as it is: an alias step."""
     dst = bw.part_name(primal)
     bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, value), operands=(bw.phase.ref(grad, value),),
                        fn=ALIAS), value)
     bw.settle(primal, dst, value)
+    return dst
 
 
 def _add_backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """``R = A ± B``: dA = ±dR, summed over the indices A lacks (the einsum ``dR[B, S, D] -> dA[D]``)."""
+    same: dict[str, list[str]] = {}  # dR, or -dR: the terms' gradients that are it
     for term, sign in zip(node.operands, node.signs, strict=True):
         if term not in bw.needs:
             continue
@@ -254,9 +312,14 @@ def _add_backward(bw: BackwardPass, node: Node, grad: str) -> None:
             bw.phase.emit(Step(Op.ELEMENTWISE, source, bw.phase.ref(source, value),
                                operands=(bw.phase.ref(grad, value),), fn=NEG), value)
         if bw.phase.indices[term] == node.indices:
-            _alias(bw, term, source, bw.target(node.result))  # dA is dR itself: no copy
+            dst = _alias(bw, term, source, bw.target(node.result))  # dA is dR itself: no copy
+            if bw.count.get(term, 0) <= 1:  # a gradient read as it is (not a contribution summed later)
+                same.setdefault(source, []).append(dst)
         else:
             bw.contribute(term, (source,), (source,))
+    for first, *others in same.values():  # one array: a value later made of one is the others'
+        for other in others:  # (dZ_t1 gathered for one einsum is dZ_t2 gathered for the next)
+            bw.phase.link(first, other)
 
 
 def _rename_backward(bw: BackwardPass, node: Node, grad: str) -> None:

@@ -14,7 +14,10 @@ before moving them: each contribution stays as its einsum made it (partial sums
 over the contracted axes, say), contributions made alike are added, and only the
 sum is reduced to the primal's sharding.  Every collective is linear, so one
 AllReduce of ``dX_1 + dX_2`` is the two AllReduces of the parts, at half the
-bytes (a SwiGLU's gate and up projections both give partial ``dX``).
+bytes (a SwiGLU's gate and up projections both give partial ``dX``).  A tensor whose
+node's backward reads its cotangent as held (``Family.held_cotangent``: a norm's) gets
+it unreduced instead, and that rule's search chooses the reduction: a ReduceScatter
+where the norm's backward runs sharded, not an AllReduce to its declared layout.
 
 What the backward may read of the forward (the residual policy):
 ``default`` keeps every value the forward made of activations (so a gathered
@@ -116,6 +119,10 @@ class _Backward:
         self.count = _contributors(graph, self.needs)
         self.renamed = _renames(graph, self.needs, self.count)
         self.grads = graph.grads
+        outputs = set(graph.outputs)
+        # tensors whose gradient its node's backward reads as held (Family.held_cotangent): not reduced here
+        self.deferred = frozenset(n.result for n in graph.nodes if n.family.held_cotangent and n.result not in outputs
+                                  and n.result not in partial and n.result not in shards)
         self.taken = set(graph.names) | set(graph.grads.values())  # for the parts' names
         self.parts: dict[str, list[tuple[str, Value]]] = {}  # tensor -> its contributions, as made
         indices = dict(forward.indices)
@@ -166,7 +173,7 @@ class _Backward:
         """One einsum contribution to ``primal``'s gradient (kept as made when there are several)."""
         dst = self.part_name(primal)
         want = self.target(primal)
-        if self.count.get(primal, 0) > 1:
+        if self.count.get(primal, 0) > 1 or primal in self.deferred:
             want = self._local_result(dst, operands, want)
         elif primal in self.partial:
             want = self.left_partial(primal, [self._local_result(dst, operands, want)])
@@ -195,15 +202,17 @@ class _Backward:
         summed when there are several, else moved to the primal's sharding."""
         if self.count.get(primal, 0) > 1:
             self.parts.setdefault(primal, []).append((dst, value))
-        elif value != self.target(primal):
+        elif value != self.target(primal) and primal not in self.deferred:
             self._move(dst, value, self.target(primal))
 
     def _move(self, name: str, src: Value, dst: Value) -> None:
         _, moves = reshard(self.phase.ctx, name, self.phase.indices[name], (src,), dst)
         self.phase.moves(name, moves)
 
-    def _add(self, name: str, parts: list[str], value: Value) -> None:
-        operands = tuple(self.phase.ref(p, value) for p in parts)
+    def _add(self, name: str, parts: list[str], value: Value, values: list[Value] | None = None) -> None:
+        """``name`` = the sum of ``parts``, each held as ``value`` (or as its entry of ``values``: partial over
+        fewer axes than the sum, it is added on coordinate 0 of the others, :mod:`shardc.ops.sums`)."""
+        operands = tuple(self.phase.ref(p, v) for p, v in zip(parts, values or [value] * len(parts), strict=True))
         self.phase.emit(Step(Op.ELEMENTWISE, name, self.phase.ref(name, value), operands=operands,
                              fn=add_op(len(operands))))
 
@@ -221,21 +230,29 @@ class _Backward:
         groups: dict[Value, list[str]] = {}
         for part, value in parts:
             groups.setdefault(value, []).append(part)
+        if name in self.deferred:
+            target = _still_partial(target, list(groups))
+        if len(groups) == 1 and name in self.deferred:
+            ((value, names),) = groups.items()
+            self._add(grad, names, value)  # handed over as made
+            return
         if len(groups) == 1:
             ((value, names),) = groups.items()
             self._add(grad, names, value)
             self._move(grad, value, target)
             return
-        sums = []
+        sums, held = [], []
         for value, names in groups.items():
             total = names[0]
             if len(names) > 1:
                 total = fresh(f"{grad}_sum", self.taken)
                 self.phase.indices[total] = self.phase.indices[name]
                 self._add(total, names, value)
-            self._move(total, value, target)
+            want = Value(target.layout, tuple(a for a in target.unreduced if a in value.unreduced))
+            self._move(total, value, want)
             sums.append(total)
-        self._add(grad, sums, target)
+            held.append(want)
+        self._add(grad, sums, target, held)
 
     def close_layer(self, name: str, since: int) -> None:
         """``name``, a ``layers`` block's input that statements before the block read too: the
@@ -343,6 +360,14 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     grads = tuple(bw.phase.ref(graph.grads[n], bw.final.get(n, bw.target(n))) for n in wanted)
     residuals = _residuals(bw.phase, forward)
     return Backward(bw.phase, residuals, tuple(cotangents), grads)
+
+
+def _still_partial(target: Value, made: list[Value]) -> Value:
+    """The value a deferred gradient's contributions (made as ``made``) are summed in: the target's layout,
+    partial over every axis a contribution is and the layout leaves free (the others added on coordinate 0
+    there), so one reduction, chosen by the reader, follows."""
+    used = {a for axes in target.layout for a in axes}
+    return Value(target.layout, tuple(sorted({a for v in made for a in v.unreduced} - used)))
 
 
 def _read_after(graph: Graph, blocks: tuple[int | None, ...]) -> list[str]:
