@@ -13,8 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from shardc.costmodel.cost_report import CostReport, cost, missing_sizes, resolve_sizes
-from shardc.costmodel.memory import step_memory
+from shardc.costmodel.memory import checkpoint_refs, step_memory
 from shardc.costmodel.pipeline_cost import pipeline_cost
+from shardc.costmodel.pipeline_times import microbatch_sizes
+from shardc.costmodel.stage_memory import kept_bytes
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
@@ -56,19 +58,26 @@ def plan_memory(planned: Plan, optimizer: str = "adam10", offload: str = "none",
 
 def least_memory(report: CostReport) -> float:
     """Bytes a device holds under every plan the planner's memory search weighs for this report's spec
-    (:mod:`shardc.planner.memory_fit`), as :func:`device_memory` counts them: its training state, the params,
-    gradients and optimizer state of the declared shardings and the ZeRO line, which no plan changes (a
-    pipeline's: its fullest stage's in state).  The plans differ in what they keep gathered and recompute, not
-    in what they own; a held weight's narrower copy (``gemm f8``) is the plan's, so it is left out (a pipeline's
-    stages do not say it apart: 0 there), and so is what ``--offload`` moves to the host (0 under it)."""
+    (:mod:`shardc.planner.memory_fit`: the same recompute policy, microbatches and schedule), as
+    :func:`device_memory` counts them: its training state, the params, gradients and optimizer state of the
+    declared shardings and the ZeRO line, which no plan changes, and the checkpoints it keeps, the values
+    recomputation starts from at their declared shardings (the inputs, and under ``full`` and ``dots`` each
+    layer's input: :func:`shardc.costmodel.memory.checkpoint_refs`), each layer and microbatch in flight as
+    the report counts them (a pipeline's: its fullest stage in both).  The plans differ in what else they keep,
+    gather and recompute, not in what they own nor start from; a held weight's narrower copy (``gemm f8``) is
+    the plan's, so it is left out (a pipeline's stages do not say it apart: 0 there), and so is what
+    ``--offload`` moves to the host (0 under it)."""
     if report.offload is not None:
         return 0.0
     if report.pipeline is not None:
         if quantized_weights(report.plan):
             return 0.0
-        return max(s.state_bytes for s in report.pipeline.stages)
+        pipe = report.pipeline
+        _, micro = microbatch_sizes(report.plan, pipe.pipeline, report.sizes)
+        kept = kept_bytes(report.plan, pipe.pipeline, pipe.simulation, micro, checkpoint_refs(report.plan))
+        return max(s.state_bytes + k for s, k in zip(pipe.stages, kept, strict=True))
     mem = report.memory
-    return mem.param_bytes - mem.quantized_weight_bytes + mem.grad_bytes + mem.optimizer_bytes
+    return mem.param_bytes - mem.quantized_weight_bytes + mem.grad_bytes + mem.optimizer_bytes + mem.checkpoint_bytes
 
 
 def fitting_plan(spec: Spec, optimizer: str = "adam10", offload: str = "none", **options: Any) -> Plan:

@@ -40,7 +40,7 @@ from shardc.ir.plan import Plan, Step
 from shardc.ir.precision import TILE, Precision, quantized_bytes
 from shardc.ir.spec import Dim, TensorRef
 from shardc.layer_counts import block_counts, resolve_layers, runs
-from shardc.planner.recompute import keeps_layer_inputs
+from shardc.planner.recompute import checkpoints, keeps_layer_inputs
 from shardc.planner.zero import zero_params
 from shardc.quantize import quantized_weights
 from shardc.ring_sends import ring_of, shared_rings
@@ -76,6 +76,8 @@ class Memory:
     # of param_bytes, the held weights' copies in their GEMMs' narrower type (`gemm f8`), kept all step
     # (shardc.quantize.quantized_weights)
     quantized_weight_bytes: float = 0.0
+    # of residual_bytes, the checkpoints' (:func:`checkpoint_refs`): kept by every plan of the spec and policy
+    checkpoint_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -137,6 +139,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     kept = tuple((str(ref), value_bytes(plan, ref, sizes)) for ref, _ in table)
     once = kept_once(plan, [ref for ref, _ in table])
     kept_counts = [count(ref.name, ref in once) for ref, _ in table]
+    marks = checkpoint_refs(plan)
     again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params if times[p.name]} | {plan.grad_name(p.name) for p in params if times[p.name]}
@@ -151,7 +154,9 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
                   tuple(why for _, why in table), again, text(residual_formula(plan, table)), ring_bytes=rings,
-                  grads=grad_local, quantized_weight_bytes=copies)
+                  grads=grad_local, quantized_weight_bytes=copies,
+                  checkpoint_bytes=sum(b * n for (ref, _), (_, b), n in zip(table, kept, kept_counts, strict=True)
+                                       if ref in marks))
 
 
 def step_memory(plan: Plan, sizes: dict[str, int], hbm_bytes: float, accounting: str = "adam10",
@@ -197,6 +202,13 @@ def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:
     made = {s.dst: s.once for s in plan.forward}
     checkpoints = set(layer_inputs(plan.spec)) if keeps_layer_inputs(plan.recompute) else set()
     return {ref for ref in refs if ref.name not in checkpoints and made.get(ref, ref.name not in repeated)}
+
+
+def checkpoint_refs(plan: Plan) -> frozenset[TensorRef]:
+    """The values the plan's recomputation starts from (:func:`shardc.planner.recompute.checkpoints`: the inputs,
+    and under ``full`` and ``dots`` each layer's input) at their declared shardings, which no plan changes."""
+    names = set(checkpoints([i.name for i in plan.tensors if i.role == "input"], plan.spec, plan.recompute))
+    return frozenset(i.ref for i in plan.tensors if i.name in names)
 
 
 def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:

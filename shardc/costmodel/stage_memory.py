@@ -94,6 +94,17 @@ def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float],
     return out
 
 
+def kept_bytes(plan: Plan, pipe: Pipeline, sim: Simulation, micro: dict[str, int],
+               only: frozenset[TensorRef] | None = None) -> list[float]:
+    """Each device's bytes of the values the backward reads (of those in ``only``), one microbatch's at
+    ``micro`` times the copies it keeps of each with its microbatches in flight (:func:`kept_copies`)."""
+    values = residual_values(plan)
+    held = [sim.peak_inflight(s) for s in range(len(device_blocks(pipe)))]
+    kept = kept_copies(plan, pipe, held, dualpipe_held(plan, pipe, sim, micro))
+    sizes = [(r, value_bytes(plan, r, micro)) for r in values if only is None or r in only]
+    return [math.fsum(v * copies[r] for r, v in sizes) for copies in kept]
+
+
 def chunk_copies(plan: Plan, pipe: Pipeline) -> list[dict[TensorRef, float]]:
     """Each model chunk's copies of each value one microbatch through it keeps: once a layer of the chunk's
     of each block, a value outside the block once where the chunk runs those statements."""
