@@ -26,7 +26,9 @@ XLA's buffer assignment.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import symengine as se
 
@@ -69,7 +71,9 @@ class Memory:
     recompute: str = "none"  # the plan's --recompute mode
     whys: tuple[str, ...] = ()  # why each residual is kept, in the order of ``residuals``
     recomputed: tuple[tuple[str, float], ...] = ()  # forward values made again in the backward, bytes a layer
-    residual_bytes_expr: str = ""  # the residuals of one layer as a formula (:func:`residual_formula`)
+    # the residuals of one layer as a formula (:func:`residual_formula`), written when first read (a layout
+    # search's rows read none)
+    residual_expr_of: Callable[[], str] = field(default=str, compare=False, repr=False)
     host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
     ring_bytes: float = 0.0  # the ring buffers in flight at once, one step of one layer (:func:`ring_buffers`)
     grads: float = 0.0  # gradient elements on one device (sharded as the param, or on its ZeRO shard), all layers
@@ -78,6 +82,10 @@ class Memory:
     quantized_weight_bytes: float = 0.0
     # of residual_bytes, the checkpoints' (:func:`checkpoint_refs`): kept by every plan of the spec and policy
     checkpoint_bytes: float = 0.0
+
+    @cached_property
+    def residual_bytes_expr(self) -> str:
+        return self.residual_expr_of()
 
     @property
     def total_bytes(self) -> float:
@@ -153,7 +161,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
-                  tuple(why for _, why in table), again, text(residual_formula(plan, table)), ring_bytes=rings,
+                  tuple(why for _, why in table), again, lambda: text(residual_formula(plan, table)), ring_bytes=rings,
                   grads=grad_local, quantized_weight_bytes=copies,
                   checkpoint_bytes=sum(b * n for (ref, _), (_, b), n in zip(table, kept, kept_counts, strict=True)
                                        if ref in marks))
@@ -255,7 +263,7 @@ def value_bytes(plan: Plan, ref: TensorRef, sizes: dict[str, int]) -> float:
     return float(local_elements(ref, sizes)) * plan.nbytes(ref.name)
 
 
-def residual_formula(plan: Plan, table: list[tuple[TensorRef, str]] | None = None) -> Expr:
+def residual_formula(plan: Plan, table: Sequence[tuple[TensorRef, str]] | None = None) -> Expr:
     """The bytes the backward keeps for one layer (:func:`residual_table`, or ``table`` where it is made
     already), as an exact formula.
 
@@ -276,7 +284,26 @@ def residual_values(plan: Plan) -> list[TensorRef]:
     return [ref for ref, _ in residual_table(plan)]
 
 
-def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
+# the last plans' tables, by identity (each entry holds its plan, so no other plan takes its id): one pipelined
+# report reads a frozen plan's table eight times (the step's memory and each stage's, each device's kept values,
+# each section's working set), and a layout search costs hundreds of reports
+_TABLES: dict[int, tuple[Plan, tuple[tuple[TensorRef, str], ...]]] = {}
+_KEPT_TABLES = 16
+
+
+def residual_table(plan: Plan) -> tuple[tuple[TensorRef, str], ...]:
+    """:func:`_residual_table` of ``plan``, made once for the last plans asked."""
+    hit = _TABLES.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    table = _residual_table(plan)
+    if len(_TABLES) >= _KEPT_TABLES:
+        del _TABLES[next(iter(_TABLES))]
+    _TABLES[id(plan)] = (plan, table)
+    return table
+
+
+def _residual_table(plan: Plan) -> tuple[tuple[TensorRef, str], ...]:
     """What the backward keeps from the forward, each value once, with why.
 
     The values the recomputed forward steps (``plan.recomputed``) and then the
@@ -314,7 +341,7 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
                                        f"{describe(step)}), kept rather than moved again (--save {plan.save})")
     refs = list(dict.fromkeys(order))
     once = kept_once(plan, refs) if plan.spec.block is not None else set()
-    return [(ref, _why(plan, ref, first[ref], declared, moved, ref in once)) for ref in refs]
+    return tuple((ref, _why(plan, ref, first[ref], declared, moved, ref in once)) for ref in refs)
 
 
 def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str], moved: dict[TensorRef, str],
