@@ -276,10 +276,13 @@ def test_the_memory_floor_is_under_every_plan_the_memory_search_weighs() -> None
     # activations dominate: 20 GB (pipelined) and 140 GB (not) of checkpoints a device under full recompute
     mlp = {pairs(c): c for c in _candidates(PIPELINE_MLP, 16)}
     piped, whole = mlp[("P", 4), ("X", 2), ("Y", 2)], mlp[("P", 1), ("X", 4), ("Y", 4)]
+    # other microbatches in flight (16, and 4 until their W), under full recompute, where the floor is nearest
+    scheduled = [replace(piped, schedule=Schedule(name)) for name in ("gpipe", "zb-h1")]
     pruned = 0
     for recompute in RECOMPUTE_MODES:  # the checkpoints each policy keeps: the inputs, under full each layer's too
         lean = recompute in ("none", "full")  # the fewest and the most checkpoints: the other specs under those
-        for candidate in (_candidates(FSDP_TP, 16) + zeroed + [whole] if lean else []) + staged + [piped]:
+        others = _candidates(FSDP_TP, 16) + zeroed + [whole] if lean else []
+        for candidate in others + (scheduled if recompute == "full" else []) + staged + [piped]:
             report = shardc.cost(shardc.plan(candidate, recompute=recompute))
             floor = least_memory(report)
             # a 1-byte limit: nothing fits, so the search weighs every plan and names the leanest
