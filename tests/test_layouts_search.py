@@ -260,16 +260,37 @@ def _candidates(path: Path, chips: int) -> list[shardc.ir.spec.Spec]:  # type: i
     return [c for c in found if not isinstance(c, shardc.layouts.Skipped)]
 
 
+def _state(report: shardc.costmodel.cost_report.CostReport) -> float:  # type: ignore[name-defined]
+    """The training state a device holds (a pipeline's: its fullest stage's), the floor's first term."""
+    if report.pipeline is not None:
+        return max(s.state_bytes for s in report.pipeline.stages)
+    return report.memory.param_bytes + report.memory.grad_bytes + report.memory.optimizer_bytes
+
+
 def test_the_memory_floor_is_under_every_plan_the_memory_search_weighs() -> None:
     from shardc.costmodel.fitting import least_memory
+    from shardc.planner.recompute import RECOMPUTE_MODES
     dp = load(ROOT / "tests" / "specs" / "llama2_13b_dp.shard")
     zeroed = [replace(prepare(dp, {"X": 8}), zero=shardc.ir.spec.Zero(z, ("X",))) for z in (3,)]  # type: ignore[arg-type]
     staged = [c for c in _candidates(PIPELINE, 8) if pairs(c) == (("P", 4), ("X", 2), ("Y", 1))]
-    for candidate in _candidates(FSDP_TP, 16) + zeroed + staged:
-        floor = least_memory(shardc.cost(shardc.plan(candidate)))
-        # a 1-byte limit: nothing fits, so the search weighs every plan and names the leanest
-        leanest = min(c.memory_bytes for c in shardc.plan(candidate, memory_limit=1.0).memory_choices)
-        assert 0 < floor <= leanest, (candidate.mesh, floor, leanest)
+    # activations dominate: 20 GB (pipelined) and 140 GB (not) of checkpoints a device under full recompute
+    mlp = {pairs(c): c for c in _candidates(PIPELINE_MLP, 16)}
+    piped, whole = mlp[("P", 4), ("X", 2), ("Y", 2)], mlp[("P", 1), ("X", 4), ("Y", 4)]
+    # other microbatches in flight (16, and 4 until their W), under full recompute, where the floor is nearest
+    scheduled = [replace(piped, schedule=Schedule(name)) for name in ("gpipe", "zb-h1")]
+    pruned = 0
+    for recompute in RECOMPUTE_MODES:  # the checkpoints each policy keeps: the inputs, under full each layer's too
+        lean = recompute in ("none", "full")  # the fewest and the most checkpoints: the other specs under those
+        others = _candidates(FSDP_TP, 16) + zeroed + [whole] if lean else []
+        for candidate in others + (scheduled if recompute == "full" else []) + staged + [piped]:
+            report = shardc.cost(shardc.plan(candidate, recompute=recompute))
+            floor = least_memory(report)
+            # a 1-byte limit: nothing fits, so the search weighs every plan and names the leanest
+            planned = shardc.plan(candidate, recompute=recompute, memory_limit=1.0)
+            leanest = min(c.memory_bytes for c in planned.memory_choices)
+            assert 0 < floor <= leanest, (recompute, candidate.mesh, floor, leanest)
+            pruned += _state(report) <= report.memory.hbm_bytes < floor  # skipped on the activations' term alone
+    assert pruned
 
 
 def test_a_floor_over_the_hbm_skips_the_memory_search_and_changes_no_row(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from shardc.accountings import ACCOUNTINGS
 from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, Layout
 from shardc.costmodel.context_parallel import with_thresholds
 from shardc.costmodel.cost_text import render
-from shardc.costmodel.formulas import HardwareSymbols, hardware_symbols, phase_formula
+from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
 from shardc.costmodel.memory import Memory, step_memory
 from shardc.costmodel.offload import Offload, check_offload, offload_cost, pipeline_offload
 from shardc.costmodel.phase_cost import PhaseCost
@@ -60,7 +61,6 @@ class CostReport:
     backward: PhaseCost
     step: PhaseCost
     memory: Memory
-    thresholds: tuple[Threshold, ...]
     notes: tuple[str, ...] = field(default=())
     pipeline: PipelineCost | None = None  # with a `pipeline` mesh axis (shardc.costmodel.pipeline_cost)
     optimizer: PhaseCost | None = None  # ZeRO-1/2's optimizer phase (no rows without a `zero 1|2` line)
@@ -87,6 +87,15 @@ class CostReport:
             data["memory"] = {**self.memory.to_json(), "whole_batch_fits": self.memory.fits,
                               "fits": self.pipeline.fullest.fits}
         return data
+
+    @cached_property
+    def thresholds(self) -> tuple[Threshold, ...]:
+        """Where each phase (and the step) turns compute-bound, solved from its formulas (:func:`derive`); found
+        when first read, as the formulas are built: a layout search's rows read neither."""
+        opt = (self.optimizer,) if self.optimizer is not None and self.optimizer.rows else ()
+        axes, tokens = frozenset(self.plan.spec.mesh.names), token_dims(self.plan)
+        return tuple(t for p in (self.forward, self.backward, *opt, self.step)
+                     for t in derive(p.name, p.formula, self.hardware, axes, tokens, self.sizes))
 
     @property
     def step_at_mfu_s(self) -> float | None:
@@ -171,7 +180,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         at = micro if times > 1 else values
         rows = with_thresholds(steps, phase_rows(plan, steps, at, hw, links,
                                                  again if name == "backward" else frozenset()), at)
-        formula = phase_formula(steps, mesh, symbolic, links, names, values, plan.precision)
+        def formula() -> PhaseFormula:
+            return phase_formula(steps, mesh, symbolic, links, names, values, plan.precision)
+
         reduced = len(steps) - len(plan.optimizer) if under is not None and repeats > 1 else 0
         under_s = replace(under, repeats=1).step_s if under is not None and reduced else 0.0  # one microbatch's
         return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more,
@@ -181,10 +192,9 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     fwd, bwd = phase("forward", forward), phase("backward", backward)
     opt = phase("optimizer", after, bwd)  # a pipeline's reductions once a step, under the last microbatch's backward
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
-                     fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
+                     lambda: fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
                      update_seconds(plan, values, hw, counts, optimizer), step_tokens(plan, values), dtype,
                      more_layers=more)
-    phases = (fwd, bwd, opt, step) if opt.rows else (fwd, bwd, step)
     # the tables are one stage's, but the parameter count is the whole model's
     whole = (pipe.pipeline.blocks or (pipe.pipeline.layers,)) if pipe is not None else None  # each block's, all stages
     mem = step_memory(plan, values, hw.hbm_bytes, optimizer, whole, hw.native_kernels)
@@ -195,8 +205,6 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
             fwd, bwd, step = _host_bound(moved, fwd, bwd, step)
             step = replace(step, offload_s=moved.exposed_s,
                            update_s=0.0 if offload in ("optimizer", "both") else step.update_s)
-    tokens = token_dims(plan)
-    found = [t for p in phases for t in derive(p.name, p.formula, hw, frozenset(mesh.names), tokens, values)]
     notes = _notes(plan, hw, values, links) + renamed_note(names) + link_notes + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {len(k.rings)} physical ICI axes: {len(k.rings)}x the "
         f"bandwidth, the book's M_{a} (--spans {a}=1 to cost it as one)"
@@ -211,7 +219,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         pipe, moved = pipeline_offload(offload, pipe, hw, optimizer, offload_delayed)
         if moved is not None:  # the phases' verdicts: the slowest stage's copies
             fwd, bwd, step = _host_bound(moved, fwd, bwd, step)
-    return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, tuple(found), notes, pipe, opt, moved)
+    return CostReport(plan, hw, values, layers, fwd, bwd, step, mem, notes, pipe, opt, moved)
 
 
 def _host_bound(moved: Offload, fwd: PhaseCost, bwd: PhaseCost,

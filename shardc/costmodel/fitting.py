@@ -13,16 +13,24 @@ from __future__ import annotations
 from typing import Any
 
 from shardc.costmodel.cost_report import CostReport, cost, missing_sizes, resolve_sizes
-from shardc.costmodel.memory import step_memory
+from shardc.costmodel.memory import checkpoint_refs, step_memory
 from shardc.costmodel.pipeline_cost import pipeline_cost
+from shardc.costmodel.pipeline_times import microbatch_sizes
+from shardc.costmodel.stage_memory import kept_bytes
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
+from shardc.pipeline.dualpipe import TWO_WAY
 from shardc.planner.planner import plan
 from shardc.quantize import quantized_weights
 from shardc.timing import plan_links
 
-__all__ = ["device_memory", "plan_memory", "least_memory", "fitting_plan", "fitting_report"]
+__all__ = ["PLAN_HELD", "device_memory", "plan_memory", "least_memory", "fitting_plan", "fitting_report"]
+
+# The schedules whose microbatches in flight on a device depend on the plan, not on the schedule's fixed order
+# alone: zbv's order is searched greedily from the plan's times, DualPipe's held chunks weighed by its kept
+# bytes (shardc.pipeline.schedules.simulate, shardc.costmodel.stage_memory.dualpipe_held).
+PLAN_HELD = frozenset({"zbv"}) | TWO_WAY
 
 
 def device_memory(report: CostReport) -> float:
@@ -57,19 +65,29 @@ def plan_memory(planned: Plan, optimizer: str = "adam10", offload: str = "none",
 
 def least_memory(report: CostReport) -> float:
     """Bytes a device holds under every plan the planner's memory search weighs for this report's spec
-    (:mod:`shardc.planner.memory_fit`), as :func:`device_memory` counts them: its training state, the params,
-    gradients and optimizer state of the declared shardings and the ZeRO line, which no plan changes (a
-    pipeline's: its fullest stage's in state).  The plans differ in what they keep gathered and recompute, not
-    in what they own; a held weight's narrower copy (``gemm f8``) is the plan's, so it is left out (a pipeline's
-    stages do not say it apart: 0 there), and so is what ``--offload`` moves to the host (0 under it)."""
+    (:mod:`shardc.planner.memory_fit`: the same recompute policy, microbatches and schedule), as
+    :func:`device_memory` counts them: its training state, the params, gradients and optimizer state of the
+    declared shardings and the ZeRO line, which no plan changes, and the checkpoints it keeps, the values
+    recomputation starts from at their declared shardings (the inputs, and under ``full`` and ``dots`` each
+    layer's input: :func:`shardc.costmodel.memory.checkpoint_refs`), each layer and microbatch in flight as
+    the report counts them (a pipeline's: its fullest stage in both; the state alone under the schedules whose
+    microbatches in flight are the plan's, :data:`PLAN_HELD`).  The plans differ in what else they keep,
+    gather and recompute, not in what they own nor start from; a held weight's narrower copy (``gemm f8``) is
+    the plan's, so it is left out (a pipeline's stages do not say it apart: 0 there), and so is what
+    ``--offload`` moves to the host (0 under it)."""
     if report.offload is not None:
         return 0.0
     if report.pipeline is not None:
         if quantized_weights(report.plan):
             return 0.0
-        return max(s.state_bytes for s in report.pipeline.stages)
+        pipe = report.pipeline
+        if pipe.pipeline.schedule.name in PLAN_HELD:  # what a device holds in flight is the plan's there
+            return max(s.state_bytes for s in pipe.stages)
+        _, micro = microbatch_sizes(report.plan, pipe.pipeline, report.sizes)
+        kept = kept_bytes(report.plan, pipe.pipeline, pipe.simulation, micro, checkpoint_refs(report.plan))
+        return max(s.state_bytes + k for s, k in zip(pipe.stages, kept, strict=True))
     mem = report.memory
-    return mem.param_bytes - mem.quantized_weight_bytes + mem.grad_bytes + mem.optimizer_bytes
+    return mem.param_bytes - mem.quantized_weight_bytes + mem.grad_bytes + mem.optimizer_bytes + mem.checkpoint_bytes
 
 
 def fitting_plan(spec: Spec, optimizer: str = "adam10", offload: str = "none", **options: Any) -> Plan:

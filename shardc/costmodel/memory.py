@@ -29,7 +29,9 @@ XLA's buffer assignment.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import symengine as se
 
@@ -44,7 +46,7 @@ from shardc.ir.plan import Plan, Step
 from shardc.ir.precision import TILE, Precision, quantized_bytes
 from shardc.ir.spec import Dim, TensorRef
 from shardc.layer_counts import block_counts, resolve_layers, runs
-from shardc.planner.recompute import block_outputs, keeps_layer_inputs
+from shardc.planner.recompute import block_outputs, checkpoints, keeps_layer_inputs
 from shardc.planner.zero import zero_params
 from shardc.quantize import quantized_weights
 from shardc.ring_sends import ring_of, shared_rings
@@ -74,13 +76,21 @@ class Memory:
     recompute: str = "none"  # the plan's --recompute mode
     whys: tuple[str, ...] = ()  # why each residual is kept, in the order of ``residuals``
     recomputed: tuple[tuple[str, float], ...] = ()  # forward values made again in the backward, bytes a layer
-    residual_bytes_expr: str = ""  # the residuals of one layer as a formula (:func:`residual_formula`)
+    # the residuals of one layer as a formula (:func:`residual_formula`), written when first read (a layout
+    # search's rows read none)
+    residual_expr_of: Callable[[], str] = field(default=str, compare=False, repr=False)
     host_bytes: float = 0.0  # held in the host's memory instead (shardc.costmodel.offload)
     ring_bytes: float = 0.0  # the ring buffers in flight at once, one step of one layer (:func:`ring_buffers`)
     grads: float = 0.0  # gradient elements on one device (sharded as the param, or on its ZeRO shard), all layers
     # of param_bytes, the held weights' copies in their GEMMs' narrower type (`gemm f8`), kept all step
     # (shardc.quantize.quantized_weights)
     quantized_weight_bytes: float = 0.0
+    # of residual_bytes, the checkpoints' (:func:`checkpoint_refs`): kept by every plan of the spec and policy
+    checkpoint_bytes: float = 0.0
+
+    @cached_property
+    def residual_bytes_expr(self) -> str:
+        return self.residual_expr_of()
 
     @property
     def total_bytes(self) -> float:
@@ -141,16 +151,17 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                 for p in params)
     grad_local, opt_local = (sum(float(local_elements(r, sizes)) * times[r.name] for r in refs)
                              for refs in state_refs(plan))
-    table = residual_table(plan)
     stats = saved_statistics(plan) if native else ()
     outer = kept_once(plan, [ref for ref, _ in stats]) if plan.spec.block is not None else set()
-    table += [(ref, f"a row statistic the framework's kernel saves for its backward, {n} bytes an element"
-                    + (", outside the layers block, kept once (not once a layer)" if ref in outer else ""))
-              for ref, n in stats]
+    saved = tuple((ref, f"a row statistic the framework's kernel saves for its backward, {n} bytes an element"
+                   + (", outside the layers block, kept once (not once a layer)" if ref in outer else ""))
+                  for ref, n in stats)
+    table = residual_table(plan) + saved
     widths = dict(stats)
     kept = tuple((str(ref), _kept_bytes(plan, ref, sizes, widths)) for ref, _ in table)
     once = kept_once(plan, [ref for ref, _ in table])
     kept_counts = [count(ref.name, ref in once) for ref, _ in table]
+    marks = checkpoint_refs(plan)
     again = tuple((str(s.dst), value_bytes(plan, s.dst, sizes)) for s in plan.recomputed
                   if s.dst in set(plan.residuals))
     names = {p.name for p in params if times[p.name]} | {plan.grad_name(p.name) for p in params if times[p.name]}
@@ -164,8 +175,10 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,
-                  tuple(why for _, why in table), again, text(residual_formula(plan, table, widths)), ring_bytes=rings,
-                  grads=grad_local, quantized_weight_bytes=copies)
+                  tuple(why for _, why in table), again, lambda: text(residual_formula(plan, table, widths)),
+                  ring_bytes=rings, grads=grad_local, quantized_weight_bytes=copies,
+                  checkpoint_bytes=sum(b * n for (ref, _), (_, b), n in zip(table, kept, kept_counts, strict=True)
+                                       if ref in marks))
 
 
 def step_memory(plan: Plan, sizes: dict[str, int], hbm_bytes: float, accounting: str = "adam10",
@@ -217,6 +230,17 @@ def kept_once(plan: Plan, refs: list[TensorRef]) -> set[TensorRef]:
             and (ref in last or made.get(ref, ref.name not in repeated))}
 
 
+def checkpoint_refs(plan: Plan) -> frozenset[TensorRef]:
+    """The values every plan of the spec and its policy keeps at their declared shardings: under ``full`` and
+    ``dots`` what recomputation starts from (:func:`shardc.planner.recompute.checkpoints`: the inputs and each
+    layer's input).  Under ``none`` and ``selective`` none: there a plan keeps what its own backward reads, which
+    may be an input's local slice rather than the declared value, so no value's bytes bound every plan's."""
+    if not keeps_layer_inputs(plan.recompute):
+        return frozenset()
+    names = set(checkpoints([i.name for i in plan.tensors if i.role == "input"], plan.spec, plan.recompute))
+    return frozenset(i.ref for i in plan.tensors if i.name in names)
+
+
 def state_refs(plan: Plan) -> tuple[list[TensorRef], list[TensorRef]]:
     """Each param's gradient and optimizer state as one device holds them: sharded as the param,
     or on its ZeRO shard (the gradient from stage 2, the optimizer state from stage 1)."""
@@ -261,7 +285,7 @@ def value_bytes(plan: Plan, ref: TensorRef, sizes: dict[str, int]) -> float:
     return float(local_elements(ref, sizes)) * plan.nbytes(ref.name)
 
 
-def residual_formula(plan: Plan, table: list[tuple[TensorRef, str]] | None = None,
+def residual_formula(plan: Plan, table: Sequence[tuple[TensorRef, str]] | None = None,
                      widths: dict[TensorRef, int] | None = None) -> Expr:
     """The bytes the backward keeps for one layer (:func:`residual_table`, or ``table`` where it is made
     already, ``widths`` the element bytes of those not of the plan's), as an exact formula.
@@ -297,7 +321,26 @@ def _kept_bytes(plan: Plan, ref: TensorRef, sizes: dict[str, int], widths: dict[
     return float(local_elements(ref, sizes)) * widths[ref] if ref in widths else value_bytes(plan, ref, sizes)
 
 
-def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
+# the last plans' tables, by identity (each entry holds its plan, so no other plan takes its id): one pipelined
+# report reads a frozen plan's table eight times (the step's memory and each stage's, each device's kept values,
+# each section's working set), and a layout search costs hundreds of reports
+_TABLES: dict[int, tuple[Plan, tuple[tuple[TensorRef, str], ...]]] = {}
+_KEPT_TABLES = 16
+
+
+def residual_table(plan: Plan) -> tuple[tuple[TensorRef, str], ...]:
+    """:func:`_residual_table` of ``plan``, made once for the last plans asked."""
+    hit = _TABLES.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    table = _residual_table(plan)
+    if len(_TABLES) >= _KEPT_TABLES:
+        del _TABLES[next(iter(_TABLES))]
+    _TABLES[id(plan)] = (plan, table)
+    return table
+
+
+def _residual_table(plan: Plan) -> tuple[tuple[TensorRef, str], ...]:
     """What the backward keeps from the forward, each value once, with why.
 
     The values the recomputed forward steps (``plan.recomputed``) and then the
@@ -335,7 +378,7 @@ def residual_table(plan: Plan) -> list[tuple[TensorRef, str]]:
                                        f"{describe(step)}), kept rather than moved again (--save {plan.save})")
     refs = list(dict.fromkeys(order))
     once = kept_once(plan, refs) if plan.spec.block is not None else set()
-    return [(ref, _why(plan, ref, first[ref], declared, moved, ref in once)) for ref in refs]
+    return tuple((ref, _why(plan, ref, first[ref], declared, moved, ref in once)) for ref in refs)
 
 
 def _why(plan: Plan, ref: TensorRef, reader: str, declared: dict[TensorRef, str], moved: dict[TensorRef, str],

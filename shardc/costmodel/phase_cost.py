@@ -32,7 +32,9 @@ as it runs (its layers, :func:`shardc.layer_counts.runs`; a pipelined stage's mi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from shardc.costmodel.formulas import PhaseFormula
 from shardc.hardware import Hardware
@@ -60,7 +62,8 @@ class PhaseCost:
     layers: int
     devices: int
     hardware: Hardware
-    formula: PhaseFormula
+    # its formulas, built when first read (:attr:`formula`): a layout search's rows read only the numbers
+    formula_of: Callable[[], PhaseFormula] = field(compare=False, repr=False)
     mfu_assumed: float | None = None
     parts: tuple[PhaseCost, ...] = ()  # the step: its phases, which run one after the other
     update_s: float = 0.0  # the step: the optimizer's update, after its phases
@@ -75,6 +78,12 @@ class PhaseCost:
     # under the last microbatch's backward of ``under_s`` (timing.reductions_exposed, as plan_time weighs them)
     reduced: int = 0
     under_s: float = 0.0
+
+    @cached_property
+    def formula(self) -> PhaseFormula:
+        """The phase's figures as formulas of the dims and mesh sizes (:func:`shardc.costmodel.formulas.phase_formula`),
+        built on first read."""
+        return self.formula_of()
 
     def _sum(self, attr: str, only: bool | None = None) -> float:
         if self.parts:  # the step: each phase counts its own rows (a pipelined stage's M times)

@@ -64,7 +64,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from shardc.collectives import Layout, Op, collective_time
-from shardc.costmodel.memory import Memory, residual_sizes
+from shardc.costmodel.memory import Memory
 from shardc.costmodel.pipeline_times import microbatch_sizes, simulated
 from shardc.costmodel.section_times import (
     PartTime,
@@ -73,10 +73,9 @@ from shardc.costmodel.section_times import (
 )
 from shardc.costmodel.stage_memory import (
     accumulator_bytes,
-    dualpipe_held,
     end_chunks_on,
     held_names,
-    kept_copies,
+    kept_bytes,
     stage_memories,
     working_sets,
 )
@@ -421,13 +420,9 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
             sends_s: float, sim: Simulation, hw: Hardware, mems: list[Memory]) -> tuple[StageCost, ...]:
     """Each stage's figures; ``sends_s``: a boundary's two sends a microbatch, the activation and its gradient."""
     out = []
-    sizes = residual_sizes(plan, micro, hw.native_kernels)  # what the backward keeps, the kernels' statistics too
-    values = list(sizes)
     name = pipe.schedule.name
     working = working_sets(plan, micro)
-    value_sizes = list(sizes.values())
-    kept = kept_copies(plan, pipe, [sim.peak_inflight(s) for s in range(len(device_blocks(pipe)))],
-                       dualpipe_held(plan, pipe, sim, micro, hw.native_kernels), hw.native_kernels)
+    kept = kept_bytes(plan, pipe, sim, micro, native=hw.native_kernels)  # the kernels' saved statistics too
     for s, blocked in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, s)
         mem = mems[s]
@@ -435,7 +430,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
         firsts, lasts = end_chunks_on(pipe, s)
         ends = [parts["first"]] * firsts + [parts["last"]] * lasts  # each end chunk it holds runs them
         share = 0.5 if name in TWO_WAY else 1.0  # DualPipe: each of the device's two stages runs half the microbatches
-        residual = math.fsum(v * kept[s][r] for r, v in zip(values, value_sizes, strict=True))
+        residual = kept[s]
 
         def layers_of(field: str, blocked: tuple[int, ...] = blocked) -> float:  # its layers, each block's
             return math.fsum(k * math.fsum(getattr(p, field) for p in parts[f"layer {b}"])

@@ -95,6 +95,17 @@ def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float], chunks: Seque
     return out
 
 
+def kept_bytes(plan: Plan, pipe: Pipeline, sim: Simulation, micro: dict[str, int],
+               only: frozenset[TensorRef] | None = None, native: bool = False) -> list[float]:
+    """Each device's bytes of the values the backward keeps (of those in ``only``; ``native``: the framework's
+    kernels' saved statistics too), one microbatch's at ``micro`` times the copies it keeps of each with its
+    microbatches in flight (:func:`kept_copies`)."""
+    sizes = residual_sizes(plan, micro, native)
+    held = [sim.peak_inflight(s) for s in range(len(device_blocks(pipe)))]
+    kept = kept_copies(plan, pipe, held, dualpipe_held(plan, pipe, sim, micro, native), native)
+    return [math.fsum(v * copies[r] for r, v in sizes.items() if only is None or r in only) for copies in kept]
+
+
 def chunk_copies(plan: Plan, pipe: Pipeline, native: bool = False) -> list[dict[TensorRef, float]]:
     """Each model chunk's copies of each value one microbatch through it keeps: once a layer of the chunk's
     of each block, a value outside the block once where the chunk runs those statements."""

@@ -20,6 +20,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import lru_cache
 
 from shardc.errors import ShardcError
 from shardc.ir.spec import Mesh, Network, Spec, parse_topology
@@ -58,11 +59,16 @@ def _placed(links: AxisLinks) -> AxisLinks:
 
 def orders(candidate: Spec, options: Options) -> list[Spec]:
     """``candidate`` under each order of its movable axes that puts them on other links, its own first."""
+    return list(_orders(candidate, options))
+
+
+@lru_cache(maxsize=1024)  # a search asks for a layout's orders twice: to count its work, then to cost them
+def _orders(candidate: Spec, options: Options) -> tuple[Spec, ...]:
     hw = options.hardware
     axes = candidate.mesh.axes
     movable = [i for i, a in enumerate(axes) if a.size > 1 and a.network is not Network.DCN]
     if hw.book or len(movable) < 2 or math.factorial(len(movable)) > MAX_ORDERS:
-        return [candidate]  # the book's spans and a single axis lie alike in any order
+        return (candidate,)  # the book's spans and a single axis lie alike in any order
     topology = options.topology if options.topology is not None else candidate.topology
     shape = parse_topology(topology) if isinstance(topology, str) else topology
     sizes = {a.name: a.size for a in axes}
@@ -81,7 +87,7 @@ def orders(candidate: Spec, options: Options) -> list[Spec]:
         if placed not in seen:
             seen.add(placed)
             out.append(spec)
-    return out or [candidate]
+    return tuple(out) or (candidate,)
 
 
 def _digits(x: float) -> float:

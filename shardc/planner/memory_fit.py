@@ -19,9 +19,9 @@ The space is a few dozen plans at most (2 policies x 2 x the candidates); the se
 orders them by step time and counts memory in that order until one fits, so it is exact over that
 space (``tests/test_bruteforce.py`` counts every plan of it and checks the planner's pick).  Where
 nothing fits, the plan is the fastest, and a note gives the least memory any of them needs.  A caller
-that knows a floor under every plan of the space (the training state, which no choice above changes:
-:func:`shardc.costmodel.fitting.least_memory`) skips the search where the floor alone passes the limit:
-the search would plan every variant to return the fastest.
+that knows a floor under every plan of the space (the training state and the checkpoints recomputation
+starts from, which no choice above changes: :func:`shardc.costmodel.fitting.least_memory`) skips the search
+where the floor alone passes the limit: the search would plan every variant to return the fastest.
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ def beyond(first: Plan, first_memory: float, least: float, limit: float) -> Plan
     :func:`fit` would only confirm, planning each variant), over the ``limit``."""
     note = (f"memory: no plan fits the {fmt_bytes(limit)} a device may hold: this, the fastest, needs "
             f"{fmt_bytes(first_memory)}; every plan of the planner's choices needs {fmt_bytes(least)} or more "
-            "(its training state): shard more, a ZeRO stage or offload may fit")
+            "(its training state and the checkpoints it keeps): shard more, recompute more, a ZeRO stage or "
+            "offload may fit")
     return replace(first, notes=first.notes + (note,))
 
 

@@ -31,7 +31,7 @@ from shardc.planner.graph import Graph, build_graph
 from shardc.planner.layer_blocks import enter_block, leave_block, node_blocks
 from shardc.planner.memory_fit import MemoryOf, candidate_rank, check_limit, fastest_fitting, remembered
 from shardc.planner.padding import padding_notes
-from shardc.planner.recompute import attention_region, keeps_layer_inputs, named_values, policy, recompute_steps
+from shardc.planner.recompute import attention_region, checkpoints, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.planner.zigzag_order import balances, hold_zigzag, holds, may_hold
 from shardc.sharding.einsum import Solution
@@ -45,7 +45,6 @@ from shardc.sharding.unit import (
 )
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
-from shardc.spec.walk import layer_inputs
 from shardc.step_cost import StepCost
 from shardc.timing import PhaseTime, PlanTime, plan_time
 from shardc.topology import check_topology
@@ -381,9 +380,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     fwd = fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals))
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
     region = attention_region(graph) if recompute == "selective" else frozenset()
-    start = [declared[n] for n in graph.inputs]
-    if keeps_layer_inputs(recompute):  # each layer's input is its checkpoint: the backward reruns the layer from it
-        start += [declared[n] for n in layer_inputs(spec)]
+    start = [declared[n] for n in checkpoints(graph.inputs, spec, recompute)]  # under full, each layer's input
     mode, rerun = policy(recompute, graph.params)
     again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun,
                             named_values(graph, spec.recompute), ctx.hardware.reruns_layers)

@@ -64,11 +64,12 @@ from shardc.collectives import Op
 from shardc.errors import ShardcError
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Step
-from shardc.ir.spec import TensorRef
+from shardc.ir.spec import Spec, TensorRef
 from shardc.ops.registry import CONTRACT, Node, family_of
 from shardc.planner.graph import Graph
+from shardc.spec.walk import layer_inputs
 
-__all__ = ["RECOMPUTE_MODES", "attention_region", "block_outputs", "keeps_layer_inputs", "policy",
+__all__ = ["RECOMPUTE_MODES", "attention_region", "block_outputs", "checkpoints", "keeps_layer_inputs", "policy",
            "recompute_steps", "named_values"]
 
 RECOMPUTE_MODES = ("none", "selective", "full", "dots")
@@ -98,6 +99,12 @@ def keeps_layer_inputs(recompute: str) -> bool:
     """Whether the policy reruns each layer from its input, kept once a layer as its checkpoint (``full``,
     and ``dots``, as a remat policy under ``jax.lax.scan`` keeps the carry)."""
     return policy(recompute)[0] in ("full", "dots")
+
+
+def checkpoints(inputs: Iterable[str], spec: Spec, recompute: str) -> tuple[str, ...]:
+    """The values a plan's recomputation starts from, as the spec declares them: its inputs and, where the policy
+    reruns each layer from its input (:func:`keeps_layer_inputs`), the layers' inputs."""
+    return (*inputs, *(layer_inputs(spec) if keeps_layer_inputs(recompute) else ()))
 
 
 def _dot_outputs(forward: tuple[Step, ...], params: frozenset[str], rerun: frozenset[str]) -> set[TensorRef]:
