@@ -165,13 +165,15 @@ def test_the_check_counts_the_schedule_loops_control_scalars() -> None:
 @pytest.mark.slow
 def test_xla_keeps_at_least_the_control_scalars_the_check_counts(tmp_path: Path) -> None:
     """pipeline_llama's schedule compiled, its buffer assignment read: the pred[] and s32[] values of the
-    loop body's temporaries are the 28 the check counts and 7 it does not (the residual ring's writes'
-    tests, 3, and the layer's params slots, 4), each on a 64-byte line of its own."""
+    loop body's temporaries are the 28 the check counts and 8 it does not (the residual ring's writes'
+    tests, 3, the layer's params slots, 4, and the device's index along the axis the norm's backward
+    reduce-scatters its input's gradient over, which its local slice reads: a select_n of axis_index in the
+    loop body), each on a 64-byte line of its own."""
     check = check_pipeline_memory(_plan("pipeline_llama"), 8, options={"xla_dump_to": str(tmp_path)})
     text = next(tmp_path.glob("*_local*buffer-assignment.txt")).read_text()
     temps = re.search(r"preallocated-temp:\n((?: value:.*\n)+)", text)
     assert temps is not None
     # a value each (the loop's phis are its counter's buffer again, not counted)
     scalars = re.findall(r"<\d+ \S+ @\d+> \(size=[1-8],offset=(\d+)\): (?:pred|s32)\[\]", temps[1])
-    assert check.scalars == 28 and len(scalars) == check.scalars + 7
+    assert check.scalars == 28 and len(scalars) == check.scalars + 8
     assert all(int(offset) % 64 == 0 for offset in scalars)
