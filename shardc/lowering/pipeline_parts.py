@@ -142,10 +142,10 @@ class Ends(Protocol):
 
     def first(self, args: Arrays, j: Any) -> Any: ...  # stage 0's block input for microbatch j
 
-    # ``slots``: the rings' counts (the residuals', what B hands W): what the ends keep for their W lies in them
+    # ``slots``: the counts of the rings of what the ends keep for their W (pipeline_slots.Rings' post and pre)
     def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any: ...
 
-    # ``slot``: microbatch j's slot of the residuals' ring on this device (last), of the handed ring (first_back)
+    # ``slot``: microbatch j's slot of the post ring on this device (last), of the pre ring (first_back)
     def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool,
              slot: Any) -> tuple[Any, Any]: ...
 
@@ -310,11 +310,11 @@ class ModelEnds:
 
     def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any:
         """No losses yet, and zeros of each end param's gradient as its backward hands it on (a partial
-        sum, where its reduction runs once a step); split, what the ends' W reads in the rings' ``slots``:
-        post's from its B (at the last virtual stage's F) in the residuals' ring's, the block input's
-        gradient from the first virtual stage's B in the handed ring's, each microbatch at its entry's slot
-        there (a slot for each one in flight, as the block's own, not one for each of the M: DualPipe's 3 + 5
-        run kept 8 logits' cotangents, 160 kB of its 192, where 5 are in flight)."""
+        sum, where its reduction runs once a step); split, what the ends' W reads in rings of ``slots``:
+        post's from its B (at the last virtual stage's F) to its W, the block input's gradient from the first
+        virtual stage's B to its W, each microbatch at its slot (:class:`~shardc.lowering.pipeline_slots.Rings`'
+        post and pre: a slot for each one in flight on the ends' devices, as a framework keeps the loss's W
+        inputs, not one for each of the M: ZB-H1's 3 + 5 run kept 8 logits' cotangents, 128 kB)."""
         losses = jnp.zeros((args[self.inputs()[0]].shape[0],), x.dtype)
         pre = jax.eval_shape(lambda d: self.pre.backward(self.pre.forward(self._pre_pool(args, 0))[1], d), x)
         post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0))[1],
