@@ -49,3 +49,15 @@ def test_no_two_residuals_alive_at_once_share_a_slot(schedule: str, virtual: int
         alive = max(sum(start[e] <= t <= end[e] for e in start) for t in range(len(tables["F"])))
         assert max(ring.kept.table[s]) < ring.kept.count and alive <= ring.kept.count
 
+
+
+def test_the_ends_w_values_take_the_microbatches_between_their_b_and_w() -> None:
+    """Under ZB-H1 over 4 stages the last stage runs F0 B0 F1 B1 F2 B2 F3 B3 W0: what the loss's W reads
+    (made at its B, in the last stage's F tick) is held for 4 microbatches there; stage 0 runs each W right
+    after its B, so the block input's gradient takes 1 slot; only the ends' devices hold them."""
+    ring, _ = _rings("zb-h1", 4, 8, 1)
+    assert (ring.post.count, ring.pre.count) == (4, 1)
+    assert [bool(h) for h in ring.post.held] == [False, False, False, True]
+    assert [bool(h) for h in ring.pre.held] == [True, False, False, False]
+    one, _ = _rings("1f1b", 4, 8, 1)  # each backward whole: the ends keep nothing for a W
+    assert (one.post.count, one.pre.count) == (1, 1) and not any(one.post.held + one.pre.held)

@@ -142,15 +142,18 @@ class Ends(Protocol):
 
     def first(self, args: Arrays, j: Any) -> Any: ...  # stage 0's block input for microbatch j
 
-    def start(self, args: Arrays, x: Any) -> Any: ...
+    # ``slots``: the counts of the rings of what the ends keep for their W (pipeline_slots.Rings' post and pre)
+    def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any: ...
 
-    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]: ...
+    # ``slot``: microbatch j's slot of the post ring on this device (last), of the pre ring (first_back)
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool,
+             slot: Any) -> tuple[Any, Any]: ...
 
-    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any: ...
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any) -> Any: ...
 
     # the zero-bubble schedules' W tick of microbatch j: the weight gradients of the ends, where ``first``
-    # (the first virtual stage's W) or ``last`` (the last's) runs there
-    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any) -> Any: ...
+    # (the first virtual stage's W) or ``last`` (the last's) runs there; ``slots``: j's slots of the two rings
+    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any, slots: tuple[Any, Any]) -> Any: ...
 
     def results(self, acc: Any) -> Any: ...  # what the program returns of the accumulator (``result_specs``)
 
@@ -196,19 +199,20 @@ class BlockEnds:
     def first(self, args: Arrays, j: Any) -> Any:
         return args[self.block_input][j]
 
-    def start(self, args: Arrays, x: Any) -> Any:
+    def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any:
         zeros = jnp.zeros_like(args[self.block_input])
         return zeros, zeros
 
-    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool,
+             slot: Any) -> tuple[Any, Any]:
         outs, dxs = acc
         return args["cotangent"][j], (jnp.where(done, outs.at[j].set(y), outs), dxs)
 
-    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any:
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any) -> Any:
         outs, dxs = acc
         return outs, jnp.where(done, dxs.at[j].set(dx), dxs)
 
-    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any) -> Any:
+    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any, slots: tuple[Any, Any]) -> Any:
         return acc  # a block alone's ends have no weights
 
     def results(self, acc: Any) -> Any:
@@ -304,9 +308,13 @@ class ModelEnds:
     def first(self, args: Arrays, j: Any) -> Any:
         return self.pre.forward(self._pre_pool(args, j))[0]
 
-    def start(self, args: Arrays, x: Any) -> Any:
+    def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any:
         """No losses yet, and zeros of each end param's gradient as its backward hands it on (a partial
-        sum, where its reduction runs once a step)."""
+        sum, where its reduction runs once a step); split, what the ends' W reads in rings of ``slots``:
+        post's from its B (at the last virtual stage's F) to its W, the block input's gradient from the first
+        virtual stage's B to its W, each microbatch at its slot (:class:`~shardc.lowering.pipeline_slots.Rings`'
+        post and pre: a slot for each one in flight on the ends' devices, as a framework keeps the loss's W
+        inputs, not one for each of the M: ZB-H1's 3 + 5 run kept 8 logits' cotangents, 128 kB)."""
         losses = jnp.zeros((args[self.inputs()[0]].shape[0],), x.dtype)
         pre = jax.eval_shape(lambda d: self.pre.backward(self.pre.forward(self._pre_pool(args, 0))[1], d), x)
         post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0))[1],
@@ -316,8 +324,8 @@ class ModelEnds:
         if not self.split:
             return losses, dends
         kept = jax.eval_shape(lambda y: self._post_input_backward(args, y, 0)[2], x)
-        kept = jax.tree.map(lambda a: jnp.zeros((losses.shape[0], *a.shape), a.dtype), kept)
-        return losses, dends, {"dx": jnp.zeros((losses.shape[0], *x.shape), x.dtype), "post": kept}
+        kept = jax.tree.map(lambda a: jnp.zeros((slots[0], *a.shape), a.dtype), kept)
+        return losses, dends, {"dx": jnp.zeros((slots[1], *x.shape), x.dtype), "post": kept}
 
     def _post_input_backward(self, args: Arrays, y: Any, j: Any) -> tuple[Any, Any, Arrays]:
         """The loss, the block output's gradient (post's B) and what post's W reads that this microbatch
@@ -334,11 +342,12 @@ class ModelEnds:
         keys = {self._key(k): k for k in self.post_params} if post else {k: k for k in self.pre_params}
         return {k: jnp.where(done, g + got[keys[k]], g) if k in keys else g for k, g in dends.items()}
 
-    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool) -> tuple[Any, Any]:
+    def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool,
+             slot: Any) -> tuple[Any, Any]:
         losses, dends, *kept = acc
         if backward and self.split:  # B now; W at the last virtual stage's W tick of microbatch j
             loss, dy, made = self._post_input_backward(args, y, j)
-            post = jax.tree.map(lambda buf, v: jnp.where(done, buf.at[j].set(v), buf), kept[0]["post"], made)
+            post = jax.tree.map(lambda buf, v: jnp.where(done, buf.at[slot].set(v), buf), kept[0]["post"], made)
             kept = [{**kept[0], "post": post}]
         else:
             loss, residuals = self.post.forward(self._post_pool(args, y, j))
@@ -349,11 +358,11 @@ class ModelEnds:
         losses = jnp.where(done, losses.at[j].set(loss), losses)
         return dy, (losses, dends, *kept)
 
-    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any) -> Any:
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any) -> Any:
         losses, dends, *kept = acc
         if self.split:  # no B: nothing waits for the gradient of the inputs before the block; all is W
             dxs = kept[0]["dx"]
-            return losses, dends, {**kept[0], "dx": jnp.where(done, dxs.at[j].set(dx), dxs)}
+            return losses, dends, {**kept[0], "dx": jnp.where(done, dxs.at[slot].set(dx), dxs)}
         return losses, self._pre_backward(args, dx, j, done, dends)
 
     def _pre_backward(self, args: Arrays, dx: Any, j: Any, done: Any, dends: Arrays) -> Arrays:
@@ -362,15 +371,15 @@ class ModelEnds:
         got = self.pre.backward(self.pre.forward(self._pre_pool(args, j))[1], dx)
         return self._add(dends, got, False, done)
 
-    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any) -> Any:
+    def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any, slots: tuple[Any, Any]) -> Any:
         """W of the ends: before the block its whole backward (from the block input's gradient B kept),
         after it post's W (from what its B kept), each where its virtual stage's W runs."""
         if not self.split:
             return acc
         losses, dends, kept = acc
-        dends = self._pre_backward(args, kept["dx"][j], j, first, dends)
+        dends = self._pre_backward(args, kept["dx"][slots[1]], j, first, dends)
         params = {k: args[k] for k in self.post.forward_in if k in self.post_params}
-        got = self.post.backward_weight((params, {}), jax.tree.map(lambda buf: buf[j], kept["post"]))
+        got = self.post.backward_weight((params, {}), jax.tree.map(lambda buf: buf[slots[0]], kept["post"]))
         return losses, self._add(dends, got, True, last), kept
 
     def results(self, acc: Any) -> Any:

@@ -256,7 +256,8 @@ class Pipeline:
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
         # each buffer a ring of the values in flight at once, a chunk x M + microbatch entry at its slot
         rings = self.rings
-        ks, hs, xs, gs = (jnp.asarray(r.table)[stage] for r in (rings.kept, rings.handed, rings.acts, rings.cots))
+        ks, hs, xs, gs, ps, qs = (jnp.asarray(r.table)[stage] for r in (rings.kept, rings.handed, rings.acts,
+                                                                          rings.cots, rings.post, rings.pre))
         keep = self._keep(shapes)
         kept = keep.empty()
         acts, cots = (jnp.zeros((r.count,) + x.shape, x.dtype) for r in (rings.acts, rings.cots))
@@ -287,7 +288,7 @@ class Pipeline:
             start = place.starts(u)  # the first virtual stage reads the ends' input
             y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[xs[e]]), params, key, u, c, j)
             end = (ef >= 0) & place.ends(u)  # the last virtual stage hands on to the ends
-            cot, acc = self.ends.last(pool, y, j, end, acc, backward)
+            cot, acc = self.ends.last(pool, y, j, end, acc, backward, ps[e])
             # paired, F's writes wait for the next tick (none reads them before): B reading the rings F had
             # written kept the old and the new, XLA copying a whole ring a tick (DeepSeek-V3's run: 11.9 MB)
             if paired:
@@ -309,7 +310,7 @@ class Pipeline:
             else:
                 dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
                 dparams = self.holding.accumulate(dparams, dw, eb >= 0, c, u)
-            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc)  # before W, which reads it
+            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc, qs[e])  # before W, which reads it
             if split:
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
@@ -317,7 +318,8 @@ class Pipeline:
                 dw = self._stage_weight_bwd(self._saved(keep.read(kept, stage, w // m, ks[w]), params, w // m,
                                                              uw), jax.tree.map(lambda buf: buf[hs[w]], handed), uw)
                 dparams = self.holding.accumulate(dparams, dw, ew >= 0, w // m, uw)
-                acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc)
+                acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc,
+                                       (ps[w], qs[w]))
             cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
             return kept, handed, acts, cots, acc, dparams, pending
 
@@ -326,7 +328,7 @@ class Pipeline:
         none = jnp.zeros((), ftab.dtype)  # paired, the writes of an F before the first: none
         pending = (jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), none, virtual[0, stage], none,
                    *jnp.zeros(2, bool), jnp.zeros(x.shape, x.dtype)) if paired else ()
-        init = (kept, handed, acts, cots, self.ends.start(pool, x),
+        init = (kept, handed, acts, cots, self.ends.start(pool, x, (rings.post.count, rings.pre.count)),
                 self.holding.zeros(grads), pending)
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[4:6]
         if backward:  # the microbatches' sums reduced, once a step (DualPipe's two copies' summed first)
@@ -341,7 +343,8 @@ class Pipeline:
             return TreeRing(shapes, self.rings.kept.count)
         place = self.placement
         virtual = np.array([[place.virtual(c, s) for s in range(self.stages)] for c in range(self.chunks)])
-        return FlatRing.of([p.union for p in shapes], self.tables.which, virtual, self.rings.kept.table)
+        kept = self.rings.kept
+        return FlatRing.of([p.union for p in shapes], self.tables.which, virtual, kept.table, kept.held)
 
     def specs(self) -> tuple[tuple[P, ...], tuple[Any, tuple[P, ...]]]:
         """The program's in_specs (the key, the cotangent, the ends' inputs, the block's params), and

@@ -44,17 +44,23 @@ class Ring:
 
     count: int
     table: tuple[tuple[int, ...], ...]
+    held: tuple[tuple[int, ...], ...] = ()  # the entries each stage holds at some tick (its table's others: 0)
 
 
 @dataclass(frozen=True)
 class Rings:
-    """The rings of a pipelined program's four buffers: the residuals (``kept``), what B hands W
-    (``handed``), the activations received (``acts``) and the cotangents (``cots``)."""
+    """The rings of a pipelined program's buffers: the residuals (``kept``), what B hands W
+    (``handed``), the activations received (``acts``) and the cotangents (``cots``); under the zero-bubble
+    schedules what the ends' W reads, on the devices that run them: the statements after the block's, from
+    the last virtual stage's F (where their B runs) to its W (``post``), the block input's gradient, from
+    the first virtual stage's B to its W (``pre``)."""
 
     kept: Ring
     handed: Ring
     acts: Ring
     cots: Ring
+    post: Ring
+    pre: Ring
 
 
 def paired(forward: Table, backward: Table) -> bool:
@@ -68,8 +74,8 @@ def rings(placement: Placement, microbatches: int, forward: Table, backward: Tab
     """Each buffer's ring under the tick tables ``forward``, ``backward`` and ``weight`` (None: each
     backward whole at its B tick), the chunks placed as ``placement`` places them."""
     stages, entries = placement.stages, placement.chunks * microbatches
-    live: dict[str, list[dict[int, list[Moment]]]] = {k: [{} for _ in range(stages)]
-                                                      for k in ("kept", "handed", "acts", "cots")}
+    names = ("kept", "handed", "acts", "cots", "post", "pre")
+    live: dict[str, list[dict[int, list[Moment]]]] = {k: [{} for _ in range(stages)] for k in names}
 
     def mark(buf: str, stage: int, entry: int, at: Moment) -> None:
         live[buf][stage].setdefault(entry, []).append(at)
@@ -86,17 +92,24 @@ def rings(placement: Placement, microbatches: int, forward: Table, backward: Tab
             mark("acts", *entry_of(u + 1, e), (t, SEND_ACT))
         else:
             mark("cots", s, e, (t, WRITE_END_COT))
+            if weight is not None:
+                mark("post", s, e, (t, WRITE_KEPT))
     for t, s, e, u in _ops(backward, placement, microbatches):
         mark("cots", s, e, (t, READ_B))
         mark("kept", s, e, (t, READ_B))
         if weight is not None:
             mark("handed", s, e, (t, WRITE_HANDED))
+            if placement.starts(u):
+                mark("pre", s, e, (t, WRITE_HANDED))
         if not placement.starts(u):
             mark("cots", *entry_of(u - 1, e), (t, SEND_COT))
-    for t, s, e, _ in _ops(weight or (), placement, microbatches):
+    for t, s, e, u in _ops(weight or (), placement, microbatches):
         mark("kept", s, e, (t, READ_W))
         mark("handed", s, e, (t, READ_W))
-    return Rings(*(_ring(live[k], entries) for k in ("kept", "handed", "acts", "cots")))
+        for name, here in (("post", placement.ends(u)), ("pre", placement.starts(u))):
+            if here:
+                mark(name, s, e, (t, READ_W))
+    return Rings(*(_ring(live[k], entries) for k in names))
 
 
 def _ops(table: Table, placement: Placement, microbatches: int) -> Iterator[tuple[int, int, int, int]]:
@@ -111,7 +124,7 @@ def _ring(stages: list[dict[int, list[Moment]]], entries: int) -> Ring:
     """The fewest slots holding every stage's intervals (each entry's first to last moment), and each
     entry's slot: the lowest one whose last interval ended before it starts."""
     table, count = [], 0
-    for held in stages:
+    for held in stages:  # each stage's entries, each a list of the moments it is read or written
         ends: list[Moment] = []  # each slot's last moment so far
         mine = [0] * entries
         for entry, (start, end) in sorted(((e, (min(m), max(m))) for e, m in held.items()), key=lambda x: x[1]):
@@ -123,4 +136,4 @@ def _ring(stages: list[dict[int, list[Moment]]], entries: int) -> Ring:
             mine[entry] = free[0] if free else len(ends) - 1
         table.append(tuple(mine))
         count = max(count, len(ends))
-    return Ring(max(count, 1), tuple(table))
+    return Ring(max(count, 1), tuple(table), tuple(tuple(sorted(held)) for held in stages))
