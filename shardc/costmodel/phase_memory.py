@@ -205,10 +205,10 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
     :func:`shardc.timing.memory_traffic` prices it); a map's result takes the buffer of an operand
-    of its size that no later step reads, as XLA's buffer assignment shares an elementwise
-    operand's buffer with its user.  Copies a step makes for its layout (:func:`_layout_copies`)
-    live for that step only.  An AllReduce issued off the critical path runs at the end
-    (:func:`shardc.costmodel.step_order.lifetimes`).
+    of its size that no later step reads, as XLA's heap simulator shares an elementwise operand's
+    buffer with its user, unless the buffer of a collective's output holds either first.  Copies a
+    step makes for its layout (:func:`_layout_copies`) live for that step only.  An AllReduce issued
+    off the critical path runs at the end (:func:`shardc.costmodel.step_order.lifetimes`).
     An AllGather of an argument (an FSDP param, a sequence-parallel input) is issued at the phase's
     start, its result alive from there: a latency-hiding scheduler starts a collective as soon as its
     operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
@@ -221,6 +221,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     made_outs: dict[TensorRef, int] = {}
     early: dict[TensorRef, Span] = {}
     hosted: list[Span] = []
+    shared: dict[TensorRef, TensorRef] = {}  # a map's result -> the dying operand whose buffer it takes
     laid: list[float] = []
     laid_out = {s.dst for s in steps if s.op is Op.ALL_GATHER and s.dim is None}  # gathered, copied into place
     # a dot reads these as they are made for it: a mask made again for it, an attention output divided again
@@ -266,11 +267,11 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         if step.fn == ALIAS or step.dst in args or step.dst in outs or fused or step.dst in buffers:
             continue
         end = last.get(step.dst, k)
-        dead = [ref for ref in step.operands if ref in buffers and last.get(ref) == k
+        dead = [ref for ref in step.operands if ref in buffers and ref not in shared and last.get(ref) == k
                 and buffers[ref][2] == nbytes(step.dst)] if fusible(step) else []
-        if dead:
-            buffers[dead[0]][1] = end
-            buffers[step.dst] = [k, end, 0.0]
+        if dead:  # its buffer, unless an output's holds it first (heap.outside_outputs)
+            shared[step.dst] = dead[0]
+            buffers[step.dst] = [k, end, nbytes(step.dst)]
         else:
             prefetched = step.op is Op.ALL_GATHER and step.src in args
             first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
@@ -289,13 +290,15 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
         spans += _remade_outputs(steps, copies)
+    at = {ref: len(spans) + j for j, ref in enumerate(ref for ref, b in buffers.items() if b[2])}
     spans += [(a, b, n) for a, b, n in buffers.values() if n] + list(early.values()) + (more or [])
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
     # a routing's arrays that die before its mask is written fit the buffer of any output made after them,
     # the mask's own included (Buffers.scan_in_outputs): an output made at the route's step counts as made after
     spans += outside_outputs(hosted, [(k + 1, nbytes(ref)) for ref, k in made_outs.items()])
-    heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
+    pairs = [(at[ref], at[user]) for user, ref in shared.items()]
+    heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting], pairs)
     return packed(heap), sum(n for _, _, n in early.values())
 
 
