@@ -145,3 +145,6 @@ def test_the_memory_check_counts_the_casts_the_module_makes() -> None:
     plain = phase_memory(shardc.plan(shardc.parse(SPEC.replace("gemm f8\n", ""))), sizes, 4, XLA_CPU)[1]
     assert forward.temporaries == 65536
     assert backward.argument_copies - plain.argument_copies == 4 * (32 * 64 + 64 * 128 + 32 * 128 + 128 * 64)
+    # XLA's backward heap: dW1's and dW2's partial products (kept to their combined AllReduce) and I's cast;
+    # dO's cast and then dH_t1 sit in the buffer of dI's AllReduce output, dH_t1 not in dH's (heap.outside_outputs)
+    assert backward.temporaries == 4 * (128 * 64 + 64 * 128 + 32 * 128) == 81920

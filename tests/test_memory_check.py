@@ -11,7 +11,7 @@ import pytest
 import shardc
 from shardc.cli.main import main
 from shardc.collectives import Op
-from shardc.costmodel.heap import _event_lives, packed
+from shardc.costmodel.heap import _event_lives, outside_outputs, packed
 from shardc.costmodel.phase_memory import (
     Buffers,
     _Copies,
@@ -219,6 +219,16 @@ def test_the_heap_orders_values_by_their_lives_in_its_own_clock() -> None:
     a, b, c, d = (5, 6, 3.0), (1, 3, 2.0), (3, 5, 2.0), (0, 2, 3.0)
     assert _event_lives([a, b, c, d]) == [2, 3, 3, 2]
     assert packed([a, b, c, d]) == 7
+
+
+def test_a_maps_result_takes_an_outputs_buffer_before_its_dying_operands() -> None:
+    """XLA's buffer assignment offers a value the allocations already made (an output's, free until its
+    collective) before the heap simulator lets an elementwise result share its dying operand's buffer:
+    the result (steps 4-7) fits the 16-byte output made at step 8 beside a value there until step 3, the
+    operand (3-4) does not and keeps a buffer of its own to step 4; where neither fits, they share one."""
+    operand, user, output = (3, 4, 8.0), (4, 7, 8.0), [(8, 16.0)]
+    assert outside_outputs([(0.5, 3, 16.0), operand, user], output, [(1, 2)]) == [operand]
+    assert outside_outputs([(0.5, 3, 16.0), operand, user], [(8, 4.0)], [(1, 2)]) == [(0.5, 3, 16.0), (3, 7, 8.0)]
 
 
 def test_a_dot_operand_not_batch_major_is_copied() -> None:

@@ -51,9 +51,12 @@ def _event_lives(spans: list[Span]) -> list[int]:
     return [f - m for m, f in zip(made, freed, strict=True)]
 
 
-def outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list[Span]:
+def outside_outputs(spans: list[Span], outputs: list[tuple[int, float]],
+                    shared: list[tuple[int, int]] | None = None) -> list[Span]:
     """The ``spans`` (first step, last step, bytes) that find no room in the buffer of one of ``outputs``
-    (the step making it, its bytes).
+    (the step making it, its bytes); ``shared``: pairs of indices into ``spans`` (a dying operand's, its
+    elementwise user's) that share one heap buffer, the operand's (from its first step to the user's
+    last, in its place), where neither finds room in an output's.
 
     XLA's buffer assignment puts a value, largest first, in an allocation it fits that holds nothing
     alive at the same time: the buffer of an output a reduction (AllReduce, ReduceScatter) or an
@@ -62,15 +65,29 @@ def outside_outputs(spans: list[Span], outputs: list[tuple[int, float]]) -> list
     slice sit in the buffer its AllGather fills); an output any other step writes has an allocation of
     its own, shared with nothing (in the compiled examples' buffer assignment: a vocab-parallel
     embedding's partial sum, a remade routing mask, or a value before an AllToAll, whose pieces are
-    concatenated into its result, never sits in a later output's)."""
+    concatenated into its result, never sits in a later output's).  An elementwise result shares its
+    dying operand's buffer only in the heap, after: ``BufferAssigner::AssignSingleHloBuffer`` tries an
+    existing allocation (an output's) before it leaves a value to the heap simulator, which shares an
+    operand's buffer with its user (the FP8 MLP's backward in ``tests/test_gemm_lowering.py``: the ReLU
+    gradient sits in the buffer of dI's AllReduce output, not in the buffer of dH, its operand)."""
+    left = _unhosted(spans, outputs)
+    merged = {a: (spans[a][0], spans[b][1], spans[a][2]) for a, b in shared or [] if a in left and b in left}
+    users = {b for a, b in shared or [] if a in merged}
+    return [merged.get(k, spans[k]) for k in range(len(spans)) if k in left and k not in users]
+
+
+def _unhosted(spans: list[Span], outputs: list[tuple[int, float]]) -> set[int]:
+    """The indices of the ``spans`` that find no room in the buffer of one of ``outputs``
+    (:func:`outside_outputs`): each placed, largest first, in the smallest that fits it."""
     hosts = sorted(outputs, key=lambda o: o[1])  # (step made, bytes), the smallest that fits first
     taken: list[list[tuple[float, float]]] = [[] for _ in hosts]
-    rest = []
-    for first, last, size in sorted(spans, key=lambda s: -s[2]):
-        for k, (made, room) in enumerate(hosts):
-            if size <= room and last < made and all(last < a or first > b for a, b in taken[k]):
-                taken[k].append((first, last))
+    rest = set()
+    for k in sorted(range(len(spans)), key=lambda k: -spans[k][2]):
+        first, last, size = spans[k]
+        for h, (made, room) in enumerate(hosts):
+            if size <= room and last < made and all(last < a or first > b for a, b in taken[h]):
+                taken[h].append((first, last))
                 break
         else:
-            rest.append((first, last, size))
+            rest.add(k)
     return rest

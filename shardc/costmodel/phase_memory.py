@@ -21,6 +21,8 @@ from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.layout_copies import blocked as _blocked
 from shardc.costmodel.layout_copies import layout_copies as _layout_copies
 from shardc.costmodel.memory import residual_table
+from shardc.costmodel.ring_blocks import matmul_ring_buffers as _ring_buffers
+from shardc.costmodel.ring_blocks import ring_slices as _ring_slices
 from shardc.costmodel.route_memory import route_arrays, routed_once
 from shardc.costmodel.step_order import lifetimes, made_at, prelude
 from shardc.device_pieces import local_elements
@@ -86,11 +88,12 @@ class Buffers:
     (:func:`shardc.costmodel.kernel_memory.flash_workspace`).  ``ring_blocks_first``: a collective
     matmul's ring, unrolled, has its block matmuls made before they are combined and its operands'
     blocks sliced into buffers of their own, as a scheduler with no latency to hide runs them
-    (:func:`_ring_buffers`).  ``scan_block``: a cumulative sum (a routing's slots) runs as a scan in
-    blocks of this many elements along its dim, padded up to a multiple of it: the counts copied into
-    the blocks and each block's running sums, two arrays of the padded shape beside the counts, where a
-    chip's scan holds the counts and the sums (0).  ``products_again``: a product read by several steps is
-    made again by each later reader's fusion, so its operands live to its last reader
+    (:func:`shardc.costmodel.ring_blocks.matmul_ring_buffers`).  ``scan_block``: a cumulative sum (a
+    routing's slots) runs as a scan in blocks of this many elements along its dim, padded up to a multiple
+    of it: the counts copied into the blocks and each block's running sums, two arrays of the padded shape
+    beside the counts, where a chip's scan holds the counts and the sums (0).  ``products_again``: a
+    product read by several steps is made again by each later reader's fusion, so its operands live to
+    its last reader
     (:func:`shardc.costmodel.step_order.lifetimes`),
     a softmax a product reads after another reader keeps its exponentials to that product, and a
     transcendental derivative, which the fusion makes once, has a buffer of its own
@@ -202,10 +205,10 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
     :func:`shardc.timing.memory_traffic` prices it); a map's result takes the buffer of an operand
-    of its size that no later step reads, as XLA's buffer assignment shares an elementwise
-    operand's buffer with its user.  Copies a step makes for its layout (:func:`_layout_copies`)
-    live for that step only.  An AllReduce issued off the critical path runs at the end
-    (:func:`shardc.costmodel.step_order.lifetimes`).
+    of its size that no later step reads, as XLA's heap simulator shares an elementwise operand's
+    buffer with its user, unless the buffer of a collective's output holds either first.  Copies a
+    step makes for its layout (:func:`_layout_copies`) live for that step only.  An AllReduce issued
+    off the critical path runs at the end (:func:`shardc.costmodel.step_order.lifetimes`).
     An AllGather of an argument (an FSDP param, a sequence-parallel input) is issued at the phase's
     start, its result alive from there: a latency-hiding scheduler starts a collective as soon as its
     operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
@@ -218,6 +221,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     made_outs: dict[TensorRef, int] = {}
     early: dict[TensorRef, Span] = {}
     hosted: list[Span] = []
+    shared: dict[TensorRef, TensorRef] = {}  # a map's result -> the dying operand whose buffer it takes
     laid: list[float] = []
     laid_out = {s.dst for s in steps if s.op is Op.ALL_GATHER and s.dim is None}  # gathered, copied into place
     # a dot reads these as they are made for it: a mask made again for it, an attention output divided again
@@ -263,11 +267,11 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         if step.fn == ALIAS or step.dst in args or step.dst in outs or fused or step.dst in buffers:
             continue
         end = last.get(step.dst, k)
-        dead = [ref for ref in step.operands if ref in buffers and last.get(ref) == k
+        dead = [ref for ref in step.operands if ref in buffers and ref not in shared and last.get(ref) == k
                 and buffers[ref][2] == nbytes(step.dst)] if fusible(step) else []
-        if dead:
-            buffers[dead[0]][1] = end
-            buffers[step.dst] = [k, end, 0.0]
+        if dead:  # its buffer, unless an output's holds it first (heap.outside_outputs)
+            shared[step.dst] = dead[0]
+            buffers[step.dst] = [k, end, nbytes(step.dst)]
         else:
             prefetched = step.op is Op.ALL_GATHER and step.src in args
             first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
@@ -286,13 +290,15 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         spans += _remade_masks(steps, copies)
     if copies.buffers.attention_loop:
         spans += _remade_outputs(steps, copies)
+    at = {ref: len(spans) + j for j, ref in enumerate(ref for ref, b in buffers.items() if b[2])}
     spans += [(a, b, n) for a, b, n in buffers.values() if n] + list(early.values()) + (more or [])
     hosts = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)  # their outputs hold others before
     hosting = {s.dst for s in steps if s.op in hosts}
     # a routing's arrays that die before its mask is written fit the buffer of any output made after them,
     # the mask's own included (Buffers.scan_in_outputs): an output made at the route's step counts as made after
     spans += outside_outputs(hosted, [(k + 1, nbytes(ref)) for ref, k in made_outs.items()])
-    heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting])
+    pairs = [(at[ref], at[user]) for user, ref in shared.items()]
+    heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting], pairs)
     return packed(heap), sum(n for _, _, n in early.values())
 
 
@@ -305,73 +311,6 @@ def _turned(k: int, ref: TensorRef, size: float, dots: DotResult, ahead: dict[in
         ahead[j] = k + 0.75
     own = [] if dots.only_dots(ref) else [(k + 0.5, k + 0.5, size)]
     return own + [(k + 0.5, max(ahead.get(j, j) for j in group), size) for group in dots.copies(ref)]
-
-
-def _ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[TensorRef, int],
-                 early: dict[TensorRef, Span], copies: _Copies) -> dict[TensorRef, Span]:
-    """The ``residuals`` sliced out of their rings (:attr:`Buffers.ring_slices`): each a step other than a map
-    reads (a dot, a collective, a kernel) and no layout copy in ``early`` holds, alive to its last reader from
-    its first, or from the phase's start where the backend runs first what reads only the loop's state."""
-    first = {ref: k for k in reversed(range(len(steps))) for ref in steps[k].reads if not fusible(steps[k])}
-    return {ref: (0 if copies.buffers.arguments_first else first[ref], last[ref],
-                  copies.buffers.rounded(copies.nbytes(ref))) for ref in residuals - early.keys() if ref in first}
-
-
-def _ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[TensorRef],
-                  copies: _Copies) -> list[Span]:
-    """The buffers a collective matmul at step ``k`` (:mod:`shardc.planner.collective_matmul`) holds beyond
-    its operands and result, as :func:`shardc.lowering.runtime_collective` runs its ring of n blocks: the
-    blocks it receives (the gathered operand's, or the partial sums passed on), the block matmuls'
-    products, and the blocks of the other operands along the ring's index.
-
-    A TPU or GPU (a latency-hiding scheduler issuing each send under the block matmul before it) holds the
-    block it computes with and the next one arriving, a double buffer (one where the ring has two devices,
-    as :func:`shardc.costmodel.memory.ring_buffers` counts them), and one block's product; a block of
-    another operand is read in place.  With ``ring_blocks_first`` (XLA's CPU backend, nothing to hide)
-    every block of the other operands is sliced into a buffer of its own as soon as the operand is there
-    (``since``: the step a value is made at, or the phase's start) and lives to its block matmul; an
-    operand ``dying`` at the ring dies into its blocks: they add their padding to its own bytes, and at
-    the ring's last block only that block is left of it, but it dies only when the last is sliced, each
-    block a fusion's result in a buffer of its own (a slice is never made in its operand's place), so it
-    is alive beside all n at the step before the ring (``fsdp_tp.shard``'s backward at 16x its sizes:
-    the gathered W_in beside its four blocks for dIn's ring, XLA's peak).  The n block matmuls run before their products
-    are added up or sent around: all n products are alive at the last (where the result keeps the gathered
-    index, each block's product is written into it as the next is made: two alive), beside the last
-    block's slices and the received block it reads."""
-    c = step.collective
-    assert c is not None and c.src is not None
-    n = prod(copies.sizes[a] for a in c.axes)
-    gathered = c.op is Op.ALL_GATHER
-    keeps = gathered and _ring_index(step) in [d.name for d in step.dst.dims]  # a block's product: the result's
-    product = copies.nbytes(step.dst) / (n if keeps else 1)
-    rounded = copies.buffers.rounded
-    received_block = rounded(copies.nbytes(c.src if gathered else step.dst))
-    if not copies.buffers.ring_blocks_first:
-        return [(k, k, min(2, n - 1) * received_block + rounded(product))]
-    blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in _ring_sliced(step)}
-    # a value the ring reads last dies into its blocks: beyond the last slice they add only their padding
-    freed = {ref: rounded(copies.nbytes(ref)) if ref in dying else 0.0 for ref in blocks}
-    spans: list[Span] = [(since[ref], k - 1, n * blocks[ref] - freed[ref]) for ref in blocks if since.get(ref, k) < k]
-    spans += [(k - 1, k - 1, freed[ref]) for ref in blocks if since.get(ref, k) < k and freed[ref]]  # the last slice
-    at_start = sum(n * blocks[ref] - freed[ref] for ref in blocks) + min(2, n - 1) * received_block
-    at_last = (2 if keeps else n) * rounded(product) + sum(blocks[ref] - freed[ref] for ref in blocks) + received_block
-    return spans + [(k, k, max(at_start, at_last))]
-
-
-def _ring_index(step: Step) -> str:
-    """The index a collective matmul's ring runs along: its collective's dim."""
-    c = step.collective
-    assert c is not None and c.src is not None and c.dim is not None
-    return (c.src if c.op is Op.ALL_GATHER else c.dst).dims[c.dim].name
-
-
-def _ring_sliced(step: Step) -> list[TensorRef]:
-    """A collective matmul's operands its ring slices into blocks: those with its index but the one gathered."""
-    c = step.collective
-    assert c is not None
-    index = _ring_index(step)
-    return [ref for ref in step.operands
-            if not (c.op is Op.ALL_GATHER and ref == c.src) and index in [d.name for d in ref.dims]]
 
 
 def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
