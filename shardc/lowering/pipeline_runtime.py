@@ -247,7 +247,7 @@ class Pipeline:
         ``backward``, the block params' gradients, from this stage's blocks of the arguments."""
         stage = jax.lax.axis_index(self.axis)
         names = self.ends.inputs()
-        pool = {k: x[0] for k, x in zip(names, args, strict=False)} | {"cotangent": cotangent[0]}
+        pool = {k: x[0] for k, x in zip(names, args, strict=False)} | {"cotangent": cotangent[0], "key": key}
         params = args[len(names):]
         table = self.forward_ticks if backward else forward_only(self.forward_ticks)
         ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
