@@ -61,14 +61,14 @@ from shardc.verification import power
 from shardc.verification.memory_check import MEMORY_DTYPE
 from shardc.verification.module_check import running
 from shardc.verification.pipeline_hlo import loop_rows
-from shardc.verification.pipeline_layers import block_grads, layer_specs, model_layers, run_blocks
+from shardc.verification.pipeline_layers import block_grads, keyed, layer_specs, model_layers, run_blocks
 from shardc.verification.pipeline_memory import StageMemoryCheck, stage_memory_check
 from shardc.verification.pipeline_module import use_pipeline_module
 from shardc.verification.progress import step
 from shardc.verification.report import POWER, Report, ValueRow, compare_values, cut_note, gemm_note
 from shardc.verification.scales import input_scales
 
-__all__ = ["verify_pipeline", "check_pipeline_memory", "keyed", "run_sizes", "draw_inputs", "draw_cotangent",
+__all__ = ["verify_pipeline", "check_pipeline_memory", "run_sizes", "draw_inputs", "draw_cotangent",
            "reference", "rounding_bound", "differential_rows", "run_blocks"]
 
 Arrays = dict[str, np.ndarray]
@@ -140,8 +140,8 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
         shape = [sizes[d.name] for d in info.ref.dims]
         if info.name in vocab:
             values[info.name] = rng.integers(0, sizes[vocab[info.name]], shape).astype(ID_DTYPE)
-        elif info.name == ns.BLOCK_INPUT and pre is None:
-            values[info.name] = rng.standard_normal(shape)
+        elif (info.name == ns.BLOCK_INPUT and pre is None) or info.name in ns.PIPELINE.shared:
+            values[info.name] = rng.standard_normal(shape)  # data, or an input every stage holds whole
         elif info.role == "param" and info.name in stacked:
             scale = 1 / math.sqrt(_contracted(stacked[info.name].spec, info.name, sizes))
             values[info.name] = rng.standard_normal([held[info.name], *shape]) * scale
@@ -186,9 +186,10 @@ def _calibrate(lowered: PipelineLowered, values: Arrays, x: np.ndarray, key: int
         linear: list[str] = []
         if last is not None and isinstance(last.expr, Contract):  # the output is linear in its operands
             linear = [r.name for r in leaves(last.expr) if r.name in layer.params]
-        pool = {layer.input: x, **{p: values[p] for p in layer.params}}
-        _rescale(spec, pool, [layer.input, *layer.params], {layer.input}, sizes, scales, k)
-        layer_values = {layer.input: x, **{p: values[p][k] for p in layer.params}}
+        shared = {n: values[n] for n in lowered.namespace.PIPELINE.shared}  # held whole, never rescaled
+        pool = {layer.input: x, **{p: values[p] for p in layer.params}, **shared}
+        _rescale(spec, pool, [layer.input, *layer.params, *shared], {layer.input, *shared}, sizes, scales, k)
+        layer_values = {layer.input: x, **{p: values[p][k] for p in layer.params}, **shared}
         out = numpy_reference.forward(spec, layer_values, sizes=sizes, key=_key(lowered, key, number))[layer.output]
         if linear:
             rms = float(np.sqrt(np.mean(out ** 2))) or 1.0
@@ -222,7 +223,8 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
     kept = []
     layers = model_layers(lowered)
     for number, layer in enumerate(layers):
-        values = {layer.input: x, **{p: wide[p][layer.index] for p in layer.params}}
+        values = {layer.input: x, **{p: wide[p][layer.index] for p in layer.params},
+                  **{k: wide[k] for k in ns.PIPELINE.shared}}  # a shared input: every layer's the same
         kept.append(values)
         x = xp.forward(layer.spec, values, sizes, _key(lowered, key, number))[layer.output]
     grads: Arrays = {}
@@ -431,11 +433,6 @@ def _relative(value: Any, ref: np.ndarray) -> float:
     err = np.abs(np.where(finite, np.asarray(value, np.float64), 0.0) - ref)
     peak = float(np.max(np.abs(ref))) if ref.size else 0.0
     return float(np.max(err)) / peak if peak > 0 and np.all(np.isfinite(err)) else 0.0
-
-
-def keyed(namespace: Any) -> bool:
-    """Whether a lowered pipeline module draws dropout masks: in its block or in the statements around it."""
-    return any(getattr(namespace, name, False) for name in ("KEYED", "PRE_KEYED", "POST_KEYED"))
 
 
 def _keys(lowered: PipelineLowered, key: int) -> tuple[int, ...]:
