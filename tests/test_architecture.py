@@ -345,14 +345,15 @@ def test_the_entry_points_defer_only_the_package_itself() -> None:
     assert not odd, "\n".join(odd)
 
 
-def _loads_a_heavy_library(name: str) -> bool:
-    """Whether importing ``name`` loads jax, matplotlib or lark (its module-level imports, and theirs)."""
+def _loads_a_heavy_library(name: str, heavy: tuple[str, ...] = HEAVY) -> bool:
+    """Whether importing ``name`` loads jax, matplotlib or lark (its module-level imports, and theirs;
+    ``heavy``: the libraries asked about)."""
     graph: dict[str, set[str]] = {n: set() for n in MODULES}
     for edge in EDGES:
         if edge.target in MODULES and not edge.deferred:
             graph[edge.source].add(edge.target)
     loaded = reachable(name, graph)
-    return any(e.source in loaded and not e.deferred and _within(e.target, HEAVY) for e in EDGES)
+    return any(e.source in loaded and not e.deferred and _within(e.target, heavy) for e in EDGES)
 
 
 def test_the_commands_defer_only_what_loads_a_heavy_library() -> None:
@@ -413,3 +414,10 @@ def test_no_module_is_over_the_line_limit() -> None:
     long = {name: n for name, path in MODULES.items()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES}
     assert not long, f"modules over {MODULE_LINES} lines (split each along a concept of its own): {long}"
+
+
+def test_verify_loads_no_jax_before_it_asks_for_its_devices() -> None:
+    # `shardc verify` asks XLA for its emulated CPU devices before jax is up (lower_cmd.emulate_devices); a
+    # module-level import reaching jax (pipeline_hlo's of pipeline_params) left it one device: "the mesh P=12,
+    # Z=2, Y=2 needs 48 devices but jax sees 1" on every pipelined spec without XLA_FLAGS
+    assert not _loads_a_heavy_library("shardc.cli.lower_cmd", ("jax", "jaxlib"))

@@ -16,8 +16,11 @@ from tests.test_plan_sections import MODEL
 pytestmark = pytest.mark.slow  # compiles the optimizer phase
 
 
-def test_a_stages_optimizer_runs_on_a_stages_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    replicated = MODEL.replace("X=2", "X=4").replace("W_emb[V_Y, D_X]", "W_emb[V_Y, D]") \
+@pytest.mark.parametrize("topology", ["", "topology 2x8\n"])
+def test_a_stages_optimizer_runs_on_a_stages_devices(monkeypatch: pytest.MonkeyPatch, topology: str) -> None:
+    """With a topology (BLOOM's 48x8) the whole run's cluster, which a stage's mesh does not fill: the stage's
+    phase was refused ('topology 2x8 has 16 chips, the mesh's ICI axes 8')."""
+    replicated = topology + MODEL.replace("X=2", "X=4").replace("W_emb[V_Y, D_X]", "W_emb[V_Y, D]") \
         .replace("W1[D_X, F_Y]", "W1[D, F_Y]").replace("W2[F_Y, D_X]", "W2[F_Y, D]") \
         .replace("W_out[D_X, V_Y]", "W_out[D, V_Y]")
     zero = shardc.plan(shardc.parse(replicated + "zero 1 over X\n"))

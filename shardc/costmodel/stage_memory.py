@@ -16,7 +16,7 @@ from shardc.hardware import Hardware
 from shardc.ir.plan import SECTIONS, Plan
 from shardc.ir.spec import Statement, TensorRef
 from shardc.pipeline.block_split import chunk_blocks, device_blocks
-from shardc.pipeline.boundary import gradient_reductions, microbatch_dim
+from shardc.pipeline.boundary import gradient_reductions, microbatch_dim, shared_inputs
 from shardc.pipeline.dualpipe import TWO_WAY, end_chunks
 from shardc.pipeline.schedules import Simulation, device_of
 from shardc.spec.stages import Pipeline
@@ -77,17 +77,20 @@ def kept_copies(plan: Plan, pipe: Pipeline, held: Sequence[float], chunks: Seque
     with ``held[d]`` microbatches in flight on device d: a microbatch's value once a layer of its block the
     device runs, for each microbatch held (under DualPipe, ``chunks[d]``'s of each of the device's two
     stages, :func:`dualpipe_held`); a value without the microbatch index (a saved weight) once a layer; a
-    value outside the block once, on a device holding it; ``native``: the framework's kernels' saved statistics
-    among the values (:func:`shardc.costmodel.memory.residual_values`)."""
+    value outside the block once, on a device holding it; an input the block reads without the microbatch dim
+    once on every device, which holds it whole (:func:`shardc.pipeline.boundary.shared_inputs`: the lowered
+    pipeline's argument, not a copy a layer); ``native``: the framework's kernels' saved statistics among the
+    values (:func:`shardc.costmodel.memory.residual_values`)."""
     dim = microbatch_dim(plan)
     values = residual_values(plan, native)
     once = kept_once(plan, values) if plan.spec.block is not None else set()
+    shared = shared_inputs(plan)
     blocks = value_blocks(plan)
     per_chunk = chunk_copies(plan, pipe, native) if chunks is not None else []
     out = []
     for stage, layers in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, stage)
-        counts = {r: (1 if outside is None or r.name in outside else 0) if r in once
+        counts = {r: 1 if r.name in shared else (1 if outside is None or r.name in outside else 0) if r in once
                   else layers[blocks.get(r.name, 0)] for r in values}
         mine = {} if chunks is None else chunks[stage]
         out.append({r: (math.fsum(n * per_chunk[c][r] for c, n in mine.items()) if chunks is not None

@@ -42,7 +42,7 @@ from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
 from shardc.pipeline.boundary import boundary_tensor, carried_moves, tied_contributions
 from shardc.spec.stages import block_layers
-from shardc.spec.walk import calls, leaves
+from shardc.spec.walk import leaves
 
 __all__ = ["Ends", "split_spec", "cut_parts", "ends_source", "constants", "pipeline_lines", "prefixed"]
 
@@ -134,11 +134,6 @@ def cut_parts(plan: Plan) -> Ends:
               for b, spec in enumerate(block_specs)]
     pre = _part(plan, "before", plan.section("before"), pre_spec, block_specs[0], whole.backward)
     post = _part(plan, "after", sections[-1], post_spec, None, (), tied)
-    for part, part_spec in ((pre, pre_spec), (post, post_spec)):
-        if uses_dropout(part.forward):
-            where = next((s.span for s in part_spec.statements for c in calls(s.expr) if c.func == "dropout"), None)
-            raise ShardcError("a dropout outside the pipelined block does not lower yet", where,
-                              fix="put the dropout inside the `layers` block")
     return Ends(pre, blocks[0], post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied), tuple(blocks[1:]))
 
 
@@ -193,16 +188,17 @@ def _part(plan: Plan, name: str, section: Section, spec: Spec, following: Spec |
                    sizes=None if plan.sizes is None else tuple((k, v) for k, v in plan.sizes if k not in gone))
 
 
-def prefixed(module: Module, prefix: str) -> str:
-    """One end's boundary tables and functions, each name prefixed (``PRE_FORWARD_IN``, ``pre_forward_local``)."""
+def prefixed(module: Module, prefix: str, keyed: bool = False) -> str:
+    """One end's boundary tables and functions, each name prefixed (``PRE_FORWARD_IN``, ``pre_forward_local``);
+    ``keyed``: its forward draws dropout masks, so it takes the dropout key (``PRE_KEYED``)."""
     text = ""
     for phase, key in ((module.forward, "FORWARD"), (module.backward, "BACKWARD")):
         named = Phase(f"{prefix.lower()}_{phase.name}", phase.inputs, phase.outputs, phase.body)
         text += template.specs(f"{prefix}_{key}_IN", phase.inputs) + template.specs(f"{prefix}_{key}_OUT",
                                                                                    phase.outputs)
-        text += "\n\n" + template.function(named) + "\n\n"
+        text += "\n\n" + template.function(named, keyed and phase is module.forward) + "\n\n"
     text += f"{prefix}_COTANGENTS = {module.cotangents!r}\n{prefix}_GRADS = {module.grads!r}\n"
-    return text
+    return text + (f"{prefix}_KEYED = True  # its forward takes the dropout key\n" if keyed else "")
 
 
 def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int], reduce: str = "") -> str:
@@ -215,7 +211,8 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
     post_data = tuple(b.key for b in post.forward.inputs if b.key not in post_params
                       and b.key != _block_output(ends))
     text = "\n\n# ---- the block's ends: the statements before it on stage 0, after it on the last " + "-" * 4
-    text += "\n\n" + prefixed(pre, "PRE") + "\n" + prefixed(post, "POST") + reduce + "\n"
+    text += ("\n\n" + prefixed(pre, "PRE", uses_dropout(ends.pre.forward)) + "\n"
+             + prefixed(post, "POST", uses_dropout(ends.post.forward)) + reduce + "\n")
     text += constants((("PRE_PARAMS", pre_params, "passed stacked over the stages: [STAGES, ...]"),
                        ("POST_PARAMS", post_params, "so too"),
                        ("PRE_DATA", pre_data, "cut into microbatches, stacked over the stages"),

@@ -298,6 +298,14 @@ class ModelEnds:
     def result_specs(self, axis: str) -> Any:
         return P(axis, None), {key: P(axis, *self._spec(k)) for key, k in self._keys().items()}
 
+    @staticmethod
+    def _drawn(args: Arrays, j: Any) -> tuple[Any, Any]:
+        """The dropout key of the ends on microbatch j: the step's key itself (``args["key"]``, as the
+        unpipelined reference draws the statements around the blocks under it; a layer draws under
+        :func:`shardc.spec.functions.layer_key`, its own salts apart) and j, whose slice of the whole
+        batch's mask the microbatch draws (``keep_mask``'s ``MICROBATCH``)."""
+        return args["key"], jnp.asarray(j, jnp.int32)
+
     def _pre_pool(self, args: Arrays, j: Any) -> Arrays:
         return {k: args[k][j] if k in self.pre_data else args[k] for k in self.pre.forward_in}
 
@@ -306,7 +314,7 @@ class ModelEnds:
                 for k in self.post.forward_in}
 
     def first(self, args: Arrays, j: Any) -> Any:
-        return self.pre.forward(self._pre_pool(args, j))[0]
+        return self.pre.forward(self._pre_pool(args, j), self._drawn(args, j))[0]
 
     def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any:
         """No losses yet, and zeros of each end param's gradient as its backward hands it on (a partial
@@ -316,8 +324,10 @@ class ModelEnds:
         post and pre: a slot for each one in flight on the ends' devices, as a framework keeps the loss's W
         inputs, not one for each of the M: ZB-H1's 3 + 5 run kept 8 logits' cotangents, 128 kB)."""
         losses = jnp.zeros((args[self.inputs()[0]].shape[0],), x.dtype)
-        pre = jax.eval_shape(lambda d: self.pre.backward(self.pre.forward(self._pre_pool(args, 0))[1], d), x)
-        post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0))[1],
+        pre = jax.eval_shape(lambda d: self.pre.backward(self.pre.forward(self._pre_pool(args, 0),
+                                                                          self._drawn(args, 0))[1], d), x)
+        post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0),
+                                                                             self._drawn(args, 0))[1],
                                                            args["cotangent"]), x)
         shapes = {k: pre[k] for k in self.pre_params} | {self._key(k): post[k] for k in self.post_params}
         dends = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
@@ -330,7 +340,7 @@ class ModelEnds:
     def _post_input_backward(self, args: Arrays, y: Any, j: Any) -> tuple[Any, Any, Arrays]:
         """The loss, the block output's gradient (post's B) and what post's W reads that this microbatch
         made (the forward's saved values, B's handed ones; the params W reads are the arguments)."""
-        loss, (pool, saved) = self.post.forward(self._post_pool(args, y, j))
+        loss, (pool, saved) = self.post.forward(self._post_pool(args, y, j), self._drawn(args, j))
         dy, handed = self.post.backward_input((pool, saved), args["cotangent"], self.block_output)
         assert self.post.weight_backward is not None
         values = {**pool, **saved, **handed}
@@ -350,7 +360,7 @@ class ModelEnds:
             post = jax.tree.map(lambda buf, v: jnp.where(done, buf.at[slot].set(v), buf), kept[0]["post"], made)
             kept = [{**kept[0], "post": post}]
         else:
-            loss, residuals = self.post.forward(self._post_pool(args, y, j))
+            loss, residuals = self.post.forward(self._post_pool(args, y, j), self._drawn(args, j))
             dy = jnp.zeros_like(y)
             if backward:
                 got = self.post.backward(residuals, args["cotangent"])
@@ -368,7 +378,7 @@ class ModelEnds:
     def _pre_backward(self, args: Arrays, dx: Any, j: Any, done: Any, dends: Arrays) -> Arrays:
         """The backward before the block on microbatch j (its forward runs again for its residuals: a
         cheap lookup), added to the ends' gradient sums where ``done``."""
-        got = self.pre.backward(self.pre.forward(self._pre_pool(args, j))[1], dx)
+        got = self.pre.backward(self.pre.forward(self._pre_pool(args, j), self._drawn(args, j))[1], dx)
         return self._add(dends, got, False, done)
 
     def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any, slots: tuple[Any, Any]) -> Any:

@@ -163,6 +163,22 @@ class Pipeline:
         order = [place.virtual(c, s) for s in range(self.stages) for c in range(self.chunks)]
         return [firsts[u] + k if k < self.held[u] else self.layers for u in order for k in range(self.slots)]
 
+    @functools.cached_property
+    def shared(self) -> dict[str, P]:
+        """The inputs a layer reads beside its input and params (an ALiBi bias, a position table: no batch
+        dim, :func:`shardc.pipeline.boundary.check_lowerable`), each the same for every microbatch and
+        layer: every stage holds it whole, laid out over the other axes as the block's forward reads it
+        (as Megatron-DeepSpeed's stages each build BLOOM's ALiBi tensor), passed after the params."""
+        return {k: b.part.forward_in[k] for b in self.bodies for k in b.part.forward_in
+                if k != b.input and k not in b.params}
+
+    def _layer(self, params: tuple[Any, ...], b: int, chunk: Any, virtual: Any, k: int) -> Arrays:
+        """What slot k's layer reads beside its input: its params (``params``: the holding's, then the
+        :attr:`shared` inputs) and the shared inputs."""
+        own = len(params) - len(self.shared)
+        return dict(zip(self.shared, params[own:], strict=True)) | self.holding.layer(params[:own], b, chunk,
+                                                                                      virtual, k)
+
     def layer_key(self, key: Any, virtual: Any, k: int, j: Any) -> tuple[Any, Any]:
         """The dropout key of layer k of virtual stage ``virtual`` on microbatch j: (the key its layer
         number draws under in the unpipelined stack, :func:`shardc.spec.functions.layer_key`; j)."""
@@ -178,10 +194,12 @@ class Pipeline:
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(given: Any) -> Any:
                     body = self.bodies[b]
-                    pool = {body.input: given, **self.holding.layer(params, b, chunk, virtual, k)}
+                    pool = {body.input: given, **self._layer(params, b, chunk, virtual, k)}
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
                     reads = body.part.backward_reads
-                    return y, {b: ({n: v for n, v in used.items() if n in reads and n not in body.params},
+                    mine = {n: v for n, v in used.items() if n in reads and n not in body.params
+                            and n not in self.shared}  # a shared input: read from the arguments again
+                    return y, {b: (mine,
                                    _once({n: v for n, v in saved.items() if n in reads}))}
                 return go
             y, mine = switch(self.tables, k, virtual, run, x, pack=len(self.bodies) > 1)
@@ -194,7 +212,7 @@ class Pipeline:
         out of the slot's union where several blocks can run there): the saved values and the layer's params."""
         def of(k: int, b: int) -> Any:
             used, saved = unpacked(kept[k], b)
-            return ({**used, **self.holding.layer(params, b, chunk, virtual, k)},
+            return ({**used, **self._layer(params, b, chunk, virtual, k)},
                     {n: v for names, v in saved.items() for n in names})
         return [functools.partial(of, k) for k in range(len(kept))]
 
@@ -247,7 +265,7 @@ class Pipeline:
         ``backward``, the block params' gradients, from this stage's blocks of the arguments."""
         stage = jax.lax.axis_index(self.axis)
         names = self.ends.inputs()
-        pool = {k: x[0] for k, x in zip(names, args, strict=False)} | {"cotangent": cotangent[0]}
+        pool = {k: x[0] for k, x in zip(names, args, strict=False)} | {"cotangent": cotangent[0], "key": key}
         params = args[len(names):]
         table = self.forward_ticks if backward else forward_only(self.forward_ticks)
         ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
@@ -351,7 +369,8 @@ class Pipeline:
         its outputs' (the ends' accumulator, the params' gradients), the stage axis leading."""
         a = self.axis
         params = self.holding.specs()
-        ins = (P(), P(a, *self.ends.cotangent_spec()), *[P(a, *s) for s in self.ends.specs()], *params)
+        ins = (P(), P(a, *self.ends.cotangent_spec()), *[P(a, *s) for s in self.ends.specs()], *params,
+               *self.shared.values())  # a shared input: whole on every stage (no stage axis)
         return ins, (self.ends.result_specs(a), params)
 
     def program(self, backward: bool = True) -> tuple[jax.sharding.Mesh, Any]:
@@ -395,7 +414,7 @@ class Pipeline:
         for k in self.ends.inputs():
             x = self.split(self.order(k, inputs[k]), self.dims[k]) if k in self.dims else inputs[k]
             args.append(self._on(x, self.ends.stages_of(k)))
-        args += self.holding.host(inputs)
+        args += [*self.holding.host(inputs), *(np.asarray(inputs[k]) for k in self.shared)]
         # built and placed from host memory: jax cuts a host array into its pieces without compiling a
         # program for each (as it would to move a device array, or to build one op by op)
         return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, self.specs()[0], strict=True)]

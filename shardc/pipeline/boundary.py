@@ -12,7 +12,7 @@ from shardc.ir.spec import Spec, TensorRef
 from shardc.spec.walk import id_refs, leaves
 
 __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "send_bytes", "check_microbatches", "check_lowerable",
-           "gradient_reductions", "tied_contributions", "carried_moves"]
+           "shared_inputs", "gradient_reductions", "tied_contributions", "carried_moves"]
 
 
 def _block_input(spec: Spec, tensors: tuple[TensorInfo, ...]) -> TensorRef | None:
@@ -81,14 +81,31 @@ def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> 
     return dim
 
 
+def shared_inputs(plan: Plan) -> frozenset[str]:
+    """The inputs the ``layers`` block reads without the microbatch dim (BLOOM's ALiBi bias [N, T]): the same
+    for every microbatch and layer, so every stage holds one copy whole, as a param is held (Megatron-
+    DeepSpeed's stages each build BLOOM's ALiBi tensor; the lowered pipeline passes it to every stage)."""
+    spec = plan.spec
+    if spec.mesh.pipeline_axis is None or spec.block is None:
+        return frozenset()
+    inputs = {i.name for i in plan.tensors if i.role == "input"}
+    lo, hi = spec.block
+    batch = microbatch_dim(plan)
+    return frozenset(r.name for s in spec.statements[lo:hi] for r in leaves(s.expr)
+                     if r.name in inputs and batch not in r.indices)
+
+
 def check_lowerable(plan: Plan) -> None:
     """Refuse a pipelined plan that reads an input its lowered pipeline has no way to feed.
 
     A stage receives one activation from the previous stage (the block's input, or with
     `layers` alone the spec's first input) and holds its own params; the statements before
     a `layers { }` block also read token ids (an embedding's), those after it a loss's
-    targets.  Another input (a bias or a position table that is not a param) would be a
-    different tensor on every stage, which neither the lowering nor the reference defines.
+    targets.  A layer may also read an input without the batch dim (BLOOM's ALiBi bias
+    [N, T]): the same for every microbatch and layer, every stage holds it whole
+    (:attr:`shardc.lowering.pipeline_runtime.Pipeline.shared`).  Another input with the batch
+    dim would be a different tensor for every microbatch on every stage, which neither the
+    lowering nor the reference defines.
     """
     spec = plan.spec
     if spec.mesh.pipeline_axis is None:
@@ -96,16 +113,20 @@ def check_lowerable(plan: Plan) -> None:
     inputs = [i.name for i in plan.tensors if i.role == "input"]
     lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
     ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
+    batch, shared = microbatch_dim(plan), shared_inputs(plan)
     for k, statement in enumerate(spec.statements):
         inside = lo <= k < hi
         fed = ({inputs[0]} if inputs and spec.block is None else set()) if inside else ids
         for ref in leaves(statement.expr):
-            if ref.name in inputs and ref.name not in fed:
+            if ref.name in inputs and ref.name not in fed and not (inside and ref.name in shared):
                 where = "the pipelined block reads" if inside else "the statements around the pipelined block read"
-                raise ShardcError(f"{where} {ref.name}, an input; a pipelined stage receives only the previous "
-                                  "stage's activation (and, around a block, token ids and targets)", ref.span,
-                                  fix=f"make {ref.name} a param (declared with `param`), or compute it from the "
-                                      "block's input")
+                what = f"an input with the batch dim {batch}" if batch in ref.indices else "an input"
+                drop = f", drop its dim {batch} where every sequence shares it" if inside and spec.block else ""
+                raise ShardcError(f"{where} {ref.name}, {what}; a pipelined stage receives only the previous "
+                                  "stage's activation (and, around a block, token ids and targets; in a `layers "
+                                  "{ }` block, inputs without the batch dim, held whole)", ref.span,
+                                  fix=f"compute {ref.name} from the block's input{drop}, or make {ref.name} a param "
+                                      "(declared with `param`)")
 
 
 def gradient_reductions(plan: Plan) -> frozenset[int]:

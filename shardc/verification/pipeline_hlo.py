@@ -40,7 +40,6 @@ from shardc.device_pieces import local_elements
 from shardc.ir.plan import Op, Plan, Step, backward_program
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
-from shardc.lowering.pipeline_params import Flat
 from shardc.pipeline.boundary import send_bytes
 from shardc.verification.hlo import Collective, collectives
 from shardc.verification.report import (
@@ -310,8 +309,8 @@ def _copies_wants(lowered: PipelineLowered) -> list[tuple[str, int]]:
                                                                       strict=True)] if ends is not None else [])
     sums = [{k: int(local_elements(_made(plan)[grads[k]], lowered.sizes)) for k in params}
             for plan, params, grads in blocks]
-    holding = ns.PIPELINE.holding
-    if isinstance(holding, Flat):  # several blocks: each device's own layers' sums in one buffer, swapped once
+    holding = ns.PIPELINE.holding  # Flat with several blocks (Pipeline.holding), its module loads jax: not imported
+    if len(ns.PIPELINE.bodies) > 1:  # several blocks: each device's own layers' sums in one buffer, swapped once
         wants = [("every block's gradient sums (one buffer: the device's own layers', as long as the fullest "
                   "device's)", holding.elements([sum(mine.values()) for mine in sums]) * nbytes)]
     else:

@@ -8,6 +8,7 @@ stacked over its own layers ([its layers, ...]), and layer k of a block reads sl
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
@@ -15,7 +16,7 @@ from shardc.ir.spec import Spec
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.spec.stages import pipeline_of, stage_spec
 
-__all__ = ["Layer", "layer_specs", "model_layers", "block_grads", "run_blocks", "at_run_blocks"]
+__all__ = ["Layer", "layer_specs", "model_layers", "block_grads", "run_blocks", "at_run_blocks", "keyed"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,8 @@ def at_run_blocks(spec: Spec, sizes: dict[str, int], counts: tuple[int, ...]) ->
     kept = [given if isinstance(given, str) else n for given, n in zip(written, counts, strict=True)]
     return replace(spec, layers=kept[0], more_blocks=tuple((first, end, n) for (first, end, _), n
                                                            in zip(spec.more_blocks, kept[1:], strict=True)))
+
+
+def keyed(namespace: Any) -> bool:
+    """Whether a lowered pipeline module draws dropout masks: in its block or in the statements around it."""
+    return any(getattr(namespace, name, False) for name in ("KEYED", "PRE_KEYED", "POST_KEYED"))

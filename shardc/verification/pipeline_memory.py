@@ -101,7 +101,10 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     spec = plan.spec
     sizes = {**lowered.sizes, microbatch_dim(plan): lowered.batch}
     spec = at_run_blocks(spec, sizes, lowered.blocks)
-    run = replace(plan, spec=replace(spec, microbatches=pipe.microbatches, stage_layers=pipe.stage_layers))
+    # the split the program runs (STAGE_LAYERS: verify's run of a spec's own `stage_layers`, BLOOM's 5, 6, ..., 5
+    # of 70 layers cut to 2 a stage), not the spec's at its own layers: that priced stage 1 at 6 of the run's 24
+    run = replace(plan, spec=replace(spec, microbatches=pipe.microbatches,
+                                     stage_layers=lowered.namespace.STAGE_LAYERS))
     report = cost(run, sizes=sizes)
     assert report.pipeline is not None
     scale = element / plan.spec.dtype.nbytes

@@ -61,15 +61,15 @@ from shardc.verification import power
 from shardc.verification.memory_check import MEMORY_DTYPE
 from shardc.verification.module_check import running
 from shardc.verification.pipeline_hlo import loop_rows
-from shardc.verification.pipeline_layers import block_grads, layer_specs, model_layers, run_blocks
+from shardc.verification.pipeline_layers import block_grads, keyed, layer_specs, model_layers, run_blocks
 from shardc.verification.pipeline_memory import StageMemoryCheck, stage_memory_check
 from shardc.verification.pipeline_module import use_pipeline_module
 from shardc.verification.progress import step
 from shardc.verification.report import POWER, Report, ValueRow, compare_values, cut_note, gemm_note
 from shardc.verification.scales import input_scales
 
-__all__ = ["verify_pipeline", "check_pipeline_memory", "run_sizes", "draw_inputs", "draw_cotangent", "reference",
-           "rounding_bound", "differential_rows", "run_blocks"]
+__all__ = ["verify_pipeline", "check_pipeline_memory", "run_sizes", "draw_inputs", "draw_cotangent",
+           "reference", "rounding_bound", "differential_rows", "run_blocks"]
 
 Arrays = dict[str, np.ndarray]
 
@@ -140,8 +140,8 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
         shape = [sizes[d.name] for d in info.ref.dims]
         if info.name in vocab:
             values[info.name] = rng.integers(0, sizes[vocab[info.name]], shape).astype(ID_DTYPE)
-        elif info.name == ns.BLOCK_INPUT and pre is None:
-            values[info.name] = rng.standard_normal(shape)
+        elif (info.name == ns.BLOCK_INPUT and pre is None) or info.name in ns.PIPELINE.shared:
+            values[info.name] = rng.standard_normal(shape)  # data, or an input every stage holds whole
         elif info.role == "param" and info.name in stacked:
             scale = 1 / math.sqrt(_contracted(stacked[info.name].spec, info.name, sizes))
             values[info.name] = rng.standard_normal([held[info.name], *shape]) * scale
@@ -152,7 +152,7 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
     own = scales if scales is not None else {}
     if pre is not None:
         _rescale(pre, values, list(ns.PRE_FORWARD_IN), set(), sizes, own)
-    x = values[ns.BLOCK_INPUT] if pre is None else numpy_reference.forward(pre, values)[ns.PRE_RESULT]
+    x = values[ns.BLOCK_INPUT] if pre is None else numpy_reference.forward(pre, values, key=key)[ns.PRE_RESULT]
     x = _calibrate(lowered, values, x, key, own)
     if post is not None:
         out = layers[-1].output  # the last block's output, which the statements after the blocks read
@@ -186,9 +186,10 @@ def _calibrate(lowered: PipelineLowered, values: Arrays, x: np.ndarray, key: int
         linear: list[str] = []
         if last is not None and isinstance(last.expr, Contract):  # the output is linear in its operands
             linear = [r.name for r in leaves(last.expr) if r.name in layer.params]
-        pool = {layer.input: x, **{p: values[p] for p in layer.params}}
-        _rescale(spec, pool, [layer.input, *layer.params], {layer.input}, sizes, scales, k)
-        layer_values = {layer.input: x, **{p: values[p][k] for p in layer.params}}
+        shared = {n: values[n] for n in lowered.namespace.PIPELINE.shared}  # held whole, never rescaled
+        pool = {layer.input: x, **{p: values[p] for p in layer.params}, **shared}
+        _rescale(spec, pool, [layer.input, *layer.params, *shared], {layer.input, *shared}, sizes, scales, k)
+        layer_values = {layer.input: x, **{p: values[p][k] for p in layer.params}, **shared}
         out = numpy_reference.forward(spec, layer_values, sizes=sizes, key=_key(lowered, key, number))[layer.output]
         if linear:
             rms = float(np.sqrt(np.mean(out ** 2))) or 1.0
@@ -218,11 +219,12 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
     wide = {k: v if v.dtype.kind in "iu" else np.asarray(v, dtype) for k, v in inputs.items()}
     sizes = dict(lowered.sizes)  # the dims no input has (a route's capacity); the inputs' shapes win
     pre_in = {k: wide[k] for k in ns.PRE_FORWARD_IN} if pre is not None else {}
-    x = xp.forward(pre, pre_in)[ns.PRE_RESULT] if pre is not None else wide[ns.BLOCK_INPUT]
+    x = xp.forward(pre, pre_in, key=key)[ns.PRE_RESULT] if pre is not None else wide[ns.BLOCK_INPUT]
     kept = []
     layers = model_layers(lowered)
     for number, layer in enumerate(layers):
-        values = {layer.input: x, **{p: wide[p][layer.index] for p in layer.params}}
+        values = {layer.input: x, **{p: wide[p][layer.index] for p in layer.params},
+                  **{k: wide[k] for k in ns.PIPELINE.shared}}  # a shared input: every layer's the same
         kept.append(values)
         x = xp.forward(layer.spec, values, sizes, _key(lowered, key, number))[layer.output]
     grads: Arrays = {}
@@ -232,9 +234,9 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         g = np.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
     else:
         post_in = {k: x if k == layers[-1].output else wide[k] for k in ns.POST_FORWARD_IN}
-        results = {ns.LOSS: np.asarray(xp.forward(post, post_in, sizes)[ns.LOSS])}
+        results = {ns.LOSS: np.asarray(xp.forward(post, post_in, sizes, key)[ns.LOSS])}
         d_loss = np.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
-        got = xp.backward(post, post_in, {ns.LOSS: d_loss}, sizes)  # a routed head's C
+        got = xp.backward(post, post_in, {ns.LOSS: d_loss}, sizes, key)  # a routed head's C
         grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS if p not in ns.TIED})
         tied = {p: got[p] for p in ns.TIED}
         g = got[layers[-1].output]
@@ -248,7 +250,7 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
     if pre is None:
         grads[ns.GRADS[ns.BLOCK_INPUT]] = g
     else:
-        got = xp.backward(pre, pre_in, {ns.PRE_RESULT: g})
+        got = xp.backward(pre, pre_in, {ns.PRE_RESULT: g}, key=key)
         finals = getattr(ns, "PRE_FINAL_GRADS", {})  # a tied param's gradient: the sum of both ends'
         grads.update({finals.get(ns.PRE_GRADS[p], ns.PRE_GRADS[p]): got[p] + tied[p] if p in tied else got[p]
                       for p in ns.PRE_PARAMS})
@@ -261,7 +263,7 @@ def unsharded(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
               dtype: Any) -> tuple[Arrays, Arrays]:
     """:func:`reference` in jax.numpy and ``dtype``: the unsharded program, on one device, each part
     compiled apart (:class:`_Compiled`)."""
-    return reference(lowered, inputs, cotangent, key, _Compiled(bool(lowered.namespace.KEYED)), dtype)
+    return reference(lowered, inputs, cotangent, key, _Compiled(keyed(lowered.namespace)), dtype)
 
 
 class _Direct:
@@ -434,8 +436,8 @@ def _relative(value: Any, ref: np.ndarray) -> float:
 
 
 def _keys(lowered: PipelineLowered, key: int) -> tuple[int, ...]:
-    """The dropout keys to run: ``key`` and the next, where the block draws masks."""
-    if not lowered.namespace.KEYED:
+    """The dropout keys to run: ``key`` and the next, where the module draws masks."""
+    if not keyed(lowered.namespace):
         return (key,)
     return tuple((key + k) % 2**32 for k in power.DROPOUT_KEYS)
 

@@ -314,7 +314,9 @@ def _stage_optimizer(report: Report, zero: Plan, note: str, devices: int, seed: 
     the devices one stage of the run had (its mesh the run's, each axis at 2 or more: on all of them
     DeepSeek-V3's Z ran at 32, 0.9 billion values drawn, 52 s of CPU), its ``optimizer_step`` against
     numpy and its compiled HLO against the plan's optimizer steps."""
-    stage = replace(zero, spec=stage_spec(zero.spec))
+    # its topology is the whole run's cluster (BLOOM's 48x8), which a stage's mesh does not fill; the lowered
+    # phase runs on the run's devices, placed by none, as the ends' parts (shardc.lowering.pipeline_ends)
+    stage = replace(zero, spec=replace(stage_spec(zero.spec), topology=None))
     pipe = zero.spec.mesh.pipeline_axis
     step("lowering a stage's optimizer phase (ZeRO)")
     lowered = lower(stage, sizes=small_sizes(stage, devices // report.mesh.get(pipe.name, 1) if pipe else devices))

@@ -1,0 +1,79 @@
+"""An input without the batch dim read inside a pipelined block (BLOOM's ALiBi bias [N, T]) is the same for
+every microbatch and layer: every stage holds it whole, laid out over the other axes as its spec says.
+An input with the batch dim stays refused (tests/test_robust.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardc
+from shardc.verification.pipeline_verify import verify_pipeline
+
+SPEC = """mesh P=2 pipeline, X=2, Y=2
+dims B=8, S=4, T=4, D=8, N=2, V=16
+microbatches 2
+schedule {schedule}
+const Tok, Next, Bias
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D])
+layers 2 {{
+  Sc[B_X, N_Y, S, T] = X0[B_X, S, D] · W_q[D, N_Y, T] · Bias[N_Y, T] + Bias[N_Y, T]
+  X1[B_X, S, D] = X0[B_X, S, D] + Sc[B_X, N_Y, S, T] · W_o[N_Y, T, D]
+}}
+Lg[B_X, S, V] = X1[B_X, S, D] · W_out[D, V]
+Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])
+"""
+
+
+@pytest.mark.slow  # compiles a pipelined module
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_an_input_without_the_batch_dim_is_held_by_every_stage(schedule: str) -> None:
+    """BLOOM's ALiBi was refused ("a pipelined stage receives only the previous stage's activation"); here
+    W_q's gradient reads the bias in the backward, so a stage without it would compute another."""
+    from jax.sharding import PartitionSpec as P
+
+    plan = shardc.plan(shardc.parse(SPEC.format(schedule=schedule), "bias.shard"))
+    report = verify_pipeline(plan)
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+    assert shardc.lower(plan, sizes={"P": 2, "X": 2, "Y": 2}).namespace.PIPELINE.shared == {"Bias": P("Y", None)}
+
+
+def test_an_input_with_the_batch_dim_in_the_block_is_refused_with_a_true_fix() -> None:
+    from shardc.errors import ShardcError
+    from shardc.pipeline.boundary import check_lowerable, shared_inputs
+
+    text = SPEC.format(schedule="1f1b").replace("Bias[N_Y, T]", "Bias[B_X, N_Y, T]")
+    plan = shardc.plan(shardc.parse(text, "bias.shard"))
+    assert shared_inputs(plan) == frozenset()
+    with pytest.raises(ShardcError, match="reads Bias, an input with the batch dim B") as err:
+        check_lowerable(plan)
+    assert err.value.span is not None and err.value.span.line == 8
+    assert "drop its dim B where every sequence shares it" in (err.value.fix or "")
+    assert shared_inputs(shardc.plan(shardc.parse(SPEC.format(schedule="1f1b")))) == {"Bias"}
+
+
+@pytest.mark.slow  # compiles two pipelined schedules (not run)
+def test_the_memory_check_prices_the_split_the_program_runs() -> None:
+    """BLOOM's `stage_layers 5, 6, ..., 5` of 70 layers, run as 2 a stage: the check priced stage 1 at 6 of the
+    run's 24 layers (params 43.8 kB beside XLA's 16.9 kB of arguments).  A spec's `stage_layers 3, 1` runs as
+    (2, 1), the program of 3 layers split evenly: the two checks price the same stage."""
+    from shardc.verification.pipeline_verify import check_pipeline_memory
+
+    even = SPEC.format(schedule="1f1b").replace("layers 2 {", "layers 3 {")
+    split = SPEC.format(schedule="1f1b").replace("layers 2 {", "layers 4 {").replace("schedule 1f1b",
+                                                                                    "schedule 1f1b\nstage_layers 3, 1")
+    checks = [check_pipeline_memory(shardc.plan(shardc.parse(text)), 8) for text in (split, even)]
+    assert checks[0].shardc_parts == checks[1].shardc_parts and checks[0].stage == checks[1].stage == 0
+
+
+def test_the_cost_keeps_a_shared_input_once_a_device() -> None:
+    """W_q's backward reads the bias, so it is a residual; as an input without the microbatch dim it was counted
+    once a layer (a saved weight's count), where the lowered pipeline passes one copy to every stage."""
+    from shardc.costmodel.stage_memory import kept_copies
+    from shardc.spec.stages import pipeline_of
+
+    plan = shardc.plan(shardc.parse(SPEC.format(schedule="1f1b").replace("layers 2 {", "layers 4 {")))
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None
+    copies = kept_copies(plan, pipe, [2.0, 1.0])
+    assert [{str(r): k for r, k in c.items() if r.name == "Bias"} for c in copies] == [{"Bias[N_Y, T]": 1.0}] * 2
+    assert all(k == 2 * held for c, held in zip(copies, (2, 1), strict=True) for r, k in c.items() if r.name == "Sc")
