@@ -174,3 +174,24 @@ def test_chains_in_a_block_plan_and_cut(body: str, pipe: bool, b: str, d: str, r
         return
     assert plan.sections is not None, text
     assert shardc.cost(plan).step.step_s > 0
+
+
+# A parenthesised group keeps the indices the rest of its chain reads: OLMo's or LLaMA's MLP written in one line,
+# `(Gt * U) · W_down`, was refused ("index F is summed over inside one operand of this chain"), the group
+# computed towards the result's indices alone and so summing F before W_down could contract it.
+GROUPED = """mesh X=2, Y=2
+dims B=8, D=8, F=16
+X1[B_X, D] = R1[B_X, D] + (Gt[B_X, F_Y] * U[B_X, F_Y]) · W_down[F_Y, D]
+"""
+
+
+def test_a_group_keeps_the_indices_its_siblings_read() -> None:
+    plan = shardc.plan(shardc.parse(GROUPED))
+    product = next(s for s in plan.forward if [o.name for o in s.operands] == ["Gt", "U"])
+    assert "F" in product.dst.indices  # Gt * U keeps F: elementwise, as an einsum would
+
+
+@pytest.mark.slow
+def test_a_group_verifies_against_the_reference() -> None:
+    report = verify(shardc.parse(GROUPED))  # the reference folds the group as the planner does
+    assert report.ok, render_report(report)

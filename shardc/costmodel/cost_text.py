@@ -275,7 +275,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
              + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
              + f"[{fmt_seconds(cost.step_closed_s)} with free sends"
-             + (", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%} "
+             + (", simulated: the stages' layers differ" if cost.free_simulation is not None else
+                ", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%} "
              f"(over the {cost.peak_dtype} peak)",
              f"  the busiest device a step: compute {fmt_seconds(cost.compute_s)}, communication "
              f"{fmt_seconds(cost.comm_s)} ({fmt_seconds(cost.exposed_comm_s)} of it exposed): bound by {cost.bound}",

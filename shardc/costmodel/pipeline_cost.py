@@ -202,6 +202,7 @@ class PipelineCost:
     mfu_assumed: float | None = None  # --mfu: the MFU the step at MFU is given at
     optimizer_busy_s: float = 0.0  # of optimizer_s, the compute and memory-bound steps' time
     optimizer_comm_s: float = 0.0  # and the collectives'
+    free_simulation: Simulation | None = None  # the schedule with free sends where the chunks' layers differ
 
     @property
     def fullest(self) -> StageCost:
@@ -276,7 +277,10 @@ class PipelineCost:
     def step_closed_s(self) -> float:
         """The busiest device's work plus the closed-form idle time, sends free: with alike stages the
         stage time times (m + bubble); with extra work on the first or last chunk it adds that work,
-        m microbatches of it (GPipe's step exactly when one end does extra work)."""
+        m microbatches of it (GPipe's step exactly when one end does extra work).  Where the chunks' layers
+        differ the closed form takes every stage at the slowest's times: the schedule simulated with free sends."""
+        if self.free_simulation is not None:
+            return self.free_simulation.makespan + self.optimizer_s
         return self.simulation.ideal + self.closed.idle_s + self.optimizer_s  # the schedule's, no update
 
     def to_json(self) -> dict[str, object]:
@@ -347,7 +351,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
                         sim, stages, found, zero.seconds, first, last, optimizer_busy_s=zero.busy,
                         optimizer_comm_s=zero.comm,
                         grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
-                        copies_exchange_s=copies_s)
+                        copies_exchange_s=copies_s, free_simulation=times.free_sim)
 
 
 def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:

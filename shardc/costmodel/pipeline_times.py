@@ -12,14 +12,14 @@ takes 46.5 T_F where the order found at those times takes 37.5).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardc.collectives import Layout, Op, collective_time
 from shardc.costmodel.section_times import PartTime, chunk_times, end_timing, phases_of, run_times, section_times
 from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
-from shardc.pipeline.block_split import stage_blocks
+from shardc.pipeline.block_split import chunk_blocks, stage_blocks
 from shardc.pipeline.boundary import boundary_tensor, check_microbatches, send_bytes
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, simulate
 from shardc.spec.stages import Pipeline
@@ -38,6 +38,9 @@ class PipelineTimes:
     last: Timing  # and through those after it (the last chunk's)
     p2p_bytes: float  # one send: a microbatch's shard of the block's output
     sim: Simulation
+    # the schedule again with free sends, where the chunks' layers differ (the closed form takes every stage at
+    # the slowest's times, so it can exceed the step with its sends); None for an even split
+    free_sim: Simulation | None = None
 
 
 def microbatch_sizes(plan: Plan, pipe: Pipeline, sizes: dict[str, int]) -> tuple[str, dict[str, int]]:
@@ -59,9 +62,13 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, phases_of(slowest),
                     None if back == p2p else back_s)
     first, last = (end_timing(parts[end]) for end in ("first", "last"))
-    sim = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, timing, pipe.chunks,
-                   chunk_times(pipe, parts, first, last))
-    return PipelineTimes(parts, timing, first, last, p2p, sim)
+    chunks = chunk_times(pipe, parts, first, last)
+    sim = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, timing, pipe.chunks, chunks)
+    free = None
+    if len(set(chunk_blocks(pipe))) > 1:
+        free = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0, comm_back=None),
+                        pipe.chunks, chunks)
+    return PipelineTimes(parts, timing, first, last, p2p, sim, free)
 
 
 def plan_simulation(plan: Plan, pipe: Pipeline, sizes: dict[str, int]) -> Simulation:

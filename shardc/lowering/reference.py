@@ -29,7 +29,7 @@ import numpy as np
 from shardc.ir.precision import ARRAY_DTYPE
 from shardc.ir.spec import Add, Call, Contract, Expr, Spec, Statement, TensorRef
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Site, family_of, of_call
-from shardc.spec.walk import chain_indices, fold, leaves
+from shardc.spec.walk import chain_indices, fold, leaves, operand_outers
 
 __all__ = ["forward", "backward", "magnitudes", "outputs", "leaf_names", "sum_lengths", "gemm_rounded",
            "reference_rounded"]
@@ -105,7 +105,8 @@ class _Builder:
             self.labels[key] = self.labels[arg]
             return key
         assert isinstance(expr, Contract)
-        parts = [chain_indices(o, keep) for o in expr.operands]
+        towards = operand_outers(expr, keep)
+        parts = [chain_indices(o, t) for o, t in zip(expr.operands, towards, strict=True)]
         keys = [self.value(o, part) for o, part in zip(expr.operands, parts, strict=True)]
         left = keys[0]
         for k in range(1, len(keys)):  # left to right, as the language folds a chain

@@ -21,7 +21,7 @@ from shardc.ir.precision import Precision, gradient_dtype
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
 from shardc.names import gradient_names
 from shardc.ops.registry import CONTRACT, RENAME, SUM, Family, Node, family_of, of_call
-from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves
+from shardc.spec.walk import chain_indices, element_bytes, fold, id_names, leaves, operand_outers
 
 __all__ = ["Graph", "build_graph"]
 
@@ -182,7 +182,8 @@ class _Builder:
 
     def contract(self, e: Contract, name: str, indices: tuple[str, ...],
                  target: TensorRef | None) -> str:
-        operand_indices = [chain_indices(o, indices) for o in e.operands]
+        operand_indices = [chain_indices(o, towards) for o, towards in zip(e.operands, operand_outers(e, indices),
+                                                                               strict=True)]
         names = [self.expr(o, self.fresh(name), operand_indices[k], None)
                  if not isinstance(o, TensorRef) else self.leaf(o) for k, o in enumerate(e.operands)]
         left, left_idx = names[0], operand_indices[0]

@@ -17,7 +17,7 @@ from shardc.errors import ShardcError, Span
 from shardc.ir.spec import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 from shardc.spec.attention_call import CAUSAL, roles
 from shardc.spec.functions import is_known, known_list, signature
-from shardc.spec.walk import calls, chain_indices, fold, is_rename, leaves, route_slots
+from shardc.spec.walk import calls, chain_indices, fold, is_rename, leaves, operand_outers, route_slots
 
 __all__ = ["check_expression"]
 
@@ -262,7 +262,7 @@ def _check_chain(expr: Expr, outer: tuple[str, ...], statement: Statement) -> No
         return
     if not isinstance(expr, Contract):
         return
-    parts = [chain_indices(o, outer) for o in expr.operands]
+    parts = [chain_indices(o, towards) for o, towards in zip(expr.operands, operand_outers(expr, outer), strict=True)]
     for operand, part in zip(expr.operands, parts, strict=True):
         _check_chain(operand, part, statement)
     acc = parts[0]

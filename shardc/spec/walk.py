@@ -20,8 +20,8 @@ from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, Te
 from shardc.spec.functions import ID_BYTES, INDEXED, integer_args, is_known, signature
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
-           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "layer_inputs", "block_reads",
-           "block_feeds", "spec_params"]
+           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "operand_outers", "layer_inputs",
+           "block_reads", "block_feeds", "spec_params"]
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
@@ -165,11 +165,25 @@ def chain_indices(expr: Expr, outer: tuple[str, ...]) -> tuple[str, ...]:
     if isinstance(expr, Add):
         terms = [chain_indices(t, outer) for t in expr.terms]
         return max(terms, key=len)  # the widest term; the others broadcast (checked by validate)
-    parts = [chain_indices(o, outer) for o in expr.operands]
+    parts = [chain_indices(o, towards) for o, towards in zip(expr.operands, operand_outers(expr, outer), strict=True)]
     acc = parts[0]
     for k in range(1, len(parts)):
         acc = fold(acc, parts[k], set(outer), {i for p in parts[k + 1:] for i in p})
     return acc
+
+
+def operand_outers(expr: Contract, outer: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The indices each operand of a chain is computed towards: the result's and those its siblings read.
+
+    A parenthesised group sums an index only where nothing outside it reads that index, as an einsum
+    would: ``(Gt[B, F] * U[B, F]) · W[F, D]`` keeps F in the group for W to contract.
+    """
+    refs = [{i for ref in leaves(o) for i in ref.indices} for o in expr.operands]
+    outers = []
+    for k in range(len(expr.operands)):
+        siblings = set().union(*(r for m, r in enumerate(refs) if m != k))
+        outers.append(outer + tuple(sorted(i for i in siblings if i not in outer)))
+    return outers
 
 
 def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
