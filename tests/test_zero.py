@@ -172,9 +172,26 @@ def test_the_optimizer_phase_is_in_the_step_time_cost_reports_and_the_planner_mi
     assert t.optimizer_s == pytest.approx(report.optimizer.step_s, rel=1e-12)
     data = report.to_json()
     assert data["zero"] == {"stage": 1, "axes": ["X"]}
-    assert data["optimizer"]["comm_bytes_expr"] == "8*D*F/Y"  # type: ignore[index]
+    # the gradients' ReduceScatters run in the backward (test below): the optimizer phase all-gathers
+    assert data["optimizer"]["comm_bytes_expr"] == "4*D*F/Y"  # type: ignore[index]
     assert "step (forward + backward + optimizer)" in report.render()
     assert "optimizer: no FLOPs to hide the communication behind" in "\n".join(t.sentence for t in report.thresholds)
+
+
+def test_zero_1_reduce_scatters_in_the_backward_as_zero_2_does_holding_the_whole_gradient() -> None:
+    # DeepSpeed's stages 1 and 2 share one bucketed reduction in the backward, Megatron-LM's distributed
+    # optimizer (ZeRO-1) reduce-scatters by its DDP's: ZeRO-1 exposes what ZeRO-2 does, its memory its own
+    one, two = (shardc.cost(planned(MLP, f"zero {n} over X", SIZES, hardware="h100")) for n in (1, 2))
+    assert one.optimizer is not None and two.optimizer is not None
+    rs = [r for r in one.backward.rows if r.op is Op.REDUCE_SCATTER]
+    assert [r.ahead for r in rs] == [True, True]  # in the backward, off the critical path
+    assert one.backward.ahead_s == pytest.approx(two.backward.ahead_s, rel=1e-12)
+    assert one.optimizer.comm_s == pytest.approx(two.optimizer.comm_s, rel=1e-12)  # the AllGathers alone
+    assert one.step.exposed_comm_s == pytest.approx(two.step.exposed_comm_s, rel=1e-12)
+    assert one.memory.grads == 8 * two.memory.grads  # stage 1 still holds every gradient whole
+    after = shardc.cost(planned(MLP, "zero 1 over X\ngrad_reduce after-backward", SIZES, hardware="h100"))
+    assert after.backward.ahead_s == 0  # exposed there, after the backward's compute
+    assert after.backward.critical_s - one.backward.critical_s == pytest.approx(one.backward.ahead_s, rel=1e-9)
 
 
 def test_shardc_plan_lists_the_optimizer_phase(tmp_path: Path) -> None:
