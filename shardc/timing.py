@@ -371,9 +371,11 @@ def stage_phases(plan: Plan, repeats: int) -> tuple[tuple[Step, ...], tuple[Step
     once = gradient_reductions(plan) if repeats > 1 else frozenset()
     backward = plan.recomputed + tuple(s for k, s in enumerate(plan.backward) if k not in once)
     moves = zero_reductions(plan)
-    backward = _issued_in(backward, tuple(plan.optimizer[k] for k in sorted(moves)))
+    reduced = tuple(replace(plan.optimizer[k], ahead=True) for k in sorted(moves))  # issued ahead, bucketed
     rest = tuple(s for k, s in enumerate(plan.optimizer) if k not in moves)
-    return plan.forward, backward, tuple(plan.backward[k] for k in sorted(once)) + rest
+    if repeats > 1:  # with the pipeline's once-a-step reductions, under the last microbatch's backward
+        return plan.forward, backward, tuple(plan.backward[k] for k in sorted(once)) + reduced + rest
+    return plan.forward, _issued_in(backward, reduced), rest
 
 
 def zero_reductions(plan: Plan) -> frozenset[int]:
@@ -383,23 +385,20 @@ def zero_reductions(plan: Plan) -> frozenset[int]:
     (``runtime/zero/stage_1_and_2.py``, ``create_gradient_handling_hooks`` under ``overlap_comm``; stage 1
     differs only in keeping the whole gradient), and Megatron-LM's distributed optimizer, ZeRO-1 in memory
     (its grad buffer holds every gradient), reduce-scatters its grad buffer's buckets by the same DDP path
-    as an all-reduce (``overlap_grad_reduce``).  Under a pipeline the stage's optimizer phase is costed apart
-    (:mod:`shardc.costmodel.pipeline_cost`): none moved there."""
-    if plan.spec.mesh.pipeline_axis is not None:
-        return frozenset()
+    as an all-reduce (``overlap_grad_reduce``); under a pipeline, with its other gradient reductions, under
+    the last microbatch's backward (:mod:`shardc.costmodel.stage_optimizer`)."""
     grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
     return frozenset(k for k, s in enumerate(plan.optimizer) if s.tensor in grads and not isinstance(s.fn, Update))
 
 
 def _issued_in(backward: tuple[Step, ...], moves: tuple[Step, ...]) -> tuple[Step, ...]:
     """``backward`` with each of ``moves`` (in order, each reading what the backward or an earlier move
-    makes) right after the step that makes what it reads, issued ahead (off the critical path), as the
-    backward's own gradient reductions are; under ``grad_reduce after-backward`` the buckets of ahead
-    reductions are exposed all the same (:func:`comm_split`)."""
+    makes) right after the step that makes what it reads, as the backward's own gradient reductions are;
+    under ``grad_reduce after-backward`` the buckets of ahead reductions are exposed (:func:`comm_split`)."""
     out = list(backward)
     for step in moves:
         at = max((k for k, s in enumerate(out) if s.dst in step.reads), default=len(out) - 1)
-        out.insert(at + 1, replace(step, ahead=step.ahead or step.is_collective))
+        out.insert(at + 1, step)
     return tuple(out)
 
 
