@@ -25,7 +25,8 @@ reduction's latency is paid once a bucket, not once a tensor (:func:`comm_split`
 under ``grad_reduce after-backward`` they run after the backward's compute, exposed.
 The backward needs the forward's results, so the training step takes ``forward +
 backward``, plus the optimizer phase of ZeRO-1/2 (``Plan.optimizer``: its
-reduce-scatters and all-gathers, after the backward), plus the update.  A pipeline's stage runs its
+all-gathers, after the backward; ZeRO-1's gradient reduce-scatters, which the plan lists there, run in the
+backward as ZeRO-2's do, :func:`zero_reductions`), plus the update.  A pipeline's stage runs its
 forward and backward once a microbatch (:func:`microbatched`) and its gradient reductions once a step
 on the microbatches' sums (:func:`stage_phases`), issued under the last microbatch's backward, which hides
 them as the pipeline's cost hides them (:func:`shardc.overlap.reduced_after`), then the optimizer phase.  The
@@ -70,7 +71,7 @@ from shardc.topology import AxisLinks, resolve_links
 __all__ = ["bound_of", "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip",
            "plan_sizes", "plan_links", "update_seconds", "comm_split", "plan_dtype", "phase_rows",
            "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "stage_phases",
-           "reductions_exposed"]
+           "reductions_exposed", "zero_reductions"]
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -317,7 +318,8 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
                           phase_ends(plan, hw, steps, rows))
 
     forward, backward, after = stage_phases(plan, repeats)
-    once, opt = after[:len(after) - len(plan.optimizer)], after[len(after) - len(plan.optimizer):]
+    rest = len(plan.optimizer) - len(zero_reductions(plan))  # the optimizer's steps left in its phase
+    once, opt = after[:len(after) - rest], after[len(after) - rest:]
     back_rows = rows_of(backward)
     reduce = phase(once, 1)
     exposed = reductions_exposed(reduce, phase(backward, 1, back_rows).seconds, hw)
@@ -368,7 +370,36 @@ def stage_phases(plan: Plan, repeats: int) -> tuple[tuple[Step, ...], tuple[Step
     (:func:`shardc.pipeline.boundary.gradient_reductions`), and the optimizer phase (ZeRO-1/2)."""
     once = gradient_reductions(plan) if repeats > 1 else frozenset()
     backward = plan.recomputed + tuple(s for k, s in enumerate(plan.backward) if k not in once)
-    return plan.forward, backward, tuple(plan.backward[k] for k in sorted(once)) + plan.optimizer
+    moves = zero_reductions(plan)
+    reduced = tuple(replace(plan.optimizer[k], ahead=True) for k in sorted(moves))  # issued ahead, bucketed
+    rest = tuple(s for k, s in enumerate(plan.optimizer) if k not in moves)
+    if repeats > 1:  # with the pipeline's once-a-step reductions, under the last microbatch's backward
+        return plan.forward, backward, tuple(plan.backward[k] for k in sorted(once)) + reduced + rest
+    return plan.forward, _issued_in(backward, reduced), rest
+
+
+def zero_reductions(plan: Plan) -> frozenset[int]:
+    """The optimizer phase's steps (ZeRO-1's) that move a gradient onto its optimizer-state shard, which the
+    step runs in the backward, each issued, in buckets, as the gradient it reduces is made, as ZeRO-2's are:
+    DeepSpeed's stages 1 and 2 share one bucketed reduction path, its backward hooks
+    (``runtime/zero/stage_1_and_2.py``, ``create_gradient_handling_hooks`` under ``overlap_comm``; stage 1
+    differs only in keeping the whole gradient), and Megatron-LM's distributed optimizer, ZeRO-1 in memory
+    (its grad buffer holds every gradient), reduce-scatters its grad buffer's buckets by the same DDP path
+    as an all-reduce (``overlap_grad_reduce``); under a pipeline, with its other gradient reductions, under
+    the last microbatch's backward (:mod:`shardc.costmodel.stage_optimizer`)."""
+    grads = {plan.grad_name(i.name) for i in plan.tensors if i.role == "param"}
+    return frozenset(k for k, s in enumerate(plan.optimizer) if s.tensor in grads and not isinstance(s.fn, Update))
+
+
+def _issued_in(backward: tuple[Step, ...], moves: tuple[Step, ...]) -> tuple[Step, ...]:
+    """``backward`` with each of ``moves`` (in order, each reading what the backward or an earlier move
+    makes) right after the step that makes what it reads, as the backward's own gradient reductions are;
+    under ``grad_reduce after-backward`` the buckets of ahead reductions are exposed (:func:`comm_split`)."""
+    out = list(backward)
+    for step in moves:
+        at = max((k for k, s in enumerate(out) if s.dst in step.reads), default=len(out) - 1)
+        out.insert(at + 1, step)
+    return tuple(out)
 
 
 def phase_rows(plan: Plan, steps: tuple[Step, ...], values: dict[str, int], hw: Hardware,

@@ -25,6 +25,7 @@ from shardc.planner.plan_text import phase_total, render_text, to_json
 from shardc.planner.zero import zero_layout
 from shardc.testing import specs
 from shardc.timing import plan_time
+from tests.test_plan_sections import MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 DP = "mesh X={n}\n{dims}{zero}Out[B_X, F] = In[B_X, D] · W[D, F]\n"
@@ -172,9 +173,26 @@ def test_the_optimizer_phase_is_in_the_step_time_cost_reports_and_the_planner_mi
     assert t.optimizer_s == pytest.approx(report.optimizer.step_s, rel=1e-12)
     data = report.to_json()
     assert data["zero"] == {"stage": 1, "axes": ["X"]}
-    assert data["optimizer"]["comm_bytes_expr"] == "8*D*F/Y"  # type: ignore[index]
+    # the gradients' ReduceScatters run in the backward (test below): the optimizer phase all-gathers
+    assert data["optimizer"]["comm_bytes_expr"] == "4*D*F/Y"  # type: ignore[index]
     assert "step (forward + backward + optimizer)" in report.render()
     assert "optimizer: no FLOPs to hide the communication behind" in "\n".join(t.sentence for t in report.thresholds)
+
+
+def test_zero_1_reduce_scatters_in_the_backward_as_zero_2_does_holding_the_whole_gradient() -> None:
+    # DeepSpeed's stages 1 and 2 share one bucketed reduction in the backward, Megatron-LM's distributed
+    # optimizer (ZeRO-1) reduce-scatters by its DDP's: ZeRO-1 exposes what ZeRO-2 does, its memory its own
+    one, two = (shardc.cost(planned(MLP, f"zero {n} over X", SIZES, hardware="h100")) for n in (1, 2))
+    assert one.optimizer is not None and two.optimizer is not None
+    rs = [r for r in one.backward.rows if r.op is Op.REDUCE_SCATTER]
+    assert [r.ahead for r in rs] == [True, True]  # in the backward, off the critical path
+    assert one.backward.ahead_s == pytest.approx(two.backward.ahead_s, rel=1e-12)
+    assert one.optimizer.comm_s == pytest.approx(two.optimizer.comm_s, rel=1e-12)  # the AllGathers alone
+    assert one.step.exposed_comm_s == pytest.approx(two.step.exposed_comm_s, rel=1e-12)
+    assert one.memory.grads == 8 * two.memory.grads  # stage 1 still holds every gradient whole
+    after = shardc.cost(planned(MLP, "zero 1 over X\ngrad_reduce after-backward", SIZES, hardware="h100"))
+    assert after.backward.ahead_s == 0  # exposed there, after the backward's compute
+    assert after.backward.critical_s - one.backward.critical_s == pytest.approx(one.backward.ahead_s, rel=1e-9)
 
 
 def test_shardc_plan_lists_the_optimizer_phase(tmp_path: Path) -> None:
@@ -275,7 +293,6 @@ def test_a_pipelined_zero_plan_verifies_its_optimizer_phase_as_a_stages(monkeypa
     checked against numpy and its ReduceScatters and AllGathers found in the HLO; a wrong update fails."""
     from shardc.lowering import template
     from shardc.verification.verify import verify
-    from tests.test_plan_sections import MODEL
 
     replicated = MODEL.replace("W_emb[V_Y, D_X]", "W_emb[V_Y, D]").replace("W1[D_X, F_Y]", "W1[D, F_Y]") \
         .replace("W2[F_Y, D_X]", "W2[F_Y, D]").replace("W_out[D_X, V_Y]", "W_out[D, V_Y]")
@@ -337,3 +354,18 @@ def test_a_padded_zero_1_or_2_shard_is_planned_not_a_crash(stage: int) -> None:
     kinds = [s.op.name for s in p.optimizer if s.op.name in ("REDUCE_SCATTER", "ALL_GATHER")]
     assert kinds in (["REDUCE_SCATTER", "ALL_GATHER"], ["ALL_GATHER"])  # stage 2 reduce-scatters in the backward
     assert any("D=8 over 3 devices is padded to 9" in n for n in shardc.cost(p).notes)
+
+
+def test_a_pipelined_zero_1_reduce_scatters_under_the_last_microbatchs_backward() -> None:
+    # Megatron-LM's distributed optimizer under a pipeline: the reduce-scatters with the stage's other
+    # once-a-step reductions, under the last microbatch's backward; the optimizer phase all-gathers alone
+    text = MODEL.replace("X=2", "X=4")
+    for name in ("W_emb[V_Y, D_X]", "W1[D_X, F_Y]", "W2[F_Y, D_X]", "W_out[D_X, V_Y]"):
+        text = text.replace(name, name.replace("_X", ""))  # replicated over X: ZeRO shards them
+    one, two, after = (shardc.cost(shardc.plan(shardc.parse(text + z), hardware="h100")).pipeline
+                       for z in ("zero 1 over X\n", "zero 2 over X\n", "zero 1 over X\ngrad_reduce after-backward\n"))
+    assert one is not None and two is not None and after is not None
+    assert one.optimizer_s == pytest.approx(two.optimizer_s, rel=1e-12) and one.optimizer_s > 0
+    assert one.grad_reduce_s >= two.grad_reduce_s  # the same bytes, ZeRO-1's in their own buckets
+    assert one.grad_reduce_exposed_s < one.grad_reduce_s  # hidden in part by the backward
+    assert after.grad_reduce_exposed_s == pytest.approx(one.grad_reduce_s, rel=1e-12)  # all exposed

@@ -43,6 +43,7 @@ from shardc.timing import (
     plan_sizes,
     stage_phases,
     update_seconds,
+    zero_reductions,
 )
 from shardc.topology import AxisLinks
 
@@ -183,7 +184,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         def formula() -> PhaseFormula:
             return phase_formula(steps, mesh, symbolic, links, names, values, plan.precision)
 
-        reduced = len(steps) - len(plan.optimizer) if under is not None and repeats > 1 else 0
+        left = len(plan.optimizer) - len(zero_reductions(plan))  # the optimizer's steps after the reductions
+        reduced = len(steps) - left if under is not None and repeats > 1 else 0
         under_s = replace(under, repeats=1).step_s if under is not None and reduced else 0.0  # one microbatch's
         return PhaseCost(name, rows, layers, devices, hw, formula, mfu, dtype=dtype, repeats=times, more_layers=more,
                          ends_s=phase_ends(plan, hw, steps, rows), reduced=reduced, under_s=under_s)

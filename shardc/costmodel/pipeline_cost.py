@@ -68,7 +68,6 @@ from shardc.costmodel.memory import Memory
 from shardc.costmodel.pipeline_times import microbatch_sizes, simulated
 from shardc.costmodel.section_times import (
     PartTime,
-    part_time,
     run_times,
 )
 from shardc.costmodel.stage_memory import (
@@ -79,6 +78,7 @@ from shardc.costmodel.stage_memory import (
     stage_memories,
     working_sets,
 )
+from shardc.costmodel.stage_optimizer import stage_optimizer, stage_reductions
 from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
@@ -103,8 +103,7 @@ from shardc.pipeline.dualpipe import TWO_WAY
 from shardc.pipeline.gantt import draw
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, device_of
 from shardc.spec.stages import Pipeline, pipeline_of
-from shardc.spec.walk import block_reads
-from shardc.timing import bound_of, phase_rows, seconds_at_mfu
+from shardc.timing import bound_of, seconds_at_mfu
 
 if TYPE_CHECKING:
     from shardc.costmodel.cost_report import CostReport
@@ -184,7 +183,7 @@ class PipelineCost:
     simulation: Simulation
     stages: tuple[StageCost, ...]
     thresholds: tuple[str, ...]
-    optimizer_s: float = 0.0  # ZeRO-1/2's optimizer phase of the busiest stage, once a step
+    optimizer_s: float = 0.0  # ZeRO-1/2's optimizer phase of the busiest stage, once a step (its AllGathers)
     first: Timing = Timing(0.0, 0.0)  # a microbatch through the statements before the block (the first chunk's)
     last: Timing = Timing(0.0, 0.0)  # and through those after it (the last chunk's)
     model_flops: float = 0.0  # the whole step's model FLOPs, every stage (recomputed ones not counted)
@@ -192,7 +191,7 @@ class PipelineCost:
     peak: float = 0.0  # a chip's peak FLOPs/s in MFU's type (shardc.ir.spec.Spec.mfu_dtype)
     peak_dtype: str = "bf16"  # that type
     update_s: float = 0.0  # the optimizer's update on the busiest stage, after the schedule
-    grad_reduce_s: float = 0.0  # the weight gradients' reductions of the busiest stage, once a step
+    grad_reduce_s: float = 0.0  # the weight gradients' reductions of the busiest stage, once a step (ZeRO-1's too)
     grad_reduce_exposed_s: float = 0.0  # what of them the last microbatch's backward does not hide
     # a param held by the first and the last stage (a tied embedding): the two stages swapping their sums
     # of its gradient's contributions once a step (Megatron-LM's embedding-group AllReduce), in grad_reduce_s
@@ -335,12 +334,12 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     dcn = plan.spec.mesh.axis(pipe.axis).network is Network.DCN
     name = pipe.schedule.name
     mems = stage_memories(plan, pipe, micro, hw, optimizer)
-    zero = _optimizer(plan, pipe, sizes, hw, spans)
+    zero = stage_optimizer(plan, pipe, sizes, hw, spans)
     stages = _stages(plan, pipe, parts, micro, p2p_s + timing.send_back, sim, hw, mems)
     tied_s = _tied_exchange(plan, pipe, sizes, hw, spans)
     copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
     reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, tied_s, copies_s, hw.reduces_after_backward,
-                                           hw.overlap_share)
+                                           hw.overlap_share, stage_reductions(plan, pipe, sizes, hw, spans))
     glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
     free = replace(timing, comm=0.0, comm_back=None)  # sends free
     closed = bubble(name, pipe.stages, pipe.microbatches, free, pipe.chunks)
@@ -379,45 +378,26 @@ def _copies_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hard
 
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Timing, last: Timing,
                      tied_s: float = 0.0, copies_s: float = 0.0, after_backward: bool = False,
-                     share: float = 0.0) -> tuple[float, float]:
+                     share: float = 0.0, zero_s: list[float] | None = None) -> tuple[float, float]:
     """The weight gradients' reductions of the busiest stage, once a step, and the part of them left
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
     hide under that backward (Megatron-LM's overlapped gradient reduction), which runs beside them on the
     ``share`` of the cores they leave, and what is longer shows (:func:`shardc.overlap.reduced_after`);
     ``after_backward`` (``grad_reduce after-backward``): issued after it, all exposed.
     ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
-    ``copies_s``: DualPipe's swap of the two copies' gradients, on every device."""
+    ``copies_s``: DualPipe's swap of the two copies' gradients, on every device; ``zero_s``: each stage's
+    ZeRO-1 gradient reduce-scatters (:func:`shardc.costmodel.stage_optimizer.stage_reductions`)."""
     worst, exposed = 0.0, 0.0
     for s, counts in enumerate(device_blocks(pipe)):
         at = end_chunks_on(pipe, s)  # the ends it runs: each reduced once, whatever chunks hold it
         ends = [(key, t) for key, t, on in (("first", first, at[0]), ("last", last, at[1])) if on]
         layers = run_times(parts, counts)
         own = (math.fsum(n * parts[f"layer {b} reduce"][0].seconds for b, n in enumerate(counts))
-               + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends) + copies_s)
+               + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends) + copies_s
+               + (zero_s[s] if zero_s else 0.0))
         backward = layers[1].seconds + layers[2].seconds + sum(t.backward + t.weight for _, t in ends)
         worst, exposed = max(worst, own), max(exposed, reduced_after(backward, own, share, after_backward))
     return worst, max(0.0, exposed)
-
-
-def _optimizer(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> PartTime:
-    """ZeRO-1/2's optimizer phase, once a step, on the busiest stage: its layers' params and the
-    params outside the block it holds; its seconds, and of them its compute and its collectives."""
-    if not plan.optimizer:
-        return PartTime(0.0, 0.0, 0.0)
-    rows = list(phase_rows(plan, plan.optimizer, sizes, hw, spans))
-    primal = {g: p for p, g in plan.gradient_names}
-    blocks = block_reads(plan.spec)
-    repeated = set(blocks)
-    inside = [part_time([r for r in rows if blocks.get(primal.get(r.tensor, r.tensor)) == b], hw)
-              for b in range(len(pipe.blocks) or 1)]  # one layer of each block
-    worst = PartTime(0.0, 0.0, 0.0)
-    for stage, counts in enumerate(device_blocks(pipe)):
-        held = held_names(plan, pipe, stage) or frozenset()
-        own = part_time([r for r in rows if primal.get(r.tensor, r.tensor) in held - repeated], hw)
-        busy, comm, seconds = (math.fsum(n * getattr(t, f) for n, t in zip(counts, inside, strict=True))
-                               + getattr(own, f) for f in ("busy", "comm", "seconds"))
-        worst = max(worst, PartTime(busy, comm, seconds), key=lambda t: t.seconds)
-    return worst
 
 
 def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro: dict[str, int],
