@@ -34,7 +34,9 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           "megatron_1_7b": 1.65223e9, "megatron_7_5b": 7.46778e9, "megatron_18_4b": 18.4497e9,
           # Smith et al. 2022 (MT-NLG, 530e9), Le Scao et al. 2022 (BLOOM, 176,247M), Zhang et al. 2022 Table 1 (OPT,
           # 175e9), Touvron et al. 2023 Table 2 (LLaMA 65.2e9)
-          "mtnlg_530b": 530e9, "bloom_176b": 176.247e9, "opt_175b": 175e9, "llama_65b": 65.2e9}
+          "mtnlg_530b": 530e9, "bloom_176b": 176.247e9, "opt_175b": 175e9, "llama_65b": 65.2e9,
+          # NVIDIA 2024, Table 1 (9.4e9 embedding + 331.6e9 others); Mixtral's released config.json, 46,702,792,704
+          "nemotron4_340b": 9.4e9 + 331.6e9, "mixtral_8x7b_h100": 46702792704}
 
 
 def _spec(name: str) -> Spec:
