@@ -17,7 +17,7 @@ from shardc.costmodel.section_times import pair_order, part_time
 from shardc.errors import ShardcError
 from shardc.hardware import get_hardware
 from shardc.pipeline.bubbles import bubble, held, inflight, sends_per_microbatch
-from shardc.pipeline.dualpipe import dualpipe_orders
+from shardc.pipeline.dualpipe import Group, dualpipe_orders
 from shardc.pipeline.pairing import pair_seconds
 from shardc.pipeline.schedules import Phases, Timing, device_of, paired_seconds, simulate
 from shardc.step_cost import StepCost
@@ -75,6 +75,39 @@ def test_the_orders_run_each_op_once_on_the_device_that_holds_its_chunk(p: int, 
         assert all(device_of("dualpipe", c, p) == d for group in order for _, _, c in group)
     assert [device_of("dualpipe", c, 4) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
     assert sends_per_microbatch("dualpipe", p) == p - 1  # each microbatch goes one way
+
+
+def _waiting(order: list[Group]) -> list[tuple[int, int]]:
+    """After each group of a device's order: the weight gradients deferred and not yet run, and the
+    microbatches whose activations it holds (forward run, weight gradient not yet)."""
+    deferred: set[tuple[int, int]] = set()
+    held: set[tuple[int, int]] = set()
+    out = []
+    for group in order:
+        for kind, j, c in group:
+            if kind == "F":
+                held.add((j, c))
+            elif kind == "B" and ("W", j, c) not in group:
+                deferred.add((j, c))
+            elif kind == "W":
+                deferred.discard((j, c))
+                held.discard((j, c))
+        out.append((len(deferred), len(held)))
+    return out
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (8, 16), (16, 120)])
+def test_at_most_half_rank_plus_one_weight_gradients_wait_and_then_half_the_peak_is_held(p: int, m: int) -> None:
+    """DualPipe.step's WeightGradStore: step 3 defers one W and runs it next; step 6 defers from its middle
+    iteration on, h + 1 of them (``enable_zb``); step 7 runs one (``_weight_chunk``) and defers one; step 8
+    runs the h + 1 left.  So device d (half rank h) has at most h + 1 waiting (8 on DeepSeek-V3's middle
+    devices), and while two or more wait it holds at most p / 2 microbatches (against PP + 1 at its peak,
+    the test above): what waits for W weighs against half the peak's microbatches."""
+    for d, order in enumerate(dualpipe_orders(p, m)):
+        h = min(d, p - 1 - d)
+        counts = _waiting(order)
+        assert max(w for w, _ in counts) == h + 1
+        assert max((n for w, n in counts if w >= 2), default=0) <= p // 2
 
 
 def test_the_steady_state_overlaps_forward_backward_pairs() -> None:
