@@ -125,8 +125,7 @@ def memory_traffic(steps: tuple[Step, ...], local_bytes: Callable[[TensorRef], f
         if step.op is Op.COPY:
             out.append(local_bytes(step.operands[0]) + local_bytes(step.dst))
             continue
-        family = of_op(step.fn) if step.op is Op.ELEMENTWISE else None
-        reads, write = _traffic(family, fuse)(step, local_bytes)
+        reads, write = _traffic(_family_of(step), fuse)(step, local_bytes)
         # a `layers` block runs as a loop (or a pipeline's stage program) apart from the steps around it:
         # XLA fuses nothing across that boundary
         before = steps[k - 1] if k > 0 and steps[k - 1].region == step.region else None

@@ -158,7 +158,8 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
                   for ref, n in stats)
     table = residual_table(plan) + saved
     widths = dict(stats)
-    kept = tuple((str(ref), _kept_bytes(plan, ref, sizes, widths)) for ref, _ in table)
+    sized = residual_sizes(plan, sizes, native)  # each kept value's bytes, the one count of them
+    kept = tuple((str(ref), sized[ref]) for ref, _ in table)
     once = kept_once(plan, [ref for ref, _ in table])
     kept_counts = [count(ref.name, ref in once) for ref, _ in table]
     marks = checkpoint_refs(plan)
