@@ -443,3 +443,18 @@ def test_cost_text_says_the_pipelines_bound_a_pipelined_row_gives(capsys: pytest
     assert main(["cost", path]) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  the busiest device a step")]
     assert line.endswith(f"bound by {pipe['bound']}") and pipe["exposed_comm_s"] <= pipe["comm_s"]
+
+
+def test_a_copy_searched_first_leaves_each_file_its_own_rows(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Two files of the same text searched in one process: each search's rows are named by its own file.
+    The layout orders a search remembers are keyed by the file too, which a Spec's equality leaves out:
+    keyed without it, an equal spec searched earlier in the process (the examples' own, by the suite's
+    other tests, or a copy) handed its orders, named by its file, to the next search, which stopped
+    with an internal KeyError on its own file's name."""
+    copy = tmp_path / "copy_of_fsdp_tp.shard"
+    copy.write_text((ROOT / "examples" / "fsdp_tp.shard").read_text())
+    for path in (str(copy), str(ROOT / "examples" / "fsdp_tp.shard")):
+        status, out, err = run(capsys, "layouts", path, "--chips", "16", "--json", "--top", "0")
+        assert status == 0, err
+        assert {row["spec"] for row in json.loads(out)["layouts"]} == {path}

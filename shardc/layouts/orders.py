@@ -59,11 +59,14 @@ def _placed(links: AxisLinks) -> AxisLinks:
 
 def orders(candidate: Spec, options: Options) -> list[Spec]:
     """``candidate`` under each order of its movable axes that puts them on other links, its own first."""
-    return list(_orders(candidate, options))
+    return list(_orders(candidate, candidate.filename, options))
 
 
-@lru_cache(maxsize=1024)  # a search asks for a layout's orders twice: to count its work, then to cost them
-def _orders(candidate: Spec, options: Options) -> tuple[Spec, ...]:
+# a search asks for a layout's orders twice: to count its work, then to cost them.  The key holds the spec's
+# file name, which a Spec's equality leaves out: two files of the same text are two searches' rows, each named
+# by its own file (tests/test_layouts.py::test_a_copy_searched_first_leaves_each_file_its_own_rows)
+@lru_cache(maxsize=1024)
+def _orders(candidate: Spec, filename: str | None, options: Options) -> tuple[Spec, ...]:
     hw = options.hardware
     axes = candidate.mesh.axes
     movable = [i for i, a in enumerate(axes) if a.size > 1 and a.network is not Network.DCN]
