@@ -71,7 +71,7 @@ from shardc.topology import AxisLinks, resolve_links
 __all__ = ["bound_of", "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip",
            "plan_sizes", "plan_links", "update_seconds", "comm_split", "plan_dtype", "phase_rows",
            "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "stage_phases",
-           "reductions_exposed", "zero_reductions"]
+           "reductions_exposed", "zero_reductions", "deferred_dcn"]
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -136,7 +136,8 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
     ahead: list[float] = []
     critical: list[float] = []
     groups: dict[tuple[Op, tuple[str, ...]], list[tuple[StepCost, int]]] = {}
-    for row, n in rows:
+    pairs = list(rows)
+    for row, n in pairs:
         if row.exposed_comm_s:  # a ring's transfers its compute does not hide: the next step waits for them
             critical.append(row.exposed_comm_s * n)
         if not row.is_collective:
@@ -153,7 +154,20 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
         serial = any(r.serial for r, _ in members)
         seconds = bandwidth + buckets * latency if serial else max(bandwidth, buckets * latency)
         (critical if hw.reduces_after_backward else ahead).append(seconds)
-    return math.fsum(ahead), math.fsum(critical)
+    deferred = deferred_dcn(pairs, hw)  # of the ahead ones, what waits for the backward's end
+    return math.fsum(ahead) - deferred, math.fsum(critical) + deferred
+
+
+def deferred_dcn(rows: Sequence[tuple[StepCost, int]], hw: Hardware) -> float:
+    """Under ``grad_reduce after-backward over dcn`` (:attr:`Hardware.reduces_dcn_after_backward`), the seconds
+    among ``rows`` (each with how often it runs) that wait for the end of the backward: the DCN phase of each
+    gradient reduction issued ahead (its own step over the pods, after its ICI phase:
+    :attr:`shardc.collectives.CollectiveTime.dcn_s`) and of the collectives on the same gradient (a gather over
+    the pods of a reduce-scattered one), which cannot start before it.  0 under any other line."""
+    if not hw.reduces_dcn_after_backward:
+        return 0.0
+    grads = {r.tensor for r, _ in rows if r.ahead and r.op in _BUCKETED and r.is_collective}
+    return math.fsum(r.dcn_s * n for r, n in rows if r.ahead and r.is_collective and r.tensor in grads)
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,7 @@ class PhaseTime:
     book: bool = True
     share: float = 0.0  # the chip's cores an overlapped collective holds (Hardware.overlap_share)
     ends_s: float = 0.0  # of ahead_s, what no compute hides (shardc.phase_ends.exposed_ends), once a phase
+    deferred_s: float = 0.0  # of critical_s, the gradient reductions' DCN phase after the backward (deferred_dcn)
 
     @property
     def busy_s(self) -> float:
@@ -187,7 +202,7 @@ def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware, ends_s: float
     pairs = list(rows)
     ahead, critical = comm_split(pairs, hw)
     return PhaseTime(math.fsum(r.compute_s * n for r, n in pairs), math.fsum(r.memory_s * n for r, n in pairs),
-                     ahead, critical, hw.book, hw.overlap_share, ends_s)
+                     ahead, critical, hw.book, hw.overlap_share, ends_s, deferred_dcn(pairs, hw))
 
 
 def phase_ends(plan: Plan, hw: Hardware, steps: Sequence[Step], rows: Sequence[StepCost]) -> float:
@@ -330,10 +345,12 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
 def reductions_exposed(reduce: PhaseTime, backward_s: float, hw: Hardware) -> float:
     """What a pipelined stage's gradient reductions, once a step (``reduce``), add to its step: issued under
     the last microbatch's backward (``backward_s``, one microbatch's), on the cores they leave it, or after it
-    where the framework reduces then (:func:`shardc.overlap.reduced_after`, as the pipeline's cost adds them)."""
+    where the framework reduces then (:func:`shardc.overlap.reduced_after`, as the pipeline's cost adds them);
+    under ``grad_reduce after-backward over dcn`` their DCN phase after it, the rest beside it."""
     if not reduce.comm_s:
         return 0.0
-    return reduced_after(backward_s, reduce.seconds, hw.overlap_share, hw.reduces_after_backward)
+    return reduce.deferred_s + reduced_after(backward_s, reduce.seconds - reduce.deferred_s, hw.overlap_share,
+                                             hw.reduces_after_backward)
 
 
 def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tuple[dict[str, int], int]:
