@@ -164,10 +164,16 @@ def deferred_dcn(rows: Sequence[tuple[StepCost, int]], hw: Hardware) -> float:
     gradient reduction issued ahead (its own step over the pods, after its ICI phase:
     :attr:`shardc.collectives.CollectiveTime.dcn_s`) and of the collectives on the same gradient (a gather over
     the pods of a reduce-scattered one), which cannot start before it.  0 under any other line."""
+    late = deferred_rows([r for r, _ in rows], hw)
+    return math.fsum(d * n for d, (_, n) in zip(late, rows, strict=True))
+
+
+def deferred_rows(rows: Sequence[StepCost], hw: Hardware) -> list[float]:
+    """Each row's seconds that wait for the end of the backward (:func:`deferred_dcn`), 0 for the others."""
     if not hw.reduces_dcn_after_backward:
-        return 0.0
-    grads = {r.tensor for r, _ in rows if r.ahead and r.op in _BUCKETED and r.is_collective}
-    return math.fsum(r.dcn_s * n for r, n in rows if r.ahead and r.is_collective and r.tensor in grads)
+        return [0.0] * len(rows)
+    grads = {r.tensor for r in rows if r.ahead and r.op in _BUCKETED and r.is_collective}
+    return [r.dcn_s if r.ahead and r.is_collective and r.tensor in grads else 0.0 for r in rows]
 
 
 @dataclass(frozen=True)
@@ -212,7 +218,9 @@ def phase_ends(plan: Plan, hw: Hardware, steps: Sequence[Step], rows: Sequence[S
     each other (:mod:`shardc.costmodel.pipeline_cost`)."""
     if hw.book or plan.spec.mesh.pipeline_axis is not None:
         return 0.0
-    return exposed_ends(steps, [r.busy_s for r in rows], [r.comm_s if r.is_collective else 0.0 for r in rows])
+    late = deferred_rows(rows, hw)  # what runs after the backward is critical, no end of it
+    return exposed_ends(steps, [r.busy_s for r in rows],
+                        [r.comm_s - d if r.is_collective else 0.0 for r, d in zip(rows, late, strict=True)])
 
 
 @dataclass(frozen=True)

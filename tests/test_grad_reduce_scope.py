@@ -59,6 +59,10 @@ def test_the_exposed_cross_pod_part_is_the_dcn_phase_of_the_gradient_allreduce(c
     assert scoped.critical_s == pytest.approx(free.critical_s + dcn_s, rel=1e-12)
     assert scoped.ahead_s == pytest.approx(free.ahead_s - dcn_s, rel=1e-12) and scoped.ahead_s > 0
     assert scoped.comm_s == pytest.approx(free.comm_s, rel=1e-12)  # one collective time, split, not a second
+    # the backward: dW's einsum, then the AllReduce's ICI phase (dIn's einsum beside it), then its DCN phase,
+    # counted once (not also as a reduction at the phase's end)
+    ici_s = free.comm_s - dcn_s
+    assert scoped.step_s == pytest.approx(scoped.compute_s / 2 + ici_s + dcn_s, rel=1e-9)
     report = costs["scoped"].to_json()
     assert report["backward"]["grad_reduce_dcn_s"] == pytest.approx(dcn_s, rel=1e-12)
     assert report["hardware"]["grad_reduce"] == "after-backward over dcn"
