@@ -69,6 +69,21 @@ def test_the_exposed_cross_pod_part_is_the_dcn_phase_of_the_gradient_allreduce(c
     assert "the gradient reductions' DCN phase, after the backward" in costs["scoped"].render()
 
 
+def test_the_flag_takes_the_scope_and_refuses_another() -> None:
+    chip = get_hardware("tpu-v4p")
+    assert chip.configured(grad_reduce="after-backward over dcn").reduces_dcn_after_backward
+    assert not chip.configured(grad_reduce="after-backward").reduces_dcn_after_backward
+    with pytest.raises(ShardcError, match="--grad-reduce"):
+        chip.configured(grad_reduce="after-backward over ici")
+
+
+def test_a_mesh_without_dcn_axes_says_nothing_waits() -> None:
+    text = SPEC.format(line=SCOPED).replace("P=2 over dcn", "P=2")
+    report = shardc.cost(shardc.plan(shardc.parse(text)))
+    assert report.backward.grad_reduce_dcn_s == 0.0
+    assert any("no `over dcn` axis" in note for note in report.notes)
+
+
 def test_without_the_scope_nothing_changes(costs: dict[str, CostReport]) -> None:
     none, overlapped = costs["none"].to_json(), costs["overlapped"].to_json()
     assert "grad_reduce_dcn_s" not in none["backward"] and none["step"] == overlapped["step"]

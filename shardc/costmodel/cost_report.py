@@ -346,11 +346,13 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
     if hw.reduces_after_backward:
         notes.append("grad_reduce after-backward: the gradient reductions run once the backward is done, "
                      "exposed (no compute hides them)")
+    ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
     if hw.reduces_dcn_after_backward:
         notes.append("grad_reduce after-backward over dcn: the gradient reductions' phase over the `over dcn` axes "
                      "(and the gathers over them of the same gradients) runs once the backward is done, exposed "
-                     "(`critical ... of it ... after the backward`); their ICI phase overlaps the backward")
-    ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
+                     "(`critical ... of it ... after the backward`); their ICI phase overlaps the backward"
+                     + ("" if len(ici) < len(plan.spec.mesh.axes) else
+                        "; this mesh has no `over dcn` axis, so all of them overlap it"))
     group = math.prod(sizes[a] for a in ici)
     nodes = any(isinstance(k, AxisLinks) and k.nodes for k in links.values())
     if hw.ici_domain is not None and group > hw.ici_domain and not nodes:
