@@ -382,6 +382,9 @@ class CollectiveTime:
     latency_s: float
     network: str  # "ici", "dcn" or "ici+dcn"
     serial: bool = False  # the latency adds to the transfer (a neighbour's send) instead of bounding it
+    # of bandwidth_s, the DCN phase's (a hierarchical collective's cross-pod step, which a framework may run
+    # apart from its ICI phase: `grad_reduce after-backward over dcn`)
+    dcn_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -399,13 +402,12 @@ def collective_time(op: Op, volume_bytes: float, axes: tuple[str, ...], mesh: Me
     terms = bandwidth_terms(op, float(volume_bytes), axes, mesh, lambda a: float(sizes[a]), spans, float, sizes,
                             routed)
     bandwidth = {"ici": hw.w_ici, "dcn": hw.w_dcn}
-    seconds = 0.0
-    for network, (weighted, divisor) in terms.items():
-        seconds += weighted / (bandwidth[network] * divisor)
+    parts = {network: weighted / (bandwidth[network] * divisor) for network, (weighted, divisor) in terms.items()}
+    seconds, dcn_s = sum(parts.values(), 0.0), parts.get("dcn", 0.0)
     nodes = _nodes(axes, mesh, sizes, spans)
     if nodes is not None:  # a GPU cluster: NCCL's latency adds to the transfer
         return CollectiveTime(seconds, _nccl_latency(op, nodes[0], nodes[1], hw.collective_base), "+".join(terms),
-                              True)
+                              True, dcn_s)
     neighbour = TABLE[op].neighbour
     latency = (1 if neighbour else hops(axes, sizes, spans)) * hw.hop_latency
-    return CollectiveTime(seconds, latency, "+".join(terms), neighbour)
+    return CollectiveTime(seconds, latency, "+".join(terms), neighbour, dcn_s)

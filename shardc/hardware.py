@@ -174,6 +174,13 @@ class Hardware:
         the book's model overlaps every collective."""
         return self.grad_reduce == "after-backward" and not self.book
 
+    @property
+    def reduces_dcn_after_backward(self) -> bool:
+        """Whether only the gradient reductions' DCN phase waits for the end of the backward, their ICI phase
+        overlapped (``grad_reduce after-backward over dcn``: PaLM's cross-pod transfer, Chowdhery et al. 2022,
+        section 4); the book's model overlaps every collective."""
+        return self.grad_reduce == "after-backward over dcn" and not self.book
+
     def spans(self, chips: int) -> int:
         """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
 

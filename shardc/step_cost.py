@@ -79,6 +79,7 @@ class StepCost:
     dtype: str = ""  # the type its matmuls run in, where not the spec's (a `dtype T` line: step_dtype)
     # a GEMM's quantize passes (shardc.quantize.quantize_traffic): HBM bytes, in memory_bytes and memory_s too
     quantize_bytes: float = 0.0
+    dcn_s: float = 0.0  # of bandwidth_s, its DCN phase's (CollectiveTime.dcn_s)
 
     @property
     def comm_s(self) -> float:
@@ -153,7 +154,7 @@ def _step_cost(index: int, step: Step, mesh: Mesh, sizes: Mapping[str, int], hw:
         t = collective_time(step.op, volume, step.axes, mesh, sizes, hw, spans, step.routed)
         return StepCost(index, step.op, step.tensor, text, step.axes, t.network, volume,
                         volume * float(FACTOR[step.op]), t.bandwidth_s, t.latency_s, ahead=step.ahead,
-                        once=step.once, block=step.block, serial=t.serial)
+                        once=step.once, block=step.block, serial=t.serial, dcn_s=t.dcn_s)
     if step.op is Op.EINSUM and step.collective is not None:
         return _collective_matmul(index, step, mesh, sizes, hw, spans, dtype, memory_bytes, text, shared)
     if step.op is Op.EINSUM:

@@ -71,7 +71,7 @@ from shardc.topology import AxisLinks, resolve_links
 __all__ = ["bound_of", "phase_seconds", "step_seconds", "PhaseTime", "PlanTime", "plan_time", "plan_chip",
            "plan_sizes", "plan_links", "update_seconds", "comm_split", "plan_dtype", "phase_rows",
            "local_bytes_of", "phase_time", "phase_ends", "microbatched", "stage_run", "stage_phases",
-           "reductions_exposed", "zero_reductions"]
+           "reductions_exposed", "zero_reductions", "deferred_dcn"]
 
 
 def plan_dtype(plan: Plan) -> Precision:
@@ -136,7 +136,8 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
     ahead: list[float] = []
     critical: list[float] = []
     groups: dict[tuple[Op, tuple[str, ...]], list[tuple[StepCost, int]]] = {}
-    for row, n in rows:
+    pairs = list(rows)
+    for row, n in pairs:
         if row.exposed_comm_s:  # a ring's transfers its compute does not hide: the next step waits for them
             critical.append(row.exposed_comm_s * n)
         if not row.is_collective:
@@ -153,7 +154,26 @@ def comm_split(rows: Iterable[tuple[StepCost, int]], hw: Hardware) -> tuple[floa
         serial = any(r.serial for r, _ in members)
         seconds = bandwidth + buckets * latency if serial else max(bandwidth, buckets * latency)
         (critical if hw.reduces_after_backward else ahead).append(seconds)
-    return math.fsum(ahead), math.fsum(critical)
+    deferred = deferred_dcn(pairs, hw)  # of the ahead ones, what waits for the backward's end
+    return math.fsum(ahead) - deferred, math.fsum(critical) + deferred
+
+
+def deferred_dcn(rows: Sequence[tuple[StepCost, int]], hw: Hardware) -> float:
+    """Under ``grad_reduce after-backward over dcn`` (:attr:`Hardware.reduces_dcn_after_backward`), the seconds
+    among ``rows`` (each with how often it runs) that wait for the end of the backward: the DCN phase of each
+    gradient reduction issued ahead (its own step over the pods, after its ICI phase:
+    :attr:`shardc.collectives.CollectiveTime.dcn_s`) and of the collectives on the same gradient (a gather over
+    the pods of a reduce-scattered one), which cannot start before it.  0 under any other line."""
+    late = deferred_rows([r for r, _ in rows], hw)
+    return math.fsum(d * n for d, (_, n) in zip(late, rows, strict=True))
+
+
+def deferred_rows(rows: Sequence[StepCost], hw: Hardware) -> list[float]:
+    """Each row's seconds that wait for the end of the backward (:func:`deferred_dcn`), 0 for the others."""
+    if not hw.reduces_dcn_after_backward:
+        return [0.0] * len(rows)
+    grads = {r.tensor for r in rows if r.ahead and r.op in _BUCKETED and r.is_collective}
+    return [r.dcn_s if r.ahead and r.is_collective and r.tensor in grads else 0.0 for r in rows]
 
 
 @dataclass(frozen=True)
@@ -167,6 +187,7 @@ class PhaseTime:
     book: bool = True
     share: float = 0.0  # the chip's cores an overlapped collective holds (Hardware.overlap_share)
     ends_s: float = 0.0  # of ahead_s, what no compute hides (shardc.phase_ends.exposed_ends), once a phase
+    deferred_s: float = 0.0  # of critical_s, the gradient reductions' DCN phase after the backward (deferred_dcn)
 
     @property
     def busy_s(self) -> float:
@@ -187,7 +208,7 @@ def phase_time(rows: Iterable[tuple[StepCost, int]], hw: Hardware, ends_s: float
     pairs = list(rows)
     ahead, critical = comm_split(pairs, hw)
     return PhaseTime(math.fsum(r.compute_s * n for r, n in pairs), math.fsum(r.memory_s * n for r, n in pairs),
-                     ahead, critical, hw.book, hw.overlap_share, ends_s)
+                     ahead, critical, hw.book, hw.overlap_share, ends_s, deferred_dcn(pairs, hw))
 
 
 def phase_ends(plan: Plan, hw: Hardware, steps: Sequence[Step], rows: Sequence[StepCost]) -> float:
@@ -197,7 +218,9 @@ def phase_ends(plan: Plan, hw: Hardware, steps: Sequence[Step], rows: Sequence[S
     each other (:mod:`shardc.costmodel.pipeline_cost`)."""
     if hw.book or plan.spec.mesh.pipeline_axis is not None:
         return 0.0
-    return exposed_ends(steps, [r.busy_s for r in rows], [r.comm_s if r.is_collective else 0.0 for r in rows])
+    late = deferred_rows(rows, hw)  # what runs after the backward is critical, no end of it
+    return exposed_ends(steps, [r.busy_s for r in rows],
+                        [r.comm_s - d if r.is_collective else 0.0 for r, d in zip(rows, late, strict=True)])
 
 
 @dataclass(frozen=True)
@@ -330,10 +353,12 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
 def reductions_exposed(reduce: PhaseTime, backward_s: float, hw: Hardware) -> float:
     """What a pipelined stage's gradient reductions, once a step (``reduce``), add to its step: issued under
     the last microbatch's backward (``backward_s``, one microbatch's), on the cores they leave it, or after it
-    where the framework reduces then (:func:`shardc.overlap.reduced_after`, as the pipeline's cost adds them)."""
+    where the framework reduces then (:func:`shardc.overlap.reduced_after`, as the pipeline's cost adds them);
+    under ``grad_reduce after-backward over dcn`` their DCN phase after it, the rest beside it."""
     if not reduce.comm_s:
         return 0.0
-    return reduced_after(backward_s, reduce.seconds, hw.overlap_share, hw.reduces_after_backward)
+    return reduce.deferred_s + reduced_after(backward_s, reduce.seconds - reduce.deferred_s, hw.overlap_share,
+                                             hw.reduces_after_backward)
 
 
 def microbatched(plan: Plan, sizes: Mapping[str, int], book: bool = False) -> tuple[dict[str, int], int]:

@@ -196,7 +196,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-reduce", choices=GRAD_REDUCES, default=None,
                         help="overlapped (default): gradient reductions issued under the backward as buckets fill "
                              "(PyTorch DDP, FSDP); after-backward: once the backward is done, exposed (Megatron-LM's "
-                             "own DDP of 2021); over the spec's `grad_reduce` line")
+                             "own DDP of 2021); 'after-backward over dcn': only their phase over the `over dcn` axes "
+                             "after it (PaLM's cross-pod transfer); over the spec's `grad_reduce` line")
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None,
                         help="the fused attention kernel run, at the rates measured of it on the chip (flash2: "
                              "FlashAttention-2, flash3, flash4); default: the chip's best; over the spec's "

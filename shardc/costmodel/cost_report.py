@@ -125,7 +125,8 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
             "hbm_bandwidth": hw.hbm_bandwidth if math.isfinite(hw.hbm_bandwidth) else None,
             "model": "book" if hw.book else "chip", "bucket_bytes": hw.bucket_bytes,
             "fusion": "statement" if hw.fuses_statements else "xla" if hw.fuses else "none",
-            "grad_reduce": "after-backward" if hw.reduces_after_backward else "overlapped",
+            "grad_reduce": hw.grad_reduce if hw.reduces_after_backward or hw.reduces_dcn_after_backward
+            else "overlapped",
             "attention_kernel": hw.attention_kernel,
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
 
@@ -346,6 +347,12 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
         notes.append("grad_reduce after-backward: the gradient reductions run once the backward is done, "
                      "exposed (no compute hides them)")
     ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
+    if hw.reduces_dcn_after_backward:
+        notes.append("grad_reduce after-backward over dcn: the gradient reductions' phase over the `over dcn` axes "
+                     "(and the gathers over them of the same gradients) runs once the backward is done, exposed "
+                     "(`critical ... of it ... after the backward`); their ICI phase overlaps the backward"
+                     + ("" if len(ici) < len(plan.spec.mesh.axes) else
+                        "; this mesh has no `over dcn` axis, so all of them overlap it"))
     group = math.prod(sizes[a] for a in ici)
     nodes = any(isinstance(k, AxisLinks) and k.nodes for k in links.values())
     if hw.ici_domain is not None and group > hw.ici_domain and not nodes:

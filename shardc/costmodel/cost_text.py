@@ -99,6 +99,14 @@ def _fusion_words(hw: Hardware) -> str:
     return "fused as XLA fuses" if hw.fuses else "one kernel an op: fusion none"
 
 
+def _cross_pod(p: PhaseCost) -> str:
+    """Of a phase's critical collectives, the gradient reductions' DCN phase after the backward (``grad_reduce
+    after-backward over dcn``); nothing under any other line."""
+    if not p.hardware.reduces_dcn_after_backward:
+        return ""
+    return f" (of it {fmt_seconds(p.grad_reduce_dcn_s)} the gradient reductions' DCN phase, after the backward)"
+
+
 def _totals(p: PhaseCost, layers: int, at_mfu: tuple[float | None, float] | None = None) -> list[str]:
     """A phase's totals; ``at_mfu``: the step at ``--mfu`` and the model FLOPs it is of (the report's: a
     pipeline's own, the whole pipelined step's, where pipelined)."""
@@ -111,7 +119,7 @@ def _totals(p: PhaseCost, layers: int, at_mfu: tuple[float | None, float] | None
         f"(memory-bound steps, {_fusion_words(p.hardware)})"
         f"{update}",
         f"  comm    {fmt_seconds(p.comm_s)}: {fmt_bytes(p.comm_bytes)} = {text(f.comm_bytes)}"
-        f"  [critical {fmt_seconds(p.critical_s)}, ahead {fmt_seconds(p.ahead_s)}]",
+        f"  [critical {fmt_seconds(p.critical_s)}{_cross_pod(p)}, ahead {fmt_seconds(p.ahead_s)}]",
         f"  time    = {f.compute_s_text()} vs {f.comm_s_text()}",
     ]
     if p.hardware.book:

@@ -43,6 +43,7 @@ from shardc.step_cost import StepCost
 from shardc.timing import (
     bound_of,
     comm_split,
+    deferred_dcn,
     phase_seconds,
     phase_time,
     reductions_exposed,
@@ -155,6 +156,14 @@ class PhaseCost:
         return self._split()[1]
 
     @property
+    def grad_reduce_dcn_s(self) -> float:
+        """Of :attr:`critical_s`, the gradient reductions' DCN phase, run once the backward is done (``grad_reduce
+        after-backward over dcn``: PaLM's cross-pod transfer; :func:`shardc.timing.deferred_dcn`)."""
+        if self.parts:
+            return math.fsum(p.grad_reduce_dcn_s for p in self.parts)
+        return deferred_dcn([(r, self._count(r)) for r in self.rows], self.hardware)
+
+    @property
     def ahead_s(self) -> float:
         """Collectives that can be issued ahead (gradient reductions bucketed)."""
         if self.parts:
@@ -240,6 +249,8 @@ class PhaseCost:
             "tokens": self.tokens, "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
             "step_at_mfu_s": self.step_at_mfu_s,
         }
+        if self.hardware.reduces_dcn_after_backward:
+            data["grad_reduce_dcn_s"] = self.grad_reduce_dcn_s
         data.update(self.exprs())
         if rows:
             data["rows"] = [r.to_json() for r in self.rows]

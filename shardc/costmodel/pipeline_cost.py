@@ -383,7 +383,8 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Ti
     exposed: they are issued as the last microbatch's backward makes each layer's gradient, so they
     hide under that backward (Megatron-LM's overlapped gradient reduction), which runs beside them on the
     ``share`` of the cores they leave, and what is longer shows (:func:`shardc.overlap.reduced_after`);
-    ``after_backward`` (``grad_reduce after-backward``): issued after it, all exposed.
+    ``after_backward`` (``grad_reduce after-backward``): issued after it, all exposed; under ``grad_reduce
+    after-backward over dcn`` their DCN phase (:attr:`PartTime.deferred`) after it, the rest beside it.
     ``tied_s``: the end stages' swap of a tied param's gradient sums, before its reduction, on both;
     ``copies_s``: DualPipe's swap of the two copies' gradients, on every device; ``zero_s``: each stage's
     ZeRO-1 gradient reduce-scatters (:func:`shardc.costmodel.stage_optimizer.stage_reductions`)."""
@@ -395,8 +396,12 @@ def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Ti
         own = (math.fsum(n * parts[f"layer {b} reduce"][0].seconds for b, n in enumerate(counts))
                + sum(parts[f"{key} reduce"][0].seconds for key, _ in ends) + tied_s * bool(ends) + copies_s
                + (zero_s[s] if zero_s else 0.0))
+        # their DCN phase, where only it waits for the backward (`grad_reduce after-backward over dcn`)
+        late = (math.fsum(n * parts[f"layer {b} reduce"][0].deferred for b, n in enumerate(counts))
+                + sum(parts[f"{key} reduce"][0].deferred for key, _ in ends))
         backward = layers[1].seconds + layers[2].seconds + sum(t.backward + t.weight for _, t in ends)
-        worst, exposed = max(worst, own), max(exposed, reduced_after(backward, own, share, after_backward))
+        worst = max(worst, own)
+        exposed = max(exposed, late + reduced_after(backward, own - late, share, after_backward))
     return worst, max(0.0, exposed)
 
 

@@ -49,13 +49,14 @@ class PartTime:
     segments: tuple[Segment, ...] = ()
     ahead: float = 0.0
     share: float = 0.0
+    deferred: float = 0.0  # of comm, the gradient reductions' DCN phase after the backward (timing.deferred_dcn)
 
 
 def part_time(rows: list[StepCost], hw: Hardware, chain: list[StepCost] | None = None) -> PartTime:
     """``rows``' times, and as its segments ``chain``'s (by default the rows'), one row at a time in order."""
     t = phase_time(((r, 1) for r in rows), hw)
     segments, ahead = _segments(rows if chain is None else chain, hw)
-    return PartTime(t.busy_s, t.comm_s, t.seconds, segments, ahead, hw.overlap_share)
+    return PartTime(t.busy_s, t.comm_s, t.seconds, segments, ahead, hw.overlap_share, t.deferred_s)
 
 
 def _segments(rows: list[StepCost], hw: Hardware) -> tuple[tuple[Segment, ...], float]:

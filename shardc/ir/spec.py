@@ -284,9 +284,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpi
 # statement`: one hand-fused kernel a statement, no epilogue (PyTorch eager with fused kernels, as
 # Megatron-LM's; shardc/fusion.py says the rule).
 # `grad_reduce overlapped`: gradient reductions issued under the backward as each bucket fills (PyTorch
-# DDP, FSDP); `grad_reduce after-backward`: issued once the backward is done, exposed.
+# DDP, FSDP); `grad_reduce after-backward`: issued once the backward is done, exposed (`... over dcn`: their DCN phase).
 FUSIONS = ("xla", "none", "statement")
-GRAD_REDUCES = ("overlapped", "after-backward")
+GRAD_REDUCES = ("overlapped", "after-backward", "after-backward over dcn")
 # The fused attention kernel the framework runs (`attention_kernel flash2`): FlashAttention-2, -3, -4, each
 # at the rates its paper or benchmark measured on the chip (shardc/hardware.py); default: the chip's best.
 ATTENTION_KERNELS = ("flash2", "flash3", "flash4")
@@ -360,7 +360,7 @@ class Spec:
     schedule: Schedule | None = None  # None: the default, 1f1b
     zero: Zero | None = None  # ZeRO stage and axes (`zero 1 over X`); None: the state is sharded as the params
     fusion: str | None = None  # `fusion none` (FUSIONS); None: the chip's, by default XLA's fusion
-    grad_reduce: str | None = None  # `grad_reduce after-backward` (GRAD_REDUCES); None: overlapped
+    grad_reduce: str | None = None  # `grad_reduce after-backward [over dcn]` (GRAD_REDUCES); None: overlapped
     attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
     # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
     # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors

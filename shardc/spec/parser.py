@@ -317,7 +317,16 @@ class _Builder(Transformer[Token, Any]):
         return ("fusion", _choice(children[1], "fusion", FUSIONS), _span(children[0], children[1]))
 
     def grad_reduce_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("grad_reduce", _choice(children[1], "grad_reduce", GRAD_REDUCES), _span(children[0], children[1]))
+        word = _choice(children[1], "grad_reduce", GRAD_REDUCES)
+        if len(children) > 2:  # `after-backward over dcn`: only the reductions' DCN phase waits for the backward
+            scope = children[3]
+            if word != "after-backward" or str(scope) != "dcn":
+                raise ShardcError(f"`grad_reduce {word} over {clip(str(scope))}`: only the after-backward reductions "
+                                  "take a scope, and only `over dcn`", _span(children[1], scope),
+                                  fix="write `grad_reduce after-backward over dcn` (the DCN phase after the "
+                                      "backward) or `grad_reduce after-backward` (all of them)")
+            word = f"{word} over dcn"
+        return ("grad_reduce", word, _span(children[0], children[-1]))
 
     def attention_kernel_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("attention_kernel", _choice(children[1], "attention_kernel", ATTENTION_KERNELS),
