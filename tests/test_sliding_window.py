@@ -10,6 +10,7 @@ import pytest
 
 import shardc
 from shardc.costmodel.cost_report import CostReport
+from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError
 from shardc.ir.localops import Attention, Causal
 from shardc.ops import attention_share
@@ -98,15 +99,27 @@ def test_a_window_of_t_or_more_costs_and_plans_as_the_causal_mask() -> None:
         assert _cost(HEAD + FUSED.format(flag=f", window {w}")).forward == _cost(HEAD + FUSED.format(flag="")).forward
 
 
-def test_the_sharded_sequences_busiest_device_runs_its_rows_band() -> None:
-    """S = 64 over 4 devices, W = 8: the last device's 16 rows are all past W, 8 keys each, of its 16 x 64: 1/8
-    (the causal all-gather form's last device runs 7/8); the contiguous blocks, as no ring is offered."""
+@pytest.mark.parametrize("window, share", [(8, 1 / 8), (56, 27 / 32)])
+def test_the_sharded_sequences_busiest_device_runs_its_rows_band(window: int, share: float) -> None:
+    """S = 64 over 4 devices, the last device's rows 48..63 of 64 keys (the causal all-gather form's last device
+    runs 7/8): W = 8, all past W, 8 keys each: 1/8; W = 56, rows 48..55 see s keys (416 by area), 56..63 56
+    each (448): 864 / 1024 = 27/32.  The contiguous blocks, as no ring is offered."""
     text = ("mesh X=4\ndims B=4, S=64, T=64, G=2, R=2, H=16\ndtype f32\nO[B, S_X, G, R, H] = attention(Q[B, S_X, G, "
-            "R, H], K[B, T_X, G, H], V[B, T_X, G, H] over T, causal, window 8)\n")
+            f"R, H], K[B, T_X, G, H], V[B, T_X, G, H] over T, causal, window {window})\n")
     plan = shardc.plan(shardc.parse(text))
     kernel = plan.forward[[isinstance(s.fn, Attention) for s in plan.forward].index(True)]
-    assert isinstance(kernel.fn, Attention) and kernel.fn.window == 8 and not kernel.fn.ring
-    assert _cost(text).forward.compute_flops == 4 * 4 * 64 * 64 * 4 * 16 / 4 / 8
+    assert isinstance(kernel.fn, Attention) and kernel.fn.window == window and not kernel.fn.ring
+    assert _cost(text).forward.compute_flops == 4 * 4 * 64 * 64 * 4 * 16 / 4 * share
+
+
+def test_the_formula_without_sizes_is_the_band_for_long_sequences() -> None:
+    """S whole: 4·B·S·T·N·H (2 S W - W^2) / 2 S^2 over the devices; S sharded: the busiest device past W, W / S."""
+    whole = ("mesh X=2, Y=2\nO[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, N_Y, H], V[B_X, T, N_Y, H] "
+             "over T, causal, window 4096)\n")
+    text = str(cost_formulas(shardc.plan(shardc.parse(whole))))
+    assert "compute 16384*B*H*N*T/(X*Y) - 33554432*B*H*N*T/(S*X*Y) FLOPs a device" in text
+    sharded = whole.replace("B_X, S, N_Y", "B_Y, S_X, N").replace("B_X, T, N_Y", "B_Y, T_X, N")
+    assert "compute 16384*B*H*N*T/(X*Y) FLOPs a device" in str(cost_formulas(shardc.plan(shardc.parse(sharded))))
 
 
 def test_the_unfused_mask_costs_what_the_causal_mask_costs() -> None:
