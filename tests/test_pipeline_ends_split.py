@@ -50,7 +50,7 @@ def test_the_head_is_cut_into_b_and_w_and_the_embedding_is_all_w() -> None:
 
 
 # Gemma 2's output layer is its embedding, tied: the head's contribution to its gradient is W in both
-TIED = {"gemma2_27b.shard": (("mesh X=768, Y=8", "mesh P=4 pipeline, X=24, Y=8"), ("layers 46", "layers 48"),
+TIED = {"gemma2_27b.shard": (("mesh X=768, Y=8", "mesh P=4 pipeline, X=24, Y=8"), ("layers 23", "layers 24"),
                              ("hardware tpu-v5p", "hardware tpu-v5p\nmicrobatches 8\nschedule zb-h1"))}
 
 

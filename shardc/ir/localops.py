@@ -91,13 +91,14 @@ UPDATE = Update()
 @dataclass(frozen=True)
 class Causal:
     """-inf where the key position (index ``key``) is after the query position (``query``), by global
-    position."""
+    position, or ``window`` or more before it (a sliding window: query s sees keys s - window < t <= s)."""
 
     query: str
     key: str
+    window: int | None = None
 
     def __str__(self) -> str:
-        return f"causal({self.query},{self.key})"
+        return f"causal({self.query},{self.key}{_window(self.window)})"
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,15 @@ class CausalVjp:
 
     query: str
     key: str
+    window: int | None = None
 
     def __str__(self) -> str:
-        return f"causal_vjp({self.query},{self.key})"
+        return f"causal_vjp({self.query},{self.key}{_window(self.window)})"
+
+
+def _window(window: int | None) -> str:
+    """A causal mask's sliding window as its text shows it (none: "")."""
+    return "" if window is None else f",window {window}"
 
 
 @dataclass(frozen=True)
@@ -174,19 +181,19 @@ def key_block(n: int) -> int:
 
 @dataclass(frozen=True)
 class Attention:
-    """Blockwise attention on local blocks (operands Q, K, V, and with ``rope`` a second (query, key) pair
-    Qr, Kr whose scores add to Q·K; a gradient's also O, the row logsumexp and dO): ``part`` is what the
-    step makes, the output, the row logsumexp or one of dQ, dK, dV, dQr, dKr (one of
-    :data:`ATTENTION_PARTS`); ``key`` is the key index T; ``query`` the query position a causal
-    mask compares it with (None: not causal); ``kernel``: the step that runs the kernel (its FLOPs, its
-    reads), the others being its further results; ``ring``: the mesh axes K and V travel around, a block a
-    step, while each device keeps its queries (ring attention; empty: K and V whole on the device);
-    ``zigzag``: the ring's sequence cut into 2n chunks, device i computing chunks i and 2n - 1 - i (causal
-    load balancing; without a ring, the all-gather form's queries in those chunks over S's axes, K and V
-    gathered in that order, :mod:`shardc.ops.balanced_gather`); ``held``: the plan holds the sequence in that
-    order throughout (:mod:`shardc.planner.zigzag_order`), so the kernel does not reorder its blocks;
-    ``order``: the mesh axes of that order's chunks where the kernel's queries are whole (Ulysses moved S's
-    axes onto the heads: its causal mask compares the true positions of the sequence as held)."""
+    """Blockwise attention on local blocks (operands Q, K, V, and with ``rope`` a second (query, key) pair Qr, Kr
+    whose scores add to Q·K; a gradient's also O, the row logsumexp and dO): ``part`` is what the step makes, the
+    output, the row logsumexp or one of dQ, dK, dV, dQr, dKr (one of :data:`ATTENTION_PARTS`); ``key`` is the key
+    index T; ``query`` the query position a causal mask compares it with (None: not causal), ``window`` its sliding
+    window (None: none); ``kernel``: the step that runs the kernel (its FLOPs, its reads), the others being its
+    further results; ``ring``: the mesh axes K and V travel around, a block a step, while each device keeps its
+    queries (ring attention; empty: K and V whole on the device); ``zigzag``: the ring's sequence cut into 2n
+    chunks, device i computing chunks i and 2n - 1 - i (causal load balancing; without a ring, the all-gather
+    form's queries in those chunks over S's axes, K and V gathered in that order,
+    :mod:`shardc.ops.balanced_gather`); ``held``: the plan holds the sequence in that order throughout
+    (:mod:`shardc.planner.zigzag_order`), so the kernel does not reorder its blocks; ``order``: the mesh axes of
+    that order's chunks where the kernel's queries are whole (Ulysses moved S's axes onto the heads: its causal
+    mask compares the true positions of the sequence as held)."""
 
     part: str
     key: str
@@ -197,6 +204,7 @@ class Attention:
     held: bool = False
     rope: bool = False
     order: tuple[str, ...] = ()
+    window: int | None = None
 
     @property
     def inputs(self) -> int:
@@ -204,7 +212,7 @@ class Attention:
         return 5 if self.rope else 3
 
     def __str__(self) -> str:
-        causal = f",causal({self.query},{self.key})" if self.query is not None else ""
+        causal = f",causal({self.query},{self.key}{_window(self.window)})" if self.query is not None else ""
         causal += ",rope" if self.rope else ""
         order = (f",zigzag({''.join(self.order)})" if self.order else ",zigzag" if self.zigzag else "")
         order += ",held" if self.held else ""

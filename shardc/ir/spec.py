@@ -238,9 +238,8 @@ class Call:
     """A function of an expression: ``gelu(X)``, ``softmax(Sc over T)``, ``causal(Sc, S, T)``,
     ``dropout(X, 0.1)``, ``embed(Tok, W_emb)``, ``cross_entropy(Logits, Tok)``.
 
-    ``arg`` is the first tensor argument, ``more`` the further ones, ``names`` the index
-    arguments, ``numbers`` the numeric ones and ``over`` the index a reduction runs over.
-    :mod:`shardc.spec.functions` says which function takes what.
+    ``arg`` is the first tensor argument, ``more`` the further ones, ``names`` the index arguments, ``numbers``
+    the numeric ones and ``over`` the index a reduction runs over (:mod:`shardc.spec.functions`: who takes what).
 
     >>> x = TensorRef("Sc", (Dim("S"), Dim("T")))
     >>> str(Call("softmax", x, over="T")), str(Call("causal", x, names=("S", "T")))
@@ -256,6 +255,7 @@ class Call:
     names: tuple[str, ...] = ()
     numbers: tuple[float, ...] = ()
     over: str | None = None
+    window: int | None = None  # a causal mask's sliding window, in keys: ``causal(Sc, S, T, window 4096)``
 
     @property
     def args(self) -> tuple[Expr, ...]:
@@ -264,6 +264,7 @@ class Call:
 
     def __str__(self) -> str:
         parts = [str(a) for a in self.args] + list(self.names) + [_number(n) for n in self.numbers]
+        parts += [f"window {self.window}"] if self.window is not None else []
         over = f" over {self.over}" if self.over is not None else ""
         return f"{self.func}({', '.join(parts)}{over})"
 

@@ -35,6 +35,7 @@ __all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask"
 
 Array = Any
 Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
+Query = tuple[str, Axes] | tuple[str, Axes, int]  # a causal mask's query letter, its axes, and its sliding window
 
 
 def gemm_input(x: Array, kind: str) -> Array:
@@ -90,10 +91,18 @@ def positions(x: Array, dim: int, axes: Axes) -> Array:
     return (start + jnp.arange(n)).reshape([n if d == dim else 1 for d in range(x.ndim)])
 
 
-def causal_mask(x: Array, query: tuple[int, Axes], key: tuple[int, Axes], fill: float = -jnp.inf) -> Array:
-    """``fill`` where the key's global position is after the query's; ``query`` and ``key`` are
-    (dim, axes sharding it): each device offsets its block's positions by its index along them."""
-    return jnp.where(positions(x, *key) > positions(x, *query), fill, x)
+def causal_mask(x: Array, query: tuple[int, Axes], key: tuple[int, Axes], fill: float = -jnp.inf,
+                window: int | None = None) -> Array:
+    """``fill`` where the key's global position is after the query's, or ``window`` or more before it;
+    ``query`` and ``key`` are (dim, axes sharding it): each device offsets its block's positions by its
+    index along them."""
+    return jnp.where(masked(positions(x, *query), positions(x, *key), window), fill, x)
+
+
+def masked(qpos: Array, kpos: Array, window: int | None) -> Array:
+    """Where a causal mask hides key position t from query position s: t > s, or t <= s - window (a sliding
+    window keeps s - W < t <= s, :func:`shardc.ops.masks.in_window`)."""
+    return kpos > qpos if window is None else (kpos > qpos) | (kpos <= qpos - window)
 
 
 def keep_mask(x: Array, salt: int, rate: float, dims: tuple[tuple[str, ...], ...], order: tuple[int, ...],
@@ -187,10 +196,11 @@ def route_topk(gates: Array, k: int, capacity: int, order: int, experts: int, by
 # --- attention, blockwise with an online softmax (Dao et al. 2022, FlashAttention) ---------------
 
 def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key: str,
-                      query: tuple[str, Axes] | None, start: Any, zigzag: tuple[int, Axes] = (0, ())) -> Array:
+                      query: Query | None, start: Any, zigzag: tuple[int, Axes] = (0, ())) -> Array:
     """One block of scores ``Q·K / sqrt(H)`` (the rows' letters, then the key letter), -inf where a causal
     mask hides the key: its global position (``start`` on, T whole on the device) past the query's
-    (``query``: S's letter and the axes sharding it, each device's block offset by its index along them);
+    (``query``: S's letter and the axes sharding it, each device's block offset by its index along them), or
+    the sliding window (``query``'s third, where given) or more before it (:func:`masked`);
     ``zigzag`` (the keys' length and the mesh axes the order is over): the sequence held in zig-zag order of
     2n chunks, n the devices along those axes (S's in the all-gather form; the axes Ulysses moved off S, its
     queries whole), so the mask compares the true positions of the places held."""
@@ -198,14 +208,14 @@ def _attention_scores(q: Array, kb: Array, subs: tuple[str, str, str, str], key:
     s = jnp.einsum(f"{qs},{ks}->{qs[:-1]}{key}", q, kb) / math.sqrt(q.shape[-1])
     if query is None:
         return s
-    letter, axes = query
+    letter, axes, window = query if len(query) == 3 else (*query, None)
     qd = qs.index(letter)
     kpos, qpos = start + jnp.arange(kb.shape[ks.index(key)]), positions(s, qd, axes)
     length, order = zigzag
     if length:
         chunks, shards = 2 * jax.lax.axis_size(order), jax.lax.axis_size(axes) if axes else 1
         kpos, qpos = zigzag_positions(kpos, length, chunks), zigzag_positions(qpos, s.shape[qd] * shards, chunks)
-    return jnp.where(kpos > qpos, -jnp.inf, s)
+    return jnp.where(masked(qpos, kpos, window), -jnp.inf, s)
 
 
 _KERNEL: list[tuple[tuple[Any, ...], tuple[Array, ...]]] = []  # the last kernel run: (its arguments, its results)
@@ -231,7 +241,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
-              query: tuple[str, Axes] | None = None, zigzag: Axes = ()) -> tuple[Array, Array]:
+              query: Query | None = None, zigzag: Axes = ()) -> tuple[Array, Array]:
     """(the output, the row logsumexp in float32 or wider) of ``softmax(Q·K / sqrt(H) over T) · V`` on local blocks:
     a loop over blocks of keys keeping each row's running max, sum of exponentials and weighted sum of
     values, so no S x T array is made.  ``subs`` are Q's, K's, V's and O's einsum letters, ``key`` T's, and
@@ -242,7 +252,7 @@ def attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key
 
 
 def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
-               query: tuple[str, Axes] | None, zigzag: Axes) -> tuple[Array, Array]:
+               query: Query | None, zigzag: Axes) -> tuple[Array, Array]:
     qs, ks, vs, os = subs
     dtype, wide = q.dtype, compute_dtype(q)
     q, k, v = (x.astype(wide) for x in (q, k, v))
@@ -258,8 +268,9 @@ def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], ke
         kb, vb = (jax.lax.dynamic_slice_in_dim(x, j * b, b, axis) for x, axis in ((k, kt), (v, vt)))
         s = _attention_scores(q, kb, subs, key, query, j * b, (n if zigzag else 0, zigzag))
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        scale = jnp.exp(m - m_new)
+        shift = jnp.where(jnp.isneginf(m_new), 0, m_new)  # a row that saw no key yet (its window's after): 0s, no NaN
+        p = jnp.exp(s - shift[..., None])
+        scale = jnp.exp(m - shift)
         pv = jnp.einsum(f"{rows}{key},{vs}->{rows}{vs[-1]}", p, vb)
         return m_new, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
 
@@ -269,7 +280,7 @@ def _attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], ke
 
 
 def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
-                    key: str, query: tuple[str, Axes] | None = None,
+                    key: str, query: Query | None = None,
                     zigzag: Axes = ()) -> tuple[Array, Array, Array]:
     """(dQ, dK, dV) of :func:`attention` from the forward's output and row logsumexp: FlashAttention's
     backward, a loop over blocks of keys that makes each block's probabilities again from the logsumexp.
@@ -278,7 +289,7 @@ def attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arra
 
 
 def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array, subs: tuple[str, str, str, str],
-                     key: str, query: tuple[str, Axes] | None, zigzag: Axes) -> tuple[Array, Array, Array]:
+                     key: str, query: Query | None, zigzag: Axes) -> tuple[Array, Array, Array]:
     qs, ks, vs, os = subs
     dtypes, wide = (q.dtype, k.dtype, v.dtype), compute_dtype(q)
     q, k, v, o, lse, do = (x.astype(wide) for x in (q, k, v, o, lse, do))
@@ -307,7 +318,7 @@ def _attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Arr
 
 
 def attention_rope(q: Array, k: Array, v: Array, qr: Array, kr: Array, subs: tuple[str, ...], key: str,
-                   query: tuple[str, Axes] | None = None) -> tuple[Array, Array]:
+                   query: Query | None = None) -> tuple[Array, Array]:
     """:func:`attention` with a second (query, key) pair whose scores add to Q·K (MLA's decoupled rotary part):
     the kernel run on the concatenated heads ``[Q, Qr]`` and ``[K, Kr]``, Kr broadcast over the heads it
     lacks, so the scale is ``1 / sqrt(H + J)``.  ``subs``: Q's, K's, V's, O's, Qr's and Kr's letters."""
@@ -315,7 +326,7 @@ def attention_rope(q: Array, k: Array, v: Array, qr: Array, kr: Array, subs: tup
 
 
 def _attention_rope(q: Array, k: Array, v: Array, qr: Array, kr: Array, subs: tuple[str, ...], key: str,
-                    query: tuple[str, Axes] | None) -> tuple[Array, Array]:
+                    query: Query | None) -> tuple[Array, Array]:
     qs, ks, vs, os = subs[:4]
     qj, kj = _joined(q, k, qr, kr, subs)
     return _attention(qj, kj, v, (qs, ks, vs, os), key, query, ())  # no zig-zag order with a second pair
@@ -323,7 +334,7 @@ def _attention_rope(q: Array, k: Array, v: Array, qr: Array, kr: Array, subs: tu
 
 def attention_rope_grads(q: Array, k: Array, v: Array, qr: Array, kr: Array, o: Array, lse: Array, do: Array,
                          subs: tuple[str, ...], key: str,
-                         query: tuple[str, Axes] | None = None) -> tuple[Array, Array, Array, Array, Array]:
+                         query: Query | None = None) -> tuple[Array, Array, Array, Array, Array]:
     """(dQ, dK, dV, dQr, dKr) of :func:`attention_rope`: :func:`attention_grads` of the concatenated heads,
     split again, dKr summed over the heads Kr was broadcast to."""
     return _kernel_once(_attention_rope_grads, q, k, v, qr, kr, o, lse, do, subs,  # type: ignore[return-value]
@@ -332,7 +343,7 @@ def attention_rope_grads(q: Array, k: Array, v: Array, qr: Array, kr: Array, o: 
 
 def _attention_rope_grads(q: Array, k: Array, v: Array, qr: Array, kr: Array, o: Array, lse: Array, do: Array,
                           subs: tuple[str, ...], key: str,
-                          query: tuple[str, Axes] | None) -> tuple[Array, Array, Array, Array, Array]:
+                          query: Query | None) -> tuple[Array, Array, Array, Array, Array]:
     qj, kj = _joined(q, k, qr, kr, subs)
     qs, ks, vs, os = subs[:4]
     dq, dk, dv = _attention_grads(qj, kj, v, o, lse, do, (qs, ks, vs, os), key, query, ())
@@ -356,7 +367,7 @@ def _joined(q: Array, k: Array, qr: Array, kr: Array, subs: tuple[str, ...]) -> 
 
 
 def ring_attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str], key: str,
-                   query: tuple[str, Axes] | None, ring: tuple[str, ...], zigzag: bool,
+                   query: Query | None, ring: tuple[str, ...], zigzag: bool,
                    held: bool = False) -> tuple[Array, Array]:
     """:func:`attention` with the keys sharded as the queries over ``ring``: K and V passed around the ring
     (ring attention, :func:`shardc.lowering.runtime_ring.ring_forward`); ``zigzag``: causal blocks balanced
@@ -365,7 +376,7 @@ def ring_attention(q: Array, k: Array, v: Array, subs: tuple[str, str, str, str]
 
 
 def ring_attention_grads(q: Array, k: Array, v: Array, o: Array, lse: Array, do: Array,
-                         subs: tuple[str, str, str, str], key: str, query: tuple[str, Axes] | None,
+                         subs: tuple[str, str, str, str], key: str, query: Query | None,
                          ring: tuple[str, ...], zigzag: bool, held: bool = False) -> tuple[Array, Array, Array]:
     """(dQ, dK, dV) of :func:`ring_attention` (:func:`shardc.lowering.runtime_ring.ring_backward`): dK and
     dV whole over the ring's axes."""

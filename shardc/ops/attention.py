@@ -36,13 +36,15 @@ sharding along T: a ReduceScatter); the ring brings them home whole over its axe
 FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` and ``P·V``, ``4 B S T N H``
 (each head dim counted where it is contracted; a second pair's ``Qr·Kr`` adds ``2 B S T N J``); with
 ``causal`` the chip runs only the unmasked half of the S x T blocks, ``2 B S T N H`` (the count
-FlashAttention's benchmarks use).  The backward
+FlashAttention's benchmarks use); with ``causal, window W`` (a sliding window: query s sees keys
+s - W < t <= s) only the band of the window's blocks, FlashAttention-2's ``window_size`` skipping the rest
+(:mod:`shardc.ops.attention_share`; a ring is not offered: it masks no window).  The backward
 makes the scores again and runs four more (``dV = P·dO``, ``dP = dO·V``, ``dQ = dS·K``,
 ``dK = dS·Q``): 2.5 times the forward's FLOPs on the chip.  Model FLOPs (MFU's) count the whole
-S x T, causal or not, and the backward as twice the forward (the recomputation not counted): the
+S x T, causal, windowed or not, and the backward as twice the forward (the recomputation not counted): the
 convention of PaLM's MFU (Chowdhery et al. 2022, appendix B: ``6N + 12 L H Q T`` a token) and of
 Megatron-LM's (Narayanan et al. 2021), which the published MFUs shardc is compared with used.  Hardware
-FLOPs (HFU's) are what all the devices run: the unmasked half where causal, and the backward's
+FLOPs (HFU's) are what all the devices run: the unmasked half where causal (a window's band), and the backward's
 recomputed scores (2.5 times the forward).  The kernel runs below the chip's matmul rate, its backward
 below its forward: :func:`kernel_seconds` prices it at the chip's attention figures.  The
 step making the logsumexp is the same kernel as the output's: no FLOPs of its own, and likewise
@@ -71,6 +73,7 @@ from shardc.ir.plan import Alternative, Choice, Op, Step
 from shardc.ir.spec import Call, DType, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.attention_reference import attention_forward, attention_vjp, forward, grad_magnitude, magnitude, vjp
+from shardc.ops.attention_share import busiest_share, total_share
 from shardc.ops.balanced_gather import balanced_gather
 from shardc.ops.products import einsum_letters
 from shardc.ops.registry import Builder, Family, Namer, Reference, Sizer, register
@@ -102,6 +105,13 @@ def _call_roles(call: Call, operands: tuple[tuple[str, ...], ...]) -> Roles:
 def _query(call: Call, r: Roles) -> str | None:
     """The query position a causal mask compares with the key's (None: not causal)."""
     return r.query if CAUSAL in call.names else None
+
+
+def _window(phase: Phase, call: Call) -> int | None:
+    """The call's sliding window; None where it has none or the window spans every key (W >= T: the causal
+    mask alone, planned and costed as one)."""
+    w = call.window
+    return None if w is None or (phase.sized and w >= phase.ctx.dim_size(call.over or "")) else w
 
 
 # --- the graph node --------------------------------------------------------------------------
@@ -175,7 +185,7 @@ class Form(NamedTuple):
     order: tuple[str, ...] = ()
 
 
-def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: bool) -> list[Form]:
+def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: bool, window: bool = False) -> list[Form]:
     """The kernel layouts to choose from: ``axes`` (the all-gather form where the queries S are sharded),
     and, where they are, S's axes moved onto one of K's batch or head indices instead (Ulysses, Jacobs et
     al. 2023: an AllToAll of Q, K and V to heads sharded, whole sequences, and of the output back),
@@ -193,7 +203,7 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
                               + (", in the held zig-zag order)" if order else ")"),
                               {**axes, seq: (), i: axes[i] + axes[seq]}, zigzag=bool(order), order=order))
     devices = math.prod(phase.ctx.axis_sizes[a] for a in axes[seq])
-    if r.qr:  # the ring passes K and V only: with a second pair, the all-gather and Ulysses forms
+    if r.qr or window:  # the ring passes K and V only, and masks no window: the all-gather and Ulysses forms
         return forms
     if devices > 1 and (not phase.sized or phase.ctx.dim_size(r.key) % devices == phase.ctx.dim_size(seq) % devices
                         == 0):  # even blocks: the ring's causal positions are each block's index times its length
@@ -228,7 +238,7 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, t
         moved, count = moved + cost[0] / ctx.repeats, count + len(made)
     assert node.call is not None
     fn = Attention("out", r.key, _query(node.call, r), ring=form.ring, zigzag=form.zigzag, held=held and form.zigzag,
-                   rope=bool(r.qr), order=form.order)
+                   rope=bool(r.qr), order=form.order, window=_window(phase, node.call))
     kernel = Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(refs), fn=fn)
     size = lambda name: ctx.axis_sizes.get(name) or ctx.dim_size(name)  # noqa: E731
     lse = phase.ref(node.aux[0], _value(r.rows, axes))  # the backward's kernel reads O, the logsumexp and dO too
@@ -257,7 +267,7 @@ def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]]
             label: str) -> Form:
     """The form of least time (the first without sizes), listed for ``--explain``."""
     assert node.call is not None
-    forms = _forms(phase, r, axes, _query(node.call, r) is not None)
+    forms = _forms(phase, r, axes, _query(node.call, r) is not None, _window(phase, node.call) is not None)
     if len(forms) == 1 or not phase.sized:
         return forms[0]
     ctx = phase.ctx
@@ -309,7 +319,8 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (lse,) = node.aux
     query = _query(node.call, r)
     out, rows = _value(node.indices, axes), _value(r.rows, axes)
-    fn = Attention("out", r.key, query, ring=form.ring, zigzag=form.zigzag, rope=bool(r.qr), order=form.order)
+    fn = Attention("out", r.key, query, ring=form.ring, zigzag=form.zigzag, rope=bool(r.qr), order=form.order,
+                   window=_window(phase, node.call))
     phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, out), operands=tuple(operands), fn=fn), out)
     phase.emit(Step(Op.ELEMENTWISE, lse, phase.ref(lse, rows), operands=tuple(operands),
                     fn=replace(fn, part="lse", kernel=False)), rows)
@@ -372,15 +383,15 @@ def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any, Any]:
     r = roles(q.indices, k.indices, v.indices, step.fn.key)
     rows = tuple(d for d in q.dims if d.name != r.head)
     values = einsum_flops(((d.name, d.axes) for d in (*rows, *keys, v.dims[-1])), size)  # P·V: rows x T x Hv
-    num, den = _unmasked(step, size)
+    num, den = busiest_share(step, size)
     num *= math.prod((size(a) for a in step.fn.ring), start=1)  # a ring's n steps each take a block of T
-    half = 2 if step.fn.query is not None else 1  # all devices together run the causal half of S x T
+    run, of = total_share(step, size)  # all devices together: the causal half of S x T, or a window's band
     if part == "out":
         model = scores[1] + values[1]
-        return (scores[0] + values[0]) * num / den, model, model / half
+        return (scores[0] + values[0]) * num / den, model, model * run / of
     # the backward's kernel: the scores again, dP = dO·V, dQ = dS·K, dK = dS·Q, dV = P·dO
     return (3 * scores[0] + 2 * values[0]) * num / den, 2 * scores[1] + 2 * values[1], \
-        (3 * scores[1] + 2 * values[1]) / half
+        (3 * scores[1] + 2 * values[1]) * run / of
 
 
 def kernel_seconds(step: Step, size: Callable[[str], int], hw: Hardware, dtype: str) -> float:
@@ -395,21 +406,6 @@ def kernel_seconds(step: Step, size: Callable[[str], int], hw: Hardware, dtype: 
     keys = next(d for d in step.operands[1].dims if d.name == step.fn.key)
     block = piece(((size(keys.name), math.prod(size(a) for a in keys.axes)),))
     return hw.attention_seconds(float(flops), float(block), step.fn.part != "out", dtype)
-
-
-def _unmasked(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any]:
-    """The share of its S x T blocks the busiest device runs, as (numerator, denominator): all but causal;
-    causal, a half with S whole, and with S in n contiguous blocks the last's, (2n - 1) / 2n (its queries
-    see every key but half of its own block's: the all-gather form and a contiguous ring do not balance
-    the load); in zig-zag chunks every device's is the average, a half."""
-    assert isinstance(step.fn, Attention)
-    if step.fn.query is None:
-        return 1, 1
-    if step.fn.zigzag:
-        return 1, 2
-    q = step.operands[0]
-    n = math.prod((size(a) for a in q.dims[q.indices.index(step.fn.query)].axes), start=1)
-    return 2 * n - 1, 2 * n  # (numerator, denominator): exact in a formula
 
 
 def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
@@ -444,7 +440,8 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
         subs = (*subs[:3], subs[0][:-1] + subs[2][-1], *subs[4:])
     query = "None"
     if step.fn.query is not None:  # S's letter and the axes sharding it: the causal mask's global positions
-        query = repr((letters[step.fn.query], q.dims[q.indices.index(step.fn.query)].axes))
+        query = repr((letters[step.fn.query], q.dims[q.indices.index(step.fn.query)].axes,
+                      *(() if step.fn.window is None else (step.fn.window,))))  # and the sliding window
     flags = f"{subs!r}, {letters[step.fn.key]!r}, {query}"
     kernel = "attention_rope" if step.fn.rope else "attention"
     if step.fn.ring:  # the ring's axes (K's along T, as Q's along S) and whether its chunks are zig-zag

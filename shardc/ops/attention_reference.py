@@ -1,6 +1,7 @@
 """The attention family on whole arrays: the independent reference ``verify`` compares with, and its bounds.
 
-``softmax(Q·K / sqrt(H) over T) · V`` computed directly, the S x T scores held (the reference may hold
+``softmax(Q·K / sqrt(H) over T) · V`` computed directly (causal: masked as the causal mask is, its sliding
+window too), the S x T scores held (the reference may hold
 them; the kernel never does).  With a second (query, key) pair, Multi-head Latent Attention's decoupled
 rotary part (DeepSeek-V2, arXiv 2405.04434, section 2.1.3), every score gains ``Qr·Kr`` and the scale is
 that of the concatenated head, ``1 / sqrt(H + J)``, as the implementations that concatenate ``[Qn, Qr]``
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from shardc.ops.masks import in_window
 from shardc.ops.reductions import grad_magnitude as softmax_grad_magnitude
 from shardc.ops.reductions import magnitude as softmax_magnitude
 from shardc.ops.registry import Arrays, Site
@@ -47,39 +49,42 @@ def _scale(r: Roles, xs: Arrays) -> float:
     return 1 / math.sqrt(sum(xs[a].shape[-1] for a, _, _, _ in _pairs(r)))
 
 
-def _probabilities(r: Roles, causal: bool, xs: Arrays, xp: Any) -> tuple[Array, Array]:
-    """(the scores, -inf where masked; their softmax along T, the last axis)."""
+def _probabilities(r: Roles, causal: bool, xs: Arrays, xp: Any, window: int | None = None) -> tuple[Array, Array]:
+    """(the scores, -inf where masked (causal, within ``window`` keys where given); their softmax along T, the
+    last axis)."""
     t, w = _words(r)
     s = sum(xp.einsum(f"{w[a]},{w[b]}->{w['rows']}{t}", xs[i], xs[j]) for i, j, a, b in _pairs(r)) * _scale(r, xs)
     if causal:
-        s = xp.where(_masked(r, s.shape), -np.inf, s)
+        s = xp.where(_masked(r, s.shape, window), -np.inf, s)
     z = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
     return s, z / xp.sum(z, axis=-1, keepdims=True)
 
 
-def _masked(r: Roles, shape: tuple[int, ...]) -> np.ndarray:
-    """Where the key position (the last axis) is after the query position."""
+def _masked(r: Roles, shape: tuple[int, ...], window: int | None) -> np.ndarray:
+    """Where the key position (the last axis) is after the query position, or out of its sliding window
+    (:func:`shardc.ops.masks.in_window`, the causal mask's definition)."""
     d = r.rows.index(r.query)
     qpos = np.arange(shape[d]).reshape([-1 if j == d else 1 for j in range(len(shape))])
-    return np.arange(shape[-1]) > qpos  # type: ignore[no-any-return]
+    return ~in_window(qpos, np.arange(shape[-1]), window)  # type: ignore[no-any-return]
 
 
-def attention_forward(r: Roles, causal: bool, q: Array, k: Array, v: Array, xp: Any, *pair: Array) -> Array:
+def attention_forward(r: Roles, causal: bool, q: Array, k: Array, v: Array, xp: Any, *pair: Array,
+                      window: int | None = None) -> Array:
     """The output on whole arrays (Q, K, V, and ``pair``: Qr, Kr where the call has them), in
-    :attr:`Roles.out`'s order."""
+    :attr:`Roles.out`'s order; ``window``: the causal mask's sliding window."""
     xs = (q, k, v, *pair)
     t, w = _words(r)
-    _, p = _probabilities(r, causal, xs, xp)
+    _, p = _probabilities(r, causal, xs, xp, window)
     return xp.einsum(f"{w['rows']}{t},{w['v']}->{w['out']}", p, xs[2])
 
 
 def attention_vjp(r: Roles, causal: bool, q: Array, k: Array, v: Array, d: Array, xp: Any,
-                  *pair: Array) -> tuple[Array, ...]:
+                  *pair: Array, window: int | None = None) -> tuple[Array, ...]:
     """The gradients (dQ, dK, dV, and dQr, dKr with the second ``pair``) for the cotangent ``d``."""
     xs = (q, k, v, *pair)
     t, w = _words(r)
     rows = w["rows"]
-    _, p = _probabilities(r, causal, xs, xp)
+    _, p = _probabilities(r, causal, xs, xp, window)
     dp = xp.einsum(f"{w['out']},{w['v']}->{rows}{t}", d, xs[2])
     ds = p * (dp - xp.sum(dp * p, axis=-1, keepdims=True)) * _scale(r, xs)
     grads: list[Array] = [None] * len(xs)
@@ -101,18 +106,18 @@ def _causal(site: Site) -> bool:
 
 
 def forward(site: Site, xs: Arrays, xp: Any) -> Array:
-    return attention_forward(site_roles(site), _causal(site), *xs[:3], xp, *xs[3:])
+    return attention_forward(site_roles(site), _causal(site), *xs[:3], xp, *xs[3:], window=site.func.window)
 
 
 def vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> tuple[Array | None, ...]:
-    return attention_vjp(site_roles(site), _causal(site), *xs[:3], d, xp, *xs[3:])
+    return attention_vjp(site_roles(site), _causal(site), *xs[:3], d, xp, *xs[3:], window=site.func.window)
 
 
 def _score_bounds(site: Site, xs: Arrays, mags: Arrays) -> tuple[Roles, Array, Array, Array]:
     """(roles, the scores, their magnitudes (masked: 0), the softmax's magnitudes) for verify's bounds."""
     r = site_roles(site)
     t, w = _words(r)
-    s, _ = _probabilities(r, _causal(site), xs, np)
+    s, _ = _probabilities(r, _causal(site), xs, np, site.func.window)
     mag_s = sum(np.einsum(f"{w[a]},{w[b]}->{w['rows']}{t}", mags[i], mags[j]) for i, j, a, b in _pairs(r)) \
         * _scale(r, xs)
     if _causal(site):

@@ -8,7 +8,8 @@ mask is a residual, whatever the save policy).  Here too are the JAX line of eac
 meaning on whole arrays for the reference:
 
 - ``causal``: -inf where the key position T is after the query position S, by global
-  position (the lowered ``causal_mask`` offsets each device's block by its index
+  position, or with ``window W`` W or more before it (:func:`in_window`) (the lowered
+  ``causal_mask`` offsets each device's block by its index
   along the axes that shard S and T); its gradient is the cotangent where not masked.
 - ``dropout``: keeps an element where a counter-based hash of its global position and
   the dropout's salt passes the rate (:func:`keep_mask`; the lowered ``keep_mask``
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
-__all__ = ["MASKS", "MaskOps", "KEY", "keep_mask", "emit"]
+__all__ = ["MASKS", "MaskOps", "KEY", "keep_mask", "in_window", "emit"]
 
 KEY = "dropout_key"  # the lowered functions' dropout-key argument (a local of the module's functions)
 
@@ -57,7 +58,7 @@ class MaskOps:
 
 def _causal(statement: Statement, call: Call) -> MaskOps:
     query, key = call.names
-    return MaskOps(Causal(query, key), CausalVjp(query, key))
+    return MaskOps(Causal(query, key, call.window), CausalVjp(query, key, call.window))
 
 
 def _dropout(statement: Statement, call: Call) -> MaskOps:
@@ -68,10 +69,22 @@ def _dropout(statement: Statement, call: Call) -> MaskOps:
 
 
 def _causal_keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
-    """Keys at or before the query, by position along the whole dims; no scale."""
+    """Keys at or before the query, by position along the whole dims, and within its window (s - W < t <= s,
+    :func:`in_window`); no scale."""
     query, key = (np.arange(shape[labels.index(i)]).reshape(
         [-1 if j == labels.index(i) else 1 for j in range(len(labels))]) for i in call.names)
-    return np.broadcast_to(key <= query, shape), 1.0
+    return np.broadcast_to(in_window(query, key, call.window), shape), 1.0
+
+
+def in_window(query: np.ndarray, key: np.ndarray, window: int | None) -> np.ndarray:
+    """Where a causal mask keeps the key: at or before the query position s, and with a sliding window W
+    the W positions up to s, s - W < t <= s: W keys, itself among them, as Mistral 7B's paper has a token attend
+    to at most W tokens (Jiang et al. 2023, figure 1) and Gemma 2's reference code masks (google/gemma_pytorch's
+    local mask: ``tril(-inf, diagonal=-W)``, t <= s - W hidden).  Mistral's own prefill mask
+    (``triu(mask, diagonal=-W)``, section 2's "between i - W and i") keeps one key more, s - W itself: W + 1.
+    The reference's one definition, for the mask and the fused attention."""
+    keep = key <= query
+    return keep if window is None else keep & (key > query - window)  # type: ignore[no-any-return]
 
 
 def _dropout_keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
@@ -167,6 +180,7 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     x = [broadcast_text(var(ref), ref.indices, dst.indices) for ref in step.operands]
     if isinstance(fn, (Causal, CausalVjp)):
         fill = ", fill=0" if isinstance(fn, CausalVjp) else ""
+        fill += f", window={fn.window}" if fn.window is not None else ""
         return f"causal_mask({x[0]}, {_dim(dst, fn.query)}, {_dim(dst, fn.key)}{fill})"
     assert fn is not None and isinstance(fn, MASK_OPS)
     rate = float(fn.rate)

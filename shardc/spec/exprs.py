@@ -42,6 +42,7 @@ def _check_calls(expr: Expr) -> None:
         if not is_known(call.func):
             raise ShardcError(f"unknown function `{call.func}`", span, fix=f"use one of {known_list()}")
         sig = signature(call.func)
+        _check_window(call, sig.kind)
         given = (len(call.args), len(call.names), len(call.numbers), call.over is not None)
         if sig.kind == "attention" and call.names:
             if call.names != (CAUSAL,):
@@ -55,6 +56,19 @@ def _check_calls(expr: Expr) -> None:
         if given != (sig.tensors, sig.names, sig.numbers, sig.over):
             raise ShardcError(f"`{call.func}` takes {_takes(sig.tensors, sig.names, sig.numbers, sig.over)}",
                               call.span, fix=f"write it as {sig.usage(call.func)}")
+
+
+def _check_window(call: Call, kind: str) -> None:
+    """A sliding window narrows a causal mask: only ``causal`` and a causal ``attention`` take one."""
+    if call.window is None:
+        return
+    if kind not in ("mask", "attention"):
+        raise ShardcError(f"`{call.func}` takes no window: a sliding window narrows a causal mask", call.span,
+                          fix=f"drop `window {call.window}`, or mask with causal(Sc, S, T, window {call.window})")
+    if kind == "attention" and CAUSAL not in call.names:
+        raise ShardcError(f"attention: `window {call.window}` without `{CAUSAL}`: a sliding window narrows the "
+                          "causal mask (keys t with s - W < t <= s)", call.span,
+                          fix=f"write attention(Q, K, V over T, causal, window {call.window})")
 
 
 def _takes(tensors: int, names: int, numbers: int, over: bool) -> str:

@@ -223,14 +223,22 @@ class _Builder(Transformer[Token, Any]):
             raise ShardcError(f"`{token}` is not a number", _span(token), fix="write a number such as 0.1") from None
         return _NumberArg(value, _span(token))
 
+    def window_arg(self, children: list[Token]) -> _WindowArg:
+        """``window W``: W keys, a positive whole number."""
+        return _WindowArg(_size(children[1], "a sliding window"), _span(children[0], children[1]))
+
     def call(self, children: list[Any]) -> Call:
         name, close = children[0], children[-1]
         args = [c for c in children[2:] if not isinstance(c, Token)]
         over = next((str(children[k + 1]) for k, c in enumerate(children)
                      if isinstance(c, Token) and c.type == "OVER"), None)
+        windows = [a for a in args if isinstance(a, _WindowArg)]
+        if len(windows) > 1:
+            raise ShardcError(f"`{name}(...)` has two windows", windows[1].span, fix="give one `window W`")
         exprs, names, numbers = _sort_args(str(name), args)
         return Call(str(name), exprs[0], span=_span(name, close), more=tuple(exprs[1:]),
-                    names=tuple(names), numbers=tuple(numbers), over=over)
+                    names=tuple(names), numbers=tuple(numbers), over=over,
+                    window=windows[0].value if windows else None)
 
     def assign(self, children: list[Any]) -> Statement:
         result, expr = children[0], children[2]
@@ -367,14 +375,21 @@ class _NumberArg:
         self.value, self.span = value, span
 
 
+class _WindowArg:
+    """A causal mask's sliding window (``window 4096``), while parsing: the last argument."""
+
+    def __init__(self, value: int, span: Span) -> None:
+        self.value, self.span = value, span
+
+
 def _sort_args(func: str, args: list[Any]) -> tuple[list[Expr], list[str], list[float]]:
-    """A call's arguments by kind: tensors first, then index names, then numbers, in that order."""
-    rank = {_IndexArg: 1, _NumberArg: 2}
+    """A call's arguments by kind: tensors first, then index names, then numbers, then a window, in that order."""
+    rank = {_IndexArg: 1, _NumberArg: 2, _WindowArg: 3}
     last = 0
     for arg in args:
         kind = rank.get(type(arg), 0)
         if kind < last or (kind and arg is args[0]):
-            raise ShardcError(f"`{func}(...)`: arguments go tensors first, then index names, then numbers",
+            raise ShardcError(f"`{func}(...)`: arguments go tensors first, then index names, numbers, a window",
                               arg.span, fix=f"write e.g. `{func}(X[B, S, D], S, 0.1)`")
         last = kind
     exprs = [a for a in args if rank.get(type(a), 0) == 0]

@@ -1,0 +1,160 @@
+"""Sliding-window attention, ``causal(Sc, S, T, window W)`` and ``attention(Q, K, V over T, causal, window W)``:
+parsed, checked, meant (query s sees keys s - W < t <= s), costed and verified."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+
+import shardc
+from shardc.costmodel.cost_report import CostReport
+from shardc.costmodel.symbolic import cost_formulas
+from shardc.errors import ShardcError
+from shardc.ir.localops import Attention, Causal
+from shardc.ops import attention_share
+from shardc.ops.attention import attention_forward
+from shardc.ops.masks import in_window
+from shardc.spec.attention_call import roles
+
+HEAD = "mesh X=2, Y=2\ndims B=4, S=16, T=16, N=4, H=16\ndtype f32\n"
+FUSED = ("O[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, N_Y, H], V[B_X, T, N_Y, H] "
+         "over T, causal{flag})\n")
+MASK = "M[B_X, N_Y, S, T] = causal(Sc[B_X, N_Y, S, T], S, T{flag})\n"
+
+
+def _cost(text: str) -> CostReport:
+    report = shardc.cost(shardc.plan(shardc.parse(text)))
+    assert isinstance(report, CostReport)
+    return report
+
+
+@pytest.mark.parametrize("line", [FUSED, MASK])
+def test_a_window_parses_and_prints_back_as_written(line: str) -> None:
+    spec = shardc.parse(HEAD + line.format(flag=", window 4"))
+    call = spec.statements[0].expr
+    assert call.window == 4 and "window 4" in str(spec.statements[0])
+    again = shardc.parse(HEAD + str(spec.statements[0]) + "\n")
+    assert again.statements == spec.statements
+    assert shardc.parse(HEAD + line.format(flag="")).statements[0].expr.window is None
+
+
+@pytest.mark.parametrize("line, flag, message", [
+    (FUSED, ", window 0", "size must be positive"),
+    (FUSED, ", window 2.5", "not a whole number"),
+    (MASK, ", window 3, window 4", "two windows"),
+    (FUSED.replace(", causal", ""), ", window 4", "without `causal`"),
+    ("Y[B, S] = gelu(Z[B, S]{flag})\n", ", window 4", "`gelu` takes no window"),
+    (MASK, ", window 4, 0.5", "tensors first, then index names, numbers, a window"),
+])
+def test_a_bad_window_is_an_error_with_its_span(line: str, flag: str, message: str) -> None:
+    with pytest.raises(ShardcError, match=message) as err:
+        shardc.parse(HEAD + line.format(flag=flag))
+    assert err.value.span is not None and err.value.span.line == 4
+
+
+def test_the_window_keeps_the_w_keys_up_to_the_query() -> None:
+    """s - W < t <= s: W keys, the query's own among them; none after it."""
+    keep = in_window(np.arange(6)[:, None], np.arange(6)[None, :], 3)
+    assert keep.sum(axis=1).tolist() == [1, 2, 3, 3, 3, 3]
+    assert keep[5].tolist() == [False, False, False, True, True, True]
+    assert (in_window(np.arange(6)[:, None], np.arange(6)[None, :], 6) == np.tri(6, dtype=bool)).all()
+
+
+def test_the_fused_reference_is_the_softmax_of_the_scores_masked_to_the_window() -> None:
+    """Against a direct loop: row s averages V over its keys max(0, s - W + 1) .. s by softmax weight; a window
+    of T or more is the causal mask alone."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, 8, 1, 4)) for _ in range(3))
+    r = roles(("B", "S", "N", "H"), ("B", "T", "N", "H"), ("B", "T", "N", "H"), "T")
+    out = attention_forward(r, True, q, k, v, np, window=3)
+    for s in range(8):
+        keys = range(max(0, s - 2), s + 1)
+        w = np.exp([q[0, s, 0] @ k[0, t, 0] / 2 for t in keys])
+        assert np.allclose(out[0, s, 0], sum(p * v[0, t, 0] for p, t in zip(w / w.sum(), keys, strict=True)))
+    assert np.allclose(attention_forward(r, True, q, k, v, np, window=8), attention_forward(r, True, q, k, v, np))
+
+
+def test_the_share_module_examples() -> None:
+    assert doctest.testmod(attention_share).failed == 0
+
+
+def test_fused_windowed_flops_are_the_band_of_the_window_by_hand() -> None:
+    """S = T = 16, W = 4: rows 0..3 see 1/2, 3/2, 5/2, 7/2 keys by area (s, as the causal half counts S^2 / 2), the
+    other 12 rows 4 each: 8 + 48 = 56 of the 256 scores, so the chip runs 56/256 of the whole Q·K and P·V (each
+    4·B·S·T·N·H / 2 over the 4 devices); model FLOPs count the whole S x T, as for causal."""
+    report = _cost(HEAD + FUSED.format(flag=", window 4"))
+    whole = 4 * 4 * 16 * 16 * 4 * 16
+    assert report.forward.compute_flops == whole / 4 * 56 / 256
+    assert report.backward.compute_flops == 2.5 * whole / 4 * 56 / 256
+    assert report.forward.model_flops == whole and report.backward.model_flops == 2 * whole
+
+
+def test_a_window_of_t_or_more_costs_and_plans_as_the_causal_mask() -> None:
+    causal = shardc.plan(shardc.parse(HEAD + FUSED.format(flag="")))
+    for w in (16, 40):
+        plan = shardc.plan(shardc.parse(HEAD + FUSED.format(flag=f", window {w}")))
+        assert [s.fn for s in plan.forward] == [s.fn for s in causal.forward]
+        assert _cost(HEAD + FUSED.format(flag=f", window {w}")).forward == _cost(HEAD + FUSED.format(flag="")).forward
+
+
+@pytest.mark.parametrize("window, share", [(8, 1 / 8), (56, 27 / 32)])
+def test_the_sharded_sequences_busiest_device_runs_its_rows_band(window: int, share: float) -> None:
+    """S = 64 over 4 devices, the last device's rows 48..63 of 64 keys (the causal all-gather form's last device
+    runs 7/8): W = 8, all past W, 8 keys each: 1/8; W = 56, rows 48..55 see s keys (416 by area), 56..63 56
+    each (448): 864 / 1024 = 27/32.  The contiguous blocks, as no ring is offered."""
+    text = ("mesh X=4\ndims B=4, S=64, T=64, G=2, R=2, H=16\ndtype f32\nO[B, S_X, G, R, H] = attention(Q[B, S_X, G, "
+            f"R, H], K[B, T_X, G, H], V[B, T_X, G, H] over T, causal, window {window})\n")
+    plan = shardc.plan(shardc.parse(text))
+    kernel = plan.forward[[isinstance(s.fn, Attention) for s in plan.forward].index(True)]
+    assert isinstance(kernel.fn, Attention) and kernel.fn.window == window and not kernel.fn.ring
+    assert _cost(text).forward.compute_flops == 4 * 4 * 64 * 64 * 4 * 16 / 4 * share
+
+
+def test_the_formula_without_sizes_is_the_band_for_long_sequences() -> None:
+    """S whole: 4·B·S·T·N·H (2 S W - W^2) / 2 S^2 over the devices; S sharded: the busiest device past W, W / S."""
+    whole = ("mesh X=2, Y=2\nO[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, N_Y, H], V[B_X, T, N_Y, H] "
+             "over T, causal, window 4096)\n")
+    text = str(cost_formulas(shardc.plan(shardc.parse(whole))))
+    assert "compute 16384*B*H*N*T/(X*Y) - 33554432*B*H*N*T/(S*X*Y) FLOPs a device" in text
+    sharded = whole.replace("B_X, S, N_Y", "B_Y, S_X, N").replace("B_X, T, N_Y", "B_Y, T_X, N")
+    assert "compute 16384*B*H*N*T/(X*Y) FLOPs a device" in str(cost_formulas(shardc.plan(shardc.parse(sharded))))
+
+
+def test_the_unfused_mask_costs_what_the_causal_mask_costs() -> None:
+    """XLA computes every score of a masked softmax: the window skips no work there."""
+    head = HEAD + "Sc[B_X, N_Y, S, T] = Q[B_X, S, N_Y, H] · K[B_X, T, N_Y, H]\n"
+    plain, windowed = (_cost(head + MASK.format(flag=f)) for f in ("", ", window 4"))
+    for a, b in ((windowed.forward, plain.forward), (windowed.backward, plain.backward)):
+        assert [(r.flops, r.memory_bytes, r.compute_s, r.memory_s) for r in a.rows] == \
+            [(r.flops, r.memory_bytes, r.compute_s, r.memory_s) for r in b.rows]
+    assert windowed.step.compute_s == plain.step.compute_s
+    step = shardc.plan(shardc.parse(head + MASK.format(flag=", window 4"))).forward[-1]
+    assert step.fn == Causal("S", "T", 4)
+
+
+def test_a_mistral_7b_layer_runs_three_eighths_of_its_scores() -> None:
+    """Mistral 7B (Jiang et al. 2023, table 1): 32 query heads in 8 groups of 4, head dim 128, window 4096;
+    at 8192 tokens the band is 8192 x 4096 - 4096^2 / 2 of 8192^2 scores: 3/8."""
+    text = ("mesh X=8\ndims B=8, S=8192, T=8192, G=8, R=4, H=128\nO[B_X, S, G, R, H] = attention(Q[B_X, S, G, R, "
+            "H], K[B_X, T, G, H], V[B_X, T, G, H] over T, causal, window 4096)\n")
+    report = _cost(text)
+    whole = 4 * 8 * 8192 * 8192 * 32 * 128
+    assert report.forward.compute_flops == whole / 8 * 3 / 8 and report.forward.model_flops == whole
+
+
+@pytest.mark.slow
+def test_a_windowed_spec_verifies_against_the_reference_values_and_hlo() -> None:
+    """The fused kernel with S sharded (its blocks' positions offset) and the unfused mask, both W = 5 of 32
+    keys: the lowered values and gradients match the reference."""
+    from shardc.verification.verify import verify
+
+    text = ("mesh X=2, Y=2\ndims B=2, S=32, T=32, N=2, H=8\ndtype f32\n"
+            "O[B_Y, S_X, N, H] = attention(Q[B_Y, S_X, N, H], K[B_Y, T_X, N, H], V[B_Y, T_X, N, H] over T, causal, "
+            "window 5)\nSc[B_Y, N, S_X, T] = O[B_Y, S_X, N, H] · K[B_Y, T_X, N, H]\n"
+            "P[B_Y, N, S_X, T] = softmax(causal(Sc[B_Y, N, S_X, T], S, T, window 5) over T)\n"
+            "Out[B_Y, S_X, N, H] = P[B_Y, N, S_X, T] · V[B_Y, T_X, N, H]\n")
+    report = verify(shardc.parse(text))
+    assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
+    assert {"O", "P", "Out", "dQ", "dK", "dV"} <= {r.tensor for r in report.values}
