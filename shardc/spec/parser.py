@@ -59,6 +59,7 @@ from shardc.ir.spec import (
     Zero,
     parse_topology,
 )
+from shardc.spec.call_args import IndexArg, NumberArg, WindowArg, sort_args
 from shardc.spec.dtypes import dtype_line, merge_dtypes
 from shardc.spec.lexicon import MAX_SIZE, cache_file, grammar_text, parse_size
 from shardc.spec.syntax_errors import syntax_error
@@ -212,30 +213,30 @@ class _Builder(Transformer[Token, Any]):
         result: Expr = children[1]
         return result
 
-    def index_arg(self, children: list[Token]) -> _IndexArg:
-        return _IndexArg(str(children[0]), _span(children[0]))
+    def index_arg(self, children: list[Token]) -> IndexArg:
+        return IndexArg(str(children[0]), _span(children[0]))
 
-    def number_arg(self, children: list[Token]) -> _NumberArg:
+    def number_arg(self, children: list[Token]) -> NumberArg:
         token = children[0]
         try:
             value = float(str(token).replace("_", ""))
         except ValueError:
             raise ShardcError(f"`{token}` is not a number", _span(token), fix="write a number such as 0.1") from None
-        return _NumberArg(value, _span(token))
+        return NumberArg(value, _span(token))
 
-    def window_arg(self, children: list[Token]) -> _WindowArg:
+    def window_arg(self, children: list[Token]) -> WindowArg:
         """``window W``: W keys, a positive whole number."""
-        return _WindowArg(_size(children[1], "a sliding window"), _span(children[0], children[1]))
+        return WindowArg(_size(children[1], "a sliding window"), _span(children[0], children[1]))
 
     def call(self, children: list[Any]) -> Call:
         name, close = children[0], children[-1]
         args = [c for c in children[2:] if not isinstance(c, Token)]
         over = next((str(children[k + 1]) for k, c in enumerate(children)
                      if isinstance(c, Token) and c.type == "OVER"), None)
-        windows = [a for a in args if isinstance(a, _WindowArg)]
+        windows = [a for a in args if isinstance(a, WindowArg)]
         if len(windows) > 1:
             raise ShardcError(f"`{name}(...)` has two windows", windows[1].span, fix="give one `window W`")
-        exprs, names, numbers = _sort_args(str(name), args)
+        exprs, names, numbers = sort_args(str(name), args)
         return Call(str(name), exprs[0], span=_span(name, close), more=tuple(exprs[1:]),
                     names=tuple(names), numbers=tuple(numbers), over=over,
                     window=windows[0].value if windows else None)
@@ -359,42 +360,6 @@ class _Block:
 
     def __init__(self, layers: int | str, span: Span, statements: list[Statement]) -> None:
         self.layers, self.span, self.statements = layers, span, statements
-
-
-class _IndexArg:
-    """An index name given to a function (``causal(Sc, S, T)``), while parsing."""
-
-    def __init__(self, name: str, span: Span) -> None:
-        self.name, self.span = name, span
-
-
-class _NumberArg:
-    """A number given to a function (``dropout(X, 0.1)``), while parsing."""
-
-    def __init__(self, value: float, span: Span) -> None:
-        self.value, self.span = value, span
-
-
-class _WindowArg:
-    """A causal mask's sliding window (``window 4096``), while parsing: the last argument."""
-
-    def __init__(self, value: int, span: Span) -> None:
-        self.value, self.span = value, span
-
-
-def _sort_args(func: str, args: list[Any]) -> tuple[list[Expr], list[str], list[float]]:
-    """A call's arguments by kind: tensors first, then index names, then numbers, then a window, in that order."""
-    rank = {_IndexArg: 1, _NumberArg: 2, _WindowArg: 3}
-    last = 0
-    for arg in args:
-        kind = rank.get(type(arg), 0)
-        if kind < last or (kind and arg is args[0]):
-            raise ShardcError(f"`{func}(...)`: arguments go tensors first, then index names, numbers, a window",
-                              arg.span, fix=f"write e.g. `{func}(X[B, S, D], S, 0.1)`")
-        last = kind
-    exprs = [a for a in args if rank.get(type(a), 0) == 0]
-    return exprs, [a.name for a in args if isinstance(a, _IndexArg)], [a.value for a in args
-                                                                       if isinstance(a, _NumberArg)]
 
 
 def _choice(token: Token, keyword: str, known: tuple[str, ...]) -> str:
