@@ -37,7 +37,8 @@ def test_the_dot_decomposer_copies_an_operand_with_two_free_indices_into_canonic
 
 def test_the_contracted_indices_are_in_their_letters_order() -> None:
     # dL = dQ · W over G, R and H: jnp.einsum lists them as g, h, r, so dQ [B, S, G, R, H], its contracted
-    # indices last, is copied all the same (gemma2_27b.shard's dL1g_1 and dL1l_1 at verify's sizes) and W [D, G, R, H] too
+    # indices last, is copied all the same (gemma2_27b.shard's dL1g_1 and dL1l_1 at verify's sizes)
+    # and W [D, G, R, H] too
     text = ("mesh X=2\ndims B=4, S=2, D=4, G=2, R=2, H=3\ndtype f32\nparam W\n"
             "Q[B_X, S, G, R, H] = L[B_X, S, D] · W[D, G, R, H]\n")
     dl = _step(text, "dL", backward=True)
