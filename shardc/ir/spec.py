@@ -22,7 +22,7 @@ from shardc.ir.mesh import Mesh, MeshAxis, Network, format_axes, parse_topology
 
 __all__ = ["DType", "Network", "MeshAxis", "Mesh", "Dim", "TensorRef", "Contract", "Add", "Call", "Expr", "Statement",
            "Spec", "format_axes", "SCHEDULES", "FUSIONS", "GRAD_REDUCES", "ATTENTION_KERNELS", "Schedule", "Zero",
-           "parse_topology"]
+           "parse_topology", "PARAM_GATHERS"]
 
 
 class DType(enum.Enum):
@@ -209,6 +209,11 @@ GRAD_REDUCES = ("overlapped", "after-backward")
 # The fused attention kernel the framework runs (`attention_kernel flash2`): FlashAttention-2, -3, -4, each
 # at the rates its paper or benchmark measured on the chip (shardc/hardware.py); default: the chip's best.
 ATTENTION_KERNELS = ("flash2", "flash3", "flash4")
+# When the params ZeRO-1/2 updated as shards are gathered back (`param_gather overlapped`): after the step,
+# exposed (the default: DeepSpeed's ZeRO-1/2 step, Megatron-LM's distributed optimizer by default), or under the
+# next step's forward (Megatron-LM's --overlap-param-gather, `overlap_param_gather` of
+# megatron/core/distributed/distributed_data_parallel_config.py, False by default).
+PARAM_GATHERS = ("exposed", "overlapped")
 
 
 @dataclass(frozen=True)
@@ -281,6 +286,7 @@ class Spec:
     fusion: str | None = None  # `fusion none` (FUSIONS); None: the chip's, by default XLA's fusion
     grad_reduce: str | None = None  # `grad_reduce after-backward` (GRAD_REDUCES); None: overlapped
     attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
+    param_gather: str | None = None  # `param_gather overlapped` (PARAM_GATHERS); None: exposed
     # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
     # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors
     recompute: tuple[str, ...] = ()
@@ -396,6 +402,8 @@ class Spec:
             lines.append(f"grad_reduce {self.grad_reduce}")
         if self.attention_kernel is not None:
             lines.append(f"attention_kernel {self.attention_kernel}")
+        if self.param_gather is not None:
+            lines.append(f"param_gather {self.param_gather}")
         if self.recompute:
             lines.append("recompute " + ", ".join(self.recompute))
         for k, statement in enumerate(self.statements):
