@@ -172,16 +172,16 @@ class Hardware:
         return self.fusion in ("none", "statement")
 
     @property
-    def reduces_after_backward(self) -> bool:
-        """Whether gradient reductions wait for the end of the backward (``grad_reduce after-backward``);
-        the book's model overlaps every collective."""
-        return self.grad_reduce == "after-backward" and not self.book
-
-    @property
     def gathers_under_forward(self) -> bool:
         """Whether ZeRO-1/2's param all-gathers run under the next step's forward (``param_gather overlapped``);
         the book's model overlaps every collective, but has no next step to hide these under."""
         return self.param_gather == "overlapped" and not self.book
+
+    @property
+    def reduces_after_backward(self) -> bool:
+        """Whether gradient reductions wait for the end of the backward (``grad_reduce after-backward``);
+        the book's model overlaps every collective."""
+        return self.grad_reduce == "after-backward" and not self.book
 
     def spans(self, chips: int) -> int:
         """Torus axes a mesh axis of ``chips`` chips is laid over: ceil(log_side chips), at most the torus's.
