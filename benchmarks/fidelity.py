@@ -42,6 +42,7 @@ class Run:
     # microbatches a step accumulates where the spec is one of them (FSDP's gathers and reductions run each one):
     # the step runs the optimizer's update once, so a microbatch's share of it is 1 / accumulated
     accumulated: int = 1
+    optimizer: str = "adam10"  # the training-state accounting (shardc/accountings.py) the run's framework keeps
 
 
 PUBLISHED = (
@@ -109,7 +110,8 @@ PUBLISHED = (
     # BLOOM 176B on Jean Zay (TP 4 x PP 12 x DP 8, ZeRO-1, every layer checkpointed, Omni-Path across nodes): the
     # training log's 104.70 s an iteration at the full batch (its 149.77 TFLOP/s count the recomputed forward)
     Run("BLOOM 176B, 384 A100", "benchmarks/runs/bloom_176b.shard", "full",
-        "Le Scao et al. 2022; bigscience train/tr11-176B-ml/README.md, iteration 85376", step_s=104.70),
+        "Le Scao et al. 2022; bigscience train/tr11-176B-ml/README.md, iteration 85376", step_s=104.70,
+        optimizer="bf16opt20"),  # DeepSpeed's BF16_Optimizer
     # Megatron-LM's weak-scaling table: its TFLOP/s a GPU are equation 3's FLOPs, 96 B s l h^2 (1 + s/6h + V/16lh),
     # which count activation recomputation's extra forward, so the step is those FLOPs over the GPUs' rate (the MFU
     # the step implies for shardc's model FLOPs)
@@ -128,7 +130,7 @@ PUBLISHED = (
 def predict(run: Run) -> dict[str, Any]:
     """shardc's step time and MFU for ``run`` (the pipeline's where pipelined), and the chip's peak."""
     spec = shardc.parse((ROOT / run.spec).read_text(encoding="utf-8"), filename=run.spec)
-    report = shardc.cost(shardc.plan(spec, recompute=run.recompute)).to_json()
+    report = shardc.cost(shardc.plan(spec, recompute=run.recompute), optimizer=run.optimizer).to_json()
     step, pipeline = report["step"], report.get("pipeline") or {}
     if pipeline:
         return {"step_s": pipeline["step_s"], "mfu": pipeline["mfu"], "peak": float(report["hardware"]["C"])}

@@ -15,11 +15,19 @@ cost pass; :mod:`shardc.costmodel.memory` counts with it.
   DeepSeek-V3 was trained ("DeepSeek-V3 Technical Report", arXiv 2412.19437, section
   3.3.4: BF16 first and second moments; the master weights and the gradients used
   for batch-size accumulation in FP32).
+* ``bf16opt20``: DeepSpeed's ``BF16_Optimizer`` (2 + 2 + 4 + 4 + 4 + 4), as BLOOM was trained
+  (microsoft/DeepSpeed, ``deepspeed/runtime/bf16_optimizer.py``): ``_setup_for_real_optimizer`` makes
+  each param group's fp32 gradient buffer (``fp32_groups_gradients_flat``) ``zeros_like`` the group's whole
+  flat bf16 params, not the rank's partition, while the fp32 master (``fp32_groups_flat_partition``), and so
+  Adam's m and v, are the rank's partition only; the pipeline engine (``deepspeed/runtime/pipe/engine.py``,
+  ``_exec_backward_pass``) clears the bf16 gradients before each microbatch's backward and adds them into
+  the fp32 buffer after it with ``update_hp_grads(clear_lp_grads=False)``, so the bf16 gradients are held
+  too.  Under ``zero 1`` the 2 + 4 gradient bytes stay whole and the 12 are sharded.
 """
 
 from __future__ import annotations
 
-__all__ = ["ACCOUNTINGS", "MASTER", "update_bytes"]
+__all__ = ["ACCOUNTINGS", "MASTER", "LOW_GRAD", "update_bytes"]
 
 # name -> (param bytes, grad bytes, optimizer-state bytes, description)
 ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
@@ -27,11 +35,17 @@ ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
     "adam16": (2, 2, 12, "16 bytes/param: bf16 param + bf16 grad + fp32 master, m, v"),
     "mixed18": (2, 4, 12, "18 bytes/param: bf16 param + fp32 grad + fp32 master, m, v"),
     "mixed14": (2, 4, 8, "14 bytes/param: bf16 param + fp32 grad + fp32 master + bf16 m, v"),
+    "bf16opt20": (2, 6, 12, "20 bytes/param: bf16 param + bf16 grad + fp32 grad accumulation + fp32 master, m, v "
+                            "(DeepSpeed's BF16_Optimizer)"),
 }
 
 # Of the optimizer state above, the bytes of an fp32 master copy of the param (the rest is Adam's m and v, two
 # moments of equal size): the copy the update acts on where there is one, written back to the param after it.
-MASTER: dict[str, int] = {"adam10": 0, "adam16": 4, "mixed18": 4, "mixed14": 4}
+MASTER: dict[str, int] = {"adam10": 0, "adam16": 4, "mixed18": 4, "mixed14": 4, "bf16opt20": 4}
+
+# Of the gradient bytes above, those of a bf16 copy held beside the fp32 accumulation, which the update never
+# reads (BF16_Optimizer's step hands Adam the fp32 gradient partition only): none but for ``bf16opt20``.
+LOW_GRAD: dict[str, int] = {"bf16opt20": 2}
 
 
 def update_bytes(accounting: str, fused: bool) -> int:
@@ -48,7 +62,7 @@ def update_bytes(accounting: str, fused: bool) -> int:
     written; a master is then copied to the param (read, write).  Weight decay's pass is left out (none where
     the decay is 0)."""
     param, grad, state, _ = ACCOUNTINGS[accounting]
-    grad = max(grad, param)
+    grad = max(grad - LOW_GRAD.get(accounting, 0), param)
     if fused:
         return 2 * param + grad + 2 * state
     master = MASTER[accounting]

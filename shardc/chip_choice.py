@@ -191,4 +191,6 @@ def chip_for(spec: Spec, hardware: str | Hardware | None = None, hardware_file: 
         hw = replace(hw, fusion=fusion, grad_reduce=grad_reduce)
     if hw.attention_kernel is None and spec.attention_kernel is not None:
         hw = hw.with_attention(spec.attention_kernel)
+    if hw.param_gather is None and spec.param_gather is not None:
+        hw = replace(hw, param_gather=spec.param_gather)
     return hw

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError, clip
-from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, Mesh, Network
+from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, PARAM_GATHERS, Mesh, Network
 from shardc.kernel_rates import (
     A100_ATTENTION_BACKWARD,
     A100_ATTENTION_FORWARD,
@@ -132,6 +132,9 @@ class Hardware:
     # the fused attention kernel run (the spec's `attention_kernel` line, --attention-kernel): its measured
     # rates replace attention_forward and attention_backward (:meth:`with_attention`); None: the chip's own
     attention_kernel: str | None = None
+    # when ZeRO-1/2's updated params are gathered back (the spec's `param_gather` line, --param-gather;
+    # :data:`shardc.ir.spec.PARAM_GATHERS`); None: the spec's line, else after the step, exposed
+    param_gather: str | None = None
 
     @property
     def overlap_share(self) -> float:
@@ -167,6 +170,12 @@ class Hardware:
         statement``), whose ``torch.utils.checkpoint`` calls the layer's function again; under XLA (a JAX
         program) ``jax.checkpoint`` reruns only what the backward reads (:mod:`shardc.planner.recompute`)."""
         return self.fusion in ("none", "statement")
+
+    @property
+    def gathers_under_forward(self) -> bool:
+        """Whether ZeRO-1/2's param all-gathers run under the next step's forward (``param_gather overlapped``);
+        the book's model overlaps every collective, but has no next step to hide these under."""
+        return self.param_gather == "overlapped" and not self.book
 
     @property
     def reduces_after_backward(self) -> bool:
@@ -297,7 +306,8 @@ class Hardware:
         return replace(self, attention_kernel=kernel, attention_forward=forward, attention_backward=backward)
 
     def configured(self, model: str | None = None, bucket_mb: float | None = None, fusion: str | None = None,
-                   grad_reduce: str | None = None, attention_kernel: str | None = None) -> Hardware:
+                   grad_reduce: str | None = None, attention_kernel: str | None = None,
+                   param_gather: str | None = None) -> Hardware:
         """This chip under a cost model, ``"book"`` (the book's assumptions) or ``"chip"`` (the rates it
         reaches; None keeps the chip's), with gradient buckets of ``bucket_mb`` MiB, the framework's
         ``fusion``, ``grad_reduce`` and ``attention_kernel`` (each None keeps the chip's)."""
@@ -319,6 +329,11 @@ class Hardware:
                 raise ShardcError(f"--bucket-mb {clip(repr(bucket_mb))}: must be a positive number of MiB",
                                   fix="write e.g. --bucket-mb 25 (PyTorch DDP's default)")
             hw = replace(hw, bucket_bytes=float(bucket_mb) * 2**20)
+        if param_gather is not None:
+            if param_gather not in PARAM_GATHERS:
+                raise ShardcError(f"--param-gather {clip(repr(param_gather))}: unknown",
+                                  fix="use one of " + ", ".join(PARAM_GATHERS))
+            hw = replace(hw, param_gather=param_gather)
         return hw
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["beside", "beside_seconds", "reduced_after"]
+__all__ = ["beside", "beside_seconds", "reduced_after", "gathered_before"]
 
 
 def beside(work_s: float, comm_s: float, share: float) -> tuple[float, float]:
@@ -49,3 +49,13 @@ def reduced_after(backward_s: float, reduce_s: float, share: float, after_backwa
     if after_backward:
         return reduce_s
     return max(0.0, beside_seconds(backward_s, reduce_s, share) - backward_s)
+
+
+def gathered_before(forward_s: float, gather_s: float, share: float, overlapped: bool) -> float:
+    """The seconds ZeRO-1/2's param all-gathers after the update (``gather_s``) add to the step: all of them
+    (exposed, DeepSpeed's ZeRO-1/2 and Megatron-LM's distributed optimizer by default), or, ``overlapped``
+    (``param_gather overlapped``: Megatron-LM's ``--overlap-param-gather``, whose forward pre-hooks wait for
+    each bucket's gather as the next step's first forward reaches its params), what of them outlasts that
+    forward (``forward_s``) or the ``share`` of them it loses, as the gradient reductions beside the last
+    backward (:func:`reduced_after`)."""
+    return reduced_after(forward_s, gather_s, share, after_backward=not overlapped)

@@ -58,7 +58,7 @@ from shardc.ir.plan import Plan, Step, TensorInfo
 from shardc.ir.precision import Precision
 from shardc.ir.spec import Spec, TensorRef
 from shardc.layer_counts import block_counts, runs, step_count
-from shardc.overlap import beside_seconds, reduced_after
+from shardc.overlap import beside_seconds, gathered_before, reduced_after
 from shardc.phase_ends import exposed_ends
 from shardc.pipeline.boundary import batch_dim, gradient_reductions
 from shardc.quantize import quantize_traffic, weight_quantize_bytes
@@ -235,6 +235,9 @@ class PlanTime:
     # the last microbatch's backward does not hide (shardc.overlap.reduced_after, as the pipeline's cost)
     reduce: PhaseTime = PhaseTime()
     reduce_exposed_s: float = 0.0
+    # what of the optimizer phase the step counts: under `param_gather overlapped` what its all-gathers add beside
+    # the next step's first forward (shardc.overlap.gathered_before); None: all of it
+    optimizer_exposed_s: float | None = None
 
     @property
     def forward_compute_s(self) -> float:
@@ -266,7 +269,8 @@ class PlanTime:
 
     @property
     def step_s(self) -> float:
-        return step_seconds(self.forward_s, self.backward_s, self.reduce_exposed_s, self.optimizer_s, self.update_s)
+        opt = self.optimizer_s if self.optimizer_exposed_s is None else self.optimizer_exposed_s
+        return step_seconds(self.forward_s, self.backward_s, self.reduce_exposed_s, opt, self.update_s)
 
     @property
     def comm_s(self) -> float:
@@ -346,8 +350,9 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     back_rows = rows_of(backward)
     reduce = phase(once, 1)
     exposed = reductions_exposed(reduce, phase(backward, 1, back_rows).seconds, hw)
-    return PlanTime(phase(forward, repeats), phase(backward, repeats, back_rows), phase(opt, 1), update, reduce,
-                    exposed)
+    fwd, gathers = phase(forward, repeats), phase(opt, 1)
+    shown = gathered_before(fwd.busy_s / repeats, gathers.seconds, hw.overlap_share, hw.gathers_under_forward)
+    return PlanTime(fwd, phase(backward, repeats, back_rows), gathers, update, reduce, exposed, shown)
 
 
 def reductions_exposed(reduce: PhaseTime, backward_s: float, hw: Hardware) -> float:

@@ -1,4 +1,4 @@
-"""The training-state accountings: adam10, adam16, mixed18, mixed14, each named in the report and in JSON."""
+"""The training-state accountings: adam10, adam16, mixed18, mixed14, bf16opt20, each named in the report and in JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardc
-from shardc.accountings import ACCOUNTINGS
+from shardc.accountings import ACCOUNTINGS, update_bytes
 from shardc.costmodel.formulas import evaluate
 from shardc.costmodel.memory import state_formula
 from shardc.costmodel.symbolic import cost_formulas
@@ -22,9 +22,10 @@ SPEC = ("mesh X=4, Y=2\ndims B=4096, D=1024, F=4096\n"
         "Tmp[B_X, F_Y] = In[B_X, D] · W_in[D, F_Y]\nOut[B_X, D] = Tmp[B_X, F_Y] · W_out[F_Y, D]\n")
 
 
-def test_the_accountings_count_10_16_18_and_14_bytes() -> None:
+def test_the_accountings_count_10_16_18_14_and_20_bytes() -> None:
     totals = {name: sum(row[:3]) for name, row in ACCOUNTINGS.items()}
-    assert totals == {"adam10": 10, "adam16": 16, "mixed18": 18, "mixed14": 14}
+    assert totals == {"adam10": 10, "adam16": 16, "mixed18": 18, "mixed14": 14, "bf16opt20": 20}
+    assert ACCOUNTINGS["bf16opt20"][:3] == (2, 6, 12)  # BF16_Optimizer: bf16 grad + its fp32 buffer, 12 sharded
     assert ACCOUNTINGS["mixed14"][:3] == (2, 4, 8)  # DeepSeek-V3's: 2 + 4 + 4 (master) + 2 + 2 (bf16 m, v)
     assert ACCOUNTINGS["mixed18"][:3] == (2, 4, 12)  # fp32 gradient accumulation: 2 + 4 + 4 + 4 + 4
     assert ACCOUNTINGS["adam16"][:3] == (2, 2, 12)  # the ZeRO paper's 2 + 2 + K, K = 12
@@ -40,6 +41,25 @@ def test_each_accounting_counts_its_bytes_per_local_param_and_is_named(name: str
     assert (m.param_bytes, m.grad_bytes, m.optimizer_bytes) == (p * local, g * local, o * local)
     assert m.accounting == name and f"({name}:" in report.render()
     assert report.to_json()["memory"]["accounting"] == name  # type: ignore[index]
+
+
+def test_bf16_optimizer_keeps_both_gradients_whole_under_zero_1_and_shards_the_rest() -> None:
+    # DeepSpeed's BF16_Optimizer on a ZeRO-1 spec, by hand: W_in[D, F_Y] and W_out[F_Y, D] hold 1024 x 4096 / 2
+    # elements each a device; the bf16 gradient (2) and the fp32 buffer (4), zeros_like the whole flat group,
+    # are whole; the fp32 master, m and v (12) are the partition of X's 4 ranks
+    spec = shardc.parse(SPEC.replace("dims", "zero 1 over X\ndims"))
+    m = shardc.cost(shardc.plan(spec), optimizer="bf16opt20").memory
+    local = 2 * 1024 * 4096 / 2
+    assert (m.param_bytes, m.grad_bytes, m.optimizer_bytes) == (2 * local, 6 * local, 12 * local / 4)
+    assert m.grad_bytes - shardc.cost(shardc.plan(spec), optimizer="mixed18").memory.grad_bytes == 2 * local
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_optimizers_update_reads_the_fp32_gradient_only(fused: bool) -> None:
+    # its step hands Adam the fp32 gradient partition, so its update moves what mixed18's does: fused, the bf16
+    # param read and written (2 + 2), the fp32 gradient read (4), master, m and v read and written (24)
+    assert update_bytes("bf16opt20", fused) == update_bytes("mixed18", fused)
+    assert update_bytes("bf16opt20", True) == 2 + 2 + 4 + 24
 
 
 def test_an_unknown_accounting_is_an_error_naming_them() -> None:

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from shardc import __version__
 from shardc.errors import InternalError, ShardcError, clip
-from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES
+from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, PARAM_GATHERS
 
 __all__ = ["COMMANDS", "build_parser", "full_parser", "main", "check_hardware_flag", "add_topology",
            "add_model_flags", "configure_chip", "add_common"]
@@ -202,6 +202,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="the fused attention kernel run, at the rates measured of it on the chip (flash2: "
                              "FlashAttention-2, flash3, flash4); default: the chip's best; over the spec's "
                              "`attention_kernel` line")
+    parser.add_argument("--param-gather", choices=PARAM_GATHERS, default=None,
+                        help="exposed (default): ZeRO-1/2's param all-gathers after the step; overlapped: under the "
+                             "next step's forward (Megatron-LM's --overlap-param-gather); over the spec's "
+                             "`param_gather` line")
 
 
 def configure_chip(hw: Any, args: argparse.Namespace) -> Any:
@@ -209,4 +213,4 @@ def configure_chip(hw: Any, args: argparse.Namespace) -> Any:
     --attention-kernel."""
     return hw.configured(getattr(args, "model", None), getattr(args, "bucket_mb", None),
                          getattr(args, "fusion", None), getattr(args, "grad_reduce", None),
-                         getattr(args, "attention_kernel", None))
+                         getattr(args, "attention_kernel", None), getattr(args, "param_gather", None))

@@ -194,6 +194,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     (_, forward), (_, backward), (_, after) = phase_steps(plan, repeats)
     fwd, bwd = phase("forward", forward), phase("backward", backward)
     opt = phase("optimizer", after, bwd)  # a pipeline's reductions once a step, under the last microbatch's backward
+    if hw.gathers_under_forward:  # `param_gather overlapped`: under the next step's first forward, one microbatch's
+        opt = replace(opt, gather_under_s=(fwd.compute_s + fwd.memory_s) / repeats)
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
                      lambda: fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
                      update_seconds(plan, values, hw, counts, optimizer), step_tokens(plan, values), dtype,
@@ -343,6 +345,9 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
     if hw.attention_kernel is not None and not hw.book:
         notes.append(f"attention_kernel {hw.attention_kernel}: fused attention at the rates measured of it on "
                      f"{hw.name}")
+    if hw.gathers_under_forward and plan.optimizer:
+        notes.append("param_gather overlapped: the optimizer's all-gathers run under the next step's first forward "
+                     "(Megatron-LM's --overlap-param-gather); the step counts what of them that forward does not hide")
     if hw.reduces_after_backward:
         notes.append("grad_reduce after-backward: the gradient reductions run once the backward is done, "
                      "exposed (no compute hides them)")

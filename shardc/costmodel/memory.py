@@ -1,7 +1,7 @@
 """Memory per device: weights and optimizer state, residual activations, gathered weights.
 
 The training state is counted by one of the accountings of
-:data:`shardc.accountings.ACCOUNTINGS` (``adam10``, ``adam16``, ``mixed18``, ``mixed14``).
+:data:`shardc.accountings.ACCOUNTINGS` (``adam10``, ``adam16``, ``mixed18``, ``mixed14``, ``bf16opt20``).
 
 Each byte is sharded as its param is declared; under ``zero N over X``
 (:mod:`shardc.planner.zero`) the optimizer state (N >= 1) and the gradient (N >= 2)

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from shardc.costmodel.formulas import PhaseFormula
 from shardc.hardware import Hardware
 from shardc.layer_counts import runs
+from shardc.overlap import gathered_before
 from shardc.step_cost import StepCost
 from shardc.timing import (
     bound_of,
@@ -79,6 +80,9 @@ class PhaseCost:
     # under the last microbatch's backward of ``under_s`` (timing.reductions_exposed, as plan_time weighs them)
     reduced: int = 0
     under_s: float = 0.0
+    # the optimizer phase under `param_gather overlapped`: its all-gathers run beside the next step's first forward
+    # of this many seconds (shardc.overlap.gathered_before); None: after the step, exposed
+    gather_under_s: float | None = None
 
     @cached_property
     def formula(self) -> PhaseFormula:
@@ -176,6 +180,9 @@ class PhaseCost:
 
     @property
     def step_s(self) -> float:
+        if self.gather_under_s is not None:
+            alone = replace(self, gather_under_s=None).step_s
+            return gathered_before(self.gather_under_s, alone, self.hardware.overlap_share, True)
         if self.parts:
             return step_seconds(*(p.step_s for p in self.parts), self.update_s, self.offload_s)
         if self.reduced:

@@ -78,7 +78,7 @@ from shardc.costmodel.stage_memory import (
     stage_memories,
     working_sets,
 )
-from shardc.costmodel.stage_optimizer import stage_optimizer, stage_reductions
+from shardc.costmodel.stage_optimizer import optimizer_exposed, stage_optimizer, stage_reductions
 from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
@@ -183,7 +183,9 @@ class PipelineCost:
     simulation: Simulation
     stages: tuple[StageCost, ...]
     thresholds: tuple[str, ...]
-    optimizer_s: float = 0.0  # ZeRO-1/2's optimizer phase of the busiest stage, once a step (its AllGathers)
+    # ZeRO-1/2's optimizer phase of the busiest stage, once a step (its AllGathers): what the step counts of it,
+    # all but what the next step's first forward hides under `param_gather overlapped` (optimizer_exposed)
+    optimizer_s: float = 0.0
     first: Timing = Timing(0.0, 0.0)  # a microbatch through the statements before the block (the first chunk's)
     last: Timing = Timing(0.0, 0.0)  # and through those after it (the last chunk's)
     model_flops: float = 0.0  # the whole step's model FLOPs, every stage (recomputed ones not counted)
@@ -346,8 +348,9 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     found = _thresholds(pipe, free, min(parts[f"layer {b}"][0].seconds
                                                              for b in range(len(pipe.blocks) or 1)),
                         p2p_s, "DCN" if dcn else "ICI link")
+    opt_s = optimizer_exposed(plan, pipe, sizes, hw, spans, _first_forwards(pipe, parts, first, last))
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
-                        sim, stages, found, zero.seconds, first, last, optimizer_busy_s=zero.busy,
+                        sim, stages, found, opt_s, first, last, optimizer_busy_s=zero.busy,
                         optimizer_comm_s=zero.comm,
                         grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
                         copies_exchange_s=copies_s, free_simulation=times.free_sim)
@@ -374,6 +377,16 @@ def _copies_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hard
     grads = [m.grad_bytes or m.param_bytes for m in mems]
     return max(collective_time(Op.COLLECTIVE_PERMUTE, g, (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
                for g in grads)
+
+
+def _first_forwards(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Timing, last: Timing) -> list[float]:
+    """Each stage's forward of one microbatch (its layers and the ends it runs): under ``param_gather overlapped``
+    the next step's first, which waits on the optimizer's all-gathers of the params it reads."""
+    out = []
+    for s, counts in enumerate(device_blocks(pipe)):
+        at = end_chunks_on(pipe, s)
+        out.append(run_times(parts, counts)[0].seconds + first.forward * bool(at[0]) + last.forward * bool(at[1]))
+    return out
 
 
 def _grad_reductions(pipe: Pipeline, parts: dict[str, list[PartTime]], first: Timing, last: Timing,

@@ -13,21 +13,36 @@ from shardc.costmodel.section_times import PartTime, part_time
 from shardc.costmodel.stage_memory import held_names
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
+from shardc.overlap import gathered_before
 from shardc.pipeline.block_split import device_blocks
 from shardc.spec.stages import Pipeline
 from shardc.spec.walk import block_reads
 from shardc.timing import phase_rows, zero_reductions
 
-__all__ = ["stage_optimizer", "stage_reductions"]
+__all__ = ["stage_optimizer", "stage_reductions", "optimizer_exposed"]
 
 
 def stage_optimizer(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> PartTime:
     """The optimizer phase's steps left once ZeRO-1's reductions are taken out, on the busiest stage: its
     seconds, and of them its compute and its collectives."""
-    moved = zero_reductions(plan)
-    steps = tuple(s for k, s in enumerate(plan.optimizer) if k not in moved)
-    return max(_per_stage(plan, pipe, steps, sizes, hw, spans), key=lambda t: t.seconds,
+    return max(_per_stage(plan, pipe, _gathers(plan), sizes, hw, spans), key=lambda t: t.seconds,
                default=PartTime(0.0, 0.0, 0.0))
+
+
+def optimizer_exposed(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout,
+                      forwards: list[float]) -> float:
+    """What the optimizer phase adds to the step, on the stage it costs most: all of it, or under ``param_gather
+    overlapped`` what its all-gathers add beside the stage's first forward of the next step (``forwards``:
+    each stage's one microbatch; :func:`shardc.overlap.gathered_before`)."""
+    times = _per_stage(plan, pipe, _gathers(plan), sizes, hw, spans)
+    return max((gathered_before(f, t.seconds, hw.overlap_share, hw.gathers_under_forward)
+                for f, t in zip(forwards, times, strict=True)), default=0.0)
+
+
+def _gathers(plan: Plan) -> tuple[Step, ...]:
+    """The optimizer phase's steps left once ZeRO-1's reductions, run in the backward, are taken out."""
+    moved = zero_reductions(plan)
+    return tuple(s for k, s in enumerate(plan.optimizer) if k not in moved)
 
 
 def stage_reductions(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> list[float]:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shardc.errors import ShardcError, Span
+from shardc.errors import Span
+from shardc.ir.mesh import Mesh, MeshAxis, Network, format_axes, parse_topology
 
 __all__ = ["DType", "Network", "MeshAxis", "Mesh", "Dim", "TensorRef", "Contract", "Add", "Call", "Expr", "Statement",
            "Spec", "format_axes", "SCHEDULES", "FUSIONS", "GRAD_REDUCES", "ATTENTION_KERNELS", "Schedule", "Zero",
-           "parse_topology"]
+           "parse_topology", "PARAM_GATHERS"]
 
 
 class DType(enum.Enum):
@@ -38,88 +39,6 @@ class DType(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-class Network(enum.Enum):
-    """Which network a mesh axis's collectives cross."""
-
-    ICI = "ici"  # the fast chip-to-chip links (ICI on TPU, NVLink on GPU)
-    DCN = "dcn"  # the slower data-centre network (DCN on TPU, InfiniBand on GPU)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-def parse_topology(text: str, span: Span | None = None) -> tuple[int, ...]:
-    """``4x4x4``, ``16x16`` or ``48x8``: two or three whole sizes of 1 or more, joined by ``x``."""
-    parts = text.strip().lower().split("x")
-    if not 1 <= len(parts) <= 3 or not all(p.isdigit() and len(p) <= 9 and int(p) >= 1 for p in parts):
-        raise ShardcError(f"topology {text[:40]!r}: expects a shape like 4x4x4, 16x16 or 48x8", span,
-                          fix="write the slice's sides (TPU) or NODESxGPUS (GPU), joined by x")
-    return tuple(int(p) for p in parts)
-
-
-def format_axes(axes: tuple[str, ...]) -> str:
-    """Axes as the spec writes them: a run of one-letter names, else a braced list."""
-    if axes and all(len(a) == 1 for a in axes):
-        return "".join(axes)
-    return "{" + ",".join(axes) + "}"
-
-
-@dataclass(frozen=True)
-class MeshAxis:
-    name: str
-    size: int
-    network: Network = Network.ICI
-    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
-    pipeline: bool = False  # the pipeline-stage axis (`P=4 pipeline`): its devices hold different layers
-
-    def __str__(self) -> str:
-        text = f"{self.name}={self.size}"
-        if self.pipeline:
-            text += " pipeline"
-        if self.network is Network.DCN:
-            text += " over dcn"
-        return text
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """Mesh axes in device-mesh order (major to minor)."""
-
-    axes: tuple[MeshAxis, ...]
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.axes)
-
-    def size(self, name: str) -> int:
-        for axis in self.axes:
-            if axis.name == name:
-                return axis.size
-        raise KeyError(name)
-
-    def axis(self, name: str) -> MeshAxis:
-        for axis in self.axes:
-            if axis.name == name:
-                return axis
-        raise KeyError(name)
-
-    @property
-    def pipeline_axis(self) -> MeshAxis | None:
-        """The axis marked ``pipeline``, if any (validation allows at most one); one of size 1 is
-        pipelining switched off, none: its one stage is the whole model, run on the whole batch."""
-        return next((a for a in self.axes if a.pipeline and a.size > 1), None)
-
-    @property
-    def devices(self) -> int:
-        total = 1
-        for axis in self.axes:
-            total *= axis.size
-        return total
-
-    def __str__(self) -> str:
-        return "mesh " + ", ".join(str(a) for a in self.axes)
 
 
 @dataclass(frozen=True)
@@ -291,6 +210,11 @@ GRAD_REDUCES = ("overlapped", "after-backward", "after-backward over dcn")
 # The fused attention kernel the framework runs (`attention_kernel flash2`): FlashAttention-2, -3, -4, each
 # at the rates its paper or benchmark measured on the chip (shardc/hardware.py); default: the chip's best.
 ATTENTION_KERNELS = ("flash2", "flash3", "flash4")
+# When the params ZeRO-1/2 updated as shards are gathered back (`param_gather overlapped`): after the step,
+# exposed (the default: DeepSpeed's ZeRO-1/2 step, Megatron-LM's distributed optimizer by default), or under the
+# next step's forward (Megatron-LM's --overlap-param-gather, `overlap_param_gather` of
+# megatron/core/distributed/distributed_data_parallel_config.py, False by default).
+PARAM_GATHERS = ("exposed", "overlapped")
 
 
 @dataclass(frozen=True)
@@ -363,6 +287,7 @@ class Spec:
     fusion: str | None = None  # `fusion none` (FUSIONS); None: the chip's, by default XLA's fusion
     grad_reduce: str | None = None  # `grad_reduce after-backward [over dcn]` (GRAD_REDUCES); None: overlapped
     attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
+    param_gather: str | None = None  # `param_gather overlapped` (PARAM_GATHERS); None: exposed
     # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
     # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors
     recompute: tuple[str, ...] = ()
@@ -478,6 +403,8 @@ class Spec:
             lines.append(f"grad_reduce {self.grad_reduce}")
         if self.attention_kernel is not None:
             lines.append(f"attention_kernel {self.attention_kernel}")
+        if self.param_gather is not None:
+            lines.append(f"param_gather {self.param_gather}")
         if self.recompute:
             lines.append("recompute " + ", ".join(self.recompute))
         for k, statement in enumerate(self.statements):

@@ -25,7 +25,7 @@ Representation decisions (other passes rely on them):
   Header lines may come anywhere; statements keep their order.
 - A line's first word ``mesh``/``dims``/``dtype``/``gemm``/``param``/``const``/``hardware``/``layers``/
   ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce``/``attention_kernel``/
-  ``recompute`` is the keyword, so those sixteen words cannot name a tensor or function there.
+  ``param_gather``/``recompute`` is the keyword, so those seventeen words cannot name a tensor or function there.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from shardc.ir.spec import (
     ATTENTION_KERNELS,
     FUSIONS,
     GRAD_REDUCES,
+    PARAM_GATHERS,
     SCHEDULES,
     Add,
     Call,
@@ -341,6 +342,9 @@ class _Builder(Transformer[Token, Any]):
         return ("attention_kernel", _choice(children[1], "attention_kernel", ATTENTION_KERNELS),
                 _span(children[0], children[1]))
 
+    def param_gather_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("param_gather", _choice(children[1], "param_gather", PARAM_GATHERS), _span(children[0], children[1]))
+
     def zero_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         stage = children[1]
         if str(stage) not in ("1", "2", "3"):
@@ -460,6 +464,7 @@ def _build_spec(items: list[Any]) -> Spec:
         fusion=header.get("fusion"),
         grad_reduce=header.get("grad_reduce"),
         attention_kernel=header.get("attention_kernel"),
+        param_gather=header.get("param_gather"),
         recompute=tuple(header["recompute"]),
         tensor_dtypes=tuple(header["dtype_tensors"]),
         gemm=header.get("gemm"),

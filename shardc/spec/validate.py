@@ -233,8 +233,13 @@ def _check_recompute(spec: Spec, defined: dict[str, int]) -> None:
 
 
 def _check_zero(spec: Spec) -> None:
-    """``zero N over AXES``: mesh axes, each once, not the pipeline's (its devices hold other layers)."""
+    """``zero N over AXES``: mesh axes, each once, not the pipeline's (its devices hold other layers); and
+    ``param_gather overlapped`` only where ZeRO-1 or 2 gathers the updated params back after the step."""
     zero = spec.zero
+    if spec.param_gather == "overlapped" and (zero is None or zero.stage == 3):
+        raise ShardcError("`param_gather overlapped`: only ZeRO-1 and 2 gather the updated params back after the "
+                          "step", spec.span_of("param_gather"),
+                          fix="add `zero 1 over X` (or 2), or drop the line (ZeRO-3 gathers each param as it runs)")
     if zero is None:
         return
     seen: set[str] = set()
