@@ -11,6 +11,9 @@ Prints, each with its target:
   ctx=1, tt=1``): plan, < 1 s (size-1 axes are stripped before the search);
 - an MLP block on 4, 5 and 6 mesh axes of size 2, and two specs on 6 and 5 axes of size 2
   whose references write the axes apart (no two always together): plan, < 5 s;
+- PaLM 540B with its cross-pod data parallelism written over two DCN axes (``W=2 over dcn, Z=2 over
+  dcn, X=128, Y=12``, ``B_WZX``): plan, < 5 s (W and Z move as one; every axis alone it stopped at the
+  budget, issues 20 and 21);
 - eight axes of size 2 written apart: past the planner's budget (a count of search work, not
   seconds), so the clear error, with the time it took to say so;
 - ``shardc plan`` and ``shardc cost`` on an example, wall time of a fresh process
@@ -122,6 +125,15 @@ Out[B_{P,Q}, D_{R,W}] = T[B_{P,Q,S}, F_{X,Y}] · W_out[F_{Z,X}, D_{Y,Q,S}]
 """
 
 
+def two_dcn_levels() -> str:
+    """PaLM 540B (``benchmarks/runs/palm_540b.shard``), its two pods' data parallelism written as two DCN
+    levels of two (pods of slices): the same chips, the batch over ``B_WZX``."""
+    text = (ROOT / "benchmarks" / "runs" / "palm_540b.shard").read_text(encoding="utf-8")
+    split = text.replace("mesh Z=2 over dcn, X=256, Y=12", "mesh W=2 over dcn, Z=2 over dcn, X=128, Y=12")
+    assert split != text, "palm_540b.shard's mesh line changed: update two_dcn_levels"
+    return split.replace("B_ZX", "B_WZX")
+
+
 def timed(label: str, text: str, target: float) -> None:
     t0 = time.perf_counter()
     try:
@@ -225,6 +237,7 @@ def main() -> None:
         timed(f"{n} axes of size 2", axes_of_two(n), 5.0)
     timed("6 axes of size 2 written apart", SIX_APART, 5.0)
     timed("5 axes of size 2 written apart (3- and 4-dim tensors)", FIVE_APART, 5.0)
+    timed("PaLM 540B over two DCN levels (4 axes)", two_dcn_levels(), 5.0)
     timed("8 axes of size 2 written apart (past the budget: the error)", EIGHT_APART, 60.0)
     cli("plan", "examples/fsdp_tp.shard", 0.3)
     cli("cost", "examples/fsdp_tp.shard", 0.6)

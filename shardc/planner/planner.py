@@ -38,6 +38,7 @@ from shardc.sharding.einsum import Solution
 from shardc.sharding.layout import CostContext, SearchTooLong, Value
 from shardc.sharding.phase import Phase, Traced
 from shardc.sharding.unit import (
+    bond_note,
     bonded_axes,
     placements,
     restriction_note,
@@ -350,7 +351,10 @@ def _rounded(x: float) -> float:
 def _notes(spec: Spec, steps: tuple[Step, ...], ctx: CostContext) -> tuple[str, ...]:
     """The plan's notes: padded dims, and the search's restriction on a mesh of many axes."""
     padded = padding_notes(spec, steps) if spec.dims else ()
-    return padded + ((restriction_note(strip_unit_axes(spec)),) if ctx.places is not None else ())
+    if ctx.places is not None:
+        return padded + (restriction_note(strip_unit_axes(spec)),)
+    bonded = bond_note(ctx.unit_list())
+    return padded + ((bonded,) if bonded else ())
 
 
 def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
