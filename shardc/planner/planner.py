@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import replace
+from typing import NoReturn
 
 from shardc.arguments import check_gradients
 from shardc.chip_choice import chip_for
@@ -123,24 +124,43 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     if not isinstance(collective_matmul, bool):
         raise TypeError(f"collective_matmul must be True or False, not {type(collective_matmul).__name__}")
     check_limit(memory_limit)
-    args = (spec, strategy, hardware, spans, recompute, (budget, explain), gradients or {}, weights or SUM)
-    try:
+    def fastest(dcn: bool) -> Plan:
+        args = (spec, strategy, hardware, spans, recompute, (budget, explain, dcn), gradients or {}, weights or SUM)
         # the plan held in zig-zag order solves the same einsums: both share one search cache
         with shared_search() if not sharing() else nullcontext():
             return fastest_fitting(lambda policy: _planned(policy, *args), fuse_collective_matmuls, save,
                                    collective_matmul, (memory, memory_limit, memory_floor),
                                    lambda p: objective(plan_time(p)))
+    try:
+        return fastest(False)
     except SearchTooLong as e:
-        raise ShardcError(
-            f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "
-            f"over layouts grows with every mesh axis (this mesh has {e.axes} of size > 1)",
-            fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
-                "one axis XY=4), or drop the dims line to plan by the book's rules") from None
+        if not _dcn_bondable(spec):
+            _gave_up(e)
+    try:  # past the budget: again with DCN axes written together moved as one (bonded_axes)
+        return fastest(True)
+    except SearchTooLong as e:
+        _gave_up(e)
+
+
+def _dcn_bondable(spec: Spec) -> bool:
+    """Whether a search again with DCN axes moved as one (``bonded_axes(dcn=True)``) searches less."""
+    stage = stage_spec(spec) if spec.mesh.pipeline_axis is not None else spec
+    stripped = strip_unit_axes(stage)
+    return bonded_axes(stripped) is None and bonded_axes(stripped, dcn=True) is not None
+
+
+def _gave_up(e: SearchTooLong) -> NoReturn:
+    """The error of a search past its budget."""
+    raise ShardcError(
+        f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "
+        f"over layouts grows with every mesh axis (this mesh has {e.axes} of size > 1)",
+        fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
+            "one axis XY=4), or drop the dims line to plan by the book's rules") from None
 
 
 def _planned(save: str, spec: Spec, strategy: str, hardware: str | Hardware | None,
-             spans: dict[str, int] | None, recompute: str, search: tuple[int, bool], gradients: Mapping[str, str],
-             weights: Weights) -> Plan:
+             spans: dict[str, int] | None, recompute: str, search: tuple[int, bool, bool],
+             gradients: Mapping[str, str], weights: Weights) -> Plan:
     """The fastest plan under the step-time search (:func:`plan`'s, before memory is weighed and collective
     matmuls fused)."""
     planned = hold_zigzag(_plan_within_budget(spec, save, strategy, hardware, spans, recompute, search, gradients,
@@ -172,10 +192,11 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
 
 
 def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Hardware | None,
-                        spans: dict[str, int] | None, recompute: str, search: tuple[int, bool],
+                        spans: dict[str, int] | None, recompute: str, search: tuple[int, bool, bool],
                         gradients: Mapping[str, str], outer: Spec | None = None,
                         weights: Weights = SUM, zigzag_held: bool = False) -> Plan:
-    """``search``: (budget, explain), and ``gradients``, as :func:`plan` takes them; ``outer``: the
+    """``search``: (budget, explain, DCN axes bonded: :func:`plan`'s second search), and ``gradients``, as
+    :func:`plan` takes them; ``outer``: the
     pipelined spec whose stage ``spec`` is (its candidates are timed as that pipeline runs them);
     ``zigzag_held``: zig-zag rings priced as a plan holding the sequence in their order runs them."""
     hw = chip_for(spec, hardware)
@@ -191,14 +212,14 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
                                                    recompute, search, gradients, spec, weights, zigzag_held))
     stripped = strip_unit_axes(spec)  # size-1 axes are free: the search never sees them
     graph = build_graph(stripped, gradients)
-    units = bonded_axes(stripped)
+    units = bonded_axes(stripped, dcn=search[2])
     run = stage_run_of(spec, graph, outer, hw)  # a stage: searched at a microbatch's sizes, each step as often as run
     # a stage is searched at the whole batch too: the search solves einsum by einsum, so its objective made true
     # can still lead it to a worse whole plan; the true objective (plan_time) then picks among both's candidates
     ctxs = [shared_context(spec, graph, hw, spans, units, placements(stripped, units), r)  # one for every candidate
             for r in ([run, (spec, 1)] if run[1] > 1 else [run])]
     for ctx in ctxs:
-        ctx.budget, ctx.explain = search  # shared too: the budget counts the work of every candidate
+        ctx.budget, ctx.explain = search[:2]  # shared too: the budget counts the work of every candidate
         ctx.zigzag_held = zigzag_held
     if strategy == "auto" and spec.dims:
         return _best_plan(spec, graph, save, tuple(ctxs), recompute, outer)

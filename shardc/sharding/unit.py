@@ -11,9 +11,10 @@ invariant under adding size-1 axes, and no move ever names one.
 
 Partial-sum axes are sorted here as well, so ``{U_YX}`` and ``{U_XY}`` are one value.
 
-On a mesh of :data:`DCN_BONDS` axes, DCN axes every reference writes together (``B_WZX`` on
-``mesh W=2 over dcn, Z=2 over dcn, X=32, Y=4``) are bonded too (:func:`bonded_axes`), and the rest
-of the search stays exact: what it gives up is using W and Z apart, on two dims or in two roles,
+On a mesh of :data:`DCN_BONDS` axes whose exact search overruns its budget, the planner searches
+again with the DCN axes every reference writes together (``B_WZX`` on
+``mesh W=2 over dcn, Z=2 over dcn, X=32, Y=4``) bonded too (``bonded_axes(spec, dcn=True)``), the
+rest of the search exact: what it gives up is using W and Z apart, on two dims or in two roles,
 which the spec never does (the plan says so in a note, :func:`bond_note`).  That can cost a little
 where a tensor the spec replicates over both would be sharded over one: on 150 random specs of
 ``mesh W=2 over dcn, Z=2 over dcn, X=2, Y=2`` writing ``WZ`` together, 5 plans differ from the
@@ -59,12 +60,13 @@ Placements = dict[str, tuple[frozenset[str], dict[str, int] | None]]
 
 # Up to this many mesh axes (of size > 1) the search treats every axis alone: exact.
 EXACT_AXES = 4
-# From this many axes, DCN axes the spec always writes together move as one even where the search is
-# otherwise exact: two levels of the data-centre network (pods of slices, or two rails) carrying one
-# parallelism, `mesh W=2 over dcn, Z=2 over dcn, X=32, Y=4` with `B_WZX`.  Four axes alone multiply an
-# einsum's configurations and a tensor's layouts ~10-fold over three (PaLM 540B's spec so written: 454k
-# steps of search against 49k with W and Z merged), past the budget; moved as one, W and Z are searched
-# as the merged axis WZ=4 is, whose plans are plans of the split mesh (the same collectives over W and Z).
+# From this many axes, where the exact search overruns its budget, DCN axes the spec always writes
+# together move as one in a second search, the rest of it exact: two levels of the data-centre network
+# (pods of slices, or two rails) carrying one parallelism, `mesh W=2 over dcn, Z=2 over dcn, X=32, Y=4`
+# with `B_WZX`.  Four axes alone multiply an einsum's configurations and a tensor's layouts ~10-fold over
+# three (PaLM 540B's spec so written: 454k steps of search against 49k with W and Z merged), past the
+# budget; moved as one, W and Z are searched as the merged axis WZ=4 is, whose plans are plans of the
+# split mesh (the same collectives over W and Z).
 DCN_BONDS = 4
 
 
@@ -100,9 +102,10 @@ def _expr(e: Expr, unit: frozenset[str]) -> Expr:
     return replace(e, operands=tuple(_expr(o, unit) for o in e.operands))
 
 
-def bonded_axes(spec: Spec) -> tuple[tuple[str, ...], ...] | None:
-    """The search's units on a mesh of more than :data:`EXACT_AXES` axes, or of :data:`DCN_BONDS` axes with
-    DCN axes always written together; else None (each axis alone).
+def bonded_axes(spec: Spec, dcn: bool = False) -> tuple[tuple[str, ...], ...] | None:
+    """The search's units on a mesh of more than :data:`EXACT_AXES` axes, or with ``dcn`` (the search
+    again after the exact one overran) of :data:`DCN_BONDS` axes with DCN axes always written together;
+    else None (each axis alone).
 
     ``b`` is bonded to ``a`` when every reference that uses either writes ``b`` right after
     ``a`` in one dim, or both among its partial sums, and both axes are on the same network
@@ -110,7 +113,7 @@ def bonded_axes(spec: Spec) -> tuple[tuple[str, ...], ...] | None:
     A unit is a maximal run of bonded axes; units are listed in mesh order of their first axis.
     """
     names = spec.mesh.names
-    if len(names) < DCN_BONDS:
+    if len(names) < DCN_BONDS or (len(names) <= EXACT_AXES and not dcn):
         return None
     refs = [r for s in spec.statements for r in (s.result, *leaves(s.expr))]
     after: dict[str, str] = {}
@@ -205,5 +208,6 @@ def bond_note(units: tuple[tuple[str, ...], ...]) -> str | None:
     if not bonded:
         return None
     groups = ", ".join("".join(u) for u in bonded)
-    return (f"axes always written together over dcn searched as one ({groups}): the plan is the merged axis's, "
-            "with the collectives over its member axes; the search never uses them apart")
+    return (f"the exact search of {sum(map(len, units))} mesh axes overran its budget, so the axes always written "
+            f"together over dcn were searched as one ({groups}): the plan is the merged axis's, with the "
+            "collectives over its member axes, and may not be the cheapest that uses them apart")
