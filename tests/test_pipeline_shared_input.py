@@ -77,3 +77,44 @@ def test_the_cost_keeps_a_shared_input_once_a_device() -> None:
     copies = kept_copies(plan, pipe, [2.0, 1.0])
     assert [{str(r): k for r, k in c.items() if r.name == "Bias"} for c in copies] == [{"Bias[N_Y, T]": 1.0}] * 2
     assert all(k == 2 * held for c, held in zip(copies, (2, 1), strict=True) for r, k in c.items() if r.name == "Sc")
+
+
+# an input without the batch dim read before the block (a learned position table) and one after it (the
+# output layer's bias): each held whole by the end stage that reads it, its gradient summed there
+ENDS = """mesh P=2 pipeline, X=2, Y=2
+dims B=8, S=4, D=8, F=16, V=16
+microbatches 4
+schedule {schedule}
+const Tok, Next
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D]) + Pos[S, D]
+layers 2 {{
+  H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F_Y])
+  X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F] · W2[F_Y, D]
+}}
+Lg[B_X, S, V] = X1[B_X, S, D] · W_out[D, V_Y] + Bias[V_Y]
+Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])
+"""
+
+
+def test_an_input_without_the_batch_dim_around_the_block_is_lowerable_and_one_with_it_is_not() -> None:
+    from shardc.errors import ShardcError
+    from shardc.pipeline.boundary import check_lowerable
+
+    check_lowerable(shardc.plan(shardc.parse(ENDS.format(schedule="1f1b"))))  # was refused: "an input; ..."
+    batched = ENDS.format(schedule="1f1b").replace("Pos[S, D]", "Pos[B_X, S, D]")
+    with pytest.raises(ShardcError, match="around the pipelined block read Pos, an input with the batch dim B"):
+        check_lowerable(shardc.plan(shardc.parse(batched)))
+
+
+@pytest.mark.slow  # compiles a pipelined module
+def test_an_input_without_the_batch_dim_around_the_block_is_held_by_its_end_stage() -> None:
+    """Pos on stage 0, Bias on the last, each whole (PRE_WHOLE, POST_WHOLE), their gradients (not `const`)
+    summed over the microbatches as an end param's are; under ZB-H1 Bias's in the head's W.  Pos fed to the
+    last stage and Bias to stage 0 instead, verify fails (Loss off by 1%)."""
+    lowered = shardc.lower(shardc.plan(shardc.parse(ENDS.format(schedule="zb-h1"))), sizes={"P": 2, "X": 2, "Y": 2})
+    ends = lowered.namespace.PIPELINE.ends
+    assert (ends.pre_whole, ends.post_whole, ends.stages_of("Pos"), ends.stages_of("Bias")) == (
+        ("Pos",), ("Bias",), (0,), (1,))
+    report = verify_pipeline(shardc.plan(shardc.parse(ENDS.format(schedule="zb-h1"))))
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+    assert {"dPos", "dBias"} <= {r.tensor for r in report.values}

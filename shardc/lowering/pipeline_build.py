@@ -81,5 +81,5 @@ def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
                      ({"output": tables["BLOCK_OUTPUT"]}, *tables.get("MORE_BLOCKS", ()))[-1]["output"],
                      tuple(tables.get("TIED", {})), tables["PIPELINE_AXIS"],
                      tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]], _placement(tables).last_stage, _both(tables),
-                     tables.get("W_TABLE") is not None)
+                     tables.get("W_TABLE") is not None, tables.get("PRE_WHOLE", ()), tables.get("POST_WHOLE", ()))
     return _pipeline(tables, ends)

@@ -207,9 +207,12 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
     (:func:`~shardc.lowering.pipeline_build.model_pipeline` builds it from them)."""
     pre_params = tuple(i.name for i in ends.pre.tensors if i.role == "param")
     post_params = tuple(i.name for i in ends.post.tensors if i.role == "param")
-    pre_data = tuple(b.key for b in pre.forward.inputs if b.key not in pre_params)
-    post_data = tuple(b.key for b in post.forward.inputs if b.key not in post_params
-                      and b.key != _block_output(ends))
+    pre_in = [b.key for b in pre.forward.inputs if b.key not in pre_params]
+    post_in = [b.key for b in post.forward.inputs if b.key not in post_params and b.key != _block_output(ends)]
+    # an input without the batch dim (a position table, a bias) is every microbatch's: held whole, not cut
+    (pre_data, pre_whole), (post_data, post_whole) = ((tuple(k for k in given if k in data_dims),
+                                                       tuple(k for k in given if k not in data_dims))
+                                                      for given in (pre_in, post_in))
     text = "\n\n# ---- the block's ends: the statements before it on stage 0, after it on the last " + "-" * 4
     text += ("\n\n" + prefixed(pre, "PRE", uses_dropout(ends.pre.forward)) + "\n"
              + prefixed(post, "POST", uses_dropout(ends.post.forward)) + reduce + "\n")
@@ -217,6 +220,8 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
                        ("POST_PARAMS", post_params, "so too"),
                        ("PRE_DATA", pre_data, "cut into microbatches, stacked over the stages"),
                        ("POST_DATA", post_data, "so too"),
+                       ("PRE_WHOLE", pre_whole, "inputs without the batch dim: whole on stage 0, as a param"),
+                       ("POST_WHOLE", post_whole, "so too, on the last stage"),
                        ("DATA_DIM", data_dims, "the microbatch dim of each"),
                        ("PRE_RESULT", ends.pre.spec.statements[-1].result.name, "stage 0's output"),
                        ("LOSS", ends.post.spec.statements[-1].result.name, "the loss (a mean over the tokens)"),

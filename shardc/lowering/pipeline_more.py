@@ -39,9 +39,6 @@ def _boundary(plan: Plan, first: Plan, number: int) -> tuple[str, str]:
         raise ShardcError(f"`layers` block {number} hands on {out} from {mine}: a pipeline's stages pass one "
                           f"activation, laid out as the first block's input {given}",
                           plan.spec.span_of("layers"), fix="declare each block's input and output with one sharding")
-    if uses_dropout(plan.forward):
-        raise ShardcError(f"a dropout in `layers` block {number} of a pipeline does not lower yet",
-                          fix="put the dropout in the first `layers` block")
     return mine.name, out.name
 
 
@@ -63,7 +60,9 @@ def more_blocks_source(ends: Ends, mesh: tuple[tuple[str, int], ...],
         micro = lowered_sizes(stage_plan, {**sizes, dim: sizes[dim] // microbatches}, stage_mesh)
         split = split_reductions(stage_plan)
         module = generate(split.each, stage_mesh, micro, reserved=reserved)
-        text += prefixed(module, prefix)
+        # a dropout's layer draws under its model-wide layer number's key (the runtime's layer_key counts
+        # every block's layers), so block b's masks differ from block 1's by layer as well as by salt
+        text += prefixed(module, prefix, uses_dropout(plan.forward))
         if pipe.schedule.name in ZERO_BUBBLE:  # B and W apart, as the first block's
             text += split_source(backward_program(split.each), module.backward, module.grads[name],
                                  frozenset(module.cotangents), prefix)

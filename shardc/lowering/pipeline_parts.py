@@ -265,20 +265,35 @@ class ModelEnds:
     # the zero-bubble schedules: the ends' weight gradients at their W ticks (shardc.lowering.pipeline_split),
     # ``post`` cut into B and W; what W reads kept a microbatch until then (the accumulator's third part)
     split: bool = False
+    # the inputs without the batch dim each end reads (a position table, a bias): the same for every
+    # microbatch, so held whole by the stage that runs the end, as its params are (no gradient: data)
+    pre_whole: tuple[str, ...] = ()
+    post_whole: tuple[str, ...] = ()
 
     def inputs(self) -> tuple[str, ...]:
-        return self.pre_data + self.post_data + self.pre_params + tuple(p for p in self.post_params
-                                                                        if p not in self.tied)
+        return self.pre_data + self.post_data + self.pre_whole + self.post_whole + self.pre_params + tuple(
+            p for p in self.post_params if p not in self.tied)
+
+    def summed(self, post: bool) -> tuple[str, ...]:
+        """The inputs of one end (after the block: ``post``) whose gradients it sums over the microbatches: its
+        params, and its whole inputs that get a gradient (a position table not declared ``const``)."""
+        part, params, whole = (self.post, self.post_params, self.post_whole) if post else (
+            self.pre, self.pre_params, self.pre_whole)
+        return params + tuple(k for k in whole if k in part.grads)
+
+    def _first(self, name: str) -> bool:
+        """Whether stage 0's end (before the block) reads input ``name``."""
+        return name in self.pre_data + self.pre_whole + self.pre_params
 
     def stages_of(self, name: str) -> tuple[int, ...]:
         if self.both:
             return self.both
         if name in self.tied:
             return (0, self.last_stage)
-        return (0,) if name in self.pre_data + self.pre_params else (self.last_stage,)
+        return (0,) if self._first(name) else (self.last_stage,)
 
     def _spec(self, name: str) -> P:
-        return (self.pre if name in self.pre_data + self.pre_params else self.post).forward_in[name]
+        return (self.pre if self._first(name) else self.post).forward_in[name]
 
     def _key(self, name: str) -> str:
         """The accumulator's key of a post param's gradient: a tied one's own, beside stage 0's."""
@@ -286,7 +301,7 @@ class ModelEnds:
 
     def _keys(self) -> dict[str, str]:
         """Each accumulated gradient's key and the param it is of."""
-        return {k: k for k in self.pre_params} | {self._key(k): k for k in self.post_params}
+        return {k: k for k in self.summed(False)} | {self._key(k): k for k in self.summed(True)}
 
     def specs(self) -> tuple[P, ...]:
         data = tuple(P(None, *self._spec(k)) for k in self.pre_data + self.post_data)
@@ -329,7 +344,7 @@ class ModelEnds:
         post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0),
                                                                              self._drawn(args, 0))[1],
                                                            args["cotangent"]), x)
-        shapes = {k: pre[k] for k in self.pre_params} | {self._key(k): post[k] for k in self.post_params}
+        shapes = {k: pre[k] for k in self.summed(False)} | {self._key(k): post[k] for k in self.summed(True)}
         dends = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
         if not self.split:
             return losses, dends
@@ -349,7 +364,7 @@ class ModelEnds:
     def _add(self, dends: Arrays, got: Arrays, post: bool, done: Any) -> Arrays:
         """The ends' gradient sums with ``got`` (keyed by param) of the params before the block (after it,
         ``post``) added, where ``done``."""
-        keys = {self._key(k): k for k in self.post_params} if post else {k: k for k in self.pre_params}
+        keys = {self._key(k) if post else k: k for k in self.summed(post)}  # a tied param's last copy: @last
         return {k: jnp.where(done, g + got[keys[k]], g) if k in keys else g for k, g in dends.items()}
 
     def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool,
@@ -415,7 +430,7 @@ class ModelEnds:
         if self.both:  # DualPipe: the two end devices swap their sums, each then holds every microbatch's
             first, last = self.both
             dends = {k: g + jax.lax.ppermute(g, self.axis, [(first, last), (last, first)]) for k, g in dends.items()}
-        pre = {k: dends[k] for k in self.pre_params}
+        pre = {k: dends[k] for k in self.summed(False)}
         incoming = {}
         for k in self.tied:  # the two ends swap their sums: each then holds both contributions
             if self.both:  # both ends on each of the two devices: both contributions are there
@@ -424,7 +439,7 @@ class ModelEnds:
             pre[k] = self._swap(pre[k], 0, self.last_stage % self.stages)
             incoming[self.post.grads[k]] = self._swap(dends[self._key(k)], self.last_stage % self.stages, 0)
         got = self.pre.finish(pre, incoming)
-        got |= self.post.finish({k: dends[k] for k in self.post_params if k not in self.tied})
+        got |= self.post.finish({k: dends[k] for k in self.summed(True) if k not in self.tied})
         return losses, got | {self._key(k): got[k] for k in self.tied}
 
     def _swap(self, x: Any, source: int, target: int) -> Any:
@@ -436,8 +451,8 @@ class ModelEnds:
         """Each gradient, from the stage that holds it (a tied param's from stage 0; the last stage holds
         the same)."""
         dends = acc[1]
-        got = {self.pre.final(k): dends[k][0] for k in self.pre_params}
-        return got | {self.post.grads[k]: dends[k][self.last_stage] for k in self.post_params if k not in self.tied}
+        got = {self.pre.final(k): dends[k][0] for k in self.summed(False)}
+        return got | {self.post.grads[k]: dends[k][self.last_stage] for k in self.summed(True) if k not in self.tied}
 
 
 def _gathered(stacked: Any, stages: tuple[int, ...]) -> Any:

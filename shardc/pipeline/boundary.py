@@ -101,10 +101,12 @@ def check_lowerable(plan: Plan) -> None:
     A stage receives one activation from the previous stage (the block's input, or with
     `layers` alone the spec's first input) and holds its own params; the statements before
     a `layers { }` block also read token ids (an embedding's), those after it a loss's
-    targets.  A layer may also read an input without the batch dim (BLOOM's ALiBi bias
-    [N, T]): the same for every microbatch and layer, every stage holds it whole
-    (:attr:`shardc.lowering.pipeline_runtime.Pipeline.shared`).  Another input with the batch
-    dim would be a different tensor for every microbatch on every stage, which neither the
+    targets.  With a block, any statement may also read an input without the batch dim, the
+    same for every microbatch: in the block (BLOOM's ALiBi bias [N, T]) every stage holds it
+    whole (:attr:`shardc.lowering.pipeline_runtime.Pipeline.shared`), before or after it (a
+    position table, an output bias) the first or last stage, as it holds that end's params
+    (:class:`shardc.lowering.pipeline_parts.ModelEnds`).  Another input with the batch dim
+    would be a different tensor for every microbatch on every stage, which neither the
     lowering nor the reference defines.
     """
     spec = plan.spec
@@ -113,18 +115,21 @@ def check_lowerable(plan: Plan) -> None:
     inputs = [i.name for i in plan.tensors if i.role == "input"]
     lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
     ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
-    batch, shared = microbatch_dim(plan), shared_inputs(plan)
+    batch = microbatch_dim(plan)
     for k, statement in enumerate(spec.statements):
         inside = lo <= k < hi
         fed = ({inputs[0]} if inputs and spec.block is None else set()) if inside else ids
         for ref in leaves(statement.expr):
-            if ref.name in inputs and ref.name not in fed and not (inside and ref.name in shared):
+            # with a block, an input without the batch dim is held whole where it is read: in the block by
+            # every stage (shared_inputs), before or after it by the first or last stage (PRE_WHOLE, POST_WHOLE)
+            whole = spec.block is not None and batch not in ref.indices
+            if ref.name in inputs and ref.name not in fed and not whole:
                 where = "the pipelined block reads" if inside else "the statements around the pipelined block read"
                 what = f"an input with the batch dim {batch}" if batch in ref.indices else "an input"
-                drop = f", drop its dim {batch} where every sequence shares it" if inside and spec.block else ""
+                drop = f", drop its dim {batch} where every sequence shares it" if spec.block else ""
                 raise ShardcError(f"{where} {ref.name}, {what}; a pipelined stage receives only the previous "
-                                  "stage's activation (and, around a block, token ids and targets; in a `layers "
-                                  "{ }` block, inputs without the batch dim, held whole)", ref.span,
+                                  "stage's activation (and, around a block, token ids and targets; in and around "
+                                  "a `layers { }` block, inputs without the batch dim, held whole)", ref.span,
                                   fix=f"compute {ref.name} from the block's input{drop}, or make {ref.name} a param "
                                       "(declared with `param`)")
 

@@ -63,13 +63,14 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
     stacked = {p: layer for layer in layers for p in layer.params}  # a pipelined param: a layer of its block
     held = {p: sum(1 for layer in layers if p in layer.params) for p in stacked}
     rng = np.random.default_rng(seed)
+    whole = set(ns.PIPELINE.shared) | set(getattr(ns, "PRE_WHOLE", ())) | set(getattr(ns, "POST_WHOLE", ()))
     values: Arrays = {}
     for info in lowered.plan.tensors:
         shape = [sizes[d.name] for d in info.ref.dims]
         if info.name in vocab:
             values[info.name] = rng.integers(0, sizes[vocab[info.name]], shape).astype(ID_DTYPE)
-        elif (info.name == ns.BLOCK_INPUT and pre is None) or info.name in ns.PIPELINE.shared:
-            values[info.name] = rng.standard_normal(shape)  # data, or an input every stage holds whole
+        elif (info.name == ns.BLOCK_INPUT and pre is None) or info.name in whole:
+            values[info.name] = rng.standard_normal(shape)  # data, or an input a stage holds whole
         elif info.role == "param" and info.name in stacked:
             scale = 1 / math.sqrt(_contracted(stacked[info.name].spec, info.name, sizes))
             values[info.name] = rng.standard_normal([held[info.name], *shape]) * scale

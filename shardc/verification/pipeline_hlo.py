@@ -318,8 +318,10 @@ def _copies_wants(lowered: PipelineLowered) -> list[tuple[str, int]]:
                  for (_, _, grads), mine in zip(blocks, sums, strict=True) for k, n in mine.items()]
     if ends is not None:
         wants += [(f"{grads[k]} ({what})", int(local_elements(_made(plan)[grads[k]], lowered.sizes)) * nbytes)
-                  for plan, params, grads, what in ((ends.pre, ns.PRE_PARAMS, ns.PRE_GRADS, "before the block"),
-                                                    (ends.post, ns.POST_PARAMS, ns.POST_GRADS, "after the block"))
+                  for plan, params, grads, what in ((ends.pre, ns.PIPELINE.ends.summed(False), ns.PRE_GRADS,
+                                                     "before the block"),
+                                                    (ends.post, ns.PIPELINE.ends.summed(True), ns.POST_GRADS,
+                                                     "after the block"))
                   for k in params]
     return wants
 

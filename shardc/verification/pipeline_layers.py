@@ -89,5 +89,7 @@ def at_run_blocks(spec: Spec, sizes: dict[str, int], counts: tuple[int, ...]) ->
 
 
 def keyed(namespace: Any) -> bool:
-    """Whether a lowered pipeline module draws dropout masks: in its block or in the statements around it."""
-    return any(getattr(namespace, name, False) for name in ("KEYED", "PRE_KEYED", "POST_KEYED"))
+    """Whether a lowered pipeline module draws dropout masks: in a block (the first's or a later one's,
+    ``B2_KEYED``) or in the statements around them."""
+    later = tuple(b["prefix"] + "_KEYED" for b in getattr(namespace, "MORE_BLOCKS", ()))
+    return any(getattr(namespace, name, False) for name in ("KEYED", "PRE_KEYED", "POST_KEYED", *later))

@@ -127,7 +127,7 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         results = {ns.LOSS: np.asarray(xp.forward(post, post_in, sizes, key)[ns.LOSS])}
         d_loss = np.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
         got = xp.backward(post, post_in, {ns.LOSS: d_loss}, sizes, key)  # a routed head's C
-        grads.update({ns.POST_GRADS[p]: got[p] for p in ns.POST_PARAMS if p not in ns.TIED})
+        grads.update({ns.POST_GRADS[p]: got[p] for p in ns.PIPELINE.ends.summed(True) if p not in ns.TIED})
         tied = {p: got[p] for p in ns.TIED}
         g = got[layers[-1].output]
     stacks: dict[str, list[np.ndarray]] = {p: [] for layer in layers for p in layer.params}
@@ -143,7 +143,7 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
         got = xp.backward(pre, pre_in, {ns.PRE_RESULT: g}, key=key)
         finals = getattr(ns, "PRE_FINAL_GRADS", {})  # a tied param's gradient: the sum of both ends'
         grads.update({finals.get(ns.PRE_GRADS[p], ns.PRE_GRADS[p]): got[p] + tied[p] if p in tied else got[p]
-                      for p in ns.PRE_PARAMS})
+                      for p in ns.PIPELINE.ends.summed(False)})
     names = block_grads(lowered)
     grads.update({names[p]: np.stack(v) for p, v in stacks.items()})
     return results, grads
