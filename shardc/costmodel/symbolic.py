@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from shardc.accountings import chosen
 from shardc.collectives import Layout
 from shardc.costmodel.cost_report import (
     hardware_json,
@@ -177,12 +178,13 @@ def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
 
 
 def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_file: str | None = None,
-                  spans: dict[str, int] | None = None, optimizer: str = "adam10") -> FormulaReport:
+                  spans: dict[str, int] | None = None, optimizer: str | None = None) -> FormulaReport:
     """The cost report as formulas, for a plan whose dims have no sizes (or only some).
 
     Memory is the training state alone (:func:`shardc.costmodel.memory.state_formula`
-    under the ``optimizer`` accounting): activations need the sizes.
+    under the ``optimizer`` accounting, else the spec's): activations need the sizes.
     """
+    optimizer = chosen(plan.spec.optimizer, optimizer)
     hw = plan_chip(plan, hardware, hardware_file)
     check_spans(plan.spec.mesh, spans)
     mesh = plan.spec.mesh
