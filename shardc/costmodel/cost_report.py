@@ -47,7 +47,7 @@ from shardc.timing import (
 )
 from shardc.topology import AxisLinks
 
-__all__ = ["CostReport", "cost", "resolve_sizes", "missing_sizes", "step_tokens"]
+__all__ = ["CostReport", "cost", "accounting_of", "resolve_sizes", "missing_sizes", "step_tokens"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
 
 
-def _accounting(plan: Plan, optimizer: str | None) -> str:
+def accounting_of(plan: Plan, optimizer: str | None) -> str:
     """The accounting ``optimizer`` names, else the spec's ``optimizer`` line's (:func:`shardc.accountings.chosen`);
     one whose gradients are reduced in another size than the spec's accounting's is refused: the plan's
     reduction volumes were made with the spec's (:data:`shardc.accountings.REDUCED_BYTES`)."""
@@ -166,7 +166,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
                           "offload=, offload_delayed=")
     if mfu is not None and not 0 < mfu <= 1:
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
-    optimizer = _accounting(plan, optimizer)
+    optimizer = accounting_of(plan, optimizer)
     if model is None and plan.chip.book:  # another chip given for a plan made under the book's model keeps it
         model = "book"
     hw = plan_chip(plan, hardware, hardware_file).configured(model, bucket_mb)

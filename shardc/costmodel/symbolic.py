@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from shardc.accountings import chosen
 from shardc.collectives import Layout
 from shardc.costmodel.cost_report import (
+    accounting_of,
     hardware_json,
     latency_note,
     missing_sizes,
@@ -184,7 +184,7 @@ def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_f
     Memory is the training state alone (:func:`shardc.costmodel.memory.state_formula`
     under the ``optimizer`` accounting, else the spec's): activations need the sizes.
     """
-    optimizer = chosen(plan.spec.optimizer, optimizer)
+    optimizer = accounting_of(plan, optimizer)
     hw = plan_chip(plan, hardware, hardware_file)
     check_spans(plan.spec.mesh, spans)
     mesh = plan.spec.mesh
