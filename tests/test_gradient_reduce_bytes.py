@@ -17,6 +17,7 @@ import pytest
 import shardc
 from shardc.accountings import ACCOUNTINGS, REDUCED_BYTES
 from shardc.ir.plan import Plan
+from shardc.timing import plan_time
 
 ROOT = Path(__file__).resolve().parent.parent
 # data parallel over X (4 devices), the MLP's hidden dim over Y (2)
@@ -103,3 +104,9 @@ def test_the_cli_flag_overrides_the_specs_line(tmp_path: Path) -> None:
     local, d_in = 256 * 512 / 2, 64 / 4 * 256 * 2  # a gradient's piece; dIn[B_X, D]'s all-reduce over Y, bf16
     assert reduced() == ("bf16opt20", [d_in, 4 * local, 4 * local])
     assert reduced("--optimizer", "adam10") == ("adam10", [d_in, 2 * local, 2 * local])
+
+
+def test_the_planners_step_time_counts_the_update_under_the_specs_accounting(plans: dict[str | None, Plan]) -> None:
+    # the planner's objective (shardc.timing.plan_time) costs the update as `shardc cost` does: under the spec's line
+    mixed = plan_time(plans["mixed18"]).update_s
+    assert mixed == plan_time(plans[None], optimizer="mixed18").update_s > plan_time(plans[None]).update_s > 0
