@@ -42,7 +42,9 @@ class Run:
     # microbatches a step accumulates where the spec is one of them (FSDP's gathers and reductions run each one):
     # the step runs the optimizer's update once, so a microbatch's share of it is 1 / accumulated
     accumulated: int = 1
-    optimizer: str = "adam10"  # the training-state accounting (shardc/accountings.py) the run's framework keeps
+    # the training-state accounting (shardc/accountings.py) the run's framework keeps, where the spec's `optimizer`
+    # line does not say it (None: the spec's, else adam10)
+    optimizer: str | None = None
 
 
 PUBLISHED = (
@@ -110,8 +112,7 @@ PUBLISHED = (
     # BLOOM 176B on Jean Zay (TP 4 x PP 12 x DP 8, ZeRO-1, every layer checkpointed, Omni-Path across nodes): the
     # training log's 104.70 s an iteration at the full batch (its 149.77 TFLOP/s count the recomputed forward)
     Run("BLOOM 176B, 384 A100", "benchmarks/runs/bloom_176b.shard", "full",
-        "Le Scao et al. 2022; bigscience train/tr11-176B-ml/README.md, iteration 85376", step_s=104.70,
-        optimizer="bf16opt20"),  # DeepSpeed's BF16_Optimizer
+        "Le Scao et al. 2022; bigscience train/tr11-176B-ml/README.md, iteration 85376", step_s=104.70),
     # Megatron-LM's weak-scaling table: its TFLOP/s a GPU are equation 3's FLOPs, 96 B s l h^2 (1 + s/6h + V/16lh),
     # which count activation recomputation's extra forward, so the step is those FLOPs over the GPUs' rate (the MFU
     # the step implies for shardc's model FLOPs)

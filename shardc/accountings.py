@@ -27,7 +27,7 @@ cost pass; :mod:`shardc.costmodel.memory` counts with it.
 
 from __future__ import annotations
 
-__all__ = ["ACCOUNTINGS", "MASTER", "LOW_GRAD", "update_bytes"]
+__all__ = ["ACCOUNTINGS", "MASTER", "LOW_GRAD", "REDUCED_BYTES", "chosen", "update_bytes"]
 
 # name -> (param bytes, grad bytes, optimizer-state bytes, description)
 ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
@@ -46,6 +46,26 @@ MASTER: dict[str, int] = {"adam10": 0, "adam16": 4, "mixed18": 4, "mixed14": 4, 
 # Of the gradient bytes above, those of a bf16 copy held beside the fp32 accumulation, which the update never
 # reads (BF16_Optimizer's step hands Adam the fp32 gradient partition only): none but for ``bf16opt20``.
 LOW_GRAD: dict[str, int] = {"bf16opt20": 2}
+
+# Bytes an element of a param's gradient as the framework holds and data-parallel reduces it, where not the param's
+# dtype's: the planner gives the gradients of a spec naming the accounting (`optimizer NAME`) this element size
+# (shardc.planner.graph), so their AllReduce / ReduceScatter volumes, and the backward's writes of them, count it.
+# ``bf16opt20``: DeepSpeed's pipeline engine under BF16_Optimizer all-reduces the optimizer's fp32 gradient
+# buffer, not the bf16 gradients (microsoft/DeepSpeed, deepspeed/runtime/pipe/engine.py: ``_exec_reduce_grads``
+# calls ``_bf16_reduce_grads``, which hands ``buffered_allreduce_fallback`` the optimizer's
+# ``get_grads_for_reduction()``, "the optimizer's FP32 grads").  The other accountings name no framework's
+# reduction, so their gradients are reduced in the param's dtype.
+REDUCED_BYTES: dict[str, int] = {"bf16opt20": 4}
+
+
+def chosen(written: str | None, given: str | None = None) -> str:
+    """The accounting a cost counts with: ``given`` (``shardc cost --optimizer``, ``cost(optimizer=)``) where
+    set, else the spec's ``optimizer`` line (``written``), else ``adam10``.
+
+    >>> chosen(None), chosen("bf16opt20"), chosen("bf16opt20", "adam16")
+    ('adam10', 'bf16opt20', 'adam16')
+    """
+    return given or written or "adam10"
 
 
 def update_bytes(accounting: str, fused: bool) -> int:

@@ -47,7 +47,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from shardc.accountings import ACCOUNTINGS, update_bytes
+from shardc.accountings import ACCOUNTINGS, chosen, update_bytes
 from shardc.chip_choice import chip_for
 from shardc.collectives import Layout, Op
 from shardc.device_pieces import local_elements
@@ -307,11 +307,12 @@ def plan_links(plan: Plan, hw: Hardware, sizes: Mapping[str, int],
 
 def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping[str, int] | None = None,
               spans: Mapping[str, int] | None = None, memo: dict[tuple[object, ...], StepCost] | None = None,
-              optimizer: str = "adam10") -> PlanTime:
+              optimizer: str | None = None) -> PlanTime:
     """The step time of ``plan`` on a chip (by default the one it was planned for), all layers.
 
     ``memo`` keeps each step's cost across calls: pass one dict only to calls on
-    plans of the same spec, chip, sizes and spans (the planner's candidates).
+    plans of the same spec, chip, sizes and spans (the planner's candidates).  ``optimizer``: the accounting
+    the update is costed under (None: the spec's ``optimizer`` line's, else adam10).
     """
     hw = plan_chip(plan, hardware)
     values = dict(sizes) if sizes is not None else plan_sizes(plan)
@@ -319,7 +320,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     links = plan_links(plan, hw, values, spans)[0]
     mesh, dtype = plan.spec.mesh, plan_dtype(plan)
     seen = {} if memo is None else memo  # layers repeat the same steps
-    update = update_seconds(plan, values, hw, counts, optimizer)
+    update = update_seconds(plan, values, hw, counts, chosen(plan.spec.optimizer, optimizer))
     values, repeats = microbatched(plan, values, hw.book)
     traffic = phase_traffic(plan, values, hw)
 

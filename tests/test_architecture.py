@@ -36,11 +36,12 @@ ENTRY_POINTS = ("shardc", "shardc.cli")
 HEAVY = ("jax", "jaxlib", "matplotlib", "lark")
 
 # the planning and costing layers: parsing a spec must not reach any of them (the spec's own pipeline
-# lines, its stage axis and layer split, are ``shardc.spec.stages``, which validation reads)
+# lines, its stage axis and layer split, are ``shardc.spec.stages``, which validation reads; the accountings'
+# table, ``shardc.accountings``, imports nothing, and the parser checks an ``optimizer`` line's name against it)
 PLANNING_AND_COSTING = ("shardc.planner", "shardc.sharding", "shardc.ir.plan", "shardc.ir.localops", "shardc.ops",
                         "shardc.costmodel", "shardc.collectives", "shardc.timing", "shardc.step_cost",
                         "shardc.hardware", "shardc.device_pieces", "shardc.layer_counts", "shardc.ring_sends",
-                        "shardc.chip_choice", "shardc.accountings", "shardc.quantize",
+                        "shardc.chip_choice", "shardc.quantize",
                         "shardc.layouts", "shardc.lowering", "shardc.verification", "shardc.pipeline")
 
 # the passes that never import jax (so neither may anything they reach)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def test_the_accountings_count_10_16_18_14_and_20_bytes() -> None:
 
 @pytest.mark.parametrize("name", sorted(ACCOUNTINGS))
 def test_each_accounting_counts_its_bytes_per_local_param_and_is_named(name: str) -> None:
-    report = shardc.cost(shardc.plan(shardc.parse(SPEC)), optimizer=name)
+    report = shardc.cost(shardc.plan(shardc.parse(SPEC + f"optimizer {name}\n")))  # the spec's line names it
     m = report.memory
     p, g, o, _ = ACCOUNTINGS[name]
     local = 2 * 1024 * 4096 / 2  # both params are sharded over Y only
@@ -48,7 +49,7 @@ def test_bf16_optimizer_keeps_both_gradients_whole_under_zero_1_and_shards_the_r
     # elements each a device; the bf16 gradient (2) and the fp32 buffer (4), zeros_like the whole flat group,
     # are whole; the fp32 master, m and v (12) are the partition of X's 4 ranks
     spec = shardc.parse(SPEC.replace("dims", "zero 1 over X\ndims"))
-    m = shardc.cost(shardc.plan(spec), optimizer="bf16opt20").memory
+    m = shardc.cost(shardc.plan(replace(spec, optimizer="bf16opt20"))).memory
     local = 2 * 1024 * 4096 / 2
     assert (m.param_bytes, m.grad_bytes, m.optimizer_bytes) == (2 * local, 6 * local, 12 * local / 4)
     assert m.grad_bytes - shardc.cost(shardc.plan(spec), optimizer="mixed18").memory.grad_bytes == 2 * local
@@ -93,8 +94,8 @@ def test_state_formula_is_the_symbolic_form_of_the_numbers() -> None:
 def test_state_bytes_are_the_accounting_times_local_params(name: str, sharding: str, layers: int) -> None:
     spec = shardc.parse(f"mesh X=4, Y=2\ndims B=64, D=64, F=32\nlayers {layers}\nconst In\n"
                         f"Out[B_X, F] = In[B_X, D] · W[{sharding}]\n")
-    p = shardc.plan(spec)
-    m = shardc.cost(p, optimizer=name).memory
+    p = shardc.plan(replace(spec, optimizer=name))
+    m = shardc.cost(p).memory
     devices = {"D_X, F_Y": 8, "D, F_Y": 2, "D_Y, F": 2, "D, F": 1, "D_XY, F": 8}[sharding]
     local = layers * 64 * 32 / devices
     assert m.params == local and m.params_total == layers * 64 * 32

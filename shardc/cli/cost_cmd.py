@@ -65,9 +65,9 @@ def register(subparsers: Any, name: str) -> None:
                         help="the plan's residual policy (see `shardc plan --help`)")
     add_recompute(parser)
     add_collective_matmul(parser)
-    parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
-                        help="training-state accounting: " + "; ".join(
-                            f"{k} {v[3]}" for k, v in ACCOUNTINGS.items()))
+    parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default=None,
+                        help="training-state accounting, over the spec's `optimizer` line (default adam10): " +
+                             "; ".join(f"{k} {v[3]}" for k, v in ACCOUNTINGS.items()))
     parser.add_argument("--offload", choices=OFFLOADS, default="none",
                         help="hold the kept activations, the optimizer state or both in the host's memory, "
                              "moved over the chip's host link (hardware host_bandwidth) under the phases; an "
@@ -222,9 +222,10 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     if args.plot:
         check_plot_path(args.plot, args.force)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, first.spec), args)
-    plans = [first] + [plan(load_spec(path, args.set), save=args.save, hardware=hw, recompute=args.recompute,
-                            topology=args.topology, collective_matmul=args.collective_matmul, fit_memory=True,
-                            optimizer=args.optimizer, offload=args.offload)
+    plans = [first] + [plan(load_spec(path, args.set, args.optimizer), save=args.save, hardware=hw,
+                            recompute=args.recompute, topology=args.topology,
+                            collective_matmul=args.collective_matmul, fit_memory=True, optimizer=args.optimizer,
+                            offload=args.offload)
                        for path in args.others]
     spans = parse_spans(args.spans, first.spec)
     sweeps = [sweep(p, hw, dim, low, high, points, spans=spans) for p in plans]

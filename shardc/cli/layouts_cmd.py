@@ -9,7 +9,7 @@ from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from shardc.accountings import ACCOUNTINGS
+from shardc.accountings import ACCOUNTINGS, chosen
 from shardc.chip_choice import resolve_hardware
 from shardc.cli.main import (
     add_collective_matmul,
@@ -81,7 +81,7 @@ def register(subparsers: Any, name: str) -> None:
     parser.add_argument("--hardware", metavar="NAME", help="a preset (see `shardc hardware`)")
     parser.add_argument("--hardware-file", metavar="TOML", help="a chip of your own (keys: shardc hardware)")
     add_model_flags(parser)
-    parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default="adam10",
+    parser.add_argument("--optimizer", choices=tuple(ACCOUNTINGS), default=None,
                         help="training-state accounting (see `shardc cost --help`)")
     parser.add_argument("--save", choices=("default", "none", "all"), default="default",
                         help="the plans' residual policy (see `shardc plan --help`)")
@@ -115,10 +115,11 @@ def run_layouts(args: argparse.Namespace) -> int:
         raise ShardcError(f"--jobs must be 0 (one a core) or more, got {clip(str(args.jobs))}",
                           fix="write e.g. --jobs 4")
     paths = list(dict.fromkeys([args.file, *args.others]))  # a file given twice is searched once
-    specs = [load_spec(path, args.set) for path in paths]
+    specs = [load_spec(path, args.set, args.optimizer) for path in paths]
     fixed = frozenset(parse_sets(args.set))
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, specs[0]), args)
-    options = Options(hw, args.save, args.recompute, args.optimizer, args.mfu, args.topology, args.knobs, args.exact,
+    accounting = chosen(specs[0].optimizer, args.optimizer)  # the spec's line, or --optimizer over it
+    options = Options(hw, args.save, args.recompute, accounting, args.mfu, args.topology, args.knobs, args.exact,
                       args.collective_matmul)
     search = search_layouts(specs, options, args.chips, fixed, args.jobs, _progress())
     if args.json:

@@ -7,6 +7,7 @@ loads no parser.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,13 +39,16 @@ def parse_spans(items: Sequence[str] | None, spec: Any) -> dict[str, int] | None
     return spans or None
 
 
-def load_spec(path: str, sets: Sequence[str] | None = None) -> Any:
-    """Read and parse a spec file, then apply ``--set`` pairs; errors are ShardcErrors."""
+def load_spec(path: str, sets: Sequence[str] | None = None, optimizer: str | None = None) -> Any:
+    """Read and parse a spec file, then apply ``--set`` pairs and ``--optimizer`` (over the spec's ``optimizer``
+    line: the plan's gradient reductions are sized by it, :data:`shardc.accountings.REDUCED_BYTES`); errors are
+    ShardcErrors."""
     spec = parse(read_text(path), filename=path)
     sizes = parse_sets(sets)
-    return apply_overrides(spec, sizes) if sizes else spec
+    spec = apply_overrides(spec, sizes) if sizes else spec
+    return spec if optimizer is None else dataclasses.replace(spec, optimizer=optimizer)
 
 
 def read_spec(args: argparse.Namespace) -> Any:
-    """FILE and ``--set`` of a command's arguments, parsed."""
-    return load_spec(args.file, args.set)
+    """FILE, ``--set`` and (where the command has it) ``--optimizer`` of a command's arguments, parsed."""
+    return load_spec(args.file, args.set, getattr(args, "optimizer", None))

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from shardc.accountings import ACCOUNTINGS
+from shardc.accountings import ACCOUNTINGS, REDUCED_BYTES, chosen
 from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, Layout
 from shardc.costmodel.context_parallel import with_thresholds
 from shardc.costmodel.cost_text import render
@@ -47,7 +47,7 @@ from shardc.timing import (
 )
 from shardc.topology import AxisLinks
 
-__all__ = ["CostReport", "cost", "resolve_sizes", "missing_sizes", "step_tokens"]
+__all__ = ["CostReport", "cost", "accounting_of", "resolve_sizes", "missing_sizes", "step_tokens"]
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,23 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
             "symbols": dict(zip(("C", "W_ici", "W_dcn"), names.names(), strict=True))}
 
 
+def accounting_of(plan: Plan, optimizer: str | None) -> str:
+    """The accounting ``optimizer`` names, else the spec's ``optimizer`` line's (:func:`shardc.accountings.chosen`);
+    one whose gradients are reduced in another size than the spec's accounting's is refused: the plan's
+    reduction volumes were made with the spec's (:data:`shardc.accountings.REDUCED_BYTES`)."""
+    name = chosen(plan.spec.optimizer, optimizer)
+    if name not in ACCOUNTINGS:
+        raise ShardcError(f"unknown optimizer accounting {name!r}", fix="use " + ", ".join(ACCOUNTINGS))
+    written = chosen(plan.spec.optimizer)
+    if REDUCED_BYTES.get(name) != REDUCED_BYTES.get(written):
+        raise ShardcError(f"optimizer {name} reduces the gradients in other bytes than the {written} the plan was "
+                          "made under", fix=f"plan the spec with an `optimizer {name}` line (or `shardc cost "
+                          f"--optimizer {name}`), which sizes its gradient reductions")
+    return name
+
+
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
-         mfu: float | None = None, optimizer: str = "adam10", hardware_file: str | None = None,
+         mfu: float | None = None, optimizer: str | None = None, hardware_file: str | None = None,
          spans: dict[str, int] | None = None, model: str | None = None, bucket_mb: float | None = None,
          offload: str = "none", offload_delayed: bool = False, **options: object) -> CostReport:
     """Cost ``plan`` on a chip (a preset name, a :class:`Hardware`; default the chip it was planned for).
@@ -151,8 +166,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
                           "offload=, offload_delayed=")
     if mfu is not None and not 0 < mfu <= 1:
         raise ShardcError(f"--mfu must be in (0, 1], got {mfu}", fix="write e.g. --mfu 0.4")
-    if optimizer not in ACCOUNTINGS:
-        raise ShardcError(f"unknown optimizer accounting {optimizer!r}", fix="use " + ", ".join(ACCOUNTINGS))
+    optimizer = accounting_of(plan, optimizer)
     if model is None and plan.chip.book:  # another chip given for a plan made under the book's model keeps it
         model = "book"
     hw = plan_chip(plan, hardware, hardware_file).configured(model, bucket_mb)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardc.accountings import chosen
 from shardc.costmodel.cost_report import CostReport, cost, missing_sizes, resolve_sizes
 from shardc.costmodel.memory import checkpoint_refs, step_memory
 from shardc.costmodel.pipeline_cost import pipeline_cost
@@ -40,13 +41,14 @@ def device_memory(report: CostReport) -> float:
     return report.memory.total_bytes
 
 
-def plan_memory(planned: Plan, optimizer: str = "adam10", offload: str = "none",
+def plan_memory(planned: Plan, optimizer: str | None = None, offload: str = "none",
                 spans: dict[str, int] | None = None) -> float:
     """``planned``'s bytes a device, as ``shardc cost --optimizer OPTIMIZER --offload OFFLOAD`` costs it;
     0 where it cannot be costed (a dim without a size, or a plan ``shardc cost`` refuses, which says why
     itself): nothing to weigh, so the planner keeps its fastest plan."""
     if planned.sizes is None or missing_sizes(planned, planned.size_map or {}):
         return 0.0
+    optimizer = chosen(planned.spec.optimizer, optimizer)
     try:
         if offload == "none":  # the report's figure, without the rest of the report
             values = resolve_sizes(planned, None)
@@ -90,14 +92,14 @@ def least_memory(report: CostReport) -> float:
     return mem.param_bytes - mem.quantized_weight_bytes + mem.grad_bytes + mem.optimizer_bytes + mem.checkpoint_bytes
 
 
-def fitting_plan(spec: Spec, optimizer: str = "adam10", offload: str = "none", **options: Any) -> Plan:
+def fitting_plan(spec: Spec, optimizer: str | None = None, offload: str = "none", **options: Any) -> Plan:
     """:func:`shardc.planner.planner.plan` (``options``: its own, ``memory_limit`` among them): the fastest
     plan that fits the chip's memory as ``shardc cost`` with ``optimizer`` and ``offload`` counts it."""
     spans = options.get("spans")
     return plan(spec, memory=lambda p: plan_memory(p, optimizer, offload, spans), **options)
 
 
-def fitting_report(spec: Spec, optimizer: str = "adam10", offload: str = "none", mfu: float | None = None,
+def fitting_report(spec: Spec, optimizer: str | None = None, offload: str = "none", mfu: float | None = None,
                    **options: Any) -> CostReport:
     """``shardc cost`` of :func:`fitting_plan`'s plan, each plan costed once: the report that weighed a plan's
     memory (a pipeline's, or under ``offload``) is the one returned for it, and the fastest plan is planned

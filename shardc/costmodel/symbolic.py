@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from shardc.collectives import Layout
 from shardc.costmodel.cost_report import (
+    accounting_of,
     hardware_json,
     latency_note,
     missing_sizes,
@@ -177,12 +178,13 @@ def _formula_row(index: int, step: Step, mesh: Mesh, names: HardwareSymbols,
 
 
 def cost_formulas(plan: Plan, hardware: str | Hardware | None = None, hardware_file: str | None = None,
-                  spans: dict[str, int] | None = None, optimizer: str = "adam10") -> FormulaReport:
+                  spans: dict[str, int] | None = None, optimizer: str | None = None) -> FormulaReport:
     """The cost report as formulas, for a plan whose dims have no sizes (or only some).
 
     Memory is the training state alone (:func:`shardc.costmodel.memory.state_formula`
-    under the ``optimizer`` accounting): activations need the sizes.
+    under the ``optimizer`` accounting, else the spec's): activations need the sizes.
     """
+    optimizer = accounting_of(plan, optimizer)
     hw = plan_chip(plan, hardware, hardware_file)
     check_spans(plan.spec.mesh, spans)
     mesh = plan.spec.mesh

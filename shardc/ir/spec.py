@@ -288,6 +288,7 @@ class Spec:
     grad_reduce: str | None = None  # `grad_reduce after-backward [over dcn]` (GRAD_REDUCES); None: overlapped
     attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
     param_gather: str | None = None  # `param_gather overlapped` (PARAM_GATHERS); None: exposed
+    optimizer: str | None = None  # `optimizer bf16opt20` (shardc.accountings.ACCOUNTINGS); None: the cost's default
     # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
     # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors
     recompute: tuple[str, ...] = ()
@@ -405,6 +406,8 @@ class Spec:
             lines.append(f"attention_kernel {self.attention_kernel}")
         if self.param_gather is not None:
             lines.append(f"param_gather {self.param_gather}")
+        if self.optimizer is not None:
+            lines.append(f"optimizer {self.optimizer}")
         if self.recompute:
             lines.append("recompute " + ", ".join(self.recompute))
         for k, statement in enumerate(self.statements):

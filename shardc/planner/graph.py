@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from shardc.accountings import REDUCED_BYTES
 from shardc.errors import ShardcError
 from shardc.ir.precision import Precision, gradient_dtype
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
@@ -245,7 +246,15 @@ class _Builder:
         grads = gradient_names(self.indices, taken=taken | set(given.values()))
         grads |= {t: g for t, g in given.items() if t in grads and g not in taken}
         dtypes = self.dtypes(grads)
-        return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params),
-                     tuple(self.inputs), outputs, const, grads, self.element_bytes(dtypes), dtypes, self.gemms())
+        held = self.held_gradients({grads[p] for p in params if p in grads})
+        return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params), tuple(self.inputs),
+                     outputs, const, grads, self.element_bytes(dtypes) | held, dtypes, self.gemms())
+
+    def held_gradients(self, gradients: set[str]) -> dict[str, int]:
+        """Bytes an element of the params' ``gradients`` where the spec's ``optimizer`` accounting holds and
+        reduces them in another size than the param's (:data:`shardc.accountings.REDUCED_BYTES`: BF16_Optimizer's
+        fp32 buffer), so that every count of their bytes, their reductions' volumes first, reads it."""
+        size = REDUCED_BYTES.get(self.spec.optimizer or "")
+        return {} if size is None else dict.fromkeys(sorted(gradients), size)
 
 

@@ -25,7 +25,8 @@ Representation decisions (other passes rely on them):
   Header lines may come anywhere; statements keep their order.
 - A line's first word ``mesh``/``dims``/``dtype``/``gemm``/``param``/``const``/``hardware``/``layers``/
   ``microbatches``/``stage_layers``/``schedule``/``zero``/``fusion``/``grad_reduce``/``attention_kernel``/
-  ``param_gather``/``recompute`` is the keyword, so those seventeen words cannot name a tensor or function there.
+  ``param_gather``/``optimizer``/``recompute`` is the keyword, so those eighteen words cannot name a tensor or
+  function there.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedInput, VisitError
 
+from shardc.accountings import ACCOUNTINGS
 from shardc.errors import ShardcError, Span, clip
 from shardc.ir.spec import (
     ATTENTION_KERNELS,
@@ -345,6 +347,9 @@ class _Builder(Transformer[Token, Any]):
     def param_gather_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("param_gather", _choice(children[1], "param_gather", PARAM_GATHERS), _span(children[0], children[1]))
 
+    def optimizer_line(self, children: list[Token]) -> tuple[str, Any, Span]:
+        return ("optimizer", _choice(children[1], "optimizer", tuple(ACCOUNTINGS)), _span(children[0], children[1]))
+
     def zero_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         stage = children[1]
         if str(stage) not in ("1", "2", "3"):
@@ -465,6 +470,7 @@ def _build_spec(items: list[Any]) -> Spec:
         grad_reduce=header.get("grad_reduce"),
         attention_kernel=header.get("attention_kernel"),
         param_gather=header.get("param_gather"),
+        optimizer=header.get("optimizer"),
         recompute=tuple(header["recompute"]),
         tensor_dtypes=tuple(header["dtype_tensors"]),
         gemm=header.get("gemm"),

@@ -1,0 +1,112 @@
+"""The gradient reductions' element size as the framework runs them: a spec's ``optimizer`` line names its
+accounting (shardc/accountings.py), and an accounting whose framework reduces an fp32 gradient buffer
+(``REDUCED_BYTES``: DeepSpeed's pipeline engine under BF16_Optimizer) makes the params' gradients 4 bytes an
+element, so their AllReduce / ReduceScatter volumes double; nothing else moves, and no other accounting
+changes a plan."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.accountings import ACCOUNTINGS, REDUCED_BYTES
+from shardc.ir.plan import Plan
+from shardc.timing import plan_time
+
+ROOT = Path(__file__).resolve().parent.parent
+# data parallel over X (4 devices), the MLP's hidden dim over Y (2)
+SPEC = ("mesh X=4, Y=2\ndims B=64, D=256, F=512\nhardware a100\n"
+        "Tmp[B_X, F_Y] = In[B_X, D] · W_in[D, F_Y]\nOut[B_X, D] = Tmp[B_X, F_Y] · W_out[F_Y, D]\n")
+
+
+def _moves(plan: Plan) -> dict[tuple[str, str, str], int]:
+    """Every collective of the plan, (phase, op, tensor) -> its bytes at the spec's sizes."""
+    sizes = {"B": 64, "D": 256, "F": 512, "X": 4, "Y": 2}
+    return {(phase, s.op.value, s.tensor): int(s.volume.evaluate(sizes))
+            for phase in ("forward", "backward", "optimizer") for s in getattr(plan, phase)
+            if s.is_collective and s.volume is not None}
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str | None, Plan]:
+    spec = shardc.parse(SPEC)
+    return {name: shardc.plan(replace(spec, optimizer=name)) for name in (None, *ACCOUNTINGS)}
+
+
+def test_bf16_optimizers_gradient_all_reduces_move_fp32_by_hand(plans: dict[str | None, Plan]) -> None:
+    # each device's gradient of W_in[D, F_Y] is D x F / Y = 256 x 512 / 2 elements, all-reduced over X: 2 bytes an
+    # element as the param's bf16, 4 as BF16_Optimizer's fp32 buffer (_bf16_reduce_grads); the activations'
+    # all-reduces over Y (B / X x D, bf16) do not move
+    local = 256 * 512 // 2
+    plain, fp32 = _moves(plans[None]), _moves(plans["bf16opt20"])
+    assert plain[("backward", "all_reduce", "dW_in")] == 2 * local
+    assert fp32[("backward", "all_reduce", "dW_in")] == 4 * local
+    assert fp32[("backward", "all_reduce", "dW_out")] == 4 * local
+    assert fp32[("forward", "all_reduce", "Out")] == plain[("forward", "all_reduce", "Out")] == 2 * 64 // 4 * 256
+    assert {k: v for k, v in fp32.items() if "dW" not in k[2]} == {k: v for k, v in plain.items() if "dW" not in k[2]}
+
+
+@pytest.mark.parametrize("name", sorted(set(ACCOUNTINGS) - set(REDUCED_BYTES)))
+def test_an_accounting_reducing_in_the_params_dtype_changes_no_plan(plans: dict[str | None, Plan], name: str) -> None:
+    assert plans[name].element_bytes == plans[None].element_bytes == ()
+    assert _moves(plans[name]) == _moves(plans[None])
+
+
+def test_zero_1s_gradient_reduce_scatters_move_fp32_and_the_param_gathers_bf16() -> None:
+    spec = shardc.parse(SPEC.replace("hardware", "zero 1 over X\nhardware"))
+    plain, fp32 = (_moves(shardc.plan(replace(spec, optimizer=name))) for name in (None, "bf16opt20"))
+    local = 256 * 512 // 2
+    assert (plain[("optimizer", "reduce_scatter", "dW_in")], fp32[("optimizer", "reduce_scatter", "dW_in")]) == \
+        (2 * local, 4 * local)
+    assert fp32[("optimizer", "all_gather", "W_in")] == plain[("optimizer", "all_gather", "W_in")] == 2 * local
+
+
+def test_the_optimizer_line_round_trips_and_names_the_costs_accounting(plans: dict[str | None, Plan]) -> None:
+    spec = shardc.parse(SPEC + "optimizer bf16opt20\n")
+    assert spec.optimizer == "bf16opt20" and "optimizer bf16opt20" in str(spec)
+    assert shardc.parse(str(spec)) == spec
+    assert shardc.cost(plans["bf16opt20"]).memory.accounting == "bf16opt20"
+    assert shardc.cost(plans[None]).memory.accounting == "adam10"  # no line: the default
+
+
+def test_an_unknown_optimizer_name_is_an_error_at_its_word() -> None:
+    with pytest.raises(shardc.ShardcError) as err:
+        shardc.parse(SPEC + "optimizer adam99\n", filename="mlp.shard")
+    text = str(err.value)
+    assert "mlp.shard:6:11" in text and "unknown optimizer `adam99`" in text
+    assert all(f"`optimizer {name}`" in err.value.fix for name in ACCOUNTINGS)
+
+
+def test_costing_under_another_reduction_size_than_planned_is_refused(plans: dict[str | None, Plan]) -> None:
+    with pytest.raises(shardc.ShardcError) as err:
+        shardc.cost(plans[None], optimizer="bf16opt20")
+    assert "optimizer bf16opt20" in err.value.fix
+    assert shardc.cost(plans[None], optimizer="mixed18").memory.accounting == "mixed18"  # the same reductions
+
+
+def test_the_cli_flag_overrides_the_specs_line(tmp_path: Path) -> None:
+    path = tmp_path / "mlp.shard"
+    path.write_text(SPEC + "optimizer bf16opt20\n", encoding="utf-8")
+
+    def reduced(*flags: str) -> tuple[str, list[float]]:
+        done = subprocess.run([sys.executable, "-m", "shardc", "cost", str(path), "--json", *flags],
+                              capture_output=True, text=True, cwd=ROOT, check=True)
+        report = json.loads(done.stdout)
+        rows = sorted(r["volume_bytes"] for r in report["backward"]["rows"] if r.get("op") == "all_reduce")
+        return report["memory"]["accounting"], rows
+
+    local, d_in = 256 * 512 / 2, 64 / 4 * 256 * 2  # a gradient's piece; dIn[B_X, D]'s all-reduce over Y, bf16
+    assert reduced() == ("bf16opt20", [d_in, 4 * local, 4 * local])
+    assert reduced("--optimizer", "adam10") == ("adam10", [d_in, 2 * local, 2 * local])
+
+
+def test_the_planners_step_time_counts_the_update_under_the_specs_accounting(plans: dict[str | None, Plan]) -> None:
+    # the planner's objective (shardc.timing.plan_time) costs the update as `shardc cost` does: under the spec's line
+    mixed = plan_time(plans["mixed18"]).update_s
+    assert mixed == plan_time(plans[None], optimizer="mixed18").update_s > plan_time(plans[None]).update_s > 0
