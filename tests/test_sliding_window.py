@@ -12,11 +12,14 @@ import shardc
 from shardc.costmodel.cost_report import CostReport
 from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError
-from shardc.ir.localops import Attention, Causal
+from shardc.ir.localops import Attention, Causal, CausalVjp
+from shardc.lowering import run_windows
+from shardc.lowering.sizes import devices_to_check, small_sizes
 from shardc.ops import attention_share
 from shardc.ops.attention import attention_forward
 from shardc.ops.masks import in_window
 from shardc.spec.attention_call import roles
+from shardc.spec.walk import calls
 
 HEAD = "mesh X=2, Y=2\ndims B=4, S=16, T=16, N=4, H=16\ndtype f32\n"
 FUSED = ("O[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, N_Y, H], V[B_X, T, N_Y, H] "
@@ -78,6 +81,32 @@ def test_the_fused_reference_is_the_softmax_of_the_scores_masked_to_the_window()
 
 def test_the_share_module_examples() -> None:
     assert doctest.testmod(attention_share).failed == 0
+
+
+def test_the_run_window_examples() -> None:
+    """W < N keeps its share of the keys within 1 .. n - 1; W >= N, or N undeclared, stays as written."""
+    assert doctest.testmod(run_windows).failed == 0
+
+
+def test_gemma2_verify_runs_a_window_that_masks_and_lowers_what_the_reference_runs() -> None:
+    """At verify's sizes (T = 4 of 8192) the local layers' window 4096 runs as 2: its mask keeps fewer keys
+    than the causal mask alone, so a lowered mask that left out the window (or kept 4096) would fail verify's
+    Pl; the steps' window and the spec's call (the reference's) are the same 2, the global layers' none."""
+    with open("examples/gemma2_27b.shard") as f:
+        plan = shardc.plan(shardc.parse(f.read()))
+    sizes = small_sizes(plan, devices_to_check(plan, 8))
+    run = run_windows.windows_at(plan, sizes)
+    w, t = 2, sizes["T"]
+    assert t == 4 and run_windows.window_notes(plan, sizes) == [
+        "window 4096 over T run as window 2 of its 4 keys (the window's share of the keys, as the sequence shrank)"]
+    masks = [s.fn for s in run.forward + run.backward if isinstance(s.fn, Causal | CausalVjp)]
+    assert sorted(str(m.window) for m in masks) == ["2", "2", "None", "None"]
+    assert [c.window for s in run.spec.statements for c in calls(s.expr) if c.func == "causal"] == [w, None]
+    positions = np.arange(t)
+    windowed, causal = in_window(positions[:, None], positions[None, :], w), np.tri(t, dtype=bool)
+    assert (windowed != causal).sum() == 3  # rows 2 and 3 lose keys 0, and 0 and 1
+    assert (in_window(positions[:, None], positions[None, :], 4096) == causal).all()
+    assert run_windows.windows_at(plan, plan.spec.sizes) is plan  # at the spec's own sizes, as written
 
 
 def test_fused_windowed_flops_are_the_band_of_the_window_by_hand() -> None:
@@ -158,3 +187,25 @@ def test_a_windowed_spec_verifies_against_the_reference_values_and_hlo() -> None
     report = verify(shardc.parse(text))
     assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
     assert {"O", "P", "Out", "dQ", "dK", "dV"} <= {r.tensor for r in report.values}
+
+
+@pytest.mark.slow
+def test_verify_shrinks_the_window_with_the_keys_and_fails_a_lowering_that_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """T = 4096, W = 1024, run at T = 16: verify runs window 4 (noted) and passes; lowered with the window as
+    written (4096 >= 16 keys: the causal mask alone) against the reference's 4, the masked values fail."""
+    from dataclasses import replace
+
+    from shardc.verification import verify as verify_module
+
+    text = ("mesh X=2\ndims B=2, S=4096, T=4096, N=2, H=8\ndtype f32\n"
+            "Sc[B, N, S_X, T] = Q[B, S_X, N, H] · K[B, T_X, N, H]\n"
+            "P[B, N, S_X, T] = softmax(causal(Sc[B, N, S_X, T], S, T, window 1024) over T)\n")
+    sizes = {"B": 2, "S": 16, "T": 16, "N": 2, "H": 8}
+    report = verify_module.verify(shardc.parse(text), sizes=sizes)
+    assert report.ok and any("window 1024 over T run as window 4 of its 16 keys" in n for n in report.notes)
+    kept = verify_module.windows_at
+    monkeypatch.setattr(verify_module, "windows_at", lambda plan, at: replace(
+        kept(plan, at), forward=plan.forward, backward=plan.backward))
+    wrong = verify_module.verify(shardc.parse(text), sizes=sizes)
+    assert not wrong.ok and {r.tensor for r in wrong.values if not r.ok} >= {"P"}

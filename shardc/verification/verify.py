@@ -39,6 +39,7 @@ from shardc.lowering.api import lower
 from shardc.lowering.optimizer import LEARNING_RATE
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.row_code import id_inputs
+from shardc.lowering.run_windows import window_notes, windows_at
 from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check, small_sizes
 from shardc.ops.registry import of_call
 from shardc.planner.check import require_sound
@@ -255,7 +256,8 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     grown, notes = overflowing(plan, {**base, **fixed}, fixed)
     small = {**grown, **(sizes or {})}
     step("lowering the plan at " + ", ".join(f"{k}={v}" for k, v in small.items()))
-    lowered = lower(zero or plan, sizes=small)
+    notes += window_notes(plan, small)  # a sliding window shrinks with the keys, so that it still masks
+    lowered = lower(windows_at(zero or plan, small), sizes=small)
     if given is not None:
         lowered, used = use_module(lowered, *given)
         notes[:0] = used
