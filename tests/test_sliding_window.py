@@ -12,6 +12,7 @@ import shardc
 from shardc.costmodel.cost_report import CostReport
 from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError
+from shardc.hardware import PRESETS, interpolate
 from shardc.ir.localops import Attention, Causal, CausalVjp
 from shardc.lowering import run_windows
 from shardc.lowering.sizes import devices_to_check, small_sizes
@@ -107,6 +108,22 @@ def test_gemma2_verify_runs_a_window_that_masks_and_lowers_what_the_reference_ru
     assert (windowed != causal).sum() == 3  # rows 2 and 3 lose keys 0, and 0 and 1
     assert (in_window(positions[:, None], positions[None, :], 4096) == causal).all()
     assert run_windows.windows_at(plan, plan.spec.sizes) is plan  # at the spec's own sizes, as written
+
+
+def test_a_windowed_kernel_runs_at_the_rate_measured_at_the_windows_length() -> None:
+    """H100, T = 16384 whole on the device, W = 1024: each query sees at most 1024 keys, so the kernel runs at
+    FlashAttention-3's rate at 1024 (423 TFLOP/s forward), not at 16384's (616); without the window, at 16384."""
+    head = "mesh X=8\ndims B=8, S=16384, T=16384, G=8, R=4, H=128\nhardware h100\n"
+    line = ("O[B_X, S, G, R, H] = attention(Q[B_X, S, G, R, H], K[B_X, T, G, H], V[B_X, T, G, H] over T, "
+            "causal{flag})\n")
+    hw = PRESETS["h100"]
+    for flag, keys in ((", window 1024", 1024), ("", 16384)):
+        report = shardc.cost(shardc.plan(shardc.parse(head + line.format(flag=flag))), hardware="h100")
+        assert isinstance(report, CostReport)
+        for rows, points in ((report.forward.rows, hw.attention_forward), (report.backward.rows,
+                                                                            hw.attention_backward)):
+            (row,) = [r for r in rows if "attention_" in r.text and r.flops]
+            assert row.compute_s == pytest.approx(row.flops / (hw.peak("bf16") * interpolate(points, keys)))
 
 
 def test_fused_windowed_flops_are_the_band_of_the_window_by_hand() -> None:

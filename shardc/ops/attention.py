@@ -397,15 +397,21 @@ def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any, Any]:
 def kernel_seconds(step: Step, size: Callable[[str], int], hw: Hardware, dtype: str) -> float:
     """The time of a step's kernel on the chip (0 for the kernel's further results): its FLOPs at the fraction
     of peak the chip's attention kernel reaches, forward or backward, with the keys a call attends over (K's
-    block along T on the device: T whole, or a ring step's block) (:meth:`Hardware.attention_seconds`).  The
-    one time of the kernel: the cost model's, the planner's choice of form, and the ring's overlap use it."""
+    block along T on the device: T whole, or a ring step's block; a sliding window's W where fewer)
+    (:meth:`Hardware.attention_seconds`).  The one time of the kernel: the cost model's, the planner's choice
+    of form, and the ring's overlap use it."""
     assert isinstance(step.fn, Attention)
     flops = _flops(step, size)[0]
     if not flops:
         return 0.0
     keys = next(d for d in step.operands[1].dims if d.name == step.fn.key)
     block = piece(((size(keys.name), math.prod(size(a) for a in keys.axes)),))
-    return hw.attention_seconds(float(flops), float(block), step.fn.part != "out", dtype)
+    # The rates are measured of causal calls by length L (shardc.kernel_rates: FlashAttention's published
+    # figures), a query seeing at most L keys; under a window each sees at most W.  The causal call of length W
+    # has as many partly masked blocks a row for its keys (one over W/2 on average; the window's two over W)
+    # and shorter rows, so its rate is one the windowed kernel reaches at least: W, not T, where W < T
+    seen = block if step.fn.window is None else min(block, step.fn.window)
+    return hw.attention_seconds(float(flops), float(seen), step.fn.part != "out", dtype)
 
 
 def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
