@@ -141,7 +141,7 @@ def test_a_window_of_t_or_more_costs_and_plans_as_the_causal_mask() -> None:
     causal = shardc.plan(shardc.parse(HEAD + FUSED.format(flag="")))
     for w in (16, 40):
         plan = shardc.plan(shardc.parse(HEAD + FUSED.format(flag=f", window {w}")))
-        assert [s.fn for s in plan.forward] == [s.fn for s in causal.forward]
+        assert [s.fn for s in plan.forward] == [s.fn for s in causal.forward] and plan.notes == causal.notes
         assert _cost(HEAD + FUSED.format(flag=f", window {w}")).forward == _cost(HEAD + FUSED.format(flag="")).forward
 
 
@@ -155,6 +155,10 @@ def test_the_sharded_sequences_busiest_device_runs_its_rows_band(window: int, sh
     plan = shardc.plan(shardc.parse(text))
     kernel = plan.forward[[isinstance(s.fn, Attention) for s in plan.forward].index(True)]
     assert isinstance(kernel.fn, Attention) and kernel.fn.window == window and not kernel.fn.ring
+    assert [n for n in plan.notes if "ring attention is not a candidate" in n] == [
+        f"O = attention(... window {window}) with S sharded: ring attention is not a candidate (a ring passes every "
+        f"key block to every device, where each device's queries need only the keys of the {window} positions up "
+        "to its block: a halo exchange, not planned); the all-gather and Ulysses forms were weighed"]
     assert _cost(text).forward.compute_flops == 4 * 4 * 64 * 64 * 4 * 16 / 4 * share
 
 

@@ -38,7 +38,7 @@ FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` an
 ``causal`` the chip runs only the unmasked half of the S x T blocks, ``2 B S T N H`` (the count
 FlashAttention's benchmarks use); with ``causal, window W`` (a sliding window: query s sees keys
 s - W < t <= s) only the band of the window's blocks, FlashAttention-2's ``window_size`` skipping the rest
-(:mod:`shardc.ops.attention_share`; a ring is not offered: it masks no window).  The backward
+(:mod:`shardc.ops.attention_share`; no ring form: :mod:`shardc.ops.ring_attention` says why).  The backward
 makes the scores again and runs four more (``dV = P·dO``, ``dP = dO·V``, ``dQ = dS·K``,
 ``dK = dS·Q``): 2.5 times the forward's FLOPs on the chip.  Model FLOPs (MFU's) count the whole
 S x T, causal, windowed or not, and the backward as twice the forward (the recomputation not counted): the
@@ -203,7 +203,7 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
                               + (", in the held zig-zag order)" if order else ")"),
                               {**axes, seq: (), i: axes[i] + axes[seq]}, zigzag=bool(order), order=order))
     devices = math.prod(phase.ctx.axis_sizes[a] for a in axes[seq])
-    if r.qr or window:  # the ring passes K and V only, and masks no window: the all-gather and Ulysses forms
+    if r.qr or window:  # the ring passes K and V only; a window wants a halo, not a ring (ring_attention)
         return forms
     if devices > 1 and (not phase.sized or phase.ctx.dim_size(r.key) % devices == phase.ctx.dim_size(seq) % devices
                         == 0):  # even blocks: the ring's causal positions are each block's index times its length
