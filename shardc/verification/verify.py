@@ -5,7 +5,8 @@ cost-based choices are the real ones), checked by the plan checker, then lowered
 at small sizes that fit the devices: the mesh shrunk to at most ``devices``
 (largest axis halved first, every axis kept at 2 or more while the devices
 allow), each dim the least common multiple of the shard counts it meets times a
-small distinct factor.  Values are computed in the spec's dtype (inputs rounded
+small distinct factor; a sliding window shrinks with its keys, so that it still masks
+(:mod:`shardc.lowering.run_windows`).  Values are computed in the spec's dtype (inputs rounded
 to it, the reference in float64 from those same rounded inputs) and pass within
 a tolerance per dtype.  Each input has its own scale, at which every op of the
 spec matters (:mod:`shardc.verification.scales`), shrunk as a whole only until every
