@@ -4,6 +4,7 @@ parsed, checked, meant (query s sees keys s - W < t <= s), costed and verified."
 from __future__ import annotations
 
 import doctest
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -214,9 +215,8 @@ def test_a_windowed_spec_verifies_against_the_reference_values_and_hlo() -> None
 def test_verify_shrinks_the_window_with_the_keys_and_fails_a_lowering_that_does_not(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """T = 4096, W = 1024, run at T = 16: verify runs window 4 (noted) and passes; lowered with the window as
-    written (4096 >= 16 keys: the causal mask alone) against the reference's 4, the masked values fail."""
-    from dataclasses import replace
-
+    written (4096 >= 16 keys: the causal mask alone) against the reference's 4, the masked values fail.  A
+    module given to verify (lowered at the spec's sizes) keeps its window, and the report says it is untested."""
     from shardc.verification import verify as verify_module
 
     text = ("mesh X=2\ndims B=2, S=4096, T=4096, N=2, H=8\ndtype f32\n"
@@ -230,6 +230,10 @@ def test_verify_shrinks_the_window_with_the_keys_and_fails_a_lowering_that_does_
         kept(plan, at), forward=plan.forward, backward=plan.backward))
     wrong = verify_module.verify(shardc.parse(text), sizes=sizes)
     assert not wrong.ok and {r.tensor for r in wrong.values if not r.ok} >= {"P"}
+    monkeypatch.setattr(verify_module, "windows_at", kept)
+    given = verify_module.verify(shardc.parse(text), sizes=sizes, module=shardc.lower(shardc.parse(text)).module.source)
+    assert given.ok and any("window 1024 over T is the given module's, as lowered: at the run's 16 keys it masks "
+                            "nothing" in n for n in given.notes)  # its code's window, not the shrunk one
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ spec declares the key index's size N and the run's is n (:func:`run_window`):
 - N not declared: unchanged (no share to keep).
 
 At the spec's own sizes (n = N) every window is as written.  Verify lowers and runs the reference with the same
-run windows (:func:`windows_at`), and its report says which it ran (:func:`window_notes`).
+run windows (:func:`windows_at`), and its report says which it ran (:func:`window_notes`); a module given to
+verify keeps the windows it was lowered with (they are in its code), and the report says which went untested.
 """
 
 from __future__ import annotations
@@ -101,9 +102,13 @@ def windows_at(plan: Plan, sizes: dict[str, int]) -> Plan:
                    optimizer=_steps(plan.optimizer, at), recomputed=_steps(plan.recomputed, at))
 
 
-def window_notes(plan: Plan, sizes: dict[str, int]) -> list[str]:
-    """What verify says of the windows it shrank: each as written and as run."""
+def window_notes(plan: Plan, sizes: dict[str, int], given: bool = False) -> list[str]:
+    """What verify says of the windows it shrank: each as written and as run; ``given``: a given module runs,
+    its windows in its code as it was lowered, so none shrinks and each that then masks nothing says so."""
     at = _windows(plan.spec, sizes)
+    if given:
+        return [f"window {w} over {key} is the given module's, as lowered: at the run's {sizes[key]} keys it masks "
+                "nothing beyond the causal mask, so the window is not tested" for (w, key) in sorted(at)
+                if w >= sizes[key]]
     return [f"window {w} over {key} run as window {v} of its {sizes[key]} keys (the window's share of the keys, "
             "as the sequence shrank)" for (w, key), v in sorted(at.items())]
-

@@ -209,8 +209,9 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
     blocks = run_blocks(plan, layers)
     step(f"lowering the pipeline: {layers} layers" + (f" ({' + '.join(map(str, blocks))})" if blocks else "")
          + f", {micro} microbatches, " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
-    notes = window_notes(plan, sizes)  # a sliding window shrinks with the keys, so that it still masks
-    plan = windows_at(plan, sizes)
+    # a sliding window shrinks with the keys, so that it still masks; a given module's are in its code
+    notes = window_notes(plan, sizes, module is not None)
+    plan = plan if module is not None else windows_at(plan, sizes)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan),
                              blocks=blocks)
     if module is not None:

@@ -257,8 +257,9 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     grown, notes = overflowing(plan, {**base, **fixed}, fixed)
     small = {**grown, **(sizes or {})}
     step("lowering the plan at " + ", ".join(f"{k}={v}" for k, v in small.items()))
-    notes += window_notes(plan, small)  # a sliding window shrinks with the keys, so that it still masks
-    lowered = lower(windows_at(zero or plan, small), sizes=small)
+    # a sliding window shrinks with the keys, so that it still masks; a given module's are in its code
+    notes += window_notes(plan, small, given is not None)
+    lowered = lower(zero or plan if given is not None else windows_at(zero or plan, small), sizes=small)
     if given is not None:
         lowered, used = use_module(lowered, *given)
         notes[:0] = used
