@@ -4,8 +4,8 @@ A window is a count of keys (``causal(Sc, S, T, window 4096)``), not a dim: left
 a few positions it would mask nothing beyond the causal mask, and the run would not test it.  So, where the
 spec declares the key index's size N and the run's is n (:func:`run_window`):
 
-- W < N (the window masks keys in the spec): W * n / N, its share of the keys kept (exact where n / N divides
-  W, rounded to the nearest whole key otherwise), kept within 1 .. n - 1 so that it still masks some key;
+- W < N (the window masks keys in the spec): W * n / N, its share of the keys kept (exact where that is a
+  whole number of keys, rounded to the nearest otherwise), kept within 1 .. n - 1 so that it still masks a key;
 - W >= N (it spans every key: the causal mask alone, as the planner plans it): unchanged, >= n, still none;
 - N not declared: unchanged (no share to keep).
 
