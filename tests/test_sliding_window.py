@@ -4,6 +4,7 @@ parsed, checked, meant (query s sees keys s - W < t <= s), costed and verified."
 from __future__ import annotations
 
 import doctest
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,11 +13,15 @@ import shardc
 from shardc.costmodel.cost_report import CostReport
 from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError
-from shardc.ir.localops import Attention, Causal
+from shardc.hardware import PRESETS, interpolate
+from shardc.ir.localops import Attention, Causal, CausalVjp
+from shardc.lowering import run_windows
+from shardc.lowering.sizes import devices_to_check, small_sizes
 from shardc.ops import attention_share
 from shardc.ops.attention import attention_forward
 from shardc.ops.masks import in_window
 from shardc.spec.attention_call import roles
+from shardc.spec.walk import calls
 
 HEAD = "mesh X=2, Y=2\ndims B=4, S=16, T=16, N=4, H=16\ndtype f32\n"
 FUSED = ("O[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, N_Y, H], V[B_X, T, N_Y, H] "
@@ -80,6 +85,48 @@ def test_the_share_module_examples() -> None:
     assert doctest.testmod(attention_share).failed == 0
 
 
+def test_the_run_window_examples() -> None:
+    """W < N keeps its share of the keys within 1 .. n - 1; W >= N, or N undeclared, stays as written."""
+    assert doctest.testmod(run_windows).failed == 0
+
+
+def test_gemma2_verify_runs_a_window_that_masks_and_lowers_what_the_reference_runs() -> None:
+    """At verify's sizes (T = 4 of 8192) the local layers' window 4096 runs as 2: its mask keeps fewer keys
+    than the causal mask alone, so a lowered mask that left out the window (or kept 4096) would fail verify's
+    Pl; the steps' window and the spec's call (the reference's) are the same 2, the global layers' none."""
+    with open("examples/gemma2_27b.shard") as f:
+        plan = shardc.plan(shardc.parse(f.read()))
+    sizes = small_sizes(plan, devices_to_check(plan, 8))
+    run = run_windows.windows_at(plan, sizes)
+    w, t = 2, sizes["T"]
+    assert t == 4 and run_windows.window_notes(plan, sizes) == [
+        "window 4096 over T run as window 2 of its 4 keys (the window's share of the keys, as the sequence shrank)"]
+    masks = [s.fn for s in run.forward + run.backward if isinstance(s.fn, Causal | CausalVjp)]
+    assert sorted(str(m.window) for m in masks) == ["2", "2", "None", "None"]
+    assert [c.window for s in run.spec.statements for c in calls(s.expr) if c.func == "causal"] == [w, None]
+    positions = np.arange(t)
+    windowed, causal = in_window(positions[:, None], positions[None, :], w), np.tri(t, dtype=bool)
+    assert (windowed != causal).sum() == 3  # rows 2 and 3 lose keys 0, and 0 and 1
+    assert (in_window(positions[:, None], positions[None, :], 4096) == causal).all()
+    assert run_windows.windows_at(plan, plan.spec.sizes) is plan  # at the spec's own sizes, as written
+
+
+def test_a_windowed_kernel_runs_at_the_rate_measured_at_the_windows_length() -> None:
+    """H100, T = 16384 whole on the device, W = 1024: each query sees at most 1024 keys, so the kernel runs at
+    FlashAttention-3's rate at 1024 (423 TFLOP/s forward), not at 16384's (616); without the window, at 16384."""
+    head = "mesh X=8\ndims B=8, S=16384, T=16384, G=8, R=4, H=128\nhardware h100\n"
+    line = ("O[B_X, S, G, R, H] = attention(Q[B_X, S, G, R, H], K[B_X, T, G, H], V[B_X, T, G, H] over T, "
+            "causal{flag})\n")
+    hw = PRESETS["h100"]
+    for flag, keys in ((", window 1024", 1024), ("", 16384)):
+        report = shardc.cost(shardc.plan(shardc.parse(head + line.format(flag=flag))), hardware="h100")
+        assert isinstance(report, CostReport)
+        for rows, points in ((report.forward.rows, hw.attention_forward), (report.backward.rows,
+                                                                            hw.attention_backward)):
+            (row,) = [r for r in rows if "attention_" in r.text and r.flops]
+            assert row.compute_s == pytest.approx(row.flops / (hw.peak("bf16") * interpolate(points, keys)))
+
+
 def test_fused_windowed_flops_are_the_band_of_the_window_by_hand() -> None:
     """S = T = 16, W = 4: rows 0..3 see 1/2, 3/2, 5/2, 7/2 keys by area (s, as the causal half counts S^2 / 2), the
     other 12 rows 4 each: 8 + 48 = 56 of the 256 scores, so the chip runs 56/256 of the whole Q·K and P·V (each
@@ -95,7 +142,7 @@ def test_a_window_of_t_or_more_costs_and_plans_as_the_causal_mask() -> None:
     causal = shardc.plan(shardc.parse(HEAD + FUSED.format(flag="")))
     for w in (16, 40):
         plan = shardc.plan(shardc.parse(HEAD + FUSED.format(flag=f", window {w}")))
-        assert [s.fn for s in plan.forward] == [s.fn for s in causal.forward]
+        assert [s.fn for s in plan.forward] == [s.fn for s in causal.forward] and plan.notes == causal.notes
         assert _cost(HEAD + FUSED.format(flag=f", window {w}")).forward == _cost(HEAD + FUSED.format(flag="")).forward
 
 
@@ -109,6 +156,10 @@ def test_the_sharded_sequences_busiest_device_runs_its_rows_band(window: int, sh
     plan = shardc.plan(shardc.parse(text))
     kernel = plan.forward[[isinstance(s.fn, Attention) for s in plan.forward].index(True)]
     assert isinstance(kernel.fn, Attention) and kernel.fn.window == window and not kernel.fn.ring
+    assert [n for n in plan.notes if "ring attention is not a candidate" in n] == [
+        f"O = attention(... window {window}) with S sharded: ring attention is not a candidate (a ring passes every "
+        f"key block to every device, where each device's queries need only the keys of the {window} positions up "
+        "to its block: a halo exchange, not planned); the all-gather and Ulysses forms were weighed"]
     assert _cost(text).forward.compute_flops == 4 * 4 * 64 * 64 * 4 * 16 / 4 * share
 
 
@@ -158,3 +209,45 @@ def test_a_windowed_spec_verifies_against_the_reference_values_and_hlo() -> None
     report = verify(shardc.parse(text))
     assert report.ok, [r for r in (*report.values, *report.collectives) if not r.ok]
     assert {"O", "P", "Out", "dQ", "dK", "dV"} <= {r.tensor for r in report.values}
+
+
+@pytest.mark.slow
+def test_verify_shrinks_the_window_with_the_keys_and_fails_a_lowering_that_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """T = 4096, W = 1024, run at T = 16: verify runs window 4 (noted) and passes; lowered with the window as
+    written (4096 >= 16 keys: the causal mask alone) against the reference's 4, the masked values fail.  A
+    module given to verify (lowered at the spec's sizes) keeps its window, and the report says it is untested."""
+    from shardc.verification import verify as verify_module
+
+    text = ("mesh X=2\ndims B=2, S=4096, T=4096, N=2, H=8\ndtype f32\n"
+            "Sc[B, N, S_X, T] = Q[B, S_X, N, H] · K[B, T_X, N, H]\n"
+            "P[B, N, S_X, T] = softmax(causal(Sc[B, N, S_X, T], S, T, window 1024) over T)\n")
+    sizes = {"B": 2, "S": 16, "T": 16, "N": 2, "H": 8}
+    report = verify_module.verify(shardc.parse(text), sizes=sizes)
+    assert report.ok and any("window 1024 over T run as window 4 of its 16 keys" in n for n in report.notes)
+    kept = verify_module.windows_at
+    monkeypatch.setattr(verify_module, "windows_at", lambda plan, at: replace(
+        kept(plan, at), forward=plan.forward, backward=plan.backward))
+    wrong = verify_module.verify(shardc.parse(text), sizes=sizes)
+    assert not wrong.ok and {r.tensor for r in wrong.values if not r.ok} >= {"P"}
+    monkeypatch.setattr(verify_module, "windows_at", kept)
+    given = verify_module.verify(shardc.parse(text), sizes=sizes, module=shardc.lower(shardc.parse(text)).module.source)
+    assert given.ok and any("window 1024 over T is the given module's, as lowered: at the run's 16 keys it masks "
+                            "nothing" in n for n in given.notes)  # its code's window, not the shrunk one
+
+
+@pytest.mark.slow
+def test_a_pipelined_verify_shrinks_the_window_in_its_stages_and_its_reference() -> None:
+    """The pipelined path lowers its own program: T = 4096 runs at 5, window 1024 as 1 (noted), in the stages'
+    steps and the reference alike, else the masked values (Y and every gradient) would differ."""
+    from shardc.verification.verify import verify
+
+    text = ("mesh P=2 pipeline, X=2\ndims B=8, S=4096, T=4096, D=8, N=2, H=4\nlayers 2\nmicrobatches 2\ndtype f32\n"
+            "param W_q, W_k, W_o\nQ[B_X, S, N, H] = X[B_X, S, D] · W_q[D, N, H]\nKx[B_X, T, D] = X[B_X, S, D]\n"
+            "K[B_X, T, N, H] = Kx[B_X, T, D] · W_k[D, N, H]\nSc[B_X, N, S, T] = Q[B_X, S, N, H] · K[B_X, T, N, H]\n"
+            "Pr[B_X, N, S, T] = softmax(causal(Sc[B_X, N, S, T], S, T, window 1024) over T)\n"
+            "C[B_X, S, N, H] = Pr[B_X, N, S, T] · K[B_X, T, N, H]\n"
+            "Y[B_X, S, D] = X[B_X, S, D] + C[B_X, S, N, H] · W_o[N, H, D]\n")
+    report = verify(shardc.parse(text))
+    assert report.ok, [r for r in report.values if not r.ok]
+    assert any("window 1024 over T run as window 1 of its 5 keys" in n for n in report.notes)

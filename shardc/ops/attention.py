@@ -38,7 +38,7 @@ FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` an
 ``causal`` the chip runs only the unmasked half of the S x T blocks, ``2 B S T N H`` (the count
 FlashAttention's benchmarks use); with ``causal, window W`` (a sliding window: query s sees keys
 s - W < t <= s) only the band of the window's blocks, FlashAttention-2's ``window_size`` skipping the rest
-(:mod:`shardc.ops.attention_share`; a ring is not offered: it masks no window).  The backward
+(:mod:`shardc.ops.attention_share`; no ring form: :mod:`shardc.ops.ring_attention` says why).  The backward
 makes the scores again and runs four more (``dV = P·dO``, ``dP = dO·V``, ``dQ = dS·K``,
 ``dK = dS·Q``): 2.5 times the forward's FLOPs on the chip.  Model FLOPs (MFU's) count the whole
 S x T, causal, windowed or not, and the backward as twice the forward (the recomputation not counted): the
@@ -203,7 +203,7 @@ def _forms(phase: Phase, r: Roles, axes: dict[str, tuple[str, ...]], causal: boo
                               + (", in the held zig-zag order)" if order else ")"),
                               {**axes, seq: (), i: axes[i] + axes[seq]}, zigzag=bool(order), order=order))
     devices = math.prod(phase.ctx.axis_sizes[a] for a in axes[seq])
-    if r.qr or window:  # the ring passes K and V only, and masks no window: the all-gather and Ulysses forms
+    if r.qr or window:  # the ring passes K and V only; a window wants a halo, not a ring (ring_attention)
         return forms
     if devices > 1 and (not phase.sized or phase.ctx.dim_size(r.key) % devices == phase.ctx.dim_size(seq) % devices
                         == 0):  # even blocks: the ring's causal positions are each block's index times its length
@@ -397,15 +397,21 @@ def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any, Any]:
 def kernel_seconds(step: Step, size: Callable[[str], int], hw: Hardware, dtype: str) -> float:
     """The time of a step's kernel on the chip (0 for the kernel's further results): its FLOPs at the fraction
     of peak the chip's attention kernel reaches, forward or backward, with the keys a call attends over (K's
-    block along T on the device: T whole, or a ring step's block) (:meth:`Hardware.attention_seconds`).  The
-    one time of the kernel: the cost model's, the planner's choice of form, and the ring's overlap use it."""
+    block along T on the device: T whole, or a ring step's block; a sliding window's W where fewer)
+    (:meth:`Hardware.attention_seconds`).  The one time of the kernel: the cost model's, the planner's choice
+    of form, and the ring's overlap use it."""
     assert isinstance(step.fn, Attention)
     flops = _flops(step, size)[0]
     if not flops:
         return 0.0
     keys = next(d for d in step.operands[1].dims if d.name == step.fn.key)
     block = piece(((size(keys.name), math.prod(size(a) for a in keys.axes)),))
-    return hw.attention_seconds(float(flops), float(block), step.fn.part != "out", dtype)
+    # The rates are measured of causal calls by length L (shardc.kernel_rates: FlashAttention's published
+    # figures), a query seeing at most L keys; under a window each sees at most W.  The causal call of length W
+    # has as many partly masked blocks a row for its keys (one over W/2 on average; the window's two over W)
+    # and shorter rows, so its rate is one the windowed kernel reaches at least: W, not T, where W < T
+    seen = block if step.fn.window is None else min(block, step.fn.window)
+    return hw.attention_seconds(float(flops), float(seen), step.fn.part != "out", dtype)
 
 
 def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:

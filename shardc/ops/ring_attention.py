@@ -17,6 +17,14 @@ step then computes half of its blocks, the average, where the contiguous blocks 
 (2n - 1) / 2n of them and the others waiting.  The kernel takes its blocks contiguous, as every other
 step of the plan holds them, and reorders them on the way in and out (two sends of half a block an
 array, before and after the ring, exposed); the planner weighs both forms.
+
+A sliding window (``causal, window W``) has no ring form, for the values and for the cost alike.  The ring
+passes every block of K and V to every device, n - 1 sends each; under a window a device's queries need only
+the keys of the W positions before its block and its own, ceil(W / c) blocks of c tokens, so past those the
+ring's steps send blocks no query attends to: the windowed form of context parallelism is a halo exchange of
+the blocks before each device's, not a ring, and shardc does not plan one (nor does the ring's kernel mask
+a window).  Such a kernel plans its all-gather and Ulysses forms, and the plan says so
+(:func:`window_ring_notes`).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 from shardc.steptime import RingTransfer, Send
 
-__all__ = ["LSE_BYTES", "transfers", "ring_layouts"]
+__all__ = ["LSE_BYTES", "transfers", "ring_layouts", "window_ring_notes"]
 
 LSE_BYTES = 4  # the row logsumexp is kept in float32 whatever the spec's dtype, as the kernels keep it
 
@@ -89,3 +97,16 @@ def transfers(step: Step, size: Callable[[str], Any], nbytes: int) -> RingTransf
     if fn.zigzag and not fn.held:  # two halves each way (of two devices' first halves, none moves: chunks 0, 1 stay)
         sends += [Send(count / 2, width, 1 if n == 2 else 2, hidden=False) for count, width in reordered]
     return RingTransfer(fn.ring, n, keys, tuple(sends))
+
+
+def window_ring_notes(steps: tuple[Step, ...]) -> tuple[str, ...]:
+    """One note a windowed fused attention whose query sequence the plan shards: no ring form was weighed
+    (the module's docstring says why)."""
+    sharded = {d.name for s in steps for ref in (s.dst, *s.operands) for d in ref.dims if d.axes}
+    notes = {f"{s.dst.name} = attention(... window {s.fn.window}) with {s.fn.query} sharded: ring attention is "
+             f"not a candidate (a ring passes every key block to every device, where each device's queries need "
+             f"only the keys of the {s.fn.window} positions up to its block: a halo exchange, not planned); the "
+             "all-gather and Ulysses forms were weighed": None
+             for s in steps if isinstance(s.fn, Attention) and s.fn.kernel and s.fn.part == "out"
+             and s.fn.window is not None and s.fn.query in sharded}
+    return tuple(notes)

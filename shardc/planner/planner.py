@@ -22,6 +22,7 @@ from shardc.hardware import Hardware, check_spans
 from shardc.ir.plan import Plan, Sections, Step
 from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.ops.registry import Node
+from shardc.ops.ring_attention import window_ring_notes
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
@@ -370,8 +371,10 @@ def _rounded(x: float) -> float:
 
 
 def _notes(spec: Spec, steps: tuple[Step, ...], ctx: CostContext) -> tuple[str, ...]:
-    """The plan's notes: padded dims, and the search's restriction on a mesh of many axes."""
+    """The plan's notes: padded dims, windowed attention without a ring, and the search's restriction on a
+    mesh of many axes."""
     padded = padding_notes(spec, steps) if spec.dims else ()
+    padded += window_ring_notes(steps)
     if ctx.places is not None:
         return padded + (restriction_note(strip_unit_axes(spec)),)
     bonded = bond_note(ctx.unit_list())

@@ -51,6 +51,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import Mesh, Spec
 from shardc.lowering import reference as numpy_reference
 from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline
+from shardc.lowering.run_windows import window_notes, windows_at
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of, stage_spec
@@ -208,9 +209,11 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
     blocks = run_blocks(plan, layers)
     step(f"lowering the pipeline: {layers} layers" + (f" ({' + '.join(map(str, blocks))})" if blocks else "")
          + f", {micro} microbatches, " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
+    # a sliding window shrinks with the keys, so that it still masks; a given module's are in its code
+    notes = window_notes(plan, sizes, module is not None)
+    plan = plan if module is not None else windows_at(plan, sizes)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan),
                              blocks=blocks)
-    notes: list[str] = []
     if module is not None:
         lowered, given = use_pipeline_module(lowered, *module)
         notes += given

@@ -5,7 +5,8 @@ cost-based choices are the real ones), checked by the plan checker, then lowered
 at small sizes that fit the devices: the mesh shrunk to at most ``devices``
 (largest axis halved first, every axis kept at 2 or more while the devices
 allow), each dim the least common multiple of the shard counts it meets times a
-small distinct factor.  Values are computed in the spec's dtype (inputs rounded
+small distinct factor; a sliding window shrinks with its keys, so that it still masks
+(:mod:`shardc.lowering.run_windows`).  Values are computed in the spec's dtype (inputs rounded
 to it, the reference in float64 from those same rounded inputs) and pass within
 a tolerance per dtype.  Each input has its own scale, at which every op of the
 spec matters (:mod:`shardc.verification.scales`), shrunk as a whole only until every
@@ -39,6 +40,7 @@ from shardc.lowering.api import lower
 from shardc.lowering.optimizer import LEARNING_RATE
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.row_code import id_inputs
+from shardc.lowering.run_windows import window_notes, windows_at
 from shardc.lowering.sizes import MAX_DEVICES, collapsed_axes, devices_to_check, small_sizes
 from shardc.ops.registry import of_call
 from shardc.planner.check import require_sound
@@ -255,7 +257,9 @@ def verify(plan_or_spec: Plan | Spec, devices: int | None = None, sizes: dict[st
     grown, notes = overflowing(plan, {**base, **fixed}, fixed)
     small = {**grown, **(sizes or {})}
     step("lowering the plan at " + ", ".join(f"{k}={v}" for k, v in small.items()))
-    lowered = lower(zero or plan, sizes=small)
+    # a sliding window shrinks with the keys, so that it still masks; a given module's are in its code
+    notes += window_notes(plan, small, given is not None)
+    lowered = lower(zero or plan if given is not None else windows_at(zero or plan, small), sizes=small)
     if given is not None:
         lowered, used = use_module(lowered, *given)
         notes[:0] = used
