@@ -16,7 +16,9 @@ import pytest
 
 import shardc
 from shardc.accountings import ACCOUNTINGS, REDUCED_BYTES
+from shardc.hardware import get_hardware
 from shardc.ir.plan import Plan
+from shardc.layouts import Options, search_layouts
 from shardc.timing import plan_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,3 +112,11 @@ def test_the_planners_step_time_counts_the_update_under_the_specs_accounting(pla
     # the planner's objective (shardc.timing.plan_time) costs the update as `shardc cost` does: under the spec's line
     mixed = plan_time(plans["mixed18"]).update_s
     assert mixed == plan_time(plans[None], optimizer="mixed18").update_s > plan_time(plans[None]).update_s > 0
+
+
+def test_a_library_layouts_search_counts_with_the_spec_s_accounting() -> None:
+    """Options() names no accounting: a search over a spec with an `optimizer` line counts with it (as
+    `shardc layouts` does), not adam10, which the plan's doubled reductions would refuse."""
+    spec = shardc.parse("optimizer bf16opt20\n" + SPEC)
+    found = search_layouts([spec], Options(get_hardware("a100")), jobs=1)
+    assert found.options.optimizer == "bf16opt20" and found.layouts

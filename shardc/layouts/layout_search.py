@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from shardc.accountings import chosen
 from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError
 from shardc.ir.spec import Spec
@@ -73,6 +74,7 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
     if not specs:
         raise ShardcError("no spec to search", fix="pass a .shard file")
     n = specs[0].mesh.devices if chips is None else chips
+    options = replace(options, optimizer=chosen(specs[0].optimizer, options.optimizer))  # as `shardc layouts`
     for spec in specs:
         _check_sized(spec)
     plans = [candidates(spec, n, fixed & set(spec.mesh.names), on_cluster(spec, options)) for spec in specs]

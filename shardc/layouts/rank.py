@@ -60,7 +60,7 @@ class Options:
     hardware: Hardware
     save: str = "default"
     recompute: str = "none"
-    optimizer: str = "adam10"
+    optimizer: str | None = None  # the accounting (--optimizer); None: the first spec's `optimizer` line, or adam10
     mfu: float | None = None
     topology: str | tuple[int, ...] | None = None  # the slice or cluster (--topology); None: the spec's or usual
     knobs: tuple[str, ...] = ()  # the step's settings searched too (shardc.layouts.knobs.KNOBS)

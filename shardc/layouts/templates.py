@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
+from shardc.accountings import chosen
 from shardc.costmodel.cost_report import cost
 from shardc.costmodel.pipeline_cost import pipeline_cost
 from shardc.errors import ShardcError
@@ -118,7 +119,8 @@ def step_of(template: Plan, c: Candidate, options: Options) -> tuple[float, bool
     try:
         links, _ = plan_links(at, at.chip, sizes)
         split = any(k.split for k in links.values())
-        pipe = pipeline_cost(at, at.chip, sizes, links, options.optimizer) if c.spec.mesh.pipeline_axis else None
+        accounting = chosen(at.spec.optimizer, options.optimizer)
+        pipe = pipeline_cost(at, at.chip, sizes, links, accounting) if c.spec.mesh.pipeline_axis else None
         if pipe is not None:  # its update_s left at 0 (None: the pipeline switched off, the plan's own step)
             return pipe.step_s, split, pipe.exposed_comm_s
         took = plan_time(at, sizes=sizes, optimizer=options.optimizer)
@@ -144,7 +146,7 @@ def free_step(template: Plan, c: Candidate, options: Options) -> float | None:
     sizes = dict(at.sizes or ())
     try:
         links, _ = plan_links(at, free, sizes)
-        pipe = pipeline_cost(at, free, sizes, links, options.optimizer)
+        pipe = pipeline_cost(at, free, sizes, links, chosen(at.spec.optimizer, options.optimizer))
     except ShardcError:
         return None
     return pipe.step_s if pipe is not None else None
