@@ -411,3 +411,17 @@ def test_the_free_sends_step_of_an_uneven_split_is_no_longer_than_the_step() -> 
     assert pipe is not None and pipe.free_simulation is not None
     assert pipe.closed.idle_s + pipe.simulation.ideal > pipe.free_simulation.makespan  # the closed form overstates
     assert pipe.simulation.makespan >= pipe.step_closed_s - pipe.optimizer_s > pipe.simulation.ideal
+
+
+def test_a_gpu_stage_axis_across_nodes_sends_over_infiniband_and_says_so() -> None:
+    """Issue 21: a stage axis declared without `over dcn` that the GPU cluster's topology lays across nodes sends
+    at the InfiniBand rate, and the cost says DCN (it said ICI); one inside a node stays ICI."""
+    text = ("mesh {}\nlayers 8\nmicrobatches 8\nschedule 1f1b\nhardware h100\n"
+            "dims B=4096, D=4096, E=4096\nparam W1, W2\n"
+            "H[B_X, E] = In[B_X, D] · W1[D_X, E]\nOut[B_X, D] = H[B_X, E] · W2[E_X, D]\n")
+    across, inside = (shardc.cost(shardc.plan(shardc.parse(text.format(mesh), "nodes.shard"))).pipeline
+                      for mesh in ("P=2 pipeline, X=8", "X=2, P=8 pipeline"))
+    assert across is not None and inside is not None
+    assert (across.network, inside.network) == ("dcn", "ici")
+    assert across.to_json()["network"] == "dcn" and across.p2p_s > inside.p2p_s
+    assert any("t_send over one DCN link" in line for line in across.thresholds)

@@ -83,7 +83,7 @@ from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
-from shardc.ir.spec import Network, TensorRef
+from shardc.ir.spec import TensorRef
 from shardc.overlap import reduced_after
 from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import (
@@ -331,7 +331,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     parts, timing, first, last, sim = times.parts, times.timing, times.first, times.last, times.sim
     ref, p2p, p2p_s = boundary_tensor(plan), times.p2p_bytes, times.timing.comm
     nbytes = plan.nbytes(ref.name)
-    dcn = plan.spec.mesh.axis(pipe.axis).network is Network.DCN
+    dcn = times.p2p_network == "dcn"  # where the send was priced: a GPU cluster's nodes, whatever the mesh declares
     name = pipe.schedule.name
     mems = stage_memories(plan, pipe, micro, hw, optimizer)
     zero = stage_optimizer(plan, pipe, sizes, hw, spans)
@@ -345,7 +345,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     closed = bubble(name, pipe.stages, pipe.microbatches, free, pipe.chunks)
     found = _thresholds(pipe, free, min(parts[f"layer {b}"][0].seconds
                                                              for b in range(len(pipe.blocks) or 1)),
-                        p2p_s, "DCN" if dcn else "ICI link")
+                        p2p_s, "DCN link" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, zero.seconds, first, last, optimizer_busy_s=zero.busy,
                         optimizer_comm_s=zero.comm,
