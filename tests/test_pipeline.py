@@ -377,7 +377,7 @@ def test_gradient_reductions_run_once_a_step_under_a_pipeline() -> None:
     path = Path(__file__).resolve().parent.parent / "examples" / "pipeline_llama2_13b.shard"
     text = path.read_text(encoding="utf-8")
     costs = [shardc.cost(shardc.plan(shardc.parse(text.replace("microbatches 16", f"microbatches {m}"))))
-             for m in (16, 32)]
+             for m in (8, 16)]  # 16 sequences a device: at most 16
     for report in costs:
         pipe = report.pipeline
         assert pipe is not None and pipe.grad_reduce_s > 0 and 0 <= pipe.grad_reduce_exposed_s <= pipe.grad_reduce_s
@@ -425,3 +425,15 @@ def test_a_gpu_stage_axis_across_nodes_sends_over_infiniband_and_says_so() -> No
     assert (across.network, inside.network) == ("dcn", "ici")
     assert across.to_json()["network"] == "dcn" and across.p2p_s > inside.p2p_s
     assert any("t_send over one DCN link" in line for line in across.thresholds)
+
+
+def test_a_microbatch_its_data_parallel_devices_do_not_divide_is_refused() -> None:
+    """Issue 20: 64 sequences over 16 data-parallel devices in 8 microbatches left each device 0.5 of a
+    sequence a microbatch, costed as it was; Megatron-LM's micro-batch is a data-parallel rank's, whole."""
+    text = ("mesh P=2 pipeline, X=16\nlayers 4\nmicrobatches {}\nschedule 1f1b\n"
+            "dims B=64, D=256, E=256\nparam W1, W2\n"
+            "H[B_X, E] = In[B_X, D] · W1[D, E]\nOut[B_X, D] = H[B_X, E] · W2[E, D]\n")
+    with pytest.raises(shardc.ShardcError, match="8 a microbatch, which its 16 devices") as caught:
+        shardc.plan(shardc.parse(text.format(8), "half.shard"))
+    assert "microbatches 1, 2, 4" in (caught.value.fix or "")
+    assert shardc.cost(shardc.plan(shardc.parse(text.format(4), "whole.shard"))).pipeline is not None
