@@ -345,7 +345,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     closed = bubble(name, pipe.stages, pipe.microbatches, free, pipe.chunks)
     found = _thresholds(pipe, free, min(parts[f"layer {b}"][0].seconds
                                                              for b in range(len(pipe.blocks) or 1)),
-                        p2p_s, "DCN link" if dcn else "ICI link")
+                        p2p_s, "DCN" if dcn else "ICI link")
     return PipelineCost(pipe, dim, micro[dim], ref, "dcn" if dcn else "ici", p2p, glob, p2p_s, timing, closed,
                         sim, stages, found, zero.seconds, first, last, optimizer_busy_s=zero.busy,
                         optimizer_comm_s=zero.comm,
