@@ -36,7 +36,13 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           # 175e9), Touvron et al. 2023 Table 2 (LLaMA 65.2e9)
           "mtnlg_530b": 530e9, "bloom_176b": 176.247e9, "opt_175b": 175e9, "llama_65b": 65.2e9,
           # NVIDIA 2024, Table 1 (9.4e9 embedding + 331.6e9 others); Mixtral's released config.json, 46,702,792,704
-          "nemotron4_340b": 9.4e9 + 331.6e9, "mixtral_8x7b_h100": 46702792704}
+          "nemotron4_340b": 9.4e9 + 331.6e9, "mixtral_8x7b_h100": 46702792704,
+          # Narayanan et al. 2021, equation 2, the pipelined rows of Table 1; Falcon-180B's released checkpoint as the
+          # Hugging Face hub counts it (179.523e9, its layernorms' 4.8e6 among them)
+          "megatron_145_6b": 145.622e9, "megatron_310_1b": 310.131e9, "megatron_1t": 1008.04e9,
+          "falcon_180b": 179.523e9,
+          # MegaScale's 175B, GPT-3's shape (Brown et al. 2020, Table 2.1)
+          "megascale_175b": 175.0e9}
 
 
 def _spec(name: str) -> Spec:

@@ -196,13 +196,17 @@ def test_a_gradient_goes_back_at_its_own_send_time() -> None:
     assert simulate("gpipe", 2, 1, Timing(1.0, 1.0, comm=0.5)).makespan == pytest.approx(5.0)  # None: comm both ways
 
 
+def _h100_pipeline(mesh: str, lines: str = "") -> str:
+    """Two matmuls a layer on H100s, 8 layers in 8 microbatches of 1F1B, on ``mesh`` (``lines`` before the params)."""
+    return (f"mesh {mesh}\nlayers 8\nmicrobatches 8\nschedule 1f1b\nhardware h100\n"
+            f"dims B=4096, D=4096, E=4096\n{lines}param W1, W2\n"
+            "H[B_X, E] = In[B_X, D] · W1[D_X, E]\nOut[B_X, D] = H[B_X, E] · W2[E_X, D]\n")
+
+
 def test_an_fp8_boundary_sends_its_gradient_back_in_the_storage_type() -> None:
     """Issue 20: an FP8 block output's gradient is BF16 (shardc.ir.precision.gradient_dtype), twice its bytes:
     the simulation and each stage's communication price the send back at them; a BF16 boundary's are unchanged."""
-    text = ("mesh P=4 pipeline, X=4\nlayers 8\nmicrobatches 8\nschedule 1f1b\nhardware h100\n"
-            "dims B=4096, D=4096, E=4096\n{}param W1, W2\n"
-            "H[B_X, E] = In[B_X, D] · W1[D_X, E]\nOut[B_X, D] = H[B_X, E] · W2[E_X, D]\n")
-    f8, bf16 = (shardc.cost(shardc.plan(shardc.parse(text.format(line), "f8.shard"))).pipeline
+    f8, bf16 = (shardc.cost(shardc.plan(shardc.parse(_h100_pipeline("P=4 pipeline, X=4", line), "f8.shard"))).pipeline
                 for line in ("dtype f8 Out\n", ""))
     assert f8 is not None and bf16 is not None
     assert f8.p2p_bytes * 2 == bf16.p2p_bytes and f8.p2p_s < bf16.p2p_s
@@ -377,7 +381,7 @@ def test_gradient_reductions_run_once_a_step_under_a_pipeline() -> None:
     path = Path(__file__).resolve().parent.parent / "examples" / "pipeline_llama2_13b.shard"
     text = path.read_text(encoding="utf-8")
     costs = [shardc.cost(shardc.plan(shardc.parse(text.replace("microbatches 16", f"microbatches {m}"))))
-             for m in (16, 32)]
+             for m in (8, 16)]  # 16 sequences a device: at most 16
     for report in costs:
         pipe = report.pipeline
         assert pipe is not None and pipe.grad_reduce_s > 0 and 0 <= pipe.grad_reduce_exposed_s <= pipe.grad_reduce_s
@@ -411,3 +415,26 @@ def test_the_free_sends_step_of_an_uneven_split_is_no_longer_than_the_step() -> 
     assert pipe is not None and pipe.free_simulation is not None
     assert pipe.closed.idle_s + pipe.simulation.ideal > pipe.free_simulation.makespan  # the closed form overstates
     assert pipe.simulation.makespan >= pipe.step_closed_s - pipe.optimizer_s > pipe.simulation.ideal
+
+
+def test_a_gpu_stage_axis_across_nodes_sends_over_infiniband_and_says_so() -> None:
+    """Issue 21: a stage axis declared without `over dcn` that the GPU cluster's topology lays across nodes sends
+    at the InfiniBand rate, and the cost says DCN (it said ICI); one inside a node stays ICI."""
+    across, inside = (shardc.cost(shardc.plan(shardc.parse(_h100_pipeline(mesh), "nodes.shard"))).pipeline
+                      for mesh in ("P=2 pipeline, X=8", "X=2, P=8 pipeline"))
+    assert across is not None and inside is not None
+    assert (across.network, inside.network) == ("dcn", "ici")
+    assert across.to_json()["network"] == "dcn" and across.p2p_s > inside.p2p_s
+    assert any("t_send over one DCN)" in line for line in across.thresholds)
+
+
+def test_a_microbatch_its_data_parallel_devices_do_not_divide_is_refused() -> None:
+    """Issue 20: 64 sequences over 16 data-parallel devices in 8 microbatches left each device 0.5 of a
+    sequence a microbatch, costed as it was; Megatron-LM's micro-batch is a data-parallel rank's, whole."""
+    text = ("mesh P=2 pipeline, X=16\nlayers 4\nmicrobatches {}\nschedule 1f1b\n"
+            "dims B=64, D=256, E=256\nparam W1, W2\n"
+            "H[B_X, E] = In[B_X, D] · W1[D, E]\nOut[B_X, D] = H[B_X, E] · W2[E, D]\n")
+    with pytest.raises(shardc.ShardcError, match="8 a microbatch, which its 16 devices") as caught:
+        shardc.plan(shardc.parse(text.format(8), "half.shard"))
+    assert "microbatches 1, 2, 4" in (caught.value.fix or "")
+    assert shardc.cost(shardc.plan(shardc.parse(text.format(4), "whole.shard"))).pipeline is not None

@@ -83,7 +83,7 @@ from shardc.device_pieces import local_elements
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
-from shardc.ir.spec import Network, TensorRef
+from shardc.ir.spec import TensorRef
 from shardc.overlap import reduced_after
 from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import (
@@ -333,7 +333,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     parts, timing, first, last, sim = times.parts, times.timing, times.first, times.last, times.sim
     ref, p2p, p2p_s = boundary_tensor(plan), times.p2p_bytes, times.timing.comm
     nbytes = plan.nbytes(ref.name)
-    dcn = plan.spec.mesh.axis(pipe.axis).network is Network.DCN
+    dcn = times.p2p_network == "dcn"  # where the send was priced: a GPU cluster's nodes, whatever the mesh declares
     name = pipe.schedule.name
     mems = stage_memories(plan, pipe, micro, hw, optimizer)
     zero = stage_optimizer(plan, pipe, sizes, hw, spans)

@@ -41,6 +41,9 @@ class PipelineTimes:
     # the schedule again with free sends, where the chunks' layers differ (the closed form takes every stage at
     # the slowest's times, so it can exceed the step with its sends); None for an even split
     free_sim: Simulation | None = None
+    # the network the send was priced over ("ici", "dcn"): where the topology lays the stage axis, which on a GPU
+    # cluster can cross nodes though the mesh declares it ICI
+    p2p_network: str = "ici"
 
 
 def microbatch_sizes(plan: Plan, pipe: Pipeline, sizes: dict[str, int]) -> tuple[str, dict[str, int]]:
@@ -55,8 +58,9 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     ref = boundary_tensor(plan)
     elements = float(local_elements(ref, micro))
     p2p, back = (elements * n for n in send_bytes(plan, ref.name))
-    p2p_s, back_s = (collective_time(Op.COLLECTIVE_PERMUTE, size, (pipe.axis,), plan.spec.mesh, micro, hw,
-                                     spans).seconds for size in (p2p, back))  # the activation on, its gradient back
+    send, send_back = (collective_time(Op.COLLECTIVE_PERMUTE, size, (pipe.axis,), plan.spec.mesh, micro, hw, spans)
+                       for size in (p2p, back))  # the activation on, its gradient back
+    p2p_s, back_s = send.seconds, send_back.seconds
     slowest = max((run_times(parts, counts) for counts in stage_blocks(pipe)), key=lambda run: run[0].seconds
                   + run[1].seconds + run[2].seconds)  # a stage's F, B and W: its layers' of each block
     timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, phases_of(slowest),
@@ -68,7 +72,8 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     if len(set(chunk_blocks(pipe))) > 1:
         free = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0, comm_back=None),
                         pipe.chunks, chunks)
-    return PipelineTimes(parts, timing, first, last, p2p, sim, free)
+    return PipelineTimes(parts, timing, first, last, p2p, sim, free_sim=free,
+                         p2p_network="dcn" if "dcn" in send.network else "ici")
 
 
 def plan_simulation(plan: Plan, pipe: Pipeline, sizes: dict[str, int]) -> Simulation:

@@ -6,6 +6,8 @@ both ask these of a plan; they are questions about the pipeline's structure, ans
 
 from __future__ import annotations
 
+import math
+
 from shardc.errors import ShardcError
 from shardc.ir.plan import Op, Plan, Step, TensorInfo, model_dims
 from shardc.ir.spec import Spec, TensorRef
@@ -78,7 +80,25 @@ def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> 
     if dim in sizes and sizes[dim] % microbatches:
         raise ShardcError(f"{dim}={sizes[dim]} does not split into {microbatches} microbatches",
                           plan.spec.span_of("microbatches"), fix=f"make {dim} a multiple of the microbatches")
+    if dim in sizes:
+        _check_local_microbatch(plan, dim, microbatches, sizes)
     return dim
+
+
+def _check_local_microbatch(plan: Plan, dim: str, microbatches: int, sizes: dict[str, int]) -> None:
+    """Each device cuts its own share of the batch into the microbatches (Megatron-LM's micro-batch size is a
+    data-parallel rank's): a microbatch its devices do not divide would have a device run part of a sequence."""
+    axes = next((d.axes for d in boundary_tensor(plan).dims if d.name == dim), ())
+    devices = math.prod(sizes.get(a, plan.spec.mesh.axis(a).size) for a in axes)
+    local, each = sizes[dim] // devices, sizes[dim] // microbatches
+    if sizes[dim] % devices or each % devices == 0:
+        return  # a batch its devices do not divide is padded whole (shardc.planner.padding)
+    fits = [m for m in range(1, local + 1) if local % m == 0]
+    raise ShardcError(f"{dim}={sizes[dim]} in {microbatches} microbatches is {each} a microbatch, which its "
+                      f"{devices} devices ({', '.join(axes)}) do not divide: a device would run {each / devices:g} "
+                      "of one", plan.spec.span_of("microbatches"),
+                      fix=f"cut each device's {local} into whole microbatches: microbatches "
+                          f"{', '.join(map(str, fits))}, or a larger {dim}")
 
 
 def shared_inputs(plan: Plan) -> frozenset[str]:

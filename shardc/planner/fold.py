@@ -45,7 +45,7 @@ from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Dim, TensorRef
 
-__all__ = ["fold_redundant", "share_recomputed"]
+__all__ = ["fold_redundant", "settle_intermediates", "share_recomputed"]
 
 
 def fold_redundant(steps: tuple[Step, ...], keep: frozenset[TensorRef]) -> tuple[Step, ...]:
@@ -61,6 +61,24 @@ def fold_redundant(steps: tuple[Step, ...], keep: frozenset[TensorRef]) -> tuple
         pass
     _share_copied(out)
     return tuple(_drop_dead_moves(out, keep))
+
+
+def settle_intermediates(steps: tuple[Step, ...], declared: dict[str, TensorRef],
+                         results: frozenset[str]) -> dict[str, TensorRef]:
+    """``declared`` with each intermediate (a name not in ``results``, the spec's own) the value ``steps`` last
+    make of it, where they no longer make the one its node recorded: a sum read the intermediate as it was
+    held (an embedding's partial sums, reduced once after the sum), so the move to the recorded value was unread
+    and :func:`fold_redundant` dropped it."""
+    made: dict[str, TensorRef] = {}
+    for step in steps:
+        made[step.dst.name] = step.dst
+    every = {_identity(step.dst) for step in steps}
+    return {name: made[name] if name not in results and name in made and _identity(ref) not in every else ref
+            for name, ref in declared.items()}
+
+
+def _identity(ref: TensorRef) -> tuple[object, ...]:
+    return ref.name, ref.dims, frozenset(ref.unreduced)
 
 
 def _share_copied(out: list[Step]) -> None:

@@ -28,7 +28,7 @@ from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
 from shardc.planner.collective_matmul import fuse_collective_matmuls
 from shardc.planner.contexts import search_context, shared_context, shared_search, sharing, stage_run_of, tensor_infos
-from shardc.planner.fold import fold_redundant, share_recomputed
+from shardc.planner.fold import fold_redundant, settle_intermediates, share_recomputed
 from shardc.planner.graph import Graph, build_graph
 from shardc.planner.layer_blocks import enter_block, leave_block, node_blocks
 from shardc.planner.memory_fit import MemoryOf, candidate_rank, check_limit, fastest_fitting, remembered
@@ -405,7 +405,10 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     sizes = None
     if spec.dims:
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
-    fwd = fold_redundant(tuple(forward.steps), frozenset(declared.values()) | set(backward.residuals))
+    # what the forward hands on: the spec's own results and the residuals; an intermediate's layout the planner
+    # recorded in `declared` is no result (a sum may read it in another layout, leaving its move unread)
+    fwd = fold_redundant(tuple(forward.steps), frozenset(graph.declared.values()) | set(backward.residuals))
+    declared = settle_intermediates(fwd, declared, frozenset(graph.declared))
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
     region = attention_region(graph) if recompute == "selective" else frozenset()
     start = [declared[n] for n in checkpoints(graph.inputs, spec, recompute)]  # under full, each layer's input
