@@ -9,7 +9,7 @@ from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 
-__all__ = ["lifetimes", "made_at", "prelude"]
+__all__ = ["lifetimes", "made_at", "prelude", "combined"]
 
 
 def lifetimes(steps: tuple[Step, ...], products_again: bool = False
@@ -64,3 +64,15 @@ def prelude(steps: tuple[Step, ...], args: set[TensorRef]) -> dict[int, float]:
     first = [k for k, s in enumerate(steps) if not s.is_collective and s.collective is None and s.fn != ALIAS
              and all(ref in args for ref in s.reads)]
     return {k: (i + 1) / (len(first) + 1) for i, k in enumerate(first)}
+
+
+def combined(steps: tuple[Step, ...], last: dict[TensorRef, int]) -> list[int]:
+    """Per AllReduce that XLA's all-reduce combiner makes of those run after the phase's last step (:func:`lifetimes`)
+    over the same devices, how many it combines, where two or more: one AllReduce of a tuple of their partial
+    sums, whose result is a tuple, a table of a pointer a value beside the values, alive while it runs (dp.shard's
+    backward at verify's sizes: dW_in's and dW_out's sums combined, their 16-byte table a temporary)."""
+    groups: dict[tuple[str, ...], int] = {}
+    for step in steps:
+        if step.op is Op.ALL_REDUCE and step.src is not None and last.get(step.src) == len(steps):
+            groups[tuple(step.axes)] = groups.get(tuple(step.axes), 0) + 1
+    return [n for n in groups.values() if n > 1]
