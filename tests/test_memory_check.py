@@ -151,6 +151,15 @@ def test_the_gradient_reductions_run_at_the_end_are_combined_into_one_of_a_tuple
     assert _combined(dense, _lifetimes(dense)[1]) == []  # one reduction: nothing to combine
 
 
+def test_a_combined_reduction_returning_all_the_phase_returns_is_the_phases_tuple() -> None:
+    """vocab_parallel.shard's backward returns dW_emb, dW_norm and dW_lm, all three reduced over Y at the end:
+    XLA's combined AllReduce is the program's root, its tuple the output tuple, no temporary of its own."""
+    plan = shardc.plan(shardc.parse((EXAMPLES / "vocab_parallel.shard").read_text()))
+    steps = backward_program(plan)
+    last = _lifetimes(steps)[1]
+    assert _combined(steps, last) == [3] and _combined(steps, last, list(plan.grads)) == []
+
+
 def test_a_weight_gradient_reads_its_operands_in_place_and_xla_cpu_runs_an_alltoall_as_pieces() -> None:
     plan = shardc.plan(shardc.parse(DENSE))
     grad = plan.backward[0]  # dW[D, F] = X[B_X, D] . dY[B_X, F]: both contracted over their first dim

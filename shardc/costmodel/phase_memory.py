@@ -246,7 +246,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     ahead = dict(run_first)  # and the dots run right after a transposed result's copy (dot_results)
     dots = DotResult(steps, args, outs) if copies.buffers.results_turned else None
     again, routings = routed_once(steps, copies.sizes) if copies.buffers.routing_once else (set(), [])
-    spans += routings + [(len(steps), len(steps), float(n * copies.buffers.pointer)) for n in combined(steps, last)
+    end = len(steps)  # a combined reduction's tuple (step_order.combined), while it runs
+    spans += routings + [(end, end, float(n * copies.buffers.pointer)) for n in combined(steps, last, outs)
                          if copies.buffers.pointer]
     for k, step in enumerate(steps):
         held, aside = copies.routing(step) if k not in again else ([], [])
