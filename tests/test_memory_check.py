@@ -401,24 +401,28 @@ def test_a_collective_matmul_holds_its_ring_blocks() -> None:
     assert [_ring_buffers(*rings[name], {}, set(), chip)[0][2] for name in ("dW_out", "dTmp", "dIn")] == \
         [16 * kb + 6 * kb, 16 * kb + 12 * kb, 16 * kb + 8 * kb]
     # XLA's CPU backend: the four block products alive at the last (two where they are the result's blocks),
-    # beside the last block of the sliced operand and the received block; an argument sliced from the start
+    # beside the last block of the sliced operand and the received block; an argument sliced from the start,
+    # each of its blocks a buffer of its own
     cpu = _Copies(Buffers(ring_blocks_first=True), sizes, nbytes)
     k, step = rings["dW_out"]
     assert _ring_buffers(k, step, {}, set(), cpu) == [(k, k, 2 * 6 * kb + 8 * kb)]
     k, step = rings["dTmp"]
     w_out = next(r for r in step.operands if r.name == "W_out")
     assert _ring_buffers(k, step, {w_out: 0}, set(), cpu) == \
-        [(0, k - 1, 24 * kb), (k, k, 4 * 12 * kb + 6 * kb + 8 * kb)]
+        [(0, k - 1, 6 * kb)] * 4 + [(k, k, 4 * 12 * kb + 6 * kb + 8 * kb)]
+    # dIn's ring passes partial sums on: it receives the first after its last block matmul, the last block of
+    # W_in freed by then: four 8 kB products and the 8 kB received (at its first matmul: W_in's four blocks and
+    # one product, 32 kB)
     k, step = rings["dIn"]
     w_in = next(r for r in step.operands if r.name == "W_in")
-    assert _ring_buffers(k, step, {w_in: 0}, set(), cpu) == [(0, k - 1, 24 * kb), (k, k, 4 * 8 * kb + 6 * kb + 8 * kb)]
+    assert _ring_buffers(k, step, {w_in: 0}, set(), cpu) == [(0, k - 1, 6 * kb)] * 4 + [(k, k, 4 * 8 * kb + 8 * kb)]
     # a value the ring reads last (a gathered weight, made at step 1) dies into its blocks: only their padding
     # is new, and at the last block only that block of it is left; but it dies at its last block's slice,
     # so at the step before the ring it is alive beside all four
     padded = _Copies(Buffers(align=5000, ring_blocks_first=True), sizes, nbytes)
     block, whole = 10000.0, 25000.0  # 6 kB rounded up to 10 kB; 24 kB to 25 kB
     assert _ring_buffers(k, step, {w_in: 1}, {w_in}, padded) == \
-        [(1, k - 1, 4 * block - whole), (k - 1, k - 1, whole), (k, k, 4 * 10000.0 + block - whole + 10000.0)]
+        [(1, k - 1, 4 * block - whole), (k - 1, k - 1, whole), (k, k, 4 * 10000.0 + 10000.0 - whole)]
     # the whole phase: the rings' buffers are its largest temporaries
     with_rings = phase_memory(plan, sizes, F32, Buffers(ring_blocks_first=True, arguments_first=True))[1]
     assert with_rings.temporaries >= 4 * 12 * kb + 6 * kb + 8 * kb + 24 * kb
