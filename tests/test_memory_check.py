@@ -21,6 +21,7 @@ from shardc.costmodel.phase_memory import (
     _slot_rows,
     phase_memory,
 )
+from shardc.costmodel.step_order import combined as _combined
 from shardc.costmodel.step_order import lifetimes as _lifetimes
 from shardc.costmodel.step_order import made_at as _made_at
 from shardc.device_pieces import local_elements
@@ -104,13 +105,59 @@ def test_a_step_reading_only_arguments_runs_first_where_the_backend_schedules_so
     assert (plain, first) == (3 * 4 * 6 * F32, 4 * 4 * 6 * F32)  # dW's partial sums [D, F] alive too
 
 
-def test_temporaries_rounded_to_an_alignment_for_a_compiler_at_tiny_sizes() -> None:
+def test_temporaries_start_on_an_alignment_for_a_compiler_at_tiny_sizes() -> None:
     plan = shardc.plan(shardc.parse(DENSE))
     assert plan.sizes is not None
     exact, aligned = (phase_memory(plan, dict(plan.sizes), F32, Buffers(align))[1] for align in (1, 64))
-    w = 4 * 6 * F32  # dW's partial sums, 96 bytes, start on 64-byte boundaries: 128 bytes
-    assert (exact.temporaries, aligned.temporaries) == (w, 128)
+    w = 4 * 6 * F32  # dW's partial sums, 96 bytes, alone in the heap: at offset 0, 96 bytes either way
+    assert (exact.temporaries, aligned.temporaries) == (w, w)
     assert (aligned.arguments, aligned.outputs) == (exact.arguments, exact.outputs)
+
+
+def test_the_heap_ends_where_its_topmost_buffer_ends_not_at_its_rounded_end() -> None:
+    """XLA's heap size is the largest offset + size of its chunks, each offset a multiple of the alignment
+    (tp.shard's forward at verify's sizes: a 24-byte block at offset 320, temporaries 344 bytes)."""
+    assert packed([(0, 1, 40.0)], 64) == 40  # partial_input.shard's backward: one 40-byte temporary
+    assert packed([(0, 1, 24.0), (1, 2, 24.0)], 64) == 64 + 24  # the second starts at the next boundary
+    assert packed([(0, 1, 24.0), (2, 3, 24.0)], 64) == 24  # apart, they share offset 0
+    assert packed([(0, 1, 24.0), (1, 2, 24.0)]) == 48
+
+
+TWO_WEIGHTS = ("mesh X=2\ndims B=8, D=4, F=6\nparam W, V\n"
+               "H[B_X, F] = X[B_X, D] · W[D, F]\nY[B_X, D] = H[B_X, F] · V[F, D]\n")
+
+
+def test_a_phase_returning_several_values_returns_a_table_of_pointers_to_them() -> None:
+    """XLA returns two or more values in a tuple, an allocation of a pointer a value among the outputs:
+    DENSE's forward returns Y alone, its backward dX and dW (16 bytes more)."""
+    plan = shardc.plan(shardc.parse(DENSE))
+    assert plan.sizes is not None
+    plain, tupled = (phase_memory(plan, dict(plan.sizes), F32, Buffers(pointer=n)) for n in (0, 8))
+    assert [t.outputs - p.outputs for p, t in zip(plain, tupled, strict=True)] == [0, 2 * 8]
+    assert ("outputs", "tuple", 16.0) in tupled[1].parts and tupled[1].temporaries == plain[1].temporaries
+
+
+def test_the_gradient_reductions_run_at_the_end_are_combined_into_one_of_a_tuple() -> None:
+    """XLA's all-reduce combiner makes one AllReduce of dW's and dV's partial sums (over X, both run at the
+    end): its tuple result is a table of two pointers, a temporary beside the sums (96 bytes each, dp.shard's
+    backward at verify's sizes the same, XLA's 272 bytes: sums at 0 and 128, the table at 256)."""
+    plan = shardc.plan(shardc.parse(TWO_WEIGHTS))
+    assert plan.sizes is not None
+    reduced = [s for s in plan.backward if s.op is Op.ALL_REDUCE]
+    assert len(reduced) == 2 and _combined(plan.backward, _lifetimes(plan.backward)[1]) == [2]
+    plain, tupled = (phase_memory(plan, dict(plan.sizes), F32, Buffers(align=64, pointer=n))[1] for n in (0, 8))
+    assert (plain.temporaries, tupled.temporaries) == (128 + 96, 256 + 16)
+    dense = shardc.plan(shardc.parse(DENSE)).backward
+    assert _combined(dense, _lifetimes(dense)[1]) == []  # one reduction: nothing to combine
+
+
+def test_a_combined_reduction_returning_all_the_phase_returns_is_the_phases_tuple() -> None:
+    """vocab_parallel.shard's backward returns dW_emb, dW_norm and dW_lm, all three reduced over Y at the end:
+    XLA's combined AllReduce is the program's root, its tuple the output tuple, no temporary of its own."""
+    plan = shardc.plan(shardc.parse((EXAMPLES / "vocab_parallel.shard").read_text()))
+    steps = backward_program(plan)
+    last = _lifetimes(steps)[1]
+    assert _combined(steps, last) == [3] and _combined(steps, last, list(plan.grads)) == []
 
 
 def test_a_weight_gradient_reads_its_operands_in_place_and_xla_cpu_runs_an_alltoall_as_pieces() -> None:
@@ -354,24 +401,28 @@ def test_a_collective_matmul_holds_its_ring_blocks() -> None:
     assert [_ring_buffers(*rings[name], {}, set(), chip)[0][2] for name in ("dW_out", "dTmp", "dIn")] == \
         [16 * kb + 6 * kb, 16 * kb + 12 * kb, 16 * kb + 8 * kb]
     # XLA's CPU backend: the four block products alive at the last (two where they are the result's blocks),
-    # beside the last block of the sliced operand and the received block; an argument sliced from the start
+    # beside the last block of the sliced operand and the received block; an argument sliced from the start,
+    # each of its blocks a buffer of its own
     cpu = _Copies(Buffers(ring_blocks_first=True), sizes, nbytes)
     k, step = rings["dW_out"]
     assert _ring_buffers(k, step, {}, set(), cpu) == [(k, k, 2 * 6 * kb + 8 * kb)]
     k, step = rings["dTmp"]
     w_out = next(r for r in step.operands if r.name == "W_out")
     assert _ring_buffers(k, step, {w_out: 0}, set(), cpu) == \
-        [(0, k - 1, 24 * kb), (k, k, 4 * 12 * kb + 6 * kb + 8 * kb)]
+        [(0, k - 1, 6 * kb)] * 4 + [(k, k, 4 * 12 * kb + 6 * kb + 8 * kb)]
+    # dIn's ring passes partial sums on: it receives the first after its last block matmul, the last block of
+    # W_in freed by then: four 8 kB products and the 8 kB received (at its first matmul: W_in's four blocks and
+    # one product, 32 kB)
     k, step = rings["dIn"]
     w_in = next(r for r in step.operands if r.name == "W_in")
-    assert _ring_buffers(k, step, {w_in: 0}, set(), cpu) == [(0, k - 1, 24 * kb), (k, k, 4 * 8 * kb + 6 * kb + 8 * kb)]
+    assert _ring_buffers(k, step, {w_in: 0}, set(), cpu) == [(0, k - 1, 6 * kb)] * 4 + [(k, k, 4 * 8 * kb + 8 * kb)]
     # a value the ring reads last (a gathered weight, made at step 1) dies into its blocks: only their padding
     # is new, and at the last block only that block of it is left; but it dies at its last block's slice,
     # so at the step before the ring it is alive beside all four
     padded = _Copies(Buffers(align=5000, ring_blocks_first=True), sizes, nbytes)
     block, whole = 10000.0, 25000.0  # 6 kB rounded up to 10 kB; 24 kB to 25 kB
     assert _ring_buffers(k, step, {w_in: 1}, {w_in}, padded) == \
-        [(1, k - 1, 4 * block - whole), (k - 1, k - 1, whole), (k, k, 4 * 10000.0 + block - whole + 10000.0)]
+        [(1, k - 1, 4 * block - whole), (k - 1, k - 1, whole), (k, k, 4 * 10000.0 + 10000.0 - whole)]
     # the whole phase: the rings' buffers are its largest temporaries
     with_rings = phase_memory(plan, sizes, F32, Buffers(ring_blocks_first=True, arguments_first=True))[1]
     assert with_rings.temporaries >= 4 * 12 * kb + 6 * kb + 8 * kb + 24 * kb
@@ -386,8 +437,8 @@ def test_verify_reports_memory_against_xla() -> None:
     lowered_outputs = {"forward": 3, "backward": 3}  # Out, Tmp and the gathered In; dIn, dW_in, dW_out
     for phase, count in lowered_outputs.items():
         assert rows[(phase, "arguments")].ratio == 1.0
-        # XLA's outputs are the arrays and the output tuple's table, a pointer a result
-        assert rows[(phase, "outputs")].xla_bytes - rows[(phase, "outputs")].shardc_bytes == 8 * count
+        # XLA's outputs are the arrays and the output tuple's table, a pointer a result: shardc counts both
+        assert rows[(phase, "outputs")].ratio == 1.0 and dict(rows[(phase, "outputs")].parts)["tuple"] == 8 * count
     data = report.to_json()["memory_check"]
     assert {"shardc_bytes", "xla_bytes", "ratio"} <= set(data)
     assert abs(data["ratio"] - 1) <= 0.10

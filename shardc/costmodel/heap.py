@@ -9,17 +9,24 @@ __all__ = ["Span", "packed", "outside_outputs"]
 Span = tuple[float, float, float]  # a value's first step, last step (a step, or a moment between two) and bytes
 
 
-def packed(spans: list[Span]) -> float:
+def packed(spans: list[Span], align: int = 1) -> float:
     """The bytes of one heap holding every span (first step, last step, bytes) at an offset of its own
     among those alive with it, as XLA's heap simulator packs a program's temporaries: largest first
     (or longest-lived first, whichever packs smaller), each in the smallest gap left free by those
     already placed and alive with it that fits it (best fit), else above them (Wilson et al. 1995's
     best fit; XLA's ``GlobalDecreasingSizeBestFitHeap``, spatial and temporal orders).  A span's life
-    is measured, for those orders, in the heap's own clock (:func:`_event_lives`)."""
+    is measured, for those orders, in the heap's own clock (:func:`_event_lives`).
+
+    ``align``: every offset a multiple of it (the heap simulator's alignment, the allocator's boundary), so
+    a span takes its bytes rounded up to it from the others, but the heap ends where the topmost span's own
+    bytes end, not at its rounded end: the heap's size is the largest offset + size of its chunks
+    (``HeapSimulator::Result::heap_size``; tp.shard's forward at verify's sizes: XLA's temporaries 344
+    bytes, a 24-byte block at offset 320)."""
     def size(order: list[int]) -> float:
-        placed: list[tuple[float, float, float, float]] = []  # first, last, offset, bytes
+        placed: list[tuple[float, float, float, float]] = []  # first, last, offset, bytes (rounded)
         top = 0.0
-        for a, b, n in (spans[k] for k in order):
+        for a, b, own in (spans[k] for k in order):
+            n = own if align <= 1 else float(-(-int(own) // align) * align)
             busy = sorted((o, o + m) for c, d, o, m in placed if not (d < a or c > b))
             gaps, at = [], 0.0
             for lo, hi in busy:
@@ -28,7 +35,7 @@ def packed(spans: list[Span]) -> float:
                 at = max(at, hi)
             offset = min(gaps)[1] if gaps else at
             placed.append((a, b, offset, n))
-            top = max(top, offset + n)
+            top = max(top, offset + own)
         return top
     life = _event_lives(spans)
     spatial = sorted(range(len(spans)), key=lambda k: (-spans[k][2], -life[k]))

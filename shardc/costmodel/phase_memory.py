@@ -24,7 +24,7 @@ from shardc.costmodel.memory import residual_table
 from shardc.costmodel.ring_blocks import matmul_ring_buffers as _ring_buffers
 from shardc.costmodel.ring_blocks import ring_slices as _ring_slices
 from shardc.costmodel.route_memory import route_arrays, routed_once
-from shardc.costmodel.step_order import lifetimes, made_at, prelude
+from shardc.costmodel.step_order import combined, lifetimes, made_at, prelude
 from shardc.device_pieces import local_elements
 from shardc.fusion import fusible, is_product, kept_values
 from shardc.ir.localops import ALIAS, Attention, Dispatch, Route, key_block
@@ -111,7 +111,11 @@ class Buffers:
     the last (:func:`shardc.costmodel.route_memory.routed_once`), where each step runs it again.
     ``results_turned``: a dot's result transposed after the dot is made after it, from its product, and each
     later dot takes a copy of the product (:mod:`shardc.costmodel.dot_results`), where a TPU's or GPU's
-    dot writes the result in its layout."""
+    dot writes the result in its layout.  ``pointer``: a phase returning more than one value returns a tuple,
+    whose allocation is a table of one pointer of this many bytes a value beside the values' own (XLA's
+    buffer assignment: ``output shape is |(f32[2,2], f32[2,5])|``, 16 bytes, in partial_input.shard's
+    forward), counted among the outputs; so is an AllReduce that combines several
+    (:func:`shardc.costmodel.step_order.combined`), a temporary; 0: the values alone."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -128,6 +132,7 @@ class Buffers:
     gemm_casts: bool = False  # GEMMs read casts of their operands, not FP8 copies (shardc.costmodel.gemm_buffers)
     routing_once: bool = False
     results_turned: bool = False
+    pointer: int = 0
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -147,9 +152,6 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
         size = own.get(ref.name, element if element is not None else plan.spec.dtype.nbytes)
         return float(local_elements(ref, sizes)) * size
 
-    def aligned(ref: TensorRef) -> float:
-        return buffers.rounded(nbytes(ref))
-
     declared = {info.ref: info.role for info in plan.tensors}
     results = [ref for ref, role in declared.items() if role == "activation"]
     kept = [ref for ref, _ in residual_table(plan) if declared.get(ref, "activation") == "activation"]
@@ -167,14 +169,16 @@ def phase_memory(plan: Plan, sizes: dict[str, int], element: int | None = None,
     out = []
     for name, steps, groups in (("forward", plan.forward, forward), ("backward", program, backward)):
         args, outs = ([r for refs in groups[c].values() for r in refs] for c in ("arguments", "outputs"))
+        table = _table(outs, buffers.pointer)
         parts = tuple((c, label, _total(refs, nbytes)) for c in ("arguments", "outputs")
-                      for label, refs in groups[c].items())
+                      for label, refs in groups[c].items()) + ((("outputs", "tuple", table),) if table else ())
         run = steps if section is None else _section(plan, name, section)
         sliced = set(groups["arguments"].get("residuals", ())) if buffers.ring_slices else set()
-        heap, first = gemm_buffers(plan, run, sizes, buffers, outs, args, aligned)
-        temporaries, early = _temporaries(run, set(args), set(outs), kept_values(plan), aligned,
+        heap, first = gemm_buffers(plan, run, sizes, buffers, outs, args, nbytes)
+        temporaries, early = _temporaries(run, set(args), set(outs), kept_values(plan), nbytes,
                                           _Copies(buffers, sizes, nbytes), sliced, heap)
-        out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes), temporaries, parts, early + first))
+        out.append(PhaseMemory(name, _total(args, nbytes), _total(outs, nbytes) + table, temporaries, parts,
+                               early + first))
     return out
 
 
@@ -190,6 +194,13 @@ def _section(plan: Plan, phase: str, section: str) -> tuple[Step, ...]:
 
 def _total(refs: list[TensorRef], nbytes: Callable[[TensorRef], float]) -> float:
     return sum(nbytes(ref) for ref in dict.fromkeys(refs))
+
+
+def _table(outs: list[TensorRef], pointer: int) -> float:
+    """The bytes of the tuple a phase returns its values in (:attr:`Buffers.pointer`): a pointer a value,
+    where there are two or more (one value is returned as it is)."""
+    n = len(dict.fromkeys(outs))
+    return float(n * pointer) if n > 1 else 0.0
 
 
 def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[TensorRef], kept: frozenset[TensorRef],
@@ -235,7 +246,9 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     ahead = dict(run_first)  # and the dots run right after a transposed result's copy (dot_results)
     dots = DotResult(steps, args, outs) if copies.buffers.results_turned else None
     again, routings = routed_once(steps, copies.sizes) if copies.buffers.routing_once else (set(), [])
-    spans += [(a, b, copies.buffers.rounded(n)) for a, b, n in routings]
+    end = len(steps)  # a combined reduction's tuple (step_order.combined), while it runs
+    spans += routings + [(end, end, float(n * copies.buffers.pointer)) for n in combined(steps, last, outs)
+                         if copies.buffers.pointer]
     for k, step in enumerate(steps):
         held, aside = copies.routing(step) if k not in again else ([], [])
         hosted += [(k, k, n) for n in aside]
@@ -299,7 +312,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     spans += outside_outputs(hosted, [(k + 1, nbytes(ref)) for ref, k in made_outs.items()])
     pairs = [(at[ref], at[user]) for user, ref in shared.items()]
     heap = outside_outputs(spans, [(k, nbytes(ref)) for ref, k in made_outs.items() if ref in hosting], pairs)
-    return packed(heap), sum(n for _, _, n in early.values())
+    return packed(heap, copies.buffers.align), sum(n for _, _, n in early.values())
 
 
 def _turned(k: int, ref: TensorRef, size: float, dots: DotResult, ahead: dict[int, float]) -> list[Span]:
@@ -325,7 +338,7 @@ def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
             continue
         (slots,) = (d for d in step.dst.dims if d.name == step.fn.slots)
         c = _local(slots, copies.sizes)
-        rows = copies.buffers.rounded(copies.nbytes(step.dst) * (c + 1) / c)
+        rows = copies.nbytes(step.dst) * (c + 1) / c
         spans.append((0 if copies.buffers.arguments_first else k, k, rows))
     return spans
 
@@ -340,7 +353,7 @@ def _masks(steps: tuple[Step, ...]) -> dict[TensorRef, int]:
 def _remade_masks(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
     """Per dot reading a routing mask, the mask made again for it (laid out for it), from the route's step."""
     masks = _masks(steps)
-    return [(masks[ref], k, copies.buffers.rounded(copies.nbytes(ref)))
+    return [(masks[ref], k, copies.nbytes(ref))
             for k, s in enumerate(steps) if s.op is Op.EINSUM and not is_product(s)
             for ref in s.operands if ref in masks]
 
@@ -358,7 +371,7 @@ def _remade_outputs(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:
                 and step.dst in s.operands]
         spans.append((k, max(dots, default=k), copies.buffers.rounded(float(rows * head) * 4)
                       + copies.buffers.rounded(float(rows) * 4)))
-        spans += [(j, j, copies.buffers.rounded(copies.nbytes(step.dst))) for j in dots]
+        spans += [(j, j, copies.nbytes(step.dst)) for j in dots]
     return spans
 
 
@@ -375,8 +388,7 @@ class _Copies:
         pieces = self._pieces(step) if self.buffers.all_to_all_pieces and step.op is Op.ALL_TO_ALL else []
         # the pieces are sliced along the split dim and concatenated along the other: no transpose
         laid = [] if pieces else _layout_copies(step, self.buffers.dots_canonical)
-        return [(ref, self.buffers.rounded(self.nbytes(ref))) for ref in laid] \
-            + [(None, self.buffers.rounded(n)) for n in pieces + self._kernel(step)]
+        return [(ref, self.nbytes(ref)) for ref in laid] + [(None, n) for n in pieces + self._kernel(step)]
 
     def _kernel(self, step: Step) -> list[float]:
         """An attention kernel's buffers in memory while it runs, beyond its operands and results:
@@ -406,11 +418,10 @@ class _Copies:
         return [float(rows * head) * element, keys * element] * (1 if part == "out" else 2)
 
     def routing(self, step: Step) -> tuple[list[float], list[float]]:
-        """A routing's arrays (:func:`shardc.costmodel.route_memory.route_arrays`), each rounded: those in the
-        heap, and those in the buffer of an output made after them (:attr:`Buffers.scan_in_outputs`)."""
+        """A routing's arrays (:func:`shardc.costmodel.route_memory.route_arrays`): those in the heap, and
+        those in the buffer of an output made after them (:attr:`Buffers.scan_in_outputs`)."""
         hosting = self.buffers.scan_in_outputs and isinstance(step.fn, Route)
-        held, hosted = route_arrays(step, self.sizes, self.buffers.scan_block, hosting)
-        return [self.buffers.rounded(n) for n in held], [self.buffers.rounded(n) for n in hosted]
+        return route_arrays(step, self.sizes, self.buffers.scan_block, hosting)
 
     def _pieces(self, step: Step) -> list[float]:
         n = 1

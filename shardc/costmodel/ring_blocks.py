@@ -51,7 +51,8 @@ def matmul_ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: 
     the gathered W_in beside its four blocks for dIn's ring, XLA's peak).  The n block matmuls run before their products
     are added up or sent around: all n products are alive at the last (where the result keeps the gathered
     index, each block's product is written into it as the next is made: two alive), beside the last
-    block's slices and the received block it reads."""
+    block's slices and the received block it reads; a ring passing partial sums on receives its first after
+    the last block matmul, the last slices dead by then."""
     c = step.collective
     assert c is not None and c.src is not None
     n = prod(copies.sizes[a] for a in c.axes)
@@ -65,10 +66,22 @@ def matmul_ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: 
     blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in _ring_sliced(step)}
     # a value the ring reads last dies into its blocks: beyond the last slice they add only their padding
     freed = {ref: rounded(copies.nbytes(ref)) if ref in dying else 0.0 for ref in blocks}
-    spans: list[Span] = [(since[ref], k - 1, n * blocks[ref] - freed[ref]) for ref in blocks if since.get(ref, k) < k]
-    spans += [(k - 1, k - 1, freed[ref]) for ref in blocks if since.get(ref, k) < k and freed[ref]]  # the last slice
-    at_start = sum(n * blocks[ref] - freed[ref] for ref in blocks) + min(2, n - 1) * received_block
-    at_last = (2 if keeps else n) * rounded(product) + sum(blocks[ref] - freed[ref] for ref in blocks) + received_block
+    # each block a buffer of its own, at its own bytes (the heap aligns it: shardc.costmodel.heap.packed), but those
+    # of an operand dying into them, counted as their padding beyond its bytes
+    early = [ref for ref in blocks if since.get(ref, k) < k]
+    spans: list[Span] = [(since[ref], k - 1, copies.nbytes(ref) / n) for ref in early if not freed[ref]
+                         for _ in range(n)]
+    spans += [(since[ref], k - 1, n * blocks[ref] - freed[ref]) for ref in early if freed[ref]]
+    spans += [(k - 1, k - 1, freed[ref]) for ref in early if freed[ref]]  # the last slice
+    # a gathered ring's block matmuls read the blocks received, the next arriving beside the one read; a ring
+    # passing partial sums on receives the first only after its last block matmul, when that block's slices
+    # have died (tp.shard's forward at verify's sizes: XLA's ppermutes after all four dots, each slice freed at
+    # its dot): at its first block matmul, its blocks and that matmul's product
+    first = min(2, n - 1) * received_block if gathered else rounded(product)
+    at_start = sum(n * blocks[ref] - freed[ref] for ref in blocks) + first
+    last_blocks = sum(blocks[ref] - freed[ref] for ref in blocks)
+    held = last_blocks + received_block if gathered else max(sum(blocks.values()), received_block) - sum(freed.values())
+    at_last = (2 if keeps else n) * rounded(product) + held
     return spans + [(k, k, max(at_start, at_last))]
 
 

@@ -3,13 +3,15 @@ runs the steps that read only the phase's arguments in (:func:`shardc.costmodel.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from shardc.collectives import Op
 from shardc.fusion import is_further, is_product
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 
-__all__ = ["lifetimes", "made_at", "prelude"]
+__all__ = ["lifetimes", "made_at", "prelude", "combined"]
 
 
 def lifetimes(steps: tuple[Step, ...], products_again: bool = False
@@ -64,3 +66,17 @@ def prelude(steps: tuple[Step, ...], args: set[TensorRef]) -> dict[int, float]:
     first = [k for k, s in enumerate(steps) if not s.is_collective and s.collective is None and s.fn != ALIAS
              and all(ref in args for ref in s.reads)]
     return {k: (i + 1) / (len(first) + 1) for i, k in enumerate(first)}
+
+
+def combined(steps: tuple[Step, ...], last: dict[TensorRef, int], outs: Collection[TensorRef] = ()) -> list[int]:
+    """Per AllReduce that XLA's all-reduce combiner makes of those run after the phase's last step (:func:`lifetimes`)
+    over the same devices, how many it combines, where two or more: one AllReduce of a tuple of their partial
+    sums, whose result is a tuple, a table of a pointer a value beside the values, alive while it runs (dp.shard's
+    backward at verify's sizes: dW_in's and dW_out's sums combined, their 16-byte table a temporary).  Where
+    its values are all the phase returns, ``outs``, that tuple is the phase's own, an output: the program
+    returns the AllReduce's result as it is (vocab_parallel.shard's backward: dW_emb, dW_norm, dW_lm)."""
+    groups: dict[tuple[str, ...], list[TensorRef]] = {}
+    for step in steps:
+        if step.op is Op.ALL_REDUCE and step.src is not None and last.get(step.src) == len(steps):
+            groups.setdefault(tuple(step.axes), []).append(step.dst)
+    return [len(refs) for refs in groups.values() if len(refs) > 1 and set(refs) != set(outs)]

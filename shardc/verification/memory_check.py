@@ -123,18 +123,21 @@ YNN_MIN_ELEMENTS = 4096
 #   layout, where the softmax is written too (returned or read elsewhere): the exponentials live to that
 #   dot (moe_transformer.shard's forward: P's exponentials beside P's copy for At's dot, XLA's peak; 0.77
 #   -> 1.00 of its temporaries with the rule above);
+# - a phase returning two or more values returns them in a tuple, an output allocation of its own holding
+#   one pointer a value, 8 bytes on the 64-bit host (partial_input.shard's forward at verify's sizes: Out,
+#   16 bytes, In's sum, 40, and their tuple, 16: XLA's outputs 72 bytes);
 # - a GEMM under a `gemm` line reads its operands cast elementwise (the module's gemm_input) at the float's
 #   width, where a chip holds FP8 copies with their scales (shardc.costmodel.gemm_buffers).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
                   scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS, gemm_casts=True,
-                  routing_once=True, results_turned=True)
+                  routing_once=True, results_turned=True, pointer=8)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
     "arguments": "params and inputs (forward); cotangents, residuals and params (backward)",
-    "outputs": "results and kept residuals (forward); gradients (backward); XLA adds its output "
-               "tuple's table, 8 bytes a result",
+    "outputs": "results and kept residuals (forward); gradients (backward); and the tuple they are "
+               "returned in, a table of 8 bytes a result (two or more)",
     "temporaries": "values neither taken nor returned, the most alive at one step; XLA also makes "
                    "layout copies (transposes before a dot, after a collective) and pads each "
                    "buffer to its alignment, and fuses maps shardc counts apart",
