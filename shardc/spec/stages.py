@@ -184,6 +184,7 @@ def check_pipeline(spec: Spec) -> None:
             raise ShardcError(err.message, spec.span_of("microbatches") or axis.span, fix=err.fix) from None
     _check_split(spec, pipe)
     _check_chunks(spec, pipe)
+    _check_between(spec, axis.name)
     needed = pipe.stages * pipe.cuts
     if pipe.layers < needed:
         stages = f"{pipe.stages} stages" + (f" of {pipe.cuts} chunks" if pipe.cuts > 1 else "")
@@ -216,6 +217,25 @@ def _check_chunks(spec: Spec, pipe: Pipeline) -> None:
                       f"`layers` blocks each chunk holds whole layers: {pipe.layers} layers over {pipe.stages} "
                       f"stages give " + ", ".join(map(str, pipe.stage_layers)), spec.span_of("layers:1"),
                       fix=f"use layers a multiple of {pipe.stages * pipe.cuts} in all, or schedule 1f1b")
+
+
+def _check_between(spec: Spec, axis: str) -> None:
+    """Several blocks under a pipeline: each block follows the one before it.  A statement between two
+    blocks would run once a microbatch on whichever stage the layer cut falls, a section neither end's (the
+    ends run on the first and last stages) that the plan's cut into before, block and after
+    (:class:`shardc.ir.plan.Sections`) has no place for."""
+    blocks = spec.blocks()
+    for (_, end, _), (first, _, layers) in zip(blocks, blocks[1:], strict=False):
+        if end == first:
+            continue
+        statement = spec.statements[end]
+        raise ShardcError(f"{statement.result.name} is computed between two `layers` blocks of a spec pipelined "
+                          f"over {axis}: the stages run the statements before the first block (the first stage), "
+                          f"the blocks' layers, and those after the last block (the last stage), nothing between",
+                          statement.span or statement.result.span,
+                          fix=f"move it into a block: the last statement of the block before it or the first "
+                          f"of the `layers {layers}` block after it (run then in each of that block's layers), or "
+                          f"drop the `pipeline` mark from {axis} to run it once between the blocks")
 
 
 def _refs(statement: Statement) -> list[TensorRef]:
