@@ -12,6 +12,7 @@ import shardc
 from shardc.cli.main import main
 from shardc.errors import ShardcError
 from shardc.pipeline.boundary import batch_dim
+from tests.test_layers_pipeline import MODEL  # two blocks between an embedding and a loss, as lowered
 
 # a norm between a dense stack and the next stack, as a user writes it (issue 21's reproduction)
 MIDP = """mesh P=2 pipeline, X=2
@@ -105,3 +106,27 @@ def test_no_batch_dim_is_refused_at_the_block() -> None:
     with pytest.raises(ShardcError, match="needs a batch dim") as err:
         shardc.cost(shardc.plan(shardc.parse(text)))
     assert err.value.span is not None and err.value.span.line == 4
+
+
+NORM = "Fn[B_X, S, D] = rmsnorm(X2[B_X, S, D] over D)"
+READS = {  # a read past the block of a value the stage after it does not receive: (old, new, line, column)
+    # a dead end after the output makes it the one handed on: the norm read X2, a value inside
+    # (`shardc cost` stopped with "a step outside the `layers` block sits among the block's steps")
+    "dead end": ("  X2[B_X, S, D] = X1[B_X, S, D] + G[B_X, S, K] · V2[K, D]\n",
+                 "  X2[B_X, S, D] = X1[B_X, S, D] + G[B_X, S, K] · V2[K, D]\n  Z[B_X, S, D] = gelu(X2[B_X, S, D])\n",
+                 16, 25),
+    "inner value": (NORM, NORM + " + G[B_X, S, K] · V2[K, D]", 15, 49),  # cost: the same InternalError
+    # the first block's output read after the second (`shardc lower`: "the backward reads dX1_1 ...")
+    "earlier block": (NORM, "Fn[B_X, S, D] = rmsnorm(X2[B_X, S, D] + X1[B_X, S, D] over D)", 15, 41),
+}
+
+
+@pytest.mark.parametrize("case", READS)
+def test_a_block_value_read_past_what_the_stages_hand_on_is_refused(case: str) -> None:
+    old, new, line, column = READS[case]
+    assert old in MODEL
+    with pytest.raises(ShardcError, match="is read past the `layers") as err:
+        shardc.parse(MODEL.replace(old, new))
+    assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (line, column)
+    shardc.cost(shardc.plan(shardc.parse(MODEL.replace(old, new).replace("P=2", "P=1"))))  # unpipelined: fine
+
