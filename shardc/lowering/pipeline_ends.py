@@ -75,11 +75,8 @@ def split_spec(spec: Spec) -> tuple[Spec, tuple[Spec, ...], Spec]:
         raise ShardcError("not a `layers L { ... }` spec", fix="write the repeated statements in a block")
     blocks = spec.blocks()
     lo, hi = blocks[0][0], blocks[-1][1]
-    for (_, end, _), (first, _, _) in zip(blocks, blocks[1:], strict=False):
-        if end != first:  # a statement between two blocks would run once, on whichever stage the cut falls
-            raise ShardcError("lowering a pipeline of several `layers` blocks needs each block to follow the one "
-                              "before it, with no statement between them", spec.statements[end].span,
-                              fix="move the statement into a block, or before the first or after the last")
+    # each block follows the one before it: a pipelined spec's validation refuses a statement between
+    # (shardc.spec.stages.check_pipeline)
     layers = sum(block_layers(spec))
     stage_mesh = Mesh(tuple(a for a in spec.mesh.axes if not a.pipeline))
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from shardc.errors import ShardcError
 from shardc.ir.spec import Add, Contract, Mesh, Schedule, Spec, Statement, TensorRef
+from shardc.spec.walk import block_feeds, leaves
 
 __all__ = ["check_dualpipe", "Pipeline", "pipeline_of", "check_pipeline", "stage_spec", "pipeline_note", "layer_count",
            "block_layers", "split_layers", "splits", "DEFAULT_SCHEDULE"]
@@ -184,6 +185,8 @@ def check_pipeline(spec: Spec) -> None:
             raise ShardcError(err.message, spec.span_of("microbatches") or axis.span, fix=err.fix) from None
     _check_split(spec, pipe)
     _check_chunks(spec, pipe)
+    _check_between(spec, axis.name)
+    _check_reads_across(spec)
     needed = pipe.stages * pipe.cuts
     if pipe.layers < needed:
         stages = f"{pipe.stages} stages" + (f" of {pipe.cuts} chunks" if pipe.cuts > 1 else "")
@@ -216,6 +219,51 @@ def _check_chunks(spec: Spec, pipe: Pipeline) -> None:
                       f"`layers` blocks each chunk holds whole layers: {pipe.layers} layers over {pipe.stages} "
                       f"stages give " + ", ".join(map(str, pipe.stage_layers)), spec.span_of("layers:1"),
                       fix=f"use layers a multiple of {pipe.stages * pipe.cuts} in all, or schedule 1f1b")
+
+
+def _check_between(spec: Spec, axis: str) -> None:
+    """Several blocks under a pipeline: each block follows the one before it.  A statement between two
+    blocks would run once a microbatch on whichever stage the layer cut falls, a section neither end's (the
+    ends run on the first and last stages) that the plan's cut into before, block and after
+    (:class:`shardc.ir.plan.Sections`) has no place for."""
+    blocks = spec.blocks()
+    for (_, end, _), (first, _, layers) in zip(blocks, blocks[1:], strict=False):
+        if end == first:
+            continue
+        statement = spec.statements[end]
+        raise ShardcError(f"{statement.result.name} is computed between two `layers` blocks of a spec pipelined "
+                          f"over {axis}: the stages run the statements before the first block (the first stage), "
+                          f"the blocks' layers, and those after the last block (the last stage), nothing between",
+                          statement.span or statement.result.span,
+                          fix=f"move it into a block: the last statement of the block before it or the first "
+                          f"of the `layers {layers}` block after it (run then in each of that block's layers), or "
+                          f"drop the `pipeline` mark from {axis} to run it once between the blocks")
+
+
+def _check_reads_across(spec: Spec) -> None:
+    """What a stage receives of a block's layers is the output its last layer hands on (the one that
+    feeds the next layer, :func:`shardc.spec.walk.block_feeds`), and only the stage that runs next holds it:
+    the next block's first layer, or after the last block the statements there (the last stage).  A read of
+    any other value of a block past it has no stage that holds it (the plan's cut into before, block and after
+    has no place for its gradient)."""
+    blocks = spec.blocks()
+    for j, (lo, hi, layers) in enumerate(blocks):
+        made = {s.result.name for s in spec.statements[lo:hi]}
+        fed = {out.name for _, out in block_feeds(spec, spec.statements[lo:hi]) if out is not None}
+        if not fed:  # a block with no activation input (every layer alike) hands nothing on
+            continue
+        last = j == len(blocks) - 1
+        reader = range(hi, len(spec.statements) if last else blocks[j + 1][1])
+        for k in range(hi, len(spec.statements)):
+            for ref in (r for r in leaves(spec.statements[k].expr) if r.name in made):
+                if ref.name in fed and k in reader:
+                    continue
+                held = ("a value inside the block, not the output its layers hand on (" + ", ".join(sorted(fed))
+                        + ")") if ref.name not in fed else "its output, which the stages hand on to the next block only"
+                raise ShardcError(f"{ref.name} is read past the `layers {layers}` block that makes it, {held}: "
+                                  "under a pipeline only the stage holding the block's last layer has it", ref.span,
+                                  fix="read the block's output there, make the value a result of the statements "
+                                  "after the block, or drop the `pipeline` mark from the mesh axis")
 
 
 def _refs(statement: Statement) -> list[TensorRef]:
