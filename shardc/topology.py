@@ -158,7 +158,7 @@ def check_topology(shape: Shape, mesh: Mesh, sizes: Mapping[str, int], hw: Hardw
     every = math.prod(sizes.get(a.name, a.size) for a in mesh.axes)
     if hw.ici_domain is not None:
         if len(shape) != 2 or shape[1] > hw.ici_domain or shape[1] != hw.ici_domain and shape[0] != 1:
-            raise ShardcError(f"{what}: a {hw.name} cluster is NODESx{hw.ici_domain} (GPUs a node)", span,
+            raise ShardcError(f"{what}: a cluster of {hw.name} is NODESx{hw.ici_domain} (GPUs a node)", span,
                               fix=f"write e.g. `topology {max(1, every // hw.ici_domain)}x{hw.ici_domain}`")
         if math.prod(shape) != every:
             raise ShardcError(f"{what} has {math.prod(shape)} GPUs, the mesh {every}", span,

@@ -145,8 +145,8 @@ def test_the_default_topology_is_the_chips_usual_slice_and_named() -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ("mesh X=16, Y=4\ntopology 4x4x8\n", "topology 4x4x8 has 128 chips, the mesh's ICI axes 64"),
     ("mesh X=16, Y=4\nhardware tpu-v5e\ntopology 4x4x4\n", "a tpu-v5e slice has at most 2 axes"),
-    ("mesh X=16, Y=4\nhardware h100\ntopology 16x4\n", "a h100 cluster is NODESx8"),
-    ("mesh X=16, Y=4\nhardware h100\ntopology 1x64\n", "a h100 cluster is NODESx8"),
+    ("mesh X=16, Y=4\nhardware h100\ntopology 16x4\n", "a cluster of h100 is NODESx8"),
+    ("mesh X=16, Y=4\nhardware h100\ntopology 1x64\n", "a cluster of h100 is NODESx8"),
     ("mesh X=16, Y=4\nhardware h100\ntopology 4x8\n", "has 32 GPUs, the mesh 64"),
 ])
 def test_a_topology_that_does_not_fit_is_an_error_at_its_line(text: str, message: str) -> None:
