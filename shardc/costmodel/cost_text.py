@@ -297,10 +297,12 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
              f" x activation factor {activation_factor(name, pipe.stages, pipe.chunks):.3g}",
              f"  point-to-point: {cost.boundary} a microbatch, {fmt_bytes(cost.p2p_bytes)} a device "
-             f"({fmt_bytes(cost.p2p_bytes_global)} in all) per boundary over {cost.network.upper()}, "
-             f"{fmt_seconds(cost.p2p_s)}" + (f" (its gradient back, in the gradient's type, "
-                                            f"{fmt_seconds(cost.timing.send_back)})"
-                                            if cost.timing.comm_back is not None else "")
+             f"({fmt_bytes(cost.p2p_bytes_global)} in all) per boundary over {cost.network.upper()}"
+             + (f", split over {','.join(cost.p2p_split)} and gathered on the receiving side (Megatron-LM's and "
+                "DeepSpeed's scatter/gather)" if cost.p2p_split else "")
+             + f", {fmt_seconds(cost.p2p_s)}" + (f" (its gradient back, in the gradient's type, "
+                                                 f"{fmt_seconds(cost.timing.send_back)})"
+                                                 if cost.timing.comm_back is not None else "")
              + f"; {sends_per_microbatch(name, pipe.stages, pipe.chunks)} boundaries "
              "a microbatch, each way",
              f"  {'stage':>5} {'layers':>6} {'compute':>9} {'comm':>9} {'bound':<13} {'held':>5} "

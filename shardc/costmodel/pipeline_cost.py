@@ -31,7 +31,9 @@ each ``max(compute, collectives)`` as the report's own step is
   them, issued under the last microbatch's backward: the step adds what they take beyond it;
 * point-to-point: a microbatch's block output, one device's shard of it (so divided by
   the tensor-parallel degree when it is sharded), sent one way over one link of the
-  stage axis's network (one ICI link's one-way bandwidth, or the chip's DCN figure);
+  stage axis's network (one ICI link's one-way bandwidth, or the chip's DCN figure); a
+  replicated one crossing a GPU cluster's nodes split over the node's replicas and gathered
+  on the receiving side (:mod:`~shardc.costmodel.boundary_send`);
 * memory per stage: params, grads and optimizer state of its layers, the gathered weights
   of one layer, and the residuals the plan's save policy keeps: those with the batch dim
   for one microbatch times the microbatches the stage holds at its peak (simulated; the
@@ -204,6 +206,7 @@ class PipelineCost:
     optimizer_busy_s: float = 0.0  # of optimizer_s, the compute and memory-bound steps' time
     optimizer_comm_s: float = 0.0  # and the collectives'
     free_simulation: Simulation | None = None  # the schedule with free sends where the chunks' layers differ
+    p2p_split: tuple[str, ...] = ()  # the axes a cross-node send is split over and gathered over (boundary_send)
 
     @property
     def fullest(self) -> StageCost:
@@ -296,7 +299,7 @@ class PipelineCost:
             "inflight_microbatches": inflight(pipe.schedule.name, pipe.stages, pipe.microbatches),
             "activation_factor": activation_factor(pipe.schedule.name, pipe.stages, pipe.chunks),
             "boundary": str(self.boundary), "network": self.network, "p2p_bytes": self.p2p_bytes,
-            "p2p_bytes_global": self.p2p_bytes_global, "p2p_s": self.p2p_s,
+            "p2p_bytes_global": self.p2p_bytes_global, "p2p_s": self.p2p_s, "p2p_split": list(self.p2p_split),
             **({"p2p_back_s": self.timing.send_back} if self.timing.comm_back is not None else {}),
             "sends_per_microbatch": sends_per_microbatch(pipe.schedule.name, pipe.stages, pipe.chunks),
             "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,
@@ -353,7 +356,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
                         sim, stages, found, opt_s, first, last, optimizer_busy_s=zero.busy,
                         optimizer_comm_s=zero.comm,
                         grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
-                        copies_exchange_s=copies_s, free_simulation=times.free_sim)
+                        copies_exchange_s=copies_s, free_simulation=times.free_sim, p2p_split=times.p2p_split)
 
 
 def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:

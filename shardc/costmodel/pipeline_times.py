@@ -4,17 +4,19 @@ tick table places (:func:`~shardc.pipeline.ticks.tick_table`).
 A microbatch's forward, input gradient (B) and weight gradient (W) through each model chunk are its layers'
 times on the chip (:func:`~shardc.costmodel.section_times.section_times`, the ends on the first and the last
 chunk), the sends one collective-permute of the block's output (and back, of its gradient, in the gradient's
-type); the schedule is simulated with them. The cost and the lowering both read :func:`simulated`, so the
-program runs the order the cost times: the fixed orders are the same at any times, but ZBV's greedy order is
-found at the op times (over 4 stages and 8 microbatches at T_B = 2 T_F = 2 T_W the order found at equal times
-takes 46.5 T_F where the order found at those times takes 37.5).
+type), split over a node's replicas where it crosses nodes (:mod:`~shardc.costmodel.boundary_send`); the
+schedule is simulated with them. The cost and the lowering both read :func:`simulated`, so the program runs
+the order the cost times: the fixed orders are the same at any times, but ZBV's greedy order is found at the
+op times (over 4 stages and 8 microbatches at T_B = 2 T_F = 2 T_W the order found at equal times takes 46.5 T_F
+where the order found at those times takes 37.5).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardc.collectives import Layout, Op, collective_time
+from shardc.collectives import Layout
+from shardc.costmodel.boundary_send import boundary_send
 from shardc.costmodel.section_times import PartTime, chunk_times, end_timing, phases_of, run_times, section_times
 from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
@@ -44,6 +46,8 @@ class PipelineTimes:
     # the network the send was priced over ("ici", "dcn"): where the topology lays the stage axis, which on a GPU
     # cluster can cross nodes though the mesh declares it ICI
     p2p_network: str = "ici"
+    # the axes a cross-node send is split over (each rank sends 1/t, the receivers all-gather), () sent whole
+    p2p_split: tuple[str, ...] = ()
 
 
 def microbatch_sizes(plan: Plan, pipe: Pipeline, sizes: dict[str, int]) -> tuple[str, dict[str, int]]:
@@ -58,7 +62,7 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     ref = boundary_tensor(plan)
     elements = float(local_elements(ref, micro))
     p2p, back = (elements * n for n in send_bytes(plan, ref.name))
-    send, send_back = (collective_time(Op.COLLECTIVE_PERMUTE, size, (pipe.axis,), plan.spec.mesh, micro, hw, spans)
+    send, send_back = (boundary_send(plan, ref, pipe.axis, size, micro, hw, spans)
                        for size in (p2p, back))  # the activation on, its gradient back
     p2p_s, back_s = send.seconds, send_back.seconds
     slowest = max((run_times(parts, counts) for counts in stage_blocks(pipe)), key=lambda run: run[0].seconds
@@ -73,7 +77,7 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
         free = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0, comm_back=None),
                         pipe.chunks, chunks)
     return PipelineTimes(parts, timing, first, last, p2p, sim, free_sim=free,
-                         p2p_network="dcn" if "dcn" in send.network else "ici")
+                         p2p_network="dcn" if "dcn" in send.network else "ici", p2p_split=send.split)
 
 
 def plan_simulation(plan: Plan, pipe: Pipeline, sizes: dict[str, int]) -> Simulation:
