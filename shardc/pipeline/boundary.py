@@ -18,14 +18,18 @@ __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "send_bytes", "chec
 
 
 def _block_input(spec: Spec, tensors: tuple[TensorInfo, ...]) -> TensorRef | None:
-    """What a stage receives: the ``layers`` block's first activation input (the first input without one)."""
+    """What a stage receives: the ``layers`` block's first activation input (the first input without one).
+
+    A block that reads no activation made before it (its layers start from an input, ``X0[B, D]``) takes its
+    first input's batch dim all the same; the lowering then refuses such a block, saying why
+    (:func:`check_lowerable`)."""
     if spec.block is None:
         return next((i.ref for i in tensors if i.role == "input"), None)
     lo, hi = spec.block
     made = {s.result.name for s in spec.statements[lo:hi]}
     kinds = {i.name: i.role for i in tensors}
-    reads = (r for s in spec.statements[lo:hi] for r in leaves(s.expr))
-    return next((r for r in reads if r.name not in made and kinds.get(r.name) == "activation"), None)
+    reads = [r for s in spec.statements[lo:hi] for r in leaves(s.expr) if r.name not in made]
+    return next((r for role in ("activation", "input") for r in reads if kinds.get(r.name) == role), None)
 
 
 def microbatch_dim(plan: Plan) -> str:
