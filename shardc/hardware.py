@@ -381,6 +381,12 @@ PRESETS: dict[str, Hardware] = {
         # book's v5p figure.  No TPU before v7 has an fp8 matrix unit (JAX's Pallas TPU info,
         # jax/_src/pallas/mosaic/tpu_info.py: fp8 "Not Available" on v4, v5e and v5p, v6e's fp8 rate
         # equal to its bf16 rate), so f8 runs at C.
+        # TPU v3 (Cloud TPU's v3 page; Jouppi et al. 2020, CACM): 123 TFLOPS bf16 and 32 GiB at 900 GB/s a chip (two
+        # cores of 16 GiB, each its own JAX device: a mesh here counts chips), pods of 1024 on a 2D torus, 32x32 (the
+        # book's table: ICI 1e11 a link one way; its 1.4e14 FLOP/s is not the data sheet's).  No v3 DCN figure is
+        # published: the book's v5p one, as on v4p.  A slice wraps a full 32-chip axis only (the book's 2D-torus rule).
+        Hardware("tpu-v3", 1.23e14, 1e11, 32 * 2**30, 9e11, 6.25e9, description="TPU v3, 2D torus, 2 cores a chip",
+                 torus_side=32, torus_dims=2, matmul_efficiency=TPU_MATMULS),
         Hardware("tpu-v4p", 2.75e14, 4.5e10, 32e9, 1.2e12, 6.25e9, description="TPU v4p, 3D torus",
                  torus_side=16, torus_dims=3, matmul_efficiency=TPU_MATMULS),
         # DCN: Cloud TPU's v5e page, 6.4 Tbps of data-center network a 256-chip pod (2 x 100 Gbps NICs a

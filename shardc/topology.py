@@ -18,8 +18,9 @@ Wraparound ("How To Scale Your Model", part 2, TPU networking): a v4p/v5p slice 
 links on every axis only when it is built of full 4x4x4 cubes (the optical switches that close
 the rings come with a cube: a 4x4x4 or 4x4x8 has them, a 2x2x4 has none), so here when the slice
 has 64 chips or more and the axis is a multiple of 4; a v5e/v6e slice wraps an axis of the full 16
-chips only (an 8x16 wraps its longer axis).  A physical axis with wraparound is a ring; without,
-or a part of one split between mesh axes that does not reach round it, an open line, which
+chips only (an 8x16 wraps its longer axis), a v3 slice one of the full 32 (its pod's side; no v3
+figure).  A physical axis with wraparound is a ring; without, or a part of one split between mesh
+axes that does not reach round it, an open line, which
 "typically doubles the time of most throughput-bound comms" (the same chapter): 2(n-1)/n times a
 ring's.  A part whose chips lie ``stride`` apart (the major part of a split axis) shares each link
 with the other groups: ``stride`` times the time (:attr:`Ring.links`).

@@ -45,6 +45,7 @@ def test_efficiency_is_a_fraction_of_peak_capped_at_one_and_sorted_by_flops() ->
 def test_device_kinds_find_their_presets() -> None:
     assert base_chip("NVIDIA H200") is PRESETS["h200"] and base_chip("NVIDIA H100 80GB HBM3") is PRESETS["h100"]
     assert base_chip("TPU v5p") is PRESETS["tpu-v5p"] and base_chip("TPU v5 lite") is PRESETS["tpu-v5e"]
+    assert base_chip("TPU v3") is PRESETS["tpu-v3"]
     assert base_chip("cpu") is None
 
 

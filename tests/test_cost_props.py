@@ -151,6 +151,7 @@ def test_a_two_axis_collective_gets_twice_the_bandwidth_and_small_ones_pay_laten
 
 # the data sheets: (bf16 FLOPs/s, ICI one-way per link, HBM bytes, DCN/InfiniBand per chip or None)
 DESIGN_PRESETS = {
+    "tpu-v3": (1.23e14, 1e11, 32 * 2**30, None),
     "tpu-v4p": (2.75e14, 4.5e10, 32e9, None), "tpu-v5e": (1.97e14, 4.5e10, 16e9, 3.125e9),
     "tpu-v5p": (4.59e14, 9e10, 96e9, 6.25e9), "tpu-v6e": (9.2e14, 9e10, 32e9, 1.25e10),
     "h100": (9.89e14, 4.5e11, 80e9, 5e10), "h200": (9.89e14, 4.5e11, 141e9, 5e10),

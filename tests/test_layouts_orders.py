@@ -120,3 +120,15 @@ def test_a_pipelines_quick_steps_are_bounds_under_its_row() -> None:
         row, quick = recost(template, c, options), step_of(template, c, options)
         assert not isinstance(row, str) and quick is not None
         assert free <= quick[0] <= row.step_s and row.step_s >= row.floor_s
+
+
+def test_the_chosen_mesh_line_keeps_the_pipeline_and_dcn_axes(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    """The printed mesh line is the spec's at the chosen sizes, `pipeline` and `over dcn` kept (they were dropped:
+    pasted back, the line made another spec, with no pipeline and every axis over ICI)."""
+    path = tmp_path / "piped.shard"
+    path.write_text("mesh P=2 pipeline over dcn, Y=4\ndims B=8, D=256, F=1024\nmicrobatches 2\nhardware tpu-v3\n"
+                    "param W_in, W_out\nlayers 2 {\n  H[B, F_Y] = gelu(X0[B, D] · W_in[D, F_Y])\n"
+                    "  X1[B, D] = H[B, F_Y] · W_out[F_Y, D]\n}\n", encoding="utf-8")
+    assert main(["layouts", str(path), "--jobs", "1"]) == 0
+    assert "chosen mesh order: mesh P=2 pipeline over dcn, Y=4 (the spec's order)" in capsys.readouterr().out

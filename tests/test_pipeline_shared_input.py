@@ -118,3 +118,19 @@ def test_an_input_without_the_batch_dim_around_the_block_is_held_by_its_end_stag
     report = verify_pipeline(shardc.plan(shardc.parse(ENDS.format(schedule="zb-h1"))))
     assert report.ok, [r for r in report.values + report.collectives if not r.ok]
     assert {"dPos", "dBias"} <= {r.tensor for r in report.values}
+
+
+def test_a_pipelined_block_starting_from_an_input_is_costed_and_its_lowering_refused_saying_why() -> None:
+    """A `layers { }` block whose layers start from an input (X0[B, D], no statement before the block) was
+    refused at plan time with a false reason: "every input dim is a param's" (X0's B is no param's).  Its
+    microbatches cut B, it is costed, and the lowering refuses it for what it is."""
+    from shardc.errors import ShardcError
+    from shardc.pipeline.boundary import check_lowerable, microbatch_dim
+
+    text = ("mesh P=2 pipeline over dcn, Y=4\ndims B=8, D=256, F=1024\nmicrobatches 2\nhardware tpu-v3\n"
+            "param W_in, W_out\nlayers 2 {\n  H[B, F_Y] = gelu(X0[B, D] · W_in[D, F_Y])\n"
+            "  X1[B, D] = H[B, F_Y] · W_out[F_Y, D]\n}\n")
+    plan = shardc.plan(shardc.parse(text, "stack.shard"))
+    assert microbatch_dim(plan) == "B" and shardc.cost(plan).step.step_s > 0
+    with pytest.raises(ShardcError, match="the pipelined block reads X0, an input with the batch dim B"):
+        check_lowerable(plan)

@@ -115,6 +115,16 @@ def test_wraparound_only_on_full_cubes_and_full_16_chip_axes() -> None:
     assert small.latency_s == pytest.approx(6 * v5e.hop_latency)
 
 
+def test_a_v3_pod_is_a_32x32_torus_whose_full_axes_wrap() -> None:
+    """TPU v3: pods of 1024 chips on a 2D torus, 32x32 (Cloud TPU's v3 page, the book's table)."""
+    v3 = get_hardware("tpu-v3")
+    assert default_topology(v3, 1024) == (32, 32) and (v3.spans(32), v3.spans(1024)) == (1, 2)
+    _, (links, _) = _links({"X": 32, "Y": 32}, v3, (32, 32))
+    assert [r.wrapped for r in links["X"].rings] == [True] == [r.wrapped for r in links["Y"].rings]
+    _, (links, _) = _links({"X": 16, "Y": 32}, v3, (16, 32))
+    assert [r.wrapped for r in links["X"].rings] == [False]
+
+
 def test_a_split_physical_axis_is_an_open_line_and_said_so() -> None:
     """LLaMA-2 13B's X=1024, Y=4 on a 16x16x16 slice: no physical axis has 4 chips, so Y takes 4 of one
     (the minor part, as mesh_utils gives the later axis: a line of 4) and X the rest of it, 4 chips 4

@@ -50,7 +50,7 @@ class Measurements:
 # jax's device_kind strings and the preset each is (substrings, lower case; the first match wins)
 _KINDS = (("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("a100", "a100"), ("b200", "b200"),
           ("v5p", "tpu-v5p"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
-          ("v6 lite", "tpu-v6e"), ("v6e", "tpu-v6e"), ("v4", "tpu-v4p"))
+          ("v6 lite", "tpu-v6e"), ("v6e", "tpu-v6e"), ("v4", "tpu-v4p"), ("v3", "tpu-v3"))
 
 
 def base_chip(device_kind: str) -> Hardware | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from shardc.accountings import chosen
 from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError
-from shardc.ir.spec import Spec
+from shardc.ir.spec import Mesh, Spec
 from shardc.layouts.book_optimum import BookOptimum, book_optimum
 from shardc.layouts.factor import MAX_CANDIDATES, MAX_WORK, candidates, searched_axes
 from shardc.layouts.knobs import search_knobs
@@ -46,7 +46,7 @@ class LayoutSearch:
     stats: dict[str, float]
     rule: str = RULE
     optimum: BookOptimum | None = None  # the book's X_opt for the chosen layout (FSDP x tensor parallel)
-    written: tuple[tuple[str, tuple[str, ...]], ...] = ()  # each spec's mesh axes in its written order
+    written: tuple[tuple[str, Mesh], ...] = ()  # each spec's mesh as written (its order, pipeline and dcn axes)
 
     @property
     def chosen(self) -> Layout | None:
@@ -106,7 +106,7 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
         stats["candidates"] += len(refused)
         skipped = refused + skipped
     optimum = _optimum(specs, rows, options, fixed) if rows else None
-    written = tuple((s.filename or "<spec>", s.mesh.names) for s in specs)
+    written = tuple((s.filename or "<spec>", s.mesh) for s in specs)
     return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats, optimum=optimum, written=written)
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from shardc.ir.spec import Mesh, MeshAxis
 from shardc.layouts.rank import DIGITS, Layout, Skipped, rank_key
 from shardc.units import fmt_bytes, fmt_seconds
 
@@ -83,10 +85,13 @@ def _order(search: LayoutSearch) -> list[str]:
     if best is None:
         return []
     order = tuple(name for name, _ in best.sizes)
-    written = dict(search.written).get(best.spec, order)
-    mesh = ", ".join(f"{name}={size}" for name, size in best.sizes)
+    spec_mesh = dict(search.written).get(best.spec)
+    written = order if spec_mesh is None else spec_mesh.names
+    # the spec's own axes at the chosen sizes, so the line keeps their `pipeline` and `over dcn` and can be pasted
+    mesh = Mesh(tuple(replace(spec_mesh.axis(name), size=size) if spec_mesh is not None else MeshAxis(name, size)
+                      for name, size in best.sizes))
     same = "the spec's order" if order == written else f"reordered from the spec's {', '.join(written)}"
-    return [f"chosen mesh order: mesh {mesh} ({same})"] + [f"  {n}" for n in best.placement]
+    return [f"chosen mesh order: {mesh} ({same})"] + [f"  {n}" for n in best.placement]
 
 
 def _orders(stats: dict[str, float]) -> str:

@@ -158,7 +158,10 @@ def _part(plan: Plan, name: str, section: Section, spec: Spec, following: Spec |
     names = _names(spec.statements) | set(made)
     read = {r.name for s in spec.statements for r in leaves(s.expr)}
     outputs = {s.result.name for s in spec.statements if s.result.name not in read}
-    tensors = tuple(replace(i, role="input" if i.role == "activation" and i.name not in made else i.role,
+    # a tensor only moved here (the block's input gathered from its D_Y layout) comes from the part before all
+    # the same: an input of this part, not an activation it makes
+    computed = {s.dst.name for s in section.forward if s.src is None or s.src.name != s.dst.name}
+    tensors = tuple(replace(i, role="input" if i.role == "activation" and i.name not in computed else i.role,
                             is_output=i.name in outputs) for i in plan.tensors if i.name in names)
     entering = {i.name for i in tensors if i.role in ("input", "param")}
     cotangents = [c for c in plan.cotangents if plan.primal(c.name) in outputs]

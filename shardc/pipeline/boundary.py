@@ -18,8 +18,11 @@ __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "send_bytes", "chec
 
 
 def _block_input(spec: Spec, tensors: tuple[TensorInfo, ...]) -> TensorRef | None:
-    """What a stage receives: the ``layers`` block's first activation input (the first input without one;
-    a block that opens the spec reads the spec's input itself)."""
+    """What a stage receives: the ``layers`` block's first activation input (the first input without one).
+
+    A block that reads no activation made before it (its layers start from an input, ``X0[B, D]``, or it opens
+    the spec and reads the spec's input itself) takes its first input's batch dim all the same; the lowering
+    then refuses such a block, saying why (:func:`check_lowerable`)."""
     if spec.block is None:
         return next((i.ref for i in tensors if i.role == "input"), None)
     lo, hi = spec.block

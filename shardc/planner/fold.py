@@ -228,28 +228,42 @@ class _Index:
         self.steps = steps
         self.of: dict[str, list[int]] = {}
         self.first: dict[TensorRef, int] = {}
+        self.computed: set[str] = set()  # tensors a step makes, not only moves
         for k, step in enumerate(steps):
             self.of.setdefault(step.tensor, []).append(k)
             self.first.setdefault(step.dst, k)
+            if not step.is_collective and step.op is not Op.SLICE:
+                self.computed.add(step.tensor)
 
     def held(self, i: int) -> TensorRef | None:
-        """A value an earlier step made of which step ``i``'s result is a slice."""
+        """A value an earlier step made of which step ``i``'s result is a slice, in step ``i``'s part of the
+        program (:meth:`together`)."""
         for k in self.of[self.steps[i].tensor]:
             if k >= i:
                 return None
-            if _slices_to(self.steps[k].dst, self.steps[i].dst):
+            if self.together(k, i) and _slices_to(self.steps[k].dst, self.steps[i].dst):
                 return self.steps[k].dst
         return None
 
     def container(self, i: int) -> int | None:
-        """A later collective whose result contains step ``i``'s and whose source is ready at ``i``."""
+        """A later collective whose result contains step ``i``'s and whose source is ready at ``i``, run as
+        often as step ``i`` (so moving it up runs it no more and no less often)."""
         early = self.steps[i]
         for j in self.of[early.tensor]:
             late = self.steps[j]
-            if (j > i and late.is_collective and late.src is not None
+            if (j > i and late.is_collective and late.src is not None and self.together(i, j)
                     and _slices_to(late.dst, early.dst) and self.ready(late.src, i, j)):
                 return j
         return None
+
+    def together(self, k: int, i: int) -> bool:
+        """Whether step ``k``'s value is step ``i``'s to take: both run in the same part of the program (both
+        outside the ``layers`` blocks or both in one), or the tensor is one no step computes (a param or an
+        input, the same for every layer).  A layer takes no activation made before its block (that is the
+        first layer's input, where each later layer reads what the one before hands it: the block's input
+        gathered from its D_Y layout, say), and the statements after the block none a layer made on the way
+        (they read what the last layer hands on, in its declared layout, as a pipeline's last stage gets it)."""
+        return self.steps[k].region == self.steps[i].region or self.steps[i].tensor not in self.computed
 
     def ready(self, value: TensorRef, i: int, j: int) -> bool:
         """``value`` exists before step ``i``: made earlier, or a phase input (made by no step before ``j``)."""
