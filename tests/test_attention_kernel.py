@@ -11,10 +11,11 @@ import pytest
 
 import shardc
 from shardc.chip_choice import load_hardware_file
+from shardc.chip_model import interpolate
 from shardc.cli.main import main
 from shardc.costmodel.cost_report import CostReport
 from shardc.errors import ShardcError
-from shardc.hardware import KERNELS, PRESETS, Hardware, interpolate
+from shardc.hardware import KERNELS, PRESETS, Hardware
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
 from shardc.ops.attention import kernel_seconds

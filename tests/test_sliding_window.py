@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import shardc
+from shardc.chip_model import interpolate
 from shardc.costmodel.cost_report import CostReport
 from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError
-from shardc.hardware import PRESETS, interpolate
+from shardc.hardware import PRESETS
 from shardc.ir.localops import Attention, Causal, CausalVjp
 from shardc.lowering import run_windows
 from shardc.lowering.sizes import devices_to_check, small_sizes
