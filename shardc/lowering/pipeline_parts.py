@@ -60,10 +60,15 @@ class Part:
         """The forward's values its backward reads (B's and W's where it is split), and the outputs whose
         zero cotangent takes their shape: what a pipeline keeps of a microbatch's forward, as autograd
         saves only what the backward reads (PyTorch's ``save_for_backward``).  The rest is not kept: a
-        layer's output is the next layer's input, kept there once; a sum's branch no backward reads."""
-        tables = [self.backward_in] + [p[1] for p in (self.input_backward, self.weight_backward) if p is not None]
+        layer's output is the next layer's input, kept there once; a sum's branch no backward reads.  What W
+        reads of B's values (B's outputs: a value B recomputes, a cotangent) B hands it
+        (:meth:`backward_weight`), so the forward's copy of it is not kept: DeepSeek-V3's run kept its
+        recomputed norms and SwiGLU products twice, 7072 of a MoE layer's 24808 kept elements."""
+        tables = [self.backward_in] + [p[1] for p in (self.input_backward,) if p is not None]
+        handed = self.input_backward[2] if self.input_backward is not None else {}
+        weight = [n for n in self.weight_backward[1] if n not in handed] if self.weight_backward is not None else []
         zeros = {o for o in self.cotangents.values() if o != self.result}
-        return frozenset(n for t in tables for n in t) | zeros
+        return frozenset(n for t in tables for n in t) | frozenset(weight) | zeros
 
     def final(self, name: str) -> str:
         """The name of input ``name``'s gradient once :meth:`finish` has run."""

@@ -103,8 +103,11 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     spec = at_run_blocks(spec, sizes, lowered.blocks)
     # the split the program runs (STAGE_LAYERS: verify's run of a spec's own `stage_layers`, BLOOM's 5, 6, ..., 5
     # of 70 layers cut to 2 a stage), not the spec's at its own layers: that priced stage 1 at 6 of the run's 24
-    run = replace(plan, spec=replace(spec, microbatches=pipe.microbatches,
-                                     stage_layers=lowered.namespace.STAGE_LAYERS))
+    # every float at the run's element, a `dtype` line's too (an f8 value: the module rounds it to FP8 and
+    # stores it in the run's float, XLA:CPU having no FP8 dot): DeepSeek-V3's f8 residuals counted at half
+    # the bytes its ring holds them at (2.1 MB of its 6.7 MB); ids and masks keep their own (fixed_bytes)
+    run = replace(plan, spec=replace(spec, microbatches=pipe.microbatches, stage_layers=lowered.namespace.STAGE_LAYERS),
+                  element_bytes=tuple(sorted(plan.fixed_bytes().items())))
     report = cost(run, sizes=sizes)
     assert report.pipeline is not None
     scale = element / plan.spec.dtype.nbytes
