@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 
-from shardc.hardware import get_hardware, interpolate
+from shardc.chip_model import interpolate
+from shardc.hardware import get_hardware
 
 XLA = "XLA GPU matmul table (matmul_interpolator_data.h)"
 # (chip, batch, m, n, k, measured FLOP/s, source, whether the curve is made of it)
