@@ -42,7 +42,9 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           "megatron_145_6b": 145.622e9, "megatron_310_1b": 310.131e9, "megatron_1t": 1008.04e9,
           "falcon_180b": 179.523e9,
           # MegaScale's 175B, GPT-3's shape (Brown et al. 2020, Table 2.1)
-          "megascale_175b": 175.0e9}
+          "megascale_175b": 175.0e9,
+          # Llama 3.1 8B's and 70B's released config.json (8,030,261,248 and 70,553,706,496) less their RMSNorm scales
+          "torchtitan_llama3_8b": 8030261248 - 65 * 4096}
 
 
 def _spec(name: str) -> Spec:
