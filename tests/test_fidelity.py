@@ -44,7 +44,7 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           # MegaScale's 175B, GPT-3's shape (Brown et al. 2020, Table 2.1)
           "megascale_175b": 175.0e9,
           # Llama 3.1 8B's and 70B's released config.json (8,030,261,248 and 70,553,706,496) less their RMSNorm scales
-          "torchtitan_llama3_8b": 8030261248 - 65 * 4096}
+          "torchtitan_llama3_8b": 8030261248 - 65 * 4096, "torchtitan_llama3_70b": 70553706496 - 161 * 8192}
 
 
 def _spec(name: str) -> Spec:
