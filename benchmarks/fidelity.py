@@ -129,7 +129,8 @@ PUBLISHED = (
     # linears, full activation checkpointing; its tokens/s a GPU over the global batch of 512 x 8192 tokens is the
     # step (no FLOP count involved); the MFU column is over the f8 peak, which the page declines to define
     Run("Llama 3.1 70B, torchtitan, 256 H100", "benchmarks/runs/torchtitan_llama3_70b.shard", "full",
-        "Liang et al. 2024, arXiv 2410.06511; torchtitan docs/performance.md, Table 4", step_s=512 * 8192 / (876 * 256)),
+        "Liang et al. 2024, arXiv 2410.06511; torchtitan docs/performance.md, Table 4",
+        step_s=512 * 8192 / (876 * 256)),
 )
 
 
