@@ -45,7 +45,8 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           "megascale_175b": 175.0e9,
           # Llama 3.1 8B's, 70B's and 405B's released config.json (8,030,261,248, 70,553,706,496, 405,853,388,800) less
           # their RMSNorm scales
-          "torchtitan_llama3_8b": 8030261248 - 65 * 4096, "torchtitan_llama3_70b": 70553706496 - 161 * 8192,
+          "torchtitan_llama3_8b": 8030261248 - 65 * 4096,
+          "torchtitan_llama3_8b_cp": 8030261248 - 65 * 4096, "torchtitan_llama3_70b": 70553706496 - 161 * 8192,
           "torchtitan_llama3_405b": 405853388800 - 253 * 16384}
 
 
