@@ -47,7 +47,9 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           # their RMSNorm scales
           "torchtitan_llama3_8b": 8030261248 - 65 * 4096,
           "torchtitan_llama3_8b_cp": 8030261248 - 65 * 4096, "torchtitan_llama3_70b": 70553706496 - 161 * 8192,
-          "torchtitan_llama3_405b": 405853388800 - 253 * 16384}
+          "torchtitan_llama3_405b": 405853388800 - 253 * 16384,
+          # MaxText's base.yml decoder at global_parameter_scale=32 (MaxText/configs/v5e/32b.sh): 2VD + L(4D^2 + 3DF)
+          "maxtext_32b_v5e": 2 * 32000 * 8192 + 32 * (4 * 8192**2 + 3 * 8192 * 28672)}
 
 
 def _spec(name: str) -> Spec:
