@@ -33,7 +33,8 @@ def test_a_file_on_a_preset_runs_the_attention_kernels_measured_on_its_chip() ->
 
 
 @pytest.mark.parametrize(("data", "words"), [({"base": 3}, "preset's name"), ({"base": "nope"}, "unknown hardware"),
-                                             ({"flops": 1e14}, "missing key")])
+                                             ({"flops": 1e14}, "missing key"),
+                                             ({"base": "a100", "chip": "h100"}, "unknown key")])
 def test_a_bad_base_or_no_base_and_missing_figures_is_an_error(data: dict[str, object], words: str) -> None:
     with pytest.raises(ShardcError, match=words):
         hardware_from_mapping(data, source="chip.toml")
