@@ -125,6 +125,20 @@ PUBLISHED = (
     Run("GPT 18.4B, Megatron-LM, 256 A100", "benchmarks/runs/megatron_18_4b.shard", "full",
         "Narayanan et al. 2021, Table 1 and equation 3",
         step_s=96 * 1024 * 2048 * 40 * 6144**2 * (1 + 2048 / (6 * 6144) + 51200 / (16 * 40 * 6144)) / (256 * 135e12)),
+    # MaxText's 32B (base.yml scaled by global_parameter_scale=32) on one v5e-256, remat full: its 132 TFLOP/s a chip
+    # are MaxText's own FLOPs (maxtext_utils.calculate_tflops_training_per_device: 3 x the weights' forward matmuls,
+    # 2 x tokens x each weight, plus 3 x attention's 4 x B x S^2 x heads x head dim, causality not discounted), so
+    # the step is those FLOPs over that rate
+    Run("MaxText 32B, 256 v5e", "benchmarks/runs/maxtext_32b_v5e.shard", "full",
+        "MaxText MaxText/configs/v5e/README.md and 32b.sh", mfu=0.6686,
+        step_s=3 * (32 * (2 * 4 * 2048 * 8192 * (3 * 28672 + 4 * 8192) + 4 * 4 * 2048**2 * 8192)
+                    + 2 * 4 * 2048 * 8192 * 32000) / 132e12),
+    # torchtitan's 2D row with async TP (collective matmul, shardc's default): FSDP 32 x TP 8, torch.compile, Float8
+    # linears, full activation checkpointing; its tokens/s a GPU over the global batch of 512 x 8192 tokens is the
+    # step (no FLOP count involved); the MFU column is over the f8 peak, which the page declines to define
+    Run("Llama 3.1 70B, torchtitan, 256 H100", "benchmarks/runs/torchtitan_llama3_70b.shard", "full",
+        "Liang et al. 2024, arXiv 2410.06511; torchtitan docs/performance.md, Table 4",
+        step_s=512 * 8192 / (876 * 256)),
 )
 
 

@@ -70,7 +70,7 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
 
     ``base = "a100"`` starts from that preset, the file's keys replacing its figures (a cluster whose
     network differs from the preset's, say), so a chip's measured curves are never copied by hand."""
-    known = {f.name for f in fields(Hardware)} | {"base"}
+    known = {f.name for f in fields(Hardware)} - {"chip"} | {"base"}  # a file's chip is its base's
     unknown = sorted(set(data) - known)
     if unknown:
         raise ShardcError(f"{source}: unknown key(s) {', '.join(unknown)}",
@@ -110,8 +110,8 @@ def hardware_from_mapping(data: dict[str, object], source: str = "<hardware>") -
                 raise ShardcError(f"{source}: {key} must be one of {', '.join(choices)}, got {clip(repr(data[key]))}",
                                   fix=f'write e.g. `{key} = "{choices[0]}"`')
             values[key] = data[key]
-    if base is not None:
-        return replace(base, **values)  # type: ignore[arg-type]
+    if base is not None:  # the base's chip, so the kernels measured on it run on this one
+        return replace(base, chip=base.chip or base.name, **values)  # type: ignore[arg-type]
     return Hardware(**values)  # type: ignore[arg-type]
 
 

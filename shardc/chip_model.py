@@ -102,6 +102,9 @@ class Hardware:
     # the fused attention kernel run (the spec's `attention_kernel` line, --attention-kernel): its measured
     # rates replace attention_forward and attention_backward (:meth:`with_attention`); None: the chip's own
     attention_kernel: str | None = None
+    # the preset this chip is, where a hardware file starts from one (its `base`, a cluster's network or HBM
+    # changed): the kernels measured on that chip (:data:`KERNELS`) run on it; None: its own name's
+    chip: str | None = None
     # when ZeRO-1/2's updated params are gathered back (the spec's `param_gather` line, --param-gather;
     # :data:`shardc.ir.spec.PARAM_GATHERS`); None: the spec's line, else after the step, exposed
     param_gather: str | None = None
@@ -267,7 +270,7 @@ class Hardware:
     def with_attention(self, kernel: str) -> Hardware:
         """This chip running the fused attention kernel ``kernel`` (:data:`shardc.ir.spec.ATTENTION_KERNELS`)
         at the rates measured of it on this chip (a preset's table, :data:`KERNELS`)."""
-        known = KERNELS.get(self.name, {})
+        known = KERNELS.get(self.chip or self.name, {})
         if kernel not in known:
             raise ShardcError(f"no measured rates of attention kernel {clip(repr(kernel))} on {clip(self.name)}",
                               fix=("use one of " + ", ".join(known)) if known else

@@ -215,3 +215,18 @@ if __name__ == "__main__":
     for case in CASES:
         _golden(case[0], case[1]).write_text(export(*case), encoding="utf-8")
     print(f"wrote {len(CASES)} files in {GOLDEN}", file=sys.stderr)
+
+
+@pytest.mark.parametrize(("mesh", "zero", "roles"), [
+    ("mesh X=8", "zero 3 over X", {"X": "fsdp"}),  # FSDP of weights written whole: MaxText's pure-fsdp.yml
+    ("mesh X=4, C=2", "zero 3 over X, C", {"X": "fsdp", "C": "context"})])
+def test_a_zero_3_axis_is_maxtexts_fsdp_axis_whichever_dims_it_shards(mesh: str, zero: str,
+                                                                       roles: dict[str, str]) -> None:
+    """A ZeRO-3 spec writes its weights whole and the line shards some on their model dims (W_out[F_X, D]); the
+    axis was exported as MaxText's 'tensor', and two such axes clashed.  An axis that also shards the sequence
+    (context parallelism) is MaxText's 'context', whose rules shard the weights too."""
+    seq = "S_C" if "C" in mesh else "S"
+    text = (f"{mesh}\n{zero}\ndims B=16, S=32, D=64, F=128\nparam W_in, W_out\n"
+            f"H[B_X, {seq}, F] = In[B_X, {seq}, D] · W_in[D, F]\nO[B_X, {seq}, D] = H[B_X, {seq}, F] · W_out[F, D]\n")
+    keys = maxtext_keys(maxtext_yaml(planned("zero3", text), {}))
+    assert keys["mesh_axes"] == list(roles.values()) and keys["data_sharding"] == [["fsdp"]]

@@ -44,7 +44,14 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           # MegaScale's 175B, GPT-3's shape (Brown et al. 2020, Table 2.1)
           "megascale_175b": 175.0e9,
           # Rae et al. 2021, Table 1 (280B): 80 layers of D=16384, Transformer-XL's W_r among them
-          "gopher_280b": 280e9}
+          "gopher_280b": 280e9,
+          # Llama 3.1 8B's, 70B's and 405B's released config.json (8,030,261,248, 70,553,706,496, 405,853,388,800) less
+          # their RMSNorm scales
+          "torchtitan_llama3_8b": 8030261248 - 65 * 4096,
+          "torchtitan_llama3_8b_cp": 8030261248 - 65 * 4096, "torchtitan_llama3_70b": 70553706496 - 161 * 8192,
+          "torchtitan_llama3_405b": 405853388800 - 253 * 16384,
+          # MaxText's base.yml decoder at global_parameter_scale=32 (MaxText/configs/v5e/32b.sh): 2VD + L(4D^2 + 3DF)
+          "maxtext_32b_v5e": 2 * 32000 * 8192 + 32 * (4 * 8192**2 + 3 * 8192 * 28672)}
 
 
 def _spec(name: str) -> Spec:

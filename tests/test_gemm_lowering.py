@@ -4,6 +4,7 @@ rounds them alike, and verify checks what runs."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -148,3 +149,35 @@ def test_the_memory_check_counts_the_casts_the_module_makes() -> None:
     # XLA's backward heap: dW1's and dW2's partial products (kept to their combined AllReduce) and I's cast;
     # dO's cast and then dH_t1 sit in the buffer of dI's AllReduce output, dH_t1 not in dH's (heap.outside_outputs)
     assert backward.temporaries == 4 * (128 * 64 + 64 * 128 + 32 * 128) == 81920
+
+
+def test_an_operand_the_module_and_the_reference_compute_across_an_e4m3_tie_straddles_it() -> None:
+    """2.125 lies on the tie between E4M3's 2.0 and 2.25: the module's float32 2.125 rounds to even, 2.0, the
+    reference's 2.1250003618 up, 2.25, a whole step apart (the f32 recheck then judges the rows after it with the
+    GEMMs unrounded, shardc.verification.gemm_flips); a value off any tie, or an operand of no f8 GEMM, does not."""
+    import numpy as np
+
+    from shardc.verification.gemm_flips import downstream, straddles
+
+    spec = shardc.parse(SPEC)
+    ref = np.full((4, 8), 2.1250003618, dtype=np.float64)
+    assert straddles(spec, {"H": np.full((4, 8), 2.125, np.float32)}, {"H": ref}) == {"H": 32}
+    assert straddles(spec, {"H": np.full((4, 8), 2.1250002, np.float32)}, {"H": ref}) == {}
+    assert straddles(spec, {"H": np.full((4, 8), 2.0, np.float32)}, {"H": ref}) == {}  # a wrong value is not near
+    assert straddles(replace(spec, gemm=None), {"H": np.full((4, 8), 2.125, np.float32)}, {"H": ref}) == {}
+    assert downstream(spec, {"H"}) == {"H", "O", "Loss"}
+
+
+@pytest.mark.slow  # two tiny modules compiled
+def test_the_unrounded_module_runs_its_gemms_on_their_operands_as_they_are() -> None:
+    import numpy as np
+
+    from shardc.verification.gemm_flips import unrounded
+
+    low = lower(shardc.parse(SPEC), sizes={"B": 4, "D": 8, "F": 8})
+    inputs = low.random_inputs()
+    exact = np.maximum(np.asarray(inputs["I"]) @ np.asarray(inputs["W1"]), 0.0)
+    plain = unrounded(low)
+    assert plain.plan.spec.gemm is None and not plain.plan.spec.gemm_lines()
+    assert np.allclose(np.asarray(plain.forward(inputs)["H"]), exact, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(low.forward(inputs)["H"]), exact, rtol=1e-3, atol=1e-3)  # the module's rounds

@@ -23,8 +23,18 @@ def test_a_file_on_a_preset_keeps_its_measured_figures_and_replaces_what_it_name
                                                                       a100.dcn_efficiency)
 
 
+def test_a_file_on_a_preset_runs_the_attention_kernels_measured_on_its_chip() -> None:
+    """A chip file on `base = "h100"` (another HBM, say) runs `attention_kernel flash2` at the rates measured
+    on the H100, as the preset does (it was refused: the kernel tables are keyed by the preset's name)."""
+    chip = hardware_from_mapping({"base": "h100", "name": "h100-96gb", "hbm_bytes": 96e9}, source="t.toml")
+    h100 = get_hardware("h100").with_attention("flash2")
+    assert chip.with_attention("flash2").attention_forward == h100.attention_forward
+    assert hardware_from_mapping({"base": "a100", "name": "jz"}, source="jz.toml").with_attention("flash2").name == "jz"
+
+
 @pytest.mark.parametrize(("data", "words"), [({"base": 3}, "preset's name"), ({"base": "nope"}, "unknown hardware"),
-                                             ({"flops": 1e14}, "missing key")])
+                                             ({"flops": 1e14}, "missing key"),
+                                             ({"base": "a100", "chip": "h100"}, "unknown key")])
 def test_a_bad_base_or_no_base_and_missing_figures_is_an_error(data: dict[str, object], words: str) -> None:
     with pytest.raises(ShardcError, match=words):
         hardware_from_mapping(data, source="chip.toml")

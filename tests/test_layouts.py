@@ -458,3 +458,22 @@ def test_a_copy_searched_first_leaves_each_file_its_own_rows(tmp_path: Path,
         status, out, err = run(capsys, "layouts", path, "--chips", "16", "--json", "--top", "0")
         assert status == 0, err
         assert {row["spec"] for row in json.loads(out)["layouts"]} == {path}
+
+
+@pytest.mark.parametrize(("mesh", "topology", "chips", "words"), [
+    ("mesh X=8", "1x8", 16, "puts 16 devices on the spec's `topology 1x8`, which holds 8"),  # a GPU cluster
+    ("mesh Z=2 over dcn, X=16", "4x4", 64, "puts 32 devices on the spec's `topology 4x4`, which holds 16")])
+def test_chips_the_specs_topology_line_does_not_hold_are_an_error_at_the_flag(mesh: str, topology: str, chips: int,
+                                                                               words: str) -> None:
+    """Every candidate was refused (`chosen: none`, exit 0); now the flag is refused, and --topology replaces the
+    line."""
+    hw = "h100" if topology == "1x8" else "tpu-v5p"
+    batch = "B_ZX" if "Z" in mesh else "B_X"
+    spec = shardc.parse(f"{mesh}\ntopology {topology}\nhardware {hw}\ndims B=64, D=128, F=256\n"
+                        f"Y[{batch}, F] = A[{batch}, D] · W[D, F]\n")
+    with pytest.raises(ShardcError, match=words) as err:
+        search_layouts([spec], Options(get_hardware(hw)), chips=chips, jobs=1)
+    assert "--topology" in (err.value.fix or "")
+    chosen = search_layouts([spec], Options(get_hardware(hw), topology="2x8" if hw == "h100" else "4x8"),
+                            chips=chips, jobs=1).layouts
+    assert chosen and all(math.prod(dict(r.sizes).values()) == chips for r in chosen)

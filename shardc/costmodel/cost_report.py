@@ -358,7 +358,7 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
                      "epilogue")
     if hw.attention_kernel is not None and not hw.book:
         notes.append(f"attention_kernel {hw.attention_kernel}: fused attention at the rates measured of it on "
-                     f"{hw.name}")
+                     f"{hw.chip or hw.name}")
     if hw.gathers_under_forward and plan.optimizer:
         notes.append("param_gather overlapped: the optimizer's all-gathers run under the next step's first forward "
                      "(Megatron-LM's --overlap-param-gather); the step counts what of them that forward does not hide")

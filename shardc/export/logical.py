@@ -13,9 +13,11 @@ disagree, the rule takes the sharding most of them have, and the text names the 
 ``mesh_axes``, ``data_sharding`` and ``logical_axis_rules`` as flow lists, then the
 ``ici_*_parallelism`` / ``dcn_*_parallelism`` sizes.  MaxText's mesh axes are named by role, so each
 spec axis gets one (:func:`axis_roles`): the pipeline axis is ``stage``; an axis sharding experts
-``expert``; a weight's model dim (mlp, heads, vocab) ``tensor``; a weight's embed dim, or a ZeRO
-axis, ``fsdp``; the batch alone ``data``; the length alone ``context``.  ``--to flax`` writes the
-rules over the spec's own axis names, as ``flax.linen.logical_axis_rules`` takes them.
+``expert``; a `zero 3` axis ``fsdp`` (the weights' shards over it are FSDP's, whichever dims the
+line gave them), or ``context`` where it shards the sequence and not the batch; a weight's model
+dim (mlp, heads, vocab) ``tensor``; a weight's embed dim, or a ZeRO-1/2 axis, ``fsdp``; the batch
+alone ``data``; the length alone ``context``.  ``--to flax`` writes the rules over the spec's own
+axis names, as ``flax.linen.logical_axis_rules`` takes them.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ def _role(plan: Plan, axis: str, rules: list[Rule]) -> str:
     zero = plan.spec.zero is not None and axis in plan.spec.zero.axes
     if "exp" in weights:
         return "expert"
+    if zero and plan.spec.zero is not None and plan.spec.zero.stage == 3:  # FSDP's shards, whichever dims they took
+        # an axis that also shards the sequence, not the batch, is MaxText's context axis (base.yml's rules shard
+        # the weights' embed over it too)
+        return "context" if "length" in acts and "batch" not in acts else "fsdp"
     if weights & _MODEL:
         return "tensor"
     if weights or zero:

@@ -26,7 +26,7 @@ from shardc.errors import ShardcError, clip
 from shardc.ir.spec import Network, Spec
 
 __all__ = ["MAX_CHIPS", "MAX_WORK", "MAX_CANDIDATES", "Axes", "searched_axes", "factorisations", "check_chips",
-           "candidates"]
+           "check_topology", "candidates"]
 
 MAX_CHIPS = 1 << 20  # a million chips: past any machine built, and the enumeration stays small
 # A plan's search grows about twofold with each searched axis (0.1-0.5 s a plan at 2-3 axes), so
@@ -98,6 +98,24 @@ def check_chips(chips: int, axes: Axes, label: str) -> int:
                           f"axis of {', '.join(axes.searched)}, with nothing to trade between them",
                           fix=f"use a chip count with factors (e.g. {left - 1 if left > 2 else 4})")
     return left
+
+
+def check_topology(spec: Spec, chips: int, fixed: frozenset[str] = frozenset(), cluster: bool = False) -> None:
+    """A spec's `topology` line holds the devices its mesh lies on (a TPU slice its ICI axes, a GPU cluster
+    every axis): a --chips count that puts another number there would be refused at every candidate, so it
+    is an error at the flag; a --topology flag replaces the line (the caller checks only without one)."""
+    axes = searched_axes(spec, fixed, cluster)
+    if spec.topology is None or chips % axes.kept_devices:
+        return  # check_chips says what is wrong with a count the kept axes do not divide
+    lying = {a.name for a in spec.mesh.axes if cluster or a.network is Network.ICI}
+    placed = chips // axes.kept_devices * math.prod(size for name, size in axes.kept if name in lying)
+    held = math.prod(spec.topology)
+    if placed != held:
+        shape = "x".join(map(str, spec.topology))
+        other = f", or --chips {chips * held // placed}" if chips * held % placed == 0 else ""
+        raise ShardcError(f"{spec.filename or '<spec>'}: --chips {chips} puts {placed} devices on the spec's "
+                          f"`topology {shape}`, which holds {held}",
+                          fix=f"give the slice or cluster they lie on with --topology SHAPE{other}")
 
 
 def _is_prime(n: int) -> bool:

@@ -18,7 +18,7 @@ from shardc.costmodel.cost_report import cost
 from shardc.errors import ShardcError
 from shardc.ir.spec import Mesh, Spec
 from shardc.layouts.book_optimum import BookOptimum, book_optimum
-from shardc.layouts.factor import MAX_CANDIDATES, MAX_WORK, candidates, searched_axes
+from shardc.layouts.factor import MAX_CANDIDATES, MAX_WORK, candidates, check_topology, searched_axes
 from shardc.layouts.knobs import search_knobs
 from shardc.layouts.layouts_text import reason, render, to_json
 from shardc.layouts.orders import orders, reorder, search_orders
@@ -77,6 +77,8 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
     options = replace(options, optimizer=chosen(specs[0].optimizer, options.optimizer))  # as `shardc layouts`
     for spec in specs:
         _check_sized(spec)
+        if options.topology is None:
+            check_topology(spec, n, fixed & set(spec.mesh.names), on_cluster(spec, options))
     plans = [candidates(spec, n, fixed & set(spec.mesh.names), on_cluster(spec, options)) for spec in specs]
     total = sum(map(len, plans))
     if total > MAX_CANDIDATES:

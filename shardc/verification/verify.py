@@ -46,6 +46,7 @@ from shardc.ops.registry import of_call
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.stages import stage_spec
+from shardc.verification.gemm_flips import downstream, straddles, unrounded
 from shardc.verification.hlo import collectives
 from shardc.verification.memory_check import check_memory
 from shardc.verification.module_check import given_source, module_sizes, running, use_module
@@ -396,7 +397,22 @@ def differential_rows(lowered: Lowered, seed: int = 0, key: int = 0) -> list[Val
     """Every lowered value, run in float32 from inputs drawn with ``seed``, against the float64
     reference, bounded by the error of the unsharded float32 program (the reference's statements
     in jax, on one device): the recheck of a row whose bound is too loose to catch a wrong plan.
-    ``key``: the dropout key of both programs and the reference."""
+    ``key``: the dropout key of both programs and the reference.  Where the module's and the
+    reference's f8 GEMM operands straddle a rounding tie, the rows that failed are judged again with
+    the GEMMs unrounded (:mod:`shardc.verification.gemm_flips`)."""
+    rows, straddled = _differential_run(lowered, seed, key)
+    if not straddled or all(r.ok for r in rows):
+        return rows
+    moved = downstream(lowered.plan.spec, set(straddled))  # and every gradient: the backward reads them all
+    exact = {(r.phase, r.tensor): r for r in _differential_run(unrounded(lowered), seed, key)[0]}
+    note = (f"{sum(straddled.values())} element(s) of {', '.join(straddled)} straddle an E4M3 tie in the module "
+            "and the reference: judged with the GEMMs unrounded")
+    return [replace(exact[(r.phase, r.tensor)], note=note) if not r.ok and (r.phase, r.tensor) in exact and (
+        r.tensor in moved or r.phase.startswith("backward")) else r for r in rows]
+
+
+def _differential_run(lowered: Lowered, seed: int, key: int) -> tuple[list[ValueRow], dict[str, int]]:
+    """:func:`differential_rows`' rows, and the forward's f8 GEMM operands with elements straddling a tie."""
     import jax
     import jax.numpy as jnp
 
@@ -425,7 +441,7 @@ def differential_rows(lowered: Lowered, seed: int = 0, key: int = 0) -> list[Val
         zero = np.zeros(np.shape(got_bwd[name]))
         rows.append(_differential(_phase("backward", key), name, got_bwd[name], run.grads.get(primal, zero),
                                   plain_bwd.get(primal, zero)))
-    return rows
+    return rows, straddles(spec, got_fwd, run.forward)
 
 
 def _choices(phase: str, name: str, got: Any, plain: Any) -> ValueRow:
