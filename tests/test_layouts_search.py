@@ -17,7 +17,7 @@ from shardc.layouts import Options, search_layouts
 from shardc.layouts import layout_search as search_module
 from shardc.layouts.knobs import data_axes
 from shardc.layouts.rank import evaluate, pairs, prepare
-from shardc.layouts.templates import EXACT_TOP
+from shardc.layouts.templates import EXACT_TOP, Candidate, accepted, kept_plans, plan_template
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_SPEC = """\
@@ -321,3 +321,20 @@ def test_a_pipelined_orders_quick_key_ranks_no_later_than_its_row() -> None:
         assert (_digits(step), split) <= (_digits(row.step_s), row.split)
         assert split == row.split and critical == pytest.approx(row.critical_s, rel=1e-12)
         assert critical > 0  # a true figure, not 0: an order no faster than a row that fits is skipped on it
+
+
+def test_a_refused_representative_hands_its_template_to_a_member_the_planner_accepts() -> None:
+    """GPT-3 on 384 A100s: a template's representative was refused at its own sizes (4 sequences a microbatch
+    over 16 data-parallel devices), and with it every member, the published P=12 Z=4 Y=8 among them."""
+    text = PIPELINE_MLP.read_text(encoding="utf-8").replace("microbatches 16", "microbatches 512")
+    spec = shardc.parse(text, str(PIPELINE_MLP))  # 2 sequences a microbatch: X=4 does not divide them
+    members = []
+    for sizes in ({"P": 2, "X": 4, "Y": 2}, {"P": 2, "X": 2, "Y": 4}):
+        at = prepare(spec, sizes)
+        assert not isinstance(at, shardc.layouts.Skipped)
+        members.append(Candidate(at, tuple(sizes.items())))
+    options = Options(get_hardware("tpu-v5p"))
+    with kept_plans():
+        assert "do not divide" in str(plan_template(members[0], options))
+        rep, made = accepted(members, members[0], options)
+    assert rep is members[1] and not isinstance(made, str)

@@ -42,7 +42,7 @@ from shardc.costmodel.offload import OFFLOADS
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, Schedule, Spec, Zero
 from shardc.layouts.rank import DIGITS, Layout, Options, Skipped, rank_key
-from shardc.layouts.templates import Candidate, free_step, note, plan_template, recost, template_key
+from shardc.layouts.templates import Candidate, accepted, free_step, note, recost, template_key
 from shardc.planner.graph import build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES
 from shardc.spec.validate import validate
@@ -179,8 +179,7 @@ def _costed(members: Sequence[Candidate], options: Options,
     """The first of ``members`` planned, and each costed with its plan but those whose schedule with every
     collective free (:func:`shardc.layouts.templates.free_step`) is slower than ``bar``: the rows, those
     refused, and how many were skipped."""
-    rep = members[0]
-    template = plan_template(rep, options)
+    rep, template = accepted(members, members[0], options)
     if isinstance(template, str):
         return [], [Skipped(c.label, c.sizes, template) for c in members], 0
     rows: list[Layout] = []

@@ -27,9 +27,9 @@ from shardc.ir.spec import Mesh, Network, Spec, parse_topology
 from shardc.layouts.rank import DIGITS, Layout, Options, Skipped, pairs, rank_key
 from shardc.layouts.templates import (
     Candidate,
+    accepted,
     free_step,
     note,
-    plan_template,
     recost,
     representatives,
     step_of,
@@ -116,11 +116,14 @@ def search_orders(found: Sequence[Candidate], rows: Sequence[Layout], options: O
     for c in made:
         groups.setdefault(template_key(c, options), []).append(c)
     reps = representatives(found, options)
+    written: dict[tuple[object, ...], list[Candidate]] = {}
+    for c in found:
+        written.setdefault(template_key(c, options), []).append(c)
     out: list[Layout] = []
     refused: list[Skipped] = []
     skipped = 0
     for done, (key, members) in enumerate(groups.items(), 1):
-        template = plan_template(reps[key], options)  # the written order's plan, kept from its rows
+        rep, template = accepted(written.get(key, []), reps[key], options)  # the written order's, kept
         free: dict[tuple[tuple[str, int], ...], float | None] = {}  # a layout's free_step, whatever its order
         for c in members:
             if bar is not None and not isinstance(template, str):
@@ -139,7 +142,7 @@ def search_orders(found: Sequence[Candidate], rows: Sequence[Layout], options: O
             if isinstance(row, str):
                 refused.append(Skipped(c.label, c.sizes, row))
                 continue
-            out.append(replace(row, notes=row.notes + (note(reps[key]),)))
+            out.append(replace(row, notes=row.notes + (note(rep),)))
             if bounded and row.fits and (bar is None or rank_key(row) < rank_key(bar)):
                 bar = row
         if progress is not None:

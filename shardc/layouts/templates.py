@@ -46,7 +46,7 @@ from shardc.spec.stages import pipeline_of
 from shardc.timing import plan_links, plan_time
 
 __all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates", "template_rows", "refined",
-           "representatives", "kept_plans", "plan_template", "step_of", "free_step", "note"]
+           "representatives", "kept_plans", "plan_template", "accepted", "step_of", "free_step", "note"]
 
 EXACT_TOP = 3  # the rows planned at their own sizes, at least: the chosen one and the two behind it
 ROUNDS = 8  # rounds of planning the best re-costed rows, each of EXACT_TOP plans at most
@@ -188,6 +188,21 @@ def plan_template(c: Candidate, options: Options) -> Plan | str:
     return made
 
 
+def accepted(members: Sequence[Candidate], rep: Candidate, options: Options) -> tuple[Candidate, Plan | str]:
+    """``rep`` planned (:func:`plan_template`); where the planner refuses it at its own sizes (a microbatch its
+    data-parallel devices do not divide, :func:`shardc.pipeline.boundary.check_microbatches`), the first other
+    of ``members`` it plans, so that one candidate's refusal is not its whole template's; ``rep`` and its
+    refusal where it plans none."""
+    refusal: str | None = None
+    for c in (rep, *(m for m in members if m is not rep)):
+        made = plan_template(c, options)
+        if isinstance(made, Plan):
+            return c, made
+        refusal = refusal or made
+    assert refusal is not None
+    return rep, refusal
+
+
 def _exact(c: Candidate, options: Options) -> Layout | str:
     row = evaluate(c.spec, options, c.recompute, c.offload)
     return row if isinstance(row, str) else replace(row, sizes=c.sizes, knobs=c.knobs)
@@ -255,7 +270,7 @@ def template_rows(members: Sequence[Candidate], rep: Candidate,
 def _planned_rows(members: Sequence[Candidate], rep: Candidate,
                   options: Options) -> tuple[list[Layout], list[Skipped], Plan | str]:
     """:func:`template_rows`, and the plan (or the planner's refusal)."""
-    template = plan_template(rep, options)
+    rep, template = accepted(members, rep, options)
     rows: list[Layout] = []
     skipped: list[Skipped] = []
     for c in members:
