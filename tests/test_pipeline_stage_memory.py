@@ -25,7 +25,14 @@ from shardc.lowering.pipeline_runtime import _once
 from shardc.planner.zigzag_order import sequence_order
 from shardc.spec.stages import pipeline_of
 from shardc.verification.pipeline_layers import run_blocks
-from shardc.verification.pipeline_memory import _data, _gradient_shapes, control_scalars, other_ends, run_fixed_bytes
+from shardc.verification.pipeline_memory import (
+    _data,
+    _gradient_shapes,
+    control_scalars,
+    other_ends,
+    results,
+    run_fixed_bytes,
+)
 from shardc.verification.pipeline_verify import check_pipeline_memory, run_sizes, run_split
 from tests.test_zigzag_pipeline import MODEL as ZIGZAG
 
@@ -215,3 +222,10 @@ def test_the_attention_logsumexp_scales_to_the_runs_float() -> None:
     assert rows == sizes["B"] // sizes["X"] * sizes["S"] // sizes["Y"] * sizes["G"] * sizes["R"]
     element = 4  # the float32 run: a bf16 spec's floats scale by 2
     assert value_bytes(run, ref, sizes) * element / plan.spec.dtype.nbytes == rows * 4  # was rows * 8
+
+
+def test_the_check_counts_the_tuple_the_program_returns_its_results_in() -> None:
+    """XLA's CPU backend returns the program's results in a tuple, one 8-byte pointer a result (pipeline_llama's
+    buffer assignment: 9 results, its outputs 72 bytes beyond the arrays): its 7 params' gradients, Out and dX."""
+    program, _ = _program(_plan("pipeline_llama"))
+    assert results(program) == 7 + 2

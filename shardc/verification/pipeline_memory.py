@@ -15,7 +15,9 @@ microbatches the stage holds at its peak (the program's ring holds as many:
 microbatch's largest phase, laid out as XLA's CPU backend lays it, with the schedule loop's control
 scalars) and the microbatches' gradient sums a once-a-step ReduceScatter reads, and beside the stage
 the run's data the program takes and returns (the whole batch's inputs and outputs, their cotangents
-and gradients).  Both are counted at the run's float element (its inputs' dtype).
+and gradients, and the tuple of pointers it returns its results in) and the other ends' params and
+gradients, which the program, one for every device, takes and returns on each.  Both are counted at
+the run's float element (its inputs' dtype).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from shardc.units import fmt_bytes
 from shardc.verification.memory_check import XLA_CPU
 from shardc.verification.pipeline_layers import at_run_blocks
 
-__all__ = ["StageMemoryCheck", "stage_memory_check", "control_scalars", "other_ends", "run_fixed_bytes",
+__all__ = ["StageMemoryCheck", "stage_memory_check", "control_scalars", "other_ends", "results", "run_fixed_bytes",
            "render_stage_memory"]
 
 _XLA = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
@@ -128,7 +130,8 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
               ("activations", (stage.activation_bytes + graph[stage.stage]) * scale),
               ("gathered weights", stage.gathered_bytes * scale),
               ("working set", _working_set(run, micro, stage, element, program.slots) + scalars * XLA_CPU.align),
-              ("gradient sums", stage.accumulator_bytes * scale), ("data", _data(plan, sizes, element)))
+              ("gradient sums", stage.accumulator_bytes * scale),
+              ("data", _data(plan, sizes, element) + XLA_CPU.pointer * results(program)))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
     slots = program.rings.kept.count
     return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, slots, shardc,
@@ -227,6 +230,18 @@ def _gradient_shapes(plan: Plan, sizes: dict[str, int], program: Any) -> int:
     names = {p for body in program.bodies for p in body.params}
     return len({tuple(-(-size_of(sizes, d.name) // math.prod(size_of(sizes, a) for a in d.axes))
                       for d in refs[n].dims) for n in names})
+
+
+def results(program: Any) -> int:
+    """The arrays the schedule's backward program returns (the leaves of its ``out_specs``: the ends'
+    accumulator, the outputs, every param's gradient).  XLA's CPU backend returns them in a tuple, an output
+    allocation of one pointer a result (:attr:`~shardc.costmodel.phase_memory.Buffers.pointer`, as the
+    unpipelined check counts it): pipeline_llama's buffer assignment, 9 results in 72 bytes, yi_34b's 10 in
+    80.  Counted with the run's data, the program's own."""
+    import jax
+
+    spec = jax.sharding.PartitionSpec
+    return len(jax.tree.leaves(program.specs()[1], is_leaf=lambda x: isinstance(x, spec)))
 
 
 def _data(plan: Plan, sizes: dict[str, int], element: int) -> float:
