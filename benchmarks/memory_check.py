@@ -65,7 +65,7 @@ def _pipelined(plans: list[tuple[Path, Any]], devices: int) -> None:
     from shardc.units import fmt_bytes
     from shardc.verification.pipeline_verify import check_pipeline_memory
 
-    heads = ("shardc", "params", "grads", "activ.", "gathered", "working", "sums", "data")
+    heads = ("shardc", "params", "grads", "ends", "activ.", "gathered", "working", "sums", "data")
     print(f"\n{'pipelined example':<26} {'ratio':>5}  {' '.join(f'{c:>9}' for c in heads)}  "
           f"{'XLA':>9} {'args':>9} {'outs':>9} {'temp':>9}  held/M")
     for path, plan in plans:

@@ -13,15 +13,26 @@ import pytest
 
 import shardc
 from shardc.collectives import Op
+from shardc.costmodel.memory import value_bytes
 from shardc.costmodel.phase_memory import Buffers, phase_memory
 from shardc.costmodel.stage_memory import gradient_reductions
+from shardc.device_pieces import local_elements
+from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Schedule
 from shardc.lowering.pipeline_lowering import lower_pipeline
 from shardc.lowering.pipeline_runtime import _once
 from shardc.planner.zigzag_order import sequence_order
+from shardc.spec.stages import pipeline_of
 from shardc.verification.pipeline_layers import run_blocks
-from shardc.verification.pipeline_memory import _data, _gradient_shapes, control_scalars
+from shardc.verification.pipeline_memory import (
+    _data,
+    _gradient_shapes,
+    control_scalars,
+    other_ends,
+    results,
+    run_fixed_bytes,
+)
 from shardc.verification.pipeline_verify import check_pipeline_memory, run_sizes, run_split
 from tests.test_zigzag_pipeline import MODEL as ZIGZAG
 
@@ -177,3 +188,44 @@ def test_xla_keeps_at_least_the_control_scalars_the_check_counts(tmp_path: Path)
     scalars = re.findall(r"<\d+ \S+ @\d+> \(size=[1-8],offset=(\d+)\): (?:pred|s32)\[\]", temps[1])
     assert check.scalars == 28 and len(scalars) == check.scalars + 8
     assert all(int(offset) % 64 == 0 for offset in scalars)
+
+
+def test_the_check_counts_the_other_ends_params_the_program_takes_on_every_device() -> None:
+    """The schedule's program is one SPMD program: every device takes both ends' params and returns their
+    gradients (yi_34b's buffer assignment: stage 0 takes W_out, f32[1,8,5], and returns its gradient), where
+    shardc's stage holds only its own end.  yi_34b at verify's sizes: W_emb[V_Y, D] and W_out[D, V_Y] are
+    40 / 8 x 8 = 40 elements a device, each with a gradient as large (zero 1: the gradient not sharded)."""
+    plan = _plan("yi_34b")
+    sizes, _, _ = run_sizes(plan, 8)
+    assert (sizes["V"] // sizes["Y"]) * sizes["D"] == 40
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None
+    first, middle, last = (other_ends(plan, pipe, s, sizes) for s in (0, 1, pipe.stages - 1))
+    assert (first, middle, last) == (2 * 40, 4 * 40, 2 * 40)  # W_out's, both ends', W_emb's: param and gradient
+
+
+def test_the_attention_logsumexp_scales_to_the_runs_float() -> None:
+    """The run's attention kernel holds each row's logsumexp at its compute type (float32 or wider: the run's
+    float), not at shardc cost's 4 bytes scaled by the run's element factor (8 bytes a row counted for a bf16
+    spec run in float32, 16 in a float64 run): the check costs it at the spec's dtype, scaled with the other
+    floats; the token ids keep their 4 bytes."""
+    plan = _plan("llama3_405b")
+    lse = {s.dst.name for s in plan.forward if isinstance(s.fn, Attention) and s.fn.part == "lse"}
+    assert lse and all(plan.fixed_bytes()[n] == 4 for n in lse)
+    fixed = run_fixed_bytes(plan)
+    assert not lse & fixed.keys()
+    assert fixed["Tok"] == 4
+    run = replace(plan, element_bytes=tuple(sorted(fixed.items())))
+    sizes, _, _ = run_sizes(plan, 8)
+    ref = next(s.dst for s in plan.forward if s.dst.name in lse)
+    rows = local_elements(ref, sizes)  # B_X, S_Y, G, R at verify's sizes
+    assert rows == sizes["B"] // sizes["X"] * sizes["S"] // sizes["Y"] * sizes["G"] * sizes["R"]
+    element = 4  # the float32 run: a bf16 spec's floats scale by 2
+    assert value_bytes(run, ref, sizes) * element / plan.spec.dtype.nbytes == rows * 4  # was rows * 8
+
+
+def test_the_check_counts_the_tuple_the_program_returns_its_results_in() -> None:
+    """XLA's CPU backend returns the program's results in a tuple, one 8-byte pointer a result (pipeline_llama's
+    buffer assignment: 9 results, its outputs 72 bytes beyond the arrays): its 7 params' gradients, Out and dX."""
+    program, _ = _program(_plan("pipeline_llama"))
+    assert results(program) == 7 + 2

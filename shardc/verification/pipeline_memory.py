@@ -15,7 +15,9 @@ microbatches the stage holds at its peak (the program's ring holds as many:
 microbatch's largest phase, laid out as XLA's CPU backend lays it, with the schedule loop's control
 scalars) and the microbatches' gradient sums a once-a-step ReduceScatter reads, and beside the stage
 the run's data the program takes and returns (the whole batch's inputs and outputs, their cotangents
-and gradients).  Both are counted at the run's float element (its inputs' dtype).
+and gradients, and the tuple of pointers it returns its results in) and the other ends' params and
+gradients, which the program, one for every device, takes and returns on each.  Both are counted at
+the run's float element (its inputs' dtype).
 """
 
 from __future__ import annotations
@@ -25,19 +27,23 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardc.costmodel.cost_report import cost
-from shardc.costmodel.memory import kept_once, residual_values, value_bytes
+from shardc.costmodel.memory import kept_once, residual_values, state_refs, value_bytes
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.costmodel.pipeline_cost import StageCost
-from shardc.costmodel.stage_memory import outside_names
+from shardc.costmodel.stage_memory import held_names, outside_names
 from shardc.device_pieces import local_elements, size_of
+from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim
+from shardc.spec.stages import Pipeline
+from shardc.spec.walk import block_reads
 from shardc.units import fmt_bytes
 from shardc.verification.memory_check import XLA_CPU
 from shardc.verification.pipeline_layers import at_run_blocks
 
-__all__ = ["StageMemoryCheck", "stage_memory_check", "control_scalars", "render_stage_memory"]
+__all__ = ["StageMemoryCheck", "stage_memory_check", "control_scalars", "other_ends", "results", "run_fixed_bytes",
+           "render_stage_memory"]
 
 _XLA = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
         ("temporaries", "temp_size_in_bytes"))
@@ -83,7 +89,10 @@ class StageMemoryCheck:
                 f"the program runs the loss's backward at each microbatch's forward tick, keeping the block output's "
                 f"cotangent where a framework keeps the loss's graph to the microbatch's backward (shardc cost "
                 f"counts that): its activations are counted as the program keeps them ({fmt_bytes(self.loss_graph)})"]
-                if self.loss_graph else [])
+                if self.loss_graph else []) + ([
+                "the program takes every end's params on every device and returns their gradients: the other "
+                f"ends' ({fmt_bytes(dict(self.shardc_parts)['other ends'])}) are counted as the program's own, "
+                "a framework's stage holds only its own"] if dict(self.shardc_parts).get("other ends") else [])
 
     def to_json(self) -> dict[str, object]:
         return {"pipelined": True, "stage": self.stage, "element_bytes": self.element, "held": self.held,
@@ -107,7 +116,7 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     # stores it in the run's float, XLA:CPU having no FP8 dot): DeepSeek-V3's f8 residuals counted at half
     # the bytes its ring holds them at (2.1 MB of its 6.7 MB); ids and masks keep their own (fixed_bytes)
     run = replace(plan, spec=replace(spec, microbatches=pipe.microbatches, stage_layers=lowered.namespace.STAGE_LAYERS),
-                  element_bytes=tuple(sorted(plan.fixed_bytes().items())))
+                  element_bytes=tuple(sorted(run_fixed_bytes(plan).items())))
     report = cost(run, sizes=sizes)
     assert report.pipeline is not None
     scale = element / plan.spec.dtype.nbytes
@@ -117,10 +126,12 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
     stage = max(report.pipeline.stages, key=lambda s: s.memory_bytes + graph[s.stage])  # as the program holds it
     scalars = control_scalars(program, _gradient_shapes(plan, lowered.sizes, program))
     shardc = (("params", stage.params * element), ("gradients", stage.grads * element),
+              ("other ends", other_ends(run, pipe, stage.stage, sizes) * element),
               ("activations", (stage.activation_bytes + graph[stage.stage]) * scale),
               ("gathered weights", stage.gathered_bytes * scale),
               ("working set", _working_set(run, micro, stage, element, program.slots) + scalars * XLA_CPU.align),
-              ("gradient sums", stage.accumulator_bytes * scale), ("data", _data(plan, sizes, element)))
+              ("gradient sums", stage.accumulator_bytes * scale),
+              ("data", _data(plan, sizes, element) + XLA_CPU.pointer * results(program)))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
     slots = program.rings.kept.count
     return StageMemoryCheck(stage.stage, element, stage.held, pipe.microbatches, slots, shardc,
@@ -147,6 +158,37 @@ def loss_graph(plan: Plan, stage: StageCost, micro: dict[str, int], split: bool)
     graph = sum(value_bytes(plan, r, micro) for r in kept_once(plan, values) if r.name in after and dim in r.indices)
     cotangent = float(local_elements(boundary_tensor(plan), micro)) * plan.spec.dtype.nbytes
     return stage.held * (cotangent - graph)
+
+
+def run_fixed_bytes(plan: Plan) -> dict[str, int]:
+    """The element sizes the run holds whatever its float: :meth:`Plan.fixed_bytes` (token ids, keep-masks)
+    less the attention kernels' row logsumexps.  ``shardc cost`` keeps those at 4 bytes whatever the spec's
+    dtype (:data:`~shardc.ops.ring_attention.LSE_BYTES`, as the kernels keep them in float32), but the run's
+    kernel holds them at its compute type, float32 or wider (``compute_dtype`` in the runtime's
+    ``_attention``: the run's float, 4 or 8 bytes): counted at the spec's dtype, they scale to the run's
+    element with the other floats (at 4 bytes scaled they were twice what a float32 run holds of a bf16
+    spec's, and DeepSeek-V3's float64 verify counted them at 16 bytes where it holds 8)."""
+    lse = {s.dst.name for s in plan.forward if isinstance(s.fn, Attention) and s.fn.part == "lse"}
+    return {t: n for t, n in plan.fixed_bytes().items() if t not in lse}
+
+
+def other_ends(plan: Plan, pipe: Pipeline, stage: int, sizes: dict[str, int]) -> float:
+    """The elements on a device of the params outside the ``layers`` block that ``stage`` does not hold
+    (the other end's: the embedding on the last stage, the head on the first), and of their gradients:
+    the program, one SPMD program for every device, takes each end's params on every device and returns
+    their gradients (the buffer assignments: yi_34b's stage 0 takes W_out, f32[1,8,5], 160 B, and returns
+    its gradient), where a framework's stage holds only its own.  Counted for the comparison only, as the
+    program's own (``shardc cost`` counts none)."""
+    held = held_names(plan, pipe, stage)
+    if held is None:
+        return 0.0
+    before, after = outside_names(plan)
+    inside = block_reads(plan.spec)
+    others = {info.name for info in plan.tensors if info.role == "param"
+              and info.name in before | after and info.name not in held | inside.keys()}
+    grads, _ = state_refs(plan)
+    refs = [info.ref for info in plan.tensors if info.name in others] + [r for r in grads if r.name in others]
+    return sum(float(local_elements(r, sizes)) for r in refs)
 
 
 def control_scalars(program: Any, gradient_shapes: int) -> int:
@@ -188,6 +230,18 @@ def _gradient_shapes(plan: Plan, sizes: dict[str, int], program: Any) -> int:
     names = {p for body in program.bodies for p in body.params}
     return len({tuple(-(-size_of(sizes, d.name) // math.prod(size_of(sizes, a) for a in d.axes))
                       for d in refs[n].dims) for n in names})
+
+
+def results(program: Any) -> int:
+    """The arrays the schedule's backward program returns (the leaves of its ``out_specs``: the ends'
+    accumulator, the outputs, every param's gradient).  XLA's CPU backend returns them in a tuple, an output
+    allocation of one pointer a result (:attr:`~shardc.costmodel.phase_memory.Buffers.pointer`, as the
+    unpipelined check counts it): pipeline_llama's buffer assignment, 9 results in 72 bytes, yi_34b's 10 in
+    80.  Counted with the run's data, the program's own."""
+    import jax
+
+    spec = jax.sharding.PartitionSpec
+    return len(jax.tree.leaves(program.specs()[1], is_leaf=lambda x: isinstance(x, spec)))
 
 
 def _data(plan: Plan, sizes: dict[str, int], element: int) -> float:
