@@ -192,7 +192,7 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
     hw = chip_for(spec, hardware)
     if spec.topology is not None and not (hw.book and hw.ici_domain is not None):
         span = spec.span_of("topology") if topology is None else None
-        check_topology(spec.topology, spec.mesh, {}, hw, span)
+        check_topology(spec.topology, spec.mesh, {}, hw, span, flag=topology is not None)
     return spec
 
 
