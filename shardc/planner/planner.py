@@ -185,7 +185,7 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
     if topology is not None:
         if not isinstance(topology, str | tuple | list):
             raise TypeError(f"topology must be a str like '4x4x4' or a tuple of ints, not {type(topology).__name__}")
-        shape = parse_topology(topology) if isinstance(topology, str) else tuple(topology)
+        shape = parse_topology(topology, what="--topology") if isinstance(topology, str) else tuple(topology)
         if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
             raise ShardcError(f"topology {topology!r}: expects whole sizes of 1 or more", fix="write e.g. 4x4x4")
         spec = replace(spec, topology=shape)
