@@ -190,7 +190,10 @@ def chip_for(spec: Spec, hardware: str | Hardware | None = None, hardware_file: 
     if (fusion, grad_reduce) != (hw.fusion, hw.grad_reduce):
         hw = replace(hw, fusion=fusion, grad_reduce=grad_reduce)
     if hw.attention_kernel is None and spec.attention_kernel is not None:
-        hw = hw.with_attention(spec.attention_kernel)
+        try:
+            hw = hw.with_attention(spec.attention_kernel)
+        except ShardcError as err:  # the spec's line names a kernel this chip (a --hardware flag's) has no rates of
+            raise ShardcError(err.message, spec.span_of("attention_kernel"), fix=err.fix) from None
     if hw.param_gather is None and spec.param_gather is not None:
         hw = replace(hw, param_gather=spec.param_gather)
     return hw

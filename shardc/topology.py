@@ -151,10 +151,11 @@ def _primes(n: int) -> list[int]:
 
 
 def check_topology(shape: Shape, mesh: Mesh, sizes: Mapping[str, int], hw: Hardware,
-                   span: Span | None = None) -> None:
+                   span: Span | None = None, flag: bool = False) -> None:
     """A topology fits the chip and the mesh: a slice of the chip's torus of the ICI axes' chips, or
-    a cluster of full nodes of every chip."""
-    what = f"topology {shape_text(shape)}"
+    a cluster of full nodes of every chip.  ``flag``: given over the spec's line (``--topology``), which the
+    error names, having no line to point at."""
+    what = f"{'--' if flag else ''}topology {shape_text(shape)}"
     ici = math.prod(sizes.get(a.name, a.size) for a in mesh.axes if a.network is not Network.DCN)
     every = math.prod(sizes.get(a.name, a.size) for a in mesh.axes)
     if hw.ici_domain is not None:

@@ -206,8 +206,9 @@ def test_an_attention_kernel_line_runs_that_kernel_at_its_measured_rate() -> Non
 
 
 def test_a_kernel_without_measured_rates_on_the_chip_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(ShardcError, match="no measured rates of attention kernel 'flash3' on a100"):
+    with pytest.raises(ShardcError, match="no measured rates of attention kernel 'flash3' on a100") as err:
         shardc.plan(shardc.parse(_with(ATTENTION, "attention_kernel flash3")), hardware="a100")
+    assert err.value.span is not None and err.value.span.line == 2  # the spec's line (a flag chose the chip)
     assert get_hardware("a100").with_attention("flash2") == get_hardware("a100").configured(attention_kernel="flash2")
     chip = tmp_path / "chip.toml"
     chip.write_text('flops = 1e15\nici_bandwidth = 1e11\nhbm_bytes = 8e10\ndcn_bandwidth = 1e10\n'

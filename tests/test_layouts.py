@@ -270,6 +270,18 @@ def test_other_mistakes_are_clear_errors(capsys: pytest.CaptureFixture[str], arg
     assert "Traceback" not in err and "internal error" not in err
 
 
+def test_a_prime_share_of_the_chips_is_said_in_chips_and_its_fix_has_factors(capsys: pytest.CaptureFixture[str],
+                                                                             tmp_path: Path) -> None:
+    """--chips 6 past a kept DCN axis of 2 leaves 3: the error said "3 chips" of a --chips 6 and its fix "e.g. 2",
+    itself prime."""
+    path = tmp_path / "dcn.shard"
+    path.write_text("mesh Q=2 over dcn, X=2, Y=2\ndims B=64, D=32, F=64\nOut[B_QX, F_Y] = In[B_QX, D] · W[D, F_Y]\n",
+                    encoding="utf-8")
+    status, _, err = run(capsys, "layouts", str(path), "--chips", "6")
+    assert status == 2 and "3 chips (--chips 6 past the 2 devices" in err and "--chips 8" in err, err
+    assert run(capsys, "layouts", str(path), "--chips", "8", "--jobs", "1")[0] == 0
+
+
 def test_a_spec_without_sizes_is_a_clear_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "nosizes.shard"
     path.write_text("mesh X=2, Y=2\nOut[B_X, F_Y] = In[B_X, D] · W[D, F_Y]\n", encoding="utf-8")

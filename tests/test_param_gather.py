@@ -76,3 +76,13 @@ def test_the_flag_beats_the_spec_line(tmp_path: Path) -> None:
     done = [subprocess.run([sys.executable, "-m", "shardc", "cost", str(path), *flag], capture_output=True,
                            text=True, cwd=ROOT, check=True).stdout for flag in ([], ["--param-gather", "exposed"])]
     assert "param_gather overlapped" in done[0] and "param_gather overlapped" not in done[1]
+
+
+def test_a_zero_2_plan_with_overlapped_gathers_lowers() -> None:
+    """Lowering plans the spec again without its zero line: it kept `param_gather overlapped`, which the spec
+    without ZeRO refuses, so `shardc lower` said "add `zero 1 over X`" of a spec that had it."""
+    from shardc.lowering.replan import unlowered_optimizer
+
+    plan = shardc.plan(shardc.parse(MLP.replace("zero 1", "zero 2").format(line="param_gather overlapped\n")))
+    alone, note = unlowered_optimizer(plan)
+    assert alone.spec.zero is None and alone.spec.param_gather is None and note is not None

@@ -134,3 +134,16 @@ def test_a_pipelined_block_starting_from_an_input_is_costed_and_its_lowering_ref
     assert microbatch_dim(plan) == "B" and shardc.cost(plan).step.step_s > 0
     with pytest.raises(ShardcError, match="the pipelined block reads X0, an input with the batch dim B"):
         check_lowerable(plan)
+
+
+def test_an_input_read_on_both_sides_of_the_block_is_refused_with_a_fix_that_applies() -> None:
+    """A const position table read before and after the block: the fix said "write the model as an embedding, a
+    `layers` block and a head ... each reading only its own params", which it was."""
+    from shardc.errors import ShardcError
+    from shardc.lowering.pipeline_ends import split_spec
+
+    both = ENDS.format(schedule="1f1b").replace("const Tok, Next", "const Tok, Next, Pos").replace(
+        "+ Bias[V_Y]", "+ Pos[S, D] · W_pos[D, V_Y]")
+    with pytest.raises(ShardcError, match="Pos is read both before and after") as err:
+        split_spec(shardc.parse(both, "pos.shard"))
+    assert err.value.span is not None and err.value.fix is not None and "Pos2" in err.value.fix

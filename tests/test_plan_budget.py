@@ -91,3 +91,20 @@ def test_a_busy_machine_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None
     assert shardc.plan(spec) == plan
     busy = search_layouts([spec], options, chips=16)
     assert busy.layouts == search.layouts and busy.skipped == search.skipped == ()
+
+
+PIPED = ("mesh P=2 pipeline, X=2, W=2\ndims B=64, D=32, F=128\nlayers 2\nmicrobatches 2\nparam W_in, W_out\n"
+         "T[B_X, F] = In[B_X, D] · W_in[D, F]\nOut[B_X, D] = In[B_X, D] + T[B_X, F] · W_out[F, D]\n")
+
+
+@pytest.mark.parametrize("text, free", [(THREE.replace("Z=2", "Z=2, W=2"), "W"), (PIPED, "W"),
+                                        (THREE.replace("Z=2", "Z=2, W=1"), None)])
+def test_giving_up_points_at_the_mesh_and_names_an_axis_no_tensor_is_written_over(text: str,
+                                                                                   free: str | None) -> None:
+    """A 4-axis mesh (two `over dcn` axes) with one axis written nowhere gave up with no span and a fix that did
+    not apply ("merge axes that always shard together"); written where it goes (B_ZWX) the spec planned."""
+    with pytest.raises(shardc.ShardcError, match="gave up") as err:
+        shardc.plan(shardc.parse(text, "m.shard"), budget=1)
+    assert err.value.span is not None and err.value.span.line == 1 and err.value.fix is not None
+    assert (f"no tensor is written over {free}," in err.value.fix) == (free is not None)
+    assert "written over P" not in err.value.fix and "merge axes" in err.value.fix

@@ -293,6 +293,9 @@ def test_plan_and_cost_take_the_topology_flag(capsys: pytest.CaptureFixture[str]
     assert main(["plan", path, "--topology", "4x4x4", "--json"]) == 0
     capsys.readouterr()
     assert main(["plan", path, "--topology", "4x4"]) == 2
-    assert "topology 4x4 has 16 chips, the mesh's ICI axes 64" in capsys.readouterr().err
+    # the flag named (it has no line to point at), where the spec's own line would get a span
+    assert "error: --topology 4x4 has 16 chips, the mesh's ICI axes 64" in capsys.readouterr().err
+    assert main(["plan", path, "--topology", "0x8"]) == 2
+    assert "error: --topology '0x8': expects a shape like 4x4x4" in capsys.readouterr().err
     with pytest.raises(TypeError, match="topology must be"):
         shardc.plan(shardc.parse("mesh X=4\nOut[B_X] = In[B_X]\n"), topology=4)

@@ -26,11 +26,12 @@ class Network(enum.Enum):
         return self.value
 
 
-def parse_topology(text: str, span: Span | None = None) -> tuple[int, ...]:
-    """``4x4x4``, ``16x16`` or ``48x8``: two or three whole sizes of 1 or more, joined by ``x``."""
+def parse_topology(text: str, span: Span | None = None, what: str = "topology") -> tuple[int, ...]:
+    """``4x4x4``, ``16x16`` or ``48x8``: two or three whole sizes of 1 or more, joined by ``x``; ``what`` names
+    where it was given (``--topology``: no line to point at)."""
     parts = text.strip().lower().split("x")
     if not 1 <= len(parts) <= 3 or not all(p.isdigit() and len(p) <= 9 and int(p) >= 1 for p in parts):
-        raise ShardcError(f"topology {text[:40]!r}: expects a shape like 4x4x4, 16x16 or 48x8", span,
+        raise ShardcError(f"{what} {text[:40]!r}: expects a shape like 4x4x4, 16x16 or 48x8", span,
                           fix="write the slice's sides (TPU) or NODESxGPUS (GPU), joined by x")
     return tuple(int(p) for p in parts)
 

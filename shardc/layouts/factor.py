@@ -94,9 +94,11 @@ def check_chips(chips: int, axes: Axes, label: str) -> int:
         raise ShardcError(f"{label}: no mesh axis left to search, yet {left} chips to place",
                           fix="leave an ICI axis out of --set, or give --chips the kept axes' product")
     if len(axes.searched) > 1 and _is_prime(left):
-        raise ShardcError(f"{label}: {left} chips is a prime number: every layout would put them all on one "
+        past = "" if kept == 1 else f" (--chips {chips} past the {kept} devices of the axes kept at their size)"
+        # left + 1 is even and over 2 for an odd prime: it has factors (left - 1 may not: 3 - 1 = 2)
+        raise ShardcError(f"{label}: {left} chips{past} is a prime number: every layout would put them all on one "
                           f"axis of {', '.join(axes.searched)}, with nothing to trade between them",
-                          fix=f"use a chip count with factors (e.g. {left - 1 if left > 2 else 4})")
+                          fix=f"use a chip count with factors (e.g. --chips {kept * (left + 1 if left > 2 else 4)})")
     return left
 
 

@@ -108,9 +108,12 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
                           fix=fix)
     shared = (_names(pre) & _names(post)) - set(spec.params or ())
     if shared:
+        first = sorted(shared)[0]
         raise ShardcError(f"{', '.join(sorted(shared))} is read both before and after the pipelined block "
                           "(on the first and the last stage); only a param may be (held by both)",
-                          spec.span_of("layers"), fix=fix)
+                          spec.span_of("layers"),
+                          fix=f"give the statements after the block their own input ({first}2, the same values), "
+                              f"or, for a trained weight, list {first} on the `param` line")
     last = post[-1]
     terms = last.expr.terms if isinstance(last.expr, Add) else (last.expr,)  # several heads' losses summed
     if not all(isinstance(t, Call) and t.func == "cross_entropy" for t in terms) or last.result.dims:

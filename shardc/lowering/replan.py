@@ -25,7 +25,8 @@ def unlowered_optimizer(plan: Plan) -> tuple[Plan, str | None]:
     """
     if not plan.optimizer:
         return plan, None
-    spec = replace(plan.spec, zero=None)
+    # `param_gather` times the optimizer phase's gathers, lowered beside: without the zero line it is refused
+    spec = replace(plan.spec, zero=None, param_gather=None)
     spans = dict(plan.spans) or None
     alone = make_plan(spec, save=plan.save, hardware=plan.chip, spans=spans,
                       recompute=plan.recompute)

@@ -45,6 +45,7 @@ from shardc.sharding.unit import (
     placements,
     restriction_note,
     strip_unit_axes,
+    unwritten_axes,
 )
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
@@ -136,11 +137,11 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
         return fastest(False)
     except SearchTooLong as e:
         if not _dcn_bondable(spec):
-            _gave_up(e)
+            _gave_up(e, spec)
     try:  # past the budget: again with DCN axes written together moved as one (bonded_axes)
         return fastest(True)
     except SearchTooLong as e:
-        _gave_up(e)
+        _gave_up(e, spec)
 
 
 def _dcn_bondable(spec: Spec) -> bool:
@@ -150,13 +151,16 @@ def _dcn_bondable(spec: Spec) -> bool:
     return bonded_axes(stripped) is None and bonded_axes(stripped, dcn=True) is not None
 
 
-def _gave_up(e: SearchTooLong) -> NoReturn:
-    """The error of a search past its budget."""
+def _gave_up(e: SearchTooLong, spec: Spec) -> NoReturn:
+    """The error of a search past its budget, at the mesh line; an axis no tensor is written over named."""
+    free = unwritten_axes(spec)
     raise ShardcError(
         f"planning gave up after {e.work:,} steps of search (layouts and moves explored): the search "
-        f"over layouts grows with every mesh axis (this mesh has {e.axes} of size > 1)",
-        fix="merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
-            "one axis XY=4), or drop the dims line to plan by the book's rules") from None
+        f"over layouts grows with every mesh axis (this mesh has {e.axes} of size > 1)", spec.span_of("mesh"),
+        fix=(f"no tensor is written over {', '.join(free)}, so every dim is tried on it: write it where it goes "
+             "(B_XY), or drop it from the mesh; else " if free else "")
+        + "merge axes that always shard together into one (mesh X=2, Y=2 used only as B_XY: "
+          "one axis XY=4), or drop the dims line to plan by the book's rules") from None
 
 
 def _planned(save: str, spec: Spec, strategy: str, hardware: str | Hardware | None,
@@ -181,14 +185,14 @@ def _with_topology(spec: Spec, topology: str | tuple[int, ...] | None, hardware:
     if topology is not None:
         if not isinstance(topology, str | tuple | list):
             raise TypeError(f"topology must be a str like '4x4x4' or a tuple of ints, not {type(topology).__name__}")
-        shape = parse_topology(topology) if isinstance(topology, str) else tuple(topology)
+        shape = parse_topology(topology, what="--topology") if isinstance(topology, str) else tuple(topology)
         if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
             raise ShardcError(f"topology {topology!r}: expects whole sizes of 1 or more", fix="write e.g. 4x4x4")
         spec = replace(spec, topology=shape)
     hw = chip_for(spec, hardware)
     if spec.topology is not None and not (hw.book and hw.ici_domain is not None):
         span = spec.span_of("topology") if topology is None else None
-        check_topology(spec.topology, spec.mesh, {}, hw, span)
+        check_topology(spec.topology, spec.mesh, {}, hw, span, flag=topology is not None)
     return spec
 
 

@@ -51,8 +51,8 @@ from dataclasses import replace
 from shardc.ir.spec import Add, Call, Expr, Mesh, Network, Spec, TensorRef
 from shardc.spec.walk import leaves
 
-__all__ = ["strip_unit_axes", "canonical", "without_unit_axes", "bonded_axes", "EXACT_AXES", "placements",
-           "Placements", "restriction_note", "bond_note", "DCN_BONDS"]
+__all__ = ["strip_unit_axes", "canonical", "without_unit_axes", "bonded_axes", "unwritten_axes", "EXACT_AXES",
+           "placements", "Placements", "restriction_note", "bond_note", "DCN_BONDS"]
 
 # index -> (the axes that may shard it, each axis's rank in the one order they may take on it,
 # or None where the spec writes them in more than one order)
@@ -139,6 +139,16 @@ def bonded_axes(spec: Spec, dcn: bool = False) -> tuple[tuple[str, ...], ...] | 
         covered.update(unit)
         units.append(tuple(unit))
     return tuple(sorted(units, key=lambda u: names.index(u[0])))
+
+
+def unwritten_axes(spec: Spec) -> tuple[str, ...]:
+    """Mesh axes of size > 1 no tensor of the spec is written over (the stage axis aside): the search tries
+    each on every dim, the one thing that makes a mesh of few axes search long."""
+    refs = [r for s in spec.statements for r in (s.result, *leaves(s.expr))]
+    written = {a for r in refs for a in (*r.unreduced, *(x for d in r.dims for x in d.axes))}
+    stage = spec.mesh.pipeline_axis
+    return tuple(a.name for a in spec.mesh.axes
+                 if a.name not in written and a.size != 1 and (stage is None or a.name != stage.name))
 
 
 def _bonded(a: str, b: str, refs: list[TensorRef]) -> bool:
