@@ -27,7 +27,7 @@ cost pass; :mod:`shardc.costmodel.memory` counts with it.
 
 from __future__ import annotations
 
-__all__ = ["ACCOUNTINGS", "MASTER", "LOW_GRAD", "REDUCED_BYTES", "chosen", "update_bytes"]
+__all__ = ["ACCOUNTINGS", "MASTER", "LOW_GRAD", "REDUCED_BYTES", "chosen", "described", "update_bytes"]
 
 # name -> (param bytes, grad bytes, optimizer-state bytes, description)
 ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
@@ -66,6 +66,22 @@ def chosen(written: str | None, given: str | None = None) -> str:
     ('adam10', 'bf16opt20', 'adam16')
     """
     return given or written or "adam10"
+
+
+def described(accounting: str, dtype: str) -> str:
+    """The accounting's description for a spec whose 16-bit type is ``dtype``: the param and the gradient
+    held in the spec's type (fp16 under DeepSpeed's or Megatron-LM's fp16 mixed precision, as GPT-NeoX-20B
+    trained), the optimizer state's own types as written.
+
+    >>> described("adam16", "f16")
+    '16 bytes/param: fp16 param + fp16 grad + fp32 master, m, v'
+    >>> described("mixed14", "bf16")
+    '14 bytes/param: bf16 param + fp32 grad + fp32 master + bf16 m, v'
+    """
+    text = ACCOUNTINGS[accounting][3]
+    if dtype != "f16":
+        return text
+    return text.replace("bf16 param", "fp16 param").replace("bf16 grad", "fp16 grad")
 
 
 def update_bytes(accounting: str, fused: bool) -> int:

@@ -42,6 +42,15 @@ def test_the_second_pair_has_its_roles_and_the_result_is_vs_head() -> None:
     assert shardc.plan(_spec()).spec.statements[0].result.indices == ("B", "S", "N", "H")
 
 
+def test_the_pair_with_a_value_head_of_its_own_gives_vs_head() -> None:
+    # a held-out run (GPT-NeoX-20B's rotary on 24 of 96 head dims: Qn.Kn over 72, Qr.Kr over 24, V of 96) was
+    # refused: "C has indices B, S, N, H, but `attention` gives B, S, N, E" (the result took Q's head, not V's)
+    spec = shardc.parse("mesh X=2, Y=2\ndims B=4, S=8, T=8, N=4, E=6, J=2, H=8\n"
+                        "O[B_X, S, N_Y, H] = attention(Qn[B_X, S, N_Y, E], Kn[B_X, T, N_Y, E], V[B_X, T, N_Y, H], "
+                        "Qr[B_X, S, N_Y, J], Kr[B_X, T, N_Y, J] over T, causal)\n")
+    assert shardc.plan(spec).spec.statements[0].result.indices == ("B", "S", "N", "H")
+
+
 @pytest.mark.parametrize(("pair", "message"), [
     ("Qr[B, S, N, J]", "takes 3 tensors"),
     ("Qr[B, S, N, J], Kr[B, T, E]", "end with the same head dim"),

@@ -287,3 +287,24 @@ def test_plan_imports_no_computer_algebra_and_cost_only_symengine() -> None:
     out = subprocess.run([sys.executable, "-c", code, str(EXAMPLES / "fsdp_tp.shard")], capture_output=True,
                          text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["False False False", "True False False"], out.stdout
+
+
+def test_solved_threshold_below_a_negative_bound_always_holds() -> None:
+    # a held-out run (StarCoder's forward) printed "T > <negative> (never: ...)" for a phase that is compute-bound
+    # at every T: above a bound <= 0 the condition always holds; a negative slope turns the side to "<"
+    from shardc.costmodel.formulas import ZERO, PhaseFormula, symbol
+    from shardc.costmodel.thresholds import derive
+
+    b, f = symbol("B"), symbol("F")
+    hw = get_hardware("tpu-v5p")  # C/W_ici = 2550 there
+    rising = PhaseFormula(b * f, b * f, f + b, f + b, ZERO)  # B*F/(B + F) > 2550 iff B > 2550*F/(F - 2550)
+    steady = PhaseFormula(3000 * b + f * f, b, f + b, f + b, ZERO)  # iff 450*B > 2550*F - F^2, at F > 2550 always
+    [always] = derive("forward", steady, hw, frozenset({"X"}), {"B": ()}, {"B": 8, "F": 10**4})
+    assert ", i.e. B > " in always.sentence and "(always: the bound is not positive)" in always.sentence
+    [above] = derive("forward", rising, hw, frozenset({"X"}), {"B": ()}, {"B": 8, "F": 10**5})
+    assert ", i.e. B > " in above.sentence and "never" not in above.sentence and "always" not in above.sentence
+    falling = PhaseFormula(f * f, f * f, f + b, f + b, ZERO)  # F^2/(B + F) > 2550 iff B < F^2/2550 - F
+    [below] = derive("forward", falling, hw, frozenset({"X"}), {"B": ()}, {"B": 8, "F": 10**5})
+    assert ", i.e. B < " in below.sentence
+    [never] = derive("forward", falling, hw, frozenset({"X"}), {"B": ()}, {"B": 8, "F": 100})
+    assert ", i.e. B < " in never.sentence and "(never: the bound is not positive)" in never.sentence

@@ -51,7 +51,13 @@ PARAMS = {"llama2_70b_maxtext": 68.98e9, "palm_540b": 540.35e9, "llama3_405b": 4
           "torchtitan_llama3_8b_cp": 8030261248 - 65 * 4096, "torchtitan_llama3_70b": 70553706496 - 161 * 8192,
           "torchtitan_llama3_405b": 405853388800 - 253 * 16384,
           # MaxText's base.yml decoder at global_parameter_scale=32 (MaxText/configs/v5e/32b.sh): 2VD + L(4D^2 + 3DF)
-          "maxtext_32b_v5e": 2 * 32000 * 8192 + 32 * (4 * 8192**2 + 3 * 8192 * 28672)}
+          "maxtext_32b_v5e": 2 * 32000 * 8192 + 32 * (4 * 8192**2 + 3 * 8192 * 28672),
+          # GPT-NeoX-20B's released checkpoint (20,554,567,680), less its biases and layernorms (3,526,656);
+          # StarCoderBase counted from its released config.json's shapes (GPTBigCode: 15,517,456,384) less the same
+          "gpt_neox_20b": 20554567680 - 44 * (4 * 6144 + 24576 + 6144) - 44 * 4 * 6144 - 2 * 6144,
+          "starcoder_15b": 15517456384 - 40 * (48 * 128 + 2 * 128 + 2 * 6144 + 24576) - 40 * 4 * 6144 - 2 * 6144,
+          # DeepSeek LLM 67B counted from its released config.json's shapes (67,425,001,472) less its RMSNorm scales
+          "deepseek_llm_67b": 67425001472 - 95 * 2 * 8192 - 8192}
 
 
 def _spec(name: str) -> Spec:

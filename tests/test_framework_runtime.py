@@ -205,6 +205,19 @@ def test_an_attention_kernel_line_runs_that_kernel_at_its_measured_rate() -> Non
         shardc.parse(_with(ATTENTION, "attention_kernel triton"))
 
 
+def test_an_attention_kernel_on_a_spec_without_the_fused_call_says_it_changes_nothing() -> None:
+    # a held-out run (GPT-NeoX-20B writes its scores out, as its Megatron kernels do) given --attention-kernel flash2
+    # was told "fused attention at the rates measured of it", and its step did not move
+    unfused = ("mesh X=8\ndims B=8, S=1024, T=1024, N=16, H=128\nhardware h100\nattention_kernel flash2\n"
+               "Sc[B_X, N, S, T] = Q[B_X, S, N, H] · K[B_X, T, N, H]\n"
+               "Pr[B_X, N, S, T] = softmax(causal(Sc[B_X, N, S, T], S, T) over T)\n"
+               "C[B_X, S, N, H] = Pr[B_X, N, S, T] · V[B_X, T, N, H]\n")
+    notes = shardc.cost(shardc.plan(shardc.parse(unfused))).notes
+    assert any(n.startswith("attention_kernel flash2: changes nothing here") for n in notes)
+    fused = shardc.cost(shardc.plan(shardc.parse(_with(ATTENTION, "attention_kernel flash2")))).notes
+    assert any(n.startswith("attention_kernel flash2: fused attention at the rates") for n in fused)
+
+
 def test_a_kernel_without_measured_rates_on_the_chip_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ShardcError, match="no measured rates of attention kernel 'flash3' on a100") as err:
         shardc.plan(shardc.parse(_with(ATTENTION, "attention_kernel flash3")), hardware="a100")

@@ -44,6 +44,14 @@ def test_each_accounting_counts_its_bytes_per_local_param_and_is_named(name: str
     assert report.to_json()["memory"]["accounting"] == name  # type: ignore[index]
 
 
+def test_an_f16_spec_names_its_params_and_gradients_fp16() -> None:
+    # a held-out run (GPT-NeoX-20B, fp16 under DeepSpeed) printed "adam16: ... bf16 param + bf16 grad"
+    text = shardc.cost(shardc.plan(shardc.parse("dtype f16\n" + SPEC + "optimizer adam16\n"))).render()
+    assert "(adam16: 16 bytes/param: fp16 param + fp16 grad + fp32 master, m, v" in text
+    plain = shardc.cost(shardc.plan(shardc.parse(SPEC + "optimizer mixed14\n"))).render()
+    assert "bf16 param + fp32 grad + fp32 master + bf16 m, v" in plain  # bf16 specs and the state's types as written
+
+
 def test_bf16_optimizer_keeps_both_gradients_whole_under_zero_1_and_shards_the_rest() -> None:
     # DeepSpeed's BF16_Optimizer on a ZeRO-1 spec, by hand: W_in[D, F_Y] and W_out[F_Y, D] hold 1024 x 4096 / 2
     # elements each a device; the bf16 gradient (2) and the fp32 buffer (4), zeros_like the whole flat group,

@@ -30,6 +30,7 @@ from shardc.costmodel.pipeline_cost import PipelineCost, pipeline_cost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans
+from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network
 from shardc.layer_counts import block_counts, resolve_layers
@@ -357,8 +358,11 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
                      "Megatron-LM's), which reads what the spec names from HBM and writes its result; no matmul "
                      "epilogue")
     if hw.attention_kernel is not None and not hw.book:
+        fused = any(isinstance(s.fn, Attention) for s in plan.forward)
         notes.append(f"attention_kernel {hw.attention_kernel}: fused attention at the rates measured of it on "
-                     f"{hw.chip or hw.name}")
+                     f"{hw.chip or hw.name}" if fused else
+                     f"attention_kernel {hw.attention_kernel}: changes nothing here, the spec has no fused "
+                     "`attention(Q, K, V over T, causal)` call (its scores are written out, each step costed as such)")
     if hw.gathers_under_forward and plan.optimizer:
         notes.append("param_gather overlapped: the optimizer's all-gathers run under the next step's first forward "
                      "(Megatron-LM's --overlap-param-gather); the step counts what of them that forward does not hide")

@@ -35,7 +35,7 @@ from functools import cached_property
 
 import symengine as se
 
-from shardc.accountings import ACCOUNTINGS
+from shardc.accountings import ACCOUNTINGS, described
 from shardc.collectives import piece
 from shardc.costmodel.formulas import ZERO, Expr, number, product, symbol, text
 from shardc.device_pieces import local_elements
@@ -132,7 +132,8 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     if accounting not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {accounting!r}",
                           fix="use " + " or ".join(ACCOUNTINGS))
-    per_param, per_grad, per_opt, described = ACCOUNTINGS[accounting]
+    per_param, per_grad, per_opt, _ = ACCOUNTINGS[accounting]
+    label = described(accounting, plan.spec.dtype.value)  # fp16 where the spec's params are
     params = [info for info in plan.tensors if info.role == "param"]
     repeated = block_reads(plan.spec)
     blocks = value_blocks(plan)
@@ -172,7 +173,7 @@ def memory(plan: Plan, sizes: dict[str, int], layers: int, hbm_bytes: float,
     copies = math.fsum(quantized_bytes(float(local_elements(plan.tensor(name).ref, sizes)), kind, TILE * TILE)
                        * times[name] for name, kind in quantized_weights(plan).items())
     weights = local * per_param + copies if copies else local * per_param  # (an int where it was one)
-    return Memory(accounting, described, local, total, weights, grad_local * per_grad,
+    return Memory(accounting, label, local, total, weights, grad_local * per_grad,
                   opt_local * per_opt,
                   sum(b * n for (_, b), n in zip(kept, kept_counts, strict=True)), gathered, kept, hbm_bytes,
                   str(plan.spec.zero) if plan.spec.zero is not None else "", plan.recompute,

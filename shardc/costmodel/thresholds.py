@@ -197,10 +197,14 @@ def _solved(ctx: _Context, intensity: Expr, value: float) -> str:
     shards = product(ctx.token_dims[tokens[0]])
     per_device = token / shards
     bound = cancelled(-offset / (slope * shards))
-    out = f", i.e. {text(per_device)} > {text(bound)}"
+    # num/den > exact is slope*token + offset > 0 times den's sign: the token's side flips where that is negative
+    sign = _evaluate(slope * den, ctx.sizes)
+    relation = "<" if sign is not None and sign < 0 else ">"
+    out = f", i.e. {text(per_device)} {relation} {text(bound)}"
     here = _evaluate(bound, ctx.sizes)
-    if here is not None:
-        out += f" = {format_number(here)}" if here > 0 else " (never: the bound is negative)"
+    if here is not None:  # a token count is positive: above a bound <= 0 always, below one never
+        verdict = "always" if relation == ">" else "never"
+        out += f" = {format_number(here)}" if here > 0 else f" ({verdict}: the bound is not positive)"
     now = _evaluate(per_device, ctx.sizes)
     if now is not None:
         out += f"; here {text(per_device)} = {format_number(now)}"

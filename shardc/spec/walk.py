@@ -195,7 +195,7 @@ def _call_indices(call: Call, outer: tuple[str, ...]) -> tuple[str, ...]:
         return chain_indices(call.arg, ()) + chain_indices(call.more[0], ())[1:]
     if kind == "loss":
         return ()
-    if kind == "attention" and len(call.more) == 2:  # Q's indices, its head dim replaced by V's
+    if kind == "attention" and len(call.more) in (2, 4):  # Q's indices, its head dim replaced by V's (a pair or not)
         q, v = chain_indices(call.arg, ()), chain_indices(call.more[1], ())
         return (*q[:-1], v[-1]) if q and v else q
     if kind == "route" and len(call.names) == 2:
