@@ -1,0 +1,46 @@
+"""``shardc explain`` on small programs a user writes that it misread once (found by fuzzing it):
+each is read as a spec `shardc plan` accepts, or refused with a clear error.
+
+Each program builds its mesh over the 8 emulated CPU devices (conftest) and is compiled, not run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shardc.explain.explain_report import explain
+from tests.test_explain import _arg, _mesh, megatron_mlp
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_scan_of_a_square_layer_ending_in_a_map_hands_on_its_carry() -> None:
+    """``tanh(h @ w)`` over square stacked weights, returned sharded otherwise: the map is written
+    inside the block and its result copied into the carry's dims and layout (the spec `shardc plan`
+    reads), the return's sharding a copy after the block; the plan's AllGather a layer is XLA's."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((2, 4))
+
+    def forward(x: Any, ws: Any) -> Any:
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    out = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+    e = explain(jax.jit(forward, out_shardings=out), _arg(mesh, (16, 32), "data", None),
+                _arg(mesh, (4, 32, 32), None, None, "model"))
+    block = e.spec[e.spec.index("layers 4 {"):e.spec.index("\n}")]
+    assert "tanh(" in block and "C1[B_{data}, S] = H1[B_{data}, T_{model}]" in block, e.spec
+    assert "C2[B_{data}, S_{model}] = C1[B_{data}, S]" in e.spec
+    assert [(c.kind, c.runs) for c in e.xla] == [("AllGather", 4)] and not e.not_needed and not e.differently
+
+
+def test_a_checkpointed_function_is_read_as_its_body() -> None:
+    """``jax.checkpoint`` (the ``remat2`` call) changes what the backward keeps, not the forward."""
+    import jax
+
+    fn, args = megatron_mlp()
+    body = explain(fn, *args, origin="mlp").spec
+    assert explain(jax.jit(jax.checkpoint(fn)), *args, origin="mlp").spec == body
