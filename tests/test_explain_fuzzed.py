@@ -44,3 +44,20 @@ def test_a_checkpointed_function_is_read_as_its_body() -> None:
     fn, args = megatron_mlp()
     body = explain(fn, *args, origin="mlp").spec
     assert explain(jax.jit(jax.checkpoint(fn)), *args, origin="mlp").spec == body
+
+
+def test_a_layernorm_dividing_by_the_root_of_its_variance_is_the_languages_layernorm() -> None:
+    """``(x - mu) / sqrt(mean((x - mu)**2) + eps)``: jax traces ``x - mu`` twice, one the square's and
+    one the division's; the two are one value, so the whole is ``layernorm`` (it was refused as a
+    division of two arrays)."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((2, 4))
+
+    def norm(x: Any, g: Any) -> Any:
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+    e = explain(jax.jit(norm), _arg(mesh, (16, 32), "data", None), _arg(mesh, (32,)))
+    assert "layernorm(x[B_{data}, S] over S)" in e.spec and e.spec.count(" = ") == 2, e.spec
