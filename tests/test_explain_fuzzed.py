@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import shardc
 from shardc.explain.explain_report import explain
 from tests.test_explain import _arg, _mesh, megatron_mlp
 
@@ -61,3 +62,18 @@ def test_a_layernorm_dividing_by_the_root_of_its_variance_is_the_languages_layer
 
     e = explain(jax.jit(norm), _arg(mesh, (16, 32), "data", None), _arg(mesh, (32,)))
     assert "layernorm(x[B_{data}, S] over S)" in e.spec and e.spec.count(" = ") == 2, e.spec
+
+
+def test_a_result_of_literals_alone_is_left_out_of_the_spec() -> None:
+    """``jnp.zeros`` returned beside a product: jax puts it on one device (no NamedSharding) and no
+    input reaches it, so the spec has the product alone (it was an AttributeError, then a statement
+    reading itself); returned alone, the program computes nothing the language writes: a clear error."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((2, 4))
+    x, w = _arg(mesh, (16, 8), "data", None), _arg(mesh, (8, 32), None, "model")
+    e = explain(jax.jit(lambda x, w: (x @ w, jnp.zeros((4, 4)))), x, w)
+    assert e.spec.count(" = ") == 1 and "x[B_{data}, S] · w[S, T_{model}]" in e.spec, e.spec
+    with pytest.raises(shardc.ShardcError, match="computes nothing"):
+        explain(jax.jit(lambda x: jnp.zeros((4, 4))), x)

@@ -167,8 +167,9 @@ def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None
         raise ShardcError("the program's arguments and results carry no NamedSharding on a mesh",
                           fix="give the arguments shardings (jax.device_put or ShapeDtypeStruct(sharding=...))")
     origin = origin or str(getattr(fn, "__name__", "program"))
-    program = read_program(jax.make_jaxpr(jitted)(*args), [getattr(s, "spec", ()) for s in ins], [s.spec for s in outs],
-                           _names(fn, args), mesh, origin)
+    # a result of literals alone (jnp.zeros) is put on one device (SingleDeviceSharding, no spec): replicated
+    in_specs, out_specs = ([getattr(s, "spec", ()) for s in shardings] for shardings in (ins, outs))
+    program = read_program(jax.make_jaxpr(jitted)(*args), in_specs, out_specs, _names(fn, args), mesh, origin)
     plan = make_plan(parse(program.text, filename=f"{origin}.shard"), hardware=hardware)
     return _compare(plan, program, compiled, mesh, origin)
 

@@ -471,8 +471,8 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
     reader.step = TrainingStep(list(jaxpr.invars))
     reader.walk(jaxpr)
     for var, spec in zip(jaxpr.outvars, out_specs, strict=True):
-        if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted:
-            continue
+        if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted or reader.is_constant(var):
+            continue  # a scalar, the backward's, or literals alone (jnp.zeros): no tensor of the spec
         tensor = reader.tensor(var)
         if tensor in reader.carries:  # the layers' carry keeps its layout: the result, sharded otherwise, a copy
             held = reader.layout(tensor)
