@@ -77,3 +77,15 @@ def test_a_result_of_literals_alone_is_left_out_of_the_spec() -> None:
     assert e.spec.count(" = ") == 1 and "x[B_{data}, S] · w[S, T_{model}]" in e.spec, e.spec
     with pytest.raises(shardc.ShardcError, match="computes nothing"):
         explain(jax.jit(lambda x: jnp.zeros((4, 4))), x)
+
+
+def test_a_one_hot_is_refused_with_the_lookup_it_can_be_written_as() -> None:
+    """``jax.nn.one_hot(ids, V) @ table``: the comparison with positions names its equation and says
+    to write the lookup (it said "`eq` of 1 different arrays")."""
+    import jax
+
+    mesh = _mesh((2, 4))
+    ids = jax.ShapeDtypeStruct((16,), "int32", sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    with pytest.raises(shardc.ShardcError, match=r"(?s)`eq` \(\[16, 32\] = eq .*jnp\.take\(table, ids, axis=0\)"):
+        explain(jax.jit(lambda ids, table: jax.nn.one_hot(ids, 32) @ table),
+                ids, _arg(mesh, (32, 8), "model", None))

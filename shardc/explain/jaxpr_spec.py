@@ -46,6 +46,8 @@ _ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
 # calls read as their body; remat2 is jax.checkpoint's (it changes what the backward keeps, not the forward)
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
           "custom_vjp_call", "custom_vjp_call_jaxpr"}
+_ONE_HOT = ("a one-hot of ids (jax.nn.one_hot: ids == positions) times a table is the table's rows at the ids: "
+            "write jnp.take(table, ids, axis=0), the language's embed; else explain a program without it")
 _EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
 
 
@@ -346,8 +348,8 @@ class _Reader(Reading):
             kind = "mul" if name == "mul" else "sum"
             self.make(out, kind, tuple(operands), signs=(1, -1 if name == "sub" else 1), line=line)
             return
-        raise ShardcError(f"`{name}` of {len(arrays)} different arrays" + (f" at {line}" if line else "")
-                          + " has no form in the spec language", fix="explain a program without it")
+        raise unwritable("a map of arrays of different shapes, other than the sum, difference or product of two, "
+                         "has no form in the spec language", fix=_ONE_HOT if name == "eq" else "")
 
     def source(self, var: Any) -> Any:
         var = self.base(var)
