@@ -6,12 +6,14 @@ Each program builds its mesh over the 8 emulated CPU devices (conftest) and is c
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import shardc
 from shardc.explain.explain_report import explain
+from tests.test_cli import fails_clearly
 from tests.test_explain import _arg, _mesh, megatron_mlp
 
 pytestmark = pytest.mark.slow
@@ -89,3 +91,36 @@ def test_a_one_hot_is_refused_with_the_lookup_it_can_be_written_as() -> None:
     with pytest.raises(shardc.ShardcError, match=r"(?s)`eq` \(\[16, 32\] = eq .*jnp\.take\(table, ids, axis=0\)"):
         explain(jax.jit(lambda ids, table: jax.nn.one_hot(ids, 32) @ table),
                 ids, _arg(mesh, (32, 8), "model", None))
+
+
+_PROGRAMS = """
+import jax
+
+
+def raises():
+    raise RuntimeError("boom")
+
+
+def too_big_a_mesh():
+    return jax.make_mesh((4, 4), ("data", "model"))
+
+
+def one_argument():
+    return jax.jit(abs), jax.ShapeDtypeStruct((8,), "float32")
+
+
+def no_function():
+    return 5, ()
+"""
+
+
+def test_explain_says_what_the_users_function_did_wrong(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """FUNC raising, a mesh of more devices than emulated, the arguments not a tuple, no function: each
+    a clear error naming the function (they were internal errors, or "must return (jitted_fn, args)")."""
+    path = tmp_path / "programs.py"
+    path.write_text(_PROGRAMS, encoding="utf-8")
+    fails_clearly(capsys, "explain", f"{path}:raises", says="raises() raised RuntimeError: boom")
+    err = fails_clearly(capsys, "explain", f"{path}:too_big_a_mesh", says="product of mesh_shape (4, 4)")
+    assert "--devices" in err
+    fails_clearly(capsys, "explain", f"{path}:one_argument", says="returned ShapeDtypeStruct where the tuple")
+    fails_clearly(capsys, "explain", f"{path}:no_function", says="returned 5 where the jitted function goes")

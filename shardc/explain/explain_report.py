@@ -155,7 +155,7 @@ def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None
     try:
         compiled = jitted.lower(*args).compile()
     except Exception as err:  # the user's program: jax's own error, said in one line
-        raise ShardcError(f"jax cannot compile the program: {type(err).__name__}: {clip(str(err))}",
+        raise ShardcError(f"jax cannot compile the program: {type(err).__name__}: {clip(str(err), 300)}",
                           fix="run the program with jax to see the traceback") from None
     ins = list(jax.tree_util.tree_leaves(compiled.input_shardings[0]))
     leaves = jax.tree_util.tree_leaves(args)
