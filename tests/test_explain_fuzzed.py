@@ -124,3 +124,16 @@ def test_explain_says_what_the_users_function_did_wrong(capsys: pytest.CaptureFi
     assert "--devices" in err
     fails_clearly(capsys, "explain", f"{path}:one_argument", says="returned ShapeDtypeStruct where the tuple")
     fails_clearly(capsys, "explain", f"{path}:no_function", says="returned 5 where the jitted function goes")
+
+
+def test_static_arguments_and_empty_arrays_are_clear_errors() -> None:
+    """A static argument (jit's static_argnums) cannot be traced as an array for the jaxpr, and an array
+    of no elements gives a dim of 0, which no spec has: both said as such (a ValueError traceback, and
+    the spec's own "size must be positive" at a .shard line the user never saw)."""
+    import jax
+
+    mesh = _mesh((2, 4))
+    with pytest.raises(shardc.ShardcError, match="(?s)static arguments before jit"):
+        explain(jax.jit(lambda x, n: x * n, static_argnums=1), _arg(mesh, (16, 8), "data", None), 3)
+    with pytest.raises(shardc.ShardcError, match=r"shape \(0, 8\) holds no elements"):
+        explain(jax.jit(lambda x: x * 2), _arg(mesh, (0, 8), "data", None))

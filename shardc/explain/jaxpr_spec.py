@@ -348,8 +348,8 @@ class _Reader(Reading):
             kind = "mul" if name == "mul" else "sum"
             self.make(out, kind, tuple(operands), signs=(1, -1 if name == "sub" else 1), line=line)
             return
-        raise unwritable("a map of arrays of different shapes, other than the sum, difference or product of two, "
-                         "has no form in the spec language", fix=_ONE_HOT if name == "eq" else "")
+        raise unwritable("a map of several arrays, or of one broadcast, other than the sum, difference or product "
+                         "of two, has no form in the spec language", fix=_ONE_HOT if name == "eq" else "")
 
     def source(self, var: Any) -> Any:
         var = self.base(var)
