@@ -137,3 +137,16 @@ def test_static_arguments_and_empty_arrays_are_clear_errors() -> None:
         explain(jax.jit(lambda x, n: x * n, static_argnums=1), _arg(mesh, (16, 8), "data", None), 3)
     with pytest.raises(shardc.ShardcError, match=r"shape \(0, 8\) holds no elements"):
         explain(jax.jit(lambda x: x * 2), _arg(mesh, (0, 8), "data", None))
+
+
+def test_a_jitted_layer_called_twice_is_read_as_two_calls() -> None:
+    """jax reuses one jaxpr for both calls of ``layer``: the second is read with variables of its own
+    (it read the first call's dims as the second weight's: "w2 reads one dim twice")."""
+    import jax
+
+    mesh = _mesh((2, 4))
+    layer = jax.jit(lambda x, w: jax.nn.relu(x @ w))
+    e = explain(jax.jit(lambda x, w1, w2: layer(layer(x, w1), w2)), _arg(mesh, (16, 8), "data", None),
+                _arg(mesh, (8, 8), None, "model"), _arg(mesh, (8, 8), "model", None))
+    assert "w1[S, T_{model}]" in e.spec and "w2[T_{model}, D]" in e.spec and e.spec.count("relu(") == 2, e.spec
+    assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently

@@ -29,6 +29,7 @@ from jax.extend import core as jex
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explain.expert_moves import moves, read_move
+from shardc.explain.fresh import Walked
 from shardc.explain.layers import read_scan
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
 from shardc.explain.routing import read_routing, regions
@@ -62,6 +63,7 @@ class _Reader(Reading):
         self.caller = ""  # the source line of the call whose inner jaxpr is walked (jnp's own jits have none)
         self.stacked_outputs: set[Any] = set()  # a scan's per-layer outputs
         self.pieces: dict[Any, Piece] = {}  # a slice's result, and maps of it: a part of an array
+        self.walked = Walked()  # the calls' jaxprs read, a second call's read as a copy
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:
@@ -232,7 +234,7 @@ class _Reader(Reading):
 
     def call(self, eqn: Any) -> None:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        inner = getattr(inner, "jaxpr", inner)
+        inner = self.walked.once(getattr(inner, "jaxpr", inner))
         for outer_var, inner_var in zip(eqn.invars, inner.invars, strict=False):
             if not isinstance(outer_var, jex.Literal) and outer_var.aval.shape:
                 self.step.enter(outer_var, inner_var)
