@@ -150,3 +150,23 @@ def test_a_jitted_layer_called_twice_is_read_as_two_calls() -> None:
                 _arg(mesh, (8, 8), None, "model"), _arg(mesh, (8, 8), "model", None))
     assert "w1[S, T_{model}]" in e.spec and "w2[T_{model}, D]" in e.spec and e.spec.count("relu(") == 2, e.spec
     assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently
+
+
+def test_two_scans_of_one_layer_function_are_two_blocks() -> None:
+    """Two scans of one ``layer`` at one width share its traced body: the second block is read with
+    variables of its own (the spec defined Y2 twice, which parse refused)."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((2, 4))
+
+    def layer(h: Any, w: Any) -> Any:
+        return h + jnp.tanh(h @ w), None
+
+    def forward(x: Any, ws: Any, vs: Any) -> Any:
+        return jax.lax.scan(layer, jax.lax.scan(layer, x, ws)[0], vs)[0]
+
+    stack = _arg(mesh, (3, 32, 32), None, None, "model")
+    e = explain(jax.jit(forward), _arg(mesh, (16, 32), "data", None), stack, stack)
+    spec = shardc.parse(e.spec)
+    assert [layers for _, _, layers in spec.blocks()] == [3, 3] and e.spec.count("tanh(") == 2, e.spec

@@ -20,7 +20,7 @@ def read_scan(reader: Any, eqn: Any) -> None:
     block (its carry the block's input and output), each stacked weight one layer's (the leading
     dim left out), read as far as the carry needs it (a training step's residuals are not).  Each
     scan is a block of its own, in the program's order."""
-    body, length = eqn.params["jaxpr"].jaxpr, int(eqn.params["length"])
+    body, length = reader.walked.once(eqn.params["jaxpr"].jaxpr), int(eqn.params["length"])
     consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
     for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars, strict=True)):
         if isinstance(outer, jex.Literal) or not outer.aval.shape:
