@@ -170,3 +170,18 @@ def test_two_scans_of_one_layer_function_are_two_blocks() -> None:
     e = explain(jax.jit(forward), _arg(mesh, (16, 32), "data", None), stack, stack)
     spec = shardc.parse(e.spec)
     assert [layers for _, _, layers in spec.blocks()] == [3, 3] and e.spec.count("tanh(") == 2, e.spec
+
+
+def test_a_scans_per_layer_outputs_returned_are_named_as_left_out() -> None:
+    """A scan returning a value a layer (``h.sum()``) beside its carry: the spec has the carry, and a note
+    says the per-layer result is left out (it was left out without a word)."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((2, 4))
+
+    def forward(x: Any, ws: Any) -> Any:
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w),) * 2, x, ws)
+
+    e = explain(jax.jit(forward), _arg(mesh, (16, 32), "data", None), _arg(mesh, (4, 32, 32), None, None, "model"))
+    assert "# a result of [4, 16, 32], a scan's per-layer outputs, is left out" in e.spec, e.spec

@@ -477,6 +477,10 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
     for var, spec in zip(jaxpr.outvars, out_specs, strict=True):
         if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted or reader.is_constant(var):
             continue  # a scalar, the backward's, or literals alone (jnp.zeros): no tensor of the spec
+        if reader.base(var) in reader.stacked_outputs:
+            reader.notes.append(f"a result of {shape_text(var)}, a scan's per-layer outputs, is left out: a `layers` "
+                                "block hands on its carry alone")
+            continue
         tensor = reader.tensor(var)
         if tensor in reader.carries:  # the layers' carry keeps its layout: the result, sharded otherwise, a copy
             held = reader.layout(tensor)
