@@ -286,3 +286,14 @@ def test_the_readme_snippet_runs_as_written(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "x[B_{data}, D] · w1[D, F_{model}]" in done.stdout
     assert "[('AllReduce', 'model')] [('AllReduce_{model}', 'model')]" in done.stdout
+
+
+def test_shardc_explain_stays_callable_once_its_package_is_imported() -> None:
+    """Importing ``shardc.explain.*`` binds ``shardc.explain`` to the package (this module imports it
+    above): ``shardc.explain(fn, *args)`` still explains, every time, not 'module is not callable'."""
+    fn, args = megatron_mlp()
+    assert callable(shardc.explain)
+    with pytest.raises(shardc.ShardcError, match="hardware"):
+        shardc.explain(fn, *args, hardware=" ")
+    first, again = shardc.explain(fn, *args), shardc.explain(fn, *args)
+    assert first.spec == again.spec and "w1[D, F_{model}]" in first.spec

@@ -58,20 +58,33 @@ def _load(target: str) -> Any:
     return getattr(module, func)
 
 
+def _made(target: str, program: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``FUNC()``'s ``(jitted_fn, args)``; what it raises is the user's code's error, said in one line."""
+    shape = "return the jitted function and a tuple of its arguments, (fn, (x, w)); (fn, (x,)) for one"
+    try:
+        made = program()
+    except Exception as err:  # the user's code (a mesh of more devices than there are raises here)
+        raise ShardcError(f"{target}() raised {type(err).__name__}: {clip(str(err), 300)}",
+                          fix="run the function with python to see the traceback; a mesh of more devices than "
+                              "--devices gives (8 unless set) needs a larger --devices") from None
+    if not isinstance(made, tuple) or len(made) != 2:
+        raise ShardcError(f"{target} must return (jitted_fn, args), not {clip(repr(made))}", fix=shape)
+    fn, fn_args = made
+    if not callable(fn):
+        raise ShardcError(f"{target} returned {clip(repr(fn))} where the jitted function goes", fix=shape)
+    if not isinstance(fn_args, tuple | list):
+        raise ShardcError(f"{target} returned {type(fn_args).__name__} where the tuple of arguments goes", fix=shape)
+    return fn, tuple(fn_args)
+
+
 def run_explain(args: argparse.Namespace) -> int:
     if not 1 <= args.devices <= 4096:
         raise ShardcError(f"--devices {args.devices}: not a device count", fix="give e.g. --devices 8")
     emulate_devices(args.devices)
-    program = _load(args.target)
-    try:
-        made = program()
-        fn, fn_args = made
-    except (TypeError, ValueError) as err:
-        raise ShardcError(f"{args.target} must return (jitted_fn, args): {clip(str(err))}",
-                          fix="return the jitted function and a tuple of its arguments") from None
+    fn, fn_args = _made(args.target, _load(args.target))
     from shardc.explain.explain_report import explain, render_explanation
 
-    result = explain(fn, *tuple(fn_args), hardware=args.hardware, origin=args.target)
+    result = explain(fn, *fn_args, hardware=args.hardware, origin=args.target)
     if args.spec_out:
         write_text(args.spec_out, result.spec, "--spec-out")
     print(json.dumps(result.to_json(), indent=2) if args.json else render_explanation(result), end="\n"

@@ -155,7 +155,7 @@ def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None
     try:
         compiled = jitted.lower(*args).compile()
     except Exception as err:  # the user's program: jax's own error, said in one line
-        raise ShardcError(f"jax cannot compile the program: {type(err).__name__}: {clip(str(err))}",
+        raise ShardcError(f"jax cannot compile the program: {type(err).__name__}: {clip(str(err), 300)}",
                           fix="run the program with jax to see the traceback") from None
     ins = list(jax.tree_util.tree_leaves(compiled.input_shardings[0]))
     leaves = jax.tree_util.tree_leaves(args)
@@ -167,10 +167,26 @@ def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None
         raise ShardcError("the program's arguments and results carry no NamedSharding on a mesh",
                           fix="give the arguments shardings (jax.device_put or ShapeDtypeStruct(sharding=...))")
     origin = origin or str(getattr(fn, "__name__", "program"))
-    program = read_program(jax.make_jaxpr(jitted)(*args), [getattr(s, "spec", ()) for s in ins], [s.spec for s in outs],
-                           _names(fn, args), mesh, origin)
+    # a result of literals alone (jnp.zeros) is put on one device (SingleDeviceSharding, no spec): replicated
+    empty = next((leaf for leaf in leaves if 0 in tuple(getattr(leaf, "shape", ()))), None)
+    if empty is not None:
+        raise ShardcError(f"an argument of shape {tuple(empty.shape)} holds no elements: a spec's dims are at least 1",
+                          fix="explain the program on arguments of the sizes it runs at")
+    in_specs, out_specs = ([getattr(s, "spec", ()) for s in shardings] for shardings in (ins, outs))
+    program = read_program(_jaxpr(jitted, args), in_specs, out_specs, _names(fn, args), mesh, origin)
     plan = make_plan(parse(program.text, filename=f"{origin}.shard"), hardware=hardware)
     return _compare(plan, program, compiled, mesh, origin)
+
+
+def _jaxpr(jitted: Any, args: tuple[Any, ...]) -> Any:
+    """The program's jaxpr, traced with every argument an array (as the spec reads them)."""
+    try:
+        return jax.make_jaxpr(jitted)(*args)
+    except Exception as err:  # static_argnums: make_jaxpr traces a static argument as an array
+        raise ShardcError(f"jax cannot trace the program with its arguments as arrays: {type(err).__name__}: "
+                          f"{clip(str(err), 300)}",
+                          fix="bind static arguments before jit (functools.partial(fn, n=3)) and pass arrays alone"
+                          ) from None
 
 
 def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, int], origin: str) -> Explanation:

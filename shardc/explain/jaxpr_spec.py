@@ -29,12 +29,13 @@ from jax.extend import core as jex
 from shardc.errors import ShardcError
 from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explain.expert_moves import moves, read_move
+from shardc.explain.fresh import Walked
 from shardc.explain.layers import read_scan
 from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
 from shardc.explain.routing import read_routing, regions
 from shardc.explain.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explain.sources import equation_text, shape_text, source_line
-from shardc.explain.spec_text import ProgramSpec, Reading, Statement, render
+from shardc.explain.spec_text import Made, ProgramSpec, Reading, Statement, render
 from shardc.explain.training import TrainingStep
 
 __all__ = ["ProgramSpec", "read_program"]
@@ -43,14 +44,12 @@ _UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt
           "convert_element_type", "copy", "copy_p", "square", "stop_gradient", "max", "min", "add", "sub", "mul",
           "div", "select_n", "ge", "gt", "le", "lt", "eq", "ne", "erf_inv", "sign", "log1p", "expm1", "cbrt"}
 _ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
-_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr"}
+# calls read as their body; remat2 is jax.checkpoint's (it changes what the backward keeps, not the forward)
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
+          "custom_vjp_call", "custom_vjp_call_jaxpr"}
+_ONE_HOT = ("a one-hot of ids (jax.nn.one_hot: ids == positions) times a table is the table's rows at the ids: "
+            "write jnp.take(table, ids, axis=0), the language's embed; else explain a program without it")
 _EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
-
-
-class _Made:
-    """A tensor of the spec with no jaxpr variable of its own: a renamed copy of one the program reads
-    twice along one dim, or a reduction's partial result over the first of several dims."""
 
 
 class _Reader(Reading):
@@ -64,6 +63,7 @@ class _Reader(Reading):
         self.caller = ""  # the source line of the call whose inner jaxpr is walked (jnp's own jits have none)
         self.stacked_outputs: set[Any] = set()  # a scan's per-layer outputs
         self.pieces: dict[Any, Piece] = {}  # a slice's result, and maps of it: a part of an array
+        self.walked = Walked()  # the calls' jaxprs read, a second call's read as a copy
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:
@@ -155,7 +155,7 @@ class _Reader(Reading):
         if run.scale is None:
             self.make(out, "norm", (source,), fn=run.function, over=over, line=line)
             return
-        norm = _Made()  # rmsnorm(x over D), then its product with the scale (an einsum, batch index D)
+        norm = Made()  # rmsnorm(x over D), then its product with the scale (an einsum, batch index D)
         self.dims[norm] = list(self.dims_of(out))
         self.make(norm, "norm", (source,), fn=run.function, over=over, line=line)
         for d, e, n, m in zip(self.dims_of(run.scale), self.dims_of(out), run.scale.aval.shape, out.aval.shape,
@@ -234,7 +234,7 @@ class _Reader(Reading):
 
     def call(self, eqn: Any) -> None:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        inner = getattr(inner, "jaxpr", inner)
+        inner = self.walked.once(getattr(inner, "jaxpr", inner))
         for outer_var, inner_var in zip(eqn.invars, inner.invars, strict=False):
             if not isinstance(outer_var, jex.Literal) and outer_var.aval.shape:
                 self.step.enter(outer_var, inner_var)
@@ -350,8 +350,8 @@ class _Reader(Reading):
             kind = "mul" if name == "mul" else "sum"
             self.make(out, kind, tuple(operands), signs=(1, -1 if name == "sub" else 1), line=line)
             return
-        raise ShardcError(f"`{name}` of {len(arrays)} different arrays" + (f" at {line}" if line else "")
-                          + " has no form in the spec language", fix="explain a program without it")
+        raise unwritable("a map of several arrays, or of one broadcast, other than the sum, difference or product "
+                         "of two, has no form in the spec language", fix=_ONE_HOT if name == "eq" else "")
 
     def source(self, var: Any) -> Any:
         var = self.base(var)
@@ -429,7 +429,7 @@ class _Reader(Reading):
         fresh = {d: self.fresh(d) for d in clashes}
         moved = {a: b for d, e in fresh.items() for a, b in zip(self.atoms(d), self.atoms(e), strict=True)}
         layout = self.layout(tensor)
-        copy = _Made()
+        copy = Made()
         self.dims[copy] = [moved.get(a, a) for a, _ in layout]
         self.make(copy, "copy", (tensor,), line=line)
         self.axes[copy] = {moved.get(a, a): axes for a, axes in layout}
@@ -454,7 +454,7 @@ class _Reader(Reading):
         tensor, held = self.tensor(source), list(ids)
         for k, d in enumerate(over):
             held = [e for e in held if e != d]
-            target = out if k == len(over) - 1 else _Made()
+            target = out if k == len(over) - 1 else Made()
             if target is out:
                 for e, f in zip(held, self.dims_of(out), strict=True):
                     self.join(e, f)
@@ -475,7 +475,20 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
     reader.step = TrainingStep(list(jaxpr.invars))
     reader.walk(jaxpr)
     for var, spec in zip(jaxpr.outvars, out_specs, strict=True):
-        if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted:
+        if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted or reader.is_constant(var):
+            continue  # a scalar, the backward's, or literals alone (jnp.zeros): no tensor of the spec
+        if reader.base(var) in reader.stacked_outputs:
+            reader.notes.append(f"a result of {shape_text(var)}, a scan's per-layer outputs, is left out: a `layers` "
+                                "block hands on its carry alone")
             continue
-        reader.shard(var, spec, into=reader.tensor(var))
+        tensor = reader.tensor(var)
+        if tensor in reader.carries:  # the layers' carry keeps its layout: the result, sharded otherwise, a copy
+            held = reader.layout(tensor)
+            reader.shard(var, spec, into=tensor)
+            if reader.layout(tensor) != held:
+                reader.axes[tensor] = dict(held)
+                del reader.alias[var]
+                reader.make(var, "copy", (tensor,))
+                tensor = var
+        reader.shard(var, spec, into=tensor)
     return render(reader, jaxpr, origin)

@@ -8,6 +8,8 @@ from typing import Any
 from jax.extend import core as jex
 
 from shardc.explain.dim_classes import unwritable
+from shardc.explain.sources import source_line
+from shardc.explain.spec_text import Made
 from shardc.explain.training import carried
 
 __all__ = ["read_scan"]
@@ -18,7 +20,7 @@ def read_scan(reader: Any, eqn: Any) -> None:
     block (its carry the block's input and output), each stacked weight one layer's (the leading
     dim left out), read as far as the carry needs it (a training step's residuals are not).  Each
     scan is a block of its own, in the program's order."""
-    body, length = eqn.params["jaxpr"].jaxpr, int(eqn.params["length"])
+    body, length = reader.walked.once(eqn.params["jaxpr"].jaxpr), int(eqn.params["length"])
     consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
     for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars, strict=True)):
         if isinstance(outer, jex.Literal) or not outer.aval.shape:
@@ -36,12 +38,40 @@ def read_scan(reader: Any, eqn: Any) -> None:
         reader.dims[inner], reader.alias[inner] = reader.dims_of(outer)[1:], outer
     start = len(reader.statements)
     reader.walk(body, carried(body, carry), carry)
+    line = source_line(eqn) or reader.caller
+    outs = [_close_carry(reader, inner_in, inner_out, line)
+            for inner_in, inner_out in zip(body.invars[consts:consts + carry], body.outvars[:carry], strict=True)]
     reader.blocks.append((start, len(reader.statements), length))
-    for k, (outer, inner) in enumerate(zip(eqn.outvars, body.outvars, strict=True)):
+    for k, (outer, inner) in enumerate(zip(eqn.outvars, [*outs, *body.outvars[carry:]], strict=True)):
         if k >= carry:
             reader.stacked_outputs.add(outer)
-        elif not isinstance(inner, jex.Literal) and inner.aval.shape:
-            reader.view(outer, inner, list(range(len(inner.aval.shape))))
+        elif not isinstance(inner, jex.Literal) and outer.aval.shape:
+            reader.view(outer, inner, list(range(len(outer.aval.shape))))
+
+
+def _close_carry(reader: Any, inner_in: Any, inner_out: Any, line: str) -> Any:
+    """A layer's carry out is the next layer's carry in: made inside the block (an elementwise run
+    that ends the layer, ``tanh(h @ w)``, is written where it is read, which would be after the block)
+    and of the carry in's dims and layout, so the block's output feeds its input.  Where the dims are
+    held apart (``h @ w``, ``w[S, T]`` square: T is not S in the weight) or the layout differs, the
+    output is copied into the carry's (the language's rename or reshard, ``C[B, S] = H[B, T_X]``), as
+    the loop hands it on.  The carry out is returned."""
+    if isinstance(inner_out, jex.Literal) or not inner_out.aval.shape or isinstance(inner_in, jex.Literal):
+        return inner_out
+    tensor, source = reader.tensor(inner_out), reader.tensor(inner_in)
+    ins, outs = reader.dims_of(inner_in), reader.dims_of(inner_out)
+    if not any(reader.apart(d, e) for d, e in zip(ins, outs, strict=True)):
+        for d, e in zip(ins, outs, strict=True):
+            reader.join(d, e)
+        if reader.layout(tensor) == reader.layout(source):
+            reader.carries.add(tensor)
+            return inner_out
+    carry = Made()
+    reader.dims[carry] = list(ins)
+    reader.make(carry, "copy", (tensor,), line=line)
+    reader.axes[carry] = dict(reader.layout(source))
+    reader.carries.add(carry)
+    return carry
 
 
 def _layer_sharded(reader: Any, stacked: Any, length: int) -> None:

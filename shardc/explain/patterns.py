@@ -116,12 +116,25 @@ def _rmsnorm(last: Any, made: dict[Any, Any]) -> Run | None:
             and square is not None and square.invars[0] is shifted.invars[0]:
         run.insert(0, shifted)
         x = shifted.invars[0]
+    # `(x - mu) / sqrt(mean((x - mu)**2) + eps)` traces x - mu twice: the square's is a twin of x
+    twin = made.get(square.invars[0]) if square is not None and _twins(square.invars[0], x, made) else None
     if square is None or not ((square.primitive.name == "integer_pow" and square.params["y"] == 2)
-                              or square.primitive.name == "square") or square.invars[0] is not x:
+                              or square.primitive.name == "square") or (square.invars[0] is not x and twin is None):
         return None
     tail = (scaled, last) if scaled is not None else (last,)
-    norm = Run("rmsnorm", x, eqn.params["axes"][0], (square, eqn, *reversed(run), *tail), scale=scale)
+    head = (twin, square) if twin is not None else (square,)
+    norm = Run("rmsnorm", x, eqn.params["axes"][0], (*head, eqn, *reversed(run), *tail), scale=scale)
     return (_centered(norm, made) if scale is None else None) or norm
+
+
+def _twins(a: Any, b: Any, made: dict[Any, Any]) -> bool:
+    """Whether ``a`` and ``b`` (not one variable) are made by one primitive of the same params from the
+    same operands: the same value, computed twice."""
+    ea, eb = made.get(a), made.get(b)
+    return a is not b and ea is not None and eb is not None and ea.primitive is eb.primitive \
+        and ea.params == eb.params and len(ea.invars) == len(eb.invars) \
+        and all(u is v or (isinstance(u, jex.Literal) and isinstance(v, jex.Literal) and u.val == v.val)
+                for u, v in zip(ea.invars, eb.invars, strict=True))
 
 
 def _scaled(stat: Any, made: dict[Any, Any]) -> tuple[Any, Any]:

@@ -17,11 +17,16 @@ from shardc.explain.sources import comment
 from shardc.explain.training import TrainingStep
 from shardc.ir.spec import Dim, TensorRef
 
-__all__ = ["ProgramSpec", "Reading", "Statement", "render"]
+__all__ = ["Made", "ProgramSpec", "Reading", "Statement", "render"]
 
 _LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
 # JAX's float types as a spec writes them; both FP8 formats are one byte, the spec's `f8`
 _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float8_e4m3fn": "f8", "float8_e5m2": "f8"}
+
+
+class Made:
+    """A tensor of the spec with no jaxpr variable of its own: a renamed copy of one the program reads
+    twice along one dim, a reduction's partial result over the first of several dims, a layer's carry."""
 
 
 @dataclass
@@ -64,6 +69,7 @@ class Reading(DimClasses):
         self.stacked: set[int] = set()  # a scan's layers dim of its stacked weights (left out of the spec)
         self.blocks: list[tuple[int, int, int]] = []  # each scan's statements [start, end) and its length
         self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
+        self.carries: set[Any] = set()  # a scan's carry outs (in its carry in's layout, the next layer's input)
         self.notes: list[str] = []  # where the spec is the program's nearest equivalent, what differs
 
     def dims_of(self, var: Any) -> list[int]:
