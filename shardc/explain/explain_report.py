@@ -32,7 +32,8 @@ from shardc.explain.jaxpr_spec import ProgramSpec, read_program
 from shardc.explain.sources import installed
 from shardc.explain.training import phase_of
 from shardc.ir.plan import Op, Plan, Step
-from shardc.ir.spec import TensorRef
+from shardc.ir.spec import Call, TensorRef
+from shardc.ops.row_plans import FORWARD
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.parser import parse
@@ -198,14 +199,16 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
     xla = _compiled(compiled, plan, sizes, hw, mesh, program)
     not_needed: list[Collective] = []
     differently: list[Collective] = []
+    linked = _linear_links(plan)
     for phase in ("forward", "backward", "update"):
         mine, theirs = [c for c in ours if c.phase == phase], [c for c in xla if c.phase == phase]
         pairs = pair_rows([_as_row(c) for c in mine], [_as_row(c) for c in theirs])
         left = [c for c in theirs if any(m is None and t is not None and _same(c, t) for m, t in pairs)]
         unpaired = [c for c in mine if any(t is None and m is not None and _same(c, m) for m, t in pairs)]
-        for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size
-            match = next((x for x in left if x.tensor == "?" and c.kind.startswith(x.kind)
-                          and (x.axes, x.bytes) == (c.axes, c.bytes)), None)
+        for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size,
+            # else one finishing the same partial sum a linear reduction later or earlier than the plan's
+            match = next((x for x in left if c.kind.startswith(x.kind) and x.axes == c.axes and (
+                x.tensor == "?" and x.bytes == c.bytes or _chained(c.tensor, x.tensor, linked))), None)
             if match is not None:
                 left.remove(match)
                 unpaired.remove(c)
@@ -220,6 +223,28 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
                        comm_s,
                        compute_s, xla_memory, float(cost(plan).memory.total_bytes), not_needed, differently,
                        program.training)
+
+
+def _linear_links(plan: Plan) -> dict[str, set[str]]:
+    """Each tensor -> the tensors a chain of linear reductions (sum, mean) makes of it: a partial sum
+    stays partial through them, so its one AllReduce may come after any of them (XLA reduces
+    ``x.sum()`` to a scalar on each device, then all-reduces it; the plan may all-reduce a step earlier)."""
+    made = {str(s.result.name): s.expr.arg.name for s in plan.spec.statements
+            if isinstance(s.expr, Call) and s.expr.over is not None and isinstance(s.expr.arg, TensorRef)
+            and s.expr.func in FORWARD and FORWARD[s.expr.func].linear}
+    links: dict[str, set[str]] = {}
+    for result, arg in made.items():
+        links.setdefault(arg, set()).add(result)
+        while arg in made:  # and every tensor further up the chain (a spec assigns each name once)
+            arg = made[arg]
+            links.setdefault(arg, set()).add(result)
+    return links
+
+
+def _chained(mine: str, theirs: str, links: dict[str, set[str]]) -> bool:
+    """Whether the plan's and XLA's collectives move one partial sum, before and after linear reductions."""
+    names = set(theirs.split("|"))
+    return bool(links.get(mine, set()) & names) or any(mine in links.get(n, set()) for n in names)
 
 
 def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, lines: dict[str, str]
