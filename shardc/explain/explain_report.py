@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from shardc.collectives import collective_time, share
+from shardc.collectives import Layout, collective_time, share
 from shardc.costmodel.cost_report import cost
 from shardc.device_pieces import step_volume
 from shardc.errors import ShardcError, clip
@@ -37,7 +37,7 @@ from shardc.ops.row_plans import FORWARD
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.parser import parse
-from shardc.timing import plan_chip, plan_time
+from shardc.timing import plan_chip, plan_links, plan_time
 from shardc.verification.compare import Row, pair_rows
 from shardc.verification.hlo import collectives
 
@@ -194,9 +194,10 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
     sizes = dict(plan.sizes or ())
     hw = plan_chip(plan)
     phases = ("forward", "backward") if program.training else ("forward",)
-    ours = [_planned(step, phase, plan, sizes, hw, program.lines) for phase in phases
+    links = plan_links(plan, hw, sizes)[0]  # the torus spans plan_time prices the plan's steps over
+    ours = [_planned(step, phase, plan, sizes, hw, links, program.lines) for phase in phases
             for step in getattr(plan, phase) if step.is_collective and step.volume is not None]
-    xla = _compiled(compiled, plan, sizes, hw, mesh, program)
+    xla = _compiled(compiled, plan, sizes, hw, links, mesh, program)
     not_needed: list[Collective] = []
     differently: list[Collective] = []
     linked = _linear_links(plan)
@@ -247,13 +248,13 @@ def _chained(mine: str, theirs: str, links: dict[str, set[str]]) -> bool:
     return bool(links.get(mine, set()) & names) or any(mine in links.get(n, set()) for n in names)
 
 
-def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, lines: dict[str, str]
-             ) -> Collective:
+def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, links: Layout,
+             lines: dict[str, str]) -> Collective:
     v = int(step_volume(step, sizes))
     count = plan.spec.layer_counts()[step.block]
     layers = count if isinstance(count, int) and not step.once else 1
     return Collective(step_label(step), step.tensor, ",".join(step.axes), v,
-                      collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw, routed=step.routed).seconds,
+                      collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw, links, step.routed).seconds,
                       lines.get(step.tensor) or lines.get(_forward_name(step.tensor), ""), phase, runs=layers)
 
 
@@ -262,7 +263,7 @@ def _forward_name(gradient: str) -> str:
     return gradient[2:] if gradient.startswith("d_") else gradient[1:]
 
 
-def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: dict[str, int],
+def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, links: Layout, mesh: dict[str, int],
               program: ProgramSpec) -> list[Collective]:
     """The compiled module's collectives, each named by the spec's tensors of its per-device shape (a
     backward one by the plan's gradients first), its phase from its ``op_name`` (one op of a tuple
@@ -295,7 +296,7 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
         shape = shapes[k] if len(shapes) > 1 and k < len(shapes) else c.shape  # a tuple's k-th part
         phase = phase_of(ops[min(k, len(ops) - 1)] if ops else "", program.training)
         v = c.bytes()  # at the program's own types
-        seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw).seconds if c.kind else None
+        seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw, links).seconds if c.kind else None
         frame = _FRAME.search(c.text)
         known = names["backward" if phase != "forward" else "forward"]
         tensor = "|".join(known.get(shape) or known.get(("any order", *sorted(shape)), []))
