@@ -200,14 +200,14 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
     xla = _compiled(compiled, plan, sizes, hw, links, mesh, program)
     not_needed: list[Collective] = []
     differently: list[Collective] = []
-    linked = _linear_links(plan)
+    linked = _partial_links(plan)
     for phase in ("forward", "backward", "update"):
         mine, theirs = [c for c in ours if c.phase == phase], [c for c in xla if c.phase == phase]
         pairs = pair_rows([_as_row(c) for c in mine], [_as_row(c) for c in theirs])
         left = [c for c in theirs if any(m is None and t is not None and _same(c, t) for m, t in pairs)]
         unpaired = [c for c in mine if any(t is None and m is not None and _same(c, m) for m, t in pairs)]
         for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size,
-            # else one finishing the same partial sum a linear reduction later or earlier than the plan's
+            # else one finishing the same partial a reduction later or earlier than the plan's
             match = next((x for x in left if c.kind.startswith(x.kind) and x.axes == c.axes and (
                 x.tensor == "?" and x.bytes == c.bytes or _chained(c.tensor, x.tensor, linked))), None)
             if match is not None:
@@ -226,24 +226,30 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
                        program.training)
 
 
-def _linear_links(plan: Plan) -> dict[str, set[str]]:
-    """Each tensor -> the tensors a chain of linear reductions (sum, mean) makes of it: a partial sum
-    stays partial through them, so its one AllReduce may come after any of them (XLA reduces
-    ``x.sum()`` to a scalar on each device, then all-reduces it; the plan may all-reduce a step earlier)."""
-    made = {str(s.result.name): s.expr.arg.name for s in plan.spec.statements
-            if isinstance(s.expr, Call) and s.expr.over is not None and isinstance(s.expr.arg, TensorRef)
-            and s.expr.func in FORWARD and FORWARD[s.expr.func].linear}
+def _partial_links(plan: Plan) -> dict[str, set[str]]:
+    """Each tensor -> the tensors reductions of its partial's kind make of it, one after another: a partial
+    sum stays partial through linear reductions (sum, mean), a partial maximum through maxima (a function
+    that is its own statistic), so the one AllReduce may come after any of them (XLA reduces ``x.sum()``
+    to a scalar on each device, then all-reduces it; the plan may all-reduce a step earlier)."""
+    made: dict[str, tuple[str, str]] = {}  # result -> (argument, the kind of partial it keeps)
+    for s in plan.spec.statements:
+        call = s.expr
+        if isinstance(call, Call) and call.over is not None and isinstance(call.arg, TensorRef) \
+                and call.func in FORWARD and (FORWARD[call.func].linear or not FORWARD[call.func].named):
+            made[s.result.name] = (call.arg.name, "sum" if FORWARD[call.func].linear else call.func)
     links: dict[str, set[str]] = {}
-    for result, arg in made.items():
-        links.setdefault(arg, set()).add(result)
-        while arg in made:  # and every tensor further up the chain (a spec assigns each name once)
-            arg = made[arg]
+    for result, (arg, kind) in made.items():
+        # up the chain while each tensor is of this kind (one not made by a reduction: an einsum's partial sum)
+        while (made[arg][1] if arg in made else "sum") == kind:
             links.setdefault(arg, set()).add(result)
+            if arg not in made:
+                break
+            arg = made[arg][0]
     return links
 
 
 def _chained(mine: str, theirs: str, links: dict[str, set[str]]) -> bool:
-    """Whether the plan's and XLA's collectives move one partial sum, before and after linear reductions."""
+    """Whether the plan's and XLA's collectives finish one partial, before and after reductions."""
     names = set(theirs.split("|"))
     return bool(links.get(mine, set()) & names) or any(mine in links.get(n, set()) for n in names)
 
