@@ -259,6 +259,10 @@ def test_a_partial_all_reduced_a_reduction_later_pairs_with_the_plans() -> None:
         assert [(c.kind, c.tensor, c.bytes) for c in e.plan] == [("AllReduce_{data}", "M1", 16)], e.spec
         assert not e.not_needed and not e.differently
         assert e.xla[0].seconds == e.plan[0].seconds == pytest.approx(e.plan_comm_s) == pytest.approx(e.xla_comm_s)
+    # the batch over (model, data): XLA's group named `model,data`, the plan's `data,model`, one group of devices
+    e = explain(jax.jit(lambda x: x.sum()), _arg(_mesh((4, 2)), (16, 4), ("model", "data"), None))
+    assert [c.axes for c in e.xla] == ["model,data"] and [c.axes for c in e.plan] == ["data,model"]
+    assert not e.not_needed and not e.differently
 
 
 def test_a_partial_passes_only_reductions_of_its_own_kind() -> None:

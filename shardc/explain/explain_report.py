@@ -198,23 +198,7 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
     ours = [_planned(step, phase, plan, sizes, hw, links, program.lines) for phase in phases
             for step in getattr(plan, phase) if step.is_collective and step.volume is not None]
     xla = _compiled(compiled, plan, sizes, hw, links, mesh, program)
-    not_needed: list[Collective] = []
-    differently: list[Collective] = []
-    linked = _partial_links(plan)
-    for phase in ("forward", "backward", "update"):
-        mine, theirs = [c for c in ours if c.phase == phase], [c for c in xla if c.phase == phase]
-        pairs = pair_rows([_as_row(c) for c in mine], [_as_row(c) for c in theirs])
-        left = [c for c in theirs if any(m is None and t is not None and _same(c, t) for m, t in pairs)]
-        unpaired = [c for c in mine if any(t is None and m is not None and _same(c, m) for m, t in pairs)]
-        for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size,
-            # else one finishing the same partial a reduction later or earlier than the plan's
-            match = next((x for x in left if c.kind.startswith(x.kind) and x.axes == c.axes and (
-                x.tensor == "?" and x.bytes == c.bytes or _chained(c.tensor, x.tensor, linked))), None)
-            if match is not None:
-                left.remove(match)
-                unpaired.remove(c)
-        not_needed += left
-        differently += unpaired
+    not_needed, differently = _unpaired(ours, xla, _partial_links(plan))
     times = plan_time(plan, hw, sizes)
     comm_s = times.forward_comm_s + (times.backward_comm_s if program.training else 0.0)
     compute_s = times.forward_compute_s + (times.backward_compute_s if program.training else 0.0)
@@ -224,6 +208,34 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
                        comm_s,
                        compute_s, xla_memory, float(cost(plan).memory.total_bytes), not_needed, differently,
                        program.training)
+
+
+def _unpaired(ours: list[Collective], xla: list[Collective], linked: dict[str, set[str]]
+              ) -> tuple[list[Collective], list[Collective]]:
+    """XLA's collectives with no counterpart in the plan, and the plan's with none in XLA's, phase by
+    phase: paired as ``shardc compare`` pairs them (:func:`pair_rows`), then what is left by size."""
+    not_needed: list[Collective] = []
+    differently: list[Collective] = []
+    for phase in ("forward", "backward", "update"):
+        mine, theirs = [c for c in ours if c.phase == phase], [c for c in xla if c.phase == phase]
+        pairs = pair_rows([_as_row(c) for c in mine], [_as_row(c) for c in theirs])
+        left = [c for c in theirs if any(m is None and t is not None and _same(c, t) for m, t in pairs)]
+        unpaired = [c for c in mine if any(t is None and m is not None and _same(c, m) for m, t in pairs)]
+        for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size,
+            # else one finishing the same partial a reduction later or earlier than the plan's
+            # (over one group of devices: XLA may name a dim's axes `m,d` where the plan says `d,m`)
+            match = next((x for x in left if c.kind.startswith(x.kind) and _group(x) == _group(c) and (
+                x.tensor == "?" and x.bytes == c.bytes or _chained(c.tensor, x.tensor, linked))), None)
+            if match is not None:
+                left.remove(match)
+                unpaired.remove(c)
+        not_needed += left
+        differently += unpaired
+    return not_needed, differently
+
+
+def _group(c: Collective) -> frozenset[str]:
+    return frozenset(c.axes.split(","))
 
 
 def _partial_links(plan: Plan) -> dict[str, set[str]]:
