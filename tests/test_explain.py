@@ -242,6 +242,42 @@ def test_a_reduction_over_two_dims_is_two_reductions() -> None:
     assert [c.kind for c in e.plan] == ["AllReduce_{model}"] and len(e.xla) == 1  # the sum over F's shards
 
 
+def test_a_partial_all_reduced_a_reduction_later_pairs_with_the_plans() -> None:
+    """``x.sum()``, ``x.max()`` and a scalar loss of a batch over `data`: XLA reduces to a scalar on each
+    device and all-reduces that (4 B), the plan all-reduces the reduction over the batch (16 B) before
+    the next: one partial's one AllReduce on both sides, neither listed as unneeded or done otherwise.  Each
+    row is timed over the plan's torus spans, as the totals are (8 chips of a v5p: 3 hops, not a ring's 4)."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = _mesh((8, 1))
+    x = _arg(mesh, (16, 4), "data", None)
+    for fn, args in ((lambda x: x.sum(), (x,)), (lambda x: x.max(), (x,)),
+                     (lambda x, w: jnp.mean((x @ w) ** 2), (x, _arg(mesh, (4, 4))))):
+        e = explain(jax.jit(fn), *args)
+        assert [(c.kind, c.tensor, c.bytes) for c in e.xla] == [("AllReduce", "M2", 4)], e.spec
+        assert [(c.kind, c.tensor, c.bytes) for c in e.plan] == [("AllReduce_{data}", "M1", 16)], e.spec
+        assert not e.not_needed and not e.differently
+        assert e.xla[0].seconds == e.plan[0].seconds == pytest.approx(e.plan_comm_s) == pytest.approx(e.xla_comm_s)
+    # the batch over (model, data): XLA's group named `model,data`, the plan's `data,model`, one group of devices
+    e = explain(jax.jit(lambda x: x.sum()), _arg(_mesh((4, 2)), (16, 4), ("model", "data"), None))
+    assert [c.axes for c in e.xla] == ["model,data"] and [c.axes for c in e.plan] == ["data,model"]
+    assert not e.not_needed and not e.differently
+
+
+def test_a_partial_passes_only_reductions_of_its_own_kind() -> None:
+    """A partial sum passes sums and means, a partial maximum maxima: a max after a sum ends the sum's
+    chain (an AllReduce after it is another one), and starts its own."""
+    from shardc.explain.explain_report import _chained, _partial_links
+
+    spec = "mesh d=8\ndims B=16, S=4, T=2\nM1[S, T] = sum(x[B_d, S, T] over B)\nM2[T] = mean(M1[S, T] over S)\n" \
+           "M3[T] = max(M1[S, T] over S)\nM4[] = sum(M2[T] over T)\nM5[] = max(M3[T] over T)\n"
+    links = _partial_links(shardc.plan(shardc.parse(spec)))
+    assert links == {"x": {"M1", "M2", "M4"}, "M1": {"M2", "M4"}, "M2": {"M4"}, "M3": {"M5"}}
+    assert _chained("M1", "M4|L1", links) and _chained("M4", "M1", links) and _chained("M3", "M5", links)
+    assert not _chained("M1", "M3", links) and not _chained("M1", "M5", links)
+
+
 def test_an_op_the_language_lacks_is_a_clear_error() -> None:
     import jax
     import jax.numpy as jnp

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from shardc.collectives import collective_time, share
+from shardc.collectives import Layout, collective_time, share
 from shardc.costmodel.cost_report import cost
 from shardc.device_pieces import step_volume
 from shardc.errors import ShardcError, clip
@@ -32,11 +32,12 @@ from shardc.explain.jaxpr_spec import ProgramSpec, read_program
 from shardc.explain.sources import installed
 from shardc.explain.training import phase_of
 from shardc.ir.plan import Op, Plan, Step
-from shardc.ir.spec import TensorRef
+from shardc.ir.spec import Call, TensorRef
+from shardc.ops.row_plans import FORWARD
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.parser import parse
-from shardc.timing import plan_chip, plan_time
+from shardc.timing import plan_chip, plan_links, plan_time
 from shardc.verification.compare import Row, pair_rows
 from shardc.verification.hlo import collectives
 
@@ -193,24 +194,11 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
     sizes = dict(plan.sizes or ())
     hw = plan_chip(plan)
     phases = ("forward", "backward") if program.training else ("forward",)
-    ours = [_planned(step, phase, plan, sizes, hw, program.lines) for phase in phases
+    links = plan_links(plan, hw, sizes)[0]  # the torus spans plan_time prices the plan's steps over
+    ours = [_planned(step, phase, plan, sizes, hw, links, program.lines) for phase in phases
             for step in getattr(plan, phase) if step.is_collective and step.volume is not None]
-    xla = _compiled(compiled, plan, sizes, hw, mesh, program)
-    not_needed: list[Collective] = []
-    differently: list[Collective] = []
-    for phase in ("forward", "backward", "update"):
-        mine, theirs = [c for c in ours if c.phase == phase], [c for c in xla if c.phase == phase]
-        pairs = pair_rows([_as_row(c) for c in mine], [_as_row(c) for c in theirs])
-        left = [c for c in theirs if any(m is None and t is not None and _same(c, t) for m, t in pairs)]
-        unpaired = [c for c in mine if any(t is None and m is not None and _same(c, m) for m, t in pairs)]
-        for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size
-            match = next((x for x in left if x.tensor == "?" and c.kind.startswith(x.kind)
-                          and (x.axes, x.bytes) == (c.axes, c.bytes)), None)
-            if match is not None:
-                left.remove(match)
-                unpaired.remove(c)
-        not_needed += left
-        differently += unpaired
+    xla = _compiled(compiled, plan, sizes, hw, links, mesh, program)
+    not_needed, differently = _unpaired(ours, xla, _partial_links(plan))
     times = plan_time(plan, hw, sizes)
     comm_s = times.forward_comm_s + (times.backward_comm_s if program.training else 0.0)
     compute_s = times.forward_compute_s + (times.backward_compute_s if program.training else 0.0)
@@ -222,13 +210,69 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
                        program.training)
 
 
-def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, lines: dict[str, str]
-             ) -> Collective:
+def _unpaired(ours: list[Collective], xla: list[Collective], linked: dict[str, set[str]]
+              ) -> tuple[list[Collective], list[Collective]]:
+    """XLA's collectives with no counterpart in the plan, and the plan's with none in XLA's, phase by
+    phase: paired as ``shardc compare`` pairs them (:func:`pair_rows`), then what is left by size."""
+    not_needed: list[Collective] = []
+    differently: list[Collective] = []
+    for phase in ("forward", "backward", "update"):
+        mine, theirs = [c for c in ours if c.phase == phase], [c for c in xla if c.phase == phase]
+        pairs = pair_rows([_as_row(c) for c in mine], [_as_row(c) for c in theirs])
+        left = [c for c in theirs if any(m is None and t is not None and _same(c, t) for m, t in pairs)]
+        unpaired = [c for c in mine if any(t is None and m is not None and _same(c, m) for m, t in pairs)]
+        for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size,
+            # else one finishing the same partial a reduction later or earlier than the plan's
+            # (over one group of devices: XLA may name a dim's axes `m,d` where the plan says `d,m`)
+            match = next((x for x in left if c.kind.startswith(x.kind) and _group(x) == _group(c) and (
+                x.tensor == "?" and x.bytes == c.bytes or _chained(c.tensor, x.tensor, linked))), None)
+            if match is not None:
+                left.remove(match)
+                unpaired.remove(c)
+        not_needed += left
+        differently += unpaired
+    return not_needed, differently
+
+
+def _group(c: Collective) -> frozenset[str]:
+    return frozenset(c.axes.split(","))
+
+
+def _partial_links(plan: Plan) -> dict[str, set[str]]:
+    """Each tensor -> the tensors reductions of its partial's kind make of it, one after another: a partial
+    sum stays partial through linear reductions (sum, mean), a partial maximum through maxima (a function
+    that is its own statistic), so the one AllReduce may come after any of them (XLA reduces ``x.sum()``
+    to a scalar on each device, then all-reduces it; the plan may all-reduce a step earlier)."""
+    made: dict[str, tuple[str, str]] = {}  # result -> (argument, the kind of partial it keeps)
+    for s in plan.spec.statements:
+        call = s.expr
+        if isinstance(call, Call) and call.over is not None and isinstance(call.arg, TensorRef) \
+                and call.func in FORWARD and (FORWARD[call.func].linear or not FORWARD[call.func].named):
+            made[s.result.name] = (call.arg.name, "sum" if FORWARD[call.func].linear else call.func)
+    links: dict[str, set[str]] = {}
+    for result, (arg, kind) in made.items():
+        # up the chain while each tensor is of this kind (one not made by a reduction: an einsum's partial sum)
+        while (made[arg][1] if arg in made else "sum") == kind:
+            links.setdefault(arg, set()).add(result)
+            if arg not in made:
+                break
+            arg = made[arg][0]
+    return links
+
+
+def _chained(mine: str, theirs: str, links: dict[str, set[str]]) -> bool:
+    """Whether the plan's and XLA's collectives finish one partial, before and after reductions."""
+    names = set(theirs.split("|"))
+    return bool(links.get(mine, set()) & names) or any(mine in links.get(n, set()) for n in names)
+
+
+def _planned(step: Step, phase: str, plan: Plan, sizes: dict[str, int], hw: Any, links: Layout,
+             lines: dict[str, str]) -> Collective:
     v = int(step_volume(step, sizes))
     count = plan.spec.layer_counts()[step.block]
     layers = count if isinstance(count, int) and not step.once else 1
     return Collective(step_label(step), step.tensor, ",".join(step.axes), v,
-                      collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw, routed=step.routed).seconds,
+                      collective_time(step.op, v, step.axes, plan.spec.mesh, sizes, hw, links, step.routed).seconds,
                       lines.get(step.tensor) or lines.get(_forward_name(step.tensor), ""), phase, runs=layers)
 
 
@@ -237,7 +281,7 @@ def _forward_name(gradient: str) -> str:
     return gradient[2:] if gradient.startswith("d_") else gradient[1:]
 
 
-def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: dict[str, int],
+def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, links: Layout, mesh: dict[str, int],
               program: ProgramSpec) -> list[Collective]:
     """The compiled module's collectives, each named by the spec's tensors of its per-device shape (a
     backward one by the plan's gradients first), its phase from its ``op_name`` (one op of a tuple
@@ -270,7 +314,7 @@ def _compiled(compiled: Any, plan: Plan, sizes: dict[str, int], hw: Any, mesh: d
         shape = shapes[k] if len(shapes) > 1 and k < len(shapes) else c.shape  # a tuple's k-th part
         phase = phase_of(ops[min(k, len(ops) - 1)] if ops else "", program.training)
         v = c.bytes()  # at the program's own types
-        seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw).seconds if c.kind else None
+        seconds = collective_time(c.kind, v, c.axes, plan.spec.mesh, sizes, hw, links).seconds if c.kind else None
         frame = _FRAME.search(c.text)
         known = names["backward" if phase != "forward" else "forward"]
         tensor = "|".join(known.get(shape) or known.get(("any order", *sorted(shape)), []))
