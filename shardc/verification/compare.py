@@ -128,7 +128,8 @@ def _xla_side(found: dict[str, list[Collective]], nbytes: int, shapes: dict[tupl
 
 
 def pair_rows(ours: list[Row], theirs: list[Row]) -> list[tuple[Row | None, Row | None]]:
-    """Plan and XLA rows side by side: the same tensor and kind, else the same kind, axes and bytes."""
+    """Plan and XLA rows side by side: the same tensor and kind, preferring the one of the same axes and bytes among
+    several; a row with no XLA row of its tensor and kind stands alone."""
     left = list(theirs)
     pairs: list[tuple[Row | None, Row | None]] = []
     for row in ours:
