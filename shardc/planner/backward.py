@@ -26,7 +26,9 @@ them again); ``none`` keeps only the declared shardings; ``all`` keeps
 everything the forward made.
 
 Under ZeRO-1 (:mod:`shardc.planner.zero`) a param's gradient is left partial over the
-ZeRO axes its einsum sums over (``partial``): the optimizer phase reduce-scatters it.
+ZeRO axes its einsum sums over (``partial``): the optimizer phase reduce-scatters it,
+from the layout the einsum made it in where that slices the param's further (no AllGather
+back to the param's layout that the move onto the shard would slice again).
 Under ZeRO-2 it is made on the param's ZeRO shard (``shards``): reduce-scattered as
 it is made, as DeepSpeed's stage 2 does, so no device holds the whole gradient.
 """
@@ -153,7 +155,7 @@ class _Backward:
         axes, shard = self.partial[name]
         keep = tuple(a for a in sorted(axes) if all(a in v.unreduced for v in made))
         if keep:
-            target = Value(target.layout, keep)
+            target = Value(_finer(target.layout, made), keep)
         elif all(v == Value(shard, ()) for v in made):
             target = Value(shard, ())
         else:
@@ -360,6 +362,18 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     grads = tuple(bw.phase.ref(graph.grads[n], bw.final.get(n, bw.target(n))) for n in wanted)
     residuals = _residuals(bw.phase, forward)
     return Backward(bw.phase, residuals, tuple(cotangents), grads)
+
+
+def _finer(layout: Layout, made: list[Value]) -> Layout:
+    """The layout every value in ``made`` holds where it shards ``layout``'s dims further (each dim's axes
+    extend ``layout``'s), else ``layout``: the optimizer's reshard onto the ZeRO shard starts from there,
+    so a gradient made sliced is not gathered whole only to be sliced again (the reshard may still gather)."""
+    shapes = {v.layout for v in made}
+    if len(shapes) != 1:
+        return layout
+    (finer,) = shapes
+    extends = all(f[:len(d)] == d for d, f in zip(layout, finer, strict=True))
+    return finer if extends else layout
 
 
 def _still_partial(target: Value, made: list[Value]) -> Value:
