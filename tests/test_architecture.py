@@ -40,14 +40,15 @@ HEAVY = ("jax", "jaxlib", "matplotlib", "lark")
 # table, ``shardc.accountings``, imports nothing, and the parser checks an ``optimizer`` line's name against it)
 PLANNING_AND_COSTING = ("shardc.planner", "shardc.sharding", "shardc.ir.plan", "shardc.ir.localops", "shardc.ops",
                         "shardc.costmodel", "shardc.collectives", "shardc.timing", "shardc.step_cost",
-                        "shardc.hardware", "shardc.device_pieces", "shardc.layer_counts", "shardc.ring_sends",
-                        "shardc.chip_choice", "shardc.quantize",
+                        "shardc.hardware", "shardc.chip_model", "shardc.device_pieces", "shardc.layer_counts",
+                        "shardc.ring_sends", "shardc.chip_choice", "shardc.quantize",
                         "shardc.layouts", "shardc.lowering", "shardc.verification", "shardc.pipeline")
 
 # the passes that never import jax (so neither may anything they reach)
 NO_JAX = ("shardc.spec", "shardc.ir", "shardc.ops", "shardc.sharding", "shardc.planner", "shardc.costmodel",
           "shardc.collectives", "shardc.timing", "shardc.step_cost", "shardc.device_pieces", "shardc.layer_counts",
-          "shardc.ring_sends", "shardc.chip_choice", "shardc.hardware", "shardc.pipeline", "shardc.layouts",
+          "shardc.ring_sends", "shardc.chip_choice", "shardc.hardware", "shardc.chip_model", "shardc.pipeline",
+          "shardc.layouts",
           "shardc.quantize",
           "shardc.export")
 
