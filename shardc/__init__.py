@@ -21,7 +21,7 @@ from shardc.errors import ShardcError
 
 if TYPE_CHECKING:
     from shardc.costmodel.cost_report import CostReport
-    from shardc.explain.explain_report import Explanation
+    from shardc.explanation.explain_report import Explanation
     from shardc.ir.plan import Plan
     from shardc.ir.spec import Spec
     from shardc.lowering.api import Lowered
@@ -123,9 +123,11 @@ def lower(plan_or_spec: Plan | Spec, sizes: dict[str, int] | None = None,
 def explain(fn: Any, *args: Any, hardware: str | None = None) -> Explanation:
     """A jitted jax function on its arguments (arrays or ShapeDtypeStructs with shardings) read as a spec,
     its compiled collectives (tensor, axes, bytes, time, source line) beside shardc's plan; imports jax."""
-    from shardc.explain import explain_program
+    from shardc.explanation.explain_report import explain as _explain
+    from shardc.hardware import check_hardware_arg
 
-    return explain_program(fn, *args, hardware=hardware)
+    check_hardware_arg(hardware)
+    return _explain(fn, *args, hardware=hardware)
 
 
 def _check_plan_args(spec: object, save: object, options: dict[str, Any]) -> None:

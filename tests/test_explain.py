@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import shardc
-from shardc.explain.explain_report import explain, render_explanation
+from shardc.explanation.explain_report import explain, render_explanation
 from tests.test_cli import fails_clearly, run_main
 
 pytestmark = pytest.mark.slow
@@ -268,7 +268,7 @@ def test_a_partial_all_reduced_a_reduction_later_pairs_with_the_plans() -> None:
 def test_a_partial_passes_only_reductions_of_its_own_kind() -> None:
     """A partial sum passes sums and means, a partial maximum maxima: a max after a sum ends the sum's
     chain (an AllReduce after it is another one), and starts its own."""
-    from shardc.explain.explain_report import _chained, _partial_links
+    from shardc.explanation.explain_report import _chained, _partial_links
 
     spec = "mesh d=8\ndims B=16, S=4, T=2\nM1[S, T] = sum(x[B_d, S, T] over B)\nM2[T] = mean(M1[S, T] over S)\n" \
            "M3[T] = max(M1[S, T] over S)\nM4[] = sum(M2[T] over T)\nM5[] = max(M3[T] over T)\n"
@@ -325,8 +325,9 @@ def test_the_readme_snippet_runs_as_written(tmp_path: Path) -> None:
 
 
 def test_shardc_explain_stays_callable_once_its_package_is_imported() -> None:
-    """Importing ``shardc.explain.*`` binds ``shardc.explain`` to the package (this module imports it
-    above): ``shardc.explain(fn, *args)`` still explains, every time, not 'module is not callable'."""
+    """Importing a package binds it as its parent's attribute: the front end's, once named ``explain``, then
+    hid the function ``shardc.explain`` (this module imports the package above), so its second call failed
+    with 'module is not callable'.  Named ``explanation``, it hides nothing: every call explains."""
     fn, args = megatron_mlp()
     assert callable(shardc.explain)
     with pytest.raises(shardc.ShardcError, match="hardware"):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import shardc
-from shardc.explain.explain_report import explain
+from shardc.explanation.explain_report import explain
 from tests.test_cli import fails_clearly
 from tests.test_explain import _arg, _mesh, megatron_mlp
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import shardc
-from shardc.explain.explain_report import explain, render_explanation
+from shardc.explanation.explain_report import explain, render_explanation
 from shardc.spec.walk import leaves
 from tests.test_cli import fails_clearly
 from tests.test_explain import _arg, _line_of, _mesh

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import shardc
-from shardc.explain.explain_report import explain
+from shardc.explanation.explain_report import explain
 from tests.test_explain import _arg, _line_of, _mesh
 
 pytestmark = pytest.mark.slow

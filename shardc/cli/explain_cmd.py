@@ -82,7 +82,7 @@ def run_explain(args: argparse.Namespace) -> int:
         raise ShardcError(f"--devices {args.devices}: not a device count", fix="give e.g. --devices 8")
     emulate_devices(args.devices)
     fn, fn_args = _made(args.target, _load(args.target))
-    from shardc.explain.explain_report import explain, render_explanation
+    from shardc.explanation.explain_report import explain, render_explanation
 
     result = explain(fn, *fn_args, hardware=args.hardware, origin=args.target)
     if args.spec_out:

@@ -9,7 +9,7 @@ choices (``out.at[g, experts, slots].get(mode="fill")``).  The scatter's result 
 ``combine(Gate[G, S, E], Ex[G, E, C, D], S, C, k over E)``, where their meanings are those.
 
 A *move* is a scatter or gather reading the router's indices (the routing region of
-:mod:`shardc.explain.routing`) and one other array (through its views: a broadcast over the
+:mod:`shardc.explanation.routing`) and one other array (through its views: a broadcast over the
 choices, a transpose), with what follows it reading its result and the routing alone (the gates'
 weighting, the sum over the choices).  Its result is compared, as the routing's mask is, with the
 language's meaning (:func:`shardc.ops.dispatch_code.whole_forward`) on gates with no ties and
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from shardc.explain.dim_classes import unwritable
-from shardc.explain.routing import Region, arrays, constants_of, draw, experts_and_k, run
-from shardc.explain.sources import shape_text
+from shardc.explanation.dim_classes import unwritable
+from shardc.explanation.routing import Region, arrays, constants_of, draw, experts_and_k, run
+from shardc.explanation.sources import shape_text
 from shardc.ops.dispatch_code import whole_forward
 
 __all__ = ["Move", "moves", "read_move"]

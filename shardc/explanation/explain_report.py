@@ -1,7 +1,7 @@
 """``shardc explain``: a user's jitted jax program, its collectives and their source lines, and shardc's plan.
 
 The program is compiled (on whatever devices jax has: emulated CPU devices are enough; nothing runs)
-and read back twice: its jaxpr as a ``.shard`` spec (:mod:`shardc.explain.jaxpr_spec`), and its
+and read back twice: its jaxpr as a ``.shard`` spec (:mod:`shardc.explanation.jaxpr_spec`), and its
 compiled HLO's collectives (:mod:`shardc.verification.hlo`), each with the tensor of its per-device
 shape, its mesh axes, V in bytes, its time on the chip (shardc's collective model) and the user's
 source line (the HLO's stack frame tables).  shardc then plans the spec's forward pass and the two
@@ -28,9 +28,9 @@ from shardc.collectives import Layout, collective_time, share
 from shardc.costmodel.cost_report import cost
 from shardc.device_pieces import step_volume
 from shardc.errors import ShardcError, clip
-from shardc.explain.jaxpr_spec import ProgramSpec, read_program
-from shardc.explain.sources import installed
-from shardc.explain.training import phase_of
+from shardc.explanation.jaxpr_spec import ProgramSpec, read_program
+from shardc.explanation.sources import installed
+from shardc.explanation.training import phase_of
 from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Call, TensorRef
 from shardc.ops.row_plans import FORWARD

@@ -3,19 +3,19 @@
 The program's jaxpr is walked once.  Every array dim gets an id; a ``dot_general`` joins the ids of
 its contracted and batch dims, an elementwise op those of its operands and result, a transpose or
 a broadcast those it carries over, so each class of joined ids is one named dim of the spec (named
-and written by :mod:`shardc.explain.spec_text`).  A run of elementwise ops over one array
+and written by :mod:`shardc.explanation.spec_text`).  A run of elementwise ops over one array
 (``x * (1 + tanh(c * x**3))``) is one function of the language, named by its primitives (gelu,
 relu, silu, ...; ``identity`` when none fits: its sharding is all the spec needs); two arrays added
 are a sum, multiplied an einsum over shared indices; a reduction over one dim is ``sum``/``max``.
 A tensor's sharding is its argument's, its ``with_sharding_constraint``'s, the compiled program's
 for an output, else carried from its operands as explicit sharding mode would (each dim keeps an
 operand's axes, an axis at most once).  A reshape that splits a dim or merges several is the same
-tensor, the dim written as its parts (:mod:`shardc.explain.dim_classes`); a gather of a table's
+tensor, the dim written as its parts (:mod:`shardc.explanation.dim_classes`); a gather of a table's
 rows at ids is ``embed``; a scan of a layer, a ``layers`` block; the halves of an array put back
-together (rotary embedding's rotate-half) a map of it (:mod:`shardc.explain.slices`); an MoE router's top-k
-routing its ``route`` mask (:mod:`shardc.explain.routing`), or, held as indices, its ``dispatch`` and
-``combine`` (:mod:`shardc.explain.expert_moves`).  A training step's backward and
-update are left out (:mod:`shardc.explain.training`).  Anything else is a clear error naming the
+together (rotary embedding's rotate-half) a map of it (:mod:`shardc.explanation.slices`); an MoE router's top-k
+routing its ``route`` mask (:mod:`shardc.explanation.routing`), or, held as indices, its ``dispatch`` and
+``combine`` (:mod:`shardc.explanation.expert_moves`).  A training step's backward and
+update are left out (:mod:`shardc.explanation.training`).  Anything else is a clear error naming the
 equation and its line.
 """
 
@@ -27,16 +27,16 @@ from typing import Any
 from jax.extend import core as jex
 
 from shardc.errors import ShardcError
-from shardc.explain.dim_classes import UNWRITABLE, reshape_groups, unwritable
-from shardc.explain.expert_moves import moves, read_move
-from shardc.explain.fresh import Walked
-from shardc.explain.layers import read_scan
-from shardc.explain.patterns import Run, function_of, is_lookup, primitives, runs
-from shardc.explain.routing import read_routing, regions
-from shardc.explain.slices import Piece, concatenate, cut, reverse, sort
-from shardc.explain.sources import equation_text, shape_text, source_line
-from shardc.explain.spec_text import Made, ProgramSpec, Reading, Statement, render
-from shardc.explain.training import TrainingStep
+from shardc.explanation.dim_classes import UNWRITABLE, reshape_groups, unwritable
+from shardc.explanation.expert_moves import moves, read_move
+from shardc.explanation.fresh import Walked
+from shardc.explanation.layers import read_scan
+from shardc.explanation.patterns import Run, function_of, is_lookup, primitives, runs
+from shardc.explanation.routing import read_routing, regions
+from shardc.explanation.slices import Piece, concatenate, cut, reverse, sort
+from shardc.explanation.sources import equation_text, shape_text, source_line
+from shardc.explanation.spec_text import Made, ProgramSpec, Reading, Statement, render
+from shardc.explanation.training import TrainingStep
 
 __all__ = ["ProgramSpec", "read_program"]
 

@@ -7,10 +7,10 @@ from typing import Any
 
 from jax.extend import core as jex
 
-from shardc.explain.dim_classes import unwritable
-from shardc.explain.sources import source_line
-from shardc.explain.spec_text import Made
-from shardc.explain.training import carried
+from shardc.explanation.dim_classes import unwritable
+from shardc.explanation.sources import source_line
+from shardc.explanation.spec_text import Made
+from shardc.explanation.training import carried
 
 __all__ = ["read_scan"]
 

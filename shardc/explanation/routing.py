@@ -31,8 +31,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from shardc.explain.dim_classes import unwritable
-from shardc.explain.sources import shape_text, source_line
+from shardc.explanation.dim_classes import unwritable
+from shardc.explanation.sources import shape_text, source_line
 from shardc.ops.route_code import route_forward
 
 __all__ = ["Region", "regions", "Match", "match", "read_routing", "run", "draw", "experts_and_k", "arrays",

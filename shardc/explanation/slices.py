@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardc.explain.dim_classes import unwritable
+from shardc.explanation.dim_classes import unwritable
 
 __all__ = ["Piece", "concatenate", "cut", "reverse", "sort"]
 

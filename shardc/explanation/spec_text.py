@@ -1,7 +1,7 @@
 """A program read from its jaxpr, written as a ``.shard`` spec: its dims named, its statements (a scan's
 inside a ``layers`` block), its head (mesh, dims, dtype, params).
 
-:class:`Reading` is what the reader (:mod:`shardc.explain.jaxpr_spec`) finds and this module writes:
+:class:`Reading` is what the reader (:mod:`shardc.explanation.jaxpr_spec`) finds and this module writes:
 the tensors' dims and shardings, the statements in order.  A dim's name is the user's ``jnp.einsum``
 letter where it has one, else the next letter of ``_LETTERS`` not taken by a mesh axis.
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardc.errors import ShardcError
-from shardc.explain.dim_classes import DimClasses
-from shardc.explain.sources import comment
-from shardc.explain.training import TrainingStep
+from shardc.explanation.dim_classes import DimClasses
+from shardc.explanation.sources import comment
+from shardc.explanation.training import TrainingStep
 from shardc.ir.spec import Dim, TensorRef
 
 __all__ = ["Made", "ProgramSpec", "Reading", "Statement", "render"]
