@@ -42,7 +42,7 @@ from shardc.costmodel.offload import OFFLOADS
 from shardc.errors import ShardcError
 from shardc.ir.spec import SCHEDULES, Schedule, Spec, Zero
 from shardc.layouts.rank import DIGITS, Layout, Options, Skipped, rank_key
-from shardc.layouts.templates import Candidate, accepted, free_step, note, recost, template_key
+from shardc.layouts.templates import Candidate, accepted, by_template, free_step, note, recost
 from shardc.planner.graph import build_graph
 from shardc.planner.recompute import RECOMPUTE_MODES
 from shardc.spec.validate import validate
@@ -145,9 +145,7 @@ def search_knobs(best: Sequence[Candidate], rows: Sequence[Layout], options: Opt
     ones whose schedule with every collective free is slower than it (``bounded`` false: none); the rows,
     the candidates refused, the candidates made, and counts (``planned``, ``pruned``: candidates skipped)."""
     made = [v for c in best for v in combinations(c, options.knobs, options)]
-    groups: dict[tuple[object, ...], list[Candidate]] = {}
-    for c in made:  # in product order: a policy's ZeRO lines before the next policy's
-        groups.setdefault(template_key(c, options), []).append(c)
+    groups = by_template(made, options)  # in product order: a policy's ZeRO lines before the next policy's
     by_row: dict[tuple[object, ...], Candidate] = {(c.label, c.sizes, c.knobs): c for c in [*best, *made]}
     over = _over(rows, by_row) if bounded else set()  # state keys whose state alone passes the HBM
     bar = _best(rows) if bounded else None

@@ -28,12 +28,12 @@ from shardc.layouts.rank import DIGITS, Layout, Options, Skipped, pairs, rank_ke
 from shardc.layouts.templates import (
     Candidate,
     accepted,
+    by_template,
     free_step,
     note,
     recost,
     representatives,
     step_of,
-    template_key,
 )
 from shardc.topology import AxisLinks, resolve_links
 
@@ -112,13 +112,9 @@ def search_orders(found: Sequence[Candidate], rows: Sequence[Layout], options: O
     fitting = [r for r in rows if r.fits]
     bar = min(fitting, key=rank_key) if fitting and bounded else None
     made, total = _made(found, rows, options, bar)
-    groups: dict[tuple[object, ...], list[Candidate]] = {}
-    for c in made:
-        groups.setdefault(template_key(c, options), []).append(c)
+    groups = by_template(made, options)
     reps = representatives(found, options)
-    written: dict[tuple[object, ...], list[Candidate]] = {}
-    for c in found:
-        written.setdefault(template_key(c, options), []).append(c)
+    written = by_template(found, options)
     out: list[Layout] = []
     refused: list[Skipped] = []
     skipped = 0

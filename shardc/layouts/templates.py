@@ -46,7 +46,7 @@ from shardc.spec.stages import pipeline_of
 from shardc.timing import plan_links, plan_time
 
 __all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates", "template_rows", "refined",
-           "representatives", "kept_plans", "plan_template", "accepted", "step_of", "free_step", "note"]
+           "representatives", "by_template", "kept_plans", "plan_template", "accepted", "step_of", "free_step", "note"]
 
 EXACT_TOP = 3  # the rows planned at their own sizes, at least: the chosen one and the two behind it
 ROUNDS = 8  # rounds of planning the best re-costed rows, each of EXACT_TOP plans at most
@@ -211,10 +211,15 @@ def _exact(c: Candidate, options: Options) -> Layout | str:
 def representatives(found: Sequence[Candidate], options: Options,
                     ranked: bool = False) -> dict[tuple[object, ...], Candidate]:
     """Each template's representative among ``found`` (as :func:`search_templates` picks it), by template key."""
+    return {key: _representative(members, ranked) for key, members in by_template(found, options).items()}
+
+
+def by_template(found: Sequence[Candidate], options: Options) -> dict[tuple[object, ...], list[Candidate]]:
+    """``found`` grouped by template (:func:`template_key`), each group in ``found``'s order."""
     groups: dict[tuple[object, ...], list[Candidate]] = {}
     for c in found:
         groups.setdefault(template_key(c, options), []).append(c)
-    return {key: _representative(members, ranked) for key, members in groups.items()}
+    return groups
 
 
 def _representative(members: Sequence[Candidate], first: bool) -> Candidate:
@@ -237,9 +242,7 @@ def search_templates(found: Sequence[Candidate], options: Options,
     comes best first (a knob's settings of the best layouts), so each template is planned at its first.
     ``jobs``: processes the templates are spread over (0: one a core, from :data:`POOLED` candidates)."""
     start = time.perf_counter()
-    groups: dict[tuple[object, ...], list[Candidate]] = {}
-    for c in found:
-        groups.setdefault(template_key(c, options), []).append(c)
+    groups = by_template(found, options)
     n = processes(jobs, len(groups), worth=1) if len(found) >= POOLED or jobs > 1 else 1
     reps = [_representative(members, ranked) for members in groups.values()]
     done = mapped(_planned_rows, [(members, rep, options) for members, rep in zip(groups.values(), reps, strict=True)],
