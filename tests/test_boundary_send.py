@@ -8,7 +8,7 @@ import pytest
 
 import shardc
 from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S
-from shardc.costmodel.pipeline_cost import PipelineCost
+from shardc.costmodel.pipeline_figures import PipelineCost
 
 # Megatron-LM's tensor parallelism over Y: the block's output is the AllReduce's, whole on each of Y's GPUs
 TENSOR_PARALLEL = ("H[B, E_Y] = In[B, D] · W1[D, E_Y]\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.costmodel.pipeline_cost import PipelineCost
+from shardc.costmodel.pipeline_figures import PipelineCost
 from shardc.timing import plan_time
 
 ROOT = Path(__file__).resolve().parent.parent

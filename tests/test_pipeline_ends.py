@@ -11,7 +11,7 @@ import pytest
 import shardc
 from shardc.accountings import ACCOUNTINGS
 from shardc.costmodel.cost_text import render_pipeline
-from shardc.costmodel.pipeline_cost import PipelineCost
+from shardc.costmodel.pipeline_figures import PipelineCost
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Mesh, MeshAxis, Schedule
 from shardc.pipeline.boundary import boundary_tensor, microbatch_dim

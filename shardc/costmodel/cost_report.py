@@ -26,7 +26,8 @@ from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_sy
 from shardc.costmodel.memory import Memory, step_memory
 from shardc.costmodel.offload import Offload, check_offload, offload_cost, pipeline_offload
 from shardc.costmodel.phase_cost import PhaseCost
-from shardc.costmodel.pipeline_cost import PipelineCost, pipeline_cost
+from shardc.costmodel.pipeline_cost import pipeline_cost
+from shardc.costmodel.pipeline_figures import PipelineCost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans

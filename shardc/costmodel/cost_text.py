@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shardc.costmodel.formulas import text
-from shardc.costmodel.pipeline_cost import PipelineCost
+from shardc.costmodel.pipeline_figures import PipelineCost
 from shardc.ir.plan import Op
 from shardc.pipeline.block_split import counted_device
 from shardc.pipeline.bubbles import EXACT, activation_factor, inflight, sends_per_microbatch

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from shardc.accountings import ACCOUNTINGS
 from shardc.costmodel.memory import Memory
-from shardc.costmodel.pipeline_cost import PipelineCost
+from shardc.costmodel.pipeline_figures import PipelineCost
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 

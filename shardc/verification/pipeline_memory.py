@@ -1,5 +1,5 @@
 """A pipelined step's memory per device beside the compiler's: shardc's fullest stage
-(:class:`shardc.costmodel.pipeline_cost.StageCost`, costed at the sizes, layers and microbatches the
+(:class:`shardc.costmodel.pipeline_figures.StageCost`, costed at the sizes, layers and microbatches the
 pipelined verify runs) set beside XLA's buffer assignment of the schedule's program
 (``compiled.memory_analysis()``), reported, not judged.
 
@@ -29,7 +29,7 @@ from typing import Any
 from shardc.costmodel.cost_report import cost
 from shardc.costmodel.memory import kept_once, residual_values, state_refs, value_bytes
 from shardc.costmodel.phase_memory import phase_memory
-from shardc.costmodel.pipeline_cost import StageCost
+from shardc.costmodel.pipeline_figures import StageCost
 from shardc.costmodel.stage_memory import held_names, outside_names
 from shardc.device_pieces import local_elements, size_of
 from shardc.ir.localops import Attention
