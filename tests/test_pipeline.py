@@ -454,5 +454,6 @@ def test_the_free_sends_bracket_is_the_whole_step_with_free_sends() -> None:
     assert pipe is not None and pipe.grad_reduce_exposed_s > 0.01 * pipe.step_s
     free_schedule = pipe.step_closed_s - pipe.optimizer_s
     whole = pipe.step_s - pipe.simulation.makespan + free_schedule
+    assert pipe.free_sends_step_s == pytest.approx(whole)
     assert f"[{fmt_seconds(whole)} with free sends" in render(report)
     assert fmt_seconds(whole) != fmt_seconds(pipe.step_closed_s)

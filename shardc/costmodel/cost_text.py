@@ -282,7 +282,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
                 if cost.grad_reduce_exposed_s else "")
              + (f"+ optimizer {fmt_seconds(cost.optimizer_s)} " if cost.optimizer_s else "")
              + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
-             + f"[{fmt_seconds(cost.step_s - cost.simulation.makespan + cost.step_closed_s - cost.optimizer_s)} "
+             + f"[{fmt_seconds(cost.free_sends_step_s)} "
              "with free sends"
              + (", simulated: the stages' layers differ" if cost.free_simulation is not None else
                 ", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%} "

@@ -190,6 +190,13 @@ class PipelineCost:
             return self.free_simulation.makespan + self.optimizer_s
         return self.simulation.ideal + self.closed.idle_s + self.optimizer_s  # the schedule's, no update
 
+    @property
+    def free_sends_step_s(self) -> float:
+        """The whole step with only the point-to-point sends made free (the report's "with free sends"): the
+        schedule with free sends (``step_closed_s`` less the optimizer phase it counts) plus all the step adds
+        after the schedule (exposed gradient reductions, optimizer phase, update, host copies)."""
+        return self.step_s - self.simulation.makespan + self.step_closed_s - self.optimizer_s
+
     def to_json(self) -> dict[str, object]:
         pipe, sim = self.pipeline, self.simulation
         return {
