@@ -6,7 +6,7 @@ no compute kernel shares; DeepSeek-V3's all-to-all kernels, 20 of the H800's 132
 ``1 - share`` of its rate, and at its whole rate once the collective is done: :func:`beside` gives the
 time until the first of the two ends, :func:`beside_seconds` until both have.  Where the cost overlaps a
 collective with computation it runs by them: a phase's ahead collectives under its compute
-(:func:`shardc.timing.phase_seconds`), the collectives of DualPipe's F&B pair under the other chunk's
+(:func:`shardc.phase_time.phase_seconds`), the collectives of DualPipe's F&B pair under the other chunk's
 computation (:mod:`shardc.pipeline.pairing`), and a pipeline's gradient reductions under the last
 microbatch's backward (:func:`reduced_after`: :mod:`shardc.costmodel.pipeline_cost` costs them by it and
 :func:`shardc.timing.plan_time`, the planner's objective, weighs them by it).  Point-to-point sends (a pipeline's

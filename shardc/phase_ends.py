@@ -1,7 +1,7 @@
 """The collectives issued ahead that no compute of their phase can hide: those at its two ends.
 
 A collective issued ahead of time (a weight's AllGather, a gradient's ReduceScatter: ``Step.ahead``)
-overlaps its phase's compute (:func:`shardc.timing.phase_seconds`), but only compute that does not wait on
+overlaps its phase's compute (:func:`shardc.phase_time.phase_seconds`), but only compute that does not wait on
 it and that runs while it can run.  The program issues a weight's gather at the start of the phase at the
 earliest and a gradient's reduction once the step that makes the gradient is done, so two are left with
 nothing beside them:

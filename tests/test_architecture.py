@@ -39,14 +39,16 @@ HEAVY = ("jax", "jaxlib", "matplotlib", "lark")
 # lines, its stage axis and layer split, are ``shardc.spec.stages``, which validation reads; the accountings'
 # table, ``shardc.accountings``, imports nothing, and the parser checks an ``optimizer`` line's name against it)
 PLANNING_AND_COSTING = ("shardc.planner", "shardc.sharding", "shardc.ir.plan", "shardc.ir.localops", "shardc.ops",
-                        "shardc.costmodel", "shardc.collectives", "shardc.timing", "shardc.step_cost",
+                        "shardc.costmodel", "shardc.collectives", "shardc.timing", "shardc.phase_time",
+                        "shardc.stage_phases", "shardc.step_cost",
                         "shardc.hardware", "shardc.chip_model", "shardc.device_pieces", "shardc.layer_counts",
                         "shardc.ring_sends", "shardc.chip_choice", "shardc.quantize",
                         "shardc.layouts", "shardc.lowering", "shardc.verification", "shardc.pipeline")
 
 # the passes that never import jax (so neither may anything they reach)
 NO_JAX = ("shardc.spec", "shardc.ir", "shardc.ops", "shardc.sharding", "shardc.planner", "shardc.costmodel",
-          "shardc.collectives", "shardc.timing", "shardc.step_cost", "shardc.device_pieces", "shardc.layer_counts",
+          "shardc.collectives", "shardc.timing", "shardc.phase_time", "shardc.stage_phases", "shardc.step_cost",
+          "shardc.device_pieces", "shardc.layer_counts",
           "shardc.ring_sends", "shardc.chip_choice", "shardc.hardware", "shardc.chip_model", "shardc.pipeline",
           "shardc.layouts",
           "shardc.quantize",

@@ -16,12 +16,12 @@ from shardc.collectives import Op
 from shardc.costmodel.section_times import pair_order, part_time
 from shardc.errors import ShardcError
 from shardc.hardware import get_hardware
+from shardc.phase_time import phase_seconds
 from shardc.pipeline.bubbles import bubble, held, inflight, sends_per_microbatch
 from shardc.pipeline.dualpipe import Group, dualpipe_orders
 from shardc.pipeline.pairing import pair_seconds
 from shardc.pipeline.schedules import Phases, Timing, device_of, paired_seconds, simulate
 from shardc.step_cost import StepCost
-from shardc.timing import phase_seconds
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "pipeline_llama.shard"
 

@@ -16,7 +16,7 @@ from shardc.accountings import update_bytes
 from shardc.chip_choice import chip_for, load_hardware_file
 from shardc.errors import ShardcError
 from shardc.hardware import PRESETS, get_hardware
-from shardc.timing import phase_seconds
+from shardc.phase_time import phase_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -35,18 +35,10 @@ from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan, Step
 from shardc.ir.spec import Network
 from shardc.layer_counts import block_counts, resolve_layers
+from shardc.phase_time import phase_ends
 from shardc.spec.walk import id_names
-from shardc.timing import (
-    microbatched,
-    phase_ends,
-    phase_rows,
-    plan_chip,
-    plan_links,
-    plan_sizes,
-    stage_phases,
-    update_seconds,
-    zero_reductions,
-)
+from shardc.stage_phases import microbatched, stage_phases, zero_reductions
+from shardc.timing import phase_rows, plan_chip, plan_links, plan_sizes, update_seconds
 from shardc.topology import AxisLinks
 
 __all__ = ["CostReport", "cost", "accounting_of", "resolve_sizes", "missing_sizes", "step_tokens"]
@@ -265,7 +257,7 @@ def latency_note(hw: Hardware, links: Layout) -> str:
 def phase_steps(plan: Plan, repeats: int = 1) -> tuple[tuple[str, tuple[Step, ...]], ...]:
     """The phases as costed: forward; backward with the forward steps it recomputes first; optimizer, with,
     under a pipeline of ``repeats`` microbatches, the gradient reductions run once a step before it
-    (:func:`shardc.timing.stage_phases`)."""
+    (:func:`shardc.stage_phases.stage_phases`)."""
     return tuple(zip(("forward", "backward", "optimizer"), stage_phases(plan, repeats), strict=True))
 
 

@@ -9,7 +9,7 @@ as it runs (its layers, :func:`shardc.layer_counts.runs`; a pipelined stage's mi
 * ``comm_s``: the collectives' times (bandwidth term, bounded below by latency),
   split into ``critical_s`` and ``ahead_s`` (``Step.ahead``: weight gathers and
   weight-gradient reductions can be issued off the critical path; gradient
-  reductions bucketed, :func:`shardc.timing.comm_split`).
+  reductions bucketed, :func:`shardc.phase_time.comm_split`).
 * ``step_s``: ``max(compute + memory, ahead - ends) + ends + critical`` a phase, ``ends`` the
   collectives issued ahead that no compute hides, once a phase (``exposed_ends_s``: the gathers its
   first step waits on, the reductions after its last, :mod:`shardc.phase_ends`), forward plus
@@ -40,17 +40,17 @@ from shardc.costmodel.formulas import PhaseFormula
 from shardc.hardware import Hardware
 from shardc.layer_counts import runs
 from shardc.overlap import gathered_before
-from shardc.step_cost import StepCost
-from shardc.timing import (
+from shardc.phase_time import (
     bound_of,
     comm_split,
     deferred_dcn,
     phase_seconds,
     phase_time,
-    reductions_exposed,
     seconds_at_mfu,
     step_seconds,
 )
+from shardc.stage_phases import reductions_exposed
+from shardc.step_cost import StepCost
 
 __all__ = ["PhaseCost"]
 
@@ -162,7 +162,7 @@ class PhaseCost:
     @property
     def grad_reduce_dcn_s(self) -> float:
         """Of :attr:`critical_s`, the gradient reductions' DCN phase, run once the backward is done (``grad_reduce
-        after-backward over dcn``: PaLM's cross-pod transfer; :func:`shardc.timing.deferred_dcn`)."""
+        after-backward over dcn``: PaLM's cross-pod transfer; :func:`shardc.phase_time.deferred_dcn`)."""
         if self.parts:
             return math.fsum(p.grad_reduce_dcn_s for p in self.parts)
         return deferred_dcn([(r, self._count(r)) for r in self.rows], self.hardware)
@@ -197,7 +197,7 @@ class PhaseCost:
     @property
     def exposed_ends_s(self) -> float:
         """Of the collectives issued ahead, those at the phase's ends, which no compute hides (the gathers
-        its first step waits on, the reductions after its last: :func:`shardc.timing.phase_ends`)."""
+        its first step waits on, the reductions after its last: :func:`shardc.phase_time.phase_ends`)."""
         if self.parts:
             return math.fsum(p.exposed_ends_s for p in self.parts)
         return min(self.ends_s, self.ahead_s) if not self.hardware.book else 0.0

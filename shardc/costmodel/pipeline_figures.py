@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from shardc.ir.spec import TensorRef
+from shardc.phase_time import bound_of, seconds_at_mfu
 from shardc.pipeline.bubbles import EXACT, Bubble, activation_factor, inflight, sends_per_microbatch
 from shardc.pipeline.schedules import Simulation, Timing
 from shardc.spec.stages import Pipeline
-from shardc.timing import bound_of, seconds_at_mfu
 
 __all__ = ["StageCost", "PipelineCost"]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from shardc.collectives import Layout
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
+from shardc.phase_time import comm_split, phase_time
 from shardc.pipeline.backward_split import weight_steps
 from shardc.pipeline.block_split import chunk_blocks
 from shardc.pipeline.boundary import carried_moves, gradient_reductions
@@ -30,7 +31,7 @@ from shardc.pipeline.pairing import Phases, Segment, joined, scaled
 from shardc.pipeline.schedules import Timing
 from shardc.spec.stages import Pipeline
 from shardc.step_cost import StepCost
-from shardc.timing import comm_split, phase_rows, phase_time
+from shardc.timing import phase_rows
 
 __all__ = ["PartTime", "part_time", "pair_order", "section_times", "run_times", "phases_of", "end_timing",
            "chunk_times"]
@@ -61,7 +62,7 @@ def part_time(rows: list[StepCost], hw: Hardware, chain: list[StepCost] | None =
 
 def _segments(rows: list[StepCost], hw: Hardware) -> tuple[tuple[Segment, ...], float]:
     """The rows' computations, each with the collective the next one waits for (a critical one: the
-    collectives' rule, :func:`shardc.timing.comm_split`, with its bucketing), and the seconds of the ones
+    collectives' rule, :func:`shardc.phase_time.comm_split`, with its bucketing), and the seconds of the ones
     issued ahead."""
     ahead, critical = comm_split(((r, 1) for r in rows), hw)
     out: list[Segment] = []

@@ -1,7 +1,7 @@
 """ZeRO-1/2's optimizer phase under a pipeline, once a step, on each stage: its layers' params and the
 params outside the ``layers`` block it holds (:func:`stage_optimizer`).  ZeRO-1's gradient reduce-scatters,
 which the plan lists in that phase, run as the pipeline's other gradient reductions do, under the last
-microbatch's backward (:func:`shardc.timing.zero_reductions`): :func:`stage_reductions` costs them apart."""
+microbatch's backward (:func:`shardc.stage_phases.zero_reductions`): :func:`stage_reductions` costs them apart."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from shardc.overlap import gathered_before
 from shardc.pipeline.block_split import device_blocks
 from shardc.spec.stages import Pipeline
 from shardc.spec.walk import block_reads
-from shardc.timing import phase_rows, zero_reductions
+from shardc.stage_phases import zero_reductions
+from shardc.timing import phase_rows
 
 __all__ = ["stage_optimizer", "stage_reductions", "optimizer_exposed"]
 
@@ -47,7 +48,7 @@ def _gathers(plan: Plan) -> tuple[Step, ...]:
 
 def stage_reductions(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> list[float]:
     """Per stage, the seconds of ZeRO-1's gradient reduce-scatters of the params it holds, issued ahead and
-    bucketed as the backward's own reductions are (:func:`shardc.timing.comm_split`); none without ZeRO-1."""
+    bucketed as the backward's own reductions are (:func:`shardc.phase_time.comm_split`); none without ZeRO-1."""
     steps = tuple(replace(plan.optimizer[k], ahead=True) for k in sorted(zero_reductions(plan)))
     return [t.seconds for t in _per_stage(plan, pipe, steps, sizes, hw, spans)]
 

@@ -19,10 +19,11 @@ from shardc.hardware import Hardware
 from shardc.images import check_image_path, pyplot, save_figure
 from shardc.ir.plan import Plan
 from shardc.layer_counts import block_counts, runs
+from shardc.phase_time import bound_of
 from shardc.ring_sends import shared_rings
 from shardc.spec.lexicon import MAX_SIZE
 from shardc.step_cost import cost_step
-from shardc.timing import bound_of, plan_dtype, plan_links
+from shardc.timing import plan_dtype, plan_links
 
 __all__ = ["SweepPoint", "Sweep", "parse_sweep", "sweep", "plot", "check_plot_path"]
 

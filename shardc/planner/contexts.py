@@ -22,14 +22,14 @@ from shardc.quantize import fuses_into
 from shardc.sharding.layout import CostContext, Value
 from shardc.sharding.unit import Placements, without_unit_axes
 from shardc.spec.walk import node_limits
-from shardc.timing import stage_run
+from shardc.stage_phases import stage_run
 
 __all__ = ["search_context", "shared_search", "shared_context", "sharing", "stage_run_of", "tensor_infos"]
 
 
 def stage_run_of(spec: Spec, graph: Graph, outer: Spec | None, hw: Hardware) -> tuple[Spec, int]:
     """The spec whose sizes a stage's search prices, and how many microbatches the stage runs a step
-    (:func:`shardc.timing.stage_run`, as :func:`shardc.timing.plan_time` times the plan): ``spec`` at a
+    (:func:`shardc.stage_phases.stage_run`, as :func:`shardc.timing.plan_time` times the plan): ``spec`` at a
     microbatch's sizes.  Each step the search weighs is then charged as often as the program runs it: an
     activation's move and an einsum once a microbatch at its sizes, a weight's reshard once a microbatch too,
     a gradient's reduction once a step (:meth:`CostContext.move_cost`).  Not a pipeline's stage (``outer``

@@ -23,6 +23,7 @@ from shardc.ir.plan import Plan, Sections, Step
 from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.ops.registry import Node
 from shardc.ops.ring_attention import window_ring_notes
+from shardc.phase_time import PhaseTime
 from shardc.pipeline.boundary import check_microbatches
 from shardc.planner.backward import plan_backward
 from shardc.planner.chain import choose_chain
@@ -50,7 +51,7 @@ from shardc.sharding.unit import (
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.spec.validate import validate
 from shardc.step_cost import StepCost
-from shardc.timing import PhaseTime, PlanTime, plan_time
+from shardc.timing import PlanTime, plan_time
 from shardc.topology import check_topology
 
 __all__ = ["plan", "plan_candidate", "candidate_weights", "objective", "shared_search", "SAVE_POLICIES"]
@@ -285,7 +286,7 @@ def candidate_weights(t: PlanTime) -> list[Weights]:
     """The weights :func:`plan` searches under after the sum's plan, whose times are ``t``.
 
     Per phase, compute weighted 0 if that plan left it communication-bound (1 if not), and
-    communication alone in both; on the chip's model (:func:`shardc.timing.phase_seconds`: the
+    communication alone in both; on the chip's model (:func:`shardc.phase_time.phase_seconds`: the
     collectives issued ahead overlap the phase's compute, the others add to it), also the phase's
     slope there: where its compute hides what is issued ahead, a second of that costs nothing at the
     margin and a second of compute or of an exposed collective costs one.

@@ -71,7 +71,7 @@ class CostContext:
     padded: frozenset[str] = frozenset()  # dims the spec shards unevenly: the search may too (XLA pads)
     compute_weight: float = 1.0  # seconds of compute count this much beside seconds of communication
     # seconds of the collectives issued ahead (CostContext.ahead) count this much beside the others':
-    # 0 where the phase's compute hides them at the margin (shardc.timing.phase_seconds)
+    # 0 where the phase's compute hides them at the margin (shardc.phase_time.phase_seconds)
     ahead_weight: float = 1.0
     # a pipeline's stage: sizes a microbatch's, run this often a step but accumulated tensors' reductions (move_cost)
     repeats: int = 1
