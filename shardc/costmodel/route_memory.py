@@ -54,7 +54,7 @@ def routed_once(steps: tuple[Step, ...], sizes: dict[str, int]) -> tuple[set[int
     routed the same way), and per routing run for several, its indices kept from the first to the last:
     each choice's batch row, expert and slot, int32, 3 k a token (the gather's and the scatter's indices).
 
-    The lowered steps each run :func:`shardc.lowering.runtime._routing` from their gates; XLA's
+    The lowered steps each run :func:`shardc.lowering.runtime_experts._routing` from their gates; XLA's
     common-subexpression elimination (``HloCSE``) merges the identical computations into one, run before
     the first (``moe_dispatch.shard``'s backward at verify's sizes: one top-k and one scan for dEx, dGate
     and dX_2, the s32[2, 24, 2, 3] indices alive from dEx's scatter to dX_2's gather)."""

@@ -108,12 +108,20 @@ forward, grad = PROGRAM.forward, PROGRAM.grad
 '''
 
 
+# the modules of the helpers a lowered module calls, in the order its import line names them: runtime.py's
+# own, then those it imports from runtime_experts.py (so a lowered module imports them all from runtime.py)
+_RUNTIME = ("runtime.py", "runtime_experts.py")
+
+
 def runtime_names() -> tuple[str, ...]:
-    """The public functions of :mod:`shardc.lowering.runtime`, read from its source (importing it
-    would import jax, which lowering to text does not need)."""
-    path = Path(__file__).with_name("runtime.py")
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    return tuple(node.name for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"))
+    """The public functions of :mod:`shardc.lowering.runtime`, its own and its experts' helpers, read from
+    their source (importing them would import jax, which lowering to text does not need)."""
+    names: list[str] = []
+    for module in _RUNTIME:
+        tree = ast.parse(Path(__file__).with_name(module).read_text(encoding="utf-8"))
+        names += [node.name for node in tree.body
+                  if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+    return tuple(names)
 
 
 def defined_names(source: str) -> frozenset[str]:
