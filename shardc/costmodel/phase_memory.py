@@ -215,7 +215,7 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
 
     A value lives from the step that makes it to the last that reads it.  A rename makes none; a
     map or product read only by the map right after it is fused into it (as
-    :func:`shardc.timing.memory_traffic` prices it); a map's result takes the buffer of an operand
+    :func:`shardc.fusion.memory_traffic` prices it); a map's result takes the buffer of an operand
     of its size that no later step reads, as XLA's heap simulator shares an elementwise operand's
     buffer with its user, unless the buffer of a collective's output holds either first.  Copies a
     step makes for its layout (:func:`_layout_copies`) live for that step only.  An AllReduce issued
