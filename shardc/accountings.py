@@ -27,7 +27,7 @@ cost pass; :mod:`shardc.costmodel.memory` counts with it.
 
 from __future__ import annotations
 
-__all__ = ["ACCOUNTINGS", "MASTER", "LOW_GRAD", "REDUCED_BYTES", "chosen", "described", "update_bytes"]
+__all__ = ["ACCOUNTINGS", "MASTER", "LOW_GRAD", "REDUCE_DTYPES", "chosen", "reduce_dtype", "described", "update_bytes"]
 
 # name -> (param bytes, grad bytes, optimizer-state bytes, description)
 ACCOUNTINGS: dict[str, tuple[int, int, int, str]] = {
@@ -47,15 +47,28 @@ MASTER: dict[str, int] = {"adam10": 0, "adam16": 4, "mixed18": 4, "mixed14": 4, 
 # reads (BF16_Optimizer's step hands Adam the fp32 gradient partition only): none but for ``bf16opt20``.
 LOW_GRAD: dict[str, int] = {"bf16opt20": 2}
 
-# Bytes an element of a param's gradient as the framework holds and data-parallel reduces it, where not the param's
-# dtype's: the planner gives the gradients of a spec naming the accounting (`optimizer NAME`) this element size
-# (shardc.planner.graph), so their AllReduce / ReduceScatter volumes, and the backward's writes of them, count it.
+# The element type an accounting's framework data-parallel reduces the params' gradients in, where not the param's
+# own: the default of a spec naming the accounting (`optimizer NAME`) and writing no `grad_reduce ... in T`
+# (:func:`reduce_dtype`, read by the planner, shardc.planner.graph, so the gradients' AllReduce / ReduceScatter
+# volumes, and the backward's writes of them, count it).
 # ``bf16opt20``: DeepSpeed's pipeline engine under BF16_Optimizer all-reduces the optimizer's fp32 gradient
 # buffer, not the bf16 gradients (microsoft/DeepSpeed, deepspeed/runtime/pipe/engine.py: ``_exec_reduce_grads``
 # calls ``_bf16_reduce_grads``, which hands ``buffered_allreduce_fallback`` the optimizer's
 # ``get_grads_for_reduction()``, "the optimizer's FP32 grads").  The other accountings name no framework's
-# reduction, so their gradients are reduced in the param's dtype.
-REDUCED_BYTES: dict[str, int] = {"bf16opt20": 4}
+# reduction (DeepSpeed's ZeRO-1/2 under bf16 reduces in bf16: deepspeed/runtime/engine.py,
+# ``communication_data_type`` is bfloat16 where bf16 is on and the config sets none), so their gradients are
+# reduced in the param's type unless the spec's `grad_reduce` line says another.
+REDUCE_DTYPES: dict[str, str] = {"bf16opt20": "f32"}
+
+
+def reduce_dtype(written: str | None, accounting: str | None) -> str | None:
+    """The type the params' gradients are reduced in: the spec's ``grad_reduce ... in T`` (``written``) where
+    set, else the ``accounting``'s (:data:`REDUCE_DTYPES`), else None (each param's own type).
+
+    >>> reduce_dtype(None, "bf16opt20"), reduce_dtype("bf16", "bf16opt20"), reduce_dtype(None, "adam16")
+    ('f32', 'bf16', None)
+    """
+    return written or REDUCE_DTYPES.get(accounting or "")
 
 
 def chosen(written: str | None, given: str | None = None) -> str:

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from shardc import __version__
 from shardc.errors import InternalError, ShardcError, clip
-from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, PARAM_GATHERS
+from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, PARAM_GATHERS, DType
 
 __all__ = ["COMMANDS", "build_parser", "full_parser", "main", "check_hardware_flag", "add_topology",
            "add_model_flags", "configure_chip", "add_common"]
@@ -198,6 +198,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "(PyTorch DDP, FSDP); after-backward: once the backward is done, exposed (Megatron-LM's "
                              "own DDP of 2021); 'after-backward over dcn': only their phase over the `over dcn` axes "
                              "after it (PaLM's cross-pod transfer); over the spec's `grad_reduce` line")
+    parser.add_argument("--grad-reduce-dtype", choices=tuple(d.value for d in DType), default=None,
+                        help="the type the params' gradients are reduced in (f32: FSDP's reduce_dtype float32 as "
+                             "torchtitan runs it, Megatron-LM's fp32 main gradients under bf16); default: the "
+                             "`optimizer` accounting's (bf16opt20: f32), else each param's own; over the spec's "
+                             "`grad_reduce ... in T`")
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None,
                         help="the fused attention kernel run, at the rates measured of it on the chip (flash2: "
                              "FlashAttention-2, flash3, flash4); default: the chip's best; over the spec's "

@@ -14,6 +14,7 @@ from typing import Any
 from shardc.errors import ShardcError, clip
 from shardc.files import read_text
 from shardc.hardware import check_spans
+from shardc.ir.spec import DType
 from shardc.spec.overrides import apply_overrides
 from shardc.spec.parser import parse, parse_size
 
@@ -39,16 +40,19 @@ def parse_spans(items: Sequence[str] | None, spec: Any) -> dict[str, int] | None
     return spans or None
 
 
-def load_spec(path: str, sets: Sequence[str] | None = None, optimizer: str | None = None) -> Any:
-    """Read and parse a spec file, then apply ``--set`` pairs and ``--optimizer`` (over the spec's ``optimizer``
-    line: the plan's gradient reductions are sized by it, :data:`shardc.accountings.REDUCED_BYTES`); errors are
-    ShardcErrors."""
+def load_spec(path: str, sets: Sequence[str] | None = None, optimizer: str | None = None,
+              reduce_dtype: str | None = None) -> Any:
+    """Read and parse a spec file, then apply ``--set`` pairs, ``--optimizer`` (over the spec's ``optimizer``
+    line) and ``--grad-reduce-dtype`` (over its ``grad_reduce ... in T``): the plan's gradient reductions are
+    sized by them (:func:`shardc.accountings.reduce_dtype`); errors are ShardcErrors."""
     spec = parse(read_text(path), filename=path)
     sizes = parse_sets(sets)
     spec = apply_overrides(spec, sizes) if sizes else spec
-    return spec if optimizer is None else dataclasses.replace(spec, optimizer=optimizer)
+    spec = spec if optimizer is None else dataclasses.replace(spec, optimizer=optimizer)
+    return spec if reduce_dtype is None else dataclasses.replace(spec, grad_reduce_dtype=DType(reduce_dtype))
 
 
 def read_spec(args: argparse.Namespace) -> Any:
-    """FILE, ``--set`` and (where the command has it) ``--optimizer`` of a command's arguments, parsed."""
-    return load_spec(args.file, args.set, getattr(args, "optimizer", None))
+    """FILE, ``--set`` and (where the command has them) ``--optimizer`` and ``--grad-reduce-dtype`` of a
+    command's arguments, parsed."""
+    return load_spec(args.file, args.set, getattr(args, "optimizer", None), getattr(args, "grad_reduce_dtype", None))

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from shardc.accountings import ACCOUNTINGS, REDUCED_BYTES, chosen
+from shardc.accountings import ACCOUNTINGS, chosen, reduce_dtype
 from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, Layout
 from shardc.costmodel.context_parallel import with_thresholds
 from shardc.costmodel.cost_text import render
@@ -33,7 +33,7 @@ from shardc.errors import ShardcError
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan, Step
-from shardc.ir.spec import Network
+from shardc.ir.spec import Network, Spec
 from shardc.layer_counts import block_counts, resolve_layers
 from shardc.phase_time import phase_ends
 from shardc.spec.walk import id_names
@@ -68,6 +68,7 @@ class CostReport:
             "sizes": self.sizes, "layers": self.layers, "devices": self.step.devices,
             "save": self.plan.save, "recompute": self.plan.recompute,
             "zero": _zero_json(self.plan),
+            "grad_reduce_dtype": reduction_dtype(self.plan.spec, self.memory.accounting),
             "forward": self.forward.to_json(), "backward": self.backward.to_json(),
             **({"optimizer": self.optimizer.to_json()} if self.optimizer is not None else {}),
             "step": {**self.step.to_json(rows=False), "step_at_mfu_s": self.step_at_mfu_s},
@@ -107,6 +108,17 @@ class CostReport:
         return self.render()
 
 
+def _reduction_note(spec: Spec, accounting: str) -> tuple[str, ...]:
+    """Where the gradients are reduced in a type of the framework's own: which, and who says so."""
+    kind = reduction_dtype(spec, accounting)
+    if kind is None or kind == spec.dtype.value and not spec.tensor_dtypes:
+        return ()
+    said = (f"`grad_reduce ... in {kind}` or --grad-reduce-dtype" if spec.grad_reduce_dtype is not None
+            else f"optimizer {accounting}'s default")
+    return (f"gradient reductions in {kind} ({said}): the params' gradients' AllReduces and ReduceScatters move "
+            f"{kind} elements, not the params' {spec.dtype.value}",)
+
+
 def _zero_json(plan: Plan) -> dict[str, object] | None:
     zero = plan.spec.zero
     return None if zero is None else {"stage": zero.stage, "axes": list(zero.axes)}
@@ -127,17 +139,25 @@ def hardware_json(hw: Hardware, names: HardwareSymbols) -> dict[str, object]:
 
 def accounting_of(plan: Plan, optimizer: str | None) -> str:
     """The accounting ``optimizer`` names, else the spec's ``optimizer`` line's (:func:`shardc.accountings.chosen`);
-    one whose gradients are reduced in another size than the spec's accounting's is refused: the plan's
-    reduction volumes were made with the spec's (:data:`shardc.accountings.REDUCED_BYTES`)."""
+    one under which the gradients are reduced in another type than the plan's is refused: the plan's reduction
+    volumes were made with the spec's (:func:`reduction_dtype`)."""
     name = chosen(plan.spec.optimizer, optimizer)
     if name not in ACCOUNTINGS:
         raise ShardcError(f"unknown optimizer accounting {name!r}", fix="use " + ", ".join(ACCOUNTINGS))
     written = chosen(plan.spec.optimizer)
-    if REDUCED_BYTES.get(name) != REDUCED_BYTES.get(written):
+    if reduction_dtype(plan.spec, name) != reduction_dtype(plan.spec, written):
         raise ShardcError(f"optimizer {name} reduces the gradients in other bytes than the {written} the plan was "
                           "made under", fix=f"plan the spec with an `optimizer {name}` line (or `shardc cost "
                           f"--optimizer {name}`), which sizes its gradient reductions")
     return name
+
+
+def reduction_dtype(spec: Spec, accounting: str | None) -> str | None:
+    """The type the plan's gradient reductions move: the spec's ``grad_reduce ... in T``, else the accounting's
+    (:func:`shardc.accountings.reduce_dtype`); None: each param's own (the spec's dtype but where a ``dtype``
+    line gives another)."""
+    written = spec.grad_reduce_dtype
+    return reduce_dtype(None if written is None else written.value, accounting)
 
 
 def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, int] | None = None,
@@ -221,7 +241,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     notes = _notes(plan, hw, values, links) + renamed_note(names) + link_notes + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {len(k.rings)} physical ICI axes: {len(k.rings)}x the "
         f"bandwidth, the book's M_{a} (--spans {a}=1 to cost it as one)"
-        for a, k in links.items() if hw.book and len(k.rings) > 1)
+        for a, k in links.items() if hw.book and len(k.rings) > 1) + _reduction_note(plan.spec, optimizer)
     if pipe is not None and whole is not None:  # the whole model's FLOPs: each block's a layer times its layers, the
         counted = [(r, p.repeats) for p in step.parts for r in p.rows if not r.recomputed]  # ends once
         block = math.fsum(math.fsum(r.model_flops * n for r, n in counted if not r.once and r.block == b) * count

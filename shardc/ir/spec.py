@@ -286,6 +286,9 @@ class Spec:
     zero: Zero | None = None  # ZeRO stage and axes (`zero 1 over X`); None: the state is sharded as the params
     fusion: str | None = None  # `fusion none` (FUSIONS); None: the chip's, by default XLA's fusion
     grad_reduce: str | None = None  # `grad_reduce after-backward [over dcn]` (GRAD_REDUCES); None: overlapped
+    # `grad_reduce ... in f32`: the type the params' gradients are reduced in; None: the `optimizer` accounting's
+    # (shardc.accountings.reduce_dtype), else each param's own
+    grad_reduce_dtype: DType | None = None
     attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
     param_gather: str | None = None  # `param_gather overlapped` (PARAM_GATHERS); None: exposed
     optimizer: str | None = None  # `optimizer bf16opt20` (shardc.accountings.ACCOUNTINGS); None: the cost's default
@@ -400,8 +403,9 @@ class Spec:
             lines.append(str(self.zero))
         if self.fusion is not None:
             lines.append(f"fusion {self.fusion}")
-        if self.grad_reduce is not None:
-            lines.append(f"grad_reduce {self.grad_reduce}")
+        if self.grad_reduce is not None or self.grad_reduce_dtype is not None:
+            typed = () if self.grad_reduce_dtype is None else ("in", str(self.grad_reduce_dtype))
+            lines.append(" ".join(("grad_reduce", *filter(None, (self.grad_reduce,)), *typed)))
         if self.attention_kernel is not None:
             lines.append(f"attention_kernel {self.attention_kernel}")
         if self.param_gather is not None:

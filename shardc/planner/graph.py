@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from shardc.accountings import REDUCED_BYTES
+from shardc.accountings import reduce_dtype
 from shardc.errors import ShardcError
 from shardc.ir.precision import Precision, gradient_dtype
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
@@ -251,10 +251,10 @@ class _Builder:
                      outputs, const, grads, self.element_bytes(dtypes) | held, dtypes, self.gemms())
 
     def held_gradients(self, gradients: set[str]) -> dict[str, int]:
-        """Bytes an element of the params' ``gradients`` where the spec's ``optimizer`` accounting holds and
-        reduces them in another size than the param's (:data:`shardc.accountings.REDUCED_BYTES`: BF16_Optimizer's
-        fp32 buffer), so that every count of their bytes, their reductions' volumes first, reads it."""
-        size = REDUCED_BYTES.get(self.spec.optimizer or "")
-        return {} if size is None else dict.fromkeys(sorted(gradients), size)
-
-
+        """Bytes an element of the params' ``gradients`` where the framework reduces them in a type of its own
+        (the spec's ``grad_reduce ... in T``, else its ``optimizer`` accounting's: BF16_Optimizer's fp32 buffer;
+        :func:`shardc.accountings.reduce_dtype`), so that every count of their bytes, their reductions' volumes
+        first, reads it; none where it is each param's own."""
+        written = self.spec.grad_reduce_dtype
+        name = reduce_dtype(None if written is None else written.value, self.spec.optimizer)
+        return {} if name is None else dict.fromkeys(sorted(gradients), DType(name).nbytes)

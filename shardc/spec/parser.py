@@ -43,7 +43,6 @@ from shardc.errors import ShardcError, Span, clip
 from shardc.ir.spec import (
     ATTENTION_KERNELS,
     FUSIONS,
-    GRAD_REDUCES,
     PARAM_GATHERS,
     SCHEDULES,
     Add,
@@ -64,6 +63,7 @@ from shardc.ir.spec import (
 )
 from shardc.spec.call_args import IndexArg, NumberArg, WindowArg, sort_args
 from shardc.spec.dtypes import dtype_line, merge_dtypes
+from shardc.spec.grad_reduce import grad_reduce_line
 from shardc.spec.lexicon import MAX_SIZE, cache_file, grammar_text, parse_size
 from shardc.spec.syntax_errors import syntax_error
 from shardc.spec.validate import validate
@@ -329,16 +329,7 @@ class _Builder(Transformer[Token, Any]):
         return ("fusion", _choice(children[1], "fusion", FUSIONS), _span(children[0], children[1]))
 
     def grad_reduce_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        word = _choice(children[1], "grad_reduce", GRAD_REDUCES)
-        if len(children) > 2:  # `after-backward over dcn`: only the reductions' DCN phase waits for the backward
-            scope = children[3]
-            if word != "after-backward" or str(scope) != "dcn":
-                raise ShardcError(f"`grad_reduce {word} over {clip(str(scope))}`: only the after-backward reductions "
-                                  "take a scope, and only `over dcn`", _span(children[1], scope),
-                                  fix="write `grad_reduce after-backward over dcn` (the DCN phase after the "
-                                      "backward) or `grad_reduce after-backward` (all of them)")
-            word = f"{word} over dcn"
-        return ("grad_reduce", word, _span(children[0], children[-1]))
+        return ("grad_reduce", grad_reduce_line(children, _span), _span(children[0], children[-1]))
 
     def attention_kernel_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("attention_kernel", _choice(children[1], "attention_kernel", ATTENTION_KERNELS),
@@ -450,6 +441,7 @@ def _build_spec(items: list[Any]) -> Spec:
         raise ShardcError("the spec has no `mesh` line", Span(1, 1, 1, _local.filename, lines[0]),
                           fix="start the spec with the device mesh, e.g. `mesh X=16, Y=4`")
     params = header["param"]
+    grad_reduce, reduce_dtype = header.get("grad_reduce", (None, None))
     return Spec(
         mesh=header["mesh"],
         statements=tuple(statements),
@@ -467,7 +459,8 @@ def _build_spec(items: list[Any]) -> Spec:
         schedule=header.get("schedule"),
         zero=header.get("zero"),
         fusion=header.get("fusion"),
-        grad_reduce=header.get("grad_reduce"),
+        grad_reduce=grad_reduce,
+        grad_reduce_dtype=reduce_dtype,
         attention_kernel=header.get("attention_kernel"),
         param_gather=header.get("param_gather"),
         optimizer=header.get("optimizer"),
