@@ -244,19 +244,21 @@ def test_a_reduction_over_two_dims_is_two_reductions() -> None:
 
 def test_a_partial_all_reduced_a_reduction_later_pairs_with_the_plans() -> None:
     """``x.sum()``, ``x.max()`` and a scalar loss of a batch over `data`: XLA reduces to a scalar on each
-    device and all-reduces that (4 B), the plan all-reduces the reduction over the batch (16 B) before
-    the next: one partial's one AllReduce on both sides, neither listed as unneeded or done otherwise.  Each
-    row is timed over the plan's torus spans, as the totals are (8 chips of a v5p: 3 hops, not a ring's 4)."""
+    device and all-reduces that (4 B).  The plan hands a sum's partial sums on through the next sum and
+    all-reduces the scalar too; a max is no sum, so the plan all-reduces the maximum over the batch (16 B)
+    before the next: one partial's one AllReduce on both sides, neither listed as unneeded or done otherwise.
+    Each row is timed over the plan's torus spans, as the totals are (8 chips of a v5p: 3 hops, not a
+    ring's 4)."""
     import jax
     import jax.numpy as jnp
 
     mesh = _mesh((8, 1))
     x = _arg(mesh, (16, 4), "data", None)
-    for fn, args in ((lambda x: x.sum(), (x,)), (lambda x: x.max(), (x,)),
-                     (lambda x, w: jnp.mean((x @ w) ** 2), (x, _arg(mesh, (4, 4))))):
+    for fn, args, planned in ((lambda x: x.sum(), (x,), ("M2", 4)), (lambda x: x.max(), (x,), ("M1", 16)),
+                              (lambda x, w: jnp.mean((x @ w) ** 2), (x, _arg(mesh, (4, 4))), ("M2", 4))):
         e = explain(jax.jit(fn), *args)
         assert [(c.kind, c.tensor, c.bytes) for c in e.xla] == [("AllReduce", "M2", 4)], e.spec
-        assert [(c.kind, c.tensor, c.bytes) for c in e.plan] == [("AllReduce_{data}", "M1", 16)], e.spec
+        assert [(c.kind, c.tensor, c.bytes) for c in e.plan] == [("AllReduce_{data}", *planned)], e.spec
         assert not e.not_needed and not e.differently
         assert e.xla[0].seconds == e.plan[0].seconds == pytest.approx(e.plan_comm_s) == pytest.approx(e.xla_comm_s)
     # the batch over (model, data): XLA's group named `model,data`, the plan's `data,model`, one group of devices

@@ -126,6 +126,7 @@ def candidates(phase: Phase, arg: str, whole: tuple[str, ...], result_idx: tuple
     found: dict[Value, None] = {}
     for source in phase.held[arg]:
         found[Value(source.layout, source.unreduced if linear else ())] = None
+        found[Value(source.layout, ())] = None  # a linear function's partial sums also reduced first, where cheaper
     if target is not None:
         axes = by_index(result_idx, target.layout)
         found[in_order(idx, axes, target.unreduced if linear else ())] = None
