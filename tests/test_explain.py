@@ -267,6 +267,25 @@ def test_a_partial_all_reduced_a_reduction_later_pairs_with_the_plans() -> None:
     assert not e.not_needed and not e.differently
 
 
+def test_a_mean_is_read_as_a_mean_with_the_programs_values() -> None:
+    """``jnp.mean`` traces to a sum divided by the count: read as a mean (over each dim it reduces, a mean of
+    means), not a plain sum n times the program's value; the spec's reference gives the program's value."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from shardc.lowering.reference import forward
+
+    x = np.arange(64, dtype=np.float32).reshape(16, 4)
+    for fn, reduce in ((lambda x: jnp.mean(x, axis=0), "mean"), (lambda x: x.mean(), "mean"),
+                       (lambda x: x.sum(0) * 0.5, "sum")):  # a scale by another number stays a map of the sum
+        e = explain(jax.jit(fn), _arg(_mesh((8, 1)), (16, 4), "data", None))
+        spec = shardc.parse(e.spec)
+        assert {str(s.expr).split("(")[0] for s in spec.statements if s.result.name.startswith("M")} == {reduce}
+        if reduce == "mean":
+            assert np.allclose(forward(spec, {"x": x})[spec.statements[-1].result.name], fn(x)), e.spec
+
+
 def test_a_partial_passes_only_reductions_of_its_own_kind() -> None:
     """A partial sum passes sums and means, a partial maximum maxima: a max after a sum ends the sum's
     chain (an AllReduce after it is another one), and starts its own."""
