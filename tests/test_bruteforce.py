@@ -20,6 +20,11 @@ time (:data:`SLACK` above it), since the test only asks whether anything is chea
 The planner's search plans a phase einsum by einsum and reuses what earlier einsums
 made, so its forward is checked against the sum of the oracle's per-einsum
 optima: it must never be above.
+
+Sums and means over an index are a one-operand contraction to the oracle (the index's axes
+become partial sums).  A result of one that one sum or mean alone reads, declared plain, may
+reach its reader in any value (partial sums too): the oracle hands it on in every value it
+reaches, each at its cost so far, and counts the chain's moves once, at its end.
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ from hypothesis import strategies as st
 import shardc
 from shardc.costmodel.fitting import plan_memory
 from shardc.ir.plan import Monomial, Op, Plan, Step, unfused
-from shardc.ir.spec import Call, Contract, Expr, Mesh, MeshAxis, Network, Spec, TensorRef
+from shardc.ir.spec import Call, Contract, Expr, Mesh, MeshAxis, Network, Spec, Statement, TensorRef
 from shardc.planner.memory_fit import ranked
 from shardc.planner.plan_text import render_explain
 from shardc.planner.planner import objective, shared_search
 from shardc.planner.planner import plan as planner_plan
 from shardc.sharding.layout import CostContext, Move, Value
+from shardc.spec.walk import leaves
 from shardc.testing import specs
 from shardc.timing import plan_time
 from shardc.units import fmt_bytes
@@ -194,12 +200,60 @@ def _core(expr: Expr) -> Expr:
     return expr
 
 
+LINEAR = ("sum", "mean")  # reductions whose partial sums in are partial sums out, over the same axes
+
+
+def reduced(idx: tuple[str, ...], s: State, over: str, out: tuple[str, ...]) -> State:
+    """The local result of a linear reduction over ``over`` of ``s``: its axes become partial sums."""
+    by_index = dict(zip(idx, s.layout, strict=True))
+    return State(tuple(by_index[i] for i in out), s.partial | frozenset(by_index[over]))
+
+
+def handed_on(spec: Spec) -> set[str]:
+    """The results a linear reduction makes that one linear reduction alone reads, declared without mesh
+    axes and no output of the spec: any value of theirs may be handed to their reader (partial sums too)."""
+    linear = {s.result.name: s for s in spec.statements if isinstance(s.expr, Call) and s.expr.func in LINEAR}
+    readers: dict[str, list[str]] = {}
+    for s in spec.statements:
+        for r in leaves(s.expr):
+            readers.setdefault(r.name, []).append(s.result.name)
+    return {name for name, s in linear.items() if len(readers.get(name, [])) == 1 and readers[name][0] in linear
+            and not s.result.unreduced and not any(d.axes for d in s.result.dims)}
+
+
+def _reduction(oracle: Oracle, statement: Statement, starts: dict[State, float], room: float) -> dict[State, float]:
+    """Every value of a linear reduction's result reachable within ``room`` from its input's ``starts``."""
+    call = statement.expr
+    assert isinstance(call, Call) and isinstance(call.arg, TensorRef) and call.over is not None
+    arg, out = call.arg, statement.result.indices
+    ends: dict[State, float] = {}
+    for s, c in oracle.reach(arg.name, arg.indices, starts, room).items():
+        r = reduced(arg.indices, s, call.over, out)
+        ends[r] = min(c, ends.get(r, float("inf")))
+    return oracle.reach(statement.result.name, out, ends, room)
+
+
 def oracle_forward(spec: Spec, ctx: CostContext, bound: float) -> float:
-    """The sum over statements of the cheapest move sequences: declared values in, declared out."""
+    """The sum over statements of the cheapest move sequences: declared values in, declared out; a value
+    :func:`handed_on` goes to its reader in every layout reached, each at its cost so far."""
     oracle = Oracle(spec, ctx)
     declared: dict[str, TensorRef] = {}
+    handed, held = handed_on(spec), {}
     total = 0.0
     for statement in spec.statements:
+        if isinstance(statement.expr, Call) and statement.expr.func in LINEAR:
+            arg = statement.expr.arg
+            assert isinstance(arg, TensorRef)
+            starts = held.pop(arg.name, None) or {oracle.state(declared.get(arg.name, arg)): 0.0}
+            declared[statement.result.name] = statement.result
+            ends = _reduction(oracle, statement, starts, bound - total)
+            if statement.result.name in handed:
+                held[statement.result.name] = ends  # its cost is counted once, in its reader's
+                continue
+            if oracle.state(statement.result) not in ends:
+                return float("inf")
+            total += ends[oracle.state(statement.result)]
+            continue
         core = _core(statement.expr)
         refs = [core] if isinstance(core, TensorRef) else list(core.operands) if isinstance(core, Contract) else []
         assert all(isinstance(r, TensorRef) for r in refs), statement
@@ -325,6 +379,72 @@ def test_the_oracle_ran_on_300_specs() -> None:
         test_planner_is_never_above_the_exhaustive_search()
     assert len({str(s) for s, _ in RUN}) >= 300
     assert sum(1 for _, t in RUN if t > 0) >= 150  # and most of them communicate
+
+
+@st.composite
+def reduction_chains(draw: st.DrawFn) -> Spec:
+    """An input of 2 or 3 indices, each mesh axis on one of them, partial sums or unused, then 1 to 3 sums and
+    means, each of the result before it, and now and then one more of the first result (read twice then);
+    results plain, now and then with an axis on an index."""
+    mesh = draw(small_meshes())
+    axes = [a.name for a in mesh.axes]
+    idx = ["B", "S", "T"][:draw(st.integers(2, 3))]
+    where = {a: draw(st.sampled_from([*idx, "U", ""])) for a in axes}
+
+    def ref(name: str, indices: list[str], on: dict[str, str]) -> str:
+        dims = [f"{i}_{{{','.join(a for a in axes if on.get(a) == i)}}}" if i in on.values() else i for i in indices]
+        partial = ",".join(a for a in axes if on.get(a) == "U")
+        return f"{name}[{', '.join(dims)}]" + (f"{{U_{{{partial}}}}}" if partial else "")
+
+    made = [ref("X", idx, where)]
+    shapes, lines = [idx], []
+    for k in range(draw(st.integers(1, 3)) + 1):
+        last = 0 if k == 3 or (k and draw(st.integers(0, 4)) == 0) else len(made) - 1  # read the first again
+        if not shapes[last] or (k == 3 and len(made) < 3):
+            break
+        over = draw(st.sampled_from(shapes[last]))
+        out = [i for i in shapes[last] if i != over]
+        on = {draw(st.sampled_from(axes)): draw(st.sampled_from(out))} if out and draw(st.integers(0, 3)) == 0 else {}
+        made.append(ref(f"M{k + 1}", out, on))
+        shapes.append(out)
+        lines.append(f"{made[-1]} = {draw(st.sampled_from(LINEAR))}({made[last]} over {over})")
+        if last == 0 and k:
+            break
+    sizes = ", ".join(f"{i}={mesh.devices * draw(st.sampled_from([1, 3, 512, 4096]))}" for i in idx)  # past latency too
+    return shardc.parse(f"{mesh}\ndims {sizes}\n" + "\n".join(lines) + "\n")
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(reduction_chains())
+def test_a_chain_of_sums_is_planned_as_the_exhaustive_search_would(spec: Spec) -> None:
+    """Sums and means, a value one of them alone reads handed on in any layout (partial sums too): the planner
+    is never above the oracle, which reduces each partial sum wherever it is cheapest."""
+    note(str(spec))
+    _check(spec)
+    CHAINS.append(bool(handed_on(spec)))
+
+
+CHAINS: list[bool] = []
+
+
+@pytest.mark.slow
+def test_most_chains_hand_a_value_on() -> None:
+    """The drawn chains do hand values on (a sum read by one sum alone), most of them."""
+    if not CHAINS:
+        test_a_chain_of_sums_is_planned_as_the_exhaustive_search_would()
+    assert len(CHAINS) == 60 and sum(CHAINS) >= 30, CHAINS
+
+
+def test_the_oracle_hands_a_sum_on_unreduced() -> None:
+    """The oracle's handing on is not blind: it all-reduces the scalar, cheaper than the vector before it."""
+    spec = shardc.parse("mesh d=8\ndims B=64, S=16777216\nM1[S] = sum(X[B_d, S] over B)\nM2[] = sum(M1[S] over S)\n")
+    planned, best = _check(spec)
+    ctx = _context(spec, shardc.plan(spec))
+    oracle = Oracle(spec, ctx)
+    vector = dict(oracle.moves("M1", ("S",), State(((),), frozenset({"d"}))))[State(((),), frozenset())]
+    assert handed_on(spec) == {"M1"} and best == pytest.approx(planned) and best < vector
 
 
 def test_the_oracle_finds_the_two_axis_gather() -> None:

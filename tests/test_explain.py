@@ -244,25 +244,46 @@ def test_a_reduction_over_two_dims_is_two_reductions() -> None:
 
 def test_a_partial_all_reduced_a_reduction_later_pairs_with_the_plans() -> None:
     """``x.sum()``, ``x.max()`` and a scalar loss of a batch over `data`: XLA reduces to a scalar on each
-    device and all-reduces that (4 B), the plan all-reduces the reduction over the batch (16 B) before
-    the next: one partial's one AllReduce on both sides, neither listed as unneeded or done otherwise.  Each
-    row is timed over the plan's torus spans, as the totals are (8 chips of a v5p: 3 hops, not a ring's 4)."""
+    device and all-reduces that (4 B).  The plan hands a sum's partial sums on through the next sum and
+    all-reduces the scalar too; a max is no sum, so the plan all-reduces the maximum over the batch (16 B)
+    before the next: one partial's one AllReduce on both sides, neither listed as unneeded or done otherwise.
+    Each row is timed over the plan's torus spans, as the totals are (8 chips of a v5p: 3 hops, not a
+    ring's 4)."""
     import jax
     import jax.numpy as jnp
 
     mesh = _mesh((8, 1))
     x = _arg(mesh, (16, 4), "data", None)
-    for fn, args in ((lambda x: x.sum(), (x,)), (lambda x: x.max(), (x,)),
-                     (lambda x, w: jnp.mean((x @ w) ** 2), (x, _arg(mesh, (4, 4))))):
+    for fn, args, planned in ((lambda x: x.sum(), (x,), ("M2", 4)), (lambda x: x.max(), (x,), ("M1", 16)),
+                              (lambda x, w: jnp.mean((x @ w) ** 2), (x, _arg(mesh, (4, 4))), ("M2", 4))):
         e = explain(jax.jit(fn), *args)
         assert [(c.kind, c.tensor, c.bytes) for c in e.xla] == [("AllReduce", "M2", 4)], e.spec
-        assert [(c.kind, c.tensor, c.bytes) for c in e.plan] == [("AllReduce_{data}", "M1", 16)], e.spec
+        assert [(c.kind, c.tensor, c.bytes) for c in e.plan] == [("AllReduce_{data}", *planned)], e.spec
         assert not e.not_needed and not e.differently
         assert e.xla[0].seconds == e.plan[0].seconds == pytest.approx(e.plan_comm_s) == pytest.approx(e.xla_comm_s)
     # the batch over (model, data): XLA's group named `model,data`, the plan's `data,model`, one group of devices
     e = explain(jax.jit(lambda x: x.sum()), _arg(_mesh((4, 2)), (16, 4), ("model", "data"), None))
     assert [c.axes for c in e.xla] == ["model,data"] and [c.axes for c in e.plan] == ["data,model"]
     assert not e.not_needed and not e.differently
+
+
+def test_a_mean_is_read_as_a_mean_with_the_programs_values() -> None:
+    """``jnp.mean`` traces to a sum divided by the count: read as a mean (over each dim it reduces, a mean of
+    means), not a plain sum n times the program's value; the spec's reference gives the program's value."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from shardc.lowering.reference import forward
+
+    x = np.arange(64, dtype=np.float32).reshape(16, 4)
+    for fn, reduce in ((lambda x: jnp.mean(x, axis=0), "mean"), (lambda x: x.mean(), "mean"),
+                       (lambda x: x.sum(0) * 0.5, "sum")):  # a scale by another number stays a map of the sum
+        e = explain(jax.jit(fn), _arg(_mesh((8, 1)), (16, 4), "data", None))
+        spec = shardc.parse(e.spec)
+        assert {str(s.expr).split("(")[0] for s in spec.statements if s.result.name.startswith("M")} == {reduce}
+        if reduce == "mean":
+            assert np.allclose(forward(spec, {"x": x})[spec.statements[-1].result.name], fn(x)), e.spec
 
 
 def test_a_partial_passes_only_reductions_of_its_own_kind() -> None:

@@ -104,6 +104,24 @@ def test_sum_over_a_sharded_index_is_a_partial_sum() -> None:
     assert _collectives(passed.forward) == []
 
 
+def test_a_sum_of_a_sum_all_reduces_the_smaller_tensor() -> None:
+    """A sum's partial sums read by a sum alone are handed on unreduced: the scalar is all-reduced (as XLA
+    does), not the vector before it; nested or as a statement of its own.  A max is no sum: its input is
+    reduced first, as is a sum read twice, and an intermediate declared with mesh axes keeps them."""
+    def reduced(text: str) -> list[tuple[str, str]]:
+        return [(s.tensor, str(s.volume)) for s in _collectives(_plan("mesh d=8\ndims B=16, S=8\n" + text).forward)]
+
+    assert reduced("M2[] = sum(sum(X[B_d, S] over B) over S)\n") == [("M2", "2")]
+    assert reduced("M1[S] = sum(X[B_d, S] over B)\nM2[] = mean(M1[S] over S)\n") == [("M2", "2")]
+    assert reduced("M1[S] = sum(X[B_d, S] over B)\nM2[] = max(M1[S] over S)\n") == [("M1", "2*S")]
+    assert reduced("M1[S] = sum(X[B_d, S] over B)\nM2[] = sum(M1[S] over S)\nM3[] = max(M1[S] over S)\n") \
+        == [("M1", "2*S")]
+    assert reduced("M1[S_d] = sum(X[B_d, S] over B)\nM2[] = sum(M1[S_d] over S)\n")[0][0] == "M1"
+    # --explain: the inner sum's reduction ranked as its reader's, which weighs it against its own
+    text = render_explain(_plan("mesh d=8\ndims B=16, S=8\nM2[] = sum(sum(X[B_d, S] over B) over S)\n", explain=True))
+    assert "AllReduce_d (its reader's)" in text and "AllReduce_d of the input" in text
+
+
 def test_a_nonlinear_function_of_partial_sums_reduces_its_input_first() -> None:
     p = _plan("mesh X=2, Y=2\ndims B=8, D=64\nP[B, D_X] = softmax(X[B, D_X]{U_Y} over D)\n")
     first = _collectives(p.forward)[0]
@@ -164,6 +182,9 @@ VERIFY = [
     "mesh X=2, Y=2\ndims B=8, D=64, F=32\nM[B_X] = max(A[B_X, D] · W[D, F_Y] over F)\n",
     "mesh X=2, Y=2\ndims B=8, D=64\nM[B]{U_XY} = sum(X[B, D_X]{U_Y} over D)\n",
     "mesh X=4\ndims B=8, D=64\nM[B_X] = mean(X[B, D_X] over D)\n",
+    # partial sums handed on through a mean and a sum, all-reduced once as a scalar
+    "mesh X=2, Y=2\ndims B=8, S=8, T=4\nM1[S, T] = sum(X[B_X, S_Y, T] over B)\nM2[T] = mean(M1[S, T] over S)\n"
+    "M3[] = sum(M2[T] over T)\n",
     "mesh X=4\ndims B=8, D=4096\nM[B] = logsumexp(X[B, D_X] over D)\n",
     "mesh X=2, Y=2\ndims B=8, E=8, D=4\nS1[B_X, E_Y] = sort(In[B_X, D] · W[D, E_Y] over E)\n"
     "Out[B_X, D] = S1[B_X, E_Y] · W2[E_Y, D]\n",

@@ -31,7 +31,7 @@ from shardc.explanation.dim_classes import UNWRITABLE, reshape_groups, unwritabl
 from shardc.explanation.expert_moves import moves, read_move
 from shardc.explanation.fresh import Walked
 from shardc.explanation.layers import read_scan
-from shardc.explanation.patterns import Run, function_of, is_lookup, primitives, runs
+from shardc.explanation.patterns import Run, function_of, is_lookup, mean_sums, primitives, runs
 from shardc.explanation.routing import read_routing, regions
 from shardc.explanation.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explanation.sources import equation_text, shape_text, source_line
@@ -119,6 +119,7 @@ class _Reader(Reading):
         routings = regions(eqns, list(jaxpr.outvars)[:results])
         moved = {id(m.eqns[-1]): m for r in routings.values() for m in moves(r, eqns, list(jaxpr.outvars)[:results])}
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
+        means = {k: e for k, e in mean_sums(eqns, list(jaxpr.outvars)[:results]).items() if k not in inside}
         for eqn in eqns:
             try:
                 if id(eqn) in routings:
@@ -129,6 +130,9 @@ class _Reader(Reading):
                     continue
                 elif eqn in found:
                     self.function(eqn.outvars[0], found[eqn], source_line(eqn))
+                elif id(eqn) in means:  # jnp.mean: its sum a mean, its division by the count that mean
+                    self.reduce(eqn, "mean") if eqn is means[id(eqn)] else self.view(eqn.outvars[0], eqn.invars[0],
+                                                                                       list(range(eqn.outvars[0].aval.ndim)))
                 elif id(eqn) not in inside:
                     self.equation(eqn)
             except ShardcError as err:
@@ -183,7 +187,7 @@ class _Reader(Reading):
         elif name == "dot_general":
             self.dot(eqn, line)
         elif name in ("reduce_sum", "reduce_max"):
-            self.reduce(eqn, line)
+            self.reduce(eqn)
         elif name == "sort":
             sort(self, eqn, line)
         elif name == "rev":
@@ -444,13 +448,13 @@ class _Reader(Reading):
                 for letter, d in zip(term, ids, strict=True):
                     self.hints.setdefault(d, letter.upper())
 
-    def reduce(self, eqn: Any, line: str) -> None:
+    def reduce(self, eqn: Any, fn: str = "") -> None:
         """A reduction over one dim, or over several as the language writes it: one dim at a time (a sum
-        of sums, a max of maxes), the partial results tensors of their own."""
-        source, out = eqn.invars[0], eqn.outvars[0]
+        of sums, a max of maxes, a mean of means), the partial results tensors of their own."""
+        source, out, line = eqn.invars[0], eqn.outvars[0], source_line(eqn) or self.caller
         ids = self.dims_of(source)
         over = [ids[i] for i in eqn.params["axes"]]
-        fn = "sum" if eqn.primitive.name == "reduce_sum" else "max"
+        fn = fn or ("sum" if eqn.primitive.name == "reduce_sum" else "max")
         tensor, held = self.tensor(source), list(ids)
         for k, d in enumerate(over):
             held = [e for e in held if e != d]

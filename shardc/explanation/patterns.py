@@ -23,7 +23,7 @@ from typing import Any
 
 from jax.extend import core as jex
 
-__all__ = ["Run", "function_of", "is_lookup", "primitives", "runs"]
+__all__ = ["Run", "function_of", "is_lookup", "mean_sums", "primitives", "runs"]
 
 _PASS = ("broadcast_in_dim", "stop_gradient", "max")  # what lies between the max and the subtraction
 
@@ -356,6 +356,24 @@ def runs(eqns: list[Any], outvars: list[Any]) -> dict[Any, Run]:
         reads = Counter(v for e in match.run for v in e.invars if not isinstance(v, jex.Literal))
         if all(uses[v] == reads[v] for v in inner):
             found[eqn] = match
+    return found
+
+
+def mean_sums(eqns: list[Any], outvars: list[Any]) -> dict[int, Any]:
+    """``jnp.mean(x, axes)``: a reduce_sum that a division by the product of its dims' sizes alone reads.  By
+    the id of each such reduce_sum and of its division, the reduce_sum: read as a mean over those dims, the
+    division as that mean itself (read as a plain sum, the spec's value would be n times the program's)."""
+    made, uses = _producers(eqns), _uses(eqns, outvars)
+    found: dict[int, Any] = {}
+    for div in eqns:
+        if div.primitive.name != "div" or not isinstance(div.invars[1], jex.Literal):
+            continue
+        total = _made_by(div.invars[0], made, "reduce_sum")
+        if total is None or uses[div.invars[0]] != 1:
+            continue
+        shape = total.invars[0].aval.shape
+        if float(div.invars[1].val) == math.prod(shape[a] for a in total.params["axes"]):
+            found[id(total)] = found[id(div)] = total
     return found
 
 

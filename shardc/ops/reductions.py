@@ -26,7 +26,7 @@ from shardc.ir.plan import Step
 from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, register
-from shardc.ops.row_plans import plan_rows, stat_names
+from shardc.ops.row_plans import FORWARD, plan_rows, stat_names
 from shardc.ops.rows_backward import rows_backward
 from shardc.spec.functions import signature
 
@@ -475,4 +475,4 @@ REDUCTIONS = register(Family(
     reference=Reference(_forward, _vjp, _magnitude, grad_magnitude=_grad_magnitude, arguments=_arguments,
                         indices=_indices, nonlinear=lambda func: _WHOLE[func].nonlinear),
     argument=_argument, aux=_aux, operands=_operands, scores=_scores, native=_native, native_last=_native_last,
-    saved=_saved, held_cotangent=True))
+    saved=_saved, held_cotangent=True, linear=lambda node: FORWARD[node.fn or ""].linear))

@@ -92,7 +92,8 @@ class Node:
     chain: int = 0  # position in a chain of intermediates (0: not in one)
     call: Call | None = None  # the call this node computes (non-elementwise functions)
     signs: tuple[int, ...] = ()  # +1 / -1 per operand of a sum
-    partial: bool = False  # a term of a sum: may stay partial sums (the sum is reduced once)
+    # a term of a sum, or a value one linear node alone reads (Family.linear): may stay partial sums (reduced once)
+    partial: bool = False
     aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
 
 
@@ -295,6 +296,10 @@ class Family:
     # partial sums kept, and its rule's search chooses where it is reduced (a ReduceScatter where the rule runs
     # sharded, not an AllReduce to the result's layout and a slice)
     held_cotangent: bool = False
+    # whether a node is linear in its one operand, partial sums in, partial sums out over the same axes (a sum,
+    # a mean; a max is not): a value only such a node reads may be handed to it unreduced
+    # (:attr:`Node.partial`), so the reduction lands where the tensor is smallest
+    linear: Callable[[Node], bool] = _never
 
 
 _BY_CALL: dict[str, Family] = {}

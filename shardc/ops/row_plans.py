@@ -187,11 +187,13 @@ def _option(phase: Phase, node: Node, local: Value, target: Value | None, stats:
         result = in_order(node.indices, axes, tuple(local.unreduced) + extra)
     else:
         result = in_order(node.indices, axes)
-    want = target if target is not None else Value(result.layout, ())
+    want = target if target is not None and not node.partial else Value(result.layout, ())
     if not result.reaches(want):
         return None
     moved, moves_out = reshard(phase.ctx, node.result, node.indices, (result,), want)
-    return Layouts(local, axes[over], add_cost(cost, moved), moves_in, moves_out, result, want)
+    # handed on unreduced (graph.handed_on): ranked as if reduced here, where its reader may reduce it
+    return Layouts(local, axes[over], add_cost(cost, moved), moves_in, moves_out, result,
+                   result if node.partial else want, node.partial)
 
 
 def over_of(node: Node) -> str:
@@ -222,7 +224,9 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
            phase.indices[arg], over_of(node))
     phase.moves(arg, best.moves_in)
     emit_forward(phase, node, best)
-    phase.moves(node.result, best.moves_out)
+    phase.moves(node.result, () if best.handed else best.moves_out)
+    if node.partial:  # a plain intermediate handed on unreduced: held so (graph.handed_on)
+        declared[node.result] = phase.ref(node.result, best.final)
     declared.setdefault(node.result, phase.ref(node.result, best.final))
 
 

@@ -247,8 +247,28 @@ class _Builder:
         grads |= {t: g for t, g in given.items() if t in grads and g not in taken}
         dtypes = self.dtypes(grads)
         held = self.held_gradients({grads[p] for p in params if p in grads})
-        return Graph(tuple(self.nodes), self.declared, self.indices, frozenset(params), tuple(self.inputs),
-                     outputs, const, grads, self.element_bytes(dtypes) | held, dtypes, self.gemms())
+        return Graph(tuple(self.handed_on(outputs)), self.declared, self.indices, frozenset(params),
+                     tuple(self.inputs), outputs, const, grads, self.element_bytes(dtypes) | held, dtypes, self.gemms())
+
+    def handed_on(self, outputs: tuple[str, ...]) -> list[Node]:
+        """The nodes, each linear one whose result one linear node alone reads marked ``partial``: ``sum(sum(X[B_X, S]
+        over B) over S)`` may hand the inner sum on unreduced and all-reduce the scalar, not the vector.  The spec's
+        results are made as declared, and so is an intermediate declared with mesh axes or partial sums; one
+        written plain (``M1[S] = sum(...)``, as `shardc explain` writes a program's) is the planner's to lay out."""
+        readers: dict[str, list[Node]] = {}
+        for node in self.nodes:
+            for name in dict.fromkeys(node.operands):
+                readers.setdefault(name, []).append(node)
+        marked = []
+        for node in self.nodes:
+            read = readers.get(node.result, [])
+            ref = self.declared.get(node.result)
+            plain = ref is None or not (ref.unreduced or any(d.axes for d in ref.dims))
+            if plain and node.result not in outputs and node.family.linear(node) and len(read) == 1 \
+                    and read[0].family.linear(read[0]):
+                node = replace(node, partial=True)
+            marked.append(node)
+        return marked
 
     def held_gradients(self, gradients: set[str]) -> dict[str, int]:
         """Bytes an element of the params' ``gradients`` where the framework reduces them in a type of its own

@@ -50,12 +50,16 @@ class Layouts:
     moves_out: tuple[Move, ...]
     result: Value  # the local result
     final: Value  # the result after moves_out
+    handed: bool = False  # the result handed on as made: moves_out ranks the option, its reader places them
 
     def describe(self, stats: int) -> str:
-        parts = [f"{m.op.title}_{''.join(m.axes)}" for m in self.moves_in if m.op is not Op.SLICE]
+        reduces = (Op.ALL_REDUCE, Op.REDUCE_SCATTER)
+        parts = [f"{m.op.title}_{''.join(m.axes)}" + (" of the input" if m.op in reduces else "")
+                 for m in self.moves_in if m.op is not Op.SLICE]
         if self.axes and stats:
             parts.append(f"{stats} row statistic{'s' if stats > 1 else ''} AllReduce_{''.join(self.axes)}")
-        parts += [f"{m.op.title}_{''.join(m.axes)}" for m in self.moves_out if m.op is not Op.SLICE]
+        parts += [f"{m.op.title}_{''.join(m.axes)}" + (" (its reader's)" if self.handed else "")
+                  for m in self.moves_out if m.op is not Op.SLICE]
         return ", ".join(parts) if parts else "no communication"
 
 
@@ -126,6 +130,7 @@ def candidates(phase: Phase, arg: str, whole: tuple[str, ...], result_idx: tuple
     found: dict[Value, None] = {}
     for source in phase.held[arg]:
         found[Value(source.layout, source.unreduced if linear else ())] = None
+        found[Value(source.layout, ())] = None  # a linear function's partial sums also reduced first, where cheaper
     if target is not None:
         axes = by_index(result_idx, target.layout)
         found[in_order(idx, axes, target.unreduced if linear else ())] = None
