@@ -133,12 +133,17 @@ XLA_OPTIONS: dict[str, str | bool] = {"xla_cpu_use_fusion_emitters": True}
 # - a phase returning two or more values returns them in a tuple, an output allocation of its own holding
 #   one pointer a value, 8 bytes on the 64-bit host (partial_input.shard's forward at verify's sizes: Out,
 #   16 bytes, In's sum, 40, and their tuple, 16: XLA's outputs 72 bytes);
+# - its loop fusion makes a product of fewer than YNN_MIN_ELEMENTS elements read only by maps and reductions
+#   inside each of them, never written (vocab_parallel.shard's backward at verify's sizes: dN * W_norm inside
+#   dN_t1_dot's reduction and dE's map; 1.15 -> 0.93 of XLA's temporaries); from that many elements up the
+#   product joins a YNNPACK fusion and is written once (the rule above, at 16x its sizes);
 # - a GEMM under a `gemm` line reads its operands cast elementwise (the module's gemm_input) at the float's
 #   width, where a chip holds FP8 copies with their scales (shardc.costmodel.gemm_buffers).
 XLA_CPU = Buffers(align=64, all_to_all_pieces=True, arguments_first=True, masks_per_dot=True,
                   attention_loop=True, ring_blocks_first=True, scan_block=16, products_again=True,
                   scan_in_outputs=True, dots_canonical=True, dot_sums=YNN_MIN_ELEMENTS, gemm_casts=True,
-                  routing_once=True, results_turned=True, pointer=8)
+                  routing_once=True, results_turned=True, pointer=8,
+                  duplicated=YNN_MIN_ELEMENTS)
 _CATEGORIES = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
                ("temporaries", "temp_size_in_bytes"))
 _WHY = {
