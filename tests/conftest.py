@@ -16,13 +16,15 @@ from collections import Counter
 from collections.abc import Callable, Generator
 
 # LLVM -O0 for XLA's CPU code: compiling dominates the slow tests, and -O0 compiles them in about 60%
-# of the time. The HLO passes (partitioning, collectives, buffer assignment) are the same, so every
-# check of the compiled HLO reads the same text; only float rounding differs, within every bound.
-# The same holds of the code generator's other settings below, which cut the tests' compile CPU by
-# about a third more (measured on the zig-zag and ring-attention verifies: 45 s -> 29 s of CPU): the
-# fusions emitted by XLA's older LLVM IR emitter rather than its MLIR fusion emitters, LLVM's
-# expensive passes skipped, and each module's code generated in one piece rather than split over
-# threads (the xdist workers already fill the cores).
+# of the time. The HLO passes (partitioning, collectives) are the same, so every check of the compiled
+# HLO's collectives reads the same text; only float rounding differs, within every bound.
+# The code generator's other settings below cut the tests' compile CPU by about a third more (measured
+# on the zig-zag and ring-attention verifies: 45 s -> 29 s of CPU): the fusions emitted by XLA's older
+# LLVM IR emitter rather than its MLIR fusion emitters, LLVM's expensive passes skipped, and each
+# module's code generated in one piece rather than split over threads (the xdist workers already fill
+# the cores).  The older emitter does change buffer assignment (a scatter runs as a while loop with
+# buffers of its own), so the memory check compiles with the fusion emitters on whatever these flags
+# say (shardc.verification.memory_check.XLA_OPTIONS), as `shardc verify` and benchmarks/ compile it.
 os.environ.setdefault("XLA_FLAGS", " ".join((
     "--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
     "--xla_cpu_use_fusion_emitters=false", "--xla_llvm_disable_expensive_passes=true",

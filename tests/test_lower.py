@@ -62,9 +62,13 @@ def test_the_required_examples_exist() -> None:
             "moe_transformer"} <= names
 
 
-# the examples with a category of the memory check still outside 10% of XLA's at verify's sizes (issue 22):
-# outputs (XLA's tuple table on a few hundred bytes), or temporaries not yet read off XLA's buffer assignment
-OUTSIDE = {"fsdp_tp", "gemma2_27b", "gpt_layer_tp", "gpt_layer_tp_sp", "residual_blocks", "vocab_parallel"}
+# the examples with a category of the memory check still outside 10% of XLA's at verify's sizes (issue 22), each
+# its temporaries, where XLA's memory scheduler (the least peak of its list, DFS and post-order schedules) runs the
+# steps in another order than the plan's: fsdp_tp's forward (1.18: W_out's ring blocks sliced only after In's
+# gather is copied out and freed) and backward (0.87), residual_blocks' backward (1.16: the deferred weight
+# gradients' combined AllReduce run right after dE's AllReduce, not at the end), gpt_layer_tp's and
+# gpt_layer_tp_sp's backward (1.16)
+OUTSIDE = {"fsdp_tp", "gpt_layer_tp", "gpt_layer_tp_sp", "residual_blocks"}
 
 
 @pytest.mark.slow

@@ -86,6 +86,18 @@ def test_a_product_read_twice_keeps_its_operands_to_its_last_reader_where_fusion
     assert remade - plain == 8 // 4 * 16 * 32 * F32  # dN[B_Y, S, D], no longer dN_t1's buffer
 
 
+def test_a_small_product_read_by_maps_and_reductions_is_made_inside_each_never_written() -> None:
+    """vocab_parallel.shard's backward at verify's sizes: XLA's loop fusion makes dN_t1 = dN · W_norm inside both
+    its readers (the row reduction dN_t1_dot and the map making dE), no buffer of it in the assignment; from
+    Buffers.duplicated elements up (YNNPACK's kMinElements) it is written once, as at 16x the sizes."""
+    plan = shardc.plan(shardc.parse((EXAMPLES / "vocab_parallel.shard").read_text()))
+    sizes = {"B": 8, "S": 16, "V": 64, "D": 32, "Y": 4, "X": 8}
+    elements = 8 // 4 * 16 * 32  # dN_t1[B_Y, S, D]
+    written, inside = (phase_memory(plan, sizes, F32, Buffers(products_again=True, duplicated=n))[1].temporaries
+                       for n in (elements, elements + 1))
+    assert written - inside == elements * F32
+
+
 def test_a_gathered_argument_is_alive_from_the_phase_start() -> None:
     forward = _phases(FSDP)["forward"]
     w = v = 4 * 6 * F32  # W[D, F] and V[F, D] gathered: both alive at the first dot, V gathered before it runs
@@ -443,6 +455,20 @@ def test_verify_reports_memory_against_xla() -> None:
     assert {"shardc_bytes", "xla_bytes", "ratio"} <= set(data)
     assert abs(data["ratio"] - 1) <= 0.10
     assert "memory per device" in render_memory(check)
+
+
+@pytest.mark.slow
+def test_the_check_compiles_with_xlas_fusion_emitters_whatever_the_tests_flags() -> None:
+    """vocab_parallel.shard's backward at verify's sizes, its check shared with test_lower's verification: the
+    tests' XLA_FLAGS turn the fusion emitters off (tests/conftest.py), with which the embedding gradient's
+    scatter is a while loop and XLA's temporaries 1376 B; the check compiles with them on, as a user's
+    `shardc verify` does: 1028 B, read off its assignment (the preallocated temporaries' allocation: dE's rows
+    copied for the scatter, 320 B at offset 0, dN's AllReduce 320 B at 320, the scatter's 96 B at 768, the
+    weight gradient's dot 96 B at 896, and the partition id, 4 B at 1024, on top)."""
+    check = example_report("vocab_parallel").memory_check
+    assert check is not None
+    rows = {(r.phase, r.category): r for r in check.rows}
+    assert rows[("backward", "temporaries")].xla_bytes == 1028
 
 
 # Every example within 10% at verify's sizes: tests/test_lower.py's test_example_verifies reads the memory check

@@ -115,7 +115,9 @@ class Buffers:
     whose allocation is a table of one pointer of this many bytes a value beside the values' own (XLA's
     buffer assignment: ``output shape is |(f32[2,2], f32[2,5])|``, 16 bytes, in partial_input.shard's
     forward), counted among the outputs; so is an AllReduce that combines several
-    (:func:`shardc.costmodel.step_order.combined`), a temporary; 0: the values alone."""
+    (:func:`shardc.costmodel.step_order.combined`), a temporary; 0: the values alone.  ``duplicated``: a product
+    of fewer elements than this read by several steps, each a map or a reduction, is made inside each reader's
+    fusion, no buffer of its own (:func:`_duplicated`)."""
 
     align: int = 1
     all_to_all_pieces: bool = False
@@ -133,6 +135,7 @@ class Buffers:
     routing_once: bool = False
     results_turned: bool = False
     pointer: int = 0
+    duplicated: int = 0
 
     def rounded(self, n: float) -> float:
         return float(-(-int(n) // self.align) * self.align)
@@ -274,7 +277,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         read = readers.get(step.dst, [])
         fused = step.dst not in kept and len(read) == 1 and (
             k in into or read[0].op is Op.SLICE  # a slice is pushed into the step making its operand
-            or (after is not None and fusible(step) and fusible(after) and step.dst in after.operands))
+            or (after is not None and fusible(step) and fusible(after) and step.dst in after.operands)) \
+            or _duplicated(step, read, kept, copies)
         if step.dst in outs and step.dst not in made_outs:  # a deferred reduction's, at the end
             made_outs[step.dst] = len(steps) if step.dst in deferred else start[k]
         if step.fn == ALIAS or step.dst in args or step.dst in outs or fused or step.dst in buffers:
@@ -324,6 +328,14 @@ def _turned(k: int, ref: TensorRef, size: float, dots: DotResult, ahead: dict[in
         ahead[j] = k + 0.75
     own = [] if dots.only_dots(ref) else [(k + 0.5, k + 0.5, size)]
     return own + [(k + 0.5, max(ahead.get(j, j) for j in group), size) for group in dots.copies(ref)]
+
+
+def _duplicated(step: Step, read: list[Step], kept: frozenset[TensorRef], copies: _Copies) -> bool:
+    """Whether a product read by several steps, each a map or a reduction, is made inside each reader's fusion
+    and never written: one of fewer than :attr:`Buffers.duplicated` elements, as XLA's loop fusion duplicates a
+    cheap producer into every consumer (a product of more joins a YNNPACK fusion, written once)."""
+    return (step.dst not in kept and len(read) > 1 and is_product(step) and all(fusible(r) for r in read)
+            and local_elements(step.dst, copies.sizes) < copies.buffers.duplicated)
 
 
 def _slot_rows(steps: tuple[Step, ...], copies: _Copies) -> list[Span]:

@@ -56,7 +56,7 @@ from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.verification import power
-from shardc.verification.memory_check import MEMORY_DTYPE
+from shardc.verification.memory_check import MEMORY_DTYPE, XLA_OPTIONS
 from shardc.verification.module_check import running
 from shardc.verification.pipeline_draws import Arrays, draw_cotangent, draw_inputs, layer_key_of, model_parts
 from shardc.verification.pipeline_hlo import loop_rows
@@ -226,8 +226,8 @@ def verify_pipeline(plan: Plan, devices: int = 8, seed: int = 0, key: int = 0,
 def check_pipeline_memory(plan: Plan, devices: int, dtype: str = MEMORY_DTYPE,
                           options: dict[str, str] | None = None) -> StageMemoryCheck:
     """The pipeline lowered as :func:`verify_pipeline` lowers it on ``devices`` devices, its schedule
-    compiled for inputs in ``dtype`` (not run; ``options``: XLA's, as ``{"xla_dump_to": DIR}``), and its
-    memory set beside shardc's fullest stage."""
+    compiled for inputs in ``dtype`` (not run; under the memory check's XLA_OPTIONS and ``options``, XLA's
+    too, as ``{"xla_dump_to": DIR}``), and its memory set beside shardc's fullest stage."""
     sizes, layers, micro = run_sizes(plan, devices)
     lowered = lower_pipeline(plan, sizes=sizes, layers=layers, microbatches=micro, split=run_split(plan),
                              blocks=run_blocks(plan, layers))
@@ -236,7 +236,8 @@ def check_pipeline_memory(plan: Plan, devices: int, dtype: str = MEMORY_DTYPE,
     cotangent = {k: np.asarray(v, dtype) for k, v in draw_cotangent(lowered, drawn, 0).items()}
     pipeline = lowered.namespace.PIPELINE
     args = pipeline.arguments(inputs, pipeline.ends.cotangent(pipeline, inputs, cotangent), 0)
-    stats = pipeline.program()[1].lower(*args).compile(compiler_options=options).memory_analysis()
+    compiled = pipeline.program()[1].lower(*args).compile(compiler_options={**XLA_OPTIONS, **(options or {})})
+    stats = compiled.memory_analysis()
     return stage_memory_check(plan, lowered, stats, np.dtype(dtype).itemsize)
 
 
