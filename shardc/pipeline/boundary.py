@@ -137,6 +137,7 @@ def check_lowerable(plan: Plan) -> None:
     spec = plan.spec
     if spec.mesh.pipeline_axis is None:
         return
+    _check_one_carried(spec, spec.mesh.pipeline_axis.name)
     inputs = [i.name for i in plan.tensors if i.role == "input"]
     lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
     ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
@@ -159,6 +160,29 @@ def check_lowerable(plan: Plan) -> None:
                                       "(declared with `param`)")
 
 
+def _check_one_carried(spec: Spec, axis: str) -> None:
+    """A ``layers`` block reads one value made before it: the one its stages hand on (into the first block the
+    last statement's before it, ``PRE_RESULT``; into a later one the block before's output).  A second (``E``
+    beside the carried ``X0``) the spec feeds from the layer's output as it feeds the first
+    (:func:`shardc.spec.walk.block_feeds`), so it would travel through the stages beside it: a second send each
+    way a tick, which the lowered pipeline does not make and ``shardc cost`` does not price (its sends are the
+    one boundary tensor's, :func:`send_bytes`).  A later block's read of an earlier block's inner value is the
+    spec's own check's (:func:`shardc.spec.stages.check_pipeline`)."""
+    blocks = spec.blocks()
+    first = blocks[0][0] if blocks else 0
+    if first == 0:
+        return
+    before, carried = {s.result.name for s in spec.statements[:first]}, spec.statements[first - 1].result.name
+    for j, (lo, hi, _) in enumerate(blocks):
+        for ref in (r for s in spec.statements[lo:hi] for r in leaves(s.expr)):
+            if ref.name in before and (j > 0 or ref.name != carried):
+                raise ShardcError(f"the pipelined block reads {ref.name}, made before the blocks; a stage receives "
+                                  f"one activation from the stage before: {carried} into the first block, each "
+                                  "block's output into the next", ref.span,
+                                  fix=f"compute {ref.name} inside the block from the value it receives (each layer "
+                                      f"its own), or drop the `pipeline` mark from {axis}")
+
+
 def gradient_reductions(plan: Plan) -> frozenset[int]:
     """The backward steps that reduce a param's gradient over the batch (an AllReduce or ReduceScatter of
     it): a sum over the batch, so linear in it.  Under a pipeline Megatron-LM, DeepSpeed and torchtitan
@@ -172,7 +196,9 @@ def tied_contributions(plan: Plan) -> tuple[tuple[str, TensorRef], ...]:
     """Each param read both before and after the ``layers`` block (an embedding tied to the output
     layer), with the contribution to its gradient the backward after the block makes: the value the
     backward before it reads from there, in the step summing the two.  Megatron-LM holds such a param
-    on the first and the last stage and sums the two contributions over them once a step."""
+    on the first and the last stage and sums the two contributions over them once a step.  An input
+    without the batch dim read on both ends and given a gradient (a position table not ``const``) is
+    held and summed so too: its gradient is the same sum of two contributions, one on each end."""
     spec = plan.spec
     if spec.block is None or plan.sections is None:
         return ()
@@ -181,7 +207,8 @@ def tied_contributions(plan: Plan) -> tuple[tuple[str, TensorRef], ...]:
     def names(lo: int, hi: int) -> set[str]:
         return {r.name for s in spec.statements[lo:hi] for r in leaves(s.expr)}
 
-    params = {i.name for i in plan.tensors if i.role == "param"}
+    graded = {g.name for g in plan.grads}  # a `const` input has no gradient to sum: each end reads it alone
+    params = {k for k in _held_on_both(plan) if plan.grad_name(k) in graded}
     made = {s.dst.name: s.dst for s in plan.section("after").backward}
     back = plan.section("before").backward
     out = []
@@ -220,3 +247,11 @@ def carried_moves(plan: Plan) -> tuple[Step, ...]:
             out.insert(0, step)
             needed.add(src)
     return tuple(out)
+
+
+def _held_on_both(plan: Plan) -> frozenset[str]:
+    """The params and the inputs without the batch dim a pipelined model's two ends may both read: each
+    held by the first and the last stage alike (a tied embedding, a position table)."""
+    batch = microbatch_dim(plan)
+    return frozenset(i.name for i in plan.tensors if i.role == "param" or (
+        i.role == "input" and batch not in i.ref.indices))
