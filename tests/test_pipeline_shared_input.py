@@ -96,14 +96,19 @@ Loss[] = cross_entropy(Lg[B_X, S, V], Next[B_X, S])
 """
 
 
-def test_an_input_without_the_batch_dim_around_the_block_is_lowerable_and_one_with_it_is_not() -> None:
+def test_an_input_without_the_batch_dim_around_the_block_is_lowerable_and_one_with_it_given_a_gradient_is_not() -> None:
+    """One with the batch dim is data cut into the microbatches, as token ids are: `const`, it lowers (a mask: it was
+    refused, "an input with the batch dim B"); given a gradient it is refused, as the pipeline returns none of it."""
     from shardc.errors import ShardcError
     from shardc.pipeline.boundary import check_lowerable
 
     check_lowerable(shardc.plan(shardc.parse(ENDS.format(schedule="1f1b"))))  # was refused: "an input; ..."
     batched = ENDS.format(schedule="1f1b").replace("Pos[S, D]", "Pos[B_X, S, D]")
-    with pytest.raises(ShardcError, match="around the pipelined block read Pos, an input with the batch dim B"):
+    check_lowerable(shardc.plan(shardc.parse(batched.replace("const Tok, Next", "const Tok, Next, Pos"))))
+    with pytest.raises(ShardcError, match="around the pipelined block read Pos, an input with the batch dim B that "
+                       "gets a gradient") as err:
         check_lowerable(shardc.plan(shardc.parse(batched)))
+    assert "declare Pos `const`" in (err.value.fix or "")
 
 
 @pytest.mark.slow  # compiles a pipelined module
@@ -138,24 +143,24 @@ def test_a_pipelined_block_starting_from_an_input_is_costed_and_its_lowering_ref
 
 # an input without the batch dim read on both ends (a position table trained, a scale table `const`): held whole by
 # the first and the last stage, as a tied embedding is; token ids read by both (the embedding's, the loss's targets:
-# a model repeating its input) cut into microbatches on both
-BOTH = ENDS.replace("const Tok, Next", "const Tok, Sc").replace("Next[B_X, S])", "Tok[B_X, S])").replace(
-    "+ Pos[S, D]\n", "+ Pos[S, D_Y] * Sc[S, D]\n").replace(
+# a model repeating its input) and a `const` mask, cut into microbatches on both
+BOTH = ENDS.replace("const Tok, Next", "const Tok, Sc, Mask").replace("Next[B_X, S])", "Tok[B_X, S])").replace(
+    "W_emb[V, D]) + Pos[S, D]\n", "W_emb[V, D]) * Mask[B_X, S] + Pos[S, D_Y] * Sc[S, D]\n").replace(
     "Lg[B_X, S, V] = X1[B_X, S, D] · W_out[D, V_Y] + Bias[V_Y]",
-    "Lg[B_X, S, V] = (X1[B_X, S, D] + Pos[S, D_Y] + Sc[S, D]) · W_out[D, V_Y]")
+    "Lg[B_X, S, V] = (X1[B_X, S, D] + Pos[S, D_Y] + Sc[S, D]) · W_out[D, V_Y] * Mask[B_X, S]")
 
 
 def test_an_input_read_on_both_sides_of_the_block_is_held_by_both_end_stages() -> None:
     """Refused ("Pos is read both before and after the pipelined block ... only a param may be"), though cost
     priced it.  Pos's gradient is two contributions, one an end, summed once a step after the end stages swap
-    theirs (TIED, as a tied embedding's); Sc, `const`, has none: each end reads its copy.  Tok, read by both
-    (refused so too), is cut into microbatches for both."""
+    theirs (TIED, as a tied embedding's); Sc, `const`, has none: each end reads its copy.  Tok and Mask, read by
+    both (refused so too; Mask, not token ids, refused on either end), are cut into microbatches for both."""
     from shardc.lowering.pipeline_lowering import lower_pipeline
 
     lowered = lower_pipeline(shardc.plan(shardc.parse(BOTH.format(schedule="1f1b"))), load=False)
     assert lowered.ends is not None and [t[0] for t in lowered.ends.tied] == ["Pos"]
     assert "PRE_WHOLE = ('Pos', 'Sc')" in lowered.source and "POST_WHOLE = ('Pos', 'Sc')" in lowered.source
-    assert "PRE_DATA = ('Tok',)" in lowered.source and "POST_DATA = ('Tok',)" in lowered.source
+    assert "PRE_DATA = ('Tok', 'Mask')" in lowered.source and "POST_DATA = ('Tok', 'Mask')" in lowered.source
 
 
 @pytest.mark.slow  # compiles a pipelined module

@@ -232,7 +232,8 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
                        ("PRE_RESULT", ends.pre.spec.statements[-1].result.name, "stage 0's output"),
                        ("LOSS", ends.post.spec.statements[-1].result.name, "the loss (a mean over the tokens)"),
                        ("TIED", {p: c for p, c, _ in ends.tied},
-                        "a param held by both end stages: its contribution made on the last")))
+                        "a param (or an input without the batch dim) held by both end stages: its contribution "
+                        "made on the last")))
     return text + pipeline_lines("model_pipeline", "model")
 
 

@@ -10,8 +10,8 @@ import math
 
 from shardc.errors import ShardcError
 from shardc.ir.plan import Op, Plan, Step, TensorInfo, model_dims
-from shardc.ir.spec import Spec, TensorRef
-from shardc.spec.walk import id_refs, leaves
+from shardc.ir.spec import Spec, Statement, TensorRef
+from shardc.spec.walk import leaves
 
 __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "send_bytes", "check_microbatches", "check_lowerable",
            "shared_inputs", "gradient_reductions", "tied_contributions", "carried_moves"]
@@ -124,13 +124,13 @@ def check_lowerable(plan: Plan) -> None:
     """Refuse a pipelined plan that reads an input its lowered pipeline has no way to feed.
 
     A stage receives one activation from the previous stage (the block's input, or with
-    `layers` alone the spec's first input) and holds its own params; the statements before
-    a `layers { }` block also read token ids (an embedding's), those after it a loss's
-    targets.  With a block, any statement may also read an input without the batch dim, the
-    same for every microbatch: in the block (BLOOM's ALiBi bias [N, T]) every stage holds it
-    whole (:attr:`shardc.lowering.pipeline_runtime.Pipeline.shared`), before or after it (a
-    position table, an output bias) the first or last stage, as it holds that end's params
-    (:class:`shardc.lowering.pipeline_parts.ModelEnds`).  Another input with the batch dim
+    `layers` alone the spec's first input) and holds its own params.  The statements before
+    the `layers { }` blocks run on the first stage, those after them on the last
+    (:class:`shardc.lowering.pipeline_parts.ModelEnds`), which read any input: one with the
+    batch dim (token ids, targets, a mask) cut into the microbatches, one without it (a
+    position table, an output bias) whole, as that end's params.  In a block, an input
+    without the batch dim, the same for every microbatch (BLOOM's ALiBi bias [N, T]), every
+    stage holds whole (:attr:`shardc.lowering.pipeline_runtime.Pipeline.shared`); one with it
     would be a different tensor for every microbatch on every stage, which neither the
     lowering nor the reference defines.
     """
@@ -139,25 +139,37 @@ def check_lowerable(plan: Plan) -> None:
         return
     _check_one_carried(spec, spec.mesh.pipeline_axis.name)
     inputs = [i.name for i in plan.tensors if i.role == "input"]
-    lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
-    ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
+    blocks = [(lo, hi) for lo, hi, _ in spec.blocks()] or [(0, len(spec.statements))]
     batch = microbatch_dim(plan)
+    graded = {g.name for g in plan.grads}
     for k, statement in enumerate(spec.statements):
-        inside = lo <= k < hi
-        fed = ({inputs[0]} if inputs and spec.block is None else set()) if inside else ids
+        if not any(lo <= k < hi for lo, hi in blocks):
+            _check_end_data(plan, statement, batch, graded)  # an end's inputs: the end stage's (PRE_DATA, ...)
+            continue
+        fed = {inputs[0]} if inputs and spec.block is None else set()
         for ref in leaves(statement.expr):
-            # with a block, an input without the batch dim is held whole where it is read: in the block by
-            # every stage (shared_inputs), before or after it by the first or last stage (PRE_WHOLE, POST_WHOLE)
+            # in a block, an input without the batch dim is held whole by every stage (shared_inputs)
             whole = spec.block is not None and batch not in ref.indices
             if ref.name in inputs and ref.name not in fed and not whole:
-                where = "the pipelined block reads" if inside else "the statements around the pipelined block read"
                 what = f"an input with the batch dim {batch}" if batch in ref.indices else "an input"
                 drop = f", drop its dim {batch} where every sequence shares it" if spec.block else ""
-                raise ShardcError(f"{where} {ref.name}, {what}; a pipelined stage receives only the previous "
-                                  "stage's activation (and, around a block, token ids and targets; in and around "
-                                  "a `layers { }` block, inputs without the batch dim, held whole)", ref.span,
+                raise ShardcError(f"the pipelined block reads {ref.name}, {what}; a pipelined stage receives only "
+                                  "the previous stage's activation (and, in a `layers { }` block, inputs without "
+                                  "the batch dim, held whole)", ref.span,
                                   fix=f"compute {ref.name} from the block's input{drop}, or make {ref.name} a param "
                                       "(declared with `param`)")
+
+
+def _check_end_data(plan: Plan, statement: Statement, batch: str, graded: set[str]) -> None:
+    """An end's input with the batch dim is data cut into the microbatches (token ids, a mask): the pipeline
+    returns no gradient of it (each microbatch's would be a slice of it, on the stage that made it)."""
+    inputs = {i.name for i in plan.tensors if i.role == "input"}
+    for ref in leaves(statement.expr):
+        if ref.name in inputs and batch in ref.indices and plan.grad_name(ref.name) in graded:
+            raise ShardcError(f"the statements around the pipelined block read {ref.name}, an input with the batch "
+                              f"dim {batch} that gets a gradient; the pipeline cuts it into the microbatches as data "
+                              "and returns no gradient of it", ref.span,
+                              fix=f"declare {ref.name} `const`: data such as a mask or token ids needs no gradient")
 
 
 def _check_one_carried(spec: Spec, axis: str) -> None:
