@@ -176,9 +176,9 @@ def test_an_input_read_on_both_sides_of_the_block_verifies() -> None:
 
 
 def test_a_block_reading_a_second_value_made_before_it_is_refused_at_the_read() -> None:
-    """E, made before the block and read in it beside the carried X0, is fed from the layer's output as X0 is: a
-    second value through the stages, which the lowering does not send nor the cost price.  It lowered, then
-    verify failed inside jax ("add got incompatible shapes"), the block's input taken to be E."""
+    """E, made before the block and read in it beside the carried X0, is fed from the layer's output as X0 is: the
+    first layer reads the E made before the block, which the lowered first stage does not hand its block.  It
+    lowered, then verify failed inside jax ("add got incompatible shapes"), the block's input taken to be E."""
     from shardc.errors import ShardcError
     from shardc.pipeline.boundary import check_lowerable
 

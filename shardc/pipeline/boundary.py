@@ -176,9 +176,10 @@ def _check_one_carried(spec: Spec, axis: str) -> None:
     """A ``layers`` block reads one value made before it: the one its stages hand on (into the first block the
     last statement's before it, ``PRE_RESULT``; into a later one the block before's output).  A second (``E``
     beside the carried ``X0``) the spec feeds from the layer's output as it feeds the first
-    (:func:`shardc.spec.walk.block_feeds`), so it would travel through the stages beside it: a second send each
-    way a tick, which the lowered pipeline does not make and ``shardc cost`` does not price (its sends are the
-    one boundary tensor's, :func:`send_bytes`).  A later block's read of an earlier block's inner value is the
+    (:func:`shardc.spec.walk.block_feeds`): past the first layer it is the carried value, and ``shardc cost``
+    sends that one alone (:func:`send_bytes`), but the first layer reads the ``E`` made before the block, which
+    the lowered pipeline's first stage does not hand its block (its end makes one value and takes one value's
+    gradient back).  A later block's read of an earlier block's inner value is the
     spec's own check's (:func:`shardc.spec.stages.check_pipeline`)."""
     blocks = spec.blocks()
     first = blocks[0][0] if blocks else 0
