@@ -196,7 +196,7 @@ def test_a_tied_embedding_is_held_by_both_end_stages() -> None:
     zbv = shardc.cost(shardc.plan(shardc.parse(_tied_text() + "schedule zbv\n"))).pipeline
     assert zbv is not None and zbv.tied_exchange_s == 0  # its V puts the first and last chunk on device 0
     assert cost.grad_reduce_s > 0
-    assert "the tied embedding's gradient swapped between the first and the last stage" in shardc.cost(plan).render()
+    assert "(a tied embedding's) swapped between the first and the last stage" in shardc.cost(plan).render()
 
 
 @pytest.mark.slow
