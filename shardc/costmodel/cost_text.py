@@ -292,8 +292,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              *([f"  gradient reductions: accumulated over the microbatches and reduced once a step, "
                 f"{fmt_seconds(cost.grad_reduce_s)} on the busiest stage, issued under the last microbatch's "
                 f"backward ({fmt_seconds(cost.grad_reduce_exposed_s)} exposed)"
-                + (f"; of it the tied embedding's gradient swapped between the first and the last stage, "
-                   f"{fmt_seconds(cost.tied_exchange_s)}" if cost.tied_exchange_s else "")]
+                + (f"; of it the gradients both ends read (a tied embedding's) swapped between the first and the "
+                   f"last stage, {fmt_seconds(cost.tied_exchange_s)}" if cost.tied_exchange_s else "")]
                if cost.grad_reduce_s else []),
              f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
              f" x activation factor {activation_factor(name, pipe.stages, pipe.chunks):.3g}",

@@ -19,12 +19,12 @@ index, as JAX's shard_map pipeline example does).  The ends' params are passed s
 over the stage axis, only the first (last) stage's copy non-zero, so their gradients
 need no reduction over it.
 
-A param read both before and after the block (an embedding tied to the output layer) is
-held by both end stages, as Megatron-LM holds it (Shoeybi et al. 2019; Narayanan et al.
-2021): each computes its contribution to the gradient, and once a step the two stages
-swap their sums, so both run the plan's sum of the two and its reduction and hold the
-same gradient (:attr:`Ends.tied`; the swap is the cost model's exchange between the first
-and last stage).
+A param read both before and after the block (an embedding tied to the output layer; so too
+an input without the batch dim, a position table) is held by both end stages, as Megatron-LM
+holds it (Shoeybi et al. 2019; Narayanan et al. 2021): each computes its contribution to the
+gradient, and once a step the two stages swap their sums, so both run the plan's sum of the
+two and its reduction and hold the same gradient (:attr:`Ends.tied`; the swap is the cost
+model's exchange between the first and last stage).
 
 The loss after the block is a ``cross_entropy``: the mean over the tokens, so with
 equal microbatches the batch's loss is the mean of the microbatches' losses, and the
@@ -106,14 +106,17 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
     if not pre or not post:
         raise ShardcError("lowering a pipelined block needs statements before and after it", spec.span_of("layers"),
                           fix=fix)
-    shared = (_names(pre) & _names(post)) - set(spec.params or ())
-    if shared:
-        first = sorted(shared)[0]
-        raise ShardcError(f"{', '.join(sorted(shared))} is read both before and after the pipelined block "
-                          "(on the first and the last stage); only a param may be (held by both)",
-                          spec.span_of("layers"),
-                          fix=f"give the statements after the block their own input ({first}2, the same values), "
-                              f"or, for a trained weight, list {first} on the `param` line")
+    # a param or an input read on both ends is held by both end stages (a tied embedding, a position table:
+    # ModelEnds.stages_of); a value made before the block reaches no stage after it but through the block
+    made = {s.result.name for s in spec.statements}
+    crossing = sorted((_names(pre) & _names(post) & made) - set(spec.params or ()))
+    if crossing:
+        first = crossing[0]
+        read = next(r for s in post for r in leaves(s.expr) if r.name == first)
+        raise ShardcError(f"{', '.join(crossing)} is made before the pipelined block and read after it (made on "
+                          "the first stage, read on the last); only the block's output reaches the last stage",
+                          read.span,
+                          fix=f"compute {first} after the block, from the block's output or the inputs")
     last = post[-1]
     terms = last.expr.terms if isinstance(last.expr, Add) else (last.expr,)  # several heads' losses summed
     if not all(isinstance(t, Call) and t.func == "cross_entropy" for t in terms) or last.result.dims:
@@ -229,7 +232,8 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
                        ("PRE_RESULT", ends.pre.spec.statements[-1].result.name, "stage 0's output"),
                        ("LOSS", ends.post.spec.statements[-1].result.name, "the loss (a mean over the tokens)"),
                        ("TIED", {p: c for p, c, _ in ends.tied},
-                        "a param held by both end stages: its contribution made on the last")))
+                        "a param (or an input without the batch dim) held by both end stages: its contribution "
+                        "made on the last")))
     return text + pipeline_lines("model_pipeline", "model")
 
 

@@ -263,8 +263,8 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     incoming = frozenset(c for _, c, _ in ends.tied)  # a tied param's contribution from the last stage
     splits = [split_reductions(ends.pre, incoming), split_reductions(ends.post)]
     if incoming and not incoming <= {p.name for p in splits[0].partials}:
-        raise ShardcError("a param read on both ends of the pipelined block lowers only where its gradient's "
-                          "sum runs on the sums over the microbatches (its steps are moves and sums)",
+        raise ShardcError("a param or an input read on both ends of the pipelined block lowers only where its "
+                          "gradient's sum runs on the sums over the microbatches (its steps are moves and sums)",
                           ends.block.spec.span_of("layers"), fix="read it once on each side of the block")
     modules = [generate(split.each, stage_mesh, micro, reserved=reserved) for split in splits]
     reduce = ""

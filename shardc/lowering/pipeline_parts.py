@@ -249,10 +249,10 @@ class ModelEnds:
     (last) stage's copy non-zero, so their gradients need no reduction over the stage axis.  The
     cotangent is each microbatch's loss's; the accumulator the losses and the ends' gradients.
 
-    A ``tied`` param (read by both) has a copy on both end stages and two accumulated contributions,
-    the last stage's keyed ``name@last``; once a step the two stages swap their sums (a
-    collective-permute each way over ``axis``: an AllReduce over the two, as Megatron-LM's embedding
-    group runs it) and both finish the same gradient."""
+    A ``tied`` param (read by both; or an input without the batch dim, a position table) has a copy on both
+    end stages and two accumulated contributions, the last stage's keyed ``name@last``; once a step the two
+    stages swap their sums (a collective-permute each way over ``axis``: an AllReduce over the two, as
+    Megatron-LM's embedding group runs it) and both finish the same gradient."""
 
     pre: Part
     post: Part
@@ -271,13 +271,14 @@ class ModelEnds:
     # ``post`` cut into B and W; what W reads kept a microbatch until then (the accumulator's third part)
     split: bool = False
     # the inputs without the batch dim each end reads (a position table, a bias): the same for every
-    # microbatch, so held whole by the stage that runs the end, as its params are (no gradient: data)
+    # microbatch, so held whole by the stage that runs the end, as its params are (one in both: by both)
     pre_whole: tuple[str, ...] = ()
     post_whole: tuple[str, ...] = ()
 
     def inputs(self) -> tuple[str, ...]:
-        return self.pre_data + self.post_data + self.pre_whole + self.post_whole + self.pre_params + tuple(
-            p for p in self.post_params if p not in self.tied)
+        """Each argument once: one both ends read (a tied param, a position table) is passed once, on both."""
+        return tuple(dict.fromkeys(self.pre_data + self.post_data + self.pre_whole + self.post_whole
+                                   + self.pre_params + self.post_params))
 
     def summed(self, post: bool) -> tuple[str, ...]:
         """The inputs of one end (after the block: ``post``) whose gradients it sums over the microbatches: its
@@ -293,9 +294,8 @@ class ModelEnds:
     def stages_of(self, name: str) -> tuple[int, ...]:
         if self.both:
             return self.both
-        if name in self.tied:
-            return (0, self.last_stage)
-        return (0,) if self._first(name) else (self.last_stage,)
+        last = name in self.post_data + self.post_whole + self.post_params
+        return ((0,) if self._first(name) else ()) + ((self.last_stage,) if last else ())
 
     def _spec(self, name: str) -> P:
         return (self.pre if self._first(name) else self.post).forward_in[name]
@@ -309,8 +309,8 @@ class ModelEnds:
         return {k: k for k in self.summed(False)} | {self._key(k): k for k in self.summed(True)}
 
     def specs(self) -> tuple[P, ...]:
-        data = tuple(P(None, *self._spec(k)) for k in self.pre_data + self.post_data)
-        return data + tuple(self._spec(k) for k in self.inputs()[len(data):])
+        data = self.pre_data + self.post_data  # cut into microbatches: [M, ...]
+        return tuple(P(None, *self._spec(k)) if k in data else self._spec(k) for k in self.inputs())
 
     def cotangent_spec(self) -> P:
         return P()

@@ -10,8 +10,8 @@ import math
 
 from shardc.errors import ShardcError
 from shardc.ir.plan import Op, Plan, Step, TensorInfo, model_dims
-from shardc.ir.spec import Spec, TensorRef
-from shardc.spec.walk import id_refs, leaves
+from shardc.ir.spec import Spec, Statement, TensorRef
+from shardc.spec.walk import leaves
 
 __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "send_bytes", "check_microbatches", "check_lowerable",
            "shared_inputs", "gradient_reductions", "tied_contributions", "carried_moves"]
@@ -124,39 +124,76 @@ def check_lowerable(plan: Plan) -> None:
     """Refuse a pipelined plan that reads an input its lowered pipeline has no way to feed.
 
     A stage receives one activation from the previous stage (the block's input, or with
-    `layers` alone the spec's first input) and holds its own params; the statements before
-    a `layers { }` block also read token ids (an embedding's), those after it a loss's
-    targets.  With a block, any statement may also read an input without the batch dim, the
-    same for every microbatch: in the block (BLOOM's ALiBi bias [N, T]) every stage holds it
-    whole (:attr:`shardc.lowering.pipeline_runtime.Pipeline.shared`), before or after it (a
-    position table, an output bias) the first or last stage, as it holds that end's params
-    (:class:`shardc.lowering.pipeline_parts.ModelEnds`).  Another input with the batch dim
+    `layers` alone the spec's first input) and holds its own params.  The statements before
+    the `layers { }` blocks run on the first stage, those after them on the last
+    (:class:`shardc.lowering.pipeline_parts.ModelEnds`), which read any input: one with the
+    batch dim (token ids, targets, a mask) cut into the microbatches, one without it (a
+    position table, an output bias) whole, as that end's params.  In a block, an input
+    without the batch dim, the same for every microbatch (BLOOM's ALiBi bias [N, T]), every
+    stage holds whole (:attr:`shardc.lowering.pipeline_runtime.Pipeline.shared`); one with it
     would be a different tensor for every microbatch on every stage, which neither the
     lowering nor the reference defines.
     """
     spec = plan.spec
     if spec.mesh.pipeline_axis is None:
         return
+    _check_one_carried(spec, spec.mesh.pipeline_axis.name)
     inputs = [i.name for i in plan.tensors if i.role == "input"]
-    lo, hi = spec.block if spec.block is not None else (0, len(spec.statements))
-    ids = {r.name for s in spec.statements for r in id_refs(s.expr)}
+    blocks = [(lo, hi) for lo, hi, _ in spec.blocks()] or [(0, len(spec.statements))]
     batch = microbatch_dim(plan)
+    graded = {g.name for g in plan.grads}
     for k, statement in enumerate(spec.statements):
-        inside = lo <= k < hi
-        fed = ({inputs[0]} if inputs and spec.block is None else set()) if inside else ids
+        if not any(lo <= k < hi for lo, hi in blocks):
+            _check_end_data(plan, statement, batch, graded)  # an end's inputs: the end stage's (PRE_DATA, ...)
+            continue
+        fed = {inputs[0]} if inputs and spec.block is None else set()
         for ref in leaves(statement.expr):
-            # with a block, an input without the batch dim is held whole where it is read: in the block by
-            # every stage (shared_inputs), before or after it by the first or last stage (PRE_WHOLE, POST_WHOLE)
+            # in a block, an input without the batch dim is held whole by every stage (shared_inputs)
             whole = spec.block is not None and batch not in ref.indices
             if ref.name in inputs and ref.name not in fed and not whole:
-                where = "the pipelined block reads" if inside else "the statements around the pipelined block read"
                 what = f"an input with the batch dim {batch}" if batch in ref.indices else "an input"
                 drop = f", drop its dim {batch} where every sequence shares it" if spec.block else ""
-                raise ShardcError(f"{where} {ref.name}, {what}; a pipelined stage receives only the previous "
-                                  "stage's activation (and, around a block, token ids and targets; in and around "
-                                  "a `layers { }` block, inputs without the batch dim, held whole)", ref.span,
+                raise ShardcError(f"the pipelined block reads {ref.name}, {what}; a pipelined stage receives only "
+                                  "the previous stage's activation (and, in a `layers { }` block, inputs without "
+                                  "the batch dim, held whole)", ref.span,
                                   fix=f"compute {ref.name} from the block's input{drop}, or make {ref.name} a param "
                                       "(declared with `param`)")
+
+
+def _check_end_data(plan: Plan, statement: Statement, batch: str, graded: set[str]) -> None:
+    """An end's input with the batch dim is data cut into the microbatches (token ids, a mask): the pipeline
+    returns no gradient of it (each microbatch's would be a slice of it, on the stage that made it)."""
+    inputs = {i.name for i in plan.tensors if i.role == "input"}
+    for ref in leaves(statement.expr):
+        if ref.name in inputs and batch in ref.indices and plan.grad_name(ref.name) in graded:
+            raise ShardcError(f"the statements around the pipelined block read {ref.name}, an input with the batch "
+                              f"dim {batch} that gets a gradient; the pipeline cuts it into the microbatches as data "
+                              "and returns no gradient of it", ref.span,
+                              fix=f"declare {ref.name} `const`: data such as a mask or token ids needs no gradient")
+
+
+def _check_one_carried(spec: Spec, axis: str) -> None:
+    """A ``layers`` block reads one value made before it: the one its stages hand on (into the first block the
+    last statement's before it, ``PRE_RESULT``; into a later one the block before's output).  A second (``E``
+    beside the carried ``X0``) the spec feeds from the layer's output as it feeds the first
+    (:func:`shardc.spec.walk.block_feeds`): past the first layer it is the carried value, and ``shardc cost``
+    sends that one alone (:func:`send_bytes`), but the first layer reads the ``E`` made before the block, which
+    the lowered pipeline's first stage does not hand its block (its end makes one value and takes one value's
+    gradient back).  A later block's read of an earlier block's inner value is the
+    spec's own check's (:func:`shardc.spec.stages.check_pipeline`)."""
+    blocks = spec.blocks()
+    first = blocks[0][0] if blocks else 0
+    if first == 0:
+        return
+    before, carried = {s.result.name for s in spec.statements[:first]}, spec.statements[first - 1].result.name
+    for j, (lo, hi, _) in enumerate(blocks):
+        for ref in (r for s in spec.statements[lo:hi] for r in leaves(s.expr)):
+            if ref.name in before and (j > 0 or ref.name != carried):
+                raise ShardcError(f"the pipelined block reads {ref.name}, made before the blocks; a stage receives "
+                                  f"one activation from the stage before: {carried} into the first block, each "
+                                  "block's output into the next", ref.span,
+                                  fix=f"compute {ref.name} inside the block from the value it receives (each layer "
+                                      f"its own), or drop the `pipeline` mark from {axis}")
 
 
 def gradient_reductions(plan: Plan) -> frozenset[int]:
@@ -172,7 +209,9 @@ def tied_contributions(plan: Plan) -> tuple[tuple[str, TensorRef], ...]:
     """Each param read both before and after the ``layers`` block (an embedding tied to the output
     layer), with the contribution to its gradient the backward after the block makes: the value the
     backward before it reads from there, in the step summing the two.  Megatron-LM holds such a param
-    on the first and the last stage and sums the two contributions over them once a step."""
+    on the first and the last stage and sums the two contributions over them once a step.  An input
+    without the batch dim read on both ends and given a gradient (a position table not ``const``) is
+    held and summed so too: its gradient is the same sum of two contributions, one on each end."""
     spec = plan.spec
     if spec.block is None or plan.sections is None:
         return ()
@@ -181,7 +220,8 @@ def tied_contributions(plan: Plan) -> tuple[tuple[str, TensorRef], ...]:
     def names(lo: int, hi: int) -> set[str]:
         return {r.name for s in spec.statements[lo:hi] for r in leaves(s.expr)}
 
-    params = {i.name for i in plan.tensors if i.role == "param"}
+    graded = {g.name for g in plan.grads}  # a `const` input has no gradient to sum: each end reads it alone
+    params = {k for k in _held_on_both(plan) if plan.grad_name(k) in graded}
     made = {s.dst.name: s.dst for s in plan.section("after").backward}
     back = plan.section("before").backward
     out = []
@@ -220,3 +260,11 @@ def carried_moves(plan: Plan) -> tuple[Step, ...]:
             out.insert(0, step)
             needed.add(src)
     return tuple(out)
+
+
+def _held_on_both(plan: Plan) -> frozenset[str]:
+    """The params and the inputs without the batch dim a pipelined model's two ends may both read: each
+    held by the first and the last stage alike (a tied embedding, a position table)."""
+    batch = microbatch_dim(plan)
+    return frozenset(i.name for i in plan.tensors if i.role == "param" or (
+        i.role == "input" and batch not in i.ref.indices))

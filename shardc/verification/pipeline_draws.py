@@ -64,6 +64,7 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
     held = {p: sum(1 for layer in layers if p in layer.params) for p in stacked}
     rng = np.random.default_rng(seed)
     whole = set(ns.PIPELINE.shared) | set(getattr(ns, "PRE_WHOLE", ())) | set(getattr(ns, "POST_WHOLE", ()))
+    whole |= set(getattr(ns, "PRE_DATA", ())) | set(getattr(ns, "POST_DATA", ()))  # an end's data: a mask
     values: Arrays = {}
     for info in lowered.plan.tensors:
         shape = [sizes[d.name] for d in info.ref.dims]
