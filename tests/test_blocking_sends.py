@@ -43,15 +43,26 @@ def test_two_stages_by_hand() -> None:
     # the send. Stage 0: F0 0-1.5, F1 1.5-3; stage 1: F0 1-2.5, B0 2.5-5, F1 5-6.5 (F1 came at 2.5), B1 6.5-9;
     # stage 0: B0 4.5-7 (B0's send began at 4.5), B1 8.5-11.  Async (the sends only delay their readers): 10.
     t = Timing(1.0, 2.0, comm=0.5)
-    blocking, free = simulate("1f1b", 2, 2, t, blocking=True), simulate("1f1b", 2, 2, t)
+    blocking, free = simulate("1f1b", 2, 2, t, blocking=(0.0, 0.0)), simulate("1f1b", 2, 2, t)
     assert math.isclose(blocking.makespan, 11.0) and math.isclose(free.makespan, 10.0)
     ends = {(o.device, o.kind, o.microbatch): (o.start, o.end) for o in blocking.ops}
     assert ends[(1, "F", 0)] == (1.0, 2.5) and ends[(0, "B", 0)] == (4.5, 7.0) and ends[(0, "B", 1)] == (8.5, 11.0)
 
 
+def test_the_receiver_alone_holds_its_gather() -> None:
+    # The transfer 0.3 s and the receiving side's AllGather 0.2 (a split send): stage 0's F 1 + 0.3 (its send), B
+    # 2 + 0.5 (its receive, gathered); stage 1's F 0.5 + 1, B 2 + 0.3; a receive starts 0.3 before its sender's op
+    # ends. Stage 0: F0 0-1.3, F1 1.3-2.6; stage 1: F0 1-2.5, B0 2.5-4.8, F1 4.8-6.3, B1 6.3-8.6; stage 0: B0
+    # 4.5-7, B1 8.3-10.8.
+    sim = simulate("1f1b", 2, 2, Timing(1.0, 2.0, comm=0.5), blocking=(0.2, 0.2))
+    ends = {(o.device, o.kind, o.microbatch): (o.start, o.end) for o in sim.ops}
+    assert ends[(1, "F", 0)] == pytest.approx((1.0, 2.5)) and ends[(0, "B", 0)] == pytest.approx((4.5, 7.0))
+    assert sim.makespan == pytest.approx(10.8)
+
+
 def test_a_middle_stage_holds_four_transfers_a_microbatch() -> None:
     t = Timing(1.0, 2.0, comm=0.25)
-    sim = simulate("1f1b", 3, 6, t, blocking=True)
+    sim = simulate("1f1b", 3, 6, t, blocking=(0.0, 0.0))
     assert math.isclose(sim.work(1), 6 * (1.0 + 2.0 + 4 * 0.25))  # activation in and out, gradient in and out
     assert math.isclose(sim.work(0), 6 * (1.0 + 2.0 + 2 * 0.25))  # an end stage: one neighbour
 

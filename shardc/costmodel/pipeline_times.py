@@ -73,7 +73,7 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     first, last = (end_timing(parts[end]) for end in ("first", "last"))
     chunks = chunk_times(pipe, parts, first, last)
     sim = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, timing, pipe.chunks, chunks,
-                   pipe.schedule.blocking)
+                   (send.gather_s, send_back.gather_s) if pipe.schedule.blocking else None)
     free = None
     if len(set(chunk_blocks(pipe))) > 1 or pipe.schedule.blocking:  # blocking: the chunks' ops hold their sends
         free = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0, comm_back=None),

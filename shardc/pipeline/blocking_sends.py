@@ -15,7 +15,10 @@ the op that reads it, as a separately streamed send would) takes F + B.
 The simulation prices it by putting each chunk's transfers into its ops: a forward takes its activation's receive
 (not on the first chunk) and its send (not on the last), a backward its gradient's receive (not on the last) and
 its send (not on the first); and an op that reads another device's output may start one transfer before that op
-ends, its receive beside the other's send.  Not priced: the engine's order inside a step (its gradient goes out
+ends, its receive beside the other's send.  Where a cross-node send is split over the node's replicas
+(:mod:`shardc.costmodel.boundary_send`: the engine's ``PartitionedTensor``, whose ``.full()`` all-gathers the
+pieces on the receiving side), the receiver alone holds that AllGather, after the transfer.
+Not priced: the engine's order inside a step (its gradient goes out
 after the next activation came in, rather than right after its backward: the same transfers, in another order),
 and a sender waiting for its receiver to post the matching receive while the receiver still computes.
 """
@@ -25,14 +28,18 @@ from __future__ import annotations
 __all__ = ["transfers", "blocking_delays"]
 
 
-def transfers(chunk: int, chunks: int, comm: float, back: float) -> tuple[float, float]:
+def transfers(chunk: int, chunks: int, sends: tuple[float, float], gathers: tuple[float, float]) -> tuple[float, float]:
     """The seconds of blocking transfers chunk ``chunk`` of ``chunks`` (one a device: ``1f1b``) adds to its
-    forward and to its backward: ``comm`` an activation's, ``back`` a gradient's."""
-    inner = (chunk > 0) + (chunk < chunks - 1)  # its neighbours: none before the first, none after the last
-    return comm * inner, back * inner
+    forward and to its backward: ``sends`` an activation's and a gradient's, each with its receiver's AllGather
+    (``gathers``, of them), which the sender does not hold."""
+    (comm, back), (on, off) = sends, gathers
+    first, last = chunk == 0, chunk == chunks - 1
+    return (comm * (not first) + (comm - on) * (not last),  # the activation in (gathered), then out
+            back * (not last) + (back - off) * (not first))  # the gradient in (gathered), then back
 
 
-def blocking_delays(comm: float, back: float) -> tuple[float, float]:
+def blocking_delays(sends: tuple[float, float], gathers: tuple[float, float]) -> tuple[float, float]:
     """When another device's output reaches an op, after that op's end (a forward's, a backward's): one
-    transfer before it, the receive running beside the send the producer's op ends with."""
-    return -comm, -back
+    transfer (without the receiver's gather) before it, the receive running beside the send the producer's op
+    ends with."""
+    return gathers[0] - sends[0], gathers[1] - sends[1]

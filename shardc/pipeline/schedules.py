@@ -240,13 +240,15 @@ def device_of(schedule: str, chunk: int, stages: int) -> int:
 
 @lru_cache(maxsize=64)  # a pure function of frozen values: a layouts search asks for the same run again
 def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virtual: int = 1,
-             chunk_times: tuple[Timing, ...] | None = None, blocking: bool = False) -> Simulation:
+             chunk_times: tuple[Timing, ...] | None = None,
+             blocking: tuple[float, float] | None = None) -> Simulation:
     """Run ``schedule`` on ``stages`` devices for ``microbatches`` microbatches (see the module docstring).
 
     ``chunk_times`` gives each model chunk's own times (``stages`` x chunks a device of them);
     by default each chunk is an equal share of ``timing``, a whole stage's.  ``timing.comm``
-    and ``timing.send_back`` are the sends in both cases; ``blocking`` (``sends blocking``): each holds
-    both its devices (:mod:`shardc.pipeline.blocking_sends`), the chunks' ops then taking their transfers.
+    and ``timing.send_back`` are the sends in both cases; ``blocking`` (``sends blocking``; the receiving side's
+    AllGathers of an activation and of a gradient, of those sends): each holds both its devices
+    (:mod:`shardc.pipeline.blocking_sends`), the chunks' ops then taking their transfers.
     """
     p, m = stages, microbatches
     if p < 1 or m < 1:
@@ -268,11 +270,11 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
                           f"not the {len(chunk_times)} timed")
     check_budget(schedule, p, m, virtual)
     sends = timing.comm, timing.send_back
-    if blocking:
-        adds = [transfers(c, len(chunk_times), *sends) for c in range(len(chunk_times))]
+    if blocking is not None:
+        adds = [transfers(c, len(chunk_times), sends, blocking) for c in range(len(chunk_times))]
         chunk_times = tuple(replace(t, forward=t.forward + f, backward=t.backward + b)
                             for t, (f, b) in zip(chunk_times, adds, strict=True))
-        sends = blocking_delays(*sends)
+        sends = blocking_delays(sends, blocking)
     durations = [_durations(t, zb) for t in chunk_times]
     orders: tuple[tuple[Group, ...], ...]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
