@@ -77,6 +77,8 @@ def test_the_cost_holds_each_stages_sends() -> None:
     assert math.isclose(blocking.simulation.ideal - async_.simulation.ideal, 4 * (c + back), rel_tol=1e-9)
     assert blocking.step_s > async_.step_s
     assert math.isclose(blocking.free_sends_step_s, async_.free_sends_step_s, rel_tol=1e-9)
+    assert blocking.to_json()["schedule"] == "1f1b" and (blocking.to_json()["sends"], async_.to_json()["sends"]) == (
+        "blocking", "async")
 
 
 def test_the_layouts_schedule_knob_reads_the_blocking_schedule() -> None:
