@@ -382,6 +382,9 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
     if hw.reduces_after_backward:
         notes.append("grad_reduce after-backward: the gradient reductions run once the backward is done, "
                      "exposed (no compute hides them)")
+    if plan.spec.schedule is not None and plan.spec.schedule.blocking:
+        notes.append("sends blocking: each point-to-point transfer holds its sender and its receiver, no compute "
+                     "under it (DeepSpeed's pipeline engine's p2p.send/recv)")
     ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
     if hw.reduces_dcn_after_backward:
         notes.append("grad_reduce after-backward over dcn: the gradient reductions' phase over the `over dcn` axes "

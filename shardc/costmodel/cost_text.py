@@ -276,7 +276,9 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              f"  step {fmt_seconds(cost.step_s)} = "
              + (f"stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) "
                 if not cost.extra and name not in PAIRED and cost.alike else
-                f"the busiest stage's work {fmt_seconds(sim.ideal)} + its idle time "
+                f"the busiest stage's work {fmt_seconds(sim.ideal)} "
+                + ("(its blocking sends' time in it) " if cost.pipeline.schedule.blocking else "")
+                + f"+ its idle time "
                 f"{fmt_seconds(sim.makespan - sim.ideal)} ")
              + (f"+ exposed gradient reductions {fmt_seconds(cost.grad_reduce_exposed_s)} "
                 if cost.grad_reduce_exposed_s else "")
@@ -284,7 +286,8 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
              + f"[{fmt_seconds(cost.free_sends_step_s)} "
              "with free sends"
-             + (", simulated: the stages' layers differ" if cost.free_simulation is not None else
+             + ((", simulated" + ("" if cost.pipeline.schedule.blocking else ": the stages' layers differ"))
+                if cost.free_simulation is not None else
                 ", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%} "
              f"(over the {cost.peak_dtype} peak)",
              f"  the busiest device a step: compute {fmt_seconds(cost.compute_s)}, communication "

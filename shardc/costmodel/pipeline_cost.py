@@ -149,13 +149,16 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
 
 def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
     """The first and the last stage swapping their sums of a tied param's gradient contributions, once a
-    step (nothing where one device holds both the first and the last chunk, as ZBV's V places them)."""
+    step (nothing where one device holds both the first and the last chunk, as ZBV's V places them), in the
+    type the gradient is held and reduced in: DeepSpeed's pipeline engine all-reduces ``weight._hp_grad``,
+    BF16_Optimizer's fp32 gradient, under bf16 (deepspeed/runtime/pipe/engine.py, _exec_reduce_tied_grads)."""
     name, n = pipe.schedule.name, pipe.stages * pipe.chunks
     if device_of(name, 0, pipe.stages) == device_of(name, n - 1, pipe.stages):
         return 0.0
-    return math.fsum(collective_time(Op.COLLECTIVE_PERMUTE, float(local_elements(c, sizes)) * plan.nbytes(c.name),
+    return math.fsum(collective_time(Op.COLLECTIVE_PERMUTE,
+                                     float(local_elements(c, sizes)) * plan.nbytes(plan.grad_name(param)),
                                      (pipe.axis,), plan.spec.mesh, sizes, hw, spans).seconds
-                     for _, c in tied_contributions(plan))
+                     for param, c in tied_contributions(plan))
 
 
 def _copies_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout,

@@ -41,7 +41,8 @@ class PipelineTimes:
     p2p_bytes: float  # one send: a microbatch's shard of the block's output
     sim: Simulation
     # the schedule again with free sends, where the chunks' layers differ (the closed form takes every stage at
-    # the slowest's times, so it can exceed the step with its sends); None for an even split
+    # the slowest's times, so it can exceed the step with its sends) or the sends block (the simulation's work holds
+    # them); None for an even split
     free_sim: Simulation | None = None
     # the network the send was priced over ("ici", "dcn"): where the topology lays the stage axis, which on a GPU
     # cluster can cross nodes though the mesh declares it ICI
@@ -71,9 +72,10 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
                     None if back == p2p else back_s)
     first, last = (end_timing(parts[end]) for end in ("first", "last"))
     chunks = chunk_times(pipe, parts, first, last)
-    sim = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, timing, pipe.chunks, chunks)
+    sim = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, timing, pipe.chunks, chunks,
+                   (send.gather_s, send_back.gather_s) if pipe.schedule.blocking else None)
     free = None
-    if len(set(chunk_blocks(pipe))) > 1:
+    if len(set(chunk_blocks(pipe))) > 1 or pipe.schedule.blocking:  # blocking: the chunks' ops hold their sends
         free = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0, comm_back=None),
                         pipe.chunks, chunks)
     return PipelineTimes(parts, timing, first, last, p2p, sim, free_sim=free,

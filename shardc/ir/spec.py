@@ -219,14 +219,18 @@ PARAM_GATHERS = ("exposed", "overlapped")
 
 @dataclass(frozen=True)
 class Schedule:
-    """``schedule NAME [V]``: a pipeline schedule; only ``interleaved`` takes V, its virtual stages."""
+    """``schedule NAME [V] [sends blocking]``: a pipeline schedule; only ``interleaved`` takes V, its virtual
+    stages; ``sends blocking`` (1F1B only, DeepSpeed's pipeline engine): each point-to-point transfer holds both
+    its devices (:mod:`shardc.pipeline.blocking_sends`)."""
 
     name: str = "1f1b"
     virtual: int = 1
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+    blocking: bool = False
 
     def __str__(self) -> str:
-        return f"{self.name} {self.virtual}" if self.name == "interleaved" else self.name
+        name = f"{self.name} {self.virtual}" if self.name == "interleaved" else self.name
+        return f"{name} sends blocking" if self.blocking else name
 
 
 @dataclass(frozen=True)

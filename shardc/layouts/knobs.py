@@ -95,7 +95,7 @@ def _apply(c: Candidate, setting: dict[str, str], options: Options) -> Candidate
     setting = {k: v for k, v in setting.items() if v}
     if "microbatches" in setting:
         spec = replace(spec, microbatches=int(setting["microbatches"]))
-    if "schedule" in setting:
+    if "schedule" in setting and setting["schedule"] != str(spec.schedule or Schedule()):  # the spec's own kept whole
         name, _, virtual = setting["schedule"].partition(" ")
         spec = replace(spec, schedule=Schedule(name, int(virtual or 1)))
     if "zero" in setting:

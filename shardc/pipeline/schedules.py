@@ -54,11 +54,12 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from shardc.errors import ShardcError
+from shardc.pipeline.blocking_sends import blocking_delays, transfers
 from shardc.pipeline.dualpipe import TWO_WAY, Group, dualpipe_orders
 from shardc.pipeline.fixed_orders import fixed_order
 from shardc.pipeline.greedy import greedy_order, op_inputs
@@ -239,12 +240,15 @@ def device_of(schedule: str, chunk: int, stages: int) -> int:
 
 @lru_cache(maxsize=64)  # a pure function of frozen values: a layouts search asks for the same run again
 def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virtual: int = 1,
-             chunk_times: tuple[Timing, ...] | None = None) -> Simulation:
+             chunk_times: tuple[Timing, ...] | None = None,
+             blocking: tuple[float, float] | None = None) -> Simulation:
     """Run ``schedule`` on ``stages`` devices for ``microbatches`` microbatches (see the module docstring).
 
     ``chunk_times`` gives each model chunk's own times (``stages`` x chunks a device of them);
     by default each chunk is an equal share of ``timing``, a whole stage's.  ``timing.comm``
-    and ``timing.send_back`` are the sends in both cases.
+    and ``timing.send_back`` are the sends in both cases; ``blocking`` (``sends blocking``; the receiving side's
+    AllGathers of an activation and of a gradient, of those sends): each holds both its devices
+    (:mod:`shardc.pipeline.blocking_sends`), the chunks' ops then taking their transfers.
     """
     p, m = stages, microbatches
     if p < 1 or m < 1:
@@ -265,6 +269,12 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
         raise ShardcError(f"schedule {schedule} on {p} stages has {chunks * p} chunks, "
                           f"not the {len(chunk_times)} timed")
     check_budget(schedule, p, m, virtual)
+    sends = timing.comm, timing.send_back
+    if blocking is not None:
+        adds = [transfers(c, len(chunk_times), sends, blocking) for c in range(len(chunk_times))]
+        chunk_times = tuple(replace(t, forward=t.forward + f, backward=t.backward + b)
+                            for t, (f, b) in zip(chunk_times, adds, strict=True))
+        sends = blocking_delays(sends, blocking)
     durations = [_durations(t, zb) for t in chunk_times]
     orders: tuple[tuple[Group, ...], ...]
     if schedule == "zbv":  # the greedy order found with free sends, then kept as each device's order
@@ -276,8 +286,8 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
         ones = _ones(steps)
     else:  # a fixed order: its walk depends on the schedule's shape alone, so a re-cost reuses it
         orders, steps, ones = _fixed_walk(schedule, p, m, virtual)
-    ops = (_timeline(p, steps, durations, timing.comm, chunk_times, back=timing.send_back) if ones is None
-           else _one_timeline(p, ones, durations, _sends(timing.comm, timing.send_back)))
+    ops = (_timeline(p, steps, durations, sends[0], chunk_times, back=sends[1]) if ones is None
+           else _one_timeline(p, ones, durations, _sends(*sends)))
     return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times), orders)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 import threading
+from dataclasses import replace
 from typing import Any
 
 from lark import Lark, Token, Transformer
@@ -372,7 +373,14 @@ def _choice(token: Token, keyword: str, known: tuple[str, ...]) -> str:
 
 
 def _schedule(children: list[Token]) -> Schedule:
-    """``schedule NAME [V]``: a known name; V for ``interleaved`` only (at least 2)."""
+    """``schedule NAME [V] [sends blocking]``: a known name; V for ``interleaved`` only (at least 2); blocking
+    sends under ``1f1b`` only, the one schedule DeepSpeed's pipeline engine runs (its TrainSchedule)."""
+    if children[-2].type == "SENDS":
+        blocking = _choice(children[-1], "schedule ... sends", ("blocking", "async")) == "blocking"
+        if blocking and str(children[1]) != "1f1b":
+            raise ShardcError("`sends blocking`: only under 1f1b (DeepSpeed's pipeline engine's TrainSchedule)",
+                              _span(children[-2], children[-1]), fix="write `schedule 1f1b sends blocking`")
+        return replace(_schedule(children[:-2]), blocking=blocking)
     word, span = str(children[1]), _span(children[1])
     if word not in SCHEDULES:
         raise ShardcError(f"unknown pipeline schedule `{word}`", span,
