@@ -10,8 +10,9 @@ from pathlib import Path
 import shardc
 from shardc.hardware import get_hardware
 from shardc.layouts import Options, search_layouts
+from shardc.layouts.layout_search import LayoutSearch
 from shardc.layouts.microbatches import held_of, microbatch_size
-from shardc.layouts.rank import prepare
+from shardc.layouts.rank import Layout, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 # P=4 stages, 4-way data parallel (X), 16 microbatches of B=64: 1 sequence a data-parallel device a microbatch
@@ -55,3 +56,16 @@ def test_a_data_parallel_size_the_count_refused_is_ranked_at_the_held_size() -> 
     assert any(n.startswith("microbatches 8: the spec's microbatch size held") for n in row.notes)
     own = search_layouts([SPEC], Options(get_hardware("tpu-v5p")), chips=64, fixed=frozenset({"P", "Y"}))
     assert "microbatches 16: the spec's own, at its own layout" in own.layouts[0].notes
+
+
+def test_the_reason_says_where_the_specs_own_layout_ranks_and_why() -> None:
+    def row(x: int, y: int, step: float, comm: float) -> Layout:
+        return Layout("pipeline_mlp.shard", (("P", 4), ("X", x), ("Y", y)), step, step - comm, comm, comm, "compute",
+                      0.5, None, (), 1e9, 2e9)
+
+    rows = (row(8, 2, 1.0, 0.1), row(2, 8, 1.1, 0.2), row(4, 4, 1.2, 0.3))  # the spec's own (X=4, Y=4) third
+    search = LayoutSearch(64, Options(get_hardware("tpu-v5p")), rows, (), {}, written=(("pipeline_mlp.shard",
+                                                                                       SPEC.mesh),))
+    assert ("the spec's own layout is #3: pipeline_mlp.shard P=4 X=4 Y=4 at 1.2 s vs 1 s (compute-bound, "
+            "communication 300 ms vs 100 ms, memory 1 GB vs 1 GB), compute 900 ms vs 900 ms") in search.reason()
+    assert "own layout" not in replace(search, layouts=rows[::-1]).reason()  # chosen: nothing to say
