@@ -118,8 +118,8 @@ def _batch_axes(label: str | None, statements: tuple[object, ...], spec: Spec) -
     if key not in _BATCH:
         if len(_BATCH) >= _KEPT:
             _BATCH.clear()
-        graph = build_graph(spec)
         try:
+            graph = build_graph(spec)
             dim, axes = batch_axes(spec, tensor_infos(graph, dict(graph.declared)))
             _BATCH[key] = (dim, tuple(axes))
         except ShardcError:
