@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,12 +196,22 @@ def test_bad_knobs_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_gpt3_on_its_384_a100_ranks_megatrons_layout_in_its_top_three(capsys: pytest.CaptureFixture[str]) -> None:
+def test_gpt3_on_its_384_a100_ranks_megatrons_layout_and_says_why_it_prefers_another(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Megatron-LM holds the micro-batch size (1 sequence) and the batch (1536), so Z=8 runs 192 microbatches and
+    # Z=12 128; a count held at 384 refused them (4 sequences a microbatch over 8 devices).  The issue asks for
+    # the published layout in the top 3 or, where the search prefers another, the reason in numbers.
     found = layouts(capsys, str(ROOT / "benchmarks" / "runs" / "gpt3_175b_megatron.shard"), "--topology", "48x8",
                     "--recompute", "full")
-    axes = [r["axes"] for r in found["layouts"]]  # type: ignore[index]
-    assert {"P": 12, "Z": 4, "Y": 8} in axes[:3]
-    assert all(r["planned"] for r in found["layouts"][:EXACT_TOP])  # type: ignore[index]
+    rows: list[dict[str, Any]] = found["layouts"]  # type: ignore[assignment]
+    axes = [r["axes"] for r in rows]
+    assert all(r["planned"] for r in rows[:EXACT_TOP])
+    own = axes.index({"P": 12, "Z": 4, "Y": 8}) + 1
+    assert rows[own - 1]["fits"] and "microbatches 384: the spec's own, at its own layout" in rows[own - 1]["notes"]
+    z8 = next(r for r in rows if r["axes"]["Z"] == 8 and r["axes"]["P"] > 1)
+    assert any(n.startswith("microbatches 192: the spec's microbatch size held") for n in z8["notes"])
+    if own > EXACT_TOP:
+        assert f"the spec's own layout is #{own}: gpt3_175b_megatron.shard P=12 Z=4 Y=8 at" in str(found["reason"])
 
 
 @pytest.mark.slow  # every candidate planned, beside the template search
@@ -212,10 +223,14 @@ def test_the_template_search_chooses_as_planning_every_candidate(monkeypatch: py
     assert fast.stats["templates"] == 6 and exact.stats["planned"] == 45
     assert any(r.fits for r in exact.layouts) and not all(r.fits for r in exact.layouts)
     assert fast.chosen is not None and exact.chosen is not None and fast.chosen.sizes == exact.chosen.sizes
-    # the first three layouts, each with its step: an order of one that ties it (the same links' figures) is
-    # left uncosted by the template search, which costs only the orders that can be chosen
+    # the first three layouts, each with the step of its best order: another order of one (a tie, the same
+    # links' figures, or slower) is left uncosted by the template search, which costs only the orders that can
+    # be chosen
     def firsts(rows: tuple[shardc.layouts.Layout, ...]) -> list[tuple[float, tuple[tuple[str, int], ...]]]:
-        return list(dict.fromkeys((r.step_s, tuple(sorted(r.sizes))) for r in rows))[:EXACT_TOP]
+        best: dict[tuple[tuple[str, int], ...], float] = {}
+        for r in rows:
+            best.setdefault(tuple(sorted(r.sizes)), r.step_s)
+        return [(step, sizes) for sizes, step in best.items()][:EXACT_TOP]
 
     assert firsts(fast.layouts) == firsts(exact.layouts)
 
@@ -331,8 +346,8 @@ def test_a_refused_representative_hands_its_template_to_a_member_the_planner_acc
     members = []
     for sizes in ({"P": 2, "X": 4, "Y": 2}, {"P": 2, "X": 2, "Y": 4}):
         at = prepare(spec, sizes)
-        assert not isinstance(at, shardc.layouts.Skipped)
-        members.append(Candidate(at, tuple(sizes.items())))
+        assert not isinstance(at, shardc.layouts.Skipped)  # at the spec's count, not the one its size holds
+        members.append(Candidate(replace(at, microbatches=512), tuple(sizes.items())))
     options = Options(get_hardware("tpu-v5p"))
     with kept_plans():
         assert "do not divide" in str(plan_template(members[0], options))

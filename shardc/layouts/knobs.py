@@ -5,9 +5,10 @@ For a candidate layout, :func:`combinations` gives it under every combination of
 (their product), where the spec allows it; the search (:mod:`shardc.layouts.layout_search`) costs
 them, skipping those a bound proves cannot win.  A knob's settings:
 
-* ``microbatches`` (a pipelined candidate): the stage count times 1, 2, 4, 8 and 16, and the spec's
-  own, that split the batch (more microbatches shrink the bubble, (p-1)/m of the ideal step under
-  GPipe and 1F1B, and each microbatch's matmuls);
+* ``microbatches`` (a pipelined candidate): the stage count times 1, 2, 4, 8 and 16, and the candidate's
+  own (the count that holds the spec's microbatch size, :mod:`shardc.layouts.microbatches`), that split
+  the batch (more microbatches shrink the bubble, (p-1)/m of the ideal step under GPipe and 1F1B, and
+  each microbatch's matmuls);
 * ``schedule`` (a pipelined candidate): every schedule shardc simulates (``gpipe``, ``1f1b``,
   ``interleaved 2``, ``zb-h1``, ``zbv``, ``dualpipe``, ``dualpipev``), where the spec's stages, layers
   and microbatches allow it;

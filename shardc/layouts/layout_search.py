@@ -22,7 +22,7 @@ from shardc.layouts.factor import MAX_CANDIDATES, MAX_WORK, candidates, check_to
 from shardc.layouts.knobs import search_knobs
 from shardc.layouts.layouts_text import reason, render, to_json
 from shardc.layouts.orders import orders, reorder, search_orders
-from shardc.layouts.rank import RULE, Layout, Options, Skipped, on_cluster, pairs, prepare, rank, ranked
+from shardc.layouts.rank import RULE, Layout, Options, Skipped, on_cluster, pairs, prepare, prepare_noted, rank, ranked
 from shardc.layouts.templates import Candidate, kept_plans, refined, search_templates
 from shardc.planner.planner import plan, shared_search
 from shardc.spec.overrides import dim_names
@@ -91,7 +91,7 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
         raise ShardcError(f"--exact: {total} layouts on {n} chips, past the budget of {MAX_WORK} plans x 2^axes "
                           "for planning each", fix="leave out --exact (each template planned once, re-costed), "
                                                    "or fix some axes with --set AXIS=SIZE")
-    found, refused = _prepared(specs, plans, options)
+    found, refused, notes = _prepared(specs, plans, options)
     every = [(spec, pairs(spec)) for c in found for spec in orders(c.spec, options)]
     work = sum(1 << searched[spec.filename or "<spec>"] for spec, _ in every)
     if options.exact and work > MAX_WORK:
@@ -107,24 +107,40 @@ def search_layouts(specs: Sequence[Spec], options: Options, chips: int | None = 
             rows, skipped, stats = _templates(found, options, progress, jobs)
         stats["candidates"] += len(refused)
         skipped = refused + skipped
+    rows = _noted(rows, notes)
     optimum = _optimum(specs, rows, options, fixed) if rows else None
     written = tuple((s.filename or "<spec>", s.mesh) for s in specs)
     return LayoutSearch(n, options, tuple(rows), tuple(skipped), stats, optimum=optimum, written=written)
 
 
 def _prepared(specs: Sequence[Spec], plans: Sequence[list[dict[str, int]]],
-              options: Options) -> tuple[list[Candidate], list[Skipped]]:
-    """Each spec at each of its candidates' sizes, in its written order, and those the spec refuses."""
+              options: Options) -> tuple[list[Candidate], list[Skipped], dict[tuple[object, ...], str]]:
+    """Each spec at each of its candidates' sizes, in its written order, those the spec refuses, and the note
+    of each pipelined one saying which microbatch count it runs (by :func:`_noted`'s key)."""
     found: list[Candidate] = []
     refused: list[Skipped] = []
+    notes: dict[tuple[object, ...], str] = {}
     for spec, sizes_list in zip(specs, plans, strict=True):
         for sizes in sizes_list:
-            candidate = prepare(spec, sizes, on_cluster(spec, options))
-            if isinstance(candidate, Skipped):
-                refused.append(candidate)
-            else:
-                found.append(Candidate(candidate, pairs(candidate)))
-    return found, refused
+            made = prepare_noted(spec, sizes, on_cluster(spec, options))
+            if isinstance(made, Skipped):
+                refused.append(made)
+                continue
+            candidate, note = made
+            found.append(Candidate(candidate, pairs(candidate)))
+            if note is not None:
+                notes[candidate.filename or "<spec>", tuple(sorted(sizes.items()))] = note
+    return found, refused, notes
+
+
+def _noted(rows: Sequence[Layout], notes: dict[tuple[object, ...], str]) -> list[Layout]:
+    """``rows`` with the note of their microbatch count (not the rows whose ``microbatches`` knob sets it)."""
+    out = []
+    for row in rows:
+        note = notes.get((row.spec, tuple(sorted(row.sizes))))
+        keep = note is None or "microbatches" in dict(row.knobs)
+        out.append(row if note is None or keep else replace(row, notes=(*row.notes, note)))
+    return out
 
 
 def _templates(found: list[Candidate], options: Options, progress: Callable[[int, int], None] | None,

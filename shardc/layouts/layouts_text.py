@@ -146,7 +146,23 @@ def reason(search: LayoutSearch) -> str:
     other = next((r for r in search.layouts[1:] if r.fits and (r.spec, r.sizes) != (best.spec, best.sizes)), None)
     if other is not None and other is not search.layouts[1] and search.options.knobs:  # the next turned a knob only
         parts.append("the best other layout: " + _versus(other, best, True))
+    own = _own(search)
+    if own is not None and own[1] is not best and own[1] is not search.layouts[1]:
+        k, row = own
+        parts.append(f"the spec's own layout is #{k}: " + _versus(row, best, True)
+                     + f", compute {_fine(row.compute_s)} vs {_fine(best.compute_s)}"
+                     + ("" if row.planned else " (its row re-costed, not planned at its sizes)"))
     return head + "; ".join(parts)
+
+
+def _own(search: LayoutSearch) -> tuple[int, Layout] | None:
+    """The best-ranked row of a spec's own layout (its written mesh sizes, no knob turned), and its rank."""
+    written = dict(search.written)
+    for k, row in enumerate(search.layouts, 1):
+        mesh = written.get(row.spec)
+        if mesh is not None and not row.knobs and dict(row.sizes) == {a.name: a.size for a in mesh.axes}:
+            return k, row
+    return None
 
 
 # what to change where a part of a device's memory keeps the leanest layout over the HBM

@@ -37,13 +37,14 @@ from shardc.costmodel.fitting import fitting_report
 from shardc.errors import ShardcError
 from shardc.hardware import Hardware
 from shardc.ir.spec import Mesh, Network, Spec
+from shardc.layouts.microbatches import held_of
 from shardc.planner.planner import shared_search
 from shardc.sharding.unit import strip_unit_axes
 from shardc.spec.overrides import apply_overrides
 from shardc.timing import plan_links
 
-__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "on_cluster", "prepare", "evaluate", "fitted_report",
-           "layout_of", "rank_key", "rank", "ranked", "processes", "mapped", "pairs"]
+__all__ = ["DIGITS", "RULE", "Layout", "Skipped", "Options", "on_cluster", "prepare", "prepare_noted", "evaluate",
+           "fitted_report", "layout_of", "rank_key", "rank", "ranked", "processes", "mapped", "pairs"]
 
 T = TypeVar("T")
 DIGITS = 9
@@ -138,17 +139,26 @@ class Skipped:
 def prepare(spec: Spec, sizes: dict[str, int], cluster: bool = False) -> Spec | Skipped:
     """``spec`` with its mesh axes at ``sizes``, validated again; or why the spec refuses them.
 
+    A pipelined candidate runs the spec's microbatch size, not its count (:mod:`shardc.layouts.microbatches`).
     On a GPU ``cluster`` its axes lose their ``over dcn`` marks: the devices are numbered node by
     node and the mesh laid on them in mesh order, so an axis crosses nodes where its size and
     place make it (a DCN axis of whole nodes is costed the same either way).
     """
+    made = prepare_noted(spec, sizes, cluster)
+    return made if isinstance(made, Skipped) else made[0]
+
+
+def prepare_noted(spec: Spec, sizes: dict[str, int], cluster: bool = False) -> tuple[Spec, str | None] | Skipped:
+    """:func:`prepare`, and the note saying which microbatch count the candidate runs (None: not pipelined)."""
     try:
         candidate = apply_overrides(_own_split(spec, sizes), sizes)
     except ShardcError as err:
         return Skipped(spec.filename or "<spec>", _pairs(spec, sizes), err.message.splitlines()[0])
+    held = held_of(spec)
+    candidate, note = held.apply(candidate) if held is not None else (candidate, None)
     if not cluster:
-        return candidate
-    return replace(candidate, mesh=Mesh(tuple(replace(a, network=Network.ICI) for a in candidate.mesh.axes)))
+        return candidate, note
+    return replace(candidate, mesh=Mesh(tuple(replace(a, network=Network.ICI) for a in candidate.mesh.axes))), note
 
 
 def _own_split(spec: Spec, sizes: dict[str, int]) -> Spec:

@@ -5,13 +5,14 @@ so the plan made for one candidate costs, at another candidate's sizes, what tha
 there: ``shardc cost`` of it with the sizes replaced gives, to the last digit, the figures of a plan
 made at those sizes whenever the planner chooses the same steps there.  Candidates of one *template*
 (one spec, the same mesh axes above size 1 beside the stage axis, one recompute policy and ZeRO
-line, and under a pipeline one microbatch count) share the plan of one of them, their
+line, and under a pipeline one microbatch size on a data-parallel device) share the plan of one of them, their
 *representative*, planned as ``shardc plan`` plans it.  The stage axis is no part of a template: a
 stage's plan is the spec's plan without the stage axis, whatever the stage count, and so are the
 schedule, which only the pipeline's cost reads, and the order of the mesh axes (which links each lies
-on, :mod:`shardc.layouts.orders`), which only the collectives' times read.  The microbatch count is:
+on, :mod:`shardc.layouts.orders`), which only the collectives' times read.  The microbatch size is:
 a stage is searched at a microbatch's sizes (:func:`shardc.planner.contexts.stage_run_of`), so each
-count a candidate uses has its stage planned at its own microbatch size.  The plans made in one
+size a candidate uses has its stage planned at it; the layouts of one spec run its microbatch size at
+their own counts (:mod:`shardc.layouts.microbatches`), so one size serves them all.  The plans made in one
 search share their einsum solutions wherever their stages' sizes are the same
 (:func:`shardc.planner.contexts.shared_search`): a recompute policy or a ZeRO line planned at a
 microbatch size another template was planned at solves again only the einsum problems it holds apart.
@@ -40,9 +41,9 @@ from shardc.costmodel.pipeline_cost import pipeline_cost
 from shardc.errors import ShardcError
 from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
+from shardc.layouts.microbatches import microbatch_size
 from shardc.layouts.rank import Layout, Options, Skipped, evaluate, layout_of, mapped, processes, rank
 from shardc.planner.planner import plan
-from shardc.spec.stages import pipeline_of
 from shardc.timing import plan_links, plan_time
 
 __all__ = ["EXACT_TOP", "Candidate", "template_key", "recost", "search_templates", "template_rows", "refined",
@@ -77,13 +78,13 @@ class Candidate:
 def template_key(c: Candidate, options: Options) -> tuple[object, ...]:
     """What a candidate's plan is made of beside sizes: the spec (its text with the mesh sizes left out),
     which of its non-stage axes shard anything (size > 1, in any order), the recompute policy and the ZeRO
-    line, and a pipelined spec's microbatch count (with the dims, the microbatch size its stage is planned
-    at)."""
+    line, and a pipelined spec's microbatch size on a data-parallel device, which its stage is planned at
+    (:func:`shardc.layouts.microbatches.microbatch_size`: layouts of other data-parallel sizes, each at the count
+    that holds the spec's microbatch size, share one)."""
     active = tuple(sorted(a.name for a in c.spec.mesh.axes if a.size > 1 and not a.pipeline))
     statements = tuple(str(s) for s in c.spec.statements)
-    pipe = pipeline_of(c.spec)
     return (c.label, statements, c.spec.dims, active, c.recompute or options.recompute, str(c.spec.zero),
-            pipe.microbatches if pipe is not None else None)
+            microbatch_size(c.spec))
 
 
 def _at(template: Plan, c: Candidate) -> Plan:

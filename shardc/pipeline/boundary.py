@@ -13,7 +13,8 @@ from shardc.ir.plan import Op, Plan, Step, TensorInfo, model_dims
 from shardc.ir.spec import Spec, Statement, TensorRef
 from shardc.spec.walk import leaves
 
-__all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "send_bytes", "check_microbatches", "check_lowerable",
+__all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "boundary_of", "batch_axes", "splits", "send_bytes",
+           "check_microbatches", "check_lowerable",
            "shared_inputs", "gradient_reductions", "tied_contributions", "carried_moves"]
 
 
@@ -54,19 +55,30 @@ def boundary_tensor(plan: Plan) -> TensorRef:
     """The activation a stage sends the next: the block's last output shaped like its first input (the one that
     feeds it, :func:`shardc.spec.walk.block_feeds`; a result no statement reads before it, a layer's dead end,
     is not sent)."""
-    first = _block_input(plan.spec, plan.tensors)
-    spec = plan.spec
+    return boundary_of(plan.spec, plan.tensors)
+
+
+def boundary_of(spec: Spec, tensors: tuple[TensorInfo, ...]) -> TensorRef:
+    """:func:`boundary_tensor` of a spec whose tensors (their roles) are ``tensors``, before it is planned."""
+    first = _block_input(spec, tensors)
     if spec.block is not None:
         lo, hi = spec.block
         outputs = [s.result for s in spec.statements[lo:hi]]
     else:
-        outputs = [i.ref for i in plan.tensors if i.is_output]
+        outputs = [i.ref for i in tensors if i.is_output]
     for ref in reversed(outputs):
         if first is not None and sorted(ref.indices) == sorted(first.indices):
             return ref
     if not outputs:
         raise ShardcError("the pipelined block has no output to send to the next stage")
     return outputs[-1]
+
+
+def batch_axes(spec: Spec, tensors: tuple[TensorInfo, ...]) -> tuple[str, tuple[str, ...]]:
+    """The dim microbatches cut and the mesh axes that shard it where a stage sends it on: the data-parallel
+    axes, whose devices each cut their own share into the microbatches."""
+    dim = batch_dim(spec, tensors)
+    return dim, next((d.axes for d in boundary_of(spec, tensors).dims if d.name == dim), ())
 
 
 def send_bytes(plan: Plan, name: str) -> tuple[int, int]:
@@ -93,17 +105,23 @@ def check_microbatches(plan: Plan, microbatches: int, sizes: dict[str, int]) -> 
 def _check_local_microbatch(plan: Plan, dim: str, microbatches: int, sizes: dict[str, int]) -> None:
     """Each device cuts its own share of the batch into the microbatches (Megatron-LM's micro-batch size is a
     data-parallel rank's): a microbatch its devices do not divide would have a device run part of a sequence."""
-    axes = next((d.axes for d in boundary_tensor(plan).dims if d.name == dim), ())
+    _, axes = batch_axes(plan.spec, plan.tensors)
     devices = math.prod(sizes.get(a, plan.spec.mesh.axis(a).size) for a in axes)
     local, each = sizes[dim] // devices, sizes[dim] // microbatches
-    if sizes[dim] % devices or each % devices == 0:
-        return  # a batch its devices do not divide is padded whole (shardc.planner.padding)
+    if splits(sizes[dim], microbatches, devices):
+        return
     fits = [m for m in range(1, local + 1) if local % m == 0]
     raise ShardcError(f"{dim}={sizes[dim]} in {microbatches} microbatches is {each} a microbatch, which its "
                       f"{devices} devices ({', '.join(axes)}) do not divide: a device would run {each / devices:g} "
                       "of one", plan.spec.span_of("microbatches"),
                       fix=f"cut each device's {local} into whole microbatches: microbatches "
                           f"{', '.join(map(str, fits))}, or a larger {dim}")
+
+
+def splits(batch: int, microbatches: int, devices: int) -> bool:
+    """Whether ``batch`` cuts into ``microbatches`` that its data-parallel ``devices`` each run whole: each device
+    cuts its own share (a batch its devices do not divide is padded whole, :mod:`shardc.planner.padding`)."""
+    return batch % microbatches == 0 and (batch % devices != 0 or (batch // microbatches) % devices == 0)
 
 
 def shared_inputs(plan: Plan) -> frozenset[str]:

@@ -339,7 +339,8 @@ def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]],
 Step = tuple[int, Group, tuple[tuple[int, int], ...]]
 
 
-@lru_cache(maxsize=16)  # a layouts search re-costs many layouts of one schedule, stages and microbatches
+@lru_cache(maxsize=64)  # a layouts search re-costs many layouts of one schedule, stages and microbatches (its
+# layouts of each data-parallel size at their own counts, shardc.layouts.microbatches: many pairs of p and m)
 def _fixed_walk(schedule: str, p: int, m: int, virtual: int) -> tuple[tuple[tuple[Group, ...], ...],
                                                                       tuple[Step, ...], tuple[One, ...] | None]:
     """The fixed orders of ``schedule`` (all but zbv's), their walk, and it as :func:`_ones` gives it."""
