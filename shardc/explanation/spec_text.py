@@ -32,14 +32,14 @@ class Made:
 @dataclass
 class Statement:
     kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed", "loss" (cross_entropy),
-    # "route" (an MoE router's one-hot mask), "dispatch" and "combine" (its index-based moves)
+    # "route" (an MoE router's one-hot mask), "dispatch" and "combine" (its index-based moves), "causal"
     result: Any
     operands: tuple[Any, ...]
     fn: str = ""  # the function (fn) or reduction (reduce)
     signs: tuple[int, ...] = ()
     over: int = -1  # the reduced dim id
     line: str = ""
-    names: tuple[int, ...] = ()  # a routing's token and capacity dim ids
+    names: tuple[int, ...] = ()  # a routing's token and capacity dim ids, a causal mask's query and key
     number: int = 0  # a routing's k
 
 
@@ -105,6 +105,8 @@ def _dim_names(reader: Reading) -> dict[int, str]:
 def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple[str, ...] = ()) -> str:
     if s.kind in ("route", "dispatch", "combine"):
         return f"{s.fn or s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
+    if s.kind == "causal":
+        return f"causal({operands[0]}, {names[0]}, {names[1]})"
     if s.kind in ("dot", "mul"):
         return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
     if s.kind == "copy":
