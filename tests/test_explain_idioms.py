@@ -121,3 +121,93 @@ def test_a_mask_other_than_causal_stays_a_map_of_the_scores() -> None:
     e = explain(jax.jit(_attention("banded")), _arg(mesh, (4, 16, 16), "data"), weight, weight, weight,
                 _arg(mesh, (8, 4, 16), "model"))
     assert "causal(" not in e.spec and any("identity(" in s for s in _statements(e)), e.spec
+
+
+def _fused_qkv(x: Any, w_qkv: Any, wo: Any) -> Any:
+    """nanoGPT's attention: one projection to q, k and v side by side, split, each reshaped into heads."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = (a.reshape(4, 16, 4, 8) for a in jnp.split(x @ w_qkv, 3, axis=-1))
+    scores = jax.nn.softmax(jnp.einsum("bshd,bthd->bhst", q, k), -1)
+    return jnp.einsum("bhst,bthd->bshd", scores, v).reshape(4, 16, 32) @ wo
+
+
+def test_a_fused_qkv_split_in_three_is_one_contraction_a_part() -> None:
+    """``q, k, v = jnp.split(x @ w_qkv, 3, -1)`` with w_qkv sharded along D (FSDP) is three contractions
+    with the weight's parts, each reshaped into heads; XLA's one AllGather of the whole weight pairs with
+    the plan's of its three parts."""
+    import jax
+
+    mesh = _mesh((2, 4))
+    e = explain(jax.jit(_fused_qkv), _arg(mesh, (4, 16, 32), "data"), _arg(mesh, (32, 96), "model"),
+                _arg(mesh, (32, 32)))
+    projections = [s for s in _statements(e) if "w_qkv_" in s]
+    assert [s.split("· ")[1].split("[")[0] for s in projections] == ["w_qkv_q", "w_qkv_k", "w_qkv_v"], e.spec
+    assert all(s.startswith(("Y1[B_{data}, S, ", "Y2[", "Y3[")) and "_{model}, " in s.split("· ")[1]
+               for s in projections), e.spec
+    assert "w_qkv_q, w_qkv_k, w_qkv_v are w_qkv's parts along its dim of 96" in e.spec
+    shardc.plan(shardc.parse(e.spec))
+    assert [(c.kind, c.axes) for c in e.xla] == [("AllGather", "model")], e.xla
+    assert [c.tensor for c in e.plan] == ["w_qkv_q", "w_qkv_k", "w_qkv_v"]
+    assert not e.not_needed and not e.differently
+
+
+def test_a_fused_qkv_split_along_its_sharded_dim_names_the_weight_and_the_fix() -> None:
+    """The same weight sharded along its 3F dim (blocks of 24 columns straddling parts of 32): XLA moves
+    them between devices, which no spec writes; the error names the weight, the axis and the layout to use."""
+    import jax
+
+    mesh = _mesh((2, 4))
+    with pytest.raises(shardc.ShardcError, match=r"w_qkv is split in 3 along a dim sharded over model[^\n]*\n"
+                                                 r"fix: shard the fused weight along another dim"):
+        explain(jax.jit(_fused_qkv), _arg(mesh, (4, 16, 32), "data"), _arg(mesh, (32, 96), None, "model"),
+                _arg(mesh, (32, 32), "model"))
+
+
+def test_maxtexts_fused_kernel_with_its_heads_sharded_is_read_as_three_projections() -> None:
+    """MaxText's fused kernel ``[D, 3, N, H]``, N over `model`: the split along the dim of 3 is one
+    contraction a part, each part's heads over `model`; the output projection's AllReduce pairs."""
+    import jax
+    import jax.numpy as jnp
+
+    def layer(x: Any, w_qkv: Any, wo: Any) -> Any:
+        q, k, v = (a[:, :, 0] for a in jnp.split(jnp.einsum("bsd,dknh->bsknh", x, w_qkv), 3, axis=2))
+        scores = jax.nn.softmax(jnp.einsum("bsnh,btnh->bnst", q, k), -1)
+        return jnp.einsum("bnst,btnh,nhd->bsd", scores, v, wo)
+
+    mesh = _mesh((2, 4))
+    e = explain(jax.jit(layer), _arg(mesh, (4, 16, 32), "data"), _arg(mesh, (32, 3, 4, 8), None, None, "model"),
+                _arg(mesh, (4, 8, 32), "model"))
+    assert "Y1[B_{data}, S, N_{model}, H] = x[B_{data}, S, D] · w_qkv_q[D, N_{model}, H]" in _statements(e), e.spec
+    shardc.plan(shardc.parse(e.spec))
+    assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently
+
+
+def test_a_training_step_in_the_three_idioms_reads_each_and_the_parts_as_parameters() -> None:
+    """A causal attention layer of a fused QKV (FSDP) and a one-hot cross entropy, in a training step: the
+    parts are the spec's parameters, and XLA's one gradient AllReduce of the whole fused weight pairs with
+    the plan's three of its parts."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(p: Any, x: Any, labels: Any) -> Any:
+        q, k, v = (a.reshape(4, 16, 4, 8) for a in jnp.split(x @ p["w_qkv"], 3, axis=-1))
+        scores = jnp.where(jnp.tril(jnp.ones((16, 16), bool)), jnp.einsum("bshd,bthd->bhst", q, k), -jnp.inf)
+        logits = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, -1), v).reshape(4, 16, 32) @ p["wo"]
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(labels, 32) * jax.nn.log_softmax(logits), -1))
+
+    def step(p: Any, x: Any, labels: Any) -> Any:
+        value, grad = jax.value_and_grad(loss)(p, x, labels)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, grad), value
+
+    mesh = _mesh((2, 4))
+    labels = jax.ShapeDtypeStruct((4, 16), jnp.int32, sharding=_arg(mesh, (4, 16), "data").sharding)
+    e = explain(jax.jit(step), {"w_qkv": _arg(mesh, (32, 96), "model"), "wo": _arg(mesh, (32, 32), None, "model")},
+                _arg(mesh, (4, 16, 32), "data"), labels)
+    assert "param p_wo, p_w_qkv_q, p_w_qkv_k, p_w_qkv_v" in e.spec.splitlines(), e.spec
+    assert any("= causal(" in s for s in _statements(e)) and "= cross_entropy(" in _statements(e)[-1], e.spec
+    shardc.plan(shardc.parse(e.spec))
+    gradients = [c for c in e.plan if c.phase == "backward" and c.tensor.startswith("dp_w_qkv_")]
+    assert len(gradients) == 3 and not set(gradients) & set(e.differently)
+    assert not [c for c in e.not_needed if c.phase == "backward" and c.axes == "data"]

@@ -199,6 +199,7 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
             for step in getattr(plan, phase) if step.is_collective and step.volume is not None]
     xla = _compiled(compiled, plan, sizes, hw, links, mesh, program)
     not_needed, differently = _unpaired(ours, xla, _partial_links(plan), set(program.tensors))
+    not_needed, differently = _fused(not_needed, differently, program.parts)
     times = plan_time(plan, hw, sizes)
     comm_s = times.forward_comm_s + (times.backward_comm_s if program.training else 0.0)
     compute_s = times.forward_compute_s + (times.backward_compute_s if program.training else 0.0)
@@ -234,6 +235,22 @@ def _unpaired(ours: list[Collective], xla: list[Collective], linked: dict[str, s
                 unpaired.remove(c)
         not_needed += left
         differently += unpaired
+    return not_needed, differently
+
+
+def _fused(not_needed: list[Collective], differently: list[Collective], parts: dict[str, str]
+           ) -> tuple[list[Collective], list[Collective]]:
+    """XLA's one collective of a fused weight or its gradient (a QKV's, gathered or reduced whole) paired
+    with the plan's of its parts, one a part (the spec's contractions, one a part): same phase, kind and
+    axes, their bytes its."""
+    for weight in dict.fromkeys(parts.values()):
+        for x in list(not_needed):
+            mine = [c for c in differently if weight in (parts.get(c.tensor), parts.get(_forward_name(c.tensor)))
+                    and c.phase == x.phase
+                    and c.kind.startswith(x.kind) and _group(c) == _group(x)]
+            if len(mine) == list(parts.values()).count(weight) and sum(c.bytes for c in mine) == x.bytes:
+                not_needed.remove(x)
+                differently = [c for c in differently if c not in mine]
     return not_needed, differently
 
 

@@ -52,6 +52,7 @@ class ProgramSpec:
     lines: dict[str, str] = field(default_factory=dict)  # tensor -> "file:line" of the op that made it
     notes: list[str] = field(default_factory=list)
     training: bool = False  # the program is a training step: the spec is its forward
+    parts: dict[str, str] = field(default_factory=dict)  # a fused weight's part -> the weight (a QKV's)
 
 
 class Reading(DimClasses):
@@ -71,6 +72,7 @@ class Reading(DimClasses):
         self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
         self.carries: set[Any] = set()  # a scan's carry outs (in its carry in's layout, the next layer's input)
         self.notes: list[str] = []  # where the spec is the program's nearest equivalent, what differs
+        self.fused_parts: dict[str, str] = {}  # a fused weight's parts, each a tensor of the spec -> the weight
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:
@@ -162,7 +164,7 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
             *_dtype_lines(types, dtype)]
     head += reader.step.lines(reader.names, set(tensors), reader.ids, reader.layer_inputs)
     return ProgramSpec("\n".join([*head, "", *body]) + "\n", tensors, lines, list(reader.notes),
-                       training=reader.step.backward)
+                       training=reader.step.backward, parts=dict(reader.fused_parts))
 
 
 def _dtype_lines(types: dict[str, str], dtype: str) -> list[str]:
