@@ -211,3 +211,16 @@ def test_a_training_step_in_the_three_idioms_reads_each_and_the_parts_as_paramet
     gradients = [c for c in e.plan if c.phase == "backward" and c.tensor.startswith("dp_w_qkv_")]
     assert len(gradients) == 3 and not set(gradients) & set(e.differently)
     assert not [c for c in e.not_needed if c.phase == "backward" and c.axes == "data"]
+
+
+def test_a_one_hot_times_a_table_is_the_languages_embed() -> None:
+    """``jax.nn.one_hot(ids, V) @ table`` with V over `model` is ``embed(ids, table)``, the vocabulary-parallel
+    lookup: XLA's AllReduce of the partial rows pairs with the plan's."""
+    import jax
+
+    mesh = _mesh((2, 4))
+    e = explain(jax.jit(lambda ids, table: jax.nn.one_hot(ids, 32) @ table), _labels(mesh),
+                _arg(mesh, (32, 8), "model"))
+    assert _statements(e) == ["E1[B_{data}, S] = embed(ids[B_{data}], table[V_{model}, S])"], e.spec
+    shardc.plan(shardc.parse(e.spec))
+    assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently

@@ -32,7 +32,7 @@ from shardc.explanation.dim_classes import UNWRITABLE, reshape_groups, unwritabl
 from shardc.explanation.expert_moves import moves, read_move
 from shardc.explanation.fresh import Walked
 from shardc.explanation.layers import read_scan
-from shardc.explanation.lookups import read_lookup
+from shardc.explanation.lookups import embed, read_lookup
 from shardc.explanation.patterns import Run, function_of, primitives, runs
 from shardc.explanation.routing import read_routing, regions
 from shardc.explanation.slices import Piece, concatenate, cut, reverse, sort
@@ -50,8 +50,8 @@ _ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
 # calls read as their body; remat2 is jax.checkpoint's (it changes what the backward keeps, not the forward)
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
           "custom_vjp_call", "custom_vjp_call_jaxpr"}
-_ONE_HOT = ("a one-hot of ids (jax.nn.one_hot: ids == positions) times a table is the table's rows at the ids: "
-            "write jnp.take(table, ids, axis=0), the language's embed; else explain a program without it")
+_ONE_HOT = ("a one-hot of ids (jax.nn.one_hot over the last axis) is read times a 2-d table (embed) and in the mean "
+            "-sum(one_hot * log_softmax(logits), -1) (cross_entropy); elsewhere explain a program without it")
 _EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
 
 
@@ -144,7 +144,11 @@ class _Reader(Reading):
 
     def function(self, out: Any, run: Run, line: str) -> None:
         """``out = softmax(source over axis)`` (or rmsnorm): one function over the run that computes it;
-        ``out = cross_entropy(source, labels)``: the loss, the labels' dims the logits' others."""
+        ``out = cross_entropy(source, labels)``: the loss, the labels' dims the logits' others; ``out =
+        embed(ids, source)``: a one-hot of the ids times the table."""
+        if run.function == "embed":  # a one-hot of ids times a table
+            embed(self, run.ids, self.dims_of(run.ids), run.source, out, line)
+            return
         source = self.tensor(run.source)
         if run.ids is not None:
             labels = self.source(run.ids)

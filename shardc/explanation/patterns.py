@@ -366,11 +366,29 @@ def _over_last(call: Any) -> bool:
     return all(tuple(e.params["axes"]) == last for e in inner.eqns if e.primitive.name in ("reduce_sum", "reduce_max"))
 
 
+def _one_hot_lookup(dot: Any, made: dict[Any, Any]) -> Run | None:
+    """``jax.nn.one_hot(ids, V) @ table[V, D]`` (the one-hot's classes contracted with the table's rows, no
+    batch dims) is the table's rows at the ids: ``embed(ids, table)``, its run the one-hot call and the dot."""
+    (contracted, _), (batch, _) = dot.params["dimension_numbers"]
+    one_hot: Any = made.get(dot.invars[0])
+    table = dot.invars[1]
+    if not _call(one_hot, "_one_hot") or isinstance(table, jex.Literal) or len(table.aval.shape) != 2 or batch:
+        return None
+    ids = one_hot.invars[0]
+    rank = len(ids.aval.shape)
+    if tuple(one_hot.outvars[0].aval.shape) != (*ids.aval.shape, table.aval.shape[0]) \
+            or dot.params["dimension_numbers"][0] != ((rank,), (0,)) or tuple(contracted) != (rank,):
+        return None
+    return Run("embed", table, 0, (one_hot, dot), ids)
+
+
 def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
     if eqn.primitive.name in ("neg", "div") and not eqn.outvars[0].aval.shape:
         found = _one_hot_nll(eqn, made)
         if found is not None:
             return found
+    if eqn.primitive.name == "dot_general":
+        return _one_hot_lookup(eqn, made)
     if eqn.primitive.name == "neg":
         return _cross_entropy(eqn, made)
     if eqn.primitive.name == "div" and isinstance(eqn.invars[1], jex.Literal):
