@@ -215,8 +215,9 @@ def _unpaired(ours: list[Collective], xla: list[Collective], linked: dict[str, s
               ) -> tuple[list[Collective], list[Collective]]:
     """XLA's collectives with no counterpart in the plan, and the plan's with none in XLA's, phase by
     phase: paired as ``shardc compare`` pairs them (:func:`pair_rows`), then what is left by size (a plan
-    step on a value no statement names, cross_entropy's partial max, sum and target, has no spec tensor
-    XLA's could be named by: whatever XLA's is named, by its per-device shape, is another tensor's)."""
+    step on a value no statement of the spec makes, cross_entropy's partial max, sum and target, or a
+    gradient, has no spec tensor XLA's could be named by: whatever XLA's is named, by its per-device
+    shape, is another tensor's; its kind, devices and bytes are what pair it)."""
     not_needed: list[Collective] = []
     differently: list[Collective] = []
     for phase in ("forward", "backward", "update"):
