@@ -224,3 +224,35 @@ def test_a_one_hot_times_a_table_is_the_languages_embed() -> None:
     assert _statements(e) == ["E1[B_{data}, S] = embed(ids[B_{data}], table[V_{model}, S])"], e.spec
     shardc.plan(shardc.parse(e.spec))
     assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently
+
+
+def _dropout(x: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.where(jax.random.bernoulli(jax.random.key(0), 0.9, x.shape), x / 0.9, 0)
+
+
+def _cond(x: Any) -> Any:
+    import jax
+
+    return jax.lax.cond(x.sum() > 0, lambda a: a * 2, lambda a: a, x)
+
+
+def _pad(x: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.pad(x, ((0, 0), (1, 1)))
+
+
+@pytest.mark.parametrize(("program", "op", "fix"), [
+    (_dropout, "random_", r"the language's `dropout\(X, r\)` draws its own"),
+    (_cond, "cond", "explain each branch as a program of its own"),
+    (_pad, "pad", "pad the input before the program")])
+def test_an_op_the_language_has_no_form_for_names_itself_and_what_to_write(program: Any, op: str, fix: str) -> None:
+    """A dropout's random draw, a cond and a pad: each refusal names the op and its line, and its fix says
+    what the spec can say instead (the language's dropout) or how to explain the rest."""
+    import jax
+
+    with pytest.raises(shardc.ShardcError, match=rf"(?s)the program has `{op}\w*` at {__file__}:\d+.*fix: .*{fix}"):
+        explain(jax.jit(program), _arg(_mesh((2, 4)), (16, 8), "data"))

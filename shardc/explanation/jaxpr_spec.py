@@ -34,6 +34,7 @@ from shardc.explanation.fresh import Walked
 from shardc.explanation.layers import read_scan
 from shardc.explanation.lookups import embed, read_lookup
 from shardc.explanation.patterns import Run, function_of, primitives, runs
+from shardc.explanation.refusals import refusal_fix
 from shardc.explanation.routing import read_routing, regions
 from shardc.explanation.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explanation.sources import equation_text, shape_text, source_line
@@ -230,7 +231,7 @@ class _Reader(Reading):
             raise ShardcError("`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes, "
                               "reshapes, embedding lookups, an array's halves put back together and sharding "
                               f"constraints; the program has `{name}`" + (f" at {line}" if line else ""),
-                              fix="explain a program (or the part of it) made of those, or write its .shard spec")
+                              fix=refusal_fix(name))
 
     def constrain(self, source: Any, out: Any, spec: Any, line: str) -> None:
         """A just-made result takes the constraint's sharding; an input, or a tensor already read as it
