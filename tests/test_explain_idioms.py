@@ -256,3 +256,19 @@ def test_an_op_the_language_has_no_form_for_names_itself_and_what_to_write(progr
 
     with pytest.raises(shardc.ShardcError, match=rf"(?s)the program has `{op}\w*` at {__file__}:\d+.*fix: .*{fix}"):
         explain(jax.jit(program), _arg(_mesh((2, 4)), (16, 8), "data"))
+
+
+def test_a_fused_product_read_whole_beside_its_parts_is_an_error() -> None:
+    """``qkv`` returned beside ``q * k + v``: the spec writes no whole product once it reads the parts, so
+    explain refuses rather than leave the result out."""
+    import jax
+    import jax.numpy as jnp
+
+    def program(x: Any, w: Any) -> Any:
+        qkv = x @ w
+        q, k, v = jnp.split(qkv, 3, -1)
+        return q * k + v, qkv
+
+    mesh = _mesh((2, 4))
+    with pytest.raises(shardc.ShardcError, match=r"product \(of w\) is read whole beside its parts"):
+        explain(jax.jit(program), _arg(mesh, (16, 8), "data"), _arg(mesh, (8, 96), "model"))
