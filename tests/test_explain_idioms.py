@@ -272,3 +272,23 @@ def test_a_fused_product_read_whole_beside_its_parts_is_an_error() -> None:
     mesh = _mesh((2, 4))
     with pytest.raises(shardc.ShardcError, match=r"product \(of w\) is read whole beside its parts"):
         explain(jax.jit(program), _arg(mesh, (16, 8), "data"), _arg(mesh, (8, 96), "model"))
+
+
+def test_megatrons_interleaved_qkv_split_after_its_heads_reshape_keeps_the_heads_sharded() -> None:
+    """Megatron's fused weight ``[D, N * 3 * H]`` over `model` (a device's block is its heads' q, k and v),
+    reshaped to ``[..., N, 3, H]`` and split along the 3: the parts are ``[D, N_{model}, H]``, no data
+    moves, and XLA's one AllReduce (the output projection's) pairs with the plan's."""
+    import jax
+    import jax.numpy as jnp
+
+    def layer(x: Any, w_qkv: Any, wo: Any) -> Any:
+        q, k, v = (a[:, :, :, 0] for a in jnp.split((x @ w_qkv).reshape(4, 16, 4, 3, 8), 3, axis=3))
+        scores = jax.nn.softmax(jnp.einsum("bsnh,btnh->bnst", q, k), -1)
+        return jnp.einsum("bnst,btnh->bsnh", scores, v).reshape(4, 16, 32) @ wo
+
+    mesh = _mesh((2, 4))
+    e = explain(jax.jit(layer), _arg(mesh, (4, 16, 32), "data"), _arg(mesh, (32, 96), None, "model"),
+                _arg(mesh, (32, 32), "model"))
+    assert "Y1[B_{data}, S, N_{model}, H] = x[B_{data}, S, D] · w_qkv_q[D, N_{model}, H]" in _statements(e), e.spec
+    shardc.plan(shardc.parse(e.spec))
+    assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently

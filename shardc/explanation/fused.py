@@ -1,6 +1,7 @@
 """A fused projection split in parts, as transformer code writes its QKV: ``qkv = x @ w_qkv`` then
 ``q, k, v = jnp.split(qkv, 3, -1)`` (nanoGPT's ``c_attn``, flax and MaxText's fused kernel
-``[D, 3, N, H]``), read as one contraction a part, with the weight's parts.
+``[D, 3, N, H]``, Megatron's interleaved ``[D, N * 3 * H]`` reshaped before the split), read as one
+contraction a part, with the weight's parts.
 
 The language has no op that takes a part of a dim, but a contraction's product split along a dim of its
 weight is the contraction with the weight's parts: ``split(x · W[D, 3F]) = x · W[:, :F], x · W[:, F:2F],
@@ -32,7 +33,8 @@ def _weight(reader: Any, operands: tuple[Any, ...], dim: int) -> tuple[int, int]
     for side, operand in enumerate(operands):
         if operand in reader.made or operand in stacked:
             continue
-        where = [k for k, d in enumerate(reader.dims_of(operand)) if reader.find(d) == reader.find(dim)]
+        # a dim of its own, or one of the parts a reshape made of one (Megatron's interleaved [N, 3, H])
+        where = [k for k, d in enumerate(reader.dims_of(operand)) if reader.find(dim) in reader.atoms(d)]
         if len(where) == 1 and len(reader.atoms(dim)) == 1:
             return side, where[0]
     return None
@@ -71,7 +73,7 @@ def split_projection(reader: Any, eqn: Any, line: str) -> bool:
             if position != axis:
                 reader.join(d, e)
         operands = list(made.operands)
-        operands[side] = _part(reader, weight, where, reader.dims_of(out)[axis], names[k])
+        operands[side] = _part(reader, weight, where, dims[axis], reader.dims_of(out)[axis], names[k])
         reader.make(out, "dot", tuple(operands), line=made.line)
     return True
 
@@ -85,11 +87,13 @@ def _unmake(reader: Any, made: Any) -> None:
         reader.counts["Y"] -= 1
 
 
-def _part(reader: Any, weight: Any, where: int, dim: int, name: str) -> Made:
-    """The weight's k-th part along its dim at ``where`` (now ``dim``), its sharding along
-    the others; a parameter where the weight is one."""
+def _part(reader: Any, weight: Any, where: int, split: int, dim: int, name: str) -> Made:
+    """The weight's part along its dim at ``where`` (or that dim's part ``split``), now ``dim``, its
+    sharding along the others; a parameter where the weight is one."""
     part = Made()
-    reader.dims[part] = [dim if position == where else d for position, d in enumerate(reader.dims_of(weight))]
+    dims = reader.dims_of(weight)
+    whole = [dim if reader.find(a) == reader.find(split) else a for a in reader.atoms(dims[where])]
+    reader.dims[part] = [*dims[:where], *whole, *dims[where + 1:]]
     reader.names[part] = name
     reader.fused_parts[name] = reader.names[weight]
     reader.axes[part] = {**dict(reader.layout(weight)), dim: ()}
