@@ -84,18 +84,21 @@ def _attention(mask: str) -> Any:
             scores = jnp.where(jnp.arange(16)[:, None] >= jnp.arange(16)[None, :], scores, -1e9)
         elif mask == "float tril":
             scores = jnp.where(jnp.tril(jnp.ones((16, 16))) == 0, -jnp.inf, scores)
-        elif mask == "banded":  # a window of 4: no causal mask of the language's without `window`
-            keep = jnp.arange(16)[:, None] - jnp.arange(16)[None, :]
-            scores = jnp.where((keep >= 0) & (keep < 4), scores, -jnp.inf)
+        elif mask == "window":  # Mistral's sliding window of 4 keys, the query's own among them
+            distance = jnp.arange(16)[:, None] - jnp.arange(16)[None, :]
+            scores = jnp.where((distance >= 0) & (distance < 4), scores, -jnp.inf)
+        elif mask == "strict":  # the query's own key masked too: not the language's causal
+            scores = jnp.where(jnp.arange(16)[:, None] > jnp.arange(16)[None, :], scores, -jnp.inf)
         return jnp.einsum("bnst,btnh,nhd->bsd", jax.nn.softmax(scores, -1), v, wo)
 
     return layer
 
 
-@pytest.mark.parametrize("mask", ["tril", "arange", "float tril"])
+@pytest.mark.parametrize("mask", ["tril", "arange", "float tril", "window"])
 def test_a_where_at_a_causal_mask_before_the_softmax_is_the_languages_causal(mask: str) -> None:
     """``jnp.where(mask, scores, -inf)`` with the mask made of positions (``jnp.tril``, an ``arange``
-    comparison, a float ``tril`` compared with 0) is ``causal(Sc[B, N, S, T], S, T)`` before the softmax;
+    comparison, a float ``tril`` compared with 0) is ``causal(Sc[B, N, S, T], S, T)`` before the softmax, a
+    sliding window of 4 keys ``causal(Sc, S, T, window 4)``;
     a finite fill (-1e9) is said in a ``#`` line; XLA's one AllReduce pairs with the plan's."""
     import jax
 
@@ -104,7 +107,7 @@ def test_a_where_at_a_causal_mask_before_the_softmax_is_the_languages_causal(mas
     e = explain(jax.jit(_attention(mask)), _arg(mesh, (4, 16, 16), "data"), weight, weight, weight,
                 _arg(mesh, (8, 4, 16), "model"))
     masked = [s for s in _statements(e) if "causal(" in s]
-    assert len(masked) == 1 and masked[0].endswith(", S, T)"), e.spec
+    assert len(masked) == 1 and masked[0].endswith(", S, T, window 4)" if mask == "window" else ", S, T)"), e.spec
     assert any(s.startswith("N1[") and f"softmax({masked[0].split(' =')[0]} over T)" in s for s in _statements(e))
     assert ("fills -1e+09 where the language writes -inf" in e.spec) == (mask == "arange")
     shardc.plan(shardc.parse(e.spec))
@@ -112,13 +115,13 @@ def test_a_where_at_a_causal_mask_before_the_softmax_is_the_languages_causal(mas
 
 
 def test_a_mask_other_than_causal_stays_a_map_of_the_scores() -> None:
-    """A banded mask (a window the ``where`` writes, not ``causal``'s) is not read as causal: it stays a map
-    of the scores, its sharding all the spec needs of it."""
+    """A strictly causal mask (the query's own key masked too, which the language's causal keeps) is not
+    read as causal: it stays a map of the scores, its sharding all the spec needs of it."""
     import jax
 
     mesh = _mesh((2, 4))
     weight = _arg(mesh, (16, 8, 4), None, "model")
-    e = explain(jax.jit(_attention("banded")), _arg(mesh, (4, 16, 16), "data"), weight, weight, weight,
+    e = explain(jax.jit(_attention("strict")), _arg(mesh, (4, 16, 16), "data"), weight, weight, weight,
                 _arg(mesh, (8, 4, 16), "model"))
     assert "causal(" not in e.spec and any("identity(" in s for s in _statements(e)), e.spec
 

@@ -6,8 +6,9 @@ arange(T)[None, :]``, a float ``tril`` compared with 0, ``where(~mask, -inf, s)`
 equation by equation: every array the program makes of literals and positions alone (``iota``) is folded
 to its values as the reader walks (:class:`Constants`), and a ``select_n`` between an array and a
 constant fill, whose predicate is such a constant, is causal where the kept entries are exactly those
-with the key position (T) at or before the query position (S), along two of the array's dims.  Any
-other mask stays a map of the array (``identity``: its sharding is all the spec needs of it).
+with the key position (T) at or before the query position (S), along two of the array's dims (and,
+within a sliding window of W keys, ``causal(Sc, S, T, window W)``: Mistral's, Gemma 2's local layers).
+Any other mask stays a map of the array (``identity``: its sharding is all the spec needs of it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jex
+
+from shardc.ops.masks import in_window
 
 __all__ = ["Constants", "read_mask"]
 
@@ -69,14 +72,18 @@ class Constants:
             self.values[var] = np.asarray(result)
 
 
-def _causal_dims(keep: np.ndarray) -> tuple[int, int] | None:
-    """(query, key): the two dims along which ``keep`` holds exactly the entries whose key position is at
-    or before the query position (the same along every other dim); None where no two are."""
+def _causal_dims(keep: np.ndarray) -> tuple[int, int, int] | None:
+    """(query, key, window or 0): the two dims along which ``keep`` holds exactly the entries the
+    language's causal mask keeps (the key at or before the query, within a sliding window W of keys when
+    it has one: :func:`in_window`), the same along every other dim; None where no two are."""
     for i, j in itertools.permutations(range(keep.ndim), 2):
         query = np.arange(keep.shape[i]).reshape([-1 if k == i else 1 for k in range(keep.ndim)])
         key = np.arange(keep.shape[j]).reshape([-1 if k == j else 1 for k in range(keep.ndim)])
-        if np.array_equal(keep, np.broadcast_to(query >= key, keep.shape)):
-            return i, j
+        distance = np.broadcast_to(query - key, keep.shape)[keep]
+        window = int(distance.max()) + 1 if distance.size and distance.min() >= 0 else 0
+        for w in (None, window):
+            if w != 0 and np.array_equal(keep, np.broadcast_to(in_window(query, key, w), keep.shape)):
+                return i, j, w or 0
     return None
 
 
@@ -101,7 +108,8 @@ def read_mask(reader: Any, eqn: Any, line: str) -> bool:
     for d, e in zip(reader.dims_of(kept), reader.dims_of(out), strict=True):
         reader.join(d, e)
     dims = reader.dims_of(out)
-    reader.make(out, "causal", (reader.tensor(kept),), names=(dims[found[0]], dims[found[1]]), line=line)
+    reader.make(out, "causal", (reader.tensor(kept),), names=(dims[found[0]], dims[found[1]]), number=found[2],
+                line=line)
     if math.isfinite(float(fill.flat[0])):
         reader.notes.append(f"the causal mask at {line or 'its where'} fills {float(fill.flat[0]):g} where the "
                             "language writes -inf: the same softmax after it (both weigh 0 in float32)")

@@ -40,7 +40,7 @@ class Statement:
     over: int = -1  # the reduced dim id
     line: str = ""
     names: tuple[int, ...] = ()  # a routing's token and capacity dim ids, a causal mask's query and key
-    number: int = 0  # a routing's k
+    number: int = 0  # a routing's k, a causal mask's sliding window
 
 
 @dataclass
@@ -109,7 +109,7 @@ def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple
     if s.kind in ("route", "dispatch", "combine"):
         return f"{s.fn or s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
     if s.kind == "causal":
-        return f"causal({operands[0]}, {names[0]}, {names[1]})"
+        return f"causal({operands[0]}, {names[0]}, {names[1]}" + (f", window {s.number})" if s.number else ")")
     if s.kind in ("dot", "mul"):
         return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
     if s.kind == "copy":
