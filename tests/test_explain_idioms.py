@@ -229,11 +229,10 @@ def test_a_one_hot_times_a_table_is_the_languages_embed() -> None:
     assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently
 
 
-def _dropout(x: Any) -> Any:
+def _noise(x: Any) -> Any:
     import jax
-    import jax.numpy as jnp
 
-    return jnp.where(jax.random.bernoulli(jax.random.key(0), 0.9, x.shape), x / 0.9, 0)
+    return x + jax.random.normal(jax.random.key(0), x.shape)
 
 
 def _cond(x: Any) -> Any:
@@ -249,12 +248,12 @@ def _pad(x: Any) -> Any:
 
 
 @pytest.mark.parametrize(("program", "op", "fix"), [
-    (_dropout, "random_", r"the language's `dropout\(X, r\)` draws its own"),
+    (_noise, "random_", r"a random draw other than a dropout's keep-mask"),
     (_cond, "cond", "explain each branch as a program of its own"),
     (_pad, "pad", "pad the input before the program")])
 def test_an_op_the_language_has_no_form_for_names_itself_and_what_to_write(program: Any, op: str, fix: str) -> None:
-    """A dropout's random draw, a cond and a pad: each refusal names the op and its line, and its fix says
-    what the spec can say instead (the language's dropout) or how to explain the rest."""
+    """Random noise, a cond and a pad: each refusal names the op and its line, and its fix says what the
+    spec can say instead (a dropout's keep-mask is read) or how to explain the rest."""
     import jax
 
     with pytest.raises(shardc.ShardcError, match=rf"(?s)the program has `{op}\w*` at {__file__}:\d+.*fix: .*{fix}"):
@@ -295,3 +294,28 @@ def test_megatrons_interleaved_qkv_split_after_its_heads_reshape_keeps_the_heads
     assert "Y1[B_{data}, S, N_{model}, H] = x[B_{data}, S, D] · w_qkv_q[D, N_{model}, H]" in _statements(e), e.spec
     shardc.plan(shardc.parse(e.spec))
     assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently
+
+
+@pytest.mark.parametrize("key", ["made in the program", "an argument"])
+def test_a_dropout_written_with_a_bernoulli_keep_mask_is_the_languages_dropout(key: str) -> None:
+    """``jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0)`` (flax's Dropout), the key made in
+    the program or passed in, is ``dropout(H, 0.2)``; the product after it all-reduces as the plan's does.
+    Kept values not scaled by 1 / p are no dropout of the language's: an error names the where."""
+    import jax
+    import jax.numpy as jnp
+
+    def layer(x: Any, w: Any, rng: Any = None, scale: float = 0.8) -> Any:
+        h = jax.nn.relu(x @ w)
+        keep = jax.random.bernoulli(jax.random.key(0) if rng is None else rng, 0.8, h.shape)
+        return jnp.where(keep, h / scale, 0) @ w.T
+
+    mesh = _mesh((2, 4))
+    args = (_arg(mesh, (16, 8), "data"), _arg(mesh, (8, 32), None, "model"))
+    given = (jax.random.key(1),) if key == "an argument" else ()
+    e = explain(jax.jit(layer), *args, *given)
+    assert "Dr1[B_{data}, T_{model}] = dropout(H1[B_{data}, T_{model}], 0.2)" in _statements(e), e.spec
+    shardc.plan(shardc.parse(e.spec))
+    assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently
+    if not given:
+        with pytest.raises(shardc.ShardcError, match="a random mask other than a dropout's"):
+            explain(jax.jit(lambda x, w: layer(x, w, scale=1.0)), *args)

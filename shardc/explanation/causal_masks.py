@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
+from shardc.explanation.dim_classes import unwritable
 from shardc.ops.masks import in_window
 
 __all__ = ["Constants", "read_mask"]
@@ -28,6 +29,8 @@ __all__ = ["Constants", "read_mask"]
 _FOLDED = frozenset({"iota", "broadcast_in_dim", "convert_element_type", "add", "sub", "mul", "neg", "ge", "gt",
                      "le", "lt", "eq", "ne", "and", "or", "not", "select_n", "reshape", "transpose", "squeeze",
                      "expand_dims", "max", "min"})  # what a mask is made of, each free of effects
+_KEYS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in",
+                   "random_clone"})  # a random key's making: no array of the spec
 _LIMIT = 1 << 24  # the most elements a folded value holds (an S x T mask of 4096 x 4096)
 # A finite fill is the language's -inf where the softmax after it weighs it exp(fill - max) = 0 in float32:
 # e^-104 is below float32's smallest subnormal, 2^-149 (IEEE 754), so any fill 1e4 under scores of
@@ -35,21 +38,32 @@ _LIMIT = 1 << 24  # the most elements a folded value holds (an S x T mask of 409
 _FILL = -1e4
 
 
+def find(reader: Any, var: Any, table: dict[Any, Any]) -> Any:
+    """``table``'s entry of ``var``, through the reader's views of one shape (a call's inputs and results
+    are views of the caller's); None where it has none."""
+    while var not in table:
+        source = reader.alias.get(var)
+        if source is None or isinstance(source, jex.Literal) or tuple(source.aval.shape) != tuple(var.aval.shape):
+            return None
+        var = source
+    return table[var]
+
+
 class Constants:
-    """The values of the arrays a program makes of literals and positions alone, by variable."""
+    """The values of the arrays a program makes of literals and positions alone, by variable; a dropout's
+    keep draws (``jax.random.bernoulli``) by their keep probability, and arrays scaled by a literal."""
 
     def __init__(self) -> None:
         self.values: dict[Any, np.ndarray] = {}
+        self.draws: dict[Any, float] = {}  # a keep-mask drawn at random -> the probability it keeps
+        self.scaled: dict[Any, tuple[Any, float]] = {}  # x * c, x / c -> (x, its factor)
 
     def value(self, reader: Any, var: Any) -> np.ndarray | None:
         """``var``'s value, through the reader's views of one shape (a call's inputs and results are
         views of the caller's); None where it is not a constant."""
-        while not isinstance(var, jex.Literal) and var not in self.values:
-            source = reader.alias.get(var)
-            if source is None or tuple(source.aval.shape) != tuple(var.aval.shape):
-                return None
-            var = source
-        return np.asarray(var.val) if isinstance(var, jex.Literal) else self.values[var]
+        if isinstance(var, jex.Literal):
+            return np.asarray(var.val)
+        return find(reader, var, self.values)
 
     def enter(self, reader: Any, outer: list[Any], inner: list[Any]) -> None:
         """A call's inputs: the values of its constant arguments (a literal fill, ``where``'s -inf) are its
@@ -59,8 +73,24 @@ class Constants:
             if value is not None:
                 self.values[inner_var] = value
 
-    def fold(self, reader: Any, eqn: Any) -> None:
-        """Record ``eqn``'s results where it is a mask's op of constants alone."""
+    def fold(self, reader: Any, eqn: Any) -> bool:
+        """Record ``eqn``'s results where it is a mask's op of constants alone (or an array times a literal);
+        True where the reader reads no more of it: a random key's making, a dropout's keep draw."""
+        name = eqn.primitive.name
+        if name in _KEYS:
+            return True
+        if name in ("pjit", "jit") and eqn.params.get("name") == "_bernoulli":
+            keep = self.value(reader, eqn.invars[1])
+            if keep is not None and keep.size == 1:
+                self.draws[eqn.outvars[0]] = float(keep.flat[0])
+            return keep is not None and keep.size == 1
+        if name in ("div", "mul") and isinstance(eqn.invars[1], jex.Literal) and eqn.outvars[0].aval.shape:
+            factor = float(eqn.invars[1].val)
+            self.scaled[eqn.outvars[0]] = (eqn.invars[0], 1.0 / factor if name == "div" and factor else factor)
+        self._evaluate(reader, eqn)
+        return False
+
+    def _evaluate(self, reader: Any, eqn: Any) -> None:
         if eqn.primitive.name not in _FOLDED or any(math.prod(v.aval.shape) > _LIMIT for v in eqn.outvars):
             return
         inputs = [self.value(reader, v) for v in eqn.invars]
@@ -92,6 +122,9 @@ def read_mask(reader: Any, eqn: Any, line: str) -> bool:
     constant mask and a fill of -inf (or a finite one the softmax weighs 0) elsewhere; False otherwise."""
     if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
         return False
+    keep = find(reader, eqn.invars[0], reader.constants.draws)
+    if keep is not None:
+        return _dropout(reader, eqn, keep, line)
     predicate = reader.constants.value(reader, eqn.invars[0])
     cases = [reader.constants.value(reader, v) for v in eqn.invars[1:]]
     arrays = [k for k, value in enumerate(cases) if value is None]
@@ -113,4 +146,21 @@ def read_mask(reader: Any, eqn: Any, line: str) -> bool:
     if math.isfinite(float(fill.flat[0])):
         reader.notes.append(f"the causal mask at {line or 'its where'} fills {float(fill.flat[0]):g} where the "
                             "language writes -inf: the same softmax after it (both weigh 0 in float32)")
+    return True
+
+
+def _dropout(reader: Any, eqn: Any, keep: float, line: str) -> bool:
+    """``jnp.where(bernoulli(key, p, shape), x / p, 0)``: the language's ``dropout(X, 1 - p)`` (which draws
+    its own mask, keeps with probability p and scales by 1 / p); where the kept values are scaled otherwise
+    or the rest is not 0, it is an error: a random mask has no other form in the spec."""
+    fill = reader.constants.value(reader, eqn.invars[1])
+    scaled = find(reader, eqn.invars[2], reader.constants.scaled)
+    if fill is None or np.any(fill != 0) or scaled is None or not math.isclose(scaled[1] * keep, 1.0, rel_tol=1e-6):
+        raise unwritable("a random mask other than a dropout's (jnp.where(keep, x / p, 0), keep drawn with "
+                         "jax.random.bernoulli(key, p)) has no form in the spec language",
+                         fix="write the dropout as jnp.where(keep, x / p, 0), or write the .shard spec")
+    source, out = scaled[0], eqn.outvars[0]
+    for d, e in zip(reader.dims_of(source), reader.dims_of(out), strict=True):
+        reader.join(d, e)
+    reader.make(out, "dropout", (reader.tensor(source),), fn=f"{1.0 - keep:.6g}", line=line)
     return True

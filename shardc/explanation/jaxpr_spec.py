@@ -94,7 +94,7 @@ class _Reader(Reading):
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
         prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C",
                   "embed": "E", "loss": "L", "route": "Disp", "dispatch": "In",
-                  "combine": "Comb", "causal": "Sc"}[kind]
+                  "combine": "Comb", "causal": "Sc", "dropout": "Dr"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
@@ -180,7 +180,8 @@ class _Reader(Reading):
     def equation(self, eqn: Any) -> None:
         name = eqn.primitive.name
         line = source_line(eqn) or self.caller
-        self.constants.fold(self, eqn)  # the values of a mask made of positions (iota) and literals
+        if self.constants.fold(self, eqn):  # a mask's values; a random key or a dropout's draw, read at its where
+            return
         if any(v in self.stacked_outputs for v in eqn.invars if not isinstance(v, jex.Literal)):
             raise unwritable("it reads a scan's per-layer outputs; a `layers` block hands on its carry alone")
         arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 __all__ = ["refusal_fix"]
 
-_RANDOM = ("a random draw (jax.random: a dropout's mask) has no tensor in the spec; the language's `dropout(X, r)` "
-           "draws its own: explain the program without it (flax's deterministic=True, a rate of 0) and write "
-           "`dropout(X, r)` into the spec it gives")
+_RANDOM = ("a random draw other than a dropout's keep-mask (jnp.where(jax.random.bernoulli(key, p, shape), x / p, 0), "
+           "read as the language's `dropout(X, 1 - p)`) has no tensor in the spec: explain the program without it, "
+           "or write its .shard spec")
 _FIXES = {
     "shard_map": "a shard_map's body is already per-device code with its own collectives: explain the program "
                  "as jax.jit with shardings writes it (the compiler partitions it), or write its .shard spec",

@@ -108,6 +108,8 @@ def _dim_names(reader: Reading) -> dict[int, str]:
 def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple[str, ...] = ()) -> str:
     if s.kind in ("route", "dispatch", "combine"):
         return f"{s.fn or s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
+    if s.kind == "dropout":
+        return f"dropout({operands[0]}, {s.fn})"
     if s.kind == "causal":
         return f"causal({operands[0]}, {names[0]}, {names[1]}" + (f", window {s.number})" if s.number else ")")
     if s.kind in ("dot", "mul"):
