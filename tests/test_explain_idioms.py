@@ -300,7 +300,8 @@ def test_megatrons_interleaved_qkv_split_after_its_heads_reshape_keeps_the_heads
 def test_a_dropout_written_with_a_bernoulli_keep_mask_is_the_languages_dropout(key: str) -> None:
     """``jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0)`` (flax's Dropout), the key made in
     the program or passed in, is ``dropout(H, 0.2)``; the product after it all-reduces as the plan's does.
-    Kept values not scaled by 1 / p are no dropout of the language's: an error names the where."""
+    Kept values not scaled by 1 / p are no dropout of the language's, nor is the keep-mask multiplied in:
+    an error names the op (the mask once read as an input of the spec with no name: a traceback)."""
     import jax
     import jax.numpy as jnp
 
@@ -319,3 +320,5 @@ def test_a_dropout_written_with_a_bernoulli_keep_mask_is_the_languages_dropout(k
     if not given:
         with pytest.raises(shardc.ShardcError, match="a random mask other than a dropout's"):
             explain(jax.jit(lambda x, w: layer(x, w, scale=1.0)), *args)
+        with pytest.raises(shardc.ShardcError, match=r"`mul` .* a random keep-mask is read other than by a dropout"):
+            explain(jax.jit(lambda x, w: x @ w * jax.random.bernoulli(jax.random.key(0), 0.8, (16, 32)) / 0.8), *args)

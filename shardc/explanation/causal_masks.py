@@ -83,6 +83,9 @@ class Constants:
             keep = self.value(reader, eqn.invars[1])
             if keep is not None and keep.size == 1:
                 self.draws[eqn.outvars[0]] = float(keep.flat[0])
+                reader.unreadable[eqn.outvars[0]] = (
+                    "a random keep-mask is read other than by a dropout's where (jnp.where(keep, x / p, 0)), and a "
+                    "random array has no tensor in the spec", "write the dropout as jnp.where(keep, x / p, 0)")
             return keep is not None and keep.size == 1
         if name in ("div", "mul") and isinstance(eqn.invars[1], jex.Literal) and eqn.outvars[0].aval.shape:
             factor = float(eqn.invars[1].val)

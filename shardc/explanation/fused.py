@@ -63,7 +63,9 @@ def split_projection(reader: Any, eqn: Any, line: str) -> bool:
                          fix="shard the fused weight along another dim (its heads: lay it out [D, 3, N, H] with N "
                              "sharded, as MaxText's fused kernel), or pass the parts' weights as arrays of their own")
     _unmake(reader, made)
-    reader.split_products[array] = reader.names[weight]
+    reader.unreadable[array] = (f"a fused projection's product (of {reader.names[weight]}) is read whole beside "
+                                "its parts, which the spec writes as a contraction a part",
+                                "read only its parts (q, k, v), or pass the parts' weights as arrays of their own")
     names = [f"{reader.names[weight]}_{_PARTS[len(sizes)][k] if len(sizes) in _PARTS else k}"
              for k in range(len(sizes))]
     reader.notes.append(f"{', '.join(names)} are {reader.names[weight]}'s parts along its dim of "

@@ -82,10 +82,8 @@ class _Reader(Reading):
         if var in self.pieces:
             raise unwritable("a part of a dim (a slice, a split) is read as a tensor of its own: a dim of a size "
                              "no other tensor has, which no op of the spec language makes")
-        if var in self.split_products:
-            raise unwritable(f"a fused projection's product (of {self.split_products[var]}) is read whole beside its "
-                             "parts, which the spec writes as a contraction a part",
-                             fix="read only its parts (q, k, v), or pass the parts' weights as arrays of their own")
+        if var in self.unreadable:  # a fused product read whole beside its parts, a random draw
+            raise unwritable(*self.unreadable[var])
         if var in self.region:
             source, ops, line = self.region.pop(var)
             self.make(var, "fn", (self.tensor(source),), fn=function_of(ops), line=line)

@@ -73,7 +73,7 @@ class Reading(DimClasses):
         self.carries: set[Any] = set()  # a scan's carry outs (in its carry in's layout, the next layer's input)
         self.notes: list[str] = []  # where the spec is the program's nearest equivalent, what differs
         self.fused_parts: dict[str, str] = {}  # a fused weight's parts, each a tensor of the spec -> the weight
-        self.split_products: dict[Any, str] = {}  # a fused projection's product, read as its parts -> the weight
+        self.unreadable: dict[Any, tuple[str, str]] = {}  # arrays no tensor of the spec holds -> (why, fix)
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:
