@@ -81,16 +81,16 @@ def test_a_result_of_literals_alone_is_left_out_of_the_spec() -> None:
         explain(jax.jit(lambda x: jnp.zeros((4, 4))), x)
 
 
-def test_a_one_hot_is_refused_with_the_lookup_it_can_be_written_as() -> None:
-    """``jax.nn.one_hot(ids, V) @ table``: the comparison with positions names its equation and says
-    to write the lookup (it said "`eq` of 1 different arrays")."""
+def test_a_one_hot_other_than_a_lookup_or_a_loss_is_refused_naming_what_is_read() -> None:
+    """A one-hot times an array elementwise (not a table's rows, not the cross entropy): the comparison with
+    positions names its equation and the two places a one-hot is read (it said "`eq` of 1 different
+    arrays"; ``one_hot(ids, V) @ table`` is now embed, tests/test_explain_idioms.py)."""
     import jax
 
     mesh = _mesh((2, 4))
     ids = jax.ShapeDtypeStruct((16,), "int32", sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    with pytest.raises(shardc.ShardcError, match=r"(?s)`eq` \(\[16, 32\] = eq .*jnp\.take\(table, ids, axis=0\)"):
-        explain(jax.jit(lambda ids, table: jax.nn.one_hot(ids, 32) @ table),
-                ids, _arg(mesh, (32, 8), "model", None))
+    with pytest.raises(shardc.ShardcError, match=r"(?s)`eq` \(\[16, 32\] = eq .*times a 2-d table \(embed\)"):
+        explain(jax.jit(lambda ids, x: jax.nn.one_hot(ids, 32) * x), ids, _arg(mesh, (16, 32), "data"))
 
 
 _PROGRAMS = """

@@ -198,7 +198,8 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
     ours = [_planned(step, phase, plan, sizes, hw, links, program.lines) for phase in phases
             for step in getattr(plan, phase) if step.is_collective and step.volume is not None]
     xla = _compiled(compiled, plan, sizes, hw, links, mesh, program)
-    not_needed, differently = _unpaired(ours, xla, _partial_links(plan))
+    not_needed, differently = _unpaired(ours, xla, _partial_links(plan), set(program.tensors))
+    not_needed, differently = _fused(not_needed, differently, program.parts)
     times = plan_time(plan, hw, sizes)
     comm_s = times.forward_comm_s + (times.backward_comm_s if program.training else 0.0)
     compute_s = times.forward_compute_s + (times.backward_compute_s if program.training else 0.0)
@@ -210,10 +211,13 @@ def _compare(plan: Plan, program: ProgramSpec, compiled: Any, mesh: dict[str, in
                        program.training)
 
 
-def _unpaired(ours: list[Collective], xla: list[Collective], linked: dict[str, set[str]]
+def _unpaired(ours: list[Collective], xla: list[Collective], linked: dict[str, set[str]], spec_tensors: set[str]
               ) -> tuple[list[Collective], list[Collective]]:
     """XLA's collectives with no counterpart in the plan, and the plan's with none in XLA's, phase by
-    phase: paired as ``shardc compare`` pairs them (:func:`pair_rows`), then what is left by size."""
+    phase: paired as ``shardc compare`` pairs them (:func:`pair_rows`), then what is left by size (a plan
+    step on a value no statement of the spec makes, cross_entropy's partial max, sum and target, or a
+    gradient, has no spec tensor XLA's could be named by: whatever XLA's is named, by its per-device
+    shape, is another tensor's; its kind, devices and bytes are what pair it)."""
     not_needed: list[Collective] = []
     differently: list[Collective] = []
     for phase in ("forward", "backward", "update"):
@@ -224,13 +228,30 @@ def _unpaired(ours: list[Collective], xla: list[Collective], linked: dict[str, s
         for c in list(unpaired):  # XLA's of no spec tensor's shape (a weight the program reshapes): by size,
             # else one finishing the same partial a reduction later or earlier than the plan's
             # (over one group of devices: XLA may name a dim's axes `m,d` where the plan says `d,m`)
+            unnamed = c.tensor not in spec_tensors
             match = next((x for x in left if c.kind.startswith(x.kind) and _group(x) == _group(c) and (
-                x.tensor == "?" and x.bytes == c.bytes or _chained(c.tensor, x.tensor, linked))), None)
+                (x.tensor == "?" or unnamed) and x.bytes == c.bytes or _chained(c.tensor, x.tensor, linked))), None)
             if match is not None:
                 left.remove(match)
                 unpaired.remove(c)
         not_needed += left
         differently += unpaired
+    return not_needed, differently
+
+
+def _fused(not_needed: list[Collective], differently: list[Collective], parts: dict[str, str]
+           ) -> tuple[list[Collective], list[Collective]]:
+    """XLA's one collective of a fused weight or its gradient (a QKV's, gathered or reduced whole) paired
+    with the plan's of its parts, one a part (the spec's contractions, one a part): same phase, kind and
+    axes, their bytes its."""
+    for weight in dict.fromkeys(parts.values()):
+        for x in list(not_needed):
+            mine = [c for c in differently if weight in (parts.get(c.tensor), parts.get(_forward_name(c.tensor)))
+                    and c.phase == x.phase
+                    and c.kind.startswith(x.kind) and _group(c) == _group(x)]
+            if len(mine) == list(parts.values()).count(weight) and sum(c.bytes for c in mine) == x.bytes:
+                not_needed.remove(x)
+                differently = [c for c in differently if c not in mine]
     return not_needed, differently
 
 

@@ -27,11 +27,14 @@ from typing import Any
 from jax.extend import core as jex
 
 from shardc.errors import ShardcError
+from shardc.explanation.causal_masks import Constants, read_mask
 from shardc.explanation.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explanation.expert_moves import moves, read_move
 from shardc.explanation.fresh import Walked
 from shardc.explanation.layers import read_scan
-from shardc.explanation.patterns import Run, function_of, is_lookup, mean_sums, primitives, runs
+from shardc.explanation.lookups import embed, read_lookup
+from shardc.explanation.patterns import Run, function_of, mean_sums, primitives, runs
+from shardc.explanation.refusals import refusal_fix
 from shardc.explanation.routing import read_routing, regions
 from shardc.explanation.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explanation.sources import equation_text, shape_text, source_line
@@ -42,13 +45,14 @@ __all__ = ["ProgramSpec", "read_program"]
 
 _UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt", "erf", "abs", "neg", "sin", "cos",
           "convert_element_type", "copy", "copy_p", "square", "stop_gradient", "max", "min", "add", "sub", "mul",
-          "div", "select_n", "ge", "gt", "le", "lt", "eq", "ne", "erf_inv", "sign", "log1p", "expm1", "cbrt"}
+          "div", "select_n", "ge", "gt", "le", "lt", "eq", "ne", "erf_inv", "sign", "log1p", "expm1", "cbrt",
+          "and", "or", "not"}
 _ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
 # calls read as their body; remat2 is jax.checkpoint's (it changes what the backward keeps, not the forward)
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
           "custom_vjp_call", "custom_vjp_call_jaxpr"}
-_ONE_HOT = ("a one-hot of ids (jax.nn.one_hot: ids == positions) times a table is the table's rows at the ids: "
-            "write jnp.take(table, ids, axis=0), the language's embed; else explain a program without it")
+_ONE_HOT = ("a one-hot of ids (jax.nn.one_hot over the last axis) is read times a 2-d table (embed) and in the mean "
+            "-sum(one_hot * log_softmax(logits), -1) (cross_entropy); elsewhere explain a program without it")
 _EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
 
 
@@ -64,6 +68,7 @@ class _Reader(Reading):
         self.stacked_outputs: set[Any] = set()  # a scan's per-layer outputs
         self.pieces: dict[Any, Piece] = {}  # a slice's result, and maps of it: a part of an array
         self.walked = Walked()  # the calls' jaxprs read, a second call's read as a copy
+        self.constants = Constants()
 
     # tensors ---------------------------------------------------------------------------------------
     def base(self, var: Any) -> Any:
@@ -77,6 +82,8 @@ class _Reader(Reading):
         if var in self.pieces:
             raise unwritable("a part of a dim (a slice, a split) is read as a tensor of its own: a dim of a size "
                              "no other tensor has, which no op of the spec language makes")
+        if var in self.unreadable:  # a fused product read whole beside its parts, a random draw
+            raise unwritable(*self.unreadable[var])
         if var in self.region:
             source, ops, line = self.region.pop(var)
             self.make(var, "fn", (self.tensor(source),), fn=function_of(ops), line=line)
@@ -85,7 +92,7 @@ class _Reader(Reading):
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
         prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C",
                   "embed": "E", "loss": "L", "route": "Disp", "dispatch": "In",
-                  "combine": "Comb"}[kind]
+                  "combine": "Comb", "causal": "Sc", "dropout": "Dr"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
@@ -144,7 +151,11 @@ class _Reader(Reading):
 
     def function(self, out: Any, run: Run, line: str) -> None:
         """``out = softmax(source over axis)`` (or rmsnorm): one function over the run that computes it;
-        ``out = cross_entropy(source, labels)``: the loss, the labels' dims the logits' others."""
+        ``out = cross_entropy(source, labels)``: the loss, the labels' dims the logits' others; ``out =
+        embed(ids, source)``: a one-hot of the ids times the table."""
+        if run.function == "embed":  # a one-hot of ids times a table
+            embed(self, run.ids, self.dims_of(run.ids), run.source, out, line)
+            return
         source = self.tensor(run.source)
         if run.ids is not None:
             labels = self.source(run.ids)
@@ -171,6 +182,8 @@ class _Reader(Reading):
     def equation(self, eqn: Any) -> None:
         name = eqn.primitive.name
         line = source_line(eqn) or self.caller
+        if self.constants.fold(self, eqn):  # a mask's values; a random key or a dropout's draw, read at its where
+            return
         if any(v in self.stacked_outputs for v in eqn.invars if not isinstance(v, jex.Literal)):
             raise unwritable("it reads a scan's per-layer outputs; a `layers` block hands on its carry alone")
         arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape]
@@ -201,7 +214,7 @@ class _Reader(Reading):
         elif name in ("reshape", "squeeze"):
             self.reshape(eqn.invars[0], out, line)
         elif name == "gather":
-            self.gather(eqn, line)
+            read_lookup(self, eqn, line)
         elif name == "scan":
             read_scan(self, eqn)
         elif name in ("slice", "split"):
@@ -217,13 +230,15 @@ class _Reader(Reading):
             self.elementwise(eqn, name, arrays, line)
         elif name in _ALIASES and arrays:
             self.view(out, arrays[0], list(range(len(out.aval.shape))))
+        elif name == "select_n" and read_mask(self, eqn, line):  # a causal mask's where
+            return
         elif name in _UNARY:
             self.elementwise(eqn, name, arrays, line)
         else:
             raise ShardcError("`shardc explain` reads contractions, elementwise ops, sums, reductions, transposes, "
                               "reshapes, embedding lookups, an array's halves put back together and sharding "
                               f"constraints; the program has `{name}`" + (f" at {line}" if line else ""),
-                              fix="explain a program (or the part of it) made of those, or write its .shard spec")
+                              fix=refusal_fix(name))
 
     def constrain(self, source: Any, out: Any, spec: Any, line: str) -> None:
         """A just-made result takes the constraint's sharding; an input, or a tensor already read as it
@@ -239,6 +254,7 @@ class _Reader(Reading):
     def call(self, eqn: Any) -> None:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
         inner = self.walked.once(getattr(inner, "jaxpr", inner))
+        self.constants.enter(self, list(eqn.invars), list(inner.invars))
         for outer_var, inner_var in zip(eqn.invars, inner.invars, strict=False):
             if not isinstance(outer_var, jex.Literal) and outer_var.aval.shape:
                 self.step.enter(outer_var, inner_var)
@@ -280,29 +296,6 @@ class _Reader(Reading):
                 raise unwritable(f"{shape_text(source)} to {shape_text(out)} regroups its dims {i} as {o}: neither "
                                  "a split of one dim nor a merge of several")
         self.alias[out] = source
-
-    def gather(self, eqn: Any, line: str) -> None:
-        """Rows of a table at integer ids (``jnp.take(table, ids, axis=0)``, ``table[ids]``): the
-        language's ``embed(Ids[...], Table[V, D])``; the ids are read through jnp's index clamp."""
-        table, indices = eqn.invars
-        out = eqn.outvars[0]
-        if not is_lookup(eqn):
-            raise unwritable("a gather other than a table's rows at ids (jnp.take(table, ids, axis=0)) or the "
-                             "mean cross entropy's take_along_axis picks elements at positions, which no tensor of "
-                             "the spec language holds",
-                             fix="take_along_axis is read in the mean cross entropy and in an MoE router's routing "
-                                 "(the gates at its top-k); elsewhere write the .shard spec, its routing with "
-                                 "`route`, `dispatch` and `combine`")
-        ids = self.source(indices)
-        if isinstance(ids, jex.Literal) or tuple(ids.aval.shape) != tuple(indices.aval.shape[:-1]):
-            raise unwritable("the ids of a lookup are not an array of the program")
-        outs = self.dims_of(out)
-        for d, e in zip(self.dims_of(indices)[:-1], outs[:-1], strict=True):
-            self.join(d, e)
-        self.join(self.dims_of(table)[1], outs[-1])
-        self.hints.setdefault(self.dims_of(table)[0], "V")  # the vocabulary, as the language's examples name it
-        self.ids.add(ids)
-        self.make(out, "embed", (ids, self.tensor(table)), line=line)
 
     def view(self, out: Any, source: Any, perm: list[int]) -> None:
         ids = self.dims_of(source)

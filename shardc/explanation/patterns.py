@@ -10,7 +10,9 @@ The mean negative log
 likelihood ``-mean(take_along_axis(log_softmax(logits), labels[..., None], axis=-1))`` (jax's
 ``log_softmax`` and ``take_along_axis`` are calls of their own) is ``cross_entropy(Logits, Labels)``,
 as is optax's ``softmax_cross_entropy_with_integer_labels(logits, labels).mean()``, the mean of
-``logsumexp(logits) - take_along_axis(logits, labels[..., None], axis=-1)[..., 0]``.
+``logsumexp(logits) - take_along_axis(logits, labels[..., None], axis=-1)[..., 0]``, and the mean of
+``-sum(jax.nn.one_hot(labels, V) * log_softmax(logits), -1)`` (optax's ``softmax_cross_entropy`` of a
+one-hot, as flax and nanoGPT-style code write it).
 :func:`runs` finds each such run whose inner values nothing else reads.
 """
 
@@ -330,7 +332,63 @@ def _mean_nll(div: Any, made: dict[Any, Any]) -> Run | None:
     return Run("cross_entropy", logits, len(shape), (*lse, *pick, sub, total, div), labels)
 
 
+def _one_hot_nll(last: Any, made: dict[Any, Any]) -> Run | None:
+    """``-mean(sum(one_hot(labels, V) * log_softmax(logits), -1))`` in any order of its negation, sums and
+    one division by the tokens (``-sum(...) / tokens``, optax's ``softmax_cross_entropy(...).mean()``):
+    the run from the one-hot and log_softmax calls to ``last``, a scalar."""
+    chain, eqn = [], last
+    while eqn is not None and eqn.primitive.name in ("neg", "div", "reduce_sum") and _array(eqn) is not None \
+            and (eqn.primitive.name != "div" or isinstance(eqn.invars[1], jex.Literal)):
+        chain.append(eqn)
+        eqn = made.get(_array(eqn))
+    names = [e.primitive.name for e in chain]
+    if eqn is None or eqn.primitive.name != "mul" or names.count("neg") != 1 or names.count("div") != 1 \
+            or last.outvars[0].aval.shape != ():
+        return None
+    calls: list[Any] = sorted((made.get(v) for v in eqn.invars if not isinstance(v, jex.Literal)),
+                              key=lambda e: not _call(e, "_one_hot"))
+    if len(calls) != 2:
+        return None
+    if not (_call(calls[0], "_one_hot") and _call(calls[1], "log_softmax")):
+        return None
+    labels, logits = calls[0].invars[0], calls[1].invars[0]
+    shape, divisor = tuple(labels.aval.shape), next(e for e in chain if e.primitive.name == "div").invars[1]
+    if tuple(logits.aval.shape[:-1]) != shape or tuple(eqn.outvars[0].aval.shape) != tuple(logits.aval.shape) \
+            or float(divisor.val) != math.prod(shape) or not _over_last(calls[1]):
+        return None
+    return Run("cross_entropy", logits, len(shape), (calls[0], calls[1], eqn, *reversed(chain)), labels)
+
+
+def _over_last(call: Any) -> bool:
+    """Whether a log_softmax call normalizes over its array's last axis (its sums' axes), the one-hot's."""
+    inner = getattr(call.params["jaxpr"], "jaxpr", call.params["jaxpr"])
+    last = (len(call.invars[0].aval.shape) - 1,)
+    return all(tuple(e.params["axes"]) == last for e in inner.eqns if e.primitive.name in ("reduce_sum", "reduce_max"))
+
+
+def _one_hot_lookup(dot: Any, made: dict[Any, Any]) -> Run | None:
+    """``jax.nn.one_hot(ids, V) @ table[V, D]`` (the one-hot's classes contracted with the table's rows, no
+    batch dims) is the table's rows at the ids: ``embed(ids, table)``, its run the one-hot call and the dot."""
+    (contracted, _), (batch, _) = dot.params["dimension_numbers"]
+    one_hot: Any = made.get(dot.invars[0])
+    table = dot.invars[1]
+    if not _call(one_hot, "_one_hot") or isinstance(table, jex.Literal) or len(table.aval.shape) != 2 or batch:
+        return None
+    ids = one_hot.invars[0]
+    rank = len(ids.aval.shape)
+    if tuple(one_hot.outvars[0].aval.shape) != (*ids.aval.shape, table.aval.shape[0]) \
+            or dot.params["dimension_numbers"][0] != ((rank,), (0,)) or tuple(contracted) != (rank,):
+        return None
+    return Run("embed", table, 0, (one_hot, dot), ids)
+
+
 def _match(eqn: Any, made: dict[Any, Any]) -> Run | None:
+    if eqn.primitive.name in ("neg", "div") and not eqn.outvars[0].aval.shape:
+        found = _one_hot_nll(eqn, made)
+        if found is not None:
+            return found
+    if eqn.primitive.name == "dot_general":
+        return _one_hot_lookup(eqn, made)
     if eqn.primitive.name == "neg":
         return _cross_entropy(eqn, made)
     if eqn.primitive.name == "div" and isinstance(eqn.invars[1], jex.Literal):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardc.explanation.dim_classes import unwritable
+from shardc.explanation.fused import split_projection
 
 __all__ = ["Piece", "concatenate", "cut", "reverse", "sort"]
 
@@ -54,7 +55,10 @@ def _bounds(eqn: Any) -> list[tuple[int, int, int]]:
 
 def cut(reader: Any, eqn: Any, line: str) -> None:
     """A ``slice``/``split`` of an array: each result a part of it (``reader.pieces``), read as a map of
-    the array (a region, as an elementwise run) until a concatenation puts the parts back together."""
+    the array (a region, as an elementwise run) until a concatenation puts the parts back together.; a
+    contraction's product split along a dim of its weight is a contraction a part (a fused QKV's)."""
+    if split_projection(reader, eqn, line):
+        return
     var = reader.base(eqn.invars[0])
     ops = reader.region[var][1] if var in reader.region else frozenset()
     source, ids = reader.source(var), tuple(reader.dims_of(eqn.invars[0]))

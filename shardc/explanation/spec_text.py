@@ -32,15 +32,15 @@ class Made:
 @dataclass
 class Statement:
     kind: str  # "dot", "mul", "fn", "sum", "reduce", "norm" (softmax), "copy", "embed", "loss" (cross_entropy),
-    # "route" (an MoE router's one-hot mask), "dispatch" and "combine" (its index-based moves)
+    # "route" (an MoE router's one-hot mask), "dispatch" and "combine" (its index-based moves), "causal"
     result: Any
     operands: tuple[Any, ...]
     fn: str = ""  # the function (fn) or reduction (reduce)
     signs: tuple[int, ...] = ()
     over: int = -1  # the reduced dim id
     line: str = ""
-    names: tuple[int, ...] = ()  # a routing's token and capacity dim ids
-    number: int = 0  # a routing's k
+    names: tuple[int, ...] = ()  # a routing's token and capacity dim ids, a causal mask's query and key
+    number: int = 0  # a routing's k, a causal mask's sliding window
 
 
 @dataclass
@@ -52,6 +52,7 @@ class ProgramSpec:
     lines: dict[str, str] = field(default_factory=dict)  # tensor -> "file:line" of the op that made it
     notes: list[str] = field(default_factory=list)
     training: bool = False  # the program is a training step: the spec is its forward
+    parts: dict[str, str] = field(default_factory=dict)  # a fused weight's part -> the weight (a QKV's)
 
 
 class Reading(DimClasses):
@@ -71,6 +72,8 @@ class Reading(DimClasses):
         self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
         self.carries: set[Any] = set()  # a scan's carry outs (in its carry in's layout, the next layer's input)
         self.notes: list[str] = []  # where the spec is the program's nearest equivalent, what differs
+        self.fused_parts: dict[str, str] = {}  # a fused weight's parts, each a tensor of the spec -> the weight
+        self.unreadable: dict[Any, tuple[str, str]] = {}  # arrays no tensor of the spec holds -> (why, fix)
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:
@@ -105,6 +108,10 @@ def _dim_names(reader: Reading) -> dict[int, str]:
 def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple[str, ...] = ()) -> str:
     if s.kind in ("route", "dispatch", "combine"):
         return f"{s.fn or s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
+    if s.kind == "dropout":
+        return f"dropout({operands[0]}, {s.fn})"
+    if s.kind == "causal":
+        return f"causal({operands[0]}, {names[0]}, {names[1]}" + (f", window {s.number})" if s.number else ")")
     if s.kind in ("dot", "mul"):
         return (" · " if s.kind == "dot" else " * ").join(map(str, operands))
     if s.kind == "copy":
@@ -160,7 +167,7 @@ def render(reader: Reading, jaxpr: Any, origin: str) -> ProgramSpec:
             *_dtype_lines(types, dtype)]
     head += reader.step.lines(reader.names, set(tensors), reader.ids, reader.layer_inputs)
     return ProgramSpec("\n".join([*head, "", *body]) + "\n", tensors, lines, list(reader.notes),
-                       training=reader.step.backward)
+                       training=reader.step.backward, parts=dict(reader.fused_parts))
 
 
 def _dtype_lines(types: dict[str, str], dtype: str) -> list[str]:
