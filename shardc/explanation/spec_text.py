@@ -57,8 +57,9 @@ class ProgramSpec:
 class Reading(DimClasses):
     """The tensors, their dims and shardings, and the statements found so far."""
 
-    def __init__(self, mesh: dict[str, int]) -> None:
+    def __init__(self, mesh: dict[str, int], approximate: bool = False) -> None:
         super().__init__(mesh)
+        self.approximate = approximate  # a constant the language cannot say: a note, not an error (constants.py)
         self.dims: dict[Any, list[int]] = {}
         self.names: dict[Any, str] = {}
         self.axes: dict[Any, dict[int, tuple[str, ...]]] = {}  # tensor -> dim id or atom -> axes
@@ -71,6 +72,7 @@ class Reading(DimClasses):
         self.layer_inputs: tuple[list[Any], list[Any]] = ([], [])  # a scan's stacked weights, and its consts
         self.carries: set[Any] = set()  # a scan's carry outs (in its carry in's layout, the next layer's input)
         self.notes: list[str] = []  # where the spec is the program's nearest equivalent, what differs
+        self.constants: dict[Any, tuple[Any, ...]] = {}  # a run of maps -> its scalar constants (explanation.constants)
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:
