@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ import shardc
 from shardc.errors import ShardcError
 from shardc.explanation.jaxpr_spec import read_program
 from shardc.lowering.reference import forward
+from tests.test_cli import fails_clearly, run_main
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -93,7 +95,8 @@ _SHAPES = {"x": (4, 8), "w1": (8, 16), "b1": (16,), "w2": (16, 8), "wq": (8, 8),
 # a norm's inputs small (its mean of squares near 1e-6), so that another epsilon changes its values
 _SCALE = {_rmsnorm: 3e-3, _layernorm: 3e-3, _rmsnorm_other_eps: 3e-3}
 FAITHFUL = [_mlp_gelu, _mlp_bias_relu, _attention, _rmsnorm, _layernorm, _loss_mean]
-REFUSED = {_mlp_scaled: "a scale by 0.5", _mlp_gelu_halved: "a scale by 0.5", _mlp_scaled_after: "a scale by 3", _mlp_shifted: "an addition of 1",
+REFUSED = {_mlp_scaled: "a scale by 0.5", _mlp_gelu_halved: "a scale by 0.5", _mlp_scaled_after: "a scale by 3",
+           _mlp_shifted: "an addition of 1",
            _attention_scaled: "a division by a scalar", _rmsnorm_other_eps: "the epsilon 1e-05 of a rmsnorm",
            _sum_halved: "a scale by 0.5", _from_two: "a subtraction from 2"}
 
@@ -146,3 +149,27 @@ def test_approximately_a_dropped_constant_is_a_note_of_the_spec(fn: Callable[...
     assert [line for line in text.splitlines() if line.startswith("# approximate: ")][0].startswith(
         f"# approximate: {REFUSED[fn]}"), text
     shardc.parse(text)
+
+
+_PROGRAM = '''
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+
+def program():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    return jax.jit(lambda x: jnp.tanh(x * 0.5)), (x,)
+'''
+
+
+@pytest.mark.slow  # two XLA compiles of the program
+def test_the_command_refuses_a_scale_and_approximately_notes_it(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    program = tmp_path / "scaled.py"
+    program.write_text(_PROGRAM, encoding="utf-8")
+    fails_clearly(capsys, "explain", f"{program}:program", says=f"a scale by 0.5 (`[16, 4] = mul [16, 4], []`) at "
+                                                                 f"{program}:10")
+    status, out, err = run_main(capsys, "explain", f"{program}:program", "--approximate")
+    assert status == 0 and "# approximate: a scale by 0.5" in out and "= tanh(x[" in out, err
