@@ -90,6 +90,14 @@ def _from_two(x: Any, w: Any, y: Any) -> Any:
     return jnp.exp(2.0 - x @ w) + y  # the shift
 
 
+def _tanh_squared(x: Any, w: Any, y: Any) -> Any:
+    return jnp.tanh(x @ w) ** 2 + y  # the square after the tanh: read as `tanh`
+
+
+def _flipped(x: Any, w: Any, y: Any) -> Any:
+    return jnp.flip(x @ w, axis=1) + y  # along a dim whole on each device: read as `identity`
+
+
 _SHAPES = {"x": (4, 8), "w1": (8, 16), "b1": (16,), "w2": (16, 8), "wq": (8, 8), "wk": (8, 8), "w": (8, 8),
            "y": (4, 8)}
 # a norm's inputs small (its mean of squares near 1e-6), so that another epsilon changes its values
@@ -121,8 +129,14 @@ def _line(fn: Callable[..., Any]) -> str:
     return f"{__file__}:{start + next(i for i, line in enumerate(lines) if '  # the ' in line)}"
 
 
+# what explain still reads as the nearest function of the language, its values not the program's (its sharding
+# what the spec is for): strict, so that reading them faithfully, or refusing them, shows here
+_STILL_UNFAITHFUL = [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="read as the nearest function"))
+                     for f in (_tanh_squared, _flipped)]
+
+
 @pytest.mark.slow  # the program run once, jitted (an XLA compile), for the values the spec must have
-@pytest.mark.parametrize("fn", FAITHFUL + list(REFUSED), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", FAITHFUL + list(REFUSED) + _STILL_UNFAITHFUL, ids=lambda f: f.__name__)
 def test_the_spec_explain_writes_computes_the_programs_values_or_it_refuses(fn: Callable[..., Any]) -> None:
     """The property: a program explain reads, its spec computes; one it cannot, it refuses at its line."""
     inputs = _inputs(fn)
