@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import shardc
+from shardc.errors import ShardcError
 from shardc.explanation.explain_report import explain, render_explanation
 from shardc.spec.walk import leaves
 from tests.test_cli import fails_clearly
@@ -246,8 +247,15 @@ def flax_block() -> tuple[Any, tuple[Any, ...]]:
 
 
 def test_a_flax_transformer_block_is_explained() -> None:
+    """flax's attention scales the queries by 1/sqrt(head dim), which the language cannot say: an error naming it,
+    or, approximately, a note of the spec (read for its shardings and collectives)."""
     fn, args = flax_block()
-    e = explain(fn, *args)
+    line = _line_of(flax_block, "# attention")
+    with pytest.raises(ShardcError, match=f"a division by a scalar .* at {line}"):
+        explain(fn, *args)
+    e = explain(fn, *args, approximate=True)
+    notes = [line.split(" (")[0] for line in e.spec.splitlines() if line.startswith("# approximate:")]
+    assert notes == ["# approximate: a division by a scalar"], e.spec
     spec = shardc.parse(e.spec)
     texts = [str(s.expr) for s in spec.statements]
     assert sum(t.startswith("softmax(") for t in texts) == 1 and any(t.startswith("gelu(") for t in texts)
@@ -382,7 +390,8 @@ def test_a_layernorm_written_out_is_the_languages_layernorm() -> None:
 
 
 def test_flax_layernorm_with_its_fast_variance_is_the_languages_layernorm() -> None:
-    """flax's LayerNorm computes the variance as mean(x**2) - mean(x)**2 (``use_fast_variance``)."""
+    """flax's LayerNorm computes the variance as mean(x**2) - mean(x)**2 (``use_fast_variance``); its epsilon
+    the language's layernorm's (flax's default, 1e-6, is refused: tests/test_explain_scales.py)."""
     flax = pytest.importorskip("flax")
     import jax
     from jax.sharding import NamedSharding
@@ -393,7 +402,7 @@ def test_flax_layernorm_with_its_fast_variance_is_the_languages_layernorm() -> N
     class Block(flax.linen.Module):  # type: ignore[misc]
         @flax.linen.compact
         def __call__(self, x: Any) -> Any:
-            return flax.linen.LayerNorm()(flax.linen.Dense(8, use_bias=False)(x))
+            return flax.linen.LayerNorm(epsilon=1e-5)(flax.linen.Dense(8, use_bias=False)(x))  # the language's
 
     def sharding(path: Any, leaf: Any) -> Any:
         spec = P(None, "model") if "kernel" in jax.tree_util.keystr(path) else P()

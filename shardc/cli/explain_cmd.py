@@ -31,6 +31,9 @@ def register(sub: Any, name: str) -> None:
     parser.add_argument("--devices", type=int, default=8, help="emulated CPU devices for the program's mesh (8)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--spec-out", metavar="F.shard", help="also write the program's spec there")
+    parser.add_argument("--approximate", action="store_true",
+                        help="read a constant scale or shift the spec language cannot say (x * 0.5, s / sqrt(d)) "
+                             "as a note of the spec, not an error: its spec then for shardings and collectives alone")
     parser.set_defaults(func=run_explain)
 
 
@@ -84,7 +87,8 @@ def run_explain(args: argparse.Namespace) -> int:
     fn, fn_args = _made(args.target, _load(args.target))
     from shardc.explanation.explain_report import explain, render_explanation
 
-    result = explain(fn, *fn_args, hardware=args.hardware, origin=args.target)
+    result = explain(fn, *fn_args, hardware=args.hardware, origin=args.target,
+                     approximate=args.approximate)
     if args.spec_out:
         write_text(args.spec_out, result.spec, "--spec-out")
     print(json.dumps(result.to_json(), indent=2) if args.json else render_explanation(result), end="\n"

@@ -150,8 +150,10 @@ def _mesh_of(shardings: list[Any]) -> dict[str, int]:
     return {}
 
 
-def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None = None) -> Explanation:
-    """Explain a jitted function on its arguments (arrays or ``jax.ShapeDtypeStruct``s with shardings)."""
+def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None = None,
+            approximate: bool = False) -> Explanation:
+    """Explain a jitted function on its arguments (arrays or ``jax.ShapeDtypeStruct``s with shardings);
+    ``approximate``: a constant scale or shift the spec language cannot say is a note of the spec, not an error."""
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     try:
         compiled = jitted.lower(*args).compile()
@@ -174,7 +176,8 @@ def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None
         raise ShardcError(f"an argument of shape {tuple(empty.shape)} holds no elements: a spec's dims are at least 1",
                           fix="explain the program on arguments of the sizes it runs at")
     in_specs, out_specs = ([getattr(s, "spec", ()) for s in shardings] for shardings in (ins, outs))
-    program = read_program(_jaxpr(jitted, args), in_specs, out_specs, _names(fn, args), mesh, origin)
+    program = read_program(_jaxpr(jitted, args), in_specs, out_specs, _names(fn, args), mesh, origin,
+                           approximate)
     plan = make_plan(parse(program.text, filename=f"{origin}.shard"), hardware=hardware)
     return _compare(plan, program, compiled, mesh, origin)
 

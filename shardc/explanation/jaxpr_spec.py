@@ -28,6 +28,7 @@ from jax.extend import core as jex
 
 from shardc.errors import ShardcError
 from shardc.explanation.causal_masks import Constants, read_mask
+from shardc.explanation.constants import checked, norm_of, scaled
 from shardc.explanation.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explanation.expert_moves import moves, read_move
 from shardc.explanation.fresh import Walked
@@ -57,8 +58,8 @@ _EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
 
 
 class _Reader(Reading):
-    def __init__(self, mesh: dict[str, int]) -> None:
-        super().__init__(mesh)
+    def __init__(self, mesh: dict[str, int], approximate: bool = False) -> None:
+        super().__init__(mesh, approximate)
         self.alias: dict[Any, Any] = {}  # a view (transpose, broadcast, reshape, cast, constraint) -> its array
         self.region: dict[Any, tuple[Any, frozenset[str], str]] = {}  # elementwise run -> (its array, ops, line)
         self.counts: dict[str, int] = {}
@@ -86,7 +87,7 @@ class _Reader(Reading):
             raise unwritable(*self.unreadable[var])
         if var in self.region:
             source, ops, line = self.region.pop(var)
-            self.make(var, "fn", (self.tensor(source),), fn=function_of(ops), line=line)
+            self.make(var, "fn", (self.tensor(source),), fn=checked(self, var, function_of(ops)), line=line)
         return var
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
@@ -168,11 +169,11 @@ class _Reader(Reading):
             self.join(d, e)
         over = self.dims_of(run.source)[run.axis]
         if run.scale is None:
-            self.make(out, "norm", (source,), fn=run.function, over=over, line=line)
+            self.make(out, "norm", (source,), fn=norm_of(self, run), over=over, line=line)
             return
         norm = Made()  # rmsnorm(x over D), then its product with the scale (an einsum, batch index D)
         self.dims[norm] = list(self.dims_of(out))
-        self.make(norm, "norm", (source,), fn=run.function, over=over, line=line)
+        self.make(norm, "norm", (source,), fn=norm_of(self, run), over=over, line=line)
         for d, e, n, m in zip(self.dims_of(run.scale), self.dims_of(out), run.scale.aval.shape, out.aval.shape,
                               strict=True):
             if n == m:
@@ -326,8 +327,7 @@ class _Reader(Reading):
         arrays = [a for a in arrays if not self.is_constant(a)]  # broadcast constants
         sources = {self.source(a) for a in arrays}
         if len(sources) <= 1 and all(a.aval.shape == out.aval.shape for a in arrays):
-            if name == "mul" and len(arrays) < len(eqn.invars):  # times a constant: a scale, not a square
-                name = "scale"
+            name = scaled(self, eqn, name, arrays, line)  # times a constant: a scale, not a square
             ops = {name}.union(*(self.region.get(self.base(a), (None, frozenset(), ""))[1] for a in arrays))
             self.region_of(out, arrays, frozenset(ops), line)
             return
@@ -462,9 +462,9 @@ class _Reader(Reading):
 
 
 def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: list[str],
-                 mesh: dict[str, int], origin: str) -> ProgramSpec:
+                 mesh: dict[str, int], origin: str, approximate: bool = False) -> ProgramSpec:
     """The spec of a closed jaxpr whose inputs are sharded by ``in_specs`` and outputs by ``out_specs``."""
-    reader = _Reader(mesh)
+    reader = _Reader(mesh, approximate)
     jaxpr = closed.jaxpr
     for var, spec, name in zip(jaxpr.invars, in_specs, names, strict=True):
         reader.names[var] = name

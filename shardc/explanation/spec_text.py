@@ -58,8 +58,9 @@ class ProgramSpec:
 class Reading(DimClasses):
     """The tensors, their dims and shardings, and the statements found so far."""
 
-    def __init__(self, mesh: dict[str, int]) -> None:
+    def __init__(self, mesh: dict[str, int], approximate: bool = False) -> None:
         super().__init__(mesh)
+        self.approximate = approximate  # a constant the language cannot say: a note, not an error (constants.py)
         self.dims: dict[Any, list[int]] = {}
         self.names: dict[Any, str] = {}
         self.axes: dict[Any, dict[int, tuple[str, ...]]] = {}  # tensor -> dim id or atom -> axes
@@ -74,6 +75,7 @@ class Reading(DimClasses):
         self.notes: list[str] = []  # where the spec is the program's nearest equivalent, what differs
         self.fused_parts: dict[str, str] = {}  # a fused weight's parts, each a tensor of the spec -> the weight
         self.unreadable: dict[Any, tuple[str, str]] = {}  # arrays no tensor of the spec holds -> (why, fix)
+        self.scalars: dict[Any, tuple[Any, ...]] = {}  # a run of maps -> its scalar constants (explanation.constants)
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:
