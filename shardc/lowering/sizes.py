@@ -8,6 +8,7 @@ divide the spec's axis, it only has to stay above 1 for its collectives to run.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -160,8 +161,12 @@ def _even_shrink(power: dict[str, int], groups: list[set[tuple[str, ...]]], full
 
     best = _spread(groups, full, sized(power))
     for _ in range(4 * sum(max(1, full[r].bit_length()) for r in power)):  # each power moves a bounded way
-        # any power of each dim: rounding up to the shardings leaves runs of powers that give one size
+        # any power of one dim (rounding up to the shardings leaves runs of powers that give one size), or two
+        # dims a power each (a product against a dim: N·H against D moves N or H with F against D)
         moves = [{**power, r: p} for r in power for p in range(full[r].bit_length() + 1) if p != power[r]]
+        moves += [{**power, r: power[r] + a, q: power[q] + b} for r, q in itertools.combinations(power, 2)
+                  for a in (-1, 1) for b in (-1, 1)
+                  if 0 <= power[r] + a <= full[r].bit_length() and 0 <= power[q] + b <= full[q].bit_length()]
         scored = [(_spread(groups, full, sizes), move) for move in moves if fits(sizes := sized(move))]
         if not scored or min(s for s, _ in scored) >= best:
             break
