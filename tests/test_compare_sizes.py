@@ -8,6 +8,7 @@ dX[B, S, D] in the spec, reads 8 times dX.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,10 @@ def test_a_spec_already_small_keeps_its_own_sizes() -> None:
     spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nparam W\nY[B_X, F] = A[B_X, D] · W[D, F]\n")
     plan = shardc.plan(spec)
     assert proportional_sizes(plan, 8) == small_sizes(plan, 8) == {"B": 8, "D": 4, "F": 6, "X": 2}
+
+
+def test_a_product_against_a_dim_holds_where_two_dims_must_move_at_once() -> None:
+    """pipeline_llama (N·H = D, F = 2.6875 D): one dim's power at a time stopped at N·H = D/2, F = 1.34 D."""
+    spec = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "pipeline_llama.shard").read_text())
+    sizes = proportional_sizes(shardc.plan(spec), 16)
+    assert sizes["N"] * sizes["H"] == sizes["D"] and sizes["F"] * spec.sizes["D"] == sizes["D"] * spec.sizes["F"]
