@@ -6,8 +6,8 @@ Runs on 8 emulated CPU devices (set before jax is imported).  Volume: the plan's
 weighted bytes (forward + backward, V (bytes a device would hold unsharded over the axes), AllReduce twice,
 AllToAll a quarter) over those of the collectives XLA inserts for the same
 computation and boundary shardings.  Time: median wall time of the lowered
-forward+backward over the jit-partitioned one, at the small verification sizes
-(so it measures dispatch and collective overheads more than FLOPs).
+forward+backward over the jit-partitioned one, at compare's small sizes (the spec's, shrunk in
+proportion; no tensor over 2^18 elements), so it measures dispatch and collective overheads more than FLOPs.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ over Y (2V: a reduce-scatter and an all-gather).  The plan instead moves dQ to t
 issued ahead of the backward's compute) and gathers the sequence-sharded dX (V): the same FLOPs, 5V/4 on
 the critical path instead of 2V.  Where N·H = D (StarCoder: 48 x 128 = 6144) dQ and dX are the same V, so
 the plan is the cheaper of the two whenever W_q's gather hides under compute, as the objective counts it.
-(``shardc compare`` runs the plan at small sizes, D=5 beside N·H=96 for StarCoder's spec, where dQ is 19
-times dX and the plan's bytes read higher than XLA's; the plan was chosen for the spec's own sizes.)
+(``shardc compare`` runs the plan at small sizes that keep N·H = D, ``proportional_sizes``: sized dim by dim,
+D=12 beside N·H=100, dQ would be 8 times dX there and the plan's choice, made at the spec's sizes, misjudged.)
 """
 
 from __future__ import annotations

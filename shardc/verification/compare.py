@@ -24,7 +24,7 @@ from shardc.ir.spec import Spec, TensorRef
 from shardc.lowering import reference
 from shardc.lowering.api import lower
 from shardc.lowering.replan import unlowered_optimizer
-from shardc.lowering.sizes import devices_to_check, small_sizes
+from shardc.lowering.sizes import devices_to_check, proportional_sizes
 from shardc.planner.check import require_sound
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
@@ -210,7 +210,8 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
             repeats: int = 0) -> Comparison:
     """Collectives and weighted volume of the plan and of XLA's partitioner; timed if repeats > 0.
 
-    Both sides run at the same sizes (the lowered program's) and on the same inputs.
+    Both sides run at the same sizes (the lowered program's: :func:`proportional_sizes`, which keep the
+    relative sizes of the tensors the plan was chosen by) and on the same inputs.
     ``devices`` None: as for :func:`shardc.verification.verify.verify`.
     """
     import jax
@@ -220,7 +221,7 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)
     plan, zero_note = unlowered_optimizer(plan)  # ZeRO-1/2: the forward and backward are compared
-    sizes = small_sizes(plan, devices_to_check(plan, jax.device_count()) if devices is None else devices)
+    sizes = proportional_sizes(plan, devices_to_check(plan, jax.device_count()) if devices is None else devices)
     lowered = lower(plan, sizes=sizes)
     xla = _XlaPrograms(plan, lowered.module.mesh, lowered.module.cotangents, lowered.module.grads,
                        dict(lowered.sizes or sizes))
@@ -262,7 +263,8 @@ def render_comparison(c: Comparison) -> str:
     """Both sides' collectives per phase, then the totals and their ratio."""
     mesh = ", ".join(f"{k}={v}" for k, v in c.mesh.items())
     dims = ", ".join(f"{k}={v}" for k, v in c.sizes.items() if k not in c.mesh)
-    lines = [f"# compare {c.file}: mesh {mesh}, {dims}; bytes in {c.dtype} (V, unsharded over the axes)"]
+    lines = [f"# compare {c.file}: mesh {mesh}; sizes {dims} (in the spec's proportions); "
+             f"bytes in {c.dtype} (V, unsharded over the axes)"]
     lines += [f"# note: {note}" for note in c.notes] + [""]
     for phase in ("forward", "backward"):
         lines.append(f"{phase}")

@@ -1,0 +1,66 @@
+"""``shardc compare``'s sizes keep the spec's proportions (``proportional_sizes``); verify's stay dim by dim.
+
+A plan chosen at the spec's sizes is judged by compare at small ones: sized dim by dim (``small_sizes``),
+StarCoder's layer gets D=12 beside N·H=100, and its query gradient dQ[B, S, N, H], the same size as
+dX[B, S, D] in the spec, reads 8 times dX.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+import shardc
+from shardc.ir.plan import Plan
+from shardc.lowering.sizes import MAX_SCALED_ELEMENTS, proportional_sizes, small_sizes
+
+# StarCoder's layer at its sizes (benchmarks/runs/starcoder_15b.shard): N·H = D, F = 4D, multi-query K and V
+STARCODER = """mesh X=2, Y=4
+dims B=16, S=8192, T=8192, D=6144, N=48, H=128, F=24576
+param W_q, W_k, W_v, W_o, W_in, W_out
+Kx[B_X, T, D] = L1[B_X, S, D]
+Q[B_X, S, N_Y, H] = L1[B_X, S, D] · W_q[D, N_Y, H]
+K[B_X, T, H] = Kx[B_X, T, D] · W_k[D, H]
+Vl[B_X, T, H] = Kx[B_X, T, D] · W_v[D, H]
+C[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, H], Vl[B_X, T, H] over T, causal)
+R1[B_X, S, D] = L1[B_X, S, D] + C[B_X, S, N_Y, H] · W_o[N_Y, H, D]
+Hd[B_X, S, F_Y] = gelu(R1[B_X, S, D] · W_in[D, F_Y])
+X1[B_X, S, D] = R1[B_X, S, D] + Hd[B_X, S, F_Y] · W_out[F_Y, D]
+"""
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return shardc.plan(shardc.parse(STARCODER))
+
+
+def test_compare_keeps_the_layers_proportions_where_dim_by_dim_sizes_do_not(plan: Plan) -> None:
+    sizes = proportional_sizes(plan, 8)
+    assert sizes["N"] * sizes["H"] == sizes["D"] and sizes["F"] == 4 * sizes["D"]  # exact: powers of two
+    assert sizes["S"] == sizes["T"] and sizes["X"] == 2 and sizes["Y"] == 4
+    old = small_sizes(plan, 8)  # verify's: each dim on its own
+    assert old["N"] * old["H"] / old["D"] > 4
+
+
+def test_compare_sizes_divide_every_sharding_and_stay_small(plan: Plan) -> None:
+    sizes = proportional_sizes(plan, 8)
+    for info in plan.tensors:
+        ref = info.ref
+        assert math.prod(sizes[d.name] for d in ref.dims) <= MAX_SCALED_ELEMENTS, ref
+        for d in ref.dims:
+            assert sizes[d.name] % math.prod(sizes[a] for a in d.axes) == 0, (ref, d)
+
+
+def test_a_spec_already_small_keeps_its_own_sizes() -> None:
+    spec = shardc.parse("mesh X=2\ndims B=8, D=4, F=6\nparam W\nY[B_X, F] = A[B_X, D] · W[D, F]\n")
+    plan = shardc.plan(spec)
+    assert proportional_sizes(plan, 8) == small_sizes(plan, 8) == {"B": 8, "D": 4, "F": 6, "X": 2}
+
+
+def test_a_product_against_a_dim_holds_where_two_dims_must_move_at_once() -> None:
+    """pipeline_llama (N·H = D, F = 2.6875 D): one dim's power at a time stopped at N·H = D/2, F = 1.34 D."""
+    spec = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "pipeline_llama.shard").read_text())
+    sizes = proportional_sizes(shardc.plan(spec), 16)
+    assert sizes["N"] * sizes["H"] == sizes["D"] and sizes["F"] * spec.sizes["D"] == sizes["D"] * spec.sizes["F"]
