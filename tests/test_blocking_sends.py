@@ -15,6 +15,7 @@ from shardc.layouts import Options, Skipped
 from shardc.layouts.knobs import _apply, combinations
 from shardc.layouts.rank import pairs, prepare
 from shardc.layouts.templates import Candidate
+from shardc.pipeline.blocking_sends import Held
 from shardc.pipeline.schedules import Timing, simulate
 
 HEAD = "mesh P=2 pipeline, X=2\nmicrobatches 4\nhardware h100\n"
@@ -30,7 +31,7 @@ layers 4 {
 
 def test_the_line_parses_prints_back_and_only_under_1f1b() -> None:
     s = shardc.parse("mesh P=2 pipeline, X=2\nschedule 1f1b sends blocking\n" + BLOCK)
-    assert s.schedule == Schedule("1f1b", blocking=True) and "schedule 1f1b sends blocking" in str(s)
+    assert s.schedule == Schedule("1f1b", sends="blocking") and "schedule 1f1b sends blocking" in str(s)
     assert shardc.parse(str(s)) == s
     assert shardc.parse("mesh P=2 pipeline, X=2\nschedule 1f1b sends async\n" + BLOCK).schedule == Schedule("1f1b")
     with pytest.raises(ShardcError, match="only under 1f1b"):
@@ -43,7 +44,7 @@ def test_two_stages_by_hand() -> None:
     # the send. Stage 0: F0 0-1.5, F1 1.5-3; stage 1: F0 1-2.5, B0 2.5-5, F1 5-6.5 (F1 came at 2.5), B1 6.5-9;
     # stage 0: B0 4.5-7 (B0's send began at 4.5), B1 8.5-11.  Async (the sends only delay their readers): 10.
     t = Timing(1.0, 2.0, comm=0.5)
-    blocking, free = simulate("1f1b", 2, 2, t, blocking=(0.0, 0.0)), simulate("1f1b", 2, 2, t)
+    blocking, free = simulate("1f1b", 2, 2, t, blocking=Held()), simulate("1f1b", 2, 2, t)
     assert math.isclose(blocking.makespan, 11.0) and math.isclose(free.makespan, 10.0)
     ends = {(o.device, o.kind, o.microbatch): (o.start, o.end) for o in blocking.ops}
     assert ends[(1, "F", 0)] == (1.0, 2.5) and ends[(0, "B", 0)] == (4.5, 7.0) and ends[(0, "B", 1)] == (8.5, 11.0)
@@ -54,7 +55,7 @@ def test_the_receiver_alone_holds_its_gather() -> None:
     # 2 + 0.5 (its receive, gathered); stage 1's F 0.5 + 1, B 2 + 0.3; a receive starts 0.3 before its sender's op
     # ends. Stage 0: F0 0-1.3, F1 1.3-2.6; stage 1: F0 1-2.5, B0 2.5-4.8, F1 4.8-6.3, B1 6.3-8.6; stage 0: B0
     # 4.5-7, B1 8.3-10.8.
-    sim = simulate("1f1b", 2, 2, Timing(1.0, 2.0, comm=0.5), blocking=(0.2, 0.2))
+    sim = simulate("1f1b", 2, 2, Timing(1.0, 2.0, comm=0.5), blocking=Held(0.2, 0.2))
     ends = {(o.device, o.kind, o.microbatch): (o.start, o.end) for o in sim.ops}
     assert ends[(1, "F", 0)] == pytest.approx((1.0, 2.5)) and ends[(0, "B", 0)] == pytest.approx((4.5, 7.0))
     assert sim.makespan == pytest.approx(10.8)
@@ -62,7 +63,7 @@ def test_the_receiver_alone_holds_its_gather() -> None:
 
 def test_a_middle_stage_holds_four_transfers_a_microbatch() -> None:
     t = Timing(1.0, 2.0, comm=0.25)
-    sim = simulate("1f1b", 3, 6, t, blocking=(0.0, 0.0))
+    sim = simulate("1f1b", 3, 6, t, blocking=Held())
     assert math.isclose(sim.work(1), 6 * (1.0 + 2.0 + 4 * 0.25))  # activation in and out, gradient in and out
     assert math.isclose(sim.work(0), 6 * (1.0 + 2.0 + 2 * 0.25))  # an end stage: one neighbour
 
@@ -92,4 +93,4 @@ def test_the_layouts_schedule_knob_reads_the_blocking_schedule() -> None:
     schedules = {c.spec.schedule for c in combinations(candidate, ("schedule",), options)}
     assert Schedule("gpipe") in schedules and Schedule("1f1b") in schedules
     kept = _apply(candidate, {"schedule": "1f1b sends blocking"}, options)
-    assert kept.spec.schedule == Schedule("1f1b", blocking=True)
+    assert kept.spec.schedule == Schedule("1f1b", sends="blocking")

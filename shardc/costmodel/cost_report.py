@@ -356,6 +356,15 @@ def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
     return out
 
 
+# what each way of sending that holds the stages says of them (`schedule 1f1b sends ...`)
+_SENDS_NOTES = {
+    "blocking": "sends blocking: each point-to-point transfer holds its sender and its receiver, no compute under it "
+                "(DeepSpeed's pipeline engine's p2p.send/recv)",
+    "paired": "sends paired: a step's send and receive with one neighbour go as one exchange that holds both "
+              "stages, no compute under it (Megatron-LM's p2p_communication._communicate: batch_isend_irecv, "
+              "waited on)"}
+
+
 def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tuple[str, ...]:
     notes = [f"residual policy: save={plan.save!r} (the plan's; `shardc plan --save` changes it)",
              *plan.notes]
@@ -382,9 +391,9 @@ def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tu
     if hw.reduces_after_backward:
         notes.append("grad_reduce after-backward: the gradient reductions run once the backward is done, "
                      "exposed (no compute hides them)")
-    if plan.spec.schedule is not None and plan.spec.schedule.blocking:
-        notes.append("sends blocking: each point-to-point transfer holds its sender and its receiver, no compute "
-                     "under it (DeepSpeed's pipeline engine's p2p.send/recv)")
+    sends = "async" if plan.spec.schedule is None else plan.spec.schedule.sends
+    if sends != "async":
+        notes.append(_SENDS_NOTES[sends])
     ici = [a.name for a in plan.spec.mesh.axes if a.network is not Network.DCN]
     if hw.reduces_dcn_after_backward:
         notes.append("grad_reduce after-backward over dcn: the gradient reductions' phase over the `over dcn` axes "

@@ -251,7 +251,7 @@ def render(report: CostReport) -> str:
 def render_pipeline(cost: PipelineCost) -> list[str]:
     """The pipeline section of ``shardc cost``'s text."""
     pipe, sim, closed = cost.pipeline, cost.simulation, cost.closed
-    name = pipe.schedule.name
+    name, sends = pipe.schedule.name, pipe.schedule.sends
     given = "" if pipe.microbatches_given else " (default: one a stage; add a `microbatches` line)"
     lines = [f"pipeline over {pipe.axis}: {pipe.stages} stages, schedule {pipe.schedule}, "
              f"{pipe.microbatches} microbatches of {cost.dim}={cost.microbatch_size:_}{given}",
@@ -277,7 +277,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + (f"stage time {fmt_seconds(cost.stage_time_s)} x (m + bubble) "
                 if not cost.extra and name not in PAIRED and cost.alike else
                 f"the busiest stage's work {fmt_seconds(sim.ideal)} "
-                + ("(its blocking sends' time in it) " if cost.pipeline.schedule.blocking else "")
+                + ("" if sends == "async" else f"(its {sends} sends' time in it) ")
                 + f"+ its idle time "
                 f"{fmt_seconds(sim.makespan - sim.ideal)} ")
              + (f"+ exposed gradient reductions {fmt_seconds(cost.grad_reduce_exposed_s)} "
@@ -286,7 +286,7 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
              + (f"+ update {fmt_seconds(cost.update_s)} " if cost.update_s else "")
              + f"[{fmt_seconds(cost.free_sends_step_s)} "
              "with free sends"
-             + ((", simulated" + ("" if cost.pipeline.schedule.blocking else ": the stages' layers differ"))
+             + ((", simulated" + ("" if sends != "async" else ": the stages' layers differ"))
                 if cost.free_simulation is not None else
                 ", by the closed form's idle time" if name in PAIRED else "") + f"]; MFU {cost.mfu:.1%} "
              f"(over the {cost.peak_dtype} peak)",

@@ -201,8 +201,8 @@ class PipelineCost:
         pipe, sim = self.pipeline, self.simulation
         return {
             "axis": pipe.axis, "stages": pipe.stages, "microbatches": pipe.microbatches,
-            "schedule": str(replace(pipe.schedule, blocking=False)), "virtual_stages": pipe.chunks,
-            "sends": "blocking" if pipe.schedule.blocking else "async", "layers": list(pipe.stage_layers),
+            "schedule": str(replace(pipe.schedule, sends="async")), "virtual_stages": pipe.chunks,
+            "sends": pipe.schedule.sends, "layers": list(pipe.stage_layers),
             "microbatch_dim": self.dim, "microbatch_size": self.microbatch_size,
             "bubble_of_ideal": self.closed.of_ideal, "bubble_of_total": self.closed.of_total,
             "bubble_formula": self.closed.formula, "bubble_formula_exact": pipe.schedule.name in EXACT,

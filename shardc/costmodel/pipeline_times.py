@@ -22,6 +22,7 @@ from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
 from shardc.pipeline.block_split import chunk_blocks, stage_blocks
+from shardc.pipeline.blocking_sends import Held
 from shardc.pipeline.boundary import boundary_tensor, check_microbatches, send_bytes
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, simulate
 from shardc.spec.stages import Pipeline
@@ -71,11 +72,11 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     timing = Timing(slowest[0].seconds, slowest[1].seconds, slowest[2].seconds, p2p_s, phases_of(slowest),
                     None if back == p2p else back_s)
     first, last = (end_timing(parts[end]) for end in ("first", "last"))
-    chunks = chunk_times(pipe, parts, first, last)
+    chunks, held = chunk_times(pipe, parts, first, last), pipe.schedule.sends
     sim = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, timing, pipe.chunks, chunks,
-                   (send.gather_s, send_back.gather_s) if pipe.schedule.blocking else None)
+                   None if held == "async" else Held(send.gather_s, send_back.gather_s, held == "paired"))
     free = None
-    if len(set(chunk_blocks(pipe))) > 1 or pipe.schedule.blocking:  # blocking: the chunks' ops hold their sends
+    if len(set(chunk_blocks(pipe))) > 1 or held != "async":  # blocking or paired: the chunks' ops hold their sends
         free = simulate(pipe.schedule.name, pipe.stages, pipe.microbatches, replace(timing, comm=0.0, comm_back=None),
                         pipe.chunks, chunks)
     return PipelineTimes(parts, timing, first, last, p2p, sim, free_sim=free,

@@ -215,22 +215,27 @@ ATTENTION_KERNELS = ("flash2", "flash3", "flash4")
 # next step's forward (Megatron-LM's --overlap-param-gather, `overlap_param_gather` of
 # megatron/core/distributed/distributed_data_parallel_config.py, False by default).
 PARAM_GATHERS = ("exposed", "overlapped")
+# How a pipeline's point-to-point sends run (`schedule 1f1b sends paired`): each beside the compute, delaying only
+# its reader (the default); blocking, one transfer at a time holding both its devices (DeepSpeed's pipeline engine:
+# shardc.pipeline.blocking_sends); paired, a step's send and receive with one neighbour together, both devices
+# waiting for the exchange (Megatron-LM's 1F1B: shardc.pipeline.paired_sends).
+SENDS = ("async", "blocking", "paired")
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """``schedule NAME [V] [sends blocking]``: a pipeline schedule; only ``interleaved`` takes V, its virtual
-    stages; ``sends blocking`` (1F1B only, DeepSpeed's pipeline engine): each point-to-point transfer holds both
-    its devices (:mod:`shardc.pipeline.blocking_sends`)."""
+    """``schedule NAME [V] [sends HOW]``: a pipeline schedule; only ``interleaved`` takes V, its virtual
+    stages; ``sends`` one of ``SENDS`` (``blocking`` and ``paired`` under 1F1B only: DeepSpeed's pipeline engine,
+    :mod:`shardc.pipeline.blocking_sends`; Megatron-LM's, :mod:`shardc.pipeline.paired_sends`)."""
 
     name: str = "1f1b"
     virtual: int = 1
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
-    blocking: bool = False
+    sends: str = "async"
 
     def __str__(self) -> str:
         name = f"{self.name} {self.virtual}" if self.name == "interleaved" else self.name
-        return f"{name} sends blocking" if self.blocking else name
+        return name if self.sends == "async" else f"{name} sends {self.sends}"
 
 
 @dataclass(frozen=True)

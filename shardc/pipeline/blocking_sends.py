@@ -25,21 +25,40 @@ and a sender waiting for its receiver to post the matching receive while the rec
 
 from __future__ import annotations
 
-__all__ = ["transfers", "blocking_delays"]
+from typing import NamedTuple
+
+from shardc.pipeline.paired_sends import paired_delays, paired_transfers
+
+__all__ = ["Held", "transfers", "blocking_delays"]
 
 
-def transfers(chunk: int, chunks: int, sends: tuple[float, float], gathers: tuple[float, float]) -> tuple[float, float]:
-    """The seconds of blocking transfers chunk ``chunk`` of ``chunks`` (one a device: ``1f1b``) adds to its
+class Held(NamedTuple):
+    """How the sends hold their devices: the receiving side's AllGathers of an activation and of a gradient (of
+    the sends' times), and whether a step's send and receive go as one exchange (``sends paired``, Megatron-LM's:
+    :mod:`shardc.pipeline.paired_sends`) or one transfer at a time (``sends blocking``, DeepSpeed's)."""
+
+    gather: float = 0.0
+    gather_back: float = 0.0
+    paired: bool = False
+
+
+def transfers(chunk: int, chunks: int, sends: tuple[float, float], held: Held) -> tuple[float, float]:
+    """The seconds of held transfers chunk ``chunk`` of ``chunks`` (one a device: ``1f1b``) adds to its
     forward and to its backward: ``sends`` an activation's and a gradient's, each with its receiver's AllGather
-    (``gathers``, of them), which the sender does not hold."""
+    (``held``'s, of them), which under ``sends blocking`` the sender does not hold."""
+    gathers = held.gather, held.gather_back
+    if held.paired:
+        return paired_transfers(chunk, chunks, sends, gathers)
     (comm, back), (on, off) = sends, gathers
     first, last = chunk == 0, chunk == chunks - 1
     return (comm * (not first) + (comm - on) * (not last),  # the activation in (gathered), then out
             back * (not last) + (back - off) * (not first))  # the gradient in (gathered), then back
 
 
-def blocking_delays(sends: tuple[float, float], gathers: tuple[float, float]) -> tuple[float, float]:
+def blocking_delays(sends: tuple[float, float], held: Held) -> tuple[float, float]:
     """When another device's output reaches an op, after that op's end (a forward's, a backward's): one
     transfer (without the receiver's gather) before it, the receive running beside the send the producer's op
-    ends with."""
-    return gathers[0] - sends[0], gathers[1] - sends[1]
+    ends with; paired, :func:`shardc.pipeline.paired_sends.paired_delays`."""
+    if held.paired:
+        return paired_delays((held.gather, held.gather_back))
+    return held.gather - sends[0], held.gather_back - sends[1]

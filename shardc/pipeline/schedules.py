@@ -59,7 +59,7 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from shardc.errors import ShardcError
-from shardc.pipeline.blocking_sends import blocking_delays, transfers
+from shardc.pipeline.blocking_sends import Held, blocking_delays, transfers
 from shardc.pipeline.dualpipe import TWO_WAY, Group, dualpipe_orders
 from shardc.pipeline.fixed_orders import fixed_order
 from shardc.pipeline.greedy import greedy_order, op_inputs
@@ -241,14 +241,13 @@ def device_of(schedule: str, chunk: int, stages: int) -> int:
 @lru_cache(maxsize=64)  # a pure function of frozen values: a layouts search asks for the same run again
 def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virtual: int = 1,
              chunk_times: tuple[Timing, ...] | None = None,
-             blocking: tuple[float, float] | None = None) -> Simulation:
+             blocking: Held | None = None) -> Simulation:
     """Run ``schedule`` on ``stages`` devices for ``microbatches`` microbatches (see the module docstring).
 
     ``chunk_times`` gives each model chunk's own times (``stages`` x chunks a device of them);
     by default each chunk is an equal share of ``timing``, a whole stage's.  ``timing.comm``
-    and ``timing.send_back`` are the sends in both cases; ``blocking`` (``sends blocking``; the receiving side's
-    AllGathers of an activation and of a gradient, of those sends): each holds both its devices
-    (:mod:`shardc.pipeline.blocking_sends`), the chunks' ops then taking their transfers.
+    and ``timing.send_back`` are the sends in both cases; ``blocking`` (``sends blocking`` or ``paired``): each
+    holds both its devices (:mod:`shardc.pipeline.blocking_sends`), the chunks' ops then taking their transfers.
     """
     p, m = stages, microbatches
     if p < 1 or m < 1:

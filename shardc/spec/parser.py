@@ -66,6 +66,7 @@ from shardc.spec.call_args import IndexArg, NumberArg, WindowArg, sort_args
 from shardc.spec.dtypes import dtype_line, merge_dtypes
 from shardc.spec.grad_reduce import grad_reduce_line
 from shardc.spec.lexicon import MAX_SIZE, cache_file, grammar_text, parse_size
+from shardc.spec.sends_line import held_sends
 from shardc.spec.syntax_errors import syntax_error
 from shardc.spec.validate import validate
 
@@ -373,14 +374,10 @@ def _choice(token: Token, keyword: str, known: tuple[str, ...]) -> str:
 
 
 def _schedule(children: list[Token]) -> Schedule:
-    """``schedule NAME [V] [sends blocking]``: a known name; V for ``interleaved`` only (at least 2); blocking
-    sends under ``1f1b`` only, the one schedule DeepSpeed's pipeline engine runs (its TrainSchedule)."""
+    """``schedule NAME [V] [sends HOW]``: a known name; V for ``interleaved`` only (at least 2); blocking or
+    paired sends under ``1f1b`` only (:mod:`shardc.spec.sends_line`)."""
     if children[-2].type == "SENDS":
-        blocking = _choice(children[-1], "schedule ... sends", ("blocking", "async")) == "blocking"
-        if blocking and str(children[1]) != "1f1b":
-            raise ShardcError("`sends blocking`: only under 1f1b (DeepSpeed's pipeline engine's TrainSchedule)",
-                              _span(children[-2], children[-1]), fix="write `schedule 1f1b sends blocking`")
-        return replace(_schedule(children[:-2]), blocking=blocking)
+        return replace(_schedule(children[:-2]), sends=held_sends(children[1], children[-2], children[-1], _span))
     word, span = str(children[1]), _span(children[1])
     if word not in SCHEDULES:
         raise ShardcError(f"unknown pipeline schedule `{word}`", span,
