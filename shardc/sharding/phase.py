@@ -16,7 +16,8 @@ from shardc.errors import ShardcError, Span
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Alternative, Choice, Op, Step, sum_formula
 from shardc.ir.spec import DType, TensorRef
-from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
+from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand, Solution, solve
+from shardc.sharding.einsum_rules import solve_rules
 from shardc.sharding.layout import ZERO, Cost, CostContext, Move, Value, add_cost
 from shardc.sharding.search import reshard
 
