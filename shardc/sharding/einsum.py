@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 from shardc.ir.precision import pass_bytes, tiled_along
 from shardc.ir.spec import DType
-from shardc.sharding.layout import INFINITE, Cost, CostContext, Move, Value, add_cost
+from shardc.sharding.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
 from shardc.sharding.reverse import reshard_to
 from shardc.sharding.search import reshard
 
-__all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "classify", "configurations",
+__all__ = ["Operand", "EinsumProblem", "Reader", "Solution", "NoPlan", "solve", "classify", "configurations",
            "room", "compute_cost", "quantize_bytes"]
 
 
@@ -66,12 +66,27 @@ class Operand:
 
 
 @dataclass(frozen=True)
+class Reader:
+    """The one sum or mean an einsum's result is handed to unreduced (``graph.handed_on``): the index it sums
+    over, its result, and the value that result is asked in (None: reduced in place).  An option's result is
+    moved as asked, or handed on as made where moving the reader's smaller result after is cheaper (the
+    reader then weighs reducing its input first against its result after)."""
+
+    over: str
+    result: str
+    indices: tuple[str, ...]
+    target: Value | None
+    then: Reader | None = None  # the sum or mean the reader's result is handed on to in turn
+
+
+@dataclass(frozen=True)
 class EinsumProblem:
     operands: tuple[Operand, ...]  # one (a transpose) or two
     result: str
     indices: tuple[str, ...]
     target: Value | None  # None: any reduced result layout (the planner then picks)
     partial: bool = False  # without a target, the result may stay partial sums (a term of a sum)
+    reader: Reader | None = None  # the result is handed on to it unreduced
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,7 @@ class Solution:
     roles: tuple[tuple[str, str], ...]  # (axis, index or UNUSED/PASS)
 
     @property
-    def final(self) -> Value:
+    def final(self) -> Value:  # the result as moved; as made where handed on to its reader (Reader)
         return self.result_moves[-1].dst if self.result_moves else self.local_result
 
 
@@ -243,14 +258,39 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
             result = reshard_to(ctx, problem.result, problem.indices, local_result, target, bound, partial)
         else:
             result = reshard(ctx, problem.result, problem.indices, (local_result,), target, bound)
-        if result is None or result[0] == INFINITE:
+        here = INFINITE if result is None or result[0] == INFINITE else _charge(ctx, problem.result, result[0])
+        later = INFINITE
+        if problem.reader is not None:  # what its readers move after, from the target or handed the result as made
+            if here != INFINITE:
+                here = add_cost(here, read_after(ctx, problem.reader, problem.indices, target, bound))
+            later = read_after(ctx, problem.reader, problem.indices, local_result, bound)
+        if later <= here:  # handed on as made: its readers move their own results
+            total = add_cost(total, later)
+        elif result is None or here == INFINITE:
             return None
-        total = add_cost(total, _charge(ctx, problem.result, result[0]))
-        result_moves = result[1]
+        else:
+            total, result_moves = add_cost(total, here), result[1]
     if best is not None and total > best:
         return None
     return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,
                     tuple(sorted(roles.items())))
+
+
+def read_after(ctx: CostContext, reader: Reader | None, indices: tuple[str, ...], local: Value,
+               bound: Cost | None) -> Cost:
+    """What ``reader`` and the readers after it move, handed ``local`` (:data:`INFINITE`: no way found within
+    ``bound``): its local result is ``local`` less the summed index, whose axes join the partial sums, moved
+    as asked (and its own reader's after, from there) or handed on as made, the cheaper."""
+    if reader is None:
+        return ZERO
+    axes = dict(zip(indices, local.layout, strict=True))
+    made = Value(tuple(axes[i] for i in reader.indices), tuple(sorted({*local.unreduced, *axes[reader.over]})))
+    target = reader.target if reader.target is not None else Value(made.layout, ())
+    found = reshard(ctx, reader.result, reader.indices, (made,), target, bound) if made.reaches(target) else None
+    here = INFINITE if found is None or found[0] == INFINITE else _charge(ctx, reader.result, found[0])
+    if here != INFINITE:
+        here = add_cost(here, read_after(ctx, reader.then, reader.indices, target, bound))
+    return here if reader.then is None else min(here, read_after(ctx, reader.then, reader.indices, made, bound))
 
 
 def _operand(ctx: CostContext, k: int, op: Operand, local: Value, bound: Cost | None,
