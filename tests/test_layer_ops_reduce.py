@@ -122,6 +122,23 @@ def test_a_sum_of_a_sum_all_reduces_the_smaller_tensor() -> None:
     assert "AllReduce_d (its reader's)" in text and "AllReduce_d of the input" in text
 
 
+def test_an_einsum_read_by_a_sum_alone_all_reduces_the_sum() -> None:
+    """An einsum's partial sums read by one sum alone are handed on: the sum over F is all-reduced (B elements),
+    not the product (B x F); nested or as a statement of its own.  Read twice, or declared with an axis, the
+    product is made as before (as declared, B over X, no partial sums)."""
+    def reduced(text: str) -> list[tuple[str, str]]:
+        head = "mesh X=8\ndims B=4096, D=4096, F=4096\n"
+        return [(s.tensor, str(s.volume)) for s in _collectives(_plan(head + text).forward)]
+
+    assert reduced("Y[B, F] = A[B, D_X] · W[D_X, F]\nZ[B] = sum(Y[B, F] over F)\n") == [("Z", "2*B")]
+    assert reduced("Z[B] = mean(A[B, D_X] · W[D_X, F] over F)\n") == [("Z", "2*B")]
+    assert reduced("Y[B, F] = A[B, D_X] · W[D_X, F]\nZ[B] = sum(Y[B, F] over F)\nZ2[B] = max(Y[B, F] over F)\n") \
+        == [("Y", "2*B*F")]
+    declared = _plan("mesh X=8\ndims B=4096, D=4096, F=4096\nY[B_X, F] = A[B, D_X] · W[D_X, F]\n"
+                     "Z[B] = sum(Y[B_X, F] over F)\n")
+    assert [str(s.dst) for s in declared.forward if s.tensor == "Y"] == ["Y[B_X, F]"]
+
+
 def test_a_nonlinear_function_of_partial_sums_reduces_its_input_first() -> None:
     p = _plan("mesh X=2, Y=2\ndims B=8, D=64\nP[B, D_X] = softmax(X[B, D_X]{U_Y} over D)\n")
     first = _collectives(p.forward)[0]
@@ -185,6 +202,9 @@ VERIFY = [
     # partial sums handed on through a mean and a sum, all-reduced once as a scalar
     "mesh X=2, Y=2\ndims B=8, S=8, T=4\nM1[S, T] = sum(X[B_X, S_Y, T] over B)\nM2[T] = mean(M1[S, T] over S)\n"
     "M3[] = sum(M2[T] over T)\n",
+    # an einsum's partial sums handed on through a sum and a mean, all-reduced once as a scalar
+    "mesh X=2, Y=2\ndims B=8, D=64, F=32\nP[B, F] = A[B_Y, D_X] · W[D_X, F]\nM1[B] = sum(P[B, F] over F)\n"
+    "M2[] = mean(M1[B] over B)\n",
     "mesh X=4\ndims B=8, D=4096\nM[B] = logsumexp(X[B, D_X] over D)\n",
     "mesh X=2, Y=2\ndims B=8, E=8, D=4\nS1[B_X, E_Y] = sort(In[B_X, D] · W[D, E_Y] over E)\n"
     "Out[B_X, D] = S1[B_X, E_Y] · W2[E_Y, D]\n",

@@ -251,24 +251,29 @@ class _Builder:
                      tuple(self.inputs), outputs, const, grads, self.element_bytes(dtypes) | held, dtypes, self.gemms())
 
     def handed_on(self, outputs: tuple[str, ...]) -> list[Node]:
-        """The nodes, each linear one whose result one linear node alone reads marked ``partial``: ``sum(sum(X[B_X, S]
-        over B) over S)`` may hand the inner sum on unreduced and all-reduce the scalar, not the vector.  The spec's
+        """The nodes, each linear one or einsum whose result one linear node alone reads marked ``partial``:
+        ``sum(sum(X[B_X, S] over B) over S)`` may hand the inner sum on unreduced and all-reduce the scalar, not the
+        vector, and ``sum(A[B, D_X] · W[D_X, F] over F)`` all-reduce the sum over F, not the product.  The spec's
         results are made as declared, and so is an intermediate declared with mesh axes or partial sums; one
         written plain (``M1[S] = sum(...)``, as `shardc explain` writes a program's) is the planner's to lay out."""
         readers: dict[str, list[Node]] = {}
         for node in self.nodes:
             for name in dict.fromkeys(node.operands):
                 readers.setdefault(name, []).append(node)
-        marked = []
+        handed = set()
         for node in self.nodes:
             read = readers.get(node.result, [])
             ref = self.declared.get(node.result)
             plain = ref is None or not (ref.unreduced or any(d.axes for d in ref.dims))
-            if plain and node.result not in outputs and node.family.linear(node) and len(read) == 1 \
+            product = node.family is family_of(CONTRACT) and len(node.operands) > 1 and not node.chain
+            if plain and node.result not in outputs and (node.family.linear(node) or product) and len(read) == 1 \
                     and read[0].family.linear(read[0]):
-                node = replace(node, partial=True)
-            marked.append(node)
-        return marked
+                handed.add(node.result)
+        marked = {n.result: replace(n, partial=True) if n.result in handed else n for n in self.nodes}
+        for name in reversed(list(marked)):  # the last first: a reader's own reader is set before it is read
+            if name in handed:
+                marked[name] = replace(marked[name], reader=marked[readers[name][0].result])
+        return list(marked.values())
 
     def held_gradients(self, gradients: set[str]) -> dict[str, int]:
         """Bytes an element of the params' ``gradients`` where the framework reduces them in a type of its own

@@ -15,7 +15,7 @@ fixes the operands' local values and the local result; its cost is the cheapest
 reshard of each operand to its local value plus the cheapest reshard of the
 local result to the requested one.  With sizes the search is exhaustive over
 configurations (and each reshard is exact), so it is never worse than the rules.
-Without sizes the book's rules pick the one configuration (:func:`rule_config`).
+Without sizes the book's rules pick the one configuration (:mod:`shardc.sharding.einsum_rules`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 from shardc.ir.precision import pass_bytes, tiled_along
 from shardc.ir.spec import DType
-from shardc.sharding.layout import INFINITE, Cost, CostContext, Move, Value, add_cost
+from shardc.sharding.layout import INFINITE, ZERO, Cost, CostContext, Move, Value, add_cost
 from shardc.sharding.reverse import reshard_to
 from shardc.sharding.search import reshard
 
-__all__ = ["Operand", "EinsumProblem", "Solution", "NoPlan", "solve", "solve_rules", "classify", "configurations",
+__all__ = ["Operand", "EinsumProblem", "Reader", "Solution", "NoPlan", "solve", "classify", "configurations",
            "room", "compute_cost", "quantize_bytes"]
 
 
@@ -66,12 +66,27 @@ class Operand:
 
 
 @dataclass(frozen=True)
+class Reader:
+    """The one sum or mean an einsum's result is handed to unreduced (``graph.handed_on``): the index it sums
+    over, its result, and the value that result is asked in (None: reduced in place).  An option's result is
+    moved as asked, or handed on as made where moving the reader's smaller result after is cheaper (the
+    reader then weighs reducing its input first against its result after)."""
+
+    over: str
+    result: str
+    indices: tuple[str, ...]
+    target: Value | None
+    then: Reader | None = None  # the sum or mean the reader's result is handed on to in turn
+
+
+@dataclass(frozen=True)
 class EinsumProblem:
     operands: tuple[Operand, ...]  # one (a transpose) or two
     result: str
     indices: tuple[str, ...]
     target: Value | None  # None: any reduced result layout (the planner then picks)
     partial: bool = False  # without a target, the result may stay partial sums (a term of a sum)
+    reader: Reader | None = None  # the result is handed on to it unreduced
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,7 @@ class Solution:
     roles: tuple[tuple[str, str], ...]  # (axis, index or UNUSED/PASS)
 
     @property
-    def final(self) -> Value:
+    def final(self) -> Value:  # the result as moved; as made where handed on to its reader (Reader)
         return self.result_moves[-1].dst if self.result_moves else self.local_result
 
 
@@ -243,14 +258,39 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
             result = reshard_to(ctx, problem.result, problem.indices, local_result, target, bound, partial)
         else:
             result = reshard(ctx, problem.result, problem.indices, (local_result,), target, bound)
-        if result is None or result[0] == INFINITE:
+        here = INFINITE if result is None or result[0] == INFINITE else _charge(ctx, problem.result, result[0])
+        later = INFINITE
+        if problem.reader is not None:  # what its readers move after, from the target or handed the result as made
+            if here != INFINITE:
+                here = add_cost(here, read_after(ctx, problem.reader, problem.indices, target, bound))
+            later = read_after(ctx, problem.reader, problem.indices, local_result, bound)
+        if later <= here:  # handed on as made: its readers move their own results
+            total = add_cost(total, later)
+        elif result is None or here == INFINITE:
             return None
-        total = add_cost(total, _charge(ctx, problem.result, result[0]))
-        result_moves = result[1]
+        else:
+            total, result_moves = add_cost(total, here), result[1]
     if best is not None and total > best:
         return None
     return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,
                     tuple(sorted(roles.items())))
+
+
+def read_after(ctx: CostContext, reader: Reader | None, indices: tuple[str, ...], local: Value,
+               bound: Cost | None) -> Cost:
+    """What ``reader`` and the readers after it move, handed ``local`` (:data:`INFINITE`: no way found within
+    ``bound``): its local result is ``local`` less the summed index, whose axes join the partial sums, moved
+    as asked (and its own reader's after, from there) or handed on as made, the cheaper."""
+    if reader is None:
+        return ZERO
+    axes = dict(zip(indices, local.layout, strict=True))
+    made = Value(tuple(axes[i] for i in reader.indices), tuple(sorted({*local.unreduced, *axes[reader.over]})))
+    target = reader.target if reader.target is not None else Value(made.layout, ())
+    found = reshard(ctx, reader.result, reader.indices, (made,), target, bound) if made.reaches(target) else None
+    here = INFINITE if found is None or found[0] == INFINITE else _charge(ctx, reader.result, found[0])
+    if here != INFINITE:
+        here = add_cost(here, read_after(ctx, reader.then, reader.indices, target, bound))
+    return here if reader.then is None else min(here, read_after(ctx, reader.then, reader.indices, made, bound))
 
 
 def _operand(ctx: CostContext, k: int, op: Operand, local: Value, bound: Cost | None,
@@ -375,103 +415,3 @@ def solve(ctx: CostContext, problem: EinsumProblem) -> tuple[Solution, list[Solu
     if best is None:
         raise NoPlan(problem.result)
     return best, seen
-
-
-def solve_rules(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ...]) -> Solution:
-    """The the book's rule-based plan: one configuration, chosen without sizes."""
-    roles = rule_config(ctx, problem, given)
-    order = _rule_order(problem, roles, given)
-    if ctx.places is not None:  # past four axes: the order the search allows, where the spec gives one
-        order = {i: _placed_order(ctx, i, axes) for i, axes in order.items()}
-    config = _configuration(problem, roles, order)
-    sol = None if config is None else _evaluate(ctx, problem, config, None, partial_axes(ctx, problem))
-    if sol is None:
-        # The rules cannot reach every requested result (e.g. partial sums over an axis
-        # the rules gather away); the exact search decides those.
-        return solve(ctx, problem)[0]
-    return sol
-
-
-def _placed_order(ctx: CostContext, index: str, axes: tuple[str, ...]) -> tuple[str, ...]:
-    """``axes`` as the search may put them on ``index`` (:attr:`CostContext.places`), if it may at all."""
-    assert ctx.places is not None
-    rank = ctx.places.get(index, (frozenset(), None))[1]
-    if ctx.placed(index, axes) or rank is None or not set(axes) <= set(rank):
-        return axes
-    return tuple(sorted(axes, key=rank.__getitem__))
-
-
-def _where(problem: EinsumProblem, k: int, value: Value, axis: str) -> str | None:
-    for i, axes in zip(problem.operands[k].indices, value.layout, strict=True):
-        if axis in axes:
-            return i
-    return None
-
-
-def rule_config(ctx: CostContext, problem: EinsumProblem, given: tuple[Value, ...]) -> dict[str, str]:
-    """Per axis, the book's rules, from the operands' given values.
-
-    - a contracted index sharded identically in both stays: reduce after the einsum;
-    - a contracted index sharded in one operand only: gather that operand;
-    - a batch index: keep the sharding (the other operand slices for free);
-    - a free index: keep it; if both operands shard free indices over the same axis
-      (case 4), keep the one the result keeps and gather the other.
-    """
-    classes = classify(problem)
-    target = problem.target
-    roles: dict[str, str] = {}
-    for axis in ctx.mesh.names:
-        places = [_where(problem, k, v, axis) for k, v in enumerate(given)]
-        partial = [k for k, v in enumerate(given) if axis in v.unreduced]
-        if partial:
-            roles[axis] = f"{PASS}{partial[0]}"  # the left operand's partial sums pass; the other reduces
-            continue
-        roles[axis] = _rule_role(classes, places, problem, target, axis)
-    return roles
-
-
-def _rule_role(classes: dict[str, str], places: list[str | None], problem: EinsumProblem,
-               target: Value | None, axis: str) -> str:
-    kept = None
-    if target is not None:
-        for i, axes in zip(problem.indices, target.layout, strict=True):
-            if axis in axes:
-                kept = i
-    found = [p for p in places if p is not None]
-    if not found:
-        return UNUSED
-    if len(places) == 1:
-        return found[0]  # one operand (a sum over some indices): keep its sharding, reduce after
-    if len(places) == 2 and places[0] == places[1]:
-        return found[0]  # identical in both: contracted or batch, kept
-    candidates = []
-    for p in found:
-        cls = classes[p]
-        if cls == "contracted":
-            continue  # sharded in one operand only: gather it
-        if cls == "batch" and len(set(found)) > 1 and kept != p:
-            continue  # batch vs the other operand's free index: the result decides
-        candidates.append(p)
-    if not candidates:
-        return UNUSED
-    if len(candidates) > 1:
-        for p in candidates:
-            if p == kept:
-                return p
-        return candidates[0]  # neither kept: keep the left operand's
-    return candidates[0]
-
-
-def _rule_order(problem: EinsumProblem, roles: dict[str, str],
-                given: tuple[Value, ...]) -> dict[str, tuple[str, ...]]:
-    """Axes on one index keep the order the operands (left first) give them."""
-    order: dict[str, tuple[str, ...]] = {}
-    for op, value in zip(problem.operands, given, strict=True):
-        for i, axes in zip(op.indices, value.layout, strict=True):
-            picked = tuple(a for a in axes if roles.get(a) == i)
-            if picked and i not in order:
-                order[i] = picked
-    for axis, role in roles.items():
-        if role != UNUSED and not is_pass(role) and axis not in order.get(role, ()):
-            order[role] = order.get(role, ()) + (axis,)
-    return order

@@ -16,7 +16,8 @@ from shardc.errors import ShardcError, Span
 from shardc.ir.localops import ALIAS
 from shardc.ir.plan import Alternative, Choice, Op, Step, sum_formula
 from shardc.ir.spec import DType, TensorRef
-from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand, Solution, solve, solve_rules
+from shardc.sharding.einsum import EinsumProblem, NoPlan, Operand, Reader, Solution, solve
+from shardc.sharding.einsum_rules import solve_rules
 from shardc.sharding.layout import ZERO, Cost, CostContext, Move, Value, add_cost
 from shardc.sharding.search import reshard
 
@@ -140,14 +141,16 @@ class Phase:
 
     def einsum(self, result: str, operands: tuple[str, ...], target: Value | None,
                label: str, rule_given: tuple[Value, ...] | None = None, span: Span | None = None,
-               partial: bool = False) -> Value:
+               partial: bool = False, reader: Reader | None = None) -> Value:
         """Plan one einsum into steps; returns the result value it ends in.
 
-        ``partial``: without a target, the result may stay partial sums (a term of a sum).
+        ``partial``: without a target, the result may stay partial sums (a term of a sum).  ``reader``: the one
+        sum or mean the result goes to (``graph.handed_on``); where moving that reader's result after is cheaper
+        than moving this one as asked, the result is handed on as made, partial sums kept (:class:`Reader`).
         """
         gemm = self.gemm(result, operands)
         problem = EinsumProblem(tuple(self.operand(n, gemm) for n in operands), result, self.indices[result],
-                                target, partial)
+                                target, partial, reader)
         # Layers repeat: the same problem (up to names) is solved and explained once.
         key = self.key(problem, rule_given)
         hit = self.solved.get(key)
@@ -207,10 +210,13 @@ class Phase:
 
     def key(self, problem: EinsumProblem, rule_given: tuple[Value, ...] | None) -> object:
         """``problem`` up to names: what its solution depends on."""
-        kind = self.ctx.kind
+        kind, readers, reader = self.ctx.kind, [], problem.reader
+        while reader is not None:  # the sums it is handed on through, each as its search prices it
+            readers.append((reader.over, reader.indices, reader.target, kind(reader.result)))
+            reader = reader.then
         return (tuple((o.indices, o.sources, kind(o.name), o.fresh, o.quantized) for o in problem.operands),
                 problem.indices, problem.target, kind(problem.result), self.name, rule_given, problem.partial,
-                self.ctx.gemm_kind(problem.result, [o.name for o in problem.operands]))
+                self.ctx.gemm_kind(problem.result, [o.name for o in problem.operands]), tuple(readers))
 
     def solve(self, problem: EinsumProblem,
               rule_given: tuple[Value, ...] | None) -> tuple[Solution, list[Solution]]:
