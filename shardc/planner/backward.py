@@ -334,6 +334,9 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
                 bw.close_layer(name, entered[name])  # layer's sum of its input's gradient
             for name in (n for n in own if later in readers[n]):  # and of its own params' (W · W · X)
                 bw.finish(name)
+            for name in _fed_only(graph, readers, later, k):  # and of the values made before it it alone
+                bw.finish(name)  # reads (X0, E), before any statement before it runs its backward
+                bw.hand_back(name)
             bw.phase.mark_block(start, later)  # each layer of that block runs them
         if here is not None and here != later:
             entered = {n: len(bw.parts.get(n, ())) for n in inputs}
@@ -394,6 +397,14 @@ def _read_after(graph: Graph, blocks: tuple[int | None, ...]) -> list[str]:
         for name in node.operands:
             first.setdefault(name, k)
     return [n for n in graph.inputs if first.get(n, -1) > inside[-1]]
+
+
+def _fed_only(graph: Graph, readers: dict[str, set[int | None]], block: int, k: int) -> list[str]:
+    """The values made at or before node ``k`` (before ``block``) that ``block`` alone reads: their
+    gradients are whole when its backward ends, so they are summed there, as its steps; left to each one's
+    own node they would sum after the backward of a later-made one (``E`` made after ``X0``), a step of the
+    block among those of the statements before it."""
+    return [n.result for n in graph.nodes[:k + 1] if readers.get(n.result) == {block}]
 
 
 def _readers(graph: Graph, blocks: tuple[int | None, ...]) -> dict[str, set[int | None]]:
