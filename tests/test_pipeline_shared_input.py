@@ -192,3 +192,24 @@ def test_a_block_reading_a_second_value_made_before_it_is_refused_at_the_read() 
         check_lowerable(plan)
     assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (10, 63)
     assert "compute E inside the block from the value it receives" in (err.value.fix or "")
+
+
+def test_a_second_value_made_before_the_block_prices_and_refuses_alike_in_either_order() -> None:
+    """X0 made before E: E's gradient's backward (dW_e) ran before X0's gradient was summed, a step of the
+    block among those of the statements before it, and `shardc cost` stopped with "a planner bug".  The block's
+    inputs' gradients are now summed as its backward ends, in either order: both orders cost the same, and
+    both are refused at the read of the value the stages do not hand on (the one not last before the block)."""
+    from shardc.errors import ShardcError
+    from shardc.pipeline.boundary import check_lowerable
+
+    make_x0 = "X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V, D]) + Pos[S, D]"
+    make_e = "E[B_X, S, D] = embed(Tok[B_X, S], W_e[V, D])"
+    read = ENDS.format(schedule="1f1b").replace("H[B_X, S, F] · W2[F_Y, D]", "H[B_X, S, F] · W2[F_Y, D] + E[B_X, S, D]")
+    plans = {first: shardc.plan(shardc.parse(read.replace(make_x0, "\n".join(pair)), "side.shard"))
+             for first, pair in (("E", (make_e, make_x0)), ("X0", (make_x0, make_e)))}
+    assert all(p.sections is not None for p in plans.values())
+    assert shardc.cost(plans["X0"]).step.step_s == shardc.cost(plans["E"]).step.step_s > 0
+    for first, plan in plans.items():
+        with pytest.raises(ShardcError, match=f"the pipelined block reads {first}, made before the blocks") as err:
+            check_lowerable(plan)
+        assert err.value.span is not None

@@ -83,6 +83,20 @@ def test_an_input_read_before_the_block_and_in_it_cuts_a_layers_sum_from_the_sta
         replace(plan, sections=None).section("block")
 
 
+def test_a_value_made_before_the_block_and_read_by_it_and_before_it_cuts_too() -> None:
+    """E, made before the block, read by X0's statement and by the block: the block's contribution (dE_1) is
+    summed once the block's backward ends, the statements before it add theirs once (dE).  The sum was a step of
+    the block placed after X0's backward (a step before it), the plan did not cut, and `shardc cost` of a
+    pipelined spec so stopped with "a planner bug"."""
+    spec = "mesh X=4\nE[S_X, D] = tanh(In[S_X, D])\nX0[S_X, D] = gelu(E[S_X, D])\nlayers 3 {\n" \
+           "  X1[S_X, D] = tanh(X0[S_X, D]) + E[S_X, D]\n}\n"
+    plan = shardc.plan(shardc.parse(spec))
+    assert plan.sections is not None
+    total = next(s for s in plan.section("before").backward if s.dst.name == "dE")
+    assert total.once and {o.name for o in total.operands} == {"dE_1", "dE_2"}
+    assert "dE_1" in {s.dst.name for s in plan.section("block").backward}
+
+
 def test_a_block_input_without_a_gradient_is_refused_plainly() -> None:
     """Nothing before the block takes a gradient, so the plan makes none of the block's input, which the
     layers of a pipeline pass back to each other: lowering says so instead of running another backward."""

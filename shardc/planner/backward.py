@@ -317,6 +317,7 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
     # reads is each layer's own, its gradient summed in that layer (read twice there: W · W · X)
     own = {n for n in graph.params if len(readers.get(n, ())) == 1 and None not in readers[n]}
     inputs = sorted(n for n in repeated & set(graph.inputs) - own if n not in bw.partial and n not in bw.shards)
+    inputs += _read_around(graph, blocks, readers)  # a value made outside, read in a block and outside it, so too
     entered: dict[str, int] = {}
     last = len(graph.nodes) - 1
     after = _read_after(graph, blocks)
@@ -334,6 +335,9 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
                 bw.close_layer(name, entered[name])  # layer's sum of its input's gradient
             for name in (n for n in own if later in readers[n]):  # and of its own params' (W · W · X)
                 bw.finish(name)
+            for name in _fed_only(graph, readers, later, k):  # and of the values made before it it alone
+                bw.finish(name)  # reads (X0, E), before any statement before it runs its backward
+                bw.hand_back(name)
             bw.phase.mark_block(start, later)  # each layer of that block runs them
         if here is not None and here != later:
             entered = {n: len(bw.parts.get(n, ())) for n in inputs}
@@ -342,7 +346,8 @@ def plan_backward(graph: Graph, forward: Phase, declared: dict[str, TensorRef], 
             start = len(bw.phase.steps)
             bw.finish(graph.nodes[k].result)
             bw.hand_back(graph.nodes[k].result)
-            bw.phase.mark_block(start, next(iter(reading)) if len(reading) == 1 else None)
+            layered = len(reading) == 1 and graph.nodes[k].result not in inputs  # else its layers' sum is made
+            bw.phase.mark_block(start, next(iter(reading)) if layered else None)  # and this adds the rest once
         if here is not None and None in readers.get(graph.nodes[k].result, set()):
             start = len(bw.phase.steps)  # the block's output read after it: the contributions of the
             bw.finish(graph.nodes[k].result)  # statements after the block summed there, once
@@ -394,6 +399,23 @@ def _read_after(graph: Graph, blocks: tuple[int | None, ...]) -> list[str]:
         for name in node.operands:
             first.setdefault(name, k)
     return [n for n in graph.inputs if first.get(n, -1) > inside[-1]]
+
+
+def _fed_only(graph: Graph, readers: dict[str, set[int | None]], block: int, k: int) -> list[str]:
+    """The values made at or before node ``k`` (before ``block``) that ``block`` alone reads: their
+    gradients are whole when its backward ends, so they are summed there, as its steps; left to each one's
+    own node they would sum after the backward of a later-made one (``E`` made after ``X0``), a step of the
+    block among those of the statements before it."""
+    return [n.result for n in graph.nodes[:k + 1] if readers.get(n.result) == {block}]
+
+
+def _read_around(graph: Graph, blocks: tuple[int | None, ...], readers: dict[str, set[int | None]]) -> list[str]:
+    """The values made outside every block that a block and a statement outside every block both read
+    (``E`` read by the block and by ``X0 = embed(...) + E`` before it): as a data input so read, the block's
+    contributions are summed as its backward ends (:meth:`_Backward.close_layer`), the rest added once at the
+    value's own node, after the backward of the statements before the block that read it."""
+    return [n.result for k, n in enumerate(graph.nodes)
+            if blocks and blocks[k] is None and None in readers.get(n.result, set()) and readers[n.result] - {None}]
 
 
 def _readers(graph: Graph, blocks: tuple[int | None, ...]) -> dict[str, set[int | None]]:
