@@ -221,12 +221,14 @@ class _Builder(Transformer[Token, Any]):
         return IndexArg(str(children[0]), _span(children[0]))
 
     def number_arg(self, children: list[Token]) -> NumberArg:
-        token = children[0]
+        """A number, signed where it follows a ``-`` or ``+`` (``shift(X, -1)``)."""
+        *sign, token = children
         try:
             value = float(str(token).replace("_", ""))
         except ValueError:
             raise ShardcError(f"`{token}` is not a number", _span(token), fix="write a number such as 0.1") from None
-        return NumberArg(value, _span(token))
+        negative = bool(sign) and str(sign[0]) == "-"
+        return NumberArg(-value if negative else value, _span(sign[0], token) if sign else _span(token))
 
     def window_arg(self, children: list[Token]) -> WindowArg:
         """``window W``: W keys, a positive whole number."""
