@@ -28,6 +28,7 @@ from jax.extend import core as jex
 
 from shardc.errors import ShardcError, Span
 from shardc.explanation.patterns import function_of
+from shardc.explanation.run_values import differs
 from shardc.explanation.sources import equation_text, source_line
 from shardc.explanation.spec_text import Made
 from shardc.ops.reductions import LN_EPS, RMS_EPS
@@ -43,6 +44,8 @@ _ARITHMETIC = {"mul": "a scale by", "div": "a division by", "add": "an addition 
 # GELU, jax.nn.gelu's default (shardc/ops/elementwise.py writes it with these 0.5, 1, 0.044715 and sqrt(2 / pi));
 # its erf form (approximate=False) has others, and is not the language's gelu
 _HOLDS_CONSTANTS = {"gelu": (0.044715, 0.5, 0.7978845608028654, 1.0)}
+# the one-primitive maps that are the language's own (a run's last op written apart: tanh(x) ** 2 is square(tanh))
+_MAPS = {"tanh": "tanh", "exp": "exp", "logistic": "sigmoid", "square": "square"}
 _EPS = {"rmsnorm": RMS_EPS, "layernorm": LN_EPS}  # the epsilon each norm of the language adds (ops/reductions.py)
 
 
@@ -165,9 +168,10 @@ def _number(reader: Any, var: Any) -> float | None:
 def _affine(reader: Any, step: Step) -> tuple[Any, float, float] | None:
     """(the array, scale, shift) where the step is ``x * a``, ``x / a``, ``x + b``, ``x - b`` or ``b - x`` of one
     array by a known scalar; None otherwise."""
-    eqn, (name, *_) = step
-    if name not in ("scale", "div", "add", "sub") or len(step[1]) != 1 or len(eqn.invars) != 2:
+    eqn, names = step
+    if names not in ({"scale"}, {"div"}, {"add"}, {"sub"}) or len(eqn.invars) != 2:
         return None
+    (name,) = names
     arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape == eqn.outvars[0].aval.shape
               and not reader.is_constant(v)]
     if len(arrays) != 1:
@@ -196,12 +200,30 @@ def _peel(reader: Any, steps: list[Step], source: Any, out: Any) -> tuple[list[S
         source = readers[0][0].outvars[0]
     trail: list[Step] = []
     while steps and steps[-1][0].outvars[0] is out:
-        found = _affine(reader, steps[-1])
-        if found is None or reader.base(found[0]) not in {id_(s) for s in steps[:-1]}:
+        found = _operand(reader, steps[-1])
+        if found is None or reader.base(found) not in {id_(s) for s in steps[:-1]}:
             break
         trail.insert(0, steps.pop())
-        out = reader.base(found[0])
+        out = reader.base(found)
     return lead, trail
+
+
+def _named(step: Step) -> str | None:
+    """The language's map a step of one primitive is (``tanh(x) ** 2``'s square); None otherwise."""
+    eqn, names = step
+    if len(names) != 1 or not isinstance(eqn, jex.JaxprEqn):
+        return None
+    (name,) = names
+    return "square" if name == "integer_pow" and eqn.params.get("y") == 2 else _MAPS.get(name)
+
+
+def _operand(reader: Any, step: Step) -> Any:
+    """The array a trailing step maps: a scale's or shift's, or a named map's one operand; None otherwise."""
+    found = _affine(reader, step)
+    if found is not None:
+        return found[0]
+    arrays = [v for v in step[0].invars if not isinstance(v, jex.Literal)]
+    return arrays[0] if _named(step) is not None and len(arrays) == 1 else None
 
 
 def id_(step: Step) -> Any:
@@ -211,8 +233,13 @@ def id_(step: Step) -> Any:
 
 def _apply(reader: Any, step: Step, operand: Any, line: str) -> Any:
     """The statements of one affine step on the tensor ``operand``: a scale, a shift, or both (``b - x``)."""
-    _, scale, shift = _affine(reader, step) or (None, 1.0, 0.0)
     out = id_(step)
+    named = _named(step)
+    if named is not None:
+        reader.make(out, "fn", (operand,), fn=named, line=line)
+        reader.region.pop(out, None)
+        return out
+    _, scale, shift = _affine(reader, step) or (None, 1.0, 0.0)
     if scale != 1.0 and shift != 0.0:
         made = Made()
         reader.dims[made] = reader.dims_of(out)
@@ -228,20 +255,24 @@ def write_run(reader: Any, var: Any, source: Any, ops: frozenset[str], line: str
     """The statements making ``var``, the run of maps of ``source``: its leading and trailing scales and
     shifts written apart, the rest one function (:func:`~shardc.explanation.constants.checked`)."""
     steps = list(reader.runs.get(var, ()))
+    if not steps and reader.base(source) is not var:  # a custom function of one array alone (relu)
+        steps = [(SimpleNamespace(outvars=[var], invars=[reader.base(source)]), ops)]
     lead, trail = _peel(reader, steps, reader.base(source), var)
-    if not lead and not trail:
-        reader.make(var, "fn", (reader.tensor(source),), fn=checked(reader, var, function_of(ops)), line=line)
-        return
     operand = reader.tensor(source)
     for step in lead:
         operand = _apply(reader, step, operand, line)
-    if steps:
+    if steps or not (lead or trail):
         peeled = {id(s[0]) for s in lead + trail}
-        found = _affine(reader, trail[0]) if trail else None
-        rest = reader.base(found[0]) if found is not None else var
+        rest = reader.base(_operand(reader, trail[0])) if trail else var
         reader.scalars[rest] = tuple(c for c in reader.scalars.get(var, ()) if c.at not in peeled)
-        function = function_of(frozenset().union(*(n for _, n in steps)))
-        reader.make(rest, "fn", (operand,), fn=checked(reader, rest, function), line=line)
+        rest_ops = frozenset().union(*(n for _, n in steps)) if lead or trail else ops
+        function = checked(reader, rest, function_of(rest_ops))
+        wrong = differs(reader, steps, id_(lead[-1]) if lead else reader.base(source), rest_ops, function)
+        if wrong:
+            _refuse(reader, f"{wrong[0]}{f' at {line}' if line else ''} {wrong[1]}", line,
+                    "write the run as the language's maps (gelu, relu, silu, sigmoid, tanh, exp, square, identity; "
+                    "a scale or shift first or last), or write the .shard spec of the program")
+        reader.make(rest, "fn", (operand,), fn=function, line=line)
         reader.region.pop(rest, None)
         operand = rest
     for step in trail:
