@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 import shardc
+from shardc.errors import ShardcError
 from shardc.explanation.explain_report import explain
-from tests.test_explain import _arg, _mesh
+from tests.test_explain import _arg, _line_of, _mesh
 
 pytestmark = pytest.mark.slow
 
@@ -114,16 +115,21 @@ def test_a_where_at_a_causal_mask_before_the_softmax_is_the_languages_causal(mas
     assert [(c.kind, c.axes) for c in e.xla] == [("AllReduce", "model")] and not e.not_needed and not e.differently
 
 
-def test_a_mask_other_than_causal_stays_a_map_of_the_scores() -> None:
+def test_a_mask_other_than_causal_is_refused_or_approximately_a_map_of_the_scores() -> None:
     """A strictly causal mask (the query's own key masked too, which the language's causal keeps) is not
-    read as causal: it stays a map of the scores, its sharding all the spec needs of it."""
+    read as causal: no map of the language (its values are not the scores'), refused at its line; approximately,
+    a map of the scores, its sharding all the spec needs of it, and a note saying so."""
     import jax
 
     mesh = _mesh((2, 4))
     weight = _arg(mesh, (16, 8, 4), None, "model")
-    e = explain(jax.jit(_attention("strict")), _arg(mesh, (4, 16, 16), "data"), weight, weight, weight,
-                _arg(mesh, (8, 4, 16), "model"))
+    args = (_arg(mesh, (4, 16, 16), "data"), weight, weight, weight, _arg(mesh, (8, 4, 16), "model"))
+    line = _line_of(_attention, "jnp.arange(16)[:, None] > jnp.arange(16)")
+    with pytest.raises(ShardcError, match=f"a run of maps reading a constant array .* at {line} "):
+        explain(jax.jit(_attention("strict")), *args)
+    e = explain(jax.jit(_attention("strict")), *args, approximate=True)
     assert "causal(" not in e.spec and any("identity(" in s for s in _statements(e)), e.spec
+    assert "# approximate: a run of maps reading a constant array" in e.spec, e.spec
 
 
 def _fused_qkv(x: Any, w_qkv: Any, wo: Any) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import shardc
+from shardc.errors import ShardcError
 from shardc.explanation.explain_report import explain
 from tests.test_explain import _arg, _line_of, _mesh
 
@@ -53,7 +54,8 @@ def _rotate_half(x: Any) -> Any:
 
 def test_a_rotary_embeddings_rotate_half_is_a_map_of_its_array() -> None:
     """Rotary embedding on heads reshaped out of the projections, cos and sin given as tables: the halves
-    of the head dim put back together are a map of q (whole heads on a device), times sin, plus q * cos."""
+    of the head dim put back together move elements along it, no map of the language: refused at the rotation's
+    line; approximately a map of q (whole heads on a device, its sharding), times sin, plus q * cos, and a note."""
     import jax
     import jax.numpy as jnp
 
@@ -65,8 +67,12 @@ def test_a_rotary_embeddings_rotate_half_is_a_map_of_its_array() -> None:
         q, k = (y * cos[:, None, :] + _rotate_half(y) * sin[:, None, :] for y in (q, k))
         return jnp.einsum("bsnh,btnh->bnst", q, k)
 
-    e = explain(jax.jit(scores), _arg(mesh, (4, 8, 16), "data"), *[_arg(mesh, (16, 16), None, "model")] * 2,
-                _arg(mesh, (8, 4)), _arg(mesh, (8, 4)))
+    args = (_arg(mesh, (4, 8, 16), "data"), *[_arg(mesh, (16, 16), None, "model")] * 2, _arg(mesh, (8, 4)),
+            _arg(mesh, (8, 4)))
+    with pytest.raises(ShardcError, match=f"^{_line_of(_rotate_half, 'rotate-half')}:.*rotary's rotate_half"):
+        explain(jax.jit(scores), *args)
+    e = explain(jax.jit(scores), *args, approximate=True)
+    assert "# approximate: parts of a dim put back together in another order" in e.spec, e.spec
     texts = _statements(e)
     rotated = [t for t in texts if "= identity(" in t]
     assert rotated == ["H1[B_{data}, S, N_{model}, H] = identity(Y1[B_{data}, S, N_{model}, H])",
@@ -78,7 +84,8 @@ def test_a_rotary_embeddings_rotate_half_is_a_map_of_its_array() -> None:
 
 def test_a_rotary_embedding_computed_in_the_program_is_one_map_of_its_heads() -> None:
     """cos and sin made in the program from positions (``jnp.arange``: constants, no tensor of the spec):
-    the whole rotary embedding, ``x * cos + rotate_half(x) * sin``, is one map of q and one of k."""
+    the whole rotary embedding, ``x * cos + rotate_half(x) * sin``, is no map of the language (refused);
+    approximately one map of q and one of k, for their shardings."""
     import jax
     import jax.numpy as jnp
 
@@ -96,7 +103,10 @@ def test_a_rotary_embedding_computed_in_the_program_is_one_map_of_its_heads() ->
         q, k = (rope((x @ w).reshape(b, s, 4, -1)) for w in (wq, wk))
         return jnp.einsum("bsnh,btnh->bnst", q, k)
 
-    e = explain(jax.jit(scores), _arg(mesh, (4, 8, 16), "data"), *[_arg(mesh, (16, 16), None, "model")] * 2)
+    args = (_arg(mesh, (4, 8, 16), "data"), *[_arg(mesh, (16, 16), None, "model")] * 2)
+    with pytest.raises(ShardcError, match=f"^{_line_of(rope, 'the rotary embedding')}:.*rotary's rotate_half"):
+        explain(jax.jit(scores), *args)
+    e = explain(jax.jit(scores), *args, approximate=True)
     texts = _statements(e)
     assert texts[2:4] == ["H1[B_{data}, S, N_{model}, H] = identity(Y1[B_{data}, S, N_{model}, H])",
                           "H2[B_{data}, S, N_{model}, H] = identity(Y2[B_{data}, S, N_{model}, H])"], e.spec
@@ -147,8 +157,11 @@ def test_a_sort_is_the_languages_sort_its_sharded_index_gathered() -> None:
     descending = explain(jax.jit(lambda x: jnp.tanh(jnp.sort(x, axis=-1, descending=True))),
                          _arg(mesh, (16, 8), "data"))
     assert _statements(descending)[0] == "N1[B_{data}, S] = sort(x[B_{data}, S] over S)", descending.spec
-    flipped = explain(jax.jit(lambda x: jnp.flip(x, 0)), _arg(mesh, (16, 8), None, "model"))
+    with pytest.raises(ShardcError, match="a flip"):  # B whole, no data moves, but no map: its values differ
+        explain(jax.jit(lambda x: jnp.flip(x, 0)), _arg(mesh, (16, 8), None, "model"))
+    flipped = explain(jax.jit(lambda x: jnp.flip(x, 0)), _arg(mesh, (16, 8), None, "model"), approximate=True)
     assert _statements(flipped)[0].endswith("= identity(x[B, S_{model}])"), flipped.spec  # B whole: a map
+    assert "# approximate: a flip" in flipped.spec, flipped.spec
 
 
 @pytest.mark.parametrize(("program", "op"), [

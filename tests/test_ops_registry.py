@@ -10,6 +10,7 @@ from shardc.ir.localops import (
     ALIAS,
     NEG,
     Add,
+    AffineVjp,
     Attention,
     Causal,
     Combine,
@@ -26,6 +27,7 @@ from shardc.ir.localops import (
 )
 from shardc.ir.plan import Op
 from shardc.ir.spec import Call, TensorRef
+from shardc.ops.affine import AFFINE
 from shardc.ops.attention import ATTENTION
 from shardc.ops.dispatch import DISPATCH
 from shardc.ops.elementwise import MAPS
@@ -65,8 +67,10 @@ def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> 
     assert of_call("attention") is ATTENTION and of_op(Attention("out", "T")) is ATTENTION
     assert of_call("dispatch") is DISPATCH and of_call("combine") is DISPATCH
     assert of_op(Dispatch("combine_gate_vjp", "S", "E", "C", 2)) is DISPATCH
-    assert set(families()) == {ATTENTION, DISPATCH, MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS, VOCABULARY}
-    assert len(families()) == 9
+    assert of_call("scale") is AFFINE and of_call("shift") is AFFINE and of_op(AffineVjp(0.5)) is AFFINE
+    assert set(families()) == {AFFINE, ATTENTION, DISPATCH, MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS,
+                               VOCABULARY}
+    assert len(families()) == 10
 
 
 def test_every_step_of_a_plan_is_found_by_its_kind_or_its_operation() -> None:

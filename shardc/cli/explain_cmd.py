@@ -32,8 +32,9 @@ def register(sub: Any, name: str) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--spec-out", metavar="F.shard", help="also write the program's spec there")
     parser.add_argument("--approximate", action="store_true",
-                        help="read a constant scale or shift the spec language cannot say (x * 0.5, s / sqrt(d)) "
-                             "as a note of the spec, not an error: its spec then for shardings and collectives alone")
+                        help="read what the spec language cannot say (a constant inside a run of maps, a log, a "
+                             "flip, a mask other than causal) as its nearest map and a note of the spec, not an "
+                             "error: its spec then for shardings and collectives alone")
     parser.set_defaults(func=run_explain)
 
 

@@ -153,7 +153,8 @@ def _mesh_of(shardings: list[Any]) -> dict[str, int]:
 def explain(fn: Any, *args: Any, hardware: str | None = None, origin: str | None = None,
             approximate: bool = False) -> Explanation:
     """Explain a jitted function on its arguments (arrays or ``jax.ShapeDtypeStruct``s with shardings);
-    ``approximate``: a constant scale or shift the spec language cannot say is a note of the spec, not an error."""
+    ``approximate``: what the spec language cannot say (a constant inside a run of maps, a map it names no
+    function for) is a note of the spec, not an error."""
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     try:
         compiled = jitted.lower(*args).compile()

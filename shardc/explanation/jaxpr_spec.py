@@ -28,13 +28,13 @@ from jax.extend import core as jex
 
 from shardc.errors import ShardcError
 from shardc.explanation.causal_masks import Constants, read_mask
-from shardc.explanation.constants import checked, norm_of, scaled
+from shardc.explanation.constants import norm_of, scaled, write_run
 from shardc.explanation.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explanation.expert_moves import moves, read_move
 from shardc.explanation.fresh import Walked
 from shardc.explanation.layers import read_scan
 from shardc.explanation.lookups import embed, read_lookup
-from shardc.explanation.patterns import Run, function_of, mean_sums, primitives, runs
+from shardc.explanation.patterns import Run, mean_sums, primitives, runs
 from shardc.explanation.refusals import refusal_fix
 from shardc.explanation.routing import read_routing, regions
 from shardc.explanation.slices import Piece, concatenate, cut, reverse, sort
@@ -87,7 +87,7 @@ class _Reader(Reading):
             raise unwritable(*self.unreadable[var])
         if var in self.region:
             source, ops, line = self.region.pop(var)
-            self.make(var, "fn", (self.tensor(source),), fn=checked(self, var, function_of(ops)), line=line)
+            write_run(self, var, source, ops, line)
         return var
 
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:

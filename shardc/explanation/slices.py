@@ -94,7 +94,9 @@ def concatenate(reader: Any, eqn: Any, line: str) -> None:
     for d, e in zip(first.ids, reader.dims_of(out), strict=True):
         reader.join(d, e)
     ops = frozenset().union(*(reader.region[v][1] for v in ins if v in reader.region))
-    reader.region[out] = (first.source, ops | {"concatenate"}, line)
+    # the parts in their order put each element back in place: the array itself, nothing moved
+    in_place = [p.start for p in parts if p is not None] == [a for a, _ in spans]
+    reader.region[out] = (first.source, ops - {"slice", "split"} if in_place else ops | {"concatenate"}, line)
 
 
 def sort(reader: Any, eqn: Any, line: str) -> None:

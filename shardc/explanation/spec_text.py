@@ -41,6 +41,7 @@ class Statement:
     line: str = ""
     names: tuple[int, ...] = ()  # a routing's token and capacity dim ids, a causal mask's query and key
     number: int = 0  # a routing's k, a causal mask's sliding window
+    value: float | None = None  # a function's number: a scale's or a shift's (explanation.affine_runs)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Reading(DimClasses):
         self.fused_parts: dict[str, str] = {}  # a fused weight's parts, each a tensor of the spec -> the weight
         self.unreadable: dict[Any, tuple[str, str]] = {}  # arrays no tensor of the spec holds -> (why, fix)
         self.scalars: dict[Any, tuple[Any, ...]] = {}  # a run of maps -> its scalar constants (explanation.constants)
+        self.runs: dict[Any, tuple[Any, ...]] = {}  # a run of maps -> its equations in order (explanation.affine_runs)
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:
@@ -121,7 +123,7 @@ def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple
     if s.kind in ("embed", "loss"):
         return f"{'embed' if s.kind == 'embed' else 'cross_entropy'}({operands[0]}, {operands[1]})"
     if s.kind == "fn":
-        return f"{s.fn}({operands[0]})"
+        return f"{s.fn}({operands[0]}" + (")" if s.value is None else f", {s.value!r})")
     if s.kind == "sum":
         return f"{operands[0]} {'-' if s.signs[1] < 0 else '+'} {operands[1]}"
     return f"{s.fn}({operands[0]} over {over})"

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Map", "MapVjp", "Add", "Neg", "Alias", "Update", "Causal", "CausalVjp", "Dropout", "DropoutMask",
-           "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "key_block", "Dispatch", "Row", "Vocab", "Combine",
-           "LocalOp", "NEG", "ALIAS", "UPDATE", "MASK_OPS", "add_op"]
+__all__ = ["Map", "MapVjp", "Affine", "AffineVjp", "Add", "Neg", "Alias", "Update", "Causal", "CausalVjp", "Dropout",
+           "DropoutMask", "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "key_block", "Dispatch", "Row",
+           "Vocab", "Combine", "LocalOp", "NEG", "ALIAS", "UPDATE", "MASK_OPS", "add_op"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,27 @@ class MapVjp:
 
     def __str__(self) -> str:
         return f"{self.name}_vjp"
+
+
+@dataclass(frozen=True)
+class Affine:
+    """A constant scale or shift of the spec (``scale(X, a)``, ``shift(X, b)``): x * scale + shift."""
+
+    scale: float = 1.0
+    shift: float = 0.0
+
+    def __str__(self) -> str:
+        return f"shift({self.shift!r})" if self.scale == 1.0 else f"scale({self.scale!r})"
+
+
+@dataclass(frozen=True)
+class AffineVjp:
+    """The gradient of :class:`Affine`: the cotangent times its scale (its argument is not read)."""
+
+    scale: float = 1.0
+
+    def __str__(self) -> str:
+        return f"scale_vjp({self.scale!r})"
 
 
 @dataclass(frozen=True)
@@ -304,5 +325,5 @@ class Combine(_Named):
     MAX = "max"
 
 
-LocalOp = (Map | MapVjp | Add | Neg | Alias | Update | Causal | CausalVjp | DropoutMask | Dropout | DropoutVjp
-           | Route | Attention | Dispatch | Row | Vocab | Combine)
+LocalOp = (Map | MapVjp | Affine | AffineVjp | Add | Neg | Alias | Update | Causal | CausalVjp | DropoutMask | Dropout
+           | DropoutVjp | Route | Attention | Dispatch | Row | Vocab | Combine)

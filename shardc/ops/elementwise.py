@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
-__all__ = ["MAPS", "emit", "Function", "FUNCTIONS", "function", "TRANSCENDENTAL"]
+__all__ = ["MAPS", "emit", "gradient_layouts", "Function", "FUNCTIONS", "function", "TRANSCENDENTAL"]
 
 Array = Any
 _C = 0.7978845608028654  # sqrt(2 / pi)
@@ -126,16 +126,22 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     declared.setdefault(arg, phase.ref(arg, want))
 
 
+def gradient_layouts(bw: BackwardPass, node: Node) -> tuple[Value, Value]:
+    """(the cotangent's layout, the argument's gradient's) of a map's backward: the result's layout, and it
+    read index by index in the argument's order (a map keeps the sharding)."""
+    value = bw.target(node.result)
+    by_index = dict(zip(node.indices, value.layout, strict=True))
+    return value, Value(tuple(by_index[i] for i in bw.phase.indices[node.operands[0]]), ())
+
+
 def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """dZ = f'(Z) dY, in the result's layout read index by index (the cotangent alone for a pass-through)."""
     (z,) = node.operands
     if z not in bw.needs:
         return
-    layout = bw.target(node.result).layout
-    by_index = dict(zip(node.indices, layout, strict=True))
-    want = Value(tuple(by_index[i] for i in bw.phase.indices[z]), ())
+    value, want = gradient_layouts(bw, node)
     dst = bw.part_name(z)
-    cotangent = bw.phase.ref(grad, bw.target(node.result))
+    cotangent = bw.phase.ref(grad, value)
     if node.fn in PASS_THROUGH:  # the gradient is the cotangent, in the argument's index order
         bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, want), operands=(cotangent,), fn=Map(node.fn)))
     else:

@@ -28,6 +28,7 @@ import numpy as np
 from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, Statement, TensorRef
+from shardc.ops.elementwise import gradient_layouts
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, all_traffic, register
 from shardc.ops.text import broadcast_text
 from shardc.sharding.layout import Value
@@ -146,9 +147,7 @@ def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     (z,) = node.operands
     if z not in bw.needs:
         return
-    value = bw.target(node.result)
-    by_index = dict(zip(node.indices, value.layout, strict=True))
-    want = Value(tuple(by_index[i] for i in bw.phase.indices[z]), ())
+    value, want = gradient_layouts(bw, node)
     operands: tuple[TensorRef, ...] = (bw.phase.ref(grad, value),)
     for mask in node.aux:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
         bw.phase.hold(mask, value)

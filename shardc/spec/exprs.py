@@ -13,6 +13,8 @@ partner operand, and renames that keep sizes and places.
 
 from __future__ import annotations
 
+import math
+
 from shardc.errors import ShardcError, Span
 from shardc.ir.spec import Add, Call, Contract, Dim, Expr, Spec, Statement, TensorRef
 from shardc.spec.attention_call import CAUSAL, roles
@@ -127,6 +129,9 @@ def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
     if kind == "dropout" and not 0 <= call.numbers[0] < 1:
         raise ShardcError(f"dropout rate {call.numbers[0]:g} is not in [0, 1)", call.span,
                           fix="give the probability of dropping an element, e.g. 0.1")
+    if kind == "affine" and not math.isfinite(call.numbers[0]):
+        raise ShardcError(f"`{call.func}` by {call.numbers[0]:g}: not a finite number", call.span,
+                          fix=f"write {signature(call.func).usage(call.func)}")
     if kind in ("embed", "loss"):
         _check_lookup(call)
     for a in call.args:

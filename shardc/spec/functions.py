@@ -11,6 +11,8 @@ has a kind, which fixes how its result's indices follow from its arguments:
   ``logsumexp``);
 - ``mask``: ``causal(Sc, S, T)``, query index S and key index T; the same indices;
 - ``dropout``: ``dropout(X, rate)``, the same indices;
+- ``affine``: ``scale(X, a)`` (x * a) and ``shift(X, b)`` (x + b), a constant of the program (a query's
+  1 / sqrt(H), a GELU's 0.5), the same indices;
 - ``embed``: ``embed(Tok, W_emb)``, a lookup of the ids ``Tok`` in the rows of the
   table (its first index): Tok's indices, then the table's others;
 - ``loss``: ``cross_entropy(Logits, Tok)``, the mean over tokens of the softmax
@@ -85,6 +87,7 @@ class Signature:
         """How a call of this function is written, e.g. ``softmax(X[B, T] over T)``."""
         examples = {"elementwise": "X[B, D]", "normalize": "X[B, S, D] over D", "reduce": "X[B, D] over D",
                     "mask": "Sc[B, N, S, T], S, T", "dropout": "X[B, S, D], 0.1",
+                    "affine": "X[B, D], 0.125",
                     "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]",
                     "route": "Gate[G, S, E], S, C, 2 over E",
                     "attention": "Q[B, S, N, H], K[B, T, N, H], V[B, T, N, H] over T, causal",
@@ -117,6 +120,8 @@ FUNCTIONS: dict[str, Signature] = {
     "logsumexp": Signature("reduce", "log(sum(exp(x))) along the index", over=True),
     "causal": Signature("mask", "-inf where the key position T is after the query position S", names=2),
     "dropout": Signature("dropout", "zero with probability rate, else x / (1 - rate)", numbers=1),
+    "scale": Signature("affine", "x * a, a the number (a constant scale)", numbers=1),
+    "shift": Signature("affine", "x + b, b the number (a constant shift)", numbers=1),
     "embed": Signature("embed", "the rows of the table (first index) at the token ids", tensors=2),
     "cross_entropy": Signature("loss", "mean over tokens of logsumexp(logits) - logits[target]", tensors=2),
     "route": Signature("route", "0/1 mask: each token (in order of S) to a free slot C of its top k along E",

@@ -222,12 +222,12 @@ class _Builder(Transformer[Token, Any]):
         return IndexArg(str(children[0]), _span(children[0]))
 
     def number_arg(self, children: list[Token]) -> NumberArg:
-        token = children[0]
+        *sign, token = children  # a sign where one is written: shift(X, -1)
         try:
-            value = float(str(token).replace("_", ""))
+            value = float(str(token).replace("_", "")) * (-1.0 if [str(c) for c in sign] == ["-"] else 1.0)
         except ValueError:
             raise ShardcError(f"`{token}` is not a number", _span(token), fix="write a number such as 0.1") from None
-        return NumberArg(value, _span(token))
+        return NumberArg(value, _span(sign[0], token) if sign else _span(token))
 
     def window_arg(self, children: list[Token]) -> WindowArg:
         """``window W``: W keys, a positive whole number."""
