@@ -185,6 +185,8 @@ VERIFY = [
     # partial sums handed on through a mean and a sum, all-reduced once as a scalar
     "mesh X=2, Y=2\ndims B=8, S=8, T=4\nM1[S, T] = sum(X[B_X, S_Y, T] over B)\nM2[T] = mean(M1[S, T] over S)\n"
     "M3[] = sum(M2[T] over T)\n",
+    # a sum's gradient spread along a sharded dim, read by a map's vjp (jax.vjp refused it as not varying)
+    "mesh X=2\ndims B=16, D=4\nH[B_X, D] = gelu(I[B_X, D])\nM[] = mean(sum(H[B_X, D] over D) over B)\n",
     "mesh X=4\ndims B=8, D=4096\nM[B] = logsumexp(X[B, D_X] over D)\n",
     "mesh X=2, Y=2\ndims B=8, E=8, D=4\nS1[B_X, E_Y] = sort(In[B_X, D] · W[D, E_Y] over E)\n"
     "Out[B_X, D] = S1[B_X, E_Y] · W2[E_Y, D]\n",
