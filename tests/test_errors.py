@@ -181,6 +181,18 @@ def test_missing_result() -> None:
     assert "`->`" in (err.fix or "") and "end of line" in err.message
 
 
+def test_a_line_missing_its_word_names_the_lines_words() -> None:
+    """A bare word every settings line reads was named after the `hardware` line's: `grad_reduce` alone
+    expected "a hardware name such as tpu-v5p"; `grad_reduce in` "a name"."""
+    body = "\nA[I] = B[I]\n"
+    err = check("mesh X=4\ngrad_reduce" + body, "2:12", "unexpected end of line", "", "after-backward")
+    assert "hardware" not in (err.fix or "") and "`in` and a type" in (err.fix or "")
+    check("mesh X=4\ngrad_reduce after-backward in" + body, "2:30", "end of line", "", "a type, one of bf16, f32")
+    assert "hardware" not in (check("mesh X=4\ntopology" + body, "2:9", "end of line", "", "4x4x4").fix or "")
+    check("mesh X=4\nschedule" + body, "2:9", "end of line", "", "1f1b")
+    check("mesh X=4\nhardware" + body, "2:9", "end of line", "", "a hardware name such as tpu-v5p")
+
+
 def test_bad_character() -> None:
     check("mesh X=4\nA[I] = $B[I]\n", "2:8", "unexpected character `$`", "$", "expected")
 

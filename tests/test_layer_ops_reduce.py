@@ -205,6 +205,8 @@ VERIFY = [
     # an einsum's partial sums handed on through a sum and a mean, all-reduced once as a scalar
     "mesh X=2, Y=2\ndims B=8, D=64, F=32\nP[B, F] = A[B_Y, D_X] · W[D_X, F]\nM1[B] = sum(P[B, F] over F)\n"
     "M2[] = mean(M1[B] over B)\n",
+    # a sum's gradient spread along a sharded dim, read by a map's vjp (jax.vjp refused it as not varying)
+    "mesh X=2\ndims B=16, D=4\nH[B_X, D] = gelu(I[B_X, D])\nM[] = mean(sum(H[B_X, D] over D) over B)\n",
     "mesh X=4\ndims B=8, D=4096\nM[B] = logsumexp(X[B, D_X] over D)\n",
     "mesh X=2, Y=2\ndims B=8, E=8, D=4\nS1[B_X, E_Y] = sort(In[B_X, D] · W[D, E_Y] over E)\n"
     "Out[B_X, D] = S1[B_X, E_Y] · W2[E_Y, D]\n",

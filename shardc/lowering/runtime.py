@@ -40,7 +40,7 @@ __all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask"
            "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk", "attention", "attention_grads",
            "attention_rope", "attention_rope_grads",
            "ring_attention", "ring_attention_grads", "expert_dispatch", "expert_combine", "expert_dispatch_vjp",
-           "expert_combine_vjp", "expert_gate_vjp", "allgather_einsum", "einsum_reducescatter"]
+           "expert_combine_vjp", "expert_gate_vjp", "allgather_einsum", "einsum_reducescatter", "varying"]
 
 Array = Any
 Axes = Any  # a mesh axis name, or a tuple of them (major to minor)
@@ -54,6 +54,15 @@ def gemm_input(x: Array, kind: str) -> Array:
     dot by converting its operands up (its HLO shows the converts), so this is the same product: the FP8
     values, multiplied and summed in the operand's type."""
     return gemm_rounded(x, kind, jnp)
+
+
+def varying(x: Array, axes: Axes) -> Array:
+    """``x`` typed as differing across ``axes`` inside shard_map.  A sum's gradient spread along a dim the
+    plan shards holds the same numbers on every device of its axes, yet its layout shards them: the
+    ``jax.vjp`` of a map reading it wants its cotangent typed as its primal is (varying over those axes),
+    and refuses it otherwise.  A zero made from the axes' indices types it so, whatever it varied over
+    before (``jax.lax.pcast(to="varying")`` refuses an axis the value already varies over)."""
+    return x + varying_zero(x.dtype, jax.lax.axis_index(axes))
 
 
 def make_mesh(mesh_axes: dict[str, int]) -> jax.sharding.Mesh:

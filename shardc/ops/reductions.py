@@ -189,7 +189,8 @@ def local_length(ref: TensorRef, code: str, index: str, axes: tuple[str, ...]) -
 
 
 def _spread(step: Step, row: str, var: Namer, mean: bool) -> str:
-    """dS repeated along I to the gradient's local shape (over I's global length for a mean).
+    """dS repeated along I to the gradient's local shape (over I's global length for a mean), typed as varying
+    over I's axes (:func:`shardc.lowering.runtime.varying`).
 
     The input as declared is read for its shape only (:attr:`Step.shapes`: no data is kept)."""
     (x,) = step.shapes
@@ -197,6 +198,8 @@ def _spread(step: Step, row: str, var: Namer, mean: bool) -> str:
     over = step.dst.indices[d]
     axes = step.dst.dims[d].axes
     spread = f"jnp.repeat({row}, {local_length(x, var(x), over, axes)}, axis={d})"
+    if axes:  # the same numbers on each device of the axes, but laid out sharded over them
+        spread = f"varying({spread}, {axes!r})"
     return f"{spread} / ({local_length(x, var(x), over, ())})" if mean else spread
 
 

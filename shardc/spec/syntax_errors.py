@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
+from shardc.accountings import ACCOUNTINGS
 from shardc.errors import ShardcError, Span
+from shardc.ir.spec import ATTENTION_KERNELS, FUSIONS, GRAD_REDUCES, PARAM_GATHERS, SCHEDULES, DType
 
 __all__ = ["syntax_error"]
 
@@ -47,6 +49,24 @@ _TERMINAL_WORDS = {
     "STAGE_LAYERS": "`stage_layers`",
     "SCHEDULE": "`schedule`",
     "ZERO": "`zero`",
+    "IN": "`in` and a type",
+}
+
+
+def _one_of(words: tuple[str, ...]) -> str:
+    return "one of " + ", ".join(words)
+
+
+# A line's own words where its grammar reads a bare word (the HWNAME terminal, which the `hardware` line
+# named the terminal for): `grad_reduce` alone expected "a hardware name such as tpu-v5p".
+_LINE_WORDS = {
+    "topology": "a slice or cluster shape such as 4x4x4 or 48x8",
+    "schedule": _one_of(SCHEDULES),
+    "fusion": _one_of(FUSIONS),
+    "grad_reduce": _one_of(GRAD_REDUCES[:2]),
+    "attention_kernel": _one_of(ATTENTION_KERNELS),
+    "param_gather": _one_of(PARAM_GATHERS),
+    "optimizer": _one_of(tuple(ACCOUNTINGS)),
 }
 
 
@@ -66,10 +86,12 @@ def syntax_error(err: UnexpectedInput, lines: list[str], filename: str | None) -
     source = lines[line - 1]
     column = max(1, min(column, len(source) + 1))
     span = Span(line, column, length, filename, source)
-    return ShardcError(f"syntax error: unexpected {found}", span, fix=_expected_fix(err, found))
+    return ShardcError(f"syntax error: unexpected {found}", span, fix=_expected_fix(err, found, source[:column - 1]))
 
 
-def _expected_fix(err: UnexpectedInput, found: str) -> str:
+def _expected_fix(err: UnexpectedInput, found: str, before: str) -> str:
+    """What was expected, in words; ``before`` is the line's text before the error, whose first word names
+    the words a line of its own reads."""
     expected: set[str] = set()
     if isinstance(err, UnexpectedToken):
         expected = set(err.accepts or err.expected)
@@ -77,7 +99,7 @@ def _expected_fix(err: UnexpectedInput, found: str) -> str:
         expected = set(err.allowed or ())
     elif isinstance(err, UnexpectedEOF):
         expected = set(err.expected)
-    words = sorted({_TERMINAL_WORDS.get(name, name.lower()) for name in expected})
+    words = sorted({_word(name, before) for name in expected})
     fix = "expected " + " or ".join(words) if words else "check the syntax against the examples in the docs"
     if "RSQB" in expected and "COMMA" in expected:
         fix += "; a tensor is written Name[dim, dim, ...], a dim as B, B_XY or B_{data,model}"
@@ -86,3 +108,13 @@ def _expected_fix(err: UnexpectedInput, found: str) -> str:
     elif "EQUAL" in expected and "ARROW" not in expected and "OP" not in expected:
         fix += "; header lines are written `mesh X=16, Y=4`, `dims B=1024, D=512`"
     return fix
+
+
+def _word(terminal: str, before: str) -> str:
+    """The terminal in words, as the line it is expected on reads it."""
+    line = (before.split() or [""])[0]
+    if terminal == "HWNAME" and line in _LINE_WORDS:
+        return _LINE_WORDS[line]
+    if terminal == "NAME" and line == "grad_reduce" and before.split()[-1] == "in":
+        return "a type, " + _one_of(tuple(d.value for d in DType))
+    return _TERMINAL_WORDS.get(terminal, terminal.lower())
