@@ -144,7 +144,7 @@ PUBLISHED = (
     # global batch of 16 x 8192 tokens is the step; the chip is the 500 W 96 GB Grand Teton part whose peak the
     # page does not know, so its MFU column (33% to 39%) is not compared
     Run("Llama 3.1 8B, torchtitan, 8 H100", "benchmarks/runs/torchtitan_llama3_8b.shard",
-        "dots-except:W_k,W_o,W_up+attention",
+        "dots-alternate+attention",
         "Liang et al. 2024, arXiv 2410.06511; torchtitan docs/performance.md, Table 1",
         step_s=16 * 8192 / (5762 * 8)),
 )

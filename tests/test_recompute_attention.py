@@ -46,7 +46,17 @@ def test_plus_attention_reruns_the_named_matmul_only_and_keeps_the_output_and_lo
     assert none.memory.residual_bytes - keep.memory.residual_bytes == B * T * N * H * 2  # K, rerun
 
 
+def test_dots_alternate_reruns_every_second_weight_matmul_of_the_layer_as_torchtitan_counts_mm() -> None:
+    """Q, K, V, Out read W_q, W_k, W_v, W_o in that order: the 2nd and 4th are rerun, as dots-except names them."""
+    spec = shardc.parse(LAYER, "<layer>")
+    alternate, named = (shardc.plan(spec, recompute=m)
+                        for m in ("dots-alternate+attention", "dots-except:W_k,W_o+attention"))
+    assert [s.dst.name for s in alternate.recomputed] == [s.dst.name for s in named.recomputed] == ["Kx", "K"]
+    assert shardc.cost(alternate).backward.compute_flops == shardc.cost(named).backward.compute_flops
+
+
 def test_the_grammar_and_its_spans() -> None:
+    assert policy("dots-alternate") == Policy("dots", frozenset(), False, alternate=True)
     assert policy("dots+attention") == Policy("dots", frozenset(), True)
     assert policy("dots-except:W_k,W_o+attention", ["W_k", "W_o"]) == Policy("dots", frozenset({"W_k", "W_o"}), True)
     with pytest.raises(shardc.ShardcError, match=r"'W_x' is not a param") as bad:
@@ -54,3 +64,5 @@ def test_the_grammar_and_its_spans() -> None:
     assert bad.value.span is not None and (bad.value.span.column, bad.value.span.length) == (17, 3)
     with pytest.raises(shardc.ShardcError, match=r"\+attention follows a dots policy only"):
         policy("full+attention")
+    with pytest.raises(shardc.ShardcError, match="unknown recompute mode 'dots-alternat"):
+        policy("dots-alternat+attention")

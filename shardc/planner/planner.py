@@ -417,9 +417,10 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
     region = attention_region(graph) if recompute == "selective" else frozenset()
     start = [declared[n] for n in checkpoints(graph.inputs, spec, recompute)]  # under full, each layer's input
-    mode, rerun, keeps = policy(recompute, graph.params)
-    again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun,
-                            named_values(graph, spec.recompute), ctx.hardware.reruns_layers, keeps)
+    rule = policy(recompute, graph.params)
+    again = recompute_steps(rule.mode, fwd, backward.residuals, start, region, frozenset(graph.params), rule.rerun,
+                            named_values(graph, spec.recompute), ctx.hardware.reruns_layers, rule.keeps_attention,
+                            rule.alternate)
     bwd = share_recomputed(again, bwd)
     return Plan(
         spec=spec,

@@ -16,14 +16,14 @@
   ``minimal`` remat policy keep them: norms, activations and the attention
   scores are recomputed.  ``dots-except:W_gate,W_up`` also recomputes the matmuls
   reading the named params, as MaxText's ``save_dot_except_mlpwi`` does for the
-  MLP's input projections.
+  MLP's input projections.  ``dots-alternate`` reruns every second matmul with a weight of each
+  layer, in forward order (:func:`_alternate`), as torchtitan counts ``aten.mm``.
 * ``+attention`` after a ``dots`` policy (``dots+attention``, ``dots-except:W_k,W_o,W_up+attention``)
   keeps each fused attention's output and row logsumexp too (:func:`_attention_outputs`), so its
   backward's kernel reads them and its forward is not rerun: torchtitan's op-level selective
   checkpointing (``selective_ac_option = "op"``) saves the outputs of ``aten.mm`` and of the SDPA
   flash/efficient kernels, every second ``mm`` of a layer excepted
-  (torchtitan/parallelisms/parallelize_llama.py, ``_save_list``), which is
-  ``dots-except:<every second weight matmul of the layer>+attention``.
+  (torchtitan/parallelisms/parallelize_llama.py, ``_save_list``), which is ``dots-alternate+attention``.
 
 A spec's ``recompute`` line names more values the backward makes again whatever the policy
 (:func:`named_values`): every result of a function (``rmsnorm``), every product reading a param
@@ -82,6 +82,7 @@ __all__ = ["RECOMPUTE_MODES", "Policy", "attention_region", "block_outputs", "ch
 
 RECOMPUTE_MODES = ("none", "selective", "full", "dots")
 _EXCEPT = "dots-except:"
+_ALTERNATE = "dots-alternate"
 _KEEP = "+attention"
 
 
@@ -92,6 +93,7 @@ class Policy(NamedTuple):
     mode: str
     rerun: frozenset[str]
     keeps_attention: bool = False
+    alternate: bool = False  # dots-alternate: every second weight matmul of a layer rerun (:func:`_alternate`)
 
 
 def _flag_error(text: str, at: int, length: int, what: str, fix: str) -> ShardcError:
@@ -102,16 +104,18 @@ def _flag_error(text: str, at: int, length: int, what: str, fix: str) -> ShardcE
 def policy(text: object, params: Iterable[str] | None = None) -> Policy:
     """``--recompute``'s mode and, for ``dots-except:A,B``, the params whose matmuls are rerun
     (each checked against ``params``, where given); a ``dots`` policy may end in ``+attention``."""
-    fix = ("use one of: " + ", ".join(RECOMPUTE_MODES) + f", or {_EXCEPT}PARAM,... (e.g. {_EXCEPT}W_gate,W_up), "
-           f"a dots policy optionally followed by {_KEEP}")
+    fix = ("use one of: " + ", ".join(RECOMPUTE_MODES) + f", {_ALTERNATE}, or {_EXCEPT}PARAM,... (e.g. "
+           f"{_EXCEPT}W_gate,W_up), a dots policy optionally followed by {_KEEP}")
     if not isinstance(text, str):
         raise ShardcError(f"recompute is a {type(text).__name__}: must be a string", fix=fix)
     body, keep = (text[:-len(_KEEP)], True) if text.endswith(_KEEP) else (text, False)
-    if keep and not (body == "dots" or body.startswith(_EXCEPT)):
+    if keep and body in RECOMPUTE_MODES and body != "dots":
         raise _flag_error(text, 0, len(body), f"recompute {text[:80]!r}: {_KEEP} follows a dots policy only",
-                          f"write dots{_KEEP} or {_EXCEPT}PARAM,...{_KEEP}")
+                          f"write dots{_KEEP}, {_ALTERNATE}{_KEEP} or {_EXCEPT}PARAM,...{_KEEP}")
     if body in RECOMPUTE_MODES:
         return Policy(body, frozenset(), keep)
+    if body == _ALTERNATE:
+        return Policy("dots", frozenset(), keep, alternate=True)
     if not body.startswith(_EXCEPT):
         raise _flag_error(text, 0, len(body), f"unknown recompute mode {text[:80]!r}", fix)
     names = body[len(_EXCEPT):].split(",")
@@ -147,6 +151,22 @@ def _dot_outputs(forward: tuple[Step, ...], params: frozenset[str], rerun: froze
         elif step.is_collective and step.src is not None and _norm(step.src) in found:
             found.add(_norm(step.dst))
     return found
+
+
+def _alternate(forward: tuple[Step, ...], params: frozenset[str]) -> frozenset[str]:
+    """The params read by every second weight matmul of a layer, in forward order (the 2nd, 4th, ...; the count
+    starting again in each ``layers`` block, and once for the steps outside them): torchtitan's op-level selective
+    checkpointing counts each ``aten.mm`` a checkpointed block runs and recomputes every second one
+    (``_custom_policy``, torchtitan/parallelisms/parallelize_llama.py).  A matmul of two activations (attention's
+    scores, inside a fused kernel there) is no weight's ``mm`` and is not counted."""
+    order: dict[tuple[bool, int], list[str]] = {}
+    for step in forward:
+        found = order.setdefault((step.once, step.block), [])
+        if step.op is Op.EINSUM and {o.name for o in step.operands} & params and step.tensor not in found:
+            found.append(step.tensor)
+    second = {t for found in order.values() for t in found[1::2]}
+    return frozenset(o.name for s in forward if s.op is Op.EINSUM and s.tensor in second for o in s.operands
+                     if o.name in params)
 
 
 def _attention_outputs(forward: tuple[Step, ...]) -> set[TensorRef]:
@@ -231,7 +251,7 @@ def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[Te
                     start: Iterable[TensorRef], region: frozenset[str],
                     params: frozenset[str] = frozenset(), rerun: frozenset[str] = frozenset(),
                     dropped: frozenset[str] = frozenset(), whole_layers: bool = False,
-                    keeps_attention: bool = False) -> tuple[Step, ...]:
+                    keeps_attention: bool = False, alternate: bool = False) -> tuple[Step, ...]:
     """The forward steps the backward reruns under ``mode``, in forward order.
 
     ``residuals`` are the forward values the backward reads, ``start`` the values the
@@ -239,8 +259,9 @@ def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[Te
     ``selective`` recomputes; ``dots`` keeps the matmuls reading ``params``, but
     those reading ``rerun``; ``dropped`` (a ``recompute`` line's :func:`named_values`) are
     recomputed under any mode; ``keeps_attention`` (``+attention``) keeps under ``dots`` what the fused
-    attention kernels make (:func:`_attention_outputs`).  Under ``full`` and ``dots`` what the steps outside the
-    ``layers`` block make is kept; ``whole_layers`` (PyTorch's checkpoint) reruns every step of
+    attention kernels make (:func:`_attention_outputs`); ``alternate`` (``dots-alternate``) reruns every second
+    weight matmul of a layer (:func:`_alternate`) beside ``rerun``'s.  Under ``full`` and ``dots`` what the steps
+    outside the ``layers`` block make is kept; ``whole_layers`` (PyTorch's checkpoint) reruns every step of
     the block under ``full``.
     """
     if mode == "none" and not dropped:
@@ -255,6 +276,7 @@ def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[Te
         kept |= {r for r in wanted if r.name not in region}
         kept |= {_norm(r) for s in forward if s.tensor in region for r in s.reads if r.name not in region}
     if mode == "dots":
+        rerun |= _alternate(forward, params) if alternate else frozenset()
         kept |= _dot_outputs(forward, params, rerun) | (_attention_outputs(forward) if keeps_attention else set())
     if mode in ("full", "dots"):  # only the layers are checkpointed: what the steps around the block make is kept
         kept |= {_norm(s.dst) for s in forward if s.once} | block_outputs(forward)
