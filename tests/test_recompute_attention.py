@@ -55,6 +55,28 @@ def test_dots_alternate_reruns_every_second_weight_matmul_of_the_layer_as_torcht
     assert shardc.cost(alternate).backward.compute_flops == shardc.cost(named).backward.compute_flops
 
 
+BLOCK = """mesh X=2
+dims B=4, D=16, E=8, F=32
+param W_0, W_a, W_b, W_c, W_d, W_out
+X0[B_X, E] = In[B_X, D] · W_0[D, E]
+layers 2 {
+  L1[B_X, D] = X0[B_X, E] · W_a[E, D]
+  L2[B_X, F] = tanh(L1[B_X, D] · W_b[D, F])
+  L3[B_X, D] = L2[B_X, F] · W_c[F, D]
+  X1[B_X, E] = L3[B_X, D] · W_d[D, E]
+}
+Out[B_X, D] = X1[B_X, E] · W_out[E, D]
+"""
+
+
+def test_dots_alternate_counts_inside_the_layers_block_only() -> None:
+    """The block's 2nd and 4th matmuls (W_b, W_d) are not kept; W_0 and W_out run once, outside the checkpointed
+    layers.  W_b's product (tanh's input, L2_t1) is rerun with tanh; W_d's (the layer's output) no backward reads."""
+    spec = shardc.parse(BLOCK, "<block>")
+    alternate, named = (shardc.plan(spec, recompute=m) for m in ("dots-alternate", "dots-except:W_b,W_d"))
+    assert [s.dst.name for s in alternate.recomputed] == [s.dst.name for s in named.recomputed] == ["L2_t1", "L2"]
+
+
 def test_the_grammar_and_its_spans() -> None:
     assert policy("dots-alternate") == Policy("dots", frozenset(), False, alternate=True)
     assert policy("dots+attention") == Policy("dots", frozenset(), True)

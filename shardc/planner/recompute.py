@@ -155,14 +155,15 @@ def _dot_outputs(forward: tuple[Step, ...], params: frozenset[str], rerun: froze
 
 def _alternate(forward: tuple[Step, ...], params: frozenset[str]) -> frozenset[str]:
     """The params read by every second weight matmul of a layer, in forward order (the 2nd, 4th, ...; the count
-    starting again in each ``layers`` block, and once for the steps outside them): torchtitan's op-level selective
-    checkpointing counts each ``aten.mm`` a checkpointed block runs and recomputes every second one
+    starting again in each ``layers`` block; the steps outside them are not checkpointed): torchtitan's op-level
+    selective checkpointing counts each ``aten.mm`` a checkpointed block runs and recomputes every second one
     (``_custom_policy``, torchtitan/parallelisms/parallelize_llama.py).  A matmul of two activations (attention's
     scores, inside a fused kernel there) is no weight's ``mm`` and is not counted."""
-    order: dict[tuple[bool, int], list[str]] = {}
+    order: dict[int, list[str]] = {}
     for step in forward:
-        found = order.setdefault((step.once, step.block), [])
-        if step.op is Op.EINSUM and {o.name for o in step.operands} & params and step.tensor not in found:
+        found = order.setdefault(step.block, [])
+        weighted = step.op is Op.EINSUM and {o.name for o in step.operands} & params
+        if weighted and not step.once and step.tensor not in found:
             found.append(step.tensor)
     second = {t for found in order.values() for t in found[1::2]}
     return frozenset(o.name for s in forward if s.op is Op.EINSUM and s.tensor in second for o in s.operands
