@@ -107,7 +107,8 @@ def test_the_fidelity_benchmark_costs_and_prints_every_run(monkeypatch: pytest.M
     out = capsys.readouterr().out
     assert all(run in out for run in ("LLaMA-2 70B", "PaLM 540B", "LLaMA 3 405B", "GPT-3 175B",
                                       "DeepSeek-V3 671B", "MPT-7B 2K", "MPT-70B 2K, 64 A100", "GPT 18.4B",
-                                      "MT-NLG 530B", "BLOOM 176B"))
+                                      "MT-NLG 530B", "BLOOM 176B", "Llama 3.1 70B, torchtitan",
+                                      "Llama 3.1 8B, torchtitan"))
 
 
 def test_deepseek_v3_plans_and_costs_with_its_routing_held_as_indices() -> None:

@@ -163,7 +163,9 @@ def add_recompute(parser: argparse.ArgumentParser, detail: bool = False) -> None
     more = ("none keeps what --save keeps; selective recomputes the attention-score region (Korthikanti et "
             "al. 2022); full keeps each layer's input; dots keeps every matmul-with-a-weight's output (JAX's "
             "dots_with_no_batch_dims_saveable, MaxText's minimal); dots-except:W_gate,W_up also recomputes "
-            "the matmuls reading those params (MaxText's save_dot_except_mlpwi)") if detail else \
+            "the matmuls reading those params (MaxText's save_dot_except_mlpwi); dots-alternate every second "
+            "weight matmul of a layer; +attention after a dots policy also keeps each fused attention's output "
+            "and logsumexp (torchtitan's op-level selective checkpointing: dots-alternate+attention)") if detail else \
         "see `shardc plan --help`"
     parser.add_argument("--recompute", default="none", metavar="POLICY",
                         help=f"what the backward recomputes instead of keeping: {more}")

@@ -95,7 +95,7 @@ def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: st
     known (the baseline the search is measured against); ``"search"`` runs the search
     once, compute and communication counted alike (or as ``weights``, (forward, backward), says:
     compute's weight, or compute's and the collectives issued ahead's, as :func:`candidate_weights` gives them).
-    ``recompute`` (none, selective, full, dots, dots-except:PARAM,...: :mod:`shardc.planner.recompute`)
+    ``recompute`` (none, selective, full, dots, dots-except:PARAM,..., +attention: :mod:`shardc.planner.recompute`)
     is what the backward recomputes instead of keeping; those forward steps are part of every candidate's backward time.
     ``budget`` is how much search the planner may do (:data:`BUDGET`) before it stops
     with a :class:`ShardcError`.  ``explain`` keeps, in :attr:`Plan.choices`, the
@@ -417,9 +417,10 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
     region = attention_region(graph) if recompute == "selective" else frozenset()
     start = [declared[n] for n in checkpoints(graph.inputs, spec, recompute)]  # under full, each layer's input
-    mode, rerun = policy(recompute, graph.params)
-    again = recompute_steps(mode, fwd, backward.residuals, start, region, frozenset(graph.params), rerun,
-                            named_values(graph, spec.recompute), ctx.hardware.reruns_layers)
+    rule = policy(recompute, graph.params)
+    again = recompute_steps(rule.mode, fwd, backward.residuals, start, region, frozenset(graph.params), rule.rerun,
+                            named_values(graph, spec.recompute), ctx.hardware.reruns_layers, rule.keeps_attention,
+                            rule.alternate)
     bwd = share_recomputed(again, bwd)
     return Plan(
         spec=spec,

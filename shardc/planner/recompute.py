@@ -16,7 +16,14 @@
   ``minimal`` remat policy keep them: norms, activations and the attention
   scores are recomputed.  ``dots-except:W_gate,W_up`` also recomputes the matmuls
   reading the named params, as MaxText's ``save_dot_except_mlpwi`` does for the
-  MLP's input projections.
+  MLP's input projections.  ``dots-alternate`` reruns every second matmul with a weight of each
+  layer, in forward order (:func:`_alternate`), as torchtitan counts ``aten.mm``.
+* ``+attention`` after a ``dots`` policy (``dots+attention``, ``dots-except:W_k,W_o,W_up+attention``)
+  keeps each fused attention's output and row logsumexp too (:func:`_attention_outputs`), so its
+  backward's kernel reads them and its forward is not rerun: torchtitan's op-level selective
+  checkpointing (``selective_ac_option = "op"``) saves the outputs of ``aten.mm`` and of the SDPA
+  flash/efficient kernels, every second ``mm`` of a layer excepted
+  (torchtitan/parallelisms/parallelize_llama.py, ``_save_list``), which is ``dots-alternate+attention``.
 
 A spec's ``recompute`` line names more values the backward makes again whatever the policy
 (:func:`named_values`): every result of a function (``rmsnorm``), every product reading a param
@@ -59,40 +66,67 @@ nothing contracts its result with another activation.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from shardc.collectives import Op
-from shardc.errors import ShardcError
-from shardc.ir.localops import ALIAS
+from shardc.errors import ShardcError, Span
+from shardc.ir.localops import ALIAS, ATTENTION_PARTS, Attention
 from shardc.ir.plan import Step
 from shardc.ir.spec import Spec, TensorRef
 from shardc.ops.registry import CONTRACT, Node, family_of
 from shardc.planner.graph import Graph
 from shardc.spec.walk import layer_inputs
 
-__all__ = ["RECOMPUTE_MODES", "attention_region", "block_outputs", "checkpoints", "keeps_layer_inputs", "policy",
-           "recompute_steps", "named_values"]
+__all__ = ["RECOMPUTE_MODES", "Policy", "attention_region", "block_outputs", "checkpoints", "keeps_layer_inputs",
+           "policy", "recompute_steps", "named_values"]
 
 RECOMPUTE_MODES = ("none", "selective", "full", "dots")
 _EXCEPT = "dots-except:"
+_ALTERNATE = "dots-alternate"
+_KEEP = "+attention"
 
 
-def policy(text: object, params: Iterable[str] | None = None) -> tuple[str, frozenset[str]]:
+class Policy(NamedTuple):
+    """A parsed ``--recompute``: its mode, the params whose matmuls ``dots-except:`` reruns, and whether
+    ``+attention`` keeps each fused attention's output and row logsumexp."""
+
+    mode: str
+    rerun: frozenset[str]
+    keeps_attention: bool = False
+    alternate: bool = False  # dots-alternate: every second weight matmul of a layer rerun (:func:`_alternate`)
+
+
+def _flag_error(text: str, at: int, length: int, what: str, fix: str) -> ShardcError:
+    """An error pointing at ``text[at:at + length]`` of the ``--recompute`` value."""
+    return ShardcError(what, Span(1, at + 1, max(length, 1), "--recompute", text), fix=fix)
+
+
+def policy(text: object, params: Iterable[str] | None = None) -> Policy:
     """``--recompute``'s mode and, for ``dots-except:A,B``, the params whose matmuls are rerun
-    (each checked against ``params``, where given)."""
-    fix = "use one of: " + ", ".join(RECOMPUTE_MODES) + f", or {_EXCEPT}PARAM,... (e.g. {_EXCEPT}W_gate,W_up)"
+    (each checked against ``params``, where given); a ``dots`` policy may end in ``+attention``."""
+    fix = ("use one of: " + ", ".join(RECOMPUTE_MODES) + f", {_ALTERNATE}, or {_EXCEPT}PARAM,... (e.g. "
+           f"{_EXCEPT}W_gate,W_up), a dots policy optionally followed by {_KEEP}")
     if not isinstance(text, str):
         raise ShardcError(f"recompute is a {type(text).__name__}: must be a string", fix=fix)
-    if text in RECOMPUTE_MODES:
-        return text, frozenset()
-    if not text.startswith(_EXCEPT):
-        raise ShardcError(f"unknown recompute mode {text[:80]!r}", fix=fix)
-    names = [n.strip() for n in text[len(_EXCEPT):].split(",")]
+    body, keep = (text[:-len(_KEEP)], True) if text.endswith(_KEEP) else (text, False)
+    if keep and body in RECOMPUTE_MODES and body != "dots":
+        raise _flag_error(text, 0, len(body), f"recompute {text[:80]!r}: {_KEEP} follows a dots policy only",
+                          f"write dots{_KEEP}, {_ALTERNATE}{_KEEP} or {_EXCEPT}PARAM,...{_KEEP}")
+    if body in RECOMPUTE_MODES:
+        return Policy(body, frozenset(), keep)
+    if body == _ALTERNATE:
+        return Policy("dots", frozenset(), keep, alternate=True)
+    if not body.startswith(_EXCEPT):
+        raise _flag_error(text, 0, len(body), f"unknown recompute mode {text[:80]!r}", fix)
+    names = body[len(_EXCEPT):].split(",")
     known = set(names if params is None else params)
-    unknown = [n for n in names if n not in known or not n]
-    if unknown:
-        raise ShardcError(f"recompute {text[:80]!r}: {', '.join(map(repr, unknown[:5]))} is not a param "
-                          "of the spec", fix="name params the spec declares: " + ", ".join(sorted(known)[:20]))
-    return "dots", frozenset(names)
+    at = len(_EXCEPT)
+    for name in names:
+        if name.strip() not in known or not name.strip():
+            raise _flag_error(text, at, len(name), f"recompute {text[:80]!r}: {name.strip()!r} is not a param of "
+                              "the spec", "name params the spec declares: " + ", ".join(sorted(known)[:20]))
+        at += len(name) + 1
+    return Policy("dots", frozenset(n.strip() for n in names), keep)
 
 
 def keeps_layer_inputs(recompute: str) -> bool:
@@ -117,6 +151,32 @@ def _dot_outputs(forward: tuple[Step, ...], params: frozenset[str], rerun: froze
         elif step.is_collective and step.src is not None and _norm(step.src) in found:
             found.add(_norm(step.dst))
     return found
+
+
+def _alternate(forward: tuple[Step, ...], params: frozenset[str]) -> frozenset[str]:
+    """The params read by every second weight matmul of a layer, in forward order (the 2nd, 4th, ...; the count
+    starting again in each ``layers`` block; the steps outside them are not checkpointed): torchtitan's op-level
+    selective checkpointing counts each ``aten.mm`` a checkpointed block runs and recomputes every second one
+    (``_custom_policy``, torchtitan/parallelisms/parallelize_llama.py).  A matmul of two activations (attention's
+    scores, inside a fused kernel there) is no weight's ``mm`` and is not counted."""
+    order: dict[int, list[str]] = {}
+    for step in forward:
+        found = order.setdefault(step.block, [])
+        weighted = step.op is Op.EINSUM and {o.name for o in step.operands} & params
+        if weighted and not step.once and step.tensor not in found:
+            found.append(step.tensor)
+    second = {t for found in order.values() for t in found[1::2]}
+    return frozenset(o.name for s in forward if s.op is Op.EINSUM and s.tensor in second for o in s.operands
+                     if o.name in params)
+
+
+def _attention_outputs(forward: tuple[Step, ...]) -> set[TensorRef]:
+    """What ``+attention`` keeps: each fused attention kernel's output and row logsumexp (its forward's two
+    parts), the results of ``aten._scaled_dot_product_flash_attention`` that torchtitan's op-level selective
+    checkpointing saves (``_save_list``, torchtitan/parallelisms/parallelize_llama.py), so the backward's kernel
+    reads them and the attention forward is not rerun."""
+    made = ATTENTION_PARTS[:2]  # "out", "lse"
+    return {_norm(s.dst) for s in forward if isinstance(s.fn, Attention) and s.fn.part in made}
 
 
 def block_outputs(forward: tuple[Step, ...]) -> set[TensorRef]:
@@ -191,15 +251,18 @@ def _renamed(forward: tuple[Step, ...], names: frozenset[str]) -> frozenset[str]
 def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[TensorRef],
                     start: Iterable[TensorRef], region: frozenset[str],
                     params: frozenset[str] = frozenset(), rerun: frozenset[str] = frozenset(),
-                    dropped: frozenset[str] = frozenset(), whole_layers: bool = False) -> tuple[Step, ...]:
+                    dropped: frozenset[str] = frozenset(), whole_layers: bool = False,
+                    keeps_attention: bool = False, alternate: bool = False) -> tuple[Step, ...]:
     """The forward steps the backward reruns under ``mode``, in forward order.
 
     ``residuals`` are the forward values the backward reads, ``start`` the values the
     forward starts from (declared inputs and params), ``region`` the tensors
     ``selective`` recomputes; ``dots`` keeps the matmuls reading ``params``, but
     those reading ``rerun``; ``dropped`` (a ``recompute`` line's :func:`named_values`) are
-    recomputed under any mode.  Under ``full`` and ``dots`` what the steps outside the
-    ``layers`` block make is kept; ``whole_layers`` (PyTorch's checkpoint) reruns every step of
+    recomputed under any mode; ``keeps_attention`` (``+attention``) keeps under ``dots`` what the fused
+    attention kernels make (:func:`_attention_outputs`); ``alternate`` (``dots-alternate``) reruns every second
+    weight matmul of a layer (:func:`_alternate`) beside ``rerun``'s.  Under ``full`` and ``dots`` what the steps
+    outside the ``layers`` block make is kept; ``whole_layers`` (PyTorch's checkpoint) reruns every step of
     the block under ``full``.
     """
     if mode == "none" and not dropped:
@@ -214,7 +277,8 @@ def recompute_steps(mode: str, forward: tuple[Step, ...], residuals: Iterable[Te
         kept |= {r for r in wanted if r.name not in region}
         kept |= {_norm(r) for s in forward if s.tensor in region for r in s.reads if r.name not in region}
     if mode == "dots":
-        kept |= _dot_outputs(forward, params, rerun)
+        rerun |= _alternate(forward, params) if alternate else frozenset()
+        kept |= _dot_outputs(forward, params, rerun) | (_attention_outputs(forward) if keeps_attention else set())
     if mode in ("full", "dots"):  # only the layers are checkpointed: what the steps around the block make is kept
         kept |= {_norm(s.dst) for s in forward if s.once} | block_outputs(forward)
     kept = {r for r in kept if r.name not in dropped} | starts
