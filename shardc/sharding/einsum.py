@@ -280,7 +280,8 @@ def read_after(ctx: CostContext, reader: Reader | None, indices: tuple[str, ...]
                bound: Cost | None) -> Cost:
     """What ``reader`` and the readers after it move, handed ``local`` (:data:`INFINITE`: no way found within
     ``bound``): its local result is ``local`` less the summed index, whose axes join the partial sums, moved
-    as asked (and its own reader's after, from there) or handed on as made, the cheaper."""
+    as asked (and its own reader's after, from there) or handed on as made, the cheaper.  A result declared
+    with an axis is moved as declared, and its own reader reads it as made or as declared (both are held)."""
     if reader is None:
         return ZERO
     axes = dict(zip(indices, local.layout, strict=True))
@@ -288,9 +289,15 @@ def read_after(ctx: CostContext, reader: Reader | None, indices: tuple[str, ...]
     target = reader.target if reader.target is not None else Value(made.layout, ())
     found = reshard(ctx, reader.result, reader.indices, (made,), target, bound) if made.reaches(target) else None
     here = INFINITE if found is None or found[0] == INFINITE else _charge(ctx, reader.result, found[0])
+    if reader.then is None:
+        return here
+    after = read_after(ctx, reader.then, reader.indices, made, bound)
+    if reader.target is not None:  # declared: moved as declared whichever value its reader reads
+        return INFINITE if here == INFINITE else add_cost(here, min(after, read_after(
+            ctx, reader.then, reader.indices, target, bound)))
     if here != INFINITE:
         here = add_cost(here, read_after(ctx, reader.then, reader.indices, target, bound))
-    return here if reader.then is None else min(here, read_after(ctx, reader.then, reader.indices, made, bound))
+    return min(here, after)
 
 
 def _operand(ctx: CostContext, k: int, op: Operand, local: Value, bound: Cost | None,
