@@ -142,6 +142,15 @@ def test_an_einsum_read_by_a_sum_alone_all_reduces_the_sum() -> None:
     assert [str(s.dst) for s in declared.forward if s.tensor == "Y"] == ["Y[B_X, F]"]
 
 
+def test_explain_shows_an_einsums_readers_moves_as_theirs() -> None:
+    """--explain lists a handed-on einsum option's later reduction, counted in its time, as its reader's (the
+    sum's case): it listed only the operand moves, "no communication" for the chosen one."""
+    text = render_explain(_plan("mesh X=8\ndims B=4096, D=4096, F=4096\nY[B, F] = A[B, D_X] · W[D_X, F]\n"
+                                "Z[B] = sum(Y[B, F] over F)\n", explain=True))
+    chosen = next(line for line in text.splitlines() if line.lstrip().startswith("*") and "coll." in line)
+    assert "AllReduce_X (its reader's)   [4*B]" in chosen and "1 coll." in chosen
+
+
 def test_a_nonlinear_function_of_partial_sums_reduces_its_input_first() -> None:
     p = _plan("mesh X=2, Y=2\ndims B=8, D=64\nP[B, D_X] = softmax(X[B, D_X]{U_Y} over D)\n")
     first = _collectives(p.forward)[0]

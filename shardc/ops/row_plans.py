@@ -208,7 +208,7 @@ def _read_on(phase: Phase, node: Node, option: Layouts, reader: Reader) -> Cost:
     (its local result, each value its moves pass through): ``M1[S_X]`` reduced whole, then sliced, leaves a
     whole ``M1[S]`` a sum over S reads for free."""
     held = (option.result, *(m.dst for m in option.moves_out))
-    return min(read_after(phase.ctx, reader, node.indices, v, None) for v in held)
+    return min(read_after(phase.ctx, reader, node.indices, v, None)[0] for v in held)
 
 
 def reader_of(node: Node | None, declared: dict[str, TensorRef]) -> Reader | None:
