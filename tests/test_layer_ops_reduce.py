@@ -120,6 +120,9 @@ def test_a_sum_of_a_sum_all_reduces_the_smaller_tensor() -> None:
     # whole: one collective, not M1's ReduceScatter and M2's AllReduce (6 us forward before, 3 us now)
     kept = _plan("mesh d=8\ndims B=16, S=8\nM1[S_d] = sum(X[B_d, S] over B)\nM2[] = sum(M1[S_d] over S)\n")
     assert "M1[S_d]" in [str(s.dst) for s in kept.forward] and len(_collectives(kept.forward)) == 1
+    text = render_explain(_plan("mesh d=8\ndims B=16, S=8\nM1[S_d] = sum(X[B_d, S] over B)\n"
+                                "M2[] = sum(M1[S_d] over S)\n", explain=True))
+    assert "why: least time with what M2 moves after it" in text
     # --explain: the inner sum's reduction ranked as its reader's, which weighs it against its own
     text = render_explain(_plan("mesh d=8\ndims B=16, S=8\nM2[] = sum(sum(X[B_d, S] over B) over S)\n", explain=True))
     assert "AllReduce_d (its reader's)" in text and "AllReduce_d of the input" in text

@@ -33,7 +33,7 @@ comparison of their names.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shardc.errors import ShardcError
@@ -248,11 +248,16 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
         options += [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, function.linear)
                     if (o := _option(phase, node, v, target, stats, whole_first=True)) is not None]
     best, shown = choose(options, stats)
+    alone = best
     if reader is not None:
         best = min(options, key=lambda o: add_cost(o.cost, _read_on(phase, node, o, reader)))
     head = label.split(" = ")[0]
     record(phase, f"{head} = {fn}({phase.text(arg, phase.held[arg][0])} over {over_of(node)})", best, shown, stats,
            phase.indices[arg], over_of(node))
+    # ranked with its reader's moves, which the times shown do not hold: the reason says so
+    if reader is not None and best is not alone and phase.ctx.explain:
+        phase.choices[-1] = replace(phase.choices[-1], reason=f"least time with what {reader.result} moves "
+                                    "after it, reading any value this one is moved through")
     phase.moves(arg, best.moves_in)
     emit_forward(phase, node, best)
     phase.moves(node.result, () if best.handed else best.moves_out)
