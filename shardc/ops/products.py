@@ -20,7 +20,7 @@ from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.arrays import contract
 from shardc.ops.registry import CONTRACT, Array, Arrays, Family, Namer, Reference, Site, register
-from shardc.sharding.einsum import Reader
+from shardc.ops.row_plans import reader_of
 from shardc.sharding.layout import Value
 
 if TYPE_CHECKING:
@@ -34,20 +34,9 @@ _LETTERS = string.ascii_lowercase + string.ascii_uppercase
 
 def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value | None, label: str) -> None:
     final = phase.einsum(node.result, node.operands, target, label, span=node.statement.span,
-                         partial=node.partial and node.reader is None, reader=_reader(node.reader, declared))
+                         partial=node.partial and node.reader is None, reader=reader_of(node.reader, declared))
     if node.result not in declared or node.reader:  # a chain intermediate or one handed on: as the planner made it
         declared[node.result] = phase.ref(node.result, final)
-
-
-def _reader(node: Node | None, declared: dict[str, TensorRef]) -> Reader | None:
-    """The sum or mean ``node`` an einsum's result is handed on to, as the einsum's search weighs it: its result
-    as declared, or reduced in place where it is handed on in turn (to its own reader) or has no layout asked."""
-    if node is None:
-        return None
-    assert node.call is not None and node.call.over is not None
-    wanted = None if node.partial else declared.get(node.result, node.target)
-    return Reader(node.call.over, node.result, node.indices, None if wanted is None else Value.of(wanted),
-                  _reader(node.reader, declared))
 
 
 def _backward(bw: BackwardPass, node: Node, grad: str) -> None:

@@ -95,7 +95,8 @@ class Node:
     # a term of a sum, or a value one linear node alone reads (Family.linear): may stay partial sums (reduced once)
     partial: bool = False
     # the one linear node a partial node's result is handed on to (graph.handed_on): an einsum's search prices
-    # each option's result moved as asked or moved after that reader, the cheaper (shardc.sharding.einsum.Reader)
+    # each option's result moved as asked or moved after that reader, the cheaper (shardc.sharding.einsum.Reader);
+    # on a sum or mean declared with an axis, the one that reads it, priced after it (the einsum's reader's reader)
     reader: Node | None = field(default=None, compare=False, repr=False)
     aux: tuple[str, ...] = ()  # tensors the node makes on the way (row statistics, a dropout's keep-mask)
 

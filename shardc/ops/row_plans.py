@@ -33,14 +33,15 @@ comparison of their names.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shardc.errors import ShardcError
 from shardc.ir.localops import Combine, Row, Vocab
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
-from shardc.sharding.layout import Value, add_cost
+from shardc.sharding.einsum import Reader, read_after
+from shardc.sharding.layout import Cost, Value, add_cost
 from shardc.sharding.phase import Phase
 from shardc.sharding.rowwise import (
     Layouts,
@@ -171,7 +172,8 @@ def stat_names(func: str, result: str) -> tuple[str, ...]:
     return tuple(f"{result}_{suffix}" for suffix in function.stats) if function.named else ()
 
 
-def _option(phase: Phase, node: Node, local: Value, target: Value | None, stats: int) -> Layouts | None:
+def _option(phase: Phase, node: Node, local: Value, target: Value | None, stats: int,
+            whole_first: bool = False) -> Layouts | None:
     (arg,) = node.operands
     idx = phase.indices[arg]
     over = over_of(node)
@@ -191,9 +193,32 @@ def _option(phase: Phase, node: Node, local: Value, target: Value | None, stats:
     if not result.reaches(want):
         return None
     moved, moves_out = reshard(phase.ctx, node.result, node.indices, (result,), want)
+    if whole_first and result.unreduced and want.unreduced != result.unreduced:  # reduced in place, then moved
+        reduced = Value(result.layout, want.unreduced)
+        first, second = (reshard(phase.ctx, node.result, node.indices, (v,), w)
+                         for v, w in ((result, reduced), (reduced, want)))
+        moved, moves_out = add_cost(first[0], second[0]), first[1] + second[1]
     # handed on unreduced (graph.handed_on): ranked as if reduced here, where its reader may reduce it
     return Layouts(local, axes[over], add_cost(cost, moved), moves_in, moves_out, result,
                    result if node.partial else want, node.partial)
+
+
+def _read_on(phase: Phase, node: Node, option: Layouts, reader: Reader) -> Cost:
+    """What ``reader`` moves after ``option``, reading the cheapest of the values the option holds on the way
+    (its local result, each value its moves pass through): ``M1[S_X]`` reduced whole, then sliced, leaves a
+    whole ``M1[S]`` a sum over S reads for free."""
+    held = (option.result, *(m.dst for m in option.moves_out))
+    return min(read_after(phase.ctx, reader, node.indices, v, None)[0] for v in held)
+
+
+def reader_of(node: Node | None, declared: dict[str, TensorRef]) -> Reader | None:
+    """The sum or mean ``node`` a result is handed on to (or, declared, read by), as a search weighs it: its result
+    as declared, or reduced in place where it is handed on in turn (to its own reader) or has no layout asked."""
+    if node is None:
+        return None
+    wanted = None if node.partial else declared.get(node.result, node.target)
+    return Reader(over_of(node), node.result, node.indices, None if wanted is None else Value.of(wanted),
+                  reader_of(node.reader, declared))
 
 
 def over_of(node: Node) -> str:
@@ -218,10 +243,21 @@ def plan_rows(phase: Phase, node: Node, declared: dict[str, TensorRef], target: 
     if not options:
         raise ShardcError(f"no sharding of {arg} makes {label.split(' = ')[0]}", node.statement.span,
                           fix="a partial sum {U_..} of a reduction needs its index sharded over those axes")
+    reader = reader_of(node.reader, declared) if not node.partial else None
+    if reader is not None:  # declared, one sum or mean reads it after: each value it is moved through weighed
+        options += [o for v in candidates(phase, arg, (over_of(node),), node.indices, target, function.linear)
+                    if (o := _option(phase, node, v, target, stats, whole_first=True)) is not None]
     best, shown = choose(options, stats)
+    alone = best
+    if reader is not None:
+        best = min(options, key=lambda o: add_cost(o.cost, _read_on(phase, node, o, reader)))
     head = label.split(" = ")[0]
     record(phase, f"{head} = {fn}({phase.text(arg, phase.held[arg][0])} over {over_of(node)})", best, shown, stats,
            phase.indices[arg], over_of(node))
+    # ranked with its reader's moves, which the times shown do not hold: the reason says so
+    if reader is not None and best is not alone and phase.ctx.explain:
+        phase.choices[-1] = replace(phase.choices[-1], reason=f"least time with what {reader.result} moves "
+                                    "after it, reading any value this one is moved through")
     phase.moves(arg, best.moves_in)
     emit_forward(phase, node, best)
     phase.moves(node.result, () if best.handed else best.moves_out)

@@ -260,18 +260,21 @@ class _Builder:
         for node in self.nodes:
             for name in dict.fromkeys(node.operands):
                 readers.setdefault(name, []).append(node)
-        handed = set()
+        handed, onward = set(), set()
         for node in self.nodes:
             read = readers.get(node.result, [])
             ref = self.declared.get(node.result)
             plain = ref is None or not (ref.unreduced or any(d.axes for d in ref.dims))
             product = node.family is family_of(CONTRACT) and len(node.operands) > 1 and not node.chain
-            if plain and node.result not in outputs and (node.family.linear(node) or product) and len(read) == 1 \
-                    and read[0].family.linear(read[0]):
+            if node.result in outputs or len(read) != 1 or not read[0].family.linear(read[0]):
+                continue
+            if plain and (node.family.linear(node) or product):
                 handed.add(node.result)
+            elif node.family.linear(node):  # made as declared, but an einsum handed on to it prices its reader too
+                onward.add(node.result)
         marked = {n.result: replace(n, partial=True) if n.result in handed else n for n in self.nodes}
         for name in reversed(list(marked)):  # the last first: a reader's own reader is set before it is read
-            if name in handed:
+            if name in handed | onward:
                 marked[name] = replace(marked[name], reader=marked[readers[name][0].result])
         return list(marked.values())
 

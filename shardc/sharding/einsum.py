@@ -97,6 +97,8 @@ class Solution:
     local_result: Value
     result_moves: tuple[Move, ...]
     roles: tuple[tuple[str, str], ...]  # (axis, index or UNUSED/PASS)
+    # what its readers move after (EinsumProblem.reader), counted in ``cost``: --explain shows them as theirs
+    reader_moves: tuple[Move, ...] = ()
 
     @property
     def final(self) -> Value:  # the result as moved; as made where handed on to its reader (Reader)
@@ -245,6 +247,7 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
             return None
         operand_moves.append(found[1])
     result_moves: tuple[Move, ...] = ()
+    reader_moves: tuple[Move, ...] = ()
     target = problem.target
     if target is None and local_result.unreduced and not problem.partial:
         target = Value(local_result.layout, ())  # an intermediate the caller lays out: reduce in place
@@ -259,38 +262,51 @@ def _evaluate(ctx: CostContext, problem: EinsumProblem, config: Config, best: Co
         else:
             result = reshard(ctx, problem.result, problem.indices, (local_result,), target, bound)
         here = INFINITE if result is None or result[0] == INFINITE else _charge(ctx, problem.result, result[0])
-        later = INFINITE
+        later: tuple[Cost, tuple[Move, ...]] = (INFINITE, ())
+        after: tuple[Move, ...] = ()
         if problem.reader is not None:  # what its readers move after, from the target or handed the result as made
             if here != INFINITE:
-                here = add_cost(here, read_after(ctx, problem.reader, problem.indices, target, bound))
+                cost, after = read_after(ctx, problem.reader, problem.indices, target, bound)
+                here = add_cost(here, cost)
             later = read_after(ctx, problem.reader, problem.indices, local_result, bound)
-        if later <= here:  # handed on as made: its readers move their own results
-            total = add_cost(total, later)
+        if later[0] <= here:  # handed on as made: its readers move their own results
+            total, reader_moves = add_cost(total, later[0]), later[1]
         elif result is None or here == INFINITE:
             return None
         else:
-            total, result_moves = add_cost(total, here), result[1]
+            total, result_moves, reader_moves = add_cost(total, here), result[1], after
     if best is not None and total > best:
         return None
     return Solution(total, tuple(operand_moves), locals_, local_result, result_moves,
-                    tuple(sorted(roles.items())))
+                    tuple(sorted(roles.items())), reader_moves)
 
 
 def read_after(ctx: CostContext, reader: Reader | None, indices: tuple[str, ...], local: Value,
-               bound: Cost | None) -> Cost:
-    """What ``reader`` and the readers after it move, handed ``local`` (:data:`INFINITE`: no way found within
-    ``bound``): its local result is ``local`` less the summed index, whose axes join the partial sums, moved
-    as asked (and its own reader's after, from there) or handed on as made, the cheaper."""
+               bound: Cost | None) -> tuple[Cost, tuple[Move, ...]]:
+    """What ``reader`` and the readers after it move, handed ``local``, and those moves (:data:`INFINITE`: no way
+    found within ``bound``): its local result is ``local`` less the summed index, whose axes join the partial
+    sums, moved as asked (and its own reader's after, from there) or handed on as made, the cheaper.  A result
+    declared with an axis is moved as declared, and its own reader reads it as made or as declared (both held)."""
     if reader is None:
-        return ZERO
+        return ZERO, ()
     axes = dict(zip(indices, local.layout, strict=True))
     made = Value(tuple(axes[i] for i in reader.indices), tuple(sorted({*local.unreduced, *axes[reader.over]})))
     target = reader.target if reader.target is not None else Value(made.layout, ())
     found = reshard(ctx, reader.result, reader.indices, (made,), target, bound) if made.reaches(target) else None
-    here = INFINITE if found is None or found[0] == INFINITE else _charge(ctx, reader.result, found[0])
-    if here != INFINITE:
-        here = add_cost(here, read_after(ctx, reader.then, reader.indices, target, bound))
-    return here if reader.then is None else min(here, read_after(ctx, reader.then, reader.indices, made, bound))
+    here = (INFINITE, ()) if found is None or found[0] == INFINITE else (_charge(ctx, reader.result, found[0]),
+                                                                         found[1])
+    if reader.then is None:
+        return here
+    after = read_after(ctx, reader.then, reader.indices, made, bound)
+    if reader.target is not None:  # declared: moved as declared whichever value its reader reads
+        if here[0] == INFINITE:
+            return INFINITE, ()
+        rest = min(after, read_after(ctx, reader.then, reader.indices, target, bound), key=lambda r: r[0])
+        return add_cost(here[0], rest[0]), here[1] + rest[1]
+    if here[0] != INFINITE:
+        rest = read_after(ctx, reader.then, reader.indices, target, bound)
+        here = (add_cost(here[0], rest[0]), here[1] + rest[1])
+    return min(here, after, key=lambda r: r[0])
 
 
 def _operand(ctx: CostContext, k: int, op: Operand, local: Value, bound: Cost | None,

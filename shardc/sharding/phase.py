@@ -278,12 +278,14 @@ class Phase:
         return tuple(rows.values()), reason
 
     def _describe(self, sol: Solution) -> str:
+        """Its moves, its readers' after it (counted in its time) marked as theirs, as a handed-on sum's are."""
         names = [m for moves in sol.operand_moves for m in moves] + list(sol.result_moves)
         parts = [f"{m.op.title}_{''.join(m.axes)}" for m in names if m.op is not Op.SLICE]
+        parts += [f"{m.op.title}_{''.join(m.axes)} (its reader's)" for m in sol.reader_moves if m.op is not Op.SLICE]
         return ", ".join(parts) if parts else "no communication"
 
     def _alternative(self, sol: Solution, text: str, chosen: bool) -> Alternative:
-        moves = [m for ms in sol.operand_moves for m in ms] + list(sol.result_moves)
+        moves = [m for ms in sol.operand_moves for m in ms] + list(sol.result_moves) + list(sol.reader_moves)
         terms = [m.volume.scale(FACTOR[m.op]) for m in moves if m.volume is not None]
         volume = sum_formula(terms)
         time = sol.cost[0] if self.sized else None
