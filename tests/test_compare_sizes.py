@@ -86,3 +86,13 @@ def test_compare_counts_the_bytes_at_the_spec_sizes_where_the_plan_was_chosen() 
     dq = next(r for r in result.plan.rows if r.tensor == "dQ" and r.kind == "AllToAll_Y")
     assert dq.bytes == 128 // 2 * 1024 * 48 * 128 * spec.dtype.nbytes  # dQ[B_X, S, N, H], whole over Y
     assert result.volume_ratio is not None and result.volume_ratio <= 1.0
+
+
+def test_a_mask_xla_would_build_too_large_at_the_spec_sizes_is_found(plan: Plan) -> None:
+    """XLA's side builds its causal and dropout masks as numpy constants while it traces: compare counts at the
+    run's sizes where one would be over MAX_MASK_ELEMENTS (GPT-3's dropout on its scores, 2^28.6 elements)."""
+    from shardc.verification.compare import MAX_MASK_ELEMENTS, _largest_mask
+
+    assert _largest_mask(plan.spec, plan.spec.sizes) == 8192 * 8192 <= MAX_MASK_ELEMENTS  # causal attention: S x T
+    gpt = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "gpt_layer_tp.shard").read_text())
+    assert _largest_mask(gpt, gpt.sizes) == 96 * 2048 * 2048 > MAX_MASK_ELEMENTS  # dropout(P[B, N, S, T])
