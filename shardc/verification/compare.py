@@ -280,13 +280,16 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
 
 
 def _largest_mask(spec: Spec, sizes: dict[str, int]) -> int:
-    """Elements of the largest mask the jax.numpy reference builds as a constant at ``sizes``: a causal or dropout
-    mask the shape of its statement's result (an elementwise map of it), a causal attention's query by key."""
+    """Elements of the largest mask the jax.numpy reference builds as a constant at ``sizes``: a dropout mask the
+    shape of its statement's result (an elementwise map of it), a causal mask's or causal attention's query by
+    key (the comparison of two position vectors; its broadcast to the scores is a numpy view)."""
     most = 0
     for statement in spec.statements:
         for call in calls(statement.expr):
-            if of_call(call.func) is MASKS:
-                most = max(most, math.prod(sizes[d.name] for d in statement.result.dims))
+            if of_call(call.func) is MASKS:  # positions compared (causal's query by key: a broadcast of the
+                # comparison) or one draw per element (dropout's, the shape of the statement's result)
+                most = max(most, math.prod(sizes[n] for n in call.names) if call.names else
+                           math.prod(sizes[d.name] for d in statement.result.dims))
             elif of_call(call.func) is ATTENTION and CAUSAL in call.names:
                 q, k, v = (tuple(d.name for d in a.dims) for a in call.args[:3] if isinstance(a, TensorRef))
                 r = roles(q, k, v, call.over)
