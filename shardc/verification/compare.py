@@ -42,8 +42,8 @@ from shardc.verification.hlo import Collective, collectives
 __all__ = ["Row", "Side", "Comparison", "compare", "render_comparison", "pair_rows", "plan_side"]
 
 _WEIGHT = {op: float(f) for op, f in FACTOR.items()}  # the book's weighting, from the table
-# XLA's side is the reference in jax.numpy, which builds each causal and dropout mask in numpy while it traces: a
-# constant of the masked tensor's shape (a fused attention's: its query positions by its keys).  Measured here: the
+# XLA's side is the reference in jax.numpy, which builds each mask in numpy while it traces: a dropout's of the
+# masked tensor's shape, a causal one's of its query positions by its keys (_largest_mask).  Measured here: the
 # 2^26 of an 8192-token causal attention (StarCoder's) compiles in about 9 s of CPU and 1 GB; GPT-3's dropout on
 # its [N, S, T] scores (2^28.6) ran past a minute.  Over this, the bytes are counted at the run's sizes.
 MAX_MASK_ELEMENTS = 2 ** 26
