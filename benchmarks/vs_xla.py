@@ -5,7 +5,8 @@
 Runs on 8 emulated CPU devices (set before jax is imported).  Volume: the plan's
 weighted bytes (forward + backward, V (bytes a device would hold unsharded over the axes), AllReduce twice,
 AllToAll a quarter) over those of the collectives XLA inserts for the same
-computation and boundary shardings.  Time: median wall time of the lowered
+computation and boundary shardings, both at the spec's own dims (the mesh cut to the devices; XLA's
+programs compiled from abstract arguments).  Time: median wall time of the lowered
 forward+backward over the jit-partitioned one, at compare's small sizes (the spec's, shrunk in
 proportion; no tensor over 2^18 elements), so it measures dispatch and collective overheads more than FLOPs.
 """
@@ -32,7 +33,7 @@ def main() -> int:
 
     root = Path(__file__).resolve().parent.parent
     files = [Path(f) for f in args.files] or sorted((root / "examples").glob("*.shard"))
-    print(f"{'example':<14} {'plan B':>8} {'xla B':>8} {'volume':>7} {'plan ms':>8} {'xla ms':>8}"
+    print(f"{'example':<14} {'plan B':>9} {'xla B':>9} {'volume':>7} {'plan ms':>8} {'xla ms':>8}"
           f" {'time':>6}")
     worst = 0.0
     times: list[float] = []
@@ -43,7 +44,7 @@ def main() -> int:
         volume = "n/a" if ratio is None else f"{ratio:.3f}"
         if result.time_ratio is not None:
             times.append(result.time_ratio)
-        print(f"{path.stem:<14} {result.plan.total:>8.0f} {result.xla.total:>8.0f} {volume:>7} "
+        print(f"{path.stem:<14} {result.plan.total:>9.3g} {result.xla.total:>9.3g} {volume:>7} "
               f"{(result.plan.seconds or 0) * 1e3:>8.3f} {(result.xla.seconds or 0) * 1e3:>8.3f} "
               f"{result.time_ratio or 0:>6.2f}")
     if times:

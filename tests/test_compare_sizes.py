@@ -64,3 +64,35 @@ def test_a_product_against_a_dim_holds_where_two_dims_must_move_at_once() -> Non
     spec = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "pipeline_llama.shard").read_text())
     sizes = proportional_sizes(shardc.plan(spec), 16)
     assert sizes["N"] * sizes["H"] == sizes["D"] and sizes["F"] * spec.sizes["D"] == sizes["D"] * spec.sizes["F"]
+
+
+# StarCoder's attention block with its tokens against D (B·S = 131072 beside D = 6144) at S = 1024, whose
+# causal scores XLA compiles fast: the plan moves dQ[B, S, N, H] (AllToAll) where XLA all-reduces dX[B, S, D]
+ATTENTION = STARCODER.split("\nHd[")[0].replace("B=16, S=8192, T=8192", "B=128, S=1024, T=1024").replace(
+    ", F=24576", "").replace(", W_in, W_out", "") + "\n"
+
+
+@pytest.mark.slow
+def test_compare_counts_the_bytes_at_the_spec_sizes_where_the_plan_was_chosen() -> None:
+    """At compare's small sizes (B·S/D about 1 where the spec has 21) the plan read 1.141 of XLA's bytes; at
+    the spec's own dims, where the planner chose it, 0.853.  The run stays at the small sizes."""
+    from shardc.verification.compare import compare
+
+    spec = shardc.parse(ATTENTION)
+    result = compare(spec, devices=8)
+    assert {k: result.counted_at[k] for k in spec.sizes} == spec.sizes
+    assert result.counted_at["X"] == 2 and result.counted_at["Y"] == 4
+    assert result.sizes["D"] < spec.sizes["D"]  # the run is small
+    dq = next(r for r in result.plan.rows if r.tensor == "dQ" and r.kind == "AllToAll_Y")
+    assert dq.bytes == 128 // 2 * 1024 * 48 * 128 * spec.dtype.nbytes  # dQ[B_X, S, N, H], whole over Y
+    assert result.volume_ratio is not None and result.volume_ratio <= 1.0
+
+
+def test_a_mask_xla_would_build_too_large_at_the_spec_sizes_is_found(plan: Plan) -> None:
+    """XLA's side builds its causal and dropout masks as numpy constants while it traces: compare counts at the
+    run's sizes where one would be over MAX_MASK_ELEMENTS (GPT-3's dropout on its scores, 2^28.6 elements)."""
+    from shardc.verification.compare import MAX_MASK_ELEMENTS, _largest_mask
+
+    assert _largest_mask(plan.spec, plan.spec.sizes) == 8192 * 8192 <= MAX_MASK_ELEMENTS  # causal attention: S x T
+    gpt = shardc.parse((Path(__file__).resolve().parent.parent / "examples" / "gpt_layer_tp.shard").read_text())
+    assert _largest_mask(gpt, gpt.sizes) == 96 * 2048 * 2048 > MAX_MASK_ELEMENTS  # dropout(P[B, N, S, T])

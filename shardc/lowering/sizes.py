@@ -19,7 +19,7 @@ from shardc.ops.route import ROUTING
 from shardc.planner.zigzag_order import sequence_order
 from shardc.spec.walk import calls, node_limits, renamed_indices
 
-__all__ = ["shrink_mesh", "small_sizes", "proportional_sizes", "devices_to_check", "collapsed_axes",
+__all__ = ["shrink_mesh", "small_sizes", "proportional_sizes", "spec_sizes", "devices_to_check", "collapsed_axes",
            "MAX_SMALL_DIM", "MAX_DEVICES", "MAX_SCALED_ELEMENTS"]
 
 MAX_SMALL_DIM = 64  # the spec's own dims are used when every one is at most this
@@ -151,6 +151,18 @@ def proportional_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int]:
              if common == least_common or sized(dict.fromkeys(reps, common - 1)) != floor]  # past: all floors
     sizes = min((sized(power) for power in tried), key=lambda s: (*_spread(groups, full, s), -sum(s.values())))
     return {**{n: sizes[same[n]] for n in need}, **mesh}
+
+
+def spec_sizes(plan: Plan, devices: int | None = 8) -> dict[str, int] | None:
+    """The sizes the plan was chosen at on the small mesh: each dim the spec's (the plan's), rounded up to a
+    multiple of the shrunk mesh's shardings of it (a halved axis still divides a dim its whole axis did);
+    None when the spec gives no size to some dim.  ``shardc compare`` counts the bytes here, where the plan
+    was chosen, as only XLA's compile (from abstract arguments, no buffers) has to see them."""
+    mesh, need, same = _needs(plan, devices)
+    own = {k: v for k, v in (plan.sizes or tuple(plan.spec.sizes.items())) if k not in mesh}
+    if any(same[n] not in own and n not in own for n in need):
+        return None
+    return {**{n: need[n] * -(-own.get(n, own.get(same[n], 0)) // need[n]) for n in need}, **mesh}
 
 
 def _even_shrink(power: dict[str, int], groups: list[set[tuple[str, ...]]], full: dict[str, int],

@@ -18,21 +18,35 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from shardc.collectives import FACTOR, share
 from shardc.ir.plan import Plan, unfused
 from shardc.ir.spec import Spec, TensorRef
 from shardc.lowering import reference
-from shardc.lowering.api import lower
+from shardc.lowering.api import Lowered, lower
 from shardc.lowering.replan import unlowered_optimizer
-from shardc.lowering.sizes import devices_to_check, proportional_sizes
+from shardc.lowering.row_code import id_inputs
+from shardc.lowering.sizes import devices_to_check, proportional_sizes, spec_sizes
+from shardc.ops.attention import ATTENTION
+from shardc.ops.masks import MASKS
+from shardc.ops.registry import of_call
 from shardc.planner.check import require_sound
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
+from shardc.spec.attention_call import CAUSAL, roles
+from shardc.spec.functions import ID_DTYPE
+from shardc.spec.walk import calls
 from shardc.verification.hlo import Collective, collectives
 
 __all__ = ["Row", "Side", "Comparison", "compare", "render_comparison", "pair_rows", "plan_side"]
 
 _WEIGHT = {op: float(f) for op, f in FACTOR.items()}  # the book's weighting, from the table
+# XLA's side is the reference in jax.numpy, which builds each mask in numpy while it traces: a dropout's of the
+# masked tensor's shape, a causal one's of its query positions by its keys (_largest_mask).  Measured here: the
+# 2^26 of an 8192-token causal attention (StarCoder's) compiles in about 9 s of CPU and 1 GB; GPT-3's dropout on
+# its [N, S, T] scores (2^28.6) ran past a minute.  Over this, the bytes are counted at the run's sizes.
+MAX_MASK_ELEMENTS = 2 ** 26
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,7 @@ class Comparison:
     plan: Side
     xla: Side
     notes: list[str] = field(default_factory=list)
+    counted_at: dict[str, int] = field(default_factory=dict)  # the sizes the bytes were counted at
 
     @property
     def volume_ratio(self) -> float | None:
@@ -210,21 +225,23 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
             repeats: int = 0) -> Comparison:
     """Collectives and weighted volume of the plan and of XLA's partitioner; timed if repeats > 0.
 
-    Both sides run at the same sizes (the lowered program's: :func:`proportional_sizes`, which keep the
-    relative sizes of the tensors the plan was chosen by) and on the same inputs.
-    ``devices`` None: as for :func:`shardc.verification.verify.verify`.
+    The bytes are counted where the plan was chosen: at the spec's own dims (:func:`spec_sizes`, only the
+    mesh shrunk to the devices), XLA's programs compiled from abstract arguments, so nothing that large is
+    made.  Both programs run at :func:`proportional_sizes` (small, in the spec's proportions) on the same
+    inputs: small dims cannot keep tokens (B·S) against a weight's rows (D), so the bytes are not counted
+    there unless the spec gives no dims.  ``devices`` None: as for :func:`shardc.verification.verify.verify`.
     """
     import jax
     from jax.sharding import NamedSharding
 
-
     plan = plan_or_spec if isinstance(plan_or_spec, Plan) else make_plan(plan_or_spec, save=save)
     require_sound(plan)
     plan, zero_note = unlowered_optimizer(plan)  # ZeRO-1/2: the forward and backward are compared
-    sizes = proportional_sizes(plan, devices_to_check(plan, jax.device_count()) if devices is None else devices)
+    count = devices_to_check(plan, jax.device_count()) if devices is None else devices
+    sizes = proportional_sizes(plan, count)
     lowered = lower(plan, sizes=sizes)
-    xla = _XlaPrograms(plan, lowered.module.mesh, lowered.module.cotangents, lowered.module.grads,
-                       dict(lowered.sizes or sizes))
+    same = dict(lowered.sizes or sizes)  # the run's sizes, one set for both sides
+    xla = _XlaPrograms(plan, lowered.module.mesh, lowered.module.cotangents, lowered.module.grads, same)
     inputs = lowered.random_inputs()
     cot = lowered.random_cotangents()
     fwd_args = [jax.device_put(inputs[i.name], s) for i, s in zip(xla.inputs, xla.fwd_in, strict=True)]
@@ -232,13 +249,21 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
     bwd_args = fwd_args + list(results) + [jax.device_put(cot[c.name], s) for c, s in
                                            zip(xla.cotangents, xla.bwd_in[len(fwd_args) + len(results):],
                                                strict=True)]
-    found = {"forward": collectives(str(xla.forward.lower(*fwd_args).compile().as_text()),
-                                    lowered.module.mesh),
-             "backward": collectives(str(xla.backward.lower(*bwd_args).compile().as_text()),
-                                     lowered.module.mesh)}
-    same = lowered.sizes or sizes  # one set of sizes for both sides
-    ours = plan_side(plan, same)
-    theirs = _xla_side(found, plan.spec.dtype.nbytes, _shapes(plan, same))
+    notes = [zero_note] if zero_note is not None else []
+    real = spec_sizes(plan, count)
+    if real is None or (mask := _largest_mask(plan.spec, real)) > MAX_MASK_ELEMENTS:
+        notes.append("the bytes are counted at the run's sizes: " + (
+            "the spec gives no size to every dim" if real is None else
+            f"at the spec's, a mask XLA's side builds while it traces holds {mask:.3g} elements "
+            f"(more than {MAX_MASK_ELEMENTS:.3g})"))
+        counted, found = same, {"forward": collectives(str(xla.forward.lower(*fwd_args).compile().as_text()),
+                                                       lowered.module.mesh),
+                                "backward": collectives(str(xla.backward.lower(*bwd_args).compile().as_text()),
+                                                        lowered.module.mesh)}
+    else:
+        counted, found = real, _abstract_collectives(plan, lower(plan, sizes=real), lowered.module.mesh)
+    ours = plan_side(plan, counted)
+    theirs = _xla_side(found, plan.spec.dtype.nbytes, _shapes(plan, counted))
     if repeats:
         ns = lowered.namespace  # time the programs on arrays already laid out, as for XLA
         placed = {k: jax.device_put(v, NamedSharding(ns.programs()[0], ns.FORWARD_IN[k]))
@@ -250,9 +275,47 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
         theirs.seconds = _median_seconds(lambda: jax.block_until_ready(
             xla.backward(*fwd_args, *xla.forward(*fwd_args), *bwd_args[len(fwd_args) + len(results):])),
             repeats)
-    return Comparison(plan.spec.filename or "<spec>", dict(lowered.module.mesh),
-                      dict(lowered.sizes or sizes), str(plan.spec.dtype), ours, theirs,
-                      [zero_note] if zero_note is not None else [])
+    return Comparison(plan.spec.filename or "<spec>", dict(lowered.module.mesh), same, str(plan.spec.dtype),
+                      ours, theirs, notes, dict(counted))
+
+
+def _largest_mask(spec: Spec, sizes: dict[str, int]) -> int:
+    """Elements of the largest mask the jax.numpy reference builds as a constant at ``sizes``: a dropout mask the
+    shape of its statement's result (an elementwise map of it), a causal mask's or causal attention's query by
+    key (the comparison of two position vectors; its broadcast to the scores is a numpy view)."""
+    most = 0
+    for statement in spec.statements:
+        for call in calls(statement.expr):
+            if of_call(call.func) is MASKS:  # positions compared (causal's query by key: a broadcast of the
+                # comparison) or one draw per element (dropout's, the shape of the statement's result)
+                most = max(most, math.prod(sizes[n] for n in call.names) if call.names else
+                           math.prod(sizes[d.name] for d in statement.result.dims))
+            elif of_call(call.func) is ATTENTION and CAUSAL in call.names:
+                q, k, v = (tuple(d.name for d in a.dims) for a in call.args[:3] if isinstance(a, TensorRef))
+                r = roles(q, k, v, call.over)
+                most = max(most, sizes[r.query] * sizes[r.key])
+    return most
+
+
+def _abstract_collectives(plan: Plan, at: Lowered, mesh: tuple[tuple[str, int], ...]) -> dict[str, list[Collective]]:
+    """XLA's collectives per phase with its programs compiled at ``at``'s sizes from abstract arguments
+    (``jax.ShapeDtypeStruct`` with shardings): the compile allocates no argument, whatever the sizes."""
+    import jax
+
+    xla = _XlaPrograms(plan, mesh, at.module.cotangents, at.module.grads, dict(at.sizes or {}))
+    ids = id_inputs(plan.spec)
+
+    def arg(ref: TensorRef, sharding: Any) -> Any:
+        return jax.ShapeDtypeStruct(at.global_shape(ref), ID_DTYPE if ref.name in ids else np.float32,
+                                    sharding=sharding)
+
+    fwd = [arg(i.ref, s) for i, s in zip(xla.inputs, xla.fwd_in, strict=True)]
+    made = jax.eval_shape(xla.forward, *fwd)  # the results' types, as the forward makes them
+    rest = xla.bwd_in[len(fwd):]
+    bwd = fwd + [jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=s) for r, s in zip(made, rest, strict=False)]
+    bwd += [arg(c, s) for c, s in zip(xla.cotangents, rest[len(made):], strict=True)]
+    return {"forward": collectives(str(xla.forward.lower(*fwd).compile().as_text()), mesh),
+            "backward": collectives(str(xla.backward.lower(*bwd).compile().as_text()), mesh)}
 
 
 def _cell(row: Row | None) -> str:
@@ -262,9 +325,10 @@ def _cell(row: Row | None) -> str:
 def render_comparison(c: Comparison) -> str:
     """Both sides' collectives per phase, then the totals and their ratio."""
     mesh = ", ".join(f"{k}={v}" for k, v in c.mesh.items())
-    dims = ", ".join(f"{k}={v}" for k, v in c.sizes.items() if k not in c.mesh)
-    lines = [f"# compare {c.file}: mesh {mesh}; sizes {dims} (in the spec's proportions); "
-             f"bytes in {c.dtype} (V, unsharded over the axes)"]
+    run, counted = (", ".join(f"{k}={v}" for k, v in s.items() if k not in c.mesh) for s in (c.sizes, c.counted_at))
+    where = "the run's sizes" if c.counted_at == c.sizes else f"the spec's sizes {counted}"
+    lines = [f"# compare {c.file}: mesh {mesh}; bytes counted at {where}, in {c.dtype} (V, unsharded over "
+             f"the axes); run at sizes {run} (in the spec's proportions)"]
     lines += [f"# note: {note}" for note in c.notes] + [""]
     for phase in ("forward", "backward"):
         lines.append(f"{phase}")
