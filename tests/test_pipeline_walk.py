@@ -16,11 +16,11 @@ from shardc.pipeline.schedules import (
     ZERO_BUBBLE,
     Timing,
     _durations,
-    _most_held,
     chunks_of,
     run_orders,
     simulate,
 )
+from shardc.pipeline.simulation import _most_held
 
 # small times that tie often (quarters add exactly) and sends that make the devices wait
 TIMES = (0.0, 0.25, 0.5, 1.0, 1.75)
