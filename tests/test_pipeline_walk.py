@@ -12,6 +12,8 @@ from itertools import accumulate
 
 import pytest
 
+from shardc.pipeline import schedules
+from shardc.pipeline.fixed_orders import fixed_order
 from shardc.pipeline.schedules import (
     ZERO_BUBBLE,
     Timing,
@@ -76,3 +78,20 @@ def test_the_most_held_is_the_running_count_of_the_sorted_events() -> None:
         ends = [float(rng.randint(0, 8)) for _ in range(rng.randint(0, 9))]
         events = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends])
         assert _most_held(starts, ends) == max(accumulate((step for _, step in events), initial=0))
+
+
+def test_the_kept_walks_stay_within_their_ops_budget_and_give_what_a_fresh_walk_gives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walks kept are bounded by the ops they hold (MAX_KEPT), the least recently used dropped first; a walk
+    dropped and walked again gives the same run, and each device's order read off the runs is the walk's."""
+    monkeypatch.setattr(schedules, "MAX_KEPT", 200)
+    monkeypatch.setattr(schedules, "_KEPT", {})
+    timing = Timing(1.0, 2.0, comm=0.25)
+    first = simulate.__wrapped__("1f1b", 4, 9, timing)  # 72 ops, kept
+    for m in (10, 11, 12):  # 80, 88 and 96 ops: each pushes out the oldest
+        simulate.__wrapped__("1f1b", 4, m, timing)
+        assert sum(w for w, _ in schedules._KEPT.values()) <= 200
+    assert ("1f1b", 4, 9, 1) not in schedules._KEPT
+    again = simulate.__wrapped__("1f1b", 4, 9, timing)
+    assert again.ops == first.ops and again.orders == first.orders
+    assert first.orders == tuple(tuple((key,) for key in fixed_order("1f1b", s, 4, 9, 1)) for s in range(4))

@@ -7,12 +7,15 @@ and end from a walk and the times.
 
 from __future__ import annotations
 
+from array import array
+from dataclasses import dataclass
+
 from shardc.errors import ShardcError
 from shardc.pipeline.dualpipe import TWO_WAY, Group
 from shardc.pipeline.greedy import op_inputs
-from shardc.pipeline.simulation import Op, Timing, device_of, operations, paired_seconds
+from shardc.pipeline.simulation import Op, Runs, Timing, device_of, operations, paired_seconds
 
-__all__ = ["run_orders", "Step", "One", "walk", "ones", "timeline", "one_timeline", "sends_of"]
+__all__ = ["run_orders", "Step", "Ones", "walk", "ones", "timeline", "one_timeline", "sends_of"]
 
 
 def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]], comm: float,
@@ -39,15 +42,35 @@ def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]],
 Step = tuple[int, Group, tuple[tuple[int, int], ...]]
 
 
-# A step whose group is one op, flat: device, kind, microbatch, chunk, reads (the most common walk's)
-One = tuple[int, str, int, int, tuple[tuple[int, int], ...]]
+@dataclass(frozen=True)
+class Ones:
+    """A walk whose groups are each one op (the most common walk's), a column each: the runs' own columns
+    (:class:`~shardc.pipeline.simulation.Runs`, shared by every timing of the walk) and each op's reads, at most
+    two (B reads its F and the next chunk's B): the step that made the input (-1: none) and how it comes (a
+    :data:`Step`'s).  About 20 bytes an op, where the steps' tuples take a few hundred."""
+
+    device: array[int]
+    kind: str
+    microbatch: array[int]
+    chunk: array[int]
+    first: array[int]
+    first_how: array[int]
+    second: array[int]
+    second_how: array[int]
+
+    def __len__(self) -> int:
+        return len(self.kind)
 
 
-def ones(steps: tuple[Step, ...]) -> tuple[One, ...] | None:
-    """``steps`` flat, where every group is one op (None where not)."""
+def ones(steps: tuple[Step, ...]) -> Ones | None:
+    """``steps`` as columns, where every group is one op (None where not)."""
     if any(len(group) != 1 for _, group, _ in steps):
         return None
-    return tuple((d, *group[0], reads) for d, group, reads in steps)
+    reads = [reads + ((-1, 0),) * (2 - len(reads)) for _, _, reads in steps]
+    return Ones(array("i", [d for d, _, _ in steps]), "".join(group[0][0] for _, group, _ in steps),
+                array("i", [group[0][1] for _, group, _ in steps]), array("i", [group[0][2] for _, group, _ in steps]),
+                array("i", [r[0][0] for r in reads]), array("b", [r[0][1] for r in reads]),
+                array("i", [r[1][0] for r in reads]), array("b", [r[1][1] for r in reads]))
 
 
 def sends_of(comm: float, back: float | None) -> tuple[float, float, float]:
@@ -128,24 +151,29 @@ def timeline(p: int, steps: tuple[Step, ...], durations: list[dict[str, float]],
     return result
 
 
-def one_timeline(p: int, steps: tuple[One, ...], durations: list[dict[str, float]],
-                  sends: tuple[float, float, float]) -> list[Op]:
-    """:func:`timeline` of a walk whose groups are each one op, without its cases: a re-cost's hot loop."""
+def one_timeline(p: int, steps: Ones, durations: list[dict[str, float]],
+                 sends: tuple[float, float, float]) -> Runs:
+    """:func:`timeline` of a walk whose groups are each one op, without its cases: a re-cost's hot loop, its
+    ops left as columns (made into :class:`Op` tuples, and sorted, only where read)."""
+    starts: list[float] = []
     ends: list[float] = []
     free = [0.0] * p
-    result: list[Op] = []
-    new = tuple.__new__  # Op's own __new__ without its call: a third of this loop's time
-    for d, kind, j, c, reads in steps:
+    for d, kind, c, a, a_how, b, b_how in zip(steps.device, steps.kind, steps.chunk, steps.first,
+                                              steps.first_how, steps.second, steps.second_how, strict=True):
         start = free[d]
-        for at, how in reads:
-            end = ends[at] + sends[how] if how else ends[at]
+        if a >= 0:
+            end = ends[a] + sends[a_how] if a_how else ends[a]
             if end > start:  # max(start, end), the same float
                 start = end
+            if b >= 0:
+                end = ends[b] + sends[b_how] if b_how else ends[b]
+                if end > start:
+                    start = end
         t = start + durations[c][kind]
-        result.append(new(Op, (start, t, d, kind, j, c, False)))
+        starts.append(start)
         ends.append(t)
         free[d] = t
-    return result
+    return Runs(steps.device, steps.kind, steps.microbatch, steps.chunk, array("d", starts), array("d", ends))
 
 
 def _placed(group: tuple[tuple[str, int, int], ...], start: float, d: int, durations: list[dict[str, float]],

@@ -60,12 +60,13 @@ from shardc.pipeline.blocking_sends import blocking_delays, transfers
 from shardc.pipeline.dualpipe import TWO_WAY, Group, dualpipe_orders
 from shardc.pipeline.fixed_orders import fixed_order
 from shardc.pipeline.greedy import greedy_order
-from shardc.pipeline.order_walk import One, Step, one_timeline, ones, run_orders, sends_of, timeline, walk
+from shardc.pipeline.order_walk import Ones, Step, one_timeline, ones, run_orders, sends_of, timeline, walk
 from shardc.pipeline.simulation import (
     PAIRED,
     ZERO_BUBBLE,
     Op,
     Phases,
+    Runs,
     Simulation,
     Timing,
     chunks_of,
@@ -130,13 +131,17 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
         # each device's ops as the greedy committed them, which is by start time and, among ops of 0 s that
         # start together, puts an op after those it reads (sorting by start, device and chunk would not)
         orders = tuple(tuple(((kind, j, c),) for *_, e, kind, j, c in found if e == d) for d in range(p))
-        steps = walk(schedule, p, m, len(durations), orders)
-        flat = ones(steps)
+        found_steps = walk(schedule, p, m, len(durations), orders)
+        steps: tuple[Step, ...] | None = found_steps
+        flat = ones(found_steps)
     else:  # a fixed order: its walk depends on the schedule's shape alone, so a re-cost reuses it
         orders, steps, flat = _fixed_walk(schedule, p, m, virtual)
-    ops = (timeline(p, steps, durations, sends[0], chunk_times, back=sends[1]) if flat is None
-           else one_timeline(p, flat, durations, sends_of(*sends)))
-    return Simulation(schedule, p, m, chunks, timing, tuple(sorted(ops)), tuple(chunk_times), orders)
+    if flat is not None:  # each device's order is read off the runs (Simulation.orders)
+        runs, orders = one_timeline(p, flat, durations, sends_of(*sends)), ()
+    else:
+        assert steps is not None
+        runs = Runs.of(timeline(p, steps, durations, sends[0], chunk_times, back=sends[1]))
+    return Simulation(schedule, p, m, chunks, timing, runs, tuple(chunk_times), orders)
 
 
 def check_budget(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
@@ -156,18 +161,35 @@ def check_budget(schedule: str, stages: int, microbatches: int, virtual: int = 1
                               "(p-1)/m for 1F1B)" + (", or another schedule than zbv" if greedy else ""))
 
 
-@lru_cache(maxsize=64)  # a layouts search re-costs many layouts of one schedule, stages and microbatches (its
-# layouts of each data-parallel size at their own counts, shardc.layouts.microbatches: many pairs of p and m)
-def _fixed_walk(schedule: str, p: int, m: int, virtual: int) -> tuple[tuple[tuple[Group, ...], ...],
-                                                                      tuple[Step, ...], tuple[One, ...] | None]:
-    """The fixed orders of ``schedule`` (all but zbv's), their walk, and it as :func:`ones` gives it."""
+Walk = tuple[tuple[tuple[Group, ...], ...], tuple[Step, ...] | None, Ones | None]
+# The walks kept, by (schedule, p, m, virtual), least recently used first: a layouts search re-costs many layouts
+# of one schedule, stages and microbatches (its layouts of each data-parallel size at their own counts,
+# shardc.layouts.microbatches: many pairs of p and m).  Bounded by the ops they hold, not by their number: a
+# walk of one-op groups is about 20 bytes an op (Ones), so MAX_KEPT is some 100 MB; the others' steps, a few
+# hundred bytes an op, count ten times.
+_KEPT: dict[tuple[str, int, int, int], tuple[int, Walk]] = {}
+MAX_KEPT = 10 * MAX_OPS
+
+
+def _fixed_walk(schedule: str, p: int, m: int, virtual: int) -> Walk:
+    """The fixed orders of ``schedule`` (all but zbv's), their walk, and it as :func:`ones` gives it (where it
+    does, neither the orders nor the steps: the runs give them); kept while they fit :data:`MAX_KEPT`."""
+    key = (schedule, p, m, virtual)
+    if (kept := _KEPT.pop(key, None)) is not None:
+        _KEPT[key] = kept  # now the most recently used
+        return kept[1]
     if schedule in PAIRED:
         orders = tuple(map(tuple, dualpipe_orders(p, m, v=schedule == "dualpipev")))
     else:
         orders = tuple(tuple((key,) for key in fixed_order(schedule, s, p, m, virtual)) for s in range(p))
     steps = walk(schedule, p, m, chunks_of(schedule, virtual) * p, orders)
-    return orders, steps, ones(steps)
-
+    flat = ones(steps)
+    found: Walk = ((), None, flat) if flat is not None else (orders, steps, None)
+    weight = len(flat) if flat is not None else 10 * len(steps)
+    while _KEPT and sum(w for w, _ in _KEPT.values()) + weight > MAX_KEPT:
+        del _KEPT[next(iter(_KEPT))]
+    _KEPT[key] = weight, found
+    return found
 
 
 def _durations(timing: Timing, zb: bool) -> dict[str, float]:

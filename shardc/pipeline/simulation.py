@@ -9,7 +9,9 @@ The simulator that makes them is :mod:`shardc.pipeline.schedules`.
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -18,7 +20,7 @@ from shardc.pipeline.dualpipe import TWO_WAY, Group
 from shardc.pipeline.pairing import Phases, pair_seconds
 
 __all__ = ["Timing", "Phases", "paired_seconds", "PAIRED", "TWO_WAY", "ZERO_BUBBLE", "stage_share",
-           "Op", "Simulation", "device_of", "chunks_of", "operations"]
+           "Op", "Runs", "Simulation", "device_of", "chunks_of", "operations"]
 
 ZERO_BUBBLE = frozenset({"zb-h1", "zbv", "dualpipe", "dualpipev"})
 PAIRED = frozenset({"dualpipe", "dualpipev"})  # the schedules that overlap an F with a B as one unit
@@ -77,29 +79,74 @@ class Op(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Runs:
+    """The ops of a run, a column each, in the order the simulation ran them (not sorted): a run of 1536
+    microbatches over 96 stages is hundreds of thousands of ops, which as :class:`Op` tuples take hundreds of MB
+    and a second to make and sort; the columns take 8 bytes an op for the times (the rest is shared by every
+    timing of one walk), and the sorted ops are made where they are read (:attr:`Simulation.ops`)."""
+
+    device: Sequence[int]
+    kind: str  # one letter an op: "F", "B" or "W"
+    microbatch: Sequence[int]
+    chunk: Sequence[int]
+    start: Sequence[float]
+    end: Sequence[float]
+    paired: Sequence[bool] = ()  # empty: none paired
+
+    @classmethod
+    def of(cls, ops: Sequence[Op]) -> Runs:
+        return cls(array("i", [op.device for op in ops]), "".join(op.kind for op in ops),
+                   array("i", [op.microbatch for op in ops]), array("i", [op.chunk for op in ops]),
+                   array("d", [op.start for op in ops]), array("d", [op.end for op in ops]),
+                   [op.paired for op in ops] if any(op.paired for op in ops) else ())
+
+    def ops(self) -> list[Op]:
+        paired = self.paired or [False] * len(self.kind)
+        return list(map(Op, self.start, self.end, self.device, self.kind, self.microbatch, self.chunk, paired))
+
+
+@dataclass(frozen=True)
 class Simulation:
     schedule: str
     stages: int
     microbatches: int
     chunks: int  # chunks a device holds
     timing: Timing
-    ops: tuple[Op, ...] = field(repr=False)
+    runs: Runs = field(repr=False, compare=False)
     chunk_times: tuple[Timing, ...] = ()  # a microbatch's times through each model chunk, in chunk order
-    # each device's groups in the order it ran them: what the lowered program's tick table places
-    # (shardc.pipeline.ticks), so the cost and the program run one order
-    orders: tuple[tuple[Group, ...], ...] = field(default=(), repr=False, compare=False)
+    # each device's groups in the order it ran them, where they are not each one op run (else read off the runs)
+    groups: tuple[tuple[Group, ...], ...] = field(default=(), repr=False, compare=False)
+
+    @cached_property
+    def ops(self) -> tuple[Op, ...]:
+        """Every op run, by start (then end, device, ...)."""
+        return tuple(sorted(self.runs.ops()))
+
+    @cached_property
+    def orders(self) -> tuple[tuple[Group, ...], ...]:
+        """Each device's groups in the order it ran them: what the lowered program's tick table places
+        (shardc.pipeline.ticks), so the cost and the program run one order.  A walk runs each device's order
+        in turn, so where every group is one op, a device's ops in the runs' order are its order."""
+        if self.groups:
+            return self.groups
+        r = self.runs
+        mine: list[list[Group]] = [[] for _ in range(self.stages)]
+        for d, kind, j, c in zip(r.device, r.kind, r.microbatch, r.chunk, strict=True):
+            mine[d].append(((kind, j, c),))
+        return tuple(map(tuple, mine))
 
     def work(self, device: int) -> float:
         """Seconds of ops ``device`` runs: every microbatch through each chunk it holds (DualPipe's
         overlapped pairs at the pair's time: each chunk sees half the microbatches)."""
         if self.schedule in PAIRED:
-            return math.fsum(op.end - op.start for op in self.ops if op.device == device)
+            r = self.runs
+            return math.fsum(e - s for s, e, d in zip(r.start, r.end, r.device, strict=True) if d == device)
         return self.microbatches * math.fsum(t.total for c, t in enumerate(self.chunk_times)
                                              if device_of(self.schedule, c, self.stages) == device)
 
     @property
     def makespan(self) -> float:
-        return max(op.end for op in self.ops)
+        return max(self.runs.end)
 
     @property
     def ideal(self) -> float:
@@ -132,9 +179,11 @@ class Simulation:
         """The microbatches of each chunk ``device`` holds when what it holds peaks, a microbatch of chunk
         c weighing ``weights[c]`` (its bytes): under DualPipe the device's own direction's stage holds most
         of them (device 0: 16 of its first stage, 1 of its last), not half each."""
-        free = "W" if any(op.kind == "W" for op in self.ops) else "B"
-        events = sorted((op.start, 1, op.chunk) if op.kind == "F" else (op.end, -1, op.chunk)
-                        for op in self.ops if op.device == device and op.kind in ("F", free))
+        r = self.runs
+        free = "W" if "W" in r.kind else "B"
+        events = sorted((s, 1, c) if k == "F" else (e, -1, c)
+                        for s, e, d, k, c in zip(r.start, r.end, r.device, r.kind, r.chunk, strict=True)
+                        if d == device and k in ("F", free))
         held: dict[int, int] = {}
         best: dict[int, int] = {}
         total, peak = 0.0, -1.0
@@ -148,10 +197,11 @@ class Simulation:
     @cached_property
     def _peaks(self) -> list[int]:
         """Each device's most activations held at once (in chunks), from one pass over the ops."""
-        free = "W" if any(op.kind == "W" for op in self.ops) else "B"
+        r = self.runs
+        free = "W" if "W" in r.kind else "B"
         starts: list[list[float]] = [[] for _ in range(self.stages)]
         ends: list[list[float]] = [[] for _ in range(self.stages)]
-        for start, end, device, kind, *_ in self.ops:
+        for start, end, device, kind in zip(r.start, r.end, r.device, r.kind, strict=True):
             if kind == "F":
                 starts[device].append(start)
             elif kind == free:
