@@ -13,6 +13,7 @@ from itertools import accumulate
 import pytest
 
 from shardc.pipeline import schedules
+from shardc.pipeline.blocking_sends import blocking_delays
 from shardc.pipeline.fixed_orders import fixed_order
 from shardc.pipeline.schedules import (
     ZERO_BUBBLE,
@@ -95,3 +96,18 @@ def test_the_kept_walks_stay_within_their_ops_budget_and_give_what_a_fresh_walk_
     again = simulate.__wrapped__("1f1b", 4, 9, timing)
     assert again.ops == first.ops and again.orders == first.orders
     assert first.orders == tuple(tuple((key,) for key in fixed_order("1f1b", s, 4, 9, 1)) for s in range(4))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
+def test_blocking_sends_through_the_kept_walk_give_the_general_walks_floats(schedule: str) -> None:
+    """``sends blocking`` puts each chunk's transfers into its ops and lets a reader start one transfer early
+    (a negative delay): the kept walk's one-op loop still gives the general walk's floats, uneven chunks too."""
+    rng = random.Random("blocking " + schedule)
+    for _ in range(8):
+        p, m, virtual, timing, uneven = _case(rng, schedule)
+        gathers = (timing.comm * rng.choice((0.0, 0.5)), timing.send_back * rng.choice((0.0, 0.25)))
+        sim = simulate(schedule, p, m, timing, virtual, uneven, blocking=gathers)
+        comm, back = blocking_delays((timing.comm, timing.send_back), gathers)
+        durations = [_durations(t, schedule in ZERO_BUBBLE) for t in sim.chunk_times]
+        general = run_orders(schedule, p, m, durations, comm, sim.orders, sim.chunk_times, back=back)
+        assert [tuple(op) for op in sim.ops] == sorted(tuple(op) for op in general), (p, m, virtual, timing)
