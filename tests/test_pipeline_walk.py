@@ -12,15 +12,18 @@ from itertools import accumulate
 
 import pytest
 
+from shardc.pipeline import schedules
+from shardc.pipeline.blocking_sends import Held, blocking_delays
+from shardc.pipeline.fixed_orders import fixed_order
 from shardc.pipeline.schedules import (
     ZERO_BUBBLE,
     Timing,
     _durations,
-    _most_held,
     chunks_of,
     run_orders,
     simulate,
 )
+from shardc.pipeline.simulation import _most_held
 
 # small times that tie often (quarters add exactly) and sends that make the devices wait
 TIMES = (0.0, 0.25, 0.5, 1.0, 1.75)
@@ -76,3 +79,35 @@ def test_the_most_held_is_the_running_count_of_the_sorted_events() -> None:
         ends = [float(rng.randint(0, 8)) for _ in range(rng.randint(0, 9))]
         events = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends])
         assert _most_held(starts, ends) == max(accumulate((step for _, step in events), initial=0))
+
+
+def test_the_kept_walks_stay_within_their_ops_budget_and_give_what_a_fresh_walk_gives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walks kept are bounded by the ops they hold (MAX_KEPT), the least recently used dropped first; a walk
+    dropped and walked again gives the same run, and each device's order read off the runs is the walk's."""
+    monkeypatch.setattr(schedules, "MAX_KEPT", 200)
+    monkeypatch.setattr(schedules, "_KEPT", {})
+    timing = Timing(1.0, 2.0, comm=0.25)
+    first = simulate.__wrapped__("1f1b", 4, 9, timing)  # 72 ops, kept
+    for m in (10, 11, 12):  # 80, 88 and 96 ops: each pushes out the oldest
+        simulate.__wrapped__("1f1b", 4, m, timing)
+        assert sum(w for w, _ in schedules._KEPT.values()) <= 200
+    assert ("1f1b", 4, 9, 1) not in schedules._KEPT
+    again = simulate.__wrapped__("1f1b", 4, 9, timing)
+    assert again.ops == first.ops and again.orders == first.orders
+    assert first.orders == tuple(tuple((key,) for key in fixed_order("1f1b", s, 4, 9, 1)) for s in range(4))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
+def test_blocking_sends_through_the_kept_walk_give_the_general_walks_floats(schedule: str) -> None:
+    """``sends blocking`` puts each chunk's transfers into its ops and lets a reader start one transfer early
+    (a negative delay): the kept walk's one-op loop still gives the general walk's floats, uneven chunks too."""
+    rng = random.Random("blocking " + schedule)
+    for _ in range(8):
+        p, m, virtual, timing, uneven = _case(rng, schedule)
+        gathers = Held(timing.comm * rng.choice((0.0, 0.5)), timing.send_back * rng.choice((0.0, 0.25)))
+        sim = simulate(schedule, p, m, timing, virtual, uneven, blocking=gathers)
+        comm, back = blocking_delays((timing.comm, timing.send_back), gathers)
+        durations = [_durations(t, schedule in ZERO_BUBBLE) for t in sim.chunk_times]
+        general = run_orders(schedule, p, m, durations, comm, sim.orders, sim.chunk_times, back=back)
+        assert [tuple(op) for op in sim.ops] == sorted(tuple(op) for op in general), (p, m, virtual, timing)
