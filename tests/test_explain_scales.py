@@ -22,7 +22,7 @@ import pytest
 import shardc
 from shardc.errors import ShardcError
 from shardc.explanation.jaxpr_spec import read_program
-from shardc.lowering.reference import forward
+from shardc.lowering.reference import backward, forward
 from tests.test_cli import fails_clearly, run_main
 
 jax = pytest.importorskip("jax")
@@ -241,3 +241,31 @@ def test_the_command_refuses_a_scale_inside_a_run_and_approximately_notes_it(cap
                                                                  f"{program}:10")
     status, out, err = run_main(capsys, "explain", f"{program}:program", "--approximate")
     assert status == 0 and "# approximate: a scale by 0.5" in out and "= tanh(x[" in out, err
+
+
+
+# training steps: jax.grad's forward ends in the loss nothing reads (its gradient seeded with the loss's own
+# scale, 1/n of a mean), so the loss's last division or scale is the spec's too, else the spec's gradients differ.
+# Each loss reduces h = tanh(x @ w)**2 (xp: numpy, for the program's values with no XLA compile, or jax.numpy)
+TRAINING: dict[str, Callable[[Any, Any], Any]] = {
+    "mean": lambda xp, h: xp.mean(h), "sum_halved": lambda xp, h: xp.sum(h) * 0.5,
+    "mean_doubled": lambda xp, h: 2.0 * xp.mean(h), "sum_over_ten": lambda xp, h: xp.sum(h) / 10.0,
+    "mean_of_rows_summed": lambda xp, h: xp.sum(xp.mean(h, axis=0)), "sum": lambda xp, h: xp.sum(h)}
+
+
+@pytest.mark.parametrize("name", list(TRAINING))
+def test_a_training_steps_loss_and_gradients_are_the_specs(name: str) -> None:
+    """The step returns only ``w - 0.1 * grad``: the spec's loss (its last statement, by shardc's float64
+    reference) is the program's, and so is the gradient the spec's backward derives of it."""
+    reduce = TRAINING[name]
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((8, 32)), rng.standard_normal((16, 8))
+    closed = jax.make_jaxpr(lambda w, x: w - 0.1 * jax.grad(lambda w: reduce(jnp, jnp.tanh(x @ w) ** 2))(w))(
+        w.astype(np.float32), x.astype(np.float32))
+    spec = shardc.parse(read_program(closed, [(), ()], [()], ["w", "x"], {"data": 2}, name).text)
+    last = spec.statements[-1].result.name
+    t = np.tanh(x @ w)
+    assert np.isclose(forward(spec, {"w": w, "x": x})[last], reduce(np, t**2)), spec
+    weight = reduce(np, np.ones_like(t)) / t.size  # each loss is a constant times every element of h, summed
+    grad = x.T @ (weight * 2 * t * (1 - t**2))
+    assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], grad), spec
