@@ -253,19 +253,25 @@ TRAINING: dict[str, Callable[[Any, Any], Any]] = {
     "mean_of_rows_summed": lambda xp, h: xp.sum(xp.mean(h, axis=0)), "sum": lambda xp, h: xp.sum(h)}
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["loss", "jitted_loss"])
 @pytest.mark.parametrize("name", list(TRAINING))
-def test_a_training_steps_loss_and_gradients_are_the_specs(name: str) -> None:
+def test_a_training_steps_loss_and_gradients_are_the_specs(name: str, jitted: bool) -> None:
     """The step returns only ``w - 0.1 * grad``: the spec's loss (its last statement, by shardc's float64
-    reference) is the program's, and so is the gradient the spec's backward derives of it."""
+    reference) is the program's, and so is the gradient the spec's backward derives of it; a jitted loss's
+    result is dropped by its caller (jax's ``_``), its scale read inside it."""
     reduce = TRAINING[name]
     rng = np.random.default_rng(0)
     w, x = rng.standard_normal((8, 32)), rng.standard_normal((16, 8))
-    closed = jax.make_jaxpr(lambda w, x: w - 0.1 * jax.grad(lambda w: reduce(jnp, jnp.tanh(x @ w) ** 2))(w))(
-        w.astype(np.float32), x.astype(np.float32))
+
+    def loss(w: Any, x: Any) -> Any:
+        return reduce(jnp, jnp.tanh(x @ w) ** 2)
+
+    grad = jax.grad(jax.jit(loss) if jitted else loss)
+    closed = jax.make_jaxpr(lambda w, x: w - 0.1 * grad(w, x))(w.astype(np.float32), x.astype(np.float32))
     spec = shardc.parse(read_program(closed, [(), ()], [()], ["w", "x"], {"data": 2}, name).text)
     last = spec.statements[-1].result.name
     t = np.tanh(x @ w)
     assert np.isclose(forward(spec, {"w": w, "x": x})[last], reduce(np, t**2)), spec
     weight = reduce(np, np.ones_like(t)) / t.size  # each loss is a constant times every element of h, summed
-    grad = x.T @ (weight * 2 * t * (1 - t**2))
-    assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], grad), spec
+    want = x.T @ (weight * 2 * t * (1 - t**2))
+    assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec

@@ -100,9 +100,13 @@ class TrainingStep:
             self.inputs[inner] = self.inputs[outer]
 
     def leave(self, outer: Any, inner: Any) -> None:
-        """A call's result ``outer`` is its inner result ``inner``."""
+        """A call's result ``outer`` is its inner result ``inner`` (a loss where ``outer`` is: a jitted loss's,
+        its result dropped by the caller, jax's ``_``)."""
         if inner in self.tainted:
             self.tainted.add(outer)
+        elif self.backward and (outer in self.losses or isinstance(outer, jex.DropVar)) \
+                and not isinstance(inner, jex.Literal) and not inner.aval.shape:
+            self.losses.add(inner)
 
     def lines(self, names: dict[Any, str], tensors: set[str], ids: set[Any], layers: tuple[list[Any], list[Any]]
               ) -> list[str]:
