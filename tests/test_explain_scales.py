@@ -87,6 +87,10 @@ def _sum_halved(x: Any, w: Any, y: Any) -> Any:
     return jnp.tanh((x @ w - y).sum(0) * 0.5)  # the scale
 
 
+def _total_halved(x: Any, w: Any, y: Any) -> Any:
+    return jnp.sum(jnp.tanh(x @ w - y)) * 0.5  # the scale, of a scalar result (the spec's last statement)
+
+
 def _from_two(x: Any, w: Any, y: Any) -> Any:
     return jnp.exp(2.0 - x @ w) + y  # the shift
 
@@ -153,7 +157,8 @@ _SCALE = {_rmsnorm: 3e-3, _layernorm: 3e-3, _rmsnorm_other_eps: 3e-3}
 SCALED = {_mlp_scaled: "H1[B, T] = scale(Y1[B, T], 0.5)", _mlp_gelu_halved: "H2[B, T] = scale(H1[B, T], 0.5)",
           _mlp_scaled_after: "H2[B, T] = scale(H1[B, T], 3.0)", _mlp_shifted: "H1[B, T] = shift(Y1[B, T], 1.0)",
           _attention_scaled: "H1[B, T] = scale(Y3[B, T], 0.35355339", _sum_halved: "H1[T] = scale(M1[T], 0.5)",
-          _from_two: "H1[B, T] = scale(Y1[B, T], -1.0)", _computed_divisor: "H2[B, T] = scale(H1[B, T], 0.5)"}
+          _from_two: "H1[B, T] = scale(Y1[B, T], -1.0)",
+          _total_halved: "H2[] = scale(M2[], 0.5)", _computed_divisor: "H2[B, T] = scale(H1[B, T], 0.5)"}
 FAITHFUL = [_mlp_gelu, _mlp_bias_relu, _attention, _rmsnorm, _layernorm, _loss_mean, _tanh_squared, _tanh_then_exp,
             *SCALED]
 REFUSED = {_scaled_inside: "a scale by 0.5", _rmsnorm_other_eps: "the epsilon 1e-05 of a rmsnorm",

@@ -187,8 +187,8 @@ class _Reader(Reading):
             return
         if any(v in self.stacked_outputs for v in eqn.invars if not isinstance(v, jex.Literal)):
             raise unwritable("it reads a scan's per-layer outputs; a `layers` block hands on its carry alone")
-        arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal)  # a scalar the spec made: a loss's sum
-                  and (v.aval.shape or self.base(v) in self.made)]
+        kept = self.made if eqn.outvars and not eqn.outvars[0].aval.shape else set()  # a scalar of a scalar made
+        arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and (v.aval.shape or self.base(v) in kept)]
         out: Any = eqn.outvars[0] if eqn.outvars else None
         if name in ("top_k", "argsort") or eqn.params.get("name") == "argsort":
             raise unwritable("a top-k or an argsort makes positions along a dim (a dim of k, integer indices), "
@@ -472,7 +472,7 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
         reader.shard(var, spec)
     reader.step = TrainingStep(list(jaxpr.invars))
     reader.walk(jaxpr)
-    reader.step.write_losses(reader)
+    reader.step.write_losses(reader, list(jaxpr.outvars))
     for var, spec in zip(jaxpr.outvars, out_specs, strict=True):
         if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted or reader.is_constant(var):
             continue  # a scalar, the backward's, or literals alone (jnp.zeros): no tensor of the spec

@@ -64,10 +64,12 @@ class TrainingStep:
                 live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
         return needed[::-1]
 
-    def write_losses(self, reader: Any) -> None:
+    def write_losses(self, reader: Any, results: list[Any]) -> None:
         """Write each loss's run of maps (a scale after its sum: ``jnp.sum(...) * 0.5``), which nothing reads
-        and so nothing else writes: jax seeds the backward with that scale, so the spec's gradients need it."""
-        for loss in self.losses:
+        and so nothing else writes: jax seeds the backward with that scale, so the spec's gradients need it; a
+        scalar result's too (the spec writes no scalar result, but its last statement is the program's value)."""
+        scalars = [v for v in results if not isinstance(v, jex.Literal) and not v.aval.shape]
+        for loss in dict.fromkeys([*self.losses, *scalars]):
             if reader.base(loss) in reader.region and not reader.is_constant(loss):  # not a step count's
                 reader.tensor(loss)
 
