@@ -22,7 +22,7 @@ import pytest
 import shardc
 from shardc.errors import ShardcError
 from shardc.explanation.jaxpr_spec import read_program
-from shardc.lowering.reference import forward
+from shardc.lowering.reference import backward, forward
 from tests.test_cli import fails_clearly, run_main
 
 jax = pytest.importorskip("jax")
@@ -85,6 +85,10 @@ def _loss_mean(x: Any, w: Any, y: Any) -> Any:
 
 def _sum_halved(x: Any, w: Any, y: Any) -> Any:
     return jnp.tanh((x @ w - y).sum(0) * 0.5)  # the scale
+
+
+def _total_halved(x: Any, w: Any, y: Any) -> Any:
+    return jnp.sum(jnp.tanh(x @ w - y)) * 0.5  # the scale, of a scalar result (the spec's last statement)
 
 
 def _from_two(x: Any, w: Any, y: Any) -> Any:
@@ -153,7 +157,8 @@ _SCALE = {_rmsnorm: 3e-3, _layernorm: 3e-3, _rmsnorm_other_eps: 3e-3}
 SCALED = {_mlp_scaled: "H1[B, T] = scale(Y1[B, T], 0.5)", _mlp_gelu_halved: "H2[B, T] = scale(H1[B, T], 0.5)",
           _mlp_scaled_after: "H2[B, T] = scale(H1[B, T], 3.0)", _mlp_shifted: "H1[B, T] = shift(Y1[B, T], 1.0)",
           _attention_scaled: "H1[B, T] = scale(Y3[B, T], 0.35355339", _sum_halved: "H1[T] = scale(M1[T], 0.5)",
-          _from_two: "H1[B, T] = scale(Y1[B, T], -1.0)", _computed_divisor: "H2[B, T] = scale(H1[B, T], 0.5)"}
+          _from_two: "H1[B, T] = scale(Y1[B, T], -1.0)",
+          _total_halved: "H2[] = scale(M2[], 0.5)", _computed_divisor: "H2[B, T] = scale(H1[B, T], 0.5)"}
 FAITHFUL = [_mlp_gelu, _mlp_bias_relu, _attention, _rmsnorm, _layernorm, _loss_mean, _tanh_squared, _tanh_then_exp,
             *SCALED]
 REFUSED = {_scaled_inside: "a scale by 0.5", _rmsnorm_other_eps: "the epsilon 1e-05 of a rmsnorm",
@@ -241,3 +246,37 @@ def test_the_command_refuses_a_scale_inside_a_run_and_approximately_notes_it(cap
                                                                  f"{program}:10")
     status, out, err = run_main(capsys, "explain", f"{program}:program", "--approximate")
     assert status == 0 and "# approximate: a scale by 0.5" in out and "= tanh(x[" in out, err
+
+
+
+# training steps: jax.grad's forward ends in the loss nothing reads (its gradient seeded with the loss's own
+# scale, 1/n of a mean), so the loss's last division or scale is the spec's too, else the spec's gradients differ.
+# Each loss reduces h = tanh(x @ w)**2 (xp: numpy, for the program's values with no XLA compile, or jax.numpy)
+TRAINING: dict[str, Callable[[Any, Any], Any]] = {
+    "mean": lambda xp, h: xp.mean(h), "sum_halved": lambda xp, h: xp.sum(h) * 0.5,
+    "mean_doubled": lambda xp, h: 2.0 * xp.mean(h), "sum_over_ten": lambda xp, h: xp.sum(h) / 10.0,
+    "mean_of_rows_summed": lambda xp, h: xp.sum(xp.mean(h, axis=0)), "sum": lambda xp, h: xp.sum(h)}
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["loss", "jitted_loss"])
+@pytest.mark.parametrize("name", list(TRAINING))
+def test_a_training_steps_loss_and_gradients_are_the_specs(name: str, jitted: bool) -> None:
+    """The step returns only ``w - 0.1 * grad``: the spec's loss (its last statement, by shardc's float64
+    reference) is the program's, and so is the gradient the spec's backward derives of it; a jitted loss's
+    result is dropped by its caller (jax's ``_``), its scale read inside it."""
+    reduce = TRAINING[name]
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((8, 32)), rng.standard_normal((16, 8))
+
+    def loss(w: Any, x: Any) -> Any:
+        return reduce(jnp, jnp.tanh(x @ w) ** 2)
+
+    grad = jax.grad(jax.jit(loss) if jitted else loss)
+    closed = jax.make_jaxpr(lambda w, x: w - 0.1 * grad(w, x))(w.astype(np.float32), x.astype(np.float32))
+    spec = shardc.parse(read_program(closed, [(), ()], [()], ["w", "x"], {"data": 2}, name).text)
+    last = spec.statements[-1].result.name
+    t = np.tanh(x @ w)
+    assert np.isclose(forward(spec, {"w": w, "x": x})[last], reduce(np, t**2)), spec
+    weight = reduce(np, np.ones_like(t)) / t.size  # each loss is a constant times every element of h, summed
+    want = x.T @ (weight * 2 * t * (1 - t**2))
+    assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec

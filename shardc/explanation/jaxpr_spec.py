@@ -123,11 +123,11 @@ class _Reader(Reading):
         """Read ``jaxpr``'s equations (those ``needed``, by id, when given; its first ``results`` results
         the ones read after it, when given)."""
         eqns = [e for e in self.step.forward(jaxpr) if needed is None or id(e) in needed]
-        found = runs(eqns, list(jaxpr.outvars)[:results])
-        routings = regions(eqns, list(jaxpr.outvars)[:results])
-        moved = {id(m.eqns[-1]): m for r in routings.values() for m in moves(r, eqns, list(jaxpr.outvars)[:results])}
+        outs = [*list(jaxpr.outvars)[:results], *(v for e in eqns for v in e.outvars if v in self.step.losses)]
+        found, routings = runs(eqns, outs), regions(eqns, outs)
+        moved = {id(m.eqns[-1]): m for r in routings.values() for m in moves(r, eqns, outs)}
         inside = {id(e) for run in found.values() for e in run.run[:-1]}
-        means = {k: e for k, e in mean_sums(eqns, list(jaxpr.outvars)[:results]).items() if k not in inside}
+        means = {k: e for k, e in mean_sums(eqns, outs).items() if k not in inside}
         for eqn in eqns:
             try:
                 if id(eqn) in routings:
@@ -187,7 +187,8 @@ class _Reader(Reading):
             return
         if any(v in self.stacked_outputs for v in eqn.invars if not isinstance(v, jex.Literal)):
             raise unwritable("it reads a scan's per-layer outputs; a `layers` block hands on its carry alone")
-        arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v.aval.shape]
+        kept = self.made if eqn.outvars and not eqn.outvars[0].aval.shape else set()  # a scalar of a scalar made
+        arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal) and (v.aval.shape or self.base(v) in kept)]
         out: Any = eqn.outvars[0] if eqn.outvars else None
         if name in ("top_k", "argsort") or eqn.params.get("name") == "argsort":
             raise unwritable("a top-k or an argsort makes positions along a dim (a dim of k, integer indices), "
@@ -471,6 +472,7 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
         reader.shard(var, spec)
     reader.step = TrainingStep(list(jaxpr.invars))
     reader.walk(jaxpr)
+    reader.step.write_losses(reader, list(jaxpr.outvars))
     for var, spec in zip(jaxpr.outvars, out_specs, strict=True):
         if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted or reader.is_constant(var):
             continue  # a scalar, the backward's, or literals alone (jnp.zeros): no tensor of the spec

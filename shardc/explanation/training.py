@@ -41,6 +41,7 @@ class TrainingStep:
         self.params: list[Any] = []  # inputs the update reads beside a gradient, in the order read
         self.backward = False  # whether the program has a backward at all
         self.mixed: set[int] = set()  # the calls (by id) whose jaxpr holds a forward and its backward
+        self.losses: set[Any] = set()  # the forward's scalars nothing reads: the loss jax.grad drops
 
     def forward(self, jaxpr: Any) -> list[Any]:
         """The equations of ``jaxpr`` the spec reads: in a jaxpr with a backward, those of the forward
@@ -54,6 +55,7 @@ class TrainingStep:
         # function returns a scalar) where nothing reads it; the linearization's dead ends are arrays
         read = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex.Literal)}
         live = {v for eqn in kept for v in eqn.outvars if v not in read and not v.aval.shape}
+        self.losses.update(live)
         live.update(v for v in jaxpr.outvars if not isinstance(v, jex.Literal) and v not in self.tainted)
         needed = []
         for eqn in reversed(kept):
@@ -61,6 +63,15 @@ class TrainingStep:
                 needed.append(eqn)
                 live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
         return needed[::-1]
+
+    def write_losses(self, reader: Any, results: list[Any]) -> None:
+        """Write each loss's run of maps (a scale after its sum: ``jnp.sum(...) * 0.5``), which nothing reads
+        and so nothing else writes: jax seeds the backward with that scale, so the spec's gradients need it; a
+        scalar result's too (the spec writes no scalar result, but its last statement is the program's value)."""
+        scalars = [v for v in results if not isinstance(v, jex.Literal) and not v.aval.shape]
+        for loss in dict.fromkeys([*self.losses, *scalars]):
+            if reader.base(loss) in reader.region and not reader.is_constant(loss):  # not a step count's
+                reader.tensor(loss)
 
     def skips(self, eqn: Any) -> bool:
         """Whether ``eqn`` is of the backward or the update (then its results are too); a call of a
@@ -91,9 +102,13 @@ class TrainingStep:
             self.inputs[inner] = self.inputs[outer]
 
     def leave(self, outer: Any, inner: Any) -> None:
-        """A call's result ``outer`` is its inner result ``inner``."""
+        """A call's result ``outer`` is its inner result ``inner`` (a loss where ``outer`` is: a jitted loss's,
+        its result dropped by the caller, jax's ``_``)."""
         if inner in self.tainted:
             self.tainted.add(outer)
+        elif self.backward and (outer in self.losses or isinstance(outer, jex.DropVar)) \
+                and not isinstance(inner, jex.Literal) and not inner.aval.shape:
+            self.losses.add(inner)
 
     def lines(self, names: dict[Any, str], tensors: set[str], ids: set[Any], layers: tuple[list[Any], list[Any]]
               ) -> list[str]:
