@@ -17,11 +17,11 @@ import itertools
 import math
 from typing import Any
 
-import jax
 import numpy as np
 from jax.extend import core as jex
 
 from shardc.explanation.dim_classes import unwritable
+from shardc.explanation.numpy_prims import evaluate
 from shardc.ops.masks import in_window
 
 __all__ = ["Constants", "read_mask"]
@@ -100,10 +100,7 @@ class Constants:
         inputs = [self.value(reader, v) for v in eqn.invars]
         if any(x is None for x in inputs):
             return
-        with jax.default_device(jax.devices("cpu")[0]):
-            results = eqn.primitive.bind(*inputs, **eqn.params)
-        for var, result in zip(eqn.outvars, results if eqn.primitive.multiple_results else [results], strict=True):
-            self.values[var] = np.asarray(result)
+        self.values[eqn.outvars[0]] = evaluate(eqn, inputs, exact=True)
 
 
 def _causal_dims(keep: np.ndarray) -> tuple[int, int, int] | None:

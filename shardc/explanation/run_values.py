@@ -12,14 +12,13 @@ cos and sin tables) is no map of one element: it differs whatever its primitives
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from jax import numpy as jnp
 from jax.extend import core as jex
 
+from shardc.explanation.numpy_prims import evaluate
 from shardc.explanation.patterns import function_of
 from shardc.ops.elementwise import function
 
@@ -32,14 +31,6 @@ _MOVES = {"rev": "a flip (jnp.flip), moving elements along a dim,", "concatenate
 _POINTS = np.linspace(-3.0, 3.0, 25, dtype=np.float32)  # where the run and the named map are compared
 
 
-_NUMPY: dict[str, Callable[..., Any]] = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "neg": np.negative, "max": np.maximum,
-    "min": np.minimum, "exp": np.exp, "log": np.log, "tanh": np.tanh, "logistic": lambda x: 1.0 / (1.0 + np.exp(-x)),
-    "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x), "abs": np.abs, "sin": np.sin, "cos": np.cos,
-    "square": np.square, "pow": np.power, "sign": np.sign, "log1p": np.log1p, "expm1": np.expm1, "cbrt": np.cbrt,
-    "erf": np.vectorize(math.erf), "ge": np.greater_equal, "gt": np.greater, "le": np.less_equal, "lt": np.less,
-    "eq": np.equal, "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or, "not": np.logical_not,
-}
 
 
 class _ConstantArray(Exception):
@@ -88,19 +79,8 @@ def _run(reader: Any, steps: list[tuple[Any, frozenset[str]]], values: dict[Any,
             values[eqn.outvars[0]] = function(function_of(names)).forward(values[eqn.invars[0]], np)
             continue
         inputs = [_input(reader, v, values) for v in eqn.invars]
-        values[eqn.outvars[0]] = _primitive(eqn, inputs)
+        values[eqn.outvars[0]] = evaluate(eqn, inputs)
     return np.asarray(values[steps[-1][0].outvars[0] if steps else source], np.float64)
-
-
-def _primitive(eqn: Any, xs: list[Any]) -> Any:
-    """One primitive in numpy, float64 (no XLA compile: explain reads, it never runs the program's ops);
-    KeyError where it is none of those a run of maps is made of."""
-    name = eqn.primitive.name
-    if name == "integer_pow":
-        return xs[0] ** eqn.params["y"]
-    if name == "select_n":  # select_n(which, *cases): the case at each element's index
-        return np.choose(np.asarray(xs[0], int), xs[1:])
-    return _NUMPY[name](*xs)
 
 
 def _input(reader: Any, var: Any, values: dict[Any, Any]) -> Any:

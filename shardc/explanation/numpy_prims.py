@@ -1,0 +1,72 @@
+"""The few jax primitives explain evaluates itself, in numpy: a run of maps at sample points
+(:mod:`shardc.explanation.run_values`) and a mask made of positions (:mod:`shardc.explanation.causal_masks`).
+
+Explain reads a program and never runs its ops: binding a primitive eagerly would compile it with XLA, once per
+primitive and shape, which is slow and is not what reading a program should cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ELEMENTWISE", "STRUCTURAL", "evaluate"]
+
+ELEMENTWISE: dict[str, Callable[..., Any]] = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "neg": np.negative, "max": np.maximum,
+    "min": np.minimum, "exp": np.exp, "log": np.log, "tanh": np.tanh, "logistic": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x), "abs": np.abs, "sin": np.sin, "cos": np.cos,
+    "square": np.square, "pow": np.power, "sign": np.sign, "log1p": np.log1p, "expm1": np.expm1, "cbrt": np.cbrt,
+    "erf": np.vectorize(math.erf), "ge": np.greater_equal, "gt": np.greater, "le": np.less_equal, "lt": np.less,
+    "eq": np.equal, "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or, "not": np.logical_not,
+}
+
+
+def _iota(params: dict[str, Any]) -> Any:
+    shape, dim = tuple(params["shape"]), params["dimension"]
+    line = np.arange(shape[dim]).reshape([-1 if k == dim else 1 for k in range(len(shape))])
+    return np.broadcast_to(line, shape)
+
+
+def _broadcast(x: Any, params: dict[str, Any]) -> Any:
+    shape, dims = tuple(params["shape"]), tuple(params["broadcast_dimensions"])
+    placed = np.reshape(x, [np.shape(x)[dims.index(k)] if k in dims else 1 for k in range(len(shape))])
+    return np.broadcast_to(placed, shape)
+
+
+STRUCTURAL: dict[str, Callable[[list[Any], dict[str, Any]], Any]] = {
+    "iota": lambda xs, p: _iota(p),
+    "broadcast_in_dim": lambda xs, p: _broadcast(xs[0], p),
+    "reshape": lambda xs, p: np.reshape(xs[0], tuple(p["new_sizes"])),
+    "transpose": lambda xs, p: np.transpose(xs[0], tuple(p["permutation"])),
+    "squeeze": lambda xs, p: np.squeeze(xs[0], tuple(p["dimensions"])),
+    "expand_dims": lambda xs, p: np.expand_dims(xs[0], tuple(p["dimensions"])),
+    "convert_element_type": lambda xs, p: np.asarray(xs[0]),
+    "integer_pow": lambda xs, p: np.asarray(xs[0]) ** p["y"],
+    # select_n(which, *cases): the case at each element's index
+    "select_n": lambda xs, p: np.choose(np.asarray(xs[0], int), [np.asarray(c) for c in xs[1:]]),
+}
+
+
+_BITWISE: dict[str, Callable[..., Any]] = {"and": np.bitwise_and, "or": np.bitwise_or, "not": np.invert}
+
+
+def evaluate(eqn: Any, xs: list[Any], exact: bool = False) -> Any:
+    """One primitive in numpy; KeyError where it is none of :data:`ELEMENTWISE` or :data:`STRUCTURAL`.
+    ``exact``: in the equation's own element type (an integer division truncates, a comparison is bool), as
+    a mask's positions need; else as numpy computes it (float64 at a run's sample points)."""
+    name = eqn.primitive.name
+    if name in STRUCTURAL:
+        value = STRUCTURAL[name](xs, eqn.params)
+    elif exact and name == "div" and all(np.issubdtype(np.asarray(x).dtype, np.integer) for x in xs):
+        value = np.trunc(np.divide(*xs))  # lax.div of integers rounds toward zero
+    elif exact and name in _BITWISE and all(np.issubdtype(np.asarray(x).dtype, np.integer) for x in xs):
+        value = _BITWISE[name](*xs)  # lax's and, or, not of integers are bitwise
+    else:
+        value = ELEMENTWISE[name](*xs)
+    if exact:
+        return np.asarray(value).astype(np.dtype(eqn.outvars[0].aval.dtype))
+    return value
