@@ -55,17 +55,18 @@ def _probabilities(r: Roles, causal: bool, xs: Arrays, xp: Any, window: int | No
     t, w = _words(r)
     s = sum(xp.einsum(f"{w[a]},{w[b]}->{w['rows']}{t}", xs[i], xs[j]) for i, j, a, b in _pairs(r)) * _scale(r, xs)
     if causal:
-        s = xp.where(_masked(r, s.shape, window), -np.inf, s)
+        s = xp.where(_masked(r, s.shape, window, xp), -np.inf, s)
     z = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
     return s, z / xp.sum(z, axis=-1, keepdims=True)
 
 
-def _masked(r: Roles, shape: tuple[int, ...], window: int | None) -> np.ndarray:
+def _masked(r: Roles, shape: tuple[int, ...], window: int | None, xp: Any) -> Array:
     """Where the key position (the last axis) is after the query position, or out of its sliding window
-    (:func:`shardc.ops.masks.in_window`, the causal mask's definition)."""
+    (:func:`shardc.ops.masks.in_window`, the causal mask's definition): positions compared in ``xp``, so
+    that jax.numpy traces an iota and a comparison, not a constant of the scores' size."""
     d = r.rows.index(r.query)
-    qpos = np.arange(shape[d]).reshape([-1 if j == d else 1 for j in range(len(shape))])
-    return ~in_window(qpos, np.arange(shape[-1]), window)  # type: ignore[no-any-return]
+    qpos = xp.arange(shape[d]).reshape([-1 if j == d else 1 for j in range(len(shape))])
+    return ~in_window(qpos, xp.arange(shape[-1]), window)
 
 
 def attention_forward(r: Roles, causal: bool, q: Array, k: Array, v: Array, xp: Any, *pair: Array,

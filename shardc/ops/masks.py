@@ -69,15 +69,17 @@ def _dropout(statement: Statement, call: Call) -> MaskOps:
     return MaskOps(Dropout(rate), DropoutVjp(rate), DropoutMask(rate, salt))
 
 
-def _causal_keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
+def _causal_keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int,
+                 xp: Any) -> tuple[Array, float]:
     """Keys at or before the query, by position along the whole dims, and within its window (s - W < t <= s,
-    :func:`in_window`); no scale."""
-    query, key = (np.arange(shape[labels.index(i)]).reshape(
+    :func:`in_window`); no scale.  Positions compared in ``xp``: traced in jax.numpy, an iota and a broadcast
+    comparison, no constant of the mask's size."""
+    query, key = (xp.arange(shape[labels.index(i)]).reshape(
         [-1 if j == labels.index(i) else 1 for j in range(len(labels))]) for i in call.names)
-    return np.broadcast_to(in_window(query, key, call.window), shape), 1.0
+    return xp.broadcast_to(in_window(query, key, call.window), shape), 1.0
 
 
-def in_window(query: np.ndarray, key: np.ndarray, window: int | None) -> np.ndarray:
+def in_window(query: Array, key: Array, window: int | None) -> Array:
     """Where a causal mask keeps the key: at or before the query position s, and with a sliding window W
     the W positions up to s, s - W < t <= s: W keys, itself among them, as Mistral 7B's paper has a token attend
     to at most W tokens (Jiang et al. 2023, figure 1) and Gemma 2's reference code masks (google/gemma_pytorch's
@@ -85,13 +87,14 @@ def in_window(query: np.ndarray, key: np.ndarray, window: int | None) -> np.ndar
     (``triu(mask, diagonal=-W)``, section 2's "between i - W and i") keeps one key more, s - W itself: W + 1.
     The reference's one definition, for the mask and the fused attention."""
     keep = key <= query
-    return keep if window is None else keep & (key > query - window)  # type: ignore[no-any-return]
+    return keep if window is None else keep & (key > query - window)
 
 
-def _dropout_keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
+def _dropout_keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int,
+                  xp: Any) -> tuple[Array, float]:
     """The keep-mask drawn under the salt, scaled by 1 / (1 - r)."""
     rate = call.numbers[0]
-    return keep_mask(shape, labels, salt, rate), 1.0 / (1.0 - rate)
+    return keep_mask(shape, labels, salt, rate, xp), 1.0 / (1.0 - rate)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class _Function:
 
     local_ops: Callable[[Statement, Call], MaskOps]
     aux: tuple[str, ...]
-    keep: Callable[[Call, tuple[str, ...], tuple[int, ...], int], tuple[np.ndarray, float]]
+    keep: Callable[[Call, tuple[str, ...], tuple[int, ...], int, Any], tuple[Array, float]]
     fill: float
 
 
@@ -190,32 +193,35 @@ def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
     return f"jnp.where({x[0]}, {x[1]} / {1 - rate!r}, 0)"
 
 
-def keep_mask(shape: tuple[int, ...], labels: tuple[str, ...], salt: int, rate: float) -> np.ndarray:
+def keep_mask(shape: tuple[int, ...], labels: tuple[str, ...], salt: int, rate: float, xp: Any = np) -> Array:
     """A dropout's global keep-mask: murmur3's 32-bit finaliser of each element's position (dims in
-    sorted index-name order) plus the salt, kept where at least ``rate`` * 2**32.
+    sorted index-name order) plus the salt, kept where at least ``rate`` * 2**32.  Computed in ``xp``
+    (jax.numpy while XLA's side traces: iotas and integer maps, no constant of the mask's size; the
+    same uint32 arithmetic, so the same mask).
 
     The hash wraps modulo 2**32 by design; numpy warns of that on 0-d values (a scalar
     dropout), so the warning is silenced here, where the wrapping is meant.
     """
     with np.errstate(over="ignore"):
-        h = np.zeros(shape, np.uint32)
+        h = xp.zeros(shape, xp.uint32)
         for d in sorted(range(len(shape)), key=lambda d: labels[d]):
-            pos = np.arange(shape[d], dtype=np.uint32).reshape([shape[d] if k == d else 1 for k in range(len(shape))])
+            pos = xp.arange(shape[d], dtype=xp.uint32).reshape([shape[d] if k == d else 1 for k in range(len(shape))])
             h = h * np.uint32(shape[d]) + pos
         h = h + np.uint32(salt)
         for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
             h = (h ^ (h >> np.uint32(shift))) * np.uint32(factor)
         h = h ^ (h >> np.uint32(16))
-    return h >= np.uint32(min(int(rate * 2**32), 2**32 - 1))  # type: ignore[no-any-return]
+    return h >= np.uint32(min(int(rate * 2**32), 2**32 - 1))
 
 
-def _keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int) -> tuple[np.ndarray, float]:
+def _keep(call: Call, labels: tuple[str, ...], shape: tuple[int, ...], salt: int,
+          xp: Any) -> tuple[Array, float]:
     """(where the value passes, its scale): causal keeps key <= query, dropout its keep-mask / (1 - r)."""
-    return _FUNCTIONS[call.func].keep(call, labels, shape, salt)
+    return _FUNCTIONS[call.func].keep(call, labels, shape, salt, xp)
 
 
 def _apply(site: Site, x: Array, xp: Any, absolute: bool = False) -> Array:
-    keep, scale = _keep(site.func, site.labels[0], tuple(x.shape), site.salt)
+    keep, scale = _keep(site.func, site.labels[0], tuple(x.shape), site.salt, xp)
     fill = 0.0 if absolute else _FUNCTIONS[site.func.func].fill  # a magnitude masked out is 0
     return xp.where(keep, x * scale, fill)
 
@@ -225,7 +231,7 @@ def _forward(site: Site, xs: Arrays, xp: Any) -> Array:
 
 
 def _vjp(site: Site, xs: Arrays, d: Array, xp: Any) -> Arrays:
-    keep, scale = _keep(site.func, site.labels[0], tuple(d.shape), site.salt)
+    keep, scale = _keep(site.func, site.labels[0], tuple(d.shape), site.salt, xp)
     return (xp.where(keep, d * scale, 0.0),)
 
 

@@ -28,25 +28,15 @@ from shardc.lowering.api import Lowered, lower
 from shardc.lowering.replan import unlowered_optimizer
 from shardc.lowering.row_code import id_inputs
 from shardc.lowering.sizes import devices_to_check, proportional_sizes, spec_sizes
-from shardc.ops.attention import ATTENTION
-from shardc.ops.masks import MASKS
-from shardc.ops.registry import of_call
 from shardc.planner.check import require_sound
 from shardc.planner.plan_text import step_label
 from shardc.planner.planner import plan as make_plan
-from shardc.spec.attention_call import CAUSAL, roles
 from shardc.spec.functions import ID_DTYPE
-from shardc.spec.walk import calls
 from shardc.verification.hlo import Collective, collectives
 
 __all__ = ["Row", "Side", "Comparison", "compare", "render_comparison", "pair_rows", "plan_side"]
 
 _WEIGHT = {op: float(f) for op, f in FACTOR.items()}  # the book's weighting, from the table
-# XLA's side is the reference in jax.numpy, which builds each mask in numpy while it traces: a dropout's of the
-# masked tensor's shape, a causal one's of its query positions by its keys (_largest_mask).  Measured here: the
-# 2^26 of an 8192-token causal attention (StarCoder's) compiles in about 9 s of CPU and 1 GB; GPT-3's dropout on
-# its [N, S, T] scores (2^28.6) ran past a minute.  Over this, the bytes are counted at the run's sizes.
-MAX_MASK_ELEMENTS = 2 ** 26
 
 
 @dataclass(frozen=True)
@@ -251,11 +241,8 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
                                                strict=True)]
     notes = [zero_note] if zero_note is not None else []
     real = spec_sizes(plan, count)
-    if real is None or (mask := _largest_mask(plan.spec, real)) > MAX_MASK_ELEMENTS:
-        notes.append("the bytes are counted at the run's sizes: " + (
-            "the spec gives no size to every dim" if real is None else
-            f"at the spec's, a mask XLA's side builds while it traces holds {mask:.3g} elements "
-            f"(more than {MAX_MASK_ELEMENTS:.3g})"))
+    if real is None:
+        notes.append("the bytes are counted at the run's sizes: the spec gives no size to every dim")
         counted, found = same, {"forward": collectives(str(xla.forward.lower(*fwd_args).compile().as_text()),
                                                        lowered.module.mesh),
                                 "backward": collectives(str(xla.backward.lower(*bwd_args).compile().as_text()),
@@ -277,24 +264,6 @@ def compare(plan_or_spec: Plan | Spec, devices: int | None = None, save: str = "
             repeats)
     return Comparison(plan.spec.filename or "<spec>", dict(lowered.module.mesh), same, str(plan.spec.dtype),
                       ours, theirs, notes, dict(counted))
-
-
-def _largest_mask(spec: Spec, sizes: dict[str, int]) -> int:
-    """Elements of the largest mask the jax.numpy reference builds as a constant at ``sizes``: a dropout mask the
-    shape of its statement's result (an elementwise map of it), a causal mask's or causal attention's query by
-    key (the comparison of two position vectors; its broadcast to the scores is a numpy view)."""
-    most = 0
-    for statement in spec.statements:
-        for call in calls(statement.expr):
-            if of_call(call.func) is MASKS:  # positions compared (causal's query by key: a broadcast of the
-                # comparison) or one draw per element (dropout's, the shape of the statement's result)
-                most = max(most, math.prod(sizes[n] for n in call.names) if call.names else
-                           math.prod(sizes[d.name] for d in statement.result.dims))
-            elif of_call(call.func) is ATTENTION and CAUSAL in call.names:
-                q, k, v = (tuple(d.name for d in a.dims) for a in call.args[:3] if isinstance(a, TensorRef))
-                r = roles(q, k, v, call.over)
-                most = max(most, sizes[r.query] * sizes[r.key])
-    return most
 
 
 def _abstract_collectives(plan: Plan, at: Lowered, mesh: tuple[tuple[str, int], ...]) -> dict[str, list[Collective]]:
