@@ -37,22 +37,25 @@ from shardc.errors import ShardcError, Span
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec
 from shardc.spec.walk import id_names, leaves
 
-__all__ = ["dtype_line", "merge_dtypes", "check_dtypes", "check_gemms", "contracts"]
+__all__ = ["dtype_named", "dtype_line", "merge_dtypes", "check_dtypes", "check_gemms", "contracts"]
 
 
-def _dtype(word: str, span: Span) -> DType:
+def dtype_named(word: str, span: Span, what: str = "dtype", fix: Callable[[list[str]], str] | None = None) -> DType:
+    """The element type ``word`` names, else an error at ``span``: "unknown ``what``", the fix ``fix`` makes of
+    the known names, or "use one of" them."""
     try:
         return DType(word)
     except ValueError:
-        known = ", ".join(d.value for d in DType)
-        raise ShardcError(f"unknown dtype `{word}`", span, fix=f"use one of {known}") from None
+        known = [d.value for d in DType]
+        raise ShardcError(f"unknown {what} `{word}`", span,
+                          fix=fix(known) if fix is not None else f"use one of {', '.join(known)}") from None
 
 
 def dtype_line(children: list[Token], span: Callable[[Token], Span]) -> tuple[str, Any, Span]:
     """``dtype T`` (the spec's type: item ``dtype``) or ``dtype T a, b`` (item ``dtype_tensors``: the type
     and each named tensor with its span); a ``gemm`` line likewise (items ``gemm``, ``gemm_tensors``)."""
     keyword = str(children[0])
-    kind = _dtype(str(children[1]), span(children[1]))
+    kind = dtype_named(str(children[1]), span(children[1]))
     names = [(str(t), span(t)) for t in children[2:] if t.type == "NAME"]
     if not names:
         return (keyword, kind, span(children[0]))

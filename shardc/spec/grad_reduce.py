@@ -23,6 +23,7 @@ from lark import Token
 
 from shardc.errors import ShardcError, Span, clip
 from shardc.ir.spec import GRAD_REDUCES, DType
+from shardc.spec.dtypes import dtype_named
 
 __all__ = ["grad_reduce_line"]
 
@@ -52,10 +53,6 @@ def grad_reduce_line(children: list[Token], span: Callable[..., Span]) -> tuple[
 
 
 def _reduce_dtype(token: Token, span: Callable[..., Span]) -> DType:
-    try:
-        return DType(str(token))
-    except ValueError:
-        known = ", ".join(f"`in {d.value}`" for d in DType)
-        raise ShardcError(f"unknown gradient reduction type `{clip(str(token))}`", span(token),
-                          fix=f"write one of {known} (f32: FSDP's reduce_dtype float32, Megatron-LM's fp32 "
-                              "main gradients)") from None
+    return dtype_named(clip(str(token)), span(token), "gradient reduction type",
+                       lambda known: "write one of " + ", ".join(f"`in {k}`" for k in known)
+                       + " (f32: FSDP's reduce_dtype float32, Megatron-LM's fp32 main gradients)")
