@@ -78,7 +78,7 @@ def _attention(mask: str) -> Any:
 
     def layer(x: Any, wq: Any, wk: Any, wv: Any, wo: Any) -> Any:
         q, k, v = (jnp.einsum("bsd,dnh->bsnh", x, w) for w in (wq, wk, wv))
-        scores = jnp.einsum("bsnh,btnh->bnst", q, k)
+        scores = jnp.einsum("bsnh,btnh->bnst", q, k) / 2.0
         if mask == "tril":
             scores = jnp.where(jnp.tril(jnp.ones((16, 16), bool)), scores, -jnp.inf)
         elif mask == "arange":
