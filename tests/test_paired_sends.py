@@ -37,46 +37,67 @@ def test_the_line_parses_prints_back_and_only_under_1f1b() -> None:
 
 
 def test_two_stages_by_hand() -> None:
-    # F = 1, B = 2, a send 0.5 s each way, 2 stages, 2 microbatches.  Stage 0's forward ends with its exchange
-    # (activation out, gradient in), stage 1's backward with its own (gradient out, activation in); the reader
-    # starts when both ops ended.  Stage 0: F0 0-1.5, F1 1.5-3; stage 1: F0 1.5-2.5, B0 2.5-5, F1 5-6, B1 6-8.5;
-    # stage 0: B0 5-7, B1 8.5-10.5.  Between async's 10 and blocking's 11 (tests/test_blocking_sends.py).
+    # F = 1, B = 2, a send 0.5 s each way, 2 stages, 2 microbatches.  Stage 0 runs F0 (warm-up: send_forward
+    # alone), F1 then its exchange (activation out, gradient in), B0, then B1 after recv_backward alone; stage 1
+    # F0 after recv_forward alone, B0 then its exchange (gradient out, activation in), F1, B1 then send_backward
+    # alone.  An exchange's reader starts when both ops ended; a lone receive runs beside its send, so its op
+    # starts one transfer before the sender's ends.  Stage 0: F0 0-1.5, F1 1.5-3; stage 1: F0 1-2.5 (its receive
+    # 1-1.5), B0 2.5-5, F1 5-6, B1 6-8.5; stage 0: B0 5-7, B1 8-10.5 (its receive 8-8.5).
     sim = simulate("1f1b", 2, 2, Timing(1.0, 2.0, comm=0.5), blocking=PAIRED)
     ends = {(o.device, o.kind, o.microbatch): (o.start, o.end) for o in sim.ops}
-    assert ends[(1, "F", 0)] == (1.5, 2.5) and ends[(1, "B", 0)] == (2.5, 5.0) and ends[(0, "B", 0)] == (5.0, 7.0)
-    assert ends[(1, "F", 1)] == (5.0, 6.0) and ends[(0, "B", 1)] == (8.5, 10.5)
+    assert ends[(1, "F", 0)] == (1.0, 2.5) and ends[(1, "B", 0)] == (2.5, 5.0) and ends[(0, "B", 0)] == (5.0, 7.0)
+    assert ends[(1, "F", 1)] == (5.0, 6.0) and ends[(0, "B", 1)] == (8.0, 10.5)
     assert math.isclose(sim.makespan, 10.5)
 
 
 def test_each_side_gathers_what_it_received() -> None:
-    # The sends 0.5 s, of them the receiving side's AllGather 0.2 for an activation, 0.1 for a gradient: the
-    # exchange max(0.3, 0.4) = 0.4, then stage 0 gathers the gradient (0.1), stage 1 the activation (0.2).  Stage 1:
-    # F0 1.6 (0.4 + 0.2 after stage 0's F0) - 2.6, B0 2.6-5.2 (2 + 0.4 + 0.2); stage 0: B0 5.1-7.1 (the exchange
-    # ended 5.0), B1 8.7-10.7 (stage 1's B1 ended 8.2 + 0.4 + 0.1).
+    # The sends 0.5 s, of them the receiving side's AllGather 0.2 for an activation, 0.1 for a gradient: an
+    # exchange max(0.3, 0.4) = 0.4, then each side gathers what it got; a lone send 0.3 or 0.4, the sender
+    # gathering nothing.  Stage 0: F0 0-1.3 (1 + its send alone 0.3), F1 1.3-2.8 (exchange 0.4, the gradient's
+    # gather 0.1); stage 1: F0 1-2.5 (its receive 0.3 and gather 0.2 first), B0 2.5-5.1 (2 + 0.4 + 0.2); stage 0:
+    # B0 5-7 (the exchange ended 5); stage 1: F1 5.1-6.1, B1 6.1-8.5 (its send alone 0.4); stage 0: B1 8.1-10.6.
     sim = simulate("1f1b", 2, 2, Timing(1.0, 2.0, comm=0.5), blocking=Held(0.2, 0.1, paired=True))
     ends = {(o.device, o.kind, o.microbatch): (o.start, o.end) for o in sim.ops}
-    assert ends[(1, "F", 0)] == pytest.approx((1.6, 2.6)) and ends[(1, "B", 0)] == pytest.approx((2.6, 5.2))
-    assert ends[(0, "B", 0)] == pytest.approx((5.1, 7.1)) and ends[(0, "B", 1)] == pytest.approx((8.7, 10.7))
+    assert ends[(0, "F", 0)] == pytest.approx((0.0, 1.3)) and ends[(0, "F", 1)] == pytest.approx((1.3, 2.8))
+    assert ends[(1, "F", 0)] == pytest.approx((1.0, 2.5)) and ends[(1, "B", 0)] == pytest.approx((2.5, 5.1))
+    assert ends[(0, "B", 0)] == pytest.approx((5.0, 7.0)) and ends[(1, "B", 1)] == pytest.approx((6.1, 8.5))
+    assert ends[(0, "B", 1)] == pytest.approx((8.1, 10.6)) and math.isclose(sim.makespan, 10.6)
 
 
 def test_three_stages_by_hand() -> None:
-    # F = 1, B = 2, a send 0.5 s; stage 0's forward 1.5, stage 1's forward 1.5 and backward 2.5, stage 2's
-    # backward 2.5.  Stage 0: F0 0-1.5, F1 -3, F2 -4.5; stage 1: F0 1.5-3, F1 3-4.5; stage 2: F0 3-4, B0 -6.5;
-    # stage 1: B0 6.5-9; stage 2: F1 6.5-7.5, B1 -10; stage 1: F2 9-10.5, B1 10.5-13; stage 0: B0 9-11, B1 13-15;
-    # stage 2: F2 10.5-11.5, B2 -14; stage 1: B2 14-16.5; stage 0: B2 16.5-18.5.
+    # F = 1, B = 2, a send 0.5 s.  Stage 0: F0 0-1.5, F1 -3 (warm-up: each sent alone), F2 3-4.5 (exchange);
+    # stage 1: F0 1-3 (received and sent alone), F1 3-5 (received alone, exchange); stage 2: F0 2.5-4 (received
+    # alone), B0 -6.5, F1 -7.5, B1 -10 (exchanges); stage 1: B0 6.5-9 (exchange), F2 9-10.5, B1 10.5-13 (the last
+    # steady backward: sent alone); stage 0: B0 9-11, B1 12.5-15 (received alone); stage 2: F2 10.5-11.5,
+    # B2 -14 (sent alone); stage 1: B2 13.5-16.5 (cool-down: received and sent alone); stage 0: B2 16-18.5.
     sim = simulate("1f1b", 3, 3, Timing(1.0, 2.0, comm=0.5), blocking=PAIRED)
     ends = {(o.device, o.kind, o.microbatch): (o.start, o.end) for o in sim.ops}
-    assert ends[(1, "B", 0)] == (6.5, 9.0) and ends[(0, "B", 1)] == (13.0, 15.0) and ends[(1, "B", 2)] == (14.0, 16.5)
+    assert ends[(1, "F", 0)] == (1.0, 3.0) and ends[(2, "F", 0)] == (2.5, 4.0) and ends[(1, "B", 0)] == (6.5, 9.0)
+    assert ends[(0, "B", 1)] == (12.5, 15.0) and ends[(1, "B", 2)] == (13.5, 16.5)
     assert math.isclose(sim.makespan, 18.5)
 
 
-def test_a_middle_stage_holds_two_exchanges_a_microbatch() -> None:
-    # a gradient's send (0.5) longer than an activation's (0.25): each exchange lasts the longer, both at once
+def test_the_warm_up_and_cool_down_transfers_hold_alone() -> None:
+    # Megatron-LM's warm-up (recv_forward, forward, send_forward) and cool-down (recv_backward, backward,
+    # send_backward) each send or receive one tensor alone, at its own time: with an activation's send 0.25 s
+    # and a gradient's 0.5, a warm-up forward holds 0.25 where an exchange holds the longer, 0.5.  3 stages, 6
+    # microbatches, F = 1, B = 2.  Stage 1 (1 warm-up forward): F0 receives and sends alone (0.5), F1 receives
+    # alone and exchanges (0.75), F2-F5 exchange (4 x 0.5), B0-B3 exchange (4 x 0.5), B4 sends alone (0.5), B5
+    # receives and sends alone (1): 6.75 s of transfers where every op exchanging would be 6 x 2 x 0.5 = 6.
+    # Stage 0 (2 warm-up forwards): 2 x 0.25 + 4 x 0.5 + 2 x 0.5 (its two cool-down receives) = 3.5;
+    # stage 2: F0's receive 0.25, B0-B4's exchanges 2.5, B5's send 0.5 = 3.25.
     t = Timing(1.0, 2.0, comm=0.25, comm_back=0.5)
     paired, blocking = simulate("1f1b", 3, 6, t, blocking=PAIRED), simulate("1f1b", 3, 6, t, blocking=Held())
-    assert math.isclose(paired.work(1), 6 * (1.0 + 2.0 + 2 * 0.5))
-    assert math.isclose(paired.work(0), 6 * (1.0 + 2.0 + 0.5))  # an end stage: one neighbour
-    assert math.isclose(blocking.work(1), 6 * (1.0 + 2.0 + 2 * 0.25 + 2 * 0.5))
+    assert [paired.work(d) - 6 * 3.0 for d in range(3)] == pytest.approx([3.5, 6.75, 3.25])
+    ends = {(o.device, o.kind, o.microbatch): (o.start, o.end) for o in paired.ops}
+    assert ends[(0, "F", 0)] == (0.0, 1.25) and ends[(0, "F", 2)] == (2.5, 4.0)  # alone, then exchanged
+    assert math.isclose(paired.ideal, 6 * 3.0 + 6.75)
+    assert math.isclose(blocking.work(1), 6 * (1.0 + 2.0 + 2 * 0.25 + 2 * 0.5))  # DeepSpeed's: one at a time
+
+
+def test_sends_paired_is_1f1b_only() -> None:
+    with pytest.raises(ShardcError, match="only under 1f1b"):
+        simulate("gpipe", 2, 2, Timing(1.0, 2.0, comm=0.5), blocking=PAIRED)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +111,10 @@ def test_the_cost_holds_each_stages_exchanges(costs: dict[str, CostReport]) -> N
     assert async_ is not None and paired is not None and paired.timing == async_.timing
     c, back = paired.timing.comm, paired.timing.send_back
     assert c > 0 and not paired.p2p_split  # one node: no gathers
-    # each of the 2 stages' 4 microbatches: one exchange more work
-    assert math.isclose(paired.simulation.ideal - async_.simulation.ideal, 4 * max(c, back), rel_tol=1e-9)
+    # each of the 2 stages' 4 microbatches: 3 exchanges (the steady state's) and 2 transfers alone (stage 0's
+    # warm-up send and cool-down receive, stage 1's first receive and last send) more work
+    assert math.isclose(paired.simulation.ideal - async_.simulation.ideal, 3 * max(c, back) + c + back,
+                        rel_tol=1e-9)
     assert paired.step_s > async_.step_s
     assert paired.to_json()["schedule"] == "1f1b" and paired.to_json()["sends"] == "paired"
     assert any(n.startswith("sends paired:") for n in costs["paired"].notes)

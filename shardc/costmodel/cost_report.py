@@ -360,9 +360,9 @@ def token_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
 _SENDS_NOTES = {
     "blocking": "sends blocking: each point-to-point transfer holds its sender and its receiver, no compute under it "
                 "(DeepSpeed's pipeline engine's p2p.send/recv)",
-    "paired": "sends paired: a step's send and receive with one neighbour go as one exchange that holds both "
-              "stages, no compute under it (Megatron-LM's p2p_communication._communicate: batch_isend_irecv, "
-              "waited on)"}
+    "paired": "sends paired: a steady step's send and receive with one neighbour go as one exchange that holds "
+              "both stages, the warm-up's and the cool-down's transfers one at a time, no compute under them "
+              "(Megatron-LM's p2p_communication._communicate: batch_isend_irecv, waited on)"}
 
 
 def _notes(plan: Plan, hw: Hardware, sizes: dict[str, int], links: Layout) -> tuple[str, ...]:

@@ -38,7 +38,8 @@ def run_orders(schedule: str, p: int, m: int, durations: list[dict[str, float]],
 
 
 # A step of a walk: the device, the group it runs, and what the group reads: (the step that made the
-# input, how it comes: 0 on the device, 1 a forward's send, 2 a backward's gradient's)
+# input, how it comes: 0 on the device, 1 a forward's send, 2 a backward's gradient's; a timeline of
+# ``sends paired`` also 3 and 4, the same sent alone: shardc.pipeline.paired_sends.megatron_steps)
 Step = tuple[int, Group, tuple[tuple[int, int], ...]]
 
 
@@ -151,15 +152,18 @@ def timeline(p: int, steps: tuple[Step, ...], durations: list[dict[str, float]],
     return result
 
 
-def one_timeline(p: int, steps: Ones, durations: list[dict[str, float]],
-                 sends: tuple[float, float, float]) -> Runs:
+def one_timeline(p: int, steps: Ones, durations: list[dict[str, float]], sends: tuple[float, ...],
+                 seconds: list[float] | None = None) -> Runs:
     """:func:`timeline` of a walk whose groups are each one op, without its cases: a re-cost's hot loop, its
-    ops left as columns (made into :class:`Op` tuples, and sorted, only where read)."""
+    ops left as columns (made into :class:`Op` tuples, and sorted, only where read).  ``seconds``: each step's
+    own, where an op's time is not its chunk's (``sends paired``'s warm-up and cool-down ops)."""
     starts: list[float] = []
     ends: list[float] = []
     free = [0.0] * p
-    for d, kind, c, a, a_how, b, b_how in zip(steps.device, steps.kind, steps.chunk, steps.first,
-                                              steps.first_how, steps.second, steps.second_how, strict=True):
+    if seconds is None:
+        seconds = [durations[c][kind] for c, kind in zip(steps.chunk, steps.kind, strict=True)]
+    for d, took, a, a_how, b, b_how in zip(steps.device, seconds, steps.first, steps.first_how, steps.second,
+                                           steps.second_how, strict=True):
         start = free[d]
         if a >= 0:
             end = ends[a] + sends[a_how] if a_how else ends[a]
@@ -169,7 +173,7 @@ def one_timeline(p: int, steps: Ones, durations: list[dict[str, float]],
                 end = ends[b] + sends[b_how] if b_how else ends[b]
                 if end > start:
                     start = end
-        t = start + durations[c][kind]
+        t = start + took
         starts.append(start)
         ends.append(t)
         free[d] = t

@@ -61,6 +61,7 @@ from shardc.pipeline.dualpipe import TWO_WAY, Group, dualpipe_orders
 from shardc.pipeline.fixed_orders import fixed_order
 from shardc.pipeline.greedy import greedy_order
 from shardc.pipeline.order_walk import Ones, Step, one_timeline, ones, run_orders, sends_of, timeline, walk
+from shardc.pipeline.paired_sends import megatron_steps
 from shardc.pipeline.simulation import (
     PAIRED,
     ZERO_BUBBLE,
@@ -108,6 +109,9 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
     zb = schedule in ZERO_BUBBLE
     if schedule in PAIRED:
         check_dualpipe(schedule, p, m)
+    if blocking is not None and blocking.paired and schedule != "1f1b":
+        raise ShardcError(f"sends paired: only under 1f1b (Megatron-LM's), not {schedule}",
+                          fix="simulate schedule 1f1b, or hold the sends one at a time (sends blocking)")
     if chunk_times is None:  # a device's chunks share the stage's layers equally (DualPipe's: each a stage)
         k = stage_share(schedule, chunks)
         share = Timing(timing.forward * k, timing.backward * k, timing.weight * k,
@@ -118,6 +122,7 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
                           f"not the {len(chunk_times)} timed")
     check_budget(schedule, p, m, virtual)
     sends = timing.comm, timing.send_back
+    bare = chunk_times  # the ops' own times, before the transfers they hold
     if blocking is not None:
         adds = [transfers(c, len(chunk_times), sends, blocking) for c in range(len(chunk_times))]
         chunk_times = tuple(replace(t, forward=t.forward + f, backward=t.backward + b)
@@ -135,12 +140,18 @@ def simulate(schedule: str, stages: int, microbatches: int, timing: Timing, virt
         flat = ones(found_steps)
     else:  # a fixed order: its walk depends on the schedule's shape alone, so a re-cost reuses it
         orders, steps, flat = _fixed_walk(schedule, p, m, virtual)
-    if flat is not None:  # each device's order is read off the runs (Simulation.orders)
+    if blocking is not None and blocking.paired:  # the warm-up's and cool-down's ops hold their transfers alone
+        assert flat is not None  # 1f1b's fixed order, one op a group
+        marked, seconds, delays = megatron_steps(flat, p, m, [_durations(t, zb) for t in bare], (timing.comm,
+                                                 timing.send_back), (blocking.gather, blocking.gather_back))
+        runs, orders = one_timeline(p, marked, durations, delays, seconds), ()
+    elif flat is not None:  # each device's order is read off the runs (Simulation.orders)
         runs, orders = one_timeline(p, flat, durations, sends_of(*sends)), ()
     else:
         assert steps is not None
         runs = Runs.of(timeline(p, steps, durations, sends[0], chunk_times, back=sends[1]))
-    return Simulation(schedule, p, m, chunks, timing, runs, tuple(chunk_times), orders)
+    return Simulation(schedule, p, m, chunks, timing, runs, tuple(chunk_times), orders,
+                      summed=blocking is not None and blocking.paired)
 
 
 def check_budget(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:

@@ -116,6 +116,9 @@ class Simulation:
     chunk_times: tuple[Timing, ...] = ()  # a microbatch's times through each model chunk, in chunk order
     # each device's groups in the order it ran them, where they are not each one op run (else read off the runs)
     groups: tuple[tuple[Group, ...], ...] = field(default=(), repr=False, compare=False)
+    # whether a chunk's ops take other times than its chunk_times (``sends paired``: the warm-up's and cool-down's
+    # hold their transfers alone, chunk_times the steady state's), so a device's work sums its ops
+    summed: bool = False
 
     @cached_property
     def ops(self) -> tuple[Op, ...]:
@@ -138,7 +141,7 @@ class Simulation:
     def work(self, device: int) -> float:
         """Seconds of ops ``device`` runs: every microbatch through each chunk it holds (DualPipe's
         overlapped pairs at the pair's time: each chunk sees half the microbatches)."""
-        if self.schedule in PAIRED:
+        if self.schedule in PAIRED or self.summed:
             r = self.runs
             return math.fsum(e - s for s, e, d in zip(r.start, r.end, r.device, strict=True) if d == device)
         return self.microbatches * math.fsum(t.total for c, t in enumerate(self.chunk_times)
