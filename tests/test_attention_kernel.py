@@ -14,6 +14,8 @@ from shardc.chip_choice import load_hardware_file
 from shardc.chip_model import interpolate
 from shardc.cli.main import main
 from shardc.costmodel.cost_report import CostReport
+from shardc.costmodel.cost_text import render
+from shardc.costmodel.phase_cost import MFU_ATTENTION_CONVENTION
 from shardc.errors import ShardcError
 from shardc.hardware import KERNELS, PRESETS, Hardware
 from shardc.ir.localops import Attention
@@ -76,12 +78,15 @@ def test_attention_seconds_interpolates_in_keys_and_falls_back_to_the_matmul_rat
     assert h100.attention_seconds(0.0, 4096, True) == 0.0
 
 
-def _causal(seq: int, hardware: str | Hardware = "h100", recompute: str = "none") -> Plan:
-    text = (f"mesh X=8\ndims B=8, S={seq}, T={seq}, D=1024, N=8, H=128\nhardware h100\nparam W_q, W_o\n"
+def _causal_text(seq: int) -> str:
+    return (f"mesh X=8\ndims B=8, S={seq}, T={seq}, D=1024, N=8, H=128\nhardware h100\nparam W_q, W_o\n"
             "Q[B_X, S, N, H] = L[B_X, S, D] · W_q[D, N, H]\n"
             "C[B_X, S, N, H] = attention(Q[B_X, S, N, H], K[B_X, T, N, H], V[B_X, T, N, H] over T, causal)\n"
             "Y[B_X, S, D] = C[B_X, S, N, H] · W_o[N, H, D]\n")
-    return shardc.plan(shardc.parse(text), hardware=hardware, recompute=recompute)
+
+
+def _causal(seq: int, hardware: str | Hardware = "h100", recompute: str = "none") -> Plan:
+    return shardc.plan(shardc.parse(_causal_text(seq)), hardware=hardware, recompute=recompute)
 
 
 def _report(plan: Plan, hardware: str | Hardware = "h100") -> CostReport:
@@ -174,6 +179,22 @@ def test_causal_hardware_flops_are_what_the_chip_runs_and_hfu_stays_below_one(re
     assert 0 < report.step.hfu <= 1.0
     if recompute == "none":  # nothing run again: the chip runs less than the model FLOPs count
         assert report.step.hfu < report.step.mfu
+
+
+def test_hfu_below_mfu_says_why() -> None:
+    """A causal kernel runs half the scores the model FLOPs count (PaLM's convention): where that puts HFU
+    below MFU the report says so under the MFU line, and the JSON names the convention; where recomputation
+    lifts HFU above MFU (short sequences, the projections' FLOPs the most), or nothing is causal, no such line."""
+    none, full = _report(_causal(4096)), _report(_causal(256, recompute="full"))
+    assert none.step.hfu < none.step.mfu and full.step.hfu > full.step.mfu
+    lines = render(none).splitlines()
+    step = lines.index("step (forward + backward)")
+    at = next(i for i in range(step, len(lines)) if lines[i].lstrip().startswith("MFU "))
+    assert lines[at + 1].strip() == none.step.below_mfu and "causal attention whole" in lines[at + 1]
+    assert full.step.below_mfu is None and "HFU below MFU" not in "\n".join(render(full).splitlines()[step:])
+    flat = shardc.cost(shardc.plan(shardc.parse(_causal_text(4096).replace(", causal)", ")"))))
+    assert isinstance(flat, CostReport) and flat.step.below_mfu is None and "HFU below MFU" not in render(flat)
+    assert none.to_json()["step"]["mfu_attention_convention"] == MFU_ATTENTION_CONVENTION == "whole"
 
 
 def test_a_hardware_file_takes_attention_points_and_the_hardware_json_lists_them(

@@ -134,6 +134,8 @@ def _totals(p: PhaseCost, layers: int, at_mfu: tuple[float | None, float] | None
     lines.append(f"  MFU {p.mfu:.1%} (model FLOPs {fmt_flops(p.model_flops)}, recomputation not counted, over the "
                  f"{p.dtype} peak {fmt_flops(p.hardware.peak(p.dtype))}/s), "
                  f"HFU {p.hfu:.1%}" + (f"; {p.tokens_per_s_per_chip:,.0f} tokens/s a chip" if p.tokens else ""))
+    if p.below_mfu is not None:
+        lines.append(f"  {p.below_mfu}")
     if at_mfu is not None and at_mfu[0] is not None and p.mfu_assumed is not None:
         lines.append(f"  at {p.mfu_assumed:.0%} MFU: {fmt_seconds(at_mfu[0])} "
                      f"(model FLOPs {fmt_flops(at_mfu[1])} / (devices * C * MFU))")

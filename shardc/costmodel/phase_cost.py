@@ -23,7 +23,9 @@ as it runs (its layers, :func:`shardc.layer_counts.runs`; a pipelined stage's mi
   in), or the step holds host time nothing hides (:attr:`~shardc.costmodel.offload.Offload.host_bound`;
   a pipeline's stages each by their own copies); ``shardc layouts`` gives each row this verdict.
 * ``mfu``: model FLOPs (the einsums once, recomputed ones not counted, as PaLM
-  counts them) / (devices * C * step_s); ``hfu`` counts the recomputed FLOPs too.
+  counts them) / (devices * C * step_s); ``hfu`` counts the recomputed FLOPs too, and of a causal
+  attention kernel only the blocks it runs, where MFU counts its whole S x T
+  (:data:`MFU_ATTENTION_CONVENTION`): so HFU can be below MFU, and the report says why (:attr:`PhaseCost.below_mfu`).
   With ``mfu=0.4``, ``step_at_mfu_s`` = model FLOPs / (devices * C * 0.4), the
   book's estimate.  ``tokens_per_s_per_chip``: the step's tokens (the model
   input's dims no param has) over step_s and the devices.
@@ -52,7 +54,14 @@ from shardc.phase_time import (
 from shardc.stage_phases import reductions_exposed
 from shardc.step_cost import StepCost
 
-__all__ = ["PhaseCost"]
+__all__ = ["PhaseCost", "MFU_ATTENTION_CONVENTION"]
+
+# How MFU's model FLOPs count a causal (or windowed) attention: its whole S x T scores, as PaLM's MFU counts them
+# (Chowdhery et al. 2022, appendix B: 6N + 12 L H Q T a token), torchtitan's (get_num_flop_per_token: "we follow the
+# convention and do not account for sparsity in causal attention") and MaxText's
+# (calculate_tflops_training_per_device: causality not discounted); HFU's hardware FLOPs count the blocks the kernel
+# runs, its unmasked half (a window's band: shardc.ops.attention).  Both right by their definitions.
+MFU_ATTENTION_CONVENTION = "whole"
 
 
 @dataclass(frozen=True)
@@ -230,6 +239,17 @@ class PhaseCost:
         return self._utilisation(self.hardware_flops)
 
     @property
+    def below_mfu(self) -> str | None:
+        """Why HFU is below MFU, where it is (else None): only a causal or windowed attention kernel runs fewer
+        FLOPs than the model FLOPs count (:data:`MFU_ATTENTION_CONVENTION`), and a reader seeing HFU < MFU sees
+        a bug otherwise."""
+        if self.hardware_flops >= self.model_flops * (1 - 1e-12):  # sums of the same rows, rounded apart
+            return None
+        return ("HFU below MFU: the model FLOPs count causal attention whole (PaLM's appendix B convention, "
+                "torchtitan's and MaxText's); the causal kernel runs its unmasked half (a window's band), "
+                "which HFU counts")
+
+    @property
     def tokens_per_s_per_chip(self) -> float:
         return self.tokens / (self.step_s * self.devices) if self.step_s and self.devices else 0.0
 
@@ -252,7 +272,7 @@ class PhaseCost:
             "offload_s": self.offload_s,
             "step_s": self.step_s, "exposed_comm_s": self.exposed_comm_s, "exposed_ends_s": self.exposed_ends_s,
             "step_ahead_only_s": self.step_ahead_only_s, "bound": self.bound, "mfu": self.mfu,
-            "mfu_peak_dtype": self.dtype, "hfu": self.hfu,
+            "mfu_peak_dtype": self.dtype, "mfu_attention_convention": MFU_ATTENTION_CONVENTION, "hfu": self.hfu,
             "tokens": self.tokens, "tokens_per_s_per_chip": self.tokens_per_s_per_chip,
             "step_at_mfu_s": self.step_at_mfu_s,
         }
