@@ -417,7 +417,9 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
     # one sweep over the births and last reads: at each birth (what is alive at a step is alive at the latest
     # birth before it), the values born by then and read at or after it; each value's bytes are a whole number
     # of elements times its element's bytes, so the running sum is exact in any order
-    nbytes = {r: value_bytes(plan, r, sizes) for r in born}  # once a value, not once a step it is alive at
+    # once a value, not once a step it is alive at; a gathered param in its gather type (`param_gather in f8`:
+    # torchao's fsdp_post_all_gather hands the float8 data itself to the GEMM), a gradient in its own
+    nbytes = {r: float(local_elements(r, sizes)) * plan.gathered_nbytes(r.name) for r in born}
     events: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
     for ref in born:
         events.setdefault(born[ref], ([], []))[0].append(ref)

@@ -325,6 +325,9 @@ class Plan:
     # keep-mask 1 (shardc.planner.graph.Graph.element_bytes decides); read through :meth:`nbytes`
     # wherever bytes are counted
     element_bytes: tuple[tuple[str, int], ...] = ()
+    # param -> bytes an element its AllGathers move, where a `param_gather ... in T` line casts it before
+    # gathering (shardc.planner.graph.Graph.gathered_bytes); read through :meth:`gathered_nbytes`
+    gathered_bytes: tuple[tuple[str, int], ...] = ()
     # tensor -> its element type, where a `dtype T` line makes it other than the spec's
     # (shardc.planner.graph.Graph.dtypes); an einsum's rate is its operands' (:attr:`precision`)
     dtypes: tuple[tuple[str, DType], ...] = ()
@@ -357,6 +360,11 @@ class Plan:
     def nbytes(self, tensor: str) -> int:
         """Bytes an element of ``tensor`` (:func:`shardc.spec.walk.nbytes_of`)."""
         return nbytes_of(tensor, dict(self.element_bytes), self.spec.dtype)
+
+    def gathered_nbytes(self, tensor: str) -> int:
+        """Bytes an element of ``tensor``'s AllGathers move, and of the gathered value it holds: a param's gather
+        type where the spec names one, else :meth:`nbytes`."""
+        return dict(self.gathered_bytes).get(tensor) or self.nbytes(tensor)
 
     def fixed_bytes(self) -> dict[str, int]:
         """:attr:`element_bytes` of the tensors whose elements are not floating-point (token ids, keep-masks):

@@ -78,6 +78,9 @@ class CostContext:
     accumulated: frozenset[str] = frozenset()
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
+    # param -> bytes an element its AllGathers move, where the spec's `param_gather in T` says
+    # (shardc.planner.graph.Graph.gathered_bytes); read through gather_nbytes
+    gathered: dict[str, int] = field(default_factory=dict)
     # the tensors' types where not the dtype, and the GEMMs' (`gemm f8`): an einsum's rate; None: all of dtype
     precision: Precision | None = None
     # each param's value as the device holds it: a GEMM reading it so quantizes nothing (shardc.quantize)
@@ -138,6 +141,10 @@ class CostContext:
         """Bytes an element of ``tensor``: 4 for token ids (int32), else the dtype's."""
         return nbytes_of(tensor, self.element_bytes, self.dtype)
 
+    def gather_nbytes(self, tensor: str) -> int:
+        """Bytes an element of ``tensor``'s AllGathers move: a param's gather type's, else :meth:`nbytes`."""
+        return self.gathered.get(tensor) or self.nbytes(tensor)
+
     def matmul_dtype(self, operands: Iterable[str]) -> str:
         """The element type an einsum (or a kernel's matmuls) of these operands runs in
         (:meth:`shardc.ir.precision.Precision.matmul`)."""
@@ -166,9 +173,11 @@ class CostContext:
             return 0.0
         return self.hardware.memory_seconds(nbytes) * self.compute_weight * self.repeats
 
-    def kind(self, tensor: str) -> tuple[bool, int, bool]:
-        """What a tensor's moves' costs depend on beside its indices: weight, element bytes, reduced once a step."""
-        return tensor in self.weights, self.nbytes(tensor), self.repeats > 1 and tensor in self.accumulated
+    def kind(self, tensor: str) -> tuple[bool, int, int, bool]:
+        """What a tensor's moves' costs depend on beside its indices: weight, element bytes (its gathers' too),
+        reduced once a step."""
+        return (tensor in self.weights, self.nbytes(tensor), self.gather_nbytes(tensor),
+                self.repeats > 1 and tensor in self.accumulated)
 
     def local_bytes(self, indices: tuple[str, ...], value: Value, nbytes: int | None = None) -> Monomial:
         """Per-device bytes of ``value`` as a formula: element bytes (``nbytes``, else the dtype's) * dims / axes."""
@@ -221,7 +230,8 @@ class CostContext:
             return ZERO
         volume: Monomial | float = move.volume
         if idx is not None and self.padded and self.sizes is not None:
-            volume = self.padded_bytes(move, idx, self.nbytes(tensor))
+            volume = self.padded_bytes(move, idx, self.gather_nbytes(tensor) if move.op is Op.ALL_GATHER
+                                       else self.nbytes(tensor))
         seconds = self.seconds(move.op, volume, move.axes, self.routed(move.op, idx, (move.dim, move.dim2)))
         # as often as run a step: a gradient's reduction once, on the microbatches' sums (gradient_reductions)
         once = tensor in self.accumulated and move.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)
@@ -275,7 +285,8 @@ class CostContext:
         hit = self._edges.get(key)
         if hit is None:
             hit = self._edges[key] = tuple(self._edge(m, tensor, idx)
-                                           for m in neighbours(self, idx, self.values[state], self.nbytes(tensor)))
+                                           for m in neighbours(self, idx, self.values[state], self.nbytes(tensor),
+                                                              self.gather_nbytes(tensor)))
             self.tick(len(hit))
         return hit
 
@@ -414,15 +425,18 @@ def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | 
                         yield Move(Op.REDUCE_SCATTER, v, dst, order, dim=d, volume=volume)
 
 
-def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None = None) -> Iterator[Move]:
-    """The moves out of ``v``, their volumes at ``nbytes`` an element (else the dtype's)."""
+def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None = None,
+               gathered: int | None = None) -> Iterator[Move]:
+    """The moves out of ``v``, their volumes at ``nbytes`` an element (else the dtype's), its AllGathers' at
+    ``gathered`` where given (a param's gather type: :meth:`CostContext.gather_nbytes`)."""
+    wide = nbytes if gathered is None else gathered
     yield from _reductions(ctx, idx, v, nbytes)
-    yield from _gathers(ctx, idx, v, nbytes)
-    yield from _multi_gathers(ctx, idx, v, nbytes)
+    yield from _gathers(ctx, idx, v, wide)
+    yield from _multi_gathers(ctx, idx, v, wide)
     yield from _slices(ctx, idx, v)
     yield from _all_to_alls(ctx, idx, v, nbytes)
     if ctx.places is not None:
-        for gather in itertools.chain(_gathers(ctx, idx, v, nbytes), _multi_gathers(ctx, idx, v, nbytes)):
+        for gather in itertools.chain(_gathers(ctx, idx, v, wide), _multi_gathers(ctx, idx, v, wide)):
             yield from spanning(ctx, idx, gather)
 
 

@@ -26,7 +26,7 @@ from shardc.verification.ring_hlo import ring_sends
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text", "compare_values",
            "Planned", "planned_collective", "unplanned_row", "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE",
-           "POWER", "cut_note", "gemm_note"]
+           "POWER", "cut_note", "gemm_note", "gather_note"]
 
 STORAGE_DTYPE = {"f8": ARRAY_DTYPE[DType.F8]}  # inputs are rounded to this first
 # (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
@@ -52,6 +52,17 @@ def gemm_note(spec: Spec) -> list[str]:
             "rounding errs by up to 2**-4 of each operand, E4M3's half step, and an operand the module and the "
             "reference round to neighbouring E4M3 values (their inputs differ by the compute type's rounding) "
             "errs by one step there"]
+
+
+def gather_note(spec: Spec) -> list[str]:
+    """What verify checks of a spec's ``param_gather ... in T``: the module gathers each param in its own type."""
+    kind = spec.param_gather_dtype
+    if kind is None:
+        return []
+    return [f"param_gather in {kind}: the lowered module gathers each param in its own type, not cast to {kind} "
+            "and back (the values checked are the uncast params'); a param's all-gather row counts its elements at "
+            f"{kind.nbytes} byte{'s' if kind.nbytes > 1 else ''} each, as the plan and the cost move them, where the "
+            "module's moved its own type's"]
 
 
 @dataclass(frozen=True)
