@@ -21,7 +21,8 @@ from shardc.ir.spec import DType
 from shardc.layer_counts import block_counts
 from shardc.planner.check import check_plan
 from shardc.timing import plan_sizes, plan_time
-from shardc.verification.report import gather_note
+from shardc.verification.hlo import Collective
+from shardc.verification.report import gather_note, match_collectives
 
 SIZES = {"B": 64, "D": 256, "F": 512, "X": 4, "Y": 2}
 # FSDP (ZeRO-3) over X (4 devices), the MLP's hidden dim over Y (2)
@@ -113,3 +114,16 @@ def test_verify_and_lower_say_the_module_gathers_in_the_params_type(plans: dict[
     assert gather_note(plans[None].spec) == []
     (note,) = gather_note(plans["f8"].spec)
     assert "gathers each param in its own type" in note
+
+
+def test_verify_matches_a_param_gather_by_its_elements_at_the_gather_type(plans: dict[str | None, Plan]) -> None:
+    """The module's HLO gathers W_in's elements in its own type (float32 at verify's sizes); the plan's row, in
+    f8, matches them counted at 1 byte each (Plan.gathered_nbytes), and would not at the param's own bytes."""
+    plan = plans["f8"]
+    steps = tuple(s for s in plan.forward if s.is_collective)
+    found = [Collective(s.op, s.op.value.replace("_", "-"), s.axes,  # the elements each step moves
+                        int(s.volume.evaluate(SIZES)) // plan.gathered_nbytes(s.tensor), "f32", "") for s in steps]
+    rows = match_collectives("forward", steps, list(found), SIZES, 2, element=plan.gathered_nbytes)
+    assert [r.ok for r in rows] == [True] * len(steps) and len(steps) == 3
+    wrong = match_collectives("forward", steps, list(found), SIZES, 2, element=plan.nbytes)
+    assert [r.ok for r in wrong] == [s.tensor == "Out" for s in steps]  # the gathers' bytes differ
