@@ -33,11 +33,10 @@ def scale_reduction(plan: Plan, counts: Sequence[int]) -> tuple[float, tuple[str
     mesh axes the params are gathered over (in mesh order); (0, ()) where no param is gathered in float8."""
     if plan.spec.param_gather_dtype is not DType.F8:
         return 0.0, ()
-    narrow = dict(plan.gathered_bytes)
     first: dict[str, Step] = {}  # each param's first gather (gathered again in the backward: counted once)
     axes: set[str] = set()
     for step in plan.forward + plan.backward + plan.optimizer:
-        if step.op is Op.ALL_GATHER and step.tensor in narrow:
+        if step.op is Op.ALL_GATHER and plan.moved_nbytes(step) < plan.nbytes(step.tensor):
             first.setdefault(step.tensor, step)
             axes.update(step.axes)
     weights = sum(step_count(s, counts) for s in first.values())

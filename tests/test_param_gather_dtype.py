@@ -20,6 +20,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import DType
 from shardc.layer_counts import block_counts
 from shardc.planner.check import check_plan
+from shardc.quantize import quantize_passes
 from shardc.timing import plan_sizes, plan_time
 from shardc.verification.hlo import Collective
 from shardc.verification.report import gather_note, match_collectives
@@ -118,12 +119,37 @@ def test_verify_and_lower_say_the_module_gathers_in_the_params_type(plans: dict[
 
 def test_verify_matches_a_param_gather_by_its_elements_at_the_gather_type(plans: dict[str | None, Plan]) -> None:
     """The module's HLO gathers W_in's elements in its own type (float32 at verify's sizes); the plan's row, in
-    f8, matches them counted at 1 byte each (Plan.gathered_nbytes), and would not at the param's own bytes."""
+    f8, matches them counted at 1 byte each (Plan.moved_nbytes), and would not at the param's own bytes."""
     plan = plans["f8"]
     steps = tuple(s for s in plan.forward if s.is_collective)
     found = [Collective(s.op, s.op.value.replace("_", "-"), s.axes,  # the elements each step moves
-                        int(s.volume.evaluate(SIZES)) // plan.gathered_nbytes(s.tensor), "f32", "") for s in steps]
-    rows = match_collectives("forward", steps, list(found), SIZES, 2, element=plan.gathered_nbytes)
+                        int(s.volume.evaluate(SIZES)) // plan.moved_nbytes(s), "f32", "") for s in steps]
+    rows = match_collectives("forward", steps, list(found), SIZES, 2, element=plan.moved_nbytes)
     assert [r.ok for r in rows] == [True] * len(steps) and len(steps) == 3
-    wrong = match_collectives("forward", steps, list(found), SIZES, 2, element=plan.nbytes)
+    wrong = match_collectives("forward", steps, list(found), SIZES, 2, element=lambda s: plan.nbytes(s.tensor))
     assert [r.ok for r in wrong] == [s.tensor == "Out" for s in steps]  # the gathers' bytes differ
+
+
+def test_a_float8_gemm_reading_a_float8_gathered_weight_quantizes_its_shard() -> None:
+    """Under `gemm f8` a GEMM quantizes a gathered weight at each use; gathered in f8, the weight arrives as the
+    GEMM's input and the cast ran on the shard before the gather (torchao's fsdp_pre_all_gather)."""
+    spec = shardc.parse(SPEC + "gemm f8\n")
+    passed: dict[DType | None, set[str]] = {}
+    for kind in (None, DType.F8):
+        plan = shardc.plan(replace(spec, param_gather_dtype=kind))
+        passed[kind] = {str(p.ref) for p in quantize_passes(plan, plan.forward) if p.ref.name.startswith("W")}
+    assert passed[None] == {"W_in[D, F_Y]", "W_out[F_Y, D]"}  # the gathered weights
+    assert passed[DType.F8] == {"W_in[D_X, F_Y]", "W_out[F_Y, D_X]"}  # their shards
+
+
+def test_only_fsdp_gathers_over_the_zero_axes_move_the_gather_type(plans: dict[str | None, Plan]) -> None:
+    """torchao casts FSDP's gathers; a weight the plan gathers over another axis (a tensor-parallel one) moves its
+    own type (shardc.spec.walk.gather_nbytes_of, which the search reads too)."""
+    plan = plans["f8"]
+    gather = next(s for s in plan.forward if s.op.value == "all_gather" and s.tensor == "W_in")
+    assert (gather.axes, plan.moved_nbytes(gather)) == (("X",), 1)
+    assert plan.moved_nbytes(replace(gather, axes=("Y",))) == plan.moved_nbytes(replace(gather, axes=("X", "Y"))) == 2
+    by_hand = shardc.plan(shardc.parse(SPEC.replace("zero 3 over X\n", "").replace("W_in[D, F_Y]", "W_in[D_X, F_Y]")
+                                       + "param_gather in f8\n"))
+    assert _moves(by_hand)[("forward", "all_gather", "W_in")] == 2 * 256 * 512 // 2  # no zero line: its own type
+    assert any("no all-gather of a param over the ZeRO axes" in n for n in shardc.cost(by_hand).notes)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from shardc.accountings import ACCOUNTINGS, chosen, reduce_dtype
-from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, Layout, Op
+from shardc.collectives import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, Layout
 from shardc.costmodel.context_parallel import with_thresholds
 from shardc.costmodel.cost_text import render
 from shardc.costmodel.formulas import HardwareSymbols, PhaseFormula, hardware_symbols, phase_formula
@@ -129,10 +129,10 @@ def _gather_note(plan: Plan, counts: Sequence[int]) -> tuple[str, ...]:
     if kind is None:
         return ()
     gathers = sum(1 for s in plan.forward + plan.backward + plan.optimizer
-                  if s.op is Op.ALL_GATHER and plan.gathered_nbytes(s.tensor) != plan.nbytes(s.tensor))
+                  if plan.moved_nbytes(s) != plan.nbytes(s.tensor))
     if not gathers:
-        return (f"param_gather in {kind}: no all-gather of a param moves fewer bytes here (no param is gathered, "
-                f"or its own type is {kind})",)
+        return (f"param_gather in {kind}: no all-gather of a param over the ZeRO axes moves fewer bytes here (no "
+                f"`zero` line, no param gathered over its axes, or its own type is {kind})",)
     nbytes, axes = scale_reduction(plan, counts)
     scales = (f"; their scales' amaxes ({nbytes:g} bytes, a float32 a weight) all-reduced over {','.join(axes)} "
               "once a step after the update (torchao's precompute_float8_dynamic_scale_for_fsdp), in update_s"

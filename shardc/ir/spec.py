@@ -300,7 +300,7 @@ class Spec:
     grad_reduce_dtype: DType | None = None
     attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
     param_gather: str | None = None  # `param_gather overlapped` (PARAM_GATHERS); None: exposed
-    # `param_gather ... in f8`: the type the params' AllGathers move (torchao's float8 all-gather under FSDP2,
+    # `param_gather ... in f8`: the type the params' AllGathers over the zero axes move (torchao's float8 all-gather,
     # Megatron-LM's --fp8-param-gather); None: each param's own (shardc.planner.graph.Graph.gathered_bytes)
     param_gather_dtype: DType | None = None
     optimizer: str | None = None  # `optimizer bf16opt20` (shardc.accountings.ACCOUNTINGS); None: the cost's default

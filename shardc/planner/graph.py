@@ -295,7 +295,7 @@ class _Builder:
         """Bytes an element of each param's AllGathers where the spec's ``param_gather ... in T`` says (torchao's
         float8 all-gather under FSDP2 casts each shard before gathering it): the one rule that sizes a weight's
         gathers, in the search (:meth:`shardc.sharding.layout.CostContext.gather_nbytes`), the plan's steps and
-        the gathered weights' memory (:meth:`shardc.ir.plan.Plan.gathered_nbytes`); none where it is each
+        the gathered weights' memory (:meth:`shardc.ir.plan.Plan.moved_nbytes`); none where it is each
         param's own."""
         kind = self.spec.param_gather_dtype
         return {} if kind is None else dict.fromkeys(sorted(params), kind.nbytes)

@@ -1,8 +1,9 @@
-"""The ``param_gather`` line: when ZeRO-1/2's updated params are gathered back, and in which type every param
-AllGather moves.
+"""The ``param_gather`` line: when ZeRO-1/2's updated params are gathered back, and in which type ZeRO's
+param AllGathers move.
 
 ``param_gather overlapped`` (or ``exposed``, the default) says when (:data:`shardc.ir.spec.PARAM_GATHERS`);
-``in T`` after it, or ``param_gather in T`` alone, the element type the params' AllGathers move where the
+``in T`` after it, or ``param_gather in T`` alone, the element type the params' AllGathers over the ``zero``
+line's axes move (FSDP's, and ZeRO-1/2's after the step; :func:`shardc.spec.walk.gather_nbytes_of`) where the
 framework casts a param's shard before gathering it: torchao's float8 all-gather under FSDP2
 (``enable_fsdp_float8_all_gather``: ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts the shard to
 float8_e4m3fn at a tensorwise scale, ``fsdp_post_all_gather`` hands the gathered float8 data to the float8

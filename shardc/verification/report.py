@@ -180,11 +180,12 @@ def unplanned_row(phase: str, c: Collective, nbytes: int) -> CollectiveRow:
 
 def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collective],
                       sizes: dict[str, int], nbytes: int, cut: tuple[str, ...] = (),
-                      element: Callable[[str], int] | None = None) -> list[CollectiveRow]:
+                      element: Callable[[Step], int] | None = None) -> list[CollectiveRow]:
     """Pair each planned collective with an HLO one of the same kind, axes and bytes.
 
     A floating HLO element is priced at ``nbytes`` (the spec's dtype's), or where ``element`` is given
-    at the bytes of the planned step's tensor (:meth:`shardc.ir.plan.Plan.nbytes`: a `dtype T` line's).
+    at the bytes the planned step moves (:meth:`shardc.ir.plan.Plan.moved_nbytes`: a `dtype T` line's type, a
+    param's gather type).
 
     ``cut`` lists axes the run shrank to 1 though the spec's are larger: a step over
     one of them was not (or only partly) run, so its row fails.
@@ -198,7 +199,7 @@ def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collectiv
             rows.append(p)
             continue
         same = [c for c in left if c.kind is p.op and hlo_axes(c) == p.axes]
-        size = nbytes if element is None else element(step.tensor)
+        size = nbytes if element is None else element(step)
         exact = [c for c in same if c.bytes(size) == p.want]
         if not same:
             rows.append(CollectiveRow(phase, p.label, step.op.title, axes_text(p.axes), p.want, "-", "-",

@@ -308,7 +308,7 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     for phase, steps in phases:
         step(f"compiling the {phase} for its HLO, comparing collectives")
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
-        report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut, plan.gathered_nbytes)
+        report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut, plan.moved_nbytes)
     step("comparing memory with XLA's buffer assignment")
     report.memory_check = check_memory(lowered)
     return report
@@ -332,7 +332,7 @@ def _stage_optimizer(report: Report, zero: Plan, note: str, devices: int, seed: 
     mesh = dict(lowered.module.mesh)
     found = collectives(lowered.compiled_text("optimizer", dtype), lowered.module.mesh)
     report.collectives += match_collectives("optimizer", zero.optimizer, found, dict(lowered.sizes or {}),
-                                            zero.spec.dtype.nbytes, collapsed_axes(stage, mesh), zero.gathered_nbytes)
+                                            zero.spec.dtype.nbytes, collapsed_axes(stage, mesh), zero.moved_nbytes)
 
 
 def _keys(lowered: Lowered) -> tuple[int, ...]:
