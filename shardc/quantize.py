@@ -101,9 +101,12 @@ def gemm_reads(plan: Plan, steps: Sequence[Step]) -> list[tuple[int, TensorRef, 
 
 def quantize_passes(plan: Plan, steps: Sequence[Step], fuse: bool = True) -> list[QuantizePass]:
     """The quantize passes ``steps`` (one phase, in program order) run by the module's rule: one per operand,
-    contraction and type, none for a param read as held."""
+    contraction and type, none for a param read as held; a param gathered in its GEMM's type
+    (``param_gather in f8``) is cast on its shard instead, before the gather (:func:`_gathered_shards`)."""
     params = {info.name for info in plan.tensors if info.role == "param"}
-    reads = [(k, ref, along, kind) for k, ref, along, kind in gemm_reads(plan, steps) if not _held(plan, ref)]
+    shards = _gathered_shards(plan, steps)
+    reads = [(k, shards.get((ref, kind), ref), along, kind) for k, ref, along, kind in gemm_reads(plan, steps)
+             if not _held(plan, ref)]
     last = {(ref, along, kind): k for k, ref, along, kind in reads}
     out: dict[tuple[TensorRef, frozenset[str], DType], QuantizePass] = {}
     for k, ref, along, kind in reads:
@@ -115,6 +118,19 @@ def quantize_passes(plan: Plan, steps: Sequence[Step], fuse: bool = True) -> lis
                                                tiled_along(ref.indices, along, ref.name in params),
                                                last[(ref, along, kind)])
     return list(out.values())
+
+
+def _gathered_shards(plan: Plan, steps: Sequence[Step]) -> dict[tuple[TensorRef, DType], TensorRef]:
+    """Each value of a param gathered in a narrower type (:meth:`Plan.moved_nbytes`) with that type -> the
+    shard it was gathered from: torchao's float8 all-gather casts the shard before the gather
+    (``fsdp_pre_all_gather``) and hands the gathered float8 data to the GEMM, so the GEMM's quantize pass
+    runs on the shard, once a gather."""
+    kind = plan.spec.param_gather_dtype
+    found: dict[tuple[TensorRef, DType], TensorRef] = {}
+    for step in steps:
+        if kind is not None and step.src is not None and plan.moved_nbytes(step) < plan.nbytes(step.tensor):
+            found[(step.dst, kind)] = found.get((step.src, kind), step.src)  # a second gather: the first's shard
+    return found
 
 
 def quantize_traffic(plan: Plan, steps: Sequence[Step], sizes: Mapping[str, int], fuse: bool = True) -> list[float]:

@@ -31,6 +31,7 @@ from shardc.chip_choice import chip_for
 from shardc.collectives import Layout
 from shardc.device_pieces import local_elements
 from shardc.fusion import kept_values, memory_traffic, named_values
+from shardc.gather_scales import scale_seconds
 from shardc.hardware import Hardware
 from shardc.ir.localops import Update
 from shardc.ir.plan import Plan, Step
@@ -153,7 +154,7 @@ def plan_time(plan: Plan, hardware: str | Hardware | None = None, sizes: Mapping
     links = plan_links(plan, hw, values, spans)[0]
     mesh, dtype = plan.spec.mesh, plan_dtype(plan)
     seen = {} if memo is None else memo  # layers repeat the same steps
-    update = update_seconds(plan, values, hw, counts, chosen(plan.spec.optimizer, optimizer))
+    update = update_seconds(plan, values, hw, counts, chosen(plan.spec.optimizer, optimizer), links)
     values, repeats = microbatched(plan, values, hw.book)
     traffic = phase_traffic(plan, values, hw)
 
@@ -228,7 +229,7 @@ def local_bytes_of(plan: Plan, sizes: Mapping[str, int]) -> Callable[[TensorRef]
 
 
 def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, counts: Sequence[int],
-                   optimizer: str = "adam10") -> float:
+                   optimizer: str = "adam10", links: Layout | None = None) -> float:
     """The optimizer's update, memory-bound: per element of the state a device updates, it reads the
     param, the gradient (in the param's dtype where the accounting keeps none) and the optimizer state,
     and writes the param and the state (``optimizer`` names the accounting, :mod:`shardc.accountings`), in
@@ -236,7 +237,9 @@ def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, counts: S
     (:func:`shardc.accountings.update_bytes`).
     The elements are the ZeRO shard's where the plan updates a shard (its ``update`` steps), else the
     param's piece; a block's params count once a layer.  Then the weights ``gemm f8`` GEMMs read as held
-    are quantized, once a step (:func:`shardc.quantize.weight_quantize_bytes`).  0 under the book's model."""
+    are quantized, once a step (:func:`shardc.quantize.weight_quantize_bytes`), and the scales of params
+    gathered in float8 all-reduced (:func:`shardc.gather_scales.scale_seconds`, on ``links``).  0 under the
+    book's model."""
     if hw.book or optimizer not in ACCOUNTINGS:
         return 0.0
     per_param = ACCOUNTINGS[optimizer][0]
@@ -247,4 +250,4 @@ def update_seconds(plan: Plan, sizes: Mapping[str, int], hw: Hardware, counts: S
                          * runs(info.name not in repeated, repeated.get(info.name, 0), counts)
                          for info in plan.tensors if info.role == "param")
     quantized = weight_quantize_bytes(plan, sizes, counts, per_param)
-    return hw.memory_seconds(elements * per_element + quantized)
+    return hw.memory_seconds(elements * per_element + quantized) + scale_seconds(plan, sizes, hw, counts, links)

@@ -222,7 +222,8 @@ def _run_sweep(args: argparse.Namespace, first: Any) -> int:
     if args.plot:
         check_plot_path(args.plot, args.force)
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, first.spec), args)
-    plans = [first] + [plan(load_spec(path, args.set, args.optimizer, args.grad_reduce_dtype), save=args.save,
+    plans = [first] + [plan(load_spec(path, args.set, args.optimizer, args.grad_reduce_dtype,
+                                args.param_gather_dtype), save=args.save,
                             hardware=hw, recompute=args.recompute, topology=args.topology,
                             collective_matmul=args.collective_matmul, fit_memory=True, optimizer=args.optimizer,
                             offload=args.offload)

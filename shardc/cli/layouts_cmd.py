@@ -115,7 +115,8 @@ def run_layouts(args: argparse.Namespace) -> int:
         raise ShardcError(f"--jobs must be 0 (one a core) or more, got {clip(str(args.jobs))}",
                           fix="write e.g. --jobs 4")
     paths = list(dict.fromkeys([args.file, *args.others]))  # a file given twice is searched once
-    specs = [load_spec(path, args.set, args.optimizer, args.grad_reduce_dtype) for path in paths]
+    specs = [load_spec(path, args.set, args.optimizer, args.grad_reduce_dtype, args.param_gather_dtype)
+             for path in paths]
     fixed = frozenset(parse_sets(args.set))
     hw = configure_chip(resolve_hardware(args.hardware, args.hardware_file, specs[0]), args)
     accounting = chosen(specs[0].optimizer, args.optimizer)  # the spec's line, or --optimizer over it

@@ -110,6 +110,10 @@ def run_lower(args: argparse.Namespace) -> int:
         print(f"note: `{planned.spec.zero}`: forward and grad run the spec without the zero line (whose "
               "backward reduces each gradient); its optimizer phase is optimizer_step(params, grads)",
               file=sys.stderr)
+    kind = planned.spec.param_gather_dtype
+    if kind is not None:  # the cost moves the gathers in it; the module does not cast (shardc.verification.report)
+        print(f"note: `param_gather ... in {kind}`: the module gathers each param in its own type, not cast to "
+              f"{kind} and back (the plan's gathers and `shardc cost` move {kind})", file=sys.stderr)
     source, note = module_source(planned, args.offload)
     if note:
         print(note, file=sys.stderr)

@@ -213,6 +213,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="exposed (default): ZeRO-1/2's param all-gathers after the step; overlapped: under the "
                              "next step's forward (Megatron-LM's --overlap-param-gather); over the spec's "
                              "`param_gather` line")
+    parser.add_argument("--param-gather-dtype", choices=tuple(d.value for d in DType), default=None,
+                        help="the type the params' all-gathers over the `zero` axes move (f8: torchao's float8 "
+                             "all-gather under FSDP2, Megatron-LM's --fp8-param-gather), no wider than the params'; "
+                             "default: each param's own; over the spec's `param_gather ... in T`")
 
 
 def configure_chip(hw: Any, args: argparse.Namespace) -> Any:

@@ -17,6 +17,7 @@ from shardc.hardware import check_spans
 from shardc.ir.spec import DType
 from shardc.spec.overrides import apply_overrides
 from shardc.spec.parser import parse, parse_size
+from shardc.spec.validate import validate
 
 __all__ = ["parse_sets", "parse_spans", "load_spec", "read_spec"]
 
@@ -41,18 +42,25 @@ def parse_spans(items: Sequence[str] | None, spec: Any) -> dict[str, int] | None
 
 
 def load_spec(path: str, sets: Sequence[str] | None = None, optimizer: str | None = None,
-              reduce_dtype: str | None = None) -> Any:
+              reduce_dtype: str | None = None, gather_dtype: str | None = None) -> Any:
     """Read and parse a spec file, then apply ``--set`` pairs, ``--optimizer`` (over the spec's ``optimizer``
-    line) and ``--grad-reduce-dtype`` (over its ``grad_reduce ... in T``): the plan's gradient reductions are
-    sized by them (:func:`shardc.accountings.reduce_dtype`); errors are ShardcErrors."""
+    line), ``--grad-reduce-dtype`` (over its ``grad_reduce ... in T``: the plan's gradient reductions are
+    sized by them, :func:`shardc.accountings.reduce_dtype`) and ``--param-gather-dtype`` (over its
+    ``param_gather ... in T``: the params' gathers); errors are ShardcErrors."""
     spec = parse(read_text(path), filename=path)
     sizes = parse_sets(sets)
     spec = apply_overrides(spec, sizes) if sizes else spec
     spec = spec if optimizer is None else dataclasses.replace(spec, optimizer=optimizer)
-    return spec if reduce_dtype is None else dataclasses.replace(spec, grad_reduce_dtype=DType(reduce_dtype))
+    spec = spec if reduce_dtype is None else dataclasses.replace(spec, grad_reduce_dtype=DType(reduce_dtype))
+    if gather_dtype is not None:  # checked as the line is (a type no wider than the params'), at no line of it
+        spans = tuple(s for s in spec.header_spans if s[0] != "param_gather")
+        spec = dataclasses.replace(spec, param_gather_dtype=DType(gather_dtype), header_spans=spans)
+        validate(spec)
+    return spec
 
 
 def read_spec(args: argparse.Namespace) -> Any:
-    """FILE, ``--set`` and (where the command has them) ``--optimizer`` and ``--grad-reduce-dtype`` of a
-    command's arguments, parsed."""
-    return load_spec(args.file, args.set, getattr(args, "optimizer", None), getattr(args, "grad_reduce_dtype", None))
+    """FILE, ``--set`` and (where the command has them) ``--optimizer``, ``--grad-reduce-dtype`` and
+    ``--param-gather-dtype`` of a command's arguments, parsed."""
+    return load_spec(args.file, args.set, getattr(args, "optimizer", None), getattr(args, "grad_reduce_dtype", None),
+                     getattr(args, "param_gather_dtype", None))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -30,6 +31,7 @@ from shardc.costmodel.pipeline_cost import pipeline_cost
 from shardc.costmodel.pipeline_figures import PipelineCost
 from shardc.costmodel.thresholds import Threshold, derive
 from shardc.errors import ShardcError
+from shardc.gather_scales import scale_reduction
 from shardc.hardware import Hardware, check_spans
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan, Step
@@ -69,6 +71,7 @@ class CostReport:
             "save": self.plan.save, "recompute": self.plan.recompute,
             "zero": _zero_json(self.plan),
             "grad_reduce_dtype": reduction_dtype(self.plan.spec, self.memory.accounting),
+            "param_gather_dtype": None if (kind := self.plan.spec.param_gather_dtype) is None else kind.value,
             "forward": self.forward.to_json(), "backward": self.backward.to_json(),
             **({"optimizer": self.optimizer.to_json()} if self.optimizer is not None else {}),
             "step": {**self.step.to_json(rows=False), "step_at_mfu_s": self.step_at_mfu_s},
@@ -117,6 +120,27 @@ def _reduction_note(spec: Spec, accounting: str) -> tuple[str, ...]:
             else f"optimizer {accounting}'s default")
     return (f"gradient reductions in {kind} ({said}): the params' gradients' AllReduces and ReduceScatters move "
             f"{kind} elements, not the params' {spec.dtype.value}",)
+
+
+def _gather_note(plan: Plan, counts: Sequence[int]) -> tuple[str, ...]:
+    """Where the params are gathered in a type of their own (``param_gather ... in T``): what moves, the
+    scales' AllReduce, what the lowered program does instead."""
+    kind = plan.spec.param_gather_dtype
+    if kind is None:
+        return ()
+    gathers = sum(1 for s in plan.forward + plan.backward + plan.optimizer
+                  if plan.moved_nbytes(s) != plan.nbytes(s.tensor))
+    if not gathers:
+        return (f"param_gather in {kind}: no all-gather of a param over the ZeRO axes moves fewer bytes here (no "
+                f"`zero` line, no param gathered over its axes, or its own type is {kind})",)
+    nbytes, axes = scale_reduction(plan, counts)
+    scales = (f"; their scales' amaxes ({nbytes:g} bytes, a float32 a weight) all-reduced over {','.join(axes)} "
+              "once a step after the update (torchao's precompute_float8_dynamic_scale_for_fsdp), in update_s"
+              if axes else "")
+    return (f"param_gather in {kind} (the line or --param-gather-dtype): {gathers} all-gathers of params move {kind} "
+            "elements and the gathered weights are held in it, not the params' own type (torchao's float8 "
+            f"all-gather under FSDP2 casts each shard before the gather){scales}; `shardc lower` still gathers them "
+            "in the params' type",)
 
 
 def _zero_json(plan: Plan) -> dict[str, object] | None:
@@ -226,7 +250,7 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
         opt = replace(opt, gather_under_s=(fwd.compute_s + fwd.memory_s) / repeats)
     step = PhaseCost("step", fwd.rows + bwd.rows + opt.rows, layers, devices, hw,
                      lambda: fwd.formula + bwd.formula + opt.formula, mfu, (fwd, bwd, opt),
-                     update_seconds(plan, values, hw, counts, optimizer), step_tokens(plan, values), dtype,
+                     update_seconds(plan, values, hw, counts, optimizer, links), step_tokens(plan, values), dtype,
                      more_layers=more)
     # the tables are one stage's, but the parameter count is the whole model's
     whole = (pipe.pipeline.blocks or (pipe.pipeline.layers,)) if pipe is not None else None  # each block's, all stages
@@ -241,7 +265,8 @@ def cost(plan: Plan, hardware: str | Hardware | None = None, sizes: dict[str, in
     notes = _notes(plan, hw, values, links) + renamed_note(names) + link_notes + tuple(
         f"mesh axis {a} ({values[a]} chips) spans {len(k.rings)} physical ICI axes: {len(k.rings)}x the "
         f"bandwidth, the book's M_{a} (--spans {a}=1 to cost it as one)"
-        for a, k in links.items() if hw.book and len(k.rings) > 1) + _reduction_note(plan.spec, optimizer)
+        for a, k in links.items() if hw.book and len(k.rings) > 1) + _reduction_note(plan.spec, optimizer) \
+        + _gather_note(plan, counts)
     if pipe is not None and whole is not None:  # the whole model's FLOPs: each block's a layer times its layers, the
         counted = [(r, p.repeats) for p in step.parts for r in p.rows if not r.recomputed]  # ends once
         block = math.fsum(math.fsum(r.model_flops * n for r, n in counted if not r.once and r.block == b) * count

@@ -407,6 +407,7 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
     ``weights`` names the params and their gradients (:meth:`Plan.grad_name`)."""
     born: dict[TensorRef, int] = {}
     last: dict[TensorRef, int] = {}
+    width: dict[TensorRef, int] = {}  # each value's element bytes, as the step that made it moved them
     for i, step in enumerate(steps):
         for ref in step.reads:
             if ref in born:
@@ -414,10 +415,13 @@ def peak_weights(plan: Plan, steps: tuple[Step, ...], weights: set[str], sizes: 
         if step.tensor in weights and (step.is_collective or step.dst.unreduced):
             born.setdefault(step.dst, i)
             last.setdefault(step.dst, i)
+            width.setdefault(step.dst, plan.moved_nbytes(step))
     # one sweep over the births and last reads: at each birth (what is alive at a step is alive at the latest
     # birth before it), the values born by then and read at or after it; each value's bytes are a whole number
     # of elements times its element's bytes, so the running sum is exact in any order
-    nbytes = {r: value_bytes(plan, r, sizes) for r in born}  # once a value, not once a step it is alive at
+    # once a value, not once a step it is alive at; a gathered param in its gather type (`param_gather in f8`:
+    # torchao's fsdp_post_all_gather hands the float8 data itself to the GEMM), a gradient in its own
+    nbytes = {r: float(local_elements(r, sizes)) * width[r] for r in born}
     events: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
     for ref in born:
         events.setdefault(born[ref], ([], []))[0].append(ref)

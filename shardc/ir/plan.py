@@ -22,7 +22,7 @@ from shardc.hardware import DEFAULT, PRESETS, Hardware
 from shardc.ir.localops import DropoutMask, LocalOp
 from shardc.ir.precision import Precision
 from shardc.ir.spec import DType, Spec, TensorRef
-from shardc.spec.walk import nbytes_of
+from shardc.spec.walk import gather_nbytes_of, nbytes_of
 
 __all__ = [
     "Op", "Monomial", "sum_formula", "Step", "Alternative", "Choice", "MemoryChoice", "TensorInfo", "Plan",
@@ -325,6 +325,9 @@ class Plan:
     # keep-mask 1 (shardc.planner.graph.Graph.element_bytes decides); read through :meth:`nbytes`
     # wherever bytes are counted
     element_bytes: tuple[tuple[str, int], ...] = ()
+    # param -> bytes an element its AllGathers move, where a `param_gather ... in T` line casts it before
+    # gathering (shardc.planner.graph.Graph.gathered_bytes); read through :meth:`moved_nbytes`
+    gathered_bytes: tuple[tuple[str, int], ...] = ()
     # tensor -> its element type, where a `dtype T` line makes it other than the spec's
     # (shardc.planner.graph.Graph.dtypes); an einsum's rate is its operands' (:attr:`precision`)
     dtypes: tuple[tuple[str, DType], ...] = ()
@@ -357,6 +360,15 @@ class Plan:
     def nbytes(self, tensor: str) -> int:
         """Bytes an element of ``tensor`` (:func:`shardc.spec.walk.nbytes_of`)."""
         return nbytes_of(tensor, dict(self.element_bytes), self.spec.dtype)
+
+    def moved_nbytes(self, step: Step) -> int:
+        """Bytes an element of what ``step`` moves, and of the value it makes: a param's gather type for its
+        AllGather over the ZeRO axes (:func:`shardc.spec.walk.gather_nbytes_of`), else :meth:`nbytes`."""
+        own = self.nbytes(step.tensor)
+        if step.op is not Op.ALL_GATHER or not self.gathered_bytes:
+            return own
+        over = self.spec.zero.axes if self.spec.zero is not None else ()
+        return gather_nbytes_of(step.axes, dict(self.gathered_bytes).get(step.tensor), over, own) or own
 
     def fixed_bytes(self) -> dict[str, int]:
         """:attr:`element_bytes` of the tensors whose elements are not floating-point (token ids, keep-masks):

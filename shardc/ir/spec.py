@@ -300,6 +300,9 @@ class Spec:
     grad_reduce_dtype: DType | None = None
     attention_kernel: str | None = None  # `attention_kernel flash2` (ATTENTION_KERNELS); None: the chip's best
     param_gather: str | None = None  # `param_gather overlapped` (PARAM_GATHERS); None: exposed
+    # `param_gather ... in f8`: the type the params' AllGathers over the zero axes move (torchao's float8 all-gather,
+    # Megatron-LM's --fp8-param-gather); None: each param's own (shardc.planner.graph.Graph.gathered_bytes)
+    param_gather_dtype: DType | None = None
     optimizer: str | None = None  # `optimizer bf16opt20` (shardc.accountings.ACCOUNTINGS); None: the cost's default
     # `recompute rmsnorm, W_uq, A`: what the backward makes again rather than keeps, beside the recompute
     # policy (shardc.planner.recompute.named_values): functions, params (their products) and tensors
@@ -417,8 +420,9 @@ class Spec:
             lines.append(" ".join(("grad_reduce", *filter(None, (self.grad_reduce,)), *typed)))
         if self.attention_kernel is not None:
             lines.append(f"attention_kernel {self.attention_kernel}")
-        if self.param_gather is not None:
-            lines.append(f"param_gather {self.param_gather}")
+        if self.param_gather is not None or self.param_gather_dtype is not None:
+            typed = () if self.param_gather_dtype is None else ("in", str(self.param_gather_dtype))
+            lines.append(" ".join(("param_gather", *filter(None, (self.param_gather,)), *typed)))
         if self.optimizer is not None:
             lines.append(f"optimizer {self.optimizer}")
         if self.recompute:

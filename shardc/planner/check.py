@@ -38,9 +38,12 @@ def comm_time(plan: Plan) -> float:
     return plan_time(plan).comm_s
 
 
-def _local_bytes(plan: Plan, ref: TensorRef) -> Monomial:
+def _local_bytes(plan: Plan, ref: TensorRef, step: Step | None = None) -> Monomial:
+    """A device's bytes of ``ref``, as ``step`` moves it where given (:meth:`Plan.moved_nbytes`: a param's
+    gather type)."""
     den = tuple(a for d in ref.dims for a in d.axes)
-    return Monomial.of(plan.nbytes(ref.name), num=ref.indices, den=den)
+    nbytes = plan.moved_nbytes(step) if step is not None else plan.nbytes(ref.name)
+    return Monomial.of(nbytes, num=ref.indices, den=den)
 
 
 def _drop_suffix(ref: TensorRef, dim: int, axes: tuple[str, ...]) -> TensorRef | None:
@@ -81,7 +84,7 @@ def replay_step(plan: Plan, step: Step) -> tuple[TensorRef | None, Monomial | No
     src, dim, axes = step.src, step.dim, step.axes
     if src is not None and step.op is Op.ALL_GATHER and dim is None:
         out = _drop_suffixes(TensorRef(step.tensor, src.dims, src.unreduced), step.dst, axes)
-        return out, None if out is None else _local_bytes(plan, out)
+        return out, None if out is None else _local_bytes(plan, out, step)
     if src is None or dim is None and step.op is not Op.ALL_REDUCE:
         return None, None
     renamed = TensorRef(step.tensor, src.dims, src.unreduced)
@@ -89,7 +92,7 @@ def replay_step(plan: Plan, step: Step) -> tuple[TensorRef | None, Monomial | No
     if out is None or not step.is_collective:
         return out, None
     group = Monomial.of(1, num=axes)
-    return out, volume_elements(step.op, _local_bytes(plan, src), _local_bytes(plan, out), group)
+    return out, volume_elements(step.op, _local_bytes(plan, src, step), _local_bytes(plan, out, step), group)
 
 
 def _replayed(renamed: TensorRef, step: Step) -> TensorRef | None:

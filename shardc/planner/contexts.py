@@ -56,7 +56,9 @@ def search_context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int]
     return CostContext(without_unit_axes(spec.mesh), spec.dtype, sized.sizes if spec.dims else None,
                        graph.params | grads, hardware=hw, spans=spans, topology=spec.topology,
                        padded=frozenset(d for d, _ in uneven_dims(sized)), units=units, places=places,
-                       element_bytes=graph.element_bytes, routings=node_limits(spec),
+                       element_bytes=graph.element_bytes, gathered=graph.gathered_bytes,
+                       gather_axes=frozenset(spec.zero.axes if spec.zero is not None else ()),
+                       routings=node_limits(spec),
                        precision=graph.precision(spec.dtype), repeats=repeats,
                        accumulated=grads if repeats > 1 else frozenset(), held=_held(graph),
                        fusible=fuses_into if hw.fuses else None)
@@ -101,6 +103,7 @@ def shared_context(spec: Spec, graph: Graph, hw: Hardware, spans: dict[str, int]
     key = (str(without_unit_axes(spec.mesh)), spec.dtype, tuple(run[0].sizes.items()) if spec.dims else None, run[1],
            graph.params, tuple(sorted(graph.grads.items())), tuple(sorted((spans or {}).items())), spec.topology,
            tuple(uneven_dims(run[0])), units, repr(places), tuple(sorted(graph.element_bytes.items())),
+           tuple(sorted(graph.gathered_bytes.items())), spec.zero.axes if spec.zero is not None else (),
            tuple(sorted(node_limits(spec).items())), tuple(sorted(graph.dtypes.items())),
            tuple(sorted(graph.gemms.items())), tuple(sorted(_held(graph).items())))
     hit = shared.get(key)

@@ -13,7 +13,7 @@ Every tensor, intermediates included, also gets its gradient's name here
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from shardc.accountings import reduce_dtype
@@ -44,6 +44,9 @@ class Graph:
     dtypes: dict[str, DType] = field(default_factory=dict)
     # a contraction's result -> the type its GEMMs quantize their inputs to (:meth:`_Builder.gemms`)
     gemms: dict[str, DType] = field(default_factory=dict)
+    # param -> bytes an element its AllGathers move, where the spec's `param_gather ... in T` casts it before
+    # gathering (:meth:`_Builder.gathered_bytes`); none: each its own
+    gathered_bytes: dict[str, int] = field(default_factory=dict)
 
     def precision(self, default: DType) -> Precision:
         """Every tensor's type (``default`` the spec's) and every GEMM's (:class:`shardc.ir.precision.Precision`)."""
@@ -248,7 +251,8 @@ class _Builder:
         dtypes = self.dtypes(grads)
         held = self.held_gradients({grads[p] for p in params if p in grads})
         return Graph(tuple(self.handed_on(outputs)), self.declared, self.indices, frozenset(params),
-                     tuple(self.inputs), outputs, const, grads, self.element_bytes(dtypes) | held, dtypes, self.gemms())
+                     tuple(self.inputs), outputs, const, grads, self.element_bytes(dtypes) | held, dtypes, self.gemms(),
+                     self.gathered_bytes(params))
 
     def handed_on(self, outputs: tuple[str, ...]) -> list[Node]:
         """The nodes, each linear one or einsum whose result one linear node alone reads marked ``partial``:
@@ -286,3 +290,12 @@ class _Builder:
         written = self.spec.grad_reduce_dtype
         name = reduce_dtype(None if written is None else written.value, self.spec.optimizer)
         return {} if name is None else dict.fromkeys(sorted(gradients), DType(name).nbytes)
+
+    def gathered_bytes(self, params: Iterable[str]) -> dict[str, int]:
+        """Bytes an element of each param's AllGathers where the spec's ``param_gather ... in T`` says (torchao's
+        float8 all-gather under FSDP2 casts each shard before gathering it): the one rule that sizes a weight's
+        gathers, in the search (:meth:`shardc.sharding.layout.CostContext.gather_nbytes`), the plan's steps and
+        the gathered weights' memory (:meth:`shardc.ir.plan.Plan.moved_nbytes`); none where it is each
+        param's own."""
+        kind = self.spec.param_gather_dtype
+        return {} if kind is None else dict.fromkeys(sorted(params), kind.nbytes)

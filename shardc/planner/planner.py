@@ -208,9 +208,9 @@ def _plan_within_budget(spec: Spec, save: str, strategy: str, hardware: str | Ha
     hw = chip_for(spec, hardware)
     check_spans(spec.mesh, spans)
     spec, zero_notes = zero3_spec(spec, build_graph(spec).params)  # ZeRO-3: the params sharded (FSDP)
-    if zero_notes:
-        planned = _plan_within_budget(replace(spec, zero=None), save, strategy, hw, spans, recompute, search,
-                                      gradients, outer, weights, zigzag_held)
+    if zero_notes:  # the params sharded, planned as any sharded param; the zero line stays for the gathers' type
+        planned = _plan_within_budget(spec, save, strategy, hw, spans, recompute, search, gradients, outer, weights,
+                                      zigzag_held)
         return replace(planned, spec=spec, notes=zero_notes + planned.notes)
     if spec.mesh.pipeline_axis is not None:  # a stage's plan: the stage axis holds layers, not shards
         stage_spans = {k: v for k, v in (spans or {}).items() if k != spec.mesh.pipeline_axis.name}
@@ -444,6 +444,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         recompute=recompute,
         recomputed=again,
         element_bytes=tuple(graph.element_bytes.items()),
+        gathered_bytes=tuple(graph.gathered_bytes.items()),
         dtypes=tuple(graph.dtypes.items()),
         gemms=tuple(graph.gemms.items()),
         sections=Sections.of(fwd, bwd, again),

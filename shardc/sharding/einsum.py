@@ -365,12 +365,17 @@ def quantize_bytes(ctx: CostContext, problem: EinsumProblem, locals_: tuple[Valu
     """The HBM bytes of the quantize passes a GEMM in ``kind`` runs on its operands read as ``locals_``, by
     :mod:`shardc.quantize`'s rule as ``shardc cost`` prices it (:func:`shardc.ir.precision.pass_bytes`): none
     for a param read as held, nor for a value and contraction the phase quantized already; a pass fuses
-    into the step just before where that made the operand (``Operand.fresh``) and no operand moves."""
+    into the step just before where that made the operand (``Operand.fresh``) and no operand moves; a param
+    gathered over the ZeRO axes in the GEMM's type (``param_gather in f8``) is quantized as held, before the
+    gather (:func:`shardc.quantize.quantize_passes`)."""
     total = 0.0
     for op, local in zip(problem.operands, locals_, strict=True):
         held = ctx.held.get(op.name)
         if held is not None and held.layout == local.layout or local in op.quantized:
             continue
+        if held is not None and ctx.gathered_bytes(tuple(held.used() - local.used()), None,
+                                                   ctx.gathered.get(op.name)) == kind.nbytes:
+            local = held  # the shard, cast before its gather: never fused into the step before
         key = (op.name, op.indices, problem.indices, local, kind)
         hit = ctx.passes.get(key)
         if hit is None:  # configurations and candidate plans read the same operand values again and again

@@ -47,7 +47,7 @@ from shardc.ir.precision import Precision
 from shardc.ir.spec import DType, Mesh, TensorRef
 from shardc.sharding.moves import INFINITE, ZERO, Cost, Edge, Layout, Move, SearchTooLong, Value, add_cost, expand
 from shardc.sharding.unit import Placements
-from shardc.spec.walk import nbytes_of
+from shardc.spec.walk import gather_nbytes_of, nbytes_of
 from shardc.steptime import einsum_bytes, einsum_time
 from shardc.topology import resolve_links
 
@@ -78,6 +78,10 @@ class CostContext:
     accumulated: frozenset[str] = frozenset()
     # tensor -> bytes an element where not the dtype's (shardc.planner.graph.Graph.element_bytes)
     element_bytes: dict[str, int] = field(default_factory=dict)
+    # param -> bytes an element its AllGathers move, where the spec's `param_gather in T` says
+    # (shardc.planner.graph.Graph.gathered_bytes); read through gather_nbytes
+    gathered: dict[str, int] = field(default_factory=dict)
+    gather_axes: frozenset[str] = frozenset()  # the ZeRO axes: only a gather over them alone moves that type
     # the tensors' types where not the dtype, and the GEMMs' (`gemm f8`): an einsum's rate; None: all of dtype
     precision: Precision | None = None
     # each param's value as the device holds it: a GEMM reading it so quantizes nothing (shardc.quantize)
@@ -138,6 +142,11 @@ class CostContext:
         """Bytes an element of ``tensor``: 4 for token ids (int32), else the dtype's."""
         return nbytes_of(tensor, self.element_bytes, self.dtype)
 
+    def gathered_bytes(self, axes: tuple[str, ...], nbytes: int | None, gathered: int | None) -> int | None:
+        """Bytes an element of an AllGather over ``axes`` moves, of a tensor of ``nbytes`` (None: the dtype's) and
+        gather type ``gathered`` (:func:`shardc.spec.walk.gather_nbytes_of`)."""
+        return gather_nbytes_of(axes, gathered, self.gather_axes, nbytes)
+
     def matmul_dtype(self, operands: Iterable[str]) -> str:
         """The element type an einsum (or a kernel's matmuls) of these operands runs in
         (:meth:`shardc.ir.precision.Precision.matmul`)."""
@@ -166,9 +175,11 @@ class CostContext:
             return 0.0
         return self.hardware.memory_seconds(nbytes) * self.compute_weight * self.repeats
 
-    def kind(self, tensor: str) -> tuple[bool, int, bool]:
-        """What a tensor's moves' costs depend on beside its indices: weight, element bytes, reduced once a step."""
-        return tensor in self.weights, self.nbytes(tensor), self.repeats > 1 and tensor in self.accumulated
+    def kind(self, tensor: str) -> tuple[bool, int, int | None, bool]:
+        """What a tensor's moves' costs depend on beside its indices: weight, element bytes (its gathers' too),
+        reduced once a step."""
+        return (tensor in self.weights, self.nbytes(tensor), self.gathered.get(tensor),
+                self.repeats > 1 and tensor in self.accumulated)
 
     def local_bytes(self, indices: tuple[str, ...], value: Value, nbytes: int | None = None) -> Monomial:
         """Per-device bytes of ``value`` as a formula: element bytes (``nbytes``, else the dtype's) * dims / axes."""
@@ -221,7 +232,9 @@ class CostContext:
             return ZERO
         volume: Monomial | float = move.volume
         if idx is not None and self.padded and self.sizes is not None:
-            volume = self.padded_bytes(move, idx, self.nbytes(tensor))
+            own = self.nbytes(tensor)
+            moved = self.gathered_bytes(move.axes, own, self.gathered.get(tensor)) if move.op is Op.ALL_GATHER else own
+            volume = self.padded_bytes(move, idx, moved or own)
         seconds = self.seconds(move.op, volume, move.axes, self.routed(move.op, idx, (move.dim, move.dim2)))
         # as often as run a step: a gradient's reduction once, on the microbatches' sums (gradient_reductions)
         once = tensor in self.accumulated and move.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)
@@ -275,7 +288,8 @@ class CostContext:
         hit = self._edges.get(key)
         if hit is None:
             hit = self._edges[key] = tuple(self._edge(m, tensor, idx)
-                                           for m in neighbours(self, idx, self.values[state], self.nbytes(tensor)))
+                                           for m in neighbours(self, idx, self.values[state], self.nbytes(tensor),
+                                                              self.gathered.get(tensor)))
             self.tick(len(hit))
         return hit
 
@@ -355,14 +369,17 @@ def _replace(layout: Layout, dim: int, axes: tuple[str, ...]) -> Layout:
     return layout[:dim] + (axes,) + layout[dim + 1:]
 
 
-def _gathers(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None) -> Iterator[Move]:
+def _gathers(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None,
+             gathered: int | None = None) -> Iterator[Move]:
     for d, axes in enumerate(v.layout):
         for suffix in ctx.suffixes(axes):
             dst = Value(_replace(v.layout, d, axes[: len(axes) - len(suffix)]), v.unreduced)
-            yield Move(Op.ALL_GATHER, v, dst, suffix, dim=d, volume=ctx.local_bytes(idx, dst, nbytes))
+            volume = ctx.local_bytes(idx, dst, ctx.gathered_bytes(suffix, nbytes, gathered))
+            yield Move(Op.ALL_GATHER, v, dst, suffix, dim=d, volume=volume)
 
 
-def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None) -> Iterator[Move]:
+def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None,
+                   gathered: int | None = None) -> Iterator[Move]:
     """Suffixes of two or more dims gathered by one collective (axes in dim order)."""
     options = [[()] + list(ctx.suffixes(axes)) for axes in v.layout]
     for combo in itertools.product(*options):
@@ -371,7 +388,8 @@ def _multi_gathers(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int
         layout = tuple(axes[: len(axes) - len(suffix)] for axes, suffix in zip(v.layout, combo, strict=True))
         dst = Value(layout, v.unreduced)
         axes = tuple(a for suffix in combo for a in suffix)
-        yield Move(Op.ALL_GATHER, v, dst, axes, volume=ctx.local_bytes(idx, dst, nbytes))
+        volume = ctx.local_bytes(idx, dst, ctx.gathered_bytes(axes, nbytes, gathered))
+        yield Move(Op.ALL_GATHER, v, dst, axes, volume=volume)
 
 
 def _slices(ctx: CostContext, idx: tuple[str, ...], v: Value) -> Iterator[Move]:
@@ -414,15 +432,19 @@ def _reductions(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | 
                         yield Move(Op.REDUCE_SCATTER, v, dst, order, dim=d, volume=volume)
 
 
-def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None = None) -> Iterator[Move]:
-    """The moves out of ``v``, their volumes at ``nbytes`` an element (else the dtype's)."""
+def neighbours(ctx: CostContext, idx: tuple[str, ...], v: Value, nbytes: int | None = None,
+               gathered: int | None = None) -> Iterator[Move]:
+    """The moves out of ``v``, their volumes at ``nbytes`` an element (else the dtype's), its AllGathers' at
+    ``gathered`` where given and they run over the ZeRO axes alone (a param's gather type:
+    :meth:`CostContext.gathered_bytes`)."""
     yield from _reductions(ctx, idx, v, nbytes)
-    yield from _gathers(ctx, idx, v, nbytes)
-    yield from _multi_gathers(ctx, idx, v, nbytes)
+    yield from _gathers(ctx, idx, v, nbytes, gathered)
+    yield from _multi_gathers(ctx, idx, v, nbytes, gathered)
     yield from _slices(ctx, idx, v)
     yield from _all_to_alls(ctx, idx, v, nbytes)
     if ctx.places is not None:
-        for gather in itertools.chain(_gathers(ctx, idx, v, nbytes), _multi_gathers(ctx, idx, v, nbytes)):
+        for gather in itertools.chain(_gathers(ctx, idx, v, nbytes, gathered),
+                                      _multi_gathers(ctx, idx, v, nbytes, gathered)):
             yield from spanning(ctx, idx, gather)
 
 

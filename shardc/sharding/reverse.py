@@ -104,7 +104,8 @@ class _Reverse:
         key = (ctx.kind(self.tensor), self.idx, state, self.partial)
         hit = ctx._into.get(key)
         if hit is None:
-            moves = predecessors(ctx, self.idx, ctx.values[state], self.partial, ctx.nbytes(self.tensor))
+            moves = predecessors(ctx, self.idx, ctx.values[state], self.partial, ctx.nbytes(self.tensor),
+                                 ctx.gathered.get(self.tensor))
             hit = ctx._into[key] = tuple((m, ctx.number(m.src), ctx.move_cost(m, self.tensor, self.idx))
                                          for m in moves)
             ctx.tick(len(hit))
@@ -116,10 +117,11 @@ def _replace(layout: tuple[tuple[str, ...], ...], dim: int, axes: tuple[str, ...
 
 
 def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value,
-                 partial: frozenset[str] | None = None, nbytes: int | None = None) -> Iterator[Move]:
+                 partial: frozenset[str] | None = None, nbytes: int | None = None,
+                 gathered: int | None = None) -> Iterator[Move]:
     """Every move that makes ``v``: the forward moves (:func:`shardc.sharding.layout.neighbours`) backwards,
-    at ``nbytes`` an element (else the dtype's); with ``partial``, only those from values whose partial
-    sums lie within it."""
+    at ``nbytes`` an element (else the dtype's), AllGathers at ``gathered`` where given; with ``partial``, only
+    those from values whose partial sums lie within it."""
     lay = v.layout
     free = ctx.free_units(v.used())
     reducible = free if partial is None else [u for u in free if partial.issuperset(u)]
@@ -127,7 +129,7 @@ def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value,
         last = next(iter(ctx.suffixes(axes)), None)
         if last is not None:  # a slice appended the dim's last unit
             yield Move(Op.SLICE, Value(_replace(lay, d, axes[: len(axes) - len(last)]), v.unreduced), v, last, dim=d)
-    for gather in _gathered_into(ctx, idx, v, free, nbytes):
+    for gather in _gathered_into(ctx, idx, v, free, nbytes, gathered):
         yield gather
         if ctx.places is not None:
             yield from spanning(ctx, idx, gather)
@@ -151,11 +153,11 @@ def predecessors(ctx: CostContext, idx: tuple[str, ...], v: Value,
             yield Move(Op.ALL_REDUCE, src, v, group, volume=ctx.local_bytes(idx, src, nbytes))
 
 
-def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value,
-                   free: list[tuple[str, ...]], nbytes: int | None) -> Iterator[Move]:
-    """Gathers that make ``v``: one or more dims held free units more, at their minor ends."""
+def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value, free: list[tuple[str, ...]],
+                   nbytes: int | None, gathered: int | None = None) -> Iterator[Move]:
+    """Gathers that make ``v``: one or more dims held free units more, at their minor ends (at ``gathered``
+    bytes an element over the ZeRO axes, :meth:`CostContext.gathered_bytes`)."""
     lay = v.layout
-    volume = ctx.local_bytes(idx, v, nbytes)
     # a unit can only go to a dim that may hold it beside the dim's axes (in some order): the
     # rest of the product below would fail the full test anyway
     options = [[-1, *(d for d in range(len(lay)) if ctx.divides(idx[d], tuple(sorted(lay[d] + unit)), order=False))]
@@ -174,6 +176,7 @@ def _gathered_into(ctx: CostContext, idx: tuple[str, ...], v: Value,
                 continue
             src = Value(tuple(axes + extra.get(d, ()) for d, axes in enumerate(lay)), v.unreduced)
             axes = tuple(a for d in dims for a in extra[d])
+            volume = ctx.local_bytes(idx, v, ctx.gathered_bytes(axes, nbytes, gathered))
             if len(dims) == 1:
                 yield Move(Op.ALL_GATHER, src, v, axes, dim=dims[0], volume=volume)
             else:

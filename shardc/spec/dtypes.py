@@ -33,11 +33,11 @@ from typing import Any
 
 from lark import Token
 
-from shardc.errors import ShardcError, Span
+from shardc.errors import ShardcError, Span, clip
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec
 from shardc.spec.walk import id_names, leaves
 
-__all__ = ["dtype_named", "dtype_line", "merge_dtypes", "check_dtypes", "check_gemms", "contracts"]
+__all__ = ["dtype_named", "typed_words", "dtype_line", "merge_dtypes", "check_dtypes", "check_gemms", "contracts"]
 
 
 def dtype_named(word: str, span: Span, what: str = "dtype", fix: Callable[[list[str]], str] | None = None) -> DType:
@@ -49,6 +49,25 @@ def dtype_named(word: str, span: Span, what: str = "dtype", fix: Callable[[list[
         known = [d.value for d in DType]
         raise ShardcError(f"unknown {what} `{word}`", span,
                           fix=fix(known) if fix is not None else f"use one of {', '.join(known)}") from None
+
+
+def typed_words(children: list[Token], span: Callable[..., Span], keyword: str, known: tuple[str, ...],
+                what: str, example: str, why: str) -> tuple[list[Token], DType | None]:
+    """A framework line's words after its keyword, the first one of ``known`` (none: the line names only a
+    type), and the type its ``in T`` names (None: not written): ``grad_reduce after-backward in f32``,
+    ``param_gather in f8``.  An unknown word or type is an error at it; ``what`` names the type (its ``why``:
+    who casts to ``example``)."""
+    words = [t for t in children[1:] if t.type in ("HWNAME", "NAME")]
+    kind = None
+    if any(t.type == "IN" for t in children):
+        token = words.pop()
+        kind = dtype_named(clip(str(token)), span(token), what,
+                           lambda names: "write one of " + ", ".join(f"`in {k}`" for k in names) + f" ({why})")
+    if words and str(words[0]) not in known:
+        raise ShardcError(f"unknown {keyword} `{clip(str(words[0]))}`", span(words[0]),
+                          fix="use one of " + ", ".join(f"`{keyword} {k}`" for k in known)
+                          + f", each optionally followed by `in {example}` (the {what})")
+    return words, kind
 
 
 def dtype_line(children: list[Token], span: Callable[[Token], Span]) -> tuple[str, Any, Span]:

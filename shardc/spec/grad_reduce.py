@@ -23,7 +23,7 @@ from lark import Token
 
 from shardc.errors import ShardcError, Span, clip
 from shardc.ir.spec import GRAD_REDUCES, DType
-from shardc.spec.dtypes import dtype_named
+from shardc.spec.dtypes import typed_words
 
 __all__ = ["grad_reduce_line"]
 
@@ -31,16 +31,11 @@ __all__ = ["grad_reduce_line"]
 def grad_reduce_line(children: list[Token], span: Callable[..., Span]) -> tuple[str | None, DType | None]:
     """The line's timing word (None where it names none: overlapped, the default) and reduction type (None:
     not written); ``span(token, end=None)`` places an error."""
-    words = [t for t in children[1:] if t.type in ("HWNAME", "NAME")]
-    typed = any(t.type == "IN" for t in children)
-    kind = _reduce_dtype(words.pop(), span) if typed else None
+    words, kind = typed_words(children, span, "grad_reduce", GRAD_REDUCES, "gradient reduction type", "f32",
+                              "f32: FSDP's reduce_dtype float32, Megatron-LM's fp32 main gradients")
     if not words:
         return None, kind
     word = str(words[0])
-    if word not in GRAD_REDUCES:
-        raise ShardcError(f"unknown grad_reduce `{clip(word)}`", span(words[0]),
-                          fix="use one of " + ", ".join(f"`grad_reduce {k}`" for k in GRAD_REDUCES)
-                          + ", each optionally followed by `in f32` (the reductions' type)")
     if len(words) > 1:  # `after-backward over dcn`: only the reductions' DCN phase waits for the backward
         scope = words[1]
         if word != "after-backward" or str(scope) != "dcn":
@@ -50,9 +45,3 @@ def grad_reduce_line(children: list[Token], span: Callable[..., Span]) -> tuple[
                                   "backward) or `grad_reduce after-backward` (all of them)")
         word = f"{word} over dcn"
     return word, kind
-
-
-def _reduce_dtype(token: Token, span: Callable[..., Span]) -> DType:
-    return dtype_named(clip(str(token)), span(token), "gradient reduction type",
-                       lambda known: "write one of " + ", ".join(f"`in {k}`" for k in known)
-                       + " (f32: FSDP's reduce_dtype float32, Megatron-LM's fp32 main gradients)")

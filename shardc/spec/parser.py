@@ -44,7 +44,6 @@ from shardc.errors import ShardcError, Span, clip
 from shardc.ir.spec import (
     ATTENTION_KERNELS,
     FUSIONS,
-    PARAM_GATHERS,
     SCHEDULES,
     Add,
     Call,
@@ -66,6 +65,7 @@ from shardc.spec.call_args import IndexArg, NumberArg, WindowArg, sort_args
 from shardc.spec.dtypes import dtype_line, merge_dtypes
 from shardc.spec.grad_reduce import grad_reduce_line
 from shardc.spec.lexicon import MAX_SIZE, cache_file, grammar_text, parse_size
+from shardc.spec.param_gather import param_gather_line
 from shardc.spec.sends_line import held_sends
 from shardc.spec.syntax_errors import syntax_error
 from shardc.spec.validate import validate
@@ -338,7 +338,7 @@ class _Builder(Transformer[Token, Any]):
                 _span(children[0], children[1]))
 
     def param_gather_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("param_gather", _choice(children[1], "param_gather", PARAM_GATHERS), _span(children[0], children[1]))
+        return ("param_gather", param_gather_line(children, _span), _span(children[0], children[-1]))
 
     def optimizer_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("optimizer", _choice(children[1], "optimizer", tuple(ACCOUNTINGS)), _span(children[0], children[1]))
@@ -447,6 +447,7 @@ def _build_spec(items: list[Any]) -> Spec:
                           fix="start the spec with the device mesh, e.g. `mesh X=16, Y=4`")
     params = header["param"]
     grad_reduce, reduce_dtype = header.get("grad_reduce", (None, None))
+    param_gather, gather_dtype = header.get("param_gather", (None, None))
     return Spec(
         mesh=header["mesh"],
         statements=tuple(statements),
@@ -467,7 +468,8 @@ def _build_spec(items: list[Any]) -> Spec:
         grad_reduce=grad_reduce,
         grad_reduce_dtype=reduce_dtype,
         attention_kernel=header.get("attention_kernel"),
-        param_gather=header.get("param_gather"),
+        param_gather=param_gather,
+        param_gather_dtype=gather_dtype,
         optimizer=header.get("optimizer"),
         recompute=tuple(header["recompute"]),
         tensor_dtypes=tuple(header["dtype_tensors"]),

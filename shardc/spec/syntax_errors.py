@@ -115,6 +115,6 @@ def _word(terminal: str, before: str) -> str:
     line = (before.split() or [""])[0]
     if terminal == "HWNAME" and line in _LINE_WORDS:
         return _LINE_WORDS[line]
-    if terminal == "NAME" and line == "grad_reduce" and before.split()[-1] == "in":
+    if terminal == "NAME" and line in ("grad_reduce", "param_gather") and before.split()[-1] == "in":
         return "a type, " + _one_of(tuple(d.value for d in DType))
     return _TERMINAL_WORDS.get(terminal, terminal.lower())

@@ -234,12 +234,19 @@ def _check_recompute(spec: Spec, defined: dict[str, int]) -> None:
 
 def _check_zero(spec: Spec) -> None:
     """``zero N over AXES``: mesh axes, each once, not the pipeline's (its devices hold other layers); and
-    ``param_gather overlapped`` only where ZeRO-1 or 2 gathers the updated params back after the step."""
+    ``param_gather overlapped`` only where ZeRO-1 or 2 gathers the updated params back after the step, and
+    ``param_gather in T`` no wider than the spec's dtype."""
     zero = spec.zero
     if spec.param_gather == "overlapped" and (zero is None or zero.stage == 3):
         raise ShardcError("`param_gather overlapped`: only ZeRO-1 and 2 gather the updated params back after the "
                           "step", spec.span_of("param_gather"),
                           fix="add `zero 1 over X` (or 2), or drop the line (ZeRO-3 gathers each param as it runs)")
+    kind = spec.param_gather_dtype
+    if kind is not None and kind.nbytes > spec.dtype.nbytes:  # a cast before the gather only ever narrows
+        raise ShardcError(f"`param_gather in {kind}`: wider than the params' {spec.dtype}, so the gathers "
+                          "would move more than the params hold", spec.span_of("param_gather"),
+                          fix=f"gather in a type no wider than {spec.dtype} (`in f8`: torchao's float8 "
+                              "all-gather), or drop `in ...`")
     if zero is None:
         return
     seen: set[str] = set()

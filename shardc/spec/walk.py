@@ -14,14 +14,14 @@ ids, which indices a chain's intermediate keeps) has one answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, TensorRef
 from shardc.spec.functions import ID_BYTES, INDEXED, integer_args, is_known, signature
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
-           "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "operand_outers", "layer_inputs",
-           "block_reads", "block_feeds", "spec_params"]
+           "gather_nbytes_of", "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "operand_outers",
+           "layer_inputs", "block_reads", "block_feeds", "spec_params"]
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
@@ -107,6 +107,14 @@ def element_bytes(spec: Spec) -> dict[str, int]:
 def nbytes_of(tensor: str, element_bytes: Mapping[str, int], dtype: DType) -> int:
     """Bytes an element of ``tensor``: its entry in ``element_bytes``, else the spec's dtype's."""
     return element_bytes.get(tensor, dtype.nbytes)
+
+
+def gather_nbytes_of(axes: Iterable[str], gathered: int | None, over: Iterable[str], own: int | None) -> int | None:
+    """Bytes an element of a tensor's AllGather over ``axes`` moves: ``gathered`` (a param's ``param_gather ...
+    in T``, None: none) where the gather runs over the ZeRO axes ``over`` alone, FSDP's gathers, the ones
+    torchao's float8 all-gather casts (a weight gathered over a tensor-parallel axis is the program's own
+    choice, in its own type); else ``own``.  The one rule the search and the plan's readers share."""
+    return own if gathered is None or not set(axes) <= set(over) else gathered
 
 
 def route_slots(expr: Expr) -> set[str]:

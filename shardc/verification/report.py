@@ -26,7 +26,7 @@ from shardc.verification.ring_hlo import ring_sends
 
 __all__ = ["ValueRow", "CollectiveRow", "Report", "match_collectives", "render_report", "axes_text", "compare_values",
            "Planned", "planned_collective", "unplanned_row", "hlo_axes", "plan_row_key", "STORAGE_DTYPE", "TOLERANCE",
-           "POWER", "cut_note", "gemm_note"]
+           "POWER", "cut_note", "gemm_note", "gather_note"]
 
 STORAGE_DTYPE = {"f8": ARRAY_DTYPE[DType.F8]}  # inputs are rounded to this first
 # (rtol, atol) of max|lowered - reference| <= atol + rtol * max(magnitude), per compute dtype,
@@ -52,6 +52,17 @@ def gemm_note(spec: Spec) -> list[str]:
             "rounding errs by up to 2**-4 of each operand, E4M3's half step, and an operand the module and the "
             "reference round to neighbouring E4M3 values (their inputs differ by the compute type's rounding) "
             "errs by one step there"]
+
+
+def gather_note(spec: Spec) -> list[str]:
+    """What verify checks of a spec's ``param_gather ... in T``: the module gathers each param in its own type."""
+    kind = spec.param_gather_dtype
+    if kind is None:
+        return []
+    return [f"param_gather in {kind}: the lowered module gathers each param in its own type, not cast to {kind} "
+            "and back (the values checked are the uncast params'); a param's all-gather row counts its elements at "
+            f"{kind.nbytes} byte{'s' if kind.nbytes > 1 else ''} each, as the plan and the cost move them, where the "
+            "module's moved its own type's"]
 
 
 @dataclass(frozen=True)
@@ -169,11 +180,12 @@ def unplanned_row(phase: str, c: Collective, nbytes: int) -> CollectiveRow:
 
 def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collective],
                       sizes: dict[str, int], nbytes: int, cut: tuple[str, ...] = (),
-                      element: Callable[[str], int] | None = None) -> list[CollectiveRow]:
+                      element: Callable[[Step], int] | None = None) -> list[CollectiveRow]:
     """Pair each planned collective with an HLO one of the same kind, axes and bytes.
 
     A floating HLO element is priced at ``nbytes`` (the spec's dtype's), or where ``element`` is given
-    at the bytes of the planned step's tensor (:meth:`shardc.ir.plan.Plan.nbytes`: a `dtype T` line's).
+    at the bytes the planned step moves (:meth:`shardc.ir.plan.Plan.moved_nbytes`: a `dtype T` line's type, a
+    param's gather type).
 
     ``cut`` lists axes the run shrank to 1 though the spec's are larger: a step over
     one of them was not (or only partly) run, so its row fails.
@@ -187,7 +199,7 @@ def match_collectives(phase: str, steps: tuple[Step, ...], found: list[Collectiv
             rows.append(p)
             continue
         same = [c for c in left if c.kind is p.op and hlo_axes(c) == p.axes]
-        size = nbytes if element is None else element(step.tensor)
+        size = nbytes if element is None else element(step)
         exact = [c for c in same if c.bytes(size) == p.want]
         if not same:
             rows.append(CollectiveRow(phase, p.label, step.op.title, axes_text(p.axes), p.want, "-", "-",

@@ -66,6 +66,7 @@ from shardc.verification.report import (
     ValueRow,
     compare_values,
     cut_note,
+    gather_note,
     gemm_note,
     match_collectives,
     render_report,
@@ -285,7 +286,7 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
                             f"cotangents to their gradients' (an f8 value's gradient is {plan.spec.dtype}), every "
                             f"value computed in {dtype.name}; values computed on the way are not "
                             "rounded to their declared type (an f8 one would err by as much as a wrong plan)")
-    report.notes += gemm_note(plan.spec)
+    report.notes += gemm_note(plan.spec) + gather_note(plan.spec)
     step("running the numpy reference")
     run = _reference_run(lowered, dtype, seed)
     report.input_scale, report.input_scales = run.scale, dict(run.scales)
@@ -307,7 +308,7 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     for phase, steps in phases:
         step(f"compiling the {phase} for its HLO, comparing collectives")
         found = collectives(lowered.compiled_text(phase, dtype), lowered.module.mesh)
-        report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut, plan.nbytes)
+        report.collectives += match_collectives(phase, steps, found, report.sizes, nbytes, cut, plan.moved_nbytes)
     step("comparing memory with XLA's buffer assignment")
     report.memory_check = check_memory(lowered)
     return report
@@ -331,7 +332,7 @@ def _stage_optimizer(report: Report, zero: Plan, note: str, devices: int, seed: 
     mesh = dict(lowered.module.mesh)
     found = collectives(lowered.compiled_text("optimizer", dtype), lowered.module.mesh)
     report.collectives += match_collectives("optimizer", zero.optimizer, found, dict(lowered.sizes or {}),
-                                            zero.spec.dtype.nbytes, collapsed_axes(stage, mesh), zero.nbytes)
+                                            zero.spec.dtype.nbytes, collapsed_axes(stage, mesh), zero.moved_nbytes)
 
 
 def _keys(lowered: Lowered) -> tuple[int, ...]:
