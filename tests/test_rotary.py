@@ -14,6 +14,7 @@ from shardc.ir.localops import Attention, Rotary
 from shardc.ir.plan import Op
 from shardc.lowering.reference import backward as ref_backward
 from shardc.lowering.reference import forward as ref_forward
+from shardc.lowering.sizes import small_sizes
 from tests.test_affine import memory_rows
 
 # Q rotated with its positions sharded over X (each device's block offset), then K with them whole
@@ -105,6 +106,15 @@ def test_a_rotary_embedding_that_cannot_run_is_an_error_at_its_line(line: str, s
     with pytest.raises(ShardcError, match=says) as err:
         shardc.plan(shardc.parse(text))
     assert err.value.span is not None and err.value.span.line == 8, err.value
+
+
+def test_the_head_dim_is_even_at_verifys_sizes_and_an_odd_one_is_refused() -> None:
+    """Its halves are the pairs: verify's small sizes give it an even size (they gave LLaMA's layer H=9)."""
+    big = SPEC.replace("dims B=2, T=8, D=8, N=2, H=8", "dims B=256, T=4096, D=8192, N=64, H=128")
+    assert small_sizes(shardc.plan(shardc.parse(big)))["H"] % 2 == 0
+    with pytest.raises(ShardcError, match="the head dim H=7 is odd") as err:
+        shardc.parse(SPEC.replace("H=8", "H=7"))
+    assert err.value.span is not None and err.value.span.line == 6
 
 
 @pytest.mark.slow  # the lowered program compiled and run by XLA: T sharded (Qr) and whole (Kr)
