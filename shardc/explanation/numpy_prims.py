@@ -46,6 +46,10 @@ STRUCTURAL: dict[str, Callable[[list[Any], dict[str, Any]], Any]] = {
     "expand_dims": lambda xs, p: np.expand_dims(xs[0], tuple(p["dimensions"])),
     "convert_element_type": lambda xs, p: np.asarray(xs[0]),
     "integer_pow": lambda xs, p: np.asarray(xs[0]) ** p["y"],
+    # a rotary embedding's: its tables' halves put together, rotate-half's parts (unit strides: jnp's slices)
+    "concatenate": lambda xs, p: np.concatenate([np.asarray(x) for x in xs], axis=p["dimension"]),
+    "slice": lambda xs, p: np.asarray(xs[0])[tuple(slice(a, b, s) for a, b, s in zip(
+        p["start_indices"], p["limit_indices"], p["strides"] or (1,) * len(p["start_indices"]), strict=True))],
     # select_n(which, *cases): the case at each element's index
     "select_n": lambda xs, p: np.choose(np.asarray(xs[0], int), [np.asarray(c) for c in xs[1:]]),
 }
