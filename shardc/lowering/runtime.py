@@ -120,12 +120,13 @@ def causal_mask(x: Array, query: tuple[int, Axes], key: tuple[int, Axes], fill: 
 def rotary(x: Array, position: tuple[int, Axes], head: int, theta: float, inverse: bool = False) -> Array:
     """``x`` rotated by its global positions along ``position`` (dim, axes sharding it: each device offsets its
     block by its index along them), the dim ``head`` whole on the device, in halves (:mod:`shardc.ops.rotary`):
-    ``x * cos + rotate_half(x) * sin``, the angles in float32 and cos, sin in x's type as MaxText's
-    ``apply_rotary_embedding`` computes them; ``inverse``: the rotation back (sin negated), its gradient."""
-    half = x.shape[head] // 2
-    fraction = 2 * jnp.arange(half, dtype=jnp.float32) / x.shape[head]
+    ``x * cos + rotate_half(x) * sin``, the angles in float32 (x's type where wider: verify's float64 run) and
+    cos, sin in x's type as MaxText's ``apply_rotary_embedding`` computes them; ``inverse``: the rotation back
+    (sin negated), its gradient."""
+    half, wide = x.shape[head] // 2, jnp.promote_types(x.dtype, jnp.float32)
+    fraction = 2 * jnp.arange(half, dtype=wide) / x.shape[head]
     rate = (1.0 / theta ** fraction).reshape([half if d == head else 1 for d in range(x.ndim)])
-    angle = positions(x, *position).astype(jnp.float32) * rate
+    angle = positions(x, *position).astype(wide) * rate
     cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
     sin = -sin if inverse else sin
     x1, x2 = jnp.split(x, 2, axis=head)
