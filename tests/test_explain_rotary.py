@@ -71,6 +71,24 @@ def test_a_rotary_embedding_made_from_positions_is_the_languages_rotary() -> Non
     _same_values(text, _scores(np, _rope), inputs)
 
 
+def _einsum_angles(x: Any) -> Any:
+    """HF Flax's and GPT-NeoX's form: the angles an einsum of positions and frequencies, cos and sin in x's type."""
+    s, h = x.shape[1], x.shape[-1]
+    inv = 1.0 / (10000 ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    freqs = jnp.einsum("i,j->ij", jnp.arange(s, dtype=jnp.float32), inv)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+    return x * jnp.cos(emb).astype(x.dtype) + _rotate_half(x, jnp) * jnp.sin(emb).astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_angles_made_by_an_einsum_in_any_type_are_the_languages_rotary(dtype: Any) -> None:
+    """In bfloat16 the tables' rounding moves the theta the angles imply (10011): the language's 10000 holds at
+    that rounding, and is written."""
+    closed = jax.make_jaxpr(_einsum_angles)(jax.ShapeDtypeStruct((2, 64, 4, 16), dtype))
+    text = read_program(closed, [()], [()], ["x"], {"data": 2}, "t").text
+    assert "H1[B, S, T, D] = rotary(x[B, S, T, D], S)  #" in text, text
+
+
 def _tables() -> tuple[np.ndarray, np.ndarray]:
     inv = 1.0 / (10000 ** (np.arange(0, 4, 2) / 4))
     angles = np.outer(np.arange(8), inv)

@@ -200,6 +200,8 @@ class _Reader(Reading):
             self.call(eqn)
         elif name in _CALLS:
             return
+        elif name in ("dot_general", "concatenate") and all(self.is_constant(v) for v in eqn.invars):
+            self.constant(out)  # a rotary embedding's angles (positions times frequencies), their halves twice
         elif name == "dot_general":
             self.dot(eqn, line)
         elif name in ("reduce_sum", "reduce_max"):
@@ -222,8 +224,6 @@ class _Reader(Reading):
             read_scan(self, eqn)
         elif name in ("slice", "split"):
             cut(self, eqn, line)
-        elif name == "concatenate" and all(self.is_constant(v) for v in eqn.invars):
-            self.constant(out)  # a rotary embedding's frequencies, twice
         elif name == "concatenate":
             concatenate(self, eqn, line)
         elif name == "sharding_constraint" or (name == "reshard" and arrays):

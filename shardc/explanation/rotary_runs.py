@@ -71,18 +71,31 @@ def rotation(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any,
 
 
 def _thetas(x: np.ndarray, y: np.ndarray, d: int) -> list[float]:
-    """The frequency base the run's angle of pair 1 at position 1 along ``d`` implies (rate theta ** (-2 / H)):
-    rounded to 5 digits (a table in float32 moves it by its rounding times H / 2), then as it is."""
+    """The frequency bases to try: the language's default (where the program's values are its, at their type's
+    rounding, the spec need not say another), then the one the run's angles of pair 1 imply (rate theta **
+    (-2 / H)), read at the farthest position along ``d`` whose angle is under 3 (a table's rounding is a smaller
+    share of a larger angle), rounded to 5 digits, then as it is."""
     half = x.shape[-1] // 2
     if half < 2:
         return [THETA]  # one pair: its rate is 1 whatever theta
-    at = tuple(1 if k == d else 0 for k in range(x.ndim - 1))
-    pair = complex(y[(*at, 1)], y[(*at, 1 + half)]) / complex(x[(*at, 1)], x[(*at, 1 + half)])
-    rate = math.atan2(pair.imag, pair.real)
+    rate = _angle(x, y, d, 1) or 0.0
     if not 0 < rate < 1:
-        return []
-    theta = rate ** (-half)
-    return [float(f"{theta:.5g}"), theta]
+        return [THETA]
+    far = min(x.shape[d] - 1, int(3 / rate))
+    rate = (_angle(x, y, d, far) or 0.0) / far
+    theta = rate ** (-half) if 0 < rate < 1 else THETA
+    return [THETA, float(f"{theta:.5g}"), theta]
+
+
+def _angle(x: np.ndarray, y: np.ndarray, d: int, t: int) -> float | None:
+    """The angle the run turns pair 1 by at position ``t`` along ``d`` (the other dims at 0)."""
+    at = tuple(t if k == d else 0 for k in range(x.ndim - 1))
+    half = x.shape[-1] // 2
+    turned = complex(x[(*at, 1)], x[(*at, 1 + half)])
+    if turned == 0:
+        return None
+    pair = complex(y[(*at, 1)], y[(*at, 1 + half)]) / turned
+    return math.atan2(pair.imag, pair.real)
 
 
 def _run(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any, x: np.ndarray) -> np.ndarray | None:
