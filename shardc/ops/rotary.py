@@ -35,7 +35,7 @@ from shardc.errors import ShardcError
 from shardc.ir.localops import Rotary
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, TensorRef
-from shardc.ops.elementwise import gradient_layouts, map_step
+from shardc.ops.elementwise import map_gradient, map_step
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import aligned_text
 from shardc.sharding.layout import Value
@@ -84,10 +84,9 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
 def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """dX = the inverse rotation of dY (the rotation is orthogonal), H whole: the cotangent alone is read."""
     assert node.call is not None
-    (z,) = node.operands
-    if z not in bw.needs:
+    if (found := map_gradient(bw, node)) is None:
         return
-    value, want = gradient_layouts(bw, node)
+    z, value, want = found
     head = bw.phase.indices[z][-1]
     if value.unreduced or any(value.layout[node.indices.index(head)]):
         whole = _whole_head(Value(value.layout, ()), node.indices, head)
