@@ -54,12 +54,16 @@ def test_the_reference_scales_and_shifts() -> None:
     assert np.allclose(grads["W1"], inputs["In"].T @ dh)
 
 
+def memory_rows(text: str) -> list[float]:
+    """The HBM bytes of each step of the spec ``text``'s plan, forward then backward, as the cost model counts them."""
+    cost = shardc.cost(shardc.plan(shardc.parse(text)))
+    return [r.memory_bytes for phase in (cost.forward, cost.backward) for r in phase.rows]
+
+
 def test_a_scale_fuses_as_any_other_map_in_the_cost_model() -> None:
     """The run gelu, scale, shift costs what gelu, identity, identity cost (maps whose gradients read no argument
     either): each map's bytes by the same fusion."""
-    def rows(text: str) -> list[float]:
-        cost = shardc.cost(shardc.plan(shardc.parse(text)))
-        return [r.memory_bytes for phase in (cost.forward, cost.backward) for r in phase.rows]
+    rows = memory_rows
     other = SPEC.replace("scale(gelu(H[B_X, F_Y]), 0.125)", "identity(gelu(H[B_X, F_Y]))").replace(
         "shift(G[B_X, F_Y], -1.5)", "identity(G[B_X, F_Y])")
     assert rows(SPEC) == rows(other)

@@ -82,10 +82,11 @@ def test_a_rotary_embeddings_rotate_half_is_a_map_of_its_array() -> None:
     assert not e.xla and not e.plan  # heads over model, head dim whole: no collective either way
 
 
-def test_a_rotary_embedding_computed_in_the_program_is_one_map_of_its_heads() -> None:
-    """cos and sin made in the program from positions (``jnp.arange``: constants, no tensor of the spec):
-    the whole rotary embedding, ``x * cos + rotate_half(x) * sin``, is no map of the language (refused);
-    approximately one map of q and one of k, for their shardings."""
+def test_a_rotary_embedding_computed_in_the_program_is_the_languages_rotary() -> None:
+    """cos and sin made in the program from positions (``jnp.arange``: constants, no tensor of the spec): the whole
+    rotary embedding, ``x * cos + rotate_half(x) * sin``, is the language's ``rotary`` of q and of k by their
+    positions (tests/test_explain_rotary.py checks its values), heads over model and the head dim whole: no
+    collective either way."""
     import jax
     import jax.numpy as jnp
 
@@ -104,13 +105,12 @@ def test_a_rotary_embedding_computed_in_the_program_is_one_map_of_its_heads() ->
         return jnp.einsum("bsnh,btnh->bnst", q, k)
 
     args = (_arg(mesh, (4, 8, 16), "data"), *[_arg(mesh, (16, 16), None, "model")] * 2)
-    with pytest.raises(ShardcError, match=f"^{_line_of(rope, 'the rotary embedding')}:.*rotary's rotate_half"):
-        explain(jax.jit(scores), *args)
-    e = explain(jax.jit(scores), *args, approximate=True)
+    e = explain(jax.jit(scores), *args)
     texts = _statements(e)
-    assert texts[2:4] == ["H1[B_{data}, S, N_{model}, H] = identity(Y1[B_{data}, S, N_{model}, H])",
-                          "H2[B_{data}, S, N_{model}, H] = identity(Y2[B_{data}, S, N_{model}, H])"], e.spec
+    assert texts[2:4] == ["H1[B_{data}, S, N_{model}, H] = rotary(Y1[B_{data}, S, N_{model}, H], S)",
+                          "H2[B_{data}, S, N_{model}, H] = rotary(Y2[B_{data}, S, N_{model}, H], S)"], e.spec
     assert len(texts) == 6 and f"# {_line_of(rope, 'the rotary embedding')}" in e.spec, e.spec
+    assert not e.xla and not e.plan
 
 
 @pytest.mark.parametrize(("program", "op", "message"), [

@@ -20,6 +20,7 @@ from shardc.ir.localops import (
     DropoutVjp,
     Map,
     MapVjp,
+    Rotary,
     Route,
     Row,
     Update,
@@ -47,6 +48,7 @@ from shardc.ops.registry import (
     of_step,
     register,
 )
+from shardc.ops.rotary import ROTARY
 from shardc.ops.route import ROUTING
 from shardc.ops.sums import SUMS
 from shardc.ops.vocabulary import VOCABULARY
@@ -68,9 +70,10 @@ def test_a_family_is_found_by_its_calls_and_by_the_class_of_its_operations() -> 
     assert of_call("dispatch") is DISPATCH and of_call("combine") is DISPATCH
     assert of_op(Dispatch("combine_gate_vjp", "S", "E", "C", 2)) is DISPATCH
     assert of_call("scale") is AFFINE and of_call("shift") is AFFINE and of_op(AffineVjp(0.5)) is AFFINE
-    assert set(families()) == {AFFINE, ATTENTION, DISPATCH, MAPS, MASKS, PRODUCTS, REDUCTIONS, ROUTING, SUMS,
+    assert of_call("rotary") is ROTARY and of_op(Rotary("T", "H", inverse=True)) is ROTARY
+    assert set(families()) == {AFFINE, ATTENTION, DISPATCH, MAPS, MASKS, PRODUCTS, REDUCTIONS, ROTARY, ROUTING, SUMS,
                                VOCABULARY}
-    assert len(families()) == 10
+    assert len(families()) == 11
 
 
 def test_every_step_of_a_plan_is_found_by_its_kind_or_its_operation() -> None:

@@ -28,8 +28,10 @@ __all__ = ["Constants", "read_mask"]
 
 _FOLDED = frozenset({"iota", "broadcast_in_dim", "convert_element_type", "add", "sub", "mul", "neg", "ge", "gt",
                      "le", "lt", "eq", "ne", "and", "or", "not", "select_n", "reshape", "transpose", "squeeze",
-                     "expand_dims", "max", "min", "div", "sqrt", "rsqrt"})  # what a mask (or a scale: flax's
-# 1 / sqrt(head dim)) is made of, each free of effects
+                     "expand_dims", "max", "min", "div", "sqrt", "rsqrt", "sin", "cos", "pow", "exp",
+                     "integer_pow", "concatenate", "slice", "dot_general"})
+# what a mask (or a scale: flax's 1 / sqrt(head dim), a rotary embedding's tables of cos and sin) is made of, each
+# free of effects
 _KEYS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in",
                    "random_clone"})  # a random key's making: no array of the spec
 _LIMIT = 1 << 24  # the most elements a folded value holds (an S x T mask of 4096 x 4096)

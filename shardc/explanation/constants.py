@@ -28,12 +28,13 @@ from jax.extend import core as jex
 
 from shardc.errors import ShardcError, Span
 from shardc.explanation.patterns import function_of
+from shardc.explanation.rotary_runs import rotation
 from shardc.explanation.run_values import differs
 from shardc.explanation.sources import equation_text, source_line
 from shardc.explanation.spec_text import Made
 from shardc.ops.reductions import LN_EPS, RMS_EPS
 
-__all__ = ["Constant", "checked", "norm_of", "scaled", "write_run"]
+__all__ = ["Constant", "checked", "norm_of", "record", "scaled", "write_run"]
 
 # an equation of a run and its primitives' names there (``scaled``: "scale" for x * c); a custom function of
 # one array (relu, gelu: a run of its own, ``unary_call``) is one step, a stand-in of its result and argument
@@ -91,19 +92,21 @@ def scaled(reader: Any, eqn: Any, name: str, arrays: list[Any], line: str) -> st
     if found:
         reader.scalars[eqn.outvars[0]] = tuple(dict.fromkeys(found))
     name = "scale" if name == "mul" and len(arrays) < len(eqn.invars) else name
-    _record(reader, eqn, name, arrays)
+    record(reader, eqn, name, arrays)
     return name
 
 
-def _record(reader: Any, eqn: Any, name: str, arrays: list[Any]) -> None:
-    """Keep ``eqn`` with the run its result is in: the equations of its arrays' runs, then itself (in order)."""
+def record(reader: Any, eqn: Any, name: str, arrays: list[Any]) -> None:
+    """Keep ``eqn`` with the run its results are in: the equations of its arrays' runs, then itself (in order); a
+    slice's and a concatenation's too (rotate-half's, :mod:`shardc.explanation.rotary_runs` evaluates them)."""
     steps: dict[int, Step] = {}
     for a in map(reader.base, arrays):
         if a in reader.region and a not in reader.runs and reader.region[a][0] is not a:  # a custom function
             steps[id(a)] = (SimpleNamespace(outvars=[a], invars=[reader.region[a][0]]), reader.region[a][1])
         steps.update((id(e), (e, n)) for e, n in reader.runs.get(a, ()))
     steps[id(eqn)] = (eqn, frozenset({name}))
-    reader.runs[eqn.outvars[0]] = tuple(steps.values())
+    for out in eqn.outvars:
+        reader.runs[out] = tuple(steps.values())
 
 
 def checked(reader: Any, var: Any, function: str) -> str:
@@ -251,6 +254,19 @@ def _apply(reader: Any, step: Step, operand: Any, line: str) -> Any:
     return out
 
 
+def _function(reader: Any, steps: list[Step], start: Any, rest: Any, operand: Any, ops: frozenset[str],
+              line: str) -> None:
+    """``rest`` as the language's map of ``operand`` the run's primitives name, checked at sample points; else the
+    error (under ``approximate`` a note)."""
+    function = checked(reader, rest, function_of(ops))
+    wrong = differs(reader, steps, start, ops, function)
+    if wrong:
+        _refuse(reader, f"{wrong[0]}{f' at {line}' if line else ''} {wrong[1]}", line,
+                "write the run as the language's maps (gelu, relu, silu, sigmoid, tanh, exp, square, identity; "
+                "a scale or shift first or last), or write the .shard spec of the program")
+    reader.make(rest, "fn", (operand,), fn=function, line=line)
+
+
 def write_run(reader: Any, var: Any, source: Any, ops: frozenset[str], line: str) -> None:
     """The statements making ``var``, the run of maps of ``source``: its leading and trailing scales and
     shifts written apart, the rest one function (:func:`~shardc.explanation.constants.checked`)."""
@@ -266,13 +282,12 @@ def write_run(reader: Any, var: Any, source: Any, ops: frozenset[str], line: str
         rest = reader.base(_operand(reader, trail[0])) if trail else var
         reader.scalars[rest] = tuple(c for c in reader.scalars.get(var, ()) if c.at not in peeled)
         rest_ops = frozenset().union(*(n for _, n in steps)) if lead or trail else ops
-        function = checked(reader, rest, function_of(rest_ops))
-        wrong = differs(reader, steps, id_(lead[-1]) if lead else reader.base(source), rest_ops, function)
-        if wrong:
-            _refuse(reader, f"{wrong[0]}{f' at {line}' if line else ''} {wrong[1]}", line,
-                    "write the run as the language's maps (gelu, relu, silu, sigmoid, tanh, exp, square, identity; "
-                    "a scale or shift first or last), or write the .shard spec of the program")
-        reader.make(rest, "fn", (operand,), fn=function, line=line)
+        start = id_(lead[-1]) if lead else reader.base(source)
+        rotated = rotation(reader, steps, start, operand)
+        if rotated is not None:  # x * cos + rotate_half(x) * sin: the language's rotary
+            reader.make(rest, "rotary", (operand,), names=(rotated[0],), value=rotated[1], line=line)
+        else:
+            _function(reader, steps, start, rest, operand, rest_ops, line)
         reader.region.pop(rest, None)
         operand = rest
     for step in trail:

@@ -36,6 +36,7 @@ from shardc.explanation.layers import read_scan
 from shardc.explanation.lookups import embed, read_lookup
 from shardc.explanation.patterns import Run, mean_sums, primitives, runs
 from shardc.explanation.refusals import refusal_fix
+from shardc.explanation.rotary_runs import enter_constants
 from shardc.explanation.routing import read_routing, regions
 from shardc.explanation.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explanation.sources import equation_text, shape_text, source_line
@@ -93,7 +94,7 @@ class _Reader(Reading):
     def make(self, var: Any, kind: str, operands: tuple[Any, ...], **extra: Any) -> None:
         prefix = {"dot": "Y", "mul": "Y", "fn": "H", "sum": "R", "reduce": "M", "norm": "N", "copy": "C",
                   "embed": "E", "loss": "L", "route": "Disp", "dispatch": "In",
-                  "combine": "Comb", "causal": "Sc", "dropout": "Dr"}[kind]
+                  "combine": "Comb", "causal": "Sc", "dropout": "Dr", "rotary": "H"}[kind]
         self.used.update(operands)
         self.made.add(var)
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
@@ -199,6 +200,8 @@ class _Reader(Reading):
             self.call(eqn)
         elif name in _CALLS:
             return
+        elif name in ("dot_general", "concatenate") and all(self.is_constant(v) for v in eqn.invars):
+            self.constant(out)  # a rotary embedding's angles (positions times frequencies), their halves twice
         elif name == "dot_general":
             self.dot(eqn, line)
         elif name in ("reduce_sum", "reduce_max"):
@@ -221,8 +224,6 @@ class _Reader(Reading):
             read_scan(self, eqn)
         elif name in ("slice", "split"):
             cut(self, eqn, line)
-        elif name == "concatenate" and all(self.is_constant(v) for v in eqn.invars):
-            self.constant(out)  # a rotary embedding's frequencies, twice
         elif name == "concatenate":
             concatenate(self, eqn, line)
         elif name == "sharding_constraint" or (name == "reshard" and arrays):
@@ -254,9 +255,10 @@ class _Reader(Reading):
         self.shard(out, spec, into=tensor)
 
     def call(self, eqn: Any) -> None:
-        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        inner = self.walked.once(getattr(inner, "jaxpr", inner))
+        closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        inner = self.walked.once(getattr(closed, "jaxpr", closed))
         self.constants.enter(self, list(eqn.invars), list(inner.invars))
+        enter_constants(self, closed, inner)
         for outer_var, inner_var in zip(eqn.invars, inner.invars, strict=False):
             if not isinstance(outer_var, jex.Literal) and outer_var.aval.shape:
                 self.step.enter(outer_var, inner_var)
@@ -471,6 +473,7 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
         reader.names[var] = name
         reader.shard(var, spec)
     reader.step = TrainingStep(list(jaxpr.invars))
+    enter_constants(reader, closed, jaxpr)
     reader.walk(jaxpr)
     reader.step.write_losses(reader, list(jaxpr.outvars))
     for var, spec in zip(jaxpr.outvars, out_specs, strict=True):

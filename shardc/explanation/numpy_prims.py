@@ -37,6 +37,19 @@ def _broadcast(x: Any, params: dict[str, Any]) -> Any:
     return np.broadcast_to(placed, shape)
 
 
+def _dot(xs: list[Any], params: dict[str, Any]) -> Any:
+    """``dot_general`` as an einsum: contracted and batch dims share a letter; the result's batch dims, then the
+    left's free ones, then the right's (a rotary embedding's positions times its frequencies, jnp.einsum's)."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    a, b = np.asarray(xs[0]), np.asarray(xs[1])
+    left, right = list("abcdefghijklm"[:a.ndim]), list("nopqrstuvwxyz"[:b.ndim])
+    for i, j in (*zip(lc, rc, strict=True), *zip(lb, rb, strict=True)):
+        right[j] = left[i]
+    out = [left[i] for i in lb] + [left[i] for i in range(a.ndim) if i not in (*lc, *lb)]
+    out += [right[j] for j in range(b.ndim) if j not in (*rc, *rb)]
+    return np.einsum(f"{''.join(left)},{''.join(right)}->{''.join(out)}", a, b)
+
+
 STRUCTURAL: dict[str, Callable[[list[Any], dict[str, Any]], Any]] = {
     "iota": lambda xs, p: _iota(p),
     "broadcast_in_dim": lambda xs, p: _broadcast(xs[0], p),
@@ -46,6 +59,11 @@ STRUCTURAL: dict[str, Callable[[list[Any], dict[str, Any]], Any]] = {
     "expand_dims": lambda xs, p: np.expand_dims(xs[0], tuple(p["dimensions"])),
     "convert_element_type": lambda xs, p: np.asarray(xs[0]),
     "integer_pow": lambda xs, p: np.asarray(xs[0]) ** p["y"],
+    # a rotary embedding's: its tables' halves put together, rotate-half's parts (unit strides: jnp's slices)
+    "dot_general": _dot,
+    "concatenate": lambda xs, p: np.concatenate([np.asarray(x) for x in xs], axis=p["dimension"]),
+    "slice": lambda xs, p: np.asarray(xs[0])[tuple(slice(a, b, s) for a, b, s in zip(
+        p["start_indices"], p["limit_indices"], p["strides"] or (1,) * len(p["start_indices"]), strict=True))],
     # select_n(which, *cases): the case at each element's index
     "select_n": lambda xs, p: np.choose(np.asarray(xs[0], int), [np.asarray(c) for c in xs[1:]]),
 }

@@ -26,7 +26,9 @@ __all__ = ["differs"]
 
 # what a run reads positionally, by the primitives that bring it there (slices.py): no map of one element
 _MOVES = {"rev": "a flip (jnp.flip), moving elements along a dim,", "concatenate": "parts of a dim put back "
-          "together in another order (rotary's rotate_half), moving elements along it,",
+          "together in another order (rotary's rotate_half; read as the language's `rotary(X, T)` only where the "
+          "run is x * cos + rotate_half(x) * sin at the angles t * theta^(-2i/H) of positions 0, 1, ... along one "
+          "dim), moving elements along it,",
           "slice": "a slice, moving elements along a dim,", "split": "a split, moving elements along a dim,"}
 _POINTS = np.linspace(-3.0, 3.0, 25, dtype=np.float32)  # where the run and the named map are compared
 

@@ -5,7 +5,8 @@ A rotary position embedding (Su et al. 2021, as GPT-NeoX and LLaMA implementatio
 the halves of the head dim, ``rotate_half(x) = concatenate([-x2, x1])`` with ``x1, x2`` the halves of
 ``x``'s last dim, then adds ``x * cos + rotate_half(x) * sin``.  ``rotate_half(x)`` has x's dims and,
 with the head dim whole on each device, x's sharding: no data crosses devices, as for an elementwise
-map, so the spec writes it as a function of x.  Its parts alone (a half of a dim, a strided slice,
+map, so the parts are a run of maps of x, and the whole run, where it is that rotation, the language's
+``rotary`` (:mod:`shardc.explanation.rotary_runs`).  Its parts alone (a half of a dim, a strided slice,
 a cache grown by a concatenation) have dims of sizes the program's other tensors do not have, and no
 form in the language: each is an error naming the op.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from shardc.explanation.constants import record
 from shardc.explanation.dim_classes import unwritable
 from shardc.explanation.fused import split_projection
 
@@ -42,9 +44,12 @@ def _bounds(eqn: Any) -> list[tuple[int, int, int]]:
         return [(axis, a, b) for a, b in zip(starts, starts[1:], strict=False)]
     if any(s not in (None, 1) for s in eqn.params["strides"] or ()):
         raise unwritable("a strided slice picks every k-th element of a dim, which no op of the spec language "
-                         "does (a dim's elements a device holds are one block)",
+                         "does (a dim's elements a device holds are one block; a rotary embedding's interleaved "
+                         "pairs, x[..., ::2] and x[..., 1::2] as RoFormer's and GPT-J's code pair them, are not "
+                         "the language's `rotary`, which rotates the halves as LLaMA's rotate_half does)",
                          fix="pass the strided slice to the program as an argument (an input of its size in the "
-                             "spec), or write the .shard spec")
+                             "spec); rotate the halves of the head dim (its weights' columns permuted, the same "
+                             "model); or write the .shard spec")
     narrowed = [k for k, (a, b, n) in enumerate(zip(eqn.params["start_indices"], eqn.params["limit_indices"], shape,
                                                     strict=True)) if (a, b) != (0, n)]
     if len(narrowed) != 1:
@@ -68,6 +73,7 @@ def cut(reader: Any, eqn: Any, line: str) -> None:
                 reader.join(d, e)
         reader.pieces[out] = Piece(source, ids, axis, start, stop)
         reader.region[out] = (source, ops | {eqn.primitive.name}, line)
+    record(reader, eqn, eqn.primitive.name, [var])
 
 
 def concatenate(reader: Any, eqn: Any, line: str) -> None:
@@ -97,6 +103,8 @@ def concatenate(reader: Any, eqn: Any, line: str) -> None:
     # the parts in their order put each element back in place: the array itself, nothing moved
     in_place = [p.start for p in parts if p is not None] == [a for a, _ in spans]
     reader.region[out] = (first.source, ops - {"slice", "split"} if in_place else ops | {"concatenate"}, line)
+    if not in_place:  # the parts in place are the array: no step of a run
+        record(reader, eqn, "concatenate", ins)
 
 
 def sort(reader: Any, eqn: Any, line: str) -> None:

@@ -15,7 +15,8 @@ from shardc.errors import ShardcError
 from shardc.explanation.dim_classes import DimClasses
 from shardc.explanation.sources import comment
 from shardc.explanation.training import TrainingStep
-from shardc.ir.spec import Dim, TensorRef
+from shardc.ir.spec import Call, Dim, TensorRef
+from shardc.ops.rotary import THETA
 
 __all__ = ["Made", "ProgramSpec", "Reading", "Statement", "render"]
 
@@ -114,6 +115,8 @@ def _expression(s: Statement, operands: list[TensorRef], over: str, names: tuple
         return f"{s.fn or s.kind}({', '.join(map(str, operands))}, {names[0]}, {names[1]}, {s.number} over {over})"
     if s.kind == "dropout":
         return f"dropout({operands[0]}, {s.fn})"
+    if s.kind == "rotary":  # its frequency base written where it is not the language's default
+        return str(Call("rotary", operands[0], names=names[:1], numbers=() if s.value in (None, THETA) else (s.value,)))
     if s.kind == "causal":
         return f"causal({operands[0]}, {names[0]}, {names[1]}" + (f", window {s.number})" if s.number else ")")
     if s.kind in ("dot", "mul"):

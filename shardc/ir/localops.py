@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Map", "MapVjp", "Affine", "AffineVjp", "Add", "Neg", "Alias", "Update", "Causal", "CausalVjp", "Dropout",
-           "DropoutMask", "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "key_block", "Dispatch", "Row",
-           "Vocab", "Combine", "LocalOp", "NEG", "ALIAS", "UPDATE", "MASK_OPS", "add_op"]
+__all__ = ["Map", "MapVjp", "Affine", "AffineVjp", "Add", "Neg", "Alias", "Update", "Causal", "CausalVjp", "Rotary",
+           "Dropout", "DropoutMask", "DropoutVjp", "Route", "Attention", "ATTENTION_PARTS", "key_block", "Dispatch",
+           "Row", "Vocab", "Combine", "LocalOp", "NEG", "ALIAS", "UPDATE", "MASK_OPS", "add_op"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,20 @@ class CausalVjp:
 
     def __str__(self) -> str:
         return f"causal_vjp({self.query},{self.key}{_window(self.window)})"
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A rotary position embedding of the head dim ``head`` by the global position along ``position`` at the
+    frequency base ``theta`` (:mod:`shardc.ops.rotary`); ``inverse``: the rotation back, its gradient."""
+
+    position: str
+    head: str
+    theta: float = 10000.0
+    inverse: bool = False
+
+    def __str__(self) -> str:
+        return f"rotary{'_vjp' * self.inverse}({self.position},{self.head},{self.theta:g})"
 
 
 def _window(window: int | None) -> str:
@@ -325,5 +339,5 @@ class Combine(_Named):
     MAX = "max"
 
 
-LocalOp = (Map | MapVjp | Affine | AffineVjp | Add | Neg | Alias | Update | Causal | CausalVjp | DropoutMask | Dropout
-           | DropoutVjp | Route | Attention | Dispatch | Row | Vocab | Combine)
+LocalOp = (Map | MapVjp | Affine | AffineVjp | Add | Neg | Alias | Update | Causal | CausalVjp | Rotary | DropoutMask
+           | Dropout | DropoutVjp | Route | Attention | Dispatch | Row | Vocab | Combine)

@@ -36,7 +36,7 @@ from shardc.lowering.runtime_ring import (
     zigzag_positions,
 )
 
-__all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask", "keep_mask", "vocab_lookup",
+__all__ = ["make_mesh", "shard_slice", "gather_dims", "positions", "causal_mask", "rotary", "keep_mask", "vocab_lookup",
            "vocab_scatter", "vocab_pick", "vocab_ce_grad", "route_topk", "attention", "attention_grads",
            "attention_rope", "attention_rope_grads",
            "ring_attention", "ring_attention_grads", "expert_dispatch", "expert_combine", "expert_dispatch_vjp",
@@ -115,6 +115,22 @@ def causal_mask(x: Array, query: tuple[int, Axes], key: tuple[int, Axes], fill: 
     ``query`` and ``key`` are (dim, axes sharding it): each device offsets its block's positions by its
     index along them."""
     return jnp.where(masked(positions(x, *query), positions(x, *key), window), fill, x)
+
+
+def rotary(x: Array, position: tuple[int, Axes], head: int, theta: float, inverse: bool = False) -> Array:
+    """``x`` rotated by its global positions along ``position`` (dim, axes sharding it: each device offsets its
+    block by its index along them), the dim ``head`` whole on the device, in halves (:mod:`shardc.ops.rotary`):
+    ``x * cos + rotate_half(x) * sin``, the angles in float32 (x's type where wider: verify's float64 run) and
+    cos, sin in x's type as MaxText's ``apply_rotary_embedding`` computes them; ``inverse``: the rotation back
+    (sin negated), its gradient."""
+    half, wide = x.shape[head] // 2, jnp.promote_types(x.dtype, jnp.float32)
+    fraction = 2 * jnp.arange(half, dtype=wide) / x.shape[head]
+    rate = (1.0 / theta ** fraction).reshape([half if d == head else 1 for d in range(x.ndim)])
+    angle = positions(x, *position).astype(wide) * rate
+    cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
+    sin = -sin if inverse else sin
+    x1, x2 = jnp.split(x, 2, axis=head)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=head)
 
 
 def masked(qpos: Array, kpos: Array, window: int | None) -> Array:

@@ -12,6 +12,7 @@ import itertools
 import math
 from collections.abc import Callable
 
+from shardc.ir.localops import Rotary
 from shardc.ir.plan import Plan
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import of_call
@@ -199,7 +200,8 @@ def _spread(groups: list[set[tuple[str, ...]]], full: dict[str, int], sizes: dic
 
 def _needs(plan: Plan, devices: int | None) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
     """The small mesh; what each dim's size must be a multiple of there (the product of the mesh axes that split it,
-    whole expert groups, whole zig-zag chunks); each dim's representative among those renames tie."""
+    whole expert groups, whole zig-zag chunks, a rotation's pairs); each dim's representative among those renames
+    tie."""
     axes = [(a.name, a.size) for a in plan.spec.mesh.axes]
     mesh = dict(axes if devices is None else shrink_mesh(axes, devices))
     need: dict[str, int] = {}
@@ -208,6 +210,9 @@ def _needs(plan: Plan, devices: int | None) -> tuple[dict[str, int], dict[str, i
             need[d.name] = math.lcm(need.get(d.name, 1), math.prod(mesh[a] for a in d.axes))
     for (experts, _), (_, _, groups) in node_limits(plan.spec).items():  # whole groups of experts
         need[experts] = math.lcm(need.get(experts, 1), groups)
+    for step in plan.forward:  # a rotation's pairs: its head dim's halves (ops/rotary.py), an even size
+        if isinstance(step.fn, Rotary):
+            need[step.fn.head] = math.lcm(need.get(step.fn.head, 1), 2)
     zigzag, chunks = sequence_order(plan, mesh) or (frozenset(), 1)
     for name in zigzag:  # whole zig-zag chunks: 2n of them over a ring of n (runtime_ring.zigzag_order)
         need[name] = math.lcm(need.get(name, 1), chunks)

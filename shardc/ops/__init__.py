@@ -10,7 +10,19 @@ functions' signatures are declared in :mod:`shardc.spec.functions`, which parsin
 without importing anything of planning.
 """
 
-from shardc.ops import affine, attention, dispatch, elementwise, masks, products, reductions, route, sums, vocabulary
+from shardc.ops import (
+    affine,
+    attention,
+    dispatch,
+    elementwise,
+    masks,
+    products,
+    reductions,
+    rotary,
+    route,
+    sums,
+    vocabulary,
+)
 
-__all__ = ["affine", "attention", "dispatch", "elementwise", "masks", "products", "reductions", "route", "sums",
-           "vocabulary"]
+__all__ = ["affine", "attention", "dispatch", "elementwise", "masks", "products", "reductions", "rotary", "route",
+           "sums", "vocabulary"]

@@ -17,7 +17,7 @@ import numpy as np
 from shardc.ir.localops import Affine, AffineVjp
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, TensorRef
-from shardc.ops.elementwise import gradient_layouts
+from shardc.ops.elementwise import map_gradient, map_step
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
 from shardc.ops.text import aligned_text
 from shardc.sharding.layout import Value
@@ -43,19 +43,15 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (arg,) = node.operands
     target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
                                       f"a {node.fn}", node.statement.span)
-    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
-                    operands=(phase.ref(arg, want),), fn=affine_of(node.call)), target)
-    declared.setdefault(node.result, phase.ref(node.result, target))
-    declared.setdefault(arg, phase.ref(arg, want))
+    map_step(phase, node, declared, target, want, affine_of(node.call))
 
 
 def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """dX = a dY, in the argument's index order: the cotangent alone is read."""
     assert node.call is not None
-    (z,) = node.operands
-    if z not in bw.needs:
+    if (found := map_gradient(bw, node)) is None:
         return
-    value, want = gradient_layouts(bw, node)
+    z, value, want = found
     dst = bw.part_name(z)
     bw.phase.emit(Step(Op.ELEMENTWISE, dst, bw.phase.ref(dst, want), operands=(bw.phase.ref(grad, value),),
                        fn=AffineVjp(affine_of(node.call).scale)), want)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shardc.errors import ShardcError
-from shardc.ir.localops import Map, MapVjp
+from shardc.ir.localops import LocalOp, Map, MapVjp
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, register
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
-__all__ = ["MAPS", "emit", "gradient_layouts", "Function", "FUNCTIONS", "function", "TRANSCENDENTAL"]
+__all__ = ["MAPS", "emit", "gradient_layouts", "map_gradient", "map_step", "Function", "FUNCTIONS", "function",
+           "TRANSCENDENTAL"]
 
 Array = Any
 _C = 0.7978845608028654  # sqrt(2 / pi)
@@ -120,8 +121,16 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
     (arg,) = node.operands
     target, want = phase.map_argument(arg, node.result, node.indices, target, declared.get(arg),
                                       "an elementwise function", node.statement.span)
-    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target),
-                    operands=(phase.ref(arg, want),), fn=Map(node.fn or "")))
+    map_step(phase, node, declared, target, want, Map(node.fn or ""))
+
+
+def map_step(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Value, want: Value,
+             fn: LocalOp) -> None:
+    """A map's one step: its result made in ``target`` of its argument read in ``want``, each declared so
+    where the spec did not (the layouts the next statements read them in)."""
+    (arg,) = node.operands
+    phase.emit(Step(Op.ELEMENTWISE, node.result, phase.ref(node.result, target), operands=(phase.ref(arg, want),),
+                    fn=fn), target)
     declared.setdefault(node.result, phase.ref(node.result, target))
     declared.setdefault(arg, phase.ref(arg, want))
 
@@ -134,12 +143,20 @@ def gradient_layouts(bw: BackwardPass, node: Node) -> tuple[Value, Value]:
     return value, Value(tuple(by_index[i] for i in bw.phase.indices[node.operands[0]]), ())
 
 
-def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
-    """dZ = f'(Z) dY, in the result's layout read index by index (the cotangent alone for a pass-through)."""
+def map_gradient(bw: BackwardPass, node: Node) -> tuple[str, Value, Value] | None:
+    """(the argument, and :func:`gradient_layouts`) of a map's backward; None where its argument needs no
+    gradient."""
     (z,) = node.operands
     if z not in bw.needs:
+        return None
+    return (z, *gradient_layouts(bw, node))
+
+
+def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
+    """dZ = f'(Z) dY, in the result's layout read index by index (the cotangent alone for a pass-through)."""
+    if (found := map_gradient(bw, node)) is None:
         return
-    value, want = gradient_layouts(bw, node)
+    z, value, want = found
     dst = bw.part_name(z)
     cotangent = bw.phase.ref(grad, value)
     if node.fn in PASS_THROUGH:  # the gradient is the cotangent, in the argument's index order

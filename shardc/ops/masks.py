@@ -28,7 +28,7 @@ import numpy as np
 from shardc.ir.localops import MASK_OPS, Causal, CausalVjp, Dropout, DropoutMask, DropoutVjp, LocalOp
 from shardc.ir.plan import Op, Step
 from shardc.ir.spec import Call, Statement, TensorRef
-from shardc.ops.elementwise import gradient_layouts
+from shardc.ops.elementwise import map_gradient
 from shardc.ops.registry import Arrays, Family, Namer, Reference, Site, all_traffic, register
 from shardc.ops.text import broadcast_text
 from shardc.sharding.layout import Value
@@ -147,10 +147,9 @@ def _plan(phase: Phase, node: Node, declared: dict[str, TensorRef], target: Valu
 
 def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
     """``causal``: the cotangent where not masked; ``dropout``: times the forward's keep-mask / (1 - r)."""
-    (z,) = node.operands
-    if z not in bw.needs:
+    if (found := map_gradient(bw, node)) is None:
         return
-    value, want = gradient_layouts(bw, node)
+    z, value, want = found
     operands: tuple[TensorRef, ...] = (bw.phase.ref(grad, value),)
     for mask in node.aux:  # the keep-mask: a residual whatever the save policy (it is not recomputed)
         bw.phase.hold(mask, value)

@@ -11,10 +11,11 @@ chunks i and 2n - 1 - i, and every step that does not look at positions (matmuls
 the embedding and the loss, the collectives moving blocks) runs on them as they are.  :func:`hold_zigzag`
 does that where it is sound: every zig-zag kernel of the plan balances over one set of mesh axes (a ring's;
 the all-gather form's, its queries'), and no other step reading or making a value with one of their sequence
-dims depends on positions (a causal mask, a dropout mask drawn by position, attention with a causal mask in
-any other form, a router whose capacity goes by token order).  The lowered program then permutes each array
-with such a dim into that order as it enters a phase and back as it leaves (:func:`sequence_order` says which
-dims and how many chunks), off the device program, as the data loader does; the kernels do not reorder.
+dims depends on positions (a causal mask, a dropout mask drawn by position, a rotary embedding, attention
+with a causal mask in any other form, a router whose capacity goes by token order).  The lowered program then
+permutes each array with such a dim into that order as it enters a phase and back as it leaves
+(:func:`sequence_order` says which dims and how many chunks), off the device program, as the data loader does;
+the kernels do not reorder.
 
 A pipelined plan holds the order across its stages the same way, where every stage's steps allow it: the
 data its first stage reads (the tokens) and its last (the targets) enter permuted, once a step, the sends
@@ -29,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from shardc.ir.localops import MASK_OPS, Attention, Dispatch, Route
+from shardc.ir.localops import MASK_OPS, Attention, Dispatch, Rotary, Route
 from shardc.ir.plan import Plan, Step
 
 __all__ = ["balances", "hold_zigzag", "holds", "may_hold", "order_axes", "sequence_order"]
@@ -109,12 +110,12 @@ def _sequence_dims(kernels: list[Step]) -> frozenset[str]:
 
 def _positional(step: Step, dims: frozenset[str], order: tuple[str, ...]) -> bool:
     """Whether ``step`` reads or makes a value with one of ``dims`` and depends on its positions: a mask, a
-    router, or attention with a causal mask other than a zig-zag kernel balanced over ``order``."""
+    router, a rotary embedding, or attention with a causal mask other than a zig-zag kernel balanced over ``order``."""
     refs = (step.dst, *step.operands, *step.shapes, *((step.src,) if step.src is not None else ()))
     if not any(d.name in dims for ref in refs for d in ref.dims):
         return False
     fn = step.fn
-    if isinstance(fn, (*MASK_OPS, Route, Dispatch)):
+    if isinstance(fn, (*MASK_OPS, Rotary, Route, Dispatch)):
         return True
     return isinstance(fn, Attention) and fn.query is not None and not (fn.zigzag and order_axes(step) == order)
 

@@ -53,6 +53,8 @@ def _check_calls(expr: Expr) -> None:
             given = (given[0], 0, *given[2:])  # the optional flag
         if sig.kind == "attention" and len(call.args) == 5:
             given = (3, *given[1:])  # the optional second (query, key) pair
+        if sig.kind == "rotary" and not call.numbers:
+            given = (*given[:2], 1, given[3])  # the optional frequency base (theta 10000)
         if sig.kind in ("dispatch", "combine") and len(call.numbers) == 3:
             given = (given[0], given[1], 1, given[3])  # the optional node limit: `k over E, M, G`
         if given != (sig.tensors, sig.names, sig.numbers, sig.over):
@@ -71,6 +73,20 @@ def _check_window(call: Call, kind: str) -> None:
         raise ShardcError(f"attention: `window {call.window}` without `{CAUSAL}`: a sliding window narrows the "
                           "causal mask (keys t with s - W < t <= s)", call.span,
                           fix=f"write attention(Q, K, V over T, causal, window {call.window})")
+
+
+def _check_rotary(call: Call, arg: tuple[str, ...], spec: Spec) -> None:
+    """A rotary embedding rotates its argument's last index (the head dim, of an even size: its halves are the
+    pairs) by the position index: two indices, and a frequency base above 0."""
+    if arg and call.names[0] == arg[-1]:
+        raise ShardcError(f"rotary: {arg[-1]} is the rotated head dim (the argument's last index), not a position",
+                          call.span, fix="name the position index, e.g. rotary(Q[B, T, N, H], T)")
+    if arg and spec.sizes.get(arg[-1], 0) % 2:
+        raise ShardcError(f"rotary: the head dim {arg[-1]}={spec.sizes[arg[-1]]} is odd: its halves are the pairs "
+                          "it rotates", call.span, fix=f"give {arg[-1]} an even size")
+    if call.numbers and not (math.isfinite(call.numbers[0]) and call.numbers[0] > 0):
+        raise ShardcError(f"rotary: a frequency base of {call.numbers[0]:g}: it must be above 0", call.span,
+                          fix="give theta as the model does (10000 as LLaMA 2, 500000 as LLaMA 3), or leave it out")
 
 
 def _takes(tensors: int, names: int, numbers: int, over: bool) -> str:
@@ -132,6 +148,8 @@ def _check_call(call: Call, outer: tuple[str, ...], spec: Spec) -> None:
     if kind == "affine" and not math.isfinite(call.numbers[0]):
         raise ShardcError(f"`{call.func}` by {call.numbers[0]:g}: not a finite number", call.span,
                           fix=f"write {signature(call.func).usage(call.func)}")
+    if kind == "rotary":
+        _check_rotary(call, arg, spec)
     if kind in ("embed", "loss"):
         _check_lookup(call)
     for a in call.args:

@@ -11,6 +11,9 @@ has a kind, which fixes how its result's indices follow from its arguments:
   ``logsumexp``);
 - ``mask``: ``causal(Sc, S, T)``, query index S and key index T; the same indices;
 - ``dropout``: ``dropout(X, rate)``, the same indices;
+- ``rotary``: ``rotary(X[B, T, N, H], T)`` or ``rotary(X, T, theta)``, a rotary position embedding of the
+  argument's last index H by the position index T (theta 10000 where not given), the same indices
+  (:mod:`shardc.ops.rotary`);
 - ``affine``: ``scale(X, a)`` (x * a) and ``shift(X, b)`` (x + b), a constant of the program (a query's
   1 / sqrt(H), a GELU's 0.5), the same indices;
 - ``embed``: ``embed(Tok, W_emb)``, a lookup of the ids ``Tok`` in the rows of the
@@ -87,6 +90,7 @@ class Signature:
         """How a call of this function is written, e.g. ``softmax(X[B, T] over T)``."""
         examples = {"elementwise": "X[B, D]", "normalize": "X[B, S, D] over D", "reduce": "X[B, D] over D",
                     "mask": "Sc[B, N, S, T], S, T", "dropout": "X[B, S, D], 0.1",
+                    "rotary": "X[B, T, N, H], T",
                     "affine": "X[B, D], 0.125",
                     "embed": "Tok[B, S], W_emb[V, D]", "loss": "Logits[B, S, V], Tok[B, S]",
                     "route": "Gate[G, S, E], S, C, 2 over E",
@@ -119,6 +123,9 @@ FUNCTIONS: dict[str, Signature] = {
     "max": Signature("reduce", "the maximum along the index", over=True),
     "logsumexp": Signature("reduce", "log(sum(exp(x))) along the index", over=True),
     "causal": Signature("mask", "-inf where the key position T is after the query position S", names=2),
+    # the frequency base theta is optional (validation accepts 0 numbers or 1): 10000 as RoFormer's and LLaMA's
+    "rotary": Signature("rotary", "x's last index rotated in pairs (its halves) by angles of the position "
+                        "along the index, theta ** (-2i / H) a position", names=1, numbers=1),
     "dropout": Signature("dropout", "zero with probability rate, else x / (1 - rate)", numbers=1),
     "scale": Signature("affine", "x * a, a the number (a constant scale)", numbers=1),
     "shift": Signature("affine", "x + b, b the number (a constant shift)", numbers=1),
