@@ -117,19 +117,32 @@ def _flipped(x: Any, w: Any, y: Any) -> Any:
 
 
 def _log(x: Any, w: Any, y: Any) -> Any:
-    return jnp.log(jnp.square(x @ w)) + y  # the log: no map of the language
+    return jnp.log(jnp.square(x @ w)) + y  # the log of the square: log(square)
 
 
 def _sin(x: Any, w: Any, y: Any) -> Any:
-    return jnp.sin(x @ w) + y  # the sine: no map of the language
+    return jnp.sin(x @ w) + y
 
 
 def _sqrt(x: Any, w: Any, y: Any) -> Any:
-    return jnp.sqrt(jnp.abs(x @ w)) + y  # the square root: no map of the language
+    return jnp.sqrt(jnp.abs(x @ w)) + y  # the square root of the absolute value: sqrt(abs)
 
 
 def _abs(x: Any, w: Any, y: Any) -> Any:
-    return jnp.abs(x @ w) + y  # the absolute value: no map of the language
+    return jnp.abs(x @ w) + y
+
+
+def _softplus(x: Any, w: Any, y: Any) -> Any:
+    return jnp.log(1.0 + jnp.exp(x @ w)) - y  # log(shift(exp)): the shift last in the run exp, 1 +
+
+
+def _reciprocal(x: Any, w: Any, y: Any) -> Any:
+    return jnp.cos(1.0 / (jnp.abs(x @ w) + 0.5)) * -(x @ w) + y  # 1 / x a reciprocal, -x a negative
+
+
+def _log_times_tanh(x: Any, w: Any, y: Any) -> Any:
+    h = x @ w
+    return jnp.log(jnp.abs(h)) * jnp.tanh(h) + y  # the product of two maps of h: no map of the language
 
 
 def _rotary(x: Any, w: Any, y: Any) -> Any:
@@ -159,11 +172,15 @@ SCALED = {_mlp_scaled: "H1[B, T] = scale(Y1[B, T], 0.5)", _mlp_gelu_halved: "H2[
           _attention_scaled: "H1[B, T] = scale(Y3[B, T], 0.35355339", _sum_halved: "H1[T] = scale(M1[T], 0.5)",
           _from_two: "H1[B, T] = scale(Y1[B, T], -1.0)",
           _total_halved: "H2[] = scale(M2[], 0.5)", _computed_divisor: "H2[B, T] = scale(H1[B, T], 0.5)"}
+# one primitive's map is the language's own (log, sqrt, abs, sin, cos, negative, reciprocal), last in a run apart
+NAMED = {_log: ("H1[B, T] = square(Y1[B, T])", "H2[B, T] = log(H1[B, T])"), _sin: ("H1[B, T] = sin(Y1[B, T])",),
+         _sqrt: ("H1[B, T] = abs(Y1[B, T])", "H2[B, T] = sqrt(H1[B, T])"), _abs: ("H1[B, T] = abs(Y1[B, T])",),
+         _softplus: ("H1[B, T] = exp(Y1[B, T])", "H2[B, T] = shift(H1[B, T], 1.0)", "H3[B, T] = log(H2[B, T])"),
+         _reciprocal: ("H3[B, T] = reciprocal(H2[B, T])", "H4[B, T] = cos(H3[B, T])", "H5[B, T] = negative(Y2[B, T])")}
 FAITHFUL = [_mlp_gelu, _mlp_bias_relu, _attention, _rmsnorm, _layernorm, _loss_mean, _tanh_squared, _tanh_then_exp,
-            *SCALED]
+            *SCALED, *NAMED]
 REFUSED = {_scaled_inside: "a scale by 0.5", _rmsnorm_other_eps: "the epsilon 1e-05 of a rmsnorm",
-           _flipped: "a flip", _log: "the run of maps", _sin: "the run of maps", _sqrt: "the run of maps",
-           _abs: "the run of maps", _rotary: "parts of a dim put back together",
+           _flipped: "a flip", _log_times_tanh: "the run of maps", _rotary: "parts of a dim put back together",
            _padding_mask: "a run of maps reading a constant array",
            _strictly_causal: "a run of maps reading a constant array"}
 
@@ -213,6 +230,19 @@ def test_a_constant_the_language_cannot_say_is_refused_with_its_line(fn: Callabl
 def test_a_scale_or_shift_first_or_last_in_a_run_is_written_with_its_number(fn: Callable[..., Any]) -> None:
     text = _spec(fn, _inputs(fn)).text
     assert SCALED[fn] in text and "# approximate" not in text, text
+
+
+@pytest.mark.parametrize("fn", list(NAMED), ids=lambda f: f.__name__)
+def test_a_primitives_own_map_is_written_as_the_languages(fn: Callable[..., Any]) -> None:
+    text = _spec(fn, _inputs(fn)).text
+    assert all(line in text for line in NAMED[fn]) and "# approximate" not in text, text
+
+
+def test_a_log_is_checked_where_it_is_defined() -> None:
+    """``jnp.log(x @ w)`` is the language's log: its run and the map agree at the sample points where log is
+    defined (x > 0); at the others both are NaN, which equals nothing, and would refuse it."""
+    text = _spec(lambda x, w, y: jnp.log(x @ w) + y, _inputs(_log)).text
+    assert "H1[B, T] = log(Y1[B, T])" in text and "# approximate" not in text, text
 
 
 @pytest.mark.parametrize("fn", list(REFUSED), ids=lambda f: f.__name__)
