@@ -310,3 +310,37 @@ def test_a_training_steps_loss_and_gradients_are_the_specs(name: str, jitted: bo
     weight = reduce(np, np.ones_like(t)) / t.size  # each loss is a constant times every element of h, summed
     want = x.T @ (weight * 2 * t * (1 - t**2))
     assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["loss", "jitted_loss"])
+def test_a_training_step_whose_unread_loss_jax_dropped_is_refused(jitted: bool) -> None:
+    """Dead-code elimination (jax's ``dce_jaxpr``, as its lowering runs it) drops the forward's unread loss with
+    its whole chain (the mean's division, its sum, the square): the backward's seed is left, what it is the
+    gradient of is not, and the spec would have no loss; explain says so, rather than write a forward whose
+    derived backward is of something else."""
+    from jax._src.interpreters import partial_eval as pe  # the one dead-code elimination jax has
+
+    def loss(w: Any, x: Any) -> Any:
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    grad = jax.grad(jax.jit(loss) if jitted else loss)
+    w, x = np.ones((8, 32), np.float32), np.ones((16, 8), np.float32)
+    closed = jax.make_jaxpr(lambda w, x: w - 0.1 * grad(w, x))(w, x)
+    assert any(e.primitive.name == "reduce_sum" for e in _all_eqns(closed.jaxpr))  # the loss, kept by tracing
+    dropped = closed.replace(jaxpr=pe.dce_jaxpr(closed.jaxpr, [True])[0])
+    assert not any(e.primitive.name == "reduce_sum" for e in _all_eqns(dropped.jaxpr))
+    with pytest.raises(ShardcError, match="holds no loss it is of") as err:
+        read_program(dropped, [(), ()], [()], ["w", "x"], {"data": 2}, "dropped")
+    assert "value_and_grad" in str(err.value.fix)
+    read_program(closed, [(), ()], [()], ["w", "x"], {"data": 2}, "kept")  # with its loss: read
+
+
+def _all_eqns(jaxpr: Any) -> list[Any]:
+    """The equations of ``jaxpr`` and of the jaxprs its calls run."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        inner = eqn.params.get("jaxpr")
+        if inner is not None:
+            found += _all_eqns(getattr(inner, "jaxpr", inner))
+    return found

@@ -15,6 +15,8 @@ from typing import Any
 
 from jax.extend import core as jex
 
+from shardc.errors import ShardcError
+
 __all__ = ["TrainingStep", "carried", "is_backward", "phase_of"]
 
 _TRANSPOSE = "transpose("
@@ -69,6 +71,15 @@ class TrainingStep:
         and so nothing else writes: jax seeds the backward with that scale, so the spec's gradients need it; a
         scalar result's too (the spec writes no scalar result, but its last statement is the program's value)."""
         scalars = [v for v in results if not isinstance(v, jex.Literal) and not v.aval.shape]
+        if self.backward and not self.losses and not scalars:
+            # jax seeds the backward with the loss's scale, but the forward's value it is of is gone (a jaxpr
+            # after dead-code elimination drops the unread loss with its whole chain, the sum and the square):
+            # read as it stands, the spec's forward would have no loss and its backward be of something else
+            raise ShardcError("the program takes a gradient (jax's transpose of a linearized forward) but its "
+                              "jaxpr holds no loss it is of: no scalar of the forward is left, nor returned (jax "
+                              "dropped the unread loss), so the spec cannot say what its gradients are of",
+                              fix="return the loss beside the update (jax.value_and_grad), or explain the loss "
+                                  "function alone")
         for loss in dict.fromkeys([*self.losses, *scalars]):
             if reader.base(loss) in reader.region and not reader.is_constant(loss):  # not a step count's
                 reader.tensor(loss)
