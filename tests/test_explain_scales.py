@@ -344,3 +344,33 @@ def _all_eqns(jaxpr: Any) -> list[Any]:
         if inner is not None:
             found += _all_eqns(getattr(inner, "jaxpr", inner))
     return found
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["traced", "scale_dropped"])
+def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(dropped: bool) -> None:
+    """``jax.grad(has_aux=True)`` of ``(sum / 512, sum)``: dead-code elimination drops the unread division alone
+    (the sum is returned), so the forward holds no scale; the backward's seed, ``1.0 / 512`` broadcast over the
+    summed array, is that scale, and the spec's loss and gradients are the program's either way."""
+    from jax._src.interpreters import partial_eval as pe
+
+    def loss(w: Any, x: Any) -> Any:
+        total = jnp.sum(jnp.tanh(x @ w) ** 2)
+        return total / 512.0, total
+
+    def step(w: Any, x: Any) -> Any:
+        grad, total = jax.grad(loss, has_aux=True)(w, x)
+        return w - 0.1 * grad, total
+
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((8, 32)), rng.standard_normal((16, 8))
+    closed = jax.make_jaxpr(step)(w.astype(np.float32), x.astype(np.float32))
+    if dropped:
+        closed = closed.replace(jaxpr=pe.dce_jaxpr(closed.jaxpr, [True, True])[0])
+        assert not [e for e in closed.jaxpr.eqns if e.primitive.name == "div" and not e.outvars[0].aval.shape
+                    and not isinstance(e.invars[0], jax.extend.core.Literal)]  # the forward's division is gone
+    spec = shardc.parse(read_program(closed, [(), ()], [(), ()], ["w", "x"], {"data": 2}, "aux").text)
+    last = spec.statements[-1].result.name
+    t = np.tanh(x @ w)
+    assert np.isclose(forward(spec, {"w": w, "x": x})[last], np.sum(t**2) / 512), spec
+    want = x.T @ (2 * t * (1 - t**2) / 512)
+    assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec
