@@ -6,11 +6,14 @@ it (:mod:`shardc.verification.domains`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import shardc
 from shardc.ir.localops import Map, MapVjp
+from shardc.ir.spec import Mesh, MeshAxis, Schedule
 from shardc.lowering.api import drawn_in, lower
 from shardc.ops.elementwise import FUNCTIONS, TRANSCENDENTAL, function
 from shardc.spec.functions import DOMAINS, ELEMENTWISE, signature
@@ -99,3 +102,32 @@ def test_a_spec_of_every_new_map_verifies(plan: shardc.Plan) -> None:
     report = verify(plan)
     assert report.ok, render_report(report)
     assert {r.tensor for r in report.values} >= {"G", "dP", "dQ", "dIn"}
+
+
+PIPELINED = """\
+mesh X=4, Y=2
+dims B=64, S=16, D=32, F=64, V=128
+const Tok, Next
+param W_emb, W1, W2, W_out
+X0[B_X, S, D] = embed(Tok[B_X, S], W_emb[V_Y, D_X])
+layers 4 {
+  H[B_X, S, F_Y] = gelu(X0[B_X, S, D] · W1[D_X, F_Y])
+  R[F_Y, D_X] = sqrt(W2[F_Y, D_X])
+  X1[B_X, S, D] = X0[B_X, S, D] + H[B_X, S, F_Y] · R[F_Y, D_X]
+}
+Fn[B_X, S, D] = rmsnorm(X1[B_X, S, D] over D)
+Lg[B_X, S, V_Y] = Fn[B_X, S, D] · W_out[D_X, V_Y]
+Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S])
+"""
+
+
+def test_a_pipelined_verify_draws_a_stacked_param_a_map_reads_in_its_domain() -> None:
+    """Each layer's W2, read by sqrt, is drawn positive (then scaled, as every stacked param is); W1 is not."""
+    from shardc.lowering.pipeline_lowering import lower_pipeline
+    from shardc.verification.pipeline_verify import draw_inputs, run_sizes
+
+    spec = shardc.parse(PIPELINED)
+    plan = shardc.plan(dataclasses.replace(spec, mesh=Mesh((MeshAxis("P", 2, pipeline=True), *spec.mesh.axes)),
+                                           microbatches=4, schedule=Schedule("1f1b", 1)))
+    drawn = draw_inputs(lower_pipeline(plan, *run_sizes(plan, 8)), 0, 0)
+    assert drawn["W2"].min() > 0 and drawn["W1"].min() < 0
