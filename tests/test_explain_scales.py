@@ -117,19 +117,32 @@ def _flipped(x: Any, w: Any, y: Any) -> Any:
 
 
 def _log(x: Any, w: Any, y: Any) -> Any:
-    return jnp.log(jnp.square(x @ w)) + y  # the log: no map of the language
+    return jnp.log(jnp.square(x @ w)) + y  # the log of the square: log(square)
 
 
 def _sin(x: Any, w: Any, y: Any) -> Any:
-    return jnp.sin(x @ w) + y  # the sine: no map of the language
+    return jnp.sin(x @ w) + y
 
 
 def _sqrt(x: Any, w: Any, y: Any) -> Any:
-    return jnp.sqrt(jnp.abs(x @ w)) + y  # the square root: no map of the language
+    return jnp.sqrt(jnp.abs(x @ w)) + y  # the square root of the absolute value: sqrt(abs)
 
 
 def _abs(x: Any, w: Any, y: Any) -> Any:
-    return jnp.abs(x @ w) + y  # the absolute value: no map of the language
+    return jnp.abs(x @ w) + y
+
+
+def _softplus(x: Any, w: Any, y: Any) -> Any:
+    return jnp.log(1.0 + jnp.exp(x @ w)) - y  # log(shift(exp)): the shift last in the run exp, 1 +
+
+
+def _reciprocal(x: Any, w: Any, y: Any) -> Any:
+    return jnp.cos(1.0 / (jnp.abs(x @ w) + 0.5)) * -(x @ w) + y  # 1 / x a reciprocal, -x a negative
+
+
+def _log_times_tanh(x: Any, w: Any, y: Any) -> Any:
+    h = x @ w
+    return jnp.log(jnp.abs(h)) * jnp.tanh(h) + y  # the product of two maps of h: no map of the language
 
 
 def _rotary(x: Any, w: Any, y: Any) -> Any:
@@ -159,11 +172,15 @@ SCALED = {_mlp_scaled: "H1[B, T] = scale(Y1[B, T], 0.5)", _mlp_gelu_halved: "H2[
           _attention_scaled: "H1[B, T] = scale(Y3[B, T], 0.35355339", _sum_halved: "H1[T] = scale(M1[T], 0.5)",
           _from_two: "H1[B, T] = scale(Y1[B, T], -1.0)",
           _total_halved: "H2[] = scale(M2[], 0.5)", _computed_divisor: "H2[B, T] = scale(H1[B, T], 0.5)"}
+# one primitive's map is the language's own (log, sqrt, abs, sin, cos, negative, reciprocal), last in a run apart
+NAMED = {_log: ("H1[B, T] = square(Y1[B, T])", "H2[B, T] = log(H1[B, T])"), _sin: ("H1[B, T] = sin(Y1[B, T])",),
+         _sqrt: ("H1[B, T] = abs(Y1[B, T])", "H2[B, T] = sqrt(H1[B, T])"), _abs: ("H1[B, T] = abs(Y1[B, T])",),
+         _softplus: ("H1[B, T] = exp(Y1[B, T])", "H2[B, T] = shift(H1[B, T], 1.0)", "H3[B, T] = log(H2[B, T])"),
+         _reciprocal: ("H3[B, T] = reciprocal(H2[B, T])", "H4[B, T] = cos(H3[B, T])", "H5[B, T] = negative(Y2[B, T])")}
 FAITHFUL = [_mlp_gelu, _mlp_bias_relu, _attention, _rmsnorm, _layernorm, _loss_mean, _tanh_squared, _tanh_then_exp,
-            *SCALED]
+            *SCALED, *NAMED]
 REFUSED = {_scaled_inside: "a scale by 0.5", _rmsnorm_other_eps: "the epsilon 1e-05 of a rmsnorm",
-           _flipped: "a flip", _log: "the run of maps", _sin: "the run of maps", _sqrt: "the run of maps",
-           _abs: "the run of maps", _rotary: "parts of a dim put back together",
+           _flipped: "a flip", _log_times_tanh: "the run of maps", _rotary: "parts of a dim put back together",
            _padding_mask: "a run of maps reading a constant array",
            _strictly_causal: "a run of maps reading a constant array"}
 
@@ -213,6 +230,19 @@ def test_a_constant_the_language_cannot_say_is_refused_with_its_line(fn: Callabl
 def test_a_scale_or_shift_first_or_last_in_a_run_is_written_with_its_number(fn: Callable[..., Any]) -> None:
     text = _spec(fn, _inputs(fn)).text
     assert SCALED[fn] in text and "# approximate" not in text, text
+
+
+@pytest.mark.parametrize("fn", list(NAMED), ids=lambda f: f.__name__)
+def test_a_primitives_own_map_is_written_as_the_languages(fn: Callable[..., Any]) -> None:
+    text = _spec(fn, _inputs(fn)).text
+    assert all(line in text for line in NAMED[fn]) and "# approximate" not in text, text
+
+
+def test_a_log_is_checked_where_it_is_defined() -> None:
+    """``jnp.log(x @ w)`` is the language's log: its run and the map agree at the sample points where log is
+    defined (x > 0); at the others both are NaN, which equals nothing, and would refuse it."""
+    text = _spec(lambda x, w, y: jnp.log(x @ w) + y, _inputs(_log)).text
+    assert "H1[B, T] = log(Y1[B, T])" in text and "# approximate" not in text, text
 
 
 @pytest.mark.parametrize("fn", list(REFUSED), ids=lambda f: f.__name__)
@@ -279,4 +309,68 @@ def test_a_training_steps_loss_and_gradients_are_the_specs(name: str, jitted: bo
     assert np.isclose(forward(spec, {"w": w, "x": x})[last], reduce(np, t**2)), spec
     weight = reduce(np, np.ones_like(t)) / t.size  # each loss is a constant times every element of h, summed
     want = x.T @ (weight * 2 * t * (1 - t**2))
+    assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["loss", "jitted_loss"])
+def test_a_training_step_whose_unread_loss_jax_dropped_is_refused(jitted: bool) -> None:
+    """Dead-code elimination (jax's ``dce_jaxpr``, as its lowering runs it) drops the forward's unread loss with
+    its whole chain (the mean's division, its sum, the square): the backward's seed is left, what it is the
+    gradient of is not, and the spec would have no loss; explain says so, rather than write a forward whose
+    derived backward is of something else."""
+    from jax._src.interpreters import partial_eval as pe  # the one dead-code elimination jax has
+
+    def loss(w: Any, x: Any) -> Any:
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    grad = jax.grad(jax.jit(loss) if jitted else loss)
+    w, x = np.ones((8, 32), np.float32), np.ones((16, 8), np.float32)
+    closed = jax.make_jaxpr(lambda w, x: w - 0.1 * grad(w, x))(w, x)
+    assert any(e.primitive.name == "reduce_sum" for e in _all_eqns(closed.jaxpr))  # the loss, kept by tracing
+    dropped = closed.replace(jaxpr=pe.dce_jaxpr(closed.jaxpr, [True])[0])
+    assert not any(e.primitive.name == "reduce_sum" for e in _all_eqns(dropped.jaxpr))
+    with pytest.raises(ShardcError, match="holds no loss it is of") as err:
+        read_program(dropped, [(), ()], [()], ["w", "x"], {"data": 2}, "dropped")
+    assert "value_and_grad" in str(err.value.fix)
+    read_program(closed, [(), ()], [()], ["w", "x"], {"data": 2}, "kept")  # with its loss: read
+
+
+def _all_eqns(jaxpr: Any) -> list[Any]:
+    """The equations of ``jaxpr`` and of the jaxprs its calls run."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        inner = eqn.params.get("jaxpr")
+        if inner is not None:
+            found += _all_eqns(getattr(inner, "jaxpr", inner))
+    return found
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["traced", "scale_dropped"])
+def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(dropped: bool) -> None:
+    """``jax.grad(has_aux=True)`` of ``(sum / 512, sum)``: dead-code elimination drops the unread division alone
+    (the sum is returned), so the forward holds no scale; the backward's seed, ``1.0 / 512`` broadcast over the
+    summed array, is that scale, and the spec's loss and gradients are the program's either way."""
+    from jax._src.interpreters import partial_eval as pe
+
+    def loss(w: Any, x: Any) -> Any:
+        total = jnp.sum(jnp.tanh(x @ w) ** 2)
+        return total / 512.0, total
+
+    def step(w: Any, x: Any) -> Any:
+        grad, total = jax.grad(loss, has_aux=True)(w, x)
+        return w - 0.1 * grad, total
+
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((8, 32)), rng.standard_normal((16, 8))
+    closed = jax.make_jaxpr(step)(w.astype(np.float32), x.astype(np.float32))
+    if dropped:
+        closed = closed.replace(jaxpr=pe.dce_jaxpr(closed.jaxpr, [True, True])[0])
+        assert not [e for e in closed.jaxpr.eqns if e.primitive.name == "div" and not e.outvars[0].aval.shape
+                    and not isinstance(e.invars[0], jax.extend.core.Literal)]  # the forward's division is gone
+    spec = shardc.parse(read_program(closed, [(), ()], [(), ()], ["w", "x"], {"data": 2}, "aux").text)
+    last = spec.statements[-1].result.name
+    t = np.tanh(x @ w)
+    assert np.isclose(forward(spec, {"w": w, "x": x})[last], np.sum(t**2) / 512), spec
+    want = x.T @ (2 * t * (1 - t**2) / 512)
     assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec

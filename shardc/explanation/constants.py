@@ -27,12 +27,13 @@ from jax import numpy as jnp
 from jax.extend import core as jex
 
 from shardc.errors import ShardcError, Span
-from shardc.explanation.patterns import function_of
+from shardc.explanation.patterns import PRIMITIVE_MAPS, function_of
 from shardc.explanation.rotary_runs import rotation
 from shardc.explanation.run_values import differs
 from shardc.explanation.sources import equation_text, source_line
 from shardc.explanation.spec_text import Made
 from shardc.ops.reductions import LN_EPS, RMS_EPS
+from shardc.spec.functions import ELEMENTWISE
 
 __all__ = ["Constant", "checked", "norm_of", "record", "scaled", "write_run"]
 
@@ -45,8 +46,6 @@ _ARITHMETIC = {"mul": "a scale by", "div": "a division by", "add": "an addition 
 # GELU, jax.nn.gelu's default (shardc/ops/elementwise.py writes it with these 0.5, 1, 0.044715 and sqrt(2 / pi));
 # its erf form (approximate=False) has others, and is not the language's gelu
 _HOLDS_CONSTANTS = {"gelu": (0.044715, 0.5, 0.7978845608028654, 1.0)}
-# the one-primitive maps that are the language's own (a run's last op written apart: tanh(x) ** 2 is square(tanh))
-_MAPS = {"tanh": "tanh", "exp": "exp", "logistic": "sigmoid", "square": "square"}
 _EPS = {"rmsnorm": RMS_EPS, "layernorm": LN_EPS}  # the epsilon each norm of the language adds (ops/reductions.py)
 
 
@@ -84,8 +83,13 @@ def scaled(reader: Any, eqn: Any, name: str, arrays: list[Any], line: str) -> st
     its scalar constant, if it applies one, kept with the run its result ``eqn.outvars[0]`` is in."""
     found = [c for a in arrays for c in reader.scalars.get(reader.base(a), ())]
     scalars = _scalars(reader, eqn)
+    if (name == "integer_pow" and eqn.params.get("y") == -1) or (
+            name == "div" and scalars and eqn.invars[0] is scalars[0] and _value(scalars[0]) == 1.0):
+        name = "reciprocal"  # jnp.reciprocal(x), 1 / x: no constant, the language's map
     if name in _ARITHMETIC and scalars and arrays:
-        what = "a subtraction from" if name == "sub" and eqn.invars[0] is scalars[0] else _ARITHMETIC[name]
+        first = eqn.invars[0] is scalars[0]  # c - x, c / x
+        what = {"sub": "a subtraction from", "div": "a division of"}.get(name, _ARITHMETIC[name]) if first \
+            else _ARITHMETIC[name]
         value = _value(scalars[0])
         found.append(Constant(f"{what} {'a scalar' if math.isnan(value) else f'{value:g}'}", equation_text(eqn),
                               line, value, _rounding(scalars[0]), id(eqn)))
@@ -217,7 +221,7 @@ def _named(step: Step) -> str | None:
     if len(names) != 1 or not isinstance(eqn, jex.JaxprEqn):
         return None
     (name,) = names
-    return "square" if name == "integer_pow" and eqn.params.get("y") == 2 else _MAPS.get(name)
+    return "square" if name == "integer_pow" and eqn.params.get("y") == 2 else PRIMITIVE_MAPS.get(name)
 
 
 def _operand(reader: Any, step: Step) -> Any:
@@ -262,8 +266,8 @@ def _function(reader: Any, steps: list[Step], start: Any, rest: Any, operand: An
     wrong = differs(reader, steps, start, ops, function)
     if wrong:
         _refuse(reader, f"{wrong[0]}{f' at {line}' if line else ''} {wrong[1]}", line,
-                "write the run as the language's maps (gelu, relu, silu, sigmoid, tanh, exp, square, identity; "
-                "a scale or shift first or last), or write the .shard spec of the program")
+                f"write the run as the language's maps ({', '.join(sorted(ELEMENTWISE))}; a scale or shift first "
+                "or last), or write the .shard spec of the program")
     reader.make(rest, "fn", (operand,), fn=function, line=line)
 
 

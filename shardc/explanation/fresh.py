@@ -1,4 +1,4 @@
-"""A jaxpr walked a second time, given variables of its own.
+"""A jaxpr walked a second time, given variables of its own; a tensor of the spec with none (:class:`Made`).
 
 jax traces a jitted function once per shapes and reuses the jaxpr: ``inner(inner(x, w1), w2)`` holds
 one inner jaxpr in both calls.  The reader keys its dims, names and statements by variable, so the
@@ -12,7 +12,13 @@ from typing import Any
 
 from jax.extend import core as jex
 
-__all__ = ["Walked"]
+__all__ = ["Made", "Walked"]
+
+
+class Made:
+    """A tensor of the spec with no jaxpr variable of its own: a renamed copy of one the program reads
+    twice along one dim, a reduction's partial result over the first of several dims, a layer's carry, a
+    training loss's scale where jax dropped the forward's (:mod:`shardc.explanation.training`)."""
 
 
 class Walked:

@@ -475,7 +475,7 @@ def read_program(closed: Any, in_specs: list[Any], out_specs: list[Any], names: 
     reader.step = TrainingStep(list(jaxpr.invars))
     enter_constants(reader, closed, jaxpr)
     reader.walk(jaxpr)
-    reader.step.write_losses(reader, list(jaxpr.outvars))
+    reader.step.write_losses(reader, jaxpr)
     for var, spec in zip(jaxpr.outvars, out_specs, strict=True):
         if isinstance(var, jex.Literal) or not var.aval.shape or var in reader.step.tainted or reader.is_constant(var):
             continue  # a scalar, the backward's, or literals alone (jnp.zeros): no tensor of the spec

@@ -25,7 +25,14 @@ from typing import Any
 
 from jax.extend import core as jex
 
-__all__ = ["Run", "function_of", "is_lookup", "mean_sums", "primitives", "runs"]
+__all__ = ["PRIMITIVE_MAPS", "Run", "function_of", "is_lookup", "mean_sums", "primitives", "runs"]
+
+# the one-primitive maps of the language, by primitive: a run of only that primitive, or its last step
+# (:func:`shardc.explanation.constants.write_run`), is that map; "reciprocal" is the name a run keeps for
+# ``integer_pow`` of -1 and ``1 / x`` (:func:`shardc.explanation.constants.scaled`)
+PRIMITIVE_MAPS = {"tanh": "tanh", "exp": "exp", "logistic": "sigmoid", "square": "square", "log": "log",
+                  "sqrt": "sqrt", "rsqrt": "rsqrt", "abs": "abs", "sin": "sin", "cos": "cos", "neg": "negative",
+                  "reciprocal": "reciprocal"}
 
 _PASS = ("broadcast_in_dim", "stop_gradient", "max")  # what lies between the max and the subtraction
 
@@ -470,4 +477,6 @@ def function_of(ops: frozenset[str]) -> str:
     for name in ("tanh", "exp"):
         if name in ops:
             return name
+    if len(ops) == 1 and next(iter(ops)) in PRIMITIVE_MAPS:  # one primitive, the language's map of it (jnp.log)
+        return PRIMITIVE_MAPS[next(iter(ops))]
     return "square" if ops <= {"mul", "integer_pow", "square"} and ops else "identity"

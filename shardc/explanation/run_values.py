@@ -5,7 +5,9 @@ A run of elementwise ops over one array is read as one of the language's maps na
 meaning only where the run computes it: ``tanh(x) ** 2`` is not ``tanh``, nor ``log(x)`` ``identity``.  So
 the run's own equations are evaluated, in order, on sample points (primitives bind on any shape), and
 compared with the named map's reference forward (:data:`shardc.ops.elementwise.FUNCTIONS`), within the
-rounding of the run's type (a bf16 GELU's constants are bf16's).  A run that moves elements along a dim (a
+rounding of the run's type (a bf16 GELU's constants are bf16's), at the points where the named map is
+defined (``log``'s x > 0, :data:`shardc.spec.functions.DOMAINS`: a NaN equals nothing, so its own NaNs
+would refuse it).  A run that moves elements along a dim (a
 flip, rotary's ``rotate_half``) or reads a constant array (a ``where`` at a mask other than causal, rotary's
 cos and sin tables) is no map of one element: it differs whatever its primitives.
 """
@@ -21,6 +23,7 @@ from jax.extend import core as jex
 from shardc.explanation.numpy_prims import evaluate
 from shardc.explanation.patterns import function_of
 from shardc.ops.elementwise import function
+from shardc.spec.functions import DOMAINS, signature
 
 __all__ = ["differs"]
 
@@ -47,14 +50,15 @@ def differs(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any, o
     moved = [why for op, why in _MOVES.items() if op in ops]
     if moved:
         return moved[0], f"is no map of the language: {read}"
+    points = _points(name)
     try:
-        got = _evaluate(reader, steps, source)
+        got = _evaluate(reader, steps, source, points)
     except _ConstantArray as err:
         return (f"a run of maps reading a constant array (`{err}`: a mask other than causal, a table of positions)",
                 f"is no map of the language: {read}")
     except (KeyError, ValueError, TypeError) as err:  # a primitive no run of maps is made of
         return f"the run of maps ({', '.join(sorted(ops))})", f"could not be evaluated ({type(err).__name__}): {read}"
-    want = function(name).forward(_POINTS.astype(np.float64), np)
+    want = function(name).forward(points, np)
     out = steps[-1][0].outvars[0] if steps else source
     dtype = out.aval.dtype if jnp.issubdtype(out.aval.dtype, jnp.floating) else jnp.float32
     tolerance = max(1e-3, 4 * float(jnp.finfo(dtype).eps))
@@ -63,14 +67,21 @@ def differs(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any, o
         return None
     k = int(np.argmax(far))
     return (f"the run of maps ({', '.join(sorted(ops))})",
-            f"is not the language's `{name}`: {read} (at {float(_POINTS[k]):g}: {float(want[k]):.4g}, the "
+            f"is not the language's `{name}`: {read} (at {float(points[k]):g}: {float(want[k]):.4g}, the "
             f"program's {float(got[k]):.4g})")
 
 
-def _evaluate(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any) -> np.ndarray:
-    """The run's value at the sample points: each step bound on them, in order; a custom function (relu) its
+def _points(name: str) -> np.ndarray:
+    """The sample points (float64) in the domain of the language's ``name``."""
+    domain = signature(name).domain
+    points = _POINTS.astype(np.float64)
+    return points[DOMAINS[domain][1](points)] if domain else points
+
+
+def _evaluate(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any, points: np.ndarray) -> np.ndarray:
+    """The run's value at the sample ``points``: each step bound on them, in order; a custom function (relu) its
     named map's."""
-    values: dict[Any, Any] = {source: _POINTS.astype(np.float64)}
+    values: dict[Any, Any] = {source: points}
     with np.errstate(all="ignore"):  # a log of 0, a square root of -3: the program's own nan or inf
         return _run(reader, steps, values, source)
 

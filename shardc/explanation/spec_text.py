@@ -13,6 +13,7 @@ from typing import Any
 
 from shardc.errors import ShardcError
 from shardc.explanation.dim_classes import DimClasses
+from shardc.explanation.fresh import Made
 from shardc.explanation.sources import comment
 from shardc.explanation.training import TrainingStep
 from shardc.ir.spec import Call, Dim, TensorRef
@@ -23,11 +24,6 @@ __all__ = ["Made", "ProgramSpec", "Reading", "Statement", "render"]
 _LETTERS = "BSTDFNHEVKGCRMPQUIJLOAZ"
 # JAX's float types as a spec writes them; both FP8 formats are one byte, the spec's `f8`
 _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float8_e4m3fn": "f8", "float8_e5m2": "f8"}
-
-
-class Made:
-    """A tensor of the spec with no jaxpr variable of its own: a renamed copy of one the program reads
-    twice along one dim, a reduction's partial result over the first of several dims, a layer's carry."""
 
 
 @dataclass

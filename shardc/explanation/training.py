@@ -11,9 +11,14 @@ step gets no gradient (``const``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jax.extend import core as jex
+
+from shardc.errors import ShardcError
+from shardc.explanation.fresh import Made
+from shardc.explanation.numpy_prims import evaluate
 
 __all__ = ["TrainingStep", "carried", "is_backward", "phase_of"]
 
@@ -64,14 +69,47 @@ class TrainingStep:
                 live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
         return needed[::-1]
 
-    def write_losses(self, reader: Any, results: list[Any]) -> None:
+    def write_losses(self, reader: Any, jaxpr: Any) -> None:
         """Write each loss's run of maps (a scale after its sum: ``jnp.sum(...) * 0.5``), which nothing reads
         and so nothing else writes: jax seeds the backward with that scale, so the spec's gradients need it; a
-        scalar result's too (the spec writes no scalar result, but its last statement is the program's value)."""
-        scalars = [v for v in results if not isinstance(v, jex.Literal) and not v.aval.shape]
+        scalar result's too (the spec writes no scalar result, but its last statement is the program's value).
+        Where no loss has the scale the backward is seeded with, it is written after the loss (:meth:`seeded`)."""
+        scalars = [v for v in jaxpr.outvars if not isinstance(v, jex.Literal) and not v.aval.shape]
+        if self.backward and not self.losses and not scalars:
+            # jax seeds the backward with the loss's scale, but the forward's value it is of is gone (a jaxpr
+            # after dead-code elimination drops the unread loss with its whole chain, the sum and the square):
+            # read as it stands, the spec's forward would have no loss and its backward be of something else
+            raise ShardcError("the program takes a gradient (jax's transpose of a linearized forward) but its "
+                              "jaxpr holds no loss it is of: no scalar of the forward is left, nor returned (jax "
+                              "dropped the unread loss), so the spec cannot say what its gradients are of",
+                              fix="return the loss beside the update (jax.value_and_grad), or explain the loss "
+                                  "function alone")
         for loss in dict.fromkeys([*self.losses, *scalars]):
             if reader.base(loss) in reader.region and not reader.is_constant(loss):  # not a step count's
                 reader.tensor(loss)
+        self.seeded(reader, list(jaxpr.eqns), list(dict.fromkeys([*self.losses, *scalars])))
+
+    def seeded(self, reader: Any, eqns: list[Any], losses: list[Any]) -> None:
+        """The loss times the scale jax seeds its backward with, where the one scalar read as the loss lacks it.
+
+        A loss ``sum(h) * a`` (a mean's 1/n) is seeded with ``1.0 * a``, a scalar of literals alone broadcast to
+        h's shape, the transpose of the sum.  The forward's unread ``* a`` is kept by tracing, but not by
+        dead-code elimination where the sum is read elsewhere (``jax.grad(has_aux=True)`` returning the sum too):
+        read as it stands the spec's loss would be the sum, and its gradients ``1/a`` times jax's."""
+        made = {v: e for e in eqns for v in e.outvars}
+        found = [(v, *_tail(v, made)) for v in losses]
+        for loss, base, scale in found:
+            total = made.get(base)
+            seed = _seed(eqns, made, total.invars[0].aval.shape) if total is not None and \
+                total.primitive.name == "reduce_sum" else None
+            if seed is None or math.isclose(seed, scale, rel_tol=1e-6) or len(found) != 1:
+                continue
+            scaled = Made()
+            reader.dims[scaled] = []
+            reader.make(scaled, "fn", (reader.tensor(loss),), fn="scale", value=seed / scale, line="")
+            reader.notes.append(f"the loss {reader.names[scaled]} is {reader.names[reader.tensor(loss)]} times "
+                                f"{seed / scale:g}, read from the seed of the program's gradient: its forward no "
+                                "longer holds that scale (jax dropped it, unread)")
 
     def skips(self, eqn: Any) -> bool:
         """Whether ``eqn`` is of the backward or the update (then its results are too); a call of a
@@ -121,6 +159,42 @@ class TrainingStep:
         const = [names[v] for v in dict.fromkeys(others) if names.get(v) in tensors and names[v] not in params
                  and v not in ids]
         return ([f"param {', '.join(params)}"] if params else []) + ([f"const {', '.join(const)}"] if const else [])
+
+
+def _tail(var: Any, made: dict[Any, Any]) -> tuple[Any, float]:
+    """(the value, its factor) where the scalar ``var`` is a value times literals (``x * a``, ``x / a``, ``-x``)."""
+    factor = 1.0
+    while (eqn := made.get(var)) is not None and not var.aval.shape and eqn.primitive.name in ("mul", "div", "neg"):
+        literals = [v for v in eqn.invars if isinstance(v, jex.Literal)]
+        arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
+        if len(arrays) != 1 or len(literals) != len(eqn.invars) - 1 or (eqn.primitive.name == "div" and literals
+                                                                          and eqn.invars[1] is not literals[0]):
+            break
+        number = float(literals[0].val) if literals else -1.0
+        factor *= 1.0 / number if eqn.primitive.name == "div" else number
+        var = arrays[0]
+    return var, factor
+
+
+def _seed(eqns: list[Any], made: dict[Any, Any], shape: tuple[int, ...]) -> float | None:
+    """The scalar of literals alone the backward's first broadcast to ``shape`` reads: jax's seed of a loss's sum
+    over an array of that shape (1.0 times the loss's scale); None where there is none."""
+    for eqn in eqns:
+        if is_backward(eqn) and eqn.primitive.name == "broadcast_in_dim" and not eqn.invars[0].aval.shape \
+                and tuple(eqn.outvars[0].aval.shape) == tuple(shape):
+            return _literal(eqn.invars[0], made)
+    return None
+
+
+def _literal(var: Any, made: dict[Any, Any]) -> float | None:
+    """A scalar's value where it is made of literals alone by arithmetic; None otherwise."""
+    if isinstance(var, jex.Literal):
+        return float(var.val)
+    eqn = made.get(var)
+    if eqn is None or eqn.primitive.name not in ("mul", "div", "neg", "convert_element_type"):
+        return None
+    values = [_literal(v, made) for v in eqn.invars]
+    return None if None in values else float(evaluate(eqn, values))
 
 
 def _inner(eqn: Any) -> Any:

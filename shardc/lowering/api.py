@@ -24,8 +24,21 @@ from shardc.lowering.row_code import id_inputs
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.functions import ID_DTYPE
+from shardc.spec.walk import domain_reads
 
-__all__ = ["Lowered", "lower", "module_source", "check_lowered_offload"]
+__all__ = ["Lowered", "lower", "module_source", "check_lowered_offload", "drawn_in"]
+
+
+def drawn_in(domain: str, z: np.ndarray) -> np.ndarray:
+    """A standard normal draw ``z`` moved into a map's domain (:attr:`~shardc.spec.functions.Signature.domain`),
+    each value at least 0.5 from its edge 0: ``log``'s, ``sqrt``'s and ``rsqrt``'s ``|z| + 0.5`` (their values
+    and derivatives of unit size, not NaN, nor the infinities a value near 0 makes of rsqrt's derivative), and
+    ``reciprocal``'s the same with z's sign.  Every real (""): ``z`` itself."""
+    if domain == "positive":
+        return np.abs(z) + 0.5
+    if domain == "nonzero":
+        return np.where(z < 0, -1.0, 1.0) * (np.abs(z) + 0.5)
+    return z
 
 
 @dataclass
@@ -73,13 +86,14 @@ class Lowered:
         return tuple(lead + [sizes[d.name] for d in ref.dims])
 
     def random_inputs(self, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
-        """Standard normal inputs; token ids (embed's, cross_entropy's) uniform ID_DTYPE in their vocabulary."""
+        """Standard normal inputs; token ids (embed's, cross_entropy's) uniform ID_DTYPE in their vocabulary; an
+        input a map defined on part of the reals reads (``log(X)``'s X) drawn there (:func:`drawn_in`)."""
         rng = np.random.default_rng(seed)
-        ids = id_inputs(self.plan.spec)
+        ids, domains = id_inputs(self.plan.spec), domain_reads(self.plan.spec)
         sizes = self.sizes or {}
         return {b.key: rng.integers(0, sizes[ids[b.key]], self.global_shape(b.ref)).astype(ID_DTYPE)
-                if b.key in ids else rng.standard_normal(self.global_shape(b.ref)).astype(dtype)
-                for b in self.module.forward.inputs}
+                if b.key in ids else drawn_in(domains.get(b.key, ""), rng.standard_normal(self.global_shape(b.ref)))
+                .astype(dtype) for b in self.module.forward.inputs}
 
     def random_cotangents(self, seed: int = 1, dtype: Any = np.float32) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(seed)

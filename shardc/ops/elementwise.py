@@ -1,16 +1,17 @@
 """The elementwise maps: ``gelu``, ``relu``, ``silu``, ``tanh``, ``sigmoid``, ``exp``, ``square``,
-``identity``, registered once.
+``identity``, ``log``, ``sqrt``, ``rsqrt``, ``abs``, ``sin``, ``cos``, ``negative``, ``reciprocal``, registered once.
 
 A map keeps the sharding: its argument is read reduced, in the result's layout,
 index by index (the result's indices may be the argument's permuted: a local
 transpose).  Its gradient reads the argument there and the cotangent in the
 result's declared sharding (:class:`~shardc.ir.localops.MapVjp`), but for a
-map whose gradient is the cotangent itself (:data:`~shardc.spec.functions.PASS_THROUGH`):
+linear map, whose gradient is the map of the cotangent (:data:`~shardc.spec.functions.PASS_THROUGH`):
 that step reads no argument, so no move makes one.  The JAX expression of each map,
 and its forward and derivative over an array module ``xp`` (numpy for the reference,
 jax.numpy for the XLA comparison), are written once here (:data:`FUNCTIONS`); the backward
 step is ``jax.vjp`` of the forward's own expression.  GELU is the tanh form, ``jax.nn.gelu``'s
-default.
+default.  Where a map is defined (``log``'s x > 0) is its signature's
+(:attr:`~shardc.spec.functions.Signature.domain`): verify draws the inputs it reads there.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class Function:
     # the terms a derivative's evaluation adds up, in absolute value (numpy): its rounding
     # error is a few units of the last place of this, however much they cancel
     slope_terms: Callable[[Array], Array]
+    # whether the backward's jax.vjp evaluates an op XLA's fusion counts expensive for real numbers
+    # (``InstructionFusion::IsExpensive``, xla/service/instruction_fusion.cc: exp, log, logistic, tanh,
+    # sqrt, rsqrt and a floating-point divide are; add, multiply, negate, abs, sin, cos, select are not)
+    expensive: bool = False
 
 
 def _gelu(x: Array, xp: Any) -> Array:
@@ -81,28 +86,43 @@ def _silu_terms(x: Array) -> Array:
     return s * (1.0 + np.abs(x) * (1.0 + s))
 
 
+def _ones(x: Array) -> Array:
+    return np.ones_like(x)
+
+
 FUNCTIONS: dict[str, Function] = {f.name: f for f in (
-    Function("gelu", "jax.nn.gelu", _gelu, _gelu_prime, _gelu_terms),
-    Function("relu", "jax.nn.relu", lambda x, xp: xp.maximum(x, 0.0), lambda x, xp: (x > 0) * 1.0,
-             lambda x: np.ones_like(x)),
-    Function("silu", "jax.nn.silu", lambda x, xp: x * _sigmoid(x, xp), _silu_prime, _silu_terms),
-    Function("swish", "jax.nn.silu", lambda x, xp: x * _sigmoid(x, xp), _silu_prime, _silu_terms),
+    Function("gelu", "jax.nn.gelu", _gelu, _gelu_prime, _gelu_terms, expensive=True),
+    Function("relu", "jax.nn.relu", lambda x, xp: xp.maximum(x, 0.0), lambda x, xp: (x > 0) * 1.0, _ones),
+    Function("silu", "jax.nn.silu", lambda x, xp: x * _sigmoid(x, xp), _silu_prime, _silu_terms, expensive=True),
+    Function("swish", "jax.nn.silu", lambda x, xp: x * _sigmoid(x, xp), _silu_prime, _silu_terms, expensive=True),
     Function("sigmoid", "jax.nn.sigmoid", _sigmoid,
              lambda x, xp: _sigmoid(x, xp) * (1.0 - _sigmoid(x, xp)),
-             lambda x: _sigmoid(x, np) * (1.0 + _sigmoid(x, np))),
+             lambda x: _sigmoid(x, np) * (1.0 + _sigmoid(x, np)), expensive=True),
     Function("tanh", "jnp.tanh", lambda x, xp: xp.tanh(x), lambda x, xp: 1.0 - xp.tanh(x) ** 2,
-             lambda x: 1.0 + np.tanh(x) ** 2),
-    Function("exp", "jnp.exp", lambda x, xp: xp.exp(x), lambda x, xp: xp.exp(x), lambda x: np.exp(x)),
+             lambda x: 1.0 + np.tanh(x) ** 2, expensive=True),
+    Function("exp", "jnp.exp", lambda x, xp: xp.exp(x), lambda x, xp: xp.exp(x), lambda x: np.exp(x), expensive=True),
     Function("square", "jnp.square", lambda x, xp: x * x, lambda x, xp: 2.0 * x, lambda x: 2.0 * np.abs(x)),
-    Function("identity", "(lambda x: x)", lambda x, xp: x, lambda x, xp: x * 0.0 + 1.0,
-             lambda x: np.ones_like(x)),
+    Function("identity", "(lambda x: x)", lambda x, xp: x, lambda x, xp: x * 0.0 + 1.0, _ones),
+    # jax's derivatives: log's g / x, sqrt's g * 0.5 / sqrt(x), rsqrt's g * -0.5 * rsqrt(x) / x, reciprocal's
+    # g * -(x ** -2): each a divide; abs's select(x >= 0, g, -g) (+1 at 0), sin's g * cos(x), cos's -g * sin(x)
+    Function("log", "jnp.log", lambda x, xp: xp.log(x), lambda x, xp: 1.0 / x, lambda x: 1.0 / np.abs(x),
+             expensive=True),
+    Function("sqrt", "jnp.sqrt", lambda x, xp: xp.sqrt(x), lambda x, xp: 0.5 / xp.sqrt(x),
+             lambda x: 0.5 / np.sqrt(np.abs(x)), expensive=True),
+    Function("rsqrt", "jax.lax.rsqrt", lambda x, xp: 1.0 / xp.sqrt(x), lambda x, xp: -0.5 / (x * xp.sqrt(x)),
+             lambda x: 0.5 / np.abs(x * np.sqrt(np.abs(x))), expensive=True),
+    Function("reciprocal", "jnp.reciprocal", lambda x, xp: 1.0 / x, lambda x, xp: -1.0 / (x * x),
+             lambda x: 1.0 / (x * x), expensive=True),
+    Function("abs", "jnp.abs", lambda x, xp: xp.abs(x), lambda x, xp: xp.where(x >= 0, 1.0, -1.0), _ones),
+    Function("sin", "jnp.sin", lambda x, xp: xp.sin(x), lambda x, xp: xp.cos(x), _ones),
+    Function("cos", "jnp.cos", lambda x, xp: xp.cos(x), lambda x, xp: -xp.sin(x), _ones),
+    Function("negative", "jnp.negative", lambda x, xp: -x, lambda x, xp: x * 0.0 - 1.0, _ones),
 )}
 
 
-# the maps whose derivative evaluates a transcendental function (tanh, exp): what XLA's fusion counts as
-# expensive and makes once, never again inside each of several consumers (``IsExpensive``,
-# xla/service/instruction_fusion.cc)
-TRANSCENDENTAL = frozenset({"gelu", "silu", "swish", "sigmoid", "tanh", "exp"})
+# the maps whose derivative XLA's fusion counts as expensive (gelu's tanh, silu's exp, log's divide): it makes it
+# once, never again inside each of several consumers (``IsExpensive``, xla/service/instruction_fusion.cc)
+TRANSCENDENTAL = frozenset(f.name for f in FUNCTIONS.values() if f.expensive)
 
 
 def function(name: str) -> Function:

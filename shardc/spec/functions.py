@@ -60,7 +60,7 @@ has a kind, which fixes how its result's indices follow from its arguments:
 >>> "identity" in FUNCTIONS
 True
 >>> known_list().split(', ')[:3]
-['attention', 'causal', 'collect']
+['abs', 'attention', 'causal']
 >>> signature("route").usage("route")
 'route(Gate[G, S, E], S, C, 2 over E)'
 """
@@ -68,11 +68,13 @@ True
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FUNCTIONS", "INDEXED", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known", "known_list",
-           "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES", "ROUTINGS"]
+__all__ = ["FUNCTIONS", "DOMAINS", "INDEXED", "PASS_THROUGH", "ELEMENTWISE", "Signature", "signature", "is_known",
+           "known_list", "is_elementwise", "integer_args", "dropout_salt", "ID_DTYPE", "ID_BYTES", "MASK_BYTES",
+           "ROUTINGS"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,9 @@ class Signature:
     names: int = 0
     numbers: int = 0
     over: bool = False
+    # where an elementwise map is defined: "" every real, "positive" x > 0 (log, sqrt, rsqrt: the value or the
+    # derivative is NaN or infinite elsewhere), "nonzero" x != 0 (reciprocal)
+    domain: str = ""
 
     def usage(self, name: str) -> str:
         """How a call of this function is written, e.g. ``softmax(X[B, T] over T)``."""
@@ -100,17 +105,25 @@ class Signature:
         return f"{name}({examples[self.kind]})"
 
 
-def _e(meaning: str) -> Signature:
-    return Signature("elementwise", meaning)
+def _e(meaning: str, domain: str = "") -> Signature:
+    return Signature("elementwise", meaning, domain=domain)
 
 
 FUNCTIONS: dict[str, Signature] = {
+    "abs": _e("|x|"),
+    "cos": _e("cosine"),
     "exp": _e("e**x"),
     "gelu": _e("Gaussian error linear unit (tanh approximation, as jax.nn.gelu)"),
     "identity": _e("x"),
+    "log": _e("natural logarithm, for x > 0", "positive"),
+    "negative": _e("-x"),
+    "reciprocal": _e("1 / x, for x != 0", "nonzero"),
     "relu": _e("max(x, 0)"),
+    "rsqrt": _e("1 / sqrt(x), for x > 0", "positive"),
     "sigmoid": _e("1 / (1 + e**-x)"),
     "silu": _e("x * sigmoid(x) (swish)"),
+    "sin": _e("sine"),
+    "sqrt": _e("square root, for x > 0", "positive"),
     "square": _e("x**2"),
     "tanh": _e("hyperbolic tangent"),
     "softmax": Signature("normalize", "exp(x) / sum(exp(x)) along the index", over=True),
@@ -156,9 +169,15 @@ INDEXED = frozenset({"dispatch", "combine", "collect"})
 
 ELEMENTWISE = frozenset(name for name, sig in FUNCTIONS.items() if sig.kind == "elementwise")
 
-# Functions whose gradient is the cotangent itself: the backward reads no argument (XLA would
-# drop any move that made one, so the plan must not make it either).
-PASS_THROUGH = frozenset({"identity"})
+# each domain of a map defined on part of the reals (:attr:`Signature.domain`): how it is written, and whether
+# values (an array, elementwise) lie in it; a NaN lies in none
+DOMAINS: dict[str, tuple[str, Callable[[Any], Any]]] = {"positive": ("x > 0", lambda x: x > 0),
+                                                        "nonzero": ("x != 0", lambda x: (x < 0) | (x > 0))}
+
+# Linear maps, whose gradient is the map itself applied to the cotangent (identity's the cotangent, negative's
+# its negation): the backward reads no argument (XLA would drop any move that made one, so the plan must not
+# make it either).
+PASS_THROUGH = frozenset({"identity", "negative"})
 
 
 def signature(name: str) -> Signature:

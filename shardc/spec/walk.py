@@ -20,8 +20,8 @@ from shardc.ir.spec import Add, Call, Contract, DType, Expr, Spec, Statement, Te
 from shardc.spec.functions import ID_BYTES, INDEXED, integer_args, is_known, signature
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
-           "gather_nbytes_of", "route_slots", "is_rename", "renamed_indices", "fold", "chain_indices", "operand_outers",
-           "layer_inputs", "block_reads", "block_feeds", "spec_params"]
+           "gather_nbytes_of", "route_slots", "domain_reads", "is_rename", "renamed_indices", "fold", "chain_indices",
+           "operand_outers", "layer_inputs", "block_reads", "block_feeds", "spec_params"]
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
@@ -85,6 +85,28 @@ def id_vocabulary(spec: Spec) -> dict[str, str]:
         source = statement.expr
         if statement.result.name in found and isinstance(source, TensorRef):
             found.setdefault(source.name, found[statement.result.name])
+    return found
+
+
+def domain_reads(spec: Spec) -> dict[str, str]:
+    """Every tensor a map defined on part of the reals reads as its argument -> that domain
+    (:attr:`~shardc.spec.functions.Signature.domain`: ``log(X)``'s X, "positive"), and what a copy of one
+    reads: the values a check draws for it lie there (in both where two read it: x > 0 is x != 0 too)."""
+    found: dict[str, str] = {}
+
+    def read(name: str, domain: str) -> None:
+        if domain == "positive" or name not in found:
+            found[name] = domain
+
+    for statement in spec.statements:
+        for call in calls(statement.expr):
+            arg = call.args[0] if is_known(call.func) and call.args else None
+            if isinstance(arg, TensorRef) and signature(call.func).domain:
+                read(arg.name, signature(call.func).domain)
+    for statement in reversed(spec.statements):  # a copy is defined before what reads it
+        source = statement.expr
+        if statement.result.name in found and isinstance(source, TensorRef):
+            read(source.name, found[statement.result.name])
     return found
 
 

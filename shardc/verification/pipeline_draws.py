@@ -15,12 +15,13 @@ import numpy as np
 
 from shardc.ir.spec import Contract, Spec
 from shardc.lowering import reference as numpy_reference
+from shardc.lowering.api import drawn_in
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.lowering.row_code import id_inputs
 from shardc.pipeline.boundary import microbatch_dim
 from shardc.spec.functions import ID_DTYPE, layer_key
 from shardc.spec.stages import stage_spec
-from shardc.spec.walk import leaves
+from shardc.spec.walk import domain_reads, leaves
 from shardc.verification.pipeline_layers import model_layers
 from shardc.verification.scales import input_scales
 
@@ -59,6 +60,7 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
     pre, _, post = model_parts(lowered)
     sizes[microbatch_dim(lowered.plan)] = lowered.batch
     vocab = {name: v for part in (pre, post) if part is not None for name, v in id_inputs(part).items()}
+    domains = domain_reads(lowered.plan.spec)  # an input log or sqrt reads: drawn where it is defined
     layers = model_layers(lowered)
     stacked = {p: layer for layer in layers for p in layer.params}  # a pipelined param: a layer of its block
     held = {p: sum(1 for layer in layers if p in layer.params) for p in stacked}
@@ -71,14 +73,16 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
         if info.name in vocab:
             values[info.name] = rng.integers(0, sizes[vocab[info.name]], shape).astype(ID_DTYPE)
         elif (info.name == ns.BLOCK_INPUT and pre is None) or info.name in whole:
-            values[info.name] = rng.standard_normal(shape)  # data, or an input a stage holds whole
+            values[info.name] = drawn_in(domains.get(info.name, ""), rng.standard_normal(shape))  # data, or whole
         elif info.role == "param" and info.name in stacked:
             scale = 1 / math.sqrt(_contracted(stacked[info.name].spec, info.name, sizes))
-            values[info.name] = rng.standard_normal([held[info.name], *shape]) * scale
+            values[info.name] = drawn_in(domains.get(info.name, ""), rng.standard_normal([held[info.name], *shape])) \
+                * scale
         elif info.role == "param":
             part = pre if pre is not None and info.name in ns.PRE_PARAMS else post
             assert part is not None
-            values[info.name] = rng.standard_normal(shape) / math.sqrt(_contracted(part, info.name, sizes))
+            values[info.name] = drawn_in(domains.get(info.name, ""), rng.standard_normal(shape)) \
+                / math.sqrt(_contracted(part, info.name, sizes))
     own = scales if scales is not None else {}
     if pre is not None:
         _rescale(pre, values, list(ns.PRE_FORWARD_IN), set(), sizes, own)

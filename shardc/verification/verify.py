@@ -46,6 +46,7 @@ from shardc.ops.registry import of_call
 from shardc.planner.check import require_sound
 from shardc.planner.planner import plan as make_plan
 from shardc.spec.stages import stage_spec
+from shardc.verification.domains import outside_notes
 from shardc.verification.gemm_flips import downstream, straddles, unrounded
 from shardc.verification.hlo import collectives
 from shardc.verification.memory_check import check_memory
@@ -290,6 +291,7 @@ def _checked(plan: Plan, zero_plan: tuple[Plan | None, str | None], lowered: Low
     step("running the numpy reference")
     run = _reference_run(lowered, dtype, seed)
     report.input_scale, report.input_scales = run.scale, dict(run.scales)
+    report.notes += outside_notes(plan.spec, reference_inputs(lowered, run.inputs), dict(lowered.sizes or {}))
     step("compiling and running forward and backward, comparing values")
     for key in _keys(lowered):
         report.values += _value_rows(lowered, _keyed(lowered, run, key) if key else run, tol, dtype)
