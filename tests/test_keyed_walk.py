@@ -9,6 +9,8 @@ extra work) and sends that differ each way.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -44,6 +46,15 @@ def _figures(sim: Simulation) -> tuple[object, ...]:
             [sim.peak_inflight(d) for d in devices], [sim.peak_chunks(d, {0: 1.0, 1: 0.5}) for d in devices])
 
 
+def _most_held(sim: Simulation, device: int) -> int:
+    """The running count's peak over the device's events sorted by time, an end before a start at one time
+    (what Simulation._peaks counts off the runs' columns)."""
+    free = "W" if any(op.kind == "W" for op in sim.ops) else "B"
+    events = sorted([(op.start, 1) for op in sim.ops if op.device == device and op.kind == "F"]
+                    + [(op.end, -1) for op in sim.ops if op.device == device and op.kind == free])
+    return max(accumulate((step for _, step in events), initial=0))
+
+
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_the_keyed_walk_simulates_what_the_full_walk_simulates(
@@ -57,6 +68,7 @@ def test_the_keyed_walk_simulates_what_the_full_walk_simulates(
         patch.setattr(schedules, "keyed_walk", lambda *_: None)
         full = simulate.__wrapped__(schedule, p, m, timing, virtual, uneven, held)
     assert _figures(keyed) == _figures(full)
+    assert keyed._peaks == [_most_held(keyed, d) for d in range(p)]
 
 
 def test_keys_that_cannot_settle_leave_the_walk_to_the_full_walk() -> None:
