@@ -197,26 +197,30 @@ class Simulation:
 
     @cached_property
     def _peaks(self) -> list[int]:
-        """Each device's most activations held at once (in chunks): its forwards' starts and its freeing ops'
-        ends, sorted by device and time as whole columns (a run of 1F1B over 48 stages and 1536 microbatches is
-        147,456 ops, where a loop over them took most of a re-cost's time)."""
+        """Each device's most activations held at once (in chunks), counted off the runs' columns whole (a run
+        of 1F1B over 48 stages and 1536 microbatches is 147,456 ops, where a loop over them took most of a
+        re-cost's time)."""
         r = self.runs
         kind, device = np.frombuffer(r.kind.encode(), np.uint8), np.asarray(r.device)
-        split = []
-        for letter, times in (("F", r.start), ("W" if "W" in r.kind else "B", r.end)):
-            mine = kind == ord(letter)
-            t, d = np.asarray(times)[mine], device[mine]
-            order = np.lexsort((t, d))
-            split.append(np.split(t[order], np.searchsorted(d[order], np.arange(1, self.stages))))
-        return [_most_held(s, e) for s, e in zip(*split, strict=True)]
+        forward, free = kind == ord("F"), kind == ord("W" if "W" in r.kind else "B")
+        return _most_held(self.stages, (device[forward], np.asarray(r.start)[forward]),
+                          (device[free], np.asarray(r.end)[free]))
 
 
-def _most_held(starts: Sequence[float], ends: Sequence[float]) -> int:
-    """The most held at once, one more at each of ``starts`` and one fewer at each of ``ends`` (an end before
-    a start at the same time): the most is right after a start, the k-th, when k less the ends up to it are
-    held."""
-    after = np.arange(1, len(starts) + 1) - np.searchsorted(np.sort(ends), np.sort(starts), side="right")
-    return max(0, int(after.max(initial=0)))
+def _most_held(stages: int, starts: tuple[np.ndarray, np.ndarray], ends: tuple[np.ndarray, np.ndarray]) -> list[int]:
+    """Each device's most held at once, one more at each of its ``starts`` and one fewer at each of its ``ends``
+    (each a column of devices and one of times; an end before a start at the same time): the peak of the running
+    count over the device's events sorted, 0 at least."""
+    device = np.concatenate([ends[0], starts[0]])
+    step = np.concatenate([np.full(len(ends[0]), -1), np.ones(len(starts[0]), np.int64)])
+    order = np.lexsort((step, np.concatenate([ends[1], starts[1]]), device))
+    device, running = device[order], np.cumsum(step[order])
+    first = np.searchsorted(device, np.arange(stages + 1))  # each device's first event (and the end)
+    held = running - np.concatenate([[0], running])[first[:-1]][device]  # the count since the device's first
+    some = first[:-1] < first[1:]
+    peaks = np.zeros(stages, np.int64)
+    peaks[some] = np.maximum.reduceat(held, first[:-1][some]) if len(held) else 0
+    return np.maximum(peaks, 0).tolist()
 
 
 def chunks_of(schedule: str, virtual: int = 1) -> int:
