@@ -145,8 +145,8 @@ class Simulation:
         return self.microbatches * math.fsum(t.total for c, t in enumerate(self.chunk_times)
                                              if device_of(self.schedule, c, self.stages) == device)
 
-    @property
-    def makespan(self) -> float:
+    @cached_property
+    def makespan(self) -> float:  # kept: a re-cost reads it a few times, each a pass over every op
         return max(self.runs.end)
 
     @property
