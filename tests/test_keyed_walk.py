@@ -72,19 +72,21 @@ def test_the_keyed_walk_simulates_what_the_full_walk_simulates(
     assert keyed._peaks == [_most_held(keyed, d) for d in range(p)]
 
 
-def test_keys_that_cannot_settle_leave_the_walk_to_the_full_walk() -> None:
-    """Two ops on one device, the first reading the second: no key rises along the order and above what
-    each op reads, so the passes run out (the full walk then reports the deadlock)."""
-    keys = np.array([[0, 1]])
-    assert _settle(keys, [np.array([[1, -1]]), np.array([[-1, -1]])], 50) is None
-    assert _settle(keys, [np.array([[-1, 0]]), np.array([[-1, -1]])], 50) is not None
+def test_keys_are_raised_to_what_they_follow_and_a_cycle_never_settles() -> None:
+    """Two ops on one device: a key below the device's previous op's is raised; where the first reads the second,
+    no key rises along the order and above what each op reads, so the passes run out (the full walk then
+    reports the deadlock)."""
+    none = np.array([[-1, -1]])
+    settled = _settle(np.array([[0, 0]]), [np.array([[-1, 0]]), none], 50)
+    assert settled is not None and settled.tolist() == [[0, 1]]
+    assert _settle(np.array([[0, 1]]), [np.array([[1, -1]]), none], 50) is None
 
 
 def test_the_periods_closed_forms_hold_without_raising(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPipe's, 1F1B's and ZB-H1's keys from their period are already above every op they must follow: one
-    pass checks them, none raises them (the interleaved order's guess is raised, about p passes)."""
+    """GPipe's, 1F1B's, ZB-H1's and the interleaved order's keys from their period are already above every op
+    they must follow: one pass checks them, none raises them."""
     monkeypatch.setattr(keyed_walk_module, "settle_passes", lambda p: 1)
-    for schedule in ("gpipe", "1f1b", "zb-h1"):
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3)):
         for p in range(1, 9):
-            assert all(keyed_walk(schedule, p, m, 1) is not None for m in (1, 2, 3, 5, 8, 13, 20)), (schedule, p)
-    assert keyed_walk("interleaved", 4, 8, 2) is None
+            counts = (1, 2, 3, 5, 8, 13, 20) if virtual == 1 else (p, 2 * p, 3 * p)
+            assert all(keyed_walk(schedule, p, m, virtual) is not None for m in counts), (schedule, p)

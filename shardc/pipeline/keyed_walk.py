@@ -14,10 +14,10 @@ Here that order is found by integer keys, one an op, rising along each device's 
 the ops it reads: the ops sorted by key (then device) are such an order.  Once the pipeline is full, 1F1B
 repeats on every stage one forward and one backward a microbatch, so its keys have a closed form from that
 period (stage s's F of microbatch j at 2j + s, its B at 2j + 2p - 1 - s: an F's unit-time start in the steady
-state, the B's coming back up the stages), and so do GPipe's and ZB-H1's (a period of three, F, B and a W
-lagging s microbatches); :func:`_guess` writes them.  Each guess is checked against every constraint at once,
-and raised where it falls short, by whole-array passes (:func:`_settle`: one for those three, which hold; about
-p for the interleaved order, guessed from each op's place); where they do not settle within their budget (a
+state, the B's coming back up the stages), and so do GPipe's, ZB-H1's (a period of three, F, B and a W
+lagging s microbatches) and the interleaved order's (1F1B's over each device's virtual microbatches);
+:func:`_guess` writes them.  Each is checked against every constraint at once by a whole-array pass
+(:func:`_settle`), which would raise a key that falls short; where keys do not settle within their budget (a
 deadlocked order) the caller walks the orders in full, which says why.
 """
 
@@ -36,8 +36,8 @@ __all__ = ["keyed_walk", "settle_passes"]
 
 def settle_passes(p: int) -> int:
     """Whole-array passes allowed to raise the guessed keys to every constraint, then the full walk: a pass
-    costs about a 200th of the full walk's time, and a guess from each op's place needs about p of them (a
-    stage a pass, down the forwards and back up the backwards)."""
+    costs about a 200th of the full walk's time; the closed forms hold, so one pass checks them, and a guess
+    from each op's place alone would need about p (a stage a pass, down the forwards and back up)."""
     return 2 * p + 16
 
 
@@ -82,8 +82,7 @@ def _inputs(kind: np.ndarray, j: np.ndarray, c: np.ndarray, n: int, m: int) -> l
 
 
 def _guess(schedule: str, kind: np.ndarray, j: np.ndarray, c: np.ndarray, p: int, m: int) -> np.ndarray:
-    """Each op's key from its schedule's period, where it has a closed form; else the op's place in its
-    device's order, plus the device, which :func:`_settle` raises."""
+    """Each op's key from its schedule's period (see the module docstring)."""
     if schedule == "1f1b":  # the steady period: an F and a B a microbatch, the B back up the stages
         return np.where(kind == 0, 2 * j + c, 2 * j + 2 * p - 1 - c)
     if schedule == "gpipe":  # every forward, then the backwards from the last stage back
@@ -92,9 +91,12 @@ def _guess(schedule: str, kind: np.ndarray, j: np.ndarray, c: np.ndarray, p: int
         return np.select([kind == 0, kind == 1], [np.maximum(2 * j + c, 3 * j - (p - 1) + c),
                                                   np.maximum(2 * j + 2 * p - 1 - c, 3 * j + 2 * p - 1 - 2 * c)],
                          3 * j + c + 2 * p)
-    # the interleaved order: no closed form here (a microbatch's backward wraps from device 0's chunk to device
-    # p - 1's, against 1F1B's period), so the op's place in its device's order, plus the device; about p passes
-    return np.arange(kind.shape[1])[None, :] + np.arange(kind.shape[0])[:, None]
+    # interleaved: 1F1B's period over each device's virtual microbatches (k: the op's place among its kind's on
+    # the device), the stages 2 apart so that a microbatch's F wrapping from device p - 1's chunk to device 0's
+    # next (p virtual microbatches back), and its B wrapping the other way, still rise
+    k = np.where(kind == 0, np.cumsum(kind == 0, axis=1), np.cumsum(kind == 1, axis=1)) - 1
+    stage, virtual = np.arange(kind.shape[0])[:, None], kind.shape[1] // (2 * m)
+    return np.where(kind == 0, 2 * k + 2 * stage, 2 * k + 4 * (p - 1) + 2 * (virtual - 1) * p + 1 - 2 * stage)
 
 
 def _settle(keys: np.ndarray, reads: list[np.ndarray], passes: int) -> np.ndarray | None:
