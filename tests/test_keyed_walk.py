@@ -36,8 +36,9 @@ def cases(draw: st.DrawFn) -> tuple[str, int, int, int, Timing, tuple[Timing, ..
                     comm_back=draw(st.one_of(st.none(), SECONDS)))
     uneven = draw(st.one_of(st.none(), st.tuples(*[st.builds(Timing, SECONDS, SECONDS, SECONDS)
                                                    for _ in range(p * chunks_of(schedule, virtual))])))
+    # sends paired: Megatron-LM's 1F1B's alone
     held = draw(st.one_of(st.none(), st.builds(Held, st.sampled_from((0.0, 0.1)), st.sampled_from((0.0, 0.05)),
-                                               st.booleans())))
+                                               st.just(schedule == "1f1b") | st.just(False))))
     return schedule, p, m, virtual, timing, uneven, held
 
 
