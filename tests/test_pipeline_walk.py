@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from itertools import accumulate
 
+import numpy as np
 import pytest
 
 from shardc.pipeline import schedules
@@ -71,14 +72,17 @@ def test_a_kept_walk_gives_each_timing_its_own_ops() -> None:
 
 
 def test_the_most_held_is_the_running_count_of_the_sorted_events() -> None:
-    """The counting of :func:`_most_held` is the running count's peak over (time, +1 or -1) sorted, an end
-    before a start at one time (the count it replaced), ties included."""
+    """The counting of :func:`_most_held` is each device's running count's peak over (time, +1 or -1) sorted, an
+    end before a start at one time (the count it replaced), ties and devices without events included."""
     rng = random.Random(5)
     for _ in range(300):
-        starts = [float(rng.randint(0, 8)) for _ in range(rng.randint(0, 9))]
-        ends = [float(rng.randint(0, 8)) for _ in range(rng.randint(0, 9))]
-        events = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends])
-        assert _most_held(starts, ends) == max(accumulate((step for _, step in events), initial=0))
+        starts = [(rng.randint(0, 2), float(rng.randint(0, 8))) for _ in range(rng.randint(0, 9))]
+        ends = [(rng.randint(0, 2), float(rng.randint(0, 8))) for _ in range(rng.randint(0, 9))]
+        columns = [(np.array([d for d, _ in e], np.int64), np.array([t for _, t in e])) for e in (starts, ends)]
+        expected = [max(accumulate((step for _, step in sorted([(t, 1) for e, t in starts if e == d]
+                                                                + [(t, -1) for e, t in ends if e == d])), initial=0))
+                    for d in range(3)]
+        assert _most_held(3, columns[0], columns[1]) == expected
 
 
 def test_the_kept_walks_stay_within_their_ops_budget_and_give_what_a_fresh_walk_gives(

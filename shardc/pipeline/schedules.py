@@ -60,6 +60,7 @@ from shardc.pipeline.blocking_sends import Held, blocking_delays, transfers
 from shardc.pipeline.dualpipe import TWO_WAY, Group, dualpipe_orders
 from shardc.pipeline.fixed_orders import fixed_order
 from shardc.pipeline.greedy import greedy_order
+from shardc.pipeline.keyed_walk import keyed_walk
 from shardc.pipeline.order_walk import Ones, Step, one_timeline, ones, run_orders, sends_of, timeline, walk
 from shardc.pipeline.paired_sends import megatron_steps
 from shardc.pipeline.simulation import (
@@ -183,23 +184,31 @@ MAX_KEPT = 10 * MAX_OPS
 
 def _fixed_walk(schedule: str, p: int, m: int, virtual: int) -> Walk:
     """The fixed orders of ``schedule`` (all but zbv's), their walk, and it as :func:`ones` gives it (where it
-    does, neither the orders nor the steps: the runs give them); kept while they fit :data:`MAX_KEPT`."""
+    does, neither the orders nor the steps: the runs give them); kept while they fit :data:`MAX_KEPT`.  The
+    one-op orders are walked in closed form (:func:`~shardc.pipeline.keyed_walk.keyed_walk`)."""
     key = (schedule, p, m, virtual)
     if (kept := _KEPT.pop(key, None)) is not None:
         _KEPT[key] = kept  # now the most recently used
         return kept[1]
+    keyed = None if schedule in PAIRED else keyed_walk(schedule, p, m, virtual)  # 1F1B's family: no walk
+    found = ((), None, keyed) if keyed is not None else _full_walk(schedule, p, m, virtual)
+    weight = len(found[2]) if found[2] is not None else 10 * len(found[1] or ())
+    while _KEPT and sum(w for w, _ in _KEPT.values()) + weight > MAX_KEPT:
+        del _KEPT[next(iter(_KEPT))]
+    _KEPT[key] = weight, found
+    return found
+
+
+def _full_walk(schedule: str, p: int, m: int, virtual: int) -> Walk:
+    """The fixed orders of ``schedule`` walked op by op (:func:`walk`): DualPipe's, and any order whose keys
+    :func:`~shardc.pipeline.keyed_walk.keyed_walk` cannot settle."""
     if schedule in PAIRED:
         orders = tuple(map(tuple, dualpipe_orders(p, m, v=schedule == "dualpipev")))
     else:
         orders = tuple(tuple((key,) for key in fixed_order(schedule, s, p, m, virtual)) for s in range(p))
     steps = walk(schedule, p, m, chunks_of(schedule, virtual) * p, orders)
     flat = ones(steps)
-    found: Walk = ((), None, flat) if flat is not None else (orders, steps, None)
-    weight = len(flat) if flat is not None else 10 * len(steps)
-    while _KEPT and sum(w for w, _ in _KEPT.values()) + weight > MAX_KEPT:
-        del _KEPT[next(iter(_KEPT))]
-    _KEPT[key] = weight, found
-    return found
+    return ((), None, flat) if flat is not None else (orders, steps, None)
 
 
 def _durations(timing: Timing, zb: bool) -> dict[str, float]:
