@@ -40,7 +40,7 @@ from shardc.ir.plan import Plan, Section, Step, uses_dropout
 from shardc.ir.spec import Add, Call, Mesh, Spec, Statement, TensorRef
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
-from shardc.pipeline.boundary import boundary_tensor, carried_moves, tied_contributions
+from shardc.pipeline.boundary import boundary_tensor, carried_moves, fed_beside, tied_contributions
 from shardc.spec.stages import block_layers
 from shardc.spec.walk import leaves
 
@@ -57,6 +57,7 @@ class Ends:
     # a param read on both ends: (param, its gradient's contribution made after the block, the gradient)
     tied: tuple[tuple[str, str, str], ...] = ()
     more: tuple[Plan, ...] = ()  # each later `layers` block's part (one layer), in order: the block is the first's
+    fed: tuple[str, ...] = ()  # made before the block, read beside its input (boundary.fed_beside)
 
     @property
     def blocks(self) -> tuple[Plan, ...]:
@@ -137,7 +138,8 @@ def cut_parts(plan: Plan) -> Ends:
               for b, spec in enumerate(block_specs)]
     pre = _part(plan, "before", plan.section("before"), pre_spec, block_specs[0], whole.backward)
     post = _part(plan, "after", sections[-1], post_spec, None, (), tied)
-    return Ends(pre, blocks[0], post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied), tuple(blocks[1:]))
+    return Ends(pre, blocks[0], post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied), tuple(blocks[1:]),
+                fed_beside(plan.spec))
 
 
 def _own(section: Section, block: int) -> Section:

@@ -101,6 +101,10 @@ class Pipeline:
     # (the first's the block above); a slot runs its layer's block's body (shardc.lowering.pipeline_bodies)
     more: tuple[Body, ...] = ()
     block_layers: tuple[int, ...] | None = None
+    # values made before the block that its layers read beside the input (E beside X0), fed by the layer's
+    # output as the input is: the model's first layer reads stage 0's (the ends' ``first``), a later one its
+    # input, so nothing more is sent (shardc.pipeline.boundary.fed_beside)
+    fed: tuple[str, ...] = ()
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -170,7 +174,7 @@ class Pipeline:
         layer: every stage holds it whole, laid out over the other axes as the block's forward reads it
         (as Megatron-DeepSpeed's stages each build BLOOM's ALiBi tensor), passed after the params."""
         return {k: b.part.forward_in[k] for b in self.bodies for k in b.part.forward_in
-                if k != b.input and k not in b.params}
+                if k != b.input and k not in b.params and k not in self.fed}
 
     def _layer(self, params: tuple[Any, ...], b: int, chunk: Any, virtual: Any, k: int) -> Arrays:
         """What slot k's layer reads beside its input: its params (``params``: the holding's, then the
@@ -185,16 +189,26 @@ class Pipeline:
         number = jnp.asarray(self._firsts())[virtual] + k
         return layer_key(key, number, self.layers, jnp), jnp.asarray(j, jnp.int32)
 
+    def _fed(self, b: int, k: int, given: Any, beside: Arrays | None, start: Any) -> Arrays:
+        """The values slot k's layer of block b reads beside its input ``given``: the input itself, but in the
+        model's first layer (slot 0 of the virtual stage that ``start``s) those made before the block
+        (``beside``)."""
+        if b != 0:
+            return {}
+        return {n: jnp.where(start, beside[n], given) if k == 0 and beside else given for n in self.fed}
+
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
-                   j: Any) -> tuple[Any, list[Any]]:
+                   j: Any, beside: Arrays | None = None, start: Any = False) -> tuple[Any, list[Any]]:
         """The stage's layers forward on ``x``: the output, and each layer's saved values but its params
-        (the backward reads those from the params, once a layer, not a copy a microbatch), keyed by block."""
+        (the backward reads those from the params, once a layer, not a copy a microbatch), keyed by block.
+        ``beside``: the values fed beside the input that the model's first layer reads, where ``start``."""
         kept, held = [], jnp.asarray(self.held)[virtual]
         for k in range(self.slots):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(given: Any) -> Any:
                     body = self.bodies[b]
-                    pool = {body.input: given, **self._layer(params, b, chunk, virtual, k)}
+                    pool = {body.input: given, **self._fed(b, k, given, beside, start),
+                            **self._layer(params, b, chunk, virtual, k)}
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
                     reads = body.part.backward_reads
                     mine = {n: v for n, v in used.items() if n in reads and n not in body.params
@@ -219,34 +233,50 @@ class Pipeline:
     def _grads_of(self, b: int, got: Arrays) -> Arrays:
         return {p: got[p] for p in self.bodies[b].params}
 
-    def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Any]]:
+    def _input_grad(self, b: int, k: int, got: Arrays, start: Any) -> tuple[Any, Arrays]:
+        """Slot k's layer's input gradient, from its inputs' (``got``, keyed by input): the input's, plus those
+        of the values fed beside it, which past the model's first layer are the input; and (slot 0) the first
+        layer's of those values, handed to the ends (zeros where it is not the first, or another block's)."""
+        dx = got[self.bodies[b].input]
+        fed = self.fed if b == 0 else ()
+        for n in fed:
+            dx = dx + (jnp.where(start, jnp.zeros_like(got[n]), got[n]) if k == 0 else got[n])
+        return dx, {n: got[n] if n in fed else jnp.zeros_like(dx) for n in self.fed} if k == 0 else {}
+
+    def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any, start: Any = False) -> tuple[Any, list[Any], Arrays]:
         """The stage's layers backward, last to first: the input's gradient, each slot's params' gradients
-        (keyed by block)."""
+        (keyed by block), and the model's first layer's of the values fed beside its input, where ``start``."""
         grads: list[Any] = [{}] * len(kept)
         held = jnp.asarray(self.held)[virtual]
+        beside: Arrays = {}
         for k in reversed(range(len(kept))):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(d_out: Any) -> Any:
                     got = self.bodies[b].part.backward(kept[k](b), d_out)
-                    return got[self.bodies[b].input], {b: self._grads_of(b, got)}
+                    return self._input_grad(b, k, got, start), {b: self._grads_of(b, got)}
                 return go
-            dx, grads[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
+            (dx, beside), grads[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
-        return g, grads
+        return g, grads, beside
 
-    def _stage_input_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Any]]:
-        """B of the stage's layers, last to first: the input's gradient, and what each layer's W reads."""
+    def _stage_input_bwd(self, kept: list[Any], g: Any, virtual: Any,
+                         start: Any = False) -> tuple[Any, list[Any], Arrays]:
+        """B of the stage's layers, last to first: the input's gradient, what each layer's W reads, and the
+        model's first layer's gradients of the values fed beside its input, where ``start``."""
         handed: list[Any] = [{}] * len(kept)
         held = jnp.asarray(self.held)[virtual]
+        beside: Arrays = {}
         for k in reversed(range(len(kept))):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(d_out: Any) -> Any:
-                    dx, made = self.bodies[b].part.backward_input(kept[k](b), d_out, self.bodies[b].input)
-                    return dx, {b: made}
+                    body = self.bodies[b]
+                    names = (body.input, *(self.fed if b == 0 else ()))
+                    got, made = body.part.backward_inputs(kept[k](b), d_out, names)
+                    return self._input_grad(b, k, got, start), {b: made}
                 return go
-            dx, handed[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
+            (dx, beside), handed[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
-        return g, handed
+        return g, handed, beside
 
     def _stage_weight_bwd(self, kept: list[Any], handed: list[Any], virtual: Any) -> list[Any]:
         """W of the stage's layers: their params' gradients from the saved values and what B handed on."""
@@ -270,7 +300,7 @@ class Pipeline:
         table = self.forward_ticks if backward else forward_only(self.forward_ticks)
         ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
         m = self.microbatches
-        x = jax.eval_shape(self.ends.first, pool, 0)
+        x = jax.eval_shape(self.ends.first, pool, 0)[0]
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
         # each buffer a ring of the values in flight at once, a chunk x M + microbatch entry at its slot
         rings = self.rings
@@ -304,7 +334,8 @@ class Pipeline:
             c, j = e // m, e % m
             u = virtual[c, stage]
             start = place.starts(u)  # the first virtual stage reads the ends' input
-            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[xs[e]]), params, key, u, c, j)
+            given, beside = self.ends.first(pool, j)  # and the values fed beside it, which the first layer reads
+            y, res = self._stage_fwd(jnp.where(start, given, acts[xs[e]]), params, key, u, c, j, beside, start)
             end = (ef >= 0) & place.ends(u)  # the last virtual stage hands on to the ends
             cot, acc = self.ends.last(pool, y, j, end, acc, backward, ps[e])
             # paired, F's writes wait for the next tick (none reads them before): B reading the rings F had
@@ -323,12 +354,13 @@ class Pipeline:
             u = virtual[c, stage]
             mine = self._saved(keep.read(kept, stage, c, ks[e]), params, c, u)
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B, or after its B in this one)
-                dx, made = self._stage_input_bwd(mine, cots[gs[e]], u)
+                dx, made, beside = self._stage_input_bwd(mine, cots[gs[e]], u, place.starts(u))
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
             else:
-                dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
+                dx, dw, beside = self._stage_bwd(mine, cots[gs[e]], u, place.starts(u))
                 dparams = self.holding.accumulate(dparams, dw, eb >= 0, c, u)
-            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc, qs[e])  # before W, which reads it
+            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc, qs[e],
+                                       beside)  # before W, which reads it
             if split:
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
