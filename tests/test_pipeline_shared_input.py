@@ -232,3 +232,71 @@ def test_a_value_made_before_the_block_fed_by_another_output_is_refused_at_the_r
         check_lowerable(shardc.plan(shardc.parse(text, "side.shard")))
     assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (9, 53)
     assert "write E with X0's indices and sharding" in (err.value.fix or "")
+
+
+# E made before the block and read after it (the head adds it to the block's output): it rides to the last stage
+RIDE = ENDS.replace(MAKE_X0, MAKE_E + "\n" + MAKE_X0).replace("Lg[B_X, S, V] = X1[B_X, S, D]",
+                                                              "Lg[B_X, S, V] = (X1[B_X, S, D] + E[B_X, S, D])")
+
+
+def test_a_value_made_before_the_block_and_read_after_it_rides_with_the_activation() -> None:
+    """Refused ("only the block's output reaches the last stage"), though cost priced it, and priced its send at
+    nothing.  Now E rides with X1 from stage to stage, one array of both a hop (RIDERS), and the cost's send carries
+    its bytes too: twice ENDS' a hop, E being X1's size (one rule, boundary.carried_refs, which verify's HLO check
+    reads as well)."""
+    from shardc.lowering.pipeline_lowering import lower_pipeline
+    from shardc.pipeline.boundary import carried_refs, check_lowerable
+
+    plan = shardc.plan(shardc.parse(RIDE.format(schedule="1f1b"), "ride.shard"))
+    check_lowerable(plan)
+    assert [r.name for r in carried_refs(plan)] == ["X1", "E"]
+    assert "RIDERS = ('E',)" in lower_pipeline(plan, load=False).source
+    alone = shardc.cost(shardc.plan(shardc.parse(ENDS.format(schedule="1f1b")))).pipeline
+    riding = shardc.cost(plan).pipeline
+    assert alone is not None and riding is not None
+    assert (riding.p2p_bytes, riding.p2p_bytes_global) == (2 * alone.p2p_bytes, 2 * alone.p2p_bytes_global)
+
+
+@pytest.mark.slow  # compiles a pipelined module
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_value_riding_to_the_last_stage_verifies(schedule: str) -> None:
+    """Values and gradients against the unsharded reference, and the HLO's permutes each of the cost's bytes (X1's
+    and E's): dW_e is the head's gradient of E, handed back with X1's through every stage (under ZB-H1 made in
+    the head's B).  With E not sent (zeros on the last stage), every row fails; with its gradient not handed
+    back, dW_e does."""
+    report = verify_pipeline(shardc.plan(shardc.parse(RIDE.format(schedule=schedule), "ride.shard")))
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+    assert {"dW_e", "dW_emb"} <= {r.tensor for r in report.values}
+
+
+def test_a_value_read_in_the_block_and_after_it_is_refused_at_the_read_after() -> None:
+    """X0, the block's input, read by the head too: its gradient is the block's and the head's contributions,
+    which the plan sums before the block; the lowering stopped with a false reason ("the plan takes no gradient of
+    X0").  Refused at the head's read, with a rewrite that lowers (the statement made twice)."""
+    from shardc.errors import ShardcError
+    from shardc.pipeline.boundary import check_lowerable
+
+    text = ENDS.format(schedule="1f1b").replace("Lg[B_X, S, V] = X1[B_X, S, D]",
+                                                "Lg[B_X, S, V] = (X1[B_X, S, D] + X0[B_X, S, D])")
+    with pytest.raises(ShardcError, match="X0 is made before the pipelined block and read both in it and after it"
+                       ) as err:
+        check_lowerable(shardc.plan(shardc.parse(text, "skip.shard")))
+    assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (11, 34)
+    assert "make X0's statement twice" in (err.value.fix or "")
+    twice = text.replace(MAKE_X0, MAKE_X0.replace("X0[", "R[") + "\n" + MAKE_X0).replace(
+        "+ X0[B_X, S, D])", "+ R[B_X, S, D])")
+    check_lowerable(shardc.plan(shardc.parse(twice, "skip.shard")))
+
+
+def test_a_rider_made_last_before_the_block_is_refused_saying_to_make_it_first() -> None:
+    """Stage 0 hands the block the value made last before it; with E made after X0 the block's read of X0 was
+    refused as "a second value made before it", which it is not: now refused for what it is, at X0's read."""
+    from shardc.errors import ShardcError
+    from shardc.pipeline.boundary import check_lowerable
+
+    late = RIDE.format(schedule="1f1b").replace(MAKE_E + "\n" + MAKE_X0, MAKE_X0 + "\n" + MAKE_E)
+    with pytest.raises(ShardcError, match="the statement just before the pipelined block makes E, which the block "
+                       "does not read") as err:
+        check_lowerable(shardc.plan(shardc.parse(late, "late.shard")))
+    assert err.value.span is not None and err.value.span.line == 9
+    assert err.value.fix == "make E before X0, so that X0 is made last before the block"

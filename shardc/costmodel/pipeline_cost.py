@@ -91,6 +91,7 @@ from shardc.overlap import reduced_after
 from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
+    carried_refs,
     tied_contributions,
 )
 from shardc.pipeline.bubbles import (
@@ -133,7 +134,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
     reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, tied_s, copies_s, hw.reduces_after_backward,
                                            hw.overlap_share, stage_reductions(plan, pipe, sizes, hw, spans))
-    glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
+    glob = float(sum(math.prod(micro[d.name] for d in r.dims) for r in carried_refs(plan))) * nbytes  # riders too
     free = replace(timing, comm=0.0, comm_back=None)  # sends free
     closed = bubble(name, pipe.stages, pipe.microbatches, free, pipe.chunks)
     found = _thresholds(pipe, free, min(parts[f"layer {b}"][0].seconds

@@ -276,7 +276,7 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     if pipe.schedule.name in SPLIT_SCHEDULES:  # the head's backward in two, as the block's (before it: all W)
         post, out = modules[1], boundary_tensor(ends.blocks[-1]).name
         reduce = split_source(backward_program(splits[1].each), post.backward, post.grads[out],
-                              frozenset(post.cotangents), "POST")
+                              frozenset(post.cotangents), "POST", tuple(post.grads[n] for n in ends.riders))
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables
     for split, prefix in zip(splits, ("PRE_", "POST_"), strict=True):

@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.pipeline_bodies import Body, BodyTables, body_tables, switch, unpacked
+from shardc.lowering.pipeline_carried import Carried, fed_values, input_grad
 from shardc.lowering.pipeline_keep import FlatRing, TreeRing
 from shardc.lowering.pipeline_params import Flat, Slots, Stacked
 from shardc.lowering.pipeline_parts import Arrays, Ends, Part, Table, forward_only
@@ -105,6 +106,9 @@ class Pipeline:
     # output as the input is: the model's first layer reads stage 0's (the ends' ``first``), a later one its
     # input, so nothing more is sent (shardc.pipeline.boundary.fed_beside)
     fed: tuple[str, ...] = ()
+    # values made before the block that the statements after it read: each rides with the activation every
+    # stage hands on, and its gradient back with the activation's (shardc.lowering.pipeline_carried)
+    riders: tuple[str, ...] = ()
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -189,14 +193,6 @@ class Pipeline:
         number = jnp.asarray(self._firsts())[virtual] + k
         return layer_key(key, number, self.layers, jnp), jnp.asarray(j, jnp.int32)
 
-    def _fed(self, b: int, k: int, given: Any, beside: Arrays | None, start: Any) -> Arrays:
-        """The values slot k's layer of block b reads beside its input ``given``: the input itself, but in the
-        model's first layer (slot 0 of the virtual stage that ``start``s) those made before the block
-        (``beside``)."""
-        if b != 0:
-            return {}
-        return {n: jnp.where(start, beside[n], given) if k == 0 and beside else given for n in self.fed}
-
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
                    j: Any, beside: Arrays | None = None, start: Any = False) -> tuple[Any, list[Any]]:
         """The stage's layers forward on ``x``: the output, and each layer's saved values but its params
@@ -207,7 +203,7 @@ class Pipeline:
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(given: Any) -> Any:
                     body = self.bodies[b]
-                    pool = {body.input: given, **self._fed(b, k, given, beside, start),
+                    pool = {body.input: given, **fed_values(self.fed if b == 0 else (), k, given, beside, start),
                             **self._layer(params, b, chunk, virtual, k)}
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
                     reads = body.part.backward_reads
@@ -233,16 +229,6 @@ class Pipeline:
     def _grads_of(self, b: int, got: Arrays) -> Arrays:
         return {p: got[p] for p in self.bodies[b].params}
 
-    def _input_grad(self, b: int, k: int, got: Arrays, start: Any) -> tuple[Any, Arrays]:
-        """Slot k's layer's input gradient, from its inputs' (``got``, keyed by input): the input's, plus those
-        of the values fed beside it, which past the model's first layer are the input; and (slot 0) the first
-        layer's of those values, handed to the ends (zeros where it is not the first, or another block's)."""
-        dx = got[self.bodies[b].input]
-        fed = self.fed if b == 0 else ()
-        for n in fed:
-            dx = dx + (jnp.where(start, jnp.zeros_like(got[n]), got[n]) if k == 0 else got[n])
-        return dx, {n: got[n] if n in fed else jnp.zeros_like(dx) for n in self.fed} if k == 0 else {}
-
     def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any, start: Any = False) -> tuple[Any, list[Any], Arrays]:
         """The stage's layers backward, last to first: the input's gradient, each slot's params' gradients
         (keyed by block), and the model's first layer's of the values fed beside its input, where ``start``."""
@@ -253,7 +239,8 @@ class Pipeline:
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(d_out: Any) -> Any:
                     got = self.bodies[b].part.backward(kept[k](b), d_out)
-                    return self._input_grad(b, k, got, start), {b: self._grads_of(b, got)}
+                    dx = input_grad(got, self.bodies[b].input, self.fed, b == 0, k, start)
+                    return dx, {b: self._grads_of(b, got)}
                 return go
             (dx, beside), grads[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
@@ -272,7 +259,7 @@ class Pipeline:
                     body = self.bodies[b]
                     names = (body.input, *(self.fed if b == 0 else ()))
                     got, made = body.part.backward_inputs(kept[k](b), d_out, names)
-                    return self._input_grad(b, k, got, start), {b: made}
+                    return input_grad(got, self.bodies[b].input, self.fed, b == 0, k, start), {b: made}
                 return go
             (dx, beside), handed[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
@@ -300,7 +287,8 @@ class Pipeline:
         table = self.forward_ticks if backward else forward_only(self.forward_ticks)
         ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
         m = self.microbatches
-        x = jax.eval_shape(self.ends.first, pool, 0)[0]
+        x, made = jax.eval_shape(self.ends.first, pool, 0)
+        sends = Carried.of(x, made, self.riders)  # what a stage sends: the activation, the riders with it
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
         # each buffer a ring of the values in flight at once, a chunk x M + microbatch entry at its slot
         rings = self.rings
@@ -308,11 +296,11 @@ class Pipeline:
                                                                           rings.cots, rings.post, rings.pre))
         keep = self._keep(shapes)
         kept = keep.empty()
-        acts, cots = (jnp.zeros((r.count,) + x.shape, x.dtype) for r in (rings.acts, rings.cots))
+        acts, cots = (jnp.zeros((r.count,) + sends.sent, x.dtype) for r in (rings.acts, rings.cots))
         split = backward and self.weight_ticks is not None
         wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
         first = self._saved(keep.read(kept, stage, 0, 0), params, 0, stage)  # a slot's values, their shapes
-        handed = _buffers(jax.eval_shape(lambda g: self._stage_input_bwd(first, g, stage), acts[0])[1],
+        handed = _buffers(jax.eval_shape(lambda g: self._stage_input_bwd(first, g, stage), x)[1],
                           rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
         virtual = place.table()  # [chunk, stage]
@@ -335,9 +323,12 @@ class Pipeline:
             u = virtual[c, stage]
             start = place.starts(u)  # the first virtual stage reads the ends' input
             given, beside = self.ends.first(pool, j)  # and the values fed beside it, which the first layer reads
-            y, res = self._stage_fwd(jnp.where(start, given, acts[xs[e]]), params, key, u, c, j, beside, start)
+            got, riding = sends.unpack(acts[xs[e]])
+            riding = {n: jnp.where(start, beside[n], v) for n, v in riding.items()}  # made here, or received
+            y, res = self._stage_fwd(jnp.where(start, given, got), params, key, u, c, j, beside, start)
             end = (ef >= 0) & place.ends(u)  # the last virtual stage hands on to the ends
-            cot, acc = self.ends.last(pool, y, j, end, acc, backward, ps[e])
+            cot, d_riding, acc = self.ends.last(pool, y, j, end, acc, backward, ps[e], riding)
+            cot = sends.pack(cot, d_riding)
             # paired, F's writes wait for the next tick (none reads them before): B reading the rings F had
             # written kept the old and the new, XLA copying a whole ring a tick (DeepSeek-V3's run: 11.9 MB)
             if paired:
@@ -345,7 +336,7 @@ class Pipeline:
             else:
                 kept, cots = write(kept, cots, res, c, u, e, ef >= 0, end, cot)
             # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
-            acts = place.hand_on(self.axis, acts, y, ftab[t], stage, m, 1, xs)
+            acts = place.hand_on(self.axis, acts, sends.pack(y, riding), ftab[t], stage, m, 1, xs)
             if not backward:
                 return kept, handed, acts, cots, acc, dparams, pending
             eb = btab[t, stage]
@@ -353,12 +344,14 @@ class Pipeline:
             c, j = e // m, e % m
             u = virtual[c, stage]
             mine = self._saved(keep.read(kept, stage, c, ks[e]), params, c, u)
+            g, d_riding = sends.unpack(cots[gs[e]])
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B, or after its B in this one)
-                dx, made, beside = self._stage_input_bwd(mine, cots[gs[e]], u, place.starts(u))
+                dx, made, beside = self._stage_input_bwd(mine, g, u, place.starts(u))
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
             else:
-                dx, dw, beside = self._stage_bwd(mine, cots[gs[e]], u, place.starts(u))
+                dx, dw, beside = self._stage_bwd(mine, g, u, place.starts(u))
                 dparams = self.holding.accumulate(dparams, dw, eb >= 0, c, u)
+            beside = {n: beside.get(n, 0) + d_riding.get(n, 0) for n in {**beside, **d_riding}}  # fed, and riding
             acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc, qs[e],
                                        beside)  # before W, which reads it
             if split:
@@ -370,14 +363,14 @@ class Pipeline:
                 dparams = self.holding.accumulate(dparams, dw, ew >= 0, w // m, uw)
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc,
                                        (ps[w], qs[w]))
-            cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
+            cots = place.hand_on(self.axis, cots, sends.pack(dx, d_riding), btab[t], stage, m, -1, gs)
             return kept, handed, acts, cots, acc, dparams, pending
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
         grads = jax.eval_shape(lambda d: self._stage_bwd(first, d, stage), x)[1]
         none = jnp.zeros((), ftab.dtype)  # paired, the writes of an F before the first: none
         pending = (jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), none, virtual[0, stage], none,
-                   *jnp.zeros(2, bool), jnp.zeros(x.shape, x.dtype)) if paired else ()
+                   *jnp.zeros(2, bool), jnp.zeros(sends.sent, x.dtype)) if paired else ()
         init = (kept, handed, acts, cots, self.ends.start(pool, x, (rings.post.count, rings.pre.count)),
                 self.holding.zeros(grads), pending)
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[4:6]

@@ -17,7 +17,7 @@ from shardc.ir.spec import Contract, Spec
 from shardc.lowering import reference as numpy_reference
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.lowering.row_code import id_inputs
-from shardc.pipeline.boundary import fed_beside, microbatch_dim
+from shardc.pipeline.boundary import fed_beside, microbatch_dim, riders
 from shardc.spec.functions import ID_DTYPE, layer_key
 from shardc.spec.stages import stage_spec
 from shardc.spec.walk import leaves
@@ -86,7 +86,8 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
     x = _calibrate(lowered, values, made[ns.BLOCK_INPUT if pre is None else ns.PRE_RESULT], key, own, made)
     if post is not None:
         out = layers[-1].output  # the last block's output, which the statements after the blocks read
-        _rescale(post, {**values, out: x}, list(ns.POST_FORWARD_IN), {out}, sizes, own)
+        riding = {n: made[n] for n in riders(lowered.plan.spec)}  # made before the blocks, read after them
+        _rescale(post, {**values, out: x, **riding}, list(ns.POST_FORWARD_IN), {out, *riding}, sizes, own)
     return values
 
 
