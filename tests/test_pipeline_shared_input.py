@@ -255,6 +255,7 @@ def test_a_value_made_before_the_block_and_read_after_it_rides_with_the_activati
     riding = shardc.cost(plan).pipeline
     assert alone is not None and riding is not None
     assert (riding.p2p_bytes, riding.p2p_bytes_global) == (2 * alone.p2p_bytes, 2 * alone.p2p_bytes_global)
+    assert [r.name for r in riding.riders] == ["E"] and alone.riders == ()  # `shardc cost` names it beside X1
 
 
 @pytest.mark.slow  # compiles a pipelined module

@@ -145,7 +145,8 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
                         sim, stages, found, opt_s, first, last, optimizer_busy_s=zero.busy,
                         optimizer_comm_s=zero.comm,
                         grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
-                        copies_exchange_s=copies_s, free_simulation=times.free_sim, p2p_split=times.p2p_split)
+                        copies_exchange_s=copies_s, free_simulation=times.free_sim, p2p_split=times.p2p_split,
+                        riders=carried_refs(plan)[1:])
 
 
 def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:
