@@ -155,8 +155,8 @@ def test_the_loss_is_the_mean_of_the_microbatches() -> None:
 
 TIED = ("W_out[D_X, V_Y]", "W_emb[V_Y, D_X]")  # the output layer reads the embedding's table
 NO_LOSS = ("Loss[] = cross_entropy(Lg[B_X, S, V_Y], Next[B_X, S])", "Out[B_X, S, V_Y] = gelu(Lg[B_X, S, V_Y])")
-# a value made before the block read after it: only the block's output reaches the last stage (an input read on
-# both ends, held by both end stages, lowers: tests/test_pipeline_shared_input.py)
+# the block's input read after it too: its gradient is two contributions, the block's and the head's (a value made
+# before the block that only the head reads rides to the last stage: tests/test_pipeline_shared_input.py)
 CROSSING = ("Fn[B_X, S, D] · W_out", "(Fn[B_X, S, D] + X0[B_X, S, D]) · W_out")
 
 
@@ -165,7 +165,7 @@ def _tied_text(mesh: str = "mesh P=4 pipeline, X=4, Y=2") -> str:
 
 
 @pytest.mark.parametrize(("edit", "message"), [(NO_LOSS, "cross_entropy loss"),
-                                               (CROSSING, "X0 is made before the pipelined block and read after")])
+                                               (CROSSING, "X0 is made before the pipelined block and read both in it")])
 def test_what_the_lowering_refuses(edit: tuple[str, str], message: str) -> None:
     from shardc.errors import ShardcError
     from shardc.lowering.pipeline_lowering import lower_pipeline

@@ -302,7 +302,9 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
                if cost.grad_reduce_s else []),
              f"  in flight on the first stage: {inflight(name, pipe.stages, pipe.microbatches)} microbatches"
              f" x activation factor {activation_factor(name, pipe.stages, pipe.chunks):.3g}",
-             f"  point-to-point: {cost.boundary} a microbatch, {fmt_bytes(cost.p2p_bytes)} a device "
+             f"  point-to-point: {cost.boundary} a microbatch"
+             + "".join(f" with {r}" for r in cost.riders)  # made before the block, riding to the last stage
+             + f", {fmt_bytes(cost.p2p_bytes)} a device "
              f"({fmt_bytes(cost.p2p_bytes_global)} in all) per boundary over {cost.network.upper()}"
              + (f", split over {','.join(cost.p2p_split)} and gathered on the receiving side (Megatron-LM's and "
                 "DeepSpeed's scatter/gather)" if cost.p2p_split else "")

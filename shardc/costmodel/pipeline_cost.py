@@ -91,6 +91,7 @@ from shardc.overlap import reduced_after
 from shardc.pipeline.block_split import device_blocks
 from shardc.pipeline.boundary import (
     boundary_tensor,
+    carried_refs,
     tied_contributions,
 )
 from shardc.pipeline.bubbles import (
@@ -133,7 +134,7 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
     copies_s = _copies_exchange(plan, pipe, sizes, hw, spans, mems)
     reduce_s, exposed_s = _grad_reductions(pipe, parts, first, last, tied_s, copies_s, hw.reduces_after_backward,
                                            hw.overlap_share, stage_reductions(plan, pipe, sizes, hw, spans))
-    glob = float(math.prod(micro[d.name] for d in ref.dims)) * nbytes
+    glob = float(sum(math.prod(micro[d.name] for d in r.dims) for r in carried_refs(plan))) * nbytes  # riders too
     free = replace(timing, comm=0.0, comm_back=None)  # sends free
     closed = bubble(name, pipe.stages, pipe.microbatches, free, pipe.chunks)
     found = _thresholds(pipe, free, min(parts[f"layer {b}"][0].seconds
@@ -144,7 +145,8 @@ def pipeline_cost(plan: Plan, hw: Hardware, sizes: dict[str, int], spans: Layout
                         sim, stages, found, opt_s, first, last, optimizer_busy_s=zero.busy,
                         optimizer_comm_s=zero.comm,
                         grad_reduce_s=reduce_s, grad_reduce_exposed_s=exposed_s, tied_exchange_s=tied_s,
-                        copies_exchange_s=copies_s, free_simulation=times.free_sim, p2p_split=times.p2p_split)
+                        copies_exchange_s=copies_s, free_simulation=times.free_sim, p2p_split=times.p2p_split,
+                        riders=carried_refs(plan)[1:])
 
 
 def _tied_exchange(plan: Plan, pipe: Pipeline, sizes: dict[str, int], hw: Hardware, spans: Layout) -> float:

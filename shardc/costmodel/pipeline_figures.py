@@ -110,6 +110,7 @@ class PipelineCost:
     optimizer_comm_s: float = 0.0  # and the collectives'
     free_simulation: Simulation | None = None  # the schedule with free sends where the chunks' layers differ
     p2p_split: tuple[str, ...] = ()  # the axes a cross-node send is split over and gathered over (boundary_send)
+    riders: tuple[TensorRef, ...] = ()  # values made before the block riding with the boundary (in p2p_bytes)
 
     @property
     def fullest(self) -> StageCost:
@@ -211,6 +212,7 @@ class PipelineCost:
             "activation_factor": activation_factor(pipe.schedule.name, pipe.stages, pipe.chunks),
             "boundary": str(self.boundary), "network": self.network, "p2p_bytes": self.p2p_bytes,
             "p2p_bytes_global": self.p2p_bytes_global, "p2p_s": self.p2p_s, "p2p_split": list(self.p2p_split),
+            **({"riders": [str(r) for r in self.riders]} if self.riders else {}),
             **({"p2p_back_s": self.timing.send_back} if self.timing.comm_back is not None else {}),
             "sends_per_microbatch": sends_per_microbatch(pipe.schedule.name, pipe.stages, pipe.chunks),
             "stage_time_s": self.stage_time_s, "forward_s": self.timing.forward,

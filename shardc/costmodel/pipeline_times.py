@@ -23,7 +23,7 @@ from shardc.hardware import Hardware
 from shardc.ir.plan import Plan
 from shardc.pipeline.block_split import chunk_blocks, stage_blocks
 from shardc.pipeline.blocking_sends import Held
-from shardc.pipeline.boundary import boundary_tensor, check_microbatches, send_bytes
+from shardc.pipeline.boundary import boundary_tensor, carried_refs, check_microbatches, send_bytes
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, Timing, simulate
 from shardc.spec.stages import Pipeline
 from shardc.timing import plan_links
@@ -62,7 +62,7 @@ def simulated(plan: Plan, pipe: Pipeline, micro: dict[str, int], hw: Hardware, s
     """``plan``'s pipeline ``pipe`` at one microbatch's sizes ``micro`` (with the mesh's) on ``hw``."""
     parts = section_times(plan, micro, hw, spans, len(pipe.blocks) or 1, pipe.schedule.name in ZERO_BUBBLE)
     ref = boundary_tensor(plan)
-    elements = float(local_elements(ref, micro))
+    elements = float(sum(local_elements(r, micro) for r in carried_refs(plan)))  # the values riding with it too
     p2p, back = (elements * n for n in send_bytes(plan, ref.name))
     send, send_back = (boundary_send(plan, ref, pipe.axis, size, micro, hw, spans)
                        for size in (p2p, back))  # the activation on, its gradient back

@@ -48,7 +48,7 @@ def _pipeline(tables: Mapping[str, Any], ends: Ends) -> Pipeline:
                     tables["F_TABLE"], tables["B_TABLE"], block, tables["BLOCK_INPUT"], tables["PARAMS"], ends,
                     tables["DATA_DIM"], tables.get("CHUNKS", 1), tables.get("STAGE_LAYERS"), tables.get("W_TABLE"),
                     tables.get("V_SHAPE", False), tables.get("TWO_WAY", False), tables.get("SEQUENCE_ZIGZAG", {}),
-                    tables.get("SEQUENCE_CHUNKS", 0), more, counts)
+                    tables.get("SEQUENCE_CHUNKS", 0), more, counts, tables.get("FED", ()), tables.get("RIDERS", ()))
 
 
 def _placement(tables: Mapping[str, Any]) -> Placement:
@@ -81,5 +81,6 @@ def model_pipeline(tables: Mapping[str, Any]) -> Pipeline:
                      ({"output": tables["BLOCK_OUTPUT"]}, *tables.get("MORE_BLOCKS", ()))[-1]["output"],
                      tuple(tables.get("TIED", {})), tables["PIPELINE_AXIS"],
                      tables["PIPE_MESH_AXES"][tables["PIPELINE_AXIS"]], _placement(tables).last_stage, _both(tables),
-                     tables.get("W_TABLE") is not None, tables.get("PRE_WHOLE", ()), tables.get("POST_WHOLE", ()))
+                     tables.get("W_TABLE") is not None, tables.get("PRE_WHOLE", ()), tables.get("POST_WHOLE", ()),
+                     tables.get("FED", ()), tables.get("RIDERS", ()))
     return _pipeline(tables, ends)

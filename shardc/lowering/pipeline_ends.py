@@ -40,7 +40,14 @@ from shardc.ir.plan import Plan, Section, Step, uses_dropout
 from shardc.ir.spec import Add, Call, Mesh, Spec, Statement, TensorRef
 from shardc.lowering import template
 from shardc.lowering.codegen import Module, Phase
-from shardc.pipeline.boundary import boundary_tensor, carried_moves, tied_contributions
+from shardc.pipeline.boundary import (
+    boundary_tensor,
+    carried_moves,
+    check_riders,
+    fed_beside,
+    riders,
+    tied_contributions,
+)
 from shardc.spec.stages import block_layers
 from shardc.spec.walk import leaves
 
@@ -57,6 +64,8 @@ class Ends:
     # a param read on both ends: (param, its gradient's contribution made after the block, the gradient)
     tied: tuple[tuple[str, str, str], ...] = ()
     more: tuple[Plan, ...] = ()  # each later `layers` block's part (one layer), in order: the block is the first's
+    fed: tuple[str, ...] = ()  # made before the block, read beside its input (boundary.fed_beside)
+    riders: tuple[str, ...] = ()  # made before the block, read after it: riding with its activation
 
     @property
     def blocks(self) -> tuple[Plan, ...]:
@@ -107,16 +116,16 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
         raise ShardcError("lowering a pipelined block needs statements before and after it", spec.span_of("layers"),
                           fix=fix)
     # a param or an input read on both ends is held by both end stages (a tied embedding, a position table:
-    # ModelEnds.stages_of); a value made before the block reaches no stage after it but through the block
-    made = {s.result.name for s in spec.statements}
-    crossing = sorted((_names(pre) & _names(post) & made) - set(spec.params or ()))
-    if crossing:
-        first = crossing[0]
-        read = next(r for s in post for r in leaves(s.expr) if r.name == first)
-        raise ShardcError(f"{', '.join(crossing)} is made before the pipelined block and read after it (made on "
-                          "the first stage, read on the last); only the block's output reaches the last stage",
-                          read.span,
-                          fix=f"compute {first} after the block, from the block's output or the inputs")
+    # ModelEnds.stages_of); a value made before the block rides with the activation to the last stage
+    # (boundary.riders), laid end to end with it in one array: of its type
+    check_riders(spec)
+    types, carried = dict(spec.tensor_dtypes), pre[-1].result.name
+    for name in riders(spec):
+        if types.get(name) != types.get(carried):
+            read = next(r for s in post for r in leaves(s.expr) if r.name == name)
+            raise ShardcError(f"{name} is made before the pipelined block and read after it, so it rides to the "
+                              f"last stage with {carried}, in one array: but its type is not {carried}'s", read.span,
+                              fix=f"give {name} and {carried} one type, or compute {name} after the block")
     last = post[-1]
     terms = last.expr.terms if isinstance(last.expr, Add) else (last.expr,)  # several heads' losses summed
     if not all(isinstance(t, Call) and t.func == "cross_entropy" for t in terms) or last.result.dims:
@@ -135,9 +144,11 @@ def cut_parts(plan: Plan) -> Ends:
     # each block's outputs' cotangents: made by the backward of the part after it
     blocks = [_part(plan, "block", sections[b], spec, (block_specs + (post_spec,))[b + 1], sections[b + 1].backward)
               for b, spec in enumerate(block_specs)]
-    pre = _part(plan, "before", plan.section("before"), pre_spec, block_specs[0], whole.backward)
-    post = _part(plan, "after", sections[-1], post_spec, None, (), tied)
-    return Ends(pre, blocks[0], post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied), tuple(blocks[1:]))
+    pre = _part(plan, "before", plan.section("before"), pre_spec, block_specs[0],
+                whole.backward + plan.section("after").backward, riders(plan.spec))
+    post = _part(plan, "after", sections[-1], post_spec, None, (), tied=tied)
+    return Ends(pre, blocks[0], post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied), tuple(blocks[1:]),
+                fed_beside(plan.spec), riders(plan.spec))
 
 
 def _own(section: Section, block: int) -> Section:
@@ -152,11 +163,13 @@ def _made(steps: tuple[Step, ...]) -> dict[str, TensorRef]:
 
 
 def _part(plan: Plan, name: str, section: Section, spec: Spec, following: Spec | None,
-          following_backward: tuple[Step, ...], tied: tuple[tuple[str, TensorRef], ...] = ()) -> Plan:
+          following_backward: tuple[Step, ...], riding: tuple[str, ...] = (),
+          tied: tuple[tuple[str, TensorRef], ...] = ()) -> Plan:
     """``section`` of ``plan`` (section ``name``'s steps, or one block's of them) as a plan of its own spec:
     the tensors it makes its activations, those it reads from the part before its inputs; its outputs'
     cotangents the gradients the part after it hands back (``following``, the spec of that part, whose
-    backward is ``following_backward``), its inputs' gradients those it makes (and a ``tied`` param's
+    backward is ``following_backward``; and those of the values ``riding`` to the last stage, made there),
+    its inputs' gradients those it makes (and a ``tied`` param's
     contribution to its gradient, the one this section makes)."""
     if name == "after":  # a param's value the plan moved before the block: the last stage moves it again
         section = replace(section, forward=carried_moves(plan) + section.forward)
@@ -173,7 +186,7 @@ def _part(plan: Plan, name: str, section: Section, spec: Spec, following: Spec |
     cotangents = [c for c in plan.cotangents if plan.primal(c.name) in outputs]
     if following is not None:  # the gradient of what this section hands on, made by the next one's backward
         after = _made(following_backward)
-        for out in sorted(outputs & _names(following.statements)):
+        for out in sorted(outputs & (_names(following.statements) | set(riding))):
             if plan.grad_name(out) not in after:
                 raise ShardcError(f"the plan takes no gradient of {out}, the block's input, since nothing before "
                                   "the block has one; a pipeline's layers need it (each feeds the one before)",
@@ -214,7 +227,8 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
     pre_params = tuple(i.name for i in ends.pre.tensors if i.role == "param")
     post_params = tuple(i.name for i in ends.post.tensors if i.role == "param")
     pre_in = [b.key for b in pre.forward.inputs if b.key not in pre_params]
-    post_in = [b.key for b in post.forward.inputs if b.key not in post_params and b.key != _block_output(ends)]
+    post_in = [b.key for b in post.forward.inputs if b.key not in post_params and b.key != _block_output(ends)
+               and b.key not in ends.riders]  # a rider comes with the block's output
     # an input without the batch dim (a position table, a bias) is every microbatch's: held whole, not cut
     (pre_data, pre_whole), (post_data, post_whole) = ((tuple(k for k in given if k in data_dims),
                                                        tuple(k for k in given if k not in data_dims))
@@ -230,6 +244,8 @@ def ends_source(ends: Ends, pre: Module, post: Module, data_dims: dict[str, int]
                        ("POST_WHOLE", post_whole, "so too, on the last stage"),
                        ("DATA_DIM", data_dims, "the microbatch dim of each"),
                        ("PRE_RESULT", ends.pre.spec.statements[-1].result.name, "stage 0's output"),
+                       ("RIDERS", ends.riders, "made on stage 0, read on the last: each sent with the activation, "
+                                               "laid end to end with it, and its gradient with the activation's"),
                        ("LOSS", ends.post.spec.statements[-1].result.name, "the loss (a mean over the tokens)"),
                        ("TIED", {p: c for p, c, _ in ends.tied},
                         "a param (or an input without the batch dim) held by both end stages: its contribution "

@@ -72,8 +72,9 @@ class PipelineLowered:
     ticks: TickTable | None = None  # the schedule's tick table: the cost's simulation at these sizes (run_ticks)
 
 
-def _block(plan: Plan) -> tuple[TensorRef, TensorRef]:
-    first = next((i.ref for i in plan.tensors if i.role == "input"), None)
+def _block(plan: Plan, fed: tuple[str, ...] = ()) -> tuple[TensorRef, TensorRef]:
+    """The block's input (the first input but those ``fed`` beside it: ``E`` beside ``X0``) and output."""
+    first = next((i.ref for i in plan.tensors if i.role == "input" and i.name not in fed), None)
     out = boundary_tensor(plan)
     if first is None or first.dims != out.dims or first.unreduced or out.unreduced:
         raise ShardcError(f"a pipelined block's output must be laid out as its input to repeat: "
@@ -130,15 +131,17 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                     layers: int, microbatches: int, reserved: frozenset[str] = frozenset(),
                     held: tuple[int, ...] | None = None,
                     blocks: tuple[int, ...] | None = None,
-                    ticks: TickTable | None = None) -> tuple[Module, str, int]:
+                    ticks: TickTable | None = None, fed: tuple[str, ...] = ()) -> tuple[Module, str, int]:
     """The stage module and the pipeline section's constants for ``plan`` pipelined on ``mesh``
     (``sizes`` are the whole batch's; ``blocks``: each ``layers`` block's layers, the first's ``plan``'s;
-    ``ticks``: the schedule's tick table, by default :func:`run_ticks`'s for ``plan``), and the batch size."""
+    ``ticks``: the schedule's tick table, by default :func:`run_ticks`'s for ``plan``; ``fed``: the values
+    made before the block that it reads beside its input, :func:`shardc.pipeline.boundary.fed_beside`), and
+    the batch size."""
     pipe = pipeline_of(plan.spec)
     assert pipe is not None
     stages = dict(mesh)[pipe.axis]
     held, chunks = _stage_layers(pipe, stages, layers, held), _chunks(pipe)
-    first, out = _block(plan)
+    first, out = _block(plan, fed)
     dim = microbatch_dim(plan)
     ticks = ticks or run_ticks(plan, mesh, sizes, layers, microbatches, held, blocks or ())
     stage_plan = replace(plan, spec=stage_spec(plan.spec))
@@ -153,7 +156,7 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
     w_table = ticks.table("W") if pipe.schedule.name in SPLIT_SCHEDULES else None
     if w_table is not None:  # B and W apart: the block's backward cut in two
         head += split_source(backward_program(split.each), module.backward, module.grads[first.name],
-                             frozenset(module.cotangents))
+                             frozenset(module.cotangents), beside=tuple(module.grads[n] for n in fed))
     params = [i.name for i in plan.tensors if i.role == "param"]
     f_table, b_table = ticks.table("F"), ticks.table("B")
     text = _HEAD.format(schedule=pipe.schedule.name, axis=pipe.axis)
@@ -164,6 +167,8 @@ def pipeline_source(plan: Plan, mesh: tuple[tuple[str, int], ...], sizes: dict[s
                        ("RUN_SIZES", dict(sizes), "the whole batch's dims this run was written for: the tick "
                                                    "tables are the cost's simulation at them"),
                        ("BLOCK_INPUT", first.name, "what a stage receives"), ("BLOCK_OUTPUT", out.name, "and sends"),
+                       ("FED", fed, "made before the block, read beside BLOCK_INPUT: the first layer reads stage "
+                                    "0's, each later one its input, which the layer's output feeds both"),
                        ("PARAMS", tuple(params), "each passed stacked: [BLOCK_LAYERS[0], ...]"),
                        ("PIPE_MESH_AXES", dict(mesh), ""),
                        ("CHUNKS", chunks, "model chunks a device holds (the interleaved order's virtual stages)"),
@@ -271,7 +276,7 @@ def _ends_text(ends: Ends, mesh: tuple[tuple[str, int], ...], block: Module,
     if pipe.schedule.name in SPLIT_SCHEDULES:  # the head's backward in two, as the block's (before it: all W)
         post, out = modules[1], boundary_tensor(ends.blocks[-1]).name
         reduce = split_source(backward_program(splits[1].each), post.backward, post.grads[out],
-                              frozenset(post.cotangents), "POST")
+                              frozenset(post.cotangents), "POST", tuple(post.grads[n] for n in ends.riders))
     data = {b.key: b.ref.indices.index(dim) for m in modules for b in m.forward.inputs if dim in b.ref.indices}
     variables = modules[0].variables | modules[1].variables
     for split, prefix in zip(splits, ("PRE_", "POST_"), strict=True):
@@ -304,7 +309,7 @@ def lower_pipeline(plan: Plan, sizes: dict[str, int] | None = None, layers: int 
     reserved: frozenset[str] = frozenset()
     while True:  # no tensor's variable takes a global of the module: written again if one did
         module, source, batch = pipeline_source(ends.block if ends else plan, mesh, full, layers, microbatches,
-                                                reserved, split, counts, ticks)
+                                                reserved, split, counts, ticks, ends.fed if ends else ())
         variables = module.variables
         source += _zigzag_section(plan, mesh)  # before the ends' text, which builds the pipeline from the tables
         if ends is not None and ends.more:  # each later block's layer, its functions prefixed B2_, B3_, ...

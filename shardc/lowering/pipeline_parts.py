@@ -80,23 +80,34 @@ class Part:
         saved = dict(zip(self.forward_out, self.forward_local(*args), strict=True))
         return saved[self.result], (pool, saved)
 
-    def _values(self, residuals: tuple[Arrays, Arrays], d_out: Any) -> Arrays:
-        """What a backward reads: the forward's inputs and saved values, and the result's cotangent."""
+    def _values(self, residuals: tuple[Arrays, Arrays], d_out: Any, more: Arrays | None = None) -> Arrays:
+        """What a backward reads: the forward's inputs and saved values, the result's cotangent, and the other
+        outputs' (``more``, keyed by output: a value fed beside the block's input; zeros where not given)."""
         pool, saved = residuals
-        cot = {n: d_out if o == self.result else jnp.zeros_like(saved[o]) for n, o in self.cotangents.items()}
-        return {**pool, **saved, **cot}
+        given = more or {}
 
-    def backward(self, residuals: tuple[Arrays, Arrays], d_out: Any) -> Arrays:
-        """Each input's gradient (keyed by the input) for the result's cotangent ``d_out``; a dropout's
-        keep-mask is a saved forward value, so no key is needed."""
-        got = _call(self.backward_local, self.backward_in, self.backward_out, self._values(residuals, d_out))
+        def of(o: str) -> Any:  # the result may be given too: a value riding to the last stage, read there
+            parts = [v for v in (d_out if o == self.result else None, given.get(o)) if v is not None]
+            return sum(parts[1:], parts[0]) if parts else jnp.zeros_like(saved[o])
+        return {**pool, **saved, **{n: of(o) for n, o in self.cotangents.items()}}
+
+    def backward(self, residuals: tuple[Arrays, Arrays], d_out: Any, more: Arrays | None = None) -> Arrays:
+        """Each input's gradient (keyed by the input) for the result's cotangent ``d_out`` (and other outputs'
+        ``more``); a dropout's keep-mask is a saved forward value, so no key is needed."""
+        got = _call(self.backward_local, self.backward_in, self.backward_out, self._values(residuals, d_out, more))
         return {k: got[g] for k, g in self.grads.items()}
 
     def backward_input(self, residuals: tuple[Arrays, Arrays], d_out: Any, name: str) -> tuple[Any, Arrays]:
         """B: input ``name``'s gradient, and what W reads of B's values (keyed as W reads them)."""
+        grads, handed = self.backward_inputs(residuals, d_out, (name,))
+        return grads[name], handed
+
+    def backward_inputs(self, residuals: tuple[Arrays, Arrays], d_out: Any,
+                        names: tuple[str, ...]) -> tuple[Arrays, Arrays]:
+        """B: the gradients of inputs ``names`` (keyed by input), and what W reads of B's values."""
         assert self.input_backward is not None and self.weight_backward is not None
         got = _call(*self.input_backward, self._values(residuals, d_out))
-        return got[self.grads[name]], {k: got[k] for k in self.weight_backward[1] if k in got}
+        return {n: got[self.grads[n]] for n in names}, {k: got[k] for k in self.weight_backward[1] if k in got}
 
     def backward_weight(self, residuals: tuple[Arrays, Arrays], handed: Arrays) -> Arrays:
         """W: every other input's gradient (keyed by the input), from the forward's saved values and what B
@@ -145,16 +156,20 @@ class Ends(Protocol):
 
     def result_specs(self, axis: str) -> Any: ...
 
-    def first(self, args: Arrays, j: Any) -> Any: ...  # stage 0's block input for microbatch j
+    # stage 0's block input for microbatch j, and the values made beside it that the first layer reads (FED)
+    def first(self, args: Arrays, j: Any) -> tuple[Any, Arrays]: ...
 
     # ``slots``: the counts of the rings of what the ends keep for their W (pipeline_slots.Rings' post and pre)
     def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any: ...
 
-    # ``slot``: microbatch j's slot of the post ring on this device (last), of the pre ring (first_back)
+    # ``slot``: microbatch j's slot of the post ring on this device (last), of the pre ring (first_back);
+    # ``riding``: the values made before the block that ride to the last stage (RIDERS); returns the block
+    # output's gradient, the riders', and the accumulator
     def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool,
-             slot: Any) -> tuple[Any, Any]: ...
+             slot: Any, riding: Arrays) -> tuple[Any, Arrays, Any]: ...
 
-    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any) -> Any: ...
+    # ``beside``: the first layer's gradients of the values fed beside the block input (keyed by value)
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any, beside: Arrays) -> Any: ...
 
     # the zero-bubble schedules' W tick of microbatch j: the weight gradients of the ends, where ``first``
     # (the first virtual stage's W) or ``last`` (the last's) runs there; ``slots``: j's slots of the two rings
@@ -201,19 +216,19 @@ class BlockEnds:
     def result_specs(self, axis: str) -> Any:
         return (P(axis, None, *self.output_spec), P(axis, None, *self.input_spec))
 
-    def first(self, args: Arrays, j: Any) -> Any:
-        return args[self.block_input][j]
+    def first(self, args: Arrays, j: Any) -> tuple[Any, Arrays]:
+        return args[self.block_input][j], {}
 
     def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any:
         zeros = jnp.zeros_like(args[self.block_input])
         return zeros, zeros
 
     def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool,
-             slot: Any) -> tuple[Any, Any]:
+             slot: Any, riding: Arrays) -> tuple[Any, Arrays, Any]:
         outs, dxs = acc
-        return args["cotangent"][j], (jnp.where(done, outs.at[j].set(y), outs), dxs)
+        return args["cotangent"][j], {}, (jnp.where(done, outs.at[j].set(y), outs), dxs)
 
-    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any) -> Any:
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any, beside: Arrays) -> Any:
         outs, dxs = acc
         return outs, jnp.where(done, dxs.at[j].set(dx), dxs)
 
@@ -274,6 +289,10 @@ class ModelEnds:
     # microbatch, so held whole by the stage that runs the end, as its params are (one in both: by both)
     pre_whole: tuple[str, ...] = ()
     post_whole: tuple[str, ...] = ()
+    # the values ``pre`` makes beside its result that the block's first layer reads (E beside X0: FED), and
+    # those ``post`` reads, which ride with the activation to the last stage (RIDERS)
+    fed: tuple[str, ...] = ()
+    riders: tuple[str, ...] = ()
 
     def inputs(self) -> tuple[str, ...]:
         """Each argument once: one both ends read (a tied param, a position table) is passed once, on both."""
@@ -329,12 +348,13 @@ class ModelEnds:
     def _pre_pool(self, args: Arrays, j: Any) -> Arrays:
         return {k: args[k][j] if k in self.pre_data else args[k] for k in self.pre.forward_in}
 
-    def _post_pool(self, args: Arrays, y: Any, j: Any) -> Arrays:
-        return {k: y if k == self.block_output else args[k][j] if k in self.post_data else args[k]
-                for k in self.post.forward_in}
+    def _post_pool(self, args: Arrays, y: Any, j: Any, riding: Arrays) -> Arrays:
+        return {k: y if k == self.block_output else riding[k] if k in riding else args[k][j] if k in self.post_data
+                else args[k] for k in self.post.forward_in}
 
-    def first(self, args: Arrays, j: Any) -> Any:
-        return self.pre.forward(self._pre_pool(args, j), self._drawn(args, j))[0]
+    def first(self, args: Arrays, j: Any) -> tuple[Any, Arrays]:
+        x, (_, saved) = self.pre.forward(self._pre_pool(args, j), self._drawn(args, j))
+        return x, {n: saved[n] for n in dict.fromkeys(self.fed + self.riders)}
 
     def start(self, args: Arrays, x: Any, slots: tuple[int, int]) -> Any:
         """No losses yet, and zeros of each end param's gradient as its backward hands it on (a partial
@@ -346,25 +366,28 @@ class ModelEnds:
         losses = jnp.zeros((args[self.inputs()[0]].shape[0],), x.dtype)
         pre = jax.eval_shape(lambda d: self.pre.backward(self.pre.forward(self._pre_pool(args, 0),
                                                                           self._drawn(args, 0))[1], d), x)
-        post = jax.eval_shape(lambda y: self.post.backward(self.post.forward(self._post_pool(args, y, 0),
-                                                                             self._drawn(args, 0))[1],
-                                                           args["cotangent"]), x)
+        made = jax.eval_shape(self.first, args, 0)[1]  # the values fed beside x, those riding with it
+        post = jax.eval_shape(lambda y, r: self.post.backward(self.post.forward(self._post_pool(args, y, 0, r),
+                                                                                self._drawn(args, 0))[1],
+                                                              args["cotangent"]), x, made)
         shapes = {k: pre[k] for k in self.summed(False)} | {self._key(k): post[k] for k in self.summed(True)}
         dends = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
         if not self.split:
             return losses, dends
-        kept = jax.eval_shape(lambda y: self._post_input_backward(args, y, 0)[2], x)
+        kept = jax.eval_shape(lambda y, r: self._post_input_backward(args, y, 0, r)[3], x, made)
         kept = jax.tree.map(lambda a: jnp.zeros((slots[0], *a.shape), a.dtype), kept)
-        return losses, dends, {"dx": jnp.zeros((slots[1], *x.shape), x.dtype), "post": kept}
+        ring = {n: jnp.zeros((slots[1], *a.shape), a.dtype) for n, a in {"dx": x, **made}.items()}
+        return losses, dends, {"dx": ring, "post": kept}
 
-    def _post_input_backward(self, args: Arrays, y: Any, j: Any) -> tuple[Any, Any, Arrays]:
-        """The loss, the block output's gradient (post's B) and what post's W reads that this microbatch
-        made (the forward's saved values, B's handed ones; the params W reads are the arguments)."""
-        loss, (pool, saved) = self.post.forward(self._post_pool(args, y, j), self._drawn(args, j))
-        dy, handed = self.post.backward_input((pool, saved), args["cotangent"], self.block_output)
+    def _post_input_backward(self, args: Arrays, y: Any, j: Any, riding: Arrays) -> tuple[Any, Any, Arrays, Arrays]:
+        """The loss, the block output's gradient (post's B), the riders', and what post's W reads that this
+        microbatch made (the forward's saved values, B's handed ones; the params W reads are the arguments)."""
+        loss, (pool, saved) = self.post.forward(self._post_pool(args, y, j, riding), self._drawn(args, j))
+        got, handed = self.post.backward_inputs((pool, saved), args["cotangent"], (self.block_output, *self.riders))
         assert self.post.weight_backward is not None
         values = {**pool, **saved, **handed}
-        return loss, dy, {k: values[k] for k in self.post.weight_backward[1] if k not in self.post_params}
+        kept = {k: values[k] for k in self.post.weight_backward[1] if k not in self.post_params}
+        return loss, got.pop(self.block_output), got, kept
 
     def _add(self, dends: Arrays, got: Arrays, post: bool, done: Any) -> Arrays:
         """The ends' gradient sums with ``got`` (keyed by param) of the params before the block (after it,
@@ -373,32 +396,35 @@ class ModelEnds:
         return {k: jnp.where(done, g + got[keys[k]], g) if k in keys else g for k, g in dends.items()}
 
     def last(self, args: Arrays, y: Any, j: Any, done: Any, acc: Any, backward: bool,
-             slot: Any) -> tuple[Any, Any]:
+             slot: Any, riding: Arrays) -> tuple[Any, Arrays, Any]:
         losses, dends, *kept = acc
         if backward and self.split:  # B now; W at the last virtual stage's W tick of microbatch j
-            loss, dy, made = self._post_input_backward(args, y, j)
+            loss, dy, d_riding, made = self._post_input_backward(args, y, j, riding)
             post = jax.tree.map(lambda buf, v: jnp.where(done, buf.at[slot].set(v), buf), kept[0]["post"], made)
             kept = [{**kept[0], "post": post}]
         else:
-            loss, residuals = self.post.forward(self._post_pool(args, y, j), self._drawn(args, j))
-            dy = jnp.zeros_like(y)
+            loss, residuals = self.post.forward(self._post_pool(args, y, j, riding), self._drawn(args, j))
+            dy, d_riding = jnp.zeros_like(y), {n: jnp.zeros_like(v) for n, v in riding.items()}
             if backward:
                 got = self.post.backward(residuals, args["cotangent"])
                 dends, dy = self._add(dends, got, True, done), got[self.block_output]
+                d_riding = {n: got[n] for n in riding}
         losses = jnp.where(done, losses.at[j].set(loss), losses)
-        return dy, (losses, dends, *kept)
+        return dy, d_riding, (losses, dends, *kept)
 
-    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any) -> Any:
+    def first_back(self, args: Arrays, dx: Any, j: Any, done: Any, acc: Any, slot: Any, beside: Arrays) -> Any:
         losses, dends, *kept = acc
         if self.split:  # no B: nothing waits for the gradient of the inputs before the block; all is W
-            dxs = kept[0]["dx"]
-            return losses, dends, {**kept[0], "dx": jnp.where(done, dxs.at[slot].set(dx), dxs)}
-        return losses, self._pre_backward(args, dx, j, done, dends)
+            given = {"dx": dx, **beside}
+            rings = {n: jnp.where(done, buf.at[slot].set(given[n]), buf) for n, buf in kept[0]["dx"].items()}
+            return losses, dends, {**kept[0], "dx": rings}
+        return losses, self._pre_backward(args, dx, j, done, dends, beside)
 
-    def _pre_backward(self, args: Arrays, dx: Any, j: Any, done: Any, dends: Arrays) -> Arrays:
+    def _pre_backward(self, args: Arrays, dx: Any, j: Any, done: Any, dends: Arrays, beside: Arrays) -> Arrays:
         """The backward before the block on microbatch j (its forward runs again for its residuals: a
-        cheap lookup), added to the ends' gradient sums where ``done``."""
-        got = self.pre.backward(self.pre.forward(self._pre_pool(args, j), self._drawn(args, j))[1], dx)
+        cheap lookup), from the block input's gradient ``dx`` and the first layer's of the values fed beside
+        it (``beside``), added to the ends' gradient sums where ``done``."""
+        got = self.pre.backward(self.pre.forward(self._pre_pool(args, j), self._drawn(args, j))[1], dx, beside)
         return self._add(dends, got, False, done)
 
     def weight(self, args: Arrays, j: Any, first: Any, last: Any, acc: Any, slots: tuple[Any, Any]) -> Any:
@@ -407,7 +433,8 @@ class ModelEnds:
         if not self.split:
             return acc
         losses, dends, kept = acc
-        dends = self._pre_backward(args, kept["dx"][slots[1]], j, first, dends)
+        given = {n: buf[slots[1]] for n, buf in kept["dx"].items()}
+        dends = self._pre_backward(args, given.pop("dx"), j, first, dends, given)
         params = {k: args[k] for k in self.post.forward_in if k in self.post_params}
         got = self.post.backward_weight((params, {}), jax.tree.map(lambda buf: buf[slots[0]], kept["post"]))
         return losses, self._add(dends, got, True, last), kept

@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardc.lowering.pipeline_bodies import Body, BodyTables, body_tables, switch, unpacked
+from shardc.lowering.pipeline_carried import Carried, fed_values, input_grad
 from shardc.lowering.pipeline_keep import FlatRing, TreeRing
 from shardc.lowering.pipeline_params import Flat, Slots, Stacked
 from shardc.lowering.pipeline_parts import Arrays, Ends, Part, Table, forward_only
@@ -101,6 +102,13 @@ class Pipeline:
     # (the first's the block above); a slot runs its layer's block's body (shardc.lowering.pipeline_bodies)
     more: tuple[Body, ...] = ()
     block_layers: tuple[int, ...] | None = None
+    # values made before the block that its layers read beside the input (E beside X0), fed by the layer's
+    # output as the input is: the model's first layer reads stage 0's (the ends' ``first``), a later one its
+    # input, so nothing more is sent (shardc.pipeline.boundary.fed_beside)
+    fed: tuple[str, ...] = ()
+    # values made before the block that the statements after it read: each rides with the activation every
+    # stage hands on, and its gradient back with the activation's (shardc.lowering.pipeline_carried)
+    riders: tuple[str, ...] = ()
     _programs: dict[bool, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -170,7 +178,7 @@ class Pipeline:
         layer: every stage holds it whole, laid out over the other axes as the block's forward reads it
         (as Megatron-DeepSpeed's stages each build BLOOM's ALiBi tensor), passed after the params."""
         return {k: b.part.forward_in[k] for b in self.bodies for k in b.part.forward_in
-                if k != b.input and k not in b.params}
+                if k != b.input and k not in b.params and k not in self.fed}
 
     def _layer(self, params: tuple[Any, ...], b: int, chunk: Any, virtual: Any, k: int) -> Arrays:
         """What slot k's layer reads beside its input: its params (``params``: the holding's, then the
@@ -186,15 +194,17 @@ class Pipeline:
         return layer_key(key, number, self.layers, jnp), jnp.asarray(j, jnp.int32)
 
     def _stage_fwd(self, x: Any, params: tuple[Any, ...], key: Any, virtual: Any, chunk: Any,
-                   j: Any) -> tuple[Any, list[Any]]:
+                   j: Any, beside: Arrays | None = None, start: Any = False) -> tuple[Any, list[Any]]:
         """The stage's layers forward on ``x``: the output, and each layer's saved values but its params
-        (the backward reads those from the params, once a layer, not a copy a microbatch), keyed by block."""
+        (the backward reads those from the params, once a layer, not a copy a microbatch), keyed by block.
+        ``beside``: the values fed beside the input that the model's first layer reads, where ``start``."""
         kept, held = [], jnp.asarray(self.held)[virtual]
         for k in range(self.slots):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(given: Any) -> Any:
                     body = self.bodies[b]
-                    pool = {body.input: given, **self._layer(params, b, chunk, virtual, k)}
+                    pool = {body.input: given, **fed_values(self.fed if b == 0 else (), k, given, beside, start),
+                            **self._layer(params, b, chunk, virtual, k)}
                     y, (used, saved) = body.part.forward(pool, self.layer_key(key, virtual, k, j))
                     reads = body.part.backward_reads
                     mine = {n: v for n, v in used.items() if n in reads and n not in body.params
@@ -219,34 +229,41 @@ class Pipeline:
     def _grads_of(self, b: int, got: Arrays) -> Arrays:
         return {p: got[p] for p in self.bodies[b].params}
 
-    def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Any]]:
+    def _stage_bwd(self, kept: list[Any], g: Any, virtual: Any, start: Any = False) -> tuple[Any, list[Any], Arrays]:
         """The stage's layers backward, last to first: the input's gradient, each slot's params' gradients
-        (keyed by block)."""
+        (keyed by block), and the model's first layer's of the values fed beside its input, where ``start``."""
         grads: list[Any] = [{}] * len(kept)
         held = jnp.asarray(self.held)[virtual]
+        beside: Arrays = {}
         for k in reversed(range(len(kept))):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(d_out: Any) -> Any:
                     got = self.bodies[b].part.backward(kept[k](b), d_out)
-                    return got[self.bodies[b].input], {b: self._grads_of(b, got)}
+                    dx = input_grad(got, self.bodies[b].input, self.fed, b == 0, k, start)
+                    return dx, {b: self._grads_of(b, got)}
                 return go
-            dx, grads[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
+            (dx, beside), grads[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
-        return g, grads
+        return g, grads, beside
 
-    def _stage_input_bwd(self, kept: list[Any], g: Any, virtual: Any) -> tuple[Any, list[Any]]:
-        """B of the stage's layers, last to first: the input's gradient, and what each layer's W reads."""
+    def _stage_input_bwd(self, kept: list[Any], g: Any, virtual: Any,
+                         start: Any = False) -> tuple[Any, list[Any], Arrays]:
+        """B of the stage's layers, last to first: the input's gradient, what each layer's W reads, and the
+        model's first layer's gradients of the values fed beside its input, where ``start``."""
         handed: list[Any] = [{}] * len(kept)
         held = jnp.asarray(self.held)[virtual]
+        beside: Arrays = {}
         for k in reversed(range(len(kept))):
             def run(b: int, k: int = k) -> Callable[[Any], Any]:
                 def go(d_out: Any) -> Any:
-                    dx, made = self.bodies[b].part.backward_input(kept[k](b), d_out, self.bodies[b].input)
-                    return dx, {b: made}
+                    body = self.bodies[b]
+                    names = (body.input, *(self.fed if b == 0 else ()))
+                    got, made = body.part.backward_inputs(kept[k](b), d_out, names)
+                    return input_grad(got, self.bodies[b].input, self.fed, b == 0, k, start), {b: made}
                 return go
-            dx, handed[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
+            (dx, beside), handed[k] = switch(self.tables, k, virtual, run, g, pack=len(self.bodies) > 1)
             g = dx if k < min(self.held) else jnp.where(k < held, dx, g)
-        return g, handed
+        return g, handed, beside
 
     def _stage_weight_bwd(self, kept: list[Any], handed: list[Any], virtual: Any) -> list[Any]:
         """W of the stage's layers: their params' gradients from the saved values and what B handed on."""
@@ -270,7 +287,8 @@ class Pipeline:
         table = self.forward_ticks if backward else forward_only(self.forward_ticks)
         ftab, btab = jnp.asarray(table), jnp.asarray(self.backward_ticks)
         m = self.microbatches
-        x = jax.eval_shape(self.ends.first, pool, 0)
+        x, made = jax.eval_shape(self.ends.first, pool, 0)
+        sends = Carried.of(x, made, self.riders)  # what a stage sends: the activation, the riders with it
         shapes = jax.eval_shape(self._stage_fwd, x, params, key, stage, 0, 0)[1]
         # each buffer a ring of the values in flight at once, a chunk x M + microbatch entry at its slot
         rings = self.rings
@@ -278,11 +296,11 @@ class Pipeline:
                                                                           rings.cots, rings.post, rings.pre))
         keep = self._keep(shapes)
         kept = keep.empty()
-        acts, cots = (jnp.zeros((r.count,) + x.shape, x.dtype) for r in (rings.acts, rings.cots))
+        acts, cots = (jnp.zeros((r.count,) + sends.sent, x.dtype) for r in (rings.acts, rings.cots))
         split = backward and self.weight_ticks is not None
         wtab = jnp.asarray(self.weight_ticks if self.weight_ticks is not None else ())
         first = self._saved(keep.read(kept, stage, 0, 0), params, 0, stage)  # a slot's values, their shapes
-        handed = _buffers(jax.eval_shape(lambda g: self._stage_input_bwd(first, g, stage), acts[0])[1],
+        handed = _buffers(jax.eval_shape(lambda g: self._stage_input_bwd(first, g, stage), x)[1],
                           rings.handed.count) if split else ()  # B's values W reads
         place = self.placement
         virtual = place.table()  # [chunk, stage]
@@ -304,9 +322,13 @@ class Pipeline:
             c, j = e // m, e % m
             u = virtual[c, stage]
             start = place.starts(u)  # the first virtual stage reads the ends' input
-            y, res = self._stage_fwd(jnp.where(start, self.ends.first(pool, j), acts[xs[e]]), params, key, u, c, j)
+            given, beside = self.ends.first(pool, j)  # and the values fed beside it, which the first layer reads
+            got, riding = sends.unpack(acts[xs[e]])
+            riding = {n: jnp.where(start, beside[n], v) for n, v in riding.items()}  # made here, or received
+            y, res = self._stage_fwd(jnp.where(start, given, got), params, key, u, c, j, beside, start)
             end = (ef >= 0) & place.ends(u)  # the last virtual stage hands on to the ends
-            cot, acc = self.ends.last(pool, y, j, end, acc, backward, ps[e])
+            cot, d_riding, acc = self.ends.last(pool, y, j, end, acc, backward, ps[e], riding)
+            cot = sends.pack(cot, d_riding)
             # paired, F's writes wait for the next tick (none reads them before): B reading the rings F had
             # written kept the old and the new, XLA copying a whole ring a tick (DeepSeek-V3's run: 11.9 MB)
             if paired:
@@ -314,7 +336,7 @@ class Pipeline:
             else:
                 kept, cots = write(kept, cots, res, c, u, e, ef >= 0, end, cot)
             # Every tick sends (SPMD: one program); a receiver keeps what the table says was sent.
-            acts = place.hand_on(self.axis, acts, y, ftab[t], stage, m, 1, xs)
+            acts = place.hand_on(self.axis, acts, sends.pack(y, riding), ftab[t], stage, m, 1, xs)
             if not backward:
                 return kept, handed, acts, cots, acc, dparams, pending
             eb = btab[t, stage]
@@ -322,13 +344,16 @@ class Pipeline:
             c, j = e // m, e % m
             u = virtual[c, stage]
             mine = self._saved(keep.read(kept, stage, c, ks[e]), params, c, u)
+            g, d_riding = sends.unpack(cots[gs[e]])
             if split:  # B now, W at its own tick (of this or an earlier microbatch's B, or after its B in this one)
-                dx, made = self._stage_input_bwd(mine, cots[gs[e]], u)
+                dx, made, beside = self._stage_input_bwd(mine, g, u, place.starts(u))
                 handed = jax.tree.map(lambda buf, h: jnp.where(eb >= 0, buf.at[hs[e]].set(h), buf), handed, made)
             else:
-                dx, dw = self._stage_bwd(mine, cots[gs[e]], u)
+                dx, dw, beside = self._stage_bwd(mine, g, u, place.starts(u))
                 dparams = self.holding.accumulate(dparams, dw, eb >= 0, c, u)
-            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc, qs[e])  # before W, which reads it
+            beside = {n: beside.get(n, 0) + d_riding.get(n, 0) for n in {**beside, **d_riding}}  # fed, and riding
+            acc = self.ends.first_back(pool, dx, j, (eb >= 0) & place.starts(u), acc, qs[e],
+                                       beside)  # before W, which reads it
             if split:
                 ew = wtab[t, stage]
                 w = jnp.maximum(ew, 0)
@@ -338,14 +363,14 @@ class Pipeline:
                 dparams = self.holding.accumulate(dparams, dw, ew >= 0, w // m, uw)
                 acc = self.ends.weight(pool, w % m, (ew >= 0) & place.starts(uw), (ew >= 0) & place.ends(uw), acc,
                                        (ps[w], qs[w]))
-            cots = place.hand_on(self.axis, cots, dx, btab[t], stage, m, -1, gs)
+            cots = place.hand_on(self.axis, cots, sends.pack(dx, d_riding), btab[t], stage, m, -1, gs)
             return kept, handed, acts, cots, acc, dparams, pending
 
         # each layer's params' gradients as its backward hands them on: partial sums where they reduce once a step
         grads = jax.eval_shape(lambda d: self._stage_bwd(first, d, stage), x)[1]
         none = jnp.zeros((), ftab.dtype)  # paired, the writes of an F before the first: none
         pending = (jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), none, virtual[0, stage], none,
-                   *jnp.zeros(2, bool), jnp.zeros(x.shape, x.dtype)) if paired else ()
+                   *jnp.zeros(2, bool), jnp.zeros(sends.sent, x.dtype)) if paired else ()
         init = (kept, handed, acts, cots, self.ends.start(pool, x, (rings.post.count, rings.pre.count)),
                 self.holding.zeros(grads), pending)
         acc, dparams = jax.lax.fori_loop(0, len(table), tick, init)[4:6]

@@ -40,14 +40,17 @@ __all__ = ["split_backward", "split_source"]
 
 
 def split_backward(steps: tuple[Step, ...], backward: Phase, input_grad: str,
-                   cotangents: frozenset[str]) -> tuple[Phase, Phase]:
+                   cotangents: frozenset[str], beside: tuple[str, ...] = ()) -> tuple[Phase, Phase]:
     """``backward`` (the phase :mod:`shardc.lowering.codegen` wrote from ``steps``; ``cotangents``: its
-    inputs' keys that are cotangents) as B, which makes the gradient ``input_grad`` and hands W what it
-    reads, and W, which makes every other gradient."""
+    inputs' keys that are cotangents) as B, which makes the gradient ``input_grad`` (and ``beside``: those of
+    the values fed beside the block's input, which the stage before's B reads too,
+    :func:`shardc.pipeline.boundary.fed_beside`) and hands W what it reads, and W, which makes every other
+    gradient."""
     if len(steps) != len(backward.body):
         raise InternalError("the backward phase does not have one line a step", fix="this is a shardc bug")
     (target,) = [b for b in backward.outputs if b.key == input_grad]
-    in_b = needed(steps, [target.ref])
+    also = tuple(b for b in backward.outputs if b.key in beside)
+    in_b = needed(steps, [target.ref, *(b.ref for b in also)])
     made_by_b = {value_key(steps[k].dst) for k in in_b}
     boundary = {b.ref: b for b in backward.inputs}
     for k, step in enumerate(steps):  # a line is `var = ...  # ...`: the variable it binds
@@ -55,7 +58,7 @@ def split_backward(steps: tuple[Step, ...], backward: Phase, input_grad: str,
         boundary.setdefault(value_key(step.dst), Boundary(var, var, value_key(step.dst)))
     w_lines = [k for k in range(len(steps)) if k not in in_b]
     w_made = {value_key(steps[k].dst) for k in w_lines}
-    outputs = tuple(b for b in backward.outputs if b.key != input_grad)
+    outputs = tuple(b for b in backward.outputs if b.key != input_grad and b.key not in beside)
     w_reads = [r for k in w_lines for r in step_reads(steps[k])] + [b.ref for b in outputs]
     w_external = [boundary[r] for r in dict.fromkeys(w_reads) if r not in w_made]
     # what B hands W: the values B made that W reads, and the cotangents W reads (passed on by B)
@@ -63,19 +66,19 @@ def split_backward(steps: tuple[Step, ...], backward: Phase, input_grad: str,
     saved = tuple(b for b in w_external if b not in handed)
     b_reads = {r for k in in_b for r in step_reads(steps[k])} | {b.ref for b in handed}
     b_inputs = tuple(b for b in backward.inputs if b.ref in b_reads)
-    b_out = (target,) + tuple(b for b in handed if b.key != target.key)
+    b_out = (target, *also) + tuple(b for b in handed if b.key != target.key and b not in also)
     b = Phase("input_backward", b_inputs, b_out, tuple(backward.body[k] for k in sorted(in_b)))
     w = Phase("weight_backward", saved + handed, outputs, tuple(backward.body[k] for k in w_lines))
     return b, w
 
 
 def split_source(steps: tuple[Step, ...], backward: Phase, input_grad: str, cotangents: frozenset[str],
-                 prefix: str = "") -> str:
+                 prefix: str = "", beside: tuple[str, ...] = ()) -> str:
     """B's and W's functions (``input_backward_local``, ``weight_backward_local``) and their tables
     (``INPUT_BACKWARD_IN``, ``..._OUT``, ``WEIGHT_BACKWARD_IN``, ``..._OUT``), as module text; an end's
     ``prefix``ed (``post_input_backward_local``, ``POST_INPUT_BACKWARD_IN``)."""
     text = ""
-    for phase in split_backward(steps, backward, input_grad, cotangents):
+    for phase in split_backward(steps, backward, input_grad, cotangents, beside):
         if prefix:
             phase = replace(phase, name=f"{prefix.lower()}_{phase.name}")
         name = phase.name.upper()

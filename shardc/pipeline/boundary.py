@@ -11,11 +11,12 @@ import math
 from shardc.errors import ShardcError
 from shardc.ir.plan import Op, Plan, Step, TensorInfo, model_dims
 from shardc.ir.spec import Spec, Statement, TensorRef
-from shardc.spec.walk import leaves
+from shardc.spec.walk import block_feeds, fed_alike, leaves
 
 __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "boundary_of", "batch_axes", "splits", "send_bytes",
            "check_microbatches", "check_lowerable",
-           "shared_inputs", "gradient_reductions", "tied_contributions", "carried_moves"]
+           "shared_inputs", "fed_beside", "riders", "carried_refs", "check_riders", "gradient_reductions",
+           "tied_contributions", "carried_moves"]
 
 
 def _block_input(spec: Spec, tensors: tuple[TensorInfo, ...]) -> TensorRef | None:
@@ -30,7 +31,9 @@ def _block_input(spec: Spec, tensors: tuple[TensorInfo, ...]) -> TensorRef | Non
     made = {s.result.name for s in spec.statements[lo:hi]}
     kinds = {i.name: i.role for i in tensors}
     reads = [r for s in spec.statements[lo:hi] for r in leaves(s.expr) if r.name not in made]
-    return next((r for role in ("activation", "input") for r in reads if kinds.get(r.name) == role), None)
+    carried = spec.statements[lo - 1].result.name if lo else None  # PRE_RESULT, before any value fed beside it
+    return next((r for r in reads if r.name == carried), None) or next(
+        (r for role in ("activation", "input") for r in reads if kinds.get(r.name) == role), None)
 
 
 def microbatch_dim(plan: Plan) -> str:
@@ -156,6 +159,7 @@ def check_lowerable(plan: Plan) -> None:
     if spec.mesh.pipeline_axis is None:
         return
     _check_one_carried(spec, spec.mesh.pipeline_axis.name)
+    check_riders(spec)
     inputs = [i.name for i in plan.tensors if i.role == "input"]
     blocks = [(lo, hi) for lo, hi, _ in spec.blocks()] or [(0, len(spec.statements))]
     batch = microbatch_dim(plan)
@@ -190,28 +194,97 @@ def _check_end_data(plan: Plan, statement: Statement, batch: str, graded: set[st
                               fix=f"declare {ref.name} `const`: data such as a mask or token ids needs no gradient")
 
 
+def fed_beside(spec: Spec) -> tuple[str, ...]:
+    """The values made before the first ``layers`` block that it reads beside the one its stages hand on
+    (``E`` beside the carried ``X0``) and feeds from the same output (:func:`shardc.spec.walk.fed_alike`):
+    past the first layer each is the carried value, so no stage sends it; the first layer, on stage 0,
+    reads the one made before the block there (:attr:`shardc.lowering.pipeline_runtime.Pipeline.fed`)."""
+    blocks = spec.blocks()
+    if not blocks or blocks[0][0] == 0:
+        return ()
+    lo, hi, _ = blocks[0]
+    before = {s.result.name for s in spec.statements[:lo]}
+    return tuple(n for n in fed_alike(spec, spec.statements[lo:hi], spec.statements[lo - 1].result.name)
+                 if n in before)
+
+
+def riders(spec: Spec) -> tuple[str, ...]:
+    """The values made before the ``layers`` blocks that the statements after them read (an embedding's
+    output added to the head's input): made on stage 0 each microbatch and read on the last stage, each rides
+    with the activation every stage hands on (one send a hop, the two laid end to end), and its gradient with
+    the activation's back (:attr:`shardc.lowering.pipeline_runtime.Pipeline.riders`)."""
+    blocks = spec.blocks()
+    if not blocks or blocks[0][0] == 0:
+        return ()
+    lo, hi = blocks[0][0], blocks[-1][1]
+    made = [s.result.name for s in spec.statements[:lo]]
+    read = {r.name for s in spec.statements[hi:] for r in leaves(s.expr)}
+    return tuple(n for n in made if n in read)
+
+
+def carried_refs(plan: Plan) -> tuple[TensorRef, ...]:
+    """What one send between stages carries, each a microbatch's shard: the activation the stages hand on
+    (:func:`boundary_tensor`) and the values riding with it (:func:`riders`), in the boundary's type; the cost
+    charges their elements together (``p2p_bytes``), the lowered program sends them as one array."""
+    ride = set(riders(plan.spec))
+    return (boundary_tensor(plan), *(i.ref for i in plan.tensors if i.name in ride))
+
+
+def check_riders(spec: Spec) -> None:
+    """A value riding to the last stage (:func:`riders`) that the block reads too (the carried ``X0``, or ``E``
+    fed beside it) gets its gradient in two contributions, the block's and the head's, which the plan sums
+    before the block in one step: the stages hand back one gradient of each value, so it is refused at its
+    read after the block."""
+    blocks = spec.blocks()
+    if not blocks or blocks[0][0] == 0:
+        return
+    lo, hi = blocks[0][0], blocks[-1][1]
+    inside = {r.name for s in spec.statements[lo:hi] for r in leaves(s.expr)}
+    for name in (n for n in riders(spec) if n in inside):
+        read = next(r for s in spec.statements[hi:] for r in leaves(s.expr) if r.name == name)
+        raise ShardcError(f"{name} is made before the pipelined block and read both in it and after it: its "
+                          "gradient is two contributions, the block's and the head's, which the lowered stages "
+                          "do not hand back apart", read.span,
+                          fix=f"read after the block a value made before it that the block does not read (make "
+                              f"{name}'s statement twice, one for the block and one for the head), or compute it "
+                              "after the block")
+
+
 def _check_one_carried(spec: Spec, axis: str) -> None:
     """A ``layers`` block reads one value made before it: the one its stages hand on (into the first block the
-    last statement's before it, ``PRE_RESULT``; into a later one the block before's output).  A second (``E``
-    beside the carried ``X0``) the spec feeds from the layer's output as it feeds the first
-    (:func:`shardc.spec.walk.block_feeds`): past the first layer it is the carried value, and ``shardc cost``
-    sends that one alone (:func:`send_bytes`), but the first layer reads the ``E`` made before the block, which
-    the lowered pipeline's first stage does not hand its block (its end makes one value and takes one value's
-    gradient back).  A later block's read of an earlier block's inner value is the
-    spec's own check's (:func:`shardc.spec.stages.check_pipeline`)."""
+    last statement's before it, ``PRE_RESULT``; into a later one the block before's output), and beside it
+    those the spec feeds from the same output (:func:`fed_beside`).  A value fed from another output (``E``
+    fed by ``G``, where ``X0`` is by ``X1``) is a second value each layer hands the next: a second send each
+    tick, which ``shardc cost`` does not charge (:func:`send_bytes`) and the lowered stages do not make.
+    A later block's read of an earlier block's inner value is the spec's own check's
+    (:func:`shardc.spec.stages.check_pipeline`)."""
     blocks = spec.blocks()
     first = blocks[0][0] if blocks else 0
     if first == 0:
         return
     before, carried = {s.result.name for s in spec.statements[:first]}, spec.statements[first - 1].result.name
+    reads = [r for s in spec.statements[first:blocks[0][1]] for r in leaves(s.expr)]
+    given = next((r for r in reads if r.name in before), None)
+    if given is not None and carried not in {r.name for r in reads}:  # stage 0 hands on the value made last
+        raise ShardcError(f"the statement just before the pipelined block makes {carried}, which the block does "
+                          f"not read: stage 0 hands the block the value made last before it", given.span,
+                          fix=f"make {carried} before {given.name}, so that {given.name} is made last before the "
+                              "block")
+    beside = set(fed_beside(spec))
+    feeds = {ref.name: out for ref, out in block_feeds(spec, spec.statements[first:blocks[0][1]])}
     for j, (lo, hi, _) in enumerate(blocks):
         for ref in (r for s in spec.statements[lo:hi] for r in leaves(s.expr)):
-            if ref.name in before and (j > 0 or ref.name != carried):
-                raise ShardcError(f"the pipelined block reads {ref.name}, made before the blocks; a stage receives "
-                                  f"one activation from the stage before: {carried} into the first block, each "
-                                  "block's output into the next", ref.span,
-                                  fix=f"compute {ref.name} inside the block from the value it receives (each layer "
-                                      f"its own), or drop the `pipeline` mark from {axis}")
+            if ref.name in before and (j > 0 or ref.name not in beside | {carried}):
+                fed, by = feeds.get(ref.name), feeds.get(carried)
+                why = (f"the block feeds it from {fed.name}, {carried} from {by.name}: two values each layer "
+                       "hands the next, where a stage sends one" if j == 0 and fed is not None and by is not None
+                       else "only the block's input reaches a later block")
+                raise ShardcError(f"the pipelined block reads {ref.name}, made before the blocks; {why}", ref.span,
+                                  fix=f"write {ref.name} with {carried}'s indices and sharding, so that the "
+                                      f"layer's output feeds both (the first layer reads the {ref.name} made "
+                                      f"before the block, each later one the layer's output), or compute "
+                                      f"{ref.name} inside the block from {carried}, or drop the `pipeline` mark "
+                                      f"from {axis}")
 
 
 def gradient_reductions(plan: Plan) -> frozenset[int]:

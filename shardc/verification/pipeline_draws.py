@@ -18,7 +18,7 @@ from shardc.lowering import reference as numpy_reference
 from shardc.lowering.api import drawn_in
 from shardc.lowering.pipeline_lowering import PipelineLowered
 from shardc.lowering.row_code import id_inputs
-from shardc.pipeline.boundary import microbatch_dim
+from shardc.pipeline.boundary import fed_beside, microbatch_dim, riders
 from shardc.spec.functions import ID_DTYPE, layer_key
 from shardc.spec.stages import stage_spec
 from shardc.spec.walk import domain_reads, leaves
@@ -86,11 +86,12 @@ def draw_inputs(lowered: PipelineLowered, seed: int, key: int, scales: dict[str,
     own = scales if scales is not None else {}
     if pre is not None:
         _rescale(pre, values, list(ns.PRE_FORWARD_IN), set(), sizes, own)
-    x = values[ns.BLOCK_INPUT] if pre is None else numpy_reference.forward(pre, values, key=key)[ns.PRE_RESULT]
-    x = _calibrate(lowered, values, x, key, own)
+    made = {ns.BLOCK_INPUT: values[ns.BLOCK_INPUT]} if pre is None else numpy_reference.forward(pre, values, key=key)
+    x = _calibrate(lowered, values, made[ns.BLOCK_INPUT if pre is None else ns.PRE_RESULT], key, own, made)
     if post is not None:
         out = layers[-1].output  # the last block's output, which the statements after the blocks read
-        _rescale(post, {**values, out: x}, list(ns.POST_FORWARD_IN), {out}, sizes, own)
+        riding = {n: made[n] for n in riders(lowered.plan.spec)}  # made before the blocks, read after them
+        _rescale(post, {**values, out: x, **riding}, list(ns.POST_FORWARD_IN), {out, *riding}, sizes, own)
     return values
 
 
@@ -109,11 +110,13 @@ def _rescale(spec: Spec, values: Arrays, names: list[str], fixed: set[str], size
 
 
 def _calibrate(lowered: PipelineLowered, values: Arrays, x: np.ndarray, key: int,
-               scales: dict[str, float]) -> np.ndarray:
+               scales: dict[str, float], made: Arrays) -> np.ndarray:
     """Each layer's params at the scales where its ops matter, then its last param scaled so that its
     output has unit RMS (a deep product of einsums otherwise vanishes or overflows; layer norms do
-    this in a real model); the last layer's output."""
+    this in a real model); the last layer's output.  ``made``: the values before the block (those fed beside
+    its input the first layer reads, :func:`shardc.pipeline.boundary.fed_beside`)."""
     sizes = dict(lowered.sizes)
+    fed = fed_beside(lowered.plan.spec)
     for number, layer in enumerate(model_layers(lowered)):
         spec, k = layer.spec, layer.index
         last = next((s for s in spec.statements if s.result.name == layer.output), None)
@@ -121,6 +124,7 @@ def _calibrate(lowered: PipelineLowered, values: Arrays, x: np.ndarray, key: int
         if last is not None and isinstance(last.expr, Contract):  # the output is linear in its operands
             linear = [r.name for r in leaves(last.expr) if r.name in layer.params]
         shared = {n: values[n] for n in lowered.namespace.PIPELINE.shared}  # held whole, never rescaled
+        shared |= {n: made[n] if number == 0 else x for n in fed} if number < lowered.blocks[0] else {}
         pool = {layer.input: x, **{p: values[p] for p in layer.params}, **shared}
         _rescale(spec, pool, [layer.input, *layer.params, *shared], {layer.input, *shared}, sizes, scales, k)
         layer_values = {layer.input: x, **{p: values[p][k] for p in layer.params}, **shared}

@@ -40,7 +40,7 @@ from shardc.device_pieces import local_elements
 from shardc.ir.plan import Op, Plan, Step, backward_program
 from shardc.lowering.pipeline_grads import split_reductions
 from shardc.lowering.pipeline_lowering import PipelineLowered
-from shardc.pipeline.boundary import send_bytes
+from shardc.pipeline.boundary import carried_refs, send_bytes
 from shardc.verification.hlo import Collective, collectives
 from shardc.verification.report import (
     CollectiveRow,
@@ -149,7 +149,7 @@ def _boundary_bytes(lowered: PipelineLowered) -> tuple[tuple[int, int], tuple[in
     model's ``p2p_bytes`` and its gradient's)."""
     plan, ns = lowered.plan, lowered.namespace
     boundary = next(i.ref for i in plan.tensors if i.name == ns.BLOCK_OUTPUT)
-    elements = int(local_elements(boundary, lowered.sizes))
+    elements = int(sum(local_elements(r, lowered.sizes) for r in (boundary, *carried_refs(plan)[1:])))  # riders
     on, back = send_bytes(plan, boundary.name)
     return (elements, on), (elements, back)
 

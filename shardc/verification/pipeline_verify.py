@@ -53,7 +53,7 @@ from shardc.lowering import reference as numpy_reference
 from shardc.lowering.pipeline_lowering import PipelineLowered, lower_pipeline
 from shardc.lowering.run_windows import window_notes, windows_at
 from shardc.lowering.sizes import collapsed_axes, shrink_mesh, small_sizes
-from shardc.pipeline.boundary import microbatch_dim
+from shardc.pipeline.boundary import fed_beside, microbatch_dim, riders
 from shardc.spec.stages import pipeline_of, stage_spec
 from shardc.verification import power
 from shardc.verification.memory_check import MEMORY_DTYPE, XLA_OPTIONS
@@ -110,38 +110,49 @@ def reference(lowered: PipelineLowered, inputs: Arrays, cotangent: Arrays, key: 
     wide = {k: v if v.dtype.kind in "iu" else np.asarray(v, dtype) for k, v in inputs.items()}
     sizes = dict(lowered.sizes)  # the dims no input has (a route's capacity); the inputs' shapes win
     pre_in = {k: wide[k] for k in ns.PRE_FORWARD_IN} if pre is not None else {}
-    x = xp.forward(pre, pre_in, key=key)[ns.PRE_RESULT] if pre is not None else wide[ns.BLOCK_INPUT]
+    made = xp.forward(pre, pre_in, key=key) if pre is not None else {ns.BLOCK_INPUT: wide[ns.BLOCK_INPUT]}
+    x = made[ns.PRE_RESULT] if pre is not None else made[ns.BLOCK_INPUT]
     kept = []
     layers = model_layers(lowered)
+    # the spec's meaning of a value made before the block and read in it beside its input (E beside X0): the
+    # layer's output feeds both, so the first layer reads the one made before, each later one its input
+    fed, riding = fed_beside(lowered.plan.spec), riders(lowered.plan.spec)  # riders: made before, read after
     for number, layer in enumerate(layers):
-        values = {layer.input: x, **{p: wide[p][layer.index] for p in layer.params},
+        beside = {n: made[n] if number == 0 else x for n in fed} if number < lowered.blocks[0] else {}
+        values = {layer.input: x, **beside, **{p: wide[p][layer.index] for p in layer.params},
                   **{k: wide[k] for k in ns.PIPELINE.shared}}  # a shared input: every layer's the same
         kept.append(values)
         x = xp.forward(layer.spec, values, sizes, layer_key_of(lowered, key, number))[layer.output]
     grads: Arrays = {}
     tied: Arrays = {}  # a param read on both ends: the contribution to its gradient after the block
+    d_riding: Arrays = {}
     if post is None:
         results = {ns.BLOCK_OUTPUT: x}
         g = np.asarray(cotangent[ns.PIPELINE.ends.output_cotangent], dtype)
     else:
-        post_in = {k: x if k == layers[-1].output else wide[k] for k in ns.POST_FORWARD_IN}
+        post_in = {k: x if k == layers[-1].output else made[k] if k in riding else wide[k] for k in ns.POST_FORWARD_IN}
         results = {ns.LOSS: np.asarray(xp.forward(post, post_in, sizes, key)[ns.LOSS])}
         d_loss = np.asarray(cotangent[ns.PIPELINE.ends.result_cotangent], dtype)
         got = xp.backward(post, post_in, {ns.LOSS: d_loss}, sizes, key)  # a routed head's C
         grads.update({ns.POST_GRADS[p]: got[p] for p in ns.PIPELINE.ends.summed(True) if p not in ns.TIED})
         tied = {p: got[p] for p in ns.TIED}
         g = got[layers[-1].output]
+        d_riding = {n: got[n] for n in riding}  # their gradients, which the statements before the block take
     stacks: dict[str, list[np.ndarray]] = {p: [] for layer in layers for p in layer.params}
     for number in reversed(range(len(kept))):
         layer = layers[number]
         back = xp.backward(layer.spec, kept[number], {layer.output: g}, sizes, layer_key_of(lowered, key, number))
         for p in layer.params:
             stacks[p].insert(0, back[p])
-        g = back[layer.input]
+        beside = {n: back[n] for n in fed if number < lowered.blocks[0]}
+        g = back[layer.input] + sum(beside.values()) if number else back[layer.input]
     if pre is None:
         grads[ns.GRADS[ns.BLOCK_INPUT]] = g
     else:
-        got = xp.backward(pre, pre_in, {ns.PRE_RESULT: g}, key=key)
+        given: Arrays = {ns.PRE_RESULT: g}
+        for n, v in [*beside.items(), *d_riding.items()]:  # a value fed, riding, or both (the result too)
+            given[n] = given[n] + v if n in given else v
+        got = xp.backward(pre, pre_in, given, key=key)
         finals = getattr(ns, "PRE_FINAL_GRADS", {})  # a tied param's gradient: the sum of both ends'
         grads.update({finals.get(ns.PRE_GRADS[p], ns.PRE_GRADS[p]): got[p] + tied[p] if p in tied else got[p]
                       for p in ns.PIPELINE.ends.summed(False)})
