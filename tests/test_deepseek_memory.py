@@ -46,14 +46,12 @@ Out[B_X, S, D] = R1[B_X, S, D] + collect(Gate[B_X, S, E], Ex[B_X, E, C, D], S, C
 
 
 @pytest.fixture(scope="module")
-def deepseek_v3() -> tuple[Plan, PipelineCost]:
-    """benchmarks/runs/deepseek_v3.shard planned at its recompute policy and costed with its optimizer state
-    once for the module (seconds of CPU): three tests read the plan and its pipeline report, none changes them."""
-    path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
-    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
-    report = shardc.cost(plan, optimizer="mixed14").pipeline
+def deepseek_v3(deepseek_v3_plan: Plan) -> tuple[Plan, PipelineCost]:
+    """benchmarks/runs/deepseek_v3.shard's plan (conftest's) costed with its optimizer state once for the module
+    (seconds of CPU): three tests read the plan and its pipeline report, none changes them."""
+    report = shardc.cost(deepseek_v3_plan, optimizer="mixed14").pipeline
     assert report is not None
-    return plan, report
+    return deepseek_v3_plan, report
 
 
 def _benchmark():  # type: ignore[no-untyped-def]
