@@ -25,6 +25,7 @@ from shardc.planner.plan_text import phase_total, render_text, to_json
 from shardc.planner.zero import zero_layout
 from shardc.testing import specs
 from shardc.timing import plan_time
+from tests.test_cli import shardc_cli
 from tests.test_plan_sections import MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,8 +207,9 @@ def test_shardc_plan_lists_the_optimizer_phase(tmp_path: Path) -> None:
     assert data["step_s"] == pytest.approx(plan_time(p).step_s)
     path = tmp_path / "z.shard"
     path.write_text(MLP.format(dims=SIZES, zero="zero 2 over X\n"), encoding="utf-8")
-    out = subprocess.run([sys.executable, "-m", "shardc", "plan", str(path)], capture_output=True, text=True,
-                         cwd=ROOT, check=True).stdout
+    done = shardc_cli("plan", str(path))
+    done.check_returncode()
+    out = done.stdout
     assert "optimizer (zero 2 over X" in out and "optimizer " in out.splitlines()[1]
 
 
