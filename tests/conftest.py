@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Generator
+from pathlib import Path
 
 # LLVM -O0 for XLA's CPU code: compiling dominates the slow tests, and -O0 compiles them in about 60%
 # of the time. The HLO passes (partitioning, collectives) are the same, so every check of the compiled
@@ -47,6 +48,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+import shardc  # noqa: E402
+from shardc.ir.plan import Plan  # noqa: E402
 
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -94,6 +98,14 @@ def _unmarked_compiles(item: pytest.Item) -> Generator[None, object, object]:
     if _compiles[0] > before and item.get_closest_marker("slow") is None:
         raise AssertionError(f"{item.nodeid} compiled with XLA {_compiles[0] - before} time(s): mark it slow")
     return result
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_plan() -> Plan:
+    """benchmarks/runs/deepseek_v3.shard planned at its report's recompute policy (`selective`), once a process:
+    several files read this plan (seconds of CPU to make), and a Plan is frozen, so none can change it."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "runs" / "deepseek_v3.shard"
+    return shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), filename=str(path)), recompute="selective")
 
 
 @pytest.fixture

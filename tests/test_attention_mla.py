@@ -174,7 +174,8 @@ def test_the_pair_verifies_against_the_reference_values_and_hlo(case: str) -> No
             render_memory(report.memory_check)
 
 
-def test_deepseek_v3_with_fused_mla_holds_no_scores_in_its_working_set(capsys: pytest.CaptureFixture[str]) -> None:
+def test_deepseek_v3_with_fused_mla_holds_no_scores_in_its_working_set(capsys: pytest.CaptureFixture[str],
+                                                                        deepseek_v3_plan: Plan) -> None:
     """The published layout, the report's optimizer state, recomputation and BF16 attention core: no S x T
     value kept or made (the fused kernels hold no scores), so a tick's working set is the MoE layer's
     dispatch gradients and the recomputed up-projections, under 3.5 GB with the values in BF16 (the S x T
@@ -191,5 +192,5 @@ def test_deepseek_v3_with_fused_mla_holds_no_scores_in_its_working_set(capsys: p
     for s in stages:  # the stage's memory is its parts, nothing else
         parts = s["state_bytes"] + s["activation_bytes"] + s["gathered_bytes"] + s["working_bytes"]
         assert s["memory_bytes"] == pytest.approx(parts + s["accumulator_bytes"])
-    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
+    plan = deepseek_v3_plan  # the same file planned at recompute="selective" (conftest)
     assert not [s for s in (*plan.forward, *plan.backward) if {"S", "T"} <= set(s.dst.indices)]

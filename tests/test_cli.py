@@ -8,7 +8,9 @@ stderr with exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -40,6 +42,19 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
         status = int(stop.code or 0)
     out, err = capsys.readouterr()
     return status, out, err
+
+
+def shardc_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``shardc ARGS`` in-process, as the finished process ``python -m shardc ARGS`` would be: its status (argparse's
+    exits too), stdout and stderr; for tests of what a command prints, where a fresh interpreter (half a second
+    of CPU) is not the point."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(list(args))
+        except SystemExit as stop:
+            status = int(stop.code or 0)
+    return subprocess.CompletedProcess(["shardc", *args], status, out.getvalue(), err.getvalue())
 
 
 def fails_clearly(capsys: pytest.CaptureFixture[str], *args: str, says: str) -> str:

@@ -18,6 +18,7 @@ from shardc.errors import ShardcError
 from shardc.hardware import BUCKET_BYTES, PRESETS, Hardware, get_hardware
 from shardc.ir.localops import Row
 from shardc.timing import plan_time
+from tests.test_cli import shardc_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -34,9 +35,7 @@ def run_script(path: str) -> str:
     return done.stdout
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardc", *args], capture_output=True, text=True, check=False,
-                          cwd=ROOT)
+run = shardc_cli  # each command in-process: what it prints is the point, not a fresh interpreter
 
 
 # --- presets ----------------------------------------------------------------------------------------------

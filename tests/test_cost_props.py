@@ -19,6 +19,7 @@ import shardc
 from shardc.costmodel.formulas import evaluate
 from shardc.hardware import get_hardware
 from shardc.ir.plan import Plan
+from tests.test_cli import shardc_cli
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NAMES = ["dp", "fsdp", "tp", "fsdp_tp", "dp_dcn"]
@@ -79,8 +80,7 @@ def test_formulas_evaluate_to_the_numbers(name: str, dims: dict[str, int], chip:
         assert evaluate(f.comm_s, values) == pytest.approx(phase.comm_bandwidth_s)
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardc", *args], capture_output=True, text=True, check=False)
+run = shardc_cli  # each command in-process: what it prints is the point, not a fresh interpreter
 
 
 def test_cost_json_has_the_issue_fields() -> None:

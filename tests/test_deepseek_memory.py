@@ -13,7 +13,9 @@ import pytest
 
 import shardc
 from shardc.costmodel.memory import value_bytes
+from shardc.costmodel.pipeline_figures import PipelineCost
 from shardc.costmodel.stage_memory import chunk_copies, dualpipe_held
+from shardc.ir.plan import Plan
 from shardc.spec.stages import pipeline_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +43,15 @@ A[B_X, E, C, F] = Ag[B_X, E, C, F] * Gw[B_X, E, C]
 Ex[B_X, E, C, D] = A[B_X, E, C, F] · W_down[E, F, D]
 Out[B_X, S, D] = R1[B_X, S, D] + collect(Gate[B_X, S, E], Ex[B_X, E, C, D], S, C, 2 over E)
 """
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(deepseek_v3_plan: Plan) -> tuple[Plan, PipelineCost]:
+    """benchmarks/runs/deepseek_v3.shard's plan (conftest's) costed with its optimizer state once for the module
+    (seconds of CPU): three tests read the plan and its pipeline report, none changes them."""
+    report = shardc.cost(deepseek_v3_plan, optimizer="mixed14").pipeline
+    assert report is not None
+    return deepseek_v3_plan, report
 
 
 def _benchmark():  # type: ignore[no-untyped-def]
@@ -81,16 +92,13 @@ def test_the_recompute_line_costs_its_rerun_in_the_backward() -> None:
     assert lean.memory.residual_bytes < plain.memory.residual_bytes
 
 
-def test_the_benchmark_reprices_the_values_the_cost_stage_table_keeps() -> None:
+def test_the_benchmark_reprices_the_values_the_cost_stage_table_keeps(deepseek_v3: tuple[Plan, PipelineCost]) -> None:
     """The script's cached formats reprice the values a device keeps as shardc counts them (its copies of each,
     the microbatches held): at the spec's own element sizes they are the stage table's activations, device 0
     (the ends and the dense layers) and device 3 alike; the spec's types (BF16, FP8 where section 3.3.4 caches a
     Linear's or a SwiGLU's input) come within 5% of the report's formats, which hold the attention output in
     E5M6 (1.5 bytes, the spec 2) and a scale a 128 FP8 elements (the spec none)."""
-    path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
-    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
-    report = shardc.cost(plan, optimizer="mixed14").pipeline
-    assert report is not None
+    plan, report = deepseek_v3
     benchmark = _benchmark()
     own = {ref: float(plan.nbytes(ref.name)) for ref in benchmark.paper_bytes(plan)}
     for stage in (0, 3):
@@ -101,27 +109,23 @@ def test_the_benchmark_reprices_the_values_the_cost_stage_table_keeps() -> None:
         assert paper == pytest.approx(row["activations"], rel=0.05) and paper != row["activations"]
 
 
-def test_the_published_layout_fits_80_gb_keeping_no_expert_output() -> None:
+def test_the_published_layout_fits_80_gb_keeping_no_expert_output(deepseek_v3: tuple[Plan, PipelineCost]) -> None:
     """The report's layout (its optimizer state, its recomputation) fits each H800's 80 GB once the gates
     weigh the experts' SwiGLU outputs at the experts (DeepEP's dispatch carries them there) and the rows
     come back summed: the backward keeps no expert output Ex (470 MB a layer and microbatch in BF16, which
     put every device over 80 GB)."""
-    path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
-    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
+    plan, report = deepseek_v3
     assert "Ex" not in {r.name for r in plan.residuals}
-    report = shardc.cost(plan, optimizer="mixed14").pipeline
-    assert report is not None
     assert all(stage.memory_bytes < 80e9 for stage in report.stages)
 
 
-def test_device_0_keeps_16_microbatches_of_its_first_stage_and_1_of_its_last() -> None:
+def test_device_0_keeps_16_microbatches_of_its_first_stage_and_1_of_its_last(
+        deepseek_v3: tuple[Plan, PipelineCost]) -> None:
     """Under DualPipe device 0 holds, at its peak, 16 microbatches of stage 0 (the embedding and the dense
     layers) and 1 of stage 15 (the heads' logits, the MTP layer): its activations are those counts of each
     stage's values, not 8.5 of each (which counted 8.5 microbatches of both heads' BF16 logits)."""
-    path = ROOT / "benchmarks" / "runs" / "deepseek_v3.shard"
-    plan = shardc.plan(shardc.parse(path.read_text(encoding="utf-8")), recompute="selective")
-    report = shardc.cost(plan, optimizer="mixed14").pipeline
-    assert report is not None and report.stages[0].held == 17
+    plan, report = deepseek_v3
+    assert report.stages[0].held == 17
     pipe = pipeline_of(plan.spec)
     assert pipe is not None and plan.sizes is not None
     micro = dict(plan.sizes) | {"B": 15360 // 120}

@@ -22,6 +22,7 @@ _COUNT_WORKERS = (
     "print(sum((t / 'comm').read_text().strip() == 'tf_XLAEigen' for t in tasks.iterdir()))\n")
 
 
+@pytest.mark.slow  # starts an interpreter that imports jax and compiles with XLA (conftest's guard cannot see it)
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads' names from /proc")
 def test_the_emulated_devices_pool_has_a_worker_for_each_collective_a_device_can_wait_at() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}

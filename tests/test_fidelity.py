@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 
 import shardc
+from shardc.ir.plan import Plan
 from shardc.ir.spec import Spec
 from shardc.spec.walk import leaves
 
@@ -111,11 +112,10 @@ def test_the_fidelity_benchmark_costs_and_prints_every_run(monkeypatch: pytest.M
                                       "Llama 3.1 8B, torchtitan"))
 
 
-def test_deepseek_v3_plans_and_costs_with_its_routing_held_as_indices() -> None:
+def test_deepseek_v3_plans_and_costs_with_its_routing_held_as_indices(deepseek_v3_plan: Plan) -> None:
     """DeepSeek-V3's 256 experts, top-8: the dispatch moves tokens by index (no [B, S, E, C] mask kept)
     and its FLOPs are the experts' matmuls (`benchmarks/plan_speed.py` times its plan and cost)."""
-    spec = _spec("deepseek_v3")
-    plan = shardc.plan(spec, recompute="selective")
+    plan = deepseek_v3_plan  # planned at recompute="selective" (conftest)
     report = shardc.cost(plan)
     assert not any({"S", "E", "C"} <= set(r.indices) for r in plan.residuals)
     assert report.pipeline is not None and report.pipeline.step_s > 0

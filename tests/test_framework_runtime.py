@@ -5,8 +5,6 @@ NCCL takes from the compute an overlapped collective runs under."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from shardc.chip_choice import chip_for, load_hardware_file
 from shardc.errors import ShardcError
 from shardc.hardware import PRESETS, get_hardware
 from shardc.phase_time import phase_seconds
+from tests.test_cli import shardc_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -28,9 +27,7 @@ DP = ("mesh X=64\ndims B=1048576, D=2048, E=2048\nhardware h100\ntopology 8x8\n"
       "H1[B_X, E] = H0[B_X, D] · W0[D, E]\nH2[B_X, D] = H1[B_X, E] · W1[E, D]\n")
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardc", *args], capture_output=True, text=True, check=False,
-                          cwd=ROOT)
+run = shardc_cli  # each command in-process: what it prints is the point, not a fresh interpreter
 
 
 def _with(text: str, line: str) -> str:

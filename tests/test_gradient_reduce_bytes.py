@@ -7,8 +7,6 @@ ReduceScatter volumes double; nothing else moves, and no other accounting change
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from shardc.ir.plan import Plan
 from shardc.ir.spec import DType
 from shardc.layouts import Options, search_layouts
 from shardc.timing import plan_time
+from tests.test_cli import shardc_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 # data parallel over X (4 devices), the MLP's hidden dim over Y (2)
@@ -105,8 +104,8 @@ def test_the_cli_flag_overrides_the_specs_line(tmp_path: Path) -> None:
     path.write_text(SPEC + "optimizer bf16opt20\n", encoding="utf-8")
 
     def reduced(*flags: str) -> tuple[str, list[float]]:
-        done = subprocess.run([sys.executable, "-m", "shardc", "cost", str(path), "--json", *flags],
-                              capture_output=True, text=True, cwd=ROOT, check=True)
+        done = shardc_cli("cost", str(path), "--json", *flags)
+        done.check_returncode()
         report = json.loads(done.stdout)
         rows = sorted(r["volume_bytes"] for r in report["backward"]["rows"] if r.get("op") == "all_reduce")
         return report["memory"]["accounting"], rows

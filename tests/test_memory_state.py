@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from shardc.accountings import ACCOUNTINGS, update_bytes
 from shardc.costmodel.formulas import evaluate
 from shardc.costmodel.memory import state_formula
 from shardc.costmodel.symbolic import cost_formulas
+from tests.test_cli import shardc_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ("mesh X=4, Y=2\ndims B=4096, D=1024, F=4096\n"
@@ -80,8 +79,8 @@ def test_an_unknown_accounting_is_an_error_naming_them() -> None:
 def test_cli_takes_mixed18_and_reports_it_in_json(tmp_path: Path) -> None:
     path = tmp_path / "mlp.shard"
     path.write_text(SPEC, encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "shardc", "cost", str(path), "--optimizer", "mixed18", "--json"],
-                          capture_output=True, text=True, cwd=ROOT, check=True)
+    done = shardc_cli("cost", str(path), "--optimizer", "mixed18", "--json")
+    done.check_returncode()
     memory = json.loads(done.stdout)["memory"]
     assert memory["accounting"] == "mixed18"
     assert memory["grad_bytes"] == 4 * memory["params_per_device"]

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import pytest
 import shardc
 from shardc.costmodel.pipeline_figures import PipelineCost
 from shardc.timing import plan_time
+from tests.test_cli import shardc_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ("mesh X=8, Y=2\ndims B=1024, D=512, F=2048\nhardware h100\nzero 1 over X\n{line}"
@@ -73,8 +72,9 @@ def test_a_pipeline_hides_them_under_each_stages_first_forward() -> None:
 def test_the_flag_beats_the_spec_line(tmp_path: Path) -> None:
     path = tmp_path / "mlp.shard"
     path.write_text(MLP.format(line="param_gather overlapped\n"), encoding="utf-8")
-    done = [subprocess.run([sys.executable, "-m", "shardc", "cost", str(path), *flag], capture_output=True,
-                           text=True, cwd=ROOT, check=True).stdout for flag in ([], ["--param-gather", "exposed"])]
+    runs = [shardc_cli("cost", str(path), *flag) for flag in ([], ["--param-gather", "exposed"])]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    done = [r.stdout for r in runs]
     assert "param_gather overlapped" in done[0] and "param_gather overlapped" not in done[1]
 
 

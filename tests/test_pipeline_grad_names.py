@@ -8,13 +8,12 @@ depend on what the activations are called.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import shardc
+from tests.test_cli import shardc_cli
 
 HEAD = "mesh P=4 pipeline, X=8, Y=4\nlayers 8\nmicrobatches 8\nschedule {schedule}\n"
 BLOCK = """dims B=4096, D=256, F=1024
@@ -43,8 +42,9 @@ def test_the_cli_reports_the_same_pipeline_for_either_name(tmp_path: Path) -> No
     for activation in ("Tmp", "dW_in"):
         path = tmp_path / f"{activation}.shard"
         path.write_text(_text(activation), encoding="utf-8")
-        out = subprocess.run([sys.executable, "-m", "shardc", "cost", "--json", str(path)],
-                             capture_output=True, text=True, check=True).stdout
+        done = shardc_cli("cost", "--json", str(path))
+        done.check_returncode()
+        out = done.stdout
         reports.append(json.loads(out)["pipeline"])
     plain, named = reports
     assert named["stages"] == plain["stages"]

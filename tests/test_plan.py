@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from shardc.ir.plan import Op, Plan, Step
 from shardc.ir.spec import Dim, TensorRef
 from shardc.planner.check import check_plan, comm_time, step_time
 from shardc.planner.plan_text import phase_total, render_text, to_json
+from tests.test_cli import shardc_cli
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -262,8 +261,7 @@ def test_text_listing_format() -> None:
     assert re.search(r"AllGather_X\s+W_in\[D_X, F_Y\] -> W_in\[D, F_Y\]\s+2\*D\*F/Y bytes\s+\(ahead of time\)", line)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardc", *args], capture_output=True, text=True, timeout=120)
+run_cli = shardc_cli  # each command in-process: what it prints is the point, not a fresh interpreter
 
 
 def test_cli_plan_json_and_explain() -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from shardc.planner.recompute import RECOMPUTE_MODES as RECOMPUTE
 from shardc.planner.recompute import attention_region
 from shardc.testing import specs
 from shardc.timing import plan_sizes, plan_time
+from tests.test_cli import shardc_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION = """mesh X=2, Y=2
@@ -159,8 +158,9 @@ def test_cli_plan_and_cost_take_recompute(tmp_path: Path) -> None:
     path.write_text(ATTENTION, encoding="utf-8")
 
     def run(*args: str) -> str:
-        return subprocess.run([sys.executable, "-m", "shardc", *args, str(path)], capture_output=True, text=True,
-                              cwd=ROOT, check=True).stdout
+        done = shardc_cli(*args, str(path))
+        done.check_returncode()
+        return done.stdout
 
     assert "recomputed in the backward (--recompute selective): Sc, P" in run("plan", "--recompute", "selective")
     assert json.loads(run("plan", "--recompute", "full", "--json"))["recompute"] == "full"

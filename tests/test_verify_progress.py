@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from shardc.verification import progress
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.test_cli import shardc_cli
 
 
 def test_steps_reach_only_a_caller_that_asked() -> None:
@@ -27,8 +24,7 @@ def test_steps_reach_only_a_caller_that_asked() -> None:
 def test_verify_reports_progress_on_stderr_when_asked(tmp_path: Path, flags: list[str], told: bool) -> None:
     path = tmp_path / "tp.shard"
     path.write_text("mesh X=2\nOut[B_X, F] = In[B_X, D] · W[D, F]\n", encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "shardc", "verify", str(path), *flags], capture_output=True,
-                          text=True, cwd=ROOT)  # stderr is a pipe, not a terminal
+    done = shardc_cli("verify", str(path), *flags)  # in-process: stderr is a buffer, not a terminal
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("verify: ")]
     if told:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from shardc.planner.plan_text import phase_total, render_text, to_json
 from shardc.planner.zero import zero_layout
 from shardc.testing import specs
 from shardc.timing import plan_time
+from tests.test_cli import shardc_cli
 from tests.test_plan_sections import MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,8 +205,9 @@ def test_shardc_plan_lists_the_optimizer_phase(tmp_path: Path) -> None:
     assert data["step_s"] == pytest.approx(plan_time(p).step_s)
     path = tmp_path / "z.shard"
     path.write_text(MLP.format(dims=SIZES, zero="zero 2 over X\n"), encoding="utf-8")
-    out = subprocess.run([sys.executable, "-m", "shardc", "plan", str(path)], capture_output=True, text=True,
-                         cwd=ROOT, check=True).stdout
+    done = shardc_cli("plan", str(path))
+    done.check_returncode()
+    out = done.stdout
     assert "optimizer (zero 2 over X" in out and "optimizer " in out.splitlines()[1]
 
 
@@ -269,8 +269,7 @@ def test_optimizer_step_is_sgd_on_the_shards_then_gathered(stage: int) -> None:
 def test_shardc_verify_checks_the_optimizer_phase_values_and_hlo(tmp_path: Path) -> None:
     path = tmp_path / "z.shard"
     path.write_text("mesh X=4, Y=2\nzero 1 over X\nTmp[B_X, F_Y] = In[B_X, D] · W_in[D, F_Y]\n", encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "shardc", "verify", str(path), "--json"], capture_output=True,
-                          text=True, cwd=ROOT)
+    done = shardc_cli("verify", str(path), "--json")  # in-process, as tests/test_lower.py verifies
     report = json.loads(done.stdout)
     assert done.returncode == 0 and report["ok"]
     assert any("optimizer_step" in n for n in report["notes"])
@@ -278,12 +277,12 @@ def test_shardc_verify_checks_the_optimizer_phase_values_and_hlo(tmp_path: Path)
         [("optimizer", "W_in", True)]
     rows = [(r["kind"], r["hlo_op"], r["ok"]) for r in report["collectives"] if r["phase"] == "optimizer"]
     assert rows == [("ReduceScatter", "reduce-scatter", True), ("AllGather", "all-gather", True)]
-    lowered = subprocess.run([sys.executable, "-m", "shardc", "lower", str(path)], capture_output=True, text=True,
-                             cwd=ROOT, check=True)
+    lowered = shardc_cli("lower", str(path))
+    lowered.check_returncode()
     assert "note: `zero 1 over X`: forward and grad run the spec without the zero line" in lowered.stderr
     assert "def optimizer_local(" in lowered.stdout
-    compared = subprocess.run([sys.executable, "-m", "shardc", "compare", str(path), "--json"],
-                              capture_output=True, text=True, cwd=ROOT, check=True)
+    compared = shardc_cli("compare", str(path), "--json")
+    compared.check_returncode()
     assert any("without the zero line" in n for n in json.loads(compared.stdout)["notes"])
 
 
