@@ -15,9 +15,9 @@ neighbour at position 1 (its rate, theta ** (-2 / H)).  A run that matches none 
 at its line, as any run of maps that moves elements along a dim, with how to rewrite it where it is a rotation
 the language could say from positions 0, 1, ... (:func:`rewrite`): positions passed in as an input (MaxText's
 ``positions[B, T]`` ints, a cache's offset) or tables of cos and sin passed as arguments, or positions offset
-by a constant (a decode step after a cache).  The op takes no positions operand: its angles are each element's
-index along the position dim, which its planning, lowering and cost rely on (a device's block offset by its
-index on the mesh, no table or positions read).
+by a constant (a decode step after a cache).  The op takes no positions operand yet: its angles are each
+element's index along the position dim (a device's block offset by its index on the mesh, no table or positions
+read), so these forms are refused rather than read as a rotation by other positions than the program's.
 """
 
 from __future__ import annotations
