@@ -201,11 +201,11 @@ def test_the_reference_is_the_softmax_of_the_scores_times_v_and_its_gradient_is_
 def _fused_pipeline() -> shardc.ir.spec.Spec:  # type: ignore[name-defined]
     """examples/pipeline_llama.shard (4 stages, 1F1B, verified in float64) with its attention fused."""
     text = (ROOT / "examples" / "pipeline_llama.shard").read_text(encoding="utf-8")
-    einsums = ("Sc[B_X, N_Y, S, T] = Q[B_X, S, N_Y, H] · K[B_X, T, N_Y, H]\n"
+    einsums = ("Sc[B_X, N_Y, S, T] = Qr[B_X, S, N_Y, H] · Kr[B_X, T, N_Y, H]\n"
                "Pr[B_X, N_Y, S, T] = softmax(causal(Sc[B_X, N_Y, S, T], S, T) over T)\n"
                "C[B_X, S, N_Y, H] = Pr[B_X, N_Y, S, T] · V[B_X, T, N_Y, H]\n")
     assert einsums in text
-    return shardc.parse(text.replace(einsums, "C[B_X, S, N_Y, H] = attention(Q[B_X, S, N_Y, H], K[B_X, T, N_Y, H], "
+    return shardc.parse(text.replace(einsums, "C[B_X, S, N_Y, H] = attention(Qr[B_X, S, N_Y, H], Kr[B_X, T, N_Y, H], "
                                               "V[B_X, T, N_Y, H] over T, causal)\n"))
 
 

@@ -129,3 +129,42 @@ def test_interleaved_pairs_are_refused_naming_the_form() -> None:
     del inputs["wk"]
     with pytest.raises(ShardcError, match="interleaved pairs"):
         _read(interleaved, inputs)
+
+
+def _maxtext_rope(q: Any, positions: Any) -> Any:
+    """MaxText's apply_rotary_embedding: the angles positions / timescale of positions passed in, [B, S] ints."""
+    h = q.shape[-1]
+    timescale = 10000.0 ** (2 * jnp.arange(h // 2) / h)
+    angles = positions[:, :, None, None] / timescale
+    first, second = jnp.split(q, 2, axis=-1)
+    return jnp.concatenate([first * jnp.cos(angles) - second * jnp.sin(angles),
+                            second * jnp.cos(angles) + first * jnp.sin(angles)], axis=-1)
+
+
+def _tables_passed(q: Any, cos: Any, sin: Any) -> Any:
+    return q * cos + _rotate_half(q, jnp) * sin
+
+
+@pytest.mark.parametrize(("program", "extra"), [
+    (_maxtext_rope, [jax.ShapeDtypeStruct((2, 8), jnp.int32)]),
+    (_tables_passed, [jax.ShapeDtypeStruct((8, 1, 4), jnp.float32)] * 2),
+])
+def test_positions_or_tables_passed_in_are_refused_saying_how_to_rewrite(program: Any, extra: list[Any]) -> None:
+    """The language's rotary rotates by positions 0, 1, ... along its dim, not by an input's: the error's fix says
+    to make them in the function (or close over the tables), or to write the spec's rotary."""
+    def step(x: Any, wq: Any, *rest: Any) -> Any:
+        return program((x @ wq).reshape(2, 8, 4, 4), *rest)
+
+    args = [jax.ShapeDtypeStruct((2, 8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 16), jnp.float32), *extra]
+    closed = jax.make_jaxpr(step)(*args)
+    names = ["x", "wq"] + (["positions"] if len(extra) == 1 else ["cos", "sin"])
+    with pytest.raises(ShardcError, match=r"positions passed in .* make the positions in the function") as err:
+        read_program(closed, [()] * len(args), [()], names, {"data": 2}, "t")
+    assert "rotary(Q[B, T, N, H], T, theta)" in str(err.value)
+
+
+def test_positions_offset_by_a_cache_are_refused_naming_the_offset() -> None:
+    """A decode step's positions k, k + 1, ...: the fix names k (read off the angles) and the step to explain."""
+    rope = _scores(jnp, lambda x, xp, theta=0: _rope(x, xp, offset=130))
+    with pytest.raises(ShardcError, match="positions that start at 130, not 0 .* explain the step with positions from"):
+        _read(rope, _inputs())

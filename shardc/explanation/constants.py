@@ -28,7 +28,7 @@ from jax.extend import core as jex
 
 from shardc.errors import ShardcError, Span
 from shardc.explanation.patterns import PRIMITIVE_MAPS, function_of
-from shardc.explanation.rotary_runs import rotation
+from shardc.explanation.rotary_runs import rewrite, rotation
 from shardc.explanation.run_values import differs
 from shardc.explanation.sources import equation_text, source_line
 from shardc.explanation.spec_text import Made
@@ -261,13 +261,14 @@ def _apply(reader: Any, step: Step, operand: Any, line: str) -> Any:
 def _function(reader: Any, steps: list[Step], start: Any, rest: Any, operand: Any, ops: frozenset[str],
               line: str) -> None:
     """``rest`` as the language's map of ``operand`` the run's primitives name, checked at sample points; else the
-    error (under ``approximate`` a note)."""
+    error (under ``approximate`` a note), with how to rewrite a rotary embedding the language would say otherwise."""
     function = checked(reader, rest, function_of(ops))
     wrong = differs(reader, steps, start, ops, function)
     if wrong:
         _refuse(reader, f"{wrong[0]}{f' at {line}' if line else ''} {wrong[1]}", line,
-                f"write the run as the language's maps ({', '.join(sorted(ELEMENTWISE))}; a scale or shift first "
-                "or last), or write the .shard spec of the program")
+                rewrite(reader, steps, start)
+                or f"write the run as the language's maps ({', '.join(sorted(ELEMENTWISE))}; a scale or shift "
+                "first or last), or write the .shard spec of the program")
     reader.make(rest, "fn", (operand,), fn=function, line=line)
 
 

@@ -36,7 +36,7 @@ from shardc.explanation.layers import read_scan
 from shardc.explanation.lookups import embed, read_lookup
 from shardc.explanation.patterns import Run, mean_sums, primitives, runs
 from shardc.explanation.refusals import refusal_fix
-from shardc.explanation.rotary_runs import enter_constants
+from shardc.explanation.rotary_runs import enter_constants, passed_positions
 from shardc.explanation.routing import read_routing, regions
 from shardc.explanation.slices import Piece, concatenate, cut, reverse, sort
 from shardc.explanation.sources import equation_text, shape_text, source_line
@@ -351,7 +351,8 @@ class _Reader(Reading):
             self.make(out, kind, tuple(operands), signs=(1, -1 if name == "sub" else 1), line=line)
             return
         raise unwritable("a map of several arrays, or of one broadcast, other than the sum, difference or product "
-                         "of two, has no form in the spec language", fix=_ONE_HOT if name == "eq" else "")
+                         "of two, has no form in the spec language", fix=_ONE_HOT if name == "eq" else
+                         passed_positions(self, arrays))  # MaxText's rotary angles: positions / timescale
 
     def source(self, var: Any) -> Any:
         var = self.base(var)

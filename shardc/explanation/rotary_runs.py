@@ -12,7 +12,12 @@ sample x (its own equations in numpy, the tables at their values) and compared w
 along each dim of x but the last taken as the position, theta read off the angle of the first pair's
 neighbour at position 1 (its rate, theta ** (-2 / H)).  A run that matches none is no rotation of the language
 (interleaved pairs ``x[..., ::2]``, positions offset or scaled, another frequency rule): the caller refuses it
-at its line, as any run of maps that moves elements along a dim.
+at its line, as any run of maps that moves elements along a dim, with how to rewrite it where it is a rotation
+the language could say from positions 0, 1, ... (:func:`rewrite`): positions passed in as an input (MaxText's
+``positions[B, T]`` ints, a cache's offset) or tables of cos and sin passed as arguments, or positions offset
+by a constant (a decode step after a cache).  The op takes no positions operand yet: its angles are each
+element's index along the position dim (a device's block offset by its index on the mesh, no table or positions
+read), so these forms are refused rather than read as a rotation by other positions than the program's.
 """
 
 from __future__ import annotations
@@ -27,8 +32,17 @@ from jax.extend import core as jex
 from shardc.explanation.numpy_prims import evaluate
 from shardc.ops.rotary import THETA, rotate
 
-__all__ = ["enter_constants", "rotation"]
+__all__ = ["enter_constants", "passed_positions", "rewrite", "rotation"]
 
+# how to rewrite a rotation the language would say from positions 0, 1, ... along the sequence
+_PASSED_IN = ("a rotary embedding's angles made from positions passed in (an integer input: MaxText's positions[B, T], "
+              "a cache's offset) or its cos and sin tables passed as arguments: the language's rotary(X, T, theta) "
+              "rotates by each element's position 0, 1, ... along T; make the positions in the function "
+              "(jnp.arange along the sequence) or close over the tables as numpy arrays, and explain that, or "
+              "write the .shard spec with Qr[B, T, N, H] = rotary(Q[B, T, N, H], T, theta)")
+_OFFSET = ("positions that start at {k:g}, not 0 (a decode step after a cache of {k:g} tokens): the language's "
+           "rotary(X, T, theta) counts each position from 0 along T; explain the step with positions from 0 "
+           "(training, or prefill), or write the .shard spec with Qr[B, T, N, H] = rotary(Q[B, T, N, H], T, theta)")
 _LIMIT = 1 << 22  # the most elements of x a check evaluates the run on (the program's sizes: explain a smaller one)
 
 
@@ -70,6 +84,54 @@ def rotation(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any,
     return None
 
 
+def passed_positions(reader: Any, arrays: list[Any]) -> str:
+    """How to rewrite a map refused where it reads an integer input of the program (positions passed in, the
+    angles of MaxText's ``apply_rotary_embedding``: positions / timescale); "" where it reads none."""
+    ints = [a for a in arrays if jnp.issubdtype(reader.base(reader.source(a)).aval.dtype, jnp.integer)]
+    return _PASSED_IN if ints else ""
+
+
+def rewrite(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any) -> str:
+    """How to rewrite the run of ``steps`` over ``source``, where it is rotate-half's form but no rotation of the
+    language: its tables read from an input (:data:`_PASSED_IN`), or its positions offset by a constant (pair
+    0's angle, position times 1 whatever theta, is k at position 0 and k + 1 at 1); "" where it is neither."""
+    if not any(isinstance(e, jex.JaxprEqn) and e.primitive.name == "concatenate" for e, _ in steps):
+        return ""
+    made = {source} | {v for e, _ in steps for v in e.outvars}
+    if any(not isinstance(v, jex.Literal) and reader.base(v) not in made and reader.constants.value(reader, v) is None
+           for e, _ in steps for v in e.invars):
+        return _PASSED_IN
+    view = next((v for e, _ in steps for v in e.invars if not isinstance(v, jex.Literal) and reader.base(v) is source),
+                None)
+    if view is None:
+        return ""
+    shape = tuple(view.aval.shape)  # the view of it the run reads (heads reshaped out of a projection)
+    if not shape or shape[-1] % 2 or math.prod(shape) > _LIMIT:
+        return ""
+    x = np.random.default_rng(0).standard_normal(shape)
+    y = _run(reader, steps, source, x)
+    if y is None or y.shape != shape:
+        return ""
+    x1, x2 = np.split(x, 2, axis=-1)
+    if np.allclose(y, np.concatenate([-x2, x1], axis=-1)):
+        return _PASSED_IN  # rotate_half alone: the tables it is multiplied by are no constants, so passed in
+    offsets = [k for d in range(len(shape) - 1) if shape[d] > 1 and (k := _offset(x, y, d)) is not None]
+    return _OFFSET.format(k=offsets[0]) if offsets else ""
+
+
+def _offset(x: np.ndarray, y: np.ndarray, d: int) -> float | None:
+    """k where the run turns pair 0 (rate 1 whatever theta) by k + t at position t along ``d``, k not 0: k off
+    pair 1's slower angle at position 0 (k * rate, under pi where the offset is a cache's), pair 0's wrapping at
+    2 pi; None where the angles are no such progression."""
+    first, second = _angle(x, y, d, 0, pair=0), _angle(x, y, d, 1, pair=0)
+    if first is None or second is None or abs(first) < 1e-3:
+        return None
+    if abs(math.remainder(second - first - 1, 2 * math.pi)) > 1e-3:
+        return None
+    slow, rate = _angle(x, y, d, 0), (_angle(x, y, d, 1) or 0.0) - (_angle(x, y, d, 0) or 0.0)
+    return round(slow / rate if x.shape[-1] >= 4 and slow is not None and 0 < rate < 1 else first, 2)
+
+
 def _thetas(x: np.ndarray, y: np.ndarray, d: int) -> list[float]:
     """The frequency bases to try: the language's default (where the program's values are its, at their type's
     rounding, the spec need not say another), then the one the run's angles of pair 1 imply (rate theta **
@@ -87,15 +149,15 @@ def _thetas(x: np.ndarray, y: np.ndarray, d: int) -> list[float]:
     return [THETA, float(f"{theta:.5g}"), theta]
 
 
-def _angle(x: np.ndarray, y: np.ndarray, d: int, t: int) -> float | None:
-    """The angle the run turns pair 1 by at position ``t`` along ``d`` (the other dims at 0)."""
+def _angle(x: np.ndarray, y: np.ndarray, d: int, t: int, pair: int = 1) -> float | None:
+    """The angle the run turns ``pair`` by at position ``t`` along ``d`` (the other dims at 0)."""
     at = tuple(t if k == d else 0 for k in range(x.ndim - 1))
     half = x.shape[-1] // 2
-    turned = complex(x[(*at, 1)], x[(*at, 1 + half)])
+    turned = complex(x[(*at, pair)], x[(*at, pair + half)])
     if turned == 0:
         return None
-    pair = complex(y[(*at, 1)], y[(*at, 1 + half)]) / turned
-    return math.atan2(pair.imag, pair.real)
+    ratio = complex(y[(*at, pair)], y[(*at, pair + half)]) / turned
+    return math.atan2(ratio.imag, ratio.real)
 
 
 def _run(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any, x: np.ndarray) -> np.ndarray | None:
