@@ -110,23 +110,24 @@ class HeaderLines:
         return ("stage_layers", counts, token_span(children[0], children[-1]))
 
     def schedule_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("schedule", schedule(children), token_span(children[0], children[-1]))
+        return ("schedule", _schedule(children), token_span(children[0], children[-1]))
 
     def fusion_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("fusion", choice(children[1], "fusion", FUSIONS), token_span(children[0], children[1]))
+        return ("fusion", _choice(children[1], "fusion", FUSIONS), token_span(children[0], children[1]))
 
     def grad_reduce_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("grad_reduce", grad_reduce_line(children, token_span), token_span(children[0], children[-1]))
 
     def attention_kernel_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("attention_kernel", choice(children[1], "attention_kernel", ATTENTION_KERNELS),
+        return ("attention_kernel", _choice(children[1], "attention_kernel", ATTENTION_KERNELS),
                 token_span(children[0], children[1]))
 
     def param_gather_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         return ("param_gather", param_gather_line(children, token_span), token_span(children[0], children[-1]))
 
     def optimizer_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("optimizer", choice(children[1], "optimizer", tuple(ACCOUNTINGS)), token_span(children[0], children[1]))
+        return ("optimizer", _choice(children[1], "optimizer", tuple(ACCOUNTINGS)),
+                token_span(children[0], children[1]))
 
     def zero_line(self, children: list[Token]) -> tuple[str, Any, Span]:
         stage = children[1]
@@ -146,7 +147,7 @@ class Block:
         self.layers, self.span, self.statements = layers, span, statements
 
 
-def choice(token: Token, keyword: str, known: tuple[str, ...]) -> str:
+def _choice(token: Token, keyword: str, known: tuple[str, ...]) -> str:
     """The word of a ``KEYWORD WORD`` line, one of ``known``."""
     word = str(token)
     if word not in known:
@@ -155,11 +156,11 @@ def choice(token: Token, keyword: str, known: tuple[str, ...]) -> str:
     return word
 
 
-def schedule(children: list[Token]) -> Schedule:
+def _schedule(children: list[Token]) -> Schedule:
     """``schedule NAME [V] [sends HOW]``: a known name; V for ``interleaved`` only (at least 2); blocking or
     paired sends under ``1f1b`` only (:mod:`shardc.spec.sends_line`)."""
     if children[-2].type == "SENDS":
-        return replace(schedule(children[:-2]), sends=held_sends(children[1], children[-2], children[-1], token_span))
+        return replace(_schedule(children[:-2]), sends=held_sends(children[1], children[-2], children[-1], token_span))
     word, span = str(children[1]), token_span(children[1])
     if word not in SCHEDULES:
         raise ShardcError(f"unknown pipeline schedule `{word}`", span,

@@ -40,6 +40,7 @@ def join_spans(first: Span | None, last: Span | None) -> Span | None:
 
 
 def token_size(token: Token, what: str) -> int:
+    """The size a token writes (:func:`shardc.spec.lexicon.parse_size`), its error at the token."""
     try:
         return parse_size(str(token), what)
     except ShardcError as err:
