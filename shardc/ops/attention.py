@@ -51,7 +51,7 @@ from shardc.ir.plan import Alternative, Choice, Op, Step
 from shardc.ir.spec import Call, DType, Expr, TensorRef
 from shardc.names import fresh
 from shardc.ops.attention_cost import attention_flops, further_result, kernel_seconds, kernel_traffic
-from shardc.ops.attention_reference import attention_forward, attention_vjp, forward, grad_magnitude, magnitude, vjp
+from shardc.ops.attention_reference import forward, grad_magnitude, magnitude, vjp
 from shardc.ops.balanced_gather import balanced_gather
 from shardc.ops.products import einsum_letters
 from shardc.ops.registry import Builder, Family, Namer, Reference, register
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
-__all__ = ["ATTENTION", "LSE_BYTES", "emit", "attention_forward", "attention_vjp"]
+__all__ = ["ATTENTION", "emit"]
 
 Array = Any
 GRADIENTS = ATTENTION_PARTS[2:]  # dQ, dK, dV, and dQr, dKr: a gradient of each operand in order
