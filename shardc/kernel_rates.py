@@ -85,7 +85,7 @@ TPU_MATMULS = _points(1.97e14, ((1, 4096, 4096, 4096, 1.6613153396399134e14),
 def _kernel(peak: float, measured: tuple[tuple[int, float], ...]) -> tuple[tuple[float, float], ...]:
     """(keys, fraction of ``peak``) of a fused attention kernel measured as (sequence length, FLOPs/s), its
     FLOPs counted as FlashAttention's benchmarks count them (4 B S^2 N H a forward, halved where causal, the
-    backward 2.5 times the forward): the count :mod:`shardc.ops.attention` prices."""
+    backward 2.5 times the forward): the count :mod:`shardc.ops.attention_cost` prices."""
     return tuple((float(keys), rate / peak) for keys, rate in measured)
 
 

@@ -15,7 +15,8 @@ from shardc.costmodel.symbolic import cost_formulas
 from shardc.errors import ShardcError
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Op, Plan
-from shardc.ops.attention import LSE_BYTES, attention_forward, attention_vjp
+from shardc.ops.attention_reference import attention_forward, attention_vjp
+from shardc.ops.ring_attention import LSE_BYTES
 from shardc.planner.zigzag_order import holds
 from shardc.spec import attention_call
 from shardc.spec.attention_call import roles

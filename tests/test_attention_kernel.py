@@ -20,7 +20,7 @@ from shardc.errors import ShardcError
 from shardc.hardware import KERNELS, PRESETS, Hardware
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
-from shardc.ops.attention import kernel_seconds
+from shardc.ops.attention_cost import kernel_seconds
 from shardc.step_cost import StepCost
 
 H100 = 9.89e14

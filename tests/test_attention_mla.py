@@ -14,7 +14,8 @@ import shardc
 from shardc.cli.main import main
 from shardc.errors import ShardcError
 from shardc.ir.plan import Op, Plan
-from shardc.ops.attention import LSE_BYTES, attention_forward, attention_vjp
+from shardc.ops.attention_reference import attention_forward, attention_vjp
+from shardc.ops.ring_attention import LSE_BYTES
 from shardc.spec.attention_call import roles
 
 ROOT = Path(__file__).resolve().parent.parent

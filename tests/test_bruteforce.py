@@ -43,10 +43,11 @@ import shardc
 from shardc.costmodel.fitting import plan_memory
 from shardc.ir.plan import Monomial, Op, Plan, Step, unfused
 from shardc.ir.spec import Call, Contract, Expr, Mesh, MeshAxis, Network, Spec, Statement, TensorRef
+from shardc.planner.candidates import objective
 from shardc.planner.memory_fit import ranked
 from shardc.planner.plan_text import render_explain
-from shardc.planner.planner import objective, shared_search
 from shardc.planner.planner import plan as planner_plan
+from shardc.planner.planner import shared_search
 from shardc.sharding.layout import CostContext, Move, Value
 from shardc.spec.walk import leaves
 from shardc.testing import specs

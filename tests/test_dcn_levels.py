@@ -12,7 +12,7 @@ import pytest
 
 import shardc
 from shardc.ir.plan import Plan
-from shardc.planner import planner
+from shardc.planner import candidates, planner
 from shardc.planner.check import check_plan
 from shardc.sharding.unit import bonded_axes
 from shardc.timing import plan_time
@@ -58,7 +58,7 @@ def test_the_split_mesh_plans_as_the_merged_one(split: Plan) -> None:
     merged = shardc.plan(shardc.parse(MERGED))
     assert _collectives(split) == _collectives(merged)
     assert any(s.axes[:2] == ("W", "Z") for s in split.backward if s.is_collective)
-    assert planner.objective(plan_time(split)) == planner.objective(plan_time(merged))
+    assert candidates.objective(plan_time(split)) == candidates.objective(plan_time(merged))
     assert any("searched as one (WZ)" in n for n in split.notes)
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 
 import shardc
 from shardc.ir.spec import Mesh, MeshAxis
-from shardc.planner import planner
+from shardc.planner import candidates, planner
 from shardc.planner.check import check_plan
 from shardc.sharding.unit import bonded_axes, placements, strip_unit_axes
 from shardc.testing import specs
@@ -75,7 +75,7 @@ def test_on_five_axes_the_plan_is_never_worse_than_the_rules(spec: shardc.Spec) 
     except shardc.ShardcError:
         return  # a spec no sharding plans (the planner says so: tested elsewhere)
     assert check_plan(p) == []
-    assert planner.objective(plan_time(p)) <= planner.objective(plan_time(shardc.plan(spec, strategy="rules")))
+    assert candidates.objective(plan_time(p)) <= candidates.objective(plan_time(shardc.plan(spec, strategy="rules")))
 
 
 FIVE_APART = """mesh P=2, Q=2, R=2, X=2, Y=2

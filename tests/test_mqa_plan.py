@@ -17,7 +17,8 @@ import pytest
 
 import shardc
 from shardc.ir.plan import Plan
-from shardc.planner.planner import objective, plan_candidate
+from shardc.planner.candidates import objective
+from shardc.planner.planner import plan_candidate
 from shardc.timing import plan_time
 from shardc.verification.compare import plan_side
 

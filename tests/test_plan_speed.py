@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 
 import shardc
-from shardc.planner import planner
+from shardc.planner import candidates, planner
 from shardc.testing import specs
 from shardc.timing import plan_time
 
@@ -22,10 +22,10 @@ def _every_candidate_fresh(spec: shardc.Spec) -> shardc.Plan:
     """The plan of least time among every candidate, each planned alone (none skipped): what the planner
     returns before it runs collectives as rings (``collective_matmul=False``), a pass on the plan chosen."""
     first = planner.plan_candidate(spec, "search")
-    weights = planner.candidate_weights(plan_time(first))
-    candidates = [first, *(planner.plan_candidate(spec, "search", w) for w in weights)]
-    candidates.append(planner.plan_candidate(spec, "rules"))
-    return min(candidates, key=lambda p: planner.objective(plan_time(p)))
+    weights = candidates.candidate_weights(plan_time(first))
+    planned = [first, *(planner.plan_candidate(spec, "search", w) for w in weights)]
+    planned.append(planner.plan_candidate(spec, "rules"))
+    return min(planned, key=lambda p: candidates.objective(plan_time(p)))
 
 
 @pytest.mark.slow
@@ -53,7 +53,7 @@ def test_skipping_candidates_with_the_first_ones_steps_changes_no_plan(spec: sha
 def test_memoised_step_seconds_match_a_fresh_count() -> None:
     spec = shardc.parse(DEEP)
     memo: dict[tuple[object, ...], tuple[float, float]] = {}
-    for weights in (planner.SUM, (0.0, 0.0)):
+    for weights in (candidates.SUM, (0.0, 0.0)):
         p = planner.plan_candidate(spec, "search", weights)
         assert plan_time(p, memo=memo) == plan_time(p)
     assert memo  # the second plan read the first's figures

@@ -12,7 +12,7 @@ from shardc.costmodel.cost_report import CostReport
 from shardc.hardware import PRESETS, Hardware
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
-from shardc.ops.attention import attention_forward, attention_vjp
+from shardc.ops.attention_reference import attention_forward, attention_vjp
 from shardc.planner.zigzag_order import holds
 from shardc.spec.attention_call import roles
 

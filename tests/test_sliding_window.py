@@ -19,7 +19,7 @@ from shardc.ir.localops import Attention, Causal, CausalVjp
 from shardc.lowering import run_windows
 from shardc.lowering.sizes import devices_to_check, small_sizes
 from shardc.ops import attention_share
-from shardc.ops.attention import attention_forward
+from shardc.ops.attention_reference import attention_forward
 from shardc.ops.masks import in_window
 from shardc.spec.attention_call import roles
 from shardc.spec.walk import calls

@@ -11,7 +11,7 @@ import pytest
 
 import shardc
 from shardc.ir.plan import Op, Plan, Step
-from shardc.planner import backward, planner
+from shardc.planner import backward, candidates
 from shardc.timing import plan_time
 
 # an embedding plus a learned position table, a layernorm (its cotangent replicated over Y) and a Y-sharded MLP
@@ -55,4 +55,4 @@ def test_no_dearer_than_gathering_to_the_table_layout(planned: Plan, monkeypatch
     monkeypatch.setattr(backward, "_finer", lambda layout, made: layout)  # the gradient made in W_pos's layout
     gathered = shardc.plan(shardc.parse(SPEC))
     assert [str(g) for g in gathered.grads if g.name == "dW_pos"] == ["dW_pos[S, D]{U_X}"]
-    assert planner.objective(plan_time(planned)) <= planner.objective(plan_time(gathered))
+    assert candidates.objective(plan_time(planned)) <= candidates.objective(plan_time(gathered))

@@ -33,28 +33,7 @@ over the query indices a key/value head serves (a group's query heads R, and S w
 where those are sharded they are partial sums, reduced as any gradient is (onto K's and V's
 sharding along T: a ReduceScatter); the ring brings them home whole over its axes.
 
-FLOPs (the steps' :attr:`Family.flops`): the forward is two matmuls, ``Q·K`` and ``P·V``, ``4 B S T N H``
-(each head dim counted where it is contracted; a second pair's ``Qr·Kr`` adds ``2 B S T N J``); with
-``causal`` the chip runs only the unmasked half of the S x T blocks, ``2 B S T N H`` (the count
-FlashAttention's benchmarks use); with ``causal, window W`` (a sliding window: query s sees keys
-s - W < t <= s) only the band of the window's blocks, FlashAttention-2's ``window_size`` skipping the rest
-(:mod:`shardc.ops.attention_share`; no ring form: :mod:`shardc.ops.ring_attention` says why).  The backward
-makes the scores again and runs four more (``dV = P·dO``, ``dP = dO·V``, ``dQ = dS·K``,
-``dK = dS·Q``): 2.5 times the forward's FLOPs on the chip.  Model FLOPs (MFU's) count the whole
-S x T, causal, windowed or not, and the backward as twice the forward (the recomputation not counted): the
-convention of PaLM's MFU (Chowdhery et al. 2022, appendix B: ``6N + 12 L H Q T`` a token) and of
-Megatron-LM's (Narayanan et al. 2021), which the published MFUs shardc is compared with used.  Hardware
-FLOPs (HFU's) are what all the devices run: the unmasked half where causal (a window's band), and the backward's
-recomputed scores (2.5 times the forward).  The kernel runs below the chip's matmul rate, its backward
-below its forward: :func:`kernel_seconds` prices it at the chip's attention figures.  The
-step making the logsumexp is the same kernel as the output's: no FLOPs of its own, and likewise
-the backward's kernel is the first gradient step's, the others its further results.
-
-HBM traffic (:attr:`Family.traffic`): the forward reads Q, K and V and writes O and the
-logsumexp; the backward reads Q, K, V, O, the logsumexp and dO and writes dQ, dK and dV.  The kernel's
-measured rate times whole calls, these reads and writes inside them: its step's bytes, its further results'
-writes with them, take time only where they outlast its FLOPs (:func:`shardc.step_cost.cost_step`, the
-roofline a matmul has).
+FLOPs, the kernel's time and its HBM traffic are :mod:`shardc.ops.attention_cost`'s.
 Lowered as one call of :func:`shardc.lowering.runtime.attention` (or ``attention_grads``; the ring's
 ``ring_attention`` and ``ring_attention_grads``) a step.
 """
@@ -66,19 +45,18 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from shardc.collectives import einsum_flops, piece
 from shardc.errors import ShardcError
 from shardc.ir.localops import ATTENTION_PARTS, Attention
 from shardc.ir.plan import Alternative, Choice, Op, Step
 from shardc.ir.spec import Call, DType, Expr, TensorRef
 from shardc.names import fresh
-from shardc.ops.attention_reference import attention_forward, attention_vjp, forward, grad_magnitude, magnitude, vjp
-from shardc.ops.attention_share import busiest_share, total_share
+from shardc.ops.attention_cost import attention_flops, further_result, kernel_seconds, kernel_traffic
+from shardc.ops.attention_reference import forward, grad_magnitude, magnitude, vjp
 from shardc.ops.balanced_gather import balanced_gather
 from shardc.ops.products import einsum_letters
-from shardc.ops.registry import Builder, Family, Namer, Reference, Sizer, register
+from shardc.ops.registry import Builder, Family, Namer, Reference, register
 from shardc.ops.ring_attention import LSE_BYTES, ring_layouts, transfers
-from shardc.sharding.layout import Value
+from shardc.sharding.layout import CostContext, Value
 from shardc.sharding.search import reshard
 from shardc.spec.attention_call import CAUSAL, Roles, roles
 from shardc.spec.walk import chain_indices
@@ -86,11 +64,10 @@ from shardc.steptime import hidden_from, ring_time
 from shardc.units import fmt_seconds
 
 if TYPE_CHECKING:
-    from shardc.hardware import Hardware
     from shardc.ops.registry import BackwardPass, Node
     from shardc.sharding.phase import Phase
 
-__all__ = ["ATTENTION", "LSE_BYTES", "emit", "kernel_seconds", "attention_forward", "attention_vjp"]
+__all__ = ["ATTENTION", "emit"]
 
 Array = Any
 GRADIENTS = ATTENTION_PARTS[2:]  # dQ, dK, dV, and dQr, dKr: a gradient of each operand in order
@@ -247,20 +224,28 @@ def _form_seconds(phase: Phase, node: Node, r: Roles, form: Form, want: Value, t
     dtypes = {s: ctx.matmul_dtype(r.name for r in s.operands) for s in (kernel, grads)}  # as cost prices them
     compute = kernel_seconds(kernel, size, ctx.hardware, dtypes[kernel])
     backward = kernel_seconds(grads, size, ctx.hardware, dtypes[grads])
-    exposed, hidden = 0.0, ""
-    if form.ring:  # the forward's ring and the backward's
-        sizes = {**ctx.axis_sizes, **(ctx.sizes or {})}
-        for step, seconds in ((kernel, compute), (grads, backward)):
-            ring = transfers(step, size, DType(dtypes[step]).nbytes)
-            assert ring is not None
-            times = ring_time(ring, seconds, ctx.mesh, sizes, ctx.hardware, ctx.links)
-            exposed += times.exposed_s
-            hidden = hidden or f"; a ring step hides its K/V send from {times.hidden_from:,.0f} tokens a device"
+    kernels = ((kernel, compute), (grads, backward))  # the forward's ring and the backward's
+    exposed, hidden = _ring_exposed(ctx, kernels, size, dtypes) if form.ring else (0.0, "")
     if moved > 0 and not form.ring:
         hidden = (f"; the kernel's compute outlasts its moves from "
                   f"{hidden_from(tokens, 2 * moved, compute + backward):,.0f} tokens a device")
     note = f"exposed communication {fmt_seconds(2 * moved + exposed)}{hidden}"
     return (2 * moved + (compute + backward) * ctx.compute_weight + exposed) * ctx.repeats, count, note
+
+
+def _ring_exposed(ctx: CostContext, kernels: tuple[tuple[Step, float], ...], size: Callable[[str], int],
+                  dtypes: dict[Step, str]) -> tuple[float, str]:
+    """The seconds of a ring's K/V sends its kernels (forward and backward, each with its time) do not hide, and
+    the block length from which a ring step hides its send, for ``--explain``."""
+    sizes = {**ctx.axis_sizes, **(ctx.sizes or {})}
+    exposed, hidden = 0.0, ""
+    for step, seconds in kernels:
+        ring = transfers(step, size, DType(dtypes[step]).nbytes)
+        assert ring is not None
+        times = ring_time(ring, seconds, ctx.mesh, sizes, ctx.hardware, ctx.links)
+        exposed += times.exposed_s
+        hidden = hidden or f"; a ring step hides its K/V send from {times.hidden_from:,.0f} tokens a device"
+    return exposed, hidden
 
 
 def _choose(phase: Phase, node: Node, r: Roles, axes: dict[str, tuple[str, ...]], want: Value,
@@ -367,70 +352,6 @@ def _backward(bw: BackwardPass, node: Node, grad: str) -> None:
         bw.settle(x, dst, value)
 
 
-# --- cost: FLOPs and HBM traffic ----------------------------------------------------------------
-
-def _flops(step: Step, size: Callable[[str], Any]) -> tuple[Any, Any, Any]:
-    """(per-device FLOPs, model FLOPs, hardware FLOPs) of a step: see the module's docstring."""
-    assert isinstance(step.fn, Attention)
-    part = step.fn.part
-    if not step.fn.kernel:
-        return 0, 0, 0  # a further result of the kernel another step runs
-    q, k, v = step.operands[:3]
-    keys = tuple(d for d in k.dims if d.name == step.fn.key)
-    queries = (q, step.operands[3]) if step.fn.rope else (q,)  # Q·K: rows x T x H; the second pair's: x J
-    terms = [einsum_flops(((d.name, d.axes) for d in (*x.dims, *keys)), size) for x in queries]
-    scores = (sum(t[0] for t in terms), sum(t[1] for t in terms))
-    r = roles(q.indices, k.indices, v.indices, step.fn.key)
-    rows = tuple(d for d in q.dims if d.name != r.head)
-    values = einsum_flops(((d.name, d.axes) for d in (*rows, *keys, v.dims[-1])), size)  # P·V: rows x T x Hv
-    num, den = busiest_share(step, size)
-    num *= math.prod((size(a) for a in step.fn.ring), start=1)  # a ring's n steps each take a block of T
-    run, of = total_share(step, size)  # all devices together: the causal half of S x T, or a window's band
-    if part == "out":
-        model = scores[1] + values[1]
-        return (scores[0] + values[0]) * num / den, model, model * run / of
-    # the backward's kernel: the scores again, dP = dO·V, dQ = dS·K, dK = dS·Q, dV = P·dO
-    return (3 * scores[0] + 2 * values[0]) * num / den, 2 * scores[1] + 2 * values[1], \
-        (3 * scores[1] + 2 * values[1]) * run / of
-
-
-def kernel_seconds(step: Step, size: Callable[[str], int], hw: Hardware, dtype: str) -> float:
-    """The time of a step's kernel on the chip (0 for the kernel's further results): its FLOPs at the fraction
-    of peak the chip's attention kernel reaches, forward or backward, with the keys a call attends over (K's
-    block along T on the device: T whole, or a ring step's block; a sliding window's W where fewer)
-    (:meth:`Hardware.attention_seconds`).  The one time of the kernel: the cost model's, the planner's choice
-    of form, and the ring's overlap use it."""
-    assert isinstance(step.fn, Attention)
-    flops = _flops(step, size)[0]
-    if not flops:
-        return 0.0
-    keys = next(d for d in step.operands[1].dims if d.name == step.fn.key)
-    block = piece(((size(keys.name), math.prod(size(a) for a in keys.axes)),))
-    # The rates are measured of causal calls by length L (shardc.kernel_rates: FlashAttention's published
-    # figures), a query seeing at most L keys; under a window each sees at most W.  The causal call of length W
-    # has as many partly masked blocks a row for its keys (one over W/2 on average; the window's two over W)
-    # and shorter rows, so its rate is one the windowed kernel reaches at least: W, not T, where W < T
-    seen = block if step.fn.window is None else min(block, step.fn.window)
-    return hw.attention_seconds(float(flops), float(seen), step.fn.part != "out", dtype)
-
-
-def _traffic(step: Step, nbytes: Sizer) -> tuple[tuple[float, ...], float]:
-    """A kernel reads its operands once; its further results (the logsumexp, the other gradients) are
-    written, nothing read again."""
-    assert isinstance(step.fn, Attention)
-    if step.fn.kernel:
-        return tuple(nbytes(o) for o in step.operands), nbytes(step.dst)
-    return tuple(0.0 for _ in step.operands), nbytes(step.dst)
-
-
-def _further(step: Step) -> bool:
-    """A further result of the kernel (the logsumexp, dK, dV): its write is the kernel's, inside the calls its
-    measured rate times, so it counts with the kernel's bytes against its FLOPs
-    (:func:`shardc.fusion.memory_traffic`)."""
-    assert isinstance(step.fn, Attention)
-    return not step.fn.kernel
-
-
 # --- lowering ----------------------------------------------------------------------------------
 
 def emit(step: Step, var: Namer, sizes: dict[str, int] | None = None) -> str:
@@ -477,5 +398,5 @@ ATTENTION = register(Family(
     # a softmax of Q·K: verify feeds it unit-size queries, so the softmax is neither flat nor one-hot
     reference=Reference(forward, vjp, magnitude, grad_magnitude, _arguments, _indices,
                         nonlinear=lambda func: True),
-    operands=_operands, aux_bytes=_aux_bytes, traffic=_traffic, flops=_flops, seconds=kernel_seconds, ring=transfers,
-    fusible=False, further=_further))
+    operands=_operands, aux_bytes=_aux_bytes, traffic=kernel_traffic, flops=attention_flops, seconds=kernel_seconds,
+    ring=transfers, fusible=False, further=further_result))

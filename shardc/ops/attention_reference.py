@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from shardc.ops.masks import in_window
-from shardc.ops.reductions import grad_magnitude as softmax_grad_magnitude
-from shardc.ops.reductions import magnitude as softmax_magnitude
+from shardc.ops.reductions_reference import grad_magnitude as softmax_grad_magnitude
+from shardc.ops.reductions_reference import magnitude as softmax_magnitude
 from shardc.ops.registry import Arrays, Site
 from shardc.spec.attention_call import CAUSAL, Roles, roles
 

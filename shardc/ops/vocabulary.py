@@ -28,7 +28,8 @@ from shardc.ir.localops import Vocab
 from shardc.ir.plan import Step
 from shardc.ir.spec import Call, Expr, TensorRef
 from shardc.names import fresh
-from shardc.ops.reductions import aligned_to, forward, local_length, row_code
+from shardc.ops.reductions import aligned_to, local_length, row_code
+from shardc.ops.reductions_reference import forward
 from shardc.ops.registry import Arrays, Builder, Family, Namer, Reference, Site, Sizer, all_traffic, register
 from shardc.ops.vocab_plans import embed_backward, loss_backward, plan_embed, plan_loss
 from shardc.spec.walk import chain_indices

@@ -1,6 +1,6 @@
 """The fastest plan that fits the chip's memory: the planner's step-time search, constrained.
 
-The planner minimises the step time (:func:`shardc.planner.planner.objective`); what a plan holds
+The planner minimises the step time (:func:`shardc.planner.candidates.objective`); what a plan holds
 per device is counted by ``shardc cost`` (one function, in the cost layer above the planner, handed
 in as ``memory``).  When the fastest plan holds more than the limit (the chip's HBM unless told),
 the planner searches the plans its choices make that differ in what they hold, and takes the
@@ -11,7 +11,7 @@ fastest of those that fit:
   activation again in the backward instead of keeping the gathered copy (``all``, keeping the
   gathered weights across their uses, only holds more);
 - collective matmul off, where it was on: no ring's double buffer of blocks in flight;
-- each of the search's candidate plans (:func:`shardc.planner.planner.candidate_weights`, the
+- each of the search's candidate plans (:func:`shardc.planner.candidates.candidate_weights`, the
   book's rules), not only the fastest: their einsums keep other copies of a weight or an activation
   gathered, and leave the weight gradients' sums in other layouts.
 

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import replace
@@ -23,9 +22,9 @@ from shardc.ir.plan import Plan, Sections, Step
 from shardc.ir.spec import Spec, TensorRef, parse_topology
 from shardc.ops.registry import Node
 from shardc.ops.ring_attention import window_ring_notes
-from shardc.phase_time import PhaseTime
 from shardc.pipeline.boundary import check_microbatches
-from shardc.planner.backward import plan_backward
+from shardc.planner.backward import Backward, plan_backward
+from shardc.planner.candidates import SUM, Weights, candidate_weights, objective, same_steps, weigh
 from shardc.planner.chain import choose_chain
 from shardc.planner.collective_matmul import fuse_collective_matmuls
 from shardc.planner.contexts import search_context, shared_context, shared_search, sharing, stage_run_of, tensor_infos
@@ -37,7 +36,6 @@ from shardc.planner.padding import padding_notes
 from shardc.planner.recompute import attention_region, checkpoints, named_values, policy, recompute_steps
 from shardc.planner.zero import plan_optimizer, zero3_spec, zero_axes, zero_params
 from shardc.planner.zigzag_order import balances, hold_zigzag, holds, may_hold
-from shardc.sharding.einsum import Solution
 from shardc.sharding.layout import CostContext, SearchTooLong, Value
 from shardc.sharding.phase import Phase, Traced
 from shardc.sharding.unit import (
@@ -54,7 +52,7 @@ from shardc.step_cost import StepCost
 from shardc.timing import PlanTime, plan_time
 from shardc.topology import check_topology
 
-__all__ = ["plan", "plan_candidate", "candidate_weights", "objective", "shared_search", "SAVE_POLICIES"]
+__all__ = ["plan", "plan_candidate", "shared_search", "SAVE_POLICIES"]
 
 SAVE_POLICIES = ("default", "none", "all")
 # The search work (states settled, configurations tried, moves built: CostContext.tick) the
@@ -66,12 +64,6 @@ SAVE_POLICIES = ("default", "none", "all")
 # about as long as the 30 s the search once allowed (benchmarks/plan_speed.py).
 BUDGET = 300_000
 STRATEGIES = ("auto", "search", "rules")
-# How much the search counts a second of compute beside one of communication, per phase
-# (forward, backward): their sum first, which bounds a phase's max(compute, comm) within 2x.
-# A phase's weight is compute's, or (compute's, the collectives issued ahead's): see candidate_weights.
-PhaseWeight = float | tuple[float, float]
-Weights = tuple[PhaseWeight, PhaseWeight]
-SUM: Weights = (1.0, 1.0)
 
 
 def plan(spec: Spec, save: str = "default", strategy: str = "auto", hardware: str | Hardware | None = None,
@@ -267,7 +259,7 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctxs: tuple[CostContext, ...
         t = timed(first)
         candidates = [(objective(t), first)]
         for strategy, weights in [("search", w) for w in candidate_weights(t)] + [("rules", SUM)] * rules:
-            if _same_steps(graph, ctx, trace, strategy, weights):
+            if same_steps(graph, ctx, trace, strategy, weights):
                 continue  # the first's steps, so its time: the tie goes to the first anyway
             p = _plan(spec, graph, save, strategy, ctx, weights, notes=False, recompute=recompute)
             candidates.append((objective(timed(p)), p))
@@ -280,33 +272,6 @@ def _best_plan(spec: Spec, graph: Graph, save: str, ctxs: tuple[CostContext, ...
     ordered = remembered((spec, save, recompute, outer, ctxs[0].zigzag_held, tuple(map(id, ctxs))), search)
     best = ordered[candidate_rank(len(ordered))]
     return replace(best, notes=_notes(spec, best.forward + best.backward + best.optimizer, ctxs[0]))
-
-
-def candidate_weights(t: PlanTime) -> list[Weights]:
-    """The weights :func:`plan` searches under after the sum's plan, whose times are ``t``.
-
-    Per phase, compute weighted 0 if that plan left it communication-bound (1 if not), and
-    communication alone in both; on the chip's model (:func:`shardc.phase_time.phase_seconds`: the
-    collectives issued ahead overlap the phase's compute, the others add to it), also the phase's
-    slope there: where its compute hides what is issued ahead, a second of that costs nothing at the
-    margin and a second of compute or of an exposed collective costs one.
-    """
-    bound = (0.0 if t.forward.comm_s > t.forward.busy_s else 1.0,
-             0.0 if t.backward.comm_s > t.backward.busy_s else 1.0)
-    weights: list[Weights] = [bound, (0.0, 0.0)]
-    if not t.forward.book:
-        weights.append((_slope(t.forward, bound[0]), _slope(t.backward, bound[1])))
-    return [w for w in dict.fromkeys(weights) if w != SUM]
-
-
-def _slope(phase: PhaseTime, weight: float) -> PhaseWeight:
-    """(1, 0) where ``phase``'s compute hides its collectives issued ahead, else ``weight``."""
-    return (1.0, 0.0) if phase.ahead_s < phase.busy_s else weight
-
-
-def _weigh(ctx: CostContext, weight: PhaseWeight) -> None:
-    """Set the search's weights for one phase (a float: compute's, the collectives' all 1)."""
-    ctx.compute_weight, ctx.ahead_weight = (float(weight), 1.0) if isinstance(weight, float | int) else weight
 
 
 def plan_candidate(spec: Spec, strategy: str, weights: Weights = SUM,
@@ -331,50 +296,6 @@ def plan_candidate(spec: Spec, strategy: str, weights: Weights = SUM,
     return _plan(spec, graph, "default", strategy, ctx, weights)
 
 
-def _same_steps(graph: Graph, ctx: CostContext, trace: list[Traced], strategy: str, weights: Weights) -> bool:
-    """Whether planning with ``strategy`` and ``weights`` makes the steps the traced plan made.
-
-    A phase's steps follow from its einsums' solutions alone (every other move is a
-    reshard, the same under any weights), and each solution from the values the phase
-    holds, which the earlier solutions made.  So if every solve the traced plan made
-    gives the same moves again, in order, the plans' steps are equal.  A chain's
-    layouts are chosen by their own search, so a spec with one is planned again.
-    """
-    if any(node.chain for node in graph.nodes):
-        return False
-    if strategy == "rules" and any(node.signs for node in graph.nodes):
-        return False  # a sum's local value is searched with sizes, and taken by a rule without
-    done: set[object] = set()
-    for key, problem, given, solution in trace:
-        if key in done:
-            continue
-        done.add(key)
-        name = key[4]  # type: ignore[index]  # the phase, see Phase.key
-        _weigh(ctx, weights[0 if name == "forward" else 1])
-        phase = Phase(name, ctx, {}, strategy == "search", frozenset())  # type: ignore[arg-type]
-        again = phase.solve(problem, given)[0]
-        if _moves(again) != _moves(solution):
-            _weigh(ctx, SUM[1])
-            return False
-    _weigh(ctx, SUM[1])
-    return True
-
-
-def _moves(s: Solution) -> tuple[object, ...]:
-    """What of a solution becomes steps (its cost, under other weights, may differ)."""
-    return (s.operand_moves, s.locals, s.local_result, s.result_moves)
-
-
-def objective(t: PlanTime) -> tuple[float, float]:
-    """What :func:`plan` minimises over its candidates: step time then communication, rounded so
-    float noise between equal plans does not decide."""
-    return (_rounded(t.step_s), _rounded(t.comm_s))
-
-
-def _rounded(x: float) -> float:
-    return 0.0 if x == 0 else round(x, 9 - int(math.floor(math.log10(abs(x)))))
-
-
 def _notes(spec: Spec, steps: tuple[Step, ...], ctx: CostContext) -> tuple[str, ...]:
     """The plan's notes: padded dims, windowed attention without a ring, and the search's restriction on a
     mesh of many axes."""
@@ -394,19 +315,10 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     forward = Phase("forward", ctx, dict(graph.indices), sized, graph.params, trace=trace)
     for name in graph.inputs:
         forward.hold(name, Value.of(declared[name]))
-    _weigh(ctx, weights[0])
+    weigh(ctx, weights[0])
     _plan_forward(forward, graph, declared, spec)
-    _weigh(ctx, weights[1])
-    shards = zero_params(spec, graph.params, declared) if spec.zero is not None and spec.zero.stage < 3 else {}
-    stage = spec.zero.stage if spec.zero is not None else 0
-    partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
-               for p, layout in shards.items()} if stage == 1 else {}
-    backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {},
-                             node_blocks(spec, graph))
-    _weigh(ctx, SUM[1])
-    optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
-    made = {g.name: g for g in backward.grads}
-    opt = plan_optimizer(optimizer, shards, declared, {p: made[graph.grads[p]] for p in shards})
+    weigh(ctx, weights[1])
+    backward, opt = _backward_and_optimizer(spec, graph, forward, declared, save, sized)
     sizes = None
     if spec.dims:
         sizes = tuple(spec.dims) + tuple((a.name, a.size) for a in spec.mesh.axes)
@@ -415,12 +327,7 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
     fwd = fold_redundant(tuple(forward.steps), frozenset(graph.declared.values()) | set(backward.residuals))
     declared = settle_intermediates(fwd, declared, frozenset(graph.declared))
     bwd = fold_redundant(tuple(backward.phase.steps), frozenset(backward.grads))
-    region = attention_region(graph) if recompute == "selective" else frozenset()
-    start = [declared[n] for n in checkpoints(graph.inputs, spec, recompute)]  # under full, each layer's input
-    rule = policy(recompute, graph.params)
-    again = recompute_steps(rule.mode, fwd, backward.residuals, start, region, frozenset(graph.params), rule.rerun,
-                            named_values(graph, spec.recompute), ctx.hardware.reruns_layers, rule.keeps_attention,
-                            rule.alternate)
+    again = _recomputed(spec, graph, fwd, backward.residuals, declared, recompute, ctx.hardware.reruns_layers)
     bwd = share_recomputed(again, bwd)
     return Plan(
         spec=spec,
@@ -449,6 +356,33 @@ def _plan(spec: Spec, graph: Graph, save: str, strategy: str, ctx: CostContext,
         gemms=tuple(graph.gemms.items()),
         sections=Sections.of(fwd, bwd, again),
     )
+
+
+def _backward_and_optimizer(spec: Spec, graph: Graph, forward: Phase, declared: dict[str, TensorRef], save: str,
+                            sized: bool) -> tuple[Backward, tuple[Step, ...]]:
+    """The backward after ``forward``, and ZeRO-1/2's optimizer phase over the params' shards
+    (:mod:`shardc.planner.zero`)."""
+    ctx = forward.ctx
+    shards = zero_params(spec, graph.params, declared) if spec.zero is not None and spec.zero.stage < 3 else {}
+    stage = spec.zero.stage if spec.zero is not None else 0
+    partial = {p: (tuple(a for a in zero_axes(spec) if a not in Value(declared[p].layout).used()), layout)
+               for p, layout in shards.items()} if stage == 1 else {}
+    backward = plan_backward(graph, forward, declared, save, partial, shards if stage == 2 else {},
+                             node_blocks(spec, graph))
+    weigh(ctx, SUM[1])
+    optimizer = Phase("optimizer", ctx, dict(backward.phase.indices), sized, frozenset())
+    made = {g.name: g for g in backward.grads}
+    return backward, plan_optimizer(optimizer, shards, declared, {p: made[graph.grads[p]] for p in shards})
+
+
+def _recomputed(spec: Spec, graph: Graph, fwd: tuple[Step, ...], residuals: tuple[TensorRef, ...],
+                declared: dict[str, TensorRef], recompute: str, whole_layers: bool) -> tuple[Step, ...]:
+    """The forward steps the backward runs again under ``recompute`` (:mod:`shardc.planner.recompute`)."""
+    region = attention_region(graph) if recompute == "selective" else frozenset()
+    start = [declared[n] for n in checkpoints(graph.inputs, spec, recompute)]  # under full, each layer's input
+    rule = policy(recompute, graph.params)
+    return recompute_steps(rule.mode, fwd, residuals, start, region, frozenset(graph.params), rule.rerun,
+                           named_values(graph, spec.recompute), whole_layers, rule.keeps_attention, rule.alternate)
 
 
 def _plan_forward(phase: Phase, graph: Graph, declared: dict[str, TensorRef], spec: Spec) -> None:

@@ -43,7 +43,7 @@ class Phase:
     choices: list[Choice] = field(default_factory=list)
     solved: dict[object, tuple[Solution, tuple[tuple[Alternative, ...], str]]] = field(default_factory=dict)
     sums: dict[object, object] = field(default_factory=dict)  # the sums searched (by the sums family, shardc.ops.sums)
-    # every solve's (key, problem, given values, solution), in order: see planner._same_steps
+    # every solve's (key, problem, given values, solution), in order: see shardc.planner.candidates.same_steps
     trace: list[Traced] | None = None
     # tensor -> the (value, contracted indices, type) its GEMMs of a `gemm` type quantized it for (Operand.quantized)
     quantized: dict[str, set[tuple[Value, frozenset[str], DType]]] = field(default_factory=dict)

@@ -33,45 +33,35 @@ from __future__ import annotations
 
 import re
 import threading
-from dataclasses import replace
 from typing import Any
 
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedInput, VisitError
 
-from shardc.accountings import ACCOUNTINGS
-from shardc.errors import ShardcError, Span, clip
+from shardc.errors import ShardcError, Span
 from shardc.ir.spec import (
-    ATTENTION_KERNELS,
-    FUSIONS,
-    SCHEDULES,
     Add,
     Call,
     Contract,
     Dim,
     DType,
     Expr,
-    Mesh,
-    MeshAxis,
-    Network,
-    Schedule,
     Spec,
     Statement,
     TensorRef,
-    Zero,
-    parse_topology,
 )
 from shardc.spec.call_args import IndexArg, NumberArg, WindowArg, sort_args
-from shardc.spec.dtypes import dtype_line, merge_dtypes
-from shardc.spec.grad_reduce import grad_reduce_line
+from shardc.spec.dtypes import merge_dtypes
+from shardc.spec.header_lines import Block, HeaderLines
 from shardc.spec.lexicon import MAX_SIZE, cache_file, grammar_text, parse_size
-from shardc.spec.param_gather import param_gather_line
-from shardc.spec.sends_line import held_sends
+from shardc.spec.source_spans import join_spans, parsing, token_size, token_span
 from shardc.spec.syntax_errors import syntax_error
 from shardc.spec.validate import validate
 
 __all__ = ["parse", "parse_size", "grammar_text", "MAX_SIZE"]
 
+# the header lines that may repeat, merging in order (any other kind is given once)
+_MERGED = ("dims", "param", "const", "recompute", "dtype_tensors", "gemm_tensors")
 MAX_NESTING = 48  # parentheses deeper than this are an error: keeps every pass far from the recursion limit
 _AXIS_RUN_RE = re.compile(r"[A-Za-z]+")
 _DIM_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*")
@@ -106,7 +96,7 @@ def parse_unchecked(text: str, filename: str | None = None) -> Spec:
     text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark, which open(..., encoding="utf-8") keeps
     lines = [line.rstrip("\r") for line in text.split("\n")]  # lark counts lines by newlines only
     _check_nesting(lines, filename)
-    _local.lines, _local.filename = lines, filename
+    parsing.lines, parsing.filename = lines, filename
     try:
         spec = _get_parser().parse(text if text.endswith("\n") else text + "\n")
     except VisitError as err:  # a transformer callback raised: lark wraps it (tree mode only)
@@ -116,7 +106,7 @@ def parse_unchecked(text: str, filename: str | None = None) -> Spec:
     except UnexpectedInput as err:
         raise syntax_error(err, lines, filename) from None
     finally:
-        _local.lines, _local.filename = None, None
+        parsing.lines, parsing.filename = None, None
     assert isinstance(spec, Spec)
     return spec
 
@@ -133,34 +123,7 @@ def _check_nesting(lines: list[str], filename: str | None) -> None:
                                   fix="split the expression into several statements")
 
 
-def _span(token: Token, end: Token | None = None) -> Span:
-    """The span of a token, or from ``token`` to the end of ``end`` when they share a line."""
-    lines: list[str] = _local.lines
-    line = token.line or 1
-    column = token.column or 1
-    length = len(str(token)) or 1
-    if end is not None and end.line == line and end.end_column is not None:
-        length = max(1, end.end_column - column)
-    source = lines[line - 1] if 0 < line <= len(lines) else None
-    return Span(line, column, length, _local.filename, source)
-
-
-def _join(first: Span | None, last: Span | None) -> Span | None:
-    """A span from the start of ``first`` to the end of ``last`` (same line)."""
-    if first is None or last is None or first.line != last.line:
-        return first
-    return Span(first.line, first.column, last.column + last.length - first.column,
-                first.filename, first.source_line)
-
-
-def _size(token: Token, what: str) -> int:
-    try:
-        return parse_size(str(token), what)
-    except ShardcError as err:
-        raise err.with_span(_span(token)) from None
-
-
-class _Builder(Transformer[Token, Any]):
+class _Builder(HeaderLines, Transformer[Token, Any]):
     """Lark callbacks, one per grammar rule, building IR bottom-up during the LALR parse."""
 
     # --- tensors and dims -------------------------------------------------------------
@@ -168,9 +131,9 @@ class _Builder(Transformer[Token, Any]):
         head = children[0]
         if head.type == "BRACED_DIM":
             axes = tuple(str(t) for t in children[1:] if t.type == "NAME")
-            return Dim(str(head)[:-2], axes, span=_span(head, children[-1]))
+            return Dim(str(head)[:-2], axes, span=token_span(head, children[-1]))
         name, underscore, run = str(head).partition("_")
-        span = _span(head)
+        span = token_span(head)
         if not _DIM_NAME_RE.fullmatch(name):
             raise ShardcError(f"`{head}` is not a dim: a dim name starts with a letter", span,
                               fix="write a dim as B, B_XY or B_{data,model}")
@@ -190,12 +153,12 @@ class _Builder(Transformer[Token, Any]):
         end: Token = children[close]
         if len(children) > close + 1:  # the `{U_..}` suffix, lexed as a dim named U
             suffix: Dim = children[close + 2]
-            end, suffix_span = children[-1], _span(children[close + 1], children[-1])
+            end, suffix_span = children[-1], token_span(children[close + 1], children[-1])
             if suffix.name != "U" or not suffix.axes:
                 raise ShardcError(f"`{{{suffix}}}` after {name}[...] is not an unreduced mark", suffix_span,
                                   fix="write {U_X}, {U_XY} or {U_{data,model}} for partial sums over axes")
             unreduced = suffix.axes
-        return TensorRef(str(name), dims, unreduced, span=_span(name, end), unreduced_span=suffix_span)
+        return TensorRef(str(name), dims, unreduced, span=token_span(name, end), unreduced_span=suffix_span)
 
     # --- expressions ------------------------------------------------------------------
     def expr(self, children: list[Any]) -> Expr:
@@ -204,7 +167,7 @@ class _Builder(Transformer[Token, Any]):
             result: Expr = terms[0]
             return result
         signs = (1, *(1 if str(c) == "+" else -1 for c in children if isinstance(c, Token)))
-        return Add(terms, signs, span=_join(terms[0].span, terms[-1].span))
+        return Add(terms, signs, span=join_spans(terms[0].span, terms[-1].span))
 
     def product(self, children: list[Any]) -> Expr:
         operands = tuple(c for c in children if not isinstance(c, Token))
@@ -212,26 +175,27 @@ class _Builder(Transformer[Token, Any]):
             result: Expr = operands[0]
             return result
         op = next(str(c) for c in children if isinstance(c, Token))
-        return Contract(operands, op=op, span=_join(operands[0].span, operands[-1].span))
+        return Contract(operands, op=op, span=join_spans(operands[0].span, operands[-1].span))
 
     def group(self, children: list[Any]) -> Expr:
         result: Expr = children[1]
         return result
 
     def index_arg(self, children: list[Token]) -> IndexArg:
-        return IndexArg(str(children[0]), _span(children[0]))
+        return IndexArg(str(children[0]), token_span(children[0]))
 
     def number_arg(self, children: list[Token]) -> NumberArg:
         *sign, token = children  # a sign where one is written: shift(X, -1)
         try:
             value = float(str(token).replace("_", "")) * (-1.0 if [str(c) for c in sign] == ["-"] else 1.0)
         except ValueError:
-            raise ShardcError(f"`{token}` is not a number", _span(token), fix="write a number such as 0.1") from None
-        return NumberArg(value, _span(sign[0], token) if sign else _span(token))
+            raise ShardcError(f"`{token}` is not a number", token_span(token),
+                              fix="write a number such as 0.1") from None
+        return NumberArg(value, token_span(sign[0], token) if sign else token_span(token))
 
     def window_arg(self, children: list[Token]) -> WindowArg:
         """``window W``: W keys, a positive whole number."""
-        return WindowArg(_size(children[1], "a sliding window"), _span(children[0], children[1]))
+        return WindowArg(token_size(children[1], "a sliding window"), token_span(children[0], children[1]))
 
     def call(self, children: list[Any]) -> Call:
         name, close = children[0], children[-1]
@@ -242,167 +206,27 @@ class _Builder(Transformer[Token, Any]):
         if len(windows) > 1:
             raise ShardcError(f"`{name}(...)` has two windows", windows[1].span, fix="give one `window W`")
         exprs, names, numbers = sort_args(str(name), args)
-        return Call(str(name), exprs[0], span=_span(name, close), more=tuple(exprs[1:]),
+        return Call(str(name), exprs[0], span=token_span(name, close), more=tuple(exprs[1:]),
                     names=tuple(names), numbers=tuple(numbers), over=over,
                     window=windows[0].value if windows else None)
 
     def assign(self, children: list[Any]) -> Statement:
         result, expr = children[0], children[2]
-        return Statement(result, expr, arrow=False, span=_join(result.span, expr.span))
+        return Statement(result, expr, arrow=False, span=join_spans(result.span, expr.span))
 
     def chain(self, children: list[Any]) -> Statement:
         expr, result = children[0], children[2]
-        return Statement(result, expr, arrow=True, span=_join(expr.span, result.span))
-
-    # --- header lines -----------------------------------------------------------------
-    def mesh_axis(self, children: list[Token]) -> MeshAxis:
-        pipeline = len(children) > 3 and children[3].type == "PIPELINE"
-        if pipeline:
-            children = children[:3] + children[4:]
-        name, size = children[0], children[2]
-        network = Network.ICI
-        if len(children) > 3:
-            word = children[4]
-            if str(word) not in ("dcn", "ici"):
-                raise ShardcError(f"unknown network `{word}` for mesh axis {name}", _span(word),
-                                  fix="write `over dcn` for an axis whose collectives cross the data-centre "
-                                  "network, or nothing for the fast links")
-            network = Network(str(word))
-        return MeshAxis(str(name), _size(size, f"mesh axis {name}"), network, span=_span(name, children[-1]),
-                        pipeline=pipeline)
-
-    def mesh_line(self, children: list[Any]) -> tuple[str, Any, Span]:
-        axes = tuple(c for c in children if isinstance(c, MeshAxis))
-        return ("mesh", Mesh(axes), _span(children[0]))
-
-    def dim_size(self, children: list[Token]) -> tuple[str, int, Span]:
-        name = children[0]
-        return (str(name), _size(children[2], f"dim {name}"), _span(name, children[2]))
-
-    def dims_line(self, children: list[Any]) -> tuple[str, Any, Span]:
-        return ("dims", [c for c in children if isinstance(c, tuple)], _span(children[0]))
-
-    def dtype_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return dtype_line(children, _span)
-
-    def gemm_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return dtype_line(children, _span)
-
-    def param_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
-        return ("param", names, _span(children[0]))
-
-    def const_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
-        return ("const", names, _span(children[0]))
-
-    def recompute_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        names = [(str(t), _span(t)) for t in children[1:] if t.type == "NAME"]
-        return ("recompute", names, _span(children[0]))
-
-    def hardware_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("hardware", str(children[1]), _span(children[0]))
-
-    def topology_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("topology", parse_topology(str(children[1]), _span(children[1])), _span(children[0], children[1]))
-
-    def layers_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        word = children[1]
-        value: int | str = _size(word, "layers") if word.type == "SIZE" else str(word)
-        return ("layers", value, _span(children[0], word))
-
-    def layers_block(self, children: list[Any]) -> _Block:
-        word = children[1]
-        value: int | str = _size(word, "layers") if word.type == "SIZE" else str(word)
-        body = [c for c in children if isinstance(c, Statement)]
-        return _Block(value, _span(children[0], word), body)
-
-    def microbatches_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("microbatches", _size(children[1], "microbatches"), _span(children[0], children[1]))
-
-    def stage_layers_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        counts = tuple(_size(c, "stage_layers") for c in children[1:] if c.type == "SIZE")
-        return ("stage_layers", counts, _span(children[0], children[-1]))
-
-    def schedule_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("schedule", _schedule(children), _span(children[0], children[-1]))
-
-    def fusion_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("fusion", _choice(children[1], "fusion", FUSIONS), _span(children[0], children[1]))
-
-    def grad_reduce_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("grad_reduce", grad_reduce_line(children, _span), _span(children[0], children[-1]))
-
-    def attention_kernel_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("attention_kernel", _choice(children[1], "attention_kernel", ATTENTION_KERNELS),
-                _span(children[0], children[1]))
-
-    def param_gather_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("param_gather", param_gather_line(children, _span), _span(children[0], children[-1]))
-
-    def optimizer_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        return ("optimizer", _choice(children[1], "optimizer", tuple(ACCOUNTINGS)), _span(children[0], children[1]))
-
-    def zero_line(self, children: list[Token]) -> tuple[str, Any, Span]:
-        stage = children[1]
-        if str(stage) not in ("1", "2", "3"):
-            raise ShardcError(f"`zero {stage}`: ZeRO has stages 1, 2 and 3", _span(stage),
-                              fix="write `zero 1 over X` (optimizer state), `zero 2 over X` (and gradients) "
-                                  "or `zero 3 over X` (and params)")
-        axes = tuple(str(t) for t in children[3:] if t.type == "NAME")
-        return ("zero", Zero(int(str(stage)), axes, span=_span(children[0], children[-1])),
-                _span(children[0], children[-1]))
+        return Statement(result, expr, arrow=True, span=join_spans(expr.span, result.span))
 
     def start(self, children: list[Any]) -> Spec:
         return _build_spec([c for c in children if not isinstance(c, Token)])
-
-
-class _Block:
-    """``layers L {`` statements ``}``, while parsing."""
-
-    def __init__(self, layers: int | str, span: Span, statements: list[Statement]) -> None:
-        self.layers, self.span, self.statements = layers, span, statements
-
-
-def _choice(token: Token, keyword: str, known: tuple[str, ...]) -> str:
-    """The word of a ``KEYWORD WORD`` line, one of ``known``."""
-    word = str(token)
-    if word not in known:
-        raise ShardcError(f"unknown {keyword} `{clip(word)}`", _span(token),
-                          fix="use one of " + ", ".join(f"`{keyword} {k}`" for k in known))
-    return word
-
-
-def _schedule(children: list[Token]) -> Schedule:
-    """``schedule NAME [V] [sends HOW]``: a known name; V for ``interleaved`` only (at least 2); blocking or
-    paired sends under ``1f1b`` only (:mod:`shardc.spec.sends_line`)."""
-    if children[-2].type == "SENDS":
-        return replace(_schedule(children[:-2]), sends=held_sends(children[1], children[-2], children[-1], _span))
-    word, span = str(children[1]), _span(children[1])
-    if word not in SCHEDULES:
-        raise ShardcError(f"unknown pipeline schedule `{word}`", span,
-                          fix="use one of gpipe, 1f1b, interleaved V, zb-h1, zbv, dualpipe, dualpipev")
-    if word != "interleaved":
-        if len(children) > 2:
-            raise ShardcError(f"schedule {word} takes no number", _span(children[2]),
-                              fix=f"write `schedule {word}`; only `interleaved V` has virtual stages")
-        return Schedule(word, span=span)
-    if len(children) < 3:
-        raise ShardcError("schedule interleaved needs its virtual stages per device", span,
-                          fix="write e.g. `schedule interleaved 2`")
-    virtual = _size(children[2], "schedule interleaved")
-    if virtual < 2:
-        raise ShardcError("interleaved needs at least 2 virtual stages a device", _span(children[2]),
-                          fix="write `schedule interleaved 2`, or `schedule 1f1b` for one stage a device")
-    return Schedule(word, virtual, span=span)
 
 
 def _build_spec(items: list[Any]) -> Spec:
     """Gather the lines into a Spec: header lines merge or must be unique, statements keep order."""
     statements: list[Statement] = []
     seen: dict[str, Span] = {}
-    header: dict[str, Any] = {"dims": [], "param": None, "const": [], "recompute": [], "dtype_tensors": [],
-                              "gemm_tensors": []}
+    header: dict[str, Any] = {kind: [] for kind in _MERGED} | {"param": None}
     spans: list[tuple[str, Span]] = []
     block: tuple[int, int] | None = None
     more: list[tuple[int, int, int | str]] = []
@@ -410,7 +234,7 @@ def _build_spec(items: list[Any]) -> Spec:
         if isinstance(item, Statement):
             statements.append(item)
             continue
-        if isinstance(item, _Block):
+        if isinstance(item, Block):
             if not item.statements:
                 raise ShardcError("`layers` block has no statements", item.span,
                                   fix="put the statements of one layer between `{` and `}`")
@@ -423,28 +247,41 @@ def _build_spec(items: list[Any]) -> Spec:
             block = where
             item = ("layers", item.layers, item.span)
         kind, value, span = item
-        if kind in seen and kind not in ("dims", "param", "const", "recompute", "dtype_tensors", "gemm_tensors"):
+        if kind in seen and kind not in _MERGED:
             raise ShardcError(f"`{kind}` is given twice (first on line {seen[kind].line})", span,
                               fix=f"keep one `{kind}` line")
         seen.setdefault(kind, span)
         spans.append((kind, span))
-        if kind == "dims":
-            header["dims"].extend((name, size) for name, size, _ in value)
-            spans.extend((f"dim:{name}", s) for name, _, s in value)
-        elif kind == "param":
-            header["param"] = (header["param"] or []) + [name for name, _ in value]
-            spans.extend((f"param:{name}", s) for name, s in value)
-        elif kind in ("dtype_tensors", "gemm_tensors"):
-            merge_dtypes(value, header[kind], spans, kind.removesuffix("_tensors"))
-        elif kind in ("const", "recompute"):
-            header[kind] += [name for name, _ in value]
-            spans.extend((f"{kind}:{name}", s) for name, s in value)
-        else:
-            header[kind] = value
+        _merge(header, spans, kind, value)
     if "mesh" not in header:
-        lines: list[str] = _local.lines
-        raise ShardcError("the spec has no `mesh` line", Span(1, 1, 1, _local.filename, lines[0]),
+        lines: list[str] = parsing.lines
+        raise ShardcError("the spec has no `mesh` line", Span(1, 1, 1, parsing.filename, lines[0]),
                           fix="start the spec with the device mesh, e.g. `mesh X=16, Y=4`")
+    return _spec(statements, header, spans, block, more)
+
+
+def _merge(header: dict[str, Any], spans: list[tuple[str, Span]], kind: str, value: Any) -> None:
+    """One header line into ``header``: a line that may repeat (:data:`_MERGED`) adds to the ones before, with
+    a span for each name it gives; any other is the spec's one line of its kind."""
+    if kind == "dims":
+        header["dims"].extend((name, size) for name, size, _ in value)
+        spans.extend((f"dim:{name}", s) for name, _, s in value)
+    elif kind == "param":
+        header["param"] = (header["param"] or []) + [name for name, _ in value]
+        spans.extend((f"param:{name}", s) for name, s in value)
+    elif kind in ("dtype_tensors", "gemm_tensors"):
+        merge_dtypes(value, header[kind], spans, kind.removesuffix("_tensors"))
+    elif kind in ("const", "recompute"):
+        header[kind] += [name for name, _ in value]
+        spans.extend((f"{kind}:{name}", s) for name, s in value)
+    else:
+        header[kind] = value
+
+
+def _spec(statements: list[Statement], header: dict[str, Any], spans: list[tuple[str, Span]],
+          block: tuple[int, int] | None, more: list[tuple[int, int, int | str]]) -> Spec:
+    """The spec of the gathered lines: ``block`` the first ``layers`` block's statements, ``more`` the later
+    blocks' with their layer counts."""
     params = header["param"]
     grad_reduce, reduce_dtype = header.get("grad_reduce", (None, None))
     param_gather, gather_dtype = header.get("param_gather", (None, None))
@@ -475,6 +312,6 @@ def _build_spec(items: list[Any]) -> Spec:
         tensor_dtypes=tuple(header["dtype_tensors"]),
         gemm=header.get("gemm"),
         gemm_tensors=tuple(header["gemm_tensors"]),
-        filename=_local.filename,
+        filename=parsing.filename,
         header_spans=tuple(spans),
     )
