@@ -4,6 +4,8 @@ An input with the batch dim stays refused (tests/test_robust.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import shardc
@@ -301,3 +303,36 @@ def test_a_rider_made_last_before_the_block_is_refused_saying_to_make_it_first()
         check_lowerable(shardc.plan(shardc.parse(late, "late.shard")))
     assert err.value.span is not None and err.value.span.line == 9
     assert err.value.fix == "make E before X0, so that X0 is made last before the block"
+
+
+@pytest.fixture(scope="module")
+def ride_costs() -> tuple[Any, Any]:
+    """The pipeline costs of RIDE and of ENDS (the same spec without the rider), under 1F1B."""
+    return tuple(shardc.cost(shardc.plan(shardc.parse(text.format(schedule="1f1b")))).pipeline
+                 for text in (RIDE, ENDS))
+
+
+def test_a_riders_send_buffers_are_in_each_stages_memory(ride_costs: tuple[Any, Any]) -> None:
+    """E rides in the buffer a stage receives the activation in and the one its gradient comes back in (one
+    microbatch each under 1F1B: the lowered program's rings of one slot): it was counted nowhere, as no
+    backward reads it.  A microbatch's E is X1's size, so each stage holds two of X1's shards more."""
+    from shardc.costmodel.stage_memory import RIDER_SLOTS
+
+    riding, alone = ride_costs
+    one = riding.p2p_bytes - alone.p2p_bytes  # a microbatch's E, as a hop sends it
+    assert one > 0 and [s.rider_bytes for s in riding.stages] == [RIDER_SLOTS * one] * 2 and RIDER_SLOTS == 2
+    assert [s.rider_bytes for s in alone.stages] == [0.0, 0.0]
+    assert all(s.memory_bytes == s.state_bytes + s.activation_bytes + s.gathered_bytes + s.working_bytes
+               + s.accumulator_bytes + s.rider_bytes for s in riding.stages)
+    assert riding.stages[0].to_json()["rider_bytes"] == 2 * one and "rider_bytes" not in alone.stages[0].to_json()
+
+
+@pytest.mark.slow  # compiles a pipelined schedule (not run)
+def test_the_pipeline_memory_check_counts_a_rider_in_the_programs_rings() -> None:
+    """The program holds E in its ring of received activations and its ring of gradients (one slot each under
+    1F1B, laid end to end with X1 in each): verify's run of 4 microbatches of B=32 cut over X=2, S=4, D=8, in
+    4-byte floats, 512 bytes a slot.  The check counted none (stage 0: 22,216 B beside XLA's 33,876)."""
+    from shardc.verification.pipeline_verify import check_pipeline_memory
+
+    check = check_pipeline_memory(shardc.plan(shardc.parse(RIDE.format(schedule="1f1b"))), 8)
+    assert check.element == 4 and dict(check.shardc_parts)["riders"] == 2 * (32 // 4 // 2) * 4 * 8 * 4

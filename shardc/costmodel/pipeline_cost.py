@@ -79,6 +79,7 @@ from shardc.costmodel.stage_memory import (
     end_chunks_on,
     held_names,
     kept_bytes,
+    rider_bytes,
     stage_memories,
     working_sets,
 )
@@ -221,6 +222,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
     name = pipe.schedule.name
     working = working_sets(plan, micro)
     kept = kept_bytes(plan, pipe, sim, micro, native=hw.native_kernels)  # the kernels' saved statistics too
+    riding = rider_bytes(plan, micro)  # every stage's send buffers, alike
     for s, blocked in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, s)
         mem = mems[s]
@@ -246,7 +248,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
                              mem.grad_bytes, mem.optimizer_bytes, blocks=blocked if pipe.blocks else (),
                              working_bytes=max(working.get(k, 0.0) for k in runs),
                              accumulator_bytes=accumulator_bytes(plan, micro, blocked, outside),
-                             sections=tuple(runs)))
+                             sections=tuple(runs), rider_bytes=riding))
     return tuple(out)
 
 
