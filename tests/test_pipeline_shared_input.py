@@ -336,3 +336,31 @@ def test_the_pipeline_memory_check_counts_a_rider_in_the_programs_rings() -> Non
 
     check = check_pipeline_memory(shardc.plan(shardc.parse(RIDE.format(schedule="1f1b"))), 8)
     assert check.element == 4 and dict(check.shardc_parts)["riders"] == 2 * (32 // 4 // 2) * 4 * 8 * 4
+
+
+def test_the_programs_sum_of_a_fed_values_gradient_is_charged_in_each_layers_backward(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lowered program adds a layer's dE to its dX0 in every layer's backward (E being the layer's input past
+    the first), one microbatch's activation, where the plan has no step: charged in the layer's B, as a
+    memory-bound add after the step that made dX0 (fused with it: dX0 not read back; dE read, the sum written)."""
+    import shardc.costmodel.section_times as section
+    from shardc.costmodel.fed_sum import fed_sum_rows, fed_sums
+    from shardc.costmodel.pipeline_times import microbatch_sizes
+    from shardc.spec.stages import pipeline_of
+    from shardc.timing import local_bytes_of, plan_links
+
+    plan = shardc.plan(shardc.parse(_side("E"), "side.shard"))
+    assert fed_sums(shardc.plan(shardc.parse(ENDS.format(schedule="1f1b")))) == ()
+    [add] = fed_sums(plan)
+    assert (add.dst.name, [r.name for r in add.operands], add.block) == ("dX0", ["dX0", "dE"], 0)
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None
+    hw = plan.chip.configured(None, None)
+    _, micro = microbatch_sizes(plan, pipe, {**plan.spec.sizes, "P": 2, "X": 2, "Y": 2})
+    spans = plan_links(plan, hw, micro)[0]
+    [row] = fed_sum_rows(plan, micro, hw, spans)
+    assert row.memory_bytes == 2 * local_bytes_of(plan, micro)(add.dst) > 0 and row.memory_s > 0
+    charged = section.section_times(plan, micro, hw, spans)["layer 0"][1]
+    monkeypatch.setattr(section, "fed_sum_rows", lambda *_: [])
+    bare = section.section_times(plan, micro, hw, spans)["layer 0"][1]
+    assert charged.busy == pytest.approx(bare.busy + row.busy_s, rel=1e-12)
