@@ -220,15 +220,21 @@ def test_a_block_reading_a_second_value_made_before_it_verifies(first: str, sche
     assert {"dW_e", "dW_emb", "dW1", "dW2"} <= {r.tensor for r in report.values}
 
 
+# E[B, S, F], fed by the layer's G as X0 is by X1: a second value each layer hands the next
+HANDED = ENDS.format(schedule="1f1b").replace(MAKE_X0, "E[B_X, S, F] = embed(Tok[B_X, S], W_e[V, F])\n"
+                                              + MAKE_X0).replace(
+    "H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F_Y])", "H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F_Y]) + E[B_X, S, F]"
+    "\n  G[B_X, S, F] = H[B_X, S, F] * H[B_X, S, F]")
+
+
 def test_a_value_made_before_the_block_fed_by_another_output_is_refused_at_the_read() -> None:
-    """E[B, S, F], fed by the layer's G as X0 is by X1: a second value each layer hands the next, which cost does
-    not send and the stages do not make; refused at the read, saying what to write."""
+    """E[B, S, F], fed by the layer's G as X0 is by X1: a second value each layer hands the next, which the stages
+    do not make; refused at the read, saying what to write."""
     from shardc.errors import ShardcError
     from shardc.pipeline.boundary import check_lowerable
 
-    text = ENDS.format(schedule="1f1b").replace(MAKE_X0, "E[B_X, S, F] = embed(Tok[B_X, S], W_e[V, F])\n" + MAKE_X0)
-    text = text.replace("H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F_Y])", "H[B_X, S, F] = gelu(X0[B_X, S, D] · "
-                        "W1[D, F_Y]) + E[B_X, S, F]\n  G[B_X, S, F] = H[B_X, S, F] * H[B_X, S, F]")
+    text = HANDED
+
     with pytest.raises(ShardcError, match="reads E, made before the blocks; the block feeds it from G, X0 from X1: "
                        "two values") as err:
         check_lowerable(shardc.plan(shardc.parse(text, "side.shard")))
@@ -364,3 +370,17 @@ def test_the_programs_sum_of_a_fed_values_gradient_is_charged_in_each_layers_bac
     monkeypatch.setattr(section, "fed_sum_rows", lambda *_: [])
     bare = section.section_times(plan, micro, hw, spans)["layer 0"][1]
     assert charged.busy == pytest.approx(bare.busy + row.busy_s, rel=1e-12)
+
+
+def test_a_value_the_block_hands_on_beside_its_activation_is_charged_in_each_send(
+        ride_costs: tuple[Any, Any]) -> None:
+    """HANDED's E (refused by lower) is a second value each hop sends, and its gradient back: the cost charged one
+    send of X1 (ENDS' bytes), under-charging E's each hop; now X1's and E's, E being twice X1's size (F = 2 D)."""
+    from shardc.pipeline.boundary import carried_refs, handed_beside
+
+    plan = shardc.plan(shardc.parse(HANDED, "side.shard"))
+    assert handed_beside(plan.spec) == ("E",) and [r.name for r in carried_refs(plan)] == ["X1", "E"]
+    assert handed_beside(shardc.plan(shardc.parse(_side("E"), "side.shard")).spec) == ()  # fed alike: not sent
+    handed = shardc.cost(plan).pipeline
+    _, alone = ride_costs
+    assert handed is not None and handed.p2p_bytes == 3 * alone.p2p_bytes

@@ -171,8 +171,9 @@ def accumulator_bytes(plan: Plan, sizes: dict[str, int], layers: tuple[int, ...]
 
 
 def rider_bytes(plan: Plan, micro: dict[str, int], slots: float = RIDER_SLOTS) -> float:
-    """The bytes of the values riding with the activation (:func:`shardc.pipeline.boundary.riders`), one
-    microbatch's shard each in the boundary's type (as they are sent, laid end to end with it), in ``slots``
+    """The bytes of the values sent with the activation (:func:`shardc.pipeline.boundary.carried_refs`: the
+    riders, and a value the block hands on beside it, which the lowering refuses), one microbatch's shard
+    each in the boundary's type (as they are sent, laid end to end with it), in ``slots
     of the send buffers: :data:`RIDER_SLOTS` for ``shardc cost``, the lowered program's rings' slots for the
     pipeline memory check (:func:`shardc.verification.pipeline_memory.stage_memory_check`)."""
     element = plan.nbytes(boundary_tensor(plan).name)

@@ -14,8 +14,8 @@ from shardc.ir.spec import Spec, Statement, TensorRef
 from shardc.spec.walk import block_feeds, fed_alike, leaves
 
 __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "boundary_of", "batch_axes", "splits", "send_bytes",
-           "check_microbatches", "check_lowerable",
-           "shared_inputs", "fed_beside", "riders", "carried_refs", "check_riders", "gradient_reductions",
+           "check_microbatches", "check_lowerable", "shared_inputs", "fed_beside", "handed_beside", "riders",
+           "carried_refs", "check_riders", "gradient_reductions",
            "tied_contributions", "carried_moves"]
 
 
@@ -222,11 +222,29 @@ def riders(spec: Spec) -> tuple[str, ...]:
     return tuple(n for n in made if n in read)
 
 
+def handed_beside(spec: Spec) -> tuple[str, ...]:
+    """The values made before the first ``layers`` block that it reads fed by another output than the carried
+    value's (``E`` fed by ``G`` where ``X0`` is by ``X1``): a second value each layer hands the next, so each
+    hop between stages would send it beside the activation (and its gradient back).  The lowering refuses it
+    (:func:`_check_one_carried`); the cost charges its send (:func:`carried_refs`)."""
+    blocks = spec.blocks()
+    if not blocks or blocks[0][0] == 0:
+        return ()
+    lo, hi, _ = blocks[0]
+    before, carried = {s.result.name for s in spec.statements[:lo]}, spec.statements[lo - 1].result.name
+    feeds = {ref.name: out for ref, out in block_feeds(spec, spec.statements[lo:hi])}
+    by = feeds.get(carried)
+    return tuple(n for n, out in feeds.items()
+                 if n in before and n != carried and by is not None and out is not None and out != by)
+
+
 def carried_refs(plan: Plan) -> tuple[TensorRef, ...]:
     """What one send between stages carries, each a microbatch's shard: the activation the stages hand on
     (:func:`boundary_tensor`) and the values riding with it (:func:`riders`), in the boundary's type; the cost
-    charges their elements together (``p2p_bytes``), the lowered program sends them as one array."""
-    ride = set(riders(plan.spec))
+    charges their elements together (``p2p_bytes``), the lowered program sends them as one array.  A value
+    the block hands on beside its activation (:func:`handed_beside`, which the lowering refuses) is sent each
+    hop too, and charged so."""
+    ride = set(riders(plan.spec)) | set(handed_beside(plan.spec))
     return (boundary_tensor(plan), *(i.ref for i in plan.tensors if i.name in ride))
 
 
@@ -254,8 +272,9 @@ def _check_one_carried(spec: Spec, axis: str) -> None:
     """A ``layers`` block reads one value made before it: the one its stages hand on (into the first block the
     last statement's before it, ``PRE_RESULT``; into a later one the block before's output), and beside it
     those the spec feeds from the same output (:func:`fed_beside`).  A value fed from another output (``E``
-    fed by ``G``, where ``X0`` is by ``X1``) is a second value each layer hands the next: a second send each
-    tick, which ``shardc cost`` does not charge (:func:`send_bytes`) and the lowered stages do not make.
+    fed by ``G``, where ``X0`` is by ``X1``: :func:`handed_beside`) is a second value each layer hands the
+    next: a second value each hop sends, which ``shardc cost`` charges (:func:`carried_refs`) and the lowered
+    stages do not make.
     A later block's read of an earlier block's inner value is the spec's own check's
     (:func:`shardc.spec.stages.check_pipeline`)."""
     blocks = spec.blocks()
