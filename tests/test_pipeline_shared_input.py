@@ -343,12 +343,16 @@ def test_a_riders_send_buffers_are_in_each_stages_memory(ride_costs: tuple[Any, 
     """E rides in the buffer a stage receives the activation in and the one its gradient comes back in (one
     microbatch each under 1F1B: the lowered program's rings of one slot): it was counted nowhere, as no
     backward reads it.  A microbatch's E is X1's size, so each stage holds two of X1's shards more."""
-    from shardc.costmodel.stage_memory import RIDER_SLOTS
+    from shardc.costmodel.stage_memory import RIDER_SLOTS, rider_slots
+    from shardc.spec.stages import pipeline_of
 
     riding, alone = ride_costs
     one = riding.p2p_bytes - alone.p2p_bytes  # a microbatch's E, as a hop sends it
     assert one > 0 and [s.rider_bytes for s in riding.stages] == [RIDER_SLOTS * one] * 2 and RIDER_SLOTS == 2
     assert [s.rider_bytes for s in alone.stages] == [0.0, 0.0]
+    # under ZB-H1 stage 0 holds the riders' gradients from B to W too, where the backward before the block runs
+    zb = pipeline_of(shardc.parse(RIDE.format(schedule="zb-h1")))
+    assert zb is not None and [rider_slots(zb, s) for s in (0, 1)] == [3, 2]
     assert all(s.memory_bytes == s.state_bytes + s.activation_bytes + s.gathered_bytes + s.working_bytes
                + s.accumulator_bytes + s.rider_bytes for s in riding.stages)
     assert riding.stages[0].to_json()["rider_bytes"] == 2 * one and "rider_bytes" not in alone.stages[0].to_json()

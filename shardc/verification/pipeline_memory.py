@@ -133,7 +133,7 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
               ("gathered weights", stage.gathered_bytes * scale),
               ("working set", _working_set(run, micro, stage, element, program.slots) + scalars * XLA_CPU.align),
               ("gradient sums", stage.accumulator_bytes * scale),
-              ("riders", rider_bytes(run, micro, program.rings.acts.count + program.rings.cots.count) * scale),
+              ("riders", rider_bytes(run, micro, _rider_slots(program)) * scale),
               ("data", _data(plan, sizes, element) + XLA_CPU.pointer * results(program)))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
     slots = program.rings.kept.count
@@ -245,6 +245,14 @@ def results(program: Any) -> int:
 
     spec = jax.sharding.PartitionSpec
     return len(jax.tree.leaves(program.specs()[1], is_leaf=lambda x: isinstance(x, spec)))
+
+
+def _rider_slots(program: Any) -> int:
+    """The slots the program holds a rider in, on every device (one program for all): its rings of received
+    activations and gradients, and split (the zero-bubble schedules), of the block input's gradients from B
+    to W (``pre``, which holds each rider's beside it)."""
+    rings = program.rings
+    return rings.acts.count + rings.cots.count + (rings.pre.count if program.weight_ticks is not None else 0)
 
 
 def _data(plan: Plan, sizes: dict[str, int], element: int) -> float:
