@@ -4,6 +4,8 @@ An input with the batch dim stays refused (tests/test_robust.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import shardc
@@ -218,15 +220,21 @@ def test_a_block_reading_a_second_value_made_before_it_verifies(first: str, sche
     assert {"dW_e", "dW_emb", "dW1", "dW2"} <= {r.tensor for r in report.values}
 
 
+# E[B, S, F], fed by the layer's G as X0 is by X1: a second value each layer hands the next
+HANDED = ENDS.format(schedule="1f1b").replace(MAKE_X0, "E[B_X, S, F] = embed(Tok[B_X, S], W_e[V, F])\n"
+                                              + MAKE_X0).replace(
+    "H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F_Y])", "H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F_Y]) + E[B_X, S, F]"
+    "\n  G[B_X, S, F] = H[B_X, S, F] * H[B_X, S, F]")
+
+
 def test_a_value_made_before_the_block_fed_by_another_output_is_refused_at_the_read() -> None:
-    """E[B, S, F], fed by the layer's G as X0 is by X1: a second value each layer hands the next, which cost does
-    not send and the stages do not make; refused at the read, saying what to write."""
+    """E[B, S, F], fed by the layer's G as X0 is by X1: a second value each layer hands the next, which the stages
+    do not make; refused at the read, saying what to write."""
     from shardc.errors import ShardcError
     from shardc.pipeline.boundary import check_lowerable
 
-    text = ENDS.format(schedule="1f1b").replace(MAKE_X0, "E[B_X, S, F] = embed(Tok[B_X, S], W_e[V, F])\n" + MAKE_X0)
-    text = text.replace("H[B_X, S, F] = gelu(X0[B_X, S, D] · W1[D, F_Y])", "H[B_X, S, F] = gelu(X0[B_X, S, D] · "
-                        "W1[D, F_Y]) + E[B_X, S, F]\n  G[B_X, S, F] = H[B_X, S, F] * H[B_X, S, F]")
+    text = HANDED
+
     with pytest.raises(ShardcError, match="reads E, made before the blocks; the block feeds it from G, X0 from X1: "
                        "two values") as err:
         check_lowerable(shardc.plan(shardc.parse(text, "side.shard")))
@@ -270,23 +278,44 @@ def test_a_value_riding_to_the_last_stage_verifies(schedule: str) -> None:
     assert {"dW_e", "dW_emb"} <= {r.tensor for r in report.values}
 
 
-def test_a_value_read_in_the_block_and_after_it_is_refused_at_the_read_after() -> None:
-    """X0, the block's input, read by the head too: its gradient is the block's and the head's contributions,
-    which the plan sums before the block; the lowering stopped with a false reason ("the plan takes no gradient of
-    X0").  Refused at the head's read, with a rewrite that lowers (the statement made twice)."""
-    from shardc.errors import ShardcError
-    from shardc.pipeline.boundary import check_lowerable
+# X0, the block's input, read by the head too: it rides to the last stage, its gradient two contributions
+SKIP = ENDS.replace("Lg[B_X, S, V] = X1[B_X, S, D]", "Lg[B_X, S, V] = (X1[B_X, S, D] + X0[B_X, S, D])")
 
-    text = ENDS.format(schedule="1f1b").replace("Lg[B_X, S, V] = X1[B_X, S, D]",
-                                                "Lg[B_X, S, V] = (X1[B_X, S, D] + X0[B_X, S, D])")
-    with pytest.raises(ShardcError, match="X0 is made before the pipelined block and read both in it and after it"
+
+def test_the_blocks_input_read_after_it_too_rides_and_its_gradients_two_contributions_come_back_apart() -> None:
+    """X0, read by the block and the head: refused ("its gradient is two contributions ... which the lowered stages
+    do not hand back apart"), though cost priced it.  Now it rides to the last stage as E does, the head's
+    contribution (dX0_1) its rider's gradient, the block's (dX0_layer) its input's, and the statements before the
+    block take the plan's sum of the two (dX0) as their cotangent.  E fed beside X0 and read by the head is still
+    refused at the head's read, with a rewrite that lowers (the statement made twice)."""
+    from shardc.errors import ShardcError
+    from shardc.lowering.pipeline_lowering import lower_pipeline
+    from shardc.pipeline.boundary import check_lowerable, rider_contributions, rider_sums
+
+    plan = shardc.plan(shardc.parse(SKIP.format(schedule="1f1b"), "skip.shard"))
+    check_lowerable(plan)
+    assert {n: s.dst.name for n, s in rider_sums(plan).items()} == {"X0": "dX0"}
+    assert [(n, c.name) for n, c in rider_contributions(plan, "after") + rider_contributions(plan, "block")] == [
+        ("X0", "dX0_1"), ("X0", "dX0_layer")]
+    source = lower_pipeline(plan, load=False).source
+    assert "RIDERS = ('X0',)" in source and "PRE_COTANGENTS = {'dX0': 'X0'}" in source
+    assert "'X0': 'dX0_1'}" in source and "GRADS = {'W1': 'dW1', 'W2': 'dW2', 'X0': 'dX0_layer'}" in source
+    fed = _side("E").replace("Lg[B_X, S, V] = X1[B_X, S, D]", "Lg[B_X, S, V] = (X1[B_X, S, D] + E[B_X, S, D])")
+    with pytest.raises(ShardcError, match="E is made before the pipelined block and read both in it and after it"
                        ) as err:
-        check_lowerable(shardc.plan(shardc.parse(text, "skip.shard")))
-    assert err.value.span is not None and (err.value.span.line, err.value.span.column) == (11, 34)
-    assert "make X0's statement twice" in (err.value.fix or "")
-    twice = text.replace(MAKE_X0, MAKE_X0.replace("X0[", "R[") + "\n" + MAKE_X0).replace(
-        "+ X0[B_X, S, D])", "+ R[B_X, S, D])")
-    check_lowerable(shardc.plan(shardc.parse(twice, "skip.shard")))
+        check_lowerable(shardc.plan(shardc.parse(fed, "skip.shard")))
+    assert err.value.span is not None and err.value.span.line == 12
+    assert "make E's statement twice" in (err.value.fix or "")
+
+
+@pytest.mark.slow  # compiles a pipelined module
+def test_the_blocks_input_read_after_it_too_verifies() -> None:
+    """Values and gradients against the unsharded reference under ZB-H1 (the head's contribution made in its B, the
+    sum in stage 0's W; 1F1B passes too): dW_emb and dPos read X0's whole gradient.  With the head's contribution
+    not added on stage 0, dW_emb and dPos fail."""
+    report = verify_pipeline(shardc.plan(shardc.parse(SKIP.format(schedule="zb-h1"), "skip.shard")))
+    assert report.ok, [r for r in report.values + report.collectives if not r.ok]
+    assert {"dW_emb", "dPos"} <= {r.tensor for r in report.values}
 
 
 def test_a_rider_made_last_before_the_block_is_refused_saying_to_make_it_first() -> None:
@@ -301,3 +330,82 @@ def test_a_rider_made_last_before_the_block_is_refused_saying_to_make_it_first()
         check_lowerable(shardc.plan(shardc.parse(late, "late.shard")))
     assert err.value.span is not None and err.value.span.line == 9
     assert err.value.fix == "make E before X0, so that X0 is made last before the block"
+
+
+@pytest.fixture(scope="module")
+def ride_costs() -> tuple[Any, Any]:
+    """The pipeline costs of RIDE and of ENDS (the same spec without the rider), under 1F1B."""
+    return tuple(shardc.cost(shardc.plan(shardc.parse(text.format(schedule="1f1b")))).pipeline
+                 for text in (RIDE, ENDS))
+
+
+def test_a_riders_send_buffers_are_in_each_stages_memory(ride_costs: tuple[Any, Any]) -> None:
+    """E rides in the buffer a stage receives the activation in and the one its gradient comes back in (one
+    microbatch each under 1F1B: the lowered program's rings of one slot): it was counted nowhere, as no
+    backward reads it.  A microbatch's E is X1's size, so each stage holds two of X1's shards more."""
+    from shardc.costmodel.stage_memory import RIDER_SLOTS, rider_slots
+    from shardc.spec.stages import pipeline_of
+
+    riding, alone = ride_costs
+    one = riding.p2p_bytes - alone.p2p_bytes  # a microbatch's E, as a hop sends it
+    assert one > 0 and [s.rider_bytes for s in riding.stages] == [RIDER_SLOTS * one] * 2 and RIDER_SLOTS == 2
+    assert [s.rider_bytes for s in alone.stages] == [0.0, 0.0]
+    # under ZB-H1 stage 0 holds the riders' gradients from B to W too, where the backward before the block runs
+    zb = pipeline_of(shardc.parse(RIDE.format(schedule="zb-h1")))
+    assert zb is not None and [rider_slots(zb, s) for s in (0, 1)] == [3, 2]
+    assert all(s.memory_bytes == s.state_bytes + s.activation_bytes + s.gathered_bytes + s.working_bytes
+               + s.accumulator_bytes + s.rider_bytes for s in riding.stages)
+    assert riding.stages[0].to_json()["rider_bytes"] == 2 * one and "rider_bytes" not in alone.stages[0].to_json()
+
+
+@pytest.mark.slow  # compiles a pipelined schedule (not run)
+def test_the_pipeline_memory_check_counts_a_rider_in_the_programs_rings() -> None:
+    """The program holds E in its ring of received activations and its ring of gradients (one slot each under
+    1F1B, laid end to end with X1 in each): verify's run of 4 microbatches of B=32 cut over X=2, S=4, D=8, in
+    4-byte floats, 512 bytes a slot.  The check counted none (stage 0: 22,216 B beside XLA's 33,876)."""
+    from shardc.verification.pipeline_verify import check_pipeline_memory
+
+    check = check_pipeline_memory(shardc.plan(shardc.parse(RIDE.format(schedule="1f1b"))), 8)
+    assert check.element == 4 and dict(check.shardc_parts)["riders"] == 2 * (32 // 4 // 2) * 4 * 8 * 4
+
+
+def test_the_programs_sum_of_a_fed_values_gradient_is_charged_in_each_layers_backward(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lowered program adds a layer's dE to its dX0 in every layer's backward (E being the layer's input past
+    the first), one microbatch's activation, where the plan has no step: charged in the layer's B, as a
+    memory-bound add after the step that made dX0 (fused with it: dX0 not read back; dE read, the sum written)."""
+    import shardc.costmodel.section_times as section
+    from shardc.costmodel.fed_sum import fed_sum_rows, fed_sums
+    from shardc.costmodel.pipeline_times import microbatch_sizes
+    from shardc.spec.stages import pipeline_of
+    from shardc.timing import local_bytes_of, plan_links
+
+    plan = shardc.plan(shardc.parse(_side("E"), "side.shard"))
+    assert fed_sums(shardc.plan(shardc.parse(ENDS.format(schedule="1f1b")))) == ()
+    [add] = fed_sums(plan)
+    assert (add.dst.name, [r.name for r in add.operands], add.block) == ("dX0", ["dX0", "dE"], 0)
+    pipe = pipeline_of(plan.spec)
+    assert pipe is not None
+    hw = plan.chip.configured(None, None)
+    _, micro = microbatch_sizes(plan, pipe, {**plan.spec.sizes, "P": 2, "X": 2, "Y": 2})
+    spans = plan_links(plan, hw, micro)[0]
+    [row] = fed_sum_rows(plan, micro, hw, spans)
+    assert row.memory_bytes == 2 * local_bytes_of(plan, micro)(add.dst) > 0 and row.memory_s > 0
+    charged = section.section_times(plan, micro, hw, spans)["layer 0"][1]
+    monkeypatch.setattr(section, "fed_sum_rows", lambda *_: [])
+    bare = section.section_times(plan, micro, hw, spans)["layer 0"][1]
+    assert charged.busy == pytest.approx(bare.busy + row.busy_s, rel=1e-12)
+
+
+def test_a_value_the_block_hands_on_beside_its_activation_is_charged_in_each_send(
+        ride_costs: tuple[Any, Any]) -> None:
+    """HANDED's E (refused by lower) is a second value each hop sends, and its gradient back: the cost charged one
+    send of X1 (ENDS' bytes), under-charging E's each hop; now X1's and E's, E being twice X1's size (F = 2 D)."""
+    from shardc.pipeline.boundary import carried_refs, handed_beside
+
+    plan = shardc.plan(shardc.parse(HANDED, "side.shard"))
+    assert handed_beside(plan.spec) == ("E",) and [r.name for r in carried_refs(plan)] == ["X1", "E"]
+    assert handed_beside(shardc.plan(shardc.parse(_side("E"), "side.shard")).spec) == ()  # fed alike: not sent
+    handed = shardc.cost(plan).pipeline
+    _, alone = ride_costs
+    assert handed is not None and handed.p2p_bytes == 3 * alone.p2p_bytes

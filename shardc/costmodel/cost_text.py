@@ -312,7 +312,10 @@ def render_pipeline(cost: PipelineCost) -> list[str]:
                                                  f"{fmt_seconds(cost.timing.send_back)})"
                                                  if cost.timing.comm_back is not None else "")
              + f"; {sends_per_microbatch(name, pipe.stages, pipe.chunks)} boundaries "
-             "a microbatch, each way",
+             "a microbatch, each way"
+             + (f"; {', '.join(map(str, cost.riders))} held in the send buffers, up to "
+                f"{fmt_bytes(max(s.rider_bytes for s in cost.stages))} a stage (in its total)"
+                if any(s.rider_bytes for s in cost.stages) else ""),
              f"  {'stage':>5} {'layers':>6} {'compute':>9} {'comm':>9} {'bound':<13} {'held':>5} "
              f"{'state':>9} {'activations':>11} {'total':>9}"]
     for s in cost.stages:

@@ -79,6 +79,8 @@ from shardc.costmodel.stage_memory import (
     end_chunks_on,
     held_names,
     kept_bytes,
+    rider_bytes,
+    rider_slots,
     stage_memories,
     working_sets,
 )
@@ -221,6 +223,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
     name = pipe.schedule.name
     working = working_sets(plan, micro)
     kept = kept_bytes(plan, pipe, sim, micro, native=hw.native_kernels)  # the kernels' saved statistics too
+    riding = rider_bytes(plan, micro, 1.0)  # a slot of the send buffers
     for s, blocked in enumerate(device_blocks(pipe)):
         outside = held_names(plan, pipe, s)
         mem = mems[s]
@@ -246,7 +249,7 @@ def _stages(plan: Plan, pipe: Pipeline, parts: dict[str, list[PartTime]], micro:
                              mem.grad_bytes, mem.optimizer_bytes, blocks=blocked if pipe.blocks else (),
                              working_bytes=max(working.get(k, 0.0) for k in runs),
                              accumulator_bytes=accumulator_bytes(plan, micro, blocked, outside),
-                             sections=tuple(runs)))
+                             sections=tuple(runs), rider_bytes=riding * rider_slots(pipe, s)))
     return tuple(out)
 
 

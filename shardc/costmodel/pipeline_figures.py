@@ -47,6 +47,8 @@ class StageCost:
     # their buffer (a ReduceScatter: the unsharded sums beside the shard), held through the schedule
     accumulator_bytes: float = 0.0
     sections: tuple[str, ...] = ("block",)  # the spec's sections the stage runs: its working set's
+    # the values riding with the activation in the send buffers (stage_memory.rider_bytes), read by no backward
+    rider_bytes: float = 0.0
     host: bool = False  # --offload: its host copies (or the host's update) outlast what they run beside
 
     @property
@@ -56,7 +58,7 @@ class StageCost:
     @property
     def memory_bytes(self) -> float:
         return (self.state_bytes + self.activation_bytes + self.gathered_bytes + self.working_bytes
-                + self.accumulator_bytes)
+                + self.accumulator_bytes + self.rider_bytes)
 
     @property
     def fits(self) -> bool:
@@ -70,7 +72,8 @@ class StageCost:
                 "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
                 "gathered_bytes": self.gathered_bytes, "working_bytes": self.working_bytes,
                 "accumulator_bytes": self.accumulator_bytes, "memory_bytes": self.memory_bytes,
-                "fits": self.fits, **({"host_bytes": self.host_bytes} if self.host_bytes else {})}
+                "fits": self.fits, **({"host_bytes": self.host_bytes} if self.host_bytes else {}),
+                **({"rider_bytes": self.rider_bytes} if self.rider_bytes else {})}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardc.collectives import Layout
+from shardc.costmodel.fed_sum import fed_sum_rows
 from shardc.hardware import Hardware
 from shardc.ir.plan import Plan, Step
 from shardc.phase_time import comm_split, phase_time
@@ -107,6 +108,7 @@ def section_times(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout
     grads, reduced = weight_steps(plan), gradient_reductions(plan)
     after, inside, before = _runs(plan, "backward", rows)  # the backward runs the statements after the block first
     last, layer, first = plan.cut.runs("backward", range(len(rows)))  # each row's step
+    summed = fed_sum_rows(plan, micro, hw, spans)  # the program's dX0 + dE, the first block's, in its B
     out = {}
     runs: list[tuple[str, int, list[StepCost], Sequence[int], int | None]] = [
         ("first", 0, before, first, None), ("last", 2, after, last, None)]
@@ -119,9 +121,10 @@ def section_times(plan: Plan, micro: dict[str, int], hw: Hardware, spans: Layout
         if zero_bubble and key == "first":  # no B before the blocks: its whole backward is W
             b_rows, w_rows = [], mine(again[k]) + [r for r, i in steps if i not in reduced]
         else:
-            b_rows = mine(again[k]) + [r for r, i in steps if i not in grads]
+            b_rows = mine(again[k]) + [r for r, i in steps if i not in grads] + summed * (which == 0)
             w_rows = [r for r, i in steps if i in grads and i not in reduced]
-        whole = mine(again[k]) + pair_order([(r, i in grads) for r, i in steps if i not in reduced])
+        whole = (mine(again[k]) + pair_order([(r, i in grads) for r, i in steps if i not in reduced])
+                 + summed * (which == 0))
         out[key] = [part_time(mine(fwd[k]), hw), part_time(b_rows, hw, whole), part_time(w_rows, hw, [])]
         out[f"{key} reduce"] = [part_time([r for r, i in steps if i in reduced], hw)]
     return out

@@ -16,14 +16,25 @@ from shardc.hardware import Hardware
 from shardc.ir.plan import SECTIONS, Plan
 from shardc.ir.spec import Statement, TensorRef
 from shardc.pipeline.block_split import chunk_blocks, device_blocks
-from shardc.pipeline.boundary import gradient_reductions, microbatch_dim, shared_inputs
+from shardc.pipeline.boundary import boundary_tensor, carried_refs, gradient_reductions, microbatch_dim, shared_inputs
 from shardc.pipeline.dualpipe import TWO_WAY, end_chunks
-from shardc.pipeline.schedules import Simulation, device_of
+from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, device_of
 from shardc.spec.stages import Pipeline
 from shardc.spec.walk import leaves
 
-__all__ = ["accumulator_bytes", "chunk_copies", "dualpipe_held", "end_chunks_on", "held_names", "kept_copies",
-           "outside_names", "stage_memories", "working_sets"]
+__all__ = ["RIDER_SLOTS", "accumulator_bytes", "chunk_copies", "dualpipe_held", "end_chunks_on", "held_names",
+           "kept_copies", "outside_names", "rider_bytes", "rider_slots", "stage_memories", "working_sets"]
+
+# The send buffers a device holds a rider in: the activation's, where a microbatch's activation and its riders
+# arrive and wait for the forward that reads them, and the gradient's, where their gradients arrive and wait for
+# the backward.  Under 1F1B (and ZB-H1) each holds one microbatch at a time: a stage receives a microbatch the
+# tick before it runs it (Narayanan et al. 2021, section 2.2.1; Megatron-LM's recv_forward / recv_backward
+# each receive one tensor an op), as the lowered program's rings of received values have one slot each
+# (:mod:`shardc.lowering.pipeline_slots`).  A rider is read by no backward on the stages it passes, so it is
+# kept nowhere else (:func:`kept_copies` counts the values the backward reads).  Under the zero-bubble schedules
+# the device running the statements before the block holds their gradients one more slot, from the first
+# virtual stage's B to its W, where that backward runs (:func:`rider_slots`).
+RIDER_SLOTS = 2
 
 
 def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
@@ -159,3 +170,20 @@ def accumulator_bytes(plan: Plan, sizes: dict[str, int], layers: tuple[int, ...]
         count = 1 if step.once else layers[step.block]  # the stage's layers of the step's block
         total += float(local_elements(step.src, sizes)) * plan.nbytes(step.src.name) * count
     return total
+
+
+def rider_slots(pipe: Pipeline, stage: int) -> int:
+    """The send buffers' slots ``stage`` holds a rider in (:data:`RIDER_SLOTS`), and under the zero-bubble
+    schedules on a device running the statements before the block one more, its gradient from B to W (the
+    lowered program's ring of the block input's gradients, ``pre``, of one slot under ZB-H1)."""
+    return RIDER_SLOTS + (pipe.schedule.name in ZERO_BUBBLE and end_chunks_on(pipe, stage)[0] > 0)
+
+
+def rider_bytes(plan: Plan, micro: dict[str, int], slots: float = RIDER_SLOTS) -> float:
+    """The bytes of the values sent with the activation (:func:`shardc.pipeline.boundary.carried_refs`: the
+    riders, and a value the block hands on beside it, which the lowering refuses), one microbatch's shard
+    each in the boundary's type (as they are sent, laid end to end with it), in ``slots
+    of the send buffers: :func:`rider_slots` for ``shardc cost``, the lowered program's rings' slots for the
+    pipeline memory check (:func:`shardc.verification.pipeline_memory.stage_memory_check`)."""
+    element = plan.nbytes(boundary_tensor(plan).name)
+    return slots * math.fsum(float(local_elements(r, micro)) * element for r in carried_refs(plan)[1:])

@@ -45,6 +45,8 @@ from shardc.pipeline.boundary import (
     carried_moves,
     check_riders,
     fed_beside,
+    rider_contributions,
+    rider_sums,
     riders,
     tied_contributions,
 )
@@ -117,8 +119,7 @@ def _check_ends(spec: Spec, pre: tuple[Statement, ...], post: tuple[Statement, .
                           fix=fix)
     # a param or an input read on both ends is held by both end stages (a tied embedding, a position table:
     # ModelEnds.stages_of); a value made before the block rides with the activation to the last stage
-    # (boundary.riders), laid end to end with it in one array: of its type
-    check_riders(spec)
+    # (boundary.riders), laid end to end with it in one array: of its type (boundary.check_riders: cut_parts)
     types, carried = dict(spec.tensor_dtypes), pre[-1].result.name
     for name in riders(spec):
         if types.get(name) != types.get(carried):
@@ -142,11 +143,18 @@ def cut_parts(plan: Plan) -> Ends:
     sections = [_own(whole, b) for b in range(len(block_specs))] if len(block_specs) > 1 else [whole]
     sections.append(plan.section("after"))
     # each block's outputs' cotangents: made by the backward of the part after it
-    blocks = [_part(plan, "block", sections[b], spec, (block_specs + (post_spec,))[b + 1], sections[b + 1].backward)
+    blocks = [_part(plan, "block", sections[b], spec, (block_specs + (post_spec,))[b + 1], sections[b + 1].backward,
+                    tied=rider_contributions(plan, "block") if b == 0 else ())  # its input's, read by the head too
               for b, spec in enumerate(block_specs)]
-    pre = _part(plan, "before", plan.section("before"), pre_spec, block_specs[0],
-                whole.backward + plan.section("after").backward, riders(plan.spec))
-    post = _part(plan, "after", sections[-1], post_spec, None, (), tied=tied)
+    check_riders(plan)
+    # the block's input read by the head too: its two gradient contributions handed back apart (the head's as a
+    # rider's), the statements before the block taking their sum, the plan's step, as their cotangent
+    sums = tuple(rider_sums(plan).values())
+    before = plan.section("before")
+    before = replace(before, backward=tuple(s for s in before.backward if s not in sums))
+    pre = _part(plan, "before", before, pre_spec, block_specs[0],
+                whole.backward + plan.section("after").backward + sums, riders(plan.spec))
+    post = _part(plan, "after", sections[-1], post_spec, None, (), tied=tied + rider_contributions(plan, "after"))
     return Ends(pre, blocks[0], post, tuple((p, c.name, plan.grad_name(p)) for p, c in tied), tuple(blocks[1:]),
                 fed_beside(plan.spec), riders(plan.spec))
 

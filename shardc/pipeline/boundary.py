@@ -14,8 +14,8 @@ from shardc.ir.spec import Spec, Statement, TensorRef
 from shardc.spec.walk import block_feeds, fed_alike, leaves
 
 __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "boundary_of", "batch_axes", "splits", "send_bytes",
-           "check_microbatches", "check_lowerable",
-           "shared_inputs", "fed_beside", "riders", "carried_refs", "check_riders", "gradient_reductions",
+           "check_microbatches", "check_lowerable", "shared_inputs", "fed_beside", "handed_beside", "riders",
+           "carried_refs", "check_riders", "rider_sums", "rider_contributions", "gradient_reductions",
            "tied_contributions", "carried_moves"]
 
 
@@ -159,7 +159,7 @@ def check_lowerable(plan: Plan) -> None:
     if spec.mesh.pipeline_axis is None:
         return
     _check_one_carried(spec, spec.mesh.pipeline_axis.name)
-    check_riders(spec)
+    check_riders(plan)
     inputs = [i.name for i in plan.tensors if i.role == "input"]
     blocks = [(lo, hi) for lo, hi, _ in spec.blocks()] or [(0, len(spec.statements))]
     batch = microbatch_dim(plan)
@@ -222,29 +222,80 @@ def riders(spec: Spec) -> tuple[str, ...]:
     return tuple(n for n in made if n in read)
 
 
+def handed_beside(spec: Spec) -> tuple[str, ...]:
+    """The values made before the first ``layers`` block that it reads fed by another output than the carried
+    value's (``E`` fed by ``G`` where ``X0`` is by ``X1``): a second value each layer hands the next, so each
+    hop between stages would send it beside the activation (and its gradient back).  The lowering refuses it
+    (:func:`_check_one_carried`); the cost charges its send (:func:`carried_refs`)."""
+    blocks = spec.blocks()
+    if not blocks or blocks[0][0] == 0:
+        return ()
+    lo, hi, _ = blocks[0]
+    before, carried = {s.result.name for s in spec.statements[:lo]}, spec.statements[lo - 1].result.name
+    feeds = {ref.name: out for ref, out in block_feeds(spec, spec.statements[lo:hi])}
+    by = feeds.get(carried)
+    return tuple(n for n, out in feeds.items()
+                 if n in before and n != carried and by is not None and out is not None and out != by)
+
+
 def carried_refs(plan: Plan) -> tuple[TensorRef, ...]:
     """What one send between stages carries, each a microbatch's shard: the activation the stages hand on
     (:func:`boundary_tensor`) and the values riding with it (:func:`riders`), in the boundary's type; the cost
-    charges their elements together (``p2p_bytes``), the lowered program sends them as one array."""
-    ride = set(riders(plan.spec))
+    charges their elements together (``p2p_bytes``), the lowered program sends them as one array.  A value
+    the block hands on beside its activation (:func:`handed_beside`, which the lowering refuses) is sent each
+    hop too, and charged so."""
+    ride = set(riders(plan.spec)) | set(handed_beside(plan.spec))
     return (boundary_tensor(plan), *(i.ref for i in plan.tensors if i.name in ride))
 
 
-def check_riders(spec: Spec) -> None:
-    """A value riding to the last stage (:func:`riders`) that the block reads too (the carried ``X0``, or ``E``
-    fed beside it) gets its gradient in two contributions, the block's and the head's, which the plan sums
-    before the block in one step: the stages hand back one gradient of each value, so it is refused at its
-    read after the block."""
-    blocks = spec.blocks()
+def rider_sums(plan: Plan) -> dict[str, Step]:
+    """Each value riding to the last stage that the block reads too, as its input (``X0`` read by the head),
+    with the step before the block summing its gradient's two contributions, the head's and the block's
+    (``dX0 = dX0_1 + dX0_layer``): the head's comes back from the last stage with the activation's gradient,
+    as a rider's does, and stage 0 adds the two where that step does (the statements before the block take
+    the sum as their cotangent: :meth:`shardc.lowering.pipeline_parts.Part.backward`)."""
+    spec, blocks = plan.spec, plan.spec.blocks()
+    if not blocks or blocks[0][0] == 0 or plan.sections is None:
+        return {}
+    carried = spec.statements[blocks[0][0] - 1].result.name
+    head = {s.dst.name for s in plan.section("after").backward}
+    inner = {s.dst.name for s in plan.section("block").backward}
+    out = {}
+    for name in (n for n in riders(spec) if n == carried):
+        step = next((s for s in plan.section("before").backward if s.dst.name == plan.grad_name(name)), None)
+        if (step is not None and step.op is Op.ELEMENTWISE and len(step.operands) == 2
+                and sorted(r.name in head for r in step.operands) == [False, True]
+                and all(r.name in head | inner for r in step.operands)):
+            out[name] = step
+    return out
+
+
+def rider_contributions(plan: Plan, section: str) -> tuple[tuple[str, TensorRef], ...]:
+    """Each of :func:`rider_sums`' values with the contribution to its gradient that ``section`` ("after": the
+    head's, which the last stage hands back as that rider's gradient; "block": the block's, its input's
+    gradient as the stages hand it back) makes: the sum's operand made there."""
+    if plan.sections is None:
+        return ()
+    made = {s.dst.name for s in plan.section(section).backward}
+    return tuple((name, next(r for r in step.operands if r.name in made)) for name, step in rider_sums(plan).items())
+
+
+def check_riders(plan: Plan) -> None:
+    """A value riding to the last stage (:func:`riders`) that the block reads too gets its gradient in two
+    contributions, the block's and the head's: the block's input (:func:`rider_sums`) has them handed back
+    apart, the head's with the activation's gradient; another (``E`` fed beside the block's input) is refused
+    at its read after the block."""
+    spec, blocks = plan.spec, plan.spec.blocks()
     if not blocks or blocks[0][0] == 0:
         return
     lo, hi = blocks[0][0], blocks[-1][1]
     inside = {r.name for s in spec.statements[lo:hi] for r in leaves(s.expr)}
-    for name in (n for n in riders(spec) if n in inside):
+    summed = rider_sums(plan)
+    for name in (n for n in riders(spec) if n in inside and n not in summed):
         read = next(r for s in spec.statements[hi:] for r in leaves(s.expr) if r.name == name)
         raise ShardcError(f"{name} is made before the pipelined block and read both in it and after it: its "
                           "gradient is two contributions, the block's and the head's, which the lowered stages "
-                          "do not hand back apart", read.span,
+                          "hand back apart only for the block's input", read.span,
                           fix=f"read after the block a value made before it that the block does not read (make "
                               f"{name}'s statement twice, one for the block and one for the head), or compute it "
                               "after the block")
@@ -254,8 +305,9 @@ def _check_one_carried(spec: Spec, axis: str) -> None:
     """A ``layers`` block reads one value made before it: the one its stages hand on (into the first block the
     last statement's before it, ``PRE_RESULT``; into a later one the block before's output), and beside it
     those the spec feeds from the same output (:func:`fed_beside`).  A value fed from another output (``E``
-    fed by ``G``, where ``X0`` is by ``X1``) is a second value each layer hands the next: a second send each
-    tick, which ``shardc cost`` does not charge (:func:`send_bytes`) and the lowered stages do not make.
+    fed by ``G``, where ``X0`` is by ``X1``: :func:`handed_beside`) is a second value each layer hands the
+    next: a second value each hop sends, which ``shardc cost`` charges (:func:`carried_refs`) and the lowered
+    stages do not make.
     A later block's read of an earlier block's inner value is the spec's own check's
     (:func:`shardc.spec.stages.check_pipeline`)."""
     blocks = spec.blocks()

@@ -13,7 +13,9 @@ spec shards it; it updates no optimizer state), the activations its save policy 
 microbatches the stage holds at its peak (the program's ring holds as many:
 :mod:`shardc.lowering.pipeline_slots`), one layer's gathered weights, a tick's working set (one
 microbatch's largest phase, laid out as XLA's CPU backend lays it, with the schedule loop's control
-scalars) and the microbatches' gradient sums a once-a-step ReduceScatter reads, and beside the stage
+scalars), the microbatches' gradient sums a once-a-step ReduceScatter reads and the values riding with
+the activation in the program's rings of received activations and gradients (every device's, the
+program being one for all: :func:`~shardc.costmodel.stage_memory.rider_bytes`), and beside the stage
 the run's data the program takes and returns (the whole batch's inputs and outputs, their cotangents
 and gradients, and the tuple of pointers it returns its results in) and the other ends' params and
 gradients, which the program, one for every device, takes and returns on each.  Both are counted at
@@ -30,7 +32,7 @@ from shardc.costmodel.cost_report import cost
 from shardc.costmodel.memory import kept_once, residual_values, state_refs, value_bytes
 from shardc.costmodel.phase_memory import phase_memory
 from shardc.costmodel.pipeline_figures import StageCost
-from shardc.costmodel.stage_memory import held_names, outside_names
+from shardc.costmodel.stage_memory import held_names, outside_names, rider_bytes
 from shardc.device_pieces import local_elements, size_of
 from shardc.ir.localops import Attention
 from shardc.ir.plan import Plan
@@ -131,6 +133,7 @@ def stage_memory_check(plan: Plan, lowered: PipelineLowered, stats: Any, element
               ("gathered weights", stage.gathered_bytes * scale),
               ("working set", _working_set(run, micro, stage, element, program.slots) + scalars * XLA_CPU.align),
               ("gradient sums", stage.accumulator_bytes * scale),
+              ("riders", rider_bytes(run, micro, _rider_slots(program)) * scale),
               ("data", _data(plan, sizes, element) + XLA_CPU.pointer * results(program)))
     xla = tuple((name, float(getattr(stats, attr))) for name, attr in _XLA)
     slots = program.rings.kept.count
@@ -242,6 +245,14 @@ def results(program: Any) -> int:
 
     spec = jax.sharding.PartitionSpec
     return len(jax.tree.leaves(program.specs()[1], is_leaf=lambda x: isinstance(x, spec)))
+
+
+def _rider_slots(program: Any) -> int:
+    """The slots the program holds a rider in, on every device (one program for all): its rings of received
+    activations and gradients, and split (the zero-bubble schedules), of the block input's gradients from B
+    to W (``pre``, which holds each rider's beside it)."""
+    rings = program.rings
+    return rings.acts.count + rings.cots.count + (rings.pre.count if program.weight_ticks is not None else 0)
 
 
 def _data(plan: Plan, sizes: dict[str, int], element: int) -> float:
