@@ -346,11 +346,14 @@ def _all_eqns(jaxpr: Any) -> list[Any]:
     return found
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["loss", "jitted_loss"])
 @pytest.mark.parametrize("dropped", [False, True], ids=["traced", "scale_dropped"])
-def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(dropped: bool) -> None:
+def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(dropped: bool, jitted: bool) -> None:
     """``jax.grad(has_aux=True)`` of ``(sum / 512, sum)``: dead-code elimination drops the unread division alone
     (the sum is returned), so the forward holds no scale; the backward's seed, ``1.0 / 512`` broadcast over the
-    summed array, is that scale, and the spec's loss and gradients are the program's either way."""
+    summed array, is that scale, and the spec's loss and gradients are the program's either way.  A jitted loss
+    (flax's and optax's are pjit calls) holds its sum in the forward's call and its seed in the backward's, the
+    ``1.0`` passed in and divided there: read through the calls (before, its spec's gradients were 512 times)."""
     from jax._src.interpreters import partial_eval as pe
 
     def loss(w: Any, x: Any) -> Any:
@@ -358,7 +361,7 @@ def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(drop
         return total / 512.0, total
 
     def step(w: Any, x: Any) -> Any:
-        grad, total = jax.grad(loss, has_aux=True)(w, x)
+        grad, total = jax.grad(jax.jit(loss) if jitted else loss, has_aux=True)(w, x)
         return w - 0.1 * grad, total
 
     rng = np.random.default_rng(0)
@@ -366,8 +369,9 @@ def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(drop
     closed = jax.make_jaxpr(step)(w.astype(np.float32), x.astype(np.float32))
     if dropped:
         closed = closed.replace(jaxpr=pe.dce_jaxpr(closed.jaxpr, [True, True])[0])
-        assert not [e for e in closed.jaxpr.eqns if e.primitive.name == "div" and not e.outvars[0].aval.shape
-                    and not isinstance(e.invars[0], jax.extend.core.Literal)]  # the forward's division is gone
+        sums = {e.outvars[0] for e in _all_eqns(closed.jaxpr) if e.primitive.name == "reduce_sum"}
+        assert not [e for e in _all_eqns(closed.jaxpr) if e.primitive.name == "div"
+                    and not isinstance(e.invars[0], jax.extend.core.Literal) and e.invars[0] in sums]
     spec = shardc.parse(read_program(closed, [(), ()], [(), ()], ["w", "x"], {"data": 2}, "aux").text)
     last = spec.statements[-1].result.name
     t = np.tanh(x @ w)
