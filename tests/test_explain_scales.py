@@ -140,6 +140,10 @@ def _reciprocal(x: Any, w: Any, y: Any) -> Any:
     return jnp.cos(1.0 / (jnp.abs(x @ w) + 0.5)) * -(x @ w) + y  # 1 / x a reciprocal, -x a negative
 
 
+def _divided(x: Any, w: Any, y: Any) -> Any:
+    return jnp.cos(-2.0 / (jnp.abs(x @ w) + 0.5)) + 3.0 / (jnp.square(x @ w) + 1.0) + y  # c / x: scale(reciprocal)
+
+
 def _log_times_tanh(x: Any, w: Any, y: Any) -> Any:
     h = x @ w
     return jnp.log(jnp.abs(h)) * jnp.tanh(h) + y  # the product of two maps of h: no map of the language
@@ -176,7 +180,9 @@ SCALED = {_mlp_scaled: "H1[B, T] = scale(Y1[B, T], 0.5)", _mlp_gelu_halved: "H2[
 NAMED = {_log: ("H1[B, T] = square(Y1[B, T])", "H2[B, T] = log(H1[B, T])"), _sin: ("H1[B, T] = sin(Y1[B, T])",),
          _sqrt: ("H1[B, T] = abs(Y1[B, T])", "H2[B, T] = sqrt(H1[B, T])"), _abs: ("H1[B, T] = abs(Y1[B, T])",),
          _softplus: ("H1[B, T] = exp(Y1[B, T])", "H2[B, T] = shift(H1[B, T], 1.0)", "H3[B, T] = log(H2[B, T])"),
-         _reciprocal: ("H3[B, T] = reciprocal(H2[B, T])", "H4[B, T] = cos(H3[B, T])", "H5[B, T] = negative(Y2[B, T])")}
+         _reciprocal: ("H3[B, T] = reciprocal(H2[B, T])", "H4[B, T] = cos(H3[B, T])", "H5[B, T] = negative(Y2[B, T])"),
+         _divided: ("H3[B, T] = reciprocal(H2[B, T])", "H4[B, T] = scale(H3[B, T], -2.0)", "H5[B, T] = cos(H4[B, T])",
+                    "H8[B, T] = reciprocal(H7[B, T])", "H9[B, T] = scale(H8[B, T], 3.0)")}
 FAITHFUL = [_mlp_gelu, _mlp_bias_relu, _attention, _rmsnorm, _layernorm, _loss_mean, _tanh_squared, _tanh_then_exp,
             *SCALED, *NAMED]
 REFUSED = {_scaled_inside: "a scale by 0.5", _rmsnorm_other_eps: "the epsilon 1e-05 of a rmsnorm",
