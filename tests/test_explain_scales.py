@@ -144,6 +144,10 @@ def _divided(x: Any, w: Any, y: Any) -> Any:
     return jnp.cos(-2.0 / (jnp.abs(x @ w) + 0.5)) + 3.0 / (jnp.square(x @ w) + 1.0) + y  # c / x: scale(reciprocal)
 
 
+def _softplus_call(x: Any, w: Any, y: Any) -> Any:
+    return jax.nn.softplus(x @ w) + y  # the custom function logaddexp(x, 0): exp's primitives, not exp
+
+
 def _log_times_tanh(x: Any, w: Any, y: Any) -> Any:
     h = x @ w
     return jnp.log(jnp.abs(h)) * jnp.tanh(h) + y  # the product of two maps of h: no map of the language
@@ -186,7 +190,8 @@ NAMED = {_log: ("H1[B, T] = square(Y1[B, T])", "H2[B, T] = log(H1[B, T])"), _sin
 FAITHFUL = [_mlp_gelu, _mlp_bias_relu, _attention, _rmsnorm, _layernorm, _loss_mean, _tanh_squared, _tanh_then_exp,
             *SCALED, *NAMED]
 REFUSED = {_scaled_inside: "a scale by 0.5", _rmsnorm_other_eps: "the epsilon 1e-05 of a rmsnorm",
-           _flipped: "a flip", _log_times_tanh: "the run of maps", _rotary: "parts of a dim put back together",
+           _flipped: "a flip", _log_times_tanh: "the run of maps", _softplus_call: "the run of maps",
+           _rotary: "parts of a dim put back together",
            _padding_mask: "a run of maps reading a constant array",
            _strictly_causal: "a run of maps reading a constant array"}
 
@@ -384,3 +389,4 @@ def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(drop
     assert np.isclose(forward(spec, {"w": w, "x": x})[last], np.sum(t**2) / 512), spec
     want = x.T @ (2 * t * (1 - t**2) / 512)
     assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec
+

@@ -275,7 +275,7 @@ class _Reader(Reading):
         if eqn.outvars[0].aval.shape != arrays[0].aval.shape:
             return False
         inner = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        # a named function of its own: the run of maps before it ends there (gelu, then relu)
+        self.customs[eqn.outvars[0]] = eqn  # its own function (gelu, then relu), its values its body's (run_values)
         self.region_of(eqn.outvars[0], [self.tensor(arrays[0])], primitives(getattr(inner, "jaxpr", inner)), line)
         return True
 

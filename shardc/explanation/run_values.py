@@ -20,6 +20,7 @@ import numpy as np
 from jax import numpy as jnp
 from jax.extend import core as jex
 
+from shardc.explanation.fresh import CALLS
 from shardc.explanation.numpy_prims import evaluate
 from shardc.explanation.patterns import function_of
 from shardc.ops.elementwise import function
@@ -88,12 +89,36 @@ def _evaluate(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any,
 
 def _run(reader: Any, steps: list[tuple[Any, frozenset[str]]], values: dict[Any, Any], source: Any) -> np.ndarray:
     for eqn, names in steps:
+        call = reader.customs.get(eqn.outvars[0])
+        if not isinstance(eqn, jex.JaxprEqn) and call is not None:  # a custom function of one array: its body
+            values[eqn.outvars[0]] = _body(reader, call, values[eqn.invars[0]], values)
+            continue
         if not isinstance(eqn, jex.JaxprEqn):  # a custom function of one array, read as its named map
             values[eqn.outvars[0]] = function(function_of(names)).forward(values[eqn.invars[0]], np)
             continue
         inputs = [_input(reader, v, values) for v in eqn.invars]
         values[eqn.outvars[0]] = evaluate(eqn, inputs)
     return np.asarray(values[steps[-1][0].outvars[0] if steps else source], np.float64)
+
+
+def _body(reader: Any, call: Any, x: np.ndarray, values: dict[Any, Any]) -> np.ndarray:
+    """A custom function's value at the sample points ``x`` (its one array's): its body's equations, bound in numpy,
+    not the map its primitives name (softplus, jnp.logaddexp(x, 0), has exp's primitives and is not exp)."""
+    inputs = [x if v.aval.shape else _input(reader, v, values) for v in call.invars]
+    return np.asarray(_bound(call.params.get("call_jaxpr") or call.params.get("fun_jaxpr"), inputs)[0])
+
+
+def _bound(closed: Any, inputs: list[Any]) -> list[Any]:
+    """A (closed) jaxpr's results, its inputs' values given: each equation in numpy, a call's body inside."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    env = dict(zip(jaxpr.constvars, map(np.asarray, getattr(closed, "consts", ())), strict=True))
+    env.update(zip(jaxpr.invars, inputs, strict=True))
+    for eqn in jaxpr.eqns:
+        xs = [np.asarray(v.val) if isinstance(v, jex.Literal) else env[v] for v in eqn.invars]
+        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+        outs = _bound(inner, xs) if eqn.primitive.name in CALLS and inner is not None else [evaluate(eqn, xs)]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [np.asarray(v.val) if isinstance(v, jex.Literal) else env[v] for v in jaxpr.outvars]
 
 
 def _input(reader: Any, var: Any, values: dict[Any, Any]) -> Any:
