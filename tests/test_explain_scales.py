@@ -390,3 +390,27 @@ def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(drop
     want = x.T @ (2 * t * (1 - t**2) / 512)
     assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec
 
+
+@pytest.mark.parametrize("remat", [False, True], ids=["loss", "checkpointed_loss"])
+def test_a_cross_entropys_loss_and_gradients_are_the_specs_under_jax_checkpoint(remat: bool) -> None:
+    """``jax.checkpoint``'s backward makes the forward again, take_along_axis's zeros (a where's other branch)
+    broadcast over the per-example losses' shape among it: zeros seed no gradient, and the loss is the
+    cross entropy (before, the spec's loss was scaled by 0, read as its seed)."""
+
+    def loss(w: Any, x: Any, labels: Any) -> Any:
+        logits = jnp.tanh(x @ w)
+        picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+    rng = np.random.default_rng(0)
+    w, x, labels = rng.standard_normal((8, 4)), rng.standard_normal((16, 8)), rng.integers(0, 4, 16)
+    grad = jax.grad(jax.checkpoint(loss) if remat else loss)
+    closed = jax.make_jaxpr(lambda w, x, ids: w - 0.1 * grad(w, x, ids))(w.astype(np.float32),
+                                                                           x.astype(np.float32), labels)
+    spec = shardc.parse(read_program(closed, [()] * 3, [()], ["w", "x", "labels"], {"data": 2}, "ce").text)
+    last, inputs = spec.statements[-1].result.name, {"w": w, "x": x, "labels": labels}
+    t = np.tanh(x @ w)
+    softmax, picked = np.exp(t) / np.exp(t).sum(-1, keepdims=True), np.eye(4)[labels]
+    assert np.isclose(forward(spec, inputs)[last], np.mean(np.log(np.exp(t).sum(-1)) - t[np.arange(16), labels]))
+    want = x.T @ ((softmax - picked) / 16 * (1 - t**2))
+    assert np.allclose(backward(spec, inputs, {last: np.ones(())})["w"], want), spec

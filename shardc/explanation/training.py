@@ -207,7 +207,9 @@ class _Flat:
         for eqn in self.backward:
             if eqn.primitive.name == "broadcast_in_dim" and not eqn.invars[0].aval.shape \
                     and tuple(eqn.outvars[0].aval.shape) == tuple(shape):
-                return _literal(eqn.invars[0], self)
+                value = _literal(eqn.invars[0], self)
+                if value != 0.0:  # zeros (a where's other branch, in jax.checkpoint's forward made again) seed none
+                    return value
         return None
 
 
