@@ -18,9 +18,9 @@ import pytest
 
 import shardc
 from shardc.errors import ShardcError
-from shardc.explanation.fresh import CALLS
 from shardc.explanation.jaxpr_spec import read_program
 from shardc.explanation.numpy_prims import evaluate
+from shardc.explanation.run_values import bound
 from shardc.lowering.reference import backward, forward
 
 jax = pytest.importorskip("jax")
@@ -96,23 +96,13 @@ REFUSED = {("sce", "value_and_grad", True): "is not the language's `relu`",  # l
            ("mse", "grad", True): "holds no loss it is of"}  # jax.grad's unread loss dropped whole
 
 
-def _numpy(closed: Any, inputs: list[Any]) -> list[Any]:
-    """A jaxpr's results, evaluated in numpy (float64): its calls' bodies inside, sums and maxima over axes."""
-    jaxpr = getattr(closed, "jaxpr", closed)
-    env = dict(zip(jaxpr.constvars, map(np.asarray, getattr(closed, "consts", ())), strict=True))
-    env.update(zip(jaxpr.invars, inputs, strict=True))
-    for eqn in jaxpr.eqns:
-        xs = [np.asarray(v.val) if isinstance(v, jax.extend.core.Literal) else env[v] for v in eqn.invars]
-        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-        name = eqn.primitive.name
-        if name in CALLS:
-            outs = _numpy(inner, xs)
-        elif name in _REDUCE:
-            outs = [_REDUCE[name](xs[0], axis=tuple(eqn.params["axes"]))]
-        else:
-            outs = [np.add(*xs) if name == "add_any" else xs[0] if name == "copy" else evaluate(eqn, xs)]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [np.asarray(v.val) if isinstance(v, jax.extend.core.Literal) else env[v] for v in jaxpr.outvars]
+def _numpy(eqn: Any, xs: list[Any]) -> Any:
+    """One primitive of a training step in numpy (float64): a map's (explain's own), or a sum or maximum over axes,
+    or jax's sum of cotangents."""
+    name = eqn.primitive.name
+    if name in _REDUCE:
+        return _REDUCE[name](xs[0], axis=tuple(eqn.params["axes"]))
+    return np.add(*xs) if name == "add_any" else xs[0] if name == "copy" else evaluate(eqn, xs)
 
 
 def _read(loss_name: str, style: str, dce: bool) -> tuple[Any, Any, dict[str, np.ndarray]]:
@@ -134,13 +124,13 @@ def _read(loss_name: str, style: str, dce: bool) -> tuple[Any, Any, dict[str, np
 @pytest.mark.parametrize(("loss_name", "style", "dce"), EXPLAINED, ids=lambda v: str(v))
 def test_a_training_steps_spec_has_its_loss_and_gradients(loss_name: str, style: str, dce: bool) -> None:
     closed, spec, inputs = _read(loss_name, style, dce)
-    new_w1, new_w2, value = _numpy(closed, list(inputs.values()))
+    new_w1, new_w2, value = bound(closed, list(inputs.values()), _numpy)
     values = forward(spec, inputs)
     # the spec's loss: the scalar the step's returned loss is (a sum has_aux returns is the loss's numerator)
     loss = float(value) / (64.0 if "sum_aux" in style else 1.0)
     if style == "grad":  # jax.grad returns no loss: the program's, by its function
-        loss = float(_numpy(jax.make_jaxpr(lambda *a: LOSSES[loss_name](_model(*a[:3]), a[3]))(
-            *inputs.values()), list(inputs.values()))[0])
+        loss = float(bound(jax.make_jaxpr(lambda *a: LOSSES[loss_name](_model(*a[:3]), a[3]))(
+            *inputs.values()), list(inputs.values()), _numpy)[0])
     found = [s.result.name for s in spec.statements if not s.result.dims and np.isclose(values[s.result.name], loss)]
     assert found and found[-1] == spec.statements[-1].result.name, (loss, spec)
     grads = backward(spec, inputs, {found[-1]: np.ones(())})

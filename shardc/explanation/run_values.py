@@ -14,6 +14,7 @@ cos and sin tables) is no map of one element: it differs whatever its primitives
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from shardc.explanation.patterns import function_of
 from shardc.ops.elementwise import function
 from shardc.spec.functions import DOMAINS, signature
 
-__all__ = ["differs"]
+__all__ = ["bound", "differs"]
 
 # what a run reads positionally, by the primitives that bring it there (slices.py): no map of one element
 _MOVES = {"rev": "a flip (jnp.flip), moving elements along a dim,", "concatenate": "parts of a dim put back "
@@ -105,18 +106,19 @@ def _body(reader: Any, call: Any, x: np.ndarray, values: dict[Any, Any]) -> np.n
     """A custom function's value at the sample points ``x`` (its one array's): its body's equations, bound in numpy,
     not the map its primitives name (softplus, jnp.logaddexp(x, 0), has exp's primitives and is not exp)."""
     inputs = [x if v.aval.shape else _input(reader, v, values) for v in call.invars]
-    return np.asarray(_bound(call.params.get("call_jaxpr") or call.params.get("fun_jaxpr"), inputs)[0])
+    return np.asarray(bound(call.params.get("call_jaxpr") or call.params.get("fun_jaxpr"), inputs)[0])
 
 
-def _bound(closed: Any, inputs: list[Any]) -> list[Any]:
-    """A (closed) jaxpr's results, its inputs' values given: each equation in numpy, a call's body inside."""
+def bound(closed: Any, inputs: list[Any], prim: Callable[[Any, list[Any]], Any] = evaluate) -> list[Any]:
+    """A (closed) jaxpr's results, its inputs' values given: each equation in numpy (``prim``: a map's, a mask's
+    primitives; a test's oracle binds sums too), a call's body inside."""
     jaxpr = getattr(closed, "jaxpr", closed)
     env = dict(zip(jaxpr.constvars, map(np.asarray, getattr(closed, "consts", ())), strict=True))
     env.update(zip(jaxpr.invars, inputs, strict=True))
     for eqn in jaxpr.eqns:
         xs = [np.asarray(v.val) if isinstance(v, jex.Literal) else env[v] for v in eqn.invars]
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-        outs = _bound(inner, xs) if eqn.primitive.name in CALLS and inner is not None else [evaluate(eqn, xs)]
+        outs = bound(inner, xs, prim) if eqn.primitive.name in CALLS and inner is not None else [prim(eqn, xs)]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [np.asarray(v.val) if isinstance(v, jex.Literal) else env[v] for v in jaxpr.outvars]
 
