@@ -60,8 +60,11 @@ def _step(loss_name: str, style: str) -> Callable[..., Any]:
         total = jnp.sum((_model(w1, w2, x) - y) ** 2)
         return total / 64.0, total
 
+    def with_metric(w1: Any, w2: Any, x: Any, y: Any) -> Any:  # a mean absolute error beside the loss: has_aux
+        return loss(w1, w2, x, y), jnp.mean(jnp.abs(_model(w1, w2, x) - y))
+
     fn = {"jit": jax.jit(loss), "checkpoint": jax.checkpoint(loss), "aux": lambda *a: (loss(*a), _model(*a[:3])),
-          "sum_aux": with_sum, "jit_sum_aux": jax.jit(with_sum)}.get(style, loss)
+          "sum_aux": with_sum, "jit_sum_aux": jax.jit(with_sum), "metric": with_metric}.get(style, loss)
 
     def step(w1: Any, w2: Any, x: Any, y: Any) -> Any:
         if style in ("sgd", "adam"):
@@ -69,14 +72,14 @@ def _step(loss_name: str, style: str) -> Callable[..., Any]:
             value, grads = jax.value_and_grad(lambda p: loss(*p, x, y))((w1, w2))
             updates, _ = opt.update(grads, opt.init((w1, w2)), (w1, w2))
             return (*optax.apply_updates((w1, w2), updates), value)
-        aux = style in ("aux", "sum_aux", "jit_sum_aux")
+        aux = style in ("aux", "sum_aux", "jit_sum_aux", "metric")
         if style == "grad":
             value, grads = 0.0, jax.grad(fn, (0, 1))(w1, w2, x, y)
         elif style.endswith("sum_aux"):
             grads, value = jax.grad(fn, (0, 1), has_aux=True)(w1, w2, x, y)
         else:
             value, grads = jax.value_and_grad(fn, (0, 1), has_aux=aux)(w1, w2, x, y)
-            value = value[0] if aux else value  # the loss; the logits has_aux returns are read by none
+            value = value if style == "metric" else value[0] if aux else value  # the loss (and the metric)
         return w1 - _LR * grads[0], w2 - _LR * grads[1], value
 
     return step
@@ -93,7 +96,9 @@ REFUSED = {("sce", "value_and_grad", True): "is not the language's `relu`",  # l
            ("sigmoid_bce", "jit", True): "is not the language's `exp`",  # softplus, logaddexp(x, 0)
            ("huber", "value_and_grad", True): "a scale by 0.5",  # inside where's branch
            ("regularized", "value_and_grad", True): "an addition of a scalar",  # two losses added
-           ("mse", "grad", True): "holds no loss it is of"}  # jax.grad's unread loss dropped whole
+           ("mse", "grad", True): "holds no loss it is of",  # jax.grad's unread loss dropped whole
+           ("mse", "metric", False): "scalars of more than one sum",  # has_aux's metric: which is the loss?
+           ("mse", "metric", True): "scalars of more than one sum"}
 
 
 def _numpy(eqn: Any, xs: list[Any]) -> Any:
@@ -116,8 +121,10 @@ def _read(loss_name: str, style: str, dce: bool) -> tuple[Any, Any, dict[str, np
         inputs["y"] = np.eye(4)[rng.integers(0, 4, 16)]
     closed = jax.make_jaxpr(_step(loss_name, style))(*(v.astype(np.float32) for v in inputs.values()))
     if dce:
-        closed = closed.replace(jaxpr=pe.dce_jaxpr(closed.jaxpr, [True] * 3, instantiate=True)[0])
-    text = read_program(closed, [()] * 4, [()] * 3, list(inputs), {"data": 2}, f"{loss_name}_{style}").text
+        closed = closed.replace(jaxpr=pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars),
+                                                   instantiate=True)[0])
+    results = [()] * len(closed.jaxpr.outvars)
+    text = read_program(closed, [()] * 4, results, list(inputs), {"data": 2}, f"{loss_name}_{style}").text
     return closed, shardc.parse(text), inputs
 
 

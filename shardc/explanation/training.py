@@ -19,6 +19,7 @@ from jax.extend import core as jex
 from shardc.errors import ShardcError
 from shardc.explanation.fresh import CALLS, Made
 from shardc.explanation.numpy_prims import evaluate
+from shardc.explanation.sources import source_line
 
 __all__ = ["TrainingStep", "carried", "is_backward", "phase_of"]
 
@@ -103,6 +104,8 @@ class TrainingStep:
         for loss in losses:
             base, scale = _tail(loss, flat)
             found.setdefault(base, []).append((loss, scale))
+        _one_loss(flat, {base for base, scaled in found.items() if any(reader.base(v) in reader.names
+                                                                        for v, _ in scaled)})
         lacking = []
         for base, scaled in found.items():
             total = flat.made.get(base)
@@ -171,6 +174,18 @@ class TrainingStep:
         const = [names[v] for v in dict.fromkeys(others) if names.get(v) in tensors and names[v] not in params
                  and v not in ids]
         return ([f"param {', '.join(params)}"] if params else []) + ([f"const {', '.join(const)}"] if const else [])
+
+
+def _one_loss(flat: _Flat, sums: set[Any]) -> None:
+    """Refuse a step whose forward writes scalars of two sums (``has_aux`` returning a metric beside the loss, a
+    mean absolute error): the spec's backward is of its scalar results, jax's of the loss alone, and which one
+    that is the jaxpr does not say (the metric, traced under the loss's ``jvp`` too, is no more apart)."""
+    if len(sums) > 1:
+        lines = sorted({source_line(flat.made[v]) for v in sums if v in flat.made} - {""})
+        raise ShardcError("the training step's forward makes scalars of more than one sum (" + ", ".join(lines)
+                          + "): a metric beside the loss (jax.grad's has_aux); the spec's backward would be of "
+                          "them all, jax's gradient is of the loss alone", fix="explain the step with the loss as "
+                          "its one scalar (return the metrics from a step of their own, or leave them out)")
 
 
 class _Flat:
