@@ -90,10 +90,10 @@ EXPLAINED = [("mse", "grad", False), ("mse", "value_and_grad", True), ("mse", "j
              ("mse", "checkpoint", True), ("mse", "sgd", True), ("mse", "adam", True), ("sum", "jit", True),
              ("rows", "value_and_grad", True), ("l2", "sgd", True), ("l2_sum", "jit", True),
              ("by_shape", "aux", False), ("by_shape", "checkpoint", True), ("mse", "sum_aux", True),
-             ("mse", "jit_sum_aux", True), ("mse", "jit_sum_aux", False)]
+             ("mse", "jit_sum_aux", True), ("mse", "jit_sum_aux", False), ("sce", "value_and_grad", True),
+             ("sce", "jit", True), ("sce", "checkpoint", False)]
 # (loss, style, dce) explain refuses, and what its message says
-REFUSED = {("sce", "value_and_grad", True): "is not the language's `relu`",  # log_softmax's max(x, -inf)
-           ("sigmoid_bce", "jit", True): "is not the language's `exp`",  # softplus, logaddexp(x, 0)
+REFUSED = {("sigmoid_bce", "jit", True): "is not the language's `exp`",  # softplus, logaddexp(x, 0)
            ("huber", "value_and_grad", True): "a scale by 0.5",  # inside where's branch
            ("regularized", "value_and_grad", True): "an addition of a scalar",  # two losses added
            ("mse", "grad", True): "holds no loss it is of",  # jax.grad's unread loss dropped whole
@@ -107,7 +107,7 @@ def _numpy(eqn: Any, xs: list[Any]) -> Any:
     name = eqn.primitive.name
     if name in _REDUCE:
         return _REDUCE[name](xs[0], axis=tuple(eqn.params["axes"]))
-    return np.add(*xs) if name == "add_any" else xs[0] if name == "copy" else evaluate(eqn, xs)
+    return np.add(*xs) if name == "add_any" else xs[0] if name in ("copy", "stop_gradient") else evaluate(eqn, xs)
 
 
 def _read(loss_name: str, style: str, dce: bool) -> tuple[Any, Any, dict[str, np.ndarray]]:
