@@ -140,6 +140,14 @@ def _reciprocal(x: Any, w: Any, y: Any) -> Any:
     return jnp.cos(1.0 / (jnp.abs(x @ w) + 0.5)) * -(x @ w) + y  # 1 / x a reciprocal, -x a negative
 
 
+def _divided(x: Any, w: Any, y: Any) -> Any:
+    return jnp.cos(-2.0 / (jnp.abs(x @ w) + 0.5)) + 3.0 / (jnp.square(x @ w) + 1.0) + y  # c / x: scale(reciprocal)
+
+
+def _softplus_call(x: Any, w: Any, y: Any) -> Any:
+    return jax.nn.softplus(x @ w) + y  # the custom function logaddexp(x, 0): exp's primitives, not exp
+
+
 def _log_times_tanh(x: Any, w: Any, y: Any) -> Any:
     h = x @ w
     return jnp.log(jnp.abs(h)) * jnp.tanh(h) + y  # the product of two maps of h: no map of the language
@@ -176,11 +184,14 @@ SCALED = {_mlp_scaled: "H1[B, T] = scale(Y1[B, T], 0.5)", _mlp_gelu_halved: "H2[
 NAMED = {_log: ("H1[B, T] = square(Y1[B, T])", "H2[B, T] = log(H1[B, T])"), _sin: ("H1[B, T] = sin(Y1[B, T])",),
          _sqrt: ("H1[B, T] = abs(Y1[B, T])", "H2[B, T] = sqrt(H1[B, T])"), _abs: ("H1[B, T] = abs(Y1[B, T])",),
          _softplus: ("H1[B, T] = exp(Y1[B, T])", "H2[B, T] = shift(H1[B, T], 1.0)", "H3[B, T] = log(H2[B, T])"),
-         _reciprocal: ("H3[B, T] = reciprocal(H2[B, T])", "H4[B, T] = cos(H3[B, T])", "H5[B, T] = negative(Y2[B, T])")}
+         _reciprocal: ("H3[B, T] = reciprocal(H2[B, T])", "H4[B, T] = cos(H3[B, T])", "H5[B, T] = negative(Y2[B, T])"),
+         _divided: ("H3[B, T] = reciprocal(H2[B, T])", "H4[B, T] = scale(H3[B, T], -2.0)", "H5[B, T] = cos(H4[B, T])",
+                    "H8[B, T] = reciprocal(H7[B, T])", "H9[B, T] = scale(H8[B, T], 3.0)")}
 FAITHFUL = [_mlp_gelu, _mlp_bias_relu, _attention, _rmsnorm, _layernorm, _loss_mean, _tanh_squared, _tanh_then_exp,
             *SCALED, *NAMED]
 REFUSED = {_scaled_inside: "a scale by 0.5", _rmsnorm_other_eps: "the epsilon 1e-05 of a rmsnorm",
-           _flipped: "a flip", _log_times_tanh: "the run of maps", _rotary: "parts of a dim put back together",
+           _flipped: "a flip", _log_times_tanh: "the run of maps", _softplus_call: "the run of maps",
+           _rotary: "parts of a dim put back together",
            _padding_mask: "a run of maps reading a constant array",
            _strictly_causal: "a run of maps reading a constant array"}
 
@@ -346,11 +357,14 @@ def _all_eqns(jaxpr: Any) -> list[Any]:
     return found
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["loss", "jitted_loss"])
 @pytest.mark.parametrize("dropped", [False, True], ids=["traced", "scale_dropped"])
-def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(dropped: bool) -> None:
+def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(dropped: bool, jitted: bool) -> None:
     """``jax.grad(has_aux=True)`` of ``(sum / 512, sum)``: dead-code elimination drops the unread division alone
     (the sum is returned), so the forward holds no scale; the backward's seed, ``1.0 / 512`` broadcast over the
-    summed array, is that scale, and the spec's loss and gradients are the program's either way."""
+    summed array, is that scale, and the spec's loss and gradients are the program's either way.  A jitted loss
+    (flax's and optax's are pjit calls) holds its sum in the forward's call and its seed in the backward's, the
+    ``1.0`` passed in and divided there: read through the calls (before, its spec's gradients were 512 times)."""
     from jax._src.interpreters import partial_eval as pe
 
     def loss(w: Any, x: Any) -> Any:
@@ -358,7 +372,7 @@ def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(drop
         return total / 512.0, total
 
     def step(w: Any, x: Any) -> Any:
-        grad, total = jax.grad(loss, has_aux=True)(w, x)
+        grad, total = jax.grad(jax.jit(loss) if jitted else loss, has_aux=True)(w, x)
         return w - 0.1 * grad, total
 
     rng = np.random.default_rng(0)
@@ -366,11 +380,37 @@ def test_a_losss_scale_is_read_from_its_gradients_seed_where_jax_dropped_it(drop
     closed = jax.make_jaxpr(step)(w.astype(np.float32), x.astype(np.float32))
     if dropped:
         closed = closed.replace(jaxpr=pe.dce_jaxpr(closed.jaxpr, [True, True])[0])
-        assert not [e for e in closed.jaxpr.eqns if e.primitive.name == "div" and not e.outvars[0].aval.shape
-                    and not isinstance(e.invars[0], jax.extend.core.Literal)]  # the forward's division is gone
+        sums = {e.outvars[0] for e in _all_eqns(closed.jaxpr) if e.primitive.name == "reduce_sum"}
+        assert not [e for e in _all_eqns(closed.jaxpr) if e.primitive.name == "div"
+                    and not isinstance(e.invars[0], jax.extend.core.Literal) and e.invars[0] in sums]
     spec = shardc.parse(read_program(closed, [(), ()], [(), ()], ["w", "x"], {"data": 2}, "aux").text)
     last = spec.statements[-1].result.name
     t = np.tanh(x @ w)
     assert np.isclose(forward(spec, {"w": w, "x": x})[last], np.sum(t**2) / 512), spec
     want = x.T @ (2 * t * (1 - t**2) / 512)
     assert np.allclose(backward(spec, {"w": w, "x": x}, {last: np.ones(())})["w"], want), spec
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["loss", "checkpointed_loss"])
+def test_a_cross_entropys_loss_and_gradients_are_the_specs_under_jax_checkpoint(remat: bool) -> None:
+    """``jax.checkpoint``'s backward makes the forward again, take_along_axis's zeros (a where's other branch)
+    broadcast over the per-example losses' shape among it: zeros seed no gradient, and the loss is the
+    cross entropy (before, the spec's loss was scaled by 0, read as its seed)."""
+
+    def loss(w: Any, x: Any, labels: Any) -> Any:
+        logits = jnp.tanh(x @ w)
+        picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+    rng = np.random.default_rng(0)
+    w, x, labels = rng.standard_normal((8, 4)), rng.standard_normal((16, 8)), rng.integers(0, 4, 16)
+    grad = jax.grad(jax.checkpoint(loss) if remat else loss)
+    closed = jax.make_jaxpr(lambda w, x, ids: w - 0.1 * grad(w, x, ids))(w.astype(np.float32),
+                                                                           x.astype(np.float32), labels)
+    spec = shardc.parse(read_program(closed, [()] * 3, [()], ["w", "x", "labels"], {"data": 2}, "ce").text)
+    last, inputs = spec.statements[-1].result.name, {"w": w, "x": x, "labels": labels}
+    t = np.tanh(x @ w)
+    softmax, picked = np.exp(t) / np.exp(t).sum(-1, keepdims=True), np.eye(4)[labels]
+    assert np.isclose(forward(spec, inputs)[last], np.mean(np.log(np.exp(t).sum(-1)) - t[np.arange(16), labels]))
+    want = x.T @ ((softmax - picked) / 16 * (1 - t**2))
+    assert np.allclose(backward(spec, inputs, {last: np.ones(())})["w"], want), spec

@@ -90,6 +90,9 @@ class Constants:
                     "a random keep-mask is read other than by a dropout's where (jnp.where(keep, x / p, 0)), and a "
                     "random array has no tensor in the spec", "write the dropout as jnp.where(keep, x / p, 0)")
             return keep is not None and keep.size == 1
+        if _neutral(eqn):  # max(x, -inf) is x: jnp.max's initial (log_softmax's, optax's cross entropy's)
+            reader.view(eqn.outvars[0], eqn.invars[1], list(range(len(eqn.outvars[0].aval.shape))))
+            return True
         if name in ("div", "mul") and isinstance(eqn.invars[1], jex.Literal) and eqn.outvars[0].aval.shape:
             factor = float(eqn.invars[1].val)
             self.scaled[eqn.outvars[0]] = (eqn.invars[0], 1.0 / factor if name == "div" and factor else factor)
@@ -118,6 +121,17 @@ def _causal_dims(keep: np.ndarray) -> tuple[int, int, int] | None:
             if w != 0 and np.array_equal(keep, np.broadcast_to(in_window(query, key, w), keep.shape)):
                 return i, j, w or 0
     return None
+
+
+def _neutral(eqn: Any) -> bool:
+    """Whether ``eqn`` is ``max(-inf, x)`` or ``min(inf, x)`` of an array x (jax puts the literal first): x
+    itself, which the reader reads as a view of x, not as a map (a max of a constant is relu's)."""
+    if eqn.primitive.name not in ("max", "min") or len(eqn.invars) != 2 or not eqn.outvars[0].aval.shape:
+        return False
+    first, second = eqn.invars
+    fill = -math.inf if eqn.primitive.name == "max" else math.inf
+    return isinstance(first, jex.Literal) and not isinstance(second, jex.Literal) and float(first.val) == fill \
+        and second.aval.shape == eqn.outvars[0].aval.shape
 
 
 def read_mask(reader: Any, eqn: Any, line: str) -> bool:

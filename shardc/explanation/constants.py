@@ -8,9 +8,10 @@ run's equations in order.  Where it is the run's first op, the rest reading the 
 its last, and the program knows the scalar (a literal, or one it makes of literals: flax's
 ``1 / sqrt(head dim)``), it is written apart as the language's ``scale(X, a)`` or ``shift(X, b)``
 (:func:`write_run`): ``tanh(scale(x, 0.5))``, ``scale(relu(x), 3.0)`` (``x / c`` a scale by 1 / c, ``x - c``
-a shift by -c, ``c - x`` a shift of a scale by -1).  The rest of the run must be a function whose own
-definition holds its constants (the tanh GELU's ``0.5 * x * (1 + tanh(0.797 * (x + 0.0447 * x**3)))``);
-any other (a constant inside the run, ``exp(tanh(x) * 0.5)``) is refused with its equation and source line.
+a shift by -c, ``c - x`` a shift of a scale by -1, ``c / x`` a scale of its reciprocal by c).  The rest of the
+run must be a function whose own definition holds its constants (the tanh GELU's
+``0.5 * x * (1 + tanh(0.797 * (x + 0.0447 * x**3)))``); any other (a constant inside the run,
+``exp(tanh(x) * 0.5)``) is refused with its equation and source line.
 What explain reads as part of a function of the language elsewhere (a mean's division by the count, a norm's
 ``+ eps``, a softmax's parts) never reaches this rule: those runs are read whole before the walk.
 """
@@ -83,9 +84,8 @@ def scaled(reader: Any, eqn: Any, name: str, arrays: list[Any], line: str) -> st
     its scalar constant, if it applies one, kept with the run its result ``eqn.outvars[0]`` is in."""
     found = [c for a in arrays for c in reader.scalars.get(reader.base(a), ())]
     scalars = _scalars(reader, eqn)
-    if (name == "integer_pow" and eqn.params.get("y") == -1) or (
-            name == "div" and scalars and eqn.invars[0] is scalars[0] and _value(scalars[0]) == 1.0):
-        name = "reciprocal"  # jnp.reciprocal(x), 1 / x: no constant, the language's map
+    if (name == "integer_pow" and eqn.params.get("y") == -1) or _numerator(reader, eqn) is not None:
+        name = "reciprocal"  # jnp.reciprocal(x), c / x: the language's map, times c (written apart: _apply)
     if name in _ARITHMETIC and scalars and arrays:
         first = eqn.invars[0] is scalars[0]  # c - x, c / x
         what = {"sub": "a subtraction from", "div": "a division of"}.get(name, _ARITHMETIC[name]) if first \
@@ -98,6 +98,16 @@ def scaled(reader: Any, eqn: Any, name: str, arrays: list[Any], line: str) -> st
     name = "scale" if name == "mul" and len(arrays) < len(eqn.invars) else name
     record(reader, eqn, name, arrays)
     return name
+
+
+def _numerator(reader: Any, eqn: Any) -> float | None:
+    """``c`` where ``eqn`` is ``c / x`` by a finite scalar the program knows (a literal, or one it makes of
+    literals), ``reciprocal(x)`` times ``c``; None otherwise."""
+    scalars = _scalars(reader, eqn)
+    if eqn.primitive.name != "div" or not scalars or eqn.invars[0] is not scalars[0]:
+        return None
+    number = _number(reader, eqn.invars[0])
+    return number if number is not None and math.isfinite(number) else None
 
 
 def record(reader: Any, eqn: Any, name: str, arrays: list[Any]) -> None:
@@ -208,7 +218,9 @@ def _peel(reader: Any, steps: list[Step], source: Any, out: Any) -> tuple[list[S
     trail: list[Step] = []
     while steps and steps[-1][0].outvars[0] is out:
         found = _operand(reader, steps[-1])
-        if found is None or reader.base(found) not in {id_(s) for s in steps[:-1]}:
+        # a run's last step maps what an earlier one makes; c / x (a reciprocal and a scale) may be its only step
+        if found is None or reader.base(found) not in {id_(s) for s in steps[:-1]} and (
+                len(steps) > 1 or _numerator(reader, steps[-1][0]) in (None, 1.0)):
             break
         trail.insert(0, steps.pop())
         out = reader.base(found)
@@ -242,6 +254,14 @@ def _apply(reader: Any, step: Step, operand: Any, line: str) -> Any:
     """The statements of one affine step on the tensor ``operand``: a scale, a shift, or both (``b - x``)."""
     out = id_(step)
     named = _named(step)
+    times = _numerator(reader, step[0]) if named == "reciprocal" else None
+    if times is not None and times != 1.0:  # c / x: reciprocal(x), then its scale by c
+        made = Made()
+        reader.dims[made] = reader.dims_of(out)
+        reader.make(made, "fn", (operand,), fn=named, line=line)
+        reader.make(out, "fn", (made,), fn="scale", value=times, line=line)
+        reader.region.pop(out, None)
+        return out
     if named is not None:
         reader.make(out, "fn", (operand,), fn=named, line=line)
         reader.region.pop(out, None)

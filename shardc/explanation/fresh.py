@@ -1,4 +1,5 @@
-"""A jaxpr walked a second time, given variables of its own; a tensor of the spec with none (:class:`Made`).
+"""A jaxpr walked a second time, given variables of its own; a tensor of the spec with none (:class:`Made`); the calls
+read as their body (:data:`CALLS`).
 
 jax traces a jitted function once per shapes and reuses the jaxpr: ``inner(inner(x, w1), w2)`` holds
 one inner jaxpr in both calls.  The reader keys its dims, names and statements by variable, so the
@@ -12,7 +13,11 @@ from typing import Any
 
 from jax.extend import core as jex
 
-__all__ = ["Made", "Walked"]
+__all__ = ["CALLS", "Made", "Walked"]
+
+# calls read as their body; remat2 is jax.checkpoint's (it changes what the backward keeps, not the forward)
+CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
+         "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
 class Made:

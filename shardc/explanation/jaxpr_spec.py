@@ -31,7 +31,7 @@ from shardc.explanation.causal_masks import Constants, read_mask
 from shardc.explanation.constants import norm_of, scaled, write_run
 from shardc.explanation.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explanation.expert_moves import moves, read_move
-from shardc.explanation.fresh import Walked
+from shardc.explanation.fresh import CALLS, Walked
 from shardc.explanation.layers import read_scan
 from shardc.explanation.lookups import embed, read_lookup
 from shardc.explanation.patterns import Run, mean_sums, primitives, runs
@@ -50,9 +50,6 @@ _UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt
           "div", "select_n", "ge", "gt", "le", "lt", "eq", "ne", "erf_inv", "sign", "log1p", "expm1", "cbrt",
           "and", "or", "not"}
 _ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
-# calls read as their body; remat2 is jax.checkpoint's (it changes what the backward keeps, not the forward)
-_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
-          "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _ONE_HOT = ("a one-hot of ids (jax.nn.one_hot over the last axis) is read times a 2-d table (embed) and in the mean "
             "-sum(one_hot * log_softmax(logits), -1) (cross_entropy); elsewhere explain a program without it")
 _EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
@@ -196,9 +193,9 @@ class _Reader(Reading):
                              "which the language has no tensor for; an MoE router's top-k is read where its "
                              "one-hot mask is the language's `route` (else write the routing with `route`, "
                              "`dispatch` and `combine` in a .shard spec)")
-        if name in _CALLS and not self.unary_call(eqn, arrays, line):
+        if name in CALLS and not self.unary_call(eqn, arrays, line):
             self.call(eqn)
-        elif name in _CALLS:
+        elif name in CALLS:
             return
         elif name in ("dot_general", "concatenate") and all(self.is_constant(v) for v in eqn.invars):
             self.constant(out)  # a rotary embedding's angles (positions times frequencies), their halves twice
@@ -278,7 +275,7 @@ class _Reader(Reading):
         if eqn.outvars[0].aval.shape != arrays[0].aval.shape:
             return False
         inner = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        # a named function of its own: the run of maps before it ends there (gelu, then relu)
+        self.customs[eqn.outvars[0]] = eqn  # its own function (gelu, then relu), its values its body's (run_values)
         self.region_of(eqn.outvars[0], [self.tensor(arrays[0])], primitives(getattr(inner, "jaxpr", inner)), line)
         return True
 

@@ -14,18 +14,20 @@ cos and sin tables) is no map of one element: it differs whatever its primitives
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from jax import numpy as jnp
 from jax.extend import core as jex
 
+from shardc.explanation.fresh import CALLS
 from shardc.explanation.numpy_prims import evaluate
 from shardc.explanation.patterns import function_of
 from shardc.ops.elementwise import function
 from shardc.spec.functions import DOMAINS, signature
 
-__all__ = ["differs"]
+__all__ = ["bound", "differs"]
 
 # what a run reads positionally, by the primitives that bring it there (slices.py): no map of one element
 _MOVES = {"rev": "a flip (jnp.flip), moving elements along a dim,", "concatenate": "parts of a dim put back "
@@ -88,12 +90,37 @@ def _evaluate(reader: Any, steps: list[tuple[Any, frozenset[str]]], source: Any,
 
 def _run(reader: Any, steps: list[tuple[Any, frozenset[str]]], values: dict[Any, Any], source: Any) -> np.ndarray:
     for eqn, names in steps:
+        call = reader.customs.get(eqn.outvars[0])
+        if not isinstance(eqn, jex.JaxprEqn) and call is not None:  # a custom function of one array: its body
+            values[eqn.outvars[0]] = _body(reader, call, values[eqn.invars[0]], values)
+            continue
         if not isinstance(eqn, jex.JaxprEqn):  # a custom function of one array, read as its named map
             values[eqn.outvars[0]] = function(function_of(names)).forward(values[eqn.invars[0]], np)
             continue
         inputs = [_input(reader, v, values) for v in eqn.invars]
         values[eqn.outvars[0]] = evaluate(eqn, inputs)
     return np.asarray(values[steps[-1][0].outvars[0] if steps else source], np.float64)
+
+
+def _body(reader: Any, call: Any, x: np.ndarray, values: dict[Any, Any]) -> np.ndarray:
+    """A custom function's value at the sample points ``x`` (its one array's): its body's equations, bound in numpy,
+    not the map its primitives name (softplus, jnp.logaddexp(x, 0), has exp's primitives and is not exp)."""
+    inputs = [x if v.aval.shape else _input(reader, v, values) for v in call.invars]
+    return np.asarray(bound(call.params.get("call_jaxpr") or call.params.get("fun_jaxpr"), inputs)[0])
+
+
+def bound(closed: Any, inputs: list[Any], prim: Callable[[Any, list[Any]], Any] = evaluate) -> list[Any]:
+    """A (closed) jaxpr's results, its inputs' values given: each equation in numpy (``prim``: a map's, a mask's
+    primitives; a test's oracle binds sums too), a call's body inside."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    env = dict(zip(jaxpr.constvars, map(np.asarray, getattr(closed, "consts", ())), strict=True))
+    env.update(zip(jaxpr.invars, inputs, strict=True))
+    for eqn in jaxpr.eqns:
+        xs = [np.asarray(v.val) if isinstance(v, jex.Literal) else env[v] for v in eqn.invars]
+        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+        outs = bound(inner, xs, prim) if eqn.primitive.name in CALLS and inner is not None else [prim(eqn, xs)]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [np.asarray(v.val) if isinstance(v, jex.Literal) else env[v] for v in jaxpr.outvars]
 
 
 def _input(reader: Any, var: Any, values: dict[Any, Any]) -> Any:

@@ -75,6 +75,7 @@ class Reading(DimClasses):
         self.unreadable: dict[Any, tuple[str, str]] = {}  # arrays no tensor of the spec holds -> (why, fix)
         self.scalars: dict[Any, tuple[Any, ...]] = {}  # a run of maps -> its scalar constants (explanation.constants)
         self.runs: dict[Any, tuple[Any, ...]] = {}  # a run of maps -> its equations in order (explanation.affine_runs)
+        self.customs: dict[Any, Any] = {}  # a custom function's result (relu's, logaddexp's) -> its call equation
 
     def dims_of(self, var: Any) -> list[int]:
         if var not in self.dims:

@@ -17,8 +17,9 @@ from typing import Any
 from jax.extend import core as jex
 
 from shardc.errors import ShardcError
-from shardc.explanation.fresh import Made
+from shardc.explanation.fresh import CALLS, Made
 from shardc.explanation.numpy_prims import evaluate
+from shardc.explanation.sources import source_line
 
 __all__ = ["TrainingStep", "carried", "is_backward", "phase_of"]
 
@@ -87,29 +88,43 @@ class TrainingStep:
         for loss in dict.fromkeys([*self.losses, *scalars]):
             if reader.base(loss) in reader.region and not reader.is_constant(loss):  # not a step count's
                 reader.tensor(loss)
-        self.seeded(reader, list(jaxpr.eqns), list(dict.fromkeys([*self.losses, *scalars])))
+        self.seeded(reader, jaxpr, list(dict.fromkeys([*self.losses, *scalars])))
 
-    def seeded(self, reader: Any, eqns: list[Any], losses: list[Any]) -> None:
-        """The loss times the scale jax seeds its backward with, where the one scalar read as the loss lacks it.
+    def seeded(self, reader: Any, jaxpr: Any, losses: list[Any]) -> None:
+        """The loss times the scale jax seeds its backward with, where the one sum read as the loss lacks it.
 
         A loss ``sum(h) * a`` (a mean's 1/n) is seeded with ``1.0 * a``, a scalar of literals alone broadcast to
         h's shape, the transpose of the sum.  The forward's unread ``* a`` is kept by tracing, but not by
         dead-code elimination where the sum is read elsewhere (``jax.grad(has_aux=True)`` returning the sum too):
-        read as it stands the spec's loss would be the sum, and its gradients ``1/a`` times jax's."""
-        made = {v: e for e in eqns for v in e.outvars}
-        found = [(v, *_tail(v, made)) for v in losses]
-        for loss, base, scale in found:
-            total = made.get(base)
-            seed = _seed(eqns, made, total.invars[0].aval.shape) if total is not None and \
+        read as it stands the spec's loss would be the sum, and its gradients ``1/a`` times jax's.  A jitted loss
+        (``jax.jit(loss)``, flax's and optax's pjit calls) holds its sum in the forward's call and its seed in the
+        backward's (``1.0`` passed in, divided there), so both are read through calls (:class:`_Flat`)."""
+        flat = _Flat(jaxpr)
+        found: dict[Any, list[tuple[Any, float]]] = {}  # a loss's sum (a call's inside) -> (loss, its scale)
+        for loss in losses:
+            base, scale = _tail(loss, flat)
+            found.setdefault(base, []).append((loss, scale))
+        _one_loss(flat, {base for base, scaled in found.items() if any(reader.base(v) in reader.names
+                                                                        for v, _ in scaled)})
+        lacking = []
+        for base, scaled in found.items():
+            total = flat.made.get(base)
+            seed = flat.seed(total.invars[0].aval.shape) if total is not None and \
                 total.primitive.name == "reduce_sum" else None
-            if seed is None or math.isclose(seed, scale, rel_tol=1e-6) or len(found) != 1:
-                continue
-            scaled = Made()
-            reader.dims[scaled] = []
-            reader.make(scaled, "fn", (reader.tensor(loss),), fn="scale", value=seed / scale, line="")
-            reader.notes.append(f"the loss {reader.names[scaled]} is {reader.names[reader.tensor(loss)]} times "
-                                f"{seed / scale:g}, read from the seed of the program's gradient: its forward no "
-                                "longer holds that scale (jax dropped it, unread)")
+            if seed is not None and any(math.isclose(seed, scale, rel_tol=1e-6) for _, scale in scaled):
+                return  # the loss read holds the seed's scale
+            written = [(loss, scale) for loss, scale in scaled if reader.base(loss) in reader.names]
+            if seed is not None and written:
+                lacking.append((*written[0], seed))
+        if len(lacking) != 1:
+            return
+        ((loss, scale, seed),) = lacking
+        made = Made()
+        reader.dims[made] = []
+        reader.make(made, "fn", (reader.tensor(loss),), fn="scale", value=seed / scale, line="")
+        reader.notes.append(f"the loss {reader.names[made]} is {reader.names[reader.tensor(loss)]} times "
+                            f"{seed / scale:g}, read from the seed of the program's gradient: its forward no "
+                            "longer holds that scale (jax dropped it, unread)")
 
     def skips(self, eqn: Any) -> bool:
         """Whether ``eqn`` is of the backward or the update (then its results are too); a call of a
@@ -161,10 +176,63 @@ class TrainingStep:
         return ([f"param {', '.join(params)}"] if params else []) + ([f"const {', '.join(const)}"] if const else [])
 
 
-def _tail(var: Any, made: dict[Any, Any]) -> tuple[Any, float]:
+def _one_loss(flat: _Flat, sums: set[Any]) -> None:
+    """Refuse a step whose forward writes scalars of two sums (``has_aux`` returning a metric beside the loss, a
+    mean absolute error): the spec's backward is of its scalar results, jax's of the loss alone, and which one
+    that is the jaxpr does not say (the metric, traced under the loss's ``jvp`` too, is no more apart)."""
+    if len(sums) > 1:
+        lines = sorted({source_line(flat.made[v]) for v in sums if v in flat.made} - {""})
+        raise ShardcError("the training step's forward makes scalars of more than one sum (" + ", ".join(lines)
+                          + "): a metric beside the loss (jax.grad's has_aux); the spec's backward would be of "
+                          "them all, jax's gradient is of the loss alone", fix="explain the step with the loss as "
+                          "its one scalar (return the metrics from a step of their own, or leave them out)")
+
+
+class _Flat:
+    """A jaxpr's equations with those of its calls (:data:`~shardc.explanation.fresh.CALLS`) inside: what makes each
+    value, a call's inner input being its operand and its result its inner result, and the backward's equations in
+    program order (a call's inside, whose name stacks are empty, is of the backward where the call is)."""
+
+    def __init__(self, jaxpr: Any) -> None:
+        self.made: dict[Any, Any] = {}
+        self.same: dict[Any, Any] = {}
+        self.backward: list[Any] = []
+        self.add(jaxpr, False)
+
+    def add(self, jaxpr: Any, backward: bool) -> None:
+        for eqn in jaxpr.eqns:
+            inner = _inner(eqn) if eqn.primitive.name in CALLS else None
+            if inner is None:
+                self.made.update((v, eqn) for v in eqn.outvars)
+                self.backward += [eqn] if backward or is_backward(eqn) else []
+                continue
+            self.same.update(zip(inner.invars, eqn.invars, strict=False))
+            self.same.update(zip(eqn.outvars, inner.outvars, strict=True))
+            self.add(inner, backward or is_backward(eqn))
+
+    def find(self, var: Any) -> Any:
+        """The value ``var`` is, through calls: a literal, or a variable an equation of no call makes."""
+        while not isinstance(var, jex.Literal) and var in self.same:
+            var = self.same[var]
+        return var
+
+    def seed(self, shape: tuple[int, ...]) -> float | None:
+        """The scalar of literals alone the backward's first broadcast to ``shape`` reads: jax's seed of a loss's
+        sum over an array of that shape (1.0 times the loss's scale); None where there is none."""
+        for eqn in self.backward:
+            if eqn.primitive.name == "broadcast_in_dim" and not eqn.invars[0].aval.shape \
+                    and tuple(eqn.outvars[0].aval.shape) == tuple(shape):
+                value = _literal(eqn.invars[0], self)
+                if value != 0.0:  # zeros (a where's other branch, in jax.checkpoint's forward made again) seed none
+                    return value
+        return None
+
+
+def _tail(var: Any, flat: _Flat) -> tuple[Any, float]:
     """(the value, its factor) where the scalar ``var`` is a value times literals (``x * a``, ``x / a``, ``-x``)."""
     factor = 1.0
-    while (eqn := made.get(var)) is not None and not var.aval.shape and eqn.primitive.name in ("mul", "div", "neg"):
+    while (eqn := flat.made.get(var := flat.find(var))) is not None and not var.aval.shape \
+            and eqn.primitive.name in ("mul", "div", "neg"):
         literals = [v for v in eqn.invars if isinstance(v, jex.Literal)]
         arrays = [v for v in eqn.invars if not isinstance(v, jex.Literal)]
         if len(arrays) != 1 or len(literals) != len(eqn.invars) - 1 or (eqn.primitive.name == "div" and literals
@@ -176,24 +244,15 @@ def _tail(var: Any, made: dict[Any, Any]) -> tuple[Any, float]:
     return var, factor
 
 
-def _seed(eqns: list[Any], made: dict[Any, Any], shape: tuple[int, ...]) -> float | None:
-    """The scalar of literals alone the backward's first broadcast to ``shape`` reads: jax's seed of a loss's sum
-    over an array of that shape (1.0 times the loss's scale); None where there is none."""
-    for eqn in eqns:
-        if is_backward(eqn) and eqn.primitive.name == "broadcast_in_dim" and not eqn.invars[0].aval.shape \
-                and tuple(eqn.outvars[0].aval.shape) == tuple(shape):
-            return _literal(eqn.invars[0], made)
-    return None
-
-
-def _literal(var: Any, made: dict[Any, Any]) -> float | None:
-    """A scalar's value where it is made of literals alone by arithmetic; None otherwise."""
+def _literal(var: Any, flat: _Flat) -> float | None:
+    """A scalar's value where it is made of literals alone by arithmetic (through calls); None otherwise."""
+    var = flat.find(var)
     if isinstance(var, jex.Literal):
         return float(var.val)
-    eqn = made.get(var)
+    eqn = flat.made.get(var)
     if eqn is None or eqn.primitive.name not in ("mul", "div", "neg", "convert_element_type"):
         return None
-    values = [_literal(v, made) for v in eqn.invars]
+    values = [_literal(v, flat) for v in eqn.invars]
     return None if None in values else float(evaluate(eqn, values))
 
 
