@@ -21,7 +21,6 @@ equation and its line.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from jax.extend import core as jex
@@ -29,6 +28,7 @@ from jax.extend import core as jex
 from shardc.errors import ShardcError
 from shardc.explanation.causal_masks import Constants, read_mask
 from shardc.explanation.constants import norm_of, scaled, write_run
+from shardc.explanation.contractions import apart, read_dot, rename
 from shardc.explanation.dim_classes import UNWRITABLE, reshape_groups, unwritable
 from shardc.explanation.expert_moves import moves, read_move
 from shardc.explanation.fresh import CALLS, Walked
@@ -52,7 +52,6 @@ _UNARY = {"exp", "log", "tanh", "logistic", "integer_pow", "pow", "sqrt", "rsqrt
 _ALIASES = {"convert_element_type", "copy", "copy_p", "stop_gradient"}
 _ONE_HOT = ("a one-hot of ids (jax.nn.one_hot over the last axis) is read times a 2-d table (embed) and in the mean "
             "-sum(one_hot * log_softmax(logits), -1) (cross_entropy); elsewhere explain a program without it")
-_EQUATION = re.compile(r"([a-z]+),([a-z]+)->([a-z]*)")
 
 
 class _Reader(Reading):
@@ -200,7 +199,7 @@ class _Reader(Reading):
         elif name in ("dot_general", "concatenate") and all(self.is_constant(v) for v in eqn.invars):
             self.constant(out)  # a rotary embedding's angles (positions times frequencies), their halves twice
         elif name == "dot_general":
-            self.dot(eqn, line)
+            read_dot(self, eqn, line)
         elif name in ("reduce_sum", "reduce_max"):
             self.reduce(eqn)
         elif name == "sort":
@@ -338,9 +337,9 @@ class _Reader(Reading):
                     continue
                 pairs = [(d, e) for d, e, n, m in zip(self.dims_of(a), self.dims_of(out), a.aval.shape,
                                                       out.aval.shape, strict=True) if n == m]
-                clashes = {d for d, e in pairs if self.apart(d, e)}
+                clashes = {d for d, e in pairs if apart(self, d, e)}
                 if clashes:  # x + relu(x @ w), w[D, D]: the product's dim read as x's through a rename
-                    operands[k], view = self.rename(operands[k], self.dims_of(a), clashes, line)
+                    operands[k], view = rename(self, operands[k], self.dims_of(a), clashes, line)
                     pairs = [(view[self.dims_of(a).index(d)], e) for d, e in pairs]
                 for d, e in pairs:
                     self.join(d, e)
@@ -366,81 +365,6 @@ class _Reader(Reading):
             self.pieces[out] = parts.pop() if len(parts) == 1 else Piece(None, (), -1, 0, 0)
         prior = self.region.get(self.base(arrays[0]), (None, frozenset(), ""))[2] if arrays else ""
         self.region[out] = (source, ops, line or prior)
-
-    def dot(self, eqn: Any, line: str) -> None:
-        lhs, rhs = eqn.invars
-        out = eqn.outvars[0]
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        left, right, ids = self.dims_of(lhs), self.dims_of(rhs), self.dims_of(out)
-        free_l = [i for i in range(len(left)) if i not in lc and i not in lb]
-        free_r = [i for i in range(len(right)) if i not in rc and i not in rb]
-        operands, views = [self.tensor(lhs), self.tensor(rhs)], [left, right]
-        pairs = [*zip(lc, rc, strict=True), *zip(lb, rb, strict=True)]
-        for side, clashes in enumerate(self.clashes(left, right, pairs, free_l, free_r)):
-            if clashes:  # one array read twice along one dim (self-attention's Q·K and P·V): a renamed copy
-                operands[side], views[side] = self.rename(operands[side], views[side], clashes, line)
-        left, right = views
-        for a, b in zip(lc, rc, strict=True):
-            self.join(left[a], right[b])
-        order = [(left[a], right[b]) for a, b in zip(lb, rb, strict=True)]
-        order += [(left[i], None) for i in free_l] + [(None, right[i]) for i in free_r]
-        for position, (a, b) in enumerate(order):
-            for d in (a, b):
-                if d is not None:
-                    self.join(d, ids[position])
-        self.hint(eqn, (left, right))
-        self.make(out, "dot", (operands[0], operands[1]), line=line)
-
-    def clashes(self, left: list[int], right: list[int], pairs: list[tuple[int, int]], free_l: list[int],
-                free_r: list[int]) -> tuple[set[int], set[int]]:
-        """Each operand's dims a contraction cannot join as they are: a right one the left operand keeps
-        too (``Q[B, S, H] · K[B, S, H]``: S twice in the result), or one of a joined pair whose join would
-        merge two dims a tensor holds apart (``P[B, S, T] · V[B, S, H]`` over T: S is T), renamed on the
-        side that does not hold the other's dim already (V's S, not P's T)."""
-        kept = {a for i in free_l for a in self.atoms(left[i])}
-        renamed: tuple[set[int], set[int]] = (set(), {right[i] for i in free_r
-                                                      if kept & set(self.atoms(right[i]))})
-        tensors = self.held() if pairs else []
-        for a, b in pairs:
-            ra, rb = set(self.atoms(left[a])), set(self.atoms(right[b]))
-            if ra == rb or not any(ra & held and rb & held for held in tensors):
-                continue
-            if ra & {e for d in right if d != right[b] for e in self.atoms(d)}:  # the right operand holds a's dim
-                renamed[0].add(left[a])
-            else:
-                renamed[1].add(right[b])
-        return renamed
-
-    def apart(self, d: int, e: int) -> bool:
-        """Whether joining ``d`` and ``e`` would merge two named dims a tensor holds apart (a square
-        weight's ``w[D, E]`` when ``x @ w`` is added to x)."""
-        ra, rb = set(self.atoms(d)), set(self.atoms(e))
-        return ra != rb and any(ra & held and rb & held for held in self.held())
-
-    def held(self) -> list[set[int]]:
-        """The named dims (atoms) each tensor of the spec holds."""
-        return [{a for d in self.dims[var] for a in self.atoms(d)} for var in self.names if var in self.dims]
-
-    def rename(self, tensor: Any, view: list[int], clashes: set[int], line: str) -> tuple[Any, list[int]]:
-        """A copy of ``tensor`` whose ``clashes`` dims are new ones of the same size and sharding (the
-        language's rename, ``Kx[B, T, D] = L1[B, S, D]``), and the ids of ``view`` (a view of it) in it."""
-        fresh = {d: self.fresh(d) for d in clashes}
-        moved = {a: b for d, e in fresh.items() for a, b in zip(self.atoms(d), self.atoms(e), strict=True)}
-        layout = self.layout(tensor)
-        copy = Made()
-        self.dims[copy] = [moved.get(a, a) for a, _ in layout]
-        self.make(copy, "copy", (tensor,), line=line)
-        self.axes[copy] = {moved.get(a, a): axes for a, axes in layout}
-        return copy, [fresh.get(d, d) for d in view]
-
-    def hint(self, eqn: Any, operands: tuple[list[int], ...]) -> None:
-        """The letters of a ``jnp.einsum`` equation, where its terms are this dot_general's operands."""
-        found = _EQUATION.findall(str(eqn.source_info.name_stack))
-        terms = found[-1][:2] if found else ()
-        if len(terms) == 2 and all(len(t) == len(ids) for t, ids in zip(terms, operands, strict=True)):
-            for term, ids in zip(terms, operands, strict=True):
-                for letter, d in zip(term, ids, strict=True):
-                    self.hints.setdefault(d, letter.upper())
 
     def reduce(self, eqn: Any, fn: str = "") -> None:
         """A reduction over one dim, or over several as the language writes it: one dim at a time (a sum

@@ -7,6 +7,7 @@ from typing import Any
 
 from jax.extend import core as jex
 
+from shardc.explanation.contractions import apart
 from shardc.explanation.dim_classes import unwritable
 from shardc.explanation.sources import source_line
 from shardc.explanation.spec_text import Made
@@ -60,7 +61,7 @@ def _close_carry(reader: Any, inner_in: Any, inner_out: Any, line: str) -> Any:
         return inner_out
     tensor, source = reader.tensor(inner_out), reader.tensor(inner_in)
     ins, outs = reader.dims_of(inner_in), reader.dims_of(inner_out)
-    if not any(reader.apart(d, e) for d, e in zip(ins, outs, strict=True)):
+    if not any(apart(reader, d, e) for d, e in zip(ins, outs, strict=True)):
         for d, e in zip(ins, outs, strict=True):
             reader.join(d, e)
         if reader.layout(tensor) == reader.layout(source):
