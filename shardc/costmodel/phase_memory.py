@@ -20,6 +20,7 @@ from shardc.costmodel.heap import Span, outside_outputs, packed
 from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.layout_copies import blocked as _blocked
 from shardc.costmodel.layout_copies import layout_copies as _layout_copies
+from shardc.costmodel.layout_copies import written_into_place
 from shardc.costmodel.memory import residual_table
 from shardc.costmodel.ring_blocks import matmul_ring_buffers as _ring_buffers
 from shardc.costmodel.ring_blocks import ring_slices as _ring_slices
@@ -260,6 +261,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         for ref, size in copies.of(step):
             if step.op is Op.EINSUM and ref in remade:
                 continue
+            if step.is_collective and not written_into_place(step, readers.get(step.dst, []), outs):
+                continue  # copied into place inside each reader's fusion (layout_copies.written_into_place)
             if dots is not None and is_dot(step) and ref in dots.turned:  # a later dot's copy: made at the dot
                 spans += _turned(k, ref, size, dots, ahead) if ref == step.dst else []
                 continue

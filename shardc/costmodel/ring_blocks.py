@@ -17,7 +17,7 @@ from shardc.ir.spec import TensorRef
 if TYPE_CHECKING:
     from shardc.costmodel.phase_memory import _Copies
 
-__all__ = ["matmul_ring_buffers", "ring_slices"]
+__all__ = ["matmul_ring_buffers", "ring_slices", "ring_sliced"]
 
 
 def ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[TensorRef, int],
@@ -63,7 +63,7 @@ def matmul_ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: 
     received_block = rounded(copies.nbytes(c.src if gathered else step.dst))
     if not copies.buffers.ring_blocks_first:
         return [(k, k, min(2, n - 1) * received_block + rounded(product))]
-    blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in _ring_sliced(step)}
+    blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in ring_sliced(step)}
     # a value the ring reads last dies into its blocks: beyond the last slice they add only their padding
     freed = {ref: rounded(copies.nbytes(ref)) if ref in dying else 0.0 for ref in blocks}
     # each block a buffer of its own, at its own bytes (the heap aligns it: shardc.costmodel.heap.packed), but those
@@ -92,7 +92,7 @@ def _ring_index(step: Step) -> str:
     return (c.src if c.op is Op.ALL_GATHER else c.dst).dims[c.dim].name
 
 
-def _ring_sliced(step: Step) -> list[TensorRef]:
+def ring_sliced(step: Step) -> list[TensorRef]:
     """A collective matmul's operands its ring slices into blocks: those with its index but the one gathered."""
     c = step.collective
     assert c is not None
