@@ -24,6 +24,7 @@ from shardc.costmodel.layout_copies import written_into_place
 from shardc.costmodel.memory import residual_table
 from shardc.costmodel.ring_blocks import matmul_ring_buffers as _ring_buffers
 from shardc.costmodel.ring_blocks import ring_slices as _ring_slices
+from shardc.costmodel.ring_blocks import rings_together
 from shardc.costmodel.route_memory import route_arrays, routed_once
 from shardc.costmodel.step_order import combined, lifetimes, made_at, prelude
 from shardc.device_pieces import local_elements
@@ -89,7 +90,9 @@ class Buffers:
     (:func:`shardc.costmodel.kernel_memory.flash_workspace`).  ``ring_blocks_first``: a collective
     matmul's ring, unrolled, has its block matmuls made before they are combined and its operands'
     blocks sliced into buffers of their own, as a scheduler with no latency to hide runs them
-    (:func:`shardc.costmodel.ring_blocks.matmul_ring_buffers`).  ``scan_block``: a cumulative sum (a
+    (:func:`shardc.costmodel.ring_blocks.matmul_ring_buffers`); two rings gathering one value over the same
+    axes run block by block together, the earlier's result and working set alive to the later's step
+    (:func:`shardc.costmodel.ring_blocks.rings_together`).  ``scan_block``: a cumulative sum (a
     routing's slots) runs as a scan in blocks of this many elements along its dim, padded up to a multiple
     of it: the counts copied into the blocks and each block's running sums, two arrays of the padded shape
     beside the counts, where a chip's scan holds the counts and the sums (0).  ``products_again``: a
@@ -229,6 +232,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
     together before the unit runs (Zhao et al. 2023, PyTorch FSDP, prefetching)."""
     readers, last = lifetimes(steps, copies.buffers.products_again)
+    together = rings_together(steps) if copies.buffers.ring_blocks_first else {}
+    last |= {steps[k].dst: max(last.get(steps[k].dst, k), j) for k, j in together.items()}
     start = made_at(steps)
     deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
     buffers: dict[TensorRef, list[float]] = {}  # value -> [first step, last step, bytes]
@@ -275,7 +280,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
                 spans.append((into.get(k, k), into.get(k, k), size))
         if step.collective is not None:
             since = {ref: 0 for ref in args} | {ref: int(b[0]) for ref, b in buffers.items()}
-            spans += _ring_buffers(k, step, since, {ref for ref in buffers if last.get(ref) == k}, copies)
+            spans += _ring_buffers(k, step, since, {ref for ref in buffers if last.get(ref) == k}, copies,
+                                   together.get(k))
         after = steps[k + 1] if k + 1 < len(steps) else None
         read = readers.get(step.dst, [])
         fused = step.dst not in kept and len(read) == 1 and (

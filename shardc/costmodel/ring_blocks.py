@@ -17,7 +17,7 @@ from shardc.ir.spec import TensorRef
 if TYPE_CHECKING:
     from shardc.costmodel.phase_memory import _Copies
 
-__all__ = ["matmul_ring_buffers", "ring_slices", "ring_sliced"]
+__all__ = ["matmul_ring_buffers", "ring_slices", "ring_sliced", "rings_together"]
 
 
 def ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[TensorRef, int],
@@ -31,8 +31,21 @@ def ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[T
                   copies.buffers.rounded(copies.nbytes(ref))) for ref in residuals - early.keys() if ref in first}
 
 
+def rings_together(steps: tuple[Step, ...]) -> dict[int, int]:
+    """Per collective matmul whose ring gathers a value that a later one's gathers again over the same axes, the
+    step of the last such: XLA's common-subexpression elimination merges their identical collective-permutes
+    (one received block a hop, read by both rings' block matmuls) and its scheduler runs the rings' block
+    matmuls block by block together."""
+    gathered: dict[tuple[TensorRef, tuple[str, ...]], list[int]] = {}
+    for k, step in enumerate(steps):
+        c = step.collective
+        if c is not None and c.op is Op.ALL_GATHER and c.src is not None:
+            gathered.setdefault((c.src, tuple(c.axes)), []).append(k)
+    return {k: ks[-1] for ks in gathered.values() for k in ks[:-1]}
+
+
 def matmul_ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[TensorRef],
-                        copies: _Copies) -> list[Span]:
+                        copies: _Copies, until: int | None = None) -> list[Span]:
     """The buffers a collective matmul at step ``k`` (:mod:`shardc.planner.collective_matmul`) holds beyond
     its operands and result, as :func:`shardc.lowering.runtime_collective` runs its ring of n blocks: the
     blocks it receives (the gathered operand's, or the partial sums passed on), the block matmuls'
@@ -82,6 +95,8 @@ def matmul_ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: 
     last_blocks = sum(blocks[ref] - freed[ref] for ref in blocks)
     held = last_blocks + received_block if gathered else max(sum(blocks.values()), received_block) - sum(freed.values())
     at_last = (2 if keeps else n) * rounded(product) + held
+    if until is not None:  # run with a later ring receiving the same blocks (rings_together): it holds them
+        return spans + [(k, until, max(at_start, at_last) - received_block)]
     return spans + [(k, k, max(at_start, at_last))]
 
 
