@@ -24,7 +24,7 @@ from shardc.costmodel.layout_copies import written_into_place
 from shardc.costmodel.memory import residual_table
 from shardc.costmodel.ring_blocks import matmul_ring_buffers as _ring_buffers
 from shardc.costmodel.ring_blocks import ring_slices as _ring_slices
-from shardc.costmodel.ring_blocks import rings_together
+from shardc.costmodel.ring_blocks import rings_together, sums_blocks
 from shardc.costmodel.route_memory import route_arrays, routed_once
 from shardc.costmodel.step_order import combined, lifetimes, made_at, prelude
 from shardc.device_pieces import local_elements
@@ -92,7 +92,8 @@ class Buffers:
     blocks sliced into buffers of their own, as a scheduler with no latency to hide runs them
     (:func:`shardc.costmodel.ring_blocks.matmul_ring_buffers`); two rings gathering one value over the same
     axes run block by block together, the earlier's result and working set alive to the later's step
-    (:func:`shardc.costmodel.ring_blocks.rings_together`).  ``scan_block``: a cumulative sum (a
+    (:func:`shardc.costmodel.ring_blocks.rings_together`), and a ring summing its block products makes its result
+    after them (:func:`shardc.costmodel.ring_blocks.sums_blocks`).  ``scan_block``: a cumulative sum (a
     routing's slots) runs as a scan in blocks of this many elements along its dim, padded up to a multiple
     of it: the counts copied into the blocks and each block's running sums, two arrays of the padded shape
     beside the counts, where a chip's scan holds the counts and the sums (0).  ``products_again``: a
@@ -302,6 +303,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             prefetched = step.op is Op.ALL_GATHER and step.src in args
             first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
             when = ahead.get(k, 0 if prefetched or first else start[k])
+            if copies.buffers.ring_blocks_first and sums_blocks(step):
+                when = k + 0.5  # made from its ring's block products after the last (ring_blocks.sums_blocks)
             buffers[step.dst] = [when, max(end, when), nbytes(step.dst)]
     early |= _ring_slices(steps, sliced or set(), last, early, copies)
     # the gathers' copies into place are made after the computations run first, beside all of them
@@ -467,3 +470,4 @@ def _kernel_dims(step: Step, sizes: dict[str, int]) -> tuple[int, int, int]:
 
 def _local(dim: Dim, sizes: dict[str, int]) -> int:
     return int(local_elements(TensorRef("", (dim,)), sizes))
+
