@@ -10,6 +10,7 @@ import pytest
 
 import shardc
 from shardc.costmodel.phase_memory import Buffers, phase_memory
+from shardc.costmodel.ring_blocks import rings_together, sums_blocks
 from shardc.costmodel.route_memory import routed_once
 from shardc.costmodel.step_order import prelude
 from shardc.ir.plan import Plan, backward_program
@@ -75,3 +76,30 @@ def test_moe_temporaries_within_ten_percent_of_xla(moe: dict[str, Plan], name: s
     """Each was outside before (1.25, 1.10 and 1.17 of XLA's figure)."""
     (memory,) = (m for m in phase_memory(moe[name], VERIFY, F32, XLA_CPU) if m.phase == phase)
     assert abs(memory.temporaries / XLA_TEMPORARIES[name, phase] - 1) <= TARGET
+
+
+def test_two_rings_gathering_one_value_run_together() -> None:
+    """fsdp_tp.shard's backward at verify's sizes: dW_out's ring and dTmp's both gather dOut over Y; XLA merges
+    their collective-permutes (ppermute.27-29, each read by a block matmul of both rings) and runs them block by
+    block, so dW_out's sums (96 B, reduce-scattered at instruction 39 of 48) and two of its 24 B block products
+    are alive beside W_out's blocks and dTmp's products at its peak (instruction 21): 0.87 of XLA's 920 bytes of
+    temporaries with dW_out's ring run alone at step 0 (800 bytes)."""
+    plan = shardc.plan(shardc.parse((EXAMPLES / "fsdp_tp.shard").read_text()))
+    assert rings_together(backward_program(plan)) == {0: 3}  # dW_out's ring with dTmp's; dIn's passes sums on
+    sizes = {"B": 4, "F": 8, "D": 12, "X": 2, "Y": 4}  # lowering.sizes.small_sizes on 8 devices
+    backward = phase_memory(plan, sizes, F32, XLA_CPU)[1]
+    assert backward.temporaries > 800 and abs(backward.temporaries / 920 - 1) <= TARGET
+
+
+def test_a_ring_summing_its_block_products_makes_its_result_after_them() -> None:
+    """tp.shard's backward at verify's sizes: dTmp's ring gathers dOut's blocks over Y into four products over D
+    that its result does not keep; XLA sums them by one fusion (add_add_fusion, instruction 28, where all four
+    die), so dTmp is not alive beside them: 1.12 of XLA's 708 bytes of temporaries with it made at the ring's
+    start (792 bytes), as the rings reading only arguments are issued there. dW_out's ring writes each product
+    into its result (D kept) and dIn's passes partial sums on: neither sums its blocks so."""
+    plan = shardc.plan(shardc.parse((EXAMPLES / "tp.shard").read_text()))
+    steps = backward_program(plan)
+    assert {s.dst.name: sums_blocks(s) for s in steps if s.collective is not None} == \
+        {"dW_out": False, "dTmp": True, "dIn": False}
+    backward = phase_memory(plan, {"B": 4, "D": 8, "F": 12, "Y": 4}, F32, XLA_CPU)[1]
+    assert backward.temporaries < 792 and abs(backward.temporaries / 708 - 1) <= TARGET

@@ -3,13 +3,16 @@ result (:func:`shardc.costmodel.phase_memory.phase_memory` counts each copy for 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from shardc.collectives import Op
-from shardc.fusion import is_product
+from shardc.costmodel.ring_blocks import ring_sliced
+from shardc.fusion import fusible, is_product
 from shardc.ir.plan import Step
 from shardc.ir.spec import TensorRef
 from shardc.ops.products import einsum_letters
 
-__all__ = ["layout_copies", "blocked", "read_order"]
+__all__ = ["layout_copies", "blocked", "read_order", "written_into_place"]
 
 
 def layout_copies(step: Step, canonical: bool = False) -> list[TensorRef]:
@@ -38,6 +41,22 @@ def layout_copies(step: Step, canonical: bool = False) -> list[TensorRef]:
     if out not in (batch + a_free + b_free, batch + b_free + a_free):
         copies.append(step.dst)
     return copies
+
+
+def written_into_place(step: Step, readers: list[Step], outs: Collection[TensorRef]) -> bool:
+    """Whether a collective's result over a dim that is not its first (:func:`layout_copies`) is copied into
+    place whole, a buffer of its own: where the phase returns it or a step other than a fusion reads it (a dot).
+    XLA's layout assignment gives the collective a layout with that dim major (its operand copied into it
+    first); a loop fusion reading the result (a collective matmul's ring slicing it into blocks, an elementwise
+    map or reduction) takes the copy into place into its own body and reads the collective's buffer as it is
+    laid out (fsdp_tp.shard's forward at verify's sizes: W_out gathered over D as f32[2,12]{0,1}, each of
+    its four select_dynamic-slice fusions holding a copy of its parameter, no copy written; llama2_13b.shard's
+    forward: X0 gathered over S read so by the norm's add_rsqrt and the residual's copy_add fusions, and
+    copied whole only as the residual the phase returns)."""
+    if step.dim is None or step.op is Op.ALL_REDUCE or step.dst in outs or not readers:
+        return True
+    return not all(step.dst in ring_sliced(r) if r.collective is not None else fusible(r) and not is_product(r)
+                   for r in readers)
 
 
 def blocked(names: list[str], batch: list[str], group: list[str]) -> bool:

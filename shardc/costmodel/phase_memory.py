@@ -20,9 +20,11 @@ from shardc.costmodel.heap import Span, outside_outputs, packed
 from shardc.costmodel.kernel_memory import flash_workspace, loop_state
 from shardc.costmodel.layout_copies import blocked as _blocked
 from shardc.costmodel.layout_copies import layout_copies as _layout_copies
+from shardc.costmodel.layout_copies import written_into_place
 from shardc.costmodel.memory import residual_table
 from shardc.costmodel.ring_blocks import matmul_ring_buffers as _ring_buffers
 from shardc.costmodel.ring_blocks import ring_slices as _ring_slices
+from shardc.costmodel.ring_blocks import rings_together, sums_blocks
 from shardc.costmodel.route_memory import route_arrays, routed_once
 from shardc.costmodel.step_order import combined, lifetimes, made_at, prelude
 from shardc.device_pieces import local_elements
@@ -88,7 +90,10 @@ class Buffers:
     (:func:`shardc.costmodel.kernel_memory.flash_workspace`).  ``ring_blocks_first``: a collective
     matmul's ring, unrolled, has its block matmuls made before they are combined and its operands'
     blocks sliced into buffers of their own, as a scheduler with no latency to hide runs them
-    (:func:`shardc.costmodel.ring_blocks.matmul_ring_buffers`).  ``scan_block``: a cumulative sum (a
+    (:func:`shardc.costmodel.ring_blocks.matmul_ring_buffers`); two rings gathering one value over the same
+    axes run block by block together, the earlier's result and working set alive to the later's step
+    (:func:`shardc.costmodel.ring_blocks.rings_together`), and a ring summing its block products makes its result
+    after them (:func:`shardc.costmodel.ring_blocks.sums_blocks`).  ``scan_block``: a cumulative sum (a
     routing's slots) runs as a scan in blocks of this many elements along its dim, padded up to a multiple
     of it: the counts copied into the blocks and each block's running sums, two arrays of the padded shape
     beside the counts, where a chip's scan holds the counts and the sums (0).  ``products_again``: a
@@ -228,6 +233,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
     operand is ready to overlap it with the compute before its reader, and FSDP gathers a unit's params
     together before the unit runs (Zhao et al. 2023, PyTorch FSDP, prefetching)."""
     readers, last = lifetimes(steps, copies.buffers.products_again)
+    together = rings_together(steps) if copies.buffers.ring_blocks_first else {}
+    last |= {steps[k].dst: max(last.get(steps[k].dst, k), j) for k, j in together.items()}
     start = made_at(steps)
     deferred = {s.dst for s in steps if s.src is not None and last.get(s.src) == len(steps) and s.ahead}
     buffers: dict[TensorRef, list[float]] = {}  # value -> [first step, last step, bytes]
@@ -260,6 +267,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
         for ref, size in copies.of(step):
             if step.op is Op.EINSUM and ref in remade:
                 continue
+            if step.is_collective and not written_into_place(step, readers.get(step.dst, []), outs):
+                continue  # copied into place inside each reader's fusion (layout_copies.written_into_place)
             if dots is not None and is_dot(step) and ref in dots.turned:  # a later dot's copy: made at the dot
                 spans += _turned(k, ref, size, dots, ahead) if ref == step.dst else []
                 continue
@@ -272,7 +281,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
                 spans.append((into.get(k, k), into.get(k, k), size))
         if step.collective is not None:
             since = {ref: 0 for ref in args} | {ref: int(b[0]) for ref, b in buffers.items()}
-            spans += _ring_buffers(k, step, since, {ref for ref in buffers if last.get(ref) == k}, copies)
+            spans += _ring_buffers(k, step, since, {ref for ref in buffers if last.get(ref) == k}, copies,
+                                   together.get(k))
         after = steps[k + 1] if k + 1 < len(steps) else None
         read = readers.get(step.dst, [])
         fused = step.dst not in kept and len(read) == 1 and (
@@ -293,6 +303,8 @@ def _temporaries(steps: tuple[Step, ...], args: set[TensorRef], outs: set[Tensor
             prefetched = step.op is Op.ALL_GATHER and step.src in args
             first = copies.buffers.arguments_first and all(ref in args for ref in step.reads)
             when = ahead.get(k, 0 if prefetched or first else start[k])
+            if copies.buffers.ring_blocks_first and sums_blocks(step):
+                when = k + 0.5  # made from its ring's block products after the last (ring_blocks.sums_blocks)
             buffers[step.dst] = [when, max(end, when), nbytes(step.dst)]
     early |= _ring_slices(steps, sliced or set(), last, early, copies)
     # the gathers' copies into place are made after the computations run first, beside all of them
@@ -458,3 +470,4 @@ def _kernel_dims(step: Step, sizes: dict[str, int]) -> tuple[int, int, int]:
 
 def _local(dim: Dim, sizes: dict[str, int]) -> int:
     return int(local_elements(TensorRef("", (dim,)), sizes))
+

@@ -17,7 +17,7 @@ from shardc.ir.spec import TensorRef
 if TYPE_CHECKING:
     from shardc.costmodel.phase_memory import _Copies
 
-__all__ = ["matmul_ring_buffers", "ring_slices"]
+__all__ = ["matmul_ring_buffers", "ring_slices", "ring_sliced", "rings_together", "sums_blocks"]
 
 
 def ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[TensorRef, int],
@@ -31,8 +31,30 @@ def ring_slices(steps: tuple[Step, ...], residuals: set[TensorRef], last: dict[T
                   copies.buffers.rounded(copies.nbytes(ref))) for ref in residuals - early.keys() if ref in first}
 
 
+def sums_blocks(step: Step) -> bool:
+    """Whether ``step`` is a collective matmul whose ring gathers an operand's blocks into products its result does
+    not keep the ring's index of: the products are summed into the result after the last, by one fusion reading
+    them all, so the result is not alive beside them (XLA's CPU backend: tp.shard's backward at verify's sizes,
+    dTmp's add_add_fusion at instruction 28, where its four block products die; fsdp_tp.shard's at 32)."""
+    c = step.collective
+    return c is not None and c.op is Op.ALL_GATHER and _ring_index(step) not in [d.name for d in step.dst.dims]
+
+
+def rings_together(steps: tuple[Step, ...]) -> dict[int, int]:
+    """Per collective matmul whose ring gathers a value that a later one's gathers again over the same axes, the
+    step of the last such: XLA's common-subexpression elimination merges their identical collective-permutes
+    (one received block a hop, read by both rings' block matmuls) and its scheduler runs the rings' block
+    matmuls block by block together."""
+    gathered: dict[tuple[TensorRef, tuple[str, ...]], list[int]] = {}
+    for k, step in enumerate(steps):
+        c = step.collective
+        if c is not None and c.op is Op.ALL_GATHER and c.src is not None:
+            gathered.setdefault((c.src, tuple(c.axes)), []).append(k)
+    return {k: ks[-1] for ks in gathered.values() for k in ks[:-1]}
+
+
 def matmul_ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: set[TensorRef],
-                        copies: _Copies) -> list[Span]:
+                        copies: _Copies, until: int | None = None) -> list[Span]:
     """The buffers a collective matmul at step ``k`` (:mod:`shardc.planner.collective_matmul`) holds beyond
     its operands and result, as :func:`shardc.lowering.runtime_collective` runs its ring of n blocks: the
     blocks it receives (the gathered operand's, or the partial sums passed on), the block matmuls'
@@ -57,13 +79,13 @@ def matmul_ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: 
     assert c is not None and c.src is not None
     n = prod(copies.sizes[a] for a in c.axes)
     gathered = c.op is Op.ALL_GATHER
-    keeps = gathered and _ring_index(step) in [d.name for d in step.dst.dims]  # a block's product: the result's
+    keeps = gathered and not sums_blocks(step)  # a block's product: the result's
     product = copies.nbytes(step.dst) / (n if keeps else 1)
     rounded = copies.buffers.rounded
     received_block = rounded(copies.nbytes(c.src if gathered else step.dst))
     if not copies.buffers.ring_blocks_first:
         return [(k, k, min(2, n - 1) * received_block + rounded(product))]
-    blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in _ring_sliced(step)}
+    blocks = {ref: rounded(copies.nbytes(ref) / n) for ref in ring_sliced(step)}
     # a value the ring reads last dies into its blocks: beyond the last slice they add only their padding
     freed = {ref: rounded(copies.nbytes(ref)) if ref in dying else 0.0 for ref in blocks}
     # each block a buffer of its own, at its own bytes (the heap aligns it: shardc.costmodel.heap.packed), but those
@@ -82,6 +104,8 @@ def matmul_ring_buffers(k: int, step: Step, since: dict[TensorRef, int], dying: 
     last_blocks = sum(blocks[ref] - freed[ref] for ref in blocks)
     held = last_blocks + received_block if gathered else max(sum(blocks.values()), received_block) - sum(freed.values())
     at_last = (2 if keeps else n) * rounded(product) + held
+    if until is not None:  # run with a later ring receiving the same blocks (rings_together): it holds them
+        return spans + [(k, until, max(at_start, at_last) - received_block)]
     return spans + [(k, k, max(at_start, at_last))]
 
 
@@ -92,7 +116,7 @@ def _ring_index(step: Step) -> str:
     return (c.src if c.op is Op.ALL_GATHER else c.dst).dims[c.dim].name
 
 
-def _ring_sliced(step: Step) -> list[TensorRef]:
+def ring_sliced(step: Step) -> list[TensorRef]:
     """A collective matmul's operands its ring slices into blocks: those with its index but the one gathered."""
     c = step.collective
     assert c is not None

@@ -85,6 +85,15 @@ XLA_OPTIONS: dict[str, str | bool] = {"xla_cpu_use_fusion_emitters": True}
 #   in a buffer of its own, sliced one after another, so an operand the ring reads last (a gathered weight)
 #   is alive beside all its blocks at the last slice (fsdp_tp.shard's backward at 16x its sizes: the
 #   gathered W_in, 24 kB, beside its four 6 kB blocks at XLA's peak);
+#   two rings gathering one value over the same axes share their received blocks (its CSE merges the identical
+#   collective-permutes) and run block by block together, so the earlier ring's result, written block by block,
+#   and two of its block products are alive beside the later ring's blocks and products (fsdp_tp.shard's
+#   backward at verify's sizes: dW_out's sums, 96 B, and two 24 B products beside dTmp's ring and W_out's
+#   blocks at XLA's peak; tp.shard's backward, the same buffers at its peak), and a ring summing its block
+#   products (its result keeps no ring index) makes its result after the last of them, by one fusion reading
+#   them all, not beside them (tp.shard's dTmp: add_add_fusion where its four products die);
+#   a collective's result over a minor dim that only loop fusions read (a ring's slices, maps) is gathered with
+#   that dim major and copied into place inside each reader (fsdp_tp.shard's W_out: no copy written);
 # - a cumulative sum (a routing's slots, counted along the tokens) is a reduce-window its reduce-window
 #   rewriter runs as a scan in blocks of 16 elements, the dim padded up to a multiple of 16: the counts
 #   copied into the blocks and the blocks' running sums, beside the counts (moe_dispatch.shard at
