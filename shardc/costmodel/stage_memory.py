@@ -14,13 +14,12 @@ from shardc.costmodel.phase_memory import phase_memory
 from shardc.device_pieces import local_elements
 from shardc.hardware import Hardware
 from shardc.ir.plan import SECTIONS, Plan
-from shardc.ir.spec import Statement, TensorRef
+from shardc.ir.spec import TensorRef
 from shardc.pipeline.block_split import chunk_blocks, device_blocks
 from shardc.pipeline.boundary import boundary_tensor, carried_refs, gradient_reductions, microbatch_dim, shared_inputs
 from shardc.pipeline.dualpipe import TWO_WAY, end_chunks
 from shardc.pipeline.schedules import ZERO_BUBBLE, Simulation, device_of
 from shardc.spec.stages import Pipeline
-from shardc.spec.walk import leaves
 
 __all__ = ["RIDER_SLOTS", "accumulator_bytes", "chunk_copies", "dualpipe_held", "end_chunks_on", "held_names",
            "kept_copies", "outside_names", "rider_bytes", "rider_slots", "stage_memories", "working_sets"]
@@ -38,16 +37,19 @@ RIDER_SLOTS = 2
 
 
 def outside_names(plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
-    """The tensors the statements before the ``layers`` block name, and those after it (none without one)."""
-    spec = plan.spec
-    if spec.block is None:
+    """The tensors the plan's steps before the ``layers`` block(s) make or read, and those after them (none
+    without a block): the plan's values, not only the spec's names, for the planner makes values of its own
+    there (the loss's row logsumexp ``Loss_lse``, a value's resharded copy), which the stage running that
+    section holds (:func:`shardc.lowering.pipeline_ends.cut_parts` gives each end its section's steps)."""
+    if plan.spec.block is None:
         return frozenset(), frozenset()
-    lo, hi = spec.block
 
-    def names(statements: tuple[Statement, ...]) -> frozenset[str]:
-        return frozenset({s.result.name for s in statements} | {r.name for s in statements for r in leaves(s.expr)})
+    def names(section: str) -> frozenset[str]:
+        steps = plan.section(section)
+        return frozenset(r.name for phase in (steps.forward, steps.backward, steps.recomputed) for s in phase
+                         for r in (s.dst, *s.reads_with_shapes))
 
-    return names(spec.statements[:lo]), names(spec.statements[hi:])
+    return names("before"), names("after")
 
 
 def end_chunks_on(pipe: Pipeline, stage: int) -> tuple[int, int]:
