@@ -4,6 +4,7 @@ posted together and waited on by both stages (shardc.pipeline.paired_sends)."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -17,6 +18,9 @@ from shardc.layouts.knobs import _apply
 from shardc.layouts.rank import pairs, prepare
 from shardc.layouts.templates import Candidate
 from shardc.pipeline.blocking_sends import Held
+from shardc.pipeline.keyed_walk import keyed_walk
+from shardc.pipeline.order_walk import Ones
+from shardc.pipeline.paired_sends import megatron_steps
 from shardc.pipeline.schedules import Timing, simulate
 from tests.test_blocking_sends import BLOCK, HEAD
 
@@ -128,3 +132,40 @@ def test_the_layouts_schedule_knob_keeps_the_paired_schedule() -> None:
     options = Options(get_hardware("h100"), knobs=("schedule",))
     kept = _apply(Candidate(prepared, pairs(prepared)), {"schedule": "1f1b sends paired"}, options)
     assert kept.spec.schedule == Schedule("1f1b", sends="paired")
+
+
+def _steps_one_at_a_time(steps: Ones, stages: int, microbatches: int, compute: list[dict[str, float]],
+                         sends: tuple[float, float], gathers: tuple[float, float]) -> tuple[list[float], list[int],
+                                                                                             list[int]]:
+    """megatron_steps as a loop an op (what the columns replaced): the seconds and the two marked read columns."""
+    (comm, back), (on, off) = sends, gathers
+    exchange = max(comm - on, back - off)
+    after = {"F": (comm - on, exchange + off), "B": (back - off, exchange + on)}
+    last = {"F": stages - 1, "B": 0}
+    seconds, first_how, second_how = [], list(steps.first_how), list(steps.second_how)
+    for i, (kind, j, s) in enumerate(zip(steps.kind, steps.microbatch, steps.chunk, strict=True)):
+        warm = min(stages - 1 - s, microbatches)
+        steady = microbatches - warm
+        lone_in, lone_out = ((s > 0 and j <= warm, j < warm) if kind == "F"
+                             else (j >= steady, s > 0 and j >= steady - 1))
+        held = 0.0 if s == last[kind] else after[kind][0 if lone_out else 1]
+        if lone_in:
+            held += comm if kind == "F" else back
+            first_how[i] += 2 * (first_how[i] > 0)
+            second_how[i] += 2 * (second_how[i] > 0)
+        seconds.append(compute[s][kind] + held)
+    return seconds, first_how, second_how
+
+
+def test_the_columns_give_the_loop_an_ops_floats() -> None:
+    rng = random.Random(21)
+    for _ in range(12):
+        p, m = rng.randint(1, 7), rng.randint(1, 9)
+        steps = keyed_walk("1f1b", p, m, 1)
+        assert steps is not None
+        compute = [{"F": rng.choice((0.0, 0.1, 0.3, 1.7)), "B": rng.choice((0.0, 0.2, 0.7, 3.1))} for _ in range(p)]
+        sends = (rng.choice((0.0, 0.13, 0.4)), rng.choice((0.0, 0.11, 0.5)))
+        gathers = (rng.choice((0.0, 0.03, sends[0])), rng.choice((0.0, 0.07, sends[1])))
+        marked, seconds, _ = megatron_steps(steps, p, m, compute, sends, gathers)
+        assert (seconds, list(marked.first_how), list(marked.second_how)) == _steps_one_at_a_time(
+            steps, p, m, compute, sends, gathers)

@@ -7,7 +7,9 @@ general walk gives with its own orders (:func:`run_orders`), ties and sends of e
 
 from __future__ import annotations
 
+import math
 import random
+from array import array
 from itertools import accumulate
 
 import numpy as np
@@ -24,7 +26,7 @@ from shardc.pipeline.schedules import (
     run_orders,
     simulate,
 )
-from shardc.pipeline.simulation import _most_held
+from shardc.pipeline.simulation import Runs, Simulation, _most_held
 
 # small times that tie often (quarters add exactly) and sends that make the devices wait
 TIMES = (0.0, 0.25, 0.5, 1.0, 1.75)
@@ -115,3 +117,19 @@ def test_blocking_sends_through_the_kept_walk_give_the_general_walks_floats(sche
         durations = [_durations(t, schedule in ZERO_BUBBLE) for t in sim.chunk_times]
         general = run_orders(schedule, p, m, durations, comm, sim.orders, sim.chunk_times, back=back)
         assert [tuple(op) for op in sim.ops] == sorted(tuple(op) for op in general), (p, m, virtual, timing)
+
+
+def test_a_devices_summed_work_is_the_fsum_of_its_ops_in_the_runs_order() -> None:
+    """Where ops take other times than their chunk's (``sends paired``, DualPipe), a device's work is the exactly
+    rounded sum of its ops' end less start: grouped a device at a time, the very float of a pass over its ops."""
+    rng = random.Random(8)
+    for _ in range(40):
+        p, n = rng.randint(1, 5), rng.randint(0, 60)
+        device = [rng.randrange(p) for _ in range(n)]
+        start = [rng.uniform(0, 1e3) for _ in range(n)]
+        end = [s + rng.choice((0.0, rng.uniform(0, 10), rng.uniform(0, 1e-9))) for s in start]
+        runs = Runs(array("i", device), "F" * n, array("i", [0] * n), array("i", device), array("d", start),
+                    array("d", end))
+        sim = Simulation("1f1b", p, 1, 1, Timing(1.0, 1.0), runs, summed=True)
+        assert [sim.work(d) for d in range(p)] == [
+            math.fsum(e - s for s, e, d in zip(start, end, device, strict=True) if d == dev) for dev in range(p)]

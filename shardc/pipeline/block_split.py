@@ -61,11 +61,10 @@ def device_blocks(pipe: Pipeline) -> tuple[tuple[int, ...], ...]:
     Whole numbers: a device holds whole layers, and with several blocks each chunk does
     (:func:`shardc.spec.stages.check_pipeline`)."""
     p, chunks = pipe.stages, chunk_blocks(pipe)
-    out = []
-    for d in range(p):
-        held = [c for c in range(len(chunks)) if device_of(pipe.schedule.name, c, p) == d]
-        out.append(tuple(round(sum(chunks[c][b] for c in held)) for b in range(len(chunks[0]))))
-    return tuple(out)
+    held: list[list[int]] = [[] for _ in range(p)]  # each device's chunks, in chunk order (one pass, not one a device)
+    for c in range(len(chunks)):
+        held[device_of(pipe.schedule.name, c, p)].append(c)
+    return tuple(tuple(round(sum(chunks[c][b] for c in mine)) for b in range(len(chunks[0]))) for mine in held)
 
 
 def stage_blocks(pipe: Pipeline) -> tuple[Counts, ...]:
