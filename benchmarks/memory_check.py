@@ -65,12 +65,15 @@ def _pipelined(plans: list[tuple[Path, Any]], devices: int) -> None:
     from shardc.units import fmt_bytes
     from shardc.verification.pipeline_verify import check_pipeline_memory
 
-    heads = ("shardc", "params", "grads", "ends", "activ.", "gathered", "working", "sums", "data")
-    print(f"\n{'pipelined example':<26} {'ratio':>5}  {' '.join(f'{c:>9}' for c in heads)}  "
-          f"{'XLA':>9} {'args':>9} {'outs':>9} {'temp':>9}  held/M")
-    for path, plan in plans:
+    short = {"gradients": "grads", "other ends": "ends", "activations": "activ.", "gathered weights": "gathered",
+             "working set": "working", "gradient sums": "sums"}
+    for k, (path, plan) in enumerate(plans):
         check = check_pipeline_memory(plan, devices)
         mine, xla = dict(check.shardc_parts), dict(check.xla_parts)
+        if k == 0:  # the header names the parts the check reports, in its order
+            heads = ("shardc", *(short.get(name, name) for name in mine))
+            print(f"\n{'pipelined example':<26} {'ratio':>5}  {' '.join(f'{c:>9}' for c in heads)}  "
+                  f"{'XLA':>9} {'args':>9} {'outs':>9} {'temp':>9}  held/M")
         cells = [check.shardc_bytes, *mine.values(), check.xla_bytes, xla["arguments"], xla["outputs"],
                  xla["temporaries"]]
         text = [f"{fmt_bytes(n):>9}" for n in cells]
