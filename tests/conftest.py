@@ -100,12 +100,36 @@ def _unmarked_compiles(item: pytest.Item) -> Generator[None, object, object]:
     return result
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+_PLANS: dict[tuple[str, str, bool], Plan] = {}  # a Plan is frozen, so no test can change what another reads
+_PLAN = shardc.plan  # the planner itself, which a test may stand the shared plans in for (test_fidelity)
+
+
+def _shared_plan(path: str, recompute: str, explain: bool = False) -> Plan:
+    # a plan made with --explain is the same plan with its choices kept: it serves where none are asked for
+    if not explain and (path, recompute, True) in _PLANS:
+        return _PLANS[path, recompute, True]
+    if (path, recompute, explain) not in _PLANS:
+        spec = shardc.parse((ROOT / path).read_text(encoding="utf-8"), filename=path)
+        _PLANS[path, recompute, explain] = _PLAN(spec, recompute=recompute, explain=explain)
+    return _PLANS[path, recompute, explain]
+
+
 @pytest.fixture(scope="session")
-def deepseek_v3_plan() -> Plan:
+def shared_plan() -> Callable[..., Plan]:
+    """``shared_plan(path, recompute, explain=False)``: the spec at ``path`` (from the repository's root) planned
+    so, once a process: the big examples take seconds of CPU to plan, and several files plan them alike (the
+    fidelity benchmark's runs, the real models' tests)."""
+    return _shared_plan
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_plan(shared_plan: Callable[..., Plan]) -> Plan:
     """benchmarks/runs/deepseek_v3.shard planned at its report's recompute policy (`selective`), once a process:
     several files read this plan (seconds of CPU to make), and a Plan is frozen, so none can change it."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "runs" / "deepseek_v3.shard"
-    return shardc.plan(shardc.parse(path.read_text(encoding="utf-8"), filename=str(path)), recompute="selective")
+    return shared_plan("benchmarks/runs/deepseek_v3.shard", "selective")
 
 
 @pytest.fixture

@@ -14,14 +14,22 @@ When a change of output is intended, rewrite the snapshots and review the diff:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import shardc.cli.plan_cmd
+import shardc.costmodel.fitting
+import shardc.planner.planner
 from shardc.cli.main import main
+from shardc.ir.plan import Plan
+from shardc.ir.spec import Spec
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -46,6 +54,34 @@ def output(spec: Path, command: str) -> str:
 
 def snapshot(spec: Path, command: str) -> Path:
     return GOLDEN / f"{spec.stem}.{command}.json"
+
+
+def planned_once(fitting: Callable[..., Plan]) -> Callable[..., Plan]:
+    """``fitting_plan`` remembered by all its arguments (the planner's defaults filled in), for the spec last
+    planned: `shardc plan` and `shardc cost` both plan the fastest plan that fits, with the same options where
+    neither is given any, and a plan is a pure function of them, so the cost command reads the plan the plan
+    command made (a frozen Plan); a call with any other argument plans anew."""
+    seen: dict[str, tuple[Spec, Plan]] = {}
+
+    def plan(spec: Spec, optimizer: str | None = None, offload: str = "none", **options: Any) -> Plan:
+        bound = inspect.signature(shardc.planner.planner.plan).bind(spec, **options)
+        bound.apply_defaults()
+        key = repr((spec.filename, optimizer, offload, [(k, v) for k, v in bound.arguments.items() if k != "spec"]))
+        hit = seen.get(key)
+        if hit is None or hit[0] != spec:
+            seen.clear()  # only the spec in hand: its two commands run one after the other
+            hit = seen[key] = (spec, fitting(spec, optimizer, offload, **options))
+        return hit[1]
+    return plan
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_plan_a_spec() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        once = planned_once(shardc.costmodel.fitting.fitting_plan)
+        patch.setattr(shardc.costmodel.fitting, "fitting_plan", once)  # shardc.plan's, which `shardc cost` calls
+        patch.setattr(shardc.cli.plan_cmd, "plan", once)  # `shardc plan`'s, imported by name
+        yield
 
 
 def test_every_spec_has_one_snapshot_per_command_and_no_other() -> None:

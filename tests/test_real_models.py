@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,16 +97,17 @@ def test_each_pipelined_model_lowers_at_its_own_sizes(path: Path, tmp_path: Path
     assert ("\nBLOCK_LAYERS = (3, 58)" in source) == (pipe.blocks == (3, 58))
 
 
-def _context_forms(text: str, path: Path) -> tuple[Plan, list[Attention], dict[str, float]]:
-    """The plan (``--explain``'s, the same as without), the attention kernels it runs and the time of each
-    context-parallel form it weighed."""
-    planned = shardc.plan(shardc.parse(text, filename=str(path)), recompute="dots", explain=True)
+def _context_forms(text: str, path: Path,
+                   planned: Plan | None = None) -> tuple[Plan, list[Attention], dict[str, float]]:
+    """The plan (``--explain``'s, the same as without; ``planned`` where the file's text is planned so already),
+    the attention kernels it runs and the time of each context-parallel form it weighed."""
+    planned = planned or shardc.plan(shardc.parse(text, filename=str(path)), recompute="dots", explain=True)
     kernels = [s.fn for s in planned.forward if isinstance(s.fn, Attention)]
     (choice,) = [c for c in planned.choices if any("all-gather, balanced" in a.description for a in c.alternatives)]
     return planned, kernels, {a.description.split(" (")[-1].rstrip(")"): a.time or 0.0 for a in choice.alternatives}
 
 
-def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() -> None:
+def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits(shared_plan: Callable[..., Plan]) -> None:
     """Its 128K stage: the same parameters, the sequence over C, and the fullest stage within 80 GB under
     `--recompute dots`, the least recomputation that fits (`selective` does not).  Of the context-parallel
     forms the planner weighs, with FlashAttention-2 (the example's kernel) the paper's is the cheapest: K and
@@ -115,7 +117,7 @@ def test_llama3_405b_128k_is_the_8k_model_with_its_context_sharded_and_fits() ->
     contiguous blocks the last device runs 31/32 of its share."""
     path = EXAMPLES / "llama3_405b_128k.shard"
     text = path.read_text(encoding="utf-8")
-    planned, kernels, times = _context_forms(text, path)
+    planned, kernels, times = _context_forms(text, path, shared_plan("examples/llama3_405b_128k.shard", "dots", True))
     long = shardc.cost(planned).to_json()
     short = _cost("llama3_405b", "--recompute", "dots")
     assert not _cost("llama3_405b_128k", "--recompute", "selective")["memory"]["fits"]
