@@ -7,11 +7,12 @@ both ask these of a plan; they are questions about the pipeline's structure, ans
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from shardc.errors import ShardcError
 from shardc.ir.plan import Op, Plan, Step, TensorInfo, model_dims
 from shardc.ir.spec import Spec, Statement, TensorRef
-from shardc.spec.walk import block_feeds, fed_alike, leaves
+from shardc.spec.walk import block_feeds, leaves
 
 __all__ = ["microbatch_dim", "batch_dim", "boundary_tensor", "boundary_of", "batch_axes", "splits", "send_bytes",
            "check_microbatches", "check_lowerable", "shared_inputs", "fed_beside", "handed_beside", "riders",
@@ -194,18 +195,37 @@ def _check_end_data(plan: Plan, statement: Statement, batch: str, graded: set[st
                               fix=f"declare {ref.name} `const`: data such as a mask or token ids needs no gradient")
 
 
-def fed_beside(spec: Spec) -> tuple[str, ...]:
-    """The values made before the first ``layers`` block that it reads beside the one its stages hand on
-    (``E`` beside the carried ``X0``) and feeds from the same output (:func:`shardc.spec.walk.fed_alike`):
-    past the first layer each is the carried value, so no stage sends it; the first layer, on stage 0,
-    reads the one made before the block there (:attr:`shardc.lowering.pipeline_runtime.Pipeline.fed`)."""
+class _FirstBlock(NamedTuple):
+    """The first ``layers`` block of a spec with statements before it, as its stages read what those make."""
+
+    lo: int  # its first statement
+    hi: int  # past its last
+    carried: str  # the value made last before it: what stage 0 hands on
+    before: frozenset[str]  # every value made before it
+    feeds: dict[str, TensorRef | None]  # each activation input with the output feeding it (walk.block_feeds)
+
+
+def _first_block(spec: Spec) -> _FirstBlock | None:
+    """The spec's first ``layers`` block as :class:`_FirstBlock`; None where no statement comes before it."""
     blocks = spec.blocks()
     if not blocks or blocks[0][0] == 0:
-        return ()
+        return None
     lo, hi, _ = blocks[0]
-    before = {s.result.name for s in spec.statements[:lo]}
-    return tuple(n for n in fed_alike(spec, spec.statements[lo:hi], spec.statements[lo - 1].result.name)
-                 if n in before)
+    return _FirstBlock(lo, hi, spec.statements[lo - 1].result.name,
+                       frozenset(s.result.name for s in spec.statements[:lo]),
+                       {ref.name: out for ref, out in block_feeds(spec, spec.statements[lo:hi])})
+
+
+def fed_beside(spec: Spec) -> tuple[str, ...]:
+    """The values made before the first ``layers`` block that it reads beside the one its stages hand on
+    (``E`` beside the carried ``X0``) and feeds from the same output (:func:`shardc.spec.walk.block_feeds`):
+    past the first layer each is the carried value, so no stage sends it; the first layer, on stage 0,
+    reads the one made before the block there (:attr:`shardc.lowering.pipeline_runtime.Pipeline.fed`)."""
+    first = _first_block(spec)
+    by = None if first is None else first.feeds.get(first.carried)
+    if first is None or by is None:
+        return ()
+    return tuple(n for n, out in first.feeds.items() if n in first.before and n != first.carried and out == by)
 
 
 def riders(spec: Spec) -> tuple[str, ...]:
@@ -227,15 +247,12 @@ def handed_beside(spec: Spec) -> tuple[str, ...]:
     value's (``E`` fed by ``G`` where ``X0`` is by ``X1``): a second value each layer hands the next, so each
     hop between stages would send it beside the activation (and its gradient back).  The lowering refuses it
     (:func:`_check_one_carried`); the cost charges its send (:func:`carried_refs`)."""
-    blocks = spec.blocks()
-    if not blocks or blocks[0][0] == 0:
+    first = _first_block(spec)
+    by = None if first is None else first.feeds.get(first.carried)
+    if first is None or by is None:
         return ()
-    lo, hi, _ = blocks[0]
-    before, carried = {s.result.name for s in spec.statements[:lo]}, spec.statements[lo - 1].result.name
-    feeds = {ref.name: out for ref, out in block_feeds(spec, spec.statements[lo:hi])}
-    by = feeds.get(carried)
-    return tuple(n for n, out in feeds.items()
-                 if n in before and n != carried and by is not None and out is not None and out != by)
+    return tuple(n for n, out in first.feeds.items()
+                 if n in first.before and n != first.carried and out is not None and out != by)
 
 
 def carried_refs(plan: Plan) -> tuple[TensorRef, ...]:
@@ -310,12 +327,11 @@ def _check_one_carried(spec: Spec, axis: str) -> None:
     stages do not make.
     A later block's read of an earlier block's inner value is the spec's own check's
     (:func:`shardc.spec.stages.check_pipeline`)."""
-    blocks = spec.blocks()
-    first = blocks[0][0] if blocks else 0
-    if first == 0:
+    first = _first_block(spec)
+    if first is None:
         return
-    before, carried = {s.result.name for s in spec.statements[:first]}, spec.statements[first - 1].result.name
-    reads = [r for s in spec.statements[first:blocks[0][1]] for r in leaves(s.expr)]
+    before, carried, feeds = first.before, first.carried, first.feeds
+    reads = [r for s in spec.statements[first.lo:first.hi] for r in leaves(s.expr)]
     given = next((r for r in reads if r.name in before), None)
     if given is not None and carried not in {r.name for r in reads}:  # stage 0 hands on the value made last
         raise ShardcError(f"the statement just before the pipelined block makes {carried}, which the block does "
@@ -323,8 +339,7 @@ def _check_one_carried(spec: Spec, axis: str) -> None:
                           fix=f"make {carried} before {given.name}, so that {given.name} is made last before the "
                               "block")
     beside = set(fed_beside(spec))
-    feeds = {ref.name: out for ref, out in block_feeds(spec, spec.statements[first:blocks[0][1]])}
-    for j, (lo, hi, _) in enumerate(blocks):
+    for j, (lo, hi, _) in enumerate(spec.blocks()):
         for ref in (r for s in spec.statements[lo:hi] for r in leaves(s.expr)):
             if ref.name in before and (j > 0 or ref.name not in beside | {carried}):
                 fed, by = feeds.get(ref.name), feeds.get(carried)

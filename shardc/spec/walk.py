@@ -21,7 +21,7 @@ from shardc.spec.functions import ID_BYTES, INDEXED, integer_args, is_known, sig
 
 __all__ = ["leaves", "calls", "dropout_number", "id_refs", "id_vocabulary", "id_names", "element_bytes", "nbytes_of",
            "gather_nbytes_of", "route_slots", "domain_reads", "is_rename", "renamed_indices", "fold", "chain_indices",
-           "operand_outers", "layer_inputs", "block_reads", "block_feeds", "fed_alike", "spec_params"]
+           "operand_outers", "layer_inputs", "block_reads", "block_feeds", "spec_params"]
 
 
 def leaves(expr: Expr) -> Iterator[TensorRef]:
@@ -267,15 +267,6 @@ def block_feeds(spec: Spec, block: tuple[Statement, ...]) -> list[tuple[TensorRe
     names = {r.name for r in read}
     outputs = [s.result for s in block if s.result.name not in names]  # read after the block, or never
     return [(given, next((o for o in reversed(outputs) if o.indices == given.indices), None)) for given in inputs]
-
-
-def fed_alike(spec: Spec, block: tuple[Statement, ...], given: str) -> tuple[str, ...]:
-    """The block's other activation inputs fed by the output that feeds ``given`` (:func:`block_feeds`):
-    past the first layer each is ``given``'s value, the one output of the layer before (``E`` beside
-    ``X0``, both fed by ``X1``); only the first layer reads them apart."""
-    feeds = {ref.name: out for ref, out in block_feeds(spec, block)}
-    out = feeds.get(given)
-    return () if out is None else tuple(n for n, o in feeds.items() if n != given and o == out)
 
 
 def block_reads(spec: Spec) -> dict[str, int]:
